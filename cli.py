@@ -1,0 +1,39 @@
+"""``fo-tune``: tile-wise overlap of a GEMM with its NCCL collective, tuned for the machine it runs on.
+
+This module only wires the command modules of ``fo_tune.cli``; each calls a library function.
+"""
+
+import typer
+
+from fo_tune.cli import demo
+
+HELP = "\n\n".join(
+    [
+        "Overlap a tensor-parallel GEMM with its collective (AllReduce, ReduceScatter), FlashOverlap style.",
+        "The flow: calibrate the machine -> model GEMM and collective times under contention -> search "
+        "schedules (tiles, SMs left to NCCL, wave groups) -> write schedule tables -> the runtime "
+        "(fo_kernels.gemm_all_reduce / gemm_reduce_scatter) looks them up.",
+        "Available now: demo (check and time the runtime on local ranks).",
+    ]
+)
+
+app = typer.Typer(
+    name="fo-tune", help=HELP, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Keeps fo-tune a command group while it has a single command."""
+
+
+demo.register(app)
+
+
+def main() -> None:
+    """The ``fo-tune`` console script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

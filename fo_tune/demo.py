@@ -1,0 +1,274 @@
+"""The demo: run both overlapped ops on N local ranks, check them against matmul + collective, time them.
+
+``run_demo`` spawns ``world_size`` ranks (``fo_tune.launch.run_ranks``: NCCL with one GPU per rank,
+else gloo on the CPU, where the GEMM runs in Triton's interpreter). Each rank, for each shape and
+for each collective (ReduceScatter only when M % world_size == 0, else a skipped row):
+
+    a, b  = random (M, K), (K, N) operands from a per-rank seed
+    out   = gemm_all_reduce(a, b) | gemm_reduce_scatter(a, b)     # schedule=None: table lookup,
+                                                                  # else the heuristic default
+    ref   = collective_fp32(a.float() @ b.float())                # dist.all_reduce / reduce_scatter_tensor
+    err   = ||out.float() - ref|| / ||ref||,  pass iff no NaN and err < TOL[dtype]
+    time  = median of `reps` calls after 2 warm-ups (the checked call is the first warm-up), for the
+            overlapped op and for the sequential baseline (a @ b, then the collective)
+
+and the parent merges the ranks: the largest error and time of any rank, NaN on any rank.
+
+On the CPU the timings measure the Triton interpreter against torch's CPU matmul: they show that the
+pipeline runs, not what overlap gains. ``TRITON_INTERPRET`` is set for the ranks (1 for gloo, 0 for
+NCCL) before ``fo_kernels`` is imported and restored afterwards; nothing heavy is imported at
+module import.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+COLLECTIVES = ("all_reduce", "reduce_scatter")
+TOL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 1e-2}
+CPU_SHAPES = [(258, 130, 70), (96, 64, 48)]  # small: the interpreter runs every tile in Python
+GPU_SHAPES = [(4096, 8192, 4096), (8192, 8192, 8192)]  # two of the benchmark suite (DESIGN.md)
+CPU_DTYPE, GPU_DTYPE = "float32", "bfloat16"  # bf16 tl.dot is wrong in the CPU interpreter (DESIGN.md)
+WARMUP = 2
+
+
+@dataclass(frozen=True, slots=True)
+class DemoRow:
+    """One (shape, collective) of the demo, merged over ranks; ``skipped`` rows carry ``reason``."""
+
+    collective: str
+    m: int
+    n: int
+    k: int
+    dtype: str
+    backend: str
+    world_size: int
+    schedule: str  # Schedule.describe(), or the skip reason
+    schedule_source: str  # "table", "heuristic" or "" (skipped)
+    rel_err: float  # max over ranks (nan when skipped)
+    has_nan: bool
+    passed: bool
+    overlapped_ms: float  # median per rank, max over ranks
+    sequential_ms: float
+    speedup: float  # sequential_ms / overlapped_ms
+    skipped: bool = False
+    reason: str = ""
+
+    @property
+    def status(self) -> str:
+        return "SKIP" if self.skipped else ("PASS" if self.passed else "FAIL")
+
+    @property
+    def shape(self) -> str:
+        return f"{self.m}x{self.n}x{self.k}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    shapes: tuple[tuple[int, int, int], ...]
+    dtype: str
+    reps: int
+    seed: int
+
+
+def default_shapes(on_gpu: bool) -> list[tuple[int, int, int]]:
+    return list(GPU_SHAPES if on_gpu else CPU_SHAPES)
+
+
+def default_dtype(on_gpu: bool) -> str:
+    return GPU_DTYPE if on_gpu else CPU_DTYPE
+
+
+# ------------------------------------------------------------------------------------ one rank
+def _timed_median(call: Callable[[], Any], reps: int, device: Any, warmup: int = WARMUP) -> float:
+    """Median ms of ``reps`` calls after ``warmup`` untimed ones; each timed call starts at a barrier."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        call()
+    cuda = device.type == "cuda"
+    times: list[float] = []
+    for _ in range(reps):
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _one_case(ctx: Any, collective: str, a: Any, b: Any, job: _Job) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from fo_kernels import HeuristicScheduleWarning, gemm_all_reduce, gemm_reduce_scatter, lookup_schedule
+    from fo_kernels.runtime import reduce_scatter_tensor
+
+    m, k = a.shape
+    n = b.shape[1]
+    world = ctx.world_size
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HeuristicScheduleWarning)
+        schedule = lookup_schedule(collective, m, n, k, dtype=job.dtype, world_size=world, device=ctx.device)
+    op = gemm_all_reduce if collective == "all_reduce" else gemm_reduce_scatter
+
+    def overlapped() -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", HeuristicScheduleWarning)
+            return op(a, b, schedule=None)
+
+    def collective_of(full: Any) -> Any:
+        if collective == "all_reduce":
+            dist.all_reduce(full)
+            return full
+        out = torch.empty((full.shape[0] // world, full.shape[1]), dtype=full.dtype, device=full.device)
+        reduce_scatter_tensor(out, full)
+        return out
+
+    out = overlapped()  # the checked call, also the first warm-up
+    ref = collective_of(a.float() @ b.float())
+    has_nan = bool(out.isnan().any())
+    err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return dict(
+        schedule=schedule.describe(),
+        source="heuristic" if schedule.provenance.get("source") == "heuristic" else "table",
+        rel_err=err,
+        has_nan=has_nan,
+        overlapped_ms=_timed_median(overlapped, job.reps, ctx.device, warmup=WARMUP - 1),
+        sequential_ms=_timed_median(lambda: collective_of(a @ b), job.reps, ctx.device),
+    )
+
+
+def _rank_main(ctx: Any, job: _Job) -> list[dict[str, Any] | None]:
+    """On every rank: one result per (shape, collective), None for a skipped ReduceScatter."""
+    import torch
+
+    dtype = getattr(torch, job.dtype)
+    results: list[dict[str, Any] | None] = []
+    for i, (m, n, k) in enumerate(job.shapes):
+        gen = torch.Generator().manual_seed((job.seed * 1009 + i) * 1009 + ctx.rank)
+        a = torch.randn(m, k, generator=gen).to(dtype).to(ctx.device)
+        b = torch.randn(k, n, generator=gen).to(dtype).to(ctx.device)
+        for collective in COLLECTIVES:
+            if collective == "reduce_scatter" and m % ctx.world_size:
+                results.append(None)
+                continue
+            results.append(_one_case(ctx, collective, a, b, job))
+    return results
+
+
+# ------------------------------------------------------------------------------------ the parent
+def _merge(per_rank: list[dict[str, Any]], tol: float) -> dict[str, Any]:
+    err = max(r["rel_err"] for r in per_rank)
+    nan = any(r["has_nan"] for r in per_rank)
+    over = max(r["overlapped_ms"] for r in per_rank)
+    seq = max(r["sequential_ms"] for r in per_rank)
+    return dict(
+        schedule=per_rank[0]["schedule"],
+        schedule_source=per_rank[0]["source"],
+        rel_err=err,
+        has_nan=nan,
+        passed=not nan and err == err and err < tol,
+        overlapped_ms=over,
+        sequential_ms=seq,
+        speedup=seq / over if over > 0 else float("nan"),
+    )
+
+
+def _check_args(
+    world_size: int, shapes: Sequence[tuple[int, int, int]], dtype: str, reps: int, timeout_s: float
+) -> None:
+    from fo_kernels.errors import ShapeError
+
+    if dtype not in TOL:
+        raise ShapeError(f"dtype {dtype!r} is not supported; use one of {', '.join(TOL)}")
+    if not shapes:
+        raise ShapeError("no shapes to run")
+    for shape in shapes:
+        if len(shape) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape):
+            raise ShapeError(f"shape {shape!r}: expected (M, N, K), integers >= 1")
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps must be an integer >= 1, got {reps!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+
+
+def run_demo(
+    world_size: int = 2,
+    shapes: Sequence[tuple[int, int, int]] | None = None,
+    dtype: str | None = None,
+    backend: str | None = None,
+    reps: int = 5,
+    timeout_s: float = 600.0,
+    *,
+    seed: int = 0,
+) -> list[DemoRow]:
+    """Run the demo (see the module docstring); rows in (shape, collective) order.
+
+    ``shapes`` and ``dtype`` default per device (``CPU_SHAPES`` / float32, ``GPU_SHAPES`` / bfloat16);
+    ``backend`` None picks NCCL when there is one GPU per rank. Raises ``ShapeError`` for bad shapes
+    or dtype, ``EnvironmentMismatchError`` when the backend cannot run here, ``LaunchError`` when a
+    rank fails or hangs.
+    """
+    import torch
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    try:
+        if not torch.cuda.is_available():  # before the first import of fo_kernels (Triton reads it then)
+            os.environ["TRITON_INTERPRET"] = "1"
+        from fo_tune.launch import pick_backend, run_ranks
+
+        backend = pick_backend(world_size, backend)
+        on_gpu = backend == "nccl"
+        shapes = list(shapes) if shapes else default_shapes(on_gpu)
+        dtype = dtype or default_dtype(on_gpu)
+        _check_args(world_size, shapes, dtype, reps, timeout_s)
+        os.environ["TRITON_INTERPRET"] = "0" if on_gpu else "1"  # the spawned ranks inherit it
+        job = _Job(tuple(tuple(s) for s in shapes), dtype, reps, seed)  # type: ignore[misc]
+        per_rank = run_ranks(_rank_main, world_size, job, backend=backend, timeout_s=timeout_s)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    rows: list[DemoRow] = []
+    cases = [(s, c) for s in job.shapes for c in COLLECTIVES]
+    for i, ((m, n, k), collective) in enumerate(cases):
+        head = dict(collective=collective, m=m, n=n, k=k, dtype=dtype, backend=backend, world_size=world_size)
+        results = [r[i] for r in per_rank]
+        if any(r is None for r in results):
+            reason = f"M={m} is not divisible by the world size {world_size}"
+            nan = float("nan")
+            rows.append(
+                DemoRow(
+                    **head,
+                    schedule=reason,
+                    schedule_source="",
+                    rel_err=nan,
+                    has_nan=False,
+                    passed=False,
+                    overlapped_ms=nan,
+                    sequential_ms=nan,
+                    speedup=nan,
+                    skipped=True,
+                    reason=reason,
+                )
+            )
+            continue
+        rows.append(DemoRow(**head, **_merge(results, TOL[dtype])))  # type: ignore[arg-type]
+    return rows

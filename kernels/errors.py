@@ -1,0 +1,41 @@
+"""Error types of the runtime; the tuner and the CLI reuse them.
+
+One base class, ``FoTuneError``; each subclass also inherits the builtin a caller would expect
+(``ValueError`` for bad input, ``FileNotFoundError`` for a missing table, ``RuntimeError`` for the
+environment), so ``except ValueError`` keeps working for code that does not know about fo-tune.
+The CLI maps input errors to exit code 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+
+class FoTuneError(Exception):
+    """Base of every error fo-tune raises on purpose."""
+
+
+class ShapeError(FoTuneError, ValueError):
+    """Operands or a problem shape that the operation cannot take."""
+
+
+class ScheduleError(FoTuneError, ValueError):
+    """A schedule that is malformed or does not fit the problem; the message names the field."""
+
+
+class TableError(FoTuneError, ValueError):
+    """A schedule table that is malformed, of an unknown schema, or for other hardware."""
+
+
+class TableNotFoundError(FoTuneError, FileNotFoundError):
+    """A table file that does not exist."""
+
+
+class EnvironmentMismatchError(FoTuneError, RuntimeError):
+    """The machine cannot run what was asked (no GPU, wrong backend, missing package)."""
+
+
+class VersionDriftWarning(UserWarning):
+    """A table was measured with other library versions than the ones running now."""
+
+
+class HeuristicScheduleWarning(UserWarning):
+    """No table row matched, so a documented heuristic schedule is used."""

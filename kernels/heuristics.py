@@ -1,0 +1,99 @@
+"""The documented default schedule, used when no table row matches a call.
+
+Rules (each constant below says where it comes from):
+
+1. Tile: on a GPU, 128x256x64, GROUP_M 8, 8 warps, 3 stages (ran at 0.96-1.09x cuBLAS on three
+   H200 suite shapes, ``../shared/DESIGN.md``); 128x128x64 when the output has fewer tiles of that
+   size than the GPU has SMs. On the CPU (Triton interpreter) 32x32x32 with 4 warps and 1 stage,
+   which keeps interpreter runs short.
+2. SMs left free: ``DEFAULT_NCCL_MAX_CTAS + NCCL_SM_MARGIN`` (NCCL ran beside the GEMM every time
+   with r = c + 4..8 free SMs, and mostly not at all with r = c; DESIGN.md).
+3. No overlap when the output is under ``MIN_OVERLAP_BYTES`` on a GPU: below ~8 MiB an NCCL call
+   costs a ~70 us floor (DESIGN.md), so a split into at least two such chunks cannot pay.
+4. Grouping: one signal unit per band of GROUP_M tile rows (times the shards), layout ``row_band``,
+   and the bands split into at most ``DEFAULT_MAX_GROUPS`` near-equal groups, earlier groups the
+   larger (the last group's collective never overlaps, so it should be small). A shape with a single
+   band falls back to ``tile_major`` with one unit per wave.
+5. Wait: ``stream_wait`` (the runtime falls back to ``spin`` where cuda-bindings is missing).
+"""
+
+from __future__ import annotations
+
+from .plan import cdiv
+from .schedule import Problem, Schedule, Tile
+
+GPU_TILE = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+GPU_SMALL_TILE = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
+CPU_TILE = Tile(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+# NCCL CTA cap of the default schedule; DESIGN.md's prototype used 16 on H200 x2.
+DEFAULT_NCCL_MAX_CTAS = 16
+# Extra free SMs beyond the CTA cap so NCCL's CTAs are resident beside the GEMM (DESIGN.md: c + 4..8).
+NCCL_SM_MARGIN = 4
+# 2 x the ~8 MiB size under which an H200 NCCL AllReduce sits on its ~70 us latency floor (DESIGN.md).
+MIN_OVERLAP_BYTES = 16 * 2**20
+DEFAULT_MAX_GROUPS = 4
+
+
+def split_decreasing(total: int, parts: int) -> tuple[int, ...]:
+    """``total`` split into ``parts`` near-equal positive sizes, larger first."""
+    parts = max(1, min(parts, total))
+    base, extra = divmod(total, parts)
+    return tuple(base + (1 if i < extra else 0) for i in range(parts))
+
+
+def default_schedule(
+    collective: str,
+    m: int,
+    n: int,
+    k: int,
+    *,
+    dtype: str,
+    world_size: int,
+    sm_count: int,
+    on_gpu: bool,
+) -> Schedule:
+    """The heuristic schedule for one exact shape (rules in the module docstring)."""
+    problem = Problem(m=m, n=n, k=k)
+    shards = world_size if collective == "reduce_scatter" else 1
+    elem_bytes = 4 if dtype == "float32" else 2
+    if on_gpu and m * n * elem_bytes < MIN_OVERLAP_BYTES:
+        return Schedule(
+            collective=collective,
+            dtype=dtype,
+            world_size=world_size,
+            problem=problem,
+            overlap=False,
+            provenance={"source": "heuristic"},
+        )
+    if on_gpu:
+        tile = GPU_TILE
+        if cdiv(m // shards, tile.block_m) * cdiv(n, tile.block_n) * shards < sm_count:
+            tile = GPU_SMALL_TILE
+        sms_free, cap = DEFAULT_NCCL_MAX_CTAS + NCCL_SM_MARGIN, DEFAULT_NCCL_MAX_CTAS
+        sms_free = min(sms_free, max(0, sm_count - 1))  # a small GPU keeps at least one GEMM program
+    else:
+        tile, sms_free, cap = CPU_TILE, 0, 0
+    rows = m // shards
+    tiles_m, tiles_n = cdiv(rows, tile.block_m), cdiv(n, tile.block_n)
+    bands = cdiv(tiles_m, tile.group_m)
+    num_tiles = shards * tiles_m * tiles_n
+    if bands >= 2:
+        layout, unit = "row_band", shards * tile.group_m * tiles_n
+    else:
+        grid = max(1, min(num_tiles, sm_count - sms_free))
+        layout, unit = "tile_major", cdiv(grid, shards) * shards
+    units = cdiv(num_tiles, unit)
+    return Schedule(
+        collective=collective,
+        dtype=dtype,
+        world_size=world_size,
+        problem=problem,
+        tile=tile,
+        sms_free=sms_free,
+        nccl_max_ctas=cap,
+        signal_tiles=unit,
+        groups=split_decreasing(units, DEFAULT_MAX_GROUPS),
+        layout=layout,
+        wait_mode="stream_wait",
+        provenance={"source": "heuristic"},
+    )

@@ -1,0 +1,200 @@
+"""Geometry of one overlapped call: which tile goes to which group, and where each group's data lives.
+
+Given a schedule, the call's shape and the SM count, ``make_plan`` derives (pure Python, no torch):
+
+    S      = world_size for reduce_scatter (one shard of M/S rows per rank), 1 for all_reduce
+    Ms     = M / S rows per shard;  mt = ceil(Ms / BM), nt = ceil(N / BN) tiles per shard
+    Ts     = mt * nt local tile positions l; T = S * Ts tiles in all
+    tile t = l * S + s         (the same local tile of every shard is adjacent in schedule order)
+    (tm, tn) = grouped_swizzle(l, GROUP_M)  (as in Triton's matmul tutorial)
+    program p of G runs tiles p, p + G, p + 2G, ...   (wave w = tiles [wG, (w+1)G))
+    unit u = tiles [uU, (u+1)U), U = signal_tiles (a multiple of S)
+    group g = consecutive units; its local positions [l0, l1) and, for row_band, rows [i0, i1)
+
+A group's data is one contiguous chunk of the GEMM output buffer, shard-major inside the group, so
+that ``reduce_scatter`` of the chunk hands rank s exactly shard s's part of it:
+
+    tile_major: slot(t) = S*l0 + s*(l1 - l0) + (l - l0); a slot is BM*BN elements
+    row_band:   row(s, i) = S*i0 + s*(i1 - i0) + (i - i0); a row is N elements
+    chunk g  = [S*a0*E, S*a1*E) of the buffer;  its part for one rank = [a0*E, a1*E)
+               with (a0, a1, E) = (l0, l1, BM*BN) for tile_major and (i0, i1, N) for row_band.
+
+For all_reduce with row_band (S = 1) the buffer is the row-major output itself: nothing to restore.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ScheduleError, ShapeError
+from .schedule import Schedule
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def resolve_groups(groups: tuple[int, ...], num_units: int, *, exact: bool) -> tuple[int, ...]:
+    """Group sizes in units for this call.
+
+    On an exact-shape row the sizes must already sum to ``num_units``. On an M-range row they are
+    relative weights: scaled to ``num_units`` by largest remainder, each group keeping >= 1 unit;
+    with fewer units than groups, every unit becomes its own group.
+    """
+    total = sum(groups)
+    if exact:
+        if total != num_units:
+            raise ScheduleError(
+                f"groups: sizes sum to {total} signal units but this shape has {num_units} "
+                f"(ceil(tiles / signal_tiles))"
+            )
+        return tuple(groups)
+    if num_units <= len(groups):
+        return (1,) * num_units
+    spare = num_units - len(groups)
+    raw = [g / total * spare for g in groups]
+    base = [int(x) for x in raw]
+    order = sorted(range(len(groups)), key=lambda i: raw[i] - base[i], reverse=True)
+    for i in order[: spare - sum(base)]:
+        base[i] += 1
+    return tuple(1 + b for b in base)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything the launcher needs for one call; see the module docstring for the symbols."""
+
+    m: int
+    n: int
+    k: int
+    block_m: int
+    block_n: int
+    shards: int  # S
+    rows_per_shard: int  # Ms
+    tiles_m: int  # mt
+    tiles_n: int  # nt
+    grid: int  # G
+    unit_tiles: int  # U
+    layout: str
+    group_units: tuple[int, ...]
+    group_local: tuple[tuple[int, int], ...]  # [l0, l1) per group
+    group_rows: tuple[tuple[int, int], ...]  # [i0, i1) per group (row_band), else ()
+
+    @property
+    def tiles_per_shard(self) -> int:
+        return self.tiles_m * self.tiles_n
+
+    @property
+    def num_tiles(self) -> int:
+        return self.shards * self.tiles_per_shard
+
+    @property
+    def num_units(self) -> int:
+        return cdiv(self.num_tiles, self.unit_tiles)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_units)
+
+    @property
+    def elems_per_unit_of_a(self) -> int:
+        """E: elements per slot (tile_major) or per row (row_band)."""
+        return self.block_m * self.block_n if self.layout == "tile_major" else self.n
+
+    def group_span(self, g: int) -> tuple[int, int]:
+        """(a0, a1): the group's positions in layout units (local tiles or shard-local rows)."""
+        return self.group_local[g] if self.layout == "tile_major" else self.group_rows[g]
+
+    def group_tiles(self, g: int) -> int:
+        """Tiles that signal group g's counter in one call."""
+        l0, l1 = self.group_local[g]
+        return self.shards * (l1 - l0)
+
+    def chunk_range(self, g: int) -> tuple[int, int]:
+        """Element range of group g's chunk in the GEMM output buffer."""
+        a0, a1 = self.group_span(g)
+        e = self.elems_per_unit_of_a
+        return self.shards * a0 * e, self.shards * a1 * e
+
+    def part_range(self, g: int) -> tuple[int, int]:
+        """Element range of one rank's part of group g (reduce_scatter output, or restore input)."""
+        a0, a1 = self.group_span(g)
+        e = self.elems_per_unit_of_a
+        return a0 * e, a1 * e
+
+    def buffer_numel(self) -> int:
+        if self.layout == "tile_major":
+            return self.num_tiles * self.block_m * self.block_n
+        return self.m * self.n
+
+    def unit_group(self) -> list[int]:
+        """Group index of every signal unit (what the kernel's epilogue looks up)."""
+        out: list[int] = []
+        for g, size in enumerate(self.group_units):
+            out.extend([g] * size)
+        return out
+
+    def group_info(self) -> list[tuple[int, int]]:
+        """(a0, a1 - a0) per group: the base and length the epilogue's address formula needs."""
+        return [(a0, a1 - a0) for a0, a1 in (self.group_span(g) for g in range(self.num_groups))]
+
+
+def make_plan(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> Plan:
+    """Check the schedule against the call's shape and derive the plan; errors name the field."""
+    if not schedule.overlap or schedule.tile is None:
+        raise ScheduleError("overlap: a plan is only made for an overlapped schedule")
+    if not schedule.problem.covers(m, n, k):
+        raise ScheduleError(
+            f"problem: the schedule is for {schedule.problem.describe()}, called with {m}x{n}x{k}"
+        )
+    tile = schedule.tile
+    shards = schedule.world_size if schedule.collective == "reduce_scatter" else 1
+    if m % shards:
+        raise ShapeError(f"reduce_scatter needs M divisible by the world size {shards}, got M={m}")
+    rows = m // shards
+    mt, nt = cdiv(rows, tile.block_m), cdiv(n, tile.block_n)
+    num_tiles = shards * mt * nt
+    grid = sm_count - schedule.sms_free
+    if grid < 1:
+        raise ScheduleError(f"sms_free: {schedule.sms_free} leaves no SM of {sm_count} for the GEMM")
+    grid = min(grid, num_tiles)
+    unit = schedule.signal_tiles
+    num_units = cdiv(num_tiles, unit)
+    sizes = resolve_groups(schedule.groups, num_units, exact=not schedule.problem.is_range)
+
+    local: list[tuple[int, int]] = []
+    start = 0
+    for size in sizes:
+        stop = min(start + size * unit, num_tiles)
+        local.append((start // shards, stop // shards))
+        start = stop
+    rows_of: list[tuple[int, int]] = []
+    if schedule.layout == "row_band":
+        band = tile.group_m * nt  # local tiles in one band of GROUP_M tile rows
+        for g, (l0, _l1) in enumerate(local):
+            if l0 % band and l0 != mt * nt:
+                raise ScheduleError(
+                    "groups: with layout row_band every group must start on a band of "
+                    f"group_m={tile.group_m} "
+                    f"tile rows ({band} local tiles); group {g} starts at local tile {l0}"
+                )
+        rows_of = [
+            (min((l0 // nt) * tile.block_m, rows), min((l1 // nt) * tile.block_m, rows)) for l0, l1 in local
+        ]
+    return Plan(
+        m=m,
+        n=n,
+        k=k,
+        block_m=tile.block_m,
+        block_n=tile.block_n,
+        shards=shards,
+        rows_per_shard=rows,
+        tiles_m=mt,
+        tiles_n=nt,
+        grid=grid,
+        unit_tiles=unit,
+        layout=schedule.layout,
+        group_units=sizes,
+        group_local=tuple(local),
+        group_rows=tuple(rows_of),
+    )

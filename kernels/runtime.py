@@ -1,0 +1,162 @@
+"""Per-(device, process group) resources the overlapped ops reuse across calls.
+
+An ``OverlapRuntime`` owns:
+
+- the group counters (int32, never reset) and the host's running total of each, from which every
+  call takes its wait targets: target_g = total_g + tiles of group g in this call;
+- the high-priority communication stream;
+- one process group per NCCL CTA cap, made once with ``ProcessGroupNCCL.Options()`` (its config's
+  ``max_ctas``, and a high-priority internal stream) and cached: never rebuilt per call;
+- the plan tables (unit -> group, group bases) already on the device, keyed by plan;
+- the waiter of each wait mode.
+
+``runtime_for(device, group)`` returns the process-wide instance for that pair, made on first use;
+the nn.Module and tests may build their own. Use one runtime from one host thread at a time.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .errors import ScheduleError
+from .fingerprint import device_sm_count
+from .plan import Plan
+from .wait import Waiter, make_waiter
+
+# Most groups one call may use; a schedule with more is refused. 4 KiB of counters.
+MAX_GROUPS = 1024
+# Plans whose device tables stay cached (one per distinct shape/schedule in use).
+PLAN_CACHE_SIZE = 64
+# Highest CUDA stream priority torch exposes (lower is higher).
+HIGH_PRIORITY = -1
+
+
+# torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the old name warns);
+# torch 2.11 (the GPU machines) has only the old one.
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+@dataclass
+class OverlapRuntime:
+    """Resources of one (device, process group); see the module docstring."""
+
+    device: torch.device
+    group: dist.ProcessGroup | None = None
+    sm_count: int = 0
+    _counters: torch.Tensor | None = field(default=None, repr=False)
+    _totals: list[int] = field(default_factory=list, repr=False)
+    _stream: torch.cuda.Stream | None = field(default=None, repr=False)
+    _capped: dict[int, dist.ProcessGroup] = field(default_factory=dict, repr=False)
+    _tables: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _waiters: dict[str, Waiter] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if not self.sm_count:
+            self.sm_count = device_sm_count(self.device)
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend(self.group))
+
+    @property
+    def counters(self) -> torch.Tensor:
+        if self._counters is None:
+            self._counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=self.device)
+            self._totals = [0] * MAX_GROUPS
+        return self._counters
+
+    def reserve_targets(self, plan: Plan) -> list[int]:
+        """Advance the running totals by this call's tiles per group; return each group's target."""
+        if plan.num_groups > MAX_GROUPS:
+            raise ScheduleError(f"groups: at most {MAX_GROUPS} groups per call, got {plan.num_groups}")
+        self.counters  # noqa: B018 - allocates the counters and totals on first use
+        targets = []
+        for g in range(plan.num_groups):
+            self._totals[g] = (self._totals[g] + plan.group_tiles(g)) & 0xFFFFFFFF
+            targets.append(self._totals[g])
+        return targets
+
+    def counter_totals(self, num: int) -> list[int]:
+        """Host-side running totals of the first ``num`` counters (for checks)."""
+        return list(self._totals[:num])
+
+    @property
+    def comm_stream(self) -> torch.cuda.Stream | None:
+        if self.device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device, priority=HIGH_PRIORITY)
+        return self._stream
+
+    def comm_group(self, max_ctas: int) -> dist.ProcessGroup | None:
+        """The process group the collectives run on: NCCL with the CTA cap, else the caller's group."""
+        if self.backend != "nccl":
+            return self.group
+        if max_ctas not in self._capped:
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = True
+            if max_ctas:
+                options.config.max_ctas = max_ctas
+            self._capped[max_ctas] = dist.new_group(
+                list(group_ranks(self.group)),
+                backend="nccl",
+                pg_options=options,
+                use_local_synchronization=True,
+            )
+        return self._capped[max_ctas]
+
+    def all_reduce(self, chunk: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        """Sum ``chunk`` in place over ``group``; the current stream is ordered after it, the host is not."""
+        dist.all_reduce(chunk, group=group)
+
+    def reduce_scatter(self, out: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        """``out`` = this rank's 1/world slice of the sum of ``chunk`` over ``group``."""
+        reduce_scatter_tensor(out, chunk, group=group)
+
+    def waiter(self, mode: str) -> Waiter:
+        """The waiter for ``mode`` on this device (made once; see ``fo_kernels.wait``)."""
+        if mode not in self._waiters:
+            self._waiters[mode] = make_waiter(mode, self.device)
+        return self._waiters[mode]
+
+    def plan_tables(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unit_group, group_info) int32 tensors of the plan on the device, cached per plan."""
+        hit = self._tables.get(plan)
+        if hit is not None:
+            self._tables.move_to_end(plan)
+            return hit
+        unit_group = torch.tensor(plan.unit_group(), dtype=torch.int32, device=self.device)
+        info = torch.tensor(
+            [x for pair in plan.group_info() for x in pair], dtype=torch.int32, device=self.device
+        )
+        self._tables[plan] = (unit_group, info)
+        if len(self._tables) > PLAN_CACHE_SIZE:
+            self._tables.popitem(last=False)
+        return unit_group, info
+
+
+# The process-wide runtimes, keyed by (device, id of the process group object); the group is kept in
+# the value so its id cannot be reused while the entry lives. This is the cache the spec asks for
+# (a CTA-capped communicator is built once, never per call), not configuration.
+_RUNTIMES: dict[tuple[str, int], tuple[dist.ProcessGroup, OverlapRuntime]] = {}
+
+
+def runtime_for(device: torch.device, group: dist.ProcessGroup | None) -> OverlapRuntime:
+    """The process-wide runtime of (device, group): counters, streams and capped groups persist."""
+    pg = group if group is not None else dist.group.WORLD
+    key = (str(device), id(pg))
+    hit = _RUNTIMES.get(key)
+    if hit is None:
+        hit = _RUNTIMES[key] = (pg, OverlapRuntime(device=device, group=group))
+    return hit[1]

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create a fresh virtual environment and run every check CI runs: ruff, then the CPU test suite
+# (Triton's interpreter for the kernels, gloo processes for the collectives). GPU tests are
+# marked and skip themselves here; run them on a GPU machine with
+#   TRITON_INTERPRET=0 python -m pytest -m "gpu or multigpu" tests/test_gpu.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${FO_TUNE_TEST_VENV:-.ci-venv}"
+rm -rf "$VENV"
+python3 -m venv "$VENV"
+PY="$VENV/bin/python"
+"$PY" -m pip install --quiet --upgrade pip
+# The CPU wheel of torch (the package itself does not pin torch) and the Triton that matches it.
+"$PY" -m pip install --quiet "torch==2.13.0" "triton==3.7.1"
+"$PY" -m pip install --quiet -e ".[dev]"
+"$PY" -m ruff check .
+"$PY" -m ruff format --check .
+"$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,26 @@
+"""Test setup: Triton's CPU interpreter unless a GPU run asks otherwise, and GPU markers.
+
+TRITON_INTERPRET must be set before any kernel is defined, so it is set here, before the tests
+import fo_kernels. A GPU run sets TRITON_INTERPRET=0 itself and selects ``-m "gpu or multigpu"``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    for item in items:
+        if "gpu" in item.keywords and (gpus < 1 or interp):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU and TRITON_INTERPRET=0"))
+        if "multigpu" in item.keywords and (gpus < 2 or interp):
+            item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs and TRITON_INTERPRET=0"))

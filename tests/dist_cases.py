@@ -1,0 +1,176 @@
+"""Rank functions for the multi-process tests (spawned processes import this module by name).
+
+Every rank draws its own random operands from a seed that every other rank can recompute, so each
+rank builds the float64 reference (sum over ranks of a_r @ b_r, then its dim-0 shard for
+ReduceScatter) without any extra collective.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fo_kernels import (
+    HeuristicScheduleWarning,
+    RowParallelLinear,
+    Schedule,
+    ScheduleError,
+    ShapeError,
+    gemm_all_reduce,
+    gemm_reduce_scatter,
+)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TOL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 1e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    collective: str
+    m: int
+    n: int
+    k: int
+    dtype: str
+    kmajor: bool
+    schedule: dict | None  # Schedule.to_dict(), or None to look one up
+    seed: int
+
+
+def operands(case: Case, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(case.seed * 1009 + rank)
+    dtype = DTYPES[case.dtype]
+    a = torch.randn(case.m, case.k, generator=gen).to(dtype)
+    if case.kmajor:
+        b = torch.randn(case.n, case.k, generator=gen).to(dtype).t()
+    else:
+        b = torch.randn(case.k, case.n, generator=gen).to(dtype)
+    return a.to(device), b.to(device)
+
+
+def reference(case: Case, rank: int, world: int) -> torch.Tensor:
+    total = None
+    for r in range(world):
+        a, b = operands(case, r, torch.device("cpu"))
+        prod = a.double() @ b.double()
+        total = prod if total is None else total + prod
+    assert total is not None
+    if case.collective == "reduce_scatter":
+        rows = case.m // world
+        total = total[rank * rows : (rank + 1) * rows]
+    return total
+
+
+def poison_allocator(device: torch.device, numel: int, dtype: torch.dtype) -> None:
+    """Leave NaN-filled memory of the output's size behind, for the op's allocation to reuse."""
+    junk = torch.full((numel,), float("nan"), dtype=dtype, device=device)
+    del junk
+
+
+def run_cases(ctx, cases: list[Case]) -> list[dict]:
+    out = []
+    for case in cases:
+        a, b = operands(case, ctx.rank, ctx.device)
+        sched = Schedule.from_dict(case.schedule) if case.schedule is not None else None
+        op = gemm_all_reduce if case.collective == "all_reduce" else gemm_reduce_scatter
+        poison_allocator(ctx.device, case.m * case.n * 2, a.dtype)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = op(a, b, schedule=sched)
+        ref = reference(case, ctx.rank, ctx.world_size)
+        err = ((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        out.append(
+            dict(
+                case=case,
+                shape=tuple(got.shape),
+                want_shape=tuple(ref.shape),
+                err=err,
+                nan=bool(got.isnan().any()),
+                dtype_ok=got.dtype == a.dtype,
+                heuristic_warnings=sum(issubclass(w.category, HeuristicScheduleWarning) for w in caught),
+            )
+        )
+    return out
+
+
+def bad_inputs(ctx, _payload) -> dict[str, str]:
+    """Each bad call must raise a ValueError subclass with a message; returns name -> message."""
+    dev, world = ctx.device, ctx.world_size
+    a = torch.randn(4 * world, 8, device=dev)
+    b = torch.randn(8, 6, device=dev)
+    calls = {
+        "k_mismatch": lambda: gemm_all_reduce(a, torch.randn(7, 6, device=dev)),
+        "dtype_int": lambda: gemm_all_reduce(a.to(torch.int32), b.to(torch.int32)),
+        "dtype_mixed": lambda: gemm_all_reduce(a, b.half()),
+        "m_not_divisible": lambda: gemm_reduce_scatter(torch.randn(4 * world + 1, 8, device=dev), b),
+        "not_2d": lambda: gemm_all_reduce(a[None], b),
+        "b_strided": lambda: gemm_all_reduce(a, torch.randn(8, 12, device=dev)[:, ::2]),
+        "schedule_other_shape": lambda: gemm_all_reduce(
+            a,
+            b,
+            schedule=Schedule.from_dict(
+                dict(
+                    collective="all_reduce",
+                    dtype="float32",
+                    world_size=world,
+                    problem=dict(m=99, n=6, k=8),
+                    overlap=False,
+                )
+            ),
+        ),
+        "schedule_other_collective": lambda: gemm_all_reduce(
+            a,
+            b,
+            schedule=Schedule.from_dict(
+                dict(
+                    collective="reduce_scatter",
+                    dtype="float32",
+                    world_size=world,
+                    problem=dict(m=4 * world, n=6, k=8),
+                    overlap=False,
+                )
+            ),
+        ),
+    }
+    msgs = {}
+    for name, call in calls.items():
+        try:
+            call()
+        except (ShapeError, ScheduleError) as exc:
+            assert isinstance(exc, ValueError)
+            msgs[name] = str(exc)
+        else:
+            msgs[name] = "NO ERROR"
+    return msgs
+
+
+def module_vs_linear(ctx, payload) -> list[float]:
+    """RowParallelLinear.from_linear on every rank equals the full nn.Linear on the full input."""
+    errs = []
+    for collective in ("all_reduce", "reduce_scatter"):
+        torch.manual_seed(1234)  # same full layer and input on every rank
+        full = torch.nn.Linear(payload["in"], payload["out"], bias=True)
+        x = torch.randn(payload["batch"], payload["seq"], payload["in"])
+        want = full(x).detach()
+        layer = RowParallelLinear.from_linear(full, collective=collective)
+        cols = payload["in"] // ctx.world_size
+        mine = x[..., ctx.rank * cols : (ctx.rank + 1) * cols]
+        got = layer(mine).detach()
+        if collective == "reduce_scatter":
+            rows = payload["batch"] // ctx.world_size
+            want = want[ctx.rank * rows : (ctx.rank + 1) * rows]
+        assert got.shape == want.shape, (got.shape, want.shape)
+        errs.append(((got - want).norm() / want.norm()).item())
+    return errs
+
+
+def table_dir_env(ctx, payload) -> str:
+    return os.environ.get("FO_TUNE_TABLE_DIR", "")
+
+
+def barrier_ok(ctx, _payload) -> bool:
+    dist.barrier()
+    return True

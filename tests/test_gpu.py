@@ -1,0 +1,95 @@
+"""GPU tests (skipped without CUDA): the compiled kernel on one GPU, both ops over NCCL on two.
+
+Run on a GPU machine with: TRITON_INTERPRET=0 python -m pytest -m "gpu or multigpu" tests/test_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_cases import TOL, Case, run_cases
+from fo_kernels.gemm import BOperand, restore_tile_major, signalled_gemm, tma_usable
+from fo_kernels.heuristics import split_decreasing
+from fo_kernels.plan import cdiv, make_plan
+from fo_kernels.schedule import Problem, Schedule, Tile
+
+GPU_TILES = [
+    Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    Tile(block_m=64, block_n=64, block_k=32, group_m=2, num_warps=4, num_stages=3),
+    Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, warp_specialize=True),
+]
+
+
+def _schedule(collective, world, m, n, k, tile, layout, dtype="bfloat16"):
+    shards = world if collective == "reduce_scatter" else 1
+    mt, nt = cdiv(m // shards, tile.block_m), cdiv(n, tile.block_n)
+    unit = shards * (tile.group_m * nt if layout == "row_band" else 1)
+    groups = split_decreasing(cdiv(shards * mt * nt, unit), 3)
+    return Schedule(
+        collective=collective,
+        dtype=dtype,
+        world_size=world,
+        problem=Problem(m=m, n=n, k=k),
+        tile=tile,
+        sms_free=20,
+        nccl_max_ctas=16,
+        signal_tiles=unit,
+        groups=groups,
+        layout=layout,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1, 8, 8), (130, 257, 70), (1000, 3000, 1040), (2048, 4096, 4096)])
+@pytest.mark.parametrize("kmajor", [False, True])
+@pytest.mark.parametrize("tile", GPU_TILES, ids=["128x256", "64x64", "128x256ws"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_gemm_matches_matmul(m, n, k, kmajor, tile, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(m * n + k)
+    a = torch.randn(m, k, device="cuda", generator=gen, dtype=dtype)
+    b = (
+        torch.randn(n, k, device="cuda", generator=gen, dtype=dtype).t()
+        if kmajor
+        else torch.randn(k, n, device="cuda", generator=gen, dtype=dtype)
+    )
+    for layout in ("row_band", "tile_major"):
+        s = _schedule("all_reduce", 1, m, n, k, tile, layout)
+        plan = make_plan(s, m, n, k, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+        buf = torch.full((plan.buffer_numel(),), float("nan"), dtype=dtype, device="cuda")
+        counters = torch.zeros(8, dtype=torch.int32, device="cuda")
+        ug = torch.tensor(plan.unit_group(), dtype=torch.int32, device="cuda")
+        gi = torch.tensor([x for p in plan.group_info() for x in p], dtype=torch.int32, device="cuda")
+        signalled_gemm(a, BOperand.of(b), buf, plan, tile, counters=counters, unit_group=ug, group_info=gi)
+        out = (
+            buf.view(m, n)
+            if layout == "row_band"
+            else torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        )
+        if layout == "tile_major":
+            restore_tile_major(buf, out, plan, tile)
+        torch.cuda.synchronize()
+        ref = a.float() @ b.float()
+        assert not out.isnan().any()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < TOL[str(dtype).split(".")[1]], err
+        assert counters[: plan.num_groups].tolist() == [plan.group_tiles(g) for g in range(plan.num_groups)]
+    aligned = (k * 2) % 16 == 0 and (n * 2 if not kmajor else k * 2) % 16 == 0
+    assert tma_usable(a, BOperand.of(b)) == aligned
+
+
+@pytest.mark.multigpu
+def test_both_ops_over_nccl():
+    from fo_tune.launch import run_ranks
+
+    world, cases = 2, []
+    for i, (collective, layout) in enumerate(
+        [(c, lay) for c in ("all_reduce", "reduce_scatter") for lay in ("row_band", "tile_major")]
+    ):
+        for m, n, k in [(4096, 4096, 1024), (258, 250, 70)]:
+            s = _schedule(collective, world, m, n, k, GPU_TILES[1], layout)
+            cases.append(Case(collective, m, n, k, "bfloat16", i % 2 == 0, s.to_dict(), 10 * i + m % 7))
+    results = run_ranks(run_cases, world, cases, backend="nccl", timeout_s=600)
+    for per_rank in results:
+        for r in per_rank:
+            assert not r["nan"] and r["err"] < 1e-2, r

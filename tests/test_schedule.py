@@ -1,0 +1,207 @@
+"""Schedule validation (errors name the field) and plan geometry (every tile in one place)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from fo_kernels.errors import ScheduleError, ShapeError
+from fo_kernels.heuristics import default_schedule, split_decreasing
+from fo_kernels.plan import cdiv, make_plan, resolve_groups
+from fo_kernels.schedule import Problem, Schedule, Tile
+
+TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
+
+
+def sched(**kw) -> Schedule:
+    base = dict(
+        collective="all_reduce",
+        dtype="float32",
+        world_size=2,
+        problem=Problem(m=64, n=64, k=32),
+        tile=TILE,
+        signal_tiles=1,
+        groups=(8,),
+        layout="tile_major",
+        wait_mode="spin",
+    )
+    base.update(kw)
+    return Schedule(**base)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(collective="all_gather"), "collective"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(world_size=0), "world_size"),
+        (dict(layout="diagonal"), "layout"),
+        (dict(wait_mode="poll"), "wait_mode"),
+        (dict(groups=()), "groups"),
+        (dict(groups=(3, 0)), "groups[1]"),
+        (dict(signal_tiles=0), "signal_tiles"),
+        (dict(sms_free=-1), "sms_free"),
+        (dict(nccl_max_ctas=-2), "nccl_max_ctas"),
+        (dict(tile=None), "tile"),
+        (
+            dict(collective="reduce_scatter", problem=Problem(m=64, n=64, k=32), signal_tiles=3),
+            "signal_tiles",
+        ),
+        (dict(collective="reduce_scatter", problem=Problem(m=63, n=64, k=32)), "problem.m"),
+    ],
+)
+def test_schedule_errors_name_the_field(kw, field):
+    with pytest.raises(ScheduleError) as err:
+        sched(**kw)
+    assert str(err.value).startswith(field), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(block_m=100), "tile.block_m"),
+        (dict(block_n=8), "tile.block_n"),
+        (dict(block_k=512), "tile.block_k"),
+        (dict(num_warps=3), "tile.num_warps"),
+        (dict(group_m=0), "tile.group_m"),
+        (dict(num_stages=0), "tile.num_stages"),
+    ],
+)
+def test_tile_errors_name_the_field(kw, field):
+    args = dict(block_m=64, block_n=64, block_k=32)
+    args.update(kw)
+    with pytest.raises(ScheduleError, match=rf"^{field}"):
+        Tile(**args)
+
+
+def test_problem_rules():
+    with pytest.raises(ScheduleError, match="either m or m_min"):
+        Problem(m=4, m_min=1, m_max=8, n=2, k=2)
+    with pytest.raises(ScheduleError, match="m_min 9 > m_max 8"):
+        Problem(m_min=9, m_max=8, n=2, k=2)
+    with pytest.raises(ScheduleError, match="needs m"):
+        Problem(n=2, k=2)
+    r = Problem(m_min=512, m_max=16384, n=8192, k=4096)
+    assert r.covers(512, 8192, 4096) and r.covers(16384, 8192, 4096)
+    assert not r.covers(511, 8192, 4096) and not r.covers(1024, 8192, 4095)
+
+
+def test_round_trip_and_unknown_keys():
+    s = sched(provenance={"source": "test"})
+    assert Schedule.from_dict(s.to_dict()) == s
+    no = Schedule(
+        collective="reduce_scatter",
+        dtype="bfloat16",
+        world_size=4,
+        problem=Problem(m_min=8, m_max=64, n=16, k=16),
+        overlap=False,
+    )
+    assert Schedule.from_dict(no.to_dict()) == no
+    bad = s.to_dict() | {"tile_size": 3}
+    with pytest.raises(ScheduleError, match="unknown key"):
+        Schedule.from_dict(bad)
+    with pytest.raises(ScheduleError, match=r"^tile: unknown key"):
+        Schedule.from_dict(s.to_dict() | {"tile": {"block_m": 16, "block_n": 16, "block_k": 16, "bm": 1}})
+
+
+def test_plan_group_sum_and_band_alignment_errors():
+    with pytest.raises(ScheduleError, match=r"^groups: sizes sum to 7"):
+        make_plan(sched(groups=(3, 4)), 64, 64, 32, sm_count=4)  # 4 x 2 tiles = 8 units
+    with pytest.raises(ScheduleError, match=r"^groups: with layout row_band"):
+        make_plan(sched(layout="row_band", groups=(3, 5)), 64, 64, 32, sm_count=4)  # band = 4 tiles
+    with pytest.raises(ScheduleError, match=r"^sms_free"):
+        make_plan(sched(sms_free=4), 64, 64, 32, sm_count=4)
+    with pytest.raises(ScheduleError, match=r"^problem"):
+        make_plan(sched(), 65, 64, 32, sm_count=4)
+    with pytest.raises(ShapeError):
+        make_plan(
+            sched(
+                problem=Problem(m_min=1, m_max=99, n=64, k=32), collective="reduce_scatter", signal_tiles=2
+            ),
+            63,
+            64,
+            32,
+            sm_count=4,
+        )
+
+
+def _tile_positions(plan):
+    """Map every (shard, local tile) to its element offsets the way the kernel addresses them."""
+    seen = {}
+    for t in range(plan.num_tiles):
+        s, l = t % plan.shards, t // plan.shards
+        g = plan.unit_group()[t // plan.unit_tiles]
+        l0, l1 = plan.group_local[g]
+        assert l0 <= l < l1, "a tile outside its group's local range"
+        seen[(s, l)] = g
+    return seen
+
+
+@pytest.mark.parametrize(
+    "collective, world, m, n, layout, unit_mult",
+    list(
+        itertools.product(
+            ["all_reduce", "reduce_scatter"],
+            [2, 3],
+            [6, 96, 130],
+            [7, 64, 100],
+            ["tile_major", "row_band"],
+            [1, 3],
+        )
+    ),
+)
+def test_plan_covers_every_tile_once(collective, world, m, n, layout, unit_mult):
+    shards = world if collective == "reduce_scatter" else 1
+    m = m - m % world if collective == "reduce_scatter" else m
+    mt, nt = cdiv(m // shards, TILE.block_m), cdiv(n, TILE.block_n)
+    unit = shards * (TILE.group_m * nt if layout == "row_band" else 1) * unit_mult
+    units = cdiv(shards * mt * nt, unit)
+    groups = split_decreasing(units, 3)
+    s = sched(
+        collective=collective,
+        world_size=world,
+        problem=Problem(m=m, n=n, k=8),
+        layout=layout,
+        signal_tiles=unit,
+        groups=groups,
+    )
+    plan = make_plan(s, m, n, 8, sm_count=5)
+    assert sum(plan.group_tiles(g) for g in range(plan.num_groups)) == plan.num_tiles
+    assert len(_tile_positions(plan)) == plan.num_tiles
+    # chunks tile the buffer exactly, in order; parts tile one rank's output exactly, in order
+    chunks = [plan.chunk_range(g) for g in range(plan.num_groups)]
+    parts = [plan.part_range(g) for g in range(plan.num_groups)]
+    assert chunks[0][0] == 0 and chunks[-1][1] == plan.buffer_numel()
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
+    per_rank = plan.buffer_numel() // plan.shards
+    assert parts[0][0] == 0 and parts[-1][1] == per_rank
+    assert all((c1 - c0) == shards * (p1 - p0) for (c0, c1), (p0, p1) in zip(chunks, parts, strict=True))
+    if layout == "row_band":
+        assert plan.group_rows[-1][1] == m // shards
+
+
+def test_resolve_groups_for_ranges():
+    assert resolve_groups((2, 1, 1), 4, exact=True) == (2, 1, 1)
+    assert sum(resolve_groups((3, 2, 1), 40, exact=False)) == 40
+    scaled = resolve_groups((3, 2, 1), 40, exact=False)
+    assert scaled[0] > scaled[1] > scaled[2] >= 1
+    assert resolve_groups((5, 5, 5, 5), 2, exact=False) == (1, 1)
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize(
+    "m, n, k", [(1, 1, 1), (2, 7, 5), (130, 257, 70), (4096, 8192, 4096), (16384, 8192, 4096)]
+)
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_default_schedule_is_valid_for_any_shape(collective, m, n, k, on_gpu):
+    world = 2
+    if collective == "reduce_scatter":
+        m *= world
+    s = default_schedule(collective, m, n, k, dtype="bfloat16", world_size=world, sm_count=132, on_gpu=on_gpu)
+    if s.overlap:
+        plan = make_plan(s, m, n, k, sm_count=132)
+        assert plan.num_groups >= 1
+        assert plan.grid <= 132 - s.sms_free
+    else:
+        assert on_gpu and m * n * 2 < 16 * 2**20

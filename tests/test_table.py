@@ -1,0 +1,395 @@
+"""Tests of fo_kernels.table: file format, validation, atomic save, search path and lookup order."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from fo_kernels import table as tablemod
+from fo_kernels.errors import (
+    HeuristicScheduleWarning,
+    ScheduleError,
+    TableError,
+    TableNotFoundError,
+    VersionDriftWarning,
+)
+from fo_kernels.fingerprint import CPU_NOMINAL_PROGRAMS, Fingerprint, current_fingerprint
+from fo_kernels.plan import make_plan
+from fo_kernels.schedule import Problem, Schedule, Tile
+from fo_kernels.table import (
+    TABLE_DIR_ENV,
+    ScheduleTable,
+    check_fingerprint,
+    load_table,
+    lookup_schedule,
+    save_table,
+    table_filename,
+    table_path,
+    table_search_path,
+)
+
+TILE = Tile(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+HEADER = {"collective": "all_reduce", "dtype": "bfloat16", "world_size": 2}
+
+
+@pytest.fixture(autouse=True)
+def roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """Hermetic search path: env and user folders under tmp_path, no packaged tables, empty cache."""
+    env_root, xdg = tmp_path / "env", tmp_path / "xdg"
+    monkeypatch.setenv(TABLE_DIR_ENV, str(env_root))
+    monkeypatch.setenv("XDG_DATA_HOME", str(xdg))
+    monkeypatch.setattr(tablemod, "_packaged_table_dir", lambda: None)
+    tablemod._CACHE.clear()
+    yield {"env": env_root, "user": xdg / "fo-tune" / "tables"}
+    tablemod._CACHE.clear()
+
+
+def cpu_fp(**changes: Any) -> Fingerprint:
+    return dataclasses.replace(current_fingerprint("cpu", world_size=2), **changes)
+
+
+def exact_row(m: int = 64, n: int = 64, k: int = 32, tag: str = "exact", **header: Any) -> Schedule:
+    # 64x64 output in 32x32 tiles: 4 tiles, one per unit, groups 2 + 2.
+    return Schedule(
+        **{**HEADER, **header},
+        problem=Problem(m=m, n=n, k=k),
+        tile=TILE,
+        signal_tiles=1,
+        groups=(2, 2),
+        provenance={"tag": tag},
+    )
+
+
+def range_row(m_min: int = 1, m_max: int = 4096, n: int = 64, k: int = 32, tag: str = "range") -> Schedule:
+    return Schedule(
+        **HEADER,
+        problem=Problem(m_min=m_min, m_max=m_max, n=n, k=k),
+        tile=TILE,
+        signal_tiles=2,
+        groups=(3, 1),
+        layout="tile_major",
+        wait_mode="spin",
+        provenance={"tag": tag},
+    )
+
+
+def no_overlap_row(m: int = 8, n: int = 64, k: int = 32) -> Schedule:
+    return Schedule(**HEADER, problem=Problem(m=m, n=n, k=k), overlap=False)
+
+
+def make_table(rows: list[Schedule], fp: Fingerprint | None = None) -> ScheduleTable:
+    return ScheduleTable(fingerprint=fp or cpu_fp(), **HEADER, rows=rows)
+
+
+def write(root: Path, rows: list[Schedule], fp: Fingerprint | None = None) -> Path:
+    fp = fp or cpu_fp()
+    path = table_path(root, fp.device_key, "all_reduce", 2, "bfloat16")
+    save_table(make_table(rows, fp), path)
+    return path
+
+
+def write_raw(tmp_path: Path, data: Any) -> Path:
+    path = tmp_path / "raw.yaml"
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def valid_dict() -> dict[str, Any]:
+    return make_table([exact_row(), range_row()]).to_dict()
+
+
+# ------------------------------------------------------------------------------------ paths
+def test_paths() -> None:
+    assert table_filename("reduce_scatter", 4, "float16") == "reduce_scatter-w4-float16.yaml"
+    assert table_path("/r", "key", "all_reduce", 2, "bfloat16") == Path("/r/key/all_reduce-w2-bfloat16.yaml")
+    with pytest.raises(ScheduleError, match="all_reduce"):
+        table_filename("all_gather", 2, "bfloat16")
+
+
+def test_search_path_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, roots: dict[str, Path]) -> None:
+    monkeypatch.setattr(tablemod, "_packaged_table_dir", lambda: tmp_path / "pkg")
+    assert table_search_path() == [roots["env"], roots["user"], tmp_path / "pkg"]
+    monkeypatch.delenv(TABLE_DIR_ENV)
+    assert table_search_path() == [roots["user"], tmp_path / "pkg"]
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert table_search_path()[0] == tmp_path / "home" / ".local" / "share" / "fo-tune" / "tables"
+
+
+# ------------------------------------------------------------------------------------ round trip
+def test_round_trip(tmp_path: Path) -> None:
+    table = make_table([exact_row(), range_row(), no_overlap_row()])
+    path = tmp_path / "a" / "b" / "t.yaml"
+    save_table(table, path)
+    loaded = load_table(path)
+    assert loaded == table
+    assert loaded.rows == table.rows
+    assert len(loaded.rows) == 3
+    assert any(r.problem.is_range for r in loaded.rows)
+    assert any(not r.overlap for r in loaded.rows)
+    assert loaded.fingerprint == table.fingerprint
+
+
+def test_file_format(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    save_table(make_table([exact_row(), no_overlap_row()]), path)
+    data = yaml.safe_load(path.read_text())
+    assert list(data)[:2] == ["schema_version", "kind"]
+    assert data["schema_version"] == 1 and data["kind"] == "fo-tune-schedule-table"
+    assert data["fingerprint"]["device_key"] == cpu_fp().device_key
+    assert (data["collective"], data["world_size"], data["dtype"]) == ("all_reduce", 2, "bfloat16")
+    for row in data["rows"]:
+        assert not {"collective", "dtype", "world_size"} & set(row)
+    assert data["rows"][0] == {"problem": {"m": 8, "n": 64, "k": 32}, "overlap": False}
+    assert data["rows"][1]["groups"] == [2, 2]
+
+
+def test_atomic_save_leaves_no_temp_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "t.yaml"
+    save_table(make_table([exact_row()]), path)
+    save_table(make_table([exact_row(), range_row()]), path)
+    assert os.listdir(tmp_path) == ["t.yaml"]
+    before = path.read_text()
+
+    def fail(src: str, dst: str) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tablemod.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        save_table(make_table([no_overlap_row()]), path)
+    assert os.listdir(tmp_path) == ["t.yaml"]
+    assert path.read_text() == before
+
+
+def test_upsert_replaces_and_sorts() -> None:
+    table = make_table([range_row(), exact_row(m=128, tag="a"), exact_row(m=64)])
+    assert [r.problem.describe() for r in table.rows] == ["[1,4096]x64x32", "64x64x32", "128x64x32"]
+    table.upsert(exact_row(m=128, tag="b"))
+    assert len(table.rows) == 3
+    assert table.find(128, 64, 32).provenance["tag"] == "b"
+    with pytest.raises(TableError, match="dtype"):
+        table.upsert(exact_row(dtype="float16"))
+
+
+def test_later_duplicate_row_in_file_wins(tmp_path: Path) -> None:
+    data = valid_dict()
+    dup = exact_row(tag="later").to_dict()
+    for key in HEADER:
+        del dup[key]
+    data["rows"].append(dup)
+    table = load_table(write_raw(tmp_path, data))
+    assert len(table.rows) == 2
+    assert table.find(64, 64, 32).provenance["tag"] == "later"
+
+
+def test_find_exact_beats_range() -> None:
+    table = make_table([range_row(), exact_row()])
+    assert table.find(64, 64, 32).provenance["tag"] == "exact"
+    assert table.find(65, 64, 32).provenance["tag"] == "range"
+    assert table.find(5000, 64, 32) is None
+    assert table.find(64, 64, 64) is None
+
+
+# ------------------------------------------------------------------------------------ validation
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(TableNotFoundError, match="fo-tune search") as info:
+        load_table(tmp_path / "nope.yaml")
+    assert isinstance(info.value, FileNotFoundError)
+    assert TABLE_DIR_ENV in str(info.value)
+
+
+def test_unknown_schema_version(tmp_path: Path) -> None:
+    path = write_raw(tmp_path, {**valid_dict(), "schema_version": 2})
+    with pytest.raises(TableError, match=r"supported: 1.*fo-tune search"):
+        load_table(path)
+
+
+def test_malformed_yaml(tmp_path: Path) -> None:
+    path = write_raw(tmp_path, "schema_version: 1\nrows: [\n  - {m: 1\n")
+    with pytest.raises(TableError) as info:
+        load_table(path)
+    assert str(path) in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["- 1\n- 2\n", "just a string\n", ""])
+def test_non_mapping_yaml(tmp_path: Path, text: str) -> None:
+    path = write_raw(tmp_path, text)
+    with pytest.raises(TableError, match="mapping"):
+        load_table(path)
+
+
+def test_row_field_error_names_field(tmp_path: Path) -> None:
+    data = valid_dict()
+    data["rows"][1]["tile"]["block_m"] = 100
+    path = write_raw(tmp_path, data)
+    with pytest.raises(TableError) as info:
+        load_table(path)
+    message = str(info.value)
+    assert str(path) in message and "rows[1]" in message and "tile.block_m" in message
+
+
+def test_row_header_mismatch(tmp_path: Path) -> None:
+    data = valid_dict()
+    data["rows"][0]["dtype"] = "float16"
+    with pytest.raises(TableError, match=r"rows\[0\]: dtype"):
+        load_table(write_raw(tmp_path, data))
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"kind": "something-else"}, "kind"),
+        ({"collective": "all_gather"}, "collective"),
+        ({"rows": {"a": 1}}, "rows"),
+        ({"extra": 1}, "extra"),
+    ],
+)
+def test_header_errors(tmp_path: Path, change: dict[str, Any], needle: str) -> None:
+    with pytest.raises(TableError, match=needle):
+        load_table(write_raw(tmp_path, {**valid_dict(), **change}))
+
+
+def test_fingerprint_error_in_file(tmp_path: Path) -> None:
+    data = valid_dict()
+    del data["fingerprint"]["gpu_name"]
+    with pytest.raises(TableError, match=r"fingerprint\.gpu_name"):
+        load_table(write_raw(tmp_path, data))
+
+
+# ------------------------------------------------------------------------------------ fingerprint
+def test_check_fingerprint_refuses_other_capability() -> None:
+    table = make_table([exact_row()], cpu_fp(compute_capability="9.0", gpu_name="NVIDIA H200"))
+    with pytest.raises(TableError, match=r"compute capability 9.0 \(NVIDIA H200\).*fo-tune search"):
+        check_fingerprint(table, cpu_fp(), source="t.yaml")
+
+
+def test_check_fingerprint_refuses_other_world_size() -> None:
+    with pytest.raises(TableError, match="world size 2"):
+        check_fingerprint(make_table([exact_row()]), cpu_fp(world_size=4), source="t.yaml")
+
+
+def test_check_fingerprint_warns_on_drift() -> None:
+    table = make_table([exact_row()], cpu_fp(torch="0.0.1", nccl="1.2.3"))
+    with pytest.warns(VersionDriftWarning, match=r"torch 0\.0\.1") as record:
+        check_fingerprint(table, cpu_fp(), source="t.yaml")
+    assert len(record) == 1
+    assert "nccl 1.2.3" in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_fingerprint(make_table([exact_row()]), cpu_fp(), source="t.yaml")  # no drift, no warning
+
+
+def test_lookup_refuses_table_for_other_gpu(roots: dict[str, Path]) -> None:
+    path = write(roots["env"], [exact_row()], cpu_fp(compute_capability="9.0", gpu_name="NVIDIA H200"))
+    with pytest.raises(TableError, match=r"compute capability 9\.0") as info:
+        lookup_schedule("all_reduce", 64, 64, 32, dtype="bfloat16", world_size=2, device="cpu")
+    assert str(path) in str(info.value)
+
+
+def test_lookup_warns_on_version_drift(roots: dict[str, Path]) -> None:
+    write(roots["env"], [exact_row()], cpu_fp(torch="0.0.1"))
+    with pytest.warns(VersionDriftWarning, match=r"torch 0\.0\.1"):
+        found = lookup_schedule("all_reduce", 64, 64, 32, dtype="bfloat16", world_size=2, device="cpu")
+    assert found.provenance["tag"] == "exact"
+
+
+# ------------------------------------------------------------------------------------ lookup
+def lookup(m: int, n: int = 64, k: int = 32, **kwargs: Any) -> Schedule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a table hit must not warn
+        return lookup_schedule("all_reduce", m, n, k, dtype="bfloat16", world_size=2, device="cpu", **kwargs)
+
+
+def test_lookup_exact_beats_range_across_folders(roots: dict[str, Path]) -> None:
+    write(roots["env"], [range_row(tag="env-range")])
+    write(roots["user"], [exact_row(tag="user-exact")])
+    assert lookup(64).provenance["tag"] == "user-exact"
+    assert lookup(100).provenance["tag"] == "env-range"
+
+
+def test_lookup_range_row_when_no_exact(roots: dict[str, Path]) -> None:
+    write(roots["user"], [range_row(m_min=32, m_max=512)])
+    found = lookup(257)
+    assert found.problem.is_range and found.provenance["tag"] == "range"
+    make_plan(found, 257, 64, 32, sm_count=CPU_NOMINAL_PROGRAMS)  # the range row fits this M
+
+
+def test_lookup_env_folder_beats_user_folder(roots: dict[str, Path]) -> None:
+    write(roots["env"], [exact_row(tag="env"), range_row(tag="env-range")])
+    write(roots["user"], [exact_row(tag="user"), range_row(tag="user-range")])
+    assert lookup(64).provenance["tag"] == "env"
+    assert lookup(100).provenance["tag"] == "env-range"
+
+
+def test_lookup_accepts_torch_dtype(roots: dict[str, Path]) -> None:
+    write(roots["user"], [exact_row()])
+    found = lookup_schedule("all_reduce", 64, 64, 32, dtype=torch.bfloat16, world_size=2, device="cpu")
+    assert found.provenance["tag"] == "exact"
+
+
+def test_lookup_sees_rewritten_table(roots: dict[str, Path]) -> None:
+    write(roots["env"], [exact_row(tag="old")])
+    assert lookup(64).provenance["tag"] == "old"
+    write(roots["env"], [exact_row(tag="new"), range_row()])
+    assert lookup(64).provenance["tag"] == "new"
+
+
+@pytest.mark.parametrize(
+    ("collective", "m", "n", "k", "dtype"),
+    [
+        ("all_reduce", 257, 130, 70, torch.bfloat16),
+        ("all_reduce", 1, 1, 1, "float32"),
+        ("reduce_scatter", 258, 130, 70, "float16"),
+        ("reduce_scatter", 1024, 96, 48, torch.float32),
+    ],
+)
+def test_heuristic_fallback_warns_once(
+    roots: dict[str, Path], collective: str, m: int, n: int, k: int, dtype: Any
+) -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        found = lookup_schedule(collective, m, n, k, dtype=dtype, world_size=2, device="cpu")
+    assert len(record) == 1
+    assert issubclass(record[0].category, HeuristicScheduleWarning)
+    message = str(record[0].message)
+    assert f"{m}x{n}x{k}" in message and collective in message
+    assert cpu_fp().device_key in message and str(roots["env"]) in message and str(roots["user"]) in message
+    assert isinstance(found, Schedule)
+    assert found.problem == Problem(m=m, n=n, k=k) and found.collective == collective
+    assert found.world_size == 2
+    if found.overlap:
+        plan = make_plan(found, m, n, k, sm_count=CPU_NOMINAL_PROGRAMS)
+        assert sum(plan.group_units) == plan.num_units
+
+
+def test_heuristic_fallback_names_tables_without_match(roots: dict[str, Path]) -> None:
+    path = write(roots["user"], [exact_row()])
+    with pytest.warns(HeuristicScheduleWarning) as record:
+        lookup_schedule("all_reduce", 64, 64, 64, dtype="bfloat16", world_size=2, device="cpu")
+    assert len(record) == 1
+    assert str(path) in str(record[0].message)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "needle"),
+    [
+        ({"collective": "all_gather"}, ScheduleError, "reduce_scatter"),
+        ({"dtype": "fp8"}, ScheduleError, "bfloat16"),
+        ({"dtype": torch.int8}, ScheduleError, "bfloat16"),
+        ({"m": 0}, ValueError, "m"),
+        ({"collective": "reduce_scatter", "m": 257}, ValueError, "divisible"),
+    ],
+)
+def test_lookup_bad_input(kwargs: dict[str, Any], error: type[Exception], needle: str) -> None:
+    args = {"collective": "all_reduce", "m": 64, "n": 64, "k": 32, "dtype": "bfloat16"} | kwargs
+    collective, m, n, k, dtype = (args[key] for key in ("collective", "m", "n", "k", "dtype"))
+    with pytest.raises(error, match=needle):
+        lookup_schedule(collective, m, n, k, dtype=dtype, world_size=2, device="cpu")
