@@ -5,7 +5,7 @@ This module only wires the command modules of ``fo_tune.cli``; each calls a libr
 
 import typer
 
-from fo_tune.cli import demo
+from fo_tune.cli import calibrate, demo, profile
 
 HELP = "\n\n".join(
     [
@@ -13,7 +13,10 @@ HELP = "\n\n".join(
         "The flow: calibrate the machine -> model GEMM and collective times under contention -> search "
         "schedules (tiles, SMs left to NCCL, wave groups) -> write schedule tables -> the runtime "
         "(fo_kernels.gemm_all_reduce / gemm_reduce_scatter) looks them up.",
-        "Available now: demo (check and time the runtime on local ranks).",
+        "Available now: calibrate (bandwidth curves, interference table and GEMM tile profiles of "
+        "this machine, written as CSVs, a calibration YAML and plots), profile (every tile config "
+        "of the search space for one shape, next to cuBLAS) and demo (check and time the runtime on "
+        "local ranks).",
     ]
 )
 
@@ -22,11 +25,8 @@ app = typer.Typer(
 )
 
 
-@app.callback()
-def _root() -> None:
-    """Keeps fo-tune a command group while it has a single command."""
-
-
+calibrate.register(app)
+profile.register(app)
 demo.register(app)
 
 

@@ -33,12 +33,13 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fo_kernels import Problem, Schedule, Tile, current_fingerprint
-from fo_kernels.gemm import BOperand, signalled_gemm
-from fo_kernels.heuristics import split_decreasing
+from fo_kernels.gemm import BOperand
+from fo_kernels.heuristics import split_decreasing, wave_aligned_sms_free
 from fo_kernels.overlap import _overlapped, gemm_all_reduce, gemm_reduce_scatter
-from fo_kernels.plan import cdiv, make_plan
+from fo_kernels.plan import cdiv
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
 from fo_tune.launch import torchrun_context
+from fo_tune.measure import gemm_runner
 
 BIG = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, warp_specialize=True)
 SMALL = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, warp_specialize=True)
@@ -145,19 +146,13 @@ def pick_tile(m, n, sm_count) -> Tile:
     return TINY
 
 
-def wave_aligned_free(tiles: int, min_free: int, sm_count: int) -> int:
-    """SMs left free when the grid is shrunk to the fewest programs that need no extra wave."""
-    waves = cdiv(tiles, sm_count - min_free)
-    return sm_count - cdiv(tiles, waves)
-
-
 def hand_schedules(collective, world, m, n, k, sm_count):
     out = []
     tile = pick_tile(m, n, sm_count)
     shards = world if collective == "reduce_scatter" else 1
     tiles = shards * cdiv(m // shards, tile.block_m) * cdiv(n, tile.block_n)
     for min_free, cap in FREE_CAP:
-        sms_free = wave_aligned_free(tiles, min_free, sm_count)
+        sms_free = wave_aligned_sms_free(tiles, min_free, sm_count)
         for n_groups in (2, 4, 8):
             s = hand(collective, world, m, n, k, tile, sms_free, cap, n_groups, sm_count=sm_count)
             if s is not None:
@@ -165,7 +160,13 @@ def hand_schedules(collective, world, m, n, k, sm_count):
         s = hand(collective, world, m, n, k, tile, sms_free, cap, 4, front=True, sm_count=sm_count)
         if s is not None:
             out.append(s)
-    free20 = wave_aligned_free(tiles, 20, sm_count)
+    free20 = wave_aligned_sms_free(tiles, 20, sm_count)
+    if tile.warp_specialize:  # runs 2-3: without warp specialization was faster at K=14336 and M=16384
+        plain = replace(tile, warp_specialize=False)
+        for n_groups in (4, 8):
+            s = hand(collective, world, m, n, k, plain, free20, 16, n_groups, sm_count=sm_count)
+            if s is not None:
+                out.append(s)
     gm4 = replace(tile, group_m=4)  # twice the bands: finer row-band groups
     for n_groups in (4, 8):
         for front in (False, True):
@@ -307,32 +308,7 @@ def stress_visibility(ctx, m, n, k, reps, sm_count, rows) -> None:
 
 def gemm_only(a, b, tile, sms_free, sm_count):
     """The signalled GEMM alone (one group, row-major output, private counters)."""
-    m, k = a.shape
-    n = b.shape[1]
-    tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
-    s = Schedule(
-        collective="all_reduce",
-        dtype="bfloat16",
-        world_size=1,
-        problem=Problem(m=m, n=n, k=k),
-        tile=tile,
-        sms_free=sms_free,
-        signal_tiles=tiles,
-        groups=(1,),
-        layout="row_band",
-    )
-    plan = make_plan(s, m, n, k, sm_count=sm_count)
-    counters = torch.zeros(4, dtype=torch.int32, device="cuda")
-    ug = torch.zeros(1, dtype=torch.int32, device="cuda")
-    gi = torch.tensor([0, m], dtype=torch.int32, device="cuda")
-    out = torch.empty(m * n, dtype=a.dtype, device="cuda")
-    bop = BOperand.of(b)
-
-    def run():
-        signalled_gemm(a, bop, out, plan, tile, counters=counters, unit_group=ug, group_info=gi)
-        return out.view(m, n)
-
-    return run
+    return gemm_runner(a, b, tile, sms_free, sm_count)[0]
 
 
 def timeline(ctx, collective, a, b, s) -> dict:
@@ -381,7 +357,7 @@ def time_shapes(ctx, shapes, sm_count, rows, timelines) -> None:
         rec("cublas", lambda: a @ b)
         ref = a.float() @ b.float()
         for name, tile in GEMM_VARIANTS.items():
-            frees = (0, wave_aligned_free(cdiv(m, tile.block_m) * cdiv(n, tile.block_n), 20, sm_count))
+            frees = (0, wave_aligned_sms_free(cdiv(m, tile.block_m) * cdiv(n, tile.block_n), 20, sm_count))
             for sms_free in frees:
                 fn = gemm_only(a, b, tile, sms_free, sm_count)
                 try:

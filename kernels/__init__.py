@@ -2,46 +2,53 @@
 
 Tile-wise overlap of a GEMM with its collective, driven by YAML schedule tables. Depends only on
 torch, triton and pyyaml (cuda-bindings optional); it never imports the tuner ``fo_tune``.
+
+The public names below load their module on first use (PEP 562), so ``import fo_kernels.errors``
+or ``fo_kernels.Schedule`` does not define the Triton kernels: Triton decides at that moment
+whether they run compiled or in its CPU interpreter (TRITON_INTERPRET), and a process may need to
+set that after importing the error types.
 """
 
-from .errors import (
-    EnvironmentMismatchError,
-    FoTuneError,
-    HeuristicScheduleWarning,
-    ScheduleError,
-    ShapeError,
-    TableError,
-    TableNotFoundError,
-    VersionDriftWarning,
-)
-from .fingerprint import Fingerprint, current_fingerprint
-from .module import RowParallelLinear
-from .overlap import gemm_all_reduce, gemm_reduce_scatter
-from .runtime import OverlapRuntime
-from .schedule import Problem, Schedule, Tile
-from .table import ScheduleTable, load_table, lookup_schedule, save_table
+from __future__ import annotations
 
-__all__ = [
-    "EnvironmentMismatchError",
-    "Fingerprint",
-    "FoTuneError",
-    "HeuristicScheduleWarning",
-    "OverlapRuntime",
-    "Problem",
-    "RowParallelLinear",
-    "Schedule",
-    "ScheduleError",
-    "ScheduleTable",
-    "ShapeError",
-    "TableError",
-    "TableNotFoundError",
-    "Tile",
-    "VersionDriftWarning",
-    "current_fingerprint",
-    "gemm_all_reduce",
-    "gemm_reduce_scatter",
-    "load_table",
-    "lookup_schedule",
-    "save_table",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "EnvironmentMismatchError": "errors",
+    "FoTuneError": "errors",
+    "HeuristicScheduleWarning": "errors",
+    "ScheduleError": "errors",
+    "ShapeError": "errors",
+    "TableError": "errors",
+    "TableNotFoundError": "errors",
+    "VersionDriftWarning": "errors",
+    "Fingerprint": "fingerprint",
+    "current_fingerprint": "fingerprint",
+    "RowParallelLinear": "module",
+    "gemm_all_reduce": "overlap",
+    "gemm_reduce_scatter": "overlap",
+    "OverlapRuntime": "runtime",
+    "Problem": "schedule",
+    "Schedule": "schedule",
+    "Tile": "schedule",
+    "ScheduleTable": "table",
+    "load_table": "table",
+    "lookup_schedule": "table",
+    "save_table": "table",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fo_kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -6,10 +6,11 @@ Rules (each constant below says where it comes from):
    H200 suite shapes, ``../shared/DESIGN.md``); 128x128x64 when the output has fewer tiles of that
    size than the GPU has SMs. On the CPU (Triton interpreter) 32x32x32 with 4 warps and 1 stage,
    which keeps interpreter runs short.
-2. SMs left free: ``DEFAULT_NCCL_MAX_CTAS + NCCL_SM_MARGIN`` (NCCL ran beside the GEMM every time
-   with r = c + 4..8 free SMs, and mostly not at all with r = c; DESIGN.md).
-3. No overlap when the output is under ``MIN_OVERLAP_BYTES`` on a GPU: below ~8 MiB an NCCL call
-   costs a ~70 us floor (DESIGN.md), so a split into at least two such chunks cannot pay.
+2. SMs left free: at least ``DEFAULT_NCCL_MAX_CTAS + NCCL_SM_MARGIN`` (NCCL ran beside the GEMM
+   every time with r = c + 4..8 free SMs, and mostly not at all with r = c; DESIGN.md), then more
+   until the grid divides the tiles into whole waves (``wave_aligned_sms_free``: a partial last
+   wave cost +24% where whole waves cost +14-20%, docs/perf-notes.md run 2).
+3. No overlap when the output is under ``MIN_OVERLAP_BYTES`` on a GPU (see the constant).
 4. Grouping: one signal unit per band of GROUP_M tile rows (times the shards), layout ``row_band``,
    and the bands split into at most ``DEFAULT_MAX_GROUPS`` near-equal groups, earlier groups the
    larger (the last group's collective never overlaps, so it should be small). A shape with a single
@@ -29,9 +30,18 @@ CPU_TILE = Tile(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_
 DEFAULT_NCCL_MAX_CTAS = 16
 # Extra free SMs beyond the CTA cap so NCCL's CTAs are resident beside the GEMM (DESIGN.md: c + 4..8).
 NCCL_SM_MARGIN = 4
-# 2 x the ~8 MiB size under which an H200 NCCL AllReduce sits on its ~70 us latency floor (DESIGN.md).
-MIN_OVERLAP_BYTES = 16 * 2**20
+# H200 x2 (docs/perf-notes.md run 3): with a 16 MiB output the overlapped op lost 2x to sequential
+# (host-bound, and each chunk on NCCL's ~70 us floor); with 64 MiB it gained 1.06x.
+MIN_OVERLAP_BYTES = 64 * 2**20
 DEFAULT_MAX_GROUPS = 4
+
+
+def wave_aligned_sms_free(tiles: int, min_free: int, sm_count: int) -> int:
+    """SMs left free when the grid shrinks to the fewest programs that need no extra wave,
+    leaving at least ``min_free`` (clamped so one program remains)."""
+    min_free = min(max(0, min_free), sm_count - 1)
+    waves = -(-tiles // (sm_count - min_free))
+    return sm_count - min(sm_count - min_free, -(-tiles // waves))
 
 
 def split_decreasing(total: int, parts: int) -> tuple[int, ...]:
@@ -69,8 +79,9 @@ def default_schedule(
         tile = GPU_TILE
         if cdiv(m // shards, tile.block_m) * cdiv(n, tile.block_n) * shards < sm_count:
             tile = GPU_SMALL_TILE
-        sms_free, cap = DEFAULT_NCCL_MAX_CTAS + NCCL_SM_MARGIN, DEFAULT_NCCL_MAX_CTAS
-        sms_free = min(sms_free, max(0, sm_count - 1))  # a small GPU keeps at least one GEMM program
+        cap = DEFAULT_NCCL_MAX_CTAS
+        tiles = shards * cdiv(m // shards, tile.block_m) * cdiv(n, tile.block_n)
+        sms_free = wave_aligned_sms_free(tiles, cap + NCCL_SM_MARGIN, sm_count)
     else:
         tile, sms_free, cap = CPU_TILE, 0, 0
     rows = m // shards

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from fo_kernels.errors import ScheduleError, ShapeError
-from fo_kernels.heuristics import default_schedule, split_decreasing
+from fo_kernels.heuristics import MIN_OVERLAP_BYTES, default_schedule, split_decreasing
 from fo_kernels.plan import cdiv, make_plan, resolve_groups
 from fo_kernels.schedule import Problem, Schedule, Tile
 
@@ -204,4 +204,4 @@ def test_default_schedule_is_valid_for_any_shape(collective, m, n, k, on_gpu):
         assert plan.num_groups >= 1
         assert plan.grid <= 132 - s.sms_free
     else:
-        assert on_gpu and m * n * 2 < 16 * 2**20
+        assert on_gpu and m * n * 2 < MIN_OVERLAP_BYTES

@@ -65,7 +65,8 @@ BackendOpt = Annotated[
     typer.Option(
         "--backend",
         "-b",
-        help="Process-group backend: auto (nccl with one GPU per rank, else gloo on the CPU), gloo or nccl.",
+        help="Process-group backend: auto (nccl with one GPU per rank; gloo on the CPU when no GPU "
+        "is visible), gloo or nccl.",
     ),
 ]
 RepsOpt = Annotated[

@@ -1,0 +1,248 @@
+"""``fo-tune calibrate`` as a library call: measure one machine and build its ``Calibration``.
+
+    run_calibration(CalibrationRequest(world_size=2, quick=True), reporter)
+      1. fingerprint of every rank (they must agree)
+      2. bandwidth: every collective x every NCCL CTA cap of the space x message sizes
+      3. interference: the collective beside the signalled GEMM on SMs - r, for r in the space
+         (each r paired with the largest cap that leaves NCCL_SM_MARGIN SMs spare, and with r
+         itself, which DESIGN.md saw stall the collective)
+      4. GEMM profiles: tile configs x grids for the space's shape set, next to cuBLAS
+      5. latency/bandwidth fits
+
+All of it runs in one worker pool (``fo_tune.harness``); writing the files is ``fo_tune.report``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fo_kernels.errors import EnvironmentMismatchError
+from fo_kernels.heuristics import NCCL_SM_MARGIN
+from fo_kernels.schedule import Tile
+
+from .calibration import (
+    COLLECTIVES,
+    BandwidthPoint,
+    Calibration,
+    GemmPoint,
+    InterferencePoint,
+    fit_all,
+)
+from .harness import Pool, Timing, open_pool
+from .measure import CollectiveSweepTask, FingerprintTask, GemmProfileTask, InterferenceTask
+from .report import size_label
+from .space import SearchSpace, space_for
+
+
+class Reporter(Protocol):
+    """Progress sink: ``stage`` starts a named stage of ``total`` steps, ``step`` advances it."""
+
+    def stage(self, name: str, total: int) -> None: ...
+
+    def step(self, name: str, detail: str = "") -> None: ...
+
+
+class _Silent:
+    def stage(self, name: str, total: int) -> None:
+        pass
+
+    def step(self, name: str, detail: str = "") -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrationRequest:
+    world_size: int = 2
+    collectives: tuple[str, ...] = COLLECTIVES
+    quick: bool = False
+    dtype: str = "bfloat16"
+    backend: str | None = None
+    space: SearchSpace | None = None  # None: the space for this device's compute capability
+    interference_collectives: tuple[str, ...] = field(default=("all_reduce", "reduce_scatter"))
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.collectives if c not in COLLECTIVES]
+        if unknown:
+            raise EnvironmentMismatchError(
+                f"unknown collective(s) {', '.join(unknown)}; choose from {', '.join(COLLECTIVES)}"
+            )
+
+
+def interference_pairs(sms_free: Sequence[int], caps: Sequence[int], quick: bool) -> list[tuple[int, int]]:
+    """(r, cap) pairs for r > 0: the largest cap <= r - NCCL_SM_MARGIN, and (full runs) the cap
+    equal to r, which DESIGN.md saw stall the collective. Without any positive cap in the space
+    (the CPU), each r is paired with NCCL's default (0)."""
+    pairs: list[tuple[int, int]] = []
+    usable = sorted(c for c in caps if c > 0)
+    for r in sorted(x for x in sms_free if x > 0):
+        spare = [c for c in usable if c <= r - NCCL_SM_MARGIN]
+        if spare:
+            pairs.append((r, spare[-1]))
+        elif usable:
+            pairs.append((r, usable[0]))
+        else:
+            pairs.append((r, 0))
+        if not quick and r in usable and (r, r) not in pairs:
+            pairs.append((r, r))
+    return pairs
+
+
+def run_calibration(request: CalibrationRequest, reporter: Reporter | None = None) -> Calibration | None:
+    """Measure everything a calibration holds on ``request.world_size`` local ranks.
+
+    Returns None on a torchrun rank other than 0 (it served rank 0's tasks; rank 0 has the result).
+    """
+    rep = reporter or _Silent()
+    with open_pool(request.world_size, backend=request.backend) as pool:
+        if not pool.is_driver:
+            return None
+        fps = pool.run(FingerprintTask())
+        fp = fps[0]
+        if any(f.device_key != fp.device_key for f in fps):
+            raise EnvironmentMismatchError(
+                f"ranks see different hardware ({sorted({f.device_key for f in fps})}); "
+                "calibrate on identical GPUs"
+            )
+        cpu = pool.backend != "nccl"
+        space = request.space or space_for(fp.compute_capability)
+        cal = Calibration(
+            fingerprint=fp,
+            world_size=request.world_size,
+            dtype=request.dtype,
+            space=space.name,
+            quick=request.quick,
+            created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        )
+        cal.bandwidth = _bandwidth(pool, request, space, cpu, rep)
+        cal.interference = _interference(pool, request, space, cpu, fp.sm_count, rep)
+        cal.gemm = _gemm_profiles(pool, request, space, cpu, rep)
+        cal.fits = fit_all(cal.bandwidth)
+        return cal
+
+
+def _bandwidth(pool: Pool, req: CalibrationRequest, space: SearchSpace, cpu: bool, rep: Reporter):
+    sizes = tuple(space.message_sizes(quick=req.quick, cpu=cpu))
+    caps = space.caps(cpu=cpu)
+    rep.stage("bandwidth", len(req.collectives) * len(caps))
+    points = []
+    for collective in req.collectives:
+        for cap in caps:
+            per_rank = pool.run(CollectiveSweepTask(collective, sizes, cap, req.dtype))
+            for i, size in enumerate(sizes):
+                t = Timing.max_over([r[i] for r in per_rank])
+                points.append(
+                    BandwidthPoint.measured(collective, cap, size, t.median_ms, t.spread_ms, pool.world_size)
+                )
+            rep.step("bandwidth", f"{collective} cap {cap or 'default'}")
+    return points
+
+
+def _interference(
+    pool: Pool, req: CalibrationRequest, space: SearchSpace, cpu: bool, sms: int, rep: Reporter
+):
+    pairs = tuple(
+        (r, c)
+        for r, c in interference_pairs(
+            space.interference_sms_free(quick=req.quick, cpu=cpu), space.caps(cpu=cpu), req.quick
+        )
+        if r < sms
+    )
+    collectives = [c for c in req.interference_collectives if c in req.collectives] or list(
+        req.collectives[:1]
+    )
+    if req.quick:
+        collectives = collectives[:1]
+    sizes = space.interference_sizes(quick=req.quick, cpu=cpu)
+    gemm = tuple(space.interference_gemm(cpu=cpu))
+    tile: Tile = space.tile_candidates(quick=True, cpu=cpu)[0]
+    rep.stage("interference", len(collectives) * len(sizes))
+    points = []
+    for collective in collectives:
+        for size in sizes:
+            per_rank = pool.run(InterferenceTask(collective, size, pairs, gemm, tile, req.dtype))
+            for i, (r, cap) in enumerate(pairs):
+                rows = [p[i] for p in per_rank]
+                g_alone = max(x["gemm_alone"].median_ms for x in rows)
+                c_alone = max(x["comm_alone"].median_ms for x in rows)
+                g_with = max(x["gemm_with"] for x in rows)
+                c_with = max(x["comm_with"] for x in rows)
+                points.append(
+                    InterferencePoint(
+                        collective=collective,
+                        sms_free=r,
+                        nccl_max_ctas=cap,
+                        size_bytes=size,
+                        gemm_m=gemm[0],
+                        gemm_n=gemm[1],
+                        gemm_k=gemm[2],
+                        gemm_alone_ms=g_alone,
+                        gemm_contended_ms=g_with,
+                        comm_alone_ms=c_alone,
+                        comm_contended_ms=c_with,
+                        gemm_slowdown=g_with / g_alone,
+                        comm_slowdown=c_with / c_alone,
+                        comm_during_gemm=all(x["comm_during_gemm"] for x in rows),
+                        concurrent=all(x["concurrent"] for x in rows),
+                    )
+                )
+            rep.step("interference", f"{collective} {size_label(size)}")
+    return points
+
+
+def _gemm_profiles(pool: Pool, req: CalibrationRequest, space: SearchSpace, cpu: bool, rep: Reporter):
+    shapes = space.gemm_shapes(quick=req.quick, cpu=cpu)
+    tiles = tuple(space.tile_candidates(quick=req.quick, cpu=cpu))
+    grids = tuple(space.interference_sms_free(quick=req.quick, cpu=cpu))
+    frees = tuple(sorted({0, *grids}))
+    rep.stage("gemm", len(shapes))
+    points = []
+    for m, n, k in shapes:
+        points += profile_shape(pool, m, n, k, tiles, frees, req.dtype)
+        rep.step("gemm", f"{m}x{n}x{k}")
+    return points
+
+
+def profile_shape(
+    pool: Pool, m: int, n: int, k: int, tiles: tuple[Tile, ...], frees: tuple[int, ...], dtype: str
+) -> list[GemmPoint]:
+    """Every tile x grid for one shape (max over ranks), with cuBLAS's time on each row."""
+    per_rank = pool.run(GemmProfileTask(m, n, k, tiles, frees, dtype))
+    cublas = Timing.max_over([r["cublas"] for r in per_rank]).median_ms
+    points = []
+    for i, row in enumerate(per_rank[0]["rows"]):
+        rows = [r["rows"][i] for r in per_rank]
+        ok = all(x["status"] == "ok" for x in rows)
+        t = Timing.max_over([x["timing"] for x in rows]) if ok else None
+        status = "ok" if ok else next(x["status"] for x in rows if x["status"] != "ok")
+        tile: Tile = row["tile"]
+        points.append(
+            GemmPoint(
+                m=m,
+                n=n,
+                k=k,
+                tile=describe_tile(tile),
+                block_m=tile.block_m,
+                block_n=tile.block_n,
+                block_k=tile.block_k,
+                group_m=tile.group_m,
+                num_warps=tile.num_warps,
+                num_stages=tile.num_stages,
+                warp_specialize=tile.warp_specialize,
+                sms_free=row["sms_free"],
+                grid=row["grid"],
+                time_ms=t.median_ms if t else float("nan"),
+                spread_ms=t.spread_ms if t else float("nan"),
+                cublas_ms=cublas,
+                rel_err=max(x["rel_err"] for x in rows),
+                status=status,
+            )
+        )
+    return points
+
+
+def describe_tile(t: Tile) -> str:
+    ws = " ws" if t.warp_specialize else ""
+    return f"{t.block_m}x{t.block_n}x{t.block_k} gm{t.group_m} w{t.num_warps} s{t.num_stages}{ws}"

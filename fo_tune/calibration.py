@@ -1,0 +1,272 @@
+"""The calibration of one machine: what the model and the offline search read.
+
+A ``Calibration`` holds, for one hardware fingerprint and world size:
+
+- ``bandwidth``: nccl-tests style points (collective, NCCL CTA cap, size, time, algbw, busbw);
+- ``interference``: the collective and the signalled GEMM (grid ``SMs - sms_free``) run together:
+  each one's time alone and under contention, their slowdowns, and whether the collective ran during
+  the GEMM at all;
+- ``gemm``: time per tile config per grid for a set of shapes, next to cuBLAS;
+- ``fits``: t = latency + bytes / bandwidth per (collective, cap), least squares over the points.
+
+Sizes follow nccl-tests: ``size`` is the full buffer of the collective (the input of all_reduce,
+reduce_scatter and all_to_all, the output of all_gather); algbw = size / time; busbw = algbw times
+2(n-1)/n for all_reduce and (n-1)/n for the others.
+
+Files: one YAML (schema version, fingerprint, everything) written atomically; ``load_calibration``
+refuses an unknown schema version or a malformed file with a ``CalibrationError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fo_kernels.errors import FoTuneError
+from fo_kernels.fingerprint import Fingerprint
+
+CALIBRATION_SCHEMA_VERSION = 1
+CALIBRATION_KIND = "fo-tune-calibration"
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+class CalibrationError(FoTuneError, ValueError):
+    """A calibration file that is missing, malformed or of an unknown schema."""
+
+
+def bus_factor(collective: str, world_size: int) -> float:
+    """nccl-tests' busbw / algbw for ``collective`` on ``world_size`` ranks."""
+    if world_size <= 1:
+        return 1.0
+    frac = (world_size - 1) / world_size
+    return 2 * frac if collective == "all_reduce" else frac
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BandwidthPoint:
+    collective: str
+    nccl_max_ctas: int
+    size_bytes: int
+    time_ms: float
+    spread_ms: float
+    algbw_gbs: float
+    busbw_gbs: float
+
+    @classmethod
+    def measured(
+        cls, collective: str, cap: int, size: int, time_ms: float, spread_ms: float, world_size: int
+    ) -> BandwidthPoint:
+        algbw = size / (time_ms * 1e-3) / 1e9 if time_ms > 0 else 0.0
+        return cls(
+            collective=collective,
+            nccl_max_ctas=cap,
+            size_bytes=size,
+            time_ms=time_ms,
+            spread_ms=spread_ms,
+            algbw_gbs=algbw,
+            busbw_gbs=algbw * bus_factor(collective, world_size),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InterferencePoint:
+    collective: str
+    sms_free: int
+    nccl_max_ctas: int
+    size_bytes: int
+    gemm_m: int
+    gemm_n: int
+    gemm_k: int
+    gemm_alone_ms: float
+    gemm_contended_ms: float
+    comm_alone_ms: float
+    comm_contended_ms: float
+    gemm_slowdown: float
+    comm_slowdown: float
+    comm_during_gemm: bool  # the first collective finished before the GEMM did
+    concurrent: bool  # False on the CPU, where the two run one after the other
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GemmPoint:
+    m: int
+    n: int
+    k: int
+    tile: str  # "BMxBNxBK gmG wW sS[ ws]"
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    warp_specialize: bool
+    sms_free: int
+    grid: int
+    time_ms: float
+    spread_ms: float
+    cublas_ms: float
+    rel_err: float
+    status: str  # "ok", or why the config was skipped
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CurveFit:
+    collective: str
+    nccl_max_ctas: int
+    latency_ms: float
+    bandwidth_gbs: float  # asymptotic algbw
+    max_rel_residual: float
+
+
+def fit_curve(points: Iterable[BandwidthPoint]) -> CurveFit:
+    """Least-squares fit of time = latency + size / bandwidth (both kept non-negative)."""
+    pts = list(points)
+    if not pts:
+        raise CalibrationError("fit: no bandwidth points")
+    xs = [p.size_bytes for p in pts]
+    ys = [p.time_ms for p in pts]
+    n = len(pts)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
+    if slope <= 0:  # noise-dominated (CPU, or sizes all on the latency floor): best observed bandwidth
+        slope = 1e-6 / max(max(p.algbw_gbs for p in pts), 1e-9)
+    latency = max(0.0, my - slope * mx)
+    resid = max(abs(latency + slope * x - y) / y for x, y in zip(xs, ys, strict=True) if y > 0)
+    return CurveFit(
+        collective=pts[0].collective,
+        nccl_max_ctas=pts[0].nccl_max_ctas,
+        latency_ms=latency,
+        bandwidth_gbs=1e-6 / slope,  # bytes/ms -> GB/s
+        max_rel_residual=resid,
+    )
+
+
+def fit_all(points: Iterable[BandwidthPoint]) -> list[CurveFit]:
+    by_key: dict[tuple[str, int], list[BandwidthPoint]] = {}
+    for p in points:
+        by_key.setdefault((p.collective, p.nccl_max_ctas), []).append(p)
+    return [fit_curve(v) for _, v in sorted(by_key.items())]
+
+
+_PARTS = {"bandwidth": BandwidthPoint, "interference": InterferencePoint, "gemm": GemmPoint, "fits": CurveFit}
+
+
+@dataclass(kw_only=True, slots=True)
+class Calibration:
+    """Everything measured on one machine for one world size (see the module docstring)."""
+
+    fingerprint: Fingerprint
+    world_size: int
+    dtype: str
+    space: str
+    quick: bool
+    created: str
+    schema_version: int = CALIBRATION_SCHEMA_VERSION
+    bandwidth: list[BandwidthPoint] = field(default_factory=list)
+    interference: list[InterferencePoint] = field(default_factory=list)
+    gemm: list[GemmPoint] = field(default_factory=list)
+    fits: list[CurveFit] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "schema_version": self.schema_version,
+            "kind": CALIBRATION_KIND,
+            "fingerprint": self.fingerprint.to_dict(),
+            "world_size": self.world_size,
+            "dtype": self.dtype,
+            "space": self.space,
+            "quick": self.quick,
+            "created": self.created,
+        }
+        for name in _PARTS:
+            out[name] = [asdict(p) for p in getattr(self, name)]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "<calibration>") -> Calibration:
+        if not isinstance(data, dict):
+            raise CalibrationError(f"{source}: expected a mapping at the top level")
+        version = data.get("schema_version")
+        if version != CALIBRATION_SCHEMA_VERSION:
+            raise CalibrationError(
+                f"{source}: schema_version {version!r} is not supported (this fo-tune reads "
+                f"{CALIBRATION_SCHEMA_VERSION}); re-run `fo-tune calibrate`"
+            )
+        if data.get("kind") != CALIBRATION_KIND:
+            raise CalibrationError(f"{source}: kind must be {CALIBRATION_KIND!r}, got {data.get('kind')!r}")
+        try:
+            fp = Fingerprint.from_dict(data["fingerprint"])
+            parts = {
+                name: [
+                    _point(kind, row, f"{source}: {name}[{i}]") for i, row in enumerate(data.get(name) or [])
+                ]
+                for name, kind in _PARTS.items()
+            }
+            return cls(
+                fingerprint=fp,
+                world_size=int(data["world_size"]),
+                dtype=str(data["dtype"]),
+                space=str(data["space"]),
+                quick=bool(data["quick"]),
+                created=str(data["created"]),
+                **parts,
+            )
+        except KeyError as exc:
+            raise CalibrationError(f"{source}: missing key {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, CalibrationError):
+                raise
+            raise CalibrationError(f"{source}: {exc}") from None
+
+    def fit_for(self, collective: str, cap: int) -> CurveFit | None:
+        return next((f for f in self.fits if (f.collective, f.nccl_max_ctas) == (collective, cap)), None)
+
+
+def _point(kind: type, row: Any, where: str) -> Any:
+    if not isinstance(row, dict):
+        raise CalibrationError(f"{where}: expected a mapping")
+    names = {f.name for f in fields(kind)}
+    missing, unknown = names - set(row), set(row) - names
+    if missing or unknown:
+        raise CalibrationError(f"{where}: missing {sorted(missing)}, unknown {sorted(unknown)}")
+    for f in fields(kind):
+        value = row[f.name]
+        want = {"int": int, "float": (int, float), "bool": bool, "str": str}[str(f.type)]
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise CalibrationError(f"{where}.{f.name}: expected {f.type}, got {value!r}")
+    return kind(**row)
+
+
+def save_calibration(cal: Calibration, path: Path) -> None:
+    """Write ``cal`` as YAML atomically (temporary file in the same folder, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(cal.to_dict(), f, sort_keys=False, width=120)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """Read and validate a calibration YAML."""
+    path = Path(path)
+    if not path.is_file():
+        raise CalibrationError(
+            f"{path}: no such calibration file; run `fo-tune calibrate` or pass --calibration"
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise CalibrationError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    return Calibration.from_dict(data, source=str(path))

@@ -1,0 +1,421 @@
+"""``fo-tune calibrate``: measure this machine (library: ``fo_tune.calibrate``, files: ``fo_tune.report``).
+
+Also holds what ``calibrate`` and ``profile`` share: choosing the backend and the search space and
+checking them before any rank is spawned, the Triton mode of the ranks, the progress reporter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich import box
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from .common import BACKEND_NAMES, DTYPE_NAMES, BackendOpt, WorldSizeOpt, console, handle_errors
+
+if TYPE_CHECKING:
+    import torch
+
+    from fo_tune.calibration import Calibration, GemmPoint
+    from fo_tune.space import SearchSpace
+
+COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")  # fo_tune.calibration
+
+HELP = "\n\n".join(
+    [
+        "Measure this machine: NCCL bandwidth curves, compute/communication interference and GEMM "
+        "tile profiles; the model and the search read the result.",
+        "Spawns --world-size ranks (or joins torchrun's) and measures, in one pool of processes: "
+        "(1) bandwidth: each collective over message sizes for every NCCL CTA cap of the search space "
+        "(nccl-tests columns: size, time, algbw, busbw); (2) interference: a collective while the "
+        "signalled GEMM runs on SMs - r, for each r of the space: the collective's and the GEMM's "
+        "slowdown, and whether the collective ran during the GEMM at all; (3) GEMM profiles: time per "
+        "tile config per grid size for the space's shape set, next to cuBLAS; (4) fits of "
+        "time = latency + bytes / bandwidth.",
+        "Writes bandwidth.csv, interference.csv, gemm_profile.csv, fits.csv, calibration.yaml "
+        "(fingerprint, schema version, everything) and bandwidth.png / interference.png into --out "
+        "(default results/calibration/<device-key>/tp<N>/), all at once: a folder there from an "
+        "earlier calibration is replaced only when everything was written.",
+        "--quick measures fewer sizes, tiles and grids (a few minutes on 2 GPUs). Without GPUs the "
+        "ranks use gloo, the GEMM runs in Triton's CPU interpreter and the search space's cpu section "
+        "gives tiny sizes: the pipeline is exercised, the numbers describe the CPU.",
+        "Exit code 0 when the files are written, 1 when a measurement fails, 2 for bad options.",
+    ]
+)
+
+CollectivesOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--collectives",
+        "-c",
+        metavar="NAME[,NAME]",
+        help=f"Collectives to measure, repeated or comma-separated: {', '.join(COLLECTIVE_NAMES)}. "
+        "Default: all four.",
+    ),
+]
+QuickOpt = Annotated[
+    bool, typer.Option("--quick", help="Fewer sizes, tiles and grids: minutes, not an hour.")
+]
+OutDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        "-o",
+        metavar="DIR",
+        help="Folder to write (created, or replaced when it holds an earlier calibration). "
+        "Default: results/calibration/<device-key>/tp<N>.",
+    ),
+]
+SpaceOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--space",
+        metavar="FILE",
+        help="Search space YAML. Default: the file of search_spaces/ for this GPU's compute "
+        "capability (default.yaml's cpu section on the CPU).",
+    ),
+]
+CalDtypeOpt = Annotated[
+    str, typer.Option("--dtype", "-d", help=f"GEMM and message dtype: {', '.join(DTYPE_NAMES)}.")
+]
+
+
+# ------------------------------------------------------------------------- shared with ``profile``
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPE_NAMES:
+        raise typer.BadParameter(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    return dtype
+
+
+# fo_tune.launch.in_torchrun's variables. Read here without importing fo_tune.launch: it imports
+# fo_kernels, whose kernels Triton builds for the interpreter or not when they are first imported, so
+# nothing may import it before ``triton_mode`` has set TRITON_INTERPRET (under torchrun this very
+# process is a rank).
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+
+
+def _in_torchrun() -> bool:
+    return all(key in os.environ for key in _TORCHRUN_VARS)
+
+
+def resolve_backend(world_size: int, backend: str) -> str:
+    """``nccl`` or ``gloo`` for ``world_size`` ranks, checked before anything is spawned.
+
+    ``auto``: gloo without GPUs, NCCL with one GPU per rank; GPUs present but too few is an error
+    (a calibration of the CPU on a GPU machine is rarely what was meant). Under torchrun the world
+    size must match its ranks and the GPU count is not checked (they may span hosts). Imports
+    nothing of fo_kernels (see ``triton_mode``).
+    """
+    if backend not in BACKEND_NAMES:
+        raise typer.BadParameter(f"--backend {backend!r} is not one of {', '.join(BACKEND_NAMES)}")
+    if world_size < 1:
+        raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
+    torchrun = _in_torchrun()
+    if torchrun and int(os.environ["WORLD_SIZE"]) != world_size:
+        ranks = os.environ["WORLD_SIZE"]
+        raise typer.BadParameter(
+            f"--world-size {world_size}, but torchrun started {ranks} ranks; pass {ranks}"
+        )
+    if backend == "gloo":
+        return "gloo"
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto" and gpus == 0:
+        return "gloo"
+    if gpus < world_size and not torchrun:
+        from fo_kernels.errors import EnvironmentMismatchError
+
+        raise EnvironmentMismatchError(
+            f"world size {world_size} needs {world_size} GPUs, {gpus} visible; "
+            "lower --world-size or use --backend gloo"
+        )
+    return "nccl"
+
+
+def is_driver_process() -> bool:
+    """False on a torchrun rank other than 0 (it serves rank 0's tasks and prints nothing)."""
+    return not _in_torchrun() or os.environ.get("RANK") == "0"
+
+
+@contextlib.contextmanager
+def triton_mode(backend: str) -> Iterator[None]:
+    """TRITON_INTERPRET for the ranks: 1 on gloo, 0 on NCCL; restored afterwards.
+
+    Spawned ranks inherit it; under torchrun this process is a rank, so enter this before anything
+    imports ``fo_kernels`` (its kernels are built for the interpreter or not at that import).
+    """
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0" if backend == "nccl" else "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def local_device(backend: str) -> torch.device:
+    """The device rank 0 will measure on (for the space and the default output path)."""
+    import torch
+
+    if backend != "nccl":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def resolve_space(path: Path | None, backend: str) -> SearchSpace:
+    """``--space`` loaded and validated, else the packaged space for this device."""
+    from fo_tune.space import load_space, space_for
+
+    if path is not None:
+        return load_space(path)
+    device = local_device(backend)
+    if device.type != "cuda":
+        return space_for("cpu")
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return space_for(f"{major}.{minor}")
+
+
+def expected_device_key(backend: str, world_size: int) -> str:
+    """The device key the ranks will report (the same probe, run here)."""
+    from fo_kernels.fingerprint import current_fingerprint
+
+    return current_fingerprint(local_device(backend), world_size).device_key
+
+
+def parse_collectives(values: list[str] | None) -> tuple[str, ...]:
+    """Repeated and comma-separated names, in order, each once; unknown ones are an error."""
+    if not values:
+        return COLLECTIVE_NAMES
+    names = [part.strip() for value in values for part in value.split(",") if part.strip()]
+    for name in names:
+        if name not in COLLECTIVE_NAMES:
+            raise typer.BadParameter(
+                f"--collectives: unknown collective {name!r}; choose from {', '.join(COLLECTIVE_NAMES)}"
+            )
+    if not names:
+        raise typer.BadParameter(f"--collectives: no name given; choose from {', '.join(COLLECTIVE_NAMES)}")
+    return tuple(dict.fromkeys(names))
+
+
+def progress_bars(enabled: bool = True) -> Progress:
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not enabled,
+    )
+
+
+class ProgressReporter:
+    """``fo_tune.calibrate.Reporter`` over rich progress bars: one bar per stage.
+
+    A first bar (no total) covers starting the ranks; it completes when the first stage begins.
+    ``step`` advances its stage's bar and shows what was just measured. When the console is not a
+    terminal (a log file, CI), where bars appear only at the end, each step is also printed as a line.
+    """
+
+    def __init__(self, progress: Progress, starting: str) -> None:
+        self._progress = progress
+        self._tasks: dict[str, TaskID] = {}
+        self._left: dict[str, int] = {}
+        self._log = not progress.disable and not progress.console.is_terminal
+        self._t0 = time.monotonic()
+        self._starting: TaskID | None = progress.add_task(starting, total=None)
+        self._line(starting)
+
+    def _line(self, text: str) -> None:
+        if self._log:
+            self._progress.console.print(
+                f"[{time.monotonic() - self._t0:6.1f} s] {text}", markup=False, highlight=False
+            )
+
+    def stage(self, name: str, total: int) -> None:
+        if self._starting is not None:
+            self._progress.update(self._starting, total=1, completed=1)
+            self._starting = None
+        self._tasks[name] = self._progress.add_task(name, total=total)
+        self._left[name] = total
+        self._line(f"{name}: {total} steps")
+
+    def step(self, name: str, detail: str = "") -> None:
+        if name not in self._tasks:
+            self.stage(name, 0)
+        self._left[name] -= 1
+        done = self._left[name] <= 0  # a finished bar just names its stage
+        text = f"{name}: {detail}" if detail and not done else name
+        self._progress.update(self._tasks[name], advance=1, description=text)
+        self._line(f"{name}: {detail or 'step'} done")
+
+
+# ----------------------------------------------------------------------------------- the summary
+def fmt(x: float, spec: str = ".3g") -> str:
+    return "-" if math.isnan(x) else format(x, spec)
+
+
+def summary_table(title: str, columns: list[str], right_from: int) -> Table:
+    table = Table(
+        title=title,
+        title_justify="left",
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
+        padding=(0, 1, 0, 0),
+    )
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="right" if i >= right_from else "left", no_wrap=True)
+    return table
+
+
+def _print_summary(cal: Calibration, written: list[Path]) -> None:
+    from fo_tune.report import bandwidth_summary, interference_summary, size_label
+
+    where = "NCCL" if cal.fingerprint.interconnect != "gloo" else "gloo on the CPU"
+    bw = summary_table(
+        f"bandwidth: {cal.world_size} ranks, {where}, {cal.fingerprint.device_key}",
+        ["collective", "CTA cap", "largest size", "busbw GB/s", "fit latency us", "fit bw GB/s"],
+        2,
+    )
+    for r in bandwidth_summary(cal):
+        cap = "default" if r.nccl_max_ctas == 0 else str(r.nccl_max_ctas)
+        bw.add_row(
+            r.collective,
+            cap,
+            size_label(r.size_bytes),
+            fmt(r.busbw_gbs),
+            fmt(r.latency_ms * 1e3),
+            fmt(r.bandwidth_gbs),
+        )
+    console.print(bw)
+    rows = interference_summary(cal)
+    if not rows:
+        console.print("interference: nothing measured (no sms_free > 0 in the search space)", style="dim")
+    inter = summary_table(
+        f"interference: the {'x'.join(map(str, _gemm_shape(cal)))} GEMM on SMs - r beside the collective",
+        ["collective", "size", "r", "CTA cap", "comm slowdown", "GEMM slowdown", "during GEMM"],
+        2,
+    )
+    for r in rows:
+        cap = "default" if r.nccl_max_ctas == 0 else str(r.nccl_max_ctas)
+        during = "yes" if r.comm_during_gemm else "no"
+        inter.add_row(
+            r.collective,
+            size_label(r.size_bytes),
+            str(r.sms_free),
+            cap,
+            fmt(r.comm_slowdown, ".2f") + "x",
+            fmt(r.gemm_slowdown, ".2f") + "x",
+            during,
+        )
+    if rows and not all(r.concurrent for r in rows):
+        inter.caption = "on the CPU the two run one after the other: these slowdowns are timing noise"
+    if rows:
+        console.print(inter)
+    console.print(gemm_table(cal.gemm, "GEMM: best tile per shape"))
+    console.print(f"[green]wrote[/] {len(written)} files to {written[0].parent if written else '-'}:")
+    for path in written:
+        console.print(f"  {path}", markup=False, highlight=False)
+
+
+def _gemm_shape(cal: Calibration) -> tuple[int, int, int]:
+    p = cal.interference[0] if cal.interference else None
+    return (p.gemm_m, p.gemm_n, p.gemm_k) if p else (0, 0, 0)
+
+
+def gemm_table(points: Iterable[GemmPoint], title: str) -> Table:
+    """Per shape: the fastest measured tile config and grid, next to cuBLAS."""
+    from fo_tune.report import gemm_summary
+
+    table = summary_table(
+        title, ["MxNxK", "best tile", "r", "grid", "ms", "cuBLAS ms", "cuBLAS/ours", "measured"], 2
+    )
+    for s in gemm_summary(points):
+        shape = "x".join(map(str, s.shape))
+        measured = f"{s.measured}/{s.total}"
+        if s.best is None:
+            table.add_row(
+                shape, "[yellow]every config skipped[/]", "-", "-", "-", fmt(s.cublas_ms), "-", measured
+            )
+            continue
+        b = s.best
+        ratio = s.cublas_ms / b.time_ms if b.time_ms > 0 else math.nan
+        table.add_row(
+            shape,
+            b.tile,
+            str(b.sms_free),
+            str(b.grid),
+            fmt(b.time_ms),
+            fmt(s.cublas_ms),
+            fmt(ratio, ".3g"),
+            measured,
+        )
+    return table
+
+
+# ------------------------------------------------------------------------------------ the command
+@handle_errors
+def calibrate(
+    world_size: WorldSizeOpt = 2,
+    collectives: CollectivesOpt = None,
+    quick: QuickOpt = False,
+    out: OutDirOpt = None,
+    space: SpaceOpt = None,
+    dtype: CalDtypeOpt = "bfloat16",
+    backend: BackendOpt = "auto",
+) -> None:
+    names = parse_collectives(collectives)
+    check_dtype(dtype)
+    chosen = resolve_backend(world_size, backend)
+    driver = is_driver_process()
+    with triton_mode(chosen):  # before anything imports fo_kernels
+        search_space = resolve_space(space, chosen)
+        from fo_tune.report import DEFAULT_ROOT, check_writable, default_out_dir, write_calibration_dir
+
+        if driver:  # a bad --out costs nothing: checked before any rank starts
+            check_writable(out or DEFAULT_ROOT / expected_device_key(chosen, world_size) / f"tp{world_size}")
+        from fo_tune.calibrate import CalibrationRequest, run_calibration
+
+        request = CalibrationRequest(
+            world_size=world_size,
+            collectives=names,
+            quick=quick,
+            dtype=dtype,
+            backend=chosen,
+            space=search_space,
+        )
+        with progress_bars(enabled=driver) as progress:
+            where = "one GPU each, NCCL" if chosen == "nccl" else "gloo on the CPU"
+            cal = run_calibration(request, ProgressReporter(progress, f"start {world_size} ranks ({where})"))
+        if cal is None:  # a serving torchrun rank: rank 0 writes and reports
+            return
+        written = write_calibration_dir(cal, out or default_out_dir(cal))
+    _print_summary(cal, written)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``calibrate`` to the root app."""
+    app.command("calibrate", help=HELP)(calibrate)

@@ -1,0 +1,142 @@
+"""``fo-tune profile``: every tile config of the search space for one GEMM shape, next to cuBLAS.
+
+Library: ``fo_tune.calibrate.profile_shape`` (measures), ``fo_tune.report.write_profile_csv`` (writes).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .calibrate import (
+    SpaceOpt,
+    check_dtype,
+    expected_device_key,
+    fmt,
+    is_driver_process,
+    resolve_backend,
+    resolve_space,
+    summary_table,
+    triton_mode,
+)
+from .common import DTYPE_NAMES, BackendOpt, WorldSizeOpt, console, handle_errors, parse_shape
+
+HELP = "\n\n".join(
+    [
+        "Time every feasible GEMM tile config of the search space for one shape, next to cuBLAS.",
+        "Runs the signalled persistent GEMM with each tile config of the search space at each grid "
+        "size SMs - r (r = 0 and every sms_free of the space), checks each result against a float32 "
+        "matmul, then times it (median over repetitions, max over ranks). A config that fails to "
+        "compile, launch or check is skipped with its reason.",
+        "Writes a CSV sorted by time (skipped configs last; columns as gemm_profile.csv of "
+        "`fo-tune calibrate`, with cublas_ms on every row) to --out, default "
+        "results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv, and prints the ranking.",
+        "Without GPUs the GEMM runs in Triton's CPU interpreter with the space's cpu tiles: use tiny "
+        "shapes (e.g. 32x48x40).",
+        "Exit code 0 when the CSV is written, 1 when a measurement fails, 2 for bad options.",
+    ]
+)
+
+ShapeOpt = Annotated[
+    str,
+    typer.Option(
+        "--shape",
+        "-s",
+        metavar="MxNxK",
+        help="GEMM problem M x N x K (A is MxK, B is KxN), e.g. 4096x8192x4096.",
+    ),
+]
+OutFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        "-o",
+        metavar="FILE",
+        help="CSV to write (replaced atomically). "
+        "Default: results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv.",
+    ),
+]
+ProfileDtypeOpt = Annotated[
+    str, typer.Option("--dtype", "-d", help=f"Operand dtype: {', '.join(DTYPE_NAMES)}.")
+]
+
+
+def _print_ranking(points, shape: str, device_key: str, path: Path) -> None:
+    ok = [p for p in points if p.status == "ok" and not math.isnan(p.time_ms)]
+    skipped = [p for p in points if p not in ok]
+    cublas = points[0].cublas_ms if points else math.nan
+    table = summary_table(
+        f"{shape}: {len(ok)} of {len(points)} configs measured, cuBLAS {fmt(cublas)} ms, {device_key}",
+        ["#", "tile", "r", "grid", "ms", "spread ms", "cuBLAS ms", "cuBLAS/ours", "rel err"],
+        2,
+    )
+    for i, p in enumerate(sorted(ok, key=lambda p: p.time_ms), 1):
+        ratio = p.cublas_ms / p.time_ms if p.time_ms > 0 else math.nan
+        table.add_row(
+            str(i),
+            p.tile,
+            str(p.sms_free),
+            str(p.grid),
+            fmt(p.time_ms),
+            fmt(p.spread_ms, ".2g"),
+            fmt(p.cublas_ms),
+            fmt(ratio, ".3g"),
+            fmt(p.rel_err, ".1e"),
+        )
+    console.print(table)
+    if skipped:
+        console.print(f"[yellow]skipped[/] {len(skipped)}:")
+        for p in skipped:
+            console.print(f"  {p.tile} r={p.sms_free}: {p.status}", markup=False, highlight=False)
+    console.print(f"[green]wrote[/] {path}")
+
+
+@handle_errors
+def profile(
+    shape: ShapeOpt,
+    space: SpaceOpt = None,
+    dtype: ProfileDtypeOpt = "bfloat16",
+    world_size: WorldSizeOpt = 1,
+    backend: BackendOpt = "auto",
+    out: OutFileOpt = None,
+) -> None:
+    m, n, k = parse_shape(shape)
+    check_dtype(dtype)
+    chosen = resolve_backend(world_size, backend)
+    driver = is_driver_process()
+    with triton_mode(chosen):  # before anything imports fo_kernels
+        search_space = resolve_space(space, chosen)
+        from fo_tune.report import check_writable_file, default_profile_path
+
+        if driver:
+            check_writable_file(
+                out or default_profile_path(expected_device_key(chosen, world_size), (m, n, k), dtype)
+            )
+        from fo_tune.calibrate import profile_shape
+        from fo_tune.harness import open_pool
+        from fo_tune.measure import FingerprintTask
+
+        with open_pool(world_size, backend=chosen) as pool:
+            if not pool.is_driver:  # a serving torchrun rank: rank 0 writes and reports
+                return
+            cpu = pool.backend != "nccl"
+            tiles = tuple(search_space.tile_candidates(quick=False, cpu=cpu))
+            frees = tuple(sorted({0, *search_space.sms_free_candidates(cpu=cpu)}))
+            what = f"profiling {m}x{n}x{k}: {len(tiles)} tiles x {len(frees)} grids on {world_size} rank(s)"
+            with console.status(what, spinner="dots"):
+                device_key = pool.run(FingerprintTask())[0].device_key
+                points = profile_shape(pool, m, n, k, tiles, frees, dtype)
+        from fo_tune.report import write_profile_csv
+
+        path = write_profile_csv(
+            points, out or default_profile_path(device_key, (m, n, k), dtype), device_key
+        )
+    _print_ranking(points, f"{m}x{n}x{k} {dtype}", device_key, path)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``profile`` to the root app."""
+    app.command("profile", help=HELP)(profile)

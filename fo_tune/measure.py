@@ -1,0 +1,248 @@
+"""Measurement tasks the harness runs on every rank: collectives, the signalled GEMM, both at once.
+
+Each task is a small frozen dataclass with ``run(ctx)``; it returns this rank's numbers and the
+driver takes the max over ranks. Collectives run on the runtime's cached process group for the CTA
+cap (``OverlapRuntime.comm_group``), so a sweep over caps builds one communicator per cap for the
+whole command. Every GEMM is checked against ``torch.matmul`` before it is timed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fo_kernels.fingerprint import Fingerprint, current_fingerprint
+from fo_kernels.gemm import BOperand, signalled_gemm
+from fo_kernels.plan import cdiv, make_plan
+from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
+from fo_kernels.schedule import Problem, Schedule, Tile
+
+from .harness import Timing, time_region
+from .launch import RankContext
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has the old.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Relative error a checked GEMM must stay under, per dtype (fp32 accumulation; DESIGN.md's ~1e-2 for bf16).
+GEMM_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-4}
+
+
+@dataclass(frozen=True)
+class FingerprintTask:
+    """Every rank's fingerprint (the driver keeps rank 0's and checks they agree)."""
+
+    def run(self, ctx: RankContext) -> Fingerprint:
+        return current_fingerprint(ctx.device, ctx.world_size)
+
+
+def collective_call(
+    collective: str, size: int, dtype: torch.dtype, device: torch.device, world: int, group: Any
+) -> Callable[[], Any]:
+    """A closure running ``collective`` on a ``size``-byte buffer (nccl-tests sizing)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    count = max(world, size // elem // world * world)
+    full = torch.randn(count, device=device).to(dtype)
+    part = torch.empty(count // world, device=device, dtype=dtype)
+    if collective == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if collective == "reduce_scatter":
+        return lambda: reduce_scatter_tensor(part, full, group=group)
+    if collective == "all_gather":
+        return lambda: _all_gather(full, part, group=group)
+    if collective == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full, group=group)
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+@dataclass(frozen=True)
+class CollectiveSweepTask:
+    """Time one collective over sizes on the communicator with CTA cap ``cap`` (0: NCCL default)."""
+
+    collective: str
+    sizes: tuple[int, ...]
+    cap: int
+    dtype: str
+    warmup: int = 3
+    reps: int = 10
+
+    def run(self, ctx: RankContext) -> list[Timing]:
+        group = runtime_for(ctx.device, None).comm_group(self.cap)
+        out = []
+        for size in self.sizes:
+            fn = collective_call(self.collective, size, DTYPES[self.dtype], ctx.device, ctx.world_size, group)
+            dist.barrier()
+            out.append(time_region(fn, ctx.device, warmup=self.warmup, reps=self.reps, agree=True))
+        return out
+
+
+def gemm_runner(
+    a: torch.Tensor, b: torch.Tensor, tile: Tile, sms_free: int, sm_count: int
+) -> tuple[Callable[[], torch.Tensor], int]:
+    """The signalled persistent GEMM alone (one group, private counters): (run, grid)."""
+    m, k = a.shape
+    n = b.shape[1]
+    tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
+    schedule = Schedule(
+        collective="all_reduce",
+        dtype="bfloat16",
+        world_size=1,
+        problem=Problem(m=m, n=n, k=k),
+        tile=tile,
+        sms_free=sms_free,
+        signal_tiles=tiles,
+        groups=(1,),
+        layout="row_band",
+    )
+    plan = make_plan(schedule, m, n, k, sm_count=sm_count)
+    counters = torch.zeros(4, dtype=torch.int32, device=a.device)
+    unit_group = torch.zeros(1, dtype=torch.int32, device=a.device)
+    group_info = torch.tensor([0, m], dtype=torch.int32, device=a.device)
+    out = torch.empty(m * n, dtype=a.dtype, device=a.device)
+    operand = BOperand.of(b)
+    assert operand is not None
+
+    def run() -> torch.Tensor:
+        signalled_gemm(
+            a, operand, out, plan, tile, counters=counters, unit_group=unit_group, group_info=group_info
+        )
+        return out.view(m, n)
+
+    return run, plan.grid
+
+
+def gemm_operands(m: int, n: int, k: int, dtype: str, device: torch.device, seed: int) -> tuple:
+    """Random (never zero) A (M, K) and B as the transposed view of an (N, K) weight."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=gen).to(DTYPES[dtype]).to(device)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DTYPES[dtype]).to(device)
+    return a, w.t()
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@dataclass(frozen=True)
+class GemmProfileTask:
+    """Every tile config at every grid for one shape, checked, then timed; cuBLAS beside them."""
+
+    m: int
+    n: int
+    k: int
+    tiles: tuple[Tile, ...]
+    sms_free: tuple[int, ...]
+    dtype: str
+    warmup: int = 3
+    reps: int = 10
+
+    def run(self, ctx: RankContext) -> dict[str, Any]:
+        sm_count = runtime_for(ctx.device, None).sm_count
+        a, b = gemm_operands(self.m, self.n, self.k, self.dtype, ctx.device, seed=self.m + self.n + self.k)
+        ref = a.float() @ b.float()
+        cublas = time_region(lambda: a @ b, ctx.device, warmup=self.warmup, reps=self.reps)
+        rows = []
+        for tile in self.tiles:
+            for r in self.sms_free:
+                row: dict[str, Any] = dict(tile=tile, sms_free=r, grid=0, timing=None, rel_err=float("nan"))
+                try:
+                    if r >= sm_count:
+                        raise ValueError(f"sms_free {r} leaves no SM of {sm_count}")
+                    run, row["grid"] = gemm_runner(a, b, tile, r, sm_count)
+                    row["rel_err"] = rel_err(run(), ref)
+                    if not row["rel_err"] < GEMM_TOL[self.dtype]:
+                        raise ValueError(f"wrong result (relative error {row['rel_err']:.2e})")
+                    row["timing"] = time_region(run, ctx.device, warmup=self.warmup, reps=self.reps)
+                    row["status"] = "ok"
+                except Exception as exc:  # a config that fails to compile or launch is skipped, with why
+                    row["status"] = f"skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                rows.append(row)
+        return {"cublas": cublas, "rows": rows}
+
+
+@dataclass(frozen=True)
+class InterferenceTask:
+    """The collective and the signalled GEMM on ``SMs - sms_free`` programs, alone and together."""
+
+    collective: str
+    size: int
+    pairs: tuple[tuple[int, int], ...]  # (sms_free, nccl_max_ctas)
+    gemm: tuple[int, int, int]
+    tile: Tile
+    dtype: str
+    reps: int = 5
+
+    def run(self, ctx: RankContext) -> list[dict[str, Any]]:
+        rt = runtime_for(ctx.device, None)
+        m, n, k = self.gemm
+        a, b = gemm_operands(m, n, k, self.dtype, ctx.device, seed=7)
+        ref = a.float() @ b.float()
+        out = []
+        for sms_free, cap in self.pairs:
+            run, _grid = gemm_runner(a, b, self.tile, sms_free, rt.sm_count)
+            err = rel_err(run(), ref)
+            if not err < GEMM_TOL[self.dtype]:
+                raise RuntimeError(f"signalled GEMM wrong before timing (relative error {err:.2e})")
+            comm = collective_call(
+                self.collective, self.size, DTYPES[self.dtype], ctx.device, ctx.world_size, rt.comm_group(cap)
+            )
+            dist.barrier()
+            gemm_alone = time_region(run, ctx.device, reps=self.reps)
+            comm_alone = time_region(comm, ctx.device, reps=self.reps, agree=True)
+            # every rank must launch the same number of collectives: agree on the ratio first
+            ratio = torch.tensor([gemm_alone.median_ms / max(comm_alone.median_ms, 1e-6)], device=ctx.device)
+            dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
+            contended = self._together(ctx, run, comm, float(ratio))
+            out.append(
+                dict(sms_free=sms_free, cap=cap, gemm_alone=gemm_alone, comm_alone=comm_alone, **contended)
+            )
+        return out
+
+    def _together(self, ctx: RankContext, gemm: Callable, comm: Callable, ratio: float) -> dict[str, Any]:
+        """GEMM on this stream, back-to-back collectives covering it on the high-priority stream."""
+        if ctx.device.type != "cuda":  # no streams on the CPU: one after the other
+            g = time_region(gemm, ctx.device, reps=self.reps)
+            c = time_region(comm, ctx.device, reps=self.reps, agree=True)
+            return dict(
+                gemm_with=g.median_ms, comm_with=c.median_ms, comm_during_gemm=False, concurrent=False
+            )
+        side = runtime_for(ctx.device, None).comm_stream
+        main = torch.cuda.current_stream(ctx.device)
+        count = max(1, round(ratio))
+        gemm_ms, comm_ms, during = [], [], []
+        for _ in range(self.reps + 1):
+            dist.barrier()
+            torch.cuda.synchronize(ctx.device)
+            g0, g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            marks = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(count)
+            ]
+            g0.record(main)
+            gemm()
+            g1.record(main)
+            with torch.cuda.stream(side):
+                side.wait_event(g0)
+                for c0, c1 in marks:
+                    c0.record(side)
+                    comm()
+                    c1.record(side)
+            torch.cuda.synchronize(ctx.device)
+            gemm_ms.append(g0.elapsed_time(g1))
+            end = g0.elapsed_time(g1)
+            started = [c0.elapsed_time(c1) for c0, c1 in marks if g0.elapsed_time(c0) < end] or [
+                marks[0][0].elapsed_time(marks[0][1])
+            ]
+            comm_ms.append(sorted(started)[len(started) // 2])
+            during.append(g0.elapsed_time(marks[0][1]) < end)
+        gemm_ms, comm_ms, during = gemm_ms[1:], comm_ms[1:], during[1:]  # the first round warms up
+        return dict(
+            gemm_with=sorted(gemm_ms)[len(gemm_ms) // 2],
+            comm_with=sorted(comm_ms)[len(comm_ms) // 2],
+            comm_during_gemm=sum(during) * 2 > len(during),
+            concurrent=True,
+        )

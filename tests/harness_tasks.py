@@ -1,0 +1,66 @@
+"""Tasks for the harness tests (spawned ranks unpickle them by reference, so they live in a module)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fo_tune.harness import time_region
+from fo_tune.launch import RankContext
+
+
+@dataclass(frozen=True)
+class RankAndSum:
+    """(rank, world size, backend, the all_reduce of ones): proves every rank ran, in one group."""
+
+    def run(self, ctx: RankContext) -> tuple[int, int, str, float]:
+        ones = torch.ones(4, device=ctx.device)
+        dist.all_reduce(ones)
+        return (ctx.rank, ctx.world_size, ctx.backend, float(ones[0]))
+
+
+@dataclass(frozen=True)
+class TimeSleep:
+    """A ``time_region`` of a sleep that is longer on higher ranks."""
+
+    ms_per_rank: float
+
+    def run(self, ctx: RankContext):
+        seconds = self.ms_per_rank * (ctx.rank + 1) / 1e3
+        return time_region(lambda: time.sleep(seconds), ctx.device, warmup=1, reps=3)
+
+
+@dataclass(frozen=True)
+class FailOn:
+    rank: int
+
+    def run(self, ctx: RankContext) -> int:
+        if ctx.rank == self.rank:
+            raise ValueError(f"boom on rank {ctx.rank}")
+        return ctx.rank
+
+
+@dataclass(frozen=True)
+class ExitOn:
+    rank: int
+    code: int
+
+    def run(self, ctx: RankContext) -> int:
+        if ctx.rank == self.rank:
+            os._exit(self.code)
+        return ctx.rank
+
+
+@dataclass(frozen=True)
+class SleepOn:
+    rank: int
+    seconds: float
+
+    def run(self, ctx: RankContext) -> int:
+        if ctx.rank == self.rank:
+            time.sleep(self.seconds)
+        return ctx.rank

@@ -1,0 +1,378 @@
+"""``fo-tune calibrate`` and ``fo-tune profile`` end to end on gloo ranks, and the report files."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli import app
+from fo_kernels.fingerprint import current_fingerprint
+from fo_tune import report
+from fo_tune.calibration import (
+    CALIBRATION_SCHEMA_VERSION,
+    COLLECTIVES,
+    BandwidthPoint,
+    Calibration,
+    CurveFit,
+    GemmPoint,
+    InterferencePoint,
+    fit_all,
+    load_calibration,
+)
+from fo_tune.cli.calibrate import COLLECTIVE_NAMES
+from fo_tune.report import OutputError, check_writable, write_calibration_dir, write_profile_csv
+from fo_tune.space import packaged_spaces_dir
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+FILES = {
+    "bandwidth.csv",
+    "interference.csv",
+    "gemm_profile.csv",
+    "fits.csv",
+    "calibration.yaml",
+    "bandwidth.png",
+    "interference.png",
+}
+BANDWIDTH_HEADER = [
+    "collective",
+    "nccl_max_ctas",
+    "size_bytes",
+    "time_ms",
+    "spread_ms",
+    "algbw_GBs",
+    "busbw_GBs",
+    "device_key",
+]
+
+
+def _isolate(mp: pytest.MonkeyPatch, root: Path) -> None:
+    """No user or shared table interferes (the spawned ranks inherit the environment)."""
+    mp.setenv("FO_TUNE_TABLE_DIR", str(root / "tables"))
+    mp.setenv("XDG_DATA_HOME", str(root / "xdg"))
+    mp.delenv("FO_TUNE_DEBUG", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    _isolate(monkeypatch, tmp_path)
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def calibrate(*args: str):
+    return CliRunner().invoke(app, ["calibrate", "--backend", "gloo", *args])
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One ``calibrate --world-size 2 --quick`` run that several tests read."""
+    root = tmp_path_factory.mktemp("quick")
+    with pytest.MonkeyPatch.context() as mp:
+        _isolate(mp, root)
+        out = root / "cal"
+        result = calibrate("--world-size", "2", "--quick", "--out", str(out))
+    return result, out
+
+
+def read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    return rows[0], [dict(zip(rows[0], row, strict=True)) for row in rows[1:]]
+
+
+def assert_one_line_error(result, code: int = 2) -> str:
+    assert result.exit_code == code, (result.exit_code, result.output)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), lines
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------ calibrate, end to end
+def test_quick_calibration_writes_every_file(quick_run):
+    result, out = quick_run
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert {p.name for p in out.iterdir()} == FILES
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporary leftovers
+    for name in ("bandwidth.png", "interference.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for word in ("bandwidth", "interference", "GEMM", "busbw", "slowdown", "cuBLAS", "wrote 7 files"):
+        assert word in result.stdout, word
+
+
+def test_quick_calibration_csv_columns(quick_run):
+    _, out = quick_run
+    key = current_fingerprint("cpu", 2).device_key
+    header, rows = read_csv(out / "bandwidth.csv")
+    assert header == BANDWIDTH_HEADER
+    assert {r["collective"] for r in rows} == set(COLLECTIVES)
+    for collective in COLLECTIVES:
+        assert max(float(r["busbw_GBs"]) for r in rows if r["collective"] == collective) > 0
+    assert {r["device_key"] for r in rows} == {key}
+    for name, kind in (
+        ("interference.csv", InterferencePoint),
+        ("gemm_profile.csv", GemmPoint),
+        ("fits.csv", CurveFit),
+    ):
+        header, rows = read_csv(out / name)
+        assert header == [f.name for f in fields(kind)] + ["device_key"], name
+        assert rows and {r["device_key"] for r in rows} == {key}, name
+    _, gemm = read_csv(out / "gemm_profile.csv")
+    times = [float(r["time_ms"]) for r in gemm if r["status"] == "ok"]
+    assert times and times == sorted(times)
+
+
+def test_quick_calibration_yaml(quick_run):
+    _, out = quick_run
+    cal = load_calibration(out / "calibration.yaml")
+    assert cal.schema_version == CALIBRATION_SCHEMA_VERSION
+    assert cal.fingerprint == current_fingerprint("cpu", 2)
+    assert cal.world_size == 2 and cal.quick and cal.dtype == "bfloat16" and cal.space == "default"
+    assert {p.collective for p in cal.bandwidth} == set(COLLECTIVES)
+    assert {(f.collective, f.nccl_max_ctas) for f in cal.fits} == {(c, 0) for c in COLLECTIVES}
+    assert cal.interference
+    for p in cal.interference:
+        assert p.comm_slowdown > 0 and p.gemm_slowdown > 0
+        assert not p.concurrent  # the CPU runs the two one after the other
+    assert cal.gemm and all(p.status == "ok" and p.cublas_ms > 0 for p in cal.gemm)
+
+
+def test_three_ranks_two_collectives(tmp_path):
+    out = tmp_path / "tp3"
+    result = calibrate(
+        "--world-size", "3", "--quick", "--collectives", "all_reduce,reduce_scatter", "--out", str(out)
+    )
+    assert result.exit_code == 0, (result.output, result.exception)
+    cal = load_calibration(out / "calibration.yaml")
+    assert cal.world_size == 3 and cal.fingerprint.world_size == 3
+    assert {p.collective for p in cal.bandwidth} == {"all_reduce", "reduce_scatter"}
+    _, rows = read_csv(out / "bandwidth.csv")
+    for r in rows:  # nccl-tests: busbw = algbw * 2(n-1)/n for all_reduce, (n-1)/n otherwise
+        factor = 4 / 3 if r["collective"] == "all_reduce" else 2 / 3
+        assert math.isclose(float(r["busbw_GBs"]), float(r["algbw_GBs"]) * factor, rel_tol=1e-4)
+
+
+def test_default_out_then_a_rerun_replaces_the_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ("--world-size", "2", "--quick", "--collectives", "all_reduce")
+    assert calibrate(*args).exit_code == 0
+    out = Path("results/calibration") / current_fingerprint("cpu", 2).device_key / "tp2"
+    assert {p.name for p in out.iterdir()} == FILES
+    first = out.stat().st_ino
+    (out / "fits.csv").unlink()  # the new folder comes whole, not merged with the old one
+    second = calibrate(*args, "--out", str(out))
+    assert second.exit_code == 0, (second.output, second.exception)
+    assert out.stat().st_ino != first
+    assert {p.name for p in out.iterdir()} == FILES
+    assert [p.name for p in out.parent.iterdir()] == ["tp2"]  # no .tmp- or .old- folder left
+
+
+# ------------------------------------------------------------------------------------- bad input
+def test_unknown_collective_is_exit_2_naming_the_valid_ones(tmp_path):
+    out = tmp_path / "never"
+    line = assert_one_line_error(calibrate("--collectives", "all_reduce,all_sum", "--out", str(out)))
+    assert "all_sum" in line and all(name in line for name in COLLECTIVES)
+    assert not out.exists()
+
+
+def test_cli_collective_names_match_the_library():
+    assert COLLECTIVE_NAMES == COLLECTIVES
+
+
+@pytest.mark.skipif(GPUS >= 2, reason="two GPUs are visible, so NCCL with 2 ranks is valid here")
+def test_nccl_without_enough_gpus_is_exit_2(runner, tmp_path):
+    out = tmp_path / "never"
+    args = ["calibrate", "--backend", "nccl", "--world-size", "2", "--out", str(out)]
+    line = assert_one_line_error(runner.invoke(app, args))
+    assert f"world size 2 needs 2 GPUs, {GPUS} visible" in line and "--backend gloo" in line
+    assert not out.exists()
+
+
+def test_out_under_a_read_only_folder_is_exit_2(tmp_path, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    if os.geteuid() == 0:  # root writes anyway: make the check see what any other user would
+        real = os.access
+        monkeypatch.setattr(
+            os,
+            "access",
+            lambda p, mode, **kw: False if Path(p) == locked and mode & os.W_OK else real(p, mode, **kw),
+        )
+    try:
+        line = assert_one_line_error(calibrate("--out", str(locked / "a" / "cal")))
+        assert "not writable" in line and str(locked) in line
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o700)
+
+
+def test_out_that_is_a_file_is_exit_2(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("keep me")
+    line = assert_one_line_error(calibrate("--out", str(target)))
+    assert "is a file" in line
+    assert target.read_text() == "keep me" and [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+def test_out_with_foreign_files_is_never_replaced(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    line = assert_one_line_error(calibrate("--out", str(out)))
+    assert "notes.txt" in line
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_malformed_space_is_exit_2_naming_the_key(tmp_path):
+    text = (packaged_spaces_dir() / "default.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("sms_free: [0, 8, 16, 24]", "sms_free: [0, -8]"))
+    line = assert_one_line_error(calibrate("--space", str(bad), "--out", str(tmp_path / "never")))
+    assert "sms_free[1]" in line and "bad.yaml" in line
+    missing = assert_one_line_error(calibrate("--space", str(tmp_path / "nope.yaml")))
+    assert "nope.yaml" in missing
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize(
+    "args", [["--dtype", "int8"], ["--backend", "mpi"], ["--world-size", "0"], ["--collectives", ","]]
+)
+def test_bad_options_are_exit_2(args):
+    line = assert_one_line_error(calibrate(*args))  # a later --backend overrides calibrate()'s gloo
+    assert args[0] in line
+
+
+# --------------------------------------------------------------------------------------- profile
+def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
+    out = tmp_path / "p" / "profile.csv"
+    result = runner.invoke(app, ["profile", "--shape", "32x48x40", "--out", str(out)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    header, rows = read_csv(out)
+    assert header == [f.name for f in fields(GemmPoint)] + ["device_key"]
+    assert "cublas_ms" in header and rows
+    assert {(r["m"], r["n"], r["k"]) for r in rows} == {("32", "48", "40")}
+    assert {int(r["sms_free"]) for r in rows} == {0, 2}  # 0 and the cpu section's sms_free
+    times = [float(r["time_ms"]) for r in rows if r["status"] == "ok"]
+    assert len(times) == len(rows) and times == sorted(times)
+    assert all(float(r["cublas_ms"]) > 0 for r in rows)
+    assert {r["device_key"] for r in rows} == {current_fingerprint("cpu", 1).device_key}
+    assert "cuBLAS" in result.stdout and str(out) in result.stdout.replace("\n", "")
+
+
+@pytest.mark.parametrize("shape", ["0x1x1", "32x48", "axbxc"])
+def test_profile_bad_shape_is_exit_2(runner, shape):
+    line = assert_one_line_error(runner.invoke(app, ["profile", "--shape", shape]))
+    assert "--shape" in line
+
+
+# ---------------------------------------------------------------------------------- report module
+def _calibration() -> Calibration:
+    fp = current_fingerprint("cpu", 2)
+    cal = Calibration(fingerprint=fp, world_size=2, dtype="float32", space="t", quick=True, created="now")
+    cal.bandwidth = [
+        BandwidthPoint.measured(c, cap, size, 0.1 + size / 1e7, 0.01, 2)
+        for c in ("all_reduce", "all_to_all")
+        for cap in (0, 8)
+        for size in (1 << 12, 1 << 16, 1 << 20)
+    ]
+    cal.fits = fit_all(cal.bandwidth)
+    cal.interference = [
+        InterferencePoint(
+            collective="all_reduce",
+            sms_free=r,
+            nccl_max_ctas=cap,
+            size_bytes=1 << 20,
+            gemm_m=64,
+            gemm_n=64,
+            gemm_k=64,
+            gemm_alone_ms=1.0,
+            gemm_contended_ms=1.2,
+            comm_alone_ms=0.2,
+            comm_contended_ms=0.5,
+            gemm_slowdown=1.2,
+            comm_slowdown=2.5,
+            comm_during_gemm=r > cap,
+            concurrent=True,
+        )
+        for r, cap in ((8, 0), (16, 8), (16, 16))
+    ]
+    return cal
+
+
+def _gemm_point(time_ms: float, status: str = "ok") -> GemmPoint:
+    return GemmPoint(
+        m=64, n=64, k=64, tile="t", block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1,
+        warp_specialize=False, sms_free=0, grid=4, time_ms=time_ms, spread_ms=0.0, cublas_ms=0.5, rel_err=0.0,
+        status=status,
+    )  # fmt: skip
+
+
+def test_a_failed_write_leaves_the_old_folder_untouched(tmp_path, monkeypatch):
+    out = tmp_path / "cal"
+    write_calibration_dir(_calibration(), out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def broken(cal, path):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(report, "_plot_interference", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_calibration_dir(_calibration(), out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["cal"]
+    with pytest.raises(RuntimeError):  # a new folder, and the folders made for it, disappear
+        write_calibration_dir(_calibration(), tmp_path / "new" / "deeper" / "cal")
+    assert [p.name for p in tmp_path.iterdir()] == ["cal"]
+
+
+def test_default_out_dir_and_summaries():
+    cal = _calibration()
+    assert report.default_out_dir(cal) == Path("results/calibration") / cal.fingerprint.device_key / "tp2"
+    rows = report.bandwidth_summary(cal)
+    assert [(r.collective, r.nccl_max_ctas, r.size_bytes) for r in rows] == [
+        (c, cap, 1 << 20) for c in ("all_reduce", "all_to_all") for cap in (0, 8)
+    ]
+    assert all(r.latency_ms >= 0 and r.bandwidth_gbs > 0 for r in rows)
+    assert [(r.sms_free, r.nccl_max_ctas, r.comm_during_gemm) for r in report.interference_summary(cal)] == [
+        (8, 0, True),
+        (16, 8, True),
+        (16, 16, False),
+    ]
+    best = report.gemm_summary([_gemm_point(2.0), _gemm_point(math.nan, "skipped: x"), _gemm_point(1.0)])
+    assert best[0].best.time_ms == 1.0 and (best[0].measured, best[0].total) == (2, 3)
+
+
+def test_write_profile_csv_sorts_skipped_last(tmp_path):
+    points = [
+        _gemm_point(math.nan, "skipped: OutOfResources: shared memory"),
+        _gemm_point(3.0),
+        _gemm_point(1.0),
+    ]
+    path = write_profile_csv(points, tmp_path / "a" / "p.csv", "key")
+    _, rows = read_csv(path)
+    assert [r["status"] for r in rows] == ["ok", "ok", "skipped: OutOfResources: shared memory"]
+    assert [r["time_ms"] for r in rows] == ["1", "3", "nan"]
+    assert [p.name for p in path.parent.iterdir()] == ["p.csv"]
+
+
+def test_check_writable(tmp_path):
+    check_writable(tmp_path / "new" / "deeper")  # created later
+    check_writable(tmp_path)  # empty: may be replaced
+    (tmp_path / "bandwidth.csv").write_text("")
+    check_writable(tmp_path)  # an earlier calibration: may be replaced
+    (tmp_path / "file").write_text("")
+    for bad in (tmp_path, tmp_path / "file", tmp_path / "file" / "below", Path("."), Path.cwd().parent):
+        with pytest.raises(OutputError):
+            check_writable(bad)
