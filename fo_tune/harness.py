@@ -38,8 +38,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .launch import POLL_S, SAFE_ENV, LaunchError, RankContext, in_torchrun, pick_backend, torchrun_context
+from .launch import SAFE_ENV, LaunchError, RankContext, in_torchrun, pick_backend, torchrun_context
 
+# How often the driver checks for dead ranks while it waits for results.
+POLL_S = 0.5
 # How long a rank may take to join the process group and answer the first ping.
 STARTUP_TIMEOUT_S = 300.0
 # Default per-task limit; a measurement sweep is split into tasks well under it.
