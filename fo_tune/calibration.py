@@ -19,8 +19,6 @@ refuses an unknown schema version or a malformed file with a ``CalibrationError`
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -29,6 +27,7 @@ from typing import Any
 import yaml
 
 from fo_kernels.errors import FoTuneError
+from fo_kernels.files import atomic_write, read_yaml
 from fo_kernels.fingerprint import Fingerprint
 
 CALIBRATION_SCHEMA_VERSION = 1
@@ -37,7 +36,11 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
 class CalibrationError(FoTuneError, ValueError):
-    """A calibration file that is missing, malformed or of an unknown schema."""
+    """A calibration file that is malformed or of an unknown schema."""
+
+
+class CalibrationNotFoundError(CalibrationError, FileNotFoundError):
+    """A calibration file that does not exist."""
 
 
 def bus_factor(collective: str, world_size: int) -> float:
@@ -246,27 +249,15 @@ def _point(kind: type, row: Any, where: str) -> Any:
 
 def save_calibration(cal: Calibration, path: Path) -> None:
     """Write ``cal`` as YAML atomically (temporary file in the same folder, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(cal.to_dict(), f, sort_keys=False, width=120)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: yaml.safe_dump(cal.to_dict(), f, sort_keys=False, width=120))
 
 
 def load_calibration(path: str | Path) -> Calibration:
     """Read and validate a calibration YAML."""
-    path = Path(path)
-    if not path.is_file():
-        raise CalibrationError(
-            f"{path}: no such calibration file; run `fo-tune calibrate` or pass --calibration"
-        )
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise CalibrationError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    data = read_yaml(
+        path,
+        error=CalibrationError,
+        missing=CalibrationNotFoundError,
+        missing_hint="no such calibration file; run `fo-tune calibrate` or pass --calibration",
+    )
     return Calibration.from_dict(data, source=str(path))

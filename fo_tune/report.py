@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fo_kernels.errors import FoTuneError
+from fo_kernels.files import atomic_write
 
 from .calibration import (
     BandwidthPoint,
@@ -194,11 +195,15 @@ def _cell(value: Any) -> Any:
     return value
 
 
+def _write_rows(f: Any, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    writer = csv.writer(f, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows([_cell(v) for v in row] for row in rows)
+
+
 def _write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     with path.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(header)
-        writer.writerows([_cell(v) for v in row] for row in rows)
+        _write_rows(f, header, rows)
 
 
 def _time_key(p: GemmPoint) -> tuple[bool, float]:
@@ -229,18 +234,9 @@ def write_profile_csv(points: list[GemmPoint], path: str | Path, device_key: str
     path = Path(path)
     check_writable_file(path)
     target = Path(os.path.abspath(path))
+    rows = _rows(sorted(points, key=_time_key), GEMM_COLUMNS[:-1], device_key)
     with _made_parents(target.parent):
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        os.close(fd)
-        try:
-            _write_csv(
-                Path(tmp), GEMM_COLUMNS, _rows(sorted(points, key=_time_key), GEMM_COLUMNS[:-1], device_key)
-            )
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(target, lambda f: _write_rows(f, GEMM_COLUMNS, rows))
     return path
 
 

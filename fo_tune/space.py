@@ -21,9 +21,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
-import yaml
-
 from fo_kernels.errors import FoTuneError, ScheduleError
+from fo_kernels.files import read_yaml
 from fo_kernels.schedule import LAYOUTS, WAIT_MODES, Tile
 
 __all__ = [
@@ -398,19 +397,12 @@ def packaged_spaces_dir() -> Path:
 
 def load_space(path: str | Path) -> SearchSpace:
     """Read and validate one search space file."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpaceNotFoundError(
-            f"{path}: no search space file here; the shipped ones are in {packaged_spaces_dir()}"
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpaceError(f"{path}: cannot read: {exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpaceError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    data = read_yaml(
+        path,
+        error=SpaceError,
+        missing=SpaceNotFoundError,
+        missing_hint=f"no search space file here; the shipped ones are in {packaged_spaces_dir()}",
+    )
     return SearchSpace.from_dict(data, source=str(path))
 
 

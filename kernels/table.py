@@ -30,9 +30,7 @@ unchanged file is parsed once and a rewritten one (``save_table`` renames) is re
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 import threading
 import warnings
 from collections import OrderedDict
@@ -53,6 +51,7 @@ from .errors import (
     TableNotFoundError,
     VersionDriftWarning,
 )
+from .files import atomic_write, read_yaml
 from .fingerprint import Fingerprint, current_fingerprint, resolve_device
 from .heuristics import default_schedule
 from .schedule import COLLECTIVES, DTYPES, Schedule
@@ -81,8 +80,6 @@ _TOP_KEYS = ("schema_version", "kind", "fingerprint", "collective", "world_size"
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # Loaded tables kept by lookup_schedule; a few (device, collective, world, dtype) files per process.
 _CACHE_SIZE = 64
-# Permissions of a saved table (a temporary file is created 0600; tables are meant to be shared).
-_TABLE_MODE = 0o644
 
 
 def _check_name(name: str, value: Any, valid: tuple[str, ...]) -> str:
@@ -279,20 +276,13 @@ class ScheduleTable:
 # ------------------------------------------------------------------------------- load and save
 def load_table(path: str | os.PathLike[str]) -> ScheduleTable:
     """Read and validate one table file."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise TableNotFoundError(
-            f"{path}: no schedule table here; write one with `fo-tune search`, or set {TABLE_DIR_ENV} "
-            "to a folder that has one"
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TableError(f"{path}: cannot read: {exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise TableError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    data = read_yaml(
+        path,
+        error=TableError,
+        missing=TableNotFoundError,
+        missing_hint=f"no schedule table here; write one with `fo-tune search`, or set {TABLE_DIR_ENV} "
+        "to a folder that has one",
+    )
     return ScheduleTable.from_dict(data, source=str(path))
 
 
@@ -329,23 +319,10 @@ def _readable(data: dict[str, Any]) -> dict[str, Any]:
 
 def save_table(table: ScheduleTable, path: str | os.PathLike[str]) -> None:
     """Write ``table`` as YAML: a temporary file in the same folder, then an atomic rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = table.to_dict()
     data["rows"] = [_readable(row) for row in data["rows"]]
     text = yaml.dump(data, Dumper=_TableDumper, sort_keys=False, default_flow_style=False, width=110)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _TABLE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: f.write(text))
 
 
 def check_fingerprint(table: ScheduleTable, current: Fingerprint, *, source: str) -> None:

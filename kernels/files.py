@@ -1,0 +1,58 @@
+"""Reading YAML files and replacing files atomically: the one implementation every file fo-tune
+writes or reads goes through (schedule tables, search spaces, calibrations, reports)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Permissions of a written file: a temporary file is created 0600, and these files are meant to be
+# shared (tables, calibrations and reports are read by other users and committed).
+FILE_MODE = 0o644
+
+
+def atomic_write(
+    path: str | os.PathLike[str], write: Callable[[Any], None], *, mode: int = FILE_MODE
+) -> Path:
+    """Create ``path`` (and its folders) by ``write(file)`` on a temporary file in the same folder,
+    flushed to disk, then renamed over ``path``: readers see the old file or the new one, never
+    half of one; on any error the temporary file is removed and ``path`` is untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def read_yaml(
+    path: str | os.PathLike[str], *, error: type[Exception], missing: type[Exception], missing_hint: str
+) -> Any:
+    """``yaml.safe_load`` of ``path``. A missing file raises ``missing`` ("<path>: <missing_hint>"),
+    an unreadable or malformed one ``error`` with the path and the reason on one line."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise missing(f"{path}: {missing_hint}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: cannot read: {exc}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
