@@ -134,10 +134,10 @@ def _overlapped(
             mark(f"ready{g}", comm)
             c0, c1 = plan.chunk_range(g)
             if collective == "all_reduce":
-                runtime.all_reduce(buf[c0:c1], comm_group)
+                dist.all_reduce(buf[c0:c1], group=comm_group)
             else:
                 p0, p1 = plan.part_range(g)
-                runtime.reduce_scatter(parts[p0:p1], buf[c0:c1], comm_group)
+                reduce_scatter_tensor(parts[p0:p1], buf[c0:c1], group=comm_group)
             mark(f"group{g}", comm)
     if comm is not None:
         main.wait_stream(comm)

@@ -116,14 +116,6 @@ class OverlapRuntime:
             )
         return self._capped[max_ctas]
 
-    def all_reduce(self, chunk: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-        """Sum ``chunk`` in place over ``group``; the current stream is ordered after it, the host is not."""
-        dist.all_reduce(chunk, group=group)
-
-    def reduce_scatter(self, out: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-        """``out`` = this rank's 1/world slice of the sum of ``chunk`` over ``group``."""
-        reduce_scatter_tensor(out, chunk, group=group)
-
     def waiter(self, mode: str) -> Waiter:
         """The waiter for ``mode`` on this device (made once; see ``fo_kernels.wait``)."""
         if mode not in self._waiters:
