@@ -13,6 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
+from cli_checks import assert_one_line_error
 from fo_kernels.fingerprint import current_fingerprint
 from fo_tune import report
 from fo_tune.calibration import (
@@ -88,15 +89,6 @@ def read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
     with path.open(newline="") as f:
         rows = list(csv.reader(f))
     return rows[0], [dict(zip(rows[0], row, strict=True)) for row in rows[1:]]
-
-
-def assert_one_line_error(result, code: int = 2) -> str:
-    assert result.exit_code == code, (result.exit_code, result.output)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: "), lines
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 # ------------------------------------------------------------------------------ calibrate, end to end

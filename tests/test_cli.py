@@ -10,6 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from cli import app
+from cli_checks import assert_one_line_error
 from fo_kernels.errors import ShapeError, TableNotFoundError
 from fo_tune.cli.common import parse_shape, run_cli
 from fo_tune.demo import run_demo
@@ -29,15 +30,6 @@ def _isolated_tables(tmp_path, monkeypatch):
 @pytest.fixture
 def runner() -> CliRunner:
     return CliRunner()
-
-
-def assert_one_line_error(result, code: int = 2) -> str:
-    assert result.exit_code == code, (result.exit_code, result.output)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: "), lines
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 def test_help_describes_the_product(runner):
