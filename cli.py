@@ -5,7 +5,7 @@ This module only wires the command modules of ``fo_tune.cli``; each calls a libr
 
 import typer
 
-from fo_tune.cli import calibrate, demo, profile
+from fo_tune.cli import bench, calibrate, demo, profile, search, table
 
 HELP = "\n\n".join(
     [
@@ -13,10 +13,11 @@ HELP = "\n\n".join(
         "The flow: calibrate the machine -> model GEMM and collective times under contention -> search "
         "schedules (tiles, SMs left to NCCL, wave groups) -> write schedule tables -> the runtime "
         "(fo_kernels.gemm_all_reduce / gemm_reduce_scatter) looks them up.",
-        "Available now: calibrate (bandwidth curves, interference table and GEMM tile profiles of "
-        "this machine, written as CSVs, a calibration YAML and plots), profile (every tile config "
-        "of the search space for one shape, next to cuBLAS) and demo (check and time the runtime on "
-        "local ranks).",
+        "Commands: calibrate (bandwidth curves, interference table and GEMM tile profiles of this "
+        "machine), profile (every tile config of the search space for one shape, next to cuBLAS), "
+        "search (tune schedules: measured, predicted offline from a calibration, or both; writes the "
+        "tables), table (show, validate, diff tables), bench (fo-tune next to every alternative, "
+        "side by side) and demo (check and time the runtime on local ranks).",
     ]
 )
 
@@ -27,7 +28,10 @@ app = typer.Typer(
 
 calibrate.register(app)
 profile.register(app)
+search.register(app)
 demo.register(app)
+table.register(app)
+bench.register(app)
 
 
 def main() -> None:

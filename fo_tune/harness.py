@@ -13,6 +13,7 @@
   process group when the pool closes.
 - A rank that raises, dies or hangs ends the command within ``timeout_s`` with ``LaunchError``
   naming the rank (its traceback attached); the pool is then closed and every process stopped.
+  Spawned ranks also exit on their own when the driver dies without closing the pool (SIGKILL).
 
 Tasks are picklable objects with ``run(ctx) -> result`` (``Task``); they run on every rank at
 once, so any collective inside them is matched. ``time_region`` is the timing helper tasks use:
@@ -152,8 +153,14 @@ def _serve(rank: int, world: int, backend: str, init_file: str, inbox, outbox) -
         )
         ctx = RankContext(rank, world, device, backend)
         outbox.put((rank, -1, True, None))  # ready
+        parent = os.getppid()
         while True:
-            item = inbox.get()
+            try:
+                item = inbox.get(timeout=POLL_S)
+            except queue.Empty:
+                if os.getppid() != parent:  # the driver was killed (SIGKILL skips its clean-up)
+                    raise SystemExit(1) from None
+                continue
             if item is None:
                 break
             seq, task = item

@@ -117,9 +117,9 @@ def gemm_runner(
 
 def gemm_operands(m: int, n: int, k: int, dtype: str, device: torch.device, seed: int) -> tuple:
     """Random (never zero) A (M, K) and B as the transposed view of an (N, K) weight."""
-    gen = torch.Generator().manual_seed(seed)
-    a = torch.randn(m, k, generator=gen).to(DTYPES[dtype]).to(device)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DTYPES[dtype]).to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)  # on the device: large shapes stay fast
+    a = torch.randn(m, k, generator=gen, device=device).to(DTYPES[dtype])
+    w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(DTYPES[dtype])
     return a, w.t()
 
 
@@ -245,4 +245,104 @@ class InterferenceTask:
             comm_with=sorted(comm_ms)[len(comm_ms) // 2],
             comm_during_gemm=sum(during) * 2 > len(during),
             concurrent=True,
+        )
+
+
+def _collective_fp32(collective: str, full: torch.Tensor, world: int) -> torch.Tensor:
+    """The float32 reference collective of a full (M, N) product (default process group)."""
+    if collective == "all_reduce":
+        dist.all_reduce(full)
+        return full
+    out = torch.empty((full.shape[0] // world, full.shape[1]), dtype=full.dtype, device=full.device)
+    reduce_scatter_tensor(out, full)
+    return out
+
+
+# Operand sets each schedule is checked on before it is timed: the op allocates its output with
+# torch.empty, which can hand back a block still holding the previous correct result; a second,
+# different input set makes such a stale result fail the check.
+CHECK_INPUT_SETS = 2
+
+
+@dataclass(frozen=True)
+class OverlapTrialTask:
+    """One schedule of the search on every rank: checked on fresh random inputs against
+    ``collective_fp32(a.float() @ b.float())``, then timed back to back (ranks agree on counts)."""
+
+    schedule: Schedule
+    m: int
+    n: int
+    k: int
+    seed: int
+    warmup: int = 3
+    reps: int = 10
+
+    def run(self, ctx: RankContext) -> dict[str, Any]:
+        from fo_kernels.overlap import gemm_all_reduce, gemm_reduce_scatter
+
+        s = self.schedule
+        op = gemm_all_reduce if s.collective == "all_reduce" else gemm_reduce_scatter
+        worst, nan = 0.0, False
+        a = b = None
+        for i in range(CHECK_INPUT_SETS):
+            seed = (self.seed * 1009 + i) * 1009 + ctx.rank
+            a, b = gemm_operands(self.m, self.n, self.k, s.dtype, ctx.device, seed)
+            out = op(a, b, schedule=s)
+            ref = _collective_fp32(s.collective, a.float() @ b.float(), ctx.world_size)
+            nan = nan or bool(out.isnan().any())
+            worst = max(worst, rel_err(out, ref))
+        # every rank must agree before any of them times (a failing rank must not leave the others
+        # waiting in a timed collective)
+        flag = torch.tensor([worst if not nan else float("inf")], device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        ok = bool(flag.item() < GEMM_TOL[s.dtype])
+        timing = None
+        if ok:
+            timing = time_region(
+                lambda: op(a, b, schedule=s), ctx.device, warmup=self.warmup, reps=self.reps, agree=True
+            )
+        return dict(rel_err=worst, has_nan=nan, ok=ok, timing=timing)
+
+
+@dataclass(frozen=True)
+class SequentialTask:
+    """The baselines of one shape: cuBLAS GEMM alone, the collective alone (NCCL's default
+    communicator) and GEMM then collective, the last checked against the float32 reference."""
+
+    collective: str
+    m: int
+    n: int
+    k: int
+    dtype: str
+    seed: int
+    warmup: int = 3
+    reps: int = 10
+
+    def run(self, ctx: RankContext) -> dict[str, Any]:
+        a, b = gemm_operands(self.m, self.n, self.k, self.dtype, ctx.device, self.seed * 1009 + ctx.rank)
+        world = ctx.world_size
+        full = a @ b
+        comm = collective_call(
+            self.collective, full.numel() * full.element_size(), full.dtype, ctx.device, world, None
+        )
+
+        def sequential() -> torch.Tensor:
+            out = a @ b
+            if self.collective == "all_reduce":
+                dist.all_reduce(out)
+                return out
+            part = torch.empty((self.m // world, self.n), dtype=out.dtype, device=out.device)
+            reduce_scatter_tensor(part, out)
+            return part
+
+        got = sequential()
+        ref = _collective_fp32(self.collective, a.float() @ b.float(), world)
+        err = rel_err(got, ref)
+        kw = dict(warmup=self.warmup, reps=self.reps)
+        return dict(
+            rel_err=err,
+            has_nan=bool(got.isnan().any()),
+            gemm=time_region(lambda: a @ b, ctx.device, **kw),
+            comm=time_region(comm, ctx.device, agree=True, **kw),
+            sequential=time_region(sequential, ctx.device, agree=True, **kw),
         )

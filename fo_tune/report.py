@@ -125,7 +125,7 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def _check_ancestor(path: Path, shown: Path) -> None:
+def check_ancestor(path: Path, shown: Path) -> None:
     """The nearest existing folder above ``path`` must be a writable folder."""
     base = _nearest_existing(path.parent)
     if not base.is_dir():
@@ -158,7 +158,7 @@ def check_writable(out_dir: str | Path) -> None:
         for folder in (path.parent, path):
             if not os.access(folder, os.W_OK | os.X_OK):
                 raise OutputError(f"cannot replace {shown}: {folder} is not writable; choose another --out")
-    _check_ancestor(path, shown)
+    check_ancestor(path, shown)
 
 
 def check_writable_file(path: str | Path) -> None:
@@ -167,11 +167,11 @@ def check_writable_file(path: str | Path) -> None:
     target = Path(os.path.abspath(path))
     if target.is_dir():
         raise OutputError(f"--out {shown} is a folder; give a file name")
-    _check_ancestor(target, shown)
+    check_ancestor(target, shown)
 
 
 @contextlib.contextmanager
-def _made_parents(folder: Path):
+def made_parents(folder: Path):
     """Create ``folder`` and its missing ancestors; remove the ones created (if still empty) on error."""
     missing = []
     probe = Path(os.path.abspath(folder))
@@ -195,7 +195,7 @@ def _cell(value: Any) -> Any:
     return value
 
 
-def _write_rows(f: Any, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+def write_rows(f: Any, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     writer = csv.writer(f, lineterminator="\n")
     writer.writerow(header)
     writer.writerows([_cell(v) for v in row] for row in rows)
@@ -203,7 +203,7 @@ def _write_rows(f: Any, header: Sequence[str], rows: Iterable[Sequence[Any]]) ->
 
 def _write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     with path.open("w", newline="", encoding="utf-8") as f:
-        _write_rows(f, header, rows)
+        write_rows(f, header, rows)
 
 
 def _time_key(p: GemmPoint) -> tuple[bool, float]:
@@ -235,8 +235,8 @@ def write_profile_csv(points: list[GemmPoint], path: str | Path, device_key: str
     check_writable_file(path)
     target = Path(os.path.abspath(path))
     rows = _rows(sorted(points, key=_time_key), GEMM_COLUMNS[:-1], device_key)
-    with _made_parents(target.parent):
-        atomic_write(target, lambda f: _write_rows(f, GEMM_COLUMNS, rows))
+    with made_parents(target.parent):
+        atomic_write(target, lambda f: write_rows(f, GEMM_COLUMNS, rows))
     return path
 
 
@@ -254,7 +254,7 @@ def _cap_label(cap: int) -> str:
     return "default" if cap == 0 else f"{cap} CTAs"
 
 
-def _figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Any, Any]:
+def figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Any, Any]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -270,7 +270,7 @@ def _plot_bandwidth(cal: Calibration, path: Path) -> None:
     collectives = list(dict.fromkeys(p.collective for p in cal.bandwidth))
     ncols = min(2, max(1, len(collectives)))
     nrows = max(1, math.ceil(len(collectives) / ncols))
-    fig, axes = _figure(nrows, ncols, 5.5, 3.8)
+    fig, axes = figure(nrows, ncols, 5.5, 3.8)
     fig.suptitle(f"bus bandwidth, {cal.world_size} ranks, {cal.fingerprint.device_key}")
     flat = [ax for row in axes for ax in row]
     for ax, collective in zip(flat, collectives, strict=False):
@@ -321,7 +321,7 @@ def _heat(
 
 def _plot_interference(cal: Calibration, path: Path) -> None:
     groups = list(dict.fromkeys((p.collective, p.size_bytes) for p in cal.interference))
-    fig, axes = _figure(max(1, len(groups)), 2, 4.8, 3.4)
+    fig, axes = figure(max(1, len(groups)), 2, 4.8, 3.4)
     concurrent = all(p.concurrent for p in cal.interference)
     how = "concurrent" if concurrent else "CPU: run one after the other, not concurrently"
     fig.suptitle(f"interference ({how}), {cal.world_size} ranks, {cal.fingerprint.device_key}")
@@ -359,7 +359,7 @@ def write_calibration_dir(cal: Calibration, out_dir: str | Path) -> list[Path]:
     """
     check_writable(out_dir)
     target = Path(os.path.abspath(out_dir))
-    with _made_parents(target.parent):
+    with made_parents(target.parent):
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             os.chmod(tmp, 0o755)
@@ -367,14 +367,14 @@ def write_calibration_dir(cal: Calibration, out_dir: str | Path) -> list[Path]:
             save_calibration(cal, tmp / "calibration.yaml")
             _plot_bandwidth(cal, tmp / "bandwidth.png")
             _plot_interference(cal, tmp / "interference.png")
-            _swap_in(tmp, target)
+            swap_in(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return [Path(out_dir) / name for name in CALIBRATION_FILES]
 
 
-def _swap_in(tmp: Path, out_dir: Path) -> None:
+def swap_in(tmp: Path, out_dir: Path) -> None:
     if not out_dir.exists():
         os.rename(tmp, out_dir)
         return

@@ -117,7 +117,7 @@ def table_path(
     return Path(root) / device_key / table_filename(collective, world_size, dtype)
 
 
-def _user_table_dir() -> Path:
+def user_table_dir() -> Path:
     data_home = os.environ.get("XDG_DATA_HOME")
     base = Path(data_home).expanduser() if data_home else Path.home() / ".local" / "share"
     return base / "fo-tune" / "tables"
@@ -137,7 +137,7 @@ def table_search_path() -> list[Path]:
     env = os.environ.get(TABLE_DIR_ENV)
     if env:
         folders.append(Path(env).expanduser())
-    folders.append(_user_table_dir())
+    folders.append(user_table_dir())
     packaged = _packaged_table_dir()
     if packaged is not None:
         folders.append(packaged)

@@ -261,14 +261,16 @@ class ProgressReporter:
         self._left[name] = total
         self._line(f"{name}: {total} steps")
 
-    def step(self, name: str, detail: str = "") -> None:
+    def step(self, name: str, detail: str = "", *, log: bool = True) -> None:
+        """Advance ``name``'s bar; ``log=False`` keeps the step out of the non-terminal log."""
         if name not in self._tasks:
             self.stage(name, 0)
         self._left[name] -= 1
         done = self._left[name] <= 0  # a finished bar just names its stage
         text = f"{name}: {detail}" if detail and not done else name
         self._progress.update(self._tasks[name], advance=1, description=text)
-        self._line(f"{name}: {detail or 'step'} done")
+        if log:
+            self._line(f"{name}: {detail or 'step'} done")
 
 
 # ----------------------------------------------------------------------------------- the summary

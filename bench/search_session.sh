@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Device calls on H200 x2 for the search and bench issues; one stage per call (each < 10 min).
+# Results land in $OUT/results.tgz (the device tool returns at most 8 files); summaries on stdout.
+#
+#   bash bench/search_session.sh calib   # GPU tests, full calibration (all tiles, AR + RS),
+#                                        # hybrid vs exhaustive on two suite shapes
+#   bash bench/search_session.sh tables  # hybrid search of the suite (both collectives) into
+#                                        # results/tables, M-range rows, bench twice
+#
+# The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
+# (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
+set -uo pipefail
+STAGE="${1:?stage: calib or tables}"
+KEY=nvidia-h200-cc90-132sm-w2-nvlink18
+CAL="results/calibration/$KEY/tp2/calibration.yaml"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONWARNINGS=ignore FO_TUNE_DEBUG=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 3
+mkdir -p /tmp/fk && ln -sfn "$PWD/kernels" /tmp/fk/fo_kernels && ln -sfn "$PWD/results" /tmp/fk/fo_results
+export PYTHONPATH="/tmp/site:/tmp/fk:$PWD"
+RES=/tmp/res; rm -rf "$RES"; mkdir -p "$RES"
+finish() { tar czf "$OUT/results.tgz" -C "$RES" . ; }
+trap finish EXIT
+t0=$SECONDS
+stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+
+if [ "$STAGE" = calib ]; then
+  stamp "GPU tests"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -x -m "gpu or multigpu" \
+    tests/test_gpu.py tests/test_search.py tests/test_bench.py 2>&1 | tee "$RES/pytest_gpu.log" | tail -4
+  stamp "calibrate (all tiles of search_spaces/hopper.yaml, all_reduce + reduce_scatter)"
+  timeout 330 python3 cli.py calibrate --world-size 2 --backend nccl -c all_reduce,reduce_scatter \
+    --out "$RES/calibration" > "$RES/calibrate.log" 2>&1
+  tail -40 "$RES/calibrate.log"
+  [ -f "$RES/calibration/calibration.yaml" ] && CAL="$RES/calibration/calibration.yaml"
+  SMALL=bench/h200_small_space.yaml
+  stamp "exhaustive (measure every point of $SMALL) vs hybrid (model top-9), 2 shapes, AR, calibration $CAL"
+  timeout 240 python3 cli.py search --mode measure --exhaustive --space $SMALL --calibration "$CAL" \
+    --shape 4096x8192x4096 --shape 16384x8192x4096 --out "$RES/exh" > "$RES/exhaustive.log" 2>&1
+  tail -14 "$RES/exhaustive.log"
+  timeout 100 python3 cli.py search --mode hybrid --top-k 9 --space $SMALL --calibration "$CAL" \
+    --shape 4096x8192x4096 --shape 16384x8192x4096 --out "$RES/exh" > "$RES/hybrid.log" 2>&1
+  tail -14 "$RES/hybrid.log"
+elif [ "$STAGE" = tables ]; then
+  export FO_TUNE_TABLE_DIR="$PWD/results/tables"
+  stamp "hybrid search: the suite, both collectives -> results/tables"
+  timeout 200 python3 cli.py search --mode hybrid --top-k 8 --calibration "$CAL" --shapes suites/h200_tp.yaml \
+    -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
+    > "$RES/search_suite.log" 2>&1
+  tail -30 "$RES/search_suite.log"
+  stamp "M-range rows: M = 512..16384 for the suite's (N, K)"
+  timeout 170 python3 cli.py search --mode hybrid --top-k 3 --trials 150 --calibration "$CAL" \
+    --shape 1x4096x4096 --shape 1x8192x4096 --shape 1x8192x14336 --shape 1x8192x8192 --m-range 512:16384 \
+    -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
+    > "$RES/search_mrange.log" 2>&1
+  tail -8 "$RES/search_mrange.log"
+  mkdir -p "$RES/tables" && cp -r results/tables/. "$RES/tables/"
+  cp -r results/search "$RES/search" 2>/dev/null
+  for i in 1 2; do
+    stamp "bench run $i"
+    timeout 110 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
+      --out "$RES/bench$i" > "$RES/bench$i.log" 2>&1
+    tail -30 "$RES/bench$i.log"
+  done
+else
+  echo "unknown stage $STAGE"; exit 2
+fi
+stamp done

@@ -1,0 +1,304 @@
+"""``fo-tune bench``: GEMM + collective done every way, checked then timed (library: ``fo_tune.bench``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.table import Table
+
+from .calibrate import (
+    ProgressReporter,
+    check_dtype,
+    expected_device_key,
+    fmt,
+    is_driver_process,
+    progress_bars,
+    resolve_backend,
+    summary_table,
+    triton_mode,
+)
+from .common import (
+    DTYPE_NAMES,
+    BackendOpt,
+    ShapesOpt,
+    WorldSizeOpt,
+    console,
+    handle_errors,
+    parse_shape,
+)
+
+if TYPE_CHECKING:
+    from fo_tune.bench import BenchRequest, BenchResult, BenchRow
+
+COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter")  # fo_tune.bench.COLLECTIVES
+
+HELP = "\n\n".join(
+    [
+        "Benchmark GEMM + collective every way it can run on this machine: each variant checked, "
+        "then timed, in one pool of --world-size ranks (spawned, or torchrun's).",
+        "Variants per shape and collective: gemm (cuBLAS a @ b alone); collective (NCCL alone on "
+        "the full M x N buffer); sequential (GEMM, then the collective); chunked (M split into 2, 4 "
+        "and 8 row chunks: GEMM chunk j, an event, the collective of chunk j on a high-priority "
+        "second stream; for reduce_scatter each chunk takes the same rows of every rank's shard; "
+        "the best count is the chunked row, each count is a chunked_c<C> row); async_tp "
+        "(reduce_scatter only: torch.ops.symm_mem.fused_matmul_reduce_scatter, reported "
+        "UNAVAILABLE with its reason where it cannot run); fo_tune (fo_kernels.gemm_all_reduce / "
+        "gemm_reduce_scatter with the schedule lookup_schedule returns: a table row, else the "
+        "heuristic default, recorded as schedule_source); ideal (max(gemm, collective): the "
+        "physical bound, derived, not run).",
+        "Checks: random operands (never zero, a seed per rank) against a float32 reference, "
+        "a.float() @ b.float() then the collective; a variant passes when nothing is NaN and the "
+        "relative error is below 1e-2 (bfloat16), 5e-3 (float16) or 1e-4 (float32) on every "
+        "rank. A failing variant is reported FAIL and not timed. Times: the median of --reps "
+        "samples per rank (CUDA events, the ranks agree on the calls per sample), the slowest "
+        "rank's; speedup = sequential ms / variant ms, fraction of ideal = ideal ms / variant ms. "
+        "reduce_scatter needs M divisible by the world size; other shapes give SKIP rows.",
+        "Shapes: --shape (repeat), or --suite FILE (suites/h200_tp.yaml: name, dtype, shapes; "
+        "odd_shapes too with --include-odd). Default: the shipped h200_tp suite on GPUs, 64x96x64 "
+        "on the CPU.",
+        "Writes bench.csv (one row per shape x collective x variant: device_key, world_size, dtype, "
+        "m, n, k, collective, variant, detail, status, rel_err, median_ms, spread_ms, "
+        "speedup_vs_sequential, fraction_of_ideal, schedule_source), bench.yaml (the same rows, the "
+        "hardware fingerprint, the settings, the wall time) and bench.png (speedup over sequential "
+        "per shape, one panel per collective) into --out (default "
+        "results/bench/<device-key>/tp<N>/), all at once, then prints a summary.",
+        "Without GPUs the ranks use gloo and fo_tune's GEMM runs in Triton's CPU interpreter; there "
+        "is no second stream, so the chunks run one after the other: the pipeline is checked, the "
+        "numbers describe the CPU.",
+        "Exit code 0 when every checked variant passes, 1 when one fails (the files are still "
+        "written) or a rank fails, 2 for bad options (nothing is run or written).",
+    ]
+)
+
+SuiteOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--suite",
+        metavar="FILE",
+        help="Suite YAML (name, dtype, shapes: [[M, N, K], ...]); instead of --shape. "
+        "Its dtype is the default for --dtype.",
+    ),
+]
+IncludeOddOpt = Annotated[
+    bool, typer.Option("--include-odd", help="Also run the suite's odd_shapes (needs --suite).")
+]
+CollectiveOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--collective",
+        "--collectives",
+        "-c",
+        metavar="NAME[,NAME]",
+        help=f"Collectives, repeated or comma-separated: {', '.join(COLLECTIVE_NAMES)}. Default: both.",
+    ),
+]
+BenchDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--dtype",
+        "-d",
+        help=f"Operand dtype: {', '.join(DTYPE_NAMES)}. Default: the suite's, else bfloat16 on GPUs "
+        "and float32 on the CPU (the interpreter's bfloat16 dot is wrong).",
+    ),
+]
+BenchRepsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--reps",
+        "-r",
+        help="Timed samples per variant (median reported), after warm-up calls. Default: 10 on GPUs "
+        "(each sample >= 1 ms of back-to-back calls), 3 on the CPU.",
+    ),
+]
+BenchOutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        "-o",
+        metavar="DIR",
+        help="Folder to write (created, or replaced when it holds an earlier bench run). "
+        "Default: results/bench/<device-key>/tp<N>.",
+    ),
+]
+BenchTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--timeout", help="Seconds one shape x collective may take on all ranks before the run is stopped."
+    ),
+]
+
+
+def parse_collectives(values: list[str] | None) -> tuple[str, ...]:
+    """Repeated and comma-separated names, in order, each once; unknown ones are an error."""
+    if not values:
+        return COLLECTIVE_NAMES
+    names = [part.strip() for value in values for part in value.split(",") if part.strip()]
+    for name in names:
+        if name not in COLLECTIVE_NAMES:
+            raise typer.BadParameter(
+                f"--collective: unknown collective {name!r}; choose from {', '.join(COLLECTIVE_NAMES)}"
+            )
+    if not names:
+        raise typer.BadParameter(f"--collective: no name given; choose from {', '.join(COLLECTIVE_NAMES)}")
+    return tuple(dict.fromkeys(names))
+
+
+def _request(
+    shapes: list[tuple[int, int, int]],
+    suite: Path | None,
+    include_odd: bool,
+    dtype: str | None,
+    backend: str,
+    **rest: object,
+) -> BenchRequest:
+    """The request: --shape, else --suite, else the default for the device (fo_tune.bench)."""
+    from fo_tune.bench import CPU_SHAPES, BenchRequest, load_suite, packaged_suite
+
+    name = ""
+    if not shapes:
+        if suite is None and backend != "nccl":
+            shapes = list(CPU_SHAPES)
+        else:
+            loaded = load_suite(suite or packaged_suite())
+            shapes = [*loaded.shapes, *(loaded.odd_shapes if include_odd else ())]
+            dtype, name = dtype or loaded.dtype, loaded.name
+    return BenchRequest(shapes=tuple(shapes), dtype=dtype, backend=backend, suite=name, **rest)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------- the summary
+def _cell(row: BenchRow | None) -> str:
+    """A variant's time, FAIL (red), n/a (unavailable) or - (skipped)."""
+    if row is None:
+        return "-"
+    if row.status == "PASS":
+        return fmt(row.median_ms)
+    return {"FAIL": "[bold red]FAIL[/]", "UNAVAILABLE": "n/a"}.get(row.status, "-")
+
+
+def _chunked_cell(row: BenchRow | None) -> str:
+    """The best chunked time and its chunk count (the detail starts with ``chunks=C``)."""
+    cell = _cell(row)
+    if row is not None and row.status == "PASS":
+        count = row.detail.split(",")[0].split(" ")[0].removeprefix("chunks=")
+        cell += f" c{count}"
+    return cell
+
+
+def _case_table(result: BenchResult, collective: str) -> tuple[Table, list[str]]:
+    """One collective's summary: per shape the times (ms), fo-tune's speedup and fraction of ideal."""
+    where = "NCCL" if result.backend == "nccl" else "gloo on the CPU"
+    rs = collective == "reduce_scatter"
+    columns = ["MxNxK", "seq", "chunked", *(["async-TP"] if rs else []), "fo-tune", "ideal"]
+    table = summary_table(
+        f"{collective} (ms): {result.fingerprint.world_size} ranks, {where}, {result.settings['dtype']}, "
+        f"{result.fingerprint.device_key}",
+        [*columns, "speedup", "of ideal", "ok"],
+        1,
+    )
+    skipped = []
+    for shape in dict.fromkeys(r.shape for r in result.rows if r.collective == collective):
+        rows = [r for r in result.rows if (r.collective, r.shape) == (collective, shape)]
+        by = {r.variant: r for r in rows}
+        if all(r.status == "SKIP" for r in rows):
+            skipped.append(f"{collective} {shape}: {rows[0].detail}")
+            continue
+        ours = by["fo_tune"]
+        checked = [r for r in result.checked if (r.collective, r.shape) == (collective, shape)]
+        passed = sum(r.status == "PASS" for r in checked)
+        ok = f"{passed}/{len(checked)}"
+        table.add_row(
+            shape,
+            _cell(by.get("sequential")),
+            _chunked_cell(by.get("chunked")),
+            *([_cell(by.get("async_tp"))] if rs else []),
+            _cell(ours),
+            _cell(by.get("ideal")),
+            fmt(ours.speedup_vs_sequential, ".2f") + "x" if ours.status == "PASS" else "-",
+            fmt(ours.fraction_of_ideal, ".2f") if ours.status == "PASS" else "-",
+            ok if passed == len(checked) else f"[bold red]{ok}[/]",
+        )
+    return table, skipped
+
+
+def _print_summary(result: BenchResult, written: list[Path]) -> None:
+    skipped: list[str] = []
+    for collective in dict.fromkeys(r.collective for r in result.rows):
+        table, more = _case_table(result, collective)
+        if result.backend != "nccl":
+            table.caption = "CPU: Triton's interpreter, no second stream (not what overlap gains)"
+        if table.row_count:
+            console.print(table)
+        skipped += more
+    ours = [r for r in result.rows if r.variant == "fo_tune" and r.status != "SKIP"]
+    if ours:
+        console.print("fo_tune schedules (heuristic: no table row matched):", style="dim")
+    for r in ours:
+        what = r.detail.split(": ", 1)[-1]  # describe() starts with the collective, dtype and shape
+        line = f"  {r.collective} {r.shape}: {r.schedule_source or 'no schedule'}: {what}"
+        console.print(line, style="dim", markup=False, highlight=False)
+    for line in skipped:
+        console.print(f"[yellow]skipped[/] {line}", highlight=False)
+    for line in dict.fromkeys(f"{r.variant}: {r.detail}" for r in result.rows if r.status == "UNAVAILABLE"):
+        console.print(f"[yellow]unavailable[/] {line}", highlight=False)
+    for r in result.failed:
+        console.print(f"[bold red]FAIL[/] {r.collective} {r.shape} {r.variant}: {r.detail}", highlight=False)
+    console.print(f"[green]wrote[/] {len(written)} files to {written[0].parent}:")
+    for path in written:
+        console.print(f"  {path}", markup=False, highlight=False)
+
+
+# ------------------------------------------------------------------------------------ the command
+@handle_errors
+def bench(
+    shape: ShapesOpt = None,
+    suite: SuiteOpt = None,
+    include_odd: IncludeOddOpt = False,
+    collective: CollectiveOpt = None,
+    world_size: WorldSizeOpt = 2,
+    dtype: BenchDtypeOpt = None,
+    backend: BackendOpt = "auto",
+    reps: BenchRepsOpt = None,
+    out: BenchOutOpt = None,
+    timeout: BenchTimeoutOpt = 600.0,
+) -> None:
+    shapes = [parse_shape(s) for s in shape or []]
+    if shapes and suite is not None:
+        raise typer.BadParameter("--shape and --suite: give one of them, not both")
+    if include_odd and suite is None:
+        raise typer.BadParameter("--include-odd needs --suite (the odd shapes come from the suite file)")
+    names = parse_collectives(collective)
+    if dtype is not None:
+        check_dtype(dtype)
+    if reps is not None and reps < 1:
+        raise typer.BadParameter(f"--reps must be >= 1, got {reps}")
+    if not timeout > 0:
+        raise typer.BadParameter(f"--timeout must be > 0, got {timeout}")
+    chosen = resolve_backend(world_size, backend)
+    driver = is_driver_process()
+    with triton_mode(chosen):  # before anything imports fo_kernels' kernels
+        from fo_tune.bench import check_bench_out, default_bench_dir, run_bench, write_bench_dir
+
+        request = _request(
+            shapes, suite, include_odd, dtype, chosen,
+            collectives=names, world_size=world_size, reps=reps, timeout_s=timeout,
+        )  # fmt: skip
+        if driver:  # a bad --out costs nothing: checked before any rank starts
+            check_bench_out(out or default_bench_dir(expected_device_key(chosen, world_size), world_size))
+        with progress_bars(enabled=driver) as progress:
+            where = "one GPU each, NCCL" if chosen == "nccl" else "gloo on the CPU"
+            result = run_bench(request, ProgressReporter(progress, f"start {world_size} ranks ({where})"))
+        if result is None:  # a serving torchrun rank: rank 0 writes and reports
+            return
+        written = write_bench_dir(result, out or default_bench_dir(result.fingerprint.device_key, world_size))
+    _print_summary(result, written)
+    failed = result.failed
+    if failed:
+        console.print(f"[bold red]FAILED[/]: {len(failed)} of {len(result.checked)} checked variants")
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``bench`` to the root app."""
+    app.command("bench", help=HELP)(bench)

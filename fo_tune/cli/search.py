@@ -1,0 +1,419 @@
+"""``fo-tune search``: tune schedules and write them into the tables the runtime reads.
+
+Library: ``fo_tune.search.run_search`` (the studies), ``fo_tune.tables.merge_rows`` (the table),
+``fo_tune.search_report.write_report`` (trials CSV, summary YAML, plots).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from .calibrate import (
+    ProgressReporter,
+    SpaceOpt,
+    check_dtype,
+    fmt,
+    is_driver_process,
+    local_device,
+    progress_bars,
+    resolve_backend,
+    resolve_space,
+    summary_table,
+    triton_mode,
+)
+from .common import BackendOpt, WorldSizeOpt, console, handle_errors, parse_shape
+
+if TYPE_CHECKING:
+    from fo_kernels.schedule import Schedule
+    from fo_tune.calibration import Calibration
+    from fo_tune.search import SearchResult
+
+MODE_NAMES = ("measure", "predict", "hybrid")
+COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter")
+
+HELP = "\n\n".join(
+    [
+        "Search schedules for GEMM + AllReduce / ReduceScatter shapes and write the best one per "
+        "shape into the schedule table the runtime reads.",
+        "One Optuna study per shape (TPE sampler) over the search space: tile config, SMs left to "
+        "communication, NCCL CTA cap, signal granularity, grouping of signal units into groups (the "
+        "cost model's optimal grouping by dynamic programming, or any composition as a group count "
+        "plus cut points), layout and wait mode. Infeasible points are pruned before they run, "
+        "repeated points answered from the study, and a new study starts from the heuristic default "
+        "and the nearest existing table row.",
+        "Modes: measure (every trial checked against matmul + collective on the ranks, then timed "
+        "back to back; the max over ranks), predict (the cost model of a calibration only: no GPU; "
+        "the default without GPUs, with the packaged H200 calibration for --world-size), hybrid (the "
+        "model ranks --trials points, the --top-k best are measured; the default with GPUs when this "
+        "machine has a calibration). --exhaustive enumerates the space instead (measure, predict).",
+        "A row is written only when the best schedule beats GEMM-then-collective by more than the "
+        "measured spread and at least 2%; otherwise the row says overlap: false. M-range rows "
+        "(--m-range LO:HI) cover every M of the range for the shapes' (N, K).",
+        "Studies live in --storage (default SQLite at results/studies/fo-tune.db): running the same "
+        "command again resumes them, and several workers may share one study (journal:FILE or "
+        "PostgreSQL). Tables go to --table-dir (default $FO_TUNE_TABLE_DIR, else "
+        "~/.local/share/fo-tune/tables), merged under a file lock; the report (trials.csv, "
+        "summary.yaml, history.png, predicted_vs_measured.png) to results/search/<device-key>/. "
+        "--out DIR puts all three under DIR.",
+        "Exit code 0 when the rows are written, 1 when a measurement fails, 2 for bad input.",
+    ]
+)
+
+ShapesOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--shape", "-s", metavar="MxNxK", help="GEMM problem M x N x K per rank; repeat for several."
+    ),
+]
+ShapesFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--shapes", metavar="FILE", help="YAML with a `shapes:` list of [M, N, K] (e.g. suites/h200_tp.yaml)."
+    ),
+]
+CollectiveOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--collective",
+        "-c",
+        metavar="NAME[,NAME]",
+        help="all_reduce or reduce_scatter; repeat or comma-separate to tune both. Default: all_reduce.",
+    ),
+]
+SearchDtypeOpt = Annotated[
+    str, typer.Option("--dtype", "-d", help="Operand dtype: bfloat16, float16, float32.")
+]
+ModeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--mode",
+        "-m",
+        help="measure, predict or hybrid. Default: predict without GPUs; with GPUs hybrid when this "
+        "machine has a calibration, else measure.",
+    ),
+]
+CalibrationOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--calibration",
+        metavar="FILE",
+        help="calibration.yaml of `fo-tune calibrate` for the model. Default: results/calibration/"
+        "<device-key>/tp<N>/calibration.yaml here, else the packaged one (predict: the packaged H200 "
+        "calibration for --world-size).",
+    ),
+]
+TrialsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--trials",
+        "-n",
+        help="Trials per shape (a study's total, counting resumed ones): default 200 predict, 40 "
+        "measure; hybrid: points the model ranks (default 300).",
+    ),
+]
+TopKOpt = Annotated[int, typer.Option("--top-k", "-k", help="hybrid: schedules measured per shape.")]
+BudgetOpt = Annotated[
+    float | None,
+    typer.Option("--time-budget", metavar="SECONDS", help="Stop searching after this long (all shapes)."),
+]
+MRangeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--m-range",
+        metavar="LO:HI",
+        help="Tune M = LO, the powers of two between and HI for each shape's (N, K), and write M-range "
+        "rows covering LO..HI.",
+    ),
+]
+StorageOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--storage",
+        metavar="URL",
+        help="Optuna storage: sqlite:///FILE, postgresql://..., or journal:FILE (several local "
+        "workers). Default: sqlite at results/studies/fo-tune.db (under --out when given).",
+    ),
+]
+ExhaustiveOpt = Annotated[bool, typer.Option("--exhaustive", help="Enumerate the space (measure, predict).")]
+TableDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--table-dir",
+        metavar="DIR",
+        help="Root of the tables to merge rows into (see above for the default).",
+    ),
+]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        "-o",
+        metavar="DIR",
+        help="Put tables (DIR/tables), studies and the report (DIR/report) here.",
+    ),
+]
+RepsOpt = Annotated[int, typer.Option("--reps", "-r", help="Timed samples per measured trial (median).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Sampler and input seed.")]
+
+_RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+
+
+def parse_collectives(values: list[str] | None) -> list[str]:
+    if not values:
+        return ["all_reduce"]
+    names = [p.strip() for v in values for p in v.split(",") if p.strip()]
+    for name in names:
+        if name not in COLLECTIVE_NAMES:
+            raise typer.BadParameter(f"--collective {name!r} is not one of {', '.join(COLLECTIVE_NAMES)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_m_range(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    match = _RANGE.match(text)
+    if match is None:
+        raise typer.BadParameter(f"--m-range {text!r}: expected LO:HI with integers, e.g. 512:16384")
+    lo, hi = int(match.group(1)), int(match.group(2))
+    if not 1 <= lo <= hi:
+        raise typer.BadParameter(f"--m-range {text!r}: needs 1 <= LO <= HI")
+    return lo, hi
+
+
+def read_shapes_file(path: Path) -> list[tuple[int, int, int]]:
+    from fo_kernels.files import read_yaml
+    from fo_tune.search import SearchError
+
+    data = read_yaml(path, error=SearchError, missing=SearchError, missing_hint="no such shapes file")
+    shapes = data.get("shapes") if isinstance(data, dict) else None
+    if not isinstance(shapes, list) or not shapes:
+        raise SearchError(f"{path}: expected a non-empty `shapes:` list of [M, N, K]")
+    out = []
+    for i, s in enumerate(shapes):
+        if (
+            not isinstance(s, list)
+            or len(s) != 3
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in s)
+        ):
+            raise SearchError(f"{path}: shapes[{i}]: expected [M, N, K] with integers >= 1, got {s!r}")
+        out.append((s[0], s[1], s[2]))
+    return out
+
+
+def packaged_calibration(device_key: str | None, world_size: int) -> Path | None:
+    """The packaged calibration for ``device_key`` (any device when None) and world size."""
+    try:
+        root = Path(str(resources.files("fo_results") / "calibration"))
+    except (ModuleNotFoundError, TypeError):
+        return None
+    if not root.is_dir():
+        return None
+    for folder in sorted(root.iterdir()):
+        if device_key is not None and folder.name != device_key:
+            continue
+        path = folder / f"tp{world_size}" / "calibration.yaml"
+        if path.is_file():
+            return path
+    return None
+
+
+def find_calibration(device_key: str, world_size: int) -> Path | None:
+    """This machine's calibration: under results/calibration here, else the packaged one."""
+    local = Path("results/calibration") / device_key / f"tp{world_size}" / "calibration.yaml"
+    if local.is_file():
+        return local
+    return packaged_calibration(device_key, world_size)
+
+
+def short_schedule(row: Schedule) -> str:
+    """``128x256x64s3ws r28 cap24 u256 g1-1-1-1 row_band`` (or ``no overlap``)."""
+    if not row.overlap or row.tile is None:
+        return "no overlap"
+    t = row.tile
+    ws = "ws" if t.warp_specialize else ""
+    wait = " spin" if row.wait_mode == "spin" else ""
+    groups = "-".join(map(str, row.groups))
+    return (
+        f"{t.block_m}x{t.block_n}x{t.block_k}s{t.num_stages}{ws} r{row.sms_free} cap{row.nccl_max_ctas} "
+        f"u{row.signal_tiles} g{groups} {row.layout}{wait}"
+    )
+
+
+def _print_summary(result: SearchResult, written: list[Path]) -> None:
+    r = result.request
+    table = summary_table(
+        f"{r.collective} {r.dtype} w{r.world_size}, {r.mode}, {result.fingerprint.device_key}",
+        ["shape", "baseline ms", "best ms", "speedup", "trials", "timed", "MAPE"],
+        1,
+    )
+    for s in result.shapes:
+        table.add_row(
+            "x".join(map(str, s.shape)),
+            f"{fmt(s.baseline.sequential_ms)} {s.baseline.source[:4]}",
+            fmt(s.best_ms),
+            fmt(s.speedup, ".3f") + "x",
+            str(len(s.trials)),
+            str(s.measured),
+            "-" if math.isnan(s.mape) else f"{s.mape:.0%}",
+        )
+    table.caption = "baseline: cuBLAS then the collective, measured or predicted"
+    console.print(table)
+    console.print(
+        "rows (tile, r = SMs free, NCCL CTA cap, u = tiles per signal unit, g = group sizes in units; "
+        "written only when the gain is > max(2%, spread)):"
+    )
+    for s in result.shapes:
+        console.print(
+            f"  {'x'.join(map(str, s.shape))}: {short_schedule(s.row)}", markup=False, highlight=False
+        )
+    if result.range_rows:
+        console.print(
+            f"M-range rows: {len(result.range_rows)} "
+            f"({', '.join(x.problem.describe() for x in result.range_rows)})"
+        )
+    if result.table is not None:
+        console.print(f"[green]table[/] {result.table}", highlight=False)
+    console.print(
+        f"[green]report[/] {written[0].parent if written else '-'} ({result.wall_s:.1f} s)", highlight=False
+    )
+
+
+@handle_errors
+def search(
+    shape: ShapesOpt = None,
+    shapes: ShapesFileOpt = None,
+    collective: CollectiveOpt = None,
+    world_size: WorldSizeOpt = 2,
+    dtype: SearchDtypeOpt = "bfloat16",
+    mode: ModeOpt = None,
+    calibration: CalibrationOpt = None,
+    trials: TrialsOpt = None,
+    top_k: TopKOpt = 8,
+    time_budget: BudgetOpt = None,
+    m_range: MRangeOpt = None,
+    storage: StorageOpt = None,
+    exhaustive: ExhaustiveOpt = False,
+    space: SpaceOpt = None,
+    table_dir: TableDirOpt = None,
+    out: OutOpt = None,
+    backend: BackendOpt = "auto",
+    reps: RepsOpt = 10,
+    seed: SeedOpt = 0,
+) -> None:
+    collectives = parse_collectives(collective)
+    check_dtype(dtype)
+    if mode is not None and mode not in MODE_NAMES:
+        raise typer.BadParameter(f"--mode {mode!r} is not one of {', '.join(MODE_NAMES)}")
+    rng = parse_m_range(m_range)
+    wanted = [parse_shape(s) for s in shape or []]
+    if shapes is not None:
+        wanted += read_shapes_file(shapes)
+    if not wanted:
+        raise typer.BadParameter("no shape to search: give --shape MxNxK (repeatable) or --shapes FILE")
+    if reps < 1:
+        raise typer.BadParameter(f"--reps must be >= 1, got {reps}")
+    import torch
+
+    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    mode = mode or ("predict" if not has_gpu else "")
+    chosen = "gloo" if mode == "predict" else resolve_backend(world_size, backend)
+    driver = is_driver_process()
+    with triton_mode(chosen):  # before anything imports fo_kernels
+        from fo_kernels.fingerprint import current_fingerprint
+        from fo_kernels.table import TABLE_DIR_ENV, user_table_dir
+        from fo_tune.calibration import load_calibration
+        from fo_tune.search import DEFAULT_STORAGE_FILE, SearchError, SearchRequest, check_request, run_search
+        from fo_tune.search_report import check_report_dir, default_report_dir, write_report
+
+        cal: Calibration | None = None
+        if calibration is not None:
+            cal = load_calibration(calibration)
+        elif mode == "predict":
+            path = packaged_calibration(None, world_size)
+            if path is None:
+                raise SearchError(
+                    f"no packaged calibration for world size {world_size}; run `fo-tune calibrate "
+                    f"--world-size {world_size}` on the GPUs and pass --calibration FILE"
+                )
+            cal = load_calibration(path)
+        else:
+            key = current_fingerprint(local_device(chosen), world_size).device_key
+            path = find_calibration(key, world_size)
+            if path is not None:
+                cal = load_calibration(path)
+        if not mode:
+            mode = "hybrid" if cal is not None else "measure"
+        if mode == "predict" and cal is None:
+            raise SearchError("--mode predict needs --calibration FILE")
+        search_space = None
+        if space is not None:
+            search_space = resolve_space(space, chosen)
+        elif mode == "predict" and cal is not None:
+            from fo_tune.space import space_for
+
+            search_space = space_for(cal.fingerprint.compute_capability)
+        if out is not None:
+            tables_root = out / "tables"
+            storage_url = storage or f"sqlite:///{out / 'studies' / 'fo-tune.db'}"
+        else:
+            env = os.environ.get(TABLE_DIR_ENV)
+            tables_root = table_dir or (Path(env) if env else user_table_dir())
+            storage_url = storage or f"sqlite:///{DEFAULT_STORAGE_FILE}"
+        if table_dir is not None:
+            tables_root = table_dir
+        requests = [
+            SearchRequest(
+                shapes=tuple(wanted),
+                collective=name,
+                world_size=world_size,
+                dtype=dtype,
+                mode=mode,
+                trials=trials,
+                top_k=top_k,
+                time_budget_s=time_budget,
+                m_range=rng,
+                storage=storage_url,
+                calibration=cal,
+                space=search_space,
+                backend=chosen,
+                exhaustive=exhaustive,
+                seed=seed,
+                reps=reps,
+                table_dir=tables_root,
+            )
+            for name in collectives
+        ]
+        for request in requests:  # every bad input is reported before anything runs or is written
+            check_request(request)
+        if mode == "predict":
+            assert cal is not None
+            device_key = cal.fingerprint.device_key
+        else:
+            device_key = current_fingerprint(local_device(chosen), world_size).device_key
+        report_dirs = []
+        for request in requests:
+            folder = default_report_dir(device_key, request.collective, world_size, dtype, mode)
+            report_dirs.append(out / "report" / folder.name if out is not None else folder)
+            check_report_dir(report_dirs[-1])
+        results = []
+        with progress_bars(enabled=driver) as progress:
+            reporter = ProgressReporter(progress, f"search ({mode})")
+            for request, report_dir in zip(requests, report_dirs, strict=True):
+                result = run_search(request, reporter)
+                if result is None:  # a serving torchrun rank
+                    return
+                results.append((result, write_report(result, report_dir)))
+    for result, written in results:
+        _print_summary(result, written)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``search`` to the root app."""
+    app.command("search", help=HELP)(search)

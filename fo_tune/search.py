@@ -1,0 +1,936 @@
+"""``fo-tune search`` as a library call: one Optuna study per shape, the best schedule as a table row.
+
+    run_search(SearchRequest(shapes=((4096, 8192, 4096),), collective="all_reduce", mode="predict"))
+
+Per shape (an ``--m-range`` adds the range's M values for each (N, K)):
+
+1. The encoding (``fo_tune.encoding``) of the space's candidates for this shape.
+2. The study ``<collective>-w<W>-<dtype>-<M>x<N>x<K>-<mode>-<space digest>`` in ``storage``
+   (re-running the same command resumes it; several workers may share it). Sampler: Optuna's TPE
+   (``TPESampler``): the space is categorical with conditional parameters (the custom grouping's
+   cuts exist only for some group counts), which TPE samples natively; CMA-ES and GP samplers want
+   a fixed numeric space. ``constant_liar`` keeps parallel workers from proposing the same point.
+3. Warm start (a new study only): ``enqueue_trial`` of the heuristic default schedule, the same
+   config with the model's DP grouping, and the nearest existing row of the target table.
+4. Trials: infeasible points are pruned before anything runs; a schedule already completed in the
+   study is answered from that trial (``cached_from``); every trial is predicted by the cost model
+   when the calibration knows its tile. ``measure``: every trial checked then timed on the ranks;
+   ``predict``: the model's value, no GPU; ``hybrid``: the model ranks ``trials`` points (an
+   in-memory predict study plus the space's enumeration when small) and the ``top_k`` best distinct
+   schedules are measured. ``exhaustive`` (measure/predict): every enumerated point.
+5. The baseline (cuBLAS then the collective) is measured, or predicted; the best trial becomes the
+   row unless it beats the baseline by no more than ``max(MIN_GAIN x baseline, measured spread)``,
+   then the row says ``overlap: false``.
+
+The rows are merged into the table (``fo_tune.tables.merge_rows``, under a file lock); the report
+(``fo_tune.search_report``) lists every trial with its predicted and measured latency.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import hashlib
+import itertools
+import json
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from fo_kernels.errors import FoTuneError, ScheduleError, ShapeError, TableError, TableNotFoundError
+from fo_kernels.fingerprint import Fingerprint
+from fo_kernels.heuristics import default_schedule
+from fo_kernels.plan import make_plan
+from fo_kernels.schedule import COLLECTIVES, DTYPES, Problem, Schedule
+from fo_kernels.table import ScheduleTable, load_table, table_path
+
+from .calibration import Calibration, CalibrationError
+from .encoding import Encoding, Infeasible, schedule_key, tile_label
+from .harness import Pool, Timing, open_pool
+from .measure import FingerprintTask, OverlapTrialTask, SequentialTask
+from .model import CostModel
+from .space import SearchSpace, space_for
+
+MODES = ("measure", "predict", "hybrid")
+# Trials per shape when --trials is not given: the model answers in well under a millisecond, so a
+# predict study of 200 trials stays within the 10 s an offline search may take on a 2-core CPU;
+# a measured trial takes ~0.1-1 s on H200 x2 (check + back-to-back timing).
+DEFAULT_TRIALS = {"predict": 200, "measure": 40, "hybrid": 300}
+# Schedules a hybrid search measures per shape.
+DEFAULT_TOP_K = 8
+# The no-gain fallback: overlap must beat GEMM-then-collective by at least this fraction (issue 4).
+MIN_GAIN = 0.02
+# Hybrid: the space's enumeration is predicted in full when it has at most this many points.
+ENUMERATE_LIMIT = 4000
+# Seconds between heartbeats of a running trial in an RDB storage, and after how long without one
+# it counts as dead (failed) so a resumed search does not wait for it (Optuna's heartbeat).
+HEARTBEAT_S = 10
+GRACE_S = 60
+DEFAULT_STORAGE_FILE = Path("results/studies/fo-tune.db")
+
+
+class SearchError(FoTuneError, ValueError):
+    """Bad search input (shapes, mode, calibration, storage); the message says what to do."""
+
+
+class Reporter(Protocol):
+    def stage(self, name: str, total: int) -> None: ...
+    def step(self, name: str, detail: str = "", *, log: bool = True) -> None: ...
+
+
+class _Silent:
+    def stage(self, name: str, total: int) -> None:
+        pass
+
+    def step(self, name: str, detail: str = "", *, log: bool = True) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchRequest:
+    shapes: tuple[tuple[int, int, int], ...]
+    collective: str = "all_reduce"
+    world_size: int = 2
+    dtype: str = "bfloat16"
+    mode: str = "predict"
+    trials: int | None = None  # None: DEFAULT_TRIALS[mode]
+    top_k: int = DEFAULT_TOP_K
+    time_budget_s: float | None = None  # for the whole command, shared by the shapes left
+    m_range: tuple[int, int] | None = None
+    storage: str = ""  # an Optuna URL, "journal:PATH"; "" = sqlite at DEFAULT_STORAGE_FILE
+    calibration: Calibration | None = None
+    space: SearchSpace | None = None
+    backend: str | None = None  # measure / hybrid
+    exhaustive: bool = False
+    seed: int = 0
+    reps: int = 10
+    table_dir: Path | None = None  # None: no table written (the caller writes)
+
+    def trial_count(self) -> int:
+        return self.trials if self.trials is not None else DEFAULT_TRIALS[self.mode]
+
+
+@dataclass(frozen=True, slots=True)
+class TrialRecord:
+    """One trial of a study, flattened for the report."""
+
+    shape: str
+    number: int
+    state: str  # COMPLETE, PRUNED (infeasible or failed check), FAIL, RUNNING, WAITING
+    params: dict[str, Any]
+    schedule: str
+    predicted_ms: float
+    measured_ms: float
+    spread_ms: float
+    rel_err: float
+    value_ms: float
+    speedup: float  # baseline / value
+    cached_from: int | None
+    note: str
+
+
+@dataclass(frozen=True, slots=True)
+class BaselineResult:
+    source: str  # "measured" or "predicted"
+    gemm_ms: float
+    comm_ms: float
+    sequential_ms: float
+    spread_ms: float
+    predicted_ms: float  # the model's sequential (nan without a model)
+
+
+@dataclass(slots=True)
+class ShapeResult:
+    shape: tuple[int, int, int]
+    study: str
+    mode: str
+    baseline: BaselineResult
+    row: Schedule
+    best_ms: float
+    best_trial: int | None
+    speedup: float  # baseline / row's latency (1.0 for overlap: false)
+    decision: str  # why the row is what it is
+    trials: list[TrialRecord]
+    measured: int  # trials timed on the ranks in this run (cache hits excluded)
+    wall_s: float
+    mape: float  # over trials with both numbers (nan if none)
+    worst_ape: float
+
+
+@dataclass(slots=True)
+class SearchResult:
+    request: SearchRequest
+    fingerprint: Fingerprint
+    shapes: list[ShapeResult]
+    range_rows: list[Schedule] = field(default_factory=list)
+    table: Path | None = None
+    wall_s: float = 0.0
+    storage: str = ""
+
+
+# ------------------------------------------------------------------------------------ validation
+def m_values(lo: int, hi: int) -> list[int]:
+    """M values an ``--m-range`` tunes: lo, every power of two strictly inside, and hi."""
+    out = [lo]
+    p = 1 << lo.bit_length()
+    while p < hi:
+        if p > lo:
+            out.append(p)
+        p <<= 1
+    if hi > lo:
+        out.append(hi)
+    return out
+
+
+def expand_shapes(request: SearchRequest) -> list[tuple[int, int, int]]:
+    """The exact shapes the request tunes (``--m-range`` replaces M by the range's values)."""
+    if request.m_range is None:
+        return list(dict.fromkeys(request.shapes))
+    lo, hi = request.m_range
+    pairs = list(dict.fromkeys((n, k) for _, n, k in request.shapes))
+    return [(m, n, k) for n, k in pairs for m in m_values(lo, hi)]
+
+
+def check_request(request: SearchRequest) -> None:
+    """Everything checkable before a rank starts or anything is written (``SearchError``)."""
+    if request.collective not in COLLECTIVES:
+        raise SearchError(f"--collective {request.collective!r} is not one of {', '.join(COLLECTIVES)}")
+    if request.dtype not in DTYPES:
+        raise SearchError(f"--dtype {request.dtype!r} is not one of {', '.join(DTYPES)}")
+    if request.mode not in MODES:
+        raise SearchError(f"--mode {request.mode!r} is not one of {', '.join(MODES)}")
+    if request.world_size < 1:
+        raise SearchError(f"--world-size must be >= 1, got {request.world_size}")
+    if not request.shapes:
+        raise SearchError("no shape to search: give --shape MxNxK (repeatable) or --shapes FILE")
+    if request.trials is not None and request.trials < 1:
+        raise SearchError(f"--trials must be >= 1, got {request.trials}")
+    if request.top_k < 1:
+        raise SearchError(f"--top-k must be >= 1, got {request.top_k}")
+    if request.time_budget_s is not None and not request.time_budget_s > 0:
+        raise SearchError(f"--time-budget must be > 0 seconds, got {request.time_budget_s}")
+    if request.exhaustive and request.mode == "hybrid":
+        raise SearchError("--exhaustive enumerates the space in --mode measure or predict, not hybrid")
+    if request.m_range is not None:
+        lo, hi = request.m_range
+        if not 1 <= lo <= hi:
+            raise SearchError(f"--m-range {lo}:{hi}: needs 1 <= LO <= HI")
+    for m, n, k in expand_shapes(request):
+        if min(m, n, k) < 1:
+            raise SearchError(f"shape {m}x{n}x{k}: M, N and K must be >= 1")
+        if request.collective == "reduce_scatter" and m % request.world_size:
+            raise SearchError(
+                f"shape {m}x{n}x{k}: reduce_scatter needs M divisible by the world size "
+                f"{request.world_size}; choose another M"
+            )
+    if request.mode in ("predict", "hybrid"):
+        cal = request.calibration
+        if cal is None:
+            raise SearchError(f"--mode {request.mode} needs a calibration: pass --calibration FILE")
+        if cal.world_size != request.world_size:
+            raise SearchError(
+                f"the calibration is for world size {cal.world_size}, the search for {request.world_size}; "
+                f"calibrate with `fo-tune calibrate --world-size {request.world_size}`"
+            )
+
+
+def check_table_target(path: Path, fingerprint: Fingerprint) -> None:
+    """Refuse (before searching) a table file that is malformed or for other hardware."""
+    try:
+        table = load_table(path)
+    except TableNotFoundError:
+        return
+    theirs = table.fingerprint
+    if (theirs.device_key, theirs.world_size) != (fingerprint.device_key, fingerprint.world_size):
+        raise TableError(
+            f"table {path} is for {theirs.device_key}, this search is for {fingerprint.device_key}; "
+            "pass another --table-dir (or --out)"
+        )
+
+
+# ------------------------------------------------------------------------------------- storage
+def open_storage(url: str, default_file: Path = DEFAULT_STORAGE_FILE) -> Any:
+    """An Optuna storage: ``""`` -> SQLite at ``default_file``; ``journal:PATH`` or a path ending in
+    ``.log``/``.jsonl`` -> a journal file (safe for several local workers); any other URL
+    (``sqlite:///...``, ``postgresql://...``) -> an RDB storage with heartbeats."""
+    import optuna
+    from optuna.storages import JournalStorage, RDBStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    if not url:
+        default_file.parent.mkdir(parents=True, exist_ok=True)
+        url = f"sqlite:///{default_file}"
+    journal = url[len("journal:") :] if url.startswith("journal:") else None
+    if journal is None and url.endswith((".log", ".jsonl")) and "://" not in url:
+        journal = url
+    try:
+        if journal is not None:
+            Path(journal).parent.mkdir(parents=True, exist_ok=True)
+            return JournalStorage(JournalFileBackend(journal))
+        if "://" not in url:
+            raise SearchError(
+                f"--storage {url!r}: expected an Optuna URL (sqlite:///FILE, postgresql://...) or "
+                "journal:FILE"
+            )
+        if url.startswith("sqlite:///"):
+            Path(url[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna 4-5
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+    except (ImportError, ModuleNotFoundError) as exc:
+        raise SearchError(f"--storage {url!r}: {exc}; install the database driver") from None
+    except optuna.exceptions.StorageInternalError as exc:
+        raise SearchError(f"--storage {url!r}: cannot open it ({exc})") from None
+    except Exception as exc:  # sqlalchemy's ArgumentError / OperationalError on a bad URL
+        if type(exc).__module__.startswith("sqlalchemy"):
+            raise SearchError(f"--storage {url!r}: {str(exc).splitlines()[0]}") from None
+        raise
+
+
+def _is_rdb(storage: Any) -> bool:
+    from optuna.storages import RDBStorage
+
+    return isinstance(storage, RDBStorage)
+
+
+def study_name(request: SearchRequest, shape: tuple[int, int, int], enc: Encoding) -> str:
+    m, n, k = shape
+    digest = hashlib.sha1(json.dumps(enc.fingerprint(), sort_keys=True).encode()).hexdigest()[:8]
+    return f"{request.collective}-w{request.world_size}-{request.dtype}-{m}x{n}x{k}-{request.mode}-{digest}"
+
+
+# --------------------------------------------------------------------------------- measurement
+class _Measurer:
+    """Runs trials and baselines on the pool's ranks (max over ranks)."""
+
+    def __init__(self, pool: Pool, reps: int, seed: int) -> None:
+        self.pool = pool
+        self.reps = reps
+        self.seed = seed
+        self.count = 0
+
+    def trial(self, schedule: Schedule, shape: tuple[int, int, int]) -> dict[str, Any]:
+        m, n, k = shape
+        per_rank = self.pool.run(OverlapTrialTask(schedule, m, n, k, seed=self.seed, reps=self.reps))
+        self.count += 1
+        ok = all(r["ok"] for r in per_rank)
+        timing = Timing.max_over([r["timing"] for r in per_rank]) if ok else None
+        return dict(
+            ok=ok,
+            rel_err=max(r["rel_err"] for r in per_rank),
+            has_nan=any(r["has_nan"] for r in per_rank),
+            timing=timing,
+        )
+
+    def baseline(self, collective: str, shape: tuple[int, int, int], dtype: str) -> dict[str, Any]:
+        m, n, k = shape
+        per_rank = self.pool.run(SequentialTask(collective, m, n, k, dtype, seed=self.seed, reps=self.reps))
+        return dict(
+            rel_err=max(r["rel_err"] for r in per_rank),
+            has_nan=any(r["has_nan"] for r in per_rank),
+            gemm=Timing.max_over([r["gemm"] for r in per_rank]),
+            comm=Timing.max_over([r["comm"] for r in per_rank]),
+            sequential=Timing.max_over([r["sequential"] for r in per_rank]),
+        )
+
+
+# ------------------------------------------------------------------------------------ objective
+class _Objective:
+    """What one Optuna trial does (see the module docstring, step 4)."""
+
+    def __init__(
+        self,
+        enc: Encoding,
+        model: CostModel | None,
+        measurer: _Measurer | None,
+        value: str,  # "measured" or "predicted"
+        on_trial: Callable[[str, bool], None],
+    ) -> None:
+        self.enc = enc
+        self.model = model
+        self.measurer = measurer
+        self.value = value
+        self.on_trial = on_trial
+        self._cache: dict[str, Any] = {}
+        self._best = math.inf
+
+    def _cached(self, study: Any, key: str) -> Any:
+        import optuna
+
+        if key not in self._cache:
+            for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+                other = t.user_attrs.get("key")
+                if other is not None and other not in self._cache:
+                    self._cache[other] = t
+        return self._cache.get(key)
+
+    def __call__(self, trial: Any) -> float:
+        import optuna
+
+        params = self.enc.suggest(trial)
+        try:
+            schedule = self.enc.build(params, self.model)
+        except Infeasible as exc:
+            trial.set_user_attr("note", f"infeasible: {exc}")
+            self.on_trial("infeasible", self.value != "predicted")
+            raise optuna.TrialPruned(str(exc)) from None
+        key = schedule_key(schedule)
+        trial.set_user_attr("key", key)
+        trial.set_user_attr("schedule", schedule.describe())
+        trial.set_user_attr("groups", list(schedule.groups))
+        trial.set_user_attr("signal_tiles", schedule.signal_tiles)
+        predicted = math.nan
+        if self.model is not None and self.model.knows_tile(schedule.tile):  # type: ignore[arg-type]
+            predicted = self.model.predict(schedule, self.enc.m, self.enc.n, self.enc.k).total_ms
+            trial.set_user_attr("predicted_ms", predicted)
+        hit = self._cached(trial.study, key)
+        if hit is not None:
+            trial.set_user_attr("cached_from", hit.number)
+            for name in ("measured_ms", "spread_ms", "rel_err"):
+                if name in hit.user_attrs:
+                    trial.set_user_attr(name, hit.user_attrs[name])
+            self.on_trial(f"#{trial.number} cached from #{hit.number}", self.value != "predicted")
+            return float(hit.value)
+        if self.value == "predicted":
+            if math.isnan(predicted):
+                trial.set_user_attr("note", "tile not in the calibration")
+                raise optuna.TrialPruned("tile not in the calibration")
+            best = self._best
+            self._best = min(best, predicted)
+            self.on_trial(f"#{trial.number} {predicted:.3f} ms predicted", predicted < best)  # log new bests
+            return predicted
+        assert self.measurer is not None
+        got = self.measurer.trial(schedule, (self.enc.m, self.enc.n, self.enc.k))
+        trial.set_user_attr("rel_err", got["rel_err"])
+        if not got["ok"]:
+            note = "numerical check failed: " + ("NaN" if got["has_nan"] else f"rel err {got['rel_err']:.2e}")
+            trial.set_user_attr("note", note)
+            self.on_trial(f"#{trial.number} {note}", True)
+            raise optuna.TrialPruned(note)
+        timing: Timing = got["timing"]
+        trial.set_user_attr("measured_ms", timing.median_ms)
+        trial.set_user_attr("spread_ms", timing.spread_ms)
+        self.on_trial(f"#{trial.number} {timing.median_ms:.3f} ms", True)
+        return timing.median_ms
+
+
+# -------------------------------------------------------------------------------------- driver
+def _heuristic(request: SearchRequest, shape: tuple[int, int, int], sm_count: int, on_gpu: bool) -> Schedule:
+    m, n, k = shape
+    return default_schedule(
+        request.collective,
+        m,
+        n,
+        k,
+        dtype=request.dtype,
+        world_size=request.world_size,
+        sm_count=sm_count,
+        on_gpu=on_gpu,
+    )
+
+
+def _nearest_row(table: ScheduleTable | None, shape: tuple[int, int, int]) -> Schedule | None:
+    if table is None:
+        return None
+    m, n, k = shape
+    rows = [r for r in table.rows if r.overlap and not r.problem.is_range and r.problem.m != m]
+    same = [r for r in rows if (r.problem.n, r.problem.k) == (n, k)] or rows
+    if not same:
+        return None
+    return min(same, key=lambda r: abs(math.log(r.problem.m * r.problem.n * r.problem.k / (m * n * k))))  # type: ignore[operator]
+
+
+def _warm_start(
+    study: Any, enc: Encoding, request: SearchRequest, heuristic: Schedule, near: Schedule | None
+) -> int:
+    """Enqueue the heuristic default (and its config with the DP grouping) and the nearest row."""
+    seeds = []
+    params = enc.params_of(heuristic)
+    if params is not None:
+        seeds.append(params)
+        if "dp" in enc.groupings:
+            seeds.append(
+                {key: v for key, v in params.items() if not key.startswith(("cut_", "num_groups"))}
+                | {"grouping": "dp"}
+            )
+    if near is not None:
+        adapted = dataclasses.replace(near, problem=Problem(m=enc.m, n=enc.n, k=enc.k))
+        params = enc.params_of(_regroup_exact(adapted))
+        if params is not None:
+            seeds.append(params)
+    for p in seeds:
+        study.enqueue_trial(p, skip_if_exists=True)
+    return len(seeds)
+
+
+def _regroup_exact(schedule: Schedule) -> Schedule:
+    """A row taken to another M: its groups read as relative weights (``resolve_groups``)."""
+    from fo_kernels.plan import resolve_groups
+
+    from .model import num_units
+
+    p = schedule.problem
+    assert p.m is not None
+    units = num_units(schedule, p.m, p.n)
+    return dataclasses.replace(schedule, groups=resolve_groups(schedule.groups, units, exact=False))
+
+
+def _rank_by_model(
+    enc: Encoding, model: CostModel, trials: int, seed: int
+) -> list[tuple[float, dict[str, Any], str]]:
+    """(predicted ms, params, key) of distinct feasible schedules, best first: the enumeration when
+    it is small, plus an in-memory TPE study of ``trials`` predictions."""
+    import optuna
+
+    seen: dict[str, tuple[float, dict[str, Any], str]] = {}
+
+    def consider(params: dict[str, Any]) -> float:
+        schedule = enc.build(params, model)
+        key = schedule_key(schedule)
+        pred = model.predict(schedule, enc.m, enc.n, enc.k).total_ms
+        if key not in seen or pred < seen[key][0]:
+            seen[key] = (pred, dict(params), key)
+        return pred
+
+    points = list(_take(enc.enumerate(), ENUMERATE_LIMIT + 1))
+    if len(points) <= ENUMERATE_LIMIT:
+        for params in points:
+            with contextlib.suppress(Infeasible):
+                consider(params)
+
+    def objective(trial: Any) -> float:
+        params = enc.suggest(trial)
+        try:
+            return consider(params)
+        except Infeasible as exc:
+            raise optuna.TrialPruned(str(exc)) from None
+
+    sampler = optuna.samplers.TPESampler(seed=seed)
+    study = optuna.create_study(direction="minimize", sampler=sampler)
+    study.optimize(objective, n_trials=trials)
+    return sorted(seen.values(), key=lambda item: item[0])
+
+
+def _take(it: Iterator[Any], limit: int) -> Iterator[Any]:
+    for i, x in enumerate(it):
+        if i >= limit:
+            return
+        yield x
+
+
+def _records(study: Any, shape: str, baseline_ms: float) -> list[TrialRecord]:
+    out = []
+    for t in study.get_trials(deepcopy=False):
+        ua = t.user_attrs
+        value = float(t.value) if t.value is not None else math.nan
+        out.append(
+            TrialRecord(
+                shape=shape,
+                number=t.number,
+                state=t.state.name,
+                params=dict(t.params),
+                schedule=str(ua.get("schedule", "")),
+                predicted_ms=float(ua.get("predicted_ms", math.nan)),
+                measured_ms=float(ua.get("measured_ms", math.nan)),
+                spread_ms=float(ua.get("spread_ms", math.nan)),
+                rel_err=float(ua.get("rel_err", math.nan)),
+                value_ms=value,
+                speedup=baseline_ms / value if value > 0 else math.nan,
+                cached_from=ua.get("cached_from"),
+                note=str(ua.get("note", "")),
+            )
+        )
+    return out
+
+
+def model_error(records: Sequence[TrialRecord]) -> tuple[float, float]:
+    """(MAPE, worst absolute percentage error) of predicted vs measured, over distinct measured trials."""
+    errs = [
+        abs(r.predicted_ms - r.measured_ms) / r.measured_ms
+        for r in records
+        if r.cached_from is None and r.measured_ms > 0 and not math.isnan(r.predicted_ms)
+    ]
+    if not errs:
+        return math.nan, math.nan
+    return sum(errs) / len(errs), max(errs)
+
+
+def _decide(
+    best: Any, base: BaselineResult, request: SearchRequest, study: str
+) -> tuple[Schedule | None, float, str]:
+    """(overlapped row or None for overlap: false, speedup, decision text)."""
+    if best is None:
+        return None, 1.0, "no feasible schedule completed"
+    best_ms = float(best.value)
+    spread = max(base.spread_ms, float(best.user_attrs.get("spread_ms", 0.0)))
+    need = max(MIN_GAIN * base.sequential_ms, spread)
+    gain = base.sequential_ms - best_ms
+    if gain <= need:
+        return (
+            None,
+            1.0,
+            f"best {best_ms:.3f} ms vs sequential {base.sequential_ms:.3f} ms: gain {gain:.3f} ms <= "
+            f"{need:.3f} ms (max of {MIN_GAIN:.0%} and the spread)",
+        )
+    return best, base.sequential_ms / best_ms, f"overlap {base.sequential_ms / best_ms:.3f}x over sequential"
+
+
+def _row(
+    request: SearchRequest,
+    shape: tuple[int, int, int],
+    enc: Encoding,
+    model: CostModel | None,
+    best: Any,
+    base: BaselineResult,
+    speedup: float,
+    decision: str,
+    study: str,
+) -> Schedule:
+    m, n, k = shape
+    prov: dict[str, Any] = {
+        "source": "fo-tune search",
+        "mode": request.mode,
+        "study": study,
+        "date": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "sequential_ms": round(base.sequential_ms, 5),
+        "baseline": base.source,
+        "decision": decision,
+    }
+    if best is None:
+        return Schedule(
+            collective=request.collective,
+            dtype=request.dtype,
+            world_size=request.world_size,
+            problem=Problem(m=m, n=n, k=k),
+            overlap=False,
+            provenance=prov,
+        )
+    schedule = enc.build(best.params, model)
+    prov.update(trial=best.number, speedup=round(speedup, 4))
+    for name in ("measured_ms", "predicted_ms", "spread_ms"):
+        if name in best.user_attrs:
+            prov[name] = round(float(best.user_attrs[name]), 5)
+    return dataclasses.replace(schedule, provenance=prov)
+
+
+def _baseline(
+    request: SearchRequest, shape: tuple[int, int, int], model: CostModel | None, measurer: _Measurer | None
+) -> BaselineResult:
+    m, n, k = shape
+    predicted = math.nan
+    pred = None
+    if model is not None:
+        pred = model.sequential(request.collective, m, n, k, request.dtype)
+        predicted = pred.sequential_ms
+    if measurer is None or request.mode == "predict":
+        assert pred is not None
+        return BaselineResult("predicted", pred.gemm_ms, pred.comm_ms, pred.sequential_ms, 0.0, predicted)
+    got = measurer.baseline(request.collective, shape, request.dtype)
+    from .measure import GEMM_TOL
+
+    if got["has_nan"] or not got["rel_err"] < GEMM_TOL[request.dtype]:
+        raise FoTuneError(
+            f"the sequential baseline of {m}x{n}x{k} failed its check (rel err {got['rel_err']:.2e}); "
+            "the GPUs or the NCCL setup are broken"
+        )
+    seq: Timing = got["sequential"]
+    return BaselineResult(
+        "measured", got["gemm"].median_ms, got["comm"].median_ms, seq.median_ms, seq.spread_ms, predicted
+    )
+
+
+def _search_shape(
+    request: SearchRequest,
+    shape: tuple[int, int, int],
+    *,
+    space: SearchSpace,
+    sm_count: int,
+    cpu: bool,
+    model: CostModel | None,
+    measurer: _Measurer | None,
+    storage: Any,
+    table: ScheduleTable | None,
+    budget_s: float | None,
+    reporter: Reporter,
+) -> ShapeResult:
+    import optuna
+
+    t0 = time.monotonic()
+    m, n, k = shape
+    label = f"{m}x{n}x{k}"
+    tiles = None
+    if request.mode in ("predict", "hybrid"):
+        assert model is not None
+        tiles = tuple(t for t in space.tile_candidates(cpu=cpu) if model.knows_tile(t))
+        if not tiles:
+            raise SearchError(
+                "no tile of the search space is in the calibration's GEMM profile; calibrate with this "
+                "space (`fo-tune calibrate --space ...`) or search in --mode measure"
+            )
+    enc = Encoding.from_space(
+        space,
+        collective=request.collective,
+        dtype=request.dtype,
+        world_size=request.world_size,
+        shape=shape,
+        sm_count=sm_count,
+        cpu=cpu,
+        tiles=tiles,
+        with_dp=model is not None,
+    )
+    name = study_name(request, shape, enc)
+    sampler = optuna.samplers.TPESampler(seed=request.seed)
+    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    stored = optuna.create_study(
+        study_name=name, storage=storage, sampler=sampler, direction="minimize", load_if_exists=True
+    )
+    fresh = not stored.trials
+    study, resumed = stored, 0
+    if request.mode == "predict" and _is_rdb(storage):
+        # Predicted trials take microseconds; one SQLite transaction per Optuna call would take
+        # ~50 ms a trial. They run in memory (seeded with the stored ones) and are stored at the end.
+        # (A journal file is fast enough to share live between workers, and is used directly.)
+        study = optuna.create_study(sampler=sampler, direction="minimize")
+        study.add_trials(stored.get_trials(deepcopy=False, states=finished))
+        resumed = len(study.trials)
+    baseline = _baseline(request, shape, model, measurer)
+    on_gpu = not cpu
+    if fresh:
+        _warm_start(
+            study, enc, request, _heuristic(request, shape, sm_count, on_gpu), _nearest_row(table, shape)
+        )
+    value = "predicted" if request.mode == "predict" else "measured"
+    stage = f"{label} {request.mode}"
+    objective = _Objective(
+        enc, model, measurer, value, lambda detail, log: reporter.step(stage, detail, log=log)
+    )
+    measured_before = measurer.count if measurer is not None else 0
+    if request.mode == "hybrid":
+        assert model is not None
+        ranked = _rank_by_model(enc, model, request.trial_count(), request.seed)
+        done = {t.user_attrs.get("key") for t in study.get_trials(deepcopy=False, states=finished)}
+        picks = [params for _, params, key in ranked if key not in done][: request.top_k]
+        already = sum(1 for _, _, key in ranked[: request.top_k] if key in done)
+        picks = picks[: max(0, request.top_k - already)]
+        for params in picks:
+            study.enqueue_trial(params, skip_if_exists=True)
+        waiting = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
+        reporter.stage(stage, waiting)
+        if waiting:
+            study.optimize(objective, n_trials=waiting, timeout=budget_s)
+    elif request.exhaustive:
+        for params in enc.enumerate():
+            study.enqueue_trial(params, skip_if_exists=True)
+        waiting = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
+        reporter.stage(stage, waiting)
+        if waiting:
+            study.optimize(objective, n_trials=waiting, timeout=budget_s)
+    else:
+        target = request.trial_count()
+        have = len(study.get_trials(deepcopy=False, states=finished))
+        reporter.stage(stage, max(0, target - have))
+        if have < target:
+            stop = optuna.study.MaxTrialsCallback(target, states=finished)
+            study.optimize(objective, n_trials=target - have, timeout=budget_s, callbacks=[stop])
+    if study is not stored:
+        stored.add_trials([t for t in study.get_trials(deepcopy=False, states=finished)[resumed:]])
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    best = min(complete, key=lambda t: t.value) if complete else None
+    chosen, speedup, decision = _decide(best, baseline, request, name)
+    row = _row(request, shape, enc, model, chosen, baseline, speedup, decision, name)
+    records = _records(study, label, baseline.sequential_ms)
+    mape, worst = model_error(records)
+    return ShapeResult(
+        shape=shape,
+        study=name,
+        mode=request.mode,
+        baseline=baseline,
+        row=row,
+        best_ms=float(best.value) if best is not None else math.nan,
+        best_trial=best.number if best is not None else None,
+        speedup=speedup,
+        decision=decision,
+        trials=records,
+        measured=(measurer.count - measured_before) if measurer is not None else 0,
+        wall_s=time.monotonic() - t0,
+        mape=mape,
+        worst_ape=worst,
+    )
+
+
+def range_rows(request: SearchRequest, results: Sequence[ShapeResult], sm_count: int) -> list[Schedule]:
+    """M-range rows from the tuned exact shapes of each (N, K): tuned M_i covers M from the
+    geometric midpoint with its lower neighbour to the one with its upper neighbour. A row must
+    plan for every M it covers that is checked (its ends, its tuned M); else the range says
+    ``overlap: false``."""
+    if request.m_range is None:
+        return []
+    lo, hi = request.m_range
+    out: list[Schedule] = []
+    by_nk: dict[tuple[int, int], list[ShapeResult]] = {}
+    for r in results:
+        by_nk.setdefault((r.shape[1], r.shape[2]), []).append(r)
+    for (n, k), rs in by_nk.items():
+        rs.sort(key=lambda r: r.shape[0])
+        ms = [r.shape[0] for r in rs]
+        bounds = [lo] + [math.isqrt(a * b) + 1 for a, b in itertools.pairwise(ms)] + [hi + 1]
+        for r, start, stop in zip(rs, bounds, bounds[1:], strict=False):
+            problem = Problem(m_min=start, m_max=stop - 1, n=n, k=k)
+            prov = dict(r.row.provenance) | {"tuned_m": r.shape[0]}
+            candidate = dataclasses.replace(r.row, problem=problem, provenance=prov)
+            if candidate.overlap and not _plans_everywhere(
+                candidate, (start, stop - 1, r.shape[0]), sm_count
+            ):
+                candidate = Schedule(
+                    collective=r.row.collective,
+                    dtype=r.row.dtype,
+                    world_size=r.row.world_size,
+                    problem=problem,
+                    overlap=False,
+                    provenance=prov | {"decision": "the tuned schedule does not plan across the range"},
+                )
+            out.append(candidate)
+    return out
+
+
+def _plans_everywhere(schedule: Schedule, ms: Sequence[int], sm_count: int) -> bool:
+    p = schedule.problem
+    world = schedule.world_size if schedule.collective == "reduce_scatter" else 1
+    for m in ms:
+        m = m - m % world if m % world else m
+        if m < 1:
+            continue
+        try:
+            make_plan(schedule, m, p.n, p.k, sm_count=sm_count)
+        except (ScheduleError, ShapeError):
+            return False
+    return True
+
+
+def run_search(request: SearchRequest, reporter: Reporter | None = None) -> SearchResult | None:
+    """Search every shape of ``request`` (see the module docstring). Returns None on a serving
+    torchrun rank. Writes the table rows when ``request.table_dir`` is set."""
+    check_request(request)
+    rep = reporter or _Silent()
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    t0 = time.monotonic()
+    shapes = expand_shapes(request)
+    if request.mode == "predict":
+        cal = request.calibration
+        assert cal is not None
+        return _run(request, shapes, cal.fingerprint, None, rep, t0)
+    with open_pool(request.world_size, backend=request.backend) as pool:
+        if not pool.is_driver:
+            return None
+        fps = pool.run(FingerprintTask())
+        fp: Fingerprint = fps[0]
+        if request.mode == "hybrid":
+            cal = request.calibration
+            assert cal is not None
+            if cal.fingerprint.device_key != fp.device_key:
+                raise SearchError(
+                    f"the calibration is for {cal.fingerprint.device_key}, these ranks are {fp.device_key}; "
+                    "calibrate this machine with `fo-tune calibrate` or pass its --calibration"
+                )
+        return _run(request, shapes, fp, _Measurer(pool, request.reps, request.seed), rep, t0)
+
+
+def _run(
+    request: SearchRequest,
+    shapes: list[tuple[int, int, int]],
+    fp: Fingerprint,
+    measurer: _Measurer | None,
+    rep: Reporter,
+    t0: float,
+) -> SearchResult:
+    from .tables import merge_rows
+
+    cpu = fp.compute_capability == "cpu"
+    space = request.space or space_for(fp.compute_capability)
+    cal = request.calibration
+    model = None
+    if cal is not None:
+        if cal.fingerprint.device_key != fp.device_key and request.mode != "predict":
+            cal = None  # a calibration of another machine cannot predict these ranks
+        if cal is not None:
+            model = CostModel(cal)
+    target = None
+    table = None
+    if request.table_dir is not None:
+        target = table_path(
+            request.table_dir, fp.device_key, request.collective, request.world_size, request.dtype
+        )
+        check_table_target(target, fp)
+        with contextlib.suppress(TableNotFoundError):
+            table = load_table(target)
+    storage = open_storage(request.storage)
+    results: list[ShapeResult] = []
+    for i, shape in enumerate(shapes):
+        budget = None
+        if request.time_budget_s is not None:
+            left = request.time_budget_s - (time.monotonic() - t0)
+            budget = max(1.0, left / (len(shapes) - i))
+        results.append(
+            _search_shape(
+                request,
+                shape,
+                space=space,
+                sm_count=fp.sm_count,
+                cpu=cpu,
+                model=model,
+                measurer=measurer,
+                storage=storage,
+                table=table,
+                budget_s=budget,
+                reporter=rep,
+            )
+        )
+    ranges = range_rows(request, results, fp.sm_count)
+    if target is not None:
+        merge_rows(
+            target,
+            fp,
+            [r.row for r in results] + ranges,
+            collective=request.collective,
+            world_size=request.world_size,
+            dtype=request.dtype,
+        )
+    return SearchResult(
+        request=request,
+        fingerprint=fp,
+        shapes=results,
+        range_rows=ranges,
+        table=target,
+        wall_s=time.monotonic() - t0,
+        storage=request.storage or f"sqlite:///{DEFAULT_STORAGE_FILE}",
+    )
+
+
+__all__ = [
+    "DEFAULT_TOP_K",
+    "DEFAULT_TRIALS",
+    "MIN_GAIN",
+    "MODES",
+    "BaselineResult",
+    "CalibrationError",
+    "SearchError",
+    "SearchRequest",
+    "SearchResult",
+    "ShapeResult",
+    "TrialRecord",
+    "check_request",
+    "expand_shapes",
+    "m_values",
+    "model_error",
+    "open_storage",
+    "range_rows",
+    "run_search",
+    "tile_label",
+]

@@ -1,0 +1,274 @@
+"""The report of one ``fo-tune search``: every trial, the summary and the plots, in one folder.
+
+Files (written to a temporary sibling folder, then swapped in; an earlier report of the same
+search is replaced only when everything was written):
+
+- ``trials.csv``: one row per trial of every shape's study (resumed ones included): identity
+  (shape, study, number, state), the parameters, the schedule, predicted and measured latency,
+  spread, relative error, speedup vs GEMM-then-collective, cache hits and notes;
+- ``summary.yaml``: the request, the fingerprint, per shape the baseline, the best trial, the row
+  written (``overlap: false`` with the reason when nothing beats the baseline), the model's error
+  (MAPE, worst case) over measured trials, trials and measurements spent and wall time;
+- ``history.png``: best-so-far latency per trial per shape, the baseline dashed;
+- ``predicted_vs_measured.png``: every measured trial's prediction against its measurement
+  (measure and hybrid searches with a calibration of this machine).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .report import OutputError, made_parents, swap_in
+from .search import SearchResult, ShapeResult, TrialRecord
+
+REPORT_FILES = ("trials.csv", "summary.yaml", "history.png", "predicted_vs_measured.png")
+DEFAULT_REPORT_ROOT = Path("results/search")
+TRIAL_COLUMNS = (
+    "device_key",
+    "collective",
+    "world_size",
+    "dtype",
+    "shape",
+    "mode",
+    "number",
+    "state",
+    "tile",
+    "sms_free",
+    "nccl_max_ctas",
+    "signal",
+    "layout",
+    "wait_mode",
+    "grouping",
+    "schedule",
+    "predicted_ms",
+    "measured_ms",
+    "spread_ms",
+    "rel_err",
+    "value_ms",
+    "sequential_ms",
+    "speedup",
+    "cached_from",
+    "note",
+)
+
+
+def default_report_dir(device_key: str, collective: str, world_size: int, dtype: str, mode: str) -> Path:
+    """``results/search/<device-key>/<collective>-w<W>-<dtype>-<mode>`` (relative to the working dir)."""
+    return DEFAULT_REPORT_ROOT / device_key / f"{collective}-w{world_size}-{dtype}-{mode}"
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, float):
+        return "" if math.isnan(value) else format(value, ".6g")
+    return "" if value is None else value
+
+
+def _trial_row(result: SearchResult, shape: ShapeResult, t: TrialRecord) -> list[Any]:
+    r = result.request
+    p = t.params
+    return [
+        result.fingerprint.device_key,
+        r.collective,
+        r.world_size,
+        r.dtype,
+        t.shape,
+        shape.mode,
+        t.number,
+        t.state,
+        p.get("tile", ""),
+        p.get("sms_free", ""),
+        p.get("nccl_max_ctas", ""),
+        p.get("signal", ""),
+        p.get("layout", ""),
+        p.get("wait_mode", ""),
+        p.get("grouping", ""),
+        t.schedule,
+        t.predicted_ms,
+        t.measured_ms,
+        t.spread_ms,
+        t.rel_err,
+        t.value_ms,
+        shape.baseline.sequential_ms,
+        t.speedup,
+        t.cached_from,
+        t.note,
+    ]
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isnan(x) else round(float(x), 6)
+
+
+def summary(result: SearchResult) -> dict[str, Any]:
+    """The YAML summary as plain data."""
+    r = result.request
+    shapes = []
+    for s in result.shapes:
+        states: dict[str, int] = {}
+        for t in s.trials:
+            states[t.state] = states.get(t.state, 0) + 1
+        shapes.append(
+            {
+                "shape": "x".join(map(str, s.shape)),
+                "study": s.study,
+                "baseline": {
+                    "source": s.baseline.source,
+                    "gemm_ms": _finite(s.baseline.gemm_ms),
+                    "collective_ms": _finite(s.baseline.comm_ms),
+                    "sequential_ms": _finite(s.baseline.sequential_ms),
+                    "spread_ms": _finite(s.baseline.spread_ms),
+                    "predicted_sequential_ms": _finite(s.baseline.predicted_ms),
+                },
+                "best_trial": s.best_trial,
+                "best_ms": _finite(s.best_ms),
+                "overlap": s.row.overlap,
+                "speedup": _finite(s.speedup),
+                "decision": s.decision,
+                "row": s.row.to_dict(),
+                "model_error": {"mape": _finite(s.mape), "worst": _finite(s.worst_ape)},
+                "trials": len(s.trials),
+                "trial_states": states,
+                "measured_this_run": s.measured,
+                "wall_s": round(s.wall_s, 2),
+            }
+        )
+    return {
+        "kind": "fo-tune-search-report",
+        "fingerprint": result.fingerprint.to_dict(),
+        "request": {
+            "collective": r.collective,
+            "world_size": r.world_size,
+            "dtype": r.dtype,
+            "mode": r.mode,
+            "trials": r.trial_count(),
+            "top_k": r.top_k if r.mode == "hybrid" else None,
+            "exhaustive": r.exhaustive,
+            "m_range": list(r.m_range) if r.m_range else None,
+            "storage": result.storage,
+            "calibration": r.calibration.fingerprint.device_key if r.calibration else None,
+            "calibration_created": r.calibration.created if r.calibration else None,
+        },
+        "table": str(result.table) if result.table else None,
+        "range_rows": [row.to_dict() for row in result.range_rows],
+        "shapes": shapes,
+        "wall_s": round(result.wall_s, 2),
+    }
+
+
+def _plot_history(result: SearchResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=110)
+    for i, s in enumerate(result.shapes):
+        color = f"C{i % 10}"
+        xs, best, ys = [], math.inf, []
+        for t in sorted(s.trials, key=lambda t: t.number):
+            if t.state == "COMPLETE" and t.value_ms > 0:
+                best = min(best, t.value_ms)
+            if best < math.inf:
+                xs.append(t.number)
+                ys.append(best)
+        label = "x".join(map(str, s.shape))
+        if xs:
+            ax.step(xs, ys, where="post", color=color, label=label)
+        ax.axhline(s.baseline.sequential_ms, color=color, linestyle="--", linewidth=0.8)
+    ax.set_xlabel("trial")
+    ax.set_ylabel("best latency so far (ms)")
+    ax.set_yscale("log")
+    ax.set_title(f"{result.request.collective} search ({result.request.mode}); dashed: GEMM then collective")
+    if result.shapes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _plot_pred_vs_meas(result: SearchResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5.0), dpi=110)
+    lo, hi = math.inf, 0.0
+    for i, s in enumerate(result.shapes):
+        pts = [
+            (t.predicted_ms, t.measured_ms)
+            for t in s.trials
+            if t.cached_from is None and t.measured_ms > 0 and not math.isnan(t.predicted_ms)
+        ]
+        if not pts:
+            continue
+        xs, ys = zip(*pts, strict=True)
+        label = f"{'x'.join(map(str, s.shape))} (MAPE {s.mape:.0%})"
+        ax.scatter(xs, ys, s=12, color=f"C{i % 10}", label=label)
+        lo, hi = min(lo, *xs, *ys), max(hi, *xs, *ys)
+    if hi > 0:
+        ax.plot([lo, hi], [lo, hi], color="grey", linewidth=0.8)
+        ax.legend(fontsize=7)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "no trial both predicted and measured", ha="center", va="center")
+    ax.set_xlabel("predicted (ms)")
+    ax.set_ylabel("measured (ms)")
+    ax.set_title("cost model vs measurement")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def check_report_dir(out_dir: str | Path) -> None:
+    """``OutputError`` unless the report folder can be created or replaced (only our files in it)."""
+    shown = Path(out_dir)
+    path = Path(os.path.abspath(out_dir))
+    if path.exists():
+        if not path.is_dir():
+            raise OutputError(f"report folder {shown} is a file; choose another --out")
+        foreign = sorted(p.name for p in path.iterdir() if p.name not in REPORT_FILES)
+        if foreign:
+            raise OutputError(
+                f"report folder {shown} holds files fo-tune did not write ({foreign[0]}); "
+                "choose another --out"
+            )
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write the report under {shown}: {probe} is not a writable folder")
+
+
+def write_report(result: SearchResult, out_dir: str | Path) -> list[Path]:
+    """Write ``REPORT_FILES`` into ``out_dir`` as a whole (see the module docstring)."""
+    check_report_dir(out_dir)
+    target = Path(os.path.abspath(out_dir))
+    with made_parents(target.parent):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            os.chmod(tmp, 0o755)
+            with (tmp / "trials.csv").open("w", newline="", encoding="utf-8") as f:
+                writer = csv.writer(f, lineterminator="\n")
+                writer.writerow(TRIAL_COLUMNS)
+                for s in result.shapes:
+                    for t in s.trials:
+                        writer.writerow([_cell(v) for v in _trial_row(result, s, t)])
+            with (tmp / "summary.yaml").open("w", encoding="utf-8") as f:
+                yaml.safe_dump(summary(result), f, sort_keys=False, width=110)
+            _plot_history(result, tmp / "history.png")
+            _plot_pred_vs_meas(result, tmp / "predicted_vs_measured.png")
+            swap_in(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return [Path(out_dir) / name for name in REPORT_FILES]

@@ -1,0 +1,529 @@
+"""The cost model, the search encoding and ``fo-tune search`` end to end (predict offline from the
+shipped H200 calibration; measure and hybrid on gloo ranks), resume after SIGKILL, two workers."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import itertools
+import math
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from cli import app
+from cli_checks import assert_one_line_error
+from fo_kernels.errors import HeuristicScheduleWarning
+from fo_kernels.heuristics import default_schedule
+from fo_kernels.plan import make_plan
+from fo_kernels.schedule import Tile
+from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_table
+from fo_tune import tables as table_tools
+from fo_tune.calibration import load_calibration
+from fo_tune.cli.search import packaged_calibration
+from fo_tune.encoding import Encoding, Infeasible, schedule_key, tile_label
+from fo_tune.model import CostModel, num_units, with_groups
+from fo_tune.search import m_values, model_error
+from fo_tune.space import space_for
+
+ROOT = Path(__file__).resolve().parents[1]
+H200_KEY = "nvidia-h200-cc90-132sm-w2-nvlink18"
+SUITE = [(2048, 4096, 4096), (4096, 8192, 4096), (4096, 8192, 14336), (8192, 8192, 8192), (16384, 8192, 4096)]
+ODD = [(130, 258, 70), (2050, 3074, 1030), (4098, 6146, 4097)]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "env-tables"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("FO_TUNE_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)  # default studies / reports land under tmp_path/results
+
+
+@pytest.fixture(scope="module")
+def h200():
+    path = packaged_calibration(H200_KEY, 2)
+    assert path is not None, "the packaged H200 TP2 calibration is missing"
+    return load_calibration(path)
+
+
+@pytest.fixture(scope="module")
+def model(h200):
+    return CostModel(h200)
+
+
+def search(*args: str):
+    return CliRunner().invoke(app, ["search", *args])
+
+
+def enc_for(model, collective, shape, space=None):
+    return Encoding.from_space(
+        space or space_for("9.0"),
+        collective=collective,
+        dtype="bfloat16",
+        world_size=2,
+        shape=shape,
+        sm_count=132,
+        cpu=False,
+        tiles=tuple(model.tiles()),
+    )
+
+
+# ---------------------------------------------------------------------------------- the model
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("shape", SUITE + ODD)
+def test_model_predicts_the_heuristic_schedule(model, collective, shape):
+    m, n, k = shape
+    s = default_schedule(collective, m, n, k, dtype="bfloat16", world_size=2, sm_count=132, on_gpu=True)
+    if s.overlap:
+        s = dataclasses.replace(s, tile=model.tiles()[0])
+    p = model.predict(s, m, n, k)
+    base = model.sequential(collective, m, n, k, "bfloat16")
+    assert p.total_ms > 0 and math.isfinite(p.total_ms)
+    assert base.sequential_ms >= base.gemm_ms + base.comm_ms - 1e-9
+    if s.overlap:
+        # never faster than the GEMM alone nor than the host can issue it; ends are ordered
+        assert p.total_ms >= max(p.gemm_alone_ms, p.host_ms) - 1e-9
+        assert list(p.group_end_ms) == sorted(p.group_end_ms)
+        assert all(e >= r for e, r in zip(p.group_end_ms, p.group_ready_ms, strict=True))
+
+
+def _tile_of(p) -> Tile:
+    names = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "warp_specialize")
+    return Tile(**{name: getattr(p, name) for name in names})
+
+
+def test_model_gemm_uses_profiled_points_and_the_wave_fit(model, h200):
+    ok = [p for p in h200.gemm if p.status == "ok"]
+    assert ok
+    errors = []
+    for p in ok:
+        tile = _tile_of(p)
+        assert model.gemm_time(tile, p.m, p.n, p.k, p.grid) == (p.time_ms, "measured")
+        errors.append(abs(model.wave_model_time(tile, p.m, p.n, p.k, p.grid) - p.time_ms) / p.time_ms)
+    # the wave model stands in for shapes the calibration did not profile: within 20% everywhere
+    # on the shipped H200 profile (docs/perf-notes.md gives the distribution)
+    assert max(errors) < 0.2, max(errors)
+    assert model.gemm_time(_tile_of(ok[0]), 1000, 1000, 1000, 132)[1] == "wave-model"
+
+
+def test_model_comm_time_is_monotone_and_interpolates(model, h200):
+    pts = [b for b in h200.bandwidth if b.collective == "all_reduce" and b.nccl_max_ctas == 16]
+    for b in pts:
+        assert model.comm_time("all_reduce", 16, b.size_bytes) == pytest.approx(b.time_ms)
+    sizes = [2**i for i in range(16, 31)]
+    times = [model.comm_time("all_reduce", 16, s) for s in sizes]
+    assert times[-1] > times[0]
+
+
+def test_interference_without_free_sms_serialises(model):
+    inter = model.interference("all_reduce", 0, 16)
+    assert not inter.concurrent
+    assert model.interference("all_reduce", 24, 16).concurrent
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("shape", [(4096, 8192, 4096), (16384, 8192, 4096), (2050, 3074, 1030)])
+def test_dp_grouping_beats_every_composition_it_could_have_chosen(model, collective, shape):
+    """The DP's grouping is never predicted more than 1% slower than any other composition
+    (every composition of the units when there are few, 300 random ones otherwise)."""
+    m, n, k = shape
+    enc = enc_for(model, collective, shape)
+    base = enc.build(
+        {
+            "tile": tile_label(enc.tiles[1]),
+            "sms_free": 24,
+            "nccl_max_ctas": 16,
+            "signal": "band1",
+            "layout": "row_band",
+            "wait_mode": "stream_wait",
+            "grouping": "custom",
+            "num_groups": 1,
+        },
+        model,
+    )
+    units = num_units(base, m, n)
+    dp = model.best_grouping(base, m, n, k, max_groups=8)
+    assert sum(dp) == units and len(dp) <= 8
+    best = model.predict(with_groups(base, dp), m, n, k).total_ms
+    rng = random.Random(0)
+    comps = []
+    if units <= 12:
+        for cuts in itertools.chain.from_iterable(
+            itertools.combinations(range(1, units), c) for c in range(min(8, units))
+        ):
+            comps.append(cuts)
+    else:
+        comps = [tuple(sorted(rng.sample(range(1, units), rng.randint(0, 7)))) for _ in range(300)]
+    for cuts in comps:
+        bounds = [0, *cuts, units]
+        groups = tuple(b - a for a, b in itertools.pairwise(bounds))
+        other = model.predict(with_groups(base, groups), m, n, k).total_ms
+        assert best <= other * 1.01, (dp, groups, best, other)
+
+
+# ---------------------------------------------------------------------------------- encoding
+def test_custom_grouping_reaches_any_composition(model):
+    enc = enc_for(model, "all_reduce", (16384, 8192, 4096))
+    rng = random.Random(1)
+    head = {
+        "tile": tile_label(enc.tiles[0]),
+        "sms_free": 32,
+        "nccl_max_ctas": 24,
+        "signal": "band1",
+        "layout": "tile_major",
+        "wait_mode": "spin",
+    }
+    units = enc.build({**head, "grouping": "custom", "num_groups": 1}, model).groups[0]
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, units), rng.randint(0, enc.max_groups - 1)))
+        groups = tuple(b - a for a, b in itertools.pairwise([0, *cuts, units]))
+        s = dataclasses.replace(
+            enc.build({**head, "grouping": "custom", "num_groups": 1}, model), groups=groups
+        )
+        params = enc.params_of(s)
+        assert params is not None
+        assert enc.build(params, model).groups == groups
+
+
+def test_heuristic_round_trips_and_infeasible_points_are_refused(model):
+    shape = (8192, 8192, 8192)
+    enc = enc_for(model, "all_reduce", shape)
+    h = default_schedule("all_reduce", *shape, dtype="bfloat16", world_size=2, sm_count=132, on_gpu=True)
+    h = dataclasses.replace(h, tile=model.tiles()[1], provenance={})
+    params = enc.params_of(h)
+    assert params is not None
+    assert schedule_key(enc.build(params, model)) == schedule_key(h)
+    # a wave-sized unit cut inside a band of tile rows cannot be a row_band group boundary
+    bad = {**params, "signal": "wave1", "num_groups": 2, "cut_0": 0.37}
+    with pytest.raises(Infeasible, match="row_band"):
+        enc.build(bad, model)
+    with pytest.raises(Infeasible, match="dp"):
+        enc.build({**params, "grouping": "dp"}, None)
+
+
+def test_enumeration_builds_or_refuses_every_point(model):
+    enc = enc_for(model, "reduce_scatter", (4096, 8192, 4096))
+    ok = bad = 0
+    for params in enc.enumerate():
+        try:
+            s = enc.build(params, model)
+            make_plan(s, 4096, 8192, 4096, sm_count=132)
+            ok += 1
+        except Infeasible:
+            bad += 1
+    assert ok > 100 and ok + bad == len(list(enc.enumerate()))
+
+
+def test_m_values():
+    assert m_values(512, 16384) == [512, 1024, 2048, 4096, 8192, 16384]
+    assert m_values(100, 1000) == [100, 128, 256, 512, 1000]
+    assert m_values(64, 64) == [64]
+
+
+def test_model_error():
+    from fo_tune.search import TrialRecord
+
+    def rec(p, m, cached=None):
+        return TrialRecord("s", 0, "COMPLETE", {}, "", p, m, 0.0, 0.0, m, 1.0, cached, "")
+
+    mape, worst = model_error([rec(1.1, 1.0), rec(0.5, 1.0), rec(9.0, 1.0, cached=0), rec(math.nan, 1.0)])
+    assert mape == pytest.approx(0.3) and worst == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------------------- predict, CLI
+def test_offline_search_writes_a_row_the_runtime_returns(tmp_path, h200, monkeypatch):
+    t0 = time.monotonic()
+    result = search("--shape", "16384x8192x4096", "--out", str(tmp_path / "o"))
+    wall = time.monotonic() - t0
+    assert result.exit_code == 0, result.output
+    assert wall < 20, wall  # the issue's bar is 10 s for a whole process; docs/perf-notes.md has it
+    path = tmp_path / "o" / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml"
+    table = load_table(path)
+    row = table.find(16384, 8192, 4096)
+    assert row is not None and row.provenance["mode"] == "predict"
+    # the runtime, on that H200 x2, returns exactly this row
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "o" / "tables"))
+    monkeypatch.setattr("fo_kernels.table.current_fingerprint", lambda dev, world: h200.fingerprint)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HeuristicScheduleWarning)
+        got = lookup_schedule("all_reduce", 16384, 8192, 4096, dtype="bfloat16", world_size=2, device="cpu")
+    assert got == row
+    report = tmp_path / "o" / "report" / "all_reduce-w2-bfloat16-predict"
+    assert {p.name for p in report.iterdir()} == {
+        "trials.csv",
+        "summary.yaml",
+        "history.png",
+        "predicted_vs_measured.png",
+    }
+    with (report / "trials.csv").open() as f:
+        trials = list(csv.DictReader(f))
+    assert len(trials) == 200
+    assert {t["state"] for t in trials} <= {"COMPLETE", "PRUNED"}
+    done = [t for t in trials if t["state"] == "COMPLETE"]
+    assert all(float(t["predicted_ms"]) > 0 and float(t["speedup"]) > 0 for t in done)
+    summary = yaml.safe_load((report / "summary.yaml").read_text())
+    shape = summary["shapes"][0]
+    assert shape["baseline"]["source"] == "predicted" and shape["trials"] == 200
+    assert summary["fingerprint"]["device_key"] == H200_KEY
+
+
+def test_rerun_resumes_the_study(tmp_path):
+    args = ["--shape", "4096x8192x4096", "--trials", "30", "--out", str(tmp_path / "o")]
+    assert search(*args).exit_code == 0
+    first = yaml.safe_load((tmp_path / "o/report/all_reduce-w2-bfloat16-predict/summary.yaml").read_text())
+    assert search(*args[:-4], "--trials", "45", "--out", str(tmp_path / "o")).exit_code == 0
+    second = yaml.safe_load((tmp_path / "o/report/all_reduce-w2-bfloat16-predict/summary.yaml").read_text())
+    assert first["shapes"][0]["trials"] == 30 and second["shapes"][0]["trials"] == 45
+    assert second["shapes"][0]["best_ms"] <= first["shapes"][0]["best_ms"]
+
+
+def test_odd_shapes_reduce_scatter_and_m_ranges_get_valid_rows(tmp_path):
+    out = tmp_path / "o"
+    r = search(
+        *itertools.chain.from_iterable(("--shape", "x".join(map(str, s))) for s in ODD),
+        "-c",
+        "all_reduce,reduce_scatter",
+        "--trials",
+        "40",
+        "--out",
+        str(out),
+    )
+    assert r.exit_code == 0, r.output
+    r = search("--shape", "1x8192x4096", "--m-range", "512:4096", "--trials", "20", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    for name in ("all_reduce", "reduce_scatter"):
+        table = load_table(out / "tables" / H200_KEY / f"{name}-w2-bfloat16.yaml")
+        assert table_tools.validate_table(table) == []
+        for m, n, k in ODD:
+            assert table.find_exact(m, n, k) is not None
+    table = load_table(out / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml")
+    ranges = [row for row in table.rows if row.problem.is_range]
+    assert ranges[0].problem.m_min == 512 and ranges[-1].problem.m_max == 4096
+    for a, b in itertools.pairwise(ranges):
+        assert b.problem.m_min == a.problem.m_max + 1
+    for m in (512, 600, 1500, 3000, 4096):
+        assert table.find(m, 8192, 4096) is not None
+
+
+def test_time_budget_stops_early(tmp_path):
+    t0 = time.monotonic()
+    r = search(
+        "--shape", "8192x8192x8192", "--trials", "100000", "--time-budget", "2", "--out", str(tmp_path)
+    )
+    assert r.exit_code == 0, r.output
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--shape", "4096x8192"], "MxNxK"),
+        (["--shape", "0x8192x4096"], ">= 1"),
+        (["--shape", "-4x8192x4096"], "MxNxK"),
+        (["--shape", "64x64x64", "-c", "all_gather"], "all_gather"),
+        (["--shape", "4097x8192x4096", "-c", "reduce_scatter"], "divisible"),
+        (["--shape", "64x64x64", "--mode", "fast"], "--mode"),
+        (["--shape", "64x64x64", "--m-range", "9:3"], "LO <= HI"),
+        (["--shape", "64x64x64", "--trials", "0"], "--trials"),
+        (["--shape", "64x64x64", "--calibration", "missing.yaml"], "missing.yaml"),
+        ([], "--shape"),
+    ],
+)
+def test_bad_input_is_exit_2_and_writes_nothing(tmp_path, args, needle):
+    r = search(*args, "--out", str(tmp_path / "o"))
+    assert needle in assert_one_line_error(r)
+    assert not (tmp_path / "o").exists()
+
+
+def test_corrupt_calibration_is_exit_2(tmp_path):
+    bad = tmp_path / "cal.yaml"
+    bad.write_text("schema_version: 1\nkind: fo-tune-calibration\nfingerprint: {}\n")
+    r = search("--shape", "64x64x64", "--calibration", str(bad), "--out", str(tmp_path / "o"))
+    assert "fingerprint" in assert_one_line_error(r)
+    assert not (tmp_path / "o").exists()
+
+
+def test_table_for_another_gpu_is_exit_2_and_left_alone(tmp_path, h200):
+    out = tmp_path / "o"
+    path = out / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml"
+    other = dataclasses.replace(h200.fingerprint, device_key="nvidia-h100-cc90-132sm-w2-nvlink18")
+    save_table(
+        ScheduleTable(fingerprint=other, collective="all_reduce", world_size=2, dtype="bfloat16"), path
+    )
+    before = path.read_bytes()
+    r = search("--shape", "4096x8192x4096", "--out", str(out))
+    assert "h100" in assert_one_line_error(r)
+    assert path.read_bytes() == before
+    assert not (out / "report").exists()
+
+
+def test_two_workers_share_one_journal_study(tmp_path):
+    journal = tmp_path / "study.log"
+    cmd = [
+        sys.executable,
+        str(ROOT / "cli.py"),
+        "search",
+        "--shape",
+        "8192x8192x8192",
+        "--trials",
+        "60",
+        "--storage",
+        f"journal:{journal}",
+        "--table-dir",
+        str(tmp_path / "tables"),
+    ]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    procs = [
+        subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    import optuna
+
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    (summary,) = optuna.get_all_study_summaries(storage)
+    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    finished = [t for t in study.trials if t.state.is_finished()]
+    # both workers drew from the one study; it stops at the target (plus at most one in flight)
+    assert 60 <= len(finished) <= 61
+    assert load_table(tmp_path / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml").find(8192, 8192, 8192)
+
+
+# ---------------------------------------------------------------------------------- measure, gloo
+@pytest.mark.slow
+def test_measure_mode_end_to_end_on_gloo(tmp_path, monkeypatch):
+    out = tmp_path / "o"
+    r = search(
+        "--mode", "measure", "--shape", "64x96x64", "--world-size", "2", "--backend", "gloo",
+        "--trials", "4", "--reps", "2", "-c", "all_reduce,reduce_scatter", "--out", str(out),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    import torch
+
+    from fo_kernels.fingerprint import current_fingerprint
+
+    key = current_fingerprint(torch.device("cpu"), 2).device_key
+    for name in ("all_reduce", "reduce_scatter"):
+        report = out / "report" / f"{name}-w2-bfloat16-measure"
+        with (report / "trials.csv").open() as f:
+            trials = list(csv.DictReader(f))
+        done = [t for t in trials if t["state"] == "COMPLETE"]
+        assert done and all(float(t["measured_ms"]) > 0 and float(t["rel_err"]) < 1e-2 for t in done)
+        summary = yaml.safe_load((report / "summary.yaml").read_text())
+        assert summary["shapes"][0]["baseline"]["source"] == "measured"
+        table = load_table(out / "tables" / key / f"{name}-w2-bfloat16.yaml")
+        row = table.find(64, 96, 64)
+        assert row is not None and row.provenance["mode"] == "measure"
+        monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(out / "tables"))
+        got = lookup_schedule(name, 64, 96, 64, dtype="bfloat16", world_size=2, device="cpu")
+        assert got == row
+
+
+def _complete_in(db: Path) -> dict[int, float]:
+    if not db.exists():
+        return {}
+    try:
+        with sqlite3.connect(db, timeout=1) as con:
+            rows = con.execute(
+                "SELECT t.number, v.value FROM trials t JOIN trial_values v ON v.trial_id = t.trial_id "
+                "WHERE t.state = 'COMPLETE'"
+            ).fetchall()
+    except sqlite3.OperationalError:  # tables not created yet, or locked
+        return {}
+    return dict(rows)
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_loses_no_completed_trial(tmp_path):
+    db = tmp_path / "studies.db"
+    cmd = [
+        sys.executable, str(ROOT / "cli.py"), "search", "--mode", "measure", "--shape", "64x96x64",
+        "--world-size", "2", "--backend", "gloo", "--trials", "6", "--reps", "2",
+        "--storage", f"sqlite:///{db}", "--table-dir", str(tmp_path / "tables"),
+    ]  # fmt: skip
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while len(_complete_in(db)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    before = _complete_in(db)
+    assert len(before) >= 2, "the search did not complete two trials in time"
+    assert proc.poll() is None, "the search ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    after = _complete_in(db)
+    for number, value in before.items():
+        assert after.get(number) == value  # every completed trial survived, unchanged
+    assert len(after) >= 6 - 1  # the rerun completed the study (pruned trials count towards 6)
+
+
+@pytest.fixture(scope="module")
+def cpu_calibration(tmp_path_factory) -> Path:
+    """A quick calibration of this CPU (gloo ranks, interpreter GEMM) for the hybrid search."""
+    out = tmp_path_factory.mktemp("cpucal") / "cal"
+    r = CliRunner().invoke(
+        app,
+        [
+            "calibrate",
+            "--world-size",
+            "2",
+            "--backend",
+            "gloo",
+            "--quick",
+            "-c",
+            "all_reduce",
+            "--out",
+            str(out),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    return out / "calibration.yaml"
+
+
+@pytest.mark.slow
+def test_hybrid_measures_only_the_models_top_k(tmp_path, cpu_calibration):
+    out = tmp_path / "o"
+    r = search(
+        "--mode", "hybrid", "--calibration", str(cpu_calibration), "--shape", "64x96x64",
+        "--world-size", "2", "--backend", "gloo", "--top-k", "2", "--reps", "2", "--out", str(out),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    report = out / "report" / "all_reduce-w2-bfloat16-hybrid"
+    summary = yaml.safe_load((report / "summary.yaml").read_text())["shapes"][0]
+    # the top 2 of the model's ranking, plus the warm start (heuristic default, its DP grouping)
+    assert 1 <= summary["measured_this_run"] <= 2 + 2
+    assert summary["model_error"]["mape"] is not None
+    with (report / "trials.csv").open() as f:
+        done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
+    assert done and all(t["predicted_ms"] and t["measured_ms"] for t in done)
+
+
+@pytest.mark.multigpu
+def test_measure_and_hybrid_on_two_gpus(tmp_path):
+    """On 2 GPUs with NCCL: a measured search writes a checked row, and (with this machine's
+    calibration, when there is one) a hybrid search measures only its top-k."""
+    out = tmp_path / "o"
+    r = search(
+        "--mode", "measure", "--shape", "4096x8192x4096", "--world-size", "2", "--trials", "6",
+        "-c", "all_reduce,reduce_scatter", "--out", str(out),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    for name in ("all_reduce", "reduce_scatter"):
+        report = out / "report" / f"{name}-w2-bfloat16-measure"
+        with (report / "trials.csv").open() as f:
+            done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
+        assert done and all(float(t["rel_err"]) < 1e-2 and float(t["measured_ms"]) > 0 for t in done)

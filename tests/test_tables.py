@@ -1,0 +1,486 @@
+"""Tests of fo_tune.tables (merge under a lock, validation, diff) and the ``fo-tune table`` commands."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import multiprocessing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from filelock import FileLock
+from typer.testing import CliRunner
+
+from cli import app
+from cli_checks import assert_one_line_error
+from fo_kernels import table as tablemod
+from fo_kernels.errors import FoTuneError, TableError
+from fo_kernels.fingerprint import Fingerprint, current_fingerprint, make_device_key
+from fo_kernels.heuristics import default_schedule
+from fo_kernels.schedule import Problem, Schedule, Tile
+from fo_kernels.table import ScheduleTable, load_table, save_table, table_path
+from fo_tune.tables import (
+    RowDiff,
+    TableLockTimeout,
+    diff_tables,
+    find_tables,
+    header_differences,
+    known_device_keys,
+    lock_path,
+    merge_rows,
+    validate_table,
+)
+
+HEADER = {"collective": "all_reduce", "world_size": 2, "dtype": "bfloat16"}
+CPU_TILE = Tile(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+H200 = {
+    "device_key": make_device_key("NVIDIA H200", "9.0", 132, 2, "nvlink18"),
+    "gpu_name": "NVIDIA H200",
+    "compute_capability": "9.0",
+    "sm_count": 132,
+    "world_size": 2,
+    "interconnect": "nvlink18",
+    "driver": "580.159.04",
+    "cuda": "13.0",
+    "nccl": "2.28.9",
+    "torch": "2.11.0",
+    "triton": "3.6.0",
+}
+# Concurrent merge test: processes, and merges (one new row each) per process.
+MERGE_PROCS = 3
+MERGES_PER_PROC = 15
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hermetic search path (env and user folders under tmp_path, no packaged tables), wide output."""
+    monkeypatch.setenv(tablemod.TABLE_DIR_ENV, str(tmp_path / "tables"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(tablemod, "_packaged_table_dir", lambda: None)
+    monkeypatch.setenv("COLUMNS", "250")  # rich tables without squeezed cells
+    monkeypatch.delenv("FO_TUNE_DEBUG", raising=False)
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def cpu_fp(world_size: int = 2, **changes: Any) -> Fingerprint:
+    return dataclasses.replace(current_fingerprint("cpu", world_size), **changes)
+
+
+def h200_fp(**changes: Any) -> Fingerprint:
+    return Fingerprint(**{**H200, **changes})
+
+
+def cpu_row(m: int, n: int = 96, k: int = 48, collective: str = "all_reduce", **prov: Any) -> Schedule:
+    """A valid CPU row (the heuristic default) with ``prov`` as its provenance."""
+    row = default_schedule(
+        collective, m, n, k, dtype="bfloat16", world_size=2, sm_count=cpu_fp().sm_count, on_gpu=False
+    )
+    return dataclasses.replace(row, provenance=prov or {"source": "test"})
+
+
+def gpu_row(m: int, n: int = 8192, k: int = 4096) -> Schedule:
+    return default_schedule("all_reduce", m, n, k, dtype="bfloat16", world_size=2, sm_count=132, on_gpu=True)
+
+
+def range_row(m_min: int, m_max: int, n: int = 96, k: int = 48, **changes: Any) -> Schedule:
+    fields = {**HEADER, "signal_tiles": 2, "groups": (3, 1), "layout": "tile_major", "wait_mode": "spin"}
+    problem = Problem(m_min=m_min, m_max=m_max, n=n, k=k)
+    return Schedule(problem=problem, tile=CPU_TILE, **{**fields, **changes})
+
+
+def merge(path: Path, rows: list[Schedule], fp: Fingerprint | None = None, **header: Any) -> ScheduleTable:
+    return merge_rows(path, fp or cpu_fp(), rows, **{**HEADER, **header})
+
+
+def write(path: Path, rows: list[Schedule], fp: Fingerprint | None = None, **header: Any) -> Path:
+    save_table(ScheduleTable(fingerprint=fp or cpu_fp(), **{**HEADER, **header}, rows=rows), path)
+    return path
+
+
+# ------------------------------------------------------------------------------------ merge
+def test_merge_creates_then_updates(tmp_path: Path) -> None:
+    path = tmp_path / "new" / "folder" / "t.yaml"
+    first = merge(path, [cpu_row(64, tag="a"), cpu_row(200)])
+    assert load_table(path) == first
+    assert [r.problem.m for r in first.rows] == [64, 200]
+
+    second = merge(path, [cpu_row(64, tag="b"), cpu_row(256)])
+    assert load_table(path) == second
+    assert [r.problem.m for r in second.rows] == [64, 200, 256]
+    assert second.find(64, 96, 48).provenance == {"tag": "b"}  # replaced, not duplicated
+    assert second.fingerprint == cpu_fp()
+    assert merge(path, []).rows == second.rows  # nothing to merge: unchanged
+
+
+def test_merge_takes_the_new_fingerprint_on_version_drift(tmp_path: Path) -> None:
+    path = write(tmp_path / "t.yaml", [cpu_row(64)], cpu_fp(torch="0.0.1", triton="0.0.2"))
+    merged = merge(path, [cpu_row(200)])
+    assert merged.fingerprint == cpu_fp()
+    assert load_table(path).fingerprint.torch == cpu_fp().torch
+    assert [r.problem.m for r in merged.rows] == [64, 200]  # old rows kept
+
+
+@pytest.mark.parametrize(
+    ("existing", "needle"),
+    [
+        (h200_fp(), "device_key"),
+        (cpu_fp(compute_capability="9.0"), "compute_capability"),  # same key, other capability
+    ],
+)
+def test_merge_refuses_a_table_for_other_hardware(tmp_path: Path, existing: Fingerprint, needle: str) -> None:
+    path = write(tmp_path / "t.yaml", [cpu_row(64)], existing)
+    before = path.read_bytes()
+    with pytest.raises(TableError, match=rf"other hardware \({needle}.*move this file away") as info:
+        merge(path, [cpu_row(200)])
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+    assert path.read_bytes() == before
+
+
+def test_merge_refuses_other_header_or_world_size(tmp_path: Path) -> None:
+    path = write(tmp_path / "t.yaml", [cpu_row(64)])
+    before = path.read_bytes()
+    f16 = dataclasses.replace(cpu_row(200), dtype="float16")
+    with pytest.raises(TableError, match=r"holds all_reduce world size 2 bfloat16 rows.*float16"):
+        merge(path, [f16], dtype="float16")
+    with pytest.raises(TableError, match="dtype"):  # a row that disagrees with the header it is merged as
+        merge(path, [f16])
+    with pytest.raises(TableError, match="world size 4"):
+        merge(path, [cpu_row(200)], cpu_fp(world_size=4))
+    assert path.read_bytes() == before
+    assert not (tmp_path / "other.yaml").exists()
+
+
+def test_merge_refuses_a_malformed_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text("rows: [\n")
+    with pytest.raises(TableError, match="not valid YAML"):
+        merge(path, [cpu_row(64)])
+    assert path.read_text() == "rows: [\n"
+
+
+def test_merge_times_out_on_a_held_lock(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    with FileLock(str(lock_path(path)), timeout=1), pytest.raises(TableLockTimeout, match="lock") as info:
+        merge_rows(path, cpu_fp(), [cpu_row(64)], **HEADER, lock_timeout_s=0.1)
+    assert isinstance(info.value, FoTuneError) and not isinstance(info.value, ValueError)  # exit 1
+    assert not path.exists()
+    merge(path, [cpu_row(64)])  # released: merges again
+    assert path.exists()
+
+
+def _merge_worker(path: str, worker: int, count: int, barrier: Any) -> None:
+    """One process of the concurrent test: ``count`` merges of one distinct row each."""
+    barrier.wait()
+    for i in range(count):
+        merge(Path(path), [cpu_row(32 * (worker * 1000 + i + 1), worker=worker, i=i)])
+
+
+def test_concurrent_merges_lose_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "shared" / "t.yaml"
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(MERGE_PROCS)
+    procs = [
+        ctx.Process(target=_merge_worker, args=(str(path), w, MERGES_PER_PROC, barrier))
+        for w in range(MERGE_PROCS)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0] * MERGE_PROCS
+    table = load_table(path)
+    assert len(table.rows) == MERGE_PROCS * MERGES_PER_PROC
+    got = {(r.provenance["worker"], r.provenance["i"]) for r in table.rows}
+    assert got == {(w, i) for w in range(MERGE_PROCS) for i in range(MERGES_PER_PROC)}
+    assert sorted(p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")) == []
+
+
+# ------------------------------------------------------------------------------------ validate
+def cpu_table(rows: list[Schedule], **header: Any) -> ScheduleTable:
+    return ScheduleTable(fingerprint=cpu_fp(), **{**HEADER, **header}, rows=rows)
+
+
+def test_validate_passes_good_tables() -> None:
+    rows = [cpu_row(m) for m in (1, 64, 200, 256)]
+    no_overlap = Schedule(**HEADER, problem=Problem(m=8, n=64, k=32), overlap=False)
+    ranges = [range_row(1, 100), range_row(101, 4096), range_row(1, 4096, n=64)]
+    assert validate_table(cpu_table([*rows, no_overlap, *ranges])) == []
+    gpu = ScheduleTable(fingerprint=h200_fp(), **HEADER, rows=[gpu_row(4096), gpu_row(8192), gpu_row(16384)])
+    assert all(r.overlap for r in gpu.rows)
+    assert validate_table(gpu) == []
+    assert any("sms_free" in issue for issue in validate_table(gpu, sm_count=16))  # a smaller GPU
+
+
+def test_validate_reduce_scatter_ranges_use_divisible_m() -> None:
+    rs = {"collective": "reduce_scatter"}
+    table = cpu_table([range_row(1, 99, signal_tiles=2, **rs), range_row(3, 3, n=64, **rs)], **rs)
+    issues = validate_table(table)
+    assert len(issues) == 1, issues  # [1, 99] is checked at 2, 50 and 98; [3, 3] holds no even M
+    assert issues[0].startswith("row [3,3]x64x48: problem:") and "divisible by world_size 2" in issues[0]
+
+
+@pytest.mark.parametrize(
+    ("row", "needles"),
+    [
+        # 64x96x48 in 32x32 tiles: 6 tiles = 6 units of 1 tile; groups sum to 3
+        (
+            dataclasses.replace(cpu_row(64), signal_tiles=1, groups=(2, 1)),
+            ["row 64x96x48: groups", "sum to 3"],
+        ),
+        # 128x64 output: 4x2 tiles, bands of group_m=2 rows = 4 tiles; group 1 starts at tile 1
+        (
+            dataclasses.replace(cpu_row(128, 64), signal_tiles=1, groups=(1, 7), layout="row_band"),
+            ["row 128x64x48: groups", "row_band", "starts at local tile 1"],
+        ),
+        (dataclasses.replace(cpu_row(64), sms_free=8), ["row 64x96x48: sms_free: 8 leaves no SM of 8"]),
+        # M=1: 1x3 tiles, units of 1 tile, groups (1, 1, 1): group 1 starts inside the band
+        (range_row(1, 512, signal_tiles=1, groups=(1, 1), layout="row_band"), ["[1,512]x96x48 at M=1"]),
+    ],
+)
+def test_validate_catches_a_bad_row(row: Schedule, needles: list[str]) -> None:
+    issues = validate_table(cpu_table([cpu_row(200), row]))
+    assert issues, issues
+    for needle in needles:
+        assert needle in issues[0], issues
+
+
+def test_validate_reports_overlapping_ranges() -> None:
+    rows = [range_row(1, 100), range_row(50, 200), range_row(150, 300), range_row(1, 300, n=64)]
+    issues = validate_table(cpu_table(rows))
+    assert len(issues) == 2, issues
+    assert issues[0].startswith("row [50,200]x96x48: problem:") and "[1,100]x96x48" in issues[0]
+    assert "M in [50,100]" in issues[0]
+    assert "row [150,300]x96x48" in issues[1] and "[50,200]x96x48" in issues[1]
+
+
+# ------------------------------------------------------------------------------------ diff
+def by_problem(diffs: list[RowDiff]) -> dict[str, RowDiff]:
+    return {d.problem.describe(): d for d in diffs}
+
+
+def test_diff_categories() -> None:
+    a = cpu_table(
+        [
+            cpu_row(64, measured_ms=1.0),
+            cpu_row(200, measured_ms=2.0, predicted_ms=1.5),
+            cpu_row(256),
+            cpu_row(512),
+        ]
+    )
+    changed = dataclasses.replace(cpu_row(200, predicted_ms=1.2), sms_free=2, groups=(2, 2))
+    no_overlap = Schedule(**HEADER, problem=Problem(m=512, n=96, k=48), overlap=False)
+    b = cpu_table([cpu_row(64, measured_ms=0.9), changed, no_overlap, range_row(1, 64)])
+    diffs = diff_tables(a, b)
+    assert [d.problem.describe() for d in diffs] == [
+        "[1,64]x96x48",
+        "64x96x48",
+        "200x96x48",
+        "256x96x48",
+        "512x96x48",
+    ]
+    got = by_problem(diffs)
+    same = got["64x96x48"]
+    assert same.status == "same" and not same.differs and same.fields == ()
+    assert same.provenance_changed == ("measured_ms",)
+    assert (same.latency_a, same.latency_b) == ({"measured_ms": 1.0}, {"measured_ms": 0.9})
+    row = got["200x96x48"]
+    assert row.status == "changed" and row.fields == ("sms_free", "groups")
+    assert row.latency_a == {"measured_ms": 2.0, "predicted_ms": 1.5}
+    assert row.latency_b == {"predicted_ms": 1.2}
+    assert got["256x96x48"].status == "only_a" and got["256x96x48"].b is None
+    assert got["[1,64]x96x48"].status == "only_b" and got["[1,64]x96x48"].a is None
+    assert got["512x96x48"].fields == ("overlap",)
+    assert [d.status for d in diff_tables(a, a)] == ["same"] * 4
+
+
+def test_header_differences() -> None:
+    a = cpu_table([])
+    b = ScheduleTable(fingerprint=cpu_fp(torch="0.0.1"), **HEADER)
+    assert header_differences(a, b) == [("fingerprint.torch", cpu_fp().torch, "0.0.1")]
+    assert header_differences(a, a) == []
+
+
+def test_find_tables_in_search_order(tmp_path: Path) -> None:
+    key = cpu_fp().device_key
+    env, user = tmp_path / "tables", tmp_path / "xdg" / "fo-tune" / "tables"
+    assert find_tables(key, **HEADER) == [] and known_device_keys() == []
+    paths = [write(table_path(root, key, **HEADER), [cpu_row(64)]) for root in (user, env)]
+    write(table_path(env, H200["device_key"], **HEADER), [gpu_row(8192)], h200_fp())
+    assert find_tables(key, **HEADER) == paths[::-1]
+    assert known_device_keys() == sorted([key, H200["device_key"]])
+
+
+# ------------------------------------------------------------------------------------ CLI
+def test_table_help(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0 and "table" in result.output
+    result = runner.invoke(app, ["table", "--help"])
+    assert result.exit_code == 0, result.output
+    for word in ("show", "validate", "diff", "FO_TUNE_TABLE_DIR"):
+        assert word in result.output, word
+    expected = {
+        "show": ("--device-key", "--collective", "--world-size", "--dtype", "--format", "fingerprint"),
+        "validate": ("plan", "row_band", "m_min", "must not overlap", "Exit code"),
+        "diff": ("--exit-code", "only in A", "changed", "measured_ms"),
+    }
+    for command, words in expected.items():
+        result = runner.invoke(app, ["table", command, "--help"])
+        assert result.exit_code == 0, result.output
+        text = " ".join(result.output.split())
+        for word in words:
+            assert word in text, (command, word)
+
+
+def gpu_table_file(tmp_path: Path) -> Path:
+    rows = [
+        dataclasses.replace(gpu_row(8192), provenance={"measured_ms": 1.25, "speedup": 1.05, "mode": "x"}),
+        gpu_row(16384),
+        Schedule(**HEADER, problem=Problem(m=128, n=8192, k=4096), overlap=False),
+    ]
+    return write(table_path(tmp_path / "tables", H200["device_key"], **HEADER), rows, h200_fp())
+
+
+def test_show_a_file(runner: CliRunner, tmp_path: Path) -> None:
+    path = gpu_table_file(tmp_path)
+    result = runner.invoke(app, ["table", "show", str(path)])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    for text in (H200["device_key"], "NVIDIA H200", "nccl 2.28.9", "torch 2.11.0", "3 row(s)"):
+        assert text in out, text
+    for column in ("problem", "tile", "sms_free", "cap", "signal", "groups", "layout", "wait"):
+        assert column in out, column
+    for column in ("measured_ms", "speedup", "mode", "source"):
+        assert column in out, column
+    line = next(line for line in out.splitlines() if line.startswith("8192x8192x4096"))
+    assert "128x256x64 gm8 w8 s3" in line and "1.25" in line and "row_band" in line
+    assert "stream_wait" in line and "heuristic" not in line
+    line = next(line for line in out.splitlines() if line.startswith("128x8192x4096"))
+    assert " no " in line
+
+
+def test_show_finds_the_table_by_header(runner: CliRunner, tmp_path: Path) -> None:
+    path = gpu_table_file(tmp_path)
+    args = [
+        "table",
+        "show",
+        "--device-key",
+        H200["device_key"],
+        "-c",
+        "all_reduce",
+        "-w",
+        "2",
+        "-d",
+        "bfloat16",
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert str(path) in result.stdout and "8192x8192x4096" in result.stdout
+    # defaults: this machine's device key, all_reduce, world size 2, bfloat16
+    here = current_fingerprint(None, 2)
+    own = write(table_path(tmp_path / "tables", here.device_key, **HEADER), [cpu_row(64)], here)
+    result = runner.invoke(app, ["table", "show"])
+    assert result.exit_code == 0, result.output
+    assert str(own) in result.stdout and "64x96x48" in result.stdout
+
+
+def test_show_not_found_and_bad_options_are_one_line(runner: CliRunner, tmp_path: Path) -> None:
+    gpu_table_file(tmp_path)
+    line = assert_one_line_error(runner.invoke(app, ["table", "show", "-k", "nope", "-d", "float16"]))
+    assert (
+        "nope/all_reduce-w2-float16.yaml" in line and "fo-tune search" in line and H200["device_key"] in line
+    )
+    line = assert_one_line_error(runner.invoke(app, ["table", "show", str(tmp_path / "missing.yaml")]))
+    assert "fo-tune search" in line
+    line = assert_one_line_error(runner.invoke(app, ["table", "show", "x.yaml", "--dtype", "float16"]))
+    assert "--dtype" in line
+    assert "--format" in assert_one_line_error(runner.invoke(app, ["table", "show", "-f", "json"]))
+    assert "--collective" in assert_one_line_error(runner.invoke(app, ["table", "show", "-c", "all_gather"]))
+
+
+def test_show_yaml_and_csv(runner: CliRunner, tmp_path: Path) -> None:
+    path = gpu_table_file(tmp_path)
+    result = runner.invoke(app, ["table", "show", str(path), "--format", "yaml"])
+    assert result.exit_code == 0, result.output
+    assert ScheduleTable.from_dict(yaml.safe_load(result.stdout)) == load_table(path)
+    result = runner.invoke(app, ["table", "show", str(path), "-f", "csv"])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert [r["m"] for r in rows] == ["128", "8192", "16384"]
+    assert rows[1]["block_n"] == "256" and rows[1]["measured_ms"] == "1.25" and rows[1]["file"] == str(path)
+    assert rows[0]["overlap"] == "False" and rows[0]["block_m"] == ""
+    assert len(rows[1]["groups"].split()) >= 1
+
+
+def test_validate_ok(runner: CliRunner, tmp_path: Path) -> None:
+    good = gpu_table_file(tmp_path)
+    other = write(tmp_path / "candidate.yaml", [cpu_row(64), range_row(1, 100)])
+    result = runner.invoke(app, ["table", "validate", str(good), str(other)])
+    assert result.exit_code == 0, result.output
+    assert f"OK {good}" in result.stdout and f"OK {other}" in result.stdout
+    assert "note:" in result.stdout and result.stdout.count("note:") == 1  # candidate.yaml: not a lookup path
+    assert result.stderr == ""
+
+
+def test_validate_bad_row_is_one_line_per_problem(runner: CliRunner, tmp_path: Path) -> None:
+    bad_row = dataclasses.replace(cpu_row(64), signal_tiles=1, groups=(2, 1))
+    bad = write(tmp_path / "bad.yaml", [cpu_row(200), bad_row])
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(bad)]))
+    assert str(bad) in line and "row 64x96x48: groups" in line
+    worse = write(tmp_path / "worse.yaml", [bad_row, range_row(1, 100), range_row(90, 200)])
+    good = write(tmp_path / "good.yaml", [cpu_row(64)])
+    result = runner.invoke(app, ["table", "validate", str(good), str(worse)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"error: {worse}: row ") for line in lines), lines
+    assert f"OK {good}" in result.stdout and "2 problem(s) in 1 of 2 file(s)" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("rows: [\n  - {m: 1\n", "not valid YAML"),
+        (None, "fo-tune search"),  # missing file
+        ("schema_version: 9\n", "schema_version 9"),
+    ],
+)
+def test_validate_malformed_or_missing_is_one_line(
+    runner: CliRunner, tmp_path: Path, text: str | None, needle: str
+) -> None:
+    path = tmp_path / "t.yaml"
+    if text is not None:
+        path.write_text(text)
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert str(path) in line and needle in line
+
+
+def test_validate_sm_count_option(runner: CliRunner, tmp_path: Path) -> None:
+    path = gpu_table_file(tmp_path)
+    result = runner.invoke(app, ["table", "validate", str(path), "--sm-count", "16"])
+    assert result.exit_code == 2 and "sms_free" in result.stderr
+
+
+def test_diff_command(runner: CliRunner, tmp_path: Path) -> None:
+    a = write(tmp_path / "a.yaml", [cpu_row(64, measured_ms=1.0), cpu_row(200), cpu_row(256)])
+    changed = dataclasses.replace(cpu_row(64, measured_ms=0.8), sms_free=2)
+    b = write(tmp_path / "b.yaml", [changed, cpu_row(200), cpu_row(512)], cpu_fp(torch="0.0.1"))
+    result = runner.invoke(app, ["table", "diff", str(a), str(b)])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "header fingerprint.torch" in out and "-> 0.0.1" in out
+    row = next(line for line in out.splitlines() if line.startswith("64x96x48"))
+    assert "changed" in row and "sms_free 0 -> 2" in row and "0.8" in row
+    assert "only in A" in out and "only in B" in out and "200x96x48" not in out
+    assert "1 changed, 1 only in A, 1 only in B, 1 same" in out
+    assert "200x96x48" in runner.invoke(app, ["table", "diff", str(a), str(b), "--all"]).stdout
+    assert runner.invoke(app, ["table", "diff", str(a), str(b), "--exit-code"]).exit_code == 1
+    same = runner.invoke(app, ["table", "diff", str(a), str(a), "--exit-code"])
+    assert same.exit_code == 0 and "no differences in 3 row(s)" in same.stdout
+    line = assert_one_line_error(runner.invoke(app, ["table", "diff", str(a), str(tmp_path / "c.yaml")]))
+    assert "c.yaml" in line
