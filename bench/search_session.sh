@@ -4,8 +4,10 @@
 #
 #   bash bench/search_session.sh calib   # GPU tests, full calibration (all tiles, AR + RS),
 #                                        # hybrid vs exhaustive on two suite shapes
-#   bash bench/search_session.sh tables  # hybrid search of the suite (both collectives) into
-#                                        # results/tables, M-range rows, bench twice
+#   bash bench/search_session.sh tables  # search GPU tests, hybrid top-7 re-timed beside the
+#                                        # exhaustive best, hybrid search of the suite (both
+#                                        # collectives) into results/tables, M-range rows, bench
+#   bash bench/search_session.sh bench   # bench again with the tables (reproduction)
 #
 # The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
 # (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
@@ -43,26 +45,40 @@ if [ "$STAGE" = calib ]; then
     --shape 4096x8192x4096 --shape 16384x8192x4096 --out "$RES/exh" > "$RES/hybrid.log" 2>&1
   tail -14 "$RES/hybrid.log"
 elif [ "$STAGE" = tables ]; then
+  stamp "GPU tests of search and bench"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m multigpu tests/test_search.py 2>&1 \
+    | tee "$RES/pytest_search.log" | tail -3
+  SMALL=bench/h200_small_space.yaml
+  EXH=results/search/$KEY/hybrid-vs-exhaustive
+  stamp "hybrid (model top-7) on the small space, then both bests re-timed side by side"
+  timeout 60 python3 cli.py search --mode hybrid --top-k 7 --space $SMALL --calibration "$CAL" \
+    --shape 4096x8192x4096 --shape 16384x8192x4096 --out "$RES/hyb" > "$RES/hybrid7.log" 2>&1
+  tail -12 "$RES/hybrid7.log"
+  timeout 60 python3 bench/hybrid_vs_exhaustive.py "$EXH/exhaustive/summary.yaml" \
+    "$RES/hyb/report/all_reduce-w2-bfloat16-hybrid/summary.yaml" --out "$RES/hyb" 2>&1 | tail -3
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
   stamp "hybrid search: the suite, both collectives -> results/tables"
-  timeout 200 python3 cli.py search --mode hybrid --top-k 8 --calibration "$CAL" --shapes suites/h200_tp.yaml \
+  timeout 150 python3 cli.py search --mode hybrid --top-k 8 --calibration "$CAL" --shapes suites/h200_tp.yaml \
     -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
     > "$RES/search_suite.log" 2>&1
-  tail -30 "$RES/search_suite.log"
+  tail -34 "$RES/search_suite.log"
   stamp "M-range rows: M = 512..16384 for the suite's (N, K)"
-  timeout 170 python3 cli.py search --mode hybrid --top-k 3 --trials 150 --calibration "$CAL" \
+  timeout 130 python3 cli.py search --mode hybrid --top-k 2 --trials 120 --calibration "$CAL" \
     --shape 1x4096x4096 --shape 1x8192x4096 --shape 1x8192x14336 --shape 1x8192x8192 --m-range 512:16384 \
     -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
     > "$RES/search_mrange.log" 2>&1
-  tail -8 "$RES/search_mrange.log"
+  tail -6 "$RES/search_mrange.log"
   mkdir -p "$RES/tables" && cp -r results/tables/. "$RES/tables/"
   cp -r results/search "$RES/search" 2>/dev/null
-  for i in 1 2; do
-    stamp "bench run $i"
-    timeout 110 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
-      --out "$RES/bench$i" > "$RES/bench$i.log" 2>&1
-    tail -30 "$RES/bench$i.log"
-  done
+  stamp "bench"
+  timeout 100 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
+    --out "$RES/bench1" > "$RES/bench1.log" 2>&1
+  tail -30 "$RES/bench1.log"
+elif [ "$STAGE" = bench ]; then
+  stamp "bench with the committed tables"
+  timeout 150 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
+    --out "$RES/bench" > "$RES/bench.log" 2>&1
+  tail -30 "$RES/bench.log"
 else
   echo "unknown stage $STAGE"; exit 2
 fi

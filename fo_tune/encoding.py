@@ -32,6 +32,7 @@ from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.schedule import Problem, Schedule, Tile
 
+from .calibration import CalibrationError
 from .space import SearchSpace
 
 GROUPINGS = ("dp", "custom")
@@ -194,7 +195,10 @@ class Encoding:
         if params["grouping"] == "dp":
             if model is None:
                 raise Infeasible("grouping 'dp' needs the cost model (a calibration)")
-            groups = model.best_grouping(base, self.m, self.n, self.k, max_groups=self.max_groups)
+            try:
+                groups = model.best_grouping(base, self.m, self.n, self.k, max_groups=self.max_groups)
+            except CalibrationError as exc:  # measure mode: a tile the calibration did not profile
+                raise Infeasible(f"grouping 'dp': {exc}") from None
         else:
             count = int(params.get("num_groups", 1))
             cuts = sorted(

@@ -153,6 +153,7 @@ class ShapeResult:
     row: Schedule
     best_ms: float
     best_trial: int | None
+    best_schedule: Schedule | None  # the fastest overlapped schedule, even when the row says no overlap
     speedup: float  # baseline / row's latency (1.0 for overlap: false)
     decision: str  # why the row is what it is
     trials: list[TrialRecord]
@@ -752,6 +753,7 @@ def _search_shape(
         baseline=baseline,
         row=row,
         best_ms=float(best.value) if best is not None else math.nan,
+        best_schedule=enc.build(best.params, model) if best is not None else None,
         best_trial=best.number if best is not None else None,
         speedup=speedup,
         decision=decision,

@@ -129,6 +129,7 @@ def summary(result: SearchResult) -> dict[str, Any]:
                 },
                 "best_trial": s.best_trial,
                 "best_ms": _finite(s.best_ms),
+                "best_schedule": s.best_schedule.to_dict() if s.best_schedule is not None else None,
                 "overlap": s.row.overlap,
                 "speedup": _finite(s.speedup),
                 "decision": s.decision,

@@ -1,0 +1,89 @@
+"""Re-time, side by side in one run, the best schedule of an exhaustive search and of a hybrid one.
+
+    python3 bench/hybrid_vs_exhaustive.py EXHAUSTIVE/summary.yaml HYBRID/summary.yaml --out DIR
+
+Run-to-run drift on H200 x2 is 2-4% (the sequential baseline of the same shape moved 4% between
+two searches a minute apart, docs/perf-notes.md), more than the 2% the comparison asks for; so for
+every shape both searches' best schedules and GEMM-then-collective are re-timed in interleaved
+rounds on one pool of ranks (each checked against the float32 reference first), and the medians
+over rounds compared. Writes DIR/hybrid_vs_exhaustive.csv; prints one line per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fo_kernels.schedule import Schedule
+from fo_tune.harness import Timing, open_pool
+from fo_tune.measure import OverlapTrialTask, SequentialTask
+
+ROUNDS = 7
+
+
+def best_schedules(path: Path) -> dict[str, tuple[Schedule, int]]:
+    data = yaml.safe_load(path.read_text())
+    out = {}
+    for shape in data["shapes"]:
+        if shape["best_schedule"] is not None:
+            out[shape["shape"]] = (Schedule.from_dict(shape["best_schedule"]), shape["measured_this_run"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("exhaustive", type=Path)
+    ap.add_argument("hybrid", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    exh, hyb = best_schedules(args.exhaustive), best_schedules(args.hybrid)
+    rows = []
+    with open_pool(2) as pool:
+        for shape in sorted(set(exh) & set(hyb)):
+            m, n, k = map(int, shape.split("x"))
+            times: dict[str, list[float]] = {"exhaustive": [], "hybrid": [], "sequential": []}
+            for r in range(ROUNDS):
+                for name, (schedule, _) in (("exhaustive", exh[shape]), ("hybrid", hyb[shape])):
+                    res = pool.run(OverlapTrialTask(schedule, m, n, k, seed=r))
+                    if not all(x["ok"] for x in res):
+                        raise SystemExit(f"{shape} {name}: the schedule failed its check")
+                    times[name].append(Timing.max_over([x["timing"] for x in res]).median_ms)
+                seq = pool.run(SequentialTask(exh[shape][0].collective, m, n, k, "bfloat16", seed=r))
+                times["sequential"].append(Timing.max_over([x["sequential"] for x in seq]).median_ms)
+            med = {name: statistics.median(v) for name, v in times.items()}
+            rows.append(
+                dict(
+                    shape=shape,
+                    exhaustive_ms=med["exhaustive"],
+                    hybrid_ms=med["hybrid"],
+                    sequential_ms=med["sequential"],
+                    hybrid_over_exhaustive=med["hybrid"] / med["exhaustive"],
+                    exhaustive_measured=exh[shape][1],
+                    hybrid_measured=hyb[shape][1],
+                    same_schedule=exh[shape][0].to_dict() == hyb[shape][0].to_dict(),
+                )
+            )
+    args.out.mkdir(parents=True, exist_ok=True)
+    with (args.out / "hybrid_vs_exhaustive.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    for r in rows:
+        print(
+            f"{r['shape']}: exhaustive best {r['exhaustive_ms']:.3f} ms "
+            f"({r['exhaustive_measured']} measured), "
+            f"hybrid best {r['hybrid_ms']:.3f} ms ({r['hybrid_measured']} measured), ratio "
+            f"{r['hybrid_over_exhaustive']:.3f}, sequential {r['sequential_ms']:.3f} ms, "
+            f"same schedule: {r['same_schedule']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
