@@ -4,15 +4,16 @@
 #
 #   bash bench/search_session.sh calib   # GPU tests, full calibration (all tiles, AR + RS),
 #                                        # hybrid vs exhaustive on two suite shapes
-#   bash bench/search_session.sh tables  # search GPU tests, hybrid top-7 re-timed beside the
-#                                        # exhaustive best, hybrid search of the suite (both
-#                                        # collectives) into results/tables, M-range rows, bench
-#   bash bench/search_session.sh bench   # bench again with the tables (reproduction)
+#   bash bench/search_session.sh compare # search GPU tests; hybrid top-7 on the small space, its
+#                                        # best re-timed beside the exhaustive best
+#   bash bench/search_session.sh tables  # hybrid search of the suite (both collectives) into
+#                                        # results/tables, M-range rows, lookup cost, bench twice
+#   bash bench/search_session.sh bench   # bench again with the committed tables
 #
 # The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
 # (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
 set -uo pipefail
-STAGE="${1:?stage: calib or tables}"
+STAGE="${1:?stage: calib, compare, tables or bench}"
 KEY=nvidia-h200-cc90-132sm-w2-nvlink18
 CAL="results/calibration/$KEY/tp2/calibration.yaml"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -44,7 +45,7 @@ if [ "$STAGE" = calib ]; then
   timeout 100 python3 cli.py search --mode hybrid --top-k 9 --space $SMALL --calibration "$CAL" \
     --shape 4096x8192x4096 --shape 16384x8192x4096 --out "$RES/exh" > "$RES/hybrid.log" 2>&1
   tail -14 "$RES/hybrid.log"
-elif [ "$STAGE" = tables ]; then
+elif [ "$STAGE" = compare ]; then
   stamp "GPU tests of search and bench"
   timeout 100 python3 -m pytest -q -p no:cacheprovider -m multigpu tests/test_search.py 2>&1 \
     | tee "$RES/pytest_search.log" | tail -3
@@ -56,6 +57,7 @@ elif [ "$STAGE" = tables ]; then
   tail -12 "$RES/hybrid7.log"
   timeout 60 python3 bench/hybrid_vs_exhaustive.py "$EXH/exhaustive/summary.yaml" \
     "$RES/hyb/report/all_reduce-w2-bfloat16-hybrid/summary.yaml" --out "$RES/hyb" 2>&1 | tail -3
+elif [ "$STAGE" = tables ]; then
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
   stamp "hybrid search: the suite, both collectives -> results/tables"
   timeout 150 python3 cli.py search --mode hybrid --top-k 8 --calibration "$CAL" --shapes suites/h200_tp.yaml \
@@ -70,10 +72,26 @@ elif [ "$STAGE" = tables ]; then
   tail -6 "$RES/search_mrange.log"
   mkdir -p "$RES/tables" && cp -r results/tables/. "$RES/tables/"
   cp -r results/search "$RES/search" 2>/dev/null
-  stamp "bench"
-  timeout 100 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
-    --out "$RES/bench1" > "$RES/bench1.log" 2>&1
-  tail -30 "$RES/bench1.log"
+  stamp "host cost of lookup_schedule per call (remembered answer vs a file check every call)"
+  python3 - <<'PY' 2>&1 | tee "$RES/lookup_cost.txt"
+import time, torch
+import fo_kernels.table as t
+def per_call(n=2000):
+    t.lookup_schedule("all_reduce", 8192, 8192, 8192, dtype=torch.bfloat16, world_size=2, device="cuda:0")
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t.lookup_schedule("all_reduce", 8192, 8192, 8192, dtype=torch.bfloat16, world_size=2, device="cuda:0")
+    return (time.perf_counter() - t0) / n * 1e3
+print(f"lookup_schedule: {per_call():.4f} ms/call remembered")
+t.TABLE_RECHECK_S = 0.0
+print(f"lookup_schedule: {per_call():.4f} ms/call checking the files every call")
+PY
+  for i in 1 2; do
+    stamp "bench run $i"
+    timeout 110 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
+      --out "$RES/bench$i" > "$RES/bench$i.log" 2>&1
+    tail -28 "$RES/bench$i.log"
+  done
 elif [ "$STAGE" = bench ]; then
   stamp "bench with the committed tables"
   timeout 150 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \

@@ -57,17 +57,22 @@ class Task(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Timing:
-    """Median and spread (max - min) of repeated measurements, in milliseconds."""
+    """Median, spread (max - min) and interquartile range of repeated measurements, in milliseconds.
+
+    ``spread_ms`` shows the outliers; ``iqr_ms`` is the robust noise figure decisions use.
+    """
 
     median_ms: float
     spread_ms: float
     samples: int
+    iqr_ms: float = math.nan
 
     @staticmethod
     def max_over(per_rank: Sequence[Timing]) -> Timing:
         """The slowest rank's median (a collective is as slow as its slowest rank)."""
         worst = max(per_rank, key=lambda t: t.median_ms)
-        return Timing(worst.median_ms, max(t.spread_ms for t in per_rank), worst.samples)
+        iqr = max((t.iqr_ms for t in per_rank), key=lambda x: -math.inf if math.isnan(x) else x)
+        return Timing(worst.median_ms, max(t.spread_ms for t in per_rank), worst.samples, iqr)
 
 
 # A timed sample spans at least this long: back-to-back calls keep the GPU queue full, so a
@@ -104,7 +109,11 @@ def time_region(
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             inner = int(t.item())
     samples = _samples(fn, device, reps=reps, inner=inner)
-    return Timing(statistics.median(samples), max(samples) - min(samples), len(samples))
+    iqr = math.nan
+    if len(samples) >= 2:
+        q1, _, q3 = statistics.quantiles(samples, n=4)
+        iqr = q3 - q1
+    return Timing(statistics.median(samples), max(samples) - min(samples), len(samples), iqr)
 
 
 def _samples(fn: Callable[[], Any], device: torch.device, *, reps: int, inner: int) -> list[float]:

@@ -20,7 +20,8 @@ Per shape (an ``--m-range`` adds the range's M values for each (N, K)):
    schedules are measured. ``exhaustive`` (measure/predict): every enumerated point.
 5. The baseline (cuBLAS then the collective) is measured, or predicted; the best trial becomes the
    row unless it beats the baseline by no more than ``max(MIN_GAIN x baseline, measured spread)``,
-   then the row says ``overlap: false``.
+   then the row says ``overlap: false``. The spread is the larger interquartile range of the two
+   timings' samples (max - min is kept in the report but is set by single outliers).
 
 The rows are merged into the table (``fo_tune.tables.merge_rows``, under a file lock); the report
 (``fo_tune.search_report``) lists every trial with its predicted and measured latency.
@@ -141,6 +142,7 @@ class BaselineResult:
     comm_ms: float
     sequential_ms: float
     spread_ms: float
+    iqr_ms: float
     predicted_ms: float  # the model's sequential (nan without a model)
 
 
@@ -392,7 +394,7 @@ class _Objective:
         hit = self._cached(trial.study, key)
         if hit is not None:
             trial.set_user_attr("cached_from", hit.number)
-            for name in ("measured_ms", "spread_ms", "rel_err"):
+            for name in ("measured_ms", "spread_ms", "iqr_ms", "rel_err"):
                 if name in hit.user_attrs:
                     trial.set_user_attr(name, hit.user_attrs[name])
             self.on_trial(f"#{trial.number} cached from #{hit.number}", self.value != "predicted")
@@ -416,6 +418,7 @@ class _Objective:
         timing: Timing = got["timing"]
         trial.set_user_attr("measured_ms", timing.median_ms)
         trial.set_user_attr("spread_ms", timing.spread_ms)
+        trial.set_user_attr("iqr_ms", timing.iqr_ms)
         self.on_trial(f"#{trial.number} {timing.median_ms:.3f} ms", True)
         return timing.median_ms
 
@@ -568,7 +571,8 @@ def _decide(
     if best is None:
         return None, 1.0, "no feasible schedule completed"
     best_ms = float(best.value)
-    spread = max(base.spread_ms, float(best.user_attrs.get("spread_ms", 0.0)))
+    noise = [x for x in (base.iqr_ms, float(best.user_attrs.get("iqr_ms", 0.0))) if not math.isnan(x)]
+    spread = max(noise, default=0.0)
     need = max(MIN_GAIN * base.sequential_ms, spread)
     gain = base.sequential_ms - best_ms
     if gain <= need:
@@ -576,7 +580,7 @@ def _decide(
             None,
             1.0,
             f"best {best_ms:.3f} ms vs sequential {base.sequential_ms:.3f} ms: gain {gain:.3f} ms <= "
-            f"{need:.3f} ms (max of {MIN_GAIN:.0%} and the spread)",
+            f"{need:.3f} ms (max of {MIN_GAIN:.0%} and the interquartile range of the samples)",
         )
     return best, base.sequential_ms / best_ms, f"overlap {base.sequential_ms / best_ms:.3f}x over sequential"
 
@@ -630,7 +634,9 @@ def _baseline(
         predicted = pred.sequential_ms
     if measurer is None or request.mode == "predict":
         assert pred is not None
-        return BaselineResult("predicted", pred.gemm_ms, pred.comm_ms, pred.sequential_ms, 0.0, predicted)
+        return BaselineResult(
+            "predicted", pred.gemm_ms, pred.comm_ms, pred.sequential_ms, 0.0, 0.0, predicted
+        )
     got = measurer.baseline(request.collective, shape, request.dtype)
     from .measure import GEMM_TOL
 
@@ -641,7 +647,13 @@ def _baseline(
         )
     seq: Timing = got["sequential"]
     return BaselineResult(
-        "measured", got["gemm"].median_ms, got["comm"].median_ms, seq.median_ms, seq.spread_ms, predicted
+        "measured",
+        got["gemm"].median_ms,
+        got["comm"].median_ms,
+        seq.median_ms,
+        seq.spread_ms,
+        seq.iqr_ms,
+        predicted,
     )
 
 
@@ -896,10 +908,12 @@ def _run(
         )
     ranges = range_rows(request, results, fp.sm_count)
     if target is not None:
+        # An --m-range search writes its range rows only: its M values were tuned to place them,
+        # and must not replace exact rows a search of that very shape wrote.
         merge_rows(
             target,
             fp,
-            [r.row for r in results] + ranges,
+            ranges if request.m_range is not None else [r.row for r in results],
             collective=request.collective,
             world_size=request.world_size,
             dtype=request.dtype,

@@ -125,6 +125,7 @@ def summary(result: SearchResult) -> dict[str, Any]:
                     "collective_ms": _finite(s.baseline.comm_ms),
                     "sequential_ms": _finite(s.baseline.sequential_ms),
                     "spread_ms": _finite(s.baseline.spread_ms),
+                    "iqr_ms": _finite(s.baseline.iqr_ms),
                     "predicted_sequential_ms": _finite(s.baseline.predicted_ms),
                 },
                 "best_trial": s.best_trial,

@@ -25,13 +25,17 @@ m_min); a later row for the same problem replaces an earlier one.
 ``lookup_schedule`` matches an exact-shape row in any found file (in search order) before an M-range
 row in any of them, and falls back to ``fo_kernels.heuristics.default_schedule`` with a
 ``HeuristicScheduleWarning``. Tables it loads are cached per (path, inode, mtime, size), so an
-unchanged file is parsed once and a rewritten one (``save_table`` renames) is read again.
+unchanged file is parsed once and a rewritten one (``save_table`` renames) is read again. Its answer
+per call signature is kept for ``TABLE_RECHECK_S``: a layer calling the op every step does not pay
+a filesystem round trip per GEMM (on H200 x2 that cost 0.3-0.45 ms a call, docs/perf-notes.md),
+and a rewritten table is still picked up within that time.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -80,6 +84,10 @@ _TOP_KEYS = ("schema_version", "kind", "fingerprint", "collective", "world_size"
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # Loaded tables kept by lookup_schedule; a few (device, collective, world, dtype) files per process.
 _CACHE_SIZE = 64
+# Seconds lookup_schedule answers a repeated call from memory before it looks at the files again.
+TABLE_RECHECK_S = 1.0
+# Remembered answers (call signatures: shapes x collectives x dtypes of one model); oldest dropped.
+_ANSWERS_SIZE = 4096
 
 
 def _check_name(name: str, value: Any, valid: tuple[str, ...]) -> str:
@@ -360,6 +368,7 @@ class _TableCache:
         self._size = size
         self._lock = threading.Lock()
         self._entries: OrderedDict[Path, tuple[tuple[int, int, int], ScheduleTable]] = OrderedDict()
+        self._answers: OrderedDict[tuple, tuple[float, Schedule]] = OrderedDict()
 
     def load(self, path: Path) -> ScheduleTable | None:
         """The table at ``path``, or None when there is no file."""
@@ -376,9 +385,25 @@ class _TableCache:
                 self._entries.popitem(last=False)
             return table
 
+    def answer(self, key: tuple) -> Schedule | None:
+        """A remembered lookup answer for ``key`` younger than ``TABLE_RECHECK_S``, else None."""
+        with self._lock:
+            hit = self._answers.get(key)
+        if hit is None or time.monotonic() - hit[0] > TABLE_RECHECK_S:
+            return None
+        return hit[1]
+
+    def remember(self, key: tuple, schedule: Schedule) -> None:
+        with self._lock:
+            self._answers.pop(key, None)
+            self._answers[key] = (time.monotonic(), schedule)
+            while len(self._answers) > _ANSWERS_SIZE:
+                self._answers.popitem(last=False)
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._answers.clear()
 
 
 _CACHE = _TableCache(_CACHE_SIZE)
@@ -407,6 +432,13 @@ def lookup_schedule(
     if collective == "reduce_scatter" and m % world_size:
         raise ShapeError(f"reduce_scatter needs M divisible by the world size {world_size}, got M={m}")
     dev = resolve_device(device)
+    key = (
+        collective, m, n, k, dtype_name, world_size, str(dev),
+        os.environ.get(TABLE_DIR_ENV), os.environ.get("XDG_DATA_HOME"),
+    )  # fmt: skip
+    remembered = _CACHE.answer(key)
+    if remembered is not None:
+        return remembered
     fp = current_fingerprint(dev, world_size)
     folders = table_search_path()
     tables: list[ScheduleTable] = []
@@ -427,6 +459,7 @@ def lookup_schedule(
         for table in tables:
             found = finder(table, m, n, k)
             if found is not None:
+                _CACHE.remember(key, found)
                 return found
     filename = table_filename(collective, world_size, dtype_name)
     searched = f"tables without a matching row: {', '.join(found_paths)}" if found_paths else "no table file"
@@ -439,4 +472,6 @@ def lookup_schedule(
         stacklevel=2,
     )
     shape = dict(dtype=dtype_name, world_size=world_size, sm_count=fp.sm_count, on_gpu=dev.type == "cuda")
-    return default_schedule(collective, m, n, k, **shape)
+    fallback = default_schedule(collective, m, n, k, **shape)
+    _CACHE.remember(key, fallback)
+    return fallback

@@ -20,8 +20,8 @@ TESTS = Path(__file__).resolve().parent
 
 
 def test_timing_max_over_takes_the_slowest_rank():
-    t = Timing.max_over([Timing(1.0, 0.5, 10), Timing(3.0, 0.1, 7), Timing(2.0, 0.9, 10)])
-    assert t == Timing(3.0, 0.9, 7)
+    t = Timing.max_over([Timing(1.0, 0.5, 10, 0.2), Timing(3.0, 0.1, 7, 0.05), Timing(2.0, 0.9, 10)])
+    assert t == Timing(3.0, 0.9, 7, 0.2)
 
 
 def test_pool_results_by_rank_then_a_failing_rank_closes_it():

@@ -315,6 +315,7 @@ def test_odd_shapes_reduce_scatter_and_m_ranges_get_valid_rows(tmp_path):
         assert b.problem.m_min == a.problem.m_max + 1
     for m in (512, 600, 1500, 3000, 4096):
         assert table.find(m, 8192, 4096) is not None
+    assert not [row for row in table.rows if not row.problem.is_range and row.problem.n == 8192]
 
 
 def test_time_budget_stops_early(tmp_path):

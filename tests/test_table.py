@@ -335,10 +335,30 @@ def test_lookup_accepts_torch_dtype(roots: dict[str, Path]) -> None:
     assert found.provenance["tag"] == "exact"
 
 
-def test_lookup_sees_rewritten_table(roots: dict[str, Path]) -> None:
+def test_lookup_sees_rewritten_table(roots: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tablemod, "TABLE_RECHECK_S", 0.0)  # every call looks at the files again
     write(roots["env"], [exact_row(tag="old")])
     assert lookup(64).provenance["tag"] == "old"
     write(roots["env"], [exact_row(tag="new"), range_row()])
+    assert lookup(64).provenance["tag"] == "new"
+
+
+def test_repeated_lookup_is_answered_from_memory(
+    roots: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within TABLE_RECHECK_S a repeated call touches no file (the per-GEMM cost on a slow
+    filesystem); after it, a rewritten table is read."""
+    write(roots["env"], [exact_row(tag="old")])
+    assert lookup(64).provenance["tag"] == "old"
+    write(roots["env"], [exact_row(tag="new")])
+
+    def no_files(path: Path) -> None:
+        raise AssertionError(f"looked at {path}")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(tablemod._CACHE, "load", no_files)
+        assert lookup(64).provenance["tag"] == "old"
+    monkeypatch.setattr(tablemod, "TABLE_RECHECK_S", 0.0)
     assert lookup(64).provenance["tag"] == "new"
 
 

@@ -129,7 +129,7 @@ MRangeOpt = Annotated[
         "--m-range",
         metavar="LO:HI",
         help="Tune M = LO, the powers of two between and HI for each shape's (N, K), and write M-range "
-        "rows covering LO..HI.",
+        "rows covering LO..HI (only those: exact rows come from searching the exact shape).",
     ),
 ]
 StorageOpt = Annotated[
