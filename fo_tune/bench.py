@@ -22,7 +22,8 @@ reader and the bench folder (bench.csv, bench.yaml, bench.png). The CLI is ``fo_
           fo_tune     fo_kernels.gemm_all_reduce / gemm_reduce_scatter, schedule=None
                       (these two allocate their output per call, so they are checked on a second
                       operand set: a freed buffer holding an earlier variant's answer cannot pass)
-        time = fo_tune.harness.time_region (agree=True where a collective runs), max over ranks
+        time = fo_tune.harness.time_interleaved over every variant that passed (alternating rounds,
+               the ranks agree on call counts), max over ranks
       derived per case: chunked (the best C), ideal = max(gemm, collective) (not run),
       speedup_vs_sequential = sequential / variant, fraction_of_ideal = ideal / variant
 
@@ -56,7 +57,7 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
 
 from .calibrate import Reporter
-from .harness import TASK_TIMEOUT_S, Timing, open_pool, time_region
+from .harness import TASK_TIMEOUT_S, Timing, open_pool, time_interleaved
 from .launch import RankContext
 from .measure import DTYPES, GEMM_TOL, FingerprintTask, gemm_operands, rel_err
 from .report import OutputError, check_ancestor, figure, made_parents, swap_in, write_rows
@@ -259,7 +260,7 @@ class BenchCaseTask:
         ref = self._collective(local.clone(), None)
         rs = self.collective == "reduce_scatter"
         out = [
-            self._measure(ctx, "gemm", "", lambda: lambda: a @ b, local, comm=False),
+            self._measure(ctx, "gemm", "", lambda: lambda: a @ b, local),
             self._measure(ctx, "collective", "", lambda: self._collective_alone(local), ref),
             self._measure(ctx, "sequential", "", lambda: self._sequential(a, b), ref),
         ]
@@ -284,6 +285,12 @@ class BenchCaseTask:
         else:
             out.append(_entry("async_tp", "SKIP", "torch async-TP fuses matmul + reduce_scatter only"))
         out.append(self._fo_tune(ctx, a2, b2, ref2))
+        # every variant that passed its check is timed now, side by side in alternating rounds
+        # (time_interleaved): a clock drift during the case cannot favour the variant timed first
+        calls = {i: e.pop("fn") for i, e in enumerate(out) if "fn" in e}
+        timings = time_interleaved(calls, ctx.device, warmup=self.warmup, rounds=self.reps, agree=True)
+        for i, timing in timings.items():
+            out[i]["timing"] = timing
         return out
 
     # ------------------------------------------------------------------ check, agree, time
@@ -295,10 +302,10 @@ class BenchCaseTask:
         build: Callable[[], Callable[[], torch.Tensor]],
         ref: torch.Tensor,
         *,
-        comm: bool = True,
         raise_code: int = 1,
     ) -> dict[str, Any]:
-        """``build()`` returns the call; its first result is checked; every rank agrees; then timed.
+        """``build()`` returns the call; its first result is checked and every rank agrees; a passing
+        entry carries the call (``fn``) for ``run`` to time beside the others.
 
         An exception counts as ``raise_code`` (1: FAIL, 2: UNAVAILABLE); the worst code of any rank wins.
         """
@@ -321,9 +328,7 @@ class BenchCaseTask:
             status = "UNAVAILABLE" if worst == 2 else "FAIL"
             return _entry(variant, status, f"{detail}: {why}" if detail else why, err)
         assert fn is not None
-        dist.barrier()
-        timing = time_region(fn, ctx.device, warmup=self.warmup, reps=self.reps, agree=comm)
-        return {**_entry(variant, "PASS", detail, err), "timing": timing}
+        return {**_entry(variant, "PASS", detail, err), "fn": fn}  # timed with the others in run()
 
     # ------------------------------------------------------------------------- the variants
     def _collective(self, full: torch.Tensor, group: Any, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,7 +17,8 @@
 
 Tasks are picklable objects with ``run(ctx) -> result`` (``Task``); they run on every rank at
 once, so any collective inside them is matched. ``time_region`` is the timing helper tasks use:
-warm-up, CUDA events (``perf_counter`` on the CPU) around back-to-back calls, median and spread.
+warm-up, CUDA events (``perf_counter`` on the CPU) around back-to-back calls, median and spread;
+``time_interleaved`` times several variants in alternating rounds for side-by-side comparisons.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import statistics
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -108,7 +109,42 @@ def time_region(
             t = torch.tensor([inner], dtype=torch.int64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             inner = int(t.item())
-    samples = _samples(fn, device, reps=reps, inner=inner)
+    return _timing(_samples(fn, device, reps=reps, inner=inner))
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[[], Any]],
+    device: torch.device,
+    *,
+    warmup: int = 3,
+    rounds: int = 10,
+    agree: bool = False,
+) -> dict[str, Timing]:
+    """Time several variants side by side: each round takes one sample of every variant in turn
+    (``inner`` back-to-back calls each, per variant as in ``time_region``), so a clock or thermal
+    drift during the run moves them all alike instead of favouring whichever ran first.
+
+    ``agree``: some variants run collectives; the ranks agree on every variant's ``inner``.
+    """
+    names = list(fns)
+    inners = []
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+        one = _samples(fns[name], device, reps=1, inner=1)[0]
+        inners.append(max(1, min(MAX_INNER, math.ceil(MIN_SAMPLE_MS / max(one, 1e-6)))))
+    if agree and dist.is_initialized() and names:
+        t = torch.tensor(inners, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        inners = [int(x) for x in t.tolist()]
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name, inner in zip(names, inners, strict=True):
+            samples[name].extend(_samples(fns[name], device, reps=1, inner=inner))
+    return {name: _timing(v) for name, v in samples.items()}
+
+
+def _timing(samples: list[float]) -> Timing:
     iqr = math.nan
     if len(samples) >= 2:
         q1, _, q3 = statistics.quantiles(samples, n=4)

@@ -8,6 +8,7 @@ whole command. Every GEMM is checked against ``torch.matmul`` before it is timed
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
 from fo_kernels.schedule import Problem, Schedule, Tile
 
-from .harness import Timing, time_region
+from .harness import Timing, time_interleaved, time_region
 from .launch import RankContext
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has the old.
@@ -264,6 +265,79 @@ def _collective_fp32(collective: str, full: torch.Tensor, world: int) -> torch.T
 CHECK_INPUT_SETS = 2
 
 
+def _op(collective: str) -> Callable[..., torch.Tensor]:
+    from fo_kernels.overlap import gemm_all_reduce, gemm_reduce_scatter
+
+    return gemm_all_reduce if collective == "all_reduce" else gemm_reduce_scatter
+
+
+def _check_schedule(ctx: RankContext, s: Schedule, m: int, n: int, k: int, seed: int) -> float:
+    """The worst relative error of ``s`` over ``CHECK_INPUT_SETS`` fresh inputs (inf on NaN),
+    the max over ranks (every rank learns whether to time it)."""
+    op = _op(s.collective)
+    worst = 0.0
+    for i in range(CHECK_INPUT_SETS):
+        a, b = gemm_operands(m, n, k, s.dtype, ctx.device, (seed * 1009 + i) * 1009 + ctx.rank)
+        out = op(a, b, schedule=s)
+        ref = _collective_fp32(s.collective, a.float() @ b.float(), ctx.world_size)
+        worst = max(worst, float("inf") if bool(out.isnan().any()) else rel_err(out, ref))
+    flag = torch.tensor([worst], device=ctx.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return float(flag.item())
+
+
+def _sequential_call(
+    collective: str, a: torch.Tensor, b: torch.Tensor, world: int
+) -> Callable[[], torch.Tensor]:
+    """cuBLAS GEMM, then the collective on NCCL's default communicator."""
+    m, n = a.shape[0], b.shape[1]
+
+    def run() -> torch.Tensor:
+        out = a @ b
+        if collective == "all_reduce":
+            dist.all_reduce(out)
+            return out
+        part = torch.empty((m // world, n), dtype=out.dtype, device=out.device)
+        reduce_scatter_tensor(part, out)
+        return part
+
+    return run
+
+
+@dataclass(frozen=True)
+class ConfirmTask:
+    """The confirmation of a search: its best schedules and GEMM-then-collective, each checked,
+    then timed side by side in alternating rounds (``time_interleaved``), so the row is decided on
+    one paired measurement rather than on numbers taken minutes apart."""
+
+    schedules: tuple[Schedule, ...]
+    m: int
+    n: int
+    k: int
+    seed: int
+    warmup: int = 3
+    rounds: int = 15
+
+    def run(self, ctx: RankContext) -> dict[str, Any]:
+        s0 = self.schedules[0]
+        errs = [_check_schedule(ctx, s, self.m, self.n, self.k, self.seed) for s in self.schedules]
+        ok = [e < GEMM_TOL[s0.dtype] for e in errs]
+        a, b = gemm_operands(self.m, self.n, self.k, s0.dtype, ctx.device, self.seed * 1009 + ctx.rank)
+        fns: dict[str, Callable[[], Any]] = {
+            "sequential": _sequential_call(s0.collective, a, b, ctx.world_size)
+        }
+        for i, s in enumerate(self.schedules):
+            if ok[i]:
+                fns[str(i)] = lambda s=s: _op(s.collective)(a, b, schedule=s)
+        timings = time_interleaved(fns, ctx.device, warmup=self.warmup, rounds=self.rounds, agree=True)
+        return dict(
+            rel_err=errs,
+            ok=ok,
+            sequential=timings["sequential"],
+            timings=[timings.get(str(i)) for i in range(len(self.schedules))],
+        )
+
+
 @dataclass(frozen=True)
 class OverlapTrialTask:
     """One schedule of the search on every rank: checked on fresh random inputs against
@@ -278,30 +352,17 @@ class OverlapTrialTask:
     reps: int = 10
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
-        from fo_kernels.overlap import gemm_all_reduce, gemm_reduce_scatter
-
         s = self.schedule
-        op = gemm_all_reduce if s.collective == "all_reduce" else gemm_reduce_scatter
-        worst, nan = 0.0, False
-        a = b = None
-        for i in range(CHECK_INPUT_SETS):
-            seed = (self.seed * 1009 + i) * 1009 + ctx.rank
-            a, b = gemm_operands(self.m, self.n, self.k, s.dtype, ctx.device, seed)
-            out = op(a, b, schedule=s)
-            ref = _collective_fp32(s.collective, a.float() @ b.float(), ctx.world_size)
-            nan = nan or bool(out.isnan().any())
-            worst = max(worst, rel_err(out, ref))
-        # every rank must agree before any of them times (a failing rank must not leave the others
-        # waiting in a timed collective)
-        flag = torch.tensor([worst if not nan else float("inf")], device=ctx.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        ok = bool(flag.item() < GEMM_TOL[s.dtype])
+        worst = _check_schedule(ctx, s, self.m, self.n, self.k, self.seed)
+        ok = worst < GEMM_TOL[s.dtype]  # the same on every rank: none is left waiting in a collective
         timing = None
         if ok:
+            a, b = gemm_operands(self.m, self.n, self.k, s.dtype, ctx.device, self.seed * 1009 + ctx.rank)
+            op = _op(s.collective)
             timing = time_region(
                 lambda: op(a, b, schedule=s), ctx.device, warmup=self.warmup, reps=self.reps, agree=True
             )
-        return dict(rel_err=worst, has_nan=nan, ok=ok, timing=timing)
+        return dict(rel_err=worst, has_nan=math.isinf(worst), ok=ok, timing=timing)
 
 
 @dataclass(frozen=True)
@@ -326,15 +387,7 @@ class SequentialTask:
             self.collective, full.numel() * full.element_size(), full.dtype, ctx.device, world, None
         )
 
-        def sequential() -> torch.Tensor:
-            out = a @ b
-            if self.collective == "all_reduce":
-                dist.all_reduce(out)
-                return out
-            part = torch.empty((self.m // world, self.n), dtype=out.dtype, device=out.device)
-            reduce_scatter_tensor(part, out)
-            return part
-
+        sequential = _sequential_call(self.collective, a, b, world)
         got = sequential()
         ref = _collective_fp32(self.collective, a.float() @ b.float(), world)
         err = rel_err(got, ref)

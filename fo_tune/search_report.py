@@ -134,6 +134,9 @@ def summary(result: SearchResult) -> dict[str, Any]:
                 "overlap": s.row.overlap,
                 "speedup": _finite(s.speedup),
                 "decision": s.decision,
+                "confirmed": [
+                    {k: _finite(v) if isinstance(v, float) else v for k, v in c.items()} for c in s.confirmed
+                ],
                 "row": s.row.to_dict(),
                 "model_error": {"mape": _finite(s.mape), "worst": _finite(s.worst_ape)},
                 "trials": len(s.trials),

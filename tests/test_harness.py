@@ -105,3 +105,20 @@ def test_torchrun_rank_0_drives_and_rank_1_serves(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "RESULTS [(0, 2, 'gloo', 2.0), (1, 2, 'gloo', 2.0)]" in done.stdout, done.stdout
     assert done.stdout.count("SERVED") == 1, done.stdout
+
+
+def test_time_interleaved_alternates_the_variants():
+    """Each round samples every variant once, in order, so a drift hits them all alike."""
+    import torch
+
+    from fo_tune.harness import time_interleaved
+
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    timings = time_interleaved(fns, torch.device("cpu"), warmup=1, rounds=4)
+    assert set(timings) == {"a", "b", "c"}
+    assert all(t.samples == 4 and t.median_ms >= 0 and t.iqr_ms >= 0 for t in timings.values())
+    # after the warm-ups and probes, the timed calls come in rounds: a..a b..b c..c, repeated
+    timed = calls[6:]
+    runs = [name for i, name in enumerate(timed) if i == 0 or timed[i - 1] != name]
+    assert runs == ["a", "b", "c"] * 4

@@ -529,3 +529,13 @@ def test_measure_and_hybrid_on_two_gpus(tmp_path):
         with (report / "trials.csv").open() as f:
             done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
         assert done and all(float(t["rel_err"]) < 1e-2 and float(t["measured_ms"]) > 0 for t in done)
+
+
+def test_no_gain_rule():
+    from fo_tune.search import _decide
+
+    assert _decide(0.95, 0.001, 1.0, 0.001)[0]  # 5% > 2%
+    assert not _decide(0.99, 0.001, 1.0, 0.001)[0]  # 1% < the 2% floor
+    assert not _decide(0.95, 0.08, 1.0, 0.01)[0]  # the gain is within the noise
+    overlap, speedup, text = _decide(0.8, math.nan, 1.0, math.nan)
+    assert overlap and speedup == pytest.approx(1.25) and "1.250x" in text
