@@ -58,6 +58,9 @@ elif [ "$STAGE" = compare ]; then
   timeout 60 python3 bench/hybrid_vs_exhaustive.py "$EXH/exhaustive/summary.yaml" \
     "$RES/hyb/report/all_reduce-w2-bfloat16-hybrid/summary.yaml" --out "$RES/hyb" 2>&1 | tail -3
 elif [ "$STAGE" = tables ]; then
+  stamp "GPU tests of search and bench"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m multigpu tests/test_search.py tests/test_bench.py 2>&1 \
+    | tee "$RES/pytest_search.log" | tail -3
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
   stamp "hybrid search: the suite, both collectives -> results/tables"
   timeout 150 python3 cli.py search --mode hybrid --top-k 8 --calibration "$CAL" --shapes suites/h200_tp.yaml \
