@@ -79,7 +79,9 @@ class Timing:
 # A timed sample spans at least this long: back-to-back calls keep the GPU queue full, so a
 # launch's host overhead (~0.09 ms for the persistent GEMM, docs/perf-notes.md) is hidden behind
 # queued work as it is in a real loop and in nccl-tests; the first calibration timed single calls.
-MIN_SAMPLE_MS = 1.0
+# Each sample still pays its first launch once: 4 ms keeps that under ~2% on the suite's 2 ms ops
+# (with 1 ms they ran one call per sample and the overlapped ops paid 0.1-0.2 ms more, run 7).
+MIN_SAMPLE_MS = 4.0
 # Most calls in one sample (tiny kernels would otherwise need thousands).
 MAX_INNER = 64
 
@@ -122,7 +124,8 @@ def time_interleaved(
 ) -> dict[str, Timing]:
     """Time several variants side by side: each round takes one sample of every variant in turn
     (``inner`` back-to-back calls each, per variant as in ``time_region``), so a clock or thermal
-    drift during the run moves them all alike instead of favouring whichever ran first.
+    drift during the run moves them all alike instead of favouring whichever ran first; the order
+    rotates every round, so no variant always follows the same one.
 
     ``agree``: some variants run collectives; the ranks agree on every variant's ``inner``.
     """
@@ -138,8 +141,10 @@ def time_interleaved(
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         inners = [int(x) for x in t.tolist()]
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(rounds):
-        for name, inner in zip(names, inners, strict=True):
+    order = list(zip(names, inners, strict=True))
+    for r in range(rounds):
+        shift = r % len(order) if order else 0  # each variant takes every place in the round in turn
+        for name, inner in order[shift:] + order[:shift]:
             samples[name].extend(_samples(fns[name], device, reps=1, inner=inner))
     return {name: _timing(v) for name, v in samples.items()}
 
