@@ -32,7 +32,18 @@ DEFAULT_DTYPE = "bfloat16"
 # Exit code of `diff --exit-code` when the tables differ (as `git diff --exit-code`).
 EXIT_DIFFERENT = 1
 # Provenance keys shown first, in this order; any other key follows, sorted.
-PROVENANCE_ORDER = ("measured_ms", "predicted_ms", "speedup", "mode", "source")
+PROVENANCE_ORDER = ("measured_ms", "predicted_ms", "sequential_ms", "speedup", "mode", "source")
+# Long provenance values kept out of the terminal table (they are in --format yaml / csv).
+PROVENANCE_LONG = (
+    "decision",
+    "study",
+    "date",
+    "baseline",
+    "search_ms",
+    "iqr_ms",
+    "sequential_iqr_ms",
+    "trial",
+)
 STATUS_LABELS = {"only_a": "only in A", "only_b": "only in B", "changed": "changed", "same": "same"}
 
 HELP = "\n\n".join(
@@ -223,7 +234,7 @@ def _show_rich(path: Path, table: ScheduleTable) -> None:
     console.print(f"[bold]{escape(str(path))}[/]", highlight=False)
     for line in fingerprint_lines(table):
         _print_plain(f"  {line}")
-    prov = provenance_keys(table.rows)
+    prov = [key for key in provenance_keys(table.rows) if key not in PROVENANCE_LONG]
     columns = ["problem", "overlap", "tile", "sms_free", "cap", "signal", "groups", "layout", "wait", *prov]
     out = summary_table("", columns, 3)
     for row in table.rows:

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: install fo-tune into .venv and tune schedules for two suite shapes,
+# both collectives. Without GPUs this is the offline search (--mode predict): the cost model with the
+# packaged H200 x2 calibration plans an H200 TP=2 deployment in seconds. With 2 GPUs it searches
+# this machine (hybrid when it has a calibration, else measured). The rows go into the table the
+# runtime reads (~/.local/share/fo-tune/tables, or $FO_TUNE_TABLE_DIR), the report under
+# results/search/. Extra arguments go to `fo-tune search` (see `fo-tune search --help`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/fo-tune ]; then
+  if command -v nvidia-smi >/dev/null; then
+    # A GPU machine: reuse its CUDA build of torch (and Triton) instead of downloading another.
+    python3 -m venv --system-site-packages .venv
+    .venv/bin/python -m pip install --quiet -e ".[tune,cuda]"
+  else
+    python3 -m venv .venv
+    .venv/bin/python -m pip install --quiet "torch==2.13.0" "triton==3.7.1"  # the CPU wheel
+    .venv/bin/python -m pip install --quiet -e ".[tune]"
+  fi
+fi
+.venv/bin/fo-tune search --shape 4096x8192x4096 --shape 16384x8192x4096 -c all_reduce,reduce_scatter "$@"
