@@ -539,3 +539,30 @@ def test_no_gain_rule():
     assert not _decide(0.95, 0.08, 1.0, 0.01)[0]  # the gain is within the noise
     overlap, speedup, text = _decide(0.8, math.nan, 1.0, math.nan)
     assert overlap and speedup == pytest.approx(1.25) and "1.250x" in text
+
+
+@pytest.mark.slow
+def test_three_ranks_search_and_bench(tmp_path):
+    """Nothing is hard-wired to 2 ranks: a measured search and the bench on 3 gloo ranks, with a
+    ReduceScatter whose M splits into 3 shards."""
+    out = tmp_path / "o"
+    r = search(
+        "--mode", "measure", "--shape", "96x64x48", "--world-size", "3", "--backend", "gloo",
+        "--trials", "3", "--reps", "2", "-c", "reduce_scatter", "--dtype", "float32", "--out", str(out),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    summary = yaml.safe_load(
+        (out / "report" / "reduce_scatter-w3-float32-measure" / "summary.yaml").read_text()
+    )
+    assert summary["fingerprint"]["world_size"] == 3
+    assert summary["shapes"][0]["baseline"]["source"] == "measured"
+    r = CliRunner().invoke(
+        app,
+        ["bench", "--world-size", "3", "--backend", "gloo", "--shape", "96x64x48", "--reps", "2",
+         "--out", str(tmp_path / "bench")],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    with (tmp_path / "bench" / "bench.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {row["world_size"] for row in rows} == {"3"}
+    assert all(row["status"] in ("PASS", "SKIP", "UNAVAILABLE") for row in rows)
