@@ -39,8 +39,7 @@ import itertools
 import json
 import math
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,12 +51,14 @@ from fo_kernels.plan import make_plan
 from fo_kernels.schedule import COLLECTIVES, DTYPES, Problem, Schedule
 from fo_kernels.table import ScheduleTable, load_table, table_path
 
-from .calibration import Calibration, CalibrationError
-from .encoding import Encoding, Infeasible, schedule_key, tile_label
-from .harness import Pool, Timing, open_pool
-from .measure import ConfirmTask, FingerprintTask, OverlapTrialTask, SequentialTask
+from .calibration import Calibration
+from .encoding import Encoding, Infeasible, schedule_key
+from .harness import Timing, open_pool
+from .measure import FingerprintTask
 from .model import CostModel
 from .space import SearchSpace, space_for
+from .studies import DEFAULT_STORAGE_FILE, is_rdb, open_storage
+from .trials import Measurer, Objective
 
 MODES = ("measure", "predict", "hybrid")
 # Trials per shape when --trials is not given: the model answers in well under a millisecond, so a
@@ -74,11 +75,6 @@ MIN_GAIN = 0.02
 CONFIRM_TOP = 3
 # Hybrid: the space's enumeration is predicted in full when it has at most this many points.
 ENUMERATE_LIMIT = 4000
-# Seconds between heartbeats of a running trial in an RDB storage, and after how long without one
-# it counts as dead (failed) so a resumed search does not wait for it (Optuna's heartbeat).
-HEARTBEAT_S = 10
-GRACE_S = 60
-DEFAULT_STORAGE_FILE = Path("results/studies/fo-tune.db")
 
 
 class SearchError(FoTuneError, ValueError):
@@ -263,184 +259,10 @@ def check_table_target(path: Path, fingerprint: Fingerprint) -> None:
         )
 
 
-# ------------------------------------------------------------------------------------- storage
-def open_storage(url: str, default_file: Path = DEFAULT_STORAGE_FILE) -> Any:
-    """An Optuna storage: ``""`` -> SQLite at ``default_file``; ``journal:PATH`` or a path ending in
-    ``.log``/``.jsonl`` -> a journal file (safe for several local workers); any other URL
-    (``sqlite:///...``, ``postgresql://...``) -> an RDB storage with heartbeats."""
-    import optuna
-    from optuna.storages import JournalStorage, RDBStorage
-    from optuna.storages.journal import JournalFileBackend
-
-    if not url:
-        default_file.parent.mkdir(parents=True, exist_ok=True)
-        url = f"sqlite:///{default_file}"
-    journal = url[len("journal:") :] if url.startswith("journal:") else None
-    if journal is None and url.endswith((".log", ".jsonl")) and "://" not in url:
-        journal = url
-    try:
-        if journal is not None:
-            Path(journal).parent.mkdir(parents=True, exist_ok=True)
-            return JournalStorage(JournalFileBackend(journal))
-        if "://" not in url:
-            raise SearchError(
-                f"--storage {url!r}: expected an Optuna URL (sqlite:///FILE, postgresql://...) or "
-                "journal:FILE"
-            )
-        if url.startswith("sqlite:///"):
-            Path(url[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna 4-5
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
-    except (ImportError, ModuleNotFoundError) as exc:
-        raise SearchError(f"--storage {url!r}: {exc}; install the database driver") from None
-    except optuna.exceptions.StorageInternalError as exc:
-        raise SearchError(f"--storage {url!r}: cannot open it ({exc})") from None
-    except Exception as exc:  # sqlalchemy's ArgumentError / OperationalError on a bad URL
-        if type(exc).__module__.startswith("sqlalchemy"):
-            raise SearchError(f"--storage {url!r}: {str(exc).splitlines()[0]}") from None
-        raise
-
-
-def _is_rdb(storage: Any) -> bool:
-    from optuna.storages import RDBStorage
-
-    return isinstance(storage, RDBStorage)
-
-
 def study_name(request: SearchRequest, shape: tuple[int, int, int], enc: Encoding) -> str:
     m, n, k = shape
     digest = hashlib.sha1(json.dumps(enc.fingerprint(), sort_keys=True).encode()).hexdigest()[:8]
     return f"{request.collective}-w{request.world_size}-{request.dtype}-{m}x{n}x{k}-{request.mode}-{digest}"
-
-
-# --------------------------------------------------------------------------------- measurement
-class _Measurer:
-    """Runs trials and baselines on the pool's ranks (max over ranks)."""
-
-    def __init__(self, pool: Pool, reps: int, seed: int) -> None:
-        self.pool = pool
-        self.reps = reps
-        self.seed = seed
-        self.count = 0
-
-    def trial(self, schedule: Schedule, shape: tuple[int, int, int]) -> dict[str, Any]:
-        m, n, k = shape
-        per_rank = self.pool.run(OverlapTrialTask(schedule, m, n, k, seed=self.seed, reps=self.reps))
-        self.count += 1
-        ok = all(r["ok"] for r in per_rank)
-        timing = Timing.max_over([r["timing"] for r in per_rank]) if ok else None
-        return dict(
-            ok=ok,
-            rel_err=max(r["rel_err"] for r in per_rank),
-            has_nan=any(r["has_nan"] for r in per_rank),
-            timing=timing,
-        )
-
-    def confirm(self, schedules: Sequence[Schedule], shape: tuple[int, int, int]) -> dict[str, Any]:
-        m, n, k = shape
-        per_rank = self.pool.run(ConfirmTask(tuple(schedules), m, n, k, seed=self.seed + 1))
-        timings = []
-        for i in range(len(schedules)):
-            ts = [r["timings"][i] for r in per_rank]
-            timings.append(Timing.max_over(ts) if all(t is not None for t in ts) else None)
-        return dict(
-            sequential=Timing.max_over([r["sequential"] for r in per_rank]),
-            timings=timings,
-            rel_err=[max(r["rel_err"][i] for r in per_rank) for i in range(len(schedules))],
-        )
-
-    def baseline(self, collective: str, shape: tuple[int, int, int], dtype: str) -> dict[str, Any]:
-        m, n, k = shape
-        per_rank = self.pool.run(SequentialTask(collective, m, n, k, dtype, seed=self.seed, reps=self.reps))
-        return dict(
-            rel_err=max(r["rel_err"] for r in per_rank),
-            has_nan=any(r["has_nan"] for r in per_rank),
-            gemm=Timing.max_over([r["gemm"] for r in per_rank]),
-            comm=Timing.max_over([r["comm"] for r in per_rank]),
-            sequential=Timing.max_over([r["sequential"] for r in per_rank]),
-        )
-
-
-# ------------------------------------------------------------------------------------ objective
-class _Objective:
-    """What one Optuna trial does (see the module docstring, step 4)."""
-
-    def __init__(
-        self,
-        enc: Encoding,
-        model: CostModel | None,
-        measurer: _Measurer | None,
-        value: str,  # "measured" or "predicted"
-        on_trial: Callable[[str, bool], None],
-    ) -> None:
-        self.enc = enc
-        self.model = model
-        self.measurer = measurer
-        self.value = value
-        self.on_trial = on_trial
-        self._cache: dict[str, Any] = {}
-        self._best = math.inf
-
-    def _cached(self, study: Any, key: str) -> Any:
-        import optuna
-
-        if key not in self._cache:
-            for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-                other = t.user_attrs.get("key")
-                if other is not None and other not in self._cache:
-                    self._cache[other] = t
-        return self._cache.get(key)
-
-    def __call__(self, trial: Any) -> float:
-        import optuna
-
-        params = self.enc.suggest(trial)
-        try:
-            schedule = self.enc.build(params, self.model)
-        except Infeasible as exc:
-            trial.set_user_attr("note", f"infeasible: {exc}")
-            self.on_trial("infeasible", self.value != "predicted")
-            raise optuna.TrialPruned(str(exc)) from None
-        key = schedule_key(schedule)
-        trial.set_user_attr("key", key)
-        trial.set_user_attr("schedule", schedule.describe())
-        trial.set_user_attr("groups", list(schedule.groups))
-        trial.set_user_attr("signal_tiles", schedule.signal_tiles)
-        predicted = math.nan
-        if self.model is not None and self.model.knows_tile(schedule.tile):  # type: ignore[arg-type]
-            predicted = self.model.predict(schedule, self.enc.m, self.enc.n, self.enc.k).total_ms
-            trial.set_user_attr("predicted_ms", predicted)
-        hit = self._cached(trial.study, key)
-        if hit is not None:
-            trial.set_user_attr("cached_from", hit.number)
-            for name in ("measured_ms", "spread_ms", "iqr_ms", "rel_err"):
-                if name in hit.user_attrs:
-                    trial.set_user_attr(name, hit.user_attrs[name])
-            self.on_trial(f"#{trial.number} cached from #{hit.number}", self.value != "predicted")
-            return float(hit.value)
-        if self.value == "predicted":
-            if math.isnan(predicted):
-                trial.set_user_attr("note", "tile not in the calibration")
-                raise optuna.TrialPruned("tile not in the calibration")
-            best = self._best
-            self._best = min(best, predicted)
-            self.on_trial(f"#{trial.number} {predicted:.3f} ms predicted", predicted < best)  # log new bests
-            return predicted
-        assert self.measurer is not None
-        got = self.measurer.trial(schedule, (self.enc.m, self.enc.n, self.enc.k))
-        trial.set_user_attr("rel_err", got["rel_err"])
-        if not got["ok"]:
-            note = "numerical check failed: " + ("NaN" if got["has_nan"] else f"rel err {got['rel_err']:.2e}")
-            trial.set_user_attr("note", note)
-            self.on_trial(f"#{trial.number} {note}", True)
-            raise optuna.TrialPruned(note)
-        timing: Timing = got["timing"]
-        trial.set_user_attr("measured_ms", timing.median_ms)
-        trial.set_user_attr("spread_ms", timing.spread_ms)
-        trial.set_user_attr("iqr_ms", timing.iqr_ms)
-        self.on_trial(f"#{trial.number} {timing.median_ms:.3f} ms", True)
-        return timing.median_ms
 
 
 # -------------------------------------------------------------------------------------- driver
@@ -644,7 +466,7 @@ def _row(
 
 
 def _baseline(
-    request: SearchRequest, shape: tuple[int, int, int], model: CostModel | None, measurer: _Measurer | None
+    request: SearchRequest, shape: tuple[int, int, int], model: CostModel | None, measurer: Measurer | None
 ) -> BaselineResult:
     m, n, k = shape
     predicted = math.nan
@@ -685,7 +507,7 @@ def _search_shape(
     sm_count: int,
     cpu: bool,
     model: CostModel | None,
-    measurer: _Measurer | None,
+    measurer: Measurer | None,
     storage: Any,
     table: ScheduleTable | None,
     budget_s: float | None,
@@ -724,7 +546,7 @@ def _search_shape(
     )
     fresh = not stored.trials
     study, resumed = stored, 0
-    if request.mode == "predict" and _is_rdb(storage):
+    if request.mode == "predict" and is_rdb(storage):
         # Predicted trials take microseconds; one SQLite transaction per Optuna call would take
         # ~50 ms a trial. They run in memory (seeded with the stored ones) and are stored at the end.
         # (A journal file is fast enough to share live between workers, and is used directly.)
@@ -739,7 +561,7 @@ def _search_shape(
         )
     value = "predicted" if request.mode == "predict" else "measured"
     stage = f"{label} {request.mode}"
-    objective = _Objective(
+    objective = Objective(
         enc, model, measurer, value, lambda detail, log: reporter.step(stage, detail, log=log)
     )
     measured_before = measurer.count if measurer is not None else 0
@@ -920,14 +742,14 @@ def run_search(request: SearchRequest, reporter: Reporter | None = None) -> Sear
                     f"the calibration is for {cal.fingerprint.device_key}, these ranks are {fp.device_key}; "
                     "calibrate this machine with `fo-tune calibrate` or pass its --calibration"
                 )
-        return _run(request, shapes, fp, _Measurer(pool, request.reps, request.seed), rep, t0)
+        return _run(request, shapes, fp, Measurer(pool, request.reps, request.seed), rep, t0)
 
 
 def _run(
     request: SearchRequest,
     shapes: list[tuple[int, int, int]],
     fp: Fingerprint,
-    measurer: _Measurer | None,
+    measurer: Measurer | None,
     rep: Reporter,
     t0: float,
 ) -> SearchResult:
@@ -1002,7 +824,6 @@ __all__ = [
     "MIN_GAIN",
     "MODES",
     "BaselineResult",
-    "CalibrationError",
     "SearchError",
     "SearchRequest",
     "SearchResult",
@@ -1015,5 +836,4 @@ __all__ = [
     "open_storage",
     "range_rows",
     "run_search",
-    "tile_label",
 ]
