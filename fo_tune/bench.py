@@ -288,7 +288,9 @@ class BenchCaseTask:
         # every variant that passed its check is timed now, side by side in alternating rounds
         # (time_interleaved): a clock drift during the case cannot favour the variant timed first
         calls = {i: e.pop("fn") for i, e in enumerate(out) if "fn" in e}
-        timings = time_interleaved(calls, ctx.device, warmup=self.warmup, rounds=self.reps, agree=True)
+        with warnings.catch_warnings():  # fo_tune's schedule source is recorded in its row instead
+            warnings.simplefilter("ignore", HeuristicScheduleWarning)
+            timings = time_interleaved(calls, ctx.device, warmup=self.warmup, rounds=self.reps, agree=True)
         for i, timing in timings.items():
             out[i]["timing"] = timing
         return out

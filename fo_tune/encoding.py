@@ -10,7 +10,8 @@ Parameters (every one categorical unless said):
     layout         row_band | tile_major;  wait_mode: stream_wait | spin
     grouping       "dp": the cost model's optimal composition for this config (dynamic program);
                    "custom": num_groups (int 1..max_groups) and num_groups - 1 cut points
-                   cut_0.. in [0, 1] (floats): the cuts are round(cut * units), deduplicated.
+                   cut_0.. in [0, 1] (floats): the cuts are round(cut * units) clamped to
+                   [1, units - 1], deduplicated.
 
 "custom" reaches any composition of U units into at most max_groups groups with one trial (FlashOverlap
 enumerates all 2^(W-1)); "dp" seeds each config with the model-optimal grouping. A configuration

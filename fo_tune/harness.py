@@ -125,7 +125,8 @@ def time_interleaved(
     """Time several variants side by side: each round takes one sample of every variant in turn
     (``inner`` back-to-back calls each, per variant as in ``time_region``), so a clock or thermal
     drift during the run moves them all alike instead of favouring whichever ran first; the order
-    rotates every round, so no variant always follows the same one.
+    rotates every round and every other round runs backwards, so no variant always follows the same
+    one.
 
     ``agree``: some variants run collectives; the ranks agree on every variant's ``inner``.
     """
@@ -143,8 +144,9 @@ def time_interleaved(
     samples: dict[str, list[float]] = {name: [] for name in names}
     order = list(zip(names, inners, strict=True))
     for r in range(rounds):
-        shift = r % len(order) if order else 0  # each variant takes every place in the round in turn
-        for name, inner in order[shift:] + order[:shift]:
+        shift = r % len(order) if order else 0  # each variant takes every place in the round in turn,
+        turn = order[shift:] + order[:shift]  # and every other round runs backwards, so it follows
+        for name, inner in turn if r % 2 == 0 else turn[::-1]:  # different neighbours too
             samples[name].extend(_samples(fns[name], device, reps=1, inner=inner))
     return {name: _timing(v) for name, v in samples.items()}
 

@@ -306,9 +306,10 @@ def _sequential_call(
 
 @dataclass(frozen=True)
 class ConfirmTask:
-    """The confirmation of a search: its best schedules and GEMM-then-collective, each checked,
-    then timed side by side in alternating rounds (``time_interleaved``), so the row is decided on
-    one paired measurement rather than on numbers taken minutes apart."""
+    """The confirmation of a search: its best schedules (each checked again) and GEMM-then-collective
+    (checked by ``SequentialTask`` at the start of the search), timed side by side in alternating
+    rounds (``time_interleaved``), so the row is decided on one paired measurement rather than on
+    numbers taken minutes apart."""
 
     schedules: tuple[Schedule, ...]
     m: int

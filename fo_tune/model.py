@@ -177,6 +177,10 @@ class CostModel:
     def knows_tile(self, tile: Tile) -> bool:
         return _tile_key(tile) in self._fits
 
+    def knows_collective(self, collective: str) -> bool:
+        """The calibration has a bandwidth curve for ``collective``."""
+        return any(name == collective for name, _ in self._curves)
+
     @staticmethod
     def _fit_waves(points: Sequence[GemmPoint]) -> _WaveFit:
         xs = [_waves(p.m, p.n, _point_tile(p), p.grid) * p.k for p in points]
@@ -371,11 +375,11 @@ class CostModel:
 
         A group's end depends only on its ready time and the previous group's end, and never
         decreases with either; so for each group count the earliest end over prefixes is optimal,
-        and the count is chosen with the host cost per group. One approximation: the GEMM's
-        duration is fixed at alone x its full slowdown (``predict`` scales the slowdown by the
-        overlapped fraction), so the result is within a fraction of a percent of the best
-        ``predict`` would find (tests/test_search.py checks 1%). ``row_band`` cuts are allowed
-        only where a band of tile rows starts.
+        and each count's grouping is priced by ``predict`` (host cost per group, slowdown scaled by
+        the overlapped fraction) to choose the count. One approximation remains: inside the DP the
+        GEMM's duration is fixed at alone x its full slowdown, so the result can trail the best
+        composition ``predict`` would find (tests/test_search.py bounds it at 1% on suite shapes).
+        ``row_band`` cuts are allowed only where a band of tile rows starts.
         """
         assert schedule.tile is not None
         plan = self.plan(with_groups(schedule, (num_units(schedule, m, n),)), m, n, k)
@@ -432,22 +436,24 @@ class CostModel:
                     if end < best[g][j]:
                         best[g][j], back[g][j] = end, i
         last = index[units]
-        restore = 0.0
-        if plan.layout == "tile_major":
-            rows = m if schedule.collective == "all_reduce" else plan.rows_per_shard
-            restore = 2 * rows * n * elem / (RESTORE_GBS * 1e6)
 
-        def total(g: int) -> tuple[float, int]:  # as predict() ends: device time vs host time
-            return max(max(best[g][last], gemm_ms) + restore, self.host_ms(schedule, g)), g
+        def sizes_for(g: int) -> tuple[int, ...]:
+            sizes: list[int] = []
+            j = last
+            while g > 0:
+                i = back[g][j]
+                sizes.append(cuts[j] - cuts[i])
+                j, g = i, g - 1
+            return tuple(reversed(sizes))
 
-        g_best = min(range(1, max_groups + 1), key=total)
-        sizes: list[int] = []
-        j, g = last, g_best
-        while g > 0:
-            i = back[g][j]
-            sizes.append(cuts[j] - cuts[i])
-            j, g = i, g - 1
-        return tuple(reversed(sizes))
+        # the DP's best grouping per group count, priced by predict() itself (which also scales the
+        # GEMM's slowdown by how much of it overlaps and adds the host cost per group)
+        options = [sizes_for(g) for g in range(1, max_groups + 1) if best[g][last] < inf]
+        priced = [
+            (self.predict(with_groups(schedule, sizes), m, n, k).total_ms, len(sizes), sizes)
+            for sizes in options
+        ]
+        return min(priced)[2]
 
 
 def num_units(schedule: Schedule, m: int, n: int) -> int:

@@ -39,7 +39,7 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -73,6 +73,9 @@ MIN_GAIN = 0.02
 # alternating rounds before deciding the row: on H200 x2 the baseline drifted 2-4% between
 # measurements minutes apart (docs/perf-notes.md), as much as the gains being decided on.
 CONFIRM_TOP = 3
+# --exhaustive refuses a space with more points than this for one shape (the shipped H200 space has
+# ~22,000: hours of measurement); bench/h200_small_space.yaml has 112-128.
+EXHAUSTIVE_LIMIT = 4000
 # Hybrid: the space's enumeration is predicted in full when it has at most this many points.
 ENUMERATE_LIMIT = 4000
 
@@ -220,12 +223,19 @@ def check_request(request: SearchRequest) -> None:
         raise SearchError(f"--top-k must be >= 1, got {request.top_k}")
     if request.time_budget_s is not None and not request.time_budget_s > 0:
         raise SearchError(f"--time-budget must be > 0 seconds, got {request.time_budget_s}")
+    if request.storage.startswith("sqlite:///") and not request.storage[len("sqlite:///") :].strip():
+        raise SearchError("--storage sqlite:/// names no file (an in-memory database would lose the study)")
     if request.exhaustive and request.mode == "hybrid":
         raise SearchError("--exhaustive enumerates the space in --mode measure or predict, not hybrid")
     if request.m_range is not None:
         lo, hi = request.m_range
         if not 1 <= lo <= hi:
             raise SearchError(f"--m-range {lo}:{hi}: needs 1 <= LO <= HI")
+        if request.collective == "reduce_scatter" and (lo % request.world_size or hi % request.world_size):
+            raise SearchError(
+                f"--m-range {lo}:{hi}: reduce_scatter needs LO and HI divisible by the world size "
+                f"{request.world_size}"
+            )
     for m, n, k in expand_shapes(request):
         if min(m, n, k) < 1:
             raise SearchError(f"shape {m}x{n}x{k}: M, N and K must be >= 1")
@@ -238,6 +248,11 @@ def check_request(request: SearchRequest) -> None:
         cal = request.calibration
         if cal is None:
             raise SearchError(f"--mode {request.mode} needs a calibration: pass --calibration FILE")
+        if cal.dtype != request.dtype:
+            raise SearchError(
+                f"the calibration was measured with {cal.dtype}, the search is for {request.dtype}; "
+                f"calibrate with `fo-tune calibrate --dtype {request.dtype}` or search --dtype {cal.dtype}"
+            )
         if cal.world_size != request.world_size:
             raise SearchError(
                 f"the calibration is for world size {cal.world_size}, the search for {request.world_size}; "
@@ -259,9 +274,13 @@ def check_table_target(path: Path, fingerprint: Fingerprint) -> None:
         )
 
 
-def study_name(request: SearchRequest, shape: tuple[int, int, int], enc: Encoding) -> str:
+def study_name(request: SearchRequest, shape: tuple[int, int, int], enc: Encoding, context: str) -> str:
+    """``<collective>-w<W>-<dtype>-<MxNxK>-<mode>-<digest>``; the digest covers the space's choices
+    and ``context`` (the device key, and the calibration the model reads), so a study is resumed
+    only by the same search on the same machine with the same model."""
     m, n, k = shape
-    digest = hashlib.sha1(json.dumps(enc.fingerprint(), sort_keys=True).encode()).hexdigest()[:8]
+    what = json.dumps([enc.fingerprint(), context], sort_keys=True)
+    digest = hashlib.sha1(what.encode()).hexdigest()[:8]
     return f"{request.collective}-w{request.world_size}-{request.dtype}-{m}x{n}x{k}-{request.mode}-{digest}"
 
 
@@ -296,6 +315,10 @@ def _warm_start(
 ) -> int:
     """Enqueue the heuristic default (and its config with the DP grouping) and the nearest row."""
     seeds = []
+    if heuristic.overlap and enc.sms_free and heuristic.sms_free not in enc.sms_free:
+        # the heuristic's wave-aligned sms_free is rarely a candidate: take the nearest one
+        near_r = min(enc.sms_free, key=lambda r: (abs(r - heuristic.sms_free), r))
+        heuristic = dataclasses.replace(heuristic, sms_free=near_r)
     params = enc.params_of(heuristic)
     if params is not None:
         seeds.append(params)
@@ -362,6 +385,10 @@ def _rank_by_model(
     return sorted(seen.values(), key=lambda item: item[0])
 
 
+def _params_key(params: Mapping[str, Any]) -> str:
+    return json.dumps(dict(params), sort_keys=True, default=str)
+
+
 def _take(it: Iterator[Any], limit: int) -> Iterator[Any]:
     for i, x in enumerate(it):
         if i >= limit:
@@ -417,7 +444,7 @@ def _decide(best_ms: float, best_iqr: float, base_ms: float, base_iqr: float) ->
             False,
             1.0,
             f"best {best_ms:.3f} ms vs sequential {base_ms:.3f} ms: gain {gain:.3f} ms <= "
-            f"{need:.3f} ms (max of {MIN_GAIN:.0%} and the interquartile range of the samples)",
+            f"{need:.3f} ms (max of {MIN_GAIN:.0%} and the timings' interquartile range)",
         )
     return True, base_ms / best_ms, f"overlap {base_ms / best_ms:.3f}x over sequential"
 
@@ -499,25 +526,15 @@ def _baseline(
     )
 
 
-def _search_shape(
+def _encoding(
     request: SearchRequest,
     shape: tuple[int, int, int],
-    *,
     space: SearchSpace,
     sm_count: int,
     cpu: bool,
     model: CostModel | None,
-    measurer: Measurer | None,
-    storage: Any,
-    table: ScheduleTable | None,
-    budget_s: float | None,
-    reporter: Reporter,
-) -> ShapeResult:
-    import optuna
-
-    t0 = time.monotonic()
-    m, n, k = shape
-    label = f"{m}x{n}x{k}"
+) -> Encoding:
+    """The shape's encoding; predict and hybrid keep the tiles the calibration profiled."""
     tiles = None
     if request.mode in ("predict", "hybrid"):
         assert model is not None
@@ -538,7 +555,41 @@ def _search_shape(
         tiles=tiles,
         with_dp=model is not None,
     )
-    name = study_name(request, shape, enc)
+    if (
+        request.exhaustive
+        and sum(1 for _ in itertools.islice(enc.enumerate(), EXHAUSTIVE_LIMIT + 1)) > EXHAUSTIVE_LIMIT
+    ):
+        m, n, k = shape
+        raise SearchError(
+            f"--exhaustive: the space has more than {EXHAUSTIVE_LIMIT} points for {m}x{n}x{k}; give a "
+            "smaller one with --space (e.g. bench/h200_small_space.yaml) or search without --exhaustive"
+        )
+    return enc
+
+
+def _search_shape(
+    request: SearchRequest,
+    shape: tuple[int, int, int],
+    *,
+    space: SearchSpace,
+    sm_count: int,
+    device_key: str,
+    cpu: bool,
+    model: CostModel | None,
+    measurer: Measurer | None,
+    storage: Any,
+    table: ScheduleTable | None,
+    budget_s: float | None,
+    reporter: Reporter,
+) -> ShapeResult:
+    import optuna
+
+    t0 = time.monotonic()
+    m, n, k = shape
+    label = f"{m}x{n}x{k}"
+    enc = _encoding(request, shape, space, sm_count, cpu, model)
+    calibration = f"{model.cal.fingerprint.device_key}@{model.cal.created}" if model is not None else "none"
+    name = study_name(request, shape, enc, f"{device_key}|{calibration}")
     sampler = optuna.samplers.TPESampler(seed=request.seed)
     finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     stored = optuna.create_study(
@@ -579,8 +630,12 @@ def _search_shape(
         if waiting:
             study.optimize(objective, n_trials=waiting, timeout=budget_s)
     elif request.exhaustive:
-        for params in enc.enumerate():
-            study.enqueue_trial(params, skip_if_exists=True)
+        points = list(enc.enumerate())  # at most EXHAUSTIVE_LIMIT (_encoding checked)
+        have = {_params_key(t.params) for t in study.get_trials(deepcopy=False)}
+        for params in points:  # (enqueue_trial's own duplicate check scans every trial: quadratic)
+            if _params_key(params) not in have:
+                have.add(_params_key(params))
+                study.enqueue_trial(params)
         waiting = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
         reporter.stage(stage, waiting)
         if waiting:
@@ -643,6 +698,13 @@ def _search_shape(
     numbers["decision"] = decision
     if overlap:
         numbers["speedup"] = speedup
+    else:  # the row runs GEMM then collective: its latency is sequential_ms, not the rejected schedule's
+        for key, renamed in (
+            ("measured_ms", "rejected_measured_ms"),
+            ("predicted_ms", "rejected_predicted_ms"),
+        ):
+            if key in numbers:
+                numbers[renamed] = numbers.pop(key)
     row = _row(request, shape, chosen_schedule, best, numbers)
     records = _records(study, label, baseline.sequential_ms)
     mape, worst = model_error(records)
@@ -764,6 +826,13 @@ def _run(
             cal = None  # a calibration of another machine cannot predict these ranks
         if cal is not None:
             model = CostModel(cal)
+            if not model.knows_collective(request.collective):
+                if request.mode != "measure":
+                    raise SearchError(
+                        f"the calibration has no bandwidth curve for {request.collective}; re-run "
+                        f"`fo-tune calibrate --collectives {request.collective}`"
+                    )
+                model = None  # measure mode runs without predictions
     target = None
     table = None
     if request.table_dir is not None:
@@ -773,6 +842,8 @@ def _run(
         check_table_target(target, fp)
         with contextlib.suppress(TableNotFoundError):
             table = load_table(target)
+    for shape in shapes:  # every shape's space is checked before anything is written
+        _encoding(request, shape, space, fp.sm_count, cpu, model)
     storage = open_storage(request.storage)
     results: list[ShapeResult] = []
     for i, shape in enumerate(shapes):
@@ -786,6 +857,7 @@ def _run(
                 shape,
                 space=space,
                 sm_count=fp.sm_count,
+                device_key=fp.device_key,
                 cpu=cpu,
                 model=model,
                 measurer=measurer,

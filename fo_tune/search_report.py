@@ -247,6 +247,9 @@ def check_report_dir(out_dir: str | Path) -> None:
                 f"report folder {shown} holds files fo-tune did not write ({foreign[0]}); "
                 "choose another --out"
             )
+        for folder in (path.parent, path):  # an existing report is swapped out by renames
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise OutputError(f"cannot replace the report {shown}: {folder} is not writable")
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent

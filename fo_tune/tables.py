@@ -118,7 +118,9 @@ def merge_rows(
 
     Under the file lock ``<path>.lock`` it loads the table (or starts one with ``fingerprint`` and
     the header ``collective``/``world_size``/``dtype``), replaces each row for the same problem
-    (``ScheduleTable.upsert``: exact M, or the identical M range) or adds it, saves it with
+    (``ScheduleTable.upsert``: exact M, or the identical M range; an incoming M-range row also drops
+    every existing range row of its (N, K) that it overlaps, so re-tuning a range never leaves
+    overlapping ranges behind) or adds it, saves it with
     ``fo_kernels.table.save_table`` (atomic rename) and returns the merged table. Processes merging
     into the same file concurrently therefore never lose each other's rows (as long as every writer
     goes through ``merge_rows``; a bare ``save_table`` is not serialised); readers never wait.
@@ -172,6 +174,8 @@ def merge_rows(
                 )
             table.fingerprint = fingerprint
             for row in incoming.rows:
+                if row.problem.is_range:  # a new M range replaces every older range it overlaps
+                    table.rows = [old for old in table.rows if not _ranges_overlap(old.problem, row.problem)]
                 table.upsert(row)
             save_table(table, path)
     except Timeout:
@@ -180,6 +184,13 @@ def merge_rows(
             f"{lock_timeout_s:g} s; wait for it to finish (or stop it) and merge again"
         ) from None
     return table
+
+
+def _ranges_overlap(a: Problem, b: Problem) -> bool:
+    if not (a.is_range and b.is_range) or (a.n, a.k) != (b.n, b.k):
+        return False
+    assert a.m_min is not None and a.m_max is not None and b.m_min is not None and b.m_max is not None
+    return a.m_min <= b.m_max and b.m_min <= a.m_max
 
 
 # ------------------------------------------------------------------------------------- validate

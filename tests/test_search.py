@@ -339,6 +339,12 @@ def test_time_budget_stops_early(tmp_path):
         (["--shape", "64x64x64", "--m-range", "9:3"], "LO <= HI"),
         (["--shape", "64x64x64", "--trials", "0"], "--trials"),
         (["--shape", "64x64x64", "--calibration", "missing.yaml"], "missing.yaml"),
+        (["--shape", "4096x8192x4096", "--dtype", "float32"], "bfloat16"),
+        (["--shape", "64x64x64", "-c", ","], "--collective"),
+        (["--shape", "64x8192x4096", "--m-range", "511:4096", "-c", "reduce_scatter"], "LO and HI"),
+        (["--shape", "64x64x64", "--storage", "sqlite:///"], "names no file"),
+        (["--shape", "4096x8192x4096", "--exhaustive"], "--space"),
+        (["--shape", "64x64x64", "--world-size", "0"], "--world-size"),
         ([], "--shape"),
     ],
 )
@@ -566,3 +572,39 @@ def test_three_ranks_search_and_bench(tmp_path):
         rows = list(csv.DictReader(f))
     assert {row["world_size"] for row in rows} == {"3"}
     assert all(row["status"] in ("PASS", "SKIP", "UNAVAILABLE") for row in rows)
+
+
+def test_another_calibration_starts_another_study(tmp_path, h200):
+    """A study is resumed only with the same model: a changed calibration is a new study."""
+    out = str(tmp_path / "o")
+    assert search("--shape", "4096x8192x4096", "-n", "20", "--out", out).exit_code == 0
+    other = dataclasses.replace(h200, created="2026-01-01T00:00:00+00:00")
+    from fo_tune.calibration import save_calibration
+
+    save_calibration(other, tmp_path / "cal.yaml")
+    r = search(
+        "--shape", "4096x8192x4096", "-n", "20", "--calibration", str(tmp_path / "cal.yaml"), "--out", out
+    )
+    assert r.exit_code == 0, r.output
+    import optuna
+
+    names = optuna.get_all_study_names(f"sqlite:///{tmp_path / 'o' / 'studies' / 'fo-tune.db'}")
+    assert len(names) == 2
+
+
+def test_new_study_starts_from_the_heuristic(model):
+    """The warm start enqueues the heuristic default (its sms_free snapped to a candidate)."""
+    import optuna
+
+    from fo_tune.search import SearchRequest, _warm_start
+
+    shape = (4096, 8192, 4096)
+    enc = enc_for(model, "all_reduce", shape)
+    h = default_schedule("all_reduce", *shape, dtype="bfloat16", world_size=2, sm_count=132, on_gpu=True)
+    h = dataclasses.replace(h, tile=model.tiles()[0])
+    assert h.sms_free not in enc.sms_free  # 29: wave-aligned, not a candidate
+    study = optuna.create_study()
+    seeded = _warm_start(study, enc, SearchRequest(shapes=(shape,)), h, None)
+    assert seeded == 2
+    first = study.get_trials(deepcopy=False)[0].system_attrs["fixed_params"]  # enqueued, not yet run
+    assert first["sms_free"] == 28 and first["tile"] == tile_label(h.tile)

@@ -484,3 +484,22 @@ def test_diff_command(runner: CliRunner, tmp_path: Path) -> None:
     assert same.exit_code == 0 and "no differences in 3 row(s)" in same.stdout
     line = assert_one_line_error(runner.invoke(app, ["table", "diff", str(a), str(tmp_path / "c.yaml")]))
     assert "c.yaml" in line
+
+
+def test_merging_a_range_drops_the_ranges_it_overlaps(tmp_path):
+    """Re-tuning an M range (another LO:HI) never leaves overlapping range rows behind."""
+    fp = current_fingerprint("cpu", 2)
+    path = tmp_path / "t.yaml"
+
+    def rng(lo: int, hi: int, tag: str) -> Schedule:
+        return Schedule(
+            collective="all_reduce", dtype="float32", world_size=2,
+            problem=Problem(m_min=lo, m_max=hi, n=96, k=48), overlap=False, provenance={"tag": tag},
+        )  # fmt: skip
+
+    kw = dict(collective="all_reduce", world_size=2, dtype="float32")
+    merge_rows(path, fp, [rng(1, 100, "a"), rng(101, 200, "b"), rng(201, 300, "c")], **kw)
+    table = merge_rows(path, fp, [rng(150, 250, "new")], **kw)
+    tags = [(r.problem.m_min, r.provenance["tag"]) for r in table.rows]
+    assert tags == [(1, "a"), (150, "new")]
+    assert validate_table(load_table(path)) == []

@@ -169,6 +169,8 @@ def parse_collectives(values: list[str] | None) -> list[str]:
     if not values:
         return ["all_reduce"]
     names = [p.strip() for v in values for p in v.split(",") if p.strip()]
+    if not names:
+        raise typer.BadParameter(f"--collective: no name given; choose from {', '.join(COLLECTIVE_NAMES)}")
     for name in names:
         if name not in COLLECTIVE_NAMES:
             raise typer.BadParameter(f"--collective {name!r} is not one of {', '.join(COLLECTIVE_NAMES)}")
@@ -315,6 +317,8 @@ def search(
 ) -> None:
     collectives = parse_collectives(collective)
     check_dtype(dtype)
+    if world_size < 1:
+        raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
     if mode is not None and mode not in MODE_NAMES:
         raise typer.BadParameter(f"--mode {mode!r} is not one of {', '.join(MODE_NAMES)}")
     rng = parse_m_range(m_range)
@@ -356,6 +360,16 @@ def search(
                 cal = load_calibration(path)
         if not mode:
             mode = "hybrid" if cal is not None else "measure"
+        if (
+            mode == "hybrid"
+            and chosen == "gloo"
+            and cal is not None
+            and cal.fingerprint.compute_capability != "cpu"
+        ):
+            raise SearchError(
+                f"--mode hybrid measures on these ranks (gloo on the CPU), but the calibration is for "
+                f"{cal.fingerprint.device_key}; use --mode predict, or a calibration of this machine"
+            )
         if mode == "predict" and cal is None:
             raise SearchError("--mode predict needs --calibration FILE")
         search_space = None
