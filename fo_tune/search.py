@@ -57,7 +57,7 @@ from .harness import Timing, open_pool
 from .measure import FingerprintTask
 from .model import CostModel
 from .space import SearchSpace, space_for
-from .studies import DEFAULT_STORAGE_FILE, is_rdb, open_storage
+from .studies import DEFAULT_STORAGE_FILE, check_storage_url, is_rdb, open_storage
 from .trials import Measurer, Objective
 
 MODES = ("measure", "predict", "hybrid")
@@ -223,8 +223,7 @@ def check_request(request: SearchRequest) -> None:
         raise SearchError(f"--top-k must be >= 1, got {request.top_k}")
     if request.time_budget_s is not None and not request.time_budget_s > 0:
         raise SearchError(f"--time-budget must be > 0 seconds, got {request.time_budget_s}")
-    if request.storage.startswith("sqlite:///") and not request.storage[len("sqlite:///") :].strip():
-        raise SearchError("--storage sqlite:/// names no file (an in-memory database would lose the study)")
+    check_storage_url(request.storage)
     if request.exhaustive and request.mode == "hybrid":
         raise SearchError("--exhaustive enumerates the space in --mode measure or predict, not hybrid")
     if request.m_range is not None:

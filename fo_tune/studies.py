@@ -64,6 +64,25 @@ def open_storage(url: str, default_file: Path = DEFAULT_STORAGE_FILE) -> Any:
         raise
 
 
+def check_storage_url(url: str) -> None:
+    """Refuse, without opening anything, a ``--storage`` that ``open_storage`` cannot take."""
+    if not url or url.startswith("journal:") or (url.endswith((".log", ".jsonl")) and "://" not in url):
+        return
+    if "://" not in url:
+        raise StorageError(
+            f"--storage {url!r}: expected an Optuna URL (sqlite:///FILE, postgresql://...) or journal:FILE"
+        )
+    if url.startswith("sqlite:///") and not url[len("sqlite:///") :].strip():
+        raise StorageError("--storage sqlite:/// names no file (an in-memory database would lose the study)")
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        make_url(url)
+    except ArgumentError as exc:
+        raise StorageError(f"--storage {url!r}: {str(exc).splitlines()[0]}") from None
+
+
 def is_rdb(storage: Any) -> bool:
     from optuna.storages import RDBStorage
 

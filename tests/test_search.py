@@ -343,6 +343,8 @@ def test_time_budget_stops_early(tmp_path):
         (["--shape", "64x64x64", "-c", ","], "--collective"),
         (["--shape", "64x8192x4096", "--m-range", "511:4096", "-c", "reduce_scatter"], "LO and HI"),
         (["--shape", "64x64x64", "--storage", "sqlite:///"], "names no file"),
+        (["--shape", "64x64x64", "--storage", "bogus"], "Optuna URL"),
+        (["--shape", "64x64x64", "--storage", "nosuchdb+x://"], "--storage"),
         (["--shape", "4096x8192x4096", "--exhaustive"], "--space"),
         (["--shape", "64x64x64", "--world-size", "0"], "--world-size"),
         ([], "--shape"),
