@@ -60,7 +60,7 @@ from .calibrate import Reporter
 from .harness import TASK_TIMEOUT_S, Timing, open_pool, time_interleaved
 from .launch import RankContext
 from .measure import DTYPES, GEMM_TOL, FingerprintTask, gemm_operands, rel_err
-from .report import OutputError, check_ancestor, figure, made_parents, swap_in, write_rows
+from .report import check_writable, figure, made_parents, swap_in, write_rows
 
 __all__ = [
     "BENCH_COLUMNS",
@@ -676,24 +676,7 @@ def default_bench_dir(device_key: str, world_size: int) -> Path:
 def check_bench_out(out_dir: str | Path) -> None:
     """Raise ``OutputError`` unless ``write_bench_dir`` can create or replace ``out_dir``: a new
     folder, or one holding only ``BENCH_FILES`` (``fo_tune.report.check_writable``'s rules)."""
-    shown = Path(out_dir)
-    path = Path(os.path.abspath(out_dir))
-    if Path.cwd() == path or path in Path.cwd().parents:
-        raise OutputError(f"--out {shown} is the current folder or above it; give a folder below it")
-    if path.exists() or path.is_symlink():
-        if not path.is_dir():
-            raise OutputError(f"--out {shown} is a file; give a folder (it is created if missing)")
-        foreign = sorted(p.name for p in path.iterdir() if p.name not in BENCH_FILES)
-        if foreign:
-            raise OutputError(
-                f"--out {shown} holds files fo-tune bench did not write ({foreign[0]}"
-                f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); "
-                "give a new or empty folder, or a previous bench folder to replace"
-            )
-        for folder in (path.parent, path):
-            if not os.access(folder, os.W_OK | os.X_OK):
-                raise OutputError(f"cannot replace {shown}: {folder} is not writable; choose another --out")
-    check_ancestor(path, shown)
+    check_writable(out_dir, allowed=BENCH_FILES, what="bench", writer="fo-tune bench")
 
 
 def _plot(result: BenchResult, path: Path) -> None:

@@ -134,12 +134,20 @@ def check_ancestor(path: Path, shown: Path) -> None:
         raise OutputError(f"cannot write {shown}: {base} is not writable; choose another path")
 
 
-def check_writable(out_dir: str | Path) -> None:
-    """Raise ``OutputError`` unless ``write_calibration_dir`` can create or replace ``out_dir``.
+def check_writable(
+    out_dir: str | Path,
+    *,
+    allowed: Sequence[str] = CALIBRATION_FILES,
+    what: str = "calibration",
+    writer: str = "fo-tune",
+) -> None:
+    """Raise ``OutputError`` unless an output folder (default: ``write_calibration_dir``'s) can be
+    created or replaced at ``out_dir``.
 
     ``out_dir`` may not exist yet (its nearest existing ancestor must be a writable folder); if it
-    exists it must be a writable folder in a writable parent, holding only files fo-tune writes
-    there (so a mistyped ``--out`` never replaces someone's folder).
+    exists it must be a writable folder in a writable parent, holding only the ``allowed`` files
+    ``writer`` writes there (so a mistyped ``--out`` never replaces someone's folder); ``what``
+    names such a folder in the message.
     """
     shown = Path(out_dir)
     path = Path(os.path.abspath(out_dir))
@@ -148,12 +156,12 @@ def check_writable(out_dir: str | Path) -> None:
     if path.exists() or path.is_symlink():
         if not path.is_dir():
             raise OutputError(f"--out {shown} is a file; give a folder (it is created if missing)")
-        foreign = sorted(p.name for p in path.iterdir() if p.name not in CALIBRATION_FILES)
+        foreign = sorted(p.name for p in path.iterdir() if p.name not in allowed)
         if foreign:
             more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
             raise OutputError(
-                f"--out {shown} holds files fo-tune did not write ({foreign[0]}{more}); "
-                "give a new or empty folder, or a previous calibration folder to replace"
+                f"--out {shown} holds files {writer} did not write ({foreign[0]}{more}); "
+                f"give a new or empty folder, or a previous {what} folder to replace"
             )
         for folder in (path.parent, path):
             if not os.access(folder, os.W_OK | os.X_OK):

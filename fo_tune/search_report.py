@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from .report import OutputError, made_parents, swap_in
+from .report import OutputError, check_ancestor, made_parents, swap_in
 from .search import SearchResult, ShapeResult, TrialRecord
 
 REPORT_FILES = ("trials.csv", "summary.yaml", "history.png", "predicted_vs_measured.png")
@@ -250,11 +250,7 @@ def check_report_dir(out_dir: str | Path) -> None:
         for folder in (path.parent, path):  # an existing report is swapped out by renames
             if not os.access(folder, os.W_OK | os.X_OK):
                 raise OutputError(f"cannot replace the report {shown}: {folder} is not writable")
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write the report under {shown}: {probe} is not a writable folder")
+    check_ancestor(path, shown)
 
 
 def write_report(result: SearchResult, out_dir: str | Path) -> list[Path]:
