@@ -26,6 +26,7 @@ from .common import (
     WorldSizeOpt,
     console,
     handle_errors,
+    parse_collectives,
     parse_shape,
 )
 
@@ -128,21 +129,6 @@ BenchTimeoutOpt = Annotated[
         "--timeout", help="Seconds one shape x collective may take on all ranks before the run is stopped."
     ),
 ]
-
-
-def parse_collectives(values: list[str] | None) -> tuple[str, ...]:
-    """Repeated and comma-separated names, in order, each once; unknown ones are an error."""
-    if not values:
-        return COLLECTIVE_NAMES
-    names = [part.strip() for value in values for part in value.split(",") if part.strip()]
-    for name in names:
-        if name not in COLLECTIVE_NAMES:
-            raise typer.BadParameter(
-                f"--collective: unknown collective {name!r}; choose from {', '.join(COLLECTIVE_NAMES)}"
-            )
-    if not names:
-        raise typer.BadParameter(f"--collective: no name given; choose from {', '.join(COLLECTIVE_NAMES)}")
-    return tuple(dict.fromkeys(names))
 
 
 def _request(
@@ -268,7 +254,9 @@ def bench(
         raise typer.BadParameter("--shape and --suite: give one of them, not both")
     if include_odd and suite is None:
         raise typer.BadParameter("--include-odd needs --suite (the odd shapes come from the suite file)")
-    names = parse_collectives(collective)
+    names = parse_collectives(
+        collective, valid=COLLECTIVE_NAMES, default=COLLECTIVE_NAMES, option="--collective"
+    )
     if dtype is not None:
         check_dtype(dtype)
     if reps is not None and reps < 1:

@@ -27,7 +27,15 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from .common import BACKEND_NAMES, DTYPE_NAMES, BackendOpt, WorldSizeOpt, console, handle_errors
+from .common import (
+    BACKEND_NAMES,
+    DTYPE_NAMES,
+    BackendOpt,
+    WorldSizeOpt,
+    console,
+    handle_errors,
+    parse_collectives,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -203,21 +211,6 @@ def expected_device_key(backend: str, world_size: int) -> str:
     return current_fingerprint(local_device(backend), world_size).device_key
 
 
-def parse_collectives(values: list[str] | None) -> tuple[str, ...]:
-    """Repeated and comma-separated names, in order, each once; unknown ones are an error."""
-    if not values:
-        return COLLECTIVE_NAMES
-    names = [part.strip() for value in values for part in value.split(",") if part.strip()]
-    for name in names:
-        if name not in COLLECTIVE_NAMES:
-            raise typer.BadParameter(
-                f"--collectives: unknown collective {name!r}; choose from {', '.join(COLLECTIVE_NAMES)}"
-            )
-    if not names:
-        raise typer.BadParameter(f"--collectives: no name given; choose from {', '.join(COLLECTIVE_NAMES)}")
-    return tuple(dict.fromkeys(names))
-
-
 def progress_bars(enabled: bool = True) -> Progress:
     return Progress(
         SpinnerColumn(),
@@ -389,7 +382,9 @@ def calibrate(
     dtype: CalDtypeOpt = "bfloat16",
     backend: BackendOpt = "auto",
 ) -> None:
-    names = parse_collectives(collectives)
+    names = parse_collectives(
+        collectives, valid=COLLECTIVE_NAMES, default=COLLECTIVE_NAMES, option="--collectives"
+    )
     check_dtype(dtype)
     chosen = resolve_backend(world_size, backend)
     driver = is_driver_process()

@@ -92,6 +92,22 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
+def parse_collectives(
+    values: list[str] | None, *, valid: tuple[str, ...], default: tuple[str, ...], option: str
+) -> tuple[str, ...]:
+    """Names given to ``option``, repeated or comma-separated, in order, each once (``default`` when
+    none is given); a name not in ``valid``, or only separators, raises ``typer.BadParameter``."""
+    if not values:
+        return default
+    names = [part.strip() for value in values for part in value.split(",") if part.strip()]
+    for name in names:
+        if name not in valid:
+            raise typer.BadParameter(f"{option}: unknown collective {name!r}; choose from {', '.join(valid)}")
+    if not names:
+        raise typer.BadParameter(f"{option}: no name given; choose from {', '.join(valid)}")
+    return tuple(dict.fromkeys(names))
+
+
 # ------------------------------------------------------------------------------ error mapping
 def _exit_code_for(exc: BaseException) -> int | None:
     """The one map from exception type to exit code; None for an unexpected exception."""

@@ -28,7 +28,7 @@ from .calibrate import (
     summary_table,
     triton_mode,
 )
-from .common import BackendOpt, WorldSizeOpt, console, handle_errors, parse_shape
+from .common import BackendOpt, WorldSizeOpt, console, handle_errors, parse_collectives, parse_shape
 
 if TYPE_CHECKING:
     from fo_kernels.schedule import Schedule
@@ -163,18 +163,6 @@ RepsOpt = Annotated[int, typer.Option("--reps", "-r", help="Timed samples per me
 SeedOpt = Annotated[int, typer.Option("--seed", help="Sampler and input seed.")]
 
 _RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
-
-
-def parse_collectives(values: list[str] | None) -> list[str]:
-    if not values:
-        return ["all_reduce"]
-    names = [p.strip() for v in values for p in v.split(",") if p.strip()]
-    if not names:
-        raise typer.BadParameter(f"--collective: no name given; choose from {', '.join(COLLECTIVE_NAMES)}")
-    for name in names:
-        if name not in COLLECTIVE_NAMES:
-            raise typer.BadParameter(f"--collective {name!r} is not one of {', '.join(COLLECTIVE_NAMES)}")
-    return list(dict.fromkeys(names))
 
 
 def parse_m_range(text: str | None) -> tuple[int, int] | None:
@@ -315,7 +303,9 @@ def search(
     reps: RepsOpt = 10,
     seed: SeedOpt = 0,
 ) -> None:
-    collectives = parse_collectives(collective)
+    collectives = parse_collectives(
+        collective, valid=COLLECTIVE_NAMES, default=("all_reduce",), option="--collective"
+    )
     check_dtype(dtype)
     if world_size < 1:
         raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
