@@ -31,7 +31,7 @@ import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from fo_kernels.plan import Plan, cdiv, make_plan
 from fo_kernels.schedule import Schedule, Tile
@@ -115,28 +115,9 @@ def _waves(m: int, n: int, tile: Tile, grid: int) -> int:
     return cdiv(cdiv(m, tile.block_m) * cdiv(n, tile.block_n), max(1, grid))
 
 
-def _tile_key(tile: Tile) -> tuple:
-    return (
-        tile.block_m,
-        tile.block_n,
-        tile.block_k,
-        tile.group_m,
-        tile.num_warps,
-        tile.num_stages,
-        tile.warp_specialize,
-    )
-
-
 def _point_tile(p: GemmPoint) -> Tile:
-    return Tile(
-        block_m=p.block_m,
-        block_n=p.block_n,
-        block_k=p.block_k,
-        group_m=p.group_m,
-        num_warps=p.num_warps,
-        num_stages=p.num_stages,
-        warp_specialize=p.warp_specialize,
-    )
+    """The tile config a profiled point measured (its fields of ``Tile``, by name)."""
+    return Tile(**{f.name: getattr(p, f.name) for f in fields(Tile)})
 
 
 class CostModel:
@@ -146,15 +127,13 @@ class CostModel:
         self.cal = cal
         self.sm_count = cal.fingerprint.sm_count
         self.world_size = cal.world_size
-        self._points: dict[tuple, GemmPoint] = {}
-        self._tiles: dict[tuple, Tile] = {}
-        by_tile: dict[tuple, list[GemmPoint]] = {}
+        self._points: dict[tuple, GemmPoint] = {}  # (m, n, k, tile, grid); a Tile is its own key
+        by_tile: dict[Tile, list[GemmPoint]] = {}
         self._cublas: dict[tuple[int, int, int], float] = {}
         for p in cal.gemm:
             if p.status != "ok" or not p.time_ms > 0:
                 continue
-            key = _tile_key(_point_tile(p))
-            self._tiles.setdefault(key, _point_tile(p))
+            key = _point_tile(p)
             self._points[(p.m, p.n, p.k, key, p.grid)] = p
             by_tile.setdefault(key, []).append(p)
             if p.cublas_ms > 0:
@@ -172,10 +151,10 @@ class CostModel:
     # ------------------------------------------------------------------------------ GEMM
     def tiles(self) -> list[Tile]:
         """Tile configs the calibration profiled (the only ones the model can predict)."""
-        return list(self._tiles.values())
+        return list(self._fits)
 
     def knows_tile(self, tile: Tile) -> bool:
-        return _tile_key(tile) in self._fits
+        return tile in self._fits
 
     def knows_collective(self, collective: str) -> bool:
         """The calibration has a bandwidth curve for ``collective``."""
@@ -197,20 +176,19 @@ class CostModel:
 
     def gemm_time(self, tile: Tile, m: int, n: int, k: int, grid: int) -> tuple[float, str]:
         """(ms, source) of the signalled GEMM alone on ``grid`` programs."""
-        key = _tile_key(tile)
-        if key not in self._fits:
+        if tile not in self._fits:
             raise CalibrationError(
                 f"the calibration has no GEMM profile for tile {tile}; profile it with "
                 "`fo-tune calibrate` (or `fo-tune profile`), or search in --mode measure"
             )
-        point = self._points.get((m, n, k, key, grid))
+        point = self._points.get((m, n, k, tile, grid))
         if point is not None:
             return point.time_ms, "measured"
         return self.wave_model_time(tile, m, n, k, grid), "wave-model"
 
     def wave_model_time(self, tile: Tile, m: int, n: int, k: int, grid: int) -> float:
         """The tile's fitted ``a + c * waves * K`` (ms), ignoring any profiled point."""
-        fit = self._fits[_tile_key(tile)]
+        fit = self._fits[tile]
         return fit.a_ms + fit.c_ms * _waves(m, n, tile, grid) * k
 
     def cublas_time(self, m: int, n: int, k: int) -> float:
