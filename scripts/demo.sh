@@ -5,15 +5,6 @@
 # interpreter. Extra arguments go to `fo-tune demo` (see `fo-tune demo --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/fo-tune ]; then
-  if command -v nvidia-smi >/dev/null; then
-    # A GPU machine: reuse its CUDA build of torch (and Triton) instead of downloading another.
-    python3 -m venv --system-site-packages .venv
-    .venv/bin/python -m pip install --quiet -e ".[tune,cuda]"
-  else
-    python3 -m venv .venv
-    .venv/bin/python -m pip install --quiet "torch==2.13.0" "triton==3.7.1"  # the CPU wheel
-    .venv/bin/python -m pip install --quiet -e ".[tune]"
-  fi
-fi
+source scripts/venv.sh
+ensure_venv
 exec .venv/bin/fo-tune demo --world-size 2 "$@"

@@ -7,15 +7,6 @@
 # results/search/. Extra arguments go to `fo-tune search` (see `fo-tune search --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/fo-tune ]; then
-  if command -v nvidia-smi >/dev/null; then
-    # A GPU machine: reuse its CUDA build of torch (and Triton) instead of downloading another.
-    python3 -m venv --system-site-packages .venv
-    .venv/bin/python -m pip install --quiet -e ".[tune,cuda]"
-  else
-    python3 -m venv .venv
-    .venv/bin/python -m pip install --quiet "torch==2.13.0" "triton==3.7.1"  # the CPU wheel
-    .venv/bin/python -m pip install --quiet -e ".[tune]"
-  fi
-fi
+source scripts/venv.sh
+ensure_venv
 .venv/bin/fo-tune search --shape 4096x8192x4096 --shape 16384x8192x4096 -c all_reduce,reduce_scatter "$@"
