@@ -1,6 +1,10 @@
-"""Assertions shared by the CLI tests."""
+"""Helpers shared by the CLI tests: the one-line error assertion and the isolated table paths."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
 
 
 def assert_one_line_error(result, code: int = 2) -> str:
@@ -11,3 +15,10 @@ def assert_one_line_error(result, code: int = 2) -> str:
     assert lines[0].startswith("error: "), lines
     assert "Traceback" not in result.output
     return lines[0]
+
+
+def isolate_tables(mp: pytest.MonkeyPatch, root: Path) -> None:
+    """No user or shared table interferes (the spawned ranks inherit the environment)."""
+    mp.setenv("FO_TUNE_TABLE_DIR", str(root / "tables"))
+    mp.setenv("XDG_DATA_HOME", str(root / "xdg"))
+    mp.delenv("FO_TUNE_DEBUG", raising=False)

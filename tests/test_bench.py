@@ -14,7 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import assert_one_line_error
+from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.fingerprint import current_fingerprint
 from fo_tune import bench
 from fo_tune.bench import (
@@ -67,16 +67,9 @@ ORDER = [
 ]
 
 
-def _isolate(mp: pytest.MonkeyPatch, root: Path) -> None:
-    """No user or shared table interferes (the spawned ranks inherit the environment)."""
-    mp.setenv("FO_TUNE_TABLE_DIR", str(root / "tables"))
-    mp.setenv("XDG_DATA_HOME", str(root / "xdg"))
-    mp.delenv("FO_TUNE_DEBUG", raising=False)
-
-
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
-    _isolate(monkeypatch, tmp_path)
+    isolate_tables(monkeypatch, tmp_path)
 
 
 def run_bench_cli(*args: str):
@@ -95,7 +88,7 @@ def gloo_run(tmp_path_factory):
     (reduce_scatter impossible on 2 ranks: SKIP rows)."""
     root = tmp_path_factory.mktemp("bench")
     with pytest.MonkeyPatch.context() as mp:
-        _isolate(mp, root)
+        isolate_tables(mp, root)
         out = root / "out"
         result = run_bench_cli(
             "--world-size",

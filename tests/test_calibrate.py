@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import assert_one_line_error
+from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.fingerprint import current_fingerprint
 from fo_tune import report
 from fo_tune.calibration import (
@@ -53,16 +53,9 @@ BANDWIDTH_HEADER = [
 ]
 
 
-def _isolate(mp: pytest.MonkeyPatch, root: Path) -> None:
-    """No user or shared table interferes (the spawned ranks inherit the environment)."""
-    mp.setenv("FO_TUNE_TABLE_DIR", str(root / "tables"))
-    mp.setenv("XDG_DATA_HOME", str(root / "xdg"))
-    mp.delenv("FO_TUNE_DEBUG", raising=False)
-
-
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
-    _isolate(monkeypatch, tmp_path)
+    isolate_tables(monkeypatch, tmp_path)
 
 
 @pytest.fixture
@@ -79,7 +72,7 @@ def quick_run(tmp_path_factory):
     """One ``calibrate --world-size 2 --quick`` run that several tests read."""
     root = tmp_path_factory.mktemp("quick")
     with pytest.MonkeyPatch.context() as mp:
-        _isolate(mp, root)
+        isolate_tables(mp, root)
         out = root / "cal"
         result = calibrate("--world-size", "2", "--quick", "--out", str(out))
     return result, out

@@ -10,7 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import assert_one_line_error
+from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.errors import ShapeError, TableNotFoundError
 from fo_tune.cli.common import parse_shape, run_cli
 from fo_tune.demo import run_demo
@@ -21,10 +21,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 @pytest.fixture(autouse=True)
 def _isolated_tables(tmp_path, monkeypatch):
-    """No user or shared table interferes (the spawned ranks inherit the environment)."""
-    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("FO_TUNE_DEBUG", raising=False)
+    isolate_tables(monkeypatch, tmp_path)
 
 
 @pytest.fixture

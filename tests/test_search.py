@@ -22,7 +22,7 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import assert_one_line_error
+from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.errors import HeuristicScheduleWarning
 from fo_kernels.heuristics import default_schedule
 from fo_kernels.plan import make_plan
@@ -44,9 +44,7 @@ ODD = [(130, 258, 70), (2050, 3074, 1030), (4098, 6146, 4097)]
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "env-tables"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("FO_TUNE_DEBUG", raising=False)
+    isolate_tables(monkeypatch, tmp_path / "env")
     monkeypatch.chdir(tmp_path)  # default studies / reports land under tmp_path/results
 
 

@@ -15,7 +15,7 @@ from filelock import FileLock
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import assert_one_line_error
+from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels import table as tablemod
 from fo_kernels.errors import FoTuneError, TableError
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint, make_device_key
@@ -57,11 +57,9 @@ MERGES_PER_PROC = 15
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Hermetic search path (env and user folders under tmp_path, no packaged tables), wide output."""
-    monkeypatch.setenv(tablemod.TABLE_DIR_ENV, str(tmp_path / "tables"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    isolate_tables(monkeypatch, tmp_path)
     monkeypatch.setattr(tablemod, "_packaged_table_dir", lambda: None)
     monkeypatch.setenv("COLUMNS", "250")  # rich tables without squeezed cells
-    monkeypatch.delenv("FO_TUNE_DEBUG", raising=False)
 
 
 @pytest.fixture
