@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fo_kernels.schedule import Schedule
 from fo_tune.harness import Timing, open_pool
-from fo_tune.measure import OverlapTrialTask, SequentialTask
+from fo_tune.measure import FingerprintTask, OverlapTrialTask, SequentialTask
 
 ROUNDS = 7
 
@@ -46,6 +46,7 @@ def main() -> None:
     exh, hyb = best_schedules(args.exhaustive), best_schedules(args.hybrid)
     rows = []
     with open_pool(2) as pool:
+        device_key = pool.run(FingerprintTask())[0].device_key
         for shape in sorted(set(exh) & set(hyb)):
             m, n, k = map(int, shape.split("x"))
             times: dict[str, list[float]] = {"exhaustive": [], "hybrid": [], "sequential": []}
@@ -60,6 +61,7 @@ def main() -> None:
             med = {name: statistics.median(v) for name, v in times.items()}
             rows.append(
                 dict(
+                    device_key=device_key,
                     shape=shape,
                     exhaustive_ms=med["exhaustive"],
                     hybrid_ms=med["hybrid"],
