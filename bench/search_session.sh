@@ -9,11 +9,15 @@
 #   bash bench/search_session.sh tables  # hybrid search of the suite (both collectives) into
 #                                        # results/tables, M-range rows, lookup cost, bench twice
 #   bash bench/search_session.sh bench   # bench again with the committed tables
+#   bash bench/search_session.sh ce      # copy-engine GPU tests; hybrid search of the suite (now
+#                                        # with copy-engine candidates) into results/tables; bench
+#   bash bench/search_session.sh ce-mrange  # the M-range rows again (with copy-engine candidates),
+#                                        # then the bench again
 #
 # The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
 # (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
 set -uo pipefail
-STAGE="${1:?stage: calib, compare, tables or bench}"
+STAGE="${1:?stage: calib, compare, tables, bench, ce or ce-mrange}"
 KEY=nvidia-h200-cc90-132sm-w2-nvlink18
 CAL="results/calibration/$KEY/tp2/calibration.yaml"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -95,6 +99,37 @@ PY
       --out "$RES/bench$i" > "$RES/bench$i.log" 2>&1
     tail -28 "$RES/bench$i.log"
   done
+elif [ "$STAGE" = ce ]; then
+  stamp "GPU tests: copy engine and the NCCL ops"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m "multigpu" \
+    tests/test_gpu.py::test_copy_engine_ops tests/test_gpu.py::test_both_ops_over_nccl 2>&1 \
+    | tee "$RES/pytest_ce.log" | tail -4
+  export FO_TUNE_TABLE_DIR="$PWD/results/tables"
+  stamp "hybrid search of the suite with copy-engine candidates, both collectives -> results/tables"
+  timeout 240 python3 cli.py search --mode hybrid --top-k 4 --calibration "$CAL" --shapes suites/h200_tp.yaml \
+    -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
+    > "$RES/search_suite.log" 2>&1
+  tail -34 "$RES/search_suite.log"
+  mkdir -p "$RES/tables" && cp -r results/tables/. "$RES/tables/"
+  cp -r results/search "$RES/search" 2>/dev/null
+  stamp "bench"
+  timeout 120 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
+    --out "$RES/bench" > "$RES/bench.log" 2>&1
+  tail -30 "$RES/bench.log"
+elif [ "$STAGE" = ce-mrange ]; then
+  export FO_TUNE_TABLE_DIR="$PWD/results/tables"
+  stamp "M-range rows with copy-engine candidates: M = 512..16384 for the suite's (N, K)"
+  timeout 400 python3 cli.py search --mode hybrid --top-k 2 --trials 120 --calibration "$CAL" \
+    --shape 1x4096x4096 --shape 1x8192x4096 --shape 1x8192x14336 --shape 1x8192x8192 --m-range 512:16384 \
+    -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
+    > "$RES/search_mrange.log" 2>&1
+  tail -8 "$RES/search_mrange.log"
+  mkdir -p "$RES/tables" && cp -r results/tables/. "$RES/tables/"
+  cp -r results/search "$RES/search" 2>/dev/null
+  stamp "bench again"
+  timeout 120 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
+    --out "$RES/bench" > "$RES/bench.log" 2>&1
+  tail -30 "$RES/bench.log"
 elif [ "$STAGE" = bench ]; then
   stamp "bench with the committed tables"
   timeout 150 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \

@@ -48,7 +48,7 @@ from fo_kernels.errors import FoTuneError, ScheduleError, ShapeError, TableError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.heuristics import default_schedule
 from fo_kernels.plan import make_plan
-from fo_kernels.schedule import COLLECTIVES, DTYPES, Problem, Schedule
+from fo_kernels.schedule import COLLECTIVES, COPY_ENGINE_WORLD, DTYPES, Problem, Schedule
 from fo_kernels.table import ScheduleTable, load_table, table_path
 
 from .calibration import Calibration
@@ -302,7 +302,11 @@ def _nearest_row(table: ScheduleTable | None, shape: tuple[int, int, int]) -> Sc
     if table is None:
         return None
     m, n, k = shape
-    rows = [r for r in table.rows if r.overlap and not r.problem.is_range and r.problem.m != m]
+    rows = [
+        r
+        for r in table.rows
+        if r.overlap and r.engine == "triton" and not r.problem.is_range and r.problem.m != m
+    ]
     same = [r for r in rows if (r.problem.n, r.problem.k) == (n, k)] or rows
     if not same:
         return None
@@ -461,6 +465,29 @@ def _distinct_best(trials: Sequence[Any], count: int) -> list[Any]:
     return out
 
 
+def _copy_engine_candidates(
+    request: SearchRequest, space: SearchSpace, shape: tuple[int, int, int], cpu: bool
+) -> list[Schedule]:
+    """``engine: copy_engine`` schedules, one per chunk count of the space, that a measured search
+    on two GPUs re-times beside its best Triton schedules. The cost model does not price them (it
+    knows NCCL and the Triton GEMM), so they are measured, never predicted."""
+    if cpu or request.world_size != COPY_ENGINE_WORLD:
+        return []
+    m, n, k = shape
+    return [
+        Schedule(
+            collective=request.collective,
+            dtype=request.dtype,
+            world_size=request.world_size,
+            problem=Problem(m=m, n=n, k=k),
+            engine="copy_engine",
+            groups=(1,) * chunks,
+        )
+        for chunks in space.copy_engine_chunks
+        if chunks <= m // COPY_ENGINE_WORLD
+    ]
+
+
 def _row(
     request: SearchRequest,
     shape: tuple[int, int, int],
@@ -485,6 +512,8 @@ def _row(
             overlap=False,
             provenance=prov,
         )
+    if trial is None:  # a copy-engine schedule: measured in the confirmation, not an Optuna trial
+        return dataclasses.replace(schedule, provenance=prov)
     prov["trial"] = trial.number
     if "predicted_ms" in trial.user_attrs:
         prov["predicted_ms"] = round(float(trial.user_attrs["predicted_ms"]), 5)
@@ -650,22 +679,27 @@ def _search_shape(
         stored.add_trials([t for t in study.get_trials(deepcopy=False, states=finished)[resumed:]])
     complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     best = min(complete, key=lambda t: t.value) if complete else None
+    best_schedule = enc.build(best.params, model) if best is not None else None
+    best_ms = float(best.value) if best is not None else math.nan
     confirmed: list[dict[str, Any]] = []
     numbers: dict[str, Any] = {"study": name, "baseline": baseline.source}
     chosen_schedule = None
-    if best is None:
+    extra = _copy_engine_candidates(request, space, shape, cpu) if measurer is not None else []
+    if best is None and not extra:
         overlap, speedup, decision = False, 1.0, "no feasible schedule completed"
     elif measurer is not None:
-        picks = _distinct_best(complete, CONFIRM_TOP)
-        schedules = [enc.build(t.params, model) for t in picks]
-        reporter.step(stage, f"re-timing the best {len(picks)} beside the baseline", log=True)
+        picks: list[Any] = _distinct_best(complete, CONFIRM_TOP)
+        schedules = [enc.build(t.params, model) for t in picks] + extra
+        picks += [None] * len(extra)
+        what = f"the best {len(picks) - len(extra)}" + (f" and {len(extra)} copy-engine" if extra else "")
+        reporter.step(stage, f"re-timing {what} beside the baseline", log=True)
         got = measurer.confirm(schedules, shape)
         seq: Timing = got["sequential"]
         for t, sched, timing, err in zip(picks, schedules, got["timings"], got["rel_err"], strict=True):
             confirmed.append(
                 dict(
-                    trial=t.number,
-                    search_ms=float(t.value),
+                    trial=t.number if t is not None else None,
+                    search_ms=float(t.value) if t is not None else math.nan,
                     schedule=sched.describe(),
                     rel_err=err,
                     confirmed_ms=timing.median_ms if timing else math.nan,
@@ -685,11 +719,14 @@ def _search_shape(
                 iqr_ms=timing.iqr_ms,
                 sequential_ms=seq.median_ms,
                 sequential_iqr_ms=seq.iqr_ms,
-                search_ms=float(best_pick.value),
             )
+            if best_pick is not None:
+                numbers["search_ms"] = float(best_pick.value)
+            best_schedule, best_ms = schedules[i], timing.median_ms
             if overlap:
                 chosen_schedule, best = schedules[i], best_pick
     else:
+        assert best is not None
         overlap, speedup, decision = _decide(float(best.value), 0.0, baseline.sequential_ms, 0.0)
         numbers.update(predicted_ms=float(best.value), sequential_ms=baseline.sequential_ms)
         if overlap:
@@ -713,8 +750,8 @@ def _search_shape(
         mode=request.mode,
         baseline=baseline,
         row=row,
-        best_ms=float(best.value) if best is not None else math.nan,
-        best_schedule=enc.build(best.params, model) if best is not None else None,
+        best_ms=best_ms,
+        best_schedule=best_schedule,
         confirmed=confirmed,
         best_trial=best.number if best is not None else None,
         speedup=speedup,
@@ -763,6 +800,8 @@ def range_rows(request: SearchRequest, results: Sequence[ShapeResult], sm_count:
 
 
 def _plans_everywhere(schedule: Schedule, ms: Sequence[int], sm_count: int) -> bool:
+    if schedule.engine == "copy_engine":
+        return True  # row chunks of any shard (chunk_bounds cuts fewer when a shard is short)
     p = schedule.problem
     world = schedule.world_size if schedule.collective == "reduce_scatter" else 1
     for m in ms:

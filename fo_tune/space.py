@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 from fo_kernels.errors import FoTuneError, ScheduleError
 from fo_kernels.files import read_yaml
-from fo_kernels.schedule import LAYOUTS, WAIT_MODES, Tile
+from fo_kernels.schedule import LAYOUTS, MAX_CHUNKS, WAIT_MODES, Tile
 
 __all__ = [
     "ANY_DEVICE",
@@ -162,6 +162,9 @@ class SearchSpace:
     wait_modes: tuple[str, ...]
     calibration: CalibrationPlan
     cpu: CpuOverrides
+    # engine copy_engine (two NVLink GPUs): the chunk counts per shard a measured search times
+    # beside its best Triton schedules; () leaves the engine out.
+    copy_engine_chunks: tuple[int, ...] = ()
     schema_version: int = SPACE_SCHEMA_VERSION
     source: str = field(default="", compare=False)  # the file it was loaded from
 
@@ -207,7 +210,8 @@ class SearchSpace:
     # ------------------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         head = {"schema_version": self.schema_version, "kind": SPACE_KIND}
-        return {**head, **{key: _plain(getattr(self, key)) for key in _SPACE}}
+        extra = {key: _plain(getattr(self, key)) for key in _OPTIONAL if getattr(self, key)}
+        return {**head, **{key: _plain(getattr(self, key)) for key in _SPACE}, **extra}
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "<search space>") -> SearchSpace:
@@ -365,6 +369,9 @@ _SPACE = {
     "cpu": _section(CpuOverrides, _CPU),
 }
 
+# Keys a space may leave out.
+_OPTIONAL = {"copy_engine_chunks": _list(_int(1))}
+
 
 def _read_space(r: _Reader, data: Any) -> SearchSpace:
     if not isinstance(data, Mapping):
@@ -375,11 +382,15 @@ def _read_space(r: _Reader, data: Any) -> SearchSpace:
     if isinstance(version, bool) or version not in SUPPORTED_SCHEMA_VERSIONS:
         supported = ", ".join(map(str, SUPPORTED_SCHEMA_VERSIONS))
         r.fail("schema_version", f"{version!r} is not supported (supported: {supported})")
-    r.mapping(data, "", ("schema_version", "kind", *_SPACE))
+    r.mapping(data, "", ("schema_version", "kind", *_SPACE), optional=tuple(_OPTIONAL))
     if data["kind"] != SPACE_KIND:
         r.fail("kind", f"expected {SPACE_KIND!r}, got {data['kind']!r}")
-    body = {key: value for key, value in data.items() if key not in ("schema_version", "kind")}
-    space = SearchSpace(schema_version=version, source=r.source, **r.section(body, "", _SPACE))
+    body = {key: value for key, value in data.items() if key not in ("schema_version", "kind", *_OPTIONAL)}
+    extra = {key: read(r, data[key], key) for key, read in _OPTIONAL.items() if key in data}
+    space = SearchSpace(schema_version=version, source=r.source, **r.section(body, "", _SPACE), **extra)
+    for i, chunks in enumerate(space.copy_engine_chunks):
+        if chunks > MAX_CHUNKS:
+            r.fail(f"copy_engine_chunks[{i}]", f"{chunks} > {MAX_CHUNKS}, the most chunks a schedule may cut")
     cal = space.calibration
     for i, value in enumerate(cal.quick_interference_sms_free):
         if value not in space.sms_free:

@@ -68,6 +68,7 @@ SCHEDULE_FIELDS = (
     "dtype",
     "world_size",
     "overlap",
+    "engine",
     "tile",
     "sms_free",
     "nccl_max_ctas",
@@ -206,6 +207,8 @@ def _range_ms(problem: Problem, shards: int) -> list[int]:
 
 
 def _plan_issue(row: Schedule, m: int, sm_count: int, where: str) -> str | None:
+    if row.engine == "copy_engine":
+        return None  # row chunks plan for any M (fo_kernels.copy_engine.chunk_bounds)
     try:
         make_plan(row, m, row.problem.n, row.problem.k, sm_count=sm_count)
     except (ScheduleError, ShapeError) as exc:

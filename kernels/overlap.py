@@ -171,6 +171,8 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, schedule: Schedule |
     schedule = _resolve_schedule(collective, a, b.shape[1], schedule, world)
     if not schedule.overlap:
         return _sequential(collective, a, b, group, world)
+    if schedule.engine == "copy_engine":
+        return runtime_for(a.device, group).copy_engine().run(collective, a, b, schedule.groups)
     if not a.is_contiguous():
         a = a.contiguous()
     return _overlapped(collective, a, operand, schedule, runtime_for(a.device, group))

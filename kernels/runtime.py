@@ -8,7 +8,9 @@ An ``OverlapRuntime`` owns:
 - one process group per NCCL CTA cap, made once with ``ProcessGroupNCCL.Options()`` (its config's
   ``max_ctas``, and a high-priority internal stream) and cached: never rebuilt per call;
 - the plan tables (unit -> group, group bases) already on the device, keyed by plan;
-- the waiter of each wait mode.
+- the waiter of each wait mode;
+- the copy-engine peers (symmetric buffers, flags) of ``engine: copy_engine`` schedules, made on
+  first use.
 
 ``runtime_for(device, group)`` returns the process-wide instance for that pair, made on first use;
 the nn.Module and tests may build their own. Use one runtime from one host thread at a time.
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .copy_engine import CopyEnginePeers
 from .errors import ScheduleError
 from .fingerprint import device_sm_count
 from .plan import Plan
@@ -57,6 +60,7 @@ class OverlapRuntime:
     _capped: dict[int, dist.ProcessGroup] = field(default_factory=dict, repr=False)
     _tables: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _waiters: dict[str, Waiter] = field(default_factory=dict, repr=False)
+    _peers: CopyEnginePeers | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -121,6 +125,12 @@ class OverlapRuntime:
         if mode not in self._waiters:
             self._waiters[mode] = make_waiter(mode, self.device)
         return self._waiters[mode]
+
+    def copy_engine(self) -> CopyEnginePeers:
+        """The copy-engine resources of this (device, group), made (collectively) on first use."""
+        if self._peers is None:
+            self._peers = CopyEnginePeers(device=self.device, group=self.group)
+        return self._peers
 
     def plan_tables(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         """(unit_group, group_info) int32 tensors of the plan on the device, cached per plan."""

@@ -14,7 +14,13 @@ A ``Schedule`` fixes everything the overlapped op does for one problem (or an M 
 - ``layout``: ``row_band`` (every group is a band of whole tile rows, communicated in place) or
   ``tile_major`` (each tile stored as a contiguous block at its group's position, restored after);
 - ``wait_mode``: ``stream_wait`` (``cuStreamWaitValue32``) or ``spin`` (a one-program Triton kernel);
-- ``overlap: false``: plain GEMM then the collective (the no-gain fallback).
+- ``overlap: false``: plain GEMM then the collective (the no-gain fallback);
+- ``engine``: ``triton`` (the signalled persistent Triton GEMM and NCCL, everything above) or
+  ``copy_engine`` (two NVLink peers only: the library GEMM in row chunks, the data moved by the
+  GPUs' copy engines and summed in the GEMM's epilogue, no NCCL; see ``fo_kernels.copy_engine``).
+  A ``copy_engine`` schedule has only ``groups``: the relative row weights of the chunks each
+  rank's shard is cut into (on every row, exact or M range); the Triton fields stay unset. Its
+  streams wait with ``cuStreamWaitValue32`` (cuda-bindings).
 
 Field-level rules are checked here on construction; rules that need the shape (group sums, band
 alignment, divisibility) are checked by ``fo_kernels.plan.make_plan``. Every error names the field.
@@ -32,6 +38,11 @@ COLLECTIVES = ("all_reduce", "reduce_scatter")
 DTYPES = ("bfloat16", "float16", "float32")
 LAYOUTS = ("row_band", "tile_major")
 WAIT_MODES = ("stream_wait", "spin")
+ENGINES = ("triton", "copy_engine")
+# The copy engine moves data between exactly two peers (each rank owns one half of the rows).
+COPY_ENGINE_WORLD = 2
+# Most chunks per shard a copy_engine schedule may cut (its flag slots are preallocated).
+MAX_CHUNKS = 64
 
 # tl.dot needs every block dimension >= 16; 256 is the largest block one Hopper CTA's shared memory
 # holds in a 2-stage pipeline at 16-bit inputs.
@@ -170,6 +181,7 @@ class Schedule:
     world_size: int
     problem: Problem
     overlap: bool = True
+    engine: str = "triton"
     tile: Tile | None = None
     sms_free: int = 0
     nccl_max_ctas: int = 0
@@ -199,6 +211,10 @@ class Schedule:
             )
         if not self.overlap:
             return
+        _check_choice("engine", self.engine, ENGINES)
+        if self.engine == "copy_engine":
+            self._check_copy_engine()
+            return
         if not isinstance(self.tile, Tile):
             raise ScheduleError("tile: an overlapped schedule needs a tile config")
         _check_int("sms_free", self.sms_free, minimum=0)
@@ -218,6 +234,25 @@ class Schedule:
         _check_choice("layout", self.layout, LAYOUTS)
         _check_choice("wait_mode", self.wait_mode, WAIT_MODES)
 
+    def _check_copy_engine(self) -> None:
+        if self.world_size != COPY_ENGINE_WORLD:
+            raise ScheduleError(
+                f"engine: copy_engine runs between exactly {COPY_ENGINE_WORLD} GPUs, "
+                f"this schedule has world_size {self.world_size}"
+            )
+        defaults = {f.name: f.default for f in fields(Schedule)}
+        for name in ("tile", "sms_free", "nccl_max_ctas", "signal_tiles", "layout", "wait_mode"):
+            if getattr(self, name) != defaults[name]:
+                raise ScheduleError(f"{name}: not used by engine copy_engine; leave it out")
+        groups = tuple(self.groups)
+        if not groups:
+            raise ScheduleError("groups: a copy_engine schedule needs the row weights of its chunks")
+        if len(groups) > MAX_CHUNKS:
+            raise ScheduleError(f"groups: at most {MAX_CHUNKS} chunks per shard, got {len(groups)}")
+        for i, g in enumerate(groups):
+            _check_int(f"groups[{i}]", g, minimum=1)
+        object.__setattr__(self, "groups", groups)
+
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -227,7 +262,9 @@ class Schedule:
             "problem": self.problem.to_dict(),
             "overlap": self.overlap,
         }
-        if self.overlap:
+        if self.overlap and self.engine == "copy_engine":
+            out.update(engine=self.engine, groups=list(self.groups))
+        elif self.overlap:
             assert self.tile is not None
             out.update(
                 tile=self.tile.to_dict(),
@@ -273,6 +310,8 @@ class Schedule:
         head = f"{self.collective} {self.dtype} w{self.world_size} {self.problem.describe()}"
         if not self.overlap:
             return f"{head}: no overlap (GEMM then collective)"
+        if self.engine == "copy_engine":
+            return f"{head}: copy engine, {len(self.groups)} chunk(s) per shard, weights {list(self.groups)}"
         t = self.tile
         assert t is not None
         return (

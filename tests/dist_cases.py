@@ -174,3 +174,46 @@ def table_dir_env(ctx, payload) -> str:
 def barrier_ok(ctx, _payload) -> bool:
     dist.barrier()
     return True
+
+
+def run_back_to_back(ctx, cases: list[Case]) -> list[dict]:
+    """Every case called once after another with no synchronisation in between (each on its own
+    operands), then every output checked: a buffer that one call rewrites while the peer still reads
+    the previous call's data shows up as a wrong output."""
+    calls = []
+    for case in cases:
+        a, b = operands(case, ctx.rank, ctx.device)
+        sched = Schedule.from_dict(case.schedule) if case.schedule is not None else None
+        op = gemm_all_reduce if case.collective == "all_reduce" else gemm_reduce_scatter
+        calls.append((case, op(a, b, schedule=sched)))
+    out = []
+    for case, got in calls:
+        ref = reference(case, ctx.rank, ctx.world_size)
+        err = ((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        out.append(
+            dict(
+                case=case, err=err, nan=bool(got.isnan().any()), shape_ok=tuple(got.shape) == tuple(ref.shape)
+            )
+        )
+    return out
+
+
+def copy_engine_refusal(ctx, _payload) -> str:
+    """The message an ``engine: copy_engine`` call gives where it cannot run (here: the CPU)."""
+    from fo_kernels.errors import EnvironmentMismatchError
+
+    schedule = Schedule.from_dict(
+        dict(
+            collective="all_reduce",
+            dtype="float32",
+            world_size=ctx.world_size,
+            problem=dict(m=8, n=6, k=4),
+            engine="copy_engine",
+            groups=[1, 1],
+        )
+    )
+    try:
+        gemm_all_reduce(torch.randn(8, 4), torch.randn(4, 6), schedule=schedule)
+    except EnvironmentMismatchError as exc:
+        return str(exc)
+    return "no error"

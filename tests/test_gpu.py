@@ -93,3 +93,47 @@ def test_both_ops_over_nccl():
     for per_rank in results:
         for r in per_rank:
             assert not r["nan"] and r["err"] < 1e-2, r
+
+
+def _copy_engine(collective, m, n, k, chunks, dtype="bfloat16"):
+    return Schedule(
+        collective=collective,
+        dtype=dtype,
+        world_size=2,
+        problem=Problem(m=m, n=n, k=k),
+        engine="copy_engine",
+        groups=(1,) * chunks,
+    ).to_dict()
+
+
+@pytest.mark.multigpu
+def test_copy_engine_ops():
+    """engine copy_engine on two GPUs: both collectives, odd shapes, 1-6 chunks, three dtypes,
+    both B layouts; the symmetric buffers grow (small, large, then small shapes again)."""
+    from dist_cases import run_back_to_back
+    from fo_tune.launch import run_ranks
+
+    shapes = [(258, 250, 70), (2048, 4096, 4096), (1000, 3000, 1040), (4, 8, 8), (4096, 8192, 4096)]
+    cases = []
+    for i, ((m, n, k), collective, chunks) in enumerate(
+        (s, c, ch) for s in shapes for c in ("all_reduce", "reduce_scatter") for ch in (1, 2, 3, 6)
+    ):
+        dtype = ("bfloat16", "float16", "float32")[i % 3]
+        cases.append(
+            Case(
+                collective,
+                m,
+                n,
+                k,
+                dtype,
+                i % 2 == 0,
+                _copy_engine(collective, m, n, k, chunks, dtype),
+                7 * i,
+            )
+        )
+    odd = Case("all_reduce", 257, 130, 64, "bfloat16", True, _copy_engine("all_reduce", 257, 130, 64, 4), 5)
+    once = run_ranks(run_cases, 2, [*cases, odd], backend="nccl", timeout_s=600)
+    again = run_ranks(run_back_to_back, 2, [*cases, odd] * 2, backend="nccl", timeout_s=600)
+    for per_rank in [*once, *again]:
+        for r in per_rank:
+            assert not r["nan"] and r["err"] < TOL[r["case"].dtype], r

@@ -55,7 +55,9 @@ HELP = "\n\n".join(
         "machine has a calibration). --exhaustive enumerates the space instead (measure, predict).",
         "A row is written only when the best schedule beats GEMM-then-collective by more than the "
         "measured spread and at least 2%; otherwise the row says overlap: false. M-range rows "
-        "(--m-range LO:HI) cover every M of the range for the shapes' (N, K).",
+        "(--m-range LO:HI) cover every M of the range for the shapes' (N, K). On 2 GPUs a measured "
+        "or hybrid search also re-times one engine: copy_engine schedule per chunk count of the "
+        "space's copy_engine_chunks (NVLink peer copies instead of NCCL; measured, never predicted).",
         "Studies live in --storage (default SQLite at results/studies/fo-tune.db): running the same "
         "command again resumes them, and several workers may share one study (journal:FILE or "
         "PostgreSQL). Tables go to --table-dir (default $FO_TUNE_TABLE_DIR, else "
@@ -224,9 +226,12 @@ def find_calibration(device_key: str, world_size: int) -> Path | None:
 
 def short_schedule(row: Schedule) -> str:
     """``128x256x64s3ws r28 cap24 u256 g1-1-1-1 row_band`` (or ``no overlap``)."""
-    if not row.overlap or row.tile is None:
+    if not row.overlap:
         return "no overlap"
+    if row.engine == "copy_engine":
+        return f"copy engine c{len(row.groups)} g{'-'.join(map(str, row.groups))}"
     t = row.tile
+    assert t is not None
     ws = "ws" if t.warp_specialize else ""
     wait = " spin" if row.wait_mode == "spin" else ""
     groups = "-".join(map(str, row.groups))

@@ -71,7 +71,8 @@ SHOW_HELP = "\n\n".join(
         "exact-shape row in any of them beats an M-range row).",
         "Tile form: BMxBNxBK gmGROUP_M wWARPS sSTAGES (ws: warp specialized). cap: NCCL CTA cap "
         "(default: NCCL's). signal: tiles per signal unit. groups: sizes in signal units (relative "
-        "weights on an M-range row).",
+        "weights on an M-range row). A copy-engine row (engine: copy_engine, 2 GPUs) shows "
+        "'copy engine' as its tile and the relative row weights of its chunks as groups.",
         "--format yaml prints the table(s) as YAML, --format csv one CSV line per row (with a file "
         "column), for scripts.",
         "Exit code 0 when shown, 2 when no table is found or a file is malformed.",
@@ -239,7 +240,9 @@ def _show_rich(path: Path, table: ScheduleTable) -> None:
     out = summary_table("", columns, 3)
     for row in table.rows:
         cells = [row.problem.describe(), value_label(row.overlap)]
-        if row.overlap:
+        if row.overlap and row.engine == "copy_engine":
+            cells += ["copy engine", "-", "-", "-", value_label(row.groups), "-", "-"]
+        elif row.overlap:
             cells += [
                 tile_label(row.tile),
                 str(row.sms_free),
@@ -270,6 +273,7 @@ CSV_COLUMNS = (
     "n",
     "k",
     "overlap",
+    "engine",
     "block_m",
     "block_n",
     "block_k",
@@ -296,6 +300,10 @@ def _csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
         for row in table.rows:
             values: dict[str, Any] = {"file": str(path), **row.problem.to_dict(), "overlap": row.overlap}
             if row.overlap:
+                values["engine"] = row.engine
+            if row.overlap and row.engine == "copy_engine":
+                values["groups"] = " ".join(map(str, row.groups))
+            elif row.overlap:
                 assert row.tile is not None
                 values.update(row.tile.to_dict())
                 values["warp_specialize"] = row.tile.warp_specialize
@@ -442,7 +450,9 @@ def _changes_cell(d: RowDiff) -> str:
     else:
         row = None
     if row is not None:
-        return tile_label(row.tile) if row.overlap else "no overlap"
+        if not row.overlap:
+            return "no overlap"
+        return "copy engine" if row.engine == "copy_engine" else tile_label(row.tile)
     assert d.a is not None and d.b is not None
     parts = [
         f"{name} {value_label(getattr(d.a, name))} -> {value_label(getattr(d.b, name))}" for name in d.fields

@@ -1,0 +1,173 @@
+"""CPU tests of the ``engine: copy_engine`` schedule kind: its contract, its row chunks, tables,
+search spaces and the search's candidates. The engine itself runs on two GPUs only
+(``tests/test_gpu.py::test_copy_engine_ops``)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from cli_checks import isolate_tables
+from dist_cases import copy_engine_refusal
+from fo_kernels.copy_engine import ROW_ALIGN, chunk_bounds, shard_rows
+from fo_kernels.errors import ScheduleError
+from fo_kernels.fingerprint import current_fingerprint
+from fo_kernels.schedule import MAX_CHUNKS, Problem, Schedule, Tile
+from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_table, table_path
+from fo_tune.launch import run_ranks
+from fo_tune.search import SearchRequest, _copy_engine_candidates, _plans_everywhere
+from fo_tune.space import SearchSpace, SpaceError, load_space, packaged_spaces_dir
+from fo_tune.tables import changed_fields, validate_table
+
+HEAD = dict(collective="reduce_scatter", dtype="bfloat16", world_size=2)
+
+
+def ce(m: int = 4096, groups: tuple[int, ...] = (1, 1, 1, 1), **kw) -> Schedule:
+    fields = {
+        **HEAD,
+        "problem": Problem(m=m, n=8192, k=4096),
+        "engine": "copy_engine",
+        "groups": groups,
+        **kw,
+    }
+    return Schedule(**fields)
+
+
+def test_schedule_round_trip_and_describe():
+    s = ce(groups=(2, 1, 1))
+    data = s.to_dict()
+    assert data["engine"] == "copy_engine" and data["groups"] == [2, 1, 1]
+    assert not {"tile", "sms_free", "layout", "wait_mode", "signal_tiles", "nccl_max_ctas"} & set(data)
+    assert Schedule.from_dict(data) == s
+    assert "copy engine, 3 chunk(s)" in s.describe()
+    triton = Schedule.from_dict(
+        {**data, "engine": "triton", "collective": "all_reduce"}
+        | {"tile": dict(block_m=64, block_n=64, block_k=32)}
+    )
+    assert "engine" not in triton.to_dict()  # the default stays out of the tables
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(world_size=4), "engine"),
+        (dict(tile=Tile(block_m=64, block_n=64, block_k=32)), "tile"),
+        (dict(sms_free=8), "sms_free"),
+        (dict(wait_mode="spin"), "wait_mode"),
+        (dict(nccl_max_ctas=16), "nccl_max_ctas"),
+        (dict(layout="row_band"), "layout"),
+        (dict(groups=()), "groups"),
+        (dict(groups=(1, 0)), "groups[1]"),
+        (dict(groups=(1,) * (MAX_CHUNKS + 1)), "groups"),
+        (dict(engine="nvshmem"), "engine"),
+    ],
+)
+def test_schedule_refuses(change, field):
+    with pytest.raises(ScheduleError, match="^" + field.replace("[", "\\[")):
+        ce(**change)
+
+
+def test_chunk_bounds():
+    assert chunk_bounds(4096, (1, 1, 1, 1)) == [0, 1024, 2048, 3072, 4096]
+    assert chunk_bounds(2048, (2, 1, 1)) == [0, 1024, 1536, 2048]
+    # inner cuts on ROW_ALIGN rows once every chunk can get that many
+    cuts = chunk_bounds(1000, (1, 1, 1))
+    assert cuts[0] == 0 and cuts[-1] == 1000 and all(c % ROW_ALIGN == 0 for c in cuts[1:-1])
+    assert chunk_bounds(100, (1, 1, 1)) == [0, 33, 67, 100]
+    assert chunk_bounds(2, (1, 1, 1)) == [0, 1, 2]  # fewer rows than chunks: a row each
+    assert chunk_bounds(0, (1, 1)) == [0]
+    for rows in (1, 7, 129, 1024, 4097):
+        for weights in ((1,), (1, 1), (3, 1), (1,) * 6):
+            b = chunk_bounds(rows, weights)
+            assert b[0] == 0 and b[-1] == rows and all(x < y for x, y in itertools.pairwise(b))
+            assert len(b) - 1 <= len(weights)
+
+
+def test_shard_rows():
+    assert shard_rows(8) == ((0, 4), (4, 8))
+    assert shard_rows(5) == ((0, 3), (3, 5))
+    assert shard_rows(1) == ((0, 1), (1, 1))
+
+
+def test_refused_on_the_cpu_with_what_to_do():
+    msgs = run_ranks(copy_engine_refusal, 2, None, backend="gloo")
+    for msg in msgs:
+        assert "copy_engine needs CUDA GPUs" in msg and "overlap: false" in msg, msg
+
+
+def test_table_rows_validate_diff_and_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    isolate_tables(monkeypatch, tmp_path)
+    fp = current_fingerprint("cpu", world_size=2)
+    exact = ce(m=4096)
+    ranged = Schedule(
+        **{**HEAD, "problem": Problem(m_min=2, m_max=2048, n=8192, k=4096)},
+        engine="copy_engine",
+        groups=(1, 1),
+    )
+    table = ScheduleTable(
+        fingerprint=fp, collective="reduce_scatter", world_size=2, dtype="bfloat16", rows=[exact, ranged]
+    )
+    root = tmp_path / "tables"
+    path = table_path(root, fp.device_key, "reduce_scatter", 2, "bfloat16")
+    save_table(table, path)
+    loaded = load_table(path)
+    assert [r.engine for r in loaded.rows] == ["copy_engine", "copy_engine"]
+    assert validate_table(loaded) == []
+    assert "groups" in changed_fields(exact, ce(m=4096, groups=(1, 1)))
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(root))
+    got = lookup_schedule("reduce_scatter", 1024, 8192, 4096, dtype="bfloat16", world_size=2, device="cpu")
+    assert got.engine == "copy_engine" and got.groups == (1, 1)
+
+
+def test_space_copy_engine_chunks(tmp_path: Path):
+    hopper = load_space(packaged_spaces_dir() / "hopper.yaml")
+    assert hopper.copy_engine_chunks and max(hopper.copy_engine_chunks) <= MAX_CHUNKS
+    again = SearchSpace.from_dict(hopper.to_dict())
+    assert again.copy_engine_chunks == hopper.copy_engine_chunks
+    default = load_space(packaged_spaces_dir() / "default.yaml")
+    assert default.copy_engine_chunks == ()  # optional: left out means no copy-engine candidates
+    for bad, where in (
+        ([0], "copy_engine_chunks[0]"),
+        ([2, 2], "copy_engine_chunks[1]"),
+        ([MAX_CHUNKS + 1], "copy_engine_chunks[0]"),
+    ):
+        data = hopper.to_dict() | {"copy_engine_chunks": bad}
+        with pytest.raises(SpaceError, match=rf"copy_engine_chunks\[{where[-2]}\]"):
+            SearchSpace.from_dict(data)
+
+
+def test_search_candidates_only_on_two_gpus():
+    space = load_space(packaged_spaces_dir() / "hopper.yaml")
+    req = SearchRequest(shapes=((4096, 8192, 4096),), collective="all_reduce", world_size=2, mode="measure")
+    got = _copy_engine_candidates(req, space, (4096, 8192, 4096), cpu=False)
+    assert [len(s.groups) for s in got] == list(space.copy_engine_chunks)
+    assert all(s.engine == "copy_engine" and s.problem.m == 4096 for s in got)
+    assert _copy_engine_candidates(req, space, (4096, 8192, 4096), cpu=True) == []
+    four = SearchRequest(shapes=((4096, 8192, 4096),), world_size=4, mode="measure")
+    assert _copy_engine_candidates(four, space, (4096, 8192, 4096), cpu=False) == []
+    small = _copy_engine_candidates(req, space, (4, 8192, 4096), cpu=False)
+    assert all(len(s.groups) <= 2 for s in small)  # no more chunks than a shard has rows
+    assert _plans_everywhere(got[0], (1, 2, 4096, 100000), 132)
+
+
+def test_table_show_and_csv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    isolate_tables(monkeypatch, tmp_path)
+    fp = current_fingerprint("cpu", world_size=2)
+    table = ScheduleTable(
+        fingerprint=fp, collective="reduce_scatter", world_size=2, dtype="bfloat16", rows=[ce(groups=(2, 1))]
+    )
+    path = tmp_path / "t.yaml"
+    save_table(table, path)
+    shown = CliRunner().invoke(app, ["table", "show", str(path)])
+    assert shown.exit_code == 0 and "copy engine" in shown.output, shown.output
+    got = CliRunner().invoke(app, ["table", "show", str(path), "--format", "csv"])
+    assert got.exit_code == 0, got.output
+    header, row = got.output.strip().splitlines()[:2]
+    cells = dict(zip(header.split(","), row.split(","), strict=False))
+    assert cells["engine"] == "copy_engine" and cells["groups"] == "2 1" and cells["block_m"] == ""
