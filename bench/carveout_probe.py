@@ -100,7 +100,7 @@ def main() -> None:
         a = torch.randn(m, k, dtype=torch.bfloat16, device=dev, generator=g) / k**0.5
         b = torch.randn(k, n, dtype=torch.bfloat16, device=dev, generator=g)
         out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-        ref = (a.float() @ b.float())
+        ref = a.float() @ b.float()
         # the ReduceScatter chunk form: rows of both halves of M in one strided batched GEMM
         a3, b3 = a.view(2, m // 2, k), b.expand(2, k, n)
         out3 = torch.empty(2, m // 2, n, dtype=torch.bfloat16, device=dev)

@@ -158,8 +158,8 @@ class ShapeResult:
     mode: str
     baseline: BaselineResult
     row: Schedule
-    best_ms: float
-    best_trial: int | None
+    best_ms: float  # measured: the fastest re-timed median (confirmation); else the best trial's value
+    best_trial: int | None  # its Optuna trial (None: a copy-engine schedule, not a trial)
     best_schedule: Schedule | None  # the fastest overlapped schedule, even when the row says no overlap
     confirmed: list[dict[str, Any]]  # measured searches: the best few re-timed beside the baseline
     speedup: float  # baseline / row's latency (1.0 for overlap: false)
@@ -684,7 +684,14 @@ def _search_shape(
     confirmed: list[dict[str, Any]] = []
     numbers: dict[str, Any] = {"study": name, "baseline": baseline.source}
     chosen_schedule = None
+    best_trial = best.number if best is not None else None
     extra = _copy_engine_candidates(request, space, shape, cpu) if measurer is not None else []
+    if extra:
+        assert measurer is not None
+        why = measurer.copy_engine_unavailable()
+        if why:
+            reporter.step(stage, f"no copy-engine candidates: {why}", log=True)
+            extra = []
     if best is None and not extra:
         overlap, speedup, decision = False, 1.0, "no feasible schedule completed"
     elif measurer is not None:
@@ -722,7 +729,8 @@ def _search_shape(
             )
             if best_pick is not None:
                 numbers["search_ms"] = float(best_pick.value)
-            best_schedule, best_ms = schedules[i], timing.median_ms
+            best_schedule, best_ms = schedules[i], timing.median_ms  # the re-timed fastest
+            best_trial = best_pick.number if best_pick is not None else None
             if overlap:
                 chosen_schedule, best = schedules[i], best_pick
     else:
@@ -753,7 +761,7 @@ def _search_shape(
         best_ms=best_ms,
         best_schedule=best_schedule,
         confirmed=confirmed,
-        best_trial=best.number if best is not None else None,
+        best_trial=best_trial,
         speedup=speedup,
         decision=decision,
         trials=records,

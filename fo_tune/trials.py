@@ -17,7 +17,7 @@ from fo_kernels.schedule import Schedule
 
 from .encoding import Encoding, Infeasible, schedule_key
 from .harness import Pool, Timing
-from .measure import ConfirmTask, OverlapTrialTask, SequentialTask
+from .measure import ConfirmTask, CopyEngineProbeTask, OverlapTrialTask, SequentialTask
 from .model import CostModel
 
 
@@ -29,6 +29,14 @@ class Measurer:
         self.reps = reps
         self.seed = seed
         self.count = 0
+        self._copy_engine_why: str | None = None
+
+    def copy_engine_unavailable(self) -> str:
+        """Why these ranks cannot run ``engine: copy_engine`` ("" when they can); probed once."""
+        if self._copy_engine_why is None:
+            answers = self.pool.run(CopyEngineProbeTask())
+            self._copy_engine_why = next((a for a in answers if a), "")
+        return self._copy_engine_why
 
     def trial(self, schedule: Schedule, shape: tuple[int, int, int]) -> dict[str, Any]:
         m, n, k = shape

@@ -30,12 +30,14 @@ cuda-bindings (``pip install 'fo-tune[cuda]'``); ``CopyEnginePeers`` says what i
 from __future__ import annotations
 
 import itertools
+import warnings
+import zlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from .errors import EnvironmentMismatchError, ShapeError
+from .errors import EnvironmentMismatchError, ScheduleError, ShapeError
 from .schedule import COPY_ENGINE_WORLD, MAX_CHUNKS
 from .wait import StreamWaiter, _driver_module
 
@@ -49,6 +51,9 @@ FLAG_SLOTS = DONE + 1
 # tallest cuBLAS tile on Hopper, so no chunk's GEMM ends in a partly filled row of tiles.
 ROW_ALIGN = 128
 _U32 = 0xFFFFFFFF
+# Symmetric buffers are sized in multiples of this many bytes, so a byte buffer grown for one dtype
+# can be viewed as any other (float32 needs a size divisible by 4).
+BUFFER_ALIGN = 16
 
 
 def shard_rows(m: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -93,6 +98,7 @@ class CopyEnginePeers:
     _local: torch.cuda.Stream | None = field(default=None, repr=False)
     _epoch: int = 0
     _events: list = field(default_factory=list, repr=False)
+    _agreed: set = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if self.device.type != "cuda":
@@ -103,7 +109,8 @@ class CopyEnginePeers:
         world = dist.get_world_size(self.group)
         if world != COPY_ENGINE_WORLD:
             raise EnvironmentMismatchError(
-                f"engine copy_engine runs between exactly {COPY_ENGINE_WORLD} ranks, this group has {world}"
+                f"engine copy_engine runs between exactly {COPY_ENGINE_WORLD} ranks, this group has "
+                f"{world}; use a table row with engine: triton or overlap: false for this group"
             )
         driver = _driver_module()
         if driver is None:
@@ -124,16 +131,25 @@ class CopyEnginePeers:
 
     def _symmetric(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """A symmetric allocation of ``numel`` elements on both ranks: (mine, the peer's view)."""
+        group = self.group if self.group is not None else dist.group.WORLD
         try:
             from torch.distributed import _symmetric_memory as symm_mem
 
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None:  # needed before torch 2.11, a deprecated no-op since
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    enable(group.group_name)
             mine = symm_mem.empty((numel,), dtype=dtype, device=self.device)
-            handle = symm_mem.rendezvous(mine, self.group if self.group is not None else dist.group.WORLD)
+            handle = symm_mem.rendezvous(mine, group)
             peer = handle.get_buffer(self.peer, (numel,), dtype)
+        except torch.OutOfMemoryError:
+            raise
         except (ImportError, RuntimeError, AttributeError) as exc:
             raise EnvironmentMismatchError(
-                f"engine copy_engine: symmetric memory between the two GPUs failed ({exc}); "
-                "it needs peer access (NVLink) and torch.distributed._symmetric_memory"
+                f"engine copy_engine: symmetric memory between the two GPUs failed ({exc}); it needs "
+                "peer access (NVLink) and torch.distributed._symmetric_memory. Use a table row with "
+                "engine: triton or overlap: false here (re-run `fo-tune search` on this machine)"
             ) from exc
         return mine, peer
 
@@ -144,9 +160,12 @@ class CopyEnginePeers:
         if self._epoch:  # the peer has finished reading the old buffers before they are freed
             self._wait(DONE, self._epoch)
             torch.cuda.synchronize(self.device)
+        nbytes = -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
         self._part = self._peer_part = self._final = self._peer_final = None
-        self._part, self._peer_part = self._symmetric(nbytes, torch.uint8)
-        self._final, self._peer_final = self._symmetric(nbytes, torch.uint8)
+        self._capacity = 0  # until both buffers exist
+        part, peer_part = self._symmetric(nbytes, torch.uint8)
+        final, peer_final = self._symmetric(nbytes, torch.uint8)
+        self._part, self._peer_part, self._final, self._peer_final = part, peer_part, final, peer_final
         self._capacity = nbytes
 
     def _wait(self, slot: int, value: int) -> None:
@@ -159,7 +178,8 @@ class CopyEnginePeers:
         (err,) = drv.cuStreamWriteValue32(stream, address, value & _U32, self._fence_write)
         if err != drv.CUresult.CUDA_SUCCESS:
             raise EnvironmentMismatchError(
-                f"engine copy_engine: cuStreamWriteValue32 to the peer failed ({err})"
+                f"engine copy_engine: cuStreamWriteValue32 to the peer failed ({err}); use a table "
+                "row with engine: triton or overlap: false on this machine"
             )
 
     def _event(self, i: int) -> torch.cuda.Event:
@@ -167,10 +187,35 @@ class CopyEnginePeers:
             self._events.append(torch.cuda.Event())
         return self._events[i]
 
+    def _agree(self, signature: tuple) -> None:
+        """On the first call of each (collective, N, K, dtype, chunk weights): both ranks must cut
+        the same chunks, else the flags would never match (a hang) or rows would be read before
+        they are written (one small all_reduce, once per signature)."""
+        if signature in self._agreed:
+            return
+        digest = zlib.crc32(repr(signature).encode())
+        both = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        if int(both[0]) != digest or int(both[1]) != -digest:
+            raise ScheduleError(
+                f"engine copy_engine: the two ranks called with different schedules "
+                f"(this rank: {signature}); every rank must read the same table"
+            )
+        self._agreed.add(signature)
+
     def run(
         self, collective: str, a: torch.Tensor, b: torch.Tensor, weights: tuple[int, ...]
     ) -> torch.Tensor:
-        """``collective(a @ b)`` over the two ranks (see the module docstring)."""
+        """``collective(a @ b)`` over the two ranks (see the module docstring). Forward only: the
+        result carries no autograd history."""
+        # M is left out: it changes from call to call in serving (each M would cost a collective)
+        self._agree((collective, b.shape[1], a.shape[1], str(a.dtype), tuple(weights)))
+        with torch.no_grad():
+            return self._run(collective, a, b, weights)
+
+    def _run(
+        self, collective: str, a: torch.Tensor, b: torch.Tensor, weights: tuple[int, ...]
+    ) -> torch.Tensor:
         m, n = a.shape[0], b.shape[1]
         if collective == "reduce_scatter" and m % COPY_ENGINE_WORLD:
             raise ShapeError(f"reduce_scatter needs M divisible by the world size 2, got M={m}")
@@ -190,6 +235,8 @@ class CopyEnginePeers:
             out = dst = torch.empty((m // COPY_ENGINE_WORLD, n), dtype=a.dtype, device=a.device)
         epoch = self._epoch + 1
         main, side = torch.cuda.current_stream(self.device), self._side
+        main.wait_stream(side)  # the previous call's streams are done, whichever stream it ran on
+        main.wait_stream(self._local)
         if self._epoch:
             self._wait(DONE, self._epoch)  # the peer no longer reads what this call overwrites
         side.wait_stream(main)  # the inputs and the output's memory are ready

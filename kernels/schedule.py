@@ -209,9 +209,13 @@ class Schedule:
                 f"problem.m: reduce_scatter needs M divisible by world_size {self.world_size}, "
                 f"got {self.problem.m}"
             )
-        if not self.overlap:
-            return
         _check_choice("engine", self.engine, ENGINES)
+        if not self.overlap:
+            if self.engine != "triton":
+                raise ScheduleError(
+                    "engine: an overlap: false row runs GEMM then the collective; leave engine out"
+                )
+            return
         if self.engine == "copy_engine":
             self._check_copy_engine()
             return

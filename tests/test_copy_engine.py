@@ -171,3 +171,76 @@ def test_table_show_and_csv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     header, row = got.output.strip().splitlines()[:2]
     cells = dict(zip(header.split(","), row.split(","), strict=False))
     assert cells["engine"] == "copy_engine" and cells["groups"] == "2 1" and cells["block_m"] == ""
+
+
+class FakeMeasurer:
+    """Stands in for the GPU ranks: fixed timings per engine (no process, no GPU)."""
+
+    def __init__(self, *, trial_ok=True, ce_ms=1.0, tri_ms=1.5, seq_ms=2.0, why=""):
+        self.count, self.trial_ok, self.why = 0, trial_ok, why
+        self.ce_ms, self.tri_ms, self.seq_ms = ce_ms, tri_ms, seq_ms
+        self.confirmed: list = []
+
+    def _t(self, ms):
+        from fo_tune.harness import Timing
+
+        return Timing(ms, 0.01, 10, 0.01)
+
+    def baseline(self, collective, shape, dtype):
+        t = self._t(self.seq_ms)
+        return dict(rel_err=0.0, has_nan=False, gemm=t, comm=t, sequential=t)
+
+    def trial(self, schedule, shape):
+        self.count += 1
+        if not self.trial_ok:
+            return dict(rel_err=1.0, has_nan=False, ok=False, timing=None)
+        return dict(rel_err=0.0, has_nan=False, ok=True, timing=self._t(self.tri_ms))
+
+    def confirm(self, schedules, shape):
+        self.confirmed.append(list(schedules))
+        ts = [self._t(self.ce_ms if s.engine == "copy_engine" else self.tri_ms) for s in schedules]
+        return dict(sequential=self._t(self.seq_ms), timings=ts, rel_err=[0.0] * len(schedules))
+
+    def copy_engine_unavailable(self):
+        return self.why
+
+
+@pytest.mark.parametrize(
+    "measurer, want",
+    [
+        (FakeMeasurer(), "copy_engine"),  # the copy engine is fastest and gains
+        (FakeMeasurer(trial_ok=False), "copy_engine"),  # no Optuna trial passed: still a row
+        (FakeMeasurer(ce_ms=1.99, tri_ms=2.5), "none"),  # fastest, but inside the no-gain margin
+        (FakeMeasurer(ce_ms=1.8, tri_ms=1.0), "triton"),
+        (FakeMeasurer(why="cuda-bindings is not installed"), "triton"),  # candidates dropped
+    ],
+)
+def test_confirmation_with_copy_engine_candidates(measurer, want):
+    import optuna
+
+    from fo_tune import search as S
+
+    space = load_space(packaged_spaces_dir() / "hopper.yaml")
+    shape = (4096, 8192, 4096)
+    req = SearchRequest(shapes=(shape,), world_size=2, mode="measure", trials=3, space=space)
+    r = S._search_shape(
+        req, shape, space=space, sm_count=132, device_key="h200", cpu=False, model=None, measurer=measurer,
+        storage=optuna.storages.InMemoryStorage(), table=None, budget_s=None, reporter=S._Silent(),
+    )  # fmt: skip
+    engines = [s.engine for s in measurer.confirmed[0]]
+    assert engines.count("copy_engine") == (0 if measurer.why else len(space.copy_engine_chunks))
+    if want == "none":
+        assert not r.row.overlap and r.best_schedule.engine == "copy_engine" and r.best_trial is None
+        assert "rejected_measured_ms" in r.row.provenance
+        return
+    assert r.row.overlap and r.row.engine == want
+    assert (r.best_trial is None) == (want == "copy_engine")
+    assert ("trial" in r.row.provenance) == (want == "triton")
+    assert r.row.provenance["measured_ms"] == pytest.approx(
+        measurer.ce_ms if want == "copy_engine" else measurer.tri_ms
+    )
+
+
+def test_schedule_engine_needs_overlap():
+    with pytest.raises(ScheduleError, match=r"^engine: an overlap: false row"):
+        Schedule(**HEAD, problem=Problem(m=8, n=8, k=8), overlap=False, engine="copy_engine")

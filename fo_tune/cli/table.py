@@ -273,7 +273,6 @@ CSV_COLUMNS = (
     "n",
     "k",
     "overlap",
-    "engine",
     "block_m",
     "block_n",
     "block_k",
@@ -287,6 +286,7 @@ CSV_COLUMNS = (
     "groups",
     "layout",
     "wait_mode",
+    "engine",  # last: added after the other columns, so scripts reading by position keep working
 )
 
 
