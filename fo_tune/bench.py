@@ -38,8 +38,6 @@ import functools
 import itertools
 import math
 import os
-import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -60,7 +58,7 @@ from .calibrate import Reporter
 from .harness import TASK_TIMEOUT_S, Timing, open_pool, time_interleaved
 from .launch import RankContext
 from .measure import DTYPES, GEMM_TOL, FingerprintTask, gemm_operands, rel_err
-from .report import check_writable, figure, made_parents, swap_in, write_rows
+from .report import check_writable, figure, replacing_folder, write_rows
 
 __all__ = [
     "BENCH_COLUMNS",
@@ -720,21 +718,13 @@ def write_bench_dir(result: BenchResult, out_dir: str | Path) -> list[Path]:
     """Write ``BENCH_FILES`` into ``out_dir``, replacing it as a whole (``write_calibration_dir``'s way:
     built in a temporary sibling, swapped in; on error nothing changes). Returns the paths written."""
     check_bench_out(out_dir)
-    target = Path(os.path.abspath(out_dir))
-    with made_parents(target.parent):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            os.chmod(tmp, 0o755)
-            rows = [[getattr(r, c) for c in BENCH_COLUMNS] for r in result.rows]
-            with (tmp / "bench.csv").open("w", newline="", encoding="utf-8") as f:
-                write_rows(f, BENCH_COLUMNS, rows)
-            with (tmp / "bench.yaml").open("w", encoding="utf-8") as f:
-                yaml.safe_dump(result.to_dict(), f, sort_keys=False, width=120)
-            _plot(result, tmp / "bench.png")
-            for name in BENCH_FILES:
-                os.chmod(tmp / name, 0o644)
-            swap_in(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with replacing_folder(out_dir) as tmp:
+        rows = [[getattr(r, c) for c in BENCH_COLUMNS] for r in result.rows]
+        with (tmp / "bench.csv").open("w", newline="", encoding="utf-8") as f:
+            write_rows(f, BENCH_COLUMNS, rows)
+        with (tmp / "bench.yaml").open("w", encoding="utf-8") as f:
+            yaml.safe_dump(result.to_dict(), f, sort_keys=False, width=120)
+        _plot(result, tmp / "bench.png")
+        for name in BENCH_FILES:
+            os.chmod(tmp / name, 0o644)
     return [Path(out_dir) / name for name in BENCH_FILES]

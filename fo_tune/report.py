@@ -25,7 +25,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -194,6 +194,23 @@ def made_parents(folder: Path):
             with contextlib.suppress(OSError):
                 made.rmdir()
         raise
+
+
+@contextlib.contextmanager
+def replacing_folder(out_dir: str | Path) -> Iterator[Path]:
+    """A temporary sibling of ``out_dir`` (mode 755) to build its new contents in. Leaving the block
+    normally swaps it in for ``out_dir`` as a whole (``swap_in``); on any error it is removed, and an
+    existing ``out_dir`` and the parent folders are left as they were (``made_parents``)."""
+    target = Path(os.path.abspath(out_dir))
+    with made_parents(target.parent):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            os.chmod(tmp, 0o755)
+            yield tmp
+            swap_in(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 # -------------------------------------------------------------------------------------------- CSV
@@ -366,19 +383,11 @@ def write_calibration_dir(cal: Calibration, out_dir: str | Path) -> list[Path]:
     removed and an existing ``out_dir`` is left as it was. Returns the paths written.
     """
     check_writable(out_dir)
-    target = Path(os.path.abspath(out_dir))
-    with made_parents(target.parent):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            os.chmod(tmp, 0o755)
-            _write_tables(cal, tmp)
-            save_calibration(cal, tmp / "calibration.yaml")
-            _plot_bandwidth(cal, tmp / "bandwidth.png")
-            _plot_interference(cal, tmp / "interference.png")
-            swap_in(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with replacing_folder(out_dir) as tmp:
+        _write_tables(cal, tmp)
+        save_calibration(cal, tmp / "calibration.yaml")
+        _plot_bandwidth(cal, tmp / "bandwidth.png")
+        _plot_interference(cal, tmp / "interference.png")
     return [Path(out_dir) / name for name in CALIBRATION_FILES]
 
 

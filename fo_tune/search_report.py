@@ -19,14 +19,12 @@ from __future__ import annotations
 import csv
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .report import OutputError, check_ancestor, made_parents, swap_in
+from .report import OutputError, check_ancestor, replacing_folder
 from .search import SearchResult, ShapeResult, TrialRecord
 
 REPORT_FILES = ("trials.csv", "summary.yaml", "history.png", "predicted_vs_measured.png")
@@ -256,23 +254,15 @@ def check_report_dir(out_dir: str | Path) -> None:
 def write_report(result: SearchResult, out_dir: str | Path) -> list[Path]:
     """Write ``REPORT_FILES`` into ``out_dir`` as a whole (see the module docstring)."""
     check_report_dir(out_dir)
-    target = Path(os.path.abspath(out_dir))
-    with made_parents(target.parent):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            os.chmod(tmp, 0o755)
-            with (tmp / "trials.csv").open("w", newline="", encoding="utf-8") as f:
-                writer = csv.writer(f, lineterminator="\n")
-                writer.writerow(TRIAL_COLUMNS)
-                for s in result.shapes:
-                    for t in s.trials:
-                        writer.writerow([_cell(v) for v in _trial_row(result, s, t)])
-            with (tmp / "summary.yaml").open("w", encoding="utf-8") as f:
-                yaml.safe_dump(summary(result), f, sort_keys=False, width=110)
-            _plot_history(result, tmp / "history.png")
-            _plot_pred_vs_meas(result, tmp / "predicted_vs_measured.png")
-            swap_in(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with replacing_folder(out_dir) as tmp:
+        with (tmp / "trials.csv").open("w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f, lineterminator="\n")
+            writer.writerow(TRIAL_COLUMNS)
+            for s in result.shapes:
+                for t in s.trials:
+                    writer.writerow([_cell(v) for v in _trial_row(result, s, t)])
+        with (tmp / "summary.yaml").open("w", encoding="utf-8") as f:
+            yaml.safe_dump(summary(result), f, sort_keys=False, width=110)
+        _plot_history(result, tmp / "history.png")
+        _plot_pred_vs_meas(result, tmp / "predicted_vs_measured.png")
     return [Path(out_dir) / name for name in REPORT_FILES]
