@@ -8,7 +8,6 @@ whole command. Every GEMM is checked against ``torch.matmul`` before it is timed
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -410,23 +409,14 @@ class CopyEngineProbeTask:
     are made, so a rank that cannot make them does not leave the other waiting in the rendezvous."""
 
     def run(self, ctx: RankContext) -> str:
+        from fo_kernels.copy_engine import copy_engine_blocker
         from fo_kernels.errors import EnvironmentMismatchError
-        from fo_kernels.schedule import COPY_ENGINE_WORLD
-        from fo_kernels.wait import _driver_module
 
-        why = ""
-        if ctx.device.type != "cuda":
-            why = "the ranks run on the CPU"
-        elif ctx.world_size != COPY_ENGINE_WORLD:
-            why = f"it runs between {COPY_ENGINE_WORLD} ranks, these are {ctx.world_size}"
-        elif _driver_module() is None:
-            why = "cuda-bindings is not installed (pip install 'fo-tune[cuda]')"
-        elif importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
-            why = "this torch has no torch.distributed._symmetric_memory"
+        why = copy_engine_blocker(ctx.device, ctx.world_size)
         bad = torch.tensor([1 if why else 0], device=ctx.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if int(bad.item()):
-            return why or "another rank cannot run it"
+            return f"engine copy_engine {why or 'cannot run on another rank'}"
         try:
             runtime_for(ctx.device, None).copy_engine()
         except EnvironmentMismatchError as exc:

@@ -29,6 +29,7 @@ cuda-bindings (``pip install 'fo-tune[cuda]'``); ``CopyEnginePeers`` says what i
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import warnings
 import zlib
@@ -54,6 +55,20 @@ _U32 = 0xFFFFFFFF
 # Symmetric buffers are sized in multiples of this many bytes, so a byte buffer grown for one dtype
 # can be viewed as any other (float32 needs a size divisible by 4).
 BUFFER_ALIGN = 16
+
+
+def copy_engine_blocker(device: torch.device, world_size: int) -> str:
+    """Why this rank cannot run the engine, as a phrase after "engine copy_engine" ("" if it can).
+    Local checks only; making the symmetric buffers (a rendezvous of both ranks) can still fail."""
+    if device.type != "cuda":
+        return f"needs CUDA GPUs with peer access; this call runs on {device.type}"
+    if world_size != COPY_ENGINE_WORLD:
+        return f"runs between exactly {COPY_ENGINE_WORLD} ranks, this group has {world_size}"
+    if _driver_module() is None:
+        return "needs cuda-bindings (pip install 'fo-tune[cuda]')"
+    if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
+        return "needs torch.distributed._symmetric_memory, which this torch lacks"
+    return ""
 
 
 def shard_rows(m: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -101,22 +116,12 @@ class CopyEnginePeers:
     _agreed: set = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
-        if self.device.type != "cuda":
+        why = copy_engine_blocker(self.device, dist.get_world_size(self.group))
+        if why:
             raise EnvironmentMismatchError(
-                "engine copy_engine needs CUDA GPUs with peer access; this call runs on "
-                f"{self.device.type} (use an engine: triton or overlap: false table row)"
-            )
-        world = dist.get_world_size(self.group)
-        if world != COPY_ENGINE_WORLD:
-            raise EnvironmentMismatchError(
-                f"engine copy_engine runs between exactly {COPY_ENGINE_WORLD} ranks, this group has "
-                f"{world}; use a table row with engine: triton or overlap: false for this group"
+                f"engine copy_engine {why}; use a table row with engine: triton or overlap: false here"
             )
         driver = _driver_module()
-        if driver is None:
-            raise EnvironmentMismatchError(
-                "engine copy_engine needs cuda-bindings (pip install 'fo-tune[cuda]')"
-            )
         self._driver = driver
         self._waiter = StreamWaiter(driver)
         self._fence_write = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
