@@ -47,7 +47,7 @@ from typing import Any, Protocol
 from fo_kernels.errors import FoTuneError, ScheduleError, ShapeError, TableError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.heuristics import default_schedule
-from fo_kernels.plan import make_plan
+from fo_kernels.plan import check_fits
 from fo_kernels.schedule import COLLECTIVES, COPY_ENGINE_WORLD, DTYPES, Problem, Schedule
 from fo_kernels.table import ScheduleTable, load_table, table_path
 
@@ -808,8 +808,6 @@ def range_rows(request: SearchRequest, results: Sequence[ShapeResult], sm_count:
 
 
 def _plans_everywhere(schedule: Schedule, ms: Sequence[int], sm_count: int) -> bool:
-    if schedule.engine == "copy_engine":
-        return True  # row chunks of any shard (chunk_bounds cuts fewer when a shard is short)
     p = schedule.problem
     world = schedule.world_size if schedule.collective == "reduce_scatter" else 1
     for m in ms:
@@ -817,7 +815,7 @@ def _plans_everywhere(schedule: Schedule, ms: Sequence[int], sm_count: int) -> b
         if m < 1:
             continue
         try:
-            make_plan(schedule, m, p.n, p.k, sm_count=sm_count)
+            check_fits(schedule, m, p.n, p.k, sm_count=sm_count)
         except (ScheduleError, ShapeError):
             return False
     return True

@@ -6,7 +6,7 @@ owns everything that only the tuner and the ``fo-tune table`` commands need:
 
 - ``merge_rows``: add or replace rows in a table file under an inter-process lock, so several search
   workers (or several ``fo-tune search`` runs) can write into the same file without losing rows;
-- ``validate_table``: the checks that need a shape (``fo_kernels.plan.make_plan`` for every exact row,
+- ``validate_table``: the checks that need a shape (``fo_kernels.plan.check_fits`` for every exact row,
   and for the ends and middle of every M range) and overlapping M ranges, beyond what loading checks;
 - ``diff_tables``: per problem, whether a row is only in one table, changed (which fields) or the same;
 - ``find_tables`` / ``known_device_keys``: table files in the runtime's search path.
@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from fo_kernels.errors import FoTuneError, ScheduleError, ShapeError, TableError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
-from fo_kernels.plan import make_plan
+from fo_kernels.plan import check_fits
 from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import (
     ScheduleTable,
@@ -207,10 +207,8 @@ def _range_ms(problem: Problem, shards: int) -> list[int]:
 
 
 def _plan_issue(row: Schedule, m: int, sm_count: int, where: str) -> str | None:
-    if row.engine == "copy_engine":
-        return None  # row chunks plan for any M (fo_kernels.copy_engine.chunk_bounds)
     try:
-        make_plan(row, m, row.problem.n, row.problem.k, sm_count=sm_count)
+        check_fits(row, m, row.problem.n, row.problem.k, sm_count=sm_count)
     except (ScheduleError, ShapeError) as exc:
         return f"row {where}: {exc}"
     return None
@@ -219,9 +217,9 @@ def _plan_issue(row: Schedule, m: int, sm_count: int, where: str) -> str | None:
 def validate_table(table: ScheduleTable, *, sm_count: int | None = None) -> list[str]:
     """Problems the runtime would hit with ``table`` that loading does not catch; [] when none.
 
-    - every overlapped exact-shape row must give a plan (``fo_kernels.plan.make_plan``) for its
-      shape: groups summing to the signal units, ``row_band`` groups starting on whole bands, a
-      grid left by ``sms_free``;
+    - every overlapped exact-shape row must fit its shape (``fo_kernels.plan.check_fits``): for the
+      Triton engine a plan, with groups summing to the signal units, ``row_band`` groups starting
+      on whole bands and a grid left by ``sms_free``; a copy-engine row fits any M;
     - every overlapped M-range row must give a plan at ``m_min``, ``m_max`` and a middle M (for
       ``reduce_scatter`` the multiples of the world size nearest inside the range), and the range
       must hold at least one such M;

@@ -198,3 +198,14 @@ def make_plan(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> P
         group_local=tuple(local),
         group_rows=tuple(rows_of),
     )
+
+
+def check_fits(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> None:
+    """Raise ``ScheduleError`` / ``ShapeError`` when an overlapped schedule cannot run (M, N, K).
+
+    The Triton engine must give a plan (``make_plan``); an ``engine: copy_engine`` schedule cuts
+    row chunks of any M (``fo_kernels.copy_engine.chunk_bounds`` cuts fewer when a shard is short).
+    """
+    if schedule.engine == "copy_engine":
+        return
+    make_plan(schedule, m, n, k, sm_count=sm_count)
