@@ -20,6 +20,10 @@ which use no SM, and folds the reduction into cuBLAS's ``beta = 1`` epilogue:
 Variants, side by side (``time_interleaved``, max over ranks), each checked against a float32
 reference first: ``seq`` (cuBLAS then NCCL), ``async_tp`` (ReduceScatter), ``ce_c<C>`` (C chunks
 per shard). Writes DIR/ce_probe.csv; prints one line per case and a summary last.
+
+``CEOverlap`` is the prototype that run 12 measured (docs/perf-notes.md); the runtime's
+``fo_kernels.copy_engine.CopyEnginePeers`` grew out of it (buffer growth, the gather's local copies
+on their own stream, rank agreement) and is what tables and the bench use. Kept as run 12's record.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from fo_kernels.runtime import reduce_scatter_tensor
 from fo_kernels.wait import StreamWaiter, _driver_module
 from fo_tune.harness import Timing, open_pool, time_interleaved
 from fo_tune.launch import RankContext
-from fo_tune.measure import gemm_operands, rel_err
+from fo_tune.measure import _collective_fp32, gemm_operands, rel_err
 
 SHAPES = (
     (2048, 4096, 4096),
@@ -159,14 +163,7 @@ class ProbeTask:
     def run(self, ctx: RankContext) -> dict:
         m, n, k, w = self.m, self.n, self.k, ctx.world_size
         a, b = gemm_operands(m, n, k, "bfloat16", ctx.device, 11 + ctx.rank)
-        full = (a.float() @ b.float()).contiguous()
-        if self.collective == "all_reduce":
-            dist.all_reduce(full)
-            ref = full
-        else:
-            ref = torch.empty((m // w, n), device=ctx.device)
-            reduce_scatter_tensor(ref, full)
-        del full
+        ref = _collective_fp32(self.collective, (a.float() @ b.float()).contiguous(), w)
         fns = {}
         seq_full = torch.empty((m, n), dtype=a.dtype, device=ctx.device)
         seq_out = torch.empty((m // w, n), dtype=a.dtype, device=ctx.device)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
 from fo_tune.harness import Timing, open_pool, time_interleaved
 from fo_tune.launch import RankContext
-from fo_tune.measure import gemm_operands, rel_err
+from fo_tune.measure import _collective_fp32, gemm_operands, rel_err
 
 SHAPES = (
     (2048, 4096, 4096),
@@ -78,14 +78,7 @@ class ProbeTask:
     def run(self, ctx: RankContext) -> dict:
         m, n, k, w = self.m, self.n, self.k, ctx.world_size
         a, b = gemm_operands(m, n, k, "bfloat16", ctx.device, 11 + ctx.rank)
-        full = (a.float() @ b.float()).contiguous()
-        if self.collective == "all_reduce":
-            dist.all_reduce(full)
-            ref = full
-        else:
-            ref = torch.empty((m // w, n), device=ctx.device)
-            reduce_scatter_tensor(ref, full)
-        del full
+        ref = _collective_fp32(self.collective, (a.float() @ b.float()).contiguous(), w)
         rt = runtime_for(ctx.device, None)
         side = rt.comm_stream
         main = torch.cuda.current_stream(ctx.device)
