@@ -7,6 +7,7 @@ ReduceScatter) without any extra collective.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -70,18 +71,30 @@ def poison_allocator(device: torch.device, numel: int, dtype: torch.dtype) -> No
     del junk
 
 
+def prepared(case: Case, ctx):
+    """(a, b, call) for ``case`` on this rank: ``call(a, b)`` runs the op with the case's schedule,
+    or a lookup when it has none."""
+    a, b = operands(case, ctx.rank, ctx.device)
+    sched = Schedule.from_dict(case.schedule) if case.schedule is not None else None
+    op = gemm_all_reduce if case.collective == "all_reduce" else gemm_reduce_scatter
+    return a, b, functools.partial(op, schedule=sched)
+
+
+def error(case: Case, got: torch.Tensor, ctx) -> tuple[float, torch.Tensor]:
+    """(relative error against the float64 reference, the reference) of ``got`` on this rank."""
+    ref = reference(case, ctx.rank, ctx.world_size)
+    return ((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item(), ref
+
+
 def run_cases(ctx, cases: list[Case]) -> list[dict]:
     out = []
     for case in cases:
-        a, b = operands(case, ctx.rank, ctx.device)
-        sched = Schedule.from_dict(case.schedule) if case.schedule is not None else None
-        op = gemm_all_reduce if case.collective == "all_reduce" else gemm_reduce_scatter
+        a, b, op = prepared(case, ctx)
         poison_allocator(ctx.device, case.m * case.n * 2, a.dtype)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = op(a, b, schedule=sched)
-        ref = reference(case, ctx.rank, ctx.world_size)
-        err = ((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            got = op(a, b)
+        err, ref = error(case, got, ctx)
         out.append(
             dict(
                 case=case,
@@ -182,14 +195,11 @@ def run_back_to_back(ctx, cases: list[Case]) -> list[dict]:
     the previous call's data shows up as a wrong output."""
     calls = []
     for case in cases:
-        a, b = operands(case, ctx.rank, ctx.device)
-        sched = Schedule.from_dict(case.schedule) if case.schedule is not None else None
-        op = gemm_all_reduce if case.collective == "all_reduce" else gemm_reduce_scatter
-        calls.append((case, op(a, b, schedule=sched)))
+        a, b, op = prepared(case, ctx)
+        calls.append((case, op(a, b)))
     out = []
     for case, got in calls:
-        ref = reference(case, ctx.rank, ctx.world_size)
-        err = ((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        err, ref = error(case, got, ctx)
         out.append(
             dict(
                 case=case, err=err, nan=bool(got.isnan().any()), shape_ok=tuple(got.shape) == tuple(ref.shape)
