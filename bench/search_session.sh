@@ -31,6 +31,17 @@ finish() { tar czf "$OUT/results.tgz" -C "$RES" . ; }
 trap finish EXIT
 t0=$SECONDS
 stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+# The tables and search reports as they are now, into the returned archive.
+keep_tables() {
+  mkdir -p "$RES/tables" && cp -r results/tables/. "$RES/tables/"
+  cp -r results/search "$RES/search" 2>/dev/null
+}
+# bench_suite TIMEOUT NAME LINES: the suite's bench into $RES/NAME, the last LINES of its log shown.
+bench_suite() {
+  timeout "$1" python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
+    --out "$RES/$2" > "$RES/$2.log" 2>&1
+  tail -"$3" "$RES/$2.log"
+}
 
 if [ "$STAGE" = calib ]; then
   stamp "GPU tests"
@@ -77,8 +88,7 @@ elif [ "$STAGE" = tables ]; then
     -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
     > "$RES/search_mrange.log" 2>&1
   tail -6 "$RES/search_mrange.log"
-  mkdir -p "$RES/tables" && cp -r results/tables/. "$RES/tables/"
-  cp -r results/search "$RES/search" 2>/dev/null
+  keep_tables
   stamp "host cost of lookup_schedule per call (remembered answer vs a file check every call)"
   python3 - <<'PY' 2>&1 | tee "$RES/lookup_cost.txt"
 import time, torch
@@ -95,9 +105,7 @@ print(f"lookup_schedule: {per_call():.4f} ms/call checking the files every call"
 PY
   for i in 1 2; do
     stamp "bench run $i"
-    timeout 110 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
-      --out "$RES/bench$i" > "$RES/bench$i.log" 2>&1
-    tail -28 "$RES/bench$i.log"
+    bench_suite 110 "bench$i" 28
   done
 elif [ "$STAGE" = ce ]; then
   stamp "GPU tests: copy engine and the NCCL ops"
@@ -110,12 +118,9 @@ elif [ "$STAGE" = ce ]; then
     -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
     > "$RES/search_suite.log" 2>&1
   tail -34 "$RES/search_suite.log"
-  mkdir -p "$RES/tables" && cp -r results/tables/. "$RES/tables/"
-  cp -r results/search "$RES/search" 2>/dev/null
+  keep_tables
   stamp "bench"
-  timeout 120 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
-    --out "$RES/bench" > "$RES/bench.log" 2>&1
-  tail -30 "$RES/bench.log"
+  bench_suite 120 bench 30
 elif [ "$STAGE" = ce-mrange ]; then
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
   stamp "M-range rows with copy-engine candidates: M = 512..16384 for the suite's (N, K)"
@@ -124,17 +129,12 @@ elif [ "$STAGE" = ce-mrange ]; then
     -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
     > "$RES/search_mrange.log" 2>&1
   tail -8 "$RES/search_mrange.log"
-  mkdir -p "$RES/tables" && cp -r results/tables/. "$RES/tables/"
-  cp -r results/search "$RES/search" 2>/dev/null
+  keep_tables
   stamp "bench again"
-  timeout 120 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
-    --out "$RES/bench" > "$RES/bench.log" 2>&1
-  tail -30 "$RES/bench.log"
+  bench_suite 120 bench 30
 elif [ "$STAGE" = bench ]; then
   stamp "bench with the committed tables"
-  timeout 150 python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
-    --out "$RES/bench" > "$RES/bench.log" 2>&1
-  tail -30 "$RES/bench.log"
+  bench_suite 150 bench 30
 else
   echo "unknown stage $STAGE"; exit 2
 fi
