@@ -29,6 +29,7 @@ cuda-bindings (``pip install 'fo-tune[cuda]'``); ``CopyEnginePeers`` says what i
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import warnings
@@ -40,7 +41,7 @@ import torch.distributed as dist
 
 from .errors import EnvironmentMismatchError, ScheduleError, ShapeError
 from .schedule import COPY_ENGINE_WORLD, MAX_CHUNKS
-from .wait import StreamWaiter, _driver_module
+from .wait import SpinWaiter, StreamWaiter, _driver_module
 
 # Flag slots: [PARTIAL, PARTIAL + MAX_CHUNKS) partial chunk ready, [SUMMED, ...) summed chunk
 # ready (all_reduce), DONE: the peer has finished reading my buffers of a call.
@@ -55,6 +56,9 @@ _U32 = 0xFFFFFFFF
 # Symmetric buffers are sized in multiples of this many bytes, so a byte buffer grown for one dtype
 # can be viewed as any other (float32 needs a size divisible by 4).
 BUFFER_ALIGN = 16
+# How a stream waits for the peer's flag: the GPU front end (cuStreamWaitValue32, no SM) or a
+# one-warp kernel polling the flag with system-scope acquire loads (one SM slot while it waits).
+CE_WAITS = ("stream_wait", "spin")
 
 
 def copy_engine_blocker(device: torch.device, world_size: int) -> str:
@@ -102,6 +106,9 @@ class CopyEnginePeers:
 
     device: torch.device
     group: dist.ProcessGroup | None = None
+    wait: str = "stream_wait"
+    # SMs the chunk GEMMs leave free (cuBLASLt's SM_COUNT_TARGET, run 10), 0: none, plain cuBLAS
+    carveout: int = 0
     _capacity: int = 0
     _part: torch.Tensor | None = field(default=None, repr=False)
     _final: torch.Tensor | None = field(default=None, repr=False)
@@ -116,6 +123,10 @@ class CopyEnginePeers:
     _agreed: set = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
+        if self.wait not in CE_WAITS:
+            raise ScheduleError(f"engine copy_engine: wait {self.wait!r} is not one of {CE_WAITS}")
+        if self.carveout < 0:
+            raise ScheduleError(f"engine copy_engine: carveout must be >= 0, got {self.carveout}")
         why = copy_engine_blocker(self.device, dist.get_world_size(self.group))
         if why:
             raise EnvironmentMismatchError(
@@ -123,7 +134,7 @@ class CopyEnginePeers:
             )
         driver = _driver_module()
         self._driver = driver
-        self._waiter = StreamWaiter(driver)
+        self._waiter = StreamWaiter(driver) if self.wait == "stream_wait" else SpinWaiter(system=True)
         self._fence_write = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         self.rank = dist.get_rank(self.group)
         self.peer = 1 - self.rank
@@ -187,6 +198,22 @@ class CopyEnginePeers:
                 "row with engine: triton or overlap: false on this machine"
             )
 
+    @contextlib.contextmanager
+    def _gemm_settings(self):
+        """cuBLASLt with ``carveout`` SMs left free for the spin waits, restored afterwards."""
+        if not self.carveout:
+            yield
+            return
+        library = torch.backends.cuda.preferred_blas_library()
+        before = torch._C._get_sm_carveout_experimental()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(self.carveout)
+        try:
+            yield
+        finally:
+            torch._C._set_sm_carveout_experimental(before)
+            torch.backends.cuda.preferred_blas_library(library)
+
     def _event(self, i: int) -> torch.cuda.Event:
         while len(self._events) <= i:
             self._events.append(torch.cuda.Event())
@@ -215,7 +242,7 @@ class CopyEnginePeers:
         result carries no autograd history."""
         # M is left out: it changes from call to call in serving (each M would cost a collective)
         self._agree((collective, b.shape[1], a.shape[1], str(a.dtype), tuple(weights)))
-        with torch.no_grad():
+        with torch.no_grad(), self._gemm_settings():
             return self._run(collective, a, b, weights)
 
     def _run(

@@ -1,0 +1,216 @@
+"""How the copy engine's flag waits cost, and what a spin wait or a cuBLASLt carveout changes (2 GPUs).
+
+    python3 bench/ce_wait_probe.py --out DIR [--quick]
+
+Session 3 measured ~0.1-0.16 ms per extra chunk of ``engine: copy_engine`` where the GEMM of a
+chunk is 0.03 ms (``docs/perf-notes.md``, runs 12-14), and one schedule's speed flipping between
+device sessions. Each chunk adds a ``cuStreamWaitValue32`` on a flag another GPU writes over NVLink.
+This probe measures, in one call:
+
+1. ``latency``: a flag ping-pong between the two GPUs (``cuStreamWriteValue32`` to the peer, then
+   wait for the answer), 200 round trips, with the stream-wait (GPU front end) and the spin-kernel
+   (a one-warp system-scope acquire loop) waits. Half a round trip is the flag's one-way latency.
+2. ``engine``: ``fo_kernels.copy_engine.CopyEnginePeers`` per shape, collective and chunk count with
+   (wait, carveout) in ``VARIANTS``, beside cuBLAS then NCCL (``seq``), every variant checked against
+   a float32 reference before and after timing (``time_interleaved``, max over ranks).
+
+Writes DIR/latency.csv and DIR/engine.csv (appended case by case, so a timeout keeps what was done),
+prints one line per case as it goes and a summary last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fo_kernels.copy_engine import PARTIAL, CopyEnginePeers
+from fo_kernels.runtime import reduce_scatter_tensor
+from fo_tune.harness import Timing, open_pool, time_interleaved
+from fo_tune.launch import RankContext
+from fo_tune.measure import _collective_fp32, gemm_operands, rel_err
+
+SHAPES = (
+    (512, 4096, 4096),
+    (2048, 4096, 4096),
+    (4096, 8192, 4096),
+    (4096, 8192, 14336),
+    (8192, 8192, 8192),
+    (16384, 8192, 4096),
+)
+CHUNKS = (1, 2, 4)
+# (wait, carveout): the runtime's default, the spin wait on plain cuBLAS, the spin wait with two
+# SMs left free by cuBLASLt (run 10: cuBLASLt honours the carveout, plain cuBLAS does not).
+VARIANTS = (("stream_wait", 0), ("spin", 0), ("spin", 2))
+ROUND_TRIPS = 200
+TOLERANCE = 2e-2
+
+# one CopyEnginePeers per (wait, carveout) per rank process, reused across cases (each holds
+# symmetric buffers; making them per case would allocate and rendezvous hundreds of times)
+_PEERS: dict[tuple[str, int], CopyEnginePeers] = {}
+
+
+def peers_for(wait: str, carveout: int, device: torch.device) -> CopyEnginePeers:
+    key = (wait, carveout)
+    if key not in _PEERS:
+        _PEERS[key] = CopyEnginePeers(device=device, wait=wait, carveout=carveout)
+    return _PEERS[key]
+
+
+class LatencyTask:
+    """Flag ping-pong between the two ranks through one peers object's first flag slot."""
+
+    def __init__(self, wait: str) -> None:
+        self.wait = wait
+
+    def run(self, ctx: RankContext) -> dict:
+        peers = CopyEnginePeers(device=ctx.device, wait=self.wait)  # fresh flags, from 0
+        stream = torch.cuda.current_stream(ctx.device)
+        results = []
+        base = 0
+        for _ in range(3):  # the first repetition warms up (kernel compile, first waits)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            dist.barrier()
+            torch.cuda.synchronize()
+            start.record(stream)
+            for i in range(base + 1, base + ROUND_TRIPS + 1):
+                if ctx.rank == 0:
+                    peers._signal(PARTIAL, i)
+                    peers._wait(PARTIAL, i)
+                else:
+                    peers._wait(PARTIAL, i)
+                    peers._signal(PARTIAL, i)
+            end.record(stream)
+            end.synchronize()
+            base += ROUND_TRIPS
+            results.append(start.elapsed_time(end) * 1000 / ROUND_TRIPS)  # us per round trip
+        return {"round_trip_us": results[1:]}
+
+
+class EngineTask:
+    def __init__(self, m: int, n: int, k: int, collective: str) -> None:
+        self.m, self.n, self.k, self.collective = m, n, k, collective
+
+    def run(self, ctx: RankContext) -> dict:
+        m, n, k, w = self.m, self.n, self.k, ctx.world_size
+        a, b = gemm_operands(m, n, k, "bfloat16", ctx.device, 11 + ctx.rank)
+        ref = _collective_fp32(self.collective, (a.float() @ b.float()).contiguous(), w)
+        seq_full = torch.empty((m, n), dtype=a.dtype, device=ctx.device)
+        seq_out = torch.empty((m // w, n), dtype=a.dtype, device=ctx.device)
+
+        def seq():
+            torch.mm(a, b, out=seq_full)
+            if self.collective == "all_reduce":
+                dist.all_reduce(seq_full)
+                return seq_full
+            reduce_scatter_tensor(seq_out, seq_full)
+            return seq_out
+
+        fns = {"seq": seq}
+        for (wait, carveout), c in itertools.product(VARIANTS, CHUNKS):
+            peers = peers_for(wait, carveout, ctx.device)
+            weights = (1,) * c
+            fns[f"{wait}_r{carveout}_c{c}"] = lambda p=peers, wts=weights: p.run(self.collective, a, b, wts)
+        errs, notes = {}, {}
+        out_rows = m if self.collective == "all_reduce" else m // w
+        for name, fn in fns.items():  # every rank runs every variant: no early exit (a hang)
+            self.poison(seq_full, seq_out, (out_rows, n), ctx.device)
+            out = fn()
+            torch.cuda.synchronize()
+            errs[name] = rel_err(out, ref)
+            for _ in range(2):
+                out = fn()
+            torch.cuda.synchronize()
+            errs[name] = max(errs[name], rel_err(out, ref))
+        timings = time_interleaved(fns, ctx.device, rounds=15, agree=True)
+        after = {name: rel_err(fn(), ref) for name, fn in fns.items()}
+        torch.cuda.synchronize()
+        return {"errs": errs, "after": after, "timings": timings, "notes": notes}
+
+    @staticmethod
+    def poison(seq_full, seq_out, out_shape, device) -> None:
+        """NaN in every buffer a variant might read stale data from: the sequential outputs, the
+        engines' symmetric buffers (0xFF bytes are NaN in bf16) and the allocator block the next
+        output will likely get (a freed NaN tensor of the same size)."""
+        torch.cuda.synchronize()
+        dist.barrier()
+        seq_full.fill_(float("nan"))
+        seq_out.fill_(float("nan"))
+        for peers in _PEERS.values():
+            for buf in (peers._part, peers._final):
+                if buf is not None:
+                    buf.fill_(255)
+        junk = torch.full(out_shape, float("nan"), dtype=torch.bfloat16, device=device)
+        del junk
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
+def append_rows(path: Path, rows: list[dict]) -> None:
+    new = not path.exists()
+    with path.open("a", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true", help="two shapes only (a smoke run)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = []
+    t0 = time.time()
+    with open_pool(2) as pool:
+        if not pool.is_driver:
+            return
+        for wait in ("stream_wait", "spin"):
+            per_rank = pool.run(LatencyTask(wait))
+            rt = [max(vals) for vals in zip(*(r["round_trip_us"] for r in per_rank), strict=True)]
+            append_rows(
+                args.out / "latency.csv",
+                [{"wait": wait, "repeat": i, "round_trip_us": v} for i, v in enumerate(rt)],
+            )
+            line = f"latency {wait}: round trip {', '.join(f'{v:.1f}' for v in rt)} us"
+            print(f"[{time.time() - t0:.0f}s] {line}", flush=True)
+            summary.append(line)
+        shapes = SHAPES[:2] if args.quick else SHAPES
+        for (m, n, k), coll in itertools.product(shapes, ("all_reduce", "reduce_scatter")):
+            per_rank = pool.run(EngineTask(m, n, k, coll))
+            names = list(per_rank[0]["timings"])
+            merged = {x: Timing.max_over([r["timings"][x] for r in per_rank]) for x in names}
+            seq = merged["seq"].median_ms
+            rows, parts = [], []
+            for x in names:
+                err = max(max(r["errs"][x], r["after"][x]) for r in per_rank)
+                ok = err == err and err < TOLERANCE
+                t = merged[x].median_ms
+                rows.append(dict(
+                    m=m, n=n, k=k, collective=coll, variant=x, status="PASS" if ok else "FAIL",
+                    rel_err=err, median_ms=t, iqr_ms=merged[x].iqr_ms, speedup_vs_seq=seq / t,
+                ))  # fmt: skip
+                parts.append(f"{x} {t:.3f}{'' if ok else ' FAIL'}")
+            append_rows(args.out / "engine.csv", rows)
+            best = min((x for x in names if x != "seq"), key=lambda x: merged[x].median_ms)
+            line = (
+                f"{m}x{n}x{k} {coll}: seq {seq:.3f}, best {best} {merged[best].median_ms:.3f} "
+                f"({seq / merged[best].median_ms:.2f}x) | " + ", ".join(parts)
+            )
+            print(f"[{time.time() - t0:.0f}s] {line}", flush=True)
+            summary.append(line)
+    print("SUMMARY")
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
