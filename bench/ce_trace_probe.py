@@ -154,20 +154,31 @@ def write(path: Path, rows: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        help="collective:M:N:K:chunks to trace instead of TRACE_CASES (repeatable)",
+    )
+    ap.add_argument("--no-copies", action="store_true", help="skip the copy latencies")
     args = ap.parse_args()
+    cases = [
+        (c, int(m), int(n), int(k), int(ch)) for c, m, n, k, ch in (x.split(":") for x in args.case)
+    ] or list(TRACE_CASES)
     args.out.mkdir(parents=True, exist_ok=True)
     summary = []
     t0 = time.time()
     with open_pool(2) as pool:
         if not pool.is_driver:
             return
-        per_rank = pool.run(CopyTask())
-        write(args.out / "copies.csv", per_rank[0]["rows"])
-        for r in per_rank[0]["rows"]:
-            line = f"copy {r['mb']} MB {r['src']} {r['how']}: {r['median_us']:.1f} us (min {r['min_us']:.1f})"
-            summary.append(line)
-        print(f"[{time.time() - t0:.0f}s] copies done", flush=True)
-        for case in TRACE_CASES:
+        if not args.no_copies:
+            per_rank = pool.run(CopyTask())
+            write(args.out / "copies.csv", per_rank[0]["rows"])
+            for r in per_rank[0]["rows"]:
+                what = f"copy {r['mb']} MB {r['src']} {r['how']}"
+                summary.append(f"{what}: {r['median_us']:.1f} us (min {r['min_us']:.1f})")
+            print(f"[{time.time() - t0:.0f}s] copies done", flush=True)
+        for case in cases:
             per_rank = pool.run(TraceTask(*case))
             for rank, res in enumerate(per_rank):
                 write(args.out / f"trace_rank{rank}.csv", res["rows"])

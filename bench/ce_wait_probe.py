@@ -1,18 +1,21 @@
-"""How the copy engine's flag waits cost, and what a spin wait or a cuBLASLt carveout changes (2 GPUs).
+"""The copy engine's costs on 2 GPUs: the flag latency, and the engine's GPU and host time per call.
 
     python3 bench/ce_wait_probe.py --out DIR [--quick]
 
 Session 3 measured ~0.1-0.16 ms per extra chunk of ``engine: copy_engine`` where the GEMM of a
 chunk is 0.03 ms (``docs/perf-notes.md``, runs 12-14), and one schedule's speed flipping between
-device sessions. Each chunk adds a ``cuStreamWaitValue32`` on a flag another GPU writes over NVLink.
-This probe measures, in one call:
+device sessions. This probe measures, in one call:
 
 1. ``latency``: a flag ping-pong between the two GPUs (``cuStreamWriteValue32`` to the peer, then
-   wait for the answer), 200 round trips, with the stream-wait (GPU front end) and the spin-kernel
-   (a one-warp system-scope acquire loop) waits. Half a round trip is the flag's one-way latency.
-2. ``engine``: ``fo_kernels.copy_engine.CopyEnginePeers`` per shape, collective and chunk count with
-   (wait, carveout) in ``VARIANTS``, beside cuBLAS then NCCL (``seq``), every variant checked against
-   a float32 reference before and after timing (``time_interleaved``, max over ranks).
+   ``cuStreamWaitValue32`` for the answer), 200 round trips. Half a round trip is the one-way latency.
+2. ``engine``: ``fo_kernels.copy_engine.CopyEnginePeers`` per shape, collective and chunk count,
+   beside cuBLAS then NCCL (``seq``), each checked against a float32 reference before and after
+   timing (``time_interleaved``, max over ranks), and each variant's host time per call (``host_us``:
+   the CPU time to issue 30 back-to-back calls; a call whose host time exceeds its GPU time is
+   launch-bound).
+
+Run 17 ran this probe with two more engine options, since removed (both were slower): spin-kernel
+waits and a cuBLASLt SM carveout (commit ``9ac9206``, ``results/bench/<x2 key>/probes/``).
 
 Writes DIR/latency.csv and DIR/engine.csv (appended case by case, so a timeout keeps what was done),
 prints one line per case as it goes and a summary last.
@@ -46,48 +49,43 @@ SHAPES = (
     (8192, 8192, 8192),
     (16384, 8192, 4096),
 )
-CHUNKS = (1, 2, 4)
-# (wait, carveout): the runtime's default, the spin wait on plain cuBLAS, the spin wait with two
-# SMs left free by cuBLASLt (run 10: cuBLASLt honours the carveout, plain cuBLAS does not).
-VARIANTS = (("stream_wait", 0), ("spin", 0), ("spin", 2))
+CHUNKS = (1, 2, 3, 4)
 ROUND_TRIPS = 200
+HOST_CALLS = 30
 TOLERANCE = 2e-2
 
-# one CopyEnginePeers per (wait, carveout) per rank process, reused across cases (each holds
-# symmetric buffers; making them per case would allocate and rendezvous hundreds of times)
-_PEERS: dict[tuple[str, int], CopyEnginePeers] = {}
+# one CopyEnginePeers per rank process, reused across cases (it holds symmetric buffers; making one
+# per case would allocate and rendezvous every time)
+_PEERS: dict[str, CopyEnginePeers] = {}
 
 
-def peers_for(wait: str, carveout: int, device: torch.device) -> CopyEnginePeers:
-    key = (wait, carveout)
-    if key not in _PEERS:
-        _PEERS[key] = CopyEnginePeers(device=device, wait=wait, carveout=carveout)
-    return _PEERS[key]
+def peers_for(device: torch.device) -> CopyEnginePeers:
+    if "engine" not in _PEERS:
+        _PEERS["engine"] = CopyEnginePeers(device=device)
+    return _PEERS["engine"]
 
 
 class LatencyTask:
-    """Flag ping-pong between the two ranks through one peers object's first flag slot."""
-
-    def __init__(self, wait: str) -> None:
-        self.wait = wait
+    """Flag ping-pong between the two ranks through a fresh peers object's first flag slot."""
 
     def run(self, ctx: RankContext) -> dict:
-        peers = CopyEnginePeers(device=ctx.device, wait=self.wait)  # fresh flags, from 0
+        peers = CopyEnginePeers(device=ctx.device)  # fresh flags, from 0
         stream = torch.cuda.current_stream(ctx.device)
+        handle = peers._stream(stream.cuda_stream)
         results = []
         base = 0
-        for _ in range(3):  # the first repetition warms up (kernel compile, first waits)
+        for _ in range(3):  # the first repetition warms up
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             dist.barrier()
             torch.cuda.synchronize()
             start.record(stream)
             for i in range(base + 1, base + ROUND_TRIPS + 1):
                 if ctx.rank == 0:
-                    peers._signal(PARTIAL, i)
-                    peers._wait(PARTIAL, i)
+                    peers._signal(handle, PARTIAL, i)
+                    peers._wait(handle, PARTIAL, i)
                 else:
-                    peers._wait(PARTIAL, i)
-                    peers._signal(PARTIAL, i)
+                    peers._wait(handle, PARTIAL, i)
+                    peers._signal(handle, PARTIAL, i)
             end.record(stream)
             end.synchronize()
             base += ROUND_TRIPS
@@ -115,10 +113,9 @@ class EngineTask:
             return seq_out
 
         fns = {"seq": seq}
-        for (wait, carveout), c in itertools.product(VARIANTS, CHUNKS):
-            peers = peers_for(wait, carveout, ctx.device)
-            weights = (1,) * c
-            fns[f"{wait}_r{carveout}_c{c}"] = lambda p=peers, wts=weights: p.run(self.collective, a, b, wts)
+        peers = peers_for(ctx.device)
+        for c in CHUNKS:
+            fns[f"ce_c{c}"] = lambda wts=(1,) * c: peers.run(self.collective, a, b, wts)
         errs, notes = {}, {}
         out_rows = m if self.collective == "all_reduce" else m // w
         for name, fn in fns.items():  # every rank runs every variant: no early exit (a hang)
@@ -132,8 +129,16 @@ class EngineTask:
             errs[name] = max(errs[name], rel_err(out, ref))
         timings = time_interleaved(fns, ctx.device, rounds=15, agree=True)
         after = {name: rel_err(fn(), ref) for name, fn in fns.items()}
+        host = {}
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(HOST_CALLS):
+                fn()
+            host[name] = (time.perf_counter() - start) * 1e6 / HOST_CALLS
         torch.cuda.synchronize()
-        return {"errs": errs, "after": after, "timings": timings, "notes": notes}
+        return {"errs": errs, "after": after, "timings": timings, "notes": notes, "host": host}
 
     @staticmethod
     def poison(seq_full, seq_out, out_shape, device) -> None:
@@ -144,7 +149,7 @@ class EngineTask:
         dist.barrier()
         seq_full.fill_(float("nan"))
         seq_out.fill_(float("nan"))
-        for peers in _PEERS.values():
+        for peers in _PEERS.values():  # (none before the first case)
             for buf in (peers._part, peers._final):
                 if buf is not None:
                     buf.fill_(255)
@@ -174,16 +179,15 @@ def main() -> None:
     with open_pool(2) as pool:
         if not pool.is_driver:
             return
-        for wait in ("stream_wait", "spin"):
-            per_rank = pool.run(LatencyTask(wait))
-            rt = [max(vals) for vals in zip(*(r["round_trip_us"] for r in per_rank), strict=True)]
-            append_rows(
-                args.out / "latency.csv",
-                [{"wait": wait, "repeat": i, "round_trip_us": v} for i, v in enumerate(rt)],
-            )
-            line = f"latency {wait}: round trip {', '.join(f'{v:.1f}' for v in rt)} us"
-            print(f"[{time.time() - t0:.0f}s] {line}", flush=True)
-            summary.append(line)
+        per_rank = pool.run(LatencyTask())
+        rt = [max(vals) for vals in zip(*(r["round_trip_us"] for r in per_rank), strict=True)]
+        append_rows(
+            args.out / "latency.csv",
+            [{"wait": "stream_wait", "repeat": i, "round_trip_us": v} for i, v in enumerate(rt)],
+        )
+        line = f"latency: round trip {', '.join(f'{v:.1f}' for v in rt)} us"
+        print(f"[{time.time() - t0:.0f}s] {line}", flush=True)
+        summary.append(line)
         shapes = SHAPES[:2] if args.quick else SHAPES
         for (m, n, k), coll in itertools.product(shapes, ("all_reduce", "reduce_scatter")):
             per_rank = pool.run(EngineTask(m, n, k, coll))
@@ -195,11 +199,13 @@ def main() -> None:
                 err = max(max(r["errs"][x], r["after"][x]) for r in per_rank)
                 ok = err == err and err < TOLERANCE
                 t = merged[x].median_ms
+                host = max(r["host"][x] for r in per_rank)
                 rows.append(dict(
                     m=m, n=n, k=k, collective=coll, variant=x, status="PASS" if ok else "FAIL",
                     rel_err=err, median_ms=t, iqr_ms=merged[x].iqr_ms, speedup_vs_seq=seq / t,
+                    host_us=host,
                 ))  # fmt: skip
-                parts.append(f"{x} {t:.3f}{'' if ok else ' FAIL'}")
+                parts.append(f"{x} {t:.3f}{'' if ok else ' FAIL'} (host {host:.0f}us)")
             append_rows(args.out / "engine.csv", rows)
             best = min((x for x in names if x != "seq"), key=lambda x: merged[x].median_ms)
             line = (

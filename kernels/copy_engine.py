@@ -23,13 +23,17 @@ no buffer is rewritten while the peer still reads it. Flags are never reset: eac
 one more than the last, and the waits compare modulo 2**32. Both ranks must make the same calls in
 the same order, as with any collective.
 
+A call's host time, not the GPU, bounded small shapes (run 18 in ``docs/perf-notes.md``: ~0.1 ms of
+launches per chunk through torch streams, events and copies), so the waits, flag writes and copies
+go straight to the driver (cuda-bindings) with the views and addresses of a ``_Plan`` made once per
+(collective, M, N, dtype, weights).
+
 Needs CUDA, two GPUs with peer access (NVLink), ``torch.distributed._symmetric_memory`` and
 cuda-bindings (``pip install 'fo-tune[cuda]'``); ``CopyEnginePeers`` says what is missing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import itertools
 import warnings
@@ -41,7 +45,7 @@ import torch.distributed as dist
 
 from .errors import EnvironmentMismatchError, ScheduleError, ShapeError
 from .schedule import COPY_ENGINE_WORLD, MAX_CHUNKS
-from .wait import SpinWaiter, StreamWaiter, _driver_module
+from .wait import _driver_module
 
 # Flag slots: [PARTIAL, PARTIAL + MAX_CHUNKS) partial chunk ready, [SUMMED, ...) summed chunk
 # ready (all_reduce), DONE: the peer has finished reading my buffers of a call.
@@ -56,9 +60,6 @@ _U32 = 0xFFFFFFFF
 # Symmetric buffers are sized in multiples of this many bytes, so a byte buffer grown for one dtype
 # can be viewed as any other (float32 needs a size divisible by 4).
 BUFFER_ALIGN = 16
-# How a stream waits for the peer's flag: the GPU front end (cuStreamWaitValue32, no SM) or a
-# one-warp kernel polling the flag with system-scope acquire loads (one SM slot while it waits).
-CE_WAITS = ("stream_wait", "spin")
 
 
 def copy_engine_blocker(device: torch.device, world_size: int) -> str:
@@ -100,15 +101,31 @@ def chunk_bounds(rows: int, weights: tuple[int, ...]) -> list[int]:
     return bounds
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What a call of one (collective, M, N, dtype, chunk weights) reuses: the row chunks, the views
+    of the symmetric buffers the GEMMs write, and the byte addresses the copies and flags use (the
+    host cost of a call is most of a small shape's time, run 18 in ``docs/perf-notes.md``)."""
+
+    mine: tuple[int, int]  # my shard's rows of the output
+    theirs: tuple[int, int]
+    own: tuple[tuple[int, int], ...]  # chunks of my shard, rows relative to it
+    other: tuple[tuple[int, int], ...]  # chunks of the peer's shard
+    row_bytes: int
+    part: tuple[torch.Tensor, ...]  # my partials of the peer's chunks (phase 1 GEMM outputs)
+    final: tuple[torch.Tensor, ...]  # all_reduce: my summed chunks (phase 2 outputs), else ()
+    final_base: int  # all_reduce: my ``final`` buffer's address (the pulls' destination), else 0
+    pull_src: tuple[int, ...]  # the peer's partials of my chunks (its ``part``)
+    final_src: tuple[int, ...]  # all_reduce: my summed chunks' addresses
+    gather_src: tuple[int, ...]  # all_reduce: the peer's summed chunks (its ``final``)
+
+
 @dataclass
 class CopyEnginePeers:
-    """The symmetric buffers, flags, side stream and epoch of one (device, 2-rank group)."""
+    """The symmetric buffers, flags, streams, events and epoch of one (device, 2-rank group)."""
 
     device: torch.device
     group: dist.ProcessGroup | None = None
-    wait: str = "stream_wait"
-    # SMs the chunk GEMMs leave free (cuBLASLt's SM_COUNT_TARGET, run 10), 0: none, plain cuBLAS
-    carveout: int = 0
     _capacity: int = 0
     _part: torch.Tensor | None = field(default=None, repr=False)
     _final: torch.Tensor | None = field(default=None, repr=False)
@@ -121,21 +138,20 @@ class CopyEnginePeers:
     _epoch: int = 0
     _events: list = field(default_factory=list, repr=False)
     _agreed: set = field(default_factory=set, repr=False)
+    _plans: dict = field(default_factory=dict, repr=False)
+    _streams: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.wait not in CE_WAITS:
-            raise ScheduleError(f"engine copy_engine: wait {self.wait!r} is not one of {CE_WAITS}")
-        if self.carveout < 0:
-            raise ScheduleError(f"engine copy_engine: carveout must be >= 0, got {self.carveout}")
         why = copy_engine_blocker(self.device, dist.get_world_size(self.group))
         if why:
             raise EnvironmentMismatchError(
                 f"engine copy_engine {why}; use a table row with engine: triton or overlap: false here"
             )
-        driver = _driver_module()
-        self._driver = driver
-        self._waiter = StreamWaiter(driver) if self.wait == "stream_wait" else SpinWaiter(system=True)
-        self._fence_write = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        drv = _driver_module()
+        self._driver = drv
+        self._ok = drv.CUresult.CUDA_SUCCESS
+        self._geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self._fence_write = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         self.rank = dist.get_rank(self.group)
         self.peer = 1 - self.rank
         self._flags, self._peer_flags = self._symmetric(FLAG_SLOTS, torch.int32)
@@ -144,6 +160,11 @@ class CopyEnginePeers:
         dist.barrier(group=self.group, device_ids=[self.device.index])
         self._side = torch.cuda.Stream(self.device, priority=-1)
         self._local = torch.cuda.Stream(self.device, priority=-1)
+        size = self._flags.element_size()
+        self._my_flag = [drv.CUdeviceptr(self._flags.data_ptr() + i * size) for i in range(FLAG_SLOTS)]
+        self._peer_flag = [drv.CUdeviceptr(self._peer_flags.data_ptr() + i * size) for i in range(FLAG_SLOTS)]
+        self._side_h = self._stream(self._side.cuda_stream)
+        self._local_h = self._stream(self._local.cuda_stream)
 
     def _symmetric(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """A symmetric allocation of ``numel`` elements on both ranks: (mine, the peer's view)."""
@@ -174,45 +195,48 @@ class CopyEnginePeers:
         if nbytes <= self._capacity:
             return
         if self._epoch:  # the peer has finished reading the old buffers before they are freed
-            self._wait(DONE, self._epoch)
+            self._wait(self._stream(torch.cuda.current_stream(self.device).cuda_stream), DONE, self._epoch)
             torch.cuda.synchronize(self.device)
         nbytes = -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
         self._part = self._peer_part = self._final = self._peer_final = None
+        self._plans.clear()  # their views and addresses point into the old buffers
         self._capacity = 0  # until both buffers exist
         part, peer_part = self._symmetric(nbytes, torch.uint8)
         final, peer_final = self._symmetric(nbytes, torch.uint8)
         self._part, self._peer_part, self._final, self._peer_final = part, peer_part, final, peer_final
         self._capacity = nbytes
 
-    def _wait(self, slot: int, value: int) -> None:
-        self._waiter.wait(self._flags, slot, value & _U32)
+    def _stream(self, handle: int):
+        """The driver's handle object of a CUDA stream (made once per stream)."""
+        wrapped = self._streams.get(handle)
+        if wrapped is None:
+            wrapped = self._streams[handle] = self._driver.CUstream(handle)
+        return wrapped
 
-    def _signal(self, slot: int, value: int) -> None:
-        drv = self._driver
-        stream = drv.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
-        address = drv.CUdeviceptr(self._peer_flags.data_ptr() + slot * self._peer_flags.element_size())
-        (err,) = drv.cuStreamWriteValue32(stream, address, value & _U32, self._fence_write)
-        if err != drv.CUresult.CUDA_SUCCESS:
+    def _check(self, err, what: str) -> None:
+        if err != self._ok:
             raise EnvironmentMismatchError(
-                f"engine copy_engine: cuStreamWriteValue32 to the peer failed ({err}); use a table "
-                "row with engine: triton or overlap: false on this machine"
+                f"engine copy_engine: {what} failed ({err}); use a table row with engine: triton "
+                "or overlap: false on this machine"
             )
 
-    @contextlib.contextmanager
-    def _gemm_settings(self):
-        """cuBLASLt with ``carveout`` SMs left free for the spin waits, restored afterwards."""
-        if not self.carveout:
-            yield
-            return
-        library = torch.backends.cuda.preferred_blas_library()
-        before = torch._C._get_sm_carveout_experimental()
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-        torch._C._set_sm_carveout_experimental(self.carveout)
-        try:
-            yield
-        finally:
-            torch._C._set_sm_carveout_experimental(before)
-            torch.backends.cuda.preferred_blas_library(library)
+    def _wait(self, stream, slot: int, value: int) -> None:
+        """``stream`` waits (GPU front end, no SM) until my flag ``slot`` >= ``value`` (mod 2**32)."""
+        (err,) = self._driver.cuStreamWaitValue32(stream, self._my_flag[slot], value & _U32, self._geq)
+        self._check(err, "cuStreamWaitValue32")
+
+    def _signal(self, stream, slot: int, value: int) -> None:
+        """``stream`` writes ``value`` into the peer's flag ``slot`` after a system-wide fence."""
+        (err,) = self._driver.cuStreamWriteValue32(
+            stream, self._peer_flag[slot], value & _U32, self._fence_write
+        )
+        self._check(err, "cuStreamWriteValue32 to the peer")
+
+    def _copy(self, stream, dst: int, src: int, nbytes: int) -> None:
+        """A device-to-device copy on ``stream`` (the copy engine; ``src`` may be the peer's)."""
+        drv = self._driver
+        (err,) = drv.cuMemcpyDtoDAsync(drv.CUdeviceptr(dst), drv.CUdeviceptr(src), nbytes, stream)
+        self._check(err, "cuMemcpyDtoDAsync")
 
     def _event(self, i: int) -> torch.cuda.Event:
         while len(self._events) <= i:
@@ -235,6 +259,43 @@ class CopyEnginePeers:
             )
         self._agreed.add(signature)
 
+    def _plan(self, collective: str, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...]) -> _Plan:
+        key = (collective, m, n, dtype, weights)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        spans = shard_rows(m)
+        mine, theirs = spans[self.rank], spans[self.peer]
+        size = torch.empty((), dtype=dtype).element_size()
+        self._reserve(max(r1 - r0 for r0, r1 in spans) * n * size)
+        row_bytes = n * size
+        own = tuple(itertools.pairwise(chunk_bounds(mine[1] - mine[0], weights)))
+        other = tuple(itertools.pairwise(chunk_bounds(theirs[1] - theirs[0], weights)))
+        part = self._part.view(dtype)[: (theirs[1] - theirs[0]) * n].view(-1, n)
+        peer_part = self._peer_part.data_ptr()
+        final, final_src, gather_src, final_base = (), (), (), 0
+        if collective == "all_reduce":
+            whole = self._final.view(dtype)[: (mine[1] - mine[0]) * n].view(-1, n)
+            final = tuple(whole[r0:r1] for r0, r1 in own)
+            final_base = self._final.data_ptr()
+            final_src = tuple(self._final.data_ptr() + r0 * row_bytes for r0, _ in own)
+            gather_src = tuple(self._peer_final.data_ptr() + r0 * row_bytes for r0, _ in other)
+        plan = _Plan(
+            mine=mine,
+            theirs=theirs,
+            own=own,
+            other=other,
+            row_bytes=row_bytes,
+            part=tuple(part[r0:r1] for r0, r1 in other),
+            final=final,
+            final_base=final_base,
+            pull_src=tuple(peer_part + r0 * row_bytes for r0, _ in own),
+            final_src=final_src,
+            gather_src=gather_src,
+        )
+        self._plans[key] = plan
+        return plan
+
     def run(
         self, collective: str, a: torch.Tensor, b: torch.Tensor, weights: tuple[int, ...]
     ) -> torch.Tensor:
@@ -242,8 +303,8 @@ class CopyEnginePeers:
         result carries no autograd history."""
         # M is left out: it changes from call to call in serving (each M would cost a collective)
         self._agree((collective, b.shape[1], a.shape[1], str(a.dtype), tuple(weights)))
-        with torch.no_grad(), self._gemm_settings():
-            return self._run(collective, a, b, weights)
+        with torch.no_grad():
+            return self._run(collective, a, b, tuple(weights))
 
     def _run(
         self, collective: str, a: torch.Tensor, b: torch.Tensor, weights: tuple[int, ...]
@@ -251,56 +312,48 @@ class CopyEnginePeers:
         m, n = a.shape[0], b.shape[1]
         if collective == "reduce_scatter" and m % COPY_ENGINE_WORLD:
             raise ShapeError(f"reduce_scatter needs M divisible by the world size 2, got M={m}")
-        spans = shard_rows(m)
-        mine, theirs = spans[self.rank], spans[self.peer]
-        width = max(r1 - r0 for r0, r1 in spans)
-        self._reserve(width * n * a.element_size())
-        part = self._part.view(a.dtype)[: (theirs[1] - theirs[0]) * n].view(-1, n)
-        peer_part = self._peer_part.view(a.dtype)[: (mine[1] - mine[0]) * n].view(-1, n)
-        own = list(itertools.pairwise(chunk_bounds(mine[1] - mine[0], weights)))
-        other = list(itertools.pairwise(chunk_bounds(theirs[1] - theirs[0], weights)))
-        if collective == "all_reduce":
-            out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-            dst = self._final.view(a.dtype)[: (mine[1] - mine[0]) * n].view(-1, n)
-            peer_final = self._peer_final.view(a.dtype)[: (theirs[1] - theirs[0]) * n].view(-1, n)
-        else:
-            out = dst = torch.empty((m // COPY_ENGINE_WORLD, n), dtype=a.dtype, device=a.device)
+        plan = self._plan(collective, m, n, a.dtype, weights)
+        all_reduce = collective == "all_reduce"
+        mine, theirs, own, rb = plan.mine, plan.theirs, plan.own, plan.row_bytes
+        out = torch.empty((m if all_reduce else m // COPY_ENGINE_WORLD, n), dtype=a.dtype, device=a.device)
+        out_ptr = out.data_ptr()
         epoch = self._epoch + 1
-        main, side = torch.cuda.current_stream(self.device), self._side
-        main.wait_stream(side)  # the previous call's streams are done, whichever stream it ran on
+        main = torch.cuda.current_stream(self.device)
+        main_h, side_h, local_h = self._stream(main.cuda_stream), self._side_h, self._local_h
+        main.wait_stream(self._side)  # the previous call's streams are done, whichever stream it ran on
         main.wait_stream(self._local)
         if self._epoch:
-            self._wait(DONE, self._epoch)  # the peer no longer reads what this call overwrites
-        side.wait_stream(main)  # the inputs and the output's memory are ready
-        for c, (r0, r1) in enumerate(other):  # phase 1: the peer's shard, its partial sums
-            torch.mm(a[theirs[0] + r0 : theirs[0] + r1], b, out=part[r0:r1])
-            self._signal(PARTIAL + c, epoch)
+            self._wait(main_h, DONE, self._epoch)  # the peer no longer reads what this call overwrites
+        self._side.wait_stream(main)  # the inputs and the output's memory are ready
+        t0 = theirs[0]
+        for c, (r0, r1) in enumerate(plan.other):  # phase 1: the peer's shard, its partials
+            torch.mm(a[t0 + r0 : t0 + r1], b, out=plan.part[c])
+            self._signal(main_h, PARTIAL + c, epoch)
+        # the peer's partials of my shard, pulled by the copy engine into my sums' destination
+        dst_base = plan.final_base if all_reduce else out_ptr
         pulled = [self._event(c) for c in range(len(own))]
-        with torch.cuda.stream(side):  # the peer's partials of my shard, by the copy engine
-            for c, (r0, r1) in enumerate(own):
-                self._wait(PARTIAL + c, epoch)
-                dst[r0:r1].copy_(peer_part[r0:r1])
-                pulled[c].record(side)
+        for c, (r0, r1) in enumerate(own):
+            self._wait(side_h, PARTIAL + c, epoch)
+            self._copy(side_h, dst_base + r0 * rb, plan.pull_src[c], (r1 - r0) * rb)
+            pulled[c].record(self._side)
         summed = [self._event(len(own) + c) for c in range(len(own))]
+        m0 = mine[0]
         for c, (r0, r1) in enumerate(own):  # phase 2: my shard, summed in the GEMM's epilogue
             main.wait_event(pulled[c])
-            dst[r0:r1].addmm_(a[mine[0] + r0 : mine[0] + r1], b)
-            if collective == "all_reduce":
-                self._signal(SUMMED + c, epoch)
+            dst = plan.final[c] if all_reduce else out[r0:r1]
+            dst.addmm_(a[m0 + r0 : m0 + r1], b)
+            if all_reduce:
+                self._signal(main_h, SUMMED + c, epoch)
                 summed[c].record(main)
-        if collective == "all_reduce":
-            local = self._local  # ordered after main by the summed events
-            with torch.cuda.stream(local):  # my sums into the output, as each is done
-                for c, (r0, r1) in enumerate(own):
-                    local.wait_event(summed[c])
-                    out[mine[0] + r0 : mine[0] + r1].copy_(dst[r0:r1])
-            with torch.cuda.stream(side):  # the peer's sums into the output
-                for c, (r0, r1) in enumerate(other):
-                    self._wait(SUMMED + c, epoch)
-                    out[theirs[0] + r0 : theirs[0] + r1].copy_(peer_final[r0:r1])
-            main.wait_stream(local)
-        with torch.cuda.stream(side):
-            self._signal(DONE, epoch)
-        main.wait_stream(side)
+        if all_reduce:
+            for c, (r0, r1) in enumerate(own):  # my sums into the output, as each is done
+                self._local.wait_event(summed[c])
+                self._copy(local_h, out_ptr + (m0 + r0) * rb, plan.final_src[c], (r1 - r0) * rb)
+            for c, (r0, r1) in enumerate(plan.other):  # the peer's sums into the output
+                self._wait(side_h, SUMMED + c, epoch)
+                self._copy(side_h, out_ptr + (t0 + r0) * rb, plan.gather_src[c], (r1 - r0) * rb)
+            main.wait_stream(self._local)
+        self._signal(side_h, DONE, epoch)
+        main.wait_stream(self._side)
         self._epoch = epoch
         return out

@@ -41,14 +41,6 @@ def _spin_wait_kernel(counter, target):
         seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
 
 
-@triton.jit
-def _spin_wait_sys_kernel(counter, target):
-    # system scope: the counter is written by another GPU (over NVLink) or the host
-    seen = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
-    while seen - target < 0:
-        seen = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
-
-
 class Waiter(Protocol):
     """Enqueue, on the current stream, a wait until ``counters[index]`` reaches ``target``."""
 
@@ -58,16 +50,10 @@ class Waiter(Protocol):
 
 
 class SpinWaiter:
-    """``system``: the counter is written by a peer GPU or the host (a system-scope acquire), not
-    by a kernel of this GPU."""
-
     name = "spin"
 
-    def __init__(self, system: bool = False) -> None:
-        self._kernel = _spin_wait_sys_kernel if system else _spin_wait_kernel
-
     def wait(self, counters: torch.Tensor, index: int, target: int) -> None:
-        self._kernel[(1,)](counters[index:], to_int32(target), num_warps=1)
+        _spin_wait_kernel[(1,)](counters[index:], to_int32(target), num_warps=1)
 
 
 def _driver_module():
