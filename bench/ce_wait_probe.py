@@ -7,7 +7,8 @@ chunk is 0.03 ms (``docs/perf-notes.md``, runs 12-14), and one schedule's speed 
 device sessions. This probe measures, in one call:
 
 1. ``latency``: a flag ping-pong between the two GPUs (``cuStreamWriteValue32`` to the peer, then
-   ``cuStreamWaitValue32`` for the answer), 200 round trips. Half a round trip is the one-way latency.
+   ``cuStreamWaitValue32`` for the answer and a reset), 200 round trips. Half a round trip is the
+   one-way latency.
 2. ``engine``: ``fo_kernels.copy_engine.CopyEnginePeers`` per shape, collective and chunk count,
    beside cuBLAS then NCCL (``seq``), each checked against a float32 reference before and after
    timing (``time_interleaved``, max over ranks), and each variant's host time per call (``host_us``:
@@ -73,22 +74,20 @@ class LatencyTask:
         stream = torch.cuda.current_stream(ctx.device)
         handle = peers._stream(stream.cuda_stream)
         results = []
-        base = 0
         for _ in range(3):  # the first repetition warms up
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             dist.barrier()
             torch.cuda.synchronize()
             start.record(stream)
-            for i in range(base + 1, base + ROUND_TRIPS + 1):
+            for _ in range(ROUND_TRIPS):
                 if ctx.rank == 0:
-                    peers._signal(handle, PARTIAL, i)
-                    peers._wait(handle, PARTIAL, i)
+                    peers._signal(handle, PARTIAL)
+                    peers._wait(handle, PARTIAL)
                 else:
-                    peers._wait(handle, PARTIAL, i)
-                    peers._signal(handle, PARTIAL, i)
+                    peers._wait(handle, PARTIAL)
+                    peers._signal(handle, PARTIAL)
             end.record(stream)
             end.synchronize()
-            base += ROUND_TRIPS
             results.append(start.elapsed_time(end) * 1000 / ROUND_TRIPS)  # us per round trip
         return {"round_trip_us": results[1:]}
 

@@ -5,23 +5,29 @@ On Hopper, NCCL's kernels need SMs that a GEMM also wants, and beside a GEMM bot
 the reduction is folded into cuBLAS's ``beta = 1`` epilogue. Rank r owns shard r of the output rows
 (``shard_rows``); each shard is cut into row chunks by the schedule's ``groups`` weights::
 
-    main stream   phase 1: for each chunk c of the PEER's shard:
+    main stream   [wait PULLED]  phase 1: for each chunk c of the PEER's shard:
                       part[c] = A[peer rows c] @ B            (into my symmetric buffer)
-                      flag_peer[PARTIAL + c] = epoch          (cuStreamWriteValue32, system fence)
+                      set peer.flag[PARTIAL + c]              (cuStreamWriteValue32, system fence)
                   phase 2: for each chunk c of MY shard:
                       wait pulled[c];  dst[c] += A[my rows c] @ B   (addmm_: the sum, in the epilogue)
-                      [all_reduce] flag_peer[SUMMED + c] = epoch
-    side stream   for each chunk c: wait my flag[PARTIAL + c] >= epoch (cuStreamWaitValue32);
+                      [all_reduce] set peer.flag[SUMMED + c]
+    side stream   [all_reduce: wait GATHERED]  for each chunk c: wait my flag[PARTIAL + c];
                       dst[c] = peer.part[c]                   (a copy of peer memory: copy engine)
-                  [all_reduce] for each chunk c: wait my flag[SUMMED + c]; out[peer rows c] =
-                      peer.final[c];  out[my rows c] = final[c]
-                  flag_peer[DONE] = epoch                     (I have finished reading the peer)
+                  set peer.flag[PULLED]                       (I have finished reading peer.part)
+                  [all_reduce] for each chunk c: wait my flag[SUMMED + c];
+                      out[peer rows c] = peer.final[c]        (and, on a third stream, out[my rows
+                  set peer.flag[GATHERED]                      c] = final[c] as each is summed)
 
 ``dst`` is the caller's output for ReduceScatter and my symmetric ``final`` buffer for AllReduce
-(the peer copies my sums from it). A call first waits for the peer's DONE of the previous call, so
-no buffer is rewritten while the peer still reads it. Flags are never reset: each call's epoch is
-one more than the last, and the waits compare modulo 2**32. Both ranks must make the same calls in
-the same order, as with any collective.
+(the peer copies my sums from it). A flag is set to 1 by the peer and reset to 0 by the stream
+that waited for it, so every call issues the same operations: a call can be captured in a CUDA
+graph and replayed (after one eager call of its shape, which makes the buffers). PULLED and
+GATHERED start at 1 and guard my buffers: phase 1 of a call rewrites ``part`` only after the
+peer has pulled the previous call's, and the pulls and phase 2 rewrite ``final`` only after the
+peer has gathered the previous call's sums. A flag cannot be set again before it is reset: the
+peer sets a call's PARTIAL / SUMMED flags only after it has waited for my PULLED / GATHERED of
+the call before, which my side stream sends after its resets. Both ranks must make the same calls
+in the same order, as with any collective.
 
 A call's host time, not the GPU, bounded small shapes (run 18 in ``docs/perf-notes.md``: ~0.1 ms of
 launches per chunk through torch streams, events and copies), so the waits, flag writes and copies
@@ -47,12 +53,14 @@ from .errors import EnvironmentMismatchError, ScheduleError, ShapeError
 from .schedule import COPY_ENGINE_WORLD, MAX_CHUNKS
 from .wait import _driver_module
 
-# Flag slots: [PARTIAL, PARTIAL + MAX_CHUNKS) partial chunk ready, [SUMMED, ...) summed chunk
-# ready (all_reduce), DONE: the peer has finished reading my buffers of a call.
+# Flag slots, each 0 or 1: [PARTIAL, PARTIAL + MAX_CHUNKS) the peer's partial of my chunk c is
+# ready, [SUMMED, ...) the peer's summed chunk c is ready (all_reduce), PULLED / GATHERED: the
+# peer has finished reading my ``part`` / ``final`` buffer (both start at 1: nothing to read).
 PARTIAL = 0
 SUMMED = MAX_CHUNKS
-DONE = 2 * MAX_CHUNKS
-FLAG_SLOTS = DONE + 1
+PULLED = 2 * MAX_CHUNKS
+GATHERED = PULLED + 1
+FLAG_SLOTS = GATHERED + 1
 # Inner chunk cuts fall on multiples of this many rows when the shard is big enough: 128 is the
 # tallest cuBLAS tile on Hopper, so no chunk's GEMM ends in a partly filled row of tiles.
 ROW_ALIGN = 128
@@ -122,7 +130,7 @@ class _Plan:
 
 @dataclass
 class CopyEnginePeers:
-    """The symmetric buffers, flags, streams, events and epoch of one (device, 2-rank group)."""
+    """The symmetric buffers, flags, streams, events and plans of one (device, 2-rank group)."""
 
     device: torch.device
     group: dist.ProcessGroup | None = None
@@ -135,7 +143,7 @@ class CopyEnginePeers:
     _peer_flags: torch.Tensor | None = field(default=None, repr=False)
     _side: torch.cuda.Stream | None = field(default=None, repr=False)
     _local: torch.cuda.Stream | None = field(default=None, repr=False)
-    _epoch: int = 0
+    _calls: int = 0
     _events: list = field(default_factory=list, repr=False)
     _agreed: set = field(default_factory=set, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)
@@ -156,6 +164,7 @@ class CopyEnginePeers:
         self.peer = 1 - self.rank
         self._flags, self._peer_flags = self._symmetric(FLAG_SLOTS, torch.int32)
         self._flags.zero_()
+        self._flags[[PULLED, GATHERED]] = 1
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group, device_ids=[self.device.index])
         self._side = torch.cuda.Stream(self.device, priority=-1)
@@ -194,8 +203,10 @@ class CopyEnginePeers:
         """Grow the symmetric buffers to ``nbytes`` each (both ranks do it in the same call)."""
         if nbytes <= self._capacity:
             return
-        if self._epoch:  # the peer has finished reading the old buffers before they are freed
-            self._wait(self._stream(torch.cuda.current_stream(self.device).cuda_stream), DONE, self._epoch)
+        if self._calls:  # the peer has finished reading the old buffers before they are freed
+            main = self._stream(torch.cuda.current_stream(self.device).cuda_stream)
+            self._wait(main, PULLED, reset=False)
+            self._wait(main, GATHERED, reset=False)
             torch.cuda.synchronize(self.device)
         nbytes = -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
         self._part = self._peer_part = self._final = self._peer_final = None
@@ -220,16 +231,19 @@ class CopyEnginePeers:
                 "or overlap: false on this machine"
             )
 
-    def _wait(self, stream, slot: int, value: int) -> None:
-        """``stream`` waits (GPU front end, no SM) until my flag ``slot`` >= ``value`` (mod 2**32)."""
-        (err,) = self._driver.cuStreamWaitValue32(stream, self._my_flag[slot], value & _U32, self._geq)
+    def _wait(self, stream, slot: int, *, reset: bool = True) -> None:
+        """``stream`` waits (GPU front end, no SM) until my flag ``slot`` is set, then resets it."""
+        drv = self._driver
+        (err,) = drv.cuStreamWaitValue32(stream, self._my_flag[slot], 1, self._geq)
         self._check(err, "cuStreamWaitValue32")
+        if reset:  # (the driver refuses NO_MEMORY_BARRIER here: CUDA_ERROR_INVALID_VALUE, run 20)
+            (err,) = drv.cuStreamWriteValue32(stream, self._my_flag[slot], 0, self._fence_write)
+            self._check(err, "cuStreamWriteValue32")
 
-    def _signal(self, stream, slot: int, value: int) -> None:
-        """``stream`` writes ``value`` into the peer's flag ``slot`` after a system-wide fence."""
-        (err,) = self._driver.cuStreamWriteValue32(
-            stream, self._peer_flag[slot], value & _U32, self._fence_write
-        )
+    def _signal(self, stream, slot: int) -> None:
+        """``stream`` sets the peer's flag ``slot`` after a system-wide fence (the data before it
+        is visible to the peer first)."""
+        (err,) = self._driver.cuStreamWriteValue32(stream, self._peer_flag[slot], 1, self._fence_write)
         self._check(err, "cuStreamWriteValue32 to the peer")
 
     def _copy(self, stream, dst: int, src: int, nbytes: int) -> None:
@@ -301,13 +315,30 @@ class CopyEnginePeers:
     ) -> torch.Tensor:
         """``collective(a @ b)`` over the two ranks (see the module docstring). Forward only: the
         result carries no autograd history."""
+        weights = tuple(weights)
         # M is left out: it changes from call to call in serving (each M would cost a collective)
-        self._agree((collective, b.shape[1], a.shape[1], str(a.dtype), tuple(weights)))
+        signature = (collective, b.shape[1], a.shape[1], str(a.dtype), weights)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and (
+            signature not in self._agreed
+            or (collective, a.shape[0], b.shape[1], a.dtype, weights) not in self._plans
+        ):
+            raise ScheduleError(
+                f"engine copy_engine: call {collective} with this shape ({a.shape[0]}x{b.shape[1]}x"
+                f"{a.shape[1]}, {a.dtype}) once before capturing it in a CUDA graph (the first call "
+                "makes the symmetric buffers and checks the ranks agree, which a graph cannot hold)"
+            )
+        self._agree(signature)
         with torch.no_grad():
-            return self._run(collective, a, b, tuple(weights))
+            return self._run(collective, a, b, weights, capturing)
 
     def _run(
-        self, collective: str, a: torch.Tensor, b: torch.Tensor, weights: tuple[int, ...]
+        self,
+        collective: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        weights: tuple[int, ...],
+        capturing: bool = False,
     ) -> torch.Tensor:
         m, n = a.shape[0], b.shape[1]
         if collective == "reduce_scatter" and m % COPY_ENGINE_WORLD:
@@ -317,25 +348,27 @@ class CopyEnginePeers:
         mine, theirs, own, rb = plan.mine, plan.theirs, plan.own, plan.row_bytes
         out = torch.empty((m if all_reduce else m // COPY_ENGINE_WORLD, n), dtype=a.dtype, device=a.device)
         out_ptr = out.data_ptr()
-        epoch = self._epoch + 1
         main = torch.cuda.current_stream(self.device)
         main_h, side_h, local_h = self._stream(main.cuda_stream), self._side_h, self._local_h
-        main.wait_stream(self._side)  # the previous call's streams are done, whichever stream it ran on
-        main.wait_stream(self._local)
-        if self._epoch:
-            self._wait(main_h, DONE, self._epoch)  # the peer no longer reads what this call overwrites
+        if not capturing:  # a graph's streams are joined at its end; eager calls may switch streams
+            main.wait_stream(self._side)  # the previous call's streams are done
+            main.wait_stream(self._local)
         self._side.wait_stream(main)  # the inputs and the output's memory are ready
+        self._wait(main_h, PULLED)  # the peer has pulled the previous call's partials from ``part``
         t0 = theirs[0]
         for c, (r0, r1) in enumerate(plan.other):  # phase 1: the peer's shard, its partials
             torch.mm(a[t0 + r0 : t0 + r1], b, out=plan.part[c])
-            self._signal(main_h, PARTIAL + c, epoch)
+            self._signal(main_h, PARTIAL + c)
         # the peer's partials of my shard, pulled by the copy engine into my sums' destination
         dst_base = plan.final_base if all_reduce else out_ptr
         pulled = [self._event(c) for c in range(len(own))]
+        if all_reduce:  # the pulls write ``final``: the peer has gathered the previous call's sums
+            self._wait(side_h, GATHERED)
         for c, (r0, r1) in enumerate(own):
-            self._wait(side_h, PARTIAL + c, epoch)
+            self._wait(side_h, PARTIAL + c)
             self._copy(side_h, dst_base + r0 * rb, plan.pull_src[c], (r1 - r0) * rb)
             pulled[c].record(self._side)
+        self._signal(side_h, PULLED)
         summed = [self._event(len(own) + c) for c in range(len(own))]
         m0 = mine[0]
         for c, (r0, r1) in enumerate(own):  # phase 2: my shard, summed in the GEMM's epilogue
@@ -343,17 +376,17 @@ class CopyEnginePeers:
             dst = plan.final[c] if all_reduce else out[r0:r1]
             dst.addmm_(a[m0 + r0 : m0 + r1], b)
             if all_reduce:
-                self._signal(main_h, SUMMED + c, epoch)
+                self._signal(main_h, SUMMED + c)
                 summed[c].record(main)
         if all_reduce:
             for c, (r0, r1) in enumerate(own):  # my sums into the output, as each is done
                 self._local.wait_event(summed[c])
                 self._copy(local_h, out_ptr + (m0 + r0) * rb, plan.final_src[c], (r1 - r0) * rb)
             for c, (r0, r1) in enumerate(plan.other):  # the peer's sums into the output
-                self._wait(side_h, SUMMED + c, epoch)
+                self._wait(side_h, SUMMED + c)
                 self._copy(side_h, out_ptr + (t0 + r0) * rb, plan.gather_src[c], (r1 - r0) * rb)
+            self._signal(side_h, GATHERED)
             main.wait_stream(self._local)
-        self._signal(side_h, DONE, epoch)
         main.wait_stream(self._side)
-        self._epoch = epoch
+        self._calls += 1
         return out

@@ -227,3 +227,35 @@ def copy_engine_refusal(ctx, _payload) -> str:
     except EnvironmentMismatchError as exc:
         return str(exc)
     return "no error"
+
+
+def copy_engine_graph(ctx, cases: list[Case]) -> list[dict]:
+    """Each ``engine: copy_engine`` case called once eagerly, then captured in a CUDA graph and
+    replayed on new operands copied into the captured inputs, with an eager call of other operands
+    between replays (the flags must come back to the same state after every call). Every replay's
+    output is poisoned first and checked."""
+    import dataclasses
+
+    out = []
+    for case in cases:
+        a, b, op = prepared(case, ctx)
+        op(a, b)  # the eager call that makes the buffers and checks the ranks agree
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = op(a, b)
+        for step in range(3):
+            fresh = dataclasses.replace(case, seed=case.seed + 101 * (step + 1))
+            new_a, new_b = operands(fresh, ctx.rank, ctx.device)
+            a.copy_(new_a)
+            b.copy_(new_b)
+            captured.fill_(float("nan"))
+            graph.replay()
+            other = dataclasses.replace(case, seed=case.seed + 7919 * (step + 1))
+            oa, ob, _ = prepared(other, ctx)
+            eager = op(oa, ob)
+            for what, got, which in (("replay", captured, fresh), ("eager", eager, other)):
+                err, _ = error(which, got, ctx)
+                out.append(dict(case=case, step=step, what=what, err=err, nan=bool(got.isnan().any())))
+        del graph
+    return out

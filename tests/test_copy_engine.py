@@ -244,3 +244,18 @@ def test_confirmation_with_copy_engine_candidates(measurer, want):
 def test_schedule_engine_needs_overlap():
     with pytest.raises(ScheduleError, match=r"^engine: an overlap: false row"):
         Schedule(**HEAD, problem=Problem(m=8, n=8, k=8), overlap=False, engine="copy_engine")
+
+
+def test_capture_needs_one_eager_call_first(monkeypatch: pytest.MonkeyPatch):
+    """Inside a CUDA graph capture the first call of a shape (buffers, the ranks' agreement) cannot
+    run: it is refused with what to do, before anything is issued."""
+    import torch
+
+    from fo_kernels.copy_engine import CopyEnginePeers
+
+    peers = object.__new__(CopyEnginePeers)  # no GPUs here: only the checks before any work
+    peers._agreed, peers._plans = set(), {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    a, b = torch.randn(8, 4), torch.randn(4, 6)
+    with pytest.raises(ScheduleError, match="once before capturing it in a CUDA graph"):
+        peers.run("all_reduce", a, b, (1, 1))

@@ -137,3 +137,25 @@ def test_copy_engine_ops():
     for per_rank in [*once, *again]:
         for r in per_rank:
             assert not r["nan"] and r["err"] < TOL[r["case"].dtype], r
+
+
+@pytest.mark.multigpu
+def test_copy_engine_in_a_cuda_graph():
+    """The copy engine captured in a CUDA graph: replays on new operands, eager calls between them."""
+    from dist_cases import copy_engine_graph
+    from fo_tune.launch import run_ranks
+
+    specs = [  # (collective, m, n, k, dtype, B as an (N, K) weight's view, chunks)
+        ("all_reduce", 1024, 768, 512, "bfloat16", True, 3),
+        ("reduce_scatter", 512, 640, 256, "float16", False, 2),
+        ("all_reduce", 257, 130, 64, "float32", False, 1),
+    ]
+    cases = [
+        Case(c, m, n, k, dt, kmajor, _copy_engine(c, m, n, k, chunks, dt), seed)
+        for seed, (c, m, n, k, dt, kmajor, chunks) in enumerate(specs, start=3)
+    ]
+    per_rank = run_ranks(copy_engine_graph, 2, cases, backend="nccl", timeout_s=300)
+    results = [r for rank in per_rank for r in rank]
+    assert len(results) == 2 * len(cases) * 3 * 2
+    for r in results:
+        assert not r["nan"] and r["err"] < TOL[r["case"].dtype], r
