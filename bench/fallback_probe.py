@@ -9,6 +9,8 @@ Both are cuBLAS then one NCCL AllReduce on the default group. The candidates, ti
     alloc         full = a @ b; all_reduce(full)                   (fresh output per call)
     fo_false      gemm_all_reduce(a, b, schedule=<overlap: false>)  (the runtime's fallback)
     prealloc_b2   as prealloc on the second operand set the bench gives fo-tune
+    fo_false_b2   as fo_false on that second set
+    fo_table      gemm_all_reduce(a2, b2) with the table's row (FO_TUNE_TABLE_DIR), as the bench calls it
 Writes DIR/fallback_probe.csv and prints one line per shape.
 """
 
@@ -30,7 +32,7 @@ from fo_tune.harness import Timing, open_pool, time_interleaved
 from fo_tune.launch import RankContext
 from fo_tune.measure import gemm_operands
 
-SHAPES = ((2048, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 4096))
+SHAPES = ((2048, 4096, 4096), (8192, 8192, 8192))
 
 
 class ProbeTask:
@@ -64,6 +66,8 @@ class ProbeTask:
             "alloc": alloc,
             "fo_false": lambda: gemm_all_reduce(a, b, schedule=off),
             "prealloc_b2": prealloc_b2,
+            "fo_false_b2": lambda: gemm_all_reduce(a2, b2, schedule=off),
+            "fo_table": lambda: gemm_all_reduce(a2, b2),
         }
         return time_interleaved(fns, ctx.device, rounds=15, agree=True)
 

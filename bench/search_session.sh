@@ -13,11 +13,13 @@
 #                                        # with copy-engine candidates) into results/tables; bench
 #   bash bench/search_session.sh ce-mrange  # the M-range rows again (with copy-engine candidates),
 #                                        # then the bench again
+#   bash bench/search_session.sh bench-twice  # the bench with the committed tables in two processes,
+#                                        # 30 rounds each (10 rounds left 0.1 ms outliers, run 22)
 #
 # The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
 # (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
 set -uo pipefail
-STAGE="${1:?stage: calib, compare, tables, bench, ce or ce-mrange}"
+STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce or ce-mrange}"
 KEY=nvidia-h200-cc90-132sm-w2-nvlink18
 CAL="results/calibration/$KEY/tp2/calibration.yaml"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -39,7 +41,7 @@ keep_tables() {
 # bench_suite TIMEOUT NAME LINES: the suite's bench into $RES/NAME, the last LINES of its log shown.
 bench_suite() {
   timeout "$1" python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
-    --out "$RES/$2" > "$RES/$2.log" 2>&1
+    --out "$RES/$2" ${REPS:+--reps "$REPS"} > "$RES/$2.log" 2>&1
   tail -"$3" "$RES/$2.log"
 }
 
@@ -132,6 +134,12 @@ elif [ "$STAGE" = ce-mrange ]; then
   keep_tables
   stamp "bench again"
   bench_suite 120 bench 30
+elif [ "$STAGE" = bench-twice ]; then
+  export FO_TUNE_TABLE_DIR="$PWD/results/tables" REPS=30
+  for i in 1 2; do
+    stamp "bench run $i (30 rounds)"
+    bench_suite 200 "bench$i" 24
+  done
 elif [ "$STAGE" = bench ]; then
   stamp "bench with the committed tables"
   bench_suite 150 bench 30

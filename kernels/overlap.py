@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .errors import ScheduleError, ShapeError
 from .gemm import BOperand, restore_tile_major, signalled_gemm
 from .plan import Plan, make_plan
-from .runtime import OverlapRuntime, reduce_scatter_tensor, runtime_for
+from .runtime import OverlapRuntime, all_reduce_now, reduce_scatter_now, reduce_scatter_tensor, runtime_for
 from .schedule import Schedule
 from .table import lookup_schedule
 
@@ -79,10 +79,10 @@ def _sequential(collective: str, a: torch.Tensor, b: torch.Tensor, group, world:
     """The ``overlap: false`` form: the library GEMM, then one collective."""
     full = a @ b
     if collective == "all_reduce":
-        dist.all_reduce(full, group=group)
+        all_reduce_now(full, group)
         return full
     out = torch.empty((a.shape[0] // world, full.shape[1]), dtype=full.dtype, device=full.device)
-    reduce_scatter_tensor(out, full, group=group)
+    reduce_scatter_now(out, full, group)
     return out
 
 
