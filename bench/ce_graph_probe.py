@@ -1,0 +1,135 @@
+"""The copy engine and cuBLAS-then-NCCL replayed from CUDA graphs, beside their eager calls (2 GPUs).
+
+    python3 bench/ce_graph_probe.py --out DIR
+
+Runs 19-21 (``docs/perf-notes.md``) showed the copy engine launch-bound below ~4k x 8k x 4k: ~0.2 ms
+of host time a call. Serving stacks replay whole steps from CUDA graphs, which takes the host out;
+an ``engine: copy_engine`` call can be captured after one eager call of its shape. This probe
+times, per shape and collective, ``seq`` (cuBLAS then NCCL) and ``ce_c<C>`` eagerly and as graph
+replays (``*_graph``: captured once on static operands), every variant checked against a float32
+reference before and after timing (``time_interleaved``, max over ranks).
+
+Writes DIR/graph.csv (appended case by case); prints one line per case and a summary last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fo_kernels.copy_engine import CopyEnginePeers
+from fo_kernels.runtime import reduce_scatter_tensor
+from fo_tune.harness import Timing, open_pool, time_interleaved
+from fo_tune.launch import RankContext
+from fo_tune.measure import _collective_fp32, gemm_operands, rel_err
+
+SHAPES = ((512, 4096, 4096), (2048, 4096, 4096), (4096, 8192, 4096))
+CHUNKS = (1, 2)
+TOLERANCE = 2e-2
+_PEERS: dict[str, CopyEnginePeers] = {}  # one per rank process (symmetric buffers), reused
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph after two eager calls: (replay, the captured output)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
+class GraphTask:
+    def __init__(self, m: int, n: int, k: int, collective: str) -> None:
+        self.m, self.n, self.k, self.collective = m, n, k, collective
+
+    def run(self, ctx: RankContext) -> dict:
+        m, n, k, w = self.m, self.n, self.k, ctx.world_size
+        a, b = gemm_operands(m, n, k, "bfloat16", ctx.device, 11 + ctx.rank)
+        ref = _collective_fp32(self.collective, (a.float() @ b.float()).contiguous(), w)
+        full = torch.empty((m, n), dtype=a.dtype, device=ctx.device)
+        shard = torch.empty((m // w, n), dtype=a.dtype, device=ctx.device)
+
+        def seq():
+            torch.mm(a, b, out=full)
+            if self.collective == "all_reduce":
+                dist.all_reduce(full)
+                return full
+            reduce_scatter_tensor(shard, full)
+            return shard
+
+        if "engine" not in _PEERS:
+            _PEERS["engine"] = CopyEnginePeers(device=ctx.device)
+        peers = _PEERS["engine"]
+        fns = {"seq": seq}
+        for c in CHUNKS:
+            fns[f"ce_c{c}"] = lambda wts=(1,) * c: peers.run(self.collective, a, b, wts)
+        for name in list(fns):
+            fns[f"{name}_graph"] = graphed(fns[name])
+        errs = {}
+        for name, fn in fns.items():
+            out = fn()
+            torch.cuda.synchronize()
+            errs[name] = rel_err(out, ref)
+        timings = time_interleaved(fns, ctx.device, rounds=20, agree=True)
+        after = {name: rel_err(fn(), ref) for name, fn in fns.items()}
+        torch.cuda.synchronize()
+        return {"errs": errs, "after": after, "timings": timings}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = []
+    t0 = time.time()
+    with open_pool(2) as pool:
+        if not pool.is_driver:
+            return
+        for (m, n, k), coll in itertools.product(SHAPES, ("all_reduce", "reduce_scatter")):
+            per_rank = pool.run(GraphTask(m, n, k, coll))
+            names = list(per_rank[0]["timings"])
+            merged = {x: Timing.max_over([r["timings"][x] for r in per_rank]) for x in names}
+            rows, parts = [], []
+            for x in names:
+                err = max(max(r["errs"][x], r["after"][x]) for r in per_rank)
+                ok = err == err and err < TOLERANCE
+                t = merged[x].median_ms
+                rows.append(dict(
+                    m=m, n=n, k=k, collective=coll, variant=x, status="PASS" if ok else "FAIL",
+                    rel_err=err, median_ms=t, iqr_ms=merged[x].iqr_ms,
+                ))  # fmt: skip
+                parts.append(f"{x} {t:.3f}{'' if ok else ' FAIL'}")
+            path = args.out / "graph.csv"
+            new = not path.exists()
+            with path.open("a", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+                if new:
+                    writer.writeheader()
+                writer.writerows(rows)
+            line = f"{m}x{n}x{k} {coll}: " + ", ".join(parts)
+            print(f"[{time.time() - t0:.0f}s] {line}", flush=True)
+            summary.append(line)
+    print("SUMMARY")
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
