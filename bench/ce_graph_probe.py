@@ -75,7 +75,9 @@ class GraphTask:
             return shard
 
         if "engine" not in _PEERS:
-            _PEERS["engine"] = CopyEnginePeers(device=ctx.device)
+            _PEERS["engine"] = peers = CopyEnginePeers(device=ctx.device)
+            # the buffers may not grow once a graph is captured: size them for the largest shape
+            peers._reserve(max((sm + 1) // 2 * sn for sm, sn, _ in SHAPES) * a.element_size())
         peers = _PEERS["engine"]
         fns = {"seq": seq}
         for c in CHUNKS:

@@ -21,13 +21,16 @@ the reduction is folded into cuBLAS's ``beta = 1`` epilogue. Rank r owns shard r
 ``dst`` is the caller's output for ReduceScatter and my symmetric ``final`` buffer for AllReduce
 (the peer copies my sums from it). A flag is set to 1 by the peer and reset to 0 by the stream
 that waited for it, so every call issues the same operations: a call can be captured in a CUDA
-graph and replayed (after one eager call of its shape, which makes the buffers). PULLED and
-GATHERED start at 1 and guard my buffers: phase 1 of a call rewrites ``part`` only after the
-peer has pulled the previous call's, and the pulls and phase 2 rewrite ``final`` only after the
-peer has gathered the previous call's sums. A flag cannot be set again before it is reset: the
-peer sets a call's PARTIAL / SUMMED flags only after it has waited for my PULLED / GATHERED of
-the call before, which my side stream sends after its resets. Both ranks must make the same calls
-in the same order, as with any collective.
+graph and replayed (after one eager call of its shape, which makes the buffers; the buffers then
+must not grow, so the largest shape runs eagerly before any capture). PULLED and GATHERED start at
+1 and guard my buffers: phase 1 of a call rewrites ``part`` only after the peer has pulled the
+previous call's, and the pulls and phase 2 rewrite ``final`` only after the peer has gathered the
+previous call's sums. No flag is set twice before its reset, because every shard has a row (M >= 2;
+the ops run M = 1 as GEMM then the collective): the peer sets a call's PARTIAL / SUMMED only after
+its wait for my PULLED / GATHERED of the call before, which my side stream sends after resetting
+them; and it sets my PULLED / GATHERED only after reading this call's data, which I flag after
+resetting PULLED / GATHERED in this call. Both ranks must make the same calls in the same order,
+as with any collective.
 
 A call's host time, not the GPU, bounded small shapes (run 18 in ``docs/perf-notes.md``: ~0.1 ms of
 launches per chunk through torch streams, events and copies), so the waits, flag writes and copies
@@ -44,6 +47,7 @@ import importlib.util
 import itertools
 import warnings
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -64,10 +68,11 @@ FLAG_SLOTS = GATHERED + 1
 # Inner chunk cuts fall on multiples of this many rows when the shard is big enough: 128 is the
 # tallest cuBLAS tile on Hopper, so no chunk's GEMM ends in a partly filled row of tiles.
 ROW_ALIGN = 128
-_U32 = 0xFFFFFFFF
 # Symmetric buffers are sized in multiples of this many bytes, so a byte buffer grown for one dtype
 # can be viewed as any other (float32 needs a size divisible by 4).
 BUFFER_ALIGN = 16
+# Plans kept per peers object (one per (collective, M, N, dtype, weights)); serving sees many M.
+PLAN_CACHE_SIZE = 256
 
 
 def copy_engine_blocker(device: torch.device, world_size: int) -> str:
@@ -112,7 +117,7 @@ def chunk_bounds(rows: int, weights: tuple[int, ...]) -> list[int]:
 @dataclass(frozen=True)
 class _Plan:
     """What a call of one (collective, M, N, dtype, chunk weights) reuses: the row chunks, the views
-    of the symmetric buffers the GEMMs write, and the byte addresses the copies and flags use (the
+    of the symmetric buffers the GEMMs write, and the byte addresses the copies read and write (the
     host cost of a call is most of a small shape's time, run 18 in ``docs/perf-notes.md``)."""
 
     mine: tuple[int, int]  # my shard's rows of the output
@@ -146,8 +151,10 @@ class CopyEnginePeers:
     _calls: int = 0
     _events: list = field(default_factory=list, repr=False)
     _agreed: set = field(default_factory=set, repr=False)
-    _plans: dict = field(default_factory=dict, repr=False)
+    _plans: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _streams: dict = field(default_factory=dict, repr=False)
+    _captured: bool = False  # a CUDA graph holds the buffers' addresses: they must not move
+    _broken: str = ""  # why an earlier call failed part-way (the ranks' flags are out of step)
 
     def __post_init__(self) -> None:
         why = copy_engine_blocker(self.device, dist.get_world_size(self.group))
@@ -203,7 +210,16 @@ class CopyEnginePeers:
         """Grow the symmetric buffers to ``nbytes`` each (both ranks do it in the same call)."""
         if nbytes <= self._capacity:
             return
+        if self._captured:
+            raise ScheduleError(
+                f"engine copy_engine: this call needs {nbytes} bytes of peer buffers, more than the "
+                f"{self._capacity} a captured CUDA graph uses; run the largest shape eagerly before "
+                "capturing any graph (the buffers cannot move under a graph)"
+            )
         if self._calls:  # the peer has finished reading the old buffers before they are freed
+            # every stream of mine first (a previous call may have run on another stream: its
+            # resets must not leave a stale 1 for the waits below)
+            torch.cuda.synchronize(self.device)
             main = self._stream(torch.cuda.current_stream(self.device).cuda_stream)
             self._wait(main, PULLED, reset=False)
             self._wait(main, GATHERED, reset=False)
@@ -226,8 +242,10 @@ class CopyEnginePeers:
 
     def _check(self, err, what: str) -> None:
         if err != self._ok:
+            # part of the call may be queued already: the two ranks' flags are out of step now
+            self._broken = f"{what} failed ({err})"
             raise EnvironmentMismatchError(
-                f"engine copy_engine: {what} failed ({err}); use a table row with engine: triton "
+                f"engine copy_engine: {self._broken}; use a table row with engine: triton "
                 "or overlap: false on this machine"
             )
 
@@ -277,6 +295,7 @@ class CopyEnginePeers:
         key = (collective, m, n, dtype, weights)
         plan = self._plans.get(key)
         if plan is not None:
+            self._plans.move_to_end(key)
             return plan
         spans = shard_rows(m)
         mine, theirs = spans[self.rank], spans[self.peer]
@@ -308,6 +327,8 @@ class CopyEnginePeers:
             gather_src=gather_src,
         )
         self._plans[key] = plan
+        while len(self._plans) > PLAN_CACHE_SIZE:
+            self._plans.popitem(last=False)
         return plan
 
     def run(
@@ -316,6 +337,17 @@ class CopyEnginePeers:
         """``collective(a @ b)`` over the two ranks (see the module docstring). Forward only: the
         result carries no autograd history."""
         weights = tuple(weights)
+        if self._broken:
+            raise EnvironmentMismatchError(
+                f"engine copy_engine failed in an earlier call ({self._broken}) and its peer flags "
+                "are out of step; restart the processes, and use a table row with engine: triton "
+                "or overlap: false on this machine"
+            )
+        if a.shape[0] < COPY_ENGINE_WORLD:  # each rank must own a row, else its flags go unpaired
+            raise ShapeError(
+                f"engine copy_engine needs M >= {COPY_ENGINE_WORLD}, got M={a.shape[0]}; the ops "
+                "run smaller M as GEMM then the collective"
+            )
         # M is left out: it changes from call to call in serving (each M would cost a collective)
         signature = (collective, b.shape[1], a.shape[1], str(a.dtype), weights)
         capturing = torch.cuda.is_current_stream_capturing()
@@ -330,7 +362,9 @@ class CopyEnginePeers:
             )
         self._agree(signature)
         with torch.no_grad():
-            return self._run(collective, a, b, weights, capturing)
+            out = self._run(collective, a, b, weights, capturing)
+        self._captured = self._captured or capturing
+        return out
 
     def _run(
         self,

@@ -22,7 +22,7 @@ from .errors import ScheduleError, ShapeError
 from .gemm import BOperand, restore_tile_major, signalled_gemm
 from .plan import Plan, make_plan
 from .runtime import OverlapRuntime, all_reduce_now, reduce_scatter_now, reduce_scatter_tensor, runtime_for
-from .schedule import Schedule
+from .schedule import COPY_ENGINE_WORLD, Schedule
 from .table import lookup_schedule
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -172,6 +172,8 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, schedule: Schedule |
     if not schedule.overlap:
         return _sequential(collective, a, b, group, world)
     if schedule.engine == "copy_engine":
+        if m < COPY_ENGINE_WORLD:  # a rank would own no row (an M-range row reaching M = 1)
+            return _sequential(collective, a, b, group, world)
         return runtime_for(a.device, group).copy_engine().run(collective, a, b, schedule.groups)
     if not a.is_contiguous():
         a = a.contiguous()

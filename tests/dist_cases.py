@@ -229,6 +229,29 @@ def copy_engine_refusal(ctx, _payload) -> str:
     return "no error"
 
 
+def copy_engine_m1(ctx, _payload) -> float:
+    """The relative error of an ``engine: copy_engine`` AllReduce called with M = 1."""
+    case = Case(
+        "all_reduce",
+        1,
+        6,
+        4,
+        "float32",
+        False,
+        dict(
+            collective="all_reduce",
+            dtype="float32",
+            world_size=ctx.world_size,
+            problem=dict(m_min=1, m_max=64, n=6, k=4),
+            engine="copy_engine",
+            groups=[1, 1],
+        ),
+        13,
+    )
+    a, b, op = prepared(case, ctx)
+    return error(case, op(a, b), ctx)[0]
+
+
 def copy_engine_graph(ctx, cases: list[Case]) -> list[dict]:
     """Each ``engine: copy_engine`` case called once eagerly, then captured in a CUDA graph and
     replayed on new operands copied into the captured inputs, with an eager call of other operands

@@ -246,16 +246,55 @@ def test_schedule_engine_needs_overlap():
         Schedule(**HEAD, problem=Problem(m=8, n=8, k=8), overlap=False, engine="copy_engine")
 
 
-def test_capture_needs_one_eager_call_first(monkeypatch: pytest.MonkeyPatch):
-    """Inside a CUDA graph capture the first call of a shape (buffers, the ranks' agreement) cannot
-    run: it is refused with what to do, before anything is issued."""
-    import torch
-
+def _bare_peers():
+    """A peers object without GPUs: only the checks a call makes before any work can run."""
     from fo_kernels.copy_engine import CopyEnginePeers
 
-    peers = object.__new__(CopyEnginePeers)  # no GPUs here: only the checks before any work
-    peers._agreed, peers._plans = set(), {}
+    peers = object.__new__(CopyEnginePeers)
+    peers._agreed, peers._plans, peers._broken, peers._captured = set(), {}, "", False
+    peers._capacity = 0
+    return peers
+
+
+def test_capture_needs_one_eager_call_first(monkeypatch: pytest.MonkeyPatch):
+    """Inside a CUDA graph capture the first call of a shape (buffers, the ranks' agreement) cannot
+    run: it is refused with what to do, before anything is issued; an agreed (collective, N, K,
+    dtype, weights) is not enough when this M has no plan yet."""
+    import torch
+
+    peers = _bare_peers()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     a, b = torch.randn(8, 4), torch.randn(4, 6)
     with pytest.raises(ScheduleError, match="once before capturing it in a CUDA graph"):
         peers.run("all_reduce", a, b, (1, 1))
+    peers._agreed.add(("all_reduce", 6, 4, str(a.dtype), (1, 1)))  # another M ran eagerly
+    with pytest.raises(ScheduleError, match="once before capturing it in a CUDA graph"):
+        peers.run("all_reduce", a, b, (1, 1))
+
+
+def test_refusals_before_any_work():
+    """M < 2 (a rank would own no row), a peers object whose earlier call failed part-way, and
+    buffers that would move under a captured graph are refused with what to do."""
+    import torch
+
+    from fo_kernels.errors import EnvironmentMismatchError, ShapeError
+
+    peers = _bare_peers()
+    with pytest.raises(ShapeError, match="M >= 2, got M=1"):
+        peers.run("all_reduce", torch.randn(1, 4), torch.randn(4, 6), (1,))
+    peers._broken = "cuMemcpyDtoDAsync failed (CUDA_ERROR_INVALID_VALUE)"
+    with pytest.raises(EnvironmentMismatchError, match=r"failed in an earlier call.*restart"):
+        peers.run("all_reduce", torch.randn(8, 4), torch.randn(4, 6), (1,))
+    peers._broken, peers._captured, peers._capacity = "", True, 1024
+    peers._reserve(512)  # fits: nothing moves
+    with pytest.raises(ScheduleError, match="run the largest shape eagerly before capturing"):
+        peers._reserve(4096)
+
+
+def test_m1_runs_as_gemm_then_the_collective():
+    """An engine: copy_engine schedule called with M = 1 (an M-range row reaching decode at batch
+    1) gives the right sum through GEMM then the collective, on the CPU as on GPUs."""
+    from dist_cases import copy_engine_m1
+
+    for err in run_ranks(copy_engine_m1, 2, None, backend="gloo"):
+        assert err < 1e-5, err
