@@ -96,8 +96,11 @@ CHUNK_COUNTS = (2, 4, 8)
 # Untimed calls before each timing (fo_tune.harness.time_region's default); the interpreter is slow,
 # so one on the CPU. The checked call comes before these.
 WARMUP, CPU_WARMUP = 3, 1
-# Timed samples per variant (time_region's default; each sample spans >= MIN_SAMPLE_MS on GPUs).
-GPU_REPS, CPU_REPS = 10, 3
+# Timed samples per variant (each sample spans >= MIN_SAMPLE_MS on GPUs). 30 on GPUs: with 10, the
+# host-heavy variants of one H200 x2 bench had 0.1-0.6 ms outliers that moved their medians by up to
+# 60% (docs/perf-notes.md, run 22); 30 reproduced within a few % in two processes (run 24), and the
+# five-shape suite then takes ~35 s for both collectives.
+GPU_REPS, CPU_REPS = 30, 3
 # bf16 tl.dot is wrong in Triton's CPU interpreter (DESIGN.md), so the CPU default is float32.
 GPU_DTYPE, CPU_DTYPE = "bfloat16", "float32"
 # The default shape on the CPU: small enough for the interpreter (~40 ms per fo_tune call on 2 ranks).

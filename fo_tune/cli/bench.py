@@ -109,7 +109,7 @@ BenchRepsOpt = Annotated[
     typer.Option(
         "--reps",
         "-r",
-        help="Timed samples per variant (median reported), after warm-up calls. Default: 10 on GPUs "
+        help="Timed samples per variant (median reported), after warm-up calls. Default: 30 on GPUs "
         "(each sample >= 4 ms of back-to-back calls, variants in alternating rounds), 3 on the CPU.",
     ),
 ]
