@@ -44,6 +44,22 @@ bench_suite() {
     --out "$RES/$2" ${REPS:+--reps "$REPS"} > "$RES/$2.log" 2>&1
   tail -"$3" "$RES/$2.log"
 }
+# Hybrid searches into results/tables, both collectives, one sqlite study file for the call.
+# search_suite TIMEOUT TOP_K: the suite's shapes (log search_suite.log, its last 34 lines shown).
+search_suite() {
+  timeout "$1" python3 cli.py search --mode hybrid --top-k "$2" --calibration "$CAL" --shapes suites/h200_tp.yaml \
+    -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
+    > "$RES/search_suite.log" 2>&1
+  tail -34 "$RES/search_suite.log"
+}
+# search_mrange TIMEOUT LINES: M-range rows, M = 512..16384 for the suite's four (N, K) pairs.
+search_mrange() {
+  timeout "$1" python3 cli.py search --mode hybrid --top-k 2 --trials 120 --calibration "$CAL" \
+    --shape 1x4096x4096 --shape 1x8192x4096 --shape 1x8192x14336 --shape 1x8192x8192 --m-range 512:16384 \
+    -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
+    > "$RES/search_mrange.log" 2>&1
+  tail -"$2" "$RES/search_mrange.log"
+}
 
 if [ "$STAGE" = calib ]; then
   stamp "GPU tests"
@@ -80,16 +96,9 @@ elif [ "$STAGE" = tables ]; then
     | tee "$RES/pytest_search.log" | tail -3
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
   stamp "hybrid search: the suite, both collectives -> results/tables"
-  timeout 150 python3 cli.py search --mode hybrid --top-k 8 --calibration "$CAL" --shapes suites/h200_tp.yaml \
-    -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
-    > "$RES/search_suite.log" 2>&1
-  tail -34 "$RES/search_suite.log"
+  search_suite 150 8
   stamp "M-range rows: M = 512..16384 for the suite's (N, K)"
-  timeout 130 python3 cli.py search --mode hybrid --top-k 2 --trials 120 --calibration "$CAL" \
-    --shape 1x4096x4096 --shape 1x8192x4096 --shape 1x8192x14336 --shape 1x8192x8192 --m-range 512:16384 \
-    -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
-    > "$RES/search_mrange.log" 2>&1
-  tail -6 "$RES/search_mrange.log"
+  search_mrange 130 6
   keep_tables
   stamp "host cost of lookup_schedule per call (remembered answer vs a file check every call)"
   python3 - <<'PY' 2>&1 | tee "$RES/lookup_cost.txt"
@@ -116,21 +125,14 @@ elif [ "$STAGE" = ce ]; then
     | tee "$RES/pytest_ce.log" | tail -4
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
   stamp "hybrid search of the suite with copy-engine candidates, both collectives -> results/tables"
-  timeout 240 python3 cli.py search --mode hybrid --top-k 4 --calibration "$CAL" --shapes suites/h200_tp.yaml \
-    -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
-    > "$RES/search_suite.log" 2>&1
-  tail -34 "$RES/search_suite.log"
+  search_suite 240 4
   keep_tables
   stamp "bench"
   bench_suite 120 bench 30
 elif [ "$STAGE" = ce-mrange ]; then
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
   stamp "M-range rows with copy-engine candidates: M = 512..16384 for the suite's (N, K)"
-  timeout 400 python3 cli.py search --mode hybrid --top-k 2 --trials 120 --calibration "$CAL" \
-    --shape 1x4096x4096 --shape 1x8192x4096 --shape 1x8192x14336 --shape 1x8192x8192 --m-range 512:16384 \
-    -c all_reduce,reduce_scatter --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
-    > "$RES/search_mrange.log" 2>&1
-  tail -8 "$RES/search_mrange.log"
+  search_mrange 400 8
   keep_tables
   stamp "bench again"
   bench_suite 120 bench 30
