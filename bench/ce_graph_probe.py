@@ -15,20 +15,19 @@ Writes DIR/graph.csv (appended case by case); prints one line per case and a sum
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from probe_common import append_rows, merge_checked, sequential_call
+
 from fo_kernels.copy_engine import CopyEnginePeers
-from fo_kernels.runtime import reduce_scatter_tensor
-from fo_tune.harness import Timing, open_pool, time_interleaved
+from fo_tune.harness import open_pool, time_interleaved
 from fo_tune.launch import RankContext
 from fo_tune.measure import _collective_fp32, gemm_operands, rel_err
 
@@ -63,17 +62,7 @@ class GraphTask:
         m, n, k, w = self.m, self.n, self.k, ctx.world_size
         a, b = gemm_operands(m, n, k, "bfloat16", ctx.device, 11 + ctx.rank)
         ref = _collective_fp32(self.collective, (a.float() @ b.float()).contiguous(), w)
-        full = torch.empty((m, n), dtype=a.dtype, device=ctx.device)
-        shard = torch.empty((m // w, n), dtype=a.dtype, device=ctx.device)
-
-        def seq():
-            torch.mm(a, b, out=full)
-            if self.collective == "all_reduce":
-                dist.all_reduce(full)
-                return full
-            reduce_scatter_tensor(shard, full)
-            return shard
-
+        seq = sequential_call(self.collective, a, b, w)[0]
         if "engine" not in _PEERS:
             _PEERS["engine"] = peers = CopyEnginePeers(device=ctx.device)
             # the buffers may not grow once a graph is captured: size them for the largest shape
@@ -107,25 +96,17 @@ def main() -> None:
             return
         for (m, n, k), coll in itertools.product(SHAPES, ("all_reduce", "reduce_scatter")):
             per_rank = pool.run(GraphTask(m, n, k, coll))
-            names = list(per_rank[0]["timings"])
-            merged = {x: Timing.max_over([r["timings"][x] for r in per_rank]) for x in names}
+            merged, errors, passed = merge_checked(per_rank, TOLERANCE)
             rows, parts = [], []
-            for x in names:
-                err = max(max(r["errs"][x], r["after"][x]) for r in per_rank)
-                ok = err == err and err < TOLERANCE
+            for x in merged:
+                err, ok = errors[x], passed[x]
                 t = merged[x].median_ms
                 rows.append(dict(
                     m=m, n=n, k=k, collective=coll, variant=x, status="PASS" if ok else "FAIL",
                     rel_err=err, median_ms=t, iqr_ms=merged[x].iqr_ms,
                 ))  # fmt: skip
                 parts.append(f"{x} {t:.3f}{'' if ok else ' FAIL'}")
-            path = args.out / "graph.csv"
-            new = not path.exists()
-            with path.open("a", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-                if new:
-                    writer.writeheader()
-                writer.writerows(rows)
+            append_rows(args.out / "graph.csv", rows)
             line = f"{m}x{n}x{k} {coll}: " + ", ".join(parts)
             print(f"[{time.time() - t0:.0f}s] {line}", flush=True)
             summary.append(line)

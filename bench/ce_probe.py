@@ -42,9 +42,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fo_kernels.runtime import reduce_scatter_tensor
+from probe_common import merge_checked, sequential_call
+
 from fo_kernels.wait import StreamWaiter, _driver_module
-from fo_tune.harness import Timing, open_pool, time_interleaved
+from fo_tune.harness import open_pool, time_interleaved
 from fo_tune.launch import RankContext
 from fo_tune.measure import _collective_fp32, gemm_operands, rel_err
 
@@ -165,18 +166,7 @@ class ProbeTask:
         a, b = gemm_operands(m, n, k, "bfloat16", ctx.device, 11 + ctx.rank)
         ref = _collective_fp32(self.collective, (a.float() @ b.float()).contiguous(), w)
         fns = {}
-        seq_full = torch.empty((m, n), dtype=a.dtype, device=ctx.device)
-        seq_out = torch.empty((m // w, n), dtype=a.dtype, device=ctx.device)
-
-        def seq():
-            torch.mm(a, b, out=seq_full)
-            if self.collective == "all_reduce":
-                dist.all_reduce(seq_full)
-                return seq_full
-            reduce_scatter_tensor(seq_out, seq_full)
-            return seq_out
-
-        fns["seq"] = seq
+        fns["seq"] = sequential_call(self.collective, a, b, w)[0]
         if self.collective == "reduce_scatter":
             from torch.distributed import _symmetric_memory as symm_mem
 
@@ -221,13 +211,11 @@ def main() -> None:
             return
         for (m, n, k), coll in itertools.product(SHAPES, ("reduce_scatter", "all_reduce")):
             per_rank = pool.run(ProbeTask(m, n, k, coll))
-            names = list(per_rank[0]["timings"])
-            merged = {x: Timing.max_over([r["timings"][x] for r in per_rank]) for x in names}
+            merged, errors, passed = merge_checked(per_rank, TOLERANCE)
             seq = merged["seq"].median_ms
             parts = []
-            for x in names:
-                err = max(max(r["errs"][x], r["after"][x]) for r in per_rank)
-                ok = err == err and err < TOLERANCE
+            for x in merged:
+                err, ok = errors[x], passed[x]
                 t = merged[x].median_ms
                 rows.append(dict(
                     m=m, n=n, k=k, collective=coll, variant=x, status="PASS" if ok else "FAIL", rel_err=err,

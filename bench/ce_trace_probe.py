@@ -18,7 +18,6 @@ Writes DIR/copies.csv, DIR/trace_rank{0,1}.csv; prints one line per case and a s
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import tempfile
@@ -31,6 +30,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from probe_common import append_rows
 
 from fo_kernels.copy_engine import CopyEnginePeers
 from fo_tune.harness import open_pool
@@ -140,17 +141,6 @@ class TraceTask:
         return {"rows": rows, "span_us": end - t0, "busy_us": busy}
 
 
-def write(path: Path, rows: list[dict]) -> None:
-    if not rows:
-        return
-    new = not path.exists()
-    with path.open("a", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -173,7 +163,7 @@ def main() -> None:
             return
         if not args.no_copies:
             per_rank = pool.run(CopyTask())
-            write(args.out / "copies.csv", per_rank[0]["rows"])
+            append_rows(args.out / "copies.csv", per_rank[0]["rows"])
             for r in per_rank[0]["rows"]:
                 what = f"copy {r['mb']} MB {r['src']} {r['how']}"
                 summary.append(f"{what}: {r['median_us']:.1f} us (min {r['min_us']:.1f})")
@@ -181,7 +171,7 @@ def main() -> None:
         for case in cases:
             per_rank = pool.run(TraceTask(*case))
             for rank, res in enumerate(per_rank):
-                write(args.out / f"trace_rank{rank}.csv", res["rows"])
+                append_rows(args.out / f"trace_rank{rank}.csv", res["rows"])
             spans = [
                 f"rank{i} span {r['span_us']:.0f} us busy {r['busy_us']:.0f} us"
                 for i, r in enumerate(per_rank)

@@ -25,7 +25,6 @@ prints one line per case as it goes and a summary last.
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import sys
 import time
@@ -36,9 +35,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from probe_common import append_rows, merge_checked, sequential_call
+
 from fo_kernels.copy_engine import PARTIAL, CopyEnginePeers
-from fo_kernels.runtime import reduce_scatter_tensor
-from fo_tune.harness import Timing, open_pool, time_interleaved
+from fo_tune.harness import open_pool, time_interleaved
 from fo_tune.launch import RankContext
 from fo_tune.measure import _collective_fp32, gemm_operands, rel_err
 
@@ -100,17 +100,7 @@ class EngineTask:
         m, n, k, w = self.m, self.n, self.k, ctx.world_size
         a, b = gemm_operands(m, n, k, "bfloat16", ctx.device, 11 + ctx.rank)
         ref = _collective_fp32(self.collective, (a.float() @ b.float()).contiguous(), w)
-        seq_full = torch.empty((m, n), dtype=a.dtype, device=ctx.device)
-        seq_out = torch.empty((m // w, n), dtype=a.dtype, device=ctx.device)
-
-        def seq():
-            torch.mm(a, b, out=seq_full)
-            if self.collective == "all_reduce":
-                dist.all_reduce(seq_full)
-                return seq_full
-            reduce_scatter_tensor(seq_out, seq_full)
-            return seq_out
-
+        seq, seq_full, seq_out = sequential_call(self.collective, a, b, w)
         fns = {"seq": seq}
         peers = peers_for(ctx.device)
         for c in CHUNKS:
@@ -158,15 +148,6 @@ class EngineTask:
         dist.barrier()
 
 
-def append_rows(path: Path, rows: list[dict]) -> None:
-    new = not path.exists()
-    with path.open("a", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -190,13 +171,12 @@ def main() -> None:
         shapes = SHAPES[:2] if args.quick else SHAPES
         for (m, n, k), coll in itertools.product(shapes, ("all_reduce", "reduce_scatter")):
             per_rank = pool.run(EngineTask(m, n, k, coll))
-            names = list(per_rank[0]["timings"])
-            merged = {x: Timing.max_over([r["timings"][x] for r in per_rank]) for x in names}
+            merged, errors, passed = merge_checked(per_rank, TOLERANCE)
+            names = list(merged)
             seq = merged["seq"].median_ms
             rows, parts = [], []
             for x in names:
-                err = max(max(r["errs"][x], r["after"][x]) for r in per_rank)
-                ok = err == err and err < TOLERANCE
+                err, ok = errors[x], passed[x]
                 t = merged[x].median_ms
                 host = max(r["host"][x] for r in per_rank)
                 rows.append(dict(

@@ -1,0 +1,58 @@
+"""Pieces the two-GPU copy-engine probes share (``bench/ce_*_probe.py``): the sequential baseline,
+the merge of the ranks' checks and timings, and CSV rows appended case by case."""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fo_kernels.runtime import reduce_scatter_tensor
+from fo_tune.harness import Timing
+
+
+def sequential_call(
+    collective: str, a: torch.Tensor, b: torch.Tensor, world: int
+) -> tuple[Callable[[], torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(call, full, shard): ``call`` runs cuBLAS into the preallocated (M, N) ``full``, then the
+    collective (in place, or into the (M/world, N) ``shard``) and returns the result."""
+    m, n = a.shape[0], b.shape[1]
+    full = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    shard = torch.empty((m // world, n), dtype=a.dtype, device=a.device)
+
+    def call() -> torch.Tensor:
+        torch.mm(a, b, out=full)
+        if collective == "all_reduce":
+            dist.all_reduce(full)
+            return full
+        reduce_scatter_tensor(shard, full)
+        return shard
+
+    return call, full, shard
+
+
+def merge_checked(per_rank: list[dict], tolerance: float) -> tuple[dict[str, Timing], dict, dict]:
+    """(timings, errors, passed) per variant over the ranks' ``timings``, ``errs`` and ``after``:
+    the slowest rank's timing, the worst error before or after timing, and whether that error is
+    a number below ``tolerance`` (NaN never passes)."""
+    names = list(per_rank[0]["timings"])
+    merged = {x: Timing.max_over([r["timings"][x] for r in per_rank]) for x in names}
+    errors = {x: max(max(r["errs"][x], r["after"][x]) for r in per_rank) for x in names}
+    passed = {x: errors[x] == errors[x] and errors[x] < tolerance for x in names}
+    return merged, errors, passed
+
+
+def append_rows(path: Path, rows: list[dict]) -> None:
+    """Append ``rows`` to the CSV at ``path`` (header first when the file is new; nothing when
+    there are no rows), so a probe killed by its timeout keeps the cases it finished."""
+    if not rows:
+        return
+    new = not path.exists()
+    with path.open("a", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
