@@ -6,8 +6,10 @@ Runs 19-21 (``docs/perf-notes.md``) showed the copy engine launch-bound below ~4
 of host time a call. Serving stacks replay whole steps from CUDA graphs, which takes the host out;
 an ``engine: copy_engine`` call can be captured after one eager call of its shape. This probe
 times, per shape and collective, ``seq`` (cuBLAS then NCCL) and ``ce_c<C>`` eagerly and as graph
-replays (``*_graph``: captured once on static operands), every variant checked against a float32
-reference before and after timing (``time_interleaved``, max over ranks).
+replays (``*_graph``: captured once on static operands), and ``ce_c<C>_auto``: eager calls through
+the engine's own graphs (``graph_after`` = GRAPH_AFTER_CALLS; ``ce_c<C>`` sets it to 0, every call
+issued op by op). Every variant is checked against a float32 reference before and after timing
+(``time_interleaved``, max over ranks).
 
 Writes DIR/graph.csv (appended case by case); prints one line per case and a summary last.
 """
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probe_common import append_rows, merge_checked, sequential_call
 
-from fo_kernels.copy_engine import CopyEnginePeers
+from fo_kernels.copy_engine import GRAPH_AFTER_CALLS, CopyEnginePeers
 from fo_tune.harness import open_pool, time_interleaved
 from fo_tune.launch import RankContext
 from fo_tune.measure import _collective_fp32, gemm_operands, rel_err
@@ -69,10 +71,20 @@ class GraphTask:
             peers._reserve(max((sm + 1) // 2 * sn for sm, sn, _ in SHAPES) * a.element_size())
         peers = _PEERS["engine"]
         fns = {"seq": seq}
+
+        def engine(weights: tuple[int, ...], graph_after: int):
+            def call() -> torch.Tensor:
+                peers.graph_after = graph_after  # both ranks run the same variant at a time
+                return peers.run(self.collective, a, b, weights)
+
+            return call
+
         for c in CHUNKS:
-            fns[f"ce_c{c}"] = lambda wts=(1,) * c: peers.run(self.collective, a, b, wts)
+            fns[f"ce_c{c}"] = engine((1,) * c, 0)
         for name in list(fns):
             fns[f"{name}_graph"] = graphed(fns[name])
+        for c in CHUNKS:
+            fns[f"ce_c{c}_auto"] = engine((1,) * c, GRAPH_AFTER_CALLS)
         errs = {}
         for name, fn in fns.items():
             out = fn()

@@ -15,11 +15,13 @@
 #                                        # then the bench again
 #   bash bench/search_session.sh bench-twice  # the bench with the committed tables in two processes,
 #                                        # 30 rounds each (10 rounds left 0.1 ms outliers, run 22)
+#   bash bench/search_session.sh graphs  # the engine's own graphs: eager / own-graph / replayed
+#                                        # timings (bench/ce_graph_probe.py), then every GPU test
 #
 # The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
 # (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
 set -uo pipefail
-STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce or ce-mrange}"
+STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange or graphs}"
 KEY=nvidia-h200-cc90-132sm-w2-nvlink18
 CAL="results/calibration/$KEY/tp2/calibration.yaml"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -142,6 +144,13 @@ elif [ "$STAGE" = bench-twice ]; then
     stamp "bench run $i (30 rounds)"
     bench_suite 200 "bench$i" 24
   done
+elif [ "$STAGE" = graphs ]; then
+  stamp "copy engine eager, through its own graphs, and replayed from a caller's graph"
+  timeout 180 python3 bench/ce_graph_probe.py --out "$RES/probe" > "$RES/probe.log" 2>&1
+  tail -8 "$RES/probe.log"
+  stamp "every GPU test (the engine's own graphs, a caller's graph, the review's fixes)"
+  timeout 360 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" --durations=6 \
+    tests/test_gpu.py tests/test_copy_engine.py 2>&1 | tee "$RES/pytest_gpu.log" | tail -14
 elif [ "$STAGE" = bench ]; then
   stamp "bench with the committed tables"
   bench_suite 150 bench 30

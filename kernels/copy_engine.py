@@ -35,7 +35,13 @@ as with any collective.
 A call's host time, not the GPU, bounded small shapes (run 18 in ``docs/perf-notes.md``: ~0.1 ms of
 launches per chunk through torch streams, events and copies), so the waits, flag writes and copies
 go straight to the driver (cuda-bindings) with the views and addresses of a ``_Plan`` made once per
-(collective, M, N, dtype, weights).
+(collective, M, N, dtype, weights). Even so an eager call issues ~10 operations per chunk from
+Python (~0.34 ms at 2048x4096x4096 against ~0.15 ms of GPU work, run 25), so an eager call whose
+operand and output addresses repeat (a training or serving loop's steady state: the caching
+allocator hands out the same blocks) is captured into a CUDA graph of its own the
+``graph_after``-th time it is seen and replayed from then on: one launch instead of dozens. The
+graph issues exactly the operations of an eager call, so a rank replaying and a rank issuing
+eagerly stay in step. The graphs are dropped when the buffers grow.
 
 Needs CUDA, two GPUs with peer access (NVLink), ``torch.distributed._symmetric_memory`` and
 cuda-bindings (``pip install 'fo-tune[cuda]'``); ``CopyEnginePeers`` says what is missing.
@@ -43,6 +49,7 @@ cuda-bindings (``pip install 'fo-tune[cuda]'``); ``CopyEnginePeers`` says what i
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import warnings
@@ -73,6 +80,15 @@ ROW_ALIGN = 128
 BUFFER_ALIGN = 16
 # Plans kept per peers object (one per (collective, M, N, dtype, weights)); serving sees many M.
 PLAN_CACHE_SIZE = 256
+# An eager call is captured into a graph of its own the second time its (shape, operand and output
+# addresses) are seen: once could be a one-off, twice is a loop's steady state. A capture costs
+# about one eager call's host time plus the graph's instantiation.
+GRAPH_AFTER_CALLS = 2
+# Graphs kept (LRU): a model has a few calls per layer, each with its own addresses. A graph holds
+# no memory of its own (the engine's buffers and the caller's tensors are outside it).
+GRAPH_CACHE_SIZE = 512
+# Addresses counted towards a capture (LRU), so keys that never repeat cannot grow without bound.
+SEEN_CACHE_SIZE = 4096
 
 
 def copy_engine_blocker(device: torch.device, world_size: int) -> str:
@@ -153,7 +169,15 @@ class CopyEnginePeers:
     _agreed: set = field(default_factory=set, repr=False)
     _plans: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _streams: dict = field(default_factory=dict, repr=False)
-    _captured: bool = False  # a CUDA graph holds the buffers' addresses: they must not move
+    # Capture an eager call into a graph of its own after this many calls with the same key (the
+    # shape, the operands' and the output's addresses); 0 never does (every call issues eagerly).
+    graph_after: int = GRAPH_AFTER_CALLS
+    _graphs: OrderedDict = field(default_factory=OrderedDict, repr=False)  # key -> CUDAGraph
+    _seen: OrderedDict = field(default_factory=OrderedDict, repr=False)  # key -> calls seen
+    _graph_pool: tuple | None = field(default=None, repr=False)
+    _capture_stream: torch.cuda.Stream | None = field(default=None, repr=False)
+    replays: int = 0  # calls served by a graph of the engine's own (tests and probes read it)
+    _captured: bool = False  # a caller's CUDA graph holds the buffers' addresses: they must not move
     _broken: str = ""  # why an earlier call failed part-way (the ranks' flags are out of step)
 
     def __post_init__(self) -> None:
@@ -227,6 +251,7 @@ class CopyEnginePeers:
         nbytes = -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
         self._part = self._peer_part = self._final = self._peer_final = None
         self._plans.clear()  # their views and addresses point into the old buffers
+        self._graphs.clear()  # and so do the engine's own graphs
         self._capacity = 0  # until both buffers exist
         part, peer_part = self._symmetric(nbytes, torch.uint8)
         final, peer_final = self._symmetric(nbytes, torch.uint8)
@@ -361,10 +386,89 @@ class CopyEnginePeers:
                 "makes the symmetric buffers and checks the ranks agree, which a graph cannot hold)"
             )
         self._agree(signature)
+        m, n = a.shape[0], b.shape[1]
+        if collective == "reduce_scatter" and m % COPY_ENGINE_WORLD:
+            raise ShapeError(f"reduce_scatter needs M divisible by the world size 2, got M={m}")
+        rows = m if collective == "all_reduce" else m // COPY_ENGINE_WORLD
+        out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
         with torch.no_grad():
-            out = self._run(collective, a, b, weights, capturing)
-        self._captured = self._captured or capturing
+            if capturing:
+                self._run(collective, a, b, weights, out, capturing=True)
+                self._captured = True
+            elif self.graph_after > 0:
+                self._run_graphed(collective, a, b, weights, out)
+            else:
+                self._run(collective, a, b, weights, out)
         return out
+
+    def _run_graphed(
+        self, collective: str, a: torch.Tensor, b: torch.Tensor, weights: tuple[int, ...], out: torch.Tensor
+    ) -> None:
+        """An eager call through the engine's own graph of it: replayed if there is one, captured
+        and replayed on the ``graph_after``-th sighting of its key, else issued eagerly."""
+        key = (
+            collective, weights, a.dtype, tuple(a.shape), a.stride(), a.data_ptr(),
+            tuple(b.shape), b.stride(), b.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        graph = self._graphs.get(key)
+        if graph is None:
+            seen = self._seen.pop(key, 0) + 1
+            plan_key = (collective, a.shape[0], b.shape[1], a.dtype, weights)
+            if seen < self.graph_after or plan_key not in self._plans:  # the plan: buffers big enough
+                self._seen[key] = seen
+                while len(self._seen) > SEEN_CACHE_SIZE:
+                    self._seen.popitem(last=False)
+                self._run(collective, a, b, weights, out)
+                return
+            try:
+                graph = self._capture(collective, a, b, weights, out)
+            except RuntimeError as exc:
+                if self._broken:  # a driver call failed: the flags are out of step, nothing to save
+                    raise
+                # nothing recorded has run, so the flags are in step: this call and later ones
+                # are issued eagerly (correct, only slower at small shapes)
+                warnings.warn(
+                    f"engine copy_engine: capturing a call in a CUDA graph failed ({exc}); this "
+                    "process issues its copy-engine calls eagerly from now on",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                self.graph_after = 0
+                self._run(collective, a, b, weights, out)
+                return
+            self._graphs[key] = graph
+            while len(self._graphs) > GRAPH_CACHE_SIZE:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        main = torch.cuda.current_stream(self.device)
+        main.wait_stream(self._side)  # an earlier eager call's side work is done
+        main.wait_stream(self._local)
+        graph.replay()
+        self.replays += 1
+        self._calls += 1
+
+    def _capture(
+        self, collective: str, a: torch.Tensor, b: torch.Tensor, weights: tuple[int, ...], out: torch.Tensor
+    ) -> torch.cuda.CUDAGraph:
+        """A graph of one call (recorded, not run). ``thread_local``: other threads' CUDA calls
+        do not break the capture."""
+        if self._capture_stream is None:  # one stream, so cuBLAS makes one workspace for captures
+            self._capture_stream = torch.cuda.Stream(self.device)
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        calls = self._calls
+        with torch.cuda.stream(self._capture_stream):
+            graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+            try:
+                self._run(collective, a, b, weights, out, capturing=True)
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # invalid already: report the first error
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        self._calls = calls  # recorded, not run: the replay counts it
+        return graph
 
     def _run(
         self,
@@ -372,15 +476,15 @@ class CopyEnginePeers:
         a: torch.Tensor,
         b: torch.Tensor,
         weights: tuple[int, ...],
+        out: torch.Tensor,
         capturing: bool = False,
-    ) -> torch.Tensor:
+    ) -> None:
+        """Issue one call's operations on the current stream and the side streams; ``out`` is the
+        result's (M, N) or (M / 2, N) tensor."""
         m, n = a.shape[0], b.shape[1]
-        if collective == "reduce_scatter" and m % COPY_ENGINE_WORLD:
-            raise ShapeError(f"reduce_scatter needs M divisible by the world size 2, got M={m}")
         plan = self._plan(collective, m, n, a.dtype, weights)
         all_reduce = collective == "all_reduce"
         mine, theirs, own, rb = plan.mine, plan.theirs, plan.own, plan.row_bytes
-        out = torch.empty((m if all_reduce else m // COPY_ENGINE_WORLD, n), dtype=a.dtype, device=a.device)
         out_ptr = out.data_ptr()
         main = torch.cuda.current_stream(self.device)
         main_h, side_h, local_h = self._stream(main.cuda_stream), self._side_h, self._local_h
@@ -423,4 +527,3 @@ class CopyEnginePeers:
             main.wait_stream(self._local)
         main.wait_stream(self._side)
         self._calls += 1
-        return out

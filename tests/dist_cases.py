@@ -282,3 +282,42 @@ def copy_engine_graph(ctx, cases: list[Case]) -> list[dict]:
                 out.append(dict(case=case, step=step, what=what, err=err, nan=bool(got.isnan().any())))
         del graph
     return out
+
+
+def copy_engine_auto_graph(ctx, cases: list[Case]) -> list[dict]:
+    """Eager ``engine: copy_engine`` calls whose addresses repeat run from the engine's own graph.
+
+    Each case is called ``CALLS`` times on operands refreshed in place (the same addresses), each
+    output checked, poisoned and freed (so the next call's output reuses its block): pass 0 with
+    both ranks graphing, pass 1 with rank 1 issuing every call eagerly while rank 0 replays (the
+    two ways must stay in step), then a larger shape grows the buffers (dropping the graphs) and
+    the first case runs again. Returns one row per call, with the rank's replays during it."""
+    import dataclasses
+
+    from fo_kernels.copy_engine import GRAPH_AFTER_CALLS
+    from fo_kernels.runtime import runtime_for
+
+    calls = GRAPH_AFTER_CALLS + 3
+    peers = runtime_for(ctx.device, None).copy_engine()
+    big = dataclasses.replace(cases[0], m=cases[0].m * 4, seed=cases[0].seed + 1)
+    plan = [(0, c) for c in cases] + [(1, c) for c in cases] + [(2, big), (3, cases[0])]
+    out = []
+    for phase, case in plan:
+        peers.graph_after = 0 if (phase == 1 and ctx.rank == 1) else GRAPH_AFTER_CALLS
+        a, b, op = prepared(case, ctx)
+        for step in range(calls):
+            fresh = dataclasses.replace(case, seed=case.seed + 31 * (step + 1))
+            new_a, new_b = operands(fresh, ctx.rank, ctx.device)
+            a.copy_(new_a)
+            b.copy_(new_b)
+            before = peers.replays
+            got = op(a, b)
+            err, _ = error(fresh, got, ctx)
+            nan = bool(got.isnan().any())
+            got.fill_(float("nan"))  # a replay that wrote nothing would leave NaN in the next output
+            del got
+            out.append(
+                dict(case=case, phase=phase, step=step, err=err, nan=nan, replayed=peers.replays - before)
+            )
+    peers.graph_after = GRAPH_AFTER_CALLS
+    return out

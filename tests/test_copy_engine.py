@@ -298,3 +298,70 @@ def test_m1_runs_as_gemm_then_the_collective():
 
     for err in run_ranks(copy_engine_m1, 2, None, backend="gloo"):
         assert err < 1e-5, err
+
+
+def test_eager_calls_are_graphed_once_their_addresses_repeat(monkeypatch: pytest.MonkeyPatch):
+    """The engine's own graphs: a call is issued eagerly until its key (shape, operand and output
+    addresses) has been seen GRAPH_AFTER_CALLS times, then captured once and replayed; another
+    output address is another key; graph_after = 0 never captures; the sightings are bounded."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    import torch
+
+    import fo_kernels.copy_engine as ce
+
+    peers = _bare_peers()
+    peers.graph_after, peers.replays, peers._calls = 2, 0, 0
+    peers._graphs, peers._seen, peers._plans = OrderedDict(), OrderedDict(), OrderedDict()
+    peers.device, peers._side, peers._local = torch.device("cpu"), None, None
+    peers._agree = lambda signature: None
+    log = []
+
+    def run(collective, a, b, weights, out, capturing=False):
+        log.append("capture" if capturing else "eager")
+        peers._plans[(collective, a.shape[0], b.shape[1], a.dtype, weights)] = "plan"
+
+    def capture(collective, a, b, weights, out):
+        run(collective, a, b, weights, out, capturing=True)
+        return SimpleNamespace(replay=lambda: log.append("replay"))
+
+    peers._run, peers._capture = run, capture
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    outs = [torch.empty(8, 6), torch.empty(8, 6)]
+    which = [0]
+    monkeypatch.setattr(ce.torch, "empty", lambda *args, **kw: outs[which[0]])
+    a, b = torch.randn(8, 4), torch.randn(4, 6)
+
+    def call() -> list[str]:
+        log.clear()
+        assert peers.run("all_reduce", a, b, (1, 1)) is outs[which[0]]
+        return list(log)
+
+    assert call() == ["eager"]
+    assert call() == ["capture", "replay"]
+    assert call() == ["replay"] and peers.replays == 2
+    which[0] = 1  # another output block: another key
+    assert call() == ["eager"]
+    assert call() == ["capture", "replay"] and len(peers._graphs) == 2
+    peers.graph_after = 0
+    which[0] = 0
+    assert call() == ["eager"]  # even with a graph of this key
+    peers.graph_after = 2
+    monkeypatch.setattr(ce, "SEEN_CACHE_SIZE", 1)
+    for rows in (10, 12, 14):
+        a = torch.randn(rows, 4)
+        assert call() == ["eager"]
+    assert len(peers._seen) == 1
+
+    def refused(*args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    peers._capture = refused
+    a = torch.randn(16, 4)
+    assert call() == ["eager"]
+    with pytest.warns(RuntimeWarning, match="capturing a call in a CUDA graph failed"):
+        assert call() == ["eager"]  # the capture failed: this call runs eagerly, and later ones
+    assert peers.graph_after == 0 and call() == ["eager"]

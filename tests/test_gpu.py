@@ -140,6 +140,37 @@ def test_copy_engine_ops():
 
 
 @pytest.mark.multigpu
+def test_copy_engine_graphs_repeated_eager_calls():
+    """Eager copy-engine calls whose addresses repeat are replayed from the engine's own graph
+    (from the GRAPH_AFTER_CALLS-th call on), with every output right; a rank issuing eagerly and
+    a rank replaying stay in step; growing the buffers drops the graphs and later calls are right."""
+    from dist_cases import copy_engine_auto_graph
+    from fo_kernels.copy_engine import GRAPH_AFTER_CALLS
+    from fo_tune.launch import run_ranks
+
+    specs = [  # (collective, m, n, k, dtype, B as an (N, K) weight's view, chunks)
+        ("all_reduce", 1024, 768, 512, "bfloat16", True, 2),
+        ("reduce_scatter", 512, 640, 256, "float16", False, 3),
+    ]
+    cases = [
+        Case(c, m, n, k, dt, kmajor, _copy_engine(c, m, n, k, chunks, dt), seed)
+        for seed, (c, m, n, k, dt, kmajor, chunks) in enumerate(specs, start=11)
+    ]
+    per_rank = run_ranks(copy_engine_auto_graph, 2, cases, backend="nccl", timeout_s=300)
+    for rank, rows in enumerate(per_rank):
+        assert len(rows) == (2 * len(cases) + 2) * (GRAPH_AFTER_CALLS + 3)
+        for r in rows:
+            assert not r["nan"] and r["err"] < TOL[r["case"].dtype], (rank, r)
+        for phase, case in {(r["phase"], r["case"]) for r in rows}:
+            replays = [r["replayed"] for r in rows if r["phase"] == phase and r["case"] == case]
+            if phase == 1 and rank == 1:  # graph_after = 0: every call issued eagerly
+                assert sum(replays) == 0, (rank, phase, replays)
+            else:  # the operands' and (freed) output's blocks repeat: the last calls replay
+                assert replays[0] == 0 or phase == 1, (rank, phase, replays)
+                assert replays[-1] == 1, (rank, phase, replays)
+
+
+@pytest.mark.multigpu
 def test_copy_engine_in_a_cuda_graph():
     """The copy engine captured in a CUDA graph: replays on new operands, eager calls between them."""
     from dist_cases import copy_engine_graph
