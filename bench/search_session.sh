@@ -123,7 +123,8 @@ PY
 elif [ "$STAGE" = ce ]; then
   stamp "GPU tests: copy engine in a CUDA graph and the NCCL ops (test_copy_engine_ops: ~140 s, run alone)"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m "multigpu" \
-    tests/test_gpu.py::test_copy_engine_in_a_cuda_graph tests/test_gpu.py::test_both_ops_over_nccl 2>&1 \
+    tests/test_gpu.py::test_copy_engine_in_a_cuda_graph tests/test_gpu.py::test_both_ops_over_nccl \
+    tests/test_gpu.py::test_copy_engine_graphs_repeated_eager_calls 2>&1 \
     | tee "$RES/pytest_ce.log" | tail -4
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
   stamp "hybrid search of the suite with copy-engine candidates, both collectives -> results/tables"

@@ -299,8 +299,10 @@ def copy_engine_auto_graph(ctx, cases: list[Case]) -> list[dict]:
 
     calls = GRAPH_AFTER_CALLS + 3
     peers = runtime_for(ctx.device, None).copy_engine()
-    big = dataclasses.replace(cases[0], m=cases[0].m * 4, seed=cases[0].seed + 1)
-    plan = [(0, c) for c in cases] + [(1, c) for c in cases] + [(2, big), (3, cases[0])]
+    first = cases[0]
+    bigger = {**first.schedule, "problem": {**first.schedule["problem"], "m": first.m * 4}}
+    big = dataclasses.replace(first, m=first.m * 4, seed=first.seed + 1, schedule=bigger)
+    plan = [(0, c) for c in cases] + [(1, c) for c in cases] + [(2, big), (3, first)]
     out = []
     for phase, case in plan:
         peers.graph_after = 0 if (phase == 1 and ctx.rank == 1) else GRAPH_AFTER_CALLS
