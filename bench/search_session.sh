@@ -152,6 +152,14 @@ elif [ "$STAGE" = graphs ]; then
   stamp "every GPU test (the engine's own graphs, a caller's graph, the review's fixes)"
   timeout 360 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" --durations=6 \
     tests/test_gpu.py tests/test_copy_engine.py 2>&1 | tee "$RES/pytest_gpu.log" | tail -14
+elif [ "$STAGE" = diag ]; then
+  stamp "the engine's own graphs: GPU test, then a search of two shapes with warnings shown"
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -m multigpu \
+    tests/test_gpu.py::test_copy_engine_graphs_repeated_eager_calls 2>&1 | tail -4
+  PYTHONWARNINGS=always timeout 150 python3 cli.py search --mode hybrid --top-k 3 --calibration "$CAL" \
+    --shape 2048x4096x4096 --shape 4096x8192x4096 -c all_reduce,reduce_scatter --out "$RES/diag" \
+    > "$RES/diag.log" 2>&1
+  grep -n -i -B2 -A6 "capturing a call\|Traceback" "$RES/diag.log" | head -60; tail -5 "$RES/diag.log"
 elif [ "$STAGE" = bench ]; then
   stamp "bench with the committed tables"
   bench_suite 150 bench 30

@@ -177,6 +177,7 @@ class CopyEnginePeers:
     _graph_pool: tuple | None = field(default=None, repr=False)
     _capture_stream: torch.cuda.Stream | None = field(default=None, repr=False)
     replays: int = 0  # calls served by a graph of the engine's own (tests and probes read it)
+    graph_failure: str = ""  # why a capture failed (graph_after is 0 since), for probes and reports
     _captured: bool = False  # a caller's CUDA graph holds the buffers' addresses: they must not move
     _broken: str = ""  # why an earlier call failed part-way (the ranks' flags are out of step)
 
@@ -427,9 +428,10 @@ class CopyEnginePeers:
                     raise
                 # nothing recorded has run, so the flags are in step: this call and later ones
                 # are issued eagerly (correct, only slower at small shapes)
+                self.graph_failure = f"{collective} {a.shape[0]}x{b.shape[1]}x{a.shape[1]} {weights}: {exc}"
                 warnings.warn(
-                    f"engine copy_engine: capturing a call in a CUDA graph failed ({exc}); this "
-                    "process issues its copy-engine calls eagerly from now on",
+                    f"engine copy_engine: capturing a call in a CUDA graph failed ({self.graph_failure}); "
+                    "this process issues its copy-engine calls eagerly from now on",
                     RuntimeWarning,
                     stacklevel=4,
                 )
@@ -465,10 +467,26 @@ class CopyEnginePeers:
             except BaseException:
                 with contextlib.suppress(RuntimeError):  # invalid already: report the first error
                     graph.capture_end()
+                self._end_generator_capture()
                 raise
-            graph.capture_end()
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                self._end_generator_capture()
+                raise
         self._calls = calls  # recorded, not run: the replay counts it
         return graph
+
+    def _end_generator_capture(self) -> None:
+        """After a failed capture: torch's CUDA random generator still believes a capture is on
+        (``capture_end`` raised before telling it), and every later random draw on this GPU would
+        fail; an empty capture's ``capture_end`` tells it the capture is over."""
+        stream = torch.cuda.stream(self._capture_stream)
+        with stream, warnings.catch_warnings(), contextlib.suppress(RuntimeError):
+            warnings.simplefilter("ignore")  # "the CUDA graph is empty"
+            empty = torch.cuda.CUDAGraph()
+            empty.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+            empty.capture_end()
 
     def _run(
         self,
