@@ -85,7 +85,8 @@ PLAN_CACHE_SIZE = 256
 # about one eager call's host time plus the graph's instantiation.
 GRAPH_AFTER_CALLS = 2
 # Graphs kept (LRU): a model has a few calls per layer, each with its own addresses. A graph holds
-# no memory of its own (the engine's buffers and the caller's tensors are outside it).
+# no memory of its own (the engine's buffers and the caller's tensors are outside it; cuBLAS's
+# workspace for the capture stream is made once).
 GRAPH_CACHE_SIZE = 512
 # Addresses counted towards a capture (LRU), so keys that never repeat cannot grow without bound.
 SEEN_CACHE_SIZE = 4096
@@ -174,7 +175,6 @@ class CopyEnginePeers:
     graph_after: int = GRAPH_AFTER_CALLS
     _graphs: OrderedDict = field(default_factory=OrderedDict, repr=False)  # key -> CUDAGraph
     _seen: OrderedDict = field(default_factory=OrderedDict, repr=False)  # key -> calls seen
-    _graph_pool: tuple | None = field(default=None, repr=False)
     _capture_stream: torch.cuda.Stream | None = field(default=None, repr=False)
     replays: int = 0  # calls served by a graph of the engine's own (tests and probes read it)
     graph_failure: str = ""  # why a capture failed (graph_after is 0 since), for probes and reports
@@ -457,11 +457,12 @@ class CopyEnginePeers:
         do not break the capture."""
         if self._capture_stream is None:  # one stream, so cuBLAS makes one workspace for captures
             self._capture_stream = torch.cuda.Stream(self.device)
-            self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         calls = self._calls
         with torch.cuda.stream(self._capture_stream):
-            graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+            # a memory pool of its own (pool=None): a pool shared by graphs is released once they
+            # are all dropped (buffer growth), and torch asserts when a capture reuses it (run 28)
+            graph.capture_begin(capture_error_mode="thread_local")
             try:
                 self._run(collective, a, b, weights, out, capturing=True)
             except BaseException:
@@ -485,7 +486,7 @@ class CopyEnginePeers:
         with stream, warnings.catch_warnings(), contextlib.suppress(RuntimeError):
             warnings.simplefilter("ignore")  # "the CUDA graph is empty"
             empty = torch.cuda.CUDAGraph()
-            empty.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+            empty.capture_begin(capture_error_mode="thread_local")
             empty.capture_end()
 
     def _run(
