@@ -11,6 +11,7 @@
 #   bash bench/search_session.sh bench   # bench again with the committed tables
 #   bash bench/search_session.sh ce      # copy-engine GPU tests; hybrid search of the suite (now
 #                                        # with copy-engine candidates) into results/tables; bench
+#                                        # twice (two processes, 30 rounds each)
 #   bash bench/search_session.sh ce-mrange  # the M-range rows again (with copy-engine candidates),
 #                                        # then the bench again
 #   bash bench/search_session.sh bench-twice  # the bench with the committed tables in two processes,
@@ -130,8 +131,10 @@ elif [ "$STAGE" = ce ]; then
   stamp "hybrid search of the suite with copy-engine candidates, both collectives -> results/tables"
   search_suite 240 4
   keep_tables
-  stamp "bench"
-  bench_suite 120 bench 30
+  for i in 1 2; do  # two processes, 30 rounds each
+    stamp "bench run $i"
+    REPS=30 bench_suite 150 "bench$i" 30
+  done
 elif [ "$STAGE" = ce-mrange ]; then
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
   stamp "M-range rows with copy-engine candidates: M = 512..16384 for the suite's (N, K)"
