@@ -468,12 +468,15 @@ def _distinct_best(trials: Sequence[Any], count: int) -> list[Any]:
 def _copy_engine_candidates(
     request: SearchRequest, space: SearchSpace, shape: tuple[int, int, int], cpu: bool
 ) -> list[Schedule]:
-    """``engine: copy_engine`` schedules, one per chunk count of the space, that a measured search
-    on two GPUs re-times beside its best Triton schedules. The cost model does not price them (it
-    knows NCCL and the Triton GEMM), so they are measured, never predicted."""
+    """``engine: copy_engine`` schedules, one per chunk count of the space (equal chunks) and one
+    per extra weighting, that a measured search on two GPUs re-times beside its best Triton
+    schedules. The cost model does not price them (it knows NCCL and the Triton GEMM), so they are
+    measured, never predicted."""
     if cpu or request.world_size != COPY_ENGINE_WORLD:
         return []
     m, n, k = shape
+    weightings = [(1,) * chunks for chunks in space.copy_engine_chunks]
+    weightings += [w for w in space.copy_engine_weights if w not in weightings]
     return [
         Schedule(
             collective=request.collective,
@@ -481,10 +484,10 @@ def _copy_engine_candidates(
             world_size=request.world_size,
             problem=Problem(m=m, n=n, k=k),
             engine="copy_engine",
-            groups=(1,) * chunks,
+            groups=weights,
         )
-        for chunks in space.copy_engine_chunks
-        if chunks <= m // COPY_ENGINE_WORLD
+        for weights in weightings
+        if len(weights) <= m // COPY_ENGINE_WORLD
     ]
 
 

@@ -165,6 +165,8 @@ class SearchSpace:
     # engine copy_engine (two NVLink GPUs): the chunk counts per shard a measured search times
     # beside its best Triton schedules; () leaves the engine out.
     copy_engine_chunks: tuple[int, ...] = ()
+    # ... and chunk weights beyond the uniform ones (e.g. a light last chunk: a shorter tail)
+    copy_engine_weights: tuple[tuple[int, ...], ...] = ()
     schema_version: int = SPACE_SCHEMA_VERSION
     source: str = field(default="", compare=False)  # the file it was loaded from
 
@@ -369,8 +371,16 @@ _SPACE = {
     "cpu": _section(CpuOverrides, _CPU),
 }
 
+
+def _weights(r: _Reader, node: Any, path: str) -> tuple[int, ...]:
+    """One schedule's chunk weights: 2 to MAX_CHUNKS positive integers (repeats allowed)."""
+    if not isinstance(node, list) or not 2 <= len(node) <= MAX_CHUNKS:
+        r.fail(path, f"expected a list of 2 to {MAX_CHUNKS} chunk weights, got {node!r}")
+    return tuple(r.integer(w, f"{path}[{i}]", minimum=1) for i, w in enumerate(node))
+
+
 # Keys a space may leave out.
-_OPTIONAL = {"copy_engine_chunks": _list(_int(1))}
+_OPTIONAL = {"copy_engine_chunks": _list(_int(1)), "copy_engine_weights": _list(_weights)}
 
 
 def _read_space(r: _Reader, data: Any) -> SearchSpace:

@@ -136,13 +136,24 @@ def test_space_copy_engine_chunks(tmp_path: Path):
         data = hopper.to_dict() | {"copy_engine_chunks": bad}
         with pytest.raises(SpaceError, match=rf"copy_engine_chunks\[{where[-2]}\]"):
             SearchSpace.from_dict(data)
+    assert (2, 2, 1) in hopper.copy_engine_weights  # weights may repeat within one weighting
+    assert again.copy_engine_weights == hopper.copy_engine_weights
+    for bad, where in (
+        ([[1]], r"copy_engine_weights\[0\]: expected a list of 2 to"),
+        ([[2, 0]], r"copy_engine_weights\[0\]\[1\]: expected a positive integer"),
+        ([[2, 1], [2, 1]], r"copy_engine_weights\[1\]: repeats"),
+        ([[1] * (MAX_CHUNKS + 1)], r"copy_engine_weights\[0\]: expected a list of 2 to"),
+    ):
+        with pytest.raises(SpaceError, match=where):
+            SearchSpace.from_dict(hopper.to_dict() | {"copy_engine_weights": bad})
 
 
 def test_search_candidates_only_on_two_gpus():
     space = load_space(packaged_spaces_dir() / "hopper.yaml")
     req = SearchRequest(shapes=((4096, 8192, 4096),), collective="all_reduce", world_size=2, mode="measure")
     got = _copy_engine_candidates(req, space, (4096, 8192, 4096), cpu=False)
-    assert [len(s.groups) for s in got] == list(space.copy_engine_chunks)
+    want = [(1,) * c for c in space.copy_engine_chunks] + list(space.copy_engine_weights)
+    assert [s.groups for s in got] == want  # equal chunks first, then the extra weightings
     assert all(s.engine == "copy_engine" and s.problem.m == 4096 for s in got)
     assert _copy_engine_candidates(req, space, (4096, 8192, 4096), cpu=True) == []
     four = SearchRequest(shapes=((4096, 8192, 4096),), world_size=4, mode="measure")
@@ -228,7 +239,8 @@ def test_confirmation_with_copy_engine_candidates(measurer, want):
         storage=optuna.storages.InMemoryStorage(), table=None, budget_s=None, reporter=S._Silent(),
     )  # fmt: skip
     engines = [s.engine for s in measurer.confirmed[0]]
-    assert engines.count("copy_engine") == (0 if measurer.why else len(space.copy_engine_chunks))
+    candidates = len(space.copy_engine_chunks) + len(space.copy_engine_weights)
+    assert engines.count("copy_engine") == (0 if measurer.why else candidates)
     if want == "none":
         assert not r.row.overlap and r.best_schedule.engine == "copy_engine" and r.best_trial is None
         assert "rejected_measured_ms" in r.row.provenance

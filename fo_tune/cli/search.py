@@ -57,7 +57,8 @@ HELP = "\n\n".join(
         "measured spread and at least 2%; otherwise the row says overlap: false. M-range rows "
         "(--m-range LO:HI) cover every M of the range for the shapes' (N, K). On 2 GPUs a measured "
         "or hybrid search also re-times one engine: copy_engine schedule per chunk count of the "
-        "space's copy_engine_chunks (NVLink peer copies instead of NCCL; measured, never predicted).",
+        "space's copy_engine_chunks and per weighting of its copy_engine_weights (NVLink peer "
+        "copies instead of NCCL; measured, never predicted).",
         "Studies live in --storage (default SQLite at results/studies/fo-tune.db): running the same "
         "command again resumes them, and several workers may share one study (journal:FILE or "
         "PostgreSQL). Tables go to --table-dir (default $FO_TUNE_TABLE_DIR, else "
