@@ -177,6 +177,8 @@ class CopyEnginePeers:
     _seen: OrderedDict = field(default_factory=OrderedDict, repr=False)  # key -> calls seen
     _capture_stream: torch.cuda.Stream | None = field(default=None, repr=False)
     replays: int = 0  # calls served by a graph of the engine's own (tests and probes read it)
+    _last_main: torch.cuda.Stream | None = field(default=None, repr=False)  # the last call's stream
+    _out_pool: object | None = field(default=None, repr=False)  # torch.cuda.MemPool of the outputs
     graph_failure: str = ""  # why a capture failed (graph_after is 0 since), for probes and reports
     _captured: bool = False  # a caller's CUDA graph holds the buffers' addresses: they must not move
     _broken: str = ""  # why an earlier call failed part-way (the ranks' flags are out of step)
@@ -391,16 +393,36 @@ class CopyEnginePeers:
         if collective == "reduce_scatter" and m % COPY_ENGINE_WORLD:
             raise ShapeError(f"reduce_scatter needs M divisible by the world size 2, got M={m}")
         rows = m if collective == "all_reduce" else m // COPY_ENGINE_WORLD
-        out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
         with torch.no_grad():
             if capturing:
+                out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
                 self._run(collective, a, b, weights, out, capturing=True)
                 self._captured = True
-            elif self.graph_after > 0:
+                return out
+            main = torch.cuda.current_stream(self.device)
+            last = self._last_main
+            if last is not None and last.cuda_stream != main.cuda_stream:
+                main.wait_stream(last)  # the previous call (eager or replayed) ran on another stream
+            if self.graph_after > 0:
+                out = self._output((rows, n), a.dtype)
                 self._run_graphed(collective, a, b, weights, out)
             else:
+                out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
                 self._run(collective, a, b, weights, out)
+            self._last_main = main
         return out
+
+    def _output(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """A new output tensor from the engine's own memory pool (where torch has one): only
+        these outputs come and go there, so a loop that drops each output before its next call
+        gets the same block back, and its calls keep one graph key (with the shared pool, run 30's
+        bench saw the output's address wander with the other variants' allocations)."""
+        if self._out_pool is None and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool"):
+            self._out_pool = torch.cuda.MemPool()
+        if self._out_pool is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        with torch.cuda.use_mem_pool(self._out_pool, device=self.device):
+            return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _run_graphed(
         self, collective: str, a: torch.Tensor, b: torch.Tensor, weights: tuple[int, ...], out: torch.Tensor
@@ -443,9 +465,8 @@ class CopyEnginePeers:
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(key)
-        main = torch.cuda.current_stream(self.device)
-        main.wait_stream(self._side)  # an earlier eager call's side work is done
-        main.wait_stream(self._local)
+        # (an eager call's side streams joined its main stream at its end, which ``run`` waited
+        # for if it was another stream; a graph joins its own)
         graph.replay()
         self.replays += 1
         self._calls += 1

@@ -339,12 +339,14 @@ def test_eager_calls_are_graphed_once_their_addresses_repeat(monkeypatch: pytest
         return SimpleNamespace(replay=lambda: log.append("replay"))
 
     peers._run, peers._capture = run, capture
-    stream = SimpleNamespace(wait_stream=lambda other: None)
+    stream = SimpleNamespace(wait_stream=lambda other: log.append("wait"), cuda_stream=7)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     outs = [torch.empty(8, 6), torch.empty(8, 6)]
     which = [0]
     monkeypatch.setattr(ce.torch, "empty", lambda *args, **kw: outs[which[0]])
+    peers._output = lambda shape, dtype: outs[which[0]]  # (the engine's output pool needs CUDA)
+    peers._last_main = None
     a, b = torch.randn(8, 4), torch.randn(4, 6)
 
     def call() -> list[str]:
@@ -377,3 +379,7 @@ def test_eager_calls_are_graphed_once_their_addresses_repeat(monkeypatch: pytest
     with pytest.warns(RuntimeWarning, match="capturing a call in a CUDA graph failed"):
         assert call() == ["eager"]  # the capture failed: this call runs eagerly, and later ones
     assert peers.graph_after == 0 and call() == ["eager"]
+    other = SimpleNamespace(wait_stream=lambda last: log.append("wait"), cuda_stream=8)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: other)
+    assert call() == ["wait", "eager"]  # another stream first waits for the last call's stream
+    assert call() == ["eager"]  # the same stream again: no wait
