@@ -17,7 +17,8 @@
 #   bash bench/search_session.sh bench-twice  # the bench with the committed tables in two processes,
 #                                        # 30 rounds each (10 rounds left 0.1 ms outliers, run 22)
 #   bash bench/search_session.sh graphs  # the engine's own graphs: eager / own-graph / replayed
-#                                        # timings (bench/ce_graph_probe.py), then every GPU test
+#                                        # timings (bench/ce_graph_probe.py), every GPU test, then
+#                                        # the bench twice with the committed tables
 #
 # The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
 # (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
@@ -155,6 +156,11 @@ elif [ "$STAGE" = graphs ]; then
   stamp "every GPU test (the engine's own graphs, a caller's graph, the review's fixes)"
   timeout 360 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" --durations=6 \
     tests/test_gpu.py tests/test_copy_engine.py 2>&1 | tee "$RES/pytest_gpu.log" | tail -14
+  export FO_TUNE_TABLE_DIR="$PWD/results/tables"
+  for i in 1 2; do  # the committed tables, two processes, 30 rounds each
+    stamp "bench run $i"
+    REPS=30 bench_suite 150 "bench$i" 12
+  done
 elif [ "$STAGE" = diag ]; then
   stamp "the engine's own graphs: GPU test, then a search of two shapes with warnings shown"
   timeout 90 python3 -m pytest -q -p no:cacheprovider -m multigpu \
