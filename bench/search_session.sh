@@ -14,6 +14,8 @@
 #                                        # twice (two processes, 30 rounds each)
 #   bash bench/search_session.sh ce-mrange  # the M-range rows again (with copy-engine candidates),
 #                                        # then the bench again
+#   bash bench/search_session.sh mrange-lite  # the M-range rows with fewer copy-engine candidates,
+#                                        # one collective per search under --time-budget
 #   bash bench/search_session.sh bench-twice  # the bench with the committed tables in two processes,
 #                                        # 30 rounds each (10 rounds left 0.1 ms outliers, run 22)
 #   bash bench/search_session.sh graphs  # the engine's own graphs: eager / own-graph / replayed
@@ -23,7 +25,7 @@
 # The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
 # (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
 set -uo pipefail
-STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange or graphs}"
+STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange, mrange-lite or graphs}"
 KEY=nvidia-h200-cc90-132sm-w2-nvlink18
 CAL="results/calibration/$KEY/tp2/calibration.yaml"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -143,6 +145,29 @@ elif [ "$STAGE" = ce-mrange ]; then
   keep_tables
   stamp "bench again"
   bench_suite 120 bench 30
+elif [ "$STAGE" = mrange-lite ]; then
+  # The M-range rows within little device time: hopper.yaml with the copy-engine candidates cut to
+  # 1, 2 and 4 equal chunks (the suite's searches never picked 3, 6 or the light-last weightings by
+  # more than noise, runs 29-30), the model's best Triton schedule only, one collective per search
+  # under a time budget (a search past it skips its remaining shapes; the ranges then stretch).
+  export FO_TUNE_TABLE_DIR="$PWD/results/tables"
+  python3 - <<'PY' || exit 3
+import yaml
+space = yaml.safe_load(open("search_spaces/hopper.yaml"))
+space["copy_engine_chunks"] = [1, 2, 4]
+space.pop("copy_engine_weights", None)
+yaml.safe_dump(space, open("/tmp/mrange_space.yaml", "w"), sort_keys=False)
+PY
+  for coll in all_reduce reduce_scatter; do
+    stamp "M-range rows, $coll: M = 512..16384 for the suite's (N, K)"
+    timeout 200 python3 cli.py search --mode hybrid --top-k 1 --trials 120 --calibration "$CAL" \
+      --space /tmp/mrange_space.yaml --time-budget "${MRANGE_BUDGET_S:-140}" \
+      --shape 1x4096x4096 --shape 1x8192x4096 --shape 1x8192x14336 --shape 1x8192x8192 --m-range 512:16384 \
+      -c "$coll" --table-dir results/tables --storage "sqlite:///$RES/studies.db" \
+      > "$RES/search_mrange_$coll.log" 2>&1
+    grep -v "━" "$RES/search_mrange_$coll.log" | tail -12
+  done
+  keep_tables
 elif [ "$STAGE" = bench-twice ]; then
   export FO_TUNE_TABLE_DIR="$PWD/results/tables" REPS=30
   for i in 1 2; do
