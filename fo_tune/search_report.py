@@ -58,9 +58,14 @@ TRIAL_COLUMNS = (
 )
 
 
-def default_report_dir(device_key: str, collective: str, world_size: int, dtype: str, mode: str) -> Path:
-    """``results/search/<device-key>/<collective>-w<W>-<dtype>-<mode>`` (relative to the working dir)."""
-    return DEFAULT_REPORT_ROOT / device_key / f"{collective}-w{world_size}-{dtype}-{mode}"
+def default_report_dir(
+    device_key: str, collective: str, world_size: int, dtype: str, mode: str, *, m_range: bool = False
+) -> Path:
+    """``results/search/<device-key>/<collective>-w<W>-<dtype>-<mode>`` (relative to the working
+    dir), with ``-mrange`` after it for an ``--m-range`` search, so that one does not replace the
+    report of the exact shapes' search."""
+    suffix = "-mrange" if m_range else ""
+    return DEFAULT_REPORT_ROOT / device_key / f"{collective}-w{world_size}-{dtype}-{mode}{suffix}"
 
 
 def _cell(value: Any) -> Any:

@@ -301,6 +301,9 @@ def test_odd_shapes_reduce_scatter_and_m_ranges_get_valid_rows(tmp_path):
     assert r.exit_code == 0, r.output
     r = search("--shape", "1x8192x4096", "--m-range", "512:4096", "--trials", "20", "--out", str(out))
     assert r.exit_code == 0, r.output
+    # the range search's report sits beside the exact shapes' one instead of replacing it
+    assert (out / "report" / "all_reduce-w2-bfloat16-predict" / "summary.yaml").exists()
+    assert (out / "report" / "all_reduce-w2-bfloat16-predict-mrange" / "summary.yaml").exists()
     for name in ("all_reduce", "reduce_scatter"):
         table = load_table(out / "tables" / H200_KEY / f"{name}-w2-bfloat16.yaml")
         assert table_tools.validate_table(table) == []

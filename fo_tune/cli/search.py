@@ -415,7 +415,9 @@ def search(
             device_key = current_fingerprint(local_device(chosen), world_size).device_key
         report_dirs = []
         for request in requests:
-            folder = default_report_dir(device_key, request.collective, world_size, dtype, mode)
+            folder = default_report_dir(
+                device_key, request.collective, world_size, dtype, mode, m_range=request.m_range is not None
+            )
             report_dirs.append(out / "report" / folder.name if out is not None else folder)
             check_report_dir(report_dirs[-1])
         results = []
