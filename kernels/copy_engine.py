@@ -415,8 +415,9 @@ class CopyEnginePeers:
     def _output(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         """A new output tensor from the engine's own memory pool (where torch has one): only
         these outputs come and go there, so a loop that drops each output before its next call
-        gets the same block back, and its calls keep one graph key (with the shared pool, run 30's
-        bench saw the output's address wander with the other variants' allocations)."""
+        gets the same block back, and its calls keep one graph key (from torch's common pool, run
+        30's bench saw the output's address wander with the other variants' allocations). The
+        pool's freed blocks serve only later outputs of the engine."""
         if self._out_pool is None and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool"):
             self._out_pool = torch.cuda.MemPool()
         if self._out_pool is None:
