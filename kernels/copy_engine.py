@@ -84,9 +84,9 @@ PLAN_CACHE_SIZE = 256
 # addresses) are seen: once could be a one-off, twice is a loop's steady state. A capture costs
 # about one eager call's host time plus the graph's instantiation.
 GRAPH_AFTER_CALLS = 2
-# Graphs kept (LRU): a model has a few calls per layer, each with its own addresses. A graph holds
-# no memory of its own (the engine's buffers and the caller's tensors are outside it; cuBLAS's
-# workspace for the capture stream is made once).
+# Graphs kept (LRU): a model has a few calls per layer, each with its own addresses. The graphs
+# allocate nothing but cuBLAS's workspace for the capture stream, made in the first graph's pool
+# (that graph is kept for the engine's life); the buffers and the caller's tensors are outside.
 GRAPH_CACHE_SIZE = 512
 # Addresses counted towards a capture (LRU), so keys that never repeat cannot grow without bound.
 SEEN_CACHE_SIZE = 4096
@@ -179,6 +179,10 @@ class CopyEnginePeers:
     replays: int = 0  # calls served by a graph of the engine's own (tests and probes read it)
     _last_main: torch.cuda.Stream | None = field(default=None, repr=False)  # the last call's stream
     _out_pool: object | None = field(default=None, repr=False)  # torch.cuda.MemPool of the outputs
+    _capturing_own: bool = False  # inside ``_capture``: nothing recorded has run
+    # The first own graph, never dropped: cuBLAS's workspace for the capture stream was allocated
+    # in its memory pool and every later graph uses it, so that pool must outlive them all.
+    _first_graph: object | None = field(default=None, repr=False)
     graph_failure: str = ""  # why a capture failed (graph_after is 0 since), for probes and reports
     _captured: bool = False  # a caller's CUDA graph holds the buffers' addresses: they must not move
     _broken: str = ""  # why an earlier call failed part-way (the ranks' flags are out of step)
@@ -270,10 +274,11 @@ class CopyEnginePeers:
 
     def _check(self, err, what: str) -> None:
         if err != self._ok:
-            # part of the call may be queued already: the two ranks' flags are out of step now
-            self._broken = f"{what} failed ({err})"
+            why = f"{what} failed ({err})"
+            if not self._capturing_own:  # part of the call may be queued already: the two ranks'
+                self._broken = why  # flags are out of step now (a capture queues nothing)
             raise EnvironmentMismatchError(
-                f"engine copy_engine: {self._broken}; use a table row with engine: triton "
+                f"engine copy_engine: {why}; use a table row with engine: triton "
                 "or overlap: false on this machine"
             )
 
@@ -419,7 +424,8 @@ class CopyEnginePeers:
         30's bench saw the output's address wander with the other variants' allocations). The
         pool's freed blocks serve only later outputs of the engine."""
         if self._out_pool is None and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool"):
-            self._out_pool = torch.cuda.MemPool()
+            with torch.cuda.device(self.device):  # a MemPool belongs to the current device
+                self._out_pool = torch.cuda.MemPool()
         if self._out_pool is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
         with torch.cuda.use_mem_pool(self._out_pool, device=self.device):
@@ -432,7 +438,7 @@ class CopyEnginePeers:
         and replayed on the ``graph_after``-th sighting of its key, else issued eagerly."""
         key = (
             collective, weights, a.dtype, tuple(a.shape), a.stride(), a.data_ptr(),
-            tuple(b.shape), b.stride(), b.data_ptr(), out.data_ptr(),
+            b.dtype, tuple(b.shape), b.stride(), b.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         graph = self._graphs.get(key)
         if graph is None:
@@ -446,8 +452,8 @@ class CopyEnginePeers:
                 return
             try:
                 graph = self._capture(collective, a, b, weights, out)
-            except RuntimeError as exc:
-                if self._broken:  # a driver call failed: the flags are out of step, nothing to save
+            except Exception as exc:
+                if self._broken:  # a side stream was left capturing: nothing more can run
                     raise
                 # nothing recorded has run, so the flags are in step: this call and later ones
                 # are issued eagerly (correct, only slower at small shapes)
@@ -462,6 +468,8 @@ class CopyEnginePeers:
                 self._run(collective, a, b, weights, out)
                 return
             self._graphs[key] = graph
+            if self._first_graph is None:
+                self._first_graph = graph
             while len(self._graphs) > GRAPH_CACHE_SIZE:
                 self._graphs.popitem(last=False)
         else:
@@ -481,24 +489,45 @@ class CopyEnginePeers:
             self._capture_stream = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
         calls = self._calls
-        with torch.cuda.stream(self._capture_stream):
-            # a memory pool of its own (pool=None): a pool shared by graphs is released once they
-            # are all dropped (buffer growth), and torch asserts when a capture reuses it (run 28)
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self._run(collective, a, b, weights, out, capturing=True)
-            except BaseException:
-                with contextlib.suppress(RuntimeError):  # invalid already: report the first error
+        self._capturing_own = True
+        try:
+            with torch.cuda.stream(self._capture_stream):
+                # a memory pool of its own (pool=None): a pool shared by graphs is released once
+                # they are all dropped (buffer growth), and torch asserts when a capture reuses it
+                # (run 28)
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._run(collective, a, b, weights, out, capturing=True)
+                except BaseException:
+                    self._abandon_capture(graph)
+                    raise
+                try:
                     graph.capture_end()
-                self._end_generator_capture()
-                raise
-            try:
-                graph.capture_end()
-            except RuntimeError:
-                self._end_generator_capture()
-                raise
+                except RuntimeError:
+                    self._end_generator_capture()
+                    raise
+        finally:
+            self._capturing_own = False
         self._calls = calls  # recorded, not run: the replay counts it
         return graph
+
+    def _abandon_capture(self, graph: torch.cuda.CUDAGraph) -> None:
+        """End a capture that ``_run`` left part-way: the side streams it forked join the capture
+        stream first (an unjoined fork makes ``capture_end`` fail before torch's own cleanup of the
+        allocator and the random generator), then the capture ends; a side stream left capturing
+        makes the engine unusable (its next operations would be recorded, never run)."""
+        here = torch.cuda.current_stream(self.device)
+        for side in (self._side, self._local):
+            with contextlib.suppress(RuntimeError):
+                here.wait_stream(side)
+        try:
+            graph.capture_end()
+        except RuntimeError:  # invalid already: the first error is the one to report
+            self._end_generator_capture()
+        for side in (self._side, self._local):
+            with torch.cuda.stream(side):
+                if torch.cuda.is_current_stream_capturing():
+                    self._broken = "a failed CUDA graph capture left a side stream capturing"
 
     def _end_generator_capture(self) -> None:
         """After a failed capture: torch's CUDA random generator still believes a capture is on

@@ -286,7 +286,8 @@ def test_capture_needs_one_eager_call_first(monkeypatch: pytest.MonkeyPatch):
 
 def test_refusals_before_any_work():
     """M < 2 (a rank would own no row), a peers object whose earlier call failed part-way, and
-    buffers that would move under a captured graph are refused with what to do."""
+    buffers that would move under a captured graph are refused with what to do; a driver error
+    while the engine records its own graph (nothing ran) leaves the peers usable."""
     import torch
 
     from fo_kernels.errors import EnvironmentMismatchError, ShapeError
@@ -297,6 +298,14 @@ def test_refusals_before_any_work():
     peers._broken = "cuMemcpyDtoDAsync failed (CUDA_ERROR_INVALID_VALUE)"
     with pytest.raises(EnvironmentMismatchError, match=r"failed in an earlier call.*restart"):
         peers.run("all_reduce", torch.randn(8, 4), torch.randn(4, 6), (1,))
+    peers._broken, peers._ok, peers._capturing_own = "", 0, True
+    with pytest.raises(EnvironmentMismatchError, match="cuMemcpyDtoDAsync failed"):
+        peers._check(1, "cuMemcpyDtoDAsync")
+    assert peers._broken == ""  # while the engine records its own graph nothing ran: still usable
+    peers._capturing_own = False
+    with pytest.raises(EnvironmentMismatchError):
+        peers._check(1, "cuMemcpyDtoDAsync")
+    assert peers._broken == "cuMemcpyDtoDAsync failed (1)"  # eagerly, part of a call may be queued
     peers._broken, peers._captured, peers._capacity = "", True, 1024
     peers._reserve(512)  # fits: nothing moves
     with pytest.raises(ScheduleError, match="run the largest shape eagerly before capturing"):
@@ -370,8 +379,8 @@ def test_eager_calls_are_graphed_once_their_addresses_repeat(monkeypatch: pytest
         assert call() == ["eager"]
     assert len(peers._seen) == 1
 
-    def refused(*args):
-        raise RuntimeError("operation not permitted when stream is capturing")
+    def refused(*args):  # any error: the capture queued nothing, so the call runs eagerly
+        raise ValueError("operation not permitted when stream is capturing")
 
     peers._capture = refused
     a = torch.randn(16, 4)
