@@ -139,6 +139,15 @@ def test_copy_engine_ops():
             assert not r["nan"] and r["err"] < TOL[r["case"].dtype], r
 
 
+def _engine_cases(specs, first_seed: int) -> list:
+    """Cases with an ``engine: copy_engine`` schedule from (collective, m, n, k, dtype, B as an
+    (N, K) weight's view, chunks) specs, seeded from ``first_seed`` on."""
+    return [
+        Case(c, m, n, k, dt, kmajor, _copy_engine(c, m, n, k, chunks, dt), seed)
+        for seed, (c, m, n, k, dt, kmajor, chunks) in enumerate(specs, start=first_seed)
+    ]
+
+
 @pytest.mark.multigpu
 def test_copy_engine_graphs_repeated_eager_calls():
     """Eager copy-engine calls whose addresses repeat are replayed from the engine's own graph
@@ -148,14 +157,13 @@ def test_copy_engine_graphs_repeated_eager_calls():
     from fo_kernels.copy_engine import GRAPH_AFTER_CALLS
     from fo_tune.launch import run_ranks
 
-    specs = [  # (collective, m, n, k, dtype, B as an (N, K) weight's view, chunks)
-        ("all_reduce", 1024, 768, 512, "bfloat16", True, 2),
-        ("reduce_scatter", 512, 640, 256, "float16", False, 3),
-    ]
-    cases = [
-        Case(c, m, n, k, dt, kmajor, _copy_engine(c, m, n, k, chunks, dt), seed)
-        for seed, (c, m, n, k, dt, kmajor, chunks) in enumerate(specs, start=11)
-    ]
+    cases = _engine_cases(
+        [
+            ("all_reduce", 1024, 768, 512, "bfloat16", True, 2),
+            ("reduce_scatter", 512, 640, 256, "float16", False, 3),
+        ],
+        first_seed=11,
+    )
     per_rank = run_ranks(copy_engine_auto_graph, 2, cases, backend="nccl", timeout_s=300)
     for rank, rows in enumerate(per_rank):
         assert len(rows) == (2 * len(cases) + 2) * (GRAPH_AFTER_CALLS + 3)
@@ -178,15 +186,12 @@ def test_copy_engine_in_a_cuda_graph():
     from dist_cases import copy_engine_graph
     from fo_tune.launch import run_ranks
 
-    specs = [  # (collective, m, n, k, dtype, B as an (N, K) weight's view, chunks)
+    specs = [
         ("all_reduce", 1024, 768, 512, "bfloat16", True, 3),
         ("reduce_scatter", 512, 640, 256, "float16", False, 2),
         ("all_reduce", 257, 130, 64, "float32", False, 1),
     ]
-    cases = [
-        Case(c, m, n, k, dt, kmajor, _copy_engine(c, m, n, k, chunks, dt), seed)
-        for seed, (c, m, n, k, dt, kmajor, chunks) in enumerate(specs, start=3)
-    ]
+    cases = _engine_cases(specs, first_seed=3)
     per_rank = run_ranks(copy_engine_graph, 2, cases, backend="nccl", timeout_s=300)
     results = [r for rank in per_rank for r in rank]
     assert len(results) == 2 * len(cases) * 3 * 2
