@@ -42,20 +42,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probe_common import merge_checked, sequential_call
+from probe_common import SUITE_SHAPES, merge_checked, operands_and_reference, sequential_call
 
 from fo_kernels.wait import StreamWaiter, _driver_module
 from fo_tune.harness import open_pool, time_interleaved
 from fo_tune.launch import RankContext
-from fo_tune.measure import _collective_fp32, gemm_operands, rel_err
+from fo_tune.measure import rel_err
 
-SHAPES = (
-    (2048, 4096, 4096),
-    (4096, 8192, 4096),
-    (4096, 8192, 14336),
-    (8192, 8192, 8192),
-    (16384, 8192, 4096),
-)
+SHAPES = SUITE_SHAPES
 CHUNKS = (1, 2, 4, 8)
 TOLERANCE = 2e-2
 # flags: [0, C) partial chunk c ready, [C, 2C) final chunk c ready, DONE: the peer finished reading.
@@ -163,8 +157,7 @@ class ProbeTask:
 
     def run(self, ctx: RankContext) -> dict:
         m, n, k, w = self.m, self.n, self.k, ctx.world_size
-        a, b = gemm_operands(m, n, k, "bfloat16", ctx.device, 11 + ctx.rank)
-        ref = _collective_fp32(self.collective, (a.float() @ b.float()).contiguous(), w)
+        a, b, ref = operands_and_reference(ctx, m, n, k, self.collective)
         fns = {}
         fns["seq"] = sequential_call(self.collective, a, b, w)[0]
         if self.collective == "reduce_scatter":

@@ -31,7 +31,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probe_common import append_rows
+from probe_common import OPERAND_SEED, append_rows
 
 from fo_kernels.copy_engine import CopyEnginePeers
 from fo_tune.harness import open_pool
@@ -114,7 +114,7 @@ class TraceTask:
 
     def run(self, ctx: RankContext) -> dict:
         collective, m, n, k, chunks = self.case
-        a, b = gemm_operands(m, n, k, "bfloat16", ctx.device, 11 + ctx.rank)
+        a, b = gemm_operands(m, n, k, "bfloat16", ctx.device, OPERAND_SEED + ctx.rank)
         peers = CopyEnginePeers(device=ctx.device)
         for _ in range(5):
             peers.run(collective, a, b, (1,) * chunks)

@@ -35,21 +35,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probe_common import append_rows, merge_checked, sequential_call
+from probe_common import SUITE_SHAPES, append_rows, merge_checked, operands_and_reference, sequential_call
 
 from fo_kernels.copy_engine import PARTIAL, CopyEnginePeers
 from fo_tune.harness import open_pool, time_interleaved
 from fo_tune.launch import RankContext
-from fo_tune.measure import _collective_fp32, gemm_operands, rel_err
+from fo_tune.measure import rel_err
 
-SHAPES = (
-    (512, 4096, 4096),
-    (2048, 4096, 4096),
-    (4096, 8192, 4096),
-    (4096, 8192, 14336),
-    (8192, 8192, 8192),
-    (16384, 8192, 4096),
-)
+SHAPES = ((512, 4096, 4096), *SUITE_SHAPES)  # a launch-bound shape, then the suite
 CHUNKS = (1, 2, 3, 4)
 ROUND_TRIPS = 200
 HOST_CALLS = 30
@@ -98,8 +91,7 @@ class EngineTask:
 
     def run(self, ctx: RankContext) -> dict:
         m, n, k, w = self.m, self.n, self.k, ctx.world_size
-        a, b = gemm_operands(m, n, k, "bfloat16", ctx.device, 11 + ctx.rank)
-        ref = _collective_fp32(self.collective, (a.float() @ b.float()).contiguous(), w)
+        a, b, ref = operands_and_reference(ctx, m, n, k, self.collective)
         seq, seq_full, seq_out = sequential_call(self.collective, a, b, w)
         fns = {"seq": seq}
         peers = peers_for(ctx.device)

@@ -32,38 +32,20 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from probe_common import SUITE_SHAPES, operands_and_reference
+
+from fo_kernels.copy_engine import chunk_bounds
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
 from fo_tune.harness import Timing, open_pool, time_interleaved
 from fo_tune.launch import RankContext
-from fo_tune.measure import _collective_fp32, gemm_operands, rel_err
+from fo_tune.measure import rel_err
 
-SHAPES = (
-    (2048, 4096, 4096),
-    (4096, 8192, 4096),
-    (4096, 8192, 14336),
-    (8192, 8192, 8192),
-    (16384, 8192, 4096),
-)
+SHAPES = SUITE_SHAPES
 WEIGHTS = ((1, 1), (1, 1, 1), (1, 1, 1, 1), (1,) * 6, (1,) * 8, (2, 1, 1), (4, 2, 1, 1), (3, 3, 2))
 CARVE_CAP = ((8, 8), (16, 8), (16, 16), (24, 16), (24, 24), (32, 32))
 QUICK_WEIGHTS = ((1, 1), (1, 1, 1, 1), (2, 1, 1))
 QUICK_CARVE_CAP = ((16, 16), (24, 16))
-# Chunk rows are multiples of this (a cuBLAS tile height; keeps every chunk's GEMM full-tiled).
-ROW_ALIGN = 128
 TOLERANCE = 2e-2
-
-
-def bounds_of(rows: int, weights: tuple[int, ...]) -> list[int]:
-    """Row boundaries splitting ``rows`` by ``weights``, each inner one a multiple of ROW_ALIGN."""
-    total = sum(weights)
-    out = [0]
-    acc = 0
-    for w in weights[:-1]:
-        acc += w
-        cut = round(rows * acc / total / ROW_ALIGN) * ROW_ALIGN
-        out.append(min(max(cut, out[-1]), rows))
-    out.append(rows)
-    return [b for i, b in enumerate(out) if i == 0 or b > out[i - 1]]
 
 
 def set_blas(library: str, carveout: int | None) -> None:
@@ -77,8 +59,7 @@ class ProbeTask:
 
     def run(self, ctx: RankContext) -> dict:
         m, n, k, w = self.m, self.n, self.k, ctx.world_size
-        a, b = gemm_operands(m, n, k, "bfloat16", ctx.device, 11 + ctx.rank)
-        ref = _collective_fp32(self.collective, (a.float() @ b.float()).contiguous(), w)
+        a, b, ref = operands_and_reference(ctx, m, n, k, self.collective)
         rt = runtime_for(ctx.device, None)
         side = rt.comm_stream
         main = torch.cuda.current_stream(ctx.device)
@@ -108,14 +89,14 @@ class ProbeTask:
             gemms, comms = [], []
             if self.collective == "all_reduce":
                 out = torch.empty((m, n), dtype=a.dtype, device=ctx.device)
-                for r0, r1 in itertools.pairwise(bounds_of(m, weights)):
+                for r0, r1 in itertools.pairwise(chunk_bounds(m, weights)):
                     gemms.append(functools.partial(torch.mm, a[r0:r1], b, out=out[r0:r1]))
                     comms.append(functools.partial(dist.all_reduce, out[r0:r1], group=group))
             else:
                 shard = m // w
                 a3, b3 = a.view(w, shard, k), b.expand(w, k, n)
                 out = torch.empty((shard, n), dtype=a.dtype, device=ctx.device)
-                for s0, s1 in itertools.pairwise(bounds_of(shard, weights)):
+                for s0, s1 in itertools.pairwise(chunk_bounds(shard, weights)):
                     buf = torch.empty((w, s1 - s0, n), dtype=a.dtype, device=ctx.device)
                     gemms.append(functools.partial(torch.bmm, a3[:, s0:s1], b3, out=buf))
                     comms.append(

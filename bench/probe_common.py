@@ -1,5 +1,6 @@
-"""Pieces the two-GPU copy-engine probes share (``bench/ce_*_probe.py``): the sequential baseline,
-the merge of the ranks' checks and timings, and CSV rows appended case by case."""
+"""Pieces the two-GPU probes share (``bench/ce_*_probe.py``, ``bench/cublas_chunks_probe.py``): the
+suite's shapes, a case's operands and float32 reference, the sequential baseline, the merge of the
+ranks' checks and timings, and CSV rows appended case by case."""
 
 from __future__ import annotations
 
@@ -11,7 +12,25 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.runtime import reduce_scatter_tensor
+from fo_tune.bench import load_suite, packaged_suite
 from fo_tune.harness import Timing
+from fo_tune.launch import RankContext
+from fo_tune.measure import _collective_fp32, gemm_operands
+
+# The shipped suite's (M, N, K) (suites/h200_tp.yaml, DESIGN.md's five shapes).
+SUITE_SHAPES = load_suite(packaged_suite()).shapes
+# Seed of rank r's operands: OPERAND_SEED + r (every probe draws the same operands per shape).
+OPERAND_SEED = 11
+
+
+def operands_and_reference(
+    ctx: RankContext, m: int, n: int, k: int, collective: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, b, reference): this rank's random bf16 (M, K) and (K, N) operands and the float32
+    ``collective(sum over ranks of a @ b)`` the probe's variants are checked against."""
+    a, b = gemm_operands(m, n, k, "bfloat16", ctx.device, OPERAND_SEED + ctx.rank)
+    ref = _collective_fp32(collective, (a.float() @ b.float()).contiguous(), ctx.world_size)
+    return a, b, ref
 
 
 def sequential_call(
