@@ -18,6 +18,8 @@
 #                                        # one collective per search under --time-budget
 #   bash bench/search_session.sh bench-twice  # the bench with the committed tables in two processes,
 #                                        # 30 rounds each (10 rounds left 0.1 ms outliers, run 22)
+#   bash bench/search_session.sh diag    # the own-graph GPU test, then a two-shape search with
+#                                        # warnings shown (run 28 found a capture failure this way)
 #   bash bench/search_session.sh graphs  # the engine's own graphs: eager / own-graph / replayed
 #                                        # timings (bench/ce_graph_probe.py), every GPU test, then
 #                                        # the bench twice with the committed tables
@@ -25,7 +27,7 @@
 # The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
 # (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
 set -uo pipefail
-STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange, mrange-lite or graphs}"
+STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange, mrange-lite, graphs or diag}"
 KEY=nvidia-h200-cc90-132sm-w2-nvlink18
 CAL="results/calibration/$KEY/tp2/calibration.yaml"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -49,6 +51,13 @@ bench_suite() {
   timeout "$1" python3 cli.py bench --suite suites/h200_tp.yaml -c all_reduce,reduce_scatter \
     --out "$RES/$2" ${REPS:+--reps "$REPS"} > "$RES/$2.log" 2>&1
   tail -"$3" "$RES/$2.log"
+}
+# bench_twice TIMEOUT LINES: bench_suite in two processes, into $RES/bench1 and $RES/bench2.
+bench_twice() {
+  for i in 1 2; do
+    stamp "bench run $i${REPS:+ ($REPS rounds)}"
+    bench_suite "$1" "bench$i" "$2"
+  done
 }
 # Hybrid searches into results/tables, both collectives, one sqlite study file for the call.
 # search_suite TIMEOUT TOP_K: the suite's shapes (log search_suite.log, its last 34 lines shown).
@@ -120,10 +129,7 @@ print(f"lookup_schedule: {per_call():.4f} ms/call remembered")
 t.TABLE_RECHECK_S = 0.0
 print(f"lookup_schedule: {per_call():.4f} ms/call checking the files every call")
 PY
-  for i in 1 2; do
-    stamp "bench run $i"
-    bench_suite 110 "bench$i" 28
-  done
+  bench_twice 110 28
 elif [ "$STAGE" = ce ]; then
   [ "${CE_TESTS:-1}" = 0 ] || stamp "GPU tests: copy engine in CUDA graphs, the NCCL ops (CE_TESTS=0 skips)"
   [ "${CE_TESTS:-1}" = 0 ] || timeout 150 python3 -m pytest -q -p no:cacheprovider -m "multigpu" \
@@ -134,10 +140,7 @@ elif [ "$STAGE" = ce ]; then
   stamp "hybrid search of the suite with copy-engine candidates, both collectives -> results/tables"
   search_suite 240 4
   keep_tables
-  for i in 1 2; do  # two processes, 30 rounds each
-    stamp "bench run $i"
-    REPS=30 bench_suite 150 "bench$i" 30
-  done
+  REPS=30 bench_twice 150 30
 elif [ "$STAGE" = ce-mrange ]; then
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
   stamp "M-range rows with copy-engine candidates: M = 512..16384 for the suite's (N, K)"
@@ -170,10 +173,7 @@ PY
   keep_tables
 elif [ "$STAGE" = bench-twice ]; then
   export FO_TUNE_TABLE_DIR="$PWD/results/tables" REPS=30
-  for i in 1 2; do
-    stamp "bench run $i (30 rounds)"
-    bench_suite 200 "bench$i" 24
-  done
+  bench_twice 200 24
 elif [ "$STAGE" = graphs ]; then
   stamp "copy engine eager, through its own graphs, and replayed from a caller's graph"
   timeout 180 python3 bench/ce_graph_probe.py --out "$RES/probe" > "$RES/probe.log" 2>&1
@@ -182,10 +182,7 @@ elif [ "$STAGE" = graphs ]; then
   timeout 360 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" --durations=6 \
     tests/test_gpu.py tests/test_copy_engine.py 2>&1 | tee "$RES/pytest_gpu.log" | tail -14
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
-  for i in 1 2; do  # the committed tables, two processes, 30 rounds each
-    stamp "bench run $i"
-    REPS=30 bench_suite 150 "bench$i" 12
-  done
+  REPS=30 bench_twice 150 12  # the committed tables
 elif [ "$STAGE" = diag ]; then
   stamp "the engine's own graphs: GPU test, then a search of two shapes with warnings shown"
   timeout 90 python3 -m pytest -q -p no:cacheprovider -m multigpu \
