@@ -43,6 +43,19 @@ allocator hands out the same blocks) is captured into a CUDA graph of its own th
 graph issues exactly the operations of an eager call, so a rank replaying and a rank issuing
 eagerly stay in step. The graphs are dropped when the buffers grow.
 
+Two more modes (``run``'s ``tile`` and ``exchange``, a schedule's ``tile`` and ``exchange``):
+
+- tiled (``_run_tiled``): each phase is one persistent Triton GEMM on all SMs instead of a cuBLAS
+  GEMM per chunk (no chunk pays a small GEMM's wave quantization); its tiles count per chunk, a
+  notify stream forwards each finished chunk, and each tile of phase 2 waits in the kernel for its
+  chunk's pull before adding it in float32 (``fo_kernels.gemm.rows_gemm``);
+- exchange (``_run_exchange``, all_reduce): the chunks cut all M rows; each rank pulls the peer's
+  whole partial into the output and adds its own, one NVLink hop per byte.
+
+Every mode issues a call's main-stream work before the side streams' waits that depend on the
+peer: two streams can share one of the GPU's hardware queues, and a wait queued first would block
+the work the peer waits for (run 34 in ``docs/perf-notes.md`` hung that way).
+
 Needs CUDA, two GPUs with peer access (NVLink), ``torch.distributed._symmetric_memory`` and
 cuda-bindings (``pip install 'fo-tune[cuda]'``); ``CopyEnginePeers`` says what is missing.
 """
@@ -61,7 +74,8 @@ import torch
 import torch.distributed as dist
 
 from .errors import EnvironmentMismatchError, ScheduleError, ShapeError
-from .schedule import COPY_ENGINE_WORLD, MAX_CHUNKS
+from .gemm import BOperand, rows_gemm
+from .schedule import COPY_ENGINE_WORLD, MAX_CHUNKS, Tile
 from .wait import _driver_module
 
 # Flag slots, each 0 or 1: [PARTIAL, PARTIAL + MAX_CHUNKS) the peer's partial of my chunk c is
@@ -71,7 +85,13 @@ PARTIAL = 0
 SUMMED = MAX_CHUNKS
 PULLED = 2 * MAX_CHUNKS
 GATHERED = PULLED + 1
-FLAG_SLOTS = GATHERED + 1
+# Tiled mode: [READY, READY + MAX_CHUNKS) my side stream has pulled the peer's partial of my chunk c
+# into its destination (set and reset by me; the phase-2 kernel's tiles wait on it).
+READY = GATHERED + 1
+FLAG_SLOTS = READY + MAX_CHUNKS
+# Tiled mode's tile counters (local, kernel-incremented): [0, MAX_CHUNKS) phase 1's chunks of the
+# peer's shard, [MAX_CHUNKS, 2 * MAX_CHUNKS) phase 2's summed chunks of mine (all_reduce).
+COUNTER_SLOTS = 2 * MAX_CHUNKS
 # Inner chunk cuts fall on multiples of this many rows when the shard is big enough: 128 is the
 # tallest cuBLAS tile on Hopper, so no chunk's GEMM ends in a partly filled row of tiles.
 ROW_ALIGN = 128
@@ -112,13 +132,14 @@ def shard_rows(m: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return (0, half), (half, m)
 
 
-def chunk_bounds(rows: int, weights: tuple[int, ...]) -> list[int]:
+def chunk_bounds(rows: int, weights: tuple[int, ...], align: int | None = None) -> list[int]:
     """Row boundaries cutting ``rows`` by ``weights`` (each chunk >= 1 row; fewer chunks when the
-    shard has fewer rows than weights). Inner cuts are rounded to ``ROW_ALIGN`` when every chunk
-    can still get a row."""
+    shard has fewer rows than weights). Inner cuts are rounded to ``align`` (default: to
+    ``ROW_ALIGN`` when every chunk can still get a row)."""
     if rows <= 0:
         return [0]
-    align = ROW_ALIGN if rows >= ROW_ALIGN * len(weights) else 1
+    if align is None:
+        align = ROW_ALIGN if rows >= ROW_ALIGN * len(weights) else 1
     total = sum(weights)
     bounds = [0]
     acc = 0
@@ -129,6 +150,14 @@ def chunk_bounds(rows: int, weights: tuple[int, ...]) -> list[int]:
             bounds.append(cut)
     bounds.append(rows)
     return bounds
+
+
+def tile_row_bounds(rows: int, weights: tuple[int, ...], block_m: int) -> list[int]:
+    """The tiled mode's row chunks: ``rows`` cut by ``weights`` on whole tile rows of ``block_m``
+    (each chunk >= 1 tile row, so each tile belongs to exactly one chunk; fewer chunks when the
+    shard has fewer tile rows than weights)."""
+    tile_rows = -(-rows // block_m)
+    return [min(c * block_m, rows) for c in chunk_bounds(tile_rows, weights, align=1)]
 
 
 @dataclass(frozen=True)
@@ -150,6 +179,57 @@ class _Plan:
     gather_src: tuple[int, ...]  # all_reduce: the peer's summed chunks (its ``final``)
 
 
+@dataclass(frozen=True)
+class _Mode:
+    """How a call runs: a cuBLAS GEMM per chunk (the default), ``tile``: the tiled mode, or
+    ``exchange``: AllReduce by exchanging whole partials (see ``_run_exchange``)."""
+
+    tile: Tile | None = None
+    exchange: bool = False
+
+
+CHUNKED = _Mode()
+
+
+def _plan_key(
+    collective: str, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...], mode: _Mode
+) -> tuple:
+    """The key of a call's plan (``_Plan``, ``_TiledPlan`` or ``_ExchangePlan``, by ``mode``)."""
+    return (collective, m, n, dtype, weights, mode)
+
+
+@dataclass(frozen=True)
+class _ExchangePlan:
+    """What an exchange-mode call of one (M, N, dtype, weights) reuses: chunks of all M rows, the
+    views of my ``part`` buffer the GEMMs write and the peer's partials' addresses."""
+
+    chunks: tuple[tuple[int, int], ...]
+    row_bytes: int
+    part: tuple[torch.Tensor, ...]  # my partial of each chunk (the peer pulls it)
+    pull_src: tuple[int, ...]  # the peer's partial of each chunk (its ``part``)
+
+
+@dataclass(frozen=True)
+class _TiledPlan:
+    """What a tiled-mode call of one (collective, M, N, dtype, weights, tile) reuses: row chunks on
+    whole tile rows, each tile row's chunk and each chunk's tile count (the kernel's groups and the
+    counters' targets), the buffer views the two GEMMs write and the copies' addresses."""
+
+    mine: tuple[int, int]
+    theirs: tuple[int, int]
+    own: tuple[tuple[int, int], ...]  # chunks of my shard, rows relative to it
+    other: tuple[tuple[int, int], ...]  # chunks of the peer's shard
+    row_bytes: int
+    part: torch.Tensor  # (rows of the peer's shard, N): my partials (phase 1's output)
+    final: torch.Tensor | None  # all_reduce: (rows of my shard, N) in ``final``, my sums
+    own_groups: torch.Tensor  # int32 chunk of each tile row of my shard
+    other_groups: torch.Tensor  # ... of the peer's shard
+    own_tiles: tuple[int, ...]  # tiles per chunk of my shard (phase 2's counter targets)
+    other_tiles: tuple[int, ...]  # ... of the peer's shard (phase 1's)
+    pull_src: tuple[int, ...]  # the peer's partials of my chunks (its ``part``)
+    gather_src: tuple[int, ...]  # all_reduce: the peer's summed chunks (its ``final``)
+
+
 @dataclass
 class CopyEnginePeers:
     """The symmetric buffers, flags, streams, events and plans of one (device, 2-rank group)."""
@@ -165,6 +245,8 @@ class CopyEnginePeers:
     _peer_flags: torch.Tensor | None = field(default=None, repr=False)
     _side: torch.cuda.Stream | None = field(default=None, repr=False)
     _local: torch.cuda.Stream | None = field(default=None, repr=False)
+    _notify: torch.cuda.Stream | None = field(default=None, repr=False)  # tiled: counters -> peer
+    _counters: torch.Tensor | None = field(default=None, repr=False)  # tiled: COUNTER_SLOTS int32
     _calls: int = 0
     _events: list = field(default_factory=list, repr=False)
     _agreed: set = field(default_factory=set, repr=False)
@@ -212,6 +294,13 @@ class CopyEnginePeers:
         self._peer_flag = [drv.CUdeviceptr(self._peer_flags.data_ptr() + i * size) for i in range(FLAG_SLOTS)]
         self._side_h = self._stream(self._side.cuda_stream)
         self._local_h = self._stream(self._local.cuda_stream)
+        self._notify = torch.cuda.Stream(self.device, priority=-1)
+        self._notify_h = self._stream(self._notify.cuda_stream)
+        self._counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=self.device)
+        csize = self._counters.element_size()
+        self._counter = [drv.CUdeviceptr(self._counters.data_ptr() + i * csize) for i in range(COUNTER_SLOTS)]
+        self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        torch.cuda.synchronize(self.device)
 
     def _symmetric(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """A symmetric allocation of ``numel`` elements on both ranks: (mine, the peer's view)."""
@@ -297,6 +386,20 @@ class CopyEnginePeers:
         (err,) = self._driver.cuStreamWriteValue32(stream, self._peer_flag[slot], 1, self._fence_write)
         self._check(err, "cuStreamWriteValue32 to the peer")
 
+    def _set(self, stream, slot: int) -> None:
+        """``stream`` sets my own flag ``slot`` (after a fence: the copies before it are visible)."""
+        (err,) = self._driver.cuStreamWriteValue32(stream, self._my_flag[slot], 1, self._fence_write)
+        self._check(err, "cuStreamWriteValue32")
+
+    def _count(self, stream, slot: int, target: int) -> None:
+        """``stream`` waits until tile counter ``slot`` reaches ``target`` (every tile of its chunk
+        has stored and signalled), then resets it for the next call."""
+        drv = self._driver
+        (err,) = drv.cuStreamWaitValue32(stream, self._counter[slot], target, self._geq)
+        self._check(err, "cuStreamWaitValue32")
+        (err,) = drv.cuStreamWriteValue32(stream, self._counter[slot], 0, self._fence_write)
+        self._check(err, "cuStreamWriteValue32")
+
     def _copy(self, stream, dst: int, src: int, nbytes: int) -> None:
         """A device-to-device copy on ``stream`` (the copy engine; ``src`` may be the peer's)."""
         drv = self._driver
@@ -324,17 +427,32 @@ class CopyEnginePeers:
             )
         self._agreed.add(signature)
 
-    def _plan(self, collective: str, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...]) -> _Plan:
-        key = (collective, m, n, dtype, weights)
+    def _cached(self, key: tuple, make):
+        """The plan of ``key`` (LRU, ``PLAN_CACHE_SIZE``), made by ``make()`` the first time."""
         plan = self._plans.get(key)
         if plan is not None:
             self._plans.move_to_end(key)
             return plan
+        plan = self._plans[key] = make()  # (after make(): its buffer growth clears the plans)
+        while len(self._plans) > PLAN_CACHE_SIZE:
+            self._plans.popitem(last=False)
+        return plan
+
+    def _halves(self, m: int, n: int, dtype: torch.dtype) -> tuple[tuple[int, int], tuple[int, int], int]:
+        """(my shard's rows, the peer's, bytes per row), the buffers grown to hold either shard."""
         spans = shard_rows(m)
-        mine, theirs = spans[self.rank], spans[self.peer]
         size = torch.empty((), dtype=dtype).element_size()
         self._reserve(max(r1 - r0 for r0, r1 in spans) * n * size)
-        row_bytes = n * size
+        return spans[self.rank], spans[self.peer], n * size
+
+    def _plan(self, collective: str, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...]) -> _Plan:
+        key = _plan_key(collective, m, n, dtype, weights, CHUNKED)
+        return self._cached(key, lambda: self._make_plan(collective, m, n, dtype, weights))
+
+    def _make_plan(
+        self, collective: str, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...]
+    ) -> _Plan:
+        mine, theirs, row_bytes = self._halves(m, n, dtype)
         own = tuple(itertools.pairwise(chunk_bounds(mine[1] - mine[0], weights)))
         other = tuple(itertools.pairwise(chunk_bounds(theirs[1] - theirs[0], weights)))
         part = self._part.view(dtype)[: (theirs[1] - theirs[0]) * n].view(-1, n)
@@ -346,7 +464,7 @@ class CopyEnginePeers:
             final_base = self._final.data_ptr()
             final_src = tuple(self._final.data_ptr() + r0 * row_bytes for r0, _ in own)
             gather_src = tuple(self._peer_final.data_ptr() + r0 * row_bytes for r0, _ in other)
-        plan = _Plan(
+        return _Plan(
             mine=mine,
             theirs=theirs,
             own=own,
@@ -359,17 +477,73 @@ class CopyEnginePeers:
             final_src=final_src,
             gather_src=gather_src,
         )
-        self._plans[key] = plan
-        while len(self._plans) > PLAN_CACHE_SIZE:
-            self._plans.popitem(last=False)
-        return plan
+
+    def _plan_tiled(
+        self, collective: str, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...], tile: Tile
+    ) -> _TiledPlan:
+        key = _plan_key(collective, m, n, dtype, weights, _Mode(tile=tile))
+        return self._cached(key, lambda: self._make_tiled(collective, m, n, dtype, weights, tile))
+
+    def _make_tiled(
+        self, collective: str, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...], tile: Tile
+    ) -> _TiledPlan:
+        mine, theirs, row_bytes = self._halves(m, n, dtype)
+        tiles_n = -(-n // tile.block_n)
+
+        def cut(rows: int) -> tuple[tuple[tuple[int, int], ...], torch.Tensor, tuple[int, ...]]:
+            chunks = tuple(itertools.pairwise(tile_row_bounds(rows, weights, tile.block_m)))
+            groups = [c for c, (r0, r1) in enumerate(chunks) for _ in range(-(-(r1 - r0) // tile.block_m))]
+            tiles = tuple(-(-(r1 - r0) // tile.block_m) * tiles_n for r0, r1 in chunks)
+            return chunks, torch.tensor(groups, dtype=torch.int32, device=self.device), tiles
+
+        own, own_groups, own_tiles = cut(mine[1] - mine[0])
+        other, other_groups, other_tiles = cut(theirs[1] - theirs[0])
+        final, gather_src = None, ()
+        if collective == "all_reduce":
+            final = self._final.view(dtype)[: (mine[1] - mine[0]) * n].view(-1, n)
+            gather_src = tuple(self._peer_final.data_ptr() + r0 * row_bytes for r0, _ in other)
+        return _TiledPlan(
+            mine=mine,
+            theirs=theirs,
+            own=own,
+            other=other,
+            row_bytes=row_bytes,
+            part=self._part.view(dtype)[: (theirs[1] - theirs[0]) * n].view(-1, n),
+            final=final,
+            own_groups=own_groups,
+            other_groups=other_groups,
+            own_tiles=own_tiles,
+            other_tiles=other_tiles,
+            pull_src=tuple(self._peer_part.data_ptr() + r0 * row_bytes for r0, _ in own),
+            gather_src=gather_src,
+        )
 
     def run(
-        self, collective: str, a: torch.Tensor, b: torch.Tensor, weights: tuple[int, ...]
+        self,
+        collective: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        weights: tuple[int, ...],
+        tile: Tile | None = None,
+        exchange: bool = False,
     ) -> torch.Tensor:
-        """``collective(a @ b)`` over the two ranks (see the module docstring). Forward only: the
-        result carries no autograd history."""
+        """``collective(a @ b)`` over the two ranks (see the module docstring). ``tile``: the tiled
+        mode, one persistent Triton GEMM per phase with this tile instead of a cuBLAS GEMM per chunk.
+        ``exchange`` (all_reduce only): each rank pulls the peer's whole partial chunk by chunk and
+        adds it (one hop instead of reduce-scatter then all-gather; ``_run_exchange``).
+        Forward only: the result carries no autograd history."""
         weights = tuple(weights)
+        if exchange and (tile is not None or collective != "all_reduce"):
+            raise ScheduleError("engine copy_engine: exchange runs all_reduce with cuBLAS chunks (no tile)")
+        mode = _Mode(tile=tile, exchange=bool(exchange))
+        if tile is not None:
+            if BOperand.of(b) is None:
+                raise ShapeError(
+                    "engine copy_engine with a tile: b must be row-major (K, N) or the transposed view "
+                    f"of a contiguous (N, K) weight (got strides {b.stride()}); call .contiguous() on it"
+                )
+            if not a.is_contiguous():
+                a = a.contiguous()
         if self._broken:
             raise EnvironmentMismatchError(
                 f"engine copy_engine failed in an earlier call ({self._broken}) and its peer flags "
@@ -382,11 +556,11 @@ class CopyEnginePeers:
                 "run smaller M as GEMM then the collective"
             )
         # M is left out: it changes from call to call in serving (each M would cost a collective)
-        signature = (collective, b.shape[1], a.shape[1], str(a.dtype), weights)
+        signature = (collective, b.shape[1], a.shape[1], str(a.dtype), weights, mode)
         capturing = torch.cuda.is_current_stream_capturing()
         if capturing and (
             signature not in self._agreed
-            or (collective, a.shape[0], b.shape[1], a.dtype, weights) not in self._plans
+            or _plan_key(collective, a.shape[0], b.shape[1], a.dtype, weights, mode) not in self._plans
         ):
             raise ScheduleError(
                 f"engine copy_engine: call {collective} with this shape ({a.shape[0]}x{b.shape[1]}x"
@@ -401,7 +575,7 @@ class CopyEnginePeers:
         with torch.no_grad():
             if capturing:
                 out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
-                self._run(collective, a, b, weights, out, capturing=True)
+                self._run(collective, a, b, weights, mode, out, capturing=True)
                 self._captured = True
                 return out
             main = torch.cuda.current_stream(self.device)
@@ -410,10 +584,10 @@ class CopyEnginePeers:
                 main.wait_stream(last)  # the previous call (eager or replayed) ran on another stream
             if self.graph_after > 0:
                 out = self._output((rows, n), a.dtype)
-                self._run_graphed(collective, a, b, weights, out)
+                self._run_graphed(collective, a, b, weights, mode, out)
             else:
                 out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
-                self._run(collective, a, b, weights, out)
+                self._run(collective, a, b, weights, mode, out)
             self._last_main = main
         return out
 
@@ -432,26 +606,32 @@ class CopyEnginePeers:
             return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _run_graphed(
-        self, collective: str, a: torch.Tensor, b: torch.Tensor, weights: tuple[int, ...], out: torch.Tensor
+        self,
+        collective: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        weights: tuple[int, ...],
+        mode: _Mode,
+        out: torch.Tensor,
     ) -> None:
         """An eager call through the engine's own graph of it: replayed if there is one, captured
         and replayed on the ``graph_after``-th sighting of its key, else issued eagerly."""
         key = (
-            collective, weights, a.dtype, tuple(a.shape), a.stride(), a.data_ptr(),
+            collective, weights, mode, a.dtype, tuple(a.shape), a.stride(), a.data_ptr(),
             b.dtype, tuple(b.shape), b.stride(), b.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         graph = self._graphs.get(key)
         if graph is None:
             seen = self._seen.pop(key, 0) + 1
-            plan_key = (collective, a.shape[0], b.shape[1], a.dtype, weights)
+            plan_key = _plan_key(collective, a.shape[0], b.shape[1], a.dtype, weights, mode)
             if seen < self.graph_after or plan_key not in self._plans:  # the plan: buffers big enough
                 self._seen[key] = seen
                 while len(self._seen) > SEEN_CACHE_SIZE:
                     self._seen.popitem(last=False)
-                self._run(collective, a, b, weights, out)
+                self._run(collective, a, b, weights, mode, out)
                 return
             try:
-                graph = self._capture(collective, a, b, weights, out)
+                graph = self._capture(collective, a, b, weights, mode, out)
             except Exception as exc:
                 if self._broken:  # a side stream was left capturing: nothing more can run
                     raise
@@ -465,7 +645,7 @@ class CopyEnginePeers:
                     stacklevel=4,
                 )
                 self.graph_after = 0
-                self._run(collective, a, b, weights, out)
+                self._run(collective, a, b, weights, mode, out)
                 return
             self._graphs[key] = graph
             if self._first_graph is None:
@@ -481,7 +661,13 @@ class CopyEnginePeers:
         self._calls += 1
 
     def _capture(
-        self, collective: str, a: torch.Tensor, b: torch.Tensor, weights: tuple[int, ...], out: torch.Tensor
+        self,
+        collective: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        weights: tuple[int, ...],
+        mode: _Mode,
+        out: torch.Tensor,
     ) -> torch.cuda.CUDAGraph:
         """A graph of one call (recorded, not run). ``thread_local``: other threads' CUDA calls
         do not break the capture."""
@@ -497,7 +683,7 @@ class CopyEnginePeers:
                 # (run 28)
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    self._run(collective, a, b, weights, out, capturing=True)
+                    self._run(collective, a, b, weights, mode, out, capturing=True)
                 except BaseException:
                     self._abandon_capture(graph)
                     raise
@@ -517,14 +703,14 @@ class CopyEnginePeers:
         allocator and the random generator), then the capture ends; a side stream left capturing
         makes the engine unusable (its next operations would be recorded, never run)."""
         here = torch.cuda.current_stream(self.device)
-        for side in (self._side, self._local):
+        for side in (self._side, self._local, self._notify):
             with contextlib.suppress(RuntimeError):
                 here.wait_stream(side)
         try:
             graph.capture_end()
         except RuntimeError:  # invalid already: the first error is the one to report
             self._end_generator_capture()
-        for side in (self._side, self._local):
+        for side in (self._side, self._local, self._notify):
             with torch.cuda.stream(side):
                 if torch.cuda.is_current_stream_capturing():
                     self._broken = "a failed CUDA graph capture left a side stream capturing"
@@ -546,11 +732,18 @@ class CopyEnginePeers:
         a: torch.Tensor,
         b: torch.Tensor,
         weights: tuple[int, ...],
+        mode: _Mode,
         out: torch.Tensor,
         capturing: bool = False,
     ) -> None:
         """Issue one call's operations on the current stream and the side streams; ``out`` is the
         result's (M, N) or (M / 2, N) tensor."""
+        if mode.tile is not None:
+            self._run_tiled(collective, a, b, weights, mode.tile, out, capturing)
+            return
+        if mode.exchange:
+            self._run_exchange(a, b, weights, out, capturing)
+            return
         m, n = a.shape[0], b.shape[1]
         plan = self._plan(collective, m, n, a.dtype, weights)
         all_reduce = collective == "all_reduce"
@@ -595,5 +788,125 @@ class CopyEnginePeers:
                 self._copy(side_h, out_ptr + (t0 + r0) * rb, plan.gather_src[c], (r1 - r0) * rb)
             self._signal(side_h, GATHERED)
             main.wait_stream(self._local)
+        main.wait_stream(self._side)
+        self._calls += 1
+
+    def _run_tiled(
+        self,
+        collective: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        weights: tuple[int, ...],
+        tile: Tile,
+        out: torch.Tensor,
+        capturing: bool,
+    ) -> None:
+        """The tiled mode of ``_run``: phase 1 and phase 2 are one persistent Triton GEMM each
+        (``fo_kernels.gemm.rows_gemm``) on all SMs, so no chunk pays a small GEMM's wave
+        quantization. Phase 1's tiles count per chunk; the notify stream forwards each finished
+        chunk to the peer (PARTIAL); my side stream pulls the peer's partial of my chunk c into my
+        sums' destination and sets READY + c; each tile of phase 2 waits in the kernel for its
+        chunk's READY, then adds the pulled partial in float32 before storing (all_reduce: into
+        ``final`` and the output, counting per chunk so the notify stream can send SUMMED)."""
+        m, n = a.shape[0], b.shape[1]
+        plan = self._plan_tiled(collective, m, n, a.dtype, weights, tile)
+        operand = BOperand.of(b)
+        all_reduce = collective == "all_reduce"
+        (m0, m1), (t0, t1), own, rb = plan.mine, plan.theirs, plan.own, plan.row_bytes
+        out_ptr = out.data_ptr()
+        main = torch.cuda.current_stream(self.device)
+        main_h, side_h, notify_h = self._stream(main.cuda_stream), self._side_h, self._notify_h
+        if not capturing:
+            main.wait_stream(self._side)
+            main.wait_stream(self._notify)
+        self._side.wait_stream(main)
+        self._notify.wait_stream(main)
+        self._wait(main_h, PULLED)  # the peer has pulled the previous call's partials from ``part``
+        rows_gemm(
+            a[t0:t1], operand, plan.part, tile, grid=self._sms, row_group=plan.other_groups,
+            counters=self._counters[:MAX_CHUNKS],
+        )  # fmt: skip
+        for c, tiles in enumerate(plan.other_tiles):  # each of the peer's chunks, once it is done
+            self._count(notify_h, c, tiles)
+            self._signal(notify_h, PARTIAL + c)
+        dst_base = self._final.data_ptr() if all_reduce else out_ptr
+        if all_reduce:  # the pulls write ``final``: the peer has gathered the previous call's sums
+            self._wait(side_h, GATHERED)
+        for c, (r0, r1) in enumerate(own):
+            self._wait(side_h, PARTIAL + c)
+            self._copy(side_h, dst_base + r0 * rb, plan.pull_src[c], (r1 - r0) * rb)
+            self._set(side_h, READY + c)
+        self._signal(side_h, PULLED)
+        rows_gemm(
+            a[m0:m1], operand, plan.final if all_reduce else out, tile, grid=self._sms,
+            row_group=plan.own_groups, ready=self._flags[READY:],
+            counters=self._counters[MAX_CHUNKS:] if all_reduce else None,
+            out2=out[m0:m1] if all_reduce else None,
+        )  # fmt: skip
+        (err,) = self._driver.cuMemsetD32Async(self._my_flag[READY], 0, len(own), main_h)
+        self._check(err, "cuMemsetD32Async")  # READY is read again only after the next pulls
+        if all_reduce:
+            for c, tiles in enumerate(plan.own_tiles):  # my sums, chunk by chunk, to the peer
+                self._count(notify_h, MAX_CHUNKS + c, tiles)
+                self._signal(notify_h, SUMMED + c)
+            for c, (r0, r1) in enumerate(plan.other):  # the peer's sums into the output
+                self._wait(side_h, SUMMED + c)
+                self._copy(side_h, out_ptr + (t0 + r0) * rb, plan.gather_src[c], (r1 - r0) * rb)
+            self._signal(side_h, GATHERED)
+        main.wait_stream(self._notify)
+        main.wait_stream(self._side)
+        self._calls += 1
+
+    def _plan_exchange(self, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...]) -> _ExchangePlan:
+        key = _plan_key("all_reduce", m, n, dtype, weights, _Mode(exchange=True))
+        return self._cached(key, lambda: self._make_exchange(m, n, dtype, weights))
+
+    def _make_exchange(self, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...]) -> _ExchangePlan:
+        size = torch.empty((), dtype=dtype).element_size()
+        self._reserve(m * n * size)
+        row_bytes = n * size
+        chunks = tuple(itertools.pairwise(chunk_bounds(m, weights)))
+        whole = self._part.view(dtype)[: m * n].view(m, n)
+        return _ExchangePlan(
+            chunks=chunks,
+            row_bytes=row_bytes,
+            part=tuple(whole[r0:r1] for r0, r1 in chunks),
+            pull_src=tuple(self._peer_part.data_ptr() + r0 * row_bytes for r0, _ in chunks),
+        )
+
+    def _run_exchange(
+        self, a: torch.Tensor, b: torch.Tensor, weights: tuple[int, ...], out: torch.Tensor, capturing: bool
+    ) -> None:
+        """AllReduce by exchange: both ranks cut all M rows into the same chunks; for each chunk c
+        my main stream writes my partial into ``part`` (cuBLAS) and flags the peer (PARTIAL + c);
+        my side stream pulls the peer's partial of chunk c straight into the output, and the main
+        stream adds my partial to it (``out[c] += part[c]``) after the last GEMM, so each pull but
+        the last runs beside a GEMM. Every byte crosses NVLink once (reduce-scatter then all-gather
+        moves the same bytes in two dependent hops), at the price of an add kernel per chunk: the
+        shape of small outputs, where the second hop cannot hide behind anything."""
+        m, n = a.shape[0], b.shape[1]
+        plan = self._plan_exchange(m, n, a.dtype, weights)
+        rb, out_ptr = plan.row_bytes, out.data_ptr()
+        main = torch.cuda.current_stream(self.device)
+        main_h, side_h = self._stream(main.cuda_stream), self._side_h
+        if not capturing:
+            main.wait_stream(self._side)
+        self._side.wait_stream(main)  # the inputs and the output's memory are ready
+        self._wait(main_h, PULLED)  # the peer has pulled the previous call's partials from ``part``
+        # The GEMMs are issued before the side stream's waits: two streams may share one of the
+        # GPU's hardware queues, and a wait queued ahead of the GEMM the peer is waiting for would
+        # block it (run 34 hung with the waits issued first).
+        for c, (r0, r1) in enumerate(plan.chunks):
+            torch.mm(a[r0:r1], b, out=plan.part[c])
+            self._signal(main_h, PARTIAL + c)
+        pulled = [self._event(c) for c in range(len(plan.chunks))]
+        for c, (r0, r1) in enumerate(plan.chunks):
+            self._wait(side_h, PARTIAL + c)
+            self._copy(side_h, out_ptr + r0 * rb, plan.pull_src[c], (r1 - r0) * rb)
+            pulled[c].record(self._side)
+        self._signal(side_h, PULLED)
+        for c, (r0, r1) in enumerate(plan.chunks):  # my partial onto the peer's, as each lands
+            main.wait_event(pulled[c])
+            out[r0:r1].add_(plan.part[c])
         main.wait_stream(self._side)
         self._calls += 1

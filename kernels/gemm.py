@@ -21,6 +21,11 @@ by the release; ``../shared/DESIGN.md``). Loads use TMA descriptors where the st
 
 Counters are never reset: each call's targets are the running totals the host keeps (see
 ``fo_kernels.runtime``), and every comparison is wrap-around safe in int32.
+
+``rows_gemm`` runs the same kernel for the copy engine's tiled mode (``LAYOUT_ROWS``): one shard,
+a plain row-major destination, groups of whole tile rows, optionally waiting per group for a flag
+and adding what the copy engine put in the destination (the counters there are reset by their
+reader each call).
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ TMA_ALIGN_BYTES = 16
 TMA_MIN_CAPABILITY = 9
 LAYOUT_ROW_BAND = 0
 LAYOUT_TILE_MAJOR = 1
+# The copy engine's tiled mode (``rows_gemm``): a plain row-major destination, one group per run of
+# whole tile rows (``unit_group`` indexed by tile row), optionally adding what is already there.
+LAYOUT_ROWS = 2
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -78,6 +86,8 @@ def _signalled_gemm_kernel(
     num_tiles,
     shards,
     unit_tiles,  # sizes
+    ready,
+    out2,  # LAYOUT_ROWS only: the ready flags ACCUMULATE waits on, a second destination (COPY)
     stride_am,
     stride_ak,
     stride_bk,
@@ -94,6 +104,8 @@ def _signalled_gemm_kernel(
     IEEE: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    ACCUMULATE: tl.constexpr = False,
+    COPY: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -143,25 +155,45 @@ def _signalled_gemm_kernel(
                 else:
                     acc = tl.dot(a_blk, b_blk, acc)
 
-        if tl.float32 == OUT_DTYPE:
-            c = acc
-        else:
-            c = acc.to(OUT_DTYPE, fp_downcast_rounding="rtne")
-        g = tl.load(unit_group + t // unit_tiles)
-        base = tl.load(group_info + 2 * g)  # a0 of the group (local tile or shard-local row)
-        span = tl.load(group_info + 2 * g + 1)  # a1 - a0
         ii = tl.arange(0, BLOCK_M)
         jj = tl.arange(0, BLOCK_N)
-        if LAYOUT == 1:  # tile_major: the whole padded tile as one contiguous slot
-            slot = (shards * base + s * span + (l - base)).to(tl.int64)
-            ptrs = out + slot * (BLOCK_M * BLOCK_N) + ii[:, None] * BLOCK_N + jj[None, :]
-            tl.store(ptrs, c)
-        else:  # row_band: rows of the group's chunk, shard-major
+        if LAYOUT == 2:  # LAYOUT_ROWS: row-major (rows_per_shard, N) at ``out``, groups of whole tile rows
+            g = tl.load(unit_group + tm)
             local_row = tm * BLOCK_M + ii
-            phys_row = (shards * base + s * span + (local_row - base)).to(tl.int64)
             cols = col0 + jj
             mask = (local_row[:, None] < rows_per_shard) & (cols[None, :] < N)
-            tl.store(out + phys_row[:, None] * N + cols[None, :], c, mask=mask)
+            offs = local_row.to(tl.int64)[:, None] * N + cols[None, :]
+            if ACCUMULATE:  # add what the copy engine put there: wait until its group has landed
+                seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="sys")
+                while seen == 0:
+                    seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="sys")
+                prev = tl.load(out + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                acc += prev.to(tl.float32)
+            if tl.float32 == OUT_DTYPE:
+                c = acc
+            else:
+                c = acc.to(OUT_DTYPE, fp_downcast_rounding="rtne")
+            tl.store(out + offs, c, mask=mask)
+            if COPY:
+                tl.store(out2 + offs, c, mask=mask)
+        else:
+            if tl.float32 == OUT_DTYPE:
+                c = acc
+            else:
+                c = acc.to(OUT_DTYPE, fp_downcast_rounding="rtne")
+            g = tl.load(unit_group + t // unit_tiles)
+            base = tl.load(group_info + 2 * g)  # a0 of the group (local tile or shard-local row)
+            span = tl.load(group_info + 2 * g + 1)  # a1 - a0
+            if LAYOUT == 1:  # tile_major: the whole padded tile as one contiguous slot
+                slot = (shards * base + s * span + (l - base)).to(tl.int64)
+                ptrs = out + slot * (BLOCK_M * BLOCK_N) + ii[:, None] * BLOCK_N + jj[None, :]
+                tl.store(ptrs, c)
+            else:  # row_band: rows of the group's chunk, shard-major
+                local_row = tm * BLOCK_M + ii
+                phys_row = (shards * base + s * span + (local_row - base)).to(tl.int64)
+                cols = col0 + jj
+                mask = (local_row[:, None] < rows_per_shard) & (cols[None, :] < N)
+                tl.store(out + phys_row[:, None] * N + cols[None, :], c, mask=mask)
         if SIGNAL:
             tl.debug_barrier()
             tl.atomic_add(counters + g, 1, sem="release", scope="gpu")
@@ -221,6 +253,45 @@ def tma_usable(a: torch.Tensor, b: BOperand) -> bool:
     return _aligned(a, a.stride(0)) and _aligned(b.tensor, b_lead)
 
 
+def _operand_args(a: torch.Tensor, b: BOperand, tile: Tile, use_tma: bool | None) -> tuple:
+    """(a, b kernel arguments, USE_TMA): TMA descriptors where usable, else the tensors."""
+    if use_tma is None:
+        use_tma = tma_usable(a, b)
+    if not use_tma:
+        return a, b.tensor, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a_arg = TensorDescriptor.from_tensor(a, [tile.block_m, tile.block_k])
+    if b.kmajor:
+        b_arg = TensorDescriptor.from_tensor(b.tensor.t(), [tile.block_n, tile.block_k])
+    else:
+        b_arg = TensorDescriptor.from_tensor(b.tensor, [tile.block_k, tile.block_n])
+    return a_arg, b_arg, True
+
+
+def _strides(a: torch.Tensor, b: BOperand) -> tuple[int, int, int, int]:
+    return a.stride(0), a.stride(1), b.tensor.stride(0), b.tensor.stride(1)
+
+
+def _meta(a: torch.Tensor, b: BOperand, out: torch.Tensor, tile: Tile, use_tma: bool) -> dict:
+    """The kernel's compile-time arguments both launchers share (operands, dtypes, tile)."""
+    upcast = interpreting() and a.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
+    return dict(
+        USE_TMA=use_tma,
+        B_KMAJOR=b.kmajor,
+        OUT_DTYPE=_TL_DTYPES[out.dtype],
+        UPCAST=upcast,
+        IEEE=upcast or a.dtype == torch.float32,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m,
+        WARP_SPECIALIZE=tile.warp_specialize,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+
+
 def signalled_gemm(
     a: torch.Tensor,
     b: BOperand,
@@ -243,19 +314,7 @@ def signalled_gemm(
     """
     m, k = a.shape
     n = b.tensor.shape[1]
-    if use_tma is None:
-        use_tma = tma_usable(a, b)
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        a_arg = TensorDescriptor.from_tensor(a, [tile.block_m, tile.block_k])
-        if b.kmajor:
-            b_arg = TensorDescriptor.from_tensor(b.tensor.t(), [tile.block_n, tile.block_k])
-        else:
-            b_arg = TensorDescriptor.from_tensor(b.tensor, [tile.block_k, tile.block_n])
-    else:
-        a_arg, b_arg = a, b.tensor
-    upcast = interpreting() and a.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
+    a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
     _signalled_gemm_kernel[(plan.grid,)](
         a_arg,
         b_arg,
@@ -272,24 +331,67 @@ def signalled_gemm(
         plan.num_tiles,
         plan.shards,
         plan.unit_tiles,
-        a.stride(0),
-        a.stride(1),
-        b.tensor.stride(0),
-        b.tensor.stride(1),
-        BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m,
-        USE_TMA=use_tma,
-        B_KMAJOR=b.kmajor,
+        counters,  # ready: unused outside LAYOUT_ROWS
+        out,  # out2: likewise
+        *_strides(a, b),
         LAYOUT=LAYOUT_TILE_MAJOR if plan.layout == "tile_major" else LAYOUT_ROW_BAND,
         SIGNAL=signal,
-        UPCAST=upcast,
-        IEEE=upcast or a.dtype == torch.float32,
-        OUT_DTYPE=_TL_DTYPES[out.dtype],
-        WARP_SPECIALIZE=tile.warp_specialize,
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+        **_meta(a, b, out, tile, use_tma),
+    )
+
+
+def rows_gemm(
+    a: torch.Tensor,
+    b: BOperand,
+    out: torch.Tensor,
+    tile: Tile,
+    *,
+    grid: int,
+    row_group: torch.Tensor,
+    counters: torch.Tensor | None = None,
+    ready: torch.Tensor | None = None,
+    out2: torch.Tensor | None = None,
+    use_tma: bool | None = None,
+) -> None:
+    """``out = a @ b`` (or ``out += a @ b`` once ready, see ``ready``) by the persistent kernel on
+    the current stream, for the copy engine's tiled mode (``fo_kernels.copy_engine``).
+
+    ``a`` is row-major (rows, K); ``out`` (and ``out2``) are row-major (rows, N) with row stride N.
+    ``row_group`` (int32, one per tile row of ``BLOCK_M`` rows) gives each tile row its group.
+    ``counters``: each tile adds 1 (release) to ``counters[group]`` once its stores are issued.
+    ``ready``: each tile first waits until ``ready[group]`` is nonzero (acquire, system scope: a
+    flag the copy engine's stream sets after its copy into ``out``), then adds ``out``'s tile to its
+    sum in float32. ``out2``: the result is stored there too. The grid must not exceed the SMs
+    (every program must be resident while others wait on ``ready``).
+    """
+    rows, k = a.shape
+    n = b.tensor.shape[1]
+    tiles_m, tiles_n = -(-rows // tile.block_m), -(-n // tile.block_n)
+    a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
+    _signalled_gemm_kernel[(max(1, min(grid, tiles_m * tiles_n)),)](
+        a_arg,
+        b_arg,
+        out,
+        counters if counters is not None else row_group,
+        row_group,
+        row_group,  # group_info: unused by LAYOUT_ROWS
+        rows,
+        n,
+        k,
+        rows,
+        tiles_m,
+        tiles_n,
+        tiles_m * tiles_n,
+        1,
+        1,
+        ready if ready is not None else row_group,
+        out2 if out2 is not None else out,
+        *_strides(a, b),
+        LAYOUT=LAYOUT_ROWS,
+        SIGNAL=counters is not None,
+        ACCUMULATE=ready is not None,
+        COPY=out2 is not None,
+        **_meta(a, b, out, tile, use_tma),
     )
 
 

@@ -174,7 +174,8 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, schedule: Schedule |
     if schedule.engine == "copy_engine":
         if m < COPY_ENGINE_WORLD:  # a rank would own no row (an M-range row reaching M = 1)
             return _sequential(collective, a, b, group, world)
-        return runtime_for(a.device, group).copy_engine().run(collective, a, b, schedule.groups)
+        engine = runtime_for(a.device, group).copy_engine()
+        return engine.run(collective, a, b, schedule.groups, schedule.tile, schedule.exchange)
     if not a.is_contiguous():
         a = a.contiguous()
     return _overlapped(collective, a, operand, schedule, runtime_for(a.device, group))

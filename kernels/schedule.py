@@ -18,9 +18,12 @@ A ``Schedule`` fixes everything the overlapped op does for one problem (or an M 
 - ``engine``: ``triton`` (the signalled persistent Triton GEMM and NCCL, everything above) or
   ``copy_engine`` (two NVLink peers only: the library GEMM in row chunks, the data moved by the
   GPUs' copy engines and summed in the GEMM's epilogue, no NCCL; see ``fo_kernels.copy_engine``).
-  A ``copy_engine`` schedule has only ``groups``: the relative row weights of the chunks each
-  rank's shard is cut into (on every row, exact or M range); the Triton fields stay unset. Its
-  streams wait with ``cuStreamWaitValue32`` (cuda-bindings).
+  A ``copy_engine`` schedule has ``groups``: the relative row weights of the chunks each rank's
+  shard is cut into (on every row, exact or M range), and optionally a ``tile``: then each phase
+  is one persistent Triton GEMM with that tile, its tiles signalling per chunk (the tiled mode),
+  instead of a library GEMM per chunk. ``exchange: true`` (all_reduce, no tile): the weights cut
+  all M rows, and each rank pulls and adds the peer's whole partial, one NVLink hop per byte. The
+  other Triton fields stay unset. Its streams wait with ``cuStreamWaitValue32`` (cuda-bindings).
 
 Field-level rules are checked here on construction; rules that need the shape (group sums, band
 alignment, divisibility) are checked by ``fo_kernels.plan.make_plan``. Every error names the field.
@@ -189,6 +192,9 @@ class Schedule:
     groups: tuple[int, ...] = ()
     layout: str = "tile_major"
     wait_mode: str = "stream_wait"
+    # engine copy_engine, all_reduce: exchange whole partials (one NVLink hop per byte) instead of
+    # reduce-scatter then all-gather (see ``fo_kernels.copy_engine``)
+    exchange: bool = False
     # Where the row came from (search id, measured/predicted ms, ...); the runtime ignores it.
     provenance: Mapping[str, Any] = field(default_factory=dict)
 
@@ -210,6 +216,10 @@ class Schedule:
                 f"got {self.problem.m}"
             )
         _check_choice("engine", self.engine, ENGINES)
+        if not isinstance(self.exchange, bool):
+            raise ScheduleError(f"exchange: expected true or false, got {self.exchange!r}")
+        if self.exchange and (not self.overlap or self.engine != "copy_engine"):
+            raise ScheduleError("exchange: only an overlapped engine: copy_engine row exchanges partials")
         if not self.overlap:
             if self.engine != "triton":
                 raise ScheduleError(
@@ -245,9 +255,13 @@ class Schedule:
                 f"this schedule has world_size {self.world_size}"
             )
         defaults = {f.name: f.default for f in fields(Schedule)}
-        for name in ("tile", "sms_free", "nccl_max_ctas", "signal_tiles", "layout", "wait_mode"):
+        if self.tile is not None and not isinstance(self.tile, Tile):
+            raise ScheduleError(f"tile: expected a Tile config, got {type(self.tile).__name__}")
+        for name in ("sms_free", "nccl_max_ctas", "signal_tiles", "layout", "wait_mode"):
             if getattr(self, name) != defaults[name]:
                 raise ScheduleError(f"{name}: not used by engine copy_engine; leave it out")
+        if self.exchange and (self.collective != "all_reduce" or self.tile is not None):
+            raise ScheduleError("exchange: only all_reduce without a tile (cuBLAS chunks) exchanges partials")
         groups = tuple(self.groups)
         if not groups:
             raise ScheduleError("groups: a copy_engine schedule needs the row weights of its chunks")
@@ -268,6 +282,10 @@ class Schedule:
         }
         if self.overlap and self.engine == "copy_engine":
             out.update(engine=self.engine, groups=list(self.groups))
+            if self.tile is not None:
+                out["tile"] = self.tile.to_dict()
+            if self.exchange:
+                out["exchange"] = True
         elif self.overlap:
             assert self.tile is not None
             out.update(
@@ -314,13 +332,25 @@ class Schedule:
         head = f"{self.collective} {self.dtype} w{self.world_size} {self.problem.describe()}"
         if not self.overlap:
             return f"{head}: no overlap (GEMM then collective)"
-        if self.engine == "copy_engine":
-            return f"{head}: copy engine, {len(self.groups)} chunk(s) per shard, weights {list(self.groups)}"
         t = self.tile
+        if self.engine == "copy_engine":
+            how = "" if t is None else f", tiled {_tile_words(t)}"
+            if self.exchange:
+                chunks = f"exchange, {len(self.groups)} chunk(s) of M, weights {list(self.groups)}"
+            else:
+                chunks = f"{len(self.groups)} chunk(s) per shard, weights {list(self.groups)}"
+            return f"{head}: copy engine, {chunks}{how}"
         assert t is not None
         return (
-            f"{head}: tile {t.block_m}x{t.block_n}x{t.block_k} gm{t.group_m} w{t.num_warps} "
-            f"s{t.num_stages}{' ws' if t.warp_specialize else ''}, sms_free {self.sms_free}, "
+            f"{head}: tile {_tile_words(t)}, sms_free {self.sms_free}, "
             f"cta cap {self.nccl_max_ctas or 'default'}, "
             f"signal {self.signal_tiles} tiles, groups {list(self.groups)}, {self.layout}, {self.wait_mode}"
         )
+
+
+def _tile_words(t: Tile) -> str:
+    """A tile config in a few words, as ``describe`` prints it."""
+    return (
+        f"{t.block_m}x{t.block_n}x{t.block_k} gm{t.group_m} w{t.num_warps} "
+        f"s{t.num_stages}{' ws' if t.warp_specialize else ''}"
+    )

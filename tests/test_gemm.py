@@ -129,3 +129,36 @@ def test_b_layout_detection():
     w = torch.randn(8, 4)
     assert BOperand.of(w.t()).kmajor and not BOperand.of(w.t().contiguous()).kmajor
     assert BOperand.of(torch.randn(8, 8)[:, ::2]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kmajor", [False, True])
+def test_rows_gemm_signals_accumulates_and_copies(dtype, kmajor):
+    """The copy engine's tiled mode (``rows_gemm``, LAYOUT_ROWS): phase 1 writes a @ b row-major
+    and counts each tile row group's tiles; phase 2 (ready flags already set) adds what is in the
+    destination and stores the sum twice. Odd rows and columns, groups of uneven tile rows."""
+    from fo_kernels.copy_engine import tile_row_bounds
+    from fo_kernels.gemm import rows_gemm
+
+    gen = torch.Generator().manual_seed(7)
+    rows, n, k = 70, 50, 40  # 5 tile rows of 16, 2 tile columns of 32 (the last ones partial)
+    a = torch.randn(rows, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = w.t() if kmajor else w.t().contiguous()
+    bounds = tile_row_bounds(rows, (2, 1), TILE.block_m)
+    assert bounds == [0, 48, 70]
+    row_group = torch.tensor([0, 0, 0, 1, 1], dtype=torch.int32)
+    counters = torch.zeros(2, dtype=torch.int32)
+    out = torch.full((rows, n), float("nan"), dtype=dtype)
+    rows_gemm(a, BOperand.of(b), out, TILE, grid=3, row_group=row_group, counters=counters)
+    ref = a.float() @ b.float()
+    assert not out.isnan().any()
+    assert (out.float() - ref).abs().max() / ref.abs().max() < TOL[dtype]
+    assert counters.tolist() == [3 * 2, 2 * 2]  # tile rows x tile columns per group
+    pulled = torch.randn(rows, n, generator=gen).to(dtype)  # what the copy engine put there
+    dst, copy = pulled.clone(), torch.full((rows, n), float("nan"), dtype=dtype)
+    ready = torch.ones(2, dtype=torch.int32)
+    rows_gemm(a, BOperand.of(b), dst, TILE, grid=4, row_group=row_group, ready=ready, out2=copy)
+    want = ref + pulled.float()
+    assert (dst.float() - want).abs().max() / want.abs().max() < TOL[dtype]
+    assert torch.equal(dst, copy)

@@ -95,7 +95,7 @@ def test_both_ops_over_nccl():
             assert not r["nan"] and r["err"] < 1e-2, r
 
 
-def _copy_engine(collective, m, n, k, chunks, dtype="bfloat16"):
+def _copy_engine(collective, m, n, k, chunks, dtype="bfloat16", tile=None, exchange=False):
     return Schedule(
         collective=collective,
         dtype=dtype,
@@ -103,6 +103,8 @@ def _copy_engine(collective, m, n, k, chunks, dtype="bfloat16"):
         problem=Problem(m=m, n=n, k=k),
         engine="copy_engine",
         groups=(1,) * chunks,
+        tile=tile,
+        exchange=exchange,
     ).to_dict()
 
 
@@ -141,11 +143,66 @@ def test_copy_engine_ops():
 
 def _engine_cases(specs, first_seed: int) -> list:
     """Cases with an ``engine: copy_engine`` schedule from (collective, m, n, k, dtype, B as an
-    (N, K) weight's view, chunks) specs, seeded from ``first_seed`` on."""
+    (N, K) weight's view, chunks[, tile: the tiled mode]) specs, seeded from ``first_seed`` on."""
     return [
-        Case(c, m, n, k, dt, kmajor, _copy_engine(c, m, n, k, chunks, dt), seed)
-        for seed, (c, m, n, k, dt, kmajor, chunks) in enumerate(specs, start=first_seed)
+        Case(c, m, n, k, dt, kmajor, _copy_engine(c, m, n, k, chunks, dt, *tile), seed)
+        for seed, (c, m, n, k, dt, kmajor, chunks, *tile) in enumerate(specs, start=first_seed)
     ]
+
+
+@pytest.mark.multigpu
+def test_copy_engine_tiled_ops():
+    """The copy engine's tiled mode (a persistent Triton GEMM per phase, signalled per chunk) on
+    two GPUs: both collectives, odd shapes (rows, columns and chunks that end mid-tile), 1-3
+    chunks, three dtypes, both B layouts, a small and a large tile; once, then every case twice
+    back to back (the engine's own graphs replay by then)."""
+    from dist_cases import run_back_to_back
+    from fo_tune.launch import run_ranks
+
+    shapes = [(258, 250, 70), (2048, 4096, 4096), (1000, 3000, 1040), (4, 8, 8), (4096, 8192, 4096)]
+    specs = []
+    for i, ((m, n, k), c, ch) in enumerate(
+        (s, c, ch) for s in shapes for c in ("all_reduce", "reduce_scatter") for ch in (1, 2, 3)
+    ):
+        dtype = ("bfloat16", "float16", "float32")[i % 3]
+        # float32 takes the small tile: 128x256x64 in 3 stages needs 288 KiB of shared memory
+        tile = GPU_TILES[1] if dtype == "float32" or i % 2 else GPU_TILES[2]
+        specs.append((c, m, n, k, dtype, i % 2 == 0, ch, tile))
+    specs.append(("all_reduce", 257, 130, 64, "bfloat16", True, 4, GPU_TILES[1]))
+    cases = _engine_cases(specs, first_seed=40)
+    once = run_ranks(run_cases, 2, cases, backend="nccl", timeout_s=600)
+    again = run_ranks(run_back_to_back, 2, cases * 2, backend="nccl", timeout_s=600)
+    for per_rank in [*once, *again]:
+        for r in per_rank:
+            assert not r["nan"] and r["err"] < TOL[r["case"].dtype], r
+
+
+@pytest.mark.multigpu
+def test_copy_engine_exchange_ops():
+    """The copy engine's exchange mode (all_reduce: each rank pulls and adds the peer's whole
+    partial) on two GPUs: odd shapes, 1-4 chunks, three dtypes, both B layouts; once, then twice
+    back to back (replayed from the engine's own graphs), and mixed with the other two modes."""
+    from dist_cases import run_back_to_back
+    from fo_tune.launch import run_ranks
+
+    shapes = [(258, 250, 70), (2048, 4096, 4096), (1000, 3000, 1040), (4, 8, 8), (257, 130, 64)]
+    cases = []
+    for i, ((m, n, k), chunks) in enumerate((s, ch) for s in shapes for ch in (1, 2, 4)):
+        dtype = ("bfloat16", "float16", "float32")[i % 3]
+        schedule = _copy_engine("all_reduce", m, n, k, chunks, dtype, exchange=True)
+        cases.append(Case("all_reduce", m, n, k, dtype, i % 2 == 0, schedule, 60 + i))
+    mixed = _engine_cases(
+        [
+            ("all_reduce", 1024, 768, 512, "bfloat16", True, 2),
+            ("all_reduce", 1024, 768, 512, "bfloat16", False, 2, GPU_TILES[1]),
+        ],
+        first_seed=90,
+    )
+    once = run_ranks(run_cases, 2, cases, backend="nccl", timeout_s=600)
+    again = run_ranks(run_back_to_back, 2, [*cases, *mixed, *cases[:3]] * 2, backend="nccl", timeout_s=600)
+    for per_rank in [*once, *again]:
+        for r in per_rank:
+            assert not r["nan"] and r["err"] < TOL[r["case"].dtype], r
 
 
 @pytest.mark.multigpu
@@ -161,6 +218,7 @@ def test_copy_engine_graphs_repeated_eager_calls():
         [
             ("all_reduce", 1024, 768, 512, "bfloat16", True, 2),
             ("reduce_scatter", 512, 640, 256, "float16", False, 3),
+            ("all_reduce", 1024, 768, 512, "bfloat16", False, 2, GPU_TILES[1]),
         ],
         first_seed=11,
     )
@@ -190,6 +248,7 @@ def test_copy_engine_in_a_cuda_graph():
         ("all_reduce", 1024, 768, 512, "bfloat16", True, 3),
         ("reduce_scatter", 512, 640, 256, "float16", False, 2),
         ("all_reduce", 257, 130, 64, "float32", False, 1),
+        ("reduce_scatter", 1024, 768, 512, "bfloat16", True, 2, GPU_TILES[2]),
     ]
     cases = _engine_cases(specs, first_seed=3)
     per_rank = run_ranks(copy_engine_graph, 2, cases, backend="nccl", timeout_s=300)
