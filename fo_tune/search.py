@@ -468,27 +468,28 @@ def _distinct_best(trials: Sequence[Any], count: int) -> list[Any]:
 def _copy_engine_candidates(
     request: SearchRequest, space: SearchSpace, shape: tuple[int, int, int], cpu: bool
 ) -> list[Schedule]:
-    """``engine: copy_engine`` schedules, one per chunk count of the space (equal chunks) and one
-    per extra weighting, that a measured search on two GPUs re-times beside its best Triton
-    schedules. The cost model does not price them (it knows NCCL and the Triton GEMM), so they are
-    measured, never predicted."""
+    """``engine: copy_engine`` schedules that a measured search on two GPUs re-times beside its
+    best Triton schedules: one per chunk count of the space (equal chunks) and per extra weighting;
+    the tiled mode's chunk counts with each of its tiles (16-bit inputs); the exchange mode's chunk
+    counts (all_reduce). The cost model does not price them (it knows NCCL and the Triton GEMM), so
+    they are measured, never predicted."""
     if cpu or request.world_size != COPY_ENGINE_WORLD:
         return []
     m, n, k = shape
     weightings = [(1,) * chunks for chunks in space.copy_engine_chunks]
     weightings += [w for w in space.copy_engine_weights if w not in weightings]
-    return [
-        Schedule(
-            collective=request.collective,
-            dtype=request.dtype,
-            world_size=request.world_size,
-            problem=Problem(m=m, n=n, k=k),
-            engine="copy_engine",
-            groups=weights,
-        )
-        for weights in weightings
-        if len(weights) <= m // COPY_ENGINE_WORLD
-    ]
+    kinds: list[dict[str, Any]] = [dict(groups=w) for w in weightings if len(w) <= m // COPY_ENGINE_WORLD]
+    if request.dtype != "float32":
+        kinds += [
+            dict(groups=(1,) * chunks, tile=tile)
+            for tile in space.copy_engine_tiles
+            for chunks in space.copy_engine_tiled_chunks
+            if chunks <= m // COPY_ENGINE_WORLD
+        ]
+    if request.collective == "all_reduce":
+        kinds += [dict(groups=(1,) * c, exchange=True) for c in space.copy_engine_exchange_chunks if c <= m]
+    head = dict(collective=request.collective, dtype=request.dtype, world_size=request.world_size)
+    return [Schedule(**head, problem=Problem(m=m, n=n, k=k), engine="copy_engine", **kind) for kind in kinds]
 
 
 def _row(

@@ -167,6 +167,12 @@ class SearchSpace:
     copy_engine_chunks: tuple[int, ...] = ()
     # ... and chunk weights beyond the uniform ones (e.g. a light last chunk: a shorter tail)
     copy_engine_weights: tuple[tuple[int, ...], ...] = ()
+    # ... its tiled mode (one persistent Triton GEMM per phase): these chunk counts with each of
+    # these tiles (16-bit inputs: not tried for float32)
+    copy_engine_tiled_chunks: tuple[int, ...] = ()
+    copy_engine_tiles: tuple[Tile, ...] = ()
+    # ... and its exchange mode (all_reduce: whole partials, one hop): chunk counts of all M rows
+    copy_engine_exchange_chunks: tuple[int, ...] = ()
     schema_version: int = SPACE_SCHEMA_VERSION
     source: str = field(default="", compare=False)  # the file it was loaded from
 
@@ -380,7 +386,15 @@ def _weights(r: _Reader, node: Any, path: str) -> tuple[int, ...]:
 
 
 # Keys a space may leave out.
-_OPTIONAL = {"copy_engine_chunks": _list(_int(1)), "copy_engine_weights": _list(_weights)}
+_OPTIONAL = {
+    "copy_engine_chunks": _list(_int(1)),
+    "copy_engine_weights": _list(_weights),
+    "copy_engine_tiled_chunks": _list(_int(1)),
+    "copy_engine_tiles": _list(_Reader.tile),
+    "copy_engine_exchange_chunks": _list(_int(1)),
+}
+# The optional chunk-count lists, each bounded by the engine's flag slots (MAX_CHUNKS).
+_CHUNK_LISTS = ("copy_engine_chunks", "copy_engine_tiled_chunks", "copy_engine_exchange_chunks")
 
 
 def _read_space(r: _Reader, data: Any) -> SearchSpace:
@@ -398,9 +412,15 @@ def _read_space(r: _Reader, data: Any) -> SearchSpace:
     body = {key: value for key, value in data.items() if key not in ("schema_version", "kind", *_OPTIONAL)}
     extra = {key: read(r, data[key], key) for key, read in _OPTIONAL.items() if key in data}
     space = SearchSpace(schema_version=version, source=r.source, **r.section(body, "", _SPACE), **extra)
-    for i, chunks in enumerate(space.copy_engine_chunks):
-        if chunks > MAX_CHUNKS:
-            r.fail(f"copy_engine_chunks[{i}]", f"{chunks} > {MAX_CHUNKS}, the most chunks a schedule may cut")
+    for key in _CHUNK_LISTS:
+        for i, chunks in enumerate(getattr(space, key)):
+            if chunks > MAX_CHUNKS:
+                r.fail(f"{key}[{i}]", f"{chunks} > {MAX_CHUNKS}, the most chunks a schedule may cut")
+    if bool(space.copy_engine_tiled_chunks) != bool(space.copy_engine_tiles):
+        r.fail(
+            "copy_engine_tiled_chunks" if space.copy_engine_tiles else "copy_engine_tiles",
+            "the tiled mode needs both copy_engine_tiled_chunks and copy_engine_tiles (or neither)",
+        )
     cal = space.calibration
     for i, value in enumerate(cal.quick_interference_sms_free):
         if value not in space.sms_free:

@@ -4,6 +4,7 @@ search spaces and the search's candidates. The engine itself runs on two GPUs on
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from cli_checks import isolate_tables
 from dist_cases import copy_engine_refusal
-from fo_kernels.copy_engine import ROW_ALIGN, chunk_bounds, shard_rows
+from fo_kernels.copy_engine import ROW_ALIGN, chunk_bounds, shard_rows, tile_row_bounds
 from fo_kernels.errors import ScheduleError
 from fo_kernels.fingerprint import current_fingerprint
 from fo_kernels.schedule import MAX_CHUNKS, Problem, Schedule, Tile
@@ -22,6 +23,12 @@ from fo_tune.space import SearchSpace, SpaceError, load_space, packaged_spaces_d
 from fo_tune.tables import changed_fields, validate_table
 
 HEAD = dict(collective="reduce_scatter", dtype="bfloat16", world_size=2)
+# A space's optional keys for the copy engine's tiled and exchange modes (hopper.yaml leaves them out).
+MODES = {
+    "copy_engine_tiles": [{"block_m": 128, "block_n": 256, "block_k": 64}],
+    "copy_engine_tiled_chunks": [1, 2],
+    "copy_engine_exchange_chunks": [2, 4],
+}
 
 
 def ce(m: int = 4096, groups: tuple[int, ...] = (1, 1, 1, 1), **kw) -> Schedule:
@@ -49,11 +56,21 @@ def test_schedule_round_trip_and_describe():
     assert "engine" not in triton.to_dict()  # the default stays out of the tables
 
 
+def test_tiled_schedule_round_trip_and_describe():
+    tile = Tile(block_m=128, block_n=256, block_k=64, warp_specialize=True)
+    s = ce(groups=(1, 1), tile=tile)
+    data = s.to_dict()
+    assert data["tile"] == tile.to_dict() and data["groups"] == [1, 1]
+    assert not {"sms_free", "layout", "wait_mode", "signal_tiles", "nccl_max_ctas"} & set(data)
+    assert Schedule.from_dict(data) == s
+    assert "copy engine, 2 chunk(s) per shard, weights [1, 1], tiled 128x256x64 gm8 w8 s3 ws" in s.describe()
+
+
 @pytest.mark.parametrize(
     "change, field",
     [
         (dict(world_size=4), "engine"),
-        (dict(tile=Tile(block_m=64, block_n=64, block_k=32)), "tile"),
+        (dict(tile={"block_m": 64}), "tile"),
         (dict(sms_free=8), "sms_free"),
         (dict(wait_mode="spin"), "wait_mode"),
         (dict(nccl_max_ctas=16), "nccl_max_ctas"),
@@ -83,6 +100,19 @@ def test_chunk_bounds():
             b = chunk_bounds(rows, weights)
             assert b[0] == 0 and b[-1] == rows and all(x < y for x, y in itertools.pairwise(b))
             assert len(b) - 1 <= len(weights)
+
+
+def test_tile_row_bounds():
+    assert tile_row_bounds(1024, (1, 1), 128) == [0, 512, 1024]
+    assert tile_row_bounds(1000, (1, 1, 1), 128) == [0, 384, 640, 1000]  # 8 tile rows: 3, 2, 3
+    assert tile_row_bounds(100, (1, 1), 128) == [0, 100]  # one tile row: one chunk
+    assert tile_row_bounds(129, (1, 1, 1), 64) == [0, 64, 128, 129]
+    for rows in (1, 7, 129, 1024, 4097):
+        for weights in ((1,), (1, 1), (3, 1), (1,) * 6):
+            for bm in (64, 128):
+                b = tile_row_bounds(rows, weights, bm)
+                assert b[0] == 0 and b[-1] == rows and all(x < y for x, y in itertools.pairwise(b))
+                assert all(x % bm == 0 for x in b[:-1]) and len(b) - 1 <= len(weights)
 
 
 def test_shard_rows():
@@ -136,8 +166,25 @@ def test_space_copy_engine_chunks(tmp_path: Path):
         data = hopper.to_dict() | {"copy_engine_chunks": bad}
         with pytest.raises(SpaceError, match=rf"copy_engine_chunks\[{where[-2]}\]"):
             SearchSpace.from_dict(data)
-    assert (2, 2, 1) in hopper.copy_engine_weights  # weights may repeat within one weighting
+    assert (2, 2, 1) in SearchSpace.from_dict(  # weights may repeat within one weighting
+        hopper.to_dict() | {"copy_engine_weights": [[2, 2, 1]]}
+    ).copy_engine_weights
     assert again.copy_engine_weights == hopper.copy_engine_weights
+    assert not hopper.copy_engine_tiles and not hopper.copy_engine_exchange_chunks  # opt-in (runs 33-37)
+    modes = SearchSpace.from_dict(hopper.to_dict() | MODES)
+    again = SearchSpace.from_dict(modes.to_dict())
+    assert again.copy_engine_tiles == modes.copy_engine_tiles == (Tile(block_m=128, block_n=256, block_k=64),)
+    assert again.copy_engine_tiled_chunks == (1, 2) and again.copy_engine_exchange_chunks == (2, 4)
+    for change, where in (
+        ({"copy_engine_tiled_chunks": [MAX_CHUNKS + 1]}, r"copy_engine_tiled_chunks\[0\]: 65 > 64"),
+        ({"copy_engine_exchange_chunks": [0]}, r"copy_engine_exchange_chunks\[0\]"),
+        ({"copy_engine_tiles": [{"block_m": 128}]}, r"copy_engine_tiles\[0\]"),
+    ):
+        with pytest.raises(SpaceError, match=where):
+            SearchSpace.from_dict(hopper.to_dict() | MODES | change)
+    lone = {k: v for k, v in modes.to_dict().items() if k != "copy_engine_tiles"}
+    with pytest.raises(SpaceError, match=r"copy_engine_tiles: the tiled mode needs both"):
+        SearchSpace.from_dict(lone)
     for bad, where in (
         ([[1]], r"copy_engine_weights\[0\]: expected a list of 2 to"),
         ([[2, 0]], r"copy_engine_weights\[0\]\[1\]: expected a positive integer"),
@@ -149,17 +196,29 @@ def test_space_copy_engine_chunks(tmp_path: Path):
 
 
 def test_search_candidates_only_on_two_gpus():
-    space = load_space(packaged_spaces_dir() / "hopper.yaml")
+    space = SearchSpace.from_dict(load_space(packaged_spaces_dir() / "hopper.yaml").to_dict() | MODES)
     req = SearchRequest(shapes=((4096, 8192, 4096),), collective="all_reduce", world_size=2, mode="measure")
     got = _copy_engine_candidates(req, space, (4096, 8192, 4096), cpu=False)
     want = [(1,) * c for c in space.copy_engine_chunks] + list(space.copy_engine_weights)
-    assert [s.groups for s in got] == want  # equal chunks first, then the extra weightings
+    tiled = [((1,) * c, t) for t in space.copy_engine_tiles for c in space.copy_engine_tiled_chunks]
+    exchange = [(1,) * c for c in space.copy_engine_exchange_chunks]
+    # equal chunks first, then the extra weightings, the tiled mode, the exchange mode
+    assert [(s.groups, s.tile, s.exchange) for s in got] == (
+        [(w, None, False) for w in want]
+        + [(w, t, False) for w, t in tiled]
+        + [(w, None, True) for w in exchange]
+    )
     assert all(s.engine == "copy_engine" and s.problem.m == 4096 for s in got)
+    rs = dataclasses.replace(req, collective="reduce_scatter")
+    assert not any(s.exchange for s in _copy_engine_candidates(rs, space, (4096, 8192, 4096), cpu=False))
+    fp32 = dataclasses.replace(req, dtype="float32")
+    assert not any(s.tile for s in _copy_engine_candidates(fp32, space, (4096, 8192, 4096), cpu=False))
     assert _copy_engine_candidates(req, space, (4096, 8192, 4096), cpu=True) == []
     four = SearchRequest(shapes=((4096, 8192, 4096),), world_size=4, mode="measure")
     assert _copy_engine_candidates(four, space, (4096, 8192, 4096), cpu=False) == []
     small = _copy_engine_candidates(req, space, (4, 8192, 4096), cpu=False)
-    assert all(len(s.groups) <= 2 for s in small)  # no more chunks than a shard has rows
+    # no more chunks than a shard (the exchange mode: all M) has rows
+    assert all(len(s.groups) <= (4 if s.exchange else 2) for s in small)
     assert _plans_everywhere(got[0], (1, 2, 4096, 100000), 132)
 
 
@@ -170,18 +229,48 @@ def test_table_show_and_csv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
     isolate_tables(monkeypatch, tmp_path)
     fp = current_fingerprint("cpu", world_size=2)
+    tiled = ce(m=2048, groups=(1,), tile=Tile(block_m=128, block_n=256, block_k=64))
     table = ScheduleTable(
-        fingerprint=fp, collective="reduce_scatter", world_size=2, dtype="bfloat16", rows=[ce(groups=(2, 1))]
+        fingerprint=fp,
+        collective="reduce_scatter",
+        world_size=2,
+        dtype="bfloat16",
+        rows=[ce(groups=(2, 1)), tiled],
     )
     path = tmp_path / "t.yaml"
     save_table(table, path)
     shown = CliRunner().invoke(app, ["table", "show", str(path)])
     assert shown.exit_code == 0 and "copy engine" in shown.output, shown.output
+    assert "tiled 128x256x64" in shown.output, shown.output
     got = CliRunner().invoke(app, ["table", "show", str(path), "--format", "csv"])
     assert got.exit_code == 0, got.output
-    header, row = got.output.strip().splitlines()[:2]
-    cells = dict(zip(header.split(","), row.split(","), strict=False))
-    assert cells["engine"] == "copy_engine" and cells["groups"] == "2 1" and cells["block_m"] == ""
+    header, *rows = got.output.strip().splitlines()
+    cells = [dict(zip(header.split(","), row.split(","), strict=False)) for row in rows]
+    by_m = {c["m"]: c for c in cells}
+    plain, tiled_cells = by_m["4096"], by_m["2048"]
+    assert plain["engine"] == "copy_engine" and plain["groups"] == "2 1" and plain["block_m"] == ""
+    assert plain["exchange"] == "False"
+    assert (tiled_cells["block_m"], tiled_cells["block_n"], tiled_cells["groups"]) == ("128", "256", "1")
+
+
+def test_exchange_schedule_contract():
+    ar = dict(HEAD, collective="all_reduce")
+    problem = Problem(m=2048, n=4096, k=4096)
+    s = Schedule(**ar, problem=problem, engine="copy_engine", groups=(1, 1), exchange=True)
+    assert s.to_dict()["exchange"] is True and Schedule.from_dict(s.to_dict()) == s
+    assert "exchange, 2 chunk(s) of M" in s.describe()
+    assert "exchange" not in ce().to_dict()  # the default stays out of the tables
+    with pytest.raises(ScheduleError, match=r"^exchange: only all_reduce"):
+        ce(exchange=True)  # reduce_scatter
+    with pytest.raises(ScheduleError, match=r"^exchange: only all_reduce"):
+        Schedule(
+            **ar, problem=Problem(m=64, n=64, k=64), engine="copy_engine", groups=(1,), exchange=True,
+            tile=Tile(block_m=64, block_n=64, block_k=32),
+        )  # fmt: skip
+    with pytest.raises(ScheduleError, match=r"^exchange: only an overlapped engine: copy_engine"):
+        Schedule(**ar, problem=Problem(m=64, n=64, k=64), overlap=False, exchange=True)
+    with pytest.raises(ScheduleError, match=r"^exchange: expected true or false"):
+        Schedule(**ar, problem=Problem(m=64, n=64, k=64), engine="copy_engine", groups=(1,), exchange="yes")
 
 
 class FakeMeasurer:
@@ -231,7 +320,7 @@ def test_confirmation_with_copy_engine_candidates(measurer, want):
 
     from fo_tune import search as S
 
-    space = load_space(packaged_spaces_dir() / "hopper.yaml")
+    space = SearchSpace.from_dict(load_space(packaged_spaces_dir() / "hopper.yaml").to_dict() | MODES)
     shape = (4096, 8192, 4096)
     req = SearchRequest(shapes=(shape,), world_size=2, mode="measure", trials=3, space=space)
     r = S._search_shape(
@@ -239,7 +328,12 @@ def test_confirmation_with_copy_engine_candidates(measurer, want):
         storage=optuna.storages.InMemoryStorage(), table=None, budget_s=None, reporter=S._Silent(),
     )  # fmt: skip
     engines = [s.engine for s in measurer.confirmed[0]]
-    candidates = len(space.copy_engine_chunks) + len(space.copy_engine_weights)
+    candidates = (
+        len(space.copy_engine_chunks)
+        + len(space.copy_engine_weights)
+        + len(space.copy_engine_tiles) * len(space.copy_engine_tiled_chunks)
+        + len(space.copy_engine_exchange_chunks)  # the request's collective is all_reduce
+    )
     assert engines.count("copy_engine") == (0 if measurer.why else candidates)
     if want == "none":
         assert not r.row.overlap and r.best_schedule.engine == "copy_engine" and r.best_trial is None
@@ -339,12 +433,12 @@ def test_eager_calls_are_graphed_once_their_addresses_repeat(monkeypatch: pytest
     peers._agree = lambda signature: None
     log = []
 
-    def run(collective, a, b, weights, out, capturing=False):
+    def run(collective, a, b, weights, mode, out, capturing=False):
         log.append("capture" if capturing else "eager")
-        peers._plans[(collective, a.shape[0], b.shape[1], a.dtype, weights)] = "plan"
+        peers._plans[ce._plan_key(collective, a.shape[0], b.shape[1], a.dtype, weights, mode)] = "plan"
 
-    def capture(collective, a, b, weights, out):
-        run(collective, a, b, weights, out, capturing=True)
+    def capture(collective, a, b, weights, mode, out):
+        run(collective, a, b, weights, mode, out, capturing=True)
         return SimpleNamespace(replay=lambda: log.append("replay"))
 
     peers._run, peers._capture = run, capture

@@ -57,8 +57,10 @@ HELP = "\n\n".join(
         "measured spread and at least 2%; otherwise the row says overlap: false. M-range rows "
         "(--m-range LO:HI) cover every M of the range for the shapes' (N, K). On 2 GPUs a measured "
         "or hybrid search also re-times one engine: copy_engine schedule per chunk count of the "
-        "space's copy_engine_chunks and per weighting of its copy_engine_weights (NVLink peer "
-        "copies instead of NCCL; measured, never predicted).",
+        "space's copy_engine_chunks and per weighting of its copy_engine_weights, per chunk count "
+        "of copy_engine_tiled_chunks with each of copy_engine_tiles (the tiled mode: a Triton GEMM "
+        "per phase), and, for all_reduce, per chunk count of copy_engine_exchange_chunks (NVLink "
+        "peer copies instead of NCCL; measured, never predicted).",
         "Studies live in --storage (default SQLite at results/studies/fo-tune.db): running the same "
         "command again resumes them, and several workers may share one study (journal:FILE or "
         "PostgreSQL). Tables go to --table-dir (default $FO_TUNE_TABLE_DIR, else "
@@ -230,7 +232,10 @@ def short_schedule(row: Schedule) -> str:
     if not row.overlap:
         return "no overlap"
     if row.engine == "copy_engine":
-        return f"copy engine c{len(row.groups)} g{'-'.join(map(str, row.groups))}"
+        t = row.tile
+        how = f" tiled {t.block_m}x{t.block_n}x{t.block_k}" if t is not None else ""
+        how = " exchange" if row.exchange else how
+        return f"copy engine c{len(row.groups)} g{'-'.join(map(str, row.groups))}{how}"
     t = row.tile
     assert t is not None
     ws = "ws" if t.warp_specialize else ""

@@ -195,6 +195,13 @@ def tile_label(tile: Tile | None) -> str:
     )
 
 
+def copy_engine_label(row: Schedule) -> str:
+    """``copy engine``, ``copy engine, tiled 128x256x64 ...`` or ``copy engine, exchange``."""
+    if row.exchange:
+        return "copy engine, exchange"
+    return "copy engine" + (f", tiled {tile_label(row.tile)}" if row.tile is not None else "")
+
+
 def value_label(value: Any) -> str:
     """A provenance or field value in a cell: floats to 4 significant digits, tiles in short form."""
     from fo_kernels.schedule import Tile
@@ -241,7 +248,7 @@ def _show_rich(path: Path, table: ScheduleTable) -> None:
     for row in table.rows:
         cells = [row.problem.describe(), value_label(row.overlap)]
         if row.overlap and row.engine == "copy_engine":
-            cells += ["copy engine", "-", "-", "-", value_label(row.groups), "-", "-"]
+            cells += [copy_engine_label(row), "-", "-", "-", value_label(row.groups), "-", "-"]
         elif row.overlap:
             cells += [
                 tile_label(row.tile),
@@ -287,6 +294,7 @@ CSV_COLUMNS = (
     "layout",
     "wait_mode",
     "engine",  # last: added after the other columns, so scripts reading by position keep working
+    "exchange",  # (copy engine rows)
 )
 
 
@@ -303,6 +311,10 @@ def _csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
                 values["engine"] = row.engine
             if row.overlap and row.engine == "copy_engine":
                 values["groups"] = " ".join(map(str, row.groups))
+                values["exchange"] = row.exchange
+                if row.tile is not None:  # the tiled mode
+                    values.update(row.tile.to_dict())
+                    values["warp_specialize"] = row.tile.warp_specialize
             elif row.overlap:
                 assert row.tile is not None
                 values.update(row.tile.to_dict())
@@ -452,7 +464,7 @@ def _changes_cell(d: RowDiff) -> str:
     if row is not None:
         if not row.overlap:
             return "no overlap"
-        return "copy engine" if row.engine == "copy_engine" else tile_label(row.tile)
+        return copy_engine_label(row) if row.engine == "copy_engine" else tile_label(row.tile)
     assert d.a is not None and d.b is not None
     parts = [
         f"{name} {value_label(getattr(d.a, name))} -> {value_label(getattr(d.b, name))}" for name in d.fields
