@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probe_common import append_rows, merge_checked, operands_and_reference, sequential_call
+from probe_common import Progress, append_rows, merge_checked, operands_and_reference, sequential_call
 
 from fo_kernels.copy_engine import GRAPH_AFTER_CALLS, CopyEnginePeers
 from fo_tune.harness import open_pool, time_interleaved
@@ -100,8 +99,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = []
-    t0 = time.time()
+    progress = Progress()
     with open_pool(2) as pool:
         if not pool.is_driver:
             return
@@ -119,10 +117,8 @@ def main() -> None:
                 parts.append(f"{x} {t:.3f}{'' if ok else ' FAIL'}")
             append_rows(args.out / "graph.csv", rows)
             line = f"{m}x{n}x{k} {coll}: " + ", ".join(parts)
-            print(f"[{time.time() - t0:.0f}s] {line}", flush=True)
-            summary.append(line)
-    print("SUMMARY")
-    print("\n".join(summary))
+            progress.line(line)
+    progress.summary()
 
 
 if __name__ == "__main__":

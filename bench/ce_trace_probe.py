@@ -21,7 +21,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probe_common import OPERAND_SEED, append_rows
+from probe_common import OPERAND_SEED, Progress, append_rows
 
 from fo_kernels.copy_engine import CopyEnginePeers
 from fo_tune.harness import open_pool
@@ -156,8 +155,7 @@ def main() -> None:
         (c, int(m), int(n), int(k), int(ch)) for c, m, n, k, ch in (x.split(":") for x in args.case)
     ] or list(TRACE_CASES)
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = []
-    t0 = time.time()
+    progress = Progress()
     with open_pool(2) as pool:
         if not pool.is_driver:
             return
@@ -166,8 +164,8 @@ def main() -> None:
             append_rows(args.out / "copies.csv", per_rank[0]["rows"])
             for r in per_rank[0]["rows"]:
                 what = f"copy {r['mb']} MB {r['src']} {r['how']}"
-                summary.append(f"{what}: {r['median_us']:.1f} us (min {r['min_us']:.1f})")
-            print(f"[{time.time() - t0:.0f}s] copies done", flush=True)
+                progress.keep(f"{what}: {r['median_us']:.1f} us (min {r['min_us']:.1f})")
+            progress.line("copies done", keep=False)
         for case in cases:
             per_rank = pool.run(TraceTask(*case))
             for rank, res in enumerate(per_rank):
@@ -177,10 +175,8 @@ def main() -> None:
                 for i, r in enumerate(per_rank)
             ]
             line = f"trace {case}: " + ", ".join(spans)
-            print(f"[{time.time() - t0:.0f}s] {line}", flush=True)
-            summary.append(line)
-    print("SUMMARY")
-    print("\n".join(summary))
+            progress.line(line)
+    progress.summary()
 
 
 if __name__ == "__main__":

@@ -35,7 +35,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probe_common import SUITE_SHAPES, append_rows, merge_checked, operands_and_reference, sequential_call
+from probe_common import (
+    SUITE_SHAPES,
+    Progress,
+    append_rows,
+    merge_checked,
+    operands_and_reference,
+    sequential_call,
+)
 
 from fo_kernels.copy_engine import PARTIAL, CopyEnginePeers
 from fo_tune.harness import open_pool, time_interleaved
@@ -146,8 +153,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two shapes only (a smoke run)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = []
-    t0 = time.time()
+    progress = Progress()
     with open_pool(2) as pool:
         if not pool.is_driver:
             return
@@ -158,8 +164,7 @@ def main() -> None:
             [{"wait": "stream_wait", "repeat": i, "round_trip_us": v} for i, v in enumerate(rt)],
         )
         line = f"latency: round trip {', '.join(f'{v:.1f}' for v in rt)} us"
-        print(f"[{time.time() - t0:.0f}s] {line}", flush=True)
-        summary.append(line)
+        progress.line(line)
         shapes = SHAPES[:2] if args.quick else SHAPES
         for (m, n, k), coll in itertools.product(shapes, ("all_reduce", "reduce_scatter")):
             per_rank = pool.run(EngineTask(m, n, k, coll))
@@ -183,10 +188,8 @@ def main() -> None:
                 f"{m}x{n}x{k} {coll}: seq {seq:.3f}, best {best} {merged[best].median_ms:.3f} "
                 f"({seq / merged[best].median_ms:.2f}x) | " + ", ".join(parts)
             )
-            print(f"[{time.time() - t0:.0f}s] {line}", flush=True)
-            summary.append(line)
-    print("SUMMARY")
-    print("\n".join(summary))
+            progress.line(line)
+    progress.summary()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Pieces the two-GPU probes share (``bench/ce_*_probe.py``, ``bench/cublas_chunks_probe.py``): the
 suite's shapes, a case's operands and float32 reference, the sequential baseline, the merge of the
-ranks' checks and timings, and CSV rows appended case by case."""
+ranks' checks and timings, CSV rows appended case by case, and the progress and summary lines."""
 
 from __future__ import annotations
 
 import csv
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -75,3 +76,25 @@ def append_rows(path: Path, rows: list[dict]) -> None:
         if new:
             writer.writeheader()
         writer.writerows(rows)
+
+
+class Progress:
+    """A probe's output: a line per case as it goes (seconds since the start first), and the lines
+    kept for the end, printed again under ``SUMMARY`` (the device tool returns the output's tail)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+        self.lines: list[str] = []
+
+    def line(self, text: str, *, keep: bool = True) -> None:
+        print(f"[{time.time() - self.t0:.0f}s] {text}", flush=True)
+        if keep:
+            self.lines.append(text)
+
+    def keep(self, text: str) -> None:
+        """Kept for the summary, not printed now."""
+        self.lines.append(text)
+
+    def summary(self) -> None:
+        print("SUMMARY")
+        print("\n".join(self.lines))

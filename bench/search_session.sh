@@ -20,6 +20,9 @@
 #                                        # 30 rounds each (10 rounds left 0.1 ms outliers, run 22)
 #   bash bench/search_session.sh diag    # the own-graph GPU test, then a two-shape search with
 #                                        # warnings shown (run 28 found a capture failure this way)
+#   bash bench/search_session.sh tiled   # the copy engine's tiled mode: bench/ce_tiled_probe.py
+#                                        # (suite shapes, both collectives; PROBE_ARGS adds options),
+#                                        # then its GPU tests (TESTS_K picks them)
 #   bash bench/search_session.sh graphs  # the engine's own graphs: eager / own-graph / replayed
 #                                        # timings (bench/ce_graph_probe.py), every GPU test, then
 #                                        # the bench twice with the committed tables
@@ -27,7 +30,7 @@
 # The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
 # (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
 set -uo pipefail
-STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange, mrange-lite, graphs or diag}"
+STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange, mrange-lite, graphs, tiled or diag}"
 KEY=nvidia-h200-cc90-132sm-w2-nvlink18
 CAL="results/calibration/$KEY/tp2/calibration.yaml"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -183,6 +186,14 @@ elif [ "$STAGE" = graphs ]; then
     tests/test_gpu.py tests/test_copy_engine.py 2>&1 | tee "$RES/pytest_gpu.log" | tail -14
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
   REPS=30 bench_twice 150 12  # the committed tables
+elif [ "$STAGE" = tiled ]; then
+  stamp "copy engine: tiled mode vs cuBLAS chunks vs cuBLAS then NCCL"
+  timeout "${PROBE_TIMEOUT_S:-300}" python3 bench/ce_tiled_probe.py --out "$RES/probe" ${PROBE_ARGS:-} \
+    > "$RES/probe.log" 2>&1
+  grep -v "^\[" "$RES/probe.log" | tail -14
+  stamp "GPU tests of the tiled mode"
+  timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -q -p no:cacheprovider -m multigpu --durations=4 \
+    tests/test_gpu.py -k "${TESTS_K:-tiled or exchange or graph}" 2>&1 | tee "$RES/pytest_tiled.log" | tail -10
 elif [ "$STAGE" = diag ]; then
   stamp "the engine's own graphs: GPU test, then a search of two shapes with warnings shown"
   timeout 90 python3 -m pytest -q -p no:cacheprovider -m multigpu \
