@@ -133,10 +133,14 @@ def test_b_layout_detection():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kmajor", [False, True])
-def test_rows_gemm_signals_accumulates_and_copies(dtype, kmajor):
-    """The copy engine's tiled mode (``rows_gemm``, LAYOUT_ROWS): phase 1 writes a @ b row-major
-    and counts each tile row group's tiles; phase 2 (ready flags already set) adds what is in the
-    destination and stores the sum twice. Odd rows and columns, groups of uneven tile rows."""
+def test_rows_gemm_writes_rows_and_counts_groups(dtype, kmajor):
+    """The copy engine's tiled mode (``rows_gemm``, LAYOUT_ROWS), phase 1: a @ b row-major, each
+    tile row group's tiles counted. Odd rows and columns, groups of uneven tile rows.
+
+    Phase 2 (``ready``: wait, add what the copy engine put there, ``out2``) is tested on GPUs only
+    (tests/test_gpu.py, tiled cases): run under the interpreter it left the CI process's memory
+    corrupted (a segfault in Python's garbage collector a few test files later, in three CI runs;
+    bisected in session 6 to the accumulate epilogue, root cause in the interpreter not found)."""
     from fo_kernels.copy_engine import tile_row_bounds
     from fo_kernels.gemm import rows_gemm
 
@@ -155,10 +159,3 @@ def test_rows_gemm_signals_accumulates_and_copies(dtype, kmajor):
     assert not out.isnan().any()
     assert (out.float() - ref).abs().max() / ref.abs().max() < TOL[dtype]
     assert counters.tolist() == [3 * 2, 2 * 2]  # tile rows x tile columns per group
-    pulled = torch.randn(rows, n, generator=gen).to(dtype)  # what the copy engine put there
-    dst, copy = pulled.clone(), torch.full((rows, n), float("nan"), dtype=dtype)
-    ready = torch.ones(2, dtype=torch.int32)
-    rows_gemm(a, BOperand.of(b), dst, TILE, grid=4, row_group=row_group, ready=ready, out2=copy)
-    want = ref + pulled.float()
-    assert (dst.float() - want).abs().max() / want.abs().max() < TOL[dtype]
-    assert torch.equal(dst, copy)
