@@ -131,26 +131,21 @@ def test_b_layout_detection():
     assert BOperand.of(torch.randn(8, 8)[:, ::2]) is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kmajor", [False, True])
-def test_rows_gemm_writes_rows_and_counts_groups(dtype, kmajor):
-    """The copy engine's tiled mode (``rows_gemm``, LAYOUT_ROWS), phase 1: a @ b row-major, each
-    tile row group's tiles counted. Odd rows and columns, groups of uneven tile rows.
-
-    Phase 2 (``ready``: wait, add what the copy engine put there, ``out2``) is tested on GPUs only
-    (tests/test_gpu.py, tiled cases): run under the interpreter it left the CI process's memory
-    corrupted (a segfault in Python's garbage collector a few test files later, in three CI runs;
-    bisected in session 6 to the accumulate epilogue, root cause in the interpreter not found)."""
+def _rows_gemm_check(dtype_name: str, kmajor: bool) -> None:
+    """Both phases of the copy engine's tiled mode (``rows_gemm``, LAYOUT_ROWS): phase 1 writes
+    a @ b row-major and counts each tile row group's tiles; phase 2 (ready flags already set) adds
+    what is in the destination and stores the sum twice. Odd rows and columns, groups of uneven
+    tile rows. Run in a process of its own by the test below."""
     from fo_kernels.copy_engine import tile_row_bounds
     from fo_kernels.gemm import rows_gemm
 
+    dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(7)
     rows, n, k = 70, 50, 40  # 5 tile rows of 16, 2 tile columns of 32 (the last ones partial)
     a = torch.randn(rows, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)
     b = w.t() if kmajor else w.t().contiguous()
-    bounds = tile_row_bounds(rows, (2, 1), TILE.block_m)
-    assert bounds == [0, 48, 70]
+    assert tile_row_bounds(rows, (2, 1), TILE.block_m) == [0, 48, 70]
     row_group = torch.tensor([0, 0, 0, 1, 1], dtype=torch.int32)
     counters = torch.zeros(2, dtype=torch.int32)
     out = torch.full((rows, n), float("nan"), dtype=dtype)
@@ -159,3 +154,31 @@ def test_rows_gemm_writes_rows_and_counts_groups(dtype, kmajor):
     assert not out.isnan().any()
     assert (out.float() - ref).abs().max() / ref.abs().max() < TOL[dtype]
     assert counters.tolist() == [3 * 2, 2 * 2]  # tile rows x tile columns per group
+    pulled = torch.randn(rows, n, generator=gen).to(dtype)  # what the copy engine put there
+    dst, copy = pulled.clone(), torch.full((rows, n), float("nan"), dtype=dtype)
+    ready = torch.ones(2, dtype=torch.int32)
+    rows_gemm(a, BOperand.of(b), dst, TILE, grid=4, row_group=row_group, ready=ready, out2=copy)
+    want = ref + pulled.float()
+    assert (dst.float() - want).abs().max() / want.abs().max() < TOL[dtype]
+    assert torch.equal(dst, copy)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kmajor", [False, True])
+def test_rows_gemm_signals_accumulates_and_copies(dtype, kmajor):
+    """``_rows_gemm_check`` in a Python process of its own, under the interpreter. Run inside the
+    test process, these launches left its memory corrupted: fresh-clone CI died with a segfault in
+    Python's garbage collector a few test files later (four CI runs in session 6; the root cause,
+    in the interpreter, was not found). A corruption here now fails this test or nothing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    code = f"import test_gemm; test_gemm._rows_gemm_check({dtype!r}, {kmajor!r}); print('ok')"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
