@@ -309,21 +309,17 @@ def _csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
             values: dict[str, Any] = {"file": str(path), **row.problem.to_dict(), "overlap": row.overlap}
             if row.overlap:
                 values["engine"] = row.engine
-            if row.overlap and row.engine == "copy_engine":
                 values["groups"] = " ".join(map(str, row.groups))
-                values["exchange"] = row.exchange
-                if row.tile is not None:  # the tiled mode
+                if row.tile is not None:  # every Triton row; a copy-engine row in its tiled mode
                     values.update(row.tile.to_dict())
                     values["warp_specialize"] = row.tile.warp_specialize
+            if row.overlap and row.engine == "copy_engine":
+                values["exchange"] = row.exchange
             elif row.overlap:
-                assert row.tile is not None
-                values.update(row.tile.to_dict())
-                values["warp_specialize"] = row.tile.warp_specialize
                 values.update(
                     sms_free=row.sms_free,
                     nccl_max_ctas=row.nccl_max_ctas,
                     signal_tiles=row.signal_tiles,
-                    groups=" ".join(map(str, row.groups)),
                     layout=row.layout,
                     wait_mode=row.wait_mode,
                 )
