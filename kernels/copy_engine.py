@@ -371,34 +371,37 @@ class CopyEnginePeers:
                 "or overlap: false on this machine"
             )
 
-    def _wait(self, stream, slot: int, *, reset: bool = True) -> None:
-        """``stream`` waits (GPU front end, no SM) until my flag ``slot`` is set, then resets it."""
+    def _wait_at(self, stream, address, target: int, *, reset: bool) -> None:
+        """``stream`` waits (GPU front end, no SM) until the int32 at ``address`` reaches
+        ``target``, then (``reset``) sets it back to 0 for the next call."""
         drv = self._driver
-        (err,) = drv.cuStreamWaitValue32(stream, self._my_flag[slot], 1, self._geq)
+        (err,) = drv.cuStreamWaitValue32(stream, address, target, self._geq)
         self._check(err, "cuStreamWaitValue32")
         if reset:  # (the driver refuses NO_MEMORY_BARRIER here: CUDA_ERROR_INVALID_VALUE, run 20)
-            (err,) = drv.cuStreamWriteValue32(stream, self._my_flag[slot], 0, self._fence_write)
-            self._check(err, "cuStreamWriteValue32")
+            self._write(stream, address, 0)
+
+    def _write(self, stream, address, value: int, what: str = "cuStreamWriteValue32") -> None:
+        """``stream`` writes ``value`` to the int32 at ``address`` after a system-wide fence (the
+        data before it is visible first)."""
+        (err,) = self._driver.cuStreamWriteValue32(stream, address, value, self._fence_write)
+        self._check(err, what)
+
+    def _wait(self, stream, slot: int, *, reset: bool = True) -> None:
+        """``stream`` waits until my flag ``slot`` is set, then resets it."""
+        self._wait_at(stream, self._my_flag[slot], 1, reset=reset)
 
     def _signal(self, stream, slot: int) -> None:
-        """``stream`` sets the peer's flag ``slot`` after a system-wide fence (the data before it
-        is visible to the peer first)."""
-        (err,) = self._driver.cuStreamWriteValue32(stream, self._peer_flag[slot], 1, self._fence_write)
-        self._check(err, "cuStreamWriteValue32 to the peer")
+        """``stream`` sets the peer's flag ``slot`` (the data before it is visible to the peer first)."""
+        self._write(stream, self._peer_flag[slot], 1, "cuStreamWriteValue32 to the peer")
 
     def _set(self, stream, slot: int) -> None:
-        """``stream`` sets my own flag ``slot`` (after a fence: the copies before it are visible)."""
-        (err,) = self._driver.cuStreamWriteValue32(stream, self._my_flag[slot], 1, self._fence_write)
-        self._check(err, "cuStreamWriteValue32")
+        """``stream`` sets my own flag ``slot`` (the copies before it are visible first)."""
+        self._write(stream, self._my_flag[slot], 1)
 
     def _count(self, stream, slot: int, target: int) -> None:
         """``stream`` waits until tile counter ``slot`` reaches ``target`` (every tile of its chunk
         has stored and signalled), then resets it for the next call."""
-        drv = self._driver
-        (err,) = drv.cuStreamWaitValue32(stream, self._counter[slot], target, self._geq)
-        self._check(err, "cuStreamWaitValue32")
-        (err,) = drv.cuStreamWriteValue32(stream, self._counter[slot], 0, self._fence_write)
-        self._check(err, "cuStreamWriteValue32")
+        self._wait_at(stream, self._counter[slot], target, reset=True)
 
     def _copy(self, stream, dst: int, src: int, nbytes: int) -> None:
         """A device-to-device copy on ``stream`` (the copy engine; ``src`` may be the peer's)."""
@@ -438,12 +441,22 @@ class CopyEnginePeers:
             self._plans.popitem(last=False)
         return plan
 
+    def _reserve_rows(self, rows: int, n: int, dtype: torch.dtype) -> int:
+        """Grow the buffers to hold ``rows`` rows of ``n`` ``dtype`` elements; bytes per row."""
+        row_bytes = n * torch.empty((), dtype=dtype).element_size()
+        self._reserve(rows * row_bytes)
+        return row_bytes
+
+    @staticmethod
+    def _rows(buffer: torch.Tensor, rows: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first ``rows`` rows of ``n`` ``dtype`` elements of a byte buffer, as a (rows, n) view."""
+        return buffer.view(dtype)[: rows * n].view(-1, n)
+
     def _halves(self, m: int, n: int, dtype: torch.dtype) -> tuple[tuple[int, int], tuple[int, int], int]:
         """(my shard's rows, the peer's, bytes per row), the buffers grown to hold either shard."""
         spans = shard_rows(m)
-        size = torch.empty((), dtype=dtype).element_size()
-        self._reserve(max(r1 - r0 for r0, r1 in spans) * n * size)
-        return spans[self.rank], spans[self.peer], n * size
+        row_bytes = self._reserve_rows(max(r1 - r0 for r0, r1 in spans), n, dtype)
+        return spans[self.rank], spans[self.peer], row_bytes
 
     def _plan(self, collective: str, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...]) -> _Plan:
         key = _plan_key(collective, m, n, dtype, weights, CHUNKED)
@@ -455,11 +468,11 @@ class CopyEnginePeers:
         mine, theirs, row_bytes = self._halves(m, n, dtype)
         own = tuple(itertools.pairwise(chunk_bounds(mine[1] - mine[0], weights)))
         other = tuple(itertools.pairwise(chunk_bounds(theirs[1] - theirs[0], weights)))
-        part = self._part.view(dtype)[: (theirs[1] - theirs[0]) * n].view(-1, n)
+        part = self._rows(self._part, theirs[1] - theirs[0], n, dtype)
         peer_part = self._peer_part.data_ptr()
         final, final_src, gather_src, final_base = (), (), (), 0
         if collective == "all_reduce":
-            whole = self._final.view(dtype)[: (mine[1] - mine[0]) * n].view(-1, n)
+            whole = self._rows(self._final, mine[1] - mine[0], n, dtype)
             final = tuple(whole[r0:r1] for r0, r1 in own)
             final_base = self._final.data_ptr()
             final_src = tuple(self._final.data_ptr() + r0 * row_bytes for r0, _ in own)
@@ -500,7 +513,7 @@ class CopyEnginePeers:
         other, other_groups, other_tiles = cut(theirs[1] - theirs[0])
         final, gather_src = None, ()
         if collective == "all_reduce":
-            final = self._final.view(dtype)[: (mine[1] - mine[0]) * n].view(-1, n)
+            final = self._rows(self._final, mine[1] - mine[0], n, dtype)
             gather_src = tuple(self._peer_final.data_ptr() + r0 * row_bytes for r0, _ in other)
         return _TiledPlan(
             mine=mine,
@@ -508,7 +521,7 @@ class CopyEnginePeers:
             own=own,
             other=other,
             row_bytes=row_bytes,
-            part=self._part.view(dtype)[: (theirs[1] - theirs[0]) * n].view(-1, n),
+            part=self._rows(self._part, theirs[1] - theirs[0], n, dtype),
             final=final,
             own_groups=own_groups,
             other_groups=other_groups,
@@ -862,11 +875,9 @@ class CopyEnginePeers:
         return self._cached(key, lambda: self._make_exchange(m, n, dtype, weights))
 
     def _make_exchange(self, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...]) -> _ExchangePlan:
-        size = torch.empty((), dtype=dtype).element_size()
-        self._reserve(m * n * size)
-        row_bytes = n * size
+        row_bytes = self._reserve_rows(m, n, dtype)
         chunks = tuple(itertools.pairwise(chunk_bounds(m, weights)))
-        whole = self._part.view(dtype)[: m * n].view(m, n)
+        whole = self._rows(self._part, m, n, dtype)
         return _ExchangePlan(
             chunks=chunks,
             row_bytes=row_bytes,
