@@ -25,7 +25,6 @@ Writes DIR/tiled.csv (appended case by case); prints one line per case and a sum
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -34,20 +33,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probe_common import (
-    SUITE_SHAPES,
     Progress,
     append_rows,
+    case_options,
+    cases,
     merge_checked,
     operands_and_reference,
+    poisoned_error,
     sequential_call,
+    shared_engine,
 )
 
-from fo_kernels.copy_engine import CopyEnginePeers
 from fo_kernels.gemm import BOperand, rows_gemm
 from fo_kernels.schedule import Tile
 from fo_tune.harness import open_pool, time_interleaved
 from fo_tune.launch import RankContext
-from fo_tune.measure import rel_err
 from fo_tune.space import load_space, packaged_spaces_dir
 
 # search_spaces/hopper.yaml's first and second tiles (its comments call them "big_ws" and "big"; the
@@ -58,10 +58,6 @@ CE_CHUNKS = (2, 4)
 TILED_CHUNKS = (1, 2, 4)
 EXCHANGE_CHUNKS = (1, 2, 3, 4)  # all_reduce only
 TOLERANCE = 2e-2
-# Output blocks of one shape the engine's pool can hold free at a check: the variants' dropped
-# outputs are reused, so two or three; poisoning more covers them all.
-POISON_BLOCKS = 6
-_PEERS: dict[str, CopyEnginePeers] = {}  # one per rank process (symmetric buffers), reused
 
 
 class TiledTask:
@@ -73,10 +69,7 @@ class TiledTask:
         m, n, k, w = self.m, self.n, self.k, ctx.world_size
         a, b, ref = operands_and_reference(ctx, m, n, k, self.collective)
         gemm_ref = a.float() @ b.float()
-        if "engine" not in _PEERS:
-            _PEERS["engine"] = CopyEnginePeers(device=ctx.device)
-            _PEERS["engine"]._reserve(self.biggest)  # no growth (which drops graphs) between cases
-        peers = _PEERS["engine"]
+        peers = shared_engine(ctx.device, self.biggest)
         fns = {"seq": sequential_call(self.collective, a, b, w)[0]}
         refs = {"seq": ref}
         full = torch.empty((m, n), dtype=a.dtype, device=a.device)
@@ -109,20 +102,7 @@ class TiledTask:
         rows = m if self.collective == "all_reduce" else m // w
 
         def checked(name: str) -> float:
-            """The variant's error on a poisoned output: ``full``, and every free block of this
-            size in the engine's output pool (where the dropped outputs of every engine variant
-            went: the next output is one of them)."""
-            fns[name]()  # (the engine's output pool exists from here on)
-            full.fill_(float("nan"))
-            if peers._out_pool is not None:
-                with torch.cuda.use_mem_pool(peers._out_pool, device=ctx.device):
-                    blocks = [torch.empty_like(full[:rows]) for _ in range(POISON_BLOCKS)]
-                for block in blocks:
-                    block.fill_(float("nan"))
-                del blocks
-            err = rel_err(fns[name](), refs[name])
-            torch.cuda.synchronize()
-            return err
+            return poisoned_error(fns[name], refs[name], full, peers, rows)
 
         errs = {name: checked(name) for name in fns}
         timings = time_interleaved(fns, ctx.device, rounds=self.rounds, agree=True)
@@ -131,16 +111,9 @@ class TiledTask:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--shape", action="append", default=[], help="MxNxK (repeatable; default: the suite)")
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--collective", action="append", default=[], help="default: both")
-    args = ap.parse_args()
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shape] or list(SUITE_SHAPES)
-    collectives = args.collective or ["all_reduce", "reduce_scatter"]
+    args = case_options(__doc__.splitlines()[0]).parse_args()
+    shapes, collectives = cases(args)
     biggest = max(m * n for m, n, _ in shapes) * 2  # bf16 bytes of the largest output (exchange)
-    args.out.mkdir(parents=True, exist_ok=True)
     progress = Progress()
     with open_pool(2) as pool:
         if not pool.is_driver:

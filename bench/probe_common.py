@@ -1,27 +1,58 @@
-"""Pieces the two-GPU probes share (``bench/ce_*_probe.py``, ``bench/cublas_chunks_probe.py``): the
-suite's shapes, a case's operands and float32 reference, the sequential baseline, the merge of the
+"""Pieces the two-GPU probes share (``bench/ce_*_probe.py``, ``bench/cublas_chunks_probe.py``,
+``bench/host_probe.py``): the suite's shapes, the per-case probes' options, a case's operands and
+float32 reference, the sequential baseline, a variant's error on poisoned outputs, the merge of the
 ranks' checks and timings, CSV rows appended case by case, and the progress and summary lines."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from fo_kernels.copy_engine import CopyEnginePeers
 from fo_kernels.runtime import reduce_scatter_tensor
 from fo_tune.bench import load_suite, packaged_suite
 from fo_tune.harness import Timing
 from fo_tune.launch import RankContext
-from fo_tune.measure import _collective_fp32, gemm_operands
+from fo_tune.measure import _collective_fp32, gemm_operands, rel_err
 
 # The shipped suite's (M, N, K) (suites/h200_tp.yaml, DESIGN.md's five shapes).
 SUITE_SHAPES = load_suite(packaged_suite()).shapes
 # Seed of rank r's operands: OPERAND_SEED + r (every probe draws the same operands per shape).
 OPERAND_SEED = 11
+COLLECTIVES = ("all_reduce", "reduce_scatter")
+# Output blocks of one shape the copy engine's output pool can hold free at a check: the variants'
+# dropped outputs are reused, so two or three; poisoning more covers them all.
+POISON_BLOCKS = 6
+_ENGINES: dict[str, CopyEnginePeers] = {}  # shared_engine's one engine per rank process
+
+
+def case_options(
+    description: str, *, rounds: int | None = 15, shapes: str = "the suite"
+) -> argparse.ArgumentParser:
+    """The options of a probe that runs per (shape, collective): ``--out``, ``--shape``,
+    ``--collective`` and (``rounds`` not None) ``--rounds``; ``cases`` reads them back."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shape", action="append", default=[], help=f"MxNxK (repeatable; default: {shapes})")
+    if rounds is not None:
+        ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--collective", action="append", default=[], help="default: both")
+    return ap
+
+
+def cases(
+    args: argparse.Namespace, default_shapes: Sequence[tuple[int, int, int]] = SUITE_SHAPES
+) -> tuple[list[tuple[int, int, int]], list[str]]:
+    """(shapes, collectives) of ``case_options``' parsed ``args``, the output folder made."""
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shape] or list(default_shapes)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return shapes, args.collective or list(COLLECTIVES)
 
 
 def operands_and_reference(
@@ -52,6 +83,36 @@ def sequential_call(
         return shard
 
     return call, full, shard
+
+
+def shared_engine(device: torch.device, nbytes: int) -> CopyEnginePeers:
+    """The rank process's one ``CopyEnginePeers`` (symmetric buffers are made once per process),
+    its buffers reserved for ``nbytes`` at first use, so no later case grows them (which would
+    drop the engine's graphs between cases)."""
+    if "engine" not in _ENGINES:
+        _ENGINES["engine"] = CopyEnginePeers(device=device)
+        _ENGINES["engine"]._reserve(nbytes)
+    return _ENGINES["engine"]
+
+
+def poisoned_error(
+    call: Callable[[], torch.Tensor], ref: torch.Tensor, full: torch.Tensor, peers, rows: int
+) -> float:
+    """``call``'s error against ``ref`` with its possible outputs poisoned first: ``full`` (the
+    preallocated output of the non-engine variants) and every free block of ``rows`` rows in the
+    copy engine ``peers``' output pool, where the dropped outputs of every engine variant went (the
+    next engine output is one of them). A variant that wrote nothing reads NaN."""
+    call()  # (the engine's output pool exists from here on)
+    full.fill_(float("nan"))
+    if peers._out_pool is not None:
+        with torch.cuda.use_mem_pool(peers._out_pool, device=full.device):
+            blocks = [torch.empty_like(full[:rows]) for _ in range(POISON_BLOCKS)]
+        for block in blocks:
+            block.fill_(float("nan"))
+        del blocks
+    err = rel_err(call(), ref)
+    torch.cuda.synchronize()
+    return err
 
 
 def merge_checked(per_rank: list[dict], tolerance: float) -> tuple[dict[str, Timing], dict, dict]:

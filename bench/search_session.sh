@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device calls on H200 x2 for the search and bench issues; one stage per call (each < 10 min).
-# Results land in $OUT/results.tgz (the device tool returns at most 8 files); summaries on stdout.
+# Results land in $OUT/results-STAGE.tgz (the device tool returns at most 8 files, so stages can
+# run one after another in one call); summaries on stdout.
 #
 #   bash bench/search_session.sh calib   # GPU tests, full calibration (all tiles, AR + RS),
 #                                        # hybrid vs exhaustive on two suite shapes
@@ -23,6 +24,12 @@
 #   bash bench/search_session.sh tiled   # the copy engine's tiled mode: bench/ce_tiled_probe.py
 #                                        # (suite shapes, both collectives; PROBE_ARGS adds options),
 #                                        # then its GPU tests (TESTS_K picks them)
+#   bash bench/search_session.sh streams # the chunk GEMMs on one stream or two: bench/ce_streams_probe.py
+#                                        # (suite shapes, both collectives; PROBE_ARGS adds options),
+#                                        # then the copy engine's GPU tests (TESTS_K picks them,
+#                                        # TESTS_FILES their files)
+#   bash bench/search_session.sh power   # a sustained GEMM's clock and power beside a duty-cycled
+#                                        # one and one beside copies (bench/power_probe.py, one GPU)
 #   bash bench/search_session.sh graphs  # the engine's own graphs: eager / own-graph / replayed
 #                                        # timings (bench/ce_graph_probe.py), every GPU test, then
 #                                        # the bench twice with the committed tables
@@ -30,7 +37,7 @@
 # The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
 # (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
 set -uo pipefail
-STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange, mrange-lite, graphs, tiled or diag}"
+STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange, mrange-lite, graphs, tiled, streams, power or diag}"
 KEY=nvidia-h200-cc90-132sm-w2-nvlink18
 CAL="results/calibration/$KEY/tp2/calibration.yaml"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -39,8 +46,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || exit 3
 mkdir -p /tmp/fk && ln -sfn "$PWD/kernels" /tmp/fk/fo_kernels && ln -sfn "$PWD/results" /tmp/fk/fo_results
 export PYTHONPATH="/tmp/site:/tmp/fk:$PWD"
-RES=/tmp/res; rm -rf "$RES"; mkdir -p "$RES"
-finish() { tar czf "$OUT/results.tgz" -C "$RES" . ; }
+RES=/tmp/res-$STAGE; rm -rf "$RES"; mkdir -p "$RES"
+finish() { tar czf "$OUT/results-$STAGE.tgz" -C "$RES" . ; }
 trap finish EXIT
 t0=$SECONDS
 stamp() { echo "[$((SECONDS - t0)) s] $*"; }
@@ -194,6 +201,21 @@ elif [ "$STAGE" = tiled ]; then
   stamp "GPU tests of the tiled mode"
   timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -q -p no:cacheprovider -m multigpu --durations=4 \
     tests/test_gpu.py -k "${TESTS_K:-tiled or exchange or graph}" 2>&1 | tee "$RES/pytest_tiled.log" | tail -10
+elif [ "$STAGE" = streams ]; then
+  export FO_TUNE_TABLE_DIR="$PWD/results/tables"
+  stamp "copy engine: chunk GEMMs on one stream vs two, the table's weights and equal chunks"
+  timeout "${PROBE_TIMEOUT_S:-300}" python3 bench/ce_streams_probe.py --out "$RES/probe" ${PROBE_ARGS:-} \
+    > "$RES/probe.log" 2>&1
+  grep -v "^\[" "$RES/probe.log" | tail -14
+  stamp "GPU tests of the copy engine"
+  timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" --durations=4 \
+    ${TESTS_FILES:-tests/test_gpu.py} -k "${TESTS_K:-copy_engine_ops or graph}" 2>&1 \
+    | tee "$RES/pytest_streams.log" | tail -10
+elif [ "$STAGE" = power ]; then
+  stamp "GEMM sustained vs duty-cycled vs beside copies: ms per GEMM, SM clock, power"
+  timeout "${PROBE_TIMEOUT_S:-120}" python3 bench/power_probe.py --out "$RES/probe" ${PROBE_ARGS:-} \
+    > "$RES/probe.log" 2>&1
+  grep -v "^\[" "$RES/probe.log" | tail -16
 elif [ "$STAGE" = diag ]; then
   stamp "the engine's own graphs: GPU test, then a search of two shapes with warnings shown"
   timeout 90 python3 -m pytest -q -p no:cacheprovider -m multigpu \

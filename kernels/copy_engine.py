@@ -19,18 +19,21 @@ the reduction is folded into cuBLAS's ``beta = 1`` epilogue. Rank r owns shard r
                   set peer.flag[GATHERED]                      c] = final[c] as each is summed)
 
 ``dst`` is the caller's output for ReduceScatter and my symmetric ``final`` buffer for AllReduce
-(the peer copies my sums from it). A flag is set to 1 by the peer and reset to 0 by the stream
-that waited for it, so every call issues the same operations: a call can be captured in a CUDA
-graph and replayed (after one eager call of its shape, which makes the buffers; the buffers then
-must not grow, so the largest shape runs eagerly before any capture). PULLED and GATHERED start at
-1 and guard my buffers: phase 1 of a call rewrites ``part`` only after the peer has pulled the
-previous call's, and the pulls and phase 2 rewrite ``final`` only after the peer has gathered the
-previous call's sums. No flag is set twice before its reset, because every shard has a row (M >= 2;
-the ops run M = 1 as GEMM then the collective): the peer sets a call's PARTIAL / SUMMED only after
-its wait for my PULLED / GATHERED of the call before, which my side stream sends after resetting
-them; and it sets my PULLED / GATHERED only after reading this call's data, which I flag after
-resetting PULLED / GATHERED in this call. Both ranks must make the same calls in the same order,
-as with any collective.
+(the peer copies my sums from it). The "main stream" GEMMs alternate between the caller's stream
+and a second one (``GEMM_STREAMS``), each chunk's flag written after its GEMM on its own stream:
+the next chunk's tiles then fill the SMs a GEMM's last wave leaves, instead of waiting for it to
+drain (runs 40 and 48 in ``docs/perf-notes.md``: faster in 14 of 15 suite cases, by up to 11%).
+A flag is set to 1 by the peer and reset to 0 by the stream that waited for it, so every call
+issues the same operations: a call can be captured in a CUDA graph and replayed (after one eager
+call of its shape, which makes the buffers; the buffers then must not grow, so the largest shape
+runs eagerly before any capture). PULLED and GATHERED start at 1 and guard my buffers: phase 1 of a
+call rewrites ``part`` only after the peer has pulled the previous call's, and the pulls and phase
+2 rewrite ``final`` only after the peer has gathered the previous call's sums. No flag is set twice
+before its reset, because every shard has a row (M >= 2; the ops run M = 1 as GEMM then the
+collective): the peer sets a call's PARTIAL / SUMMED only after its wait for my PULLED / GATHERED
+of the call before, which my side stream sends after resetting them; and it sets my PULLED /
+GATHERED only after reading this call's data, which I flag after resetting PULLED / GATHERED in
+this call. Both ranks must make the same calls in the same order, as with any collective.
 
 A call's host time, not the GPU, bounded small shapes (run 18 in ``docs/perf-notes.md``: ~0.1 ms of
 launches per chunk through torch streams, events and copies), so the waits, flag writes and copies
@@ -110,6 +113,18 @@ GRAPH_AFTER_CALLS = 2
 GRAPH_CACHE_SIZE = 512
 # Addresses counted towards a capture (LRU), so keys that never repeat cannot grow without bound.
 SEEN_CACHE_SIZE = 4096
+# The cuBLAS-chunk mode's chunk GEMMs alternate between this many streams (the caller's and
+# ``_alt``): a GEMM's last, partly filled wave then shares the GPU with the next chunk's first
+# tiles instead of leaving SMs idle at every chunk boundary (1: all on the caller's stream).
+GEMM_STREAMS = 2
+# AllReduce: my sums go into the output in one copy once the last chunk is summed (True), instead of
+# one copy per chunk beside the remaining GEMMs (False). Beside a GEMM such a copy competes for HBM
+# and, small, runs as an SM kernel in a graph ("memcpy128" in run 43's timeline); at the end it runs
+# beside the last chunk's gather, which takes as long or longer up to ~5 chunks per shard (a local
+# copy moves ~1.7 TB/s, a pull ~0.3-0.38 TB/s: runs 18 and 43 in docs/perf-notes.md). Off: run 48
+# measured it 0.3-1.4% faster on the suite's AllReduce shapes, but that run's GPU tests ran past
+# their time limit (the last test passed alone in run 49); the shipped tables were searched without.
+OWN_COPY_AT_END = False
 
 
 def copy_engine_blocker(device: torch.device, world_size: int) -> str:
@@ -246,12 +261,17 @@ class CopyEnginePeers:
     _side: torch.cuda.Stream | None = field(default=None, repr=False)
     _local: torch.cuda.Stream | None = field(default=None, repr=False)
     _notify: torch.cuda.Stream | None = field(default=None, repr=False)  # tiled: counters -> peer
+    _alt: torch.cuda.Stream | None = field(default=None, repr=False)  # every other chunk GEMM
     _counters: torch.Tensor | None = field(default=None, repr=False)  # tiled: COUNTER_SLOTS int32
     _calls: int = 0
     _events: list = field(default_factory=list, repr=False)
     _agreed: set = field(default_factory=set, repr=False)
     _plans: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _streams: dict = field(default_factory=dict, repr=False)
+    # Streams the cuBLAS-chunk mode's chunk GEMMs alternate between (``GEMM_STREAMS``): 1 or 2.
+    gemm_streams: int = GEMM_STREAMS
+    # AllReduce: my sums into the output in one copy after the last chunk (``OWN_COPY_AT_END``).
+    own_copy_at_end: bool = OWN_COPY_AT_END
     # Capture an eager call into a graph of its own after this many calls with the same key (the
     # shape, the operands' and the output's addresses); 0 never does (every call issues eagerly).
     graph_after: int = GRAPH_AFTER_CALLS
@@ -270,6 +290,8 @@ class CopyEnginePeers:
     _broken: str = ""  # why an earlier call failed part-way (the ranks' flags are out of step)
 
     def __post_init__(self) -> None:
+        if self.gemm_streams not in (1, 2):
+            raise ValueError(f"gemm_streams: 1 or 2 streams for the chunk GEMMs, got {self.gemm_streams}")
         why = copy_engine_blocker(self.device, dist.get_world_size(self.group))
         if why:
             raise EnvironmentMismatchError(
@@ -296,6 +318,8 @@ class CopyEnginePeers:
         self._local_h = self._stream(self._local.cuda_stream)
         self._notify = torch.cuda.Stream(self.device, priority=-1)
         self._notify_h = self._stream(self._notify.cuda_stream)
+        self._alt = torch.cuda.Stream(self.device)  # the caller's priority (the default one)
+        self._alt_h = self._stream(self._alt.cuda_stream)
         self._counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=self.device)
         csize = self._counters.element_size()
         self._counter = [drv.CUdeviceptr(self._counters.data_ptr() + i * csize) for i in range(COUNTER_SLOTS)]
@@ -630,8 +654,9 @@ class CopyEnginePeers:
         """An eager call through the engine's own graph of it: replayed if there is one, captured
         and replayed on the ``graph_after``-th sighting of its key, else issued eagerly."""
         key = (
-            collective, weights, mode, a.dtype, tuple(a.shape), a.stride(), a.data_ptr(),
-            b.dtype, tuple(b.shape), b.stride(), b.data_ptr(), out.data_ptr(),
+            collective, weights, mode, self.gemm_streams, self.own_copy_at_end, a.dtype,
+            tuple(a.shape), a.stride(), a.data_ptr(), b.dtype, tuple(b.shape), b.stride(),
+            b.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         graph = self._graphs.get(key)
         if graph is None:
@@ -716,14 +741,14 @@ class CopyEnginePeers:
         allocator and the random generator), then the capture ends; a side stream left capturing
         makes the engine unusable (its next operations would be recorded, never run)."""
         here = torch.cuda.current_stream(self.device)
-        for side in (self._side, self._local, self._notify):
+        for side in (self._side, self._local, self._notify, self._alt):
             with contextlib.suppress(RuntimeError):
                 here.wait_stream(side)
         try:
             graph.capture_end()
         except RuntimeError:  # invalid already: the first error is the one to report
             self._end_generator_capture()
-        for side in (self._side, self._local, self._notify):
+        for side in (self._side, self._local, self._notify, self._alt):
             with torch.cuda.stream(side):
                 if torch.cuda.is_current_stream_capturing():
                     self._broken = "a failed CUDA graph capture left a side stream capturing"
@@ -769,10 +794,13 @@ class CopyEnginePeers:
             main.wait_stream(self._local)
         self._side.wait_stream(main)  # the inputs and the output's memory are ready
         self._wait(main_h, PULLED)  # the peer has pulled the previous call's partials from ``part``
+        gemms = self._gemm_streams(main, main_h)
         t0 = theirs[0]
         for c, (r0, r1) in enumerate(plan.other):  # phase 1: the peer's shard, its partials
-            torch.mm(a[t0 + r0 : t0 + r1], b, out=plan.part[c])
-            self._signal(main_h, PARTIAL + c)
+            stream, handle = gemms[c % len(gemms)]
+            with torch.cuda.stream(stream):
+                torch.mm(a[t0 + r0 : t0 + r1], b, out=plan.part[c])
+            self._signal(handle, PARTIAL + c)
         # the peer's partials of my shard, pulled by the copy engine into my sums' destination
         dst_base = plan.final_base if all_reduce else out_ptr
         pulled = [self._event(c) for c in range(len(own))]
@@ -786,23 +814,42 @@ class CopyEnginePeers:
         summed = [self._event(len(own) + c) for c in range(len(own))]
         m0 = mine[0]
         for c, (r0, r1) in enumerate(own):  # phase 2: my shard, summed in the GEMM's epilogue
-            main.wait_event(pulled[c])
+            stream, handle = gemms[(len(plan.other) + c) % len(gemms)]
+            stream.wait_event(pulled[c])
             dst = plan.final[c] if all_reduce else out[r0:r1]
-            dst.addmm_(a[m0 + r0 : m0 + r1], b)
+            with torch.cuda.stream(stream):
+                dst.addmm_(a[m0 + r0 : m0 + r1], b)
             if all_reduce:
-                self._signal(main_h, SUMMED + c)
-                summed[c].record(main)
-        if all_reduce:
+                self._signal(handle, SUMMED + c)
+                summed[c].record(stream)
+        if all_reduce and self.own_copy_at_end:  # my sums into the output, all in one copy
+            for event in summed:
+                self._local.wait_event(event)
+            self._copy(local_h, out_ptr + m0 * rb, plan.final_src[0], own[-1][1] * rb)
+        elif all_reduce:
             for c, (r0, r1) in enumerate(own):  # my sums into the output, as each is done
                 self._local.wait_event(summed[c])
                 self._copy(local_h, out_ptr + (m0 + r0) * rb, plan.final_src[c], (r1 - r0) * rb)
+        if all_reduce:
             for c, (r0, r1) in enumerate(plan.other):  # the peer's sums into the output
                 self._wait(side_h, SUMMED + c)
                 self._copy(side_h, out_ptr + (t0 + r0) * rb, plan.gather_src[c], (r1 - r0) * rb)
             self._signal(side_h, GATHERED)
             main.wait_stream(self._local)
+        if len(gemms) == 2:
+            main.wait_stream(self._alt)
         main.wait_stream(self._side)
         self._calls += 1
+
+    def _gemm_streams(self, main: torch.cuda.Stream, main_h) -> list[tuple[torch.cuda.Stream, object]]:
+        """The (stream, driver handle) pairs a call's chunk GEMMs alternate between: chunk GEMM g
+        runs on entry g % len (``gemm_streams``). ``_alt`` starts where ``main`` is now (after its
+        waits for the inputs and the previous call); the call joins it back at its end."""
+        gemms = [(main, main_h)]
+        if self.gemm_streams == 2:
+            self._alt.wait_stream(main)
+            gemms.append((self._alt, self._alt_h))
+        return gemms
 
     def _run_tiled(
         self,
@@ -907,9 +954,12 @@ class CopyEnginePeers:
         # The GEMMs are issued before the side stream's waits: two streams may share one of the
         # GPU's hardware queues, and a wait queued ahead of the GEMM the peer is waiting for would
         # block it (run 34 hung with the waits issued first).
+        gemms = self._gemm_streams(main, main_h)
         for c, (r0, r1) in enumerate(plan.chunks):
-            torch.mm(a[r0:r1], b, out=plan.part[c])
-            self._signal(main_h, PARTIAL + c)
+            stream, handle = gemms[c % len(gemms)]
+            with torch.cuda.stream(stream):
+                torch.mm(a[r0:r1], b, out=plan.part[c])
+            self._signal(handle, PARTIAL + c)
         pulled = [self._event(c) for c in range(len(plan.chunks))]
         for c, (r0, r1) in enumerate(plan.chunks):
             self._wait(side_h, PARTIAL + c)
@@ -917,7 +967,11 @@ class CopyEnginePeers:
             pulled[c].record(self._side)
         self._signal(side_h, PULLED)
         for c, (r0, r1) in enumerate(plan.chunks):  # my partial onto the peer's, as each lands
-            main.wait_event(pulled[c])
-            out[r0:r1].add_(plan.part[c])
+            stream = gemms[c % len(gemms)][0]  # (after my GEMM of the chunk, on its stream)
+            stream.wait_event(pulled[c])
+            with torch.cuda.stream(stream):
+                out[r0:r1].add_(plan.part[c])
+        if len(gemms) == 2:
+            main.wait_stream(self._alt)
         main.wait_stream(self._side)
         self._calls += 1

@@ -127,6 +127,17 @@ def test_refused_on_the_cpu_with_what_to_do():
         assert "copy_engine needs CUDA GPUs" in msg and "overlap: false" in msg, msg
 
 
+def test_gemm_streams_one_or_two():
+    """The chunk GEMMs alternate between one or two streams; any other count is refused first."""
+    import torch
+
+    from fo_kernels.copy_engine import CopyEnginePeers
+
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="gemm_streams: 1 or 2"):
+            CopyEnginePeers(device=torch.device("cpu"), gemm_streams=bad)
+
+
 def test_table_rows_validate_diff_and_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     isolate_tables(monkeypatch, tmp_path)
     fp = current_fingerprint("cpu", world_size=2)
@@ -460,9 +471,18 @@ def test_eager_calls_are_graphed_once_their_addresses_repeat(monkeypatch: pytest
     assert call() == ["eager"]
     assert call() == ["capture", "replay"]
     assert call() == ["replay"] and peers.replays == 2
+    # the engine's settings are in the key: a graph recorded under the other setting never replays
+    peers.gemm_streams = 3 - peers.gemm_streams
+    assert call() == ["eager"] and call() == ["capture", "replay"]
+    peers.gemm_streams = 3 - peers.gemm_streams
+    assert call() == ["replay"]
+    peers.own_copy_at_end = not peers.own_copy_at_end
+    assert call() == ["eager"] and call() == ["capture", "replay"]
+    peers.own_copy_at_end = not peers.own_copy_at_end
+    assert call() == ["replay"] and len(peers._graphs) == 3
     which[0] = 1  # another output block: another key
     assert call() == ["eager"]
-    assert call() == ["capture", "replay"] and len(peers._graphs) == 2
+    assert call() == ["capture", "replay"] and len(peers._graphs) == 4
     peers.graph_after = 0
     which[0] = 0
     assert call() == ["eager"]  # even with a graph of this key
