@@ -1,0 +1,269 @@
+"""CPU tests of the order in which the copy engine issues a call's GPU operations.
+
+The engine's ``_run`` and ``_run_exchange`` run here against recording fakes of the CUDA driver,
+of torch's streams and events and of the GEMMs, so the test sees every operation a call queues, on
+which stream, in issue order. The GPU tests (``tests/test_gpu.py``) check the results; these check
+the rules that a result check cannot see until a run hangs or races:
+
+- every operation that waits for this call's data from the peer (its PARTIAL / SUMMED flags, or an
+  event recorded after such a wait) is issued after all my phase-1 GEMMs and their flags: two
+  streams can share one of the GPU's hardware queues, and a wait queued ahead of the GEMM the peer
+  waits for would block it (run 34 in ``docs/perf-notes.md`` hung that way);
+- chunk GEMM g runs on the caller's stream or the second GEMM stream by ``gemm_streams``, each
+  flag right after its GEMM on the same stream, each phase-2 GEMM after the wait for its chunk's
+  pull on that stream;
+- the call joins every stream it used back into the caller's stream;
+- AllReduce's local copies of my sums: one per chunk after its GEMM, or (``own_copy_at_end``) one of
+  the whole shard after every phase-2 GEMM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fo_kernels.copy_engine as ce
+from fo_kernels.copy_engine import GATHERED, PARTIAL, PULLED, SUMMED, CopyEnginePeers
+
+M, N, K = 64, 8, 4
+ROW_BYTES = N * 4  # float32
+BUFFER_BYTES = M * ROW_BYTES
+HANDLES = {"main": 1, "side": 2, "local": 3, "alt": 4}
+
+
+class Recorder:
+    """The fakes' shared log: (operation, stream name, detail...) tuples in issue order."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.current = "main"
+        self.names = {h: name for name, h in HANDLES.items()}
+
+    def ops(self, *kinds: str) -> list[tuple[int, tuple]]:
+        return [(i, op) for i, op in enumerate(self.log) if op[0] in kinds]
+
+
+class FakeStream:
+    def __init__(self, name: str, rec: Recorder) -> None:
+        self.name, self.rec, self.cuda_stream = name, rec, HANDLES[name]
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.rec.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.rec.log.append(("wait_event", self.name, event.id))
+
+
+class FakeEvent:
+    def __init__(self, rec: Recorder) -> None:
+        self.rec, self.id = rec, len(rec.ops("new_event"))
+        rec.log.append(("new_event", None, self.id))
+
+    def record(self, stream: FakeStream) -> None:
+        self.rec.log.append(("record", stream.name, self.id))
+
+
+class FakeDriver:
+    """cuda-bindings' driver module as the engine uses it; flags are ("my" | "peer", slot)."""
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+        self.CUresult = SimpleNamespace(CUDA_SUCCESS=0)
+
+    def CUstream(self, handle: int) -> int:
+        return handle
+
+    def CUdeviceptr(self, address: int) -> int:
+        return int(address)
+
+    def cuStreamWaitValue32(self, stream, address, value, flags):
+        self.rec.log.append(("wait_flag", self.rec.names[stream], address, value))
+        return (0,)
+
+    def cuStreamWriteValue32(self, stream, address, value, flags):
+        self.rec.log.append(("write_flag", self.rec.names[stream], address, value))
+        return (0,)
+
+    def cuMemcpyDtoDAsync(self, dst, src, nbytes, stream):
+        self.rec.log.append(("copy", self.rec.names[stream], dst, src, nbytes))
+        return (0,)
+
+
+def _peers(rec: Recorder, gemm_streams: int, at_end: bool, rank: int = 0) -> CopyEnginePeers:
+    """A peers object without GPUs: CPU byte buffers, the fakes, rank ``rank`` of two."""
+    peers = object.__new__(CopyEnginePeers)
+    peers.device, peers.rank, peers.peer = torch.device("cpu"), rank, 1 - rank
+    peers.gemm_streams, peers.own_copy_at_end = gemm_streams, at_end
+    peers._driver, peers._ok, peers._geq, peers._fence_write = FakeDriver(rec), 0, "geq", "fence"
+    peers._streams, peers._events, peers._plans = {}, [], OrderedDict()
+    peers._calls, peers._capturing_own, peers._broken, peers._captured = 0, False, "", False
+    peers._my_flag = [("my", i) for i in range(ce.FLAG_SLOTS)]
+    peers._peer_flag = [("peer", i) for i in range(ce.FLAG_SLOTS)]
+    for name in ("side", "local", "alt"):
+        setattr(peers, f"_{name}", FakeStream(name, rec))
+        setattr(peers, f"_{name}_h", HANDLES[name])
+    peers._capacity = BUFFER_BYTES
+    peers._part, peers._final, peers._peer_part, peers._peer_final = (
+        torch.zeros(BUFFER_BYTES, dtype=torch.uint8) for _ in range(4)
+    )
+    return peers
+
+
+@pytest.fixture
+def rec(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """Torch's streams, events and GEMMs replaced by recording fakes for one test."""
+    rec = Recorder()
+    streams = {"main": FakeStream("main", rec)}
+
+    @contextlib.contextmanager
+    def stream(s: FakeStream):
+        before, rec.current = rec.current, s.name
+        try:
+            yield
+        finally:
+            rec.current = before
+
+    def mm(x, y, *, out):
+        rec.log.append(("gemm", rec.current, out.data_ptr()))
+
+    def addmm_(self, x, y):
+        rec.log.append(("gemm", rec.current, self.data_ptr()))
+        return self
+
+    def add_(self, other):
+        rec.log.append(("add", rec.current, self.data_ptr(), other.data_ptr()))
+        return self
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams["main"])
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: FakeEvent(rec))
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch.Tensor, "addmm_", addmm_)
+    monkeypatch.setattr(torch.Tensor, "add_", add_)
+    return rec
+
+
+def _call(peers: CopyEnginePeers, collective: str, weights: tuple[int, ...], exchange: bool = False):
+    a, b = torch.randn(M, K), torch.randn(K, N)
+    rows = M if collective == "all_reduce" else M // 2
+    out = torch.empty(rows, N)
+    peers._run(collective, a, b, weights, ce._Mode(exchange=exchange), out)
+    return out
+
+
+def _peer_waits(rec: Recorder) -> list[int]:
+    """Indices of the waits for this call's data from the peer: its PARTIAL / SUMMED flags."""
+    return [
+        i
+        for i, op in rec.ops("wait_flag")
+        if op[2][0] == "my" and (PARTIAL <= op[2][1] < SUMMED or SUMMED <= op[2][1] < PULLED)
+    ]
+
+
+def _after_waits(rec: Recorder, waits: list[int]) -> set[int]:
+    """Events recorded on a stream after one of ``waits`` (on that stream): they depend on the peer."""
+    out = set()
+    for i, op in rec.ops("record"):
+        if any(w < i and rec.log[w][1] == op[1] for w in waits):
+            out.add(op[2])
+    return out
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("gemm_streams", [1, 2])
+@pytest.mark.parametrize("at_end", [False, True])
+@pytest.mark.parametrize("weights", [(1,), (1, 1, 1), (2, 1)])
+def test_chunked_call_order(rec: Recorder, collective: str, gemm_streams: int, at_end: bool, weights):
+    """The cuBLAS-chunk mode: the GEMMs' streams and outputs, each phase-1 flag right after its
+    GEMM, the hardware-queue rule, each phase-2 GEMM after its pull, the joins at the end and
+    AllReduce's local copies (checked to fail on three mutations of ``_run``: phase 1 queued after
+    the side stream's waits, the second GEMM stream not joined, a phase-2 GEMM's pull awaited on
+    the wrong stream)."""
+    peers = _peers(rec, gemm_streams, at_end)
+    out = _call(peers, collective, weights)
+    plan = peers._plan(collective, M, N, torch.float32, weights)
+    chunks = len(plan.own)
+    log = rec.log
+    gemms = rec.ops("gemm")
+    assert len(gemms) == 2 * chunks  # the peer's shard's chunks, then mine
+    streams = ["main", "alt"][:gemm_streams]
+    assert [op[1] for _, op in gemms] == [streams[g % gemm_streams] for g in range(2 * chunks)]
+    # phase 1: into my ``part`` buffer, each followed on its stream by the peer's PARTIAL flag
+    for c, (i, op) in enumerate(gemms[:chunks]):
+        assert op[2] == plan.part[c].data_ptr()
+        nxt = next(x for x in log[i + 1 :] if x[1] == op[1])
+        assert nxt == ("write_flag", op[1], ("peer", PARTIAL + c), 1)
+    last_phase1 = max(
+        i for i, op in rec.ops("write_flag") if op[2][0] == "peer" and PARTIAL <= op[2][1] < SUMMED
+    )
+    # the hardware-queue rule: nothing waits for the peer's data before all of phase 1 is queued
+    waits = _peer_waits(rec)
+    assert waits and min(waits) > last_phase1
+    dependent = _after_waits(rec, waits)
+    for i, op in rec.ops("wait_event"):
+        if op[2] in dependent:
+            assert i > last_phase1, (i, op)
+    # phase 2: each GEMM after its stream waited for the event recorded after its chunk's pull
+    pulls = [(i, op) for i, op in rec.ops("copy") if op[1] == "side"][:chunks]
+    for c, (i, op) in enumerate(gemms[chunks:]):
+        pull_at = pulls[c][0]
+        pulled = next(x[2] for x in log[pull_at:] if x[0] == "record" and x[1] == "side")
+        waited = [j for j, x in rec.ops("wait_event") if x[1] == op[1] and x[2] == pulled]
+        assert waited and waited[0] < i
+        want = plan.final[c].data_ptr() if collective == "all_reduce" else out[plan.own[c][0]].data_ptr()
+        assert op[2] == want
+    # the call ends with every stream it used joined into the caller's
+    joined = {op[2] for _, op in rec.ops("wait_stream") if op[1] == "main"}
+    used = {op[1] for op in log if op[1] not in (None, "main")}
+    assert used <= joined, (used, joined)
+    tail = [op for op in log if op[1] == "main"][-len(used) :]
+    assert all(op[0] == "wait_stream" for op in tail)
+    local = [op for _, op in rec.ops("copy") if op[1] == "local"]
+    if collective == "reduce_scatter":
+        assert not local
+        return
+    m0 = plan.mine[0]
+    if at_end:  # one copy of the whole shard, after a wait for every phase-2 GEMM's event
+        shard_bytes = plan.own[-1][1] * ROW_BYTES
+        assert local == [("copy", "local", out.data_ptr() + m0 * ROW_BYTES, plan.final_src[0], shard_bytes)]
+        copy_at = next(i for i, op in rec.ops("copy") if op[1] == "local")
+        summed = {x[2] for j, x in rec.ops("record") if j > gemms[chunks][0] and x[1] in streams}
+        waited = {x[2] for j, x in rec.ops("wait_event") if x[1] == "local" and j < copy_at}
+        assert summed and summed <= waited
+    else:
+        assert [op[4] for op in local] == [(r1 - r0) * ROW_BYTES for r0, r1 in plan.own]
+
+
+@pytest.mark.parametrize("gemm_streams", [1, 2])
+def test_exchange_call_order(rec: Recorder, gemm_streams: int):
+    """The exchange mode: its GEMMs alternate streams too, every flag follows its GEMM, the adds
+    wait for their pulls, and nothing waits for the peer before every GEMM is queued."""
+    peers = _peers(rec, gemm_streams, False)
+    _call(peers, "all_reduce", (1, 2, 1), exchange=True)
+    streams = ["main", "alt"][:gemm_streams]
+    gemms = rec.ops("gemm")
+    assert [op[1] for _, op in gemms] == [streams[g % gemm_streams] for g in range(3)]
+    last = max(i for i, op in rec.ops("write_flag") if op[2][0] == "peer" and op[2][1] < SUMMED)
+    assert min(_peer_waits(rec)) > last
+    for c, (i, op) in enumerate(rec.ops("add")):
+        assert op[1] == streams[c % gemm_streams]
+        assert any(x[1] == op[1] and j < i for j, x in rec.ops("wait_event"))
+    joined = {op[2] for _, op in rec.ops("wait_stream") if op[1] == "main"}
+    assert {"side"} | set(streams[1:]) <= joined
+
+
+def test_waits_guarding_my_buffers_come_first(rec: Recorder):
+    """PULLED (my ``part``) is waited for on the caller's stream before phase 1 writes it, and
+    GATHERED (my ``final``) on the side stream before the pulls write it."""
+    peers = _peers(rec, 2, False)
+    _call(peers, "all_reduce", (1, 1))
+    first_gemm = rec.ops("gemm")[0][0]
+    pulled = [i for i, op in rec.ops("wait_flag") if op[2] == ("my", PULLED)]
+    assert pulled and pulled[0] < first_gemm and rec.log[pulled[0]][1] == "main"
+    gathered = [i for i, op in rec.ops("wait_flag") if op[2] == ("my", GATHERED)]
+    first_pull = next(i for i, op in rec.ops("copy") if op[1] == "side")
+    assert gathered and gathered[0] < first_pull and rec.log[gathered[0]][1] == "side"
