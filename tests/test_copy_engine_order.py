@@ -1,20 +1,27 @@
 """CPU tests of the order in which the copy engine issues a call's GPU operations.
 
-The engine's ``_run`` and ``_run_exchange`` run here against recording fakes of the CUDA driver,
-of torch's streams and events and of the GEMMs, so the test sees every operation a call queues, on
-which stream, in issue order. The GPU tests (``tests/test_gpu.py``) check the results; these check
-the rules that a result check cannot see until a run hangs or races:
+The engine's ``_run``, ``_run_exchange`` and ``_run_tiled`` run here against recording fakes of the
+CUDA driver, of torch's streams and events and of the GEMMs (cuBLAS's and ``rows_gemm``), so the
+test sees every operation a call queues, on which stream, in issue order. The GPU tests
+(``tests/test_gpu.py``) check the results; these check the rules that a result check cannot see
+until a run hangs or races:
 
 - every operation that waits for this call's data from the peer (its PARTIAL / SUMMED flags, or an
-  event recorded after such a wait) is issued after all my phase-1 GEMMs and their flags: two
-  streams can share one of the GPU's hardware queues, and a wait queued ahead of the GEMM the peer
-  waits for would block it (run 34 in ``docs/perf-notes.md`` hung that way);
+  event recorded after such a wait) is issued after all my phase-1 GEMMs and their flags, and every
+  flag of a kind I set on the peer before my first wait for one of that kind: two streams can share
+  one of the GPU's hardware queues, and a wait queued ahead of the work the peer waits for would
+  block it (run 34 in ``docs/perf-notes.md`` hung that way);
 - chunk GEMM g runs on the caller's stream or the second GEMM stream by ``gemm_streams``, each
   flag right after its GEMM on the same stream, each phase-2 GEMM after the wait for its chunk's
   pull on that stream;
 - the call joins every stream it used back into the caller's stream;
 - AllReduce's local copies of my sums: one per chunk after its GEMM, or (``own_copy_at_end``) one of
-  the whole shard after every phase-2 GEMM.
+  the whole shard after every phase-2 GEMM;
+- the tiled mode's phase-2 kernel, whose tiles spin on READY flags, is queued only after every
+  pull and READY flag it waits for.
+
+Each test was checked to fail on mutations of the engine that break its rule (five in all, named in
+the tests' docstrings and the session-7 note).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from fo_kernels.copy_engine import GATHERED, PARTIAL, PULLED, SUMMED, CopyEngine
 M, N, K = 64, 8, 4
 ROW_BYTES = N * 4  # float32
 BUFFER_BYTES = M * ROW_BYTES
-HANDLES = {"main": 1, "side": 2, "local": 3, "alt": 4}
+HANDLES = {"main": 1, "side": 2, "local": 3, "alt": 4, "notify": 5}
 
 
 class Recorder:
@@ -92,6 +99,10 @@ class FakeDriver:
         self.rec.log.append(("copy", self.rec.names[stream], dst, src, nbytes))
         return (0,)
 
+    def cuMemsetD32Async(self, address, value, count, stream):
+        self.rec.log.append(("memset", self.rec.names[stream], address, value, count))
+        return (0,)
+
 
 def _peers(rec: Recorder, gemm_streams: int, at_end: bool, rank: int = 0) -> CopyEnginePeers:
     """A peers object without GPUs: CPU byte buffers, the fakes, rank ``rank`` of two."""
@@ -103,7 +114,11 @@ def _peers(rec: Recorder, gemm_streams: int, at_end: bool, rank: int = 0) -> Cop
     peers._calls, peers._capturing_own, peers._broken, peers._captured = 0, False, "", False
     peers._my_flag = [("my", i) for i in range(ce.FLAG_SLOTS)]
     peers._peer_flag = [("peer", i) for i in range(ce.FLAG_SLOTS)]
-    for name in ("side", "local", "alt"):
+    peers._counter = [("counter", i) for i in range(ce.COUNTER_SLOTS)]
+    peers._counters = torch.zeros(ce.COUNTER_SLOTS, dtype=torch.int32)
+    peers._flags = torch.zeros(ce.FLAG_SLOTS, dtype=torch.int32)
+    peers._sms = 132
+    for name in ("side", "local", "alt", "notify"):
         setattr(peers, f"_{name}", FakeStream(name, rec))
         setattr(peers, f"_{name}_h", HANDLES[name])
     peers._capacity = BUFFER_BYTES
@@ -138,6 +153,12 @@ def rec(monkeypatch: pytest.MonkeyPatch) -> Recorder:
         rec.log.append(("add", rec.current, self.data_ptr(), other.data_ptr()))
         return self
 
+    def rows_gemm(a, b, out, tile, *, grid, row_group, counters=None, ready=None, out2=None):
+        rec.log.append(
+            ("kernel", rec.current, "phase 2" if ready is not None else "phase 1", out2 is not None)
+        )
+
+    monkeypatch.setattr(ce, "rows_gemm", rows_gemm)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams["main"])
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: FakeEvent(rec))
@@ -147,11 +168,13 @@ def rec(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     return rec
 
 
-def _call(peers: CopyEnginePeers, collective: str, weights: tuple[int, ...], exchange: bool = False):
+def _call(
+    peers: CopyEnginePeers, collective: str, weights: tuple[int, ...], exchange: bool = False, tile=None
+) -> torch.Tensor:
     a, b = torch.randn(M, K), torch.randn(K, N)
     rows = M if collective == "all_reduce" else M // 2
     out = torch.empty(rows, N)
-    peers._run(collective, a, b, weights, ce._Mode(exchange=exchange), out)
+    peers._run(collective, a, b, weights, ce._Mode(tile=tile, exchange=exchange), out)
     return out
 
 
@@ -162,6 +185,17 @@ def _peer_waits(rec: Recorder) -> list[int]:
         for i, op in rec.ops("wait_flag")
         if op[2][0] == "my" and (PARTIAL <= op[2][1] < SUMMED or SUMMED <= op[2][1] < PULLED)
     ]
+
+
+def _signals_before_waits(rec: Recorder) -> None:
+    """For PARTIAL and SUMMED: every flag of the kind I set on the peer is queued before my first
+    wait for one of that kind (the peer's wait for mine would otherwise sit behind my wait for its
+    flag in a shared hardware queue, and both ranks would wait forever)."""
+    for lo, hi in ((PARTIAL, SUMMED), (SUMMED, PULLED)):
+        sets = [i for i, op in rec.ops("write_flag") if op[2][0] == "peer" and lo <= op[2][1] < hi]
+        waits = [i for i, op in rec.ops("wait_flag") if op[2][0] == "my" and lo <= op[2][1] < hi]
+        if sets and waits:
+            assert max(sets) < min(waits), (lo, sets, waits)
 
 
 def _after_waits(rec: Recorder, waits: list[int]) -> set[int]:
@@ -203,6 +237,7 @@ def test_chunked_call_order(rec: Recorder, collective: str, gemm_streams: int, a
     # the hardware-queue rule: nothing waits for the peer's data before all of phase 1 is queued
     waits = _peer_waits(rec)
     assert waits and min(waits) > last_phase1
+    _signals_before_waits(rec)
     dependent = _after_waits(rec, waits)
     for i, op in rec.ops("wait_event"):
         if op[2] in dependent:
@@ -249,6 +284,7 @@ def test_exchange_call_order(rec: Recorder, gemm_streams: int):
     assert [op[1] for _, op in gemms] == [streams[g % gemm_streams] for g in range(3)]
     last = max(i for i, op in rec.ops("write_flag") if op[2][0] == "peer" and op[2][1] < SUMMED)
     assert min(_peer_waits(rec)) > last
+    _signals_before_waits(rec)
     for c, (i, op) in enumerate(rec.ops("add")):
         assert op[1] == streams[c % gemm_streams]
         assert any(x[1] == op[1] and j < i for j, x in rec.ops("wait_event"))
@@ -267,3 +303,59 @@ def test_waits_guarding_my_buffers_come_first(rec: Recorder):
     gathered = [i for i, op in rec.ops("wait_flag") if op[2] == ("my", GATHERED)]
     first_pull = next(i for i, op in rec.ops("copy") if op[1] == "side")
     assert gathered and gathered[0] < first_pull and rec.log[gathered[0]][1] == "side"
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("weights", [(1,), (2, 1)])
+def test_tiled_call_order(rec: Recorder, collective: str, weights: tuple[int, ...]):
+    """The tiled mode: phase 1's kernel, then per chunk the notify stream's wait for its tile count
+    and the peer's PARTIAL flag; the side stream's pulls, each followed by its READY flag; phase 2's
+    kernel (whose tiles spin on READY) only after every pull and READY is queued, then READY's reset;
+    for AllReduce the notify stream's SUMMED flags after their counts and before the gathers' waits;
+    every stream joined at the end (fails when the notify stream's PARTIAL flags are queued after
+    the side stream's pulls, or the gathers' SUMMED waits before the notify stream's SUMMED flags)."""
+    from fo_kernels.schedule import Tile
+
+    tile = Tile(block_m=16, block_n=32, block_k=16, group_m=1, num_warps=4, num_stages=1)
+    peers = _peers(rec, 2, False)
+    _call(peers, collective, weights, tile=tile)
+    log = rec.log
+    kernels = rec.ops("kernel")
+    assert [(op[1], op[2], op[3]) for _, op in kernels] == [
+        ("main", "phase 1", False),
+        ("main", "phase 2", collective == "all_reduce"),
+    ]
+    (k1, _), (k2, _) = kernels
+    plan = peers._plan_tiled(collective, M, N, torch.float32, weights, tile)
+    notify = [op for op in log if op[1] == "notify" and op[0] in ("wait_flag", "write_flag")]
+    want = []
+    for c in range(len(plan.other)):
+        want += [("wait_flag", "notify", ("counter", c), plan.other_tiles[c])]
+        want += [
+            ("write_flag", "notify", ("counter", c), 0),
+            ("write_flag", "notify", ("peer", PARTIAL + c), 1),
+        ]
+    if collective == "all_reduce":
+        for c in range(len(plan.own)):
+            slot = ce.MAX_CHUNKS + c
+            want += [("wait_flag", "notify", ("counter", slot), plan.own_tiles[c])]
+            want += [
+                ("write_flag", "notify", ("counter", slot), 0),
+                ("write_flag", "notify", ("peer", SUMMED + c), 1),
+            ]
+    assert notify == want
+    assert min(i for i, op in enumerate(log) if op[1] == "notify" and op[0] == "wait_flag") > k1
+    partial = [i for i, op in rec.ops("write_flag") if op[2][0] == "peer" and op[2][1] < SUMMED]
+    assert min(_peer_waits(rec)) > max(partial)
+    _signals_before_waits(rec)
+    ready = [
+        i
+        for i, op in rec.ops("write_flag")
+        if op[1] == "side" and op[2][0] == "my" and op[2][1] >= ce.READY and op[3] == 1
+    ]
+    assert len(ready) == len(plan.own) and max(ready) < k2
+    resets = rec.ops("memset")
+    assert [op[1:] for _, op in resets] == [("main", ("my", ce.READY), 0, len(plan.own))]
+    assert resets[0][0] > k2
+    joined = {op[2] for _, op in rec.ops("wait_stream") if op[1] == "main"}
+    assert {"side", "notify"} <= joined
