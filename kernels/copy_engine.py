@@ -796,11 +796,7 @@ class CopyEnginePeers:
         self._wait(main_h, PULLED)  # the peer has pulled the previous call's partials from ``part``
         gemms = self._gemm_streams(main, main_h)
         t0 = theirs[0]
-        for c, (r0, r1) in enumerate(plan.other):  # phase 1: the peer's shard, its partials
-            stream, handle = gemms[c % len(gemms)]
-            with torch.cuda.stream(stream):
-                torch.mm(a[t0 + r0 : t0 + r1], b, out=plan.part[c])
-            self._signal(handle, PARTIAL + c)
+        self._partials(gemms, a[t0:], b, plan.other, plan.part)  # phase 1: the peer's shard
         # the peer's partials of my shard, pulled by the copy engine into my sums' destination
         dst_base = plan.final_base if all_reduce else out_ptr
         pulled = [self._event(c) for c in range(len(own))]
@@ -850,6 +846,22 @@ class CopyEnginePeers:
             self._alt.wait_stream(main)
             gemms.append((self._alt, self._alt_h))
         return gemms
+
+    def _partials(
+        self,
+        gemms: list[tuple[torch.cuda.Stream, object]],
+        a: torch.Tensor,
+        b: torch.Tensor,
+        chunks: tuple[tuple[int, int], ...],
+        parts: tuple[torch.Tensor, ...],
+    ) -> None:
+        """My partial of each chunk (rows [r0, r1) of ``a``) into ``parts``, GEMM c on
+        ``gemms[c % len]``, each followed on its stream by the peer's PARTIAL + c flag."""
+        for c, (r0, r1) in enumerate(chunks):
+            stream, handle = gemms[c % len(gemms)]
+            with torch.cuda.stream(stream):
+                torch.mm(a[r0:r1], b, out=parts[c])
+            self._signal(handle, PARTIAL + c)
 
     def _run_tiled(
         self,
@@ -955,11 +967,7 @@ class CopyEnginePeers:
         # GPU's hardware queues, and a wait queued ahead of the GEMM the peer is waiting for would
         # block it (run 34 hung with the waits issued first).
         gemms = self._gemm_streams(main, main_h)
-        for c, (r0, r1) in enumerate(plan.chunks):
-            stream, handle = gemms[c % len(gemms)]
-            with torch.cuda.stream(stream):
-                torch.mm(a[r0:r1], b, out=plan.part[c])
-            self._signal(handle, PARTIAL + c)
+        self._partials(gemms, a, b, plan.chunks, plan.part)
         pulled = [self._event(c) for c in range(len(plan.chunks))]
         for c, (r0, r1) in enumerate(plan.chunks):
             self._wait(side_h, PARTIAL + c)
