@@ -25,9 +25,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probe_common import Progress, append_rows, merge_checked, operands_and_reference, sequential_call
+from probe_common import (
+    Progress,
+    append_rows,
+    graphed,
+    merge_checked,
+    operands_and_reference,
+    sequential_call,
+    shared_engine,
+)
 
-from fo_kernels.copy_engine import GRAPH_AFTER_CALLS, CopyEnginePeers
+from fo_kernels.copy_engine import GRAPH_AFTER_CALLS
 from fo_tune.harness import open_pool, time_interleaved
 from fo_tune.launch import RankContext
 from fo_tune.measure import rel_err
@@ -35,24 +43,6 @@ from fo_tune.measure import rel_err
 SHAPES = ((512, 4096, 4096), (2048, 4096, 4096), (4096, 8192, 4096))
 CHUNKS = (1, 2)
 TOLERANCE = 2e-2
-_PEERS: dict[str, CopyEnginePeers] = {}  # one per rank process (symmetric buffers), reused
-
-
-def graphed(fn):
-    """``fn`` captured in a CUDA graph after two eager calls: (replay, the captured output)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize()
-
-    def replay():
-        graph.replay()
-        return out
-
-    return replay
 
 
 class GraphTask:
@@ -63,11 +53,8 @@ class GraphTask:
         m, n, k, w = self.m, self.n, self.k, ctx.world_size
         a, b, ref = operands_and_reference(ctx, m, n, k, self.collective)
         seq = sequential_call(self.collective, a, b, w)[0]
-        if "engine" not in _PEERS:
-            _PEERS["engine"] = peers = CopyEnginePeers(device=ctx.device)
-            # the buffers may not grow once a graph is captured: size them for the largest shape
-            peers._reserve(max((sm + 1) // 2 * sn for sm, sn, _ in SHAPES) * a.element_size())
-        peers = _PEERS["engine"]
+        # the buffers may not grow once a graph is captured: size them for the largest shape
+        peers = shared_engine(ctx.device, max((sm + 1) // 2 * sn for sm, sn, _ in SHAPES) * a.element_size())
         fns = {"seq": seq}
 
         def engine(weights: tuple[int, ...], graph_after: int):

@@ -49,6 +49,7 @@ from probe_common import (
     append_rows,
     case_options,
     cases,
+    graphed,
     merge_checked,
     operands_and_reference,
     poisoned_error,
@@ -67,21 +68,6 @@ EQUAL_CHUNKS = (2, 4, 8)
 EXCHANGE_CHUNKS = (2, 4)
 EXCHANGE_MAX_M = 4096
 TOLERANCE = 2e-2
-
-
-def _graphed(fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn`` captured once into a CUDA graph (after an eager warm-up, which makes cuBLAS's
-    workspaces of every stream it uses outside the graph); the returned call replays it."""
-    here = torch.cuda.current_stream()
-    warm = torch.cuda.Stream()
-    warm.wait_stream(here)
-    with torch.cuda.stream(warm):
-        fn()
-    here.wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 class StreamsTask:
@@ -108,7 +94,7 @@ class StreamsTask:
         cuts += [(plan.mine[0] + r0, plan.mine[0] + r1) for r0, r1 in plan.own]
         alt = torch.cuda.Stream()
 
-        def chunk_gemms(streams: int) -> None:
+        def chunk_gemms(streams: int) -> torch.Tensor:
             here = torch.cuda.current_stream()
             if streams == 2:
                 alt.wait_stream(here)
@@ -117,15 +103,10 @@ class StreamsTask:
                     torch.mm(a[r0:r1], b, out=full[r0:r1])
             if streams == 2:
                 here.wait_stream(alt)
+            return full
 
         for s in (1, 2):
-            replay = _graphed(lambda s=s: chunk_gemms(s))
-
-            def cut(replay=replay) -> torch.Tensor:
-                replay()
-                return full
-
-            fns[f"cut_s{s}"], refs[f"cut_s{s}"] = cut, gemm_ref
+            fns[f"cut_s{s}"], refs[f"cut_s{s}"] = graphed(lambda s=s: chunk_gemms(s)), gemm_ref
 
         def engine(
             cut_weights: tuple[int, ...], streams: int, exchange: bool = False, at_end: bool = True

@@ -40,7 +40,7 @@ from probe_common import SUITE_SHAPES, Progress
 
 # nvidia-smi's sampling period (ms) and the fields read (the SM clock in MHz, board power in W).
 SAMPLE_MS = 50
-QUERY = "timestamp,clocks.sm,power.draw"  # (the timestamp is not read: see Sampler)
+QUERY = "clocks.sm,power.draw"
 # A duty-cycle burst's GEMMs span about this long (the bench's samples span >= 4 ms).
 BURST_MS = 4.0
 COPY_BYTES = 64 << 20
@@ -65,7 +65,7 @@ class Sampler:
         for line in self.proc.stdout:
             parts = [p.strip() for p in line.split(",")]
             try:
-                self.rows.append((time.time(), float(parts[1]), float(parts[2])))
+                self.rows.append((time.time(), float(parts[0]), float(parts[1])))
             except (ValueError, IndexError):
                 continue
 

@@ -85,6 +85,24 @@ def sequential_call(
     return call, full, shard
 
 
+def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``fn`` captured in a CUDA graph after two eager calls (which make cuBLAS's workspaces of the
+    streams it uses outside the graph): a call that replays it and returns the captured output."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay
+
+
 def shared_engine(device: torch.device, nbytes: int) -> CopyEnginePeers:
     """The rank process's one ``CopyEnginePeers`` (symmetric buffers are made once per process),
     its buffers reserved for ``nbytes`` at first use, so no later case grows them (which would
