@@ -70,6 +70,65 @@ def _tile_coords(l, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_acc(
+    a, b, row0, col0, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
+    B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):  # fmt: skip
+    """One output tile's float32 sum: A[row0 : row0 + BLOCK_M, :] @ B[:, col0 : col0 + BLOCK_N]
+    (TMA descriptor loads, or masked pointer loads; rows past M and columns past N read padding)."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        for kk in tl.range(k_tiles, warp_specialize=WARP_SPECIALIZE):
+            a_blk = a.load([row0, kk * BLOCK_K])
+            if B_KMAJOR:
+                b_blk = b.load([col0, kk * BLOCK_K]).T
+            else:
+                b_blk = b.load([kk * BLOCK_K, col0])
+            if UPCAST:
+                a_blk = a_blk.to(tl.float32)
+                b_blk = b_blk.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a_blk, b_blk, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a_blk, b_blk, acc)
+    else:
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        offs_m = tl.where(offs_m < M, offs_m, 0)  # rows past M only feed padding, never stored
+        offs_n = tl.where(offs_n < N, offs_n, 0)
+        for kk in range(k_tiles):
+            offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+            a_blk = tl.load(
+                a + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                mask=offs_k[None, :] < K,
+                other=0.0,
+            )
+            b_blk = tl.load(
+                b + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                mask=offs_k[:, None] < K,
+                other=0.0,
+            )
+            if UPCAST:
+                a_blk = a_blk.to(tl.float32)
+                b_blk = b_blk.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a_blk, b_blk, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a_blk, b_blk, acc)
+    return acc
+
+
+@triton.jit
+def _downcast(acc, OUT_DTYPE: tl.constexpr):
+    """A float32 tile in the output dtype, rounded to nearest even."""
+    if tl.float32 == OUT_DTYPE:
+        return acc
+    return acc.to(OUT_DTYPE, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _signalled_gemm_kernel(
     a,
     b,
@@ -106,54 +165,19 @@ def _signalled_gemm_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     ACCUMULATE: tl.constexpr = False,
     COPY: tl.constexpr = False,
+    SYS_SIGNAL: tl.constexpr = False,  # the counters are in the peer GPU's memory (system scope)
 ):
     pid = tl.program_id(0)
-    k_tiles = tl.cdiv(K, BLOCK_K)
     for t in range(pid, num_tiles, tl.num_programs(0)):
         l = t // shards
         s = t % shards
         tm, tn = _tile_coords(l, tiles_m, tiles_n, GROUP_M)
         row0 = s * rows_per_shard + tm * BLOCK_M  # first row of A (global)
         col0 = tn * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if USE_TMA:
-            for kk in tl.range(k_tiles, warp_specialize=WARP_SPECIALIZE):
-                a_blk = a.load([row0, kk * BLOCK_K])
-                if B_KMAJOR:
-                    b_blk = b.load([col0, kk * BLOCK_K]).T
-                else:
-                    b_blk = b.load([kk * BLOCK_K, col0])
-                if UPCAST:
-                    a_blk = a_blk.to(tl.float32)
-                    b_blk = b_blk.to(tl.float32)
-                if IEEE:
-                    acc = tl.dot(a_blk, b_blk, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a_blk, b_blk, acc)
-        else:
-            offs_m = row0 + tl.arange(0, BLOCK_M)
-            offs_n = col0 + tl.arange(0, BLOCK_N)
-            offs_m = tl.where(offs_m < M, offs_m, 0)  # rows past M only feed padding, never stored
-            offs_n = tl.where(offs_n < N, offs_n, 0)
-            for kk in range(k_tiles):
-                offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
-                a_blk = tl.load(
-                    a + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                    mask=offs_k[None, :] < K,
-                    other=0.0,
-                )
-                b_blk = tl.load(
-                    b + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                    mask=offs_k[:, None] < K,
-                    other=0.0,
-                )
-                if UPCAST:
-                    a_blk = a_blk.to(tl.float32)
-                    b_blk = b_blk.to(tl.float32)
-                if IEEE:
-                    acc = tl.dot(a_blk, b_blk, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a_blk, b_blk, acc)
+        acc = _tile_acc(
+            a, b, row0, col0, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, WARP_SPECIALIZE,
+        )  # fmt: skip
 
         ii = tl.arange(0, BLOCK_M)
         jj = tl.arange(0, BLOCK_N)
@@ -169,18 +193,12 @@ def _signalled_gemm_kernel(
                     seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="sys")
                 prev = tl.load(out + offs, mask=mask, other=0.0, cache_modifier=".cg")
                 acc += prev.to(tl.float32)
-            if tl.float32 == OUT_DTYPE:
-                c = acc
-            else:
-                c = acc.to(OUT_DTYPE, fp_downcast_rounding="rtne")
+            c = _downcast(acc, OUT_DTYPE)
             tl.store(out + offs, c, mask=mask)
             if COPY:
                 tl.store(out2 + offs, c, mask=mask)
         else:
-            if tl.float32 == OUT_DTYPE:
-                c = acc
-            else:
-                c = acc.to(OUT_DTYPE, fp_downcast_rounding="rtne")
+            c = _downcast(acc, OUT_DTYPE)
             g = tl.load(unit_group + t // unit_tiles)
             base = tl.load(group_info + 2 * g)  # a0 of the group (local tile or shard-local row)
             span = tl.load(group_info + 2 * g + 1)  # a1 - a0
@@ -196,7 +214,155 @@ def _signalled_gemm_kernel(
                 tl.store(out + phys_row[:, None] * N + cols[None, :], c, mask=mask)
         if SIGNAL:
             tl.debug_barrier()
-            tl.atomic_add(counters + g, 1, sem="release", scope="gpu")
+            if SYS_SIGNAL:
+                tl.atomic_add(counters + g, 1, sem="release", scope="sys")
+            else:
+                tl.atomic_add(counters + g, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _await_flag(flag):
+    """Spin until the int32 at ``flag`` is nonzero (acquire, system scope: the peer GPU sets it
+    after its stores), and reset it to 0 in the same atomic: each flag has exactly one waiter."""
+    seen = tl.atomic_xchg(flag, 0, sem="acquire", scope="sys")
+    while seen == 0:
+        seen = tl.atomic_xchg(flag, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _bulk_stores_done(BULK: tl.constexpr):
+    """Before a flag that publishes TMA (bulk, asynchronous) stores: wait until this thread's bulk
+    stores have completed, not only read their shared memory (Triton waits for that much), and
+    order them before the generic proxy's release that follows (PTX ``cp.async.bulk.wait_group``,
+    ``fence.proxy.async``). Plain stores need nothing: the release orders them."""
+    if BULK:
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;",
+            "=r,r",
+            [tl.zeros([1], dtype=tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
+def _publish(kind, idx, peer_flags, peer_counts, peer_acks, BULK: tl.constexpr):
+    """Release one tile's flag in the peer's memory once its stores are done (``kind``: 0 none,
+    1 its partial landed in the peer's ``part``, 2 one more summed tile of chunk ``idx`` in the
+    peer's ``final``, 3 reduce_scatter: my ``part``'s tile is read, the peer may write it again)."""
+    if kind != 0:
+        _bulk_stores_done(BULK)
+        tl.debug_barrier()  # every thread's stores issued (and bulk ones done) before the release
+        if kind == 1:
+            tl.atomic_xchg(peer_flags + idx, 1, sem="release", scope="sys")
+        elif kind == 2:
+            tl.atomic_add(peer_counts + idx, 1, sem="release", scope="sys")
+        else:
+            tl.atomic_xchg(peer_acks + idx, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _push_gemm_kernel(
+    a,
+    b,  # tensors or TMA descriptors
+    part,  # my (rows_mine, N) buffer the peer pushes its partial of my shard into
+    peer_part,  # the peer's (rows_theirs, N) buffer my partial of its shard goes into (NVLink)
+    flags,  # my per-tile flags of my shard: the peer's partial of the tile has landed in ``part``
+    peer_flags,  # the peer's, of its shard
+    acks,  # reduce_scatter: per tile of the peer's shard, the peer has read my previous partial
+    peer_acks,
+    out,  # my shard's rows of the output, row stride N
+    peer_final,  # all_reduce: the peer's (rows_mine, N) buffer my sums go into
+    peer_counts,  # all_reduce: the peer's per-chunk counters of my summed tiles
+    row_group,  # all_reduce: the chunk of each tile row of my shard
+    M,
+    N,
+    K,
+    m0,
+    t0,
+    rows_mine,
+    rows_theirs,
+    tiles_m_mine,
+    tiles_m_theirs,
+    tiles_n,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    B_KMAJOR: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    ALL_REDUCE: tl.constexpr,
+    DEFER: tl.constexpr,  # publish a tile after the next tile's K loop (its stores drain meanwhile)
+    TMA_OUT: tl.constexpr,  # peer_part / peer_final are TMA descriptors (bulk asynchronous stores)
+    BULK_WAIT: tl.constexpr,  # TMA_OUT on a GPU (the interpreter's TMA stores are synchronous)
+):
+    pid = tl.program_id(0)
+    tiles_theirs = tiles_m_theirs * tiles_n
+    num_tiles = tiles_theirs + tiles_m_mine * tiles_n
+    ii = tl.arange(0, BLOCK_M)
+    jj = tl.arange(0, BLOCK_N)
+    pend_kind = 0  # the tile whose flag waits to be published (DEFER)
+    pend_idx = 0
+    for t in range(pid, num_tiles, tl.num_programs(0)):
+        phase1 = t < tiles_theirs  # phase 1: a tile of the peer's rows, my partial into its memory
+        if phase1:
+            tm, tn = _tile_coords(t, tiles_m_theirs, tiles_n, GROUP_M)
+            row0 = t0 + tm * BLOCK_M
+            rows_here = rows_theirs
+        else:  # phase 2: a tile of my rows, plus the peer's partial of it
+            tm, tn = _tile_coords(t - tiles_theirs, tiles_m_mine, tiles_n, GROUP_M)
+            row0 = m0 + tm * BLOCK_M
+            rows_here = rows_mine
+        acc = _tile_acc(
+            a, b, row0, tn * BLOCK_N, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, WARP_SPECIALIZE,
+        )  # fmt: skip
+        if DEFER:  # the previous tile's stores have had this tile's K loop to land
+            _publish(pend_kind, pend_idx, peer_flags, peer_counts, peer_acks, BULK_WAIT)
+        rows = tm * BLOCK_M + ii
+        cols = tn * BLOCK_N + jj
+        mask = (rows[:, None] < rows_here) & (cols[None, :] < N)
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        idx = tm * tiles_n + tn
+        if phase1:
+            if not ALL_REDUCE:  # (all_reduce: the peer's sums of the previous call prove it read)
+                _await_flag(acks + idx)
+            c = _downcast(acc, OUT_DTYPE)
+            if TMA_OUT:
+                peer_part.store([tm * BLOCK_M, tn * BLOCK_N], c)
+            else:
+                tl.store(peer_part + offs, c, mask=mask)
+            kind = 1
+        else:
+            _await_flag(flags + idx)
+            prev = tl.load(part + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            c = _downcast(acc + prev.to(tl.float32), OUT_DTYPE)
+            tl.store(out + offs, c, mask=mask)
+            if ALL_REDUCE:
+                if TMA_OUT:
+                    peer_final.store([tm * BLOCK_M, tn * BLOCK_N], c)
+                else:
+                    tl.store(peer_final + offs, c, mask=mask)
+                kind = 2
+                idx = tl.load(row_group + tm)
+            else:
+                kind = 3  # ``part``'s tile is read: the peer may push its next partial
+        if DEFER:
+            pend_kind = kind
+            pend_idx = idx
+        else:
+            _publish(kind, idx, peer_flags, peer_counts, peer_acks, BULK_WAIT)
+    if DEFER:
+        _publish(pend_kind, pend_idx, peer_flags, peer_counts, peer_acks, BULK_WAIT)
 
 
 @triton.jit
@@ -274,7 +440,7 @@ def _strides(a: torch.Tensor, b: BOperand) -> tuple[int, int, int, int]:
 
 
 def _meta(a: torch.Tensor, b: BOperand, out: torch.Tensor, tile: Tile, use_tma: bool) -> dict:
-    """The kernel's compile-time arguments both launchers share (operands, dtypes, tile)."""
+    """The kernels' compile-time arguments the launchers share (operands, dtypes, tile)."""
     upcast = interpreting() and a.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
     return dict(
         USE_TMA=use_tma,
@@ -352,6 +518,7 @@ def rows_gemm(
     ready: torch.Tensor | None = None,
     out2: torch.Tensor | None = None,
     use_tma: bool | None = None,
+    remote_counters: bool = False,
 ) -> None:
     """``out = a @ b`` (or ``out += a @ b`` once ready, see ``ready``) by the persistent kernel on
     the current stream, for the copy engine's tiled mode (``fo_kernels.copy_engine``).
@@ -361,8 +528,10 @@ def rows_gemm(
     ``counters``: each tile adds 1 (release) to ``counters[group]`` once its stores are issued.
     ``ready``: each tile first waits until ``ready[group]`` is nonzero (acquire, system scope: a
     flag the copy engine's stream sets after its copy into ``out``), then adds ``out``'s tile to its
-    sum in float32. ``out2``: the result is stored there too. The grid must not exceed the SMs
-    (every program must be resident while others wait on ``ready``).
+    sum in float32. ``out2``: the result is stored there too (it may be the peer GPU's memory).
+    ``remote_counters``: ``counters`` are in the peer's memory (release at system scope, so the
+    stores before it, ``out2``'s too, land first). The grid must not exceed the SMs (every program
+    must be resident while others wait on ``ready``).
     """
     rows, k = a.shape
     n = b.tensor.shape[1]
@@ -391,6 +560,97 @@ def rows_gemm(
         SIGNAL=counters is not None,
         ACCUMULATE=ready is not None,
         COPY=out2 is not None,
+        SYS_SIGNAL=remote_counters,
+        **_meta(a, b, out, tile, use_tma),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PushBuffers:
+    """Where ``push_gemm`` reads and writes besides its operands (see ``_push_gemm_kernel``): my
+    buffers the peer writes, the peer's buffers (views of its memory) I write, and the flags."""
+
+    part: torch.Tensor  # (rows_mine, N), the peer's partial of my shard lands here
+    peer_part: torch.Tensor  # (rows_theirs, N) in the peer's memory
+    flags: torch.Tensor  # int32, one per tile of my shard
+    peer_flags: torch.Tensor  # int32, one per tile of the peer's shard, in its memory
+    acks: torch.Tensor  # int32, one per tile of the peer's shard (reduce_scatter)
+    peer_acks: torch.Tensor  # int32, one per tile of my shard, in the peer's memory
+    peer_final: torch.Tensor | None = None  # all_reduce: (rows_mine, N) in the peer's memory
+    peer_counts: torch.Tensor | None = None  # all_reduce: int32 per chunk, in the peer's memory
+    row_group: torch.Tensor | None = None  # all_reduce: int32 chunk of each tile row of my shard
+
+
+def push_gemm(
+    a: torch.Tensor,
+    b: BOperand,
+    out: torch.Tensor,
+    tile: Tile,
+    *,
+    grid: int,
+    mine: tuple[int, int],
+    theirs: tuple[int, int],
+    buffers: PushBuffers,
+    use_tma: bool | None = None,
+    defer: bool = True,
+    tma_out: bool = False,
+) -> None:
+    """The copy engine's push mode (``fo_kernels.copy_engine``) in one persistent launch on the
+    current stream: the tiles of the peer's rows ``theirs`` of ``a @ b`` first, each stored into the
+    peer's ``part`` over NVLink and flagged; then the tiles of my rows ``mine``, each waiting for
+    the peer's partial of it, adding it in float32 and storing into ``out`` (my shard's rows, row
+    stride N) and, for all_reduce (``buffers.peer_final`` given), into the peer's ``final`` too,
+    counting per chunk in ``buffers.peer_counts``. The grid must not exceed the SMs (every program
+    must be resident while others wait for the peer).
+
+    ``defer``: publish each tile's flag after the program's next K loop instead of right after its
+    stores (a store to the peer's memory takes NVLink time that the next tile's math can hide).
+    ``tma_out``: store into the peer's memory with TMA (bulk, asynchronous) where the rows are
+    16-byte aligned, instead of plain stores."""
+    k = a.shape[1]
+    n = b.tensor.shape[1]
+    rows_mine, rows_theirs = mine[1] - mine[0], theirs[1] - theirs[0]
+    tiles_n = -(-n // tile.block_n)
+    tiles_m_mine, tiles_m_theirs = -(-rows_mine // tile.block_m), -(-rows_theirs // tile.block_m)
+    all_reduce = buffers.peer_final is not None
+    a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
+    tiles = (tiles_m_mine + tiles_m_theirs) * tiles_n
+    peer_part, peer_final = buffers.peer_part, buffers.peer_final if all_reduce else out
+    tma_out = tma_out and use_tma and _aligned(peer_part, n) and _aligned(peer_final, n)
+    if tma_out:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        block = [tile.block_m, tile.block_n]
+        peer_part = TensorDescriptor.from_tensor(peer_part, block)
+        peer_final = TensorDescriptor.from_tensor(peer_final, block)
+    _push_gemm_kernel[(max(1, min(grid, tiles)),)](
+        a_arg,
+        b_arg,
+        buffers.part,
+        peer_part,
+        buffers.flags,
+        buffers.peer_flags,
+        buffers.acks,
+        buffers.peer_acks,
+        out,
+        peer_final,
+        buffers.peer_counts if all_reduce else buffers.flags,
+        buffers.row_group if all_reduce else buffers.flags,
+        a.shape[0],
+        n,
+        k,
+        mine[0],
+        theirs[0],
+        rows_mine,
+        rows_theirs,
+        tiles_m_mine,
+        tiles_m_theirs,
+        tiles_n,
+        *_strides(a, b),
+        ALL_REDUCE=all_reduce,
+        DEFER=defer,
+        TMA_OUT=tma_out,
+        BULK_WAIT=tma_out and not interpreting(),
         **_meta(a, b, out, tile, use_tma),
     )
 
