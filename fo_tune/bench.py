@@ -289,11 +289,15 @@ class BenchCaseTask:
         # every variant that passed its check is timed now, side by side in alternating rounds
         # (time_interleaved): a clock drift during the case cannot favour the variant timed first
         calls = {i: e.pop("fn") for i, e in enumerate(out) if "fn" in e}
+        before = _engine_calls(ctx.device)
         with warnings.catch_warnings():  # fo_tune's schedule source is recorded in its row instead
             warnings.simplefilter("ignore", HeuristicScheduleWarning)
             timings = time_interleaved(calls, ctx.device, warmup=self.warmup, rounds=self.reps, agree=True)
         for i, timing in timings.items():
             out[i]["timing"] = timing
+        after = _engine_calls(ctx.device)
+        if after[0] > before[0]:  # fo_tune ran on the copy engine (the only variant that uses it)
+            out[-1]["replayed"] = (after[1] - before[1], after[0] - before[0])
         return out
 
     # ------------------------------------------------------------------ check, agree, time
@@ -525,6 +529,14 @@ class BenchResult:
         )
 
 
+def _engine_calls(device: torch.device) -> tuple[int, int]:
+    """(calls, replayed calls) of this rank's copy engine so far; (0, 0) before it is made. A bench
+    row run eagerly pays a call's host time (~0.3 ms at 2048x4096x4096, run 25 in
+    docs/perf-notes.md), so the fo_tune row says how many of its timed calls were replayed."""
+    engine = runtime_for(device, None).made_copy_engine() if device.type == "cuda" else None
+    return engine.call_counts() if engine is not None else (0, 0)
+
+
 def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """One variant's entries of every rank: the worst status, the largest error, the slowest time."""
     statuses = {e["status"] for e in per_rank}
@@ -534,10 +546,15 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     timings = [e["timing"] for e in per_rank]
     t = Timing.max_over(timings) if status == "PASS" and all(timings) else None
     first = next((e for e in per_rank if e["status"] == status), per_rank[0])
+    detail = first["detail"]
+    replayed = [e["replayed"] for e in per_rank if "replayed" in e]
+    if replayed:  # the rank that replayed the fewest of its timed calls from the engine's graphs
+        done, runs = min(replayed, key=lambda x: x[0] / x[1])
+        detail += f"; {done} of {runs} timed calls replayed from the copy engine's own CUDA graphs"
     return dict(
         variant=first["variant"],
         status=status,
-        detail=first["detail"],
+        detail=detail,
         rel_err=err,
         median_ms=t.median_ms if t else math.nan,
         spread_ms=t.spread_ms if t else math.nan,

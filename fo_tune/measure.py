@@ -125,7 +125,11 @@ def gemm_operands(m: int, n: int, k: int, dtype: str, device: torch.device, seed
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    """``|got - ref| / |ref|`` (Frobenius norms); ``inf`` when ``got`` holds a NaN or an infinity,
+    so that a max over ranks or runs can never hide it (Python's ``max`` skips a NaN that is not
+    first: ``max(0.002, nan)`` is 0.002, which let a probe pass a rank's NaN output)."""
+    err = ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return err if math.isfinite(err) else math.inf
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,11 @@ Two more modes (``run``'s ``tile`` and ``exchange``, a schedule's ``tile`` and `
 - tiled (``_run_tiled``): each phase is one persistent Triton GEMM on all SMs instead of a cuBLAS
   GEMM per chunk (no chunk pays a small GEMM's wave quantization); its tiles count per chunk, a
   notify stream forwards each finished chunk, and each tile of phase 2 waits in the kernel for its
-  chunk's pull before adding it in float32 (``fo_kernels.gemm.rows_gemm``);
+  chunk's pull before adding it in float32 (``fo_kernels.gemm.rows_gemm``). Its AllReduce stores
+  each sum into the peer's ``final`` as well (NVLink stores from the kernel) and counts it there, so
+  no pull of the sums waits for the GEMM's end; the peer copies them into its output. The peer
+  writes my ``final`` in a call only after pulling my partials of that call, which I issue after my
+  previous call has copied the last sums out of it;
 - exchange (``_run_exchange``, all_reduce): the chunks cut all M rows; each rank pulls the peer's
   whole partial into the output and adds its own, one NVLink hop per byte.
 
@@ -66,7 +70,6 @@ cuda-bindings (``pip install 'fo-tune[cuda]'``); ``CopyEnginePeers`` says what i
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import itertools
 import warnings
@@ -78,7 +81,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import EnvironmentMismatchError, ScheduleError, ShapeError
-from .gemm import BOperand, PushBuffers, push_gemm, rows_gemm
+from .gemm import BOperand, rows_gemm
 from .schedule import COPY_ENGINE_WORLD, MAX_CHUNKS, Tile
 from .wait import _driver_module
 
@@ -92,21 +95,11 @@ GATHERED = PULLED + 1
 # Tiled mode: [READY, READY + MAX_CHUNKS) my side stream has pulled the peer's partial of my chunk c
 # into its destination (set and reset by me; the phase-2 kernel's tiles wait on it).
 READY = GATHERED + 1
-# Push mode: [TILE_FLAGS, + MAX_PUSH_TILES) the peer's partial of tile i of my shard has landed in
-# my ``part`` (set by the peer's kernel, reset by mine); [TILE_ACKS, + MAX_PUSH_TILES), reduce_scatter:
-# the peer has read my partial of its tile i (starts at 1). Its AllReduce counts the peer's summed
-# tiles per chunk in the SUMMED slots (the waiter resets them).
-TILE_FLAGS = READY + MAX_CHUNKS
-# Most tiles per shard a push-mode call may have: 8192 x 16384 outputs per shard at 128 x 64 tiles
-# (the suite's largest shard is 8192 x 8192); two int32 slots each, 128 KiB of flags per GPU.
-MAX_PUSH_TILES = 16384
-TILE_ACKS = TILE_FLAGS + MAX_PUSH_TILES
-FLAG_SLOTS = TILE_ACKS + MAX_PUSH_TILES
-# Flag slots the driver's stream operations address (the push mode's tile slots are the kernel's).
-STREAM_FLAG_SLOTS = TILE_FLAGS
-# Tiled mode's tile counters (local, kernel-incremented): [0, MAX_CHUNKS) phase 1's chunks of the
-# peer's shard, [MAX_CHUNKS, 2 * MAX_CHUNKS) phase 2's summed chunks of mine (all_reduce).
-COUNTER_SLOTS = 2 * MAX_CHUNKS
+FLAG_SLOTS = READY + MAX_CHUNKS
+# Tiled mode's tile counters (local, kernel-incremented), one per chunk of the peer's shard: phase 1's
+# tiles done. (Its AllReduce counts the summed tiles it stores into the peer's memory in the peer's
+# SUMMED flag slots, which the waiting side stream resets.)
+COUNTER_SLOTS = MAX_CHUNKS
 # Inner chunk cuts fall on multiples of this many rows when the shard is big enough: 128 is the
 # tallest cuBLAS tile on Hopper, so no chunk's GEMM ends in a partly filled row of tiles.
 ROW_ALIGN = 128
@@ -137,23 +130,6 @@ GEMM_STREAMS = 2
 # measured it 0.3-1.4% faster on the suite's AllReduce shapes, but that run's GPU tests ran past
 # their time limit (the last test passed alone in run 49); the shipped tables were searched without.
 OWN_COPY_AT_END = False
-# Push mode: publish each tile's flag after the program's next K loop (True), or right after its
-# stores; and store into the peer's memory with TMA bulk stores (True) or plain stores.
-PUSH_DEFER = True
-PUSH_TMA_OUT = False
-# Tiled mode, AllReduce: phase 2's kernel stores each sum into the peer's ``final`` too and counts it
-# there (True), so the peer copies it locally, instead of storing it in mine for the peer to pull
-# once the chunk is done (one NVLink hop, a flag and a copy fewer after the GEMM).
-TILED_PUSH_SUMS = True
-# Tiled mode: phase 1 (the peer's rows, no sums) as cuBLAS chunk GEMMs like the default mode (True)
-# instead of one Triton GEMM.
-TILED_CUBLAS_PHASE1 = True
-# The cuBLAS-chunk mode's pulls and gathers: each copy of at least SPLIT_MIN_BYTES is split in this
-# many parts on as many streams, so that two of the GPU's copy engines share one chunk's NVLink hop
-# (one engine moved ~290-380 GB/s in runs 18 and 43, below the link's 450 GB/s a direction).
-COPY_SPLIT = 1
-# A copy's fixed cost (~10 us from flag to data, run 43) dwarfs the gain below this size.
-SPLIT_MIN_BYTES = 1 << 20
 
 
 def copy_engine_blocker(device: torch.device, world_size: int) -> str:
@@ -225,13 +201,11 @@ class _Plan:
 
 @dataclass(frozen=True)
 class _Mode:
-    """How a call runs: a cuBLAS GEMM per chunk (the default), ``tile``: the tiled mode (with
-    ``push``: the push mode, ``_run_push``), or ``exchange``: AllReduce by exchanging whole partials
-    (see ``_run_exchange``)."""
+    """How a call runs: a cuBLAS GEMM per chunk (the default), ``tile``: the tiled mode, or
+    ``exchange``: AllReduce by exchanging whole partials (see ``_run_exchange``)."""
 
     tile: Tile | None = None
     exchange: bool = False
-    push: bool = False
 
 
 CHUNKED = _Mode()
@@ -267,29 +241,13 @@ class _TiledPlan:
     other: tuple[tuple[int, int], ...]  # chunks of the peer's shard
     row_bytes: int
     part: torch.Tensor  # (rows of the peer's shard, N): my partials (phase 1's output)
-    final: torch.Tensor | None  # all_reduce: (rows of my shard, N) in ``final``, my sums
     own_groups: torch.Tensor  # int32 chunk of each tile row of my shard
     other_groups: torch.Tensor  # ... of the peer's shard
-    own_tiles: tuple[int, ...]  # tiles per chunk of my shard (phase 2's counter targets)
-    other_tiles: tuple[int, ...]  # ... of the peer's shard (phase 1's)
+    # tiles per chunk of the peer's shard: phase 1's counter targets, and (all_reduce) those of the
+    # peer's summed tiles it counts in my SUMMED slots
+    other_tiles: tuple[int, ...]
     pull_src: tuple[int, ...]  # the peer's partials of my chunks (its ``part``)
-    gather_src: tuple[int, ...]  # all_reduce: the peer's summed chunks (its ``final``)
-    peer_final: torch.Tensor | None  # all_reduce, sums pushed: (rows of my shard, N) of the peer's ``final``
-    final_src: tuple[int, ...]  # all_reduce, sums pushed: the peer's sums of its chunk c in my ``final``
-
-
-@dataclass(frozen=True)
-class _PushPlan:
-    """What a push-mode call of one (collective, M, N, dtype, weights, tile) reuses: the kernel's
-    buffers and flags, and (all_reduce) the peer's chunks (whole tile rows cut by the weights), the
-    tiles each one counts and where its sums land in my ``final``."""
-
-    mine: tuple[int, int]
-    theirs: tuple[int, int]
-    other: tuple[tuple[int, int], ...]  # all_reduce: chunks of the peer's shard, rows relative to it
-    other_tiles: tuple[int, ...]  # all_reduce: tiles per chunk of the peer's shard (SUMMED targets)
-    row_bytes: int
-    buffers: PushBuffers
+    peer_final: torch.Tensor | None  # all_reduce: (rows of my shard, N) of the peer's ``final``
     final_src: tuple[int, ...]  # all_reduce: the peer's sums of its chunk c, in my ``final``
 
 
@@ -310,7 +268,6 @@ class CopyEnginePeers:
     _local: torch.cuda.Stream | None = field(default=None, repr=False)
     _notify: torch.cuda.Stream | None = field(default=None, repr=False)  # tiled: counters -> peer
     _alt: torch.cuda.Stream | None = field(default=None, repr=False)  # every other chunk GEMM
-    _side2: torch.cuda.Stream | None = field(default=None, repr=False)  # the second half of a split copy
     _counters: torch.Tensor | None = field(default=None, repr=False)  # tiled: COUNTER_SLOTS int32
     _calls: int = 0
     _events: list = field(default_factory=list, repr=False)
@@ -321,13 +278,6 @@ class CopyEnginePeers:
     gemm_streams: int = GEMM_STREAMS
     # AllReduce: my sums into the output in one copy after the last chunk (``OWN_COPY_AT_END``).
     own_copy_at_end: bool = OWN_COPY_AT_END
-    # Push mode's stores and flags (``PUSH_DEFER``, ``PUSH_TMA_OUT``).
-    push_defer: bool = PUSH_DEFER
-    push_tma_out: bool = PUSH_TMA_OUT
-    tiled_push_sums: bool = TILED_PUSH_SUMS
-    tiled_cublas_phase1: bool = TILED_CUBLAS_PHASE1
-    # Parts a pull or gather of the cuBLAS-chunk mode is split into (``COPY_SPLIT``): 1 or 2.
-    copy_split: int = COPY_SPLIT
     # Capture an eager call into a graph of its own after this many calls with the same key (the
     # shape, the operands' and the output's addresses); 0 never does (every call issues eagerly).
     graph_after: int = GRAPH_AFTER_CALLS
@@ -348,8 +298,6 @@ class CopyEnginePeers:
     def __post_init__(self) -> None:
         if self.gemm_streams not in (1, 2):
             raise ValueError(f"gemm_streams: 1 or 2 streams for the chunk GEMMs, got {self.gemm_streams}")
-        if self.copy_split not in (1, 2):
-            raise ValueError(f"copy_split: 1 or 2 parts per peer copy, got {self.copy_split}")
         why = copy_engine_blocker(self.device, dist.get_world_size(self.group))
         if why:
             raise EnvironmentMismatchError(
@@ -365,29 +313,28 @@ class CopyEnginePeers:
         self._flags, self._peer_flags = self._symmetric(FLAG_SLOTS, torch.int32)
         self._flags.zero_()
         self._flags[[PULLED, GATHERED]] = 1
-        self._flags[TILE_ACKS:] = 1
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group, device_ids=[self.device.index])
         self._side = torch.cuda.Stream(self.device, priority=-1)
         self._local = torch.cuda.Stream(self.device, priority=-1)
         size = self._flags.element_size()
-        slots = range(STREAM_FLAG_SLOTS)
-        self._my_flag = [drv.CUdeviceptr(self._flags.data_ptr() + i * size) for i in slots]
-        self._peer_flag = [drv.CUdeviceptr(self._peer_flags.data_ptr() + i * size) for i in slots]
+        self._my_flag = [drv.CUdeviceptr(self._flags.data_ptr() + i * size) for i in range(FLAG_SLOTS)]
+        self._peer_flag = [drv.CUdeviceptr(self._peer_flags.data_ptr() + i * size) for i in range(FLAG_SLOTS)]
         self._side_h = self._stream(self._side.cuda_stream)
         self._local_h = self._stream(self._local.cuda_stream)
         self._notify = torch.cuda.Stream(self.device, priority=-1)
         self._notify_h = self._stream(self._notify.cuda_stream)
         self._alt = torch.cuda.Stream(self.device)  # the caller's priority (the default one)
         self._alt_h = self._stream(self._alt.cuda_stream)
-        self._side2 = torch.cuda.Stream(self.device, priority=-1)
-        self._side2_h = self._stream(self._side2.cuda_stream)
-        self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
         self._counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=self.device)
         csize = self._counters.element_size()
         self._counter = [drv.CUdeviceptr(self._counters.data_ptr() + i * csize) for i in range(COUNTER_SLOTS)]
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         torch.cuda.synchronize(self.device)
+
+    def call_counts(self) -> tuple[int, int]:
+        """(calls run, of which replayed from the engine's own graphs) since it was made."""
+        return self._calls, self.replays
 
     def _symmetric(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """A symmetric allocation of ``numel`` elements on both ranks: (mine, the peer's view)."""
@@ -496,20 +443,6 @@ class CopyEnginePeers:
         (err,) = drv.cuMemcpyDtoDAsync(drv.CUdeviceptr(dst), drv.CUdeviceptr(src), nbytes, stream)
         self._check(err, "cuMemcpyDtoDAsync")
 
-    def _side_copy(self, dst: int, src: int, nbytes: int) -> None:
-        """A copy on the side stream, in ``copy_split`` parts on as many streams (the second on
-        ``_side2``, forked after the side stream's waits and joined back) when it is big enough."""
-        if self.copy_split == 1 or nbytes < SPLIT_MIN_BYTES:
-            self._copy(self._side_h, dst, src, nbytes)
-            return
-        first = nbytes // 2 // BUFFER_ALIGN * BUFFER_ALIGN
-        self._fork.record(self._side)
-        self._side2.wait_event(self._fork)
-        self._copy(self._side2_h, dst + first, src + first, nbytes - first)
-        self._copy(self._side_h, dst, src, first)
-        self._join.record(self._side2)
-        self._side.wait_event(self._join)
-
     def _event(self, i: int) -> torch.cuda.Event:
         while len(self._events) <= i:
             self._events.append(torch.cuda.Event())
@@ -610,12 +543,10 @@ class CopyEnginePeers:
             tiles = tuple(-(-(r1 - r0) // tile.block_m) * tiles_n for r0, r1 in chunks)
             return chunks, torch.tensor(groups, dtype=torch.int32, device=self.device), tiles
 
-        own, own_groups, own_tiles = cut(mine[1] - mine[0])
+        own, own_groups, _ = cut(mine[1] - mine[0])
         other, other_groups, other_tiles = cut(theirs[1] - theirs[0])
-        final, gather_src, peer_final, final_src = None, (), None, ()
+        peer_final, final_src = None, ()
         if collective == "all_reduce":
-            final = self._rows(self._final, mine[1] - mine[0], n, dtype)
-            gather_src = tuple(self._peer_final.data_ptr() + r0 * row_bytes for r0, _ in other)
             peer_final = self._rows(self._peer_final, mine[1] - mine[0], n, dtype)
             final_src = tuple(self._final.data_ptr() + r0 * row_bytes for r0, _ in other)
         return _TiledPlan(
@@ -625,13 +556,10 @@ class CopyEnginePeers:
             other=other,
             row_bytes=row_bytes,
             part=self._rows(self._part, theirs[1] - theirs[0], n, dtype),
-            final=final,
             own_groups=own_groups,
             other_groups=other_groups,
-            own_tiles=own_tiles,
             other_tiles=other_tiles,
             pull_src=tuple(self._peer_part.data_ptr() + r0 * row_bytes for r0, _ in own),
-            gather_src=gather_src,
             peer_final=peer_final,
             final_src=final_src,
         )
@@ -644,21 +572,17 @@ class CopyEnginePeers:
         weights: tuple[int, ...],
         tile: Tile | None = None,
         exchange: bool = False,
-        push: bool = False,
     ) -> torch.Tensor:
         """``collective(a @ b)`` over the two ranks (see the module docstring). ``tile``: the tiled
         mode, one persistent Triton GEMM per phase with this tile instead of a cuBLAS GEMM per chunk.
-        ``push`` (with a tile): the push mode, one persistent Triton GEMM that stores the peer's
-        tiles straight into its memory (``_run_push``). ``exchange`` (all_reduce only): each rank
+        ``exchange`` (all_reduce only): each rank
         pulls the peer's whole partial chunk by chunk and adds it (one hop instead of
         reduce-scatter then all-gather; ``_run_exchange``).
         Forward only: the result carries no autograd history."""
         weights = tuple(weights)
         if exchange and (tile is not None or collective != "all_reduce"):
             raise ScheduleError("engine copy_engine: exchange runs all_reduce with cuBLAS chunks (no tile)")
-        if push and tile is None:
-            raise ScheduleError("engine copy_engine: push runs one Triton GEMM; give it a tile")
-        mode = _Mode(tile=tile, exchange=bool(exchange), push=bool(push))
+        mode = _Mode(tile=tile, exchange=bool(exchange))
         if tile is not None:
             if BOperand.of(b) is None:
                 raise ShapeError(
@@ -740,8 +664,7 @@ class CopyEnginePeers:
         """An eager call through the engine's own graph of it: replayed if there is one, captured
         and replayed on the ``graph_after``-th sighting of its key, else issued eagerly."""
         key = (
-            collective, weights, mode, self.gemm_streams, self.own_copy_at_end, self.push_defer,
-            self.push_tma_out, self.tiled_push_sums, self.copy_split, self.tiled_cublas_phase1, a.dtype,
+            collective, weights, mode, self.gemm_streams, self.own_copy_at_end, a.dtype,
             tuple(a.shape), a.stride(), a.data_ptr(), b.dtype, tuple(b.shape), b.stride(),
             b.data_ptr(), out.data_ptr(),
         )  # fmt: skip
@@ -828,14 +751,14 @@ class CopyEnginePeers:
         allocator and the random generator), then the capture ends; a side stream left capturing
         makes the engine unusable (its next operations would be recorded, never run)."""
         here = torch.cuda.current_stream(self.device)
-        for side in (self._side, self._local, self._notify, self._alt, self._side2):
+        for side in (self._side, self._local, self._notify, self._alt):
             with contextlib.suppress(RuntimeError):
                 here.wait_stream(side)
         try:
             graph.capture_end()
         except RuntimeError:  # invalid already: the first error is the one to report
             self._end_generator_capture()
-        for side in (self._side, self._local, self._notify, self._alt, self._side2):
+        for side in (self._side, self._local, self._notify, self._alt):
             with torch.cuda.stream(side):
                 if torch.cuda.is_current_stream_capturing():
                     self._broken = "a failed CUDA graph capture left a side stream capturing"
@@ -863,9 +786,6 @@ class CopyEnginePeers:
     ) -> None:
         """Issue one call's operations on the current stream and the side streams; ``out`` is the
         result's (M, N) or (M / 2, N) tensor."""
-        if mode.push:
-            self._run_push(collective, a, b, weights, mode.tile, out, capturing)
-            return
         if mode.tile is not None:
             self._run_tiled(collective, a, b, weights, mode.tile, out, capturing)
             return
@@ -894,7 +814,7 @@ class CopyEnginePeers:
             self._wait(side_h, GATHERED)
         for c, (r0, r1) in enumerate(own):
             self._wait(side_h, PARTIAL + c)
-            self._side_copy(dst_base + r0 * rb, plan.pull_src[c], (r1 - r0) * rb)
+            self._copy(side_h, dst_base + r0 * rb, plan.pull_src[c], (r1 - r0) * rb)
             pulled[c].record(self._side)
         self._signal(side_h, PULLED)
         summed = [self._event(len(own) + c) for c in range(len(own))]
@@ -919,7 +839,7 @@ class CopyEnginePeers:
         if all_reduce:
             for c, (r0, r1) in enumerate(plan.other):  # the peer's sums into the output
                 self._wait(side_h, SUMMED + c)
-                self._side_copy(out_ptr + (t0 + r0) * rb, plan.gather_src[c], (r1 - r0) * rb)
+                self._copy(side_h, out_ptr + (t0 + r0) * rb, plan.gather_src[c], (r1 - r0) * rb)
             self._signal(side_h, GATHERED)
             main.wait_stream(self._local)
         if len(gemms) == 2:
@@ -967,9 +887,12 @@ class CopyEnginePeers:
         (``fo_kernels.gemm.rows_gemm``) on all SMs, so no chunk pays a small GEMM's wave
         quantization. Phase 1's tiles count per chunk; the notify stream forwards each finished
         chunk to the peer (PARTIAL); my side stream pulls the peer's partial of my chunk c into my
-        sums' destination and sets READY + c; each tile of phase 2 waits in the kernel for its
-        chunk's READY, then adds the pulled partial in float32 before storing (all_reduce: into
-        ``final`` and the output, counting per chunk so the notify stream can send SUMMED)."""
+        shard of the output and sets READY + c; each tile of phase 2 waits in the kernel for its
+        chunk's READY, then adds the pulled partial in float32 before storing. AllReduce: phase 2
+        also stores each sum into the peer's ``final`` over NVLink and counts it in the peer's
+        SUMMED + c, and my side stream copies the peer's sums from my ``final`` into the output as
+        each of its chunks' counts completes (no pull of the sums after the GEMM: run 52 in
+        ``docs/perf-notes.md``, 0.154-0.156 against 0.162-0.165 ms at 2048x4096x4096)."""
         m, n = a.shape[0], b.shape[1]
         plan = self._plan_tiled(collective, m, n, a.dtype, weights, tile)
         operand = BOperand.of(b)
@@ -984,150 +907,32 @@ class CopyEnginePeers:
         self._side.wait_stream(main)
         self._notify.wait_stream(main)
         self._wait(main_h, PULLED)  # the peer has pulled the previous call's partials from ``part``
-        gemms = []
-        if self.tiled_cublas_phase1:  # phase 1 in cuBLAS chunks, each flagged on its stream
-            gemms = self._gemm_streams(main, main_h)
-            parts = tuple(plan.part[r0:r1] for r0, r1 in plan.other)
-            self._partials(gemms, a[t0:], b, plan.other, parts)
-        else:
-            rows_gemm(
-                a[t0:t1], operand, plan.part, tile, grid=self._sms, row_group=plan.other_groups,
-                counters=self._counters[:MAX_CHUNKS],
-            )  # fmt: skip
-            for c, tiles in enumerate(plan.other_tiles):  # each of the peer's chunks, once it is done
-                self._count(notify_h, c, tiles)
-                self._signal(notify_h, PARTIAL + c)
-        push_sums = all_reduce and self.tiled_push_sums
-        # the pulls' destination: my sums' (``final``, which the peer gathers from), or the output
-        dst_base = self._final.data_ptr() if all_reduce and not push_sums else out_ptr + m0 * rb
-        if all_reduce and not push_sums:  # the pulls write ``final``: the peer has gathered the last sums
-            self._wait(side_h, GATHERED)
+        rows_gemm(
+            a[t0:t1], operand, plan.part, tile, grid=self._sms, row_group=plan.other_groups,
+            counters=self._counters[:MAX_CHUNKS],
+        )  # fmt: skip
+        for c, tiles in enumerate(plan.other_tiles):  # each of the peer's chunks, once it is done
+            self._count(notify_h, c, tiles)
+            self._signal(notify_h, PARTIAL + c)
+        mine = out[m0:m1] if all_reduce else out  # my shard of the output: the pulls land there
         for c, (r0, r1) in enumerate(own):
             self._wait(side_h, PARTIAL + c)
-            self._copy(side_h, dst_base + r0 * rb, plan.pull_src[c], (r1 - r0) * rb)
+            self._copy(side_h, mine.data_ptr() + r0 * rb, plan.pull_src[c], (r1 - r0) * rb)
             self._set(side_h, READY + c)
         self._signal(side_h, PULLED)
-        if push_sums:  # into the output and the peer's ``final``, counted in its SUMMED slots
-            rows_gemm(
-                a[m0:m1], operand, out[m0:m1], tile, grid=self._sms, row_group=plan.own_groups,
-                ready=self._flags[READY:], counters=self._peer_flags[SUMMED:], out2=plan.peer_final,
-                remote_counters=True,
-            )  # fmt: skip
-        else:
-            rows_gemm(
-                a[m0:m1], operand, plan.final if all_reduce else out, tile, grid=self._sms,
-                row_group=plan.own_groups, ready=self._flags[READY:],
-                counters=self._counters[MAX_CHUNKS:] if all_reduce else None,
-                out2=out[m0:m1] if all_reduce else None,
-            )  # fmt: skip
+        rows_gemm(
+            a[m0:m1], operand, mine, tile, grid=self._sms, row_group=plan.own_groups,
+            ready=self._flags[READY:], counters=self._peer_flags[SUMMED:] if all_reduce else None,
+            out2=plan.peer_final, remote_counters=all_reduce,
+        )  # fmt: skip
         (err,) = self._driver.cuMemsetD32Async(self._my_flag[READY], 0, len(own), main_h)
         self._check(err, "cuMemsetD32Async")  # READY is read again only after the next pulls
-        if push_sums:
+        if all_reduce:  # (queued after phase 2: a wait queued first could block it, run 34)
             for c, (r0, r1) in enumerate(plan.other):  # the peer's sums, as each chunk's count completes
                 self._wait_at(side_h, self._my_flag[SUMMED + c], plan.other_tiles[c], reset=True)
                 self._copy(side_h, out_ptr + (t0 + r0) * rb, plan.final_src[c], (r1 - r0) * rb)
-        elif all_reduce:
-            for c, tiles in enumerate(plan.own_tiles):  # my sums, chunk by chunk, to the peer
-                self._count(notify_h, MAX_CHUNKS + c, tiles)
-                self._signal(notify_h, SUMMED + c)
-            for c, (r0, r1) in enumerate(plan.other):  # the peer's sums into the output
-                self._wait(side_h, SUMMED + c)
-                self._copy(side_h, out_ptr + (t0 + r0) * rb, plan.gather_src[c], (r1 - r0) * rb)
-            self._signal(side_h, GATHERED)
-        if len(gemms) == 2:
-            main.wait_stream(self._alt)
         main.wait_stream(self._notify)
         main.wait_stream(self._side)
-        self._calls += 1
-
-    def _plan_push(
-        self, collective: str, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...], tile: Tile
-    ) -> _PushPlan:
-        key = _plan_key(collective, m, n, dtype, weights, _Mode(tile=tile, push=True))
-        return self._cached(key, lambda: self._make_push(collective, m, n, dtype, weights, tile))
-
-    def _make_push(
-        self, collective: str, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...], tile: Tile
-    ) -> _PushPlan:
-        tiles_n = -(-n // tile.block_n)
-        most = -(-((m + 1) // 2) // tile.block_m) * tiles_n
-        if most > MAX_PUSH_TILES:
-            raise ScheduleError(
-                f"engine copy_engine, push: {m}x{n} with a {tile.block_m}x{tile.block_n} tile has {most} "
-                f"tiles per shard, more than the {MAX_PUSH_TILES} flags per GPU; use a larger tile"
-            )
-        mine, theirs, row_bytes = self._halves(m, n, dtype)
-        rows_mine, rows_theirs = mine[1] - mine[0], theirs[1] - theirs[0]
-        flags, peer_flags = self._flags, self._peer_flags
-        buffers = PushBuffers(
-            part=self._rows(self._part, rows_mine, n, dtype),
-            peer_part=self._rows(self._peer_part, rows_theirs, n, dtype),
-            flags=flags[TILE_FLAGS:TILE_ACKS],
-            peer_flags=peer_flags[TILE_FLAGS:TILE_ACKS],
-            acks=flags[TILE_ACKS:],
-            peer_acks=peer_flags[TILE_ACKS:],
-        )
-        other, other_tiles, final_src = (), (), ()
-        if collective == "all_reduce":
-            own = tuple(itertools.pairwise(tile_row_bounds(rows_mine, weights, tile.block_m)))
-            groups = [c for c, (r0, r1) in enumerate(own) for _ in range(-(-(r1 - r0) // tile.block_m))]
-            other = tuple(itertools.pairwise(tile_row_bounds(rows_theirs, weights, tile.block_m)))
-            other_tiles = tuple(-(-(r1 - r0) // tile.block_m) * tiles_n for r0, r1 in other)
-            final_src = tuple(self._final.data_ptr() + r0 * row_bytes for r0, _ in other)
-            buffers = dataclasses.replace(
-                buffers,
-                peer_final=self._rows(self._peer_final, rows_mine, n, dtype),
-                peer_counts=peer_flags[SUMMED : SUMMED + MAX_CHUNKS],
-                row_group=torch.tensor(groups, dtype=torch.int32, device=self.device),
-            )
-        return _PushPlan(
-            mine=mine,
-            theirs=theirs,
-            other=other,
-            other_tiles=other_tiles,
-            row_bytes=row_bytes,
-            buffers=buffers,
-            final_src=final_src,
-        )
-
-    def _run_push(
-        self,
-        collective: str,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        weights: tuple[int, ...],
-        tile: Tile,
-        out: torch.Tensor,
-        capturing: bool,
-    ) -> None:
-        """The push mode: one persistent Triton GEMM (``fo_kernels.gemm.push_gemm``) computes the
-        peer's rows first and stores each tile straight into the peer's ``part`` over NVLink,
-        flagging it per tile; then my rows, each tile waiting for the peer's partial of it, adding
-        it and storing the sum (all_reduce: into the peer's ``final`` too, counted per chunk). No
-        copy engine, no chunk GEMMs: the NVLink traffic streams out of the kernel as tiles finish,
-        and only the last tiles' sums are left after the GEMM (the copy engine's modes wait for a
-        whole chunk, then a flag and a copy, twice). All_reduce: my side stream copies the peer's
-        sums from my ``final`` into the output as each chunk's count completes."""
-        m, n = a.shape[0], b.shape[1]
-        plan = self._plan_push(collective, m, n, a.dtype, weights, tile)
-        all_reduce = collective == "all_reduce"
-        (m0, m1), t0, rb = plan.mine, plan.theirs[0], plan.row_bytes
-        main = torch.cuda.current_stream(self.device)
-        if not capturing:
-            main.wait_stream(self._side)
-        self._side.wait_stream(main)  # the output's memory is ready
-        dst = out[m0:m1] if all_reduce else out
-        operand, mine, theirs = BOperand.of(b), plan.mine, plan.theirs
-        push_gemm(
-            a, operand, dst, tile, grid=self._sms, mine=mine, theirs=theirs, buffers=plan.buffers,
-            defer=self.push_defer, tma_out=self.push_tma_out,
-        )  # fmt: skip
-        if all_reduce:  # (after the kernel is queued: a wait queued first could block it, run 34)
-            out_ptr, side_h = out.data_ptr(), self._side_h
-            for c, (r0, r1) in enumerate(plan.other):  # the peer's sums into the output
-                self._wait_at(side_h, self._my_flag[SUMMED + c], plan.other_tiles[c], reset=True)
-                self._copy(side_h, out_ptr + (t0 + r0) * rb, plan.final_src[c], (r1 - r0) * rb)
-            main.wait_stream(self._side)
         self._calls += 1
 
     def _plan_exchange(self, m: int, n: int, dtype: torch.dtype, weights: tuple[int, ...]) -> _ExchangePlan:

@@ -158,6 +158,10 @@ class OverlapRuntime:
             self._waiters[mode] = make_waiter(mode, self.device)
         return self._waiters[mode]
 
+    def made_copy_engine(self) -> CopyEnginePeers | None:
+        """The copy-engine resources if a call has made them (``copy_engine``), else None."""
+        return self._peers
+
     def copy_engine(self) -> CopyEnginePeers:
         """The copy-engine resources of this (device, group), made (collectively) on first use."""
         if self._peers is None:

@@ -181,7 +181,10 @@ def test_space_copy_engine_chunks(tmp_path: Path):
         hopper.to_dict() | {"copy_engine_weights": [[2, 2, 1]]}
     ).copy_engine_weights
     assert again.copy_engine_weights == hopper.copy_engine_weights
-    assert not hopper.copy_engine_tiles and not hopper.copy_engine_exchange_chunks  # opt-in (runs 33-37)
+    # the tiled mode is searched since session 8 (its AllReduce pushes its sums); the exchange
+    # mode stays opt-in (runs 35-37)
+    assert hopper.copy_engine_tiles[:2] == hopper.tiles[:2] and hopper.copy_engine_tiled_chunks == (1, 2)
+    assert not hopper.copy_engine_exchange_chunks
     modes = SearchSpace.from_dict(hopper.to_dict() | MODES)
     again = SearchSpace.from_dict(modes.to_dict())
     assert again.copy_engine_tiles == modes.copy_engine_tiles == (Tile(block_m=128, block_n=256, block_k=64),)

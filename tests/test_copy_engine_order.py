@@ -117,6 +117,7 @@ def _peers(rec: Recorder, gemm_streams: int, at_end: bool, rank: int = 0) -> Cop
     peers._counter = [("counter", i) for i in range(ce.COUNTER_SLOTS)]
     peers._counters = torch.zeros(ce.COUNTER_SLOTS, dtype=torch.int32)
     peers._flags = torch.zeros(ce.FLAG_SLOTS, dtype=torch.int32)
+    peers._peer_flags = torch.zeros(ce.FLAG_SLOTS, dtype=torch.int32)
     peers._sms = 132
     for name in ("side", "local", "alt", "notify"):
         setattr(peers, f"_{name}", FakeStream(name, rec))
@@ -153,10 +154,11 @@ def rec(monkeypatch: pytest.MonkeyPatch) -> Recorder:
         rec.log.append(("add", rec.current, self.data_ptr(), other.data_ptr()))
         return self
 
-    def rows_gemm(a, b, out, tile, *, grid, row_group, counters=None, ready=None, out2=None):
-        rec.log.append(
-            ("kernel", rec.current, "phase 2" if ready is not None else "phase 1", out2 is not None)
-        )
+    def rows_gemm(
+        a, b, out, tile, *, grid, row_group, counters=None, ready=None, out2=None, remote_counters=False
+    ):
+        phase = "phase 2" if ready is not None else "phase 1"
+        rec.log.append(("kernel", rec.current, phase, out2 is not None, out.data_ptr(), remote_counters))
 
     monkeypatch.setattr(ce, "rows_gemm", rows_gemm)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams["main"])
@@ -307,26 +309,34 @@ def test_waits_guarding_my_buffers_come_first(rec: Recorder):
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
 @pytest.mark.parametrize("weights", [(1,), (2, 1)])
-def test_tiled_call_order(rec: Recorder, collective: str, weights: tuple[int, ...]):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tiled_call_order(rec: Recorder, collective: str, weights: tuple[int, ...], rank: int):
     """The tiled mode: phase 1's kernel, then per chunk the notify stream's wait for its tile count
-    and the peer's PARTIAL flag; the side stream's pulls, each followed by its READY flag; phase 2's
-    kernel (whose tiles spin on READY) only after every pull and READY is queued, then READY's reset;
-    for AllReduce the notify stream's SUMMED flags after their counts and before the gathers' waits;
-    every stream joined at the end (fails when the notify stream's PARTIAL flags are queued after
-    the side stream's pulls, or the gathers' SUMMED waits before the notify stream's SUMMED flags)."""
+    and the peer's PARTIAL flag; the side stream's pulls into my shard of the output, each followed
+    by its READY flag; phase 2's kernel (whose tiles spin on READY) only after every pull and READY
+    is queued, then READY's reset; for AllReduce phase 2 stores into the peer's memory too and
+    counts in its SUMMED slots, and my side stream waits for each of the peer's chunk counts (after
+    phase 2 is queued) and copies those sums from my ``final`` into the output; every stream joined
+    at the end. Checked to fail when the notify stream's PARTIAL flags are queued after the side
+    stream's pulls, when ReduceScatter's pulls land at my shard's rows of the whole output instead
+    of the shard-sized output (session 8's first draft, which wrote past rank 1's output), and when
+    the SUMMED waits are queued before phase 2."""
     from fo_kernels.schedule import Tile
 
     tile = Tile(block_m=16, block_n=32, block_k=16, group_m=1, num_warps=4, num_stages=1)
-    peers = _peers(rec, 2, False)
-    _call(peers, collective, weights, tile=tile)
+    peers = _peers(rec, 2, False, rank=rank)
+    out = _call(peers, collective, weights, tile=tile)
+    all_reduce = collective == "all_reduce"
     log = rec.log
     kernels = rec.ops("kernel")
-    assert [(op[1], op[2], op[3]) for _, op in kernels] == [
-        ("main", "phase 1", False),
-        ("main", "phase 2", collective == "all_reduce"),
+    plan = peers._plan_tiled(collective, M, N, torch.float32, weights, tile)
+    (m0, _), (t0, _) = plan.mine, plan.theirs
+    mine = out[m0:] if all_reduce else out  # my shard of the output
+    assert [op[1:] for _, op in kernels] == [
+        ("main", "phase 1", False, plan.part.data_ptr(), False),
+        ("main", "phase 2", all_reduce, mine.data_ptr(), all_reduce),
     ]
     (k1, _), (k2, _) = kernels
-    plan = peers._plan_tiled(collective, M, N, torch.float32, weights, tile)
     notify = [op for op in log if op[1] == "notify" and op[0] in ("wait_flag", "write_flag")]
     want = []
     for c in range(len(plan.other)):
@@ -335,19 +345,19 @@ def test_tiled_call_order(rec: Recorder, collective: str, weights: tuple[int, ..
             ("write_flag", "notify", ("counter", c), 0),
             ("write_flag", "notify", ("peer", PARTIAL + c), 1),
         ]
-    if collective == "all_reduce":
-        for c in range(len(plan.own)):
-            slot = ce.MAX_CHUNKS + c
-            want += [("wait_flag", "notify", ("counter", slot), plan.own_tiles[c])]
-            want += [
-                ("write_flag", "notify", ("counter", slot), 0),
-                ("write_flag", "notify", ("peer", SUMMED + c), 1),
-            ]
     assert notify == want
     assert min(i for i, op in enumerate(log) if op[1] == "notify" and op[0] == "wait_flag") > k1
     partial = [i for i, op in rec.ops("write_flag") if op[2][0] == "peer" and op[2][1] < SUMMED]
     assert min(_peer_waits(rec)) > max(partial)
     _signals_before_waits(rec)
+    # the pulls: the peer's partial of each of my chunks into my shard of the output, in bounds
+    side_copies = [op for _, op in rec.ops("copy") if op[1] == "side"]
+    end = out.data_ptr() + out.numel() * out.element_size()
+    for c, (r0, r1) in enumerate(plan.own):
+        dst, src, nbytes = side_copies[c][2:]
+        want = (mine.data_ptr() + r0 * ROW_BYTES, plan.pull_src[c], (r1 - r0) * ROW_BYTES)
+        assert (dst, src, nbytes) == want
+        assert dst + nbytes <= end
     ready = [
         i
         for i, op in rec.ops("write_flag")
@@ -357,5 +367,20 @@ def test_tiled_call_order(rec: Recorder, collective: str, weights: tuple[int, ..
     resets = rec.ops("memset")
     assert [op[1:] for _, op in resets] == [("main", ("my", ce.READY), 0, len(plan.own))]
     assert resets[0][0] > k2
+    # AllReduce: the peer's summed tiles, counted per chunk, copied into the output as each completes
+    summed = [(i, op) for i, op in rec.ops("wait_flag") if op[2][0] == "my" and SUMMED <= op[2][1] < PULLED]
+    if all_reduce:
+        assert [op[1:] for _, op in summed] == [
+            ("side", ("my", SUMMED + c), plan.other_tiles[c]) for c in range(len(plan.other))
+        ]
+        assert min(i for i, _ in summed) > k2
+        gathers = side_copies[len(plan.own) :]
+        assert [op[2:] for op in gathers] == [
+            (out.data_ptr() + (t0 + r0) * ROW_BYTES, plan.final_src[c], (r1 - r0) * ROW_BYTES)
+            for c, (r0, r1) in enumerate(plan.other)
+        ]
+    else:
+        assert not summed and len(side_copies) == len(plan.own)
+    assert not [op for _, op in rec.ops("wait_flag") if op[2] == ("my", GATHERED)]
     joined = {op[2] for _, op in rec.ops("wait_stream") if op[1] == "main"}
     assert {"side", "notify"} <= joined
