@@ -1,6 +1,6 @@
 """Is a fo-tune call bound by the host or by the GPU? (2 GPUs)
 
-    python3 bench/host_probe.py --out DIR [--shape MxNxK ...] [--calls N] [--collective C]
+    python3 bench/host_probe.py --out DIR [--shape MxNxK ...] [--calls N] [--collective C] [--profile]
 
 Session 7's timeline (``docs/perf-notes.md``, run 43: ``bench/ce_trace_probe.py``, profiled) put
 the copy-engine call at 2048x4096x4096 AllReduce at ~137 us of GPU work against 0.16 ms per call
@@ -16,13 +16,21 @@ table's schedule, the engine's own graphs replaying) without it, per rank, ``--c
 
 If ``issue_us`` is near ``loop_us`` and above ``gpu_us``, the host bounds the call. The same three
 for the sequential baseline (cuBLAS then NCCL). Every op's result is checked against a float32
-reference first. Writes DIR/host.csv; prints one line per case and a summary last.
+reference first. ``--profile``: each rank also profiles its fo-tune calls' host time (cProfile,
+``PROFILE_CALLS`` calls after the timings) into DIR/profile_<shape>_<collective>_r<rank>.txt, the
+functions by own time, and counts the calls that synchronize with the GPU
+(``torch.cuda.set_sync_debug_mode``: session 7 saw one host synchronization per 40-call loop).
+Writes DIR/host.csv; prints one line per case and a summary last.
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +51,8 @@ WARM_CALLS = 8  # enough for the engine's own graph of the call (captured on the
 # (more than any suite shape's call takes), so the host never waits for the GPU while issuing.
 HOLD_MS_PER_CALL = 3.0
 DEFAULT_SHAPES = ((2048, 4096, 4096), (4096, 8192, 4096))  # the suite's two smallest
+PROFILE_CALLS = 400
+PROFILE_LINES = 40  # functions listed per profile
 
 
 def _measure(fn: Callable[[], torch.Tensor], calls: int, device: torch.device) -> dict[str, float]:
@@ -69,9 +79,35 @@ def _measure(fn: Callable[[], torch.Tensor], calls: int, device: torch.device) -
     return {"issue_us": issue, "gpu_us": gpu, "loop_us": loop}
 
 
+def _profile(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[str, int]:
+    """(cProfile's listing by own time, synchronizing calls seen) over ``PROFILE_CALLS`` calls."""
+    torch.cuda.synchronize(device)
+    profiler = cProfile.Profile()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            profiler.enable()
+            for _ in range(PROFILE_CALLS):
+                fn()
+            profiler.disable()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize(device)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(PROFILE_LINES)
+    syncs = [str(w.message) for w in seen if "synchroniz" in str(w.message).lower()]
+    head = f"{PROFILE_CALLS} calls; {len(syncs)} synchronizing operations" + "".join(
+        f"\n  {x}" for x in sorted(set(syncs))
+    )
+    return head + "\n" + text.getvalue(), len(syncs)
+
+
 class HostTask:
-    def __init__(self, m: int, n: int, k: int, collective: str, calls: int) -> None:
+    def __init__(self, m: int, n: int, k: int, collective: str, calls: int, profile: bool) -> None:
         self.m, self.n, self.k, self.collective, self.calls = m, n, k, collective, calls
+        self.profile = profile
 
     def run(self, ctx: RankContext) -> dict:
         a, b, ref = operands_and_reference(ctx, self.m, self.n, self.k, self.collective)
@@ -81,12 +117,15 @@ class HostTask:
         for name, fn in fns.items():
             err = rel_err(fn(), ref)
             out[name] = {**_measure(fn, self.calls, ctx.device), "rel_err": err}
+        if self.profile:
+            out["profile"], out["fo_tune"]["syncs"] = _profile(fns["fo_tune"], ctx.device)
         return out
 
 
 def main() -> None:
     ap = case_options(__doc__.splitlines()[0], rounds=None, shapes="2048x4096x4096 and 4096x8192x4096")
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--profile", action="store_true", help="also profile the fo-tune calls' host time")
     args = ap.parse_args()
     shapes, collectives = cases(args, DEFAULT_SHAPES)
     progress = Progress()
@@ -95,10 +134,14 @@ def main() -> None:
             return
         for m, n, k in shapes:
             for coll in collectives:
-                per_rank = pool.run(HostTask(m, n, k, coll, args.calls), timeout_s=300)
+                per_rank = pool.run(HostTask(m, n, k, coll, args.calls, args.profile), timeout_s=300)
                 rows, parts = [], []
                 for rank, res in enumerate(per_rank):
+                    profile = res.pop("profile", None)
+                    if profile is not None:
+                        (args.out / f"profile_{m}x{n}x{k}_{coll}_r{rank}.txt").write_text(profile)
                     for name, r in res.items():
+                        r.setdefault("syncs", "")
                         ok = r["rel_err"] == r["rel_err"] and r["rel_err"] < TOLERANCE
                         rows.append(dict(m=m, n=n, k=k, collective=coll, rank=rank, variant=name,
                                          status="PASS" if ok else "FAIL", **r))  # fmt: skip

@@ -619,23 +619,22 @@ class CopyEnginePeers:
         if collective == "reduce_scatter" and m % COPY_ENGINE_WORLD:
             raise ShapeError(f"reduce_scatter needs M divisible by the world size 2, got M={m}")
         rows = m if collective == "all_reduce" else m // COPY_ENGINE_WORLD
-        with torch.no_grad():
-            if capturing:
-                out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
-                self._run(collective, a, b, weights, mode, out, capturing=True)
-                self._captured = True
-                return out
-            main = torch.cuda.current_stream(self.device)
-            last = self._last_main
-            if last is not None and last.cuda_stream != main.cuda_stream:
-                main.wait_stream(last)  # the previous call (eager or replayed) ran on another stream
-            if self.graph_after > 0:
-                out = self._output((rows, n), a.dtype)
-                self._run_graphed(collective, a, b, weights, mode, out)
-            else:
-                out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
-                self._run(collective, a, b, weights, mode, out)
-            self._last_main = main
+        if capturing:
+            out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+            self._run(collective, a, b, weights, mode, out, capturing=True)
+            self._captured = True
+            return out
+        main = torch.cuda.current_stream(self.device)
+        last = self._last_main
+        if last is not None and last.cuda_stream != main.cuda_stream:
+            main.wait_stream(last)  # the previous call (eager or replayed) ran on another stream
+        if self.graph_after > 0:
+            out = self._output((rows, n), a.dtype)
+            self._run_graphed(collective, a, b, weights, mode, out)
+        else:
+            out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+            self._run(collective, a, b, weights, mode, out)
+        self._last_main = main
         return out
 
     def _output(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -774,6 +773,7 @@ class CopyEnginePeers:
             empty.capture_begin(capture_error_mode="thread_local")
             empty.capture_end()
 
+    @torch.no_grad()  # (a replayed call issues no torch op: only this path needs it)
     def _run(
         self,
         collective: str,

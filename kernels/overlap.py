@@ -164,7 +164,8 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, schedule: Schedule |
     operand = _check_operands(a, b)
     if not dist.is_available() or not dist.is_initialized():
         raise ScheduleError("torch.distributed is not initialized; call dist.init_process_group first")
-    world = dist.get_world_size(group)
+    runtime = runtime_for(a.device, group)
+    world = runtime.world_size
     m = a.shape[0]
     if collective == "reduce_scatter" and m % world:
         raise ShapeError(f"reduce_scatter needs M divisible by the world size {world}, got M={m}")
@@ -174,11 +175,11 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, schedule: Schedule |
     if schedule.engine == "copy_engine":
         if m < COPY_ENGINE_WORLD:  # a rank would own no row (an M-range row reaching M = 1)
             return _sequential(collective, a, b, group, world)
-        engine = runtime_for(a.device, group).copy_engine()
+        engine = runtime.copy_engine()
         return engine.run(collective, a, b, schedule.groups, schedule.tile, schedule.exchange)
     if not a.is_contiguous():
         a = a.contiguous()
-    return _overlapped(collective, a, operand, schedule, runtime_for(a.device, group))
+    return _overlapped(collective, a, operand, schedule, runtime)
 
 
 def gemm_all_reduce(

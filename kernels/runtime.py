@@ -93,6 +93,7 @@ class OverlapRuntime:
     _tables: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _waiters: dict[str, Waiter] = field(default_factory=dict, repr=False)
     _peers: CopyEnginePeers | None = field(default=None, repr=False)
+    _world_size: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -100,6 +101,14 @@ class OverlapRuntime:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if not self.sm_count:
             self.sm_count = device_sm_count(self.device)
+
+    @property
+    def world_size(self) -> int:
+        """The group's size (asked once: ``dist.get_world_size`` costs ~15 us of host time a call,
+        run 57 in ``docs/perf-notes.md``)."""
+        if not self._world_size:
+            self._world_size = dist.get_world_size(self.group)
+        return self._world_size
 
     @property
     def backend(self) -> str:
