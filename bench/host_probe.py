@@ -14,8 +14,10 @@ table's schedule, the engine's own graphs replaying) without it, per rank, ``--c
   queued behind that spin kernel before the first starts);
 - ``loop_us``: wall time per call of the plain loop, synchronized at its end (the bench's way).
 
-If ``issue_us`` is near ``loop_us`` and above ``gpu_us``, the host bounds the call. The same three
-for the sequential baseline (cuBLAS then NCCL). Every op's result is checked against a float32
+If ``issue_us`` is near ``loop_us`` and above ``gpu_us``, the host bounds the call. When the queued
+calls fill the GPU's launch queue, the host blocks in the launch until the spin ends and
+``issue_us`` reads the spin's time per call instead (run 59: AllReduce at 4096x8192x4096 and up).
+The same three for the sequential baseline (cuBLAS then NCCL). Every op's result is checked against a float32
 reference first. ``--profile``: each rank also profiles its fo-tune calls' host time (cProfile,
 ``PROFILE_CALLS`` calls after the timings) into DIR/profile_<shape>_<collective>_r<rank>.txt, the
 functions by own time, and counts the calls that synchronize with the GPU
