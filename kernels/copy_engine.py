@@ -575,9 +575,8 @@ class CopyEnginePeers:
     ) -> torch.Tensor:
         """``collective(a @ b)`` over the two ranks (see the module docstring). ``tile``: the tiled
         mode, one persistent Triton GEMM per phase with this tile instead of a cuBLAS GEMM per chunk.
-        ``exchange`` (all_reduce only): each rank
-        pulls the peer's whole partial chunk by chunk and adds it (one hop instead of
-        reduce-scatter then all-gather; ``_run_exchange``).
+        ``exchange`` (all_reduce only): each rank pulls the peer's whole partial chunk by chunk and
+        adds it (one hop instead of reduce-scatter then all-gather; ``_run_exchange``).
         Forward only: the result carries no autograd history."""
         weights = tuple(weights)
         if exchange and (tile is not None or collective != "all_reduce"):
