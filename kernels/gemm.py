@@ -70,6 +70,18 @@ def _tile_coords(l, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _mma(a_blk, b_blk, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """``acc + a_blk @ b_blk`` in float32: upcast first under the interpreter (its bf16 ``tl.dot``
+    is wrong), IEEE precision when the inputs are (or were upcast to) float32 (no TF32)."""
+    if UPCAST:
+        a_blk = a_blk.to(tl.float32)
+        b_blk = b_blk.to(tl.float32)
+    if IEEE:
+        return tl.dot(a_blk, b_blk, acc, input_precision="ieee")
+    return tl.dot(a_blk, b_blk, acc)
+
+
+@triton.jit
 def _tile_acc(
     a, b, row0, col0, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
@@ -86,13 +98,7 @@ def _tile_acc(
                 b_blk = b.load([col0, kk * BLOCK_K]).T
             else:
                 b_blk = b.load([kk * BLOCK_K, col0])
-            if UPCAST:
-                a_blk = a_blk.to(tl.float32)
-                b_blk = b_blk.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a_blk, b_blk, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a_blk, b_blk, acc)
+            acc = _mma(a_blk, b_blk, acc, UPCAST, IEEE)
     else:
         offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_n = col0 + tl.arange(0, BLOCK_N)
@@ -110,13 +116,7 @@ def _tile_acc(
                 mask=offs_k[:, None] < K,
                 other=0.0,
             )
-            if UPCAST:
-                a_blk = a_blk.to(tl.float32)
-                b_blk = b_blk.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a_blk, b_blk, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a_blk, b_blk, acc)
+            acc = _mma(a_blk, b_blk, acc, UPCAST, IEEE)
     return acc
 
 
