@@ -749,14 +749,15 @@ class CopyEnginePeers:
         allocator and the random generator), then the capture ends; a side stream left capturing
         makes the engine unusable (its next operations would be recorded, never run)."""
         here = torch.cuda.current_stream(self.device)
-        for side in (self._side, self._local, self._notify, self._alt):
+        forked = (self._side, self._local, self._notify, self._alt)  # every stream a call may fork
+        for side in forked:
             with contextlib.suppress(RuntimeError):
                 here.wait_stream(side)
         try:
             graph.capture_end()
         except RuntimeError:  # invalid already: the first error is the one to report
             self._end_generator_capture()
-        for side in (self._side, self._local, self._notify, self._alt):
+        for side in forked:
             with torch.cuda.stream(side):
                 if torch.cuda.is_current_stream_capturing():
                     self._broken = "a failed CUDA graph capture left a side stream capturing"
