@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,7 +19,7 @@ from fo_kernels.runtime import reduce_scatter_tensor
 from fo_tune.bench import load_suite, packaged_suite
 from fo_tune.harness import Timing
 from fo_tune.launch import RankContext
-from fo_tune.measure import _collective_fp32, gemm_operands, rel_err
+from fo_tune.measure import _collective_fp32, gemm_operands, rel_err, worst_error
 
 # The shipped suite's (M, N, K) (suites/h200_tp.yaml, DESIGN.md's five shapes).
 SUITE_SHAPES = load_suite(packaged_suite()).shapes
@@ -140,15 +139,9 @@ def merge_checked(per_rank: list[dict], tolerance: float) -> tuple[dict[str, Tim
     a number below ``tolerance`` (NaN never passes)."""
     names = list(per_rank[0]["timings"])
     merged = {x: Timing.max_over([r["timings"][x] for r in per_rank]) for x in names}
-    errors = {x: _worst([e for r in per_rank for e in (r["errs"][x], r["after"][x])]) for x in names}
+    errors = {x: worst_error([e for r in per_rank for e in (r["errs"][x], r["after"][x])]) for x in names}
     passed = {x: errors[x] < tolerance for x in names}
     return merged, errors, passed
-
-
-def _worst(errors: list[float]) -> float:
-    """The largest error, NaN if any is NaN (Python's ``max`` returns the first argument when the
-    second is NaN, so ``max(0.002, nan)`` hid a rank's NaN output before session 8)."""
-    return math.nan if any(e != e for e in errors) else max(errors)
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:

@@ -57,7 +57,7 @@ from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
 from .calibrate import Reporter
 from .harness import TASK_TIMEOUT_S, Timing, open_pool, time_interleaved
 from .launch import RankContext
-from .measure import DTYPES, GEMM_TOL, FingerprintTask, gemm_operands, rel_err
+from .measure import DTYPES, GEMM_TOL, FingerprintTask, gemm_operands, rel_err, worst_error
 from .report import check_writable, figure, replacing_folder, write_rows
 
 __all__ = [
@@ -542,7 +542,7 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     statuses = {e["status"] for e in per_rank}
     status = next(s for s in ("FAIL", "UNAVAILABLE", "SKIP", "PASS") if s in statuses)
     errs = [e["rel_err"] for e in per_rank]
-    err = math.nan if any(math.isnan(x) for x in errs) else max(errs)
+    err = worst_error(errs)
     timings = [e["timing"] for e in per_rank]
     t = Timing.max_over(timings) if status == "PASS" and all(timings) else None
     first = next((e for e in per_rank if e["status"] == status), per_rank[0])

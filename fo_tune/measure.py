@@ -9,7 +9,7 @@ whole command. Every GEMM is checked against ``torch.matmul`` before it is timed
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +130,12 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     first: ``max(0.002, nan)`` is 0.002, which let a probe pass a rank's NaN output)."""
     err = ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     return err if math.isfinite(err) else math.inf
+
+
+def worst_error(errors: Sequence[float]) -> float:
+    """The largest of ``errors``, NaN if any is NaN (a check that did not run, or one computed
+    without ``rel_err``): Python's ``max`` would return the first argument over a later NaN."""
+    return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
 @dataclass(frozen=True)

@@ -453,3 +453,19 @@ def test_bench_on_two_gpus_with_nccl():
         assert "no second stream" not in by[(collective, "4096", "chunked_c2")]["detail"]
     assert by[("reduce_scatter", "4096", "async_tp")]["status"] in ("PASS", "UNAVAILABLE")
     assert by[("reduce_scatter", "130", "async_tp")]["status"] in ("PASS", "UNAVAILABLE")
+
+
+def test_errors_merge_never_hides_a_nan():
+    """A NaN output on any rank fails its check, wherever it comes in the merge: ``rel_err`` reads
+    it as inf, and ``worst_error`` keeps a NaN that reaches it (``max(0.002, nan)`` is 0.002)."""
+    from fo_tune.measure import rel_err, worst_error
+
+    ref = torch.ones(4, 4)
+    bad = torch.full((4, 4), float("nan"))
+    assert rel_err(bad, ref) == math.inf
+    assert rel_err(torch.ones(4, 4), ref) == 0.0
+    assert math.isnan(worst_error([0.002, math.nan])) and math.isnan(worst_error([math.nan, 0.002]))
+    assert worst_error([0.002, 0.003]) == 0.003
+    entry = dict(variant="fo_tune", status="PASS", detail="", timing=None, source="table")
+    merged = bench._merge([{**entry, "rel_err": 0.002}, {**entry, "rel_err": math.nan}])
+    assert math.isnan(merged["rel_err"])
