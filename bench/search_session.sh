@@ -35,6 +35,8 @@
 #                                        # bench in three processes (30 rounds), then the GPU tests
 #                                        # of the ops, the copy engine and the bench (last, so a
 #                                        # test that hangs cannot disturb a bench)
+#   bash bench/search_session.sh bench3  # final's three benches only
+#   bash bench/search_session.sh tests   # final's GPU tests only
 #   bash bench/search_session.sh graphs  # the engine's own graphs: eager / own-graph / replayed
 #                                        # timings (bench/ce_graph_probe.py), every GPU test, then
 #                                        # the bench twice with the committed tables
@@ -42,7 +44,7 @@
 # The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
 # (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
 set -uo pipefail
-STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange, mrange-lite, graphs, tiled, streams, power, final or diag}"
+STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange, mrange-lite, graphs, tiled, streams, power, final, bench3, tests or diag}"
 KEY=nvidia-h200-cc90-132sm-w2-nvlink18
 CAL="results/calibration/$KEY/tp2/calibration.yaml"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -232,20 +234,26 @@ elif [ "$STAGE" = diag ]; then
 elif [ "$STAGE" = bench ]; then
   stamp "bench with the committed tables"
   bench_suite 150 bench 30
-elif [ "$STAGE" = final ]; then
+elif [ "$STAGE" = final ] || [ "$STAGE" = bench3 ] || [ "$STAGE" = tests ]; then
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
-  stamp "host vs GPU time per call, profiled (bench/host_probe.py)"
-  timeout 120 python3 bench/host_probe.py --out "$RES/host" --shape 2048x4096x4096 --calls 200 --profile \
-    > "$RES/host.log" 2>&1
-  grep -v "^\[" "$RES/host.log" | tail -3
-  for i in 1 2 3; do
-    stamp "bench run $i (30 rounds)"
-    REPS=30 bench_suite 150 "bench$i" 1
-  done
-  stamp "GPU tests: the ops, the copy engine (chunks, tiled, exchange, graphs), the bench"
-  timeout "${TESTS_TIMEOUT_S:-330}" python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
-    --durations=5 tests/test_gpu.py tests/test_copy_engine.py tests/test_bench.py -k "${TESTS_K:-not tiled_ops}" \
-    2>&1 | tee "$RES/pytest_final.log" | tail -9
+  if [ "$STAGE" = final ]; then
+    stamp "host vs GPU time per call, profiled (bench/host_probe.py)"
+    timeout 120 python3 bench/host_probe.py --out "$RES/host" --shape 2048x4096x4096 --calls 200 --profile \
+      > "$RES/host.log" 2>&1
+    grep -v "^\[" "$RES/host.log" | tail -3
+  fi
+  if [ "$STAGE" != tests ]; then
+    for i in 1 2 3; do
+      stamp "bench run $i (30 rounds)"
+      REPS=30 bench_suite 240 "bench$i" 1
+    done
+  fi
+  if [ "$STAGE" != bench3 ]; then
+    stamp "GPU tests: the ops, the copy engine (chunks, tiled, exchange, graphs), the bench"
+    timeout "${TESTS_TIMEOUT_S:-330}" python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
+      --durations=5 tests/test_gpu.py tests/test_copy_engine.py tests/test_bench.py -k "${TESTS_K:-not tiled_ops}" \
+      2>&1 | tee "$RES/pytest_final.log" | tail -9
+  fi
 else
   echo "unknown stage $STAGE"; exit 2
 fi

@@ -55,7 +55,7 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
 
 from .calibrate import Reporter
-from .harness import TASK_TIMEOUT_S, Timing, open_pool, time_interleaved
+from .harness import MIN_SAMPLE_MS, TASK_TIMEOUT_S, Timing, open_pool, time_interleaved
 from .launch import RankContext
 from .measure import DTYPES, GEMM_TOL, FingerprintTask, gemm_operands, rel_err, worst_error
 from .report import check_writable, figure, replacing_folder, write_rows
@@ -101,6 +101,14 @@ WARMUP, CPU_WARMUP = 3, 1
 # 60% (docs/perf-notes.md, run 22); 30 reproduced within a few % in two processes (run 24), and the
 # five-shape suite then takes ~35 s for both collectives.
 GPU_REPS, CPU_REPS = 30, 3
+# Each timed sample spans at least this long on GPUs (calls back to back; the harness's default is
+# MIN_SAMPLE_MS = 4). A sample pays its first call's host time on an idle GPU and any rank's late
+# start once; over ~15 calls of a 0.15 ms op that read 0.164 ms for fo-tune at 2048x4096x4096
+# AllReduce against 0.151-0.154 with the ranks aligned and the first call hidden behind a lead, or
+# with 16 ms samples, in one process (run 60, bench/timing_probe.py, docs/perf-notes.md session 9).
+# 16 ms (fo_tune.harness.MAX_INNER still caps the calls) also times the large shapes' back-to-back
+# calls nearer to a loop's steady, power-limited clock (run 42). The suite's bench then takes ~2 min.
+GPU_SAMPLE_MS = 16.0
 # bf16 tl.dot is wrong in Triton's CPU interpreter (DESIGN.md), so the CPU default is float32.
 GPU_DTYPE, CPU_DTYPE = "bfloat16", "float32"
 # The default shape on the CPU: small enough for the interpreter (~40 ms per fo_tune call on 2 ranks).
@@ -195,6 +203,7 @@ class BenchRequest:
     chunks: tuple[int, ...] = CHUNK_COUNTS
     suite: str = ""  # the suite's name when the shapes came from one
     seed: int = 0
+    sample_ms: float | None = None  # None: GPU_SAMPLE_MS on GPUs, the harness's MIN_SAMPLE_MS on the CPU
 
     def __post_init__(self) -> None:
         if not self.shapes:
@@ -213,6 +222,9 @@ class BenchRequest:
                 raise ShapeError(f"{name} must be an integer >= 1, got {value!r}")
         if not self.timeout_s > 0:
             raise ShapeError(f"timeout must be > 0 seconds, got {self.timeout_s!r}")
+        ms = self.sample_ms
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int | float) or not ms > 0):
+            raise ShapeError(f"sample length must be > 0 ms, got {self.sample_ms!r}")
         if not self.chunks or any(c < 2 for c in self.chunks):
             raise ShapeError(f"chunks must be integers >= 2, got {list(self.chunks)}")
 
@@ -252,6 +264,10 @@ class BenchCaseTask:
     warmup: int = WARMUP
     reps: int = GPU_REPS
     seed: int = 0
+    # how samples are taken (fo_tune.harness.time_interleaved): ranks aligned, a lead, their length
+    align: bool = False
+    lead_ms: float = 0.0
+    min_sample_ms: float = MIN_SAMPLE_MS
 
     def run(self, ctx: RankContext) -> list[dict[str, Any]]:
         m, n, k, w = self.m, self.n, self.k, ctx.world_size
@@ -292,7 +308,16 @@ class BenchCaseTask:
         before = _engine_calls(ctx.device)
         with warnings.catch_warnings():  # fo_tune's schedule source is recorded in its row instead
             warnings.simplefilter("ignore", HeuristicScheduleWarning)
-            timings = time_interleaved(calls, ctx.device, warmup=self.warmup, rounds=self.reps, agree=True)
+            timings = time_interleaved(
+                calls,
+                ctx.device,
+                warmup=self.warmup,
+                rounds=self.reps,
+                agree=True,
+                align=self.align,
+                lead_ms=self.lead_ms,
+                min_sample_ms=self.min_sample_ms,
+            )
         for i, timing in timings.items():
             out[i]["timing"] = timing
         after = _engine_calls(ctx.device)
@@ -641,6 +666,7 @@ def run_bench(request: BenchRequest, reporter: Reporter | None = None) -> BenchR
         cpu = pool.backend != "nccl"
         dtype = request.dtype or (CPU_DTYPE if cpu else GPU_DTYPE)
         reps = request.reps or (CPU_REPS if cpu else GPU_REPS)
+        sample_ms = request.sample_ms or (MIN_SAMPLE_MS if cpu else GPU_SAMPLE_MS)
         warmup = CPU_WARMUP if cpu else WARMUP
         cases = [(s, c) for s in request.shapes for c in request.collectives]
         result = BenchResult(
@@ -654,6 +680,7 @@ def run_bench(request: BenchRequest, reporter: Reporter | None = None) -> BenchR
                 dtype=dtype,
                 backend=pool.backend,
                 reps=reps,
+                sample_ms=sample_ms,
                 warmup=warmup,
                 chunks=list(request.chunks),
                 suite=request.suite,
@@ -676,7 +703,10 @@ def run_bench(request: BenchRequest, reporter: Reporter | None = None) -> BenchR
                 why = f"M={m} is not divisible by the world size {pool.world_size}"
                 result.rows += _skipped(head, request.chunks, why)
             else:
-                task = BenchCaseTask(collective, m, n, k, dtype, request.chunks, warmup, reps, request.seed)
+                task = BenchCaseTask(
+                    collective, m, n, k, dtype, request.chunks, warmup, reps, request.seed,
+                    min_sample_ms=sample_ms,
+                )  # fmt: skip
                 per_rank = pool.run(task, timeout_s=request.timeout_s)
                 merged = [_merge([r[i] for r in per_rank]) for i in range(len(per_rank[0]))]
                 result.rows += case_rows(head, merged)

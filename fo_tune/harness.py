@@ -121,14 +121,21 @@ def time_interleaved(
     warmup: int = 3,
     rounds: int = 10,
     agree: bool = False,
+    align: bool = False,
+    lead_ms: float = 0.0,
+    min_sample_ms: float = MIN_SAMPLE_MS,
 ) -> dict[str, Timing]:
     """Time several variants side by side: each round takes one sample of every variant in turn
-    (``inner`` back-to-back calls each, per variant as in ``time_region``), so a clock or thermal
-    drift during the run moves them all alike instead of favouring whichever ran first; the order
-    rotates every round and every other round runs backwards, so no variant always follows the same
-    one.
+    (``inner`` back-to-back calls each, per variant as in ``time_region``, enough for
+    ``min_sample_ms``), so a clock or thermal drift during the run moves them all alike instead of
+    favouring whichever ran first; the order rotates every round and every other round runs
+    backwards, so no variant always follows the same one.
 
     ``agree``: some variants run collectives; the ranks agree on every variant's ``inner``.
+    ``align`` (with ``agree``, CUDA): the ranks start every sample together (``_align``), so no
+    rank's sample includes waiting for a peer still finishing its previous sample. ``lead_ms``: each
+    sample's first call is queued behind a spin kernel of that length, outside the timed region, so
+    the GPU does not idle while the host issues it (a loop's steady state; see ``_samples``).
     """
     names = list(fns)
     inners = []
@@ -136,18 +143,20 @@ def time_interleaved(
         for _ in range(warmup):
             fns[name]()
         one = _samples(fns[name], device, reps=1, inner=1)[0]
-        inners.append(max(1, min(MAX_INNER, math.ceil(MIN_SAMPLE_MS / max(one, 1e-6)))))
+        inners.append(max(1, min(MAX_INNER, math.ceil(min_sample_ms / max(one, 1e-6)))))
     if agree and dist.is_initialized() and names:
         t = torch.tensor(inners, dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         inners = [int(x) for x in t.tolist()]
+    align = align and agree and dist.is_initialized()
     samples: dict[str, list[float]] = {name: [] for name in names}
     order = list(zip(names, inners, strict=True))
     for r in range(rounds):
         shift = r % len(order) if order else 0  # each variant takes every place in the round in turn,
         turn = order[shift:] + order[:shift]  # and every other round runs backwards, so it follows
         for name, inner in turn if r % 2 == 0 else turn[::-1]:  # different neighbours too
-            samples[name].extend(_samples(fns[name], device, reps=1, inner=inner))
+            got = _samples(fns[name], device, reps=1, inner=inner, align=align, lead_ms=lead_ms)
+            samples[name].extend(got)
     return {name: _timing(v) for name, v in samples.items()}
 
 
@@ -159,11 +168,33 @@ def _timing(samples: list[float]) -> Timing:
     return Timing(statistics.median(samples), max(samples) - min(samples), len(samples), iqr)
 
 
-def _samples(fn: Callable[[], Any], device: torch.device, *, reps: int, inner: int) -> list[float]:
+def _align(device: torch.device) -> None:
+    """Return when every rank has reached this point (a one-element all_reduce, then a
+    synchronization): the ranks leave within a few microseconds of each other."""
+    t = torch.zeros(1, device=device)
+    dist.all_reduce(t)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _samples(
+    fn: Callable[[], Any],
+    device: torch.device,
+    *,
+    reps: int,
+    inner: int,
+    align: bool = False,
+    lead_ms: float = 0.0,
+) -> list[float]:
     samples = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        cycles_per_ms = torch.cuda.get_device_properties(device).clock_rate if lead_ms > 0 else 0  # kHz
         for _ in range(reps):
+            if align:
+                _align(device)
+            if lead_ms > 0:  # the GPU spins (untimed) while the host issues the first call
+                torch.cuda._sleep(int(lead_ms * cycles_per_ms))
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -174,6 +205,8 @@ def _samples(fn: Callable[[], Any], device: torch.device, *, reps: int, inner: i
             samples.append(start.elapsed_time(end) / inner)
     else:
         for _ in range(reps):
+            if align:
+                _align(device)
             t0 = time.perf_counter()
             for _ in range(inner):
                 fn()

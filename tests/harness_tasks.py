@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fo_tune.harness import time_region
+from fo_tune.harness import time_interleaved, time_region
 from fo_tune.launch import RankContext
 
 
@@ -64,3 +64,28 @@ class SleepOn:
         if ctx.rank == self.rank:
             time.sleep(self.seconds)
         return ctx.rank
+
+
+@dataclass(frozen=True)
+class SkewedSamples:
+    """Two interleaved variants: ``late`` sleeps ``late_ms`` on rank 1 only (no collective), and
+    ``ar`` is an all_reduce, so in every round rank 0 starts ``ar``'s sample ``late_ms`` before rank 1.
+    Returns ``ar``'s median per rank, samples not aligned then aligned."""
+
+    late_ms: float
+
+    def run(self, ctx: RankContext) -> tuple[float, float]:
+        ones = torch.ones(4, device=ctx.device)
+        delay = self.late_ms / 1e3 if ctx.rank == 1 else 0.0
+
+        def ar() -> None:
+            dist.all_reduce(ones)
+
+        fns = {"late": lambda: time.sleep(delay), "ar": ar}
+        got = []
+        for align in (False, True):
+            timings = time_interleaved(
+                fns, ctx.device, warmup=1, rounds=3, agree=True, align=align, min_sample_ms=1e-3
+            )
+            got.append(timings["ar"].median_ms)
+        return got[0], got[1]

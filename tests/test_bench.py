@@ -196,6 +196,7 @@ def test_bench_yaml(gloo_run):
     assert settings["collectives"] == list(COLLECTIVE_NAMES)
     assert (settings["world_size"], settings["dtype"], settings["reps"]) == (2, "float32", 2)
     assert settings["chunks"] == [2, 4, 8]
+    assert settings["sample_ms"] == 4.0  # the harness's MIN_SAMPLE_MS on the CPU (16 on GPUs)
     _, rows = read_csv(out / "bench.csv")
     assert len(data["rows"]) == len(rows)
     assert [r["variant"] for r in data["rows"]] == [r["variant"] for r in rows]
@@ -366,6 +367,8 @@ def test_bad_suite_names_the_key(tmp_path, text, key):
         dict(shapes=((8, 8, 8),), reps=0),
         dict(shapes=((8, 8, 8),), collectives=("all_gather",)),
         dict(shapes=((8, 8, 8),), chunks=(1,)),
+        dict(shapes=((8, 8, 8),), sample_ms=0.0),
+        dict(shapes=((8, 8, 8),), sample_ms=True),
     ],
 )
 def test_request_validates(bad):
@@ -378,7 +381,7 @@ def test_help_says_what_it_measures():
     result = CliRunner().invoke(app, ["bench", "--help"])
     assert result.exit_code == 0, result.output
     for word in ("sequential", "chunked", "async_tp", "fo_tune", "ideal", "--suite", "--collective", "--reps",
-                 "--timeout", "--out", "bench.csv", "UNAVAILABLE", "gloo"):  # fmt: skip
+                 "--sample-ms", "--timeout", "--out", "bench.csv", "UNAVAILABLE", "gloo"):  # fmt: skip
         assert word in result.output, word
 
 
@@ -393,6 +396,7 @@ def test_help_says_what_it_measures():
         (["--dtype", "int8"], "--dtype"),
         (["--reps", "0"], "--reps"),
         (["--timeout", "0"], "--timeout"),
+        (["--sample-ms", "0"], "--sample-ms"),
         (["--world-size", "0"], "--world-size"),
         (["--backend", "mpi"], "--backend"),
         (["--shape", "8x8x8", "--suite", "suites/h200_tp.yaml"], "not both"),

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness_tasks import ExitOn, FailOn, RankAndSum, SleepOn, TimeSleep
+from harness_tasks import ExitOn, FailOn, RankAndSum, SkewedSamples, SleepOn, TimeSleep
 
 from fo_tune.harness import SpawnedPool, Timing, open_pool
 from fo_tune.launch import LaunchError
@@ -123,3 +123,29 @@ def test_time_interleaved_alternates_the_variants():
     timed = calls[6:]
     runs = [name for i, name in enumerate(timed) if i == 0 or timed[i - 1] != name]
     assert runs == ["a", "b", "c", "a", "c", "b", "c", "a", "b", "c", "b", "a"]
+
+
+def test_time_interleaved_takes_longer_samples_on_request():
+    """``min_sample_ms`` sets the calls per sample: 1 ms calls, 3 ms samples -> 3 calls each."""
+    import torch
+
+    from fo_tune.harness import time_interleaved
+
+    calls: list[int] = []
+
+    def one_ms() -> None:
+        calls.append(1)
+        time.sleep(1e-3)
+
+    timings = time_interleaved({"x": one_ms}, torch.device("cpu"), warmup=1, rounds=2, min_sample_ms=3.0)
+    assert timings["x"].samples == 2
+    assert len(calls) == 1 + 1 + 2 * 3  # the warm-up, the one-call probe, two samples of three
+
+
+def test_aligned_samples_leave_out_a_late_peer():
+    """Rank 0 starts each all_reduce sample 60 ms before rank 1: unaligned, its median holds that
+    wait; aligned (``align=True``), the ranks start together and it does not."""
+    with open_pool(2, backend="gloo") as pool:
+        (plain0, aligned0), (_, aligned1) = pool.run(SkewedSamples(late_ms=60.0))
+    assert plain0 > 40.0, plain0
+    assert aligned0 < 20.0 and aligned1 < 20.0, (aligned0, aligned1)

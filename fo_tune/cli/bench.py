@@ -53,7 +53,8 @@ HELP = "\n\n".join(
         "a.float() @ b.float() then the collective; a variant passes when nothing is NaN and the "
         "relative error is below 1e-2 (bfloat16), 5e-3 (float16) or 1e-4 (float32) on every "
         "rank. A failing variant is reported FAIL and not timed. Times: the median of --reps "
-        "samples per rank (CUDA events, the ranks agree on the calls per sample), the slowest "
+        "samples per rank (CUDA events around back-to-back calls spanning --sample-ms, the ranks "
+        "agree on the calls per sample), the slowest "
         "rank's; speedup = sequential ms / variant ms, fraction of ideal = ideal ms / variant ms. "
         "reduce_scatter needs M divisible by the world size; other shapes give SKIP rows.",
         "Shapes: --shape (repeat), or --suite FILE (suites/h200_tp.yaml: name, dtype, shapes; "
@@ -110,7 +111,18 @@ BenchRepsOpt = Annotated[
         "--reps",
         "-r",
         help="Timed samples per variant (median reported), after warm-up calls. Default: 30 on GPUs "
-        "(each sample >= 4 ms of back-to-back calls, variants in alternating rounds), 3 on the CPU.",
+        "(variants in alternating rounds), 3 on the CPU.",
+    ),
+]
+BenchSampleOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--sample-ms",
+        metavar="MS",
+        help="Shortest timed sample: each sample runs enough back-to-back calls to span this long "
+        "(at most 64), and its first call's launch on an idle GPU is spread over them. Default: 16 "
+        "on GPUs (4 ms samples added ~6% to a 0.15 ms op's time, docs/perf-notes.md run 60), 4 on "
+        "the CPU.",
     ),
 ]
 BenchOutOpt = Annotated[
@@ -246,6 +258,7 @@ def bench(
     dtype: BenchDtypeOpt = None,
     backend: BackendOpt = "auto",
     reps: BenchRepsOpt = None,
+    sample_ms: BenchSampleOpt = None,
     out: BenchOutOpt = None,
     timeout: BenchTimeoutOpt = 600.0,
 ) -> None:
@@ -263,6 +276,8 @@ def bench(
         raise typer.BadParameter(f"--reps must be >= 1, got {reps}")
     if not timeout > 0:
         raise typer.BadParameter(f"--timeout must be > 0, got {timeout}")
+    if sample_ms is not None and not sample_ms > 0:
+        raise typer.BadParameter(f"--sample-ms must be > 0, got {sample_ms}")
     chosen = resolve_backend(world_size, backend)
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels' kernels
@@ -270,7 +285,7 @@ def bench(
 
         request = _request(
             shapes, suite, include_odd, dtype, chosen,
-            collectives=names, world_size=world_size, reps=reps, timeout_s=timeout,
+            collectives=names, world_size=world_size, reps=reps, timeout_s=timeout, sample_ms=sample_ms,
         )  # fmt: skip
         if driver:  # a bad --out costs nothing: checked before any rank starts
             check_bench_out(out or default_bench_dir(expected_device_key(chosen, world_size), world_size))
