@@ -35,6 +35,9 @@
 #                                        # bench in three processes (30 rounds), then the GPU tests
 #                                        # of the ops, the copy engine and the bench (last, so a
 #                                        # test that hangs cannot disturb a bench)
+#   bash bench/search_session.sh mrange-s16  # a spot check at untuned M, the mrange-lite stage
+#                                        # (its confirmations now take 16 ms samples), the spot
+#                                        # check again
 #   bash bench/search_session.sh bench3  # final's three benches only
 #   bash bench/search_session.sh tests   # final's GPU tests only
 #   bash bench/search_session.sh graphs  # the engine's own graphs: eager / own-graph / replayed
@@ -44,7 +47,7 @@
 # The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
 # (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
 set -uo pipefail
-STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange, mrange-lite, graphs, tiled, streams, power, final, bench3, tests or diag}"
+STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange, mrange-lite, graphs, tiled, streams, power, final, bench3, tests, mrange-s16 or diag}"
 KEY=nvidia-h200-cc90-132sm-w2-nvlink18
 CAL="results/calibration/$KEY/tp2/calibration.yaml"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -188,6 +191,20 @@ PY
     grep -v "━" "$RES/search_mrange_$coll.log" | tail -12
   done
   keep_tables
+elif [ "$STAGE" = mrange-s16 ]; then
+  # The M-range rows searched again with the confirmation's 16 ms samples (run 63), a spot check at
+  # untuned M before and after (20 rounds each, the bench's 16 ms samples).
+  export FO_TUNE_TABLE_DIR="$PWD/results/tables"
+  spot() {
+    timeout 150 python3 cli.py bench --shape 3072x8192x4096 --shape 6144x8192x14336 --shape 1024x8192x8192 \
+      --shape 1024x4096x4096 -c all_reduce,reduce_scatter --reps 20 --out "$RES/$1" > "$RES/$1.log" 2>&1
+    grep -v "━" "$RES/$1.log" | grep "│" | tail -16
+  }
+  stamp "spot check, the shipped tables"
+  spot spot-before
+  bash "$0" mrange-lite  # its tables and logs come back in results-mrange-lite.tgz
+  stamp "spot check, the new M-range rows"
+  spot spot-after
 elif [ "$STAGE" = bench-twice ]; then
   export FO_TUNE_TABLE_DIR="$PWD/results/tables" REPS=30
   bench_twice 200 24

@@ -55,7 +55,7 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
 
 from .calibrate import Reporter
-from .harness import MIN_SAMPLE_MS, TASK_TIMEOUT_S, Timing, open_pool, time_interleaved
+from .harness import MIN_SAMPLE_MS, STEADY_SAMPLE_MS, TASK_TIMEOUT_S, Timing, open_pool, time_interleaved
 from .launch import RankContext
 from .measure import DTYPES, GEMM_TOL, FingerprintTask, gemm_operands, rel_err, worst_error
 from .report import check_writable, figure, replacing_folder, write_rows
@@ -101,14 +101,9 @@ WARMUP, CPU_WARMUP = 3, 1
 # 60% (docs/perf-notes.md, run 22); 30 reproduced within a few % in two processes (run 24), and the
 # five-shape suite then takes ~35 s for both collectives.
 GPU_REPS, CPU_REPS = 30, 3
-# Each timed sample spans at least this long on GPUs (calls back to back; the harness's default is
-# MIN_SAMPLE_MS = 4). A sample pays its first call's host time on an idle GPU and any rank's late
-# start once; over ~15 calls of a 0.15 ms op that read 0.164 ms for fo-tune at 2048x4096x4096
-# AllReduce against 0.151-0.154 with the ranks aligned and the first call hidden behind a lead, or
-# with 16 ms samples, in one process (run 60, bench/timing_probe.py, docs/perf-notes.md session 9).
-# 16 ms (fo_tune.harness.MAX_INNER still caps the calls) also times the large shapes' back-to-back
-# calls nearer to a loop's steady, power-limited clock (run 42). The suite's bench then takes ~2 min.
-GPU_SAMPLE_MS = 16.0
+# Each timed sample spans at least this long on GPUs (fo_tune.harness.STEADY_SAMPLE_MS says why);
+# the suite's bench then takes ~55 s per process.
+GPU_SAMPLE_MS = STEADY_SAMPLE_MS
 # bf16 tl.dot is wrong in Triton's CPU interpreter (DESIGN.md), so the CPU default is float32.
 GPU_DTYPE, CPU_DTYPE = "bfloat16", "float32"
 # The default shape on the CPU: small enough for the interpreter (~40 ms per fo_tune call on 2 ranks).

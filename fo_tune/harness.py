@@ -84,6 +84,14 @@ class Timing:
 MIN_SAMPLE_MS = 4.0
 # Most calls in one sample (tiny kernels would otherwise need thousands).
 MAX_INNER = 64
+# The sample length of the side-by-side comparisons that decide or report (the bench, a search's
+# confirmation) on GPUs. A sample also pays its first call's host time on an idle GPU and any rank's
+# late start once; over the ~15 calls of a 4 ms sample that read 0.164 ms for a 0.15 ms fo-tune
+# call (2048x4096x4096 AllReduce) against 0.151-0.154 with the ranks aligned and the first call
+# hidden, or with 16 ms samples, while sequential moved by <= 2% (run 60 in docs/perf-notes.md,
+# bench/timing_probe.py). 16 ms also keeps the large shapes' calls back to back for ~8 calls, near a
+# loop's power-limited clock (run 42). The search's many trials keep MIN_SAMPLE_MS.
+STEADY_SAMPLE_MS = 16.0
 
 
 def time_region(
