@@ -23,7 +23,8 @@ reader and the bench folder (bench.csv, bench.yaml, bench.png). The CLI is ``fo_
                       (these two allocate their output per call, so they are checked on a second
                       operand set: a freed buffer holding an earlier variant's answer cannot pass)
         time = fo_tune.harness.time_interleaved over every variant that passed (alternating rounds,
-               the ranks agree on call counts), max over ranks
+               each sample >= GPU_SAMPLE_MS of back-to-back calls, the ranks agree on call
+               counts), max over ranks
       derived per case: chunked (the best C), ideal = max(gemm, collective) (not run),
       speedup_vs_sequential = sequential / variant, fraction_of_ideal = ideal / variant
 
