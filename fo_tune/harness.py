@@ -140,7 +140,7 @@ def time_interleaved(
     backwards, so no variant always follows the same one.
 
     ``agree``: some variants run collectives; the ranks agree on every variant's ``inner``.
-    ``align`` (with ``agree``, CUDA): the ranks start every sample together (``_align``), so no
+    ``align`` (with ``agree``): the ranks start every sample together (``_align``), so no
     rank's sample includes waiting for a peer still finishing its previous sample. ``lead_ms``: each
     sample's first call is queued behind a spin kernel of that length, outside the timed region, so
     the GPU does not idle while the host issues it (a loop's steady state; see ``_samples``).
