@@ -17,7 +17,8 @@ per sampling mode, in one process, the modes' order reversed every other case:
 - ``long``: samples of ``LONG_SAMPLE_MS`` (more calls per sample; ``MAX_INNER`` caps them).
 
 Then, in the same process, the host probe's issue / GPU / loop times of fo-tune and sequential
-(``bench/host_probe.py``'s ``_measure``): is the bench process's host slower than a fresh one's?
+(``bench/host_probe.py``'s ``HostTask``, its results checked): is the bench process's host slower
+than a fresh one's?
 Writes DIR/timing.csv (every variant's median per rank and mode) and DIR/host.csv; prints one line
 per case and mode, and the AllReduce and ReduceScatter geomeans of fo-tune over sequential per
 mode last.
@@ -27,20 +28,15 @@ from __future__ import annotations
 
 import math
 import sys
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from host_probe import _measure
-from probe_common import Progress, append_rows, case_options, cases, sequential_call
+from host_probe import HostTask
+from probe_common import Progress, append_rows, case_options, cases
 
-from fo_kernels import gemm_all_reduce, gemm_reduce_scatter
-from fo_kernels.errors import HeuristicScheduleWarning
 from fo_tune.bench import BenchCaseTask
 from fo_tune.harness import open_pool
-from fo_tune.launch import RankContext
-from fo_tune.measure import gemm_operands
 
 # The lead: more than a fo-tune call's host time in a fresh process (68-89 us, run 58).
 LEAD_MS = 0.2
@@ -53,22 +49,6 @@ MODES = {
     "long": {"min_sample_ms": LONG_SAMPLE_MS},
 }
 HOST_CALLS = 40
-
-
-class HostInBenchTask:
-    """The host probe's three times for fo-tune and sequential, in the bench's rank process."""
-
-    def __init__(self, m: int, n: int, k: int, collective: str) -> None:
-        self.m, self.n, self.k, self.collective = m, n, k, collective
-
-    def run(self, ctx: RankContext) -> dict:
-        a, b = gemm_operands(self.m, self.n, self.k, "bfloat16", ctx.device, seed=5 + ctx.rank)
-        op = gemm_all_reduce if self.collective == "all_reduce" else gemm_reduce_scatter
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", HeuristicScheduleWarning)
-            seq = sequential_call(self.collective, a, b, ctx.world_size)[0]
-            fns = {"fo_tune": lambda: op(a, b), "seq": seq}
-            return {name: _measure(fn, HOST_CALLS, ctx.device) for name, fn in fns.items()}
 
 
 def main() -> None:
@@ -106,7 +86,7 @@ def main() -> None:
                         f"{m}x{n}x{k} {coll} {mode}: fo_tune {fo:.4f} seq {seq:.4f} ms = {seq / fo:.3f}x"
                         f" (gemm {med.get('gemm', math.nan):.4f}, coll {med.get('collective', math.nan):.4f})"
                     )
-                per_rank = pool.run(HostInBenchTask(m, n, k, coll), timeout_s=300)
+                per_rank = pool.run(HostTask(m, n, k, coll, HOST_CALLS, profile=False), timeout_s=300)
                 rows = [dict(m=m, n=n, k=k, collective=coll, rank=r, variant=name, **v)
                         for r, res in enumerate(per_rank) for name, v in res.items()]  # fmt: skip
                 append_rows(args.out / "host.csv", rows)
