@@ -10,7 +10,8 @@ wait for a peer still finishing its previous sample). This probe runs the bench'
 (``fo_tune.bench.BenchCaseTask``: every variant, checked, then timed side by side) per case once
 per sampling mode, in one process, the modes' order reversed every other case:
 
-- ``plain``: the bench as shipped (``MIN_SAMPLE_MS`` samples, ranks not aligned, no lead);
+- ``plain``: the bench as it was before run 60 (``MIN_SAMPLE_MS`` samples, ranks not aligned, no
+  lead);
 - ``aligned``: the ranks start every sample together (``time_interleaved(align=True)``);
 - ``aligned_lead``: aligned, and each sample's first call queued behind an untimed spin of
   ``LEAD_MS`` (the GPU does not idle while the host issues it);

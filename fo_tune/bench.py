@@ -23,7 +23,7 @@ reader and the bench folder (bench.csv, bench.yaml, bench.png). The CLI is ``fo_
                       (these two allocate their output per call, so they are checked on a second
                       operand set: a freed buffer holding an earlier variant's answer cannot pass)
         time = fo_tune.harness.time_interleaved over every variant that passed (alternating rounds,
-               each sample >= GPU_SAMPLE_MS of back-to-back calls, the ranks agree on call
+               each sample >= harness.comparison_sample_ms of back-to-back calls, the ranks agree on call
                counts), max over ranks
       derived per case: chunked (the best C), ideal = max(gemm, collective) (not run),
       speedup_vs_sequential = sequential / variant, fraction_of_ideal = ideal / variant
@@ -56,7 +56,14 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
 
 from .calibrate import Reporter
-from .harness import MIN_SAMPLE_MS, STEADY_SAMPLE_MS, TASK_TIMEOUT_S, Timing, open_pool, time_interleaved
+from .harness import (
+    MIN_SAMPLE_MS,
+    TASK_TIMEOUT_S,
+    Timing,
+    comparison_sample_ms,
+    open_pool,
+    time_interleaved,
+)
 from .launch import RankContext
 from .measure import DTYPES, GEMM_TOL, FingerprintTask, gemm_operands, rel_err, worst_error
 from .report import check_writable, figure, replacing_folder, write_rows
@@ -97,14 +104,11 @@ CHUNK_COUNTS = (2, 4, 8)
 # Untimed calls before each timing (fo_tune.harness.time_region's default); the interpreter is slow,
 # so one on the CPU. The checked call comes before these.
 WARMUP, CPU_WARMUP = 3, 1
-# Timed samples per variant (each sample spans >= MIN_SAMPLE_MS on GPUs). 30 on GPUs: with 10, the
-# host-heavy variants of one H200 x2 bench had 0.1-0.6 ms outliers that moved their medians by up to
-# 60% (docs/perf-notes.md, run 22); 30 reproduced within a few % in two processes (run 24), and the
-# five-shape suite then takes ~35 s for both collectives.
+# Timed samples per variant (each sample spans >= comparison_sample_ms on GPUs). 30 on GPUs: with
+# 10, the host-heavy variants of one H200 x2 bench had 0.1-0.6 ms outliers that moved their medians
+# by up to 60% (docs/perf-notes.md, run 22); 30 reproduced within a few % in two processes (run 24).
+# The five-shape suite then takes ~55 s for both collectives with 16 ms samples (run 61).
 GPU_REPS, CPU_REPS = 30, 3
-# Each timed sample spans at least this long on GPUs (fo_tune.harness.STEADY_SAMPLE_MS says why);
-# the suite's bench then takes ~55 s per process.
-GPU_SAMPLE_MS = STEADY_SAMPLE_MS
 # bf16 tl.dot is wrong in Triton's CPU interpreter (DESIGN.md), so the CPU default is float32.
 GPU_DTYPE, CPU_DTYPE = "bfloat16", "float32"
 # The default shape on the CPU: small enough for the interpreter (~40 ms per fo_tune call on 2 ranks).
@@ -199,7 +203,7 @@ class BenchRequest:
     chunks: tuple[int, ...] = CHUNK_COUNTS
     suite: str = ""  # the suite's name when the shapes came from one
     seed: int = 0
-    sample_ms: float | None = None  # None: GPU_SAMPLE_MS on GPUs, the harness's MIN_SAMPLE_MS on the CPU
+    sample_ms: float | None = None  # None: fo_tune.harness.comparison_sample_ms (16 ms on GPUs)
 
     def __post_init__(self) -> None:
         if not self.shapes:
@@ -662,7 +666,7 @@ def run_bench(request: BenchRequest, reporter: Reporter | None = None) -> BenchR
         cpu = pool.backend != "nccl"
         dtype = request.dtype or (CPU_DTYPE if cpu else GPU_DTYPE)
         reps = request.reps or (CPU_REPS if cpu else GPU_REPS)
-        sample_ms = request.sample_ms or (MIN_SAMPLE_MS if cpu else GPU_SAMPLE_MS)
+        sample_ms = request.sample_ms or comparison_sample_ms(not cpu)
         warmup = CPU_WARMUP if cpu else WARMUP
         cases = [(s, c) for s in request.shapes for c in request.collectives]
         result = BenchResult(

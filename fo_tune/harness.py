@@ -94,6 +94,12 @@ MAX_INNER = 64
 STEADY_SAMPLE_MS = 16.0
 
 
+def comparison_sample_ms(on_gpu: bool) -> float:
+    """The sample length of a side-by-side comparison that decides or reports: ``STEADY_SAMPLE_MS``
+    on GPUs, ``MIN_SAMPLE_MS`` on the CPU (where a call of Triton's interpreter outlasts both)."""
+    return STEADY_SAMPLE_MS if on_gpu else MIN_SAMPLE_MS
+
+
 def time_region(
     fn: Callable[[], Any],
     device: torch.device,

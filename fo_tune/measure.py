@@ -22,7 +22,7 @@ from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
 from fo_kernels.schedule import Problem, Schedule, Tile
 
-from .harness import MIN_SAMPLE_MS, STEADY_SAMPLE_MS, Timing, time_interleaved, time_region
+from .harness import Timing, comparison_sample_ms, time_interleaved, time_region
 from .launch import RankContext
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has the old.
@@ -340,8 +340,8 @@ class ConfirmTask:
         for i, s in enumerate(self.schedules):
             if ok[i]:
                 fns[str(i)] = lambda s=s: _op(s.collective)(a, b, schedule=s)
-        # the bench's sample length (STEADY_SAMPLE_MS), so a row is decided as the bench will time it
-        sample_ms = STEADY_SAMPLE_MS if ctx.device.type == "cuda" else MIN_SAMPLE_MS
+        # the bench's sample length, so a row is decided as the bench will time it
+        sample_ms = comparison_sample_ms(ctx.device.type == "cuda")
         timings = time_interleaved(
             fns, ctx.device, warmup=self.warmup, rounds=self.rounds, agree=True, min_sample_ms=sample_ms
         )
