@@ -122,8 +122,8 @@ def poisoned_error(
     next engine output is one of them). A variant that wrote nothing reads NaN."""
     call()  # (the engine's output pool exists from here on)
     full.fill_(float("nan"))
-    if peers._out_pool is not None:
-        with torch.cuda.use_mem_pool(peers._out_pool, device=full.device):
+    if peers._outputs is not None and peers._outputs.pool is not None:
+        with torch.cuda.use_mem_pool(peers._outputs.pool, device=full.device):
             blocks = [torch.empty_like(full[:rows]) for _ in range(POISON_BLOCKS)]
         for block in blocks:
             block.fill_(float("nan"))

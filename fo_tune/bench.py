@@ -25,6 +25,8 @@ reader and the bench folder (bench.csv, bench.yaml, bench.png). The CLI is ``fo_
         time = fo_tune.harness.time_interleaved over every variant that passed (alternating rounds,
                each sample >= harness.comparison_sample_ms of back-to-back calls, the ranks agree on call
                counts), max over ranks
+        fo_tune is checked once more after timing, its previous output poisoned with NaN first: the
+        runtime replays repeated calls from CUDA graphs of its own, which the first check precedes
       derived per case: chunked (the best C), ideal = max(gemm, collective) (not run),
       speedup_vs_sequential = sequential / variant, fraction_of_ideal = ideal / variant
 
@@ -320,8 +322,13 @@ class BenchCaseTask:
             )
         for i, timing in timings.items():
             out[i]["timing"] = timing
+        fo = len(out) - 1  # fo_tune: checked again, now that its calls replay from the runtime's graphs
+        if fo in calls:
+            why = self._recheck(ctx, calls[fo], ref2)
+            if why:
+                out[fo].update(status="FAIL", detail=f"{out[fo]['detail']}: {why}", timing=None)
         after = _engine_calls(ctx.device)
-        if after[0] > before[0]:  # fo_tune ran on the copy engine (the only variant that uses it)
+        if after[0] > before[0]:  # fo_tune ran through the runtime's graphs (no other variant does)
             out[-1]["replayed"] = (after[1] - before[1], after[0] - before[0])
         return out
 
@@ -361,6 +368,28 @@ class BenchCaseTask:
             return _entry(variant, status, f"{detail}: {why}" if detail else why, err)
         assert fn is not None
         return {**_entry(variant, "PASS", detail, err), "fn": fn}  # timed with the others in run()
+
+    def _recheck(self, ctx: RankContext, fn: Callable[[], torch.Tensor], ref: torch.Tensor) -> str:
+        """'' if ``fn``'s result is right with its previous output poisoned, else why not (every
+        rank agrees). A call dropping its output gets the same block back (the runtime's outputs
+        have a pool of their own), so a replay that wrote nothing reads NaN instead of the answer
+        of the call before."""
+        why = ""
+        try:
+            got = fn()
+            got.fill_(math.nan)
+            del got
+            got = fn()
+            err = rel_err(got, ref)
+            if bool(torch.isnan(got).any()):
+                why = "NaN in the output after timing"
+            elif not err < GEMM_TOL[self.dtype]:
+                why = f"relative error {err:.2e} after timing"
+        except Exception as exc:
+            why = f"after timing: {_reason(exc)}"
+        if _worst(1 if why else 0, ctx.device):
+            return why or "failed after timing on another rank"
+        return ""
 
     # ------------------------------------------------------------------------- the variants
     def _collective(self, full: torch.Tensor, group: Any, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -555,11 +584,18 @@ class BenchResult:
 
 
 def _engine_calls(device: torch.device) -> tuple[int, int]:
-    """(calls, replayed calls) of this rank's copy engine so far; (0, 0) before it is made. A bench
-    row run eagerly pays a call's host time (~0.3 ms at 2048x4096x4096, run 25 in
+    """(calls, replayed calls) so far of this rank's copy engine and ``overlap: false`` fallback, the
+    runtime's two users of CUDA graphs of its own; (0, 0) before either is made. A bench row run
+    eagerly pays a call's host time (~0.3 ms at 2048x4096x4096 on the copy engine, run 25 in
     docs/perf-notes.md), so the fo_tune row says how many of its timed calls were replayed."""
-    engine = runtime_for(device, None).made_copy_engine() if device.type == "cuda" else None
-    return engine.call_counts() if engine is not None else (0, 0)
+    if device.type != "cuda":
+        return 0, 0
+    runtime = runtime_for(device, None)
+    engine, fallback = runtime.made_copy_engine(), runtime.made_fallback()
+    calls, replays = engine.call_counts() if engine is not None else (0, 0)
+    if fallback is not None and fallback.graphs is not None:
+        calls, replays = calls + fallback.graphs.calls, replays + fallback.graphs.replays
+    return calls, replays
 
 
 def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -573,9 +609,9 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     first = next((e for e in per_rank if e["status"] == status), per_rank[0])
     detail = first["detail"]
     replayed = [e["replayed"] for e in per_rank if "replayed" in e]
-    if replayed:  # the rank that replayed the fewest of its timed calls from the engine's graphs
+    if replayed:  # the rank that replayed the fewest of its timed calls from the runtime's graphs
         done, runs = min(replayed, key=lambda x: x[0] / x[1])
-        detail += f"; {done} of {runs} timed calls replayed from the copy engine's own CUDA graphs"
+        detail += f"; {done} of {runs} timed calls replayed from fo-tune's own CUDA graphs"
     return dict(
         variant=first["variant"],
         status=status,

@@ -82,6 +82,7 @@ import torch.distributed as dist
 
 from .errors import EnvironmentMismatchError, ScheduleError, ShapeError
 from .gemm import BOperand, rows_gemm
+from .graphs import GRAPH_AFTER_CALLS, GRAPH_CACHE_SIZE, SEEN_CACHE_SIZE, OutputPool, end_generator_capture
 from .schedule import COPY_ENGINE_WORLD, MAX_CHUNKS, Tile
 from .wait import _driver_module
 
@@ -108,16 +109,6 @@ ROW_ALIGN = 128
 BUFFER_ALIGN = 16
 # Plans kept per peers object (one per (collective, M, N, dtype, weights)); serving sees many M.
 PLAN_CACHE_SIZE = 256
-# An eager call is captured into a graph of its own the second time its (shape, operand and output
-# addresses) are seen: once could be a one-off, twice is a loop's steady state. A capture costs
-# about one eager call's host time plus the graph's instantiation.
-GRAPH_AFTER_CALLS = 2
-# Graphs kept (LRU): a model has a few calls per layer, each with its own addresses. The graphs
-# allocate nothing but cuBLAS's workspace for the capture stream, made in the first graph's pool
-# (that graph is kept for the engine's life); the buffers and the caller's tensors are outside.
-GRAPH_CACHE_SIZE = 512
-# Addresses counted towards a capture (LRU), so keys that never repeat cannot grow without bound.
-SEEN_CACHE_SIZE = 4096
 # The cuBLAS-chunk mode's chunk GEMMs alternate between this many streams (the caller's and
 # ``_alt``): a GEMM's last, partly filled wave then shares the GPU with the next chunk's first
 # tiles instead of leaving SMs idle at every chunk boundary (1: all on the caller's stream).
@@ -286,7 +277,7 @@ class CopyEnginePeers:
     _capture_stream: torch.cuda.Stream | None = field(default=None, repr=False)
     replays: int = 0  # calls served by a graph of the engine's own (tests and probes read it)
     _last_main: torch.cuda.Stream | None = field(default=None, repr=False)  # the last call's stream
-    _out_pool: object | None = field(default=None, repr=False)  # torch.cuda.MemPool of the outputs
+    _outputs: OutputPool | None = field(default=None, repr=False)  # the outputs' memory pool
     _capturing_own: bool = False  # inside ``_capture``: nothing recorded has run
     # The first own graph, never dropped: cuBLAS's workspace for the capture stream was allocated
     # in its memory pool and every later graph uses it, so that pool must outlive them all.
@@ -637,18 +628,10 @@ class CopyEnginePeers:
         return out
 
     def _output(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        """A new output tensor from the engine's own memory pool (where torch has one): only
-        these outputs come and go there, so a loop that drops each output before its next call
-        gets the same block back, and its calls keep one graph key (from torch's common pool, run
-        30's bench saw the output's address wander with the other variants' allocations). The
-        pool's freed blocks serve only later outputs of the engine."""
-        if self._out_pool is None and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool"):
-            with torch.cuda.device(self.device):  # a MemPool belongs to the current device
-                self._out_pool = torch.cuda.MemPool()
-        if self._out_pool is None:
-            return torch.empty(shape, dtype=dtype, device=self.device)
-        with torch.cuda.use_mem_pool(self._out_pool, device=self.device):
-            return torch.empty(shape, dtype=dtype, device=self.device)
+        """A new output tensor from the engine's own pool (``fo_kernels.graphs.OutputPool``)."""
+        if self._outputs is None:
+            self._outputs = OutputPool(self.device)
+        return self._outputs.empty(shape, dtype)
 
     def _run_graphed(
         self,
@@ -736,7 +719,7 @@ class CopyEnginePeers:
                 try:
                     graph.capture_end()
                 except RuntimeError:
-                    self._end_generator_capture()
+                    end_generator_capture(self._capture_stream)
                     raise
         finally:
             self._capturing_own = False
@@ -756,22 +739,11 @@ class CopyEnginePeers:
         try:
             graph.capture_end()
         except RuntimeError:  # invalid already: the first error is the one to report
-            self._end_generator_capture()
+            end_generator_capture(self._capture_stream)
         for side in forked:
             with torch.cuda.stream(side):
                 if torch.cuda.is_current_stream_capturing():
                     self._broken = "a failed CUDA graph capture left a side stream capturing"
-
-    def _end_generator_capture(self) -> None:
-        """After a failed capture: torch's CUDA random generator still believes a capture is on
-        (``capture_end`` raised before telling it), and every later random draw on this GPU would
-        fail; an empty capture's ``capture_end`` tells it the capture is over."""
-        stream = torch.cuda.stream(self._capture_stream)
-        with stream, warnings.catch_warnings(), contextlib.suppress(RuntimeError):
-            warnings.simplefilter("ignore")  # "the CUDA graph is empty"
-            empty = torch.cuda.CUDAGraph()
-            empty.capture_begin(capture_error_mode="thread_local")
-            empty.capture_end()
 
     @torch.no_grad()  # (a replayed call issues no torch op: only this path needs it)
     def _run(

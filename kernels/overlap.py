@@ -18,10 +18,11 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from .collectives import reduce_scatter_tensor
 from .errors import ScheduleError, ShapeError
 from .gemm import BOperand, restore_tile_major, signalled_gemm
 from .plan import Plan, make_plan
-from .runtime import OverlapRuntime, all_reduce_now, reduce_scatter_now, reduce_scatter_tensor, runtime_for
+from .runtime import OverlapRuntime, runtime_for
 from .schedule import COPY_ENGINE_WORLD, Schedule
 from .table import lookup_schedule
 
@@ -73,17 +74,6 @@ def _resolve_schedule(
             f"problem: the schedule is for {schedule.problem.describe()}, called with {m}x{n}x{k}"
         )
     return schedule
-
-
-def _sequential(collective: str, a: torch.Tensor, b: torch.Tensor, group, world: int) -> torch.Tensor:
-    """The ``overlap: false`` form: the library GEMM, then one collective."""
-    full = a @ b
-    if collective == "all_reduce":
-        all_reduce_now(full, group)
-        return full
-    out = torch.empty((a.shape[0] // world, full.shape[1]), dtype=full.dtype, device=full.device)
-    reduce_scatter_now(out, full, group)
-    return out
 
 
 def _overlapped(
@@ -171,10 +161,10 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, schedule: Schedule |
         raise ShapeError(f"reduce_scatter needs M divisible by the world size {world}, got M={m}")
     schedule = _resolve_schedule(collective, a, b.shape[1], schedule, world)
     if not schedule.overlap:
-        return _sequential(collective, a, b, group, world)
+        return runtime.fallback().run(collective, a, b)
     if schedule.engine == "copy_engine":
         if m < COPY_ENGINE_WORLD:  # a rank would own no row (an M-range row reaching M = 1)
-            return _sequential(collective, a, b, group, world)
+            return runtime.fallback().run(collective, a, b)
         engine = runtime.copy_engine()
         return engine.run(collective, a, b, schedule.groups, schedule.tile, schedule.exchange)
     if not a.is_contiguous():

@@ -10,7 +10,8 @@ An ``OverlapRuntime`` owns:
 - the plan tables (unit -> group, group bases) already on the device, keyed by plan;
 - the waiter of each wait mode;
 - the copy-engine peers (symmetric buffers, flags) of ``engine: copy_engine`` schedules, made on
-  first use.
+  first use;
+- the ``overlap: false`` calls' CUDA graphs and scratch (``fo_kernels.fallback``), made on first use.
 
 ``runtime_for(device, group)`` returns the process-wide instance for that pair, made on first use;
 the nn.Module and tests may build their own. Use one runtime from one host thread at a time.
@@ -24,8 +25,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .collectives import all_reduce_now, reduce_scatter_now, reduce_scatter_tensor  # noqa: F401 - callers import them from here
 from .copy_engine import CopyEnginePeers
 from .errors import ScheduleError
+from .fallback import Fallback
 from .fingerprint import device_sm_count
 from .plan import Plan
 from .wait import Waiter, make_waiter
@@ -36,43 +39,6 @@ MAX_GROUPS = 1024
 PLAN_CACHE_SIZE = 64
 # Highest CUDA stream priority torch exposes (lower is higher).
 HIGH_PRIORITY = -1
-
-
-# torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the old name warns);
-# torch 2.11 (the GPU machines) has only the old one.
-reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _blocking(options):
-    """``options`` for a collective the caller's stream waits for, as ``async_op=False`` asks
-    (torch >= 2.8 then runs NCCL on the caller's stream; older torch has no such field)."""
-    if hasattr(options, "asyncOp"):
-        options.asyncOp = False
-    return options
-
-
-def all_reduce_now(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-    """``dist.all_reduce(tensor, group=group)`` (sum, in place) through the process group itself.
-
-    Skips torch.distributed's Python wrappers (logging, coalescing and membership checks), about
-    20 us of host time a call (perf-notes run 23), which the GPU time of a small GEMM + AllReduce
-    does not hide. The caller must be a member of ``group`` and not inside a coalescing manager;
-    torch function modes (Dynamo, export) do not see the call, unlike ``dist.all_reduce``.
-    """
-    pg = group if group is not None else dist.group.WORLD
-    work = pg.allreduce([tensor], _blocking(dist.AllreduceOptions()))
-    if work is not None:
-        work.wait()
-
-
-def reduce_scatter_now(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-    """``reduce_scatter_tensor(out, full, group=group)`` (sum, dim 0) through the process group
-    itself, as ``all_reduce_now``."""
-    pg = group if group is not None else dist.group.WORLD
-    call = getattr(pg, "reduce_scatter_single", None) or pg._reduce_scatter_base  # torch 2.13 / 2.11
-    work = call(out, full, _blocking(dist.ReduceScatterOptions()))
-    if work is not None:
-        work.wait()
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
@@ -93,6 +59,7 @@ class OverlapRuntime:
     _tables: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _waiters: dict[str, Waiter] = field(default_factory=dict, repr=False)
     _peers: CopyEnginePeers | None = field(default=None, repr=False)
+    _fallback: Fallback | None = field(default=None, repr=False)
     _world_size: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
@@ -176,6 +143,16 @@ class OverlapRuntime:
         if self._peers is None:
             self._peers = CopyEnginePeers(device=self.device, group=self.group)
         return self._peers
+
+    def fallback(self) -> Fallback:
+        """The ``overlap: false`` calls of this device and group (graphed on GPUs with NCCL)."""
+        if self._fallback is None:
+            graphable = self.device.type == "cuda" and self.backend == "nccl"
+            self._fallback = Fallback(self.device, self.group, self.world_size, graphable)
+        return self._fallback
+
+    def made_fallback(self) -> Fallback | None:
+        return self._fallback
 
     def plan_tables(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         """(unit_group, group_info) int32 tensors of the plan on the device, cached per plan."""

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from fo_kernels import (
     HeuristicScheduleWarning,
+    Problem,
     RowParallelLinear,
     Schedule,
     ScheduleError,
@@ -323,3 +324,80 @@ def copy_engine_auto_graph(ctx, cases: list[Case]) -> list[dict]:
             )
     peers.graph_after = GRAPH_AFTER_CALLS
     return out
+
+
+def fallback_auto_graph(ctx, cases: list[Case]) -> list[dict]:
+    """``overlap: false`` calls whose addresses repeat run from the runtime's own graphs (on GPUs
+    with NCCL; on the CPU every call is eager and this checks the results only).
+
+    As ``copy_engine_auto_graph``, each case is called ``GRAPH_AFTER_CALLS + 3`` times on operands
+    refreshed in place, each output checked, poisoned and freed. Phases: 0 both ranks graphing; 1
+    rank 1 issuing eagerly while rank 0 replays (NCCL from a graph and eagerly, in step); 2 on
+    another stream; 3 a bigger case (a ReduceScatter's scratch grows, dropping the graphs); 4 the
+    first case again; 5 the first case inside the caller's own CUDA graph, replayed on new operands.
+    Returns one row per call, with the rank's replays during it."""
+    import contextlib
+    import dataclasses
+
+    from fo_kernels.graphs import GRAPH_AFTER_CALLS
+    from fo_kernels.runtime import runtime_for
+
+    calls = GRAPH_AFTER_CALLS + 3
+    graphs = runtime_for(ctx.device, None).fallback().graphs
+    on_gpu = graphs is not None
+    side = torch.cuda.Stream(ctx.device) if on_gpu else None
+    first = cases[0]
+    bigger = {**first.schedule, "problem": {**first.schedule["problem"], "m": first.m * 4}}
+    big = dataclasses.replace(first, m=first.m * 4, seed=first.seed + 1, schedule=bigger)
+    plan = [(0, c) for c in cases] + [(1, c) for c in cases] + [(2, first), (3, big), (4, first)]
+    out = []
+    for phase, case in plan:
+        if on_gpu:
+            graphs.after = 0 if (phase == 1 and ctx.rank == 1) else GRAPH_AFTER_CALLS
+        a, b, op = prepared(case, ctx)
+        stream = torch.cuda.stream(side) if phase == 2 and on_gpu else contextlib.nullcontext()
+        for step in range(calls):
+            fresh = dataclasses.replace(case, seed=case.seed + 31 * (step + 1))
+            new_a, new_b = operands(fresh, ctx.rank, ctx.device)
+            with stream:
+                a.copy_(new_a)
+                b.copy_(new_b)
+                before = graphs.replays if on_gpu else 0
+                got = op(a, b)
+                err, _ = error(fresh, got, ctx)
+                nan = bool(got.isnan().any())
+                got.fill_(float("nan"))  # a replay that wrote nothing would leave NaN in the next output
+                del got
+            replayed = (graphs.replays - before) if on_gpu else 0
+            out.append(dict(case=case, phase=phase, step=step, err=err, nan=nan, replayed=replayed))
+    if on_gpu:  # phase 5: the caller's own graph records the call (eagerly issued into it)
+        a, b, op = prepared(first, ctx)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = op(a, b)
+        for step in range(2):
+            fresh = dataclasses.replace(first, seed=first.seed + 97 * (step + 1))
+            new_a, new_b = operands(fresh, ctx.rank, ctx.device)
+            a.copy_(new_a)
+            b.copy_(new_b)
+            got.fill_(float("nan"))
+            graph.replay()
+            err, _ = error(fresh, got, ctx)
+            out.append(dict(case=first, phase=5, step=step, err=err, nan=bool(got.isnan().any()), replayed=0))
+        graphs.after = GRAPH_AFTER_CALLS
+    return out
+
+
+def fallback_cases(first_seed: int) -> list:
+    """Two ``overlap: false`` cases, the ReduceScatter first (its bigger case grows the scratch)."""
+    specs = [
+        ("reduce_scatter", 256, 640, 256, "float16", False),
+        ("all_reduce", 512, 768, 512, "bfloat16", True),
+    ]
+    cases = []
+    for i, (collective, m, n, k, dtype, kmajor) in enumerate(specs):
+        row = Schedule(
+            collective=collective, dtype=dtype, world_size=2, problem=Problem(m=m, n=n, k=k), overlap=False
+        )
+        cases.append(Case(collective, m, n, k, dtype, kmajor, row.to_dict(), first_seed + i))
+    return cases

@@ -228,6 +228,30 @@ def test_case_task_checks_before_timing(one_rank, monkeypatch):
     assert entries["async_tp"]["status"] == "UNAVAILABLE"  # an exception, not a wrong result
 
 
+def test_fo_tune_is_checked_again_after_timing(one_rank, monkeypatch):
+    """A call right the first time whose later calls write nothing (a replay gone wrong) hands back
+    its previous, poisoned, output block: it FAILs after timing and keeps no time."""
+    import fo_kernels
+
+    held: list[torch.Tensor] = []
+
+    def stale(a, b, schedule=None, group=None):
+        if not held:
+            held.append(a @ b)
+        return held[0]  # the same block every call, written only by the first
+
+    monkeypatch.setattr(fo_kernels, "gemm_all_reduce", stale)
+    task = BenchCaseTask("all_reduce", 16, 24, 8, "float32", chunks=(2,), warmup=0, reps=1)
+    entries = {e["variant"]: e for e in task.run(one_rank)}
+    e = entries["fo_tune"]
+    assert e["status"] == "FAIL" and e["timing"] is None, e
+    assert e["detail"].endswith("NaN in the output after timing"), e["detail"]
+    assert entries["sequential"]["status"] == "PASS"
+    held.clear()
+    monkeypatch.setattr(fo_kernels, "gemm_all_reduce", lambda a, b, schedule=None, group=None: a @ b)
+    assert {e["variant"]: e for e in task.run(one_rank)}["fo_tune"]["status"] == "PASS"
+
+
 # ------------------------------------------------------------------------------- rows and files
 def _merged(variant: str, status: str, ms: float, detail: str = "") -> dict:
     err = 0.0 if status == "PASS" else math.nan

@@ -239,6 +239,38 @@ def test_copy_engine_graphs_repeated_eager_calls():
 
 
 @pytest.mark.multigpu
+def test_fallback_graphs_repeated_calls():
+    """``overlap: false`` calls whose addresses repeat are replayed from the runtime's own graphs
+    (from the GRAPH_AFTER_CALLS-th call on), with every output right: beside a rank issuing
+    eagerly, on another stream, after the ReduceScatter scratch grows, inside a caller's graph."""
+    from dist_cases import fallback_auto_graph, fallback_cases
+    from fo_kernels.graphs import GRAPH_AFTER_CALLS
+    from fo_tune.launch import run_ranks
+
+    cases = fallback_cases(first_seed=41)
+    per_rank = run_ranks(fallback_auto_graph, 2, cases, backend="nccl", timeout_s=300)
+    per_case = GRAPH_AFTER_CALLS + 3
+    for rank, rows in enumerate(per_rank):
+        for r in rows:
+            assert not r["nan"] and r["err"] < TOL[r["case"].dtype], (rank, r)
+        calls = [r for r in rows if r["phase"] < 5]
+        assert len(calls) == (2 * len(cases) + 3) * per_case and len(rows) == len(calls) + 2
+        for first in range(0, len(calls), per_case):
+            phase = calls[first]["phase"]
+            replays = [r["replayed"] for r in calls[first : first + per_case]]
+            if phase == 1 and rank == 1:
+                assert sum(replays) == 0, (rank, phase, replays)
+            elif phase in (0, 3):  # new keys (phase 3: the scratch grew, the graphs were dropped)
+                assert replays == [0] * (GRAPH_AFTER_CALLS - 1) + [1] * (per_case - GRAPH_AFTER_CALLS + 1), (
+                    rank,
+                    phase,
+                    replays,
+                )
+            else:  # graphs of these keys exist (phase 4: its ReduceScatter's was dropped in phase 3)
+                assert replays[-1] == 1, (rank, phase, replays)
+
+
+@pytest.mark.multigpu
 def test_copy_engine_in_a_cuda_graph():
     """The copy engine captured in a CUDA graph: replays on new operands, eager calls between them."""
     from dist_cases import copy_engine_graph

@@ -1,0 +1,111 @@
+"""The ``overlap: false`` call: the library GEMM then one collective, replayed from a graph once it repeats.
+
+A table says ``overlap: false`` where no overlap beats GEMM then the collective: small shapes,
+whose GPU work is short. There a call's host time matters: issued eagerly, the runtime's call
+(lookup, checks, cuBLAS, NCCL's enqueue) cost 66-69 us of host time a call against 80 us of GPU
+work at 1024x4096x4096 ReduceScatter on H200 x2, and its loop ran 15-65% slower than the GPU work
+(runs 64-65 in ``docs/perf-notes.md``); cuBLAS then NCCL replayed from a graph ran at 0.055-0.063
+ms where the eager call took 0.081-0.082 at 512x4096x4096 (run 25). So on GPUs with NCCL a call
+whose shape, operands' and output's addresses repeat (a loop's steady state) is captured into a
+graph of its own (``fo_kernels.graphs.OwnGraphs``) and replayed: one launch a call.
+
+Graphed calls write the GEMM's (M, N) product of a ReduceScatter into one scratch buffer of the
+runtime's (a graph holds its address), grown in powers of two, which drops the graphs; a replay on
+another stream than the previous graphed call's first waits for that stream, so two calls never
+share the scratch at once. An AllReduce sums in place in its output. Calls that the graphs must not
+hold run eagerly: on the CPU or another backend than NCCL, inside a caller's own capture (they are
+recorded there), and when autograd records the GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_reduce_now, reduce_scatter_now
+from .graphs import OutputPool, OwnGraphs
+
+
+def sequential(collective: str, a: torch.Tensor, b: torch.Tensor, group, world: int) -> torch.Tensor:
+    """GEMM then the collective, issued eagerly: ``collective(a @ b)``."""
+    full = a @ b
+    if collective == "all_reduce":
+        all_reduce_now(full, group)
+        return full
+    out = torch.empty((a.shape[0] // world, full.shape[1]), dtype=full.dtype, device=full.device)
+    reduce_scatter_now(out, full, group)
+    return out
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class Fallback:
+    """The ``overlap: false`` calls of one (device, process group); see the module docstring."""
+
+    def __init__(
+        self, device: torch.device, group: dist.ProcessGroup | None, world: int, graphable: bool
+    ) -> None:
+        self.device = device
+        self.group = group
+        self.world = world
+        # only NCCL on a GPU is captured: gloo and the CPU have no graphs
+        self.graphs: OwnGraphs | None = OwnGraphs(device, "overlap: false fallback") if graphable else None
+        self._outputs = OutputPool(device)
+        self._scratch: torch.Tensor | None = None  # ReduceScatter's (M, N) product, graphed calls
+        self._last: torch.cuda.Stream | None = None  # the stream of the last graphed call
+
+    def run(self, collective: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``collective(a @ b)`` over the group: (M, N) for all_reduce, (M / world, N) for reduce_scatter."""
+        graphs = self.graphs
+        if (
+            graphs is None
+            or graphs.after <= 0
+            or torch.cuda.is_current_stream_capturing()
+            or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+        ):
+            return sequential(collective, a, b, self.group, self.world)
+        m, n = a.shape[0], b.shape[1]
+        main = torch.cuda.current_stream(self.device)
+        last, self._last = self._last, main
+        if last is not None and last.cuda_stream != main.cuda_stream:
+            main.wait_stream(last)  # the previous call's use of the scratch is done
+        group = self.group
+        if collective == "all_reduce":
+            out = self._outputs.empty((m, n), a.dtype)
+
+            def issue() -> None:
+                torch.matmul(a, b, out=out)
+                all_reduce_now(out, group)
+
+            full_ptr = out.data_ptr()
+        else:
+            out = self._outputs.empty((m // self.world, n), a.dtype)
+            full = self._full(m * n, a.dtype, last).view(m, n)
+
+            def issue() -> None:
+                torch.matmul(a, b, out=full)
+                reduce_scatter_now(out, full, group)
+
+            full_ptr = full.data_ptr()
+        key = (
+            collective, a.dtype, tuple(a.shape), a.stride(), a.data_ptr(),
+            tuple(b.shape), b.stride(), b.data_ptr(), out.data_ptr(), full_ptr,
+        )  # fmt: skip
+        graphs.call(key, issue)
+        return out
+
+    def _full(self, numel: int, dtype: torch.dtype, last: torch.cuda.Stream | None) -> torch.Tensor:
+        """The scratch buffer's first ``numel`` elements of ``dtype``. Growing it drops the graphs
+        (they hold the old buffer's address); ``last``, the stream of the previous graphed call,
+        may still be reading the old buffer, so its memory is reused only after that."""
+        nbytes = numel * dtype.itemsize
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            if self.graphs is not None:
+                self.graphs.clear()
+            if self._scratch is not None and last is not None and self._scratch.is_cuda:
+                self._scratch.record_stream(last)
+            self._scratch = None  # (freed first: the new one may take its memory)
+            self._scratch = torch.empty(_pow2_at_least(nbytes), dtype=torch.uint8, device=self.device)
+        return self._scratch[:nbytes].view(dtype)
