@@ -43,7 +43,8 @@
 #   bash bench/search_session.sh fallback  # the overlap: false fallback's own graphs: their GPU test
 #                                        # and the copy engine's graph tests, eager vs graphed
 #                                        # (bench/fallback_graph_probe.py), the bench at the tables'
-#                                        # overlap: false shapes (20 rounds)
+#                                        # overlap: false shapes (20 rounds); SUITE=1: then the
+#                                        # suite's bench (30 rounds)
 #   bash bench/search_session.sh graphs  # the engine's own graphs: eager / own-graph / replayed
 #                                        # timings (bench/ce_graph_probe.py), every GPU test, then
 #                                        # the bench twice with the committed tables
@@ -266,6 +267,10 @@ elif [ "$STAGE" = fallback ]; then
     --shape 512x8192x4096 --shape 512x8192x8192 --shape 512x8192x14336 -c all_reduce,reduce_scatter --reps 20 \
     --out "$RES/fallback-spot" > "$RES/fallback-spot.log" 2>&1
   grep -v "━" "$RES/fallback-spot.log" | grep "│" | tail -24
+  if [ -n "${SUITE:-}" ]; then
+    stamp "bench of the suite (30 rounds)"
+    REPS=30 bench_suite 240 suite-bench 1
+  fi
 elif [ "$STAGE" = bench ]; then
   stamp "bench with the committed tables"
   bench_suite 150 bench 30

@@ -37,6 +37,10 @@ def sequential(collective: str, a: torch.Tensor, b: torch.Tensor, group, world: 
     return out
 
 
+# Views of the scratch buffer kept, one per (M, N, dtype) in use (oldest dropped first).
+SCRATCH_VIEWS = 256
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -53,7 +57,9 @@ class Fallback:
         # only NCCL on a GPU is captured: gloo and the CPU have no graphs
         self.graphs: OwnGraphs | None = OwnGraphs(device, "overlap: false fallback") if graphable else None
         self._outputs = OutputPool(device)
+        self._index = device.index if device.index is not None else 0  # (an int is resolved faster)
         self._scratch: torch.Tensor | None = None  # ReduceScatter's (M, N) product, graphed calls
+        self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # (m, n, dtype) -> view
         self._last: torch.cuda.Stream | None = None  # the stream of the last graphed call
 
     def run(self, collective: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -67,7 +73,7 @@ class Fallback:
         ):
             return sequential(collective, a, b, self.group, self.world)
         m, n = a.shape[0], b.shape[1]
-        main = torch.cuda.current_stream(self.device)
+        main = torch.cuda.current_stream(self._index)
         last, self._last = self._last, main
         if last is not None and last.cuda_stream != main.cuda_stream:
             main.wait_stream(last)  # the previous call's use of the scratch is done
@@ -82,7 +88,7 @@ class Fallback:
             full_ptr = out.data_ptr()
         else:
             out = self._outputs.empty((m // self.world, n), a.dtype)
-            full = self._full(m * n, a.dtype, last).view(m, n)
+            full = self._full(m, n, a.dtype, last)
 
             def issue() -> None:
                 torch.matmul(a, b, out=full)
@@ -96,16 +102,24 @@ class Fallback:
         graphs.call(key, issue)
         return out
 
-    def _full(self, numel: int, dtype: torch.dtype, last: torch.cuda.Stream | None) -> torch.Tensor:
-        """The scratch buffer's first ``numel`` elements of ``dtype``. Growing it drops the graphs
-        (they hold the old buffer's address); ``last``, the stream of the previous graphed call,
-        may still be reading the old buffer, so its memory is reused only after that."""
-        nbytes = numel * dtype.itemsize
+    def _full(self, m: int, n: int, dtype: torch.dtype, last: torch.cuda.Stream | None) -> torch.Tensor:
+        """An (m, n) view of the scratch buffer (views are kept: a call's host time counts here).
+        Growing the buffer drops the graphs (they hold the old buffer's address); ``last``, the
+        stream of the previous graphed call, may still be reading the old buffer, so its memory is
+        reused only after that."""
+        view = self._views.get((m, n, dtype))
+        if view is not None:
+            return view
+        nbytes = m * n * dtype.itemsize
         if self._scratch is None or self._scratch.numel() < nbytes:
             if self.graphs is not None:
                 self.graphs.clear()
             if self._scratch is not None and last is not None and self._scratch.is_cuda:
                 self._scratch.record_stream(last)
+            self._views.clear()
             self._scratch = None  # (freed first: the new one may take its memory)
             self._scratch = torch.empty(_pow2_at_least(nbytes), dtype=torch.uint8, device=self.device)
-        return self._scratch[:nbytes].view(dtype)
+        view = self._views[(m, n, dtype)] = self._scratch[:nbytes].view(dtype).view(m, n)
+        while len(self._views) > SCRATCH_VIEWS:
+            self._views.pop(next(iter(self._views)))
+        return view

@@ -45,6 +45,8 @@ class OutputPool:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool: object | None = None
+        # (an int: torch resolves a torch.device to its index on every call, ~2 us of host time)
+        self._index = device.index if device.index is not None else 0
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.pool is None and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool"):
@@ -52,7 +54,7 @@ class OutputPool:
                 self.pool = torch.cuda.MemPool()
         if self.pool is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
-        with torch.cuda.use_mem_pool(self.pool, device=self.device):
+        with torch.cuda.use_mem_pool(self.pool, device=self._index):
             return torch.empty(shape, dtype=dtype, device=self.device)
 
 

@@ -425,6 +425,21 @@ def lookup_schedule(
     Raises ``ScheduleError`` for an unknown collective or dtype, ``ShapeError`` for a bad shape and
     ``TableError`` for a found table that is malformed or for other hardware.
     """
+    # A call repeated with the same arguments is answered before they are checked again (they
+    # passed the first time): the ops look up every call, and the checks cost a few us of host time.
+    # A device that depends on the current CUDA device (None, "cuda") is resolved first.
+    pinned = isinstance(device, torch.device) and (device.type != "cuda" or device.index is not None)
+    dev_key = device if pinned else resolve_device(device)
+    key = (
+        collective, m, n, k, dtype, world_size, dev_key,
+        os.environ.get(TABLE_DIR_ENV), os.environ.get("XDG_DATA_HOME"),
+    )  # fmt: skip
+    try:
+        remembered = _CACHE.answer(key)
+    except TypeError:  # an unhashable argument, refused by the checks below
+        remembered = None
+    if remembered is not None:
+        return remembered
     _check_name("collective", collective, COLLECTIVES)
     dtype_name = _dtype_name(dtype)
     for name, value in (("m", m), ("n", n), ("k", k), ("world_size", world_size)):
@@ -432,13 +447,6 @@ def lookup_schedule(
     if collective == "reduce_scatter" and m % world_size:
         raise ShapeError(f"reduce_scatter needs M divisible by the world size {world_size}, got M={m}")
     dev = resolve_device(device)
-    key = (
-        collective, m, n, k, dtype_name, world_size, str(dev),
-        os.environ.get(TABLE_DIR_ENV), os.environ.get("XDG_DATA_HOME"),
-    )  # fmt: skip
-    remembered = _CACHE.answer(key)
-    if remembered is not None:
-        return remembered
     fp = current_fingerprint(dev, world_size)
     folders = table_search_path()
     tables: list[ScheduleTable] = []
