@@ -44,7 +44,7 @@
 #                                        # and the copy engine's graph tests, eager vs graphed
 #                                        # (bench/fallback_graph_probe.py), the bench at the tables'
 #                                        # overlap: false shapes (20 rounds); SUITE=1: then the
-#                                        # suite's bench (30 rounds)
+#                                        # suite's bench (30 rounds); fallback-spot: the bench only
 #   bash bench/search_session.sh graphs  # the engine's own graphs: eager / own-graph / replayed
 #                                        # timings (bench/ce_graph_probe.py), every GPU test, then
 #                                        # the bench twice with the committed tables
@@ -52,7 +52,7 @@
 # The image's python has torch/triton/typer/rich but not optuna: its wheels travel in .whl/
 # (name .whl in the run's carry). CAL is the calibration the searches read (committed after `calib`).
 set -uo pipefail
-STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange, mrange-lite, graphs, tiled, streams, power, final, bench3, tests, mrange-s16, fallback or diag}"
+STAGE="${1:?stage: calib, compare, tables, bench, bench-twice, ce, ce-mrange, mrange-lite, graphs, tiled, streams, power, final, bench3, tests, mrange-s16, fallback, fallback-spot or diag}"
 KEY=nvidia-h200-cc90-132sm-w2-nvlink18
 CAL="results/calibration/$KEY/tp2/calibration.yaml"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -253,15 +253,17 @@ elif [ "$STAGE" = diag ]; then
     --shape 2048x4096x4096 --shape 4096x8192x4096 -c all_reduce,reduce_scatter --out "$RES/diag" \
     > "$RES/diag.log" 2>&1
   grep -n -i -B2 -A6 "capturing a call\|Traceback" "$RES/diag.log" | head -60; tail -5 "$RES/diag.log"
-elif [ "$STAGE" = fallback ]; then
+elif [ "$STAGE" = fallback ] || [ "$STAGE" = fallback-spot ]; then
   export FO_TUNE_TABLE_DIR="$PWD/results/tables"
-  stamp "GPU tests: the fallback's own graphs, the copy engine's graphs, both ops"
-  timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -q -p no:cacheprovider -m multigpu --durations=4 \
-    tests/test_gpu.py -k "${TESTS_K:-fallback or graph or both_ops}" 2>&1 | tee "$RES/pytest_fallback.log" | tail -8
-  stamp "the fallback eager vs replayed from its own graphs vs cuBLAS then NCCL"
-  timeout "${PROBE_TIMEOUT_S:-200}" python3 bench/fallback_graph_probe.py --out "$RES/probe" ${PROBE_ARGS:-} \
-    > "$RES/probe.log" 2>&1
-  sed -n '/^SUMMARY/,$p' "$RES/probe.log" | tail -14; grep -m3 -i "Traceback\|Error" "$RES/probe.log"
+  if [ "$STAGE" = fallback ]; then
+    stamp "GPU tests: the fallback's own graphs, the copy engine's graphs, both ops"
+    timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -q -p no:cacheprovider -m multigpu --durations=4 \
+      tests/test_gpu.py -k "${TESTS_K:-fallback or graph or both_ops}" 2>&1 | tee "$RES/pytest_fallback.log" | tail -8
+    stamp "the fallback eager vs replayed from its own graphs vs cuBLAS then NCCL"
+    timeout "${PROBE_TIMEOUT_S:-200}" python3 bench/fallback_graph_probe.py --out "$RES/probe" ${PROBE_ARGS:-} \
+      > "$RES/probe.log" 2>&1
+    sed -n '/^SUMMARY/,$p' "$RES/probe.log" | tail -14; grep -m3 -i "Traceback\|Error" "$RES/probe.log"
+  fi
   stamp "bench at the tables' overlap: false shapes (20 rounds)"
   timeout "${BENCH_TIMEOUT_S:-200}" python3 cli.py bench --shape 512x4096x4096 --shape 1024x4096x4096 \
     --shape 512x8192x4096 --shape 512x8192x8192 --shape 512x8192x14336 -c all_reduce,reduce_scatter --reps 20 \
