@@ -293,7 +293,7 @@ elif [ "$STAGE" = final ] || [ "$STAGE" = bench3 ] || [ "$STAGE" = tests ]; then
   if [ "$STAGE" != bench3 ]; then
     stamp "GPU tests: the ops, the copy engine (chunks, tiled, exchange, graphs), the bench"
     timeout "${TESTS_TIMEOUT_S:-330}" python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
-      --durations=5 tests/test_gpu.py tests/test_copy_engine.py tests/test_bench.py -k "${TESTS_K:-not tiled_ops}" \
+      --durations=5 ${TESTS_FILES:-tests/test_gpu.py tests/test_copy_engine.py tests/test_bench.py} -k "${TESTS_K:-not tiled_ops}" \
       2>&1 | tee "$RES/pytest_final.log" | tail -9
   fi
 else

@@ -316,10 +316,11 @@ def _sequential_call(
 
 @dataclass(frozen=True)
 class ConfirmTask:
-    """The confirmation of a search: its best schedules (each checked again) and GEMM-then-collective
-    (checked by ``SequentialTask`` at the start of the search), timed side by side in alternating
-    rounds (``time_interleaved``), so the row is decided on one paired measurement rather than on
-    numbers taken minutes apart."""
+    """The confirmation of a search: its best schedules (each checked again), GEMM-then-collective
+    (checked by ``SequentialTask`` at the start of the search) and the runtime's ``overlap: false``
+    fallback (checked here: what the row runs if it does not overlap, replayed from the runtime's
+    own CUDA graphs on GPUs), timed side by side in alternating rounds (``time_interleaved``), so
+    the row is decided on one paired measurement rather than on numbers taken minutes apart."""
 
     schedules: tuple[Schedule, ...]
     m: int
@@ -333,10 +334,17 @@ class ConfirmTask:
         s0 = self.schedules[0]
         errs = [_check_schedule(ctx, s, self.m, self.n, self.k, self.seed) for s in self.schedules]
         ok = [e < GEMM_TOL[s0.dtype] for e in errs]
+        fallback = Schedule(
+            collective=s0.collective, dtype=s0.dtype, world_size=ctx.world_size,
+            problem=Problem(m=self.m, n=self.n, k=self.k), overlap=False,
+        )  # fmt: skip
+        fallback_ok = _check_schedule(ctx, fallback, self.m, self.n, self.k, self.seed) < GEMM_TOL[s0.dtype]
         a, b = gemm_operands(self.m, self.n, self.k, s0.dtype, ctx.device, self.seed * 1009 + ctx.rank)
         fns: dict[str, Callable[[], Any]] = {
             "sequential": _sequential_call(s0.collective, a, b, ctx.world_size)
         }
+        if fallback_ok:
+            fns["fallback"] = lambda: _op(fallback.collective)(a, b, schedule=fallback)
         for i, s in enumerate(self.schedules):
             if ok[i]:
                 fns[str(i)] = lambda s=s: _op(s.collective)(a, b, schedule=s)
@@ -349,6 +357,7 @@ class ConfirmTask:
             rel_err=errs,
             ok=ok,
             sequential=timings["sequential"],
+            fallback=timings.get("fallback"),
             timings=[timings.get(str(i)) for i in range(len(self.schedules))],
         )
 

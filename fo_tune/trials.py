@@ -58,8 +58,10 @@ class Measurer:
         for i in range(len(schedules)):
             ts = [r["timings"][i] for r in per_rank]
             timings.append(Timing.max_over(ts) if all(t is not None for t in ts) else None)
+        fallbacks = [r.get("fallback") for r in per_rank]
         return dict(
             sequential=Timing.max_over([r["sequential"] for r in per_rank]),
+            fallback=Timing.max_over(fallbacks) if all(t is not None for t in fallbacks) else None,
             timings=timings,
             rel_err=[max(r["rel_err"][i] for r in per_rank) for i in range(len(schedules))],
         )

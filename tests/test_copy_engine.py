@@ -290,9 +290,9 @@ def test_exchange_schedule_contract():
 class FakeMeasurer:
     """Stands in for the GPU ranks: fixed timings per engine (no process, no GPU)."""
 
-    def __init__(self, *, trial_ok=True, ce_ms=1.0, tri_ms=1.5, seq_ms=2.0, why=""):
+    def __init__(self, *, trial_ok=True, ce_ms=1.0, tri_ms=1.5, seq_ms=2.0, fb_ms=None, why=""):
         self.count, self.trial_ok, self.why = 0, trial_ok, why
-        self.ce_ms, self.tri_ms, self.seq_ms = ce_ms, tri_ms, seq_ms
+        self.ce_ms, self.tri_ms, self.seq_ms, self.fb_ms = ce_ms, tri_ms, seq_ms, fb_ms
         self.confirmed: list = []
 
     def _t(self, ms):
@@ -313,7 +313,9 @@ class FakeMeasurer:
     def confirm(self, schedules, shape):
         self.confirmed.append(list(schedules))
         ts = [self._t(self.ce_ms if s.engine == "copy_engine" else self.tri_ms) for s in schedules]
-        return dict(sequential=self._t(self.seq_ms), timings=ts, rel_err=[0.0] * len(schedules))
+        fallback = self._t(self.fb_ms) if self.fb_ms is not None else None
+        seq = self._t(self.seq_ms)
+        return dict(sequential=seq, fallback=fallback, timings=ts, rel_err=[0.0] * len(schedules))
 
     def copy_engine_unavailable(self):
         return self.why
@@ -325,6 +327,8 @@ class FakeMeasurer:
         (FakeMeasurer(), "copy_engine"),  # the copy engine is fastest and gains
         (FakeMeasurer(trial_ok=False), "copy_engine"),  # no Optuna trial passed: still a row
         (FakeMeasurer(ce_ms=1.99, tri_ms=2.5), "none"),  # fastest, but inside the no-gain margin
+        (FakeMeasurer(fb_ms=1.0), "none"),  # beats sequential, not the (graphed) fallback
+        (FakeMeasurer(fb_ms=2.2), "copy_engine"),  # a fallback slower than sequential
         (FakeMeasurer(ce_ms=1.8, tri_ms=1.0), "triton"),
         (FakeMeasurer(why="cuda-bindings is not installed"), "triton"),  # candidates dropped
     ],
@@ -349,6 +353,10 @@ def test_confirmation_with_copy_engine_candidates(measurer, want):
         + len(space.copy_engine_exchange_chunks)  # the request's collective is all_reduce
     )
     assert engines.count("copy_engine") == (0 if measurer.why else candidates)
+    if measurer.fb_ms is not None:  # decided against the fallback, both timings kept
+        assert r.row.provenance["fallback_ms"] == pytest.approx(measurer.fb_ms)
+        assert r.row.provenance["sequential_ms"] == pytest.approx(measurer.seq_ms)
+        assert "the overlap: false fallback" in r.row.provenance["decision"]
     if want == "none":
         assert not r.row.overlap and r.best_schedule.engine == "copy_engine" and r.best_trial is None
         assert "rejected_measured_ms" in r.row.provenance
