@@ -406,10 +406,19 @@ def test_heuristic_fallback_names_tables_without_match(roots: dict[str, Path]) -
         ({"dtype": torch.int8}, ScheduleError, "bfloat16"),
         ({"m": 0}, ValueError, "m"),
         ({"collective": "reduce_scatter", "m": 257}, ValueError, "divisible"),
+        ({"dtype": ["bfloat16"]}, ScheduleError, "bfloat16"),  # unhashable: not a TypeError
+        ({"m": [64]}, ValueError, "m"),
     ],
 )
-def test_lookup_bad_input(kwargs: dict[str, Any], error: type[Exception], needle: str) -> None:
+def test_lookup_bad_input(
+    roots: dict[str, Path], kwargs: dict[str, Any], error: type[Exception], needle: str
+) -> None:
+    """Refused with what is wrong, also right after a good call of the same shape (a repeated call
+    is answered from memory before its arguments are checked again)."""
     args = {"collective": "all_reduce", "m": 64, "n": 64, "k": 32, "dtype": "bfloat16"} | kwargs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HeuristicScheduleWarning)
+        lookup_schedule("all_reduce", 64, 64, 32, dtype="bfloat16", world_size=2, device="cpu")
     collective, m, n, k, dtype = (args[key] for key in ("collective", "m", "n", "k", "dtype"))
     with pytest.raises(error, match=needle):
         lookup_schedule(collective, m, n, k, dtype=dtype, world_size=2, device="cpu")
