@@ -427,11 +427,12 @@ def lookup_schedule(
     """
     # A call repeated with the same arguments is answered before they are checked again (they
     # passed the first time): the ops look up every call, and the checks cost a few us of host time.
-    # A device that depends on the current CUDA device (None, "cuda") is resolved first.
+    # A device that depends on the current CUDA device (None, "cuda") is resolved first. The sizes'
+    # types are in the key: True and 64.0 hash as 1 and 64 but are refused by the checks.
     pinned = isinstance(device, torch.device) and (device.type != "cuda" or device.index is not None)
     dev_key = device if pinned else resolve_device(device)
     key = (
-        collective, m, n, k, dtype, world_size, dev_key,
+        collective, m, n, k, dtype, world_size, dev_key, type(m), type(n), type(k), type(world_size),
         os.environ.get(TABLE_DIR_ENV), os.environ.get("XDG_DATA_HOME"),
     )  # fmt: skip
     try:
@@ -446,7 +447,7 @@ def lookup_schedule(
         _check_positive(name, value)
     if collective == "reduce_scatter" and m % world_size:
         raise ShapeError(f"reduce_scatter needs M divisible by the world size {world_size}, got M={m}")
-    dev = resolve_device(device)
+    dev = resolve_device(device) if pinned else dev_key  # (a pinned device is checked here)
     fp = current_fingerprint(dev, world_size)
     folders = table_search_path()
     tables: list[ScheduleTable] = []

@@ -408,6 +408,8 @@ def test_heuristic_fallback_names_tables_without_match(roots: dict[str, Path]) -
         ({"collective": "reduce_scatter", "m": 257}, ValueError, "divisible"),
         ({"dtype": ["bfloat16"]}, ScheduleError, "bfloat16"),  # unhashable: not a TypeError
         ({"m": [64]}, ValueError, "m"),
+        ({"m": 64.0}, ValueError, "m"),  # equal (and hash-equal) to the good call's 64
+        ({"k": True}, ValueError, "k"),
     ],
 )
 def test_lookup_bad_input(
@@ -416,9 +418,14 @@ def test_lookup_bad_input(
     """Refused with what is wrong, also right after a good call of the same shape (a repeated call
     is answered from memory before its arguments are checked again)."""
     args = {"collective": "all_reduce", "m": 64, "n": 64, "k": 32, "dtype": "bfloat16"} | kwargs
+    # the good call: the same sizes as ints where they are a bool or a float (True == 1, 64.0 == 64)
+    good = [
+        int(v) if isinstance(v, bool | float) else v if isinstance(v, int) and v >= 1 else 64
+        for v in (args["m"], args["n"], args["k"])
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HeuristicScheduleWarning)
-        lookup_schedule("all_reduce", 64, 64, 32, dtype="bfloat16", world_size=2, device="cpu")
+        lookup_schedule("all_reduce", *good, dtype="bfloat16", world_size=2, device="cpu")
     collective, m, n, k, dtype = (args[key] for key in ("collective", "m", "n", "k", "dtype"))
     with pytest.raises(error, match=needle):
         lookup_schedule(collective, m, n, k, dtype=dtype, world_size=2, device="cpu")
