@@ -307,7 +307,7 @@ class BenchCaseTask:
         # every variant that passed its check is timed now, side by side in alternating rounds
         # (time_interleaved): a clock drift during the case cannot favour the variant timed first
         calls = {i: e.pop("fn") for i, e in enumerate(out) if "fn" in e}
-        before = _engine_calls(ctx.device)
+        before = _own_graph_calls(ctx.device)
         with warnings.catch_warnings():  # fo_tune's schedule source is recorded in its row instead
             warnings.simplefilter("ignore", HeuristicScheduleWarning)
             timings = time_interleaved(
@@ -327,7 +327,7 @@ class BenchCaseTask:
             why = self._recheck(ctx, calls[fo], ref2)
             if why:
                 out[fo].update(status="FAIL", detail=f"{out[fo]['detail']}: {why}", timing=None)
-        after = _engine_calls(ctx.device)
+        after = _own_graph_calls(ctx.device)
         if after[0] > before[0]:  # fo_tune ran through the runtime's graphs (no other variant does)
             out[-1]["replayed"] = (after[1] - before[1], after[0] - before[0])
         return out
@@ -348,17 +348,12 @@ class BenchCaseTask:
 
         An exception counts as ``raise_code`` (1: FAIL, 2: UNAVAILABLE); the worst code of any rank wins.
         """
-        tol = GEMM_TOL[self.dtype]
         fn: Callable[[], torch.Tensor] | None = None
         err, why, code = math.nan, "", 0
         try:
             fn = build()
-            got = fn()
-            err = rel_err(got, ref)
-            if bool(torch.isnan(got).any()):
-                code, why = 1, "NaN in the output"
-            elif not err < tol:
-                code, why = 1, f"relative error {err:.2e} >= {tol:g}"
+            err, why = self._verdict(fn(), ref)
+            code = 1 if why else 0
         except Exception as exc:  # a variant that cannot run is reported, never timed
             code, why = raise_code, _reason(exc)
         worst = _worst(code, ctx.device)
@@ -368,6 +363,17 @@ class BenchCaseTask:
             return _entry(variant, status, f"{detail}: {why}" if detail else why, err)
         assert fn is not None
         return {**_entry(variant, "PASS", detail, err), "fn": fn}  # timed with the others in run()
+
+    def _verdict(self, got: torch.Tensor, ref: torch.Tensor) -> tuple[float, str]:
+        """(relative error, '' or why ``got`` fails: a NaN, or an error at or above the dtype's
+        tolerance)."""
+        tol = GEMM_TOL[self.dtype]
+        err = rel_err(got, ref)
+        if bool(torch.isnan(got).any()):
+            return err, "NaN in the output"
+        if not err < tol:
+            return err, f"relative error {err:.2e} >= {tol:g}"
+        return err, ""
 
     def _recheck(self, ctx: RankContext, fn: Callable[[], torch.Tensor], ref: torch.Tensor) -> str:
         """'' if ``fn``'s result is right with its previous output poisoned, else why not (every
@@ -379,12 +385,8 @@ class BenchCaseTask:
             got = fn()
             got.fill_(math.nan)
             del got
-            got = fn()
-            err = rel_err(got, ref)
-            if bool(torch.isnan(got).any()):
-                why = "NaN in the output after timing"
-            elif not err < GEMM_TOL[self.dtype]:
-                why = f"relative error {err:.2e} after timing"
+            _, why = self._verdict(fn(), ref)
+            why = f"{why} after timing" if why else ""
         except Exception as exc:
             why = f"after timing: {_reason(exc)}"
         if _worst(1 if why else 0, ctx.device):
@@ -583,7 +585,7 @@ class BenchResult:
         )
 
 
-def _engine_calls(device: torch.device) -> tuple[int, int]:
+def _own_graph_calls(device: torch.device) -> tuple[int, int]:
     """(calls, replayed calls) so far of this rank's copy engine and ``overlap: false`` fallback, the
     runtime's two users of CUDA graphs of its own; (0, 0) before either is made. A bench row run
     eagerly pays a call's host time (~0.3 ms at 2048x4096x4096 on the copy engine, run 25 in
