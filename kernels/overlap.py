@@ -23,10 +23,8 @@ from .errors import ScheduleError, ShapeError
 from .gemm import BOperand, restore_tile_major, signalled_gemm
 from .plan import Plan, make_plan
 from .runtime import OverlapRuntime, runtime_for
-from .schedule import COPY_ENGINE_WORLD, Schedule
+from .schedule import COPY_ENGINE_WORLD, TORCH_DTYPES, Schedule, dtype_name
 from .table import lookup_schedule
-
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor) -> BOperand:
@@ -40,7 +38,7 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor) -> BOperand:
         )
     if 0 in a.shape or b.shape[1] == 0:
         raise ShapeError(f"empty operand: a {tuple(a.shape)}, b {tuple(b.shape)}")
-    if a.dtype not in _DTYPE_NAMES:
+    if a.dtype not in TORCH_DTYPES.values():
         raise ShapeError(f"dtype {a.dtype} is not supported; use bfloat16, float16 or float32")
     if b.dtype != a.dtype:
         raise ShapeError(f"a is {a.dtype} but b is {b.dtype}; both must have the same dtype")
@@ -59,7 +57,7 @@ def _resolve_schedule(
     collective: str, a: torch.Tensor, n: int, schedule: Schedule | None, world: int
 ) -> Schedule:
     m, k = a.shape
-    dtype = _DTYPE_NAMES[a.dtype]
+    dtype = dtype_name(a.dtype)
     if schedule is None:
         return lookup_schedule(collective, m, n, k, dtype=dtype, world_size=world, device=a.device)
     if not isinstance(schedule, Schedule):

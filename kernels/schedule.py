@@ -35,10 +35,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 from .errors import ScheduleError
 
 COLLECTIVES = ("all_reduce", "reduce_scatter")
-DTYPES = ("bfloat16", "float16", "float32")
+# Operand dtypes by their table name: the one map from names to torch dtypes.
+TORCH_DTYPES: Mapping[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+DTYPES = tuple(TORCH_DTYPES)
 LAYOUTS = ("row_band", "tile_major")
 WAIT_MODES = ("stream_wait", "spin")
 ENGINES = ("triton", "copy_engine")
@@ -52,6 +60,23 @@ MAX_CHUNKS = 64
 MIN_BLOCK = 16
 MAX_BLOCK = 256
 NUM_WARPS_CHOICES = (1, 2, 4, 8, 16)
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The table name of an operand dtype (``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``)."""
+    if isinstance(dtype, torch.dtype):
+        for name, value in TORCH_DTYPES.items():
+            if value == dtype:
+                return name
+        raise ScheduleError(f"dtype: {dtype} is not supported; use one of {', '.join(DTYPES)}")
+    if dtype not in TORCH_DTYPES:
+        raise ScheduleError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a table dtype name (``"bfloat16"`` -> ``torch.bfloat16``)."""
+    return TORCH_DTYPES[dtype_name(name)]
 
 
 def _is_pow2(x: int) -> bool:
@@ -173,6 +198,14 @@ class Tile:
     @classmethod
     def from_dict(cls, data: Any) -> Tile:
         return _from_mapping(cls, data, "tile")
+
+    def label(self) -> str:
+        """The config in a few words, e.g. ``128x256x64 gm8 w8 s3 ws``: logs, reports, search parameters."""
+        ws = " ws" if self.warp_specialize else ""
+        return (
+            f"{self.block_m}x{self.block_n}x{self.block_k} gm{self.group_m} w{self.num_warps} "
+            f"s{self.num_stages}{ws}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -334,7 +367,7 @@ class Schedule:
             return f"{head}: no overlap (GEMM then collective)"
         t = self.tile
         if self.engine == "copy_engine":
-            how = "" if t is None else f", tiled {_tile_words(t)}"
+            how = "" if t is None else f", tiled {t.label()}"
             if self.exchange:
                 chunks = f"exchange, {len(self.groups)} chunk(s) of M, weights {list(self.groups)}"
             else:
@@ -342,15 +375,7 @@ class Schedule:
             return f"{head}: copy engine, {chunks}{how}"
         assert t is not None
         return (
-            f"{head}: tile {_tile_words(t)}, sms_free {self.sms_free}, "
+            f"{head}: tile {t.label()}, sms_free {self.sms_free}, "
             f"cta cap {self.nccl_max_ctas or 'default'}, "
             f"signal {self.signal_tiles} tiles, groups {list(self.groups)}, {self.layout}, {self.wait_mode}"
         )
-
-
-def _tile_words(t: Tile) -> str:
-    """A tile config in a few words, as ``describe`` prints it."""
-    return (
-        f"{t.block_m}x{t.block_n}x{t.block_k} gm{t.group_m} w{t.num_warps} "
-        f"s{t.num_stages}{' ws' if t.warp_specialize else ''}"
-    )

@@ -58,7 +58,7 @@ from .errors import (
 from .files import atomic_write, read_yaml
 from .fingerprint import Fingerprint, current_fingerprint, resolve_device
 from .heuristics import default_schedule
-from .schedule import COLLECTIVES, DTYPES, Schedule
+from .schedule import COLLECTIVES, DTYPES, Schedule, dtype_name
 
 __all__ = [
     "TABLE_DIR_ENV",
@@ -81,7 +81,6 @@ TABLE_DIR_ENV = "FO_TUNE_TABLE_DIR"
 # Row keys that the header owns.
 _HEADER_KEYS = ("collective", "dtype", "world_size")
 _TOP_KEYS = ("schema_version", "kind", "fingerprint", "collective", "world_size", "dtype", "rows")
-_TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # Loaded tables kept by lookup_schedule; a few (device, collective, world, dtype) files per process.
 _CACHE_SIZE = 64
 # Seconds lookup_schedule answers a repeated call from memory before it looks at the files again.
@@ -97,11 +96,7 @@ def _check_name(name: str, value: Any, valid: tuple[str, ...]) -> str:
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _TORCH_DTYPES:
-            raise ScheduleError(f"dtype: {dtype} is not one of {', '.join(map(str, _TORCH_DTYPES))}")
-        return _TORCH_DTYPES[dtype]
-    return _check_name("dtype", dtype, DTYPES)
+    return dtype_name(dtype)
 
 
 def _check_positive(name: str, value: Any) -> int:
