@@ -83,9 +83,11 @@ import torch.distributed as dist
 from .errors import EnvironmentMismatchError, ScheduleError, ShapeError
 from .gemm import BOperand, rows_gemm
 from .graphs import GRAPH_AFTER_CALLS, GRAPH_CACHE_SIZE, SEEN_CACHE_SIZE, OutputPool, end_generator_capture
-from .schedule import COPY_ENGINE_WORLD, MAX_CHUNKS, Tile
+from .schedule import MAX_CHUNKS, Tile
 from .wait import _driver_module
 
+# The peers this module's protocol connects (each rank owns one half of the rows).
+COPY_ENGINE_WORLD = 2
 # Flag slots, each 0 or 1: [PARTIAL, PARTIAL + MAX_CHUNKS) the peer's partial of my chunk c is
 # ready, [SUMMED, ...) the peer's summed chunk c is ready (all_reduce), PULLED / GATHERED: the
 # peer has finished reading my ``part`` / ``final`` buffer (both start at 1: nothing to read).

@@ -21,7 +21,7 @@ Rules (each constant below says where it comes from):
 from __future__ import annotations
 
 from .plan import cdiv
-from .schedule import Problem, Schedule, Tile
+from .schedule import Problem, Schedule, Tile, TritonSettings
 
 GPU_TILE = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 GPU_SMALL_TILE = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
@@ -72,7 +72,6 @@ def default_schedule(
             dtype=dtype,
             world_size=world_size,
             problem=problem,
-            overlap=False,
             provenance={"source": "heuristic"},
         )
     if on_gpu:
@@ -99,12 +98,14 @@ def default_schedule(
         dtype=dtype,
         world_size=world_size,
         problem=problem,
-        tile=tile,
-        sms_free=sms_free,
-        nccl_max_ctas=cap,
-        signal_tiles=unit,
-        groups=split_decreasing(units, DEFAULT_MAX_GROUPS),
-        layout=layout,
-        wait_mode="stream_wait",
+        settings=TritonSettings(
+            tile=tile,
+            sms_free=sms_free,
+            nccl_max_ctas=cap,
+            signal_tiles=unit,
+            groups=split_decreasing(units, DEFAULT_MAX_GROUPS),
+            layout=layout,
+            wait_mode="stream_wait",
+        ),
         provenance={"source": "heuristic"},
     )

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ScheduleError, ShapeError
-from .schedule import Schedule
+from .schedule import Schedule, TritonSettings
 
 
 def cdiv(a: int, b: int) -> int:
@@ -141,26 +141,29 @@ class Plan:
 
 def make_plan(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> Plan:
     """Check the schedule against the call's shape and derive the plan; errors name the field."""
-    if not schedule.overlap or schedule.tile is None:
-        raise ScheduleError("overlap: a plan is only made for an overlapped schedule")
+    st = schedule.settings
+    if not isinstance(st, TritonSettings):
+        raise ScheduleError(
+            f"engine: a tile plan is made for engine triton, not {schedule.engine or 'overlap: false'}"
+        )
     if not schedule.problem.covers(m, n, k):
         raise ScheduleError(
             f"problem: the schedule is for {schedule.problem.describe()}, called with {m}x{n}x{k}"
         )
-    tile = schedule.tile
+    tile = st.tile
     shards = schedule.world_size if schedule.collective == "reduce_scatter" else 1
     if m % shards:
         raise ShapeError(f"reduce_scatter needs M divisible by the world size {shards}, got M={m}")
     rows = m // shards
     mt, nt = cdiv(rows, tile.block_m), cdiv(n, tile.block_n)
     num_tiles = shards * mt * nt
-    grid = sm_count - schedule.sms_free
+    grid = sm_count - st.sms_free
     if grid < 1:
-        raise ScheduleError(f"sms_free: {schedule.sms_free} leaves no SM of {sm_count} for the GEMM")
+        raise ScheduleError(f"sms_free: {st.sms_free} leaves no SM of {sm_count} for the GEMM")
     grid = min(grid, num_tiles)
-    unit = schedule.signal_tiles
+    unit = st.signal_tiles
     num_units = cdiv(num_tiles, unit)
-    sizes = resolve_groups(schedule.groups, num_units, exact=not schedule.problem.is_range)
+    sizes = resolve_groups(st.groups, num_units, exact=not schedule.problem.is_range)
 
     local: list[tuple[int, int]] = []
     start = 0
@@ -169,7 +172,7 @@ def make_plan(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> P
         local.append((start // shards, stop // shards))
         start = stop
     rows_of: list[tuple[int, int]] = []
-    if schedule.layout == "row_band":
+    if st.layout == "row_band":
         band = tile.group_m * nt  # local tiles in one band of GROUP_M tile rows
         for g, (l0, _l1) in enumerate(local):
             if l0 % band and l0 != mt * nt:
@@ -193,7 +196,7 @@ def make_plan(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> P
         tiles_n=nt,
         grid=grid,
         unit_tiles=unit,
-        layout=schedule.layout,
+        layout=st.layout,
         group_units=sizes,
         group_local=tuple(local),
         group_rows=tuple(rows_of),
@@ -206,6 +209,5 @@ def check_fits(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> 
     The Triton engine must give a plan (``make_plan``); an ``engine: copy_engine`` schedule cuts
     row chunks of any M (``fo_kernels.copy_engine.chunk_bounds`` cuts fewer when a shard is short).
     """
-    if schedule.engine == "copy_engine":
-        return
-    make_plan(schedule, m, n, k, sm_count=sm_count)
+    if isinstance(schedule.settings, TritonSettings):
+        make_plan(schedule, m, n, k, sm_count=sm_count)

@@ -1,29 +1,36 @@
 """The schedule contract: what the tuner writes and the runtime reads.
 
-A ``Schedule`` fixes everything the overlapped op does for one problem (or an M range of it):
+A ``Schedule`` fixes everything one overlapped op does for one problem (or an M range of it). It
+is common fields plus the settings of exactly one engine (a tagged union):
 
 - ``collective``, ``dtype``, ``world_size`` and the ``problem`` (exact M, N, K, or [m_min, m_max]
   for fixed N, K);
-- the GEMM ``tile`` (block sizes, grouped-swizzle width, warps, pipeline stages);
-- ``sms_free``: SMs left to communication; the persistent grid is ``sm_count - sms_free`` programs;
-- ``nccl_max_ctas``: the NCCL CTA cap of the communicator the collectives run on (0: NCCL default);
-- ``signal_tiles``: the signal granularity, tiles per signal unit (group boundaries fall on units);
-- ``groups``: the wave grouping, sizes of consecutive groups in signal units; they sum to the
-  number of units of an exact-shape row; on an M-range row they are relative weights (see
-  ``fo_kernels.plan.resolve_groups``);
-- ``layout``: ``row_band`` (every group is a band of whole tile rows, communicated in place) or
-  ``tile_major`` (each tile stored as a contiguous block at its group's position, restored after);
-- ``wait_mode``: ``stream_wait`` (``cuStreamWaitValue32``) or ``spin`` (a one-program Triton kernel);
-- ``overlap: false``: plain GEMM then the collective (the no-gain fallback);
-- ``engine``: ``triton`` (the signalled persistent Triton GEMM and NCCL, everything above) or
-  ``copy_engine`` (two NVLink peers only: the library GEMM in row chunks, the data moved by the
-  GPUs' copy engines and summed in the GEMM's epilogue, no NCCL; see ``fo_kernels.copy_engine``).
-  A ``copy_engine`` schedule has ``groups``: the relative row weights of the chunks each rank's
-  shard is cut into (on every row, exact or M range), and optionally a ``tile``: then each phase
-  is one persistent Triton GEMM with that tile, its tiles signalling per chunk (the tiled mode),
-  instead of a library GEMM per chunk. ``exchange: true`` (all_reduce, no tile): the weights cut
-  all M rows, and each rank pulls and adds the peer's whole partial, one NVLink hop per byte. The
-  other Triton fields stay unset. Its streams wait with ``cuStreamWaitValue32`` (cuda-bindings).
+- ``settings``: ``None`` for ``overlap: false`` (plain GEMM then the collective, the baseline every
+  engine is judged against), else one engine's settings, registered by the engine's exact name
+  (``ENGINE_SETTINGS``; ``settings_type`` names the valid ones):
+
+  - ``TritonSettings`` (engine ``triton``: the signalled persistent Triton GEMM and NCCL):
+    ``tile``; ``sms_free`` (SMs left to communication: the grid is ``sm_count - sms_free``);
+    ``nccl_max_ctas`` (the NCCL CTA cap, 0: NCCL's default); ``signal_tiles`` (tiles per signal
+    unit); ``groups`` (sizes of consecutive groups in signal units, summing to the units of an
+    exact-shape row; relative weights on an M-range row, ``fo_kernels.plan.resolve_groups``);
+    ``layout`` (``row_band``: groups are bands of whole tile rows, communicated in place;
+    ``tile_major``: tiles stored contiguously per group, restored after); ``wait_mode``
+    (``stream_wait``: ``cuStreamWaitValue32``; ``spin``: a one-program Triton kernel);
+  - ``CopyEngineSettings`` (engine ``copy_engine``: library GEMM chunks, the data moved by the
+    GPUs' copy engines between NVLink peers and summed in the GEMM's epilogue, no NCCL; see
+    ``fo_kernels.copy_engine``): ``mode`` (``ring``: a cuBLAS GEMM per row chunk; ``tiled``: each
+    phase one persistent Triton GEMM whose tiles signal per chunk), ``weights`` (the relative row
+    weights of the chunks each shard is cut into, on every row, exact or M range) and ``tile``
+    (the tiled mode's GEMM tile; only with ``mode: tiled``).
+
+A table row in YAML::
+
+    - problem: {m: 4096, n: 8192, k: 4096}
+      engine: copy_engine
+      settings: {mode: ring, weights: [1, 1, 1, 1]}
+    - problem: {m_min: 512, m_max: 724, n: 4096, k: 4096}
+      overlap: false
 
 Field-level rules are checked here on construction; rules that need the shape (group sums, band
 alignment, divisibility) are checked by ``fo_kernels.plan.make_plan``. Every error names the field.
@@ -31,9 +38,10 @@ alignment, divisibility) are checked by ``fo_kernels.plan.make_plan``. Every err
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -49,9 +57,11 @@ TORCH_DTYPES: Mapping[str, torch.dtype] = {
 DTYPES = tuple(TORCH_DTYPES)
 LAYOUTS = ("row_band", "tile_major")
 WAIT_MODES = ("stream_wait", "spin")
-ENGINES = ("triton", "copy_engine")
-# The copy engine moves data between exactly two peers (each rank owns one half of the rows).
-COPY_ENGINE_WORLD = 2
+# The copy engine's modes (``fo_kernels.copy_engine``): cuBLAS chunks around a ring of peers, or one
+# persistent Triton GEMM per phase whose tiles signal per chunk.
+COPY_ENGINE_MODES = ("ring", "tiled")
+# The copy engine moves data between peers: at least two ranks.
+COPY_ENGINE_MIN_WORLD = 2
 # Most chunks per shard a copy_engine schedule may cut (its flag slots are preallocated).
 MAX_CHUNKS = 64
 
@@ -69,7 +79,7 @@ def dtype_name(dtype: torch.dtype | str) -> str:
             if value == dtype:
                 return name
         raise ScheduleError(f"dtype: {dtype} is not supported; use one of {', '.join(DTYPES)}")
-    if dtype not in TORCH_DTYPES:
+    if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
         raise ScheduleError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     return dtype
 
@@ -208,26 +218,182 @@ class Tile:
         )
 
 
+class EngineSettings(ABC):
+    """One engine's part of a schedule. Subclasses are frozen dataclasses registered under their
+    engine's exact name (``register_settings``); ``ENGINE`` is that name."""
+
+    ENGINE: ClassVar[str]
+
+    @abstractmethod
+    def check(self, collective: str, world_size: int) -> None:
+        """Raise ``ScheduleError`` (naming the field) when these settings cannot serve the call kind."""
+
+    @abstractmethod
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML mapping of a table row's ``settings``."""
+
+    @classmethod
+    @abstractmethod
+    def from_dict(cls, data: Any) -> EngineSettings:
+        """Parse a row's ``settings`` mapping (every error names the field)."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """A few words for logs and reports."""
+
+
+ENGINE_SETTINGS: dict[str, type[EngineSettings]] = {}
+
+
+def register_settings(cls: type[EngineSettings]) -> type[EngineSettings]:
+    """Class decorator: make ``cls`` the settings type of engine ``cls.ENGINE``."""
+    if cls.ENGINE in ENGINE_SETTINGS:
+        raise ValueError(
+            f"engine {cls.ENGINE!r} has settings already ({ENGINE_SETTINGS[cls.ENGINE].__name__})"
+        )
+    ENGINE_SETTINGS[cls.ENGINE] = cls
+    return cls
+
+
+def settings_type(engine: Any) -> type[EngineSettings]:
+    """The settings type of the engine named ``engine``; an unknown name lists the valid ones."""
+    found = ENGINE_SETTINGS.get(engine) if isinstance(engine, str) else None
+    if found is None:
+        raise ScheduleError(f"engine: {engine!r} is not one of {', '.join(sorted(ENGINE_SETTINGS))}")
+    return found
+
+
+def _weights(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ScheduleError(f"{name}: expected a list of integers, got {value!r}")
+    out = tuple(value)
+    if not out:
+        raise ScheduleError(f"{name}: needs at least one entry")
+    for i, g in enumerate(out):
+        _check_int(f"{name}[{i}]", g, minimum=1)
+    return out
+
+
+def _settings_from_mapping(cls: type, data: Any) -> Any:
+    if not isinstance(data, Mapping):
+        raise ScheduleError(f"settings: expected a mapping, got {type(data).__name__}")
+    merged = dict(data)
+    if merged.get("tile") is not None:
+        merged["tile"] = Tile.from_dict(merged["tile"])
+    return _from_mapping(cls, merged, f"settings ({cls.ENGINE})")
+
+
+@register_settings
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TritonSettings(EngineSettings):
+    """The signalled persistent Triton GEMM and NCCL per group (see the module docstring)."""
+
+    ENGINE: ClassVar[str] = "triton"
+    tile: Tile
+    groups: tuple[int, ...]
+    sms_free: int = 0
+    nccl_max_ctas: int = 0
+    signal_tiles: int = 1
+    layout: str = "tile_major"
+    wait_mode: str = "stream_wait"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tile, Tile):
+            raise ScheduleError(f"tile: expected a Tile config, got {type(self.tile).__name__}")
+        object.__setattr__(self, "groups", _weights("groups", self.groups))
+        _check_int("sms_free", self.sms_free, minimum=0)
+        _check_int("nccl_max_ctas", self.nccl_max_ctas, minimum=0)
+        _check_int("signal_tiles", self.signal_tiles, minimum=1)
+        _check_choice("layout", self.layout, LAYOUTS)
+        _check_choice("wait_mode", self.wait_mode, WAIT_MODES)
+
+    def check(self, collective: str, world_size: int) -> None:
+        if collective == "reduce_scatter" and self.signal_tiles % world_size:
+            raise ScheduleError(
+                f"signal_tiles: reduce_scatter needs a multiple of world_size {world_size} "
+                f"(each unit holds the same tile of every rank's shard), got {self.signal_tiles}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tile": self.tile.to_dict(),
+            "sms_free": self.sms_free,
+            "nccl_max_ctas": self.nccl_max_ctas,
+            "signal_tiles": self.signal_tiles,
+            "groups": list(self.groups),
+            "layout": self.layout,
+            "wait_mode": self.wait_mode,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TritonSettings:
+        return _settings_from_mapping(cls, data)
+
+    def describe(self) -> str:
+        return (
+            f"tile {self.tile.label()}, sms_free {self.sms_free}, "
+            f"cta cap {self.nccl_max_ctas or 'default'}, signal {self.signal_tiles} tiles, "
+            f"groups {list(self.groups)}, {self.layout}, {self.wait_mode}"
+        )
+
+
+@register_settings
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CopyEngineSettings(EngineSettings):
+    """The copy engine: chunk GEMMs, copy-engine pulls between peers, sums in the epilogue."""
+
+    ENGINE: ClassVar[str] = "copy_engine"
+    weights: tuple[int, ...]
+    mode: str = "ring"
+    tile: Tile | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, COPY_ENGINE_MODES)
+        weights = _weights("weights", self.weights)
+        if len(weights) > MAX_CHUNKS:
+            raise ScheduleError(f"weights: at most {MAX_CHUNKS} chunks per shard, got {len(weights)}")
+        object.__setattr__(self, "weights", weights)
+        if self.mode == "tiled" and not isinstance(self.tile, Tile):
+            raise ScheduleError("tile: mode tiled runs a persistent Triton GEMM and needs its tile config")
+        if self.mode != "tiled" and self.tile is not None:
+            raise ScheduleError(f"tile: mode {self.mode} runs library GEMMs; only mode tiled takes a tile")
+
+    def check(self, collective: str, world_size: int) -> None:
+        if world_size < COPY_ENGINE_MIN_WORLD:
+            raise ScheduleError(
+                f"engine: copy_engine moves data between at least {COPY_ENGINE_MIN_WORLD} GPUs, "
+                f"this schedule has world_size {world_size}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.mode, "weights": list(self.weights)}
+        if self.tile is not None:
+            out["tile"] = self.tile.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CopyEngineSettings:
+        return _settings_from_mapping(cls, data)
+
+    def describe(self) -> str:
+        how = f", tile {self.tile.label()}" if self.tile is not None else ""
+        return f"{self.mode}, {len(self.weights)} chunk(s) per shard, weights {list(self.weights)}{how}"
+
+
+# The keys of a table row (the header gives collective, dtype and world_size).
+_ROW_KEYS = ("problem", "overlap", "engine", "settings", "provenance")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Schedule:
-    """One overlapped GEMM + collective, fully specified (see the module docstring)."""
+    """One GEMM + collective, fully specified: common fields and one engine's settings (or none)."""
 
     collective: str
     dtype: str
     world_size: int
     problem: Problem
-    overlap: bool = True
-    engine: str = "triton"
-    tile: Tile | None = None
-    sms_free: int = 0
-    nccl_max_ctas: int = 0
-    signal_tiles: int = 1
-    groups: tuple[int, ...] = ()
-    layout: str = "tile_major"
-    wait_mode: str = "stream_wait"
-    # engine copy_engine, all_reduce: exchange whole partials (one NVLink hop per byte) instead of
-    # reduce-scatter then all-gather (see ``fo_kernels.copy_engine``)
-    exchange: bool = False
+    # None: overlap: false (GEMM then the collective); else the settings of the engine that runs it.
+    settings: EngineSettings | None = None
     # Where the row came from (search id, measured/predicted ms, ...); the runtime ignores it.
     provenance: Mapping[str, Any] = field(default_factory=dict)
 
@@ -237,8 +403,6 @@ class Schedule:
         _check_int("world_size", self.world_size, minimum=1)
         if not isinstance(self.problem, Problem):
             raise ScheduleError(f"problem: expected a Problem, got {type(self.problem).__name__}")
-        if not isinstance(self.overlap, bool):
-            raise ScheduleError(f"overlap: expected true or false, got {self.overlap!r}")
         if (
             self.problem.m is not None
             and self.collective == "reduce_scatter"
@@ -248,61 +412,24 @@ class Schedule:
                 f"problem.m: reduce_scatter needs M divisible by world_size {self.world_size}, "
                 f"got {self.problem.m}"
             )
-        _check_choice("engine", self.engine, ENGINES)
-        if not isinstance(self.exchange, bool):
-            raise ScheduleError(f"exchange: expected true or false, got {self.exchange!r}")
-        if self.exchange and (not self.overlap or self.engine != "copy_engine"):
-            raise ScheduleError("exchange: only an overlapped engine: copy_engine row exchanges partials")
-        if not self.overlap:
-            if self.engine != "triton":
+        if self.settings is not None:
+            if not isinstance(self.settings, EngineSettings):
                 raise ScheduleError(
-                    "engine: an overlap: false row runs GEMM then the collective; leave engine out"
+                    f"settings: expected an engine's settings, got {type(self.settings).__name__}"
                 )
-            return
-        if self.engine == "copy_engine":
-            self._check_copy_engine()
-            return
-        if not isinstance(self.tile, Tile):
-            raise ScheduleError("tile: an overlapped schedule needs a tile config")
-        _check_int("sms_free", self.sms_free, minimum=0)
-        _check_int("nccl_max_ctas", self.nccl_max_ctas, minimum=0)
-        _check_int("signal_tiles", self.signal_tiles, minimum=1)
-        if self.collective == "reduce_scatter" and self.signal_tiles % self.world_size:
-            raise ScheduleError(
-                f"signal_tiles: reduce_scatter needs a multiple of world_size {self.world_size} "
-                f"(each unit holds the same tile of every rank's shard), got {self.signal_tiles}"
-            )
-        groups = tuple(self.groups)
-        if not groups:
-            raise ScheduleError("groups: an overlapped schedule needs at least one group")
-        for i, g in enumerate(groups):
-            _check_int(f"groups[{i}]", g, minimum=1)
-        object.__setattr__(self, "groups", groups)
-        _check_choice("layout", self.layout, LAYOUTS)
-        _check_choice("wait_mode", self.wait_mode, WAIT_MODES)
+            self.settings.check(self.collective, self.world_size)
+        if not isinstance(self.provenance, Mapping):
+            raise ScheduleError(f"provenance: expected a mapping, got {type(self.provenance).__name__}")
 
-    def _check_copy_engine(self) -> None:
-        if self.world_size != COPY_ENGINE_WORLD:
-            raise ScheduleError(
-                f"engine: copy_engine runs between exactly {COPY_ENGINE_WORLD} GPUs, "
-                f"this schedule has world_size {self.world_size}"
-            )
-        defaults = {f.name: f.default for f in fields(Schedule)}
-        if self.tile is not None and not isinstance(self.tile, Tile):
-            raise ScheduleError(f"tile: expected a Tile config, got {type(self.tile).__name__}")
-        for name in ("sms_free", "nccl_max_ctas", "signal_tiles", "layout", "wait_mode"):
-            if getattr(self, name) != defaults[name]:
-                raise ScheduleError(f"{name}: not used by engine copy_engine; leave it out")
-        if self.exchange and (self.collective != "all_reduce" or self.tile is not None):
-            raise ScheduleError("exchange: only all_reduce without a tile (cuBLAS chunks) exchanges partials")
-        groups = tuple(self.groups)
-        if not groups:
-            raise ScheduleError("groups: a copy_engine schedule needs the row weights of its chunks")
-        if len(groups) > MAX_CHUNKS:
-            raise ScheduleError(f"groups: at most {MAX_CHUNKS} chunks per shard, got {len(groups)}")
-        for i, g in enumerate(groups):
-            _check_int(f"groups[{i}]", g, minimum=1)
-        object.__setattr__(self, "groups", groups)
+    @property
+    def overlap(self) -> bool:
+        """False for the ``overlap: false`` fallback (GEMM then the collective)."""
+        return self.settings is not None
+
+    @property
+    def engine(self) -> str | None:
+        """The name of the engine that runs this schedule (None for ``overlap: false``)."""
+        return None if self.settings is None else self.settings.ENGINE
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -311,25 +438,11 @@ class Schedule:
             "dtype": self.dtype,
             "world_size": self.world_size,
             "problem": self.problem.to_dict(),
-            "overlap": self.overlap,
         }
-        if self.overlap and self.engine == "copy_engine":
-            out.update(engine=self.engine, groups=list(self.groups))
-            if self.tile is not None:
-                out["tile"] = self.tile.to_dict()
-            if self.exchange:
-                out["exchange"] = True
-        elif self.overlap:
-            assert self.tile is not None
-            out.update(
-                tile=self.tile.to_dict(),
-                sms_free=self.sms_free,
-                nccl_max_ctas=self.nccl_max_ctas,
-                signal_tiles=self.signal_tiles,
-                groups=list(self.groups),
-                layout=self.layout,
-                wait_mode=self.wait_mode,
-            )
+        if self.settings is None:
+            out["overlap"] = False
+        else:
+            out.update(engine=self.settings.ENGINE, settings=self.settings.to_dict())
         if self.provenance:
             out["provenance"] = dict(self.provenance)
         return out
@@ -340,42 +453,44 @@ class Schedule:
         if not isinstance(data, Mapping):
             raise ScheduleError(f"schedule: expected a mapping, got {type(data).__name__}")
         merged = {**(defaults or {}), **data}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(merged) - known)
+        known = (
+            "collective",
+            "dtype",
+            "world_size",
+            "problem",
+            "overlap",
+            "engine",
+            "settings",
+            "provenance",
+        )
+        unknown = sorted(str(key) for key in set(merged) - set(known))
         if unknown:
             raise ScheduleError(f"schedule: unknown key(s) {', '.join(unknown)}; valid: {sorted(known)}")
-        if "problem" not in merged:
-            raise ScheduleError("problem: missing")
-        merged["problem"] = Problem.from_dict(merged["problem"])
-        if merged.get("tile") is not None:
-            merged["tile"] = Tile.from_dict(merged["tile"])
-        if "groups" in merged:
-            if not isinstance(merged["groups"], (list, tuple)):
-                raise ScheduleError(f"groups: expected a list of integers, got {merged['groups']!r}")
-            merged["groups"] = tuple(merged["groups"])
-        if merged.get("provenance") is None:
-            merged["provenance"] = {}
-        for key in ("collective", "dtype", "world_size"):
+        for key in ("collective", "dtype", "world_size", "problem"):
             if key not in merged:
                 raise ScheduleError(f"{key}: missing")
-        return cls(**merged)
+        overlap = merged.get("overlap", True)
+        if not isinstance(overlap, bool):
+            raise ScheduleError(f"overlap: expected true or false, got {overlap!r}")
+        settings = None
+        if overlap:
+            if "engine" not in merged:
+                raise ScheduleError("engine: missing (an overlapped row names its engine; or overlap: false)")
+            settings = settings_type(merged["engine"]).from_dict(merged.get("settings"))
+        elif "engine" in merged or "settings" in merged:
+            raise ScheduleError("engine: an overlap: false row runs GEMM then the collective; leave it out")
+        return cls(
+            collective=merged["collective"],
+            dtype=merged["dtype"],
+            world_size=merged["world_size"],
+            problem=Problem.from_dict(merged["problem"]),
+            settings=settings,
+            provenance=merged.get("provenance") or {},
+        )
 
     def describe(self) -> str:
         """A one-line human summary, used in logs and reports."""
         head = f"{self.collective} {self.dtype} w{self.world_size} {self.problem.describe()}"
-        if not self.overlap:
+        if self.settings is None:
             return f"{head}: no overlap (GEMM then collective)"
-        t = self.tile
-        if self.engine == "copy_engine":
-            how = "" if t is None else f", tiled {t.label()}"
-            if self.exchange:
-                chunks = f"exchange, {len(self.groups)} chunk(s) of M, weights {list(self.groups)}"
-            else:
-                chunks = f"{len(self.groups)} chunk(s) per shard, weights {list(self.groups)}"
-            return f"{head}: copy engine, {chunks}{how}"
-        assert t is not None
-        return (
-            f"{head}: tile {t.label()}, sms_free {self.sms_free}, "
-            f"cta cap {self.nccl_max_ctas or 'default'}, "
-            f"signal {self.signal_tiles} tiles, groups {list(self.groups)}, {self.layout}, {self.wait_mode}"
-        )
+        return f"{head}: engine {self.settings.ENGINE}, {self.settings.describe()}"

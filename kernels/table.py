@@ -6,7 +6,7 @@ One file per (device key, collective, world size, dtype),
 ``$XDG_DATA_HOME/fo-tune/tables`` (``~/.local/share/fo-tune/tables``); the packaged tables,
 ``importlib.resources.files("fo_results") / "tables"`` (skipped when not importable or zipped). A file::
 
-    schema_version: 1
+    schema_version: 2
     kind: fo-tune-schedule-table
     fingerprint: {device_key: ..., gpu_name: ..., compute_capability: "9.0", ...}
     collective: all_reduce
@@ -14,13 +14,17 @@ One file per (device key, collective, world size, dtype),
     dtype: bfloat16
     rows:
       - problem: {m: 4096, n: 8192, k: 4096}      # or {m_min: 1, m_max: 2048, n: ..., k: ...}
-        overlap: true
-        tile: {block_m: 128, block_n: 256, block_k: 64, group_m: 8, num_warps: 8, num_stages: 3}
-        ...
+        engine: copy_engine
+        settings: {mode: ring, weights: [1, 1, 1, 1]}
+      - problem: {m_min: 512, m_max: 1448, n: 4096, k: 4096}
+        overlap: false
 
 Rows leave out ``collective``, ``dtype`` and ``world_size``; they come from the header (a row that
-states other values is refused). A table keeps its rows unique per problem and sorted by (n, k, m or
-m_min); a later row for the same problem replaces an earlier one.
+states other values is refused). A row is a ``fo_kernels.schedule.Schedule``: common fields and
+one engine's ``settings``. A schema-1 file (every engine's fields side by side in the row) is read
+by ``_upgrade_v1_row`` and written back as schema 2 by the next ``save_table``. A table keeps
+its rows unique per problem and sorted by (n, k, m or m_min); a later row for the same problem
+replaces an earlier one.
 
 ``lookup_schedule`` matches an exact-shape row in any found file (in search order) before an M-range
 row in any of them, and falls back to ``fo_kernels.heuristics.default_schedule`` with a
@@ -74,8 +78,8 @@ __all__ = [
     "table_search_path",
 ]
 
-TABLE_SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = (1,)
+TABLE_SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 TABLE_KIND = "fo-tune-schedule-table"
 TABLE_DIR_ENV = "FO_TUNE_TABLE_DIR"
 # Row keys that the header owns.
@@ -270,10 +274,41 @@ class ScheduleTable:
                         f"{source}: rows[{i}]: {key}: the row says {row[key]!r}, the header {header[key]!r}"
                     )
             try:
+                if version == 1:
+                    row = _upgrade_v1_row(row)
                 table.upsert(Schedule.from_dict(row, defaults=header))
             except ScheduleError as exc:
                 raise TableError(f"{source}: rows[{i}]: {exc}") from None
+        table.schema_version = TABLE_SCHEMA_VERSION  # (saving it writes the rows in today's form)
         return table
+
+
+# Schema 1: a row's Triton-engine fields, side by side with the common ones.
+_V1_TRITON_KEYS = ("tile", "sms_free", "nccl_max_ctas", "signal_tiles", "groups", "layout", "wait_mode")
+
+
+def _upgrade_v1_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A schema-1 row in schema-2 form: the Triton fields move into ``settings``; a copy_engine
+    row's ``groups`` are its chunk ``weights`` and its ``tile`` selects mode ``tiled``. A row of the
+    removed ``exchange`` mode is refused (``ScheduleError``)."""
+    out = {key: row[key] for key in ("problem", "provenance", *_HEADER_KEYS) if key in row}
+    if row.get("overlap", True) is False:
+        return {**out, "overlap": False}
+    extra = sorted(str(key) for key in set(row) - {*out, "overlap", "engine", "exchange", *_V1_TRITON_KEYS})
+    if extra:
+        raise ScheduleError(f"schedule: unknown key(s) {', '.join(extra)} in a schema 1 row")
+    engine = row.get("engine", "triton")
+    if engine != "copy_engine":
+        return {**out, "engine": engine, "settings": {k: row[k] for k in _V1_TRITON_KEYS if k in row}}
+    if row.get("exchange"):
+        raise ScheduleError(
+            "exchange: the copy engine's exchange mode no longer exists; re-tune this shape with "
+            "`fo-tune search` (or delete the row)"
+        )
+    settings: dict[str, Any] = {"mode": "ring", "weights": row.get("groups")}
+    if row.get("tile") is not None:
+        settings.update(mode="tiled", tile=row["tile"])
+    return {**out, "engine": "copy_engine", "settings": settings}
 
 
 # ------------------------------------------------------------------------------- load and save
@@ -310,13 +345,20 @@ _TableDumper.add_representer(
 
 
 def _readable(data: dict[str, Any]) -> dict[str, Any]:
-    """Mark a row's small leaves (problem, tile, groups) for one-line output."""
+    """Mark a row's small leaves (problem, tile, lists) for one-line output; settings without a
+    tile fit on one line too."""
     out = dict(data)
-    for key in ("problem", "tile"):
-        if key in out:
-            out[key] = _FlowMapping(out[key])
-    if "groups" in out:
-        out["groups"] = _FlowList(out["groups"])
+    out["problem"] = _FlowMapping(out["problem"])
+    settings = out.get("settings")
+    if settings is not None:
+        settings = {
+            key: _FlowList(value) if isinstance(value, list) else value for key, value in settings.items()
+        }
+        if "tile" in settings:
+            settings["tile"] = _FlowMapping(settings["tile"])
+            out["settings"] = settings
+        else:
+            out["settings"] = _FlowMapping(settings)
     return out
 
 

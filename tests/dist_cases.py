@@ -220,7 +220,7 @@ def copy_engine_refusal(ctx, _payload) -> str:
             world_size=ctx.world_size,
             problem=dict(m=8, n=6, k=4),
             engine="copy_engine",
-            groups=[1, 1],
+            settings=dict(mode="ring", weights=[1, 1]),
         )
     )
     try:
@@ -245,7 +245,7 @@ def copy_engine_m1(ctx, _payload) -> float:
             world_size=ctx.world_size,
             problem=dict(m_min=1, m_max=64, n=6, k=4),
             engine="copy_engine",
-            groups=[1, 1],
+            settings=dict(mode="ring", weights=[1, 1]),
         ),
         13,
     )
@@ -396,8 +396,6 @@ def fallback_cases(first_seed: int) -> list:
     ]
     cases = []
     for i, (collective, m, n, k, dtype, kmajor) in enumerate(specs):
-        row = Schedule(
-            collective=collective, dtype=dtype, world_size=2, problem=Problem(m=m, n=n, k=k), overlap=False
-        )
+        row = Schedule(collective=collective, dtype=dtype, world_size=2, problem=Problem(m=m, n=n, k=k))
         cases.append(Case(collective, m, n, k, dtype, kmajor, row.to_dict(), first_seed + i))
     return cases

@@ -15,7 +15,7 @@ import torch
 from fo_kernels.gemm import BOperand, restore_tile_major, signalled_gemm, tma_usable
 from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import cdiv, make_plan
-from fo_kernels.schedule import Problem, Schedule, Tile
+from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
@@ -31,11 +31,7 @@ def _schedule(collective, world, m, n, k, layout, unit_mult, num_groups):
         dtype="float32",
         world_size=world,
         problem=Problem(m=m, n=n, k=k),
-        tile=TILE,
-        signal_tiles=unit,
-        groups=groups,
-        layout=layout,
-        wait_mode="spin",
+        settings=TritonSettings(tile=TILE, signal_tiles=unit, groups=groups, layout=layout, wait_mode="spin"),
     )
 
 

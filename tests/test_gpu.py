@@ -12,7 +12,7 @@ from dist_cases import TOL, Case, run_cases
 from fo_kernels.gemm import BOperand, restore_tile_major, signalled_gemm, tma_usable
 from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import cdiv, make_plan
-from fo_kernels.schedule import Problem, Schedule, Tile
+from fo_kernels.schedule import CopyEngineSettings, Problem, Schedule, Tile, TritonSettings
 
 GPU_TILES = [
     Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
@@ -31,12 +31,9 @@ def _schedule(collective, world, m, n, k, tile, layout, dtype="bfloat16"):
         dtype=dtype,
         world_size=world,
         problem=Problem(m=m, n=n, k=k),
-        tile=tile,
-        sms_free=20,
-        nccl_max_ctas=16,
-        signal_tiles=unit,
-        groups=groups,
-        layout=layout,
+        settings=TritonSettings(
+            tile=tile, sms_free=20, nccl_max_ctas=16, signal_tiles=unit, groups=groups, layout=layout
+        ),
     )
 
 
@@ -95,16 +92,13 @@ def test_both_ops_over_nccl():
             assert not r["nan"] and r["err"] < 1e-2, r
 
 
-def _copy_engine(collective, m, n, k, chunks, dtype="bfloat16", tile=None, exchange=False):
+def _copy_engine(collective, m, n, k, chunks, dtype="bfloat16", tile=None):
     return Schedule(
         collective=collective,
         dtype=dtype,
         world_size=2,
         problem=Problem(m=m, n=n, k=k),
-        engine="copy_engine",
-        groups=(1,) * chunks,
-        tile=tile,
-        exchange=exchange,
+        settings=CopyEngineSettings(mode="tiled" if tile else "ring", weights=(1,) * chunks, tile=tile),
     ).to_dict()
 
 
@@ -172,34 +166,6 @@ def test_copy_engine_tiled_ops():
     cases = _engine_cases(specs, first_seed=40)
     once = run_ranks(run_cases, 2, cases, backend="nccl", timeout_s=600)
     again = run_ranks(run_back_to_back, 2, cases * 2, backend="nccl", timeout_s=600)
-    for per_rank in [*once, *again]:
-        for r in per_rank:
-            assert not r["nan"] and r["err"] < TOL[r["case"].dtype], r
-
-
-@pytest.mark.multigpu
-def test_copy_engine_exchange_ops():
-    """The copy engine's exchange mode (all_reduce: each rank pulls and adds the peer's whole
-    partial) on two GPUs: odd shapes, 1-4 chunks, three dtypes, both B layouts; once, then twice
-    back to back (replayed from the engine's own graphs), and mixed with the other two modes."""
-    from dist_cases import run_back_to_back
-    from fo_tune.launch import run_ranks
-
-    shapes = [(258, 250, 70), (2048, 4096, 4096), (1000, 3000, 1040), (4, 8, 8), (257, 130, 64)]
-    cases = []
-    for i, ((m, n, k), chunks) in enumerate((s, ch) for s in shapes for ch in (1, 2, 4)):
-        dtype = ("bfloat16", "float16", "float32")[i % 3]
-        schedule = _copy_engine("all_reduce", m, n, k, chunks, dtype, exchange=True)
-        cases.append(Case("all_reduce", m, n, k, dtype, i % 2 == 0, schedule, 60 + i))
-    mixed = _engine_cases(
-        [
-            ("all_reduce", 1024, 768, 512, "bfloat16", True, 2),
-            ("all_reduce", 1024, 768, 512, "bfloat16", False, 2, GPU_TILES[1]),
-        ],
-        first_seed=90,
-    )
-    once = run_ranks(run_cases, 2, cases, backend="nccl", timeout_s=600)
-    again = run_ranks(run_back_to_back, 2, [*cases, *mixed, *cases[:3]] * 2, backend="nccl", timeout_s=600)
     for per_rank in [*once, *again]:
         for r in per_rank:
             assert not r["nan"] and r["err"] < TOL[r["case"].dtype], r

@@ -9,7 +9,7 @@ import pytest
 from dist_cases import TOL, Case, bad_inputs, module_vs_linear, run_cases
 from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import cdiv
-from fo_kernels.schedule import Problem, Schedule, Tile
+from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
 from fo_tune.launch import run_ranks
 
 TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
@@ -32,12 +32,9 @@ def make_schedule(collective, world, m, n, k, dtype, layout, unit_mult=1, num_gr
         dtype=dtype,
         world_size=world,
         problem=Problem(m=m, n=n, k=k),
-        tile=TILE,
-        sms_free=1,
-        signal_tiles=unit,
-        groups=groups,
-        layout=layout,
-        wait_mode=wait,
+        settings=TritonSettings(
+            tile=TILE, sms_free=1, signal_tiles=unit, groups=groups, layout=layout, wait_mode=wait
+        ),
     )
 
 
@@ -77,7 +74,6 @@ def test_two_ranks_fallbacks_and_heuristic_lookup():
             dtype="float32",
             world_size=world,
             problem=Problem(m=34, n=20, k=9),
-            overlap=False,
         )
         cases.append(Case(collective, 34, 20, 9, "float32", False, no_overlap.to_dict(), 100 + i))
         cases.append(Case(collective, 258, 130, 70, "float16", True, None, 200 + i))  # heuristic

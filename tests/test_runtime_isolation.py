@@ -37,12 +37,12 @@ SCRIPT = textwrap.dedent(
             raise SystemExit(f"the blocker let {{name}} through")
 
     import fo_kernels
-    from fo_kernels import HeuristicScheduleWarning, Problem, Schedule, Tile, lookup_schedule
+    from fo_kernels import HeuristicScheduleWarning, Problem, Schedule, Tile, TritonSettings, lookup_schedule
 
     tile = Tile(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    settings = TritonSettings(tile=tile, signal_tiles=1, groups=(1, 1), layout="tile_major", wait_mode="spin")
     built = Schedule(collective="all_reduce", dtype="float32", world_size=2,
-                     problem=Problem(m=64, n=32, k=16), tile=tile, signal_tiles=1, groups=(1, 1),
-                     layout="tile_major", wait_mode="spin")
+                     problem=Problem(m=64, n=32, k=16), settings=settings)
     assert Schedule.from_dict(built.to_dict()) == built
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -3,31 +3,34 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
 from fo_kernels.errors import ScheduleError, ShapeError
 from fo_kernels.heuristics import MIN_OVERLAP_BYTES, default_schedule, split_decreasing
 from fo_kernels.plan import cdiv, make_plan, resolve_groups
-from fo_kernels.schedule import Problem, Schedule, Tile
+from fo_kernels.schedule import (
+    ENGINE_SETTINGS,
+    CopyEngineSettings,
+    Problem,
+    Schedule,
+    Tile,
+    TritonSettings,
+    settings_type,
+)
 
 TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
+_COMMON = ("collective", "dtype", "world_size", "problem", "provenance")
 
 
 def sched(**kw) -> Schedule:
-    base = dict(
-        collective="all_reduce",
-        dtype="float32",
-        world_size=2,
-        problem=Problem(m=64, n=64, k=32),
-        tile=TILE,
-        signal_tiles=1,
-        groups=(8,),
-        layout="tile_major",
-        wait_mode="spin",
-    )
-    base.update(kw)
-    return Schedule(**base)
+    """A Triton-engine schedule; keyword arguments go to the schedule or to its settings by name."""
+    common = dict(collective="all_reduce", dtype="float32", world_size=2, problem=Problem(m=64, n=64, k=32))
+    settings = dict(tile=TILE, signal_tiles=1, groups=(8,), layout="tile_major", wait_mode="spin")
+    for key, value in kw.items():
+        (common if key in _COMMON else settings)[key] = value
+    return Schedule(**common, settings=TritonSettings(**settings))
 
 
 @pytest.mark.parametrize(
@@ -95,14 +98,76 @@ def test_round_trip_and_unknown_keys():
         dtype="bfloat16",
         world_size=4,
         problem=Problem(m_min=8, m_max=64, n=16, k=16),
-        overlap=False,
     )
+    assert not no.overlap and no.engine is None
+    assert no.to_dict()["overlap"] is False and "settings" not in no.to_dict()
     assert Schedule.from_dict(no.to_dict()) == no
     bad = s.to_dict() | {"tile_size": 3}
     with pytest.raises(ScheduleError, match="unknown key"):
         Schedule.from_dict(bad)
+    row = s.to_dict()
+    row["settings"] = row["settings"] | {"tile": {"block_m": 16, "block_n": 16, "block_k": 16, "bm": 1}}
     with pytest.raises(ScheduleError, match=r"^tile: unknown key"):
-        Schedule.from_dict(s.to_dict() | {"tile": {"block_m": 16, "block_n": 16, "block_k": 16, "bm": 1}})
+        Schedule.from_dict(row)
+    row = s.to_dict()
+    row["settings"] = row["settings"] | {"weights": [1]}  # another engine's field
+    with pytest.raises(ScheduleError, match=r"^settings \(triton\): unknown key\(s\) weights"):
+        Schedule.from_dict(row)
+
+
+def test_engines_are_a_tagged_union_registered_by_exact_name():
+    assert set(ENGINE_SETTINGS) == {"triton", "copy_engine"}
+    assert settings_type("copy_engine") is CopyEngineSettings
+    with pytest.raises(ScheduleError, match=r"^engine: 'Copy_Engine' is not one of copy_engine, triton"):
+        settings_type("Copy_Engine")
+    row = sched().to_dict()
+    assert row["engine"] == "triton" and set(row["settings"]) >= {"tile", "groups", "layout"}
+    with pytest.raises(ScheduleError, match=r"^engine: 'nccl' is not one of"):
+        Schedule.from_dict(row | {"engine": "nccl"})
+    with pytest.raises(ScheduleError, match=r"^engine: missing"):
+        Schedule.from_dict({k: v for k, v in row.items() if k != "engine"})
+    with pytest.raises(ScheduleError, match=r"^engine: an overlap: false row"):
+        Schedule.from_dict(row | {"overlap": False})
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(weights=()), "weights"),
+        (dict(weights=(1, 0)), "weights[1]"),
+        (dict(weights=(1,) * 65), "weights"),
+        (dict(mode="exchange"), "mode"),
+        (dict(mode="tiled"), "tile"),  # the tiled mode needs its GEMM tile
+        (dict(mode="ring", tile=TILE), "tile"),  # a ring of library GEMMs takes none
+    ],
+)
+def test_copy_engine_settings_errors_name_the_field(kw, field):
+    args = dict(weights=(1, 1)) | kw
+    with pytest.raises(ScheduleError, match=rf"^{re.escape(field)}"):
+        CopyEngineSettings(**args)
+
+
+def test_copy_engine_schedule_round_trip_and_world_size():
+    tiled = CopyEngineSettings(mode="tiled", weights=(2, 1), tile=TILE)
+    for settings in (CopyEngineSettings(weights=(1, 1, 1, 1)), tiled):
+        for world in (2, 3, 8):
+            s = Schedule(
+                collective="reduce_scatter",
+                dtype="bfloat16",
+                world_size=world,
+                problem=Problem(m_min=8, m_max=4096, n=16, k=16),
+                settings=settings,
+            )
+            assert s.engine == "copy_engine" and Schedule.from_dict(s.to_dict()) == s
+    assert "engine copy_engine, tiled, 2 chunk(s) per shard" in s.describe()
+    with pytest.raises(ScheduleError, match=r"^engine: copy_engine moves data between at least 2"):
+        Schedule(
+            collective="all_reduce",
+            dtype="bfloat16",
+            world_size=1,
+            problem=Problem(m=8, n=16, k=16),
+            settings=tiled,
+        )
 
 
 def test_plan_group_sum_and_band_alignment_errors():
@@ -202,6 +267,6 @@ def test_default_schedule_is_valid_for_any_shape(collective, m, n, k, on_gpu):
     if s.overlap:
         plan = make_plan(s, m, n, k, sm_count=132)
         assert plan.num_groups >= 1
-        assert plan.grid <= 132 - s.sms_free
+        assert plan.grid <= 132 - s.settings.sms_free
     else:
         assert on_gpu and m * n * 2 < MIN_OVERLAP_BYTES

@@ -22,7 +22,7 @@ from fo_kernels.errors import (
 )
 from fo_kernels.fingerprint import CPU_NOMINAL_PROGRAMS, Fingerprint, current_fingerprint
 from fo_kernels.plan import make_plan
-from fo_kernels.schedule import Problem, Schedule, Tile
+from fo_kernels.schedule import CopyEngineSettings, Problem, Schedule, Tile, TritonSettings
 from fo_kernels.table import (
     TABLE_DIR_ENV,
     ScheduleTable,
@@ -60,9 +60,7 @@ def exact_row(m: int = 64, n: int = 64, k: int = 32, tag: str = "exact", **heade
     return Schedule(
         **{**HEADER, **header},
         problem=Problem(m=m, n=n, k=k),
-        tile=TILE,
-        signal_tiles=1,
-        groups=(2, 2),
+        settings=TritonSettings(tile=TILE, signal_tiles=1, groups=(2, 2)),
         provenance={"tag": tag},
     )
 
@@ -71,17 +69,15 @@ def range_row(m_min: int = 1, m_max: int = 4096, n: int = 64, k: int = 32, tag: 
     return Schedule(
         **HEADER,
         problem=Problem(m_min=m_min, m_max=m_max, n=n, k=k),
-        tile=TILE,
-        signal_tiles=2,
-        groups=(3, 1),
-        layout="tile_major",
-        wait_mode="spin",
+        settings=TritonSettings(
+            tile=TILE, signal_tiles=2, groups=(3, 1), layout="tile_major", wait_mode="spin"
+        ),
         provenance={"tag": tag},
     )
 
 
 def no_overlap_row(m: int = 8, n: int = 64, k: int = 32) -> Schedule:
-    return Schedule(**HEADER, problem=Problem(m=m, n=n, k=k), overlap=False)
+    return Schedule(**HEADER, problem=Problem(m=m, n=n, k=k))
 
 
 def make_table(rows: list[Schedule], fp: Fingerprint | None = None) -> ScheduleTable:
@@ -142,13 +138,62 @@ def test_file_format(tmp_path: Path) -> None:
     save_table(make_table([exact_row(), no_overlap_row()]), path)
     data = yaml.safe_load(path.read_text())
     assert list(data)[:2] == ["schema_version", "kind"]
-    assert data["schema_version"] == 1 and data["kind"] == "fo-tune-schedule-table"
+    assert data["schema_version"] == 2 and data["kind"] == "fo-tune-schedule-table"
     assert data["fingerprint"]["device_key"] == cpu_fp().device_key
     assert (data["collective"], data["world_size"], data["dtype"]) == ("all_reduce", 2, "bfloat16")
     for row in data["rows"]:
         assert not {"collective", "dtype", "world_size"} & set(row)
     assert data["rows"][0] == {"problem": {"m": 8, "n": 64, "k": 32}, "overlap": False}
-    assert data["rows"][1]["groups"] == [2, 2]
+    assert data["rows"][1]["engine"] == "triton" and data["rows"][1]["settings"]["groups"] == [2, 2]
+
+
+# A schema-1 file: every engine's fields side by side in the row (tables written before the
+# Schedule became common fields plus one engine's settings).
+V1_ROWS = [
+    {"problem": {"m": 8, "n": 64, "k": 32}, "overlap": False, "provenance": {"tag": "none"}},
+    {
+        "problem": {"m": 64, "n": 64, "k": 32},
+        "overlap": True,
+        "tile": {"block_m": 32, "block_n": 32, "block_k": 32, "group_m": 2, "num_warps": 4, "num_stages": 1},
+        "sms_free": 0,
+        "nccl_max_ctas": 0,
+        "signal_tiles": 1,
+        "groups": [2, 2],
+        "layout": "tile_major",
+        "wait_mode": "spin",
+    },
+    {"problem": {"m": 128, "n": 64, "k": 32}, "overlap": True, "engine": "copy_engine", "groups": [2, 1]},
+    {
+        "problem": {"m_min": 256, "m_max": 512, "n": 64, "k": 32},
+        "overlap": True,
+        "engine": "copy_engine",
+        "groups": [1],
+        "tile": {"block_m": 32, "block_n": 32, "block_k": 32, "group_m": 2, "num_warps": 4, "num_stages": 1},
+    },
+]
+
+
+def test_schema_1_tables_load_and_save_as_schema_2(tmp_path: Path) -> None:
+    data = {**valid_dict(), "schema_version": 1, "rows": V1_ROWS}
+    table = load_table(write_raw(tmp_path, data))
+    none, triton, ring, tiled = table.rows
+    assert none.engine is None and none.provenance == {"tag": "none"}
+    assert triton.settings == TritonSettings(tile=TILE, signal_tiles=1, groups=(2, 2), wait_mode="spin")
+    assert ring.settings == CopyEngineSettings(mode="ring", weights=(2, 1))
+    assert tiled.settings == CopyEngineSettings(mode="tiled", weights=(1,), tile=TILE)
+    out = tmp_path / "upgraded.yaml"
+    save_table(table, out)
+    assert yaml.safe_load(out.read_text())["schema_version"] == 2
+    assert load_table(out).rows == table.rows
+
+
+def test_schema_1_exchange_rows_are_refused_with_what_to_do(tmp_path: Path) -> None:
+    row = {**V1_ROWS[2], "exchange": True}
+    path = write_raw(tmp_path, {**valid_dict(), "schema_version": 1, "rows": [row]})
+    with pytest.raises(
+        TableError, match=r"rows\[0\]: exchange: .*no longer exists; re-tune .*fo-tune search"
+    ):
+        load_table(path)
 
 
 def test_atomic_save_leaves_no_temp_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,8 +251,8 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 def test_unknown_schema_version(tmp_path: Path) -> None:
-    path = write_raw(tmp_path, {**valid_dict(), "schema_version": 2})
-    with pytest.raises(TableError, match=r"supported: 1.*fo-tune search"):
+    path = write_raw(tmp_path, {**valid_dict(), "schema_version": 3})
+    with pytest.raises(TableError, match=r"supported: 1, 2.*fo-tune search"):
         load_table(path)
 
 
@@ -228,7 +273,7 @@ def test_non_mapping_yaml(tmp_path: Path, text: str) -> None:
 
 def test_row_field_error_names_field(tmp_path: Path) -> None:
     data = valid_dict()
-    data["rows"][1]["tile"]["block_m"] = 100
+    data["rows"][1]["settings"]["tile"]["block_m"] = 100
     path = write_raw(tmp_path, data)
     with pytest.raises(TableError) as info:
         load_table(path)
