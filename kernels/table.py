@@ -26,13 +26,17 @@ by ``_upgrade_v1_row`` and written back as schema 2 by the next ``save_table``. 
 its rows unique per problem and sorted by (n, k, m or m_min); a later row for the same problem
 replaces an earlier one.
 
-``lookup_schedule`` matches an exact-shape row in any found file (in search order) before an M-range
-row in any of them, and falls back to ``fo_kernels.heuristics.default_schedule`` with a
-``HeuristicScheduleWarning``. Tables it loads are cached per (path, inode, mtime, size), so an
-unchanged file is parsed once and a rewritten one (``save_table`` renames) is read again. Its answer
-per call signature is kept for ``TABLE_RECHECK_S``: a layer calling the op every step does not pay
-a filesystem round trip per GEMM (on H200 x2 that cost 0.3-0.45 ms a call, docs/perf-notes.md),
-and a rewritten table is still picked up within that time.
+``lookup_schedule`` prefers, across every found file: a measured exact-shape row, a measured
+M-range row, a predicted exact-shape row, a predicted M-range row (``row_kind``: a row whose
+provenance says ``mode: predict`` came from the cost model alone; any other row was measured or
+written by hand); between rows of the same kind, the folder order decides. Without a matching row
+it returns ``overlap: false`` (GEMM then the collective, never slower than sequential) with a
+``HeuristicScheduleWarning`` saying how to tune the shape. Tables it loads are cached per (path,
+inode, mtime, size), so an unchanged file is parsed once and a rewritten one (``save_table``
+renames) is read again. Its answer per call signature is kept for ``TABLE_RECHECK_S``: a layer
+calling the op every step does not pay a filesystem round trip per GEMM (on H200 x2 that cost
+0.3-0.45 ms a call, docs/design.md#host-time), and a rewritten table is still picked up within
+that time.
 """
 
 from __future__ import annotations
@@ -61,17 +65,19 @@ from .errors import (
 )
 from .files import atomic_write, read_yaml
 from .fingerprint import Fingerprint, current_fingerprint, resolve_device
-from .heuristics import default_schedule
-from .schedule import COLLECTIVES, DTYPES, Schedule, dtype_name
+from .schedule import COLLECTIVES, DTYPES, Problem, Schedule, dtype_name
 
 __all__ = [
+    "MISS_SOURCE",
     "TABLE_DIR_ENV",
     "TABLE_KIND",
     "TABLE_SCHEMA_VERSION",
     "ScheduleTable",
+    "best_row",
     "check_fingerprint",
     "load_table",
     "lookup_schedule",
+    "row_kind",
     "save_table",
     "table_filename",
     "table_path",
@@ -91,6 +97,8 @@ _CACHE_SIZE = 64
 TABLE_RECHECK_S = 1.0
 # Remembered answers (call signatures: shapes x collectives x dtypes of one model); oldest dropped.
 _ANSWERS_SIZE = 4096
+# The provenance source of the overlap: false schedule a call without a table row gets.
+MISS_SOURCE = "no table row"
 
 
 def _check_name(name: str, value: Any, valid: tuple[str, ...]) -> str:
@@ -196,16 +204,17 @@ class ScheduleTable:
         self.rows.append(schedule)
         self.rows.sort(key=_row_key)
 
-    def find_exact(self, m: int, n: int, k: int) -> Schedule | None:
+    def find_exact(self, m: int, n: int, k: int, *, kind: str | None = None) -> Schedule | None:
+        """The exact-shape row for (m, n, k) (of ``row_kind`` ``kind`` when given)."""
         for row in self.rows:
-            if not row.problem.is_range and row.problem.covers(m, n, k):
+            if not row.problem.is_range and row.problem.covers(m, n, k) and kind in (None, row_kind(row)):
                 return row
         return None
 
-    def find_range(self, m: int, n: int, k: int) -> Schedule | None:
-        """The first M-range row (lowest m_min) covering m."""
+    def find_range(self, m: int, n: int, k: int, *, kind: str | None = None) -> Schedule | None:
+        """The first M-range row (lowest m_min) covering m (of ``row_kind`` ``kind`` when given)."""
         for row in self.rows:
-            if row.problem.is_range and row.problem.covers(m, n, k):
+            if row.problem.is_range and row.problem.covers(m, n, k) and kind in (None, row_kind(row)):
                 return row
         return None
 
@@ -456,9 +465,8 @@ def lookup_schedule(
     world_size: int,
     device: torch.device | str | int | None = None,
 ) -> Schedule:
-    """The schedule for this call: a table row when one matches, else the heuristic default (with a warning).
-
-    Exact-shape rows in every found table (in ``table_search_path`` order) come before M-range rows.
+    """The schedule for this call: the best matching table row (``best_row``), else ``overlap: false``
+    with a ``HeuristicScheduleWarning`` saying how to tune the shape.
     Raises ``ScheduleError`` for an unknown collective or dtype, ``ShapeError`` for a bad shape and
     ``TableError`` for a found table that is malformed or for other hardware.
     """
@@ -501,23 +509,45 @@ def lookup_schedule(
             )
         tables.append(table)
         found_paths.append(str(path))
-    for finder in (ScheduleTable.find_exact, ScheduleTable.find_range):
-        for table in tables:
-            found = finder(table, m, n, k)
-            if found is not None:
-                _CACHE.remember(key, found)
-                return found
+    found = best_row(tables, m, n, k)
+    if found is not None:
+        _CACHE.remember(key, found)
+        return found
     filename = table_filename(collective, world_size, dtype_name)
     searched = f"tables without a matching row: {', '.join(found_paths)}" if found_paths else "no table file"
     warnings.warn(
         f"no schedule table row for {collective} {dtype_name} {m}x{n}x{k} at world size {world_size} on "
         f"device {fp.device_key}; looked for {fp.device_key}/{filename} in {', '.join(map(str, folders))} "
-        f"({searched}); using the heuristic default schedule (fo_kernels.heuristics); tune one with "
-        "`fo-tune search`",
+        f"({searched}); running GEMM then the collective (overlap: false); tune the shape with "
+        f"`fo-tune search --shape {m}x{n}x{k} -c {collective} --world-size {world_size} "
+        f"--dtype {dtype_name}`",
         HeuristicScheduleWarning,
         stacklevel=2,
     )
-    shape = dict(dtype=dtype_name, world_size=world_size, sm_count=fp.sm_count, on_gpu=dev.type == "cuda")
-    fallback = default_schedule(collective, m, n, k, **shape)
-    _CACHE.remember(key, fallback)
-    return fallback
+    miss = Schedule(
+        collective=collective,
+        dtype=dtype_name,
+        world_size=world_size,
+        problem=Problem(m=m, n=n, k=k),
+        provenance={"source": MISS_SOURCE},
+    )
+    _CACHE.remember(key, miss)
+    return miss
+
+
+def row_kind(row: Schedule) -> str:
+    """``predicted`` for a row the cost model alone chose (provenance ``mode: predict``), else
+    ``measured`` (a measured search's row, or one written by hand)."""
+    return "predicted" if row.provenance.get("mode") == "predict" else "measured"
+
+
+def best_row(tables: list[ScheduleTable], m: int, n: int, k: int) -> Schedule | None:
+    """The row ``lookup_schedule`` takes from ``tables`` (in folder order) for (m, n, k): measured
+    before predicted, then exact before M-range, then the first table's."""
+    for kind in ("measured", "predicted"):
+        for finder in (ScheduleTable.find_exact, ScheduleTable.find_range):
+            for table in tables:
+                found = finder(table, m, n, k, kind=kind)
+                if found is not None:
+                    return found
+    return None

@@ -24,11 +24,13 @@ from fo_kernels.fingerprint import CPU_NOMINAL_PROGRAMS, Fingerprint, current_fi
 from fo_kernels.plan import make_plan
 from fo_kernels.schedule import CopyEngineSettings, Problem, Schedule, Tile, TritonSettings
 from fo_kernels.table import (
+    MISS_SOURCE,
     TABLE_DIR_ENV,
     ScheduleTable,
     check_fingerprint,
     load_table,
     lookup_schedule,
+    row_kind,
     save_table,
     table_filename,
     table_path,
@@ -360,6 +362,27 @@ def test_lookup_exact_beats_range_across_folders(roots: dict[str, Path]) -> None
     assert lookup(100).provenance["tag"] == "env-range"
 
 
+def predicted(row: Schedule) -> Schedule:
+    """``row`` as a predict-mode search writes it (chosen by the cost model alone)."""
+    return dataclasses.replace(row, provenance={**row.provenance, "mode": "predict"})
+
+
+def test_lookup_measured_beats_predicted_across_folders(
+    roots: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A predict search's rows in the user folder do not shadow the measured rows behind them; among
+    rows of one kind the folder order decides, and exact rows come before M-range rows."""
+    monkeypatch.setattr(tablemod, "TABLE_RECHECK_S", 0.0)  # every call looks at the files again
+    write(roots["env"], [predicted(exact_row(tag="env-predicted")), predicted(range_row(tag="env-pr-range"))])
+    write(roots["user"], [range_row(tag="user-range")])
+    assert row_kind(lookup(64)) == "measured" and lookup(64).provenance["tag"] == "user-range"
+    write(roots["user"], [exact_row(tag="user-exact"), range_row(tag="user-range")])
+    assert lookup(64).provenance["tag"] == "user-exact"
+    write(roots["user"], [predicted(exact_row(tag="user-predicted"))])
+    assert lookup(64).provenance["tag"] == "env-predicted"  # both predicted: the folder order
+    assert lookup(100).provenance["tag"] == "env-pr-range"
+
+
 def test_lookup_range_row_when_no_exact(roots: dict[str, Path]) -> None:
     write(roots["user"], [range_row(m_min=32, m_max=512)])
     found = lookup(257)
@@ -416,9 +439,11 @@ def test_repeated_lookup_is_answered_from_memory(
         ("reduce_scatter", 1024, 96, 48, torch.float32),
     ],
 )
-def test_heuristic_fallback_warns_once(
+def test_table_miss_runs_overlap_false_and_warns_once(
     roots: dict[str, Path], collective: str, m: int, n: int, k: int, dtype: Any
 ) -> None:
+    """A call no row matches gets GEMM then the collective (never slower than sequential, never an
+    engine measured to lose), and one warning naming what was looked for and how to tune it."""
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         found = lookup_schedule(collective, m, n, k, dtype=dtype, world_size=2, device="cpu")
@@ -429,10 +454,8 @@ def test_heuristic_fallback_warns_once(
     assert cpu_fp().device_key in message and str(roots["env"]) in message and str(roots["user"]) in message
     assert isinstance(found, Schedule)
     assert found.problem == Problem(m=m, n=n, k=k) and found.collective == collective
-    assert found.world_size == 2
-    if found.overlap:
-        plan = make_plan(found, m, n, k, sm_count=CPU_NOMINAL_PROGRAMS)
-        assert sum(plan.group_units) == plan.num_units
+    assert found.world_size == 2 and not found.overlap and found.provenance == {"source": MISS_SOURCE}
+    assert f"fo-tune search --shape {m}x{n}x{k} -c {collective} --world-size 2" in message
 
 
 def test_heuristic_fallback_names_tables_without_match(roots: dict[str, Path]) -> None:
