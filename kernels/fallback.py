@@ -4,13 +4,13 @@ A table says ``overlap: false`` where no overlap beats GEMM then the collective:
 whose GPU work is short. There a call's host time matters: issued eagerly, the runtime's call
 (lookup, checks, cuBLAS, NCCL's enqueue) cost 66-69 us of host time a call against 80 us of GPU
 work at 1024x4096x4096 ReduceScatter on H200 x2, and its loop ran 15-65% slower than the GPU work
-(runs 64-65 in ``docs/perf-notes.md``). So on GPUs with NCCL a call whose shape, operands' and
+(``docs/design.md#fallback``). So on GPUs with NCCL a call whose shape, operands' and
 output's addresses repeat (a loop's steady state) is captured into a graph of its own
 (``fo_kernels.graphs.OwnGraphs``) and replayed: one launch a call. Replayed, the fallback ran at
-0.95-1.86x of the bench's GEMM then collective on the tables' ``overlap: false`` shapes in runs
-70-72 (the most where the process's eager calls were slow). A graph holding an NCCL collective lets
-the host queue 28 launches ahead of the GPU; the next one waits until the GPU has drained them
-(run 69).
+0.95-1.86x of the bench's GEMM then collective on the tables' ``overlap: false`` shapes on H200 x2
+(the most where the process's eager calls were slow). A graph holding an NCCL collective lets the
+host queue 28 launches ahead of the GPU; the next one waits until the GPU has drained them
+(``docs/design.md#cuda-graphs``).
 
 Graphed calls write the GEMM's (M, N) product of a ReduceScatter into one scratch buffer of the
 runtime's (a graph holds its address), grown in powers of two, which drops the graphs; a replay on

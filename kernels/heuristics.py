@@ -9,7 +9,7 @@ Rules (each constant below says where it comes from):
 2. SMs left free: at least ``DEFAULT_NCCL_MAX_CTAS + NCCL_SM_MARGIN`` (NCCL ran beside the GEMM
    every time with r = c + 4..8 free SMs, and mostly not at all with r = c; DESIGN.md), then more
    until the grid divides the tiles into whole waves (``wave_aligned_sms_free``: a partial last
-   wave cost +24% where whole waves cost +14-20%, docs/perf-notes.md run 2).
+   wave cost +24% where whole waves cost +14-20%, docs/design.md#triton-engine).
 3. No overlap when the output is under ``MIN_OVERLAP_BYTES`` on a GPU (see the constant).
 4. Grouping: one signal unit per band of GROUP_M tile rows (times the shards), layout ``row_band``,
    and the bands split into at most ``DEFAULT_MAX_GROUPS`` near-equal groups, earlier groups the
@@ -30,7 +30,7 @@ CPU_TILE = Tile(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_
 DEFAULT_NCCL_MAX_CTAS = 16
 # Extra free SMs beyond the CTA cap so NCCL's CTAs are resident beside the GEMM (DESIGN.md: c + 4..8).
 NCCL_SM_MARGIN = 4
-# H200 x2 (docs/perf-notes.md run 3): with a 16 MiB output the overlapped op lost 2x to sequential
+# H200 x2 (docs/design.md#triton-engine): with a 16 MiB output the overlapped op lost 2x to sequential
 # (host-bound, and each chunk on NCCL's ~70 us floor); with 64 MiB it gained 1.06x.
 MIN_OVERLAP_BYTES = 64 * 2**20
 DEFAULT_MAX_GROUPS = 4

@@ -72,7 +72,7 @@ class OverlapRuntime:
     @property
     def world_size(self) -> int:
         """The group's size (asked once: ``dist.get_world_size`` costs ~15 us of host time a call,
-        run 57 in ``docs/perf-notes.md``)."""
+        ``docs/design.md#host-time``)."""
         if not self._world_size:
             self._world_size = dist.get_world_size(self.group)
         return self._world_size
@@ -98,10 +98,6 @@ class OverlapRuntime:
             self._totals[g] = (self._totals[g] + plan.group_tiles(g)) & 0xFFFFFFFF
             targets.append(self._totals[g])
         return targets
-
-    def counter_totals(self, num: int) -> list[int]:
-        """Host-side running totals of the first ``num`` counters (for checks)."""
-        return list(self._totals[:num])
 
     @property
     def comm_stream(self) -> torch.cuda.Stream | None:
