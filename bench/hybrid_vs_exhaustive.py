@@ -2,8 +2,8 @@
 
     python3 bench/hybrid_vs_exhaustive.py EXHAUSTIVE/summary.yaml HYBRID/summary.yaml --out DIR
 
-Run-to-run drift on H200 x2 is 2-4% (the sequential baseline of the same shape moved 4% between
-two searches a minute apart, docs/perf-notes.md), more than the 2% the comparison asks for; so for
+Drift between measurements on H200 x2 is 2-4% (the sequential baseline of one shape moved 4% between
+two searches a minute apart, docs/design.md#timing), more than the 2% the comparison asks for; so for
 every shape both searches' best schedules and GEMM-then-collective are re-timed in interleaved
 rounds on one pool of ranks (each checked against the float32 reference first), and the medians
 over rounds compared. Writes DIR/hybrid_vs_exhaustive.csv; prints one line per shape.
