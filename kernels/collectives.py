@@ -27,7 +27,7 @@ def all_reduce_now(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     """``dist.all_reduce(tensor, group=group)`` (sum, in place) through the process group itself.
 
     Skips torch.distributed's Python wrappers (logging, coalescing and membership checks), about
-    20 us of host time a call (docs/design.md#host-time), which the GPU time of a small GEMM + AllReduce
+    20 us of host time a call (docs/design.md#fallback), which the GPU time of a small GEMM + AllReduce
     does not hide. The caller must be a member of ``group`` and not inside a coalescing manager;
     torch function modes (Dynamo, export) do not see the call, unlike ``dist.all_reduce``.
     """

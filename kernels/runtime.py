@@ -71,7 +71,7 @@ class OverlapRuntime:
 
     @property
     def world_size(self) -> int:
-        """The group's size (asked once: ``dist.get_world_size`` costs ~15 us of host time a call,
+        """The group's size (asked once: ``dist.get_world_size`` costs ~17 us of host time a call,
         ``docs/design.md#host-time``)."""
         if not self._world_size:
             self._world_size = dist.get_world_size(self.group)

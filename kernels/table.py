@@ -35,7 +35,7 @@ it returns ``overlap: false`` (GEMM then the collective, never slower than seque
 inode, mtime, size), so an unchanged file is parsed once and a rewritten one (``save_table``
 renames) is read again. Its answer per call signature is kept for ``TABLE_RECHECK_S``: a layer
 calling the op every step does not pay a filesystem round trip per GEMM (on H200 x2 that cost
-0.3-0.45 ms a call, docs/design.md#host-time), and a rewritten table is still picked up within
+0.3-0.45 ms a call, docs/design.md#tables), and a rewritten table is still picked up within
 that time.
 """
 
