@@ -164,7 +164,8 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, schedule: Schedule |
         if m < COPY_ENGINE_WORLD:  # a rank would own no row (an M-range row reaching M = 1)
             return runtime.fallback().run(collective, a, b)
         engine = runtime.copy_engine()
-        return engine.run(collective, a, b, schedule.groups, schedule.tile, schedule.exchange)
+        mode = "ring" if schedule.tile is None else "tiled"
+        return engine.run(collective, a, b, mode=mode, weights=schedule.groups, tile=schedule.tile)
     if not a.is_contiguous():
         a = a.contiguous()
     return _overlapped(collective, a, operand, schedule, runtime)
