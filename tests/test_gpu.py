@@ -95,7 +95,7 @@ def test_both_ops_over_nccl():
             assert not r["nan"] and r["err"] < 1e-2, r
 
 
-def _copy_engine(collective, m, n, k, chunks, dtype="bfloat16", tile=None, exchange=False):
+def _copy_engine(collective, m, n, k, chunks, dtype="bfloat16", tile=None):
     return Schedule(
         collective=collective,
         dtype=dtype,
@@ -104,7 +104,6 @@ def _copy_engine(collective, m, n, k, chunks, dtype="bfloat16", tile=None, excha
         engine="copy_engine",
         groups=(1,) * chunks,
         tile=tile,
-        exchange=exchange,
     ).to_dict()
 
 
@@ -178,31 +177,23 @@ def test_copy_engine_tiled_ops():
 
 
 @pytest.mark.multigpu
-def test_copy_engine_exchange_ops():
-    """The copy engine's exchange mode (all_reduce: each rank pulls and adds the peer's whole
-    partial) on two GPUs: odd shapes, 1-4 chunks, three dtypes, both B layouts; once, then twice
-    back to back (replayed from the engine's own graphs), and mixed with the other two modes."""
-    from dist_cases import run_back_to_back
+def test_copy_engine_all_gather():
+    """The copy engine's AllGather + GEMM on two GPUs: odd shapes, 1-6 chunks, three dtypes; the
+    gathered A equals every rank's shard, the product the float64 one, on every call (eager, then
+    replayed from the engine's own graphs, which the last calls of each case use)."""
+    from dist_cases import copy_engine_all_gather
     from fo_tune.launch import run_ranks
 
-    shapes = [(258, 250, 70), (2048, 4096, 4096), (1000, 3000, 1040), (4, 8, 8), (257, 130, 64)]
-    cases = []
-    for i, ((m, n, k), chunks) in enumerate((s, ch) for s in shapes for ch in (1, 2, 4)):
-        dtype = ("bfloat16", "float16", "float32")[i % 3]
-        schedule = _copy_engine("all_reduce", m, n, k, chunks, dtype, exchange=True)
-        cases.append(Case("all_reduce", m, n, k, dtype, i % 2 == 0, schedule, 60 + i))
-    mixed = _engine_cases(
-        [
-            ("all_reduce", 1024, 768, 512, "bfloat16", True, 2),
-            ("all_reduce", 1024, 768, 512, "bfloat16", False, 2, GPU_TILES[1]),
-        ],
-        first_seed=90,
-    )
-    once = run_ranks(run_cases, 2, cases, backend="nccl", timeout_s=600)
-    again = run_ranks(run_back_to_back, 2, [*cases, *mixed, *cases[:3]] * 2, backend="nccl", timeout_s=600)
-    for per_rank in [*once, *again]:
-        for r in per_rank:
-            assert not r["nan"] and r["err"] < TOL[r["case"].dtype], r
+    shapes = [(258, 250, 70), (2048, 4096, 4096), (1000, 3000, 1040), (4, 8, 8)]
+    cases = [
+        (m, n, k, ("bfloat16", "float16", "float32")[i % 3], chunks, 70 + i)
+        for i, ((m, n, k), chunks) in enumerate((s, ch) for s in shapes for ch in (1, 2, 3, 6))
+    ]
+    per_rank = run_ranks(copy_engine_all_gather, 2, cases, backend="nccl", timeout_s=300)
+    for rows in per_rank:
+        for r in rows:
+            assert r["same"] and not r["nan"] and r["err"] < TOL[r["case"][3]], r
+        assert all(r["replayed"] for r in rows if r["step"] == rows[-1]["step"]), rows
 
 
 @pytest.mark.multigpu

@@ -42,8 +42,10 @@ wait on the previous hop, w - 1 kernels a call instead of two.
 
 Every mode queues the work a peer waits for before the waits on that peer's data: two streams
 can share one of the GPU's hardware queues, and a wait queued first would block the work behind
-it (docs/design.md#copy-engine). Run on one FIFO per rank (``cpu.run_ranks(fifos=...)``) the
-lists complete, which is that rule.
+it (docs/design.md#copy-engine). Run by the CPU executor with all of a rank's streams on one FIFO
+(``CpuOptions(fifos=...)``) the lists complete, which is that rule. A rank rewrites a symmetric
+buffer only after its readers said they finished the previous call's data (``pulled``,
+``gathered``, ``taken``), so calls follow each other without a barrier.
 """
 
 from __future__ import annotations
