@@ -193,7 +193,7 @@ def test_a_missing_reuse_guard_is_caught(collective: str, guard: str):
     m, n, k = _shape(collective, 2, 2)
     check = CpuCheck(collective=collective, world=2, m=m, n=n, k=k, weights=(1, 1), calls=4)
     no_wait = lambda r, i, op: r == 0 and isinstance(op, Wait) and op.cell.name == guard
-    opts = dataclasses.replace(FAST, timeout_s=2.0, slow={1: 2e-3}, drop=no_wait)
+    opts = dataclasses.replace(FAST, timeout_s=5.0, slow={1: 2e-3}, drop=no_wait)
     try:
         got = check_on_threads(check, opts)
     except ProtocolError as exc:
