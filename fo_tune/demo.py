@@ -15,9 +15,11 @@ for each collective (ReduceScatter only when M % world_size == 0, else a skipped
 and the parent merges the ranks: the largest error and time of any rank, NaN on any rank.
 
 On the CPU the timings measure the Triton interpreter against torch's CPU matmul: they show that the
-pipeline runs, not what overlap gains. ``TRITON_INTERPRET`` is set for the ranks (1 for gloo, 0 for
-NCCL) before ``fo_kernels`` is imported and restored afterwards; nothing heavy is imported at
-module import.
+pipeline runs, not what overlap gains. ``run_copy_engine_demo`` runs the copy engine's protocol
+instead, on thread-ranks of its CPU executor (no process group, no GPU).
+
+``TRITON_INTERPRET`` is set for the ranks (1 for gloo, 0 for NCCL) before ``fo_kernels`` is
+imported and restored afterwards; nothing heavy is imported at module import.
 """
 
 from __future__ import annotations
@@ -252,23 +254,94 @@ def run_demo(
         head = dict(collective=collective, m=m, n=n, k=k, dtype=dtype, backend=backend, world_size=world_size)
         results = [r[i] for r in per_rank]
         if any(r is None for r in results):
-            reason = f"M={m} is not divisible by the world size {world_size}"
+            rows.append(_skipped(head, f"M={m} is not divisible by the world size {world_size}"))
+            continue
+        rows.append(DemoRow(**head, **_merge(results, TOL[dtype])))  # type: ignore[arg-type]
+    return rows
+
+
+def _skipped(head: dict[str, Any], reason: str) -> DemoRow:
+    nan = float("nan")
+    return DemoRow(
+        **head,
+        schedule=reason,
+        schedule_source="",
+        rel_err=nan,
+        has_nan=False,
+        passed=False,
+        overlapped_ms=nan,
+        sequential_ms=nan,
+        speedup=nan,
+        skipped=True,
+        reason=reason,
+    )
+
+
+# ------------------------------------------------------------------------------ the copy engine
+COPY_ENGINE_BACKEND = "cpu-threads"  # DemoRow.backend of the copy engine's CPU executor rows
+COPY_ENGINE_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+COPY_ENGINE_WEIGHTS = (1, 1)  # two chunks per shard: each hop runs beside the next chunk's GEMM
+
+
+def run_copy_engine_demo(
+    world_size: int = 2,
+    shapes: Sequence[tuple[int, int, int]] | None = None,
+    dtype: str | None = None,
+    reps: int = 5,
+    *,
+    seed: int = 0,
+) -> list[DemoRow]:
+    """The copy engine's protocol on ``world_size`` thread-ranks of its CPU executor
+    (``fo_kernels.copy_engine.check_on_threads``): for each shape, all_reduce, reduce_scatter and
+    all_gather (the latter two when M is divisible by the world size, else a skipped row), each
+    ``reps`` calls on the same buffers in the ``ring`` mode, checked against float64. It runs the
+    operation lists the GPUs run, with no GPU; its time is the executor's, not a GPU's (no
+    sequential baseline)."""
+    import torch
+
+    from fo_kernels.copy_engine import CpuCheck, check_on_threads
+    from fo_kernels.errors import ShapeError
+
+    shapes = list(shapes) if shapes else list(CPU_SHAPES)
+    dtype = dtype or CPU_DTYPE
+    _check_args(world_size, shapes, dtype, reps, 1.0)
+    if world_size < 2:
+        raise ShapeError(f"the copy engine runs between at least 2 ranks, got --world-size {world_size}")
+    rows: list[DemoRow] = []
+    weights = COPY_ENGINE_WEIGHTS
+    how = f"copy engine ring, {len(weights)} chunk(s) per shard, weights {list(weights)}"
+    for m, n, k in shapes:
+        for collective in COPY_ENGINE_COLLECTIVES:
+            head = dict(
+                collective=collective,
+                m=m,
+                n=n,
+                k=k,
+                dtype=dtype,
+                backend=COPY_ENGINE_BACKEND,
+                world_size=world_size,
+            )
+            if m < world_size or (collective != "all_reduce" and m % world_size):
+                rows.append(_skipped(head, f"M={m} is not divisible by the world size {world_size}"))
+                continue
+            check = CpuCheck(
+                collective=collective, world=world_size, m=m, n=n, k=k, weights=weights,
+                dtype=getattr(torch, dtype), calls=reps, seed=seed,
+            )  # fmt: skip
+            got = check_on_threads(check)
             nan = float("nan")
+            passed = not got.has_nan and got.rel_err < TOL[dtype]
             rows.append(
                 DemoRow(
                     **head,
-                    schedule=reason,
-                    schedule_source="",
-                    rel_err=nan,
-                    has_nan=False,
-                    passed=False,
-                    overlapped_ms=nan,
+                    schedule=how,
+                    schedule_source="cpu executor",
+                    rel_err=got.rel_err,
+                    has_nan=got.has_nan,
+                    passed=passed,
+                    overlapped_ms=got.wall_ms,
                     sequential_ms=nan,
                     speedup=nan,
-                    skipped=True,
-                    reason=reason,
                 )
             )
-            continue
-        rows.append(DemoRow(**head, **_merge(results, TOL[dtype])))  # type: ignore[arg-type]
     return rows

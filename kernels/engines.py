@@ -83,4 +83,5 @@ class CopyEngine(Engine):
         assert isinstance(st, CopyEngineSettings)
         if a.shape[0] < runtime.world_size:  # a rank would own no row (an M-range row reaching M = 1)
             return runtime.fallback().run(schedule.collective, a, b.tensor)
-        return runtime.copy_engine().run(schedule.collective, a, b.tensor, st.weights, st.tile)
+        peers = runtime.copy_engine()
+        return peers.run(schedule.collective, a, b.tensor, mode=st.mode, weights=st.weights, tile=st.tile)

@@ -8,8 +8,10 @@ its own and replay it from then on: one launch instead of a call's worth of them
 keeps those graphs for a caller that says what a call's key is and how to issue it; ``OutputPool``
 gives the outputs a memory pool of their own so their addresses repeat.
 
-The copy engine (``fo_kernels.copy_engine``) has its own capture, which also joins side streams and
-marks its peers unusable when a capture fails part-way; it shares the constants and the pool here.
+Both the ``overlap: false`` fallback and the copy engine (``fo_kernels.copy_engine``) record their
+graphs here; the copy engine also says what a capture issues (its list without the eager-only
+prologue), joins the side streams a failed capture forked (``unwind``) and refuses to go on when
+one was left capturing (``after_failure``).
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ SEEN_CACHE_SIZE = 4096
 class OutputPool:
     """New output tensors from a memory pool of their own (where torch has ``MemPool``): only these
     outputs come and go there, so a loop that drops each output before its next call gets the same
-    block back and its calls keep one graph key (from torch's common pool, run 30's bench saw an
-    output's address wander with other allocations, ``docs/perf-notes.md``). The pool's freed
-    blocks serve only later outputs of its owner."""
+    block back and its calls keep one graph key (from torch's common pool an output's address
+    wanders with other allocations, docs/design.md#cuda-graphs). The pool's freed blocks serve only
+    later outputs of its owner."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -73,20 +75,25 @@ def end_generator_capture(stream: torch.cuda.Stream) -> None:
 class OwnGraphs:
     """One owner's graphs of its calls, by key (LRU), and how often each uncaptured key was seen.
 
-    ``call(key, issue)`` runs ``issue`` (which issues one call's work on the current stream and
-    must issue the same operations every time for a key) eagerly until ``key`` has been seen
-    ``after`` times, then captures it once (on a stream of its own, ``thread_local``: other
-    threads' CUDA calls do not break the capture) and replays the graph on the current stream, now
-    and at every later sighting. A capture that fails ran nothing: that call and every later one
-    run eagerly, with one ``RuntimeWarning`` (``failure`` says why).
+    ``call(key, issue, record)`` runs ``issue`` (which issues one call's work on the current
+    stream and must issue the same operations every time for a key) eagerly until ``key`` has been
+    seen ``after`` times, then captures ``record`` (default: ``issue``) once (on a stream of its
+    own, ``thread_local``: other threads' CUDA calls do not break the capture) and replays the
+    graph on the current stream, now and at every later sighting. A capture that fails ran
+    nothing: that call and every later one run eagerly, with one ``RuntimeWarning`` (``failure``
+    says why). ``unwind()`` runs on the capture stream when ``record`` raised mid-capture, before
+    the capture ends; ``after_failure(exc)`` runs once a failed capture has ended and may raise to
+    stop the call (the owner cannot go on).
     """
 
     device: torch.device
     what: str  # names the owner in the warning
     after: int = GRAPH_AFTER_CALLS  # 0: never capture
-    replays: int = 0  # calls served by a graph (tests, probes and the bench read it)
+    replays: int = 0  # calls served by a graph (the bench and tests read it)
     calls: int = 0  # calls run through ``call``, replayed or not
     failure: str = ""
+    unwind: Callable[[], None] | None = None
+    after_failure: Callable[[BaseException], None] | None = None
     _graphs: OrderedDict = field(default_factory=OrderedDict, repr=False)  # key -> CUDAGraph
     _seen: OrderedDict = field(default_factory=OrderedDict, repr=False)  # key -> sightings
     _stream: torch.cuda.Stream | None = field(default=None, repr=False)
@@ -97,7 +104,7 @@ class OwnGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def call(self, key: tuple, issue: Callable[[], None]) -> None:
+    def call(self, key: tuple, issue: Callable[[], None], record: Callable[[], None] | None = None) -> None:
         self.calls += 1
         if self.after <= 0:
             issue()
@@ -112,8 +119,10 @@ class OwnGraphs:
                 issue()
                 return
             try:
-                graph = self._capture(issue)
+                graph = self._capture(record if record is not None else issue)
             except Exception as exc:  # nothing recorded ran: this call and later ones run eagerly
+                if self.after_failure is not None:
+                    self.after_failure(exc)
                 self.failure = str(exc)
                 warnings.warn(
                     f"{self.what}: capturing a call in a CUDA graph failed ({exc}); this process "
@@ -146,11 +155,13 @@ class OwnGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self._stream):
             # a memory pool of its own (pool=None): a pool shared by graphs is released once they
-            # are all dropped, and torch asserts when a capture reuses it (run 28)
+            # are all dropped, and torch asserts when a capture reuses it (docs/design.md#cuda-graphs)
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 issue()
             except BaseException:
+                if self.unwind is not None:
+                    self.unwind()
                 try:
                     graph.capture_end()
                 except RuntimeError:  # invalid already: the first error is the one to report

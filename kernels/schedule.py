@@ -60,8 +60,10 @@ WAIT_MODES = ("stream_wait", "spin")
 # The copy engine's modes (``fo_kernels.copy_engine``): cuBLAS chunks around a ring of peers, or one
 # persistent Triton GEMM per phase whose tiles signal per chunk.
 COPY_ENGINE_MODES = ("ring", "tiled")
-# The copy engine moves data between peers: at least two ranks.
+# The copy engine moves data between peers: at least two ranks; its tiled mode between exactly two
+# (``fo_kernels.copy_engine.modes`` owns the modes; ``mode_blocker`` says the same, a test checks it).
 COPY_ENGINE_MIN_WORLD = 2
+TILED_WORLD = 2
 # Most chunks per shard a copy_engine schedule may cut (its flag slots are preallocated).
 MAX_CHUNKS = 64
 
@@ -363,6 +365,11 @@ class CopyEngineSettings(EngineSettings):
             raise ScheduleError(
                 f"engine: copy_engine moves data between at least {COPY_ENGINE_MIN_WORLD} GPUs, "
                 f"this schedule has world_size {world_size}"
+            )
+        if self.mode == "tiled" and world_size != TILED_WORLD:
+            raise ScheduleError(
+                f"mode: tiled runs between exactly {TILED_WORLD} GPUs, this schedule has world_size "
+                f"{world_size}; use mode ring"
             )
 
     def to_dict(self) -> dict[str, Any]:

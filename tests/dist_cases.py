@@ -313,16 +313,52 @@ def copy_engine_auto_graph(ctx, cases: list[Case]) -> list[dict]:
             new_a, new_b = operands(fresh, ctx.rank, ctx.device)
             a.copy_(new_a)
             b.copy_(new_b)
-            before = peers.replays
+            before = peers.call_counts()[1]
             got = op(a, b)
             err, _ = error(fresh, got, ctx)
             nan = bool(got.isnan().any())
             got.fill_(float("nan"))  # a replay that wrote nothing would leave NaN in the next output
             del got
-            out.append(
-                dict(case=case, phase=phase, step=step, err=err, nan=nan, replayed=peers.replays - before)
-            )
+            replayed = peers.call_counts()[1] - before
+            out.append(dict(case=case, phase=phase, step=step, err=err, nan=nan, replayed=replayed))
     peers.graph_after = GRAPH_AFTER_CALLS
+    return out
+
+
+def copy_engine_all_gather(ctx, cases: list[tuple[int, int, int, str, int, int]]) -> list[dict]:
+    """The copy engine's AllGather + GEMM (``CopyEnginePeers.run_all_gather``) for (M, N, K,
+    dtype, chunks, seed) cases: rank r's (M / w, K) shard of A and its own (K, N) B from seeds
+    every rank can recompute, each case called ``GRAPH_AFTER_CALLS + 3`` times on operands
+    refreshed in place (the engine's own graphs replay by the last calls) with the outputs checked
+    and poisoned: the gathered A against every rank's shard, the product against float64."""
+    from fo_kernels.copy_engine import GRAPH_AFTER_CALLS
+    from fo_kernels.runtime import runtime_for
+
+    peers = runtime_for(ctx.device, None).copy_engine()
+    w, out = ctx.world_size, []
+    for m, n, k, dtype, chunks, seed in cases:
+
+        def shard(q: int, step: int, m=m, k=k, dtype=dtype, seed=seed) -> torch.Tensor:
+            gen = torch.Generator().manual_seed((seed * 1009 + step) * 31 + q)
+            return torch.randn(m // w, k, generator=gen).to(DTYPES[dtype])
+
+        a = shard(ctx.rank, 0).to(ctx.device)
+        b = torch.randn(k, n, generator=torch.Generator().manual_seed(seed + ctx.rank)).to(DTYPES[dtype])
+        b = b.to(ctx.device)
+        for step in range(GRAPH_AFTER_CALLS + 3):
+            a.copy_(shard(ctx.rank, step))
+            before = peers.call_counts()[1]
+            gathered, got = peers.run_all_gather(a, b, mode="ring", weights=(1,) * chunks)
+            whole = torch.cat([shard(q, step) for q in range(w)]).double()
+            ref = whole @ b.double().cpu()
+            err = ((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            same = bool(torch.equal(gathered.cpu(), whole.to(gathered.dtype)))
+            nan = bool(got.isnan().any())
+            got.fill_(float("nan"))
+            gathered.fill_(float("nan"))
+            del got, gathered
+            replayed = peers.call_counts()[1] - before
+            out.append(dict(case=(m, n, k, dtype), step=step, err=err, same=same, nan=nan, replayed=replayed))
     return out
 
 

@@ -1,6 +1,8 @@
-"""CPU tests of the ``engine: copy_engine`` schedule kind: its contract, its row chunks, tables,
-search spaces and the search's candidates. The engine itself runs on two GPUs only
-(``tests/test_gpu.py::test_copy_engine_ops``)."""
+"""CPU tests of the ``engine: copy_engine`` schedule kind and of the engine's checks: its contract,
+its row chunks, tables, search spaces and the search's candidates; the engine's modes, refusals,
+capture rules and own graphs (with its GPU parts stood in for). Its protocol runs on the CPU
+executor in ``tests/test_copy_engine_protocol.py``; the engine itself on GPUs in
+``tests/test_gpu.py``."""
 
 from __future__ import annotations
 
@@ -117,25 +119,22 @@ def test_tile_row_bounds():
 
 def test_shard_rows():
     assert shard_rows(8) == ((0, 4), (4, 8))
-    assert shard_rows(5) == ((0, 3), (3, 5))
+    assert shard_rows(5) == ((0, 3), (3, 5))  # two ranks: ceil(M/2), then the rest
     assert shard_rows(1) == ((0, 1), (1, 1))
+    assert shard_rows(12, 4) == ((0, 3), (3, 6), (6, 9), (9, 12))  # M/w rows each when w divides M
+    assert shard_rows(10, 4) == ((0, 3), (3, 5), (5, 8), (8, 10))
+    for m, w in ((7, 3), (100, 8), (8, 8)):
+        spans = shard_rows(m, w)
+        assert (
+            spans[0][0] == 0 and spans[-1][1] == m and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+        )
+        assert max(r1 - r0 for r0, r1 in spans) - min(r1 - r0 for r0, r1 in spans) <= 1
 
 
 def test_refused_on_the_cpu_with_what_to_do():
     msgs = run_ranks(copy_engine_refusal, 2, None, backend="gloo")
     for msg in msgs:
         assert "copy_engine needs CUDA GPUs" in msg and "overlap: false" in msg, msg
-
-
-def test_gemm_streams_one_or_two():
-    """The chunk GEMMs alternate between one or two streams; any other count is refused first."""
-    import torch
-
-    from fo_kernels.copy_engine import CopyEnginePeers
-
-    for bad in (0, 3):
-        with pytest.raises(ValueError, match="gemm_streams: 1 or 2"):
-            CopyEnginePeers(device=torch.device("cpu"), gemm_streams=bad)
 
 
 def test_table_rows_validate_diff_and_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -267,26 +266,6 @@ def test_table_show_and_csv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert (tiled_cells["block_m"], tiled_cells["block_n"], tiled_cells["groups"]) == ("128", "256", "1")
 
 
-def test_exchange_schedule_contract():
-    ar = dict(HEAD, collective="all_reduce")
-    problem = Problem(m=2048, n=4096, k=4096)
-    s = Schedule(**ar, problem=problem, engine="copy_engine", groups=(1, 1), exchange=True)
-    assert s.to_dict()["exchange"] is True and Schedule.from_dict(s.to_dict()) == s
-    assert "exchange, 2 chunk(s) of M" in s.describe()
-    assert "exchange" not in ce().to_dict()  # the default stays out of the tables
-    with pytest.raises(ScheduleError, match=r"^exchange: only all_reduce"):
-        ce(exchange=True)  # reduce_scatter
-    with pytest.raises(ScheduleError, match=r"^exchange: only all_reduce"):
-        Schedule(
-            **ar, problem=Problem(m=64, n=64, k=64), engine="copy_engine", groups=(1,), exchange=True,
-            tile=Tile(block_m=64, block_n=64, block_k=32),
-        )  # fmt: skip
-    with pytest.raises(ScheduleError, match=r"^exchange: only an overlapped engine: copy_engine"):
-        Schedule(**ar, problem=Problem(m=64, n=64, k=64), overlap=False, exchange=True)
-    with pytest.raises(ScheduleError, match=r"^exchange: expected true or false"):
-        Schedule(**ar, problem=Problem(m=64, n=64, k=64), engine="copy_engine", groups=(1,), exchange="yes")
-
-
 class FakeMeasurer:
     """Stands in for the GPU ranks: fixed timings per engine (no process, no GPU)."""
 
@@ -374,51 +353,118 @@ def test_schedule_engine_needs_overlap():
         Schedule(**HEAD, problem=Problem(m=8, n=8, k=8), overlap=False, engine="copy_engine")
 
 
-def _bare_peers():
-    """A peers object without GPUs: only the checks a call makes before any work can run."""
+class _Executor:
+    """Stands in for the GPU executor: logs which steps a call issues."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def issue(self, steps, a, b, out, main, gathered=None, operand=None) -> None:
+        self.log.append(steps)
+
+
+def _bare_peers(monkeypatch: pytest.MonkeyPatch, log: list, world: int = 2):
+    """An engine without GPUs: its bookkeeping (``_init_state``), a logging executor, plans made
+    without buffers and an agreement without a collective (the real ``_agree`` with
+    ``dist.all_reduce`` as the identity: one rank that agrees with itself)."""
+    import torch
+
+    import fo_kernels.copy_engine.peers as P
     from fo_kernels.copy_engine import CopyEnginePeers
+    from fo_kernels.copy_engine.gpu import Compiled
 
     peers = object.__new__(CopyEnginePeers)
-    peers._agreed, peers._plans, peers._broken, peers._captured = set(), {}, "", False
-    peers._capacity = 0
+    peers._init_state(torch.device("cpu"), None, 0, world)
+    peers._executor = _Executor(log)
+    peers._streams = {}
+    peers._make = lambda key, plan, dtype: peers._plans.setdefault(
+        key, (plan, Compiled(("eager",), ("captured",)))
+    )
+    monkeypatch.setattr(P.dist, "all_reduce", lambda tensor, op=None, group=None: tensor)
     return peers
 
 
 def test_capture_needs_one_eager_call_first(monkeypatch: pytest.MonkeyPatch):
-    """Inside a CUDA graph capture the first call of a shape (buffers, the ranks' agreement) cannot
-    run: it is refused with what to do, before anything is issued; an agreed (collective, N, K,
-    dtype, weights) is not enough when this M has no plan yet."""
+    """Inside a CUDA graph capture the first call of a shape cannot run, and is refused before
+    anything is issued, for each of its two reasons: the ranks have not agreed on the schedule
+    yet; or they have (another M ran eagerly: M is not in the signature) but this M has no plan.
+    A shape that ran eagerly is recorded as it stands (without the eager-only prologue)."""
     import torch
 
-    peers = _bare_peers()
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    a, b = torch.randn(8, 4), torch.randn(4, 6)
-    with pytest.raises(ScheduleError, match="once before capturing it in a CUDA graph"):
-        peers.run("all_reduce", a, b, (1, 1))
-    peers._agreed.add(("all_reduce", 6, 4, str(a.dtype), (1, 1)))  # another M ran eagerly
-    with pytest.raises(ScheduleError, match="once before capturing it in a CUDA graph"):
-        peers.run("all_reduce", a, b, (1, 1))
+    log: list = []
+    peers = _bare_peers(monkeypatch, log)
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the capture stream")
+    monkeypatch.setattr(
+        peers, "_eager", lambda plan, compiled, a, b, operand: log.append(compiled.eager) or (None, None)
+    )
+    b = torch.randn(4, 6)
+    with pytest.raises(ScheduleError, match=r"once before capturing.*have not yet agreed"):
+        peers.run("all_reduce", torch.randn(8, 4), b, mode="ring", weights=(1, 1))
+    capturing[0] = False
+    peers.run("all_reduce", torch.randn(16, 4), b, mode="ring", weights=(1, 1))  # another M, eagerly
+    assert log == [("eager",)]
+    capturing[0] = True
+    with pytest.raises(ScheduleError, match=r"once before capturing.*M=8 has no plan yet"):
+        peers.run("all_reduce", torch.randn(8, 4), b, mode="ring", weights=(1, 1))
+    out = peers.run("all_reduce", torch.randn(16, 4), b, mode="ring", weights=(1, 1))
+    assert log == [("eager",), ("captured",)] and tuple(out.shape) == (16, 6) and peers._captured
+    assert peers.call_counts() == (1, 0)  # the eager call went to the stand-in, which counts nothing
 
 
-def test_refusals_before_any_work():
-    """M < 2 (a rank would own no row), a peers object whose earlier call failed part-way, and
-    buffers that would move under a captured graph are refused with what to do; a driver error
-    while the engine records its own graph (nothing ran) leaves the peers usable."""
+def test_refusals_before_any_work(monkeypatch: pytest.MonkeyPatch):
+    """What a caller can get wrong is refused with what to do, before any collective: an unknown
+    mode (listing the valid ones), a mode that cannot run the call, bad weights, M below the
+    world size, reduce_scatter's M not divisible by it, a b the tiled kernel cannot read; and an
+    engine whose earlier call failed part-way, or buffers that would move under a captured graph."""
     import torch
 
     from fo_kernels.errors import EnvironmentMismatchError, ShapeError
 
-    peers = _bare_peers()
-    with pytest.raises(ShapeError, match="M >= 2, got M=1"):
-        peers.run("all_reduce", torch.randn(1, 4), torch.randn(4, 6), (1,))
+    log: list = []
+    peers = _bare_peers(monkeypatch, log, world=4)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    a, b = torch.randn(8, 4), torch.randn(4, 6)
+    tile = Tile(block_m=64, block_n=64, block_k=32)
+    for kw, error, match in (
+        (
+            dict(mode="exchange", weights=(1,)),
+            ScheduleError,
+            r"mode: 'exchange' is not a copy-engine mode; valid: ring, tiled",
+        ),
+        (
+            dict(mode="tiled", weights=(1,), tile=tile),
+            ScheduleError,
+            "mode tiled: runs between exactly 2 ranks, this group has 4",
+        ),
+        (
+            dict(mode="ring", weights=(1,), tile=tile),
+            ScheduleError,
+            "mode ring: uses cuBLAS chunk GEMMs and takes no tile",
+        ),
+        (dict(mode="ring", weights=()), ScheduleError, "weights: expected 1 to 64 positive integers"),
+        (dict(mode="ring", weights=(1, 0)), ScheduleError, "weights: expected"),
+        (dict(mode="ring", weights=(True,)), ScheduleError, "weights: expected"),
+    ):
+        with pytest.raises(error, match=match):
+            peers.run("all_reduce", a, b, **kw)
+    with pytest.raises(ShapeError, match=r"needs M >= the world size 4.*got M=3"):
+        peers.run("all_reduce", torch.randn(3, 4), b, mode="ring", weights=(1,))
+    with pytest.raises(ShapeError, match="reduce_scatter needs M divisible by the world size 4, got M=10"):
+        peers.run("reduce_scatter", torch.randn(10, 4), b, mode="ring", weights=(1,))
+    two = _bare_peers(monkeypatch, log)
+    with pytest.raises(ShapeError, match="b must be row-major"):
+        two.run("all_reduce", a, torch.randn(4, 12)[:, ::2], mode="tiled", weights=(1,), tile=tile)
+    assert log == [] and not peers._agreed  # nothing issued, nothing agreed
     peers._broken = "cuMemcpyDtoDAsync failed (CUDA_ERROR_INVALID_VALUE)"
     with pytest.raises(EnvironmentMismatchError, match=r"failed in an earlier call.*restart"):
-        peers.run("all_reduce", torch.randn(8, 4), torch.randn(4, 6), (1,))
-    peers._broken, peers._ok, peers._capturing_own = "", 0, True
+        peers.run("all_reduce", a, b, mode="ring", weights=(1,))
+    peers._broken, peers._ok, peers._recording = "", 0, True
     with pytest.raises(EnvironmentMismatchError, match="cuMemcpyDtoDAsync failed"):
         peers._check(1, "cuMemcpyDtoDAsync")
     assert peers._broken == ""  # while the engine records its own graph nothing ran: still usable
-    peers._capturing_own = False
+    peers._recording = False
     with pytest.raises(EnvironmentMismatchError):
         peers._check(1, "cuMemcpyDtoDAsync")
     assert peers._broken == "cuMemcpyDtoDAsync failed (1)"  # eagerly, part of a call may be queued
@@ -426,6 +472,36 @@ def test_refusals_before_any_work():
     peers._reserve(512)  # fits: nothing moves
     with pytest.raises(ScheduleError, match="run the largest shape eagerly before capturing"):
         peers._reserve(4096)
+
+
+def test_modes_by_name_and_what_each_can_run():
+    """The registry: modes by exact name, each with its feasibility rule."""
+    from fo_kernels.copy_engine import MODE_NAMES, mode_blocker, mode_named
+
+    assert MODE_NAMES == ("ring", "tiled")
+    with pytest.raises(ScheduleError, match="valid: ring, tiled"):
+        mode_named("Ring")
+    tile = Tile(block_m=64, block_n=64, block_k=32)
+    for world in (2, 3, 4, 8):
+        for collective in ("all_reduce", "reduce_scatter", "all_gather"):
+            assert mode_blocker("ring", collective, world) == ""
+    assert "at least 2 ranks" in mode_blocker("ring", "all_reduce", 1)
+    assert (
+        mode_blocker("tiled", "all_reduce", 2, tile) == mode_blocker("tiled", "reduce_scatter", 2, tile) == ""
+    )
+    assert "exactly 2 ranks" in mode_blocker("tiled", "all_reduce", 4, tile)
+    assert "not 'all_gather'" in mode_blocker("tiled", "all_gather", 2, tile)
+    assert "needs the persistent GEMM's tile" in mode_blocker("tiled", "all_reduce", 2)
+
+
+def test_blocker_names_what_is_missing():
+    import torch
+
+    from fo_kernels.copy_engine import copy_engine_blocker
+
+    assert "needs CUDA GPUs with peer access; this call runs on cpu" in copy_engine_blocker(
+        torch.device("cpu"), 4
+    )
 
 
 def test_m1_runs_as_gemm_then_the_collective():
@@ -438,76 +514,54 @@ def test_m1_runs_as_gemm_then_the_collective():
 
 
 def test_eager_calls_are_graphed_once_their_addresses_repeat(monkeypatch: pytest.MonkeyPatch):
-    """The engine's own graphs: a call is issued eagerly until its key (shape, operand and output
-    addresses) has been seen GRAPH_AFTER_CALLS times, then captured once and replayed; another
-    output address is another key; graph_after = 0 never captures; the sightings are bounded."""
-    from collections import OrderedDict
+    """The engine's own graphs (``fo_kernels.graphs.OwnGraphs``): a call is issued eagerly until
+    its key (mode, weights, shape, operand and output addresses) has been seen GRAPH_AFTER_CALLS
+    times, then captured once (its list without the eager-only prologue) and replayed; another
+    output address or mode is another key; graph_after = 0 never captures; a failed capture
+    leaves the engine issuing eagerly, unless it left a side stream capturing."""
     from types import SimpleNamespace
 
     import torch
 
-    import fo_kernels.copy_engine as ce
+    from fo_kernels.copy_engine import GRAPH_AFTER_CALLS
 
-    peers = _bare_peers()
-    peers.graph_after, peers.replays, peers._calls = 2, 0, 0
-    peers._graphs, peers._seen, peers._plans = OrderedDict(), OrderedDict(), OrderedDict()
-    peers.device, peers._side, peers._local = torch.device("cpu"), None, None
-    peers._agree = lambda signature: None
-    log = []
-
-    def run(collective, a, b, weights, mode, out, capturing=False):
-        log.append("capture" if capturing else "eager")
-        peers._plans[ce._plan_key(collective, a.shape[0], b.shape[1], a.dtype, weights, mode)] = "plan"
-
-    def capture(collective, a, b, weights, mode, out):
-        run(collective, a, b, weights, mode, out, capturing=True)
-        return SimpleNamespace(replay=lambda: log.append("replay"))
-
-    peers._run, peers._capture = run, capture
+    assert GRAPH_AFTER_CALLS == 2
+    log: list = []
+    peers = _bare_peers(monkeypatch, log)
+    outs = [torch.empty(8, 6), torch.empty(8, 6)]
+    which = [0]
+    peers._outputs = SimpleNamespace(empty=lambda shape, dtype: outs[which[0]])
     stream = SimpleNamespace(wait_stream=lambda other: log.append("wait"), cuda_stream=7)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    outs = [torch.empty(8, 6), torch.empty(8, 6)]
-    which = [0]
-    monkeypatch.setattr(ce.torch, "empty", lambda *args, **kw: outs[which[0]])
-    peers._output = lambda shape, dtype: outs[which[0]]  # (the engine's output pool needs CUDA)
-    peers._last_main = None
+
+    def capture(record):
+        record()
+        return SimpleNamespace(replay=lambda: log.append("replay"))
+
+    monkeypatch.setattr(peers._graphs, "_capture", capture)
     a, b = torch.randn(8, 4), torch.randn(4, 6)
 
-    def call() -> list[str]:
+    def call(mode: str = "ring", weights=(1, 1)) -> list:
         log.clear()
-        assert peers.run("all_reduce", a, b, (1, 1)) is outs[which[0]]
-        return list(log)
+        assert peers.run("all_reduce", a, b, mode=mode, weights=weights) is outs[which[0]]
+        return [x[0] if isinstance(x, tuple) else x for x in log]
 
     assert call() == ["eager"]
-    assert call() == ["capture", "replay"]
-    assert call() == ["replay"] and peers.replays == 2
-    # the engine's settings are in the key: a graph recorded under the other setting never replays
-    peers.gemm_streams = 3 - peers.gemm_streams
-    assert call() == ["eager"] and call() == ["capture", "replay"]
-    peers.gemm_streams = 3 - peers.gemm_streams
-    assert call() == ["replay"]
-    peers.own_copy_at_end = not peers.own_copy_at_end
-    assert call() == ["eager"] and call() == ["capture", "replay"]
-    peers.own_copy_at_end = not peers.own_copy_at_end
-    assert call() == ["replay"] and len(peers._graphs) == 3
+    assert call() == ["captured", "replay"]
+    assert call() == ["replay"] and peers.call_counts() == (3, 2)
+    assert call(weights=(2, 1)) == ["eager"]  # the schedule is in the key
     which[0] = 1  # another output block: another key
-    assert call() == ["eager"]
-    assert call() == ["capture", "replay"] and len(peers._graphs) == 4
+    assert call() == ["eager"] and call() == ["captured", "replay"]
     peers.graph_after = 0
     which[0] = 0
     assert call() == ["eager"]  # even with a graph of this key
     peers.graph_after = 2
-    monkeypatch.setattr(ce, "SEEN_CACHE_SIZE", 1)
-    for rows in (10, 12, 14):
-        a = torch.randn(rows, 4)
-        assert call() == ["eager"]
-    assert len(peers._seen) == 1
 
-    def refused(*args):  # any error: the capture queued nothing, so the call runs eagerly
+    def refused(record):  # any error: the capture queued nothing, so the call runs eagerly
         raise ValueError("operation not permitted when stream is capturing")
 
-    peers._capture = refused
+    monkeypatch.setattr(peers._graphs, "_capture", refused)
     a = torch.randn(16, 4)
     assert call() == ["eager"]
     with pytest.warns(RuntimeWarning, match="capturing a call in a CUDA graph failed"):
@@ -517,3 +571,33 @@ def test_eager_calls_are_graphed_once_their_addresses_repeat(monkeypatch: pytest
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: other)
     assert call() == ["wait", "eager"]  # another stream first waits for the last call's stream
     assert call() == ["eager"]  # the same stream again: no wait
+    assert peers.call_counts()[0] == 12
+
+
+def test_a_capture_that_leaves_a_side_stream_capturing_breaks_the_engine(monkeypatch: pytest.MonkeyPatch):
+    """After a failed capture the engine checks its side streams: one left capturing would record
+    later calls instead of running them, so the error is raised and later calls are refused."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from fo_kernels.errors import EnvironmentMismatchError
+
+    peers = _bare_peers(monkeypatch, [])
+    peers._streams = {"side": SimpleNamespace(name="side")}
+    current = ["main"]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current[0] = stream.name
+        yield
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current[0] == "side")
+    error = RuntimeError("capture invalidated")
+    with pytest.raises(RuntimeError, match="capture invalidated"):
+        peers._after_failed_capture(error)
+    assert "left a side stream capturing" in peers._broken
+    with pytest.raises(EnvironmentMismatchError, match="failed in an earlier call"):
+        peers.run("all_reduce", torch.randn(8, 4), torch.randn(4, 6), mode="ring", weights=(1,))

@@ -172,6 +172,26 @@ def test_copy_engine_tiled_ops():
 
 
 @pytest.mark.multigpu
+def test_copy_engine_all_gather():
+    """The copy engine's AllGather + GEMM on two GPUs: odd shapes, 1-6 chunks, three dtypes; the
+    gathered A equals every rank's shard, the product the float64 one, on every call (eager, then
+    replayed from the engine's own graphs, which the last calls of each case use)."""
+    from dist_cases import copy_engine_all_gather
+    from fo_tune.launch import run_ranks
+
+    shapes = [(258, 250, 70), (2048, 4096, 4096), (1000, 3000, 1040), (4, 8, 8)]
+    cases = [
+        (m, n, k, ("bfloat16", "float16", "float32")[i % 3], chunks, 70 + i)
+        for i, ((m, n, k), chunks) in enumerate((s, ch) for s in shapes for ch in (1, 2, 3, 6))
+    ]
+    per_rank = run_ranks(copy_engine_all_gather, 2, cases, backend="nccl", timeout_s=300)
+    for rows in per_rank:
+        for r in rows:
+            assert r["same"] and not r["nan"] and r["err"] < TOL[r["case"][3]], r
+        assert all(r["replayed"] for r in rows if r["step"] == rows[-1]["step"]), rows
+
+
+@pytest.mark.multigpu
 def test_copy_engine_graphs_repeated_eager_calls():
     """Eager copy-engine calls whose addresses repeat are replayed from the engine's own graph
     (from the GRAPH_AFTER_CALLS-th call on), with every output right; a rank issuing eagerly and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 
@@ -149,8 +150,8 @@ def test_copy_engine_settings_errors_name_the_field(kw, field):
 
 def test_copy_engine_schedule_round_trip_and_world_size():
     tiled = CopyEngineSettings(mode="tiled", weights=(2, 1), tile=TILE)
-    for settings in (CopyEngineSettings(weights=(1, 1, 1, 1)), tiled):
-        for world in (2, 3, 8):
+    for settings, worlds in ((CopyEngineSettings(weights=(1, 1, 1, 1)), (2, 3, 8)), (tiled, (2,))):
+        for world in worlds:
             s = Schedule(
                 collective="reduce_scatter",
                 dtype="bfloat16",
@@ -160,6 +161,8 @@ def test_copy_engine_schedule_round_trip_and_world_size():
             )
             assert s.engine == "copy_engine" and Schedule.from_dict(s.to_dict()) == s
     assert "engine copy_engine, tiled, 2 chunk(s) per shard" in s.describe()
+    with pytest.raises(ScheduleError, match=r"^mode: tiled runs between exactly 2 GPUs"):
+        dataclasses.replace(s, world_size=4)
     with pytest.raises(ScheduleError, match=r"^engine: copy_engine moves data between at least 2"):
         Schedule(
             collective="all_reduce",
@@ -270,3 +273,28 @@ def test_default_schedule_is_valid_for_any_shape(collective, m, n, k, on_gpu):
         assert plan.grid <= 132 - s.settings.sms_free
     else:
         assert on_gpu and m * n * 2 < MIN_OVERLAP_BYTES
+
+
+def test_copy_engine_settings_agree_with_the_engines_modes():
+    """The schedule's copy-engine rules (kept light: reading a table defines no kernel) say what the
+    engine's own mode registry says: the same mode names, and the same feasibility per collective
+    and world size."""
+    from fo_kernels.copy_engine import MODE_NAMES, mode_blocker
+    from fo_kernels.schedule import COLLECTIVES, COPY_ENGINE_MODES
+
+    assert COPY_ENGINE_MODES == MODE_NAMES
+    for mode, collective, world in itertools.product(MODE_NAMES, COLLECTIVES, range(1, 9)):
+        tile = TILE if mode == "tiled" else None
+        engine_says = mode_blocker(mode, collective, world, tile)
+        try:
+            Schedule(
+                collective=collective,
+                dtype="float32",
+                world_size=world,
+                problem=Problem(m_min=world, m_max=4096, n=16, k=16),
+                settings=CopyEngineSettings(mode=mode, weights=(1, 1), tile=tile),
+            )
+            schedule_says = ""
+        except ScheduleError as exc:
+            schedule_says = str(exc)
+        assert bool(engine_says) == bool(schedule_says), (mode, collective, world, engine_says, schedule_says)

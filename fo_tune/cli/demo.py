@@ -1,7 +1,7 @@
 """``fo-tune demo``: check and time the overlapped ops on local ranks (library: ``fo_tune.demo``)."""
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
@@ -36,9 +36,23 @@ HELP = "\n\n".join(
         "are timed.",
         "On GPUs the ranks use NCCL, one GPU each. Without GPUs they use gloo and the GEMM runs in "
         "Triton's CPU interpreter: the check is real, the timings are not (they measure the interpreter).",
+        "--engine copy_engine runs the copy engine's protocol instead, on --world-size thread-ranks "
+        "of its CPU executor (no process group, no GPU): all_reduce, reduce_scatter and all_gather "
+        "per shape, --reps calls on the same buffers, checked against float64; the times are the "
+        "executor's.",
         "Exit code 0 when every row passes, 1 when one fails, 2 for bad options.",
     ]
 )
+ENGINES = ("auto", "copy_engine")
+EngineOpt = Annotated[
+    str,
+    typer.Option(
+        "--engine",
+        "-e",
+        help="auto: the schedule the runtime would pick; copy_engine: the copy engine's protocol on "
+        "thread-ranks of its CPU executor.",
+    ),
+]
 
 
 def _fmt(x: float, spec: str) -> str:
@@ -57,7 +71,10 @@ def _schedule_line(row: "DemoRow") -> str:
 
 
 def _table(rows: "list[DemoRow]", world_size: int, backend: str) -> Table:
-    where = "NCCL, one GPU per rank" if backend == "nccl" else "gloo on the CPU, Triton interpreter"
+    where = {
+        "nccl": "NCCL, one GPU per rank",
+        "cpu-threads": "the copy engine's CPU executor, thread-ranks",
+    }.get(backend, "gloo on the CPU, Triton interpreter")
     dtypes = ", ".join(sorted({r.dtype for r in rows}))
     table = Table(
         title=f"fo-tune demo: {world_size} ranks, {where}, {dtypes}",
@@ -80,7 +97,7 @@ def _table(rows: "list[DemoRow]", world_size: int, backend: str) -> Table:
             "NaN" if row.has_nan else _fmt(row.rel_err, ".1e"),
             _ms(row.overlapped_ms),
             _ms(row.sequential_ms),
-            "-" if row.skipped else _fmt(row.speedup, ".2f") + "x",
+            "-" if row.skipped or math.isnan(row.speedup) else _fmt(row.speedup, ".2f") + "x",
         )
     return table
 
@@ -93,6 +110,7 @@ def demo(
     backend: BackendOpt = "auto",
     reps: RepsOpt = 5,
     timeout: TimeoutOpt = 600.0,
+    engine: EngineOpt = "auto",
 ) -> None:
     shapes = [parse_shape(s) for s in shape or []]
     if dtype is not None and dtype not in DTYPE_NAMES:
@@ -105,14 +123,29 @@ def demo(
         raise typer.BadParameter(f"--reps must be >= 1, got {reps}")
     if not timeout > 0:
         raise typer.BadParameter(f"--timeout must be > 0, got {timeout}")
+    if engine not in ENGINES:
+        raise typer.BadParameter(f"--engine {engine!r} is not one of {', '.join(ENGINES)}")
+    if engine == "copy_engine" and (world_size < 2 or backend != "auto"):
+        raise typer.BadParameter(
+            "--engine copy_engine runs on 2 or more thread-ranks of its CPU executor: give --world-size >= 2 "
+            "and leave --backend out"
+        )
 
-    from fo_tune.demo import run_demo
+    from fo_tune.demo import run_copy_engine_demo, run_demo
 
     with console.status(f"running {world_size} ranks (backend {backend}) ...", spinner="dots"):
         chosen = None if backend == "auto" else backend
-        rows = run_demo(world_size, shapes or None, dtype, chosen, reps, timeout)
+        if engine == "copy_engine":
+            rows = run_copy_engine_demo(world_size, shapes or None, dtype, reps)
+        else:
+            rows = run_demo(world_size, shapes or None, dtype, chosen, reps, timeout)
     console.print(_table(rows, world_size, rows[0].backend if rows else backend))
-    console.print("schedules (heuristic: no table row matched; tune one with `fo-tune search`):", style="dim")
+    if engine == "copy_engine":
+        console.print("schedules (the copy engine's operation lists, as on GPUs):", style="dim")
+    else:
+        console.print(
+            "schedules (heuristic: no table row matched; tune one with `fo-tune search`):", style="dim"
+        )
     for row in rows:
         console.print(f"  {_schedule_line(row)}", style="dim", markup=False, highlight=False)
     failed = [r for r in rows if r.status == "FAIL"]

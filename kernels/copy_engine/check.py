@@ -1,0 +1,116 @@
+"""Repeated copy-engine calls on N thread-ranks of the CPU executor, checked against float64.
+
+    for call i = 1 .. calls, on every rank r, with no barrier between calls (a fast rank starts its
+    next call while the others still read its buffers: the reuse guards must hold it back):
+        a_r, b_r <- new random values, copied into the same tensors (the same buffers every call)
+        out (and gathered) <- NaN, so a row the call does not write fails the check
+        run the call's operation list (``cpu.CpuRank.call``), then
+        err = ||out - ref|| / ||ref|| with ref in float64:
+            all_reduce: sum_q a_q @ b_q   reduce_scatter: its rows of shard r
+            all_gather: cat_q(a_q) @ b_r, and the gathered A must equal cat_q(a_q)
+
+``fo-tune demo --engine copy_engine`` and the CPU tests run this.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..schedule import Tile
+from .buffers import region_bytes_for
+from .cpu import CpuOptions, CpuRank, run_ranks
+from .layout import shard_rows
+from .modes import plan_call
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuCheck:
+    """One call shape to check: ``m`` rows of the output (all_gather: of the gathered A, each
+    rank's shard ``m / world`` rows)."""
+
+    collective: str
+    world: int
+    m: int
+    n: int
+    k: int
+    mode: str = "ring"
+    weights: tuple[int, ...] = (1, 1)
+    tile: Tile | None = None
+    dtype: torch.dtype = torch.float32
+    calls: int = 3
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The largest relative error over ranks and calls, NaN anywhere, the median wall time of a
+    call on its slowest rank (the executor's, not a GPU's)."""
+
+    rel_err: float
+    has_nan: bool
+    wall_ms: float
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_on_threads(check: CpuCheck, options: CpuOptions | None = None) -> CheckResult:
+    """Run ``check``'s calls on ``check.world`` thread-ranks (see the module docstring)."""
+    w, c = check.world, check
+    plans = [plan_call(c.mode, c.collective, w, r, c.m, c.n, c.k, c.weights, c.tile) for r in range(w)]
+    gather = c.collective == "all_gather"
+    rows = shard_rows(c.m, w)
+    a_rows = c.m // w if gather else c.m
+    gen = torch.Generator().manual_seed(c.seed)
+    operands = [
+        [
+            (
+                torch.randn(a_rows, c.k, generator=gen).to(c.dtype),
+                torch.randn(c.k, c.n, generator=gen).to(c.dtype),
+            )
+            for _ in range(w)
+        ]
+        for _ in range(c.calls)
+    ]
+    refs = []
+    for ops in operands:
+        if gather:
+            whole = torch.cat([a.double() for a, _ in ops])
+            refs.append([(whole, whole @ b.double()) for _, b in ops])
+        else:
+            total = sum(a.double() @ b.double() for a, b in ops)
+            refs.append([(None, total if c.collective == "all_reduce" else total[r0:r1]) for r0, r1 in rows])
+
+    def body(rank: CpuRank) -> tuple[float, bool, float]:
+        r, plan = rank.rank, plans[rank.rank]
+        a, b = torch.empty(a_rows, c.k, dtype=c.dtype), torch.empty(c.k, c.n, dtype=c.dtype)
+        out = torch.empty(plan.out_rows, c.n, dtype=c.dtype)
+        gathered = torch.empty(c.m, c.k, dtype=c.dtype) if gather else None
+        err, nan, times = 0.0, False, []
+        for i in range(c.calls):
+            a.copy_(operands[i][r][0])
+            b.copy_(operands[i][r][1])
+            out.fill_(float("nan"))
+            if gathered is not None:
+                gathered.fill_(float("nan"))
+            t0 = time.perf_counter()
+            rank.call(plan, a, b, out, gathered)
+            times.append((time.perf_counter() - t0) * 1e3)
+            whole, ref = refs[i][r]
+            nan |= bool(out.isnan().any()) or (gathered is not None and bool(gathered.isnan().any()))
+            err = max(err, _rel(out, ref), _rel(gathered, whole) if gathered is not None else 0.0)
+        return err, nan, statistics.median(times)
+
+    need = max(region_bytes_for(p, c.dtype) for p in plans)
+    per_rank = run_ranks(w, body, region_bytes=need, options=options)
+    errs = [e for e, _, _ in per_rank]
+    return CheckResult(
+        rel_err=float("nan") if any(e != e for e in errs) else max(errs),
+        has_nan=any(n for _, n, _ in per_rank),
+        wall_ms=max(t for _, _, t in per_rank),
+    )

@@ -1,0 +1,426 @@
+"""The CPU executor: the same operation lists as on GPUs, run by thread-ranks with real concurrency.
+
+    host thread of rank r   for op in plan.ops: [random delay]; queue op on its stream's FIFO
+                            wait until the main stream has run everything queued on it
+    FIFO worker (a thread)  for op in its queue: [random delay]; run op
+                            (waits block the worker, as a stream waits on the GPU)
+
+Each stream of a rank is a FIFO worker of its own, so operations on different streams overlap and
+are ordered only by ``Join``, ``WaitEvent`` and the flag waits, as on a GPU; ``fifos`` maps several
+streams onto one FIFO to model streams that share one hardware queue (a wait there blocks the work
+queued behind it on the other stream). The symmetric regions are byte tensors every thread can read
+(``buffers.Regions``), the flag cells integers under one lock per rank, the GEMMs
+torch matmuls; the tiled mode's persistent kernel runs as its chunks in order, each waiting for its
+``ready`` cell and adding its tiles to its counter.
+
+What fails a run, always within ``timeout_s`` instead of hanging:
+
+- a wait that is not satisfied in time (a lost flag, a deadlock): ``ProtocolTimeout`` naming the
+  rank, stream, operation and the cell's value; the other threads then stop waiting;
+- a flag set while it is still 1 (set twice before its reset, so one signal is lost), a wait or
+  reset of a peer's cell, an event waited for before it is recorded: ``ProtocolError``;
+- a stream with work left when the call's main stream is done (the list does not join it back).
+
+``drop`` injects faults: operations for which it returns True are not issued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import random
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from ..errors import FoTuneError
+from .buffers import Regions, width_of
+from .layout import CALLER_BUFFERS, Cell, FlagLayout, Rows, regions
+from .ops import (
+    MAIN,
+    STREAMS,
+    CallPlan,
+    Clear,
+    Copy,
+    Gemm,
+    Join,
+    Op,
+    Record,
+    Reset,
+    Signal,
+    TiledGemm,
+    Wait,
+    WaitEvent,
+)
+
+T = TypeVar("T")
+
+
+class ProtocolError(FoTuneError, RuntimeError):
+    """An operation list broke the copy engine's protocol (see the module docstring)."""
+
+
+class ProtocolTimeout(ProtocolError):
+    """A wait was not satisfied within the timeout: a lost flag or a deadlock."""
+
+
+class _Aborted(Exception):
+    """Another thread failed first: stop waiting."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuOptions:
+    """How the CPU executor runs: ``timeout_s`` for every wait; a random delay of up to
+    ``delay_s`` before every operation (host and streams, from ``seed``); ``slow[rank]`` more
+    seconds before each operation that rank's host issues (a host that falls behind); ``fifos``
+    maps stream names to FIFO names (left out: one FIFO per stream); ``drop(rank, index, op)``
+    True leaves that operation out (fault injection)."""
+
+    timeout_s: float = 10.0
+    delay_s: float = 0.0
+    seed: int = 0
+    slow: Mapping[int, float] | None = None
+    fifos: Mapping[str, str] | None = None
+    drop: Callable[[int, int, Op], bool] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0 or self.delay_s < 0 or any(s < 0 for s in (self.slow or {}).values()):
+            raise ValueError(
+                f"timeout_s must be > 0 and delays >= 0, got {self.timeout_s}, {self.delay_s}, {self.slow}"
+            )
+        unknown = set(self.fifos or {}) - set(STREAMS)
+        if unknown:
+            raise ValueError(f"fifos: unknown stream(s) {sorted(unknown)}; valid: {', '.join(STREAMS)}")
+
+
+def shifted(cell: Cell, c: int) -> Cell:
+    """The cell ``c`` places after ``cell`` in its last index (a chunk's cell from the first)."""
+    return Cell(cell.owner, cell.name, (*cell.index[:-1], cell.index[-1] + c))
+
+
+# The share of operations that a random delay holds back: a sleep costs a thread switch under the
+# GIL, and with 8 ranks of 5 streams sleeping before every operation made a run several times
+# slower without reaching more orders (a delayed operation delays everything behind it anyway).
+PAUSE_SHARE = 0.125
+
+
+def _pause(rng: random.Random, delay_s: float) -> None:
+    """A random delay of up to ``delay_s`` before ``PAUSE_SHARE`` of the operations."""
+    x = rng.random()
+    if x < PAUSE_SHARE:
+        time.sleep(x / PAUSE_SHARE * delay_s)
+
+
+class _World:
+    """What the thread-ranks share: flag cells, regions, per-stream progress, the first failure.
+
+    A rank's cells and progress change under its lock (``change``); a waiter registers what it
+    waits for and is woken only once that holds (no thread wakes for a change it does not need)."""
+
+    def __init__(self, world: int, options: CpuOptions, region_bytes: int) -> None:
+        self.size, self.options = world, options
+        self.locks = [threading.Lock() for _ in range(world)]
+        self._waiters: list[list[tuple[Callable[[], bool], threading.Event]]] = [[] for _ in range(world)]
+        self.cells: dict[Cell, int] = defaultdict(int)
+        layout = FlagLayout(world)
+        for q in range(world):
+            for cell in layout.guards(q):
+                self.cells[cell] = 1
+        self.done: dict[tuple[int, str], int] = defaultdict(int)  # (rank, stream) -> ops run
+        self.failure: BaseException | None = None
+        total = len(regions(world)) * region_bytes
+        self.regions = Regions(
+            world, region_bytes, {q: torch.zeros(total, dtype=torch.uint8) for q in range(world)}
+        )
+
+    def fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+        for rank, lock in enumerate(self.locks):
+            with lock:
+                for _, woken in self._waiters[rank]:
+                    woken.set()
+
+    def changed(self, rank: int) -> None:
+        """Wake the waiters of rank ``rank`` whose condition now holds (its lock held)."""
+        waiters = self._waiters[rank]
+        if waiters:
+            ready = [w for w in waiters if w[0]()]
+            for w in ready:
+                waiters.remove(w)
+                w[1].set()
+
+    def wait_until(
+        self, rank: int, ready: Callable[[], bool], what: Callable[[], str], timeout_s: float | None = None
+    ) -> None:
+        """Block until ``ready()`` (about rank ``rank``'s cells or progress), the timeout (default
+        ``options.timeout_s``), or a failure elsewhere."""
+        timeout_s = self.options.timeout_s if timeout_s is None else timeout_s
+        lock = self.locks[rank]
+        with lock:
+            if ready():
+                return
+            if self.failure is not None:
+                raise _Aborted
+            waiter = (ready, threading.Event())
+            self._waiters[rank].append(waiter)
+        if waiter[1].wait(timeout_s) and self.failure is None:
+            return
+        with lock:
+            if waiter in self._waiters[rank]:
+                self._waiters[rank].remove(waiter)
+            if ready():
+                return
+        if self.failure is not None:
+            raise _Aborted
+        raise ProtocolTimeout(f"{what()} for {timeout_s:g} s: a lost flag or a deadlock")
+
+
+class _Fifo:
+    """One FIFO worker: runs queued (stream, operation) items in order."""
+
+    def __init__(self, world: _World, rank: int, name: str, seed: int) -> None:
+        self.world, self.rank = world, rank
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.rng = random.Random(seed)
+        self.thread = threading.Thread(target=self._loop, name=f"rank{rank}:{name}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        world, delay = self.world, self.world.options.delay_s
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            stream, run = item
+            try:
+                if world.failure is None:
+                    if delay:
+                        _pause(self.rng, delay)
+                    run()
+            except _Aborted:
+                pass
+            except BaseException as exc:
+                world.fail(exc)
+            finally:
+                with world.locks[self.rank]:
+                    world.done[self.rank, stream] += 1
+                    world.changed(self.rank)
+
+
+class CpuRank:
+    """One thread-rank: its FIFOs and the issue of its calls (``call``)."""
+
+    def __init__(self, world: _World, rank: int) -> None:
+        self.world, self.rank = world, rank
+        self._fifos: dict[str, _Fifo] = {}
+        self._issued: dict[str, int] = defaultdict(int)
+        self._events: dict[int, tuple[str, int]] = {}
+        self._rng = random.Random(world.options.seed * 7919 + rank)
+        self._calls = 0
+
+    def call(
+        self,
+        plan: CallPlan,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        out: torch.Tensor,
+        gathered: torch.Tensor | None = None,
+    ) -> None:
+        """Issue ``plan``'s operations, then wait for the main stream (as a synchronize would)."""
+        world, r, opts = self.world, self.rank, self.world.options
+        if plan.spec.rank != r or plan.spec.world != world.size:
+            raise ProtocolError(
+                f"rank {r} of {world.size} was given the plan of rank {plan.spec.rank} of {plan.spec.world}"
+            )
+        tensors = {"a": a, "out": out, "gathered": gathered}
+        self._calls += 1
+        slow = (opts.slow or {}).get(r, 0.0)
+        for i, op in enumerate(plan.ops):
+            if opts.drop is not None and opts.drop(r, i, op):
+                continue
+            if opts.delay_s:
+                _pause(self._rng, opts.delay_s / 4)
+            if slow:
+                time.sleep(slow)
+            self._issue(i, op, plan, tensors, b)
+        target = self._issued[MAIN]
+        # (each operation's wait is bounded: one of them times out first, and says which)
+        with contextlib.suppress(_Aborted):
+            world.wait_until(
+                r,
+                lambda: world.done[r, MAIN] >= target,
+                lambda: f"rank {r}'s host waited for its main stream",
+                opts.timeout_s * (len(plan.ops) + 1),
+            )
+        if world.failure is not None:
+            raise world.failure
+        left = [s for s, n in self._issued.items() if world.done[r, s] < n]
+        if left:
+            raise ProtocolError(
+                f"rank {r}, call {self._calls}: stream(s) {', '.join(left)} still had work when the "
+                "call's main stream was done: the list does not join them back"
+            )
+
+    def close(self) -> None:
+        for fifo in self._fifos.values():
+            fifo.queue.put(None)
+
+    # ------------------------------------------------------------------ issue
+    def _issue(self, i: int, op: Op, plan: CallPlan, tensors: dict, b: torch.Tensor) -> None:
+        world, r, opts = self.world, self.rank, self.world.options
+        where = f"rank {r}, call {self._calls}, {op.stream} stream, op {i} {type(op).__name__}"
+        if isinstance(op, Record):
+            self._events[op.event] = (op.stream, self._issued[op.stream] + 1)
+            self._queue(op.stream, lambda: None)
+        elif isinstance(op, (WaitEvent, Join)):
+            if isinstance(op, WaitEvent):
+                if op.event not in self._events:
+                    raise ProtocolError(f"{where}: event {op.event} is waited for before it is recorded")
+                other, count = self._events[op.event]
+            else:
+                other, count = op.other, self._issued[op.other]
+            # (waits within a rank target work queued before them, so they cannot deadlock by
+            # themselves: they get the long bound, and the flag wait behind a failure reports it)
+            bound = opts.timeout_s * (len(plan.ops) + 1)
+
+            def wait() -> None:
+                done = lambda: world.done[r, other] >= count
+                world.wait_until(r, done, lambda: f"{where} waited for the {other} stream", bound)
+
+            self._queue(op.stream, wait)
+        else:
+            run = _Run(world, r, plan, tensors, b, where)
+            self._queue(op.stream, lambda: run(op))
+
+    def _queue(self, stream: str, run: Callable[[], None]) -> None:
+        name = (self.world.options.fifos or {}).get(stream, stream)
+        fifo = self._fifos.get(name)
+        if fifo is None:
+            seed = (self.world.options.seed * 1009 + self.rank) * 31 + len(self._fifos)
+            fifo = self._fifos[name] = _Fifo(self.world, self.rank, name, seed)
+        self._issued[stream] += 1
+        fifo.queue.put((stream, run))
+
+
+class _Run:
+    """Runs one operation on a FIFO worker."""
+
+    def __init__(
+        self, world: _World, rank: int, plan: CallPlan, tensors: dict, b: torch.Tensor, where: str
+    ) -> None:
+        self.world, self.rank, self.plan, self.tensors, self.b, self.where = (
+            world,
+            rank,
+            plan,
+            tensors,
+            b,
+            where,
+        )
+
+    def __call__(self, op: Op) -> None:
+        getattr(self, type(op).__name__.lower())(op)
+
+    def view(self, rows: Rows) -> torch.Tensor:
+        spec = self.plan.spec
+        if rows.buffer in CALLER_BUFFERS:
+            if rows.owner != self.rank:
+                raise ProtocolError(f"{self.where}: reads {rows}, another rank's own tensor")
+            return self.tensors[rows.buffer][rows.r0 : rows.r1]
+        width = width_of(rows.buffer, spec.n, spec.k)
+        return self.world.regions.view(rows, width, self.tensors["a"].dtype)
+
+    def _mine(self, cell: Cell) -> None:
+        if cell.owner != self.rank:
+            raise ProtocolError(f"{self.where}: waits for or resets {cell}, which is not this rank's")
+
+    def gemm(self, op: Gemm) -> None:
+        a, out = self.view(op.a), self.view(op.out)
+        if op.beta:
+            out.addmm_(a, self.b)
+        else:
+            torch.mm(a, self.b, out=out)
+
+    def copy(self, op: Copy) -> None:
+        self.view(op.dst).copy_(self.view(op.src))
+
+    def signal(self, op: Signal) -> None:
+        owner = op.cell.owner
+        with self.world.locks[owner]:
+            if self.world.cells[op.cell]:
+                raise ProtocolError(f"{self.where}: sets {op.cell} while it is still set (a signal lost)")
+            self.world.cells[op.cell] = 1
+            self.world.changed(owner)
+
+    def wait(self, op: Wait) -> None:
+        self._mine(op.cell)
+        cells = self.world.cells
+        self.world.wait_until(
+            self.rank,
+            lambda: cells[op.cell] >= op.target,
+            lambda: f"{self.where} waited for {op.cell} to reach {op.target} (it is {cells[op.cell]})",
+        )
+
+    def reset(self, op: Reset) -> None:
+        self.clear(Clear(op.stream, op.cell, 1))
+
+    def clear(self, op: Clear) -> None:
+        self._mine(op.cell)
+        with self.world.locks[self.rank]:
+            for c in range(op.count):
+                self.world.cells[shifted(op.cell, c)] = 0
+
+    def tiledgemm(self, op: TiledGemm) -> None:
+        """The persistent kernel, chunk by chunk: [wait ready(c)]; out[c] = a[c] @ B (+ out[c],
+        summed in float32); [copy_to[c] = out[c]]; [counters(c) += tiles of c]."""
+        a, out = self.view(op.a), self.view(op.out)
+        copy = self.view(op.copy_to) if op.copy_to is not None else None
+        for c, (c0, c1) in enumerate(op.chunks):
+            if op.ready is not None:
+                self.wait(Wait(op.stream, shifted(op.ready, c)))
+            acc = a[c0:c1].float() @ self.b.float()
+            if op.ready is not None:
+                acc += out[c0:c1].float()
+            out[c0:c1] = acc.to(out.dtype)
+            if copy is not None:
+                copy[c0:c1].copy_(out[c0:c1])
+            if op.counters is not None:
+                cell = shifted(op.counters, c)
+                with self.world.locks[cell.owner]:
+                    self.world.cells[cell] += op.tiles[c]
+                    self.world.changed(cell.owner)
+
+
+def run_ranks(
+    world: int, body: Callable[[CpuRank], T], *, region_bytes: int, options: CpuOptions | None = None
+) -> list[T]:
+    """Run ``body(rank)`` on ``world`` thread-ranks that share regions of ``region_bytes`` each
+    (``buffers.region_bytes_for``); their results in rank order. The first failure of any thread
+    (a ``ProtocolError``, or what ``body`` raised) is raised once every thread has stopped."""
+    shared = _World(world, options or CpuOptions(), region_bytes)
+    ranks = [CpuRank(shared, r) for r in range(world)]
+    results: list = [None] * world
+
+    def host(r: int) -> None:
+        try:
+            results[r] = body(ranks[r])
+        except BaseException as exc:
+            shared.fail(exc)
+
+    threads = [
+        threading.Thread(target=host, args=(r,), name=f"rank{r}:host", daemon=True) for r in range(world)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rank in ranks:
+        rank.close()
+    if shared.failure is not None:
+        raise shared.failure
+    return results

@@ -1,0 +1,235 @@
+"""The GPU executor: a call's operation list issued through the CUDA driver, cuBLAS and Triton.
+
+Each operation kind is one call, on its stream:
+
+    Gemm        torch.mm(a, B, out=dst) (beta 0) | dst.addmm_(a, B) (beta 1)       (cuBLAS)
+    TiledGemm   fo_kernels.gemm.rows_gemm(...)                       (the persistent Triton GEMM)
+    Copy        cuMemcpyDtoDAsync(dst, src, bytes)                     (the copy engine; NVLink)
+    Signal      cuStreamWriteValue32(cell, 1)       (after a system fence: the data lands first)
+    Wait        cuStreamWaitValue32(cell, target, GEQ)           (the GPU front end; no SM used)
+    Reset       cuStreamWriteValue32(cell, 0)
+    Clear       cuMemsetD32Async(cell, 0, count)
+    Record / WaitEvent / Join   event.record / stream.wait_event / stream.wait_stream
+
+A call's host time bounds small shapes (docs/design.md#host-time), so ``compile`` resolves a plan
+once: the symmetric regions' views and addresses, the flag cells' addresses, the tiled kernel's
+row groups; ``issue`` then adds only the call's own tensors' addresses. The executor issues the
+list exactly as it stands (``eager=False`` leaves out the eager-only prologue), so an eager call,
+a captured one and the CPU executor's run of the same list agree operation by operation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..gemm import BOperand, rows_gemm
+from .buffers import Regions, width_of
+from .layout import CALLER_BUFFERS, Cell, FlagLayout, Rows
+from .ops import MAIN, CallPlan, Clear, Copy, Gemm, Join, Record, Reset, Signal, TiledGemm, Wait, WaitEvent
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A plan's steps, (function, arguments) each: ``eager`` for an eager call, ``captured``
+    (without the eager-only prologue) for a capture."""
+
+    eager: tuple[tuple, ...]
+    captured: tuple[tuple, ...]
+
+
+@dataclass
+class _Call:
+    """One call's own tensors and its main stream, as the compiled steps read them."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    operand: BOperand | None
+    tensors: dict[str, torch.Tensor | None]
+    streams: dict[str, object]
+    handles: dict[str, object]
+
+
+class GpuExecutor:
+    """Issues ``CallPlan`` operations of rank ``rank``. ``streams``: the side streams by name (the
+    call's main stream comes with each call); ``flags[q]``: rank q's flag cells (int32, mine or a
+    peer's view); ``counters``: my tile counters; ``check(err, what)`` raises on a driver error."""
+
+    def __init__(
+        self,
+        driver,
+        rank: int,
+        layout: FlagLayout,
+        streams: Mapping[str, torch.cuda.Stream],
+        flags: Mapping[int, torch.Tensor],
+        counters: torch.Tensor,
+        sms: int,
+        check: Callable[[object, str], None],
+    ) -> None:
+        self.driver, self.rank, self.layout, self.sms, self.check = driver, rank, layout, sms, check
+        self.flags, self.counters = flags, counters
+        self.regions: Regions | None = None
+        self._geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self._fence = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        self._handles: dict[int, object] = {}
+        self._streams = dict(streams)
+        self._stream_handles = {name: self.handle(s) for name, s in streams.items()}
+        self._events: list = []
+
+    def handle(self, stream: torch.cuda.Stream):
+        """The driver's handle object of a CUDA stream (made once per stream)."""
+        wrapped = self._handles.get(stream.cuda_stream)
+        if wrapped is None:
+            wrapped = self._handles[stream.cuda_stream] = self.driver.CUstream(stream.cuda_stream)
+        return wrapped
+
+    # ------------------------------------------------------------------ compile
+    def compile(self, plan: CallPlan, dtype: torch.dtype) -> Compiled:
+        """``plan``'s steps with every address that does not depend on the call's own tensors
+        resolved (``regions`` must hold the plan's rows)."""
+        steps = []
+        spec, size = plan.spec, dtype.itemsize
+        while len(self._events) < plan.events:
+            self._events.append(torch.cuda.Event())
+
+        def place(rows: Rows) -> tuple:
+            """A Rows as (caller buffer, byte offset) or (None, absolute address)."""
+            row_bytes = width_of(rows.buffer, spec.n, spec.k) * size
+            if rows.buffer in CALLER_BUFFERS:
+                return rows.buffer, rows.r0 * row_bytes
+            return None, self.regions.address(rows, row_bytes)
+
+        def view(rows: Rows | None):
+            if rows is None or rows.buffer in CALLER_BUFFERS:
+                return rows
+            return self.regions.view(rows, width_of(rows.buffer, spec.n, spec.k), dtype)
+
+        for op in plan.ops:
+            s = op.stream
+            if isinstance(op, Gemm):
+                steps.append((self._gemm, (s, view(op.a), view(op.out), op.beta)))
+            elif isinstance(op, Copy):
+                nbytes = op.dst.count * width_of(op.dst.buffer, spec.n, spec.k) * size
+                steps.append((self._copy, (s, place(op.dst), place(op.src), nbytes)))
+            elif isinstance(op, Signal):
+                peer = op.cell.owner != self.rank
+                what = "cuStreamWriteValue32 to the peer" if peer else "cuStreamWriteValue32"
+                steps.append((self._write, (s, self._address(op.cell), 1, what)))
+            elif isinstance(op, Wait):
+                steps.append((self._wait, (s, self._address(op.cell), op.target)))
+            elif isinstance(op, Reset):
+                steps.append((self._write, (s, self._address(op.cell), 0, "cuStreamWriteValue32")))
+            elif isinstance(op, Clear):
+                steps.append((self._clear, (s, self._address(op.cell), op.count)))
+            elif isinstance(op, Record):
+                steps.append((self._record, (s, self._events[op.event])))
+            elif isinstance(op, WaitEvent):
+                steps.append((self._wait_event, (s, self._events[op.event])))
+            elif isinstance(op, Join):
+                steps.append((self._join, (s, op.other)))
+            elif isinstance(op, TiledGemm):
+                steps.append((self._tiled, (s, self._tiled_args(op, view))))
+            else:  # pragma: no cover - every kind of ops.Op is handled above
+                raise TypeError(f"unknown operation {op!r}")
+        return Compiled(eager=tuple(steps), captured=tuple(steps[plan.prologue :]))
+
+    def _address(self, cell: Cell):
+        return self.driver.CUdeviceptr(self._cell_tensor(cell).data_ptr())
+
+    def _cell_tensor(self, cell: Cell) -> torch.Tensor:
+        """``cell``'s int32 and the cells after it (the kernel's counters and ready arguments)."""
+        cells = self.counters if cell.name == "counter" else self.flags[cell.owner]
+        return cells[self.layout.slot(cell) :]
+
+    def _tiled_args(self, op: TiledGemm, view) -> tuple:
+        groups = [c for c, (c0, c1) in enumerate(op.chunks) for _ in range(-(-(c1 - c0) // op.tile.block_m))]
+        row_group = torch.tensor(groups, dtype=torch.int32, device=self.counters.device)
+        kw = {}
+        if op.counters is not None:
+            kw["counters"] = self._cell_tensor(op.counters)
+        if op.ready is not None or op.copy_to is not None:
+            kw["ready"] = None if op.ready is None else self._cell_tensor(op.ready)
+            kw["out2"] = view(op.copy_to)
+            kw["remote_counters"] = op.counters is not None and op.counters.owner != self.rank
+        return view(op.a), view(op.out), op.tile, row_group, kw
+
+    # ------------------------------------------------------------------ issue
+    def issue(
+        self,
+        steps: tuple[tuple, ...],
+        a: torch.Tensor,
+        b: torch.Tensor,
+        out: torch.Tensor,
+        main: torch.cuda.Stream,
+        gathered: torch.Tensor | None = None,
+        operand: BOperand | None = None,
+    ) -> None:
+        """Issue ``steps`` (``Compiled.eager`` or ``.captured``) for one call's tensors, ``main``
+        being the call's stream."""
+        streams = dict(self._streams, main=main)
+        handles = dict(self._stream_handles, main=self.handle(main))
+        call = _Call(a, b, operand, {"a": a, "out": out, "gathered": gathered}, streams, handles)
+        for fn, args in steps:
+            fn(call, *args)
+
+    def wait_cells(self, cells: list[Cell], stream: torch.cuda.Stream) -> None:
+        """``stream`` waits until each of my ``cells`` is set, leaving it set (no reset)."""
+        handle = self.handle(stream)
+        for cell in cells:
+            (err,) = self.driver.cuStreamWaitValue32(handle, self._address(cell), 1, self._geq)
+            self.check(err, "cuStreamWaitValue32")
+
+    def _rows(self, call: _Call, rows) -> torch.Tensor:
+        if isinstance(rows, Rows):
+            return call.tensors[rows.buffer][rows.r0 : rows.r1]
+        return rows
+
+    def _gemm(self, call: _Call, s: str, a, out, beta: int) -> None:
+        a, out = self._rows(call, a), self._rows(call, out)
+        with torch.cuda.stream(call.streams[s]):
+            if beta:
+                out.addmm_(a, call.b)
+            else:
+                torch.mm(a, call.b, out=out)
+
+    def _tiled(self, call: _Call, s: str, args: tuple) -> None:
+        a, out, tile, row_group, kw = args
+        kw = dict(kw)
+        if "out2" in kw:
+            kw["out2"] = self._rows(call, kw["out2"]) if kw["out2"] is not None else None
+        a, out = self._rows(call, a), self._rows(call, out)
+        if s == MAIN:  # (the caller's stream is current)
+            rows_gemm(a, call.operand, out, tile, grid=self.sms, row_group=row_group, **kw)
+            return
+        with torch.cuda.stream(call.streams[s]):
+            rows_gemm(a, call.operand, out, tile, grid=self.sms, row_group=row_group, **kw)
+
+    def _copy(self, call: _Call, s: str, dst: tuple, src: tuple, nbytes: int) -> None:
+        drv = self.driver
+        d = dst[1] if dst[0] is None else call.tensors[dst[0]].data_ptr() + dst[1]
+        f = src[1] if src[0] is None else call.tensors[src[0]].data_ptr() + src[1]
+        (err,) = drv.cuMemcpyDtoDAsync(drv.CUdeviceptr(d), drv.CUdeviceptr(f), nbytes, call.handles[s])
+        self.check(err, "cuMemcpyDtoDAsync")
+
+    def _write(self, call: _Call, s: str, address, value: int, what: str) -> None:
+        (err,) = self.driver.cuStreamWriteValue32(call.handles[s], address, value, self._fence)
+        self.check(err, what)
+
+    def _wait(self, call: _Call, s: str, address, target: int) -> None:
+        (err,) = self.driver.cuStreamWaitValue32(call.handles[s], address, target, self._geq)
+        self.check(err, "cuStreamWaitValue32")
+
+    def _clear(self, call: _Call, s: str, address, count: int) -> None:
+        (err,) = self.driver.cuMemsetD32Async(address, 0, count, call.handles[s])
+        self.check(err, "cuMemsetD32Async")
+
+    def _record(self, call: _Call, s: str, event) -> None:
+        event.record(call.streams[s])
+
+    def _wait_event(self, call: _Call, s: str, event) -> None:
+        call.streams[s].wait_event(event)
+
+    def _join(self, call: _Call, s: str, other: str) -> None:
+        call.streams[s].wait_stream(call.streams[other])
