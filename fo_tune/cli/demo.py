@@ -1,7 +1,7 @@
 """``fo-tune demo``: check and time the overlapped ops on local ranks (library: ``fo_tune.demo``)."""
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
@@ -15,7 +15,6 @@ from .common import (
     RepsOpt,
     ShapesOpt,
     TimeoutOpt,
-    WorldSizeOpt,
     console,
     handle_errors,
     parse_shape,
@@ -34,11 +33,24 @@ HELP = "\n\n".join(
         "relative error is within the dtype's tolerance (1e-5 float32, 5e-3 float16, 1e-2 bfloat16) and "
         "nothing is NaN. Both the overlapped op and the sequential baseline (GEMM, then the collective) "
         "are timed.",
-        "On GPUs the ranks use NCCL, one GPU each. Without GPUs they use gloo and the GEMM runs in "
-        "Triton's CPU interpreter: the check is real, the timings are not (they measure the interpreter).",
+        "On GPUs the ranks use NCCL, one GPU each; without --world-size the demo runs 2 ranks, or one "
+        "per GPU where there are fewer (world size 1 on a one-GPU machine). Without GPUs, or with "
+        "--backend gloo, they use gloo and the GEMM runs in Triton's CPU interpreter: the check is "
+        "real, the timings are not (they measure the interpreter). The first line says which.",
         "Exit code 0 when every row passes, 1 when one fails, 2 for bad options.",
     ]
 )
+
+
+DemoWorldSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--world-size",
+        "-w",
+        help="Number of local processes (ranks); one GPU each with NCCL. Default: 2, or the number "
+        "of GPUs where there are fewer.",
+    ),
+]
 
 
 def _fmt(x: float, spec: str) -> str:
@@ -87,7 +99,7 @@ def _table(rows: "list[DemoRow]", world_size: int, backend: str) -> Table:
 
 @handle_errors
 def demo(
-    world_size: WorldSizeOpt = 2,
+    world_size: DemoWorldSizeOpt = None,
     shape: ShapesOpt = None,
     dtype: DtypeOpt = None,
     backend: BackendOpt = "auto",
@@ -99,19 +111,21 @@ def demo(
         raise typer.BadParameter(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
     if backend not in BACKEND_NAMES:
         raise typer.BadParameter(f"--backend {backend!r} is not one of {', '.join(BACKEND_NAMES)}")
-    if world_size < 1:
+    if world_size is not None and world_size < 1:
         raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
     if reps < 1:
         raise typer.BadParameter(f"--reps must be >= 1, got {reps}")
     if not timeout > 0:
         raise typer.BadParameter(f"--timeout must be > 0, got {timeout}")
 
-    from fo_tune.demo import run_demo
+    from fo_tune.demo import plan_demo, run_demo
+    from fo_tune.launch import visible_gpus
 
-    with console.status(f"running {world_size} ranks (backend {backend}) ...", spinner="dots"):
-        chosen = None if backend == "auto" else backend
-        rows = run_demo(world_size, shapes or None, dtype, chosen, reps, timeout)
-    console.print(_table(rows, world_size, rows[0].backend if rows else backend))
+    plan = plan_demo(world_size, backend, visible_gpus())
+    console.print(f"fo-tune demo: {plan.note}", markup=False, highlight=False)
+    with console.status(f"running {plan.world_size} rank(s) ...", spinner="dots"):
+        rows = run_demo(plan.world_size, shapes or None, dtype, plan.backend, reps, timeout)
+    console.print(_table(rows, plan.world_size, plan.backend))
     console.print("schedules (heuristic: no table row matched; tune one with `fo-tune search`):", style="dim")
     for row in rows:
         console.print(f"  {_schedule_line(row)}", style="dim", markup=False, highlight=False)
