@@ -9,7 +9,7 @@
       4. GEMM profiles: tile configs x grids for the space's shape set, next to cuBLAS
       5. latency/bandwidth fits
 
-All of it runs in one worker pool (``fo_tune.harness``); writing the files is ``fo_tune.report``.
+All of it runs in one worker pool (``fo_tune.launch``); writing the files is ``fo_tune.report``.
 """
 
 from __future__ import annotations
@@ -17,46 +17,31 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from fo_kernels.errors import EnvironmentMismatchError
 from fo_kernels.heuristics import NCCL_SM_MARGIN
 from fo_kernels.schedule import Tile
 
 from .calibration import (
-    COLLECTIVES,
+    CALIBRATED_COLLECTIVES,
     BandwidthPoint,
     Calibration,
     GemmPoint,
     InterferencePoint,
     fit_all,
 )
-from .harness import Pool, Timing, open_pool
-from .measure import CollectiveSweepTask, FingerprintTask, GemmProfileTask, InterferenceTask
+from .launch import Pool, fingerprinted_pool
+from .measure import CollectiveSweepTask, GemmProfileTask, InterferenceTask
+from .progress import Reporter, SilentReporter
 from .report import size_label
 from .space import SearchSpace, space_for
-
-
-class Reporter(Protocol):
-    """Progress sink: ``stage`` starts a named stage of ``total`` steps, ``step`` advances it."""
-
-    def stage(self, name: str, total: int) -> None: ...
-
-    def step(self, name: str, detail: str = "") -> None: ...
-
-
-class _Silent:
-    def stage(self, name: str, total: int) -> None:
-        pass
-
-    def step(self, name: str, detail: str = "") -> None:
-        pass
+from .timing import Timing
 
 
 @dataclass(frozen=True, kw_only=True)
 class CalibrationRequest:
     world_size: int = 2
-    collectives: tuple[str, ...] = COLLECTIVES
+    collectives: tuple[str, ...] = CALIBRATED_COLLECTIVES
     quick: bool = False
     dtype: str = "bfloat16"
     backend: str | None = None
@@ -64,10 +49,10 @@ class CalibrationRequest:
     interference_collectives: tuple[str, ...] = field(default=("all_reduce", "reduce_scatter"))
 
     def __post_init__(self) -> None:
-        unknown = [c for c in self.collectives if c not in COLLECTIVES]
+        unknown = [c for c in self.collectives if c not in CALIBRATED_COLLECTIVES]
         if unknown:
             raise EnvironmentMismatchError(
-                f"unknown collective(s) {', '.join(unknown)}; choose from {', '.join(COLLECTIVES)}"
+                f"unknown collective(s) {', '.join(unknown)}; choose from {', '.join(CALIBRATED_COLLECTIVES)}"
             )
 
 
@@ -95,17 +80,10 @@ def run_calibration(request: CalibrationRequest, reporter: Reporter | None = Non
 
     Returns None on a torchrun rank other than 0 (it served rank 0's tasks; rank 0 has the result).
     """
-    rep = reporter or _Silent()
-    with open_pool(request.world_size, backend=request.backend) as pool:
-        if not pool.is_driver:
+    rep = reporter or SilentReporter()
+    with fingerprinted_pool(request.world_size, backend=request.backend, purpose="calibrate") as (pool, fp):
+        if fp is None:
             return None
-        fps = pool.run(FingerprintTask())
-        fp = fps[0]
-        if any(f.device_key != fp.device_key for f in fps):
-            raise EnvironmentMismatchError(
-                f"ranks see different hardware ({sorted({f.device_key for f in fps})}); "
-                "calibrate on identical GPUs"
-            )
         cpu = pool.backend != "nccl"
         space = request.space or space_for(fp.compute_capability)
         cal = Calibration(
@@ -223,7 +201,7 @@ def profile_shape(
                 m=m,
                 n=n,
                 k=k,
-                tile=describe_tile(tile),
+                tile=tile.label(),
                 block_m=tile.block_m,
                 block_n=tile.block_n,
                 block_k=tile.block_k,
@@ -241,8 +219,3 @@ def profile_shape(
             )
         )
     return points
-
-
-def describe_tile(t: Tile) -> str:
-    ws = " ws" if t.warp_specialize else ""
-    return f"{t.block_m}x{t.block_n}x{t.block_k} gm{t.group_m} w{t.num_warps} s{t.num_stages}{ws}"

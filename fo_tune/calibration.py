@@ -29,10 +29,13 @@ import yaml
 from fo_kernels.errors import FoTuneError
 from fo_kernels.files import atomic_write, read_yaml
 from fo_kernels.fingerprint import Fingerprint
+from fo_kernels.schedule import COLLECTIVES
 
 CALIBRATION_SCHEMA_VERSION = 1
 CALIBRATION_KIND = "fo-tune-calibration"
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+# What a calibration measures: the runtime's collectives and the other two a tensor- or
+# expert-parallel layer ends in.
+CALIBRATED_COLLECTIVES = (*COLLECTIVES, "all_gather", "all_to_all")
 
 
 class CalibrationError(FoTuneError, ValueError):

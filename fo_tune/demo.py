@@ -1,7 +1,14 @@
 """The demo: run both overlapped ops on N local ranks, check them against matmul + collective, time them.
 
-``run_demo`` spawns ``world_size`` ranks (``fo_tune.launch.run_ranks``: NCCL with one GPU per rank,
-else gloo on the CPU, where the GEMM runs in Triton's interpreter). Each rank, for each shape and
+``plan_demo`` decides where the ranks run and says why in one line (``DemoPlan.note``):
+
+    --backend gloo            the CPU on purpose: gloo, Triton's interpreter, no GPU visible to the ranks
+    no GPU visible            the CPU: gloo, Triton's interpreter
+    one GPU per rank          NCCL, one GPU each
+    fewer GPUs than ranks     without --world-size: one rank per GPU (one GPU: world size 1); with
+                              it: an error naming --world-size and --backend gloo
+
+``run_demo`` then spawns the ranks (``fo_tune.launch.run_ranks``). Each rank, for each shape and
 for each collective (ReduceScatter only when M % world_size == 0, else a skipped row):
 
     a, b  = random (M, K), (K, N) operands from a per-rank seed
@@ -16,10 +23,10 @@ and the parent merges the ranks: the largest error and time of any rank, NaN on 
 
 On the CPU the timings measure the Triton interpreter against torch's CPU matmul: they show that the
 pipeline runs, not what overlap gains. ``run_copy_engine_demo`` runs the copy engine's protocol
-instead, on thread-ranks of its CPU executor (no process group, no GPU).
-
-``TRITON_INTERPRET`` is set for the ranks (1 for gloo, 0 for NCCL) before ``fo_kernels`` is
-imported and restored afterwards; nothing heavy is imported at module import.
+instead, on thread-ranks of its CPU executor (no process group, no GPU). ``TRITON_INTERPRET`` is set for the ranks (1 for gloo, 0 for
+NCCL) before they start and restored afterwards; gloo ranks also get ``CUDA_VISIBLE_DEVICES=""``,
+so on a machine with GPUs they run exactly as on a CPU-only one (Triton's interpreter beside
+visible GPUs is not a tested combination). Nothing heavy is imported at module import.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-COLLECTIVES = ("all_reduce", "reduce_scatter")
+# The ranks the demo starts without --world-size (TP=2, the setup the tables are tuned for).
+DEFAULT_WORLD_SIZE = 2
 TOL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 1e-2}
 CPU_SHAPES = [(258, 130, 70), (96, 64, 48)]  # small: the interpreter runs every tile in Python
 GPU_SHAPES = [(4096, 8192, 4096), (8192, 8192, 8192)]  # two of the benchmark suite (DESIGN.md)
@@ -77,6 +85,46 @@ class _Job:
     dtype: str
     reps: int
     seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class DemoPlan:
+    """Where the demo runs: world size, backend, and the line that says which and why."""
+
+    world_size: int
+    backend: str  # "nccl" or "gloo"
+    note: str
+
+
+def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPlan:
+    """The demo's ranks for ``world_size`` (None: ``DEFAULT_WORLD_SIZE``, or fewer to fit the GPUs)
+    and ``backend`` (None or "auto", "gloo", "nccl") on a machine with ``gpus`` GPUs (module
+    docstring). Raises ``EnvironmentMismatchError`` when the asked ranks cannot run here."""
+    from fo_kernels.errors import EnvironmentMismatchError
+
+    asked = DEFAULT_WORLD_SIZE if world_size is None else world_size
+    if backend not in (None, "auto", "gloo", "nccl"):
+        raise EnvironmentMismatchError(f"backend {backend!r} is not one of auto, gloo, nccl")
+    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
+        raise EnvironmentMismatchError(f"world size must be an integer >= 1, got {asked!r}")
+    cpu = f"{asked} rank(s) on the CPU (gloo, Triton's interpreter"
+    if backend == "gloo":
+        return DemoPlan(asked, "gloo", f"{cpu}, asked for with --backend gloo)")
+    if gpus >= asked:
+        return DemoPlan(asked, "nccl", f"{asked} rank(s), one GPU each (NCCL)")
+    if gpus == 0 and backend != "nccl":
+        return DemoPlan(asked, "gloo", f"{cpu}: no GPU visible)")
+    if world_size is None and gpus > 0:
+        return DemoPlan(
+            gpus,
+            "nccl",
+            f"{gpus} GPU(s) visible: {gpus} rank(s), one GPU each (NCCL), instead of {asked}; "
+            f"--backend gloo runs {asked} ranks on the CPU",
+        )
+    raise EnvironmentMismatchError(
+        f"world size {asked} needs {asked} GPUs, {gpus} visible (NCCL takes one per rank); lower "
+        "--world-size (or leave it out to use the GPUs there are) or use --backend gloo"
+    )
 
 
 def default_shapes(on_gpu: bool) -> list[tuple[int, int, int]]:
@@ -160,7 +208,9 @@ def _rank_main(ctx: Any, job: _Job) -> list[dict[str, Any] | None]:
     """On every rank: one result per (shape, collective), None for a skipped ReduceScatter."""
     import torch
 
-    dtype = getattr(torch, job.dtype)
+    from fo_kernels.schedule import COLLECTIVES, torch_dtype
+
+    dtype = torch_dtype(job.dtype)
     results: list[dict[str, Any] | None] = []
     for i, (m, n, k) in enumerate(job.shapes):
         gen = torch.Generator().manual_seed((job.seed * 1009 + i) * 1009 + ctx.rank)
@@ -211,7 +261,7 @@ def _check_args(
 
 
 def run_demo(
-    world_size: int = 2,
+    world_size: int | None = None,
     shapes: Sequence[tuple[int, int, int]] | None = None,
     dtype: str | None = None,
     backend: str | None = None,
@@ -222,32 +272,36 @@ def run_demo(
 ) -> list[DemoRow]:
     """Run the demo (see the module docstring); rows in (shape, collective) order.
 
-    ``shapes`` and ``dtype`` default per device (``CPU_SHAPES`` / float32, ``GPU_SHAPES`` / bfloat16);
-    ``backend`` None picks NCCL when there is one GPU per rank. Raises ``ShapeError`` for bad shapes
-    or dtype, ``EnvironmentMismatchError`` when the backend cannot run here, ``LaunchError`` when a
-    rank fails or hangs.
+    ``world_size`` and ``backend`` are decided by ``plan_demo``; ``shapes`` and ``dtype`` default
+    per device (``CPU_SHAPES`` / float32, ``GPU_SHAPES`` / bfloat16). Raises ``ShapeError`` for bad
+    shapes or dtype (``ProblemSizeError`` for shapes too large for the ranks' memory),
+    ``EnvironmentMismatchError`` when the ranks cannot run here, ``LaunchError`` when a rank fails
+    or hangs.
     """
-    import torch
+    from fo_kernels.schedule import COLLECTIVES
+    from fo_tune.launch import run_ranks, visible_gpus
+    from fo_tune.limits import check_problem_size, local_target
 
-    saved = os.environ.get("TRITON_INTERPRET")
+    plan = plan_demo(world_size, backend, visible_gpus())
+    on_gpu = plan.backend == "nccl"
+    shapes = list(shapes) if shapes else default_shapes(on_gpu)
+    dtype = dtype or default_dtype(on_gpu)
+    _check_args(plan.world_size, shapes, dtype, reps, timeout_s)
+    check_problem_size(shapes, dtype, local_target(plan.backend, plan.world_size))
+    job = _Job(tuple(tuple(s) for s in shapes), dtype, reps, seed)  # type: ignore[misc]
+    # the spawned ranks inherit these: compiled kernels on the GPUs, else the interpreter and no GPU
+    env = {"TRITON_INTERPRET": "0"} if on_gpu else {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    saved = {key: os.environ.get(key) for key in env}
     try:
-        if not torch.cuda.is_available():  # before the first import of fo_kernels (Triton reads it then)
-            os.environ["TRITON_INTERPRET"] = "1"
-        from fo_tune.launch import pick_backend, run_ranks
-
-        backend = pick_backend(world_size, backend)
-        on_gpu = backend == "nccl"
-        shapes = list(shapes) if shapes else default_shapes(on_gpu)
-        dtype = dtype or default_dtype(on_gpu)
-        _check_args(world_size, shapes, dtype, reps, timeout_s)
-        os.environ["TRITON_INTERPRET"] = "0" if on_gpu else "1"  # the spawned ranks inherit it
-        job = _Job(tuple(tuple(s) for s in shapes), dtype, reps, seed)  # type: ignore[misc]
-        per_rank = run_ranks(_rank_main, world_size, job, backend=backend, timeout_s=timeout_s)
+        os.environ.update(env)
+        per_rank = run_ranks(_rank_main, plan.world_size, job, backend=plan.backend, timeout_s=timeout_s)
     finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    world_size, backend = plan.world_size, plan.backend
     rows: list[DemoRow] = []
     cases = [(s, c) for s in job.shapes for c in COLLECTIVES]
     for i, ((m, n, k), collective) in enumerate(cases):

@@ -51,11 +51,6 @@ class GroupingModel(Protocol):
     ) -> tuple[int, ...]: ...
 
 
-def tile_label(t: Tile) -> str:
-    ws = " ws" if t.warp_specialize else ""
-    return f"{t.block_m}x{t.block_n}x{t.block_k} gm{t.group_m} w{t.num_warps} s{t.num_stages}{ws}"
-
-
 def schedule_key(schedule: Schedule) -> str:
     """What identifies a schedule's behaviour (everything but the provenance), as a JSON string."""
     data = schedule.to_dict()
@@ -121,7 +116,7 @@ class Encoding:
     def fingerprint(self) -> dict[str, Any]:
         """The choices, for naming the study (a changed space gets a new study)."""
         return {
-            "tiles": [tile_label(t) for t in self.tiles],
+            "tiles": [t.label() for t in self.tiles],
             "sms_free": list(self.sms_free),
             "caps": list(self.caps),
             "signals": list(self.signals),
@@ -139,7 +134,7 @@ class Encoding:
     def suggest(self, trial: Any) -> dict[str, Any]:
         """Ask ``trial`` (an ``optuna.Trial``) for a point; returns the params."""
         p: dict[str, Any] = {
-            "tile": trial.suggest_categorical("tile", [tile_label(t) for t in self.tiles]),
+            "tile": trial.suggest_categorical("tile", [t.label() for t in self.tiles]),
             "sms_free": trial.suggest_categorical("sms_free", list(self.sms_free)),
             "nccl_max_ctas": trial.suggest_categorical("nccl_max_ctas", list(self.caps)),
             "signal": trial.suggest_categorical("signal", list(self.signals)),
@@ -155,7 +150,7 @@ class Encoding:
 
     def _tile(self, label: str) -> Tile:
         for t in self.tiles:
-            if tile_label(t) == label:
+            if t.label() == label:
                 return t
         raise Infeasible(f"tile {label!r} is not in the search space")
 
@@ -235,7 +230,7 @@ class Encoding:
             return None
         units = sum(schedule.groups)
         params: dict[str, Any] = {
-            "tile": tile_label(schedule.tile),
+            "tile": schedule.tile.label(),
             "sms_free": schedule.sms_free,
             "nccl_max_ctas": schedule.nccl_max_ctas,
             "signal": signal,
@@ -258,7 +253,7 @@ class Encoding:
             self.tiles, self.sms_free, self.caps, self.signals, self.layouts, self.wait_modes
         ):
             head = {
-                "tile": tile_label(tile),
+                "tile": tile.label(),
                 "sms_free": r,
                 "nccl_max_ctas": cap,
                 "signal": signal,

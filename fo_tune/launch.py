@@ -1,31 +1,62 @@
-"""Running a function on every rank of a local process group: under torchrun, or by spawning.
+"""Rank processes: the process-group backend, the worker pool of a command, ``run_ranks``, and the
+hardware fingerprint the ranks agree on.
 
-``run_ranks(fn, world_size, payload)`` starts one process per rank (spawn), joins them into a
-process group (NCCL with one GPU per rank when there are enough GPUs, else gloo on the CPU), calls
-``fn(ctx, payload)`` on each and returns the per-rank results in rank order: a one-task pool of
-``fo_tune.harness``. A rank that raises, dies or hangs ends the whole run within ``timeout_s``
-with a ``LaunchError`` naming the rank and carrying its traceback; no process is left behind.
+    with fingerprinted_pool(world_size, purpose="bench") as (pool, fp):
+        if fp is None:                           # a serving torchrun rank: rank 0 did the work
+            return None
+        per_rank = pool.run(SomeTask(...))       # every rank runs task.run(ctx); results by rank
+        timing = Timing.max_over(per_rank)       # fo_tune.timing: a measurement is the max over ranks
 
-``in_torchrun()`` / ``torchrun_context()`` serve commands started by torchrun, where the process
-group comes from the environment instead.
+- Spawned (no torchrun): the calling process drives; it starts one process per rank once, joins
+  them into one process group (``choose_backend``: NCCL with a GPU each, else gloo), and sends them
+  tasks. Processes and communicators live for the whole command, never one per candidate.
+- Under torchrun: rank 0 drives; the other ranks serve tasks it broadcasts until it closes the pool
+  (``pool.is_driver`` is False there, and the command body is skipped). Every rank leaves the
+  process group when the pool closes.
+- A rank that raises, dies or hangs ends the command within ``timeout_s`` with ``LaunchError``
+  naming the rank (its traceback attached); the pool is then closed and every process stopped.
+  Spawned ranks also exit on their own when the driver dies without closing the pool (SIGKILL).
+
+Tasks are picklable objects with ``run(ctx) -> result`` (``Task``); they run on every rank at
+once, so any collective inside them is matched. ``run_ranks(fn, world_size, payload)`` is a
+one-task pool: ``fn(ctx, payload)`` on every rank, the results in rank order.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing as mp
 import os
-from collections.abc import Callable
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from fo_kernels.errors import EnvironmentMismatchError, FoTuneError
 
+if TYPE_CHECKING:
+    from fo_kernels.fingerprint import Fingerprint
+
 T = TypeVar("T")
 # NVLink multicast must stay off on the shared H200 hosts (device notes: NVLS can take the host's
 # GPUs out of service); every rank process gets these unless the caller set them.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+BACKENDS = ("nccl", "gloo")
+# The rendezvous variables torchrun sets in every rank's environment.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+# How often the driver checks for dead ranks while it waits for results.
+POLL_S = 0.5
+# How long a rank may take to join the process group and answer the first ping.
+STARTUP_TIMEOUT_S = 300.0
+# Default per-task limit; a measurement sweep is split into tasks well under it.
+TASK_TIMEOUT_S = 600.0
 
 
 class LaunchError(FoTuneError, RuntimeError):
@@ -42,23 +73,325 @@ class RankContext:
     backend: str
 
 
-def pick_backend(world_size: int, backend: str | None = None) -> str:
-    """``nccl`` when there is one GPU per rank, else ``gloo``; an explicit choice is checked."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend is None:
-        return "nccl" if gpus >= world_size else "gloo"
-    if backend == "nccl" and gpus < world_size:
+class Task(Protocol):
+    """A unit of work every rank runs at once; the result must be picklable."""
+
+    def run(self, ctx: RankContext) -> Any: ...
+
+
+# ----------------------------------------------------------------------------- backend
+def visible_gpus() -> int:
+    """CUDA GPUs this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def in_torchrun() -> bool:
+    """True when this process was started by torchrun (its rendezvous variables are set)."""
+    return all(key in os.environ for key in TORCHRUN_VARS)
+
+
+def choose_backend(world_size: int, backend: str | None = None) -> str:
+    """``nccl`` or ``gloo`` for ``world_size`` ranks: the one rule of every command and pool.
+
+    None or ``"auto"``: gloo when no GPU is visible, NCCL with one GPU per rank; GPUs visible but
+    fewer than the ranks is an error (gloo ranks beside visible GPUs are rarely what was meant:
+    ask for ``"gloo"``). ``"nccl"`` needs one GPU per rank. Under torchrun the ranks may span
+    hosts, so the local GPU count is not checked there (``auto``: NCCL when any GPU is visible).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise EnvironmentMismatchError(f"world size must be an integer >= 1, got {world_size!r}")
+    if backend not in (None, "auto", *BACKENDS):
+        raise EnvironmentMismatchError(f"backend {backend!r} is not one of auto, {', '.join(BACKENDS)}")
+    if backend == "gloo":
+        return "gloo"
+    gpus = visible_gpus()
+    if backend != "nccl" and gpus == 0:
+        return "gloo"
+    if gpus < world_size and not in_torchrun():
         raise EnvironmentMismatchError(
-            f"world size {world_size} needs {world_size} GPUs for NCCL, {gpus} visible; lower --world-size"
+            f"world size {world_size} needs {world_size} GPUs, {gpus} visible (NCCL takes one per "
+            "rank); lower --world-size or use --backend gloo"
         )
-    if backend not in ("nccl", "gloo"):
-        raise EnvironmentMismatchError(f"backend {backend!r} is not one of nccl, gloo")
-    return backend
+    return "nccl"
 
 
+def torchrun_context(backend: str | None = None) -> RankContext:
+    """Join the torchrun process group (if not yet) and describe this rank."""
+    for key, value in SAFE_ENV.items():
+        os.environ.setdefault(key, value)
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ["LOCAL_RANK"])
+    backend = choose_backend(world, backend)
+    device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, **({"device_id": device} if backend == "nccl" else {}))
+    return RankContext(dist.get_rank(), world, device, backend)
+
+
+class Pool(Protocol):
+    """The ranks of one command (``SpawnedPool`` or ``TorchrunPool``); ``run`` returns by rank."""
+
+    is_driver: bool
+    world_size: int
+    backend: str
+
+    def run(self, task: Task, *, timeout_s: float = TASK_TIMEOUT_S) -> list[Any]: ...
+
+
+# ----------------------------------------------------------------------------- spawned ranks
+def _serve(rank: int, world: int, backend: str, init_file: str, inbox, outbox) -> None:
+    for key, value in SAFE_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs
+        )
+        ctx = RankContext(rank, world, device, backend)
+        outbox.put((rank, -1, True, None))  # ready
+        parent = os.getppid()
+        while True:
+            try:
+                item = inbox.get(timeout=POLL_S)
+            except queue.Empty:
+                if os.getppid() != parent:  # the driver was killed (SIGKILL skips its clean-up)
+                    raise SystemExit(1) from None
+                continue
+            if item is None:
+                break
+            seq, task = item
+            try:
+                outbox.put((rank, seq, True, task.run(ctx)))
+            except BaseException:
+                outbox.put((rank, seq, False, traceback.format_exc()))
+                raise
+        dist.destroy_process_group()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            outbox.put((rank, -2, False, traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+class SpawnedPool:
+    """Ranks spawned by this process, which drives (see the module docstring)."""
+
+    is_driver = True
+
+    def __init__(self, world_size: int, backend: str | None = None) -> None:
+        self.world_size = world_size
+        self.backend = choose_backend(world_size, backend)
+        self._ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory(prefix="fo-tune-pool-")
+        self._outbox = self._ctx.Queue()
+        self._inboxes = [self._ctx.Queue() for _ in range(world_size)]
+        init_file = str(Path(self._tmp.name) / "store")
+        self._procs = [
+            self._ctx.Process(
+                target=_serve,
+                args=(r, world_size, self.backend, init_file, self._inboxes[r], self._outbox),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        self._seq = 0
+        self._closed = False
+        for p in self._procs:
+            p.start()
+        try:
+            self._gather(-1, STARTUP_TIMEOUT_S, "start")
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, task: Task, *, timeout_s: float = TASK_TIMEOUT_S) -> list[Any]:
+        if self._closed:
+            raise LaunchError("the worker pool is closed (an earlier task failed)")
+        self._seq += 1
+        for inbox in self._inboxes:
+            inbox.put((self._seq, task))
+        try:
+            return self._gather(self._seq, timeout_s, type(task).__name__)
+        except BaseException:
+            self.close()
+            raise
+
+    def _gather(self, seq: int, timeout_s: float, what: str) -> list[Any]:
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < self.world_size:
+            try:
+                rank, rseq, ok, value = self._outbox.get(timeout=POLL_S)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if r not in got and p.exitcode not in (None, 0)]
+                if dead and self._outbox.empty():
+                    time.sleep(POLL_S)
+                    if self._outbox.empty():
+                        code = self._procs[dead[0]].exitcode
+                        raise LaunchError(f"rank {dead[0]} died during {what} (exit code {code})") from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(got))
+                    raise LaunchError(
+                        f"rank(s) {missing} did not finish {what} within {timeout_s:.0f} s (hung?)"
+                    ) from None
+                continue
+            if not ok:
+                raise LaunchError(f"rank {rank} failed during {what}:\n{value}")
+            if rseq == seq:
+                got[rank] = value
+        return [got[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for inbox in self._inboxes:
+            with contextlib.suppress(Exception):
+                inbox.put(None)
+        deadline = time.monotonic() + 10
+        for p in self._procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        self._tmp.cleanup()
+
+
+# ----------------------------------------------------------------------------- torchrun
+class TorchrunPool:
+    """This process is one rank of torchrun's group; rank 0 drives, the others serve."""
+
+    def __init__(self, backend: str | None = None) -> None:
+        self.ctx = torchrun_context(backend)
+        self.world_size = self.ctx.world_size
+        self.backend = self.ctx.backend
+        self.is_driver = self.ctx.rank == 0
+        self._group = dist.new_group(backend="gloo")  # task objects travel over gloo, not NCCL
+
+    def run(self, task: Task, *, timeout_s: float = TASK_TIMEOUT_S) -> list[Any]:
+        if not self.is_driver:
+            raise LaunchError("only rank 0 drives a torchrun pool")
+        return self._round(task)
+
+    def _round(self, task: Task | None) -> list[Any]:
+        box = [task]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        if box[0] is None:
+            return []
+        mine: tuple[bool, Any]
+        try:
+            mine = (True, box[0].run(self.ctx))
+        except Exception:
+            mine = (False, traceback.format_exc())
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self._group)
+        for rank, (ok, value) in enumerate(gathered):
+            if not ok:
+                raise LaunchError(f"rank {rank} failed during {type(box[0]).__name__}:\n{value}")
+        return [value for _, value in gathered]
+
+    def close(self) -> None:
+        if self.is_driver:
+            self._round(None)
+
+
+def _serve_torchrun(pool: TorchrunPool) -> None:
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=pool._group)
+        task = box[0]
+        if task is None:
+            return
+        try:
+            mine = (True, task.run(pool.ctx))
+        except Exception:
+            mine = (False, traceback.format_exc())
+        gathered: list[Any] = [None] * pool.world_size
+        dist.all_gather_object(gathered, mine, group=pool._group)
+        if any(not ok for ok, _ in gathered):
+            raise LaunchError("a rank failed; rank 0 reports it")
+
+
+@contextlib.contextmanager
+def open_pool(world_size: int, *, backend: str | None = None) -> Iterator[Pool]:
+    """The pool for one command: torchrun's ranks when started by torchrun, else spawned ones.
+
+    On a serving torchrun rank the body runs with ``pool.is_driver`` False after the driver has
+    closed the pool; commands skip their work there.
+    """
+    if in_torchrun():
+        pool = TorchrunPool(backend)
+        try:
+            if pool.world_size != world_size:
+                raise LaunchError(
+                    f"torchrun started {pool.world_size} ranks but --world-size is {world_size}"
+                )
+            if not pool.is_driver:
+                _serve_torchrun(pool)
+                yield pool
+                return
+            try:
+                yield pool
+            finally:
+                pool.close()
+        finally:
+            # A gloo rank that exits with the group up can abort at interpreter shutdown, and
+            # torchrun then kills rank 0 before it has written its files: leave it here.
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return
+    spawned = SpawnedPool(world_size, backend)
+    try:
+        yield spawned
+    finally:
+        spawned.close()
+
+
+# ----------------------------------------------------------------------------- the fingerprint
+@dataclass(frozen=True)
+class FingerprintTask:
+    """Every rank's hardware fingerprint (``agreed_fingerprint`` checks that they agree)."""
+
+    def run(self, ctx: RankContext) -> Fingerprint:
+        from fo_kernels.fingerprint import current_fingerprint
+
+        return current_fingerprint(ctx.device, ctx.world_size)
+
+
+def agreed_fingerprint(pool: Pool, purpose: str) -> Fingerprint:
+    """The fingerprint of the pool's ranks, which must all see the same hardware (one device key):
+    a measurement is the max over ranks, and its files carry one fingerprint. ``purpose`` names
+    the command in the ``EnvironmentMismatchError`` raised otherwise."""
+    fps = pool.run(FingerprintTask())
+    keys = sorted({f.device_key for f in fps})
+    if len(keys) > 1:
+        raise EnvironmentMismatchError(f"ranks see different hardware ({keys}); {purpose} on identical GPUs")
+    return fps[0]
+
+
+@contextlib.contextmanager
+def fingerprinted_pool(
+    world_size: int, *, backend: str | None = None, purpose: str
+) -> Iterator[tuple[Pool, Fingerprint | None]]:
+    """``open_pool`` and, on the driver, ``agreed_fingerprint``: what calibrate, search and bench
+    measure in. A serving torchrun rank gets None for the fingerprint after the driver is done."""
+    with open_pool(world_size, backend=backend) as pool:
+        yield pool, (agreed_fingerprint(pool, purpose) if pool.is_driver else None)
+
+
+# ----------------------------------------------------------------------------- run_ranks
 @dataclass(frozen=True)
 class _Call:
-    """``fn(ctx, payload)`` as a harness task."""
+    """``fn(ctx, payload)`` as a pool task."""
 
     fn: Callable[[RankContext, Any], Any]
     payload: Any
@@ -77,34 +410,12 @@ def run_ranks(
 ) -> list[T]:
     """Run ``fn(ctx, payload)`` once on ``world_size`` spawned ranks; results in rank order.
 
-    A one-task ``fo_tune.harness.SpawnedPool``: the same start-up, failure and timeout handling.
+    A one-task ``SpawnedPool``: the same start-up, failure and timeout handling.
     """
     if world_size < 1:
         raise EnvironmentMismatchError(f"world size must be >= 1, got {world_size}")
-    from .harness import SpawnedPool  # the harness builds on this module
-
     pool = SpawnedPool(world_size, backend)
     try:
         return pool.run(_Call(fn, payload), timeout_s=timeout_s)
     finally:
         pool.close()
-
-
-def in_torchrun() -> bool:
-    """True when this process was started by torchrun (its rendezvous variables are set)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
-
-
-def torchrun_context(backend: str | None = None) -> RankContext:
-    """Join the torchrun process group (if not yet) and describe this rank."""
-    for key, value in SAFE_ENV.items():
-        os.environ.setdefault(key, value)
-    world = int(os.environ["WORLD_SIZE"])
-    local = int(os.environ["LOCAL_RANK"])
-    backend = pick_backend(world, backend) if backend is None else backend
-    device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, **({"device_id": device} if backend == "nccl" else {}))
-    return RankContext(dist.get_rank(), world, device, backend)

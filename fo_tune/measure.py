@@ -1,4 +1,4 @@
-"""Measurement tasks the harness runs on every rank: collectives, the signalled GEMM, both at once.
+"""Measurement tasks the worker pool runs on every rank: collectives, the signalled GEMM, both at once.
 
 Each task is a small frozen dataclass with ``run(ctx)``; it returns this rank's numbers and the
 driver takes the max over ranks. Collectives run on the runtime's cached process group for the CTA
@@ -16,28 +16,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fo_kernels.fingerprint import Fingerprint, current_fingerprint
 from fo_kernels.gemm import BOperand, signalled_gemm
 from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
-from fo_kernels.schedule import Problem, Schedule, Tile
+from fo_kernels.schedule import Problem, Schedule, Tile, torch_dtype
 
-from .harness import Timing, comparison_sample_ms, time_interleaved, time_region
 from .launch import RankContext
+from .timing import Timing, comparison_sample_ms, time_interleaved, time_region
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has the old.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Relative error a checked GEMM must stay under, per dtype (fp32 accumulation; DESIGN.md's ~1e-2 for bf16).
 GEMM_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-4}
-
-
-@dataclass(frozen=True)
-class FingerprintTask:
-    """Every rank's fingerprint (the driver keeps rank 0's and checks they agree)."""
-
-    def run(self, ctx: RankContext) -> Fingerprint:
-        return current_fingerprint(ctx.device, ctx.world_size)
 
 
 def collective_call(
@@ -75,7 +65,9 @@ class CollectiveSweepTask:
         group = runtime_for(ctx.device, None).comm_group(self.cap)
         out = []
         for size in self.sizes:
-            fn = collective_call(self.collective, size, DTYPES[self.dtype], ctx.device, ctx.world_size, group)
+            fn = collective_call(
+                self.collective, size, torch_dtype(self.dtype), ctx.device, ctx.world_size, group
+            )
             dist.barrier()
             out.append(time_region(fn, ctx.device, warmup=self.warmup, reps=self.reps, agree=True))
         return out
@@ -119,15 +111,15 @@ def gemm_runner(
 def gemm_operands(m: int, n: int, k: int, dtype: str, device: torch.device, seed: int) -> tuple:
     """Random (never zero) A (M, K) and B as the transposed view of an (N, K) weight."""
     gen = torch.Generator(device=device).manual_seed(seed)  # on the device: large shapes stay fast
-    a = torch.randn(m, k, generator=gen, device=device).to(DTYPES[dtype])
-    w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(DTYPES[dtype])
+    a = torch.randn(m, k, generator=gen, device=device).to(torch_dtype(dtype))
+    w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(torch_dtype(dtype))
     return a, w.t()
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """``|got - ref| / |ref|`` (Frobenius norms); ``inf`` when ``got`` holds a NaN or an infinity,
     so that a max over ranks or runs can never hide it (Python's ``max`` skips a NaN that is not
-    first: ``max(0.002, nan)`` is 0.002, which let a probe pass a rank's NaN output)."""
+    first: ``max(0.002, nan)`` is 0.002, which would pass one rank's NaN output)."""
     err = ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     return err if math.isfinite(err) else math.inf
 
@@ -199,7 +191,12 @@ class InterferenceTask:
             if not err < GEMM_TOL[self.dtype]:
                 raise RuntimeError(f"signalled GEMM wrong before timing (relative error {err:.2e})")
             comm = collective_call(
-                self.collective, self.size, DTYPES[self.dtype], ctx.device, ctx.world_size, rt.comm_group(cap)
+                self.collective,
+                self.size,
+                torch_dtype(self.dtype),
+                ctx.device,
+                ctx.world_size,
+                rt.comm_group(cap),
             )
             dist.barrier()
             gemm_alone = time_region(run, ctx.device, reps=self.reps)

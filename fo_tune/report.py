@@ -126,12 +126,22 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def check_ancestor(path: Path, shown: Path) -> None:
-    """The nearest existing folder above ``path`` must be a writable folder."""
+    """The nearest existing folder above ``path`` must be a folder that takes new entries: its
+    permissions allow it, and a probe folder made there (and removed at once) proves it, since
+    root passes every permission check on file systems that refuse new entries (``/proc``, a
+    read-only mount)."""
     base = _nearest_existing(path.parent)
     if not base.is_dir():
         raise OutputError(f"cannot write {shown}: {base} is a file, not a folder; choose another path")
     if not os.access(base, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write {shown}: {base} is not writable; choose another path")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fo-tune-probe-", dir=base))
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise OutputError(
+            f"cannot write {shown}: {base} takes no new files ({why}); choose another path"
+        ) from None
 
 
 def check_writable(

@@ -44,7 +44,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from fo_kernels.errors import FoTuneError, ScheduleError, ShapeError, TableError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
@@ -55,11 +55,13 @@ from fo_kernels.table import ScheduleTable, load_table, table_path
 
 from .calibration import Calibration
 from .encoding import Encoding, Infeasible, schedule_key
-from .harness import Timing, open_pool
-from .measure import FingerprintTask
+from .launch import fingerprinted_pool, visible_gpus
+from .limits import Target, check_problem_size, fingerprint_target, local_target
 from .model import CostModel
+from .progress import Reporter, SilentReporter
 from .space import SearchSpace, space_for
 from .studies import DEFAULT_STORAGE_FILE, check_storage_url, is_rdb, open_storage
+from .timing import Timing
 from .trials import Measurer, Objective
 
 MODES = ("measure", "predict", "hybrid")
@@ -69,11 +71,12 @@ MODES = ("measure", "predict", "hybrid")
 DEFAULT_TRIALS = {"predict": 200, "measure": 40, "hybrid": 300}
 # Schedules a hybrid search measures per shape.
 DEFAULT_TOP_K = 8
-# The no-gain fallback: overlap must beat GEMM-then-collective by at least this fraction (issue 4).
+# The no-gain fallback: overlap must beat GEMM-then-collective by at least this fraction, beyond the
+# 2-4% the baseline drifts between measurements (docs/design.md#search).
 MIN_GAIN = 0.02
 # Measured searches re-time their best few distinct schedules beside GEMM-then-collective in
 # alternating rounds before deciding the row: on H200 x2 the baseline drifted 2-4% between
-# measurements minutes apart (docs/perf-notes.md), as much as the gains being decided on.
+# measurements minutes apart (docs/design.md#search), as much as the gains being decided on.
 CONFIRM_TOP = 3
 # --exhaustive refuses a space with more points than this for one shape (the shipped H200 space has
 # ~22,000: hours of measurement); bench/h200_small_space.yaml has 112-128.
@@ -84,19 +87,6 @@ ENUMERATE_LIMIT = 4000
 
 class SearchError(FoTuneError, ValueError):
     """Bad search input (shapes, mode, calibration, storage); the message says what to do."""
-
-
-class Reporter(Protocol):
-    def stage(self, name: str, total: int) -> None: ...
-    def step(self, name: str, detail: str = "", *, log: bool = True) -> None: ...
-
-
-class _Silent:
-    def stage(self, name: str, total: int) -> None:
-        pass
-
-    def step(self, name: str, detail: str = "", *, log: bool = True) -> None:
-        pass
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,6 +249,17 @@ def check_request(request: SearchRequest) -> None:
                 f"the calibration is for world size {cal.world_size}, the search for {request.world_size}; "
                 f"calibrate with `fo-tune calibrate --world-size {request.world_size}`"
             )
+    check_problem_size(expand_shapes(request), request.dtype, _target(request))
+
+
+def _target(request: SearchRequest) -> Target:
+    """Where the searched shapes run: the calibration's machine when planning offline, else the
+    ranks this search starts here."""
+    if request.mode == "predict":
+        assert request.calibration is not None
+        return fingerprint_target(request.calibration.fingerprint)
+    backend = request.backend or ("nccl" if visible_gpus() else "gloo")
+    return local_target(backend, request.world_size)
 
 
 def check_table_target(path: Path, fingerprint: Fingerprint) -> None:
@@ -475,9 +476,8 @@ def _copy_engine_candidates(
 ) -> list[Schedule]:
     """``engine: copy_engine`` schedules that a measured search on two GPUs re-times beside its
     best Triton schedules: one per chunk count of the space (equal chunks) and per extra weighting;
-    the tiled mode's chunk counts with each of its tiles (16-bit inputs); the exchange mode's chunk
-    counts (all_reduce). The cost model does not price them (it knows NCCL and the Triton GEMM), so
-    they are measured, never predicted."""
+    the tiled mode's chunk counts with each of its tiles (16-bit inputs). The cost model does not
+    price them (it knows NCCL and the Triton GEMM), so they are measured, never predicted."""
     if cpu or request.world_size != COPY_ENGINE_WORLD:
         return []
     m, n, k = shape
@@ -491,8 +491,6 @@ def _copy_engine_candidates(
             for chunks in space.copy_engine_tiled_chunks
             if chunks <= m // COPY_ENGINE_WORLD
         ]
-    if request.collective == "all_reduce":
-        kinds += [dict(groups=(1,) * c, exchange=True) for c in space.copy_engine_exchange_chunks if c <= m]
     head = dict(collective=request.collective, dtype=request.dtype, world_size=request.world_size)
     return [Schedule(**head, problem=Problem(m=m, n=n, k=k), engine="copy_engine", **kind) for kind in kinds]
 
@@ -730,7 +728,7 @@ def _search_shape(
             timing = got["timings"][i]
             # the row is decided against what it runs otherwise: the runtime's overlap: false
             # fallback (graphed on GPUs: faster than the eager GEMM then collective where the host
-            # bounds a call, run 67 in docs/perf-notes.md), or sequential if it was not timed
+            # bounds a call, docs/design.md#fallback), or sequential if it was not timed
             fallback: Timing | None = got.get("fallback")
             base, base_name = (fallback, "the overlap: false fallback") if fallback else (seq, "sequential")
             overlap, speedup, decision = _decide(
@@ -843,7 +841,7 @@ def run_search(request: SearchRequest, reporter: Reporter | None = None) -> Sear
     """Search every shape of ``request`` (see the module docstring). Returns None on a serving
     torchrun rank. Writes the table rows when ``request.table_dir`` is set."""
     check_request(request)
-    rep = reporter or _Silent()
+    rep = reporter or SilentReporter()
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -853,11 +851,9 @@ def run_search(request: SearchRequest, reporter: Reporter | None = None) -> Sear
         cal = request.calibration
         assert cal is not None
         return _run(request, shapes, cal.fingerprint, None, rep, t0)
-    with open_pool(request.world_size, backend=request.backend) as pool:
-        if not pool.is_driver:
+    with fingerprinted_pool(request.world_size, backend=request.backend, purpose="search") as (pool, fp):
+        if fp is None:
             return None
-        fps = pool.run(FingerprintTask())
-        fp: Fingerprint = fps[0]
         if request.mode == "hybrid":
             cal = request.calibration
             assert cal is not None

@@ -171,8 +171,6 @@ class SearchSpace:
     # these tiles (16-bit inputs: not tried for float32)
     copy_engine_tiled_chunks: tuple[int, ...] = ()
     copy_engine_tiles: tuple[Tile, ...] = ()
-    # ... and its exchange mode (all_reduce: whole partials, one hop): chunk counts of all M rows
-    copy_engine_exchange_chunks: tuple[int, ...] = ()
     schema_version: int = SPACE_SCHEMA_VERSION
     source: str = field(default="", compare=False)  # the file it was loaded from
 
@@ -391,10 +389,9 @@ _OPTIONAL = {
     "copy_engine_weights": _list(_weights),
     "copy_engine_tiled_chunks": _list(_int(1)),
     "copy_engine_tiles": _list(_Reader.tile),
-    "copy_engine_exchange_chunks": _list(_int(1)),
 }
 # The optional chunk-count lists, each bounded by the engine's flag slots (MAX_CHUNKS).
-_CHUNK_LISTS = ("copy_engine_chunks", "copy_engine_tiled_chunks", "copy_engine_exchange_chunks")
+_CHUNK_LISTS = ("copy_engine_chunks", "copy_engine_tiled_chunks")
 
 
 def _read_space(r: _Reader, data: Any) -> SearchSpace:

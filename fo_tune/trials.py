@@ -16,9 +16,10 @@ from typing import Any
 from fo_kernels.schedule import Schedule
 
 from .encoding import Encoding, Infeasible, schedule_key
-from .harness import Pool, Timing
+from .launch import Pool
 from .measure import ConfirmTask, CopyEngineProbeTask, OverlapTrialTask, SequentialTask
 from .model import CostModel
+from .timing import Timing
 
 
 class Measurer:

@@ -25,8 +25,8 @@ from fo_kernels import (
     gemm_all_reduce,
     gemm_reduce_scatter,
 )
+from fo_kernels.schedule import torch_dtype
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 1e-2}
 
 
@@ -44,7 +44,7 @@ class Case:
 
 def operands(case: Case, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(case.seed * 1009 + rank)
-    dtype = DTYPES[case.dtype]
+    dtype = torch_dtype(case.dtype)
     a = torch.randn(case.m, case.k, generator=gen).to(dtype)
     if case.kmajor:
         b = torch.randn(case.n, case.k, generator=gen).to(dtype).t()

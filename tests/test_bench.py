@@ -30,8 +30,12 @@ from fo_tune.bench import (
     packaged_suite,
     write_bench_dir,
 )
-from fo_tune.cli.bench import COLLECTIVE_NAMES, _request
+from fo_tune.bench import output as bench_output
+from fo_tune.bench.rows import merge
+from fo_tune.cli.bench import _request
+from fo_tune.cli.common import COLLECTIVE_NAMES
 from fo_tune.launch import RankContext
+from fo_tune.measure import GEMM_TOL
 from fo_tune.report import OutputError
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -196,7 +200,7 @@ def test_bench_yaml(gloo_run):
     assert settings["collectives"] == list(COLLECTIVE_NAMES)
     assert (settings["world_size"], settings["dtype"], settings["reps"]) == (2, "float32", 2)
     assert settings["chunks"] == [2, 4, 8]
-    assert settings["sample_ms"] == 4.0  # the harness's MIN_SAMPLE_MS on the CPU (16 on GPUs)
+    assert settings["sample_ms"] == 4.0  # fo_tune.timing.MIN_SAMPLE_MS on the CPU (16 on GPUs)
     _, rows = read_csv(out / "bench.csv")
     assert len(data["rows"]) == len(rows)
     assert [r["variant"] for r in data["rows"]] == [r["variant"] for r in rows]
@@ -220,7 +224,7 @@ def test_case_task_checks_before_timing(one_rank, monkeypatch):
     assert entries["chunked_c32"]["status"] == "SKIP" and "fewer than 32" in entries["chunked_c32"]["detail"]
     for name in ("gemm", "collective", "sequential", "chunked_c2", "fo_tune"):
         assert entries[name]["status"] == "PASS" and entries[name]["timing"].median_ms > 0, name
-    monkeypatch.setitem(bench.GEMM_TOL, "float32", 0.0)  # nothing can pass: every variant FAILs untimed
+    monkeypatch.setitem(GEMM_TOL, "float32", 0.0)  # nothing can pass: every variant FAILs untimed
     entries = {e["variant"]: e for e in task.run(one_rank)}
     for name in ("gemm", "collective", "sequential", "chunked_c2", "fo_tune"):
         e = entries[name]
@@ -324,7 +328,7 @@ def test_write_replaces_a_bench_folder_and_leaves_it_on_error(tmp_path, monkeypa
     def broken(result, path):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(bench, "_plot", broken)
+    monkeypatch.setattr(bench_output, "_plot", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         write_bench_dir(_result(), out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -495,5 +499,5 @@ def test_errors_merge_never_hides_a_nan():
     assert math.isnan(worst_error([0.002, math.nan])) and math.isnan(worst_error([math.nan, 0.002]))
     assert worst_error([0.002, 0.003]) == 0.003
     entry = dict(variant="fo_tune", status="PASS", detail="", timing=None, source="table")
-    merged = bench._merge([{**entry, "rel_err": 0.002}, {**entry, "rel_err": math.nan}])
+    merged = merge([{**entry, "rel_err": 0.002}, {**entry, "rel_err": math.nan}])
     assert math.isnan(merged["rel_err"])

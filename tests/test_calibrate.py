@@ -17,8 +17,8 @@ from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.fingerprint import current_fingerprint
 from fo_tune import report
 from fo_tune.calibration import (
+    CALIBRATED_COLLECTIVES,
     CALIBRATION_SCHEMA_VERSION,
-    COLLECTIVES,
     BandwidthPoint,
     Calibration,
     CurveFit,
@@ -27,7 +27,7 @@ from fo_tune.calibration import (
     fit_all,
     load_calibration,
 )
-from fo_tune.cli.calibrate import COLLECTIVE_NAMES
+from fo_tune.cli.calibrate import CALIBRATED_NAMES
 from fo_tune.report import OutputError, check_writable, write_calibration_dir, write_profile_csv
 from fo_tune.space import packaged_spaces_dir
 
@@ -101,8 +101,8 @@ def test_quick_calibration_csv_columns(quick_run):
     key = current_fingerprint("cpu", 2).device_key
     header, rows = read_csv(out / "bandwidth.csv")
     assert header == BANDWIDTH_HEADER
-    assert {r["collective"] for r in rows} == set(COLLECTIVES)
-    for collective in COLLECTIVES:
+    assert {r["collective"] for r in rows} == set(CALIBRATED_COLLECTIVES)
+    for collective in CALIBRATED_COLLECTIVES:
         assert max(float(r["busbw_GBs"]) for r in rows if r["collective"] == collective) > 0
     assert {r["device_key"] for r in rows} == {key}
     for name, kind in (
@@ -124,8 +124,8 @@ def test_quick_calibration_yaml(quick_run):
     assert cal.schema_version == CALIBRATION_SCHEMA_VERSION
     assert cal.fingerprint == current_fingerprint("cpu", 2)
     assert cal.world_size == 2 and cal.quick and cal.dtype == "bfloat16" and cal.space == "default"
-    assert {p.collective for p in cal.bandwidth} == set(COLLECTIVES)
-    assert {(f.collective, f.nccl_max_ctas) for f in cal.fits} == {(c, 0) for c in COLLECTIVES}
+    assert {p.collective for p in cal.bandwidth} == set(CALIBRATED_COLLECTIVES)
+    assert {(f.collective, f.nccl_max_ctas) for f in cal.fits} == {(c, 0) for c in CALIBRATED_COLLECTIVES}
     assert cal.interference
     for p in cal.interference:
         assert p.comm_slowdown > 0 and p.gemm_slowdown > 0
@@ -167,12 +167,12 @@ def test_default_out_then_a_rerun_replaces_the_folder(tmp_path, monkeypatch):
 def test_unknown_collective_is_exit_2_naming_the_valid_ones(tmp_path):
     out = tmp_path / "never"
     line = assert_one_line_error(calibrate("--collectives", "all_reduce,all_sum", "--out", str(out)))
-    assert "all_sum" in line and all(name in line for name in COLLECTIVES)
+    assert "all_sum" in line and all(name in line for name in CALIBRATED_COLLECTIVES)
     assert not out.exists()
 
 
 def test_cli_collective_names_match_the_library():
-    assert COLLECTIVE_NAMES == COLLECTIVES
+    assert CALIBRATED_NAMES == CALIBRATED_COLLECTIVES
 
 
 @pytest.mark.skipif(GPUS >= 2, reason="two GPUs are visible, so NCCL with 2 ranks is valid here")

@@ -1,8 +1,16 @@
-"""The ``fo-tune`` CLI: help, the demo on spawned gloo ranks, and one-line errors with exit codes."""
+"""The ``fo-tune`` CLI: help, the demo on spawned gloo ranks, one-line errors with exit codes (bad
+input refused in seconds, before any work), and output that keeps every number when it is not a
+terminal."""
 
 from __future__ import annotations
 
+import io
 import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,12 +19,25 @@ from typer.testing import CliRunner
 
 from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
-from fo_kernels.errors import ShapeError, TableNotFoundError
-from fo_tune.cli.common import parse_shape, run_cli
-from fo_tune.demo import run_demo
+from fo_kernels.errors import EnvironmentMismatchError, ShapeError, TableNotFoundError
+from fo_kernels.schedule import COLLECTIVES, DTYPES
+from fo_tune.cli.common import (
+    COLLECTIVE_NAMES,
+    DTYPE_NAMES,
+    FILE_WIDTH,
+    _Console,
+    parse_shape,
+    run_cli,
+    summary_table,
+)
+from fo_tune.demo import DEFAULT_WORLD_SIZE, plan_demo, run_demo
 from fo_tune.launch import LaunchError
+from fo_tune.limits import INT32_MAX
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+ROOT = Path(__file__).resolve().parents[1]
+# Bad input ends within this long, start-up included (nothing is spawned or measured).
+BAD_INPUT_S = 30.0
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +82,10 @@ def test_demo_two_ranks_passes_both_collectives(runner):
     assert len(rows) == 2, result.stdout
     assert any("all_reduce" in r for r in rows) and any("reduce_scatter" in r for r in rows)
     assert "passed: 2 of 2" in result.stdout
+    if GPUS == 0:  # the first line says where the ranks ran, and why
+        assert result.stdout.startswith(
+            "fo-tune demo: 2 rank(s) on the CPU (gloo, Triton's interpreter: no GPU"
+        )
 
 
 @pytest.mark.parametrize("shape", ["12x0x5", "abc", "12x5", "-1x2x3"])
@@ -155,3 +180,145 @@ def test_run_demo_rejects_bad_input_before_spawning():
         run_demo(world_size=2, shapes=[(8, 8, 8)], dtype="int8", backend="gloo")
     with pytest.raises(ShapeError):
         run_demo(world_size=2, shapes=[(8, 0, 8)], dtype="float32", backend="gloo")
+
+
+def test_cli_names_match_the_runtime():
+    """The help texts' names (written in fo_tune.cli.common to keep --help light) are the runtime's."""
+    assert set(DTYPE_NAMES) == set(DTYPES) and COLLECTIVE_NAMES == COLLECTIVES
+
+
+# ------------------------------------------------------------------------------ where the demo runs
+@pytest.mark.parametrize(
+    ("world", "backend", "gpus", "want", "says"),
+    [
+        (None, None, 0, (2, "gloo"), "no GPU visible"),
+        (None, "auto", 2, (2, "nccl"), "one GPU each (NCCL)"),
+        (None, None, 1, (1, "nccl"), "1 GPU(s) visible: 1 rank(s), one GPU each (NCCL), instead of 2"),
+        (None, None, 3, (2, "nccl"), "2 rank(s), one GPU each"),
+        (1, None, 1, (1, "nccl"), "1 rank(s), one GPU each"),
+        (None, "gloo", 1, (2, "gloo"), "asked for with --backend gloo"),
+        (3, "gloo", 0, (3, "gloo"), "3 rank(s) on the CPU"),
+        (None, "nccl", 1, (1, "nccl"), "1 GPU(s) visible"),
+    ],
+)
+def test_plan_demo_says_where_it_runs(world, backend, gpus, want, says):
+    """A one-GPU machine runs world size 1 on its GPU, never the GPU and the interpreter mixed."""
+    plan = plan_demo(world, backend, gpus)
+    assert (plan.world_size, plan.backend) == want and says in plan.note, plan
+
+
+@pytest.mark.parametrize(
+    ("world", "backend", "gpus"), [(2, None, 1), (2, "nccl", 1), (None, "nccl", 0), (4, "auto", 2)]
+)
+def test_plan_demo_refuses_too_few_gpus(world, backend, gpus):
+    asked = world or DEFAULT_WORLD_SIZE
+    with pytest.raises(
+        EnvironmentMismatchError, match=rf"world size {asked} needs {asked} GPUs, {gpus} visible \(NCCL"
+    ):
+        plan_demo(world, backend, gpus)
+
+
+def test_demo_on_one_gpu_runs_world_size_1_on_it(runner, monkeypatch):
+    """``fo-tune demo`` on a (faked) one-GPU machine: one NCCL rank on the GPU, said first."""
+    from fo_tune import demo as demo_lib
+    from fo_tune import launch
+
+    calls = []
+
+    def fake_run_demo(world_size, shapes, dtype, backend, reps, timeout_s):
+        calls.append((world_size, backend))
+        return []
+
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(demo_lib, "run_demo", fake_run_demo)
+    result = runner.invoke(app, ["demo"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert calls == [(1, "nccl")]
+    assert result.stdout.startswith("fo-tune demo: 1 GPU(s) visible: 1 rank(s), one GPU each (NCCL)")
+
+
+# ------------------------------------------------------------------------------ bad input, in seconds
+def _timed(runner, args):
+    start = time.monotonic()
+    result = runner.invoke(app, args)
+    assert time.monotonic() - start < BAD_INPUT_S, args
+    return result
+
+
+def test_a_shape_that_cannot_exist_is_refused_at_once(runner, tmp_path):
+    """The int32 bound of every size, and the target's memory (offline: the calibration's GPU)."""
+    out = str(tmp_path / "out")
+    args = ["search", "--shape", "99999999999x1x1", "-c", "all_reduce", "--world-size", "2", "--out", out]
+    line = assert_one_line_error(_timed(runner, [*args, "--mode", "predict"]))
+    assert "99999999999" in line and str(INT32_MAX) in line
+    args = ["search", "--shape", "400000x400000x400000", "--mode", "predict", "--out", out]
+    line = assert_one_line_error(_timed(runner, args))
+    assert "960.0 GB in bfloat16" in line and "NVIDIA H200" in line
+    for command in (
+        ["bench", "--backend", "gloo"],
+        ["demo", "--backend", "gloo"],
+        ["profile", "--backend", "gloo"],
+    ):
+        line = assert_one_line_error(_timed(runner, [*command, "--shape", "99999999999x1x1"]))
+        assert str(INT32_MAX) in line, (command, line)
+    assert not Path(out).exists()
+
+
+@pytest.mark.skipif(GPUS > 0, reason="the GPU suite runs on GPUs here")
+def test_the_gpu_suite_on_the_cpu_is_refused_at_once(runner, tmp_path):
+    out = tmp_path / "never"
+    args = ["bench", "--suite", str(ROOT / "suites" / "h200_tp.yaml"), "--world-size", "2", "--out", str(out)]
+    line = assert_one_line_error(_timed(runner, args))
+    assert "h200_tp" in line and "interpreter" in line and "--allow-slow" in line and "64x96x64" in line
+    line = assert_one_line_error(_timed(runner, ["bench", "--shape", "4096x8192x4096", "--out", str(out)]))
+    assert "4096x8192x4096" in line and "--allow-slow" in line
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc (Linux)")
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["calibrate", "--backend", "gloo"],
+        ["bench", "--backend", "gloo", "--shape", "8x8x8"],
+        ["search", "--shape", "64x64x64", "--mode", "predict"],
+        ["profile", "--backend", "gloo", "--shape", "32x48x40", "--out", "/proc/x/profile.csv"],
+        ["search", "--shape", "64x64x64", "--mode", "predict", "--table-dir", "/proc/x"],
+    ],
+)
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(runner, args):
+    """Every --out (and search's --table-dir) is checked with a real write: /proc passes root's
+    permission checks but takes no new folder."""
+    if "--out" not in args and "--table-dir" not in args:
+        args = [*args, "--out", "/proc/x"]
+    line = assert_one_line_error(_timed(runner, args))
+    assert "cannot write /proc/x" in line and "choose another path" in line
+
+
+# ------------------------------------------------------------------------------ output to a file
+def test_a_table_not_going_to_a_terminal_keeps_every_number():
+    buf = io.StringIO()
+    out = _Console(file=buf)
+    assert not out.is_terminal and out.width == FILE_WIDTH
+    columns = [f"column {i}" for i in range(12)]
+    table = summary_table("wide", columns, 1)
+    numbers = [f"{0.123456789 * (i + 1):.9f}" for i in range(12)]
+    table.add_row(*numbers)
+    out.print(table)
+    text = buf.getvalue()
+    assert "…" not in text and all(n in text for n in numbers), text
+    assert len(max(text.splitlines(), key=len)) > 80  # one line, wider than Rich's default for files
+
+
+def test_cli_output_through_a_pipe_keeps_every_number():
+    """The real console, its stdout a pipe (COLUMNS=80 as CI systems set it): nothing is cut."""
+    code = (
+        "from fo_tune.cli.common import console, summary_table\n"
+        "t = summary_table('wide', [f'column {i}' for i in range(12)], 1)\n"
+        "t.add_row(*[f'{0.123456789 * (i + 1):.9f}' for i in range(12)])\n"
+        "console.print(t)\n"
+    )
+    env = {**os.environ, "COLUMNS": "80"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "…" not in done.stdout and "1.234567890" in done.stdout and "0.123456789" in done.stdout

@@ -20,16 +20,16 @@ from fo_kernels.fingerprint import current_fingerprint
 from fo_kernels.schedule import MAX_CHUNKS, Problem, Schedule, Tile
 from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_table, table_path
 from fo_tune.launch import run_ranks
+from fo_tune.progress import SilentReporter
 from fo_tune.search import SearchRequest, _copy_engine_candidates, _plans_everywhere
 from fo_tune.space import SearchSpace, SpaceError, load_space, packaged_spaces_dir
 from fo_tune.tables import changed_fields, validate_table
 
 HEAD = dict(collective="reduce_scatter", dtype="bfloat16", world_size=2)
-# A space's optional keys for the copy engine's tiled and exchange modes (hopper.yaml leaves them out).
+# A space's optional keys for the copy engine's tiled mode, other than hopper.yaml's.
 MODES = {
     "copy_engine_tiles": [{"block_m": 128, "block_n": 256, "block_k": 64}],
     "copy_engine_tiled_chunks": [1, 2],
-    "copy_engine_exchange_chunks": [2, 4],
 }
 
 
@@ -180,17 +180,15 @@ def test_space_copy_engine_chunks(tmp_path: Path):
         hopper.to_dict() | {"copy_engine_weights": [[2, 2, 1]]}
     ).copy_engine_weights
     assert again.copy_engine_weights == hopper.copy_engine_weights
-    # the tiled mode is searched since session 8 (its AllReduce pushes its sums); the exchange
-    # mode stays opt-in (runs 35-37)
+    # the shipped space searches the tiled mode with its first two tiles
     assert hopper.copy_engine_tiles[:2] == hopper.tiles[:2] and hopper.copy_engine_tiled_chunks == (1, 2)
-    assert not hopper.copy_engine_exchange_chunks
     modes = SearchSpace.from_dict(hopper.to_dict() | MODES)
     again = SearchSpace.from_dict(modes.to_dict())
     assert again.copy_engine_tiles == modes.copy_engine_tiles == (Tile(block_m=128, block_n=256, block_k=64),)
-    assert again.copy_engine_tiled_chunks == (1, 2) and again.copy_engine_exchange_chunks == (2, 4)
+    assert again.copy_engine_tiled_chunks == (1, 2)
     for change, where in (
         ({"copy_engine_tiled_chunks": [MAX_CHUNKS + 1]}, r"copy_engine_tiled_chunks\[0\]: 65 > 64"),
-        ({"copy_engine_exchange_chunks": [0]}, r"copy_engine_exchange_chunks\[0\]"),
+        ({"copy_engine_tiled_chunks": [0]}, r"copy_engine_tiled_chunks\[0\]"),
         ({"copy_engine_tiles": [{"block_m": 128}]}, r"copy_engine_tiles\[0\]"),
     ):
         with pytest.raises(SpaceError, match=where):
@@ -214,24 +212,21 @@ def test_search_candidates_only_on_two_gpus():
     got = _copy_engine_candidates(req, space, (4096, 8192, 4096), cpu=False)
     want = [(1,) * c for c in space.copy_engine_chunks] + list(space.copy_engine_weights)
     tiled = [((1,) * c, t) for t in space.copy_engine_tiles for c in space.copy_engine_tiled_chunks]
-    exchange = [(1,) * c for c in space.copy_engine_exchange_chunks]
-    # equal chunks first, then the extra weightings, the tiled mode, the exchange mode
-    assert [(s.groups, s.tile, s.exchange) for s in got] == (
-        [(w, None, False) for w in want]
-        + [(w, t, False) for w, t in tiled]
-        + [(w, None, True) for w in exchange]
-    )
+    # equal chunks first, then the extra weightings, then the tiled mode
+    assert [(s.groups, s.tile) for s in got] == [(w, None) for w in want] + tiled
     assert all(s.engine == "copy_engine" and s.problem.m == 4096 for s in got)
     rs = dataclasses.replace(req, collective="reduce_scatter")
-    assert not any(s.exchange for s in _copy_engine_candidates(rs, space, (4096, 8192, 4096), cpu=False))
+    assert _copy_engine_candidates(rs, space, (4096, 8192, 4096), cpu=False) == [
+        dataclasses.replace(s, collective="reduce_scatter") for s in got
+    ]
     fp32 = dataclasses.replace(req, dtype="float32")
     assert not any(s.tile for s in _copy_engine_candidates(fp32, space, (4096, 8192, 4096), cpu=False))
     assert _copy_engine_candidates(req, space, (4096, 8192, 4096), cpu=True) == []
     four = SearchRequest(shapes=((4096, 8192, 4096),), world_size=4, mode="measure")
     assert _copy_engine_candidates(four, space, (4096, 8192, 4096), cpu=False) == []
     small = _copy_engine_candidates(req, space, (4, 8192, 4096), cpu=False)
-    # no more chunks than a shard (the exchange mode: all M) has rows
-    assert all(len(s.groups) <= (4 if s.exchange else 2) for s in small)
+    # no more chunks than a shard has rows
+    assert small and all(len(s.groups) <= 2 for s in small)
     assert _plans_everywhere(got[0], (1, 2, 4096, 100000), 132)
 
 
@@ -262,7 +257,7 @@ def test_table_show_and_csv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     by_m = {c["m"]: c for c in cells}
     plain, tiled_cells = by_m["4096"], by_m["2048"]
     assert plain["engine"] == "copy_engine" and plain["groups"] == "2 1" and plain["block_m"] == ""
-    assert plain["exchange"] == "False"
+    assert "exchange" not in header.split(",")
     assert (tiled_cells["block_m"], tiled_cells["block_n"], tiled_cells["groups"]) == ("128", "256", "1")
 
 
@@ -275,7 +270,7 @@ class FakeMeasurer:
         self.confirmed: list = []
 
     def _t(self, ms):
-        from fo_tune.harness import Timing
+        from fo_tune.timing import Timing
 
         return Timing(ms, 0.01, 10, 0.01)
 
@@ -322,14 +317,13 @@ def test_confirmation_with_copy_engine_candidates(measurer, want):
     req = SearchRequest(shapes=(shape,), world_size=2, mode="measure", trials=3, space=space)
     r = S._search_shape(
         req, shape, space=space, sm_count=132, device_key="h200", cpu=False, model=None, measurer=measurer,
-        storage=optuna.storages.InMemoryStorage(), table=None, budget_s=None, reporter=S._Silent(),
+        storage=optuna.storages.InMemoryStorage(), table=None, budget_s=None, reporter=SilentReporter(),
     )  # fmt: skip
     engines = [s.engine for s in measurer.confirmed[0]]
     candidates = (
         len(space.copy_engine_chunks)
         + len(space.copy_engine_weights)
         + len(space.copy_engine_tiles) * len(space.copy_engine_tiled_chunks)
-        + len(space.copy_engine_exchange_chunks)  # the request's collective is all_reduce
     )
     assert engines.count("copy_engine") == (0 if measurer.why else candidates)
     if measurer.fb_ms is not None:  # decided against the fallback, both timings kept

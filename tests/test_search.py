@@ -31,7 +31,7 @@ from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_ta
 from fo_tune import tables as table_tools
 from fo_tune.calibration import load_calibration
 from fo_tune.cli.search import packaged_calibration
-from fo_tune.encoding import Encoding, Infeasible, schedule_key, tile_label
+from fo_tune.encoding import Encoding, Infeasible, schedule_key
 from fo_tune.model import CostModel, num_units, with_groups
 from fo_tune.search import m_values, model_error
 from fo_tune.space import space_for
@@ -140,7 +140,7 @@ def test_dp_grouping_beats_every_composition_it_could_have_chosen(model, collect
     enc = enc_for(model, collective, shape)
     base = enc.build(
         {
-            "tile": tile_label(enc.tiles[1]),
+            "tile": enc.tiles[1].label(),
             "sms_free": 24,
             "nccl_max_ctas": 16,
             "signal": "band1",
@@ -176,7 +176,7 @@ def test_custom_grouping_reaches_any_composition(model):
     enc = enc_for(model, "all_reduce", (16384, 8192, 4096))
     rng = random.Random(1)
     head = {
-        "tile": tile_label(enc.tiles[0]),
+        "tile": enc.tiles[0].label(),
         "sms_free": 32,
         "nccl_max_ctas": 24,
         "signal": "band1",
@@ -610,4 +610,4 @@ def test_new_study_starts_from_the_heuristic(model):
     seeded = _warm_start(study, enc, SearchRequest(shapes=(shape,)), h, None)
     assert seeded == 2
     first = study.get_trials(deepcopy=False)[0].system_attrs["fixed_params"]  # enqueued, not yet run
-    assert first["sms_free"] == 28 and first["tile"] == tile_label(h.tile)
+    assert first["sms_free"] == 28 and first["tile"] == h.tile.label()

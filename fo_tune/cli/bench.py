@@ -8,32 +8,28 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from .calibrate import (
-    ProgressReporter,
-    check_dtype,
-    expected_device_key,
-    fmt,
-    is_driver_process,
-    progress_bars,
-    resolve_backend,
-    summary_table,
-    triton_mode,
-)
 from .common import (
+    COLLECTIVE_NAMES,
     DTYPE_NAMES,
     BackendOpt,
     ShapesOpt,
     WorldSizeOpt,
+    check_dtype,
     console,
+    expected_device_key,
+    fmt,
     handle_errors,
+    is_driver_process,
     parse_collectives,
     parse_shape,
+    resolve_backend,
+    summary_table,
+    triton_mode,
 )
+from .progress import ProgressReporter, progress_bars
 
 if TYPE_CHECKING:
     from fo_tune.bench import BenchRequest, BenchResult, BenchRow
-
-COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter")  # fo_tune.bench.COLLECTIVES
 
 HELP = "\n\n".join(
     [
@@ -121,7 +117,7 @@ BenchSampleOpt = Annotated[
         metavar="MS",
         help="Shortest timed sample: each sample runs enough back-to-back calls to span this long "
         "(at most 64), and its first call's launch on an idle GPU is spread over them. Default: 16 "
-        "on GPUs (4 ms samples added ~6% to a 0.15 ms op's time, docs/perf-notes.md run 60), 4 on "
+        "on GPUs (4 ms samples added ~6% to a 0.15 ms op's time, docs/design.md#timing), 4 on "
         "the CPU.",
     ),
 ]
@@ -133,6 +129,14 @@ BenchOutOpt = Annotated[
         metavar="DIR",
         help="Folder to write (created, or replaced when it holds an earlier bench run). "
         "Default: results/bench/<device-key>/tp<N>.",
+    ),
+]
+AllowSlowOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-slow",
+        help="Run shapes above 1024x1024x1024 (M*N*K) without GPUs too: Triton's CPU interpreter "
+        "takes hours for a GPU suite, so they are refused otherwise.",
     ),
 ]
 BenchTimeoutOpt = Annotated[
@@ -261,6 +265,7 @@ def bench(
     sample_ms: BenchSampleOpt = None,
     out: BenchOutOpt = None,
     timeout: BenchTimeoutOpt = 600.0,
+    allow_slow: AllowSlowOpt = False,
 ) -> None:
     shapes = [parse_shape(s) for s in shape or []]
     if shapes and suite is not None:
@@ -281,12 +286,20 @@ def bench(
     chosen = resolve_backend(world_size, backend)
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels' kernels
-        from fo_tune.bench import check_bench_out, default_bench_dir, run_bench, write_bench_dir
+        from fo_tune.bench import (
+            check_bench_out,
+            check_runnable,
+            default_bench_dir,
+            run_bench,
+            write_bench_dir,
+        )
 
         request = _request(
             shapes, suite, include_odd, dtype, chosen,
             collectives=names, world_size=world_size, reps=reps, timeout_s=timeout, sample_ms=sample_ms,
+            allow_slow=allow_slow,
         )  # fmt: skip
+        check_runnable(request, chosen)  # shapes too large here, the GPU suite on the CPU
         if driver:  # a bad --out costs nothing: checked before any rank starts
             check_bench_out(out or default_bench_dir(expected_device_key(chosen, world_size), world_size))
         with progress_bars(enabled=driver) as progress:

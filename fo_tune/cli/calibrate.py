@@ -1,49 +1,39 @@
-"""``fo-tune calibrate``: measure this machine (library: ``fo_tune.calibrate``, files: ``fo_tune.report``).
-
-Also holds what ``calibrate`` and ``profile`` share: choosing the backend and the search space and
-checking them before any rank is spawned, the Triton mode of the ranks, the progress reporter.
-"""
+"""``fo-tune calibrate``: measure this machine (library: ``fo_tune.calibrate``, files: ``fo_tune.report``)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich import box
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
 from rich.table import Table
 
 from .common import (
-    BACKEND_NAMES,
     DTYPE_NAMES,
     BackendOpt,
+    SpaceOpt,
     WorldSizeOpt,
+    check_dtype,
     console,
+    expected_device_key,
+    fmt,
     handle_errors,
+    is_driver_process,
     parse_collectives,
+    resolve_backend,
+    resolve_space,
+    summary_table,
+    triton_mode,
 )
+from .progress import ProgressReporter, progress_bars
 
 if TYPE_CHECKING:
-    import torch
-
     from fo_tune.calibration import Calibration, GemmPoint
-    from fo_tune.space import SearchSpace
 
-COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")  # fo_tune.calibration
+# fo_tune.calibration.CALIBRATED_COLLECTIVES, for the help text (a test checks they match).
+CALIBRATED_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 HELP = "\n\n".join(
     [
@@ -73,7 +63,7 @@ CollectivesOpt = Annotated[
         "--collectives",
         "-c",
         metavar="NAME[,NAME]",
-        help=f"Collectives to measure, repeated or comma-separated: {', '.join(COLLECTIVE_NAMES)}. "
+        help=f"Collectives to measure, repeated or comma-separated: {', '.join(CALIBRATED_NAMES)}. "
         "Default: all four.",
     ),
 ]
@@ -90,202 +80,12 @@ OutDirOpt = Annotated[
         "Default: results/calibration/<device-key>/tp<N>.",
     ),
 ]
-SpaceOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--space",
-        metavar="FILE",
-        help="Search space YAML. Default: the file of search_spaces/ for this GPU's compute "
-        "capability (default.yaml's cpu section on the CPU).",
-    ),
-]
 CalDtypeOpt = Annotated[
     str, typer.Option("--dtype", "-d", help=f"GEMM and message dtype: {', '.join(DTYPE_NAMES)}.")
 ]
 
 
-# ------------------------------------------------------------------------- shared with ``profile``
-def check_dtype(dtype: str) -> str:
-    if dtype not in DTYPE_NAMES:
-        raise typer.BadParameter(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
-    return dtype
-
-
-# fo_tune.launch.in_torchrun's variables. Read here without importing fo_tune.launch: it imports
-# fo_kernels, whose kernels Triton builds for the interpreter or not when they are first imported, so
-# nothing may import it before ``triton_mode`` has set TRITON_INTERPRET (under torchrun this very
-# process is a rank).
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-
-
-def _in_torchrun() -> bool:
-    return all(key in os.environ for key in _TORCHRUN_VARS)
-
-
-def resolve_backend(world_size: int, backend: str) -> str:
-    """``nccl`` or ``gloo`` for ``world_size`` ranks, checked before anything is spawned.
-
-    ``auto``: gloo without GPUs, NCCL with one GPU per rank; GPUs present but too few is an error
-    (a calibration of the CPU on a GPU machine is rarely what was meant). Under torchrun the world
-    size must match its ranks and the GPU count is not checked (they may span hosts). Imports
-    nothing of fo_kernels (see ``triton_mode``).
-    """
-    if backend not in BACKEND_NAMES:
-        raise typer.BadParameter(f"--backend {backend!r} is not one of {', '.join(BACKEND_NAMES)}")
-    if world_size < 1:
-        raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
-    torchrun = _in_torchrun()
-    if torchrun and int(os.environ["WORLD_SIZE"]) != world_size:
-        ranks = os.environ["WORLD_SIZE"]
-        raise typer.BadParameter(
-            f"--world-size {world_size}, but torchrun started {ranks} ranks; pass {ranks}"
-        )
-    if backend == "gloo":
-        return "gloo"
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto" and gpus == 0:
-        return "gloo"
-    if gpus < world_size and not torchrun:
-        from fo_kernels.errors import EnvironmentMismatchError
-
-        raise EnvironmentMismatchError(
-            f"world size {world_size} needs {world_size} GPUs, {gpus} visible; "
-            "lower --world-size or use --backend gloo"
-        )
-    return "nccl"
-
-
-def is_driver_process() -> bool:
-    """False on a torchrun rank other than 0 (it serves rank 0's tasks and prints nothing)."""
-    return not _in_torchrun() or os.environ.get("RANK") == "0"
-
-
-@contextlib.contextmanager
-def triton_mode(backend: str) -> Iterator[None]:
-    """TRITON_INTERPRET for the ranks: 1 on gloo, 0 on NCCL; restored afterwards.
-
-    Spawned ranks inherit it; under torchrun this process is a rank, so enter this before anything
-    imports ``fo_kernels`` (its kernels are built for the interpreter or not at that import).
-    """
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0" if backend == "nccl" else "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-
-
-def local_device(backend: str) -> torch.device:
-    """The device rank 0 will measure on (for the space and the default output path)."""
-    import torch
-
-    if backend != "nccl":
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def resolve_space(path: Path | None, backend: str) -> SearchSpace:
-    """``--space`` loaded and validated, else the packaged space for this device."""
-    from fo_tune.space import load_space, space_for
-
-    if path is not None:
-        return load_space(path)
-    device = local_device(backend)
-    if device.type != "cuda":
-        return space_for("cpu")
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(device)
-    return space_for(f"{major}.{minor}")
-
-
-def expected_device_key(backend: str, world_size: int) -> str:
-    """The device key the ranks will report (the same probe, run here)."""
-    from fo_kernels.fingerprint import current_fingerprint
-
-    return current_fingerprint(local_device(backend), world_size).device_key
-
-
-def progress_bars(enabled: bool = True) -> Progress:
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=not enabled,
-    )
-
-
-class ProgressReporter:
-    """``fo_tune.calibrate.Reporter`` over rich progress bars: one bar per stage.
-
-    A first bar (no total) covers starting the ranks; it completes when the first stage begins.
-    ``step`` advances its stage's bar and shows what was just measured. When the console is not a
-    terminal (a log file, CI), where bars appear only at the end, each step is also printed as a line.
-    """
-
-    def __init__(self, progress: Progress, starting: str) -> None:
-        self._progress = progress
-        self._tasks: dict[str, TaskID] = {}
-        self._left: dict[str, int] = {}
-        self._log = not progress.disable and not progress.console.is_terminal
-        self._t0 = time.monotonic()
-        self._starting: TaskID | None = progress.add_task(starting, total=None)
-        self._line(starting)
-
-    def _line(self, text: str) -> None:
-        if self._log:
-            self._progress.console.print(
-                f"[{time.monotonic() - self._t0:6.1f} s] {text}", markup=False, highlight=False
-            )
-
-    def stage(self, name: str, total: int) -> None:
-        if self._starting is not None:
-            self._progress.update(self._starting, total=1, completed=1)
-            self._starting = None
-        self._tasks[name] = self._progress.add_task(name, total=total)
-        self._left[name] = total
-        self._line(f"{name}: {total} steps")
-
-    def step(self, name: str, detail: str = "", *, log: bool = True) -> None:
-        """Advance ``name``'s bar; ``log=False`` keeps the step out of the non-terminal log."""
-        if name not in self._tasks:
-            self.stage(name, 0)
-        self._left[name] -= 1
-        done = self._left[name] <= 0  # a finished bar just names its stage
-        text = f"{name}: {detail}" if detail and not done else name
-        self._progress.update(self._tasks[name], advance=1, description=text)
-        if log:
-            self._line(f"{name}: {detail or 'step'} done")
-
-
 # ----------------------------------------------------------------------------------- the summary
-def fmt(x: float, spec: str = ".3g") -> str:
-    return "-" if math.isnan(x) else format(x, spec)
-
-
-def summary_table(title: str, columns: list[str], right_from: int) -> Table:
-    table = Table(
-        title=title,
-        title_justify="left",
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        show_edge=False,
-        padding=(0, 1, 0, 0),
-    )
-    for i, name in enumerate(columns):
-        table.add_column(name, justify="right" if i >= right_from else "left", no_wrap=True)
-    return table
-
-
 def _print_summary(cal: Calibration, written: list[Path]) -> None:
     from fo_tune.report import bandwidth_summary, interference_summary, size_label
 
@@ -383,7 +183,7 @@ def calibrate(
     backend: BackendOpt = "auto",
 ) -> None:
     names = parse_collectives(
-        collectives, valid=COLLECTIVE_NAMES, default=COLLECTIVE_NAMES, option="--collectives"
+        collectives, valid=CALIBRATED_NAMES, default=CALIBRATED_NAMES, option="--collectives"
     )
     check_dtype(dtype)
     chosen = resolve_backend(world_size, backend)

@@ -1,6 +1,10 @@
-"""What every ``fo-tune`` command shares: the console, the option types and the error mapping.
+"""What every ``fo-tune`` command shares: the console, the option types, the checks made before any
+rank starts (shape, dtype, backend, search space), the Triton mode of the ranks, the summary tables
+and the error mapping.
 
-All output goes through ``console`` (stdout) and ``err_console`` (stderr). Commands wrap their body in
+All output goes through ``console`` (stdout) and ``err_console`` (stderr). Written to a terminal
+they wrap at its width; written to a file or a pipe (a log, CI) a line is never cut or wrapped, so
+a table keeps every number whole (``FILE_WIDTH``). Commands wrap their body in
 ``run_cli`` (or decorate it with ``handle_errors``), which turns an expected error into one line on
 stderr and an exit code:
 
@@ -10,32 +14,68 @@ stderr and an exit code:
     an unexpected exception (a bug)                                      -> "error: internal ...", exit 1
     Ctrl-C                                                               -> "error: interrupted", exit 130
 
-With ``FO_TUNE_DEBUG=1`` the traceback is printed instead of the one line (same exit code). The
-runtime's error classes are imported only when an error is mapped, so ``fo-tune --help`` stays light.
+With ``FO_TUNE_DEBUG=1`` the traceback is printed instead of the one line (same exit code). torch,
+the runtime and the tuner are imported inside the functions that need them, so ``fo-tune --help``
+stays light; that is also why the dtype and collective names the help texts list are written here
+(a test checks them against ``fo_kernels.schedule``).
 """
 
+from __future__ import annotations
+
+import contextlib
 import functools
+import math
 import os
 import re
 import sys
 import traceback
-from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
-from rich.console import Console
+from rich import box
+from rich.console import Console, ConsoleDimensions
+from rich.table import Table
+
+if TYPE_CHECKING:
+    import torch
+
+    from fo_tune.space import SearchSpace
 
 T = TypeVar("T")
 
-console = Console()
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+# The line width of output that is not a terminal: wide enough that no table row is cut (Rich's
+# default there is 80 columns, which cut numbers to "0.3…" in saved logs).
+FILE_WIDTH = 1000
+
+
+class _Console(Console):
+    """A rich ``Console`` that takes ``FILE_WIDTH`` columns whenever its output is not a terminal
+    (decided at every print: the CLI's tests swap stdout after import; ``COLUMNS`` is ignored
+    there, since CI systems set it to 80)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        return size if self.is_terminal else ConsoleDimensions(FILE_WIDTH, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
+console = _Console()
+err_console = _Console(stderr=True, highlight=False, soft_wrap=True)
 
 DEBUG_ENV = "FO_TUNE_DEBUG"
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 
+# fo_kernels.schedule.DTYPES and COLLECTIVES, for the help texts (see the module docstring).
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter")
 BACKEND_NAMES = ("auto", "gloo", "nccl")
 
 # ------------------------------------------------------------------------------ shared options
@@ -75,6 +115,15 @@ RepsOpt = Annotated[
 TimeoutOpt = Annotated[
     float, typer.Option("--timeout", help="Seconds before a hung or slow run is stopped (all ranks).")
 ]
+SpaceOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--space",
+        metavar="FILE",
+        help="Search space YAML. Default: the file of search_spaces/ for this GPU's compute "
+        "capability (default.yaml's cpu section on the CPU).",
+    ),
+]
 
 _SHAPE = re.compile(r"^\s*(\d+)\s*[xX*,]\s*(\d+)\s*[xX*,]\s*(\d+)\s*$")
 
@@ -106,6 +155,112 @@ def parse_collectives(
     if not names:
         raise typer.BadParameter(f"{option}: no name given; choose from {', '.join(valid)}")
     return tuple(dict.fromkeys(names))
+
+
+def check_dtype(dtype: str) -> str:
+    """``dtype`` when it is one of ``DTYPE_NAMES``, else ``typer.BadParameter`` naming --dtype."""
+    if dtype not in DTYPE_NAMES:
+        raise typer.BadParameter(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    return dtype
+
+
+# ------------------------------------------------------------------------------ before the ranks
+def resolve_backend(world_size: int, backend: str) -> str:
+    """``nccl`` or ``gloo`` for ``world_size`` ranks, checked before anything is spawned: the option
+    values here, then ``fo_tune.launch.choose_backend`` (``auto``: gloo without GPUs, NCCL with
+    one GPU per rank, too few GPUs an error). Under torchrun the world size must match its ranks.
+    """
+    if backend not in BACKEND_NAMES:
+        raise typer.BadParameter(f"--backend {backend!r} is not one of {', '.join(BACKEND_NAMES)}")
+    if world_size < 1:
+        raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
+    from fo_tune.launch import choose_backend, in_torchrun
+
+    if in_torchrun() and int(os.environ["WORLD_SIZE"]) != world_size:
+        ranks = os.environ["WORLD_SIZE"]
+        raise typer.BadParameter(
+            f"--world-size {world_size}, but torchrun started {ranks} ranks; pass {ranks}"
+        )
+    return choose_backend(world_size, backend)
+
+
+def is_driver_process() -> bool:
+    """False on a torchrun rank other than 0 (it serves rank 0's tasks and prints nothing)."""
+    from fo_tune.launch import in_torchrun
+
+    return not in_torchrun() or os.environ.get("RANK") == "0"
+
+
+@contextlib.contextmanager
+def triton_mode(backend: str) -> Iterator[None]:
+    """TRITON_INTERPRET for the ranks: 1 on gloo, 0 on NCCL; restored afterwards.
+
+    Spawned ranks inherit it; under torchrun this process is a rank, so enter this before anything
+    defines ``fo_kernels``' kernels (Triton builds them for the interpreter or not then; importing
+    ``fo_kernels`` or its error types defines none).
+    """
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0" if backend == "nccl" else "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def local_device(backend: str) -> torch.device:
+    """The device rank 0 will measure on (for the space and the default output path)."""
+    import torch
+
+    if backend != "nccl":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def resolve_space(path: Path | None, backend: str) -> SearchSpace:
+    """``--space`` loaded and validated, else the packaged space for this device."""
+    from fo_tune.space import load_space, space_for
+
+    if path is not None:
+        return load_space(path)
+    device = local_device(backend)
+    if device.type != "cuda":
+        return space_for("cpu")
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return space_for(f"{major}.{minor}")
+
+
+def expected_device_key(backend: str, world_size: int) -> str:
+    """The device key the ranks will report (the same probe, run here)."""
+    from fo_kernels.fingerprint import current_fingerprint
+
+    return current_fingerprint(local_device(backend), world_size).device_key
+
+
+# ------------------------------------------------------------------------------ summary tables
+def fmt(x: float, spec: str = ".3g") -> str:
+    """``x`` formatted with ``spec``; ``-`` for NaN."""
+    return "-" if math.isnan(x) else format(x, spec)
+
+
+def summary_table(title: str, columns: list[str], right_from: int) -> Table:
+    """A borderless table with ``columns``, the ones from ``right_from`` on right-aligned."""
+    table = Table(
+        title=title,
+        title_justify="left",
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
+        padding=(0, 1, 0, 0),
+    )
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="right" if i >= right_from else "left", no_wrap=True)
+    return table
 
 
 # ------------------------------------------------------------------------------ error mapping

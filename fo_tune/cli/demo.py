@@ -15,7 +15,6 @@ from .common import (
     RepsOpt,
     ShapesOpt,
     TimeoutOpt,
-    WorldSizeOpt,
     console,
     handle_errors,
     parse_shape,
@@ -34,12 +33,14 @@ HELP = "\n\n".join(
         "relative error is within the dtype's tolerance (1e-5 float32, 5e-3 float16, 1e-2 bfloat16) and "
         "nothing is NaN. Both the overlapped op and the sequential baseline (GEMM, then the collective) "
         "are timed.",
-        "On GPUs the ranks use NCCL, one GPU each. Without GPUs they use gloo and the GEMM runs in "
-        "Triton's CPU interpreter: the check is real, the timings are not (they measure the interpreter).",
+        "On GPUs the ranks use NCCL, one GPU each; without --world-size the demo runs 2 ranks, or one "
+        "per GPU where there are fewer (world size 1 on a one-GPU machine). Without GPUs, or with "
+        "--backend gloo, they use gloo and the GEMM runs in Triton's CPU interpreter: the check is "
+        "real, the timings are not (they measure the interpreter). The first line says which.",
         "--engine copy_engine runs the copy engine's protocol instead, on --world-size thread-ranks "
-        "of its CPU executor (no process group, no GPU): all_reduce, reduce_scatter and all_gather "
-        "per shape, --reps calls on the same buffers, checked against float64; the times are the "
-        "executor's.",
+        "(default 2) of its CPU executor (no process group, no GPU): all_reduce, reduce_scatter and "
+        "all_gather per shape, --reps calls on the same buffers, checked against float64; the times "
+        "are the executor's.",
         "Exit code 0 when every row passes, 1 when one fails, 2 for bad options.",
     ]
 )
@@ -51,6 +52,17 @@ EngineOpt = Annotated[
         "-e",
         help="auto: the schedule the runtime would pick; copy_engine: the copy engine's protocol on "
         "thread-ranks of its CPU executor.",
+    ),
+]
+
+
+DemoWorldSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--world-size",
+        "-w",
+        help="Number of local processes (ranks); one GPU each with NCCL. Default: 2, or the number "
+        "of GPUs where there are fewer.",
     ),
 ]
 
@@ -104,7 +116,7 @@ def _table(rows: "list[DemoRow]", world_size: int, backend: str) -> Table:
 
 @handle_errors
 def demo(
-    world_size: WorldSizeOpt = 2,
+    world_size: DemoWorldSizeOpt = None,
     shape: ShapesOpt = None,
     dtype: DtypeOpt = None,
     backend: BackendOpt = "auto",
@@ -117,7 +129,7 @@ def demo(
         raise typer.BadParameter(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
     if backend not in BACKEND_NAMES:
         raise typer.BadParameter(f"--backend {backend!r} is not one of {', '.join(BACKEND_NAMES)}")
-    if world_size < 1:
+    if world_size is not None and world_size < 1:
         raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
     if reps < 1:
         raise typer.BadParameter(f"--reps must be >= 1, got {reps}")
@@ -125,26 +137,37 @@ def demo(
         raise typer.BadParameter(f"--timeout must be > 0, got {timeout}")
     if engine not in ENGINES:
         raise typer.BadParameter(f"--engine {engine!r} is not one of {', '.join(ENGINES)}")
-    if engine == "copy_engine" and (world_size < 2 or backend != "auto"):
+    if engine == "copy_engine" and ((world_size is not None and world_size < 2) or backend != "auto"):
         raise typer.BadParameter(
-            "--engine copy_engine runs on 2 or more thread-ranks of its CPU executor: give --world-size >= 2 "
-            "and leave --backend out"
+            "--engine copy_engine runs on 2 or more thread-ranks of its CPU executor: give "
+            "--world-size >= 2 and leave --backend out"
         )
 
-    from fo_tune.demo import run_copy_engine_demo, run_demo
+    from fo_tune.demo import plan_demo, run_copy_engine_demo, run_demo
+    from fo_tune.launch import visible_gpus
 
-    with console.status(f"running {world_size} ranks (backend {backend}) ...", spinner="dots"):
-        chosen = None if backend == "auto" else backend
-        if engine == "copy_engine":
-            rows = run_copy_engine_demo(world_size, shapes or None, dtype, reps)
-        else:
-            rows = run_demo(world_size, shapes or None, dtype, chosen, reps, timeout)
-    console.print(_table(rows, world_size, rows[0].backend if rows else backend))
     if engine == "copy_engine":
+        ranks = world_size or 2
+        console.print(
+            f"fo-tune demo: the copy engine's protocol on {ranks} thread-ranks of its CPU executor "
+            "(no GPU, no process group)",
+            markup=False,
+            highlight=False,
+        )
+        with console.status(f"running {ranks} thread-rank(s) ...", spinner="dots"):
+            rows = run_copy_engine_demo(ranks, shapes or None, dtype, reps)
+        console.print(_table(rows, ranks, rows[0].backend if rows else "cpu-executor"))
         console.print("schedules (the copy engine's operation lists, as on GPUs):", style="dim")
     else:
+        plan = plan_demo(world_size, backend, visible_gpus())
+        console.print(f"fo-tune demo: {plan.note}", markup=False, highlight=False)
+        with console.status(f"running {plan.world_size} rank(s) ...", spinner="dots"):
+            rows = run_demo(plan.world_size, shapes or None, dtype, plan.backend, reps, timeout)
+        console.print(_table(rows, plan.world_size, plan.backend))
         console.print(
-            "schedules (heuristic: no table row matched; tune one with `fo-tune search`):", style="dim"
+            "schedules (the table rows the runtime found; without one it runs GEMM then the "
+            "collective: tune the shape with `fo-tune search`):",
+            style="dim",
         )
     for row in rows:
         console.print(f"  {_schedule_line(row)}", style="dim", markup=False, highlight=False)

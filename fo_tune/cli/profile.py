@@ -11,18 +11,23 @@ from typing import Annotated
 
 import typer
 
-from .calibrate import (
+from .common import (
+    DTYPE_NAMES,
+    BackendOpt,
     SpaceOpt,
+    WorldSizeOpt,
     check_dtype,
+    console,
     expected_device_key,
     fmt,
+    handle_errors,
     is_driver_process,
+    parse_shape,
     resolve_backend,
     resolve_space,
     summary_table,
     triton_mode,
 )
-from .common import DTYPE_NAMES, BackendOpt, WorldSizeOpt, console, handle_errors, parse_shape
 
 HELP = "\n\n".join(
     [
@@ -116,18 +121,20 @@ def profile(
                 out or default_profile_path(expected_device_key(chosen, world_size), (m, n, k), dtype)
             )
         from fo_tune.calibrate import profile_shape
-        from fo_tune.harness import open_pool
-        from fo_tune.measure import FingerprintTask
+        from fo_tune.launch import fingerprinted_pool
+        from fo_tune.limits import check_problem_size, local_target
 
-        with open_pool(world_size, backend=chosen) as pool:
-            if not pool.is_driver:  # a serving torchrun rank: rank 0 writes and reports
+        check_problem_size([(m, n, k)], dtype, local_target(chosen, world_size))
+
+        with fingerprinted_pool(world_size, backend=chosen, purpose="profile") as (pool, fp):
+            if fp is None:  # a serving torchrun rank: rank 0 writes and reports
                 return
             cpu = pool.backend != "nccl"
             tiles = tuple(search_space.tile_candidates(quick=False, cpu=cpu))
             frees = tuple(sorted({0, *search_space.sms_free_candidates(cpu=cpu)}))
             what = f"profiling {m}x{n}x{k}: {len(tiles)} tiles x {len(frees)} grids on {world_size} rank(s)"
             with console.status(what, spinner="dots"):
-                device_key = pool.run(FingerprintTask())[0].device_key
+                device_key = fp.device_key
                 points = profile_shape(pool, m, n, k, tiles, frees, dtype)
         from fo_tune.report import write_profile_csv
 

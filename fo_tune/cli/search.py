@@ -15,20 +15,25 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from .calibrate import (
-    ProgressReporter,
+from .common import (
+    COLLECTIVE_NAMES,
+    BackendOpt,
     SpaceOpt,
+    WorldSizeOpt,
     check_dtype,
+    console,
     fmt,
+    handle_errors,
     is_driver_process,
     local_device,
-    progress_bars,
+    parse_collectives,
+    parse_shape,
     resolve_backend,
     resolve_space,
     summary_table,
     triton_mode,
 )
-from .common import BackendOpt, WorldSizeOpt, console, handle_errors, parse_collectives, parse_shape
+from .progress import ProgressReporter, progress_bars
 
 if TYPE_CHECKING:
     from fo_kernels.schedule import Schedule
@@ -36,7 +41,7 @@ if TYPE_CHECKING:
     from fo_tune.search import SearchResult
 
 MODE_NAMES = ("measure", "predict", "hybrid")
-COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter")
+SQLITE = "sqlite:///"
 
 HELP = "\n\n".join(
     [
@@ -58,11 +63,11 @@ HELP = "\n\n".join(
         "beside the candidates) by more than the measured spread and at least 2%; otherwise the row "
         "says overlap: false. M-range rows "
         "(--m-range LO:HI) cover every M of the range for the shapes' (N, K). On 2 GPUs a measured "
-        "or hybrid search also re-times one engine: copy_engine schedule per chunk count of the "
-        "space's copy_engine_chunks and per weighting of its copy_engine_weights, per chunk count "
-        "of copy_engine_tiled_chunks with each of copy_engine_tiles (the tiled mode: a Triton GEMM "
-        "per phase), and, for all_reduce, per chunk count of copy_engine_exchange_chunks (NVLink "
-        "peer copies instead of NCCL; measured, never predicted).",
+        "or hybrid search also re-times engine: copy_engine schedules (NVLink peer copies instead of "
+        "NCCL; measured, never predicted): one per chunk count of the space's copy_engine_chunks "
+        "and per weighting of its copy_engine_weights, and per chunk count of "
+        "copy_engine_tiled_chunks with each of copy_engine_tiles (the tiled mode: a Triton GEMM "
+        "per phase).",
         "Studies live in --storage (default SQLite at results/studies/fo-tune.db): running the same "
         "command again resumes them, and several workers may share one study (journal:FILE or "
         "PostgreSQL). Tables go to --table-dir (default $FO_TUNE_TABLE_DIR, else "
@@ -236,7 +241,6 @@ def short_schedule(row: Schedule) -> str:
     if row.engine == "copy_engine":
         t = row.tile
         how = f" tiled {t.block_m}x{t.block_n}x{t.block_k}" if t is not None else ""
-        how = " exchange" if row.exchange else how
         return f"copy engine c{len(row.groups)} g{'-'.join(map(str, row.groups))}{how}"
     t = row.tile
     assert t is not None
@@ -340,8 +344,9 @@ def search(
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
         from fo_kernels.fingerprint import current_fingerprint
-        from fo_kernels.table import TABLE_DIR_ENV, user_table_dir
+        from fo_kernels.table import TABLE_DIR_ENV, table_path, user_table_dir
         from fo_tune.calibration import load_calibration
+        from fo_tune.report import check_writable_file
         from fo_tune.search import DEFAULT_STORAGE_FILE, SearchError, SearchRequest, check_request, run_search
         from fo_tune.search_report import check_report_dir, default_report_dir, write_report
 
@@ -427,6 +432,9 @@ def search(
             )
             report_dirs.append(out / "report" / folder.name if out is not None else folder)
             check_report_dir(report_dirs[-1])
+            check_writable_file(table_path(tables_root, device_key, request.collective, world_size, dtype))
+        if storage_url.startswith(SQLITE):  # every file the search writes is checked before it starts
+            check_writable_file(storage_url[len(SQLITE) :].split("?")[0])
         results = []
         with progress_bars(enabled=driver) as progress:
             reporter = ProgressReporter(progress, f"search ({mode})")

@@ -15,15 +15,23 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 
-from .calibrate import fmt, summary_table
-from .common import DTYPE_NAMES, EXIT_BAD_INPUT, console, err_console, handle_errors, one_line
+from .common import (
+    COLLECTIVE_NAMES,
+    DTYPE_NAMES,
+    EXIT_BAD_INPUT,
+    console,
+    err_console,
+    fmt,
+    handle_errors,
+    one_line,
+    summary_table,
+)
 
 if TYPE_CHECKING:
     from fo_kernels.schedule import Schedule, Tile
     from fo_kernels.table import ScheduleTable
     from fo_tune.tables import RowDiff
 
-COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter")  # fo_kernels.schedule.COLLECTIVES
 FORMATS = ("table", "yaml", "csv")
 # Defaults of `show` without a PATH: the setup docs/perf-notes.md measured (bf16, TP=2).
 DEFAULT_COLLECTIVE = "all_reduce"
@@ -185,20 +193,12 @@ AllRowsOpt = Annotated[
 
 # ------------------------------------------------------------------------------ formatting
 def tile_label(tile: Tile | None) -> str:
-    """``128x256x64 gm8 w8 s3`` (`` ws`` when warp specialized); ``-`` for no tile."""
-    if tile is None:
-        return "-"
-    ws = " ws" if tile.warp_specialize else ""
-    return (
-        f"{tile.block_m}x{tile.block_n}x{tile.block_k} gm{tile.group_m} w{tile.num_warps} "
-        f"s{tile.num_stages}{ws}"
-    )
+    """``Tile.label()`` (``128x256x64 gm8 w8 s3``, `` ws`` when warp specialized); ``-`` for no tile."""
+    return "-" if tile is None else tile.label()
 
 
 def copy_engine_label(row: Schedule) -> str:
-    """``copy engine``, ``copy engine, tiled 128x256x64 ...`` or ``copy engine, exchange``."""
-    if row.exchange:
-        return "copy engine, exchange"
+    """``copy engine`` or ``copy engine, tiled 128x256x64 ...``."""
     return "copy engine" + (f", tiled {tile_label(row.tile)}" if row.tile is not None else "")
 
 
@@ -294,7 +294,6 @@ CSV_COLUMNS = (
     "layout",
     "wait_mode",
     "engine",  # last: added after the other columns, so scripts reading by position keep working
-    "exchange",  # (copy engine rows)
 )
 
 
@@ -313,9 +312,7 @@ def _csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
                 if row.tile is not None:  # every Triton row; a copy-engine row in its tiled mode
                     values.update(row.tile.to_dict())
                     values["warp_specialize"] = row.tile.warp_specialize
-            if row.overlap and row.engine == "copy_engine":
-                values["exchange"] = row.exchange
-            elif row.overlap:
+            if row.overlap and row.engine != "copy_engine":
                 values.update(
                     sms_free=row.sms_free,
                     nccl_max_ctas=row.nccl_max_ctas,

@@ -1,4 +1,4 @@
-"""Tasks for the harness tests (spawned ranks unpickle them by reference, so they live in a module)."""
+"""Tasks for the pool and timing tests (spawned ranks unpickle them by reference: they live in a module)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fo_tune.harness import time_interleaved, time_region
 from fo_tune.launch import RankContext
+from fo_tune.timing import time_interleaved, time_region
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,103 @@
+"""What one ``fo-tune bench`` run measures (``BenchRequest``), its per-device defaults, and the
+checks that refuse a request before any rank starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fo_kernels.errors import FoTuneError, ShapeError
+from fo_kernels.schedule import COLLECTIVES, DTYPES
+
+from ..launch import TASK_TIMEOUT_S
+from ..limits import check_problem_size, local_target
+from .suite import Shape
+
+# Row chunks of the hand-chunked baseline: DESIGN.md's H200 prototype split M into 2, 4 and 8.
+CHUNK_COUNTS = (2, 4, 8)
+# Untimed calls before each timing (fo_tune.timing.time_region's default); the interpreter is slow,
+# so one on the CPU. The checked call comes before these.
+WARMUP, CPU_WARMUP = 3, 1
+# Timed samples per variant (each sample spans >= comparison_sample_ms on GPUs). 30 on GPUs: with
+# 10, the host-heavy variants of one H200 x2 bench had 0.1-0.6 ms outliers that moved their medians
+# by up to 60%, and 30 reproduced within a few % in two processes; the five-shape suite then takes
+# ~55 s for both collectives with 16 ms samples (docs/design.md#timing).
+GPU_REPS, CPU_REPS = 30, 3
+# bf16 tl.dot is wrong in Triton's CPU interpreter (DESIGN.md), so the CPU default is float32.
+GPU_DTYPE, CPU_DTYPE = "bfloat16", "float32"
+# The default shape on the CPU: small enough for the interpreter (~40 ms per fo_tune call on 2 ranks).
+CPU_SHAPES = ((64, 96, 64),)
+# The largest shape (M x N x K multiply-adds) a bench runs on the CPU unless asked to: Triton's
+# interpreter runs fo_tune's GEMM tile by tile in Python at ~0.02 G multiply-adds per second on a
+# 2-core machine (512x512x512 float32 took 5.2 s a call), so 2**30 of them (1024^3) take about a
+# minute a call, and a case makes about ten; a GPU suite's shapes would take hours.
+CPU_MAX_MACS = 2**30
+
+
+class BenchRequestError(FoTuneError, ValueError):
+    """A request that cannot run here as asked; the message says what to run instead."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchRequest:
+    """What to benchmark; None fields default per device (see the module constants)."""
+
+    shapes: tuple[Shape, ...]
+    collectives: tuple[str, ...] = COLLECTIVES
+    world_size: int = 2
+    dtype: str | None = None
+    backend: str | None = None
+    reps: int | None = None
+    timeout_s: float = TASK_TIMEOUT_S
+    chunks: tuple[int, ...] = CHUNK_COUNTS
+    suite: str = ""  # the suite's name when the shapes came from one
+    seed: int = 0
+    sample_ms: float | None = None  # None: fo_tune.timing.comparison_sample_ms (16 ms on GPUs)
+    allow_slow: bool = False  # run shapes above CPU_MAX_MACS in Triton's CPU interpreter anyway
+
+    def __post_init__(self) -> None:
+        if not self.shapes:
+            raise ShapeError("no shapes to benchmark")
+        for shape in self.shapes:
+            if len(shape) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape):
+                raise ShapeError(f"shape {shape!r}: expected (M, N, K), integers >= 1")
+        unknown = [c for c in self.collectives if c not in COLLECTIVES]
+        if unknown or not self.collectives:
+            raise ShapeError(f"collectives {list(self.collectives)}: choose from {', '.join(COLLECTIVES)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ShapeError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        for name in ("world_size", "reps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ShapeError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.timeout_s > 0:
+            raise ShapeError(f"timeout must be > 0 seconds, got {self.timeout_s!r}")
+        ms = self.sample_ms
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int | float) or not ms > 0):
+            raise ShapeError(f"sample length must be > 0 ms, got {self.sample_ms!r}")
+        if not self.chunks or any(c < 2 for c in self.chunks):
+            raise ShapeError(f"chunks must be integers >= 2, got {list(self.chunks)}")
+
+    def dtype_for(self, backend: str) -> str:
+        """The operand dtype: the request's, else the device's default."""
+        return self.dtype or (GPU_DTYPE if backend == "nccl" else CPU_DTYPE)
+
+
+def check_runnable(request: BenchRequest, backend: str) -> None:
+    """Refuse, before any rank starts, shapes that cannot exist on the ranks' devices
+    (``fo_tune.limits``) and, on the CPU (any backend but NCCL), shapes above ``CPU_MAX_MACS``
+    unless ``request.allow_slow``."""
+    check_problem_size(request.shapes, request.dtype_for(backend), local_target(backend, request.world_size))
+    if backend == "nccl" or request.allow_slow:
+        return
+    big = [s for s in request.shapes if s[0] * s[1] * s[2] > CPU_MAX_MACS]
+    if not big:
+        return
+    m, n, k = max(big, key=lambda s: s[0] * s[1] * s[2])
+    what = f"the suite {request.suite!r} holds GPU shapes" if request.suite else "the shapes are GPU-sized"
+    default = "x".join(map(str, CPU_SHAPES[0]))
+    side = round(CPU_MAX_MACS ** (1 / 3))
+    raise BenchRequestError(
+        f"{what} (up to {m}x{n}x{k}): without GPUs every call runs in Triton's CPU interpreter, "
+        f"hours per shape; run `fo-tune bench` without --suite and --shape for the CPU default "
+        f"({default}), give shapes up to {side}x{side}x{side}, or pass --allow-slow to run them anyway"
+    )

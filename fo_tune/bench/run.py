@@ -1,0 +1,74 @@
+"""``run_bench``: one worker pool, the ranks' agreed fingerprint, then one ``BenchCaseTask`` per
+(shape, collective), merged into rows."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+
+from ..launch import choose_backend, fingerprinted_pool
+from ..progress import Reporter, SilentReporter
+from ..timing import comparison_sample_ms
+from .request import CPU_REPS, CPU_WARMUP, GPU_REPS, WARMUP, BenchRequest, check_runnable
+from .rows import BenchResult, case_rows, merge, skipped_rows
+from .task import BenchCaseTask
+
+
+def run_bench(request: BenchRequest, reporter: Reporter | None = None) -> BenchResult | None:
+    """Benchmark every (shape, collective) of ``request`` in one worker pool (``fo_tune.bench``).
+
+    Returns None on a torchrun rank other than 0 (it served rank 0's tasks). Raises
+    ``ProblemSizeError`` / ``BenchRequestError`` before any rank starts for shapes that cannot run
+    here (``check_runnable``), ``EnvironmentMismatchError`` when the ranks see different hardware,
+    ``LaunchError`` when a rank fails, dies or hangs (``request.timeout_s`` per case).
+    """
+    rep = reporter or SilentReporter()
+    t0 = time.monotonic()
+    backend = choose_backend(request.world_size, request.backend)
+    check_runnable(request, backend)
+    with fingerprinted_pool(request.world_size, backend=backend, purpose="bench") as (pool, fp):
+        if fp is None:
+            return None
+        cpu = pool.backend != "nccl"
+        dtype = request.dtype_for(pool.backend)
+        reps = request.reps or (CPU_REPS if cpu else GPU_REPS)
+        sample_ms = request.sample_ms or comparison_sample_ms(not cpu)
+        warmup = CPU_WARMUP if cpu else WARMUP
+        cases = [(s, c) for s in request.shapes for c in request.collectives]
+        result = BenchResult(
+            fingerprint=fp,
+            backend=pool.backend,
+            created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            settings=dict(
+                shapes=[list(s) for s in request.shapes],
+                collectives=list(request.collectives),
+                world_size=request.world_size,
+                dtype=dtype,
+                backend=pool.backend,
+                reps=reps,
+                sample_ms=sample_ms,
+                warmup=warmup,
+                chunks=list(request.chunks),
+                suite=request.suite,
+                timeout_s=request.timeout_s,
+                seed=request.seed,
+            ),
+        )
+        rep.stage("bench", len(cases))
+        for (m, n, k), collective in cases:
+            head = dict(device_key=fp.device_key, world_size=pool.world_size, dtype=dtype, m=m, n=n, k=k,
+                        collective=collective)  # fmt: skip
+            if collective == "reduce_scatter" and m % pool.world_size:
+                why = f"M={m} is not divisible by the world size {pool.world_size}"
+                result.rows += skipped_rows(head, request.chunks, why)
+            else:
+                task = BenchCaseTask(
+                    collective, m, n, k, dtype, request.chunks, warmup, reps, request.seed,
+                    min_sample_ms=sample_ms,
+                )  # fmt: skip
+                per_rank = pool.run(task, timeout_s=request.timeout_s)
+                merged = [merge([r[i] for r in per_rank]) for i in range(len(per_rank[0]))]
+                result.rows += case_rows(head, merged)
+            rep.step("bench", f"{collective} {m}x{n}x{k}")
+    result.wall_s = time.monotonic() - t0
+    return result

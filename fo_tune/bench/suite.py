@@ -1,0 +1,74 @@
+"""Benchmark suite files (``suites/*.yaml``): name, dtype, shapes and odd shapes, validated on load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fo_kernels.errors import FoTuneError
+from fo_kernels.files import read_yaml
+from fo_kernels.schedule import DTYPES
+
+Shape = tuple[int, int, int]
+
+
+class SuiteError(FoTuneError, ValueError):
+    """A suite file that is malformed; the message names the file and the key."""
+
+
+class SuiteNotFoundError(SuiteError, FileNotFoundError):
+    """A suite file that does not exist."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Suite:
+    """A benchmark suite file (``suites/*.yaml``): name, dtype, shapes, and odd shapes beside them."""
+
+    name: str
+    dtype: str | None
+    shapes: tuple[Shape, ...]
+    odd_shapes: tuple[Shape, ...] = ()
+
+
+def packaged_suite() -> Path:
+    """The repository's benchmark suite (``suites/h200_tp.yaml``, DESIGN.md's five shapes)."""
+    return Path(__file__).resolve().parents[2] / "suites" / "h200_tp.yaml"
+
+
+def _suite_shapes(data: dict, key: str, source: str) -> tuple[Shape, ...]:
+    value = data.get(key, [])
+    if not isinstance(value, list):
+        raise SuiteError(f"{source}: {key}: expected a list of [M, N, K], got {value!r}")
+    shapes = []
+    for i, item in enumerate(value):
+        ok = isinstance(item, list) and len(item) == 3
+        if not ok or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in item):
+            raise SuiteError(f"{source}: {key}[{i}]: expected [M, N, K] with integers >= 1, got {item!r}")
+        shapes.append((item[0], item[1], item[2]))
+    return tuple(shapes)
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Read and validate a suite file; errors name the file and the key."""
+    source = str(path)
+    data = read_yaml(
+        path,
+        error=SuiteError,
+        missing=SuiteNotFoundError,
+        missing_hint=f"no suite file here; the shipped one is {packaged_suite()}",
+    )
+    if not isinstance(data, dict):
+        raise SuiteError(f"{source}: expected a mapping with name, dtype and shapes")
+    unknown = sorted(set(data) - {"name", "dtype", "shapes", "odd_shapes"})
+    if unknown:
+        raise SuiteError(f"{source}: unknown key {unknown[0]!r}; known: name, dtype, shapes, odd_shapes")
+    dtype = data.get("dtype")
+    if dtype is not None and dtype not in DTYPES:
+        raise SuiteError(f"{source}: dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    shapes = _suite_shapes(data, "shapes", source)
+    if not shapes:
+        raise SuiteError(f"{source}: shapes: no shapes given")
+    name = data.get("name", Path(path).stem)
+    return Suite(
+        name=str(name), dtype=dtype, shapes=shapes, odd_shapes=_suite_shapes(data, "odd_shapes", source)
+    )

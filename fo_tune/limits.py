@@ -1,0 +1,93 @@
+"""How large a GEMM + collective problem may be on its target: checked before any work starts.
+
+A shape is refused (``ProblemSizeError``, a ``ShapeError``: exit code 2 in the CLI) when
+
+- M, N or K is above ``INT32_MAX``: the library GEMMs take int32 sizes (cuBLAS's m, n, k and
+  leading dimensions are ``int``, and torch refuses larger ones), and the Triton GEMM's tile
+  indices, signal units and group counters are int32 too;
+- A (M x K), B (K x N) and the M x N output of one rank need more bytes than the target's memory:
+  the local GPU's when the ranks run here (``torch.cuda.get_device_properties``), the host's
+  physical memory shared by the ranks when they run on the CPU, and for an offline search the
+  datasheet memory of the calibration's GPU (``DATASHEET_MEMORY_BYTES``; a GPU not listed there
+  is checked against the int32 limit only).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from fo_kernels.errors import ShapeError
+from fo_kernels.fingerprint import Fingerprint
+from fo_kernels.schedule import torch_dtype
+
+INT32_MAX = 2**31 - 1
+# Memory of the GPUs whose calibrations ship, for searches that plan for them offline (NVIDIA H200
+# datasheet: 141 GB of HBM3e).
+DATASHEET_MEMORY_BYTES = {"NVIDIA H200": 141 * 10**9}
+GB = 1e9
+
+
+class ProblemSizeError(ShapeError):
+    """A shape whose operands or output cannot exist on the target; the message states the bound."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a problem runs: its memory per rank in bytes (None: unknown) and its name in messages."""
+
+    memory_bytes: int | None
+    name: str
+
+
+def problem_bytes(m: int, n: int, k: int, dtype: str) -> int:
+    """Bytes of A (M x K), B (K x N) and the M x N output of one rank in ``dtype``."""
+    size = torch_dtype(dtype).itemsize
+    return (m * k + k * n + m * n) * size
+
+
+def host_target(world_size: int) -> Target:
+    """This host's physical memory, shared by ``world_size`` CPU ranks (unknown off Linux)."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return Target(None, "this host")
+    return Target(total // max(1, world_size), f"this host's memory shared by {world_size} rank(s)")
+
+
+def local_target(backend: str, world_size: int) -> Target:
+    """The ranks' memory when they run here: GPU 0's (NCCL, one GPU per rank), else the host's."""
+    if backend != "nccl":
+        return host_target(world_size)
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    return Target(props.total_memory, f"{props.name} (GPU 0)")
+
+
+def fingerprint_target(fp: Fingerprint) -> Target:
+    """The memory of the machine a calibration describes: the datasheet's for its GPU; the host's
+    for a CPU calibration."""
+    if fp.compute_capability == "cpu":
+        return host_target(fp.world_size)
+    memory = DATASHEET_MEMORY_BYTES.get(fp.gpu_name)
+    return Target(memory, f"{fp.gpu_name} (the calibration's GPU, datasheet)")
+
+
+def check_problem_size(shapes: Iterable[tuple[int, int, int]], dtype: str, target: Target) -> None:
+    """Raise ``ProblemSizeError`` for the first shape that breaks a bound of the module docstring."""
+    for m, n, k in shapes:
+        shape = f"{m}x{n}x{k}"
+        for name, size in (("M", m), ("N", n), ("K", k)):
+            if size > INT32_MAX:
+                raise ProblemSizeError(
+                    f"shape {shape}: {name} = {size} is above {INT32_MAX}, the largest size the GEMMs "
+                    "take (int32: cuBLAS's m, n, k and the Triton GEMM's tile indices); give a smaller shape"
+                )
+        need = problem_bytes(m, n, k, dtype)
+        if target.memory_bytes is not None and need > target.memory_bytes:
+            raise ProblemSizeError(
+                f"shape {shape}: A, B and the output of one rank need {need / GB:.1f} GB in {dtype}, "
+                f"more than the {target.memory_bytes / GB:.1f} GB of {target.name}; give a smaller shape"
+            )

@@ -1,0 +1,194 @@
+"""Rank processes on gloo: spawned pools, failures that end within a timeout, torchrun, the backend
+rule and the fingerprint the ranks must agree on."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from fo_kernels.errors import EnvironmentMismatchError
+from fo_kernels.fingerprint import current_fingerprint
+from fo_tune import launch
+from fo_tune.launch import LaunchError, SpawnedPool, agreed_fingerprint, choose_backend, open_pool
+from fo_tune.timing import Timing
+from rank_tasks import ExitOn, FailOn, RankAndSum, SleepOn, TimeSleep
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_pool_results_by_rank_then_a_failing_rank_closes_it():
+    with open_pool(2, backend="gloo") as pool:
+        assert pool.is_driver and pool.world_size == 2 and pool.backend == "gloo"
+        assert pool.run(RankAndSum()) == [(0, 2, "gloo", 2.0), (1, 2, "gloo", 2.0)]
+        assert pool.run(RankAndSum()) == [(0, 2, "gloo", 2.0), (1, 2, "gloo", 2.0)]  # the same ranks serve
+        per_rank = pool.run(TimeSleep(ms_per_rank=2.0))
+        assert [t.samples for t in per_rank] == [3, 3]
+        slowest = Timing.max_over(per_rank)
+        assert slowest.median_ms == per_rank[1].median_ms >= 4.0
+        with pytest.raises(LaunchError, match=r"rank 1 failed during FailOn") as info:
+            pool.run(FailOn(rank=1))
+        assert "ValueError: boom on rank 1" in str(info.value)
+        with pytest.raises(LaunchError, match="closed"):
+            pool.run(RankAndSum())
+
+
+def test_a_dead_rank_ends_the_task():
+    pool = SpawnedPool(2, backend="gloo")
+    try:
+        start = time.monotonic()
+        with pytest.raises(LaunchError, match=r"rank 1 died during ExitOn \(exit code 3\)"):
+            pool.run(ExitOn(rank=1, code=3), timeout_s=60)
+        assert time.monotonic() - start < 30
+    finally:
+        pool.close()
+
+
+def test_a_hung_rank_ends_the_task_at_the_timeout():
+    pool = SpawnedPool(2, backend="gloo")
+    try:
+        start = time.monotonic()
+        with pytest.raises(LaunchError, match=r"rank\(s\) \[1\] did not finish SleepOn within 3 s"):
+            pool.run(SleepOn(rank=1, seconds=4.5), timeout_s=3)
+        assert time.monotonic() - start < 20  # the timeout, plus the pool's shutdown
+        with pytest.raises(LaunchError, match="closed"):
+            pool.run(RankAndSum())
+    finally:
+        pool.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+DRIVER = """
+import torch.distributed as dist
+
+from fo_tune.launch import open_pool
+from rank_tasks import RankAndSum
+
+with open_pool(2, backend="gloo") as pool:
+    if pool.is_driver:
+        print("RESULTS", pool.run(RankAndSum()), flush=True)
+    else:
+        print("SERVED", flush=True)
+assert not dist.is_initialized(), "the pool must leave torchrun's process group"
+"""
+
+
+def test_torchrun_rank_0_drives_and_rank_1_serves(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(DRIVER))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+        str(script),
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RESULTS [(0, 2, 'gloo', 2.0), (1, 2, 'gloo', 2.0)]" in done.stdout, done.stdout
+    assert done.stdout.count("SERVED") == 1, done.stdout
+
+
+# ------------------------------------------------------------------------------ the backend rule
+@pytest.mark.parametrize(
+    ("gpus", "world", "backend", "want"),
+    [
+        (0, 2, None, "gloo"),
+        (0, 2, "auto", "gloo"),
+        (2, 2, None, "nccl"),
+        (8, 2, "auto", "nccl"),
+        (1, 2, "gloo", "gloo"),
+        (2, 2, "nccl", "nccl"),
+        (1, 1, None, "nccl"),
+    ],
+)
+def test_choose_backend(monkeypatch, gpus, world, backend, want):
+    monkeypatch.setattr(launch, "visible_gpus", lambda: gpus)
+    for key in launch.TORCHRUN_VARS:
+        monkeypatch.delenv(key, raising=False)
+    assert choose_backend(world, backend) == want
+
+
+@pytest.mark.parametrize(("gpus", "backend"), [(1, None), (1, "auto"), (0, "nccl"), (1, "nccl")])
+def test_choose_backend_refuses_too_few_gpus(monkeypatch, gpus, backend):
+    """GPUs present but fewer than the ranks: gloo beside them is asked for, never picked."""
+    monkeypatch.setattr(launch, "visible_gpus", lambda: gpus)
+    for key in launch.TORCHRUN_VARS:
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(EnvironmentMismatchError, match=rf"world size 2 needs 2 GPUs, {gpus} visible \(NCCL"):
+        choose_backend(2, backend)
+
+
+def test_choose_backend_under_torchrun_and_bad_values(monkeypatch):
+    for key, value in zip(launch.TORCHRUN_VARS, ("0", "4", "0", "localhost"), strict=True):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 1)  # the ranks may span hosts
+    assert launch.in_torchrun() and choose_backend(4) == "nccl"
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
+    assert choose_backend(4) == "gloo"
+    with pytest.raises(EnvironmentMismatchError, match="'mpi' is not one of auto, nccl, gloo"):
+        choose_backend(2, "mpi")
+    with pytest.raises(EnvironmentMismatchError, match="world size must be an integer >= 1"):
+        choose_backend(0)
+
+
+# ------------------------------------------------------------------------------ the fingerprint
+@dataclasses.dataclass
+class FakePool:
+    """A driver pool whose ranks answer every task with the given fingerprints."""
+
+    answers: list
+    is_driver: bool = True
+    world_size: int = 2
+    backend: str = "gloo"
+
+    def run(self, task, *, timeout_s=0.0):
+        return list(self.answers)
+
+
+def test_agreed_fingerprint_refuses_ranks_on_different_hardware():
+    fp = current_fingerprint("cpu", 2)
+    assert agreed_fingerprint(FakePool([fp, fp]), "bench") == fp
+    other = dataclasses.replace(fp, device_key="nvidia-h200-cc90-132sm-w2-nvlink18")
+    with pytest.raises(
+        EnvironmentMismatchError, match=r"ranks see different hardware .*; search on identical"
+    ):
+        agreed_fingerprint(FakePool([fp, other]), "search")
+
+
+def test_search_checks_that_its_ranks_agree(monkeypatch, tmp_path):
+    """A measured search takes its ranks' fingerprint only when they agree (no rank is spawned)."""
+    from fo_tune.search import SearchRequest, run_search
+
+    fp = current_fingerprint("cpu", 2)
+    other = dataclasses.replace(fp, device_key="other-key")
+
+    @contextlib.contextmanager
+    def fake_open_pool(world_size, *, backend=None):
+        yield FakePool([fp, other])
+
+    monkeypatch.setattr(launch, "open_pool", fake_open_pool)
+    request = SearchRequest(
+        shapes=((64, 96, 64),), mode="measure", backend="gloo", storage=f"sqlite:///{tmp_path / 's.db'}"
+    )
+    with pytest.raises(EnvironmentMismatchError, match="ranks see different hardware"):
+        run_search(request)

@@ -1,0 +1,58 @@
+"""Timing on the ranks: the slowest rank's numbers, interleaved variants, aligned samples."""
+
+from __future__ import annotations
+
+import time
+
+from fo_tune.launch import open_pool
+from fo_tune.timing import Timing
+from rank_tasks import SkewedSamples
+
+
+def test_timing_max_over_takes_the_slowest_rank():
+    t = Timing.max_over([Timing(1.0, 0.5, 10, 0.2), Timing(3.0, 0.1, 7, 0.05), Timing(2.0, 0.9, 10)])
+    assert t == Timing(3.0, 0.9, 7, 0.2)
+
+
+def test_time_interleaved_alternates_the_variants():
+    """Each round samples every variant once, in order, so a drift hits them all alike."""
+    import torch
+
+    from fo_tune.timing import time_interleaved
+
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    timings = time_interleaved(fns, torch.device("cpu"), warmup=1, rounds=4)
+    assert set(timings) == {"a", "b", "c"}
+    assert all(t.samples == 4 and t.median_ms >= 0 and t.iqr_ms >= 0 for t in timings.values())
+    # after the warm-ups and probes, the timed calls come in rounds: the order rotates each round
+    # and every other round runs backwards
+    timed = calls[6:]
+    runs = [name for i, name in enumerate(timed) if i == 0 or timed[i - 1] != name]
+    assert runs == ["a", "b", "c", "a", "c", "b", "c", "a", "b", "c", "b", "a"]
+
+
+def test_time_interleaved_takes_longer_samples_on_request():
+    """``min_sample_ms`` sets the calls per sample: 1 ms calls, 3 ms samples -> 3 calls each."""
+    import torch
+
+    from fo_tune.timing import time_interleaved
+
+    calls: list[int] = []
+
+    def one_ms() -> None:
+        calls.append(1)
+        time.sleep(1e-3)
+
+    timings = time_interleaved({"x": one_ms}, torch.device("cpu"), warmup=1, rounds=2, min_sample_ms=3.0)
+    assert timings["x"].samples == 2
+    assert len(calls) == 1 + 1 + 2 * 3  # the warm-up, the one-call probe, two samples of three
+
+
+def test_aligned_samples_leave_out_a_late_peer():
+    """Rank 0 starts each all_reduce sample 60 ms before rank 1: unaligned, its median holds that
+    wait; aligned (``align=True``), the ranks start together and it does not."""
+    with open_pool(2, backend="gloo") as pool:
+        (plain0, aligned0), (_, aligned1) = pool.run(SkewedSamples(late_ms=60.0))
+    assert plain0 > 40.0, plain0
+    assert aligned0 < 20.0 and aligned1 < 20.0, (aligned0, aligned1)
