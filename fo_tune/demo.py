@@ -23,8 +23,10 @@ and the parent merges the ranks: the largest error and time of any rank, NaN on 
 
 On the CPU the timings measure the Triton interpreter against torch's CPU matmul: they show that the
 pipeline runs, not what overlap gains. ``run_copy_engine_demo`` runs the copy engine's protocol
-instead, on thread-ranks of its CPU executor (no process group, no GPU). ``TRITON_INTERPRET`` is set for the ranks (1 for gloo, 0 for
-NCCL) before they start and restored afterwards; gloo ranks also get ``CUDA_VISIBLE_DEVICES=""``,
+instead, on thread-ranks of its CPU executor (no process group, no GPU).
+
+``TRITON_INTERPRET`` is set for the ranks (1 for gloo, 0 for NCCL) before they start and restored
+afterwards; gloo ranks also get ``CUDA_VISIBLE_DEVICES=""``,
 so on a machine with GPUs they run exactly as on a CPU-only one (Triton's interpreter beside
 visible GPUs is not a tested combination). Nothing heavy is imported at module import.
 """

@@ -340,10 +340,10 @@ def copy_engine_all_gather(ctx, cases: list[tuple[int, int, int, str, int, int]]
 
         def shard(q: int, step: int, m=m, k=k, dtype=dtype, seed=seed) -> torch.Tensor:
             gen = torch.Generator().manual_seed((seed * 1009 + step) * 31 + q)
-            return torch.randn(m // w, k, generator=gen).to(DTYPES[dtype])
+            return torch.randn(m // w, k, generator=gen).to(torch_dtype(dtype))
 
         a = shard(ctx.rank, 0).to(ctx.device)
-        b = torch.randn(k, n, generator=torch.Generator().manual_seed(seed + ctx.rank)).to(DTYPES[dtype])
+        b = torch.randn(k, n, generator=torch.Generator().manual_seed(seed + ctx.rank)).to(torch_dtype(dtype))
         b = b.to(ctx.device)
         for step in range(GRAPH_AFTER_CALLS + 3):
             a.copy_(shard(ctx.rank, step))
