@@ -22,8 +22,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fo_kernels.schedule import Schedule
-from fo_tune.harness import Timing, open_pool
-from fo_tune.measure import FingerprintTask, OverlapTrialTask, SequentialTask
+from fo_kernels.table import upgrade_v1_row
+from fo_tune.launch import FingerprintTask, open_pool
+from fo_tune.measure import OverlapTrialTask, SequentialTask
+from fo_tune.timing import Timing
 
 ROUNDS = 7
 
@@ -33,7 +35,10 @@ def best_schedules(path: Path) -> dict[str, tuple[Schedule, int]]:
     out = {}
     for shape in data["shapes"]:
         if shape["best_schedule"] is not None:
-            out[shape["shape"]] = (Schedule.from_dict(shape["best_schedule"]), shape["measured_this_run"])
+            out[shape["shape"]] = (
+                Schedule.from_dict(upgrade_v1_row(shape["best_schedule"])),
+                shape["measured_this_run"],
+            )
     return out
 
 

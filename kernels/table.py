@@ -22,7 +22,7 @@ One file per (device key, collective, world size, dtype),
 Rows leave out ``collective``, ``dtype`` and ``world_size``; they come from the header (a row that
 states other values is refused). A row is a ``fo_kernels.schedule.Schedule``: common fields and
 one engine's ``settings``. A schema-1 file (every engine's fields side by side in the row) is read
-by ``_upgrade_v1_row`` and written back as schema 2 by the next ``save_table``. A table keeps
+by ``upgrade_v1_row`` and written back as schema 2 by the next ``save_table``. A table keeps
 its rows unique per problem and sorted by (n, k, m or m_min); a later row for the same problem
 replaces an earlier one.
 
@@ -82,6 +82,7 @@ __all__ = [
     "table_filename",
     "table_path",
     "table_search_path",
+    "upgrade_v1_row",
 ]
 
 TABLE_SCHEMA_VERSION = 2
@@ -284,7 +285,7 @@ class ScheduleTable:
                     )
             try:
                 if version == 1:
-                    row = _upgrade_v1_row(row)
+                    row = upgrade_v1_row(row)
                 table.upsert(Schedule.from_dict(row, defaults=header))
             except ScheduleError as exc:
                 raise TableError(f"{source}: rows[{i}]: {exc}") from None
@@ -296,10 +297,13 @@ class ScheduleTable:
 _V1_TRITON_KEYS = ("tile", "sms_free", "nccl_max_ctas", "signal_tiles", "groups", "layout", "wait_mode")
 
 
-def _upgrade_v1_row(row: Mapping[str, Any]) -> dict[str, Any]:
+def upgrade_v1_row(row: Mapping[str, Any]) -> dict[str, Any]:
     """A schema-1 row in schema-2 form: the Triton fields move into ``settings``; a copy_engine
     row's ``groups`` are its chunk ``weights`` and its ``tile`` selects mode ``tiled``. A row of the
-    removed ``exchange`` mode is refused (``ScheduleError``)."""
+    removed ``exchange`` mode is refused (``ScheduleError``). A row already in schema-2 form (it has
+    ``settings``) is returned as it is, so readers of old and new reports can call it on both."""
+    if "settings" in row:
+        return dict(row)
     out = {key: row[key] for key in ("problem", "provenance", *_HEADER_KEYS) if key in row}
     if row.get("overlap", True) is False:
         return {**out, "overlap": False}
