@@ -19,7 +19,8 @@ another stream than the previous graphed call's first waits for that stream, so 
 share the scratch at once. An AllReduce sums in place in its output; an AllGather gathers into its
 second output (the gathered A, from the same pool) and multiplies that. Calls that the graphs must not
 hold run eagerly: on the CPU or another backend than NCCL, inside a caller's own capture (they are
-recorded there), and when autograd records the GEMM.
+recorded there), and when autograd records the GEMM (never inside the custom ops of
+``fo_kernels.ops``, whose forward runs below autograd: their training calls are graphed too).
 """
 
 from __future__ import annotations
