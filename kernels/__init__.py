@@ -1,6 +1,8 @@
 """fo_kernels: the fo-tune runtime (source in ``kernels/``, imported as ``fo_kernels``).
 
-Tile-wise overlap of a GEMM with its collective, driven by YAML schedule tables. Depends only on
+Tile-wise overlap of a GEMM with its collective (GEMM + AllReduce, GEMM + ReduceScatter, AllGather
++ GEMM), driven by YAML schedule tables; the ops are torch.library custom ops with autograd
+(``torch.ops.fo_kernels.*``), and tensor-parallel layers build on them. Depends only on
 torch, triton and pyyaml (cuda-bindings optional); it never imports the tuner ``fo_tune``.
 
 The public names below load their module on first use (PEP 562), so ``import fo_kernels.errors``
@@ -25,7 +27,12 @@ _EXPORTS = {
     "VersionDriftWarning": "errors",
     "Fingerprint": "fingerprint",
     "current_fingerprint": "fingerprint",
-    "RowParallelLinear": "module",
+    "GroupError": "errors",
+    "PlanError": "errors",
+    "ColumnParallelLinear": "layers",
+    "RowParallelLinear": "layers",
+    "parallelize_linears": "layers",
+    "all_gather_gemm": "overlap",
     "gemm_all_reduce": "overlap",
     "gemm_reduce_scatter": "overlap",
     "OverlapRuntime": "runtime",

@@ -1,18 +1,21 @@
 """Collectives issued straight through the process group, on the caller's stream.
 
-``all_reduce_now`` and ``reduce_scatter_now`` skip torch.distributed's Python wrappers, whose host
-time a small GEMM + collective does not hide; ``reduce_scatter_tensor`` is torch's wrapper under
-the name this torch has.
+``all_reduce_now``, ``reduce_scatter_now`` and ``all_gather_now`` skip torch.distributed's Python
+wrappers, whose host time a small GEMM + collective does not hide; ``reduce_scatter_tensor`` and
+``all_gather_tensor`` are torch's wrappers under the names this torch has.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions  # (torch.distributed does not re-export it)
 
 # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the old name warns);
 # torch 2.11 (the GPU machines) has only the old one.
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Likewise all_gather_into_tensor became all_gather_single.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _blocking(options):
@@ -43,5 +46,16 @@ def reduce_scatter_now(out: torch.Tensor, full: torch.Tensor, group: dist.Proces
     pg = group if group is not None else dist.group.WORLD
     call = getattr(pg, "reduce_scatter_single", None) or pg._reduce_scatter_base  # torch 2.13 / 2.11
     work = call(out, full, _blocking(dist.ReduceScatterOptions()))
+    if work is not None:
+        work.wait()
+
+
+def all_gather_now(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """``all_gather_into_tensor(out, shard, group=group)`` (rank r's ``shard`` at rows
+    [r*rows, (r+1)*rows) of ``out``, both contiguous) through the process group itself, as
+    ``all_reduce_now``."""
+    pg = group if group is not None else dist.group.WORLD
+    call = getattr(pg, "all_gather_single", None) or pg._allgather_base  # torch 2.13 / 2.11
+    work = call(out, shard, _blocking(AllgatherOptions()))
     if work is not None:
         work.wait()

@@ -21,6 +21,14 @@ class ScheduleError(FoTuneError, ValueError):
     """A schedule that is malformed or does not fit the problem; the message names the field."""
 
 
+class GroupError(FoTuneError, ValueError):
+    """A process group the call cannot use: this rank is not in it, or it is unknown or destroyed."""
+
+
+class PlanError(FoTuneError, ValueError):
+    """A tensor-parallel plan (``parallelize_linears``) naming no module, or a module it cannot shard."""
+
+
 class TableError(FoTuneError, ValueError):
     """A schedule table that is malformed, of an unknown schema, or for other hardware."""
 

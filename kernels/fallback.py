@@ -1,4 +1,5 @@
-"""The ``overlap: false`` call: the library GEMM then one collective, replayed from a graph once it repeats.
+"""The ``overlap: false`` call: the library GEMM then one collective (for all_gather: the collective
+then the GEMM), replayed from a graph once it repeats.
 
 A table says ``overlap: false`` where no overlap beats GEMM then the collective: small shapes,
 whose GPU work is short. There a call's host time matters: issued eagerly, the runtime's call
@@ -15,9 +16,11 @@ host queue 28 launches ahead of the GPU; the next one waits until the GPU has dr
 Graphed calls write the GEMM's (M, N) product of a ReduceScatter into one scratch buffer of the
 runtime's (a graph holds its address), grown in powers of two, which drops the graphs; a replay on
 another stream than the previous graphed call's first waits for that stream, so two calls never
-share the scratch at once. An AllReduce sums in place in its output. Calls that the graphs must not
+share the scratch at once. An AllReduce sums in place in its output; an AllGather gathers into its
+second output (the gathered A, from the same pool) and multiplies that. Calls that the graphs must not
 hold run eagerly: on the CPU or another backend than NCCL, inside a caller's own capture (they are
-recorded there), and when autograd records the GEMM.
+recorded there), and when autograd records the GEMM (never inside the custom ops of
+``fo_kernels.ops``, whose forward runs below autograd: their training calls are graphed too).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .collectives import all_reduce_now, reduce_scatter_now
+from .collectives import all_gather_now, all_reduce_now, reduce_scatter_now
 from .graphs import OutputPool, OwnGraphs
 
 
@@ -38,6 +41,16 @@ def sequential(collective: str, a: torch.Tensor, b: torch.Tensor, group, world: 
     out = torch.empty((a.shape[0] // world, full.shape[1]), dtype=full.dtype, device=full.device)
     reduce_scatter_now(out, full, group)
     return out
+
+
+def sequential_all_gather(
+    a: torch.Tensor, b: torch.Tensor, group, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather then GEMM, issued eagerly: ``(gathered @ b, gathered)`` where ``gathered`` holds
+    rank r's rows of ``a`` at rows [r*M/w, (r+1)*M/w)."""
+    gathered = torch.empty((a.shape[0] * world, a.shape[1]), dtype=a.dtype, device=a.device)
+    all_gather_now(gathered, a.contiguous(), group)
+    return gathered @ b, gathered
 
 
 # Views of the scratch buffer kept, one per (M, N, dtype) in use (oldest dropped first).
@@ -65,15 +78,41 @@ class Fallback:
         self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # (m, n, dtype) -> view
         self._last: torch.cuda.Stream | None = None  # the stream of the last graphed call
 
+    def _eager(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """True when this call must not be graphed (see the module docstring)."""
+        return (
+            self.graphs is None
+            or self.graphs.after <= 0
+            or torch.cuda.is_current_stream_capturing()
+            or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+        )
+
+    def all_gather(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gathered @ b, gathered)``: the (M, N) product and the (M, K) gathered A (M = world x
+        a's rows)."""
+        if self._eager(a, b):
+            return sequential_all_gather(a, b, self.group, self.world)
+        a = a.contiguous()
+        m, k, n = a.shape[0] * self.world, a.shape[1], b.shape[1]
+        gathered = self._outputs.empty((m, k), a.dtype)
+        out = self._outputs.empty((m, n), a.dtype)
+        group = self.group
+
+        def issue() -> None:
+            all_gather_now(gathered, a, group)
+            torch.matmul(gathered, b, out=out)
+
+        key = (
+            "all_gather", a.dtype, tuple(a.shape), a.data_ptr(),
+            tuple(b.shape), b.stride(), b.data_ptr(), out.data_ptr(), gathered.data_ptr(),
+        )  # fmt: skip
+        self.graphs.call(key, issue)
+        return out, gathered
+
     def run(self, collective: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``collective(a @ b)`` over the group: (M, N) for all_reduce, (M / world, N) for reduce_scatter."""
         graphs = self.graphs
-        if (
-            graphs is None
-            or graphs.after <= 0
-            or torch.cuda.is_current_stream_capturing()
-            or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
-        ):
+        if self._eager(a, b):
             return sequential(collective, a, b, self.group, self.world)
         m, n = a.shape[0], b.shape[1]
         main = torch.cuda.current_stream(self._index)

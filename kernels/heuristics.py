@@ -10,18 +10,21 @@ Rules (each constant below says where it comes from):
    every time with r = c + 4..8 free SMs, and mostly not at all with r = c; DESIGN.md), then more
    until the grid divides the tiles into whole waves (``wave_aligned_sms_free``: a partial last
    wave cost +24% where whole waves cost +14-20%, docs/design.md#triton-engine).
-3. No overlap when the output is under ``MIN_OVERLAP_BYTES`` on a GPU (see the constant).
+3. No overlap when the data the collective moves is under ``MIN_OVERLAP_BYTES`` on a GPU (see the
+   constant): the (M, N) output of an AllReduce or ReduceScatter, the gathered (M, K) A of an
+   AllGather (the threshold was measured on AllReduce; it is applied to AllGather's bytes unmeasured).
 4. Grouping: one signal unit per band of GROUP_M tile rows (times the shards), layout ``row_band``,
    and the bands split into at most ``DEFAULT_MAX_GROUPS`` near-equal groups, earlier groups the
    larger (the last group's collective never overlaps, so it should be small). A shape with a single
-   band falls back to ``tile_major`` with one unit per wave.
+   band falls back to ``tile_major`` with one unit per wave; an AllGather (``row_band`` only) then
+   runs as one group.
 5. Wait: ``stream_wait`` (the runtime falls back to ``spin`` where cuda-bindings is missing).
 """
 
 from __future__ import annotations
 
 from .plan import cdiv
-from .schedule import Problem, Schedule, Tile, TritonSettings
+from .schedule import SHARDED_COLLECTIVES, Problem, Schedule, Tile, TritonSettings
 
 GPU_TILE = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 GPU_SMALL_TILE = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
@@ -62,11 +65,13 @@ def default_schedule(
     sm_count: int,
     on_gpu: bool,
 ) -> Schedule:
-    """The heuristic schedule for one exact shape (rules in the module docstring)."""
+    """The heuristic schedule for one exact shape (rules in the module docstring); an all_gather's
+    ``m`` is the gathered M."""
     problem = Problem(m=m, n=n, k=k)
-    shards = world_size if collective == "reduce_scatter" else 1
+    shards = world_size if collective in SHARDED_COLLECTIVES else 1
     elem_bytes = 4 if dtype == "float32" else 2
-    if on_gpu and m * n * elem_bytes < MIN_OVERLAP_BYTES:
+    moved = m * (k if collective == "all_gather" else n) * elem_bytes
+    if on_gpu and moved < MIN_OVERLAP_BYTES:
         return Schedule(
             collective=collective,
             dtype=dtype,
@@ -87,7 +92,7 @@ def default_schedule(
     tiles_m, tiles_n = cdiv(rows, tile.block_m), cdiv(n, tile.block_n)
     bands = cdiv(tiles_m, tile.group_m)
     num_tiles = shards * tiles_m * tiles_n
-    if bands >= 2:
+    if bands >= 2 or collective == "all_gather":
         layout, unit = "row_band", shards * tile.group_m * tiles_n
     else:
         grid = max(1, min(num_tiles, sm_count - sms_free))

@@ -1,9 +1,13 @@
-"""The public overlapped ops: GEMM + AllReduce and GEMM + ReduceScatter.
+"""The public overlapped ops: GEMM + AllReduce, GEMM + ReduceScatter and AllGather + GEMM.
 
-Each call checks its operands, resolves its schedule (the caller's, else ``lookup_schedule``) and
-runs it: ``overlap: false`` through the runtime's fallback (``fo_kernels.fallback``: GEMM then the
-collective), otherwise through the engine the schedule names (``fo_kernels.engines``). On return
-the caller's stream is ordered after all of the call's work.
+Each public function is a call of its custom op (``torch.ops.fo_kernels.*``, ``fo_kernels.ops``:
+what torch.compile and autograd see), or, where nothing needs the dispatcher (eager, plain
+tensors, no gradient to record: ``fo_kernels.ops.direct_call``), a plain call of ``execute``.
+``execute`` checks the operands, resolves the schedule (the caller's, else ``lookup_schedule``)
+and runs it: ``overlap: false`` through the runtime's fallback (``fo_kernels.fallback``: GEMM then
+the collective, or the gather then the GEMM), otherwise through the engine the schedule names
+(``fo_kernels.engines``). Every check runs before the first collective. On return the caller's
+stream is ordered after all of the call's work.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .engines import get_engine
-from .errors import ScheduleError, ShapeError
+from . import ops
+from .engines import EngineResult, check_collective, get_engine
+from .errors import EnvironmentMismatchError, ScheduleError, ShapeError
 from .gemm import BOperand
 from .runtime import runtime_for
 from .schedule import TORCH_DTYPES, Schedule, dtype_name
@@ -49,6 +54,8 @@ def _resolve_schedule(
     collective: str, a: torch.Tensor, n: int, schedule: Schedule | None, world: int
 ) -> Schedule:
     m, k = a.shape
+    if collective == "all_gather":
+        m *= world  # an all_gather's problem is its GEMM's: the gathered M
     dtype = dtype_name(a.dtype)
     if schedule is None:
         return lookup_schedule(collective, m, n, k, dtype=dtype, world_size=world, device=a.device)
@@ -66,10 +73,18 @@ def _resolve_schedule(
     return schedule
 
 
-def _run(collective: str, a: torch.Tensor, b: torch.Tensor, schedule: Schedule | None, group) -> torch.Tensor:
+def execute(
+    collective: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    schedule: Schedule | None,
+    group: dist.ProcessGroup | None,
+) -> EngineResult:
+    """One call of ``collective``'s op, eagerly: checks, schedule, then the fallback or the engine."""
     operand = _check_operands(a, b)
     if not dist.is_available() or not dist.is_initialized():
         raise ScheduleError("torch.distributed is not initialized; call dist.init_process_group first")
+    ops.check_group(group)
     runtime = runtime_for(a.device, group)
     world = runtime.world_size
     m = a.shape[0]
@@ -77,8 +92,26 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, schedule: Schedule |
         raise ShapeError(f"reduce_scatter needs M divisible by the world size {world}, got M={m}")
     schedule = _resolve_schedule(collective, a, b.shape[1], schedule, world)
     if schedule.engine is None:
+        if collective == "all_gather":
+            return runtime.fallback().all_gather(a, b)
         return runtime.fallback().run(collective, a, b)
-    return get_engine(schedule.engine).run(schedule, a, operand, runtime)
+    engine = get_engine(schedule.engine)
+    check_collective(engine, collective)
+    why = runtime.engine_blocker(engine)
+    if why:  # (on every rank alike, before any collective: no rank waits for another)
+        raise EnvironmentMismatchError(
+            f"engine {engine.name} {why}; use a table row with another engine or overlap: false here "
+            "(re-run `fo-tune search` on this machine)"
+        )
+    return engine.run(schedule, a, operand, runtime)
+
+
+def _call(
+    collective: str, a: torch.Tensor, b: torch.Tensor, schedule: Schedule | None, group
+) -> EngineResult:
+    if ops.direct_call(a, b):
+        return execute(collective, a, b, schedule, group)
+    return ops.op(collective)(a, b, ops.group_name(group), ops.schedule_text(schedule))
 
 
 def gemm_all_reduce(
@@ -92,8 +125,9 @@ def gemm_all_reduce(
 
     ``a`` is (M, K); ``b`` is (K, N), row-major or the transposed view of an (N, K) ``nn.Linear``
     weight. ``schedule=None`` looks one up (``lookup_schedule``). Returns the (M, N) sum.
+    Differentiable: the gradients are two local GEMMs (``fo_kernels.ops``).
     """
-    return _run("all_reduce", a, b, schedule, group)
+    return _call("all_reduce", a, b, schedule, group)
 
 
 def gemm_reduce_scatter(
@@ -106,5 +140,21 @@ def gemm_reduce_scatter(
     """``reduce_scatter_tensor(a @ b)`` on dim 0: rank r gets rows [r*M/w, (r+1)*M/w) of the sum.
 
     Same operands as ``gemm_all_reduce``; M must be divisible by the world size. Returns (M/w, N).
+    Differentiable: the backward is ``all_gather_gemm`` of the output's gradient.
     """
-    return _run("reduce_scatter", a, b, schedule, group)
+    return _call("reduce_scatter", a, b, schedule, group)
+
+
+def all_gather_gemm(
+    a_shard: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    schedule: Schedule | None = None,
+) -> torch.Tensor:
+    """``all_gather(a_shard) @ b``: every rank's (M/w, K) ``a_shard`` gathered on dim 0 (rank r's
+    at rows [r*M/w, (r+1)*M/w)), then multiplied by ``b`` (K, N), the gathers overlapped with the
+    GEMM chunk by chunk. A schedule's problem is the GEMM's, (M, N, K) with M the gathered rows.
+    Returns (M, N). Differentiable: the backward is ``gemm_reduce_scatter`` of the output's gradient.
+    """
+    return _call("all_gather", a_shard, b, schedule, group)[0]

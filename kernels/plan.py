@@ -2,7 +2,8 @@
 
 Given a schedule, the call's shape and the SM count, ``make_plan`` derives (pure Python, no torch):
 
-    S      = world_size for reduce_scatter (one shard of M/S rows per rank), 1 for all_reduce
+    S      = world_size for reduce_scatter and all_gather (one shard of M/S rows per rank),
+             1 for all_reduce
     Ms     = M / S rows per shard;  mt = ceil(Ms / BM), nt = ceil(N / BN) tiles per shard
     Ts     = mt * nt local tile positions l; T = S * Ts tiles in all
     tile t = l * S + s         (the same local tile of every shard is adjacent in schedule order)
@@ -20,6 +21,9 @@ that ``reduce_scatter`` of the chunk hands rank s exactly shard s's part of it:
                with (a0, a1, E) = (l0, l1, BM*BN) for tile_major and (i0, i1, N) for row_band.
 
 For all_reduce with row_band (S = 1) the buffer is the row-major output itself: nothing to restore.
+For all_gather (row_band only) the same formula places the gathered A rows, with E = K: one
+all_gather of rows [i0, i1) of every shard fills chunk g, and the group's tiles are the output
+rows [s*Ms + i0, s*Ms + i1) of every shard s (``fo_kernels.triton_engine``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ScheduleError, ShapeError
-from .schedule import Schedule, TritonSettings
+from .schedule import SHARDED_COLLECTIVES, Schedule, TritonSettings
 
 
 def cdiv(a: int, b: int) -> int:
@@ -151,9 +155,9 @@ def make_plan(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> P
             f"problem: the schedule is for {schedule.problem.describe()}, called with {m}x{n}x{k}"
         )
     tile = st.tile
-    shards = schedule.world_size if schedule.collective == "reduce_scatter" else 1
+    shards = schedule.world_size if schedule.collective in SHARDED_COLLECTIVES else 1
     if m % shards:
-        raise ShapeError(f"reduce_scatter needs M divisible by the world size {shards}, got M={m}")
+        raise ShapeError(f"{schedule.collective} needs M divisible by the world size {shards}, got M={m}")
     rows = m // shards
     mt, nt = cdiv(rows, tile.block_m), cdiv(n, tile.block_n)
     num_tiles = shards * mt * nt

@@ -16,7 +16,13 @@ is common fields plus the settings of exactly one engine (a tagged union):
     exact-shape row; relative weights on an M-range row, ``fo_kernels.plan.resolve_groups``);
     ``layout`` (``row_band``: groups are bands of whole tile rows, communicated in place;
     ``tile_major``: tiles stored contiguously per group, restored after); ``wait_mode``
-    (``stream_wait``: ``cuStreamWaitValue32``; ``spin``: a one-program Triton kernel);
+    (``stream_wait``: ``cuStreamWaitValue32``; ``spin``: a one-program Triton kernel).
+    ``all_gather`` runs the other way (NCCL gathers a group's A rows, then its tiles' GEMM runs)
+    and reads the same fields with the same meanings: ``tile`` and ``sms_free`` of the chunk GEMMs,
+    ``nccl_max_ctas`` of the gathers, ``signal_tiles`` and ``groups`` for which output tiles form
+    a group (its A rows are gathered by one collective), ``layout`` must be ``row_band`` (a
+    group's A rows are whole bands of every shard); ``wait_mode`` is unused (nothing is
+    signalled by a kernel: the GEMM's stream waits on the gather's event);
   - ``CopyEngineSettings`` (engine ``copy_engine``: library GEMM chunks, the data moved by the
     GPUs' copy engines between NVLink peers and summed in the GEMM's epilogue, no NCCL; see
     ``fo_kernels.copy_engine``): ``mode`` (``ring``: a cuBLAS GEMM per row chunk; ``tiled``: each
@@ -47,7 +53,12 @@ import torch
 
 from .errors import ScheduleError
 
-COLLECTIVES = ("all_reduce", "reduce_scatter")
+# all_gather is the column-parallel direction, AllGather + GEMM: rank r's (M/w, K) shard of A is
+# gathered at rows [r*M/w, (r+1)*M/w) and the gathered (M, K) A multiplied by B. Its problem's M is
+# the gathered M (world_size x the shard's rows), as reduce_scatter's M is the unscattered one.
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+# The collectives whose rows are split over the ranks: M must be divisible by world_size.
+SHARDED_COLLECTIVES = ("reduce_scatter", "all_gather")
 # Operand dtypes by their table name: the one map from names to torch dtypes.
 TORCH_DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -310,10 +321,15 @@ class TritonSettings(EngineSettings):
         _check_choice("wait_mode", self.wait_mode, WAIT_MODES)
 
     def check(self, collective: str, world_size: int) -> None:
-        if collective == "reduce_scatter" and self.signal_tiles % world_size:
+        if collective in SHARDED_COLLECTIVES and self.signal_tiles % world_size:
             raise ScheduleError(
-                f"signal_tiles: reduce_scatter needs a multiple of world_size {world_size} "
+                f"signal_tiles: {collective} needs a multiple of world_size {world_size} "
                 f"(each unit holds the same tile of every rank's shard), got {self.signal_tiles}"
+            )
+        if collective == "all_gather" and self.layout != "row_band":
+            raise ScheduleError(
+                f"layout: all_gather gathers whole bands of tile rows per group; use row_band, "
+                f"got {self.layout}"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -366,6 +382,8 @@ class CopyEngineSettings(EngineSettings):
                 f"engine: copy_engine moves data between at least {COPY_ENGINE_MIN_WORLD} GPUs, "
                 f"this schedule has world_size {world_size}"
             )
+        if self.mode == "tiled" and collective == "all_gather":
+            raise ScheduleError("mode: tiled runs all_reduce and reduce_scatter; all_gather runs mode ring")
         if self.mode == "tiled" and world_size != TILED_WORLD:
             raise ScheduleError(
                 f"mode: tiled runs between exactly {TILED_WORLD} GPUs, this schedule has world_size "
@@ -412,11 +430,11 @@ class Schedule:
             raise ScheduleError(f"problem: expected a Problem, got {type(self.problem).__name__}")
         if (
             self.problem.m is not None
-            and self.collective == "reduce_scatter"
+            and self.collective in SHARDED_COLLECTIVES
             and self.problem.m % self.world_size
         ):
             raise ScheduleError(
-                f"problem.m: reduce_scatter needs M divisible by world_size {self.world_size}, "
+                f"problem.m: {self.collective} needs M divisible by world_size {self.world_size}, "
                 f"got {self.problem.m}"
             )
         if self.settings is not None:

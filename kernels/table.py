@@ -1,7 +1,8 @@
 """YAML schedule tables: where they live, their format, loading, saving, and the runtime lookup.
 
 One file per (device key, collective, world size, dtype),
-``<root>/<device_key>/<collective>-w<world_size>-<dtype>.yaml``. Roots, in search order
+``<root>/<device_key>/<collective>-w<world_size>-<dtype>.yaml`` (collective ``all_reduce``,
+``reduce_scatter`` or ``all_gather``). Roots, in search order
 (``table_search_path``): ``$FO_TUNE_TABLE_DIR`` when set; the user folder
 ``$XDG_DATA_HOME/fo-tune/tables`` (``~/.local/share/fo-tune/tables``); the packaged tables,
 ``importlib.resources.files("fo_results") / "tables"`` (skipped when not importable or zipped). A file::
@@ -19,12 +20,14 @@ One file per (device key, collective, world size, dtype),
       - problem: {m_min: 512, m_max: 1448, n: 4096, k: 4096}
         overlap: false
 
-Rows leave out ``collective``, ``dtype`` and ``world_size``; they come from the header (a row that
-states other values is refused). A row is a ``fo_kernels.schedule.Schedule``: common fields and
-one engine's ``settings``. A schema-1 file (every engine's fields side by side in the row) is read
-by ``upgrade_v1_row`` and written back as schema 2 by the next ``save_table``. A table keeps
-its rows unique per problem and sorted by (n, k, m or m_min); a later row for the same problem
-replaces an earlier one.
+The problem of an ``all_gather`` row is that of its GEMM: M is the gathered M (world size x the
+rows of one rank's shard of A), N and K those of B; like a ``reduce_scatter`` row's, its M is
+divisible by the world size. Rows leave out ``collective``, ``dtype`` and ``world_size``; they
+come from the header (a row that states other values is refused). A row is a
+``fo_kernels.schedule.Schedule``: common fields and one engine's ``settings``. A schema-1 file
+(every engine's fields side by side in the row) is read by ``upgrade_v1_row`` and written back as
+schema 2 by the next ``save_table``. A table keeps its rows unique per problem and sorted by
+(n, k, m or m_min); a later row for the same problem replaces an earlier one.
 
 ``lookup_schedule`` prefers, across every found file: a measured exact-shape row, a measured
 M-range row, a predicted exact-shape row, a predicted M-range row (``row_kind``: a row whose
@@ -65,7 +68,7 @@ from .errors import (
 )
 from .files import atomic_write, read_yaml
 from .fingerprint import Fingerprint, current_fingerprint, resolve_device
-from .schedule import COLLECTIVES, DTYPES, Problem, Schedule, dtype_name
+from .schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES, Problem, Schedule, dtype_name
 
 __all__ = [
     "MISS_SOURCE",
@@ -471,6 +474,8 @@ def lookup_schedule(
 ) -> Schedule:
     """The schedule for this call: the best matching table row (``best_row``), else ``overlap: false``
     with a ``HeuristicScheduleWarning`` saying how to tune the shape.
+
+    For ``all_gather``, ``m`` is the gathered M (world size x the shard's rows).
     Raises ``ScheduleError`` for an unknown collective or dtype, ``ShapeError`` for a bad shape and
     ``TableError`` for a found table that is malformed or for other hardware.
     """
@@ -494,8 +499,8 @@ def lookup_schedule(
     dtype_name = _dtype_name(dtype)
     for name, value in (("m", m), ("n", n), ("k", k), ("world_size", world_size)):
         _check_positive(name, value)
-    if collective == "reduce_scatter" and m % world_size:
-        raise ShapeError(f"reduce_scatter needs M divisible by the world size {world_size}, got M={m}")
+    if collective in SHARDED_COLLECTIVES and m % world_size:
+        raise ShapeError(f"{collective} needs M divisible by the world size {world_size}, got M={m}")
     dev = resolve_device(device) if pinned else dev_key  # (a pinned device is checked here)
     fp = current_fingerprint(dev, world_size)
     folders = table_search_path()

@@ -10,6 +10,20 @@ counter as its tiles land; the high-priority communication stream waits per grou
 torch.distributed (NCCL on GPUs, with the schedule's CTA cap; gloo on the CPU, where the interpreter
 has finished the GEMM before the first wait). Tile-major layouts are restored to row-major at the
 end. On return the caller's stream is ordered after all of it. Geometry: ``fo_kernels.plan``.
+
+``all_gather`` runs the other way (AllGather + GEMM, the column-parallel direction):
+
+    comm stream:  wait main (shard ready) -> for each group g:
+                      all_gather rows [i0, i1) of every shard into chunk g; record event g;
+                      copy chunk g to its rows of the gathered A (row-major)
+    main stream:  for each group g: wait event g; for each shard s:
+                      out[s*Ms + i0 : s*Ms + i1] = chunk g's rows of shard s @ B    (Triton GEMM)
+                  -> (main waits comm)
+
+Chunk g is the plan's row_band chunk with E = K (shard-major inside the chunk), so one collective
+fills it; the chunk GEMMs of group g run while the gathers of later groups are in flight. The GEMM
+grid is ``sm_count - sms_free`` (SMs left to NCCL), the gathers run on the schedule's CTA-capped
+group. Nothing is signalled, so the call holds no counters and is safe to capture in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -20,10 +34,10 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from .collectives import reduce_scatter_tensor
-from .engines import Engine
-from .gemm import BOperand, restore_tile_major, signalled_gemm
-from .plan import make_plan
+from .collectives import all_gather_now, reduce_scatter_tensor
+from .engines import Engine, EngineResult
+from .gemm import BOperand, restore_tile_major, rows_gemm, signalled_gemm
+from .plan import cdiv, make_plan
 from .runtime import OverlapRuntime
 from .schedule import Schedule, TritonSettings
 
@@ -32,13 +46,16 @@ class TritonEngine(Engine):
     """Engine ``triton`` (see the module docstring)."""
 
     name: ClassVar[str] = "triton"
+    collectives: ClassVar[tuple[str, ...]] = ("all_reduce", "reduce_scatter", "all_gather")
 
     def blocker(self, device: torch.device, world_size: int) -> str:
         return ""  # the Triton GEMM and torch.distributed run on any device and backend
 
-    def run(self, schedule: Schedule, a: torch.Tensor, b: BOperand, runtime: OverlapRuntime) -> torch.Tensor:
+    def run(self, schedule: Schedule, a: torch.Tensor, b: BOperand, runtime: OverlapRuntime) -> EngineResult:
         if not a.is_contiguous():
             a = a.contiguous()
+        if schedule.collective == "all_gather":
+            return _gathered(schedule, a, b, runtime)
         return _overlapped(schedule, a, b, runtime)
 
 
@@ -88,3 +105,50 @@ def _overlapped(schedule: Schedule, a: torch.Tensor, b: BOperand, runtime: Overl
     if plan.layout == "tile_major":
         restore_tile_major(parts, out, plan, tile)
     return out
+
+
+def _gathered(
+    schedule: Schedule, a: torch.Tensor, b: BOperand, runtime: OverlapRuntime
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AllGather + GEMM (see the module docstring): ``(gathered @ b, gathered)``."""
+    st = schedule.settings
+    assert isinstance(st, TritonSettings)
+    world = runtime.world_size
+    ms, k = a.shape
+    m, n = ms * world, b.tensor.shape[1]
+    plan = make_plan(schedule, m, n, k, sm_count=runtime.sm_count)
+    dev = a.device
+    comm_group = runtime.comm_group(st.nccl_max_ctas)
+    staged = torch.empty((m, k), dtype=a.dtype, device=dev)  # chunk g at rows [w*i0, w*i1)
+    gathered = torch.empty((m, k), dtype=a.dtype, device=dev)
+    out = torch.empty((m, n), dtype=a.dtype, device=dev)
+    chunk_rows = max((i1 - i0 for i0, i1 in plan.group_rows), default=0)
+    # the GEMM's tile-row groups: unused (nothing signals), but the kernel reads one per tile row
+    row_group = torch.zeros(max(1, cdiv(chunk_rows, st.tile.block_m)), dtype=torch.int32, device=dev)
+    comm = runtime.comm_stream
+    main = torch.cuda.current_stream(dev) if comm is not None else None
+    if comm is not None:
+        comm.wait_stream(main)  # the shard (and everything before this call) precedes the gathers
+    landed = []
+    with torch.cuda.stream(comm) if comm is not None else contextlib.nullcontext():
+        for i0, i1 in plan.group_rows:
+            chunk = staged[world * i0 : world * i1]
+            if i1 > i0:
+                all_gather_now(chunk, a[i0:i1], comm_group)
+            event = torch.cuda.Event() if comm is not None else None
+            if event is not None:
+                event.record(comm)
+            landed.append(event)
+            gathered.view(world, ms, k)[:, i0:i1].copy_(chunk.view(world, i1 - i0, k))
+    for (i0, i1), event in zip(plan.group_rows, landed, strict=True):
+        if i1 == i0:
+            continue
+        if event is not None:
+            main.wait_event(event)
+        rows = i1 - i0
+        for s in range(world):
+            src = staged[world * i0 + s * rows : world * i0 + (s + 1) * rows]
+            rows_gemm(src, b, out[s * ms + i0 : s * ms + i1], st.tile, grid=plan.grid, row_group=row_group)
+    if comm is not None:
+        main.wait_stream(comm)
+    return out, gathered

@@ -169,7 +169,7 @@ def module_vs_linear(ctx, payload) -> list[float]:
         full = torch.nn.Linear(payload["in"], payload["out"], bias=True)
         x = torch.randn(payload["batch"], payload["seq"], payload["in"])
         want = full(x).detach()
-        layer = RowParallelLinear.from_linear(full, collective=collective)
+        layer = RowParallelLinear.from_linear(full, sequence_parallel=collective == "reduce_scatter")
         cols = payload["in"] // ctx.world_size
         mine = x[..., ctx.rank * cols : (ctx.rank + 1) * cols]
         got = layer(mine).detach()

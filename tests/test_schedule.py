@@ -37,7 +37,7 @@ def sched(**kw) -> Schedule:
 @pytest.mark.parametrize(
     "kw, field",
     [
-        (dict(collective="all_gather"), "collective"),
+        (dict(collective="all_to_all"), "collective"),
         (dict(dtype="int8"), "dtype"),
         (dict(world_size=0), "world_size"),
         (dict(layout="diagonal"), "layout"),
@@ -249,6 +249,22 @@ def test_plan_covers_every_tile_once(collective, world, m, n, layout, unit_mult)
         assert plan.group_rows[-1][1] == m // shards
 
 
+def test_all_gather_rules():
+    """An all_gather row's M is the gathered M (divisible by the world size); its Triton settings
+    group whole bands of every shard (row_band, units a multiple of the world size); its plan has
+    one shard per rank, as reduce_scatter's."""
+    with pytest.raises(ScheduleError, match=r"problem\.m: all_gather needs M divisible by world_size 3"):
+        sched(collective="all_gather", world_size=3, problem=Problem(m=64, n=64, k=32), layout="row_band")
+    with pytest.raises(ScheduleError, match="signal_tiles: all_gather needs a multiple of world_size 2"):
+        sched(collective="all_gather", signal_tiles=3, layout="row_band")
+    with pytest.raises(ScheduleError, match="layout: all_gather gathers whole bands"):
+        sched(collective="all_gather", signal_tiles=2, layout="tile_major")
+    # 64 rows over 2 shards of 32: 2 tile rows of 16 per shard, bands of group_m=2 rows -> one band
+    s = sched(collective="all_gather", signal_tiles=8, groups=(1,), layout="row_band")
+    plan = make_plan(s, 64, 64, 32, sm_count=5)
+    assert plan.shards == 2 and plan.rows_per_shard == 32 and plan.group_rows == ((0, 32),)
+
+
 def test_resolve_groups_for_ranges():
     assert resolve_groups((2, 1, 1), 4, exact=True) == (2, 1, 1)
     assert sum(resolve_groups((3, 2, 1), 40, exact=False)) == 40
@@ -257,22 +273,22 @@ def test_resolve_groups_for_ranges():
     assert resolve_groups((5, 5, 5, 5), 2, exact=False) == (1, 1)
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
 @pytest.mark.parametrize(
     "m, n, k", [(1, 1, 1), (2, 7, 5), (130, 257, 70), (4096, 8192, 4096), (16384, 8192, 4096)]
 )
 @pytest.mark.parametrize("on_gpu", [False, True])
 def test_default_schedule_is_valid_for_any_shape(collective, m, n, k, on_gpu):
     world = 2
-    if collective == "reduce_scatter":
+    if collective != "all_reduce":
         m *= world
     s = default_schedule(collective, m, n, k, dtype="bfloat16", world_size=world, sm_count=132, on_gpu=on_gpu)
     if s.overlap:
         plan = make_plan(s, m, n, k, sm_count=132)
         assert plan.num_groups >= 1
         assert plan.grid <= 132 - s.settings.sms_free
-    else:
-        assert on_gpu and m * n * 2 < MIN_OVERLAP_BYTES
+    else:  # the bytes the collective moves: an AllGather's gathered A, the others' output
+        assert on_gpu and m * (k if collective == "all_gather" else n) * 2 < MIN_OVERLAP_BYTES
 
 
 def test_copy_engine_settings_agree_with_the_engines_modes():

@@ -108,7 +108,22 @@ def test_paths() -> None:
     assert table_filename("reduce_scatter", 4, "float16") == "reduce_scatter-w4-float16.yaml"
     assert table_path("/r", "key", "all_reduce", 2, "bfloat16") == Path("/r/key/all_reduce-w2-bfloat16.yaml")
     with pytest.raises(ScheduleError, match="all_reduce"):
-        table_filename("all_gather", 2, "bfloat16")
+        table_filename("all_to_all", 2, "bfloat16")
+
+
+def test_all_gather_table_round_trip(tmp_path: Path) -> None:
+    """all_gather tables: their own file name; a row's M is the gathered M."""
+    assert table_filename("all_gather", 2, "float16") == "all_gather-w2-float16.yaml"
+    header = {"collective": "all_gather", "dtype": "float16", "world_size": 2}
+    row = Schedule(
+        **header,
+        problem=Problem(m=128, n=64, k=32),
+        settings=TritonSettings(tile=TILE, signal_tiles=8, groups=(1, 1), layout="row_band"),
+    )
+    small = Schedule(**header, problem=Problem(m=8, n=4, k=4))
+    path = tmp_path / table_filename("all_gather", 2, "float16")
+    save_table(ScheduleTable(fingerprint=cpu_fp(), **header, rows=[row, small]), path)
+    assert load_table(path).rows == [small, row]  # sorted by (n, k, m)
 
 
 def test_search_path_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, roots: dict[str, Path]) -> None:
@@ -294,7 +309,7 @@ def test_row_header_mismatch(tmp_path: Path) -> None:
     ("change", "needle"),
     [
         ({"kind": "something-else"}, "kind"),
-        ({"collective": "all_gather"}, "collective"),
+        ({"collective": "all_to_all"}, "collective"),
         ({"rows": {"a": 1}}, "rows"),
         ({"extra": 1}, "extra"),
     ],
@@ -437,6 +452,7 @@ def test_repeated_lookup_is_answered_from_memory(
         ("all_reduce", 1, 1, 1, "float32"),
         ("reduce_scatter", 258, 130, 70, "float16"),
         ("reduce_scatter", 1024, 96, 48, torch.float32),
+        ("all_gather", 258, 130, 70, "float32"),
     ],
 )
 def test_table_miss_runs_overlap_false_and_warns_once(
@@ -469,11 +485,12 @@ def test_heuristic_fallback_names_tables_without_match(roots: dict[str, Path]) -
 @pytest.mark.parametrize(
     ("kwargs", "error", "needle"),
     [
-        ({"collective": "all_gather"}, ScheduleError, "reduce_scatter"),
+        ({"collective": "all_to_all"}, ScheduleError, "reduce_scatter"),
         ({"dtype": "fp8"}, ScheduleError, "bfloat16"),
         ({"dtype": torch.int8}, ScheduleError, "bfloat16"),
         ({"m": 0}, ValueError, "m"),
         ({"collective": "reduce_scatter", "m": 257}, ValueError, "divisible"),
+        ({"collective": "all_gather", "m": 257}, ValueError, "all_gather needs M divisible"),
         ({"dtype": ["bfloat16"]}, ScheduleError, "bfloat16"),  # unhashable: not a TypeError
         ({"m": [64]}, ValueError, "m"),
         ({"m": 64.0}, ValueError, "m"),  # equal (and hash-equal) to the good call's 64

@@ -1,0 +1,341 @@
+"""Tensor-parallel linear layers, forward and backward, on fo-tune's overlapped ops.
+
+A column-parallel layer then a row-parallel one split an MLP (or an attention block's projections)
+over the w ranks of a group, as in Megatron-LM. Both keep ``weight`` and ``bias`` as this rank's
+shard in ``nn.Linear`` layout (``weight`` is (out, in) of the shard).
+
+    ColumnParallelLinear   rank r owns output features [r*out/w, (r+1)*out/w): weight rows, bias.
+                           Input: the full activation (the same on every rank), or with
+                           ``sequence_parallel=True`` this rank's dim-0 shard, gathered by
+                           ``all_gather_gemm``. Output: this rank's features of every row.
+    RowParallelLinear      rank r owns input features [r*in/w, (r+1)*in/w): weight columns. Input:
+                           this rank's features (a column-parallel output). Output: the sum over
+                           ranks (``gemm_all_reduce``), or with ``sequence_parallel=True`` this rank's
+                           dim-0 shard of it (``gemm_reduce_scatter``); the full bias is added once,
+                           after the reduction.
+
+Gradients are the unsharded model's (dy: the output's gradient, x: the input, W_r: the shard):
+
+    column:  dx = all_reduce(dy @ W_r) (gemm_all_reduce)          SP: dx_r = reduce_scatter(dy @ W_r)
+             dW_r = dy.T @ x (x gathered with SP)                 db_r = dy summed over rows
+    row:     dx_r = dy @ W_r (local)                              SP: dy gathered first (all_gather_gemm)
+             dW_r = dy.T @ x_r                                    db = dy summed over rows (SP: and
+                                                                  over the group, so it is the full one)
+
+A leading-dimension input (batch, seq, features) is flattened to rows; with sequence parallelism
+dim 0 is the sharded one (rank r's rows come r-th), and a row-parallel output whose dim 0 does not
+divide by w comes back as the flat (M/w, out) shard of the rows.
+
+``parallelize_linears(model, plan)`` swaps a model's ``nn.Linear`` submodules for these layers by
+name. torch's own ``parallelize_module`` styles do not fit: they turn a module's parameters into
+DTensors and exchange DTensors between layers (its collectives run through DTensor's
+redistribution, which these layers replace by the fused ops), and a plan's style changes the
+module in place (``parallelize_module`` drops what a style returns for a named submodule), so a
+style cannot install another module.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import PlanError, ShapeError
+from .ops import call_op, check_group
+from .overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
+from .schedule import Schedule
+
+# parallelize_linears' plan values.
+KINDS = ("column", "row")
+
+
+class _ReplicatedInputMatmul(torch.autograd.Function):
+    """``a @ b`` with ``a`` the same on every rank: the backward sums ``a``'s gradient over the
+    group, fused with its GEMM (``gemm_all_reduce(dy, b.T)``); Megatron-LM's copy to the
+    tensor-parallel region and the column-parallel GEMM in one."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
+        ctx.name = name
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        a, b = ctx.saved_tensors
+        da = call_op("all_reduce", dy.contiguous(), b.t(), ctx.name) if ctx.needs_input_grad[0] else None
+        db = a.t() @ dy if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+class _ShardBias(torch.autograd.Function):
+    """``y + bias`` where ``y`` is this rank's dim-0 shard: the bias gradient is summed over the
+    group, so every rank holds the full model's (Megatron-LM reduces it with the optimizer)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, name: str) -> torch.Tensor:
+        ctx.name = name
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        db = dy.reshape(-1, dy.shape[-1]).sum(0)
+        summed = torch.ops._c10d_functional.all_reduce(db, "sum", ctx.name)
+        return dy, torch.ops._c10d_functional.wait_tensor(summed), None
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class _ParallelLinear(nn.Module):
+    """What both layers share: the shard's parameters, the group, the schedule."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        weight_shape: tuple[int, int],
+        bias_features: int | None,
+        *,
+        sequence_parallel: bool,
+        group: dist.ProcessGroup | None,
+        schedule: Schedule | None,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel, self.group, self.schedule = bool(sequence_parallel), group, schedule
+        self.world_size = dist.get_world_size(group)
+        # the group's name for the collectives the backward calls by name (the default group's own)
+        self.group_name = (group if group is not None else dist.group.WORLD).group_name
+        self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
+        self.bias = (
+            nn.Parameter(torch.empty(bias_features, device=device, dtype=dtype))
+            if bias_features is not None
+            else None
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def _rows(self, x: torch.Tensor, features: int) -> torch.Tensor:
+        if x.dim() < 1 or x.shape[-1] != features:
+            raise ShapeError(
+                f"input has {x.shape[-1] if x.dim() else 0} features, this rank's shard of "
+                f"{type(self).__name__} takes {features}"
+            )
+        return x.reshape(-1, features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}, "
+            f"world_size={self.world_size}"
+        )
+
+
+def _shard_of(features: int, group: dist.ProcessGroup | None, what: str) -> tuple[int, int]:
+    """(rank, features per rank) of a split of ``features`` over ``group``."""
+    check_group(group)
+    world = dist.get_world_size(group)
+    if features % world:
+        raise ShapeError(f"{what} {features} is not divisible by the world size {world}")
+    return dist.get_rank(group), features // world
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Column-parallel ``nn.Linear`` (see the module docstring); the schedule is looked up per shape."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        group: dist.ProcessGroup | None = None,
+        schedule: Schedule | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        _rank, rows = _shard_of(out_features, group, "out_features")
+        super().__init__(
+            in_features,
+            out_features,
+            (rows, in_features),
+            rows if bias else None,
+            sequence_parallel=sequence_parallel,
+            group=group,
+            schedule=schedule,
+            device=device,
+            dtype=dtype,
+        )
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        sequence_parallel: bool = False,
+        group: dist.ProcessGroup | None = None,
+        schedule: Schedule | None = None,
+    ) -> ColumnParallelLinear:
+        """This rank's shard of a full ``nn.Linear`` (the same weights on every rank beforehand):
+        output features [r*out/w, (r+1)*out/w)."""
+        rank, rows = _shard_of(linear.out_features, group, "out_features")
+        w = linear.weight
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            sequence_parallel=sequence_parallel,
+            group=group,
+            schedule=schedule,
+            device=w.device,
+            dtype=w.dtype,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(w[rank * rows : (rank + 1) * rows])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias[rank * rows : (rank + 1) * rows])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(x, self.in_features)
+        w = self.weight.t()
+        n = self.weight.shape[0]
+        if self.sequence_parallel:
+            y = all_gather_gemm(rows, w, group=self.group, schedule=self.schedule)
+            shape = (x.shape[0] * self.world_size, *x.shape[1:-1], n) if x.dim() > 1 else (self.world_size, n)
+        else:
+            y = _ReplicatedInputMatmul.apply(rows, w, self.group_name) if _needs_grad(x, w) else rows @ w
+            shape = (*x.shape[:-1], n)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(shape)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Row-parallel ``nn.Linear`` (see the module docstring); the schedule is looked up per shape."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        group: dist.ProcessGroup | None = None,
+        schedule: Schedule | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        _rank, cols = _shard_of(in_features, group, "in_features")
+        super().__init__(
+            in_features,
+            out_features,
+            (out_features, cols),
+            out_features if bias else None,
+            sequence_parallel=sequence_parallel,
+            group=group,
+            schedule=schedule,
+            device=device,
+            dtype=dtype,
+        )
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        sequence_parallel: bool = False,
+        group: dist.ProcessGroup | None = None,
+        schedule: Schedule | None = None,
+    ) -> RowParallelLinear:
+        """This rank's shard of a full ``nn.Linear`` (the same weights on every rank beforehand):
+        input features [r*in/w, (r+1)*in/w), and the full bias."""
+        rank, cols = _shard_of(linear.in_features, group, "in_features")
+        w = linear.weight
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            sequence_parallel=sequence_parallel,
+            group=group,
+            schedule=schedule,
+            device=w.device,
+            dtype=w.dtype,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(w[:, rank * cols : (rank + 1) * cols])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(x, self.weight.shape[1])
+        lead = x.shape[:-1]
+        if not self.sequence_parallel:
+            y = gemm_all_reduce(rows, self.weight.t(), schedule=self.schedule, group=self.group)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*lead, self.out_features)
+        world = self.world_size
+        if rows.shape[0] % world:
+            raise ShapeError(
+                f"sequence parallelism splits the input's {rows.shape[0]} rows over the world size "
+                f"{world}: they must divide by it"
+            )
+        y = gemm_reduce_scatter(rows, self.weight.t(), schedule=self.schedule, group=self.group)
+        if self.bias is not None and _needs_grad(y, self.bias):
+            y = _ShardBias.apply(y, self.bias, self.group_name)
+        elif self.bias is not None:
+            y = y + self.bias
+        if len(lead) == 0 or lead[0] % world:
+            return y  # the shard of the flattened rows
+        return y.reshape(lead[0] // world, *lead[1:], self.out_features)
+
+
+def parallelize_linears(
+    model: nn.Module,
+    plan: Mapping[str, str],
+    *,
+    sequence_parallel: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> nn.Module:
+    """Replace ``model``'s ``nn.Linear`` submodules named in ``plan`` by this rank's shard of them,
+    in place, and return ``model``.
+
+    ``plan`` maps a submodule's dotted name, or an ``fnmatch`` pattern of it (``layers.*.mlp.up_proj``),
+    to ``"column"`` (``ColumnParallelLinear.from_linear``) or ``"row"`` (``RowParallelLinear``). Every
+    rank must hold the same full weights beforehand. A pattern that matches no ``nn.Linear``, or a
+    name that is not one, raises ``PlanError`` before any module is replaced.
+    """
+    for kind in plan.values():
+        if kind not in KINDS:
+            raise PlanError(f"plan: {kind!r} is not one of {', '.join(KINDS)}")
+    chosen: dict[str, str] = {}
+    for pattern, kind in plan.items():
+        names = [name for name, _ in model.named_modules() if name and fnmatch.fnmatchcase(name, pattern)]
+        if not names:
+            raise PlanError(f"plan: {pattern!r} names no submodule of {type(model).__name__}")
+        for name in names:
+            if not isinstance(model.get_submodule(name), nn.Linear):
+                found = type(model.get_submodule(name)).__name__
+                raise PlanError(f"plan: {name} is a {found}, not an nn.Linear")
+            chosen[name] = kind
+    for name, kind in chosen.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+        layer = cls.from_linear(getattr(parent, child), sequence_parallel=sequence_parallel, group=group)
+        setattr(parent, child, layer)
+    return model

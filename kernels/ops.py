@@ -1,0 +1,255 @@
+"""The ops as torch.library custom ops: their schemas, fake (meta) implementations and autograd.
+
+    fo_kernels::gemm_all_reduce(Tensor a, Tensor b, str group_name, str schedule) -> Tensor
+    fo_kernels::gemm_reduce_scatter(Tensor a, Tensor b, str group_name, str schedule) -> Tensor
+    fo_kernels::all_gather_gemm(Tensor a, Tensor b, str group_name, str schedule) -> (Tensor, Tensor)
+
+``group_name`` is the process group's ``group.group_name`` ("" for the default group), resolved
+inside the op with torch.distributed's ``_resolve_process_group``; ``schedule`` is a ``Schedule``
+as JSON (``schedule_text``; "" looks one up per call, ``lookup_schedule``). torch.compile passes
+both strings into its graph as constants, so a block that calls the ops compiles without a graph
+break; the op itself is opaque to it. ``all_gather_gemm`` returns ``(gathered @ b, gathered)``;
+the gathered A is not differentiable (it is what the backward keeps for the weight gradient).
+
+Autograd, every backward through the ops (so their own schedule lookup applies), with ``dy`` the
+gradient of the output:
+
+    y = all_reduce(a @ b)            da = dy @ b.T                         db = a.T @ dy
+    y = reduce_scatter(a @ b)        (da, dY) = all_gather_gemm(dy, b.T)   db = a.T @ dY
+    (y, A) = all_gather_gemm(a, b)   da = gemm_reduce_scatter(dy, b.T)     db = A.T @ dy
+
+(the first is two local GEMMs: every rank holds the same ``dy``). A backward whose op cannot run
+(its schedule names an engine without that collective in this build) raises ``ScheduleError``
+before its collective starts, on every rank alike.
+
+``call_op`` is how code inside fo-tune calls an op: straight into ``fo_kernels.overlap.execute``
+where nothing needs the dispatcher (``direct_call``), else through ``torch.ops.fo_kernels``.
+Importing this module registers the ops (torch.library declarations; nothing is allocated).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+import torch.distributed as dist
+
+from .errors import GroupError, ScheduleError, ShapeError
+from .schedule import TORCH_DTYPES, Schedule
+
+LIBRARY = "fo_kernels"
+# collective -> op name in torch.ops.fo_kernels
+OP_NAMES = {
+    "all_reduce": "gemm_all_reduce",
+    "reduce_scatter": "gemm_reduce_scatter",
+    "all_gather": "all_gather_gemm",
+}
+# Parsed schedules kept by their JSON text (a model has a few schedules per layer shape).
+SCHEDULE_CACHE_SIZE = 256
+# Tensor types a direct (dispatcher-free) call takes: parameters are plain tensors too.
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+# ------------------------------------------------------------------------------ op arguments
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """The ops' ``group_name`` argument of ``group`` ("" for the default group); refuses what is
+    not a process group of this rank (``GroupError``) before any collective starts."""
+    if group is None:
+        return ""
+    check_group(group)
+    return group.group_name
+
+
+def check_group(group: object) -> None:
+    """Raise ``GroupError`` unless ``group`` is None or a process group this rank is in."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise GroupError(
+            "group: this rank is not a member of the process group it was given (dist.new_group returns "
+            "GroupMember.NON_GROUP_MEMBER on ranks outside it); call the op only on the group's ranks"
+        )
+    raise GroupError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+
+
+def resolve_group(name: str) -> dist.ProcessGroup | None:
+    """The process group of an op's ``group_name`` (None: the default group)."""
+    if not name:
+        return None
+    try:
+        return dist.distributed_c10d._resolve_process_group(name)
+    except (ValueError, RuntimeError, KeyError) as exc:
+        raise GroupError(
+            f"group: no process group named {name!r} in this process (destroyed, or made elsewhere?): {exc}"
+        ) from None
+
+
+def group_size(name: str) -> int:
+    """The world size of an op's ``group_name``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ScheduleError("torch.distributed is not initialized; call dist.init_process_group first")
+    return dist.get_world_size(resolve_group(name))
+
+
+@torch.compiler.assume_constant_result
+def schedule_text(schedule: Schedule | None) -> str:
+    """The ops' ``schedule`` argument: the schedule as JSON without its provenance ("" for None).
+    torch.compile runs this while tracing and keeps the text as a constant of the graph (guarded
+    on the schedule object)."""
+    if schedule is None:
+        return ""
+    if not isinstance(schedule, Schedule):
+        raise ScheduleError(f"schedule: expected a fo_kernels.Schedule, got {type(schedule).__name__}")
+    data = schedule.to_dict()
+    data.pop("provenance", None)
+    return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=SCHEDULE_CACHE_SIZE)
+def parse_schedule(text: str) -> Schedule | None:
+    """The schedule of an op's ``schedule`` argument (None for "": look one up)."""
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ScheduleError(f"schedule: not a schedule's JSON text ({exc})") from None
+    return Schedule.from_dict(data)
+
+
+# ------------------------------------------------------------------------------ dispatch
+def direct_call(*tensors: torch.Tensor) -> bool:
+    """True when a call can skip the dispatcher and run as a plain Python call: not traced
+    (torch.compile, export, FX), plain tensors, no dispatch mode, nothing for autograd to record.
+    Through the dispatcher a call costs 30-45 us more host time (CPU, torch 2.13)."""
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if type(t) not in _PLAIN_TYPES:
+            return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return not torch._C._len_torch_dispatch_stack()
+
+
+def op(collective: str) -> torch._ops.OpOverload:
+    """The custom op of ``collective``."""
+    return getattr(getattr(torch.ops, LIBRARY), OP_NAMES[collective]).default
+
+
+def call_op(
+    collective: str, a: torch.Tensor, b: torch.Tensor, name: str, schedule: str = ""
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One op call by its string arguments, directly where ``direct_call`` allows, else the op."""
+    if direct_call(a, b):
+        from .overlap import execute
+
+        return execute(collective, a, b, parse_schedule(schedule), resolve_group(name))
+    return op(collective)(a, b, name, schedule)
+
+
+# ------------------------------------------------------------------------------ the ops
+def _impl(collective: str, a: torch.Tensor, b: torch.Tensor, name: str, schedule: str):
+    from .overlap import execute
+
+    return execute(collective, a, b, parse_schedule(schedule), resolve_group(name))
+
+
+def _check_fake(collective: str, a: torch.Tensor, b: torch.Tensor, world: int) -> int:
+    """The shape checks a traced call makes (the op repeats them when it runs); returns M of the output."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ShapeError(f"a must be (M, K) and b (K, N); got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ShapeError(
+            f"K mismatch: a is {tuple(a.shape)} and b is {tuple(b.shape)} (a.shape[1] != b.shape[0])"
+        )
+    if a.dtype not in TORCH_DTYPES.values() or b.dtype != a.dtype:
+        raise ShapeError(f"dtypes {a.dtype} and {b.dtype}: both must be one bfloat16, float16 or float32")
+    if collective == "reduce_scatter":
+        if a.shape[0] % world:
+            raise ShapeError(
+                f"reduce_scatter needs M divisible by the world size {world}, got M={a.shape[0]}"
+            )
+        return a.shape[0] // world
+    return a.shape[0] * world if collective == "all_gather" else a.shape[0]
+
+
+@torch.library.custom_op(f"{LIBRARY}::gemm_all_reduce", mutates_args=())
+def _gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group_name: str, schedule: str) -> torch.Tensor:
+    return _impl("all_reduce", a, b, group_name, schedule)
+
+
+@torch.library.custom_op(f"{LIBRARY}::gemm_reduce_scatter", mutates_args=())
+def _gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group_name: str, schedule: str) -> torch.Tensor:
+    return _impl("reduce_scatter", a, b, group_name, schedule)
+
+
+@torch.library.custom_op(f"{LIBRARY}::all_gather_gemm", mutates_args=())
+def _all_gather_gemm(
+    a: torch.Tensor, b: torch.Tensor, group_name: str, schedule: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl("all_gather", a, b, group_name, schedule)
+
+
+@_gemm_all_reduce.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, group_name: str, schedule: str) -> torch.Tensor:
+    m = _check_fake("all_reduce", a, b, group_size(group_name))
+    return a.new_empty((m, b.shape[1]))
+
+
+@_gemm_reduce_scatter.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, group_name: str, schedule: str) -> torch.Tensor:
+    m = _check_fake("reduce_scatter", a, b, group_size(group_name))
+    return a.new_empty((m, b.shape[1]))
+
+
+@_all_gather_gemm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, group_name: str, schedule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    m = _check_fake("all_gather", a, b, group_size(group_name))
+    return a.new_empty((m, b.shape[1])), a.new_empty((m, a.shape[1]))
+
+
+# ------------------------------------------------------------------------------ autograd
+def _save_ab(ctx, inputs, output) -> None:
+    a, b, name, _ = inputs
+    ctx.group_name = name
+    ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b)
+
+
+def _all_reduce_backward(ctx, dy: torch.Tensor):
+    a, b = ctx.saved_tensors
+    da = dy @ b.t() if ctx.needs_input_grad[0] else None
+    db = a.t() @ dy if ctx.needs_input_grad[1] else None
+    return da, db, None, None
+
+
+def _reduce_scatter_backward(ctx, dy: torch.Tensor):
+    a, b = ctx.saved_tensors
+    da, gathered_dy = call_op("all_gather", dy.contiguous(), b.t(), ctx.group_name)
+    db = a.t() @ gathered_dy if ctx.needs_input_grad[1] else None
+    return (da if ctx.needs_input_grad[0] else None), db, None, None
+
+
+def _save_gathered(ctx, inputs, output) -> None:
+    _a, b, name, _ = inputs
+    _out, gathered = output
+    ctx.group_name = name
+    ctx.mark_non_differentiable(gathered)
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    ctx.save_for_backward(gathered if need_b else None, b if need_a else None)
+
+
+def _all_gather_backward(ctx, dy: torch.Tensor, _d_gathered: torch.Tensor | None):
+    gathered, b = ctx.saved_tensors
+    da = db = None
+    if ctx.needs_input_grad[0]:
+        da = call_op("reduce_scatter", dy.contiguous(), b.t(), ctx.group_name)
+    if ctx.needs_input_grad[1]:
+        db = gathered.t() @ dy
+    return da, db, None, None
+
+
+_gemm_all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_ab)
+_gemm_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_ab)
+_all_gather_gemm.register_autograd(_all_gather_backward, setup_context=_save_gathered)

@@ -1,0 +1,185 @@
+"""GPU tests of the custom ops at world size 1 (one NCCL rank in this process; skipped without a GPU):
+they trace under torch.compile(fullgraph=True) with inductor, forward and backward, and they capture
+in CUDA graphs, both a caller's ``torch.cuda.graph`` of eager calls and torch.compile's
+``mode="reduce-overhead"``.
+
+Run on a GPU machine with: TRITON_INTERPRET=0 python -m pytest -m gpu tests/test_gpu_ops.py
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fo_kernels import Problem, Schedule, all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
+from fo_kernels.heuristics import split_decreasing
+from fo_kernels.plan import cdiv
+from fo_kernels.schedule import Tile, TritonSettings
+
+M, K, N = 512, 384, 640
+TILE = Tile(block_m=64, block_n=64, block_k=32, group_m=2, num_warps=4, num_stages=3)
+# bf16 against a float32 reference of the same math (three chained GEMMs)
+BF16_TOL = 2e-2
+
+
+@pytest.fixture(autouse=True)
+def _isolated_tables(tmp_path, monkeypatch):
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+
+
+@pytest.fixture
+def nccl_one_rank(tmp_path):
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{tmp_path / 'store'}",
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", 0),
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the heuristic schedules' warnings
+            yield
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+def _triton(collective: str, m: int, n: int, k: int) -> Schedule:
+    """A Triton-engine schedule of 2-3 row-band groups at world size 1."""
+    tiles_n = cdiv(n, TILE.block_n)
+    unit = TILE.group_m * tiles_n
+    units = cdiv(cdiv(m, TILE.block_m) * tiles_n, unit)
+    return Schedule(
+        collective=collective,
+        dtype="bfloat16",
+        world_size=1,
+        problem=Problem(m=m, n=n, k=k),
+        settings=TritonSettings(
+            tile=TILE, sms_free=8, signal_tiles=unit, groups=split_decreasing(units, 3), layout="row_band"
+        ),
+    )
+
+
+def _off(collective: str, m: int, n: int, k: int) -> Schedule:
+    return Schedule(collective=collective, dtype="bfloat16", world_size=1, problem=Problem(m=m, n=n, k=k))
+
+
+# name -> schedules of (all_gather, reduce_scatter, all_reduce) in ``_block``; None: looked up
+VARIANTS = {
+    "lookup": (None, None, None),
+    "overlap_false": (
+        _off("all_gather", M, N, K),
+        _off("reduce_scatter", M, K, N),
+        _off("all_reduce", M, N, K),
+    ),
+    "triton_gather": (
+        _triton("all_gather", M, N, K),
+        _off("reduce_scatter", M, K, N),
+        _off("all_reduce", M, N, K),
+    ),
+    "triton": (
+        _triton("all_gather", M, N, K),
+        _triton("reduce_scatter", M, K, N),
+        _triton("all_reduce", M, N, K),
+    ),
+}
+# The Triton engine's AllReduce and ReduceScatter wait on counters against targets the host keeps,
+# which a replayed graph does not advance: those schedules are traced, not captured.
+CAPTURABLE = ("lookup", "overlap_false", "triton_gather")
+
+
+def _block(schedules):
+    s_ag, s_rs, s_ar = schedules
+
+    def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        h = all_gather_gemm(x, w1.t(), schedule=s_ag)  # (M, N)
+        y = gemm_reduce_scatter(h.relu(), w2.t(), schedule=s_rs)  # (M, K)
+        return gemm_all_reduce(y, w1.t(), schedule=s_ar)  # (M, N)
+
+    return block
+
+
+def _reference(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    x, w1, w2 = x.float(), w1.float(), w2.float()
+    return ((x @ w1.t()).relu() @ w2.t()) @ w1.t()
+
+
+def _operands(seed: int, requires_grad: bool = False) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [(M, K), (N, K), (K, N)]
+    return tuple(
+        (torch.randn(s, device="cuda", generator=gen, dtype=torch.bfloat16) / s[1] ** 0.5).requires_grad_(
+            requires_grad
+        )
+        for s in shapes
+    )
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_ops_compile_with_inductor(nccl_one_rank, variant):
+    """torch.compile(fullgraph=True) with inductor: forward and every gradient equal eager's."""
+    block = _block(VARIANTS[variant])
+    x, w1, w2 = _operands(1, requires_grad=True)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True)):
+        for t in (x, w1, w2):
+            t.grad = None
+        y = fn(x, w1, w2)
+        (y * dy).sum().backward()
+        results.append([y.detach(), x.grad, w1.grad, w2.grad])
+    assert _rel(results[0][0], _reference(x.detach(), w1.detach(), w2.detach())) < BF16_TOL
+    for name, got, want in zip(("y", "dx", "dw1", "dw2"), results[1], results[0], strict=True):
+        assert _rel(got, want) < BF16_TOL, f"{variant}: {name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", CAPTURABLE)
+def test_eager_ops_capture_in_a_cuda_graph(nccl_one_rank, variant):
+    """A caller's CUDA graph of eager op calls replays on new inputs copied into the captured ones."""
+    block = _block(VARIANTS[variant])
+    x, w1, w2 = _operands(2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: communicators, kernels, the fallback's own graphs
+            block(x, w1, w2)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = block(x, w1, w2)
+    for step in range(3):
+        new = _operands(10 + step)
+        for dst, src in zip((x, w1, w2), new, strict=True):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not out.isnan().any(), f"{variant} step {step}"
+        assert _rel(out, _reference(*new)) < BF16_TOL, f"{variant} step {step}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", CAPTURABLE)
+def test_compiled_ops_in_reduce_overhead_mode(nccl_one_rank, variant):
+    """torch.compile(mode="reduce-overhead"): inductor's CUDA graphs hold the ops; every call on new
+    inputs is right."""
+    compiled = torch.compile(_block(VARIANTS[variant]), mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for step in range(5):
+            ops = _operands(20 + step)
+            got = compiled(*ops).clone()  # the graph's output memory is reused by the next replay
+            torch.cuda.synchronize()
+            assert _rel(got, _reference(*ops)) < BF16_TOL, f"{variant} step {step}"

@@ -1,0 +1,186 @@
+"""The custom ops (``fo_kernels.ops``): schemas, fake implementations, autograd, torch.compile, the
+direct (dispatcher-free) path, and AllGather + GEMM; in this process at world size 1 and on gloo
+CPU ranks (2 and 3) against float64 references."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fo_kernels
+from fo_kernels import GroupError, Problem, Schedule, ScheduleError, all_gather_gemm, gemm_all_reduce
+from fo_kernels import ops as ops_mod
+from fo_tune.launch import run_ranks
+from tp_cases import TOL, OpCase, gather_schedule, suite
+
+ARGS = "(Tensor a, Tensor b, str group_name, str schedule)"
+SCHEMAS = {
+    "all_reduce": f"fo_kernels::gemm_all_reduce{ARGS} -> Tensor",
+    "reduce_scatter": f"fo_kernels::gemm_reduce_scatter{ARGS} -> Tensor",
+    "all_gather": f"fo_kernels::all_gather_gemm{ARGS} -> (Tensor, Tensor)",
+}
+
+
+@pytest.fixture(autouse=True)
+def _isolated_tables(tmp_path, monkeypatch):
+    """No table anywhere: lookups fall back to the heuristic (ranks inherit the environment)."""
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the heuristic schedule's warning
+            yield
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("collective", sorted(SCHEMAS))
+def test_ops_registered_with_schema_fake_and_autograd(one_rank, collective):
+    """torch.library's own check of each op: schema, fake implementation (against the real one),
+    autograd registration, and AOT dispatch with dynamic shapes."""
+    op = ops_mod.op(collective)
+    assert str(op._schema) == SCHEMAS[collective]
+    a = torch.randn(16, 8, requires_grad=True)
+    b = torch.randn(12, 8).t().requires_grad_(True)
+    result = torch.library.opcheck(op, (a, b, "", ""))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_schedule_and_group_arguments(one_rank):
+    """A schedule reaches the op as its JSON text (provenance left out); a group as its name."""
+    sched = Schedule(
+        collective="all_gather",
+        dtype="float32",
+        world_size=1,
+        problem=Problem(m=8, n=4, k=6),
+        provenance={"source": "test"},
+    )
+    text = ops_mod.schedule_text(sched)
+    assert "provenance" not in text and ops_mod.schedule_text(None) == ""
+    assert ops_mod.parse_schedule(text) == Schedule.from_dict({**sched.to_dict(), "provenance": {}})
+    assert ops_mod.parse_schedule("") is None
+    with pytest.raises(ScheduleError, match="JSON"):
+        ops_mod.parse_schedule("{not json")
+    with pytest.raises(ScheduleError, match=r"expected a fo_kernels\.Schedule"):
+        ops_mod.schedule_text({"collective": "all_gather"})
+    world = dist.group.WORLD
+    assert ops_mod.group_name(None) == "" and ops_mod.group_name(world) == world.group_name
+    assert ops_mod.resolve_group(world.group_name) is world and ops_mod.resolve_group("") is None
+    with pytest.raises(GroupError, match="no process group named 'nope'"):
+        ops_mod.resolve_group("nope")
+    with pytest.raises(GroupError, match="not a member"):
+        gemm_all_reduce(torch.randn(2, 3), torch.randn(3, 4), group=dist.GroupMember.NON_GROUP_MEMBER)
+
+
+def test_plain_no_grad_calls_skip_the_dispatcher(one_rank, monkeypatch):
+    """Plain tensors with nothing for autograd to record run the op's body directly (no
+    dispatcher, no autograd node); a gradient to record goes through the registered op."""
+    a, b = torch.randn(8, 6), torch.randn(6, 5)
+
+    def no_dispatch(collective):
+        raise AssertionError(f"{collective} went through the dispatcher")
+
+    monkeypatch.setattr(ops_mod, "op", no_dispatch)
+    torch.testing.assert_close(gemm_all_reduce(a, b), a @ b)
+    torch.testing.assert_close(all_gather_gemm(a, b), a @ b)
+    w = b.clone().requires_grad_(True)
+    with torch.no_grad():
+        assert gemm_all_reduce(a, w).grad_fn is None
+    with pytest.raises(AssertionError, match="dispatcher"):
+        gemm_all_reduce(a, w)
+
+
+def test_compiled_block_at_world_size_one(one_rank):
+    """torch.compile(fullgraph=True) of all three ops with a caller's (M-range) schedule and
+    dynamic shapes: compiled equals eager, forward and backward."""
+    settings = gather_schedule(1, 24, 20, 12, "float32", groups=2).settings
+    sched = Schedule(
+        collective="all_gather",
+        dtype="float32",
+        world_size=1,
+        problem=Problem(m_min=1, m_max=64, n=20, k=12),
+        settings=settings,
+    )
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = fo_kernels.all_gather_gemm(x, w.t(), schedule=sched)
+        y = fo_kernels.gemm_reduce_scatter(h.relu(), w, group=dist.group.WORLD)
+        return y + gemm_all_reduce(x, w.t() @ w)
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager", dynamic=True)
+    for rows in (24, 40):
+        x = torch.randn(rows, 12, requires_grad=True)
+        w = torch.randn(20, 12, requires_grad=True)
+        results = []
+        for fn in (block, compiled):
+            x.grad = w.grad = None
+            y = fn(x, w)
+            (y * y).sum().backward()
+            results.append((y.detach(), x.grad, w.grad))
+        for got, want in zip(results[1], results[0], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _check_cases(results: list[list[dict]], world: int) -> None:
+    assert len(results) == world
+    for rank, per_rank in enumerate(results):
+        for r in per_rank:
+            c = r["case"]
+            where = f"rank {rank}: {c.collective} {c.m}x{c.n}x{c.k} {c.dtype} kmajor={c.kmajor} {c.schedule}"
+            assert r["shape_ok"], where
+            for name, err in r["errs"].items():
+                assert err < TOL[c.dtype], f"{where}: {name} relative error {err:.2e}"
+
+
+def _cases(world: int) -> list[OpCase]:
+    """Every op, eager, forward and both gradients: the heuristic schedule, an overlap: false row,
+    and for all_gather Triton schedules of 1-3 groups (odd shapes, both B layouts, two dtypes)."""
+    cases, seed = [], 0
+    for collective in ("all_reduce", "reduce_scatter", "all_gather"):
+        m = 6 * world if collective != "all_gather" else 19
+        for dtype, kmajor in (("float32", False), ("float16", True)):
+            seed += 1
+            cases.append(OpCase(collective, m, 33, 20, dtype, kmajor, None, seed))
+        problem = Problem(m=m * world if collective == "all_gather" else m, n=33, k=20)
+        off = Schedule(collective=collective, dtype="float32", world_size=world, problem=problem)
+        cases.append(OpCase(collective, m, 33, 20, "float32", True, off.to_dict(), 50 + seed))
+    for i, (m, n, k, groups) in enumerate([(19, 33, 20, 3), (8, 64, 16, 1), (37, 20, 9, 2)]):
+        s = gather_schedule(world, m * world, n, k, "float32", groups)
+        cases.append(OpCase("all_gather", m, n, k, "float32", i % 2 == 1, s.to_dict(), 100 + i))
+    s = gather_schedule(world, 40 * world, 48, 24, "float16", 2)
+    cases.append(OpCase("all_gather", 40, 48, 24, "float16", True, s.to_dict(), 200))
+    return cases
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ops_on_gloo_ranks(world, tmp_path):
+    """On ``world`` gloo ranks (one start of them): every op's forward and gradients against
+    float64; a compiled block (fullgraph, aot_eager) equals eager; bad input raises before any
+    collective."""
+    parts = {
+        "cases": ("op_cases", _cases(world)),
+        "compiled": ("compiled_ops", {"m": 8, "k": 24, "n": 40, "backend": "aot_eager"}),
+        "bad": ("op_bad_inputs", str(tmp_path)),
+    }
+    results = run_ranks(suite, world, parts, backend="gloo")
+    _check_cases([r["cases"] for r in results], world)
+    for rank, r in enumerate(results):
+        assert all(e < 1e-6 for e in r["compiled"].values()), r["compiled"]
+        msgs = r["bad"]
+        assert msgs["ag_k_mismatch"].startswith("ShapeError: K mismatch"), msgs
+        assert msgs["ag_shard_problem"].startswith("ScheduleError: problem:"), msgs
+        for name in ("ag_copy_engine", "rs_backward_engine"):  # before any collective, on every rank
+            assert msgs[name].startswith("EnvironmentMismatchError: engine copy_engine needs CUDA"), msgs
+        assert msgs["ag_tile_major"].startswith("ScheduleError: layout: all_gather"), msgs
+        assert msgs["group_not_a_group"].startswith("GroupError:"), msgs
+        if rank == 2:
+            assert "not a member" in msgs["group_not_member"], msgs

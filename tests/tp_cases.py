@@ -1,0 +1,379 @@
+"""Rank functions for the custom-op and tensor-parallel tests (spawned processes import this module).
+
+Every rank draws the operands of every rank from seeds all ranks share, so each rank builds its own
+float64 reference of the unsharded computation (forward and gradients) without a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fo_kernels import (
+    ColumnParallelLinear,
+    EnvironmentMismatchError,
+    GroupError,
+    Problem,
+    RowParallelLinear,
+    Schedule,
+    ScheduleError,
+    ShapeError,
+    TritonSettings,
+    all_gather_gemm,
+    gemm_all_reduce,
+    gemm_reduce_scatter,
+)
+from fo_kernels.heuristics import split_decreasing
+from fo_kernels.plan import cdiv
+from fo_kernels.schedule import Tile
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+TOL = {"float32": 1e-5, "float16": 5e-3}
+TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=1, num_warps=4, num_stages=1)
+OPS = {"all_reduce": gemm_all_reduce, "reduce_scatter": gemm_reduce_scatter, "all_gather": all_gather_gemm}
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.double()
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def gather_schedule(world: int, m: int, n: int, k: int, dtype: str, groups: int) -> Schedule:
+    """A Triton all_gather schedule for a gathered (m, n, k): one band of tile rows per unit."""
+    tiles_n = cdiv(n, TILE.block_n)
+    unit = world * TILE.group_m * tiles_n
+    units = cdiv(world * cdiv(m // world, TILE.block_m) * tiles_n, unit)
+    return Schedule(
+        collective="all_gather",
+        dtype=dtype,
+        world_size=world,
+        problem=Problem(m=m, n=n, k=k),
+        settings=TritonSettings(
+            tile=TILE,
+            signal_tiles=unit,
+            groups=split_decreasing(units, groups),
+            layout="row_band",
+            wait_mode="spin",
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """One op call: ``m`` is the rows of ``a`` on every rank (a shard's rows for all_gather)."""
+
+    collective: str
+    m: int
+    n: int
+    k: int
+    dtype: str
+    kmajor: bool
+    schedule: dict | None  # Schedule.to_dict(), or None to look one up
+    seed: int
+
+
+def _operands(
+    case: OpCase, rank: int, world: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, b, dy) of ``rank``: dy is the output's gradient (for all_reduce the same on every rank,
+    as every rank holds the same output)."""
+    gen = torch.Generator().manual_seed(case.seed * 7919 + rank)
+    a = torch.randn(case.m, case.k, generator=gen)
+    b = (
+        torch.randn(case.n, case.k, generator=gen).t()
+        if case.kmajor
+        else torch.randn(case.k, case.n, generator=gen)
+    )
+    out_rows = {"all_reduce": case.m, "reduce_scatter": case.m // world, "all_gather": case.m * world}
+    shared = torch.Generator().manual_seed(case.seed * 7919 - 1)
+    dy = torch.randn(
+        out_rows[case.collective], case.n, generator=shared if case.collective == "all_reduce" else gen
+    )
+    return a.to(dtype), b.to(dtype), dy.to(dtype)
+
+
+def _reference(case: OpCase, rank: int, world: int):
+    """(y, da, db) of ``rank`` in float64 from the unsharded computation and the loss sum_r <dy_r, y_r>."""
+    per = [_operands(case, r, world, torch.float64) for r in range(world)]
+    a = [p[0].clone().requires_grad_(True) for p in per]
+    b = [p[1].clone().requires_grad_(True) for p in per]
+    if case.collective == "all_gather":
+        full = torch.cat(a)
+        ys = [full @ b[r] for r in range(world)]
+    else:
+        total = sum(a[r] @ b[r] for r in range(world))
+        rows = case.m // world
+        ys = [
+            total if case.collective == "all_reduce" else total[r * rows : (r + 1) * rows]
+            for r in range(world)
+        ]
+    if case.collective == "all_reduce":
+        loss = (ys[0] * per[0][2]).sum()  # every rank holds the same output and gradient
+    else:
+        loss = sum((ys[r] * per[r][2]).sum() for r in range(world))
+    loss.backward()
+    return ys[rank].detach(), a[rank].grad, b[rank].grad
+
+
+def op_cases(ctx, cases: list[OpCase]) -> list[dict]:
+    """Each case's forward and gradients, eagerly, against the float64 reference."""
+    out = []
+    for case in cases:
+        dtype = DTYPES[case.dtype]
+        a, b, dy = _operands(case, ctx.rank, ctx.world_size, dtype)
+        a.requires_grad_(True)
+        b.requires_grad_(True)
+        sched = Schedule.from_dict(case.schedule) if case.schedule is not None else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.no_grad():
+                plain = OPS[case.collective](a.detach(), b.detach(), schedule=sched)
+            y = OPS[case.collective](a, b, schedule=sched)
+            (y * dy).sum().backward()
+        ref_y, ref_da, ref_db = _reference(case, ctx.rank, ctx.world_size)
+        out.append(
+            dict(
+                case=case,
+                shape_ok=tuple(y.shape) == tuple(ref_y.shape) == tuple(plain.shape),
+                errs={
+                    "no_grad": rel(plain, ref_y),
+                    "y": rel(y, ref_y),
+                    "da": rel(a.grad, ref_da),
+                    "db": rel(b.grad, ref_db),
+                },
+            )
+        )
+    return out
+
+
+def compiled_ops(ctx, payload: dict) -> dict[str, float]:
+    """A block of all three ops under torch.compile(fullgraph=True): forward and gradients equal
+    eager ones (relative errors), the process group passed as an object and by default."""
+    world, m, k, n = ctx.world_size, payload["m"], payload["k"], payload["n"]
+    group = dist.new_group(list(range(world)))
+    gen = torch.Generator().manual_seed(11 + ctx.rank)
+    a = torch.randn(m, k, generator=gen, requires_grad=True)
+    w1 = torch.randn(n, k, generator=gen, requires_grad=True)
+    w2 = torch.randn(k, n, generator=gen, requires_grad=True)
+    sched = gather_schedule(world, m * world, n, k, "float32", groups=2)
+
+    def block(a: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        h = all_gather_gemm(a, w1.t(), group=group, schedule=sched).relu()  # (world*m, n)
+        y = gemm_reduce_scatter(h, w2.t(), group=group)  # (m, k)
+        return gemm_all_reduce(y, w1.t()).sum(0)
+
+    def run(fn) -> list[torch.Tensor]:
+        for t in (a, w1, w2):
+            t.grad = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = fn(a, w1, w2)
+            (out * torch.linspace(-1, 1, out.numel())).sum().backward()
+        return [out.detach(), a.grad, w1.grad, w2.grad]
+
+    eager = run(block)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(block, fullgraph=True, backend=payload["backend"]))
+    return {name: rel(c, e) for name, c, e in zip(("y", "da", "dw1", "dw2"), compiled, eager, strict=True)}
+
+
+def _write_table(world: int, row: Schedule, root: str) -> None:
+    from fo_kernels import ScheduleTable, current_fingerprint, save_table
+    from fo_kernels.table import table_path
+
+    fp = current_fingerprint("cpu", world)
+    table = ScheduleTable(
+        fingerprint=fp, collective=row.collective, world_size=world, dtype=row.dtype, rows=[row]
+    )
+    path = table_path(root, fp.device_key, row.collective, world, row.dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_table(table, path)
+
+
+def op_bad_inputs(ctx, root: str) -> dict[str, str]:
+    """Each bad call must raise a ValueError subclass from fo_kernels.errors; name -> message.
+    ``root`` is a folder for this test's tables (each rank writes its own)."""
+    world = ctx.world_size
+    a = torch.randn(6, 8)
+    b = torch.randn(8, 6)
+    others = dist.new_group([0, 1])  # on rank 2 of 3: GroupMember.NON_GROUP_MEMBER
+    mine = os.path.join(root, f"rank{ctx.rank}")
+    # gemm_reduce_scatter of (4w, 8) @ (8, 6): its backward is all_gather_gemm of (4, 6) @ (6, 8),
+    # whose table row names an engine that cannot run here (the copy engine needs GPUs)
+    _write_table(world, _copy_engine_gather(world, rows=4, n=8, k=6), mine)
+
+    def backward_needs_copy_engine() -> None:
+        before = os.environ.get("FO_TUNE_TABLE_DIR")
+        os.environ["FO_TUNE_TABLE_DIR"] = mine
+        try:
+            x = torch.randn(4 * world, 8, requires_grad=True)
+            gemm_reduce_scatter(x, b).sum().backward()
+        finally:
+            os.environ["FO_TUNE_TABLE_DIR"] = before or ""
+
+    calls = {
+        "ag_k_mismatch": lambda: all_gather_gemm(a, torch.randn(7, 6)),
+        "ag_shard_problem": lambda: all_gather_gemm(a, b, schedule=_shard_row(world)),
+        "ag_copy_engine": lambda: all_gather_gemm(
+            a, b, schedule=_copy_engine_gather(world, rows=6, n=6, k=8)
+        ),
+        "ag_tile_major": lambda: TritonSettings(
+            tile=TILE, groups=(1,), signal_tiles=world, layout="tile_major"
+        ).check("all_gather", world),
+        "rs_backward_engine": backward_needs_copy_engine,
+        "group_not_a_group": lambda: all_gather_gemm(a, b, group="tp"),
+    }
+    if ctx.rank == 2:
+        calls["group_not_member"] = lambda: gemm_all_reduce(a, b, group=others)
+    msgs = {}
+    for name, call in calls.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                call()
+        except (ShapeError, ScheduleError, GroupError, EnvironmentMismatchError) as exc:
+            # bad input is a ValueError; an engine this machine cannot run a RuntimeError
+            assert isinstance(exc, RuntimeError if isinstance(exc, EnvironmentMismatchError) else ValueError)
+            msgs[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            msgs[name] = "NO ERROR"
+    dist.barrier()  # every rank is still in step: no collective was left half-started
+    return msgs
+
+
+def _shard_row(world: int) -> Schedule:
+    """An all_gather schedule written for the shard's M instead of the gathered one."""
+    return Schedule(
+        collective="all_gather", dtype="float32", world_size=world, problem=Problem(m=6, n=6, k=8)
+    )
+
+
+def _copy_engine_gather(world: int, *, rows: int, n: int, k: int) -> Schedule:
+    """An ``engine: copy_engine`` all_gather schedule for shards of ``rows`` rows."""
+    return Schedule.from_dict(
+        dict(
+            collective="all_gather",
+            dtype="float32",
+            world_size=world,
+            problem=dict(m=rows * world, n=n, k=k),
+            engine="copy_engine",
+            settings=dict(mode="ring", weights=[1, 1]),
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------- layers
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, inner)
+        self.down = nn.Linear(inner, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class ShardedMLP(nn.Module):
+    def __init__(self, full: MLP, sequence_parallel: bool, group) -> None:
+        super().__init__()
+        self.up = ColumnParallelLinear.from_linear(full.up, sequence_parallel=sequence_parallel, group=group)
+        self.down = RowParallelLinear.from_linear(full.down, sequence_parallel=sequence_parallel, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    for p in module.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    y = module(x)
+    (y * dy).sum().backward()
+    return (
+        y.detach(),
+        x.grad,
+        module.up.weight.grad,
+        module.up.bias.grad,
+        module.down.weight.grad,
+        module.down.bias.grad,
+    )
+
+
+def mlp_cases(ctx, payload: dict) -> list[dict]:
+    """Column- then row-parallel MLP against the unsharded one, forward and backward: for each
+    (sequence_parallel, backend) in ``payload["runs"]`` (backend None: eager)."""
+    rank, world = ctx.rank, ctx.world_size
+    batch, seq, hidden, inner = payload["batch"], payload["seq"], payload["hidden"], payload["inner"]
+    torch.manual_seed(5)  # the same full model, input and output gradient on every rank
+    full = MLP(hidden, inner)
+    x = torch.randn(batch, seq, hidden)
+    dy = torch.randn(batch, seq, hidden)
+    want = _grads(full, x, dy)
+    out = []
+    for sp, backend in payload["runs"]:
+        torch._dynamo.reset()
+        sharded = ShardedMLP(full, sp, None)
+        rows = batch // world
+        mine = slice(rank * rows, (rank + 1) * rows) if sp else slice(None)
+        model = sharded if backend is None else torch.compile(sharded, fullgraph=True, backend=backend)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y, dx, dw1, db1, dw2, db2 = _grads(model, x[mine], dy[mine])
+            got = {"y": y, "dx": dx, "dw_up": dw1, "db_up": db1, "dw_down": dw2, "db_down": db2}
+            with torch.no_grad():  # the plain (no autograd) path gives the same output
+                got["y_no_grad"] = model(x[mine])
+        o = inner // world
+        ref = {
+            "y": want[0][mine],
+            "dx": want[1][mine],
+            "dw_up": want[2][rank * o : (rank + 1) * o],
+            "db_up": want[3][rank * o : (rank + 1) * o],
+            "dw_down": want[4][:, rank * o : (rank + 1) * o],
+            "db_down": want[5],
+            "y_no_grad": want[0][mine],
+        }
+        out.append(dict(sp=sp, backend=backend, errs={k: rel(got[k], ref[k]) for k in ref}))
+    return out
+
+
+def layer_bad_inputs(ctx, _payload) -> dict[str, str]:
+    """Bad layer use raises a ValueError subclass before any collective; name -> message."""
+    from fo_kernels import PlanError, parallelize_linears
+
+    world = ctx.world_size
+    col = ColumnParallelLinear(8, 4 * world)
+    row = RowParallelLinear(4 * world, 6, sequence_parallel=True)
+    others = dist.new_group([0, 1])
+    calls = {
+        "col_features": lambda: col(torch.randn(3, 9)),
+        "row_features": lambda: row(torch.randn(2 * world, 5)),
+        "row_sp_rows": lambda: row(torch.randn(2 * world + 1, 4)),
+        "col_not_divisible": lambda: ColumnParallelLinear(8, 4 * world + 1),
+        "row_not_divisible": lambda: RowParallelLinear.from_linear(nn.Linear(4 * world + 1, 3)),
+        "plan_unknown": lambda: parallelize_linears(MLP(4, 8), {"nope": "column"}),
+        "plan_not_linear": lambda: parallelize_linears(nn.Sequential(MLP(4, 8)), {"0": "row"}),
+        "plan_kind": lambda: parallelize_linears(MLP(4, 8), {"up": "diagonal"}),
+    }
+    if ctx.rank == 2:
+        calls["group_not_member"] = lambda: ColumnParallelLinear(8, 4, group=others)
+    msgs = {}
+    for name, call in calls.items():
+        try:
+            call()
+        except (ShapeError, PlanError, GroupError) as exc:
+            assert isinstance(exc, ValueError)
+            msgs[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            msgs[name] = "NO ERROR"
+    dist.barrier()
+    return msgs
+
+
+def suite(ctx, parts: dict[str, tuple[str, object]]) -> dict[str, object]:
+    """Several rank functions of this module in one start of the ranks: name -> (function, payload)."""
+    return {name: globals()[fn](ctx, payload) for name, (fn, payload) in parts.items()}
