@@ -15,9 +15,19 @@ Protocol, per persistent program p of G (symbols as in ``fo_kernels.plan``):
 
 The release increment is cumulative over the CTA barrier, so a reader that observes the counter at
 its target (``cuStreamWaitValue32`` or the spin kernel, which acquire) sees every element of the
-group's tiles. Stores are plain ``tl.store`` (not TMA stores, which are asynchronous and not ordered
-by the release; ``../shared/DESIGN.md``). Loads use TMA descriptors where the strides allow it
-(16-byte aligned) and masked pointer loads otherwise, so any M, N, K works.
+group's tiles (``tests/test_gpu.py`` reads each group from another SM the moment its counter is
+complete). Stores are plain ``tl.store`` by default; with ``KernelOptions(tma_store=True)`` they
+are TMA descriptor stores, which are asynchronous, so the issuing thread waits until they are
+written before the barrier (``fo_kernels.gemm_epilogue``). Loads use TMA descriptors where the
+strides allow it (16-byte aligned) and masked pointer loads otherwise, so any M, N, K works.
+
+With TMA loads the two loops above are one flattened, software-pipelined loop over (tile, k)
+(``tl.range(flatten=True)``): the next tile's loads are in flight while a tile's epilogue runs.
+The CTA barrier is inline PTX there (``tl.debug_barrier`` stops Triton 3.6 from pipelining the
+flattened loop). ``KernelOptions(stream_k=True)`` shares out the K blocks of a last, partial wave
+over all programs (each tail tile finished, stored and signalled by the last of its programs to
+arrive); it is off by default (slower on the measured shapes, ``docs/perf-notes.md``, "The
+signalled GEMM at cuBLAS speed (one H200)").
 
 Counters are never reset: each call's targets are the running totals the host keeps (see
 ``fo_kernels.runtime``), and every comparison is wrap-around safe in int32.
@@ -37,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .errors import ScheduleError
+from .gemm_epilogue import _bulk_stores_done, _cta_barrier, _store_tile
 from .plan import Plan
 from .schedule import Tile
 
@@ -50,6 +62,8 @@ LAYOUT_TILE_MAJOR = 1
 # The copy engine's tiled mode (``rows_gemm``): a plain row-major destination, one group per run of
 # whole tile rows (``unit_group`` indexed by tile row), optionally adding what is already there.
 LAYOUT_ROWS = 2
+# The narrowest epilogue piece: tl.dot and the store layouts want >= 16 columns (as MIN_BLOCK).
+MIN_PIECE = 16
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -70,6 +84,15 @@ def _tile_coords(l, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Tile t of the schedule -> (local position l, shard s, tile row, tile column)."""
+    l = t // shards
+    s = t % shards
+    tm, tn = _tile_coords(l, tiles_m, tiles_n, GROUP_M)
+    return l, s, tm, tn
+
+
+@triton.jit
 def _mma(a_blk, b_blk, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """``acc + a_blk @ b_blk`` in float32: upcast first under the interpreter (its bf16 ``tl.dot``
     is wrong), IEEE precision when the inputs are (or were upcast to) float32 (no TF32)."""
@@ -83,16 +106,16 @@ def _mma(a_blk, b_blk, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _tile_acc(
-    a, b, row0, col0, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    a, b, row0, col0, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
-    B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, WS_INNER: tl.constexpr,
 ):  # fmt: skip
-    """One output tile's float32 sum: A[row0 : row0 + BLOCK_M, :] @ B[:, col0 : col0 + BLOCK_N]
-    (TMA descriptor loads, or masked pointer loads; rows past M and columns past N read padding)."""
-    k_tiles = tl.cdiv(K, BLOCK_K)
+    """One output tile's float32 sum over K blocks [k_lo, k_hi): A[row0 : row0 + BLOCK_M, k] @
+    B[k, col0 : col0 + BLOCK_N] (TMA descriptor loads, or masked pointer loads; rows past M and
+    columns past N read padding)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
-        for kk in tl.range(k_tiles, warp_specialize=WARP_SPECIALIZE):
+        for kk in tl.range(k_lo, k_hi, warp_specialize=WS_INNER):
             a_blk = a.load([row0, kk * BLOCK_K])
             if B_KMAJOR:
                 b_blk = b.load([col0, kk * BLOCK_K]).T
@@ -104,7 +127,7 @@ def _tile_acc(
         offs_n = col0 + tl.arange(0, BLOCK_N)
         offs_m = tl.where(offs_m < M, offs_m, 0)  # rows past M only feed padding, never stored
         offs_n = tl.where(offs_n < N, offs_n, 0)
-        for kk in range(k_tiles):
+        for kk in range(k_lo, k_hi):
             offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
             a_blk = tl.load(
                 a + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
@@ -121,103 +144,119 @@ def _tile_acc(
 
 
 @triton.jit
-def _downcast(acc, OUT_DTYPE: tl.constexpr):
-    """A float32 tile in the output dtype, rounded to nearest even."""
-    if tl.float32 == OUT_DTYPE:
-        return acc
-    return acc.to(OUT_DTYPE, fp_downcast_rounding="rtne")
+def _finish_tile(
+    acc, t, out, out_desc, out2, counters, unit_group, group_info, ready, N, rows_per_shard,
+    tiles_m, tiles_n, shards, unit_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, LAYOUT: tl.constexpr,
+    SIGNAL: tl.constexpr, OUT_DTYPE: tl.constexpr, SUBTILE: tl.constexpr, TMA_STORE: tl.constexpr,
+    PTX: tl.constexpr, ACCUMULATE: tl.constexpr, COPY: tl.constexpr, SYS_SIGNAL: tl.constexpr,
+):  # fmt: skip
+    """Tile t's epilogue: its group, its stores at the layout position, then its signal."""
+    l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
+    local_row0 = tm * BLOCK_M
+    slot = l  # tile_major only
+    if LAYOUT == 2:  # LAYOUT_ROWS: row-major (rows_per_shard, N) at ``out``, groups of whole tile rows
+        g = tl.load(unit_group + tm)
+        dst_row0 = local_row0
+        if ACCUMULATE:  # wait until the copy engine's part of this tile's group has landed
+            seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="sys")
+            while seen == 0:
+                seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="sys")
+    else:
+        g = tl.load(unit_group + t // unit_tiles)
+        base = tl.load(group_info + 2 * g)  # a0 of the group (local tile or shard-local row)
+        span = tl.load(group_info + 2 * g + 1)  # a1 - a0
+        slot = shards * base + s * span + (l - base)  # tile_major: the tile's slot
+        dst_row0 = shards * base + s * span + (local_row0 - base)  # row_band: its first row
+    _store_tile(
+        acc, out, out_desc, out2, dst_row0, slot, local_row0, tn * BLOCK_N, rows_per_shard, N,
+        BLOCK_M, BLOCK_N, SUBTILE, LAYOUT, TMA_STORE, ACCUMULATE, COPY, OUT_DTYPE,
+    )  # fmt: skip
+    if SIGNAL:
+        if TMA_STORE and PTX:
+            _bulk_stores_done()
+        _cta_barrier(PTX)
+        if SYS_SIGNAL:
+            tl.atomic_add(counters + g, 1, sem="release", scope="sys")
+        else:
+            tl.atomic_add(counters + g, 1, sem="release", scope="gpu")
 
 
 @triton.jit
 def _signalled_gemm_kernel(
-    a,
-    b,
-    out,
-    counters,
-    unit_group,
-    group_info,  # tensors (a, b: or TMA descriptors)
-    M,
-    N,
-    K,
-    rows_per_shard,
-    tiles_m,
-    tiles_n,
-    num_tiles,
-    shards,
-    unit_tiles,  # sizes
-    ready,
-    out2,  # LAYOUT_ROWS only: the ready flags ACCUMULATE waits on, a second destination (COPY)
-    stride_am,
-    stride_ak,
-    stride_bk,
-    stride_bn,  # strides
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    B_KMAJOR: tl.constexpr,
-    LAYOUT: tl.constexpr,
-    SIGNAL: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    ACCUMULATE: tl.constexpr = False,
-    COPY: tl.constexpr = False,
+    a, b, out, out_desc, counters, unit_group, group_info,  # tensors (a, b, out_desc: or TMA descriptors)
+    M, N, K, rows_per_shard, tiles_m, tiles_n, num_tiles, shards, unit_tiles,  # sizes
+    ready, out2,  # LAYOUT_ROWS only: the ready flags ACCUMULATE waits on, a second destination (COPY)
+    sk_arrive, sk_partial, main_tiles, sk_iters,  # stream-K tail (STREAM_K only)
+    stride_am, stride_ak, stride_bk, stride_bn,  # strides
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, LAYOUT: tl.constexpr, SIGNAL: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    WS_OUTER: tl.constexpr, WS_INNER: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
+    TMA_STORE: tl.constexpr, PTX: tl.constexpr, STREAM_K: tl.constexpr,
+    ACCUMULATE: tl.constexpr = False, COPY: tl.constexpr = False,
     SYS_SIGNAL: tl.constexpr = False,  # the counters are in the peer GPU's memory (system scope)
-):
+):  # fmt: skip
     pid = tl.program_id(0)
-    for t in range(pid, num_tiles, tl.num_programs(0)):
-        l = t // shards
-        s = t % shards
-        tm, tn = _tile_coords(l, tiles_m, tiles_n, GROUP_M)
-        row0 = s * rows_per_shard + tm * BLOCK_M  # first row of A (global)
-        col0 = tn * BLOCK_N
+    progs = tl.num_programs(0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # The epilogue recomputes its tile from a counter of its own (as Triton's persistent-matmul
+    # tutorial does), so a flattened, pipelined loop's prologue (next tile's loads) and epilogue
+    # (this tile's stores) share no value.
+    tile_c = pid - progs
+    for t in tl.range(pid, main_tiles, progs, flatten=FLATTEN, warp_specialize=WS_OUTER):
+        _l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
         acc = _tile_acc(
-            a, b, row0, col0, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, WARP_SPECIALIZE,
+            a, b, s * rows_per_shard + tm * BLOCK_M, tn * BLOCK_N, 0, k_tiles, M, N, K,
+            stride_am, stride_ak, stride_bk, stride_bn,
+            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, WS_INNER,
         )  # fmt: skip
-
-        ii = tl.arange(0, BLOCK_M)
-        jj = tl.arange(0, BLOCK_N)
-        if LAYOUT == 2:  # LAYOUT_ROWS: row-major (rows_per_shard, N) at ``out``, groups of whole tile rows
-            g = tl.load(unit_group + tm)
-            local_row = tm * BLOCK_M + ii
-            cols = col0 + jj
-            mask = (local_row[:, None] < rows_per_shard) & (cols[None, :] < N)
-            offs = local_row.to(tl.int64)[:, None] * N + cols[None, :]
-            if ACCUMULATE:  # add what the copy engine put there: wait until its group has landed
-                seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="sys")
-                while seen == 0:
-                    seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="sys")
-                prev = tl.load(out + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                acc += prev.to(tl.float32)
-            c = _downcast(acc, OUT_DTYPE)
-            tl.store(out + offs, c, mask=mask)
-            if COPY:
-                tl.store(out2 + offs, c, mask=mask)
-        else:
-            c = _downcast(acc, OUT_DTYPE)
-            g = tl.load(unit_group + t // unit_tiles)
-            base = tl.load(group_info + 2 * g)  # a0 of the group (local tile or shard-local row)
-            span = tl.load(group_info + 2 * g + 1)  # a1 - a0
-            if LAYOUT == 1:  # tile_major: the whole padded tile as one contiguous slot
-                slot = (shards * base + s * span + (l - base)).to(tl.int64)
-                ptrs = out + slot * (BLOCK_M * BLOCK_N) + ii[:, None] * BLOCK_N + jj[None, :]
-                tl.store(ptrs, c)
-            else:  # row_band: rows of the group's chunk, shard-major
-                local_row = tm * BLOCK_M + ii
-                phys_row = (shards * base + s * span + (local_row - base)).to(tl.int64)
-                cols = col0 + jj
-                mask = (local_row[:, None] < rows_per_shard) & (cols[None, :] < N)
-                tl.store(out + phys_row[:, None] * N + cols[None, :], c, mask=mask)
-        if SIGNAL:
-            tl.debug_barrier()
-            if SYS_SIGNAL:
-                tl.atomic_add(counters + g, 1, sem="release", scope="sys")
-            else:
-                tl.atomic_add(counters + g, 1, sem="release", scope="gpu")
+        tile_c += progs
+        _finish_tile(
+            acc, tile_c, out, out_desc, out2, counters, unit_group, group_info, ready, N, rows_per_shard,
+            tiles_m, tiles_n, shards, unit_tiles, BLOCK_M, BLOCK_N, GROUP_M, LAYOUT, SIGNAL, OUT_DTYPE,
+            SUBTILE, TMA_STORE, PTX, ACCUMULATE, COPY, SYS_SIGNAL,
+        )  # fmt: skip
+    if STREAM_K:
+        # The tail (tiles [main_tiles, num_tiles), fewer than a wave): its K blocks, tile after
+        # tile, cut into one run of sk_iters per program, so each program covers parts of at most
+        # two tiles. Each part's float32 sum goes to this program's slot; the last of a tile's
+        # programs to arrive adds the others' parts and finishes the tile (stores and signal).
+        tail_iters = (num_tiles - main_tiles) * k_tiles
+        lo = pid * sk_iters
+        hi = tl.minimum(lo + sk_iters, tail_iters)
+        for j in tl.static_range(2):
+            if lo < hi:
+                i = lo // k_tiles  # tail tile
+                seg_hi = tl.minimum(hi, (i + 1) * k_tiles)
+                t = main_tiles + i
+                _l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
+                acc = _tile_acc(
+                    a, b, s * rows_per_shard + tm * BLOCK_M, tn * BLOCK_N, lo - i * k_tiles,
+                    seg_hi - i * k_tiles, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                    BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, False,
+                )  # fmt: skip
+                in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                tl.store(sk_partial + (pid * 2 + j).to(tl.int64) * (BLOCK_M * BLOCK_N) + in_tile, acc)
+                _cta_barrier(PTX)
+                first = (i * k_tiles) // sk_iters  # the programs that cover tile i: first..last
+                last = ((i + 1) * k_tiles - 1) // sk_iters
+                arrived = tl.atomic_add(sk_arrive + i, 1, sem="acq_rel", scope="gpu")
+                if arrived == last - first:  # every part is written: add them in program order
+                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (the same bits whoever is last)
+                    for q in range(first, last + 1):
+                        if q == pid:
+                            total += acc
+                        else:
+                            jq = ((q * sk_iters) // k_tiles < i).to(tl.int32)  # tile i: q's 1st or 2nd part
+                            part = sk_partial + (q * 2 + jq).to(tl.int64) * (BLOCK_M * BLOCK_N) + in_tile
+                            total += tl.load(part, cache_modifier=".cg")
+                    _finish_tile(
+                        total, t, out, out_desc, out2, counters, unit_group, group_info, ready, N,
+                        rows_per_shard, tiles_m, tiles_n, shards, unit_tiles, BLOCK_M, BLOCK_N, GROUP_M,
+                        LAYOUT, SIGNAL, OUT_DTYPE, SUBTILE, TMA_STORE, PTX, ACCUMULATE, COPY, SYS_SIGNAL,
+                    )  # fmt: skip
+                lo = seg_hi
 
 
 @triton.jit
@@ -294,9 +333,98 @@ def _strides(a: torch.Tensor, b: BOperand) -> tuple[int, int, int, int]:
     return a.stride(0), a.stride(1), b.tensor.stride(0), b.tensor.stride(1)
 
 
-def _meta(a: torch.Tensor, b: BOperand, out: torch.Tensor, tile: Tile, use_tma: bool) -> dict:
-    """The kernels' compile-time arguments the launchers share (operands, dtypes, tile)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelOptions:
+    """How the persistent kernel is built, beside its tile (the defaults are the measured best,
+    ``docs/perf-notes.md``, "The signalled GEMM at cuBLAS speed (one H200)").
+
+    ``flatten``: one flattened, software-pipelined loop over (tile, k) (``tl.range(flatten=True)``),
+    so the next tile's loads are in flight during this tile's epilogue; TMA loads only (the
+    masked-pointer path keeps a loop per tile). Measured +0.4-6% over a loop per tile.
+    ``subtile``: the epilogue stores its tile in 1, 2 or 4 column pieces (within noise of each
+    other; 2 is never worse than 1% behind). ``tma_store``: the epilogue stores through a TMA
+    descriptor and waits for the writes before the signal (1-2% slower than plain stores on the
+    large shapes, 20% at 2048x4096x4096); None: wherever the layout and strides allow it.
+    ``stream_k``: when the tiles leave a last, partial wave, its tiles' K blocks are shared out
+    evenly over all programs (``stream_k_split``), so the last wave takes its share of the time
+    instead of a whole tile's; the tail's code in the kernel raises register use to the limit and
+    slows the main loop 2-9%, which only a few reduced grids win back.
+    """
+
+    flatten: bool = True
+    subtile: int = 2
+    tma_store: bool | None = False
+    stream_k: bool = False
+
+    def __post_init__(self) -> None:
+        if self.subtile not in SUBTILES:
+            raise ScheduleError(f"subtile: must be one of {SUBTILES}, got {self.subtile!r}")
+
+
+SUBTILES = (1, 2, 4)
+DEFAULT_OPTIONS = KernelOptions()
+# Stream-K pays a partial's float32 store and the last program's adds per tail tile, estimated at
+# an eighth of a 128x256 tile's time at K = 4096: it is used only when each program's share of the
+# tail is at most this fraction of a tile's K blocks (an estimate; what was measured is in
+# docs/perf-notes.md, "The signalled GEMM at cuBLAS speed (one H200)").
+STREAM_K_MAX_SHARE = 7 / 8
+
+
+def stream_k_split(num_tiles: int, grid: int, k_tiles: int) -> tuple[int, int]:
+    """(tiles in whole waves, K blocks per program in the tail): ``(num_tiles, 0)`` when the tiles
+    fill whole waves or sharing out the last partial wave gains too little."""
+    tail = num_tiles % grid
+    if tail == 0 or num_tiles < grid:
+        return num_tiles, 0
+    share = -(-tail * k_tiles // grid)
+    if share > STREAM_K_MAX_SHARE * k_tiles:
+        return num_tiles, 0
+    return num_tiles - tail, share
+
+
+def _stream_k_args(a: torch.Tensor, tile: Tile, num_tiles: int, grid: int, enabled: bool) -> tuple:
+    """(sk_arrive, sk_partial, main_tiles, sk_iters, STREAM_K) for one launch: per call, a zeroed
+    arrival count per tail tile and two float32 tile slots per program, from torch's allocator on
+    the current stream (so calls on other streams never share them)."""
+    k_tiles = -(-a.shape[1] // tile.block_k)
+    main, share = stream_k_split(num_tiles, grid, k_tiles) if enabled else (num_tiles, 0)
+    if share == 0:
+        return a, a, num_tiles, 0, False
+    arrive = torch.zeros(num_tiles - main, dtype=torch.int32, device=a.device)
+    partial = torch.empty(grid * 2 * tile.block_m * tile.block_n, dtype=torch.float32, device=a.device)
+    return arrive, partial, main, share, True
+
+
+def _store_desc(out: torch.Tensor, plan: Plan, tile: Tile, subtile: int, want: bool | None) -> object | None:
+    """The TMA descriptor the epilogue stores through, or None where it cannot (or must not).
+
+    tile_major: the buffer as (tiles x BLOCK_M, BLOCK_N). row_band: the output as (M, N), which
+    needs N's rows 16-byte aligned and, with several shards, whole tile rows per shard (a TMA
+    store clips only at the tensor's edge, not at a shard's)."""
+    if want is False or not (out.is_cuda or interpreting()):
+        return None
+    if out.is_cuda and torch.cuda.get_device_capability(out.device)[0] < TMA_MIN_CAPABILITY:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    width = tile.block_n // subtile
+    if plan.layout == "tile_major":
+        view = out[: plan.num_tiles * tile.block_m * tile.block_n].view(-1, tile.block_n)
+    elif plan.shards == 1 or plan.rows_per_shard % tile.block_m == 0:
+        view = out[: plan.m * plan.n].view(plan.m, plan.n)
+    else:
+        return None
+    if not _aligned(view, view.stride(0)) or width * out.element_size() < TMA_ALIGN_BYTES:
+        return None
+    return TensorDescriptor.from_tensor(view, [tile.block_m, width])
+
+
+def _meta(
+    a: torch.Tensor, b: BOperand, out: torch.Tensor, tile: Tile, use_tma: bool, opts: KernelOptions
+) -> dict:
+    """The kernels' compile-time arguments the launchers share (operands, dtypes, tile, options)."""
     upcast = interpreting() and a.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
+    flatten = opts.flatten and use_tma
     return dict(
         USE_TMA=use_tma,
         B_KMAJOR=b.kmajor,
@@ -307,7 +435,11 @@ def _meta(a: torch.Tensor, b: BOperand, out: torch.Tensor, tile: Tile, use_tma: 
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m,
-        WARP_SPECIALIZE=tile.warp_specialize,
+        WS_OUTER=tile.warp_specialize and flatten,
+        WS_INNER=tile.warp_specialize and not flatten,
+        FLATTEN=flatten,
+        SUBTILE=opts.subtile,
+        PTX=not interpreting(),  # inline PTX (barrier, TMA store wait) in compiled kernels only
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
@@ -325,40 +457,35 @@ def signalled_gemm(
     group_info: torch.Tensor,
     signal: bool = True,
     use_tma: bool | None = None,
+    options: KernelOptions = DEFAULT_OPTIONS,
 ) -> None:
     """Launch the persistent GEMM on the current stream, writing ``out`` in the plan's layout.
 
     ``a`` must be row-major (M, K); ``out`` a flat buffer of ``plan.buffer_numel()`` elements.
     ``unit_group`` (int32, one per signal unit) and ``group_info`` (int32, (a0, a1 - a0) per group)
     are the plan's tables on the device; ``counters`` (int32) gets one release increment per tile
-    at index ``unit_group[t // U]`` when ``signal`` is set.
+    at index ``unit_group[t // U]`` when ``signal`` is set. ``use_tma`` (loads) and
+    ``options.tma_store`` override the automatic choices (tests time and check both paths).
     """
     m, k = a.shape
     n = b.tensor.shape[1]
     a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
+    subtile = min(options.subtile, tile.block_n // MIN_PIECE)
+    desc = _store_desc(out, plan, tile, subtile, options.tma_store)
+    sk = _stream_k_args(a, tile, plan.num_tiles, plan.grid, options.stream_k)
     _signalled_gemm_kernel[(plan.grid,)](
-        a_arg,
-        b_arg,
-        out,
-        counters,
-        unit_group,
-        group_info,
-        m,
-        n,
-        k,
-        plan.rows_per_shard,
-        plan.tiles_m,
-        plan.tiles_n,
-        plan.num_tiles,
-        plan.shards,
+        a_arg, b_arg, out, desc if desc is not None else out, counters, unit_group, group_info,
+        m, n, k, plan.rows_per_shard, plan.tiles_m, plan.tiles_n, plan.num_tiles, plan.shards,
         plan.unit_tiles,
-        counters,  # ready: unused outside LAYOUT_ROWS
-        out,  # out2: likewise
+        counters, out,  # ready, out2: unused outside LAYOUT_ROWS
+        *sk[:4],
         *_strides(a, b),
+        STREAM_K=sk[4],
         LAYOUT=LAYOUT_TILE_MAJOR if plan.layout == "tile_major" else LAYOUT_ROW_BAND,
         SIGNAL=signal,
-        **_meta(a, b, out, tile, use_tma),
-    )
+        TMA_STORE=desc is not None,
+        **_meta(a, b, out, tile, use_tma, KernelOptions(flatten=options.flatten, subtile=subtile)),
+    )  # fmt: skip
 
 
 def rows_gemm(
@@ -374,6 +501,7 @@ def rows_gemm(
     out2: torch.Tensor | None = None,
     use_tma: bool | None = None,
     remote_counters: bool = False,
+    options: KernelOptions = DEFAULT_OPTIONS,
 ) -> None:
     """``out = a @ b`` (or ``out += a @ b`` once ready, see ``ready``) by the persistent kernel on
     the current stream, for the copy engine's tiled mode (``fo_kernels.copy_engine``).
@@ -386,38 +514,32 @@ def rows_gemm(
     sum in float32. ``out2``: the result is stored there too (it may be the peer GPU's memory).
     ``remote_counters``: ``counters`` are in the peer's memory (release at system scope, so the
     stores before it, ``out2``'s too, land first). The grid must not exceed the SMs (every program
-    must be resident while others wait on ``ready``).
+    must be resident while others wait on ``ready``). Stores are plain (``options.tma_store`` is
+    not used); the loop is not flattened while it waits on ``ready`` (a spin loop in the epilogue).
     """
     rows, k = a.shape
     n = b.tensor.shape[1]
     tiles_m, tiles_n = -(-rows // tile.block_m), -(-n // tile.block_n)
     a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
+    opts = KernelOptions(
+        flatten=options.flatten and ready is None, subtile=min(options.subtile, tile.block_n // MIN_PIECE)
+    )
     _signalled_gemm_kernel[(max(1, min(grid, tiles_m * tiles_n)),)](
-        a_arg,
-        b_arg,
-        out,
-        counters if counters is not None else row_group,
-        row_group,
+        a_arg, b_arg, out, out, counters if counters is not None else row_group, row_group,
         row_group,  # group_info: unused by LAYOUT_ROWS
-        rows,
-        n,
-        k,
-        rows,
-        tiles_m,
-        tiles_n,
-        tiles_m * tiles_n,
-        1,
-        1,
-        ready if ready is not None else row_group,
-        out2 if out2 is not None else out,
+        rows, n, k, rows, tiles_m, tiles_n, tiles_m * tiles_n, 1, 1,
+        ready if ready is not None else row_group, out2 if out2 is not None else out,
+        row_group, row_group, tiles_m * tiles_n, 0,  # no stream-K tail
         *_strides(a, b),
+        STREAM_K=False,
         LAYOUT=LAYOUT_ROWS,
         SIGNAL=counters is not None,
         ACCUMULATE=ready is not None,
         COPY=out2 is not None,
         SYS_SIGNAL=remote_counters,
-        **_meta(a, b, out, tile, use_tma),
-    )
+        TMA_STORE=False,
+        **_meta(a, b, out, tile, use_tma, opts),
+    )  # fmt: skip
 
 
 def restore_tile_major(src: torch.Tensor, dst: torch.Tensor, plan: Plan, tile: Tile) -> None:

@@ -12,7 +12,17 @@ import itertools
 import pytest
 import torch
 
-from fo_kernels.gemm import BOperand, restore_tile_major, signalled_gemm, tma_usable
+from fo_kernels.errors import ScheduleError
+from fo_kernels.gemm import (
+    DEFAULT_OPTIONS,
+    STREAM_K_MAX_SHARE,
+    BOperand,
+    KernelOptions,
+    restore_tile_major,
+    signalled_gemm,
+    stream_k_split,
+    tma_usable,
+)
 from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
@@ -45,7 +55,7 @@ def _operands(m, n, k, dtype, kmajor, gen):
     return a, b
 
 
-def run_and_reassemble(schedule, a, b):
+def run_and_reassemble(schedule, a, b, options=DEFAULT_OPTIONS):
     m, k = a.shape
     n = b.shape[1]
     plan = make_plan(schedule, m, n, k, sm_count=3)
@@ -53,7 +63,9 @@ def run_and_reassemble(schedule, a, b):
     counters = torch.zeros(64, dtype=torch.int32)
     ug = torch.tensor(plan.unit_group(), dtype=torch.int32)
     gi = torch.tensor([x for p in plan.group_info() for x in p], dtype=torch.int32)
-    signalled_gemm(a, BOperand.of(b), buf, plan, TILE, counters=counters, unit_group=ug, group_info=gi)
+    signalled_gemm(
+        a, BOperand.of(b), buf, plan, TILE, counters=counters, unit_group=ug, group_info=gi, options=options
+    )
     assert counters[: plan.num_groups].tolist() == [plan.group_tiles(g) for g in range(plan.num_groups)]
     assert not counters[plan.num_groups :].any()
     shards = []
@@ -97,6 +109,41 @@ def test_gemm_matches_matmul(collective, layout, dtype, kmajor):
             assert not got.isnan().any(), f"unwritten output at {m}x{n}x{k}"
             err = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
             assert err < TOL[dtype], f"{m}x{n}x{k}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        KernelOptions(tma_store=True),
+        KernelOptions(subtile=1, stream_k=True),
+        KernelOptions(flatten=False, subtile=4),
+    ],
+    ids=["tma_store", "subtile1_stream_k", "loop_per_tile_subtile4"],
+)
+def test_kernel_options_match_matmul(options):
+    """The kernel's other build options on both layouts (the default is in the test above)."""
+    gen = torch.Generator().manual_seed(3)
+    for collective, layout in itertools.product(["all_reduce", "reduce_scatter"], ["row_band", "tile_major"]):
+        m, n, k = (256, 130, 40) if collective == "reduce_scatter" else (130, 66, 40)
+        a, b = _operands(m, n, k, torch.float32, True, gen)
+        got = run_and_reassemble(_schedule(collective, 2, m, n, k, layout, 1, 3), a, b, options)
+        ref = a.double() @ b.double()
+        assert not got.isnan().any()
+        assert ((got.double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+
+
+def test_stream_k_split():
+    """Only a last, partial wave is shared out, and only when each program's share saves enough."""
+    assert stream_k_split(1024, 128, 64) == (1024, 0)  # whole waves
+    assert stream_k_split(1024, 124, 64) == (992, 17)  # 32 tail tiles x 64 K blocks over 124
+    assert stream_k_split(480, 132, 108) == (396, 69)
+    assert stream_k_split(100, 132, 64) == (100, 0)  # fewer tiles than programs: no wave to finish
+    tail = 120  # shares of more than STREAM_K_MAX_SHARE of a tile's K blocks are not worth it
+    assert (
+        stream_k_split(132 + tail, 132, 64) == (132 + tail, 0) and tail * 64 / 132 > STREAM_K_MAX_SHARE * 64
+    )
+    with pytest.raises(ScheduleError, match="subtile"):
+        KernelOptions(subtile=3)
 
 
 def test_both_load_paths_are_exercised():
@@ -164,8 +211,8 @@ def _rows_gemm_check(dtype_name: str, kmajor: bool) -> None:
 def test_rows_gemm_signals_accumulates_and_copies(dtype, kmajor):
     """``_rows_gemm_check`` in a Python process of its own, under the interpreter. Run inside the
     test process, these launches left its memory corrupted: fresh-clone CI died with a segfault in
-    Python's garbage collector a few test files later (three CI runs in session 6; the root cause,
-    in the interpreter, was not found). A corruption here now fails this test or nothing."""
+    Python's garbage collector a few test files later (seen in three CI runs; the root cause, in the
+    interpreter, was not found). A corruption here now fails this test or nothing."""
     import os
     import subprocess
     import sys

@@ -5,11 +5,15 @@ Run on a GPU machine with: TRITON_INTERPRET=0 python -m pytest -m "gpu or multig
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dist_cases import TOL, Case, run_cases
-from fo_kernels.gemm import BOperand, restore_tile_major, signalled_gemm, tma_usable
+from fo_kernels.gemm import BOperand, KernelOptions, restore_tile_major, rows_gemm, signalled_gemm, tma_usable
 from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.schedule import CopyEngineSettings, Problem, Schedule, Tile, TritonSettings
@@ -73,6 +77,162 @@ def test_compiled_gemm_matches_matmul(m, n, k, kmajor, tile, dtype):
         assert counters[: plan.num_groups].tolist() == [plan.group_tiles(g) for g in range(plan.num_groups)]
     aligned = (k * 2) % 16 == 0 and (n * 2 if not kmajor else k * 2) % 16 == 0
     assert tma_usable(a, BOperand.of(b)) == aligned
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "options",
+    [
+        KernelOptions(flatten=False, subtile=1),
+        KernelOptions(subtile=4),
+        KernelOptions(tma_store=True),
+        KernelOptions(stream_k=True),
+    ],
+    ids=["loop_per_tile", "subtile4", "tma_store", "stream_k"],
+)
+def test_compiled_gemm_variants(options):
+    """The kernel's other build options (``KernelOptions``) on odd and aligned shapes, both layouts."""
+    tile = GPU_TILES[0]
+    for (m, n, k), kmajor, layout in itertools.product(
+        [(130, 257, 70), (1000, 3000, 1040), (2048, 4096, 4096)], [False, True], ["row_band", "tile_major"]
+    ):
+        gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+        a = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        b = w.t() if kmajor else w.t().contiguous()
+        out = _run_layout(a, b, tile, layout, options)
+        ref = a.float() @ b.float()
+        assert not out.isnan().any(), (m, n, k, kmajor, layout)
+        assert ((out.float() - ref).norm() / ref.norm()).item() < TOL["bfloat16"], (m, n, k, kmajor, layout)
+
+
+def _run_layout(a, b, tile, layout, options):
+    """The signalled GEMM into a NaN-poisoned buffer in ``layout``, restored to (M, N)."""
+    m, k = a.shape
+    n = b.shape[1]
+    s = _schedule("all_reduce", 1, m, n, k, tile, layout)
+    plan = make_plan(s, m, n, k, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    buf = torch.full((plan.buffer_numel(),), float("nan"), dtype=a.dtype, device="cuda")
+    counters = torch.zeros(8, dtype=torch.int32, device="cuda")
+    ug = torch.tensor(plan.unit_group(), dtype=torch.int32, device="cuda")
+    gi = torch.tensor([x for p in plan.group_info() for x in p], dtype=torch.int32, device="cuda")
+    signalled_gemm(
+        a, BOperand.of(b), buf, plan, tile, counters=counters, unit_group=ug, group_info=gi, options=options
+    )
+    if layout == "row_band":
+        return buf.view(m, n)
+    out = torch.full((m, n), float("nan"), dtype=a.dtype, device="cuda")
+    restore_tile_major(buf, out, plan, tile)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", GPU_TILES[:2], ids=["128x256", "64x64"])
+def test_compiled_rows_gemm(tile):
+    """The copy engine's tiled mode kernel (``rows_gemm``) on one GPU: phase 1 writes and counts
+    per row group; phase 2 (ready flags already set) adds what is there and stores it twice."""
+    rows, n, k = 1000, 3000, 1040
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    b = BOperand.of(torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16).t())
+    tiles_m, tiles_n = cdiv(rows, tile.block_m), cdiv(n, tile.block_n)
+    row_group = torch.tensor([0 if i < tiles_m // 2 else 1 for i in range(tiles_m)], dtype=torch.int32).cuda()
+    counters = torch.zeros(2, dtype=torch.int32, device="cuda")
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    rows_gemm(a, b, out, tile, grid=100, row_group=row_group, counters=counters)
+    ref = a.float() @ b.tensor.float()
+    assert not out.isnan().any() and ((out.float() - ref).norm() / ref.norm()).item() < TOL["bfloat16"]
+    assert counters.tolist() == [(tiles_m // 2) * tiles_n, (tiles_m - tiles_m // 2) * tiles_n]
+    pulled = torch.randn(rows, n, device="cuda", generator=gen).to(torch.bfloat16)
+    dst, copy = pulled.clone(), torch.full_like(pulled, float("nan"))
+    ready = torch.ones(2, dtype=torch.int32, device="cuda")
+    rows_gemm(a, b, dst, tile, grid=100, row_group=row_group, ready=ready, out2=copy)
+    want = ref + pulled.float()
+    assert ((dst.float() - want).norm() / want.norm()).item() < TOL["bfloat16"] and torch.equal(dst, copy)
+
+
+@triton.jit
+def _acquire_then_copy(counter, target, src, dst, n, BLOCK: tl.constexpr):
+    """Spin until ``counter`` reaches ``target`` (acquire, GPU scope), then copy src[:n] to dst
+    from L2 (``.cg``), each program a strided share: another SM reading as soon as it may."""
+    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    while seen - target < 0:
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n, cache_modifier=".cg"), mask=offs < n)
+
+
+# Repetitions of the visibility test: each poisons the output, runs the GEMM and reads every group
+# the moment its counter shows it complete.
+VISIBILITY_REPS = 300
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["row_band", "tile_major"])
+@pytest.mark.parametrize("tma_store", [False, True], ids=["plain_store", "tma_store"])
+def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, tma_store):
+    """The signal's guarantee: a reader on another stream that acquires a group's counter at its
+    target reads every element of the group's tiles. The output is poisoned (NaN) before every
+    repetition and two input sets alternate; the stream-K tail is on (its tiles are finished by
+    whichever program arrives last); each group (one tile row, or 8 tiles) is read by a spinning
+    kernel on the SMs left free, so it reads within microseconds of the last tile's release."""
+    m, n, k = 2048, 4096, 1024
+    tile = Tile(block_m=128, block_n=256, block_k=64, group_m=1, num_warps=8, num_stages=3)
+    mt, nt = cdiv(m, tile.block_m), cdiv(n, tile.block_n)
+    unit = nt if layout == "row_band" else 8
+    s = Schedule(
+        collective="all_reduce", dtype="bfloat16", world_size=1, problem=Problem(m=m, n=n, k=k), tile=tile,
+        sms_free=16, signal_tiles=unit, groups=(1,) * cdiv(mt * nt, unit), layout=layout,
+    )  # fmt: skip
+    plan = make_plan(s, m, n, k, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    ug = torch.tensor(plan.unit_group(), dtype=torch.int32, device="cuda")
+    gi = torch.tensor([x for p in plan.group_info() for x in p], dtype=torch.int32, device="cuda")
+    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device="cuda")
+    buf = torch.empty(plan.buffer_numel(), dtype=torch.bfloat16, device="cuda")
+    snap = torch.empty_like(buf)
+    options = KernelOptions(tma_store=tma_store, stream_k=True)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    sets = []
+    for _ in range(2):
+        a = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        b = BOperand.of(torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16).t())
+        sets.append((a, b))
+
+    def gemm(a, b):
+        signalled_gemm(
+            a, b, buf, plan, tile, counters=counters, unit_group=ug, group_info=gi, options=options
+        )
+
+    targets = [0] * plan.num_groups
+    reader = torch.cuda.Stream(priority=-1)
+    bad = []
+    for rep in range(VISIBILITY_REPS):
+        a, b = sets[rep % 2]
+        buf.fill_(float("nan"))
+        snap.fill_(float("nan"))
+        reader.wait_stream(torch.cuda.current_stream())
+        gemm(a, b)
+        with torch.cuda.stream(reader):
+            for g in range(plan.num_groups):
+                targets[g] += plan.group_tiles(g)
+                c0, c1 = plan.chunk_range(g)
+                _acquire_then_copy[(4,)](counters[g:], targets[g], buf[c0:], snap[c0:], c1 - c0, BLOCK=1024)
+        torch.cuda.current_stream().wait_stream(reader)
+        if not torch.equal(snap, buf):  # what the reader saw is what the GEMM left there
+            bad.append(rep)
+        if rep < len(sets):  # and that is the product (both input sets)
+            ref = a.float() @ b.tensor.float()
+            assert not buf.isnan().any()
+            got = buf.view(m, n) if layout == "row_band" else _restored(buf, plan, tile, m, n)
+            assert ((got.float() - ref).norm() / ref.norm()).item() < TOL["bfloat16"]
+    assert not bad, f"{len(bad)} of {VISIBILITY_REPS} repetitions read a group before its data landed"
+
+
+def _restored(buf, plan, tile, m, n):
+    out = torch.full((m, n), float("nan"), dtype=buf.dtype, device=buf.device)
+    restore_tile_major(buf, out, plan, tile)
+    return out
 
 
 @pytest.mark.multigpu
