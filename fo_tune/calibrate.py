@@ -186,14 +186,17 @@ def _gemm_profiles(pool: Pool, req: CalibrationRequest, space: SearchSpace, cpu:
 def profile_shape(
     pool: Pool, m: int, n: int, k: int, tiles: tuple[Tile, ...], frees: tuple[int, ...], dtype: str
 ) -> list[GemmPoint]:
-    """Every tile x grid for one shape (max over ranks), with cuBLAS's time on each row."""
+    """Every tile x grid for one shape (max over ranks), with cuBLAS's time on each row: the
+    cuBLAS samples timed in alternation with that row's config (``GemmProfileTask``), or cuBLAS
+    timed alone where the config did not run."""
     per_rank = pool.run(GemmProfileTask(m, n, k, tiles, frees, dtype))
-    cublas = Timing.max_over([r["cublas"] for r in per_rank]).median_ms
+    cublas_alone = Timing.max_over([r["cublas"] for r in per_rank]).median_ms
     points = []
     for i, row in enumerate(per_rank[0]["rows"]):
         rows = [r["rows"][i] for r in per_rank]
         ok = all(x["status"] == "ok" for x in rows)
         t = Timing.max_over([x["timing"] for x in rows]) if ok else None
+        cublas = Timing.max_over([x["cublas"] for x in rows]).median_ms if ok else cublas_alone
         status = "ok" if ok else next(x["status"] for x in rows if x["status"] != "ok")
         tile: Tile = row["tile"]
         points.append(

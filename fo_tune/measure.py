@@ -132,7 +132,10 @@ def worst_error(errors: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class GemmProfileTask:
-    """Every tile config at every grid for one shape, checked, then timed; cuBLAS beside them."""
+    """Every tile config at every grid for one shape, checked, then timed beside cuBLAS: each
+    config and cuBLAS in alternating back-to-back samples (``time_interleaved``, the comparison
+    sample length), so both run at the card's sustained (power-limited) clock and each row's
+    ``cublas`` is its own paired baseline."""
 
     m: int
     n: int
@@ -147,6 +150,7 @@ class GemmProfileTask:
         sm_count = runtime_for(ctx.device, None).sm_count
         a, b = gemm_operands(self.m, self.n, self.k, self.dtype, ctx.device, seed=self.m + self.n + self.k)
         ref = a.float() @ b.float()
+        sample_ms = comparison_sample_ms(ctx.device.type == "cuda")
         cublas = time_region(lambda: a @ b, ctx.device, warmup=self.warmup, reps=self.reps)
         rows = []
         for tile in self.tiles:
@@ -159,7 +163,14 @@ class GemmProfileTask:
                     row["rel_err"] = rel_err(run(), ref)
                     if not row["rel_err"] < GEMM_TOL[self.dtype]:
                         raise ValueError(f"wrong result (relative error {row['rel_err']:.2e})")
-                    row["timing"] = time_region(run, ctx.device, warmup=self.warmup, reps=self.reps)
+                    paired = time_interleaved(
+                        {"gemm": run, "cublas": lambda: a @ b},
+                        ctx.device,
+                        warmup=self.warmup,
+                        rounds=self.reps,
+                        min_sample_ms=sample_ms,
+                    )
+                    row["timing"], row["cublas"] = paired["gemm"], paired["cublas"]
                     row["status"] = "ok"
                 except Exception as exc:  # a config that fails to compile or launch is skipped, with why
                     row["status"] = f"skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
