@@ -1,0 +1,229 @@
+#!/usr/bin/env bash
+# The device session of the signalled GEMM on one H200 (kind nvidia-h200): kernel variants and
+# the tile profiles, each beside cuBLAS, both timed back to back in one run. Results and their
+# reading: docs/perf-notes.md, "The signalled GEMM at cuBLAS speed (one H200)".
+#
+#   bash bench/profile_session.sh variants  # every kernel variant (tile x KernelOptions) at full grid
+#                                           # on six shapes, all in one interleaved timing with
+#                                           # cuBLAS; the best four again at r = 0, 8, 12, 16 free
+#                                           # SMs; then the GEMM's GPU tests (visibility first, alone)
+#                                           # (KernelOptions(stream_k=False): the first run's kernel)
+#   bash bench/profile_session.sh final     # stream-K on and off (two 128x256 tiles, seven shapes,
+#                                           # r = 0, 8, 12, 16, all interleaved with cuBLAS), the
+#                                           # GPU tests, then the profile stage
+#   bash bench/profile_session.sh last      # the visibility test, the profile, the other GPU tests
+#   bash bench/profile_session.sh profile   # fo-tune's profile (fo_tune.calibrate.profile_shape, as
+#                                           # `fo-tune profile`) of the suite and five public TP=2
+#                                           # layer shapes with search_spaces/hopper.yaml's tiles at
+#                                           # r = 0, 8, 12, 16; then the GEMM's GPU tests
+#   bash bench/profile_session.sh tests     # the GEMM's GPU tests only
+#
+# Run from the repository root (the device tool: `cd .dev/gemm && bash bench/profile_session.sh
+# STAGE`). Writes CSVs and logs under $OUT (default ./out): variants.csv and variants_reduced.csv
+# (or streamk*.csv), profiles.tgz (results/profiles/<device-key>/*.csv, re-packed after each
+# shape), smi.csv (SM clock and power every 200 ms), session.log. TESTS_S caps each pytest call.
+# The image's python3 has no optuna; nothing here needs it.
+set -uo pipefail
+STAGE="${1:?stage: variants, final, profile or tests}"
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT" /tmp/fk
+ln -sfn "$PWD/kernels" /tmp/fk/fo_kernels
+ln -sfn "$PWD/results" /tmp/fk/fo_results
+export PYTHONPATH="/tmp/fk:$PWD" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore TRITON_INTERPRET=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 200 >"$OUT/smi.csv" &
+SMI=$!
+trap 'kill "$SMI" 2>/dev/null' EXIT
+
+gpu_tests() {  # the visibility test alone (its reader needs the free SMs), then the rest in parallel
+  if [ -z "${NO_VIS:-}" ]; then
+    timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k visible 2>&1 |
+      tail -n 15
+  fi
+  if [ -z "${VIS_ONLY:-}" ]; then
+    timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "not visible" \
+      -n 8 2>&1 | tail -n 15
+  fi
+}
+
+variants() {
+  python3 - "$OUT" "$1" <<'EOF'
+import csv, functools, sys, torch
+from fo_kernels.gemm import BOperand, KernelOptions, signalled_gemm
+from fo_kernels.plan import cdiv, make_plan
+from fo_kernels.schedule import Problem, Schedule, Tile
+from fo_tune.harness import STEADY_SAMPLE_MS, time_interleaved
+from fo_tune.measure import gemm_operands, rel_err
+
+out_dir, mode = sys.argv[1], sys.argv[2]
+dev = torch.device("cuda")
+SMS = torch.cuda.get_device_properties(dev).multi_processor_count
+ROUNDS = 8
+def T(bm, bn, bk, w, s, gm=8):
+    return Tile(block_m=bm, block_n=bn, block_k=bk, group_m=gm, num_warps=w, num_stages=s)
+K = functools.partial(KernelOptions, stream_k=False)  # the first variants ran before stream-K existed
+VARIANTS = {  # name: (tile, options); "base" is the kernel before this work (a loop per tile)
+    "base": (T(128, 256, 64, 8, 3), K(flatten=False, subtile=1)),
+    "loop_sub2": (T(128, 256, 64, 8, 3), K(flatten=False, subtile=2)),
+    "flat_sub1": (T(128, 256, 64, 8, 3), K(subtile=1)),
+    "flat_sub2": (T(128, 256, 64, 8, 3), K(subtile=2)),
+    "flat_sub4": (T(128, 256, 64, 8, 3), K(subtile=4)),
+    "flat_s4_sub2": (T(128, 256, 64, 8, 4), K(subtile=2)),
+    "flat_s4_sub4": (T(128, 256, 64, 8, 4), K(subtile=4)),
+    "flat_sub2_tma": (T(128, 256, 64, 8, 3), K(subtile=2, tma_store=True)),
+    "flat_s4_sub2_tma": (T(128, 256, 64, 8, 4), K(subtile=2, tma_store=True)),
+    "flat_s4_sub4_tma": (T(128, 256, 64, 8, 4), K(subtile=4, tma_store=True)),
+    "flat_s4_sub2_gm4": (T(128, 256, 64, 8, 4, 4), K(subtile=2)),
+    "flat_s4_sub2_gm16": (T(128, 256, 64, 8, 4, 16), K(subtile=2)),
+    "256x128_s3_sub2": (T(256, 128, 64, 8, 3), K(subtile=2)),
+    "256x128_s4_sub2": (T(256, 128, 64, 8, 4), K(subtile=2)),
+    "256x128_s4_sub2_tma": (T(256, 128, 64, 8, 4), K(subtile=2, tma_store=True)),
+    "128x128_s5_sub2": (T(128, 128, 64, 8, 5), K(subtile=2)),
+    "128x128w4_s4_sub2": (T(128, 128, 64, 4, 4), K(subtile=2)),
+    "128x128x128_s3_sub2": (T(128, 128, 128, 8, 3), K(subtile=2)),
+    "128x256x128_s2_sub2": (T(128, 256, 128, 8, 2), K(subtile=2)),
+    "64x256_w4_s4_sub2": (T(64, 256, 64, 4, 4), K(subtile=2)),
+}
+SHAPES = [(2048, 4096, 4096), (4096, 8192, 4096), (4096, 8192, 14336), (8192, 8192, 8192),
+          (3000, 5120, 6912), (8192, 4096, 2048)]
+if mode == "streamk":  # the last partial wave shared out over all programs, or not
+    VARIANTS = {f"s{st}_sk{int(sk)}": (T(128, 256, 64, 8, st), KernelOptions(stream_k=sk))
+                for st in (4, 3) for sk in (True, False)}
+    SHAPES.append((16384, 8192, 4096))
+    ROUNDS = 6
+
+def runner(a, b, tile, opts, r):
+    m, k = a.shape
+    n = b.shape[1]
+    tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
+    s = Schedule(collective="all_reduce", dtype="bfloat16", world_size=1, problem=Problem(m=m, n=n, k=k),
+                 tile=tile, sms_free=r, signal_tiles=tiles, groups=(1,), layout="row_band")
+    plan = make_plan(s, m, n, k, sm_count=SMS)
+    cnt = torch.zeros(4, dtype=torch.int32, device=dev)
+    ug = torch.zeros(1, dtype=torch.int32, device=dev)
+    gi = torch.tensor([0, m], dtype=torch.int32, device=dev)
+    out = torch.empty(m * n, dtype=a.dtype, device=dev)
+    op = BOperand.of(b)
+    def run():
+        signalled_gemm(a, op, out, plan, tile, counters=cnt, unit_group=ug, group_info=gi, options=opts)
+        return out.view(m, n)
+    return run, plan.grid, out
+
+def checked(a, b, ref, name, r):
+    tile, opts = VARIANTS[name]
+    try:
+        run, grid, out = runner(a, b, tile, opts, r)
+        out.fill_(float("nan"))
+        err = rel_err(run(), ref)
+        return (run, grid, err, "ok") if err < 1e-2 else (None, grid, err, f"wrong result {err:.2e}")
+    except Exception as exc:
+        return None, 0, float("nan"), f"skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+
+def timed(fns):
+    return time_interleaved(fns, dev, warmup=3, rounds=ROUNDS, min_sample_ms=STEADY_SAMPLE_MS)
+
+cols = ["m", "n", "k", "variant", "sms_free", "grid", "median_ms", "iqr_ms", "samples", "cublas_ms",
+        "cublas_over_ours", "share_ratio", "rel_err", "status"]
+var_rows, red_rows = [], []
+for m, n, k in SHAPES:
+    a, b = gemm_operands(m, n, k, "bfloat16", dev, seed=m + n + k)
+    ref = a.float() @ b.float()
+    fns, meta = {"cublas": lambda: a @ b}, {}
+    for name in VARIANTS:
+        run, grid, err, status = checked(a, b, ref, name, 0)
+        meta[name] = (grid, err, status)
+        if run is not None:
+            fns[name] = run
+    t = timed(fns)
+    cub = t["cublas"].median_ms
+    for name, (grid, err, status) in meta.items():
+        x = t.get(name)
+        var_rows.append([m, n, k, name, 0, grid, x and x.median_ms, x and x.iqr_ms, x and x.samples, cub,
+                         x and cub / x.median_ms, "", err, status])
+    ranked = sorted((nm for nm in meta if nm in t), key=lambda nm: t[nm].median_ms)
+    print(f"{m}x{n}x{k}: cuBLAS {cub:.3f} ms; " + ", ".join(f"{nm} {cub / t[nm].median_ms:.3f}" for nm in ranked[:6]))
+    fns = {"cublas": lambda: a @ b}
+    for name in ranked[:4]:
+        for r in (0, 8, 12, 16):  # (in streamk mode every variant: there are four)
+            run, grid, err, status = checked(a, b, ref, name, r)
+            if run is not None:
+                fns[f"{name}@{r}"] = run
+    t = timed(fns)
+    cub = t["cublas"].median_ms
+    for key, x in t.items():
+        if key == "cublas":
+            continue
+        name, r = key.split("@")
+        full = t[f"{name}@0"].median_ms
+        share = SMS / (SMS - int(r))
+        red_rows.append([m, n, k, name, r, SMS - int(r), x.median_ms, x.iqr_ms, x.samples, cub,
+                         cub / x.median_ms, x.median_ms / full / share, "", "ok"])
+    best = ranked[0]
+    print("   reduced " + best + ": " + ", ".join(
+        f"r={r} {t[f'{best}@{r}'].median_ms / t[f'{best}@0'].median_ms / (SMS / (SMS - r)):.3f}" for r in (8, 12, 16)
+        if f"{best}@{r}" in t) + " (time / full-grid time / SM share)")
+for fname, rows in ((f"{mode}.csv", var_rows), (f"{mode}_reduced.csv", red_rows)):
+    with open(f"{out_dir}/{fname}", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        w.writerows(rows)
+EOF
+}
+
+profile() {  # the driver is a file: the pool spawns its rank process, which imports __main__
+  cat >/tmp/profile_driver.py <<'EOF'
+import subprocess, sys
+from pathlib import Path
+from fo_tune.calibrate import profile_shape
+from fo_tune.harness import open_pool
+from fo_tune.measure import FingerprintTask
+from fo_tune.report import write_profile_csv
+from fo_tune.space import load_space
+
+
+def main():
+
+    out_dir = Path(sys.argv[1])
+    # The suite (suites/h200_tp.yaml) and five public TP=2 layer shapes (per-rank GEMM M x N x K):
+    SHAPES = {
+        (2048, 4096, 4096): "suite", (4096, 8192, 4096): "suite", (4096, 8192, 14336): "suite",
+        (8192, 8192, 8192): "suite", (16384, 8192, 4096): "suite",
+        (8192, 4096, 7168): "Llama-3-8B / Mixtral-8x7B expert down_proj (K = 14336 / 2)",
+        (8192, 4096, 2048): "Llama-3-8B / Mixtral-8x7B o_proj (K = 4096 / 2)",
+        (3000, 5120, 6912): "Qwen2.5-14B down_proj (K = 13824 / 2), M not a multiple of 128",
+        (8192, 3584, 9472): "Qwen2.5-7B down_proj (K = 18944 / 2)",
+        (4096, 8192, 14784): "Qwen2.5-72B down_proj (K = 29568 / 2)",
+    }
+    FREES = (0, 8, 12, 16)
+    tiles = tuple(load_space("search_spaces/hopper.yaml").tile_candidates())
+    with open_pool(1, backend="nccl") as pool:
+        key = pool.run(FingerprintTask())[0].device_key
+        for (m, n, k), what in SHAPES.items():
+            points = profile_shape(pool, m, n, k, tiles, FREES, "bfloat16")
+            write_profile_csv(points, Path("/tmp/prof/profiles") / key / f"{m}x{n}x{k}-bfloat16.csv", key)
+            subprocess.run(["tar", "-C", "/tmp/prof", "-czf", str(out_dir / "profiles.tgz"), "profiles"], check=True)
+            ok = [p for p in points if p.status == "ok"]
+            best = {r: min((p for p in ok if p.sms_free == r), key=lambda p: p.time_ms, default=None) for r in FREES}
+            b0 = best[0]
+            line = f"{m}x{n}x{k} ({what}): best r=0 {b0.tile} {b0.time_ms:.3f} ms, {b0.cublas_ms / b0.time_ms:.3f}x cuBLAS"
+            for r in FREES[1:]:  # the best at r over the best at full grid, over the SM share
+                if best[r] is not None:
+                    line += f"; r={r} {best[r].time_ms / b0.time_ms / (b0.grid / best[r].grid):.3f}"
+            print(line, f"({len(points) - len(ok)} skipped)")
+
+
+if __name__ == "__main__":  # the pool's rank process imports this file again (spawn)
+    main()
+EOF
+  python3 /tmp/profile_driver.py "$OUT"
+}
+
+python3 cli.py profile --help >/dev/null && echo "fo-tune profile --help: ok (no optuna needed)"
+case "$STAGE" in
+  variants) variants variants; gpu_tests ;;
+  final) variants streamk; gpu_tests; profile ;;
+  last) VIS_ONLY=1 gpu_tests; profile; NO_VIS=1 gpu_tests ;;
+  profile) profile; gpu_tests ;;
+  tests) gpu_tests ;;
+  *) echo "unknown stage $STAGE: variants, final, profile or tests" >&2; exit 2 ;;
+esac 2>&1 | tee "$OUT/session.log"
