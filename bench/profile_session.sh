@@ -51,8 +51,8 @@ variants() {
 import csv, functools, sys, torch
 from fo_kernels.gemm import BOperand, KernelOptions, signalled_gemm
 from fo_kernels.plan import cdiv, make_plan
-from fo_kernels.schedule import Problem, Schedule, Tile
-from fo_tune.harness import STEADY_SAMPLE_MS, time_interleaved
+from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
+from fo_tune.timing import STEADY_SAMPLE_MS, time_interleaved
 from fo_tune.measure import gemm_operands, rel_err
 
 out_dir, mode = sys.argv[1], sys.argv[2]
@@ -97,7 +97,7 @@ def runner(a, b, tile, opts, r):
     n = b.shape[1]
     tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
     s = Schedule(collective="all_reduce", dtype="bfloat16", world_size=1, problem=Problem(m=m, n=n, k=k),
-                 tile=tile, sms_free=r, signal_tiles=tiles, groups=(1,), layout="row_band")
+                 settings=TritonSettings(tile=tile, sms_free=r, signal_tiles=tiles, groups=(1,), layout="row_band"))
     plan = make_plan(s, m, n, k, sm_count=SMS)
     cnt = torch.zeros(4, dtype=torch.int32, device=dev)
     ug = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -175,8 +175,7 @@ profile() {  # the driver is a file: the pool spawns its rank process, which imp
 import subprocess, sys
 from pathlib import Path
 from fo_tune.calibrate import profile_shape
-from fo_tune.harness import open_pool
-from fo_tune.measure import FingerprintTask
+from fo_tune.launch import FingerprintTask, open_pool
 from fo_tune.report import write_profile_csv
 from fo_tune.space import load_space
 

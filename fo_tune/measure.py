@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fo_kernels.gemm import BOperand, signalled_gemm
 from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
-from fo_kernels.schedule import Problem, Schedule, Tile, torch_dtype
+from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings, torch_dtype
 
 from .launch import RankContext
 from .timing import Timing, comparison_sample_ms, time_interleaved, time_region
@@ -85,11 +85,9 @@ def gemm_runner(
         dtype="bfloat16",
         world_size=1,
         problem=Problem(m=m, n=n, k=k),
-        tile=tile,
-        sms_free=sms_free,
-        signal_tiles=tiles,
-        groups=(1,),
-        layout="row_band",
+        settings=TritonSettings(
+            tile=tile, sms_free=sms_free, signal_tiles=tiles, groups=(1,), layout="row_band"
+        ),
     )
     plan = make_plan(schedule, m, n, k, sm_count=sm_count)
     counters = torch.zeros(4, dtype=torch.int32, device=a.device)

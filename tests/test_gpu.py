@@ -182,8 +182,10 @@ def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, t
     mt, nt = cdiv(m, tile.block_m), cdiv(n, tile.block_n)
     unit = nt if layout == "row_band" else 8
     s = Schedule(
-        collective="all_reduce", dtype="bfloat16", world_size=1, problem=Problem(m=m, n=n, k=k), tile=tile,
-        sms_free=16, signal_tiles=unit, groups=(1,) * cdiv(mt * nt, unit), layout=layout,
+        collective="all_reduce", dtype="bfloat16", world_size=1, problem=Problem(m=m, n=n, k=k),
+        settings=TritonSettings(
+            tile=tile, sms_free=16, signal_tiles=unit, groups=(1,) * cdiv(mt * nt, unit), layout=layout
+        ),
     )  # fmt: skip
     plan = make_plan(s, m, n, k, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
     ug = torch.tensor(plan.unit_group(), dtype=torch.int32, device="cuda")

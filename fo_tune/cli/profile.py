@@ -34,7 +34,8 @@ HELP = "\n\n".join(
         "Time every feasible GEMM tile config of the search space for one shape, next to cuBLAS.",
         "Runs the signalled persistent GEMM with each tile config of the search space at each grid "
         "size SMs - r (r = 0 and every sms_free of the space), checks each result against a float32 "
-        "matmul, then times it (median over repetitions, max over ranks). A config that fails to "
+        "matmul, then times it in alternation with cuBLAS, both back to back (median over "
+        "repetitions, max over ranks; each row's cuBLAS time is its own). A config that fails to "
         "compile, launch or check is skipped with its reason.",
         "Writes a CSV sorted by time (skipped configs last; columns as gemm_profile.csv of "
         "`fo-tune calibrate`, with cublas_ms on every row) to --out, default "
