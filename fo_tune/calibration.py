@@ -33,9 +33,9 @@ from fo_kernels.schedule import COLLECTIVES
 
 CALIBRATION_SCHEMA_VERSION = 1
 CALIBRATION_KIND = "fo-tune-calibration"
-# What a calibration measures: the runtime's collectives and the other two a tensor- or
-# expert-parallel layer ends in.
-CALIBRATED_COLLECTIVES = (*COLLECTIVES, "all_gather", "all_to_all")
+# What a calibration measures: the runtime's collectives and all_to_all, which an expert-parallel
+# layer ends in.
+CALIBRATED_COLLECTIVES = (*COLLECTIVES, "all_to_all")
 
 
 class CalibrationError(FoTuneError, ValueError):
