@@ -20,7 +20,7 @@ from fo_kernels.fingerprint import Fingerprint, current_fingerprint
 from fo_kernels.gemm import BOperand, signalled_gemm
 from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
-from fo_kernels.schedule import Problem, Schedule, Tile
+from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
 
 from .harness import Timing, comparison_sample_ms, time_interleaved, time_region
 from .launch import RankContext
@@ -93,11 +93,7 @@ def gemm_runner(
         dtype="bfloat16",
         world_size=1,
         problem=Problem(m=m, n=n, k=k),
-        tile=tile,
-        sms_free=sms_free,
-        signal_tiles=tiles,
-        groups=(1,),
-        layout="row_band",
+        settings=TritonSettings(tile=tile, sms_free=sms_free, signal_tiles=tiles, groups=(1,), layout="row_band"),
     )
     plan = make_plan(schedule, m, n, k, sm_count=sm_count)
     counters = torch.zeros(4, dtype=torch.int32, device=a.device)
@@ -336,7 +332,7 @@ class ConfirmTask:
         ok = [e < GEMM_TOL[s0.dtype] for e in errs]
         fallback = Schedule(
             collective=s0.collective, dtype=s0.dtype, world_size=ctx.world_size,
-            problem=Problem(m=self.m, n=self.n, k=self.k), overlap=False,
+            problem=Problem(m=self.m, n=self.n, k=self.k),
         )  # fmt: skip
         fallback_ok = _check_schedule(ctx, fallback, self.m, self.n, self.k, self.seed) < GEMM_TOL[s0.dtype]
         a, b = gemm_operands(self.m, self.n, self.k, s0.dtype, ctx.device, self.seed * 1009 + ctx.rank)
