@@ -54,28 +54,51 @@ HELP = "\n\n".join(
         "<folder>/<device-key>/<collective>-w<world>-<dtype>.yaml, and the runtime searches the "
         "folders $FO_TUNE_TABLE_DIR, $XDG_DATA_HOME/fo-tune/tables (default "
         "~/.local/share/fo-tune/tables) and the packaged results/tables, in this order.",
-        "Commands: show (print a table), validate (check files beyond their format: every row must "
-        "give a plan for its shapes) and diff (compare two tables row by row).",
+        "Commands: show (print a table), lookup (the row the runtime would use for one call, and its "
+        "file), validate (check files beyond their format: every row must give a plan for its shapes) "
+        "and diff (compare two tables row by row).",
+        "The runtime prefers a measured row over a predicted one (provenance mode: predict, written by "
+        "an offline search) in any folder; between rows of the same kind the folder order decides.",
     ]
 )
 
 SHOW_HELP = "\n\n".join(
     [
-        "Print a schedule table: one line per row with its problem, overlap, tile, SMs left free, "
-        "NCCL CTA cap, signal granularity, groups, layout and wait mode, and the provenance the "
-        "tuner recorded (measured_ms, predicted_ms, speedup, mode, source, ...), under a header "
-        "with the fingerprint the table was measured on (device key, GPU, library versions).",
+        "Print a schedule table: one line per row with its problem, whether it was measured or "
+        "predicted (a predicted row, from an offline search, is used only where no measured row "
+        "matches), overlap, engine and its settings (Triton: tile, SMs left free, NCCL CTA cap, "
+        "signal granularity, groups, layout, wait mode; copy engine: mode, tile, chunk weights), "
+        "and the provenance the tuner recorded (measured_ms, predicted_ms, speedup, mode, source, "
+        "...), under a header with the fingerprint the table was measured on (device key, GPU, "
+        "library versions).",
         "Give a PATH to a table file, or leave it out to show the table(s) the runtime would read "
         "for --device-key (default: this machine's key for --world-size), --collective, --world-size "
         "and --dtype: every file found in the search path, in the order lookup reads them (an "
         "exact-shape row in any of them beats an M-range row).",
         "Tile form: BMxBNxBK gmGROUP_M wWARPS sSTAGES (ws: warp specialized). cap: NCCL CTA cap "
         "(default: NCCL's). signal: tiles per signal unit. groups: sizes in signal units (relative "
-        "weights on an M-range row). A copy-engine row (engine: copy_engine, 2 GPUs) shows "
-        "'copy engine' as its tile and the relative row weights of its chunks as groups.",
+        "weights on an M-range row). A copy-engine row (engine: copy_engine) shows 'copy engine' "
+        "and its mode as its tile (with the tiled mode's tile) and the relative row weights of its "
+        "chunks as groups.",
         "--format yaml prints the table(s) as YAML, --format csv one CSV line per row (with a file "
         "column), for scripts.",
         "Exit code 0 when shown, 2 when no table is found or a file is malformed.",
+    ]
+)
+
+LOOKUP_HELP = "\n\n".join(
+    [
+        "Print the row the runtime (fo_kernels.lookup_schedule) would use for one call, as YAML: "
+        "source (the table file it comes from), kind (measured or predicted) and the row with its "
+        "provenance.",
+        "The runtime reads every table for the device key, collective, world size and dtype in its "
+        "search path ($FO_TUNE_TABLE_DIR, the user folder, the packaged tables) and takes a "
+        "measured exact-shape row, else a measured M-range row covering M, else a predicted "
+        "exact-shape row, else a predicted M-range row; between rows of the same kind the folder "
+        "order decides. Without a matching row it runs overlap: false (GEMM then the collective); "
+        "lookup then prints that with source: no table row and the files it read.",
+        "--device-key defaults to this machine's key for --world-size.",
+        "Exit code 0 when printed (a row or overlap: false), 2 for bad options or a malformed table.",
     ]
 )
 
@@ -196,10 +219,17 @@ def tile_label(tile: Tile | None) -> str:
 
 
 def copy_engine_label(row: Schedule) -> str:
-    """``copy engine``, ``copy engine, tiled 128x256x64 ...`` or ``copy engine, exchange``."""
-    if row.exchange:
-        return "copy engine, exchange"
-    return "copy engine" + (f", tiled {tile_label(row.tile)}" if row.tile is not None else "")
+    """``copy engine ring`` or ``copy engine tiled 128x256x64 ...``."""
+    st = row.settings
+    tile = getattr(st, "tile", None)
+    return f"copy engine {getattr(st, 'mode', '')}" + (f" {tile_label(tile)}" if tile is not None else "")
+
+
+def kind_label(row: Schedule) -> str:
+    """``measured`` or ``predicted`` (``fo_kernels.table.row_kind``)."""
+    from fo_kernels.table import row_kind
+
+    return row_kind(row)
 
 
 def value_label(value: Any) -> str:
@@ -238,31 +268,38 @@ def _print_plain(text: str) -> None:
     console.print(escape(text), highlight=False)
 
 
+def _settings_cells(row: Schedule) -> list[str]:
+    """tile, sms_free, cap, signal, groups, layout, wait of a row (``-`` where it has none)."""
+    from fo_kernels.schedule import CopyEngineSettings, TritonSettings
+
+    st = row.settings
+    if isinstance(st, CopyEngineSettings):
+        return [copy_engine_label(row), "-", "-", "-", value_label(st.weights), "-", "-"]
+    if isinstance(st, TritonSettings):
+        return [
+            tile_label(st.tile), str(st.sms_free), str(st.nccl_max_ctas or "default"), str(st.signal_tiles),
+            value_label(st.groups), st.layout, st.wait_mode,
+        ]  # fmt: skip
+    return ["-"] * 7
+
+
 def _show_rich(path: Path, table: ScheduleTable) -> None:
     console.print(f"[bold]{escape(str(path))}[/]", highlight=False)
     for line in fingerprint_lines(table):
         _print_plain(f"  {line}")
     prov = [key for key in provenance_keys(table.rows) if key not in PROVENANCE_LONG]
-    columns = ["problem", "overlap", "tile", "sms_free", "cap", "signal", "groups", "layout", "wait", *prov]
-    out = summary_table("", columns, 3)
+    columns = ["problem", "row", "overlap", "tile", "sms_free", "cap", "signal", "groups", "layout", "wait", *prov]
+    out = summary_table("", columns, 4)
     for row in table.rows:
-        cells = [row.problem.describe(), value_label(row.overlap)]
-        if row.overlap and row.engine == "copy_engine":
-            cells += [copy_engine_label(row), "-", "-", "-", value_label(row.groups), "-", "-"]
-        elif row.overlap:
-            cells += [
-                tile_label(row.tile),
-                str(row.sms_free),
-                str(row.nccl_max_ctas or "default"),
-                str(row.signal_tiles),
-                value_label(row.groups),
-                row.layout,
-                row.wait_mode,
-            ]
-        else:
-            cells += ["-"] * 7
+        cells = [row.problem.describe(), kind_label(row), value_label(row.overlap), *_settings_cells(row)]
         cells += [value_label(row.provenance[key]) if key in row.provenance else "-" for key in prov]
         out.add_row(*(escape(cell) for cell in cells))
+    predicted = sum(kind_label(row) == "predicted" for row in table.rows)
+    if predicted:
+        out.caption = (
+            f"{predicted} predicted row(s) (an offline search's; the runtime uses them only where no "
+            "measured row matches)"
+        )
     console.print(out)
 
 
@@ -293,8 +330,9 @@ CSV_COLUMNS = (
     "groups",
     "layout",
     "wait_mode",
-    "engine",  # last: added after the other columns, so scripts reading by position keep working
-    "exchange",  # (copy engine rows)
+    "engine",  # after the other columns, so scripts reading by position keep working
+    "mode",  # (copy engine rows)
+    "kind",  # measured or predicted
 )
 
 
@@ -307,22 +345,19 @@ def _csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
     for path, table in found:
         for row in table.rows:
             values: dict[str, Any] = {"file": str(path), **row.problem.to_dict(), "overlap": row.overlap}
-            if row.overlap:
+            values["kind"] = kind_label(row)
+            st = row.settings
+            if st is not None:
                 values["engine"] = row.engine
-                values["groups"] = " ".join(map(str, row.groups))
-                if row.tile is not None:  # every Triton row; a copy-engine row in its tiled mode
-                    values.update(row.tile.to_dict())
-                    values["warp_specialize"] = row.tile.warp_specialize
-            if row.overlap and row.engine == "copy_engine":
-                values["exchange"] = row.exchange
-            elif row.overlap:
-                values.update(
-                    sms_free=row.sms_free,
-                    nccl_max_ctas=row.nccl_max_ctas,
-                    signal_tiles=row.signal_tiles,
-                    layout=row.layout,
-                    wait_mode=row.wait_mode,
-                )
+                groups = getattr(st, "groups", None) or getattr(st, "weights", ())
+                values["groups"] = " ".join(map(str, groups))
+                tile = getattr(st, "tile", None)
+                if tile is not None:  # every Triton row; a copy-engine row in its tiled mode
+                    values.update(tile.to_dict())
+                    values["warp_specialize"] = tile.warp_specialize
+                for name in ("sms_free", "nccl_max_ctas", "signal_tiles", "layout", "wait_mode", "mode"):
+                    if hasattr(st, name):
+                        values[name] = getattr(st, name)
             values.update({key: row.provenance[key] for key in prov if key in row.provenance})
             writer.writerow([values.get(column, "") for column in (*CSV_COLUMNS, *prov)])
     return buf.getvalue()
@@ -394,6 +429,54 @@ def show(
         _show_rich(p, table)
 
 
+# ------------------------------------------------------------------------------ lookup
+ShapeOpt = Annotated[
+    str,
+    typer.Option("--shape", "-s", metavar="MxNxK", help="The call's GEMM: M x N x K per rank.", show_default=False),
+]
+
+
+@handle_errors
+def lookup(
+    shape: ShapeOpt,
+    collective: CollectiveOpt = None,
+    world_size: TableWorldSizeOpt = None,
+    dtype: TableDtypeOpt = None,
+    device_key: DeviceKeyOpt = None,
+) -> None:
+    import yaml
+
+    from .common import parse_shape
+
+    m, n, k = parse_shape(shape)
+    collective = _check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
+    dtype = _check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
+    world = world_size or DEFAULT_WORLD_SIZE
+    if collective == "reduce_scatter" and m % world:
+        raise typer.BadParameter(f"--shape {shape}: reduce_scatter needs M divisible by the world size {world}")
+    from fo_kernels.table import MISS_SOURCE
+    from fo_tune.tables import find_row
+
+    if device_key is None:
+        from fo_kernels.fingerprint import current_fingerprint
+
+        device_key = current_fingerprint(None, world).device_key
+    row, path, read = find_row(device_key, collective, world, dtype, m, n, k)
+    out: dict[str, Any] = {"device_key": device_key}
+    if row is None:
+        out.update(
+            source=f"{MISS_SOURCE}: the runtime runs overlap: false (GEMM then the collective)",
+            searched=[str(p) for p in read],
+            row={"problem": {"m": m, "n": n, "k": k}, "overlap": False},
+        )
+    else:
+        data = row.to_dict()
+        for key in ("collective", "dtype", "world_size"):
+            data.pop(key)
+        out.update(source=str(path), kind=kind_label(row), row=data)
+    typer.echo(yaml.safe_dump(out, sort_keys=False, width=110), nl=False)
+
+
 # ------------------------------------------------------------------------------ validate
 def _location_note(path: Path, table: ScheduleTable) -> str | None:
     from fo_kernels.table import table_filename
@@ -451,6 +534,8 @@ def _latency_cell(values: dict[str, float]) -> tuple[str, str | None]:
 
 
 def _changes_cell(d: RowDiff) -> str:
+    from fo_tune.tables import field_value
+
     if d.status == "only_a":
         row = d.a
     elif d.status == "only_b":
@@ -460,10 +545,11 @@ def _changes_cell(d: RowDiff) -> str:
     if row is not None:
         if not row.overlap:
             return "no overlap"
-        return copy_engine_label(row) if row.engine == "copy_engine" else tile_label(row.tile)
+        return copy_engine_label(row) if row.engine == "copy_engine" else tile_label(field_value(row, "tile"))
     assert d.a is not None and d.b is not None
     parts = [
-        f"{name} {value_label(getattr(d.a, name))} -> {value_label(getattr(d.b, name))}" for name in d.fields
+        f"{name} {value_label(field_value(d.a, name))} -> {value_label(field_value(d.b, name))}"
+        for name in d.fields
     ]
     if d.provenance_changed:
         parts.append("provenance: " + ", ".join(d.provenance_changed))
@@ -512,9 +598,10 @@ def diff(a: TableAArg, b: TableBArg, exit_code: ExitCodeOpt = False, all_: AllRo
 
 
 def register(app: typer.Typer) -> None:
-    """Add the ``table`` command group (show, validate, diff) to the root app."""
+    """Add the ``table`` command group (show, lookup, validate, diff) to the root app."""
     sub = typer.Typer(name="table", help=HELP, no_args_is_help=True, add_completion=False)
     sub.command("show", help=SHOW_HELP, short_help="Print a table, its rows and its fingerprint.")(show)
+    sub.command("lookup", help=LOOKUP_HELP, short_help="The row the runtime would use for one call.")(lookup)
     sub.command("validate", help=VALIDATE_HELP, short_help="Check table files: format and plans.")(validate)
     sub.command("diff", help=DIFF_HELP, short_help="Compare two tables row by row.")(diff)
     app.add_typer(sub, name="table")

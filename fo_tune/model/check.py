@@ -34,6 +34,24 @@ class CheckError(FoTuneError, ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class Measured:
+    """One measurement of a schedule at an exact shape."""
+
+    source: str  # the file
+    item: str  # "row 4096x8192x4096" or "trial 12 4096x8192x4096"
+    schedule: Schedule  # exact-shape
+    measured_ms: float
+
+    def checked(self, model: CostModel) -> Checked:
+        p = self.schedule.problem
+        assert p.m is not None
+        return Checked(
+            self.source, self.item, self.schedule.engine or "", self.schedule.describe().split(": ", 1)[-1],
+            self.measured_ms, _predict(model, self.schedule, p.m, p.n, p.k),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class Checked:
     """One measurement and the model's prediction of it."""
 
@@ -65,8 +83,8 @@ def _predict(model: CostModel, schedule: Schedule, m: int, n: int, k: int) -> fl
         return math.nan
 
 
-def table_rows(table: ScheduleTable, model: CostModel, source: str) -> list[Checked]:
-    """Every measured row of ``table`` with its prediction (see the module docstring)."""
+def table_rows(table: ScheduleTable, source: str) -> list[Measured]:
+    """Every measured row of ``table`` (see the module docstring)."""
     out = []
     for row in table.rows:
         if row_kind(row) != "measured":
@@ -76,18 +94,13 @@ def table_rows(table: ScheduleTable, model: CostModel, source: str) -> list[Chec
         measured = prov.get("measured_ms") if row.overlap else prov.get("fallback_ms", prov.get("sequential_ms"))
         if not isinstance(m, int) or not isinstance(measured, (int, float)) or not measured > 0:
             continue
-        exact = row.__class__(
-            collective=row.collective, dtype=row.dtype, world_size=row.world_size,
-            problem=Problem(m=m, n=row.problem.n, k=row.problem.k), settings=row.settings,
-        )  # fmt: skip
         n, k = row.problem.n, row.problem.k
-        kind = "row" if row.problem.m is not None else "range row at"
-        out.append(
-            Checked(
-                source, f"{kind} {m}x{n}x{k}", row.engine or "", exact.describe().split(": ", 1)[-1],
-                float(measured), _predict(model, exact, m, n, k),
-            )
+        exact = Schedule(
+            collective=row.collective, dtype=row.dtype, world_size=row.world_size,
+            problem=Problem(m=m, n=n, k=k), settings=row.settings,
         )  # fmt: skip
+        kind = "row" if row.problem.m is not None else "range row at"
+        out.append(Measured(source, f"{kind} {m}x{n}x{k}", exact, float(measured)))
     return out
 
 
@@ -115,8 +128,8 @@ def _old_trial_settings(row: dict[str, str]) -> TritonSettings | None:
     )
 
 
-def report_trials(path: Path, model: CostModel) -> list[Checked]:
-    """Every measured trial of a search report's ``trials.csv`` with its prediction."""
+def report_trials(path: Path) -> list[Measured]:
+    """Every measured trial of a search report's ``trials.csv``."""
     try:
         with path.open(newline="", encoding="utf-8") as f:
             rows = list(csv.DictReader(f))
@@ -146,28 +159,28 @@ def report_trials(path: Path, model: CostModel) -> list[Checked]:
             )  # fmt: skip
         except (ScheduleError, ValueError, KeyError):
             continue
-        out.append(
-            Checked(
-                str(path), f"trial {row['number']} {row['shape']}", schedule.engine or "",
-                schedule.describe().split(": ", 1)[-1], measured, _predict(model, schedule, m, n, k),
-            )
-        )  # fmt: skip
+        out.append(Measured(str(path), f"trial {row['number']} {row['shape']}", schedule, measured))
     return out
 
 
-def check_files(paths: Iterable[Path], model: CostModel) -> list[Checked]:
+def measured_in(paths: Iterable[Path]) -> list[Measured]:
     """Every measured row or trial of ``paths`` (tables: ``*.yaml``; reports: ``trials.csv`` or a
-    report folder holding one), predicted."""
+    report folder holding one)."""
     from fo_kernels.table import load_table
 
-    out: list[Checked] = []
+    out: list[Measured] = []
     for path in paths:
         if path.is_dir():
             path = path / "trials.csv"
         if path.suffix in (".yaml", ".yml"):
-            out += table_rows(load_table(path), model, str(path))
+            out += table_rows(load_table(path), str(path))
         elif path.suffix == ".csv":
-            out += report_trials(path, model)
+            out += report_trials(path)
         else:
             raise CheckError(f"{path}: expected a table (.yaml) or a search report (trials.csv, or its folder)")
     return out
+
+
+def check_files(paths: Iterable[Path], model: CostModel) -> list[Checked]:
+    """``measured_in(paths)``, each predicted by ``model``."""
+    return [m.checked(model) for m in measured_in(paths)]

@@ -7,17 +7,24 @@ its source); ``fo-tune calibrate`` measures what a GPU can measure and replaces 
 - ``fit_library``: least squares of the library wave model through measured cuBLAS times;
 - ``fit_free``: coordinate descent of named parameters over a grid within bounds, minimising
   the mean absolute percentage error of the model over measured rows (``fo_tune.model.check``),
-  with every other parameter fixed.
+  with every other parameter fixed;
+- ``fit_calibration``: what ``fo-tune model fit`` runs: the copy engine's free parameters to
+  measured table rows, the Triton term's host times to measured search trials, each keeping the
+  rows it is told to hold out.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from fo_kernels.plan import cdiv
 
+from ..calibration import Calibration, EngineCalibration, Quantity
 from .check import Checked, mape
+from .core import CostModel
 from .library import K_UNIT
 
 # Parameters fit_free may move, and the range it searches each in.
@@ -86,3 +93,87 @@ def fit_free(
             lo0, hi0 = FREE_BOUNDS[name]
             bounds[name] = (max(lo0, params[name] - span), min(hi0, params[name] + span))
     return params, best
+
+
+# The copy engine's parameters fit_calibration fits to table rows, and the Triton term's host times
+# it fits to search trials (the rest are measured: fo-tune calibrate, or the probes named in their
+# sources).
+COPY_ENGINE_FREE = (
+    "clock_context",
+    "chunk_overhead_ms",
+    "call_overhead_ms",
+    "gather_exposed",
+    "tiled_gemm_factor",
+    "library_small_tile_efficiency",
+    "library_beta1_factor",
+)
+TRITON_FREE = ("host_launch_ms", "host_per_group_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class FitReport:
+    """What ``fit_calibration`` did: per term the fitted values and the errors on the rows used
+    and on the rows held out."""
+
+    term: str
+    values: dict[str, float]
+    fit: list[Checked]
+    held_out: list[Checked]
+
+
+def _apply(model: CostModel, term: str, params: Mapping[str, float]) -> None:
+    for name, value in params.items():
+        if term == "copy_engine":
+            if name in model.library.p:
+                model.library.p[name] = value
+            model.term("copy_engine").p[name] = value
+        else:
+            model.term("triton").host[name] = value
+
+
+def fit_calibration(
+    cal: Calibration, *, files: Sequence[Path], held_out: Callable[[Checked], bool]
+) -> list[FitReport]:
+    """Fit ``COPY_ENGINE_FREE`` to the measured copy-engine and ``overlap: false`` rows and trials
+    of ``files`` and ``TRITON_FREE`` to their measured Triton ones, leaving out of each fit what
+    ``held_out`` says; write the values into ``cal`` with their sources and return the reports."""
+    from .check import measured_in
+
+    model = CostModel(cal)
+    items = measured_in(files)
+    names = ", ".join(str(p) for p in files)
+    out = []
+    groups = (
+        ("copy_engine", COPY_ENGINE_FREE, [m for m in items if m.schedule.engine != "triton"]),
+        ("triton", TRITON_FREE, [m for m in items if m.schedule.engine == "triton"]),
+    )
+    for term, free, group in groups:
+        if not group or (term == "copy_engine" and cal.copy_engine is None):
+            continue
+        train = [m for m in group if not held_out(m.checked(model))]
+
+        def evaluate(params: Mapping[str, float], term: str = term, train: list = train) -> list[Checked]:
+            _apply(model, term, params)
+            return [m.checked(model) for m in train]
+
+        start = cal.copy_engine.values() if term == "copy_engine" else dict(model.term("triton").host)
+        values, _ = fit_free(evaluate, start, free)
+        _apply(model, term, values)
+        rows = [m.checked(model) for m in group]
+        use = [c for c in rows if not held_out(c)]
+        source = (
+            f"fitted to {len(use)} measured rows and trials of {names} (fo-tune model fit; "
+            f"{len(rows) - len(use)} held out)"
+        )
+        section = cal.copy_engine if term == "copy_engine" else (cal.triton or EngineCalibration())
+        for name, value in values.items():
+            if name in free:
+                section.params[name] = Quantity(value=round(value, 6), source=source)
+            elif term == "triton" and name not in section.params:
+                section.params[name] = Quantity(
+                    value=value, source="measured on H200 x2 (docs/perf-notes.md 'Run 3'; fo_tune.model.triton.DEFAULT_HOST)"
+                )
+        if term == "triton":
+            cal.triton = section
+        out.append(FitReport(term, {n: values[n] for n in free}, use, [c for c in rows if held_out(c)]))
+    return out
