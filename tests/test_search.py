@@ -26,12 +26,14 @@ from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.errors import HeuristicScheduleWarning
 from fo_kernels.heuristics import default_schedule
 from fo_kernels.plan import make_plan
-from fo_kernels.schedule import Tile
+from fo_kernels.schedule import Tile, TritonSettings
 from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_table
 from fo_tune import tables as table_tools
 from fo_tune.calibration import load_calibration
 from fo_tune.cli.search import packaged_calibration
-from fo_tune.encoding import Encoding, Infeasible, schedule_key, tile_label
+from fo_tune.encoding import Infeasible, UnionEncoding, schedule_key
+from fo_tune.engines import ShapeTask
+from fo_tune.engines.triton import tile_label
 from fo_tune.model import CostModel, num_units, with_groups
 from fo_tune.search import m_values, model_error
 from fo_tune.space import space_for
@@ -64,17 +66,22 @@ def search(*args: str):
     return CliRunner().invoke(app, ["search", *args])
 
 
-def enc_for(model, collective, shape, space=None):
-    return Encoding.from_space(
-        space or space_for("9.0"),
-        collective=collective,
-        dtype="bfloat16",
-        world_size=2,
-        shape=shape,
-        sm_count=132,
-        cpu=False,
-        tiles=tuple(model.tiles()),
-    )
+def enc_for(model, collective, shape, space=None, engines=("triton",)):
+    m, n, k = shape
+    task = ShapeTask(
+        collective=collective, dtype="bfloat16", world_size=2, m=m, n=n, k=k, sm_count=132, cpu=False,
+        space=space or space_for("9.0"), model=model, predictable=True,
+    )  # fmt: skip
+    return UnionEncoding(task, engines)
+
+
+def triton_point(tile: Tile, **params) -> dict:
+    """A union point of the Triton engine (its parameters prefixed)."""
+    return {"engine": "triton", "triton.tile": tile_label(tile), **{f"triton.{k}": v for k, v in params.items()}}
+
+
+def with_tile(schedule, tile: Tile):
+    return dataclasses.replace(schedule, settings=dataclasses.replace(schedule.settings, tile=tile))
 
 
 # ---------------------------------------------------------------------------------- the model
@@ -84,7 +91,7 @@ def test_model_predicts_the_heuristic_schedule(model, collective, shape):
     m, n, k = shape
     s = default_schedule(collective, m, n, k, dtype="bfloat16", world_size=2, sm_count=132, on_gpu=True)
     if s.overlap:
-        s = dataclasses.replace(s, tile=model.tiles()[0])
+        s = with_tile(s, model.tiles()[0])
     p = model.predict(s, m, n, k)
     base = model.sequential(collective, m, n, k, "bfloat16")
     assert p.total_ms > 0 and math.isfinite(p.total_ms)
@@ -139,18 +146,11 @@ def test_dp_grouping_beats_every_composition_it_could_have_chosen(model, collect
     m, n, k = shape
     enc = enc_for(model, collective, shape)
     base = enc.build(
-        {
-            "tile": tile_label(enc.tiles[1]),
-            "sms_free": 24,
-            "nccl_max_ctas": 16,
-            "signal": "band1",
-            "layout": "row_band",
-            "wait_mode": "stream_wait",
-            "grouping": "custom",
-            "num_groups": 1,
-        },
-        model,
-    )
+        triton_point(
+            model.tiles()[1], sms_free=24, nccl_max_ctas=16, signal="band1", layout="row_band",
+            wait_mode="stream_wait", grouping="custom", num_groups=1,
+        )
+    )  # fmt: skip
     units = num_units(base, m, n)
     dp = model.best_grouping(base, m, n, k, max_groups=8)
     assert sum(dp) == units and len(dp) <= 8
@@ -175,53 +175,54 @@ def test_dp_grouping_beats_every_composition_it_could_have_chosen(model, collect
 def test_custom_grouping_reaches_any_composition(model):
     enc = enc_for(model, "all_reduce", (16384, 8192, 4096))
     rng = random.Random(1)
-    head = {
-        "tile": tile_label(enc.tiles[0]),
-        "sms_free": 32,
-        "nccl_max_ctas": 24,
-        "signal": "band1",
-        "layout": "tile_major",
-        "wait_mode": "spin",
-    }
-    units = enc.build({**head, "grouping": "custom", "num_groups": 1}, model).groups[0]
+    head = triton_point(
+        model.tiles()[0], sms_free=32, nccl_max_ctas=24, signal="band1", layout="tile_major", wait_mode="spin"
+    )
+    one = enc.build({**head, "triton.grouping": "custom", "triton.num_groups": 1})
+    units = one.settings.groups[0]
     for _ in range(50):
-        cuts = sorted(rng.sample(range(1, units), rng.randint(0, enc.max_groups - 1)))
+        cuts = sorted(rng.sample(range(1, units), rng.randint(0, 7)))
         groups = tuple(b - a for a, b in itertools.pairwise([0, *cuts, units]))
-        s = dataclasses.replace(
-            enc.build({**head, "grouping": "custom", "num_groups": 1}, model), groups=groups
-        )
+        s = with_groups(one, groups)
         params = enc.params_of(s)
-        assert params is not None
-        assert enc.build(params, model).groups == groups
+        assert params is not None and params["engine"] == "triton"
+        assert enc.build(params).settings.groups == groups
 
 
 def test_heuristic_round_trips_and_infeasible_points_are_refused(model):
     shape = (8192, 8192, 8192)
     enc = enc_for(model, "all_reduce", shape)
     h = default_schedule("all_reduce", *shape, dtype="bfloat16", world_size=2, sm_count=132, on_gpu=True)
-    h = dataclasses.replace(h, tile=model.tiles()[1], provenance={})
+    h = dataclasses.replace(with_tile(h, model.tiles()[1]), provenance={})
     params = enc.params_of(h)
     assert params is not None
-    assert schedule_key(enc.build(params, model)) == schedule_key(h)
+    assert schedule_key(enc.build(params)) == schedule_key(h)
     # a wave-sized unit cut inside a band of tile rows cannot be a row_band group boundary
-    bad = {**params, "signal": "wave1", "num_groups": 2, "cut_0": 0.37}
+    bad = {**params, "triton.signal": "wave1", "triton.num_groups": 2, "triton.cut_0": 0.37}
     with pytest.raises(Infeasible, match="row_band"):
-        enc.build(bad, model)
+        enc.build(bad)
+    no_model = enc_for(None, "all_reduce", shape)
+    no_model = UnionEncoding(dataclasses.replace(no_model.task, predictable=False), ("triton",))
     with pytest.raises(Infeasible, match="dp"):
-        enc.build({**params, "grouping": "dp"}, None)
+        no_model.build({**params, "triton.grouping": "dp"})
 
 
 def test_enumeration_builds_or_refuses_every_point(model):
     enc = enc_for(model, "reduce_scatter", (4096, 8192, 4096))
     ok = bad = 0
-    for params in enc.enumerate():
+    points = list(enc.points(exhaustive=True))
+    for params in points:
         try:
-            s = enc.build(params, model)
+            s = enc.build(params)
             make_plan(s, 4096, 8192, 4096, sm_count=132)
             ok += 1
         except Infeasible:
             bad += 1
-    assert ok > 100 and ok + bad == len(list(enc.enumerate()))
+    assert ok > 100 and ok + bad == len(points)
+    # the predict enumeration: every config once, with the model's DP grouping, no spin waits
+    # (the model prices only their extra host time: they never win there)
+    fast = list(enc.points(exhaustive=False))
+    assert {p["triton.grouping"] for p in fast} == {"dp"} and {p["triton.wait_mode"] for p in fast} == {"stream_wait"}
 
 
 def test_m_values():
@@ -246,38 +247,39 @@ def test_offline_search_writes_a_row_the_runtime_returns(tmp_path, h200, monkeyp
     result = search("--shape", "16384x8192x4096", "--out", str(tmp_path / "o"))
     wall = time.monotonic() - t0
     assert result.exit_code == 0, result.output
-    assert wall < 20, wall  # the issue's bar is 10 s for a whole process; docs/perf-notes.md has it
+    assert wall < 20, wall  # the issue's bar is 5 s for a whole process on 2 idle cores
     path = tmp_path / "o" / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml"
     table = load_table(path)
     row = table.find(16384, 8192, 4096)
     assert row is not None and row.provenance["mode"] == "predict"
-    # the runtime, on that H200 x2, returns exactly this row
+    # the shipped measured rows run the copy engine here; so does the plan
+    assert row.engine == "copy_engine" and row.provenance["fallback_ms"] > row.provenance["predicted_ms"]
+    # the runtime, on that H200 x2, returns exactly this row when no measured row is found
     monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "o" / "tables"))
+    monkeypatch.setattr("fo_kernels.table._packaged_table_dir", lambda: None)
     monkeypatch.setattr("fo_kernels.table.current_fingerprint", lambda dev, world: h200.fingerprint)
     with warnings.catch_warnings():
         warnings.simplefilter("error", HeuristicScheduleWarning)
         got = lookup_schedule("all_reduce", 16384, 8192, 4096, dtype="bfloat16", world_size=2, device="cpu")
     assert got == row
     report = tmp_path / "o" / "report" / "all_reduce-w2-bfloat16-predict"
-    assert {p.name for p in report.iterdir()} == {
-        "trials.csv",
-        "summary.yaml",
-        "history.png",
-        "predicted_vs_measured.png",
-    }
+    # a predict search writes no plots (nothing measured to plot; matplotlib stays unimported)
+    assert {p.name for p in report.iterdir()} == {"trials.csv", "summary.yaml"}
     with (report / "trials.csv").open() as f:
         trials = list(csv.DictReader(f))
-    assert len(trials) == 200
     assert {t["state"] for t in trials} <= {"COMPLETE", "PRUNED"}
     done = [t for t in trials if t["state"] == "COMPLETE"]
-    assert all(float(t["predicted_ms"]) > 0 and float(t["speedup"]) > 0 for t in done)
+    assert {t["engine"] for t in done} == {"triton", "copy_engine"}
+    assert all(float(t["predicted_ms"]) > 0 and float(t["speedup"]) > 0 and t["settings"] for t in done)
     summary = yaml.safe_load((report / "summary.yaml").read_text())
     shape = summary["shapes"][0]
-    assert shape["baseline"]["source"] == "predicted" and shape["trials"] == 200
+    assert shape["baseline"]["source"] == "predicted" and shape["trials"] == len(trials)
+    assert shape["engines"] == ["triton", "copy_engine"]
     assert summary["fingerprint"]["device_key"] == H200_KEY
 
 
 def test_rerun_resumes_the_study(tmp_path):
+    """With --trials, a predict search is a TPE study, resumed by the same command."""
     args = ["--shape", "4096x8192x4096", "--trials", "30", "--out", str(tmp_path / "o")]
     assert search(*args).exit_code == 0
     first = yaml.safe_load((tmp_path / "o/report/all_reduce-w2-bfloat16-predict/summary.yaml").read_text())
@@ -343,11 +345,14 @@ def test_time_budget_stops_early(tmp_path):
         (["--shape", "4096x8192x4096", "--dtype", "float32"], "bfloat16"),
         (["--shape", "64x64x64", "-c", ","], "--collective"),
         (["--shape", "64x8192x4096", "--m-range", "511:4096", "-c", "reduce_scatter"], "LO and HI"),
-        (["--shape", "64x64x64", "--storage", "sqlite:///"], "names no file"),
-        (["--shape", "64x64x64", "--storage", "bogus"], "Optuna URL"),
-        (["--shape", "64x64x64", "--storage", "nosuchdb+x://"], "--storage"),
+        # (a storage is used by a study: measured searches, or predict with --trials)
+        (["--shape", "64x64x64", "--trials", "5", "--storage", "sqlite:///"], "names no file"),
+        (["--shape", "64x64x64", "--trials", "5", "--storage", "bogus"], "Optuna URL"),
+        (["--shape", "64x64x64", "--trials", "5", "--storage", "nosuchdb+x://"], "--storage"),
         (["--shape", "4096x8192x4096", "--exhaustive"], "--space"),
         (["--shape", "64x64x64", "--world-size", "0"], "--world-size"),
+        (["--shape", "64x64x64", "--engine", "nvshmem"], "triton, copy_engine"),
+        (["--shape", "64x64x64", "--engine", ","], "--engine"),
         ([], "--shape"),
     ],
 )
@@ -541,12 +546,12 @@ def test_measure_and_hybrid_on_two_gpus(tmp_path):
 
 
 def test_no_gain_rule():
-    from fo_tune.search import _decide
+    from fo_tune.search import decide
 
-    assert _decide(0.95, 0.001, 1.0, 0.001)[0]  # 5% > 2%
-    assert not _decide(0.99, 0.001, 1.0, 0.001)[0]  # 1% < the 2% floor
-    assert not _decide(0.95, 0.08, 1.0, 0.01)[0]  # the gain is within the noise
-    overlap, speedup, text = _decide(0.8, math.nan, 1.0, math.nan)
+    assert decide(0.95, 0.001, 1.0, 0.001)[0]  # 5% > 2%
+    assert not decide(0.99, 0.001, 1.0, 0.001)[0]  # 1% < the 2% floor
+    assert not decide(0.95, 0.08, 1.0, 0.01)[0]  # the gain is within the noise
+    overlap, speedup, text = decide(0.8, math.nan, 1.0, math.nan)
     assert overlap and speedup == pytest.approx(1.25) and "1.250x" in text
 
 
@@ -596,18 +601,15 @@ def test_another_calibration_starts_another_study(tmp_path, h200):
 
 
 def test_new_study_starts_from_the_heuristic(model):
-    """The warm start enqueues the heuristic default (its sms_free snapped to a candidate)."""
-    import optuna
-
-    from fo_tune.search import SearchRequest, _warm_start
-
+    """The warm start runs the Triton heuristic default (its sms_free snapped to a candidate) and
+    every copy-engine point first."""
     shape = (4096, 8192, 4096)
-    enc = enc_for(model, "all_reduce", shape)
+    enc = enc_for(model, "all_reduce", shape, engines=("triton", "copy_engine"))
     h = default_schedule("all_reduce", *shape, dtype="bfloat16", world_size=2, sm_count=132, on_gpu=True)
-    h = dataclasses.replace(h, tile=model.tiles()[0])
-    assert h.sms_free not in enc.sms_free  # 29: wave-aligned, not a candidate
-    study = optuna.create_study()
-    seeded = _warm_start(study, enc, SearchRequest(shapes=(shape,)), h, None)
-    assert seeded == 2
-    first = study.get_trials(deepcopy=False)[0].system_attrs["fixed_params"]  # enqueued, not yet run
-    assert first["sms_free"] == 28 and first["tile"] == tile_label(h.tile)
+    assert h.settings.sms_free not in enc.task.space.sms_free  # 29: wave-aligned, not a candidate
+    seeds = enc.seeds()
+    triton = [p for p in seeds if p["engine"] == "triton"]
+    assert [p["triton.grouping"] for p in triton] == ["custom", "dp"]
+    assert triton[0]["triton.sms_free"] == 28 and triton[0]["triton.tile"] == tile_label(h.settings.tile)
+    copy = [p for p in seeds if p["engine"] == "copy_engine"]
+    assert copy == list(enc.points(exhaustive=True))[-len(copy):] and len(copy) >= 8

@@ -431,16 +431,20 @@ def show(
 
 # ------------------------------------------------------------------------------ lookup
 ShapeOpt = Annotated[
-    str,
+    str | None,
     typer.Option("--shape", "-s", metavar="MxNxK", help="The call's GEMM: M x N x K per rank.", show_default=False),
+]
+LookupWorldSizeOpt = Annotated[
+    int | None,
+    typer.Option("--world-size", "-w", help=f"World size of the call. Default: {DEFAULT_WORLD_SIZE}.", show_default=False),
 ]
 
 
 @handle_errors
 def lookup(
-    shape: ShapeOpt,
+    shape: ShapeOpt = None,
     collective: CollectiveOpt = None,
-    world_size: TableWorldSizeOpt = None,
+    world_size: LookupWorldSizeOpt = None,
     dtype: TableDtypeOpt = None,
     device_key: DeviceKeyOpt = None,
 ) -> None:
@@ -448,6 +452,10 @@ def lookup(
 
     from .common import parse_shape
 
+    if shape is None:
+        raise typer.BadParameter("--shape MxNxK: the call to look up is missing")
+    if world_size is not None and world_size < 1:
+        raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
     m, n, k = parse_shape(shape)
     collective = _check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
     dtype = _check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
