@@ -505,6 +505,7 @@ class BenchCaseTask:
     def _fo_tune(self, ctx: RankContext, a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> dict:
         """The runtime's op with ``schedule=None``: the table row for this shape, else the heuristic."""
         from fo_kernels import gemm_all_reduce, gemm_reduce_scatter, lookup_schedule
+        from fo_kernels.table import MISS_SOURCE
 
         op = gemm_all_reduce if self.collective == "all_reduce" else gemm_reduce_scatter
         w = ctx.world_size
@@ -514,7 +515,8 @@ class BenchCaseTask:
                 schedule = lookup_schedule(
                     self.collective, self.m, self.n, self.k, dtype=self.dtype, world_size=w, device=ctx.device
                 )
-                source = "heuristic" if schedule.provenance.get("source") == "heuristic" else "table"
+                missed = schedule.provenance.get("source") in ("heuristic", MISS_SOURCE)
+                source = "heuristic" if missed else "table"
                 detail = schedule.describe()
             except FoTuneError as exc:  # e.g. a table for other hardware: the same on every rank
                 source, detail = "", _reason(exc)

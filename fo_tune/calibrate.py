@@ -291,7 +291,9 @@ def _copy_engine(
     section = space.engine("copy_engine")
     ring = section.modes.get("ring") if section is not None else None
     chunks = sorted({1, *(ring.chunks if ring is not None else ())})
-    shapes = tuple(ce.chunk_shapes(space.gemm_shapes(quick=req.quick, cpu=cpu), chunks, max(2, req.world_size)))
+    shapes = tuple(
+        ce.chunk_shapes(space.gemm_shapes(quick=req.quick, cpu=cpu), chunks, max(2, req.world_size))
+    )
     two = req.world_size >= 2
     rep.stage("copy engine", 1 + 3 * two)
     points = ce.library_points(pool.run(ce.LibraryGemmTask(shapes, req.dtype)))
@@ -304,7 +306,9 @@ def _copy_engine(
         rep.step("copy engine", "peer copies" if copy else "peer copies: not on these ranks")
         flags = pool.run(ce.FlagTask())
         if not any(r["why"] for r in flags):
-            params["flag_ms"] = Quantity(value=max(r["flag_ms"] for r in flags), source=f"measured by {source} (FlagTask)")
+            params["flag_ms"] = Quantity(
+                value=max(r["flag_ms"] for r in flags), source=f"measured by {source} (FlagTask)"
+            )
         rep.step("copy engine", "flags" if "flag_ms" in params else f"flags: {flags[0]['why']}")
         m, n, k = space.gemm_shapes(quick=True, cpu=cpu)[0]
         params.update(ce.host_params(pool.run(ce.HostTask(m, n, k, "all_reduce", req.dtype)), source))

@@ -53,21 +53,21 @@ from .model.library import LibraryGemm
 # Paced samples per shape (each one call, then an idle gap as long as the call).
 PACED_REPS = 15
 # Milliseconds of back-to-back calls before the sustained samples, so the card has reached its
-# power limit (docs/perf-notes.md "Run 42": the clock drops within the first tens of milliseconds
+# power limit (docs/design.md#power-limit: the clock drops within the first tens of milliseconds
 # of a GEMM without pauses and holds at ~1470 MHz); the samples follow at that clock.
 SUSTAIN_WARM_MS = 300.0
 SUSTAINED_REPS = 10
 # The clock factor is taken over GEMMs of at least this long (shorter ones leave the card cooler
 # between launches; the three largest suite shapes take 1.2-1.6 ms).
 LARGE_GEMM_MS = 0.5
-# Copy sizes of PeerCopyTask, MiB (the probe of docs/perf-notes.md "Run 18": 2 MiB to 128 MiB
+# Copy sizes of PeerCopyTask, MiB (the probe of docs/design.md#copy-engine: 2 MiB to 128 MiB
 # spans the latency floor to the bandwidth plateau of a copy-engine copy).
 COPY_SIZES_MIB = (2, 8, 32, 128)
 COPY_REPS = 20
-# Flag round trips per timed sample of FlagTask (docs/perf-notes.md "Run 17" used 200).
+# Flag round trips per timed sample of FlagTask (the probe of docs/design.md#copy-engine used 200).
 ROUND_TRIPS = 200
 # Calls HostTask issues per variant behind a held GPU, and how long the GPU is held (ms): long
-# enough that the host never waits for the GPU while it issues them (docs/perf-notes.md "Run 59":
+# enough that the host never waits for the GPU while it issues them (docs/design.md#cuda-graphs:
 # a graph with an NCCL call queues at most 28 launches, so fewer calls than that for those).
 HOST_CALLS = 20
 HOST_HOLD_MS = 200.0
@@ -142,8 +142,13 @@ class LibraryGemmTask:
             else:
                 fn = lambda a=a, b=b, c=c: torch.mm(a, b, out=c)
             fn()
-            out.append(dict(shape=(m, n, k, beta), paced=_paced_ms(fn, ctx.device),
-                            sustained=_sustained_ms(fn, ctx.device).median_ms))  # fmt: skip
+            out.append(
+                dict(
+                    shape=(m, n, k, beta),
+                    paced=_paced_ms(fn, ctx.device),
+                    sustained=_sustained_ms(fn, ctx.device).median_ms,
+                )
+            )
         return out
 
 
@@ -165,15 +170,25 @@ def fit_library_params(points: Sequence[LibraryGemmPoint], sm_count: int, source
 
     def error(eff: float) -> float:
         lib = LibraryGemm(
-            {"library_latency_ms": latency, "library_wave_ms": wave, "library_small_tile_efficiency": eff,
-             "library_beta1_factor": 1.0, "clock_sustained_factor": 1.0, "clock_context": 0.0},
+            {
+                "library_latency_ms": latency,
+                "library_wave_ms": wave,
+                "library_small_tile_efficiency": eff,
+                "library_beta1_factor": 1.0,
+                "clock_sustained_factor": 1.0,
+                "clock_context": 0.0,
+            },
             sm_count,
-        )  # fmt: skip
+        )
         return sum(abs(lib.paced_ms(m, n, k) - t) / t for (m, n, k), t in whole.items())
 
     efficiency = min(EFFICIENCY_GRID, key=error)
     pairs = {(p.m, p.n, p.k): p for p in points if p.beta == 0}
-    beta1 = [p.paced_ms / pairs[(p.m, p.n, p.k)].paced_ms for p in points if p.beta == 1 and (p.m, p.n, p.k) in pairs]
+    beta1 = [
+        p.paced_ms / pairs[(p.m, p.n, p.k)].paced_ms
+        for p in points
+        if p.beta == 1 and (p.m, p.n, p.k) in pairs
+    ]
     large = [p.sustained_ms / p.paced_ms for p in points if p.beta == 0 and p.paced_ms >= LARGE_GEMM_MS]
     how = f"fitted to the library_gemm points measured by {source}"
     out = {
@@ -185,9 +200,9 @@ def fit_library_params(points: Sequence[LibraryGemmPoint], sm_count: int, source
         out["library_beta1_factor"] = Quantity(value=statistics.median(beta1), source=f"{how} (median)")
     if large:
         out["clock_sustained_factor"] = Quantity(
-            value=statistics.median(large), source=f"measured by {source}: median sustained / paced, GEMMs >= "
-            f"{LARGE_GEMM_MS} ms"
-        )  # fmt: skip
+            value=statistics.median(large),
+            source=f"measured by {source}: median sustained / paced, GEMMs >= {LARGE_GEMM_MS} ms",
+        )
     return out
 
 
@@ -354,8 +369,12 @@ class HostTask:
 
         op = gemm_all_reduce if self.collective == "all_reduce" else gemm_reduce_scatter
         a, b = gemm_operands(self.m, self.n, self.k, self.dtype, ctx.device, seed=3 + ctx.rank)
-        head = dict(collective=self.collective, dtype=self.dtype, world_size=ctx.world_size,
-                    problem=Problem(m=self.m, n=self.n, k=self.k))  # fmt: skip
+        head = dict(
+            collective=self.collective,
+            dtype=self.dtype,
+            world_size=ctx.world_size,
+            problem=Problem(m=self.m, n=self.n, k=self.k),
+        )
         fallback = Schedule(**head)
         out: dict[str, Any] = {"why": ""}
 

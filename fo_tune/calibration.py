@@ -236,7 +236,10 @@ class EngineCalibration:
                 _point(LibraryGemmPoint, row, f"{where}.library_gemm[{i}]")
                 for i, row in enumerate(data.get("library_gemm") or [])
             ],
-            copies=[_point(CopyPoint, row, f"{where}.copies[{i}]") for i, row in enumerate(data.get("copies") or [])],
+            copies=[
+                _point(CopyPoint, row, f"{where}.copies[{i}]")
+                for i, row in enumerate(data.get("copies") or [])
+            ],
         )
 
 

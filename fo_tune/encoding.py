@@ -65,7 +65,6 @@ def describe_attrs(schedule: Schedule) -> dict[str, Any]:
     }
 
 
-
 def split_params(params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """(engine name, that engine's own parameters) of a union point."""
     engine = str(params.get("engine", ""))

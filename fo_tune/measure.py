@@ -93,7 +93,9 @@ def gemm_runner(
         dtype="bfloat16",
         world_size=1,
         problem=Problem(m=m, n=n, k=k),
-        settings=TritonSettings(tile=tile, sms_free=sms_free, signal_tiles=tiles, groups=(1,), layout="row_band"),
+        settings=TritonSettings(
+            tile=tile, sms_free=sms_free, signal_tiles=tiles, groups=(1,), layout="row_band"
+        ),
     )
     plan = make_plan(schedule, m, n, k, sm_count=sm_count)
     counters = torch.zeros(4, dtype=torch.int32, device=a.device)
@@ -331,9 +333,11 @@ class ConfirmTask:
         errs = [_check_schedule(ctx, s, self.m, self.n, self.k, self.seed) for s in self.schedules]
         ok = [e < GEMM_TOL[s0.dtype] for e in errs]
         fallback = Schedule(
-            collective=s0.collective, dtype=s0.dtype, world_size=ctx.world_size,
+            collective=s0.collective,
+            dtype=s0.dtype,
+            world_size=ctx.world_size,
             problem=Problem(m=self.m, n=self.n, k=self.k),
-        )  # fmt: skip
+        )
         fallback_ok = _check_schedule(ctx, fallback, self.m, self.n, self.k, self.seed) < GEMM_TOL[s0.dtype]
         a, b = gemm_operands(self.m, self.n, self.k, s0.dtype, ctx.device, self.seed * 1009 + ctx.rank)
         fns: dict[str, Callable[[], Any]] = {

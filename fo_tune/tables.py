@@ -207,7 +207,8 @@ def _keeps_measured(table: ScheduleTable, row: Schedule) -> bool:
     if row_kind(row) != "predicted":
         return False
     return any(
-        row_kind(old) == "measured" and (old.problem == row.problem or _ranges_overlap(old.problem, row.problem))
+        row_kind(old) == "measured"
+        and (old.problem == row.problem or _ranges_overlap(old.problem, row.problem))
         for old in table.rows
     )
 

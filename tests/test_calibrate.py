@@ -298,10 +298,25 @@ def _calibration() -> Calibration:
 
 def _gemm_point(time_ms: float, status: str = "ok") -> GemmPoint:
     return GemmPoint(
-        m=64, n=64, k=64, tile="t", block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1,
-        warp_specialize=False, sms_free=0, grid=4, time_ms=time_ms, spread_ms=0.0, cublas_ms=0.5, rel_err=0.0,
+        m=64,
+        n=64,
+        k=64,
+        tile="t",
+        block_m=32,
+        block_n=32,
+        block_k=32,
+        group_m=2,
+        num_warps=4,
+        num_stages=1,
+        warp_specialize=False,
+        sms_free=0,
+        grid=4,
+        time_ms=time_ms,
+        spread_ms=0.0,
+        cublas_ms=0.5,
+        rel_err=0.0,
         status=status,
-    )  # fmt: skip
+    )
 
 
 def test_a_failed_write_leaves_the_old_folder_untouched(tmp_path, monkeypatch):
@@ -386,7 +401,10 @@ def test_one_gpu_parts_merge_into_a_calibration(quick_run, tmp_path):
     assert result.exit_code == 0, result.output
     after = load_calibration(target)
     assert after.bandwidth == before.bandwidth and after.gemm == before.gemm  # only the section changed
-    assert after.copy_engine.params["library_wave_ms"].source != before.copy_engine.params["library_wave_ms"].source
+    assert (
+        after.copy_engine.params["library_wave_ms"].source
+        != before.copy_engine.params["library_wave_ms"].source
+    )
     assert "w1" in after.copy_engine.params["library_wave_ms"].source
     assert after.copy_engine.params["fallback_host_ms"] == before.copy_engine.params["fallback_host_ms"]
 
@@ -421,15 +439,26 @@ def test_chunk_shapes_and_library_fit():
     from fo_tune.calibration import LibraryGemmPoint
 
     shapes = chunk_shapes([(4096, 8192, 16384)], [1, 4], 2)
-    assert shapes == [(4096, 8192, 16384, 0), (2048, 8192, 16384, 0), (2048, 8192, 16384, 1),
-                      (512, 8192, 16384, 0), (512, 8192, 16384, 1)]  # fmt: skip
+    assert shapes == [
+        (4096, 8192, 16384, 0),
+        (2048, 8192, 16384, 0),
+        (2048, 8192, 16384, 1),
+        (512, 8192, 16384, 0),
+        (512, 8192, 16384, 1),
+    ]
     # times of a wave model with 0.011 ms per 128x256 wave per 1024 K on 132 SMs (5 % more for beta 1)
     waves = {4096: 8, 2048: 4, 512: 1}
     points = [
-        LibraryGemmPoint(m=m, n=n, k=k, beta=b, paced_ms=0.011 * waves[m] * 16 * (1.05 if b else 1.0),
-                         sustained_ms=0.011 * waves[m] * 16 * 1.2)
+        LibraryGemmPoint(
+            m=m,
+            n=n,
+            k=k,
+            beta=b,
+            paced_ms=0.011 * waves[m] * 16 * (1.05 if b else 1.0),
+            sustained_ms=0.011 * waves[m] * 16 * 1.2,
+        )
         for m, n, k, b in shapes
-    ]  # fmt: skip
+    ]
     params = fit_library_params(points, 132, "a test")
     assert params["library_wave_ms"].value == pytest.approx(0.011, rel=1e-6)
     assert params["library_beta1_factor"].value == pytest.approx(1.05, rel=1e-6)

@@ -42,9 +42,19 @@ def fingerprint(h200, **changes) -> Fingerprint:
 def task(model, collective="all_reduce", shape=(4096, 8192, 4096), *, world=2, dtype="bfloat16", **kw):
     m, n, k = shape
     return ShapeTask(
-        collective=collective, dtype=dtype, world_size=world, m=m, n=n, k=k, sm_count=132, cpu=False,
-        space=space_for("9.0"), model=model, predictable=model is not None, **kw,
-    )  # fmt: skip
+        collective=collective,
+        dtype=dtype,
+        world_size=world,
+        m=m,
+        n=n,
+        k=k,
+        sm_count=132,
+        cpu=False,
+        space=space_for("9.0"),
+        model=model,
+        predictable=model is not None,
+        **kw,
+    )
 
 
 # ------------------------------------------------------------------------------------ registry
@@ -105,7 +115,7 @@ def test_select_engines(h200):
     assert select_engines(req, h200.fingerprint, space_for("cpu")) == ("triton",)  # no section there
     with pytest.raises(SearchError, match="--engine copy_engine: engine copy_engine needs peer access"):
         select_engines(dataclasses.replace(req, engines=("copy_engine",)), cpu_like, space_for("9.0"))
-    with pytest.raises(SearchError, match="copy_engine section.*leave it out with --engine"):
+    with pytest.raises(SearchError, match=r"copy_engine section.*leave it out with --engine"):
         bare = dataclasses.replace(h200, copy_engine=None)
         select_engines(dataclasses.replace(req, calibration=bare), bare.fingerprint, space_for("9.0"))
     one = dataclasses.replace(req, world_size=1)
@@ -118,15 +128,28 @@ def test_copy_engine_points_per_shape(model):
     points = list(tuner.points(task(model), exhaustive=False))
     ring = [p for p in points if p["mode"] == "ring"]
     tiled = [p for p in points if p["mode"] == "tiled"]
-    assert [p["ring.weights"] for p in ring] == ["1", "1-1", "1-1-1", "1-1-1-1", "1-1-1-1-1-1", "2-1", "2-2-1",
-                                                 "2-2-2-1"]  # fmt: skip
+    assert [p["ring.weights"] for p in ring] == [
+        "1",
+        "1-1",
+        "1-1-1",
+        "1-1-1-1",
+        "1-1-1-1-1-1",
+        "2-1",
+        "2-2-1",
+        "2-2-2-1",
+    ]
     assert {(p["tiled.weights"], p["tiled.tile"]) for p in tiled} == {
-        (w, t.label()) for w in ("1", "1-1") for t in space_for("9.0").engine("copy_engine").modes["tiled"].tiles
+        (w, t.label())
+        for w in ("1", "1-1")
+        for t in space_for("9.0").engine("copy_engine").modes["tiled"].tiles
     }
     assert tuner.seeds(task(model)) == list(tuner.points(task(model), exhaustive=True))
     # no more chunks than a shard has rows; the tiled mode at world size 2 and 16-bit inputs only
-    small = [p["ring.weights"] for p in tuner.points(task(model, shape=(4, 8192, 4096)), exhaustive=False)
-             if p["mode"] == "ring"]  # fmt: skip
+    small = [
+        p["ring.weights"]
+        for p in tuner.points(task(model, shape=(4, 8192, 4096)), exhaustive=False)
+        if p["mode"] == "ring"
+    ]
     assert small == ["1", "1-1", "2-1"]
     for other in (task(model, dtype="float32"), task(model, world=4)):
         assert {p["mode"] for p in tuner.points(other, exhaustive=False)} == {"ring"}
@@ -205,7 +228,9 @@ class FakeMeasurer:
         self.confirmed.append(list(schedules))
         ts = [self._t(self.ce_ms if s.engine == "copy_engine" else self.tri_ms) for s in schedules]
         fallback = self._t(self.fb_ms) if self.fb_ms is not None else None
-        return dict(sequential=self._t(self.seq_ms), fallback=fallback, timings=ts, rel_err=[0.0] * len(schedules))
+        return dict(
+            sequential=self._t(self.seq_ms), fallback=fallback, timings=ts, rel_err=[0.0] * len(schedules)
+        )
 
 
 @pytest.mark.parametrize(
@@ -243,5 +268,7 @@ def test_measured_search_confirms_every_engines_best(h200, measurer, want):
             assert "rejected_measured_ms" in r.row.provenance
         return
     assert r.row.overlap and r.row.engine == want
-    assert r.row.provenance["measured_ms"] == pytest.approx(measurer.ce_ms if want == "copy_engine" else measurer.tri_ms)
+    assert r.row.provenance["measured_ms"] == pytest.approx(
+        measurer.ce_ms if want == "copy_engine" else measurer.tri_ms
+    )
     assert "trial" in r.row.provenance and not math.isnan(r.best_ms)

@@ -74,7 +74,9 @@ def test_the_model_against_the_shipped_measured_rows(model):
     assert len(held) == 14 and mape(held)[0] <= 0.10
 
 
-@pytest.mark.parametrize(("name", "bar"), [("copy_engine_streams_probe.csv", 0.10), ("copy_engine_tiled_probe.csv", 0.08)])
+@pytest.mark.parametrize(
+    ("name", "bar"), [("copy_engine_streams_probe.csv", 0.10), ("copy_engine_tiled_probe.csv", 0.08)]
+)
 def test_the_copy_engine_model_against_recorded_probes(model, name, bar):
     """Recorded copy-engine timings of every suite shape over chunk counts (both collectives, ring
     and tiled modes); the streams probe was kept out of every fit."""
@@ -94,8 +96,13 @@ def test_a_ring_timeline_is_ordered(model, h200):
     from fo_kernels.schedule import CopyEngineSettings, Problem, Schedule
 
     for collective in ("all_reduce", "reduce_scatter"):
-        s = Schedule(collective=collective, dtype="bfloat16", world_size=2, problem=Problem(m=8192, n=8192, k=8192),
-                     settings=CopyEngineSettings(weights=(2, 2, 1)))  # fmt: skip
+        s = Schedule(
+            collective=collective,
+            dtype="bfloat16",
+            world_size=2,
+            problem=Problem(m=8192, n=8192, k=8192),
+            settings=CopyEngineSettings(weights=(2, 2, 1)),
+        )
         p = model.predict(s, 8192, 8192, 8192)
         assert p.engine == "copy_engine" and p.total_ms >= max(p.device_ms, p.host_ms) - 1e-12
         assert all(e >= r for e, r in zip(p.group_end_ms, p.group_ready_ms, strict=True))
@@ -110,7 +117,9 @@ def test_the_offline_plan_of_the_suite_runs_what_the_measured_rows_run(h200):
     agree = []
     for collective in ("all_reduce", "reduce_scatter"):
         table = next(load_table(t) for t in TABLES if t.name.startswith(collective))
-        result = run_search(SearchRequest(shapes=tuple(SUITE), collective=collective, mode="predict", calibration=h200))
+        result = run_search(
+            SearchRequest(shapes=tuple(SUITE), collective=collective, mode="predict", calibration=h200)
+        )
         for r in result.shapes:
             measured = table.find_exact(*r.shape)
             agree.append((r.row.engine, r.row.overlap) == (measured.engine, measured.overlap))
@@ -147,7 +156,10 @@ def test_fit_free_recovers_a_parameter():
     truth = 0.37
 
     def evaluate(params):
-        return [Checked("s", str(x), "", "", 1.0 + truth * x, 1.0 + params["clock_context"] * x) for x in range(1, 6)]
+        return [
+            Checked("s", str(x), "", "", 1.0 + truth * x, 1.0 + params["clock_context"] * x)
+            for x in range(1, 6)
+        ]
 
     params, err = fit_free(evaluate, {"clock_context": 0.9}, ["clock_context"])
     assert params["clock_context"] == pytest.approx(truth, abs=0.01) and err < 0.01
@@ -158,12 +170,26 @@ def test_model_fit_writes_fitted_values_with_sources(tmp_path, h200):
     shutil.copy(packaged_calibration(H200_KEY, 2), cal)
     table = next(t for t in TABLES if t.name.startswith("reduce_scatter"))
     r = CliRunner().invoke(
-        app, ["model", "fit", "--calibration", str(cal), str(table), "--hold-out", "8192x14336", "--out", str(tmp_path / "o.yaml")]
+        app,
+        [
+            "model",
+            "fit",
+            "--calibration",
+            str(cal),
+            str(table),
+            "--hold-out",
+            "8192x14336",
+            "--out",
+            str(tmp_path / "o.yaml"),
+        ],
     )
     assert r.exit_code == 0, r.output
     assert "copy_engine:" in r.stdout and "held out: MAPE" in r.stdout
     fitted = load_calibration(tmp_path / "o.yaml").copy_engine.params
-    assert "fo-tune model fit" in fitted["gather_exposed"].source and str(table) in fitted["gather_exposed"].source
+    assert (
+        "fo-tune model fit" in fitted["gather_exposed"].source
+        and str(table) in fitted["gather_exposed"].source
+    )
     assert fitted["peer_copy_gbs"] == h200.copy_engine.params["peer_copy_gbs"]  # measured: left alone
     bad = CliRunner().invoke(app, ["model", "fit", "--calibration", str(cal), "--hold-out", "8192-14336"])
     assert "--hold-out '8192-14336': expected NxK" in assert_one_line_error(bad)

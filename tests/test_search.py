@@ -26,7 +26,7 @@ from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.errors import HeuristicScheduleWarning
 from fo_kernels.heuristics import default_schedule
 from fo_kernels.plan import make_plan
-from fo_kernels.schedule import Tile, TritonSettings
+from fo_kernels.schedule import Tile
 from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_table
 from fo_tune import tables as table_tools
 from fo_tune.calibration import load_calibration
@@ -69,15 +69,28 @@ def search(*args: str):
 def enc_for(model, collective, shape, space=None, engines=("triton",)):
     m, n, k = shape
     task = ShapeTask(
-        collective=collective, dtype="bfloat16", world_size=2, m=m, n=n, k=k, sm_count=132, cpu=False,
-        space=space or space_for("9.0"), model=model, predictable=True,
-    )  # fmt: skip
+        collective=collective,
+        dtype="bfloat16",
+        world_size=2,
+        m=m,
+        n=n,
+        k=k,
+        sm_count=132,
+        cpu=False,
+        space=space or space_for("9.0"),
+        model=model,
+        predictable=True,
+    )
     return UnionEncoding(task, engines)
 
 
 def triton_point(tile: Tile, **params) -> dict:
     """A union point of the Triton engine (its parameters prefixed)."""
-    return {"engine": "triton", "triton.tile": tile_label(tile), **{f"triton.{k}": v for k, v in params.items()}}
+    return {
+        "engine": "triton",
+        "triton.tile": tile_label(tile),
+        **{f"triton.{k}": v for k, v in params.items()},
+    }
 
 
 def with_tile(schedule, tile: Tile):
@@ -147,10 +160,16 @@ def test_dp_grouping_beats_every_composition_it_could_have_chosen(model, collect
     enc = enc_for(model, collective, shape)
     base = enc.build(
         triton_point(
-            model.tiles()[1], sms_free=24, nccl_max_ctas=16, signal="band1", layout="row_band",
-            wait_mode="stream_wait", grouping="custom", num_groups=1,
+            model.tiles()[1],
+            sms_free=24,
+            nccl_max_ctas=16,
+            signal="band1",
+            layout="row_band",
+            wait_mode="stream_wait",
+            grouping="custom",
+            num_groups=1,
         )
-    )  # fmt: skip
+    )
     units = num_units(base, m, n)
     dp = model.best_grouping(base, m, n, k, max_groups=8)
     assert sum(dp) == units and len(dp) <= 8
@@ -222,7 +241,9 @@ def test_enumeration_builds_or_refuses_every_point(model):
     # the predict enumeration: every config once, with the model's DP grouping, no spin waits
     # (the model prices only their extra host time: they never win there)
     fast = list(enc.points(exhaustive=False))
-    assert {p["triton.grouping"] for p in fast} == {"dp"} and {p["triton.wait_mode"] for p in fast} == {"stream_wait"}
+    assert {p["triton.grouping"] for p in fast} == {"dp"} and {p["triton.wait_mode"] for p in fast} == {
+        "stream_wait"
+    }
 
 
 def test_m_values():
@@ -422,9 +443,23 @@ def test_two_workers_share_one_journal_study(tmp_path):
 def test_measure_mode_end_to_end_on_gloo(tmp_path, monkeypatch):
     out = tmp_path / "o"
     r = search(
-        "--mode", "measure", "--shape", "64x96x64", "--world-size", "2", "--backend", "gloo",
-        "--trials", "4", "--reps", "2", "-c", "all_reduce,reduce_scatter", "--out", str(out),
-    )  # fmt: skip
+        "--mode",
+        "measure",
+        "--shape",
+        "64x96x64",
+        "--world-size",
+        "2",
+        "--backend",
+        "gloo",
+        "--trials",
+        "4",
+        "--reps",
+        "2",
+        "-c",
+        "all_reduce,reduce_scatter",
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     import torch
 
@@ -465,10 +500,26 @@ def _complete_in(db: Path) -> dict[int, float]:
 def test_sigkill_then_rerun_loses_no_completed_trial(tmp_path):
     db = tmp_path / "studies.db"
     cmd = [
-        sys.executable, str(ROOT / "cli.py"), "search", "--mode", "measure", "--shape", "64x96x64",
-        "--world-size", "2", "--backend", "gloo", "--trials", "6", "--reps", "2",
-        "--storage", f"sqlite:///{db}", "--table-dir", str(tmp_path / "tables"),
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "cli.py"),
+        "search",
+        "--mode",
+        "measure",
+        "--shape",
+        "64x96x64",
+        "--world-size",
+        "2",
+        "--backend",
+        "gloo",
+        "--trials",
+        "6",
+        "--reps",
+        "2",
+        "--storage",
+        f"sqlite:///{db}",
+        "--table-dir",
+        str(tmp_path / "tables"),
+    ]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
@@ -514,9 +565,23 @@ def cpu_calibration(tmp_path_factory) -> Path:
 def test_hybrid_measures_only_the_models_top_k(tmp_path, cpu_calibration):
     out = tmp_path / "o"
     r = search(
-        "--mode", "hybrid", "--calibration", str(cpu_calibration), "--shape", "64x96x64",
-        "--world-size", "2", "--backend", "gloo", "--top-k", "2", "--reps", "2", "--out", str(out),
-    )  # fmt: skip
+        "--mode",
+        "hybrid",
+        "--calibration",
+        str(cpu_calibration),
+        "--shape",
+        "64x96x64",
+        "--world-size",
+        "2",
+        "--backend",
+        "gloo",
+        "--top-k",
+        "2",
+        "--reps",
+        "2",
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     report = out / "report" / "all_reduce-w2-bfloat16-hybrid"
     summary = yaml.safe_load((report / "summary.yaml").read_text())["shapes"][0]
@@ -534,9 +599,19 @@ def test_measure_and_hybrid_on_two_gpus(tmp_path):
     calibration, when there is one) a hybrid search measures only its top-k."""
     out = tmp_path / "o"
     r = search(
-        "--mode", "measure", "--shape", "4096x8192x4096", "--world-size", "2", "--trials", "6",
-        "-c", "all_reduce,reduce_scatter", "--out", str(out),
-    )  # fmt: skip
+        "--mode",
+        "measure",
+        "--shape",
+        "4096x8192x4096",
+        "--world-size",
+        "2",
+        "--trials",
+        "6",
+        "-c",
+        "all_reduce,reduce_scatter",
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     for name in ("all_reduce", "reduce_scatter"):
         report = out / "report" / f"{name}-w2-bfloat16-measure"
@@ -561,9 +636,25 @@ def test_three_ranks_search_and_bench(tmp_path):
     ReduceScatter whose M splits into 3 shards."""
     out = tmp_path / "o"
     r = search(
-        "--mode", "measure", "--shape", "96x64x48", "--world-size", "3", "--backend", "gloo",
-        "--trials", "3", "--reps", "2", "-c", "reduce_scatter", "--dtype", "float32", "--out", str(out),
-    )  # fmt: skip
+        "--mode",
+        "measure",
+        "--shape",
+        "96x64x48",
+        "--world-size",
+        "3",
+        "--backend",
+        "gloo",
+        "--trials",
+        "3",
+        "--reps",
+        "2",
+        "-c",
+        "reduce_scatter",
+        "--dtype",
+        "float32",
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     summary = yaml.safe_load(
         (out / "report" / "reduce_scatter-w3-float32-measure" / "summary.yaml").read_text()
@@ -572,9 +663,20 @@ def test_three_ranks_search_and_bench(tmp_path):
     assert summary["shapes"][0]["baseline"]["source"] == "measured"
     r = CliRunner().invoke(
         app,
-        ["bench", "--world-size", "3", "--backend", "gloo", "--shape", "96x64x48", "--reps", "2",
-         "--out", str(tmp_path / "bench")],
-    )  # fmt: skip
+        [
+            "bench",
+            "--world-size",
+            "3",
+            "--backend",
+            "gloo",
+            "--shape",
+            "96x64x48",
+            "--reps",
+            "2",
+            "--out",
+            str(tmp_path / "bench"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     with (tmp_path / "bench" / "bench.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -612,4 +714,4 @@ def test_new_study_starts_from_the_heuristic(model):
     assert [p["triton.grouping"] for p in triton] == ["custom", "dp"]
     assert triton[0]["triton.sms_free"] == 28 and triton[0]["triton.tile"] == tile_label(h.settings.tile)
     copy = [p for p in seeds if p["engine"] == "copy_engine"]
-    assert copy == list(enc.points(exhaustive=True))[-len(copy):] and len(copy) >= 8
+    assert copy == list(enc.points(exhaustive=True))[-len(copy) :] and len(copy) >= 8

@@ -179,7 +179,10 @@ MALFORMED = {
         _set(("engines", "triton", "signal", "multiples"), [0]),
         "engines.triton.signal.multiples[0]: expected a positive",
     ),
-    "bad schema_version": (_set(("schema_version",), 7), "schema_version: 7 is not supported (supported: 1, 2)"),
+    "bad schema_version": (
+        _set(("schema_version",), 7),
+        "schema_version: 7 is not supported (supported: 1, 2)",
+    ),
     "wrong kind": (_set(("kind",), "table"), "kind: expected 'fo-tune-search-space'"),
     "min > max": (
         _set(("calibration", "message_bytes"), {"min": 1024, "max": 512}),
@@ -326,7 +329,10 @@ def test_schema_1_files_load_into_the_same_space(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        ({"copy_engine_exchange_chunks": [2]}, "copy_engine_exchange_chunks: the copy engine's exchange mode was removed"),
+        (
+            {"copy_engine_exchange_chunks": [2]},
+            "copy_engine_exchange_chunks: the copy engine's exchange mode was removed",
+        ),
         ({"sms_free": [-1]}, "sms_free[0]: expected a non-negative integer"),
         ({"copy_engine_chunks": [0]}, "copy_engine_chunks[0]: expected a positive integer"),
     ],

@@ -96,7 +96,9 @@ def range_row(m_min: int, m_max: int, n: int = 96, k: int = 48, **changes: Any) 
     header = {key: changes.pop(key) for key in list(changes) if key in (*HEADER, "provenance")}
     settings = {"signal_tiles": 2, "groups": (3, 1), "layout": "tile_major", "wait_mode": "spin", **changes}
     problem = Problem(m_min=m_min, m_max=m_max, n=n, k=k)
-    return Schedule(problem=problem, **{**HEADER, **header}, settings=TritonSettings(tile=CPU_TILE, **settings))
+    return Schedule(
+        problem=problem, **{**HEADER, **header}, settings=TritonSettings(tile=CPU_TILE, **settings)
+    )
 
 
 def merge(path: Path, rows: list[Schedule], fp: Fingerprint | None = None, **header: Any) -> ScheduleTable:
@@ -497,9 +499,12 @@ def test_merging_a_range_drops_the_ranges_it_overlaps(tmp_path):
 
     def rng(lo: int, hi: int, tag: str) -> Schedule:
         return Schedule(
-            collective="all_reduce", dtype="float32", world_size=2,
-            problem=Problem(m_min=lo, m_max=hi, n=96, k=48), provenance={"tag": tag},
-        )  # fmt: skip
+            collective="all_reduce",
+            dtype="float32",
+            world_size=2,
+            problem=Problem(m_min=lo, m_max=hi, n=96, k=48),
+            provenance={"tag": tag},
+        )
 
     kw = dict(collective="all_reduce", world_size=2, dtype="float32")
     merge_rows(path, fp, [rng(1, 100, "a"), rng(101, 200, "b"), rng(201, 300, "c")], **kw)
@@ -533,7 +538,9 @@ def test_show_marks_predicted_rows(runner: CliRunner, tmp_path: Path) -> None:
     lines = {line.split()[0]: line for line in result.stdout.splitlines() if "x96x48" in line}
     assert " measured " in lines["64x96x48"] and " predicted " in lines["128x96x48"]
     assert "1 predicted row(s)" in result.stdout
-    rows = list(csv.DictReader(io.StringIO(runner.invoke(app, ["table", "show", str(path), "-f", "csv"]).stdout)))
+    rows = list(
+        csv.DictReader(io.StringIO(runner.invoke(app, ["table", "show", str(path), "-f", "csv"]).stdout))
+    )
     assert [r["kind"] for r in rows] == ["measured", "predicted"]
 
 
@@ -580,7 +587,9 @@ def test_lookup_refuses_a_table_of_a_removed_mode(runner: CliRunner, tmp_path: P
     path = table_path(tmp_path / "tables", key, **HEADER)
     path.parent.mkdir(parents=True)
     data = ScheduleTable(fingerprint=cpu_fp(), **HEADER).to_dict() | {"schema_version": 1}
-    data["rows"] = [{"problem": {"m": 64, "n": 96, "k": 48}, "engine": "copy_engine", "groups": [1], "exchange": True}]
+    data["rows"] = [
+        {"problem": {"m": 64, "n": 96, "k": 48}, "engine": "copy_engine", "groups": [1], "exchange": True}
+    ]
     path.write_text(yaml.safe_dump(data))
     line = assert_one_line_error(runner.invoke(app, ["table", "lookup", "--shape", "64x96x48", "-k", key]))
     assert "exchange" in line and str(path) in line

@@ -413,9 +413,8 @@ def calibrate(
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
         search_space = resolve_space(space, chosen)
-        from fo_tune.report import DEFAULT_ROOT, check_writable, default_out_dir, write_calibration_dir
-
         from fo_tune.calibration import load_calibration
+        from fo_tune.report import DEFAULT_ROOT, check_writable, default_out_dir, write_calibration_dir
 
         target = load_calibration(into) if into is not None else None  # checked before any rank starts
         if driver and into is None:  # a bad --out costs nothing: checked before any rank starts

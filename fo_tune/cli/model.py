@@ -78,14 +78,18 @@ FilesArg = Annotated[
         show_default=False,
     ),
 ]
-FitCalibrationOpt = Annotated[Path, typer.Option("--calibration", metavar="FILE", help="calibration.yaml to fit.")]
+FitCalibrationOpt = Annotated[
+    Path, typer.Option("--calibration", metavar="FILE", help="calibration.yaml to fit.")
+]
 HoldOutOpt = Annotated[
     list[str] | None,
     typer.Option("--hold-out", metavar="NxK", help="Keep every row and trial of this (N, K) out of the fit."),
 ]
 HoldOutFileOpt = Annotated[
     list[Path] | None,
-    typer.Option("--hold-out-file", metavar="PATH", help="Keep every row and trial of this file out of the fit."),
+    typer.Option(
+        "--hold-out-file", metavar="PATH", help="Keep every row and trial of this file out of the fit."
+    ),
 ]
 OutOpt = Annotated[Path | None, typer.Option("--out", "-o", metavar="FILE", help="Where to write the fit.")]
 
@@ -131,12 +135,20 @@ def _check_terms(cal: Calibration, rows: list, engines: set[str]) -> None:
 
 def print_checked(rows: list[Checked], title: str) -> None:
     """Predicted vs measured per row, then the error line."""
-    from fo_tune.model.check import mape
 
-    out = summary_table(title, ["file", "what", "engine", "schedule", "measured ms", "predicted ms", "error"], 4)
+    out = summary_table(
+        title, ["file", "what", "engine", "schedule", "measured ms", "predicted ms", "error"], 4
+    )
     for c in rows:
-        cells = [Path(c.source).name, c.item, c.engine or "-", c.schedule, fmt(c.measured_ms, ".4g"),
-                 fmt(c.predicted_ms, ".4g"), "-" if math.isnan(c.predicted_ms) else f"{c.error:+.1%}"]  # fmt: skip
+        cells = [
+            Path(c.source).name,
+            c.item,
+            c.engine or "-",
+            c.schedule,
+            fmt(c.measured_ms, ".4g"),
+            fmt(c.predicted_ms, ".4g"),
+            "-" if math.isnan(c.predicted_ms) else f"{c.error:+.1%}",
+        ]
         out.add_row(*(escape(cell) for cell in cells))
     console.print(out)
 
@@ -171,7 +183,6 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
 
 
 def _held_out(nks: list[tuple[int, int]], files: list[Path]):
-    from fo_tune.model.check import Checked
 
     names = {str(p) for p in files} | {str(p / "trials.csv") for p in files}
 
@@ -201,7 +212,10 @@ def fit(
         nks.append((int(match.group(1)), int(match.group(2))))
     cal = load_calibration(calibration)
     paths = list(files or []) or _default_tables(cal)
-    fits = fit_calibration(cal, files=paths, held_out=_held_out(nks, list(hold_out_file or [])))
+    held = [f"N, K = {n}, {k}" for n, k in nks] + [f"every one of {p}" for p in hold_out_file or []]
+    fits = fit_calibration(
+        cal, files=paths, held_out=_held_out(nks, list(hold_out_file or [])), held_out_text="; ".join(held)
+    )
     target = out or calibration
     save_calibration(cal, target)
     for f in fits:

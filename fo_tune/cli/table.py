@@ -277,9 +277,14 @@ def _settings_cells(row: Schedule) -> list[str]:
         return [copy_engine_label(row), "-", "-", "-", value_label(st.weights), "-", "-"]
     if isinstance(st, TritonSettings):
         return [
-            tile_label(st.tile), str(st.sms_free), str(st.nccl_max_ctas or "default"), str(st.signal_tiles),
-            value_label(st.groups), st.layout, st.wait_mode,
-        ]  # fmt: skip
+            tile_label(st.tile),
+            str(st.sms_free),
+            str(st.nccl_max_ctas or "default"),
+            str(st.signal_tiles),
+            value_label(st.groups),
+            st.layout,
+            st.wait_mode,
+        ]
     return ["-"] * 7
 
 
@@ -288,7 +293,19 @@ def _show_rich(path: Path, table: ScheduleTable) -> None:
     for line in fingerprint_lines(table):
         _print_plain(f"  {line}")
     prov = [key for key in provenance_keys(table.rows) if key not in PROVENANCE_LONG]
-    columns = ["problem", "row", "overlap", "tile", "sms_free", "cap", "signal", "groups", "layout", "wait", *prov]
+    columns = [
+        "problem",
+        "row",
+        "overlap",
+        "tile",
+        "sms_free",
+        "cap",
+        "signal",
+        "groups",
+        "layout",
+        "wait",
+        *prov,
+    ]
     out = summary_table("", columns, 4)
     for row in table.rows:
         cells = [row.problem.describe(), kind_label(row), value_label(row.overlap), *_settings_cells(row)]
@@ -432,11 +449,18 @@ def show(
 # ------------------------------------------------------------------------------ lookup
 ShapeOpt = Annotated[
     str | None,
-    typer.Option("--shape", "-s", metavar="MxNxK", help="The call's GEMM: M x N x K per rank.", show_default=False),
+    typer.Option(
+        "--shape", "-s", metavar="MxNxK", help="The call's GEMM: M x N x K per rank.", show_default=False
+    ),
 ]
 LookupWorldSizeOpt = Annotated[
     int | None,
-    typer.Option("--world-size", "-w", help=f"World size of the call. Default: {DEFAULT_WORLD_SIZE}.", show_default=False),
+    typer.Option(
+        "--world-size",
+        "-w",
+        help=f"World size of the call. Default: {DEFAULT_WORLD_SIZE}.",
+        show_default=False,
+    ),
 ]
 
 
@@ -461,7 +485,9 @@ def lookup(
     dtype = _check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
     world = world_size or DEFAULT_WORLD_SIZE
     if collective == "reduce_scatter" and m % world:
-        raise typer.BadParameter(f"--shape {shape}: reduce_scatter needs M divisible by the world size {world}")
+        raise typer.BadParameter(
+            f"--shape {shape}: reduce_scatter needs M divisible by the world size {world}"
+        )
     from fo_kernels.table import MISS_SOURCE
     from fo_tune.tables import find_row
 

@@ -77,7 +77,9 @@ class ShapeTask:
         """Output shards the collective scatters (world size for reduce_scatter, else 1)."""
         return self.world_size if self.collective == "reduce_scatter" else 1
 
-    def schedule(self, settings: EngineSettings | None, provenance: Mapping[str, Any] | None = None) -> Schedule:
+    def schedule(
+        self, settings: EngineSettings | None, provenance: Mapping[str, Any] | None = None
+    ) -> Schedule:
         """The exact-shape schedule of ``settings`` (None: overlap: false)."""
         return Schedule(
             collective=self.collective,

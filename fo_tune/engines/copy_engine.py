@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fo_kernels.plan import cdiv
 from fo_kernels.schedule import MAX_CHUNKS, CopyEngineSettings, EngineSettings, Tile
 
-from ..space import Section, integers, listed, plain
+from ..space import Section, listed, plain
 from .base import EngineTuner, Infeasible, ShapeTask
 
 if TYPE_CHECKING:
@@ -128,7 +128,9 @@ class CopyEngineTuner(EngineTuner):
         data = reader.mapping(node, path, (), tuple(_MODES))
         if not data:
             reader.fail(path, f"expected at least one mode of {', '.join(_MODES)}")
-        return CopyEngineSpace(modes={name: _MODES[name](reader, data[name], f"{path}.{name}") for name in data})
+        return CopyEngineSpace(
+            modes={name: _MODES[name](reader, data[name], f"{path}.{name}") for name in data}
+        )
 
     def read_space_v1(self, reader: SpaceReader, data: Mapping[str, Any]) -> CopyEngineSpace | None:
         if "copy_engine_exchange_chunks" in data:
@@ -148,15 +150,24 @@ class CopyEngineTuner(EngineTuner):
         if any(key in data for key in tiled_keys):
             missing = [key for key in tiled_keys if key not in data]
             if missing:
-                reader.fail(missing[0], "the tiled mode needs both copy_engine_tiled_chunks and copy_engine_tiles")
+                reader.fail(
+                    missing[0], "the tiled mode needs both copy_engine_tiled_chunks and copy_engine_tiles"
+                )
             modes["tiled"] = TiledSpace(
-                chunks=listed(_chunk_count)(reader, data["copy_engine_tiled_chunks"], "copy_engine_tiled_chunks"),
+                chunks=listed(_chunk_count)(
+                    reader, data["copy_engine_tiled_chunks"], "copy_engine_tiled_chunks"
+                ),
                 tiles=listed(type(reader).tile)(reader, data["copy_engine_tiles"], "copy_engine_tiles"),
             )
         return CopyEngineSpace(modes=modes) if modes else None
 
     def v1_keys(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        optional = ("copy_engine_chunks", "copy_engine_weights", "copy_engine_tiled_chunks", "copy_engine_tiles")
+        optional = (
+            "copy_engine_chunks",
+            "copy_engine_weights",
+            "copy_engine_tiled_chunks",
+            "copy_engine_tiles",
+        )
         return (), (*optional, "copy_engine_exchange_chunks")
 
     # ------------------------------------------------------------------------------ feasibility
@@ -213,7 +224,9 @@ class CopyEngineTuner(EngineTuner):
         tiled = section.modes.get("tiled")
         if tiled is not None and task.world_size == TILED_WORLD and task.dtype != "float32":
             tiles = [t for t in tiled.tiles if not task.predictable or task.model.knows_tile(t)]  # type: ignore[union-attr]
-            counts = [c for c in tiled.chunks if tiles and c <= cdiv(cdiv(task.m, 2), max(t.block_m for t in tiles))]
+            counts = [
+                c for c in tiled.chunks if tiles and c <= cdiv(cdiv(task.m, 2), max(t.block_m for t in tiles))
+            ]
             if tiles and counts:
                 out["tiled"] = {
                     "weights": [weights_label((1,) * c) for c in counts],
@@ -242,7 +255,9 @@ class CopyEngineTuner(EngineTuner):
         mode = str(params.get("mode"))
         cands = self._candidates(task)
         if mode not in cands:
-            raise Infeasible(f"copy-engine mode {mode!r} is not offered for this shape (offered: {list(cands)})")
+            raise Infeasible(
+                f"copy-engine mode {mode!r} is not offered for this shape (offered: {list(cands)})"
+            )
         label = str(params.get(f"{mode}.weights"))
         if label not in cands[mode]["weights"]:
             raise Infeasible(f"copy-engine weights {label!r} are not offered for {mode} on this shape")

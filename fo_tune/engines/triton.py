@@ -281,7 +281,9 @@ class TritonTuner(EngineTuner):
             return None
         if st.layout not in c.layouts or st.wait_mode not in c.wait_modes:
             return None
-        signal = next((s for s in c.signals if c.unit_tiles(st.tile, st.sms_free, s) == st.signal_tiles), None)
+        signal = next(
+            (s for s in c.signals if c.unit_tiles(st.tile, st.sms_free, s) == st.signal_tiles), None
+        )
         if signal is None or "custom" not in c.groupings or len(st.groups) > c.max_groups:
             return None
         params = self._head(st.tile, st.sms_free, st.nccl_max_ctas, signal, st.layout, st.wait_mode)
@@ -328,9 +330,15 @@ class TritonTuner(EngineTuner):
         to the nearest candidate) and the same config with the DP grouping."""
         c = self._choices(task)
         heuristic = default_schedule(
-            task.collective, task.m, task.n, task.k, dtype=task.dtype, world_size=task.world_size,
-            sm_count=task.sm_count, on_gpu=not task.cpu,
-        )  # fmt: skip
+            task.collective,
+            task.m,
+            task.n,
+            task.k,
+            dtype=task.dtype,
+            world_size=task.world_size,
+            sm_count=task.sm_count,
+            on_gpu=not task.cpu,
+        )
         st = heuristic.settings
         if not isinstance(st, TritonSettings) or not c.sms_free:
             return []
@@ -358,9 +366,14 @@ class TritonTuner(EngineTuner):
         tile = c.tile(str(params["tile"]))
         r = int(params["sms_free"])
         return task.model.term(self.name).lower_bound(
-            task, tile, r, int(params["nccl_max_ctas"]), c.unit_tiles(tile, r, str(params["signal"])),
-            str(params["layout"]), str(params["wait_mode"]),
-        )  # fmt: skip
+            task,
+            tile,
+            r,
+            int(params["nccl_max_ctas"]),
+            c.unit_tiles(tile, r, str(params["signal"])),
+            str(params["layout"]),
+            str(params["wait_mode"]),
+        )
 
     # ------------------------------------------------------------------------------ the model
     def term(self, model: CostModel) -> Any:

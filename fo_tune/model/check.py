@@ -46,9 +46,13 @@ class Measured:
         p = self.schedule.problem
         assert p.m is not None
         return Checked(
-            self.source, self.item, self.schedule.engine or "", self.schedule.describe().split(": ", 1)[-1],
-            self.measured_ms, _predict(model, self.schedule, p.m, p.n, p.k),
-        )  # fmt: skip
+            self.source,
+            self.item,
+            self.schedule.engine or "",
+            self.schedule.describe().split(": ", 1)[-1],
+            self.measured_ms,
+            _predict(model, self.schedule, p.m, p.n, p.k),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,14 +95,19 @@ def table_rows(table: ScheduleTable, source: str) -> list[Measured]:
             continue
         prov = row.provenance
         m = row.problem.m if row.problem.m is not None else prov.get("tuned_m")
-        measured = prov.get("measured_ms") if row.overlap else prov.get("fallback_ms", prov.get("sequential_ms"))
+        measured = (
+            prov.get("measured_ms") if row.overlap else prov.get("fallback_ms", prov.get("sequential_ms"))
+        )
         if not isinstance(m, int) or not isinstance(measured, (int, float)) or not measured > 0:
             continue
         n, k = row.problem.n, row.problem.k
         exact = Schedule(
-            collective=row.collective, dtype=row.dtype, world_size=row.world_size,
-            problem=Problem(m=m, n=n, k=k), settings=row.settings,
-        )  # fmt: skip
+            collective=row.collective,
+            dtype=row.dtype,
+            world_size=row.world_size,
+            problem=Problem(m=m, n=n, k=k),
+            settings=row.settings,
+        )
         kind = "row" if row.problem.m is not None else "range row at"
         out.append(Measured(source, f"{kind} {m}x{n}x{k}", exact, float(measured)))
     return out
@@ -115,8 +124,15 @@ def _old_trial_settings(row: dict[str, str]) -> TritonSettings | None:
     if tile_match is None or groups_match is None:
         return None
     bm, bn, bk, gm, w, st = (int(x) for x in tile_match.groups()[:6])
-    tile = Tile(block_m=bm, block_n=bn, block_k=bk, group_m=gm, num_warps=w, num_stages=st,
-                warp_specialize=bool(tile_match.group(7)))  # fmt: skip
+    tile = Tile(
+        block_m=bm,
+        block_n=bn,
+        block_k=bk,
+        group_m=gm,
+        num_warps=w,
+        num_stages=st,
+        warp_specialize=bool(tile_match.group(7)),
+    )
     return TritonSettings(
         tile=tile,
         sms_free=int(row["sms_free"]),
@@ -154,9 +170,12 @@ def report_trials(path: Path) -> list[Measured]:
             if settings is None:
                 continue
             schedule = Schedule(
-                collective=row["collective"], dtype=row["dtype"], world_size=int(row["world_size"]),
-                problem=Problem(m=m, n=n, k=k), settings=settings,
-            )  # fmt: skip
+                collective=row["collective"],
+                dtype=row["dtype"],
+                world_size=int(row["world_size"]),
+                problem=Problem(m=m, n=n, k=k),
+                settings=settings,
+            )
         except (ScheduleError, ValueError, KeyError):
             continue
         out.append(Measured(str(path), f"trial {row['number']} {row['shape']}", schedule, measured))
@@ -177,7 +196,9 @@ def measured_in(paths: Iterable[Path]) -> list[Measured]:
         elif path.suffix == ".csv":
             out += report_trials(path)
         else:
-            raise CheckError(f"{path}: expected a table (.yaml) or a search report (trials.csv, or its folder)")
+            raise CheckError(
+                f"{path}: expected a table (.yaml) or a search report (trials.csv, or its folder)"
+            )
     return out
 
 

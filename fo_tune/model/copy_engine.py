@@ -22,18 +22,20 @@ timeline, so one rank's is simulated; per chunk c of step s::
 ``gather_exposed`` is the part of AllReduce's last gather that back-to-back calls do not hide
 behind the next call's first GEMMs. The tiled mode (N = 2) runs each phase as one persistent Triton
 GEMM on every SM: ``tiled_gemm_factor`` x the calibration's tile profile for (M/2, N, K) (its
-nearest profiled point scaled by waves x K, x the library clock), phase 2 slower by ``tiled_remote_store_factor`` for AllReduce (its tiles also store
-their sums into the peer's memory); phase 2's tiles of chunk c wait in the kernel, after their K
-loop, for chunk c's pull (so a chunk's first wave ends no earlier than its pull;
-``chunk_overhead_ms`` per chunk for its counter, notify and wait), and AllReduce ends with the
-peer's local copy of the pushed sums. Calls replayed from the engine's
-own CUDA graphs (every call whose addresses repeat, as the search and the bench time them) cost
-``host_graph_call_ms`` of host time; eager ones ``host_eager_op_ms`` per operation issued
+nearest profiled point scaled by waves x K, x the library clock), phase 2 slower by
+``tiled_remote_store_factor`` for AllReduce (its tiles also store their sums into the peer's
+memory); phase 2's tiles of chunk c wait in the kernel, after their K loop, for chunk c's pull (so
+a chunk's first wave ends no earlier than its pull; ``chunk_overhead_ms`` per chunk for its
+counter, notify and wait), and AllReduce ends with the peer's local copy of the pushed sums. Calls
+replayed from the engine's own CUDA graphs (every call whose addresses repeat, as the search and
+the bench time them) cost ``host_graph_call_ms`` of host time; eager ones ``host_eager_op_ms`` per
+operation issued
 (``eager_ops``). A call costs ``max(device, host)``.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -85,7 +87,7 @@ def chunk_rows(rows: int, weights: tuple[int, ...]) -> list[int]:
         if bounds[-1] < cut < rows:
             bounds.append(cut)
     bounds.append(rows)
-    return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 def eager_ops(collective: str, world: int, chunks: int) -> int:

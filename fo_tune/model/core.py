@@ -29,8 +29,8 @@ from .types import Baseline, Interference, Prediction, element_bytes
 
 # Host time of a baseline call (ms) when the calibration's copy_engine section does not say:
 # the eager GEMM then collective 0.06 (one cuBLAS launch and one collective call, torch eager;
-# docs/perf-notes.md "Run 3"), the overlap: false fallback replayed from its graph 0.05 (median
-# 32-67 us a call, docs/perf-notes.md "Run 69").
+# docs/design.md#cost-model), the overlap: false fallback replayed from its graph 0.05 (median
+# 32-67 us a call, docs/design.md#fallback).
 DEFAULT_BASELINE_HOST = {"sequential_host_ms": 0.06, "fallback_host_ms": 0.05}
 
 
@@ -132,6 +132,8 @@ class CostModel:
         """The tile's fitted wave model (ms), ignoring any profiled point."""
         return self.tile_profile.wave_model_time(tile, m, n, k, grid)
 
-    def best_grouping(self, schedule: Schedule, m: int, n: int, k: int, *, max_groups: int) -> tuple[int, ...]:
+    def best_grouping(
+        self, schedule: Schedule, m: int, n: int, k: int, *, max_groups: int
+    ) -> tuple[int, ...]:
         """The Triton term's optimal grouping of a Triton schedule's signal units (its DP)."""
         return self.term("triton").best_grouping(schedule, m, n, k, max_groups=max_groups)

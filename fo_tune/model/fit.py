@@ -59,9 +59,7 @@ def fit_lines(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 def fit_library(cublas: Mapping[tuple[int, int, int], float], sm_count: int) -> tuple[float, float]:
     """(library_latency_ms, library_wave_ms) through measured whole-GEMM cuBLAS times (128x256
     tiles, whole waves; least squares)."""
-    pts = [
-        (cdiv(cdiv(m, 128) * cdiv(n, 256), sm_count) * k / K_UNIT, t) for (m, n, k), t in cublas.items()
-    ]
+    pts = [(cdiv(cdiv(m, 128) * cdiv(n, 256), sm_count) * k / K_UNIT, t) for (m, n, k), t in cublas.items()]
     n = len(pts)
     mx = sum(x for x, _ in pts) / n
     my = sum(y for _, y in pts) / n
@@ -132,16 +130,20 @@ def _apply(model: CostModel, term: str, params: Mapping[str, float]) -> None:
 
 
 def fit_calibration(
-    cal: Calibration, *, files: Sequence[Path], held_out: Callable[[Checked], bool]
+    cal: Calibration,
+    *,
+    files: Sequence[Path],
+    held_out: Callable[[Checked], bool],
+    held_out_text: str = "",
 ) -> list[FitReport]:
     """Fit ``COPY_ENGINE_FREE`` to the measured copy-engine and ``overlap: false`` rows and trials
     of ``files`` and ``TRITON_FREE`` to their measured Triton ones, leaving out of each fit what
-    ``held_out`` says; write the values into ``cal`` with their sources and return the reports."""
+    ``held_out`` says (``held_out_text`` describes it in the sources); write the values into
+    ``cal`` with their sources and return the reports."""
     from .check import measured_in
 
     model = CostModel(cal)
     items = measured_in(files)
-    names = ", ".join(str(p) for p in files)
     out = []
     groups = (
         ("copy_engine", COPY_ENGINE_FREE, [m for m in items if m.schedule.engine != "triton"]),
@@ -161,17 +163,17 @@ def fit_calibration(
         _apply(model, term, values)
         rows = [m.checked(model) for m in group]
         use = [c for c in rows if not held_out(c)]
-        source = (
-            f"fitted to {len(use)} measured rows and trials of {names} (fo-tune model fit; "
-            f"{len(rows) - len(use)} held out)"
-        )
+        names = ", ".join(dict.fromkeys(c.source for c in use))
+        held = f"{len(rows) - len(use)} held out" + (f": {held_out_text}" if held_out_text else "")
+        source = f"fitted to {len(use)} measured rows and trials of {names} (fo-tune model fit; {held})"
         section = cal.copy_engine if term == "copy_engine" else (cal.triton or EngineCalibration())
         for name, value in values.items():
             if name in free:
                 section.params[name] = Quantity(value=round(value, 6), source=source)
             elif term == "triton" and name not in section.params:
                 section.params[name] = Quantity(
-                    value=value, source="measured on H200 x2 (docs/perf-notes.md 'Run 3'; fo_tune.model.triton.DEFAULT_HOST)"
+                    value=value,
+                    source="measured on H200 x2 (fo_tune.model.triton.DEFAULT_HOST, docs/design.md#cost-model)",
                 )
         if term == "triton":
             cal.triton = section

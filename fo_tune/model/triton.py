@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .core import CostModel
 
 # Host time of one eager call (ms), used when the calibration has no `triton` section. Measured on
-# H200 x2 (docs/perf-notes.md "Run 3"): the persistent GEMM's launch 0.086 ms, each
+# H200 x2 (docs/design.md#cost-model): the persistent GEMM's launch 0.086 ms, each
 # torch.distributed call 0.044 ms and each stream wait 0.01 ms; a spin wait is a one-program Triton
 # launch instead of a stream memory op (~0.02 ms more), the restore one more Triton launch.
 DEFAULT_HOST = {
@@ -180,7 +180,9 @@ class TritonTerm:
             restore = 2 * (m if task.collective == "all_reduce" else rows) * n * elem / (RESTORE_GBS * 1e6)
         h = self.host
         spin = h["host_spin_extra_ms"] if wait_mode == "spin" else 0.0
-        host = h["host_launch_ms"] + h["host_per_group_ms"] + spin + (h["host_restore_ms"] if restore else 0.0)
+        host = (
+            h["host_launch_ms"] + h["host_per_group_ms"] + spin + (h["host_restore_ms"] if restore else 0.0)
+        )
         return max(t0 + tail + restore, host)
 
     def best_grouping(

@@ -105,10 +105,12 @@ def confirm(
     timing = got["timings"][i]
     # the row is decided against what it runs otherwise: the runtime's overlap: false fallback
     # (graphed on GPUs: faster than the eager GEMM then collective where the host bounds a call,
-    # docs/perf-notes.md "Run 67"), or sequential if it was not timed
+    # docs/design.md#fallback), or sequential if it was not timed
     fallback: Timing | None = got.get("fallback")
     base, base_name = (fallback, "the overlap: false fallback") if fallback else (seq, "sequential")
-    overlap, speedup, decision = decide(timing.median_ms, timing.iqr_ms, base.median_ms, base.iqr_ms, base_name)
+    overlap, speedup, decision = decide(
+        timing.median_ms, timing.iqr_ms, base.median_ms, base.iqr_ms, base_name
+    )
     numbers: dict[str, Any] = {
         "measured_ms": timing.median_ms,
         "iqr_ms": timing.iqr_ms,
@@ -120,8 +122,12 @@ def confirm(
     pick = picks[i]
     if pick.trial is not None:
         numbers["search_ms"] = pick.value_ms
-    best = Candidate(pick.schedule, timing.median_ms, pick.predicted_ms, timing.median_ms, timing.iqr_ms, pick.trial)
-    return Verdict(overlap, speedup, decision, best if overlap else None, best, timing.median_ms, numbers, confirmed)
+    best = Candidate(
+        pick.schedule, timing.median_ms, pick.predicted_ms, timing.median_ms, timing.iqr_ms, pick.trial
+    )
+    return Verdict(
+        overlap, speedup, decision, best if overlap else None, best, timing.median_ms, numbers, confirmed
+    )
 
 
 def decide_predicted(candidates: Sequence[Candidate], fallback_ms: float, sequential_ms: float) -> Verdict:
@@ -145,4 +151,3 @@ def row_numbers(verdict: Verdict, extra: dict[str, Any]) -> dict[str, Any]:
             if key in numbers:
                 numbers[f"rejected_{key}"] = numbers.pop(key)
     return numbers
-

@@ -35,8 +35,8 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
 from fo_kernels.table import ScheduleTable, load_table, table_path
 
-from ..engines import ShapeTask, get_tuner
 from ..encoding import UnionEncoding
+from ..engines import ShapeTask, get_tuner
 from ..model import CostModel
 from ..space import SearchSpace, space_for
 from ..studies import DEFAULT_STORAGE_FILE, open_storage
@@ -117,7 +117,9 @@ def _model(request: SearchRequest, fp: Fingerprint) -> CostModel | None:
     return model
 
 
-def _engines(request: SearchRequest, fp: Fingerprint, space: SearchSpace, measurer: Any, rep: Reporter) -> tuple:
+def _engines(
+    request: SearchRequest, fp: Fingerprint, space: SearchSpace, measurer: Any, rep: Reporter
+) -> tuple:
     """``select_engines``, less the ones the ranks cannot run (a measured search asks them)."""
     engines = select_engines(request, fp, space)
     if measurer is None:
@@ -134,9 +136,7 @@ def _engines(request: SearchRequest, fp: Fingerprint, space: SearchSpace, measur
     return tuple(out)
 
 
-def _run(
-    request: SearchRequest, fp: Fingerprint, measurer: Any, rep: Reporter, t0: float
-) -> SearchResult:
+def _run(request: SearchRequest, fp: Fingerprint, measurer: Any, rep: Reporter, t0: float) -> SearchResult:
     from ..tables import merge_rows
 
     cpu = fp.compute_capability == "cpu"
@@ -145,7 +145,9 @@ def _run(
     engines = _engines(request, fp, space, measurer, rep)
     target = table = None
     if request.table_dir is not None:
-        target = table_path(request.table_dir, fp.device_key, request.collective, request.world_size, request.dtype)
+        target = table_path(
+            request.table_dir, fp.device_key, request.collective, request.world_size, request.dtype
+        )
         check_table_target(target, fp)
         with contextlib.suppress(TableNotFoundError):
             table = load_table(target)
@@ -171,7 +173,12 @@ def _run(
         # and must not replace exact rows a search of that very shape wrote.
         rows = ranges if request.m_range is not None else [r.row for r in results]
         merged = merge_rows(
-            target, fp, rows, collective=request.collective, world_size=request.world_size, dtype=request.dtype
+            target,
+            fp,
+            rows,
+            collective=request.collective,
+            world_size=request.world_size,
+            dtype=request.dtype,
         )
         # the measured rows a predicted one did not replace (merge_rows never replaces one)
         now = {r.problem: r for r in merged.rows}
@@ -199,10 +206,18 @@ def _encoding(
 ) -> UnionEncoding:
     m, n, k = shape
     task = ShapeTask(
-        collective=request.collective, dtype=request.dtype, world_size=request.world_size, m=m, n=n, k=k,
-        sm_count=fp.sm_count, cpu=cpu, space=space, model=model,
+        collective=request.collective,
+        dtype=request.dtype,
+        world_size=request.world_size,
+        m=m,
+        n=n,
+        k=k,
+        sm_count=fp.sm_count,
+        cpu=cpu,
+        space=space,
+        model=model,
         predictable=request.mode in ("predict", "hybrid"),
-    )  # fmt: skip
+    )
     return UnionEncoding(task, engines)
 
 
@@ -221,9 +236,17 @@ def _job(
     calibration = f"{model.cal.fingerprint.device_key}@{model.cal.created}" if model is not None else "none"
     name = study_name(request, enc.task.shape, enc.fingerprint(), f"{fp.device_key}|{calibration}")
     return ShapeJob(
-        request=request, enc=enc, model=model, measurer=measurer, study_name=name, storage=storage,
-        table=table, budget_s=budget_s, reporter=rep, baseline_ms=baseline_ms,
-    )  # fmt: skip
+        request=request,
+        enc=enc,
+        model=model,
+        measurer=measurer,
+        study_name=name,
+        storage=storage,
+        table=table,
+        budget_s=budget_s,
+        reporter=rep,
+        baseline_ms=baseline_ms,
+    )
 
 
 def _search_shape(
@@ -244,7 +267,9 @@ def _search_shape(
     job = _job(request, enc, model, measurer, storage, table, rep, quote, fp, budget_s)
     if not enc.engines:
         outcome = None
-        verdict = Verdict(False, 1.0, "no engine can run here (see `fo-tune search --help`)", None, None, math.nan)
+        verdict = Verdict(
+            False, 1.0, "no engine can run here (see `fo-tune search --help`)", None, None, math.nan
+        )
     else:
         outcome = get_strategy(request.strategy).run(job)
         if measurer is not None and outcome.candidates:
@@ -295,9 +320,12 @@ def make_row(
         from fo_kernels.schedule import Problem
 
         return Schedule(
-            collective=request.collective, dtype=request.dtype, world_size=request.world_size,
-            problem=Problem(m=m, n=n, k=k), provenance=prov,
-        )  # fmt: skip
+            collective=request.collective,
+            dtype=request.dtype,
+            world_size=request.world_size,
+            problem=Problem(m=m, n=n, k=k),
+            provenance=prov,
+        )
     if chosen.trial is not None:
         prov["trial"] = chosen.trial
     if not math.isnan(chosen.predicted_ms) and request.mode != "predict":
@@ -327,6 +355,11 @@ def measure_baseline(
         )
     seq = got["sequential"]
     return BaselineResult(
-        "measured", got["gemm"].median_ms, got["comm"].median_ms, seq.median_ms, seq.spread_ms, seq.iqr_ms,
+        "measured",
+        got["gemm"].median_ms,
+        got["comm"].median_ms,
+        seq.median_ms,
+        seq.spread_ms,
+        seq.iqr_ms,
         predicted,
-    )  # fmt: skip
+    )

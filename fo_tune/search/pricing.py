@@ -30,10 +30,22 @@ def _record(job: ShapeJob, number: int, params: dict[str, Any], **kw: Any) -> Tr
     fields.update(kw)
     speedup = job.baseline_ms / value if value > 0 else math.nan
     return TrialRecord(
-        job.label, number, fields.pop("state"), dict(params), fields["schedule"], fields["predicted_ms"],
-        math.nan, math.nan, math.nan, value, speedup, fields["cached_from"], fields["note"],
-        fields["engine"], fields["settings"],
-    )  # fmt: skip
+        job.label,
+        number,
+        fields.pop("state"),
+        dict(params),
+        fields["schedule"],
+        fields["predicted_ms"],
+        math.nan,
+        math.nan,
+        math.nan,
+        value,
+        speedup,
+        fields["cached_from"],
+        fields["note"],
+        fields["engine"],
+        fields["settings"],
+    )
 
 
 def price(
@@ -66,17 +78,26 @@ def price(
             schedule = job.enc.build(params)
             total = model.predict(schedule, *job.enc.task.shape).total_ms
         except (Infeasible, ScheduleError, CalibrationError) as exc:
-            records.append(_record(job, number, params, state="PRUNED", note=f"infeasible: {exc}", engine=engine))
+            records.append(
+                _record(job, number, params, state="PRUNED", note=f"infeasible: {exc}", engine=engine)
+            )
             continue
         attrs = describe_attrs(schedule)
         key = schedule_key(schedule)
         records.append(
             _record(
-                job, number, params, state="COMPLETE", value_ms=total, predicted_ms=total,
-                schedule=attrs["schedule"], engine=attrs["engine"], settings=attrs["settings"],
+                job,
+                number,
+                params,
+                state="COMPLETE",
+                value_ms=total,
+                predicted_ms=total,
+                schedule=attrs["schedule"],
+                engine=attrs["engine"],
+                settings=attrs["settings"],
                 cached_from=seen.get(key),
             )
-        )  # fmt: skip
+        )
         seen.setdefault(key, number)
         if key not in candidates or total < candidates[key].value_ms:
             candidates[key] = Candidate(schedule, total, predicted_ms=total)

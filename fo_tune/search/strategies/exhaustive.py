@@ -45,7 +45,9 @@ class ExhaustiveStrategy(Strategy):
         job.reporter.stage(job.stage, waiting)
         before = job.measurer.count
         if waiting:
-            objective = Objective(job.enc, job.model, job.measurer, "measured", lambda d, log: job.step(d, log))
+            objective = Objective(
+                job.enc, job.model, job.measurer, "measured", lambda d, log: job.step(d, log)
+            )
             study.optimize(objective, n_trials=waiting, timeout=job.budget_s)
         close_study(stored, study, resumed)
         return Outcome(candidates(study, job), records(study, job), job.measurer.count - before)
