@@ -195,3 +195,29 @@ def test_model_fit_writes_fitted_values_with_sources(tmp_path, h200):
     assert "--hold-out '8192-14336': expected NxK" in assert_one_line_error(bad)
     summary = yaml.safe_load((tmp_path / "o.yaml").read_text())
     assert summary["schema_version"] == 2
+
+
+def test_a_predict_search_into_the_user_folder_leaves_the_measured_rows_in_charge(tmp_path, monkeypatch):
+    """The issue's bar: after the README's main job on a CPU-only machine (predicted rows into the
+    default user folder), the runtime's row for a suite shape is still the packaged measured one."""
+    monkeypatch.delenv("FO_TUNE_TABLE_DIR")
+    r = CliRunner().invoke(app, ["search", "--shape", "4096x8192x4096", "-c", "all_reduce,reduce_scatter"])
+    assert r.exit_code == 0, r.output
+    user = tmp_path / "env" / "xdg" / "fo-tune" / "tables" / H200_KEY
+    assert {p.name for p in user.glob("*.yaml")} == {
+        "all_reduce-w2-bfloat16.yaml",
+        "reduce_scatter-w2-bfloat16.yaml",
+    }
+    for collective in ("all_reduce", "reduce_scatter"):
+        assert (
+            load_table(user / f"{collective}-w2-bfloat16.yaml").find(4096, 8192, 4096).provenance["mode"]
+            == "predict"
+        )
+        got = CliRunner().invoke(
+            app, ["table", "lookup", "--shape", "4096x8192x4096", "-c", collective, "-k", H200_KEY]
+        )
+        assert got.exit_code == 0, got.output
+        answer = yaml.safe_load(got.stdout)
+        packaged = ROOT / "results" / "tables" / H200_KEY / f"{collective}-w2-bfloat16.yaml"
+        assert Path(answer["source"]).resolve() == packaged.resolve() and answer["kind"] == "measured"
+        assert answer["row"]["provenance"]["mode"] == "hybrid"

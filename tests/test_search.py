@@ -715,3 +715,35 @@ def test_new_study_starts_from_the_heuristic(model):
     assert triton[0]["triton.sms_free"] == 28 and triton[0]["triton.tile"] == tile_label(h.settings.tile)
     copy = [p for p in seeds if p["engine"] == "copy_engine"]
     assert copy == list(enc.points(exhaustive=True))[-len(copy) :] and len(copy) >= 8
+
+
+def test_engine_bad_input_is_exit_2_and_writes_nothing(tmp_path, h200):
+    out = tmp_path / "o"
+    bare = tmp_path / "bare.yaml"
+    from fo_tune.calibration import save_calibration
+
+    save_calibration(dataclasses.replace(h200, copy_engine=None), bare)
+    line = assert_one_line_error(
+        search("--shape", "4096x8192x4096", "--calibration", str(bare), "--out", str(out))
+    )
+    assert "copy_engine section" in line and "fo-tune calibrate --world-size 2 --only copy_engine" in line
+    assert search("--shape", "4096x8192x4096", "--calibration", str(bare), "--engine", "triton",
+                  "--out", str(tmp_path / "t")).exit_code == 0  # fmt: skip
+    no_peers = tmp_path / "pcie.yaml"
+    fp = dataclasses.replace(h200.fingerprint, interconnect="pcie")
+    save_calibration(dataclasses.replace(h200, fingerprint=fp), no_peers)
+    args = ("--shape", "4096x8192x4096", "--calibration", str(no_peers), "--engine", "copy_engine")
+    line = assert_one_line_error(search(*args, "--out", str(out)))
+    assert "--engine copy_engine" in line and "needs peer access" in line
+    assert not out.exists()
+
+
+def test_a_table_of_an_unknown_schema_is_exit_2_and_left_alone(tmp_path):
+    out = tmp_path / "o"
+    path = out / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml"
+    path.parent.mkdir(parents=True)
+    path.write_text("schema_version: 99\nkind: fo-tune-schedule-table\n")
+    before = path.read_bytes()
+    line = assert_one_line_error(search("--shape", "4096x8192x4096", "--out", str(out)))
+    assert "schema_version 99" in line and "fo-tune search" in line
+    assert path.read_bytes() == before and not (out / "report").exists()

@@ -173,7 +173,7 @@ def fit_calibration(
             elif term == "triton" and name not in section.params:
                 section.params[name] = Quantity(
                     value=value,
-                    source="measured on H200 x2 (fo_tune.model.triton.DEFAULT_HOST, docs/design.md#cost-model)",
+                    source="measured on H200 x2 (model.triton.DEFAULT_HOST, docs/design.md#cost-model)",
                 )
         if term == "triton":
             cal.triton = section
