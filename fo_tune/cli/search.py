@@ -332,6 +332,82 @@ def _print_summary(result: SearchResult, written: list[Path]) -> None:
     )
 
 
+def _choose_calibration(
+    path: Path | None, mode: str, world_size: int, backend: str
+) -> tuple[Calibration | None, str]:
+    """(the calibration the search reads, the mode): --calibration, else the packaged one for a
+    predict search, else this machine's; no mode given: hybrid with a calibration, else measure."""
+    from fo_kernels.fingerprint import current_fingerprint
+    from fo_tune.calibration import load_calibration
+    from fo_tune.search import SearchError
+
+    cal: Calibration | None = None
+    if path is not None:
+        cal = load_calibration(path)
+    elif mode == "predict":
+        found = packaged_calibration(None, world_size)
+        if found is None:
+            raise SearchError(
+                f"no packaged calibration for world size {world_size}; run `fo-tune calibrate "
+                f"--world-size {world_size}` on the GPUs and pass --calibration FILE"
+            )
+        cal = load_calibration(found)
+    else:
+        key = current_fingerprint(local_device(backend), world_size).device_key
+        found = find_calibration(key, world_size)
+        if found is not None:
+            cal = load_calibration(found)
+    if not mode:
+        mode = "hybrid" if cal is not None else "measure"
+    if (
+        mode == "hybrid"
+        and backend == "gloo"
+        and cal is not None
+        and cal.fingerprint.compute_capability != "cpu"
+    ):
+        raise SearchError(
+            f"--mode hybrid measures on these ranks (gloo on the CPU), but the calibration is for "
+            f"{cal.fingerprint.device_key}; use --mode predict, or a calibration of this machine"
+        )
+    if mode == "predict" and cal is None:
+        raise SearchError("--mode predict needs --calibration FILE")
+    return cal, mode
+
+
+def _outputs(out: Path | None, table_dir: Path | None, storage: str | None) -> tuple[Path, str]:
+    """(the tables' root, the studies' storage URL) of --out, --table-dir and --storage."""
+    from fo_kernels.table import TABLE_DIR_ENV, user_table_dir
+    from fo_tune.search import DEFAULT_STORAGE_FILE
+
+    if out is not None:
+        return table_dir or out / "tables", storage or f"sqlite:///{out / 'studies' / 'fo-tune.db'}"
+    env = os.environ.get(TABLE_DIR_ENV)
+    return table_dir or (
+        Path(env) if env else user_table_dir()
+    ), storage or f"sqlite:///{DEFAULT_STORAGE_FILE}"
+
+
+def _report_dirs(requests: list, cal: Calibration | None, backend: str, out: Path | None) -> list[Path]:
+    """Each request's report folder, checked writable before anything runs."""
+    from fo_kernels.fingerprint import current_fingerprint
+    from fo_tune.search_report import check_report_dir, default_report_dir
+
+    first = requests[0]
+    if first.mode == "predict":
+        assert cal is not None
+        device_key = cal.fingerprint.device_key
+    else:
+        device_key = current_fingerprint(local_device(backend), first.world_size).device_key
+    dirs = []
+    for r in requests:
+        folder = default_report_dir(
+            device_key, r.collective, r.world_size, r.dtype, r.mode, m_range=r.m_range is not None
+        )
+        dirs.append(out / "report" / folder.name if out is not None else folder)
+        check_report_dir(dirs[-1])
+    return dirs
+
+
 @handle_errors
 def search(
     shape: ShapesOpt = None,
@@ -379,42 +455,10 @@ def search(
     chosen = "gloo" if mode == "predict" else resolve_backend(world_size, backend)
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
-        from fo_kernels.fingerprint import current_fingerprint
-        from fo_kernels.table import TABLE_DIR_ENV, user_table_dir
-        from fo_tune.calibration import load_calibration
-        from fo_tune.search import DEFAULT_STORAGE_FILE, SearchError, SearchRequest, check_request, run_search
-        from fo_tune.search_report import check_report_dir, default_report_dir, write_report
+        from fo_tune.search import SearchRequest, check_request, run_search
+        from fo_tune.search_report import write_report
 
-        cal: Calibration | None = None
-        if calibration is not None:
-            cal = load_calibration(calibration)
-        elif mode == "predict":
-            path = packaged_calibration(None, world_size)
-            if path is None:
-                raise SearchError(
-                    f"no packaged calibration for world size {world_size}; run `fo-tune calibrate "
-                    f"--world-size {world_size}` on the GPUs and pass --calibration FILE"
-                )
-            cal = load_calibration(path)
-        else:
-            key = current_fingerprint(local_device(chosen), world_size).device_key
-            path = find_calibration(key, world_size)
-            if path is not None:
-                cal = load_calibration(path)
-        if not mode:
-            mode = "hybrid" if cal is not None else "measure"
-        if (
-            mode == "hybrid"
-            and chosen == "gloo"
-            and cal is not None
-            and cal.fingerprint.compute_capability != "cpu"
-        ):
-            raise SearchError(
-                f"--mode hybrid measures on these ranks (gloo on the CPU), but the calibration is for "
-                f"{cal.fingerprint.device_key}; use --mode predict, or a calibration of this machine"
-            )
-        if mode == "predict" and cal is None:
-            raise SearchError("--mode predict needs --calibration FILE")
+        cal, mode = _choose_calibration(calibration, mode, world_size, chosen)
         search_space = None
         if space is not None:
             search_space = resolve_space(space, chosen)
@@ -422,15 +466,7 @@ def search(
             from fo_tune.space import space_for
 
             search_space = space_for(cal.fingerprint.compute_capability)
-        if out is not None:
-            tables_root = out / "tables"
-            storage_url = storage or f"sqlite:///{out / 'studies' / 'fo-tune.db'}"
-        else:
-            env = os.environ.get(TABLE_DIR_ENV)
-            tables_root = table_dir or (Path(env) if env else user_table_dir())
-            storage_url = storage or f"sqlite:///{DEFAULT_STORAGE_FILE}"
-        if table_dir is not None:
-            tables_root = table_dir
+        tables_root, storage_url = _outputs(out, table_dir, storage)
         requests = [
             SearchRequest(
                 shapes=tuple(wanted),
@@ -456,18 +492,7 @@ def search(
         ]
         for request in requests:  # every bad input is reported before anything runs or is written
             check_request(request)
-        if mode == "predict":
-            assert cal is not None
-            device_key = cal.fingerprint.device_key
-        else:
-            device_key = current_fingerprint(local_device(chosen), world_size).device_key
-        report_dirs = []
-        for request in requests:
-            folder = default_report_dir(
-                device_key, request.collective, world_size, dtype, mode, m_range=request.m_range is not None
-            )
-            report_dirs.append(out / "report" / folder.name if out is not None else folder)
-            check_report_dir(report_dirs[-1])
+        report_dirs = _report_dirs(requests, cal, chosen, out)
         results = []
         with progress_bars(enabled=driver) as progress:
             reporter = ProgressReporter(progress, f"search ({mode})")
