@@ -57,6 +57,8 @@ PACED_REPS = 15
 # of a GEMM without pauses and holds at ~1470 MHz); the samples follow at that clock.
 SUSTAIN_WARM_MS = 300.0
 SUSTAINED_REPS = 10
+# Calls queued per synchronization while warming up (the GPU never idles between them).
+WARM_BATCH = 16
 # The clock factor is taken over GEMMs of at least this long (shorter ones leave the card cooler
 # between launches; the three largest suite shapes take 1.2-1.6 ms).
 LARGE_GEMM_MS = 0.5
@@ -120,7 +122,8 @@ def _sustained_ms(fn: Callable[[], Any], device: torch.device) -> Timing:
     """Back-to-back calls for ``SUSTAIN_WARM_MS``, then timed samples of back-to-back calls."""
     t0 = time.perf_counter()
     while (time.perf_counter() - t0) * 1e3 < SUSTAIN_WARM_MS:
-        fn()
+        for _ in range(WARM_BATCH):  # queued back to back; one synchronization per batch
+            fn()
         _sync(device)
     return time_region(fn, device, warmup=0, reps=SUSTAINED_REPS)
 

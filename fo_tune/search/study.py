@@ -35,6 +35,7 @@ def open_study(job: ShapeJob, *, predicted: bool) -> tuple[Any, Any, int]:
     fast enough to share live between workers, and is used directly.)"""
     import optuna
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(seed=job.request.seed)
     storage = job.storage()
     stored = optuna.create_study(
