@@ -61,7 +61,7 @@ def task(model, collective="all_reduce", shape=(4096, 8192, 4096), *, world=2, d
 def test_every_runtime_engine_has_a_tuner_plug_in():
     assert set(engine_names()) == set(runtime_engines()) == set(ENGINE_SETTINGS)
     for name in engine_names():
-        assert get_tuner(name).name == name
+        assert get_tuner(name).name == name and get_tuner(name).settings_type is ENGINE_SETTINGS[name]
 
 
 def test_an_unknown_engine_lists_the_valid_ones():

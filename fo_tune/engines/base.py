@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fo_kernels.errors import FoTuneError
-from fo_kernels.schedule import EngineSettings, Problem, Schedule
+from fo_kernels.schedule import EngineSettings, Problem, Schedule, settings_type
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
@@ -95,6 +95,11 @@ class EngineTuner(ABC):
     """An engine's plug-in (see the module docstring for the call order)."""
 
     name: ClassVar[str]
+
+    @property
+    def settings_type(self) -> type[EngineSettings]:
+        """The runtime's settings of this engine (``fo_kernels.schedule.settings_type``)."""
+        return settings_type(self.name)
 
     # ------------------------------------------------------------------------------ the space
     @abstractmethod
