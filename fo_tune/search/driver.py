@@ -30,7 +30,7 @@ import math
 import time
 from typing import Any
 
-from fo_kernels.errors import FoTuneError, TableError, TableNotFoundError
+from fo_kernels.errors import EnvironmentMismatchError, FoTuneError, TableError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
 from fo_kernels.table import ScheduleTable, load_table, table_path
@@ -90,7 +90,12 @@ def run_search(request: SearchRequest, reporter: Reporter | None = None) -> Sear
     with open_pool(request.world_size, backend=request.backend) as pool:
         if not pool.is_driver:
             return None
-        fp: Fingerprint = pool.run(FingerprintTask())[0]
+        fps: list[Fingerprint] = pool.run(FingerprintTask())
+        fp = fps[0]
+        if any(f.device_key != fp.device_key for f in fps):
+            raise EnvironmentMismatchError(
+                f"ranks see different hardware ({sorted({f.device_key for f in fps})}); use identical GPUs"
+            )
         if request.mode == "hybrid":
             cal = request.calibration
             assert cal is not None
