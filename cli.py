@@ -5,7 +5,7 @@ This module only wires the command modules of ``fo_tune.cli``; each calls a libr
 
 import typer
 
-from fo_tune.cli import bench, calibrate, demo, profile, search, table
+from fo_tune.cli import bench, calibrate, demo, model, profile, search, table
 
 HELP = "\n\n".join(
     [
@@ -16,8 +16,9 @@ HELP = "\n\n".join(
         "Commands: calibrate (bandwidth curves, interference table and GEMM tile profiles of this "
         "machine), profile (every tile config of the search space for one shape, next to cuBLAS), "
         "search (tune schedules: measured, predicted offline from a calibration, or both; writes the "
-        "tables), table (show, validate, diff tables), bench (fo-tune next to every alternative, "
-        "side by side) and demo (check and time the runtime on local ranks).",
+        "tables), table (show, look up, validate, diff tables), model (check the cost model against "
+        "measured rows and trials, fit its free parameters), bench (fo-tune next to every "
+        "alternative, side by side) and demo (check and time the runtime on local ranks).",
     ]
 )
 
@@ -31,6 +32,7 @@ profile.register(app)
 search.register(app)
 demo.register(app)
 table.register(app)
+model.register(app)
 bench.register(app)
 
 

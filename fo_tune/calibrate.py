@@ -8,6 +8,11 @@
          itself, which DESIGN.md saw stall the collective)
       4. GEMM profiles: tile configs x grids for the space's shape set, next to cuBLAS
       5. latency/bandwidth fits
+      6. the copy engine's section (``fo_tune.calibrate_copy_engine``): the library GEMM of its
+         chunk shapes paced and sustained (one GPU), peer copies, flags and host times (two GPUs)
+
+``parts`` selects stages by name (``PARTS``); world size 1 has no collective, so its default is
+``gemm`` and ``copy_engine`` (the one-GPU measurements: ``fo-tune calibrate --world-size 1``).
 
 All of it runs in one worker pool (``fo_tune.launch``); writing the files is ``fo_tune.report``.
 """
@@ -18,7 +23,8 @@ import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fo_kernels.errors import EnvironmentMismatchError
+from fo_kernels.errors import EnvironmentMismatchError, FoTuneError
+from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.heuristics import NCCL_SM_MARGIN
 from fo_kernels.schedule import Tile
 
@@ -26,8 +32,10 @@ from .calibration import (
     CALIBRATED_COLLECTIVES,
     BandwidthPoint,
     Calibration,
+    EngineCalibration,
     GemmPoint,
     InterferencePoint,
+    Quantity,
     fit_all,
 )
 from .launch import Pool, fingerprinted_pool
@@ -36,6 +44,16 @@ from .progress import Reporter, SilentReporter
 from .report import size_label
 from .space import SearchSpace, space_for
 from .timing import Timing
+
+
+class CalibrationRequestError(FoTuneError, ValueError):
+    """A calibration request that cannot be measured as asked; the message says what to do."""
+
+
+# The stages a calibration can run, by name (--only).
+PARTS = ("bandwidth", "interference", "gemm", "copy_engine")
+# Without a collective between ranks, world size 1 measures these.
+ONE_GPU_PARTS = ("gemm", "copy_engine")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +65,7 @@ class CalibrationRequest:
     backend: str | None = None
     space: SearchSpace | None = None  # None: the space for this device's compute capability
     interference_collectives: tuple[str, ...] = field(default=("all_reduce", "reduce_scatter"))
+    parts: tuple[str, ...] | None = None  # None: every part (world size 1: ONE_GPU_PARTS)
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.collectives if c not in CALIBRATED_COLLECTIVES]
@@ -54,6 +73,19 @@ class CalibrationRequest:
             raise EnvironmentMismatchError(
                 f"unknown collective(s) {', '.join(unknown)}; choose from {', '.join(CALIBRATED_COLLECTIVES)}"
             )
+        bad = [p for p in self.parts or () if p not in PARTS]
+        if bad:
+            raise CalibrationRequestError(f"--only {bad[0]!r} is not one of {', '.join(PARTS)}")
+        if self.world_size == 1 and set(self.parts or ()) & {"bandwidth", "interference"}:
+            raise CalibrationRequestError(
+                "--only bandwidth/interference measure collectives between ranks; world size 1 has none"
+            )
+
+    def selected(self) -> tuple[str, ...]:
+        """The parts this request measures."""
+        if self.parts is not None:
+            return self.parts
+        return ONE_GPU_PARTS if self.world_size == 1 else PARTS
 
 
 def interference_pairs(sms_free: Sequence[int], caps: Sequence[int], quick: bool) -> list[tuple[int, int]]:
@@ -94,10 +126,16 @@ def run_calibration(request: CalibrationRequest, reporter: Reporter | None = Non
             quick=request.quick,
             created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         )
-        cal.bandwidth = _bandwidth(pool, request, space, cpu, rep)
-        cal.interference = _interference(pool, request, space, cpu, fp.sm_count, rep)
-        cal.gemm = _gemm_profiles(pool, request, space, cpu, rep)
-        cal.fits = fit_all(cal.bandwidth)
+        parts = request.selected()
+        if "bandwidth" in parts:
+            cal.bandwidth = _bandwidth(pool, request, space, cpu, rep)
+            cal.fits = fit_all(cal.bandwidth)
+        if "interference" in parts:
+            cal.interference = _interference(pool, request, space, cpu, fp.sm_count, rep)
+        if "gemm" in parts:
+            cal.gemm = _gemm_profiles(pool, request, space, cpu, rep)
+        if "copy_engine" in parts:
+            cal.copy_engine = _copy_engine(pool, request, space, cpu, fp, rep)
         return cal
 
 
@@ -222,3 +260,68 @@ def profile_shape(
             )
         )
     return points
+
+
+def _copy_engine(
+    pool: Pool, req: CalibrationRequest, space: SearchSpace, cpu: bool, fp: Fingerprint, rep: Reporter
+) -> EngineCalibration:
+    """The copy engine's section (``fo_tune.calibrate_copy_engine``): what this world size measures."""
+    from . import calibrate_copy_engine as ce
+
+    source = ce.measured_by(fp.device_key)
+    section = space.engine("copy_engine")
+    ring = section.modes.get("ring") if section is not None else None
+    chunks = sorted({1, *(ring.chunks if ring is not None else ())})
+    shapes = tuple(
+        ce.chunk_shapes(space.gemm_shapes(quick=req.quick, cpu=cpu), chunks, max(2, req.world_size))
+    )
+    two = req.world_size >= 2
+    rep.stage("copy engine", 1 + 3 * two)
+    points = ce.library_points(pool.run(ce.LibraryGemmTask(shapes, req.dtype)))
+    params = ce.fit_library_params(points, fp.sm_count, source)
+    rep.step("copy engine", f"library GEMM, {len(points)} shapes")
+    copies: list = []
+    if two:
+        copy, copies = ce.copy_params(pool.run(ce.PeerCopyTask()), source)
+        params.update(copy)
+        rep.step("copy engine", "peer copies" if copy else "peer copies: not on these ranks")
+        flags = pool.run(ce.FlagTask())
+        if not any(r["why"] for r in flags):
+            params["flag_ms"] = Quantity(
+                value=max(r["flag_ms"] for r in flags), source=f"measured by {source} (FlagTask)"
+            )
+        rep.step("copy engine", "flags" if "flag_ms" in params else f"flags: {flags[0]['why']}")
+        m, n, k = space.gemm_shapes(quick=True, cpu=cpu)[0]
+        params.update(ce.host_params(pool.run(ce.HostTask(m, n, k, "all_reduce", req.dtype)), source))
+        rep.step("copy engine", "host times")
+    return EngineCalibration(params=params, library_gemm=points, copies=copies)
+
+
+def merge_into(target: Calibration, measured: Calibration, parts: Sequence[str]) -> Calibration:
+    """``target`` with the ``parts`` of ``measured`` replacing its own (the copy engine's section
+    merged: a parameter no measurement gives keeps its value and source). Refused when the two
+    were measured on different GPUs (name, compute capability, SM count): the numbers would not
+    describe ``target``'s machine."""
+    theirs, ours = target.fingerprint, measured.fingerprint
+    for name in ("gpu_name", "compute_capability", "sm_count"):
+        if getattr(theirs, name) != getattr(ours, name):
+            raise CalibrationRequestError(
+                f"--into: the calibration is for {theirs.device_key}, this machine is {ours.device_key} "
+                f"({name} differs); measure on the same GPU model, or write a calibration of its own"
+            )
+    if measured.dtype != target.dtype:
+        raise CalibrationRequestError(
+            f"--into: the calibration was measured with {target.dtype}, this run with {measured.dtype}; "
+            f"pass --dtype {target.dtype}"
+        )
+    from .calibrate_copy_engine import merge_section
+
+    if "bandwidth" in parts:
+        target.bandwidth, target.fits = measured.bandwidth, measured.fits
+    if "interference" in parts:
+        target.interference = measured.interference
+    if "gemm" in parts:
+        target.gemm = measured.gemm
+    if "copy_engine" in parts and measured.copy_engine is not None:
+        target.copy_engine = merge_section(target.copy_engine, measured.copy_engine)
+    return target

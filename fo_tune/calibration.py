@@ -7,7 +7,15 @@ A ``Calibration`` holds, for one hardware fingerprint and world size:
   each one's time alone and under contention, their slowdowns, and whether the collective ran during
   the GEMM at all;
 - ``gemm``: time per tile config per grid for a set of shapes, next to cuBLAS;
-- ``fits``: t = latency + bytes / bandwidth per (collective, cap), least squares over the points.
+- ``fits``: t = latency + bytes / bandwidth per (collective, cap), least squares over the points;
+- ``copy_engine`` (optional): what the copy engine's cost-model term reads
+  (``fo_tune.model.copy_engine``, ``fo_tune.model.library``): ``params``, every scalar by name with
+  its value and its source (a measurement of ``fo-tune calibrate``, a probe, or a fit to measured
+  rows), and the measured points behind them: ``library_gemm`` (cuBLAS per chunk shape, beta 0 and
+  1, with pauses and back to back: one GPU) and ``copies`` (copy-engine copies of peer and local
+  memory: two GPUs);
+- ``triton`` (optional): the Triton term's host times (``params``, as above); without it the
+  term's measured defaults apply.
 
 Sizes follow nccl-tests: ``size`` is the full buffer of the collective (the input of all_reduce,
 reduce_scatter and all_to_all, the output of all_gather); algbw = size / time; busbw = algbw times
@@ -15,10 +23,12 @@ reduce_scatter and all_to_all, the output of all_gather); algbw = size / time; b
 
 Files: one YAML (schema version, fingerprint, everything) written atomically; ``load_calibration``
 refuses an unknown schema version or a malformed file with a ``CalibrationError`` naming the key.
+Schema 1 (no ``copy_engine`` / ``triton`` sections) still loads.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -27,11 +37,14 @@ from typing import Any
 import yaml
 
 from fo_kernels.errors import FoTuneError
-from fo_kernels.files import atomic_write, read_yaml
+from fo_kernels.files import atomic_write
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import COLLECTIVES
 
-CALIBRATION_SCHEMA_VERSION = 1
+from .yaml_read import read_yaml_fast
+
+CALIBRATION_SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 CALIBRATION_KIND = "fo-tune-calibration"
 # What a calibration measures: the runtime's collectives and all_to_all, which an expert-parallel
 # layer ends in.
@@ -161,6 +174,82 @@ def fit_all(points: Iterable[BandwidthPoint]) -> list[CurveFit]:
     return [fit_curve(v) for _, v in sorted(by_key.items())]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Quantity:
+    """One calibrated scalar and where it comes from (a measurement, a probe, a fit to rows)."""
+
+    value: float
+    source: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LibraryGemmPoint:
+    """A library (cuBLAS) GEMM of one chunk shape: with pauses of its own length between calls
+    (paced) and back to back (sustained: the card at its power limit)."""
+
+    m: int
+    n: int
+    k: int
+    beta: int  # 0: C = A @ B; 1: C += A @ B (the copy engine's second step)
+    paced_ms: float
+    sustained_ms: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CopyPoint:
+    """One copy-engine copy: ``peer`` (reading the peer GPU's memory) or ``local``."""
+
+    kind: str
+    size_bytes: int
+    time_ms: float
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineCalibration:
+    """An engine's section: named scalars with their sources, and the measured points behind them."""
+
+    params: dict[str, Quantity] = field(default_factory=dict)
+    library_gemm: list[LibraryGemmPoint] = field(default_factory=list)
+    copies: list[CopyPoint] = field(default_factory=list)
+
+    def values(self) -> dict[str, float]:
+        return {name: q.value for name, q in self.params.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"params": {name: asdict(q) for name, q in self.params.items()}}
+        if self.library_gemm:
+            out["library_gemm"] = [asdict(p) for p in self.library_gemm]
+        if self.copies:
+            out["copies"] = [asdict(p) for p in self.copies]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> EngineCalibration:
+        if not isinstance(data, dict):
+            raise CalibrationError(f"{where}: expected a mapping")
+        unknown = sorted(set(data) - {"params", "library_gemm", "copies"})
+        if unknown:
+            raise CalibrationError(f"{where}: unknown key(s) {unknown}; valid: params, library_gemm, copies")
+        params = data.get("params") or {}
+        if not isinstance(params, dict):
+            raise CalibrationError(f"{where}.params: expected a mapping of name: {{value, source}}")
+        return cls(
+            params={str(k): _point(Quantity, v, f"{where}.params.{k}") for k, v in params.items()},
+            library_gemm=[
+                _point(LibraryGemmPoint, row, f"{where}.library_gemm[{i}]")
+                for i, row in enumerate(data.get("library_gemm") or [])
+            ],
+            copies=[
+                _point(CopyPoint, row, f"{where}.copies[{i}]")
+                for i, row in enumerate(data.get("copies") or [])
+            ],
+        )
+
+
+# The optional engine sections of a calibration, by name.
+ENGINE_SECTIONS = ("copy_engine", "triton")
+
+
 _PARTS = {"bandwidth": BandwidthPoint, "interference": InterferencePoint, "gemm": GemmPoint, "fits": CurveFit}
 
 
@@ -179,6 +268,8 @@ class Calibration:
     interference: list[InterferencePoint] = field(default_factory=list)
     gemm: list[GemmPoint] = field(default_factory=list)
     fits: list[CurveFit] = field(default_factory=list)
+    copy_engine: EngineCalibration | None = None
+    triton: EngineCalibration | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -193,6 +284,10 @@ class Calibration:
         }
         for name in _PARTS:
             out[name] = [asdict(p) for p in getattr(self, name)]
+        for name in ENGINE_SECTIONS:
+            section = getattr(self, name)
+            if section is not None:
+                out[name] = section.to_dict()
         return out
 
     @classmethod
@@ -200,10 +295,10 @@ class Calibration:
         if not isinstance(data, dict):
             raise CalibrationError(f"{source}: expected a mapping at the top level")
         version = data.get("schema_version")
-        if version != CALIBRATION_SCHEMA_VERSION:
+        if version not in SUPPORTED_SCHEMA_VERSIONS or isinstance(version, bool):
             raise CalibrationError(
                 f"{source}: schema_version {version!r} is not supported (this fo-tune reads "
-                f"{CALIBRATION_SCHEMA_VERSION}); re-run `fo-tune calibrate`"
+                f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}); re-run `fo-tune calibrate`"
             )
         if data.get("kind") != CALIBRATION_KIND:
             raise CalibrationError(f"{source}: kind must be {CALIBRATION_KIND!r}, got {data.get('kind')!r}")
@@ -215,6 +310,11 @@ class Calibration:
                 ]
                 for name, kind in _PARTS.items()
             }
+            sections = {
+                name: EngineCalibration.from_dict(data[name], f"{source}: {name}")
+                for name in ENGINE_SECTIONS
+                if data.get(name) is not None
+            }
             return cls(
                 fingerprint=fp,
                 world_size=int(data["world_size"]),
@@ -223,6 +323,7 @@ class Calibration:
                 quick=bool(data["quick"]),
                 created=str(data["created"]),
                 **parts,
+                **sections,
             )
         except KeyError as exc:
             raise CalibrationError(f"{source}: missing key {exc.args[0]!r}") from None
@@ -235,18 +336,27 @@ class Calibration:
         return next((f for f in self.fits if (f.collective, f.nccl_max_ctas) == (collective, cap)), None)
 
 
+_TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}
+
+
+@functools.cache
+def _schema(kind: type) -> tuple[frozenset[str], tuple[tuple[str, str, Any], ...]]:
+    """(field names, (name, type name, accepted builtin types) per field) of a point dataclass."""
+    names = frozenset(f.name for f in fields(kind))
+    return names, tuple((f.name, str(f.type), _TYPES[str(f.type)]) for f in fields(kind))
+
+
 def _point(kind: type, row: Any, where: str) -> Any:
     if not isinstance(row, dict):
         raise CalibrationError(f"{where}: expected a mapping")
-    names = {f.name for f in fields(kind)}
-    missing, unknown = names - set(row), set(row) - names
-    if missing or unknown:
+    names, types = _schema(kind)
+    if row.keys() != names:
+        missing, unknown = names - set(row), set(row) - names
         raise CalibrationError(f"{where}: missing {sorted(missing)}, unknown {sorted(unknown)}")
-    for f in fields(kind):
-        value = row[f.name]
-        want = {"int": int, "float": (int, float), "bool": bool, "str": str}[str(f.type)]
+    for name, type_name, want in types:
+        value = row[name]
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-            raise CalibrationError(f"{where}.{f.name}: expected {f.type}, got {value!r}")
+            raise CalibrationError(f"{where}.{name}: expected {type_name}, got {value!r}")
     return kind(**row)
 
 
@@ -257,7 +367,7 @@ def save_calibration(cal: Calibration, path: Path) -> None:
 
 def load_calibration(path: str | Path) -> Calibration:
     """Read and validate a calibration YAML."""
-    data = read_yaml(
+    data = read_yaml_fast(
         path,
         error=CalibrationError,
         missing=CalibrationNotFoundError,

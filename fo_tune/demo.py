@@ -62,7 +62,7 @@ class DemoRow:
     backend: str
     world_size: int
     schedule: str  # Schedule.describe(), or the skip reason
-    schedule_source: str  # "table", "heuristic" or "" (skipped)
+    schedule_source: str  # "table", MISS_SOURCE (no row: overlap false) or "" (skipped)
     rel_err: float  # max over ranks (nan when skipped)
     has_nan: bool
     passed: bool
@@ -170,6 +170,7 @@ def _one_case(ctx: Any, collective: str, a: Any, b: Any, job: _Job) -> dict[str,
 
     from fo_kernels import HeuristicScheduleWarning, gemm_all_reduce, gemm_reduce_scatter, lookup_schedule
     from fo_kernels.runtime import reduce_scatter_tensor
+    from fo_kernels.table import MISS_SOURCE
 
     m, k = a.shape
     n = b.shape[1]
@@ -198,7 +199,7 @@ def _one_case(ctx: Any, collective: str, a: Any, b: Any, job: _Job) -> dict[str,
     err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     return dict(
         schedule=schedule.describe(),
-        source="heuristic" if schedule.provenance.get("source") == "heuristic" else "table",
+        source=MISS_SOURCE if schedule.provenance.get("source") == MISS_SOURCE else "table",
         rel_err=err,
         has_nan=has_nan,
         overlapped_ms=_timed_median(overlapped, job.reps, ctx.device, warmup=WARMUP - 1),

@@ -341,9 +341,11 @@ class ConfirmTask:
         errs = [_check_schedule(ctx, s, self.m, self.n, self.k, self.seed) for s in self.schedules]
         ok = [e < GEMM_TOL[s0.dtype] for e in errs]
         fallback = Schedule(
-            collective=s0.collective, dtype=s0.dtype, world_size=ctx.world_size,
-            problem=Problem(m=self.m, n=self.n, k=self.k), overlap=False,
-        )  # fmt: skip
+            collective=s0.collective,
+            dtype=s0.dtype,
+            world_size=ctx.world_size,
+            problem=Problem(m=self.m, n=self.n, k=self.k),
+        )
         fallback_ok = _check_schedule(ctx, fallback, self.m, self.n, self.k, self.seed) < GEMM_TOL[s0.dtype]
         a, b = gemm_operands(self.m, self.n, self.k, s0.dtype, ctx.device, self.seed * 1009 + ctx.rank)
         fns: dict[str, Callable[[], Any]] = {

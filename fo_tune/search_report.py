@@ -3,20 +3,24 @@
 Files (written to a temporary sibling folder, then swapped in; an earlier report of the same
 search is replaced only when everything was written):
 
-- ``trials.csv``: one row per trial of every shape's study (resumed ones included): identity
-  (shape, study, number, state), the parameters, the schedule, predicted and measured latency,
-  spread, relative error, speedup vs GEMM-then-collective, cache hits and notes;
-- ``summary.yaml``: the request, the fingerprint, per shape the baseline, the best trial, the row
-  written (``overlap: false`` with the reason when nothing beats the baseline), the model's error
-  (MAPE, worst case) over measured trials, trials and measurements spent and wall time;
-- ``history.png``: best-so-far latency per trial per shape, the baseline dashed;
-- ``predicted_vs_measured.png``: every measured trial's prediction against its measurement
-  (measure and hybrid searches with a calibration of this machine).
+- ``trials.csv``: one row per trial (or priced point) of every shape's search (resumed ones
+  included): identity (shape, number, state), the engine, the parameters (JSON), the schedule (in
+  words, and its settings as JSON: ``fo-tune model check`` rebuilds it from them), predicted and
+  measured latency, spread, relative error, speedup vs the baseline, cache hits and notes;
+- ``summary.yaml``: the request, the fingerprint, per shape the engines searched, the baseline,
+  the best schedule, the row written (``overlap: false`` with the reason when nothing beats the
+  fallback), the model's error (MAPE, worst case) over measured trials, trials and measurements
+  spent and wall time; the measured rows a predicted one did not replace;
+- ``history.png``: best-so-far latency per trial per shape, the baseline dashed, and
+  ``predicted_vs_measured.png``: every measured trial's prediction against its measurement
+  (measured searches only: a predict search has nothing to plot against, and skipping matplotlib
+  keeps an offline plan within its seconds).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 from pathlib import Path
@@ -28,6 +32,7 @@ from .report import OutputError, check_ancestor, replacing_folder
 from .search import SearchResult, ShapeResult, TrialRecord
 
 REPORT_FILES = ("trials.csv", "summary.yaml", "history.png", "predicted_vs_measured.png")
+PLOTS = ("history.png", "predicted_vs_measured.png")
 DEFAULT_REPORT_ROOT = Path("results/search")
 TRIAL_COLUMNS = (
     "device_key",
@@ -38,14 +43,10 @@ TRIAL_COLUMNS = (
     "mode",
     "number",
     "state",
-    "tile",
-    "sms_free",
-    "nccl_max_ctas",
-    "signal",
-    "layout",
-    "wait_mode",
-    "grouping",
+    "engine",
+    "params",
     "schedule",
+    "settings",
     "predicted_ms",
     "measured_ms",
     "spread_ms",
@@ -76,7 +77,6 @@ def _cell(value: Any) -> Any:
 
 def _trial_row(result: SearchResult, shape: ShapeResult, t: TrialRecord) -> list[Any]:
     r = result.request
-    p = t.params
     return [
         result.fingerprint.device_key,
         r.collective,
@@ -86,14 +86,10 @@ def _trial_row(result: SearchResult, shape: ShapeResult, t: TrialRecord) -> list
         shape.mode,
         t.number,
         t.state,
-        p.get("tile", ""),
-        p.get("sms_free", ""),
-        p.get("nccl_max_ctas", ""),
-        p.get("signal", ""),
-        p.get("layout", ""),
-        p.get("wait_mode", ""),
-        p.get("grouping", ""),
+        t.engine,
+        json.dumps(t.params, sort_keys=True, default=str),
         t.schedule,
+        t.settings,
         t.predicted_ms,
         t.measured_ms,
         t.spread_ms,
@@ -122,6 +118,7 @@ def summary(result: SearchResult) -> dict[str, Any]:
             {
                 "shape": "x".join(map(str, s.shape)),
                 "study": s.study,
+                "engines": list(s.engines),
                 "baseline": {
                     "source": s.baseline.source,
                     "gemm_ms": _finite(s.baseline.gemm_ms),
@@ -130,6 +127,7 @@ def summary(result: SearchResult) -> dict[str, Any]:
                     "spread_ms": _finite(s.baseline.spread_ms),
                     "iqr_ms": _finite(s.baseline.iqr_ms),
                     "predicted_sequential_ms": _finite(s.baseline.predicted_ms),
+                    "predicted_fallback_ms": _finite(s.baseline.fallback_ms),
                 },
                 "best_trial": s.best_trial,
                 "best_ms": _finite(s.best_ms),
@@ -159,6 +157,7 @@ def summary(result: SearchResult) -> dict[str, Any]:
             "trials": r.trial_count(),
             "top_k": r.top_k if r.mode == "hybrid" else None,
             "exhaustive": r.exhaustive,
+            "engines": list(r.engines) if r.engines is not None else None,
             "m_range": list(r.m_range) if r.m_range else None,
             "storage": result.storage,
             "calibration": r.calibration.fingerprint.device_key if r.calibration else None,
@@ -166,6 +165,7 @@ def summary(result: SearchResult) -> dict[str, Any]:
         },
         "table": str(result.table) if result.table else None,
         "range_rows": [row.to_dict() for row in result.range_rows],
+        "kept_measured_rows": [row.to_dict() for row in result.kept],
         "shapes": shapes,
         "wall_s": round(result.wall_s, 2),
     }
@@ -268,6 +268,9 @@ def write_report(result: SearchResult, out_dir: str | Path) -> list[Path]:
                     writer.writerow([_cell(v) for v in _trial_row(result, s, t)])
         with (tmp / "summary.yaml").open("w", encoding="utf-8") as f:
             yaml.safe_dump(summary(result), f, sort_keys=False, width=110)
-        _plot_history(result, tmp / "history.png")
-        _plot_pred_vs_meas(result, tmp / "predicted_vs_measured.png")
-    return [Path(out_dir) / name for name in REPORT_FILES]
+        plots = result.request.mode != "predict"
+        if plots:
+            _plot_history(result, tmp / "history.png")
+            _plot_pred_vs_meas(result, tmp / "predicted_vs_measured.png")
+    names = REPORT_FILES if plots else tuple(n for n in REPORT_FILES if n not in PLOTS)
+    return [Path(out_dir) / name for name in names]

@@ -1,16 +1,28 @@
 """Search spaces: what the tuner and the calibration explore on one GPU family.
 
 This module owns the format of ``search_spaces/*.yaml``, its validation and the choice of file for
-a device. A file (``schema_version: 1``, ``kind: fo-tune-search-space``) lists the GEMM tile
-candidates, the SMs left to communication, the NCCL CTA caps, the signal granularities, the grouping
-limit, layouts, wait modes, the calibration plan (full and ``--quick``) and a ``cpu`` section with
-tiny sizes for runs on the CPU (gloo and the Triton interpreter). The shipped files document every
-key; ``SearchSpace`` methods return the effective candidates for CPU vs GPU and quick vs full.
+a device. A file (``schema_version: 2``, ``kind: fo-tune-search-space``)::
+
+    name: hopper
+    compute_capability: ["9.0"]
+    tiles: [...]          # GEMM tile candidates: the Triton engine's, the copy engine's tiled
+                          # mode's and the calibration's tile profiles
+    engines:              # one section per engine plug-in (fo_tune.engines), by its exact name;
+      triton: {...}       # an engine left out is not searched
+      copy_engine: {...}
+    calibration: {...}    # what `fo-tune calibrate` measures (full and --quick)
+    cpu: {...}            # tiny sizes for runs on the CPU (gloo and the Triton interpreter)
+
+Each engine validates its own section (``EngineTuner.read_space``); an unknown engine names the
+valid ones. A schema-1 file (the Triton keys ``sms_free`` ... ``wait_modes`` and the
+``copy_engine_*`` lists at the top level) is read into the same structure; its removed
+``copy_engine_exchange_chunks`` is refused with what to do. ``SearchSpace`` methods return the
+effective candidates for CPU vs GPU and quick vs full.
 
 ``space_for(cc)`` loads every ``*.yaml`` of a folder and returns the one whose
 ``compute_capability`` list names ``cc`` (``"9.0"``), else the catch-all (``["*"]``, the shipped
 ``default.yaml``); ``"cpu"`` gets the catch-all too. Every error is a ``SpaceError`` whose message
-starts with the file and the key path (``search_spaces/x.yaml: sms_free[3]: ...``).
+starts with the file and the key path (``search_spaces/x.yaml: engines.triton.sms_free[3]: ...``).
 """
 
 from __future__ import annotations
@@ -22,31 +34,29 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from fo_kernels.errors import FoTuneError, ScheduleError
-from fo_kernels.files import read_yaml
-from fo_kernels.schedule import LAYOUTS, MAX_CHUNKS, WAIT_MODES, Tile
+from fo_kernels.schedule import Tile
+
+from .yaml_read import read_yaml_fast
 
 __all__ = [
     "ANY_DEVICE",
-    "SIGNAL_KINDS",
     "SPACE_KIND",
     "SPACE_SCHEMA_VERSION",
     "ByteRange",
     "CalibrationPlan",
     "CpuOverrides",
-    "GroupingSpace",
     "SearchSpace",
-    "SignalSpace",
     "SpaceError",
     "SpaceNotFoundError",
+    "SpaceReader",
     "load_space",
     "packaged_spaces_dir",
     "space_for",
 ]
 
-SPACE_SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = (1,)
+SPACE_SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 SPACE_KIND = "fo-tune-search-space"
-SIGNAL_KINDS = ("band", "wave")  # a unit = multiple x (a band of group_m tile rows | a wave of the grid)
 ANY_DEVICE = "*"
 _CAPABILITY = re.compile(r"^(\d+\.\d+|cpu|\*)$")
 _TILE_REQUIRED = ("block_m", "block_n", "block_k")
@@ -64,12 +74,12 @@ class SpaceNotFoundError(SpaceError, FileNotFoundError):
 
 
 # ------------------------------------------------------------------------------------ the types
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """Sections and tiles to mappings, tuples to lists: what YAML writes."""
     if hasattr(value, "to_dict"):
         return value.to_dict()
     if isinstance(value, tuple):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return value
 
 
@@ -80,32 +90,17 @@ def _pick(
     return list(on_cpu if cpu else quick_gpu if quick else full)
 
 
-class _Section:
-    """``to_dict`` for the dataclasses below: one key per field, as in the file."""
+class Section:
+    """``to_dict`` for section dataclasses: one key per field, as in the file."""
 
     __slots__ = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
+        return {f.name: plain(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class SignalSpace(_Section):
-    """Signal granularities: a unit is ``multiple`` x (a band of group_m tile rows | a grid wave)."""
-
-    kinds: tuple[str, ...]
-    multiples: tuple[int, ...]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GroupingSpace(_Section):
-    """How the signal units may be grouped: at most ``max_groups`` groups per call."""
-
-    max_groups: int
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ByteRange(_Section):
+class ByteRange(Section):
     """Message sizes: every power of two in [min, max]."""
 
     min: int
@@ -120,7 +115,7 @@ class ByteRange(_Section):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CalibrationPlan(_Section):
+class CalibrationPlan(Section):
     """What the GPU calibration measures, full and ``--quick``."""
 
     message_bytes: ByteRange
@@ -135,7 +130,7 @@ class CalibrationPlan(_Section):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CpuOverrides(_Section):
+class CpuOverrides(Section):
     """What replaces the GPU candidates and sizes on the CPU (quick and full alike)."""
 
     tiles: tuple[Tile, ...]
@@ -149,30 +144,36 @@ class CpuOverrides(_Section):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SearchSpace:
-    """One search space file; build it with ``load_space`` or ``from_dict``, which validate."""
+    """One search space file; build it with ``load_space`` or ``from_dict``, which validate.
+
+    ``engines`` maps an engine's exact name to its section (the engine plug-in's dataclass), in
+    file order."""
 
     name: str
     compute_capability: tuple[str, ...]
     tiles: tuple[Tile, ...]
-    sms_free: tuple[int, ...]
-    nccl_max_ctas: tuple[int, ...]
-    signal: SignalSpace
-    grouping: GroupingSpace
-    layouts: tuple[str, ...]
-    wait_modes: tuple[str, ...]
+    engines: Mapping[str, Any]
     calibration: CalibrationPlan
     cpu: CpuOverrides
-    # engine copy_engine (two NVLink GPUs): the chunk counts per shard a measured search times
-    # beside its best Triton schedules; () leaves the engine out.
-    copy_engine_chunks: tuple[int, ...] = ()
-    # ... and chunk weights beyond the uniform ones (e.g. a light last chunk: a shorter tail)
-    copy_engine_weights: tuple[tuple[int, ...], ...] = ()
-    # ... its tiled mode (one persistent Triton GEMM per phase): these chunk counts with each of
-    # these tiles (16-bit inputs: not tried for float32)
-    copy_engine_tiled_chunks: tuple[int, ...] = ()
-    copy_engine_tiles: tuple[Tile, ...] = ()
     schema_version: int = SPACE_SCHEMA_VERSION
     source: str = field(default="", compare=False)  # the file it was loaded from
+
+    def engine(self, name: str) -> Any | None:
+        """The section of engine ``name``, or None when the space leaves the engine out."""
+        return self.engines.get(name)
+
+    # ------------------------------------------- the Triton engine's candidates (calibration too)
+    @property
+    def sms_free(self) -> tuple[int, ...]:
+        """SMs left to communication the Triton engine tries (() without its section)."""
+        section = self.engine("triton")
+        return section.sms_free if section is not None else ()
+
+    @property
+    def nccl_max_ctas(self) -> tuple[int, ...]:
+        """NCCL CTA caps the Triton engine tries (0: NCCL's default; (0,) without its section)."""
+        section = self.engine("triton")
+        return section.nccl_max_ctas if section is not None else (0,)
 
     # ------------------------------------------------------------- effective candidates and sizes
     def tile_candidates(self, *, quick: bool = False, cpu: bool = False) -> list[Tile]:
@@ -215,14 +216,22 @@ class SearchSpace:
 
     # ------------------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
-        head = {"schema_version": self.schema_version, "kind": SPACE_KIND}
-        extra = {key: _plain(getattr(self, key)) for key in _OPTIONAL if getattr(self, key)}
-        return {**head, **{key: _plain(getattr(self, key)) for key in _SPACE}, **extra}
+        """The schema-2 document (a schema-1 file comes back in today's format)."""
+        return {
+            "schema_version": SPACE_SCHEMA_VERSION,
+            "kind": SPACE_KIND,
+            "name": self.name,
+            "compute_capability": list(self.compute_capability),
+            "tiles": plain(self.tiles),
+            "engines": {name: plain(section) for name, section in self.engines.items()},
+            "calibration": self.calibration.to_dict(),
+            "cpu": self.cpu.to_dict(),
+        }
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "<search space>") -> SearchSpace:
         """Validate a parsed document; every error is a ``SpaceError`` naming ``source`` and the key."""
-        return _read_space(_Reader(source), data)
+        return _read_space(SpaceReader(source), data)
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -234,8 +243,9 @@ def _what(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-class _Reader:
-    """Typed reads from a parsed document; every failure names the source and the key path."""
+class SpaceReader:
+    """Typed reads from a parsed document; every failure names the source and the key path.
+    Engine plug-ins read their sections with it."""
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -256,12 +266,12 @@ class _Reader:
             self.fail(_join(path, missing[0]), "missing")
         return node
 
-    def section(self, node: Any, path: str, spec: Mapping[str, _Read]) -> dict[str, Any]:
+    def section(self, node: Any, path: str, spec: Mapping[str, Read]) -> dict[str, Any]:
         """Every key of ``spec``, no other, each read by its reader."""
         data = self.mapping(node, path, tuple(spec))
         return {key: read(self, data[key], _join(path, key)) for key, read in spec.items()}
 
-    def each(self, node: Any, path: str, read: _Read) -> tuple[Any, ...]:
+    def each(self, node: Any, path: str, read: Read) -> tuple[Any, ...]:
         """A non-empty list of distinct items, each read by ``read``."""
         if not isinstance(node, list) or not node:
             self.fail(
@@ -313,7 +323,7 @@ class _Reader:
         return node
 
     def byte_range(self, node: Any, path: str) -> ByteRange:
-        span = ByteRange(**self.section(node, path, {"min": _int(1), "max": _int(1)}))
+        span = ByteRange(**self.section(node, path, {"min": integers(1), "max": integers(1)}))
         if span.min > span.max:
             self.fail(path, f"min {span.min} > max {span.max}; expected min <= max")
         if not span.sizes():
@@ -321,80 +331,92 @@ class _Reader:
         return span
 
 
-_Read = Callable[[_Reader, Any, str], Any]
+Read = Callable[[SpaceReader, Any, str], Any]
 
 
-def _int(minimum: int) -> _Read:
+def integers(minimum: int) -> Read:
+    """A reader of one integer >= ``minimum``."""
     return lambda r, node, path: r.integer(node, path, minimum=minimum)
 
 
-def _list(item: _Read) -> _Read:
+def listed(item: Read) -> Read:
+    """A reader of a non-empty list of distinct items."""
     return lambda r, node, path: r.each(node, path, item)
 
 
-def _choices(valid: Sequence[str]) -> _Read:
-    return _list(lambda r, node, path: r.choice(node, path, valid))
+def choices(valid: Sequence[str]) -> Read:
+    """A reader of a non-empty list of distinct names out of ``valid``."""
+    return listed(lambda r, node, path: r.choice(node, path, valid))
 
 
-def _section(cls: type, spec: Mapping[str, _Read]) -> _Read:
+def sectioned(cls: type, spec: Mapping[str, Read]) -> Read:
+    """A reader of a mapping with exactly ``spec``'s keys, built into ``cls``."""
     return lambda r, node, path: cls(**r.section(node, path, spec))
 
 
 # What each section holds, in file order: key -> reader (validates, returns the typed value).
 _CALIBRATION = {
-    "message_bytes": _Reader.byte_range,
-    "quick_message_bytes": _list(_int(1)),
-    "interference_bytes": _list(_int(1)),
-    "quick_interference_bytes": _list(_int(1)),
-    "interference_gemm": _Reader.shape,
-    "quick_interference_sms_free": _list(_int(0)),
-    "gemm_shapes": _list(_Reader.shape),
-    "quick_gemm_shapes": _list(_Reader.shape),
-    "quick_tiles": _int(1),
+    "message_bytes": SpaceReader.byte_range,
+    "quick_message_bytes": listed(integers(1)),
+    "interference_bytes": listed(integers(1)),
+    "quick_interference_bytes": listed(integers(1)),
+    "interference_gemm": SpaceReader.shape,
+    "quick_interference_sms_free": listed(integers(0)),
+    "gemm_shapes": listed(SpaceReader.shape),
+    "quick_gemm_shapes": listed(SpaceReader.shape),
+    "quick_tiles": integers(1),
 }
 _CPU = {
-    "tiles": _list(_Reader.tile),
-    "sms_free": _list(_int(0)),
-    "nccl_max_ctas": _list(_int(0)),
-    "message_bytes": _list(_int(1)),
-    "interference_bytes": _list(_int(1)),
-    "interference_gemm": _Reader.shape,
-    "gemm_shapes": _list(_Reader.shape),
+    "tiles": listed(SpaceReader.tile),
+    "sms_free": listed(integers(0)),
+    "nccl_max_ctas": listed(integers(0)),
+    "message_bytes": listed(integers(1)),
+    "interference_bytes": listed(integers(1)),
+    "interference_gemm": SpaceReader.shape,
+    "gemm_shapes": listed(SpaceReader.shape),
 }
-_SPACE = {
-    "name": _Reader.name,
-    "compute_capability": _list(_Reader.capability),
-    "tiles": _list(_Reader.tile),
-    "sms_free": _list(_int(0)),
-    "nccl_max_ctas": _list(_int(0)),
-    "signal": _section(SignalSpace, {"kinds": _choices(SIGNAL_KINDS), "multiples": _list(_int(1))}),
-    "grouping": _section(GroupingSpace, {"max_groups": _int(1)}),
-    "layouts": _choices(LAYOUTS),
-    "wait_modes": _choices(WAIT_MODES),
-    "calibration": _section(CalibrationPlan, _CALIBRATION),
-    "cpu": _section(CpuOverrides, _CPU),
+_COMMON = {
+    "name": SpaceReader.name,
+    "compute_capability": listed(SpaceReader.capability),
+    "tiles": listed(SpaceReader.tile),
 }
+_TAIL = {"calibration": sectioned(CalibrationPlan, _CALIBRATION), "cpu": sectioned(CpuOverrides, _CPU)}
 
 
-def _weights(r: _Reader, node: Any, path: str) -> tuple[int, ...]:
-    """One schedule's chunk weights: 2 to MAX_CHUNKS positive integers (repeats allowed)."""
-    if not isinstance(node, list) or not 2 <= len(node) <= MAX_CHUNKS:
-        r.fail(path, f"expected a list of 2 to {MAX_CHUNKS} chunk weights, got {node!r}")
-    return tuple(r.integer(w, f"{path}[{i}]", minimum=1) for i, w in enumerate(node))
+def _read_engines(r: SpaceReader, node: Any, path: str) -> dict[str, Any]:
+    from .engines import engine_names, get_tuner
+
+    valid = engine_names()
+    if not isinstance(node, Mapping) or not node:
+        r.fail(path, f"expected a mapping with at least one of {', '.join(valid)}, got {_what(node)}")
+    out = {}
+    for name, section in node.items():
+        if name not in valid:
+            r.fail(_join(path, str(name)), f"unknown engine; valid: {', '.join(valid)}")
+        out[name] = get_tuner(name).read_space(r, section, _join(path, name))
+    return out
 
 
-# Keys a space may leave out.
-_OPTIONAL = {
-    "copy_engine_chunks": _list(_int(1)),
-    "copy_engine_weights": _list(_weights),
-    "copy_engine_tiled_chunks": _list(_int(1)),
-    "copy_engine_tiles": _list(_Reader.tile),
-}
-# The optional chunk-count lists, each bounded by the engine's flag slots (MAX_CHUNKS).
-_CHUNK_LISTS = ("copy_engine_chunks", "copy_engine_tiled_chunks")
+def _read_v1_engines(r: SpaceReader, data: Mapping[str, Any]) -> dict[str, Any]:
+    """A schema-1 file's engine keys (at the top level, with their own names) read into sections."""
+    from .engines import get_tuner
+
+    out = {"triton": get_tuner("triton").read_space_v1(r, data)}
+    copy_engine = get_tuner("copy_engine").read_space_v1(r, data)
+    if copy_engine is not None:
+        out["copy_engine"] = copy_engine
+    return out
 
 
-def _read_space(r: _Reader, data: Any) -> SearchSpace:
+def _v1_keys() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    from .engines import get_tuner
+
+    required, optional = get_tuner("triton").v1_keys()
+    ce_required, ce_optional = get_tuner("copy_engine").v1_keys()
+    return (*required, *ce_required), (*optional, *ce_optional)
+
+
+def _read_space(r: SpaceReader, data: Any) -> SearchSpace:
     if not isinstance(data, Mapping):
         r.fail("(top level)", f"expected a mapping, got {_what(data)}")
     if "schema_version" not in data:
@@ -403,24 +425,20 @@ def _read_space(r: _Reader, data: Any) -> SearchSpace:
     if isinstance(version, bool) or version not in SUPPORTED_SCHEMA_VERSIONS:
         supported = ", ".join(map(str, SUPPORTED_SCHEMA_VERSIONS))
         r.fail("schema_version", f"{version!r} is not supported (supported: {supported})")
-    r.mapping(data, "", ("schema_version", "kind", *_SPACE), optional=tuple(_OPTIONAL))
+    if version == 1:
+        required, optional = _v1_keys()
+        r.mapping(data, "", ("schema_version", "kind", *_COMMON, *required, *_TAIL), optional=optional)
+    else:
+        r.mapping(data, "", ("schema_version", "kind", *_COMMON, "engines", *_TAIL))
     if data["kind"] != SPACE_KIND:
         r.fail("kind", f"expected {SPACE_KIND!r}, got {data['kind']!r}")
-    body = {key: value for key, value in data.items() if key not in ("schema_version", "kind", *_OPTIONAL)}
-    extra = {key: read(r, data[key], key) for key, read in _OPTIONAL.items() if key in data}
-    space = SearchSpace(schema_version=version, source=r.source, **r.section(body, "", _SPACE), **extra)
-    for key in _CHUNK_LISTS:
-        for i, chunks in enumerate(getattr(space, key)):
-            if chunks > MAX_CHUNKS:
-                r.fail(f"{key}[{i}]", f"{chunks} > {MAX_CHUNKS}, the most chunks a schedule may cut")
-    if bool(space.copy_engine_tiled_chunks) != bool(space.copy_engine_tiles):
-        r.fail(
-            "copy_engine_tiled_chunks" if space.copy_engine_tiles else "copy_engine_tiles",
-            "the tiled mode needs both copy_engine_tiled_chunks and copy_engine_tiles (or neither)",
-        )
+    common = {key: read(r, data[key], key) for key, read in _COMMON.items()}
+    engines = _read_v1_engines(r, data) if version == 1 else _read_engines(r, data["engines"], "engines")
+    tail = {key: read(r, data[key], key) for key, read in _TAIL.items()}
+    space = SearchSpace(schema_version=version, source=r.source, engines=engines, **common, **tail)
     cal = space.calibration
     for i, value in enumerate(cal.quick_interference_sms_free):
-        if value not in space.sms_free:
+        if space.sms_free and value not in space.sms_free:
             r.fail(f"calibration.quick_interference_sms_free[{i}]", f"{value} is not one of sms_free")
     if cal.quick_tiles > len(space.tiles):
         r.fail("calibration.quick_tiles", f"{cal.quick_tiles} > the {len(space.tiles)} tiles listed")
@@ -435,7 +453,7 @@ def packaged_spaces_dir() -> Path:
 
 def load_space(path: str | Path) -> SearchSpace:
     """Read and validate one search space file."""
-    data = read_yaml(
+    data = read_yaml_fast(
         path,
         error=SpaceError,
         missing=SpaceNotFoundError,

@@ -5,7 +5,9 @@ The runtime (``fo_kernels.table``) owns the file format, loading, saving and the
 owns everything that only the tuner and the ``fo-tune table`` commands need:
 
 - ``merge_rows``: add or replace rows in a table file under an inter-process lock, so several search
-  workers (or several ``fo-tune search`` runs) can write into the same file without losing rows;
+  workers (or several ``fo-tune search`` runs) can write into the same file without losing rows; a
+  predicted row (``fo_kernels.table.row_kind``) never replaces a measured one;
+- ``find_row``: the row the runtime would use for a call, and the file it comes from;
 - ``validate_table``: the checks that need a shape (``fo_kernels.plan.check_fits`` for every exact row,
   and for the ends and middle of every M range) and overlapping M ranges, beyond what loading checks;
 - ``diff_tables``: per problem, whether a row is only in one table, changed (which fields) or the same;
@@ -30,7 +32,9 @@ from fo_kernels.plan import check_fits
 from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import (
     ScheduleTable,
+    best_row,
     load_table,
+    row_kind,
     save_table,
     table_filename,
     table_path,
@@ -48,6 +52,8 @@ __all__ = [
     "TableLockTimeout",
     "changed_fields",
     "diff_tables",
+    "field_value",
+    "find_row",
     "find_tables",
     "header_differences",
     "known_device_keys",
@@ -62,18 +68,21 @@ LOCK_SUFFIX = ".lock"
 # Seconds merge_rows waits for another process's merge. A merge holds the lock for one load, upsert
 # and save of a small YAML file (milliseconds), so a minute means a stuck or very slow writer.
 LOCK_TIMEOUT_S = 60.0
-# Fields of a Schedule that change what the runtime does, in the order diffs report them.
+# Fields of a Schedule that change what the runtime does, in the order diffs report them: the
+# common ones, then any engine's settings (``field_value``).
 SCHEDULE_FIELDS = (
     "collective",
     "dtype",
     "world_size",
     "overlap",
     "engine",
+    "mode",
     "tile",
     "sms_free",
     "nccl_max_ctas",
     "signal_tiles",
     "groups",
+    "weights",
     "layout",
     "wait_mode",
 )
@@ -131,6 +140,9 @@ def merge_rows(
     kept from earlier merges stay (they may have been measured with older versions; record versions
     in their provenance where that matters, or re-tune).
 
+    A predicted row (provenance ``mode: predict``) is left out where the table has a measured row
+    for its problem (or, for an M range, a measured range it overlaps): measured beats predicted.
+
     Raises ``TableError`` (one line, saying what to do) when a row's collective, dtype or world size
     differs from the header, when ``fingerprint`` is for another world size, when the file holds
     another collective, world size or dtype, or when its fingerprint is for other hardware
@@ -175,6 +187,8 @@ def merge_rows(
                 )
             table.fingerprint = fingerprint
             for row in incoming.rows:
+                if _keeps_measured(table, row):
+                    continue
                 if row.problem.is_range:  # a new M range replaces every older range it overlaps
                     table.rows = [old for old in table.rows if not _ranges_overlap(old.problem, row.problem)]
                 table.upsert(row)
@@ -185,6 +199,18 @@ def merge_rows(
             f"{lock_timeout_s:g} s; wait for it to finish (or stop it) and merge again"
         ) from None
     return table
+
+
+def _keeps_measured(table: ScheduleTable, row: Schedule) -> bool:
+    """True when ``row`` is predicted and the table has a measured row it would replace (the same
+    problem, or for an M range any range it overlaps): measured beats predicted."""
+    if row_kind(row) != "predicted":
+        return False
+    return any(
+        row_kind(old) == "measured"
+        and (old.problem == row.problem or _ranges_overlap(old.problem, row.problem))
+        for old in table.rows
+    )
 
 
 def _ranges_overlap(a: Problem, b: Problem) -> bool:
@@ -292,6 +318,14 @@ def latencies(schedule: Schedule | None) -> dict[str, float]:
     return out
 
 
+def field_value(schedule: Schedule, name: str) -> Any:
+    """A ``SCHEDULE_FIELDS`` value of ``schedule``: a common field, or its engine's setting of that
+    name (None where its engine has none)."""
+    if name in ("collective", "dtype", "world_size", "overlap", "engine"):
+        return getattr(schedule, name)
+    return getattr(schedule.settings, name, None)
+
+
 def changed_fields(a: Schedule, b: Schedule) -> tuple[str, ...]:
     """The ``SCHEDULE_FIELDS`` in which ``a`` and ``b`` differ.
 
@@ -303,7 +337,7 @@ def changed_fields(a: Schedule, b: Schedule) -> tuple[str, ...]:
         return (*header, "overlap")
     if not a.overlap:
         return header
-    return tuple(name for name in SCHEDULE_FIELDS if getattr(a, name) != getattr(b, name))
+    return tuple(name for name in SCHEDULE_FIELDS if field_value(a, name) != field_value(b, name))
 
 
 def _provenance_changed(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, ...]:
@@ -380,6 +414,21 @@ def header_differences(a: ScheduleTable, b: ScheduleTable) -> list[tuple[str, An
 
 
 # ------------------------------------------------------------------------------------- find
+def find_row(
+    device_key: str, collective: str, world_size: int, dtype: str, m: int, n: int, k: int
+) -> tuple[Schedule | None, Path | None, list[Path]]:
+    """(row, its file, every file read) of the row ``lookup_schedule`` takes for this call on the
+    machine of ``device_key`` (``fo_kernels.table.best_row`` over ``find_tables``); (None, None,
+    files) when no row matches (the runtime then runs overlap: false)."""
+    paths = find_tables(device_key, collective, world_size, dtype)
+    tables = [load_table(path) for path in paths]
+    row = best_row(tables, m, n, k)
+    if row is None:
+        return None, None, paths
+    path = next(p for p, t in zip(paths, tables, strict=True) if any(r is row for r in t.rows))
+    return row, path, paths
+
+
 def find_tables(device_key: str, collective: str, world_size: int, dtype: str) -> list[Path]:
     """The existing table files for this header in ``table_search_path()`` order (the order
     ``lookup_schedule`` reads them in: an exact-shape row in any of them beats an M-range row)."""

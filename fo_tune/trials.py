@@ -1,10 +1,10 @@
 """What one trial of the search does: measuring schedules on the ranks, and the Optuna objective.
 
 ``Measurer`` runs ``OverlapTrialTask`` / ``SequentialTask`` / ``ConfirmTask`` on the pool and takes
-the max over ranks. ``Objective`` turns a trial into a schedule (``Encoding``), prunes infeasible
-points before anything runs, answers a schedule already completed in the study from that trial,
-predicts every schedule whose tile the calibration knows, and returns the predicted or the
-measured latency.
+the max over ranks. ``Objective`` turns a trial into a schedule of any engine (``UnionEncoding``),
+prunes infeasible points before anything runs, answers a schedule already completed in the study
+from that trial, predicts every schedule the cost model can price, and returns the predicted or
+the measured latency.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from fo_kernels.schedule import Schedule
 
-from .encoding import Encoding, Infeasible, schedule_key
+from .encoding import Infeasible, UnionEncoding, describe_attrs, predicted_ms, schedule_key
 from .launch import Pool
 from .measure import ConfirmTask, CopyEngineProbeTask, OverlapTrialTask, SequentialTask
 from .model import CostModel
@@ -30,14 +30,19 @@ class Measurer:
         self.reps = reps
         self.seed = seed
         self.count = 0
-        self._copy_engine_why: str | None = None
+        self._why: dict[str, str] = {}
+
+    def unavailable(self, engine: str, task: Any) -> str:
+        """Why these ranks cannot run ``engine`` ("" when they can): ``task`` (the engine's
+        ``probe_task``, None: nothing to probe) run once on every rank."""
+        if engine not in self._why:
+            answers = self.pool.run(task) if task is not None else []
+            self._why[engine] = next((a for a in answers if a), "")
+        return self._why[engine]
 
     def copy_engine_unavailable(self) -> str:
         """Why these ranks cannot run ``engine: copy_engine`` ("" when they can); probed once."""
-        if self._copy_engine_why is None:
-            answers = self.pool.run(CopyEngineProbeTask())
-            self._copy_engine_why = next((a for a in answers if a), "")
-        return self._copy_engine_why
+        return self.unavailable("copy_engine", CopyEngineProbeTask())
 
     def trial(self, schedule: Schedule, shape: tuple[int, int, int]) -> dict[str, Any]:
         m, n, k = shape
@@ -80,11 +85,11 @@ class Measurer:
 
 
 class Objective:
-    """What one Optuna trial does (see the module docstring, step 4)."""
+    """What one Optuna trial does (see the module docstring)."""
 
     def __init__(
         self,
-        enc: Encoding,
+        enc: UnionEncoding,
         model: CostModel | None,
         measurer: Measurer | None,
         value: str,  # "measured" or "predicted"
@@ -111,23 +116,19 @@ class Objective:
     def __call__(self, trial: Any) -> float:
         import optuna
 
-        params = self.enc.suggest(trial)
         try:
-            schedule = self.enc.build(params, self.model)
+            params = self.enc.suggest(trial)
+            schedule = self.enc.build(params)
         except Infeasible as exc:
             trial.set_user_attr("note", f"infeasible: {exc}")
             self.on_trial("infeasible", self.value != "predicted")
             raise optuna.TrialPruned(str(exc)) from None
-        key = schedule_key(schedule)
-        trial.set_user_attr("key", key)
-        trial.set_user_attr("schedule", schedule.describe())
-        trial.set_user_attr("groups", list(schedule.groups))
-        trial.set_user_attr("signal_tiles", schedule.signal_tiles)
-        predicted = math.nan
-        if self.model is not None and self.model.knows_tile(schedule.tile):  # type: ignore[arg-type]
-            predicted = self.model.predict(schedule, self.enc.m, self.enc.n, self.enc.k).total_ms
+        for name, value in describe_attrs(schedule).items():
+            trial.set_user_attr(name, value)
+        predicted = predicted_ms(self.model, schedule)
+        if not math.isnan(predicted):
             trial.set_user_attr("predicted_ms", predicted)
-        hit = self._cached(trial.study, key)
+        hit = self._cached(trial.study, schedule_key(schedule))
         if hit is not None:
             trial.set_user_attr("cached_from", hit.number)
             for name in ("measured_ms", "spread_ms", "iqr_ms", "rel_err"):
@@ -137,14 +138,19 @@ class Objective:
             return float(hit.value)
         if self.value == "predicted":
             if math.isnan(predicted):
-                trial.set_user_attr("note", "tile not in the calibration")
-                raise optuna.TrialPruned("tile not in the calibration")
+                trial.set_user_attr("note", "the model cannot price it")
+                raise optuna.TrialPruned("the model cannot price it")
             best = self._best
             self._best = min(best, predicted)
             self.on_trial(f"#{trial.number} {predicted:.3f} ms predicted", predicted < best)  # log new bests
             return predicted
+        return self._measure(trial, schedule)
+
+    def _measure(self, trial: Any, schedule: Schedule) -> float:
+        import optuna
+
         assert self.measurer is not None
-        got = self.measurer.trial(schedule, (self.enc.m, self.enc.n, self.enc.k))
+        got = self.measurer.trial(schedule, self.enc.task.shape)
         trial.set_user_attr("rel_err", got["rel_err"])
         if not got["ok"]:
             note = "numerical check failed: " + ("NaN" if got["has_nan"] else f"rel err {got['rel_err']:.2e}")

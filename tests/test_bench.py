@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.fingerprint import current_fingerprint
+from fo_kernels.table import MISS_SOURCE
 from fo_tune import bench
 from fo_tune.bench import (
     BENCH_FILES,
@@ -145,7 +146,7 @@ def test_bench_csv_variants_and_statuses(gloo_run):
             assert float(row["rel_err"]) < 1e-4 and float(row["median_ms"]) > 0, row
         assert case["ideal"]["status"] == "PASS" and case["chunked"]["status"] == "PASS"
         assert "no second stream" in case["chunked_c4"]["detail"]
-        assert case["fo_tune"]["schedule_source"] == "heuristic"
+        assert case["fo_tune"]["schedule_source"] == MISS_SOURCE
         assert f"{collective} float32 w2 64x96x64: tile" in case["fo_tune"]["detail"]
     async_ar = _case(rows, "all_reduce", "64x96x64")["async_tp"]
     assert async_ar["status"] == "SKIP" and "reduce_scatter only" in async_ar["detail"]
@@ -260,7 +261,7 @@ def test_fo_tune_is_checked_again_after_timing(one_rank, monkeypatch):
 def _merged(variant: str, status: str, ms: float, detail: str = "") -> dict:
     err = 0.0 if status == "PASS" else math.nan
     return dict(variant=variant, status=status, detail=detail, rel_err=err, median_ms=ms, spread_ms=0.0,
-                schedule_source="heuristic" if variant == "fo_tune" else "")  # fmt: skip
+                schedule_source=MISS_SOURCE if variant == "fo_tune" else "")  # fmt: skip
 
 
 HEAD = dict(device_key="k", world_size=2, dtype="float32", m=8, n=8, k=8, collective="all_reduce")

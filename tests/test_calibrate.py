@@ -298,10 +298,25 @@ def _calibration() -> Calibration:
 
 def _gemm_point(time_ms: float, status: str = "ok") -> GemmPoint:
     return GemmPoint(
-        m=64, n=64, k=64, tile="t", block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1,
-        warp_specialize=False, sms_free=0, grid=4, time_ms=time_ms, spread_ms=0.0, cublas_ms=0.5, rel_err=0.0,
+        m=64,
+        n=64,
+        k=64,
+        tile="t",
+        block_m=32,
+        block_n=32,
+        block_k=32,
+        group_m=2,
+        num_warps=4,
+        num_stages=1,
+        warp_specialize=False,
+        sms_free=0,
+        grid=4,
+        time_ms=time_ms,
+        spread_ms=0.0,
+        cublas_ms=0.5,
+        rel_err=0.0,
         status=status,
-    )  # fmt: skip
+    )
 
 
 def test_a_failed_write_leaves_the_old_folder_untouched(tmp_path, monkeypatch):
@@ -361,3 +376,90 @@ def test_check_writable(tmp_path):
     for bad in (tmp_path, tmp_path / "file", tmp_path / "file" / "below", Path("."), Path.cwd().parent):
         with pytest.raises(OutputError):
             check_writable(bad)
+
+
+# --------------------------------------------------------------------------- the copy engine's section
+def test_quick_calibration_measures_the_copy_engine_section(quick_run):
+    """On the CPU: the library GEMM of the chunk shapes (paced and sustained) and the host times
+    of the baselines; peer copies and flags need CUDA and are left out with why."""
+    _, out = quick_run
+    section = load_calibration(out / "calibration.yaml").copy_engine
+    assert section is not None and section.library_gemm and not section.copies
+    assert {p.beta for p in section.library_gemm} == {0, 1}
+    assert all(p.paced_ms > 0 and p.sustained_ms > 0 for p in section.library_gemm)
+    for name in ("library_wave_ms", "library_beta1_factor", "sequential_host_ms", "fallback_host_ms"):
+        assert section.params[name].value > 0 and "fo-tune calibrate" in section.params[name].source, name
+    assert "flag_ms" not in section.params and "peer_copy_gbs" not in section.params
+
+
+def test_one_gpu_parts_merge_into_a_calibration(quick_run, tmp_path):
+    _, out = quick_run
+    target = tmp_path / "cal.yaml"
+    target.write_bytes((out / "calibration.yaml").read_bytes())
+    before = load_calibration(target)
+    result = calibrate("--world-size", "1", "--quick", "--only", "copy_engine", "--into", str(target))
+    assert result.exit_code == 0, result.output
+    after = load_calibration(target)
+    assert after.bandwidth == before.bandwidth and after.gemm == before.gemm  # only the section changed
+    assert (
+        after.copy_engine.params["library_wave_ms"].source
+        != before.copy_engine.params["library_wave_ms"].source
+    )
+    assert "w1" in after.copy_engine.params["library_wave_ms"].source
+    assert after.copy_engine.params["fallback_host_ms"] == before.copy_engine.params["fallback_host_ms"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--only", "bogus"], "--only 'bogus'"),
+        (["--only", ","], "--only"),
+        (["--world-size", "1", "--only", "bandwidth"], "world size 1 has none"),
+        (["--into", "missing.yaml"], "missing.yaml"),
+    ],
+)
+def test_copy_engine_options_bad_input(tmp_path, args, needle):
+    assert needle in assert_one_line_error(calibrate(*args, "--out", str(tmp_path / "o")))
+    assert not (tmp_path / "o").exists()
+
+
+def test_merge_into_refuses_another_gpu():
+    import dataclasses
+
+    from fo_tune.calibrate import CalibrationRequestError, merge_into
+
+    cal = _calibration()
+    other = dataclasses.replace(cal, fingerprint=dataclasses.replace(cal.fingerprint, gpu_name="H100"))
+    with pytest.raises(CalibrationRequestError, match="gpu_name differs"):
+        merge_into(cal, other, ("copy_engine",))
+
+
+def test_chunk_shapes_and_library_fit():
+    from fo_tune.calibrate_copy_engine import chunk_shapes, fit_library_params
+    from fo_tune.calibration import LibraryGemmPoint
+
+    shapes = chunk_shapes([(4096, 8192, 16384)], [1, 4], 2)
+    assert shapes == [
+        (4096, 8192, 16384, 0),
+        (2048, 8192, 16384, 0),
+        (2048, 8192, 16384, 1),
+        (512, 8192, 16384, 0),
+        (512, 8192, 16384, 1),
+    ]
+    # times of a wave model with 0.011 ms per 128x256 wave per 1024 K on 132 SMs (5 % more for beta 1)
+    waves = {4096: 8, 2048: 4, 512: 1}
+    points = [
+        LibraryGemmPoint(
+            m=m,
+            n=n,
+            k=k,
+            beta=b,
+            paced_ms=0.011 * waves[m] * 16 * (1.05 if b else 1.0),
+            sustained_ms=0.011 * waves[m] * 16 * 1.2,
+        )
+        for m, n, k, b in shapes
+    ]
+    params = fit_library_params(points, 132, "a test")
+    assert params["library_wave_ms"].value == pytest.approx(0.011, rel=1e-6)
+    assert params["library_beta1_factor"].value == pytest.approx(1.05, rel=1e-6)
+    assert params["clock_sustained_factor"].value == pytest.approx(1.2, rel=1e-6)

@@ -21,6 +21,7 @@ from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.errors import EnvironmentMismatchError, ShapeError, TableNotFoundError
 from fo_kernels.schedule import COLLECTIVES, DTYPES
+from fo_kernels.table import MISS_SOURCE
 from fo_tune.cli.common import (
     COLLECTIVE_NAMES,
     DTYPE_NAMES,
@@ -168,7 +169,7 @@ def test_run_demo_three_ranks():
     for row in rows[:3]:
         assert row.passed and not row.skipped and not row.has_nan, row
         assert row.rel_err < 1e-5 and row.world_size == 3 and row.backend == "gloo"
-        assert row.schedule_source == "heuristic"  # no table in the isolated folders
+        assert row.schedule_source == MISS_SOURCE  # no table in the isolated folders
         assert row.overlapped_ms > 0 and row.sequential_ms > 0 and row.speedup > 0
     skipped = rows[3]
     assert skipped.skipped and skipped.status == "SKIP" and "divisible" in skipped.reason

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections.abc import Callable
 from pathlib import Path
@@ -153,14 +154,35 @@ MALFORMED = {
         _set(("tiles", 0, "blk"), 1),
         "tiles[0].blk: unknown key; valid: block_m, block_n, block_k, group_m",
     ),
-    "negative sms_free": (_set(("sms_free", 3), -4), "sms_free[3]: expected a non-negative integer, got -4"),
-    "bool cap": (_set(("nccl_max_ctas", 1), True), "nccl_max_ctas[1]: expected a non-negative integer"),
+    "negative sms_free": (
+        _set(("engines", "triton", "sms_free", 3), -4),
+        "engines.triton.sms_free[3]: expected a non-negative integer, got -4",
+    ),
+    "bool cap": (
+        _set(("engines", "triton", "nccl_max_ctas", 1), True),
+        "engines.triton.nccl_max_ctas[1]: expected a non-negative integer",
+    ),
     "unknown top-level key": (_set(("bogus",), 1), "bogus: unknown key; valid: schema_version"),
-    "unknown layout": (_set(("layouts", 1), "diagonal"), "layouts[1]: 'diagonal' is not one of row_band"),
-    "unknown wait mode": (_set(("wait_modes",), ["poll"]), "wait_modes[0]: 'poll' is not one of"),
-    "bad signal kind": (_set(("signal", "kinds"), ["tile"]), "signal.kinds[0]: 'tile' is not one of band"),
-    "zero multiple": (_set(("signal", "multiples"), [0]), "signal.multiples[0]: expected a positive"),
-    "bad schema_version": (_set(("schema_version",), 7), "schema_version: 7 is not supported (supported: 1)"),
+    "unknown layout": (
+        _set(("engines", "triton", "layouts", 1), "diagonal"),
+        "engines.triton.layouts[1]: 'diagonal' is not one of row_band",
+    ),
+    "unknown wait mode": (
+        _set(("engines", "triton", "wait_modes"), ["poll"]),
+        "engines.triton.wait_modes[0]: 'poll' is not one of",
+    ),
+    "bad signal kind": (
+        _set(("engines", "triton", "signal", "kinds"), ["tile"]),
+        "engines.triton.signal.kinds[0]: 'tile' is not one of band",
+    ),
+    "zero multiple": (
+        _set(("engines", "triton", "signal", "multiples"), [0]),
+        "engines.triton.signal.multiples[0]: expected a positive",
+    ),
+    "bad schema_version": (
+        _set(("schema_version",), 7),
+        "schema_version: 7 is not supported (supported: 1, 2)",
+    ),
     "wrong kind": (_set(("kind",), "table"), "kind: expected 'fo-tune-search-space'"),
     "min > max": (
         _set(("calibration", "message_bytes"), {"min": 1024, "max": 512}),
@@ -172,7 +194,10 @@ MALFORMED = {
         _set(("calibration", "gemm_shapes", 1), [1, 2]),
         "calibration.gemm_shapes[1]: expected [M, N, K]",
     ),
-    "zero max_groups": (_set(("grouping", "max_groups"), 0), "grouping.max_groups: expected a positive"),
+    "zero max_groups": (
+        _set(("engines", "triton", "grouping", "max_groups"), 0),
+        "engines.triton.grouping.max_groups: expected a positive",
+    ),
     "zero quick_tiles": (
         _set(("calibration", "quick_tiles"), 0),
         "calibration.quick_tiles: expected a positive",
@@ -183,7 +208,10 @@ MALFORMED = {
         "calibration.quick_interference_sms_free[0]: 5 is not one of sms_free",
     ),
     "unquoted capability": (_set(("compute_capability",), [9.0]), "compute_capability[0]: expected a quoted"),
-    "duplicate cap": (_set(("nccl_max_ctas",), [0, 8, 8]), "nccl_max_ctas[2]: repeats nccl_max_ctas[1]"),
+    "duplicate cap": (
+        _set(("engines", "triton", "nccl_max_ctas"), [0, 8, 8]),
+        "engines.triton.nccl_max_ctas[2]: repeats engines.triton.nccl_max_ctas[1]",
+    ),
     "cpu bad tile": (_set(("cpu", "tiles", 0, "num_warps"), 3), "cpu.tiles[0].num_warps: must be one of"),
     "bool num_warps": (
         _set(("tiles", 0, "num_warps"), True),
@@ -193,12 +221,36 @@ MALFORMED = {
         _set(("tiles", 1, "warp_specialize"), "yes"),
         "tiles[1].warp_specialize: expected",
     ),
-    "missing schema_version": (_drop("schema_version"), "schema_version: missing; expected 1"),
+    "missing schema_version": (_drop("schema_version"), "schema_version: missing; expected 2"),
     "no power of two": (
         _set(("calibration", "message_bytes"), {"min": 600, "max": 1000}),
         "calibration.message_bytes: no power of two in [600, 1000]",
     ),
-    "signal not a mapping": (_set(("signal",), [1, 2]), "signal: expected a mapping, got list"),
+    "signal not a mapping": (
+        _set(("engines", "triton", "signal"), [1, 2]),
+        "engines.triton.signal: expected a mapping, got list",
+    ),
+    "unknown engine": (
+        _set(("engines", "nvshmem"), {}),
+        "engines.nvshmem: unknown engine; valid: triton, copy_engine",
+    ),
+    "engines not a mapping": (_set(("engines",), []), "engines: expected a mapping with at least one of"),
+    "unknown copy-engine mode": (
+        _set(("engines", "copy_engine", "exchange"), {"chunks": [2]}),
+        "engines.copy_engine.exchange: unknown key; valid: ring, tiled",
+    ),
+    "too many chunks": (
+        _set(("engines", "copy_engine", "ring", "chunks"), [2, 65]),
+        "engines.copy_engine.ring.chunks[1]: 65 > 64",
+    ),
+    "one-chunk weighting": (
+        _set(("engines", "copy_engine", "ring", "weights"), [[1]]),
+        "engines.copy_engine.ring.weights[0]: expected a list of 2 to 64 chunk weights",
+    ),
+    "tiled without tiles": (
+        _set(("engines", "copy_engine", "tiled"), {"chunks": [1]}),
+        "engines.copy_engine.tiled.tiles: missing",
+    ),
     "cpu unknown key": (_set(("cpu", "quick"), 1), "cpu.quick: unknown key; valid: tiles"),
 }
 
@@ -245,6 +297,57 @@ def test_missing_file_is_also_file_not_found(tmp_path: Path) -> None:
 
 def test_space_for_reports_a_broken_file(tmp_path: Path) -> None:
     write(tmp_path, shipped_data("default"), "default.yaml")
-    write(tmp_path, _set(("sms_free", 0), -1)(shipped_data()), "hopper.yaml")
-    with pytest.raises(SpaceError, match=r"hopper\.yaml: sms_free\[0\]"):
+    write(tmp_path, _set(("engines", "triton", "sms_free", 0), -1)(shipped_data()), "hopper.yaml")
+    with pytest.raises(SpaceError, match=r"hopper\.yaml: engines\.triton\.sms_free\[0\]"):
         space_for("9.0", directory=tmp_path)
+
+
+# ------------------------------------------------------------------------------------ schema 1
+def _v1(data: dict[str, Any]) -> dict[str, Any]:
+    """A schema-1 document of the same space: the engines' keys at the top level."""
+    triton = data["engines"]["triton"]
+    out = {key: value for key, value in data.items() if key != "engines"} | {"schema_version": 1} | triton
+    ce = data["engines"].get("copy_engine")
+    if ce is not None:
+        out["copy_engine_chunks"] = ce["ring"]["chunks"]
+        out["copy_engine_weights"] = ce["ring"]["weights"]
+        out["copy_engine_tiled_chunks"] = ce["tiled"]["chunks"]
+        out["copy_engine_tiles"] = ce["tiled"]["tiles"]
+    return out
+
+
+def test_schema_1_files_load_into_the_same_space(tmp_path: Path) -> None:
+    new = load_space(packaged_spaces_dir() / "hopper.yaml")
+    old = load_space(write(tmp_path, _v1(shipped_data())))
+    assert old.schema_version == 1 and old.engines == new.engines and old.tiles == new.tiles
+    assert SearchSpace.from_dict(old.to_dict()) == dataclasses.replace(new, source="")
+    # the bench's small space is still a schema-1 file
+    small = load_space(Path(__file__).resolve().parents[1] / "bench" / "h200_small_space.yaml")
+    assert small.engine("copy_engine") is None and small.sms_free
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            {"copy_engine_exchange_chunks": [2]},
+            "copy_engine_exchange_chunks: the copy engine's exchange mode was removed",
+        ),
+        ({"sms_free": [-1]}, "sms_free[0]: expected a non-negative integer"),
+        ({"copy_engine_chunks": [0]}, "copy_engine_chunks[0]: expected a positive integer"),
+    ],
+)
+def test_schema_1_errors_name_the_old_keys(tmp_path: Path, change: dict[str, Any], expected: str) -> None:
+    data = _v1(shipped_data()) | change
+    with pytest.raises(SpaceError) as info:
+        load_space(write(tmp_path, data))
+    assert expected in str(info.value)
+
+
+def test_engine_sections_are_optional_and_name_their_engine() -> None:
+    data = shipped_data()
+    data["engines"] = {"copy_engine": data["engines"]["copy_engine"]}
+    space = SearchSpace.from_dict(data)
+    assert space.engine("triton") is None and space.sms_free == () and space.nccl_max_ctas == (0,)
+    assert set(space.engine("copy_engine").modes) == {"ring", "tiled"}
+    assert space_for("cpu").engine("copy_engine") is None  # default.yaml: no peer access assumed

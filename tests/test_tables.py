@@ -20,7 +20,7 @@ from fo_kernels import table as tablemod
 from fo_kernels.errors import FoTuneError, TableError
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint, make_device_key
 from fo_kernels.heuristics import default_schedule
-from fo_kernels.schedule import Problem, Schedule, Tile
+from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
 from fo_kernels.table import ScheduleTable, load_table, save_table, table_path
 from fo_tune.tables import (
     RowDiff,
@@ -87,10 +87,18 @@ def gpu_row(m: int, n: int = 8192, k: int = 4096) -> Schedule:
     return default_schedule("all_reduce", m, n, k, dtype="bfloat16", world_size=2, sm_count=132, on_gpu=True)
 
 
+def tweak(row: Schedule, **changes: Any) -> Schedule:
+    """``row`` with some of its Triton settings changed."""
+    return dataclasses.replace(row, settings=dataclasses.replace(row.settings, **changes))
+
+
 def range_row(m_min: int, m_max: int, n: int = 96, k: int = 48, **changes: Any) -> Schedule:
-    fields = {**HEADER, "signal_tiles": 2, "groups": (3, 1), "layout": "tile_major", "wait_mode": "spin"}
+    header = {key: changes.pop(key) for key in list(changes) if key in (*HEADER, "provenance")}
+    settings = {"signal_tiles": 2, "groups": (3, 1), "layout": "tile_major", "wait_mode": "spin", **changes}
     problem = Problem(m_min=m_min, m_max=m_max, n=n, k=k)
-    return Schedule(problem=problem, tile=CPU_TILE, **{**fields, **changes})
+    return Schedule(
+        problem=problem, **{**HEADER, **header}, settings=TritonSettings(tile=CPU_TILE, **settings)
+    )
 
 
 def merge(path: Path, rows: list[Schedule], fp: Fingerprint | None = None, **header: Any) -> ScheduleTable:
@@ -207,7 +215,7 @@ def cpu_table(rows: list[Schedule], **header: Any) -> ScheduleTable:
 
 def test_validate_passes_good_tables() -> None:
     rows = [cpu_row(m) for m in (1, 64, 200, 256)]
-    no_overlap = Schedule(**HEADER, problem=Problem(m=8, n=64, k=32), overlap=False)
+    no_overlap = Schedule(**HEADER, problem=Problem(m=8, n=64, k=32))
     ranges = [range_row(1, 100), range_row(101, 4096), range_row(1, 4096, n=64)]
     assert validate_table(cpu_table([*rows, no_overlap, *ranges])) == []
     gpu = ScheduleTable(fingerprint=h200_fp(), **HEADER, rows=[gpu_row(4096), gpu_row(8192), gpu_row(16384)])
@@ -229,15 +237,15 @@ def test_validate_reduce_scatter_ranges_use_divisible_m() -> None:
     [
         # 64x96x48 in 32x32 tiles: 6 tiles = 6 units of 1 tile; groups sum to 3
         (
-            dataclasses.replace(cpu_row(64), signal_tiles=1, groups=(2, 1)),
+            tweak(cpu_row(64), signal_tiles=1, groups=(2, 1)),
             ["row 64x96x48: groups", "sum to 3"],
         ),
         # 128x64 output: 4x2 tiles, bands of group_m=2 rows = 4 tiles; group 1 starts at tile 1
         (
-            dataclasses.replace(cpu_row(128, 64), signal_tiles=1, groups=(1, 7), layout="row_band"),
+            tweak(cpu_row(128, 64), signal_tiles=1, groups=(1, 7), layout="row_band"),
             ["row 128x64x48: groups", "row_band", "starts at local tile 1"],
         ),
-        (dataclasses.replace(cpu_row(64), sms_free=8), ["row 64x96x48: sms_free: 8 leaves no SM of 8"]),
+        (tweak(cpu_row(64), sms_free=8), ["row 64x96x48: sms_free: 8 leaves no SM of 8"]),
         # M=1: 1x3 tiles, units of 1 tile, groups (1, 1, 1): group 1 starts inside the band
         (range_row(1, 512, signal_tiles=1, groups=(1, 1), layout="row_band"), ["[1,512]x96x48 at M=1"]),
     ],
@@ -272,8 +280,8 @@ def test_diff_categories() -> None:
             cpu_row(512),
         ]
     )
-    changed = dataclasses.replace(cpu_row(200, predicted_ms=1.2), sms_free=2, groups=(2, 2))
-    no_overlap = Schedule(**HEADER, problem=Problem(m=512, n=96, k=48), overlap=False)
+    changed = tweak(cpu_row(200, predicted_ms=1.2), sms_free=2, groups=(2, 2))
+    no_overlap = Schedule(**HEADER, problem=Problem(m=512, n=96, k=48))
     b = cpu_table([cpu_row(64, measured_ms=0.9), changed, no_overlap, range_row(1, 64)])
     diffs = diff_tables(a, b)
     assert [d.problem.describe() for d in diffs] == [
@@ -340,7 +348,7 @@ def gpu_table_file(tmp_path: Path) -> Path:
     rows = [
         dataclasses.replace(gpu_row(8192), provenance={"measured_ms": 1.25, "speedup": 1.05, "mode": "x"}),
         gpu_row(16384),
-        Schedule(**HEADER, problem=Problem(m=128, n=8192, k=4096), overlap=False),
+        Schedule(**HEADER, problem=Problem(m=128, n=8192, k=4096)),
     ]
     return write(table_path(tmp_path / "tables", H200["device_key"], **HEADER), rows, h200_fp())
 
@@ -427,7 +435,7 @@ def test_validate_ok(runner: CliRunner, tmp_path: Path) -> None:
 
 
 def test_validate_bad_row_is_one_line_per_problem(runner: CliRunner, tmp_path: Path) -> None:
-    bad_row = dataclasses.replace(cpu_row(64), signal_tiles=1, groups=(2, 1))
+    bad_row = tweak(cpu_row(64), signal_tiles=1, groups=(2, 1))
     bad = write(tmp_path / "bad.yaml", [cpu_row(200), bad_row])
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(bad)]))
     assert str(bad) in line and "row 64x96x48: groups" in line
@@ -466,7 +474,7 @@ def test_validate_sm_count_option(runner: CliRunner, tmp_path: Path) -> None:
 
 def test_diff_command(runner: CliRunner, tmp_path: Path) -> None:
     a = write(tmp_path / "a.yaml", [cpu_row(64, measured_ms=1.0), cpu_row(200), cpu_row(256)])
-    changed = dataclasses.replace(cpu_row(64, measured_ms=0.8), sms_free=2)
+    changed = tweak(cpu_row(64, measured_ms=0.8), sms_free=2)
     b = write(tmp_path / "b.yaml", [changed, cpu_row(200), cpu_row(512)], cpu_fp(torch="0.0.1"))
     result = runner.invoke(app, ["table", "diff", str(a), str(b)])
     assert result.exit_code == 0, result.output
@@ -491,9 +499,12 @@ def test_merging_a_range_drops_the_ranges_it_overlaps(tmp_path):
 
     def rng(lo: int, hi: int, tag: str) -> Schedule:
         return Schedule(
-            collective="all_reduce", dtype="float32", world_size=2,
-            problem=Problem(m_min=lo, m_max=hi, n=96, k=48), overlap=False, provenance={"tag": tag},
-        )  # fmt: skip
+            collective="all_reduce",
+            dtype="float32",
+            world_size=2,
+            problem=Problem(m_min=lo, m_max=hi, n=96, k=48),
+            provenance={"tag": tag},
+        )
 
     kw = dict(collective="all_reduce", world_size=2, dtype="float32")
     merge_rows(path, fp, [rng(1, 100, "a"), rng(101, 200, "b"), rng(201, 300, "c")], **kw)
@@ -501,3 +512,84 @@ def test_merging_a_range_drops_the_ranges_it_overlaps(tmp_path):
     tags = [(r.problem.m_min, r.provenance["tag"]) for r in table.rows]
     assert tags == [(1, "a"), (150, "new")]
     assert validate_table(load_table(path)) == []
+
+
+# ------------------------------------------------------------------------------------ measured first
+def test_a_predicted_row_never_replaces_a_measured_one(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    measured = cpu_row(64, mode="measure", measured_ms=1.0)
+    merge(path, [measured, range_row(1, 32, provenance={"mode": "measure"})])
+    predicted = cpu_row(64, mode="predict", predicted_ms=0.5)
+    new = cpu_row(128, mode="predict", predicted_ms=0.7)
+    table = merge(path, [predicted, new, range_row(16, 48, provenance={"mode": "predict"})])
+    by_m = {row.problem.describe(): row for row in table.rows}
+    assert by_m["64x96x48"].provenance["mode"] == "measure"  # kept
+    assert by_m["128x96x48"].provenance["mode"] == "predict"  # nothing measured there: added
+    assert "[16,48]x96x48" not in by_m and "[1,32]x96x48" in by_m  # overlaps a measured range
+    # a measured row replaces a predicted one
+    table = merge(path, [cpu_row(128, mode="hybrid", measured_ms=0.8)])
+    assert {r.problem.describe(): r for r in table.rows}["128x96x48"].provenance["mode"] == "hybrid"
+
+
+def test_show_marks_predicted_rows(runner: CliRunner, tmp_path: Path) -> None:
+    path = write(tmp_path / "t.yaml", [cpu_row(64, mode="measure"), cpu_row(128, mode="predict")])
+    result = runner.invoke(app, ["table", "show", str(path)])
+    assert result.exit_code == 0, result.output
+    lines = {line.split()[0]: line for line in result.stdout.splitlines() if "x96x48" in line}
+    assert " measured " in lines["64x96x48"] and " predicted " in lines["128x96x48"]
+    assert "1 predicted row(s)" in result.stdout
+    rows = list(
+        csv.DictReader(io.StringIO(runner.invoke(app, ["table", "show", str(path), "-f", "csv"]).stdout))
+    )
+    assert [r["kind"] for r in rows] == ["measured", "predicted"]
+
+
+def _lookup(runner: CliRunner, *args: str) -> dict[str, Any]:
+    result = runner.invoke(app, ["table", "lookup", *args])
+    assert result.exit_code == 0, result.output
+    return yaml.safe_load(result.stdout)
+
+
+def test_lookup_names_the_row_and_its_file(runner: CliRunner, tmp_path: Path) -> None:
+    key = cpu_fp().device_key
+    env, user = tmp_path / "tables", tmp_path / "xdg" / "fo-tune" / "tables"
+    # the env folder comes first, but a measured row in a later folder beats its predicted row
+    write(table_path(env, key, **HEADER), [cpu_row(64, mode="predict", predicted_ms=0.1)])
+    measured = write(table_path(user, key, **HEADER), [cpu_row(64, mode="measure", measured_ms=0.2)])
+    got = _lookup(runner, "--shape", "64x96x48", "-c", "all_reduce", "-w", "2", "-d", "bfloat16", "-k", key)
+    assert got["source"] == str(measured) and got["kind"] == "measured"
+    assert got["row"]["provenance"]["measured_ms"] == 0.2 and got["row"]["engine"] == "triton"
+    # this machine's key by default; no row: overlap: false, and the files read
+    got = _lookup(runner, "--shape", "96x96x48", "-k", key)
+    assert got["source"].startswith("no table row") and got["row"]["overlap"] is False
+    assert str(measured) in got["searched"]
+    assert _lookup(runner, "--shape", "64x96x48")["device_key"] == current_fingerprint(None, 2).device_key
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--shape", "64x96"], "MxNxK"),
+        (["--shape", "63x96x48", "-c", "reduce_scatter"], "divisible"),
+        (["--shape", "64x96x48", "-c", "all_gather"], "--collective"),
+        (["--shape", "64x96x48", "-d", "int8"], "--dtype"),
+        (["--shape", "64x96x48", "-w", "0"], "--world-size"),
+        ([], "--shape"),
+    ],
+)
+def test_lookup_bad_input_is_one_line(runner: CliRunner, args: list[str], needle: str) -> None:
+    assert needle in assert_one_line_error(runner.invoke(app, ["table", "lookup", *args]))
+
+
+def test_lookup_refuses_a_table_of_a_removed_mode(runner: CliRunner, tmp_path: Path) -> None:
+    """A schema-1 table whose row uses the removed exchange mode: exit 2, one line, what to do."""
+    key = cpu_fp().device_key
+    path = table_path(tmp_path / "tables", key, **HEADER)
+    path.parent.mkdir(parents=True)
+    data = ScheduleTable(fingerprint=cpu_fp(), **HEADER).to_dict() | {"schema_version": 1}
+    data["rows"] = [
+        {"problem": {"m": 64, "n": 96, "k": 48}, "engine": "copy_engine", "groups": [1], "exchange": True}
+    ]
+    path.write_text(yaml.safe_dump(data))
+    line = assert_one_line_error(runner.invoke(app, ["table", "lookup", "--shape", "64x96x48", "-k", key]))
+    assert "exchange" in line and str(path) in line

@@ -46,7 +46,7 @@ class BenchRow:
     spread_ms: float
     speedup_vs_sequential: float  # sequential_ms / median_ms
     fraction_of_ideal: float  # ideal_ms / median_ms
-    schedule_source: str  # fo_tune rows: "table" or "heuristic"
+    schedule_source: str  # fo_tune rows: "table" or "no table row" (fo_kernels.table.MISS_SOURCE)
 
     @property
     def shape(self) -> str:

@@ -9,7 +9,7 @@
                 batched GEMM, so rank r still gets rows [r*S, (r+1)*S)
     async_tp    torch.ops.symm_mem.fused_matmul_reduce_scatter (ReduceScatter, CUDA and NCCL only)
     fo_tune     fo_kernels.gemm_all_reduce / gemm_reduce_scatter, schedule=None (the table row for
-                the shape, else the heuristic)
+                the shape, else overlap: false)
 
 On the CPU (gloo) there is no second stream: the chunks run one after the other.
 """
@@ -159,9 +159,11 @@ def async_tp(ctx: RankContext, a: torch.Tensor, b: torch.Tensor) -> Call:
 def fo_tune_schedule(
     collective: str, m: int, n: int, k: int, dtype: str, ctx: RankContext
 ) -> tuple[str, str]:
-    """(source, detail) of the schedule ``fo_tune`` runs: ``table`` or ``heuristic`` and its
-    description, or ("", why) when the lookup refuses (e.g. a table for other hardware)."""
+    """(source, detail) of the schedule ``fo_tune`` runs: ``table``, or ``no table row`` (the runtime
+    then runs overlap: false), and its description; ("", why) when the lookup refuses (e.g. a table
+    for other hardware)."""
     from fo_kernels import lookup_schedule
+    from fo_kernels.table import MISS_SOURCE
 
     with warnings.catch_warnings():  # the source is recorded instead
         warnings.simplefilter("ignore", HeuristicScheduleWarning)
@@ -170,7 +172,7 @@ def fo_tune_schedule(
                                        device=ctx.device)  # fmt: skip
         except FoTuneError as exc:  # the same on every rank
             return "", reason(exc)
-    source = "heuristic" if schedule.provenance.get("source") == "heuristic" else "table"
+    source = MISS_SOURCE if schedule.provenance.get("source") == MISS_SOURCE else "table"
     return source, schedule.describe()
 
 

@@ -42,8 +42,8 @@ HELP = "\n\n".join(
         "the best count is the chunked row, each count is a chunked_c<C> row); async_tp "
         "(reduce_scatter only: torch.ops.symm_mem.fused_matmul_reduce_scatter, reported "
         "UNAVAILABLE with its reason where it cannot run); fo_tune (fo_kernels.gemm_all_reduce / "
-        "gemm_reduce_scatter with the schedule lookup_schedule returns: a table row, else the "
-        "heuristic default, recorded as schedule_source); ideal (max(gemm, collective): the "
+        "gemm_reduce_scatter with the schedule lookup_schedule returns: a table row, else overlap: "
+        "false, recorded as schedule_source); ideal (max(gemm, collective): the "
         "physical bound, derived, not run).",
         "Checks: random operands (never zero, a seed per rank) against a float32 reference, "
         "a.float() @ b.float() then the collective; a variant passes when nothing is NaN and the "
@@ -235,7 +235,7 @@ def _print_summary(result: BenchResult, written: list[Path]) -> None:
         skipped += more
     ours = [r for r in result.rows if r.variant == "fo_tune" and r.status != "SKIP"]
     if ours:
-        console.print("fo_tune schedules (heuristic: no table row matched):", style="dim")
+        console.print("fo_tune schedules (where they came from: a table, or no table row):", style="dim")
     for r in ours:
         what = r.detail.split(": ", 1)[-1]  # describe() starts with the collective, dtype and shape
         line = f"  {r.collective} {r.shape}: {r.schedule_source or 'no schedule'}: {what}"

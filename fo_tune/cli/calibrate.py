@@ -32,8 +32,10 @@ from .progress import ProgressReporter, progress_bars
 if TYPE_CHECKING:
     from fo_tune.calibration import Calibration, GemmPoint
 
-# fo_tune.calibration.CALIBRATED_COLLECTIVES, for the help text (a test checks they match).
+# fo_tune.calibration.CALIBRATED_COLLECTIVES and fo_tune.calibrate.PARTS, for the help text (importing
+# them pulls in torch, which --help does not need; a test checks they match).
 CALIBRATED_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+PART_NAMES = ("bandwidth", "interference", "gemm", "copy_engine")
 
 HELP = "\n\n".join(
     [
@@ -78,6 +80,25 @@ OutDirOpt = Annotated[
         metavar="DIR",
         help="Folder to write (created, or replaced when it holds an earlier calibration). "
         "Default: results/calibration/<device-key>/tp<N>.",
+    ),
+]
+OnlyOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--only",
+        metavar="PART[,PART]",
+        help="Measure only these parts: bandwidth, interference, gemm, copy_engine (the copy engine's "
+        "section: library GEMM chunks and the sustained clock on one GPU; peer copies, flags and host "
+        "times on two). Default: all; with --world-size 1, gemm and copy_engine.",
+    ),
+]
+IntoOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--into",
+        metavar="FILE",
+        help="Merge what this run measures into an existing calibration.yaml (of the same GPU model; "
+        "e.g. one GPU's copy-engine measurements into the TP=2 calibration) instead of writing a folder.",
     ),
 ]
 CalDtypeOpt = Annotated[
@@ -181,18 +202,23 @@ def calibrate(
     space: SpaceOpt = None,
     dtype: CalDtypeOpt = "bfloat16",
     backend: BackendOpt = "auto",
+    only: OnlyOpt = None,
+    into: IntoOpt = None,
 ) -> None:
     names = parse_collectives(
         collectives, valid=CALIBRATED_NAMES, default=CALIBRATED_NAMES, option="--collectives"
     )
     check_dtype(dtype)
+    parts = _parse_parts(only)
     chosen = resolve_backend(world_size, backend)
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
         search_space = resolve_space(space, chosen)
+        from fo_tune.calibration import load_calibration
         from fo_tune.report import DEFAULT_ROOT, check_writable, default_out_dir, write_calibration_dir
 
-        if driver:  # a bad --out costs nothing: checked before any rank starts
+        target = load_calibration(into) if into is not None else None  # checked before any rank starts
+        if driver and into is None:  # a bad --out costs nothing: checked before any rank starts
             check_writable(out or DEFAULT_ROOT / expected_device_key(chosen, world_size) / f"tp{world_size}")
         from fo_tune.calibrate import CalibrationRequest, run_calibration
 
@@ -203,14 +229,36 @@ def calibrate(
             dtype=dtype,
             backend=chosen,
             space=search_space,
+            parts=parts,
         )
         with progress_bars(enabled=driver) as progress:
             where = "one GPU each, NCCL" if chosen == "nccl" else "gloo on the CPU"
             cal = run_calibration(request, ProgressReporter(progress, f"start {world_size} ranks ({where})"))
         if cal is None:  # a serving torchrun rank: rank 0 writes and reports
             return
+        if target is not None:
+            from fo_tune.calibrate import merge_into
+            from fo_tune.calibration import save_calibration
+
+            assert into is not None
+            save_calibration(merge_into(target, cal, request.selected()), into)
+            console.print(f"[green]merged[/] {', '.join(request.selected())} into {into}", highlight=False)
+            return
         written = write_calibration_dir(cal, out or default_out_dir(cal))
     _print_summary(cal, written)
+
+
+def _parse_parts(values: list[str] | None) -> tuple[str, ...] | None:
+    """``--only`` names, repeated or comma-separated (None: not given)."""
+    if not values:
+        return None
+    names = [part.strip() for value in values for part in value.split(",") if part.strip()]
+    for name in names:
+        if name not in PART_NAMES:
+            raise typer.BadParameter(f"--only {name!r} is not one of {', '.join(PART_NAMES)}")
+    if not names:
+        raise typer.BadParameter(f"--only: no part given; choose from {', '.join(PART_NAMES)}")
+    return tuple(dict.fromkeys(names))
 
 
 def register(app: typer.Typer) -> None:

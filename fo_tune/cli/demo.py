@@ -28,10 +28,10 @@ HELP = "\n\n".join(
         "Check the overlapped ops against matmul + collective on local processes, and time them.",
         "Spawns --world-size ranks and, for every shape, runs gemm_all_reduce and gemm_reduce_scatter "
         "(the latter when M is divisible by the world size) with the schedule the runtime would pick: a "
-        "tuned table row, else the heuristic default. Each result is compared with a float32 matmul of "
-        "the same operands followed by the same collective in torch.distributed; a row passes when the "
-        "relative error is within the dtype's tolerance (1e-5 float32, 5e-3 float16, 1e-2 bfloat16) and "
-        "nothing is NaN. Both the overlapped op and the sequential baseline (GEMM, then the collective) "
+        "tuned table row, else overlap: false (GEMM then the collective). Each result is compared with "
+        "a float32 matmul of the same operands followed by the same collective in torch.distributed; "
+        "a row passes when the relative error is within the dtype's tolerance (1e-5 float32, 5e-3 "
+        "float16, 1e-2 bfloat16) and nothing is NaN. Both the overlapped op and the sequential baseline (GEMM, then the collective) "
         "are timed.",
         "On GPUs the ranks use NCCL, one GPU each; without --world-size the demo starts 2 ranks, or one "
         "per GPU where there are fewer (world size 1 on a one-GPU machine). Without GPUs, or with "

@@ -47,33 +47,34 @@ HELP = "\n\n".join(
     [
         "Search schedules for GEMM + AllReduce / ReduceScatter shapes and write the best one per "
         "shape into the schedule table the runtime reads.",
-        "One Optuna study per shape (TPE sampler) over the search space: tile config, SMs left to "
-        "communication, NCCL CTA cap, signal granularity, grouping of signal units into groups (the "
-        "cost model's optimal grouping by dynamic programming, or any composition as a group count "
-        "plus cut points), layout and wait mode. Infeasible points are pruned before they run, "
-        "repeated points answered from the study, and a new study starts from the heuristic default "
-        "and the nearest existing table row.",
-        "Modes: measure (every trial checked against matmul + collective on the ranks, then timed "
-        "back to back; the max over ranks), predict (the cost model of a calibration only: no GPU; "
-        "the default without GPUs, with the packaged H200 calibration for --world-size), hybrid (the "
-        "model ranks --trials points, the --top-k best are measured; the default with GPUs when this "
-        "machine has a calibration). --exhaustive enumerates the space instead (measure, predict).",
-        "A row is written only when the best schedule beats the overlap: false fallback (GEMM then "
-        "the collective as the runtime runs it, replayed from its own CUDA graphs on GPUs; re-timed "
-        "beside the candidates) by more than the measured spread and at least 2%; otherwise the row "
-        "says overlap: false. M-range rows "
-        "(--m-range LO:HI) cover every M of the range for the shapes' (N, K). On 2 GPUs a measured "
-        "or hybrid search also re-times engine: copy_engine schedules (NVLink peer copies instead of "
-        "NCCL; measured, never predicted): one per chunk count of the space's copy_engine_chunks "
-        "and per weighting of its copy_engine_weights, and per chunk count of "
-        "copy_engine_tiled_chunks with each of copy_engine_tiles (the tiled mode: a Triton GEMM "
-        "per phase).",
+        "One search per shape over the union of the engines that can run on the machine "
+        "(--engine to choose; each engine's plug-in says whether it can: the copy engine needs "
+        "world size >= 2 and peer access between the GPUs): triton (the signalled Triton GEMM "
+        "and NCCL per group: tile, SMs left to communication, NCCL CTA cap, signal granularity, "
+        "grouping by the cost model's dynamic program or any composition, layout, wait mode) and "
+        "copy_engine (library GEMM chunks and copy-engine pulls between peers: the ring mode's "
+        "chunk weightings, the tiled mode's chunks and tiles), as the search space's engines "
+        "sections list them.",
+        "Modes: predict (the cost model of a calibration prices every enumerated point, "
+        "bounded, no GPU: the default without GPUs, with the packaged calibration for "
+        "--world-size; with --trials N a TPE study of N predictions instead), measure (a TPE "
+        "study over the union, every trial checked against matmul + collective on the ranks, "
+        "then timed back to back; the max over ranks), hybrid (the model ranks the space, the "
+        "--top-k best and every engine's best are measured; the default with GPUs when this "
+        "machine has a calibration). --exhaustive enumerates every point (measure, predict).",
+        "A row overlaps only when its best schedule beats the overlap: false fallback (GEMM then "
+        "the collective as the runtime runs it, replayed from its own CUDA graphs on GPUs) by more "
+        "than the spread and at least 2%: measured searches re-time their best three and every "
+        "engine's best beside the fallback in alternating rounds; a predict search compares the "
+        "predicted best with the predicted fallback. Otherwise the row says overlap: false. "
+        "M-range rows (--m-range LO:HI) cover every M of the range for the shapes' (N, K).",
         "Studies live in --storage (default SQLite at results/studies/fo-tune.db): running the same "
         "command again resumes them, and several workers may share one study (journal:FILE or "
         "PostgreSQL). Tables go to --table-dir (default $FO_TUNE_TABLE_DIR, else "
-        "~/.local/share/fo-tune/tables), merged under a file lock; the report (trials.csv, "
-        "summary.yaml, history.png, predicted_vs_measured.png) to results/search/<device-key>/. "
-        "--out DIR puts all three under DIR.",
+        "~/.local/share/fo-tune/tables), merged under a file lock; a predicted row never replaces "
+        "a measured one (the runtime prefers measured rows in any folder anyway). The report "
+        "(trials.csv, summary.yaml; measured searches also history.png, predicted_vs_measured.png) "
+        "goes to results/search/<device-key>/. --out DIR puts all three under DIR.",
         "Exit code 0 when the rows are written, 1 when a measurement fails, 2 for bad input.",
     ]
 )
@@ -126,8 +127,8 @@ TrialsOpt = Annotated[
     typer.Option(
         "--trials",
         "-n",
-        help="Trials per shape (a study's total, counting resumed ones): default 200 predict, 40 "
-        "measure; hybrid: points the model ranks (default 300).",
+        help="Trials per shape (a study's total, counting resumed ones): default 40 measure; "
+        "predict: a TPE study of N predictions instead of pricing the enumerated space.",
     ),
 ]
 TopKOpt = Annotated[int, typer.Option("--top-k", "-k", help="hybrid: schedules measured per shape.")]
@@ -173,6 +174,16 @@ OutOpt = Annotated[
 ]
 RepsOpt = Annotated[int, typer.Option("--reps", "-r", help="Timed samples per measured trial (median).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Sampler and input seed.")]
+EngineOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--engine",
+        "-e",
+        metavar="NAME[,NAME]",
+        help="Engines to search (repeat or comma-separate): triton, copy_engine. Default: every "
+        "engine that can run on the machine and has a section in the search space.",
+    ),
+]
 
 _RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
@@ -187,6 +198,22 @@ def parse_m_range(text: str | None) -> tuple[int, int] | None:
     if not 1 <= lo <= hi:
         raise typer.BadParameter(f"--m-range {text!r}: needs 1 <= LO <= HI")
     return lo, hi
+
+
+def parse_engines(values: list[str] | None) -> tuple[str, ...] | None:
+    """``--engine`` names, repeated or comma-separated (None: not given); an unknown one lists
+    the valid ones."""
+    if not values:
+        return None
+    from fo_tune.engines import engine_names
+
+    names = [part.strip() for value in values for part in value.split(",") if part.strip()]
+    for name in names:
+        if name not in engine_names():
+            raise typer.BadParameter(f"--engine {name!r} is not one of {', '.join(engine_names())}")
+    if not names:
+        raise typer.BadParameter(f"--engine: no name given; choose from {', '.join(engine_names())}")
+    return tuple(dict.fromkeys(names))
 
 
 def read_shapes_file(path: Path) -> list[tuple[int, int, int]]:
@@ -235,22 +262,27 @@ def find_calibration(device_key: str, world_size: int) -> Path | None:
 
 
 def short_schedule(row: Schedule) -> str:
-    """``128x256x64s3ws r28 cap24 u256 g1-1-1-1 row_band`` (or ``no overlap``)."""
-    if not row.overlap:
+    """``triton 128x256x64s3ws r28 cap24 u256 g1-1-1-1 row_band``, ``copy_engine ring 1-1-1-1``
+    (or ``no overlap``)."""
+    from fo_kernels.schedule import CopyEngineSettings, TritonSettings
+
+    st = row.settings
+    if st is None:
         return "no overlap"
-    if row.engine == "copy_engine":
-        t = row.tile
-        how = f" tiled {t.block_m}x{t.block_n}x{t.block_k}" if t is not None else ""
-        return f"copy engine c{len(row.groups)} g{'-'.join(map(str, row.groups))}{how}"
-    t = row.tile
-    assert t is not None
-    ws = "ws" if t.warp_specialize else ""
-    wait = " spin" if row.wait_mode == "spin" else ""
-    groups = "-".join(map(str, row.groups))
-    return (
-        f"{t.block_m}x{t.block_n}x{t.block_k}s{t.num_stages}{ws} r{row.sms_free} cap{row.nccl_max_ctas} "
-        f"u{row.signal_tiles} g{groups} {row.layout}{wait}"
-    )
+    if isinstance(st, CopyEngineSettings):
+        t = st.tile
+        how = f" {t.block_m}x{t.block_n}x{t.block_k}" if t is not None else ""
+        return f"copy_engine {st.mode} {'-'.join(map(str, st.weights))}{how}"
+    if isinstance(st, TritonSettings):
+        t = st.tile
+        ws = "ws" if t.warp_specialize else ""
+        wait = " spin" if st.wait_mode == "spin" else ""
+        groups = "-".join(map(str, st.groups))
+        return (
+            f"triton {t.block_m}x{t.block_n}x{t.block_k}s{t.num_stages}{ws} r{st.sms_free} "
+            f"cap{st.nccl_max_ctas} u{st.signal_tiles} g{groups} {st.layout}{wait}"
+        )
+    return f"{row.engine} {st.describe()}"
 
 
 def _print_summary(result: SearchResult, written: list[Path]) -> None:
@@ -279,8 +311,9 @@ def _print_summary(result: SearchResult, written: list[Path]) -> None:
     )
     console.print(table)
     console.print(
-        "rows (tile, r = SMs free, NCCL CTA cap, u = tiles per signal unit, g = group sizes in units; "
-        "written only when the gain is > max(2%, spread)):"
+        f"rows (engines searched: {', '.join(result.shapes[0].engines) if result.shapes else '-'}; triton: "
+        "tile, r = SMs free, NCCL CTA cap, u = tiles per signal unit, g = group sizes in units; "
+        "copy_engine: mode and chunk weights; written only when the gain is > max(2%, spread)):"
     )
     for s in result.shapes:
         console.print(
@@ -291,11 +324,106 @@ def _print_summary(result: SearchResult, written: list[Path]) -> None:
             f"M-range rows: {len(result.range_rows)} "
             f"({', '.join(x.problem.describe() for x in result.range_rows)})"
         )
+    for row in result.kept:
+        console.print(
+            f"  kept the measured row {row.problem.describe()} (a predicted row never replaces one)",
+            markup=False,
+            highlight=False,
+        )
     if result.table is not None:
         console.print(f"[green]table[/] {result.table}", highlight=False)
     console.print(
         f"[green]report[/] {written[0].parent if written else '-'} ({result.wall_s:.1f} s)", highlight=False
     )
+
+
+def _choose_calibration(
+    path: Path | None, mode: str, world_size: int, backend: str
+) -> tuple[Calibration | None, str]:
+    """(the calibration the search reads, the mode): --calibration, else the packaged one for a
+    predict search, else this machine's; no mode given: hybrid with a calibration, else measure."""
+    from fo_kernels.fingerprint import current_fingerprint
+    from fo_tune.calibration import load_calibration
+    from fo_tune.search import SearchError
+
+    cal: Calibration | None = None
+    if path is not None:
+        cal = load_calibration(path)
+    elif mode == "predict":
+        found = packaged_calibration(None, world_size)
+        if found is None:
+            raise SearchError(
+                f"no packaged calibration for world size {world_size}; run `fo-tune calibrate "
+                f"--world-size {world_size}` on the GPUs and pass --calibration FILE"
+            )
+        cal = load_calibration(found)
+    else:
+        key = current_fingerprint(local_device(backend), world_size).device_key
+        found = find_calibration(key, world_size)
+        if found is not None:
+            cal = load_calibration(found)
+    if not mode:
+        mode = "hybrid" if cal is not None else "measure"
+    if (
+        mode == "hybrid"
+        and backend == "gloo"
+        and cal is not None
+        and cal.fingerprint.compute_capability != "cpu"
+    ):
+        raise SearchError(
+            f"--mode hybrid measures on these ranks (gloo on the CPU), but the calibration is for "
+            f"{cal.fingerprint.device_key}; use --mode predict, or a calibration of this machine"
+        )
+    if mode == "predict" and cal is None:
+        raise SearchError("--mode predict needs --calibration FILE")
+    return cal, mode
+
+
+def _outputs(out: Path | None, table_dir: Path | None, storage: str | None) -> tuple[Path, str]:
+    """(the tables' root, the studies' storage URL) of --out, --table-dir and --storage."""
+    from fo_kernels.table import TABLE_DIR_ENV, user_table_dir
+    from fo_tune.search import DEFAULT_STORAGE_FILE
+
+    if out is not None:
+        return table_dir or out / "tables", storage or f"sqlite:///{out / 'studies' / 'fo-tune.db'}"
+    env = os.environ.get(TABLE_DIR_ENV)
+    return table_dir or (
+        Path(env) if env else user_table_dir()
+    ), storage or f"sqlite:///{DEFAULT_STORAGE_FILE}"
+
+
+def _report_dirs(
+    requests: list,
+    cal: Calibration | None,
+    backend: str,
+    out: Path | None,
+    tables_root: Path,
+    storage_url: str,
+) -> list[Path]:
+    """Each request's report folder; every file the search writes (its report folders, table files
+    and SQLite study file) is checked writable before anything runs."""
+    from fo_kernels.fingerprint import current_fingerprint
+    from fo_kernels.table import table_path
+    from fo_tune.report import check_writable_file
+    from fo_tune.search_report import check_report_dir, default_report_dir
+
+    first = requests[0]
+    if first.mode == "predict":
+        assert cal is not None
+        device_key = cal.fingerprint.device_key
+    else:
+        device_key = current_fingerprint(local_device(backend), first.world_size).device_key
+    dirs = []
+    for r in requests:
+        folder = default_report_dir(
+            device_key, r.collective, r.world_size, r.dtype, r.mode, m_range=r.m_range is not None
+        )
+        dirs.append(out / "report" / folder.name if out is not None else folder)
+        check_report_dir(dirs[-1])
+        check_writable_file(table_path(tables_root, device_key, r.collective, r.world_size, r.dtype))
+    if storage_url.startswith(SQLITE):
+        check_writable_file(storage_url[len(SQLITE) :].split("?")[0])
+    return dirs
 
 
 @handle_errors
@@ -319,10 +447,12 @@ def search(
     backend: BackendOpt = "auto",
     reps: RepsOpt = 10,
     seed: SeedOpt = 0,
+    engine: EngineOpt = None,
 ) -> None:
     collectives = parse_collectives(
         collective, valid=COLLECTIVE_NAMES, default=("all_reduce",), option="--collective"
     )
+    engines = parse_engines(engine)
     check_dtype(dtype)
     if world_size < 1:
         raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
@@ -343,43 +473,10 @@ def search(
     chosen = "gloo" if mode == "predict" else resolve_backend(world_size, backend)
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
-        from fo_kernels.fingerprint import current_fingerprint
-        from fo_kernels.table import TABLE_DIR_ENV, table_path, user_table_dir
-        from fo_tune.calibration import load_calibration
-        from fo_tune.report import check_writable_file
-        from fo_tune.search import DEFAULT_STORAGE_FILE, SearchError, SearchRequest, check_request, run_search
-        from fo_tune.search_report import check_report_dir, default_report_dir, write_report
+        from fo_tune.search import SearchRequest, check_request, run_search
+        from fo_tune.search_report import write_report
 
-        cal: Calibration | None = None
-        if calibration is not None:
-            cal = load_calibration(calibration)
-        elif mode == "predict":
-            path = packaged_calibration(None, world_size)
-            if path is None:
-                raise SearchError(
-                    f"no packaged calibration for world size {world_size}; run `fo-tune calibrate "
-                    f"--world-size {world_size}` on the GPUs and pass --calibration FILE"
-                )
-            cal = load_calibration(path)
-        else:
-            key = current_fingerprint(local_device(chosen), world_size).device_key
-            path = find_calibration(key, world_size)
-            if path is not None:
-                cal = load_calibration(path)
-        if not mode:
-            mode = "hybrid" if cal is not None else "measure"
-        if (
-            mode == "hybrid"
-            and chosen == "gloo"
-            and cal is not None
-            and cal.fingerprint.compute_capability != "cpu"
-        ):
-            raise SearchError(
-                f"--mode hybrid measures on these ranks (gloo on the CPU), but the calibration is for "
-                f"{cal.fingerprint.device_key}; use --mode predict, or a calibration of this machine"
-            )
-        if mode == "predict" and cal is None:
-            raise SearchError("--mode predict needs --calibration FILE")
+        cal, mode = _choose_calibration(calibration, mode, world_size, chosen)
         search_space = None
         if space is not None:
             search_space = resolve_space(space, chosen)
@@ -387,15 +484,7 @@ def search(
             from fo_tune.space import space_for
 
             search_space = space_for(cal.fingerprint.compute_capability)
-        if out is not None:
-            tables_root = out / "tables"
-            storage_url = storage or f"sqlite:///{out / 'studies' / 'fo-tune.db'}"
-        else:
-            env = os.environ.get(TABLE_DIR_ENV)
-            tables_root = table_dir or (Path(env) if env else user_table_dir())
-            storage_url = storage or f"sqlite:///{DEFAULT_STORAGE_FILE}"
-        if table_dir is not None:
-            tables_root = table_dir
+        tables_root, storage_url = _outputs(out, table_dir, storage)
         requests = [
             SearchRequest(
                 shapes=tuple(wanted),
@@ -412,6 +501,7 @@ def search(
                 space=search_space,
                 backend=chosen,
                 exhaustive=exhaustive,
+                engines=engines,
                 seed=seed,
                 reps=reps,
                 table_dir=tables_root,
@@ -420,21 +510,7 @@ def search(
         ]
         for request in requests:  # every bad input is reported before anything runs or is written
             check_request(request)
-        if mode == "predict":
-            assert cal is not None
-            device_key = cal.fingerprint.device_key
-        else:
-            device_key = current_fingerprint(local_device(chosen), world_size).device_key
-        report_dirs = []
-        for request in requests:
-            folder = default_report_dir(
-                device_key, request.collective, world_size, dtype, mode, m_range=request.m_range is not None
-            )
-            report_dirs.append(out / "report" / folder.name if out is not None else folder)
-            check_report_dir(report_dirs[-1])
-            check_writable_file(table_path(tables_root, device_key, request.collective, world_size, dtype))
-        if storage_url.startswith(SQLITE):  # every file the search writes is checked before it starts
-            check_writable_file(storage_url[len(SQLITE) :].split("?")[0])
+        report_dirs = _report_dirs(requests, cal, chosen, out, tables_root, storage_url)
         results = []
         with progress_bars(enabled=driver) as progress:
             reporter = ProgressReporter(progress, f"search ({mode})")

@@ -6,8 +6,6 @@ inside the commands, so ``fo-tune --help`` stays light.
 
 from __future__ import annotations
 
-import csv
-import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -26,9 +24,18 @@ from .common import (
     one_line,
     summary_table,
 )
+from .table_rows import (
+    copy_engine_label,
+    csv_rows,
+    kind_label,
+    print_plain,
+    show_rich,
+    table_yaml,
+    tile_label,
+    value_label,
+)
 
 if TYPE_CHECKING:
-    from fo_kernels.schedule import Schedule, Tile
     from fo_kernels.table import ScheduleTable
     from fo_tune.tables import RowDiff
 
@@ -39,19 +46,6 @@ DEFAULT_WORLD_SIZE = 2
 DEFAULT_DTYPE = "bfloat16"
 # Exit code of `diff --exit-code` when the tables differ (as `git diff --exit-code`).
 EXIT_DIFFERENT = 1
-# Provenance keys shown first, in this order; any other key follows, sorted.
-PROVENANCE_ORDER = ("measured_ms", "predicted_ms", "sequential_ms", "speedup", "mode", "source")
-# Long provenance values kept out of the terminal table (they are in --format yaml / csv).
-PROVENANCE_LONG = (
-    "decision",
-    "study",
-    "date",
-    "baseline",
-    "search_ms",
-    "iqr_ms",
-    "sequential_iqr_ms",
-    "trial",
-)
 STATUS_LABELS = {"only_a": "only in A", "only_b": "only in B", "changed": "changed", "same": "same"}
 
 HELP = "\n\n".join(
@@ -62,28 +56,51 @@ HELP = "\n\n".join(
         "<folder>/<device-key>/<collective>-w<world>-<dtype>.yaml, and the runtime searches the "
         "folders $FO_TUNE_TABLE_DIR, $XDG_DATA_HOME/fo-tune/tables (default "
         "~/.local/share/fo-tune/tables) and the packaged results/tables, in this order.",
-        "Commands: show (print a table), validate (check files beyond their format: every row must "
-        "give a plan for its shapes) and diff (compare two tables row by row).",
+        "Commands: show (print a table), lookup (the row the runtime would use for one call, and its "
+        "file), validate (check files beyond their format: every row must give a plan for its shapes) "
+        "and diff (compare two tables row by row).",
+        "The runtime prefers a measured row over a predicted one (provenance mode: predict, written by "
+        "an offline search) in any folder; between rows of the same kind the folder order decides.",
     ]
 )
 
 SHOW_HELP = "\n\n".join(
     [
-        "Print a schedule table: one line per row with its problem, overlap, tile, SMs left free, "
-        "NCCL CTA cap, signal granularity, groups, layout and wait mode, and the provenance the "
-        "tuner recorded (measured_ms, predicted_ms, speedup, mode, source, ...), under a header "
-        "with the fingerprint the table was measured on (device key, GPU, library versions).",
+        "Print a schedule table: one line per row with its problem, whether it was measured or "
+        "predicted (a predicted row, from an offline search, is used only where no measured row "
+        "matches), overlap, engine and its settings (Triton: tile, SMs left free, NCCL CTA cap, "
+        "signal granularity, groups, layout, wait mode; copy engine: mode, tile, chunk weights), "
+        "and the provenance the tuner recorded (measured_ms, predicted_ms, speedup, mode, source, "
+        "...), under a header with the fingerprint the table was measured on (device key, GPU, "
+        "library versions).",
         "Give a PATH to a table file, or leave it out to show the table(s) the runtime would read "
         "for --device-key (default: this machine's key for --world-size), --collective, --world-size "
         "and --dtype: every file found in the search path, in the order lookup reads them (an "
         "exact-shape row in any of them beats an M-range row).",
         "Tile form: BMxBNxBK gmGROUP_M wWARPS sSTAGES (ws: warp specialized). cap: NCCL CTA cap "
         "(default: NCCL's). signal: tiles per signal unit. groups: sizes in signal units (relative "
-        "weights on an M-range row). A copy-engine row (engine: copy_engine, 2 GPUs) shows "
-        "'copy engine' as its tile and the relative row weights of its chunks as groups.",
+        "weights on an M-range row). A copy-engine row (engine: copy_engine) shows 'copy engine' "
+        "and its mode as its tile (with the tiled mode's tile) and the relative row weights of its "
+        "chunks as groups.",
         "--format yaml prints the table(s) as YAML, --format csv one CSV line per row (with a file "
         "column), for scripts.",
         "Exit code 0 when shown, 2 when no table is found or a file is malformed.",
+    ]
+)
+
+LOOKUP_HELP = "\n\n".join(
+    [
+        "Print the row the runtime (fo_kernels.lookup_schedule) would use for one call, as YAML: "
+        "source (the table file it comes from), kind (measured or predicted) and the row with its "
+        "provenance.",
+        "The runtime reads every table for the device key, collective, world size and dtype in its "
+        "search path ($FO_TUNE_TABLE_DIR, the user folder, the packaged tables) and takes a "
+        "measured exact-shape row, else a measured M-range row covering M, else a predicted "
+        "exact-shape row, else a predicted M-range row; between rows of the same kind the folder "
+        "order decides. Without a matching row it runs overlap: false (GEMM then the collective); "
+        "lookup then prints that with source: no table row and the files it read.",
+        "--device-key defaults to this machine's key for --world-size.",
+        "Exit code 0 when printed (a row or overlap: false), 2 for bad options or a malformed table.",
     ]
 )
 
@@ -191,140 +208,6 @@ AllRowsOpt = Annotated[
 ]
 
 
-# ------------------------------------------------------------------------------ formatting
-def tile_label(tile: Tile | None) -> str:
-    """``Tile.label()`` (``128x256x64 gm8 w8 s3``, `` ws`` when warp specialized); ``-`` for no tile."""
-    return "-" if tile is None else tile.label()
-
-
-def copy_engine_label(row: Schedule) -> str:
-    """``copy engine`` or ``copy engine, tiled 128x256x64 ...``."""
-    return "copy engine" + (f", tiled {tile_label(row.tile)}" if row.tile is not None else "")
-
-
-def value_label(value: Any) -> str:
-    """A provenance or field value in a cell: floats to 4 significant digits, tiles in short form."""
-    from fo_kernels.schedule import Tile
-
-    if isinstance(value, Tile) or value is None:
-        return tile_label(value)
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return fmt(value, ".4g")
-    if isinstance(value, (tuple, list)):
-        return "[" + ", ".join(value_label(v) for v in value) + "]"
-    return str(value)
-
-
-def provenance_keys(rows: Sequence[Schedule]) -> list[str]:
-    """Provenance keys present in any row: ``PROVENANCE_ORDER`` first, the rest sorted."""
-    present = {str(key) for row in rows for key in row.provenance}
-    return [key for key in PROVENANCE_ORDER if key in present] + sorted(present - set(PROVENANCE_ORDER))
-
-
-def fingerprint_lines(table: ScheduleTable) -> list[str]:
-    fp = table.fingerprint
-    return [
-        f"fingerprint: {fp.device_key}: {fp.gpu_name}, compute capability {fp.compute_capability}, "
-        f"{fp.sm_count} SMs, world size {fp.world_size}, {fp.interconnect}",
-        "versions: " + ", ".join(f"{name} {value}" for name, value in fp.versions().items()),
-        f"{table.collective} {table.dtype}, world size {table.world_size}, schema "
-        f"{table.schema_version}, {len(table.rows)} row(s)",
-    ]
-
-
-def _print_plain(text: str) -> None:
-    console.print(escape(text), highlight=False)
-
-
-def _show_rich(path: Path, table: ScheduleTable) -> None:
-    console.print(f"[bold]{escape(str(path))}[/]", highlight=False)
-    for line in fingerprint_lines(table):
-        _print_plain(f"  {line}")
-    prov = [key for key in provenance_keys(table.rows) if key not in PROVENANCE_LONG]
-    columns = ["problem", "overlap", "tile", "sms_free", "cap", "signal", "groups", "layout", "wait", *prov]
-    out = summary_table("", columns, 3)
-    for row in table.rows:
-        cells = [row.problem.describe(), value_label(row.overlap)]
-        if row.overlap and row.engine == "copy_engine":
-            cells += [copy_engine_label(row), "-", "-", "-", value_label(row.groups), "-", "-"]
-        elif row.overlap:
-            cells += [
-                tile_label(row.tile),
-                str(row.sms_free),
-                str(row.nccl_max_ctas or "default"),
-                str(row.signal_tiles),
-                value_label(row.groups),
-                row.layout,
-                row.wait_mode,
-            ]
-        else:
-            cells += ["-"] * 7
-        cells += [value_label(row.provenance[key]) if key in row.provenance else "-" for key in prov]
-        out.add_row(*(escape(cell) for cell in cells))
-    console.print(out)
-
-
-def _table_yaml(table: ScheduleTable) -> str:
-    import yaml
-
-    return yaml.safe_dump(table.to_dict(), sort_keys=False, default_flow_style=None, width=110)
-
-
-CSV_COLUMNS = (
-    "file",
-    "m",
-    "m_min",
-    "m_max",
-    "n",
-    "k",
-    "overlap",
-    "block_m",
-    "block_n",
-    "block_k",
-    "group_m",
-    "num_warps",
-    "num_stages",
-    "warp_specialize",
-    "sms_free",
-    "nccl_max_ctas",
-    "signal_tiles",
-    "groups",
-    "layout",
-    "wait_mode",
-    "engine",  # last: added after the other columns, so scripts reading by position keep working
-)
-
-
-def _csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
-    """One CSV line per row of every table; groups space-separated, provenance keys as columns."""
-    prov = provenance_keys([row for _path, table in found for row in table.rows])
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow([*CSV_COLUMNS, *prov])
-    for path, table in found:
-        for row in table.rows:
-            values: dict[str, Any] = {"file": str(path), **row.problem.to_dict(), "overlap": row.overlap}
-            if row.overlap:
-                values["engine"] = row.engine
-                values["groups"] = " ".join(map(str, row.groups))
-                if row.tile is not None:  # every Triton row; a copy-engine row in its tiled mode
-                    values.update(row.tile.to_dict())
-                    values["warp_specialize"] = row.tile.warp_specialize
-            if row.overlap and row.engine != "copy_engine":
-                values.update(
-                    sms_free=row.sms_free,
-                    nccl_max_ctas=row.nccl_max_ctas,
-                    signal_tiles=row.signal_tiles,
-                    layout=row.layout,
-                    wait_mode=row.wait_mode,
-                )
-            values.update({key: row.provenance[key] for key in prov if key in row.provenance})
-            writer.writerow([values.get(column, "") for column in (*CSV_COLUMNS, *prov)])
-    return buf.getvalue()
-
-
 # ------------------------------------------------------------------------------ show
 def _check_choice(option: str, value: str, choices: Sequence[str]) -> str:
     if value not in choices:
@@ -380,15 +263,80 @@ def show(
         paths = _find(device_key, collective, world_size or DEFAULT_WORLD_SIZE, dtype)
     found = [(p, load_table(p)) for p in paths]
     if format_ == "csv":
-        typer.echo(_csv_rows(found), nl=False)
+        typer.echo(csv_rows(found), nl=False)
         return
     for i, (p, table) in enumerate(found):
         if format_ == "yaml":
-            typer.echo(("---\n" if i else "") + f"# {p}\n" + _table_yaml(table), nl=False)
+            typer.echo(("---\n" if i else "") + f"# {p}\n" + table_yaml(table), nl=False)
             continue
         if i:
             console.print()
-        _show_rich(p, table)
+        show_rich(p, table)
+
+
+# ------------------------------------------------------------------------------ lookup
+ShapeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--shape", "-s", metavar="MxNxK", help="The call's GEMM: M x N x K per rank.", show_default=False
+    ),
+]
+LookupWorldSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--world-size",
+        "-w",
+        help=f"World size of the call. Default: {DEFAULT_WORLD_SIZE}.",
+        show_default=False,
+    ),
+]
+
+
+@handle_errors
+def lookup(
+    shape: ShapeOpt = None,
+    collective: CollectiveOpt = None,
+    world_size: LookupWorldSizeOpt = None,
+    dtype: TableDtypeOpt = None,
+    device_key: DeviceKeyOpt = None,
+) -> None:
+    import yaml
+
+    from .common import parse_shape
+
+    if shape is None:
+        raise typer.BadParameter("--shape MxNxK: the call to look up is missing")
+    if world_size is not None and world_size < 1:
+        raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
+    m, n, k = parse_shape(shape)
+    collective = _check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
+    dtype = _check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
+    world = world_size or DEFAULT_WORLD_SIZE
+    if collective == "reduce_scatter" and m % world:
+        raise typer.BadParameter(
+            f"--shape {shape}: reduce_scatter needs M divisible by the world size {world}"
+        )
+    from fo_kernels.table import MISS_SOURCE
+    from fo_tune.tables import find_row
+
+    if device_key is None:
+        from fo_kernels.fingerprint import current_fingerprint
+
+        device_key = current_fingerprint(None, world).device_key
+    row, path, read = find_row(device_key, collective, world, dtype, m, n, k)
+    out: dict[str, Any] = {"device_key": device_key}
+    if row is None:
+        out.update(
+            source=f"{MISS_SOURCE}: the runtime runs overlap: false (GEMM then the collective)",
+            searched=[str(p) for p in read],
+            row={"problem": {"m": m, "n": n, "k": k}, "overlap": False},
+        )
+    else:
+        data = row.to_dict()
+        for key in ("collective", "dtype", "world_size"):
+            data.pop(key)
+        out.update(source=str(path), kind=kind_label(row), row=data)
+    typer.echo(yaml.safe_dump(out, sort_keys=False, width=110), nl=False)
 
 
 # ------------------------------------------------------------------------------ validate
@@ -422,17 +370,17 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None) -> None:
         problems.extend(f"{path}: {issue}" for issue in issues)
         bad_files += bool(issues)
         if not issues:
-            _print_plain(
+            print_plain(
                 f"OK {path}: {len(table.rows)} row(s), {table.collective} {table.dtype} world size "
                 f"{table.world_size}, {table.fingerprint.device_key}"
             )
         note = _location_note(path, table)
         if note is not None:
-            _print_plain(f"note: {note}")
+            print_plain(f"note: {note}")
     for problem in problems:
         err_console.print(f"error: {problem}", markup=False)
     if problems:
-        _print_plain(
+        print_plain(
             f"{len(problems)} problem(s) in {bad_files} of {len(paths)} file(s); fix the rows named, "
             "or re-tune them with `fo-tune search`"
         )
@@ -448,6 +396,8 @@ def _latency_cell(values: dict[str, float]) -> tuple[str, str | None]:
 
 
 def _changes_cell(d: RowDiff) -> str:
+    from fo_tune.tables import field_value
+
     if d.status == "only_a":
         row = d.a
     elif d.status == "only_b":
@@ -457,10 +407,11 @@ def _changes_cell(d: RowDiff) -> str:
     if row is not None:
         if not row.overlap:
             return "no overlap"
-        return copy_engine_label(row) if row.engine == "copy_engine" else tile_label(row.tile)
+        return copy_engine_label(row) if row.engine == "copy_engine" else tile_label(field_value(row, "tile"))
     assert d.a is not None and d.b is not None
     parts = [
-        f"{name} {value_label(getattr(d.a, name))} -> {value_label(getattr(d.b, name))}" for name in d.fields
+        f"{name} {value_label(field_value(d.a, name))} -> {value_label(field_value(d.b, name))}"
+        for name in d.fields
     ]
     if d.provenance_changed:
         parts.append("provenance: " + ", ".join(d.provenance_changed))
@@ -489,29 +440,30 @@ def diff(a: TableAArg, b: TableBArg, exit_code: ExitCodeOpt = False, all_: AllRo
     from fo_tune.tables import DIFF_STATUSES, diff_tables, header_differences
 
     table_a, table_b = load_table(a), load_table(b)
-    _print_plain(f"A: {a} ({table_a.fingerprint.device_key}, {len(table_a.rows)} row(s))")
-    _print_plain(f"B: {b} ({table_b.fingerprint.device_key}, {len(table_b.rows)} row(s))")
+    print_plain(f"A: {a} ({table_a.fingerprint.device_key}, {len(table_a.rows)} row(s))")
+    print_plain(f"B: {b} ({table_b.fingerprint.device_key}, {len(table_b.rows)} row(s))")
     for name, value_a, value_b in header_differences(table_a, table_b):
-        _print_plain(f"header {name}: {value_label(value_a)} -> {value_label(value_b)}")
+        print_plain(f"header {name}: {value_label(value_a)} -> {value_label(value_b)}")
     diffs = diff_tables(table_a, table_b)
     _print_diff(diffs, all_)
     counts = {status: sum(d.status == status for d in diffs) for status in DIFF_STATUSES}
     differing = len(diffs) - counts["same"]
     if differing:
-        _print_plain(
+        print_plain(
             f"{counts['changed']} changed, {counts['only_a']} only in A, {counts['only_b']} only in B, "
             f"{counts['same']} same"
         )
     else:
-        _print_plain(f"no differences in {len(diffs)} row(s)")
+        print_plain(f"no differences in {len(diffs)} row(s)")
     if exit_code and differing:
         raise typer.Exit(EXIT_DIFFERENT)
 
 
 def register(app: typer.Typer) -> None:
-    """Add the ``table`` command group (show, validate, diff) to the root app."""
+    """Add the ``table`` command group (show, lookup, validate, diff) to the root app."""
     sub = typer.Typer(name="table", help=HELP, no_args_is_help=True, add_completion=False)
     sub.command("show", help=SHOW_HELP, short_help="Print a table, its rows and its fingerprint.")(show)
+    sub.command("lookup", help=LOOKUP_HELP, short_help="The row the runtime would use for one call.")(lookup)
     sub.command("validate", help=VALIDATE_HELP, short_help="Check table files: format and plans.")(validate)
     sub.command("diff", help=DIFF_HELP, short_help="Compare two tables row by row.")(diff)
     app.add_typer(sub, name="table")

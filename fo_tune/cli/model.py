@@ -1,0 +1,234 @@
+"""``fo-tune model``: the cost model against measurements (check), and fitting its free
+parameters to them (fit). Library: ``fo_tune.model.check``, ``fo_tune.model.fit``."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.markup import escape
+
+from .calibrate import fmt, summary_table
+from .common import console, handle_errors
+
+if TYPE_CHECKING:
+    from fo_tune.calibration import Calibration
+    from fo_tune.model.check import Checked
+
+HELP = "\n\n".join(
+    [
+        "The cost model against measurements: how far its predictions are from measured table rows "
+        "and measured search trials (check), and fitting its free parameters to them (fit).",
+        "Commands: check (predict every measured row or trial of the given files; print predicted "
+        "vs measured per row and the mean absolute percentage error) and fit (fit the copy engine's "
+        "free parameters to measured table rows and the Triton engine's host times to measured "
+        "trials, keeping rows out of the fit to report their error apart, and write them into the "
+        "calibration with their sources).",
+    ]
+)
+
+CHECK_HELP = "\n\n".join(
+    [
+        "Predict every measured row of the given tables and every measured trial of the given search "
+        "reports with a calibration's cost model; print predicted vs measured per row and, last, "
+        "one line: MAPE X% (worst Y%) over N measured rows.",
+        "A table row is measured unless its provenance says mode: predict; its latency is its "
+        "measured_ms (overlap) or the overlap: false fallback it runs (fallback_ms). An M-range "
+        "row is predicted at the M it was tuned at. A trial counts when it completed with a "
+        "measurement of its own (trials.csv of `fo-tune search`, or its report folder).",
+        "Without files: the packaged tables of the calibration's device. Without --calibration: the "
+        "packaged calibration (world size 2).",
+        "Exit code 0 when printed; 2 for a missing or malformed file, a file with no measured row, "
+        "or a calibration without what an engine's term needs (its section and the command that "
+        "measures it are named).",
+    ]
+)
+
+FIT_HELP = "\n\n".join(
+    [
+        "Fit the cost model's free parameters to measurements and write them into the calibration, "
+        "each with its source: the copy engine's (clock context, per-chunk and per-call overheads, "
+        "the exposed part of AllReduce's last gather, the tiled mode's GEMM factor, the library's "
+        "small-tile efficiency and beta = 1 factor) to the measured copy-engine and overlap: false "
+        "rows and trials of the files, the Triton engine's host times to their measured Triton "
+        "trials. The other parameters are measured (`fo-tune calibrate`) and left alone.",
+        "--hold-out NxK keeps every row and trial of that (N, K) out of the fit, --hold-out-file "
+        "every one of that file; their error is printed apart.",
+        "Writes --out (default: the calibration file itself).",
+    ]
+)
+
+CalibrationOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--calibration",
+        metavar="FILE",
+        help="calibration.yaml whose model to check. Default: the packaged calibration (world size 2).",
+    ),
+]
+FilesArg = Annotated[
+    list[Path] | None,
+    typer.Argument(
+        metavar="[TABLE_OR_REPORT]...",
+        help="Tables (.yaml) and search reports (trials.csv or its folder). Default: the packaged "
+        "tables of the calibration's device.",
+        show_default=False,
+    ),
+]
+FitCalibrationOpt = Annotated[
+    Path, typer.Option("--calibration", metavar="FILE", help="calibration.yaml to fit.")
+]
+HoldOutOpt = Annotated[
+    list[str] | None,
+    typer.Option("--hold-out", metavar="NxK", help="Keep every row and trial of this (N, K) out of the fit."),
+]
+HoldOutFileOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--hold-out-file", metavar="PATH", help="Keep every row and trial of this file out of the fit."
+    ),
+]
+OutOpt = Annotated[Path | None, typer.Option("--out", "-o", metavar="FILE", help="Where to write the fit.")]
+
+_NK = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+def _calibration(path: Path | None) -> tuple[Calibration, Path]:
+    from fo_tune.calibration import load_calibration
+    from fo_tune.search import SearchError
+
+    from .search import packaged_calibration
+
+    if path is None:
+        path = packaged_calibration(None, 2)
+        if path is None:
+            raise SearchError("no packaged calibration found; pass --calibration FILE")
+    return load_calibration(path), path
+
+
+def _default_tables(cal: Calibration) -> list[Path]:
+    """The packaged tables of the calibration's device."""
+    from importlib import resources
+
+    try:
+        folder = Path(str(resources.files("fo_results") / "tables")) / cal.fingerprint.device_key
+    except (ModuleNotFoundError, TypeError):
+        return []
+    return sorted(folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def _check_terms(cal: Calibration, rows: list, engines: set[str]) -> None:
+    """A calibration without what a measured row's engine needs: the section and its command."""
+    from fo_tune.calibration import CalibrationError
+    from fo_tune.engines import get_tuner
+
+    for engine in sorted(engines - {""}):
+        collectives = {m.schedule.collective for m in rows if m.schedule.engine == engine}
+        for collective in sorted(collectives):
+            gap = get_tuner(engine).calibration_gap(cal, collective)
+            if gap:
+                raise CalibrationError(f"{cal.fingerprint.device_key} calibration: engine {engine} {gap}")
+
+
+def print_checked(rows: list[Checked], title: str) -> None:
+    """Predicted vs measured per row, then the error line."""
+
+    out = summary_table(
+        title, ["file", "what", "engine", "schedule", "measured ms", "predicted ms", "error"], 4
+    )
+    for c in rows:
+        cells = [
+            Path(c.source).name,
+            c.item,
+            c.engine or "-",
+            c.schedule,
+            fmt(c.measured_ms, ".4g"),
+            fmt(c.predicted_ms, ".4g"),
+            "-" if math.isnan(c.predicted_ms) else f"{c.error:+.1%}",
+        ]
+        out.add_row(*(escape(cell) for cell in cells))
+    console.print(out)
+
+
+def error_line(rows: list[Checked], what: str = "measured rows") -> str:
+    from fo_tune.model.check import mape
+
+    mean, worst = mape(rows)
+    return f"MAPE {mean:.1%} (worst {worst:.1%}) over {len(rows)} {what}"
+
+
+@handle_errors
+def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
+    from fo_tune.model import CostModel
+    from fo_tune.model.check import CheckError, measured_in
+
+    cal, path = _calibration(calibration)
+    paths = list(files or []) or _default_tables(cal)
+    if not paths:
+        raise CheckError(f"no packaged table for {cal.fingerprint.device_key}; give tables or reports")
+    for p in paths:
+        if not p.exists():
+            raise CheckError(f"{p}: no such table or report")
+    items = measured_in(paths)
+    if not items:
+        raise CheckError(f"no measured row or trial in {', '.join(map(str, paths))}")
+    _check_terms(cal, items, {m.schedule.engine or "" for m in items})
+    model = CostModel(cal)
+    rows = [m.checked(model) for m in items]
+    print_checked(rows, f"model of {path} against {len(paths)} file(s)")
+    console.print(error_line(rows), highlight=False, markup=False)
+
+
+def _held_out(nks: list[tuple[int, int]], files: list[Path]):
+
+    names = {str(p) for p in files} | {str(p / "trials.csv") for p in files}
+
+    def held(c: Checked) -> bool:
+        _, n, k = (int(x) for x in c.item.split()[-1].split("x"))
+        return (n, k) in nks or c.source in names
+
+    return held
+
+
+@handle_errors
+def fit(
+    calibration: FitCalibrationOpt,
+    files: FilesArg = None,
+    hold_out: HoldOutOpt = None,
+    hold_out_file: HoldOutFileOpt = None,
+    out: OutOpt = None,
+) -> None:
+    from fo_tune.calibration import load_calibration, save_calibration
+    from fo_tune.model.fit import fit_calibration
+
+    nks = []
+    for text in hold_out or []:
+        match = _NK.match(text)
+        if match is None:
+            raise typer.BadParameter(f"--hold-out {text!r}: expected NxK, e.g. 8192x8192")
+        nks.append((int(match.group(1)), int(match.group(2))))
+    cal = load_calibration(calibration)
+    paths = list(files or []) or _default_tables(cal)
+    held = [f"N, K = {n}, {k}" for n, k in nks] + [f"every one of {p}" for p in hold_out_file or []]
+    fits = fit_calibration(
+        cal, files=paths, held_out=_held_out(nks, list(hold_out_file or [])), held_out_text="; ".join(held)
+    )
+    target = out or calibration
+    save_calibration(cal, target)
+    for f in fits:
+        values = ", ".join(f"{name} {value:.4g}" for name, value in f.values.items())
+        console.print(f"{f.term}: {values}", markup=False, highlight=False)
+        console.print(f"  fit: {error_line(f.fit)}", markup=False, highlight=False)
+        console.print(f"  held out: {error_line(f.held_out)}", markup=False, highlight=False)
+    console.print(f"[green]wrote[/] {target}", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``model`` command group (check, fit) to the root app."""
+    sub = typer.Typer(name="model", help=HELP, no_args_is_help=True, add_completion=False)
+    sub.command("check", help=CHECK_HELP, short_help="Predicted vs measured rows and trials.")(check)
+    sub.command("fit", help=FIT_HELP, short_help="Fit the model's free parameters to measurements.")(fit)
+    app.add_typer(sub, name="model")

@@ -1,0 +1,199 @@
+"""How ``fo-tune table`` shows rows: labels of tiles, settings, values and row kinds, the rich
+table of ``show``, its CSV, and the fingerprint header."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.markup import escape
+
+from .common import console, fmt, summary_table
+
+if TYPE_CHECKING:
+    from fo_kernels.schedule import Schedule, Tile
+    from fo_kernels.table import ScheduleTable
+
+# Provenance keys shown first, in this order; any other key follows, sorted.
+PROVENANCE_ORDER = ("measured_ms", "predicted_ms", "sequential_ms", "speedup", "mode", "source")
+# Long provenance values kept out of the terminal table (they are in --format yaml / csv).
+PROVENANCE_LONG = (
+    "decision",
+    "study",
+    "date",
+    "baseline",
+    "search_ms",
+    "iqr_ms",
+    "sequential_iqr_ms",
+    "trial",
+)
+
+
+def tile_label(tile: Tile | None) -> str:
+    """``Tile.label()`` (``128x256x64 gm8 w8 s3``, `` ws`` when warp specialized); ``-`` for no tile."""
+    return "-" if tile is None else tile.label()
+
+
+def copy_engine_label(row: Schedule) -> str:
+    """``copy engine ring`` or ``copy engine tiled 128x256x64 ...``."""
+    st = row.settings
+    tile = getattr(st, "tile", None)
+    return f"copy engine {getattr(st, 'mode', '')}" + (f" {tile_label(tile)}" if tile is not None else "")
+
+
+def kind_label(row: Schedule) -> str:
+    """``measured`` or ``predicted`` (``fo_kernels.table.row_kind``)."""
+    from fo_kernels.table import row_kind
+
+    return row_kind(row)
+
+
+def value_label(value: Any) -> str:
+    """A provenance or field value in a cell: floats to 4 significant digits, tiles in short form."""
+    from fo_kernels.schedule import Tile
+
+    if isinstance(value, Tile) or value is None:
+        return tile_label(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return fmt(value, ".4g")
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(value_label(v) for v in value) + "]"
+    return str(value)
+
+
+def provenance_keys(rows: Sequence[Schedule]) -> list[str]:
+    """Provenance keys present in any row: ``PROVENANCE_ORDER`` first, the rest sorted."""
+    present = {str(key) for row in rows for key in row.provenance}
+    return [key for key in PROVENANCE_ORDER if key in present] + sorted(present - set(PROVENANCE_ORDER))
+
+
+def fingerprint_lines(table: ScheduleTable) -> list[str]:
+    fp = table.fingerprint
+    return [
+        f"fingerprint: {fp.device_key}: {fp.gpu_name}, compute capability {fp.compute_capability}, "
+        f"{fp.sm_count} SMs, world size {fp.world_size}, {fp.interconnect}",
+        "versions: " + ", ".join(f"{name} {value}" for name, value in fp.versions().items()),
+        f"{table.collective} {table.dtype}, world size {table.world_size}, schema "
+        f"{table.schema_version}, {len(table.rows)} row(s)",
+    ]
+
+
+def print_plain(text: str) -> None:
+    console.print(escape(text), highlight=False)
+
+
+def settings_cells(row: Schedule) -> list[str]:
+    """tile, sms_free, cap, signal, groups, layout, wait of a row (``-`` where it has none)."""
+    from fo_kernels.schedule import CopyEngineSettings, TritonSettings
+
+    st = row.settings
+    if isinstance(st, CopyEngineSettings):
+        return [copy_engine_label(row), "-", "-", "-", value_label(st.weights), "-", "-"]
+    if isinstance(st, TritonSettings):
+        return [
+            tile_label(st.tile),
+            str(st.sms_free),
+            str(st.nccl_max_ctas or "default"),
+            str(st.signal_tiles),
+            value_label(st.groups),
+            st.layout,
+            st.wait_mode,
+        ]
+    return ["-"] * 7
+
+
+def show_rich(path: Path, table: ScheduleTable) -> None:
+    console.print(f"[bold]{escape(str(path))}[/]", highlight=False)
+    for line in fingerprint_lines(table):
+        print_plain(f"  {line}")
+    prov = [key for key in provenance_keys(table.rows) if key not in PROVENANCE_LONG]
+    columns = [
+        "problem",
+        "row",
+        "overlap",
+        "tile",
+        "sms_free",
+        "cap",
+        "signal",
+        "groups",
+        "layout",
+        "wait",
+        *prov,
+    ]
+    out = summary_table("", columns, 4)
+    for row in table.rows:
+        cells = [row.problem.describe(), kind_label(row), value_label(row.overlap), *settings_cells(row)]
+        cells += [value_label(row.provenance[key]) if key in row.provenance else "-" for key in prov]
+        out.add_row(*(escape(cell) for cell in cells))
+    predicted = sum(kind_label(row) == "predicted" for row in table.rows)
+    if predicted:
+        out.caption = (
+            f"{predicted} predicted row(s) (an offline search's; the runtime uses them only where no "
+            "measured row matches)"
+        )
+    console.print(out)
+
+
+def table_yaml(table: ScheduleTable) -> str:
+    import yaml
+
+    return yaml.safe_dump(table.to_dict(), sort_keys=False, default_flow_style=None, width=110)
+
+
+CSV_COLUMNS = (
+    "file",
+    "m",
+    "m_min",
+    "m_max",
+    "n",
+    "k",
+    "overlap",
+    "block_m",
+    "block_n",
+    "block_k",
+    "group_m",
+    "num_warps",
+    "num_stages",
+    "warp_specialize",
+    "sms_free",
+    "nccl_max_ctas",
+    "signal_tiles",
+    "groups",
+    "layout",
+    "wait_mode",
+    "engine",  # after the other columns, so scripts reading by position keep working
+    "mode",  # (copy engine rows)
+    "kind",  # measured or predicted
+)
+
+
+def csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
+    """One CSV line per row of every table; groups space-separated, provenance keys as columns."""
+    prov = provenance_keys([row for _path, table in found for row in table.rows])
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow([*CSV_COLUMNS, *prov])
+    for path, table in found:
+        for row in table.rows:
+            values: dict[str, Any] = {"file": str(path), **row.problem.to_dict(), "overlap": row.overlap}
+            values["kind"] = kind_label(row)
+            st = row.settings
+            if st is not None:
+                values["engine"] = row.engine
+                groups = getattr(st, "groups", None) or getattr(st, "weights", ())
+                values["groups"] = " ".join(map(str, groups))
+                tile = getattr(st, "tile", None)
+                if tile is not None:  # every Triton row; a copy-engine row in its tiled mode
+                    values.update(tile.to_dict())
+                    values["warp_specialize"] = tile.warp_specialize
+                for name in ("sms_free", "nccl_max_ctas", "signal_tiles", "layout", "wait_mode", "mode"):
+                    if hasattr(st, name):
+                        values[name] = getattr(st, name)
+            values.update({key: row.provenance[key] for key in prov if key in row.provenance})
+            writer.writerow([values.get(column, "") for column in (*CSV_COLUMNS, *prov)])
+    return buf.getvalue()

@@ -1,0 +1,207 @@
+"""The model against measurements: predict every measured table row and every measured search
+trial, and say how far off the predictions are (``fo-tune model check``).
+
+- A table row is measured unless its provenance says ``mode: predict`` (``fo_kernels.table
+  .row_kind``); its latency is ``measured_ms`` for an overlapped row and the ``overlap: false``
+  fallback it runs otherwise (``fallback_ms``, else ``sequential_ms``). An M-range row is
+  predicted at the M it was tuned at (``tuned_m``).
+- A trial of a search report (``trials.csv``) counts when it completed with a measurement of its
+  own (not a cache hit). Its schedule is rebuilt from the ``engine`` and ``settings`` columns;
+  reports written before engines were plug-ins (Triton trials only) are read from their
+  ``tile`` ... ``wait_mode`` columns and the group sizes in their ``schedule`` text.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from fo_kernels.errors import FoTuneError, ScheduleError
+from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings, settings_type
+from fo_kernels.table import ScheduleTable, row_kind
+
+from ..calibration import CalibrationError
+from .core import CostModel
+
+
+class CheckError(FoTuneError, ValueError):
+    """A file ``fo-tune model check`` cannot read as a table or a search report."""
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """One measurement of a schedule at an exact shape."""
+
+    source: str  # the file
+    item: str  # "row 4096x8192x4096" or "trial 12 4096x8192x4096"
+    schedule: Schedule  # exact-shape
+    measured_ms: float
+
+    def checked(self, model: CostModel) -> Checked:
+        p = self.schedule.problem
+        assert p.m is not None
+        return Checked(
+            self.source,
+            self.item,
+            self.schedule.engine or "",
+            self.schedule.describe().split(": ", 1)[-1],
+            self.measured_ms,
+            _predict(model, self.schedule, p.m, p.n, p.k),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """One measurement and the model's prediction of it."""
+
+    source: str  # the file
+    item: str  # "row 4096x8192x4096" or "trial 12 4096x8192x4096"
+    engine: str  # "" for overlap: false
+    schedule: str
+    measured_ms: float
+    predicted_ms: float
+
+    @property
+    def error(self) -> float:
+        """Signed relative error of the prediction."""
+        return (self.predicted_ms - self.measured_ms) / self.measured_ms
+
+
+def mape(rows: Sequence[Checked]) -> tuple[float, float]:
+    """(mean, worst) absolute percentage error over ``rows`` (nan, nan when empty)."""
+    errs = [abs(r.error) for r in rows if math.isfinite(r.predicted_ms)]
+    if not errs:
+        return math.nan, math.nan
+    return sum(errs) / len(errs), max(errs)
+
+
+def _predict(model: CostModel, schedule: Schedule, m: int, n: int, k: int) -> float:
+    try:
+        return model.predict(schedule, m, n, k).total_ms
+    except (CalibrationError, ScheduleError):
+        return math.nan
+
+
+def table_rows(table: ScheduleTable, source: str) -> list[Measured]:
+    """Every measured row of ``table`` (see the module docstring)."""
+    out = []
+    for row in table.rows:
+        if row_kind(row) != "measured":
+            continue
+        prov = row.provenance
+        m = row.problem.m if row.problem.m is not None else prov.get("tuned_m")
+        measured = (
+            prov.get("measured_ms") if row.overlap else prov.get("fallback_ms", prov.get("sequential_ms"))
+        )
+        if not isinstance(m, int) or not isinstance(measured, (int, float)) or not measured > 0:
+            continue
+        n, k = row.problem.n, row.problem.k
+        exact = Schedule(
+            collective=row.collective,
+            dtype=row.dtype,
+            world_size=row.world_size,
+            problem=Problem(m=m, n=n, k=k),
+            settings=row.settings,
+        )
+        kind = "row" if row.problem.m is not None else "range row at"
+        out.append(Measured(source, f"{kind} {m}x{n}x{k}", exact, float(measured)))
+    return out
+
+
+_GROUPS = re.compile(r"signal (\d+) tiles, groups \[([\d, ]+)\]")
+_TILE = re.compile(r"^(\d+)x(\d+)x(\d+) gm(\d+) w(\d+) s(\d+)( ws)?$")
+
+
+def _old_trial_settings(row: dict[str, str]) -> TritonSettings | None:
+    """The Triton settings of a trial in the report format before engines were plug-ins."""
+    tile_match = _TILE.match(row.get("tile", "").strip())
+    groups_match = _GROUPS.search(row.get("schedule", ""))
+    if tile_match is None or groups_match is None:
+        return None
+    bm, bn, bk, gm, w, st = (int(x) for x in tile_match.groups()[:6])
+    tile = Tile(
+        block_m=bm,
+        block_n=bn,
+        block_k=bk,
+        group_m=gm,
+        num_warps=w,
+        num_stages=st,
+        warp_specialize=bool(tile_match.group(7)),
+    )
+    return TritonSettings(
+        tile=tile,
+        sms_free=int(row["sms_free"]),
+        nccl_max_ctas=int(row["nccl_max_ctas"]),
+        signal_tiles=int(groups_match.group(1)),
+        groups=tuple(int(x) for x in groups_match.group(2).split(",")),
+        layout=row["layout"],
+        wait_mode=row["wait_mode"],
+    )
+
+
+def report_trials(path: Path) -> list[Measured]:
+    """Every measured trial of a search report's ``trials.csv``."""
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise CheckError(f"{path}: cannot read it as a search report's trials.csv: {exc}") from None
+    if rows and not {"shape", "state", "measured_ms", "collective"} <= set(rows[0]):
+        raise CheckError(f"{path}: not a search report's trials.csv (no shape/state/measured_ms columns)")
+    out = []
+    for row in rows:
+        try:
+            measured = float(row["measured_ms"]) if row["measured_ms"] else math.nan
+        except ValueError:
+            continue
+        if row["state"] != "COMPLETE" or row.get("cached_from") or not measured > 0:
+            continue
+        m, n, k = (int(x) for x in row["shape"].split("x"))
+        try:
+            if row.get("settings"):
+                settings = settings_type(row["engine"]).from_dict(json.loads(row["settings"]))
+            else:
+                settings = _old_trial_settings(row)
+            if settings is None:
+                continue
+            schedule = Schedule(
+                collective=row["collective"],
+                dtype=row["dtype"],
+                world_size=int(row["world_size"]),
+                problem=Problem(m=m, n=n, k=k),
+                settings=settings,
+            )
+        except (ScheduleError, ValueError, KeyError):
+            continue
+        out.append(Measured(str(path), f"trial {row['number']} {row['shape']}", schedule, measured))
+    return out
+
+
+def measured_in(paths: Iterable[Path]) -> list[Measured]:
+    """Every measured row or trial of ``paths`` (tables: ``*.yaml``; reports: ``trials.csv`` or a
+    report folder holding one)."""
+    from fo_kernels.table import load_table
+
+    out: list[Measured] = []
+    for path in paths:
+        if path.is_dir():
+            path = path / "trials.csv"
+        if path.suffix in (".yaml", ".yml"):
+            out += table_rows(load_table(path), str(path))
+        elif path.suffix == ".csv":
+            out += report_trials(path)
+        else:
+            raise CheckError(
+                f"{path}: expected a table (.yaml) or a search report (trials.csv, or its folder)"
+            )
+    return out
+
+
+def check_files(paths: Iterable[Path], model: CostModel) -> list[Checked]:
+    """``measured_in(paths)``, each predicted by ``model``."""
+    return [m.checked(model) for m in measured_in(paths)]

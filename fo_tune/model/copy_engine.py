@@ -1,0 +1,234 @@
+"""The copy engine's cost-model term: library GEMM chunks, peer copies, flags, the host.
+
+The engine (``fo_kernels.copy_engine``) runs a ring reduce-scatter over N peers: rank r owns shard
+r of the output rows (M/N rows), each shard cut into row chunks by the schedule's weights. In step
+s = 0 .. N-1 rank r computes its contribution to shard (r + s + 1) mod N chunk by chunk (beta = 0
+at step 0; beta = 1 after, adding the partial pulled from its neighbour), flags each chunk, and its
+neighbour pulls it with a copy engine (no SM). Step N - 1 is its own shard: the sums. AllReduce
+then pulls the N - 1 final shards from their owners. At N = 2 this is phase 1 (the peer's half,
+chunk by chunk) and phase 2 (my half, beta = 1 onto the pulled partial). Every rank runs the same
+timeline, so one rank's is simulated; per chunk c of step s::
+
+    start(s, c) = max(GEMMs before it end, pulled(s - 1, c) + flag_ms)         (s > 0)
+    end(s, c)   = start + library(rows_c, N, K, beta = s > 0, fill) * copy_contention
+                  + chunk_overhead_ms                                           (chunks alternate
+                                                                                 on two streams)
+    pulled(s, c) = max(end(s, c) + flag_ms, side stream free) + copy(rows_c * N bytes)
+    copy(b)     = peer_copy_latency_ms + b / peer_copy_gbs
+    AllReduce:  gather(c) = max(end(N - 1, c) + flag_ms, side free) + copy((N - 1) * rows_c * N)
+    device      = last GEMM end + gather_exposed * (last gather end - last GEMM end)
+                  + call_overhead_ms
+
+``gather_exposed`` is the part of AllReduce's last gather that back-to-back calls do not hide
+behind the next call's first GEMMs. The tiled mode (N = 2) runs each phase as one persistent Triton
+GEMM on every SM: ``tiled_gemm_factor`` x the calibration's tile profile for (M/2, N, K) (its
+nearest profiled point scaled by waves x K, x the library clock), phase 2 slower by
+``tiled_remote_store_factor`` for AllReduce (its tiles also store their sums into the peer's
+memory); phase 2's tiles of chunk c wait in the kernel, after their K loop, for chunk c's pull (so
+a chunk's first wave ends no earlier than its pull; ``chunk_overhead_ms`` per chunk for its
+counter, notify and wait), and AllReduce ends with the peer's local copy of the pushed sums. Calls
+replayed from the engine's own CUDA graphs (every call whose addresses repeat, as the search and
+the bench time them) cost ``host_graph_call_ms`` of host time; eager ones ``host_eager_op_ms`` per
+operation issued
+(``eager_ops``). A call costs ``max(device, host)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from fo_kernels.plan import cdiv
+from fo_kernels.schedule import CopyEngineSettings, Schedule
+
+from .types import Prediction, element_bytes
+
+if TYPE_CHECKING:
+    from .core import CostModel
+
+# The parameters the term reads beyond the library model's (fo_tune.model.library.PARAMS).
+PARAMS = {
+    "peer_copy_latency_ms": "a copy-engine copy of peer memory: fixed cost (ms)",
+    "peer_copy_gbs": "a copy-engine copy of peer memory: bandwidth (GB/s)",
+    "local_copy_latency_ms": "a copy-engine copy within one GPU: fixed cost (ms)",
+    "local_copy_gbs": "a copy-engine copy within one GPU: bandwidth (GB/s)",
+    "flag_ms": "a flag written into the peer's memory until a stream waiting on it runs (ms)",
+    "chunk_overhead_ms": "GPU time a chunk adds beyond its GEMM and its copy (ms)",
+    "call_overhead_ms": "GPU time a call adds beyond its chunks: graph launch, stream joins (ms)",
+    "copy_contention": "a GEMM's time beside copy-engine traffic over its time alone",
+    "gather_exposed": "the part of AllReduce's last gather back-to-back calls do not hide",
+    "tiled_gemm_factor": "a tiled-mode phase over the tile profile's GEMM of its shape",
+    "tiled_remote_store_factor": "a phase-2 GEMM storing into the peer's memory over a local one",
+    "host_graph_call_ms": "host time of a call replayed from the engine's own CUDA graph (ms)",
+    "host_eager_op_ms": "host time per operation of an eager call (ms)",
+}
+# Operations an eager call issues (counted from fo_kernels.copy_engine's protocol): per call the
+# PULLED / GATHERED waits and flags and the stream joins; per chunk and step a GEMM, its flag
+# write, the pull's wait and copy, the next step's wait; AllReduce per chunk the gather's flag,
+# wait and copy and the local copy of the sums.
+EAGER_OPS_PER_CALL = 8
+EAGER_OPS_PER_CHUNK_STEP = 5
+EAGER_OPS_PER_CHUNK_GATHER = 4
+# The runtime cuts inner chunk bounds on multiples of this many rows once every chunk can get that
+# many (fo_kernels.copy_engine.ROW_ALIGN: the tallest cuBLAS tile on Hopper).
+ROW_ALIGN = 128
+
+
+def chunk_rows(rows: int, weights: tuple[int, ...]) -> list[int]:
+    """Rows of each chunk of a shard (the runtime's ``chunk_bounds`` cut rule)."""
+    if rows <= 0:
+        return []
+    align = ROW_ALIGN if rows >= ROW_ALIGN * len(weights) else 1
+    total, bounds, acc = sum(weights), [0], 0
+    for w in weights[:-1]:
+        acc += w
+        cut = round(rows * acc / total / align) * align
+        if bounds[-1] < cut < rows:
+            bounds.append(cut)
+    bounds.append(rows)
+    return [b - a for a, b in itertools.pairwise(bounds)]
+
+
+def eager_ops(collective: str, world: int, chunks: int) -> int:
+    """Operations an eager call issues (see ``EAGER_OPS_PER_*``)."""
+    gather = EAGER_OPS_PER_CHUNK_GATHER * chunks if collective == "all_reduce" else 0
+    return EAGER_OPS_PER_CALL + EAGER_OPS_PER_CHUNK_STEP * chunks * world + gather
+
+
+class CopyEngineTerm:
+    """Predictions of copy-engine schedules (see the module docstring)."""
+
+    def __init__(self, model: CostModel, params: Mapping[str, float]) -> None:
+        self.model = model
+        self.p = dict(params)
+
+    def copy_ms(self, nbytes: float, *, peer: bool = True) -> float:
+        kind = "peer" if peer else "local"
+        return self.p[f"{kind}_copy_latency_ms"] + nbytes / (self.p[f"{kind}_copy_gbs"] * 1e6)
+
+    def host_ms(self, schedule: Schedule, chunks: int, *, graphed: bool) -> float:
+        if graphed:
+            return self.p["host_graph_call_ms"]
+        return self.p["host_eager_op_ms"] * eager_ops(schedule.collective, schedule.world_size, chunks)
+
+    def predict(self, schedule: Schedule, m: int, n: int, k: int, *, graphed: bool = True) -> Prediction:
+        st = schedule.settings
+        assert isinstance(st, CopyEngineSettings)
+        if st.mode == "tiled":
+            return self._tiled(schedule, st, m, n, k, graphed=graphed)
+        return self._ring(schedule, st, m, n, k, graphed=graphed)
+
+    def _ring(
+        self, schedule: Schedule, st: CopyEngineSettings, m: int, n: int, k: int, *, graphed: bool
+    ) -> Prediction:
+        p, lib, world = self.p, self.model.library, schedule.world_size
+        elem = element_bytes(schedule.dtype)
+        rows = chunk_rows(cdiv(m, world), st.weights)
+        fill = len(rows) * world > 1
+        compute = side = 0.0
+        pulled: list[float] = []
+        ready, starts, ends, comm = [], [], [], []
+        gemm_alone = gemm_busy = 0.0
+        for step in range(world):
+            now_pulled, finished = [], []
+            for c, r in enumerate(rows):
+                dep = pulled[c] + p["flag_ms"] if step else 0.0
+                alone = lib.time(r, n, k, beta=1 if step else 0, fill=fill)
+                dur = alone * p["copy_contention"] + p["chunk_overhead_ms"]
+                gemm_alone += alone
+                gemm_busy += dur
+                compute = max(compute, dep) + dur
+                finished.append(compute)
+                if step < world - 1:
+                    begin = max(compute + p["flag_ms"], side)
+                    copy = self.copy_ms(r * n * elem)
+                    side = begin + copy
+                    now_pulled.append(side)
+                    ready.append(compute)
+                    starts.append(begin)
+                    ends.append(side)
+                    comm.append(copy)
+            pulled = now_pulled
+        device, exposed = compute, 0.0
+        if schedule.collective == "all_reduce":  # the sums' chunks are gathered in order
+            for r, summed in zip(rows, finished, strict=True):
+                begin = max(summed + p["flag_ms"], side)
+                copy = self.copy_ms((world - 1) * r * n * elem)
+                side = begin + copy
+                ready.append(summed)
+                starts.append(begin)
+                ends.append(side)
+                comm.append(copy)
+            exposed = max(0.0, side - compute)
+            device = compute + p["gather_exposed"] * exposed
+        device += p["call_overhead_ms"]
+        host = self.host_ms(schedule, len(rows), graphed=graphed)
+        return Prediction(
+            total_ms=max(device, host),
+            device_ms=device,
+            host_ms=host,
+            gemm_alone_ms=gemm_alone,
+            gemm_ms=gemm_busy,
+            engine="copy_engine",
+            group_ready_ms=tuple(ready),
+            group_start_ms=tuple(starts),
+            group_end_ms=tuple(ends),
+            group_comm_ms=tuple(comm),
+            exposed_comm_ms=exposed,
+            gemm_source="library",
+        )
+
+    def _tiled(
+        self, schedule: Schedule, st: CopyEngineSettings, m: int, n: int, k: int, *, graphed: bool
+    ) -> Prediction:
+        p, model = self.p, self.model
+        assert st.tile is not None
+        elem = element_bytes(schedule.dtype)
+        half = cdiv(m, 2)
+        t0, source = model.tile_profile.scaled_time(st.tile, half, n, k, model.sm_count)
+        t1 = t0 * p["tiled_gemm_factor"] * model.library.clock
+        remote = p["tiled_remote_store_factor"] if schedule.collective == "all_reduce" else 1.0
+        t2 = t1 * remote
+        tile_rows = cdiv(half, st.tile.block_m)
+        rows = [min(x * st.tile.block_m, half) for x in chunk_rows(tile_rows, st.weights)]
+        rows[-1] = half - sum(rows[:-1])
+        side, done = 0.0, 0
+        ready, starts, ends, comm = [], [], [], []
+        # phase 2 runs its chunks in order; a tile computes its K loop, then waits for its chunk's
+        # pull: a chunk's first wave can end no earlier than its pull, later waves are not held
+        wave = t2 / cdiv(cdiv(half, st.tile.block_m) * cdiv(n, st.tile.block_n), model.sm_count)
+        end2 = t1
+        for r in rows:  # phase 1 progresses evenly over its chunks
+            done += r
+            phase1_end = t1 * done / half
+            begin = max(phase1_end + p["flag_ms"], side)
+            copy = self.copy_ms(r * n * elem)
+            side = begin + copy
+            work = t2 * r / half
+            first = min(work, wave)
+            end2 = max(end2 + first, side) + (work - first) + p["chunk_overhead_ms"]
+            ready.append(phase1_end)
+            starts.append(begin)
+            ends.append(side)
+            comm.append(copy)
+        device, exposed = end2 + p["call_overhead_ms"], max(0.0, side - t1)
+        if schedule.collective == "all_reduce":  # the peer copies my pushed sums into its output
+            tail = p["flag_ms"] + self.copy_ms(half * n * elem, peer=False)
+            device += p["gather_exposed"] * tail
+            exposed = tail
+        host = self.host_ms(schedule, len(rows), graphed=graphed)
+        return Prediction(
+            total_ms=max(device, host),
+            device_ms=device,
+            host_ms=host,
+            gemm_alone_ms=2 * t0,
+            gemm_ms=t1 + t2,
+            engine="copy_engine",
+            group_ready_ms=tuple(ready),
+            group_start_ms=tuple(starts),
+            group_end_ms=tuple(ends),
+            group_comm_ms=tuple(comm),
+            exposed_comm_ms=exposed,
+            gemm_source=source,
+        )

@@ -1,0 +1,139 @@
+"""The cost model of one machine: what its calibration predicts for any schedule.
+
+``CostModel(calibration)`` holds the calibration's measurements as functions (``profiles``), the
+library GEMM (``library``), and one term per engine, made on first use by the engine's plug-in
+(``fo_tune.engines``: ``EngineTuner.term``). ``predict(schedule, m, n, k)`` asks the schedule's
+engine's term; an ``overlap: false`` schedule is the baseline:
+
+    GEMM      = the library GEMM of (M, N, K) at the deciding measurements' clock
+    comm      = the collective alone on the M x N output (NCCL's default communicator)
+    sequential = max(GEMM + comm, sequential_host_ms)    eager, as the bench's sequential variant
+    fallback   = max(GEMM + comm, fallback_host_ms)      the runtime's overlap: false call, replayed
+                                                           from its own CUDA graphs
+
+A row is decided against the fallback (what the row runs when it does not overlap).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fo_kernels.schedule import Schedule, Tile
+
+from ..calibration import Calibration
+from .library import PARAMS as LIBRARY_PARAMS
+from .library import LibraryGemm, LibraryPoint
+from .profiles import Curves, InterferenceTable, TileProfile
+from .types import Baseline, Interference, Prediction, element_bytes
+
+# Host time of a baseline call (ms) when the calibration's copy_engine section does not say:
+# the eager GEMM then collective 0.06 (one cuBLAS launch and one collective call, torch eager;
+# docs/design.md#cost-model), the overlap: false fallback replayed from its graph 0.05 (median
+# 32-67 us a call, docs/design.md#fallback).
+DEFAULT_BASELINE_HOST = {"sequential_host_ms": 0.06, "fallback_host_ms": 0.05}
+
+
+class CostModel:
+    """Predictions for one calibration (see the module docstring)."""
+
+    def __init__(self, cal: Calibration) -> None:
+        self.cal = cal
+        self.sm_count = cal.fingerprint.sm_count
+        self.world_size = cal.world_size
+        self.tile_profile = TileProfile(cal)
+        self.curves = Curves(cal)
+        self.interference_table = InterferenceTable(cal)
+        ce = cal.copy_engine.values() if cal.copy_engine is not None else {}
+        if all(name in ce for name in LIBRARY_PARAMS):
+            points = {
+                (p.m, p.n, p.k, p.beta): LibraryPoint(p.paced_ms, p.sustained_ms)
+                for p in (cal.copy_engine.library_gemm if cal.copy_engine else [])
+            }
+            self.library = LibraryGemm(ce, self.sm_count, points)
+        else:
+            self.library = LibraryGemm.from_cublas(self.tile_profile.cublas, self.sm_count)
+        self.baseline_host = {key: ce.get(key, value) for key, value in DEFAULT_BASELINE_HOST.items()}
+        self._terms: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------ the terms
+    def term(self, engine: str) -> Any:
+        """The cost-model term of ``engine`` (made by its plug-in on first use)."""
+        if engine not in self._terms:
+            from ..engines import get_tuner
+
+            self._terms[engine] = get_tuner(engine).term(self)
+        return self._terms[engine]
+
+    def predict(self, schedule: Schedule, m: int, n: int, k: int) -> Prediction:
+        """Predicted latency of ``schedule`` on (m, n, k): its engine's term, or the fallback for
+        ``overlap: false``. Raises ``ScheduleError`` when the schedule cannot run the shape."""
+        if schedule.settings is None:
+            base = self.baseline(schedule.collective, m, n, k, schedule.dtype)
+            return Prediction(
+                total_ms=base.fallback_ms,
+                device_ms=base.gemm_ms + base.comm_ms,
+                host_ms=self.baseline_host["fallback_host_ms"],
+                gemm_alone_ms=base.gemm_ms,
+                gemm_ms=base.gemm_ms,
+                group_ready_ms=(base.gemm_ms,),
+                group_start_ms=(base.gemm_ms,),
+                group_end_ms=(base.gemm_ms + base.comm_ms,),
+                group_comm_ms=(base.comm_ms,),
+                exposed_comm_ms=base.comm_ms,
+                gemm_source="library",
+            )
+        return self.term(schedule.settings.ENGINE).predict(schedule, m, n, k)
+
+    # ------------------------------------------------------------------------------ baselines
+    def baseline(self, collective: str, m: int, n: int, k: int, dtype: str) -> Baseline:
+        gemm = self.library.time(m, n, k)
+        comm = self.curves.time(collective, 0, m * n * element_bytes(dtype))
+        return Baseline(
+            gemm_ms=gemm,
+            comm_ms=comm,
+            sequential_ms=max(gemm + comm, self.baseline_host["sequential_host_ms"]),
+            fallback_ms=max(gemm + comm, self.baseline_host["fallback_host_ms"]),
+        )
+
+    def sequential(self, collective: str, m: int, n: int, k: int, dtype: str) -> Baseline:
+        """The baselines of one shape (``baseline``; kept under its older name)."""
+        return self.baseline(collective, m, n, k, dtype)
+
+    # ------------------------------------------------------------------------------ measured data
+    def tiles(self) -> list[Tile]:
+        """Tile configs the calibration profiled (the only ones the Triton term can predict)."""
+        return self.tile_profile.tiles()
+
+    def knows_tile(self, tile: Tile) -> bool:
+        return self.tile_profile.knows(tile)
+
+    def knows_collective(self, collective: str) -> bool:
+        """The calibration has a bandwidth curve for ``collective``."""
+        return self.curves.knows(collective)
+
+    def gemm_time(self, tile: Tile, m: int, n: int, k: int, grid: int) -> tuple[float, str]:
+        """(ms, source) of the signalled Triton GEMM alone on ``grid`` programs."""
+        return self.tile_profile.time(tile, m, n, k, grid)
+
+    def comm_time(self, collective: str, cap: int, nbytes: int) -> float:
+        return self.curves.time(collective, cap, nbytes)
+
+    def interference(self, collective: str, sms_free: int, cap: int) -> Interference:
+        """How the collective and the Triton GEMM slow each other at (sms_free, cap)."""
+        return self.interference_table.lookup(collective, sms_free, cap)
+
+    def cublas_time(self, m: int, n: int, k: int) -> float:
+        """The library GEMM of (m, n, k) as the baseline runs it."""
+        t = self.library.time(m, n, k)
+        return t if math.isfinite(t) else math.nan
+
+    def wave_model_time(self, tile: Tile, m: int, n: int, k: int, grid: int) -> float:
+        """The tile's fitted wave model (ms), ignoring any profiled point."""
+        return self.tile_profile.wave_model_time(tile, m, n, k, grid)
+
+    def best_grouping(
+        self, schedule: Schedule, m: int, n: int, k: int, *, max_groups: int
+    ) -> tuple[int, ...]:
+        """The Triton term's optimal grouping of a Triton schedule's signal units (its DP)."""
+        return self.term("triton").best_grouping(schedule, m, n, k, max_groups=max_groups)

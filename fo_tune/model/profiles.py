@@ -1,0 +1,189 @@
+"""What a calibration measured, as functions the engines' terms call.
+
+- ``TileProfile``: the signalled Triton GEMM alone per (shape, tile, grid): the measured point when
+  the calibration profiled it, else the tile's wave model ``a + c * waves * K`` (least squares over
+  every profiled point of that tile; ``waves = ceil(tiles / grid)``), which fits the H200 profile
+  within ~10%;
+- ``Curves``: each collective alone on a buffer, interpolated on the bandwidth curve of its NCCL
+  CTA cap (the latency floor below the smallest size, the latency/bandwidth fit beyond the largest);
+- ``InterferenceTable``: the nearest calibrated (SMs left free, cap) pair's slowdowns.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from fo_kernels.plan import cdiv
+from fo_kernels.schedule import Tile
+
+from ..calibration import BandwidthPoint, Calibration, CalibrationError, GemmPoint, InterferencePoint
+from .types import Interference
+
+
+@dataclass(frozen=True, slots=True)
+class _WaveFit:
+    a_ms: float  # fixed cost
+    c_ms: float  # per wave per unit of K
+
+
+def waves(m: int, n: int, tile: Tile, grid: int) -> int:
+    """Waves of ``grid`` programs over the (m, n) output's tiles."""
+    return cdiv(cdiv(m, tile.block_m) * cdiv(n, tile.block_n), max(1, grid))
+
+
+def point_tile(p: GemmPoint) -> Tile:
+    """The tile config a profiled point measured (its fields of ``Tile``, by name)."""
+    return Tile(**{f.name: getattr(p, f.name) for f in fields(Tile)})
+
+
+def _fit_waves(points: Sequence[GemmPoint]) -> _WaveFit:
+    xs = [waves(p.m, p.n, point_tile(p), p.grid) * p.k for p in points]
+    ys = [p.time_ms for p in points]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    c = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else my / mx
+    if c <= 0:  # one shape only, or noise: proportional through the origin
+        c, a = my / mx, 0.0
+    else:
+        a = max(0.0, my - c * mx)
+    return _WaveFit(a, c)
+
+
+class TileProfile:
+    """The calibration's Triton GEMM profile (see the module docstring)."""
+
+    def __init__(self, cal: Calibration) -> None:
+        self._points: dict[tuple, GemmPoint] = {}  # (m, n, k, tile, grid); a Tile is its own key
+        by_tile: dict[Tile, list[GemmPoint]] = {}
+        self.cublas: dict[tuple[int, int, int], float] = {}
+        for p in cal.gemm:
+            if p.status != "ok" or not p.time_ms > 0:
+                continue
+            key = point_tile(p)
+            self._points[(p.m, p.n, p.k, key, p.grid)] = p
+            by_tile.setdefault(key, []).append(p)
+            if p.cublas_ms > 0:
+                self.cublas[(p.m, p.n, p.k)] = p.cublas_ms
+        self._fits = {key: _fit_waves(pts) for key, pts in by_tile.items()}
+
+    def tiles(self) -> list[Tile]:
+        """Tile configs the calibration profiled (the only ones the model can predict)."""
+        return list(self._fits)
+
+    def knows(self, tile: Tile) -> bool:
+        return tile in self._fits
+
+    def time(self, tile: Tile, m: int, n: int, k: int, grid: int) -> tuple[float, str]:
+        """(ms, source) of the signalled GEMM alone on ``grid`` programs."""
+        if tile not in self._fits:
+            raise CalibrationError(
+                f"the calibration has no GEMM profile for tile {tile.label()}; profile it with "
+                "`fo-tune calibrate` (or `fo-tune profile`), or search in --mode measure"
+            )
+        point = self._points.get((m, n, k, tile, grid))
+        if point is not None:
+            return point.time_ms, "measured"
+        return self.wave_model_time(tile, m, n, k, grid), "wave-model"
+
+    def scaled_time(self, tile: Tile, m: int, n: int, k: int, grid: int) -> tuple[float, str]:
+        """(ms, source): the measured point, else the profiled point of this tile (on this grid
+        when profiled there) nearest in waves x K, scaled by waves x K. For GEMMs of a wave or two
+        (the copy engine's tiled phases) this follows the profile where the wave model's fixed
+        cost, fitted over 2-32 waves, overshoots."""
+        point = self._points.get((m, n, k, tile, grid))
+        if point is not None:
+            return point.time_ms, "measured"
+        if tile not in self._fits:
+            return self.time(tile, m, n, k, grid)  # raises the CalibrationError
+        work = waves(m, n, tile, grid) * k
+        pts = [p for key, p in self._points.items() if key[3] == tile]
+        same_grid = [p for p in pts if p.grid == grid] or pts
+        ref = min(same_grid, key=lambda p: abs(math.log(waves(p.m, p.n, tile, p.grid) * p.k / work)))
+        return ref.time_ms * work / (waves(ref.m, ref.n, tile, ref.grid) * ref.k), "scaled profile"
+
+    def wave_model_time(self, tile: Tile, m: int, n: int, k: int, grid: int) -> float:
+        """The tile's fitted ``a + c * waves * K`` (ms), ignoring any profiled point."""
+        fit = self._fits[tile]
+        return fit.a_ms + fit.c_ms * waves(m, n, tile, grid) * k
+
+
+class Curves:
+    """The calibration's collective bandwidth curves (see the module docstring)."""
+
+    def __init__(self, cal: Calibration) -> None:
+        self.cal = cal
+        self._curves: dict[tuple[str, int], list[BandwidthPoint]] = {}
+        for b in cal.bandwidth:
+            self._curves.setdefault((b.collective, b.nccl_max_ctas), []).append(b)
+        for pts in self._curves.values():
+            pts.sort(key=lambda b: b.size_bytes)
+
+    def knows(self, collective: str) -> bool:
+        """The calibration has a bandwidth curve for ``collective``."""
+        return any(name == collective for name, _ in self._curves)
+
+    def _curve(self, collective: str, cap: int) -> list[BandwidthPoint]:
+        caps = sorted(c for (name, c) in self._curves if name == collective)
+        if not caps:
+            raise CalibrationError(
+                f"the calibration has no bandwidth curve for {collective}; "
+                f"re-run `fo-tune calibrate --collectives {collective}`"
+            )
+        use = cap if cap in caps else min(caps, key=lambda c: (abs(c - cap), c))
+        return self._curves[(collective, use)]
+
+    def time(self, collective: str, cap: int, nbytes: int) -> float:
+        """The collective alone on ``nbytes`` (nccl-tests sizing), interpolated on the curve."""
+        pts = self._curve(collective, cap)
+        sizes = [p.size_bytes for p in pts]
+        if nbytes <= sizes[0]:
+            return pts[0].time_ms
+        i = bisect.bisect_left(sizes, nbytes)
+        if i < len(pts):
+            lo, hi = pts[i - 1], pts[i]
+            frac = (nbytes - lo.size_bytes) / (hi.size_bytes - lo.size_bytes)
+            return lo.time_ms + frac * (hi.time_ms - lo.time_ms)
+        last = pts[-1]
+        fit = self.cal.fit_for(collective, last.nccl_max_ctas)
+        bw = fit.bandwidth_gbs if fit is not None and fit.bandwidth_gbs > 0 else last.algbw_gbs
+        return last.time_ms + (nbytes - last.size_bytes) / (bw * 1e6)
+
+
+class InterferenceTable:
+    """The calibration's interference points (see the module docstring)."""
+
+    def __init__(self, cal: Calibration) -> None:
+        self._points: dict[str, list[InterferencePoint]] = {}
+        for q in cal.interference:
+            self._points.setdefault(q.collective, []).append(q)
+
+    def lookup(self, collective: str, sms_free: int, cap: int) -> Interference:
+        """Nearest calibrated (sms_free - cap, cap); cap 0 (NCCL's default) counts as the largest
+        calibrated cap. No interference data at all: the two never ran together (CPU calibration)."""
+        pts = self._points.get(collective) or [q for qs in self._points.values() for q in qs]
+        if not pts:
+            return Interference(False, 1.0, 1.0, "none calibrated")
+        caps = sorted({q.nccl_max_ctas for q in pts})
+        eff = cap if cap > 0 else caps[-1]
+        exact = [q for q in pts if (q.sms_free, q.nccl_max_ctas) == (sms_free, eff)]
+        if exact:
+            chosen, matched = exact, "exact"
+        else:
+
+            def dist(q: InterferencePoint) -> tuple[float, float]:
+                return (abs((q.sms_free - q.nccl_max_ctas) - (sms_free - eff)), abs(q.nccl_max_ctas - eff))
+
+            best = min(dist(q) for q in pts)
+            chosen = [q for q in pts if dist(q) == best]
+            matched = f"nearest r={chosen[0].sms_free} cap={chosen[0].nccl_max_ctas}"
+        concurrent = all(q.concurrent for q in chosen) and 2 * sum(q.comm_during_gemm for q in chosen) > len(
+            chosen
+        )
+        during = [q for q in chosen if q.comm_during_gemm] or chosen
+        comm = sum(max(1.0, q.comm_slowdown) for q in during) / len(during)
+        gemm = sum(max(1.0, q.gemm_slowdown) for q in during) / len(during)
+        return Interference(concurrent, comm, gemm, matched)

@@ -1,0 +1,308 @@
+"""The Triton engine's cost-model term: a signalled persistent GEMM and one NCCL call per group.
+
+For a ``TritonSettings`` schedule and a shape (``predict``), with the plan of ``fo_kernels.plan``:
+
+1. GEMM alone, ``T0``: the calibration's tile profile (``TileProfile``: the measured point, else
+   the tile's wave model).
+2. Unit ``u`` is ready when the wave holding its last tile ends: ``ready_u = T * (w_u + 1) / W``
+   (program p runs tiles p, p + G, ...; ``W`` waves; ``T`` the GEMM time under contention).
+3. Group ``g``'s collective: its chunk's bytes on the bandwidth curve of (collective, CTA cap).
+   It starts at ``max(ready_g, end_{g-1}) + COMM_ISSUE_GAP_MS`` and, while the GEMM still runs,
+   progresses ``1 / comm_slowdown`` as fast (interference table). Where the calibration saw NCCL
+   *not* run beside the GEMM for these free SMs and this cap (too few SMs free), it starts after
+   the GEMM.
+4. The GEMM slows by ``1 + (gemm_slowdown - 1) * f``, ``f`` the fraction of it that overlaps a
+   collective; steps 2-4 are iterated to a fixed point (``FIXED_POINT_ROUNDS``).
+5. ``tile_major`` adds the restore (read + write of the output at ``RESTORE_GBS``).
+6. Device time ``max(last collective end, GEMM end) + restore``; back-to-back calls, as the
+   search times them, cost ``max(device, host)``; the host time of an eager call is
+   ``host_launch_ms + groups * host_per_group_ms`` (+ ``host_spin_extra_ms`` per group with spin
+   waits, + ``host_restore_ms`` for tile_major), from the calibration's ``triton`` section when it
+   has one, else ``DEFAULT_HOST``.
+
+This is FlashOverlap's pipeline recurrence, corrected by the interference table;
+``best_grouping`` is the dynamic program over signal units that minimises its end time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fo_kernels.plan import Plan, cdiv, make_plan
+from fo_kernels.schedule import Schedule, Tile, TritonSettings
+
+from .types import Interference, Prediction, element_bytes
+
+if TYPE_CHECKING:
+    from .core import CostModel
+
+# Host time of one eager call (ms), used when the calibration has no `triton` section. Measured on
+# H200 x2 (docs/design.md#cost-model): the persistent GEMM's launch 0.086 ms, each
+# torch.distributed call 0.044 ms and each stream wait 0.01 ms; a spin wait is a one-program Triton
+# launch instead of a stream memory op (~0.02 ms more), the restore one more Triton launch.
+DEFAULT_HOST = {
+    "host_launch_ms": 0.086,
+    "host_per_group_ms": 0.054,
+    "host_spin_extra_ms": 0.02,
+    "host_restore_ms": 0.03,
+}
+# From a group's counter completing to its collective's first NCCL kernel running: the stream wait
+# resolves and the high-priority stream's kernel is scheduled (a few microseconds on Hopper).
+COMM_ISSUE_GAP_MS = 0.005
+# Read + write rate of the tile-major restore. Not calibrated: an H200 moves ~3 TB/s in a device
+# copy (HBM3e 4.8 TB/s peak); the restore is a few percent of the suite's GEMM times either way.
+RESTORE_GBS = 3000.0
+# Fixed-point rounds of the GEMM-slowdown / overlap-fraction loop (it settles in 2-3).
+FIXED_POINT_ROUNDS = 4
+# DP over at most this many cut positions (beyond it, candidate cuts are thinned evenly).
+DP_MAX_UNITS = 128
+
+
+def num_units(schedule: Schedule, m: int, n: int) -> int:
+    """Signal units of a Triton schedule on an (m, n) output (``Plan.num_units`` without a plan)."""
+    st = schedule.settings
+    assert isinstance(st, TritonSettings)
+    shards = schedule.world_size if schedule.collective == "reduce_scatter" else 1
+    tiles = shards * cdiv(m // shards, st.tile.block_m) * cdiv(n, st.tile.block_n)
+    return cdiv(tiles, st.signal_tiles)
+
+
+def with_groups(schedule: Schedule, groups: Sequence[int]) -> Schedule:
+    """The Triton schedule with other group sizes."""
+    st = schedule.settings
+    assert isinstance(st, TritonSettings)
+    return dataclasses.replace(schedule, settings=dataclasses.replace(st, groups=tuple(groups)))
+
+
+def unit_ready_fractions(plan: Plan) -> list[float]:
+    """Per signal unit: when it is complete, as a fraction of the GEMM's duration."""
+    total = cdiv(plan.num_tiles, plan.grid)
+    out = []
+    for u in range(plan.num_units):
+        last = min((u + 1) * plan.unit_tiles, plan.num_tiles) - 1
+        out.append((last // plan.grid + 1) / total)
+    return out
+
+
+class TritonTerm:
+    """Predictions of Triton-engine schedules (see the module docstring)."""
+
+    def __init__(self, model: CostModel, host: Mapping[str, float] | None = None) -> None:
+        self.model = model
+        self.host = {**DEFAULT_HOST, **(host or {})}
+        self._comm: dict[tuple[str, int, int], float] = {}
+
+    def comm_time(self, collective: str, cap: int, nbytes: int) -> float:
+        key = (collective, cap, nbytes)
+        if key not in self._comm:
+            self._comm[key] = self.model.curves.time(collective, cap, nbytes)
+        return self._comm[key]
+
+    def host_ms(self, st: TritonSettings, groups: int) -> float:
+        h = self.host
+        per_group = h["host_per_group_ms"] + (h["host_spin_extra_ms"] if st.wait_mode == "spin" else 0.0)
+        restore = h["host_restore_ms"] if st.layout == "tile_major" else 0.0
+        return h["host_launch_ms"] + groups * per_group + restore
+
+    def plan(self, schedule: Schedule, m: int, n: int, k: int) -> Plan:
+        return make_plan(schedule, m, n, k, sm_count=self.model.sm_count)
+
+    def predict(self, schedule: Schedule, m: int, n: int, k: int) -> Prediction:
+        """Predicted latency of ``schedule`` on (m, n, k); raises ``ScheduleError`` if infeasible."""
+        st = schedule.settings
+        assert isinstance(st, TritonSettings)
+        plan = self.plan(schedule, m, n, k)
+        t0, source = self.model.tile_profile.time(st.tile, m, n, k, plan.grid)
+        elem = element_bytes(schedule.dtype)
+        comm = [
+            self.comm_time(schedule.collective, st.nccl_max_ctas, (c1 - c0) * elem)
+            for c0, c1 in (plan.chunk_range(g) for g in range(plan.num_groups))
+        ]
+        fractions = unit_ready_fractions(plan)
+        ends_of_groups = []
+        u = 0
+        for size in plan.group_units:
+            u += size
+            ends_of_groups.append(fractions[u - 1])
+        inter = self.model.interference(schedule.collective, st.sms_free, st.nccl_max_ctas)
+        gemm_ms = t0
+        for _ in range(FIXED_POINT_ROUNDS):
+            ready = [f * gemm_ms for f in ends_of_groups]
+            starts, ends = _recurrence(ready, comm, gemm_ms, inter)
+            busy = sum(max(0.0, min(e, gemm_ms) - s) for s, e in zip(starts, ends, strict=True))
+            frac = min(1.0, busy / gemm_ms) if gemm_ms > 0 else 0.0
+            gemm_ms = t0 * (1 + (inter.gemm_slowdown - 1) * frac)
+        ready = [f * gemm_ms for f in ends_of_groups]
+        starts, ends = _recurrence(ready, comm, gemm_ms, inter)
+        restore = 0.0
+        if st.layout == "tile_major":
+            rows = m if schedule.collective == "all_reduce" else plan.rows_per_shard
+            restore = 2 * rows * n * elem / (RESTORE_GBS * 1e6)
+        device = max(ends[-1], gemm_ms) + restore
+        host = self.host_ms(st, plan.num_groups)
+        return Prediction(
+            total_ms=max(device, host),
+            device_ms=device,
+            host_ms=host,
+            gemm_alone_ms=t0,
+            gemm_ms=gemm_ms,
+            engine="triton",
+            restore_ms=restore,
+            group_ready_ms=tuple(ready),
+            group_start_ms=tuple(starts),
+            group_end_ms=tuple(ends),
+            group_comm_ms=tuple(comm),
+            exposed_comm_ms=max(0.0, ends[-1] - gemm_ms),
+            interference=inter,
+            gemm_source=source,
+        )
+
+    def lower_bound(
+        self, task: Any, tile: Tile, sms_free: int, cap: int, unit_tiles: int, layout: str, wait_mode: str
+    ) -> float:
+        """A time no grouping of this config beats on ``task``'s shape: the GEMM alone on its grid,
+        then at least one signal unit's collective (the last group holds the last unit, ready when
+        the GEMM ends), then the restore; and no less than one group's host time."""
+        m, n, k = task.m, task.n, task.k
+        shards = task.shards
+        rows = m // shards
+        tiles = shards * cdiv(rows, tile.block_m) * cdiv(n, tile.block_n)
+        grid = min(max(1, self.model.sm_count - sms_free), tiles)
+        t0, _ = self.model.tile_profile.time(tile, m, n, k, grid)
+        elem = element_bytes(task.dtype)
+        unit_bytes = min(unit_tiles * tile.block_m * tile.block_n, shards * rows * n) * elem
+        tail = COMM_ISSUE_GAP_MS + self.comm_time(task.collective, cap, unit_bytes)
+        restore = 0.0
+        if layout == "tile_major":
+            restore = 2 * (m if task.collective == "all_reduce" else rows) * n * elem / (RESTORE_GBS * 1e6)
+        h = self.host
+        spin = h["host_spin_extra_ms"] if wait_mode == "spin" else 0.0
+        host = (
+            h["host_launch_ms"] + h["host_per_group_ms"] + spin + (h["host_restore_ms"] if restore else 0.0)
+        )
+        return max(t0 + tail + restore, host)
+
+    def best_grouping(
+        self, schedule: Schedule, m: int, n: int, k: int, *, max_groups: int
+    ) -> tuple[int, ...]:
+        """The composition of signal units into at most ``max_groups`` groups with the earliest
+        predicted end (dynamic program over cut positions); the schedule's groups are ignored.
+
+        A group's end depends only on its ready time and the previous group's end, and never
+        decreases with either; so for each group count the earliest end over prefixes is optimal,
+        and each count's grouping is priced by ``predict`` (host cost per group, slowdown scaled by
+        the overlapped fraction) to choose the count. One approximation remains: inside the DP the
+        GEMM's duration is fixed at alone x its full slowdown, so the result can trail the best
+        composition ``predict`` would find (tests/test_search.py bounds it at 1% on suite shapes).
+        ``row_band`` cuts are allowed only where a band of tile rows starts.
+        """
+        st = schedule.settings
+        assert isinstance(st, TritonSettings)
+        plan = self.plan(with_groups(schedule, (num_units(schedule, m, n),)), m, n, k)
+        units = plan.num_units
+        t0, _ = self.model.tile_profile.time(st.tile, m, n, k, plan.grid)
+        inter = self.model.interference(schedule.collective, st.sms_free, st.nccl_max_ctas)
+        gemm_ms = t0 * (inter.gemm_slowdown if inter.concurrent else 1.0)
+        fractions = unit_ready_fractions(plan)
+        cuts = _allowed_cuts(plan, st, units)
+        chunk_bytes = _chunk_bytes(plan, element_bytes(schedule.dtype), n)
+        inf = math.inf
+        # best[g][j]: earliest end of g groups covering units [0, cuts[j]); back[g][j]: previous cut
+        best = [[inf] * len(cuts) for _ in range(max_groups + 1)]
+        back = [[-1] * len(cuts) for _ in range(max_groups + 1)]
+        best[0][0] = 0.0
+        for g in range(1, max_groups + 1):
+            for j in range(1, len(cuts)):
+                ready = fractions[cuts[j] - 1] * gemm_ms
+                for i in range(j):
+                    prev = best[g - 1][i]
+                    if prev == inf:
+                        continue
+                    dur = self.comm_time(schedule.collective, st.nccl_max_ctas, chunk_bytes(cuts[i], cuts[j]))
+                    end = _group_end(max(ready, prev), dur, gemm_ms, inter)
+                    if end < best[g][j]:
+                        best[g][j], back[g][j] = end, i
+        last = len(cuts) - 1
+
+        def sizes_for(g: int) -> tuple[int, ...]:
+            sizes: list[int] = []
+            j = last
+            while g > 0:
+                i = back[g][j]
+                sizes.append(cuts[j] - cuts[i])
+                j, g = i, g - 1
+            return tuple(reversed(sizes))
+
+        # the DP's best grouping per group count, priced by predict() itself (which also scales the
+        # GEMM's slowdown by how much of it overlaps and adds the host cost per group)
+        options = [sizes_for(g) for g in range(1, max_groups + 1) if best[g][last] < inf]
+        priced = [
+            (self.predict(with_groups(schedule, sizes), m, n, k).total_ms, len(sizes), sizes)
+            for sizes in options
+        ]
+        return min(priced)[2]
+
+
+def _allowed_cuts(plan: Plan, st: TritonSettings, units: int) -> list[int]:
+    """Unit indices a group may start at (row_band: a band's first unit), thinned to DP_MAX_UNITS."""
+    band = st.tile.group_m * plan.tiles_n
+
+    def allowed(u: int) -> bool:
+        if u in (0, units) or plan.layout == "tile_major":
+            return True
+        local = min(u * plan.unit_tiles, plan.num_tiles) // plan.shards
+        return local % band == 0
+
+    cuts = [u for u in range(units + 1) if allowed(u)]
+    if len(cuts) > DP_MAX_UNITS:
+        step = len(cuts) / DP_MAX_UNITS
+        cuts = sorted({cuts[int(i * step)] for i in range(DP_MAX_UNITS)} | {0, units})
+    return cuts
+
+
+def _chunk_bytes(plan: Plan, elem: int, n: int):
+    """Bytes of the group chunk covering units [u0, u1)."""
+    shards = plan.shards
+    span = plan.block_m * plan.block_n if plan.layout == "tile_major" else 0
+
+    def chunk(u0: int, u1: int) -> int:
+        l0 = min(u0 * plan.unit_tiles, plan.num_tiles) // shards
+        l1 = min(u1 * plan.unit_tiles, plan.num_tiles) // shards
+        if plan.layout == "tile_major":
+            return shards * (l1 - l0) * span * elem
+        rows0 = min((l0 // plan.tiles_n) * plan.block_m, plan.rows_per_shard)
+        rows1 = min((l1 // plan.tiles_n) * plan.block_m, plan.rows_per_shard)
+        return shards * (rows1 - rows0) * n * elem
+
+    return chunk
+
+
+def _group_end(start: float, dur: float, gemm_end: float, inter: Interference) -> float:
+    """End of a collective of ``dur`` ms (alone) started at ``start``: slowed while the GEMM runs,
+    and held until the GEMM ends when the two cannot run together."""
+    start += COMM_ISSUE_GAP_MS
+    if start >= gemm_end:
+        return start + dur
+    if not inter.concurrent:
+        return gemm_end + dur
+    progress = (gemm_end - start) / inter.comm_slowdown
+    if progress >= dur:
+        return start + dur * inter.comm_slowdown
+    return gemm_end + (dur - progress)
+
+
+def _recurrence(
+    ready: Sequence[float], comm: Sequence[float], gemm_end: float, inter: Interference
+) -> tuple[list[float], list[float]]:
+    starts, ends = [], []
+    prev = 0.0
+    for r, d in zip(ready, comm, strict=True):
+        s = max(r, prev)
+        e = _group_end(s, d, gemm_end, inter)
+        starts.append(s)
+        ends.append(e)
+        prev = e
+    return starts, ends

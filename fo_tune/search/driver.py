@@ -1,0 +1,362 @@
+"""``fo-tune search`` as a library call: per shape one search over the union of engines, the best
+schedule as a table row.
+
+    run_search(SearchRequest(shapes=((4096, 8192, 4096),), collective="all_reduce", mode="predict"))
+
+Per shape (an ``--m-range`` adds the range's M values for each (N, K)):
+
+1. The engines that can run here (``select_engines``: each plug-in's feasibility rule on the
+   fingerprint; a measured search also asks the ranks whether the runtime can run them) and the
+   shape's ``UnionEncoding`` over them.
+2. The baseline: cuBLAS then the collective, and the ``overlap: false`` fallback, measured on the
+   ranks or predicted.
+3. The strategy (``fo_tune.search.strategies``: measure, predict, hybrid or exhaustive, one
+   signature) returns the distinct schedules it timed or priced.
+4. The row (``fo_tune.search.decide``): a measured search confirms its best schedules beside the
+   baselines; a predict search compares the predicted best with the predicted fallback; either
+   way the row overlaps only when it beats the fallback by more than the no-gain margin.
+
+The rows are merged into the table (``fo_tune.tables.merge_rows``, under a file lock; a predicted
+row never replaces a measured one); the report (``fo_tune.search_report``) lists every trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import functools
+import math
+import time
+from typing import Any
+
+from fo_kernels.errors import FoTuneError, TableError, TableNotFoundError
+from fo_kernels.fingerprint import Fingerprint
+from fo_kernels.schedule import Schedule
+from fo_kernels.table import ScheduleTable, load_table, table_path
+
+from ..encoding import UnionEncoding
+from ..engines import ShapeTask, get_tuner
+from ..model import CostModel
+from ..progress import Reporter, SilentReporter
+from ..space import SearchSpace, space_for
+from ..studies import DEFAULT_STORAGE_FILE, open_storage
+from .decide import Verdict, confirm, decide_predicted, row_numbers
+from .ranges import range_rows
+from .request import (
+    SearchError,
+    SearchRequest,
+    check_request,
+    expand_shapes,
+    select_engines,
+    study_name,
+)
+from .results import BaselineResult, SearchResult, ShapeResult, model_error
+from .strategies import ShapeJob, get_strategy
+
+
+def check_table_target(path: Any, fingerprint: Fingerprint) -> None:
+    """Refuse (before searching) a table file that is malformed or for other hardware."""
+    try:
+        table = load_table(path)
+    except TableNotFoundError:
+        return
+    theirs = table.fingerprint
+    if (theirs.device_key, theirs.world_size) != (fingerprint.device_key, fingerprint.world_size):
+        raise TableError(
+            f"table {path} is for {theirs.device_key}, this search is for {fingerprint.device_key}; "
+            "pass another --table-dir (or --out)"
+        )
+
+
+def run_search(request: SearchRequest, reporter: Reporter | None = None) -> SearchResult | None:
+    """Search every shape of ``request`` (see the module docstring). Returns None on a serving
+    torchrun rank. Writes the table rows when ``request.table_dir`` is set."""
+    check_request(request)
+    rep = reporter or SilentReporter()
+    t0 = time.monotonic()
+    if request.mode == "predict":
+        cal = request.calibration
+        assert cal is not None
+        return _run(request, cal.fingerprint, None, rep, t0)
+    import optuna
+
+    from ..launch import fingerprinted_pool
+    from ..trials import Measurer
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with fingerprinted_pool(request.world_size, backend=request.backend, purpose="search") as (pool, fp):
+        if fp is None:  # a serving torchrun rank
+            return None
+        if request.mode == "hybrid":
+            cal = request.calibration
+            assert cal is not None
+            if cal.fingerprint.device_key != fp.device_key:
+                raise SearchError(
+                    f"the calibration is for {cal.fingerprint.device_key}, these ranks are {fp.device_key}; "
+                    "calibrate this machine with `fo-tune calibrate` or pass its --calibration"
+                )
+        return _run(request, fp, Measurer(pool, request.reps, request.seed), rep, t0)
+
+
+def _model(request: SearchRequest, fp: Fingerprint) -> CostModel | None:
+    cal = request.calibration
+    if cal is None or (cal.fingerprint.device_key != fp.device_key and request.mode != "predict"):
+        return None  # a calibration of another machine cannot predict these ranks
+    model = CostModel(cal)
+    if not model.knows_collective(request.collective):
+        if request.mode != "measure":
+            raise SearchError(
+                f"the calibration has no bandwidth curve for {request.collective}; re-run "
+                f"`fo-tune calibrate --collectives {request.collective}`"
+            )
+        return None  # measure mode runs without predictions
+    return model
+
+
+def _engines(
+    request: SearchRequest, fp: Fingerprint, space: SearchSpace, measurer: Any, rep: Reporter
+) -> tuple:
+    """``select_engines``, less the ones the ranks cannot run (a measured search asks them)."""
+    engines = select_engines(request, fp, space)
+    if measurer is None:
+        return engines
+    out = []
+    for name in engines:
+        why = measurer.unavailable(name, get_tuner(name).probe_task())
+        if why and request.engines is not None:
+            raise SearchError(f"--engine {name}: {why}")
+        if why:
+            rep.step("engines", f"engine {name} left out: {why}", log=True)
+            continue
+        out.append(name)
+    return tuple(out)
+
+
+def _run(request: SearchRequest, fp: Fingerprint, measurer: Any, rep: Reporter, t0: float) -> SearchResult:
+    from ..tables import merge_rows
+
+    cpu = fp.compute_capability == "cpu"
+    space = request.space or space_for(fp.compute_capability)
+    model = _model(request, fp)
+    engines = _engines(request, fp, space, measurer, rep)
+    target = table = None
+    if request.table_dir is not None:
+        target = table_path(
+            request.table_dir, fp.device_key, request.collective, request.world_size, request.dtype
+        )
+        check_table_target(target, fp)
+        with contextlib.suppress(TableNotFoundError):
+            table = load_table(target)
+    shapes = expand_shapes(request)
+    encodings = [_encoding(request, shape, space, fp, cpu, model, engines) for shape in shapes]
+    if request.exhaustive:  # every shape's space is checked before anything runs or is written
+        from .strategies.exhaustive import check_size
+
+        for enc in encodings:
+            check_size(_job(request, enc, model, measurer, None, None, rep, math.nan, fp))
+    storage = functools.cache(lambda: open_storage(request.storage))
+    results: list[ShapeResult] = []
+    for i, enc in enumerate(encodings):
+        budget = None
+        if request.time_budget_s is not None:
+            left = request.time_budget_s - (time.monotonic() - t0)
+            budget = max(1.0, left / (len(shapes) - i))
+        results.append(_search_shape(request, enc, fp, model, measurer, storage, table, budget, rep))
+    ranges = range_rows(request.m_range, results, fp.sm_count)
+    kept: list[Schedule] = []
+    if target is not None:
+        # An --m-range search writes its range rows only: its M values were tuned to place them,
+        # and must not replace exact rows a search of that very shape wrote.
+        rows = ranges if request.m_range is not None else [r.row for r in results]
+        merged = merge_rows(
+            target,
+            fp,
+            rows,
+            collective=request.collective,
+            world_size=request.world_size,
+            dtype=request.dtype,
+        )
+        # the measured rows a predicted one did not replace (merge_rows never replaces one)
+        now = {r.problem: r for r in merged.rows}
+        kept = [now[row.problem] for row in rows if now.get(row.problem) not in (None, row)]
+    return SearchResult(
+        request=request,
+        fingerprint=fp,
+        shapes=results,
+        range_rows=ranges,
+        table=target,
+        wall_s=time.monotonic() - t0,
+        storage=request.storage or f"sqlite:///{DEFAULT_STORAGE_FILE}",
+        kept=kept,
+    )
+
+
+def _encoding(
+    request: SearchRequest,
+    shape: tuple[int, int, int],
+    space: SearchSpace,
+    fp: Fingerprint,
+    cpu: bool,
+    model: CostModel | None,
+    engines: tuple[str, ...],
+) -> UnionEncoding:
+    m, n, k = shape
+    task = ShapeTask(
+        collective=request.collective,
+        dtype=request.dtype,
+        world_size=request.world_size,
+        m=m,
+        n=n,
+        k=k,
+        sm_count=fp.sm_count,
+        cpu=cpu,
+        space=space,
+        model=model,
+        predictable=request.mode in ("predict", "hybrid"),
+    )
+    return UnionEncoding(task, engines)
+
+
+def _job(
+    request: SearchRequest,
+    enc: UnionEncoding,
+    model: CostModel | None,
+    measurer: Any,
+    storage: Any,
+    table: ScheduleTable | None,
+    rep: Reporter,
+    baseline_ms: float,
+    fp: Fingerprint,
+    budget_s: float | None = None,
+) -> ShapeJob:
+    calibration = f"{model.cal.fingerprint.device_key}@{model.cal.created}" if model is not None else "none"
+    name = study_name(request, enc.task.shape, enc.fingerprint(), f"{fp.device_key}|{calibration}")
+    return ShapeJob(
+        request=request,
+        enc=enc,
+        model=model,
+        measurer=measurer,
+        study_name=name,
+        storage=storage,
+        table=table,
+        budget_s=budget_s,
+        reporter=rep,
+        baseline_ms=baseline_ms,
+    )
+
+
+def _search_shape(
+    request: SearchRequest,
+    enc: UnionEncoding,
+    fp: Fingerprint,
+    model: CostModel | None,
+    measurer: Any,
+    storage: Any,
+    table: ScheduleTable | None,
+    budget_s: float | None,
+    rep: Reporter,
+) -> ShapeResult:
+    t0 = time.monotonic()
+    shape = enc.task.shape
+    baseline = measure_baseline(request, shape, model, measurer)
+    quote = baseline.fallback_ms if not math.isnan(baseline.fallback_ms) else baseline.sequential_ms
+    job = _job(request, enc, model, measurer, storage, table, rep, quote, fp, budget_s)
+    if not enc.engines:
+        outcome = None
+        verdict = Verdict(
+            False, 1.0, "no engine can run here (see `fo-tune search --help`)", None, None, math.nan
+        )
+    else:
+        outcome = get_strategy(request.strategy).run(job)
+        if measurer is not None and outcome.candidates:
+            verdict = confirm(outcome.candidates, shape, measurer, job.step)
+        elif measurer is not None:
+            verdict = Verdict(False, 1.0, "no feasible schedule completed", None, None, math.nan)
+        else:
+            verdict = decide_predicted(outcome.candidates, baseline.fallback_ms, baseline.sequential_ms)
+    extra: dict[str, Any] = {"study": job.study_name, "baseline": baseline.source}
+    row = make_row(request, shape, verdict, row_numbers(verdict, extra))
+    records = outcome.records if outcome is not None else []
+    mape, worst = model_error(records)
+    best = verdict.best
+    return ShapeResult(
+        shape=shape,
+        study=job.study_name,
+        mode=request.mode,
+        baseline=baseline,
+        row=row,
+        best_ms=verdict.best_ms,
+        best_trial=best.trial if best is not None else None,
+        best_schedule=best.schedule if best is not None else None,
+        confirmed=verdict.confirmed,
+        speedup=verdict.speedup,
+        decision=verdict.decision,
+        trials=records,
+        measured=outcome.measured if outcome is not None else 0,
+        wall_s=time.monotonic() - t0,
+        mape=mape,
+        worst_ape=worst,
+        engines=enc.engines,
+    )
+
+
+def make_row(
+    request: SearchRequest, shape: tuple[int, int, int], verdict: Verdict, numbers: dict[str, Any]
+) -> Schedule:
+    """The table row: the chosen schedule with its provenance, or ``overlap: false``."""
+    m, n, k = shape
+    prov: dict[str, Any] = {
+        "source": "fo-tune search",
+        "mode": request.mode,
+        "date": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
+        **{key: round(v, 5) if isinstance(v, float) else v for key, v in numbers.items()},
+    }
+    chosen = verdict.chosen
+    if chosen is None:
+        from fo_kernels.schedule import Problem
+
+        return Schedule(
+            collective=request.collective,
+            dtype=request.dtype,
+            world_size=request.world_size,
+            problem=Problem(m=m, n=n, k=k),
+            provenance=prov,
+        )
+    if chosen.trial is not None:
+        prov["trial"] = chosen.trial
+    if not math.isnan(chosen.predicted_ms) and request.mode != "predict":
+        prov["predicted_ms"] = round(chosen.predicted_ms, 5)
+    return dataclasses.replace(chosen.schedule, provenance=prov)
+
+
+def measure_baseline(
+    request: SearchRequest, shape: tuple[int, int, int], model: CostModel | None, measurer: Any
+) -> BaselineResult:
+    """cuBLAS then the collective: measured on the ranks, else predicted (with the fallback)."""
+    m, n, k = shape
+    pred = model.baseline(request.collective, m, n, k, request.dtype) if model is not None else None
+    predicted = pred.sequential_ms if pred is not None else math.nan
+    if measurer is None:
+        assert pred is not None
+        return BaselineResult(
+            "predicted", pred.gemm_ms, pred.comm_ms, pred.sequential_ms, 0.0, 0.0, predicted, pred.fallback_ms
+        )
+    got = measurer.baseline(request.collective, shape, request.dtype)
+    from ..measure import GEMM_TOL
+
+    if got["has_nan"] or not got["rel_err"] < GEMM_TOL[request.dtype]:
+        raise FoTuneError(
+            f"the sequential baseline of {m}x{n}x{k} failed its check (rel err {got['rel_err']:.2e}); "
+            "the GPUs or the NCCL setup are broken"
+        )
+    seq = got["sequential"]
+    return BaselineResult(
+        "measured",
+        got["gemm"].median_ms,
+        got["comm"].median_ms,
+        seq.median_ms,
+        seq.spread_ms,
+        seq.iqr_ms,
+        predicted,
+    )

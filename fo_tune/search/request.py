@@ -1,0 +1,213 @@
+"""What a search is asked to do, and every check that can run before a rank starts or a file is
+written: the request, its validation, the shapes it tunes and the engines it may search."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fo_kernels.errors import FoTuneError
+from fo_kernels.schedule import COLLECTIVES, DTYPES
+
+from ..engines import engine_names, get_tuner
+from ..limits import Target, check_problem_size, fingerprint_target, local_target
+from ..studies import check_storage_url
+
+if TYPE_CHECKING:
+    from fo_kernels.fingerprint import Fingerprint
+
+    from ..calibration import Calibration
+    from ..space import SearchSpace
+
+MODES = ("measure", "predict", "hybrid")
+# Trials per shape when --trials is not given. predict: without --trials the model prices the
+# enumerated space (fo_tune.search.strategies.predict); a TPE study of this many predictions is
+# used only for a space too large to enumerate. measure: a measured trial takes ~0.1-1 s on H200
+# x2 (check + back-to-back timing). hybrid: the points the model ranks when it samples.
+DEFAULT_TRIALS = {"predict": 200, "measure": 40, "hybrid": 300}
+# Schedules a hybrid search measures per shape.
+DEFAULT_TOP_K = 8
+
+
+class SearchError(FoTuneError, ValueError):
+    """Bad search input (shapes, mode, engines, calibration, storage); the message says what to do."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchRequest:
+    shapes: tuple[tuple[int, int, int], ...]
+    collective: str = "all_reduce"
+    world_size: int = 2
+    dtype: str = "bfloat16"
+    mode: str = "predict"
+    trials: int | None = None  # None: DEFAULT_TRIALS[mode] (predict: the enumeration)
+    top_k: int = DEFAULT_TOP_K
+    time_budget_s: float | None = None  # for the whole command, shared by the shapes left
+    m_range: tuple[int, int] | None = None
+    storage: str = ""  # an Optuna URL, "journal:PATH"; "" = sqlite at DEFAULT_STORAGE_FILE
+    calibration: Calibration | None = None
+    space: SearchSpace | None = None
+    backend: str | None = None  # measure / hybrid
+    exhaustive: bool = False
+    engines: tuple[str, ...] | None = None  # None: every registered engine that can run here
+    seed: int = 0
+    reps: int = 10
+    table_dir: Path | None = None  # None: no table written (the caller writes)
+
+    def trial_count(self) -> int:
+        return self.trials if self.trials is not None else DEFAULT_TRIALS[self.mode]
+
+    @property
+    def strategy(self) -> str:
+        """The strategy's name (``fo_tune.search.strategies``)."""
+        return "exhaustive" if self.exhaustive else self.mode
+
+
+def m_values(lo: int, hi: int) -> list[int]:
+    """M values an ``--m-range`` tunes: lo, every power of two strictly inside, and hi."""
+    out = [lo]
+    p = 1 << lo.bit_length()
+    while p < hi:
+        if p > lo:
+            out.append(p)
+        p <<= 1
+    if hi > lo:
+        out.append(hi)
+    return out
+
+
+def expand_shapes(request: SearchRequest) -> list[tuple[int, int, int]]:
+    """The exact shapes the request tunes (``--m-range`` replaces M by the range's values)."""
+    if request.m_range is None:
+        return list(dict.fromkeys(request.shapes))
+    lo, hi = request.m_range
+    pairs = list(dict.fromkeys((n, k) for _, n, k in request.shapes))
+    return [(m, n, k) for n, k in pairs for m in m_values(lo, hi)]
+
+
+def _check_counts(request: SearchRequest) -> None:
+    if request.world_size < 1:
+        raise SearchError(f"--world-size must be >= 1, got {request.world_size}")
+    if not request.shapes:
+        raise SearchError("no shape to search: give --shape MxNxK (repeatable) or --shapes FILE")
+    if request.trials is not None and request.trials < 1:
+        raise SearchError(f"--trials must be >= 1, got {request.trials}")
+    if request.top_k < 1:
+        raise SearchError(f"--top-k must be >= 1, got {request.top_k}")
+    if request.time_budget_s is not None and not request.time_budget_s > 0:
+        raise SearchError(f"--time-budget must be > 0 seconds, got {request.time_budget_s}")
+
+
+def _check_shapes(request: SearchRequest) -> None:
+    if request.m_range is not None:
+        lo, hi = request.m_range
+        if not 1 <= lo <= hi:
+            raise SearchError(f"--m-range {lo}:{hi}: needs 1 <= LO <= HI")
+        if request.collective == "reduce_scatter" and (lo % request.world_size or hi % request.world_size):
+            raise SearchError(
+                f"--m-range {lo}:{hi}: reduce_scatter needs LO and HI divisible by the world size "
+                f"{request.world_size}"
+            )
+    for m, n, k in expand_shapes(request):
+        if min(m, n, k) < 1:
+            raise SearchError(f"shape {m}x{n}x{k}: M, N and K must be >= 1")
+        if request.collective == "reduce_scatter" and m % request.world_size:
+            raise SearchError(
+                f"shape {m}x{n}x{k}: reduce_scatter needs M divisible by the world size "
+                f"{request.world_size}; choose another M"
+            )
+
+
+def _check_calibration(request: SearchRequest) -> None:
+    if request.mode not in ("predict", "hybrid"):
+        return
+    cal = request.calibration
+    if cal is None:
+        raise SearchError(f"--mode {request.mode} needs a calibration: pass --calibration FILE")
+    if cal.dtype != request.dtype:
+        raise SearchError(
+            f"the calibration was measured with {cal.dtype}, the search is for {request.dtype}; "
+            f"calibrate with `fo-tune calibrate --dtype {request.dtype}` or search --dtype {cal.dtype}"
+        )
+    if cal.world_size != request.world_size:
+        raise SearchError(
+            f"the calibration is for world size {cal.world_size}, the search for {request.world_size}; "
+            f"calibrate with `fo-tune calibrate --world-size {request.world_size}`"
+        )
+
+
+def check_request(request: SearchRequest) -> None:
+    """Everything checkable before a rank starts or anything is written (``SearchError``)."""
+    if request.collective not in COLLECTIVES:
+        raise SearchError(f"--collective {request.collective!r} is not one of {', '.join(COLLECTIVES)}")
+    if request.dtype not in DTYPES:
+        raise SearchError(f"--dtype {request.dtype!r} is not one of {', '.join(DTYPES)}")
+    if request.mode not in MODES:
+        raise SearchError(f"--mode {request.mode!r} is not one of {', '.join(MODES)}")
+    for name in request.engines or ():
+        if name not in engine_names():
+            raise SearchError(f"--engine {name!r} is not one of {', '.join(engine_names())}")
+    if request.engines is not None and not request.engines:
+        raise SearchError(f"--engine: no engine given; choose from {', '.join(engine_names())}")
+    _check_counts(request)
+    check_storage_url(request.storage)
+    if request.exhaustive and request.mode == "hybrid":
+        raise SearchError("--exhaustive enumerates the space in --mode measure or predict, not hybrid")
+    _check_shapes(request)
+    _check_calibration(request)
+    check_problem_size(expand_shapes(request), request.dtype, _target(request))
+    if request.mode in ("predict", "hybrid"):
+        assert request.calibration is not None
+        select_engines(request, request.calibration.fingerprint, request.space)
+
+
+def _target(request: SearchRequest) -> Target:
+    """Where the searched shapes run: the calibration's machine when planning offline, else the
+    ranks this search starts here."""
+    if request.mode == "predict":
+        assert request.calibration is not None
+        return fingerprint_target(request.calibration.fingerprint)
+    from ..launch import visible_gpus
+
+    backend = request.backend or ("nccl" if visible_gpus() else "gloo")
+    return local_target(backend, request.world_size)
+
+
+def select_engines(request: SearchRequest, fp: Fingerprint, space: SearchSpace | None) -> tuple[str, ...]:
+    """The engines this request searches on the machine of ``fp``: the ones it names (each must
+    run there, and be calibrated when the search predicts), else every registered engine that
+    runs there, has a section in ``space`` and (predicting) a calibrated term. May be empty (world
+    size 1: every row says overlap: false)."""
+    explicit = request.engines is not None
+    names = request.engines if explicit else engine_names()
+    predicting = request.mode in ("predict", "hybrid") and request.calibration is not None
+    out = []
+    for name in names:
+        tuner = get_tuner(name)
+        why = tuner.blocker(fp, request.collective, request.dtype)
+        if not why and space is not None and space.engine(name) is None:
+            why = f"has no section engines.{name} in the search space {space.source or space.name}"
+        if not why and predicting:
+            assert request.calibration is not None
+            why = tuner.calibration_gap(request.calibration, request.collective)
+            if why and not explicit and request.calibration.fingerprint.device_key == fp.device_key:
+                raise SearchError(f"engine {name} {why} (or leave it out with --engine)")
+        if why:
+            if explicit:
+                raise SearchError(f"--engine {name}: engine {name} {why}")
+            continue
+        out.append(name)
+    return tuple(out)
+
+
+def study_name(request: SearchRequest, shape: tuple[int, int, int], choices: Any, context: str) -> str:
+    """``<collective>-w<W>-<dtype>-<MxNxK>-<strategy>-<digest>``; the digest covers the space's
+    choices and ``context`` (the device key, and the calibration the model reads), so a study is
+    resumed only by the same search on the same machine with the same model."""
+    m, n, k = shape
+    what = json.dumps([choices, context], sort_keys=True, default=str)
+    digest = hashlib.sha1(what.encode()).hexdigest()[:8]
+    return f"{request.collective}-w{request.world_size}-{request.dtype}-{m}x{n}x{k}-{request.mode}-{digest}"

@@ -1,0 +1,275 @@
+"""The tuner's engine plug-ins (``fo_tune.engines``): the registry, each engine's feasibility rule,
+calibration needs and encoding, the union of engines one study searches, the strategies' registry,
+and a measured search's confirmation with a stand-in for the ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import optuna
+import pytest
+
+from fo_kernels.engines import engine_names as runtime_engines
+from fo_kernels.fingerprint import Fingerprint
+from fo_kernels.schedule import ENGINE_SETTINGS, CopyEngineSettings, Tile, TritonSettings
+from fo_tune.calibration import load_calibration
+from fo_tune.cli.search import packaged_calibration
+from fo_tune.encoding import Infeasible, UnionEncoding, schedule_key
+from fo_tune.engines import ShapeTask, UnknownEngineError, engine_names, get_tuner
+from fo_tune.model import CostModel
+from fo_tune.progress import SilentReporter
+from fo_tune.search import SearchError, SearchRequest, select_engines
+from fo_tune.search.strategies import get_strategy, strategy_names
+from fo_tune.space import space_for
+
+H200_KEY = "nvidia-h200-cc90-132sm-w2-nvlink18"
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return load_calibration(packaged_calibration(H200_KEY, 2))
+
+
+@pytest.fixture(scope="module")
+def model(h200):
+    return CostModel(h200)
+
+
+def fingerprint(h200, **changes) -> Fingerprint:
+    return dataclasses.replace(h200.fingerprint, **changes)
+
+
+def task(model, collective="all_reduce", shape=(4096, 8192, 4096), *, world=2, dtype="bfloat16", **kw):
+    m, n, k = shape
+    return ShapeTask(
+        collective=collective,
+        dtype=dtype,
+        world_size=world,
+        m=m,
+        n=n,
+        k=k,
+        sm_count=132,
+        cpu=False,
+        space=space_for("9.0"),
+        model=model,
+        predictable=model is not None,
+        **kw,
+    )
+
+
+# ------------------------------------------------------------------------------------ registry
+def test_every_runtime_engine_has_a_tuner_plug_in():
+    assert set(engine_names()) == set(runtime_engines()) == set(ENGINE_SETTINGS)
+    for name in engine_names():
+        assert get_tuner(name).name == name and get_tuner(name).settings_type is ENGINE_SETTINGS[name]
+
+
+def test_an_unknown_engine_lists_the_valid_ones():
+    with pytest.raises(UnknownEngineError, match="'Triton' is not one of triton, copy_engine") as info:
+        get_tuner("Triton")
+    assert isinstance(info.value, ValueError)
+    assert set(strategy_names()) == {"measure", "predict", "hybrid", "exhaustive"}
+    with pytest.raises(SearchError, match="is not one of measure, predict, hybrid, exhaustive"):
+        get_strategy("random")
+
+
+# ------------------------------------------------------------------------------------ feasibility
+@pytest.mark.parametrize(
+    ("changes", "collective", "needle"),
+    [
+        ({}, "all_reduce", ""),
+        ({"interconnect": "p2p"}, "reduce_scatter", ""),
+        ({"interconnect": "pcie"}, "all_reduce", "needs peer access between the GPUs"),
+        ({"interconnect": "gloo"}, "all_reduce", "has interconnect gloo"),
+        ({"world_size": 1, "interconnect": "single"}, "all_reduce", "world size 1 has none"),
+        ({}, "all_to_all", "does not run all_to_all"),
+    ],
+)
+def test_copy_engine_runs_where_the_gpus_are_peers(h200, changes, collective, needle):
+    why = get_tuner("copy_engine").blocker(fingerprint(h200, **changes), collective, "bfloat16")
+    assert (needle in why) if needle else why == ""
+
+
+def test_triton_runs_on_any_interconnect_with_a_collective(h200):
+    tuner = get_tuner("triton")
+    assert tuner.blocker(fingerprint(h200, interconnect="pcie"), "all_reduce", "float16") == ""
+    assert "world size 1" in tuner.blocker(fingerprint(h200, world_size=1), "all_reduce", "bfloat16")
+    assert "all_gather" in tuner.blocker(fingerprint(h200), "all_gather", "bfloat16")
+
+
+def test_each_engine_names_the_calibration_it_misses(h200):
+    assert get_tuner("copy_engine").calibration_gap(h200, "all_reduce") == ""
+    assert get_tuner("triton").calibration_gap(h200, "reduce_scatter") == ""
+    bare = dataclasses.replace(h200, copy_engine=None, bandwidth=[])
+    gap = get_tuner("copy_engine").calibration_gap(bare, "all_reduce")
+    assert "copy_engine section" in gap and "fo-tune calibrate --world-size 2 --only copy_engine" in gap
+    gap = get_tuner("triton").calibration_gap(bare, "all_reduce")
+    assert "bandwidth curve of all_reduce" in gap and "--collectives all_reduce" in gap
+
+
+def test_select_engines(h200):
+    req = SearchRequest(shapes=((4096, 8192, 4096),), calibration=h200)
+    assert select_engines(req, h200.fingerprint, space_for("9.0")) == ("triton", "copy_engine")
+    cpu_like = fingerprint(h200, interconnect="gloo")
+    assert select_engines(req, cpu_like, space_for("9.0")) == ("triton",)  # left out, not an error
+    assert select_engines(req, h200.fingerprint, space_for("cpu")) == ("triton",)  # no section there
+    with pytest.raises(SearchError, match="--engine copy_engine: engine copy_engine needs peer access"):
+        select_engines(dataclasses.replace(req, engines=("copy_engine",)), cpu_like, space_for("9.0"))
+    with pytest.raises(SearchError, match=r"copy_engine section.*leave it out with --engine"):
+        bare = dataclasses.replace(h200, copy_engine=None)
+        select_engines(dataclasses.replace(req, calibration=bare), bare.fingerprint, space_for("9.0"))
+    one = dataclasses.replace(req, world_size=1)
+    assert select_engines(one, fingerprint(h200, world_size=1, interconnect="single"), None) == ()
+
+
+# ------------------------------------------------------------------------------------ encoding
+def test_copy_engine_points_per_shape(model):
+    tuner = get_tuner("copy_engine")
+    points = list(tuner.points(task(model), exhaustive=False))
+    ring = [p for p in points if p["mode"] == "ring"]
+    tiled = [p for p in points if p["mode"] == "tiled"]
+    assert [p["ring.weights"] for p in ring] == [
+        "1",
+        "1-1",
+        "1-1-1",
+        "1-1-1-1",
+        "1-1-1-1-1-1",
+        "2-1",
+        "2-2-1",
+        "2-2-2-1",
+    ]
+    assert {(p["tiled.weights"], p["tiled.tile"]) for p in tiled} == {
+        (w, t.label())
+        for w in ("1", "1-1")
+        for t in space_for("9.0").engine("copy_engine").modes["tiled"].tiles
+    }
+    assert tuner.seeds(task(model)) == list(tuner.points(task(model), exhaustive=True))
+    # no more chunks than a shard has rows; the tiled mode at world size 2 and 16-bit inputs only
+    small = [
+        p["ring.weights"]
+        for p in tuner.points(task(model, shape=(4, 8192, 4096)), exhaustive=False)
+        if p["mode"] == "ring"
+    ]
+    assert small == ["1", "1-1", "2-1"]
+    for other in (task(model, dtype="float32"), task(model, world=4)):
+        assert {p["mode"] for p in tuner.points(other, exhaustive=False)} == {"ring"}
+
+
+def test_copy_engine_settings_round_trip_through_the_encoding(model):
+    enc = UnionEncoding(task(model), ("triton", "copy_engine"))
+    tile = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    for settings in (
+        CopyEngineSettings(mode="ring", weights=(2, 2, 1)),
+        CopyEngineSettings(mode="tiled", weights=(1, 1), tile=tile),
+    ):
+        schedule = enc.task.schedule(settings)
+        params = enc.params_of(schedule)
+        assert params is not None and params["engine"] == "copy_engine"
+        assert schedule_key(enc.build(params)) == schedule_key(schedule)
+    assert enc.params_of(enc.task.schedule(CopyEngineSettings(mode="ring", weights=(5, 1)))) is None
+    with pytest.raises(Infeasible, match="not offered"):
+        enc.build({"engine": "copy_engine", "copy_engine.mode": "ring", "copy_engine.ring.weights": "9-1"})
+    with pytest.raises(Infeasible, match="not searched here"):
+        UnionEncoding(task(model), ("triton",)).build({"engine": "copy_engine", "copy_engine.mode": "ring"})
+
+
+def test_one_study_samples_the_union(model):
+    """TPE over the union: the engine is a choice, each engine's parameters exist under it only."""
+    enc = UnionEncoding(task(model), ("triton", "copy_engine"))
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=3))
+    built = []
+
+    def objective(trial):
+        try:
+            schedule = enc.build(enc.suggest(trial))
+        except Infeasible as exc:
+            raise optuna.TrialPruned(str(exc)) from None
+        built.append(schedule)
+        return model.predict(schedule, 4096, 8192, 4096).total_ms
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study.optimize(objective, n_trials=40)
+    assert {s.engine for s in built} == {"triton", "copy_engine"}
+    for t in study.trials:
+        engine = t.params["engine"]
+        assert all(key == "engine" or key.startswith(f"{engine}.") for key in t.params)
+    assert all(isinstance(s.settings, (TritonSettings, CopyEngineSettings)) for s in built)
+
+
+# ------------------------------------------------------------------------------------ confirmation
+class FakeMeasurer:
+    """Stands in for the GPU ranks: fixed timings per engine (no process, no GPU)."""
+
+    def __init__(self, *, trial_ok=True, ce_ms=1.0, tri_ms=1.5, seq_ms=2.0, fb_ms=None, why=""):
+        self.count, self.trial_ok, self.why = 0, trial_ok, why
+        self.ce_ms, self.tri_ms, self.seq_ms, self.fb_ms = ce_ms, tri_ms, seq_ms, fb_ms
+        self.confirmed: list = []
+
+    def _t(self, ms):
+        from fo_tune.harness import Timing
+
+        return Timing(ms, 0.01, 10, 0.01)
+
+    def unavailable(self, engine, task):
+        return self.why if engine == "copy_engine" else ""
+
+    def baseline(self, collective, shape, dtype):
+        t = self._t(self.seq_ms)
+        return dict(rel_err=0.0, has_nan=False, gemm=t, comm=t, sequential=t)
+
+    def trial(self, schedule, shape):
+        self.count += 1
+        if not self.trial_ok:
+            return dict(rel_err=1.0, has_nan=False, ok=False, timing=None)
+        ms = self.ce_ms if schedule.engine == "copy_engine" else self.tri_ms
+        return dict(rel_err=0.0, has_nan=False, ok=True, timing=self._t(ms))
+
+    def confirm(self, schedules, shape):
+        self.confirmed.append(list(schedules))
+        ts = [self._t(self.ce_ms if s.engine == "copy_engine" else self.tri_ms) for s in schedules]
+        fallback = self._t(self.fb_ms) if self.fb_ms is not None else None
+        return dict(
+            sequential=self._t(self.seq_ms), fallback=fallback, timings=ts, rel_err=[0.0] * len(schedules)
+        )
+
+
+@pytest.mark.parametrize(
+    ("measurer", "want"),
+    [
+        (FakeMeasurer(), "copy_engine"),  # the copy engine is fastest and gains
+        (FakeMeasurer(trial_ok=False), "none"),  # no trial passed its check: overlap: false
+        (FakeMeasurer(ce_ms=1.99, tri_ms=2.5), "none"),  # fastest, but inside the no-gain margin
+        (FakeMeasurer(fb_ms=1.0), "none"),  # beats sequential, not the (graphed) fallback
+        (FakeMeasurer(fb_ms=2.2), "copy_engine"),  # a fallback slower than sequential
+        (FakeMeasurer(ce_ms=1.8, tri_ms=1.0), "triton"),
+        (FakeMeasurer(why="cuda-bindings is not installed"), "triton"),  # left out, with why
+    ],
+)
+def test_measured_search_confirms_every_engines_best(h200, measurer, want):
+    from fo_tune.search import driver
+
+    shape = (4096, 8192, 4096)
+    req = SearchRequest(shapes=(shape,), world_size=2, mode="measure", trials=3, space=space_for("9.0"))
+    fp = h200.fingerprint
+    engines = driver._engines(req, fp, req.space, measurer, SilentReporter())
+    enc = driver._encoding(req, shape, req.space, fp, False, None, engines)
+    storage = optuna.storages.InMemoryStorage()
+    r = driver._search_shape(req, enc, fp, None, measurer, lambda: storage, None, None, SilentReporter())
+    if measurer.trial_ok:
+        confirmed = [s.engine for s in measurer.confirmed[0]]
+        assert set(confirmed) == ({"triton"} if measurer.why else {"triton", "copy_engine"})
+    if measurer.fb_ms is not None:  # decided against the fallback, both timings kept
+        assert r.row.provenance["fallback_ms"] == pytest.approx(measurer.fb_ms)
+        assert r.row.provenance["sequential_ms"] == pytest.approx(measurer.seq_ms)
+        assert "the overlap: false fallback" in r.row.provenance["decision"]
+    if want == "none":
+        assert not r.row.overlap
+        if measurer.trial_ok:
+            assert "rejected_measured_ms" in r.row.provenance
+        return
+    assert r.row.overlap and r.row.engine == want
+    assert r.row.provenance["measured_ms"] == pytest.approx(
+        measurer.ce_ms if want == "copy_engine" else measurer.tri_ms
+    )
+    assert "trial" in r.row.provenance and not math.isnan(r.best_ms)
