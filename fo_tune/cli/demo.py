@@ -31,8 +31,8 @@ HELP = "\n\n".join(
         "tuned table row, else overlap: false (GEMM then the collective). Each result is compared with "
         "a float32 matmul of the same operands followed by the same collective in torch.distributed; "
         "a row passes when the relative error is within the dtype's tolerance (1e-5 float32, 5e-3 "
-        "float16, 1e-2 bfloat16) and nothing is NaN. Both the overlapped op and the sequential baseline (GEMM, then the collective) "
-        "are timed.",
+        "float16, 1e-2 bfloat16) and nothing is NaN. Both the overlapped op and the sequential "
+        "baseline (GEMM, then the collective) are timed.",
         "On GPUs the ranks use NCCL, one GPU each; without --world-size the demo starts 2 ranks, or one "
         "per GPU where there are fewer (world size 1 on a one-GPU machine). Without GPUs, or with "
         "--backend gloo, they use gloo and the GEMM runs in Triton's CPU interpreter: the check is "
