@@ -42,13 +42,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fo_kernels.schedule import torch_dtype
+
 from .calibration import CopyPoint, EngineCalibration, LibraryGemmPoint, Quantity
-from .harness import Timing, time_region
 from .launch import RankContext
-from .measure import DTYPES, gemm_operands
+from .measure import gemm_operands
 from .model.copy_engine import eager_ops
 from .model.fit import fit_library, fit_lines
 from .model.library import LibraryGemm
+from .timing import Timing, time_region
 
 # Paced samples per shape (each one call, then an idle gap as long as the call).
 PACED_REPS = 15
@@ -139,7 +141,7 @@ class LibraryGemmTask:
         out = []
         for m, n, k, beta in self.shapes:
             a, b = gemm_operands(m, n, k, self.dtype, ctx.device, seed=m + n + k)
-            c = torch.zeros(m, n, dtype=DTYPES[self.dtype], device=ctx.device)
+            c = torch.zeros(m, n, dtype=torch_dtype(self.dtype), device=ctx.device)
             if beta:
                 fn = lambda a=a, b=b, c=c: c.addmm_(a, b)  # what the engine's beta = 1 chunks run
             else:

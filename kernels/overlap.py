@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import ops
 from .engines import EngineResult, check_collective, get_engine
-from .errors import EnvironmentMismatchError, ScheduleError, ShapeError
+from .errors import ScheduleError, ShapeError
 from .gemm import BOperand
 from .runtime import runtime_for
 from .schedule import TORCH_DTYPES, Schedule, dtype_name
@@ -97,12 +97,6 @@ def execute(
         return runtime.fallback().run(collective, a, b)
     engine = get_engine(schedule.engine)
     check_collective(engine, collective)
-    why = runtime.engine_blocker(engine)
-    if why:  # (on every rank alike, before any collective: no rank waits for another)
-        raise EnvironmentMismatchError(
-            f"engine {engine.name} {why}; use a table row with another engine or overlap: false here "
-            "(re-run `fo-tune search` on this machine)"
-        )
     return engine.run(schedule, a, operand, runtime)
 
 

@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from .collectives import all_reduce_now, reduce_scatter_now, reduce_scatter_tensor  # noqa: F401 - callers import them from here
 from .copy_engine import CopyEnginePeers
-from .engines import Engine
 from .errors import ScheduleError
 from .fallback import Fallback
 from .fingerprint import device_sm_count
@@ -60,7 +59,6 @@ class OverlapRuntime:
     _tables: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _waiters: dict[str, Waiter] = field(default_factory=dict, repr=False)
     _peers: CopyEnginePeers | None = field(default=None, repr=False)
-    _blockers: dict[str, str] = field(default_factory=dict, repr=False)
     _fallback: Fallback | None = field(default=None, repr=False)
     _world_size: int = field(default=0, repr=False)
 
@@ -131,14 +129,6 @@ class OverlapRuntime:
         if mode not in self._waiters:
             self._waiters[mode] = make_waiter(mode, self.device)
         return self._waiters[mode]
-
-    def engine_blocker(self, engine: Engine) -> str:
-        """Why ``engine`` cannot run on this device and group ("" if it can), asked once per engine
-        (the checks look for packages and devices: too slow for every call)."""
-        why = self._blockers.get(engine.name)
-        if why is None:
-            why = self._blockers[engine.name] = engine.blocker(self.device, self.world_size)
-        return why
 
     def made_copy_engine(self) -> CopyEnginePeers | None:
         """The copy-engine resources if a call has made them (``copy_engine``), else None."""

@@ -149,7 +149,7 @@ class EngineTuner(ABC):
         exhaustive search visits, groupings included)."""
 
     def probe_task(self) -> Any | None:
-        """A task (``fo_tune.harness``) every rank of a measured search runs once: why the runtime
+        """A task (``fo_tune.launch``) every rank of a measured search runs once: why the runtime
         there cannot run the engine ("" when it can; None: nothing to probe beyond ``blocker``)."""
         return None
 
