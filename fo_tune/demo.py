@@ -9,15 +9,18 @@
                               it: an error naming --world-size and --backend gloo
 
 ``run_demo`` then spawns the ranks (``fo_tune.launch.run_ranks``). Each rank, for each shape and
-for each collective (ReduceScatter only when M % world_size == 0, else a skipped row):
+for each collective (ReduceScatter and AllGather only when M % world_size == 0, else a skipped row):
 
-    a, b  = random (M, K), (K, N) operands from a per-rank seed
-    out   = gemm_all_reduce(a, b) | gemm_reduce_scatter(a, b)     # schedule=None: table lookup,
-                                                                  # else the heuristic default
-    ref   = collective_fp32(a.float() @ b.float())                # dist.all_reduce / reduce_scatter_tensor
-    err   = ||out.float() - ref|| / ||ref||,  pass iff no NaN and err < TOL[dtype]
+    a, b  = random (M, K), (K, N) operands from a per-rank seed; AllGather takes this rank's
+            (M/w, K) shard, the first M/w rows of a (M is the gathered M)
+    out   = gemm_all_reduce(a, b) | gemm_reduce_scatter(a, b) | all_gather_gemm(a, b)
+                                                    # schedule=None: the table row, else overlap: false
+    ref   = collective(a.double() @ b.double())     # float64: dist.all_reduce / reduce_scatter_tensor
+            | all_gather(a.double()) @ b.double()   # all_gather_into_tensor
+    err   = ||out - ref|| / ||ref||,  pass iff no NaN and err < TOL[dtype]
     time  = median of `reps` calls after 2 warm-ups (the checked call is the first warm-up), for the
-            overlapped op and for the sequential baseline (a @ b, then the collective)
+            overlapped op and for the sequential baseline (a @ b, then the collective; for
+            AllGather the gather, then the GEMM)
 
 and the parent merges the ranks: the largest error and time of any rank, NaN on any rank.
 
@@ -62,7 +65,7 @@ class DemoRow:
     backend: str
     world_size: int
     schedule: str  # Schedule.describe(), or the skip reason
-    schedule_source: str  # "table", MISS_SOURCE (no row: overlap false) or "" (skipped)
+    schedule_source: str  # "table", "no table row" (overlap: false) or "" (skipped)
     rel_err: float  # max over ranks (nan when skipped)
     has_nan: bool
     passed: bool
@@ -164,54 +167,75 @@ def _timed_median(call: Callable[[], Any], reps: int, device: Any, warmup: int =
     return statistics.median(times)
 
 
-def _one_case(ctx: Any, collective: str, a: Any, b: Any, job: _Job) -> dict[str, Any]:
-    import torch
+def _collective_of(collective: str, x: Any, world: int) -> Any:
+    """``collective`` of ``x`` over the default group: all_reduce in place, reduce_scatter of an
+    (M, N) product, all_gather of an (M/w, K) shard."""
     import torch.distributed as dist
 
-    from fo_kernels import HeuristicScheduleWarning, gemm_all_reduce, gemm_reduce_scatter, lookup_schedule
-    from fo_kernels.runtime import reduce_scatter_tensor
+    from fo_kernels.collectives import all_gather_tensor, reduce_scatter_tensor
+
+    if collective == "all_reduce":
+        dist.all_reduce(x)
+        return x
+    if collective == "all_gather":
+        out = x.new_empty((x.shape[0] * world, x.shape[1]))
+        all_gather_tensor(out, x)
+        return out
+    out = x.new_empty((x.shape[0] // world, x.shape[1]))
+    reduce_scatter_tensor(out, x)
+    return out
+
+
+def _one_case(ctx: Any, collective: str, a: Any, b: Any, job: _Job) -> dict[str, Any]:
+    import fo_kernels
+    from fo_kernels import HeuristicScheduleWarning, lookup_schedule
     from fo_kernels.table import MISS_SOURCE
 
-    m, k = a.shape
-    n = b.shape[1]
     world = ctx.world_size
+    gather = collective == "all_gather"
+    if gather:
+        a = a[: a.shape[0] // world]  # this rank's shard of the gathered A
+    m = a.shape[0] * world if gather else a.shape[0]
+    n, k = b.shape[1], b.shape[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HeuristicScheduleWarning)
         schedule = lookup_schedule(collective, m, n, k, dtype=job.dtype, world_size=world, device=ctx.device)
-    op = gemm_all_reduce if collective == "all_reduce" else gemm_reduce_scatter
+    op = {
+        "all_reduce": fo_kernels.gemm_all_reduce,
+        "reduce_scatter": fo_kernels.gemm_reduce_scatter,
+        "all_gather": fo_kernels.all_gather_gemm,
+    }[collective]
 
     def overlapped() -> Any:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", HeuristicScheduleWarning)
             return op(a, b, schedule=None)
 
-    def collective_of(full: Any) -> Any:
-        if collective == "all_reduce":
-            dist.all_reduce(full)
-            return full
-        out = torch.empty((full.shape[0] // world, full.shape[1]), dtype=full.dtype, device=full.device)
-        reduce_scatter_tensor(out, full)
-        return out
+    def sequential(x: Any, y: Any) -> Any:
+        if gather:
+            return _collective_of(collective, x, world) @ y
+        return _collective_of(collective, x @ y, world)
 
     out = overlapped()  # the checked call, also the first warm-up
-    ref = collective_of(a.float() @ b.float())
+    ref = sequential(a.double(), b.double())
     has_nan = bool(out.isnan().any())
-    err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     return dict(
         schedule=schedule.describe(),
         source=MISS_SOURCE if schedule.provenance.get("source") == MISS_SOURCE else "table",
         rel_err=err,
         has_nan=has_nan,
         overlapped_ms=_timed_median(overlapped, job.reps, ctx.device, warmup=WARMUP - 1),
-        sequential_ms=_timed_median(lambda: collective_of(a @ b), job.reps, ctx.device),
+        sequential_ms=_timed_median(lambda: sequential(a, b), job.reps, ctx.device),
     )
 
 
 def _rank_main(ctx: Any, job: _Job) -> list[dict[str, Any] | None]:
-    """On every rank: one result per (shape, collective), None for a skipped ReduceScatter."""
+    """On every rank: one result per (shape, collective), None for a skipped ReduceScatter or
+    AllGather (M not divisible by the world size)."""
     import torch
 
-    from fo_kernels.schedule import COLLECTIVES, torch_dtype
+    from fo_kernels.schedule import COLLECTIVES, SHARDED_COLLECTIVES, torch_dtype
 
     dtype = torch_dtype(job.dtype)
     results: list[dict[str, Any] | None] = []
@@ -220,7 +244,7 @@ def _rank_main(ctx: Any, job: _Job) -> list[dict[str, Any] | None]:
         a = torch.randn(m, k, generator=gen).to(dtype).to(ctx.device)
         b = torch.randn(k, n, generator=gen).to(dtype).to(ctx.device)
         for collective in COLLECTIVES:
-            if collective == "reduce_scatter" and m % ctx.world_size:
+            if collective in SHARDED_COLLECTIVES and m % ctx.world_size:
                 results.append(None)
                 continue
             results.append(_one_case(ctx, collective, a, b, job))
@@ -273,7 +297,8 @@ def run_demo(
     *,
     seed: int = 0,
 ) -> list[DemoRow]:
-    """Run the demo (see the module docstring); rows in (shape, collective) order.
+    """Run the demo (see the module docstring); rows in (shape, collective) order, the collectives
+    in ``fo_kernels.schedule.COLLECTIVES`` order.
 
     ``world_size`` and ``backend`` are decided by ``plan_demo``; ``shapes`` and ``dtype`` default
     per device (``CPU_SHAPES`` / float32, ``GPU_SHAPES`` / bfloat16). Raises ``ShapeError`` for bad

@@ -1,8 +1,10 @@
-"""``fo-tune bench``: end to end on gloo ranks, the rank task in process, the files, bad input."""
+"""``fo-tune bench``: end to end on gloo ranks (all three collectives), the rank task in process,
+the files, bad input."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import tempfile
 from pathlib import Path
@@ -16,7 +18,9 @@ from typer.testing import CliRunner
 from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.fingerprint import current_fingerprint
-from fo_kernels.table import MISS_SOURCE
+from fo_kernels.heuristics import default_schedule
+from fo_kernels.schedule import COLLECTIVES
+from fo_kernels.table import MISS_SOURCE, ScheduleTable, save_table, table_path
 from fo_tune import bench
 from fo_tune.bench import (
     BENCH_FILES,
@@ -32,9 +36,9 @@ from fo_tune.bench import (
     write_bench_dir,
 )
 from fo_tune.bench import output as bench_output
+from fo_tune.bench import variants as bench_variants
 from fo_tune.bench.rows import merge
 from fo_tune.cli.bench import _request
-from fo_tune.cli.common import COLLECTIVE_NAMES
 from fo_tune.launch import RankContext
 from fo_tune.measure import GEMM_TOL
 from fo_tune.report import OutputError
@@ -70,6 +74,9 @@ ORDER = [
     "fo_tune",
     "ideal",
 ]
+# all_gather's rows: torch's fused all-gather + matmul where the others have async-TP.
+ORDER_AG = [v if v != "async_tp" else "torch_fused" for v in ORDER]
+FUSED = {"all_reduce": "async_tp", "reduce_scatter": "async_tp", "all_gather": "torch_fused"}
 
 
 @pytest.fixture(autouse=True)
@@ -87,13 +94,27 @@ def read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
     return rows[0], [dict(zip(rows[0], row, strict=True)) for row in rows[1:]]
 
 
+def write_triton_row(root: Path, collective: str, m: int, n: int, k: int, world_size: int = 2) -> None:
+    """A table row (in ``isolate_tables``' folder under ``root``) holding the CPU's default Triton
+    schedule for the shape, so ``fo_tune`` runs the overlapped engine instead of overlap: false."""
+    fp = current_fingerprint("cpu", world_size)
+    row = default_schedule(collective, m, n, k, dtype="float32", world_size=world_size, sm_count=8,
+                           on_gpu=False)  # fmt: skip
+    row = dataclasses.replace(row, provenance={"written_by": "tests/test_bench.py"})  # a row, not a guess
+    table = ScheduleTable(fingerprint=fp, collective=collective, world_size=world_size, dtype="float32",
+                          rows=[row])  # fmt: skip
+    save_table(table, table_path(root / "tables", fp.device_key, collective, world_size, "float32"))
+
+
 @pytest.fixture(scope="module")
 def gloo_run(tmp_path_factory):
-    """One ``bench --world-size 2`` run on gloo: 64x96x64 (both collectives) and 63x96x64
-    (reduce_scatter impossible on 2 ranks: SKIP rows)."""
+    """One ``bench --world-size 2`` run on gloo with the default collectives (all three):
+    64x96x64 (all_gather's fo_tune from a table row: the Triton engine's overlapped path) and
+    63x96x64 (reduce_scatter and all_gather impossible on 2 ranks: SKIP rows)."""
     root = tmp_path_factory.mktemp("bench")
     with pytest.MonkeyPatch.context() as mp:
         isolate_tables(mp, root)
+        write_triton_row(root, "all_gather", 64, 96, 64)
         out = root / "out"
         result = run_bench_cli(
             "--world-size",
@@ -113,7 +134,8 @@ def gloo_run(tmp_path_factory):
 def _case(rows: list[dict[str, str]], collective: str, shape: str) -> dict[str, dict[str, str]]:
     m, n, k = shape.split("x")
     picked = [r for r in rows if r["collective"] == collective and (r["m"], r["n"], r["k"]) == (m, n, k)]
-    assert [r["variant"] for r in picked] == ORDER, [r["variant"] for r in picked]
+    want = ORDER_AG if collective == "all_gather" else ORDER
+    assert [r["variant"] for r in picked] == want, [r["variant"] for r in picked]
     return {r["variant"]: r for r in picked}
 
 
@@ -124,7 +146,8 @@ def test_bench_writes_every_file(gloo_run):
     assert sorted(p.name for p in out.iterdir()) == sorted(BENCH_FILES)
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporary leftovers
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for word in ("all_reduce (ms)", "reduce_scatter (ms)", "seq", "chunked", "async-TP", "fo-tune", "ideal"):
+    for word in ("all_reduce (ms)", "reduce_scatter (ms)", "all_gather (ms)", "seq", "chunked", "async-TP",
+                 "torch fused", "fo-tune", "ideal", "x async-TP", "x torch fused"):  # fmt: skip
         assert word in result.stdout, word
     assert "skipped" in result.stdout and "unavailable" in result.stdout and "wrote 3 files" in result.stdout
 
@@ -136,34 +159,43 @@ def test_bench_csv_variants_and_statuses(gloo_run):
     assert {r["device_key"] for r in rows} == {current_fingerprint("cpu", 2).device_key}
     assert {(r["world_size"], r["dtype"]) for r in rows} == {("2", "float32")}
     assert {r["status"] for r in rows} == set(STATUSES) - {"FAIL"}  # FAIL: see the tests below
-    assert len(rows) == 4 * len(ORDER)  # 2 shapes x 2 collectives (one of them all SKIP rows)
-    for collective in COLLECTIVE_NAMES:
+    assert len(rows) == 6 * len(ORDER)  # 2 shapes x 3 collectives (two of them all SKIP rows)
+    for collective in COLLECTIVES:
         case = _case(rows, collective, "64x96x64")
-        measured = [v for v in ORDER if v not in ("async_tp", "ideal", "chunked")]
+        measured = [v for v in case if v not in (FUSED[collective], "ideal", "chunked")]
         for variant in measured:
             row = case[variant]
             assert row["status"] == "PASS", row
             assert float(row["rel_err"]) < 1e-4 and float(row["median_ms"]) > 0, row
         assert case["ideal"]["status"] == "PASS" and case["chunked"]["status"] == "PASS"
         assert "no second stream" in case["chunked_c4"]["detail"]
-        assert case["fo_tune"]["schedule_source"] == MISS_SOURCE
-        assert case["fo_tune"]["detail"].endswith("64x96x64: no overlap (GEMM then collective)")
+    for collective in ("all_reduce", "reduce_scatter"):  # no table row: the runtime's overlap: false
+        fo = _case(rows, collective, "64x96x64")["fo_tune"]
+        assert fo["schedule_source"] == MISS_SOURCE, fo
+        assert fo["detail"] == f"{collective} float32 w2 64x96x64: no overlap (GEMM then collective)", fo
+    fo = _case(rows, "all_gather", "64x96x64")["fo_tune"]  # the table row: the Triton engine
+    assert fo["schedule_source"] == "table", fo
+    assert fo["detail"].startswith("all_gather float32 w2 64x96x64: engine triton, tile 32x32x32"), fo
     async_ar = _case(rows, "all_reduce", "64x96x64")["async_tp"]
-    assert async_ar["status"] == "SKIP" and "reduce_scatter only" in async_ar["detail"]
-    async_rs = _case(rows, "reduce_scatter", "64x96x64")["async_tp"]
-    assert async_rs["status"] == "UNAVAILABLE" and "gloo" in async_rs["detail"], async_rs
-    assert math.isnan(float(async_rs["median_ms"]))
+    assert async_ar["status"] == "SKIP" and "reduce_scatter and all_gather only" in async_ar["detail"]
+    for collective, what in (("reduce_scatter", "fused_matmul_reduce_scatter"),
+                             ("all_gather", "fused_all_gather_matmul")):  # fmt: skip
+        fused = _case(rows, collective, "64x96x64")[FUSED[collective]]
+        assert fused["status"] == "UNAVAILABLE", fused
+        assert fused["detail"].startswith(what) and "needs CUDA GPUs and NCCL" in fused["detail"], fused
+        assert math.isnan(float(fused["median_ms"]))
     assert _case(rows, "all_reduce", "63x96x64")["fo_tune"]["status"] == "PASS"
 
 
-def test_bench_skips_reduce_scatter_when_m_is_not_divisible(gloo_run):
+def test_bench_skips_sharded_collectives_when_m_is_not_divisible(gloo_run):
     _, out = gloo_run
     with (out / "bench.csv").open(newline="") as f:
         rows = list(csv.DictReader(f))
-    skipped = [r for r in rows if r["collective"] == "reduce_scatter" and r["m"] == "63"]
-    assert [r["variant"] for r in skipped] == ORDER
-    assert {r["status"] for r in skipped} == {"SKIP"}
-    assert all("not divisible by the world size 2" in r["detail"] for r in skipped)
+    for collective, order in (("reduce_scatter", ORDER), ("all_gather", ORDER_AG)):
+        skipped = [r for r in rows if r["collective"] == collective and r["m"] == "63"]
+        assert [r["variant"] for r in skipped] == order
+        assert {r["status"] for r in skipped} == {"SKIP"}
+        assert all("not divisible by the world size 2" in r["detail"] for r in skipped)
 
 
 def test_bench_speedup_arithmetic(gloo_run):
@@ -172,6 +204,7 @@ def test_bench_speedup_arithmetic(gloo_run):
     for collective, shape in (
         ("all_reduce", "64x96x64"),
         ("reduce_scatter", "64x96x64"),
+        ("all_gather", "64x96x64"),
         ("all_reduce", "63x96x64"),
     ):
         case = _case(rows, collective, shape)
@@ -198,7 +231,7 @@ def test_bench_yaml(gloo_run):
     assert data["backend"] == "gloo" and data["wall_s"] > 0
     settings = data["settings"]
     assert settings["shapes"] == [[64, 96, 64], [63, 96, 64]]
-    assert settings["collectives"] == list(COLLECTIVE_NAMES)
+    assert settings["collectives"] == list(COLLECTIVES)  # the default: every collective of the runtime
     assert (settings["world_size"], settings["dtype"], settings["reps"]) == (2, "float32", 2)
     assert settings["chunks"] == [2, 4, 8]
     assert settings["sample_ms"] == 4.0  # fo_tune.timing.MIN_SAMPLE_MS on the CPU (16 on GPUs)
@@ -219,21 +252,44 @@ def one_rank(tmp_path):
         dist.destroy_process_group()
 
 
-def test_case_task_checks_before_timing(one_rank, monkeypatch):
-    task = BenchCaseTask("reduce_scatter", 16, 24, 8, "float32", chunks=(2, 32), warmup=0, reps=1)
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_case_task_checks_before_timing(one_rank, monkeypatch, collective):
+    """World size 1: every variant runs (all_gather a copy, then the GEMM) but torch's fused op,
+    which is a SKIP row with its reason; nothing wrong is timed."""
+    task = BenchCaseTask(collective, 16, 24, 8, "float32", chunks=(2, 32), warmup=0, reps=1)
     entries = {e["variant"]: e for e in task.run(one_rank)}
+    fused_name = FUSED[collective]
+    names = ["gemm", "collective", "sequential", "chunked_c2", "chunked_c32", fused_name, "fo_tune"]
+    assert list(entries) == names
     assert entries["chunked_c32"]["status"] == "SKIP" and "fewer than 32" in entries["chunked_c32"]["detail"]
     for name in ("gemm", "collective", "sequential", "chunked_c2", "fo_tune"):
         assert entries[name]["status"] == "PASS" and entries[name]["timing"].median_ms > 0, name
+    fused = entries[fused_name]
+    assert fused["status"] == "SKIP" and fused["timing"] is None, fused
+    why = "reduce_scatter and all_gather only" if collective == "all_reduce" else "world size 1"
+    assert why in fused["detail"], fused
     monkeypatch.setitem(GEMM_TOL, "float32", 0.0)  # nothing can pass: every variant FAILs untimed
     entries = {e["variant"]: e for e in task.run(one_rank)}
     for name in ("gemm", "collective", "sequential", "chunked_c2", "fo_tune"):
         e = entries[name]
         assert e["status"] == "FAIL" and e["timing"] is None and "relative error" in e["detail"], e
-    assert entries["async_tp"]["status"] == "UNAVAILABLE"  # an exception, not a wrong result
 
 
-def test_fo_tune_is_checked_again_after_timing(one_rank, monkeypatch):
+def test_a_chunk_left_unwritten_reads_nan(one_rank, monkeypatch):
+    """The bench's buffers start as NaN: an all_gather chunk that never arrives fails the check as
+    a NaN, whatever the memory held before."""
+    monkeypatch.setattr(bench_variants, "all_gather_tensor", lambda out, src, group=None: None)
+    task = BenchCaseTask("all_gather", 16, 24, 8, "float32", chunks=(2,), warmup=0, reps=1)
+    entries = {e["variant"]: e for e in task.run(one_rank)}
+    e = entries["chunked_c2"]
+    assert e["status"] == "FAIL" and e["timing"] is None and e["detail"].endswith("NaN in the output"), e
+    assert entries["sequential"]["status"] == "PASS" and entries["fo_tune"]["status"] == "PASS"
+
+
+@pytest.mark.parametrize(
+    ("collective", "op"), [("all_reduce", "gemm_all_reduce"), ("all_gather", "all_gather_gemm")]
+)
+def test_fo_tune_is_checked_again_after_timing(one_rank, monkeypatch, collective, op):
     """A call right the first time whose later calls write nothing (a replay gone wrong) hands back
     its previous, poisoned, output block: it FAILs after timing and keeps no time."""
     import fo_kernels
@@ -245,15 +301,15 @@ def test_fo_tune_is_checked_again_after_timing(one_rank, monkeypatch):
             held.append(a @ b)
         return held[0]  # the same block every call, written only by the first
 
-    monkeypatch.setattr(fo_kernels, "gemm_all_reduce", stale)
-    task = BenchCaseTask("all_reduce", 16, 24, 8, "float32", chunks=(2,), warmup=0, reps=1)
+    monkeypatch.setattr(fo_kernels, op, stale)
+    task = BenchCaseTask(collective, 16, 24, 8, "float32", chunks=(2,), warmup=0, reps=1)
     entries = {e["variant"]: e for e in task.run(one_rank)}
     e = entries["fo_tune"]
     assert e["status"] == "FAIL" and e["timing"] is None, e
     assert e["detail"].endswith("NaN in the output after timing"), e["detail"]
     assert entries["sequential"]["status"] == "PASS"
     held.clear()
-    monkeypatch.setattr(fo_kernels, "gemm_all_reduce", lambda a, b, schedule=None, group=None: a @ b)
+    monkeypatch.setattr(fo_kernels, op, lambda a, b, schedule=None, group=None: a @ b)
     assert {e["variant"]: e for e in task.run(one_rank)}["fo_tune"]["status"] == "PASS"
 
 
@@ -315,6 +371,25 @@ def test_a_failed_variant_is_exit_1_with_the_files_written(tmp_path, monkeypatch
     assert sorted(p.name for p in out.iterdir()) == sorted(BENCH_FILES)
     _, rows = read_csv(out / "bench.csv")
     assert [r["status"] for r in rows if r["variant"] == "fo_tune"] == ["FAIL"]
+
+
+def test_the_summary_sets_fo_tune_beside_torch_fused(tmp_path, monkeypatch):
+    """An all_gather case: rows in order with torch_fused for async_tp, its time in the summary's
+    "torch fused" column and fused ms / fo-tune ms in "x torch fused"."""
+    times = dict(gemm=3.0, collective=2.0, sequential=6.0, chunked_c2=5.0, torch_fused=7.5, fo_tune=3.0)
+    merged = [_merged(v, "PASS", ms, "chunks=2" if v == "chunked_c2" else "") for v, ms in times.items()]
+    rows = case_rows({**HEAD, "collective": "all_gather"}, merged)
+    assert [r.variant for r in rows] == [v for v in ORDER_AG if v not in ("chunked_c4", "chunked_c8")]
+    fake = BenchResult(fingerprint=current_fingerprint("cpu", 2), backend="gloo",
+                       settings=dict(shapes=[[8, 8, 8]], dtype="float32"), rows=rows)  # fmt: skip
+    monkeypatch.setattr(bench, "run_bench", lambda request, reporter=None: fake)
+    result = run_bench_cli("--shape", "8x8x8", "-c", "all_gather", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    head = next(line for line in result.stdout.splitlines() if line.startswith("MxNxK"))
+    assert head.split() == ["MxNxK", "seq", "chunked", "torch", "fused", "fo-tune", "ideal", "speedup", "of",
+                            "ideal", "x", "torch", "fused", "ok"]  # fmt: skip
+    line = next(line for line in result.stdout.splitlines() if line.startswith("8x8x8"))
+    assert line.split() == ["8x8x8", "6", "5", "c2", "7.5", "3", "3", "2.00x", "1.00", "2.50x", "6/6"], line
 
 
 def test_write_replaces_a_bench_folder_and_leaves_it_on_error(tmp_path, monkeypatch):
@@ -394,7 +469,10 @@ def test_bad_suite_names_the_key(tmp_path, text, key):
         dict(shapes=()),
         dict(shapes=((0, 1, 1),)),
         dict(shapes=((8, 8, 8),), reps=0),
-        dict(shapes=((8, 8, 8),), collectives=("all_to_all",)),
+        dict(shapes=((8, 8, 8),), collectives=("all_sum",)),
+        dict(shapes=((63, 8, 8),), collectives=("all_gather",)),
+        dict(shapes=((64, 8, 8), (63, 8, 8)), collectives=("reduce_scatter", "all_gather")),
+        dict(shapes=((64, 8, 8),), collectives=("all_gather",), world_size=3),
         dict(shapes=((8, 8, 8),), chunks=(1,)),
         dict(shapes=((8, 8, 8),), sample_ms=0.0),
         dict(shapes=((8, 8, 8),), sample_ms=True),
@@ -405,11 +483,19 @@ def test_request_validates(bad):
         BenchRequest(**bad)
 
 
+def test_a_shape_another_collective_runs_is_kept():
+    """M not divisible by the world size: refused only when no collective asked for can run it."""
+    request = BenchRequest(shapes=((63, 8, 8),), collectives=("all_reduce", "all_gather"))
+    assert request.shapes == ((63, 8, 8),)
+    assert BenchRequest(shapes=((1, 8, 8),), collectives=("all_gather",), world_size=1).world_size == 1
+
+
 # ------------------------------------------------------------------------------------- bad input
 def test_help_says_what_it_measures():
     result = CliRunner().invoke(app, ["bench", "--help"])
     assert result.exit_code == 0, result.output
-    for word in ("sequential", "chunked", "async_tp", "fo_tune", "ideal", "--suite", "--collective", "--reps",
+    for word in ("sequential", "chunked", "async_tp", "torch_fused", "fused_all_gather_matmul", "fo_tune",
+                 "all_gather_gemm", "ideal", "all_gather", "gathered M", "--suite", "--collective", "--reps",
                  "--sample-ms", "--timeout", "--out", "bench.csv", "UNAVAILABLE", "gloo"):  # fmt: skip
         assert word in result.output, word
 
@@ -422,6 +508,9 @@ def test_help_says_what_it_measures():
         (["--shape", "axbxc"], "--shape"),
         (["--collective", "all_reduce,all_sum"], "all_sum"),
         (["--collective", ","], "--collective"),
+        (["-c", "all_gather", "--shape", "63x96x64"], "all_gather needs M divisible by the world size 2"),
+        (["-c", "reduce_scatter,all_gather", "-s", "64x96x64", "-s", "65x96x64"], "shape 65x96x64"),
+        (["-c", "all_gather", "-w", "3", "--shape", "64x96x64"], "world size 3"),
         (["--dtype", "int8"], "--dtype"),
         (["--reps", "0"], "--reps"),
         (["--timeout", "0"], "--timeout"),
@@ -465,27 +554,53 @@ def test_nccl_without_gpus_is_exit_2(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- GPUs
-@pytest.mark.multigpu
-def test_bench_on_two_gpus_with_nccl():
-    """Every variant passes (async-TP may be unavailable, with its reason) and overlap is timed."""
+def _bench_on_gpus(world_size: int, *args: str) -> list[dict[str, str]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"
         result = CliRunner().invoke(
             app,
-            ["bench", "--backend", "nccl", "--world-size", "2", "--shape", "4096x8192x4096", "--shape",
-             "130x257x70", "--reps", "5", "--out", str(out)],
+            ["bench", "--backend", "nccl", "--world-size", str(world_size), "--shape", "4096x8192x4096",
+             "--shape", "130x257x70", "--reps", "5", "--out", str(out), *args],
         )  # fmt: skip
         assert result.exit_code == 0, (result.output, result.exception)
         _, rows = read_csv(out / "bench.csv")
     assert {r["dtype"] for r in rows} == {"bfloat16"}
+    assert {r["collective"] for r in rows} == set(COLLECTIVES)  # the default: every collective
+    return rows
+
+
+@pytest.mark.multigpu
+def test_bench_on_two_gpus_with_nccl():
+    """Every variant passes (the fused torch ops may be unavailable, with their reason) and
+    overlap is timed, for all three collectives."""
+    rows = _bench_on_gpus(2)
     by = {(r["collective"], r["m"], r["variant"]): r for r in rows}
-    for collective in COLLECTIVE_NAMES:
-        for variant in ("gemm", "collective", "sequential", "chunked", "fo_tune", "ideal"):
-            row = by[(collective, "4096", variant)]
-            assert row["status"] == "PASS" and float(row["median_ms"]) > 0, row
+    for collective in COLLECTIVES:
+        for m in ("4096", "130"):
+            for variant in ("gemm", "collective", "sequential", "chunked", "fo_tune", "ideal"):
+                row = by[(collective, m, variant)]
+                assert row["status"] == "PASS" and float(row["median_ms"]) > 0, row
         assert "no second stream" not in by[(collective, "4096", "chunked_c2")]["detail"]
-    assert by[("reduce_scatter", "4096", "async_tp")]["status"] in ("PASS", "UNAVAILABLE")
-    assert by[("reduce_scatter", "130", "async_tp")]["status"] in ("PASS", "UNAVAILABLE")
+    for collective in ("reduce_scatter", "all_gather"):
+        for m in ("4096", "130"):
+            assert by[(collective, m, FUSED[collective])]["status"] in ("PASS", "UNAVAILABLE")
+
+
+@pytest.mark.gpu
+def test_bench_on_one_gpu_at_world_size_1():
+    """One GPU, one NCCL rank: all_gather is a copy then the GEMM and every variant passes but
+    torch's fused ops (symmetric memory between ranks), which are SKIP rows with the reason."""
+    rows = _bench_on_gpus(1)
+    by = {(r["collective"], r["m"], r["variant"]): r for r in rows}
+    for collective in COLLECTIVES:
+        for m in ("4096", "130"):
+            for variant in ("gemm", "collective", "sequential", "chunked", "fo_tune", "ideal"):
+                row = by[(collective, m, variant)]
+                assert row["status"] == "PASS" and float(row["median_ms"]) > 0, row
+            fused = by[(collective, m, FUSED[collective])]
+            assert fused["status"] == "SKIP", fused
+            if collective != "all_reduce":
+                assert "world size 1" in fused["detail"], fused
 
 
 def test_errors_merge_never_hides_a_nan():

@@ -26,6 +26,7 @@ from fo_tune.cli.common import (
     COLLECTIVE_NAMES,
     DTYPE_NAMES,
     FILE_WIDTH,
+    RUNTIME_COLLECTIVE_NAMES,
     _Console,
     parse_shape,
     run_cli,
@@ -76,13 +77,14 @@ def test_demo_help_says_what_it_checks(runner):
         assert word in result.output, word
 
 
-def test_demo_two_ranks_passes_both_collectives(runner):
+def test_demo_two_ranks_passes_every_collective(runner):
     result = runner.invoke(app, ["demo", "--world-size", "2", "--shape", "34x20x9", "--reps", "1"])
     assert result.exit_code == 0, (result.output, result.exception)
     rows = [line for line in result.stdout.splitlines() if "34x20x9" in line and "PASS" in line]
-    assert len(rows) == 2, result.stdout
-    assert any("all_reduce" in r for r in rows) and any("reduce_scatter" in r for r in rows)
-    assert "passed: 2 of 2" in result.stdout
+    assert len(rows) == 3, result.stdout
+    for collective in COLLECTIVES:
+        assert sum(f" {collective} " in r for r in rows) == 1, (collective, rows)
+    assert "passed: 3 of 3" in result.stdout
     if GPUS == 0:  # the first line says where the ranks ran, and why
         assert result.stdout.startswith(
             "fo-tune demo: 2 rank(s) on the CPU (gloo, Triton's interpreter: no GPU"
@@ -163,17 +165,30 @@ def test_run_demo_three_ranks():
     assert [(r.collective, r.m) for r in rows] == [
         ("all_reduce", 36),
         ("reduce_scatter", 36),
+        ("all_gather", 36),  # M is the gathered M: 12 rows a rank
         ("all_reduce", 35),
         ("reduce_scatter", 35),
+        ("all_gather", 35),
     ]
-    for row in rows[:3]:
+    for row in rows[:4]:
         assert row.passed and not row.skipped and not row.has_nan, row
         assert row.rel_err < 1e-5 and row.world_size == 3 and row.backend == "gloo"
-        assert row.schedule_source == MISS_SOURCE  # no table in the isolated folders
+        assert row.schedule_source == MISS_SOURCE  # no table in the isolated folders: overlap: false
         assert row.overlapped_ms > 0 and row.sequential_ms > 0 and row.speedup > 0
-    skipped = rows[3]
-    assert skipped.skipped and skipped.status == "SKIP" and "divisible" in skipped.reason
-    assert math.isnan(skipped.rel_err)
+    for skipped in rows[4:]:
+        assert skipped.skipped and skipped.status == "SKIP", skipped
+        assert skipped.reason == "M=35 is not divisible by the world size 3"
+        assert math.isnan(skipped.rel_err)
+
+
+@pytest.mark.gpu
+def test_run_demo_on_one_gpu_checks_every_collective():
+    """World size 1 on one GPU: the three ops (all_gather a copy, then the GEMM) against float64."""
+    rows = run_demo(world_size=1, shapes=[(4096, 8192, 4096), (130, 257, 70)], backend="nccl", reps=3)
+    assert [(r.collective, r.m) for r in rows] == [(c, m) for m in (4096, 130) for c in COLLECTIVES]
+    for row in rows:
+        assert row.passed and not row.has_nan and row.dtype == "bfloat16" and row.backend == "nccl", row
+        assert row.overlapped_ms > 0 and row.sequential_ms > 0, row
 
 
 def test_run_demo_rejects_bad_input_before_spawning():
@@ -184,8 +199,20 @@ def test_run_demo_rejects_bad_input_before_spawning():
 
 
 def test_cli_names_match_the_runtime():
-    """The help texts' names (written in fo_tune.cli.common to keep --help light) are the runtime's."""
-    assert set(DTYPE_NAMES) == set(DTYPES) and COLLECTIVE_NAMES == COLLECTIVES
+    """The help texts' names (written in fo_tune.cli.common to keep --help light) are the runtime's;
+    search and table take the collectives the search tunes, the runtime's but all_gather."""
+    assert set(DTYPE_NAMES) == set(DTYPES) and RUNTIME_COLLECTIVE_NAMES == COLLECTIVES
+    assert tuple(c for c in COLLECTIVES if c != "all_gather") == COLLECTIVE_NAMES
+
+
+def test_search_refuses_all_gather_until_it_tunes_it(runner, tmp_path):
+    """fo_tune.search measures every collective but all_reduce as a reduce_scatter: an all_gather
+    search would tune the wrong op, so --collective refuses it, naming what it takes."""
+    out = tmp_path / "never"
+    args = ["search", "--shape", "64x64x64", "-c", "all_gather", "--mode", "predict", "--out", str(out)]
+    line = assert_one_line_error(_timed(runner, args))
+    assert "'all_gather'" in line and "all_reduce, reduce_scatter" in line, line
+    assert not out.exists()
 
 
 # ------------------------------------------------------------------------------ where the demo runs

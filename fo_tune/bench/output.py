@@ -13,10 +13,11 @@ from .rows import BENCH_COLUMNS, BenchResult
 
 BENCH_ROOT = Path("results/bench")
 BENCH_FILES = ("bench.csv", "bench.yaml", "bench.png")
-# Variants drawn in bench.png (speedup over sequential; gemm and collective alone are not overlap).
-PLOTTED = ("sequential", "chunked", "async_tp", "fo_tune", "ideal")
-PLOT_COLORS = dict(sequential="tab:gray", chunked="tab:orange", async_tp="tab:green", fo_tune="tab:blue",
-                   ideal="tab:purple")  # fmt: skip
+# Variants drawn in bench.png (speedup over sequential; gemm and collective alone are not overlap);
+# a panel draws those of its collective that ran.
+PLOTTED = ("sequential", "chunked", "async_tp", "torch_fused", "fo_tune", "ideal")
+PLOT_COLORS = dict(sequential="tab:gray", chunked="tab:orange", async_tp="tab:green", torch_fused="tab:olive",
+                   fo_tune="tab:blue", ideal="tab:purple")  # fmt: skip
 
 
 def default_bench_dir(device_key: str, world_size: int) -> Path:
@@ -36,22 +37,25 @@ def _plot(result: BenchResult, path: Path) -> None:
     fig, axes = figure(1, len(collectives), 6.0, 3.8)
     where = "NCCL" if result.backend == "nccl" else "gloo on the CPU (not overlap)"
     fig.suptitle(f"speedup over GEMM then collective: {result.fingerprint.device_key}, {where}")
-    width = 0.8 / len(PLOTTED)
     for ax, collective in zip(axes[0], collectives, strict=True):
         rows = [r for r in result.rows if r.collective == collective]
         shapes = list(dict.fromkeys(r.shape for r in rows))
-        for i, variant in enumerate(PLOTTED):
-            values = {r.shape: r.speedup_vs_sequential for r in rows if r.variant == variant}
+        values = {
+            variant: {r.shape: r.speedup_vs_sequential for r in rows if r.variant == variant}
+            for variant in PLOTTED
+        }
+        # drawn: the variants with a number here (not async_tp beside all_reduce, nor one unavailable)
+        drawn = [v for v in PLOTTED if any(not math.isnan(x) for x in values[v].values())]
+        width = 0.8 / max(1, len(drawn))
+        for i, variant in enumerate(drawn):
             bars = [
-                (j + (i - (len(PLOTTED) - 1) / 2) * width, values[s])
+                (j + (i - (len(drawn) - 1) / 2) * width, values[variant][s])
                 for j, s in enumerate(shapes)
-                if not math.isnan(values.get(s, math.nan))
+                if not math.isnan(values[variant].get(s, math.nan))
             ]
-            if not bars:  # never ran here (async_tp beside all_reduce, or unavailable)
-                continue
-            drawn = ax.bar(*zip(*bars, strict=True), width, label=variant, color=PLOT_COLORS[variant],
-                           hatch="//" if variant == "ideal" else None)  # fmt: skip
-            ax.bar_label(drawn, fmt="%.2f", fontsize=6, rotation=90, padding=2)
+            made = ax.bar(*zip(*bars, strict=True), width, label=variant, color=PLOT_COLORS[variant],
+                          hatch="//" if variant == "ideal" else None)  # fmt: skip
+            ax.bar_label(made, fmt="%.2f", fontsize=6, rotation=90, padding=2)
         for j, s in enumerate(shapes):
             if all(r.status == "SKIP" for r in rows if r.shape == s):
                 ax.text(j, 0.5, "skipped", ha="center", va="bottom", rotation=90, fontsize="small")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fo_kernels.errors import FoTuneError, ShapeError
-from fo_kernels.schedule import COLLECTIVES, DTYPES
+from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
 
 from ..launch import TASK_TIMEOUT_S
 from ..limits import check_problem_size, local_target
@@ -76,6 +76,24 @@ class BenchRequest:
             raise ShapeError(f"sample length must be > 0 ms, got {self.sample_ms!r}")
         if not self.chunks or any(c < 2 for c in self.chunks):
             raise ShapeError(f"chunks must be integers >= 2, got {list(self.chunks)}")
+        self._check_shardable()
+
+    def _check_shardable(self) -> None:
+        """Refuse a shape none of whose collectives can run: reduce_scatter and all_gather need M
+        divisible by the world size (a shape that another collective runs gets SKIP rows instead)."""
+        if any(c not in SHARDED_COLLECTIVES for c in self.collectives):
+            return
+        w = self.world_size
+        names = " and ".join(self.collectives)
+        verb = "needs" if len(self.collectives) == 1 else "need"
+        gathered = ", all_gather's M being the gathered M" if "all_gather" in self.collectives else ""
+        for m, n, k in self.shapes:
+            if m % w:
+                raise ShapeError(
+                    f"shape {m}x{n}x{k}: {names} {verb} M divisible by the world size {w} (each rank "
+                    f"holds M/{w} rows{gathered}); give M a multiple of {w}, or add all_reduce to the "
+                    "collectives (--collective)"
+                )
 
     def dtype_for(self, backend: str) -> str:
         """The operand dtype: the request's, else the device's default."""

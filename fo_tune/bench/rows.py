@@ -1,7 +1,8 @@
 """The bench's results: ranks merged into one row per variant, the derived rows and the ratios.
 
 per variant: the worst status of any rank, the largest error, the slowest rank's median
-chunked = the best chunk count; ideal = max(gemm, collective) (not run)
+chunked = the best chunk count; ideal = max(gemm, collective) (not run); one fused torch op per
+case (async_tp beside reduce_scatter and, as a SKIP row, all_reduce; torch_fused beside all_gather)
 speedup_vs_sequential = sequential / variant, fraction_of_ideal = ideal / variant
 """
 
@@ -19,8 +20,11 @@ from ..timing import Timing
 
 BENCH_SCHEMA_VERSION = 1
 BENCH_KIND = "fo-tune-bench"
-# The variants of every case, in row order; chunked_c<C> rows follow "chunked".
-VARIANTS = ("gemm", "collective", "sequential", "chunked", "async_tp", "fo_tune", "ideal")
+# The variants, in row order; chunked_c<C> rows follow "chunked". A case has one of the fused torch
+# ops, its collective's (FUSED_VARIANT): async_tp (fused matmul + reduce-scatter) or torch_fused
+# (fused all-gather + matmul); all_reduce has none, and keeps an async_tp SKIP row.
+VARIANTS = ("gemm", "collective", "sequential", "chunked", "async_tp", "torch_fused", "fo_tune", "ideal")
+FUSED_VARIANT = {"all_reduce": "async_tp", "reduce_scatter": "async_tp", "all_gather": "torch_fused"}
 # Rows derived from others, not run themselves: the best chunk count, and max(gemm, collective).
 DERIVED = ("chunked", "ideal")
 # Row statuses: checked and timed, wrong (never timed), not applicable, cannot run here.
@@ -46,7 +50,7 @@ class BenchRow:
     spread_ms: float
     speedup_vs_sequential: float  # sequential_ms / median_ms
     fraction_of_ideal: float  # ideal_ms / median_ms
-    schedule_source: str  # fo_tune rows: "table" or "no table row" (fo_kernels.table.MISS_SOURCE)
+    schedule_source: str  # fo_tune rows: "table", or "no table row" (overlap: false)
 
     @property
     def shape(self) -> str:
@@ -156,9 +160,17 @@ def case_rows(head: dict[str, Any], merged: Sequence[dict[str, Any]]) -> list[Be
     return rows
 
 
-def skipped_rows(head: dict[str, Any], chunks: Sequence[int], why: str) -> list[BenchRow]:
-    """Every row of a case that cannot run (e.g. ReduceScatter of an M the world size does not divide)."""
+def case_variants(collective: str, chunks: Sequence[int]) -> list[str]:
+    """The rows of a ``collective`` case, in order (``VARIANTS``, one fused torch op)."""
+    other = {*FUSED_VARIANT.values()} - {FUSED_VARIANT[collective]}
     names = [*VARIANTS[:4], *(f"chunked_c{c}" for c in chunks), *VARIANTS[4:]]
+    return [name for name in names if name not in other]
+
+
+def skipped_rows(head: dict[str, Any], chunks: Sequence[int], why: str) -> list[BenchRow]:
+    """Every row of a case that cannot run (ReduceScatter or AllGather of an M the world size
+    does not divide)."""
+    names = case_variants(head["collective"], chunks)
     nan = math.nan
     return [
         BenchRow(**head, **_derived(v, "SKIP", why), speedup_vs_sequential=nan, fraction_of_ideal=nan)

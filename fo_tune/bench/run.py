@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime as dt
 import time
 
+from fo_kernels.schedule import SHARDED_COLLECTIVES
+
 from ..launch import choose_backend, fingerprinted_pool
 from ..progress import Reporter, SilentReporter
 from ..timing import comparison_sample_ms
@@ -58,7 +60,7 @@ def run_bench(request: BenchRequest, reporter: Reporter | None = None) -> BenchR
         for (m, n, k), collective in cases:
             head = dict(device_key=fp.device_key, world_size=pool.world_size, dtype=dtype, m=m, n=n, k=k,
                         collective=collective)  # fmt: skip
-            if collective == "reduce_scatter" and m % pool.world_size:
+            if collective in SHARDED_COLLECTIVES and m % pool.world_size:
                 why = f"M={m} is not divisible by the world size {pool.world_size}"
                 result.rows += skipped_rows(head, request.chunks, why)
             else:

@@ -1,12 +1,13 @@
 """The bench's rank task: every variant of one (shape, collective) on this rank, checked, then timed.
 
-a, b  = gemm_operands(M, N, K, seed per rank)       # random, never zero
-ref   = collective(a.float() @ b.float())           # float32, the default group
+ops   = case_operands(collective, M, N, K, seed per rank)   # fo_tune.bench.operands: random, never
+        zero; for all_gather a is this rank's (M/w, K) shard; references in float32
 for each variant (fo_tune.bench.variants): out = fn(); pass iff no NaN and
     rel_err(out, ref) < GEMM_TOL[dtype] on every rank (they agree before anything is timed);
-    a failed variant is not timed. async_tp and fo_tune allocate their output per call, so they
-    are checked on a second operand set: a freed buffer holding an earlier variant's answer
-    cannot pass
+    a failed variant is not timed. The fused torch op and fo_tune allocate their output per call,
+    so they are checked on a second operand set: a freed buffer holding an earlier variant's
+    answer cannot pass. At world size 1 the fused torch op (symmetric memory between ranks) is a
+    SKIP row
 time = fo_tune.timing.time_interleaved over every variant that passed (alternating rounds, the
     ranks agree on call counts)
 fo_tune is checked once more after timing, its previous output poisoned with NaN first: the
@@ -26,12 +27,15 @@ import torch.distributed as dist
 
 from fo_kernels.errors import HeuristicScheduleWarning
 from fo_kernels.runtime import runtime_for
+from fo_kernels.schedule import SHARDED_COLLECTIVES
 
 from ..launch import RankContext
-from ..measure import GEMM_TOL, gemm_operands, rel_err
+from ..measure import GEMM_TOL, rel_err
 from ..timing import MIN_SAMPLE_MS, time_interleaved
 from . import variants as v
+from .operands import CaseOperands, case_operands
 from .request import CHUNK_COUNTS, GPU_REPS, WARMUP
+from .rows import FUSED_VARIANT
 
 # Seed offset of the second operand set (any number keeping it apart from the first set's seeds).
 FRESH_SEED = 7919
@@ -80,45 +84,57 @@ class BenchCaseTask:
     min_sample_ms: float = MIN_SAMPLE_MS  # the shortest timed sample (fo_tune.timing)
 
     def run(self, ctx: RankContext) -> list[dict[str, Any]]:
-        m, n, k, w, c = self.m, self.n, self.k, ctx.world_size, self.collective
+        m, n, k, c = self.m, self.n, self.k, self.collective
         seed = (((self.seed * 1009 + m) * 1009 + n) * 1009 + k) * 1009 + ctx.rank
-        a, b = gemm_operands(m, n, k, self.dtype, ctx.device, seed=seed % (1 << 62))
-        local = a.float() @ b.float()
-        ref = v.collective_of(c, local.clone())
-        rs = c == "reduce_scatter"
+        ops = case_operands(c, m, n, k, self.dtype, ctx.device, seed % (1 << 62))
         out = [
-            self._measure(ctx, "gemm", "", lambda: lambda: a @ b, local),
-            self._measure(ctx, "collective", "", lambda: v.collective_alone(c, self.dtype, local), ref),
-            self._measure(ctx, "sequential", "", lambda: v.sequential(c, a, b), ref),
+            self._measure(ctx, "gemm", "", lambda: lambda: ops.gemm_a @ ops.b, ops.gemm_ref),
+            self._measure(ctx, "collective", "", lambda: v.collective_alone(c, ops.comm_in), ops.comm_ref),
+            self._measure(ctx, "sequential", "", lambda: v.sequential(c, ops.a, ops.b), ops.ref),
+            *self._chunked(ctx, ops),
         ]
-        rows = m // w if rs else m
+        fresh = case_operands(c, m, n, k, self.dtype, ctx.device, (seed + FRESH_SEED) % (1 << 62))
+        out.append(self._fused(ctx, fresh))
+        with warnings.catch_warnings():  # fo_tune's schedule source is recorded in its row instead
+            warnings.simplefilter("ignore", HeuristicScheduleWarning)
+            source, detail = v.fo_tune_schedule(c, m, n, k, self.dtype, ctx)
+            build = lambda: v.fo_tune(c, fresh.a, fresh.b)
+            fo = self._measure(ctx, "fo_tune", detail, build, fresh.ref)
+            out.append({**fo, "source": source})
+            self._time(ctx, out, fresh.ref)
+        return out
+
+    def _chunked(self, ctx: RankContext, ops: CaseOperands) -> list[dict[str, Any]]:
+        """One entry per chunk count: checked, or SKIP where M (a shard's rows) is too short."""
+        sharded = self.collective in SHARDED_COLLECTIVES
+        rows = self.m // ctx.world_size if sharded else self.m
+        out = []
         for chunks in self.chunks:
             name = f"chunked_c{chunks}"
             if rows < chunks:
-                what = f"M/world = {rows} rows per shard" if rs else f"M = {rows} rows"
+                what = f"M/world = {rows} rows per shard" if sharded else f"M = {rows} rows"
                 out.append(entry(name, "SKIP", f"chunks={chunks}: {what}, fewer than {chunks}"))
                 continue
             detail = f"chunks={chunks}"
             if ctx.device.type != "cuda":
                 detail += ", CPU: no second stream, the chunks run one after the other"
-            build = lambda chunks=chunks: v.chunked(c, ctx, a, b, chunks)
-            out.append(self._measure(ctx, name, detail, build, ref))
-        a2, b2 = gemm_operands(m, n, k, self.dtype, ctx.device, seed=(seed + FRESH_SEED) % (1 << 62))
-        ref2 = v.collective_of(c, a2.float() @ b2.float())
-        if rs:
-            build = lambda: v.async_tp(ctx, a2, b2)
-            out.append(
-                self._measure(ctx, "async_tp", "fused_matmul_reduce_scatter", build, ref2, raise_code=2)
-            )
-        else:
-            out.append(entry("async_tp", "SKIP", "torch async-TP fuses matmul + reduce_scatter only"))
-        with warnings.catch_warnings():  # fo_tune's schedule source is recorded in its row instead
-            warnings.simplefilter("ignore", HeuristicScheduleWarning)
-            source, detail = v.fo_tune_schedule(c, m, n, k, self.dtype, ctx)
-            fo = self._measure(ctx, "fo_tune", detail, lambda: v.fo_tune(c, a2, b2), ref2)
-            out.append({**fo, "source": source})
-            self._time(ctx, out, ref2)
+            build = lambda chunks=chunks: v.chunked(self.collective, ctx, ops.a, ops.b, chunks)
+            out.append(self._measure(ctx, name, detail, build, ops.ref))
         return out
+
+    def _fused(self, ctx: RankContext, ops: CaseOperands) -> dict[str, Any]:
+        """The collective's fused torch op (``FUSED_VARIANT``), checked on the fresh operands:
+        UNAVAILABLE where it raises (off CUDA and NCCL), SKIP where it does not apply."""
+        name = FUSED_VARIANT[self.collective]
+        if self.collective == "all_reduce":
+            return entry(name, "SKIP", "torch fuses matmul with reduce_scatter and all_gather only")
+        if ctx.world_size < 2:
+            return entry(name, "SKIP", "world size 1: no peer rank for torch's symmetric-memory op")
+        if self.collective == "reduce_scatter":
+            build, what = (lambda: v.async_tp(ctx, ops.a, ops.b)), "fused_matmul_reduce_scatter"
+        else:
+            build, what = (lambda: v.torch_fused(ctx, ops.a, ops.b)), "fused_all_gather_matmul"
+        return self._measure(ctx, name, what, build, ops.ref, raise_code=2)
 
     def _time(self, ctx: RankContext, out: list[dict[str, Any]], ref2: torch.Tensor) -> None:
         """Time every variant that passed its check side by side in alternating rounds (a clock

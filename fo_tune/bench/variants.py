@@ -1,23 +1,34 @@
 """The ways to run GEMM + collective that the bench compares, each built as a call on one rank.
 
-    gemm        a @ b (no collective)
-    collective  the collective alone on the full (M, N) buffer, default group
-    sequential  GEMM, then the collective
-    chunked     M split into C row chunks: GEMM chunk j on the caller's stream, an event, the
-                collective of chunk j on the high-priority stream after it; for ReduceScatter chunk
-                j holds rows j*S/C..(j+1)*S/C of every shard (S = M/w), GEMMed by one strided
-                batched GEMM, so rank r still gets rows [r*S, (r+1)*S)
-    async_tp    torch.ops.symm_mem.fused_matmul_reduce_scatter (ReduceScatter, CUDA and NCCL only)
-    fo_tune     fo_kernels.gemm_all_reduce / gemm_reduce_scatter, schedule=None (the table row for
-                the shape, else overlap: false)
+For all_reduce and reduce_scatter the op is ``collective(a @ b)``; for all_gather it is
+``all_gather(a) @ b`` with ``a`` this rank's (M/w, K) shard and M the gathered rows.
 
-On the CPU (gloo) there is no second stream: the chunks run one after the other.
+    gemm         the full (M, N, K) GEMM alone (all_gather: the gathered A @ b)
+    collective   the collective alone, default group: all_reduce / reduce_scatter of the (M, N)
+                 GEMM result, all_gather of the (M/w, K) shard into (M, K)
+    sequential   GEMM, then the collective (all_gather: the gather, then the GEMM)
+    chunked      M split into C row chunks on two streams. all_reduce: GEMM chunk j on the
+                 caller's stream, an event, its collective on the high-priority stream after it.
+                 reduce_scatter: chunk j holds rows j*S/C..(j+1)*S/C of every shard (S = M/w),
+                 GEMMed by one strided batched GEMM, so rank r still gets rows [r*S, (r+1)*S).
+                 all_gather, the other way round: the gather of rows j*S/C..(j+1)*S/C of every
+                 shard on the high-priority stream, an event, then one strided batched GEMM of
+                 those rows into their places in the (M, N) output on the caller's stream
+    async_tp     torch.ops.symm_mem.fused_matmul_reduce_scatter (reduce_scatter)
+    torch_fused  torch.ops.symm_mem.fused_all_gather_matmul (all_gather)
+    fo_tune      fo_kernels.gemm_all_reduce / gemm_reduce_scatter / all_gather_gemm, schedule=None
+                 (the table row for the shape, else overlap: false)
+
+Buffers a call writes into are made once, full of NaN: a call that leaves part of its output
+unwritten fails its check. On the CPU (gloo) there is no second stream: the chunks run one after
+the other.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -25,11 +36,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fo_kernels.collectives import all_gather_tensor, reduce_scatter_tensor
 from fo_kernels.errors import EnvironmentMismatchError, FoTuneError, HeuristicScheduleWarning
-from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
-from fo_kernels.schedule import torch_dtype
+from fo_kernels.runtime import runtime_for
+from fo_kernels.table import MISS_SOURCE
 
 from ..launch import RankContext
+from .operands import collective_of
 
 Call = Callable[[], torch.Tensor]
 
@@ -45,43 +58,48 @@ def splits(total: int, parts: int) -> list[int]:
     return [i * total // parts for i in range(parts + 1)]
 
 
-def collective_of(
-    collective: str, full: torch.Tensor, group: Any = None, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The collective of the (M, N) buffer ``full``: in place (all_reduce) or into ``out``."""
+def poisoned(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A buffer of ``shape`` in ``like``'s dtype and device, full of NaN."""
+    return torch.full(shape, math.nan, dtype=like.dtype, device=like.device)
+
+
+def collective_alone(collective: str, src: torch.Tensor) -> Call:
+    """The collective of ``src`` (``CaseOperands.comm_in``), on buffers made once."""
     if collective == "all_reduce":
-        dist.all_reduce(full, group=group)
-        return full
-    if out is None:
-        rows = full.shape[0] // dist.get_world_size()
-        out = torch.empty((rows, full.shape[1]), dtype=full.dtype, device=full.device)
-    reduce_scatter_tensor(out, full, group=group)
-    return out
-
-
-def collective_alone(collective: str, dtype: str, local: torch.Tensor) -> Call:
-    """The collective on the reference GEMM result in ``dtype`` (so its check means something)."""
-    full = local.to(torch_dtype(dtype))
-    out = torch.empty((full.shape[0] // dist.get_world_size(), full.shape[1]), dtype=full.dtype,
-                      device=full.device)  # fmt: skip
-    return lambda: collective_of(collective, full, None, out)
+        full = src.clone()  # summed in place, call after call
+        return lambda: collective_of(collective, full)
+    w = dist.get_world_size()
+    rows = src.shape[0] * w if collective == "all_gather" else src.shape[0] // w
+    out = poisoned((rows, src.shape[1]), src)
+    return lambda: collective_of(collective, src, None, out)
 
 
 def sequential(collective: str, a: torch.Tensor, b: torch.Tensor) -> Call:
-    """cuBLAS into a preallocated (M, N) buffer, then the collective."""
-    m, n = a.shape[0], b.shape[1]
-    full = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    out = torch.empty((m // dist.get_world_size(), n), dtype=a.dtype, device=a.device)
+    """cuBLAS into a preallocated (M, N) buffer, then the collective; for all_gather the gather
+    into a preallocated (M, K) buffer, then cuBLAS."""
+    w, n = dist.get_world_size(), b.shape[1]
+    if collective == "all_gather":
+        gathered = poisoned((a.shape[0] * w, a.shape[1]), a)
+        product = poisoned((a.shape[0] * w, n), a)
 
-    def run() -> torch.Tensor:
+        def gather_then_gemm() -> torch.Tensor:
+            collective_of(collective, a, None, gathered)
+            return torch.mm(gathered, b, out=product)
+
+        return gather_then_gemm
+    full = poisoned((a.shape[0], n), a)
+    out = poisoned((a.shape[0] // w, n), a)
+
+    def gemm_then_collective() -> torch.Tensor:
         torch.mm(a, b, out=full)
         return collective_of(collective, full, None, out)
 
-    return run
+    return gemm_then_collective
 
 
 def chunked(collective: str, ctx: RankContext, a: torch.Tensor, b: torch.Tensor, c: int) -> Call:
-    """GEMM chunk j on the caller's stream, an event, its collective on the high-priority stream.
+    """``c`` chunks on two streams: a GEMM chunk, an event, its collective on the high-priority
+    stream (all_gather: a chunk's gather there, an event, its GEMM on the caller's stream).
 
     The collectives use the runtime's high-priority NCCL group with NCCL's default CTA count
     (``OverlapRuntime.comm_group(0)``, as the overlapped ops do); gloo's default group on the CPU.
@@ -89,12 +107,14 @@ def chunked(collective: str, ctx: RankContext, a: torch.Tensor, b: torch.Tensor,
     rt = runtime_for(ctx.device, None)
     side = rt.comm_stream
     gemms, comms, result = _chunk_calls(collective, a, b, c, rt.comm_group(0), ctx.world_size)
+    gather_first = collective == "all_gather"
     if side is None:  # the CPU: one after the other
 
         def serial() -> torch.Tensor:
             for gemm, comm in zip(gemms, comms, strict=True):
-                gemm()
-                comm()
+                first, then = (comm, gemm) if gather_first else (gemm, comm)
+                first()
+                then()
             return result
 
         return serial
@@ -104,6 +124,13 @@ def chunked(collective: str, ctx: RankContext, a: torch.Tensor, b: torch.Tensor,
         main = torch.cuda.current_stream(ctx.device)
         side.wait_stream(main)  # the buffers are free: the previous call's readers are done
         for gemm, comm, event in zip(gemms, comms, events, strict=True):
+            if gather_first:  # the gathers queue on the side stream, each GEMM waits for its own
+                with torch.cuda.stream(side):
+                    comm()
+                event.record(side)
+                main.wait_event(event)
+                gemm()
+                continue
             gemm()
             event.record(main)
             with torch.cuda.stream(side):
@@ -122,48 +149,74 @@ def _chunk_calls(
     (m, k), n = a.shape, b.shape[1]
     if collective == "all_reduce":  # chunk j = rows bounds[j]..bounds[j+1] of the output
         bounds = splits(m, c)
-        full = torch.empty((m, n), dtype=a.dtype, device=a.device)
+        full = poisoned((m, n), a)
         parts = [(a[r0:r1], full[r0:r1]) for r0, r1 in itertools.pairwise(bounds)]
         gemms = [functools.partial(torch.mm, ai, b, out=oi) for ai, oi in parts]
         comms = [functools.partial(dist.all_reduce, oi, group=group) for _, oi in parts]
         return gemms, comms, full
+    gemms, comms = [], []
+    if collective == "all_gather":
+        # chunk j = rows bounds[j]..bounds[j+1] of every shard (a is this rank's (S, K) shard):
+        # gathered shard after shard, then GEMMed into those rows of every shard's output block
+        shard = m
+        out = poisoned((w * shard, n), a)
+        out3, b3 = out.view(w, shard, n), b.expand(w, k, n)  # b3: batch stride 0, no copy
+        for s0, s1 in itertools.pairwise(splits(shard, c)):
+            buf = poisoned((w, s1 - s0, k), a)
+            comms.append(functools.partial(all_gather_tensor, buf.view(-1, k), a[s0:s1], group=group))
+            gemms.append(functools.partial(torch.bmm, buf, b3, out=out3[:, s0:s1]))
+        return gemms, comms, out
     # chunk j = rows bounds[j]..bounds[j+1] of every shard, laid out shard after shard: one
     # strided batched GEMM writes it, and its reduce_scatter gives rank r those rows of shard r
     shard = m // w
-    bounds = splits(shard, c)
-    a3, b3 = a.view(w, shard, k), b.expand(w, k, n)  # b3: batch stride 0, no copy
-    result = torch.empty((shard, n), dtype=a.dtype, device=a.device)
-    gemms, comms = [], []
-    for s0, s1 in itertools.pairwise(bounds):
-        buf = torch.empty((w, s1 - s0, n), dtype=a.dtype, device=a.device)
+    a3, b3 = a.view(w, shard, k), b.expand(w, k, n)
+    result = poisoned((shard, n), a)
+    for s0, s1 in itertools.pairwise(splits(shard, c)):
+        buf = poisoned((w, s1 - s0, n), a)
         gemms.append(functools.partial(torch.bmm, a3[:, s0:s1], b3, out=buf))
         comms.append(functools.partial(reduce_scatter_tensor, result[s0:s1], buf.view(-1, n), group=group))
     return gemms, comms, result
 
 
-def async_tp(ctx: RankContext, a: torch.Tensor, b: torch.Tensor) -> Call:
-    """PyTorch async-TP: ``fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0, group_name)``;
-    raises ``EnvironmentMismatchError`` off CUDA and NCCL."""
+def _symm_mem_group(ctx: RankContext) -> str:
+    """The default group's name, enabled for symmetric memory; ``EnvironmentMismatchError`` off
+    CUDA and NCCL."""
     if ctx.device.type != "cuda" or ctx.backend != "nccl":
         raise EnvironmentMismatchError(f"needs CUDA GPUs and NCCL, this run uses {ctx.backend} on the CPU")
     from torch.distributed import _symmetric_memory as symm_mem
 
-    op = torch.ops.symm_mem.fused_matmul_reduce_scatter
     name = dist.group.WORLD.group_name
     with warnings.catch_warnings():  # deprecated (a no-op) from torch 2.11, needed before
         warnings.simplefilter("ignore", FutureWarning)
         symm_mem.enable_symm_mem_for_group(name)
+    return name
+
+
+def async_tp(ctx: RankContext, a: torch.Tensor, b: torch.Tensor) -> Call:
+    """PyTorch async-TP: ``fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0, group_name)``;
+    raises ``EnvironmentMismatchError`` off CUDA and NCCL."""
+    name = _symm_mem_group(ctx)
+    op = torch.ops.symm_mem.fused_matmul_reduce_scatter
     return lambda: op(a, b, "sum", 0, name)  # reduce_op, scatter_dim, group_name
+
+
+def torch_fused(ctx: RankContext, a: torch.Tensor, b: torch.Tensor) -> Call:
+    """PyTorch's fused AllGather + GEMM: ``fused_all_gather_matmul(a, [b], gather_dim=0,
+    group_name)``, which returns (gathered A, [product]) as async-TP's column-parallel layers
+    use it; raises ``EnvironmentMismatchError`` off CUDA and NCCL."""
+    name = _symm_mem_group(ctx)
+    op = torch.ops.symm_mem.fused_all_gather_matmul
+    return lambda: op(a, [b], 0, name)[1][0]  # A_shard, Bs, gather_dim, group_name
 
 
 def fo_tune_schedule(
     collective: str, m: int, n: int, k: int, dtype: str, ctx: RankContext
 ) -> tuple[str, str]:
-    """(source, detail) of the schedule ``fo_tune`` runs: ``table``, or ``no table row`` (the runtime
-    then runs overlap: false), and its description; ("", why) when the lookup refuses (e.g. a table
-    for other hardware)."""
+    """(source, detail) of the schedule ``fo_tune`` runs for the problem (m, n, k) (all_gather: m
+    the gathered M): ``table``, or the lookup's own source where no row matched (``MISS_SOURCE``:
+    overlap: false), and its description; ("", why) when the lookup refuses (e.g. a table for
+    other hardware)."""
     from fo_kernels import lookup_schedule
-    from fo_kernels.table import MISS_SOURCE
 
     with warnings.catch_warnings():  # the source is recorded instead
         warnings.simplefilter("ignore", HeuristicScheduleWarning)
@@ -179,7 +232,11 @@ def fo_tune_schedule(
 def fo_tune(collective: str, a: torch.Tensor, b: torch.Tensor) -> Call:
     """The runtime's op with ``schedule=None`` (the caller ignores its ``HeuristicScheduleWarning``:
     the row records the schedule's source)."""
-    from fo_kernels import gemm_all_reduce, gemm_reduce_scatter
+    import fo_kernels
 
-    op = gemm_all_reduce if collective == "all_reduce" else gemm_reduce_scatter
+    op = {
+        "all_reduce": fo_kernels.gemm_all_reduce,
+        "reduce_scatter": fo_kernels.gemm_reduce_scatter,
+        "all_gather": fo_kernels.all_gather_gemm,
+    }[collective]
     return lambda: op(a, b, schedule=None)

@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 
 from .common import (
-    COLLECTIVE_NAMES,
     DTYPE_NAMES,
+    RUNTIME_COLLECTIVE_NAMES,
     BackendOpt,
     ShapesOpt,
     WorldSizeOpt,
@@ -35,24 +35,34 @@ HELP = "\n\n".join(
     [
         "Benchmark GEMM + collective every way it can run on this machine: each variant checked, "
         "then timed, in one pool of --world-size ranks (spawned, or torchrun's).",
-        "Variants per shape and collective: gemm (cuBLAS a @ b alone); collective (NCCL alone on "
-        "the full M x N buffer); sequential (GEMM, then the collective); chunked (M split into 2, 4 "
-        "and 8 row chunks: GEMM chunk j, an event, the collective of chunk j on a high-priority "
-        "second stream; for reduce_scatter each chunk takes the same rows of every rank's shard; "
-        "the best count is the chunked row, each count is a chunked_c<C> row); async_tp "
-        "(reduce_scatter only: torch.ops.symm_mem.fused_matmul_reduce_scatter, reported "
-        "UNAVAILABLE with its reason where it cannot run); fo_tune (fo_kernels.gemm_all_reduce / "
-        "gemm_reduce_scatter with the schedule lookup_schedule returns: a table row, else overlap: "
-        "false, recorded as schedule_source); ideal (max(gemm, collective): the "
-        "physical bound, derived, not run).",
+        "Collectives: all_reduce and reduce_scatter of a @ b (the row-parallel direction), and "
+        "all_gather, all_gather(a) @ b (the column-parallel direction). A shape MxNxK is the GEMM's "
+        "for each: for all_gather M is the gathered M, each rank holding an M/w x K shard of A "
+        "(rank r's at rows r*M/w).",
+        "Variants per shape and collective: gemm (cuBLAS alone, the full M x N x K GEMM); "
+        "collective (NCCL alone: the all_reduce or reduce_scatter of the M x N result, the "
+        "all_gather of the M/w x K shard); sequential (GEMM, then the collective; all_gather: the "
+        "gather, then the GEMM); chunked (M split into 2, 4 and 8 row chunks on a high-priority "
+        "second stream: GEMM chunk j, an event, the collective of chunk j; for reduce_scatter and "
+        "all_gather each chunk takes the same rows of every rank's shard, and all_gather gathers "
+        "chunk j before its GEMM; the best count is the chunked row, each count is a chunked_c<C> "
+        "row); async_tp (reduce_scatter: torch.ops.symm_mem.fused_matmul_reduce_scatter); "
+        "torch_fused (all_gather: torch.ops.symm_mem.fused_all_gather_matmul); both need CUDA, "
+        "NCCL and symmetric memory, are reported UNAVAILABLE with the reason where they cannot run "
+        "and SKIP at world size 1; fo_tune (fo_kernels.gemm_all_reduce / gemm_reduce_scatter / "
+        "all_gather_gemm with the schedule lookup_schedule returns: a table row, else overlap: "
+        "false, recorded as schedule_source); ideal (max(gemm, collective): the physical bound, "
+        "derived, not run).",
         "Checks: random operands (never zero, a seed per rank) against a float32 reference, "
-        "a.float() @ b.float() then the collective; a variant passes when nothing is NaN and the "
-        "relative error is below 1e-2 (bfloat16), 5e-3 (float16) or 1e-4 (float32) on every "
-        "rank. A failing variant is reported FAIL and not timed. Times: the median of --reps "
-        "samples per rank (CUDA events around back-to-back calls spanning --sample-ms, the ranks "
-        "agree on the calls per sample), the slowest "
-        "rank's; speedup = sequential ms / variant ms, fraction of ideal = ideal ms / variant ms. "
-        "reduce_scatter needs M divisible by the world size; other shapes give SKIP rows.",
+        "a.float() @ b.float() then the collective (all_gather: the gathered float32 A @ "
+        "b.float()); the buffers the bench makes for a variant start as NaN, and a variant passes "
+        "when nothing is NaN and the relative error is below 1e-2 (bfloat16), 5e-3 (float16) or "
+        "1e-4 (float32) on every rank. A failing variant is reported FAIL and not timed. Times: the "
+        "median of --reps samples per rank (CUDA events around back-to-back calls spanning "
+        "--sample-ms, the ranks agree on the calls per sample), the slowest rank's; speedup = "
+        "sequential ms / variant ms, fraction of ideal = ideal ms / variant ms. reduce_scatter and "
+        "all_gather need M divisible by the world size: such a shape gives them SKIP rows, and is "
+        "refused when no collective asked for can run it.",
         "Shapes: --shape (repeat), or --suite FILE (suites/h200_tp.yaml: name, dtype, shapes; "
         "odd_shapes too with --include-odd). Default: the shipped h200_tp suite on GPUs, 64x96x64 "
         "on the CPU.",
@@ -89,7 +99,8 @@ CollectiveOpt = Annotated[
         "--collectives",
         "-c",
         metavar="NAME[,NAME]",
-        help=f"Collectives, repeated or comma-separated: {', '.join(COLLECTIVE_NAMES)}. Default: both.",
+        help=f"Collectives, repeated or comma-separated: {', '.join(RUNTIME_COLLECTIVE_NAMES)}. "
+        "Default: all of them.",
     ),
 ]
 BenchDtypeOpt = Annotated[
@@ -170,6 +181,10 @@ def _request(
 
 
 # ----------------------------------------------------------------------------------- the summary
+# The summary's column of each collective's fused torch op (all_reduce has none).
+FUSED_COLUMNS = {"reduce_scatter": ("async_tp", "async-TP"), "all_gather": ("torch_fused", "torch fused")}
+
+
 def _cell(row: BenchRow | None) -> str:
     """A variant's time, FAIL (red), n/a (unavailable) or - (skipped)."""
     if row is None:
@@ -188,15 +203,23 @@ def _chunked_cell(row: BenchRow | None) -> str:
     return cell
 
 
+def _times_faster(other: BenchRow | None, ours: BenchRow) -> str:
+    """``other`` ms / fo-tune ms where both passed, else ``-``."""
+    if other is None or other.status != "PASS" or ours.status != "PASS":
+        return "-"
+    return fmt(other.median_ms / ours.median_ms, ".2f") + "x"
+
+
 def _case_table(result: BenchResult, collective: str) -> tuple[Table, list[str]]:
-    """One collective's summary: per shape the times (ms), fo-tune's speedup and fraction of ideal."""
+    """One collective's summary: per shape the times (ms), fo-tune's speedup, fraction of ideal and,
+    beside a fused torch op, how many times faster than it fo-tune is."""
     where = "NCCL" if result.backend == "nccl" else "gloo on the CPU"
-    rs = collective == "reduce_scatter"
-    columns = ["MxNxK", "seq", "chunked", *(["async-TP"] if rs else []), "fo-tune", "ideal"]
+    fused = FUSED_COLUMNS.get(collective)  # (variant, column) of the collective's fused torch op
+    columns = ["MxNxK", "seq", "chunked", *([fused[1]] if fused else []), "fo-tune", "ideal"]
     table = summary_table(
         f"{collective} (ms): {result.fingerprint.world_size} ranks, {where}, {result.settings['dtype']}, "
         f"{result.fingerprint.device_key}",
-        [*columns, "speedup", "of ideal", "ok"],
+        [*columns, "speedup", "of ideal", *([f"x {fused[1]}"] if fused else []), "ok"],
         1,
     )
     skipped = []
@@ -214,11 +237,12 @@ def _case_table(result: BenchResult, collective: str) -> tuple[Table, list[str]]
             shape,
             _cell(by.get("sequential")),
             _chunked_cell(by.get("chunked")),
-            *([_cell(by.get("async_tp"))] if rs else []),
+            *([_cell(by.get(fused[0]))] if fused else []),
             _cell(ours),
             _cell(by.get("ideal")),
             fmt(ours.speedup_vs_sequential, ".2f") + "x" if ours.status == "PASS" else "-",
             fmt(ours.fraction_of_ideal, ".2f") if ours.status == "PASS" else "-",
+            *([_times_faster(by.get(fused[0]), ours)] if fused else []),
             ok if passed == len(checked) else f"[bold red]{ok}[/]",
         )
     return table, skipped
@@ -235,7 +259,8 @@ def _print_summary(result: BenchResult, written: list[Path]) -> None:
         skipped += more
     ours = [r for r in result.rows if r.variant == "fo_tune" and r.status != "SKIP"]
     if ours:
-        console.print("fo_tune schedules (where they came from: a table, or no table row):", style="dim")
+        what = "fo_tune schedules (no table row: overlap: false, GEMM then the collective):"
+        console.print(what, style="dim")
     for r in ours:
         what = r.detail.split(": ", 1)[-1]  # describe() starts with the collective, dtype and shape
         line = f"  {r.collective} {r.shape}: {r.schedule_source or 'no schedule'}: {what}"
@@ -273,7 +298,7 @@ def bench(
     if include_odd and suite is None:
         raise typer.BadParameter("--include-odd needs --suite (the odd shapes come from the suite file)")
     names = parse_collectives(
-        collective, valid=COLLECTIVE_NAMES, default=COLLECTIVE_NAMES, option="--collective"
+        collective, valid=RUNTIME_COLLECTIVE_NAMES, default=RUNTIME_COLLECTIVE_NAMES, option="--collective"
     )
     if dtype is not None:
         check_dtype(dtype)

@@ -73,8 +73,12 @@ EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 
-# fo_kernels.schedule.DTYPES and COLLECTIVES, for the help texts (see the module docstring).
+# fo_kernels.schedule.DTYPES and COLLECTIVES, for the help texts (see the module docstring): the
+# runtime's collectives are what `fo-tune bench` and `fo-tune demo` run.
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+RUNTIME_COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather")
+# The collectives `fo-tune search` and `fo-tune table` take: the runtime's but all_gather, which
+# the search does not tune yet (its measurement runs gemm_reduce_scatter for all_gather).
 COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter")
 BACKEND_NAMES = ("auto", "gloo", "nccl")
 

@@ -26,13 +26,15 @@ if TYPE_CHECKING:
 HELP = "\n\n".join(
     [
         "Check the overlapped ops against matmul + collective on local processes, and time them.",
-        "Spawns --world-size ranks and, for every shape, runs gemm_all_reduce and gemm_reduce_scatter "
-        "(the latter when M is divisible by the world size) with the schedule the runtime would pick: a "
-        "tuned table row, else overlap: false (GEMM then the collective). Each result is compared with "
-        "a float32 matmul of the same operands followed by the same collective in torch.distributed; "
-        "a row passes when the relative error is within the dtype's tolerance (1e-5 float32, 5e-3 "
-        "float16, 1e-2 bfloat16) and nothing is NaN. Both the overlapped op and the sequential "
-        "baseline (GEMM, then the collective) are timed.",
+        "Spawns --world-size ranks and, for every shape, runs gemm_all_reduce, gemm_reduce_scatter and "
+        "all_gather_gemm (the latter two when M is divisible by the world size; for all_gather_gemm M is "
+        "the gathered M, each rank holding M/w rows of A) with the schedule the runtime would pick: a "
+        "tuned table row, else overlap: false (GEMM then the collective). Each result is compared on "
+        "the ranks with a float64 matmul of the same operands and the same collective in "
+        "torch.distributed (for all_gather_gemm the gather comes first); a row passes when the relative "
+        "error is within the dtype's tolerance (1e-5 float32, 5e-3 float16, 1e-2 bfloat16) and nothing "
+        "is NaN. Both the overlapped op and the sequential baseline (GEMM, then the collective; the "
+        "gather, then the GEMM) are timed.",
         "On GPUs the ranks use NCCL, one GPU each; without --world-size the demo starts 2 ranks, or one "
         "per GPU where there are fewer (world size 1 on a one-GPU machine). Without GPUs, or with "
         "--backend gloo, they use gloo and the GEMM runs in Triton's CPU interpreter: the check is "
