@@ -28,13 +28,24 @@
 #   spot     The bench at M values between the tuned ones, and at the shapes where the tables say
 #            overlap: false, 20 rounds each -> mrange-spot/ fallback-spot/  (results/bench/<key>/)
 #
+# On one GPU (device kind nvidia-h200), two stages, one call each:
+#
+#   gpu1-tests  The one-GPU tests (-m gpu): the signal-visibility test alone first, then the rest
+#               of tests/test_gpu.py tests/test_gpu_ops.py tests/test_bench.py tests/test_cli.py
+#               on GPU1_WORKERS pytest-xdist workers (default 6).
+#   gpu1        fo-tune demo at world size 1; fo-tune bench --world-size 1 of the suite, all three
+#               collectives, 20 rounds (no table for world size 1: every call is a table miss and
+#               runs overlap: false) -> bench-w1/  (results/bench/<w1 key>/); fo-tune calibrate
+#               --world-size 1 --only copy_engine into a copy of the shipped TP=2 calibration, then
+#               fo-tune model check with it -> calibration-w1ce.yaml, model_check.log
+#
 # Everything a stage writes lands in $OUT/results-STAGE.tgz (the device tool returns few files), the
 # summaries on stdout. The device image has torch, triton, typer and rich but not optuna, and not
 # this package: optuna's wheels travel in .whl/ (an ignored folder, named in the call's carry) and are
 # installed into /tmp/site, and kernels/ and results/ are exposed as fo_kernels and fo_results through
 # a folder of symlinks on PYTHONPATH. NVLink multicast stays off (docs/design.md#the-card).
 set -uo pipefail
-STAGE="${1:?stage: tests, calib, compare, suite, mrange, bench3 or spot}"
+STAGE="${1:?stage: tests, calib, compare, suite, mrange, bench3, spot, gpu1-tests or gpu1}"
 KEY=nvidia-h200-cc90-132sm-w2-nvlink18
 CAL="results/calibration/$KEY/tp2/calibration.yaml"
 SUITE=suites/h200_tp.yaml
@@ -65,7 +76,7 @@ keep_tables() {
 bench() {
   local timeout_s="$1" name="$2" reps="$3"
   shift 3
-  timeout "$timeout_s" python3 cli.py bench "$@" -c all_reduce,reduce_scatter --reps "$reps" \
+  timeout "$timeout_s" python3 cli.py bench "$@" -c "${COLLECTIVES:-all_reduce,reduce_scatter}" --reps "$reps" \
     --out "$RES/$name" > "$RES/$name.log" 2>&1
   grep -v "━" "$RES/$name.log" | grep "│" | tail -24
 }
@@ -120,8 +131,9 @@ mrange)
   python3 - <<'PY' || exit 3
 import yaml
 space = yaml.safe_load(open("search_spaces/hopper.yaml"))
-space["copy_engine_chunks"] = [1, 2, 4]
-space.pop("copy_engine_weights", None)
+ring = space["engines"]["copy_engine"]["ring"]
+ring["chunks"] = [1, 2, 4]
+ring.pop("weights", None)
 yaml.safe_dump(space, open("/tmp/mrange_space.yaml", "w"), sort_keys=False)
 PY
   for coll in all_reduce reduce_scatter; do
@@ -151,8 +163,31 @@ spot)
   bench 250 fallback-spot 20 --shape 512x4096x4096 --shape 1024x4096x4096 --shape 512x8192x4096 \
     --shape 512x8192x8192 --shape 512x8192x14336
   ;;
+gpu1-tests)
+  stamp "the signal-visibility test alone"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k visible 2>&1 \
+    | tee "$RES/pytest_visibility.log" | tail -3
+  stamp "the other one-GPU tests on ${GPU1_WORKERS:-6} workers"
+  timeout 380 python3 -m pytest -q -p no:cacheprovider -m gpu -n "${GPU1_WORKERS:-6}" --durations=8 \
+    tests/test_gpu.py tests/test_gpu_ops.py tests/test_bench.py tests/test_cli.py -k "not visible" 2>&1 \
+    | tee "$RES/pytest_gpu1.log" | tail -16
+  ;;
+gpu1)
+  stamp "fo-tune demo on one GPU"
+  timeout 90 python3 cli.py demo > "$RES/demo.log" 2>&1
+  tail -12 "$RES/demo.log"
+  stamp "bench of the suite at world size 1, three collectives (20 rounds)"
+  COLLECTIVES=all_reduce,reduce_scatter,all_gather bench 260 bench-w1 20 --suite "$SUITE" --world-size 1
+  stamp "calibrate --world-size 1 --only copy_engine, into a copy of the shipped calibration"
+  cp "$CAL" "$RES/calibration-w1ce.yaml"
+  timeout 160 python3 cli.py calibrate --world-size 1 --only copy_engine --into "$RES/calibration-w1ce.yaml" \
+    > "$RES/calibrate_w1.log" 2>&1
+  tail -8 "$RES/calibrate_w1.log"
+  timeout 40 python3 cli.py model check --calibration "$RES/calibration-w1ce.yaml" > "$RES/model_check.log" 2>&1
+  tail -2 "$RES/model_check.log"
+  ;;
 *)
-  echo "unknown stage $STAGE (tests, calib, compare, suite, mrange, bench3 or spot)"
+  echo "unknown stage $STAGE (tests, calib, compare, suite, mrange, bench3, spot, gpu1-tests or gpu1)"
   exit 2
   ;;
 esac

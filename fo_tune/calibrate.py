@@ -297,23 +297,31 @@ def _copy_engine(
     return EngineCalibration(params=params, library_gemm=points, copies=copies)
 
 
+def check_mergeable(target: Calibration, fingerprint: Fingerprint, dtype: str) -> None:
+    """Refuse (``CalibrationRequestError``) to merge measurements of ``fingerprint``'s machine in
+    ``dtype`` into ``target``: another GPU model (name, compute capability, SM count) or dtype. The
+    CLI asks this with the local fingerprint before any rank starts."""
+    theirs = target.fingerprint
+    for name in ("gpu_name", "compute_capability", "sm_count"):
+        if getattr(theirs, name) != getattr(fingerprint, name):
+            raise CalibrationRequestError(
+                f"--into: the calibration is for {theirs.device_key}, this machine is "
+                f"{fingerprint.device_key} ({name} differs); measure on the same GPU model, or write a "
+                "calibration of its own"
+            )
+    if dtype != target.dtype:
+        raise CalibrationRequestError(
+            f"--into: the calibration was measured with {target.dtype}, this run with {dtype}; "
+            f"pass --dtype {target.dtype}"
+        )
+
+
 def merge_into(target: Calibration, measured: Calibration, parts: Sequence[str]) -> Calibration:
     """``target`` with the ``parts`` of ``measured`` replacing its own (the copy engine's section
     merged: a parameter no measurement gives keeps its value and source). Refused when the two
     were measured on different GPUs (name, compute capability, SM count): the numbers would not
     describe ``target``'s machine."""
-    theirs, ours = target.fingerprint, measured.fingerprint
-    for name in ("gpu_name", "compute_capability", "sm_count"):
-        if getattr(theirs, name) != getattr(ours, name):
-            raise CalibrationRequestError(
-                f"--into: the calibration is for {theirs.device_key}, this machine is {ours.device_key} "
-                f"({name} differs); measure on the same GPU model, or write a calibration of its own"
-            )
-    if measured.dtype != target.dtype:
-        raise CalibrationRequestError(
-            f"--into: the calibration was measured with {target.dtype}, this run with {measured.dtype}; "
-            f"pass --dtype {target.dtype}"
-        )
+    check_mergeable(target, measured.fingerprint, measured.dtype)
     from .calibrate_copy_engine import merge_section
 
     if "bandwidth" in parts:

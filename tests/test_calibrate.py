@@ -434,6 +434,25 @@ def test_merge_into_refuses_another_gpu():
         merge_into(cal, other, ("copy_engine",))
 
 
+def test_into_a_calibration_of_another_gpu_is_refused_before_any_rank_starts(tmp_path):
+    """The shipped H200 calibration on this CPU: refused in seconds, from the local fingerprint, not
+    after the measurement; the file is left as it was."""
+    import time
+
+    shipped = (
+        Path(__file__).resolve().parents[1] / "results/calibration/nvidia-h200-cc90-132sm-w2-nvlink18/tp2"
+    )
+    shipped = shipped / "calibration.yaml"
+    target = tmp_path / "cal.yaml"
+    target.write_bytes(shipped.read_bytes())
+    t0 = time.monotonic()
+    line = assert_one_line_error(
+        calibrate("--world-size", "1", "--only", "copy_engine", "--into", str(target))
+    )
+    assert "gpu_name differs" in line and "same GPU model" in line
+    assert time.monotonic() - t0 < 30 and target.read_bytes() == shipped.read_bytes()
+
+
 def test_chunk_shapes_and_library_fit():
     from fo_tune.calibrate_copy_engine import chunk_shapes, fit_library_params
     from fo_tune.calibration import LibraryGemmPoint

@@ -21,6 +21,7 @@ from .common import (
     fmt,
     handle_errors,
     is_driver_process,
+    local_device,
     parse_collectives,
     resolve_backend,
     resolve_space,
@@ -218,6 +219,11 @@ def calibrate(
         from fo_tune.report import DEFAULT_ROOT, check_writable, default_out_dir, write_calibration_dir
 
         target = load_calibration(into) if into is not None else None  # checked before any rank starts
+        if target is not None:
+            from fo_kernels.fingerprint import current_fingerprint
+            from fo_tune.calibrate import check_mergeable
+
+            check_mergeable(target, current_fingerprint(local_device(chosen), world_size), dtype)
         if driver and into is None:  # a bad --out costs nothing: checked before any rank starts
             check_writable(out or DEFAULT_ROOT / expected_device_key(chosen, world_size) / f"tp{world_size}")
         from fo_tune.calibrate import CalibrationRequest, run_calibration
