@@ -46,12 +46,21 @@ class Engine(ABC):
         """Why this process cannot run the engine, as a phrase after "engine NAME" ("" if it can)."""
 
     @abstractmethod
-    def run(self, schedule: Schedule, a: torch.Tensor, b: BOperand, runtime: OverlapRuntime) -> EngineResult:
+    def run(
+        self,
+        schedule: Schedule,
+        a: torch.Tensor,
+        b: BOperand,
+        runtime: OverlapRuntime,
+        *,
+        own_graphs: bool = True,
+    ) -> EngineResult:
         """``schedule.collective(a @ b)`` over the runtime's group, overlapped as its settings say
         (the ops have checked the operands, that the schedule covers the call and that the engine
         serves its collective). For all_gather, ``a`` is this rank's shard and the result is
         ``(gathered @ b, gathered)``. Outputs are new tensors the caller owns (never views of
-        buffers the runtime reuses: autograd may keep them)."""
+        buffers the runtime reuses: autograd may keep them). ``own_graphs=False``: no CUDA graph or
+        output pool of the engine's own; outputs from the caller's allocator."""
 
 
 def check_collective(engine: Engine, collective: str) -> None:
@@ -97,13 +106,21 @@ class CopyEngine(Engine):
 
         return copy_engine_blocker(device, world_size)
 
-    def run(self, schedule: Schedule, a: torch.Tensor, b: BOperand, runtime: OverlapRuntime) -> EngineResult:
+    def run(
+        self,
+        schedule: Schedule,
+        a: torch.Tensor,
+        b: BOperand,
+        runtime: OverlapRuntime,
+        *,
+        own_graphs: bool = True,
+    ) -> EngineResult:
         st = schedule.settings
         assert isinstance(st, CopyEngineSettings)
-        peers_args = dict(mode=st.mode, weights=st.weights, tile=st.tile)
+        peers_args = dict(mode=st.mode, weights=st.weights, tile=st.tile, own_graphs=own_graphs)
         if schedule.collective == "all_gather":  # (a is this rank's shard: every rank owns its rows)
             gathered, out = runtime.copy_engine().run_all_gather(a, b.tensor, **peers_args)
             return out, gathered
         if a.shape[0] < runtime.world_size:  # a rank would own no row (an M-range row reaching M = 1)
-            return runtime.fallback().run(schedule.collective, a, b.tensor)
+            return runtime.fallback().run(schedule.collective, a, b.tensor, own_graphs=own_graphs)
         return runtime.copy_engine().run(schedule.collective, a, b.tensor, **peers_args)

@@ -87,10 +87,12 @@ class Fallback:
             or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
         )
 
-    def all_gather(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_gather(
+        self, a: torch.Tensor, b: torch.Tensor, *, own_graphs: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gathered @ b, gathered)``: the (M, N) product and the (M, K) gathered A (M = world x
-        a's rows)."""
-        if self._eager(a, b):
+        a's rows). ``own_graphs=False``: issued eagerly, outputs from the caller's allocator."""
+        if not own_graphs or self._eager(a, b):
             return sequential_all_gather(a, b, self.group, self.world)
         a = a.contiguous()
         m, k, n = a.shape[0] * self.world, a.shape[1], b.shape[1]
@@ -109,10 +111,13 @@ class Fallback:
         self.graphs.call(key, issue)
         return out, gathered
 
-    def run(self, collective: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``collective(a @ b)`` over the group: (M, N) for all_reduce, (M / world, N) for reduce_scatter."""
+    def run(
+        self, collective: str, a: torch.Tensor, b: torch.Tensor, *, own_graphs: bool = True
+    ) -> torch.Tensor:
+        """``collective(a @ b)`` over the group: (M, N) for all_reduce, (M / world, N) for
+        reduce_scatter. ``own_graphs=False``: issued eagerly, outputs from the caller's allocator."""
         graphs = self.graphs
-        if self._eager(a, b):
+        if not own_graphs or self._eager(a, b):
             return sequential(collective, a, b, self.group, self.world)
         m, n = a.shape[0], b.shape[1]
         main = torch.cuda.current_stream(self._index)

@@ -92,18 +92,15 @@ def group_size(name: str) -> int:
     return dist.get_world_size(resolve_group(name))
 
 
-@torch.compiler.assume_constant_result
 def schedule_text(schedule: Schedule | None) -> str:
-    """The ops' ``schedule`` argument: the schedule as JSON without its provenance ("" for None).
-    torch.compile runs this while tracing and keeps the text as a constant of the graph (guarded
-    on the schedule object)."""
+    """The ops' ``schedule`` argument: the schedule as JSON without its provenance ("" for None),
+    kept on the schedule (``Schedule.op_text``), so torch.compile reads it as a constant attribute
+    (guarded on the schedule object) and traces no serialisation."""
     if schedule is None:
         return ""
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"schedule: expected a fo_kernels.Schedule, got {type(schedule).__name__}")
-    data = schedule.to_dict()
-    data.pop("provenance", None)
-    return json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return schedule.op_text
 
 
 @functools.lru_cache(maxsize=SCHEDULE_CACHE_SIZE)
@@ -153,7 +150,9 @@ def call_op(
 def _impl(collective: str, a: torch.Tensor, b: torch.Tensor, name: str, schedule: str):
     from .overlap import execute
 
-    return execute(collective, a, b, parse_schedule(schedule), resolve_group(name))
+    # through the dispatcher (compiled code, autograd): outputs from the caller's allocator, which
+    # a caller's CUDA graphs (torch.compile's reduce-overhead mode) require; no graphs of our own
+    return execute(collective, a, b, parse_schedule(schedule), resolve_group(name), own_graphs=False)
 
 
 def _check_fake(collective: str, a: torch.Tensor, b: torch.Tensor, world: int) -> int:

@@ -79,8 +79,13 @@ def execute(
     b: torch.Tensor,
     schedule: Schedule | None,
     group: dist.ProcessGroup | None,
+    *,
+    own_graphs: bool = True,
 ) -> EngineResult:
-    """One call of ``collective``'s op, eagerly: checks, schedule, then the fallback or the engine."""
+    """One call of ``collective``'s op, eagerly: checks, schedule, then the fallback or the engine.
+    ``own_graphs=False`` (a call through the custom op: compiled code, autograd) keeps the
+    runtime's own CUDA graphs and output pools out of it: its outputs come from the caller's
+    allocator, which a caller's CUDA graphs (torch.compile's ``reduce-overhead``) require."""
     operand = _check_operands(a, b)
     if not dist.is_available() or not dist.is_initialized():
         raise ScheduleError("torch.distributed is not initialized; call dist.init_process_group first")
@@ -93,11 +98,11 @@ def execute(
     schedule = _resolve_schedule(collective, a, b.shape[1], schedule, world)
     if schedule.engine is None:
         if collective == "all_gather":
-            return runtime.fallback().all_gather(a, b)
-        return runtime.fallback().run(collective, a, b)
+            return runtime.fallback().all_gather(a, b, own_graphs=own_graphs)
+        return runtime.fallback().run(collective, a, b, own_graphs=own_graphs)
     engine = get_engine(schedule.engine)
     check_collective(engine, collective)
-    return engine.run(schedule, a, operand, runtime)
+    return engine.run(schedule, a, operand, runtime, own_graphs=own_graphs)
 
 
 def _call(

@@ -44,6 +44,7 @@ alignment, divisibility) are checked by ``fo_kernels.plan.make_plan``. Every err
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -421,6 +422,9 @@ class Schedule:
     settings: EngineSettings | None = None
     # Where the row came from (search id, measured/predicted ms, ...); the runtime ignores it.
     provenance: Mapping[str, Any] = field(default_factory=dict)
+    # The schedule as the custom ops' ``schedule`` argument: its JSON without the provenance, made
+    # once here, so that torch.compile reads it as a constant attribute (``fo_kernels.ops``).
+    op_text: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_choice("collective", self.collective, COLLECTIVES)
@@ -445,6 +449,9 @@ class Schedule:
             self.settings.check(self.collective, self.world_size)
         if not isinstance(self.provenance, Mapping):
             raise ScheduleError(f"provenance: expected a mapping, got {type(self.provenance).__name__}")
+        data = self.to_dict()
+        data.pop("provenance", None)
+        object.__setattr__(self, "op_text", json.dumps(data, sort_keys=True, separators=(",", ":")))
 
     @property
     def overlap(self) -> bool:

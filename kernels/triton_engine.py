@@ -51,7 +51,16 @@ class TritonEngine(Engine):
     def blocker(self, device: torch.device, world_size: int) -> str:
         return ""  # the Triton GEMM and torch.distributed run on any device and backend
 
-    def run(self, schedule: Schedule, a: torch.Tensor, b: BOperand, runtime: OverlapRuntime) -> EngineResult:
+    def run(
+        self,
+        schedule: Schedule,
+        a: torch.Tensor,
+        b: BOperand,
+        runtime: OverlapRuntime,
+        *,
+        own_graphs: bool = True,
+    ) -> EngineResult:
+        # (own_graphs: this engine keeps no CUDA graphs or output pools of its own)
         if not a.is_contiguous():
             a = a.contiguous()
         if schedule.collective == "all_gather":

@@ -131,11 +131,14 @@ class CopyEnginePeers:
         mode: str,
         weights: tuple[int, ...],
         tile: Tile | None = None,
+        own_graphs: bool = True,
     ) -> torch.Tensor:
         """``collective(a @ b)`` over the group: all_reduce (M, N); reduce_scatter (M / w, N), rank
         r's rows [r M/w, (r+1) M/w); all_gather: ``a`` is this rank's (M / w, K) shard of the rows
-        and the result the (M, N) product of the gathered A. Forward only (no autograd history)."""
-        return self._call(collective, a, b, mode, weights, tile)[1]
+        and the result the (M, N) product of the gathered A. Forward only (no autograd history).
+        ``own_graphs=False``: issued eagerly, outputs from the caller's allocator (no graph or
+        output pool of the engine's own)."""
+        return self._call(collective, a, b, mode, weights, tile, own_graphs)[1]
 
     def run_all_gather(
         self,
@@ -145,15 +148,18 @@ class CopyEnginePeers:
         mode: str,
         weights: tuple[int, ...],
         tile: Tile | None = None,
+        own_graphs: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the gathered (M, K) A, its (M, N) product with ``b``) for this rank's (M / w, K) shard
         ``a``: rank r's shard at rows [r M/w, (r+1) M/w) (a backward reuses the gathered A)."""
-        gathered, out = self._call("all_gather", a, b, mode, weights, tile)
+        gathered, out = self._call("all_gather", a, b, mode, weights, tile, own_graphs)
         assert gathered is not None
         return gathered, out
 
     @torch.no_grad()  # (a replayed call issues no torch op: only the eager path needs it)
-    def _call(self, collective, a, b, mode, weights, tile) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _call(
+        self, collective, a, b, mode, weights, tile, own_graphs=True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         if self._broken:
             raise EnvironmentMismatchError(
                 f"engine copy_engine failed in an earlier call ({self._broken}) and its peer flags "
@@ -188,12 +194,15 @@ class CopyEnginePeers:
         else:
             self._plans.move_to_end(key)
         plan, compiled = entry
-        if capturing:  # recorded into the caller's graph as it stands
+        if capturing or not own_graphs:  # recorded into the caller's graph, or issued as it stands
             out = torch.empty((plan.out_rows, n), dtype=a.dtype, device=a.device)
             gathered = torch.empty((m, k), dtype=a.dtype, device=a.device) if gather else None
             main = torch.cuda.current_stream(self.device)
-            self._executor.issue(compiled.captured, a, b, out, main, gathered, operand)
-            self._captured = True
+            if capturing:
+                self._executor.issue(compiled.captured, a, b, out, main, gathered, operand)
+                self._captured = True
+            else:
+                self._issue_eagerly(compiled, a, b, out, main, gathered, operand)
             self._calls += 1
             return gathered, out
         return self._eager(plan, compiled, a, b, operand)
@@ -212,15 +221,26 @@ class CopyEnginePeers:
                 f"before capturing it in a CUDA graph: {why}"
             )
 
+    def _after_last_call(self, main: torch.cuda.Stream) -> None:
+        """Order ``main`` after the previous call when that one ran on another stream."""
+        last = self._last_main
+        if last is not None and last.cuda_stream != main.cuda_stream:
+            main.wait_stream(last)  # the previous call (eager or replayed) ran on another stream
+
+    def _issue_eagerly(self, compiled: Compiled, a, b, out, main, gathered, operand) -> None:
+        """A call issued operation by operation, outside the engine's own graphs (a call through
+        the custom op, whose outputs the caller's allocator holds)."""
+        self._after_last_call(main)
+        self._executor.issue(compiled.eager, a, b, out, main, gathered, operand)
+        self._last_main = main
+
     def _eager(
         self, plan: CallPlan, compiled: Compiled, a, b, operand
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """An eager call through the engine's own graphs (``OwnGraphs``): issued, captured or
         replayed by how often its key has been seen."""
         main = torch.cuda.current_stream(self.device)
-        last = self._last_main
-        if last is not None and last.cuda_stream != main.cuda_stream:
-            main.wait_stream(last)  # the previous call (eager or replayed) ran on another stream
+        self._after_last_call(main)
         spec = plan.spec
         if self._outputs is None:
             self._outputs = OutputPool(self.device)
