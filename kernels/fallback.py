@@ -19,8 +19,12 @@ another stream than the previous graphed call's first waits for that stream, so 
 share the scratch at once. An AllReduce sums in place in its output; an AllGather gathers into its
 second output (the gathered A, from the same pool) and multiplies that. Calls that the graphs must not
 hold run eagerly: on the CPU or another backend than NCCL, inside a caller's own capture (they are
-recorded there), and when autograd records the GEMM (never inside the custom ops of
-``fo_kernels.ops``, whose forward runs below autograd: their training calls are graphed too).
+recorded there), when autograd records the GEMM, and calls through the custom ops of
+``fo_kernels.ops`` (compiled code, autograd: ``own_graphs=False``), whose outputs the caller's
+allocator must hold.
+
+At world size 1 the collective is the identity: the ops run ``one_rank`` instead, the GEMM alone
+(an AllGather's gathered A a copy of the operand), with no collective call.
 """
 
 from __future__ import annotations
@@ -30,6 +34,17 @@ import torch.distributed as dist
 
 from .collectives import all_gather_now, all_reduce_now, reduce_scatter_now
 from .graphs import OutputPool, OwnGraphs
+
+
+def one_rank(
+    collective: str, a: torch.Tensor, b: torch.Tensor
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The overlap: false call of a group of one rank, whose collective is the identity: ``a @ b``
+    (all_gather: ``(gathered @ b, gathered)``, the gathered A a copy of ``a``). No collective runs."""
+    if collective == "all_gather":
+        gathered = a.clone(memory_format=torch.contiguous_format)
+        return gathered @ b, gathered
+    return a @ b
 
 
 def sequential(collective: str, a: torch.Tensor, b: torch.Tensor, group, world: int) -> torch.Tensor:

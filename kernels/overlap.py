@@ -18,6 +18,7 @@ import torch.distributed as dist
 from . import ops
 from .engines import EngineResult, check_collective, get_engine
 from .errors import ScheduleError, ShapeError
+from .fallback import one_rank
 from .gemm import BOperand
 from .runtime import runtime_for
 from .schedule import TORCH_DTYPES, Schedule, dtype_name
@@ -97,6 +98,8 @@ def execute(
         raise ShapeError(f"reduce_scatter needs M divisible by the world size {world}, got M={m}")
     schedule = _resolve_schedule(collective, a, b.shape[1], schedule, world)
     if schedule.engine is None:
+        if world == 1:  # one rank's collective is the identity: the GEMM alone
+            return one_rank(collective, a, b)
         if collective == "all_gather":
             return runtime.fallback().all_gather(a, b, own_graphs=own_graphs)
         return runtime.fallback().run(collective, a, b, own_graphs=own_graphs)

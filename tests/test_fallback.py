@@ -165,6 +165,30 @@ def test_cpu_runtime_has_no_fallback_graphs(one_rank):
     torch.testing.assert_close(fallback.run("reduce_scatter", a, b), a @ b)
 
 
+def test_one_rank_runs_the_gemm_alone(one_rank, monkeypatch, tmp_path):
+    """At world size 1 a call no table row matches is the GEMM alone: every collective is the
+    identity there, and none is called (each would raise here)."""
+    import warnings
+
+    import fo_kernels.collectives as collectives
+    import fo_kernels.fallback as fallback
+    from fo_kernels import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
+
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    for module in (collectives, fallback):
+        for name in ("all_reduce_now", "reduce_scatter_now", "all_gather_now"):
+            monkeypatch.setattr(module, name, lambda *args, **kw: pytest.fail("a collective ran"))
+    monkeypatch.setattr(dist, "all_reduce", lambda *args, **kw: pytest.fail("a collective ran"))
+    a, b = torch.randn(6, 4), torch.randn(4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no table row: overlap: false
+        for op in (gemm_all_reduce, gemm_reduce_scatter):
+            torch.testing.assert_close(op(a, b), a @ b)
+        out = all_gather_gemm(a, b)
+    torch.testing.assert_close(out, a @ b)
+
+
 def test_fallback_case_on_gloo():
     """The GPU test's rank function (``dist_cases.fallback_auto_graph``) on two CPU processes: every
     result right, none replayed (gloo has no graphs)."""
