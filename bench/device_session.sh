@@ -34,8 +34,9 @@
 #               of tests/test_gpu.py tests/test_gpu_ops.py tests/test_bench.py tests/test_cli.py
 #               on GPU1_WORKERS pytest-xdist workers (default 6).
 #   gpu1        fo-tune demo at world size 1; fo-tune bench --world-size 1 of the suite, all three
-#               collectives, 20 rounds (no table for world size 1: every call is a table miss and
-#               runs overlap: false) -> bench-w1/  (results/bench/<w1 key>/); fo-tune calibrate
+#               collectives, 30 rounds, in two processes (no table for world size 1: every call is a
+#               table miss, the GEMM alone) -> bench-w1-1/ bench-w1-2/  (results/bench/<w1 key>/
+#               w1-s16/ and w1-s16-rerun/); GPU1_BENCH_ONLY=1 stops there; fo-tune calibrate
 #               --world-size 1 --only copy_engine into a copy of the shipped TP=2 calibration, then
 #               fo-tune model check with it -> calibration-w1ce.yaml, model_check.log
 #
@@ -176,8 +177,11 @@ gpu1)
   stamp "fo-tune demo on one GPU"
   timeout 90 python3 cli.py demo > "$RES/demo.log" 2>&1
   tail -12 "$RES/demo.log"
-  stamp "bench of the suite at world size 1, three collectives (20 rounds)"
-  COLLECTIVES=all_reduce,reduce_scatter,all_gather bench 260 bench-w1 20 --suite "$SUITE" --world-size 1
+  for i in 1 2; do
+    stamp "bench of the suite at world size 1, three collectives, process $i (30 rounds)"
+    COLLECTIVES=all_reduce,reduce_scatter,all_gather bench 200 "bench-w1-$i" 30 --suite "$SUITE" --world-size 1
+  done
+  [ -n "${GPU1_BENCH_ONLY:-}" ] && { stamp done; exit 0; }
   stamp "calibrate --world-size 1 --only copy_engine, into a copy of the shipped calibration"
   cp "$CAL" "$RES/calibration-w1ce.yaml"
   timeout 160 python3 cli.py calibrate --world-size 1 --only copy_engine --into "$RES/calibration-w1ce.yaml" \
