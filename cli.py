@@ -1,4 +1,4 @@
-"""``fo-tune``: tile-wise overlap of a GEMM with its NCCL collective, tuned for the machine it runs on.
+"""``fo-tune``: overlap of a tensor-parallel GEMM with its collective, tuned for the machine it runs on.
 
 This module only wires the command modules of ``fo_tune.cli``; each calls a library function.
 """
@@ -9,10 +9,13 @@ from fo_tune.cli import bench, calibrate, demo, model, profile, search, table
 
 HELP = "\n\n".join(
     [
-        "Overlap a tensor-parallel GEMM with its collective (AllReduce, ReduceScatter), FlashOverlap style.",
-        "The flow: calibrate the machine -> model GEMM and collective times under contention -> search "
-        "schedules (tiles, SMs left to NCCL, wave groups) -> write schedule tables -> the runtime "
-        "(fo_kernels.gemm_all_reduce / gemm_reduce_scatter) looks them up.",
+        "Overlap a tensor-parallel GEMM with its collective (GEMM + AllReduce, GEMM + ReduceScatter, "
+        "AllGather + GEMM) with the engine that wins on this machine: triton (FlashOverlap's "
+        "signalled GEMM and NCCL per group) or copy_engine (GEMM chunks, copy-engine pulls between "
+        "NVLink peers), or neither (overlap: false).",
+        "The flow: calibrate the machine -> model each engine's time under contention -> search "
+        "schedules over every engine that can run here -> write schedule tables -> the runtime "
+        "(fo_kernels.gemm_all_reduce / gemm_reduce_scatter / all_gather_gemm) looks them up.",
         "Commands: calibrate (bandwidth curves, interference table and GEMM tile profiles of this "
         "machine), profile (every tile config of the search space for one shape, next to cuBLAS), "
         "search (tune schedules: measured, predicted offline from a calibration, or both; writes the "
