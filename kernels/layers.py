@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -91,6 +92,9 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+_Layer = TypeVar("_Layer", bound="_ParallelLinear")
+
+
 class _ParallelLinear(nn.Module):
     """What both layers share: the shard's parameters, the group, the schedule."""
 
@@ -120,6 +124,36 @@ class _ParallelLinear(nn.Module):
             else None
         )
         self.reset_parameters()
+
+    @classmethod
+    def from_linear(
+        cls: type[_Layer],
+        linear: nn.Linear,
+        *,
+        sequence_parallel: bool = False,
+        group: dist.ProcessGroup | None = None,
+        schedule: Schedule | None = None,
+    ) -> _Layer:
+        """This rank's shard of a full ``nn.Linear`` (the same weights on every rank beforehand;
+        which features it takes: the layer's ``_copy_shard``)."""
+        w = linear.weight
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            sequence_parallel=sequence_parallel,
+            group=group,
+            schedule=schedule,
+            device=w.device,
+            dtype=w.dtype,
+        )
+        with torch.no_grad():
+            layer._copy_shard(linear, dist.get_rank(group))
+        return layer
+
+    def _copy_shard(self, linear: nn.Linear, rank: int) -> None:
+        """Copy this rank's shard of ``linear``'s weight and bias into the layer's (each layer's own)."""
+        raise NotImplementedError
 
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
@@ -179,34 +213,12 @@ class ColumnParallelLinear(_ParallelLinear):
             dtype=dtype,
         )
 
-    @classmethod
-    def from_linear(
-        cls,
-        linear: nn.Linear,
-        *,
-        sequence_parallel: bool = False,
-        group: dist.ProcessGroup | None = None,
-        schedule: Schedule | None = None,
-    ) -> ColumnParallelLinear:
-        """This rank's shard of a full ``nn.Linear`` (the same weights on every rank beforehand):
-        output features [r*out/w, (r+1)*out/w)."""
-        rank, rows = _shard_of(linear.out_features, group, "out_features")
-        w = linear.weight
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            sequence_parallel=sequence_parallel,
-            group=group,
-            schedule=schedule,
-            device=w.device,
-            dtype=w.dtype,
-        )
-        with torch.no_grad():
-            layer.weight.copy_(w[rank * rows : (rank + 1) * rows])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias[rank * rows : (rank + 1) * rows])
-        return layer
+    def _copy_shard(self, linear: nn.Linear, rank: int) -> None:
+        """Output features [r*out/w, (r+1)*out/w) of ``linear``'s weight and bias."""
+        rows = self.weight.shape[0]
+        self.weight.copy_(linear.weight[rank * rows : (rank + 1) * rows])
+        if linear.bias is not None:
+            self.bias.copy_(linear.bias[rank * rows : (rank + 1) * rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._rows(x, self.in_features)
@@ -251,34 +263,12 @@ class RowParallelLinear(_ParallelLinear):
             dtype=dtype,
         )
 
-    @classmethod
-    def from_linear(
-        cls,
-        linear: nn.Linear,
-        *,
-        sequence_parallel: bool = False,
-        group: dist.ProcessGroup | None = None,
-        schedule: Schedule | None = None,
-    ) -> RowParallelLinear:
-        """This rank's shard of a full ``nn.Linear`` (the same weights on every rank beforehand):
-        input features [r*in/w, (r+1)*in/w), and the full bias."""
-        rank, cols = _shard_of(linear.in_features, group, "in_features")
-        w = linear.weight
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            sequence_parallel=sequence_parallel,
-            group=group,
-            schedule=schedule,
-            device=w.device,
-            dtype=w.dtype,
-        )
-        with torch.no_grad():
-            layer.weight.copy_(w[:, rank * cols : (rank + 1) * cols])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
+    def _copy_shard(self, linear: nn.Linear, rank: int) -> None:
+        """Input features [r*in/w, (r+1)*in/w) of ``linear``'s weight, and its full bias."""
+        cols = self.weight.shape[1]
+        self.weight.copy_(linear.weight[:, rank * cols : (rank + 1) * cols])
+        if linear.bias is not None:
+            self.bias.copy_(linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._rows(x, self.weight.shape[1])
