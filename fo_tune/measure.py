@@ -4,6 +4,18 @@ Each task is a small frozen dataclass with ``run(ctx)``; it returns this rank's 
 driver takes the max over ranks. Collectives run on the runtime's cached process group for the CTA
 cap (``OverlapRuntime.comm_group``), so a sweep over caps builds one communicator per cap for the
 whole command. Every GEMM is checked against ``torch.matmul`` before it is timed.
+
+The search's tasks (``OverlapTrialTask``, ``SequentialTask``, ``ConfirmTask``) run the op of the
+schedule's collective on (M, N, K), M the GEMM's rows:
+
+    all_reduce, reduce_scatter   a (M, K), b (K, N) per rank: collective(a @ b)
+        reference: collective(a.float() @ b.float())
+    all_gather                   a (M/w, K): this rank's shard; b (K, N) per rank: all_gather(a) @ b
+        reference: all_gather(a.float()) @ b.float()   (rank r's shard at rows [r*M/w, (r+1)*M/w))
+
+and GEMM then the collective (all_gather: the gather, then the GEMM) as the sequential baseline.
+A schedule passes when no output holds a NaN and the relative error stays under ``GEMM_TOL`` on
+every rank, on ``CHECK_INPUT_SETS`` input sets, each output poisoned with NaN once checked.
 """
 
 from __future__ import annotations
@@ -275,6 +287,28 @@ def _collective_fp32(collective: str, full: torch.Tensor, world: int) -> torch.T
     return out
 
 
+def _gathered(shard: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's (rows, K) ``shard`` gathered on dim 0, rank r's at rows [r*rows, (r+1)*rows)."""
+    out = torch.empty((shard.shape[0] * world, shard.shape[1]), dtype=shard.dtype, device=shard.device)
+    _all_gather(out, shard.contiguous())
+    return out
+
+
+def call_operands(
+    collective: str, m: int, n: int, k: int, dtype: str, device: torch.device, seed: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's operands of one call on (m, n, k): A (M, K), or for all_gather this rank's
+    (M/w, K) shard; B (K, N) (``gemm_operands``)."""
+    return gemm_operands(m // world if collective == "all_gather" else m, n, k, dtype, device, seed)
+
+
+def reference(collective: str, a: torch.Tensor, b: torch.Tensor, world: int) -> torch.Tensor:
+    """The op's result in float32 (the module docstring); every rank calls it at once."""
+    if collective == "all_gather":
+        return _gathered(a.float(), world) @ b.float()
+    return _collective_fp32(collective, a.float() @ b.float(), world)
+
+
 # Operand sets each schedule is checked on before it is timed: the op allocates its output with
 # torch.empty, which can hand back a block still holding the previous correct result; a second,
 # different input set makes such a stale result fail the check.
@@ -282,21 +316,31 @@ CHECK_INPUT_SETS = 2
 
 
 def _op(collective: str) -> Callable[..., torch.Tensor]:
-    from fo_kernels.overlap import gemm_all_reduce, gemm_reduce_scatter
+    from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 
-    return gemm_all_reduce if collective == "all_reduce" else gemm_reduce_scatter
+    ops = {
+        "all_reduce": gemm_all_reduce,
+        "reduce_scatter": gemm_reduce_scatter,
+        "all_gather": all_gather_gemm,
+    }
+    return ops[collective]
 
 
 def _check_schedule(ctx: RankContext, s: Schedule, m: int, n: int, k: int, seed: int) -> float:
     """The worst relative error of ``s`` over ``CHECK_INPUT_SETS`` fresh inputs (inf on NaN),
-    the max over ranks (every rank learns whether to time it)."""
+    the max over ranks (every rank learns whether to time it). Each output is poisoned with NaN
+    once checked: a later call handed the same block that writes nothing then reads NaN."""
     op = _op(s.collective)
     worst = 0.0
     for i in range(CHECK_INPUT_SETS):
-        a, b = gemm_operands(m, n, k, s.dtype, ctx.device, (seed * 1009 + i) * 1009 + ctx.rank)
+        a, b = call_operands(
+            s.collective, m, n, k, s.dtype, ctx.device, (seed * 1009 + i) * 1009 + ctx.rank, ctx.world_size
+        )
         out = op(a, b, schedule=s)
-        ref = _collective_fp32(s.collective, a.float() @ b.float(), ctx.world_size)
-        worst = max(worst, float("inf") if bool(out.isnan().any()) else rel_err(out, ref))
+        ref = reference(s.collective, a, b, ctx.world_size)
+        worst = max(worst, math.inf if bool(out.isnan().any()) else rel_err(out, ref))
+        out.fill_(math.nan)
+        del out
     flag = torch.tensor([worst], device=ctx.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return float(flag.item())
@@ -305,8 +349,11 @@ def _check_schedule(ctx: RankContext, s: Schedule, m: int, n: int, k: int, seed:
 def _sequential_call(
     collective: str, a: torch.Tensor, b: torch.Tensor, world: int
 ) -> Callable[[], torch.Tensor]:
-    """cuBLAS GEMM, then the collective on NCCL's default communicator."""
+    """cuBLAS GEMM, then the collective on NCCL's default communicator (all_gather: the gather of
+    the shard ``a``, then the GEMM)."""
     m, n = a.shape[0], b.shape[1]
+    if collective == "all_gather":
+        return lambda: _gathered(a, world) @ b
 
     def run() -> torch.Tensor:
         out = a @ b
@@ -347,7 +394,16 @@ class ConfirmTask:
             problem=Problem(m=self.m, n=self.n, k=self.k),
         )
         fallback_ok = _check_schedule(ctx, fallback, self.m, self.n, self.k, self.seed) < GEMM_TOL[s0.dtype]
-        a, b = gemm_operands(self.m, self.n, self.k, s0.dtype, ctx.device, self.seed * 1009 + ctx.rank)
+        a, b = call_operands(
+            s0.collective,
+            self.m,
+            self.n,
+            self.k,
+            s0.dtype,
+            ctx.device,
+            self.seed * 1009 + ctx.rank,
+            ctx.world_size,
+        )
         fns: dict[str, Callable[[], Any]] = {
             "sequential": _sequential_call(s0.collective, a, b, ctx.world_size)
         }
@@ -389,7 +445,16 @@ class OverlapTrialTask:
         ok = worst < GEMM_TOL[s.dtype]  # the same on every rank: none is left waiting in a collective
         timing = None
         if ok:
-            a, b = gemm_operands(self.m, self.n, self.k, s.dtype, ctx.device, self.seed * 1009 + ctx.rank)
+            a, b = call_operands(
+                s.collective,
+                self.m,
+                self.n,
+                self.k,
+                s.dtype,
+                ctx.device,
+                self.seed * 1009 + ctx.rank,
+                ctx.world_size,
+            )
             op = _op(s.collective)
             timing = time_region(
                 lambda: op(a, b, schedule=s), ctx.device, warmup=self.warmup, reps=self.reps, agree=True
@@ -399,8 +464,9 @@ class OverlapTrialTask:
 
 @dataclass(frozen=True)
 class SequentialTask:
-    """The baselines of one shape: cuBLAS GEMM alone, the collective alone (NCCL's default
-    communicator) and GEMM then collective, the last checked against the float32 reference."""
+    """The baselines of one shape: cuBLAS GEMM alone (all_gather: of the gathered A), the collective
+    alone (NCCL's default communicator, on the bytes it moves in the op) and GEMM then collective
+    (all_gather: the gather then the GEMM), the last checked against the float32 reference."""
 
     collective: str
     m: int
@@ -412,22 +478,31 @@ class SequentialTask:
     reps: int = 10
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
-        a, b = gemm_operands(self.m, self.n, self.k, self.dtype, ctx.device, self.seed * 1009 + ctx.rank)
         world = ctx.world_size
-        full = a @ b
+        a, b = call_operands(
+            self.collective,
+            self.m,
+            self.n,
+            self.k,
+            self.dtype,
+            ctx.device,
+            self.seed * 1009 + ctx.rank,
+            world,
+        )
+        gemm_a = _gathered(a, world) if self.collective == "all_gather" else a
+        moved = gemm_a if self.collective == "all_gather" else gemm_a @ b  # what the collective moves
         comm = collective_call(
-            self.collective, full.numel() * full.element_size(), full.dtype, ctx.device, world, None
+            self.collective, moved.numel() * moved.element_size(), moved.dtype, ctx.device, world, None
         )
 
         sequential = _sequential_call(self.collective, a, b, world)
         got = sequential()
-        ref = _collective_fp32(self.collective, a.float() @ b.float(), world)
-        err = rel_err(got, ref)
+        err = rel_err(got, reference(self.collective, a, b, world))
         kw = dict(warmup=self.warmup, reps=self.reps)
         return dict(
             rel_err=err,
             has_nan=bool(got.isnan().any()),
-            gemm=time_region(lambda: a @ b, ctx.device, **kw),
+            gemm=time_region(lambda: gemm_a @ b, ctx.device, **kw),
             comm=time_region(comm, ctx.device, agree=True, **kw),
             sequential=time_region(sequential, ctx.device, agree=True, **kw),
         )

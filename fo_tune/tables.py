@@ -29,7 +29,7 @@ from typing import Any, Literal
 from fo_kernels.errors import FoTuneError, ScheduleError, ShapeError, TableError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.plan import check_fits
-from fo_kernels.schedule import Problem, Schedule
+from fo_kernels.schedule import SHARDED_COLLECTIVES, Problem, Schedule
 from fo_kernels.table import (
     ScheduleTable,
     best_row,
@@ -247,8 +247,8 @@ def validate_table(table: ScheduleTable, *, sm_count: int | None = None) -> list
       Triton engine a plan, with groups summing to the signal units, ``row_band`` groups starting
       on whole bands and a grid left by ``sms_free``; a copy-engine row fits any M;
     - every overlapped M-range row must give a plan at ``m_min``, ``m_max`` and a middle M (for
-      ``reduce_scatter`` the multiples of the world size nearest inside the range), and the range
-      must hold at least one such M;
+      ``reduce_scatter`` and ``all_gather`` the multiples of the world size nearest inside the
+      range), and the range must hold at least one such M;
     - M ranges for the same (N, K) must not overlap (lookup would take the one with the lower
       ``m_min`` for the common Ms).
 
@@ -268,12 +268,12 @@ def validate_table(table: ScheduleTable, *, sm_count: int | None = None) -> list
             if issue is not None:
                 issues.append(issue)
             continue
-        shards = row.world_size if row.collective == "reduce_scatter" else 1
+        shards = row.world_size if row.collective in SHARDED_COLLECTIVES else 1
         ms = _range_ms(problem, shards)
         if not ms:
             issues.append(
                 f"row {problem.describe()}: problem: the M range holds no M divisible by world_size "
-                f"{row.world_size}, which reduce_scatter needs"
+                f"{row.world_size}, which {row.collective} needs"
             )
         for m in ms:
             issue = _plan_issue(row, m, sms, f"{problem.describe()} at M={m}")

@@ -1,8 +1,11 @@
-"""Helpers shared by the CLI tests: the one-line error assertion and the isolated table paths."""
+"""Helpers shared by the CLI tests: the one-line error assertion, the isolated table paths and
+the stand-in all_gather curve of the shipped calibration."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,3 +25,20 @@ def isolate_tables(mp: pytest.MonkeyPatch, root: Path) -> None:
     mp.setenv("FO_TUNE_TABLE_DIR", str(root / "tables"))
     mp.setenv("XDG_DATA_HOME", str(root / "xdg"))
     mp.delenv("FO_TUNE_DEBUG", raising=False)
+
+
+def with_all_gather_standin(cal: Any) -> Any:
+    """``cal`` (a ``Calibration``) with its reduce_scatter bandwidth points and fits relabelled as
+    all_gather's: a stand-in, not a measurement. The shipped H200 calibration has no all_gather
+    curve, and a predicted all_gather search needs one; the tests that use this check the search's
+    plumbing, never the numbers."""
+    bandwidth = [
+        dataclasses.replace(b, collective="all_gather")
+        for b in cal.bandwidth
+        if b.collective == "reduce_scatter"
+    ]
+    fits = [
+        dataclasses.replace(f, collective="all_gather") for f in cal.fits if f.collective == "reduce_scatter"
+    ]
+    assert bandwidth, "the calibration has no reduce_scatter curve to stand in for all_gather's"
+    return dataclasses.replace(cal, bandwidth=[*cal.bandwidth, *bandwidth], fits=[*cal.fits, *fits])

@@ -20,13 +20,14 @@ from typer.testing import CliRunner
 from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.errors import EnvironmentMismatchError, ShapeError, TableNotFoundError
-from fo_kernels.schedule import COLLECTIVES, DTYPES
+from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
 from fo_kernels.table import MISS_SOURCE
 from fo_tune.cli.common import (
     COLLECTIVE_NAMES,
     DTYPE_NAMES,
     FILE_WIDTH,
     RUNTIME_COLLECTIVE_NAMES,
+    SHARDED_COLLECTIVE_NAMES,
     _Console,
     parse_shape,
     run_cli,
@@ -200,18 +201,21 @@ def test_run_demo_rejects_bad_input_before_spawning():
 
 def test_cli_names_match_the_runtime():
     """The help texts' names (written in fo_tune.cli.common to keep --help light) are the runtime's;
-    search and table take the collectives the search tunes, the runtime's but all_gather."""
+    search and table take every collective the runtime runs (the search tunes all three)."""
     assert set(DTYPE_NAMES) == set(DTYPES) and RUNTIME_COLLECTIVE_NAMES == COLLECTIVES
-    assert tuple(c for c in COLLECTIVES if c != "all_gather") == COLLECTIVE_NAMES
+    assert COLLECTIVE_NAMES == COLLECTIVES and SHARDED_COLLECTIVE_NAMES == SHARDED_COLLECTIVES
 
 
-def test_search_refuses_all_gather_until_it_tunes_it(runner, tmp_path):
-    """fo_tune.search measures every collective but all_reduce as a reduce_scatter: an all_gather
-    search would tune the wrong op, so --collective refuses it, naming what it takes."""
+def test_search_takes_all_gather_and_refuses_another_name(runner, tmp_path):
+    """--collective all_gather is searched (the packaged calibration cannot price it: one line
+    naming the command that measures its curve); an unknown name lists the three."""
     out = tmp_path / "never"
     args = ["search", "--shape", "64x64x64", "-c", "all_gather", "--mode", "predict", "--out", str(out)]
     line = assert_one_line_error(_timed(runner, args))
-    assert "'all_gather'" in line and "all_reduce, reduce_scatter" in line, line
+    assert "no curve for all_gather" in line and "--collectives all_reduce,reduce_scatter,all_gather" in line
+    args[4] = "all_to_all"
+    line = assert_one_line_error(_timed(runner, args))
+    assert "'all_to_all'" in line and "all_reduce, reduce_scatter, all_gather" in line, line
     assert not out.exists()
 
 

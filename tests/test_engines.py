@@ -10,9 +10,11 @@ import math
 import optuna
 import pytest
 
+from cli_checks import with_all_gather_standin
 from fo_kernels.engines import engine_names as runtime_engines
 from fo_kernels.fingerprint import Fingerprint
-from fo_kernels.schedule import ENGINE_SETTINGS, CopyEngineSettings, Tile, TritonSettings
+from fo_kernels.plan import check_fits
+from fo_kernels.schedule import ENGINE_SETTINGS, CopyEngineSettings, Schedule, Tile, TritonSettings
 from fo_tune.calibration import load_calibration
 from fo_tune.cli.search import packaged_calibration
 from fo_tune.encoding import Infeasible, UnionEncoding, schedule_key
@@ -34,6 +36,13 @@ def h200():
 @pytest.fixture(scope="module")
 def model(h200):
     return CostModel(h200)
+
+
+@pytest.fixture(scope="module")
+def ag_model(h200):
+    """The shipped calibration with a stand-in all_gather curve (its reduce_scatter points
+    relabelled: not a measurement; the shipped file has no all_gather curve) for the encoding."""
+    return CostModel(with_all_gather_standin(h200))
 
 
 def fingerprint(h200, **changes) -> Fingerprint:
@@ -83,6 +92,8 @@ def test_an_unknown_engine_lists_the_valid_ones():
         ({"interconnect": "pcie"}, "all_reduce", "needs peer access between the GPUs"),
         ({"interconnect": "gloo"}, "all_reduce", "has interconnect gloo"),
         ({"world_size": 1, "interconnect": "single"}, "all_reduce", "world size 1 has none"),
+        ({}, "all_gather", ""),
+        ({"interconnect": "gloo"}, "all_gather", "has interconnect gloo"),
         ({}, "all_to_all", "does not run all_to_all"),
     ],
 )
@@ -95,7 +106,8 @@ def test_triton_runs_on_any_interconnect_with_a_collective(h200):
     tuner = get_tuner("triton")
     assert tuner.blocker(fingerprint(h200, interconnect="pcie"), "all_reduce", "float16") == ""
     assert "world size 1" in tuner.blocker(fingerprint(h200, world_size=1), "all_reduce", "bfloat16")
-    assert "all_gather" in tuner.blocker(fingerprint(h200), "all_gather", "bfloat16")
+    assert tuner.blocker(fingerprint(h200), "all_gather", "bfloat16") == ""
+    assert "all_to_all" in tuner.blocker(fingerprint(h200), "all_to_all", "bfloat16")
 
 
 def test_each_engine_names_the_calibration_it_misses(h200):
@@ -106,6 +118,11 @@ def test_each_engine_names_the_calibration_it_misses(h200):
     assert "copy_engine section" in gap and "fo-tune calibrate --world-size 2 --only copy_engine" in gap
     gap = get_tuner("triton").calibration_gap(bare, "all_reduce")
     assert "bandwidth curve of all_reduce" in gap and "--collectives all_reduce" in gap
+    # the shipped calibration has no all_gather curve: the command measures it beside the others
+    gap = get_tuner("triton").calibration_gap(h200, "all_gather")
+    assert "bandwidth section has no curve for all_gather" in gap
+    assert "--only bandwidth --collectives all_reduce,reduce_scatter,all_gather --into" in gap
+    assert get_tuner("copy_engine").calibration_gap(h200, "all_gather") == ""  # (its pulls: no NCCL)
 
 
 def test_select_engines(h200):
@@ -154,6 +171,75 @@ def test_copy_engine_points_per_shape(model):
     assert small == ["1", "1-1", "2-1"]
     for other in (task(model, dtype="float32"), task(model, world=4)):
         assert {p["mode"] for p in tuner.points(other, exhaustive=False)} == {"ring"}
+
+
+@pytest.mark.parametrize(
+    ("shape", "world", "space", "priced"),
+    [
+        ((4096, 8192, 4096), 2, "9.0", True),
+        ((16384, 8192, 4096), 2, "9.0", True),
+        ((2050, 3074, 1030), 2, "9.0", False),  # an odd shape, measure mode (no model: custom groups)
+        ((8192, 8192, 8192), 4, "9.0", False),
+        ((768, 96, 64), 3, "cpu", False),
+    ],
+)
+def test_all_gather_points_are_what_its_runtime_paths_take(ag_model, shape, world, space, priced):
+    """Every all_gather point either engine enumerates (exhaustive or not) builds a schedule the
+    runtime takes: Schedule's checks (TritonSettings.check, CopyEngineSettings.check) and a plan."""
+    m, n, k = shape
+    t = ShapeTask(
+        collective="all_gather",
+        dtype="bfloat16",
+        world_size=world,
+        m=m,
+        n=n,
+        k=k,
+        sm_count=132,
+        cpu=space == "cpu",
+        space=space_for(space),
+        model=ag_model if priced else None,
+        predictable=priced,
+    )
+    engines = ("triton", "copy_engine") if space != "cpu" else ("triton",)
+    enc = UnionEncoding(t, engines)
+    triton = get_tuner("triton").choices(t)
+    assert triton["layout"] == ["row_band"] and "wait_mode" not in triton
+    assert triton["signal"] and all(s.startswith("band") for s in triton["signal"])
+    seen = {name: 0 for name in engines}
+    for exhaustive in (False, True):
+        for params in enc.points(exhaustive=exhaustive):
+            assert "triton.wait_mode" not in params and params.get("copy_engine.mode", "ring") == "ring"
+            schedule = enc.build(params)
+            again = Schedule.from_dict(schedule.to_dict())  # the runtime's own parse of the row
+            check_fits(again, m, n, k, sm_count=132)
+            st = again.settings
+            if isinstance(st, TritonSettings):
+                assert st.layout == "row_band" and st.signal_tiles % world == 0
+            else:
+                assert isinstance(st, CopyEngineSettings) and st.mode == "ring" and st.tile is None
+            assert enc.params_of(again) is not None
+            seen[again.engine] += 1
+    assert all(seen.values()), seen
+    for params in enc.seeds():
+        check_fits(enc.build(params), m, n, k, sm_count=132)
+    with pytest.raises(Infeasible, match="layout 'tile_major' is not offered for all_gather"):
+        first = next(enc.points(exhaustive=False))
+        enc.build({**first, "triton.layout": "tile_major"})
+
+
+def test_all_gather_settings_the_space_cannot_build_are_left_out(ag_model):
+    enc = UnionEncoding(task(ag_model, "all_gather"), ("triton", "copy_engine"))
+    tile = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    st = TritonSettings(
+        tile=tile, sms_free=24, nccl_max_ctas=16, signal_tiles=2 * 8 * 32, groups=(1, 1), layout="row_band"
+    )
+    params = enc.params_of(enc.task.schedule(st))
+    assert params is not None and "triton.wait_mode" not in params
+    assert schedule_key(enc.build(params)) == schedule_key(enc.task.schedule(st))
+    # a spin wait is never built for all_gather (the field is unused there): not reachable
+    assert enc.params_of(enc.task.schedule(dataclasses.replace(st, wait_mode="spin"))) is None
+    with pytest.raises(Infeasible, match="not offered"):
+        enc.build({"engine": "copy_engine", "copy_engine.mode": "tiled", "copy_engine.tiled.weights": "1"})
 
 
 def test_copy_engine_settings_round_trip_through_the_encoding(model):

@@ -14,7 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import assert_one_line_error, isolate_tables
+from cli_checks import assert_one_line_error, isolate_tables, with_all_gather_standin
 from fo_kernels.table import load_table, row_kind
 from fo_tune.calibration import load_calibration, save_calibration
 from fo_tune.cli.search import packaged_calibration
@@ -109,6 +109,51 @@ def test_a_ring_timeline_is_ordered(model, h200):
         assert p.gemm_ms >= p.gemm_alone_ms  # beside copies a GEMM is slower
     assert chunk_rows(4096, (1, 1, 1, 1)) == [1024] * 4 and sum(chunk_rows(1000, (2, 1))) == 1000
     assert eager_ops("all_reduce", 2, 2) > eager_ops("reduce_scatter", 2, 2) > 0
+
+
+def test_all_gather_terms_follow_their_pipelines(h200):
+    """The all_gather terms (unvalidated: no all_gather was measured on GPUs) on a stand-in curve:
+    the baseline gathers M x K bytes first; the copy engine's own rows go first and each pulled
+    chunk's GEMM waits for its pull at the calibration's peer-copy rate; the Triton engine's first
+    gather is exposed and every later one waits for the one before."""
+    from fo_kernels.copy_engine import plan_call
+    from fo_kernels.schedule import CopyEngineSettings, Problem, Schedule, Tile, TritonSettings
+
+    model = CostModel(with_all_gather_standin(h200))
+    m, n, k = 8192, 8192, 8192
+    base = model.baseline("all_gather", m, n, k, "bfloat16")
+    assert base.comm_ms == model.curves.time(
+        "all_gather", 0, m * k * 2
+    ) and base.gemm_ms == model.library.time(m, n, k)
+    head = dict(collective="all_gather", dtype="bfloat16", world_size=2, problem=Problem(m=m, n=n, k=k))
+    term = model.term("copy_engine")
+    p = h200.copy_engine.values()
+    for weights in ((1,), (2, 2, 1)):
+        s = Schedule(**head, settings=CopyEngineSettings(weights=weights))
+        got = model.predict(s, m, n, k)
+        rows = chunk_rows(m // 2, weights)
+        assert len(got.group_comm_ms) == len(rows)  # one pull per chunk of the peer's shard
+        for r, copy in zip(rows, got.group_comm_ms, strict=True):
+            assert copy == pytest.approx(p["peer_copy_latency_ms"] + r * k * 2 / (p["peer_copy_gbs"] * 1e6))
+        assert list(got.group_end_ms) == sorted(got.group_end_ms)
+        # the own rows' GEMM, then every chunk's after its pull: no faster than the GEMM alone
+        assert got.device_ms >= got.group_end_ms[-1] + model.library.time(rows[-1], n, k, fill=True)
+        assert (
+            got.device_ms >= model.library.time(m // 2, n, k, fill=True) and got.gemm_ms >= got.gemm_alone_ms
+        )
+        eager = term.predict(s, m, n, k, graphed=False).host_ms
+        assert eager == pytest.approx(
+            p["host_eager_op_ms"] * len(plan_call("ring", "all_gather", 2, 0, m, n, k, weights).ops)
+        )
+    tile = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    st = TritonSettings(
+        tile=tile, sms_free=24, nccl_max_ctas=16, signal_tiles=2 * 8 * 32, groups=(1, 3), layout="row_band"
+    )
+    got = model.predict(Schedule(**head, settings=st), m, n, k)
+    assert got.engine == "triton" and len(got.group_end_ms) == 2
+    assert got.exposed_comm_ms >= got.group_end_ms[0] >= got.group_comm_ms[0]  # nothing hides the first
+    assert got.group_start_ms[1] >= got.group_end_ms[0]  # one gather after the other
+    assert got.device_ms >= got.group_end_ms[0] + got.gemm_alone_ms
 
 
 def test_the_offline_plan_of_the_suite_runs_what_the_measured_rows_run(h200):

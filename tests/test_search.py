@@ -22,14 +22,14 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import assert_one_line_error, isolate_tables
+from cli_checks import assert_one_line_error, isolate_tables, with_all_gather_standin
 from fo_kernels.errors import HeuristicScheduleWarning
 from fo_kernels.heuristics import default_schedule
 from fo_kernels.plan import make_plan
 from fo_kernels.schedule import Tile
 from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_table
 from fo_tune import tables as table_tools
-from fo_tune.calibration import load_calibration
+from fo_tune.calibration import load_calibration, save_calibration
 from fo_tune.cli.search import packaged_calibration
 from fo_tune.encoding import Infeasible, UnionEncoding, schedule_key
 from fo_tune.engines import ShapeTask
@@ -194,6 +194,53 @@ def test_dp_grouping_beats_every_composition_it_could_have_chosen(model, collect
         assert best <= other * 1.01, (dp, groups, best, other)
 
 
+@pytest.fixture(scope="module")
+def ag_model(h200):
+    """The shipped model with a stand-in all_gather curve (``with_all_gather_standin``)."""
+    return CostModel(with_all_gather_standin(h200))
+
+
+@pytest.mark.parametrize("shape", [(16384, 8192, 4096), (8192, 8192, 8192), (4096, 8192, 14336)])
+@pytest.mark.parametrize(("sms_free", "cap"), [(24, 16), (0, 0)])
+def test_all_gather_dp_grouping_beats_every_composition(ag_model, shape, sms_free, cap):
+    """The all_gather DP (a Pareto front per prefix) against every composition of the units."""
+    m, n, k = shape
+    enc = enc_for(ag_model, "all_gather", shape)
+    for tile in priced_tiles(ag_model):
+        base = enc.build(
+            triton_point(
+                tile, sms_free=sms_free, nccl_max_ctas=cap, signal="band1", layout="row_band",
+                grouping="custom", num_groups=1,
+            )
+        )  # fmt: skip
+        units = num_units(base, m, n)
+        dp = ag_model.best_grouping(base, m, n, k, max_groups=8)
+        assert sum(dp) == units and len(dp) <= 8
+        best = ag_model.predict(with_groups(base, dp), m, n, k).total_ms
+        rng = random.Random(0)
+        if units <= 12:
+            comps = itertools.chain.from_iterable(
+                itertools.combinations(range(1, units), c) for c in range(min(8, units))
+            )
+        else:
+            comps = [tuple(sorted(rng.sample(range(1, units), rng.randint(0, 7)))) for _ in range(300)]
+        for cuts in comps:
+            groups = tuple(b - a for a, b in itertools.pairwise([0, *cuts, units]))
+            other = ag_model.predict(with_groups(base, groups), m, n, k).total_ms
+            assert best <= other * 1.01, (tile.label(), dp, groups, best, other)
+
+
+def test_all_gather_lower_bounds_never_exceed_the_prediction(ag_model):
+    """The predict search skips a point whose bound is not below its best: every bound must be a
+    bound, or a better point could be skipped."""
+    for shape in SUITE:
+        enc = enc_for(ag_model, "all_gather", shape, engines=("triton", "copy_engine"))
+        for params in enc.points(exhaustive=True):
+            schedule = enc.build(params)
+            p = schedule.problem
+            assert enc.lower_bound(params) <= ag_model.predict(schedule, p.m, p.n, p.k).total_ms + 1e-9
+
+
 # ---------------------------------------------------------------------------------- encoding
 def test_custom_grouping_reaches_any_composition(model):
     enc = enc_for(model, "all_reduce", (16384, 8192, 4096))
@@ -308,6 +355,78 @@ def test_offline_search_writes_a_row_the_runtime_returns(tmp_path, h200, monkeyp
     assert summary["fingerprint"]["device_key"] == H200_KEY
 
 
+@pytest.fixture
+def ag_calibration(tmp_path, h200) -> Path:
+    """The shipped calibration with a stand-in all_gather curve (``with_all_gather_standin``)."""
+    path = tmp_path / "cal-ag" / "calibration.yaml"
+    path.parent.mkdir()
+    save_calibration(with_all_gather_standin(h200), path)
+    return path
+
+
+def test_offline_all_gather_search_writes_a_row_the_runtime_returns(
+    tmp_path, h200, ag_calibration, monkeypatch
+):
+    out = tmp_path / "o"
+    shape = ("--shape", "16384x8192x4096", "-c", "all_gather")
+    r = search(*shape, "--calibration", str(ag_calibration), "--out", str(out))
+    assert r.exit_code == 0, r.output
+    table = load_table(out / "tables" / H200_KEY / "all_gather-w2-bfloat16.yaml")
+    assert table.collective == "all_gather" and table_tools.validate_table(table) == []
+    row = table.find(16384, 8192, 4096)  # M is the gathered M
+    assert row is not None and row.provenance["mode"] == "predict"
+    assert row.overlap and row.provenance["fallback_ms"] > row.provenance["predicted_ms"]
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(out / "tables"))
+    monkeypatch.setattr("fo_kernels.table._packaged_table_dir", lambda: None)
+    monkeypatch.setattr("fo_kernels.table.current_fingerprint", lambda dev, world: h200.fingerprint)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HeuristicScheduleWarning)
+        got = lookup_schedule("all_gather", 16384, 8192, 4096, dtype="bfloat16", world_size=2, device="cpu")
+    assert got == row
+    with (out / "report" / "all_gather-w2-bfloat16-predict" / "trials.csv").open() as f:
+        done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
+    assert {t["engine"] for t in done} == {"triton", "copy_engine"}
+    for t in done:  # only what the runtime's all_gather paths take
+        settings = yaml.safe_load(t["settings"])
+        assert settings.get("layout", "row_band") == "row_band" and settings.get("mode", "ring") == "ring"
+    # table show and lookup take all_gather too
+    assert CliRunner().invoke(app, ["table", "show", "-c", "all_gather", "-k", H200_KEY]).exit_code == 0
+    r = CliRunner().invoke(
+        app, ["table", "lookup", "-s", "16384x8192x4096", "-c", "all_gather", "-k", H200_KEY]
+    )
+    assert r.exit_code == 0 and yaml.safe_load(r.stdout)["row"]["engine"] == row.engine
+    # the other modes' plumbing: an exhaustive predict and M-range rows
+    small = str(ROOT / "bench" / "h200_small_space.yaml")
+    r = search(
+        *shape, "--calibration", str(ag_calibration), "--exhaustive", "--space", small, "--out", str(out)
+    )
+    assert r.exit_code == 0, r.output
+    r = search(
+        "--shape", "1x8192x4096", "-c", "all_gather", "--m-range", "512:4096", "--trials", "20",
+        "--calibration", str(ag_calibration), "--out", str(out),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    table = load_table(out / "tables" / H200_KEY / "all_gather-w2-bfloat16.yaml")
+    assert table_tools.validate_table(table) == []
+    ranges = [row for row in table.rows if row.problem.is_range]
+    assert ranges[0].problem.m_min == 512 and ranges[-1].problem.m_max == 4096
+
+
+def test_the_shipped_calibration_cannot_price_all_gather(tmp_path, h200):
+    """No all_gather was measured on the GPUs: the model refuses, naming what to measure."""
+    from fo_tune.calibration import CalibrationError
+
+    with pytest.raises(
+        CalibrationError, match=r"no curve for all_gather.*--collectives all_reduce,reduce_scatter,all_gather"
+    ):
+        CostModel(h200).baseline("all_gather", 4096, 8192, 4096, "bfloat16")
+    line = assert_one_line_error(
+        search("--shape", "4096x8192x4096", "-c", "all_gather", "--out", str(tmp_path / "o"))
+    )
+    assert "fo-tune calibrate --world-size 2" in line and "--only bandwidth" in line
+    assert not (tmp_path / "o").exists()
+
+
 def test_rerun_resumes_the_study(tmp_path):
     """With --trials, a predict search is a TPE study, resumed by the same command."""
     args = ["--shape", "4096x8192x4096", "--trials", "30", "--out", str(tmp_path / "o")]
@@ -366,8 +485,13 @@ def test_time_budget_stops_early(tmp_path):
         (["--shape", "4096x8192"], "MxNxK"),
         (["--shape", "0x8192x4096"], ">= 1"),
         (["--shape", "-4x8192x4096"], "MxNxK"),
-        (["--shape", "64x64x64", "-c", "all_gather"], "all_gather"),
+        # the shipped calibration has no all_gather curve: the section and the command that measures it
+        (["--shape", "64x64x64", "-c", "all_gather"], "bandwidth section has no curve for all_gather"),
         (["--shape", "4097x8192x4096", "-c", "reduce_scatter"], "divisible"),
+        (
+            ["--shape", "4097x8192x4096", "-c", "all_gather"],
+            "all_gather needs M divisible by the world size 2",
+        ),
         (["--shape", "64x64x64", "--mode", "fast"], "--mode"),
         (["--shape", "64x64x64", "--m-range", "9:3"], "LO <= HI"),
         (["--shape", "64x64x64", "--trials", "0"], "--trials"),
@@ -375,6 +499,7 @@ def test_time_budget_stops_early(tmp_path):
         (["--shape", "4096x8192x4096", "--dtype", "float32"], "bfloat16"),
         (["--shape", "64x64x64", "-c", ","], "--collective"),
         (["--shape", "64x8192x4096", "--m-range", "511:4096", "-c", "reduce_scatter"], "LO and HI"),
+        (["--shape", "64x8192x4096", "--m-range", "512:4095", "-c", "all_gather"], "LO and HI"),
         # (a storage is used by a study: measured searches, or predict with --trials)
         (["--shape", "64x64x64", "--trials", "5", "--storage", "sqlite:///"], "names no file"),
         (["--shape", "64x64x64", "--trials", "5", "--storage", "bogus"], "Optuna URL"),
@@ -491,6 +616,34 @@ def test_measure_mode_end_to_end_on_gloo(tmp_path, monkeypatch):
         assert got == row
 
 
+@pytest.mark.slow
+def test_measure_mode_all_gather_on_gloo(tmp_path, monkeypatch):
+    """AllGather + GEMM measured on 2 gloo ranks: every trial checked against all_gather(a) @ b,
+    the baseline (the gather, then the GEMM) measured and checked, a row the runtime returns."""
+    out = tmp_path / "o"
+    r = search(
+        "--mode", "measure", "--shape", "256x64x32", "-c", "all_gather", "--world-size", "2",
+        "--backend", "gloo", "--trials", "3", "--reps", "2", "--dtype", "float32", "--out", str(out),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    import torch
+
+    from fo_kernels.fingerprint import current_fingerprint
+
+    report = out / "report" / "all_gather-w2-float32-measure"
+    with (report / "trials.csv").open() as f:
+        done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
+    assert done and all(float(t["measured_ms"]) > 0 and float(t["rel_err"]) < 1e-4 for t in done)
+    assert {t["engine"] for t in done} == {"triton"}  # (the copy engine needs peers: none on gloo)
+    summary = yaml.safe_load((report / "summary.yaml").read_text())
+    assert summary["shapes"][0]["baseline"]["source"] == "measured"
+    key = current_fingerprint(torch.device("cpu"), 2).device_key
+    row = load_table(out / "tables" / key / "all_gather-w2-float32.yaml").find(256, 64, 32)
+    assert row is not None and row.provenance["mode"] == "measure" and "fallback_ms" in row.provenance
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(out / "tables"))
+    assert lookup_schedule("all_gather", 256, 64, 32, dtype="float32", world_size=2, device="cpu") == row
+
+
 def _complete_in(db: Path) -> dict[int, float]:
     if not db.exists():
         return {}
@@ -600,6 +753,29 @@ def test_hybrid_measures_only_the_models_top_k(tmp_path, cpu_calibration):
     with (report / "trials.csv").open() as f:
         done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
     assert done and all(t["predicted_ms"] and t["measured_ms"] for t in done)
+
+
+@pytest.mark.slow
+def test_hybrid_all_gather_on_gloo(tmp_path):
+    """A quick float32 calibration of this CPU with its all_gather curve, then a hybrid all_gather
+    search: the model ranks, the ranks measure its best (checked against all_gather(a) @ b)."""
+    cal = tmp_path / "cal"
+    args = ["--world-size", "2", "--backend", "gloo", "--quick", "-c", "all_gather", "--dtype", "float32"]
+    r = CliRunner().invoke(app, ["calibrate", *args, "--out", str(cal)])
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "o"
+    r = search(
+        "--mode", "hybrid", "--calibration", str(cal / "calibration.yaml"), "--shape", "256x64x32",
+        "-c", "all_gather", "--dtype", "float32", "--world-size", "2", "--backend", "gloo", "--top-k", "2",
+        "--reps", "2", "--out", str(out),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    report = out / "report" / "all_gather-w2-float32-hybrid"
+    summary = yaml.safe_load((report / "summary.yaml").read_text())["shapes"][0]
+    assert 1 <= summary["measured_this_run"] <= 2 + 2
+    with (report / "trials.csv").open() as f:
+        done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE" and t["measured_ms"]]
+    assert done and all(t["predicted_ms"] and float(t["rel_err"]) < 1e-4 for t in done)
 
 
 @pytest.mark.multigpu

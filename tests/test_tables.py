@@ -232,6 +232,21 @@ def test_validate_reduce_scatter_ranges_use_divisible_m() -> None:
     assert issues[0].startswith("row [3,3]x64x48: problem:") and "divisible by world_size 2" in issues[0]
 
 
+def test_validate_all_gather_rows_plan_the_gathered_m() -> None:
+    """An all_gather row's M is the gathered M: ranges are checked at multiples of the world size
+    (a plan of M/w-row shards), and its row_band groups start on whole bands of every shard."""
+    ag = {"collective": "all_gather"}
+    good = range_row(
+        2, 512, signal_tiles=2 * 2 * 3, groups=(1, 1), layout="row_band", wait_mode="stream_wait", **ag
+    )
+    table = cpu_table(
+        [cpu_row(256, collective="all_gather"), good, range_row(3, 3, n=64, layout="row_band", **ag)], **ag
+    )
+    issues = validate_table(table)
+    assert len(issues) == 1, issues  # [3, 3] holds no even M
+    assert issues[0].startswith("row [3,3]x64x48: problem:") and "which all_gather needs" in issues[0]
+
+
 @pytest.mark.parametrize(
     ("row", "needles"),
     [
@@ -407,7 +422,7 @@ def test_show_not_found_and_bad_options_are_one_line(runner: CliRunner, tmp_path
     line = assert_one_line_error(runner.invoke(app, ["table", "show", "x.yaml", "--dtype", "float16"]))
     assert "--dtype" in line
     assert "--format" in assert_one_line_error(runner.invoke(app, ["table", "show", "-f", "json"]))
-    assert "--collective" in assert_one_line_error(runner.invoke(app, ["table", "show", "-c", "all_gather"]))
+    assert "--collective" in assert_one_line_error(runner.invoke(app, ["table", "show", "-c", "all_to_all"]))
 
 
 def test_show_yaml_and_csv(runner: CliRunner, tmp_path: Path) -> None:
@@ -571,7 +586,8 @@ def test_lookup_names_the_row_and_its_file(runner: CliRunner, tmp_path: Path) ->
     [
         (["--shape", "64x96"], "MxNxK"),
         (["--shape", "63x96x48", "-c", "reduce_scatter"], "divisible"),
-        (["--shape", "64x96x48", "-c", "all_gather"], "--collective"),
+        (["--shape", "64x96x48", "-c", "all_to_all"], "--collective"),
+        (["--shape", "63x96x48", "-c", "all_gather"], "all_gather needs M divisible"),
         (["--shape", "64x96x48", "-d", "int8"], "--dtype"),
         (["--shape", "64x96x48", "-w", "0"], "--world-size"),
         ([], "--shape"),

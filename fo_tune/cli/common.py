@@ -77,9 +77,11 @@ EXIT_INTERRUPTED = 130
 # runtime's collectives are what `fo-tune bench` and `fo-tune demo` run.
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 RUNTIME_COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather")
-# The collectives `fo-tune search` and `fo-tune table` take: the runtime's but all_gather, which
-# the search does not tune yet (its measurement runs gemm_reduce_scatter for all_gather).
-COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter")
+# The collectives `fo-tune search` and `fo-tune table` take: every one the runtime runs.
+COLLECTIVE_NAMES = RUNTIME_COLLECTIVE_NAMES
+# Those whose M is split over the ranks (fo_kernels.schedule.SHARDED_COLLECTIVES; M divisible by
+# the world size; all_gather's M is the gathered M).
+SHARDED_COLLECTIVE_NAMES = ("reduce_scatter", "all_gather")
 BACKEND_NAMES = ("auto", "gloo", "nccl")
 
 # ------------------------------------------------------------------------------ shared options

@@ -45,16 +45,22 @@ SQLITE = "sqlite:///"
 
 HELP = "\n\n".join(
     [
-        "Search schedules for GEMM + AllReduce / ReduceScatter shapes and write the best one per "
-        "shape into the schedule table the runtime reads.",
+        "Search schedules for GEMM + AllReduce / ReduceScatter and AllGather + GEMM shapes and write "
+        "the best one per shape into the schedule table the runtime reads. A shape is the GEMM's "
+        "M x N x K; for all_gather M is the gathered M (each rank holds an M/w x K shard of A), "
+        "which, as for reduce_scatter, must be divisible by the world size.",
         "One search per shape over the union of the engines that can run on the machine "
         "(--engine to choose; each engine's plug-in says whether it can: the copy engine needs "
         "world size >= 2 and peer access between the GPUs): triton (the signalled Triton GEMM "
         "and NCCL per group: tile, SMs left to communication, NCCL CTA cap, signal granularity, "
-        "grouping by the cost model's dynamic program or any composition, layout, wait mode) and "
-        "copy_engine (library GEMM chunks and copy-engine pulls between peers: the ring mode's "
-        "chunk weightings, the tiled mode's chunks and tiles), as the search space's engines "
-        "sections list them.",
+        "grouping by the cost model's dynamic program or any composition, layout, wait mode; for "
+        "all_gather NCCL gathers bands of A rows while the chunk GEMMs run: row_band, band units, "
+        "no wait mode) and copy_engine (library GEMM chunks and copy-engine pulls between peers: "
+        "the ring mode's chunk weightings, the tiled mode's chunks and tiles; all_gather: the ring "
+        "mode only), as the search space's engines sections list them. No all_gather was measured "
+        "on GPUs yet: its cost-model terms are unvalidated, and a predicted all_gather search needs "
+        "a calibration with an all_gather bandwidth curve (the packaged H200 one has none; the "
+        "error names the command that measures it).",
         "Modes: predict (the cost model of a calibration prices every enumerated point, "
         "bounded, no GPU: the default without GPUs, with the packaged calibration for "
         "--world-size; with --trials N a TPE study of N predictions instead), measure (a TPE "
@@ -97,7 +103,7 @@ CollectiveOpt = Annotated[
         "--collective",
         "-c",
         metavar="NAME[,NAME]",
-        help="all_reduce or reduce_scatter; repeat or comma-separate to tune both. Default: all_reduce.",
+        help=f"{', '.join(COLLECTIVE_NAMES)}; repeat or comma-separate to tune several. Default: all_reduce.",
     ),
 ]
 SearchDtypeOpt = Annotated[

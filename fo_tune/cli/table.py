@@ -17,6 +17,7 @@ from .common import (
     COLLECTIVE_NAMES,
     DTYPE_NAMES,
     EXIT_BAD_INPUT,
+    SHARDED_COLLECTIVE_NAMES,
     console,
     err_console,
     fmt,
@@ -113,7 +114,7 @@ VALIDATE_HELP = "\n\n".join(
         "the signal units of the shape, row_band groups starting on whole bands of group_m tile "
         "rows, sms_free leaving a grid of the fingerprint's SM count); every overlapped M-range row "
         "must give a plan at m_min, m_max and a middle M (multiples of the world size for "
-        "reduce_scatter); M ranges for the same N, K must not overlap.",
+        "reduce_scatter and all_gather); M ranges for the same N, K must not overlap.",
         "Prints OK per good file on stdout and one line per problem on stderr. A note says when a "
         "file is not where lookup looks for it (<device-key>/<collective>-w<world>-<dtype>.yaml).",
         "Exit code 0 when every file is fine, 2 when any has a problem (fix the row named, or "
@@ -278,7 +279,11 @@ def show(
 ShapeOpt = Annotated[
     str | None,
     typer.Option(
-        "--shape", "-s", metavar="MxNxK", help="The call's GEMM: M x N x K per rank.", show_default=False
+        "--shape",
+        "-s",
+        metavar="MxNxK",
+        help="The call's GEMM: M x N x K per rank (all_gather: M is the gathered M, w x a shard's rows).",
+        show_default=False,
     ),
 ]
 LookupWorldSizeOpt = Annotated[
@@ -312,9 +317,10 @@ def lookup(
     collective = _check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
     dtype = _check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
     world = world_size or DEFAULT_WORLD_SIZE
-    if collective == "reduce_scatter" and m % world:
+    if collective in SHARDED_COLLECTIVE_NAMES and m % world:
+        gathered = " (all_gather's M is the gathered M)" if collective == "all_gather" else ""
         raise typer.BadParameter(
-            f"--shape {shape}: reduce_scatter needs M divisible by the world size {world}"
+            f"--shape {shape}: {collective} needs M divisible by the world size {world}{gathered}"
         )
     from fo_kernels.table import MISS_SOURCE
     from fo_tune.tables import find_row

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fo_kernels.errors import FoTuneError
-from fo_kernels.schedule import EngineSettings, Problem, Schedule, settings_type
+from fo_kernels.schedule import SHARDED_COLLECTIVES, EngineSettings, Problem, Schedule, settings_type
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
@@ -48,7 +48,8 @@ class UnknownEngineError(FoTuneError, ValueError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShapeTask:
-    """One (collective, dtype, world size, M, N, K) to search, and what searching it may use.
+    """One (collective, dtype, world size, M, N, K) to search, and what searching it may use (M,
+    N, K are the GEMM's: for all_gather M is the gathered M, w x a shard's rows).
 
     ``model`` is the cost model (None in a measured search without a calibration of these ranks);
     ``predictable``: every point must be priced by the model (predict and hybrid searches), so an
@@ -74,8 +75,9 @@ class ShapeTask:
 
     @property
     def shards(self) -> int:
-        """Output shards the collective scatters (world size for reduce_scatter, else 1)."""
-        return self.world_size if self.collective == "reduce_scatter" else 1
+        """Shards of the GEMM's M (world size for reduce_scatter, whose output rows are scattered,
+        and all_gather, whose A rows are gathered; else 1)."""
+        return self.world_size if self.collective in SHARDED_COLLECTIVES else 1
 
     def schedule(
         self, settings: EngineSettings | None, provenance: Mapping[str, Any] | None = None

@@ -16,6 +16,10 @@ Parameters of one point: ``mode``, then ``ring.weights`` or ``tiled.weights`` an
 (labels: ``1-1-1-1``, ``Tile.label``). The space is small (a few dozen points at most), so every
 point is enumerated, and a new measured study runs all of them first. The engine needs world size
 >= 2 and peer access between the GPUs (the fingerprint's interconnect: NVLink or PCIe P2P).
+
+all_gather (AllGather + GEMM) runs in the ring mode only (the runtime's tiled mode refuses it,
+``CopyEngineSettings.check``): its points are the ring's weightings, each cutting every peer's
+shard into the chunks that are pulled and multiplied one by one.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ if TYPE_CHECKING:
     from ..model import CostModel
     from ..space import SpaceReader
 
-COLLECTIVES = ("all_reduce", "reduce_scatter")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+# The modes that run each collective (fo_kernels.copy_engine.modes: TiledMode.blocker).
+TILED_COLLECTIVES = ("all_reduce", "reduce_scatter")
 # Interconnects (fo_kernels.fingerprint.interconnect_summary) whose GPUs read each other's memory.
 PEER_INTERCONNECTS = ("nvlink", "p2p")
 # The tiled mode's protocol connects exactly two peers (fo_kernels.copy_engine).
@@ -222,7 +228,12 @@ class CopyEngineTuner(EngineTuner):
             if weightings:
                 out["ring"] = {"weights": [weights_label(w) for w in weightings]}
         tiled = section.modes.get("tiled")
-        if tiled is not None and task.world_size == TILED_WORLD and task.dtype != "float32":
+        if (
+            tiled is not None
+            and task.collective in TILED_COLLECTIVES
+            and task.world_size == TILED_WORLD
+            and task.dtype != "float32"
+        ):
             tiles = [t for t in tiled.tiles if not task.predictable or task.model.knows_tile(t)]  # type: ignore[union-attr]
             counts = [
                 c for c in tiled.chunks if tiles and c <= cdiv(cdiv(task.m, 2), max(t.block_m for t in tiles))

@@ -27,6 +27,14 @@ unless said:
 (FlashOverlap enumerates all 2^(W-1)); "dp" seeds each config with the model-optimal grouping. A
 point that cannot run (a grid of no program, a row_band cut inside a band of tile rows, ...) is
 ``Infeasible`` before anything runs. It runs on any machine with world size >= 2 (NCCL or gloo).
+
+all_gather (AllGather + GEMM) is offered only what its runtime path takes
+(``TritonSettings.check``, ``fo_kernels.triton_engine``): layout ``row_band`` (a group's A rows
+are whole bands of every shard), signal units of ``band`` kind only (``multiples`` of a band of
+every shard: a multiple of the world size; nothing is signalled, a unit only fixes where groups
+may be cut, so the space's ``kinds`` do not apply), and no ``wait_mode`` parameter (the GEMM's
+stream waits on each gather's event; the settings keep the field's default, ``ALL_GATHER_WAIT``).
+The space's other lists (tiles, sms_free, nccl_max_ctas, multiples, grouping) apply as they are.
 """
 
 from __future__ import annotations
@@ -58,7 +66,12 @@ GROUPINGS = ("dp", "custom")
 # Group counts the exhaustive enumeration tries besides "dp" (near-equal, larger first).
 ENUMERATED_GROUP_COUNTS = (1, 2, 4)
 # The collectives this engine's runtime overlaps (fo_kernels.triton_engine).
-COLLECTIVES = ("all_reduce", "reduce_scatter")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+# What an all_gather schedule keeps in its unused wait_mode field: TritonSettings' default.
+ALL_GATHER_WAIT = "stream_wait"
+# all_gather's only layout and signal kind (TritonSettings.check: whole bands of every shard).
+ALL_GATHER_LAYOUTS = ("row_band",)
+ALL_GATHER_SIGNAL_KIND = "band"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -156,11 +169,11 @@ class TritonTuner(EngineTuner):
         return ""
 
     def calibration_gap(self, cal: Calibration, collective: str) -> str:
-        if not any(b.collective == collective for b in cal.bandwidth):
-            return (
-                f"needs the calibration's bandwidth curve of {collective}; measure it with "
-                f"`fo-tune calibrate --world-size {cal.world_size} --collectives {collective}`"
-            )
+        from ..model.profiles import missing_curve
+
+        gap = missing_curve(cal, collective)
+        if gap:
+            return f"needs the calibration's bandwidth curve of {collective}: {gap}"
         if not any(p.status == "ok" for p in cal.gemm):
             return (
                 "needs the calibration's GEMM tile profile (section gemm); measure it with "
@@ -182,22 +195,24 @@ class TritonTuner(EngineTuner):
         if task.predictable:
             assert task.model is not None
             tiles = tuple(t for t in tiles if task.model.knows_tile(t))
-        signals = tuple(f"{k}{m}" for k in section.signal.kinds for m in section.signal.multiples)
+        gather = task.collective == "all_gather"
+        kinds = (ALL_GATHER_SIGNAL_KIND,) if gather else section.signal.kinds
+        signals = tuple(f"{k}{m}" for k in kinds for m in section.signal.multiples)
         return _Choices(
             task=task,
             tiles=tiles,
             sms_free=tuple(r for r in task.space.sms_free_candidates(cpu=task.cpu) if r < task.sm_count),
             caps=tuple(task.space.caps(cpu=task.cpu)),
             signals=signals,
-            layouts=section.layouts,
-            wait_modes=section.wait_modes,
+            layouts=ALL_GATHER_LAYOUTS if gather else section.layouts,
+            wait_modes=() if gather else section.wait_modes,  # (): not a parameter
             max_groups=section.grouping.max_groups,
             groupings=GROUPINGS if task.model is not None else ("custom",),
         )
 
     def choices(self, task: ShapeTask) -> dict[str, list[Any]]:
         c = self._choices(task)
-        return {
+        out = {
             "tile": [t.label() for t in c.tiles],
             "sms_free": list(c.sms_free),
             "nccl_max_ctas": list(c.caps),
@@ -207,6 +222,9 @@ class TritonTuner(EngineTuner):
             "grouping": list(c.groupings),
             "max_groups": [c.max_groups],
         }
+        if not c.wait_modes:
+            del out["wait_mode"]
+        return out
 
     def suggest(self, trial: Any, task: ShapeTask) -> dict[str, Any]:
         c = self._choices(task)
@@ -218,9 +236,10 @@ class TritonTuner(EngineTuner):
             "nccl_max_ctas": trial.suggest_categorical("nccl_max_ctas", list(c.caps)),
             "signal": trial.suggest_categorical("signal", list(c.signals)),
             "layout": trial.suggest_categorical("layout", list(c.layouts)),
-            "wait_mode": trial.suggest_categorical("wait_mode", list(c.wait_modes)),
-            "grouping": trial.suggest_categorical("grouping", list(c.groupings)),
         }
+        if c.wait_modes:
+            p["wait_mode"] = trial.suggest_categorical("wait_mode", list(c.wait_modes))
+        p["grouping"] = trial.suggest_categorical("grouping", list(c.groupings))
         if p["grouping"] == "custom":
             p["num_groups"] = trial.suggest_int("num_groups", 1, c.max_groups)
             for i in range(p["num_groups"] - 1):
@@ -233,6 +252,12 @@ class TritonTuner(EngineTuner):
         sms_free = int(params["sms_free"])
         if sms_free >= task.sm_count:
             raise Infeasible(f"sms_free {sms_free} leaves no SM of {task.sm_count} for the GEMM")
+        for name, offered in (("signal", c.signals), ("layout", c.layouts), ("wait_mode", c.wait_modes)):
+            value = params.get(name)
+            if (value is not None or offered) and value not in offered:
+                raise Infeasible(
+                    f"{name} {value!r} is not offered for {task.collective} (offered: {list(offered)})"
+                )
         unit = c.unit_tiles(tile, sms_free, str(params["signal"]))
         units = cdiv(c.tiles_of(tile), unit)
         base = TritonSettings(
@@ -242,7 +267,7 @@ class TritonTuner(EngineTuner):
             signal_tiles=unit,
             groups=(units,),
             layout=str(params["layout"]),
-            wait_mode=str(params["wait_mode"]),
+            wait_mode=str(params.get("wait_mode", ALL_GATHER_WAIT)),
         )
         if params["grouping"] == "dp":
             if task.model is None:
@@ -274,26 +299,22 @@ class TritonTuner(EngineTuner):
         st = settings
         if st.tile not in c.tiles or st.sms_free not in c.sms_free or st.nccl_max_ctas not in c.caps:
             return None
-        if st.layout not in c.layouts or st.wait_mode not in c.wait_modes:
+        if st.layout not in c.layouts or st.wait_mode not in (c.wait_modes or (ALL_GATHER_WAIT,)):
             return None
         signal = next(
             (s for s in c.signals if c.unit_tiles(st.tile, st.sms_free, s) == st.signal_tiles), None
         )
         if signal is None or "custom" not in c.groupings or len(st.groups) > c.max_groups:
             return None
-        params = self._head(st.tile, st.sms_free, st.nccl_max_ctas, signal, st.layout, st.wait_mode)
+        wait = st.wait_mode if c.wait_modes else None
+        params = self._head(st.tile, st.sms_free, st.nccl_max_ctas, signal, st.layout, wait)
         return params | _custom(st.groups)
 
     @staticmethod
-    def _head(tile: Tile, r: int, cap: int, signal: str, layout: str, wait: str) -> dict[str, Any]:
-        return {
-            "tile": tile.label(),
-            "sms_free": r,
-            "nccl_max_ctas": cap,
-            "signal": signal,
-            "layout": layout,
-            "wait_mode": wait,
-        }
+    def _head(tile: Tile, r: int, cap: int, signal: str, layout: str, wait: str | None) -> dict[str, Any]:
+        """A point's parameters but the grouping (``wait`` None: no wait_mode parameter)."""
+        head = {"tile": tile.label(), "sms_free": r, "nccl_max_ctas": cap, "signal": signal, "layout": layout}
+        return head if wait is None else head | {"wait_mode": wait}
 
     def points(self, task: ShapeTask, *, exhaustive: bool) -> Iterator[dict[str, Any]]:
         """Every config with grouping "dp" (when offered); ``exhaustive`` (or without a model)
@@ -301,7 +322,7 @@ class TritonTuner(EngineTuner):
         model's enumeration leaves out the spin wait where stream_wait is offered: the model
         prices the spin wait's extra host time only, so it never predicts it faster."""
         c = self._choices(task)
-        waits = c.wait_modes
+        waits: tuple[str | None, ...] = c.wait_modes or (None,)
         if not exhaustive and task.model is not None and "stream_wait" in waits:
             waits = ("stream_wait",)  # the model prices spin's extra host time only: it never wins
         for tile, r, cap, signal, layout, wait in itertools.product(
@@ -367,15 +388,15 @@ class TritonTuner(EngineTuner):
             int(params["nccl_max_ctas"]),
             c.unit_tiles(tile, r, str(params["signal"])),
             str(params["layout"]),
-            str(params["wait_mode"]),
+            str(params.get("wait_mode", ALL_GATHER_WAIT)),
         )
 
     # ------------------------------------------------------------------------------ the model
     def term(self, model: CostModel) -> Any:
-        from ..model.triton import TritonTerm
+        from ..model.triton_gather import TritonCollectivesTerm
 
         section = model.cal.triton
-        return TritonTerm(model, section.values() if section is not None else None)
+        return TritonCollectivesTerm(model, section.values() if section is not None else None)
 
 
 def _custom(groups: tuple[int, ...]) -> dict[str, Any]:

@@ -6,8 +6,10 @@
 
 Modules: ``core`` (the model, the baselines), ``profiles`` (the calibration's measurements as
 functions), ``library`` (the library GEMM and its clock), ``triton`` and ``copy_engine`` (the
-engines' terms), ``check`` (predictions against measured rows and trials), ``fit`` (fitting the
-copy engine's free parameters to measured rows).
+engines' terms; ``triton_gather``: the Triton engine's all_gather pipeline), ``check``
+(predictions against measured rows and trials), ``fit`` (fitting the copy engine's free
+parameters to measured rows). The all_gather terms are unvalidated: no all_gather was measured on
+GPUs, so ``check`` has no all_gather row to report.
 """
 
 from .core import CostModel

@@ -9,6 +9,10 @@ trial, and say how far off the predictions are (``fo-tune model check``).
   own (not a cache hit). Its schedule is rebuilt from the ``engine`` and ``settings`` columns;
   reports written before engines were plug-ins (Triton trials only) are read from their
   ``tile`` ... ``wait_mode`` columns and the group sizes in their ``schedule`` text.
+
+Predicted rows and trials are never reported (a prediction checked against itself says nothing):
+the all_gather terms, which no GPU measurement has checked yet, show up here only once measured
+all_gather rows or trials exist.
 """
 
 from __future__ import annotations

@@ -31,6 +31,22 @@ replayed from the engine's own CUDA graphs (every call whose addresses repeat, a
 the bench time them) cost ``host_graph_call_ms`` of host time; eager ones ``host_eager_op_ms`` per
 operation issued
 (``eager_ops``). A call costs ``max(device, host)``.
+
+AllGather + GEMM (ring mode only; unvalidated: no all_gather was ever measured on GPUs, and the
+section's free parameters were fitted to AllReduce and ReduceScatter rows). Rank r copies its
+(M/N) x K shard into its symmetric buffer (a local copy) and flags its peers; its own rows' GEMM
+runs at once; the side stream pulls each peer's shard chunk by chunk (peers in ring order), and
+each chunk's GEMM waits only for its pull::
+
+    shard_ready = local copy(M/N x K bytes) + flag_ms
+    own         = library(M/N, N, K, fill) * copy_contention + chunk_overhead_ms    (from 0)
+    pulled(q, c) = max(shard_ready, side free) + copy(rows_c x K bytes)              (in order)
+    end(q, c)   = max(previous GEMM end, pulled(q, c))
+                  + library(rows_c, N, K, fill) * copy_contention + chunk_overhead_ms
+    device      = last GEMM end + call_overhead_ms
+
+An eager call's operations are counted from the protocol itself (``fo_kernels.copy_engine.modes
+.plan_call``).
 """
 
 from __future__ import annotations
@@ -117,6 +133,8 @@ class CopyEngineTerm:
         assert isinstance(st, CopyEngineSettings)
         if st.mode == "tiled":
             return self._tiled(schedule, st, m, n, k, graphed=graphed)
+        if schedule.collective == "all_gather":
+            return self._ring_all_gather(schedule, st, m, n, k, graphed=graphed)
         return self._ring(schedule, st, m, n, k, graphed=graphed)
 
     def _ring(
@@ -176,6 +194,57 @@ class CopyEngineTerm:
             group_end_ms=tuple(ends),
             group_comm_ms=tuple(comm),
             exposed_comm_ms=exposed,
+            gemm_source="library",
+        )
+
+    def _ring_all_gather(
+        self, schedule: Schedule, st: CopyEngineSettings, m: int, n: int, k: int, *, graphed: bool
+    ) -> Prediction:
+        """AllGather + GEMM on the gathered (m, n, k) (module docstring)."""
+        p, lib, world = self.p, self.model.library, schedule.world_size
+        elem = element_bytes(schedule.dtype)
+        shard = m // world
+        rows = chunk_rows(shard, st.weights)
+        shard_ready = self.copy_ms(shard * k * elem, peer=False) + p["flag_ms"]
+        own = lib.time(shard, n, k, fill=True)
+        gemm_alone = own
+        compute = gemm_busy = own * p["copy_contention"] + p["chunk_overhead_ms"]
+        side, waited = shard_ready, 0.0
+        ready, starts, ends, comm = [], [], [], []
+        for _peer in range(world - 1):
+            for r in rows:
+                copy = self.copy_ms(r * k * elem)
+                ready.append(shard_ready)
+                starts.append(side)
+                side += copy
+                ends.append(side)
+                comm.append(copy)
+                alone = lib.time(r, n, k, fill=True)
+                dur = alone * p["copy_contention"] + p["chunk_overhead_ms"]
+                waited += max(0.0, side - compute)
+                compute = max(compute, side) + dur
+                gemm_alone += alone
+                gemm_busy += dur
+        device = compute + p["call_overhead_ms"]
+        if graphed:
+            host = p["host_graph_call_ms"]
+        else:
+            from fo_kernels.copy_engine.modes import plan_call
+
+            ops = plan_call("ring", "all_gather", world, 0, m, n, k, st.weights).ops
+            host = p["host_eager_op_ms"] * len(ops)
+        return Prediction(
+            total_ms=max(device, host),
+            device_ms=device,
+            host_ms=host,
+            gemm_alone_ms=gemm_alone,
+            gemm_ms=gemm_busy,
+            engine="copy_engine",
+            group_ready_ms=tuple(ready),
+            group_start_ms=tuple(starts),
+            group_end_ms=tuple(ends),
+            group_comm_ms=tuple(comm),
+            exposed_comm_ms=waited,
             gemm_source="library",
         )
 

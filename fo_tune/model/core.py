@@ -6,7 +6,12 @@ library GEMM (``library``), and one term per engine, made on first use by the en
 engine's term; an ``overlap: false`` schedule is the baseline:
 
     GEMM      = the library GEMM of (M, N, K) at the deciding measurements' clock
-    comm      = the collective alone on the M x N output (NCCL's default communicator)
+    comm      = the collective alone on the M x N output (NCCL's default communicator); for
+                all_gather the gather of every rank's M/w x K shard into the M x K A, before the
+                GEMM (its curve's size is the gathered bytes, nccl-tests sizing). Without the
+                calibration's all_gather curve an all_gather is not priced (``CalibrationError``
+                naming the section and the command that measures it); the shipped H200 x2
+                calibration has none. No all_gather was measured on GPUs: unvalidated.
     sequential = max(GEMM + comm, sequential_host_ms)    eager, as the bench's sequential variant
     fallback   = max(GEMM + comm, fallback_host_ms)      the runtime's overlap: false call, replayed
                                                            from its own CUDA graphs
@@ -87,8 +92,11 @@ class CostModel:
 
     # ------------------------------------------------------------------------------ baselines
     def baseline(self, collective: str, m: int, n: int, k: int, dtype: str) -> Baseline:
+        """GEMM then the collective (all_gather: the gather, then the GEMM) on (m, n, k); an
+        all_gather's ``m`` is the gathered M."""
         gemm = self.library.time(m, n, k)
-        comm = self.curves.time(collective, 0, m * n * element_bytes(dtype))
+        moved = m * (k if collective == "all_gather" else n) * element_bytes(dtype)
+        comm = self.curves.time(collective, 0, moved)
         return Baseline(
             gemm_ms=gemm,
             comm_ms=comm,

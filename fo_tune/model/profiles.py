@@ -6,7 +6,11 @@
   within ~10%;
 - ``Curves``: each collective alone on a buffer, interpolated on the bandwidth curve of its NCCL
   CTA cap (the latency floor below the smallest size, the latency/bandwidth fit beyond the largest);
-- ``InterferenceTable``: the nearest calibrated (SMs left free, cap) pair's slowdowns.
+- ``InterferenceTable``: the nearest calibrated (SMs left free, cap) pair's slowdowns (of the
+  collective asked for; of every calibrated collective where it has none, which its ``matched``
+  says: all_gather beside the GEMM was never measured on GPUs).
+
+``missing_curve`` says what a collective's curve lacks, with the command that measures it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,21 @@ class _WaveFit:
 def waves(m: int, n: int, tile: Tile, grid: int) -> int:
     """Waves of ``grid`` programs over the (m, n) output's tiles."""
     return cdiv(cdiv(m, tile.block_m) * cdiv(n, tile.block_n), max(1, grid))
+
+
+def missing_curve(cal: Calibration, collective: str) -> str:
+    """ "" when ``cal`` has a bandwidth curve of ``collective``, else what is missing and the command
+    that measures it (``--into`` replaces the whole bandwidth section, so it names every collective
+    the section keeps)."""
+    have = list(dict.fromkeys(b.collective for b in cal.bandwidth))
+    if collective in have:
+        return ""
+    names = ",".join([*have, collective])
+    return (
+        f"the calibration's bandwidth section has no curve for {collective}; measure it on that machine "
+        f"with `fo-tune calibrate --world-size {cal.world_size} --dtype {cal.dtype} --only bandwidth "
+        f"--collectives {names} --into CALIBRATION.yaml`"
+    )
 
 
 def point_tile(p: GemmPoint) -> Tile:
@@ -110,6 +129,17 @@ class TileProfile:
         fit = self._fits[tile]
         return fit.a_ms + fit.c_ms * waves(m, n, tile, grid) * k
 
+    def wave_floor(self, tile: Tile) -> float:
+        """The least ``time / wave_model_time`` over the tile's profiled points, at most 1: ``time``
+        of any shape is at least this times its wave model (a lower bound's factor)."""
+        fit = self._fits[tile]
+        ratios = [
+            p.time_ms / (fit.a_ms + fit.c_ms * waves(p.m, p.n, tile, p.grid) * p.k)
+            for key, p in self._points.items()
+            if key[3] == tile
+        ]
+        return min([1.0, *(r for r in ratios if r > 0)])
+
 
 class Curves:
     """The calibration's collective bandwidth curves (see the module docstring)."""
@@ -129,10 +159,7 @@ class Curves:
     def _curve(self, collective: str, cap: int) -> list[BandwidthPoint]:
         caps = sorted(c for (name, c) in self._curves if name == collective)
         if not caps:
-            raise CalibrationError(
-                f"the calibration has no bandwidth curve for {collective}; "
-                f"re-run `fo-tune calibrate --collectives {collective}`"
-            )
+            raise CalibrationError(missing_curve(self.cal, collective))
         use = cap if cap in caps else min(caps, key=lambda c: (abs(c - cap), c))
         return self._curves[(collective, use)]
 
@@ -164,7 +191,11 @@ class InterferenceTable:
     def lookup(self, collective: str, sms_free: int, cap: int) -> Interference:
         """Nearest calibrated (sms_free - cap, cap); cap 0 (NCCL's default) counts as the largest
         calibrated cap. No interference data at all: the two never ran together (CPU calibration)."""
-        pts = self._points.get(collective) or [q for qs in self._points.values() for q in qs]
+        pts = self._points.get(collective)
+        of = ""
+        if not pts:  # (all_gather beside the GEMM: never measured on GPUs)
+            pts = [q for qs in self._points.values() for q in qs]
+            of = f" of {'/'.join(sorted(self._points))} ({collective} not calibrated)"
         if not pts:
             return Interference(False, 1.0, 1.0, "none calibrated")
         caps = sorted({q.nccl_max_ctas for q in pts})
@@ -180,6 +211,7 @@ class InterferenceTable:
             best = min(dist(q) for q in pts)
             chosen = [q for q in pts if dist(q) == best]
             matched = f"nearest r={chosen[0].sms_free} cap={chosen[0].nccl_max_ctas}"
+        matched += of
         concurrent = all(q.concurrent for q in chosen) and 2 * sum(q.comm_during_gemm for q in chosen) > len(
             chosen
         )

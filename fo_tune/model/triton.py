@@ -21,7 +21,10 @@ For a ``TritonSettings`` schedule and a shape (``predict``), with the plan of ``
    has one, else ``DEFAULT_HOST``.
 
 This is FlashOverlap's pipeline recurrence, corrected by the interference table;
-``best_grouping`` is the dynamic program over signal units that minimises its end time.
+``best_grouping`` is the dynamic program over signal units that minimises its end time. An
+all_gather schedule runs the reverse pipeline (each group's gather, then its chunk GEMMs):
+``fo_tune.model.triton_gather.TritonCollectivesTerm``, the term the plug-in makes, prices it
+(unvalidated: no all_gather was measured on GPUs) and leaves the others to this one.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fo_kernels.plan import Plan, cdiv, make_plan
-from fo_kernels.schedule import Schedule, Tile, TritonSettings
+from fo_kernels.schedule import SHARDED_COLLECTIVES, Schedule, Tile, TritonSettings
 
 from .types import Interference, Prediction, element_bytes
 
@@ -65,7 +68,7 @@ def num_units(schedule: Schedule, m: int, n: int) -> int:
     """Signal units of a Triton schedule on an (m, n) output (``Plan.num_units`` without a plan)."""
     st = schedule.settings
     assert isinstance(st, TritonSettings)
-    shards = schedule.world_size if schedule.collective == "reduce_scatter" else 1
+    shards = schedule.world_size if schedule.collective in SHARDED_COLLECTIVES else 1
     tiles = shards * cdiv(m // shards, st.tile.block_m) * cdiv(n, st.tile.block_n)
     return cdiv(tiles, st.signal_tiles)
 

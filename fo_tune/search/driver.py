@@ -106,10 +106,9 @@ def _model(request: SearchRequest, fp: Fingerprint) -> CostModel | None:
     model = CostModel(cal)
     if not model.knows_collective(request.collective):
         if request.mode != "measure":
-            raise SearchError(
-                f"the calibration has no bandwidth curve for {request.collective}; re-run "
-                f"`fo-tune calibrate --collectives {request.collective}`"
-            )
+            from ..model.profiles import missing_curve
+
+            raise SearchError(missing_curve(cal, request.collective))
         return None  # measure mode runs without predictions
     return model
 

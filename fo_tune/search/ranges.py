@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from fo_kernels.errors import ScheduleError, ShapeError
 from fo_kernels.plan import check_fits
-from fo_kernels.schedule import Problem, Schedule
+from fo_kernels.schedule import SHARDED_COLLECTIVES, Problem, Schedule
 
 from .results import ShapeResult
 
@@ -47,9 +47,10 @@ def range_rows(
 
 
 def plans_everywhere(schedule: Schedule, ms: Sequence[int], sm_count: int) -> bool:
-    """The schedule plans at every M of ``ms`` (each rounded down to a multiple of the shards)."""
+    """The schedule plans at every M of ``ms`` (each rounded down to a multiple of the shards:
+    the world size for reduce_scatter and all_gather)."""
     p = schedule.problem
-    world = schedule.world_size if schedule.collective == "reduce_scatter" else 1
+    world = schedule.world_size if schedule.collective in SHARDED_COLLECTIVES else 1
     for m in ms:
         m = m - m % world if m % world else m
         if m < 1:

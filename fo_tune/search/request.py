@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fo_kernels.errors import FoTuneError
-from fo_kernels.schedule import COLLECTIVES, DTYPES
+from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
 
 from ..engines import engine_names, get_tuner
 from ..limits import Target, check_problem_size, fingerprint_target, local_target
@@ -106,19 +106,24 @@ def _check_shapes(request: SearchRequest) -> None:
         lo, hi = request.m_range
         if not 1 <= lo <= hi:
             raise SearchError(f"--m-range {lo}:{hi}: needs 1 <= LO <= HI")
-        if request.collective == "reduce_scatter" and (lo % request.world_size or hi % request.world_size):
+        sharded = request.collective in SHARDED_COLLECTIVES
+        if sharded and (lo % request.world_size or hi % request.world_size):
             raise SearchError(
-                f"--m-range {lo}:{hi}: reduce_scatter needs LO and HI divisible by the world size "
-                f"{request.world_size}"
+                f"--m-range {lo}:{hi}: {request.collective} needs LO and HI divisible by the world size "
+                f"{request.world_size}{_GATHERED.get(request.collective, '')}"
             )
     for m, n, k in expand_shapes(request):
         if min(m, n, k) < 1:
             raise SearchError(f"shape {m}x{n}x{k}: M, N and K must be >= 1")
-        if request.collective == "reduce_scatter" and m % request.world_size:
+        if request.collective in SHARDED_COLLECTIVES and m % request.world_size:
             raise SearchError(
-                f"shape {m}x{n}x{k}: reduce_scatter needs M divisible by the world size "
-                f"{request.world_size}; choose another M"
+                f"shape {m}x{n}x{k}: {request.collective} needs M divisible by the world size "
+                f"{request.world_size}{_GATHERED.get(request.collective, '')}; choose another M"
             )
+
+
+# What a sharded collective's M is, for its errors.
+_GATHERED = {"all_gather": " (its M is the gathered M: the world size x a rank's shard rows)"}
 
 
 def _check_calibration(request: SearchRequest) -> None:
@@ -137,6 +142,11 @@ def _check_calibration(request: SearchRequest) -> None:
             f"the calibration is for world size {cal.world_size}, the search for {request.world_size}; "
             f"calibrate with `fo-tune calibrate --world-size {request.world_size}`"
         )
+    from ..model.profiles import missing_curve
+
+    gap = missing_curve(cal, request.collective)
+    if gap:  # the baseline every row is decided against is GEMM then this collective
+        raise SearchError(f"--mode {request.mode} prices GEMM then {request.collective}, but {gap}")
 
 
 def check_request(request: SearchRequest) -> None:
