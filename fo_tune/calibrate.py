@@ -5,7 +5,7 @@
       2. bandwidth: every collective x every NCCL CTA cap of the space x message sizes
       3. interference: the collective beside the signalled GEMM on SMs - r, for r in the space
          (each r paired with the largest cap that leaves NCCL_SM_MARGIN SMs spare, and with r
-         itself, which DESIGN.md saw stall the collective)
+         itself, which docs/design.md saw stall the collective)
       4. GEMM profiles: tile configs x grids for the space's shape set, next to cuBLAS
       5. latency/bandwidth fits
       6. the copy engine's section (``fo_tune.calibrate_copy_engine``): the library GEMM of its
@@ -90,7 +90,7 @@ class CalibrationRequest:
 
 def interference_pairs(sms_free: Sequence[int], caps: Sequence[int], quick: bool) -> list[tuple[int, int]]:
     """(r, cap) pairs for r > 0: the largest cap <= r - NCCL_SM_MARGIN, and (full runs) the cap
-    equal to r, which DESIGN.md saw stall the collective. Without any positive cap in the space
+    equal to r, which docs/design.md saw stall the collective. Without any positive cap in the space
     (the CPU), each r is paired with NCCL's default (0)."""
     pairs: list[tuple[int, int]] = []
     usable = sorted(c for c in caps if c > 0)

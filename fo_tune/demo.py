@@ -48,8 +48,8 @@ from typing import Any
 DEFAULT_WORLD_SIZE = 2
 TOL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 1e-2}
 CPU_SHAPES = [(258, 130, 70), (96, 64, 48)]  # small: the interpreter runs every tile in Python
-GPU_SHAPES = [(4096, 8192, 4096), (8192, 8192, 8192)]  # two of the benchmark suite (DESIGN.md)
-CPU_DTYPE, GPU_DTYPE = "float32", "bfloat16"  # bf16 tl.dot is wrong in the CPU interpreter (DESIGN.md)
+GPU_SHAPES = [(4096, 8192, 4096), (8192, 8192, 8192)]  # two of the benchmark suite (docs/design.md)
+CPU_DTYPE, GPU_DTYPE = "float32", "bfloat16"  # bf16 tl.dot is wrong in the CPU interpreter (docs/design.md)
 WARMUP = 2
 
 

@@ -38,7 +38,7 @@ from .timing import Timing, comparison_sample_ms, time_interleaved, time_region
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has the old.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-# Relative error a checked GEMM must stay under, per dtype (fp32 accumulation; DESIGN.md's ~1e-2 for bf16).
+# Relative error a checked GEMM must stay under, per dtype (fp32 accumulation; docs/design.md#timing).
 GEMM_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-4}
 
 

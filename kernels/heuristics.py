@@ -3,11 +3,11 @@
 Rules (each constant below says where it comes from):
 
 1. Tile: on a GPU, 128x256x64, GROUP_M 8, 8 warps, 3 stages (ran at 0.96-1.09x cuBLAS on three
-   H200 suite shapes, ``../shared/DESIGN.md``); 128x128x64 when the output has fewer tiles of that
+   H200 suite shapes, ``docs/design.md``); 128x128x64 when the output has fewer tiles of that
    size than the GPU has SMs. On the CPU (Triton interpreter) 32x32x32 with 4 warps and 1 stage,
    which keeps interpreter runs short.
 2. SMs left free: at least ``DEFAULT_NCCL_MAX_CTAS + NCCL_SM_MARGIN`` (NCCL ran beside the GEMM
-   every time with r = c + 4..8 free SMs, and mostly not at all with r = c; DESIGN.md), then more
+   every time with r = c + 4..8 free SMs, and mostly not at all with r = c; docs/design.md), then more
    until the grid divides the tiles into whole waves (``wave_aligned_sms_free``: a partial last
    wave cost +24% where whole waves cost +14-20%, docs/design.md#triton-engine).
 3. No overlap when the data the collective moves is under ``MIN_OVERLAP_BYTES`` on a GPU (see the
@@ -29,9 +29,9 @@ from .schedule import SHARDED_COLLECTIVES, Problem, Schedule, Tile, TritonSettin
 GPU_TILE = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 GPU_SMALL_TILE = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
 CPU_TILE = Tile(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
-# NCCL CTA cap of the default schedule; DESIGN.md's prototype used 16 on H200 x2.
+# NCCL CTA cap of the default schedule; the design brief's prototype (docs/design.md) used 16 on H200 x2.
 DEFAULT_NCCL_MAX_CTAS = 16
-# Extra free SMs beyond the CTA cap so NCCL's CTAs are resident beside the GEMM (DESIGN.md: c + 4..8).
+# Extra free SMs beyond the CTA cap so NCCL's CTAs are resident beside the GEMM (docs/design.md: c + 4..8).
 NCCL_SM_MARGIN = 4
 # H200 x2 (docs/design.md#triton-engine): with a 16 MiB output the overlapped op lost 2x to sequential
 # (host-bound, and each chunk on NCCL's ~70 us floor); with 64 MiB it gained 1.06x.

@@ -12,7 +12,8 @@ from ..launch import TASK_TIMEOUT_S
 from ..limits import check_problem_size, local_target
 from .suite import Shape
 
-# Row chunks of the hand-chunked baseline: DESIGN.md's H200 prototype split M into 2, 4 and 8.
+# Row chunks of the hand-chunked baseline: the design brief's H200 prototype split M into 2, 4 and 8
+# (docs/design.md#triton-engine).
 CHUNK_COUNTS = (2, 4, 8)
 # Untimed calls before each timing (fo_tune.timing.time_region's default); the interpreter is slow,
 # so one on the CPU. The checked call comes before these.
@@ -22,7 +23,7 @@ WARMUP, CPU_WARMUP = 3, 1
 # by up to 60%, and 30 reproduced within a few % in two processes; the five-shape suite then takes
 # ~55 s for both collectives with 16 ms samples (docs/design.md#timing).
 GPU_REPS, CPU_REPS = 30, 3
-# bf16 tl.dot is wrong in Triton's CPU interpreter (DESIGN.md), so the CPU default is float32.
+# bf16 tl.dot is wrong in Triton's CPU interpreter (docs/design.md), so the CPU default is float32.
 GPU_DTYPE, CPU_DTYPE = "bfloat16", "float32"
 # The default shape on the CPU: small enough for the interpreter (~40 ms per fo_tune call on 2 ranks).
 CPU_SHAPES = ((64, 96, 64),)

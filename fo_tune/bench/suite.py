@@ -31,7 +31,7 @@ class Suite:
 
 
 def packaged_suite() -> Path:
-    """The repository's benchmark suite (``suites/h200_tp.yaml``, DESIGN.md's five shapes)."""
+    """The repository's benchmark suite (``suites/h200_tp.yaml``, five shapes, docs/design.md#the-card)."""
     return Path(__file__).resolve().parents[2] / "suites" / "h200_tp.yaml"
 
 
