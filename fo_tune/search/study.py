@@ -24,7 +24,7 @@ from fo_kernels.table import ScheduleTable
 
 from ..encoding import schedule_key
 from ..studies import is_rdb
-from .results import Candidate, TrialRecord
+from .results import Candidate, Outcome, TrialRecord
 from .strategies.base import ShapeJob
 
 
@@ -56,6 +56,47 @@ def close_study(stored: Any, study: Any, resumed: int) -> None:
     """Store the trials an in-memory study ran (``open_study``)."""
     if study is not stored:
         stored.add_trials(list(study.get_trials(deepcopy=False, states=finished_states())[resumed:]))
+
+
+def run_tpe(job: ShapeJob, *, predicted: bool) -> Outcome:
+    """TPE proposes points until the shape's study holds ``--trials`` finished trials (resumed ones
+    count): each priced by the model (``predicted``) or timed on the ranks."""
+    import optuna
+
+    from ..trials import Objective
+
+    measurer = None if predicted else job.measurer
+    assert predicted or measurer is not None
+    stored, study, resumed = open_study(job, predicted=predicted)
+    before = measurer.count if measurer is not None else 0
+    kind = "predicted" if predicted else "measured"
+    objective = Objective(job.enc, job.model, measurer, kind, lambda d, log: job.step(d, log))
+    target = job.request.trial_count()
+    have = len(study.get_trials(deepcopy=False, states=finished_states()))
+    job.reporter.stage(job.stage, max(0, target - have))
+    if have < target:
+        stop = optuna.study.MaxTrialsCallback(target, states=finished_states())
+        study.optimize(objective, n_trials=target - have, timeout=job.budget_s, callbacks=[stop])
+    close_study(stored, study, resumed)
+    measured = measurer.count - before if measurer is not None else 0
+    return Outcome(candidates(study, job), records(study, job), measured)
+
+
+def run_queued(job: ShapeJob, opened: tuple[Any, Any, int], points: Iterable[dict[str, Any]]) -> Outcome:
+    """Time on the ranks the ``points`` the study (``opened``: what ``open_study`` returned) has not
+    run yet, then store it."""
+    from ..trials import Objective
+
+    assert job.measurer is not None
+    stored, study, resumed = opened
+    waiting = enqueue(study, points)
+    job.reporter.stage(job.stage, waiting)
+    before = job.measurer.count
+    if waiting:
+        objective = Objective(job.enc, job.model, job.measurer, "measured", lambda d, log: job.step(d, log))
+        study.optimize(objective, n_trials=waiting, timeout=job.budget_s)
+    close_study(stored, study, resumed)
+    return Outcome(candidates(study, job), records(study, job), job.measurer.count - before)
 
 
 def finished_states() -> tuple[Any, ...]:

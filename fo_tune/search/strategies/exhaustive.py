@@ -37,17 +37,6 @@ class ExhaustiveStrategy(Strategy):
         if job.measurer is None:
             job.reporter.stage(job.stage, 1)
             return price(job, points, bound=False)
-        from ...trials import Objective
-        from ..study import candidates, close_study, enqueue, open_study, records
+        from ..study import open_study, run_queued
 
-        stored, study, resumed = open_study(job, predicted=False)
-        waiting = enqueue(study, points)
-        job.reporter.stage(job.stage, waiting)
-        before = job.measurer.count
-        if waiting:
-            objective = Objective(
-                job.enc, job.model, job.measurer, "measured", lambda d, log: job.step(d, log)
-            )
-            study.optimize(objective, n_trials=waiting, timeout=job.budget_s)
-        close_study(stored, study, resumed)
-        return Outcome(candidates(study, job), records(study, job), job.measurer.count - before)
+        return run_queued(job, open_study(job, predicted=False), points)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ...trials import Objective
 from ..pricing import price
 from ..results import Outcome
-from ..study import candidates, close_study, enqueue, open_study, records
+from ..study import open_study, run_queued
 from .base import ShapeJob, Strategy
 
 
@@ -30,19 +29,11 @@ class HybridStrategy(Strategy):
             if c.schedule.engine not in engines:
                 engines.add(c.schedule.engine)
                 picks.append(c)
-        stored, study, resumed = open_study(job, predicted=False)
+        opened = open_study(job, predicted=False)
+        _stored, study, _resumed = opened
         done = {t.user_attrs.get("key") for t in study.get_trials(deepcopy=False)}
         from ...encoding import schedule_key
 
         points = [job.enc.params_of(c.schedule) for c in picks if schedule_key(c.schedule) not in done]
         # a DP grouping is rebuilt by its custom cuts; a point the space cannot express is left out
-        waiting = enqueue(study, [p for p in points if p is not None])
-        job.reporter.stage(job.stage, waiting)
-        before = job.measurer.count
-        if waiting:
-            objective = Objective(
-                job.enc, job.model, job.measurer, "measured", lambda d, log: job.step(d, log)
-            )
-            study.optimize(objective, n_trials=waiting, timeout=job.budget_s)
-        close_study(stored, study, resumed)
-        return Outcome(candidates(study, job), records(study, job), job.measurer.count - before)
+        return run_queued(job, opened, [p for p in points if p is not None])

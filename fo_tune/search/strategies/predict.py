@@ -38,18 +38,6 @@ class PredictStrategy(Strategy):
 
 def sample(job: ShapeJob) -> Outcome:
     """A TPE study of ``--trials`` predictions (see the module docstring)."""
-    import optuna
+    from ..study import run_tpe
 
-    from ...trials import Objective
-    from ..study import candidates, close_study, finished_states, open_study, records
-
-    stored, study, resumed = open_study(job, predicted=True)
-    objective = Objective(job.enc, job.model, None, "predicted", lambda d, log: job.step(d, log))
-    target = job.request.trial_count()
-    have = len(study.get_trials(deepcopy=False, states=finished_states()))
-    job.reporter.stage(job.stage, max(0, target - have))
-    if have < target:
-        stop = optuna.study.MaxTrialsCallback(target, states=finished_states())
-        study.optimize(objective, n_trials=target - have, timeout=job.budget_s, callbacks=[stop])
-    close_study(stored, study, resumed)
-    return Outcome(candidates(study, job), records(study, job))
+    return run_tpe(job, predicted=True)
