@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -98,31 +98,32 @@ _Layer = TypeVar("_Layer", bound="_ParallelLinear")
 class _ParallelLinear(nn.Module):
     """What both layers share: the shard's parameters, the group, the schedule."""
 
+    # The dim of the (out, in) weight split over the ranks: 0 (output features, and the bias with
+    # them) for a column-parallel layer, 1 (input features; the bias stays whole) for a row-parallel one.
+    split_dim: ClassVar[int]
+
     def __init__(
         self,
         in_features: int,
         out_features: int,
-        weight_shape: tuple[int, int],
-        bias_features: int | None,
         *,
-        sequence_parallel: bool,
-        group: dist.ProcessGroup | None,
-        schedule: Schedule | None,
-        device: torch.device | str | None,
-        dtype: torch.dtype | None,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        group: dist.ProcessGroup | None = None,
+        schedule: Schedule | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
+        d, shape = self.split_dim, [out_features, in_features]
+        _rank, shape[d] = _shard_of(shape[d], group, ("out_features", "in_features")[d])
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel, self.group, self.schedule = bool(sequence_parallel), group, schedule
         self.world_size = dist.get_world_size(group)
         # the group's name for the collectives the backward calls by name (the default group's own)
         self.group_name = (group if group is not None else dist.group.WORLD).group_name
-        self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
-        self.bias = (
-            nn.Parameter(torch.empty(bias_features, device=device, dtype=dtype))
-            if bias_features is not None
-            else None
-        )
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)) if bias else None
         self.reset_parameters()
 
     @classmethod
@@ -134,8 +135,8 @@ class _ParallelLinear(nn.Module):
         group: dist.ProcessGroup | None = None,
         schedule: Schedule | None = None,
     ) -> _Layer:
-        """This rank's shard of a full ``nn.Linear`` (the same weights on every rank beforehand;
-        which features it takes: the layer's ``_copy_shard``)."""
+        """This rank's shard of a full ``nn.Linear`` (the same weights on every rank beforehand):
+        the features ``split_dim`` names, and the bias with output features."""
         w = linear.weight
         layer = cls(
             linear.in_features,
@@ -147,13 +148,13 @@ class _ParallelLinear(nn.Module):
             device=w.device,
             dtype=w.dtype,
         )
+        d, rank = layer.split_dim, dist.get_rank(group)
+        part = layer.weight.shape[d]
         with torch.no_grad():
-            layer._copy_shard(linear, dist.get_rank(group))
+            layer.weight.copy_(w.narrow(d, rank * part, part))
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias.narrow(0, rank * part, part) if d == 0 else linear.bias)
         return layer
-
-    def _copy_shard(self, linear: nn.Linear, rank: int) -> None:
-        """Copy this rank's shard of ``linear``'s weight and bias into the layer's (each layer's own)."""
-        raise NotImplementedError
 
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
@@ -188,37 +189,7 @@ def _shard_of(features: int, group: dist.ProcessGroup | None, what: str) -> tupl
 class ColumnParallelLinear(_ParallelLinear):
     """Column-parallel ``nn.Linear`` (see the module docstring); the schedule is looked up per shape."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        bias: bool = True,
-        sequence_parallel: bool = False,
-        group: dist.ProcessGroup | None = None,
-        schedule: Schedule | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        _rank, rows = _shard_of(out_features, group, "out_features")
-        super().__init__(
-            in_features,
-            out_features,
-            (rows, in_features),
-            rows if bias else None,
-            sequence_parallel=sequence_parallel,
-            group=group,
-            schedule=schedule,
-            device=device,
-            dtype=dtype,
-        )
-
-    def _copy_shard(self, linear: nn.Linear, rank: int) -> None:
-        """Output features [r*out/w, (r+1)*out/w) of ``linear``'s weight and bias."""
-        rows = self.weight.shape[0]
-        self.weight.copy_(linear.weight[rank * rows : (rank + 1) * rows])
-        if linear.bias is not None:
-            self.bias.copy_(linear.bias[rank * rows : (rank + 1) * rows])
+    split_dim: ClassVar[int] = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._rows(x, self.in_features)
@@ -238,37 +209,7 @@ class ColumnParallelLinear(_ParallelLinear):
 class RowParallelLinear(_ParallelLinear):
     """Row-parallel ``nn.Linear`` (see the module docstring); the schedule is looked up per shape."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        bias: bool = True,
-        sequence_parallel: bool = False,
-        group: dist.ProcessGroup | None = None,
-        schedule: Schedule | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        _rank, cols = _shard_of(in_features, group, "in_features")
-        super().__init__(
-            in_features,
-            out_features,
-            (out_features, cols),
-            out_features if bias else None,
-            sequence_parallel=sequence_parallel,
-            group=group,
-            schedule=schedule,
-            device=device,
-            dtype=dtype,
-        )
-
-    def _copy_shard(self, linear: nn.Linear, rank: int) -> None:
-        """Input features [r*in/w, (r+1)*in/w) of ``linear``'s weight, and its full bias."""
-        cols = self.weight.shape[1]
-        self.weight.copy_(linear.weight[:, rank * cols : (rank + 1) * cols])
-        if linear.bias is not None:
-            self.bias.copy_(linear.bias)
+    split_dim: ClassVar[int] = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._rows(x, self.weight.shape[1])
