@@ -23,6 +23,7 @@ from .common import (
     is_driver_process,
     local_device,
     parse_collectives,
+    parse_names,
     resolve_backend,
     resolve_space,
     summary_table,
@@ -210,7 +211,7 @@ def calibrate(
         collectives, valid=CALIBRATED_NAMES, default=CALIBRATED_NAMES, option="--collectives"
     )
     check_dtype(dtype)
-    parts = _parse_parts(only)
+    parts = parse_names(only, valid=PART_NAMES, option="--only", what="part")
     chosen = resolve_backend(world_size, backend)
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
@@ -252,19 +253,6 @@ def calibrate(
             return
         written = write_calibration_dir(cal, out or default_out_dir(cal))
     _print_summary(cal, written)
-
-
-def _parse_parts(values: list[str] | None) -> tuple[str, ...] | None:
-    """``--only`` names, repeated or comma-separated (None: not given)."""
-    if not values:
-        return None
-    names = [part.strip() for value in values for part in value.split(",") if part.strip()]
-    for name in names:
-        if name not in PART_NAMES:
-            raise typer.BadParameter(f"--only {name!r} is not one of {', '.join(PART_NAMES)}")
-    if not names:
-        raise typer.BadParameter(f"--only: no part given; choose from {', '.join(PART_NAMES)}")
-    return tuple(dict.fromkeys(names))
 
 
 def register(app: typer.Typer) -> None:

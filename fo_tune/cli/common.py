@@ -147,20 +147,27 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
-def parse_collectives(
-    values: list[str] | None, *, valid: tuple[str, ...], default: tuple[str, ...], option: str
-) -> tuple[str, ...]:
-    """Names given to ``option``, repeated or comma-separated, in order, each once (``default`` when
-    none is given); a name not in ``valid``, or only separators, raises ``typer.BadParameter``."""
+def parse_names(
+    values: list[str] | None, *, valid: tuple[str, ...], option: str, what: str = "name"
+) -> tuple[str, ...] | None:
+    """Names given to ``option``, repeated or comma-separated, in order, each once (None when none
+    is given); a name not in ``valid``, or only separators, raises ``typer.BadParameter``."""
     if not values:
-        return default
+        return None
     names = [part.strip() for value in values for part in value.split(",") if part.strip()]
     for name in names:
         if name not in valid:
-            raise typer.BadParameter(f"{option}: unknown collective {name!r}; choose from {', '.join(valid)}")
+            raise typer.BadParameter(f"{option} {name!r} is not one of {', '.join(valid)}")
     if not names:
-        raise typer.BadParameter(f"{option}: no name given; choose from {', '.join(valid)}")
+        raise typer.BadParameter(f"{option}: no {what} given; choose from {', '.join(valid)}")
     return tuple(dict.fromkeys(names))
+
+
+def parse_collectives(
+    values: list[str] | None, *, valid: tuple[str, ...], default: tuple[str, ...], option: str
+) -> tuple[str, ...]:
+    """Collective names given to ``option`` (``parse_names``), ``default`` when none is given."""
+    return parse_names(values, valid=valid, option=option) or default
 
 
 def check_dtype(dtype: str) -> str:

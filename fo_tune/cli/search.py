@@ -27,6 +27,7 @@ from .common import (
     is_driver_process,
     local_device,
     parse_collectives,
+    parse_names,
     parse_shape,
     resolve_backend,
     resolve_space,
@@ -204,22 +205,6 @@ def parse_m_range(text: str | None) -> tuple[int, int] | None:
     if not 1 <= lo <= hi:
         raise typer.BadParameter(f"--m-range {text!r}: needs 1 <= LO <= HI")
     return lo, hi
-
-
-def parse_engines(values: list[str] | None) -> tuple[str, ...] | None:
-    """``--engine`` names, repeated or comma-separated (None: not given); an unknown one lists
-    the valid ones."""
-    if not values:
-        return None
-    from fo_tune.engines import engine_names
-
-    names = [part.strip() for value in values for part in value.split(",") if part.strip()]
-    for name in names:
-        if name not in engine_names():
-            raise typer.BadParameter(f"--engine {name!r} is not one of {', '.join(engine_names())}")
-    if not names:
-        raise typer.BadParameter(f"--engine: no name given; choose from {', '.join(engine_names())}")
-    return tuple(dict.fromkeys(names))
 
 
 def read_shapes_file(path: Path) -> list[tuple[int, int, int]]:
@@ -458,7 +443,9 @@ def search(
     collectives = parse_collectives(
         collective, valid=COLLECTIVE_NAMES, default=("all_reduce",), option="--collective"
     )
-    engines = parse_engines(engine)
+    from fo_tune.engines import engine_names
+
+    engines = parse_names(engine, valid=engine_names(), option="--engine")
     check_dtype(dtype)
     if world_size < 1:
         raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
