@@ -111,6 +111,23 @@ def test_a_ring_timeline_is_ordered(model, h200):
     assert eager_ops("all_reduce", 2, 2) > eager_ops("reduce_scatter", 2, 2) > 0
 
 
+def test_chunk_rows_cut_as_the_runtime_does():
+    """The model's chunk rows are the runtime's chunk bounds (the same rule, kept apart so that an
+    offline plan does not import the copy engine's executors)."""
+    import itertools
+
+    from fo_kernels.copy_engine import ROW_ALIGN as RUNTIME_ROW_ALIGN
+    from fo_kernels.copy_engine import chunk_bounds
+    from fo_tune.model.copy_engine import ROW_ALIGN
+
+    assert ROW_ALIGN == RUNTIME_ROW_ALIGN
+    weightings = [(1,), (1, 1), (2, 1), (1, 1, 1, 1), (3, 2, 2, 1), (1,) * 6]
+    for rows in [0, 1, 5, 127, 128, 255, 256, 511, 512, 1000, 1448, 4096, 8191]:
+        for weights in weightings:
+            want = [b - a for a, b in itertools.pairwise(chunk_bounds(rows, weights))]
+            assert chunk_rows(rows, weights) == want, (rows, weights)
+
+
 def test_all_gather_terms_follow_their_pipelines(h200):
     """The all_gather terms (unvalidated: no all_gather was measured on GPUs) on a stand-in curve:
     the baseline gathers M x K bytes first; the copy engine's own rows go first and each pulled
