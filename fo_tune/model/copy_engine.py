@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fo_kernels.plan import cdiv
@@ -108,6 +109,24 @@ def chunk_rows(rows: int, weights: tuple[int, ...]) -> list[int]:
     return [b - a for a, b in itertools.pairwise(bounds)]
 
 
+@dataclass
+class _Pulls:
+    """A call's copies in issue order: when each one's data was ready, began, ended, and its time."""
+
+    ready: list[float] = field(default_factory=list)
+    start: list[float] = field(default_factory=list)
+    end: list[float] = field(default_factory=list)
+    comm: list[float] = field(default_factory=list)
+
+    def add(self, ready: float, start: float, copy: float) -> float:
+        """Record a copy of ``copy`` ms that begins at ``start``; returns when it ends."""
+        self.ready.append(ready)
+        self.start.append(start)
+        self.end.append(start + copy)
+        self.comm.append(copy)
+        return start + copy
+
+
 def eager_ops(collective: str, world: int, chunks: int) -> int:
     """Operations an eager call issues (see ``EAGER_OPS_PER_*``)."""
     gather = EAGER_OPS_PER_CHUNK_GATHER * chunks if collective == "all_reduce" else 0
@@ -130,6 +149,31 @@ class CopyEngineTerm:
             return self.p["host_graph_call_ms"]
         return self.p["host_eager_op_ms"] * eager_ops(schedule.collective, schedule.world_size, chunks)
 
+    @staticmethod
+    def _prediction(
+        device: float,
+        host: float,
+        gemm_alone: float,
+        gemm_busy: float,
+        pulls: _Pulls,
+        exposed: float,
+        gemm_source: str = "library",
+    ) -> Prediction:
+        return Prediction(
+            total_ms=max(device, host),
+            device_ms=device,
+            host_ms=host,
+            gemm_alone_ms=gemm_alone,
+            gemm_ms=gemm_busy,
+            engine="copy_engine",
+            group_ready_ms=tuple(pulls.ready),
+            group_start_ms=tuple(pulls.start),
+            group_end_ms=tuple(pulls.end),
+            group_comm_ms=tuple(pulls.comm),
+            exposed_comm_ms=exposed,
+            gemm_source=gemm_source,
+        )
+
     def predict(self, schedule: Schedule, m: int, n: int, k: int, *, graphed: bool = True) -> Prediction:
         st = schedule.settings
         assert isinstance(st, CopyEngineSettings)
@@ -148,7 +192,7 @@ class CopyEngineTerm:
         fill = len(rows) * world > 1
         compute = side = 0.0
         pulled: list[float] = []
-        ready, starts, ends, comm = [], [], [], []
+        pulls = _Pulls()
         gemm_alone = gemm_busy = 0.0
         for step in range(world):
             now_pulled, finished = [], []
@@ -161,43 +205,19 @@ class CopyEngineTerm:
                 compute = max(compute, dep) + dur
                 finished.append(compute)
                 if step < world - 1:
-                    begin = max(compute + p["flag_ms"], side)
-                    copy = self.copy_ms(r * n * elem)
-                    side = begin + copy
+                    side = pulls.add(compute, max(compute + p["flag_ms"], side), self.copy_ms(r * n * elem))
                     now_pulled.append(side)
-                    ready.append(compute)
-                    starts.append(begin)
-                    ends.append(side)
-                    comm.append(copy)
             pulled = now_pulled
         device, exposed = compute, 0.0
         if schedule.collective == "all_reduce":  # the sums' chunks are gathered in order
             for r, summed in zip(rows, finished, strict=True):
-                begin = max(summed + p["flag_ms"], side)
                 copy = self.copy_ms((world - 1) * r * n * elem)
-                side = begin + copy
-                ready.append(summed)
-                starts.append(begin)
-                ends.append(side)
-                comm.append(copy)
+                side = pulls.add(summed, max(summed + p["flag_ms"], side), copy)
             exposed = max(0.0, side - compute)
             device = compute + p["gather_exposed"] * exposed
         device += p["call_overhead_ms"]
         host = self.host_ms(schedule, len(rows), graphed=graphed)
-        return Prediction(
-            total_ms=max(device, host),
-            device_ms=device,
-            host_ms=host,
-            gemm_alone_ms=gemm_alone,
-            gemm_ms=gemm_busy,
-            engine="copy_engine",
-            group_ready_ms=tuple(ready),
-            group_start_ms=tuple(starts),
-            group_end_ms=tuple(ends),
-            group_comm_ms=tuple(comm),
-            exposed_comm_ms=exposed,
-            gemm_source="library",
-        )
+        return self._prediction(device, host, gemm_alone, gemm_busy, pulls, exposed)
 
     def _ring_all_gather(
         self, schedule: Schedule, st: CopyEngineSettings, m: int, n: int, k: int, *, graphed: bool
@@ -212,15 +232,10 @@ class CopyEngineTerm:
         gemm_alone = own
         compute = gemm_busy = own * p["copy_contention"] + p["chunk_overhead_ms"]
         side, waited = shard_ready, 0.0
-        ready, starts, ends, comm = [], [], [], []
+        pulls = _Pulls()
         for _peer in range(world - 1):
             for r in rows:
-                copy = self.copy_ms(r * k * elem)
-                ready.append(shard_ready)
-                starts.append(side)
-                side += copy
-                ends.append(side)
-                comm.append(copy)
+                side = pulls.add(shard_ready, side, self.copy_ms(r * k * elem))
                 alone = lib.time(r, n, k, fill=True)
                 dur = alone * p["copy_contention"] + p["chunk_overhead_ms"]
                 waited += max(0.0, side - compute)
@@ -235,20 +250,7 @@ class CopyEngineTerm:
 
             ops = plan_call("ring", "all_gather", world, 0, m, n, k, st.weights).ops
             host = p["host_eager_op_ms"] * len(ops)
-        return Prediction(
-            total_ms=max(device, host),
-            device_ms=device,
-            host_ms=host,
-            gemm_alone_ms=gemm_alone,
-            gemm_ms=gemm_busy,
-            engine="copy_engine",
-            group_ready_ms=tuple(ready),
-            group_start_ms=tuple(starts),
-            group_end_ms=tuple(ends),
-            group_comm_ms=tuple(comm),
-            exposed_comm_ms=waited,
-            gemm_source="library",
-        )
+        return self._prediction(device, host, gemm_alone, gemm_busy, pulls, waited)
 
     def _tiled(
         self, schedule: Schedule, st: CopyEngineSettings, m: int, n: int, k: int, *, graphed: bool
@@ -265,7 +267,7 @@ class CopyEngineTerm:
         rows = [min(x * st.tile.block_m, half) for x in chunk_rows(tile_rows, st.weights)]
         rows[-1] = half - sum(rows[:-1])
         side, done = 0.0, 0
-        ready, starts, ends, comm = [], [], [], []
+        pulls = _Pulls()
         # phase 2 runs its chunks in order; a tile computes its K loop, then waits for its chunk's
         # pull: a chunk's first wave can end no earlier than its pull, later waves are not held
         wave = t2 / cdiv(cdiv(half, st.tile.block_m) * cdiv(n, st.tile.block_n), model.sm_count)
@@ -273,33 +275,14 @@ class CopyEngineTerm:
         for r in rows:  # phase 1 progresses evenly over its chunks
             done += r
             phase1_end = t1 * done / half
-            begin = max(phase1_end + p["flag_ms"], side)
-            copy = self.copy_ms(r * n * elem)
-            side = begin + copy
+            side = pulls.add(phase1_end, max(phase1_end + p["flag_ms"], side), self.copy_ms(r * n * elem))
             work = t2 * r / half
             first = min(work, wave)
             end2 = max(end2 + first, side) + (work - first) + p["chunk_overhead_ms"]
-            ready.append(phase1_end)
-            starts.append(begin)
-            ends.append(side)
-            comm.append(copy)
         device, exposed = end2 + p["call_overhead_ms"], max(0.0, side - t1)
         if schedule.collective == "all_reduce":  # the peer copies my pushed sums into its output
             tail = p["flag_ms"] + self.copy_ms(half * n * elem, peer=False)
             device += p["gather_exposed"] * tail
             exposed = tail
         host = self.host_ms(schedule, len(rows), graphed=graphed)
-        return Prediction(
-            total_ms=max(device, host),
-            device_ms=device,
-            host_ms=host,
-            gemm_alone_ms=2 * t0,
-            gemm_ms=t1 + t2,
-            engine="copy_engine",
-            group_ready_ms=tuple(ready),
-            group_start_ms=tuple(starts),
-            group_end_ms=tuple(ends),
-            group_comm_ms=tuple(comm),
-            exposed_comm_ms=exposed,
-            gemm_source=source,
-        )
+        return self._prediction(device, host, 2 * t0, t1 + t2, pulls, exposed, source)
