@@ -37,11 +37,9 @@ from typing import Any
 import yaml
 
 from fo_kernels.errors import FoTuneError
-from fo_kernels.files import atomic_write
+from fo_kernels.files import atomic_write, read_yaml
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import COLLECTIVES
-
-from .yaml_read import read_yaml_fast
 
 CALIBRATION_SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = (1, 2)
@@ -367,7 +365,7 @@ def save_calibration(cal: Calibration, path: Path) -> None:
 
 def load_calibration(path: str | Path) -> Calibration:
     """Read and validate a calibration YAML."""
-    data = read_yaml_fast(
+    data = read_yaml(
         path,
         error=CalibrationError,
         missing=CalibrationNotFoundError,

