@@ -9,6 +9,9 @@ from typing import Any
 
 import pytest
 
+# The device key of the packaged H200 x2 tables and calibration (results/).
+H200_KEY = "nvidia-h200-cc90-132sm-w2-nvlink18"
+
 
 def assert_one_line_error(result, code: int = 2) -> str:
     """The command failed with ``code`` and exactly one ``error: ...`` line on stderr, no traceback."""

@@ -24,3 +24,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU and TRITON_INTERPRET=0"))
         if "multigpu" in item.keywords and (gpus < 2 or interp):
             item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs and TRITON_INTERPRET=0"))
+
+
+@pytest.fixture(scope="module")
+def h200():
+    """The packaged H200 x2 calibration (``cli_checks.H200_KEY``, world size 2)."""
+    from cli_checks import H200_KEY
+    from fo_tune.calibration import load_calibration
+    from fo_tune.cli.search import packaged_calibration
+
+    path = packaged_calibration(H200_KEY, 2)
+    assert path is not None, "the packaged H200 TP2 calibration is missing"
+    return load_calibration(path)
+
+
+@pytest.fixture(scope="module")
+def model(h200):
+    """The cost model of the packaged H200 x2 calibration."""
+    from fo_tune.model import CostModel
+
+    return CostModel(h200)

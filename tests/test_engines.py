@@ -15,8 +15,6 @@ from fo_kernels.engines import engine_names as runtime_engines
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.plan import check_fits
 from fo_kernels.schedule import ENGINE_SETTINGS, CopyEngineSettings, Schedule, Tile, TritonSettings
-from fo_tune.calibration import load_calibration
-from fo_tune.cli.search import packaged_calibration
 from fo_tune.encoding import Infeasible, UnionEncoding, schedule_key
 from fo_tune.engines import ShapeTask, UnknownEngineError, engine_names, get_tuner
 from fo_tune.model import CostModel
@@ -24,18 +22,6 @@ from fo_tune.progress import SilentReporter
 from fo_tune.search import SearchError, SearchRequest, select_engines
 from fo_tune.search.strategies import get_strategy, strategy_names
 from fo_tune.space import space_for
-
-H200_KEY = "nvidia-h200-cc90-132sm-w2-nvlink18"
-
-
-@pytest.fixture(scope="module")
-def h200():
-    return load_calibration(packaged_calibration(H200_KEY, 2))
-
-
-@pytest.fixture(scope="module")
-def model(h200):
-    return CostModel(h200)
 
 
 @pytest.fixture(scope="module")

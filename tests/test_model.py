@@ -14,7 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import assert_one_line_error, isolate_tables, with_all_gather_standin
+from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, with_all_gather_standin
 from fo_kernels.table import load_table, row_kind
 from fo_tune.calibration import load_calibration, save_calibration
 from fo_tune.cli.search import packaged_calibration
@@ -25,7 +25,6 @@ from fo_tune.model.fit import fit_free
 from fo_tune.search import SearchRequest, run_search
 
 ROOT = Path(__file__).resolve().parents[1]
-H200_KEY = "nvidia-h200-cc90-132sm-w2-nvlink18"
 TABLES = sorted((ROOT / "results" / "tables" / H200_KEY).glob("*.yaml"))
 CALIBRATION_DIR = ROOT / "results" / "calibration" / H200_KEY / "tp2"
 REPORTS = sorted((ROOT / "results" / "search" / H200_KEY).glob("**/trials.csv"))
@@ -36,16 +35,6 @@ SUITE = [(2048, 4096, 4096), (4096, 8192, 4096), (4096, 8192, 14336), (8192, 819
 def _isolated(tmp_path, monkeypatch):
     isolate_tables(monkeypatch, tmp_path / "env")
     monkeypatch.chdir(tmp_path)
-
-
-@pytest.fixture(scope="module")
-def h200():
-    return load_calibration(packaged_calibration(H200_KEY, 2))
-
-
-@pytest.fixture(scope="module")
-def model(h200):
-    return CostModel(h200)
 
 
 def model_check(*args: str):

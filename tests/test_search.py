@@ -22,15 +22,14 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import assert_one_line_error, isolate_tables, with_all_gather_standin
+from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, with_all_gather_standin
 from fo_kernels.errors import HeuristicScheduleWarning
 from fo_kernels.heuristics import default_schedule
 from fo_kernels.plan import make_plan
 from fo_kernels.schedule import Tile
 from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_table
 from fo_tune import tables as table_tools
-from fo_tune.calibration import load_calibration, save_calibration
-from fo_tune.cli.search import packaged_calibration
+from fo_tune.calibration import save_calibration
 from fo_tune.encoding import Infeasible, UnionEncoding, schedule_key
 from fo_tune.engines import ShapeTask
 from fo_tune.model import CostModel, num_units, with_groups
@@ -38,7 +37,6 @@ from fo_tune.search import m_values, model_error
 from fo_tune.space import space_for
 
 ROOT = Path(__file__).resolve().parents[1]
-H200_KEY = "nvidia-h200-cc90-132sm-w2-nvlink18"
 SUITE = [(2048, 4096, 4096), (4096, 8192, 4096), (4096, 8192, 14336), (8192, 8192, 8192), (16384, 8192, 4096)]
 ODD = [(130, 258, 70), (2050, 3074, 1030), (4098, 6146, 4097)]
 
@@ -47,18 +45,6 @@ ODD = [(130, 258, 70), (2050, 3074, 1030), (4098, 6146, 4097)]
 def _isolated(tmp_path, monkeypatch):
     isolate_tables(monkeypatch, tmp_path / "env")
     monkeypatch.chdir(tmp_path)  # default studies / reports land under tmp_path/results
-
-
-@pytest.fixture(scope="module")
-def h200():
-    path = packaged_calibration(H200_KEY, 2)
-    assert path is not None, "the packaged H200 TP2 calibration is missing"
-    return load_calibration(path)
-
-
-@pytest.fixture(scope="module")
-def model(h200):
-    return CostModel(h200)
 
 
 def priced_tiles(model) -> list:
