@@ -68,7 +68,7 @@ ENUMERATED_GROUP_COUNTS = (1, 2, 4)
 # The collectives this engine's runtime overlaps (fo_kernels.triton_engine).
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 # What an all_gather schedule keeps in its unused wait_mode field: TritonSettings' default.
-ALL_GATHER_WAIT = "stream_wait"
+ALL_GATHER_WAIT: str = next(f.default for f in dataclasses.fields(TritonSettings) if f.name == "wait_mode")
 # all_gather's only layout and signal kind (TritonSettings.check: whole bands of every shard).
 ALL_GATHER_LAYOUTS = ("row_band",)
 ALL_GATHER_SIGNAL_KIND = "band"

@@ -44,6 +44,7 @@ schedules here and every other collective's with ``fo_tune.model.triton.TritonTe
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from fo_kernels.plan import Plan, cdiv
@@ -117,8 +118,23 @@ def _step(
     return end, end + pieces.copy(rows), max(gemm_end, end) + pieces.gemm(rows) * slow, beside
 
 
-def _timeline(rows: list[int], pieces: GatherPieces, slow: float, inter: Interference) -> dict[str, Any]:
-    """The pipeline of groups of ``rows`` shard rows; ``waited``: the GEMMs' time waiting for gathers."""
+@dataclass(frozen=True, slots=True)
+class _Line:
+    """A pipeline of groups: each group's gather issue and end and its gather alone, when the
+    communication stream is free and the GEMMs end, the GEMM time beside gathers and the GEMMs'
+    time waiting for them."""
+
+    issue: tuple[float, ...]
+    ends: tuple[float, ...]
+    comm: tuple[float, ...]
+    comm_free: float
+    gemm_end: float
+    beside: float
+    waited: float
+
+
+def _timeline(rows: list[int], pieces: GatherPieces, slow: float, inter: Interference) -> _Line:
+    """The pipeline of groups of ``rows`` shard rows."""
     comm_free = gemm_end = beside = waited = 0.0
     issue, ends, comm = [], [], []
     for r in rows:
@@ -129,15 +145,7 @@ def _timeline(rows: list[int], pieces: GatherPieces, slow: float, inter: Interfe
         ends.append(end)
         comm.append(pieces.gather(r))
         beside += b
-    return dict(
-        issue=issue,
-        ends=ends,
-        comm=comm,
-        comm_free=comm_free,
-        gemm_end=gemm_end,
-        beside=beside,
-        waited=waited,
-    )
+    return _Line(tuple(issue), tuple(ends), tuple(comm), comm_free, gemm_end, beside, waited)
 
 
 def host_ms(term: TritonTerm, groups: int, shards: int) -> float:
@@ -160,10 +168,10 @@ def predict(term: TritonTerm, schedule: Schedule, m: int, n: int, k: int) -> Pre
     for _ in range(FIXED_POINT_ROUNDS):
         line = _timeline(rows, pieces, slow, inter)
         busy = alone * slow
-        frac = min(1.0, line["beside"] / busy) if busy > 0 else 0.0
+        frac = min(1.0, line.beside / busy) if busy > 0 else 0.0
         slow = 1 + (inter.gemm_slowdown - 1) * frac
     line = _timeline(rows, pieces, slow, inter)
-    device = max(line["gemm_end"], line["comm_free"])
+    device = max(line.gemm_end, line.comm_free)
     host = host_ms(term, sum(1 for r in rows if r), plan.shards)
     source = "measured" if pieces.sources == {"measured"} else "wave-model"
     return Prediction(
@@ -173,11 +181,11 @@ def predict(term: TritonTerm, schedule: Schedule, m: int, n: int, k: int) -> Pre
         gemm_alone_ms=alone,
         gemm_ms=alone * slow,
         engine="triton",
-        group_ready_ms=tuple(line["issue"]),
-        group_start_ms=tuple(line["issue"]),
-        group_end_ms=tuple(line["ends"]),
-        group_comm_ms=tuple(line["comm"]),
-        exposed_comm_ms=line["waited"],
+        group_ready_ms=line.issue,
+        group_start_ms=line.issue,
+        group_end_ms=line.ends,
+        group_comm_ms=line.comm,
+        exposed_comm_ms=line.waited,
         interference=inter,
         gemm_source=source,
     )
