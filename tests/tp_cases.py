@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dist_cases import Case
 from fo_kernels import (
     ColumnParallelLinear,
     EnvironmentMismatchError,
@@ -63,18 +63,9 @@ def gather_schedule(world: int, m: int, n: int, k: int, dtype: str, groups: int)
     )
 
 
-@dataclass(frozen=True)
-class OpCase:
-    """One op call: ``m`` is the rows of ``a`` on every rank (a shard's rows for all_gather)."""
-
-    collective: str
-    m: int
-    n: int
-    k: int
-    dtype: str
-    kmajor: bool
-    schedule: dict | None  # Schedule.to_dict(), or None to look one up
-    seed: int
+# One op call (the fields of the forward cases'): ``m`` is the rows of ``a`` on every rank (a
+# shard's rows for all_gather).
+OpCase = Case
 
 
 def _operands(
