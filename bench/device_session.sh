@@ -166,7 +166,7 @@ spot)
   ;;
 gpu1-tests)
   stamp "the signal-visibility test alone"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k visible 2>&1 \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k visible 2>&1 \
     | tee "$RES/pytest_visibility.log" | tail -3
   stamp "the other one-GPU tests on ${GPU1_WORKERS:-6} workers"
   timeout 380 python3 -m pytest -q -p no:cacheprovider -m gpu -n "${GPU1_WORKERS:-6}" --durations=8 \

@@ -7,24 +7,24 @@
 #                                           # on six shapes, all in one interleaved timing with
 #                                           # cuBLAS; the best four again at r = 0, 8, 12, 16 free
 #                                           # SMs; then the GEMM's GPU tests (visibility first, alone)
-#                                           # (KernelOptions(stream_k=False): the first run's kernel)
-#   bash bench/profile_session.sh final     # stream-K on and off (two 128x256 tiles, seven shapes,
-#                                           # r = 0, 8, 12, 16, all interleaved with cuBLAS), the
-#                                           # GPU tests, then the profile stage
+#                                           # (stream_k=False, defer_signal=False: the kernel then)
+#   bash bench/profile_session.sh ab        # wave or deferred signal, each with and without the
+#                                           # stream-K tail: one interleaved timing with cuBLAS per
+#                                           # shape and grid (r = 0, 8, 12, 16), ten shapes
 #   bash bench/profile_session.sh last      # the visibility test, the profile, the other GPU tests
 #   bash bench/profile_session.sh profile   # fo-tune's profile (fo_tune.calibrate.profile_shape, as
 #                                           # `fo-tune profile`) of the suite and five public TP=2
 #                                           # layer shapes with search_spaces/hopper.yaml's tiles at
-#                                           # r = 0, 8, 12, 16; then the GEMM's GPU tests
+#                                           # r = 0, 8, 12, 16 (no tests: device_session.sh
+#                                           # gpu1-tests runs them)
 #   bash bench/profile_session.sh tests     # the GEMM's GPU tests only
 #
-# Run from the repository root (the device tool: `cd .dev/gemm && bash bench/profile_session.sh
-# STAGE`). Writes CSVs and logs under $OUT (default ./out): variants.csv and variants_reduced.csv
-# (or streamk*.csv), profiles.tgz (results/profiles/<device-key>/*.csv, re-packed after each
+# Run from the repository root (where the device tool runs a command). Writes CSVs and logs under
+# $OUT (default ./out): variants.csv and variants_reduced.csv (or ab.csv), profiles.tgz (results/profiles/<device-key>/*.csv, re-packed after each
 # shape), smi.csv (SM clock and power every 200 ms), session.log. TESTS_S caps each pytest call.
 # The image's python3 has no optuna; nothing here needs it.
 set -uo pipefail
-STAGE="${1:?stage: variants, final, profile or tests}"
+STAGE="${1:?stage: variants, ab, last, profile or tests}"
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT" /tmp/fk
 ln -sfn "$PWD/kernels" /tmp/fk/fo_kernels
@@ -61,7 +61,8 @@ SMS = torch.cuda.get_device_properties(dev).multi_processor_count
 ROUNDS = 8
 def T(bm, bn, bk, w, s, gm=8):
     return Tile(block_m=bm, block_n=bn, block_k=bk, group_m=gm, num_warps=w, num_stages=s)
-K = functools.partial(KernelOptions, stream_k=False)  # the first variants ran before stream-K existed
+# The first variants ran before the stream-K tail and the deferred signal existed.
+K = functools.partial(KernelOptions, stream_k=False, defer_signal=False)
 VARIANTS = {  # name: (tile, options); "base" is the kernel before this work (a loop per tile)
     "base": (T(128, 256, 64, 8, 3), K(flatten=False, subtile=1)),
     "loop_sub2": (T(128, 256, 64, 8, 3), K(flatten=False, subtile=2)),
@@ -86,12 +87,6 @@ VARIANTS = {  # name: (tile, options); "base" is the kernel before this work (a 
 }
 SHAPES = [(2048, 4096, 4096), (4096, 8192, 4096), (4096, 8192, 14336), (8192, 8192, 8192),
           (3000, 5120, 6912), (8192, 4096, 2048)]
-if mode == "streamk":  # the last partial wave shared out over all programs, or not
-    VARIANTS = {f"s{st}_sk{int(sk)}": (T(128, 256, 64, 8, st), KernelOptions(stream_k=sk))
-                for st in (4, 3) for sk in (True, False)}
-    SHAPES.append((16384, 8192, 4096))
-    ROUNDS = 6
-
 def runner(a, b, tile, opts, r):
     m, k = a.shape
     n = b.shape[1]
@@ -124,6 +119,40 @@ def timed(fns):
 
 cols = ["m", "n", "k", "variant", "sms_free", "grid", "median_ms", "iqr_ms", "samples", "cublas_ms",
         "cublas_over_ours", "share_ratio", "rel_err", "status"]
+if mode == "ab":  # wave / deferred signal x stream-K tail: one interleaved timing per shape and grid
+    t4 = T(128, 256, 64, 8, 4)
+    VARIANTS = {"wave": (t4, K()), "defer": (t4, K(defer_signal=True)), "sk": (t4, K(stream_k=True)),
+                "defer_sk": (t4, K(defer_signal=True, stream_k=True))}
+    SHAPES += [(16384, 8192, 4096), (8192, 4096, 7168), (8192, 3584, 9472), (4096, 8192, 14784)]
+    ROUNDS = 10
+    rows, full = [], {}
+    for m, n, k in SHAPES:
+        a, b = gemm_operands(m, n, k, "bfloat16", dev, seed=m + n + k)
+        ref = a.float() @ b.float()
+        line = []
+        for r in (0, 8, 12, 16):
+            fns, meta = {"cublas": lambda: a @ b}, {}
+            for name in VARIANTS:
+                run, grid, err, status = checked(a, b, ref, name, r)
+                meta[name] = (grid, err, status)
+                if run is not None:
+                    fns[name] = run
+            t = timed(fns)
+            cub = t["cublas"].median_ms
+            for name, (grid, err, status) in meta.items():
+                x = t.get(name)
+                if r == 0 and x:
+                    full[(m, n, k, name)] = x.median_ms / cub  # ours over cuBLAS, this timing's
+                share = x and r and x.median_ms / cub / full[(m, n, k, name)] / (SMS / (SMS - r))
+                rows.append([m, n, k, name, r, grid, x and x.median_ms, x and x.iqr_ms, x and x.samples, cub,
+                             x and cub / x.median_ms, share or "", err, status])
+                line.append(f"{name}@{r} {cub / x.median_ms:.3f}" + (f"/{share:.3f}" if share else "") if x else f"{name}@{r} {status}")
+        print(f"{m}x{n}x{k}: " + ", ".join(line))
+    with open(f"{out_dir}/ab.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        w.writerows(rows)
+    sys.exit(0)
 var_rows, red_rows = [], []
 for m, n, k in SHAPES:
     a, b = gemm_operands(m, n, k, "bfloat16", dev, seed=m + n + k)
@@ -144,7 +173,7 @@ for m, n, k in SHAPES:
     print(f"{m}x{n}x{k}: cuBLAS {cub:.3f} ms; " + ", ".join(f"{nm} {cub / t[nm].median_ms:.3f}" for nm in ranked[:6]))
     fns = {"cublas": lambda: a @ b}
     for name in ranked[:4]:
-        for r in (0, 8, 12, 16):  # (in streamk mode every variant: there are four)
+        for r in (0, 8, 12, 16):
             run, grid, err, status = checked(a, b, ref, name, r)
             if run is not None:
                 fns[f"{name}@{r}"] = run
@@ -220,9 +249,9 @@ EOF
 python3 cli.py profile --help >/dev/null && echo "fo-tune profile --help: ok (no optuna needed)"
 case "$STAGE" in
   variants) variants variants; gpu_tests ;;
-  final) variants streamk; gpu_tests; profile ;;
+  ab) variants ab ;;
   last) VIS_ONLY=1 gpu_tests; profile; NO_VIS=1 gpu_tests ;;
-  profile) profile; gpu_tests ;;
+  profile) profile ;;
   tests) gpu_tests ;;
-  *) echo "unknown stage $STAGE: variants, final, profile or tests" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE: variants, ab, last, profile or tests" >&2; exit 2 ;;
 esac 2>&1 | tee "$OUT/session.log"

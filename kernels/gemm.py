@@ -10,8 +10,10 @@ Protocol, per persistent program p of G (symbols as in ``fo_kernels.plan``):
         tm, tn = grouped_swizzle(l)                  # GROUP_M tile rows per band
         acc = sum_k A[s*Ms + tm*BM : +BM, k] @ B[k, tn*BN : +BN]
         g = unit_group[t // U]                       # group of the tile's signal unit
+        barrier (all threads' stores issued); atomic_add(counter[g'], 1, release, gpu scope)
+                                                     # g': the previous tile's group (none at first)
         store acc at its layout position in group g's chunk
-        barrier (all threads' stores issued); atomic_add(counter[g], 1, release, gpu scope)
+    barrier; atomic_add(counter[g], 1, release, gpu scope)   # the last tile's group
 
 The release increment is cumulative over the CTA barrier, so a reader that observes the counter at
 its target (``cuStreamWaitValue32`` or the spin kernel, which acquire) sees every element of the
@@ -24,10 +26,12 @@ strides allow it (16-byte aligned) and masked pointer loads otherwise, so any M,
 With TMA loads the two loops above are one flattened, software-pipelined loop over (tile, k)
 (``tl.range(flatten=True)``): the next tile's loads are in flight while a tile's epilogue runs.
 The CTA barrier is inline PTX there (``tl.debug_barrier`` stops Triton 3.6 from pipelining the
-flattened loop). ``KernelOptions(stream_k=True)`` shares out the K blocks of a last, partial wave
-over all programs (each tail tile finished, stored and signalled by the last of its programs to
-arrive); it is off by default (slower on the measured shapes, ``docs/perf-notes.md``, "The
-signalled GEMM at cuBLAS speed (one H200)").
+flattened loop). Each tile's signal is sent at the next tile's epilogue (``KernelOptions.
+defer_signal``), when its stores have long been issued. Where a last, partial wave would leave
+programs idle, a second launch shares out its tiles' K blocks over the programs (stream-K, where
+the measured rule in ``stream_k_split`` says it pays): each tail tile is finished, stored and
+signalled by the last of its programs to arrive (``docs/perf-notes.md``, "The signalled GEMM at
+cuBLAS speed (one H200)").
 
 Counters are never reset: each call's targets are the running totals the host keeps (see
 ``fo_kernels.runtime``), and every comparison is wrap-around safe in int32.
@@ -150,8 +154,10 @@ def _finish_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, LAYOUT: tl.constexpr,
     SIGNAL: tl.constexpr, OUT_DTYPE: tl.constexpr, SUBTILE: tl.constexpr, TMA_STORE: tl.constexpr,
     PTX: tl.constexpr, ACCUMULATE: tl.constexpr, COPY: tl.constexpr, SYS_SIGNAL: tl.constexpr,
+    DEFER: tl.constexpr = False,
 ):  # fmt: skip
-    """Tile t's epilogue: its group, its stores at the layout position, then its signal."""
+    """Tile t's epilogue: its group, its stores at the layout position, then its signal (with
+    DEFER, the caller signals the returned group later, ``_signal``). Returns the tile's group."""
     l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
     local_row0 = tm * BLOCK_M
     slot = l  # tile_major only
@@ -172,14 +178,29 @@ def _finish_tile(
         acc, out, out_desc, out2, dst_row0, slot, local_row0, tn * BLOCK_N, rows_per_shard, N,
         BLOCK_M, BLOCK_N, SUBTILE, LAYOUT, TMA_STORE, ACCUMULATE, COPY, OUT_DTYPE,
     )  # fmt: skip
-    if SIGNAL:
-        if TMA_STORE and PTX:
-            _bulk_stores_done()
-        _cta_barrier(PTX)
-        if SYS_SIGNAL:
-            tl.atomic_add(counters + g, 1, sem="release", scope="sys")
-        else:
-            tl.atomic_add(counters + g, 1, sem="release", scope="gpu")
+    if SIGNAL and not DEFER:
+        _signal(counters, g, TMA_STORE, PTX, SYS_SIGNAL)
+    return g
+
+
+@triton.jit
+def _signal(counters, g, TMA_STORE: tl.constexpr, PTX: tl.constexpr, SYS_SIGNAL: tl.constexpr):
+    """Group g's counter + 1 (release), once every thread's stores before this point are issued
+    (and, with TMA stores, written): the counter then covers all of them."""
+    if TMA_STORE and PTX:
+        _bulk_stores_done()
+    _cta_barrier(PTX)
+    if SYS_SIGNAL:
+        tl.atomic_add(counters + g, 1, sem="release", scope="sys")
+    else:
+        tl.atomic_add(counters + g, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _signal_if(counters, g, TMA_STORE: tl.constexpr, PTX: tl.constexpr, SYS_SIGNAL: tl.constexpr):
+    """``_signal`` for a group g >= 0 (a deferred signal; -1: no tile waits for one)."""
+    if g >= 0:
+        _signal(counters, g, TMA_STORE, PTX, SYS_SIGNAL)
 
 
 @triton.jit
@@ -196,27 +217,36 @@ def _signalled_gemm_kernel(
     TMA_STORE: tl.constexpr, PTX: tl.constexpr, STREAM_K: tl.constexpr,
     ACCUMULATE: tl.constexpr = False, COPY: tl.constexpr = False,
     SYS_SIGNAL: tl.constexpr = False,  # the counters are in the peer GPU's memory (system scope)
+    MAIN: tl.constexpr = True,  # run the whole-wave tiles (False: a launch of the stream-K tail only)
+    DEFER: tl.constexpr = False,  # signal each tile at the next tile's epilogue (KernelOptions)
 ):  # fmt: skip
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    # The epilogue recomputes its tile from a counter of its own (as Triton's persistent-matmul
-    # tutorial does), so a flattened, pipelined loop's prologue (next tile's loads) and epilogue
-    # (this tile's stores) share no value.
-    tile_c = pid - progs
-    for t in tl.range(pid, main_tiles, progs, flatten=FLATTEN, warp_specialize=WS_OUTER):
-        _l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
-        acc = _tile_acc(
-            a, b, s * rows_per_shard + tm * BLOCK_M, tn * BLOCK_N, 0, k_tiles, M, N, K,
-            stride_am, stride_ak, stride_bk, stride_bn,
-            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, WS_INNER,
-        )  # fmt: skip
-        tile_c += progs
-        _finish_tile(
-            acc, tile_c, out, out_desc, out2, counters, unit_group, group_info, ready, N, rows_per_shard,
-            tiles_m, tiles_n, shards, unit_tiles, BLOCK_M, BLOCK_N, GROUP_M, LAYOUT, SIGNAL, OUT_DTYPE,
-            SUBTILE, TMA_STORE, PTX, ACCUMULATE, COPY, SYS_SIGNAL,
-        )  # fmt: skip
+    if MAIN:
+        # The epilogue recomputes its tile from a counter of its own (as Triton's persistent-matmul
+        # tutorial does), so a flattened, pipelined loop's prologue (next tile's loads) and epilogue
+        # (this tile's stores) share no value.
+        tile_c = pid - progs
+        prev_g = pid * 0 - 1  # DEFER: the group of the tile stored but not yet signalled (-1: none)
+        for t in tl.range(pid, main_tiles, progs, flatten=FLATTEN, warp_specialize=WS_OUTER):
+            _l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
+            acc = _tile_acc(
+                a, b, s * rows_per_shard + tm * BLOCK_M, tn * BLOCK_N, 0, k_tiles, M, N, K,
+                stride_am, stride_ak, stride_bk, stride_bn,
+                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, WS_INNER,
+            )  # fmt: skip
+            tile_c += progs
+            # DEFER: the previous tile's stores were issued a whole tile ago, so its fence is short
+            if DEFER and SIGNAL:  # (constexprs; the tensor test below is a separate if)
+                _signal_if(counters, prev_g, TMA_STORE, PTX, SYS_SIGNAL)
+            prev_g = _finish_tile(
+                acc, tile_c, out, out_desc, out2, counters, unit_group, group_info, ready, N,
+                rows_per_shard, tiles_m, tiles_n, shards, unit_tiles, BLOCK_M, BLOCK_N, GROUP_M, LAYOUT,
+                SIGNAL, OUT_DTYPE, SUBTILE, TMA_STORE, PTX, ACCUMULATE, COPY, SYS_SIGNAL, DEFER,
+            )  # fmt: skip
+        if DEFER and SIGNAL:
+            _signal_if(counters, prev_g, TMA_STORE, PTX, SYS_SIGNAL)
     if STREAM_K:
         # The tail (tiles [main_tiles, num_tiles), fewer than a wave): its K blocks, tile after
         # tile, cut into one run of sk_iters per program, so each program covers parts of at most
@@ -244,13 +274,10 @@ def _signalled_gemm_kernel(
                 arrived = tl.atomic_add(sk_arrive + i, 1, sem="acq_rel", scope="gpu")
                 if arrived == last - first:  # every part is written: add them in program order
                     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (the same bits whoever is last)
-                    for q in range(first, last + 1):
-                        if q == pid:
-                            total += acc
-                        else:
-                            jq = ((q * sk_iters) // k_tiles < i).to(tl.int32)  # tile i: q's 1st or 2nd part
-                            part = sk_partial + (q * 2 + jq).to(tl.int64) * (BLOCK_M * BLOCK_N) + in_tile
-                            total += tl.load(part, cache_modifier=".cg")
+                    for q in range(first, last + 1):  # its own part too: acc is dead after its store
+                        jq = ((q * sk_iters) // k_tiles < i).to(tl.int32)  # tile i: q's 1st or 2nd part
+                        part = sk_partial + (q * 2 + jq).to(tl.int64) * (BLOCK_M * BLOCK_N) + in_tile
+                        total += tl.load(part, cache_modifier=".cg")
                     _finish_tile(
                         total, t, out, out_desc, out2, counters, unit_group, group_info, ready, N,
                         rows_per_shard, tiles_m, tiles_n, shards, unit_tiles, BLOCK_M, BLOCK_N, GROUP_M,
@@ -346,15 +373,23 @@ class KernelOptions:
     descriptor and waits for the writes before the signal (1-2% slower than plain stores on the
     large shapes, 20% at 2048x4096x4096); None: wherever the layout and strides allow it.
     ``stream_k``: when the tiles leave a last, partial wave, its tiles' K blocks are shared out
-    evenly over all programs (``stream_k_split``), so the last wave takes its share of the time
-    instead of a whole tile's; the tail's code in the kernel raises register use to the limit and
-    slows the main loop 2-9%, which only a few reduced grids win back.
+    over the programs (``stream_k_split``) in a second launch, so the last wave takes its share of
+    the time instead of a whole tile's. None: where the measured rule says it pays (a tail of at
+    most ``STREAM_K_MAX_TAIL`` of the grid, K of at least ``STREAM_K_MIN_K_BLOCKS`` blocks); True:
+    for every partial last wave; False: never. In the same kernel as the whole waves the tail's
+    code raised register use to the limit and slowed the main loop 2-9%, hence its own launch (at
+    about 0.05 ms more host time per call). ``defer_signal``: each tile's signal is sent at the
+    next tile's epilogue (the last after the loop), so the release fence waits on stores issued a
+    tile earlier instead of stalling the CTA on those just issued: +0-4% at full grid on 9 of 9
+    shapes (0.918 -> 0.959x cuBLAS at 8192x4096x2048); a group then completes up to one tile's
+    time later (the last group does not: its last tiles have no next tile).
     """
 
     flatten: bool = True
     subtile: int = 2
     tma_store: bool | None = False
-    stream_k: bool = False
+    stream_k: bool | None = None
+    defer_signal: bool = True
 
     def __post_init__(self) -> None:
         if self.subtile not in SUBTILES:
@@ -363,31 +398,41 @@ class KernelOptions:
 
 SUBTILES = (1, 2, 4)
 DEFAULT_OPTIONS = KernelOptions()
-# Stream-K pays a partial's float32 store and the last program's adds per tail tile, estimated at
-# an eighth of a 128x256 tile's time at K = 4096: it is used only when each program's share of the
-# tail is at most this fraction of a tile's K blocks (an estimate; what was measured is in
-# docs/perf-notes.md, "The signalled GEMM at cuBLAS speed (one H200)").
-STREAM_K_MAX_SHARE = 7 / 8
+# The measured rule for ``KernelOptions(stream_k=None)`` (docs/perf-notes.md, "The signalled GEMM
+# at cuBLAS speed (one H200)"; ten shapes, r = 0, 8, 12, 16 free SMs): the shared-out tail costs
+# about 2.5x the main loop's time per K block plus its partials, so it won 3.8-10% wherever the last
+# wave held at most 0.3 of the grid and K had >= 96 blocks (1024 tiles on 124 programs at K = 7168
+# to 14784; 8192^3 on 120; 3000x5120x6912 on 116), was even at K = 4096 and lost 3-30% at K = 2048
+# and wherever the tail held more than half the grid.
+STREAM_K_MAX_TAIL = 0.3
+STREAM_K_MIN_K_BLOCKS = 96
+# A tail tile is cut into at most this many programs' parts: its last program reads every other
+# part (128 KB of float32 each for a 128x256 tile) alone, at one SM's bandwidth. Cut into 15 parts
+# (8 tail tiles over 124 programs) the tail cost more than the whole wave it replaced.
+STREAM_K_MAX_PARTS = 4
 
 
-def stream_k_split(num_tiles: int, grid: int, k_tiles: int) -> tuple[int, int]:
+def stream_k_split(num_tiles: int, grid: int, k_tiles: int, force: bool = False) -> tuple[int, int]:
     """(tiles in whole waves, K blocks per program in the tail): ``(num_tiles, 0)`` when the tiles
-    fill whole waves or sharing out the last partial wave gains too little."""
+    fill whole waves or (unless ``force``) the measured rule says sharing out the last partial
+    wave does not pay. Each program's share is at least ``1 / STREAM_K_MAX_PARTS`` of a tile's K
+    blocks (programs past the tail's end have none)."""
     tail = num_tiles % grid
     if tail == 0 or num_tiles < grid:
         return num_tiles, 0
-    share = -(-tail * k_tiles // grid)
-    if share > STREAM_K_MAX_SHARE * k_tiles:
+    if not force and (tail > STREAM_K_MAX_TAIL * grid or k_tiles < STREAM_K_MIN_K_BLOCKS):
         return num_tiles, 0
+    share = max(-(-tail * k_tiles // grid), -(-k_tiles // STREAM_K_MAX_PARTS))
     return num_tiles - tail, share
 
 
-def _stream_k_args(a: torch.Tensor, tile: Tile, num_tiles: int, grid: int, enabled: bool) -> tuple:
+def _stream_k_args(a: torch.Tensor, tile: Tile, num_tiles: int, grid: int, mode: bool | None) -> tuple:
     """(sk_arrive, sk_partial, main_tiles, sk_iters, STREAM_K) for one launch: per call, a zeroed
     arrival count per tail tile and two float32 tile slots per program, from torch's allocator on
-    the current stream (so calls on other streams never share them)."""
+    the current stream (so calls on other streams never share them). ``mode``: as
+    ``KernelOptions.stream_k``."""
     k_tiles = -(-a.shape[1] // tile.block_k)
-    main, share = stream_k_split(num_tiles, grid, k_tiles) if enabled else (num_tiles, 0)
+    main, share = (num_tiles, 0) if mode is False else stream_k_split(num_tiles, grid, k_tiles, bool(mode))
     if share == 0:
         return a, a, num_tiles, 0, False
     arrive = torch.zeros(num_tiles - main, dtype=torch.int32, device=a.device)
@@ -472,20 +517,31 @@ def signalled_gemm(
     a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
     subtile = min(options.subtile, tile.block_n // MIN_PIECE)
     desc = _store_desc(out, plan, tile, subtile, options.tma_store)
-    sk = _stream_k_args(a, tile, plan.num_tiles, plan.grid, options.stream_k)
-    _signalled_gemm_kernel[(plan.grid,)](
-        a_arg, b_arg, out, desc if desc is not None else out, counters, unit_group, group_info,
-        m, n, k, plan.rows_per_shard, plan.tiles_m, plan.tiles_n, plan.num_tiles, plan.shards,
-        plan.unit_tiles,
-        counters, out,  # ready, out2: unused outside LAYOUT_ROWS
-        *sk[:4],
-        *_strides(a, b),
-        STREAM_K=sk[4],
-        LAYOUT=LAYOUT_TILE_MAJOR if plan.layout == "tile_major" else LAYOUT_ROW_BAND,
-        SIGNAL=signal,
-        TMA_STORE=desc is not None,
-        **_meta(a, b, out, tile, use_tma, KernelOptions(flatten=options.flatten, subtile=subtile)),
-    )  # fmt: skip
+    arrive, partial, main_tiles, share, stream_k = _stream_k_args(
+        a, tile, plan.num_tiles, plan.grid, options.stream_k
+    )
+
+    def launch(main: bool, tail: bool, loop_end: int, grid: int) -> None:
+        _signalled_gemm_kernel[(grid,)](
+            a_arg, b_arg, out, desc if desc is not None else out, counters, unit_group, group_info,
+            m, n, k, plan.rows_per_shard, plan.tiles_m, plan.tiles_n, plan.num_tiles, plan.shards,
+            plan.unit_tiles,
+            counters, out,  # ready, out2: unused outside LAYOUT_ROWS
+            arrive, partial, loop_end, share,
+            *_strides(a, b),
+            STREAM_K=tail,
+            MAIN=main,
+            DEFER=options.defer_signal,
+            LAYOUT=LAYOUT_TILE_MAJOR if plan.layout == "tile_major" else LAYOUT_ROW_BAND,
+            SIGNAL=signal,
+            TMA_STORE=desc is not None,
+            **_meta(a, b, out, tile, use_tma, KernelOptions(flatten=options.flatten, subtile=subtile)),
+        )  # fmt: skip
+
+    launch(True, False, main_tiles, plan.grid)
+    if stream_k:  # the tail as a kernel of its own, on the programs that have a share
+        k_tiles = -(-k // tile.block_k)
+        launch(False, True, main_tiles, -(-(plan.num_tiles - main_tiles) * k_tiles // share))
 
 
 def rows_gemm(

@@ -15,7 +15,9 @@ import torch
 from fo_kernels.errors import ScheduleError
 from fo_kernels.gemm import (
     DEFAULT_OPTIONS,
-    STREAM_K_MAX_SHARE,
+    STREAM_K_MAX_PARTS,
+    STREAM_K_MAX_TAIL,
+    STREAM_K_MIN_K_BLOCKS,
     BOperand,
     KernelOptions,
     restore_tile_major,
@@ -114,11 +116,12 @@ def test_gemm_matches_matmul(collective, layout, dtype, kmajor):
 @pytest.mark.parametrize(
     "options",
     [
-        KernelOptions(tma_store=True),
+        KernelOptions(tma_store=True, stream_k=True),
         KernelOptions(subtile=1, stream_k=True),
+        KernelOptions(defer_signal=False, stream_k=False),
         KernelOptions(flatten=False, subtile=4),
     ],
-    ids=["tma_store", "subtile1_stream_k", "loop_per_tile_subtile4"],
+    ids=["tma_store_stream_k", "subtile1_stream_k", "signal_at_once_no_stream_k", "loop_per_tile_subtile4"],
 )
 def test_kernel_options_match_matmul(options):
     """The kernel's other build options on both layouts (the default is in the test above)."""
@@ -133,15 +136,19 @@ def test_kernel_options_match_matmul(options):
 
 
 def test_stream_k_split():
-    """Only a last, partial wave is shared out, and only when each program's share saves enough."""
-    assert stream_k_split(1024, 128, 64) == (1024, 0)  # whole waves
-    assert stream_k_split(1024, 124, 64) == (992, 17)  # 32 tail tiles x 64 K blocks over 124
-    assert stream_k_split(480, 132, 108) == (396, 69)
-    assert stream_k_split(100, 132, 64) == (100, 0)  # fewer tiles than programs: no wave to finish
-    tail = 120  # shares of more than STREAM_K_MAX_SHARE of a tile's K blocks are not worth it
-    assert (
-        stream_k_split(132 + tail, 132, 64) == (132 + tail, 0) and tail * 64 / 132 > STREAM_K_MAX_SHARE * 64
-    )
+    """The measured rule: a last, partial wave is shared out only when it holds at most
+    STREAM_K_MAX_TAIL of the grid and K has at least STREAM_K_MIN_K_BLOCKS blocks (``force``
+    shares out any partial wave); no tail tile is cut into more than STREAM_K_MAX_PARTS parts."""
+    k = STREAM_K_MIN_K_BLOCKS
+    assert stream_k_split(1024, 128, k) == (1024, 0)  # whole waves
+    assert stream_k_split(100, 132, k) == (100, 0)  # fewer tiles than programs: no wave to finish
+    assert stream_k_split(1024, 124, 224) == (992, 58)  # 32 tail tiles x 224 K blocks over 124
+    assert stream_k_split(1024, 124, 64) == (1024, 0)  # K too short to pay
+    assert stream_k_split(1024, 132, 224) == (1024, 0)  # a tail of 100 on 132: too much of the grid
+    assert stream_k_split(1024, 132, 64, force=True) == (924, 49)
+    tail = int(STREAM_K_MAX_TAIL * 124)
+    assert stream_k_split(124 + tail, 124, k)[1] > 0 and stream_k_split(124 + tail + 1, 124, k)[1] == 0
+    assert stream_k_split(2048, 120, 128) == (2040, 128 // STREAM_K_MAX_PARTS)  # 8 tail tiles: not 15 parts
     with pytest.raises(ScheduleError, match="subtile"):
         KernelOptions(subtile=3)
 

@@ -87,8 +87,9 @@ def test_compiled_gemm_matches_matmul(m, n, k, kmajor, tile, dtype):
         KernelOptions(subtile=4),
         KernelOptions(tma_store=True),
         KernelOptions(stream_k=True),
+        KernelOptions(defer_signal=False, stream_k=False),
     ],
-    ids=["loop_per_tile", "subtile4", "tma_store", "stream_k"],
+    ids=["loop_per_tile", "subtile4", "tma_store", "stream_k", "signal_at_once_no_stream_k"],
 )
 def test_compiled_gemm_variants(options):
     """The kernel's other build options (``KernelOptions``) on odd and aligned shapes, both layouts."""
@@ -170,12 +171,21 @@ VISIBILITY_REPS = 300
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["row_band", "tile_major"])
-@pytest.mark.parametrize("tma_store", [False, True], ids=["plain_store", "tma_store"])
-def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, tma_store):
+@pytest.mark.parametrize(
+    "options",
+    [
+        KernelOptions(stream_k=True),
+        KernelOptions(stream_k=True, tma_store=True),
+        KernelOptions(stream_k=True, defer_signal=False),
+    ],
+    ids=["plain_store", "tma_store", "signal_at_once"],
+)
+def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, options):
     """The signal's guarantee: a reader on another stream that acquires a group's counter at its
     target reads every element of the group's tiles. The output is poisoned (NaN) before every
     repetition and two input sets alternate; the stream-K tail is on (its tiles are finished by
-    whichever program arrives last); each group (one tile row, or 8 tiles) is read by a spinning
+    whichever program arrives last); signals are deferred to the next tile (the default) or sent
+    at once; each group (one tile row, or 8 tiles) is read by a spinning
     kernel on the SMs left free, so it reads within microseconds of the last tile's release."""
     m, n, k = 2048, 4096, 1024
     tile = Tile(block_m=128, block_n=256, block_k=64, group_m=1, num_warps=8, num_stages=3)
@@ -193,7 +203,6 @@ def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, t
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device="cuda")
     buf = torch.empty(plan.buffer_numel(), dtype=torch.bfloat16, device="cuda")
     snap = torch.empty_like(buf)
-    options = KernelOptions(tma_store=tma_store, stream_k=True)
     gen = torch.Generator(device="cuda").manual_seed(11)
     sets = []
     for _ in range(2):

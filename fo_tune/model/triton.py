@@ -4,8 +4,10 @@ For a ``TritonSettings`` schedule and a shape (``predict``), with the plan of ``
 
 1. GEMM alone, ``T0``: the calibration's tile profile (``TileProfile``: the measured point, else
    the tile's wave model).
-2. Unit ``u`` is ready when the wave holding its last tile ends: ``ready_u = T * (w_u + 1) / W``
-   (program p runs tiles p, p + G, ...; ``W`` waves; ``T`` the GEMM time under contention).
+2. Unit ``u`` is ready when the wave after the one holding its last tile ends (a tile is
+   signalled at its program's next tile's epilogue): ``ready_u = T * (w_u + 2) / W``, or
+   ``T * (w_u + 1) / W`` where that wave's tiles are their programs' last (program p runs tiles
+   p, p + G, ...; ``W`` waves; ``T`` the GEMM time under contention).
 3. Group ``g``'s collective: its chunk's bytes on the bandwidth curve of (collective, CTA cap).
    It starts at ``max(ready_g, end_{g-1}) + COMM_ISSUE_GAP_MS`` and, while the GEMM still runs,
    progresses ``1 / comm_slowdown`` as fast (interference table). Where the calibration saw NCCL
@@ -81,12 +83,18 @@ def with_groups(schedule: Schedule, groups: Sequence[int]) -> Schedule:
 
 
 def unit_ready_fractions(plan: Plan) -> list[float]:
-    """Per signal unit: when it is complete, as a fraction of the GEMM's duration."""
+    """Per signal unit: when it is complete, as a fraction of the GEMM's duration. The kernel
+    signals a tile at its program's next tile's epilogue (``KernelOptions.defer_signal``), so a
+    unit whose last wave's tiles have a next tile is complete one wave after that wave."""
     total = cdiv(plan.num_tiles, plan.grid)
     out = []
     for u in range(plan.num_units):
-        last = min((u + 1) * plan.unit_tiles, plan.num_tiles) - 1
-        out.append((last // plan.grid + 1) / total)
+        first = u * plan.unit_tiles
+        last = min(first + plan.unit_tiles, plan.num_tiles) - 1
+        wave = last // plan.grid
+        # the unit's earliest tile in that wave: if it has a next tile, so do the later programs
+        deferred = max(first, wave * plan.grid) + plan.grid < plan.num_tiles
+        out.append((wave + 1 + deferred) / total)
     return out
 
 
