@@ -139,6 +139,10 @@ def rank_main(rank: int, world: int, backend: str, store: str, results: dict | N
             errors = check(rank, world, device)
         everyone: list[dict[str, float]] = [{} for _ in range(world)]
         dist.all_gather_object(everyone, errors)
+        # every rank done with its collectives before any tears the group down: a gloo rank whose
+        # peer has already destroyed its pairs can abort at exit ("terminate called without an
+        # active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     worst = {name: max(e[name] for e in everyone) for name in errors}
