@@ -217,13 +217,12 @@ def _signalled_gemm_kernel(
     TMA_STORE: tl.constexpr, PTX: tl.constexpr, STREAM_K: tl.constexpr,
     ACCUMULATE: tl.constexpr = False, COPY: tl.constexpr = False,
     SYS_SIGNAL: tl.constexpr = False,  # the counters are in the peer GPU's memory (system scope)
-    MAIN: tl.constexpr = True,  # run the whole-wave tiles (False: a launch of the stream-K tail only)
     DEFER: tl.constexpr = False,  # signal each tile at the next tile's epilogue (KernelOptions)
 ):  # fmt: skip
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    if MAIN:
+    if not STREAM_K:  # the whole waves (STREAM_K: a launch of the stream-K tail only)
         # The epilogue recomputes its tile from a counter of its own (as Triton's persistent-matmul
         # tutorial does), so a flattened, pipelined loop's prologue (next tile's loads) and epilogue
         # (this tile's stores) share no value.
@@ -247,7 +246,7 @@ def _signalled_gemm_kernel(
             )  # fmt: skip
         if DEFER and SIGNAL:
             _signal_if(counters, prev_g, TMA_STORE, PTX, SYS_SIGNAL)
-    if STREAM_K:
+    else:
         # The tail (tiles [main_tiles, num_tiles), fewer than a wave): its K blocks, tile after
         # tile, cut into one run of sk_iters per program, so each program covers parts of at most
         # two tiles. Each part's float32 sum goes to this program's slot; the last of a tile's
@@ -427,17 +426,17 @@ def stream_k_split(num_tiles: int, grid: int, k_tiles: int, force: bool = False)
 
 
 def _stream_k_args(a: torch.Tensor, tile: Tile, num_tiles: int, grid: int, mode: bool | None) -> tuple:
-    """(sk_arrive, sk_partial, main_tiles, sk_iters, STREAM_K) for one launch: per call, a zeroed
-    arrival count per tail tile and two float32 tile slots per program, from torch's allocator on
-    the current stream (so calls on other streams never share them). ``mode``: as
-    ``KernelOptions.stream_k``."""
+    """(sk_arrive, sk_partial, main_tiles, sk_iters, tail programs: 0 for no tail launch) for one
+    call: a zeroed arrival count per tail tile and two float32 tile slots per program, from
+    torch's allocator on the current stream (so calls on other streams never share them).
+    ``mode``: as ``KernelOptions.stream_k``."""
     k_tiles = -(-a.shape[1] // tile.block_k)
     main, share = (num_tiles, 0) if mode is False else stream_k_split(num_tiles, grid, k_tiles, bool(mode))
     if share == 0:
-        return a, a, num_tiles, 0, False
+        return a, a, num_tiles, 0, 0
     arrive = torch.zeros(num_tiles - main, dtype=torch.int32, device=a.device)
     partial = torch.empty(grid * 2 * tile.block_m * tile.block_n, dtype=torch.float32, device=a.device)
-    return arrive, partial, main, share, True
+    return arrive, partial, main, share, -(-(num_tiles - main) * k_tiles // share)
 
 
 def _store_desc(out: torch.Tensor, plan: Plan, tile: Tile, subtile: int, want: bool | None) -> object | None:
@@ -517,31 +516,30 @@ def signalled_gemm(
     a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
     subtile = min(options.subtile, tile.block_n // MIN_PIECE)
     desc = _store_desc(out, plan, tile, subtile, options.tma_store)
-    arrive, partial, main_tiles, share, stream_k = _stream_k_args(
+    arrive, partial, main_tiles, share, tail_grid = _stream_k_args(
         a, tile, plan.num_tiles, plan.grid, options.stream_k
     )
+    meta = _meta(a, b, out, tile, use_tma, KernelOptions(flatten=options.flatten, subtile=subtile))
 
-    def launch(main: bool, tail: bool, loop_end: int, grid: int) -> None:
+    def launch(grid: int, tail: bool) -> None:  # the whole waves, or the stream-K tail
         _signalled_gemm_kernel[(grid,)](
             a_arg, b_arg, out, desc if desc is not None else out, counters, unit_group, group_info,
             m, n, k, plan.rows_per_shard, plan.tiles_m, plan.tiles_n, plan.num_tiles, plan.shards,
             plan.unit_tiles,
             counters, out,  # ready, out2: unused outside LAYOUT_ROWS
-            arrive, partial, loop_end, share,
+            arrive, partial, main_tiles, share,
             *_strides(a, b),
             STREAM_K=tail,
-            MAIN=main,
             DEFER=options.defer_signal,
             LAYOUT=LAYOUT_TILE_MAJOR if plan.layout == "tile_major" else LAYOUT_ROW_BAND,
             SIGNAL=signal,
             TMA_STORE=desc is not None,
-            **_meta(a, b, out, tile, use_tma, KernelOptions(flatten=options.flatten, subtile=subtile)),
+            **meta,
         )  # fmt: skip
 
-    launch(True, False, main_tiles, plan.grid)
-    if stream_k:  # the tail as a kernel of its own, on the programs that have a share
-        k_tiles = -(-k // tile.block_k)
-        launch(False, True, main_tiles, -(-(plan.num_tiles - main_tiles) * k_tiles // share))
+    launch(plan.grid, tail=False)
+    if tail_grid:  # the tail as a kernel of its own, on the programs that have a share
+        launch(tail_grid, tail=True)
 
 
 def rows_gemm(
