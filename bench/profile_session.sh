@@ -117,8 +117,30 @@ def checked(a, b, ref, name, r):
 def timed(fns):
     return time_interleaved(fns, dev, warmup=3, rounds=ROUNDS, min_sample_ms=STEADY_SAMPLE_MS)
 
+def timed_variants(a, b, ref, r):
+    """Every variant checked at r free SMs, then the correct ones timed in alternation with cuBLAS:
+    (timings by name, cuBLAS's median ms, (grid, error, status) by variant name)."""
+    fns, meta = {"cublas": lambda: a @ b}, {}
+    for name in VARIANTS:
+        run, grid, err, status = checked(a, b, ref, name, r)
+        meta[name] = (grid, err, status)
+        if run is not None:
+            fns[name] = run
+    t = timed(fns)
+    return t, t["cublas"].median_ms, meta
+
 cols = ["m", "n", "k", "variant", "sms_free", "grid", "median_ms", "iqr_ms", "samples", "cublas_ms",
         "cublas_over_ours", "share_ratio", "rel_err", "status"]
+
+def row(m, n, k, name, r, grid, x, cub, share, err, status):  # one CSV row of cols (x: a timing or None)
+    return [m, n, k, name, r, grid, x and x.median_ms, x and x.iqr_ms, x and x.samples, cub,
+            x and cub / x.median_ms, share, err, status]
+
+def write_csv(fname, rows):
+    with open(f"{out_dir}/{fname}", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        w.writerows(rows)
 if mode == "ab":  # wave / deferred signal x stream-K tail: one interleaved timing per shape and grid
     t4 = T(128, 256, 64, 8, 4)
     VARIANTS = {"wave": (t4, K()), "defer": (t4, K(defer_signal=True)), "sk": (t4, K(stream_k=True)),
@@ -131,44 +153,24 @@ if mode == "ab":  # wave / deferred signal x stream-K tail: one interleaved timi
         ref = a.float() @ b.float()
         line = []
         for r in (0, 8, 12, 16):
-            fns, meta = {"cublas": lambda: a @ b}, {}
-            for name in VARIANTS:
-                run, grid, err, status = checked(a, b, ref, name, r)
-                meta[name] = (grid, err, status)
-                if run is not None:
-                    fns[name] = run
-            t = timed(fns)
-            cub = t["cublas"].median_ms
+            t, cub, meta = timed_variants(a, b, ref, r)
             for name, (grid, err, status) in meta.items():
                 x = t.get(name)
                 if r == 0 and x:
                     full[(m, n, k, name)] = x.median_ms / cub  # ours over cuBLAS, this timing's
                 share = x and r and x.median_ms / cub / full[(m, n, k, name)] / (SMS / (SMS - r))
-                rows.append([m, n, k, name, r, grid, x and x.median_ms, x and x.iqr_ms, x and x.samples, cub,
-                             x and cub / x.median_ms, share or "", err, status])
+                rows.append(row(m, n, k, name, r, grid, x, cub, share or "", err, status))
                 line.append(f"{name}@{r} {cub / x.median_ms:.3f}" + (f"/{share:.3f}" if share else "") if x else f"{name}@{r} {status}")
         print(f"{m}x{n}x{k}: " + ", ".join(line))
-    with open(f"{out_dir}/ab.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols)
-        w.writerows(rows)
+    write_csv("ab.csv", rows)
     sys.exit(0)
 var_rows, red_rows = [], []
 for m, n, k in SHAPES:
     a, b = gemm_operands(m, n, k, "bfloat16", dev, seed=m + n + k)
     ref = a.float() @ b.float()
-    fns, meta = {"cublas": lambda: a @ b}, {}
-    for name in VARIANTS:
-        run, grid, err, status = checked(a, b, ref, name, 0)
-        meta[name] = (grid, err, status)
-        if run is not None:
-            fns[name] = run
-    t = timed(fns)
-    cub = t["cublas"].median_ms
+    t, cub, meta = timed_variants(a, b, ref, 0)
     for name, (grid, err, status) in meta.items():
-        x = t.get(name)
-        var_rows.append([m, n, k, name, 0, grid, x and x.median_ms, x and x.iqr_ms, x and x.samples, cub,
-                         x and cub / x.median_ms, "", err, status])
+        var_rows.append(row(m, n, k, name, 0, grid, t.get(name), cub, "", err, status))
     ranked = sorted((nm for nm in meta if nm in t), key=lambda nm: t[nm].median_ms)
     print(f"{m}x{n}x{k}: cuBLAS {cub:.3f} ms; " + ", ".join(f"{nm} {cub / t[nm].median_ms:.3f}" for nm in ranked[:6]))
     fns = {"cublas": lambda: a @ b}
@@ -185,17 +187,13 @@ for m, n, k in SHAPES:
         name, r = key.split("@")
         full = t[f"{name}@0"].median_ms
         share = SMS / (SMS - int(r))
-        red_rows.append([m, n, k, name, r, SMS - int(r), x.median_ms, x.iqr_ms, x.samples, cub,
-                         cub / x.median_ms, x.median_ms / full / share, "", "ok"])
+        red_rows.append(row(m, n, k, name, r, SMS - int(r), x, cub, x.median_ms / full / share, "", "ok"))
     best = ranked[0]
     print("   reduced " + best + ": " + ", ".join(
         f"r={r} {t[f'{best}@{r}'].median_ms / t[f'{best}@0'].median_ms / (SMS / (SMS - r)):.3f}" for r in (8, 12, 16)
         if f"{best}@{r}" in t) + " (time / full-grid time / SM share)")
-for fname, rows in ((f"{mode}.csv", var_rows), (f"{mode}_reduced.csv", red_rows)):
-    with open(f"{out_dir}/{fname}", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols)
-        w.writerows(rows)
+write_csv(f"{mode}.csv", var_rows)
+write_csv(f"{mode}_reduced.csv", red_rows)
 EOF
 }
 
