@@ -305,6 +305,17 @@ def test_model_error():
 
 
 # ---------------------------------------------------------------------------------- predict, CLI
+def _runtime_lookup(monkeypatch, tables: Path, h200, collective: str):
+    """What the runtime returns for 16384x8192x4096 on the H200 x2 of ``h200``, reading only the
+    tables under ``tables`` (no packaged ones; a heuristic fallback is an error)."""
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tables))
+    monkeypatch.setattr("fo_kernels.table._packaged_table_dir", lambda: None)
+    monkeypatch.setattr("fo_kernels.table.current_fingerprint", lambda dev, world: h200.fingerprint)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HeuristicScheduleWarning)
+        return lookup_schedule(collective, 16384, 8192, 4096, dtype="bfloat16", world_size=2, device="cpu")
+
+
 def test_offline_search_writes_a_row_the_runtime_returns(tmp_path, h200, monkeypatch):
     t0 = time.monotonic()
     result = search("--shape", "16384x8192x4096", "--out", str(tmp_path / "o"))
@@ -318,13 +329,7 @@ def test_offline_search_writes_a_row_the_runtime_returns(tmp_path, h200, monkeyp
     # the shipped measured rows run the copy engine here; so does the plan
     assert row.engine == "copy_engine" and row.provenance["fallback_ms"] > row.provenance["predicted_ms"]
     # the runtime, on that H200 x2, returns exactly this row when no measured row is found
-    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "o" / "tables"))
-    monkeypatch.setattr("fo_kernels.table._packaged_table_dir", lambda: None)
-    monkeypatch.setattr("fo_kernels.table.current_fingerprint", lambda dev, world: h200.fingerprint)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", HeuristicScheduleWarning)
-        got = lookup_schedule("all_reduce", 16384, 8192, 4096, dtype="bfloat16", world_size=2, device="cpu")
-    assert got == row
+    assert _runtime_lookup(monkeypatch, tmp_path / "o" / "tables", h200, "all_reduce") == row
     report = tmp_path / "o" / "report" / "all_reduce-w2-bfloat16-predict"
     # a predict search writes no plots (nothing measured to plot; matplotlib stays unimported)
     assert {p.name for p in report.iterdir()} == {"trials.csv", "summary.yaml"}
@@ -362,13 +367,7 @@ def test_offline_all_gather_search_writes_a_row_the_runtime_returns(
     row = table.find(16384, 8192, 4096)  # M is the gathered M
     assert row is not None and row.provenance["mode"] == "predict"
     assert row.overlap and row.provenance["fallback_ms"] > row.provenance["predicted_ms"]
-    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(out / "tables"))
-    monkeypatch.setattr("fo_kernels.table._packaged_table_dir", lambda: None)
-    monkeypatch.setattr("fo_kernels.table.current_fingerprint", lambda dev, world: h200.fingerprint)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", HeuristicScheduleWarning)
-        got = lookup_schedule("all_gather", 16384, 8192, 4096, dtype="bfloat16", world_size=2, device="cpu")
-    assert got == row
+    assert _runtime_lookup(monkeypatch, out / "tables", h200, "all_gather") == row
     with (out / "report" / "all_gather-w2-bfloat16-predict" / "trials.csv").open() as f:
         done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
     assert {t["engine"] for t in done} == {"triton", "copy_engine"}
