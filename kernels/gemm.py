@@ -44,8 +44,11 @@ reader each call).
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import triton
@@ -329,11 +332,23 @@ def _aligned(t: torch.Tensor, lead_stride: int) -> bool:
     return t.data_ptr() % TMA_ALIGN_BYTES == 0 and (lead_stride * e) % TMA_ALIGN_BYTES == 0
 
 
+@functools.cache
+def _cuda_major(index: int) -> int:
+    """The compute capability's major number of CUDA device ``index`` (fixed for the process; asked
+    once, since ``torch.cuda.get_device_capability`` costs microseconds on every launch)."""
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _has_tma(t: torch.Tensor) -> bool:
+    """``t``'s device runs TMA: a Hopper or later GPU, or the interpreter, which emulates it."""
+    if t.is_cuda:
+        return _cuda_major(t.device.index) >= TMA_MIN_CAPABILITY
+    return interpreting()
+
+
 def tma_usable(a: torch.Tensor, b: BOperand) -> bool:
     """TMA loads need a Hopper GPU (or the interpreter, which emulates them) and aligned strides."""
-    if a.is_cuda and torch.cuda.get_device_capability(a.device)[0] < TMA_MIN_CAPABILITY:
-        return False
-    if not a.is_cuda and not interpreting():
+    if not _has_tma(a):
         return False
     b_lead = b.tensor.stride(1) if b.kmajor else b.tensor.stride(0)
     return _aligned(a, a.stride(0)) and _aligned(b.tensor, b_lead)
@@ -445,9 +460,7 @@ def _store_desc(out: torch.Tensor, plan: Plan, tile: Tile, subtile: int, want: b
     tile_major: the buffer as (tiles x BLOCK_M, BLOCK_N). row_band: the output as (M, N), which
     needs N's rows 16-byte aligned and, with several shards, whole tile rows per shard (a TMA
     store clips only at the tensor's edge, not at a shard's)."""
-    if want is False or not (out.is_cuda or interpreting()):
-        return None
-    if out.is_cuda and torch.cuda.get_device_capability(out.device)[0] < TMA_MIN_CAPABILITY:
+    if want is False or not _has_tma(out):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -464,28 +477,39 @@ def _store_desc(out: torch.Tensor, plan: Plan, tile: Tile, subtile: int, want: b
 
 
 def _meta(
-    a: torch.Tensor, b: BOperand, out: torch.Tensor, tile: Tile, use_tma: bool, opts: KernelOptions
-) -> dict:
-    """The kernels' compile-time arguments the launchers share (operands, dtypes, tile, options)."""
-    upcast = interpreting() and a.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
-    flatten = opts.flatten and use_tma
-    return dict(
-        USE_TMA=use_tma,
-        B_KMAJOR=b.kmajor,
-        OUT_DTYPE=_TL_DTYPES[out.dtype],
-        UPCAST=upcast,
-        IEEE=upcast or a.dtype == torch.float32,
-        BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m,
-        WS_OUTER=tile.warp_specialize and flatten,
-        WS_INNER=tile.warp_specialize and not flatten,
-        FLATTEN=flatten,
-        SUBTILE=opts.subtile,
-        PTX=not interpreting(),  # inline PTX (barrier, TMA store wait) in compiled kernels only
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+    a: torch.Tensor, b: BOperand, out: torch.Tensor, tile: Tile, use_tma: bool, flatten: bool, subtile: int
+) -> Mapping[str, object]:
+    """The kernels' compile-time arguments the launchers share (operands, dtypes, tile, options:
+    ``flatten`` as ``KernelOptions.flatten``, which needs TMA loads; ``subtile`` the pieces)."""
+    return _meta_of(a.dtype, out.dtype, b.kmajor, tile, use_tma, flatten and use_tma, subtile, interpreting())
+
+
+@functools.lru_cache(maxsize=256)
+def _meta_of(
+    a_dtype: torch.dtype, out_dtype: torch.dtype, kmajor: bool, tile: Tile, use_tma: bool, flatten: bool,
+    subtile: int, interp: bool,
+) -> Mapping[str, object]:  # fmt: skip
+    """``_meta``'s mapping, built once per distinct launch (read-only: every launch shares it)."""
+    upcast = interp and a_dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
+    return MappingProxyType(
+        dict(
+            USE_TMA=use_tma,
+            B_KMAJOR=kmajor,
+            OUT_DTYPE=_TL_DTYPES[out_dtype],
+            UPCAST=upcast,
+            IEEE=upcast or a_dtype == torch.float32,
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k,
+            GROUP_M=tile.group_m,
+            WS_OUTER=tile.warp_specialize and flatten,
+            WS_INNER=tile.warp_specialize and not flatten,
+            FLATTEN=flatten,
+            SUBTILE=subtile,
+            PTX=not interp,  # inline PTX (barrier, TMA store wait) in compiled kernels only
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
+        )
     )
 
 
@@ -519,7 +543,7 @@ def signalled_gemm(
     arrive, partial, main_tiles, share, tail_grid = _stream_k_args(
         a, tile, plan.num_tiles, plan.grid, options.stream_k
     )
-    meta = _meta(a, b, out, tile, use_tma, KernelOptions(flatten=options.flatten, subtile=subtile))
+    meta = _meta(a, b, out, tile, use_tma, options.flatten, subtile)
 
     def launch(grid: int, tail: bool) -> None:  # the whole waves, or the stream-K tail
         _signalled_gemm_kernel[(grid,)](
@@ -575,9 +599,7 @@ def rows_gemm(
     n = b.tensor.shape[1]
     tiles_m, tiles_n = -(-rows // tile.block_m), -(-n // tile.block_n)
     a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
-    opts = KernelOptions(
-        flatten=options.flatten and ready is None, subtile=min(options.subtile, tile.block_n // MIN_PIECE)
-    )
+    subtile = min(options.subtile, tile.block_n // MIN_PIECE)
     _signalled_gemm_kernel[(max(1, min(grid, tiles_m * tiles_n)),)](
         a_arg, b_arg, out, out, counters if counters is not None else row_group, row_group,
         row_group,  # group_info: unused by LAYOUT_ROWS
@@ -592,7 +614,7 @@ def rows_gemm(
         COPY=out2 is not None,
         SYS_SIGNAL=remote_counters,
         TMA_STORE=False,
-        **_meta(a, b, out, tile, use_tma, opts),
+        **_meta(a, b, out, tile, use_tma, options.flatten and ready is None, subtile),
     )  # fmt: skip
 
 
