@@ -7,10 +7,12 @@
 #                                           # on six shapes, all in one interleaved timing with
 #                                           # cuBLAS; the best four again at r = 0, 8, 12, 16 free
 #                                           # SMs; then the GEMM's GPU tests (visibility first, alone)
-#                                           # (stream_k=False, defer_signal=False: the kernel then)
-#   bash bench/profile_session.sh ab        # wave or deferred signal, each with and without the
-#                                           # stream-K tail: one interleaved timing with cuBLAS per
-#                                           # shape and grid (r = 0, 8, 12, 16), ten shapes
+#                                           # (stream_k, defer_signal, split_tail off: the kernel then)
+#   bash bench/profile_session.sh ab        # the last partial wave run whole, by stream-K's rule,
+#                                           # split into pieces by the rule, or split always: one
+#                                           # interleaved timing with cuBLAS per shape and grid
+#                                           # (r = 0, 8, 12, 16), ten shapes (or AB_SHAPES, e.g.
+#                                           # AB_SHAPES=2048x4096x4096,8192x4096x2048)
 #   bash bench/profile_session.sh last      # the visibility test, the profile, the other GPU tests
 #   bash bench/profile_session.sh profile   # fo-tune's profile (fo_tune.calibrate.profile_shape, as
 #                                           # `fo-tune profile`) of the suite and five public TP=2
@@ -48,7 +50,7 @@ gpu_tests() {  # the visibility test alone (its reader needs the free SMs), then
 
 variants() {
   python3 - "$OUT" "$1" <<'EOF'
-import csv, functools, sys, torch
+import csv, functools, os, sys, torch
 from fo_kernels.gemm import BOperand, KernelOptions, signalled_gemm
 from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
@@ -61,8 +63,8 @@ SMS = torch.cuda.get_device_properties(dev).multi_processor_count
 ROUNDS = 8
 def T(bm, bn, bk, w, s, gm=8):
     return Tile(block_m=bm, block_n=bn, block_k=bk, group_m=gm, num_warps=w, num_stages=s)
-# The first variants ran before the stream-K tail and the deferred signal existed.
-K = functools.partial(KernelOptions, stream_k=False, defer_signal=False)
+# The first variants ran before the stream-K tail, the deferred signal and the split tail existed.
+K = functools.partial(KernelOptions, stream_k=False, defer_signal=False, split_tail=False)
 VARIANTS = {  # name: (tile, options); "base" is the kernel before this work (a loop per tile)
     "base": (T(128, 256, 64, 8, 3), K(flatten=False, subtile=1)),
     "loop_sub2": (T(128, 256, 64, 8, 3), K(flatten=False, subtile=2)),
@@ -141,11 +143,14 @@ def write_csv(fname, rows):
         w = csv.writer(f)
         w.writerow(cols)
         w.writerows(rows)
-if mode == "ab":  # wave / deferred signal x stream-K tail: one interleaved timing per shape and grid
+if mode == "ab":  # the last partial wave: whole, stream-K's rule, split into pieces (rule, forced)
     t4 = T(128, 256, 64, 8, 4)
-    VARIANTS = {"wave": (t4, K()), "defer": (t4, K(defer_signal=True)), "sk": (t4, K(stream_k=True)),
-                "defer_sk": (t4, K(defer_signal=True, stream_k=True))}
+    O = KernelOptions
+    VARIANTS = {"waves": (t4, O(stream_k=False, split_tail=False)), "stream_k": (t4, O(split_tail=False)),
+                "split": (t4, O()), "split_forced": (t4, O(split_tail=True))}
     SHAPES += [(16384, 8192, 4096), (8192, 4096, 7168), (8192, 3584, 9472), (4096, 8192, 14784)]
+    if os.environ.get("AB_SHAPES"):  # e.g. AB_SHAPES=2048x4096x4096,8192x4096x2048
+        SHAPES = [tuple(int(x) for x in s.split("x")) for s in os.environ["AB_SHAPES"].split(",")]
     ROUNDS = 10
     rows, full = [], {}
     for m, n, k in SHAPES:

@@ -28,10 +28,12 @@ With TMA loads the two loops above are one flattened, software-pipelined loop ov
 The CTA barrier is inline PTX there (``tl.debug_barrier`` stops Triton 3.6 from pipelining the
 flattened loop). Each tile's signal is sent at the next tile's epilogue (``KernelOptions.
 defer_signal``), when its stores have long been issued. Where a last, partial wave would leave
-programs idle, a second launch shares out its tiles' K blocks over the programs (stream-K, where
-the measured rule in ``stream_k_split`` says it pays): each tail tile is finished, stored and
-signalled by the last of its programs to arrive (``docs/perf-notes.md``, "The signalled GEMM at
-cuBLAS speed (one H200)").
+programs idle, a second launch runs it: where it holds at most half the grid, its tiles cut into
+halves or quarters, one wave of pieces (the split tail, ``tail_split``), each tile signalled by
+the last of its pieces to finish; else, where the measured rule in ``stream_k_split`` says it
+pays, its tiles' K blocks shared out over the programs (stream-K), each tail tile finished, stored
+and signalled by the last of its programs to arrive (``docs/perf-notes.md``, "The signalled GEMM
+at cuBLAS speed (one H200)", sessions 12 and 13).
 
 Counters are never reset: each call's targets are the running totals the host keeps (see
 ``fo_kernels.runtime``), and every comparison is wrap-around safe in int32.
@@ -44,6 +46,7 @@ reader each call).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Mapping
@@ -55,8 +58,8 @@ import triton
 import triton.language as tl
 
 from .errors import ScheduleError
-from .gemm_epilogue import _bulk_stores_done, _cta_barrier, _store_tile
-from .plan import Plan
+from .gemm_epilogue import _bulk_stores_done, _cta_barrier, _store_piece, _store_tile
+from .plan import Plan, tail_split
 from .schedule import Tile
 
 # TMA needs every stride but the last and the base address 16-byte aligned (CUDA driver API,
@@ -151,6 +154,23 @@ def _tile_acc(
 
 
 @triton.jit
+def _tile_dst(
+    t, unit_group, group_info, shards, unit_tiles, tiles_m, tiles_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """Where tile t goes in the row_band and tile_major layouts: (its group, its tile-major slot,
+    its first destination row (row_band), its first shard-local row, its first column)."""
+    l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
+    g = tl.load(unit_group + t // unit_tiles)
+    base = tl.load(group_info + 2 * g)  # a0 of the group (local tile or shard-local row)
+    span = tl.load(group_info + 2 * g + 1)  # a1 - a0
+    local_row0 = tm * BLOCK_M
+    slot = shards * base + s * span + (l - base)
+    dst_row0 = shards * base + s * span + (local_row0 - base)
+    return g, slot, dst_row0, local_row0, tn * BLOCK_N
+
+
+@triton.jit
 def _finish_tile(
     acc, t, out, out_desc, out2, counters, unit_group, group_info, ready, N, rows_per_shard,
     tiles_m, tiles_n, shards, unit_tiles,
@@ -161,24 +181,23 @@ def _finish_tile(
 ):  # fmt: skip
     """Tile t's epilogue: its group, its stores at the layout position, then its signal (with
     DEFER, the caller signals the returned group later, ``_signal``). Returns the tile's group."""
-    l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
-    local_row0 = tm * BLOCK_M
-    slot = l  # tile_major only
     if LAYOUT == 2:  # LAYOUT_ROWS: row-major (rows_per_shard, N) at ``out``, groups of whole tile rows
+        l, _s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
         g = tl.load(unit_group + tm)
+        slot = l  # (tile_major only)
+        local_row0 = tm * BLOCK_M
         dst_row0 = local_row0
+        col0 = tn * BLOCK_N
         if ACCUMULATE:  # wait until the copy engine's part of this tile's group has landed
             seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="sys")
             while seen == 0:
                 seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="sys")
     else:
-        g = tl.load(unit_group + t // unit_tiles)
-        base = tl.load(group_info + 2 * g)  # a0 of the group (local tile or shard-local row)
-        span = tl.load(group_info + 2 * g + 1)  # a1 - a0
-        slot = shards * base + s * span + (l - base)  # tile_major: the tile's slot
-        dst_row0 = shards * base + s * span + (local_row0 - base)  # row_band: its first row
+        g, slot, dst_row0, local_row0, col0 = _tile_dst(
+            t, unit_group, group_info, shards, unit_tiles, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M
+        )
     _store_tile(
-        acc, out, out_desc, out2, dst_row0, slot, local_row0, tn * BLOCK_N, rows_per_shard, N,
+        acc, out, out_desc, out2, dst_row0, slot, local_row0, col0, rows_per_shard, N,
         BLOCK_M, BLOCK_N, SUBTILE, LAYOUT, TMA_STORE, ACCUMULATE, COPY, OUT_DTYPE,
     )  # fmt: skip
     if SIGNAL and not DEFER:
@@ -221,11 +240,49 @@ def _signalled_gemm_kernel(
     ACCUMULATE: tl.constexpr = False, COPY: tl.constexpr = False,
     SYS_SIGNAL: tl.constexpr = False,  # the counters are in the peer GPU's memory (system scope)
     DEFER: tl.constexpr = False,  # signal each tile at the next tile's epilogue (KernelOptions)
+    SPLIT_M: tl.constexpr = 1, SPLIT_N: tl.constexpr = 1,  # > 1: a launch of the split tail only
 ):  # fmt: skip
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    if not STREAM_K:  # the whole waves (STREAM_K: a launch of the stream-K tail only)
+    if SPLIT_M * SPLIT_N > 1:
+        # The split tail: tiles [main_tiles, num_tiles) of SPLIT_M*BLOCK_M x SPLIT_N*BLOCK_N (the
+        # schedule's tile), each cut into SPLIT_M x SPLIT_N pieces of BLOCK_M x BLOCK_N, one piece a
+        # program. Each piece is stored at its place in its tile's layout position; the last of a
+        # tile's pieces to finish (an arrival count a tile, acquire-release) sends its signal.
+        PIECES: tl.constexpr = SPLIT_M * SPLIT_N
+        TILE_M: tl.constexpr = SPLIT_M * BLOCK_M
+        TILE_N: tl.constexpr = SPLIT_N * BLOCK_N
+        i = pid // PIECES
+        pm = (pid % PIECES) // SPLIT_N
+        pn = pid % SPLIT_N
+        t = main_tiles + i
+        _l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
+        acc = _tile_acc(
+            a, b, s * rows_per_shard + tm * TILE_M + pm * BLOCK_M, tn * TILE_N + pn * BLOCK_N, 0, k_tiles,
+            M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, False,
+        )  # fmt: skip
+        g, slot, dst_row0, local_row0, col0 = _tile_dst(
+            t, unit_group, group_info, shards, unit_tiles, tiles_m, tiles_n, TILE_M, TILE_N, GROUP_M
+        )
+        # tile_major: the piece's rows are slot SPLIT_M * slot + pm of BLOCK_M rows of TILE_N
+        # columns, from column pn * BLOCK_N (the base moved there); row_band: its rows and columns.
+        if LAYOUT == 1:
+            base = out + pn * BLOCK_N
+        else:
+            base = out
+        _store_piece(
+            acc, 0, BLOCK_N, base, out, out, dst_row0 + pm * BLOCK_M,
+            SPLIT_M * slot + pm, local_row0 + pm * BLOCK_M, col0 + pn * BLOCK_N, rows_per_shard, N,
+            BLOCK_M, TILE_N, LAYOUT, False, False, False, OUT_DTYPE,
+        )  # fmt: skip
+        if SIGNAL:
+            _cta_barrier(PTX)
+            done = tl.atomic_add(sk_arrive + i, 1, sem="acq_rel", scope="gpu")
+            if done == PIECES - 1:  # the others' stores are acquired: the signal covers them
+                _signal(counters, g, False, PTX, SYS_SIGNAL)
+    elif not STREAM_K:  # the whole waves (STREAM_K: a launch of the stream-K tail only)
         # The epilogue recomputes its tile from a counter of its own (as Triton's persistent-matmul
         # tutorial does), so a flattened, pipelined loop's prologue (next tile's loads) and epilogue
         # (this tile's stores) share no value.
@@ -397,6 +454,14 @@ class KernelOptions:
     tile earlier instead of stalling the CTA on those just issued: +0-4% at full grid on 9 of 9
     shapes (0.918 -> 0.959x cuBLAS at 8192x4096x2048); a group then completes up to one tile's
     time later (the last group does not: its last tiles have no next tile).
+    ``split_tail``: when the last, partial wave holds at most half the grid, its tiles are cut into
+    halves or quarters (``tail_split``) that run as one wave of a second launch, each piece
+    ``SPLIT_WARPS`` warps: a wave of 128x128 pieces of 128x256 tiles took 0.53-0.58 of a whole
+    tile's wave, of 64x128 pieces 0.36-0.38. None: where ``tail_split`` cuts (calls of at least
+    ``SPLIT_MIN_MACS`` multiply-adds, and the pieces fit the grid; before stream-K, which it
+    matched wherever both apply); True: every partial last wave (halves at least, on as many
+    programs as there are pieces, which may exceed the grid); False: never. ``stream_k=True``
+    takes precedence.
     """
 
     flatten: bool = True
@@ -404,6 +469,7 @@ class KernelOptions:
     tma_store: bool | None = False
     stream_k: bool | None = None
     defer_signal: bool = True
+    split_tail: bool | None = None
 
     def __post_init__(self) -> None:
         if self.subtile not in SUBTILES:
@@ -411,6 +477,9 @@ class KernelOptions:
 
 
 SUBTILES = (1, 2, 4)
+# The split tail's pieces (``tail_split``) have this many warps: one warpgroup fed 128x128 and
+# 64x128 pieces at least as fast as two (docs/perf-notes.md, "Session 13").
+SPLIT_WARPS = 4
 DEFAULT_OPTIONS = KernelOptions()
 # The measured rule for ``KernelOptions(stream_k=None)`` (docs/perf-notes.md, "The signalled GEMM
 # at cuBLAS speed (one H200)"; ten shapes, r = 0, 8, 12, 16 free SMs): the shared-out tail costs
@@ -540,30 +609,48 @@ def signalled_gemm(
     a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
     subtile = min(options.subtile, tile.block_n // MIN_PIECE)
     desc = _store_desc(out, plan, tile, subtile, options.tma_store)
-    arrive, partial, main_tiles, share, tail_grid = _stream_k_args(
-        a, tile, plan.num_tiles, plan.grid, options.stream_k
-    )
-    meta = _meta(a, b, out, tile, use_tma, options.flatten, subtile)
+    split = (1, 1)
+    if options.stream_k is not True and options.split_tail is not False:
+        split = tail_split(plan.num_tiles, plan.grid, tile, options.split_tail is True, m * n * k)
+    if split != (1, 1):
+        main_tiles = plan.num_tiles - plan.num_tiles % plan.grid
+        arrive = torch.zeros(plan.num_tiles - main_tiles, dtype=torch.int32, device=a.device)
+        partial, share, tail_grid = a, 0, 0
+    else:
+        arrive, partial, main_tiles, share, tail_grid = _stream_k_args(
+            a, tile, plan.num_tiles, plan.grid, options.stream_k
+        )
+    layout = LAYOUT_TILE_MAJOR if plan.layout == "tile_major" else LAYOUT_ROW_BAND
 
-    def launch(grid: int, tail: bool) -> None:  # the whole waves, or the stream-K tail
+    def launch(grid: int, operands: tuple, meta: Mapping[str, object], **mode: object) -> None:
         _signalled_gemm_kernel[(grid,)](
-            a_arg, b_arg, out, desc if desc is not None else out, counters, unit_group, group_info,
+            *operands, out, desc if desc is not None else out, counters, unit_group, group_info,
             m, n, k, plan.rows_per_shard, plan.tiles_m, plan.tiles_n, plan.num_tiles, plan.shards,
             plan.unit_tiles,
             counters, out,  # ready, out2: unused outside LAYOUT_ROWS
             arrive, partial, main_tiles, share,
             *_strides(a, b),
-            STREAM_K=tail,
             DEFER=options.defer_signal,
-            LAYOUT=LAYOUT_TILE_MAJOR if plan.layout == "tile_major" else LAYOUT_ROW_BAND,
+            LAYOUT=layout,
             SIGNAL=signal,
-            TMA_STORE=desc is not None,
+            **mode,
             **meta,
         )  # fmt: skip
 
-    launch(plan.grid, tail=False)
-    if tail_grid:  # the tail as a kernel of its own, on the programs that have a share
-        launch(tail_grid, tail=True)
+    meta = _meta(a, b, out, tile, use_tma, options.flatten, subtile)
+    launch(plan.grid, (a_arg, b_arg), meta, STREAM_K=False, TMA_STORE=desc is not None)
+    if tail_grid:  # the stream-K tail as a kernel of its own, on the programs that have a share
+        launch(tail_grid, (a_arg, b_arg), meta, STREAM_K=True, TMA_STORE=desc is not None)
+    elif split != (1, 1):  # the split tail: one program a piece, plain stores
+        piece = dataclasses.replace(
+            tile, block_m=tile.block_m // split[0], block_n=tile.block_n // split[1], num_warps=SPLIT_WARPS
+        )
+        a_piece, b_piece, _ = _operand_args(a, b, piece, use_tma)
+        launch(
+            (plan.num_tiles - main_tiles) * split[0] * split[1], (a_piece, b_piece),
+            _meta(a, b, out, piece, use_tma, False, 1), STREAM_K=False, TMA_STORE=False,
+            SPLIT_M=split[0], SPLIT_N=split[1],
+        )  # fmt: skip
 
 
 def rows_gemm(

@@ -31,11 +31,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ScheduleError, ShapeError
-from .schedule import SHARDED_COLLECTIVES, Schedule, TritonSettings
+from .schedule import MIN_BLOCK, SHARDED_COLLECTIVES, Schedule, Tile, TritonSettings
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# The split tail's pieces (``fo_kernels.gemm``) are at least this many rows and columns (a forced
+# split goes down to MIN_BLOCK): the measured pieces are 128x128 and 64x128 of 128x256 tiles
+# (docs/perf-notes.md, "Session 13").
+SPLIT_MIN_BLOCK = 64
+# The split tail's second launch costs host time (0.05-0.3 ms a call on the device's host): calls of
+# fewer multiply-adds than this (2^37, ~0.2 ms of H200 work) are not split. Measured eager, back to
+# back: 2048x4096x4096 and 8192x4096x2048 (2^35, 2^36) became host-bound and lost 20-55%, while the
+# GPU's own time fell 3-17%; from 4096x8192x4096 (2^37) up the split calls gained up to 6%.
+SPLIT_MIN_MACS = 1 << 37
+
+
+def tail_split(
+    num_tiles: int, grid: int, tile: Tile, force: bool = False, macs: int = SPLIT_MIN_MACS
+) -> tuple[int, int]:
+    """(SPLIT_M, SPLIT_N): how the tiles of a last, partial wave are cut so that their pieces run
+    as one wave on the grid; ``(1, 1)``: not cut (the tiles fill whole waves, there is a single
+    wave, the call has fewer than ``SPLIT_MIN_MACS`` multiply-adds (``macs``: M x N x K), or the tail
+    holds more than half the grid, where a wave of pieces gains nothing: its time is a whole
+    piece's and no piece is smaller than half a tile). Quarters where four pieces a tile fit, else
+    halves across the tile's longer side. ``force``: cut any partial last wave, into halves at
+    least, with pieces down to ``MIN_BLOCK``."""
+    tail = num_tiles % grid
+    if tail == 0 or num_tiles < grid or (macs < SPLIT_MIN_MACS and not force):
+        return 1, 1
+    least = MIN_BLOCK if force else SPLIT_MIN_BLOCK
+    can_m, can_n = tile.block_m // 2 >= least, tile.block_n // 2 >= least
+    if can_m and can_n and 4 * tail <= grid:
+        return 2, 2
+    if not (can_m or can_n) or (2 * tail > grid and not force):
+        return 1, 1
+    return (2, 1) if can_m and (tile.block_m > tile.block_n or not can_n) else (1, 2)
 
 
 def resolve_groups(groups: tuple[int, ...], num_units: int, *, exact: bool) -> tuple[int, ...]:

@@ -26,24 +26,24 @@ from fo_kernels.gemm import (
     tma_usable,
 )
 from fo_kernels.heuristics import split_decreasing
-from fo_kernels.plan import cdiv, make_plan
+from fo_kernels.plan import SPLIT_MIN_MACS, cdiv, make_plan, tail_split
 from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
 
 
-def _schedule(collective, world, m, n, k, layout, unit_mult, num_groups):
+def _schedule(collective, world, m, n, k, layout, unit_mult, num_groups, tile=TILE):
     shards = world if collective == "reduce_scatter" else 1
-    mt, nt = cdiv(m // shards, TILE.block_m), cdiv(n, TILE.block_n)
-    unit = shards * unit_mult * (TILE.group_m * nt if layout == "row_band" else 1)
+    mt, nt = cdiv(m // shards, tile.block_m), cdiv(n, tile.block_n)
+    unit = shards * unit_mult * (tile.group_m * nt if layout == "row_band" else 1)
     groups = split_decreasing(cdiv(shards * mt * nt, unit), num_groups)
     return Schedule(
         collective=collective,
         dtype="float32",
         world_size=world,
         problem=Problem(m=m, n=n, k=k),
-        settings=TritonSettings(tile=TILE, signal_tiles=unit, groups=groups, layout=layout, wait_mode="spin"),
+        settings=TritonSettings(tile=tile, signal_tiles=unit, groups=groups, layout=layout, wait_mode="spin"),
     )
 
 
@@ -57,16 +57,16 @@ def _operands(m, n, k, dtype, kmajor, gen):
     return a, b
 
 
-def run_and_reassemble(schedule, a, b, options=DEFAULT_OPTIONS):
+def run_and_reassemble(schedule, a, b, options=DEFAULT_OPTIONS, tile=TILE, sm_count=3):
     m, k = a.shape
     n = b.shape[1]
-    plan = make_plan(schedule, m, n, k, sm_count=3)
+    plan = make_plan(schedule, m, n, k, sm_count=sm_count)
     buf = torch.full((plan.buffer_numel(),), float("nan"), dtype=a.dtype)
     counters = torch.zeros(64, dtype=torch.int32)
     ug = torch.tensor(plan.unit_group(), dtype=torch.int32)
     gi = torch.tensor([x for p in plan.group_info() for x in p], dtype=torch.int32)
     signalled_gemm(
-        a, BOperand.of(b), buf, plan, TILE, counters=counters, unit_group=ug, group_info=gi, options=options
+        a, BOperand.of(b), buf, plan, tile, counters=counters, unit_group=ug, group_info=gi, options=options
     )
     assert counters[: plan.num_groups].tolist() == [plan.group_tiles(g) for g in range(plan.num_groups)]
     assert not counters[plan.num_groups :].any()
@@ -74,7 +74,7 @@ def run_and_reassemble(schedule, a, b, options=DEFAULT_OPTIONS):
     for s in range(plan.shards):
         out = torch.full((plan.rows_per_shard, n), float("nan"), dtype=a.dtype)
         part = (
-            torch.full((plan.tiles_per_shard * TILE.block_m * TILE.block_n,), float("nan"), dtype=a.dtype)
+            torch.full((plan.tiles_per_shard * tile.block_m * tile.block_n,), float("nan"), dtype=a.dtype)
             if plan.layout == "tile_major"
             else out.view(-1)
         )
@@ -82,7 +82,7 @@ def run_and_reassemble(schedule, a, b, options=DEFAULT_OPTIONS):
             (c0, c1), (p0, p1) = plan.chunk_range(g), plan.part_range(g)
             part[p0:p1] = buf[c0:c1][s * (p1 - p0) : (s + 1) * (p1 - p0)]
         if plan.layout == "tile_major":
-            restore_tile_major(part, out, plan, TILE)
+            restore_tile_major(part, out, plan, tile)
         shards.append(out)
     return torch.cat(shards)
 
@@ -133,6 +133,58 @@ def test_kernel_options_match_matmul(options):
         ref = a.double() @ b.double()
         assert not got.isnan().any()
         assert ((got.double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+
+
+@pytest.mark.parametrize(
+    "collective, layout",
+    list(itertools.product(["all_reduce", "reduce_scatter"], ["row_band", "tile_major"])),
+)
+@pytest.mark.parametrize("block_m", [16, 32], ids=["halves", "quarters"])
+def test_split_tail_matches_matmul(collective, layout, block_m):
+    """The last partial wave cut into pieces (``KernelOptions(split_tail=True)``): 16x32 tiles into
+    two 16x16 halves (TMA loads), 32x32 tiles into four 16x16 quarters (masked pointer loads: B's
+    rows of 98 floats are not 16-byte aligned), on odd shapes (rows and columns past the edge),
+    both layouts; each group's counter ends at its tile count (one signal a tile, sent by its last
+    piece)."""
+    tile = Tile(block_m=block_m, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
+    gen = torch.Generator().manual_seed(block_m)
+    m, n, k = (260, 98, 40) if collective == "reduce_scatter" else (130, 98, 40)
+    a, b = _operands(m, n, k, torch.float32, block_m == 16, gen)  # quarters: B's rows unaligned
+    assert tma_usable(a, BOperand.of(b)) == (block_m == 16)
+    s = _schedule(collective, 2, m, n, k, layout, 1, 3, tile)
+    want = (1, 2) if block_m == 16 else (2, 2)
+    sms = next(
+        c
+        for c in range(3, 64)
+        if tail_split(make_plan(s, m, n, k, sm_count=c).num_tiles, c, tile, True) == want
+    )
+    plan = make_plan(s, m, n, k, sm_count=sms)
+    assert plan.num_tiles % plan.grid and plan.num_tiles > plan.grid  # a partial last wave
+    got = run_and_reassemble(s, a, b, KernelOptions(split_tail=True), tile=tile, sm_count=sms)
+    ref = a.double() @ b.double()
+    assert not got.isnan().any()
+    assert ((got.double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+
+
+def test_tail_split_rule():
+    """Quarters where four pieces a tail tile fit in the grid, halves (across the longer side) where
+    two do, nothing for a tail of more than half the grid, whole waves, a single wave or a call of
+    fewer than SPLIT_MIN_MACS multiply-adds; pieces are at least SPLIT_MIN_BLOCK (64: a 64x64 tile
+    is not cut) unless forced."""
+    big = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4)
+    wide = Tile(block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
+    small = Tile(block_m=64, block_n=64, block_k=64, group_m=2, num_warps=4, num_stages=3)
+    assert tail_split(256, 124, big, macs=SPLIT_MIN_MACS - 1) == (1, 1)  # too short a call to pay
+    assert tail_split(256, 124, big, True, SPLIT_MIN_MACS - 1) == (2, 2)
+    assert tail_split(256, 124, big) == (2, 2)  # 8 tail tiles, 32 quarters
+    assert tail_split(256, 116, big) == (2, 2)  # 24 tail tiles, 96 quarters
+    assert tail_split(1024, 124, big) == (1, 2)  # 32 tail tiles: 128 quarters would not fit
+    assert tail_split(1024, 124, wide) == (2, 1)
+    assert tail_split(896, 120, big) == (1, 2)  # 56 tail tiles on 120
+    assert tail_split(1024, 132, big) == (1, 1)  # 100 tail tiles: more than half the grid
+    assert tail_split(1024, 132, big, force=True) == (1, 2)
+    assert tail_split(1024, 128, big) == (1, 1) and tail_split(100, 132, big) == (1, 1)
+    assert tail_split(256, 124, small) == (1, 1) and tail_split(256, 124, small, force=True) == (2, 2)
 
 
 def test_stream_k_split():

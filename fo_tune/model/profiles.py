@@ -2,7 +2,8 @@
 
 - ``TileProfile``: the signalled Triton GEMM alone per (shape, tile, grid): the measured point when
   the calibration profiled it, else the tile's wave model ``a + c * waves * K`` (least squares over
-  every profiled point of that tile; ``waves = ceil(tiles / grid)``), which fits the H200 profile
+  every profiled point of that tile; ``waves = ceil(tiles / grid)``, a split last wave counted as
+  its pieces' share), which fits the H200 profile
   within ~10%;
 - ``Curves``: each collective alone on a buffer, interpolated on the bandwidth curve of its NCCL
   CTA cap (the latency floor below the smallest size, the latency/bandwidth fit beyond the largest);
@@ -20,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from fo_kernels.plan import cdiv
+from fo_kernels.plan import cdiv, tail_split
 from fo_kernels.schedule import Tile
 
 from ..calibration import BandwidthPoint, Calibration, CalibrationError, GemmPoint, InterferencePoint
@@ -33,9 +34,21 @@ class _WaveFit:
     c_ms: float  # per wave per unit of K
 
 
-def waves(m: int, n: int, tile: Tile, grid: int) -> int:
-    """Waves of ``grid`` programs over the (m, n) output's tiles."""
-    return cdiv(cdiv(m, tile.block_m) * cdiv(n, tile.block_n), max(1, grid))
+# A wave of the split tail's pieces (``fo_kernels.gemm.tail_split``) takes this share of a whole
+# tile's wave, by pieces a tile: halves 0.53-0.58, quarters 0.36-0.38 on one H200
+# (docs/perf-notes.md, session 13).
+SPLIT_WAVE_SHARE = {2: 0.56, 4: 0.37}
+
+
+def waves(m: int, n: int, k: int, tile: Tile, grid: int) -> float:
+    """Waves of ``grid`` programs over the (m, n) output's tiles; a last, partial wave that the
+    kernel runs split into pieces counts as its pieces' share of a wave."""
+    tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
+    whole, tail = divmod(tiles, max(1, grid))
+    if tail == 0:
+        return whole
+    split_m, split_n = tail_split(tiles, max(1, grid), tile, macs=m * n * k)
+    return whole + SPLIT_WAVE_SHARE.get(split_m * split_n, 1.0)
 
 
 def missing_curve(cal: Calibration, collective: str) -> str:
@@ -59,7 +72,7 @@ def point_tile(p: GemmPoint) -> Tile:
 
 
 def _fit_waves(points: Sequence[GemmPoint]) -> _WaveFit:
-    xs = [waves(p.m, p.n, point_tile(p), p.grid) * p.k for p in points]
+    xs = [waves(p.m, p.n, p.k, point_tile(p), p.grid) * p.k for p in points]
     ys = [p.time_ms for p in points]
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
@@ -118,23 +131,23 @@ class TileProfile:
             return point.time_ms, "measured"
         if tile not in self._fits:
             return self.time(tile, m, n, k, grid)  # raises the CalibrationError
-        work = waves(m, n, tile, grid) * k
+        work = waves(m, n, k, tile, grid) * k
         pts = [p for key, p in self._points.items() if key[3] == tile]
         same_grid = [p for p in pts if p.grid == grid] or pts
-        ref = min(same_grid, key=lambda p: abs(math.log(waves(p.m, p.n, tile, p.grid) * p.k / work)))
-        return ref.time_ms * work / (waves(ref.m, ref.n, tile, ref.grid) * ref.k), "scaled profile"
+        ref = min(same_grid, key=lambda p: abs(math.log(waves(p.m, p.n, p.k, tile, p.grid) * p.k / work)))
+        return ref.time_ms * work / (waves(ref.m, ref.n, ref.k, tile, ref.grid) * ref.k), "scaled profile"
 
     def wave_model_time(self, tile: Tile, m: int, n: int, k: int, grid: int) -> float:
         """The tile's fitted ``a + c * waves * K`` (ms), ignoring any profiled point."""
         fit = self._fits[tile]
-        return fit.a_ms + fit.c_ms * waves(m, n, tile, grid) * k
+        return fit.a_ms + fit.c_ms * waves(m, n, k, tile, grid) * k
 
     def wave_floor(self, tile: Tile) -> float:
         """The least ``time / wave_model_time`` over the tile's profiled points, at most 1: ``time``
         of any shape is at least this times its wave model (a lower bound's factor)."""
         fit = self._fits[tile]
         ratios = [
-            p.time_ms / (fit.a_ms + fit.c_ms * waves(p.m, p.n, tile, p.grid) * p.k)
+            p.time_ms / (fit.a_ms + fit.c_ms * waves(p.m, p.n, p.k, tile, p.grid) * p.k)
             for key, p in self._points.items()
             if key[3] == tile
         ]
