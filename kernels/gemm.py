@@ -33,7 +33,7 @@ halves or quarters, one wave of pieces (the split tail, ``tail_split``), each ti
 the last of its pieces to finish; else, where the measured rule in ``stream_k_split`` says it
 pays, its tiles' K blocks shared out over the programs (stream-K), each tail tile finished, stored
 and signalled by the last of its programs to arrive (``docs/perf-notes.md``, "The signalled GEMM
-at cuBLAS speed (one H200)", sessions 12 and 13).
+at cuBLAS speed (one H200)" and "The split tail").
 
 Counters are never reset: each call's targets are the running totals the host keeps (see
 ``fo_kernels.runtime``), and every comparison is wrap-around safe in int32.
@@ -478,7 +478,7 @@ class KernelOptions:
 
 SUBTILES = (1, 2, 4)
 # The split tail's pieces (``tail_split``) have this many warps: one warpgroup fed 128x128 and
-# 64x128 pieces at least as fast as two (docs/perf-notes.md, "Session 13").
+# 64x128 pieces at least as fast as two (docs/perf-notes.md, "The split tail").
 SPLIT_WARPS = 4
 DEFAULT_OPTIONS = KernelOptions()
 # The measured rule for ``KernelOptions(stream_k=None)`` (docs/perf-notes.md, "The signalled GEMM

@@ -40,7 +40,7 @@ def cdiv(a: int, b: int) -> int:
 
 # The split tail's pieces (``fo_kernels.gemm``) are at least this many rows and columns (a forced
 # split goes down to MIN_BLOCK): the measured pieces are 128x128 and 64x128 of 128x256 tiles
-# (docs/perf-notes.md, "Session 13").
+# (docs/perf-notes.md, "The split tail").
 SPLIT_MIN_BLOCK = 64
 # The split tail's second launch costs host time (0.05-0.3 ms a call on the device's host): calls of
 # fewer multiply-adds than this (2^37, ~0.2 ms of H200 work) are not split. Measured eager, back to

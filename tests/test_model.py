@@ -77,12 +77,14 @@ def test_the_copy_engine_model_against_recorded_probes(model, name, bar):
 
 def test_the_wave_count_follows_the_kernels_split_tail():
     """A last, partial wave the kernel splits into pieces counts as the pieces' share of a wave;
-    one it runs whole (too short a call, or a tail of more than half the grid) as a wave."""
+    one it runs whole (too short a call, a tail of more than half the grid, or ``rows_gemm``,
+    which never splits) as a wave."""
     from fo_kernels.schedule import Tile
     from fo_tune.model.profiles import SPLIT_WAVE_SHARE, waves
 
     big = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4)
     assert waves(4096, 8192, 4096, big, 124) == 8 + SPLIT_WAVE_SHARE[2]  # 32 tail tiles in halves
+    assert waves(4096, 8192, 4096, big, 124, split=False) == 9  # rows_gemm: whole waves
     assert waves(16384, 8192, 4096, big, 132) == 31 + SPLIT_WAVE_SHARE[4]  # 4 tail tiles in quarters
     assert waves(2048, 4096, 4096, big, 124) == 3  # 2^35 multiply-adds: not split
     assert waves(4096, 8192, 4096, big, 132) == 8  # a tail of 100 on 132: whole

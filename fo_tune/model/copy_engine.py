@@ -259,7 +259,7 @@ class CopyEngineTerm:
         assert st.tile is not None
         elem = element_bytes(schedule.dtype)
         half = cdiv(m, 2)
-        t0, source = model.tile_profile.scaled_time(st.tile, half, n, k, model.sm_count)
+        t0, source = model.tile_profile.scaled_time(st.tile, half, n, k, model.sm_count, split=False)
         t1 = t0 * p["tiled_gemm_factor"] * model.library.clock
         remote = p["tiled_remote_store_factor"] if schedule.collective == "all_reduce" else 1.0
         t2 = t1 * remote

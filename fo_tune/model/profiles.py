@@ -34,19 +34,21 @@ class _WaveFit:
     c_ms: float  # per wave per unit of K
 
 
-# A wave of the split tail's pieces (``fo_kernels.gemm.tail_split``) takes this share of a whole
+# A wave of the split tail's pieces (``fo_kernels.plan.tail_split``) takes this share of a whole
 # tile's wave, by pieces a tile: halves 0.53-0.58, quarters 0.36-0.38 on one H200
-# (docs/perf-notes.md, session 13).
+# (docs/perf-notes.md, "The split tail").
 SPLIT_WAVE_SHARE = {2: 0.56, 4: 0.37}
 
 
-def waves(m: int, n: int, k: int, tile: Tile, grid: int) -> float:
-    """Waves of ``grid`` programs over the (m, n) output's tiles; a last, partial wave that the
-    kernel runs split into pieces counts as its pieces' share of a wave."""
+def waves(m: int, n: int, k: int, tile: Tile, grid: int, split: bool = True) -> float:
+    """Waves of ``grid`` programs over the (m, n) output's tiles. ``split``: the GEMM is
+    ``signalled_gemm`` (the profiled kernel), whose last, partial wave, where it splits it into
+    pieces, counts as its pieces' share of a wave; ``rows_gemm`` (the copy engine's tiled mode and
+    all_gather's chunks) never splits."""
     tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
     whole, tail = divmod(tiles, max(1, grid))
-    if tail == 0:
-        return whole
+    if tail == 0 or not split:
+        return whole + (tail > 0)
     split_m, split_n = tail_split(tiles, max(1, grid), tile, macs=m * n * k)
     return whole + SPLIT_WAVE_SHARE.get(split_m * split_n, 1.0)
 
@@ -109,8 +111,8 @@ class TileProfile:
     def knows(self, tile: Tile) -> bool:
         return tile in self._fits
 
-    def time(self, tile: Tile, m: int, n: int, k: int, grid: int) -> tuple[float, str]:
-        """(ms, source) of the signalled GEMM alone on ``grid`` programs."""
+    def time(self, tile: Tile, m: int, n: int, k: int, grid: int, split: bool = True) -> tuple[float, str]:
+        """(ms, source) of the signalled GEMM alone on ``grid`` programs (``split``: as ``waves``)."""
         if tile not in self._fits:
             raise CalibrationError(
                 f"the calibration has no GEMM profile for tile {tile.label()}; profile it with "
@@ -119,28 +121,32 @@ class TileProfile:
         point = self._points.get((m, n, k, tile, grid))
         if point is not None:
             return point.time_ms, "measured"
-        return self.wave_model_time(tile, m, n, k, grid), "wave-model"
+        return self.wave_model_time(tile, m, n, k, grid, split), "wave-model"
 
-    def scaled_time(self, tile: Tile, m: int, n: int, k: int, grid: int) -> tuple[float, str]:
+    def scaled_time(
+        self, tile: Tile, m: int, n: int, k: int, grid: int, split: bool = True
+    ) -> tuple[float, str]:
         """(ms, source): the measured point, else the profiled point of this tile (on this grid
         when profiled there) nearest in waves x K, scaled by waves x K. For GEMMs of a wave or two
         (the copy engine's tiled phases) this follows the profile where the wave model's fixed
-        cost, fitted over 2-32 waves, overshoots."""
+        cost, fitted over 2-32 waves, overshoots. ``split``: as ``waves`` (the profiled points are
+        the signalled GEMM's)."""
         point = self._points.get((m, n, k, tile, grid))
         if point is not None:
             return point.time_ms, "measured"
         if tile not in self._fits:
             return self.time(tile, m, n, k, grid)  # raises the CalibrationError
-        work = waves(m, n, k, tile, grid) * k
+        work = waves(m, n, k, tile, grid, split) * k
         pts = [p for key, p in self._points.items() if key[3] == tile]
         same_grid = [p for p in pts if p.grid == grid] or pts
         ref = min(same_grid, key=lambda p: abs(math.log(waves(p.m, p.n, p.k, tile, p.grid) * p.k / work)))
         return ref.time_ms * work / (waves(ref.m, ref.n, ref.k, tile, ref.grid) * ref.k), "scaled profile"
 
-    def wave_model_time(self, tile: Tile, m: int, n: int, k: int, grid: int) -> float:
-        """The tile's fitted ``a + c * waves * K`` (ms), ignoring any profiled point."""
+    def wave_model_time(self, tile: Tile, m: int, n: int, k: int, grid: int, split: bool = True) -> float:
+        """The tile's fitted ``a + c * waves * K`` (ms), ignoring any profiled point (``split``: as
+        ``waves``)."""
         fit = self._fits[tile]
-        return fit.a_ms + fit.c_ms * waves(m, n, k, tile, grid) * k
+        return fit.a_ms + fit.c_ms * waves(m, n, k, tile, grid, split) * k
 
     def wave_floor(self, tile: Tile) -> float:
         """The least ``time / wave_model_time`` over the tile's profiled points, at most 1: ``time``

@@ -98,9 +98,9 @@ class GatherPieces:
         if rows not in self._gemm:
             t = self.st.tile
             grid = max(1, min(self.plan.grid, cdiv(rows, t.block_m) * cdiv(self.n, t.block_n)))
-            ms, source = (
-                self.term.model.tile_profile.time(t, rows, self.n, self.k, grid) if rows else (0.0, "")
-            )
+            profile = self.term.model.tile_profile
+            # rows_gemm runs the chunks: no split tail
+            ms, source = profile.time(t, rows, self.n, self.k, grid, split=False) if rows else (0.0, "")
             self.sources.add(source)
             self._gemm[rows] = self.plan.shards * ms
         return self._gemm[rows]
@@ -201,7 +201,7 @@ def lower_bound(term: TritonTerm, task: Any, tile: Tile, sms_free: int, cap: int
     profile = term.model.tile_profile
     tiles = w * cdiv(rows, tile.block_m) * cdiv(n, tile.block_n)
     grid = max(1, min(term.model.sm_count - sms_free, tiles))
-    gemm = w * profile.wave_floor(tile) * profile.wave_model_time(tile, rows, n, k, grid)
+    gemm = w * profile.wave_floor(tile) * profile.wave_model_time(tile, rows, n, k, grid, split=False)
     unit_rows = min(rows, unit_tiles // w // cdiv(n, tile.block_n) * tile.block_m)
     first = COMM_ISSUE_GAP_MS + term.comm_time(COLLECTIVE, cap, w * unit_rows * k * element_bytes(task.dtype))
     return max(first + gemm, host_ms(term, 1, w))
