@@ -9,10 +9,14 @@
 #                                           # SMs; then the GEMM's GPU tests (visibility first, alone)
 #                                           # (stream_k, defer_signal, split_tail off: the kernel then)
 #   bash bench/profile_session.sh ab        # the last partial wave run whole, by stream-K's rule,
-#                                           # split into pieces by the rule, or split always: one
-#                                           # interleaved timing with cuBLAS per shape and grid
-#                                           # (r = 0, 8, 12, 16), ten shapes (or AB_SHAPES, e.g.
-#                                           # AB_SHAPES=2048x4096x4096,8192x4096x2048)
+#                                           # split into pieces by the rule, or split always (its
+#                                           # own launch or fused into the whole waves'), or
+#                                           # shared out always (stream-K, its runs in order or
+#                                           # aligned, aligned and fused), and with TMA-store
+#                                           # epilogues: one interleaved timing with cuBLAS per
+#                                           # shape and grid (r = 0, 8, 12, 16), ten shapes (or
+#                                           # AB_SHAPES=2048x4096x4096,8192x4096x2048; AB_VARIANTS
+#                                           # names a subset)
 #   bash bench/profile_session.sh last      # the visibility test, the profile, the other GPU tests
 #   bash bench/profile_session.sh profile   # fo-tune's profile (fo_tune.calibrate.profile_shape, as
 #                                           # `fo-tune profile`) of the suite and five public TP=2
@@ -146,8 +150,23 @@ def write_csv(fname, rows):
 if mode == "ab":  # the last partial wave: whole, stream-K's rule, split into pieces (rule, forced)
     t4 = T(128, 256, 64, 8, 4)
     O = KernelOptions
-    VARIANTS = {"waves": (t4, O(stream_k=False, split_tail=False)), "stream_k": (t4, O(split_tail=False)),
-                "split": (t4, O()), "split_forced": (t4, O(split_tail=True))}
+    VARIANTS = {
+        "waves": (t4, O(stream_k=False, split_tail=False)),
+        "stream_k": (t4, O(split_tail=False)),  # stream-K where its rule says
+        "split": (t4, O()),  # the default: the split tail where its rule says, else stream-K's rule
+        "split_forced": (t4, O(split_tail=True)),
+        "split_fused": (t4, O(fuse_tail=True)),
+        "split_fused_forced": (t4, O(split_tail=True, fuse_tail=True)),
+        "stream_k_forced": (t4, O(stream_k=True)),
+        "stream_k_aligned": (t4, O(stream_k=True, stream_k_aligned=True)),
+        "stream_k_aligned_fused": (t4, O(stream_k=True, stream_k_aligned=True, fuse_tail=True)),
+        # TMA-store epilogues, whose wait for the writes the deferred signal moves a tile later
+        "waves_tma": (t4, O(stream_k=False, split_tail=False, tma_store=True)),
+        "split_tma": (t4, O(tma_store=True)),
+        "split_fused_tma": (t4, O(fuse_tail=True, tma_store=True)),
+    }
+    if os.environ.get("AB_VARIANTS"):  # e.g. AB_VARIANTS=split,split_tma (a subset, by name)
+        VARIANTS = {name: VARIANTS[name] for name in os.environ["AB_VARIANTS"].split(",")}
     SHAPES += [(16384, 8192, 4096), (8192, 4096, 7168), (8192, 3584, 9472), (4096, 8192, 14784)]
     if os.environ.get("AB_SHAPES"):  # e.g. AB_SHAPES=2048x4096x4096,8192x4096x2048
         SHAPES = [tuple(int(x) for x in s.split("x")) for s in os.environ["AB_SHAPES"].split(",")]

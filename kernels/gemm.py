@@ -33,7 +33,9 @@ halves or quarters, one wave of pieces (the split tail, ``tail_split``), each ti
 the last of its pieces to finish; else, where the measured rule in ``stream_k_split`` says it
 pays, its tiles' K blocks shared out over the programs (stream-K), each tail tile finished, stored
 and signalled by the last of its programs to arrive (``docs/perf-notes.md``, "The signalled GEMM
-at cuBLAS speed (one H200)" and "The split tail").
+at cuBLAS speed (one H200)" and "The split tail"). Two options change how the tail runs:
+``KernelOptions.fuse_tail`` runs it (split or stream-K) in the whole waves' launch, and
+``stream_k_aligned`` orders the stream-K programs' K blocks so that they read them together.
 
 Counters are never reset: each call's targets are the running totals the host keeps (see
 ``fo_kernels.runtime``), and every comparison is wrap-around safe in int32.
@@ -59,7 +61,7 @@ import triton.language as tl
 
 from .errors import ScheduleError
 from .gemm_epilogue import _bulk_stores_done, _cta_barrier, _store_piece, _store_tile
-from .plan import Plan, tail_split
+from .plan import Plan, stream_k_split, tail_split
 from .schedule import Tile
 
 # TMA needs every stride but the last and the base address 16-byte aligned (CUDA driver API,
@@ -123,7 +125,20 @@ def _tile_acc(
     """One output tile's float32 sum over K blocks [k_lo, k_hi): A[row0 : row0 + BLOCK_M, k] @
     B[k, col0 : col0 + BLOCK_N] (TMA descriptor loads, or masked pointer loads; rows past M and
     columns past N read padding)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return _tile_acc_into(
+        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a, b, row0, col0, k_lo, k_hi, M, N, K,
+        stride_am, stride_ak, stride_bk, stride_bn,
+        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, WS_INNER,
+    )  # fmt: skip
+
+
+@triton.jit
+def _tile_acc_into(
+    acc, a, b, row0, col0, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
+    B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, WS_INNER: tl.constexpr,
+):  # fmt: skip
+    """``acc`` plus ``_tile_acc``'s sum over K blocks [k_lo, k_hi) (none when k_lo >= k_hi)."""
     if USE_TMA:
         for kk in tl.range(k_lo, k_hi, warp_specialize=WS_INNER):
             a_blk = a.load([row0, kk * BLOCK_K])
@@ -151,6 +166,43 @@ def _tile_acc(
             )
             acc = _mma(a_blk, b_blk, acc, UPCAST, IEEE)
     return acc
+
+
+@triton.jit
+def _sk_step(pid, j: tl.constexpr, sk_iters, tail_iters, k_tiles, ALIGN: tl.constexpr):
+    """Step j (0 or 1) of program pid in the stream-K tail: (valid, tail tile, slot, K blocks
+    [k0, k1), then [k2, k3), summed into one part).
+
+    The tail's K blocks, tile after tile, are cut into one run of ``sk_iters`` per program: the
+    suffix of a tile (slot 0), then the next tile's prefix (slot 1), or one stretch inside a tile.
+    In order (ALIGN off) the programs start at scattered K blocks, so few read the same A or B
+    block at once. ALIGN: a program with a prefix runs it first, so it reads K block tau at its
+    step tau and, in its suffix, K block tau + k_tiles - sk_iters; a stretch [s, s + L) inside a
+    tile with s <= L runs [L, s + L) first, then [s, L) at step s on: every program is at one of
+    three K offsets (0, k_tiles - sk_iters, sk_iters) from the common step, and the programs at
+    one offset read the same A rows' and B columns' K blocks together, as a wave does."""
+    lo = pid * sk_iters
+    hi = tl.minimum(lo + sk_iters, tail_iters)
+    first_tile = lo // k_tiles
+    s = lo - first_tile * k_tiles
+    two = hi > (first_tile + 1) * k_tiles  # a suffix, then the next tile's prefix
+    end = tl.minimum(hi - first_tile * k_tiles, k_tiles)
+    if ALIGN:
+        slot = tl.where(two, 1 - j, j)  # the prefix first
+    else:
+        slot = two * 0 + j
+    valid = (lo < hi) & (two | (j == 0))
+    k0 = tl.where(slot == 1, 0, s)
+    k1 = tl.where(slot == 1, hi - (first_tile + 1) * k_tiles, end)
+    k2 = k1 * 0
+    k3 = k1 * 0
+    if ALIGN:
+        length = end - s
+        rotate = (slot == 0) & (s > 0) & (end < k_tiles) & (s <= length)
+        k0 = tl.where(rotate, length, k0)
+        k2 = tl.where(rotate, s, k2)
+        k3 = tl.where(rotate, length, k3)
+    return valid, first_tile + slot, slot, k0, k1, k2, k3
 
 
 @triton.jit
@@ -226,8 +278,109 @@ def _signal_if(counters, g, TMA_STORE: tl.constexpr, PTX: tl.constexpr, SYS_SIGN
 
 
 @triton.jit
+def _split_piece(
+    q, a, b, out, counters, unit_group, group_info, sk_arrive, main_tiles, k_tiles,
+    M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_M: tl.constexpr, SPLIT_N: tl.constexpr, USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, LAYOUT: tl.constexpr, SIGNAL: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, PTX: tl.constexpr, SYS_SIGNAL: tl.constexpr,
+):  # fmt: skip
+    """Piece q of the split tail: tiles [main_tiles, ...) of SPLIT_M*BLOCK_M x SPLIT_N*BLOCK_N (the
+    schedule's tile), each cut into SPLIT_M x SPLIT_N pieces of BLOCK_M x BLOCK_N. The piece is
+    stored at its place in its tile's layout position; the last of a tile's pieces to finish (an
+    arrival count a tile, acquire-release) sends the tile's signal."""
+    PIECES: tl.constexpr = SPLIT_M * SPLIT_N
+    TILE_M: tl.constexpr = SPLIT_M * BLOCK_M
+    TILE_N: tl.constexpr = SPLIT_N * BLOCK_N
+    i = q // PIECES
+    pm = (q % PIECES) // SPLIT_N
+    pn = q % SPLIT_N
+    t = main_tiles + i
+    _l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
+    acc = _tile_acc(
+        a, b, s * rows_per_shard + tm * TILE_M + pm * BLOCK_M, tn * TILE_N + pn * BLOCK_N, 0, k_tiles,
+        M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, False,
+    )  # fmt: skip
+    g, slot, dst_row0, local_row0, col0 = _tile_dst(
+        t, unit_group, group_info, shards, unit_tiles, tiles_m, tiles_n, TILE_M, TILE_N, GROUP_M
+    )
+    # tile_major: the piece's rows are slot SPLIT_M * slot + pm of BLOCK_M rows of TILE_N
+    # columns, from column pn * BLOCK_N (the base moved there); row_band: its rows and columns.
+    if LAYOUT == 1:
+        base = out + pn * BLOCK_N
+    else:
+        base = out
+    _store_piece(
+        acc, 0, BLOCK_N, base, out, out, dst_row0 + pm * BLOCK_M,
+        SPLIT_M * slot + pm, local_row0 + pm * BLOCK_M, col0 + pn * BLOCK_N, rows_per_shard, N,
+        BLOCK_M, TILE_N, LAYOUT, False, False, False, OUT_DTYPE,
+    )  # fmt: skip
+    if SIGNAL:
+        _cta_barrier(PTX)
+        done = tl.atomic_add(sk_arrive + i, 1, sem="acq_rel", scope="gpu")
+        if done == PIECES - 1:  # the others' stores are acquired: the signal covers them
+            _signal(counters, g, False, PTX, SYS_SIGNAL)
+
+
+@triton.jit
+def _sk_tail(
+    pid, a, b, out, out_desc, out2, counters, unit_group, group_info, ready, sk_arrive, sk_partial,
+    M, N, K, rows_per_shard, tiles_m, tiles_n, num_tiles, shards, unit_tiles, main_tiles, sk_iters,
+    k_tiles, stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, LAYOUT: tl.constexpr, SIGNAL: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, OUT_DTYPE: tl.constexpr, SUBTILE: tl.constexpr,
+    TMA_STORE: tl.constexpr, PTX: tl.constexpr, ACCUMULATE: tl.constexpr, COPY: tl.constexpr,
+    SYS_SIGNAL: tl.constexpr, SK_ALIGN: tl.constexpr,
+):  # fmt: skip
+    """Program pid's part of the stream-K tail (tiles [main_tiles, num_tiles), fewer than a wave):
+    its K blocks, tile after tile, cut into one run of sk_iters per program, so each program covers
+    parts of at most two tiles (``_sk_step``: which, in which order). Each part's float32 sum goes
+    to this program's slot; the last of a tile's programs to arrive adds the others' parts and
+    finishes the tile (stores and signal)."""
+    tail_iters = (num_tiles - main_tiles) * k_tiles
+    for j in tl.static_range(2):
+        valid, i, slot, k0, k1, k2, k3 = _sk_step(pid, j, sk_iters, tail_iters, k_tiles, SK_ALIGN)
+        if valid:
+            t = main_tiles + i
+            _l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
+            acc = _tile_acc(
+                a, b, s * rows_per_shard + tm * BLOCK_M, tn * BLOCK_N, k0, k1, M, N, K,
+                stride_am, stride_ak, stride_bk, stride_bn,
+                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, False,
+            )  # fmt: skip
+            if SK_ALIGN:  # a stretch inside a tile, in two runs
+                acc = _tile_acc_into(
+                    acc, a, b, s * rows_per_shard + tm * BLOCK_M, tn * BLOCK_N, k2, k3, M, N, K,
+                    stride_am, stride_ak, stride_bk, stride_bn,
+                    BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, False,
+                )  # fmt: skip
+            in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            tl.store(sk_partial + (pid * 2 + slot).to(tl.int64) * (BLOCK_M * BLOCK_N) + in_tile, acc)
+            _cta_barrier(PTX)
+            first = (i * k_tiles) // sk_iters  # the programs that cover tile i: first..last
+            last = ((i + 1) * k_tiles - 1) // sk_iters
+            arrived = tl.atomic_add(sk_arrive + i, 1, sem="acq_rel", scope="gpu")
+            if arrived == last - first:  # every part is written: add them in program order
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (the same bits whoever is last)
+                for q in range(first, last + 1):  # its own part too: acc is dead after its store
+                    jq = ((q * sk_iters) // k_tiles < i).to(tl.int32)  # tile i: q's slot 0 or 1
+                    part = sk_partial + (q * 2 + jq).to(tl.int64) * (BLOCK_M * BLOCK_N) + in_tile
+                    total += tl.load(part, cache_modifier=".cg")
+                _finish_tile(
+                    total, t, out, out_desc, out2, counters, unit_group, group_info, ready, N,
+                    rows_per_shard, tiles_m, tiles_n, shards, unit_tiles, BLOCK_M, BLOCK_N, GROUP_M,
+                    LAYOUT, SIGNAL, OUT_DTYPE, SUBTILE, TMA_STORE, PTX, ACCUMULATE, COPY, SYS_SIGNAL,
+                )  # fmt: skip
+
+
+@triton.jit
 def _signalled_gemm_kernel(
-    a, b, out, out_desc, counters, unit_group, group_info,  # tensors (a, b, out_desc: or TMA descriptors)
+    a, b, a_piece, b_piece, out, out_desc, counters, unit_group, group_info,  # tensors (a, b, a_piece,
+    # b_piece, out_desc: or TMA descriptors; a_piece, b_piece: the fused split tail's pieces' operands)
     M, N, K, rows_per_shard, tiles_m, tiles_n, num_tiles, shards, unit_tiles,  # sizes
     ready, out2,  # LAYOUT_ROWS only: the ready flags ACCUMULATE waits on, a second destination (COPY)
     sk_arrive, sk_partial, main_tiles, sk_iters,  # stream-K tail (STREAM_K only)
@@ -241,47 +394,21 @@ def _signalled_gemm_kernel(
     SYS_SIGNAL: tl.constexpr = False,  # the counters are in the peer GPU's memory (system scope)
     DEFER: tl.constexpr = False,  # signal each tile at the next tile's epilogue (KernelOptions)
     SPLIT_M: tl.constexpr = 1, SPLIT_N: tl.constexpr = 1,  # > 1: a launch of the split tail only
+    SK_ALIGN: tl.constexpr = False,  # the stream-K tail's runs in aligned order (``_sk_step``)
+    FUSE_M: tl.constexpr = 1, FUSE_N: tl.constexpr = 1,  # > 1: the whole waves, then the split tail
+    FUSE_SK: tl.constexpr = False,  # the whole waves, then the stream-K tail
 ):  # fmt: skip
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    if SPLIT_M * SPLIT_N > 1:
-        # The split tail: tiles [main_tiles, num_tiles) of SPLIT_M*BLOCK_M x SPLIT_N*BLOCK_N (the
-        # schedule's tile), each cut into SPLIT_M x SPLIT_N pieces of BLOCK_M x BLOCK_N, one piece a
-        # program. Each piece is stored at its place in its tile's layout position; the last of a
-        # tile's pieces to finish (an arrival count a tile, acquire-release) sends its signal.
-        PIECES: tl.constexpr = SPLIT_M * SPLIT_N
-        TILE_M: tl.constexpr = SPLIT_M * BLOCK_M
-        TILE_N: tl.constexpr = SPLIT_N * BLOCK_N
-        i = pid // PIECES
-        pm = (pid % PIECES) // SPLIT_N
-        pn = pid % SPLIT_N
-        t = main_tiles + i
-        _l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
-        acc = _tile_acc(
-            a, b, s * rows_per_shard + tm * TILE_M + pm * BLOCK_M, tn * TILE_N + pn * BLOCK_N, 0, k_tiles,
-            M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, False,
+    if SPLIT_M * SPLIT_N > 1:  # a launch of the split tail: one piece a program
+        _split_piece(
+            pid, a, b, out, counters, unit_group, group_info, sk_arrive, main_tiles, k_tiles,
+            M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles,
+            stride_am, stride_ak, stride_bk, stride_bn,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_M, SPLIT_N, USE_TMA, B_KMAJOR, UPCAST, IEEE,
+            LAYOUT, SIGNAL, OUT_DTYPE, PTX, SYS_SIGNAL,
         )  # fmt: skip
-        g, slot, dst_row0, local_row0, col0 = _tile_dst(
-            t, unit_group, group_info, shards, unit_tiles, tiles_m, tiles_n, TILE_M, TILE_N, GROUP_M
-        )
-        # tile_major: the piece's rows are slot SPLIT_M * slot + pm of BLOCK_M rows of TILE_N
-        # columns, from column pn * BLOCK_N (the base moved there); row_band: its rows and columns.
-        if LAYOUT == 1:
-            base = out + pn * BLOCK_N
-        else:
-            base = out
-        _store_piece(
-            acc, 0, BLOCK_N, base, out, out, dst_row0 + pm * BLOCK_M,
-            SPLIT_M * slot + pm, local_row0 + pm * BLOCK_M, col0 + pn * BLOCK_N, rows_per_shard, N,
-            BLOCK_M, TILE_N, LAYOUT, False, False, False, OUT_DTYPE,
-        )  # fmt: skip
-        if SIGNAL:
-            _cta_barrier(PTX)
-            done = tl.atomic_add(sk_arrive + i, 1, sem="acq_rel", scope="gpu")
-            if done == PIECES - 1:  # the others' stores are acquired: the signal covers them
-                _signal(counters, g, False, PTX, SYS_SIGNAL)
     elif not STREAM_K:  # the whole waves (STREAM_K: a launch of the stream-K tail only)
         # The epilogue recomputes its tile from a counter of its own (as Triton's persistent-matmul
         # tutorial does), so a flattened, pipelined loop's prologue (next tile's loads) and epilogue
@@ -306,43 +433,32 @@ def _signalled_gemm_kernel(
             )  # fmt: skip
         if DEFER and SIGNAL:
             _signal_if(counters, prev_g, TMA_STORE, PTX, SYS_SIGNAL)
-    else:
-        # The tail (tiles [main_tiles, num_tiles), fewer than a wave): its K blocks, tile after
-        # tile, cut into one run of sk_iters per program, so each program covers parts of at most
-        # two tiles. Each part's float32 sum goes to this program's slot; the last of a tile's
-        # programs to arrive adds the others' parts and finishes the tile (stores and signal).
-        tail_iters = (num_tiles - main_tiles) * k_tiles
-        lo = pid * sk_iters
-        hi = tl.minimum(lo + sk_iters, tail_iters)
-        for j in tl.static_range(2):
-            if lo < hi:
-                i = lo // k_tiles  # tail tile
-                seg_hi = tl.minimum(hi, (i + 1) * k_tiles)
-                t = main_tiles + i
-                _l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
-                acc = _tile_acc(
-                    a, b, s * rows_per_shard + tm * BLOCK_M, tn * BLOCK_N, lo - i * k_tiles,
-                    seg_hi - i * k_tiles, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                    BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, False,
+        if FUSE_SK:  # the stream-K tail in this launch, on the programs that have a share
+            _sk_tail(
+                pid, a, b, out, out_desc, out2, counters, unit_group, group_info, ready, sk_arrive,
+                sk_partial, M, N, K, rows_per_shard, tiles_m, tiles_n, num_tiles, shards, unit_tiles,
+                main_tiles, sk_iters, k_tiles, stride_am, stride_ak, stride_bk, stride_bn,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, B_KMAJOR, LAYOUT, SIGNAL, UPCAST, IEEE,
+                OUT_DTYPE, SUBTILE, TMA_STORE, PTX, ACCUMULATE, COPY, SYS_SIGNAL, SK_ALIGN,
+            )  # fmt: skip
+        if FUSE_M * FUSE_N > 1:  # noqa: SIM102 (a compile-time test, then a runtime one)
+            # the split tail in this launch: a piece a program (FUSE_M x FUSE_N pieces a tile)
+            if pid < (num_tiles - main_tiles) * (FUSE_M * FUSE_N):
+                _split_piece(
+                    pid, a_piece, b_piece, out, counters, unit_group, group_info, sk_arrive, main_tiles,
+                    k_tiles, M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles,
+                    stride_am, stride_ak, stride_bk, stride_bn,
+                    BLOCK_M // FUSE_M, BLOCK_N // FUSE_N, BLOCK_K, GROUP_M, FUSE_M, FUSE_N, USE_TMA,
+                    B_KMAJOR, UPCAST, IEEE, LAYOUT, SIGNAL, OUT_DTYPE, PTX, SYS_SIGNAL,
                 )  # fmt: skip
-                in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                tl.store(sk_partial + (pid * 2 + j).to(tl.int64) * (BLOCK_M * BLOCK_N) + in_tile, acc)
-                _cta_barrier(PTX)
-                first = (i * k_tiles) // sk_iters  # the programs that cover tile i: first..last
-                last = ((i + 1) * k_tiles - 1) // sk_iters
-                arrived = tl.atomic_add(sk_arrive + i, 1, sem="acq_rel", scope="gpu")
-                if arrived == last - first:  # every part is written: add them in program order
-                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (the same bits whoever is last)
-                    for q in range(first, last + 1):  # its own part too: acc is dead after its store
-                        jq = ((q * sk_iters) // k_tiles < i).to(tl.int32)  # tile i: q's 1st or 2nd part
-                        part = sk_partial + (q * 2 + jq).to(tl.int64) * (BLOCK_M * BLOCK_N) + in_tile
-                        total += tl.load(part, cache_modifier=".cg")
-                    _finish_tile(
-                        total, t, out, out_desc, out2, counters, unit_group, group_info, ready, N,
-                        rows_per_shard, tiles_m, tiles_n, shards, unit_tiles, BLOCK_M, BLOCK_N, GROUP_M,
-                        LAYOUT, SIGNAL, OUT_DTYPE, SUBTILE, TMA_STORE, PTX, ACCUMULATE, COPY, SYS_SIGNAL,
-                    )  # fmt: skip
-                lo = seg_hi
+    else:  # a launch of the stream-K tail only
+        _sk_tail(
+            pid, a, b, out, out_desc, out2, counters, unit_group, group_info, ready, sk_arrive,
+            sk_partial, M, N, K, rows_per_shard, tiles_m, tiles_n, num_tiles, shards, unit_tiles,
+            main_tiles, sk_iters, k_tiles, stride_am, stride_ak, stride_bk, stride_bn,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, B_KMAJOR, LAYOUT, SIGNAL, UPCAST, IEEE,
+            OUT_DTYPE, SUBTILE, TMA_STORE, PTX, ACCUMULATE, COPY, SYS_SIGNAL, SK_ALIGN,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -461,7 +577,15 @@ class KernelOptions:
     ``SPLIT_MIN_MACS`` multiply-adds, and the pieces fit the grid; before stream-K, which it
     matched wherever both apply); True: every partial last wave (halves at least, on as many
     programs as there are pieces, which may exceed the grid); False: never. ``stream_k=True``
-    takes precedence.
+    takes precedence. ``stream_k_aligned``: the stream-K tail's programs run their K blocks in the
+    order that keeps them at three K offsets from a common step (``_sk_step``), so that programs
+    read the same A and B blocks together, as a wave's do; off: each program's run in order, from
+    scattered K blocks. ``fuse_tail``: the last partial wave runs in the whole waves' launch, each
+    program going on to its piece of the split tail (the launch's warps, not ``SPLIT_WARPS``) or its
+    stream-K runs once its last whole tile is done, so a call is one launch (no second launch's
+    host time); a forced split whose pieces outnumber the programs keeps its own launch. Off: a
+    launch of its own. Both are off until a GPU times them (built and checked on the CPU;
+    ``docs/perf-notes.md``, "Session 14").
     """
 
     flatten: bool = True
@@ -470,6 +594,8 @@ class KernelOptions:
     stream_k: bool | None = None
     defer_signal: bool = True
     split_tail: bool | None = None
+    stream_k_aligned: bool = False
+    fuse_tail: bool = False
 
     def __post_init__(self) -> None:
         if self.subtile not in SUBTILES:
@@ -481,32 +607,6 @@ SUBTILES = (1, 2, 4)
 # 64x128 pieces at least as fast as two (docs/perf-notes.md, "The split tail").
 SPLIT_WARPS = 4
 DEFAULT_OPTIONS = KernelOptions()
-# The measured rule for ``KernelOptions(stream_k=None)`` (docs/perf-notes.md, "The signalled GEMM
-# at cuBLAS speed (one H200)"; ten shapes, r = 0, 8, 12, 16 free SMs): the shared-out tail costs
-# about 2.5x the main loop's time per K block plus its partials, so it won 3.8-10% wherever the last
-# wave held at most 0.3 of the grid and K had >= 96 blocks (1024 tiles on 124 programs at K = 7168
-# to 14784; 8192^3 on 120; 3000x5120x6912 on 116), was even at K = 4096 and lost 3-30% at K = 2048
-# and wherever the tail held more than half the grid.
-STREAM_K_MAX_TAIL = 0.3
-STREAM_K_MIN_K_BLOCKS = 96
-# A tail tile is cut into at most this many programs' parts: its last program reads every other
-# part (128 KB of float32 each for a 128x256 tile) alone, at one SM's bandwidth. Cut into 15 parts
-# (8 tail tiles over 124 programs) the tail cost more than the whole wave it replaced.
-STREAM_K_MAX_PARTS = 4
-
-
-def stream_k_split(num_tiles: int, grid: int, k_tiles: int, force: bool = False) -> tuple[int, int]:
-    """(tiles in whole waves, K blocks per program in the tail): ``(num_tiles, 0)`` when the tiles
-    fill whole waves or (unless ``force``) the measured rule says sharing out the last partial
-    wave does not pay. Each program's share is at least ``1 / STREAM_K_MAX_PARTS`` of a tile's K
-    blocks (programs past the tail's end have none)."""
-    tail = num_tiles % grid
-    if tail == 0 or num_tiles < grid:
-        return num_tiles, 0
-    if not force and (tail > STREAM_K_MAX_TAIL * grid or k_tiles < STREAM_K_MIN_K_BLOCKS):
-        return num_tiles, 0
-    share = max(-(-tail * k_tiles // grid), -(-k_tiles // STREAM_K_MAX_PARTS))
-    return num_tiles - tail, share
 
 
 def _stream_k_args(a: torch.Tensor, tile: Tile, num_tiles: int, grid: int, mode: bool | None) -> tuple:
@@ -638,16 +738,30 @@ def signalled_gemm(
         )  # fmt: skip
 
     meta = _meta(a, b, out, tile, use_tma, options.flatten, subtile)
-    launch(plan.grid, (a_arg, b_arg), meta, STREAM_K=False, TMA_STORE=desc is not None)
-    if tail_grid:  # the stream-K tail as a kernel of its own, on the programs that have a share
-        launch(tail_grid, (a_arg, b_arg), meta, STREAM_K=True, TMA_STORE=desc is not None)
-    elif split != (1, 1):  # the split tail: one program a piece, plain stores
+    unused = (counters, counters)  # operands a launch does not read: plain pointers, nothing to encode
+    pieces = unused  # the split tail's operands (TMA descriptors of its pieces' blocks)
+    if split != (1, 1):
         piece = dataclasses.replace(
             tile, block_m=tile.block_m // split[0], block_n=tile.block_n // split[1], num_warps=SPLIT_WARPS
         )
-        a_piece, b_piece, _ = _operand_args(a, b, piece, use_tma)
+        pieces = _operand_args(a, b, piece, use_tma)[:2]
+    # fused: one piece a program, so the pieces must fit the grid (a forced split's may not)
+    fits = (plan.num_tiles - main_tiles) * split[0] * split[1] <= plan.grid
+    fuse = split if options.fuse_tail and fits else (1, 1)
+    fuse_sk = bool(tail_grid) and options.fuse_tail
+    launch(
+        plan.grid, (a_arg, b_arg, *(pieces if fuse != (1, 1) else unused)), meta, STREAM_K=False,
+        TMA_STORE=desc is not None, FUSE_M=fuse[0], FUSE_N=fuse[1], FUSE_SK=fuse_sk,
+        SK_ALIGN=options.stream_k_aligned and fuse_sk,
+    )  # fmt: skip
+    if tail_grid and not fuse_sk:  # the stream-K tail as a kernel of its own (the programs with a share)
         launch(
-            (plan.num_tiles - main_tiles) * split[0] * split[1], (a_piece, b_piece),
+            tail_grid, (a_arg, b_arg, *unused), meta, STREAM_K=True, TMA_STORE=desc is not None,
+            SK_ALIGN=options.stream_k_aligned,
+        )  # fmt: skip
+    elif split != (1, 1) and fuse == (1, 1):  # the split tail's own launch: one program a piece
+        launch(
+            (plan.num_tiles - main_tiles) * split[0] * split[1], (*pieces, *unused),
             _meta(a, b, out, piece, use_tma, False, 1), STREAM_K=False, TMA_STORE=False,
             SPLIT_M=split[0], SPLIT_N=split[1],
         )  # fmt: skip
@@ -688,7 +802,8 @@ def rows_gemm(
     a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
     subtile = min(options.subtile, tile.block_n // MIN_PIECE)
     _signalled_gemm_kernel[(max(1, min(grid, tiles_m * tiles_n)),)](
-        a_arg, b_arg, out, out, counters if counters is not None else row_group, row_group,
+        a_arg, b_arg, row_group, row_group,  # a_piece, b_piece: no split tail here
+        out, out, counters if counters is not None else row_group, row_group,
         row_group,  # group_info: unused by LAYOUT_ROWS
         rows, n, k, rows, tiles_m, tiles_n, tiles_m * tiles_n, 1, 1,
         ready if ready is not None else row_group, out2 if out2 is not None else out,

@@ -71,6 +71,35 @@ def tail_split(
     return (2, 1) if can_m and (tile.block_m > tile.block_n or not can_n) else (1, 2)
 
 
+# The measured rule for ``fo_kernels.gemm.KernelOptions(stream_k=None)`` (docs/perf-notes.md, "The
+# signalled GEMM at cuBLAS speed (one H200)"; ten shapes, r = 0, 8, 12, 16 free SMs): the stream-K
+# tail (the last partial wave's K blocks shared out over the programs) costs about 2.5x the main
+# loop's time per K block plus its partials, so it won 3.8-10% wherever the last wave held at most
+# 0.3 of the grid and K had >= 96 blocks (1024 tiles on 124 programs at K = 7168 to 14784; 8192^3
+# on 120; 3000x5120x6912 on 116), was even at K = 4096 and lost 3-30% at K = 2048 and wherever the
+# tail held more than half the grid.
+STREAM_K_MAX_TAIL = 0.3
+STREAM_K_MIN_K_BLOCKS = 96
+# A tail tile is cut into at most this many programs' parts: its last program reads every other
+# part (128 KB of float32 each for a 128x256 tile) alone, at one SM's bandwidth. Cut into 15 parts
+# (8 tail tiles over 124 programs) the tail cost more than the whole wave it replaced.
+STREAM_K_MAX_PARTS = 4
+
+
+def stream_k_split(num_tiles: int, grid: int, k_tiles: int, force: bool = False) -> tuple[int, int]:
+    """(tiles in whole waves, K blocks per program in the tail): ``(num_tiles, 0)`` when the tiles
+    fill whole waves or (unless ``force``) the measured rule says sharing out the last partial
+    wave does not pay. Each program's share is at least ``1 / STREAM_K_MAX_PARTS`` of a tile's K
+    blocks (programs past the tail's end have none)."""
+    tail = num_tiles % grid
+    if tail == 0 or num_tiles < grid:
+        return num_tiles, 0
+    if not force and (tail > STREAM_K_MAX_TAIL * grid or k_tiles < STREAM_K_MIN_K_BLOCKS):
+        return num_tiles, 0
+    share = max(-(-tail * k_tiles // grid), -(-k_tiles // STREAM_K_MAX_PARTS))
+    return num_tiles - tail, share
+
+
 def resolve_groups(groups: tuple[int, ...], num_units: int, *, exact: bool) -> tuple[int, ...]:
     """Group sizes in units for this call.
 

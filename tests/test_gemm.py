@@ -11,22 +11,30 @@ import itertools
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fo_kernels.errors import ScheduleError
 from fo_kernels.gemm import (
     DEFAULT_OPTIONS,
-    STREAM_K_MAX_PARTS,
-    STREAM_K_MAX_TAIL,
-    STREAM_K_MIN_K_BLOCKS,
     BOperand,
     KernelOptions,
+    _sk_step,
     restore_tile_major,
     signalled_gemm,
-    stream_k_split,
     tma_usable,
 )
 from fo_kernels.heuristics import split_decreasing
-from fo_kernels.plan import SPLIT_MIN_MACS, cdiv, make_plan, tail_split
+from fo_kernels.plan import (
+    SPLIT_MIN_MACS,
+    STREAM_K_MAX_PARTS,
+    STREAM_K_MAX_TAIL,
+    STREAM_K_MIN_K_BLOCKS,
+    cdiv,
+    make_plan,
+    stream_k_split,
+    tail_split,
+)
 from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -118,10 +126,19 @@ def test_gemm_matches_matmul(collective, layout, dtype, kmajor):
     [
         KernelOptions(tma_store=True, stream_k=True),
         KernelOptions(subtile=1, stream_k=True),
+        KernelOptions(stream_k=True, stream_k_aligned=True),
+        KernelOptions(stream_k=True, fuse_tail=True, tma_store=True),
         KernelOptions(defer_signal=False, stream_k=False),
         KernelOptions(flatten=False, subtile=4),
     ],
-    ids=["tma_store_stream_k", "subtile1_stream_k", "signal_at_once_no_stream_k", "loop_per_tile_subtile4"],
+    ids=[
+        "tma_store_stream_k",
+        "subtile1_stream_k",
+        "stream_k_aligned",
+        "stream_k_fused_tma_store",
+        "signal_at_once_no_stream_k",
+        "loop_per_tile_subtile4",
+    ],
 )
 def test_kernel_options_match_matmul(options):
     """The kernel's other build options on both layouts (the default is in the test above)."""
@@ -140,11 +157,13 @@ def test_kernel_options_match_matmul(options):
     list(itertools.product(["all_reduce", "reduce_scatter"], ["row_band", "tile_major"])),
 )
 @pytest.mark.parametrize("block_m", [16, 32], ids=["halves", "quarters"])
-def test_split_tail_matches_matmul(collective, layout, block_m):
+@pytest.mark.parametrize("fuse", [False, True], ids=["own_launch", "fused"])
+def test_split_tail_matches_matmul(collective, layout, block_m, fuse):
     """The last partial wave cut into pieces (``KernelOptions(split_tail=True)``): 16x32 tiles into
     two 16x16 halves (TMA loads), 32x32 tiles into four 16x16 quarters (masked pointer loads: B's
     rows of 98 floats are not 16-byte aligned), on odd shapes (rows and columns past the edge),
-    both layouts; each group's counter ends at its tile count (one signal a tile, sent by its last
+    both layouts, in a launch of their own or in the whole waves' (``fuse_tail``: the pieces fit
+    the grid); each group's counter ends at its tile count (one signal a tile, sent by its last
     piece)."""
     tile = Tile(block_m=block_m, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
     gen = torch.Generator().manual_seed(block_m)
@@ -153,17 +172,100 @@ def test_split_tail_matches_matmul(collective, layout, block_m):
     assert tma_usable(a, BOperand.of(b)) == (block_m == 16)
     s = _schedule(collective, 2, m, n, k, layout, 1, 3, tile)
     want = (1, 2) if block_m == 16 else (2, 2)
+    pieces = 2 if block_m == 16 else 4
     sms = next(
         c
         for c in range(3, 64)
-        if tail_split(make_plan(s, m, n, k, sm_count=c).num_tiles, c, tile, True) == want
+        if tail_split(num := make_plan(s, m, n, k, sm_count=c).num_tiles, c, tile, True) == want
+        and num % c * pieces <= c
     )
     plan = make_plan(s, m, n, k, sm_count=sms)
     assert plan.num_tiles % plan.grid and plan.num_tiles > plan.grid  # a partial last wave
-    got = run_and_reassemble(s, a, b, KernelOptions(split_tail=True), tile=tile, sm_count=sms)
+    options = KernelOptions(split_tail=True, fuse_tail=fuse)
+    got = run_and_reassemble(s, a, b, options, tile=tile, sm_count=sms)
     ref = a.double() @ b.double()
     assert not got.isnan().any()
     assert ((got.double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+
+
+@triton.jit
+def _sk_steps_kernel(out, sk_iters, tail_iters, k_tiles, ALIGN: tl.constexpr):
+    """Every program's two stream-K steps as the tail kernel takes them (``_sk_step``), 7 ints each."""
+    pid = tl.program_id(0)
+    for j in tl.static_range(2):
+        step = _sk_step(pid, j, sk_iters, tail_iters, k_tiles, ALIGN)
+        for f in tl.static_range(7):
+            tl.store(out + (pid * 2 + j) * 7 + f, step[f].to(tl.int32))
+
+
+def _sk_runs(tail: int, k_tiles: int, share: int, align: bool) -> list[list[tuple[int, int, int]]]:
+    """Per program, its K blocks in the order it reads them: (tail tile, K block, slot)."""
+    programs = cdiv(tail * k_tiles, share)
+    got = torch.full((programs * 2 * 7,), -1, dtype=torch.int32)
+    _sk_steps_kernel[(programs,)](got, share, tail * k_tiles, k_tiles, ALIGN=align)
+    runs = []
+    for p in range(programs):
+        run = []
+        for j in range(2):
+            valid, tile, slot, k0, k1, k2, k3 = got[(p * 2 + j) * 7 : (p * 2 + j + 1) * 7].tolist()
+            if valid:
+                run += [(tile, kk, slot) for kk in [*range(k0, k1), *range(k2, k3)]]
+        runs.append(run)
+    return runs
+
+
+@pytest.mark.parametrize(
+    "tail, k_tiles, share", [(3, 10, 6), (84, 108, 69), (100, 64, 49), (8, 64, 16), (5, 7, 7), (3, 12, 9)]
+)
+def test_stream_k_runs_cover_the_tail_once(tail, k_tiles, share):
+    """Both orders read every tail tile's K blocks once, each run within at most two tiles, a
+    program's part of its first tile in slot 0 and of the next in slot 1 (where the last of a
+    tile's programs finds them). Aligned (``stream_k_aligned``), where a tile has at most two
+    parts, a program reads at step tau K block tau, tau + k_tiles - share or tau + share of its
+    tile: three offsets for all programs, against one a program in order (a stretch inside a tile starts
+    where it falls)."""
+    offsets = {}
+    for align in (False, True):
+        runs = _sk_runs(tail, k_tiles, share, align)
+        blocks = sorted((tile, kk) for run in runs for tile, kk, _slot in run)
+        assert blocks == [(i, kk) for i in range(tail) for kk in range(k_tiles)]
+        for p, run in enumerate(runs):
+            assert len(run) == min(share, tail * k_tiles - p * share)
+            first = p * share // k_tiles
+            assert all(tile == first + slot for tile, _kk, slot in run)
+        whole = [run for run in runs if len(run) == share]  # (the last program's run may be shorter)
+        offsets[align] = {(kk - tau) % k_tiles for run in whole for tau, (_t, kk, _s) in enumerate(run)}
+        if not align:
+            assert runs == [
+                [
+                    (i // k_tiles, i % k_tiles, i // k_tiles - p * share // k_tiles)
+                    for i in range(p * share, hi)
+                ]
+                for p, hi in enumerate(min(p * share + share, tail * k_tiles) for p in range(len(runs)))
+            ]
+    if 2 * share >= k_tiles:
+        assert offsets[True] <= {0, k_tiles - share, share}
+    assert len(offsets[True]) <= len(offsets[False])
+
+
+def test_aligned_stream_k_tail_with_stretches_inside_a_tile():
+    """The aligned stream-K tail where a program's run lies inside a tile and is read in two runs:
+    8 tiles of 16x32 on 5 programs leave 3 tail tiles of 10 K blocks, 6 per program (program 2
+    reads blocks 6-7, then 2-5 of tail tile 1); odd K (masked pointer loads) and TMA-aligned; in
+    a launch of its own and in the whole waves' launch."""
+    for k, kmajor in ((160, True), (150, False)):
+        gen = torch.Generator().manual_seed(k)
+        a, b = _operands(64, 64, k, torch.float32, kmajor, gen)
+        s = _schedule("all_reduce", 2, 64, 64, k, "tile_major", 1, 3)
+        plan = make_plan(s, 64, 64, k, sm_count=5)
+        assert (plan.num_tiles, plan.grid) == (8, 5) and stream_k_split(8, 5, 10, force=True) == (5, 6)
+        assert _sk_runs(3, 10, 6, True)[2][:2] == [(1, 6, 0), (1, 7, 0)]
+        ref = a.double() @ b.double()
+        for fuse in (False, True):  # a launch of its own, or the whole waves' (``fuse_tail``)
+            options = KernelOptions(stream_k=True, stream_k_aligned=True, fuse_tail=fuse)
+            got = run_and_reassemble(s, a, b, options, sm_count=5)
+            assert not got.isnan().any()
+            assert ((got.double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
 
 
 def test_tail_split_rule():

@@ -87,10 +87,23 @@ def test_compiled_gemm_matches_matmul(m, n, k, kmajor, tile, dtype):
         KernelOptions(subtile=4),
         KernelOptions(tma_store=True),
         KernelOptions(stream_k=True),
+        KernelOptions(stream_k=True, stream_k_aligned=True),
         KernelOptions(defer_signal=False, stream_k=False, split_tail=False),
         KernelOptions(split_tail=True),
+        KernelOptions(split_tail=True, fuse_tail=True),
+        KernelOptions(stream_k=True, stream_k_aligned=True, fuse_tail=True),
     ],
-    ids=["loop_per_tile", "subtile4", "tma_store", "stream_k", "signal_at_once_whole_waves", "split_tail"],
+    ids=[
+        "loop_per_tile",
+        "subtile4",
+        "tma_store",
+        "stream_k",
+        "stream_k_aligned",
+        "signal_at_once_whole_waves",
+        "split_tail",
+        "split_tail_fused",
+        "stream_k_aligned_fused",
+    ],
 )
 def test_compiled_gemm_variants(options):
     """The kernel's other build options (``KernelOptions``) on odd and aligned shapes, both layouts."""
@@ -178,18 +191,32 @@ VISIBILITY_REPS = 300
         KernelOptions(stream_k=True),
         KernelOptions(stream_k=True, tma_store=True),
         KernelOptions(stream_k=True, defer_signal=False),
+        KernelOptions(stream_k=True, stream_k_aligned=True),
         KernelOptions(split_tail=True),
+        KernelOptions(split_tail=True, fuse_tail=True),
+        KernelOptions(stream_k=True, stream_k_aligned=True, fuse_tail=True),
     ],
-    ids=["plain_store", "tma_store", "signal_at_once", "split_tail"],
+    ids=[
+        "plain_store",
+        "tma_store",
+        "signal_at_once",
+        "stream_k_aligned",
+        "split_tail",
+        "split_tail_fused",
+        "stream_k_aligned_fused",
+    ],
 )
 def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, options):
     """The signal's guarantee: a reader on another stream that acquires a group's counter at its
     target reads every element of the group's tiles. The output is poisoned (NaN) before every
     repetition and two input sets alternate; the stream-K tail is on (its tiles are finished by
-    whichever program arrives last), or the split tail (256 tiles on 116 programs: the last 24
-    cut into quarters, each tile signalled by its last piece); signals are deferred to the
-    next tile (the default) or sent at once; each group (one tile row, or 8 tiles) is read by a spinning
-    kernel on the SMs left free, so it reads within microseconds of the last tile's release."""
+    whichever program arrives last; its runs in order or aligned, in a launch of its own or
+    fused), or the split tail (256 tiles
+    on 116 programs: the last 24 cut into quarters, each tile signalled by its last piece; in a
+    launch of its own or fused);
+    signals are deferred to the next tile (the default) or sent at once; each group (one tile
+    row, or 8 tiles) is read by a spinning kernel on the SMs left free, so it reads within
+    microseconds of the last tile's release."""
     m, n, k = 2048, 4096, 1024
     tile = Tile(block_m=128, block_n=256, block_k=64, group_m=1, num_warps=8, num_stages=3)
     mt, nt = cdiv(m, tile.block_m), cdiv(n, tile.block_n)
