@@ -91,6 +91,39 @@ def test_the_wave_count_follows_the_kernels_split_tail():
     assert waves(4096, 8192, 4096, big, 128) == 8 and waves(128, 256, 64, big, 132) == 1
 
 
+def test_units_are_ready_when_the_kernel_signals_them():
+    """A tile is signalled at its program's next tile's epilogue in the same launch. Where the last
+    partial wave is a launch of its own (split tail, stream-K), the last whole wave's tiles have no
+    next tile, so they are ready when that wave ends, and the split wave lasts its share."""
+    from fo_kernels.plan import make_plan
+    from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
+    from fo_tune.model.profiles import SPLIT_WAVE_SHARE
+    from fo_tune.model.triton import unit_ready_fractions
+
+    big = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4)
+
+    def fractions(m: int, n: int, k: int, sms_free: int) -> list[float]:
+        units = -(-m // 128) * -(-n // 256)
+        st = TritonSettings(
+            tile=big, sms_free=sms_free, nccl_max_ctas=0, signal_tiles=1, groups=(units,), layout="tile_major"
+        )
+        problem = Problem(m=m, n=n, k=k)
+        s = Schedule(collective="all_reduce", dtype="bfloat16", world_size=2, problem=problem, settings=st)
+        return unit_ready_fractions(make_plan(s, m, n, k, sm_count=132), big)
+
+    # 1024 tiles on 124 programs: 8 whole waves, 32 tail tiles split in halves (a launch of its own)
+    split = fractions(4096, 8192, 4096, 8)
+    length = 8 + SPLIT_WAVE_SHARE[2]
+    assert split[0] == pytest.approx(2 / length)  # wave 0's tile, signalled at wave 1's epilogue
+    assert split[7 * 124 - 1] == pytest.approx(8 / length)  # wave 6, signalled in wave 7
+    assert split[7 * 124] == pytest.approx(8 / length)  # wave 7: its programs' last in that launch
+    assert split[-1] == 1.0 and split == sorted(split)
+    # 2^35 multiply-adds: neither split nor stream-K, so the tail tiles are the next tiles of wave 7
+    whole = fractions(2048, 8192, 2048, 8)  # 512 tiles: 4 waves and 16 tail tiles
+    assert whole[3 * 124] == 1.0 and whole[3 * 124 - 1] == pytest.approx(4 / 5)  # wave 2, in wave 3
+    assert whole[3 * 124 + 16] == pytest.approx(4 / 5)  # program 16 of wave 3 has no tail tile
+
+
 def test_the_triton_model_against_the_shipped_trials(model):
     rows = [c for c in check_files(REPORTS, model) if c.engine == "triton"]
     assert len(rows) > 300

@@ -49,8 +49,16 @@ def waves(m: int, n: int, k: int, tile: Tile, grid: int, split: bool = True) -> 
     whole, tail = divmod(tiles, max(1, grid))
     if tail == 0 or not split:
         return whole + (tail > 0)
-    split_m, split_n = tail_split(tiles, max(1, grid), tile, macs=m * n * k)
-    return whole + SPLIT_WAVE_SHARE.get(split_m * split_n, 1.0)
+    return whole + last_wave_share(tiles, max(1, grid), tile, m * n * k)
+
+
+def last_wave_share(num_tiles: int, grid: int, tile: Tile, macs: int) -> float:
+    """The last, partial wave of ``signalled_gemm`` as a share of a whole wave's time: its pieces'
+    share where the kernel splits it (``tail_split``; ``macs``: M x N x K), else 1. A stream-K tail
+    counts whole too: its measured cost (docs/perf-notes.md, "Stream-K's tail as its own launch")
+    is not a share of the wave."""
+    split_m, split_n = tail_split(num_tiles, grid, tile, macs=macs)
+    return SPLIT_WAVE_SHARE.get(split_m * split_n, 1.0)
 
 
 def missing_curve(cal: Calibration, collective: str) -> str:

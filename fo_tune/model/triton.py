@@ -6,8 +6,9 @@ For a ``TritonSettings`` schedule and a shape (``predict``), with the plan of ``
    the tile's wave model).
 2. Unit ``u`` is ready when the wave after the one holding its last tile ends (a tile is
    signalled at its program's next tile's epilogue): ``ready_u = T * (w_u + 2) / W``, or
-   ``T * (w_u + 1) / W`` where that wave's tiles are their programs' last (program p runs tiles
-   p, p + G, ...; ``W`` waves; ``T`` the GEMM time under contention).
+   ``T * (w_u + 1) / W`` where that wave's tiles have no next tile in their launch (program p
+   runs tiles p, p + G, ...; ``W`` waves, a split last wave counted as its share; ``T`` the GEMM
+   time under contention; a last partial wave split or shared out runs as a launch of its own).
 3. Group ``g``'s collective: its chunk's bytes on the bandwidth curve of (collective, CTA cap).
    It starts at ``max(ready_g, end_{g-1}) + COMM_ISSUE_GAP_MS`` and, while the GEMM still runs,
    progresses ``1 / comm_slowdown`` as fast (interference table). Where the calibration saw NCCL
@@ -36,9 +37,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fo_kernels.plan import Plan, cdiv, make_plan
+from fo_kernels.plan import Plan, cdiv, make_plan, stream_k_split, tail_split
 from fo_kernels.schedule import SHARDED_COLLECTIVES, Schedule, Tile, TritonSettings
 
+from .profiles import last_wave_share
 from .types import Interference, Prediction, element_bytes
 
 if TYPE_CHECKING:
@@ -82,19 +84,32 @@ def with_groups(schedule: Schedule, groups: Sequence[int]) -> Schedule:
     return dataclasses.replace(schedule, settings=dataclasses.replace(st, groups=tuple(groups)))
 
 
-def unit_ready_fractions(plan: Plan) -> list[float]:
+def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
     """Per signal unit: when it is complete, as a fraction of the GEMM's duration. The kernel
     signals a tile at its program's next tile's epilogue (``KernelOptions.defer_signal``), so a
-    unit whose last wave's tiles have a next tile is complete one wave after that wave."""
-    total = cdiv(plan.num_tiles, plan.grid)
+    unit whose last wave's tiles have a next tile in the same launch is complete one wave after
+    that wave. Where the last, partial wave runs as a launch of its own (the split tail or the
+    stream-K tail, ``fo_kernels.plan``), the whole waves' last tiles have no next tile there, and
+    that wave lasts its share of a wave (``last_wave_share``)."""
+    waves = cdiv(plan.num_tiles, plan.grid)
+    tail = plan.num_tiles % plan.grid
+    macs = plan.m * plan.n * plan.k
+    split = tail_split(plan.num_tiles, plan.grid, tile, macs=macs)
+    own_launch = tail > 0 and (
+        split != (1, 1) or stream_k_split(plan.num_tiles, plan.grid, cdiv(plan.k, tile.block_k))[1] > 0
+    )
+    main_tiles = plan.num_tiles - tail if own_launch else plan.num_tiles
+    last = last_wave_share(plan.num_tiles, plan.grid, tile, macs) if tail else 1.0
+    duration = waves - 1 + last
     out = []
     for u in range(plan.num_units):
         first = u * plan.unit_tiles
-        last = min(first + plan.unit_tiles, plan.num_tiles) - 1
-        wave = last // plan.grid
+        final = min(first + plan.unit_tiles, plan.num_tiles) - 1
+        wave = final // plan.grid
         # the unit's earliest tile in that wave: if it has a next tile, so do the later programs
-        deferred = max(first, wave * plan.grid) + plan.grid < plan.num_tiles
-        out.append((wave + 1 + deferred) / total)
+        deferred = max(first, wave * plan.grid) + plan.grid < main_tiles
+        done = wave + deferred  # the wave whose end completes the unit
+        out.append((done + 1 if done < waves - 1 else duration) / duration)
     return out
 
 
@@ -132,7 +147,7 @@ class TritonTerm:
             self.comm_time(schedule.collective, st.nccl_max_ctas, (c1 - c0) * elem)
             for c0, c1 in (plan.chunk_range(g) for g in range(plan.num_groups))
         ]
-        fractions = unit_ready_fractions(plan)
+        fractions = unit_ready_fractions(plan, st.tile)
         ends_of_groups = []
         u = 0
         for size in plan.group_units:
@@ -217,7 +232,7 @@ class TritonTerm:
         t0, _ = self.model.tile_profile.time(st.tile, m, n, k, plan.grid)
         inter = self.model.interference(schedule.collective, st.sms_free, st.nccl_max_ctas)
         gemm_ms = t0 * (inter.gemm_slowdown if inter.concurrent else 1.0)
-        fractions = unit_ready_fractions(plan)
+        fractions = unit_ready_fractions(plan, st.tile)
         cuts = _allowed_cuts(plan, st, units)
         chunk_bytes = _chunk_bytes(plan, element_bytes(schedule.dtype), n)
         inf = math.inf
