@@ -409,7 +409,7 @@ def _signalled_gemm_kernel(
             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_M, SPLIT_N, USE_TMA, B_KMAJOR, UPCAST, IEEE,
             LAYOUT, SIGNAL, OUT_DTYPE, PTX, SYS_SIGNAL,
         )  # fmt: skip
-    elif not STREAM_K:  # the whole waves (STREAM_K: a launch of the stream-K tail only)
+    elif not STREAM_K:  # the whole waves (STREAM_K: a launch of the stream-K tail only, below)
         # The epilogue recomputes its tile from a counter of its own (as Triton's persistent-matmul
         # tutorial does), so a flattened, pipelined loop's prologue (next tile's loads) and epilogue
         # (this tile's stores) share no value.
@@ -433,14 +433,6 @@ def _signalled_gemm_kernel(
             )  # fmt: skip
         if DEFER and SIGNAL:
             _signal_if(counters, prev_g, TMA_STORE, PTX, SYS_SIGNAL)
-        if FUSE_SK:  # the stream-K tail in this launch, on the programs that have a share
-            _sk_tail(
-                pid, a, b, out, out_desc, out2, counters, unit_group, group_info, ready, sk_arrive,
-                sk_partial, M, N, K, rows_per_shard, tiles_m, tiles_n, num_tiles, shards, unit_tiles,
-                main_tiles, sk_iters, k_tiles, stride_am, stride_ak, stride_bk, stride_bn,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, B_KMAJOR, LAYOUT, SIGNAL, UPCAST, IEEE,
-                OUT_DTYPE, SUBTILE, TMA_STORE, PTX, ACCUMULATE, COPY, SYS_SIGNAL, SK_ALIGN,
-            )  # fmt: skip
         if FUSE_M * FUSE_N > 1:  # noqa: SIM102 (a compile-time test, then a runtime one)
             # the split tail in this launch: a piece a program (FUSE_M x FUSE_N pieces a tile)
             if pid < (num_tiles - main_tiles) * (FUSE_M * FUSE_N):
@@ -451,7 +443,7 @@ def _signalled_gemm_kernel(
                     BLOCK_M // FUSE_M, BLOCK_N // FUSE_N, BLOCK_K, GROUP_M, FUSE_M, FUSE_N, USE_TMA,
                     B_KMAJOR, UPCAST, IEEE, LAYOUT, SIGNAL, OUT_DTYPE, PTX, SYS_SIGNAL,
                 )  # fmt: skip
-    else:  # a launch of the stream-K tail only
+    if STREAM_K or FUSE_SK:  # the stream-K tail: a launch of its own, or after the whole waves
         _sk_tail(
             pid, a, b, out, out_desc, out2, counters, unit_group, group_info, ready, sk_arrive,
             sk_partial, M, N, K, rows_per_shard, tiles_m, tiles_n, num_tiles, shards, unit_tiles,
