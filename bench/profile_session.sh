@@ -186,7 +186,7 @@ if mode == "ab":  # the last partial wave: whole, stream-K's rule, split into pi
                 rows.append(row(m, n, k, name, r, grid, x, cub, share or "", err, status))
                 line.append(f"{name}@{r} {cub / x.median_ms:.3f}" + (f"/{share:.3f}" if share else "") if x else f"{name}@{r} {status}")
         print(f"{m}x{n}x{k}: " + ", ".join(line))
-    write_csv("ab.csv", rows)
+        write_csv("ab.csv", rows)  # after every shape: a call cut short keeps what it timed
     sys.exit(0)
 var_rows, red_rows = [], []
 for m, n, k in SHAPES:
