@@ -150,19 +150,21 @@ def write_csv(fname, rows):
 if mode == "ab":  # the last partial wave: whole, stream-K's rule, split into pieces (rule, forced)
     t4 = T(128, 256, 64, 8, 4)
     O = KernelOptions
+    OWN = dict(fuse_tail=False)  # the tail in a launch of its own
     VARIANTS = {
+        "default": (t4, O()),  # the shipped options
         "waves": (t4, O(stream_k=False, split_tail=False)),
-        "stream_k": (t4, O(split_tail=False)),  # stream-K where its rule says
-        "split": (t4, O()),  # the default: the split tail where its rule says, else stream-K's rule
-        "split_forced": (t4, O(split_tail=True)),
+        "stream_k": (t4, O(split_tail=False, stream_k_aligned=False, **OWN)),  # where its rule says
+        "split": (t4, O(stream_k_aligned=False, **OWN)),  # the split where its rule says, else stream-K's
+        "split_forced": (t4, O(split_tail=True, **OWN)),
         "split_fused": (t4, O(fuse_tail=True)),
         "split_fused_forced": (t4, O(split_tail=True, fuse_tail=True)),
-        "stream_k_forced": (t4, O(stream_k=True)),
-        "stream_k_aligned": (t4, O(stream_k=True, stream_k_aligned=True)),
+        "stream_k_forced": (t4, O(stream_k=True, stream_k_aligned=False, **OWN)),
+        "stream_k_aligned": (t4, O(stream_k=True, stream_k_aligned=True, **OWN)),
         "stream_k_aligned_fused": (t4, O(stream_k=True, stream_k_aligned=True, fuse_tail=True)),
         # TMA-store epilogues, whose wait for the writes the deferred signal moves a tile later
         "waves_tma": (t4, O(stream_k=False, split_tail=False, tma_store=True)),
-        "split_tma": (t4, O(tma_store=True)),
+        "split_tma": (t4, O(tma_store=True, **OWN)),
         "split_fused_tma": (t4, O(fuse_tail=True, tma_store=True)),
     }
     if os.environ.get("AB_VARIANTS"):  # e.g. AB_VARIANTS=split,split_tma (a subset, by name)

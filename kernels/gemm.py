@@ -28,14 +28,14 @@ With TMA loads the two loops above are one flattened, software-pipelined loop ov
 The CTA barrier is inline PTX there (``tl.debug_barrier`` stops Triton 3.6 from pipelining the
 flattened loop). Each tile's signal is sent at the next tile's epilogue (``KernelOptions.
 defer_signal``), when its stores have long been issued. Where a last, partial wave would leave
-programs idle, a second launch runs it: where it holds at most half the grid, its tiles cut into
-halves or quarters, one wave of pieces (the split tail, ``tail_split``), each tile signalled by
-the last of its pieces to finish; else, where the measured rule in ``stream_k_split`` says it
-pays, its tiles' K blocks shared out over the programs (stream-K), each tail tile finished, stored
-and signalled by the last of its programs to arrive (``docs/perf-notes.md``, "The signalled GEMM
-at cuBLAS speed (one H200)" and "The split tail"). Two options change how the tail runs:
-``KernelOptions.fuse_tail`` runs it (split or stream-K) in the whole waves' launch, and
-``stream_k_aligned`` orders the stream-K programs' K blocks so that they read them together.
+programs idle, the programs go on to it once their last whole tile is done (``KernelOptions.
+fuse_tail``; else a second launch runs it): where it holds at most half the grid, its tiles cut
+into halves or quarters, one wave of pieces (the split tail, ``tail_split``), each tile signalled
+by the last of its pieces to finish; else, where the measured rule in ``stream_k_split`` says it
+pays, its tiles' K blocks shared out over the programs (stream-K, in the order of ``_sk_step``),
+each tail tile finished, stored and signalled by the last of its programs to arrive
+(``docs/perf-notes.md``, "The signalled GEMM at cuBLAS speed (one H200)", "The split tail" and
+session 14).
 
 Counters are never reset: each call's targets are the running totals the host keeps (see
 ``fo_kernels.runtime``), and every comparison is wrap-around safe in int32.
@@ -552,32 +552,33 @@ class KernelOptions:
     descriptor and waits for the writes before the signal (1-2% slower than plain stores on the
     large shapes, 20% at 2048x4096x4096); None: wherever the layout and strides allow it.
     ``stream_k``: when the tiles leave a last, partial wave, its tiles' K blocks are shared out
-    over the programs (``stream_k_split``) in a second launch, so the last wave takes its share of
-    the time instead of a whole tile's. None: where the measured rule says it pays (a tail of at
-    most ``STREAM_K_MAX_TAIL`` of the grid, K of at least ``STREAM_K_MIN_K_BLOCKS`` blocks); True:
-    for every partial last wave; False: never. In the same kernel as the whole waves the tail's
-    code raised register use to the limit and slowed the main loop 2-9%, hence its own launch (at
-    about 0.05 ms more host time per call). ``defer_signal``: each tile's signal is sent at the
+    over the programs (``stream_k_split``), so the last wave takes its share of the time instead
+    of a whole tile's. None: where the measured rule says it pays (a tail of at most
+    ``STREAM_K_MAX_TAIL`` of the grid, K of at least ``STREAM_K_MIN_K_BLOCKS`` blocks); True: for
+    every partial last wave; False: never. ``defer_signal``: each tile's signal is sent at the
     next tile's epilogue (the last after the loop), so the release fence waits on stores issued a
     tile earlier instead of stalling the CTA on those just issued: +0-4% at full grid on 9 of 9
     shapes (0.918 -> 0.959x cuBLAS at 8192x4096x2048); a group then completes up to one tile's
     time later (the last group does not: its last tiles have no next tile).
     ``split_tail``: when the last, partial wave holds at most half the grid, its tiles are cut into
-    halves or quarters (``tail_split``) that run as one wave of a second launch, each piece
-    ``SPLIT_WARPS`` warps: a wave of 128x128 pieces of 128x256 tiles took 0.53-0.58 of a whole
+    halves or quarters (``tail_split``) that run as one wave of pieces (in a launch of their own,
+    ``SPLIT_WARPS`` warps each): a wave of 128x128 pieces of 128x256 tiles took 0.53-0.58 of a whole
     tile's wave, of 64x128 pieces 0.36-0.38. None: where ``tail_split`` cuts (calls of at least
     ``SPLIT_MIN_MACS`` multiply-adds, and the pieces fit the grid; before stream-K, which it
     matched wherever both apply); True: every partial last wave (halves at least, on as many
     programs as there are pieces, which may exceed the grid); False: never. ``stream_k=True``
     takes precedence. ``stream_k_aligned``: the stream-K tail's programs run their K blocks in the
     order that keeps them at three K offsets from a common step (``_sk_step``), so that programs
-    read the same A and B blocks together, as a wave's do; off: each program's run in order, from
+    read the same A and B blocks together, as a wave's do: forced stream-K gained 0.1-6.4% over
+    each program's run in order at K >= 9472 (12 of 12 shape-grid pairs) and 7.3% at
+    3000x5120x6912 on 124 programs, within 1.2% elsewhere; off: each program's run in order, from
     scattered K blocks. ``fuse_tail``: the last partial wave runs in the whole waves' launch, each
-    program going on to its piece of the split tail (the launch's warps, not ``SPLIT_WARPS``) or its
-    stream-K runs once its last whole tile is done, so a call is one launch (no second launch's
-    host time); a forced split whose pieces outnumber the programs keeps its own launch. Off: a
-    launch of its own. Both are off until a GPU times them (built and checked on the CPU;
-    ``docs/perf-notes.md``, "Session 14").
+    program going on to its piece of the split tail (the launch's warps, not ``SPLIT_WARPS``) or
+    its stream-K runs once its last whole tile is done, so a call is one launch: on the GPU within
+    the timing's noise of the tail's own launch (-1.4..+3.5%, mean +0.6% over 40 shape-grid
+    pairs), and 21-57% faster where the calls are bound by their host's launches
+    (2048x4096x4096, forced stream-K); a forced split whose pieces outnumber the programs keeps
+    its own launch. Off: a launch of its own (``docs/perf-notes.md``, session 14).
     """
 
     flatten: bool = True
@@ -586,8 +587,8 @@ class KernelOptions:
     stream_k: bool | None = None
     defer_signal: bool = True
     split_tail: bool | None = None
-    stream_k_aligned: bool = False
-    fuse_tail: bool = False
+    stream_k_aligned: bool = True
+    fuse_tail: bool = True
 
     def __post_init__(self) -> None:
         if self.subtile not in SUBTILES:

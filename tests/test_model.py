@@ -92,8 +92,8 @@ def test_the_wave_count_follows_the_kernels_split_tail():
 
 
 def test_units_are_ready_when_the_kernel_signals_them():
-    """A tile is signalled at its program's next tile's epilogue in the same launch. Where the last
-    partial wave is a launch of its own (split tail, stream-K), the last whole wave's tiles have no
+    """A tile is signalled at its program's next tile's epilogue in the whole waves' loop. Where the
+    last partial wave runs apart from it (split tail, stream-K), the last whole wave's tiles have no
     next tile, so they are ready when that wave ends, and the split wave lasts its share."""
     from fo_kernels.plan import make_plan
     from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
@@ -111,7 +111,7 @@ def test_units_are_ready_when_the_kernel_signals_them():
         s = Schedule(collective="all_reduce", dtype="bfloat16", world_size=2, problem=problem, settings=st)
         return unit_ready_fractions(make_plan(s, m, n, k, sm_count=132), big)
 
-    # 1024 tiles on 124 programs: 8 whole waves, 32 tail tiles split in halves (a launch of its own)
+    # 1024 tiles on 124 programs: 8 whole waves, 32 tail tiles split in halves (after the loop)
     split = fractions(4096, 8192, 4096, 8)
     length = 8 + SPLIT_WAVE_SHARE[2]
     assert split[0] == pytest.approx(2 / length)  # wave 0's tile, signalled at wave 1's epilogue

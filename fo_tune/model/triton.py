@@ -6,9 +6,9 @@ For a ``TritonSettings`` schedule and a shape (``predict``), with the plan of ``
    the tile's wave model).
 2. Unit ``u`` is ready when the wave after the one holding its last tile ends (a tile is
    signalled at its program's next tile's epilogue): ``ready_u = T * (w_u + 2) / W``, or
-   ``T * (w_u + 1) / W`` where that wave's tiles have no next tile in their launch (program p
+   ``T * (w_u + 1) / W`` where that wave's tiles have no next whole tile (program p
    runs tiles p, p + G, ...; ``W`` waves, a split last wave counted as its share; ``T`` the GEMM
-   time under contention; a last partial wave split or shared out runs as a launch of its own).
+   time under contention; a last partial wave split or shared out runs after the whole waves).
 3. Group ``g``'s collective: its chunk's bytes on the bandwidth curve of (collective, CTA cap).
    It starts at ``max(ready_g, end_{g-1}) + COMM_ISSUE_GAP_MS`` and, while the GEMM still runs,
    progresses ``1 / comm_slowdown`` as fast (interference table). Where the calibration saw NCCL
@@ -87,10 +87,11 @@ def with_groups(schedule: Schedule, groups: Sequence[int]) -> Schedule:
 def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
     """Per signal unit: when it is complete, as a fraction of the GEMM's duration. The kernel
     signals a tile at its program's next tile's epilogue (``KernelOptions.defer_signal``), so a
-    unit whose last wave's tiles have a next tile in the same launch is complete one wave after
-    that wave. Where the last, partial wave runs as a launch of its own (the split tail or the
-    stream-K tail, ``fo_kernels.plan``), the whole waves' last tiles have no next tile there, and
-    that wave lasts its share of a wave (``last_wave_share``)."""
+    unit whose last wave's tiles have a next tile in the whole waves' loop is complete one wave
+    after that wave. Where the last, partial wave runs apart from that loop (the split tail or the
+    stream-K tail, ``fo_kernels.plan``; after it in the same launch, or in a launch of its own),
+    the whole waves' last tiles have no next tile there and are signalled when their wave ends,
+    and the tail lasts its share of a wave (``last_wave_share``)."""
     waves = cdiv(plan.num_tiles, plan.grid)
     tail = plan.num_tiles % plan.grid
     macs = plan.m * plan.n * plan.k
