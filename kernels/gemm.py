@@ -35,7 +35,7 @@ by the last of its pieces to finish; else, where the measured rule in ``stream_k
 pays, its tiles' K blocks shared out over the programs (stream-K, in the order of ``_sk_step``),
 each tail tile finished, stored and signalled by the last of its programs to arrive
 (``docs/perf-notes.md``, "The signalled GEMM at cuBLAS speed (one H200)", "The split tail" and
-session 14).
+"The tail in the whole waves' launch").
 
 Counters are never reset: each call's targets are the running totals the host keeps (see
 ``fo_kernels.runtime``), and every comparison is wrap-around safe in int32.
@@ -61,7 +61,7 @@ import triton.language as tl
 
 from .errors import ScheduleError
 from .gemm_epilogue import _bulk_stores_done, _cta_barrier, _store_piece, _store_tile
-from .plan import Plan, stream_k_split, tail_split
+from .plan import Plan, TailPlan, tail_plan
 from .schedule import Tile
 
 # TMA needs every stride but the last and the base address 16-byte aligned (CUDA driver API,
@@ -578,7 +578,8 @@ class KernelOptions:
     the timing's noise of the tail's own launch (-1.4..+3.5%, mean +0.6% over 40 shape-grid
     pairs), and 21-57% faster where the calls are bound by their host's launches
     (2048x4096x4096, forced stream-K); a forced split whose pieces outnumber the programs keeps
-    its own launch. Off: a launch of its own (``docs/perf-notes.md``, session 14).
+    its own launch. Off: a launch of its own (``docs/perf-notes.md``, "The tail in the whole
+    waves' launch" and the "Measured" section after it).
     """
 
     flatten: bool = True
@@ -602,18 +603,17 @@ SPLIT_WARPS = 4
 DEFAULT_OPTIONS = KernelOptions()
 
 
-def _stream_k_args(a: torch.Tensor, tile: Tile, num_tiles: int, grid: int, mode: bool | None) -> tuple:
-    """(sk_arrive, sk_partial, main_tiles, sk_iters, tail programs: 0 for no tail launch) for one
-    call: a zeroed arrival count per tail tile and two float32 tile slots per program, from
-    torch's allocator on the current stream (so calls on other streams never share them).
-    ``mode``: as ``KernelOptions.stream_k``."""
+def _stream_k_args(a: torch.Tensor, tile: Tile, grid: int, tail: TailPlan, num_tiles: int) -> tuple:
+    """(sk_arrive, sk_partial, tail programs) of the stream-K tail ``tail.share`` asks for (``a``
+    twice and 0 for none): a zeroed arrival count per tail tile and two float32 tile slots per
+    program, from torch's allocator on the current stream (so calls on other streams never share
+    them)."""
+    if tail.share == 0:
+        return a, a, 0
     k_tiles = -(-a.shape[1] // tile.block_k)
-    main, share = (num_tiles, 0) if mode is False else stream_k_split(num_tiles, grid, k_tiles, bool(mode))
-    if share == 0:
-        return a, a, num_tiles, 0, 0
-    arrive = torch.zeros(num_tiles - main, dtype=torch.int32, device=a.device)
+    arrive = torch.zeros(num_tiles - tail.main_tiles, dtype=torch.int32, device=a.device)
     partial = torch.empty(grid * 2 * tile.block_m * tile.block_n, dtype=torch.float32, device=a.device)
-    return arrive, partial, main, share, -(-(num_tiles - main) * k_tiles // share)
+    return arrive, partial, -(-(num_tiles - tail.main_tiles) * k_tiles // tail.share)
 
 
 def _store_desc(out: torch.Tensor, plan: Plan, tile: Tile, subtile: int, want: bool | None) -> object | None:
@@ -702,17 +702,13 @@ def signalled_gemm(
     a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
     subtile = min(options.subtile, tile.block_n // MIN_PIECE)
     desc = _store_desc(out, plan, tile, subtile, options.tma_store)
-    split = (1, 1)
-    if options.stream_k is not True and options.split_tail is not False:
-        split = tail_split(plan.num_tiles, plan.grid, tile, options.split_tail is True, m * n * k)
+    tail = tail_plan(plan.num_tiles, plan.grid, tile, k, m * n * k, options.stream_k, options.split_tail)
+    split, main_tiles, share = tail.split, tail.main_tiles, tail.share
     if split != (1, 1):
-        main_tiles = plan.num_tiles - plan.num_tiles % plan.grid
         arrive = torch.zeros(plan.num_tiles - main_tiles, dtype=torch.int32, device=a.device)
-        partial, share, tail_grid = a, 0, 0
+        partial, tail_grid = a, 0
     else:
-        arrive, partial, main_tiles, share, tail_grid = _stream_k_args(
-            a, tile, plan.num_tiles, plan.grid, options.stream_k
-        )
+        arrive, partial, tail_grid = _stream_k_args(a, tile, plan.grid, tail, plan.num_tiles)
     layout = LAYOUT_TILE_MAJOR if plan.layout == "tile_major" else LAYOUT_ROW_BAND
 
     def launch(grid: int, operands: tuple, meta: Mapping[str, object], **mode: object) -> None:

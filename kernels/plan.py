@@ -103,6 +103,35 @@ def stream_k_split(num_tiles: int, grid: int, k_tiles: int, force: bool = False)
     return num_tiles - tail, share
 
 
+@dataclass(frozen=True, slots=True)
+class TailPlan:
+    """How ``signalled_gemm`` runs a call's last, partial wave: ``split`` (SPLIT_M, SPLIT_N; (1, 1):
+    not split), ``main_tiles`` (the tiles of the whole waves' loop; the rest is the tail) and
+    ``share`` (K blocks per program of the stream-K tail; 0: none)."""
+
+    split: tuple[int, int]
+    main_tiles: int
+    share: int
+
+
+def tail_plan(
+    num_tiles: int, grid: int, tile: Tile, k: int, macs: int, stream_k: bool | None = None,
+    split_tail: bool | None = None,
+) -> TailPlan:  # fmt: skip
+    """The kernel's choice for the last partial wave (``stream_k`` and ``split_tail`` as
+    ``fo_kernels.gemm.KernelOptions``; None: the measured rules): the split tail first, unless
+    stream-K is forced, else stream-K where its rule (or ``stream_k=True``) says; ``macs`` is
+    M x N x K."""
+    if stream_k is not True and split_tail is not False:
+        split = tail_split(num_tiles, grid, tile, split_tail is True, macs)
+        if split != (1, 1):
+            return TailPlan(split, num_tiles - num_tiles % grid, 0)
+    if stream_k is False:
+        return TailPlan((1, 1), num_tiles, 0)
+    main, share = stream_k_split(num_tiles, grid, cdiv(k, tile.block_k), bool(stream_k))
+    return TailPlan((1, 1), main, share)
+
+
 def resolve_groups(groups: tuple[int, ...], num_units: int, *, exact: bool) -> tuple[int, ...]:
     """Group sizes in units for this call.
 

@@ -30,9 +30,11 @@ from fo_kernels.plan import (
     STREAM_K_MAX_PARTS,
     STREAM_K_MAX_TAIL,
     STREAM_K_MIN_K_BLOCKS,
+    TailPlan,
     cdiv,
     make_plan,
     stream_k_split,
+    tail_plan,
     tail_split,
 )
 from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
@@ -287,6 +289,21 @@ def test_tail_split_rule():
     assert tail_split(1024, 132, big, force=True) == (1, 2)
     assert tail_split(1024, 128, big) == (1, 1) and tail_split(100, 132, big) == (1, 1)
     assert tail_split(256, 124, small) == (1, 1) and tail_split(256, 124, small, force=True) == (2, 2)
+
+
+def test_tail_plan_takes_the_split_first_unless_stream_k_is_forced():
+    """The launcher's and the model's choice of tail: the split where its rule (or ``split_tail``)
+    cuts, else stream-K by its rule (or forced); ``stream_k=True`` wins over the split and
+    ``stream_k=False`` leaves whole waves."""
+    big = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4)
+    large, small = SPLIT_MIN_MACS, SPLIT_MIN_MACS - 1
+    assert tail_plan(1024, 124, big, 14336, large) == TailPlan((1, 2), 992, 0)  # 32 tail tiles in halves
+    assert tail_plan(1024, 124, big, 14336, large, stream_k=True) == TailPlan((1, 1), 992, 58)
+    assert tail_plan(1024, 124, big, 14336, large, split_tail=False) == TailPlan((1, 1), 992, 58)
+    assert tail_plan(1024, 124, big, 14336, small) == TailPlan((1, 1), 992, 58)  # stream-K's rule
+    assert tail_plan(1024, 124, big, 4096, small) == TailPlan((1, 1), 1024, 0)  # K too short for it
+    assert tail_plan(1024, 124, big, 4096, small, split_tail=True) == TailPlan((1, 2), 992, 0)
+    assert tail_plan(1024, 124, big, 14336, small, stream_k=False) == TailPlan((1, 1), 1024, 0)
 
 
 def test_stream_k_split():

@@ -3,8 +3,7 @@
 - ``TileProfile``: the signalled Triton GEMM alone per (shape, tile, grid): the measured point when
   the calibration profiled it, else the tile's wave model ``a + c * waves * K`` (least squares over
   every profiled point of that tile; ``waves = ceil(tiles / grid)``, a split last wave counted as
-  its pieces' share), which fits the H200 profile
-  within ~10%;
+  its pieces' share), which fits the H200 profile within ~10%;
 - ``Curves``: each collective alone on a buffer, interpolated on the bandwidth curve of its NCCL
   CTA cap (the latency floor below the smallest size, the latency/bandwidth fit beyond the largest);
 - ``InterferenceTable``: the nearest calibrated (SMs left free, cap) pair's slowdowns (of the

@@ -37,7 +37,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fo_kernels.plan import Plan, cdiv, make_plan, stream_k_split, tail_split
+from fo_kernels.plan import Plan, cdiv, make_plan, tail_plan
 from fo_kernels.schedule import SHARDED_COLLECTIVES, Schedule, Tile, TritonSettings
 
 from .profiles import last_wave_share
@@ -93,14 +93,9 @@ def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
     the whole waves' last tiles have no next tile there and are signalled when their wave ends,
     and the tail lasts its share of a wave (``last_wave_share``)."""
     waves = cdiv(plan.num_tiles, plan.grid)
-    tail = plan.num_tiles % plan.grid
     macs = plan.m * plan.n * plan.k
-    split = tail_split(plan.num_tiles, plan.grid, tile, macs=macs)
-    own_launch = tail > 0 and (
-        split != (1, 1) or stream_k_split(plan.num_tiles, plan.grid, cdiv(plan.k, tile.block_k))[1] > 0
-    )
-    main_tiles = plan.num_tiles - tail if own_launch else plan.num_tiles
-    last = last_wave_share(plan.num_tiles, plan.grid, tile, macs) if tail else 1.0
+    main_tiles = tail_plan(plan.num_tiles, plan.grid, tile, plan.k, macs).main_tiles
+    last = last_wave_share(plan.num_tiles, plan.grid, tile, macs) if plan.num_tiles % plan.grid else 1.0
     duration = waves - 1 + last
     out = []
     for u in range(plan.num_units):
