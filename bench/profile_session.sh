@@ -22,7 +22,7 @@
 #                                           # `fo-tune profile`) of the suite and five public TP=2
 #                                           # layer shapes with search_spaces/hopper.yaml's tiles at
 #                                           # r = 0, 8, 12, 16 (no tests: device_session.sh
-#                                           # gpu1-tests runs them)
+#                                           # gpu1-tests runs them; PROFILE_SHAPES names a subset)
 #   bash bench/profile_session.sh tests     # the GEMM's GPU tests only
 #
 # Run from the repository root (where the device tool runs a command). Writes CSVs and logs under
@@ -162,6 +162,7 @@ if mode == "ab":  # the last partial wave: whole, stream-K's rule, split into pi
         "stream_k_forced": (t4, O(stream_k=True, stream_k_aligned=False, **OWN)),
         "stream_k_aligned": (t4, O(stream_k=True, stream_k_aligned=True, **OWN)),
         "stream_k_aligned_fused": (t4, O(stream_k=True, stream_k_aligned=True, fuse_tail=True)),
+        "stream_k_rule_fused": (t4, O(split_tail=False)),  # where its rule says, aligned, fused
         # TMA-store epilogues, whose wait for the writes the deferred signal moves a tile later
         "waves_tma": (t4, O(stream_k=False, split_tail=False, tma_store=True)),
         "split_tma": (t4, O(tma_store=True, **OWN)),
@@ -225,7 +226,7 @@ EOF
 
 profile() {  # the driver is a file: the pool spawns its rank process, which imports __main__
   cat >/tmp/profile_driver.py <<'EOF'
-import subprocess, sys
+import os, subprocess, sys
 from pathlib import Path
 from fo_tune.calibrate import profile_shape
 from fo_tune.launch import FingerprintTask, open_pool
@@ -246,6 +247,8 @@ def main():
         (8192, 3584, 9472): "Qwen2.5-7B down_proj (K = 18944 / 2)",
         (4096, 8192, 14784): "Qwen2.5-72B down_proj (K = 29568 / 2)",
     }
+    if os.environ.get("PROFILE_SHAPES"):  # e.g. PROFILE_SHAPES=4096x8192x14336,4096x8192x14784
+        SHAPES = {s: SHAPES[s] for s in (tuple(int(x) for x in v.split("x")) for v in os.environ["PROFILE_SHAPES"].split(","))}
     FREES = (0, 8, 12, 16)
     tiles = tuple(load_space("search_spaces/hopper.yaml").tile_candidates())
     with open_pool(1, backend="nccl") as pool:

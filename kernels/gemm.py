@@ -553,9 +553,9 @@ class KernelOptions:
     large shapes, 20% at 2048x4096x4096); None: wherever the layout and strides allow it.
     ``stream_k``: when the tiles leave a last, partial wave, its tiles' K blocks are shared out
     over the programs (``stream_k_split``), so the last wave takes its share of the time instead
-    of a whole tile's. None: where the measured rule says it pays (a tail of at most
-    ``STREAM_K_MAX_TAIL`` of the grid, K of at least ``STREAM_K_MIN_K_BLOCKS`` blocks); True: for
-    every partial last wave; False: never. ``defer_signal``: each tile's signal is sent at the
+    of a whole tile's. None: where the measured rule says it pays (it saves each program at least
+    ``STREAM_K_MIN_SAVED_BLOCKS`` of a tile's K blocks); True: for every partial last wave; False:
+    never. ``defer_signal``: each tile's signal is sent at the
     next tile's epilogue (the last after the loop), so the release fence waits on stores issued a
     tile earlier instead of stalling the CTA on those just issued: +0-4% at full grid on 9 of 9
     shapes (0.918 -> 0.959x cuBLAS at 8192x4096x2048); a group then completes up to one tile's

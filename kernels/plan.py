@@ -74,15 +74,15 @@ def tail_split(
     return (2, 1) if can_m and (tile.block_m > tile.block_n or not can_n) else (1, 2)
 
 
-# The measured rule for ``fo_kernels.gemm.KernelOptions(stream_k=None)`` (docs/perf-notes.md, "The
-# signalled GEMM at cuBLAS speed (one H200)"; ten shapes, r = 0, 8, 12, 16 free SMs): the stream-K
-# tail (the last partial wave's K blocks shared out over the programs) costs about 2.5x the main
-# loop's time per K block plus its partials, so it won 3.8-10% wherever the last wave held at most
-# 0.3 of the grid and K had >= 96 blocks (1024 tiles on 124 programs at K = 7168 to 14784; 8192^3
-# on 120; 3000x5120x6912 on 116), was even at K = 4096 and lost 3-30% at K = 2048 and wherever the
-# tail held more than half the grid.
-STREAM_K_MAX_TAIL = 0.3
-STREAM_K_MIN_K_BLOCKS = 96
+# The measured rule for ``fo_kernels.gemm.KernelOptions(stream_k=None)`` (docs/perf-notes.md, "Where
+# the stream-K tail's time goes" and "The rule from the K blocks stream-K saves"): the tail's
+# programs run their K blocks at the whole waves' rate (0.64 us a 128x256x64 block on one H200, in a
+# per-program timeline) plus ~5 us a part (pipeline fill, float32 part store) and ~8 us for the
+# last program's sum and epilogue, so it pays where it saves each program at least this many of a
+# whole tile's K blocks, (1 - tail / grid) x K blocks. Measured (aligned, in the whole waves'
+# launch, against whole waves; 23 shape-grid pairs): +2.4..+11.6% on all 8 that save >= 64,
+# -5.7..+1.6% on the 15 that save fewer (K = 2048 lost more before).
+STREAM_K_MIN_SAVED_BLOCKS = 64
 # A tail tile is cut into at most this many programs' parts: its last program reads every other
 # part (128 KB of float32 each for a 128x256 tile) alone, at one SM's bandwidth. Cut into 15 parts
 # (8 tail tiles over 124 programs) the tail cost more than the whole wave it replaced.
@@ -97,7 +97,7 @@ def stream_k_split(num_tiles: int, grid: int, k_tiles: int, force: bool = False)
     tail = num_tiles % grid
     if tail == 0 or num_tiles < grid:
         return num_tiles, 0
-    if not force and (tail > STREAM_K_MAX_TAIL * grid or k_tiles < STREAM_K_MIN_K_BLOCKS):
+    if not force and (grid - tail) * k_tiles < STREAM_K_MIN_SAVED_BLOCKS * grid:
         return num_tiles, 0
     share = max(-(-tail * k_tiles // grid), -(-k_tiles // STREAM_K_MAX_PARTS))
     return num_tiles - tail, share

@@ -28,8 +28,7 @@ from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import (
     SPLIT_MIN_MACS,
     STREAM_K_MAX_PARTS,
-    STREAM_K_MAX_TAIL,
-    STREAM_K_MIN_K_BLOCKS,
+    STREAM_K_MIN_SAVED_BLOCKS,
     TailPlan,
     cdiv,
     make_plan,
@@ -307,18 +306,20 @@ def test_tail_plan_takes_the_split_first_unless_stream_k_is_forced():
 
 
 def test_stream_k_split():
-    """The measured rule: a last, partial wave is shared out only when it holds at most
-    STREAM_K_MAX_TAIL of the grid and K has at least STREAM_K_MIN_K_BLOCKS blocks (``force``
-    shares out any partial wave); no tail tile is cut into more than STREAM_K_MAX_PARTS parts."""
-    k = STREAM_K_MIN_K_BLOCKS
-    assert stream_k_split(1024, 128, k) == (1024, 0)  # whole waves
-    assert stream_k_split(100, 132, k) == (100, 0)  # fewer tiles than programs: no wave to finish
+    """The measured rule: a last, partial wave is shared out only when that saves each program at
+    least STREAM_K_MIN_SAVED_BLOCKS of a whole tile's K blocks, (1 - tail / grid) x K blocks
+    (``force`` shares out any partial wave); no tail tile is cut into more than STREAM_K_MAX_PARTS
+    parts."""
+    assert stream_k_split(1024, 128, 224) == (1024, 0)  # whole waves
+    assert stream_k_split(100, 132, 224) == (100, 0)  # fewer tiles than programs: no wave to finish
     assert stream_k_split(1024, 124, 224) == (992, 58)  # 32 tail tiles x 224 K blocks over 124
+    assert stream_k_split(1024, 120, 224) == (960, 120)  # a tail of 64 on 120 saves 105 blocks
     assert stream_k_split(1024, 124, 64) == (1024, 0)  # K too short to pay
-    assert stream_k_split(1024, 132, 224) == (1024, 0)  # a tail of 100 on 132: too much of the grid
+    assert stream_k_split(1024, 120, 112) == (1024, 0)  # saves 52 blocks
+    assert stream_k_split(1024, 132, 224) == (1024, 0)  # a tail of 100 on 132 saves 54
     assert stream_k_split(1024, 132, 64, force=True) == (924, 49)
-    tail = int(STREAM_K_MAX_TAIL * 124)
-    assert stream_k_split(124 + tail, 124, k)[1] > 0 and stream_k_split(124 + tail + 1, 124, k)[1] == 0
+    k = 2 * STREAM_K_MIN_SAVED_BLOCKS  # a tail of half the grid saves exactly the minimum
+    assert stream_k_split(120 + 60, 120, k)[1] > 0 and stream_k_split(120 + 61, 120, k)[1] == 0
     assert stream_k_split(2048, 120, 128) == (2040, 128 // STREAM_K_MAX_PARTS)  # 8 tail tiles: not 15 parts
     with pytest.raises(ScheduleError, match="subtile"):
         KernelOptions(subtile=3)

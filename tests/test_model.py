@@ -75,12 +75,13 @@ def test_the_copy_engine_model_against_recorded_probes(model, name, bar):
     assert mean <= bar, mean
 
 
-def test_the_wave_count_follows_the_kernels_split_tail():
-    """A last, partial wave the kernel splits into pieces counts as the pieces' share of a wave;
-    one it runs whole (too short a call, a tail of more than half the grid, or ``rows_gemm``,
-    which never splits) as a wave."""
+def test_the_wave_count_follows_the_kernels_tail():
+    """A last, partial wave the kernel splits into pieces counts as the pieces' share of a wave,
+    one it shares out by stream-K as its programs' share of K blocks plus the tail's measured
+    overhead; one it runs whole (too short a call, a tail of more than half the grid that stream-K
+    would not save enough of, or ``rows_gemm``, which never splits) as a wave."""
     from fo_kernels.schedule import Tile
-    from fo_tune.model.profiles import SPLIT_WAVE_SHARE, waves
+    from fo_tune.model.profiles import SPLIT_WAVE_SHARE, STREAM_K_OVERHEAD_BLOCKS, waves
 
     big = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4)
     assert waves(4096, 8192, 4096, big, 124) == 8 + SPLIT_WAVE_SHARE[2]  # 32 tail tiles in halves
@@ -89,6 +90,10 @@ def test_the_wave_count_follows_the_kernels_split_tail():
     assert waves(2048, 4096, 4096, big, 124) == 3  # 2^35 multiply-adds: not split
     assert waves(4096, 8192, 4096, big, 132) == 8  # a tail of 100 on 132: whole
     assert waves(4096, 8192, 4096, big, 128) == 8 and waves(128, 256, 64, big, 132) == 1
+    # stream-K: 64 tail tiles of 224 K blocks on 120 programs (120 blocks each), 16 of 108 on 116
+    assert waves(4096, 8192, 14336, big, 120) == 8 + (120 + STREAM_K_OVERHEAD_BLOCKS) / 224
+    assert waves(3000, 5120, 6912, big, 116) == 4 + (27 + STREAM_K_OVERHEAD_BLOCKS) / 108
+    assert waves(4096, 8192, 14336, big, 132) == 8  # a tail of 100 on 132 saves too little
 
 
 def test_units_are_ready_when_the_kernel_signals_them():

@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from fo_kernels.plan import cdiv, tail_split
+from fo_kernels.plan import cdiv, tail_plan
 from fo_kernels.schedule import Tile
 
 from ..calibration import BandwidthPoint, Calibration, CalibrationError, GemmPoint, InterferencePoint
@@ -37,6 +37,11 @@ class _WaveFit:
 # tile's wave, by pieces a tile: halves 0.53-0.58, quarters 0.36-0.38 on one H200
 # (docs/perf-notes.md, "The split tail").
 SPLIT_WAVE_SHARE = {2: 0.56, 4: 0.37}
+# The stream-K tail (``fo_kernels.plan.stream_k_split``) takes its programs' share of K blocks plus
+# this many blocks' time: 23-37 blocks measured where its rule shares out the tail (1024 tiles on 120
+# programs at 224 and 231 K blocks, 3000x5120x6912 on 116), ~20 us at 0.64 us a block in a
+# per-program timeline at 3000x5120x6912 (docs/perf-notes.md, "Where the stream-K tail's time goes").
+STREAM_K_OVERHEAD_BLOCKS = 32
 
 
 def waves(m: int, n: int, k: int, tile: Tile, grid: int, split: bool = True) -> float:
@@ -48,16 +53,20 @@ def waves(m: int, n: int, k: int, tile: Tile, grid: int, split: bool = True) -> 
     whole, tail = divmod(tiles, max(1, grid))
     if tail == 0 or not split:
         return whole + (tail > 0)
-    return whole + last_wave_share(tiles, max(1, grid), tile, m * n * k)
+    return whole + last_wave_share(tiles, max(1, grid), tile, k, m * n * k)
 
 
-def last_wave_share(num_tiles: int, grid: int, tile: Tile, macs: int) -> float:
-    """The last, partial wave of ``signalled_gemm`` as a share of a whole wave's time: its pieces'
-    share where the kernel splits it (``tail_split``; ``macs``: M x N x K), else 1. A stream-K tail
-    counts whole too: its measured cost (docs/perf-notes.md, "Stream-K's tail as its own launch")
-    is not a share of the wave."""
-    split_m, split_n = tail_split(num_tiles, grid, tile, macs=macs)
-    return SPLIT_WAVE_SHARE.get(split_m * split_n, 1.0)
+def last_wave_share(num_tiles: int, grid: int, tile: Tile, k: int, macs: int) -> float:
+    """The last, partial wave of ``signalled_gemm`` as a share of a whole wave's time, as the kernel
+    runs it by default (``tail_plan``; ``macs``: M x N x K): its pieces' share where it splits the
+    wave, its programs' share of K blocks plus ``STREAM_K_OVERHEAD_BLOCKS`` where stream-K shares it
+    out, else 1."""
+    plan = tail_plan(num_tiles, grid, tile, k, macs)
+    if plan.split != (1, 1):
+        return SPLIT_WAVE_SHARE[plan.split[0] * plan.split[1]]
+    if plan.share:
+        return min(1.0, (plan.share + STREAM_K_OVERHEAD_BLOCKS) / cdiv(k, tile.block_k))
+    return 1.0
 
 
 def missing_curve(cal: Calibration, collective: str) -> str:

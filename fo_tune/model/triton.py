@@ -95,7 +95,9 @@ def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
     waves = cdiv(plan.num_tiles, plan.grid)
     macs = plan.m * plan.n * plan.k
     main_tiles = tail_plan(plan.num_tiles, plan.grid, tile, plan.k, macs).main_tiles
-    last = last_wave_share(plan.num_tiles, plan.grid, tile, macs) if plan.num_tiles % plan.grid else 1.0
+    last = (
+        last_wave_share(plan.num_tiles, plan.grid, tile, plan.k, macs) if plan.num_tiles % plan.grid else 1.0
+    )
     duration = waves - 1 + last
     out = []
     for u in range(plan.num_units):
