@@ -120,7 +120,7 @@ def _mma(a_blk, b_blk, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 def _tile_acc(
     a, b, row0, col0, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
-    B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, WS_INNER: tl.constexpr,
+    B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """One output tile's float32 sum over K blocks [k_lo, k_hi): A[row0 : row0 + BLOCK_M, k] @
     B[k, col0 : col0 + BLOCK_N] (TMA descriptor loads, or masked pointer loads; rows past M and
@@ -128,7 +128,7 @@ def _tile_acc(
     return _tile_acc_into(
         tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a, b, row0, col0, k_lo, k_hi, M, N, K,
         stride_am, stride_ak, stride_bk, stride_bn,
-        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, WS_INNER,
+        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE,
     )  # fmt: skip
 
 
@@ -136,11 +136,11 @@ def _tile_acc(
 def _tile_acc_into(
     acc, a, b, row0, col0, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
-    B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, WS_INNER: tl.constexpr,
+    B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """``acc`` plus ``_tile_acc``'s sum over K blocks [k_lo, k_hi) (none when k_lo >= k_hi)."""
     if USE_TMA:
-        for kk in tl.range(k_lo, k_hi, warp_specialize=WS_INNER):
+        for kk in range(k_lo, k_hi):
             a_blk = a.load([row0, kk * BLOCK_K])
             if B_KMAJOR:
                 b_blk = b.load([col0, kk * BLOCK_K]).T
@@ -302,7 +302,7 @@ def _split_piece(
     acc = _tile_acc(
         a, b, s * rows_per_shard + tm * TILE_M + pm * BLOCK_M, tn * TILE_N + pn * BLOCK_N, 0, k_tiles,
         M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, False,
+        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE,
     )  # fmt: skip
     g, slot, dst_row0, local_row0, col0 = _tile_dst(
         t, unit_group, group_info, shards, unit_tiles, tiles_m, tiles_n, TILE_M, TILE_N, GROUP_M
@@ -350,13 +350,13 @@ def _sk_tail(
             acc = _tile_acc(
                 a, b, s * rows_per_shard + tm * BLOCK_M, tn * BLOCK_N, k0, k1, M, N, K,
                 stride_am, stride_ak, stride_bk, stride_bn,
-                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, False,
+                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE,
             )  # fmt: skip
             if SK_ALIGN:  # a stretch inside a tile, in two runs
                 acc = _tile_acc_into(
                     acc, a, b, s * rows_per_shard + tm * BLOCK_M, tn * BLOCK_N, k2, k3, M, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn,
-                    BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, False,
+                    BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE,
                 )  # fmt: skip
             in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             tl.store(sk_partial + (pid * 2 + slot).to(tl.int64) * (BLOCK_M * BLOCK_N) + in_tile, acc)
@@ -388,7 +388,7 @@ def _signalled_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, LAYOUT: tl.constexpr, SIGNAL: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    WS_OUTER: tl.constexpr, WS_INNER: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
+    FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
     TMA_STORE: tl.constexpr, PTX: tl.constexpr, STREAM_K: tl.constexpr,
     ACCUMULATE: tl.constexpr = False, COPY: tl.constexpr = False,
     SYS_SIGNAL: tl.constexpr = False,  # the counters are in the peer GPU's memory (system scope)
@@ -415,12 +415,12 @@ def _signalled_gemm_kernel(
         # (this tile's stores) share no value.
         tile_c = pid - progs
         prev_g = pid * 0 - 1  # DEFER: the group of the tile stored but not yet signalled (-1: none)
-        for t in tl.range(pid, main_tiles, progs, flatten=FLATTEN, warp_specialize=WS_OUTER):
+        for t in tl.range(pid, main_tiles, progs, flatten=FLATTEN):
             _l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
             acc = _tile_acc(
                 a, b, s * rows_per_shard + tm * BLOCK_M, tn * BLOCK_N, 0, k_tiles, M, N, K,
                 stride_am, stride_ak, stride_bk, stride_bn,
-                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE, WS_INNER,
+                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE,
             )  # fmt: skip
             tile_c += progs
             # DEFER: the previous tile's stores were issued a whole tile ago, so its fence is short
@@ -664,8 +664,6 @@ def _meta_of(
             BLOCK_N=tile.block_n,
             BLOCK_K=tile.block_k,
             GROUP_M=tile.group_m,
-            WS_OUTER=tile.warp_specialize and flatten,
-            WS_INNER=tile.warp_specialize and not flatten,
             FLATTEN=flatten,
             SUBTILE=subtile,
             PTX=not interp,  # inline PTX (barrier, TMA store wait) in compiled kernels only

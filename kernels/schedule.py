@@ -196,7 +196,10 @@ class Tile:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
-    # Triton's producer/consumer warp specialization of the K loop (tl.range(warp_specialize=...)).
+    # Kept so that schedules and tables that name it still load; the signalled kernels never ask
+    # Triton for warp specialization: on sm_90 Triton 3.6 builds it only for a loop that is not
+    # flattened with 4 warps, and there it dropped the signal's release atomic or failed to compile
+    # (docs/perf-notes.md, "Warp specialization on sm_90"). A tile with it runs as its plain twin.
     warp_specialize: bool = False
 
     def __post_init__(self) -> None:
