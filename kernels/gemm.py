@@ -555,11 +555,11 @@ class KernelOptions:
     over the programs (``stream_k_split``), so the last wave takes its share of the time instead
     of a whole tile's. None: where the measured rule says it pays (it saves each program at least
     ``STREAM_K_MIN_SAVED_BLOCKS`` of a tile's K blocks); True: for every partial last wave; False:
-    never. ``defer_signal``: each tile's signal is sent at the
-    next tile's epilogue (the last after the loop), so the release fence waits on stores issued a
-    tile earlier instead of stalling the CTA on those just issued: +0-4% at full grid on 9 of 9
-    shapes (0.918 -> 0.959x cuBLAS at 8192x4096x2048); a group then completes up to one tile's
-    time later (the last group does not: its last tiles have no next tile).
+    never. ``defer_signal``: each tile's signal is sent at the next tile's epilogue (the last after
+    the loop), so the release fence waits on stores issued a tile earlier instead of stalling the
+    CTA on those just issued: +0-4% at full grid on 9 of 9 shapes (0.918 -> 0.959x cuBLAS at
+    8192x4096x2048); a group then completes up to one tile's time later (the last group does not:
+    its last tiles have no next tile).
     ``split_tail``: when the last, partial wave holds at most half the grid, its tiles are cut into
     halves or quarters (``tail_split``) that run as one wave of pieces (in a launch of their own,
     ``SPLIT_WARPS`` warps each): a wave of 128x128 pieces of 128x256 tiles took 0.53-0.58 of a whole
