@@ -18,8 +18,9 @@
 #                                           # AB_SHAPES=2048x4096x4096,8192x4096x2048; AB_VARIANTS
 #                                           # names a subset)
 #   bash bench/profile_session.sh last      # the visibility test, the profile, the other GPU tests
-#   bash bench/profile_session.sh profile   # fo-tune's profile (fo_tune.calibrate.profile_shape, as
-#                                           # `fo-tune profile`) of the suite and five public TP=2
+#   bash bench/profile_session.sh profile   # fo-tune's profile (fo_tune.calibrate.profile_shape and
+#                                           # confirm_grids, as `fo-tune profile`: each grid's best
+#                                           # re-timed side by side) of the suite and five public TP=2
 #                                           # layer shapes with search_spaces/hopper.yaml's tiles at
 #                                           # r = 0, 8, 12, 16 (no tests: device_session.sh
 #                                           # gpu1-tests runs them; PROFILE_SHAPES names a subset)
@@ -228,9 +229,9 @@ profile() {  # the driver is a file: the pool spawns its rank process, which imp
   cat >/tmp/profile_driver.py <<'EOF'
 import os, subprocess, sys
 from pathlib import Path
-from fo_tune.calibrate import profile_shape
+from fo_tune.calibrate import confirm_grids, profile_shape
 from fo_tune.launch import FingerprintTask, open_pool
-from fo_tune.report import write_profile_csv
+from fo_tune.report import grids_path, write_grids_csv, write_profile_csv
 from fo_tune.space import load_space
 
 
@@ -255,7 +256,9 @@ def main():
         key = pool.run(FingerprintTask())[0].device_key
         for (m, n, k), what in SHAPES.items():
             points = profile_shape(pool, m, n, k, tiles, FREES, "bfloat16")
-            write_profile_csv(points, Path("/tmp/prof/profiles") / key / f"{m}x{n}x{k}-bfloat16.csv", key)
+            csv_path = write_profile_csv(points, Path("/tmp/prof/profiles") / key / f"{m}x{n}x{k}-bfloat16.csv", key)
+            grids = confirm_grids(pool, points, "bfloat16")  # each grid's best, side by side in one run
+            write_grids_csv(grids, grids_path(csv_path), key)
             subprocess.run(["tar", "-C", "/tmp/prof", "-czf", str(out_dir / "profiles.tgz"), "profiles"], check=True)
             ok = [p for p in points if p.status == "ok"]
             best = {r: min((p for p in ok if p.sms_free == r), key=lambda p: p.time_ms, default=None) for r in FREES}
@@ -264,7 +267,9 @@ def main():
             for r in FREES[1:]:  # the best at r over the best at full grid, over the SM share
                 if best[r] is not None:
                     line += f"; r={r} {best[r].time_ms / b0.time_ms / (b0.grid / best[r].grid):.3f}"
-            print(line, f"({len(points) - len(ok)} skipped)")
+            print(line, f"({len(points) - len(ok)} skipped); side by side: "
+                  + ", ".join(f"r={g.sms_free} {g.over_share:.3f}" for g in grids[1:])
+                  + (f", r=0 {grids[0].cublas_ms / grids[0].time_ms:.3f}x cuBLAS" if grids else ""))
 
 
 if __name__ == "__main__":  # the pool's rank process imports this file again (spawn)

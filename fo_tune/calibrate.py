@@ -20,6 +20,7 @@ All of it runs in one worker pool (``fo_tune.launch``); writing the files is ``f
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -39,7 +40,7 @@ from .calibration import (
     fit_all,
 )
 from .launch import Pool, fingerprinted_pool
-from .measure import CollectiveSweepTask, GemmProfileTask, InterferenceTask
+from .measure import CollectiveSweepTask, GemmGridsTask, GemmProfileTask, InterferenceTask
 from .progress import Reporter, SilentReporter
 from .report import size_label
 from .space import SearchSpace, space_for
@@ -260,6 +261,64 @@ def profile_shape(
             )
         )
     return points
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GridBest:
+    """The fastest profiled config of one grid, re-timed beside those of the other grids and cuBLAS
+    in one run (``confirm_grids``): ``time_ms`` and ``cublas_ms`` are that run's medians (max over
+    ranks), ``over_share`` its time over the full grid's best, divided by the SM share
+    ``grid_0 / grid`` (1.0 at full grid; above 1, the grid costs more than the SMs it gives up)."""
+
+    m: int
+    n: int
+    k: int
+    sms_free: int
+    grid: int
+    tile: str
+    time_ms: float
+    cublas_ms: float
+    over_share: float
+    rel_err: float
+
+
+def confirm_grids(pool: Pool, points: Sequence[GemmPoint], dtype: str) -> list[GridBest]:
+    """The fastest measured config of each grid in ``points`` (one shape's profile), timed again
+    side by side with cuBLAS (``GemmGridsTask``); [] unless the full grid (sms_free 0) and another
+    grid both have one."""
+    best: dict[int, GemmPoint] = {}
+    for p in points:
+        measured = p.status == "ok" and not math.isnan(p.time_ms)
+        if measured and (p.sms_free not in best or p.time_ms < best[p.sms_free].time_ms):
+            best[p.sms_free] = p
+    if 0 not in best or len(best) < 2:
+        return []
+    chosen = [best[r] for r in sorted(best)]
+    m, n, k = chosen[0].m, chosen[0].n, chosen[0].k
+    configs = tuple((p.tile_config(), p.sms_free) for p in chosen)
+    per_rank = pool.run(GemmGridsTask(m, n, k, configs, dtype))
+    cublas = Timing.max_over([r["cublas"] for r in per_rank]).median_ms
+    times = [
+        Timing.max_over([r["rows"][i]["timing"] for r in per_rank]).median_ms for i in range(len(chosen))
+    ]
+    grids = [per_rank[0]["rows"][i]["grid"] for i in range(len(chosen))]
+    rows = []
+    for i, p in enumerate(chosen):
+        rows.append(
+            GridBest(
+                m=m,
+                n=n,
+                k=k,
+                sms_free=p.sms_free,
+                grid=grids[i],
+                tile=p.tile,
+                time_ms=times[i],
+                cublas_ms=cublas,
+                over_share=times[i] / times[0] / (grids[0] / grids[i]),
+                rel_err=max(r["rows"][i]["rel_err"] for r in per_rank),
+            )
+        )
+    return rows
 
 
 def _copy_engine(

@@ -39,7 +39,7 @@ import yaml
 from fo_kernels.errors import FoTuneError
 from fo_kernels.files import atomic_write, read_yaml
 from fo_kernels.fingerprint import Fingerprint
-from fo_kernels.schedule import COLLECTIVES
+from fo_kernels.schedule import COLLECTIVES, Tile
 
 CALIBRATION_SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = (1, 2)
@@ -130,6 +130,10 @@ class GemmPoint:
     cublas_ms: float
     rel_err: float
     status: str  # "ok", or why the config was skipped
+
+    def tile_config(self) -> Tile:
+        """The tile config this point measured (its fields of ``Tile``, by name)."""
+        return Tile(**{f.name: getattr(self, f.name) for f in fields(Tile)})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

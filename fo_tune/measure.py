@@ -189,6 +189,46 @@ class GemmProfileTask:
 
 
 @dataclass(frozen=True)
+class GemmGridsTask:
+    """A few (tile, sms_free) configs of one shape, each checked against a float32 matmul (output
+    poisoned first), then all of them and cuBLAS timed in one interleaved run (``time_interleaved``,
+    the comparison sample length), so their ratios share one clock: ``GemmProfileTask`` times each
+    config beside cuBLAS only, and ratios across its timings move with the card's drift."""
+
+    m: int
+    n: int
+    k: int
+    configs: tuple[tuple[Tile, int], ...]
+    dtype: str
+    warmup: int = 3
+    reps: int = 10
+
+    def run(self, ctx: RankContext) -> dict[str, Any]:
+        sm_count = runtime_for(ctx.device, None).sm_count
+        a, b = gemm_operands(self.m, self.n, self.k, self.dtype, ctx.device, seed=self.m + self.n + self.k)
+        ref = a.float() @ b.float()
+        fns: dict[str, Callable[[], Any]] = {"cublas": lambda: a @ b}
+        rows = []
+        for i, (tile, r) in enumerate(self.configs):
+            run, grid = gemm_runner(a, b, tile, r, sm_count)
+            run().fill_(float("nan"))  # poisoned: a tile the check's call does not write fails it
+            err = rel_err(run(), ref)
+            if not err < GEMM_TOL[self.dtype]:
+                raise RuntimeError(
+                    f"{tile.label()} on {grid} programs: wrong result (relative error {err:.2e})"
+                )
+            fns[str(i)] = run
+            rows.append(dict(tile=tile, sms_free=r, grid=grid, rel_err=err))
+        sample_ms = comparison_sample_ms(ctx.device.type == "cuda")
+        timings = time_interleaved(
+            fns, ctx.device, warmup=self.warmup, rounds=self.reps, min_sample_ms=sample_ms
+        )
+        for i, row in enumerate(rows):
+            row["timing"] = timings[str(i)]
+        return {"rows": rows, "cublas": timings["cublas"]}
+
+
+@dataclass(frozen=True)
 class InterferenceTask:
     """The collective and the signalled GEMM on ``SMs - sms_free`` programs, alone and together."""
 

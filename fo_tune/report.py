@@ -275,6 +275,27 @@ def write_profile_csv(points: list[GemmPoint], path: str | Path, device_key: str
     return path
 
 
+def grids_path(profile_path: str | Path) -> Path:
+    """Where ``fo-tune profile`` writes the grids' side-by-side timing next to a profile CSV:
+    ``<M>x<N>x<K>-<dtype>.csv`` -> ``<M>x<N>x<K>-<dtype>-grids.csv``."""
+    path = Path(profile_path)
+    return path.with_name(f"{path.stem}-grids{path.suffix or '.csv'}")
+
+
+def write_grids_csv(rows: Sequence[Any], path: str | Path, device_key: str) -> Path:
+    """The best config of each grid re-timed side by side (``fo_tune.calibrate.GridBest`` rows, by
+    sms_free), written atomically."""
+    from .calibrate import GridBest  # (calibrate imports this module)
+
+    names = [f.name for f in fields(GridBest)]
+    path = Path(path)
+    check_writable_file(path)
+    target = Path(os.path.abspath(path))
+    with made_parents(target.parent):
+        atomic_write(target, lambda f: write_rows(f, [*names, "device_key"], _rows(rows, names, device_key)))
+    return path
+
+
 # ------------------------------------------------------------------------------------------ plots
 def size_label(size: float, _pos: Any = None) -> str:
     """Bytes as ``4 KiB`` / ``256 MiB`` (also a matplotlib tick formatter)."""

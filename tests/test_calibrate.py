@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import os
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.fingerprint import current_fingerprint
+from fo_kernels.schedule import Tile
 from fo_tune import report
 from fo_tune.calibration import (
     CALIBRATED_COLLECTIVES,
@@ -254,6 +255,19 @@ def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
     assert all(float(r["cublas_ms"]) > 0 for r in rows)
     assert {r["device_key"] for r in rows} == {current_fingerprint("cpu", 1).device_key}
     assert "cuBLAS" in result.stdout and str(out) in result.stdout.replace("\n", "")
+    # the fastest config of each grid, re-timed side by side, next to the profile
+    header, grids = read_csv(tmp_path / "p" / "profile-grids.csv")
+    assert header[:6] == ["m", "n", "k", "sms_free", "grid", "tile"] and header[-1] == "device_key"
+    assert [int(g["sms_free"]) for g in grids] == [0, 2]
+    for g in grids:
+        best = min((r for r in rows if r["sms_free"] == g["sms_free"]), key=lambda r: float(r["time_ms"]))
+        assert g["tile"] == best["tile"] and g["grid"] == best["grid"]
+        assert float(g["time_ms"]) > 0 and float(g["cublas_ms"]) > 0 and float(g["rel_err"]) < 1e-2  # bf16
+    full, reduced = grids
+    assert float(full["over_share"]) == 1.0
+    share = float(reduced["time_ms"]) / float(full["time_ms"]) / (int(full["grid"]) / int(reduced["grid"]))
+    assert float(reduced["over_share"]) == pytest.approx(share, rel=1e-4)  # (the CSV keeps 6 digits)
+    assert str(tmp_path / "p" / "profile-grids.csv") in result.stdout.replace("\n", "")
 
 
 @pytest.mark.parametrize("shape", ["0x1x1", "32x48", "axbxc"])
@@ -365,6 +379,21 @@ def test_write_profile_csv_sorts_skipped_last(tmp_path):
     assert [r["status"] for r in rows] == ["ok", "ok", "skipped: OutOfResources: shared memory"]
     assert [r["time_ms"] for r in rows] == ["1", "3", "nan"]
     assert [p.name for p in path.parent.iterdir()] == ["p.csv"]
+
+
+def test_grids_are_confirmed_only_beside_a_measured_full_grid():
+    """``confirm_grids`` times nothing (no pool needed) unless the full grid and another grid both
+    have a measured config: skipped or NaN points do not count."""
+    from fo_tune.calibrate import confirm_grids
+
+    reduced = replace(_gemm_point(1.0), sms_free=2, grid=2)
+    assert confirm_grids(None, [_gemm_point(1.0)], "float32") == []  # one grid
+    assert confirm_grids(None, [reduced], "float32") == []  # no full grid
+    skipped = _gemm_point(math.nan, "skipped: OutOfResources: shared memory")
+    assert confirm_grids(None, [skipped, reduced], "float32") == []
+    assert _gemm_point(1.0).tile_config() == Tile(
+        block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1
+    )
 
 
 def test_check_writable(tmp_path):

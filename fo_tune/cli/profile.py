@@ -40,6 +40,11 @@ HELP = "\n\n".join(
         "Writes a CSV sorted by time (skipped configs last; columns as gemm_profile.csv of "
         "`fo-tune calibrate`, with cublas_ms on every row) to --out, default "
         "results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv, and prints the ranking.",
+        "Then the fastest config of each grid is timed again, all of them and cuBLAS side by side in "
+        "one run, so that a reduced grid's cost over its share of SMs (its time over the full grid's "
+        "best, divided by grid_0 / grid) is read off one clock: printed, and written next to the "
+        "profile as <M>x<N>x<K>-<dtype>-grids.csv. Ratios across the ranking's rows compare "
+        "different runs and move with the card's drift.",
         "Without GPUs the GEMM runs in Triton's CPU interpreter with the space's cpu tiles: use tiny "
         "shapes (e.g. 32x48x40).",
         "Exit code 0 when the CSV is written, 1 when a measurement fails, 2 for bad options.",
@@ -100,6 +105,25 @@ def _print_ranking(points, shape: str, device_key: str, path: Path) -> None:
     console.print(f"[green]wrote[/] {path}")
 
 
+def _print_grids(rows, shape: str, path: Path) -> None:
+    table = summary_table(
+        f"{shape}: the best config of each grid, timed side by side in one run",
+        ["r", "grid", "tile", "ms", "cuBLAS/ours", "over SM share"],
+        2,
+    )
+    for g in rows:
+        table.add_row(
+            str(g.sms_free),
+            str(g.grid),
+            g.tile,
+            fmt(g.time_ms),
+            fmt(g.cublas_ms / g.time_ms if g.time_ms > 0 else math.nan, ".3g"),
+            fmt(g.over_share, ".3f"),
+        )
+    console.print(table)
+    console.print(f"[green]wrote[/] {path}")
+
+
 @handle_errors
 def profile(
     shape: ShapeOpt,
@@ -115,12 +139,12 @@ def profile(
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
         search_space = resolve_space(space, chosen)
-        from fo_tune.report import check_writable_file, default_profile_path
+        from fo_tune.report import check_writable_file, default_profile_path, grids_path
 
         if driver:
-            check_writable_file(
-                out or default_profile_path(expected_device_key(chosen, world_size), (m, n, k), dtype)
-            )
+            target = out or default_profile_path(expected_device_key(chosen, world_size), (m, n, k), dtype)
+            check_writable_file(target)
+            check_writable_file(grids_path(target))
         from fo_tune.calibrate import profile_shape
         from fo_tune.launch import fingerprinted_pool
         from fo_tune.limits import check_problem_size, local_target
@@ -137,12 +161,19 @@ def profile(
             with console.status(what, spinner="dots"):
                 device_key = fp.device_key
                 points = profile_shape(pool, m, n, k, tiles, frees, dtype)
-        from fo_tune.report import write_profile_csv
+            from fo_tune.report import write_grids_csv, write_profile_csv
 
-        path = write_profile_csv(
-            points, out or default_profile_path(device_key, (m, n, k), dtype), device_key
-        )
-    _print_ranking(points, f"{m}x{n}x{k} {dtype}", device_key, path)
+            path = write_profile_csv(
+                points, out or default_profile_path(device_key, (m, n, k), dtype), device_key
+            )
+            _print_ranking(points, f"{m}x{n}x{k} {dtype}", device_key, path)
+            from fo_tune.calibrate import confirm_grids
+
+            with console.status(f"timing the best of each grid side by side ({m}x{n}x{k})", spinner="dots"):
+                grids = confirm_grids(pool, points, dtype)
+            if grids:
+                grids_file = write_grids_csv(grids, grids_path(path), device_key)
+                _print_grids(grids, f"{m}x{n}x{k} {dtype}", grids_file)
 
 
 def register(app: typer.Typer) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from fo_kernels.plan import cdiv, tail_plan
 from fo_kernels.schedule import Tile
@@ -84,13 +84,8 @@ def missing_curve(cal: Calibration, collective: str) -> str:
     )
 
 
-def point_tile(p: GemmPoint) -> Tile:
-    """The tile config a profiled point measured (its fields of ``Tile``, by name)."""
-    return Tile(**{f.name: getattr(p, f.name) for f in fields(Tile)})
-
-
 def _fit_waves(points: Sequence[GemmPoint]) -> _WaveFit:
-    xs = [waves(p.m, p.n, p.k, point_tile(p), p.grid) * p.k for p in points]
+    xs = [waves(p.m, p.n, p.k, p.tile_config(), p.grid) * p.k for p in points]
     ys = [p.time_ms for p in points]
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
@@ -113,7 +108,7 @@ class TileProfile:
         for p in cal.gemm:
             if p.status != "ok" or not p.time_ms > 0:
                 continue
-            key = point_tile(p)
+            key = p.tile_config()
             self._points[(p.m, p.n, p.k, key, p.grid)] = p
             by_tile.setdefault(key, []).append(p)
             if p.cublas_ms > 0:
