@@ -137,6 +137,26 @@ class GemmPoint:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class GridBest:
+    """The fastest profiled config of one grid, re-timed beside those of the other grids and cuBLAS
+    in one run (``fo_tune.calibrate.confirm_grids``): ``time_ms`` and ``cublas_ms`` are that run's
+    medians (max over ranks), ``over_share`` its time over the full grid's best, divided by the SM
+    share ``grid_0 / grid`` (1.0 at full grid; above 1, the grid costs more than the SMs it gives
+    up)."""
+
+    m: int
+    n: int
+    k: int
+    sms_free: int
+    grid: int
+    tile: str
+    time_ms: float
+    cublas_ms: float
+    over_share: float
+    rel_err: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CurveFit:
     collective: str
     nccl_max_ctas: int

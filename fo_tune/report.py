@@ -38,6 +38,7 @@ from .calibration import (
     Calibration,
     CurveFit,
     GemmPoint,
+    GridBest,
     InterferencePoint,
     save_calibration,
 )
@@ -282,11 +283,9 @@ def grids_path(profile_path: str | Path) -> Path:
     return path.with_name(f"{path.stem}-grids{path.suffix or '.csv'}")
 
 
-def write_grids_csv(rows: Sequence[Any], path: str | Path, device_key: str) -> Path:
-    """The best config of each grid re-timed side by side (``fo_tune.calibrate.GridBest`` rows, by
-    sms_free), written atomically."""
-    from .calibrate import GridBest  # (calibrate imports this module)
-
+def write_grids_csv(rows: Sequence[GridBest], path: str | Path, device_key: str) -> Path:
+    """The best config of each grid re-timed side by side (``GridBest`` rows, by sms_free), written
+    atomically."""
     names = [f.name for f in fields(GridBest)]
     path = Path(path)
     check_writable_file(path)
