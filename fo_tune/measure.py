@@ -140,6 +140,13 @@ def worst_error(errors: Sequence[float]) -> float:
     return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
+def _gemm_problem(m: int, n: int, k: int, dtype: str, device: torch.device) -> tuple:
+    """(SMs, A, B, float32 reference A @ B) of one shape, the operands seeded by the shape, so that
+    every task of a shape measures the same problem."""
+    a, b = gemm_operands(m, n, k, dtype, device, seed=m + n + k)
+    return runtime_for(device, None).sm_count, a, b, a.float() @ b.float()
+
+
 @dataclass(frozen=True)
 class GemmProfileTask:
     """Every tile config at every grid for one shape, checked, then timed beside cuBLAS: each
@@ -157,9 +164,7 @@ class GemmProfileTask:
     reps: int = 10
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
-        sm_count = runtime_for(ctx.device, None).sm_count
-        a, b = gemm_operands(self.m, self.n, self.k, self.dtype, ctx.device, seed=self.m + self.n + self.k)
-        ref = a.float() @ b.float()
+        sm_count, a, b, ref = _gemm_problem(self.m, self.n, self.k, self.dtype, ctx.device)
         sample_ms = comparison_sample_ms(ctx.device.type == "cuda")
         cublas = time_region(lambda: a @ b, ctx.device, warmup=self.warmup, reps=self.reps)
         rows = []
@@ -204,9 +209,7 @@ class GemmGridsTask:
     reps: int = 10
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
-        sm_count = runtime_for(ctx.device, None).sm_count
-        a, b = gemm_operands(self.m, self.n, self.k, self.dtype, ctx.device, seed=self.m + self.n + self.k)
-        ref = a.float() @ b.float()
+        sm_count, a, b, ref = _gemm_problem(self.m, self.n, self.k, self.dtype, ctx.device)
         fns: dict[str, Callable[[], Any]] = {"cublas": lambda: a @ b}
         rows = []
         for i, (tile, r) in enumerate(self.configs):

@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fo_kernels.plan import cdiv, tail_plan
+from fo_kernels.plan import TailPlan, cdiv, tail_plan
 from fo_kernels.schedule import Tile
 
 from ..calibration import BandwidthPoint, Calibration, CalibrationError, GemmPoint, InterferencePoint
@@ -53,19 +53,19 @@ def waves(m: int, n: int, k: int, tile: Tile, grid: int, split: bool = True) -> 
     whole, tail = divmod(tiles, max(1, grid))
     if tail == 0 or not split:
         return whole + (tail > 0)
-    return whole + last_wave_share(tiles, max(1, grid), tile, k, m * n * k)
+    tail_run = tail_plan(tiles, max(1, grid), tile, k, m * n * k)
+    return whole + last_wave_share(tail_run, cdiv(k, tile.block_k))
 
 
-def last_wave_share(num_tiles: int, grid: int, tile: Tile, k: int, macs: int) -> float:
+def last_wave_share(tail: TailPlan, k_tiles: int) -> float:
     """The last, partial wave of ``signalled_gemm`` as a share of a whole wave's time, as the kernel
-    runs it by default (``tail_plan``; ``macs``: M x N x K): its pieces' share where it splits the
-    wave, its programs' share of K blocks plus ``STREAM_K_OVERHEAD_BLOCKS`` where stream-K shares it
-    out, else 1."""
-    plan = tail_plan(num_tiles, grid, tile, k, macs)
-    if plan.split != (1, 1):
-        return SPLIT_WAVE_SHARE[plan.split[0] * plan.split[1]]
-    if plan.share:
-        return min(1.0, (plan.share + STREAM_K_OVERHEAD_BLOCKS) / cdiv(k, tile.block_k))
+    runs it by default (``tail``: ``fo_kernels.plan.tail_plan``'s choice; ``k_tiles``: K blocks of
+    a tile): its pieces' share where it splits the wave, its programs' share of K blocks plus
+    ``STREAM_K_OVERHEAD_BLOCKS`` where stream-K shares it out, else 1 (a whole wave, or none)."""
+    if tail.split != (1, 1):
+        return SPLIT_WAVE_SHARE[tail.split[0] * tail.split[1]]
+    if tail.share:
+        return min(1.0, (tail.share + STREAM_K_OVERHEAD_BLOCKS) / k_tiles)
     return 1.0
 
 

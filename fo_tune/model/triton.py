@@ -93,12 +93,9 @@ def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
     the whole waves' last tiles have no next tile there and are signalled when their wave ends,
     and the tail lasts its share of a wave (``last_wave_share``)."""
     waves = cdiv(plan.num_tiles, plan.grid)
-    macs = plan.m * plan.n * plan.k
-    main_tiles = tail_plan(plan.num_tiles, plan.grid, tile, plan.k, macs).main_tiles
-    last = (
-        last_wave_share(plan.num_tiles, plan.grid, tile, plan.k, macs) if plan.num_tiles % plan.grid else 1.0
-    )
-    duration = waves - 1 + last
+    tail = tail_plan(plan.num_tiles, plan.grid, tile, plan.k, plan.m * plan.n * plan.k)
+    main_tiles = tail.main_tiles
+    duration = waves - 1 + last_wave_share(tail, cdiv(plan.k, tile.block_k))
     out = []
     for u in range(plan.num_units):
         first = u * plan.unit_tiles
