@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from fo_tune.launch import open_pool
 from fo_tune.timing import Timing
 from rank_tasks import SkewedSamples
@@ -32,20 +30,28 @@ def test_time_interleaved_alternates_the_variants():
     assert runs == ["a", "b", "c", "a", "c", "b", "c", "a", "b", "c", "b", "a"]
 
 
-def test_time_interleaved_takes_longer_samples_on_request():
-    """``min_sample_ms`` sets the calls per sample: 1 ms calls, 3 ms samples -> 3 calls each."""
+def test_time_interleaved_takes_longer_samples_on_request(monkeypatch):
+    """``min_sample_ms`` sets the calls per sample: 1 ms calls, 3 ms samples -> 3 calls each. The
+    clock is a stand-in that each call moves by exactly 1 ms, so a loaded machine's late wake-ups
+    (a real 1 ms sleep can take 3 ms on CI) do not change the count."""
+    import types
+
     import torch
 
-    from fo_tune.timing import time_interleaved
+    import fo_tune.timing as timing
 
+    now = [0.0]
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     calls: list[int] = []
 
     def one_ms() -> None:
         calls.append(1)
-        time.sleep(1e-3)
+        now[0] += 1e-3
 
-    timings = time_interleaved({"x": one_ms}, torch.device("cpu"), warmup=1, rounds=2, min_sample_ms=3.0)
+    fns = {"x": one_ms}
+    timings = timing.time_interleaved(fns, torch.device("cpu"), warmup=1, rounds=2, min_sample_ms=3.0)
     assert timings["x"].samples == 2
+    assert abs(timings["x"].median_ms - 1.0) < 1e-9
     assert len(calls) == 1 + 1 + 2 * 3  # the warm-up, the one-call probe, two samples of three
 
 
