@@ -16,14 +16,17 @@
 #                                           # epilogues: one interleaved timing with cuBLAS per
 #                                           # shape and grid (r = 0, 8, 12, 16), ten shapes (or
 #                                           # AB_SHAPES=2048x4096x4096,8192x4096x2048; AB_VARIANTS
-#                                           # names a subset)
+#                                           # names a subset; AB_TIMING=graphs replays each
+#                                           # sample's calls from a CUDA graph)
 #   bash bench/profile_session.sh last      # the visibility test, the profile, the other GPU tests
 #   bash bench/profile_session.sh profile   # fo-tune's profile (fo_tune.calibrate.profile_shape and
 #                                           # confirm_grids, as `fo-tune profile`: each grid's best
 #                                           # re-timed side by side) of the suite and five public TP=2
 #                                           # layer shapes with search_spaces/hopper.yaml's tiles at
 #                                           # r = 0, 8, 12, 16 (no tests: device_session.sh
-#                                           # gpu1-tests runs them; PROFILE_SHAPES names a subset)
+#                                           # gpu1-tests runs them; PROFILE_SHAPES names a subset;
+#                                           # PROFILE_TIMING=eager has the host issue every call,
+#                                           # default graphs as `fo-tune profile` on GPUs)
 #   bash bench/profile_session.sh tests     # the GEMM's GPU tests only
 #
 # Run from the repository root (where the device tool runs a command). Writes CSVs and logs under
@@ -111,29 +114,46 @@ def runner(a, b, tile, opts, r):
         return out.view(m, n)
     return run, plan.grid, out
 
+# AB_TIMING=graphs: each sample one CUDA graph replay of its calls (the GPU's own time, as
+# `fo-tune profile --timing graphs`); eager (the default here): the host issues every call.
+GRAPHS = os.environ.get("AB_TIMING", "eager") == "graphs"
 def checked(a, b, ref, name, r):
     tile, opts = VARIANTS[name]
     try:
         run, grid, out = runner(a, b, tile, opts, r)
         out.fill_(float("nan"))
         err = rel_err(run(), ref)
-        return (run, grid, err, "ok") if err < 1e-2 else (None, grid, err, f"wrong result {err:.2e}")
+        return (run, grid, err, "ok", out) if err < 1e-2 else (None, grid, err, f"wrong result {err:.2e}", out)
     except Exception as exc:
-        return None, 0, float("nan"), f"skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        return None, 0, float("nan"), f"skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", None
 
-def timed(fns):
-    return time_interleaved(fns, dev, warmup=3, rounds=ROUNDS, min_sample_ms=STEADY_SAMPLE_MS)
+def timed(fns, outs, ref):
+    """One interleaved timing of ``fns``, then each output (poisoned right before the timed
+    samples) checked against ``ref``: a variant whose timed calls left a wrong result is dropped."""
+    def poison():
+        for out in outs.values():
+            out.fill_(float("nan"))
+    t = time_interleaved(fns, dev, warmup=3, rounds=ROUNDS, min_sample_ms=STEADY_SAMPLE_MS, graphs=GRAPHS,
+                         before_samples=poison)
+    for name, out in outs.items():
+        err = rel_err(out.view(ref.shape), ref)
+        if not err < 1e-2:
+            print(f"  {name}: wrong result after the timed calls ({err:.2e}): dropped")
+            t.pop(name)
+    return t
 
 def timed_variants(a, b, ref, r):
     """Every variant checked at r free SMs, then the correct ones timed in alternation with cuBLAS:
     (timings by name, cuBLAS's median ms, (grid, error, status) by variant name)."""
-    fns, meta = {"cublas": lambda: a @ b}, {}
+    fns, meta, outs = {"cublas": lambda: a @ b}, {}, {}
     for name in VARIANTS:
-        run, grid, err, status = checked(a, b, ref, name, r)
+        run, grid, err, status, out = checked(a, b, ref, name, r)
         meta[name] = (grid, err, status)
         if run is not None:
-            fns[name] = run
-    t = timed(fns)
+            fns[name], outs[name] = run, out
+    t = timed(fns, outs, ref)
+    for name in outs.keys() - t.keys():
+        meta[name] = (*meta[name][:2], "wrong result after the timed calls")
     return t, t["cublas"].median_ms, meta
 
 cols = ["m", "n", "k", "variant", "sms_free", "grid", "median_ms", "iqr_ms", "samples", "cublas_ms",
@@ -201,13 +221,13 @@ for m, n, k in SHAPES:
         var_rows.append(row(m, n, k, name, 0, grid, t.get(name), cub, "", err, status))
     ranked = sorted((nm for nm in meta if nm in t), key=lambda nm: t[nm].median_ms)
     print(f"{m}x{n}x{k}: cuBLAS {cub:.3f} ms; " + ", ".join(f"{nm} {cub / t[nm].median_ms:.3f}" for nm in ranked[:6]))
-    fns = {"cublas": lambda: a @ b}
+    fns, outs = {"cublas": lambda: a @ b}, {}
     for name in ranked[:4]:
         for r in (0, 8, 12, 16):
-            run, grid, err, status = checked(a, b, ref, name, r)
+            run, grid, err, status, out = checked(a, b, ref, name, r)
             if run is not None:
-                fns[f"{name}@{r}"] = run
-    t = timed(fns)
+                fns[f"{name}@{r}"], outs[f"{name}@{r}"] = run, out
+    t = timed(fns, outs, ref)
     cub = t["cublas"].median_ms
     for key, x in t.items():
         if key == "cublas":
@@ -231,6 +251,7 @@ import os, subprocess, sys
 from pathlib import Path
 from fo_tune.calibrate import confirm_grids, profile_shape
 from fo_tune.launch import FingerprintTask, open_pool
+from fo_tune.calibration import timing_name
 from fo_tune.report import grids_path, write_grids_csv, write_profile_csv
 from fo_tune.space import load_space
 
@@ -251,13 +272,16 @@ def main():
     if os.environ.get("PROFILE_SHAPES"):  # e.g. PROFILE_SHAPES=4096x8192x14336,4096x8192x14784
         SHAPES = {s: SHAPES[s] for s in (tuple(int(x) for x in v.split("x")) for v in os.environ["PROFILE_SHAPES"].split(","))}
     FREES = (0, 8, 12, 16)
+    graphs = os.environ.get("PROFILE_TIMING", "graphs") == "graphs"
     tiles = tuple(load_space("search_spaces/hopper.yaml").tile_candidates())
     with open_pool(1, backend="nccl") as pool:
         key = pool.run(FingerprintTask())[0].device_key
         for (m, n, k), what in SHAPES.items():
-            points = profile_shape(pool, m, n, k, tiles, FREES, "bfloat16")
-            csv_path = write_profile_csv(points, Path("/tmp/prof/profiles") / key / f"{m}x{n}x{k}-bfloat16.csv", key)
-            grids = confirm_grids(pool, points, "bfloat16")  # each grid's best, side by side in one run
+            points = profile_shape(pool, m, n, k, tiles, FREES, "bfloat16", graphs=graphs)
+            csv_path = write_profile_csv(
+                points, Path("/tmp/prof/profiles") / key / f"{m}x{n}x{k}-bfloat16.csv", key, timing_name(graphs)
+            )
+            grids = confirm_grids(pool, points, "bfloat16", graphs=graphs)  # each grid's best, side by side
             write_grids_csv(grids, grids_path(csv_path), key)
             subprocess.run(["tar", "-C", "/tmp/prof", "-czf", str(out_dir / "profiles.tgz"), "profiles"], check=True)
             ok = [p for p in points if p.status == "ok"]
@@ -267,7 +291,7 @@ def main():
             for r in FREES[1:]:  # the best at r over the best at full grid, over the SM share
                 if best[r] is not None:
                     line += f"; r={r} {best[r].time_ms / b0.time_ms / (b0.grid / best[r].grid):.3f}"
-            print(line, f"({len(points) - len(ok)} skipped); side by side: "
+            print(line, f"({len(points) - len(ok)} skipped, {timing_name(graphs)}); side by side: "
                   + ", ".join(f"r={g.sms_free} {g.over_share:.3f}" for g in grids[1:])
                   + (f", r=0 {grids[0].cublas_ms / grids[0].time_ms:.3f}x cuBLAS" if grids else ""))
 

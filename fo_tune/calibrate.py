@@ -39,6 +39,7 @@ from .calibration import (
     InterferencePoint,
     Quantity,
     fit_all,
+    timing_name,
 )
 from .launch import Pool, fingerprinted_pool
 from .measure import CollectiveSweepTask, GemmGridsTask, GemmProfileTask, InterferenceTask
@@ -224,12 +225,21 @@ def _gemm_profiles(pool: Pool, req: CalibrationRequest, space: SearchSpace, cpu:
 
 
 def profile_shape(
-    pool: Pool, m: int, n: int, k: int, tiles: tuple[Tile, ...], frees: tuple[int, ...], dtype: str
+    pool: Pool,
+    m: int,
+    n: int,
+    k: int,
+    tiles: tuple[Tile, ...],
+    frees: tuple[int, ...],
+    dtype: str,
+    *,
+    graphs: bool = False,
 ) -> list[GemmPoint]:
     """Every tile x grid for one shape (max over ranks), with cuBLAS's time on each row: the
     cuBLAS samples timed in alternation with that row's config (``GemmProfileTask``), or cuBLAS
-    timed alone where the config did not run."""
-    per_rank = pool.run(GemmProfileTask(m, n, k, tiles, frees, dtype))
+    timed alone where the config did not run. ``graphs``: every sample one CUDA graph replay of
+    its calls (GPUs only; ``fo_tune.timing.time_interleaved``)."""
+    per_rank = pool.run(GemmProfileTask(m, n, k, tiles, frees, dtype, graphs=graphs))
     cublas_alone = Timing.max_over([r["cublas"] for r in per_rank]).median_ms
     points = []
     for i, row in enumerate(per_rank[0]["rows"]):
@@ -264,10 +274,12 @@ def profile_shape(
     return points
 
 
-def confirm_grids(pool: Pool, points: Sequence[GemmPoint], dtype: str) -> list[GridBest]:
+def confirm_grids(
+    pool: Pool, points: Sequence[GemmPoint], dtype: str, *, graphs: bool = False
+) -> list[GridBest]:
     """The fastest measured config of each grid in ``points`` (one shape's profile), timed again
-    side by side with cuBLAS (``GemmGridsTask``); [] unless the full grid (sms_free 0) and another
-    grid both have one."""
+    side by side with cuBLAS (``GemmGridsTask``; ``graphs`` as ``profile_shape``'s); [] unless the
+    full grid (sms_free 0) and another grid both have one."""
     best: dict[int, GemmPoint] = {}
     for p in points:
         measured = p.status == "ok" and not math.isnan(p.time_ms)
@@ -278,7 +290,7 @@ def confirm_grids(pool: Pool, points: Sequence[GemmPoint], dtype: str) -> list[G
     chosen = [best[r] for r in sorted(best)]
     m, n, k = chosen[0].m, chosen[0].n, chosen[0].k
     configs = tuple((p.tile_config(), p.sms_free) for p in chosen)
-    per_rank = pool.run(GemmGridsTask(m, n, k, configs, dtype))
+    per_rank = pool.run(GemmGridsTask(m, n, k, configs, dtype, graphs=graphs))
     cublas = Timing.max_over([r["cublas"] for r in per_rank]).median_ms
     times = [
         Timing.max_over([r["rows"][i]["timing"] for r in per_rank]).median_ms for i in range(len(chosen))
@@ -298,6 +310,7 @@ def confirm_grids(pool: Pool, points: Sequence[GemmPoint], dtype: str) -> list[G
                 cublas_ms=cublas,
                 over_share=times[i] / times[0] / (grids[0] / grids[i]),
                 rel_err=max(r["rows"][i]["rel_err"] for r in per_rank),
+                timing=timing_name(graphs),
             )
         )
     return rows

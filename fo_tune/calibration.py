@@ -154,6 +154,13 @@ class GridBest:
     cublas_ms: float
     over_share: float
     rel_err: float
+    timing: str  # how the samples ran: timing_name(graphs)
+
+
+def timing_name(graphs: bool) -> str:
+    """How a profile's samples ran, as its CSVs say: "graphs" (each sample one CUDA graph replay of
+    its calls: the GPU's time) or "eager" (the host issues every call)."""
+    return "graphs" if graphs else "eager"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -152,7 +152,9 @@ class GemmProfileTask:
     """Every tile config at every grid for one shape, checked, then timed beside cuBLAS: each
     config and cuBLAS in alternating back-to-back samples (``time_interleaved``, the comparison
     sample length), so both run at the card's sustained (power-limited) clock and each row's
-    ``cublas`` is its own paired baseline."""
+    ``cublas`` is its own paired baseline. ``graphs``: each sample replays a CUDA graph of its
+    calls (``time_interleaved(graphs=True)``), so a call whose host time exceeds its GPU time is
+    timed by the GPU's; the output the timed calls wrote is checked again (poisoned before)."""
 
     m: int
     n: int
@@ -162,11 +164,14 @@ class GemmProfileTask:
     dtype: str
     warmup: int = 3
     reps: int = 10
+    graphs: bool = False
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
         sm_count, a, b, ref = _gemm_problem(self.m, self.n, self.k, self.dtype, ctx.device)
         sample_ms = comparison_sample_ms(ctx.device.type == "cuda")
-        cublas = time_region(lambda: a @ b, ctx.device, warmup=self.warmup, reps=self.reps)
+        cublas = time_interleaved(
+            {"cublas": lambda: a @ b}, ctx.device, warmup=self.warmup, rounds=self.reps, graphs=self.graphs
+        )["cublas"]
         rows = []
         for tile in self.tiles:
             for r in self.sms_free:
@@ -175,16 +180,19 @@ class GemmProfileTask:
                     if r >= sm_count:
                         raise ValueError(f"sms_free {r} leaves no SM of {sm_count}")
                     run, row["grid"] = gemm_runner(a, b, tile, r, sm_count)
-                    row["rel_err"] = rel_err(run(), ref)
-                    if not row["rel_err"] < GEMM_TOL[self.dtype]:
-                        raise ValueError(f"wrong result (relative error {row['rel_err']:.2e})")
+                    run().fill_(float("nan"))  # poisoned: a tile the check's call does not write fails it
+                    out = run()
+                    row["rel_err"] = _checked(out, ref, self.dtype)
                     paired = time_interleaved(
                         {"gemm": run, "cublas": lambda: a @ b},
                         ctx.device,
                         warmup=self.warmup,
                         rounds=self.reps,
                         min_sample_ms=sample_ms,
+                        graphs=self.graphs,
+                        before_samples=lambda out=out: out.fill_(float("nan")),  # the timed calls write it
                     )
+                    row["rel_err"] = max(row["rel_err"], _checked(out, ref, self.dtype))
                     row["timing"], row["cublas"] = paired["gemm"], paired["cublas"]
                     row["status"] = "ok"
                 except Exception as exc:  # a config that fails to compile or launch is skipped, with why
@@ -193,12 +201,22 @@ class GemmProfileTask:
         return {"cublas": cublas, "rows": rows}
 
 
+def _checked(out: torch.Tensor, ref: torch.Tensor, dtype: str, what: str = "") -> float:
+    """``out``'s relative error against ``ref``; ValueError beyond the dtype's tolerance, its
+    message led by ``what`` (the config and when)."""
+    err = rel_err(out, ref)
+    if not err < GEMM_TOL[dtype]:
+        raise ValueError(f"{what}wrong result (relative error {err:.2e})")
+    return err
+
+
 @dataclass(frozen=True)
 class GemmGridsTask:
     """A few (tile, sms_free) configs of one shape, each checked against a float32 matmul (output
     poisoned first), then all of them and cuBLAS timed in one interleaved run (``time_interleaved``,
     the comparison sample length), so their ratios share one clock: ``GemmProfileTask`` times each
-    config beside cuBLAS only, and ratios across its timings move with the card's drift."""
+    config beside cuBLAS only, and ratios across its timings move with the card's drift. The
+    outputs the timed calls wrote are checked again; ``graphs`` as ``GemmProfileTask``'s."""
 
     m: int
     n: int
@@ -207,26 +225,38 @@ class GemmGridsTask:
     dtype: str
     warmup: int = 3
     reps: int = 10
+    graphs: bool = False
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
         sm_count, a, b, ref = _gemm_problem(self.m, self.n, self.k, self.dtype, ctx.device)
         fns: dict[str, Callable[[], Any]] = {"cublas": lambda: a @ b}
-        rows = []
+        rows, outs = [], []
         for i, (tile, r) in enumerate(self.configs):
             run, grid = gemm_runner(a, b, tile, r, sm_count)
             run().fill_(float("nan"))  # poisoned: a tile the check's call does not write fails it
-            err = rel_err(run(), ref)
-            if not err < GEMM_TOL[self.dtype]:
-                raise RuntimeError(
-                    f"{tile.label()} on {grid} programs: wrong result (relative error {err:.2e})"
-                )
+            out = run()
+            err = _checked(out, ref, self.dtype, f"{tile.label()} on {grid} programs: ")
             fns[str(i)] = run
+            outs.append(out)
             rows.append(dict(tile=tile, sms_free=r, grid=grid, rel_err=err))
         sample_ms = comparison_sample_ms(ctx.device.type == "cuda")
+
+        def poison() -> None:  # after the warm-up and sizing calls: the timed calls must write it all
+            for out in outs:
+                out.fill_(float("nan"))
+
         timings = time_interleaved(
-            fns, ctx.device, warmup=self.warmup, rounds=self.reps, min_sample_ms=sample_ms
+            fns,
+            ctx.device,
+            warmup=self.warmup,
+            rounds=self.reps,
+            min_sample_ms=sample_ms,
+            graphs=self.graphs,
+            before_samples=poison,
         )
         for i, row in enumerate(rows):
+            what = f"{row['tile'].label()} on {row['grid']} programs, after the timed calls: "
+            row["rel_err"] = max(row["rel_err"], _checked(outs[i], ref, self.dtype, what))
             row["timing"] = timings[str(i)]
         return {"rows": rows, "cublas": timings["cublas"]}
 

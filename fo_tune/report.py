@@ -265,14 +265,16 @@ def _write_tables(cal: Calibration, folder: Path) -> None:
     _write_csv(folder / "fits.csv", FITS_COLUMNS, _rows(cal.fits, FITS_COLUMNS[:-1], key))
 
 
-def write_profile_csv(points: list[GemmPoint], path: str | Path, device_key: str) -> Path:
-    """One shape's tile profile, sorted by time (skipped configs last), written atomically."""
+def write_profile_csv(points: list[GemmPoint], path: str | Path, device_key: str, timing: str) -> Path:
+    """One shape's tile profile, sorted by time (skipped configs last), written atomically: the
+    columns of ``gemm_profile.csv`` and ``timing`` (how the samples ran:
+    ``fo_tune.calibration.timing_name``)."""
     path = Path(path)
     check_writable_file(path)
     target = Path(os.path.abspath(path))
-    rows = _rows(sorted(points, key=_time_key), GEMM_COLUMNS[:-1], device_key)
+    rows = [[*row, timing] for row in _rows(sorted(points, key=_time_key), GEMM_COLUMNS[:-1], device_key)]
     with made_parents(target.parent):
-        atomic_write(target, lambda f: write_rows(f, GEMM_COLUMNS, rows))
+        atomic_write(target, lambda f: write_rows(f, [*GEMM_COLUMNS, "timing"], rows))
     return path
 
 

@@ -2,6 +2,7 @@
 
     t = time_region(fn, device)                   # warm-up, then samples of back-to-back calls
     ts = time_interleaved({"a": fa, "b": fb}, device, agree=True)   # alternating rounds
+    ts = time_interleaved(fns, device, graphs=True)   # each sample one CUDA graph of its calls
     Timing.max_over(per_rank)                     # a measurement is the slowest rank's
 
 CUDA events bracket each sample on the current stream; on the CPU ``perf_counter`` does. Tasks of
@@ -105,6 +106,8 @@ def time_interleaved(
     align: bool = False,
     lead_ms: float = 0.0,
     min_sample_ms: float = MIN_SAMPLE_MS,
+    graphs: bool = False,
+    before_samples: Callable[[], Any] | None = None,
 ) -> dict[str, Timing]:
     """Time several variants side by side: each round takes one sample of every variant in turn
     (``inner`` back-to-back calls each, per variant as in ``time_region``, enough for
@@ -117,7 +120,23 @@ def time_interleaved(
     rank's sample includes waiting for a peer still finishing its previous sample. ``lead_ms``: each
     sample's first call is queued behind a spin kernel of that length, outside the timed region, so
     the GPU does not idle while the host issues it (a loop's steady state; see ``_samples``).
+
+    ``graphs`` (CUDA only): after the warm-up each variant's ``inner`` calls are captured into one
+    CUDA graph (``capture_calls``) and a sample is one replay of it, so the host's time per call
+    (Python, Triton's launch path) drops out and the GPU runs the calls back to back, as in a loop
+    whose host keeps ahead or under a caller's graph: the GPU's own time. ``inner`` comes from one
+    eager call, as without graphs: for a host-bound call that is its host time, so its samples
+    hold fewer calls than ``min_sample_ms`` asks, never more. One capture a variant (entering
+    ``torch.cuda.graph`` synchronizes and collects garbage). The calls must be capturable (no host
+    synchronization); their outputs are the graph's, written at every replay. Not with ``align``
+    or ``lead_ms``, which act between a sample's host-issued calls.
+
+    ``before_samples``: called once after the warm-up, the sizing calls and the captures, right
+    before the first timed sample (a caller poisons its outputs there, so that what they hold
+    afterwards is the timed calls' work).
     """
+    if graphs and (align or lead_ms > 0):
+        raise ValueError("graphs: a sample is one replay, so align and lead_ms do not apply")
     names = list(fns)
     inners = []
     for name in names:
@@ -130,15 +149,38 @@ def time_interleaved(
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         inners = [int(x) for x in t.tolist()]
     align = align and agree and dist.is_initialized()
+    # a sample: (what the host calls, how often): ``inner`` calls, or one replay of a graph of them
+    sample_of = {
+        name: (capture_calls(fns[name], inner, device), 1) if graphs else (fns[name], inner)
+        for name, inner in zip(names, inners, strict=True)
+    }
+    if before_samples is not None:
+        before_samples()
     samples: dict[str, list[float]] = {name: [] for name in names}
     order = list(zip(names, inners, strict=True))
     for r in range(rounds):
         shift = r % len(order) if order else 0  # each variant takes every place in the round in turn,
         turn = order[shift:] + order[:shift]  # and every other round runs backwards, so it follows
         for name, inner in turn if r % 2 == 0 else turn[::-1]:  # different neighbours too
-            got = _samples(fns[name], device, reps=1, inner=inner, align=align, lead_ms=lead_ms)
-            samples[name].extend(got)
+            fn, issued = sample_of[name]
+            got = _samples(fn, device, reps=1, inner=issued, align=align, lead_ms=lead_ms)
+            samples[name].extend(x * issued / inner for x in got)  # ms per call of ``fns[name]``
     return {name: _timing(v) for name, v in samples.items()}
+
+
+def capture_calls(fn: Callable[[], Any], calls: int, device: torch.device) -> Callable[[], None]:
+    """``calls`` back-to-back calls of ``fn`` captured into one CUDA graph (after the caller's
+    warm-up: compilation and first-call allocations stay outside): its ``replay``, one launch that
+    issues them all on the current stream. Tensors ``fn`` allocates come from the graph's private
+    pool and are reused at every replay. ValueError off CUDA devices (no graphs there)."""
+    if device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, not {device.type}: time without graphs there")
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize(device)
+    with torch.cuda.graph(graph):  # captures on a side stream of torch's, joined back at the end
+        for _ in range(calls):
+            fn()
+    return graph.replay
 
 
 def _timing(samples: list[float]) -> Timing:

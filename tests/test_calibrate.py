@@ -246,8 +246,9 @@ def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
     result = runner.invoke(app, ["profile", "--shape", "32x48x40", "--out", str(out)])
     assert result.exit_code == 0, (result.output, result.exception)
     header, rows = read_csv(out)
-    assert header == [f.name for f in fields(GemmPoint)] + ["device_key"]
+    assert header == [f.name for f in fields(GemmPoint)] + ["device_key", "timing"]
     assert "cublas_ms" in header and rows
+    assert {r["timing"] for r in rows} == {"eager"}  # --timing auto: the CPU has no CUDA graphs
     assert {(r["m"], r["n"], r["k"]) for r in rows} == {("32", "48", "40")}
     assert {int(r["sms_free"]) for r in rows} == {0, 2}  # 0 and the cpu section's sms_free
     times = [float(r["time_ms"]) for r in rows if r["status"] == "ok"]
@@ -258,7 +259,7 @@ def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
     # the fastest config of each grid, re-timed side by side, next to the profile
     header, grids = read_csv(tmp_path / "p" / "profile-grids.csv")
     assert header[:6] == ["m", "n", "k", "sms_free", "grid", "tile"] and header[-1] == "device_key"
-    assert [int(g["sms_free"]) for g in grids] == [0, 2]
+    assert [int(g["sms_free"]) for g in grids] == [0, 2] and {g["timing"] for g in grids} == {"eager"}
     for g in grids:
         best = min((r for r in rows if r["sms_free"] == g["sms_free"]), key=lambda r: float(r["time_ms"]))
         assert g["tile"] == best["tile"] and g["grid"] == best["grid"]
@@ -274,6 +275,16 @@ def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
 def test_profile_bad_shape_is_exit_2(runner, shape):
     line = assert_one_line_error(runner.invoke(app, ["profile", "--shape", shape]))
     assert "--shape" in line
+
+
+@pytest.mark.parametrize("timing, says", [("graphs", "needs GPUs"), ("cudagraph", "is not one of")])
+def test_profile_bad_timing_is_exit_2_before_any_work(runner, tmp_path, timing, says):
+    """CUDA graphs on the CPU (gloo ranks), or an unknown --timing: one line, nothing written."""
+    out = tmp_path / "p.csv"
+    args = ["profile", "--shape", "32x48x40", "--timing", timing, "--out", str(out)]
+    line = assert_one_line_error(runner.invoke(app, args))
+    assert "--timing" in line and says in line, line
+    assert not out.exists()
 
 
 # ---------------------------------------------------------------------------------- report module
@@ -374,8 +385,9 @@ def test_write_profile_csv_sorts_skipped_last(tmp_path):
         _gemm_point(3.0),
         _gemm_point(1.0),
     ]
-    path = write_profile_csv(points, tmp_path / "a" / "p.csv", "key")
+    path = write_profile_csv(points, tmp_path / "a" / "p.csv", "key", "graphs")
     _, rows = read_csv(path)
+    assert {r["timing"] for r in rows} == {"graphs"}
     assert [r["status"] for r in rows] == ["ok", "ok", "skipped: OutOfResources: shared memory"]
     assert [r["time_ms"] for r in rows] == ["1", "3", "nan"]
     assert [p.name for p in path.parent.iterdir()] == ["p.csv"]
@@ -394,6 +406,38 @@ def test_grids_are_confirmed_only_beside_a_measured_full_grid():
     assert _gemm_point(1.0).tile_config() == Tile(
         block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1
     )
+
+
+@pytest.mark.parametrize("task", ["grids", "profile"])
+def test_graphed_samples_are_checked_after_the_timed_calls(monkeypatch, task):
+    """The output the timed calls wrote is checked again, poisoned before them: a replay that
+    writes nothing (here a stand-in for ``capture_calls`` that issues no call; the CPU has no CUDA
+    graphs) fails the grids' check and skips the profile's row, where replays that run the calls
+    pass both."""
+    import fo_tune.timing as timing
+    from fo_tune.launch import RankContext
+    from fo_tune.measure import GemmGridsTask, GemmProfileTask
+
+    tile = Tile(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
+    ctx = RankContext(rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
+
+    def run(replays_call: bool):
+        def capture(fn, calls, device):
+            return (lambda: [fn() for _ in range(calls)]) if replays_call else (lambda: None)
+
+        monkeypatch.setattr(timing, "capture_calls", capture)
+        if task == "grids":
+            return GemmGridsTask(32, 48, 40, ((tile, 0),), "float32", warmup=1, reps=2, graphs=True).run(ctx)
+        return GemmProfileTask(32, 48, 40, (tile,), (0,), "float32", warmup=1, reps=2, graphs=True).run(ctx)
+
+    good = run(replays_call=True)
+    assert good["rows"][0]["rel_err"] < 1e-5 and good["rows"][0]["timing"].samples == 2
+    if task == "grids":
+        with pytest.raises(ValueError, match="after the timed calls: wrong result"):
+            run(replays_call=False)
+    else:
+        row = run(replays_call=False)["rows"][0]
+        assert row["status"].startswith("skipped: ValueError: wrong result"), row["status"]
 
 
 def test_check_writable(tmp_path):

@@ -270,6 +270,41 @@ def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, o
     assert not bad, f"{len(bad)} of {VISIBILITY_REPS} repetitions read a group before its data landed"
 
 
+@pytest.mark.gpu
+def test_profile_samples_replayed_from_cuda_graphs():
+    """``fo-tune profile --timing graphs`` (``GemmGridsTask(graphs=True)``): the signalled GEMM is
+    replayed from CUDA graphs with each kind of last wave the rules pick on a 132-SM H200 (whole
+    waves, the fused split's arrival counts and fused stream-K's partial sums, both allocated in
+    the graph's pool); each output, poisoned before the timed replays, is checked after them (a
+    wrong one raises). The graphed time of a short call, whose eager calls the host can bound, is
+    not above its eager time."""
+    from fo_kernels.plan import tail_plan
+    from fo_tune.launch import RankContext
+    from fo_tune.measure import GemmGridsTask
+
+    tile = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4)
+    ctx = RankContext(rank=0, world_size=1, device=torch.device("cuda"), backend="nccl")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kinds = set()
+    for (m, n, k), frees in (
+        ((2048, 4096, 4096), (0,)),
+        ((4096, 8192, 4096), (0, 8)),
+        ((4096, 8192, 14336), (12,)),
+    ):
+        configs = tuple((tile, r) for r in frees)
+        graphed = GemmGridsTask(m, n, k, configs, "bfloat16", warmup=2, reps=4, graphs=True).run(ctx)
+        for row in graphed["rows"]:
+            assert row["rel_err"] < TOL["bfloat16"] and row["timing"].median_ms > 0, row
+            tail = tail_plan(cdiv(m, 128) * cdiv(n, 256), row["grid"], tile, k, m * n * k)
+            kinds.add("split" if tail.split != (1, 1) else "stream_k" if tail.share else "waves")
+        if (m, n, k) == (2048, 4096, 4096):
+            eager = GemmGridsTask(m, n, k, configs, "bfloat16", warmup=2, reps=4).run(ctx)
+            ratio = graphed["rows"][0]["timing"].median_ms / eager["rows"][0]["timing"].median_ms
+            assert ratio < 1.05, ratio  # the GPU's own time: no slower than the host-issued calls
+    if sms == 132:
+        assert kinds == {"waves", "split", "stream_k"}, kinds
+
+
 def _restored(buf, plan, tile, m, n):
     out = torch.full((m, n), float("nan"), dtype=buf.dtype, device=buf.device)
     restore_tile_major(buf, out, plan, tile)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fo_tune.launch import open_pool
 from fo_tune.timing import Timing
 from rank_tasks import SkewedSamples
@@ -62,3 +64,65 @@ def test_aligned_samples_leave_out_a_late_peer():
         (plain0, aligned0), (_, aligned1) = pool.run(SkewedSamples(late_ms=60.0))
     assert plain0 > 40.0, plain0
     assert aligned0 < 20.0 and aligned1 < 20.0, (aligned0, aligned1)
+
+
+def test_graphed_samples_replay_one_capture_of_inner_calls(monkeypatch):
+    """``graphs=True``: after the warm-up and one eager call (which sizes the samples) each
+    variant's ``inner`` calls are captured once, and a sample is one replay, its time divided by
+    ``inner``. ``capture_calls`` is replaced by a replay that runs the captured calls in a loop
+    (the CPU has no CUDA graphs), on a clock each call moves by 1 ms."""
+    import types
+
+    import torch
+
+    import fo_tune.timing as timing
+
+    now = [0.0]
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    calls: list[str] = []
+    captures: list[tuple[str, int]] = []
+
+    def fake_capture(fn, count, device):
+        captures.append((fn.__name__, count))
+
+        def replay() -> None:
+            for _ in range(count):
+                fn()
+
+        return replay
+
+    monkeypatch.setattr(timing, "capture_calls", fake_capture)
+
+    def one_ms() -> None:
+        calls.append("a")
+        now[0] += 1e-3
+
+    def two_ms() -> None:
+        calls.append("b")
+        now[0] += 2e-3
+
+    fns = {"a": one_ms, "b": two_ms}
+    poison = lambda: calls.append("|")  # what a caller runs right before the samples
+    cpu = torch.device("cpu")
+    got = timing.time_interleaved(
+        fns, cpu, warmup=1, rounds=3, min_sample_ms=4.0, graphs=True, before_samples=poison
+    )
+    assert captures == [("one_ms", 4), ("two_ms", 2)]
+    assert calls.index("|") == 4 and calls.count("|") == 1  # after both warm-ups and sizing calls
+    assert got["a"].samples == got["b"].samples == 3
+    assert abs(got["a"].median_ms - 1.0) < 1e-9 and abs(got["b"].median_ms - 2.0) < 1e-9
+    # the warm-up and the sizing call, then three replays of the 4-call (2-call) graph
+    assert calls.count("a") == 1 + 1 + 3 * 4 and calls.count("b") == 1 + 1 + 3 * 2
+
+
+def test_graphed_samples_need_a_cuda_device_and_no_host_pacing():
+    import torch
+
+    from fo_tune.timing import capture_calls, time_interleaved
+
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        capture_calls(lambda: None, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        time_interleaved({"x": lambda: None}, torch.device("cpu"), warmup=0, rounds=1, graphs=True)
+    with pytest.raises(ValueError, match="align and lead_ms do not apply"):
+        time_interleaved({"x": lambda: None}, torch.device("cpu"), graphs=True, lead_ms=1.0)

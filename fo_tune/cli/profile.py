@@ -38,15 +38,20 @@ HELP = "\n\n".join(
         "repetitions, max over ranks; each row's cuBLAS time is its own). A config that fails to "
         "compile, launch or check is skipped with its reason.",
         "Writes a CSV sorted by time (skipped configs last; columns as gemm_profile.csv of "
-        "`fo-tune calibrate`, with cublas_ms on every row) to --out, default "
+        "`fo-tune calibrate`, with cublas_ms on every row, and timing) to --out, default "
         "results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv, and prints the ranking.",
         "Then the fastest config of each grid is timed again, all of them and cuBLAS side by side in "
         "one run, so that a reduced grid's cost over its share of SMs (its time over the full grid's "
         "best, divided by grid_0 / grid) is read off one clock: printed, and written next to the "
         "profile as <M>x<N>x<K>-<dtype>-grids.csv. Ratios across the ranking's rows compare "
         "different runs and move with the card's drift.",
-        "Without GPUs the GEMM runs in Triton's CPU interpreter with the space's cpu tiles: use tiny "
-        "shapes (e.g. 32x48x40).",
+        "--timing graphs (the default on GPUs) captures each sample's calls into one CUDA graph and "
+        "replays it, for cuBLAS and the GEMM alike: the GPU's own time, where a call's host time "
+        "(Triton's launch path: ~0.08 ms a call on an H200's host) would otherwise bound a short "
+        "GEMM's samples. --timing eager has the host issue every call. Both CSVs say which in "
+        "their timing column. Every output is poisoned before its timed calls and checked after them.",
+        "Without GPUs the GEMM runs in Triton's CPU interpreter with the space's cpu tiles, timed "
+        "eager: use tiny shapes (e.g. 32x48x40).",
         "Exit code 0 when the CSV is written, 1 when a measurement fails, 2 for bad options.",
     ]
 )
@@ -73,6 +78,26 @@ OutFileOpt = Annotated[
 ProfileDtypeOpt = Annotated[
     str, typer.Option("--dtype", "-d", help=f"Operand dtype: {', '.join(DTYPE_NAMES)}.")
 ]
+TIMINGS = ("auto", "graphs", "eager")
+TimingOpt = Annotated[
+    str,
+    typer.Option(
+        "--timing",
+        help="How a sample runs its calls: graphs (one CUDA graph replay: the GPU's time; GPUs only), "
+        "eager (the host issues each call), or auto (graphs on GPUs, eager on the CPU).",
+    ),
+]
+
+
+def resolve_timing(timing: str, backend: str) -> bool:
+    """Whether the samples replay CUDA graphs: ``--timing`` checked against the backend (NCCL ranks
+    run on GPUs, gloo ranks on the CPU, where no graphs exist)."""
+    if timing not in TIMINGS:
+        raise typer.BadParameter(f"--timing {timing!r} is not one of {', '.join(TIMINGS)}")
+    on_gpus = backend == "nccl"
+    if timing == "graphs" and not on_gpus:
+        raise typer.BadParameter("--timing graphs needs GPUs (CUDA graphs); on the CPU use --timing eager")
+    return timing == "graphs" or (timing == "auto" and on_gpus)
 
 
 def _print_ranking(points, shape: str, device_key: str, path: Path) -> None:
@@ -132,10 +157,12 @@ def profile(
     world_size: WorldSizeOpt = 1,
     backend: BackendOpt = "auto",
     out: OutFileOpt = None,
+    timing: TimingOpt = "auto",
 ) -> None:
     m, n, k = parse_shape(shape)
     check_dtype(dtype)
     chosen = resolve_backend(world_size, backend)
+    graphs = resolve_timing(timing, chosen)
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
         search_space = resolve_space(space, chosen)
@@ -160,20 +187,20 @@ def profile(
             what = f"profiling {m}x{n}x{k}: {len(tiles)} tiles x {len(frees)} grids on {world_size} rank(s)"
             with console.status(what, spinner="dots"):
                 device_key = fp.device_key
-                points = profile_shape(pool, m, n, k, tiles, frees, dtype)
+                points = profile_shape(pool, m, n, k, tiles, frees, dtype, graphs=graphs)
+            from fo_tune.calibration import timing_name
             from fo_tune.report import write_grids_csv, write_profile_csv
 
-            path = write_profile_csv(
-                points, out or default_profile_path(device_key, (m, n, k), dtype), device_key
-            )
-            _print_ranking(points, f"{m}x{n}x{k} {dtype}", device_key, path)
+            target = out or default_profile_path(device_key, (m, n, k), dtype)
+            path = write_profile_csv(points, target, device_key, timing_name(graphs))
+            _print_ranking(points, f"{m}x{n}x{k} {dtype}, {timing_name(graphs)}", device_key, path)
             from fo_tune.calibrate import confirm_grids
 
             with console.status(f"timing the best of each grid side by side ({m}x{n}x{k})", spinner="dots"):
-                grids = confirm_grids(pool, points, dtype)
+                grids = confirm_grids(pool, points, dtype, graphs=graphs)
             if grids:
                 grids_file = write_grids_csv(grids, grids_path(path), device_key)
-                _print_grids(grids, f"{m}x{n}x{k} {dtype}", grids_file)
+                _print_grids(grids, f"{m}x{n}x{k} {dtype}, {timing_name(graphs)}", grids_file)
 
 
 def register(app: typer.Typer) -> None:
