@@ -17,6 +17,8 @@ faster than the flattened persistent one.
 
 Run each under ``timeout``: a wrong barrier phase hangs a kernel rather than failing it
 (``bash bench/profile_session.sh ws`` does). Writes ``$OUT/ws.csv`` (time) and prints a summary.
+A cooperative twin (``ws_coop_kernel``: the loader warp and one consumer of two warpgroups on a
+128x256 tile) takes the loads out of the consumers' instruction stream but hides no epilogue.
 Compiled for sm_90a on the CPU with Triton 3.6 (the device image's): no spills at 168 registers
 (maxnreg; setmaxnreg gives the consumers 232 and the loader 40), 192 KB of shared memory with
 four stages of 128x128x64.
@@ -78,27 +80,30 @@ def _consumer(
     N,
     K,
     ME: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+    WARPS: gl.constexpr,
     GROUP_M: gl.constexpr,
 ):
-    """Consumer ``ME`` (0 or 1) runs the program's local tiles j = ME, ME + 2, ...: it starts a
-    tile's main loop once the other consumer has finished the previous tile's (``turn``), so the
-    stages are consumed in the loader's order and each consumer's epilogue overlaps the other's
-    main loop."""
+    """Consumer ``ME`` of ``CONSUMERS`` (``WARPS`` warps) runs the program's local tiles j = ME,
+    ME + CONSUMERS, ...; with two, it starts a tile's main loop once the other has finished the
+    previous tile's (``turn``), so the stages are consumed in the loader's order and each
+    consumer's epilogue overlaps the other's main loop (ping-pong). With one (the cooperative
+    kernel: two warpgroups on one tile) nothing overlaps the epilogue."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     S: gl.constexpr = a_bufs.shape[0]
     layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 16]
     )
     tiles_m = gl.cdiv(M, BM)
     tiles_n = gl.cdiv(N, BN)
     k_tiles = gl.cdiv(K, BK)
     G = gl.num_programs(0)
     pid = gl.program_id(0)
-    for t in range(gl.program_id(0) + ME * G, tiles_m * tiles_n, 2 * G):
-        j = (t - pid) // G  # the program's local tile index: ME, ME + 2, ...
-        if j > 0:  # the other consumer's main loop of tile j - 1 is done
+    for t in range(pid + ME * G, tiles_m * tiles_n, CONSUMERS * G):
+        j = (t - pid) // G  # the program's local tile index: ME, ME + CONSUMERS, ...
+        if CONSUMERS == 2 and j > 0:  # the other consumer's main loop of tile j - 1 is done
             mbarrier.wait(turn.index(1 - ME), ((j - 1) // 2) & 1)
         pm, pn = _tile_coords(t, tiles_m, tiles_n, GROUP_M)
         acc = gl.zeros((BM, BN), gl.float32, layout)
@@ -115,7 +120,8 @@ def _consumer(
                 mbarrier.arrive(empty.index((i - 1) % S), count=1)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index((i0 + k_tiles - 1) % S), count=1)
-        mbarrier.arrive(turn.index(ME), count=1)  # the other consumer may start its next tile
+        if CONSUMERS == 2:
+            mbarrier.arrive(turn.index(ME), count=1)  # the other consumer may start its next tile
         tma.store_wait(0)  # this consumer's previous tile has left c_smem
         c_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()
@@ -153,11 +159,11 @@ def ws_gemm_kernel(
         [
             (
                 _consumer,
-                (a_desc, b_desc, c_desc, a_bufs, b_bufs, c0, empty, ready, turn, M, N, K, 0, GROUP_M),
+                (a_desc, b_desc, c_desc, a_bufs, b_bufs, c0, empty, ready, turn, M, N, K, 0, 2, 4, GROUP_M),
             ),
             (
                 _consumer,
-                (a_desc, b_desc, c_desc, a_bufs, b_bufs, c1, empty, ready, turn, M, N, K, 1, GROUP_M),
+                (a_desc, b_desc, c_desc, a_bufs, b_bufs, c1, empty, ready, turn, M, N, K, 1, 2, 4, GROUP_M),
             ),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, M, N, K, GROUP_M)),
         ],
@@ -166,14 +172,71 @@ def ws_gemm_kernel(
     )
 
 
+@gluon.jit
+def ws_coop_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    M,
+    N,
+    K,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
+):
+    """The cooperative twin (launched with 8 warps): the loader warp, and the kernel's 8 warps (two
+    warpgroups, 64 rows of the tile each) as one consumer, so loads leave the consumers' instruction stream
+    but nothing overlaps the epilogue."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)  # noqa: RUF005
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)  # noqa: RUF005
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1)
+    # one consumer of the kernel's 8 warps; ``turn`` (here ``empty``) is not used with one
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    a_desc,
+                    b_desc,
+                    c_desc,
+                    a_bufs,
+                    b_bufs,
+                    c_smem,
+                    empty,
+                    ready,
+                    empty,
+                    M,
+                    N,
+                    K,
+                    0,
+                    1,
+                    8,
+                    GROUP_M,
+                ),
+            ),
+            (_loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, M, N, K, GROUP_M)),
+        ],
+        [1],
+        [LOADER_REGS],
+    )
+
+
 # --------------------------------------------------------------------------------------- host
-# name: (consumer tile BM x BN, BK, stages). A consumer's fp32 accumulator is BM x BN over one
-# warpgroup: 128 registers a thread at 128x128 or 64x256 (128x256 would need 256).
+# name: (consumer tile BM x BN, BK, stages, ping-pong). A ping-pong consumer's fp32 accumulator is
+# BM x BN over one warpgroup: 128 registers a thread at 128x128 or 64x256 (128x256 would need 256);
+# the cooperative kernel's is 128x256 over two warpgroups, with one 64 KB epilogue buffer (so 3
+# stages of 48 KB fit).
 VARIANTS = {
-    "ws_128x128_s4": (128, 128, 64, 4),
-    "ws_128x128_s5": (128, 128, 64, 5),
-    "ws_128x128_s3": (128, 128, 64, 3),
-    "ws_64x256_s4": (64, 256, 64, 4),
+    "ws_128x128_s4": (128, 128, 64, 4, True),
+    "ws_128x128_s5": (128, 128, 64, 5, True),
+    "ws_128x128_s3": (128, 128, 64, 3, True),
+    "ws_64x256_s4": (64, 256, 64, 4, True),
+    "coop_128x256_s3": (128, 256, 64, 3, False),
 }
 GROUP_M = 8
 CONSUMER_REGS, LOADER_REGS, MAXNREG = 232, 40, 168  # 232 * 256 + 40 * 128 threads <= 65536 registers
@@ -195,7 +258,7 @@ def ws_runner(a, w, out, variant: str, sms: int):
     """A call of the probe kernel: ``out = a @ w.T`` (a (M, K), w (N, K), both row-major)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    bm, bn, bk, stages = VARIANTS[variant]
+    bm, bn, bk, stages, pingpong = VARIANTS[variant]
     m, k = a.shape
     n = w.shape[0]
 
@@ -208,10 +271,15 @@ def ws_runner(a, w, out, variant: str, sms: int):
     grid = min(sms, triton.cdiv(m, bm) * triton.cdiv(n, bn))
 
     def run():
-        ws_gemm_kernel[(grid,)](
-            a_desc, b_desc, c_desc, m, n, k, stages, GROUP_M, CONSUMER_REGS, LOADER_REGS,
-            num_warps=4, maxnreg=MAXNREG,
-        )  # fmt: skip
+        if pingpong:
+            ws_gemm_kernel[(grid,)](
+                a_desc, b_desc, c_desc, m, n, k, stages, GROUP_M, CONSUMER_REGS, LOADER_REGS,
+                num_warps=4, maxnreg=MAXNREG,
+            )  # fmt: skip
+        else:
+            ws_coop_kernel[(grid,)](
+                a_desc, b_desc, c_desc, m, n, k, stages, GROUP_M, LOADER_REGS, num_warps=8, maxnreg=MAXNREG
+            )  # fmt: skip
         return out
 
     return run
