@@ -7,8 +7,8 @@ atomic (docs/perf-notes.md, session 15). One TMA loader warp fills a ring of sta
 warpgroups take a program's tiles in turn (local tiles 0, 2, 4, ... and 1, 3, 5, ...), each
 starting a tile's wgmma main loop only when the other has finished the previous tile's
 (``turn``), so the stages are consumed in the loader's order and one consumer's epilogue (a TMA
-store) runs while the other's main loop does. No signal yet: first whether the plain kernel is
-faster than the flattened persistent one.
+store) runs while the other's main loop does. The ``_sig`` twins add the shipped kernel's signal
+(each tile row's counter, one release increment a tile once its TMA store is written).
 
     python3 bench/ws_probe.py check   # every variant on three shapes against a float32 matmul
     python3 bench/ws_probe.py time    # the profile's ten shapes at full grid: cuBLAS, the shipped
@@ -66,6 +66,20 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, empty, ready, M, N, K, GROUP_M: gl.c
 
 
 @gluon.jit
+def _stores_written():
+    """Wait until this thread's TMA stores are written, not only read from shared memory, and order
+    them before its later generic-proxy accesses (as ``fo_kernels.gemm_epilogue._bulk_stores_done``)."""
+    gl.inline_asm_elementwise(
+        "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
+        "=r",
+        [],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
 def _consumer(
     a_desc,
     b_desc,
@@ -76,6 +90,7 @@ def _consumer(
     empty,
     ready,
     turn,
+    counters,
     M,
     N,
     K,
@@ -83,12 +98,16 @@ def _consumer(
     CONSUMERS: gl.constexpr,
     WARPS: gl.constexpr,
     GROUP_M: gl.constexpr,
+    SIGNAL: gl.constexpr,
 ):
     """Consumer ``ME`` of ``CONSUMERS`` (``WARPS`` warps) runs the program's local tiles j = ME,
     ME + CONSUMERS, ...; with two, it starts a tile's main loop once the other has finished the
     previous tile's (``turn``), so the stages are consumed in the loader's order and each
     consumer's epilogue overlaps the other's main loop (ping-pong). With one (the cooperative
-    kernel: two warpgroups on one tile) nothing overlaps the epilogue."""
+    kernel: two warpgroups on one tile) nothing overlaps the epilogue. ``SIGNAL``: once a tile's
+    TMA store is written, the partition's barrier, then one release increment of its tile row's
+    counter (``counters[pm]``), as the shipped kernel signals a group; in ping-pong the wait for
+    the write overlaps the other consumer's main loop."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -126,6 +145,10 @@ def _consumer(
         c_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(c_desc, [pm * BM, pn * BN], c_smem)
+        if SIGNAL:
+            _stores_written()
+            gl.thread_barrier()
+            gl.atomic_add(counters + pm, 1, sem="release", scope="gpu")
     tma.store_wait(0)
 
 
@@ -134,6 +157,7 @@ def ws_gemm_kernel(
     a_desc,
     b_desc,
     c_desc,
+    counters,
     M,
     N,
     K,
@@ -141,6 +165,7 @@ def ws_gemm_kernel(
     GROUP_M: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
+    SIGNAL: gl.constexpr,
 ):
     # (Gluon's code generator builds these shapes by list concatenation, not starred lists)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)  # noqa: RUF005
@@ -159,11 +184,49 @@ def ws_gemm_kernel(
         [
             (
                 _consumer,
-                (a_desc, b_desc, c_desc, a_bufs, b_bufs, c0, empty, ready, turn, M, N, K, 0, 2, 4, GROUP_M),
+                (
+                    a_desc,
+                    b_desc,
+                    c_desc,
+                    a_bufs,
+                    b_bufs,
+                    c0,
+                    empty,
+                    ready,
+                    turn,
+                    counters,
+                    M,
+                    N,
+                    K,
+                    0,
+                    2,
+                    4,
+                    GROUP_M,
+                    SIGNAL,
+                ),
             ),
             (
                 _consumer,
-                (a_desc, b_desc, c_desc, a_bufs, b_bufs, c1, empty, ready, turn, M, N, K, 1, 2, 4, GROUP_M),
+                (
+                    a_desc,
+                    b_desc,
+                    c_desc,
+                    a_bufs,
+                    b_bufs,
+                    c1,
+                    empty,
+                    ready,
+                    turn,
+                    counters,
+                    M,
+                    N,
+                    K,
+                    1,
+                    2,
+                    4,
+                    GROUP_M,
+                    SIGNAL,
+                ),
             ),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, M, N, K, GROUP_M)),
         ],
@@ -177,12 +240,14 @@ def ws_coop_kernel(
     a_desc,
     b_desc,
     c_desc,
+    counters,
     M,
     N,
     K,
     STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
     LOADER_REGS: gl.constexpr,
+    SIGNAL: gl.constexpr,
 ):
     """The cooperative twin (launched with 8 warps): the loader warp, and the kernel's 8 warps (two
     warpgroups, 64 rows of the tile each) as one consumer, so loads leave the consumers' instruction stream
@@ -210,6 +275,7 @@ def ws_coop_kernel(
                     empty,
                     ready,
                     empty,
+                    counters,
                     M,
                     N,
                     K,
@@ -217,6 +283,7 @@ def ws_coop_kernel(
                     1,
                     8,
                     GROUP_M,
+                    SIGNAL,
                 ),
             ),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, M, N, K, GROUP_M)),
@@ -238,6 +305,9 @@ VARIANTS = {
     "ws_64x256_s4": (64, 256, 64, 4, True),
     "coop_128x256_s3": (128, 256, 64, 3, False),
 }
+# the same kernels signalling each tile row's counter as its tiles land (the shipped kernel's
+# protocol, without its deferral): the cost of the signal, and its count checked after each run
+SIGNALLED = {"ws_128x128_s4_sig": "ws_128x128_s4", "coop_128x256_s3_sig": "coop_128x256_s3"}
 GROUP_M = 8
 CONSUMER_REGS, LOADER_REGS, MAXNREG = 232, 40, 168  # 232 * 256 + 40 * 128 threads <= 65536 registers
 SHAPES = [
@@ -254,11 +324,14 @@ SHAPES = [
 ]
 
 
-def ws_runner(a, w, out, variant: str, sms: int):
-    """A call of the probe kernel: ``out = a @ w.T`` (a (M, K), w (N, K), both row-major)."""
+def ws_runner(a, w, out, variant: str, sms: int, counters=None):
+    """A call of the probe kernel: ``out = a @ w.T`` (a (M, K), w (N, K), both row-major);
+    ``counters`` (int32, one per tile row): each tile adds 1 to its row's once it is written."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     bm, bn, bk, stages, pingpong = VARIANTS[variant]
+    signal = counters is not None
+    counters = counters if signal else out
     m, k = a.shape
     n = w.shape[0]
 
@@ -273,12 +346,13 @@ def ws_runner(a, w, out, variant: str, sms: int):
     def run():
         if pingpong:
             ws_gemm_kernel[(grid,)](
-                a_desc, b_desc, c_desc, m, n, k, stages, GROUP_M, CONSUMER_REGS, LOADER_REGS,
-                num_warps=4, maxnreg=MAXNREG,
+                a_desc, b_desc, c_desc, counters, m, n, k, stages, GROUP_M, CONSUMER_REGS, LOADER_REGS,
+                signal, num_warps=4, maxnreg=MAXNREG,
             )  # fmt: skip
         else:
             ws_coop_kernel[(grid,)](
-                a_desc, b_desc, c_desc, m, n, k, stages, GROUP_M, LOADER_REGS, num_warps=8, maxnreg=MAXNREG
+                a_desc, b_desc, c_desc, counters, m, n, k, stages, GROUP_M, LOADER_REGS, signal,
+                num_warps=8, maxnreg=MAXNREG,
             )  # fmt: skip
         return out
 
@@ -314,30 +388,43 @@ def main(mode: str) -> None:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     shapes = [(1024, 1024, 1024), (3000, 5120, 6912), (130, 256, 200)] if mode == "check" else SHAPES
     out_dir = os.environ.get("OUT", ".")
-    rows = []
+    rows = []  # the CSV's
     for m, n, k in shapes:
         a, b = gemm_operands(m, n, k, "bfloat16", dev, seed=m + n + k)
         w = b.t().contiguous()  # the (N, K) weight
         ref = a.float() @ b.float()
         fns = {"cublas": lambda a=a, b=b: a @ b}
-        if mode == "time":
+        outs, counts = {}, {}
+        if mode == "time":  # the shipped kernel, checked too (its output view is the same each call)
             fns["shipped"], _ = gemm_runner(a, b, _shipped_tile(m, n, k), 0, sms)
-        outs = {}
-        for name in VARIANTS:
+            outs["shipped"] = fns["shipped"]()
+            assert rel_err(outs["shipped"], ref) < 1e-2
+        for name in [*VARIANTS, *SIGNALLED]:
+            base = SIGNALLED.get(name, name)
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
-            run = ws_runner(a, w, out, name, sms)
+            tile_rows, cols = triton.cdiv(m, VARIANTS[base][0]), triton.cdiv(n, VARIANTS[base][1])
+            cnt = torch.zeros(tile_rows, dtype=torch.int32, device=dev) if name in SIGNALLED else None
+            run = ws_runner(a, w, out, base, sms, cnt)
             torch.cuda.synchronize()
             err = rel_err(run(), ref)
             torch.cuda.synchronize()
-            print(f"{m}x{n}x{k} {name}: rel err {err:.2e}", flush=True)
-            if err < 1e-2:
+            counted = cnt is None or cnt.tolist() == [cols] * tile_rows  # one increment a tile
+            print(
+                f"{m}x{n}x{k} {name}: rel err {err:.2e}" + ("" if counted else " signal count WRONG"),
+                flush=True,
+            )
+            if err < 1e-2 and counted:
                 fns[name], outs[name] = run, out
+                if cnt is not None:
+                    counts[name] = (cnt, cols)
         if mode == "check":
             continue
 
-        def poison(outs=outs):
+        def poison(outs=outs, counts=counts):
             for o in outs.values():
                 o.fill_(float("nan"))
+            for cnt, _ in counts.values():
+                cnt.zero_()
 
         t = time_interleaved(
             fns, dev, warmup=3, rounds=10, min_sample_ms=STEADY_SAMPLE_MS, graphs=True, before_samples=poison
@@ -347,8 +434,12 @@ def main(mode: str) -> None:
         for name, timing in t.items():
             after = rel_err(outs[name], ref) if name in outs else 0.0
             ok = after < 1e-2
+            if name in counts:  # every row counted the same whole number of calls
+                got, cols = counts[name][0].tolist(), counts[name][1]
+                ok = ok and len(set(got)) == 1 and got[0] > 0 and got[0] % cols == 0
             rows.append([m, n, k, name, timing.median_ms, timing.iqr_ms, cub / timing.median_ms, after, ok])
-            line.append(f"{name} {cub / timing.median_ms:.3f}" + ("" if ok else " (wrong after timing)"))
+            bad = "" if ok else " (wrong result or signal count after timing)"
+            line.append(f"{name} {cub / timing.median_ms:.3f}{bad}")
         print(f"{m}x{n}x{k}: cuBLAS {cub:.3f} ms; " + ", ".join(line), flush=True)
         with open(f"{out_dir}/ws.csv", "w") as f:  # after every shape: a call cut short keeps it
             f.write("m,n,k,variant,median_ms,iqr_ms,cublas_over,rel_err_after,ok\n")
