@@ -65,6 +65,11 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, empty, ready, M, N, K, GROUP_M: gl.c
             i += 1
 
 
+# The CTA barrier (in a partition, its warps' named barrier): Triton 3.6, the device image's, calls
+# it thread_barrier; 3.7 renamed it barrier.
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
 @gluon.jit
 def _stores_written():
     """Wait until this thread's TMA stores are written, not only read from shared memory, and order
@@ -147,7 +152,7 @@ def _consumer(
         tma.async_copy_shared_to_global(c_desc, [pm * BM, pn * BN], c_smem)
         if SIGNAL:
             _stores_written()
-            gl.thread_barrier()
+            _barrier()
             gl.atomic_add(counters + pm, 1, sem="release", scope="gpu")
     tma.store_wait(0)
 
