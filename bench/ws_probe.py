@@ -158,6 +158,21 @@ def _consumer(
 
 
 @gluon.jit
+def _ring(a_desc, b_desc, STAGES: gl.constexpr):
+    """The loader's ring: ``STAGES`` A and B blocks in shared memory, and each stage's ``empty``
+    and ``ready`` mbarriers (one arrival each)."""
+    # (Gluon's code generator builds these shapes by list concatenation, not starred lists)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)  # noqa: RUF005
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)  # noqa: RUF005
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1)
+    return a_bufs, b_bufs, empty, ready
+
+
+@gluon.jit
 def ws_gemm_kernel(
     a_desc,
     b_desc,
@@ -172,17 +187,10 @@ def ws_gemm_kernel(
     LOADER_REGS: gl.constexpr,
     SIGNAL: gl.constexpr,
 ):
-    # (Gluon's code generator builds these shapes by list concatenation, not starred lists)
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)  # noqa: RUF005
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)  # noqa: RUF005
+    a_bufs, b_bufs, empty, ready = _ring(a_desc, b_desc, STAGES)
     c0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     c1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(empty.index(s), count=1)
-        mbarrier.init(ready.index(s), count=1)
     for c in gl.static_range(2):
         mbarrier.init(turn.index(c), count=1)
     gl.warp_specialize(
@@ -257,14 +265,8 @@ def ws_coop_kernel(
     """The cooperative twin (launched with 8 warps): the loader warp, and the kernel's 8 warps (two
     warpgroups, 64 rows of the tile each) as one consumer, so loads leave the consumers' instruction stream
     but nothing overlaps the epilogue."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)  # noqa: RUF005
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)  # noqa: RUF005
+    a_bufs, b_bufs, empty, ready = _ring(a_desc, b_desc, STAGES)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(empty.index(s), count=1)
-        mbarrier.init(ready.index(s), count=1)
     # one consumer of the kernel's 8 warps; ``turn`` (here ``empty``) is not used with one
     gl.warp_specialize(
         [

@@ -127,9 +127,9 @@ def time_interleaved(
     whose host keeps ahead or under a caller's graph: the GPU's own time. ``inner`` comes from one
     eager call, as without graphs: for a host-bound call that is its host time, so its samples
     hold fewer calls than ``min_sample_ms`` asks, never more. One capture a variant (entering
-    ``torch.cuda.graph`` synchronizes and collects garbage). The calls must be capturable (no host
-    synchronization); their outputs are the graph's, written at every replay. Not with ``align``
-    or ``lead_ms``, which act between a sample's host-issued calls.
+    ``torch.cuda.graph`` synchronizes and empties the allocator's cache). The calls must be
+    capturable (no host synchronization); their outputs are the graph's, written at every replay.
+    Not with ``align`` or ``lead_ms``, which act between a sample's host-issued calls.
 
     ``before_samples``: called once after the warm-up, the sizing calls and the captures, right
     before the first timed sample (a caller poisons its outputs there, so that what they hold
@@ -176,8 +176,7 @@ def capture_calls(fn: Callable[[], Any], calls: int, device: torch.device) -> Ca
     if device.type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA device, not {device.type}: time without graphs there")
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize(device)
-    with torch.cuda.graph(graph):  # captures on a side stream of torch's, joined back at the end
+    with torch.cuda.graph(graph):  # synchronizes, then captures on a side stream of torch's
         for _ in range(calls):
             fn()
     return graph.replay
