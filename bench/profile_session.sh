@@ -28,17 +28,13 @@
 #                                           # PROFILE_TIMING=eager has the host issue every call,
 #                                           # default graphs as `fo-tune profile` on GPUs)
 #   bash bench/profile_session.sh tests     # the GEMM's GPU tests only
-#   bash bench/profile_session.sh ws        # the warp-specialized Gluon probe (bench/ws_probe.py):
-#                                           # checked on three shapes, then timed at full grid on
-#                                           # the profile's ten beside cuBLAS and the shipped kernel
-#                                           # (each under a timeout: a wrong barrier phase hangs)
 #
 # Run from the repository root (where the device tool runs a command). Writes CSVs and logs under
 # $OUT (default ./out): variants.csv and variants_reduced.csv (or ab.csv), profiles.tgz (results/profiles/<device-key>/*.csv, re-packed after each
 # shape), smi.csv (SM clock and power every 200 ms), session.log. TESTS_S caps each pytest call.
 # The image's python3 has no optuna; nothing here needs it.
 set -uo pipefail
-STAGE="${1:?stage: variants, ab, last, profile, tests or ws}"
+STAGE="${1:?stage: variants, ab, last, profile or tests}"
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT" /tmp/fk
 ln -sfn "$PWD/kernels" /tmp/fk/fo_kernels
@@ -313,7 +309,5 @@ case "$STAGE" in
   last) VIS_ONLY=1 gpu_tests; profile; NO_VIS=1 gpu_tests ;;
   profile) profile ;;
   tests) gpu_tests ;;
-  ws) OUT="$OUT" timeout "${WS_CHECK_S:-150}" python3 bench/ws_probe.py check &&
-      OUT="$OUT" timeout "${WS_TIME_S:-420}" python3 bench/ws_probe.py time ;;
-  *) echo "unknown stage $STAGE: variants, ab, last, profile, tests or ws" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE: variants, ab, last, profile or tests" >&2; exit 2 ;;
 esac 2>&1 | tee "$OUT/session.log"

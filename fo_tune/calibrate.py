@@ -262,6 +262,7 @@ def profile_shape(
                 num_warps=tile.num_warps,
                 num_stages=tile.num_stages,
                 warp_specialize=tile.warp_specialize,
+                pingpong=tile.pingpong,
                 sms_free=row["sms_free"],
                 grid=row["grid"],
                 time_ms=t.median_ms if t else float("nan"),

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +115,7 @@ class GemmPoint:
     m: int
     n: int
     k: int
-    tile: str  # "BMxBNxBK gmG wW sS[ ws]"
+    tile: str  # "BMxBNxBK gmG wW sS[ ws][ pp]"
     block_m: int
     block_n: int
     block_k: int
@@ -130,6 +130,8 @@ class GemmPoint:
     cublas_ms: float
     rel_err: float
     status: str  # "ok", or why the config was skipped
+    # The ping-pong kernel (``Tile.pingpong``); absent from calibrations written before it existed.
+    pingpong: bool = False
 
     def tile_config(self) -> Tile:
         """The tile config this point measured (its fields of ``Tile``, by name)."""
@@ -379,10 +381,13 @@ def _point(kind: type, row: Any, where: str) -> Any:
     if not isinstance(row, dict):
         raise CalibrationError(f"{where}: expected a mapping")
     names, types = _schema(kind)
-    if row.keys() != names:
-        missing, unknown = names - set(row), set(row) - names
+    optional = {f.name for f in fields(kind) if f.default is not MISSING}  # newer fields, with defaults
+    missing, unknown = names - set(row) - optional, set(row) - names
+    if missing or unknown:
         raise CalibrationError(f"{where}: missing {sorted(missing)}, unknown {sorted(unknown)}")
     for name, type_name, want in types:
+        if name not in row:
+            continue
         value = row[name]
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
             raise CalibrationError(f"{where}.{name}: expected {type_name}, got {value!r}")

@@ -302,7 +302,7 @@ class SpaceReader:
     def tile(self, node: Any, path: str) -> Tile:
         data = self.mapping(node, path, _TILE_REQUIRED, _TILE_OPTIONAL)
         for key, value in data.items():  # Tile would take true for 1
-            if key != "warp_specialize":
+            if key not in ("warp_specialize", "pingpong"):
                 self.integer(value, f"{path}.{key}", minimum=1)
         try:
             return Tile(**data)

@@ -37,6 +37,10 @@ each tail tile finished, stored and signalled by the last of its programs to arr
 (``docs/perf-notes.md``, "The signalled GEMM at cuBLAS speed (one H200)", "The split tail" and
 "The tail in the whole waves' launch").
 
+A ``Tile.pingpong`` tile runs the warp-specialized ping-pong kernel instead
+(``fo_kernels.gemm_pingpong``: the same tile order, layouts and signal), then its split tail, if
+any, in this kernel's split launch.
+
 Counters are never reset: each call's targets are the running totals the host keeps (see
 ``fo_kernels.runtime``), and every comparison is wrap-around safe in int32.
 
@@ -694,7 +698,17 @@ def signalled_gemm(
     are the plan's tables on the device; ``counters`` (int32) gets one release increment per tile
     at index ``unit_group[t // U]`` when ``signal`` is set. ``use_tma`` (loads) and
     ``options.tma_store`` override the automatic choices (tests time and check both paths).
+    A ``tile.pingpong`` call runs the ping-pong kernel (``fo_kernels.gemm_pingpong``: the whole
+    waves, TMA stores; of ``options`` only ``split_tail`` applies) where ``pingpong_blocker``
+    accepts it and ``use_tma`` is not False, then a split tail in this kernel's own launch; else
+    this kernel with the same tile.
     """
+    if tile.pingpong and use_tma is not False:
+        from .gemm_pingpong import pingpong_blocker
+
+        if not pingpong_blocker(a, b, out, plan, tile):
+            _pingpong_then_tail(a, b, out, plan, tile, counters, unit_group, group_info, signal, options)
+            return
     m, k = a.shape
     n = b.tensor.shape[1]
     a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
@@ -729,7 +743,11 @@ def signalled_gemm(
     pieces = unused  # the split tail's operands (TMA descriptors of its pieces' blocks)
     if split != (1, 1):
         piece = dataclasses.replace(
-            tile, block_m=tile.block_m // split[0], block_n=tile.block_n // split[1], num_warps=SPLIT_WARPS
+            tile,
+            block_m=tile.block_m // split[0],
+            block_n=tile.block_n // split[1],
+            num_warps=SPLIT_WARPS,
+            pingpong=False,
         )
         pieces = _operand_args(a, b, piece, use_tma)[:2]
     # fused: one piece a program, so the pieces must fit the grid (a forced split's may not)
@@ -752,6 +770,52 @@ def signalled_gemm(
             _meta(a, b, out, piece, use_tma, False, 1), STREAM_K=False, TMA_STORE=False,
             SPLIT_M=split[0], SPLIT_N=split[1],
         )  # fmt: skip
+
+
+def _pingpong_then_tail(
+    a: torch.Tensor,
+    b: BOperand,
+    out: torch.Tensor,
+    plan: Plan,
+    tile: Tile,
+    counters: torch.Tensor,
+    unit_group: torch.Tensor,
+    group_info: torch.Tensor,
+    signal: bool,
+    options: KernelOptions,
+) -> None:
+    """``signalled_gemm`` of a ping-pong tile: the ping-pong kernel over the whole waves, then, where
+    ``tail_plan`` splits the last partial wave, its pieces in a launch of this kernel (one program a
+    piece; each tail tile signalled by the last of its pieces)."""
+    from .gemm_pingpong import pingpong_gemm
+
+    m, k = a.shape
+    n = b.tensor.shape[1]
+    tail = tail_plan(plan.num_tiles, plan.grid, tile, k, m * n * k, False, options.split_tail)
+    pingpong_gemm(
+        a, b, out, plan, tile, counters=counters, unit_group=unit_group, group_info=group_info,
+        signal=signal, tiles=tail.main_tiles,
+    )  # fmt: skip
+    if tail.split == (1, 1):
+        return
+    piece = dataclasses.replace(
+        tile, block_m=tile.block_m // tail.split[0], block_n=tile.block_n // tail.split[1],
+        num_warps=SPLIT_WARPS, pingpong=False,
+    )  # fmt: skip
+    arrive = torch.zeros(plan.num_tiles - tail.main_tiles, dtype=torch.int32, device=a.device)
+    a_piece, b_piece, use_tma = _operand_args(a, b, piece, True)
+    layout = LAYOUT_TILE_MAJOR if plan.layout == "tile_major" else LAYOUT_ROW_BAND
+    _signalled_gemm_kernel[((plan.num_tiles - tail.main_tiles) * tail.split[0] * tail.split[1],)](
+        a_piece, b_piece, counters, counters, out, out, counters, unit_group, group_info,
+        m, n, k, plan.rows_per_shard, plan.tiles_m, plan.tiles_n, plan.num_tiles, plan.shards,
+        plan.unit_tiles,
+        counters, out,  # ready, out2: unused outside LAYOUT_ROWS
+        arrive, a, tail.main_tiles, 0,
+        *_strides(a, b),
+        LAYOUT=layout, SIGNAL=signal, STREAM_K=False, TMA_STORE=False,
+        SPLIT_M=tail.split[0], SPLIT_N=tail.split[1],
+        **_meta(a, b, out, piece, use_tma, False, 1),
+    )  # fmt: skip
 
 
 def rows_gemm(

@@ -42,14 +42,14 @@ def cdiv(a: int, b: int) -> int:
 # split goes down to MIN_BLOCK): the measured pieces are 128x128 and 64x128 of 128x256 tiles
 # (docs/perf-notes.md, "The split tail").
 SPLIT_MIN_BLOCK = 64
-# The split tail's second launch costs host time (0.05-0.3 ms a call on the device's host): calls of
-# fewer multiply-adds than this (2^37, ~0.2 ms of H200 work) are not split. Measured eager, back to
-# back: 2048x4096x4096 and 8192x4096x2048 (2^35, 2^36) became host-bound and lost 20-55%, while the
-# GPU's own time fell 3-17%; from 4096x8192x4096 (2^37) up the split calls gained up to 6%. In the
-# whole waves' launch (``KernelOptions.fuse_tail``) a forced split of those two shapes measured
-# -6..+17% against the whole waves (2048x4096x4096 on 124 / 120 / 116 programs: -6, +17, +16%;
-# 8192x4096x2048: +3, +1%), too mixed to lift the rule.
-SPLIT_MIN_MACS = 1 << 37
+# The split tail costs host time (its pieces' descriptors and arrival counts): calls of fewer
+# multiply-adds than this (2^35, ~45 us of H200 work) are not split. Measured in the whole waves'
+# launch (``KernelOptions.fuse_tail``) against the whole waves, 2048x4096x4096 (2^35) on 124 / 120 /
+# 116 programs: -6, +17, +16% issued eagerly back to back, +20, +18, +20% replayed from CUDA graphs
+# (the GPU's own time); 8192x4096x2048 (2^36): +3, +1% eager, +2, +2, -4% graphed; from
+# 4096x8192x4096 (2^37) up the split gained up to 6%. In a launch of its own the split made the two
+# short shapes host-bound (-20..-55% eager).
+SPLIT_MIN_MACS = 1 << 35
 
 
 def tail_split(
@@ -121,7 +121,10 @@ def tail_plan(
     """The kernel's choice for the last partial wave (``stream_k`` and ``split_tail`` as
     ``fo_kernels.gemm.KernelOptions``; None: the measured rules): the split tail first, unless
     stream-K is forced, else stream-K where its rule (or ``stream_k=True``) says; ``macs`` is
-    M x N x K."""
+    M x N x K. A ping-pong tile (``Tile.pingpong``) has no stream-K tail: its kernel runs whole
+    waves, and the split tail's pieces in a launch of the plain kernel after it."""
+    if tile.pingpong:
+        stream_k = False
     if stream_k is not True and split_tail is not False:
         split = tail_split(num_tiles, grid, tile, split_tail is True, macs)
         if split != (1, 1):

@@ -84,6 +84,15 @@ MAX_CHUNKS = 64
 MIN_BLOCK = 16
 MAX_BLOCK = 256
 NUM_WARPS_CHOICES = (1, 2, 4, 8, 16)
+# Ping-pong tiles (``Tile.pingpong``): 4 warps, one warpgroup a consumer; a float32 accumulator of
+# at most 128 registers a thread over its 128 threads (232 a thread after setmaxnreg, the rest for
+# addresses and the epilogue); wgmma's 64-row minimum; Hopper's 227 KiB of shared memory per CTA
+# (CUDA programming guide, compute capability 9.0) for the ring and two epilogue buffers.
+PINGPONG_WARPS = 4
+PINGPONG_MAX_ACC = 128 * 128
+WGMMA_M = 64
+HOPPER_SMEM_BYTES = 227 * 1024
+PINGPONG_ELEMENT_BYTES = 2
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -201,6 +210,12 @@ class Tile:
     # flattened with 4 warps, and there it dropped the signal's release atomic or failed to compile
     # (docs/perf-notes.md, "Warp specialization on sm_90"). A tile with it runs as its plain twin.
     warp_specialize: bool = False
+    # The hand-written warp-specialized kernel (``fo_kernels.gemm_pingpong``): a TMA loader warp
+    # and two consumer warpgroups that take tiles in turn, each hiding its epilogue behind the
+    # other's main loop. Needs 4 warps (one warpgroup a consumer) and a tile whose float32
+    # accumulator fits one warpgroup; where a call cannot run it (``pingpong_blocker``: not a Hopper
+    # GPU, 32-bit inputs, unaligned strides) the tile runs in the plain kernel.
+    pingpong: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -213,13 +228,41 @@ class Tile:
         if self.num_warps not in NUM_WARPS_CHOICES:
             raise ScheduleError(f"tile.num_warps: must be one of {NUM_WARPS_CHOICES}, got {self.num_warps!r}")
         _check_int("tile.num_stages", self.num_stages, minimum=1)
-        if not isinstance(self.warp_specialize, bool):
-            raise ScheduleError(f"tile.warp_specialize: expected true or false, got {self.warp_specialize!r}")
+        for name in ("warp_specialize", "pingpong"):
+            if not isinstance(getattr(self, name), bool):
+                raise ScheduleError(f"tile.{name}: expected true or false, got {getattr(self, name)!r}")
+        if self.pingpong:
+            self._check_pingpong()
+
+    def _check_pingpong(self) -> None:
+        """A ping-pong tile's limits: one warpgroup per consumer, its accumulator in registers, the
+        ring and both epilogue buffers in shared memory (16-bit inputs)."""
+        if self.num_warps != PINGPONG_WARPS:
+            raise ScheduleError(
+                f"tile.num_warps: a pingpong tile has {PINGPONG_WARPS} (one warpgroup a consumer), "
+                f"got {self.num_warps}"
+            )
+        if self.block_m * self.block_n > PINGPONG_MAX_ACC:
+            raise ScheduleError(
+                f"tile.block_m x block_n: a pingpong tile's accumulator is at most {PINGPONG_MAX_ACC} "
+                f"elements (128x128 or 64x256), got {self.block_m}x{self.block_n}"
+            )
+        if self.block_m < WGMMA_M:
+            raise ScheduleError(f"tile.block_m: a pingpong tile has at least {WGMMA_M} rows (wgmma's 64)")
+        smem = PINGPONG_ELEMENT_BYTES * (
+            self.num_stages * (self.block_m + self.block_n) * self.block_k + 2 * self.block_m * self.block_n
+        )
+        if smem > HOPPER_SMEM_BYTES:
+            raise ScheduleError(
+                f"tile.num_stages: a pingpong tile's stages and two epilogue buffers take {smem} bytes of "
+                f"shared memory, over Hopper's {HOPPER_SMEM_BYTES}; use fewer stages"
+            )
 
     def to_dict(self) -> dict[str, int | bool]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        if not self.warp_specialize:
-            del out["warp_specialize"]  # the default stays out of the tables
+        for name in ("warp_specialize", "pingpong"):
+            if not out[name]:
+                del out[name]  # the default stays out of the tables
         return out
 
     @classmethod
@@ -229,9 +272,10 @@ class Tile:
     def label(self) -> str:
         """The config in a few words, e.g. ``128x256x64 gm8 w8 s3 ws``: logs, reports, search parameters."""
         ws = " ws" if self.warp_specialize else ""
+        pp = " pp" if self.pingpong else ""
         return (
             f"{self.block_m}x{self.block_n}x{self.block_k} gm{self.group_m} w{self.num_warps} "
-            f"s{self.num_stages}{ws}"
+            f"s{self.num_stages}{ws}{pp}"
         )
 
 

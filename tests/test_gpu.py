@@ -5,6 +5,7 @@ Run on a GPU machine with: TRITON_INTERPRET=0 python -m pytest -m "gpu or multig
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -22,6 +23,11 @@ GPU_TILES = [
     Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
     Tile(block_m=64, block_n=64, block_k=32, group_m=2, num_warps=4, num_stages=3),
     Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, warp_specialize=True),
+    Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4, pingpong=True),
+]
+PINGPONG_TILES = [
+    Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4, pingpong=True),
+    Tile(block_m=64, block_n=256, block_k=64, group_m=8, num_warps=4, num_stages=4, pingpong=True),
 ]
 
 
@@ -44,7 +50,7 @@ def _schedule(collective, world, m, n, k, tile, layout, dtype="bfloat16"):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k", [(1, 8, 8), (130, 257, 70), (1000, 3000, 1040), (2048, 4096, 4096)])
 @pytest.mark.parametrize("kmajor", [False, True])
-@pytest.mark.parametrize("tile", GPU_TILES, ids=["128x256", "64x64", "128x256ws"])
+@pytest.mark.parametrize("tile", GPU_TILES, ids=["128x256", "64x64", "128x256ws", "128x128pp"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compiled_gemm_matches_matmul(m, n, k, kmajor, tile, dtype):
     gen = torch.Generator(device="cuda").manual_seed(m * n + k)
@@ -121,6 +127,59 @@ def test_compiled_gemm_variants(options):
         assert ((out.float() - ref).norm() / ref.norm()).item() < TOL["bfloat16"], (m, n, k, kmajor, layout)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", PINGPONG_TILES, ids=["128x128", "64x256"])
+def test_pingpong_kernel_matches_the_plain_kernel(tile):
+    """The ping-pong kernel (``fo_kernels.gemm_pingpong``) runs where it should and writes what the
+    plain kernel writes: one shard and two (ReduceScatter's destination order), both layouts, odd M,
+    N and K (TMA clips and pads), a reduced grid, the last partial wave split into pieces that the
+    plain kernel runs after it; each group's counter counts its tiles. A call it cannot run
+    (unaligned K, two shards of rows that are not whole tiles) runs the plain kernel."""
+    from fo_kernels.gemm_pingpong import pingpong_blocker
+
+    plain = dataclasses.replace(tile, pingpong=False, num_warps=8 if tile.block_m == 128 else 4)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    split = KernelOptions(split_tail=True)  # the last partial wave's pieces in the plain kernel
+    cases = [
+        ("all_reduce", 1, 3000, 5120, 1000, "row_band", True, KernelOptions()),
+        ("all_reduce", 1, 3000, 5120, 1000, "row_band", True, split),
+        ("all_reduce", 1, 1000, 3000, 1040, "tile_major", True, split),
+        ("reduce_scatter", 2, 4096, 2048, 1024, "row_band", True, split),
+        ("reduce_scatter", 2, 4096, 2048, 1024, "tile_major", True, KernelOptions()),
+        ("reduce_scatter", 2, 2000, 2048, 1024, "row_band", False, KernelOptions()),  # 1000 rows a shard
+        ("all_reduce", 1, 1000, 3000, 1030, "row_band", False, KernelOptions()),  # K not 16-byte aligned
+    ]
+    for collective, world, m, n, k, layout, runs, options in cases:
+        gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+        a = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        b = BOperand.of(torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16).t())
+        s = _schedule(collective, world, m, n, k, tile, layout)
+        plan = make_plan(s, m, n, k, sm_count=sms)
+        ug = torch.tensor(plan.unit_group(), dtype=torch.int32, device="cuda")
+        gi = torch.tensor([x for p in plan.group_info() for x in p], dtype=torch.int32, device="cuda")
+        bufs = []
+        for t in (tile, plain):
+            buf = torch.full((plan.buffer_numel(),), float("nan"), dtype=torch.bfloat16, device="cuda")
+            counters = torch.zeros(plan.num_groups, dtype=torch.int32, device="cuda")
+            signalled_gemm(
+                a, b, buf, plan, t, counters=counters, unit_group=ug, group_info=gi, options=options
+            )
+            torch.cuda.synchronize()
+            want_counts = [plan.group_tiles(g) for g in range(plan.num_groups)]
+            assert counters.tolist() == want_counts, (collective, m, t)
+            bufs.append(buf)
+        assert (pingpong_blocker(a, b, bufs[0], plan, tile) == "") == runs, (collective, m, n, k, layout)
+        # both in the plan's destination order; tile_major's edge tiles (one shard here) hold
+        # padding that each kernel fills its own way, so those compare restored to (M, N)
+        got, want = bufs[0][: m * n], bufs[1][: m * n]
+        if layout == "tile_major":
+            assert plan.shards == 1 or (m // world % tile.block_m, n % tile.block_n) == (0, 0)
+            if plan.shards == 1:
+                got, want = (_restored(x, plan, tile, m, n) for x in bufs)
+        assert not got.isnan().any(), (collective, m, n, k, layout)
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < TOL["bfloat16"]
+
+
 def _run_layout(a, b, tile, layout, options):
     """The signalled GEMM into a NaN-poisoned buffer in ``layout``, restored to (M, N)."""
     m, k = a.shape
@@ -195,6 +254,8 @@ VISIBILITY_REPS = 300
         KernelOptions(split_tail=True),
         KernelOptions(split_tail=True, fuse_tail=True),
         KernelOptions(stream_k=True, stream_k_aligned=True, fuse_tail=True),
+        None,  # the ping-pong kernel (its own epilogue: TMA stores, the signal at once)
+        "pingpong_split_tail",  # the same, its last partial wave split into the plain kernel's pieces
     ],
     ids=[
         "plain_store",
@@ -204,6 +265,8 @@ VISIBILITY_REPS = 300
         "split_tail",
         "split_tail_fused",
         "stream_k_aligned_fused",
+        "pingpong",
+        "pingpong_split_tail",
     ],
 )
 def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, options):
@@ -216,9 +279,13 @@ def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, o
     launch of its own or fused);
     signals are deferred to the next tile (the default) or sent at once; each group (one tile
     row, or 8 tiles) is read by a spinning kernel on the SMs left free, so it reads within
-    microseconds of the last tile's release."""
+    microseconds of the last tile's release. The ping-pong kernel signals each tile from the
+    warpgroup that stored it, while the other warpgroup runs its main loop."""
     m, n, k = 2048, 4096, 1024
     tile = Tile(block_m=128, block_n=256, block_k=64, group_m=1, num_warps=8, num_stages=3)
+    if not isinstance(options, KernelOptions):  # the ping-pong cases
+        tile = dataclasses.replace(PINGPONG_TILES[0], group_m=1)
+        options = KernelOptions(split_tail=options is not None)
     mt, nt = cdiv(m, tile.block_m), cdiv(n, tile.block_n)
     unit = nt if layout == "row_band" else 8
     s = Schedule(
@@ -244,6 +311,11 @@ def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, o
         signalled_gemm(
             a, b, buf, plan, tile, counters=counters, unit_group=ug, group_info=gi, options=options
         )
+
+    if tile.pingpong:  # the case tests the ping-pong kernel, not the plain one it falls back to
+        from fo_kernels.gemm_pingpong import pingpong_blocker
+
+        assert pingpong_blocker(*sets[0], buf, plan, tile) == ""
 
     targets = [0] * plan.num_groups
     reader = torch.cuda.Stream(priority=-1)

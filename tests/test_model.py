@@ -87,12 +87,19 @@ def test_the_wave_count_follows_the_kernels_tail():
     assert waves(4096, 8192, 4096, big, 124) == 8 + SPLIT_WAVE_SHARE[2]  # 32 tail tiles in halves
     assert waves(4096, 8192, 4096, big, 124, split=False) == 9  # rows_gemm: whole waves
     assert waves(16384, 8192, 4096, big, 132) == 31 + SPLIT_WAVE_SHARE[4]  # 4 tail tiles in quarters
-    assert waves(2048, 4096, 4096, big, 124) == 3  # 2^35 multiply-adds: not split
+    assert waves(2048, 4096, 4096, big, 124) == 2 + SPLIT_WAVE_SHARE[4]  # 2^35 multiply-adds: split
+    assert waves(1024, 4096, 4096, big, 124) == 2  # 2^34: too short a call to split
     assert waves(4096, 8192, 4096, big, 132) == 8  # a tail of 100 on 132: whole
     assert waves(4096, 8192, 4096, big, 128) == 8 and waves(128, 256, 64, big, 132) == 1
-    # stream-K: 64 tail tiles of 224 K blocks on 120 programs (120 blocks each), 16 of 108 on 116
+    # stream-K: 64 tail tiles of 224 K blocks on 120 programs (120 blocks each), more than half the
+    # grid; 16 of 108 on 116 programs are split first (quarters)
     assert waves(4096, 8192, 14336, big, 120) == 8 + (120 + STREAM_K_OVERHEAD_BLOCKS) / 224
-    assert waves(3000, 5120, 6912, big, 116) == 4 + (27 + STREAM_K_OVERHEAD_BLOCKS) / 108
+    assert waves(3000, 5120, 6912, big, 116) == 4 + SPLIT_WAVE_SHARE[4]
+    pingpong = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4, pingpong=True)
+    # 2048 tiles on 132 programs leave a tail of 68, more than half the grid: the plain tile shares
+    # it out by stream-K, the ping-pong kernel runs it as a wave
+    assert waves(4096, 8192, 14336, pingpong, 132) == 16
+    assert waves(4096, 8192, 14336, dataclasses.replace(pingpong, pingpong=False), 132) < 16
     assert waves(4096, 8192, 14336, big, 132) == 8  # a tail of 100 on 132 saves too little
 
 
@@ -123,10 +130,10 @@ def test_units_are_ready_when_the_kernel_signals_them():
     assert split[7 * 124 - 1] == pytest.approx(8 / length)  # wave 6, signalled in wave 7
     assert split[7 * 124] == pytest.approx(8 / length)  # wave 7: its programs' last in that launch
     assert split[-1] == 1.0 and split == sorted(split)
-    # 2^35 multiply-adds: neither split nor stream-K, so the tail tiles are the next tiles of wave 7
-    whole = fractions(2048, 8192, 2048, 8)  # 512 tiles: 4 waves and 16 tail tiles
-    assert whole[3 * 124] == 1.0 and whole[3 * 124 - 1] == pytest.approx(4 / 5)  # wave 2, in wave 3
-    assert whole[3 * 124 + 16] == pytest.approx(4 / 5)  # program 16 of wave 3 has no tail tile
+    # 2^34 multiply-adds: neither split nor stream-K, so the tail tiles are the next tiles of wave 1
+    whole = fractions(1024, 8192, 2048, 8)  # 256 tiles: 2 waves and 8 tail tiles
+    assert whole[124] == 1.0 and whole[124 - 1] == pytest.approx(2 / 3)  # wave 0, in wave 1
+    assert whole[124 + 8] == pytest.approx(2 / 3)  # program 8 of wave 1 has no tail tile
 
 
 def test_the_triton_model_against_the_shipped_trials(model):

@@ -55,9 +55,11 @@ def test_shipped_file_loads_and_round_trips(path: Path) -> None:
 
 def test_hopper_tiles_include_the_measured_ones() -> None:
     space = load_space(packaged_spaces_dir() / "hopper.yaml")
-    big = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    big = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4)
+    pingpong = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=5, pingpong=True)
     first_two = space.tile_candidates(quick=True)
-    assert first_two == [Tile(**{**big.to_dict(), "num_stages": 4}), big]  # the profiles' best two
+    assert first_two == [big, pingpong]  # the profile's best two
+    assert sum(t.pingpong for t in space.tiles) == 2
     assert space.calibration.quick_tiles == 2
 
 

@@ -266,7 +266,7 @@ def short_schedule(row: Schedule) -> str:
         return f"copy_engine {st.mode} {'-'.join(map(str, st.weights))}{how}"
     if isinstance(st, TritonSettings):
         t = st.tile
-        ws = "ws" if t.warp_specialize else ""
+        ws = ("ws" if t.warp_specialize else "") + ("pp" if t.pingpong else "")
         wait = " spin" if st.wait_mode == "spin" else ""
         groups = "-".join(map(str, st.groups))
         return (

@@ -169,6 +169,7 @@ CSV_COLUMNS = (
     "engine",  # after the other columns, so scripts reading by position keep working
     "mode",  # (copy engine rows)
     "kind",  # measured or predicted
+    "pingpong",  # (Triton tiles; last, as the columns added after it)
 )
 
 
@@ -191,6 +192,7 @@ def csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
                 if tile is not None:  # every Triton row; a copy-engine row in its tiled mode
                     values.update(tile.to_dict())
                     values["warp_specialize"] = tile.warp_specialize
+                    values["pingpong"] = tile.pingpong
                 for name in ("sms_free", "nccl_max_ctas", "signal_tiles", "layout", "wait_mode", "mode"):
                     if hasattr(st, name):
                         values[name] = getattr(st, name)

@@ -118,7 +118,7 @@ def table_rows(table: ScheduleTable, source: str) -> list[Measured]:
 
 
 _GROUPS = re.compile(r"signal (\d+) tiles, groups \[([\d, ]+)\]")
-_TILE = re.compile(r"^(\d+)x(\d+)x(\d+) gm(\d+) w(\d+) s(\d+)( ws)?$")
+_TILE = re.compile(r"^(\d+)x(\d+)x(\d+) gm(\d+) w(\d+) s(\d+)( ws)?( pp)?$")
 
 
 def _old_trial_settings(row: dict[str, str]) -> TritonSettings | None:
@@ -136,6 +136,7 @@ def _old_trial_settings(row: dict[str, str]) -> TritonSettings | None:
         num_warps=w,
         num_stages=st,
         warp_specialize=bool(tile_match.group(7)),
+        pingpong=bool(tile_match.group(8)),
     )
     return TritonSettings(
         tile=tile,

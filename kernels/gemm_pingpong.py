@@ -1,0 +1,309 @@
+"""The warp-specialized ping-pong kernel of the signalled persistent GEMM (Hopper, Gluon).
+
+The same protocol as ``fo_kernels.gemm`` (tile order, layouts, groups, one release increment of
+the tile's group counter per tile), written out in Triton's Gluon dialect with three partitions per
+program:
+
+- a loader warp: TMA loads of each tile's A and B blocks into a ring of ``num_stages`` shared
+  memory stages (``ready`` / ``empty`` mbarriers per stage);
+- two consumer warpgroups that take the program's tiles in turn (local tiles 0, 2, 4, ... and
+  1, 3, 5, ...). A consumer starts a tile's wgmma main loop only once the other has finished the
+  previous tile's (``turn`` mbarriers), so the stages are consumed in the loader's order, and one
+  consumer's epilogue (its TMA store and signal) runs while the other's main loop does.
+
+A consumer's epilogue: the float32 sum in the output dtype into its own shared memory buffer, one
+TMA store at the tile's layout position, then (``SIGNAL``) a wait until the store is written
+(``cp.async.bulk.wait_group 0`` and the async-proxy fence, as ``fo_kernels.gemm_epilogue.
+_bulk_stores_done``), the partition's barrier, and one release increment (GPU scope) of the group
+counter, which covers the whole warpgroup's part by cumulativity. The wait is hidden behind the
+other consumer's main loop, so nothing defers the signal.
+
+Triton's automatic warp specialization does not serve here: on sm_90 it builds only 4-warp loops
+that are not flattened, and there it dropped the release atomic or refused the deferred signal
+(``docs/perf-notes.md``, "Warp specialization on sm_90"). Every tile runs in the persistent loop
+(no split or stream-K tail: 128-row tiles of one warpgroup leave twice the waves of 128x256
+ones). Measured: ``docs/perf-notes.md``, "The ping-pong kernel".
+
+``pingpong_blocker`` says why a call cannot use it (the caller then runs the plain kernel); the
+kernel is defined on first use, so importing this module needs no Gluon.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from .schedule import PINGPONG_WARPS, Tile
+
+if TYPE_CHECKING:
+    from .gemm import BOperand
+    from .plan import Plan
+
+# setmaxnreg's split of the register file (65536 32-bit registers per SM): 232 a thread for the
+# two consumer warpgroups (a 128x128 float32 accumulator is 128 of them) and 40 for the loader's
+# warpgroup slot, 232 * 256 + 40 * 128 <= 65536. The kernel is compiled at MAXNREG before the
+# split (ptxas: no spills at 168 for 128x128x64 in 3-5 stages, compiled for sm_90a on the CPU).
+CONSUMER_REGS = 232
+LOADER_REGS = 40
+MAXNREG = 168
+# Hopper's wgmma (sm_90); later GPUs drop it (tcgen05 on sm_100).
+PINGPONG_CAPABILITY = 9
+PINGPONG_DTYPES = (torch.bfloat16, torch.float16)
+LAYOUT_ROW_BAND = 0
+LAYOUT_TILE_MAJOR = 1
+
+
+def pingpong_blocker(a: torch.Tensor, b: BOperand, out: torch.Tensor, plan: Plan, tile: Tile) -> str:
+    """Why the ping-pong kernel cannot run this call ("" when it can): it needs a Hopper GPU (not
+    the interpreter), 16-bit inputs and output of one dtype, an (N, K) weight (k-major B), TMA loads
+    (16-byte aligned strides) and a TMA store view of the destination (``store_view``)."""
+    from .gemm import _cuda_major, interpreting, tma_usable
+
+    if not tile.pingpong:
+        return "the tile does not ask for it"
+    if interpreting() or not a.is_cuda:
+        return "it runs on CUDA GPUs only (not under TRITON_INTERPRET)"
+    if _cuda_major(a.device.index) != PINGPONG_CAPABILITY:
+        return "it needs a Hopper GPU (compute capability 9.x: wgmma)"
+    if a.dtype not in PINGPONG_DTYPES or out.dtype != a.dtype or b.tensor.dtype != a.dtype:
+        return "it takes bfloat16 or float16 inputs and output of one dtype"
+    if not b.kmajor:
+        return "B must be the transposed view of an (N, K) weight"
+    if not tma_usable(a, b):
+        return "TMA loads need 16-byte aligned strides"
+    if store_view(out, plan, tile) is None:
+        return "the destination has no TMA store view"
+    try:
+        _kernel()
+    except ImportError as exc:  # a Triton without Gluon's Hopper modules
+        return f"this Triton has no Gluon for Hopper ({exc})"
+    return ""
+
+
+def store_view(out: torch.Tensor, plan: Plan, tile: Tile) -> torch.Tensor | None:
+    """The 2-D view of the destination a TMA store descriptor covers, or None where there is none:
+    tile_major, the buffer as (tiles x BLOCK_M, BLOCK_N); row_band, the output as (M, N), which
+    needs whole tile rows per shard with several shards (a TMA store clips only at the tensor's
+    edge, not at a shard's). Its rows must be 16-byte aligned (``fo_kernels.gemm._aligned``)."""
+    from .gemm import _aligned
+
+    if plan.layout == "tile_major":
+        view = out[: plan.num_tiles * tile.block_m * tile.block_n].view(-1, tile.block_n)
+    elif plan.shards == 1 or plan.rows_per_shard % tile.block_m == 0:
+        view = out[: plan.m * plan.n].view(plan.m, plan.n)
+    else:
+        return None
+    return view if _aligned(view, view.stride(0)) else None
+
+
+def pingpong_gemm(
+    a: torch.Tensor,
+    b: BOperand,
+    out: torch.Tensor,
+    plan: Plan,
+    tile: Tile,
+    *,
+    counters: torch.Tensor,
+    unit_group: torch.Tensor,
+    group_info: torch.Tensor,
+    signal: bool = True,
+    tiles: int | None = None,
+) -> None:
+    """Launch the ping-pong kernel on the current stream (``fo_kernels.gemm.signalled_gemm``'s
+    contract, for a call ``pingpong_blocker`` accepts): ``out`` in the plan's layout, one release
+    increment of ``counters[unit_group[t // U]]`` per tile t when ``signal`` is set. ``tiles``:
+    only the schedule's first tiles (the whole waves before a split tail; default all)."""
+    kernel = _kernel()
+    desc = _descriptor()
+    m, k = a.shape
+    n = b.tensor.shape[1]
+    view = store_view(out, plan, tile)
+    a_desc = desc(a, [tile.block_m, tile.block_k])
+    b_desc = desc(b.tensor.t(), [tile.block_n, tile.block_k])
+    c_desc = desc(view, [tile.block_m, tile.block_n])
+    kernel[(plan.grid,)](
+        a_desc, b_desc, c_desc, counters, unit_group, group_info,
+        m, n, k, plan.rows_per_shard, plan.tiles_m, plan.tiles_n,
+        plan.num_tiles if tiles is None else tiles, plan.shards,
+        plan.unit_tiles,
+        tile.num_stages, tile.group_m, LAYOUT_TILE_MAJOR if plan.layout == "tile_major" else LAYOUT_ROW_BAND,
+        signal, CONSUMER_REGS, LOADER_REGS,
+        num_warps=PINGPONG_WARPS, maxnreg=MAXNREG,
+    )  # fmt: skip
+
+
+@functools.cache
+def _descriptor():
+    """``desc(tensor, block)``: a host TMA descriptor with the default NVMMA shared layout."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtypes = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+    def desc(t: torch.Tensor, block: list[int]) -> object:
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtypes[t.dtype])
+        return TensorDescriptor.from_tensor(t, block, layout)
+
+    return desc
+
+
+@functools.cache
+def _kernel():
+    """Define the Gluon kernel (once): Gluon is imported only by a call that runs it."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    # A partition's barrier (its warps' named barrier): Triton 3.6 calls it thread_barrier, 3.7 barrier.
+    barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+    @gluon.jit
+    def tile_pos(t, shards, tiles_m, tiles_n, GROUP_M: gl.constexpr):
+        """Tile t -> (local position l, shard s, tile row, tile column): ``fo_kernels.gemm._tile_pos``."""
+        lt = t // shards
+        s = t % shards
+        per_band = GROUP_M * tiles_n
+        first = (lt // per_band) * GROUP_M
+        rows_in_band = gl.minimum(tiles_m - first, GROUP_M)
+        tm = first + (lt % per_band) % rows_in_band
+        tn = (lt % per_band) // rows_in_band
+        return lt, s, tm, tn
+
+    @gluon.jit
+    def loader(
+        a_desc, b_desc, a_bufs, b_bufs, empty, ready, K, rows_per_shard, tiles_m, tiles_n, num_tiles,
+        shards, GROUP_M: gl.constexpr,
+    ):  # fmt: skip
+        """The program's tiles in order, each tile's K blocks into the ring's next stages."""
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+        S: gl.constexpr = a_bufs.shape[0]
+        k_tiles = gl.cdiv(K, BK)
+        i = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            _lt, s, tm, tn = tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
+            row0 = s * rows_per_shard + tm * BM
+            for kk in range(k_tiles):
+                st = i % S
+                mbarrier.wait(empty.index(st), ((i // S) & 1) ^ 1)  # a stage's first use passes at once
+                mbarrier.expect(ready.index(st), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [row0, kk * BK], ready.index(st), a_bufs.index(st))
+                tma.async_copy_global_to_shared(b_desc, [tn * BN, kk * BK], ready.index(st), b_bufs.index(st))
+                i += 1
+
+    @gluon.jit
+    def stores_written():
+        """This thread's TMA stores are written and ordered before its later generic accesses."""
+        gl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
+            "=r",
+            [],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @gluon.jit
+    def consumer(
+        a_desc, b_desc, c_desc, a_bufs, b_bufs, c_smem, empty, ready, turn, counters, unit_group,
+        group_info, K, tiles_m, tiles_n, num_tiles, shards, unit_tiles,
+        ME: gl.constexpr, GROUP_M: gl.constexpr, LAYOUT: gl.constexpr, SIGNAL: gl.constexpr,
+    ):  # fmt: skip
+        """Consumer ME of 2: the program's local tiles ME, ME + 2, ...; its epilogue stores at the
+        layout position (``fo_kernels.gemm._tile_dst``) and signals the tile's group."""
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+        S: gl.constexpr = a_bufs.shape[0]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        k_tiles = gl.cdiv(K, BK)
+        progs = gl.num_programs(0)
+        pid = gl.program_id(0)
+        for t in range(pid + ME * progs, num_tiles, 2 * progs):
+            j = (t - pid) // progs  # the program's local tile index
+            if j > 0:  # the other consumer's main loop of tile j - 1 is done
+                mbarrier.wait(turn.index(1 - ME), ((j - 1) // 2) & 1)
+            lt, s, tm, tn = tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
+            acc = gl.zeros((BM, BN), gl.float32, acc_layout)
+            i0 = j * k_tiles
+            for kk in range(k_tiles):
+                i = i0 + kk
+                st = i % S
+                mbarrier.wait(ready.index(st), (i // S) & 1)
+                acc = warpgroup_mma(
+                    a_bufs.index(st), b_bufs.index(st).permute((1, 0)), acc, use_acc=kk > 0, is_async=True
+                )
+                acc = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(st), b_bufs.index(st)))[0]
+                if kk > 0:  # the step before has finished reading its stage
+                    mbarrier.arrive(empty.index((i - 1) % S), count=1)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((i0 + k_tiles - 1) % S), count=1)
+            mbarrier.arrive(turn.index(ME), count=1)  # the other consumer may start its next tile
+            # the tile's place: its group's chunk (row_band rows, or a tile-major slot)
+            g = gl.load(unit_group + t // unit_tiles)
+            base = gl.load(group_info + 2 * g)
+            span = gl.load(group_info + 2 * g + 1)
+            tma.store_wait(0)  # this consumer's previous tile has left c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            if LAYOUT == 1:
+                slot = shards * base + s * span + (lt - base)
+                tma.async_copy_shared_to_global(c_desc, [slot * BM, 0], c_smem)
+            else:
+                dst_row0 = shards * base + s * span + (tm * BM - base)
+                tma.async_copy_shared_to_global(c_desc, [dst_row0, tn * BN], c_smem)
+            if SIGNAL:
+                stores_written()
+                barrier()
+                gl.atomic_add(counters + g, 1, sem="release", scope="gpu")
+        tma.store_wait(0)
+
+    @gluon.jit
+    def pingpong_kernel(
+        a_desc, b_desc, c_desc, counters, unit_group, group_info,
+        M, N, K, rows_per_shard, tiles_m, tiles_n, num_tiles, shards, unit_tiles,
+        STAGES: gl.constexpr, GROUP_M: gl.constexpr, LAYOUT: gl.constexpr, SIGNAL: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        # (Gluon builds these shapes by list concatenation, not starred lists)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)  # noqa: RUF005
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)  # noqa: RUF005
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(empty.index(st), count=1)
+            mbarrier.init(ready.index(st), count=1)
+        c0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        c1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(turn.index(c), count=1)
+        # fmt: off
+        gl.warp_specialize(
+            [
+                (consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c0, empty, ready, turn, counters,
+                            unit_group, group_info, K, tiles_m, tiles_n, num_tiles, shards, unit_tiles,
+                            0, GROUP_M, LAYOUT, SIGNAL)),
+                (consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c1, empty, ready, turn, counters,
+                            unit_group, group_info, K, tiles_m, tiles_n, num_tiles, shards, unit_tiles,
+                            1, GROUP_M, LAYOUT, SIGNAL)),
+                (loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, K, rows_per_shard, tiles_m,
+                          tiles_n, num_tiles, shards, GROUP_M)),
+            ],
+            [4, 1],  # the second consumer's warpgroup, the loader's warp
+            [CONSUMER_REGS, LOADER_REGS],
+        )
+        # fmt: on
+
+    return pingpong_kernel

@@ -1,0 +1,125 @@
+"""The ping-pong kernel's CPU side: its tiles' limits, when a call runs it, the tail it gets, the
+plain kernel it falls back to, and its compiled code for sm_90a (built here without a GPU: the
+release increments behind written TMA stores, no spills). Its results and the signal's visibility
+are GPU tests (tests/test_gpu.py: ``pingpong``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fo_kernels.errors import ScheduleError
+from fo_kernels.gemm import BOperand, signalled_gemm
+from fo_kernels.gemm_pingpong import pingpong_blocker
+from fo_kernels.plan import SPLIT_MIN_MACS, TailPlan, cdiv, make_plan, tail_plan
+from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
+
+PP = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4, pingpong=True)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_warps": 8}, "tile.num_warps: a pingpong tile has 4"),
+        ({"block_n": 256}, "accumulator is at most 16384 elements"),
+        ({"block_m": 32, "block_n": 256}, "at least 64 rows"),
+        ({"num_stages": 6}, "use fewer stages"),
+        ({"pingpong": "yes"}, "tile.pingpong: expected true or false"),
+    ],
+)
+def test_a_pingpong_tile_outside_its_limits_is_refused(change, message):
+    with pytest.raises(ScheduleError, match=message):
+        dataclasses.replace(PP, **change)
+
+
+def test_a_pingpong_tile_round_trips_and_names_itself():
+    assert PP.label() == "128x128x64 gm8 w4 s4 pp"
+    assert (
+        PP.to_dict()["pingpong"] is True
+        and "pingpong" not in dataclasses.replace(PP, pingpong=False).to_dict()
+    )
+    assert Tile.from_dict(PP.to_dict()) == PP
+    assert dataclasses.replace(PP, block_m=64, block_n=256, num_stages=4).pingpong  # 229 KiB: fits
+
+
+def test_a_pingpong_tile_has_no_stream_k_tail():
+    """Its kernel runs whole waves, and a split tail after them; stream-K, even forced, is not."""
+    macs = SPLIT_MIN_MACS
+    assert tail_plan(960, 132, PP, 6912, macs) == TailPlan((1, 2), 924, 0)  # 36 tail tiles in halves
+    assert tail_plan(960, 132, PP, 6912, macs, stream_k=True) == TailPlan((1, 2), 924, 0)
+    assert tail_plan(2048, 132, PP, 14336, macs) == TailPlan((1, 1), 2048, 0)  # 68 tail tiles: > half
+    plain = dataclasses.replace(PP, pingpong=False)
+    assert tail_plan(2048, 132, plain, 14336, macs).share > 0  # where the plain tile shares it out
+
+
+def _plan(m, n, k, tile, layout="row_band"):
+    tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
+    s = Schedule(
+        collective="all_reduce", dtype="bfloat16", world_size=1, problem=Problem(m=m, n=n, k=k),
+        settings=TritonSettings(tile=tile, sms_free=0, signal_tiles=1, groups=(tiles,), layout=layout),
+    )  # fmt: skip
+    return make_plan(s, m, n, k, sm_count=4)
+
+
+def test_off_a_hopper_gpu_a_pingpong_tile_runs_the_plain_kernel():
+    """Here (the interpreter, CPU tensors) the blocker says why, and the call runs the plain kernel
+    with the same tile: the product, each tile counted once in its group."""
+    m, n, k = 200, 256, 96
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = BOperand.of(torch.randn(n, k, generator=gen).to(torch.bfloat16).t())
+    plan = _plan(m, n, k, PP)
+    out = torch.full((plan.buffer_numel(),), float("nan"), dtype=torch.bfloat16)
+    assert "CUDA GPUs only" in pingpong_blocker(a, b, out, plan, PP)
+    assert (
+        pingpong_blocker(a, b, out, plan, dataclasses.replace(PP, pingpong=False))
+        == "the tile does not ask for it"
+    )
+    counters = torch.zeros(1, dtype=torch.int32)
+    ug = torch.tensor(plan.unit_group(), dtype=torch.int32)
+    gi = torch.tensor([x for p in plan.group_info() for x in p], dtype=torch.int32)
+    signalled_gemm(a, b, out, plan, PP, counters=counters, unit_group=ug, group_info=gi)
+    ref = a.float() @ b.tensor.float()
+    got = out.view(m, n).float()
+    assert not got.isnan().any() and ((got - ref).norm() / ref.norm()).item() < 1e-2
+    assert counters.tolist() == [plan.num_tiles]
+
+
+def _gluon_hopper() -> bool:
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon.language.nvidia.hopper") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _gluon_hopper(), reason="this Triton has no Gluon for Hopper")
+@pytest.mark.parametrize(
+    "bm, bn, stages, layout, signal",
+    [(128, 128, 4, 0, True), (64, 256, 4, 1, True), (128, 128, 5, 0, False)],
+    ids=["128x128_s4_row_band", "64x256_s4_tile_major", "128x128_s5_no_signal"],
+)
+def test_the_compiled_kernel_signals_each_tile_after_its_stores_are_written(bm, bn, stages, layout, signal):
+    """Compiled for sm_90a: with the signal, each consumer warpgroup has its release increment,
+    after its last TMA store is written (``wait_group 0``, not ``.read``), the async-proxy fence
+    and the partition's barrier (Triton's automatic warp specialization dropped this atomic);
+    without it, none. setmaxnreg splits the registers, nothing spills and the ring and both
+    epilogue buffers fit Hopper's shared memory."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    script = Path(__file__).with_name("pingpong_ptx.py")
+    args = [str(x) for x in (bm, bn, 64, stages, layout, int(signal))]
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts["release_atomics"] == ([True, True] if signal else [])
+    assert facts["setmaxnreg"] > 0 and facts["spill_bytes"] == 0
+    assert facts["shared_bytes"] <= 227 * 1024
