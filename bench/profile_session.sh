@@ -12,8 +12,9 @@
 #                                           # split into pieces by the rule, or split always (its
 #                                           # own launch or fused into the whole waves'), or
 #                                           # shared out always (stream-K, its runs in order or
-#                                           # aligned, aligned and fused), and with TMA-store
-#                                           # epilogues: one interleaved timing with cuBLAS per
+#                                           # aligned, aligned and fused), with TMA-store
+#                                           # epilogues, and the ping-pong kernel with its split
+#                                           # tail, without, forced: one interleaved timing with cuBLAS per
 #                                           # shape and grid (r = 0, 8, 12, 16), ten shapes (or
 #                                           # AB_SHAPES=2048x4096x4096,8192x4096x2048; AB_VARIANTS
 #                                           # names a subset; AB_TIMING=graphs replays each
@@ -170,6 +171,7 @@ def write_csv(fname, rows):
         w.writerows(rows)
 if mode == "ab":  # the last partial wave: whole, stream-K's rule, split into pieces (rule, forced)
     t4 = T(128, 256, 64, 8, 4)
+    tpp = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=5, pingpong=True)
     O = KernelOptions
     OWN = dict(fuse_tail=False)  # the tail in a launch of its own
     VARIANTS = {
@@ -188,6 +190,10 @@ if mode == "ab":  # the last partial wave: whole, stream-K's rule, split into pi
         "waves_tma": (t4, O(stream_k=False, split_tail=False, tma_store=True)),
         "split_tma": (t4, O(tma_store=True, **OWN)),
         "split_fused_tma": (t4, O(fuse_tail=True, tma_store=True)),
+        # the ping-pong kernel (128x128, 5 stages): its split tail by the rule, none, forced
+        "pingpong": (tpp, O()),
+        "pingpong_waves": (tpp, O(split_tail=False)),
+        "pingpong_split_forced": (tpp, O(split_tail=True)),
     }
     if os.environ.get("AB_VARIANTS"):  # e.g. AB_VARIANTS=split,split_tma (a subset, by name)
         VARIANTS = {name: VARIANTS[name] for name in os.environ["AB_VARIANTS"].split(",")}

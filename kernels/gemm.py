@@ -620,24 +620,31 @@ def _stream_k_args(a: torch.Tensor, tile: Tile, grid: int, tail: TailPlan, num_t
     return arrive, partial, -(-(num_tiles - tail.main_tiles) * k_tiles // tail.share)
 
 
-def _store_desc(out: torch.Tensor, plan: Plan, tile: Tile, subtile: int, want: bool | None) -> object | None:
-    """The TMA descriptor the epilogue stores through, or None where it cannot (or must not).
+def store_view(out: torch.Tensor, plan: Plan, tile: Tile) -> torch.Tensor | None:
+    """The 2-D view of the destination a TMA store descriptor covers, or None where there is none.
 
     tile_major: the buffer as (tiles x BLOCK_M, BLOCK_N). row_band: the output as (M, N), which
     needs N's rows 16-byte aligned and, with several shards, whole tile rows per shard (a TMA
     store clips only at the tensor's edge, not at a shard's)."""
-    if want is False or not _has_tma(out):
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    width = tile.block_n // subtile
     if plan.layout == "tile_major":
         view = out[: plan.num_tiles * tile.block_m * tile.block_n].view(-1, tile.block_n)
     elif plan.shards == 1 or plan.rows_per_shard % tile.block_m == 0:
         view = out[: plan.m * plan.n].view(plan.m, plan.n)
     else:
         return None
-    if not _aligned(view, view.stride(0)) or width * out.element_size() < TMA_ALIGN_BYTES:
+    return view if _aligned(view, view.stride(0)) else None
+
+
+def _store_desc(out: torch.Tensor, plan: Plan, tile: Tile, subtile: int, want: bool | None) -> object | None:
+    """The TMA descriptor the epilogue stores through (``store_view``, in pieces of BLOCK_N //
+    subtile columns), or None where it cannot (or must not)."""
+    if want is False or not _has_tma(out):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    width = tile.block_n // subtile
+    view = store_view(out, plan, tile)
+    if view is None or width * out.element_size() < TMA_ALIGN_BYTES:
         return None
     return TensorDescriptor.from_tensor(view, [tile.block_m, width])
 

@@ -20,9 +20,9 @@ other consumer's main loop, so nothing defers the signal.
 
 Triton's automatic warp specialization does not serve here: on sm_90 it builds only 4-warp loops
 that are not flattened, and there it dropped the release atomic or refused the deferred signal
-(``docs/perf-notes.md``, "Warp specialization on sm_90"). Every tile runs in the persistent loop
-(no split or stream-K tail: 128-row tiles of one warpgroup leave twice the waves of 128x256
-ones). Measured: ``docs/perf-notes.md``, "The ping-pong kernel".
+(``docs/perf-notes.md``, "Warp specialization on sm_90"). The kernel runs the schedule's first
+``tiles`` tiles in its persistent loop (no stream-K tail); ``fo_kernels.gemm.signalled_gemm`` runs
+a split tail after it in the plain kernel. Measured: ``docs/perf-notes.md``, session 17.
 
 ``pingpong_blocker`` says why a call cannot use it (the caller then runs the plain kernel); the
 kernel is defined on first use, so importing this module needs no Gluon.
@@ -51,15 +51,13 @@ MAXNREG = 168
 # Hopper's wgmma (sm_90); later GPUs drop it (tcgen05 on sm_100).
 PINGPONG_CAPABILITY = 9
 PINGPONG_DTYPES = (torch.bfloat16, torch.float16)
-LAYOUT_ROW_BAND = 0
-LAYOUT_TILE_MAJOR = 1
 
 
 def pingpong_blocker(a: torch.Tensor, b: BOperand, out: torch.Tensor, plan: Plan, tile: Tile) -> str:
     """Why the ping-pong kernel cannot run this call ("" when it can): it needs a Hopper GPU (not
     the interpreter), 16-bit inputs and output of one dtype, an (N, K) weight (k-major B), TMA loads
-    (16-byte aligned strides) and a TMA store view of the destination (``store_view``)."""
-    from .gemm import _cuda_major, interpreting, tma_usable
+    (16-byte aligned strides) and a TMA store view of the destination (``fo_kernels.gemm.store_view``)."""
+    from .gemm import _cuda_major, interpreting, store_view, tma_usable
 
     if not tile.pingpong:
         return "the tile does not ask for it"
@@ -82,22 +80,6 @@ def pingpong_blocker(a: torch.Tensor, b: BOperand, out: torch.Tensor, plan: Plan
     return ""
 
 
-def store_view(out: torch.Tensor, plan: Plan, tile: Tile) -> torch.Tensor | None:
-    """The 2-D view of the destination a TMA store descriptor covers, or None where there is none:
-    tile_major, the buffer as (tiles x BLOCK_M, BLOCK_N); row_band, the output as (M, N), which
-    needs whole tile rows per shard with several shards (a TMA store clips only at the tensor's
-    edge, not at a shard's). Its rows must be 16-byte aligned (``fo_kernels.gemm._aligned``)."""
-    from .gemm import _aligned
-
-    if plan.layout == "tile_major":
-        view = out[: plan.num_tiles * tile.block_m * tile.block_n].view(-1, tile.block_n)
-    elif plan.shards == 1 or plan.rows_per_shard % tile.block_m == 0:
-        view = out[: plan.m * plan.n].view(plan.m, plan.n)
-    else:
-        return None
-    return view if _aligned(view, view.stride(0)) else None
-
-
 def pingpong_gemm(
     a: torch.Tensor,
     b: BOperand,
@@ -115,6 +97,8 @@ def pingpong_gemm(
     contract, for a call ``pingpong_blocker`` accepts): ``out`` in the plan's layout, one release
     increment of ``counters[unit_group[t // U]]`` per tile t when ``signal`` is set. ``tiles``:
     only the schedule's first tiles (the whole waves before a split tail; default all)."""
+    from .gemm import LAYOUT_ROW_BAND, LAYOUT_TILE_MAJOR, store_view
+
     kernel = _kernel()
     desc = _descriptor()
     m, k = a.shape
