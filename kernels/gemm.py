@@ -65,6 +65,7 @@ import triton.language as tl
 
 from .errors import ScheduleError
 from .gemm_epilogue import _bulk_stores_done, _cta_barrier, _store_piece, _store_tile
+from .gemm_pingpong import pingpong_blocker, pingpong_gemm
 from .plan import Plan, TailPlan, tail_plan
 from .schedule import Tile
 
@@ -710,17 +711,17 @@ def signalled_gemm(
     accepts it and ``use_tma`` is not False, then a split tail in this kernel's own launch; else
     this kernel with the same tile.
     """
-    if tile.pingpong and use_tma is not False:
-        from .gemm_pingpong import pingpong_blocker
-
-        if not pingpong_blocker(a, b, out, plan, tile):
-            _pingpong_then_tail(a, b, out, plan, tile, counters, unit_group, group_info, signal, options)
-            return
+    pingpong = tile.pingpong and use_tma is not False and not pingpong_blocker(a, b, out, plan, tile)
     m, k = a.shape
     n = b.tensor.shape[1]
-    a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
-    subtile = min(options.subtile, tile.block_n // MIN_PIECE)
-    desc = _store_desc(out, plan, tile, subtile, options.tma_store)
+    if pingpong:  # its own operands and store descriptors; the blocker found TMA loads usable
+        a_arg = b_arg = desc = None
+        use_tma, subtile = True, 1
+    else:
+        a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
+        subtile = min(options.subtile, tile.block_n // MIN_PIECE)
+        desc = _store_desc(out, plan, tile, subtile, options.tma_store)
+    # (a ping-pong tile never has a stream-K tail: tail_plan)
     tail = tail_plan(plan.num_tiles, plan.grid, tile, k, m * n * k, options.stream_k, options.split_tail)
     split, main_tiles, share = tail.split, tail.main_tiles, tail.share
     if split != (1, 1):
@@ -745,7 +746,6 @@ def signalled_gemm(
             **meta,
         )  # fmt: skip
 
-    meta = _meta(a, b, out, tile, use_tma, options.flatten, subtile)
     unused = (counters, counters)  # operands a launch does not read: plain pointers, nothing to encode
     pieces = unused  # the split tail's operands (TMA descriptors of its pieces' blocks)
     if split != (1, 1):
@@ -759,13 +759,21 @@ def signalled_gemm(
         pieces = _operand_args(a, b, piece, use_tma)[:2]
     # fused: one piece a program, so the pieces must fit the grid (a forced split's may not)
     fits = (plan.num_tiles - main_tiles) * split[0] * split[1] <= plan.grid
-    fuse = split if options.fuse_tail and fits else (1, 1)
+    # (the ping-pong kernel runs the whole waves alone: its split tail takes a launch of its own)
+    fuse = split if options.fuse_tail and fits and not pingpong else (1, 1)
     fuse_sk = bool(tail_grid) and options.fuse_tail
-    launch(
-        plan.grid, (a_arg, b_arg, *(pieces if fuse != (1, 1) else unused)), meta, STREAM_K=False,
-        TMA_STORE=desc is not None, FUSE_M=fuse[0], FUSE_N=fuse[1], FUSE_SK=fuse_sk,
-        SK_ALIGN=options.stream_k_aligned and fuse_sk,
-    )  # fmt: skip
+    if pingpong:
+        pingpong_gemm(
+            a, b, out, plan, tile, counters=counters, unit_group=unit_group, group_info=group_info,
+            signal=signal, tiles=main_tiles,
+        )  # fmt: skip
+    else:
+        meta = _meta(a, b, out, tile, use_tma, options.flatten, subtile)
+        launch(
+            plan.grid, (a_arg, b_arg, *(pieces if fuse != (1, 1) else unused)), meta, STREAM_K=False,
+            TMA_STORE=desc is not None, FUSE_M=fuse[0], FUSE_N=fuse[1], FUSE_SK=fuse_sk,
+            SK_ALIGN=options.stream_k_aligned and fuse_sk,
+        )  # fmt: skip
     if tail_grid and not fuse_sk:  # the stream-K tail as a kernel of its own (the programs with a share)
         launch(
             tail_grid, (a_arg, b_arg, *unused), meta, STREAM_K=True, TMA_STORE=desc is not None,
@@ -777,52 +785,6 @@ def signalled_gemm(
             _meta(a, b, out, piece, use_tma, False, 1), STREAM_K=False, TMA_STORE=False,
             SPLIT_M=split[0], SPLIT_N=split[1],
         )  # fmt: skip
-
-
-def _pingpong_then_tail(
-    a: torch.Tensor,
-    b: BOperand,
-    out: torch.Tensor,
-    plan: Plan,
-    tile: Tile,
-    counters: torch.Tensor,
-    unit_group: torch.Tensor,
-    group_info: torch.Tensor,
-    signal: bool,
-    options: KernelOptions,
-) -> None:
-    """``signalled_gemm`` of a ping-pong tile: the ping-pong kernel over the whole waves, then, where
-    ``tail_plan`` splits the last partial wave, its pieces in a launch of this kernel (one program a
-    piece; each tail tile signalled by the last of its pieces)."""
-    from .gemm_pingpong import pingpong_gemm
-
-    m, k = a.shape
-    n = b.tensor.shape[1]
-    tail = tail_plan(plan.num_tiles, plan.grid, tile, k, m * n * k, False, options.split_tail)
-    pingpong_gemm(
-        a, b, out, plan, tile, counters=counters, unit_group=unit_group, group_info=group_info,
-        signal=signal, tiles=tail.main_tiles,
-    )  # fmt: skip
-    if tail.split == (1, 1):
-        return
-    piece = dataclasses.replace(
-        tile, block_m=tile.block_m // tail.split[0], block_n=tile.block_n // tail.split[1],
-        num_warps=SPLIT_WARPS, pingpong=False,
-    )  # fmt: skip
-    arrive = torch.zeros(plan.num_tiles - tail.main_tiles, dtype=torch.int32, device=a.device)
-    a_piece, b_piece, use_tma = _operand_args(a, b, piece, True)
-    layout = LAYOUT_TILE_MAJOR if plan.layout == "tile_major" else LAYOUT_ROW_BAND
-    _signalled_gemm_kernel[((plan.num_tiles - tail.main_tiles) * tail.split[0] * tail.split[1],)](
-        a_piece, b_piece, counters, counters, out, out, counters, unit_group, group_info,
-        m, n, k, plan.rows_per_shard, plan.tiles_m, plan.tiles_n, plan.num_tiles, plan.shards,
-        plan.unit_tiles,
-        counters, out,  # ready, out2: unused outside LAYOUT_ROWS
-        arrive, a, tail.main_tiles, 0,
-        *_strides(a, b),
-        LAYOUT=layout, SIGNAL=signal, STREAM_K=False, TMA_STORE=False,
-        SPLIT_M=tail.split[0], SPLIT_N=tail.split[1],
-        **_meta(a, b, out, piece, use_tma, False, 1),
-    )  # fmt: skip
 
 
 def rows_gemm(

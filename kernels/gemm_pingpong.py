@@ -22,7 +22,8 @@ Triton's automatic warp specialization does not serve here: on sm_90 it builds o
 that are not flattened, and there it dropped the release atomic or refused the deferred signal
 (``docs/perf-notes.md``, "Warp specialization on sm_90"). The kernel runs the schedule's first
 ``tiles`` tiles in its persistent loop (no stream-K tail); ``fo_kernels.gemm.signalled_gemm`` runs
-a split tail after it in the plain kernel. Measured: ``docs/perf-notes.md``, session 17.
+a split tail after it in the plain kernel. Measured: ``docs/perf-notes.md``, "The product kernel
+(``fo_kernels.gemm_pingpong``, ``Tile.pingpong``)".
 
 ``pingpong_blocker`` says why a call cannot use it (the caller then runs the plain kernel); the
 kernel is defined on first use, so importing this module needs no Gluon.

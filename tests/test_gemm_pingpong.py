@@ -123,3 +123,42 @@ def test_the_compiled_kernel_signals_each_tile_after_its_stores_are_written(bm, 
     assert facts["release_atomics"] == ([True, True] if signal else [])
     assert facts["setmaxnreg"] > 0 and facts["spill_bytes"] == 0
     assert facts["shared_bytes"] <= 227 * 1024
+
+
+def test_a_pingpong_calls_split_tail_runs_in_the_plain_kernels_launch(monkeypatch):
+    """Where the ping-pong kernel runs (here a stand-in: the plain kernel over every tile, recording
+    how many tiles it was given), ``signalled_gemm`` gives it the whole waves and runs the split
+    tail's pieces after it in the plain kernel's own launch: the tail tiles are written again,
+    correctly, and signalled once more each."""
+    import fo_kernels.gemm as gemm
+
+    m, n, k = 640, 256, 64  # 10 tiles of 128x128 on 4 programs: 8 in whole waves, 2 in the tail
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = BOperand.of(torch.randn(n, k, generator=gen).to(torch.bfloat16).t())
+    plan = _plan(m, n, k, PP)
+    given = []
+
+    def stand_in(a, b, out, plan, tile, *, counters, unit_group, group_info, signal, tiles):
+        given.append(tiles)
+        plain = dataclasses.replace(tile, pingpong=False)
+        gemm.signalled_gemm(
+            a, b, out, plan, plain, counters=counters, unit_group=unit_group, group_info=group_info,
+            signal=signal, options=gemm.KernelOptions(split_tail=False),
+        )  # fmt: skip
+
+    monkeypatch.setattr(gemm, "pingpong_blocker", lambda *args: "")
+    monkeypatch.setattr(gemm, "pingpong_gemm", stand_in)
+    out = torch.full((plan.buffer_numel(),), float("nan"), dtype=torch.bfloat16)
+    counters = torch.zeros(1, dtype=torch.int32)
+    ug = torch.tensor(plan.unit_group(), dtype=torch.int32)
+    gi = torch.tensor([x for p in plan.group_info() for x in p], dtype=torch.int32)
+    gemm.signalled_gemm(
+        a, b, out, plan, PP, counters=counters, unit_group=ug, group_info=gi,
+        options=gemm.KernelOptions(split_tail=True),
+    )  # fmt: skip
+    assert given == [8]
+    ref = a.float() @ b.tensor.float()
+    got = out.view(m, n).float()
+    assert not got.isnan().any() and ((got - ref).norm() / ref.norm()).item() < 1e-2
+    assert counters.tolist() == [plan.num_tiles + 2]  # the stand-in's 10, the tail's 2 again
