@@ -371,17 +371,18 @@ _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}
 
 
 @functools.cache
-def _schema(kind: type) -> tuple[frozenset[str], tuple[tuple[str, str, Any], ...]]:
-    """(field names, (name, type name, accepted builtin types) per field) of a point dataclass."""
+def _schema(kind: type) -> tuple[frozenset[str], frozenset[str], tuple[tuple[str, str, Any], ...]]:
+    """(field names, those with defaults (newer fields a file may lack), (name, type name, accepted
+    builtin types) per field) of a point dataclass."""
     names = frozenset(f.name for f in fields(kind))
-    return names, tuple((f.name, str(f.type), _TYPES[str(f.type)]) for f in fields(kind))
+    optional = frozenset(f.name for f in fields(kind) if f.default is not MISSING)
+    return names, optional, tuple((f.name, str(f.type), _TYPES[str(f.type)]) for f in fields(kind))
 
 
 def _point(kind: type, row: Any, where: str) -> Any:
     if not isinstance(row, dict):
         raise CalibrationError(f"{where}: expected a mapping")
-    names, types = _schema(kind)
-    optional = {f.name for f in fields(kind) if f.default is not MISSING}  # newer fields, with defaults
+    names, optional, types = _schema(kind)
     missing, unknown = names - set(row) - optional, set(row) - names
     if missing or unknown:
         raise CalibrationError(f"{where}: missing {sorted(missing)}, unknown {sorted(unknown)}")

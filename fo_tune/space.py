@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 
 from fo_kernels.errors import FoTuneError, ScheduleError
 from fo_kernels.files import read_yaml
-from fo_kernels.schedule import Tile
+from fo_kernels.schedule import TILE_FLAGS, Tile
 
 __all__ = [
     "ANY_DEVICE",
@@ -302,7 +302,7 @@ class SpaceReader:
     def tile(self, node: Any, path: str) -> Tile:
         data = self.mapping(node, path, _TILE_REQUIRED, _TILE_OPTIONAL)
         for key, value in data.items():  # Tile would take true for 1
-            if key not in ("warp_specialize", "pingpong"):
+            if key not in TILE_FLAGS:
                 self.integer(value, f"{path}.{key}", minimum=1)
         try:
             return Tile(**data)

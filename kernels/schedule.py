@@ -228,7 +228,7 @@ class Tile:
         if self.num_warps not in NUM_WARPS_CHOICES:
             raise ScheduleError(f"tile.num_warps: must be one of {NUM_WARPS_CHOICES}, got {self.num_warps!r}")
         _check_int("tile.num_stages", self.num_stages, minimum=1)
-        for name in ("warp_specialize", "pingpong"):
+        for name in TILE_FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise ScheduleError(f"tile.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.pingpong:
@@ -260,7 +260,7 @@ class Tile:
 
     def to_dict(self) -> dict[str, int | bool]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name in ("warp_specialize", "pingpong"):
+        for name in TILE_FLAGS:
             if not out[name]:
                 del out[name]  # the default stays out of the tables
         return out
@@ -277,6 +277,10 @@ class Tile:
             f"{self.block_m}x{self.block_n}x{self.block_k} gm{self.group_m} w{self.num_warps} "
             f"s{self.num_stages}{ws}{pp}"
         )
+
+
+# The tile's true-or-false fields (the others are positive integers); false stays out of tables.
+TILE_FLAGS = tuple(f.name for f in fields(Tile) if f.type == "bool")
 
 
 class EngineSettings(ABC):
