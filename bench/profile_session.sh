@@ -14,7 +14,8 @@
 #                                           # shared out always (stream-K, its runs in order or
 #                                           # aligned, aligned and fused), with TMA-store
 #                                           # epilogues, and the ping-pong kernel with its split
-#                                           # tail, without, forced: one interleaved timing with cuBLAS per
+#                                           # tail, its K-split tail, without, forced: one
+#                                           # interleaved timing with cuBLAS per
 #                                           # shape and grid (r = 0, 8, 12, 16), ten shapes (or
 #                                           # AB_SHAPES=2048x4096x4096,8192x4096x2048; AB_VARIANTS
 #                                           # names a subset; AB_TIMING=graphs replays each
@@ -190,10 +191,13 @@ if mode == "ab":  # the last partial wave: whole, stream-K's rule, split into pi
         "waves_tma": (t4, O(stream_k=False, split_tail=False, tma_store=True)),
         "split_tma": (t4, O(tma_store=True, **OWN)),
         "split_fused_tma": (t4, O(fuse_tail=True, tma_store=True)),
-        # the ping-pong kernel (128x128, 5 stages): its split tail by the rule, none, forced
+        # the ping-pong kernel (128x128, 5 stages): its tail by the rules (the K-split tail first),
+        # whole waves, the split tail's pieces by their rule or forced, the K-split tail forced
         "pingpong": (tpp, O()),
-        "pingpong_waves": (tpp, O(split_tail=False)),
+        "pingpong_waves": (tpp, O(stream_k=False, split_tail=False)),
+        "pingpong_split": (tpp, O(stream_k=False)),
         "pingpong_split_forced": (tpp, O(split_tail=True)),
+        "pingpong_k_split_forced": (tpp, O(stream_k=True)),
     }
     if os.environ.get("AB_VARIANTS"):  # e.g. AB_VARIANTS=split,split_tma (a subset, by name)
         VARIANTS = {name: VARIANTS[name] for name in os.environ["AB_VARIANTS"].split(",")}

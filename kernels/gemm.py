@@ -560,7 +560,10 @@ class KernelOptions:
     over the programs (``stream_k_split``), so the last wave takes its share of the time instead
     of a whole tile's. None: where the measured rule says it pays (it saves each program at least
     ``STREAM_K_MIN_SAVED_BLOCKS`` of a tile's K blocks); True: for every partial last wave; False:
-    never. ``defer_signal``: each tile's signal is sent at the next tile's epilogue (the last after
+    never. For a ping-pong tile (``Tile.pingpong``) it is the kernel's K-split tail instead
+    (``fo_kernels.plan.pingpong_parts``: each tail tile's K blocks in 2-4 parts, one program each),
+    which None runs wherever its parts fit and the split tail would (from ``SPLIT_MIN_MACS``), before
+    the split tail. ``defer_signal``: each tile's signal is sent at the next tile's epilogue (the last after
     the loop), so the release fence waits on stores issued a tile earlier instead of stalling the
     CTA on those just issued: +0-4% at full grid on 9 of 9 shapes (0.918 -> 0.959x cuBLAS at
     8192x4096x2048); a group then completes up to one tile's time later (the last group does not:
@@ -706,10 +709,11 @@ def signalled_gemm(
     are the plan's tables on the device; ``counters`` (int32) gets one release increment per tile
     at index ``unit_group[t // U]`` when ``signal`` is set. ``use_tma`` (loads) and
     ``options.tma_store`` override the automatic choices (tests time and check both paths).
-    A ``tile.pingpong`` call runs the ping-pong kernel (``fo_kernels.gemm_pingpong``: the whole
-    waves, TMA stores; of ``options`` only ``split_tail`` applies) where ``pingpong_blocker``
-    accepts it and ``use_tma`` is not False, then a split tail in this kernel's own launch; else
-    this kernel with the same tile.
+    A ``tile.pingpong`` call runs the ping-pong kernel (``fo_kernels.gemm_pingpong``: TMA stores;
+    its last partial wave as its own K-split tail, or as the split tail's pieces in this kernel's
+    launch after it, as ``tail_plan`` says; of ``options`` only ``stream_k`` and ``split_tail``
+    apply) where ``pingpong_blocker`` accepts it and ``use_tma`` is not False; else this kernel
+    with the same tile, under this kernel's tail rules.
     """
     pingpong = tile.pingpong and use_tma is not False and not pingpong_blocker(a, b, out, plan, tile)
     m, k = a.shape
@@ -721,8 +725,12 @@ def signalled_gemm(
         a_arg, b_arg, use_tma = _operand_args(a, b, tile, use_tma)
         subtile = min(options.subtile, tile.block_n // MIN_PIECE)
         desc = _store_desc(out, plan, tile, subtile, options.tma_store)
-    # (a ping-pong tile never has a stream-K tail: tail_plan)
-    tail = tail_plan(plan.num_tiles, plan.grid, tile, k, m * n * k, options.stream_k, options.split_tail)
+    # a ping-pong tile's tail runs in its kernel (the K-split tail) or the split tail's launch; where
+    # the plain kernel runs the tile instead, that kernel's rules apply
+    kernel_tile = tile if pingpong or not tile.pingpong else dataclasses.replace(tile, pingpong=False)
+    tail = tail_plan(
+        plan.num_tiles, plan.grid, kernel_tile, k, m * n * k, options.stream_k, options.split_tail
+    )
     split, main_tiles, share = tail.split, tail.main_tiles, tail.share
     if split != (1, 1):
         arrive = torch.zeros(plan.num_tiles - main_tiles, dtype=torch.int32, device=a.device)
@@ -765,7 +773,7 @@ def signalled_gemm(
     if pingpong:
         pingpong_gemm(
             a, b, out, plan, tile, counters=counters, unit_group=unit_group, group_info=group_info,
-            signal=signal, tiles=main_tiles,
+            signal=signal, tiles=main_tiles, parts=tail.parts,
         )  # fmt: skip
     else:
         meta = _meta(a, b, out, tile, use_tma, options.flatten, subtile)

@@ -93,28 +93,40 @@ def pingpong_gemm(
     group_info: torch.Tensor,
     signal: bool = True,
     tiles: int | None = None,
+    parts: int = 0,
 ) -> None:
     """Launch the ping-pong kernel on the current stream (``fo_kernels.gemm.signalled_gemm``'s
     contract, for a call ``pingpong_blocker`` accepts): ``out`` in the plan's layout, one release
     increment of ``counters[unit_group[t // U]]`` per tile t when ``signal`` is set. ``tiles``:
-    only the schedule's first tiles (the whole waves before a split tail; default all)."""
+    only the schedule's first tiles in its whole waves (default all). ``parts`` (>= 2): the tiles
+    after them, fewer than a wave, run as the K-split tail (``fo_kernels.plan.pingpong_parts``),
+    each tile's K blocks cut into ``parts`` ranges, one program each."""
     from .gemm import LAYOUT_ROW_BAND, LAYOUT_TILE_MAJOR, store_view
 
     kernel = _kernel()
     desc = _descriptor()
     m, k = a.shape
     n = b.tensor.shape[1]
+    main_tiles = plan.num_tiles if tiles is None else tiles
+    tail_tiles = plan.num_tiles - main_tiles if parts else 0
+    if tail_tiles:  # an arrival count per tail tile, a float32 tile slot per part (torch's allocator,
+        # on the current stream, so calls on other streams never share them)
+        arrive = torch.zeros(tail_tiles, dtype=torch.int32, device=a.device)
+        partial = torch.empty(
+            tail_tiles * parts * tile.block_m * tile.block_n, dtype=torch.float32, device=a.device
+        )
+    else:
+        arrive = partial = counters  # not read
     view = store_view(out, plan, tile)
     a_desc = desc(a, [tile.block_m, tile.block_k])
     b_desc = desc(b.tensor.t(), [tile.block_n, tile.block_k])
     c_desc = desc(view, [tile.block_m, tile.block_n])
     kernel[(plan.grid,)](
-        a_desc, b_desc, c_desc, counters, unit_group, group_info,
-        m, n, k, plan.rows_per_shard, plan.tiles_m, plan.tiles_n,
-        plan.num_tiles if tiles is None else tiles, plan.shards,
-        plan.unit_tiles,
+        a_desc, b_desc, c_desc, counters, unit_group, group_info, arrive, partial,
+        m, n, k, plan.rows_per_shard, plan.tiles_m, plan.tiles_n, main_tiles, tail_tiles,
+        max(1, parts), plan.shards, plan.unit_tiles,
         tile.num_stages, tile.group_m, LAYOUT_TILE_MAJOR if plan.layout == "tile_major" else LAYOUT_ROW_BAND,
-        signal, CONSUMER_REGS, LOADER_REGS,
+        signal, tail_tiles > 0, CONSUMER_REGS, LOADER_REGS,
         num_warps=PINGPONG_WARPS, maxnreg=MAXNREG,
     )  # fmt: skip
 
@@ -163,21 +175,47 @@ def _kernel():
         return lt, s, tm, tn
 
     @gluon.jit
+    def item_count(pid, progs, main_tiles, tail_tiles, parts):
+        """How many items program pid runs: its whole tiles of the whole waves, then its part of
+        the K-split tail (programs [0, tail_tiles x parts) have one)."""
+        return gl.cdiv(main_tiles - pid, progs) + (pid < tail_tiles * parts).to(gl.int32)
+
+    @gluon.jit
+    def item(j, pid, progs, main_tiles, parts, k_tiles):
+        """Program pid's item j: (tile, its K blocks [k0, k1)). A whole tile of the whole waves
+        (tiles pid, pid + progs, ...), or the program's part of the K-split tail: tile main_tiles +
+        pid // parts, its K range pid % parts of parts (the items before it are whole tiles)."""
+        n_main = gl.cdiv(main_tiles - pid, progs)
+        if j < n_main:
+            t = pid + j * progs
+            k0 = k_tiles * 0
+            k1 = k_tiles
+        else:
+            p = pid % parts
+            t = main_tiles + pid // parts
+            k0 = p * k_tiles // parts
+            k1 = (p + 1) * k_tiles // parts
+        return t, k0, k1
+
+    @gluon.jit
     def loader(
-        a_desc, b_desc, a_bufs, b_bufs, empty, ready, K, rows_per_shard, tiles_m, tiles_n, num_tiles,
-        shards, GROUP_M: gl.constexpr,
+        a_desc, b_desc, a_bufs, b_bufs, empty, ready, K, rows_per_shard, tiles_m, tiles_n, main_tiles,
+        tail_tiles, parts, shards, GROUP_M: gl.constexpr,
     ):  # fmt: skip
-        """The program's tiles in order, each tile's K blocks into the ring's next stages."""
+        """The program's items in order, each item's K blocks into the ring's next stages."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
         S: gl.constexpr = a_bufs.shape[0]
         k_tiles = gl.cdiv(K, BK)
+        pid = gl.program_id(0)
+        progs = gl.num_programs(0)
         i = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        for j in range(item_count(pid, progs, main_tiles, tail_tiles, parts)):
+            t, k0, k1 = item(j, pid, progs, main_tiles, parts, k_tiles)
             _lt, s, tm, tn = tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
             row0 = s * rows_per_shard + tm * BM
-            for kk in range(k_tiles):
+            for kk in range(k0, k1):
                 st = i % S
                 mbarrier.wait(empty.index(st), ((i // S) & 1) ^ 1)  # a stage's first use passes at once
                 mbarrier.expect(ready.index(st), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
@@ -198,13 +236,44 @@ def _kernel():
         )
 
     @gluon.jit
+    def finish(
+        acc, t, c_desc, c_smem, counters, unit_group, group_info, tiles_m, tiles_n, shards, unit_tiles,
+        GROUP_M: gl.constexpr, LAYOUT: gl.constexpr, SIGNAL: gl.constexpr,
+    ):  # fmt: skip
+        """Tile t's epilogue: its sum through c_smem in one TMA store at the layout position
+        (``fo_kernels.gemm._tile_dst``: its group's chunk, row_band rows or a tile-major slot),
+        then (SIGNAL) the wait for the store's write and one release increment of its group."""
+        BM: gl.constexpr = c_desc.block_type.shape[0]
+        BN: gl.constexpr = c_desc.block_type.shape[1]
+        lt, s, tm, tn = tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
+        g = gl.load(unit_group + t // unit_tiles)
+        base = gl.load(group_info + 2 * g)
+        span = gl.load(group_info + 2 * g + 1)
+        tma.store_wait(0)  # this consumer's previous tile has left c_smem
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        if LAYOUT == 1:
+            slot = shards * base + s * span + (lt - base)
+            tma.async_copy_shared_to_global(c_desc, [slot * BM, 0], c_smem)
+        else:
+            dst_row0 = shards * base + s * span + (tm * BM - base)
+            tma.async_copy_shared_to_global(c_desc, [dst_row0, tn * BN], c_smem)
+        if SIGNAL:
+            stores_written()
+            barrier()
+            gl.atomic_add(counters + g, 1, sem="release", scope="gpu")
+
+    @gluon.jit
     def consumer(
         a_desc, b_desc, c_desc, a_bufs, b_bufs, c_smem, empty, ready, turn, counters, unit_group,
-        group_info, K, tiles_m, tiles_n, num_tiles, shards, unit_tiles,
-        ME: gl.constexpr, GROUP_M: gl.constexpr, LAYOUT: gl.constexpr, SIGNAL: gl.constexpr,
+        group_info, arrive, partial, K, tiles_m, tiles_n, main_tiles, tail_tiles, parts, shards,
+        unit_tiles, ME: gl.constexpr, GROUP_M: gl.constexpr, LAYOUT: gl.constexpr,
+        SIGNAL: gl.constexpr, KSPLIT: gl.constexpr,
     ):  # fmt: skip
-        """Consumer ME of 2: the program's local tiles ME, ME + 2, ...; its epilogue stores at the
-        layout position (``fo_kernels.gemm._tile_dst``) and signals the tile's group."""
+        """Consumer ME of 2: the program's items ME, ME + 2, ... A whole tile is finished at once
+        (``finish``); a part of the K-split tail stores its float32 sum in the program's slot of
+        ``partial``, and the last of the tile's programs to arrive adds the tile's parts in order
+        (the same bits whoever is last) and finishes the tile."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -215,14 +284,14 @@ def _kernel():
         k_tiles = gl.cdiv(K, BK)
         progs = gl.num_programs(0)
         pid = gl.program_id(0)
-        for t in range(pid + ME * progs, num_tiles, 2 * progs):
-            j = (t - pid) // progs  # the program's local tile index
-            if j > 0:  # the other consumer's main loop of tile j - 1 is done
+        n_main = gl.cdiv(main_tiles - pid, progs)
+        for j in range(ME, item_count(pid, progs, main_tiles, tail_tiles, parts), 2):
+            if j > 0:  # the other consumer's main loop of item j - 1 is done
                 mbarrier.wait(turn.index(1 - ME), ((j - 1) // 2) & 1)
-            lt, s, tm, tn = tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
+            t, k0, k1 = item(j, pid, progs, main_tiles, parts, k_tiles)
             acc = gl.zeros((BM, BN), gl.float32, acc_layout)
-            i0 = j * k_tiles
-            for kk in range(k_tiles):
+            i0 = j * k_tiles  # the ring's position: the items before j are whole tiles
+            for kk in range(k1 - k0):
                 i = i0 + kk
                 st = i % S
                 mbarrier.wait(ready.index(st), (i // S) & 1)
@@ -233,33 +302,39 @@ def _kernel():
                 if kk > 0:  # the step before has finished reading its stage
                     mbarrier.arrive(empty.index((i - 1) % S), count=1)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index((i0 + k_tiles - 1) % S), count=1)
-            mbarrier.arrive(turn.index(ME), count=1)  # the other consumer may start its next tile
-            # the tile's place: its group's chunk (row_band rows, or a tile-major slot)
-            g = gl.load(unit_group + t // unit_tiles)
-            base = gl.load(group_info + 2 * g)
-            span = gl.load(group_info + 2 * g + 1)
-            tma.store_wait(0)  # this consumer's previous tile has left c_smem
-            c_smem.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            if LAYOUT == 1:
-                slot = shards * base + s * span + (lt - base)
-                tma.async_copy_shared_to_global(c_desc, [slot * BM, 0], c_smem)
-            else:
-                dst_row0 = shards * base + s * span + (tm * BM - base)
-                tma.async_copy_shared_to_global(c_desc, [dst_row0, tn * BN], c_smem)
-            if SIGNAL:
-                stores_written()
-                barrier()
-                gl.atomic_add(counters + g, 1, sem="release", scope="gpu")
+            mbarrier.arrive(empty.index((i0 + k1 - k0 - 1) % S), count=1)
+            mbarrier.arrive(turn.index(ME), count=1)  # the other consumer may start its next item
+            if not KSPLIT or j < n_main:  # (KSPLIT: a compile-time test, then a runtime one)
+                finish(
+                    acc, t, c_desc, c_smem, counters, unit_group, group_info, tiles_m, tiles_n, shards,
+                    unit_tiles, GROUP_M, LAYOUT, SIGNAL,
+                )  # fmt: skip
+            else:  # a part of the K-split tail: slot pid, the tile's parts in slots first, first + 1, ...
+                rows = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+                cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+                in_tile = gl.expand_dims(rows, 1) * BN + gl.expand_dims(cols, 0)
+                gl.store(partial + pid.to(gl.int64) * (BM * BN) + in_tile, acc)
+                barrier()  # every thread's part is stored before the arrival's release
+                arrived = gl.atomic_add(arrive + (t - main_tiles), 1, sem="acq_rel", scope="gpu")
+                if arrived == parts - 1:  # every part is written: add them in slot order
+                    first = pid - pid % parts
+                    total = gl.zeros((BM, BN), gl.float32, acc_layout)
+                    for q in range(parts):  # its own part too: acc is dead after its store
+                        total += gl.load(
+                            partial + (first + q).to(gl.int64) * (BM * BN) + in_tile, cache_modifier=".cg"
+                        )
+                    finish(
+                        total, t, c_desc, c_smem, counters, unit_group, group_info, tiles_m, tiles_n,
+                        shards, unit_tiles, GROUP_M, LAYOUT, SIGNAL,
+                    )  # fmt: skip
         tma.store_wait(0)
 
     @gluon.jit
     def pingpong_kernel(
-        a_desc, b_desc, c_desc, counters, unit_group, group_info,
-        M, N, K, rows_per_shard, tiles_m, tiles_n, num_tiles, shards, unit_tiles,
+        a_desc, b_desc, c_desc, counters, unit_group, group_info, arrive, partial,
+        M, N, K, rows_per_shard, tiles_m, tiles_n, main_tiles, tail_tiles, parts, shards, unit_tiles,
         STAGES: gl.constexpr, GROUP_M: gl.constexpr, LAYOUT: gl.constexpr, SIGNAL: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+        KSPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     ):  # fmt: skip
         # (Gluon builds these shapes by list concatenation, not starred lists)
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)  # noqa: RUF005
@@ -278,13 +353,13 @@ def _kernel():
         gl.warp_specialize(
             [
                 (consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c0, empty, ready, turn, counters,
-                            unit_group, group_info, K, tiles_m, tiles_n, num_tiles, shards, unit_tiles,
-                            0, GROUP_M, LAYOUT, SIGNAL)),
+                            unit_group, group_info, arrive, partial, K, tiles_m, tiles_n, main_tiles,
+                            tail_tiles, parts, shards, unit_tiles, 0, GROUP_M, LAYOUT, SIGNAL, KSPLIT)),
                 (consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c1, empty, ready, turn, counters,
-                            unit_group, group_info, K, tiles_m, tiles_n, num_tiles, shards, unit_tiles,
-                            1, GROUP_M, LAYOUT, SIGNAL)),
+                            unit_group, group_info, arrive, partial, K, tiles_m, tiles_n, main_tiles,
+                            tail_tiles, parts, shards, unit_tiles, 1, GROUP_M, LAYOUT, SIGNAL, KSPLIT)),
                 (loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, K, rows_per_shard, tiles_m,
-                          tiles_n, num_tiles, shards, GROUP_M)),
+                          tiles_n, main_tiles, tail_tiles, parts, shards, GROUP_M)),
             ],
             [4, 1],  # the second consumer's warpgroup, the loader's warp
             [CONSUMER_REGS, LOADER_REGS],

@@ -3,7 +3,7 @@ as JSON, what the tests check in its PTX and ptxas's report (``tests/test_gemm_p
 this in a process of its own: it replaces Triton's active driver with one that names an H100/H200
 target).
 
-    python tests/pingpong_ptx.py BM BN BK STAGES LAYOUT SIGNAL
+    python tests/pingpong_ptx.py BM BN BK STAGES LAYOUT SIGNAL KSPLIT
 """
 
 from __future__ import annotations
@@ -65,12 +65,26 @@ def _release_atomics_after_written_stores(ptx: list[str]) -> list[bool]:
     return verdicts
 
 
+def _arrivals_after_part_stores(ptx: list[str]) -> list[bool]:
+    """For each arrival of the K-split tail (the acq_rel increment): whether a barrier follows the
+    last global store before it (the part's), so every thread's part is stored first."""
+    verdicts = []
+    for i, line in enumerate(ptx):
+        if not re.search(r"\batom\.global\.gpu\.acq_rel\.add", line):
+            continue
+        stores = [j for j in range(i) if re.search(r"\bst\.global\.", ptx[j])]
+        verdicts.append(
+            bool(stores) and any(re.search(r"\bbar(rier)?\.sync\b", t) for t in ptx[stores[-1] + 1 : i])
+        )
+    return verdicts
+
+
 def _in_order(marks: list[str], want: list[str]) -> bool:
     it = iter(marks)
     return all(any(m == w for m in it) for w in want)
 
 
-def main(bm: int, bn: int, bk: int, stages: int, layout: int, signal: bool) -> dict:
+def main(bm: int, bn: int, bk: int, stages: int, layout: int, signal: bool, ksplit: bool) -> dict:
     driver.set_active(_HopperTarget())
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -85,10 +99,12 @@ def main(bm: int, bn: int, bk: int, stages: int, layout: int, signal: bool) -> d
 
     m = n = k = 1024
     ints = torch.zeros(8, dtype=torch.int32)
+    floats = torch.zeros(8, dtype=torch.float32)
+    tiles = (m // bm) * (n // bn)
     compiled = pp._kernel().warmup(
         desc((m, k), [bm, bk]), desc((n, k), [bn, bk]), desc((m, n), [bm, bn]), ints, ints, ints,
-        m, n, k, m, m // bm, n // bn, (m // bm) * (n // bn), 1, 1,
-        stages, 8, layout, signal, pp.CONSUMER_REGS, pp.LOADER_REGS,
+        ints, floats, m, n, k, m, m // bm, n // bn, tiles - 2, 2, 2, 1, 1,
+        stages, 8, layout, signal, ksplit, pp.CONSUMER_REGS, pp.LOADER_REGS,
         grid=(1,), num_warps=4, maxnreg=pp.MAXNREG,
     )  # fmt: skip
     ptx = compiled.asm["ptx"]
@@ -103,6 +119,7 @@ def main(bm: int, bn: int, bk: int, stages: int, layout: int, signal: bool) -> d
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
     return {
         "release_atomics": _release_atomics_after_written_stores(ptx.splitlines()),
+        "arrivals": _arrivals_after_part_stores(ptx.splitlines()),
         "setmaxnreg": len(re.findall(r"setmaxnreg\.", ptx)),
         "spill_bytes": sum(spills),
         "registers": int(re.search(r"Used (\d+) registers", report).group(1)),
@@ -111,5 +128,5 @@ def main(bm: int, bn: int, bk: int, stages: int, layout: int, signal: bool) -> d
 
 
 if __name__ == "__main__":
-    bm_, bn_, bk_, st_, lay_, sig_ = (int(x) for x in sys.argv[1:7])
-    print(json.dumps(main(bm_, bn_, bk_, st_, lay_, bool(sig_))))
+    bm_, bn_, bk_, st_, lay_, sig_, ks_ = (int(x) for x in sys.argv[1:8])
+    print(json.dumps(main(bm_, bn_, bk_, st_, lay_, bool(sig_), bool(ks_))))

@@ -19,7 +19,16 @@ import torch
 from fo_kernels.errors import ScheduleError
 from fo_kernels.gemm import BOperand, signalled_gemm
 from fo_kernels.gemm_pingpong import pingpong_blocker
-from fo_kernels.plan import SPLIT_MIN_MACS, TailPlan, cdiv, make_plan, tail_plan
+from fo_kernels.plan import (
+    PINGPONG_MAX_PARTS,
+    PINGPONG_PART_COST_BLOCKS,
+    SPLIT_MIN_MACS,
+    TailPlan,
+    cdiv,
+    make_plan,
+    pingpong_parts,
+    tail_plan,
+)
 from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
 
 PP = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4, pingpong=True)
@@ -50,14 +59,51 @@ def test_a_pingpong_tile_round_trips_and_names_itself():
     assert dataclasses.replace(PP, block_m=64, block_n=256, num_stages=4).pingpong  # 229 KiB: fits
 
 
-def test_a_pingpong_tile_has_no_stream_k_tail():
-    """Its kernel runs whole waves, and a split tail after them; stream-K, even forced, is not."""
+def test_a_pingpong_tiles_last_partial_wave_is_its_k_split_tail_where_the_parts_fit():
+    """Its kernel runs the tail tiles' K blocks in parts, one program each, as many parts as fit
+    the grid (at most PINGPONG_MAX_PARTS, and K blocks), where they save each program at least
+    PINGPONG_PART_COST_BLOCKS (else the split tail's pieces); stream_k=False or split_tail=True
+    take the split tail's pieces instead, stream_k=True the parts wherever they fit; small calls,
+    single waves and tails of more than half the grid run whole waves. Stream-K's K blocks a
+    program (``share``) are the plain kernel's alone."""
     macs = SPLIT_MIN_MACS
-    assert tail_plan(960, 132, PP, 6912, macs) == TailPlan((1, 2), 924, 0)  # 36 tail tiles in halves
-    assert tail_plan(960, 132, PP, 6912, macs, stream_k=True) == TailPlan((1, 2), 924, 0)
+    assert tail_plan(960, 132, PP, 6912, macs) == TailPlan((1, 1), 924, 0, 3)  # 36 tail tiles in thirds
+    assert tail_plan(960, 132, PP, 6912, macs, stream_k=False) == TailPlan((1, 2), 924, 0)  # halves
+    assert tail_plan(960, 132, PP, 6912, macs, split_tail=True) == TailPlan((1, 2), 924, 0)
+    assert tail_plan(256, 124, PP, 4096, macs) == TailPlan((1, 1), 248, 0, PINGPONG_MAX_PARTS)  # 8 tiles
+    assert tail_plan(256, 124, PP, 128, macs, stream_k=True) == TailPlan((1, 1), 248, 0, 2)  # 2 K blocks
+    # 8 tail tiles in quarters of 32 K blocks save each program 24, fewer than the parts cost
+    assert tail_plan(2048, 120, PP, 2048, macs) == TailPlan((2, 2), 2040, 0)
+    assert tail_plan(2048, 120, PP, 2048, macs, stream_k=True).parts == 4
+    assert tail_plan(960, 132, PP, 6912, macs - 1) == TailPlan((1, 1), 960, 0)  # a small call: whole
+    assert tail_plan(960, 132, PP, 6912, macs - 1, stream_k=True).parts == 3  # unless forced
     assert tail_plan(2048, 132, PP, 14336, macs) == TailPlan((1, 1), 2048, 0)  # 68 tail tiles: > half
+    assert tail_plan(100, 132, PP, 14336, macs, stream_k=True) == TailPlan((1, 1), 100, 0)  # one wave
     plain = dataclasses.replace(PP, pingpong=False)
     assert tail_plan(2048, 132, plain, 14336, macs).share > 0  # where the plain tile shares it out
+    assert tail_plan(2048, 132, PP, 14336, macs, stream_k=True).share == 0
+
+
+@pytest.mark.parametrize(
+    "num_tiles, grid, k_tiles",
+    [(960, 132, 108), (256, 124, 64), (512, 116, 16), (300, 132, 3), (7, 3, 5), (10, 4, 1)],
+)
+def test_pingpong_parts_put_one_part_on_a_program_and_cover_the_tail(num_tiles, grid, k_tiles):
+    """The K-split tail (forced: wherever it fits) fits one wave of parts (tail tiles x parts <=
+    grid), and each tile's parts, the K ranges [p * K / parts, (p + 1) * K / parts) the kernel
+    runs, cover its K blocks once, none of them empty; by its cost rule it runs only where each
+    program saves at least PINGPONG_PART_COST_BLOCKS."""
+    parts = pingpong_parts(num_tiles, grid, k_tiles, force=True)
+    by_rule = pingpong_parts(num_tiles, grid, k_tiles)
+    tail = num_tiles % grid
+    if parts == 0:
+        assert by_rule == 0 and (tail == 0 or num_tiles < grid or 2 * tail > grid or k_tiles < 2)
+        return
+    assert by_rule == (parts if k_tiles * (1 - 1 / parts) >= PINGPONG_PART_COST_BLOCKS else 0)
+    assert 2 <= parts <= PINGPONG_MAX_PARTS and tail * parts <= grid
+    ranges = [(p * k_tiles // parts, (p + 1) * k_tiles // parts) for p in range(parts)]
+    assert all(k0 < k1 for k0, k1 in ranges)
+    assert [kk for k0, k1 in ranges for kk in range(k0, k1)] == list(range(k_tiles))
 
 
 def _plan(m, n, k, tile, layout="row_band"):
@@ -102,25 +148,39 @@ def _gluon_hopper() -> bool:
 
 @pytest.mark.skipif(not _gluon_hopper(), reason="this Triton has no Gluon for Hopper")
 @pytest.mark.parametrize(
-    "bm, bn, stages, layout, signal",
-    [(128, 128, 4, 0, True), (64, 256, 4, 1, True), (128, 128, 5, 0, False)],
-    ids=["128x128_s4_row_band", "64x256_s4_tile_major", "128x128_s5_no_signal"],
-)
-def test_the_compiled_kernel_signals_each_tile_after_its_stores_are_written(bm, bn, stages, layout, signal):
+    "bm, bn, stages, layout, signal, ksplit",
+    [
+        (128, 128, 4, 0, True, False),
+        (64, 256, 4, 1, True, False),
+        (128, 128, 5, 0, False, False),
+        (128, 128, 5, 0, True, True),
+        (128, 128, 4, 1, True, True),
+    ],
+    ids=["128x128_s4_row_band", "64x256_s4_tile_major", "128x128_s5_no_signal", "128x128_s5_k_split",
+         "128x128_s4_tile_major_k_split"],
+)  # fmt: skip
+def test_the_compiled_kernel_signals_each_tile_after_its_stores_are_written(
+    bm, bn, stages, layout, signal, ksplit
+):
     """Compiled for sm_90a: with the signal, each consumer warpgroup has its release increment,
     after its last TMA store is written (``wait_group 0``, not ``.read``), the async-proxy fence
     and the partition's barrier (Triton's automatic warp specialization dropped this atomic);
-    without it, none. setmaxnreg splits the registers, nothing spills and the ring and both
-    epilogue buffers fit Hopper's shared memory."""
+    without it, none. With the K-split tail, each consumer also has the tail's epilogue (a second
+    release increment, as ordered) and its arrival, after a barrier behind the part's stores;
+    without it, no arrival is compiled. setmaxnreg splits the registers, nothing spills and the
+    ring and both epilogue buffers fit Hopper's shared memory. (The K-split fix-up of a 64x256
+    tile spills 48 bytes of its per-element offsets, outside the main loop; that tile is not in
+    the search space.)"""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     script = Path(__file__).with_name("pingpong_ptx.py")
-    args = [str(x) for x in (bm, bn, 64, stages, layout, int(signal))]
+    args = [str(x) for x in (bm, bn, 64, stages, layout, int(signal), int(ksplit))]
     done = subprocess.run(
         [sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
-    assert facts["release_atomics"] == ([True, True] if signal else [])
+    assert facts["release_atomics"] == [True] * (2 * (1 + ksplit) if signal else 0)
+    assert facts["arrivals"] == ([True, True] if ksplit else [])
     assert facts["setmaxnreg"] > 0 and facts["spill_bytes"] == 0
     assert facts["shared_bytes"] <= 227 * 1024
 
@@ -139,8 +199,8 @@ def test_a_pingpong_calls_split_tail_runs_in_the_plain_kernels_launch(monkeypatc
     plan = _plan(m, n, k, PP)
     given = []
 
-    def stand_in(a, b, out, plan, tile, *, counters, unit_group, group_info, signal, tiles):
-        given.append(tiles)
+    def stand_in(a, b, out, plan, tile, *, counters, unit_group, group_info, signal, tiles, parts):
+        given.append((tiles, parts))
         plain = dataclasses.replace(tile, pingpong=False)
         gemm.signalled_gemm(
             a, b, out, plan, plain, counters=counters, unit_group=unit_group, group_info=group_info,
@@ -157,7 +217,7 @@ def test_a_pingpong_calls_split_tail_runs_in_the_plain_kernels_launch(monkeypatc
         a, b, out, plan, PP, counters=counters, unit_group=ug, group_info=gi,
         options=gemm.KernelOptions(split_tail=True),
     )  # fmt: skip
-    assert given == [8]
+    assert given == [(8, 0)]  # the whole waves, no K-split tail
     ref = a.float() @ b.tensor.float()
     got = out.view(m, n).float()
     assert not got.isnan().any() and ((got - ref).norm() / ref.norm()).item() < 1e-2

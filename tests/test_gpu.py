@@ -16,7 +16,7 @@ import triton.language as tl
 from dist_cases import TOL, Case, run_cases
 from fo_kernels.gemm import BOperand, KernelOptions, restore_tile_major, rows_gemm, signalled_gemm, tma_usable
 from fo_kernels.heuristics import split_decreasing
-from fo_kernels.plan import cdiv, make_plan
+from fo_kernels.plan import cdiv, make_plan, tail_plan
 from fo_kernels.schedule import CopyEngineSettings, Problem, Schedule, Tile, TritonSettings
 
 GPU_TILES = [
@@ -133,19 +133,24 @@ def test_pingpong_kernel_matches_the_plain_kernel(tile):
     """The ping-pong kernel (``fo_kernels.gemm_pingpong``) runs where it should and writes what the
     plain kernel writes: one shard and two (ReduceScatter's destination order), both layouts, odd M,
     N and K (TMA clips and pads), a reduced grid, the last partial wave split into pieces that the
-    plain kernel runs after it; each group's counter counts its tiles. A call it cannot run
+    plain kernel runs after it or cut into K parts in the ping-pong kernel itself (its K-split tail);
+    each group's counter counts its tiles. A call it cannot run
     (unaligned K, two shards of rows that are not whole tiles) runs the plain kernel."""
     from fo_kernels.gemm_pingpong import pingpong_blocker
 
     plain = dataclasses.replace(tile, pingpong=False, num_warps=8 if tile.block_m == 128 else 4)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     split = KernelOptions(split_tail=True)  # the last partial wave's pieces in the plain kernel
+    ksplit = KernelOptions(stream_k=True)  # the K-split tail (on 112 programs: 16-32 tail tiles)
     cases = [
         ("all_reduce", 1, 3000, 5120, 1000, "row_band", True, KernelOptions()),
         ("all_reduce", 1, 3000, 5120, 1000, "row_band", True, split),
         ("all_reduce", 1, 1000, 3000, 1040, "tile_major", True, split),
         ("reduce_scatter", 2, 4096, 2048, 1024, "row_band", True, split),
         ("reduce_scatter", 2, 4096, 2048, 1024, "tile_major", True, KernelOptions()),
+        ("all_reduce", 1, 2900, 5120, 1000, "row_band", True, ksplit),  # 920 tiles: 24 in 4 parts
+        ("all_reduce", 1, 1000, 2200, 1040, "tile_major", True, ksplit),  # 144 tiles: 32 in 3 parts
+        ("reduce_scatter", 2, 4096, 2304, 1024, "row_band", True, ksplit),  # 576 tiles: 16 in 4 parts
         ("reduce_scatter", 2, 2000, 2048, 1024, "row_band", False, KernelOptions()),  # 1000 rows a shard
         ("all_reduce", 1, 1000, 3000, 1030, "row_band", False, KernelOptions()),  # K not 16-byte aligned
     ]
@@ -169,6 +174,8 @@ def test_pingpong_kernel_matches_the_plain_kernel(tile):
             assert counters.tolist() == want_counts, (collective, m, t)
             bufs.append(buf)
         assert (pingpong_blocker(a, b, bufs[0], plan, tile) == "") == runs, (collective, m, n, k, layout)
+        if options is ksplit:  # the case runs the K-split tail
+            assert tail_plan(plan.num_tiles, plan.grid, tile, k, m * n * k, True).parts > 0, (m, n, k)
         # both in the plan's destination order; tile_major's edge tiles (one shard here) hold
         # padding that each kernel fills its own way, so those compare restored to (M, N)
         got, want = bufs[0][: m * n], bufs[1][: m * n]
@@ -254,8 +261,9 @@ VISIBILITY_REPS = 300
         KernelOptions(split_tail=True),
         KernelOptions(split_tail=True, fuse_tail=True),
         KernelOptions(stream_k=True, stream_k_aligned=True, fuse_tail=True),
-        None,  # the ping-pong kernel (its own epilogue: TMA stores, the signal at once)
+        "pingpong",  # the ping-pong kernel (its own epilogue: TMA stores, the signal at once)
         "pingpong_split_tail",  # the same, its last partial wave split into the plain kernel's pieces
+        "pingpong_k_split",  # the same, its last partial wave in K parts (48 tail tiles in halves)
     ],
     ids=[
         "plain_store",
@@ -267,6 +275,7 @@ VISIBILITY_REPS = 300
         "stream_k_aligned_fused",
         "pingpong",
         "pingpong_split_tail",
+        "pingpong_k_split",
     ],
 )
 def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, options):
@@ -280,12 +289,17 @@ def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, o
     signals are deferred to the next tile (the default) or sent at once; each group (one tile
     row, or 8 tiles) is read by a spinning kernel on the SMs left free, so it reads within
     microseconds of the last tile's release. The ping-pong kernel signals each tile from the
-    warpgroup that stored it, while the other warpgroup runs its main loop."""
+    warpgroup that stored it, while the other warpgroup runs its main loop; a tile of its K-split
+    tail from the warpgroup whose part arrived last, after adding the others' parts."""
     m, n, k = 2048, 4096, 1024
     tile = Tile(block_m=128, block_n=256, block_k=64, group_m=1, num_warps=8, num_stages=3)
     if not isinstance(options, KernelOptions):  # the ping-pong cases
         tile = dataclasses.replace(PINGPONG_TILES[0], group_m=1)
-        options = KernelOptions(split_tail=options is not None)
+        options = {
+            "pingpong": KernelOptions(stream_k=False, split_tail=False),
+            "pingpong_split_tail": KernelOptions(split_tail=True),
+            "pingpong_k_split": KernelOptions(stream_k=True),
+        }[options]
     mt, nt = cdiv(m, tile.block_m), cdiv(n, tile.block_n)
     unit = nt if layout == "row_band" else 8
     s = Schedule(

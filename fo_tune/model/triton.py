@@ -88,8 +88,9 @@ def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
     """Per signal unit: when it is complete, as a fraction of the GEMM's duration. The kernel
     signals a tile at its program's next tile's epilogue (``KernelOptions.defer_signal``), so a
     unit whose last wave's tiles have a next tile in the whole waves' loop is complete one wave
-    after that wave. Where the last, partial wave runs apart from that loop (the split tail or the
-    stream-K tail, ``fo_kernels.plan``; after it in the same launch, or in a launch of its own),
+    after that wave. Where the last, partial wave runs apart from that loop (the split tail, the
+    stream-K tail or the ping-pong kernel's K-split tail, ``fo_kernels.plan``; after it in the same
+    launch, or in a launch of its own),
     the whole waves' last tiles have no next tile there and are signalled when their wave ends,
     and the tail lasts its share of a wave (``last_wave_share``)."""
     waves = cdiv(plan.num_tiles, plan.grid)
