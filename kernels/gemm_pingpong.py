@@ -21,9 +21,12 @@ other consumer's main loop, so nothing defers the signal.
 Triton's automatic warp specialization does not serve here: on sm_90 it builds only 4-warp loops
 that are not flattened, and there it dropped the release atomic or refused the deferred signal
 (``docs/perf-notes.md``, "Warp specialization on sm_90"). The kernel runs the schedule's first
-``tiles`` tiles in its persistent loop (no stream-K tail); ``fo_kernels.gemm.signalled_gemm`` runs
-a split tail after it in the plain kernel. Measured: ``docs/perf-notes.md``, "The product kernel
-(``fo_kernels.gemm_pingpong``, ``Tile.pingpong``)".
+``tiles`` tiles in its persistent loop, then, given ``parts``, the rest (fewer than a wave) as its
+K-split tail: each tail tile's K blocks in ``parts`` ranges, one program each, the last of them
+to arrive adding the float32 parts and finishing the tile; else ``fo_kernels.gemm.signalled_gemm``
+runs a split tail after it in the plain kernel. Measured: ``docs/perf-notes.md``, "The product
+kernel (``fo_kernels.gemm_pingpong``, ``Tile.pingpong``)" and "Session 18: the ping-pong kernel's
+K-split tail".
 
 ``pingpong_blocker`` says why a call cannot use it (the caller then runs the plain kernel); the
 kernel is defined on first use, so importing this module needs no Gluon.

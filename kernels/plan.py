@@ -110,11 +110,11 @@ def stream_k_split(num_tiles: int, grid: int, k_tiles: int, force: bool = False)
 PINGPONG_MAX_PARTS = 4
 # What the K-split tail costs beyond its parts' K blocks, in a tile's K blocks: the parts' float32
 # stores, the arrival, the last program's read of every part (its fix-up), the arrival counts'
-# memset. Measured on one H200 (graphed, against whole waves; docs/perf-notes.md, "The K-split
-# tail"): 12.4 us = 31 blocks at 3000x5120x6912 on 132 programs (3 parts), 12.1 us = 31 blocks at
-# 2048x4096x4096 on 124 (4 parts). It pays where it saves each program more: it lost 2% where it
-# saved 24 blocks (8192x4096x2048 on 120 programs) and gained 1.5-5% on the 12 shape-grid pairs
-# that save 42-173.
+# memset. Measured on one H200 (graphed, against whole waves; docs/perf-notes.md, "Session 18:
+# the ping-pong kernel's K-split tail"): 12.4 us = 31 blocks at 3000x5120x6912 on 132 programs
+# (3 parts), 12.1 us = 31 blocks at 2048x4096x4096 on 124 (4 parts). It pays where it saves each
+# program more: it lost 2% where it saved 24 blocks (8192x4096x2048 on 120 programs) and gained
+# 1.5-5% on the 12 shape-grid pairs that save 42-173.
 PINGPONG_PART_COST_BLOCKS = 32
 
 
