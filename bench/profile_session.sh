@@ -61,6 +61,8 @@ gpu_tests() {  # the visibility test alone (its reader needs the free SMs), then
 variants() {
   python3 - "$OUT" "$1" <<'EOF'
 import csv, functools, os, sys, torch
+from unittest import mock
+from fo_kernels import plan as fo_plan
 from fo_kernels.gemm import BOperand, KernelOptions, signalled_gemm
 from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
@@ -99,7 +101,7 @@ VARIANTS = {  # name: (tile, options); "base" is the kernel before this work (a 
 }
 SHAPES = [(2048, 4096, 4096), (4096, 8192, 4096), (4096, 8192, 14336), (8192, 8192, 8192),
           (3000, 5120, 6912), (8192, 4096, 2048)]
-def runner(a, b, tile, opts, r):
+def runner(a, b, tile, opts, r, max_parts=None):
     m, k = a.shape
     n = b.shape[1]
     tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
@@ -112,7 +114,11 @@ def runner(a, b, tile, opts, r):
     out = torch.empty(m * n, dtype=a.dtype, device=dev)
     op = BOperand.of(b)
     def run():
-        signalled_gemm(a, op, out, plan, tile, counters=cnt, unit_group=ug, group_info=gi, options=opts)
+        if max_parts is None:
+            signalled_gemm(a, op, out, plan, tile, counters=cnt, unit_group=ug, group_info=gi, options=opts)
+        else:  # the K-split tail with another cap on its parts (the tail plan is read on the host)
+            with mock.patch.object(fo_plan, "PINGPONG_MAX_PARTS", max_parts):
+                signalled_gemm(a, op, out, plan, tile, counters=cnt, unit_group=ug, group_info=gi, options=opts)
         return out.view(m, n)
     return run, plan.grid, out
 
@@ -120,9 +126,9 @@ def runner(a, b, tile, opts, r):
 # `fo-tune profile --timing graphs`); eager (the default here): the host issues every call.
 GRAPHS = os.environ.get("AB_TIMING", "eager") == "graphs"
 def checked(a, b, ref, name, r):
-    tile, opts = VARIANTS[name]
+    tile, opts, *max_parts = VARIANTS[name]  # (tile, options[, a cap on the K-split tail's parts])
     try:
-        run, grid, out = runner(a, b, tile, opts, r)
+        run, grid, out = runner(a, b, tile, opts, r, *max_parts)
         out.fill_(float("nan"))
         err = rel_err(run(), ref)
         return (run, grid, err, "ok", out) if err < 1e-2 else (None, grid, err, f"wrong result {err:.2e}", out)
@@ -198,6 +204,7 @@ if mode == "ab":  # the last partial wave: whole, stream-K's rule, split into pi
         "pingpong_split": (tpp, O(stream_k=False)),
         "pingpong_split_forced": (tpp, O(split_tail=True)),
         "pingpong_k_split_forced": (tpp, O(stream_k=True)),
+        "pingpong_k_split8_forced": (tpp, O(stream_k=True), 8),  # up to 8 parts a tile
     }
     if os.environ.get("AB_VARIANTS"):  # e.g. AB_VARIANTS=split,split_tma (a subset, by name)
         VARIANTS = {name: VARIANTS[name] for name in os.environ["AB_VARIANTS"].split(",")}

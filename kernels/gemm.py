@@ -66,7 +66,7 @@ import triton.language as tl
 from .errors import ScheduleError
 from .gemm_epilogue import _bulk_stores_done, _cta_barrier, _store_piece, _store_tile
 from .gemm_pingpong import pingpong_blocker, pingpong_gemm
-from .plan import Plan, TailPlan, tail_plan
+from .plan import Plan, TailPlan, cdiv, tail_plan
 from .schedule import Tile
 
 # TMA needs every stride but the last and the base address 16-byte aligned (CUDA driver API,
@@ -612,17 +612,23 @@ SPLIT_WARPS = 4
 DEFAULT_OPTIONS = KernelOptions()
 
 
-def _stream_k_args(a: torch.Tensor, tile: Tile, grid: int, tail: TailPlan, num_tiles: int) -> tuple:
-    """(sk_arrive, sk_partial, tail programs) of the stream-K tail ``tail.share`` asks for (``a``
-    twice and 0 for none): a zeroed arrival count per tail tile and two float32 tile slots per
-    program, from torch's allocator on the current stream (so calls on other streams never share
-    them)."""
-    if tail.share == 0:
+def _tail_buffers(a: torch.Tensor, tile: Tile, grid: int, tail: TailPlan, num_tiles: int) -> tuple:
+    """(arrive, partial, stream-K programs) of the last partial wave ``tail`` runs apart from the
+    whole waves: a zeroed arrival count per tail tile (the split tail's pieces, the stream-K tail's
+    or the ping-pong kernel's K-split tail's parts arrive on it), float32 tile slots for the parts
+    (two a program for stream-K, one a part for the K-split tail) and the stream-K tail's programs
+    (0: none); ``a`` for a buffer the tail does not read. From torch's allocator on the current
+    stream, so calls on other streams never share them."""
+    tail_tiles = num_tiles - tail.main_tiles
+    if tail.split == (1, 1) and not tail.share and not tail.parts:
         return a, a, 0
-    k_tiles = -(-a.shape[1] // tile.block_k)
-    arrive = torch.zeros(num_tiles - tail.main_tiles, dtype=torch.int32, device=a.device)
-    partial = torch.empty(grid * 2 * tile.block_m * tile.block_n, dtype=torch.float32, device=a.device)
-    return arrive, partial, -(-(num_tiles - tail.main_tiles) * k_tiles // tail.share)
+    arrive = torch.zeros(tail_tiles, dtype=torch.int32, device=a.device)
+    slots = 2 * grid if tail.share else tail_tiles * tail.parts
+    partial = a
+    if slots:
+        partial = torch.empty(slots * tile.block_m * tile.block_n, dtype=torch.float32, device=a.device)
+    k_tiles = cdiv(a.shape[1], tile.block_k)
+    return arrive, partial, cdiv(tail_tiles * k_tiles, tail.share) if tail.share else 0
 
 
 def store_view(out: torch.Tensor, plan: Plan, tile: Tile) -> torch.Tensor | None:
@@ -733,11 +739,7 @@ def signalled_gemm(
         plan.num_tiles, plan.grid, kernel_tile, k, m * n * k, options.stream_k, options.split_tail
     )
     split, main_tiles, share = tail.split, tail.main_tiles, tail.share
-    if split != (1, 1):
-        arrive = torch.zeros(plan.num_tiles - main_tiles, dtype=torch.int32, device=a.device)
-        partial, tail_grid = a, 0
-    else:
-        arrive, partial, tail_grid = _stream_k_args(a, tile, plan.grid, tail, plan.num_tiles)
+    arrive, partial, tail_grid = _tail_buffers(a, tile, plan.grid, tail, plan.num_tiles)
     layout = LAYOUT_TILE_MAJOR if plan.layout == "tile_major" else LAYOUT_ROW_BAND
 
     def launch(grid: int, operands: tuple, meta: Mapping[str, object], **mode: object) -> None:
@@ -774,7 +776,7 @@ def signalled_gemm(
     if pingpong:
         pingpong_gemm(
             a, b, out, plan, tile, counters=counters, unit_group=unit_group, group_info=group_info,
-            signal=signal, tiles=main_tiles, parts=tail.parts,
+            signal=signal, tiles=main_tiles, parts=tail.parts, arrive=arrive, partial=partial,
         )  # fmt: skip
     else:
         meta = _meta(a, b, out, tile, use_tma, options.flatten, subtile)

@@ -21,12 +21,13 @@ other consumer's main loop, so nothing defers the signal.
 Triton's automatic warp specialization does not serve here: on sm_90 it builds only 4-warp loops
 that are not flattened, and there it dropped the release atomic or refused the deferred signal
 (``docs/perf-notes.md``, "Warp specialization on sm_90"). The kernel runs the schedule's first
-``tiles`` tiles in its persistent loop, then, given ``parts``, the rest (fewer than a wave) as its
-K-split tail: each tail tile's K blocks in ``parts`` ranges, one program each, the last of them
-to arrive adding the float32 parts and finishing the tile; else ``fo_kernels.gemm.signalled_gemm``
-runs a split tail after it in the plain kernel. Measured: ``docs/perf-notes.md``, "The product
-kernel (``fo_kernels.gemm_pingpong``, ``Tile.pingpong``)" and "Session 18: the ping-pong kernel's
-K-split tail".
+``tiles`` tiles in its persistent loop; given ``parts``, the rest (fewer than a wave) is its
+K-split tail, run first: each tail tile's K blocks in ``parts`` ranges, one program each as its
+first item, the last of them to arrive adding the float32 parts and finishing the tile while the
+program's other consumer runs its first whole tile (so the fix-up is off the critical path); else
+``fo_kernels.gemm.signalled_gemm`` runs a split tail after it in the plain kernel. Measured:
+``docs/perf-notes.md``, "The product kernel (``fo_kernels.gemm_pingpong``, ``Tile.pingpong``)",
+"Session 18: the ping-pong kernel's K-split tail" and "Session 19: the K-split tail first".
 
 ``pingpong_blocker`` says why a call cannot use it (the caller then runs the plain kernel); the
 kernel is defined on first use, so importing this module needs no Gluon.
@@ -97,13 +98,16 @@ def pingpong_gemm(
     signal: bool = True,
     tiles: int | None = None,
     parts: int = 0,
+    arrive: torch.Tensor | None = None,
+    partial: torch.Tensor | None = None,
 ) -> None:
     """Launch the ping-pong kernel on the current stream (``fo_kernels.gemm.signalled_gemm``'s
     contract, for a call ``pingpong_blocker`` accepts): ``out`` in the plan's layout, one release
     increment of ``counters[unit_group[t // U]]`` per tile t when ``signal`` is set. ``tiles``:
     only the schedule's first tiles in its whole waves (default all). ``parts`` (>= 2): the tiles
     after them, fewer than a wave, run as the K-split tail (``fo_kernels.plan.pingpong_parts``),
-    each tile's K blocks cut into ``parts`` ranges, one program each."""
+    each tile's K blocks cut into ``parts`` ranges, one program each, before its whole tiles; it
+    needs ``arrive`` (int32, a zero per tail tile) and ``partial`` (float32, a tile per part)."""
     from .gemm import LAYOUT_ROW_BAND, LAYOUT_TILE_MAJOR, store_view
 
     kernel = _kernel()
@@ -112,13 +116,9 @@ def pingpong_gemm(
     n = b.tensor.shape[1]
     main_tiles = plan.num_tiles if tiles is None else tiles
     tail_tiles = plan.num_tiles - main_tiles if parts else 0
-    if tail_tiles:  # an arrival count per tail tile, a float32 tile slot per part (torch's allocator,
-        # on the current stream, so calls on other streams never share them)
-        arrive = torch.zeros(tail_tiles, dtype=torch.int32, device=a.device)
-        partial = torch.empty(
-            tail_tiles * parts * tile.block_m * tile.block_n, dtype=torch.float32, device=a.device
-        )
-    else:
+    if tail_tiles and (arrive is None or partial is None):
+        raise ValueError("the K-split tail needs its arrival counts (arrive) and float32 parts (partial)")
+    if not tail_tiles:
         arrive = partial = counters  # not read
     view = store_view(out, plan, tile)
     a_desc = desc(a, [tile.block_m, tile.block_k])
@@ -178,32 +178,36 @@ def _kernel():
         return lt, s, tm, tn
 
     @gluon.jit
-    def item_count(pid, progs, main_tiles, tail_tiles, parts):
-        """How many items program pid runs: its whole tiles of the whole waves, then its part of
-        the K-split tail (programs [0, tail_tiles x parts) have one)."""
-        return gl.cdiv(main_tiles - pid, progs) + (pid < tail_tiles * parts).to(gl.int32)
+    def has_part(pid, tail_tiles, parts):
+        """1 where program pid runs a part of the K-split tail (programs [0, tail_tiles x parts)), else 0."""
+        return (pid < tail_tiles * parts).to(gl.int32)
 
     @gluon.jit
-    def item(j, pid, progs, main_tiles, parts, k_tiles):
-        """Program pid's item j: (tile, its K blocks [k0, k1)). A whole tile of the whole waves
-        (tiles pid, pid + progs, ...), or the program's part of the K-split tail: tile main_tiles +
-        pid // parts, its K range pid % parts of parts (the items before it are whole tiles)."""
-        n_main = gl.cdiv(main_tiles - pid, progs)
-        if j < n_main:
-            t = pid + j * progs
-            k0 = k_tiles * 0
-            k1 = k_tiles
-        else:
-            p = pid % parts
-            t = main_tiles + pid // parts
-            k0 = p * k_tiles // parts
-            k1 = (p + 1) * k_tiles // parts
+    def item_count(pid, progs, main_tiles, part):
+        """How many items program pid runs: its part of the K-split tail (``part``: 0 or 1), then
+        its whole tiles of the whole waves."""
+        return part + gl.cdiv(main_tiles - pid, progs)
+
+    @gluon.jit
+    def item(j, pid, progs, main_tiles, parts, k_tiles, part, KSPLIT: gl.constexpr):
+        """Program pid's item j: (tile, its K blocks [k0, k1)). With ``part`` set, item 0 is the
+        program's part of the K-split tail: tile main_tiles + pid // parts, its K range pid % parts
+        of parts. The other items are whole tiles of the whole waves: pid, pid + progs, ..."""
+        t = pid + (j - part) * progs
+        k0 = gl.to_tensor(0)
+        k1 = k_tiles
+        if KSPLIT:  # noqa: SIM102 (a compile-time test: launches without a tail compile no part)
+            if j < part:
+                p = pid % parts
+                t = main_tiles + pid // parts
+                k0 = p * k_tiles // parts
+                k1 = (p + 1) * k_tiles // parts
         return t, k0, k1
 
     @gluon.jit
     def loader(
         a_desc, b_desc, a_bufs, b_bufs, empty, ready, K, rows_per_shard, tiles_m, tiles_n, main_tiles,
-        tail_tiles, parts, shards, GROUP_M: gl.constexpr,
+        tail_tiles, parts, shards, GROUP_M: gl.constexpr, KSPLIT: gl.constexpr,
     ):  # fmt: skip
         """The program's items in order, each item's K blocks into the ring's next stages."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -213,9 +217,10 @@ def _kernel():
         k_tiles = gl.cdiv(K, BK)
         pid = gl.program_id(0)
         progs = gl.num_programs(0)
+        part = has_part(pid, tail_tiles, parts)
         i = 0
-        for j in range(item_count(pid, progs, main_tiles, tail_tiles, parts)):
-            t, k0, k1 = item(j, pid, progs, main_tiles, parts, k_tiles)
+        for j in range(item_count(pid, progs, main_tiles, part)):
+            t, k0, k1 = item(j, pid, progs, main_tiles, parts, k_tiles, part, KSPLIT)
             _lt, s, tm, tn = tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
             row0 = s * rows_per_shard + tm * BM
             for kk in range(k0, k1):
@@ -274,9 +279,10 @@ def _kernel():
         SIGNAL: gl.constexpr, KSPLIT: gl.constexpr,
     ):  # fmt: skip
         """Consumer ME of 2: the program's items ME, ME + 2, ... A whole tile is finished at once
-        (``finish``); a part of the K-split tail stores its float32 sum in the program's slot of
-        ``partial``, and the last of the tile's programs to arrive adds the tile's parts in order
-        (the same bits whoever is last) and finishes the tile."""
+        (``finish``); a part of the K-split tail (item 0) stores its float32 sum in the program's
+        slot of ``partial``, and the last of the tile's programs to arrive adds the tile's parts in
+        order (the same bits whoever is last) and finishes the tile, while the other consumer runs
+        item 1's main loop."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -287,13 +293,18 @@ def _kernel():
         k_tiles = gl.cdiv(K, BK)
         progs = gl.num_programs(0)
         pid = gl.program_id(0)
-        n_main = gl.cdiv(main_tiles - pid, progs)
-        for j in range(ME, item_count(pid, progs, main_tiles, tail_tiles, parts), 2):
+        part = has_part(pid, tail_tiles, parts)
+        p = pid % parts
+        part_blocks = ((p + 1) * k_tiles // parts - p * k_tiles // parts) * part
+        for j in range(ME, item_count(pid, progs, main_tiles, part), 2):
             if j > 0:  # the other consumer's main loop of item j - 1 is done
                 mbarrier.wait(turn.index(1 - ME), ((j - 1) // 2) & 1)
-            t, k0, k1 = item(j, pid, progs, main_tiles, parts, k_tiles)
+            t, k0, k1 = item(j, pid, progs, main_tiles, parts, k_tiles, part, KSPLIT)
+            # the ring's position: the items before j are the part (if any), then whole tiles
+            i0 = k_tiles * 0
+            if j > 0:
+                i0 = (j - part) * k_tiles + part_blocks
             acc = gl.zeros((BM, BN), gl.float32, acc_layout)
-            i0 = j * k_tiles  # the ring's position: the items before j are whole tiles
             for kk in range(k1 - k0):
                 i = i0 + kk
                 st = i % S
@@ -307,7 +318,7 @@ def _kernel():
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((i0 + k1 - k0 - 1) % S), count=1)
             mbarrier.arrive(turn.index(ME), count=1)  # the other consumer may start its next item
-            if not KSPLIT or j < n_main:  # (KSPLIT: a compile-time test, then a runtime one)
+            if not KSPLIT or j >= part:  # (KSPLIT: a compile-time test, then a runtime one)
                 finish(
                     acc, t, c_desc, c_smem, counters, unit_group, group_info, tiles_m, tiles_n, shards,
                     unit_tiles, GROUP_M, LAYOUT, SIGNAL,
@@ -362,7 +373,7 @@ def _kernel():
                             unit_group, group_info, arrive, partial, K, tiles_m, tiles_n, main_tiles,
                             tail_tiles, parts, shards, unit_tiles, 1, GROUP_M, LAYOUT, SIGNAL, KSPLIT)),
                 (loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, K, rows_per_shard, tiles_m,
-                          tiles_n, main_tiles, tail_tiles, parts, shards, GROUP_M)),
+                          tiles_n, main_tiles, tail_tiles, parts, shards, GROUP_M, KSPLIT)),
             ],
             [4, 1],  # the second consumer's warpgroup, the loader's warp
             [CONSUMER_REGS, LOADER_REGS],

@@ -199,7 +199,9 @@ def test_a_pingpong_calls_split_tail_runs_in_the_plain_kernels_launch(monkeypatc
     plan = _plan(m, n, k, PP)
     given = []
 
-    def stand_in(a, b, out, plan, tile, *, counters, unit_group, group_info, signal, tiles, parts):
+    def stand_in(
+        a, b, out, plan, tile, *, counters, unit_group, group_info, signal, tiles, parts, arrive, partial
+    ):
         given.append((tiles, parts))
         plain = dataclasses.replace(tile, pingpong=False)
         gemm.signalled_gemm(

@@ -136,6 +136,45 @@ def test_units_are_ready_when_the_kernel_signals_them():
     assert whole[124 + 8] == pytest.approx(2 / 3)  # program 8 of wave 1 has no tail tile
 
 
+def test_the_pingpong_kernels_units_are_ready_at_their_own_epilogue_and_its_k_split_tail_first():
+    """The ping-pong kernel signals each tile when its wave ends (no deferral). Its K-split tail
+    runs first: the tail tiles are ready after their part's share, and the whole tiles of the
+    programs that ran a part end that share later; the GEMM ends with them."""
+    from fo_kernels.plan import make_plan, tail_plan
+    from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
+    from fo_tune.model.profiles import last_wave_share
+    from fo_tune.model.triton import unit_ready_fractions
+
+    pp = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=5, pingpong=True)
+
+    def plan(m: int, n: int, k: int):
+        units = -(-m // 128) * -(-n // 128)
+        st = TritonSettings(tile=pp, sms_free=8, signal_tiles=1, groups=(units,), layout="row_band")
+        s = Schedule(
+            collective="all_reduce",
+            dtype="bfloat16",
+            world_size=1,
+            problem=Problem(m=m, n=n, k=k),
+            settings=st,
+        )
+        return make_plan(s, m, n, k, sm_count=132)
+
+    # 512 tiles on 124 programs: 4 whole waves, 16 tail tiles in 4 parts on programs 0-63
+    p = plan(2048, 4096, 4096)
+    tail = tail_plan(p.num_tiles, p.grid, pp, p.k, p.m * p.n * p.k)
+    assert (tail.main_tiles, tail.parts) == (496, 4)
+    share = last_wave_share(tail, 64)
+    length = 4 + share
+    got = unit_ready_fractions(p, pp)
+    assert got[500] == pytest.approx(share / length)  # a tail tile: after its parts
+    assert got[0] == pytest.approx((1 + share) / length)  # program 0 ran a part first
+    assert got[100] == pytest.approx(1 / length)  # program 100 did not
+    assert got[3 * 124] == 1.0 and got[3 * 124 + 123] == pytest.approx(4 / length)
+    # 2^34 multiply-adds: whole waves (no tail of its own), each tile ready when its wave ends
+    whole = unit_ready_fractions(plan(1024, 8192, 2048), pp)
+    assert whole[0] == pytest.approx(1 / 5) and whole[123] == pytest.approx(1 / 5) and whole[-1] == 1.0
+
+
 def test_the_triton_model_against_the_shipped_trials(model):
     rows = [c for c in check_files(REPORTS, model) if c.engine == "triton"]
     assert len(rows) > 300

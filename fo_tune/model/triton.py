@@ -6,9 +6,10 @@ For a ``TritonSettings`` schedule and a shape (``predict``), with the plan of ``
    the tile's wave model).
 2. Unit ``u`` is ready when the wave after the one holding its last tile ends (a tile is
    signalled at its program's next tile's epilogue): ``ready_u = T * (w_u + 2) / W``, or
-   ``T * (w_u + 1) / W`` where that wave's tiles have no next whole tile (program p
-   runs tiles p, p + G, ...; ``W`` waves, a split last wave counted as its share; ``T`` the GEMM
-   time under contention; a last partial wave split or shared out runs after the whole waves).
+   ``T * (w_u + 1) / W`` where that wave's tiles have no next whole tile or the ping-pong kernel
+   signals them (program p runs tiles p, p + G, ...; ``W`` waves, a split last wave counted as
+   its share; ``T`` the GEMM time under contention; a last partial wave split or shared out runs
+   after the whole waves, the ping-pong kernel's K-split tail before them: ``unit_ready_fractions``).
 3. Group ``g``'s collective: its chunk's bytes on the bandwidth curve of (collective, CTA cap).
    It starts at ``max(ready_g, end_{g-1}) + COMM_ISSUE_GAP_MS`` and, while the GEMM still runs,
    progresses ``1 / comm_slowdown`` as fast (interference table). Where the calibration saw NCCL
@@ -85,25 +86,38 @@ def with_groups(schedule: Schedule, groups: Sequence[int]) -> Schedule:
 
 
 def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
-    """Per signal unit: when it is complete, as a fraction of the GEMM's duration. The kernel
-    signals a tile at its program's next tile's epilogue (``KernelOptions.defer_signal``), so a
-    unit whose last wave's tiles have a next tile in the whole waves' loop is complete one wave
-    after that wave. Where the last, partial wave runs apart from that loop (the split tail, the
-    stream-K tail or the ping-pong kernel's K-split tail, ``fo_kernels.plan``; after it in the same
-    launch, or in a launch of its own),
-    the whole waves' last tiles have no next tile there and are signalled when their wave ends,
-    and the tail lasts its share of a wave (``last_wave_share``)."""
+    """Per signal unit: when it is complete, as a fraction of the GEMM's duration. The plain
+    kernel signals a tile at its program's next tile's epilogue (``KernelOptions.defer_signal``),
+    so a unit whose last wave's tiles have a next tile in the whole waves' loop is complete one
+    wave after that wave; the ping-pong kernel (``tile.pingpong``) signals each tile at its own
+    epilogue, when its wave ends. Where the last, partial wave runs after that loop (the split
+    tail or the stream-K tail, ``fo_kernels.plan``; after it in the same launch, or in a launch of
+    its own), the whole waves' last tiles have no next tile there and are signalled when their
+    wave ends, and the tail lasts its share of a wave (``last_wave_share``). The ping-pong
+    kernel's K-split tail runs first instead: its tiles are ready after their share, and the whole
+    tiles of the programs that ran a part end that share later."""
     waves = cdiv(plan.num_tiles, plan.grid)
     tail = tail_plan(plan.num_tiles, plan.grid, tile, plan.k, plan.m * plan.n * plan.k)
     main_tiles = tail.main_tiles
-    duration = waves - 1 + last_wave_share(tail, cdiv(plan.k, tile.block_k))
+    share = last_wave_share(tail, cdiv(plan.k, tile.block_k))
+    duration = waves - 1 + share
+    part_programs = (plan.num_tiles - main_tiles) * tail.parts  # programs [0, this) ran a part
     out = []
     for u in range(plan.num_units):
         first = u * plan.unit_tiles
         final = min(first + plan.unit_tiles, plan.num_tiles) - 1
+        if tail.parts:  # the K-split tail first, then the whole waves
+            last_whole = min(final, main_tiles - 1)
+            if last_whole < first:  # every tile of the unit is a tail tile
+                out.append(share / duration)
+                continue
+            wave = last_whole // plan.grid
+            lowest = max(first, wave * plan.grid) - wave * plan.grid  # its first program in that wave
+            out.append((wave + 1 + (share if lowest < part_programs else 0.0)) / duration)
+            continue
         wave = final // plan.grid
         # the unit's earliest tile in that wave: if it has a next tile, so do the later programs
-        deferred = max(first, wave * plan.grid) + plan.grid < main_tiles
+        deferred = not tile.pingpong and max(first, wave * plan.grid) + plan.grid < main_tiles
         done = wave + deferred  # the wave whose end completes the unit
         out.append((done + 1 if done < waves - 1 else duration) / duration)
     return out
