@@ -561,10 +561,10 @@ class KernelOptions:
     of a whole tile's. None: where the measured rule says it pays (it saves each program at least
     ``STREAM_K_MIN_SAVED_BLOCKS`` of a tile's K blocks); True: for every partial last wave; False:
     never. For a ping-pong tile (``Tile.pingpong``) it is the kernel's K-split tail instead
-    (``fo_kernels.plan.pingpong_parts``: each tail tile's K blocks in 2-4 parts, one program each),
-    which None runs, before the split tail, where its parts fit, save each program at least
-    ``PINGPONG_PART_COST_BLOCKS`` K blocks, and the call has ``SPLIT_MIN_MACS`` multiply-adds; True
-    wherever its parts fit. ``defer_signal``: each tile's signal is sent at the next tile's epilogue
+    (``fo_kernels.plan.pingpong_parts``: each tail tile's K blocks in 2-4 parts, one program each,
+    before its whole tiles), which None runs, before the split tail, where its parts fit and the
+    call has ``SPLIT_MIN_MACS`` multiply-adds; True wherever its parts fit.
+    ``defer_signal``: each tile's signal is sent at the next tile's epilogue
     (the last after the loop), so the release fence waits on stores issued a tile earlier instead
     of stalling the CTA on those just issued: +0-4% at full grid on 9 of 9 shapes (0.918 -> 0.959x
     cuBLAS at 8192x4096x2048); a group then completes up to one tile's time later (the last group

@@ -104,34 +104,24 @@ def stream_k_split(num_tiles: int, grid: int, k_tiles: int, force: bool = False)
 
 
 # The ping-pong kernel's K-split tail (``fo_kernels.gemm_pingpong``) cuts each tile of the last,
-# partial wave into at most this many K ranges, one program each; the last of a tile's programs
-# to finish reads the others' float32 parts (64 KB each for 128x128) alone, at one SM's bandwidth,
-# as the plain kernel's stream-K tail does (``STREAM_K_MAX_PARTS``).
+# partial wave into at most this many K ranges, one program each, run as the program's first item;
+# the last of a tile's programs to finish reads the others' float32 parts (64 KB each for 128x128)
+# alone while its other consumer runs a whole tile's main loop. Measured on one H200 (graphed;
+# docs/perf-notes.md, "Session 19: the K-split tail first"): 4 parts cost nothing beyond their K
+# blocks, 7 parts (16 tail tiles on 124 programs) 11-13% more than 4 at K = 2048-4096.
 PINGPONG_MAX_PARTS = 4
-# What the K-split tail costs beyond its parts' K blocks, in a tile's K blocks: the parts' float32
-# stores, the arrival, the last program's read of every part (its fix-up), the arrival counts'
-# memset. Measured on one H200 (graphed, against whole waves; docs/perf-notes.md, "Session 18:
-# the ping-pong kernel's K-split tail"): 12.4 us = 31 blocks at 3000x5120x6912 on 132 programs
-# (3 parts), 12.1 us = 31 blocks at 2048x4096x4096 on 124 (4 parts). It pays where it saves each
-# program more: it lost 2% where it saved 24 blocks (8192x4096x2048 on 120 programs) and gained
-# 1.5-5% on the 12 shape-grid pairs that save 42-173.
-PINGPONG_PART_COST_BLOCKS = 32
 
 
-def pingpong_parts(num_tiles: int, grid: int, k_tiles: int, force: bool = False) -> int:
+def pingpong_parts(num_tiles: int, grid: int, k_tiles: int) -> int:
     """K parts a tile of the ping-pong kernel's K-split tail (0: none): as many as fit the grid at
     one part a program, at most ``PINGPONG_MAX_PARTS`` and ``k_tiles`` (every part has a K block);
     none where the tiles fill whole waves, there is a single wave, or fewer than two parts fit (the
-    tail holds more than half the grid, where its wave of parts takes as long as a whole one), nor,
-    unless ``force``, where the K blocks each program saves, k_tiles x (1 - 1 / parts), are fewer
-    than ``PINGPONG_PART_COST_BLOCKS``."""
+    tail holds more than half the grid, where its wave of parts takes as long as a whole one)."""
     tail = num_tiles % grid
     if tail == 0 or num_tiles < grid:
         return 0
     parts = min(grid // tail, PINGPONG_MAX_PARTS, k_tiles)
-    if parts < 2 or (not force and k_tiles * (parts - 1) < PINGPONG_PART_COST_BLOCKS * parts):
-        return 0
-    return parts
+    return parts if parts >= 2 else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,14 +146,14 @@ def tail_plan(
 
     The plain kernel: the split tail first, unless stream-K is forced, else stream-K where its
     rule (or ``stream_k=True``) says. A ping-pong tile (``Tile.pingpong``): its K-split tail
-    (``pingpong_parts``) where the parts fit and, unless ``stream_k`` is True, save more than they
-    cost and the call has ``SPLIT_MIN_MACS`` multiply-adds (as the split tail); never where
-    ``stream_k`` is False or ``split_tail`` True. Else the split tail's pieces, in a launch of the
-    plain kernel after its whole waves."""
+    (``pingpong_parts``) where the parts fit and, unless ``stream_k`` is True, the call has
+    ``SPLIT_MIN_MACS`` multiply-adds (as the split tail); never where ``stream_k`` is False or
+    ``split_tail`` True. Else the split tail's pieces, in a launch of the plain kernel after its
+    whole waves."""
     k_tiles = cdiv(k, tile.block_k)
     if tile.pingpong:
         if stream_k is not False and split_tail is not True:
-            parts = pingpong_parts(num_tiles, grid, k_tiles, stream_k is True)
+            parts = pingpong_parts(num_tiles, grid, k_tiles)
             if parts and (stream_k is True or macs >= SPLIT_MIN_MACS):
                 return TailPlan((1, 1), num_tiles - num_tiles % grid, 0, parts)
         stream_k = False

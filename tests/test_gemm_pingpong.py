@@ -21,7 +21,6 @@ from fo_kernels.gemm import BOperand, signalled_gemm
 from fo_kernels.gemm_pingpong import pingpong_blocker
 from fo_kernels.plan import (
     PINGPONG_MAX_PARTS,
-    PINGPONG_PART_COST_BLOCKS,
     SPLIT_MIN_MACS,
     TailPlan,
     cdiv,
@@ -61,9 +60,8 @@ def test_a_pingpong_tile_round_trips_and_names_itself():
 
 def test_a_pingpong_tiles_last_partial_wave_is_its_k_split_tail_where_the_parts_fit():
     """Its kernel runs the tail tiles' K blocks in parts, one program each, as many parts as fit
-    the grid (at most PINGPONG_MAX_PARTS, and K blocks), where they save each program at least
-    PINGPONG_PART_COST_BLOCKS (else the split tail's pieces); stream_k=False or split_tail=True
-    take the split tail's pieces instead, stream_k=True the parts wherever they fit; small calls,
+    the grid (at most PINGPONG_MAX_PARTS, and K blocks); stream_k=False or split_tail=True take
+    the split tail's pieces instead, stream_k=True the parts in calls of any size; small calls,
     single waves and tails of more than half the grid run whole waves. Stream-K's K blocks a
     program (``share``) are the plain kernel's alone."""
     macs = SPLIT_MIN_MACS
@@ -71,10 +69,8 @@ def test_a_pingpong_tiles_last_partial_wave_is_its_k_split_tail_where_the_parts_
     assert tail_plan(960, 132, PP, 6912, macs, stream_k=False) == TailPlan((1, 2), 924, 0)  # halves
     assert tail_plan(960, 132, PP, 6912, macs, split_tail=True) == TailPlan((1, 2), 924, 0)
     assert tail_plan(256, 124, PP, 4096, macs) == TailPlan((1, 1), 248, 0, PINGPONG_MAX_PARTS)  # 8 tiles
-    assert tail_plan(256, 124, PP, 128, macs, stream_k=True) == TailPlan((1, 1), 248, 0, 2)  # 2 K blocks
-    # 8 tail tiles in quarters of 32 K blocks save each program 24, fewer than the parts cost
-    assert tail_plan(2048, 120, PP, 2048, macs) == TailPlan((2, 2), 2040, 0)
-    assert tail_plan(2048, 120, PP, 2048, macs, stream_k=True).parts == 4
+    assert tail_plan(256, 124, PP, 128, macs) == TailPlan((1, 1), 248, 0, 2)  # 2 K blocks: 2 parts
+    assert tail_plan(2048, 120, PP, 2048, macs) == TailPlan((1, 1), 2040, 0, 4)  # 8 tail tiles
     assert tail_plan(960, 132, PP, 6912, macs - 1) == TailPlan((1, 1), 960, 0)  # a small call: whole
     assert tail_plan(960, 132, PP, 6912, macs - 1, stream_k=True).parts == 3  # unless forced
     assert tail_plan(2048, 132, PP, 14336, macs) == TailPlan((1, 1), 2048, 0)  # 68 tail tiles: > half
@@ -89,17 +85,14 @@ def test_a_pingpong_tiles_last_partial_wave_is_its_k_split_tail_where_the_parts_
     [(960, 132, 108), (256, 124, 64), (512, 116, 16), (300, 132, 3), (7, 3, 5), (10, 4, 1)],
 )
 def test_pingpong_parts_put_one_part_on_a_program_and_cover_the_tail(num_tiles, grid, k_tiles):
-    """The K-split tail (forced: wherever it fits) fits one wave of parts (tail tiles x parts <=
-    grid), and each tile's parts, the K ranges [p * K / parts, (p + 1) * K / parts) the kernel
-    runs, cover its K blocks once, none of them empty; by its cost rule it runs only where each
-    program saves at least PINGPONG_PART_COST_BLOCKS."""
-    parts = pingpong_parts(num_tiles, grid, k_tiles, force=True)
-    by_rule = pingpong_parts(num_tiles, grid, k_tiles)
+    """The K-split tail fits one wave of parts (tail tiles x parts <= grid), and each tile's parts,
+    the K ranges [p * K / parts, (p + 1) * K / parts) the kernel runs, cover its K blocks once,
+    none of them empty."""
+    parts = pingpong_parts(num_tiles, grid, k_tiles)
     tail = num_tiles % grid
     if parts == 0:
-        assert by_rule == 0 and (tail == 0 or num_tiles < grid or 2 * tail > grid or k_tiles < 2)
+        assert tail == 0 or num_tiles < grid or 2 * tail > grid or k_tiles < 2
         return
-    assert by_rule == (parts if k_tiles * (1 - 1 / parts) >= PINGPONG_PART_COST_BLOCKS else 0)
     assert 2 <= parts <= PINGPONG_MAX_PARTS and tail * parts <= grid
     ranges = [(p * k_tiles // parts, (p + 1) * k_tiles // parts) for p in range(parts)]
     assert all(k0 < k1 for k0, k1 in ranges)

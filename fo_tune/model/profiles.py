@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fo_kernels.plan import PINGPONG_PART_COST_BLOCKS, TailPlan, cdiv, tail_plan
+from fo_kernels.plan import TailPlan, cdiv, tail_plan
 from fo_kernels.schedule import Tile
 
 from ..calibration import BandwidthPoint, Calibration, CalibrationError, GemmPoint, InterferencePoint
@@ -61,13 +61,13 @@ def last_wave_share(tail: TailPlan, k_tiles: int) -> float:
     """The last, partial wave of ``signalled_gemm`` as a share of a whole wave's time, as the kernel
     runs it by default (``tail``: ``fo_kernels.plan.tail_plan``'s choice; ``k_tiles``: K blocks of
     a tile): its pieces' share where it splits the wave, its programs' share of K blocks plus
-    ``STREAM_K_OVERHEAD_BLOCKS`` where stream-K shares it out, a part's K blocks plus
-    ``PINGPONG_PART_COST_BLOCKS`` where the ping-pong kernel's K-split tail runs it, else 1 (a
-    whole wave, or none)."""
+    ``STREAM_K_OVERHEAD_BLOCKS`` where stream-K shares it out, a part's K blocks where the
+    ping-pong kernel's K-split tail runs it (first: the rest of its cost runs beside the
+    program's first whole tile), else 1 (a whole wave, or none)."""
     if tail.split != (1, 1):
         return SPLIT_WAVE_SHARE[tail.split[0] * tail.split[1]]
     if tail.parts:
-        return min(1.0, (k_tiles / tail.parts + PINGPONG_PART_COST_BLOCKS) / k_tiles)
+        return cdiv(k_tiles, tail.parts) / k_tiles
     if tail.share:
         return min(1.0, (tail.share + STREAM_K_OVERHEAD_BLOCKS) / k_tiles)
     return 1.0
