@@ -14,7 +14,8 @@
 #                                           # shared out always (stream-K, its runs in order or
 #                                           # aligned, aligned and fused), with TMA-store
 #                                           # epilogues, and the ping-pong kernel with its split
-#                                           # tail, its K-split tail, without, forced: one
+#                                           # tail, its K-split tail, without, forced (up
+#                                           # to 4 parts a tile, or 8): one
 #                                           # interleaved timing with cuBLAS per
 #                                           # shape and grid (r = 0, 8, 12, 16), ten shapes (or
 #                                           # AB_SHAPES=2048x4096x4096,8192x4096x2048; AB_VARIANTS
