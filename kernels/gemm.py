@@ -612,7 +612,9 @@ SPLIT_WARPS = 4
 DEFAULT_OPTIONS = KernelOptions()
 
 
-def _tail_buffers(a: torch.Tensor, tile: Tile, grid: int, tail: TailPlan, num_tiles: int) -> tuple:
+def _tail_buffers(
+    a: torch.Tensor, tile: Tile, grid: int, tail: TailPlan, num_tiles: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(arrive, partial, stream-K programs) of the last partial wave ``tail`` runs apart from the
     whole waves: a zeroed arrival count per tail tile (the split tail's pieces, the stream-K tail's
     or the ping-pong kernel's K-split tail's parts arrive on it), float32 tile slots for the parts

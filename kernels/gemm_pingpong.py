@@ -27,7 +27,7 @@ first item, the last of them to arrive adding the float32 parts and finishing th
 program's other consumer runs its first whole tile (so the fix-up is off the critical path); else
 ``fo_kernels.gemm.signalled_gemm`` runs a split tail after it in the plain kernel. Measured:
 ``docs/perf-notes.md``, "The product kernel (``fo_kernels.gemm_pingpong``, ``Tile.pingpong``)",
-"Session 18: the ping-pong kernel's K-split tail" and "Session 19: the K-split tail first".
+"The K-split tail in the ping-pong kernel" and "The K-split tail run first".
 
 ``pingpong_blocker`` says why a call cannot use it (the caller then runs the plain kernel); the
 kernel is defined on first use, so importing this module needs no Gluon.

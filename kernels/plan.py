@@ -107,7 +107,7 @@ def stream_k_split(num_tiles: int, grid: int, k_tiles: int, force: bool = False)
 # partial wave into at most this many K ranges, one program each, run as the program's first item;
 # the last of a tile's programs to finish reads the others' float32 parts (64 KB each for 128x128)
 # alone while its other consumer runs a whole tile's main loop. Measured on one H200 (graphed;
-# docs/perf-notes.md, "Session 19: the K-split tail first"): up to 4 parts cost nothing beyond
+# docs/perf-notes.md, "The K-split tail run first"): up to 4 parts cost nothing beyond
 # their K blocks; 7-8 parts (8-16 tail tiles on 120-124 programs) cost 7-13% more than 4 at
 # K = 2048-4096, where the last program's read of them outlasts the other consumer's main loop.
 PINGPONG_MAX_PARTS = 4
