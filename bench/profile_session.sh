@@ -23,8 +23,8 @@
 #                                           # sample's calls from a CUDA graph)
 #   bash bench/profile_session.sh last      # the visibility test, the profile, the other GPU tests
 #   bash bench/profile_session.sh profile   # fo-tune's profile (fo_tune.calibrate.profile_shape and
-#                                           # confirm_grids, as `fo-tune profile`: each grid's best
-#                                           # re-timed side by side) of the suite and five public TP=2
+#                                           # confirm_grids, as `fo-tune profile`: each grid's three
+#                                           # fastest re-timed side by side) of the suite and five public TP=2
 #                                           # layer shapes with search_spaces/hopper.yaml's tiles at
 #                                           # r = 0, 8, 12, 16 (no tests: device_session.sh
 #                                           # gpu1-tests runs them; PROFILE_SHAPES names a subset;
@@ -299,7 +299,7 @@ def main():
             csv_path = write_profile_csv(
                 points, Path("/tmp/prof/profiles") / key / f"{m}x{n}x{k}-bfloat16.csv", key, timing_name(graphs)
             )
-            grids = confirm_grids(pool, points, "bfloat16", graphs=graphs)  # each grid's best, side by side
+            grids = confirm_grids(pool, points, "bfloat16", graphs=graphs)  # each grid's fastest three, side by side
             write_grids_csv(grids, grids_path(csv_path), key)
             subprocess.run(["tar", "-C", "/tmp/prof", "-czf", str(out_dir / "profiles.tgz"), "profiles"], check=True)
             ok = [p for p in points if p.status == "ok"]
@@ -310,7 +310,7 @@ def main():
                 if best[r] is not None:
                     line += f"; r={r} {best[r].time_ms / b0.time_ms / (b0.grid / best[r].grid):.3f}"
             print(line, f"({len(points) - len(ok)} skipped, {timing_name(graphs)}); side by side: "
-                  + ", ".join(f"r={g.sms_free} {g.over_share:.3f}" for g in grids[1:])
+                  + ", ".join(f"r={g.sms_free} {g.over_share:.3f} ({g.tile})" for g in grids[1:])
                   + (f", r=0 {grids[0].cublas_ms / grids[0].time_ms:.3f}x cuBLAS" if grids else ""))
 
 

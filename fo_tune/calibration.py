@@ -140,11 +140,11 @@ class GemmPoint:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GridBest:
-    """The fastest profiled config of one grid, re-timed beside those of the other grids and cuBLAS
-    in one run (``fo_tune.calibrate.confirm_grids``): ``time_ms`` and ``cublas_ms`` are that run's
-    medians (max over ranks), ``over_share`` its time over the full grid's best, divided by the SM
-    share ``grid_0 / grid`` (1.0 at full grid; above 1, the grid costs more than the SMs it gives
-    up)."""
+    """The fastest config of one grid among its ``candidates`` fastest profiled ones, all re-timed
+    beside the other grids' and cuBLAS in one run (``fo_tune.calibrate.confirm_grids``): ``time_ms``
+    and ``cublas_ms`` are that run's medians (max over ranks), ``over_share`` its time over the full
+    grid's best in that run, divided by the SM share ``grid_0 / grid`` (1.0 at full grid; above 1,
+    the grid costs more than the SMs it gives up)."""
 
     m: int
     n: int
@@ -157,6 +157,7 @@ class GridBest:
     over_share: float
     rel_err: float
     timing: str  # how the samples ran: timing_name(graphs)
+    candidates: int = 1  # how many of the grid's profiled configs the run timed
 
 
 def timing_name(graphs: bool) -> str:

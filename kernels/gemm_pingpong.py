@@ -164,6 +164,10 @@ def _kernel():
 
     # A partition's barrier (its warps' named barrier): Triton 3.6 calls it thread_barrier, 3.7 barrier.
     barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    # The TMA copies: Triton 3.6 and 3.7 call them async_copy_global_to_shared and
+    # async_copy_shared_to_global; 3.9 renames them async_load and async_store (the old names raise).
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @gluon.jit
     def tile_pos(t, shards, tiles_m, tiles_n, GROUP_M: gl.constexpr):
@@ -227,8 +231,8 @@ def _kernel():
                 st = i % S
                 mbarrier.wait(empty.index(st), ((i // S) & 1) ^ 1)  # a stage's first use passes at once
                 mbarrier.expect(ready.index(st), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [row0, kk * BK], ready.index(st), a_bufs.index(st))
-                tma.async_copy_global_to_shared(b_desc, [tn * BN, kk * BK], ready.index(st), b_bufs.index(st))
+                tma_load(a_desc, [row0, kk * BK], ready.index(st), a_bufs.index(st))
+                tma_load(b_desc, [tn * BN, kk * BK], ready.index(st), b_bufs.index(st))
                 i += 1
 
     @gluon.jit
@@ -262,10 +266,10 @@ def _kernel():
         fence_async_shared()
         if LAYOUT == 1:
             slot = shards * base + s * span + (lt - base)
-            tma.async_copy_shared_to_global(c_desc, [slot * BM, 0], c_smem)
+            tma_store(c_desc, [slot * BM, 0], c_smem)
         else:
             dst_row0 = shards * base + s * span + (tm * BM - base)
-            tma.async_copy_shared_to_global(c_desc, [dst_row0, tn * BN], c_smem)
+            tma_store(c_desc, [dst_row0, tn * BN], c_smem)
         if SIGNAL:
             stores_written()
             barrier()
@@ -294,8 +298,8 @@ def _kernel():
         progs = gl.num_programs(0)
         pid = gl.program_id(0)
         part = has_part(pid, tail_tiles, parts)
-        p = pid % parts
-        part_blocks = ((p + 1) * k_tiles // parts - p * k_tiles // parts) * part
+        _t, pk0, pk1 = item(0, pid, progs, main_tiles, parts, k_tiles, part, KSPLIT)
+        part_blocks = (pk1 - pk0) * part  # the ring stages item 0 takes when it is a part
         for j in range(ME, item_count(pid, progs, main_tiles, part), 2):
             if j > 0:  # the other consumer's main loop of item j - 1 is done
                 mbarrier.wait(turn.index(1 - ME), ((j - 1) // 2) & 1)

@@ -41,12 +41,12 @@ class _HopperTarget:
 
 
 def _release_atomics_after_written_stores(ptx: list[str]) -> list[bool]:
-    """For each release increment: whether the last bulk (TMA) store before it is followed by
-    ``cp.async.bulk.wait_group 0`` (not ``.read``), ``fence.proxy.async.global`` and a barrier,
-    in that order, before the increment."""
+    """For each release increment (``atom``, or ``red`` where Triton 3.9 drops the unused result):
+    whether the last bulk (TMA) store before it is followed by ``cp.async.bulk.wait_group 0`` (not
+    ``.read``), ``fence.proxy.async.global`` and a barrier, in that order, before the increment."""
     verdicts = []
     for i, line in enumerate(ptx):
-        if not re.search(r"\batom\.global\.gpu\.release\.add", line):
+        if not re.search(r"\b(atom|red)\.global\.gpu\.release\.add", line):  # red: its result unused
             continue
         stores = [j for j in range(i) if "cp.async.bulk.tensor" in ptx[j] and ".global.shared" in ptx[j]]
         if not stores:
@@ -108,14 +108,21 @@ def main(bm: int, bn: int, bk: int, stages: int, layout: int, signal: bool, kspl
         grid=(1,), num_warps=4, maxnreg=pp.MAXNREG,
     )  # fmt: skip
     ptx = compiled.asm["ptx"]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    # Triton's own ptxas builds; the first that takes this PTX version (Triton 3.9 writes PTX that
+    # only its newer ptxas-blackwell reads, for sm_90a too).
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        report = subprocess.run(
-            [str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
-            capture_output=True, text=True, check=True,
-        ).stderr  # fmt: skip
+        for ptxas in [p for p in (bin_dir / "ptxas", bin_dir / "ptxas-blackwell") if p.exists()]:
+            run = subprocess.run(
+                [str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            if run.returncode == 0 or "Unsupported .version" not in run.stderr:
+                break
+        run.check_returncode()
+        report = run.stderr
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
     return {
         "release_atomics": _release_atomics_after_written_stores(ptx.splitlines()),

@@ -256,13 +256,16 @@ def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
     assert all(float(r["cublas_ms"]) > 0 for r in rows)
     assert {r["device_key"] for r in rows} == {current_fingerprint("cpu", 1).device_key}
     assert "cuBLAS" in result.stdout and str(out) in result.stdout.replace("\n", "")
-    # the fastest config of each grid, re-timed side by side, next to the profile
+    # each grid's fastest of its three best, re-timed side by side, next to the profile
     header, grids = read_csv(tmp_path / "p" / "profile-grids.csv")
     assert header[:6] == ["m", "n", "k", "sms_free", "grid", "tile"] and header[-1] == "device_key"
     assert [int(g["sms_free"]) for g in grids] == [0, 2] and {g["timing"] for g in grids} == {"eager"}
     for g in grids:
-        best = min((r for r in rows if r["sms_free"] == g["sms_free"]), key=lambda r: float(r["time_ms"]))
-        assert g["tile"] == best["tile"] and g["grid"] == best["grid"]
+        ranked = sorted(
+            (r for r in rows if r["sms_free"] == g["sms_free"]), key=lambda r: float(r["time_ms"])
+        )
+        assert int(g["candidates"]) == min(3, len(ranked)) and g["grid"] == ranked[0]["grid"]
+        assert g["tile"] in [r["tile"] for r in ranked[:3]]
         assert float(g["time_ms"]) > 0 and float(g["cublas_ms"]) > 0 and float(g["rel_err"]) < 1e-2  # bf16
     full, reduced = grids
     assert float(full["over_share"]) == 1.0
@@ -406,6 +409,48 @@ def test_grids_are_confirmed_only_beside_a_measured_full_grid():
     assert _gemm_point(1.0).tile_config() == Tile(
         block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1
     )
+
+
+def test_each_grid_keeps_the_fastest_of_its_candidates_timed_side_by_side():
+    """The profile only nominates: each grid's three fastest profiled configs (no more) and cuBLAS
+    are timed again in one run, and each grid keeps the fastest of its own in that run, whatever the
+    profile ranked first; the SM share compares the reduced grid's pick with the full grid's."""
+    from fo_tune.calibrate import CONFIRM_CANDIDATES, CONFIRM_ROUNDS, confirm_grids
+    from fo_tune.timing import Timing
+
+    def point(group_m: int, sms_free: int, profiled: float) -> GemmPoint:
+        return replace(_gemm_point(profiled), tile=f"gm{group_m}", group_m=group_m, sms_free=sms_free)
+
+    # (group_m, sms_free) -> (profiled ms, re-timed ms): the profile's order is not the run's
+    times = {(2, 0): (1.0, 1.3), (3, 0): (1.1, 1.0), (4, 0): (1.2, 1.2), (5, 0): (1.3, 0.1),
+             (6, 2): (2.0, 2.4), (7, 2): (2.5, 2.1)}  # fmt: skip
+    points = [point(gm, r, prof) for (gm, r), (prof, _) in times.items()]
+    points.append(replace(point(8, 2, 0.5), status="skipped: OutOfResources"))
+
+    class Pool:  # the pool's interface: run(task) -> one result per rank
+        def __init__(self) -> None:
+            self.tasks: list = []
+
+        def run(self, task):
+            self.tasks.append(task)
+            rows = [
+                dict(grid=4 - r, rel_err=0.001 * t.group_m, timing=Timing(times[(t.group_m, r)][1], 0.0, 3))
+                for t, r in task.configs
+            ]
+            return [{"rows": rows, "cublas": Timing(0.9, 0.0, 3)}]
+
+    pool = Pool()
+    rows = confirm_grids(pool, points, "float32")
+    (task,) = pool.tasks
+    assert CONFIRM_CANDIDATES == 3 and task.reps == CONFIRM_ROUNDS
+    assert [(t.group_m, r) for t, r in task.configs] == [(2, 0), (3, 0), (4, 0), (6, 2), (7, 2)]
+    assert [(g.sms_free, g.tile, g.candidates) for g in rows] == [(0, "gm3", 3), (2, "gm7", 2)]
+    assert [g.time_ms for g in rows] == [1.0, 2.1] and {g.cublas_ms for g in rows} == {0.9}
+    assert rows[0].over_share == 1.0 and rows[1].over_share == pytest.approx(2.1 / 1.0 / (4 / 2))
+    assert [g.rel_err for g in rows] == [0.003, 0.007]
+    assert [g.tile for g in confirm_grids(Pool(), points, "float32", candidates=1)] == ["gm2", "gm6"]
+    with pytest.raises(ValueError, match="candidates must be >= 1"):
+        confirm_grids(Pool(), points, "float32", candidates=0)
 
 
 @pytest.mark.parametrize("task", ["grids", "profile"])

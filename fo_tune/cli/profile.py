@@ -40,11 +40,12 @@ HELP = "\n\n".join(
         "Writes a CSV sorted by time (skipped configs last; columns as gemm_profile.csv of "
         "`fo-tune calibrate`, with cublas_ms on every row, and timing) to --out, default "
         "results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv, and prints the ranking.",
-        "Then the fastest config of each grid is timed again, all of them and cuBLAS side by side in "
-        "one run, so that a reduced grid's cost over its share of SMs (its time over the full grid's "
-        "best, divided by grid_0 / grid) is read off one clock: printed, and written next to the "
-        "profile as <M>x<N>x<K>-<dtype>-grids.csv. Ratios across the ranking's rows compare "
-        "different runs and move with the card's drift.",
+        "Then the three fastest configs of each grid are timed again, all of them and cuBLAS side by "
+        "side in one run, and each grid keeps the fastest of its own there, so that a reduced grid's "
+        "cost over its share of SMs (its time over the full grid's best, divided by grid_0 / grid) is "
+        "read off one clock: printed, and written next to the profile as "
+        "<M>x<N>x<K>-<dtype>-grids.csv (its candidates column: how many configs of the grid ran). "
+        "Ratios across the ranking's rows compare different runs and move with the card's drift.",
         "--timing graphs (the default on GPUs) captures each sample's calls into one CUDA graph and "
         "replays it, for cuBLAS and the GEMM alike: the GPU's own time, where a call's host time "
         "(Triton's launch path: ~0.08 ms a call on an H200's host) would otherwise bound a short "
@@ -132,7 +133,7 @@ def _print_ranking(points, shape: str, device_key: str, path: Path) -> None:
 
 def _print_grids(rows, shape: str, path: Path) -> None:
     table = summary_table(
-        f"{shape}: the best config of each grid, timed side by side in one run",
+        f"{shape}: each grid's fastest of its best profiled configs, timed side by side in one run",
         ["r", "grid", "tile", "ms", "cuBLAS/ours", "over SM share"],
         2,
     )
