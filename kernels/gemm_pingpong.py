@@ -276,6 +276,23 @@ def _kernel():
             gl.atomic_add(counters + g, 1, sem="release", scope="gpu")
 
     @gluon.jit
+    def part_sum(partial, slot0, count, BM: gl.constexpr, BN: gl.constexpr):
+        """The float32 sum of ``count`` parts in slots slot0, slot0 + 1, ... of ``partial``, added
+        in slot order, each part read a warp's row at a time: coalesced, where the accumulator's
+        layout reads 8-byte pieces of many rows (a 4-part sum took 27 us in it, 19 us so, against
+        the other consumer's 22 us main loop: docs/perf-notes.md, "The fix-up's reads")."""
+        layout: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, 4], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0]
+        )
+        rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+        in_tile = gl.expand_dims(rows, 1) * BN + gl.expand_dims(cols, 0)
+        total = gl.zeros((BM, BN), gl.float32, layout)
+        for q in range(count):
+            total += gl.load(partial + (slot0 + q).to(gl.int64) * (BM * BN) + in_tile, cache_modifier=".cg")
+        return total
+
+    @gluon.jit
     def consumer(
         a_desc, b_desc, c_desc, a_bufs, b_bufs, c_smem, empty, ready, turn, counters, unit_group,
         group_info, arrive, partial, K, tiles_m, tiles_n, main_tiles, tail_tiles, parts, shards,
@@ -335,12 +352,8 @@ def _kernel():
                 barrier()  # every thread's part is stored before the arrival's release
                 arrived = gl.atomic_add(arrive + (t - main_tiles), 1, sem="acq_rel", scope="gpu")
                 if arrived == parts - 1:  # every part is written: add them in slot order
-                    first = pid - pid % parts
-                    total = gl.zeros((BM, BN), gl.float32, acc_layout)
-                    for q in range(parts):  # its own part too: acc is dead after its store
-                        total += gl.load(
-                            partial + (first + q).to(gl.int64) * (BM * BN) + in_tile, cache_modifier=".cg"
-                        )
+                    # its own part too (acc is dead after its store)
+                    total = part_sum(partial, pid - pid % parts, parts, BM, BN)
                     finish(
                         total, t, c_desc, c_smem, counters, unit_group, group_info, tiles_m, tiles_n,
                         shards, unit_tiles, GROUP_M, LAYOUT, SIGNAL,

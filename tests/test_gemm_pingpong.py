@@ -162,7 +162,7 @@ def test_the_compiled_kernel_signals_each_tile_after_its_stores_are_written(
     release increment, as ordered) and its arrival, after a barrier behind the part's stores;
     without it, no arrival is compiled. setmaxnreg splits the registers, nothing spills and the
     ring and both epilogue buffers fit Hopper's shared memory. (The K-split fix-up of a 64x256
-    tile spills 48 bytes of its per-element offsets, outside the main loop; that tile is not in
+    tile spills 88 bytes of its per-element offsets, outside the main loop; that tile is not in
     the search space.)"""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     script = Path(__file__).with_name("pingpong_ptx.py")
