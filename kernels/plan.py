@@ -38,13 +38,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# The split tail's pieces (``fo_kernels.gemm``) are at least this many rows and columns (a forced
+# The split tail's pieces (``fo_kernels.gemm.tail``) are at least this many rows and columns (a forced
 # split goes down to MIN_BLOCK): the measured pieces are 128x128 and 64x128 of 128x256 tiles
 # (docs/perf-notes.md, "The split tail").
 SPLIT_MIN_BLOCK = 64
 # The split tail costs host time (its pieces' descriptors and arrival counts): calls of fewer
 # multiply-adds than this (2^35, ~45 us of H200 work) are not split. Measured in the whole waves'
-# launch (``KernelOptions.fuse_tail``) against the whole waves, 2048x4096x4096 (2^35) on 124 / 120 /
+# launch (the split tail fused into it) against the whole waves, 2048x4096x4096 (2^35) on 124 / 120 /
 # 116 programs: -6, +17, +16% issued eagerly back to back, +20, +18, +20% replayed from CUDA graphs
 # (the GPU's own time); 8192x4096x2048 (2^36): +3, +1% eager, +2, +2, -4% graphed; from
 # 4096x8192x4096 (2^37) up the split gained up to 6%. In a launch of its own the split made the two
@@ -103,7 +103,7 @@ def stream_k_split(num_tiles: int, grid: int, k_tiles: int, force: bool = False)
     return num_tiles - tail, share
 
 
-# The ping-pong kernel's K-split tail (``fo_kernels.gemm_pingpong``) cuts each tile of the last,
+# The ping-pong kernel's K-split tail (``fo_kernels.gemm.pingpong``) cuts each tile of the last,
 # partial wave into at most this many K ranges, one program each, run as the program's first item;
 # the last of a tile's programs to finish reads the others' float32 parts (64 KB each for 128x128)
 # alone while its other consumer runs a whole tile's main loop. Measured on one H200 (graphed;

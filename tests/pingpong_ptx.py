@@ -1,4 +1,4 @@
-"""Compile ``fo_kernels.gemm_pingpong``'s kernel for sm_90a on a machine without a GPU and print,
+"""Compile ``fo_kernels.gemm.pingpong``'s kernel for sm_90a on a machine without a GPU and print,
 as JSON, what the tests check in its PTX and ptxas's report (``tests/test_gemm_pingpong.py`` runs
 this in a process of its own: it replaces Triton's active driver with one that names an H100/H200
 target).
@@ -89,7 +89,7 @@ def main(bm: int, bn: int, bk: int, stages: int, layout: int, signal: bool, kspl
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from fo_kernels import gemm_pingpong as pp
+    from fo_kernels.gemm import pingpong as pp
 
     def desc(shape: tuple[int, int], block: list[int]) -> object:
         t = torch.empty(shape, dtype=torch.bfloat16)

@@ -14,16 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fo_kernels.errors import ScheduleError
 from fo_kernels.gemm import (
     DEFAULT_OPTIONS,
     BOperand,
     KernelOptions,
-    _sk_step,
     restore_tile_major,
     signalled_gemm,
     tma_usable,
 )
+from fo_kernels.gemm.tail import _sk_step
 from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import (
     SPLIT_MIN_MACS,
@@ -122,32 +121,30 @@ def test_gemm_matches_matmul(collective, layout, dtype, kmajor):
             assert err < TOL[dtype], f"{m}x{n}x{k}: relative error {err:.2e}"
 
 
+NARROW = Tile(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
+
+
 @pytest.mark.parametrize(
-    "options",
+    "options, tile",
     [
-        KernelOptions(tma_store=True, stream_k=True),
-        KernelOptions(subtile=1, stream_k=True),
-        KernelOptions(stream_k=True, stream_k_aligned=True),
-        KernelOptions(stream_k=True, fuse_tail=True, tma_store=True),
-        KernelOptions(defer_signal=False, stream_k=False),
-        KernelOptions(flatten=False, subtile=4),
+        (KernelOptions(stream_k=True), TILE),
+        (KernelOptions(stream_k=False, split_tail=False), TILE),
+        (DEFAULT_OPTIONS, NARROW),
     ],
-    ids=[
-        "tma_store_stream_k",
-        "subtile1_stream_k",
-        "stream_k_aligned",
-        "stream_k_fused_tma_store",
-        "signal_at_once_no_stream_k",
-        "loop_per_tile_subtile4",
-    ],
+    ids=["stream_k", "whole_last_wave", "one_epilogue_piece"],
 )
-def test_kernel_options_match_matmul(options):
-    """The kernel's other build options on both layouts (the default is in the test above)."""
+def test_tails_and_epilogues_match_matmul(options, tile):
+    """Forced stream-K, the last partial wave left whole, and a tile too narrow to store in two
+    column pieces, on both layouts and collectives (fp32, TMA-aligned: the flattened loop)."""
     gen = torch.Generator().manual_seed(3)
     for collective, layout in itertools.product(["all_reduce", "reduce_scatter"], ["row_band", "tile_major"]):
-        m, n, k = (256, 130, 40) if collective == "reduce_scatter" else (130, 66, 40)
+        m, n, k = (250, 60, 48) if collective == "reduce_scatter" else (115, 60, 48)
         a, b = _operands(m, n, k, torch.float32, True, gen)
-        got = run_and_reassemble(_schedule(collective, 2, m, n, k, layout, 1, 3), a, b, options)
+        assert tma_usable(a, BOperand.of(b))
+        s = _schedule(collective, 2, m, n, k, layout, 1, 3, tile)
+        plan = make_plan(s, m, n, k, sm_count=3)
+        assert plan.num_tiles % plan.grid  # a last partial wave
+        got = run_and_reassemble(s, a, b, options, tile=tile)
         ref = a.double() @ b.double()
         assert not got.isnan().any()
         assert ((got.double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
@@ -157,32 +154,34 @@ def test_kernel_options_match_matmul(options):
     "collective, layout",
     list(itertools.product(["all_reduce", "reduce_scatter"], ["row_band", "tile_major"])),
 )
-@pytest.mark.parametrize("block_m", [16, 32], ids=["halves", "quarters"])
-@pytest.mark.parametrize("fuse", [False, True], ids=["own_launch", "fused"])
-def test_split_tail_matches_matmul(collective, layout, block_m, fuse):
+@pytest.mark.parametrize(
+    "block_m, want, fused",
+    [(16, (1, 2), True), (32, (2, 2), True), (32, (1, 2), False)],
+    ids=["halves_fused", "quarters_fused", "halves_own_launch"],
+)
+def test_split_tail_matches_matmul(collective, layout, block_m, want, fused):
     """The last partial wave cut into pieces (``KernelOptions(split_tail=True)``): 16x32 tiles into
-    two 16x16 halves (TMA loads), 32x32 tiles into four 16x16 quarters (masked pointer loads: B's
-    rows of 98 floats are not 16-byte aligned), on odd shapes (rows and columns past the edge),
-    both layouts, in a launch of their own or in the whole waves' (``fuse_tail``: the pieces fit
-    the grid); each group's counter ends at its tile count (one signal a tile, sent by its last
-    piece)."""
+    two 16x16 halves (TMA loads), 32x32 tiles into four 16x16 quarters or two 32x16 halves (masked
+    pointer loads: B's rows of 98 floats are not 16-byte aligned), on odd shapes (rows and columns
+    past the edge), both layouts, in the whole waves' launch where the pieces fit the grid, else
+    (a forced split's halves outnumbering the programs) in a launch of their own; each group's
+    counter ends at its tile count (one signal a tile, sent by its last piece)."""
     tile = Tile(block_m=block_m, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
     gen = torch.Generator().manual_seed(block_m)
     m, n, k = (260, 98, 40) if collective == "reduce_scatter" else (130, 98, 40)
-    a, b = _operands(m, n, k, torch.float32, block_m == 16, gen)  # quarters: B's rows unaligned
+    a, b = _operands(m, n, k, torch.float32, block_m == 16, gen)  # 32 rows: B's rows unaligned
     assert tma_usable(a, BOperand.of(b)) == (block_m == 16)
     s = _schedule(collective, 2, m, n, k, layout, 1, 3, tile)
-    want = (1, 2) if block_m == 16 else (2, 2)
-    pieces = 2 if block_m == 16 else 4
+    pieces = want[0] * want[1]
     sms = next(
         c
         for c in range(3, 64)
         if tail_split(num := make_plan(s, m, n, k, sm_count=c).num_tiles, c, tile, True) == want
-        and num % c * pieces <= c
+        and (num % c * pieces <= c) == fused
     )
     plan = make_plan(s, m, n, k, sm_count=sms)
     assert plan.num_tiles % plan.grid and plan.num_tiles > plan.grid  # a partial last wave
-    options = KernelOptions(split_tail=True, fuse_tail=fuse)
+    options = KernelOptions(split_tail=True)
     got = run_and_reassemble(s, a, b, options, tile=tile, sm_count=sms)
     ref = a.double() @ b.double()
     assert not got.isnan().any()
@@ -190,20 +189,20 @@ def test_split_tail_matches_matmul(collective, layout, block_m, fuse):
 
 
 @triton.jit
-def _sk_steps_kernel(out, sk_iters, tail_iters, k_tiles, ALIGN: tl.constexpr):
+def _sk_steps_kernel(out, sk_iters, tail_iters, k_tiles):
     """Every program's two stream-K steps as the tail kernel takes them (``_sk_step``), 7 ints each."""
     pid = tl.program_id(0)
     for j in tl.static_range(2):
-        step = _sk_step(pid, j, sk_iters, tail_iters, k_tiles, ALIGN)
+        step = _sk_step(pid, j, sk_iters, tail_iters, k_tiles)
         for f in tl.static_range(7):
             tl.store(out + (pid * 2 + j) * 7 + f, step[f].to(tl.int32))
 
 
-def _sk_runs(tail: int, k_tiles: int, share: int, align: bool) -> list[list[tuple[int, int, int]]]:
+def _sk_runs(tail: int, k_tiles: int, share: int) -> list[list[tuple[int, int, int]]]:
     """Per program, its K blocks in the order it reads them: (tail tile, K block, slot)."""
     programs = cdiv(tail * k_tiles, share)
     got = torch.full((programs * 2 * 7,), -1, dtype=torch.int32)
-    _sk_steps_kernel[(programs,)](got, share, tail * k_tiles, k_tiles, ALIGN=align)
+    _sk_steps_kernel[(programs,)](got, share, tail * k_tiles, k_tiles)
     runs = []
     for p in range(programs):
         run = []
@@ -219,54 +218,44 @@ def _sk_runs(tail: int, k_tiles: int, share: int, align: bool) -> list[list[tupl
     "tail, k_tiles, share", [(3, 10, 6), (84, 108, 69), (100, 64, 49), (8, 64, 16), (5, 7, 7), (3, 12, 9)]
 )
 def test_stream_k_runs_cover_the_tail_once(tail, k_tiles, share):
-    """Both orders read every tail tile's K blocks once, each run within at most two tiles, a
-    program's part of its first tile in slot 0 and of the next in slot 1 (where the last of a
-    tile's programs finds them). Aligned (``stream_k_aligned``), where a tile has at most two
-    parts, a program reads at step tau K block tau, tau + k_tiles - share or tau + share of its
-    tile: three offsets for all programs, against one a program in order (a stretch inside a tile starts
-    where it falls)."""
-    offsets = {}
-    for align in (False, True):
-        runs = _sk_runs(tail, k_tiles, share, align)
-        blocks = sorted((tile, kk) for run in runs for tile, kk, _slot in run)
-        assert blocks == [(i, kk) for i in range(tail) for kk in range(k_tiles)]
-        for p, run in enumerate(runs):
-            assert len(run) == min(share, tail * k_tiles - p * share)
-            first = p * share // k_tiles
-            assert all(tile == first + slot for tile, _kk, slot in run)
-        whole = [run for run in runs if len(run) == share]  # (the last program's run may be shorter)
-        offsets[align] = {(kk - tau) % k_tiles for run in whole for tau, (_t, kk, _s) in enumerate(run)}
-        if not align:
-            assert runs == [
-                [
-                    (i // k_tiles, i % k_tiles, i // k_tiles - p * share // k_tiles)
-                    for i in range(p * share, hi)
-                ]
-                for p, hi in enumerate(min(p * share + share, tail * k_tiles) for p in range(len(runs)))
-            ]
+    """The stream-K tail reads every tail tile's K blocks once, each program's run of ``share``
+    blocks within at most two tiles, its part of its first tile in slot 0 and of the next in slot
+    1 (where the last of a tile's programs finds them). In its aligned order, where a tile has at
+    most two parts, a program reads at step tau K block tau, tau + k_tiles - share or tau + share
+    of its tile: three offsets for all programs, against one a program were each run read in
+    order from where it starts."""
+    runs = _sk_runs(tail, k_tiles, share)
+    blocks = sorted((tile, kk) for run in runs for tile, kk, _slot in run)
+    assert blocks == [(i, kk) for i in range(tail) for kk in range(k_tiles)]
+    for p, run in enumerate(runs):
+        assert len(run) == min(share, tail * k_tiles - p * share)
+        first = p * share // k_tiles
+        assert all(tile == first + slot for tile, _kk, slot in run)
+        in_order = {(i // k_tiles, i % k_tiles) for i in range(p * share, p * share + len(run))}
+        assert {(tile, kk) for tile, kk, _slot in run} == in_order  # the same blocks, reordered
+    whole = [run for run in runs if len(run) == share]  # (the last program's run may be shorter)
+    aligned = {(kk - tau) % k_tiles for run in whole for tau, (_t, kk, _s) in enumerate(run)}
+    in_order = {p * share % k_tiles for p, run in enumerate(runs) if len(run) == share}
     if 2 * share >= k_tiles:
-        assert offsets[True] <= {0, k_tiles - share, share}
-    assert len(offsets[True]) <= len(offsets[False])
+        assert aligned <= {0, k_tiles - share, share}
+    assert len(aligned) <= len(in_order)
 
 
-def test_aligned_stream_k_tail_with_stretches_inside_a_tile():
-    """The aligned stream-K tail where a program's run lies inside a tile and is read in two runs:
-    8 tiles of 16x32 on 5 programs leave 3 tail tiles of 10 K blocks, 6 per program (program 2
-    reads blocks 6-7, then 2-5 of tail tile 1); odd K (masked pointer loads) and TMA-aligned; in
-    a launch of its own and in the whole waves' launch."""
+def test_stream_k_tail_with_stretches_inside_a_tile():
+    """The stream-K tail where a program's run lies inside a tile and is read in two runs: 8 tiles
+    of 16x32 on 5 programs leave 3 tail tiles of 10 K blocks, 6 per program (program 2 reads
+    blocks 6-7, then 2-5 of tail tile 1); odd K (masked pointer loads) and TMA-aligned."""
     for k, kmajor in ((160, True), (150, False)):
         gen = torch.Generator().manual_seed(k)
         a, b = _operands(64, 64, k, torch.float32, kmajor, gen)
         s = _schedule("all_reduce", 2, 64, 64, k, "tile_major", 1, 3)
         plan = make_plan(s, 64, 64, k, sm_count=5)
         assert (plan.num_tiles, plan.grid) == (8, 5) and stream_k_split(8, 5, 10, force=True) == (5, 6)
-        assert _sk_runs(3, 10, 6, True)[2][:2] == [(1, 6, 0), (1, 7, 0)]
+        assert _sk_runs(3, 10, 6)[2][:2] == [(1, 6, 0), (1, 7, 0)]
         ref = a.double() @ b.double()
-        for fuse in (False, True):  # a launch of its own, or the whole waves' (``fuse_tail``)
-            options = KernelOptions(stream_k=True, stream_k_aligned=True, fuse_tail=fuse)
-            got = run_and_reassemble(s, a, b, options, sm_count=5)
-            assert not got.isnan().any()
-            assert ((got.double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+        got = run_and_reassemble(s, a, b, KernelOptions(stream_k=True), sm_count=5)
+        assert not got.isnan().any()
+        assert ((got.double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
 
 
 def test_tail_split_rule():
@@ -321,8 +310,6 @@ def test_stream_k_split():
     k = 2 * STREAM_K_MIN_SAVED_BLOCKS  # a tail of half the grid saves exactly the minimum
     assert stream_k_split(120 + 60, 120, k)[1] > 0 and stream_k_split(120 + 61, 120, k)[1] == 0
     assert stream_k_split(2048, 120, 128) == (2040, 128 // STREAM_K_MAX_PARTS)  # 8 tail tiles: not 15 parts
-    with pytest.raises(ScheduleError, match="subtile"):
-        KernelOptions(subtile=3)
 
 
 def test_both_load_paths_are_exercised():

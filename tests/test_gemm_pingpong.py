@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from fo_kernels.errors import ScheduleError
-from fo_kernels.gemm import BOperand, signalled_gemm
-from fo_kernels.gemm_pingpong import pingpong_blocker
+from fo_kernels.gemm import BOperand, KernelOptions, signalled_gemm
+from fo_kernels.gemm.pingpong import pingpong_blocker
 from fo_kernels.plan import (
     PINGPONG_MAX_PARTS,
     SPLIT_MIN_MACS,
@@ -178,12 +178,12 @@ def test_the_compiled_kernel_signals_each_tile_after_its_stores_are_written(
     assert facts["shared_bytes"] <= 227 * 1024
 
 
-def test_a_pingpong_calls_split_tail_runs_in_the_plain_kernels_launch(monkeypatch):
+def test_a_pingpong_calls_split_tail_runs_in_a_launch_of_its_own(monkeypatch):
     """Where the ping-pong kernel runs (here a stand-in: the plain kernel over every tile, recording
     how many tiles it was given), ``signalled_gemm`` gives it the whole waves and runs the split
-    tail's pieces after it in the plain kernel's own launch: the tail tiles are written again,
+    tail's pieces after it in a launch of their own: the tail tiles are written again,
     correctly, and signalled once more each."""
-    import fo_kernels.gemm as gemm
+    import fo_kernels.gemm.waves as waves
 
     m, n, k = 640, 256, 64  # 10 tiles of 128x128 on 4 programs: 8 in whole waves, 2 in the tail
     gen = torch.Generator().manual_seed(7)
@@ -197,20 +197,21 @@ def test_a_pingpong_calls_split_tail_runs_in_the_plain_kernels_launch(monkeypatc
     ):
         given.append((tiles, parts))
         plain = dataclasses.replace(tile, pingpong=False)
-        gemm.signalled_gemm(
+        signalled_gemm(
             a, b, out, plan, plain, counters=counters, unit_group=unit_group, group_info=group_info,
-            signal=signal, options=gemm.KernelOptions(split_tail=False),
+            signal=signal, options=KernelOptions(split_tail=False),
         )  # fmt: skip
 
-    monkeypatch.setattr(gemm, "pingpong_blocker", lambda *args: "")
-    monkeypatch.setattr(gemm, "pingpong_gemm", stand_in)
+    # the launcher's module looks both up when it is called
+    monkeypatch.setattr(waves, "pingpong_blocker", lambda *args: "")
+    monkeypatch.setattr(waves, "pingpong_gemm", stand_in)
     out = torch.full((plan.buffer_numel(),), float("nan"), dtype=torch.bfloat16)
     counters = torch.zeros(1, dtype=torch.int32)
     ug = torch.tensor(plan.unit_group(), dtype=torch.int32)
     gi = torch.tensor([x for p in plan.group_info() for x in p], dtype=torch.int32)
-    gemm.signalled_gemm(
+    signalled_gemm(
         a, b, out, plan, PP, counters=counters, unit_group=ug, group_info=gi,
-        options=gemm.KernelOptions(split_tail=True),
+        options=KernelOptions(split_tail=True),
     )  # fmt: skip
     assert given == [(8, 0)]  # the whole waves, no K-split tail
     ref = a.float() @ b.tensor.float()

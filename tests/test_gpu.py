@@ -89,30 +89,15 @@ def test_compiled_gemm_matches_matmul(m, n, k, kmajor, tile, dtype):
 @pytest.mark.parametrize(
     "options",
     [
-        KernelOptions(flatten=False, subtile=1),
-        KernelOptions(subtile=4),
-        KernelOptions(tma_store=True),
         KernelOptions(stream_k=True),
-        KernelOptions(stream_k=True, stream_k_aligned=True),
-        KernelOptions(defer_signal=False, stream_k=False, split_tail=False),
+        KernelOptions(stream_k=False, split_tail=False),
         KernelOptions(split_tail=True),
-        KernelOptions(split_tail=True, fuse_tail=True),
-        KernelOptions(stream_k=True, stream_k_aligned=True, fuse_tail=True),
     ],
-    ids=[
-        "loop_per_tile",
-        "subtile4",
-        "tma_store",
-        "stream_k",
-        "stream_k_aligned",
-        "signal_at_once_whole_waves",
-        "split_tail",
-        "split_tail_fused",
-        "stream_k_aligned_fused",
-    ],
+    ids=["stream_k", "whole_last_wave", "split_tail"],
 )
 def test_compiled_gemm_variants(options):
-    """The kernel's other build options (``KernelOptions``) on odd and aligned shapes, both layouts."""
+    """The last partial wave's forced choices (``KernelOptions``) on odd and aligned shapes, both
+    layouts: stream-K, whole, cut into the split tail's pieces (in the whole waves' launch)."""
     tile = GPU_TILES[0]
     for (m, n, k), kmajor, layout in itertools.product(
         [(130, 257, 70), (1000, 3000, 1040), (2048, 4096, 4096)], [False, True], ["row_band", "tile_major"]
@@ -130,13 +115,13 @@ def test_compiled_gemm_variants(options):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", PINGPONG_TILES, ids=["128x128", "64x256"])
 def test_pingpong_kernel_matches_the_plain_kernel(tile):
-    """The ping-pong kernel (``fo_kernels.gemm_pingpong``) runs where it should and writes what the
+    """The ping-pong kernel (``fo_kernels.gemm.pingpong``) runs where it should and writes what the
     plain kernel writes: one shard and two (ReduceScatter's destination order), both layouts, odd M,
     N and K (TMA clips and pads), a reduced grid, the last partial wave split into pieces that the
     plain kernel runs after it or cut into K parts in the ping-pong kernel itself (its K-split tail);
     each group's counter counts its tiles. A call it cannot run
     (unaligned K, two shards of rows that are not whole tiles) runs the plain kernel."""
-    from fo_kernels.gemm_pingpong import pingpong_blocker
+    from fo_kernels.gemm.pingpong import pingpong_blocker
 
     plain = dataclasses.replace(tile, pingpong=False, num_warps=8 if tile.block_m == 128 else 4)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -254,25 +239,17 @@ VISIBILITY_REPS = 300
 @pytest.mark.parametrize(
     "options",
     [
+        KernelOptions(),
         KernelOptions(stream_k=True),
-        KernelOptions(stream_k=True, tma_store=True),
-        KernelOptions(stream_k=True, defer_signal=False),
-        KernelOptions(stream_k=True, stream_k_aligned=True),
         KernelOptions(split_tail=True),
-        KernelOptions(split_tail=True, fuse_tail=True),
-        KernelOptions(stream_k=True, stream_k_aligned=True, fuse_tail=True),
         "pingpong",  # the ping-pong kernel (its own epilogue: TMA stores, the signal at once)
         "pingpong_split_tail",  # the same, its last partial wave split into the plain kernel's pieces
         "pingpong_k_split",  # the same, its last partial wave in K parts (48 tail tiles in halves)
     ],
     ids=[
-        "plain_store",
-        "tma_store",
-        "signal_at_once",
-        "stream_k_aligned",
+        "whole_waves",
+        "stream_k",
         "split_tail",
-        "split_tail_fused",
-        "stream_k_aligned_fused",
         "pingpong",
         "pingpong_split_tail",
         "pingpong_k_split",
@@ -281,12 +258,10 @@ VISIBILITY_REPS = 300
 def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, options):
     """The signal's guarantee: a reader on another stream that acquires a group's counter at its
     target reads every element of the group's tiles. The output is poisoned (NaN) before every
-    repetition and two input sets alternate; the stream-K tail is on (its tiles are finished by
-    whichever program arrives last; its runs in order or aligned, in a launch of its own or
-    fused), or the split tail (256 tiles
-    on 116 programs: the last 24 cut into quarters, each tile signalled by its last piece; in a
-    launch of its own or fused);
-    signals are deferred to the next tile (the default) or sent at once; each group (one tile
+    repetition and two input sets alternate; the whole waves alone (each tile signalled at the
+    next tile's epilogue), with the stream-K tail (its tiles finished by whichever program arrives
+    last) or with the split tail (256 tiles on 116 programs: the last 24 cut into quarters, each
+    tile signalled by its last piece), both tails in the whole waves' launch; each group (one tile
     row, or 8 tiles) is read by a spinning kernel on the SMs left free, so it reads within
     microseconds of the last tile's release. The ping-pong kernel signals each tile from the
     warpgroup that stored it, while the other warpgroup runs its main loop; a tile of its K-split
@@ -327,7 +302,7 @@ def test_a_tile_is_visible_to_another_stream_once_its_counter_shows_it(layout, o
         )
 
     if tile.pingpong:  # the case tests the ping-pong kernel, not the plain one it falls back to
-        from fo_kernels.gemm_pingpong import pingpong_blocker
+        from fo_kernels.gemm.pingpong import pingpong_blocker
 
         assert pingpong_blocker(*sets[0], buf, plan, tile) == ""
 

@@ -1,7 +1,7 @@
 """The warp-specialized ping-pong kernel of the signalled persistent GEMM (Hopper, Gluon).
 
-The same protocol as ``fo_kernels.gemm`` (tile order, layouts, groups, one release increment of
-the tile's group counter per tile), written out in Triton's Gluon dialect with three partitions per
+The same protocol as ``fo_kernels.gemm.waves`` (tile order, layouts, groups, one release increment
+of the tile's group counter per tile), written out in Triton's Gluon dialect with three partitions per
 program:
 
 - a loader warp: TMA loads of each tile's A and B blocks into a ring of ``num_stages`` shared
@@ -13,9 +13,9 @@ program:
 
 A consumer's epilogue: the float32 sum in the output dtype into its own shared memory buffer, one
 TMA store at the tile's layout position, then (``SIGNAL``) a wait until the store is written
-(``cp.async.bulk.wait_group 0`` and the async-proxy fence, as ``fo_kernels.gemm_epilogue.
-_bulk_stores_done``), the partition's barrier, and one release increment (GPU scope) of the group
-counter, which covers the whole warpgroup's part by cumulativity. The wait is hidden behind the
+(``cp.async.bulk.wait_group 0``, not ``.read``, and the async-proxy fence), the partition's
+barrier, and one release increment (GPU scope) of the group counter, which covers the whole
+warpgroup's part by cumulativity. The wait is hidden behind the
 other consumer's main loop, so nothing defers the signal.
 
 Triton's automatic warp specialization does not serve here: on sm_90 it builds only 4-warp loops
@@ -25,7 +25,7 @@ that are not flattened, and there it dropped the release atomic or refused the d
 K-split tail, run first: each tail tile's K blocks in ``parts`` ranges, one program each as its
 first item, the last of them to arrive adding the float32 parts and finishing the tile while the
 program's other consumer runs its first whole tile (so the fix-up is off the critical path); else
-``fo_kernels.gemm.signalled_gemm`` runs a split tail after it in the plain kernel. Measured:
+``fo_kernels.gemm.signalled_gemm`` runs a split tail after it (``fo_kernels.gemm.tail``). Measured:
 ``docs/perf-notes.md``, "The product kernel (``fo_kernels.gemm_pingpong``, ``Tile.pingpong``)",
 "The K-split tail in the ping-pong kernel" and "The K-split tail run first".
 
@@ -40,11 +40,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .schedule import PINGPONG_WARPS, Tile
+from ..schedule import PINGPONG_WARPS, Tile
+from .operands import (
+    LAYOUT_ROW_BAND,
+    LAYOUT_TILE_MAJOR,
+    BOperand,
+    cuda_major,
+    interpreting,
+    store_view,
+    tma_usable,
+)
 
 if TYPE_CHECKING:
-    from .gemm import BOperand
-    from .plan import Plan
+    from ..plan import Plan
 
 # setmaxnreg's split of the register file (65536 32-bit registers per SM): 232 a thread for the
 # two consumer warpgroups (a 128x128 float32 accumulator is 128 of them) and 40 for the loader's
@@ -62,13 +70,12 @@ def pingpong_blocker(a: torch.Tensor, b: BOperand, out: torch.Tensor, plan: Plan
     """Why the ping-pong kernel cannot run this call ("" when it can): it needs a Hopper GPU (not
     the interpreter), 16-bit inputs and output of one dtype, an (N, K) weight (k-major B), TMA loads
     (16-byte aligned strides) and a TMA store view of the destination (``fo_kernels.gemm.store_view``)."""
-    from .gemm import _cuda_major, interpreting, store_view, tma_usable
 
     if not tile.pingpong:
         return "the tile does not ask for it"
     if interpreting() or not a.is_cuda:
         return "it runs on CUDA GPUs only (not under TRITON_INTERPRET)"
-    if _cuda_major(a.device.index) != PINGPONG_CAPABILITY:
+    if cuda_major(a.device.index) != PINGPONG_CAPABILITY:
         return "it needs a Hopper GPU (compute capability 9.x: wgmma)"
     if a.dtype not in PINGPONG_DTYPES or out.dtype != a.dtype or b.tensor.dtype != a.dtype:
         return "it takes bfloat16 or float16 inputs and output of one dtype"
@@ -108,8 +115,6 @@ def pingpong_gemm(
     after them, fewer than a wave, run as the K-split tail (``fo_kernels.plan.pingpong_parts``),
     each tile's K blocks cut into ``parts`` ranges, one program each, before its whole tiles; it
     needs ``arrive`` (int32, a zero per tail tile) and ``partial`` (float32, a tile per part)."""
-    from .gemm import LAYOUT_ROW_BAND, LAYOUT_TILE_MAJOR, store_view
-
     kernel = _kernel()
     desc = _descriptor()
     m, k = a.shape
@@ -171,7 +176,7 @@ def _kernel():
 
     @gluon.jit
     def tile_pos(t, shards, tiles_m, tiles_n, GROUP_M: gl.constexpr):
-        """Tile t -> (local position l, shard s, tile row, tile column): ``fo_kernels.gemm._tile_pos``."""
+        """Tile t -> (local position l, shard s, tile row, tile column), as ``.tiles._tile_pos``."""
         lt = t // shards
         s = t % shards
         per_band = GROUP_M * tiles_n
@@ -253,7 +258,7 @@ def _kernel():
         GROUP_M: gl.constexpr, LAYOUT: gl.constexpr, SIGNAL: gl.constexpr,
     ):  # fmt: skip
         """Tile t's epilogue: its sum through c_smem in one TMA store at the layout position
-        (``fo_kernels.gemm._tile_dst``: its group's chunk, row_band rows or a tile-major slot),
+        (``fo_kernels.gemm.tiles._tile_dst``: its group's chunk, row_band rows or a tile-major slot),
         then (SIGNAL) the wait for the store's write and one release increment of its group."""
         BM: gl.constexpr = c_desc.block_type.shape[0]
         BN: gl.constexpr = c_desc.block_type.shape[1]
