@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from fo_kernels.errors import EnvironmentMismatchError, FoTuneError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.heuristics import NCCL_SM_MARGIN
-from fo_kernels.schedule import Tile
-
-from .calibration import (
+from fo_kernels.tile import Tile
+from fo_tune.calibration import (
     CALIBRATED_COLLECTIVES,
     BandwidthPoint,
     Calibration,
@@ -41,12 +40,12 @@ from .calibration import (
     fit_all,
     timing_name,
 )
-from .launch import Pool, fingerprinted_pool
-from .measure import CollectiveSweepTask, GemmGridsTask, GemmProfileTask, InterferenceTask
-from .progress import Reporter, SilentReporter
-from .report import size_label
-from .space import SearchSpace, space_for
-from .timing import Timing
+from fo_tune.launch import Pool, fingerprinted_pool
+from fo_tune.measure import CollectiveSweepTask, GemmGridsTask, GemmProfileTask, InterferenceTask
+from fo_tune.progress import Reporter, SilentReporter
+from fo_tune.report import size_label
+from fo_tune.space import SearchSpace, space_for
+from fo_tune.timing import Timing
 
 
 class CalibrationRequestError(FoTuneError, ValueError):
@@ -344,7 +343,7 @@ def _copy_engine(
     pool: Pool, req: CalibrationRequest, space: SearchSpace, cpu: bool, fp: Fingerprint, rep: Reporter
 ) -> EngineCalibration:
     """The copy engine's section (``fo_tune.calibrate_copy_engine``): what this world size measures."""
-    from . import calibrate_copy_engine as ce
+    from fo_tune import calibrate_copy_engine as ce
 
     source = ce.measured_by(fp.device_key)
     section = space.engine("copy_engine")
@@ -400,7 +399,7 @@ def merge_into(target: Calibration, measured: Calibration, parts: Sequence[str])
     were measured on different GPUs (name, compute capability, SM count): the numbers would not
     describe ``target``'s machine."""
     check_mergeable(target, measured.fingerprint, measured.dtype)
-    from .calibrate_copy_engine import merge_section
+    from fo_tune.calibrate_copy_engine import merge_section
 
     if "bandwidth" in parts:
         target.bandwidth, target.fits = measured.bandwidth, measured.fits

@@ -43,14 +43,13 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.schedule import torch_dtype
-
-from .calibration import CopyPoint, EngineCalibration, LibraryGemmPoint, Quantity
-from .launch import RankContext
-from .measure import gemm_operands
-from .model.copy_engine import eager_ops
-from .model.fit import fit_library, fit_lines
-from .model.library import LibraryGemm
-from .timing import Timing, time_region
+from fo_tune.calibration import CopyPoint, EngineCalibration, LibraryGemmPoint, Quantity
+from fo_tune.launch import RankContext
+from fo_tune.measure import gemm_operands
+from fo_tune.model.copy_engine import eager_ops
+from fo_tune.model.fit import fit_library, fit_lines
+from fo_tune.model.library import LibraryGemm
+from fo_tune.timing import Timing, time_region
 
 # Paced samples per shape (each one call, then an idle gap as long as the call).
 PACED_REPS = 15
@@ -368,9 +367,10 @@ class HostTask:
     dtype: str
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
+        from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
         from fo_kernels.overlap import gemm_all_reduce, gemm_reduce_scatter
         from fo_kernels.runtime import reduce_scatter_tensor
-        from fo_kernels.schedule import CopyEngineSettings, Problem, Schedule
+        from fo_kernels.schedule import Problem, Schedule
 
         op = gemm_all_reduce if self.collective == "all_reduce" else gemm_reduce_scatter
         a, b = gemm_operands(self.m, self.n, self.k, self.dtype, ctx.device, seed=3 + ctx.rank)

@@ -39,7 +39,8 @@ import yaml
 from fo_kernels.errors import FoTuneError
 from fo_kernels.files import atomic_write, read_yaml
 from fo_kernels.fingerprint import Fingerprint
-from fo_kernels.schedule import COLLECTIVES, Tile
+from fo_kernels.schedule import COLLECTIVES
+from fo_kernels.tile import Tile
 
 CALIBRATION_SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = (1, 2)

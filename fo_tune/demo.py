@@ -374,14 +374,14 @@ def run_copy_engine_demo(
     seed: int = 0,
 ) -> list[DemoRow]:
     """The copy engine's protocol on ``world_size`` thread-ranks of its CPU executor
-    (``fo_kernels.copy_engine.check_on_threads``): for each shape, all_reduce, reduce_scatter and
+    (``fo_kernels.engines.copy_engine.check_on_threads``): for each shape, all_reduce, reduce_scatter and
     all_gather (the latter two when M is divisible by the world size, else a skipped row), each
     ``reps`` calls on the same buffers in the ``ring`` mode, checked against float64. It runs the
     operation lists the GPUs run, with no GPU; its time is the executor's, not a GPU's (no
     sequential baseline)."""
     import torch
 
-    from fo_kernels.copy_engine import CpuCheck, check_on_threads
+    from fo_kernels.engines.copy_engine import CpuCheck, check_on_threads
     from fo_kernels.errors import ShapeError
 
     shapes = list(shapes) if shapes else list(CPU_SHAPES)

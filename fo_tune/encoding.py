@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from fo_kernels.errors import ScheduleError
 from fo_kernels.schedule import Schedule
-
-from .calibration import CalibrationError
-from .engines import EngineTuner, Infeasible, ShapeTask, get_tuner
+from fo_tune.calibration import CalibrationError
+from fo_tune.engines import EngineTuner, Infeasible, ShapeTask, get_tuner
 
 if TYPE_CHECKING:
-    from .model import CostModel
+    from fo_tune.model import CostModel
 
 __all__ = [
     "Infeasible",

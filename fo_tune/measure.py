@@ -28,13 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.gemm import BOperand, signalled_gemm
 from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
-from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings, torch_dtype
-
-from .launch import RankContext
-from .timing import Timing, comparison_sample_ms, time_interleaved, time_region
+from fo_kernels.schedule import Problem, Schedule, torch_dtype
+from fo_kernels.tile import Tile
+from fo_tune.launch import RankContext
+from fo_tune.timing import Timing, comparison_sample_ms, time_interleaved, time_region
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has the old.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -588,7 +589,7 @@ class CopyEngineProbeTask:
     are made, so a rank that cannot make them does not leave the other waiting in the rendezvous."""
 
     def run(self, ctx: RankContext) -> str:
-        from fo_kernels.copy_engine import copy_engine_blocker
+        from fo_kernels.engines.copy_engine import copy_engine_blocker
         from fo_kernels.errors import EnvironmentMismatchError
 
         why = copy_engine_blocker(ctx.device, ctx.world_size)

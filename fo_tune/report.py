@@ -32,8 +32,7 @@ from typing import Any, NamedTuple
 
 from fo_kernels.errors import FoTuneError
 from fo_kernels.files import atomic_write
-
-from .calibration import (
+from fo_tune.calibration import (
     BandwidthPoint,
     Calibration,
     CurveFit,

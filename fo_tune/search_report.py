@@ -28,8 +28,8 @@ from typing import Any
 
 import yaml
 
-from .report import OutputError, check_ancestor, replacing_folder
-from .search import SearchResult, ShapeResult, TrialRecord
+from fo_tune.report import OutputError, check_ancestor, replacing_folder
+from fo_tune.search import SearchResult, ShapeResult, TrialRecord
 
 REPORT_FILES = ("trials.csv", "summary.yaml", "history.png", "predicted_vs_measured.png")
 PLOTS = ("history.png", "predicted_vs_measured.png")

@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 
 from fo_kernels.errors import FoTuneError, ScheduleError
 from fo_kernels.files import read_yaml
-from fo_kernels.schedule import TILE_FLAGS, Tile
+from fo_kernels.tile import TILE_FLAGS, Tile
 
 __all__ = [
     "ANY_DEVICE",
@@ -383,7 +383,7 @@ _TAIL = {"calibration": sectioned(CalibrationPlan, _CALIBRATION), "cpu": section
 
 
 def _read_engines(r: SpaceReader, node: Any, path: str) -> dict[str, Any]:
-    from .engines import engine_names, get_tuner
+    from fo_tune.engines import engine_names, get_tuner
 
     valid = engine_names()
     if not isinstance(node, Mapping) or not node:
@@ -398,7 +398,7 @@ def _read_engines(r: SpaceReader, node: Any, path: str) -> dict[str, Any]:
 
 def _read_v1_engines(r: SpaceReader, data: Mapping[str, Any]) -> dict[str, Any]:
     """A schema-1 file's engine keys (at the top level, with their own names) read into sections."""
-    from .engines import get_tuner
+    from fo_tune.engines import get_tuner
 
     out = {"triton": get_tuner("triton").read_space_v1(r, data)}
     copy_engine = get_tuner("copy_engine").read_space_v1(r, data)
@@ -408,7 +408,7 @@ def _read_v1_engines(r: SpaceReader, data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _v1_keys() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    from .engines import get_tuner
+    from fo_tune.engines import get_tuner
 
     required, optional = get_tuner("triton").v1_keys()
     ce_required, ce_optional = get_tuner("copy_engine").v1_keys()

@@ -14,12 +14,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fo_kernels.schedule import Schedule
-
-from .encoding import Infeasible, UnionEncoding, describe_attrs, predicted_ms, schedule_key
-from .launch import Pool
-from .measure import ConfirmTask, CopyEngineProbeTask, OverlapTrialTask, SequentialTask
-from .model import CostModel
-from .timing import Timing
+from fo_tune.encoding import Infeasible, UnionEncoding, describe_attrs, predicted_ms, schedule_key
+from fo_tune.launch import Pool
+from fo_tune.measure import ConfirmTask, CopyEngineProbeTask, OverlapTrialTask, SequentialTask
+from fo_tune.model import CostModel
+from fo_tune.timing import Timing
 
 
 class Measurer:

@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_now, all_reduce_now, reduce_scatter_now
-from .graphs import OutputPool, OwnGraphs
+from fo_kernels.collectives import all_gather_now, all_reduce_now, reduce_scatter_now
+from fo_kernels.graphs import OutputPool, OwnGraphs
 
 
 def one_rank(

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .errors import EnvironmentMismatchError, ScheduleError, TableError
+from fo_kernels.errors import EnvironmentMismatchError, ScheduleError, TableError
 
 __all__ = [
     "CPU_NOMINAL_PROGRAMS",

@@ -8,7 +8,7 @@ its own and replay it from then on: one launch instead of a call's worth of them
 keeps those graphs for a caller that says what a call's key is and how to issue it; ``OutputPool``
 gives the outputs a memory pool of their own so their addresses repeat.
 
-Both the ``overlap: false`` fallback and the copy engine (``fo_kernels.copy_engine``) record their
+Both the ``overlap: false`` fallback and the copy engine (``fo_kernels.engines.copy_engine``) record their
 graphs here; the copy engine also says what a capture issues (its list without the eager-only
 prologue), joins the side streams a failed capture forked (``unwind``) and refuses to go on when
 one was left capturing (``after_failure``).

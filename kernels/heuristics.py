@@ -23,8 +23,10 @@ Rules (each constant below says where it comes from):
 
 from __future__ import annotations
 
-from .plan import cdiv
-from .schedule import SHARDED_COLLECTIVES, Problem, Schedule, Tile, TritonSettings
+from fo_kernels.engines.triton.settings import TritonSettings
+from fo_kernels.plan import cdiv
+from fo_kernels.schedule import SHARDED_COLLECTIVES, Problem, Schedule
+from fo_kernels.tile import Tile
 
 GPU_TILE = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 GPU_SMALL_TILE = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)

@@ -44,10 +44,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import PlanError, ShapeError
-from .ops import call_op, check_group
-from .overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
-from .schedule import Schedule
+from fo_kernels.errors import PlanError, ShapeError
+from fo_kernels.groups import check_group
+from fo_kernels.ops import call_op
+from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
+from fo_kernels.schedule import Schedule
 
 # parallelize_linears' plan values.
 KINDS = ("column", "row")

@@ -22,7 +22,7 @@ gradient of the output:
 (its schedule names an engine without that collective in this build) raises ``ScheduleError``
 before its collective starts, on every rank alike.
 
-``call_op`` is how code inside fo-tune calls an op: straight into ``fo_kernels.overlap.execute``
+``call_op`` is how code inside fo-tune calls an op: straight into ``fo_kernels.execute.execute``
 where nothing needs the dispatcher (``direct_call``), else through ``torch.ops.fo_kernels``.
 Importing this module registers the ops (torch.library declarations; nothing is allocated).
 """
@@ -33,10 +33,10 @@ import functools
 import json
 
 import torch
-import torch.distributed as dist
 
-from .errors import GroupError, ScheduleError, ShapeError
-from .schedule import TORCH_DTYPES, Schedule
+from fo_kernels.errors import ScheduleError, ShapeError
+from fo_kernels.groups import group_size, resolve_group
+from fo_kernels.schedule import TORCH_DTYPES, Schedule
 
 LIBRARY = "fo_kernels"
 # collective -> op name in torch.ops.fo_kernels
@@ -52,46 +52,6 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 # ------------------------------------------------------------------------------ op arguments
-def group_name(group: dist.ProcessGroup | None) -> str:
-    """The ops' ``group_name`` argument of ``group`` ("" for the default group); refuses what is
-    not a process group of this rank (``GroupError``) before any collective starts."""
-    if group is None:
-        return ""
-    check_group(group)
-    return group.group_name
-
-
-def check_group(group: object) -> None:
-    """Raise ``GroupError`` unless ``group`` is None or a process group this rank is in."""
-    if group is None or isinstance(group, dist.ProcessGroup):
-        return
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise GroupError(
-            "group: this rank is not a member of the process group it was given (dist.new_group returns "
-            "GroupMember.NON_GROUP_MEMBER on ranks outside it); call the op only on the group's ranks"
-        )
-    raise GroupError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-
-
-def resolve_group(name: str) -> dist.ProcessGroup | None:
-    """The process group of an op's ``group_name`` (None: the default group)."""
-    if not name:
-        return None
-    try:
-        return dist.distributed_c10d._resolve_process_group(name)
-    except (ValueError, RuntimeError, KeyError) as exc:
-        raise GroupError(
-            f"group: no process group named {name!r} in this process (destroyed, or made elsewhere?): {exc}"
-        ) from None
-
-
-def group_size(name: str) -> int:
-    """The world size of an op's ``group_name``."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise ScheduleError("torch.distributed is not initialized; call dist.init_process_group first")
-    return dist.get_world_size(resolve_group(name))
-
-
 def schedule_text(schedule: Schedule | None) -> str:
     """The ops' ``schedule`` argument: the schedule as JSON without its provenance ("" for None),
     kept on the schedule (``Schedule.op_text``), so torch.compile reads it as a constant attribute
@@ -140,7 +100,7 @@ def call_op(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One op call by its string arguments, directly where ``direct_call`` allows, else the op."""
     if direct_call(a, b):
-        from .overlap import execute
+        from fo_kernels.execute import execute
 
         return execute(collective, a, b, parse_schedule(schedule), resolve_group(name))
     return op(collective)(a, b, name, schedule)
@@ -148,7 +108,7 @@ def call_op(
 
 # ------------------------------------------------------------------------------ the ops
 def _impl(collective: str, a: torch.Tensor, b: torch.Tensor, name: str, schedule: str):
-    from .overlap import execute
+    from fo_kernels.execute import execute
 
     # through the dispatcher (compiled code, autograd): outputs from the caller's allocator, which
     # a caller's CUDA graphs (torch.compile's reduce-overhead mode) require; no graphs of our own

@@ -3,11 +3,8 @@
 Each public function is a call of its custom op (``torch.ops.fo_kernels.*``, ``fo_kernels.ops``:
 what torch.compile and autograd see), or, where nothing needs the dispatcher (eager, plain
 tensors, no gradient to record: ``fo_kernels.ops.direct_call``), a plain call of ``execute``.
-``execute`` checks the operands, resolves the schedule (the caller's, else ``lookup_schedule``)
-and runs it: ``overlap: false`` through the runtime's fallback (``fo_kernels.fallback``: GEMM then
-the collective, or the gather then the GEMM), otherwise through the engine the schedule names
-(``fo_kernels.engines``). Every check runs before the first collective. On return the caller's
-stream is ordered after all of the call's work.
+``fo_kernels.execute.execute`` (the one eager path under both) checks the operands, resolves the
+schedule and runs it. On return the caller's stream is ordered after all of the call's work.
 """
 
 from __future__ import annotations
@@ -15,97 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import ops
-from .engines import EngineResult, check_collective, get_engine
-from .errors import ScheduleError, ShapeError
-from .fallback import one_rank
-from .gemm import BOperand
-from .runtime import runtime_for
-from .schedule import TORCH_DTYPES, Schedule, dtype_name
-from .table import lookup_schedule
-
-
-def _check_operands(a: torch.Tensor, b: torch.Tensor) -> BOperand:
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        raise ShapeError("a and b must be torch tensors")
-    if a.dim() != 2 or b.dim() != 2:
-        raise ShapeError(f"a must be (M, K) and b (K, N); got a {tuple(a.shape)}, b {tuple(b.shape)}")
-    if a.shape[1] != b.shape[0]:
-        raise ShapeError(
-            f"K mismatch: a is {tuple(a.shape)} and b is {tuple(b.shape)} (a.shape[1] != b.shape[0])"
-        )
-    if 0 in a.shape or b.shape[1] == 0:
-        raise ShapeError(f"empty operand: a {tuple(a.shape)}, b {tuple(b.shape)}")
-    if a.dtype not in TORCH_DTYPES.values():
-        raise ShapeError(f"dtype {a.dtype} is not supported; use bfloat16, float16 or float32")
-    if b.dtype != a.dtype:
-        raise ShapeError(f"a is {a.dtype} but b is {b.dtype}; both must have the same dtype")
-    if a.device != b.device:
-        raise ShapeError(f"a is on {a.device} but b is on {b.device}")
-    operand = BOperand.of(b)
-    if operand is None:
-        raise ShapeError(
-            "b must be row-major (K, N) or the transposed view of a contiguous (N, K) weight "
-            f"(got strides {b.stride()}); call .contiguous() on it"
-        )
-    return operand
-
-
-def _resolve_schedule(
-    collective: str, a: torch.Tensor, n: int, schedule: Schedule | None, world: int
-) -> Schedule:
-    m, k = a.shape
-    if collective == "all_gather":
-        m *= world  # an all_gather's problem is its GEMM's: the gathered M
-    dtype = dtype_name(a.dtype)
-    if schedule is None:
-        return lookup_schedule(collective, m, n, k, dtype=dtype, world_size=world, device=a.device)
-    if not isinstance(schedule, Schedule):
-        raise ScheduleError(f"schedule: expected a fo_kernels.Schedule, got {type(schedule).__name__}")
-    for name, want in (("collective", collective), ("dtype", dtype), ("world_size", world)):
-        if getattr(schedule, name) != want:
-            raise ScheduleError(
-                f"{name}: the schedule says {getattr(schedule, name)!r}, this call needs {want!r}"
-            )
-    if not schedule.problem.covers(m, n, k):
-        raise ScheduleError(
-            f"problem: the schedule is for {schedule.problem.describe()}, called with {m}x{n}x{k}"
-        )
-    return schedule
-
-
-def execute(
-    collective: str,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    schedule: Schedule | None,
-    group: dist.ProcessGroup | None,
-    *,
-    own_graphs: bool = True,
-) -> EngineResult:
-    """One call of ``collective``'s op, eagerly: checks, schedule, then the fallback or the engine.
-    ``own_graphs=False`` (a call through the custom op: compiled code, autograd) keeps the
-    runtime's own CUDA graphs and output pools out of it: its outputs come from the caller's
-    allocator, which a caller's CUDA graphs (torch.compile's ``reduce-overhead``) require."""
-    operand = _check_operands(a, b)
-    if not dist.is_available() or not dist.is_initialized():
-        raise ScheduleError("torch.distributed is not initialized; call dist.init_process_group first")
-    ops.check_group(group)
-    runtime = runtime_for(a.device, group)
-    world = runtime.world_size
-    m = a.shape[0]
-    if collective == "reduce_scatter" and m % world:
-        raise ShapeError(f"reduce_scatter needs M divisible by the world size {world}, got M={m}")
-    schedule = _resolve_schedule(collective, a, b.shape[1], schedule, world)
-    if schedule.engine is None:
-        if world == 1:  # one rank's collective is the identity: the GEMM alone
-            return one_rank(collective, a, b)
-        if collective == "all_gather":
-            return runtime.fallback().all_gather(a, b, own_graphs=own_graphs)
-        return runtime.fallback().run(collective, a, b, own_graphs=own_graphs)
-    engine = get_engine(schedule.engine)
-    check_collective(engine, collective)
-    return engine.run(schedule, a, operand, runtime, own_graphs=own_graphs)
+from fo_kernels import ops
+from fo_kernels.engines import EngineResult
+from fo_kernels.execute import execute
+from fo_kernels.groups import group_name
+from fo_kernels.schedule import Schedule
 
 
 def _call(
@@ -113,7 +24,7 @@ def _call(
 ) -> EngineResult:
     if ops.direct_call(a, b):
         return execute(collective, a, b, schedule, group)
-    return ops.op(collective)(a, b, ops.group_name(group), ops.schedule_text(schedule))
+    return ops.op(collective)(a, b, group_name(group), ops.schedule_text(schedule))
 
 
 def gemm_all_reduce(

@@ -23,15 +23,17 @@ that ``reduce_scatter`` of the chunk hands rank s exactly shard s's part of it:
 For all_reduce with row_band (S = 1) the buffer is the row-major output itself: nothing to restore.
 For all_gather (row_band only) the same formula places the gathered A rows, with E = K: one
 all_gather of rows [i0, i1) of every shard fills chunk g, and the group's tiles are the output
-rows [s*Ms + i0, s*Ms + i1) of every shard s (``fo_kernels.triton_engine``).
+rows [s*Ms + i0, s*Ms + i1) of every shard s (``fo_kernels.engines.triton.executor``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ScheduleError, ShapeError
-from .schedule import MIN_BLOCK, SHARDED_COLLECTIVES, Schedule, Tile, TritonSettings
+from fo_kernels.engines.triton.settings import TritonSettings
+from fo_kernels.errors import ScheduleError, ShapeError
+from fo_kernels.schedule import SHARDED_COLLECTIVES, Schedule
+from fo_kernels.tile import MIN_BLOCK, Tile
 
 
 def cdiv(a: int, b: int) -> int:
@@ -341,7 +343,7 @@ def check_fits(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> 
     """Raise ``ScheduleError`` / ``ShapeError`` when an overlapped schedule cannot run (M, N, K).
 
     The Triton engine must give a plan (``make_plan``); an ``engine: copy_engine`` schedule cuts
-    row chunks of any M (``fo_kernels.copy_engine.chunk_bounds`` cuts fewer when a shard is short).
+    row chunks of any M (``fo_kernels.engines.copy_engine.chunk_bounds`` cuts fewer when a shard is short).
     """
     if isinstance(schedule.settings, TritonSettings):
         make_plan(schedule, m, n, k, sm_count=sm_count)

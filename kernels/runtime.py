@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .collectives import all_reduce_now, reduce_scatter_now, reduce_scatter_tensor  # noqa: F401 - callers import them from here
-from .copy_engine import CopyEnginePeers
-from .errors import ScheduleError
-from .fallback import Fallback
-from .fingerprint import device_sm_count
-from .plan import Plan
-from .wait import Waiter, make_waiter
+from fo_kernels.collectives import all_reduce_now, reduce_scatter_now, reduce_scatter_tensor  # noqa: F401 - callers import them from here
+from fo_kernels.engines.copy_engine import CopyEnginePeers
+from fo_kernels.errors import ScheduleError
+from fo_kernels.fallback import Fallback
+from fo_kernels.fingerprint import device_sm_count
+from fo_kernels.plan import Plan
+from fo_kernels.wait import Waiter, make_waiter
 
 # Most groups one call may use; a schedule with more is refused. 4 KiB of counters.
 MAX_GROUPS = 1024

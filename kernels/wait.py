@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .errors import EnvironmentMismatchError, ScheduleError
-from .schedule import WAIT_MODES
+from fo_kernels.engines.triton.settings import WAIT_MODES
+from fo_kernels.errors import EnvironmentMismatchError, ScheduleError
 
 _U32 = 0xFFFFFFFF
 

@@ -295,7 +295,7 @@ def copy_engine_auto_graph(ctx, cases: list[Case]) -> list[dict]:
     the first case runs again. Returns one row per call, with the rank's replays during it."""
     import dataclasses
 
-    from fo_kernels.copy_engine import GRAPH_AFTER_CALLS
+    from fo_kernels.engines.copy_engine import GRAPH_AFTER_CALLS
     from fo_kernels.runtime import runtime_for
 
     calls = GRAPH_AFTER_CALLS + 3
@@ -331,7 +331,7 @@ def copy_engine_all_gather(ctx, cases: list[tuple[int, int, int, str, int, int]]
     every rank can recompute, each case called ``GRAPH_AFTER_CALLS + 3`` times on operands
     refreshed in place (the engine's own graphs replay by the last calls) with the outputs checked
     and poisoned: the gathered A against every rank's shard, the product against float64."""
-    from fo_kernels.copy_engine import GRAPH_AFTER_CALLS
+    from fo_kernels.engines.copy_engine import GRAPH_AFTER_CALLS
     from fo_kernels.runtime import runtime_for
 
     peers = runtime_for(ctx.device, None).copy_engine()

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.fingerprint import current_fingerprint
-from fo_kernels.schedule import Tile
+from fo_kernels.tile import Tile
 from fo_tune import report
 from fo_tune.calibration import (
     CALIBRATED_COLLECTIVES,

@@ -10,9 +10,9 @@ import itertools
 import pytest
 
 from dist_cases import copy_engine_refusal
-from fo_kernels.copy_engine import ROW_ALIGN, chunk_bounds, shard_rows, tile_row_bounds
+from fo_kernels.engines.copy_engine import ROW_ALIGN, chunk_bounds, shard_rows, tile_row_bounds
 from fo_kernels.errors import ScheduleError
-from fo_kernels.schedule import Tile
+from fo_kernels.tile import Tile
 from fo_tune.launch import run_ranks
 
 
@@ -81,9 +81,9 @@ def _bare_peers(monkeypatch: pytest.MonkeyPatch, log: list, world: int = 2):
     ``dist.all_reduce`` as the identity: one rank that agrees with itself)."""
     import torch
 
-    import fo_kernels.copy_engine.peers as P
-    from fo_kernels.copy_engine import CopyEnginePeers
-    from fo_kernels.copy_engine.gpu import Compiled
+    import fo_kernels.engines.copy_engine.peers as P
+    from fo_kernels.engines.copy_engine import CopyEnginePeers
+    from fo_kernels.engines.copy_engine.gpu import Compiled
 
     peers = object.__new__(CopyEnginePeers)
     peers._init_state(torch.device("cpu"), None, 0, world)
@@ -188,7 +188,7 @@ def test_refusals_before_any_work(monkeypatch: pytest.MonkeyPatch):
 
 def test_modes_by_name_and_what_each_can_run():
     """The registry: modes by exact name, each with its feasibility rule."""
-    from fo_kernels.copy_engine import MODE_NAMES, mode_blocker, mode_named
+    from fo_kernels.engines.copy_engine import MODE_NAMES, mode_blocker, mode_named
 
     assert MODE_NAMES == ("ring", "tiled")
     with pytest.raises(ScheduleError, match="valid: ring, tiled"):
@@ -209,7 +209,7 @@ def test_modes_by_name_and_what_each_can_run():
 def test_blocker_names_what_is_missing():
     import torch
 
-    from fo_kernels.copy_engine import copy_engine_blocker
+    from fo_kernels.engines.copy_engine import copy_engine_blocker
 
     assert "needs CUDA GPUs with peer access; this call runs on cpu" in copy_engine_blocker(
         torch.device("cpu"), 4
@@ -235,7 +235,7 @@ def test_eager_calls_are_graphed_once_their_addresses_repeat(monkeypatch: pytest
 
     import torch
 
-    from fo_kernels.copy_engine import GRAPH_AFTER_CALLS
+    from fo_kernels.engines.copy_engine import GRAPH_AFTER_CALLS
 
     assert GRAPH_AFTER_CALLS == 2
     log: list = []

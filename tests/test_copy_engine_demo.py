@@ -31,7 +31,7 @@ def test_demo_runs_every_collective_through_the_cpu_executor(world: int):
 
 def test_the_demo_rows_fail_when_a_result_is_wrong(monkeypatch: pytest.MonkeyPatch):
     """A row passes only within the dtype's tolerance: with a result made wrong, the row fails."""
-    import fo_kernels.copy_engine as ce
+    import fo_kernels.engines.copy_engine as ce
 
     real = ce.check_on_threads
     monkeypatch.setattr(ce, "check_on_threads", lambda check: _worse(real(check)))

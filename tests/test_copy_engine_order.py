@@ -30,11 +30,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import fo_kernels.copy_engine.gpu as gpu
-from fo_kernels.copy_engine import plan_call
-from fo_kernels.copy_engine.buffers import Regions, region_bytes_for
-from fo_kernels.copy_engine.layout import FlagLayout, regions
-from fo_kernels.copy_engine.ops import (
+import fo_kernels.engines.copy_engine.gpu as gpu
+from fo_kernels.engines.copy_engine import plan_call
+from fo_kernels.engines.copy_engine.buffers import Regions, region_bytes_for
+from fo_kernels.engines.copy_engine.layout import FlagLayout, regions
+from fo_kernels.engines.copy_engine.ops import (
     ALT,
     MAIN,
     Clear,
@@ -48,7 +48,7 @@ from fo_kernels.copy_engine.ops import (
     Wait,
     WaitEvent,
 )
-from fo_kernels.schedule import Tile
+from fo_kernels.tile import Tile
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "copy_engine_two_rank_order.json").read_text())
 TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=1, num_warps=4, num_stages=1)

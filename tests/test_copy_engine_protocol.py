@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from fo_kernels.copy_engine import (
+from fo_kernels.engines.copy_engine import (
     CpuCheck,
     CpuOptions,
     ProtocolError,
@@ -27,11 +27,11 @@ from fo_kernels.copy_engine import (
     check_on_threads,
     plan_call,
 )
-from fo_kernels.copy_engine.buffers import region_bytes_for
-from fo_kernels.copy_engine.cpu import run_ranks
-from fo_kernels.copy_engine.layout import Cell
-from fo_kernels.copy_engine.ops import SIDE, STREAMS, Gemm, Signal, Wait
-from fo_kernels.schedule import Tile
+from fo_kernels.engines.copy_engine.buffers import region_bytes_for
+from fo_kernels.engines.copy_engine.cpu import run_ranks
+from fo_kernels.engines.copy_engine.layout import Cell
+from fo_kernels.engines.copy_engine.ops import SIDE, STREAMS, Gemm, Signal, Wait
+from fo_kernels.tile import Tile
 
 TOL = 1e-5  # float32 operands against the float64 reference
 CALLS = 10

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.gemm import (
     DEFAULT_OPTIONS,
     BOperand,
@@ -35,7 +36,8 @@ from fo_kernels.plan import (
     tail_plan,
     tail_split,
 )
-from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
+from fo_kernels.schedule import Problem, Schedule
+from fo_kernels.tile import Tile
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
@@ -345,7 +347,7 @@ def _rows_gemm_check(dtype_name: str, kmajor: bool) -> None:
     a @ b row-major and counts each tile row group's tiles; phase 2 (ready flags already set) adds
     what is in the destination and stores the sum twice. Odd rows and columns, groups of uneven
     tile rows. Run in a process of its own by the test below."""
-    from fo_kernels.copy_engine import tile_row_bounds
+    from fo_kernels.engines.copy_engine import tile_row_bounds
     from fo_kernels.gemm import rows_gemm
 
     dtype = getattr(torch, dtype_name)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.errors import ScheduleError
 from fo_kernels.gemm import BOperand, KernelOptions, signalled_gemm
 from fo_kernels.gemm.pingpong import pingpong_blocker
@@ -28,7 +29,8 @@ from fo_kernels.plan import (
     pingpong_parts,
     tail_plan,
 )
-from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
+from fo_kernels.schedule import Problem, Schedule
+from fo_kernels.tile import Tile
 
 PP = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4, pingpong=True)
 

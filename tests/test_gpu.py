@@ -14,10 +14,13 @@ import triton
 import triton.language as tl
 
 from dist_cases import TOL, Case, run_cases
+from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
+from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.gemm import BOperand, KernelOptions, restore_tile_major, rows_gemm, signalled_gemm, tma_usable
 from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import cdiv, make_plan, tail_plan
-from fo_kernels.schedule import CopyEngineSettings, Problem, Schedule, Tile, TritonSettings
+from fo_kernels.schedule import Problem, Schedule
+from fo_kernels.tile import Tile
 
 GPU_TILES = [
     Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
@@ -494,7 +497,7 @@ def test_copy_engine_graphs_repeated_eager_calls():
     (from the GRAPH_AFTER_CALLS-th call on), with every output right; a rank issuing eagerly and
     a rank replaying stay in step; growing the buffers drops the graphs and later calls are right."""
     from dist_cases import copy_engine_auto_graph
-    from fo_kernels.copy_engine import GRAPH_AFTER_CALLS
+    from fo_kernels.engines.copy_engine import GRAPH_AFTER_CALLS
     from fo_tune.launch import run_ranks
 
     cases = _engine_cases(

@@ -1,21 +1,34 @@
-"""fo_tune's modules import each other without a cycle, counting every import that runs: the module
-level and the ones inside functions. An import under ``if TYPE_CHECKING:`` never runs (type
-checkers alone read it, for annotations), so it cannot close an import cycle and is not counted."""
+"""The shape of both packages: their modules import each other without a cycle, no module is over
+500 lines, and fo_tune keeps its stages in packages.
+
+Imports are counted where they run: the module level and inside functions. An import under ``if
+TYPE_CHECKING:`` never runs (type checkers alone read it, for annotations), so it cannot close an
+import cycle and is not counted. A plug-in loaded by name (``importlib`` through a registry) is no
+import statement: registries point down to their plug-ins without an edge back."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = "fo_tune"
+# package name -> its source folder (the runtime's source lives in kernels/)
+PACKAGES = {"fo_kernels": "kernels", "fo_tune": "fo_tune"}
+# The longest module either package keeps (issue: "no module over 500 lines").
+MAX_MODULE_LINES = 500
+# fo_tune's top level: __init__ and at most two modules every stage shares.
+MAX_TOP_LEVEL_MODULES = 3
+FO_TUNE_STAGES = ("calibrate", "model", "search", "tables", "bench", "cli", "engines", "ranks")
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: str) -> dict[str, Path]:
     """Dotted name -> file of every module of the package (a package is its ``__init__.py``)."""
     found = {}
-    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    folder = ROOT / PACKAGES[package]
+    for path in sorted(folder.rglob("*.py")):
+        parts = [package, *path.relative_to(folder).with_suffix("").parts]
         if parts[-1] == "__init__":
             parts.pop()
         found[".".join(parts)] = path
@@ -48,9 +61,9 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(package: str) -> dict[str, set[str]]:
     """Module -> the package's modules it imports where the import runs (see the module docstring)."""
-    modules = _modules()
+    modules = _modules(package)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps: set[str] = set()
@@ -87,12 +100,47 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_fo_tune_has_no_import_cycle():
-    graph = import_graph()
-    assert {"fo_tune.launch", "fo_tune.timing", "fo_tune.bench.task", "fo_tune.cli.common"} <= set(graph)
-    assert "fo_tune.timing" in graph["fo_tune.measure"]  # the graph sees imports at all
-    assert "fo_tune.launch" in graph["fo_tune.search.driver"]  # ... and those inside functions
+    graph = import_graph("fo_tune")
+    assert {
+        "fo_tune.ranks.launch",
+        "fo_tune.ranks.timing",
+        "fo_tune.bench.task",
+        "fo_tune.cli.common",
+    } <= set(graph)
+    assert "fo_tune.ranks.timing" in graph["fo_tune.ranks.trials"]  # the graph sees imports at all
+    assert "fo_tune.ranks.launch" in graph["fo_tune.search.driver"]  # ... and those inside functions
     cycle = find_cycle(graph)
     assert not cycle, " -> ".join(cycle)
+
+
+def test_fo_kernels_has_no_import_cycle():
+    graph = import_graph("fo_kernels")
+    assert {"fo_kernels.execute", "fo_kernels.gemm.waves", "fo_kernels.engines.copy_engine.peers"} <= set(
+        graph
+    )
+    assert "fo_kernels.execute" in graph["fo_kernels.overlap"]
+    assert "fo_kernels.engines.triton.executor" in graph["fo_kernels.engines.triton"]  # inside run()
+    cycle = find_cycle(graph)
+    assert not cycle, " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_no_module_is_over_500_lines(package):
+    modules = _modules(package)
+    assert len(modules) > 20
+    long = {
+        name: n
+        for name, path in modules.items()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_fo_tune_keeps_its_stages_in_packages():
+    top = sorted(p.name for p in (ROOT / "fo_tune").glob("*.py"))
+    assert "__init__.py" in top and len(top) <= MAX_TOP_LEVEL_MODULES, top
+    for stage in FO_TUNE_STAGES:
+        assert (ROOT / "fo_tune" / stage / "__init__.py").is_file(), stage
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -80,7 +80,7 @@ def test_the_wave_count_follows_the_kernels_tail():
     one it shares out by stream-K as its programs' share of K blocks plus the tail's measured
     overhead; one it runs whole (too short a call, a tail of more than half the grid that stream-K
     would not save enough of, or ``rows_gemm``, which never splits) as a wave."""
-    from fo_kernels.schedule import Tile
+    from fo_kernels.tile import Tile
     from fo_tune.model.profiles import SPLIT_WAVE_SHARE, STREAM_K_OVERHEAD_BLOCKS, waves
 
     big = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4)
@@ -107,8 +107,10 @@ def test_units_are_ready_when_the_kernel_signals_them():
     """A tile is signalled at its program's next tile's epilogue in the whole waves' loop. Where the
     last partial wave runs apart from it (split tail, stream-K), the last whole wave's tiles have no
     next tile, so they are ready when that wave ends, and the split wave lasts its share."""
+    from fo_kernels.engines.triton.settings import TritonSettings
     from fo_kernels.plan import make_plan
-    from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
+    from fo_kernels.schedule import Problem, Schedule
+    from fo_kernels.tile import Tile
     from fo_tune.model.profiles import SPLIT_WAVE_SHARE
     from fo_tune.model.triton import unit_ready_fractions
 
@@ -140,8 +142,10 @@ def test_the_pingpong_kernels_units_are_ready_at_their_own_epilogue_and_its_k_sp
     """The ping-pong kernel signals each tile when its wave ends (no deferral). Its K-split tail
     runs first: the tail tiles are ready after their part's share, and the whole tiles of the
     programs that ran a part end that share later; the GEMM ends with them."""
+    from fo_kernels.engines.triton.settings import TritonSettings
     from fo_kernels.plan import make_plan, tail_plan
-    from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
+    from fo_kernels.schedule import Problem, Schedule
+    from fo_kernels.tile import Tile
     from fo_tune.model.profiles import last_wave_share
     from fo_tune.model.triton import unit_ready_fractions
 
@@ -182,7 +186,8 @@ def test_the_triton_model_against_the_shipped_trials(model):
 
 
 def test_a_ring_timeline_is_ordered(model, h200):
-    from fo_kernels.schedule import CopyEngineSettings, Problem, Schedule
+    from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
+    from fo_kernels.schedule import Problem, Schedule
 
     for collective in ("all_reduce", "reduce_scatter"):
         s = Schedule(
@@ -205,8 +210,8 @@ def test_chunk_rows_cut_as_the_runtime_does():
     offline plan does not import the copy engine's executors)."""
     import itertools
 
-    from fo_kernels.copy_engine import ROW_ALIGN as RUNTIME_ROW_ALIGN
-    from fo_kernels.copy_engine import chunk_bounds
+    from fo_kernels.engines.copy_engine import ROW_ALIGN as RUNTIME_ROW_ALIGN
+    from fo_kernels.engines.copy_engine import chunk_bounds
     from fo_tune.model.copy_engine import ROW_ALIGN
 
     assert ROW_ALIGN == RUNTIME_ROW_ALIGN
@@ -222,8 +227,11 @@ def test_all_gather_terms_follow_their_pipelines(h200):
     the baseline gathers M x K bytes first; the copy engine's own rows go first and each pulled
     chunk's GEMM waits for its pull at the calibration's peer-copy rate; the Triton engine's first
     gather is exposed and every later one waits for the one before."""
-    from fo_kernels.copy_engine import plan_call
-    from fo_kernels.schedule import CopyEngineSettings, Problem, Schedule, Tile, TritonSettings
+    from fo_kernels.engines.copy_engine import plan_call
+    from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
+    from fo_kernels.engines.triton.settings import TritonSettings
+    from fo_kernels.schedule import Problem, Schedule
+    from fo_kernels.tile import Tile
 
     model = CostModel(with_all_gather_standin(h200))
     m, n, k = 8192, 8192, 8192

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import fo_kernels
 from fo_kernels import GroupError, Problem, Schedule, ScheduleError, all_gather_gemm, gemm_all_reduce
+from fo_kernels import groups as groups_mod
 from fo_kernels import ops as ops_mod
 from fo_tune.launch import run_ranks
 from tp_cases import TOL, OpCase, gather_schedule, suite
@@ -73,10 +74,10 @@ def test_schedule_and_group_arguments(one_rank):
     with pytest.raises(ScheduleError, match=r"expected a fo_kernels\.Schedule"):
         ops_mod.schedule_text({"collective": "all_gather"})
     world = dist.group.WORLD
-    assert ops_mod.group_name(None) == "" and ops_mod.group_name(world) == world.group_name
-    assert ops_mod.resolve_group(world.group_name) is world and ops_mod.resolve_group("") is None
+    assert groups_mod.group_name(None) == "" and groups_mod.group_name(world) == world.group_name
+    assert groups_mod.resolve_group(world.group_name) is world and groups_mod.resolve_group("") is None
     with pytest.raises(GroupError, match="no process group named 'nope'"):
-        ops_mod.resolve_group("nope")
+        groups_mod.resolve_group("nope")
     with pytest.raises(GroupError, match="not a member"):
         gemm_all_reduce(torch.randn(2, 3), torch.randn(3, 4), group=dist.GroupMember.NON_GROUP_MEMBER)
 

@@ -8,18 +8,14 @@ import re
 
 import pytest
 
+from fo_kernels.engines import engine_names
+from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
+from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.errors import ScheduleError, ShapeError
 from fo_kernels.heuristics import MIN_OVERLAP_BYTES, default_schedule, split_decreasing
 from fo_kernels.plan import cdiv, make_plan, resolve_groups
-from fo_kernels.schedule import (
-    ENGINE_SETTINGS,
-    CopyEngineSettings,
-    Problem,
-    Schedule,
-    Tile,
-    TritonSettings,
-    settings_type,
-)
+from fo_kernels.schedule import Problem, Schedule, settings_type
+from fo_kernels.tile import Tile
 
 TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
 _COMMON = ("collective", "dtype", "world_size", "problem", "provenance")
@@ -117,7 +113,8 @@ def test_round_trip_and_unknown_keys():
 
 
 def test_engines_are_a_tagged_union_registered_by_exact_name():
-    assert set(ENGINE_SETTINGS) == {"triton", "copy_engine"}
+    assert set(engine_names()) == {"triton", "copy_engine"}
+    assert settings_type("triton") is TritonSettings
     assert settings_type("copy_engine") is CopyEngineSettings
     with pytest.raises(ScheduleError, match=r"^engine: 'Copy_Engine' is not one of copy_engine, triton"):
         settings_type("Copy_Engine")
@@ -295,8 +292,9 @@ def test_copy_engine_settings_agree_with_the_engines_modes():
     """The schedule's copy-engine rules (kept light: reading a table defines no kernel) say what the
     engine's own mode registry says: the same mode names, and the same feasibility per collective
     and world size."""
-    from fo_kernels.copy_engine import MODE_NAMES, mode_blocker
-    from fo_kernels.schedule import COLLECTIVES, COPY_ENGINE_MODES
+    from fo_kernels.engines.copy_engine import MODE_NAMES, mode_blocker
+    from fo_kernels.engines.copy_engine.settings import COPY_ENGINE_MODES
+    from fo_kernels.schedule import COLLECTIVES
 
     assert COPY_ENGINE_MODES == MODE_NAMES
     for mode, collective, world in itertools.product(MODE_NAMES, COLLECTIVES, range(1, 9)):

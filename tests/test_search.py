@@ -26,8 +26,8 @@ from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, with_all
 from fo_kernels.errors import HeuristicScheduleWarning
 from fo_kernels.heuristics import default_schedule
 from fo_kernels.plan import make_plan
-from fo_kernels.schedule import Tile
 from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_table
+from fo_kernels.tile import Tile
 from fo_tune import tables as table_tools
 from fo_tune.calibration import save_calibration
 from fo_tune.encoding import Infeasible, UnionEncoding, schedule_key
@@ -311,8 +311,8 @@ def _runtime_lookup(monkeypatch, tables: Path, h200, collective: str):
     """What the runtime returns for 16384x8192x4096 on the H200 x2 of ``h200``, reading only the
     tables under ``tables`` (no packaged ones; a heuristic fallback is an error)."""
     monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tables))
-    monkeypatch.setattr("fo_kernels.table._packaged_table_dir", lambda: None)
-    monkeypatch.setattr("fo_kernels.table.current_fingerprint", lambda dev, world: h200.fingerprint)
+    monkeypatch.setattr("fo_kernels.table.paths._packaged_table_dir", lambda: None)
+    monkeypatch.setattr("fo_kernels.table.lookup.current_fingerprint", lambda dev, world: h200.fingerprint)
     with warnings.catch_warnings():
         warnings.simplefilter("error", HeuristicScheduleWarning)
         return lookup_schedule(collective, 16384, 8192, 4096, dtype="bfloat16", world_size=2, device="cpu")

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from fo_kernels.errors import FoTuneError
-from fo_kernels.schedule import Tile
+from fo_kernels.tile import Tile
 from fo_tune.space import (
     SearchSpace,
     SpaceError,

@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from fo_kernels import table as tablemod
+from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
+from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.errors import (
     HeuristicScheduleWarning,
     ScheduleError,
@@ -22,7 +23,7 @@ from fo_kernels.errors import (
 )
 from fo_kernels.fingerprint import CPU_NOMINAL_PROGRAMS, Fingerprint, current_fingerprint
 from fo_kernels.plan import make_plan
-from fo_kernels.schedule import CopyEngineSettings, Problem, Schedule, Tile, TritonSettings
+from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import (
     MISS_SOURCE,
     TABLE_DIR_ENV,
@@ -36,6 +37,10 @@ from fo_kernels.table import (
     table_path,
     table_search_path,
 )
+from fo_kernels.table import format as table_format
+from fo_kernels.table import lookup as table_lookup
+from fo_kernels.table import paths as table_paths
+from fo_kernels.tile import Tile
 
 TILE = Tile(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
 HEADER = {"collective": "all_reduce", "dtype": "bfloat16", "world_size": 2}
@@ -47,10 +52,10 @@ def roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     env_root, xdg = tmp_path / "env", tmp_path / "xdg"
     monkeypatch.setenv(TABLE_DIR_ENV, str(env_root))
     monkeypatch.setenv("XDG_DATA_HOME", str(xdg))
-    monkeypatch.setattr(tablemod, "_packaged_table_dir", lambda: None)
-    tablemod._CACHE.clear()
+    monkeypatch.setattr(table_paths, "_packaged_table_dir", lambda: None)
+    table_lookup._CACHE.clear()
     yield {"env": env_root, "user": xdg / "fo-tune" / "tables"}
-    tablemod._CACHE.clear()
+    table_lookup._CACHE.clear()
 
 
 def cpu_fp(**changes: Any) -> Fingerprint:
@@ -127,7 +132,7 @@ def test_all_gather_table_round_trip(tmp_path: Path) -> None:
 
 
 def test_search_path_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, roots: dict[str, Path]) -> None:
-    monkeypatch.setattr(tablemod, "_packaged_table_dir", lambda: tmp_path / "pkg")
+    monkeypatch.setattr(table_paths, "_packaged_table_dir", lambda: tmp_path / "pkg")
     assert table_search_path() == [roots["env"], roots["user"], tmp_path / "pkg"]
     monkeypatch.delenv(TABLE_DIR_ENV)
     assert table_search_path() == [roots["user"], tmp_path / "pkg"]
@@ -223,7 +228,7 @@ def test_atomic_save_leaves_no_temp_files(tmp_path: Path, monkeypatch: pytest.Mo
     def fail(src: str, dst: str) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(tablemod.os, "replace", fail)
+    monkeypatch.setattr(table_format.os, "replace", fail)
     with pytest.raises(OSError, match="disk full"):
         save_table(make_table([no_overlap_row()]), path)
     assert os.listdir(tmp_path) == ["t.yaml"]
@@ -387,7 +392,7 @@ def test_lookup_measured_beats_predicted_across_folders(
 ) -> None:
     """A predict search's rows in the user folder do not shadow the measured rows behind them; among
     rows of one kind the folder order decides, and exact rows come before M-range rows."""
-    monkeypatch.setattr(tablemod, "TABLE_RECHECK_S", 0.0)  # every call looks at the files again
+    monkeypatch.setattr(table_lookup, "TABLE_RECHECK_S", 0.0)  # every call looks at the files again
     write(roots["env"], [predicted(exact_row(tag="env-predicted")), predicted(range_row(tag="env-pr-range"))])
     write(roots["user"], [range_row(tag="user-range")])
     assert row_kind(lookup(64)) == "measured" and lookup(64).provenance["tag"] == "user-range"
@@ -419,7 +424,7 @@ def test_lookup_accepts_torch_dtype(roots: dict[str, Path]) -> None:
 
 
 def test_lookup_sees_rewritten_table(roots: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tablemod, "TABLE_RECHECK_S", 0.0)  # every call looks at the files again
+    monkeypatch.setattr(table_lookup, "TABLE_RECHECK_S", 0.0)  # every call looks at the files again
     write(roots["env"], [exact_row(tag="old")])
     assert lookup(64).provenance["tag"] == "old"
     write(roots["env"], [exact_row(tag="new"), range_row()])
@@ -439,9 +444,9 @@ def test_repeated_lookup_is_answered_from_memory(
         raise AssertionError(f"looked at {path}")
 
     with monkeypatch.context() as mp:
-        mp.setattr(tablemod._CACHE, "load", no_files)
+        mp.setattr(table_lookup._CACHE, "load", no_files)
         assert lookup(64).provenance["tag"] == "old"
-    monkeypatch.setattr(tablemod, "TABLE_RECHECK_S", 0.0)
+    monkeypatch.setattr(table_lookup, "TABLE_RECHECK_S", 0.0)
     assert lookup(64).provenance["tag"] == "new"
 
 

@@ -16,12 +16,14 @@ from typer.testing import CliRunner
 
 from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
-from fo_kernels import table as tablemod
+from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.errors import FoTuneError, TableError
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint, make_device_key
 from fo_kernels.heuristics import default_schedule
-from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
+from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import ScheduleTable, load_table, save_table, table_path
+from fo_kernels.table import paths as table_paths
+from fo_kernels.tile import Tile
 from fo_tune.tables import (
     RowDiff,
     TableLockTimeout,
@@ -58,7 +60,7 @@ MERGES_PER_PROC = 15
 def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Hermetic search path (env and user folders under tmp_path, no packaged tables), wide output."""
     isolate_tables(monkeypatch, tmp_path)
-    monkeypatch.setattr(tablemod, "_packaged_table_dir", lambda: None)
+    monkeypatch.setattr(table_paths, "_packaged_table_dir", lambda: None)
     monkeypatch.setenv("COLUMNS", "250")  # rich tables without squeezed cells
 
 

@@ -30,7 +30,7 @@ from fo_kernels import (
 )
 from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import cdiv
-from fo_kernels.schedule import Tile
+from fo_kernels.tile import Tile
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 TOL = {"float32": 1e-5, "float16": 5e-3}

@@ -18,8 +18,8 @@ after the other (said in the detail column) and the numbers describe the CPU, no
 CLI is ``fo_tune.cli.bench``.
 """
 
-from .output import BENCH_FILES, BENCH_ROOT, check_bench_out, default_bench_dir, write_bench_dir
-from .request import (
+from fo_tune.bench.output import BENCH_FILES, BENCH_ROOT, check_bench_out, default_bench_dir, write_bench_dir
+from fo_tune.bench.request import (
     CHUNK_COUNTS,
     CPU_MAX_MACS,
     CPU_SHAPES,
@@ -27,7 +27,7 @@ from .request import (
     BenchRequestError,
     check_runnable,
 )
-from .rows import (
+from fo_tune.bench.rows import (
     BENCH_COLUMNS,
     FUSED_VARIANT,
     STATUSES,
@@ -37,9 +37,9 @@ from .rows import (
     case_rows,
     case_variants,
 )
-from .run import run_bench
-from .suite import Suite, SuiteError, SuiteNotFoundError, load_suite, packaged_suite
-from .task import BenchCaseTask
+from fo_tune.bench.run import run_bench
+from fo_tune.bench.suite import Suite, SuiteError, SuiteNotFoundError, load_suite, packaged_suite
+from fo_tune.bench.task import BenchCaseTask
 
 __all__ = [
     "BENCH_COLUMNS",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from ..report import check_writable, figure, replacing_folder, write_rows
-from .rows import BENCH_COLUMNS, BenchResult
+from fo_tune.bench.rows import BENCH_COLUMNS, BenchResult
+from fo_tune.report import check_writable, figure, replacing_folder, write_rows
 
 BENCH_ROOT = Path("results/bench")
 BENCH_FILES = ("bench.csv", "bench.yaml", "bench.png")

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 from fo_kernels.errors import FoTuneError, ShapeError
 from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
-
-from ..launch import TASK_TIMEOUT_S
-from ..limits import check_problem_size, local_target
-from .suite import Shape
+from fo_tune.bench.suite import Shape
+from fo_tune.launch import TASK_TIMEOUT_S
+from fo_tune.limits import check_problem_size, local_target
 
 # Row chunks of the hand-chunked baseline: the design brief's H200 prototype split M into 2, 4 and 8
 # (docs/design.md#triton-engine).

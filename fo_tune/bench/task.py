@@ -28,14 +28,13 @@ import torch.distributed as dist
 from fo_kernels.errors import HeuristicScheduleWarning
 from fo_kernels.runtime import runtime_for
 from fo_kernels.schedule import SHARDED_COLLECTIVES
-
-from ..launch import RankContext
-from ..measure import GEMM_TOL, rel_err
-from ..timing import MIN_SAMPLE_MS, time_interleaved
-from . import variants as v
-from .operands import CaseOperands, case_operands
-from .request import CHUNK_COUNTS, GPU_REPS, WARMUP
-from .rows import FUSED_VARIANT
+from fo_tune.bench import variants as v
+from fo_tune.bench.operands import CaseOperands, case_operands
+from fo_tune.bench.request import CHUNK_COUNTS, GPU_REPS, WARMUP
+from fo_tune.bench.rows import FUSED_VARIANT
+from fo_tune.launch import RankContext
+from fo_tune.measure import GEMM_TOL, rel_err
+from fo_tune.timing import MIN_SAMPLE_MS, time_interleaved
 
 # Seed offset of the second operand set (any number keeping it apart from the first set's seeds).
 FRESH_SEED = 7919

@@ -40,9 +40,8 @@ from fo_kernels.collectives import all_gather_tensor, reduce_scatter_tensor
 from fo_kernels.errors import EnvironmentMismatchError, FoTuneError, HeuristicScheduleWarning
 from fo_kernels.runtime import runtime_for
 from fo_kernels.table import MISS_SOURCE
-
-from ..launch import RankContext
-from .operands import collective_of
+from fo_tune.bench.operands import collective_of
+from fo_tune.launch import RankContext
 
 Call = Callable[[], torch.Tensor]
 

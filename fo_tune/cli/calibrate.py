@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from .common import (
+from fo_tune.cli.common import (
     DTYPE_NAMES,
     BackendOpt,
     SpaceOpt,
@@ -29,7 +29,7 @@ from .common import (
     summary_table,
     triton_mode,
 )
-from .progress import ProgressReporter, progress_bars
+from fo_tune.cli.progress import ProgressReporter, progress_bars
 
 if TYPE_CHECKING:
     from fo_tune.calibration import Calibration, GemmPoint

@@ -7,7 +7,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from .common import (
+from fo_tune.cli.common import (
     BACKEND_NAMES,
     DTYPE_NAMES,
     BackendOpt,

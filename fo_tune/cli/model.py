@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from .calibrate import fmt, summary_table
-from .common import console, handle_errors
+from fo_tune.cli.calibrate import fmt, summary_table
+from fo_tune.cli.common import console, handle_errors
 
 if TYPE_CHECKING:
     from fo_tune.calibration import Calibration
@@ -98,9 +98,8 @@ _NK = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 def _calibration(path: Path | None) -> tuple[Calibration, Path]:
     from fo_tune.calibration import load_calibration
+    from fo_tune.cli.search import packaged_calibration
     from fo_tune.search import SearchError
-
-    from .search import packaged_calibration
 
     if path is None:
         path = packaged_calibration(None, 2)

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from .common import (
+from fo_tune.cli.common import (
     DTYPE_NAMES,
     BackendOpt,
     SpaceOpt,

@@ -16,7 +16,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from .common import console
+from fo_tune.cli.common import console
 
 
 def progress_bars(enabled: bool = True) -> Progress:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from .common import (
+from fo_tune.cli.common import (
     COLLECTIVE_NAMES,
     BackendOpt,
     SpaceOpt,
@@ -34,7 +34,7 @@ from .common import (
     summary_table,
     triton_mode,
 )
-from .progress import ProgressReporter, progress_bars
+from fo_tune.cli.progress import ProgressReporter, progress_bars
 
 if TYPE_CHECKING:
     from fo_kernels.schedule import Schedule
@@ -255,7 +255,8 @@ def find_calibration(device_key: str, world_size: int) -> Path | None:
 def short_schedule(row: Schedule) -> str:
     """``triton 128x256x64s3ws r28 cap24 u256 g1-1-1-1 row_band``, ``copy_engine ring 1-1-1-1``
     (or ``no overlap``)."""
-    from fo_kernels.schedule import CopyEngineSettings, TritonSettings
+    from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
+    from fo_kernels.engines.triton.settings import TritonSettings
 
     st = row.settings
     if st is None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 
-from .common import (
+from fo_tune.cli.common import (
     COLLECTIVE_NAMES,
     DTYPE_NAMES,
     EXIT_BAD_INPUT,
@@ -25,7 +25,7 @@ from .common import (
     one_line,
     summary_table,
 )
-from .table_rows import (
+from fo_tune.cli.table_rows import (
     copy_engine_label,
     csv_rows,
     kind_label,
@@ -307,7 +307,7 @@ def lookup(
 ) -> None:
     import yaml
 
-    from .common import parse_shape
+    from fo_tune.cli.common import parse_shape
 
     if shape is None:
         raise typer.BadParameter("--shape MxNxK: the call to look up is missing")

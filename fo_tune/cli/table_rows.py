@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 
-from .common import console, fmt, summary_table
+from fo_tune.cli.common import console, fmt, summary_table
 
 if TYPE_CHECKING:
-    from fo_kernels.schedule import Schedule, Tile
+    from fo_kernels.schedule import Schedule
     from fo_kernels.table import ScheduleTable
+    from fo_kernels.tile import Tile
 
 # Provenance keys shown first, in this order; any other key follows, sorted.
 PROVENANCE_ORDER = ("measured_ms", "predicted_ms", "sequential_ms", "speedup", "mode", "source")
@@ -53,7 +54,7 @@ def kind_label(row: Schedule) -> str:
 
 def value_label(value: Any) -> str:
     """A provenance or field value in a cell: floats to 4 significant digits, tiles in short form."""
-    from fo_kernels.schedule import Tile
+    from fo_kernels.tile import Tile
 
     if isinstance(value, Tile) or value is None:
         return tile_label(value)
@@ -89,7 +90,8 @@ def print_plain(text: str) -> None:
 
 def settings_cells(row: Schedule) -> list[str]:
     """tile, sms_free, cap, signal, groups, layout, wait of a row (``-`` where it has none)."""
-    from fo_kernels.schedule import CopyEngineSettings, TritonSettings
+    from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
+    from fo_kernels.engines.triton.settings import TritonSettings
 
     st = row.settings
     if isinstance(st, CopyEngineSettings):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from .base import EngineTuner, Infeasible, ShapeTask, UnknownEngineError
+from fo_tune.engines.base import EngineTuner, Infeasible, ShapeTask, UnknownEngineError
 
 __all__ = ["EngineTuner", "Infeasible", "ShapeTask", "UnknownEngineError", "engine_names", "get_tuner"]
 

@@ -1,7 +1,7 @@
 """The tuner side of an engine: what the search, the space, the model and the calibration ask it.
 
 An ``EngineTuner`` is stateless and registered by the exact name its runtime settings carry
-(``fo_kernels.schedule.ENGINE_SETTINGS``; ``fo_tune.engines.get_tuner``). Call order:
+(``fo_kernels.engines.ENGINES``; ``fo_tune.engines.get_tuner``). Call order:
 
 1. ``read_space`` (``read_space_v1`` for a schema-1 file) when a search space file is loaded: the
    engine's section of ``engines:``, validated, errors naming the key;
@@ -32,10 +32,9 @@ from fo_kernels.schedule import SHARDED_COLLECTIVES, EngineSettings, Problem, Sc
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
-
-    from ..calibration import Calibration
-    from ..model import CostModel
-    from ..space import SearchSpace, SpaceReader
+    from fo_tune.calibration import Calibration
+    from fo_tune.model import CostModel
+    from fo_tune.space import SearchSpace, SpaceReader
 
 
 class Infeasible(FoTuneError, ValueError):

@@ -28,25 +28,25 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from fo_kernels.engines.copy_engine.settings import MAX_CHUNKS, CopyEngineSettings
 from fo_kernels.plan import cdiv
-from fo_kernels.schedule import MAX_CHUNKS, CopyEngineSettings, EngineSettings, Tile
-
-from ..space import Section, listed, plain
-from .base import EngineTuner, Infeasible, ShapeTask
+from fo_kernels.schedule import EngineSettings
+from fo_kernels.tile import Tile
+from fo_tune.engines.base import EngineTuner, Infeasible, ShapeTask
+from fo_tune.space import Section, listed, plain
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
-
-    from ..calibration import Calibration
-    from ..model import CostModel
-    from ..space import SpaceReader
+    from fo_tune.calibration import Calibration
+    from fo_tune.model import CostModel
+    from fo_tune.space import SpaceReader
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-# The modes that run each collective (fo_kernels.copy_engine.modes: TiledMode.blocker).
+# The modes that run each collective (fo_kernels.engines.copy_engine.modes: TiledMode.blocker).
 TILED_COLLECTIVES = ("all_reduce", "reduce_scatter")
 # Interconnects (fo_kernels.fingerprint.interconnect_summary) whose GPUs read each other's memory.
 PEER_INTERCONNECTS = ("nvlink", "p2p")
-# The tiled mode's protocol connects exactly two peers (fo_kernels.copy_engine).
+# The tiled mode's protocol connects exactly two peers (fo_kernels.engines.copy_engine).
 TILED_WORLD = 2
 # The command that measures the copy engine's calibration section (two GPUs: peer copies and
 # flags; the library GEMM and the clock need one GPU, `--world-size 1`).
@@ -108,7 +108,8 @@ def _read_tiled(r: SpaceReader, node: Any, path: str) -> TiledSpace:
     return TiledSpace(**data)
 
 
-# mode name -> the reader of its subsection (the runtime's modes: fo_kernels.schedule.COPY_ENGINE_MODES)
+# mode name -> the reader of its subsection (the runtime's modes:
+# fo_kernels.engines.copy_engine.settings.COPY_ENGINE_MODES)
 _MODES = {"ring": _read_ring, "tiled": _read_tiled}
 
 
@@ -190,8 +191,8 @@ class CopyEngineTuner(EngineTuner):
         return ""
 
     def calibration_gap(self, cal: Calibration, collective: str) -> str:
-        from ..model.copy_engine import PARAMS as TERM_PARAMS
-        from ..model.library import PARAMS as LIBRARY_PARAMS
+        from fo_tune.model.copy_engine import PARAMS as TERM_PARAMS
+        from fo_tune.model.library import PARAMS as LIBRARY_PARAMS
 
         section = cal.copy_engine
         if section is None:
@@ -205,7 +206,7 @@ class CopyEngineTuner(EngineTuner):
         return ""
 
     def probe_task(self) -> Any:
-        from ..measure import CopyEngineProbeTask
+        from fo_tune.measure import CopyEngineProbeTask
 
         return CopyEngineProbeTask()
 
@@ -310,8 +311,8 @@ class CopyEngineTuner(EngineTuner):
 
     # ------------------------------------------------------------------------------ the model
     def term(self, model: CostModel) -> Any:
-        from ..calibration import CalibrationError
-        from ..model.copy_engine import CopyEngineTerm
+        from fo_tune.calibration import CalibrationError
+        from fo_tune.model.copy_engine import CopyEngineTerm
 
         gap = self.calibration_gap(model.cal, "all_reduce")
         if gap:

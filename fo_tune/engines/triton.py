@@ -29,7 +29,7 @@ point that cannot run (a grid of no program, a row_band cut inside a band of til
 ``Infeasible`` before anything runs. It runs on any machine with world size >= 2 (NCCL or gloo).
 
 all_gather (AllGather + GEMM) is offered only what its runtime path takes
-(``TritonSettings.check``, ``fo_kernels.triton_engine``): layout ``row_band`` (a group's A rows
+(``TritonSettings.check``, ``fo_kernels.engines.triton.executor``): layout ``row_band`` (a group's A rows
 are whole bands of every shard), signal units of ``band`` kind only (``multiples`` of a band of
 every shard: a multiple of the world size; nothing is signalled, a unit only fixes where groups
 may be cut, so the space's ``kinds`` do not apply), and no ``wait_mode`` parameter (the GEMM's
@@ -45,27 +45,27 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from fo_kernels.engines.triton.settings import LAYOUTS, WAIT_MODES, TritonSettings
 from fo_kernels.errors import ScheduleError
 from fo_kernels.heuristics import default_schedule, split_decreasing
 from fo_kernels.plan import cdiv, make_plan
-from fo_kernels.schedule import LAYOUTS, WAIT_MODES, EngineSettings, Tile, TritonSettings
-
-from ..calibration import CalibrationError
-from ..space import Section, choices, integers, listed, sectioned
-from .base import EngineTuner, Infeasible, ShapeTask
+from fo_kernels.schedule import EngineSettings
+from fo_kernels.tile import Tile
+from fo_tune.calibration import CalibrationError
+from fo_tune.engines.base import EngineTuner, Infeasible, ShapeTask
+from fo_tune.space import Section, choices, integers, listed, sectioned
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
-
-    from ..calibration import Calibration
-    from ..model import CostModel
-    from ..space import SpaceReader
+    from fo_tune.calibration import Calibration
+    from fo_tune.model import CostModel
+    from fo_tune.space import SpaceReader
 
 SIGNAL_KINDS = ("band", "wave")  # a unit = multiple x (a band of group_m tile rows | a wave of the grid)
 GROUPINGS = ("dp", "custom")
 # Group counts the exhaustive enumeration tries besides "dp" (near-equal, larger first).
 ENUMERATED_GROUP_COUNTS = (1, 2, 4)
-# The collectives this engine's runtime overlaps (fo_kernels.triton_engine).
+# The collectives this engine's runtime overlaps (fo_kernels.engines.triton.executor).
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 # What an all_gather schedule keeps in its unused wait_mode field: TritonSettings' default.
 ALL_GATHER_WAIT: str = next(f.default for f in dataclasses.fields(TritonSettings) if f.name == "wait_mode")
@@ -169,7 +169,7 @@ class TritonTuner(EngineTuner):
         return ""
 
     def calibration_gap(self, cal: Calibration, collective: str) -> str:
-        from ..model.profiles import missing_curve
+        from fo_tune.model.profiles import missing_curve
 
         gap = missing_curve(cal, collective)
         if gap:
@@ -393,7 +393,7 @@ class TritonTuner(EngineTuner):
 
     # ------------------------------------------------------------------------------ the model
     def term(self, model: CostModel) -> Any:
-        from ..model.triton_gather import TritonCollectivesTerm
+        from fo_tune.model.triton_gather import TritonCollectivesTerm
 
         section = model.cal.triton
         return TritonCollectivesTerm(model, section.values() if section is not None else None)

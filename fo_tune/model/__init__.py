@@ -12,8 +12,8 @@ parameters to measured rows). The all_gather terms are unvalidated: no all_gathe
 GPUs, so ``check`` has no all_gather row to report.
 """
 
-from .core import CostModel
-from .triton import num_units, with_groups
-from .types import Baseline, Interference, Prediction, element_bytes
+from fo_tune.model.core import CostModel
+from fo_tune.model.triton import num_units, with_groups
+from fo_tune.model.types import Baseline, Interference, Prediction, element_bytes
 
 __all__ = ["Baseline", "CostModel", "Interference", "Prediction", "element_bytes", "num_units", "with_groups"]

@@ -25,12 +25,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.errors import FoTuneError, ScheduleError
-from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings, settings_type
+from fo_kernels.schedule import Problem, Schedule, settings_type
 from fo_kernels.table import ScheduleTable, row_kind
-
-from ..calibration import CalibrationError
-from .core import CostModel
+from fo_kernels.tile import Tile
+from fo_tune.calibration import CalibrationError
+from fo_tune.model.core import CostModel
 
 
 class CheckError(FoTuneError, ValueError):

@@ -1,6 +1,6 @@
 """The copy engine's cost-model term: library GEMM chunks, peer copies, flags, the host.
 
-The engine (``fo_kernels.copy_engine``) runs a ring reduce-scatter over N peers: rank r owns shard
+The engine (``fo_kernels.engines.copy_engine``) runs a ring reduce-scatter over N peers: rank r owns shard
 r of the output rows (M/N rows), each shard cut into row chunks by the schedule's weights. In step
 s = 0 .. N-1 rank r computes its contribution to shard (r + s + 1) mod N chunk by chunk (beta = 0
 at step 0; beta = 1 after, adding the partial pulled from its neighbour), flags each chunk, and its
@@ -45,7 +45,7 @@ each chunk's GEMM waits only for its pull::
                   + library(rows_c, N, K, fill) * copy_contention + chunk_overhead_ms
     device      = last GEMM end + call_overhead_ms
 
-An eager call's operations are counted from the protocol itself (``fo_kernels.copy_engine.modes
+An eager call's operations are counted from the protocol itself (``fo_kernels.engines.copy_engine.modes
 .plan_call``).
 """
 
@@ -56,13 +56,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
 from fo_kernels.plan import cdiv
-from fo_kernels.schedule import CopyEngineSettings, Schedule
-
-from .types import Prediction, element_bytes
+from fo_kernels.schedule import Schedule
+from fo_tune.model.types import Prediction, element_bytes
 
 if TYPE_CHECKING:
-    from .core import CostModel
+    from fo_tune.model.core import CostModel
 
 # The parameters the term reads beyond the library model's (fo_tune.model.library.PARAMS).
 PARAMS = {
@@ -80,7 +80,7 @@ PARAMS = {
     "host_graph_call_ms": "host time of a call replayed from the engine's own CUDA graph (ms)",
     "host_eager_op_ms": "host time per operation of an eager call (ms)",
 }
-# Operations an eager call issues (counted from fo_kernels.copy_engine's protocol): per call the
+# Operations an eager call issues (counted from fo_kernels.engines.copy_engine's protocol): per call the
 # PULLED / GATHERED waits and flags and the stream joins; per chunk and step a GEMM, its flag
 # write, the pull's wait and copy, the next step's wait; AllReduce per chunk the gather's flag,
 # wait and copy and the local copy of the sums.
@@ -88,8 +88,8 @@ EAGER_OPS_PER_CALL = 8
 EAGER_OPS_PER_CHUNK_STEP = 5
 EAGER_OPS_PER_CHUNK_GATHER = 4
 # The runtime cuts inner chunk bounds on multiples of this many rows once every chunk can get that
-# many (fo_kernels.copy_engine.ROW_ALIGN: the tallest cuBLAS tile on Hopper). ``chunk_rows`` repeats
-# the runtime's ``chunk_bounds`` rule instead of calling it: importing fo_kernels.copy_engine costs
+# many (fo_kernels.engines.copy_engine.ROW_ALIGN: the tallest cuBLAS tile on Hopper). ``chunk_rows`` repeats
+# the runtime's ``chunk_bounds`` rule instead of calling it: importing fo_kernels.engines.copy_engine costs
 # an offline plan ~0.3 s (its executors), and a test checks that the two agree.
 ROW_ALIGN = 128
 
@@ -246,7 +246,7 @@ class CopyEngineTerm:
         if graphed:
             host = p["host_graph_call_ms"]
         else:
-            from fo_kernels.copy_engine.modes import plan_call
+            from fo_kernels.engines.copy_engine.modes import plan_call
 
             ops = plan_call("ring", "all_gather", world, 0, m, n, k, st.weights).ops
             host = p["host_eager_op_ms"] * len(ops)

@@ -24,13 +24,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fo_kernels.schedule import Schedule, Tile
-
-from ..calibration import Calibration
-from .library import PARAMS as LIBRARY_PARAMS
-from .library import LibraryGemm, LibraryPoint
-from .profiles import Curves, InterferenceTable, TileProfile
-from .types import Baseline, Interference, Prediction, element_bytes
+from fo_kernels.schedule import Schedule
+from fo_kernels.tile import Tile
+from fo_tune.calibration import Calibration
+from fo_tune.model.library import PARAMS as LIBRARY_PARAMS
+from fo_tune.model.library import LibraryGemm, LibraryPoint
+from fo_tune.model.profiles import Curves, InterferenceTable, TileProfile
+from fo_tune.model.types import Baseline, Interference, Prediction, element_bytes
 
 # Host time of a baseline call (ms) when the calibration's copy_engine section does not say:
 # the eager GEMM then collective 0.06 (one cuBLAS launch and one collective call, torch eager;
@@ -65,7 +65,7 @@ class CostModel:
     def term(self, engine: str) -> Any:
         """The cost-model term of ``engine`` (made by its plug-in on first use)."""
         if engine not in self._terms:
-            from ..engines import get_tuner
+            from fo_tune.engines import get_tuner
 
             self._terms[engine] = get_tuner(engine).term(self)
         return self._terms[engine]

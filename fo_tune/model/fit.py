@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fo_kernels.plan import cdiv
-
-from ..calibration import Calibration, EngineCalibration, Quantity
-from .check import Checked, mape
-from .core import CostModel
-from .library import K_UNIT
+from fo_tune.calibration import Calibration, EngineCalibration, Quantity
+from fo_tune.model.check import Checked, mape
+from fo_tune.model.core import CostModel
+from fo_tune.model.library import K_UNIT
 
 # Parameters fit_free may move, and the range it searches each in.
 FREE_BOUNDS = {
@@ -140,7 +139,7 @@ def fit_calibration(
     of ``files`` and ``TRITON_FREE`` to their measured Triton ones, leaving out of each fit what
     ``held_out`` says (``held_out_text`` describes it in the sources); write the values into
     ``cal`` with their sources and return the reports."""
-    from .check import measured_in
+    from fo_tune.model.check import measured_in
 
     model = CostModel(cal)
     items = measured_in(files)

@@ -21,10 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fo_kernels.plan import TailPlan, cdiv, tail_plan
-from fo_kernels.schedule import Tile
-
-from ..calibration import BandwidthPoint, Calibration, CalibrationError, GemmPoint, InterferencePoint
-from .types import Interference
+from fo_kernels.tile import Tile
+from fo_tune.calibration import BandwidthPoint, Calibration, CalibrationError, GemmPoint, InterferencePoint
+from fo_tune.model.types import Interference
 
 
 @dataclass(frozen=True, slots=True)

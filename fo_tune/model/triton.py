@@ -38,14 +38,15 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.plan import Plan, cdiv, make_plan, tail_plan
-from fo_kernels.schedule import SHARDED_COLLECTIVES, Schedule, Tile, TritonSettings
-
-from .profiles import last_wave_share
-from .types import Interference, Prediction, element_bytes
+from fo_kernels.schedule import SHARDED_COLLECTIVES, Schedule
+from fo_kernels.tile import Tile
+from fo_tune.model.profiles import last_wave_share
+from fo_tune.model.types import Interference, Prediction, element_bytes
 
 if TYPE_CHECKING:
-    from .core import CostModel
+    from fo_tune.model.core import CostModel
 
 # Host time of one eager call (ms), used when the calibration has no `triton` section. Measured on
 # H200 x2 (docs/design.md#cost-model): the persistent GEMM's launch 0.086 ms, each

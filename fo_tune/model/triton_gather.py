@@ -4,7 +4,7 @@ Unvalidated: no all_gather was ever measured on GPUs, so no prediction below has
 with a measurement (``fo-tune model check`` reports measured rows and trials only, and there are
 none). The pieces are the calibration's measurements of other calls, applied to this one's.
 
-The runtime (``fo_kernels.triton_engine``) runs the reverse pipeline of GEMM + collective: group g
+The runtime (``fo_kernels.engines.triton.executor``) runs the reverse pipeline of GEMM + collective: group g
 is rows [i0, i1) of every rank's shard (whole bands of tile rows, ``row_band``); the communication
 stream gathers each group's rows with one NCCL all_gather, records an event and copies the chunk
 into the gathered A; the caller's stream waits for group g's event and runs its chunk GEMMs, w
@@ -47,10 +47,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.plan import Plan, cdiv
-from fo_kernels.schedule import Schedule, Tile, TritonSettings
-
-from .triton import (
+from fo_kernels.schedule import Schedule
+from fo_kernels.tile import Tile
+from fo_tune.model.triton import (
     COMM_ISSUE_GAP_MS,
     FIXED_POINT_ROUNDS,
     RESTORE_GBS,
@@ -59,7 +60,7 @@ from .triton import (
     num_units,
     with_groups,
 )
-from .types import Interference, Prediction, element_bytes
+from fo_tune.model.types import Interference, Prediction, element_bytes
 
 COLLECTIVE = "all_gather"
 # Pareto states kept per (group count, cut) in best_grouping: the front is a handful of states on

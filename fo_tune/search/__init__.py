@@ -9,11 +9,10 @@ exhaustive: one signature), ``decide`` (the confirmation and the no-gain rule), 
 model over an enumeration), ``study`` (Optuna studies), ``ranges`` (M-range rows), ``results``.
 """
 
-from ..studies import DEFAULT_STORAGE_FILE
-from .decide import CONFIRM_TOP, MIN_GAIN, decide
-from .driver import run_search
-from .ranges import plans_everywhere, range_rows
-from .request import (
+from fo_tune.search.decide import CONFIRM_TOP, MIN_GAIN, decide
+from fo_tune.search.driver import run_search
+from fo_tune.search.ranges import plans_everywhere, range_rows
+from fo_tune.search.request import (
     DEFAULT_TOP_K,
     DEFAULT_TRIALS,
     MODES,
@@ -24,7 +23,15 @@ from .request import (
     m_values,
     select_engines,
 )
-from .results import BaselineResult, Candidate, SearchResult, ShapeResult, TrialRecord, model_error
+from fo_tune.search.results import (
+    BaselineResult,
+    Candidate,
+    SearchResult,
+    ShapeResult,
+    TrialRecord,
+    model_error,
+)
+from fo_tune.studies import DEFAULT_STORAGE_FILE
 
 __all__ = [
     "CONFIRM_TOP",

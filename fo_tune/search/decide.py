@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .results import Candidate
+from fo_tune.search.results import Candidate
 
 if TYPE_CHECKING:
-    from ..timing import Timing
-    from ..trials import Measurer
+    from fo_tune.timing import Timing
+    from fo_tune.trials import Measurer
 
 # The no-gain fallback: overlap must beat the overlap: false fallback by at least this fraction.
 MIN_GAIN = 0.02

@@ -34,16 +34,13 @@ from fo_kernels.errors import FoTuneError, TableError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
 from fo_kernels.table import ScheduleTable, load_table, table_path
-
-from ..encoding import UnionEncoding
-from ..engines import ShapeTask, get_tuner
-from ..model import CostModel
-from ..progress import Reporter, SilentReporter
-from ..space import SearchSpace, space_for
-from ..studies import DEFAULT_STORAGE_FILE, open_storage
-from .decide import Verdict, confirm, decide_predicted, row_numbers
-from .ranges import range_rows
-from .request import (
+from fo_tune.encoding import UnionEncoding
+from fo_tune.engines import ShapeTask, get_tuner
+from fo_tune.model import CostModel
+from fo_tune.progress import Reporter, SilentReporter
+from fo_tune.search.decide import Verdict, confirm, decide_predicted, row_numbers
+from fo_tune.search.ranges import range_rows
+from fo_tune.search.request import (
     SearchError,
     SearchRequest,
     check_request,
@@ -51,8 +48,10 @@ from .request import (
     select_engines,
     study_name,
 )
-from .results import BaselineResult, SearchResult, ShapeResult, model_error
-from .strategies import ShapeJob, get_strategy
+from fo_tune.search.results import BaselineResult, SearchResult, ShapeResult, model_error
+from fo_tune.search.strategies import ShapeJob, get_strategy
+from fo_tune.space import SearchSpace, space_for
+from fo_tune.studies import DEFAULT_STORAGE_FILE, open_storage
 
 
 def check_table_target(path: Any, fingerprint: Fingerprint) -> None:
@@ -81,8 +80,8 @@ def run_search(request: SearchRequest, reporter: Reporter | None = None) -> Sear
         return _run(request, cal.fingerprint, None, rep, t0)
     import optuna
 
-    from ..launch import fingerprinted_pool
-    from ..trials import Measurer
+    from fo_tune.launch import fingerprinted_pool
+    from fo_tune.trials import Measurer
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with fingerprinted_pool(request.world_size, backend=request.backend, purpose="search") as (pool, fp):
@@ -106,7 +105,7 @@ def _model(request: SearchRequest, fp: Fingerprint) -> CostModel | None:
     model = CostModel(cal)
     if not model.knows_collective(request.collective):
         if request.mode != "measure":
-            from ..model.profiles import missing_curve
+            from fo_tune.model.profiles import missing_curve
 
             raise SearchError(missing_curve(cal, request.collective))
         return None  # measure mode runs without predictions
@@ -133,7 +132,7 @@ def _engines(
 
 
 def _run(request: SearchRequest, fp: Fingerprint, measurer: Any, rep: Reporter, t0: float) -> SearchResult:
-    from ..tables import merge_rows
+    from fo_tune.tables import merge_rows
 
     cpu = fp.compute_capability == "cpu"
     space = request.space or space_for(fp.compute_capability)
@@ -150,7 +149,7 @@ def _run(request: SearchRequest, fp: Fingerprint, measurer: Any, rep: Reporter, 
     shapes = expand_shapes(request)
     encodings = [_encoding(request, shape, space, fp, cpu, model, engines) for shape in shapes]
     if request.exhaustive:  # every shape's space is checked before anything runs or is written
-        from .strategies.exhaustive import check_size
+        from fo_tune.search.strategies.exhaustive import check_size
 
         for enc in encodings:
             check_size(_job(request, enc, model, measurer, None, None, rep, math.nan, fp))
@@ -342,7 +341,7 @@ def measure_baseline(
             "predicted", pred.gemm_ms, pred.comm_ms, pred.sequential_ms, 0.0, 0.0, predicted, pred.fallback_ms
         )
     got = measurer.baseline(request.collective, shape, request.dtype)
-    from ..measure import GEMM_TOL
+    from fo_tune.measure import GEMM_TOL
 
     if got["has_nan"] or not got["rel_err"] < GEMM_TOL[request.dtype]:
         raise FoTuneError(

@@ -17,11 +17,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from fo_kernels.errors import ScheduleError
-
-from ..calibration import CalibrationError
-from ..encoding import Infeasible, describe_attrs, schedule_key, split_params
-from .results import Candidate, Outcome, TrialRecord
-from .strategies.base import ShapeJob
+from fo_tune.calibration import CalibrationError
+from fo_tune.encoding import Infeasible, describe_attrs, schedule_key, split_params
+from fo_tune.search.results import Candidate, Outcome, TrialRecord
+from fo_tune.search.strategies.base import ShapeJob
 
 
 def _record(job: ShapeJob, number: int, params: dict[str, Any], **kw: Any) -> TrialRecord:

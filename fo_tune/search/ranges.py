@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from fo_kernels.errors import ScheduleError, ShapeError
 from fo_kernels.plan import check_fits
 from fo_kernels.schedule import SHARDED_COLLECTIVES, Problem, Schedule
-
-from .results import ShapeResult
+from fo_tune.search.results import ShapeResult
 
 
 def range_rows(

@@ -11,16 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from fo_kernels.errors import FoTuneError
 from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
-
-from ..engines import engine_names, get_tuner
-from ..limits import Target, check_problem_size, fingerprint_target, local_target
-from ..studies import check_storage_url
+from fo_tune.engines import engine_names, get_tuner
+from fo_tune.limits import Target, check_problem_size, fingerprint_target, local_target
+from fo_tune.studies import check_storage_url
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
-
-    from ..calibration import Calibration
-    from ..space import SearchSpace
+    from fo_tune.calibration import Calibration
+    from fo_tune.space import SearchSpace
 
 MODES = ("measure", "predict", "hybrid")
 # Trials per shape when --trials is not given. predict: without --trials the model prices the
@@ -142,7 +140,7 @@ def _check_calibration(request: SearchRequest) -> None:
             f"the calibration is for world size {cal.world_size}, the search for {request.world_size}; "
             f"calibrate with `fo-tune calibrate --world-size {request.world_size}`"
         )
-    from ..model.profiles import missing_curve
+    from fo_tune.model.profiles import missing_curve
 
     gap = missing_curve(cal, request.collective)
     if gap:  # the baseline every row is decided against is GEMM then this collective
@@ -180,7 +178,7 @@ def _target(request: SearchRequest) -> Target:
     if request.mode == "predict":
         assert request.calibration is not None
         return fingerprint_target(request.calibration.fingerprint)
-    from ..launch import visible_gpus
+    from fo_tune.launch import visible_gpus
 
     backend = request.backend or ("nccl" if visible_gpus() else "gloo")
     return local_target(backend, request.world_size)

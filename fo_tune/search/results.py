@@ -12,7 +12,7 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
 
 if TYPE_CHECKING:
-    from .request import SearchRequest
+    from fo_tune.search.request import SearchRequest
 
 
 @dataclass(frozen=True, slots=True)

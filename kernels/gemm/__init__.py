@@ -18,10 +18,10 @@ Imports run one way: ``waves`` imports ``tail``, ``pingpong``, ``epilogue``, ``t
 
 from __future__ import annotations
 
-from .operands import BOperand, interpreting, store_view, tma_usable
-from .restore import restore_tile_major
-from .rows import rows_gemm
-from .waves import DEFAULT_OPTIONS, KernelOptions, signalled_gemm
+from fo_kernels.gemm.operands import BOperand, interpreting, store_view, tma_usable
+from fo_kernels.gemm.restore import restore_tile_major
+from fo_kernels.gemm.rows import rows_gemm
+from fo_kernels.gemm.waves import DEFAULT_OPTIONS, KernelOptions, signalled_gemm
 
 __all__ = [
     "DEFAULT_OPTIONS",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import _tile_dst
+from fo_kernels.gemm.tiles import _tile_dst
 
 
 @triton.jit

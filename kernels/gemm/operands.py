@@ -24,8 +24,8 @@ from types import MappingProxyType
 import torch
 import triton.language as tl
 
-from ..plan import Plan
-from ..schedule import Tile
+from fo_kernels.plan import Plan
+from fo_kernels.tile import Tile
 
 # TMA needs every stride but the last and the base address 16-byte aligned (CUDA driver API,
 # cuTensorMapEncodeTiled).

@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..schedule import PINGPONG_WARPS, Tile
-from .operands import (
+from fo_kernels.gemm.operands import (
     LAYOUT_ROW_BAND,
     LAYOUT_TILE_MAJOR,
     BOperand,
@@ -50,9 +49,10 @@ from .operands import (
     store_view,
     tma_usable,
 )
+from fo_kernels.tile import PINGPONG_WARPS, Tile
 
 if TYPE_CHECKING:
-    from ..plan import Plan
+    from fo_kernels.plan import Plan
 
 # setmaxnreg's split of the register file (65536 32-bit registers per SM): 232 a thread for the
 # two consumer warpgroups (a 128x128 float32 accumulator is 128 of them) and 40 for the loader's

@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import Plan
-from ..schedule import Tile
-from .tiles import _tile_coords
+from fo_kernels.gemm.tiles import _tile_coords
+from fo_kernels.plan import Plan
+from fo_kernels.tile import Tile
 
 # Tiles of up to 128x128 elements are copied by 4 warps, larger ones by 8: the restore's choice
 # since it was written, not a measurement (the restore was never timed apart from its calls).

@@ -12,8 +12,8 @@ Protocol, per persistent program p of G (T = tiles_m x tiles_n tiles of one shar
         if counters: barrier; atomic_add(counters[g], 1, release, gpu or system scope)
 
 Each tile signals at once (the copy engine's schedules were measured so); the counters are reset
-by their reader each call. Used by ``fo_kernels.copy_engine`` (tiled mode) and the Triton engine's
-AllGather + GEMM (``fo_kernels.triton_engine``).
+by their reader each call. Used by ``fo_kernels.engines.copy_engine`` (tiled mode) and the Triton engine's
+AllGather + GEMM (``fo_kernels.engines.triton.executor``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..schedule import Tile
-from .epilogue import _signal, _store_tile
-from .operands import LAYOUT_ROWS, BOperand, epilogue_pieces, kernel_meta, operand_args, strides
-from .tiles import _tile_acc, _tile_coords
+from fo_kernels.gemm.epilogue import _signal, _store_tile
+from fo_kernels.gemm.operands import (
+    LAYOUT_ROWS,
+    BOperand,
+    epilogue_pieces,
+    kernel_meta,
+    operand_args,
+    strides,
+)
+from fo_kernels.gemm.tiles import _tile_acc, _tile_coords
+from fo_kernels.tile import Tile
 
 # The store layout, as a constexpr a jit function may read (Triton reads no other globals).
 _ROWS = tl.constexpr(LAYOUT_ROWS)
@@ -99,7 +106,7 @@ def rows_gemm(
     remote_counters: bool = False,
 ) -> None:
     """``out = a @ b`` (or ``out += a @ b`` once ready, see ``ready``) by the persistent kernel on
-    the current stream, for the copy engine's tiled mode (``fo_kernels.copy_engine``).
+    the current stream, for the copy engine's tiled mode (``fo_kernels.engines.copy_engine``).
 
     ``a`` is row-major (rows, K); ``out`` (and ``out2``) are row-major (rows, N) with row stride N.
     ``row_group`` (int32, one per tile row of ``BLOCK_M`` rows) gives each tile row its group.

@@ -32,11 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import Plan, TailPlan, cdiv
-from ..schedule import Tile
-from .epilogue import _cta_barrier, _finish_tile, _signal, _store_piece
-from .operands import BOperand, kernel_meta, layout_code, operand_args, strides
-from .tiles import _tile_acc, _tile_acc_into, _tile_dst, _tile_pos
+from fo_kernels.gemm.epilogue import _cta_barrier, _finish_tile, _signal, _store_piece
+from fo_kernels.gemm.operands import BOperand, kernel_meta, layout_code, operand_args, strides
+from fo_kernels.gemm.tiles import _tile_acc, _tile_acc_into, _tile_dst, _tile_pos
+from fo_kernels.plan import Plan, TailPlan, cdiv
+from fo_kernels.tile import Tile
 
 # The split tail's own launch gives its pieces this many warps: one warpgroup fed 128x128 and
 # 64x128 pieces at least as fast as two (a probe on one H200: a wave of 128x128 pieces took 22.7 us

@@ -45,13 +45,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import Plan, tail_plan
-from ..schedule import Tile
-from .epilogue import _finish_tile, _signal_if
-from .operands import BOperand, epilogue_pieces, kernel_meta, layout_code, operand_args, strides
-from .pingpong import pingpong_blocker, pingpong_gemm
-from .tail import _sk_tail, _split_piece, piece_tile, split_tail, tail_buffers
-from .tiles import _tile_acc, _tile_pos
+from fo_kernels.gemm.epilogue import _finish_tile, _signal_if
+from fo_kernels.gemm.operands import (
+    BOperand,
+    epilogue_pieces,
+    kernel_meta,
+    layout_code,
+    operand_args,
+    strides,
+)
+from fo_kernels.gemm.pingpong import pingpong_blocker, pingpong_gemm
+from fo_kernels.gemm.tail import _sk_tail, _split_piece, piece_tile, split_tail, tail_buffers
+from fo_kernels.gemm.tiles import _tile_acc, _tile_pos
+from fo_kernels.plan import Plan, tail_plan
+from fo_kernels.tile import Tile
 
 
 @triton.jit

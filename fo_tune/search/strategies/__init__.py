@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from .base import ShapeJob, Strategy
+from fo_tune.search.strategies.base import ShapeJob, Strategy
 
 __all__ = ["ShapeJob", "Strategy", "get_strategy", "strategy_names"]
 
@@ -34,7 +34,7 @@ def strategy_names() -> tuple[str, ...]:
 @functools.cache
 def get_strategy(name: str) -> Strategy:
     """The strategy registered as ``name``; an unknown name lists the valid ones."""
-    from ..request import SearchError
+    from fo_tune.search.request import SearchError
 
     where = _REGISTRY.get(name) if isinstance(name, str) else None
     if where is None:

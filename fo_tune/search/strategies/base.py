@@ -15,16 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..results import Outcome
+from fo_tune.search.results import Outcome
 
 if TYPE_CHECKING:
     from fo_kernels.table import ScheduleTable
-
-    from ...encoding import UnionEncoding
-    from ...model import CostModel
-    from ...progress import Reporter
-    from ...trials import Measurer
-    from ..request import SearchRequest
+    from fo_tune.encoding import UnionEncoding
+    from fo_tune.model import CostModel
+    from fo_tune.progress import Reporter
+    from fo_tune.search.request import SearchRequest
+    from fo_tune.trials import Measurer
 
 
 @dataclass(kw_only=True)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import itertools
 from typing import ClassVar
 
-from ..pricing import price
-from ..request import SearchError
-from ..results import Outcome
-from .base import ShapeJob, Strategy
+from fo_tune.search.pricing import price
+from fo_tune.search.request import SearchError
+from fo_tune.search.results import Outcome
+from fo_tune.search.strategies.base import ShapeJob, Strategy
 
 # --exhaustive refuses a space with more points than this for one shape (the shipped H200 space has
 # ~22,000: hours of measurement); bench/h200_small_space.yaml has 112-128.
@@ -37,6 +37,6 @@ class ExhaustiveStrategy(Strategy):
         if job.measurer is None:
             job.reporter.stage(job.stage, 1)
             return price(job, points, bound=False)
-        from ..study import open_study, run_queued
+        from fo_tune.search.study import open_study, run_queued
 
         return run_queued(job, open_study(job, predicted=False), points)

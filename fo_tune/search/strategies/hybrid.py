@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ..pricing import price
-from ..results import Outcome
-from ..study import open_study, run_queued
-from .base import ShapeJob, Strategy
+from fo_tune.search.pricing import price
+from fo_tune.search.results import Outcome
+from fo_tune.search.strategies.base import ShapeJob, Strategy
+from fo_tune.search.study import open_study, run_queued
 
 
 class HybridStrategy(Strategy):
@@ -32,7 +32,7 @@ class HybridStrategy(Strategy):
         opened = open_study(job, predicted=False)
         _stored, study, _resumed = opened
         done = {t.user_attrs.get("key") for t in study.get_trials(deepcopy=False)}
-        from ...encoding import schedule_key
+        from fo_tune.encoding import schedule_key
 
         points = [job.enc.params_of(c.schedule) for c in picks if schedule_key(c.schedule) not in done]
         # a DP grouping is rebuilt by its custom cuts; a point the space cannot express is left out

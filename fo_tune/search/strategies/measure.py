@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ..results import Outcome
-from ..study import run_tpe
-from .base import ShapeJob, Strategy
+from fo_tune.search.results import Outcome
+from fo_tune.search.strategies.base import ShapeJob, Strategy
+from fo_tune.search.study import run_tpe
 
 
 class MeasureStrategy(Strategy):

@@ -13,9 +13,9 @@ from __future__ import annotations
 import itertools
 from typing import ClassVar
 
-from ..pricing import price
-from ..results import Outcome
-from .base import ShapeJob, Strategy
+from fo_tune.search.pricing import price
+from fo_tune.search.results import Outcome
+from fo_tune.search.strategies.base import ShapeJob, Strategy
 
 # Points the enumeration prices at most; a larger space is sampled by a TPE study. Bounding a point
 # costs a few microseconds and the model prices one in well under a millisecond, so this many stay
@@ -38,6 +38,6 @@ class PredictStrategy(Strategy):
 
 def sample(job: ShapeJob) -> Outcome:
     """A TPE study of ``--trials`` predictions (see the module docstring)."""
-    from ..study import run_tpe
+    from fo_tune.search.study import run_tpe
 
     return run_tpe(job, predicted=True)

@@ -38,10 +38,9 @@ from typing import TypeVar
 
 import torch
 
-from ..errors import FoTuneError
-from .buffers import Regions, width_of
-from .layout import CALLER_BUFFERS, Cell, FlagLayout, Rows, regions
-from .ops import (
+from fo_kernels.engines.copy_engine.buffers import Regions, width_of
+from fo_kernels.engines.copy_engine.layout import CALLER_BUFFERS, Cell, FlagLayout, Rows, regions
+from fo_kernels.engines.copy_engine.ops import (
     MAIN,
     STREAMS,
     CallPlan,
@@ -57,6 +56,7 @@ from .ops import (
     Wait,
     WaitEvent,
 )
+from fo_kernels.errors import FoTuneError
 
 T = TypeVar("T")
 

@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..schedule import MAX_CHUNKS
+from fo_kernels.engines.copy_engine.settings import MAX_CHUNKS
 
 # Inner chunk cuts fall on multiples of this many rows when the shard is big enough: 128 is the
 # tallest cuBLAS tile on Hopper, so no chunk's GEMM ends in a partly filled row of tiles.

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schedule import Tile
-from .buffers import region_bytes_for
-from .cpu import CpuOptions, CpuRank, run_ranks
-from .layout import shard_rows
-from .modes import plan_call
+from fo_kernels.engines.copy_engine.buffers import region_bytes_for
+from fo_kernels.engines.copy_engine.cpu import CpuOptions, CpuRank, run_ranks
+from fo_kernels.engines.copy_engine.layout import shard_rows
+from fo_kernels.engines.copy_engine.modes import plan_call
+from fo_kernels.tile import Tile
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,7 @@
 """The symmetric data regions of every rank, as views and addresses (both executors use this).
 
 Each rank's data memory is one byte buffer of ``len(regions(world))`` equal regions
-(``fo_kernels.copy_engine.layout``). ``Regions`` holds this rank's buffer and a view of every
+(``fo_kernels.engines.copy_engine.layout``). ``Regions`` holds this rank's buffer and a view of every
 peer's (on GPUs: ``torch.distributed._symmetric_memory`` buffers, on the CPU executor: plain
 tensors shared between thread-ranks) and turns a ``Rows`` of a region into a typed view or a
 byte address.
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import BUFFER_ALIGN, K_WIDE, Rows, regions
-from .ops import CallPlan
+from fo_kernels.engines.copy_engine.layout import BUFFER_ALIGN, K_WIDE, Rows, regions
+from fo_kernels.engines.copy_engine.ops import CallPlan
 
 
 def region_bytes_for(plan: CallPlan, dtype: torch.dtype) -> int:

@@ -1,6 +1,6 @@
 """The protocol as data: the operations of one copy-engine call on one rank, in issue order.
 
-A mode (``fo_kernels.copy_engine.modes``) turns a call's spec into a ``CallPlan``: a tuple of the
+A mode (``fo_kernels.engines.copy_engine.modes``) turns a call's spec into a ``CallPlan``: a tuple of the
 operations below, each queued on one named stream. An executor issues them in list order: the GPU
 executor through cuBLAS, the persistent Triton GEMM and the CUDA driver (``gpu.py``); the CPU
 executor on one FIFO worker per stream, ranks as threads (``cpu.py``). Operations on one stream run
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..schedule import Tile
-from .layout import Cell, Rows
+from fo_kernels.engines.copy_engine.layout import Cell, Rows
+from fo_kernels.tile import Tile
 
 MAIN, ALT, SIDE, LOCAL, NOTIFY = "main", "alt", "side", "local", "notify"
 STREAMS = (MAIN, ALT, SIDE, LOCAL, NOTIFY)

@@ -8,27 +8,28 @@ says, without running anything, why this process cannot run the engine ("" when 
 and the tuner ask it before choosing an engine. ``collectives`` names the collectives an engine
 runs; ``check_collective`` is the one place that refuses a schedule for another one.
 
-Registered here: ``triton`` (``fo_kernels.triton_engine``: the signalled persistent Triton GEMM and
-NCCL per group) and ``copy_engine`` (``fo_kernels.copy_engine``: library GEMM chunks and copy-engine
-pulls between NVLink peers). Each engine's module is imported on first use, so reading a table
-defines no Triton kernel.
+Registered here, one package each: ``triton`` (``fo_kernels.engines.triton``: the signalled
+persistent Triton GEMM and NCCL per group) and ``copy_engine`` (``fo_kernels.engines.copy_engine``:
+library GEMM chunks and copy-engine pulls between NVLink peers). An engine's package holds its
+settings (``settings.py``, ``SETTINGS``), its ``Engine`` (``ENGINE`` in ``__init__.py``) and its
+executor; it is imported on first use, and reading its settings defines no Triton kernel.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .errors import ScheduleError
-from .schedule import CopyEngineSettings, Schedule
+from fo_kernels.errors import ScheduleError
+from fo_kernels.registry import Registry
 
 if TYPE_CHECKING:
-    from .gemm import BOperand
-    from .runtime import OverlapRuntime
+    from fo_kernels.gemm import BOperand
+    from fo_kernels.runtime import OverlapRuntime
+    from fo_kernels.schedule import EngineSettings, Schedule
 
 
 # What ``Engine.run`` returns: the (M, N) output; for all_gather the pair (output, gathered A).
@@ -72,55 +73,27 @@ def check_collective(engine: Engine, collective: str) -> None:
         )
 
 
-# name -> "module:class" of the engine, imported on first use.
-_REGISTRY: dict[str, str] = {
-    "triton": "fo_kernels.triton_engine:TritonEngine",
-    "copy_engine": "fo_kernels.engines:CopyEngine",
-}
+# Each engine's package by name: its ``ENGINE`` (the ``Engine`` class; the package is light, the
+# kernels load when it first runs) and ``settings.SETTINGS`` (its part of a schedule).
+ENGINES = Registry(
+    "engine:",
+    {"copy_engine": "fo_kernels.engines.copy_engine", "triton": "fo_kernels.engines.triton"},
+    error=ScheduleError,
+)
 
 
 def engine_names() -> tuple[str, ...]:
     """The registered engines' names."""
-    return tuple(sorted(_REGISTRY))
+    return ENGINES.names()
 
 
 @functools.cache
 def get_engine(name: str) -> Engine:
     """The engine registered as ``name`` (one instance per process: engines are stateless); an
     unknown name lists the valid ones."""
-    where = _REGISTRY.get(name) if isinstance(name, str) else None
-    if where is None:
-        raise ScheduleError(f"engine: {name!r} is not one of {', '.join(engine_names())}")
-    module, cls = where.split(":")
-    return getattr(importlib.import_module(module), cls)()
+    return ENGINES.load(name, "ENGINE")()
 
 
-class CopyEngine(Engine):
-    """The ``copy_engine`` engine through the runtime's peers object (``fo_kernels.copy_engine``)."""
-
-    name: ClassVar[str] = "copy_engine"
-    collectives: ClassVar[tuple[str, ...]] = ("all_reduce", "reduce_scatter", "all_gather")
-
-    def blocker(self, device: torch.device, world_size: int) -> str:
-        from .copy_engine import copy_engine_blocker
-
-        return copy_engine_blocker(device, world_size)
-
-    def run(
-        self,
-        schedule: Schedule,
-        a: torch.Tensor,
-        b: BOperand,
-        runtime: OverlapRuntime,
-        *,
-        own_graphs: bool = True,
-    ) -> EngineResult:
-        st = schedule.settings
-        assert isinstance(st, CopyEngineSettings)
-        peers_args = dict(mode=st.mode, weights=st.weights, tile=st.tile, own_graphs=own_graphs)
-        if schedule.collective == "all_gather":  # (a is this rank's shard: every rank owns its rows)
-            gathered, out = runtime.copy_engine().run_all_gather(a, b.tensor, **peers_args)
-            return out, gathered
-        if a.shape[0] < runtime.world_size:  # a rank would own no row (an M-range row reaching M = 1)
-            return runtime.fallback().run(schedule.collective, a, b.tensor, own_graphs=own_graphs)
-        return runtime.copy_engine().run(schedule.collective, a, b.tensor, **peers_args)
+def engine_settings(name: object) -> type[EngineSettings]:
+    """The settings type of the engine registered as ``name``; an unknown name lists the valid ones."""
+    return ENGINES.load(name, "settings").SETTINGS

@@ -32,16 +32,16 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from ..errors import EnvironmentMismatchError, ScheduleError, ShapeError
-from ..gemm import BOperand
-from ..graphs import OutputPool, OwnGraphs
-from ..schedule import Tile
-from ..wait import _driver_module
-from .buffers import Regions, region_bytes_for
-from .gpu import Compiled, GpuExecutor
-from .layout import COUNTER_SLOTS, FlagLayout, regions
-from .modes import check_weights, plan_call
-from .ops import ALT, LOCAL, NOTIFY, SIDE, CallPlan
+from fo_kernels.engines.copy_engine.buffers import Regions, region_bytes_for
+from fo_kernels.engines.copy_engine.gpu import Compiled, GpuExecutor
+from fo_kernels.engines.copy_engine.layout import COUNTER_SLOTS, FlagLayout, regions
+from fo_kernels.engines.copy_engine.modes import check_weights, plan_call
+from fo_kernels.engines.copy_engine.ops import ALT, LOCAL, NOTIFY, SIDE, CallPlan
+from fo_kernels.errors import EnvironmentMismatchError, ScheduleError, ShapeError
+from fo_kernels.gemm import BOperand
+from fo_kernels.graphs import OutputPool, OwnGraphs
+from fo_kernels.tile import Tile
+from fo_kernels.wait import _driver_module
 
 # Plans kept (LRU), one per (collective, mode, M, N, K, dtype, weights, tile): serving sees many M.
 PLAN_CACHE_SIZE = 256

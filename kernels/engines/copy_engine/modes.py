@@ -54,10 +54,8 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
-from ..errors import ScheduleError, ShapeError
-from ..schedule import MAX_CHUNKS, Tile
-from .layout import Cell, Rows, chunks_of, shard_rows, tile_row_bounds
-from .ops import (
+from fo_kernels.engines.copy_engine.layout import Cell, Rows, chunks_of, shard_rows, tile_row_bounds
+from fo_kernels.engines.copy_engine.ops import (
     ALT,
     LOCAL,
     MAIN,
@@ -77,6 +75,9 @@ from .ops import (
     Wait,
     WaitEvent,
 )
+from fo_kernels.engines.copy_engine.settings import MAX_CHUNKS
+from fo_kernels.errors import ScheduleError, ShapeError
+from fo_kernels.tile import Tile
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 

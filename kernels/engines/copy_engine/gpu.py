@@ -25,10 +25,23 @@ from dataclasses import dataclass
 
 import torch
 
-from ..gemm import BOperand, rows_gemm
-from .buffers import Regions, width_of
-from .layout import CALLER_BUFFERS, Cell, FlagLayout, Rows
-from .ops import MAIN, CallPlan, Clear, Copy, Gemm, Join, Record, Reset, Signal, TiledGemm, Wait, WaitEvent
+from fo_kernels.engines.copy_engine.buffers import Regions, width_of
+from fo_kernels.engines.copy_engine.layout import CALLER_BUFFERS, Cell, FlagLayout, Rows
+from fo_kernels.engines.copy_engine.ops import (
+    MAIN,
+    CallPlan,
+    Clear,
+    Copy,
+    Gemm,
+    Join,
+    Record,
+    Reset,
+    Signal,
+    TiledGemm,
+    Wait,
+    WaitEvent,
+)
+from fo_kernels.gemm import BOperand, rows_gemm
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,71 @@
+"""The ``triton`` engine: the signalled persistent Triton GEMM, NCCL per group as its tiles land.
+
+    main stream:  [wait comm (previous call)] -> signalled GEMM -------------------> [restore]
+    comm stream:  wait main (inputs ready) -> for each group g:                ^
+                      wait counter[g] >= target[g]; collective(chunk g)  ------+ (main waits comm)
+
+The GEMM (``fo_kernels.gemm.signalled_gemm``) runs on the caller's stream and signals each group's
+counter as its tiles land; the high-priority communication stream waits per group
+(``fo_kernels.wait``) and runs the collective on that group's contiguous chunk through
+torch.distributed (NCCL on GPUs, with the schedule's CTA cap; gloo on the CPU, where the interpreter
+has finished the GEMM before the first wait). Tile-major layouts are restored to row-major at the
+end. On return the caller's stream is ordered after all of it. Geometry: ``fo_kernels.plan``.
+
+``all_gather`` runs the other way (AllGather + GEMM, the column-parallel direction):
+
+    comm stream:  wait main (shard ready) -> for each group g:
+                      all_gather rows [i0, i1) of every shard into chunk g; record event g;
+                      copy chunk g to its rows of the gathered A (row-major)
+    main stream:  for each group g: wait event g; for each shard s:
+                      out[s*Ms + i0 : s*Ms + i1] = chunk g's rows of shard s @ B    (Triton GEMM)
+                  -> (main waits comm)
+
+Chunk g is the plan's row_band chunk with E = K (shard-major inside the chunk), so one collective
+fills it; the chunk GEMMs of group g run while the gathers of later groups are in flight. The GEMM
+grid is ``sm_count - sms_free`` (SMs left to NCCL), the gathers run on the schedule's CTA-capped
+group. Nothing is signalled, so the call holds no counters and is safe to capture in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from fo_kernels.engines import Engine, EngineResult
+
+if TYPE_CHECKING:
+    from fo_kernels.gemm import BOperand
+    from fo_kernels.runtime import OverlapRuntime
+    from fo_kernels.schedule import Schedule
+
+
+class TritonEngine(Engine):
+    """Engine ``triton`` (see the module docstring)."""
+
+    name: ClassVar[str] = "triton"
+    collectives: ClassVar[tuple[str, ...]] = ("all_reduce", "reduce_scatter", "all_gather")
+
+    def blocker(self, device: torch.device, world_size: int) -> str:
+        return ""  # the Triton GEMM and torch.distributed run on any device and backend
+
+    def run(
+        self,
+        schedule: Schedule,
+        a: torch.Tensor,
+        b: BOperand,
+        runtime: OverlapRuntime,
+        *,
+        own_graphs: bool = True,
+    ) -> EngineResult:
+        # (own_graphs: this engine keeps no CUDA graphs or output pools of its own)
+        from fo_kernels.engines.triton.executor import gathered, overlapped
+
+        if not a.is_contiguous():
+            a = a.contiguous()
+        if schedule.collective == "all_gather":
+            return gathered(schedule, a, b, runtime)
+        return overlapped(schedule, a, b, runtime)
+
+
+ENGINE = TritonEngine

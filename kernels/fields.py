@@ -1,0 +1,52 @@
+"""Field checks shared by the schedule's dataclasses and the engines' settings: every error is a
+``ScheduleError`` that names the field."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+from fo_kernels.errors import ScheduleError
+
+
+def is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def check_int(name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ScheduleError(f"{name}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ScheduleError(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ScheduleError(f"{name}: {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def from_mapping(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ScheduleError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ScheduleError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}; valid: {sorted(known)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:  # a missing required key
+        raise ScheduleError(f"{where}: {exc}") from None
+
+
+def check_weights(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ScheduleError(f"{name}: expected a list of integers, got {value!r}")
+    out = tuple(value)
+    if not out:
+        raise ScheduleError(f"{name}: needs at least one entry")
+    for i, g in enumerate(out):
+        check_int(f"{name}[{i}]", g, minimum=1)
+    return out

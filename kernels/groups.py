@@ -1,0 +1,48 @@
+"""Process groups as the ops name them: ``group.group_name`` ("" for the default group) in a
+custom op's arguments, checked and resolved back inside the op."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from fo_kernels.errors import GroupError, ScheduleError
+
+
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """The ops' ``group_name`` argument of ``group`` ("" for the default group); refuses what is
+    not a process group of this rank (``GroupError``) before any collective starts."""
+    if group is None:
+        return ""
+    check_group(group)
+    return group.group_name
+
+
+def check_group(group: object) -> None:
+    """Raise ``GroupError`` unless ``group`` is None or a process group this rank is in."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise GroupError(
+            "group: this rank is not a member of the process group it was given (dist.new_group returns "
+            "GroupMember.NON_GROUP_MEMBER on ranks outside it); call the op only on the group's ranks"
+        )
+    raise GroupError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+
+
+def resolve_group(name: str) -> dist.ProcessGroup | None:
+    """The process group of an op's ``group_name`` (None: the default group)."""
+    if not name:
+        return None
+    try:
+        return dist.distributed_c10d._resolve_process_group(name)
+    except (ValueError, RuntimeError, KeyError) as exc:
+        raise GroupError(
+            f"group: no process group named {name!r} in this process (destroyed, or made elsewhere?): {exc}"
+        ) from None
+
+
+def group_size(name: str) -> int:
+    """The world size of an op's ``group_name``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ScheduleError("torch.distributed is not initialized; call dist.init_process_group first")
+    return dist.get_world_size(resolve_group(name))

@@ -1,0 +1,179 @@
+"""The runtime's lookup: the best row for a call across every table found, cached per file and per
+call signature; a call without a row gets ``overlap: false`` and a warning that says how to tune."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from fo_kernels.errors import HeuristicScheduleWarning, ShapeError, TableError, TableNotFoundError
+from fo_kernels.fingerprint import current_fingerprint, resolve_device
+from fo_kernels.schedule import COLLECTIVES, SHARDED_COLLECTIVES, Problem, Schedule
+from fo_kernels.table.format import ScheduleTable, check_fingerprint, load_table
+from fo_kernels.table.paths import (
+    TABLE_DIR_ENV,
+    check_name,
+    check_positive,
+    table_dtype,
+    table_filename,
+    table_path,
+    table_search_path,
+)
+
+# Loaded tables kept by lookup_schedule; a few (device, collective, world, dtype) files per process.
+_CACHE_SIZE = 64
+# Seconds lookup_schedule answers a repeated call from memory before it looks at the files again.
+TABLE_RECHECK_S = 1.0
+# Remembered answers (call signatures: shapes x collectives x dtypes of one model); oldest dropped.
+_ANSWERS_SIZE = 4096
+# The provenance source of the overlap: false schedule a call without a table row gets.
+MISS_SOURCE = "no table row"
+
+
+# ---------------------------------------------------------------------------------------- lookup
+class _TableCache:
+    """Loaded tables keyed by path, valid while the file's (inode, mtime_ns, size) is unchanged."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[Path, tuple[tuple[int, int, int], ScheduleTable]] = OrderedDict()
+        self._answers: OrderedDict[tuple, tuple[float, Schedule]] = OrderedDict()
+
+    def load(self, path: Path) -> ScheduleTable | None:
+        """The table at ``path``, or None when there is no file."""
+        with self._lock:
+            try:
+                st = path.stat()
+                stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+                hit = self._entries.pop(path, None)
+                table = hit[1] if hit is not None and hit[0] == stamp else load_table(path)
+            except (FileNotFoundError, TableNotFoundError):  # no file (or removed after the stat)
+                return None
+            self._entries[path] = (stamp, table)
+            while len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+            return table
+
+    def answer(self, key: tuple) -> Schedule | None:
+        """A remembered lookup answer for ``key`` younger than ``TABLE_RECHECK_S``, else None."""
+        with self._lock:
+            hit = self._answers.get(key)
+        if hit is None or time.monotonic() - hit[0] > TABLE_RECHECK_S:
+            return None
+        return hit[1]
+
+    def remember(self, key: tuple, schedule: Schedule) -> None:
+        with self._lock:
+            self._answers.pop(key, None)
+            self._answers[key] = (time.monotonic(), schedule)
+            while len(self._answers) > _ANSWERS_SIZE:
+                self._answers.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._answers.clear()
+
+
+_CACHE = _TableCache(_CACHE_SIZE)
+
+
+def lookup_schedule(
+    collective: str,
+    m: int,
+    n: int,
+    k: int,
+    *,
+    dtype: torch.dtype | str,
+    world_size: int,
+    device: torch.device | str | int | None = None,
+) -> Schedule:
+    """The schedule for this call: the best matching table row (``best_row``), else ``overlap: false``
+    with a ``HeuristicScheduleWarning`` saying how to tune the shape.
+
+    For ``all_gather``, ``m`` is the gathered M (world size x the shard's rows).
+    Raises ``ScheduleError`` for an unknown collective or dtype, ``ShapeError`` for a bad shape and
+    ``TableError`` for a found table that is malformed or for other hardware.
+    """
+    # A call repeated with the same arguments is answered before they are checked again (they
+    # passed the first time): the ops look up every call, and the checks cost a few us of host time.
+    # A device that depends on the current CUDA device (None, "cuda") is resolved first. The sizes'
+    # types are in the key: True and 64.0 hash as 1 and 64 but are refused by the checks.
+    pinned = isinstance(device, torch.device) and (device.type != "cuda" or device.index is not None)
+    dev_key = device if pinned else resolve_device(device)
+    key = (
+        collective, m, n, k, dtype, world_size, dev_key, type(m), type(n), type(k), type(world_size),
+        os.environ.get(TABLE_DIR_ENV), os.environ.get("XDG_DATA_HOME"),
+    )  # fmt: skip
+    try:
+        remembered = _CACHE.answer(key)
+    except TypeError:  # an unhashable argument, refused by the checks below
+        remembered = None
+    if remembered is not None:
+        return remembered
+    check_name("collective", collective, COLLECTIVES)
+    dtype_name = table_dtype(dtype)
+    for name, value in (("m", m), ("n", n), ("k", k), ("world_size", world_size)):
+        check_positive(name, value)
+    if collective in SHARDED_COLLECTIVES and m % world_size:
+        raise ShapeError(f"{collective} needs M divisible by the world size {world_size}, got M={m}")
+    dev = resolve_device(device) if pinned else dev_key  # (a pinned device is checked here)
+    fp = current_fingerprint(dev, world_size)
+    folders = table_search_path()
+    tables: list[ScheduleTable] = []
+    found_paths: list[str] = []
+    for folder in folders:
+        path = table_path(folder, fp.device_key, collective, world_size, dtype_name)
+        table = _CACHE.load(path)
+        if table is None:
+            continue
+        check_fingerprint(table, fp, source=str(path))
+        if (table.collective, table.dtype) != (collective, dtype_name):
+            raise TableError(
+                f"{path}: holds {table.collective} {table.dtype} rows, expected {collective} {dtype_name}"
+            )
+        tables.append(table)
+        found_paths.append(str(path))
+    found = best_row(tables, m, n, k)
+    if found is not None:
+        _CACHE.remember(key, found)
+        return found
+    filename = table_filename(collective, world_size, dtype_name)
+    searched = f"tables without a matching row: {', '.join(found_paths)}" if found_paths else "no table file"
+    warnings.warn(
+        f"no schedule table row for {collective} {dtype_name} {m}x{n}x{k} at world size {world_size} on "
+        f"device {fp.device_key}; looked for {fp.device_key}/{filename} in {', '.join(map(str, folders))} "
+        f"({searched}); running GEMM then the collective (overlap: false); tune the shape with "
+        f"`fo-tune search --shape {m}x{n}x{k} -c {collective} --world-size {world_size} "
+        f"--dtype {dtype_name}`",
+        HeuristicScheduleWarning,
+        stacklevel=2,
+    )
+    miss = Schedule(
+        collective=collective,
+        dtype=dtype_name,
+        world_size=world_size,
+        problem=Problem(m=m, n=n, k=k),
+        provenance={"source": MISS_SOURCE},
+    )
+    _CACHE.remember(key, miss)
+    return miss
+
+
+def best_row(tables: list[ScheduleTable], m: int, n: int, k: int) -> Schedule | None:
+    """The row ``lookup_schedule`` takes from ``tables`` (in folder order) for (m, n, k): measured
+    before predicted, then exact before M-range, then the first table's."""
+    for kind in ("measured", "predicted"):
+        for finder in (ScheduleTable.find_exact, ScheduleTable.find_range):
+            for table in tables:
+                found = finder(table, m, n, k, kind=kind)
+                if found is not None:
+                    return found
+    return None

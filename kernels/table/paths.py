@@ -1,0 +1,79 @@
+"""Where schedule tables live: the file name of a (collective, world size, dtype), the folders searched
+in order (``$FO_TUNE_TABLE_DIR``, the user folder, the packaged tables), and the name checks the
+table's header and the lookup share."""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fo_kernels.errors import ScheduleError, ShapeError
+from fo_kernels.schedule import COLLECTIVES, DTYPES, dtype_name
+
+TABLE_DIR_ENV = "FO_TUNE_TABLE_DIR"
+
+
+def check_name(name: str, value: Any, valid: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in valid:
+        raise ScheduleError(f"{name}: {value!r} is not one of {', '.join(valid)}")
+    return value
+
+
+def table_dtype(dtype: torch.dtype | str) -> str:
+    return dtype_name(dtype)
+
+
+def check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ShapeError(f"{name}: expected an integer >= 1, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------- paths
+def table_filename(collective: str, world_size: int, dtype: str) -> str:
+    """``<collective>-w<world_size>-<dtype>.yaml``."""
+    check_name("collective", collective, COLLECTIVES)
+    check_name("dtype", dtype, DTYPES)
+    return f"{collective}-w{int(world_size)}-{dtype}.yaml"
+
+
+def table_path(
+    root: str | os.PathLike[str], device_key: str, collective: str, world_size: int, dtype: str
+) -> Path:
+    """``<root>/<device_key>/<collective>-w<world_size>-<dtype>.yaml``."""
+    return Path(root) / device_key / table_filename(collective, world_size, dtype)
+
+
+def user_table_dir() -> Path:
+    data_home = os.environ.get("XDG_DATA_HOME")
+    base = Path(data_home).expanduser() if data_home else Path.home() / ".local" / "share"
+    return base / "fo-tune" / "tables"
+
+
+def _packaged_table_dir() -> Path | None:
+    try:
+        root = resources.files("fo_results") / "tables"
+    except (ImportError, TypeError):
+        return None
+    return root if isinstance(root, Path) else None  # a zipped install is not searched
+
+
+def table_search_path() -> list[Path]:
+    """Folders searched for tables, in order: ``$FO_TUNE_TABLE_DIR``, the user folder, the packaged one."""
+    folders: list[Path] = []
+    env = os.environ.get(TABLE_DIR_ENV)
+    if env:
+        folders.append(Path(env).expanduser())
+    folders.append(user_table_dir())
+    packaged = _packaged_table_dir()
+    if packaged is not None:
+        folders.append(packaged)
+    unique: list[Path] = []
+    for folder in folders:
+        if folder not in unique:
+            unique.append(folder)
+    return unique
