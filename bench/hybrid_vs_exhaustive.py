@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fo_kernels.schedule import Schedule
 from fo_kernels.table import upgrade_v1_row
-from fo_tune.launch import FingerprintTask, open_pool
-from fo_tune.measure import OverlapTrialTask, SequentialTask
-from fo_tune.timing import Timing
+from fo_tune.ranks.launch import FingerprintTask, open_pool
+from fo_tune.ranks.timing import Timing
+from fo_tune.ranks.trials import OverlapTrialTask, SequentialTask
 
 ROUNDS = 7
 

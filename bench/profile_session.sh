@@ -22,7 +22,7 @@
 #                                           # names a subset; AB_TIMING=graphs replays each
 #                                           # sample's calls from a CUDA graph)
 #   bash bench/profile_session.sh last      # the visibility test, the profile, the other GPU tests
-#   bash bench/profile_session.sh profile   # fo-tune's profile (fo_tune.calibrate.profile_shape and
+#   bash bench/profile_session.sh profile   # fo-tune's profile (fo_tune.calibrate.run.profile_shape and
 #                                           # confirm_grids, as `fo-tune profile`: each grid's three
 #                                           # fastest re-timed side by side) of the suite and five public TP=2
 #                                           # layer shapes with search_spaces/hopper.yaml's tiles at
@@ -67,8 +67,8 @@ from fo_kernels import plan as fo_plan
 from fo_kernels.gemm import BOperand, KernelOptions, signalled_gemm
 from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.schedule import Problem, Schedule, Tile, TritonSettings
-from fo_tune.timing import STEADY_SAMPLE_MS, time_interleaved
-from fo_tune.measure import gemm_operands, rel_err
+from fo_tune.ranks.timing import STEADY_SAMPLE_MS, time_interleaved
+from fo_tune.ranks.trials import gemm_operands, rel_err
 
 out_dir, mode = sys.argv[1], sys.argv[2]
 dev = torch.device("cuda")
@@ -267,10 +267,10 @@ profile() {  # the driver is a file: the pool spawns its rank process, which imp
   cat >/tmp/profile_driver.py <<'EOF'
 import os, subprocess, sys
 from pathlib import Path
-from fo_tune.calibrate import confirm_grids, profile_shape
-from fo_tune.launch import FingerprintTask, open_pool
-from fo_tune.calibration import timing_name
-from fo_tune.report import grids_path, write_grids_csv, write_profile_csv
+from fo_tune.calibrate.run import confirm_grids, profile_shape
+from fo_tune.ranks.launch import FingerprintTask, open_pool
+from fo_tune.calibrate.calibration import timing_name
+from fo_tune.calibrate.files import grids_path, write_grids_csv, write_profile_csv
 from fo_tune.space import load_space
 
 

@@ -40,7 +40,7 @@ class Tile:
     # flattened with 4 warps, and there it dropped the signal's release atomic or failed to compile
     # (docs/perf-notes.md, "Warp specialization on sm_90"). A tile with it runs as its plain twin.
     warp_specialize: bool = False
-    # The hand-written warp-specialized kernel (``fo_kernels.gemm_pingpong``): a TMA loader warp
+    # The hand-written warp-specialized kernel (``fo_kernels.gemm.pingpong``): a TMA loader warp
     # and two consumer warpgroups that take tiles in turn, each hiding its epilogue behind the
     # other's main loop. Needs 4 warps (one warpgroup a consumer) and a tile whose float32
     # accumulator fits one warpgroup; where a call cannot run it (``pingpong_blocker``: not a Hopper

@@ -30,8 +30,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def h200():
     """The packaged H200 x2 calibration (``cli_checks.H200_KEY``, world size 2)."""
     from cli_checks import H200_KEY
-    from fo_tune.calibration import load_calibration
-    from fo_tune.cli.search import packaged_calibration
+    from fo_tune.calibrate.calibration import load_calibration
+    from fo_tune.calibrate.find import packaged_calibration
 
     path = packaged_calibration(H200_KEY, 2)
     assert path is not None, "the packaged H200 TP2 calibration is missing"
@@ -41,6 +41,6 @@ def h200():
 @pytest.fixture(scope="module")
 def model(h200):
     """The cost model of the packaged H200 x2 calibration."""
-    from fo_tune.model import CostModel
+    from fo_tune.engines import cost_model
 
-    return CostModel(h200)
+    return cost_model(h200)

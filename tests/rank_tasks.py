@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fo_tune.launch import RankContext
-from fo_tune.timing import time_interleaved, time_region
+from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.timing import time_interleaved, time_region
 
 
 @dataclass(frozen=True)

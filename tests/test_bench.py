@@ -18,7 +18,6 @@ from typer.testing import CliRunner
 from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.fingerprint import current_fingerprint
-from fo_kernels.heuristics import default_schedule
 from fo_kernels.schedule import COLLECTIVES
 from fo_kernels.table import MISS_SOURCE, ScheduleTable, save_table, table_path
 from fo_tune import bench
@@ -39,9 +38,10 @@ from fo_tune.bench import output as bench_output
 from fo_tune.bench import variants as bench_variants
 from fo_tune.bench.rows import merge
 from fo_tune.cli.bench import _request
-from fo_tune.launch import RankContext
-from fo_tune.measure import GEMM_TOL
-from fo_tune.report import OutputError
+from fo_tune.engines.triton.defaults import default_schedule
+from fo_tune.output import OutputError
+from fo_tune.ranks.gemm import GEMM_TOL
+from fo_tune.ranks.launch import RankContext
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 HEADER = [
@@ -234,7 +234,7 @@ def test_bench_yaml(gloo_run):
     assert settings["collectives"] == list(COLLECTIVES)  # the default: every collective of the runtime
     assert (settings["world_size"], settings["dtype"], settings["reps"]) == (2, "float32", 2)
     assert settings["chunks"] == [2, 4, 8]
-    assert settings["sample_ms"] == 4.0  # fo_tune.timing.MIN_SAMPLE_MS on the CPU (16 on GPUs)
+    assert settings["sample_ms"] == 4.0  # fo_tune.ranks.timing.MIN_SAMPLE_MS on the CPU (16 on GPUs)
     _, rows = read_csv(out / "bench.csv")
     assert len(data["rows"]) == len(rows)
     assert [r["variant"] for r in data["rows"]] == [r["variant"] for r in rows]
@@ -606,7 +606,7 @@ def test_bench_on_one_gpu_at_world_size_1():
 def test_errors_merge_never_hides_a_nan():
     """A NaN output on any rank fails its check, wherever it comes in the merge: ``rel_err`` reads
     it as inf, and ``worst_error`` keeps a NaN that reaches it (``max(0.002, nan)`` is 0.002)."""
-    from fo_tune.measure import rel_err, worst_error
+    from fo_tune.ranks.gemm import rel_err, worst_error
 
     ref = torch.ones(4, 4)
     bad = torch.full((4, 4), float("nan"))

@@ -16,8 +16,8 @@ from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.fingerprint import current_fingerprint
 from fo_kernels.tile import Tile
-from fo_tune import report
-from fo_tune.calibration import (
+from fo_tune.calibrate import files as report
+from fo_tune.calibrate.calibration import (
     CALIBRATED_COLLECTIVES,
     CALIBRATION_SCHEMA_VERSION,
     BandwidthPoint,
@@ -28,8 +28,9 @@ from fo_tune.calibration import (
     fit_all,
     load_calibration,
 )
+from fo_tune.calibrate.files import check_calibration_out, write_calibration_dir, write_profile_csv
 from fo_tune.cli.calibrate import CALIBRATED_NAMES
-from fo_tune.report import OutputError, check_writable, write_calibration_dir, write_profile_csv
+from fo_tune.output import OutputError
 from fo_tune.space import packaged_spaces_dir
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -399,7 +400,7 @@ def test_write_profile_csv_sorts_skipped_last(tmp_path):
 def test_grids_are_confirmed_only_beside_a_measured_full_grid():
     """``confirm_grids`` times nothing (no pool needed) unless the full grid and another grid both
     have a measured config: skipped or NaN points do not count."""
-    from fo_tune.calibrate import confirm_grids
+    from fo_tune.calibrate.profile import confirm_grids
 
     reduced = replace(_gemm_point(1.0), sms_free=2, grid=2)
     assert confirm_grids(None, [_gemm_point(1.0)], "float32") == []  # one grid
@@ -415,8 +416,8 @@ def test_each_grid_keeps_the_fastest_of_its_candidates_timed_side_by_side():
     """The profile only nominates: each grid's three fastest profiled configs (no more) and cuBLAS
     are timed again in one run, and each grid keeps the fastest of its own in that run, whatever the
     profile ranked first; the SM share compares the reduced grid's pick with the full grid's."""
-    from fo_tune.calibrate import CONFIRM_CANDIDATES, CONFIRM_ROUNDS, confirm_grids
-    from fo_tune.timing import Timing
+    from fo_tune.calibrate.profile import CONFIRM_CANDIDATES, CONFIRM_ROUNDS, confirm_grids
+    from fo_tune.ranks.timing import Timing
 
     def point(group_m: int, sms_free: int, profiled: float) -> GemmPoint:
         return replace(_gemm_point(profiled), tile=f"gm{group_m}", group_m=group_m, sms_free=sms_free)
@@ -459,9 +460,9 @@ def test_graphed_samples_are_checked_after_the_timed_calls(monkeypatch, task):
     writes nothing (here a stand-in for ``capture_calls`` that issues no call; the CPU has no CUDA
     graphs) fails the grids' check and skips the profile's row, where replays that run the calls
     pass both."""
-    import fo_tune.timing as timing
-    from fo_tune.launch import RankContext
-    from fo_tune.measure import GemmGridsTask, GemmProfileTask
+    import fo_tune.ranks.timing as timing
+    from fo_tune.ranks.gemm import GemmGridsTask, GemmProfileTask
+    from fo_tune.ranks.launch import RankContext
 
     tile = Tile(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
     ctx = RankContext(rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
@@ -485,15 +486,15 @@ def test_graphed_samples_are_checked_after_the_timed_calls(monkeypatch, task):
         assert row["status"].startswith("skipped: ValueError: wrong result"), row["status"]
 
 
-def test_check_writable(tmp_path):
-    check_writable(tmp_path / "new" / "deeper")  # created later
-    check_writable(tmp_path)  # empty: may be replaced
+def test_check_calibration_out(tmp_path):
+    check_calibration_out(tmp_path / "new" / "deeper")  # created later
+    check_calibration_out(tmp_path)  # empty: may be replaced
     (tmp_path / "bandwidth.csv").write_text("")
-    check_writable(tmp_path)  # an earlier calibration: may be replaced
+    check_calibration_out(tmp_path)  # an earlier calibration: may be replaced
     (tmp_path / "file").write_text("")
     for bad in (tmp_path, tmp_path / "file", tmp_path / "file" / "below", Path("."), Path.cwd().parent):
         with pytest.raises(OutputError):
-            check_writable(bad)
+            check_calibration_out(bad)
 
 
 # --------------------------------------------------------------------------- the copy engine's section
@@ -544,7 +545,7 @@ def test_copy_engine_options_bad_input(tmp_path, args, needle):
 def test_merge_into_refuses_another_gpu():
     import dataclasses
 
-    from fo_tune.calibrate import CalibrationRequestError, merge_into
+    from fo_tune.calibrate.run import CalibrationRequestError, merge_into
 
     cal = _calibration()
     other = dataclasses.replace(cal, fingerprint=dataclasses.replace(cal.fingerprint, gpu_name="H100"))
@@ -572,8 +573,8 @@ def test_into_a_calibration_of_another_gpu_is_refused_before_any_rank_starts(tmp
 
 
 def test_chunk_shapes_and_library_fit():
-    from fo_tune.calibrate_copy_engine import chunk_shapes, fit_library_params
-    from fo_tune.calibration import LibraryGemmPoint
+    from fo_tune.calibrate.calibration import LibraryGemmPoint
+    from fo_tune.engines.copy_engine.calibrate import chunk_shapes, fit_library_params
 
     shapes = chunk_shapes([(4096, 8192, 16384)], [1, 4], 2)
     assert shapes == [

@@ -22,6 +22,7 @@ from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.errors import EnvironmentMismatchError, ShapeError, TableNotFoundError
 from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
 from fo_kernels.table import MISS_SOURCE
+from fo_tune.bench.demo import DEFAULT_WORLD_SIZE, plan_demo, run_demo
 from fo_tune.cli.common import (
     COLLECTIVE_NAMES,
     DTYPE_NAMES,
@@ -33,9 +34,8 @@ from fo_tune.cli.common import (
     run_cli,
     summary_table,
 )
-from fo_tune.demo import DEFAULT_WORLD_SIZE, plan_demo, run_demo
-from fo_tune.launch import LaunchError
-from fo_tune.limits import INT32_MAX
+from fo_tune.ranks.launch import LaunchError
+from fo_tune.ranks.limits import INT32_MAX
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,8 +252,8 @@ def test_plan_demo_refuses_too_few_gpus(world, backend, gpus):
 
 def test_demo_on_one_gpu_runs_world_size_1_on_it(runner, monkeypatch):
     """``fo-tune demo`` on a (faked) one-GPU machine: one NCCL rank on the GPU, said first."""
-    from fo_tune import demo as demo_lib
-    from fo_tune import launch
+    from fo_tune.bench import demo as demo_lib
+    from fo_tune.ranks import launch
 
     calls = []
 

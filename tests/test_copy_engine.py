@@ -13,7 +13,7 @@ from dist_cases import copy_engine_refusal
 from fo_kernels.engines.copy_engine import ROW_ALIGN, chunk_bounds, shard_rows, tile_row_bounds
 from fo_kernels.errors import ScheduleError
 from fo_kernels.tile import Tile
-from fo_tune.launch import run_ranks
+from fo_tune.ranks.launch import run_ranks
 
 
 def test_chunk_bounds():

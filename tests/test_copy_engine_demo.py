@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from cli_checks import assert_one_line_error
-from fo_tune.demo import COPY_ENGINE_COLLECTIVES, run_copy_engine_demo
+from fo_tune.bench.demo import COPY_ENGINE_COLLECTIVES, run_copy_engine_demo
 
 
 @pytest.mark.parametrize("world", [3, 4])

@@ -19,11 +19,10 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.plan import check_fits
 from fo_kernels.schedule import Schedule
 from fo_kernels.tile import Tile
-from fo_tune.encoding import Infeasible, UnionEncoding, schedule_key
-from fo_tune.engines import ShapeTask, UnknownEngineError, engine_names, get_tuner
-from fo_tune.model import CostModel
-from fo_tune.progress import SilentReporter
+from fo_tune.engines import ShapeTask, UnknownEngineError, cost_model, engine_names, get_tuner
+from fo_tune.output import SilentReporter
 from fo_tune.search import SearchError, SearchRequest, select_engines
+from fo_tune.search.encoding import Infeasible, UnionEncoding, schedule_key
 from fo_tune.search.strategies import get_strategy, strategy_names
 from fo_tune.space import space_for
 
@@ -32,7 +31,7 @@ from fo_tune.space import space_for
 def ag_model(h200):
     """The shipped calibration with a stand-in all_gather curve (its reduce_scatter points
     relabelled: not a measurement; the shipped file has no all_gather curve) for the encoding."""
-    return CostModel(with_all_gather_standin(h200))
+    return cost_model(with_all_gather_standin(h200))
 
 
 def fingerprint(h200, **changes) -> Fingerprint:
@@ -283,7 +282,7 @@ class FakeMeasurer:
         self.confirmed: list = []
 
     def _t(self, ms):
-        from fo_tune.timing import Timing
+        from fo_tune.ranks.timing import Timing
 
         return Timing(ms, 0.01, 10, 0.01)
 

@@ -193,7 +193,7 @@ def test_fallback_case_on_gloo():
     """The GPU test's rank function (``dist_cases.fallback_auto_graph``) on two CPU processes: every
     result right, none replayed (gloo has no graphs)."""
     from dist_cases import TOL, fallback_auto_graph, fallback_cases
-    from fo_tune.launch import run_ranks
+    from fo_tune.ranks.launch import run_ranks
 
     for rows in run_ranks(fallback_auto_graph, 2, fallback_cases(first_seed=41), backend="gloo"):
         assert len(rows) == (2 * 2 + 3) * (GRAPH_AFTER_CALLS + 3)

@@ -24,7 +24,6 @@ from fo_kernels.gemm import (
     tma_usable,
 )
 from fo_kernels.gemm.tail import _sk_step
-from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import (
     SPLIT_MIN_MACS,
     STREAM_K_MAX_PARTS,
@@ -38,6 +37,7 @@ from fo_kernels.plan import (
 )
 from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.tile import Tile
+from fo_tune.engines.triton.defaults import split_decreasing
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)

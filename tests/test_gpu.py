@@ -17,10 +17,10 @@ from dist_cases import TOL, Case, run_cases
 from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
 from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.gemm import BOperand, KernelOptions, restore_tile_major, rows_gemm, signalled_gemm, tma_usable
-from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import cdiv, make_plan, tail_plan
 from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.tile import Tile
+from fo_tune.engines.triton.defaults import split_decreasing
 
 GPU_TILES = [
     Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
@@ -343,8 +343,8 @@ def test_profile_samples_replayed_from_cuda_graphs():
     wrong one raises). The graphed time of a short call, whose eager calls the host can bound, is
     not above its eager time."""
     from fo_kernels.plan import tail_plan
-    from fo_tune.launch import RankContext
-    from fo_tune.measure import GemmGridsTask
+    from fo_tune.ranks.gemm import GemmGridsTask
+    from fo_tune.ranks.launch import RankContext
 
     tile = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4)
     ctx = RankContext(rank=0, world_size=1, device=torch.device("cuda"), backend="nccl")
@@ -377,7 +377,7 @@ def _restored(buf, plan, tile, m, n):
 
 @pytest.mark.multigpu
 def test_both_ops_over_nccl():
-    from fo_tune.launch import run_ranks
+    from fo_tune.ranks.launch import run_ranks
 
     world, cases = 2, []
     for i, (collective, layout) in enumerate(
@@ -407,7 +407,7 @@ def test_copy_engine_ops():
     """engine copy_engine on two GPUs: both collectives, odd shapes, 1-6 chunks, three dtypes,
     both B layouts; the symmetric buffers grow (small, large, then small shapes again)."""
     from dist_cases import run_back_to_back
-    from fo_tune.launch import run_ranks
+    from fo_tune.ranks.launch import run_ranks
 
     shapes = [(258, 250, 70), (2048, 4096, 4096), (1000, 3000, 1040), (4, 8, 8), (4096, 8192, 4096)]
     cases = []
@@ -451,7 +451,7 @@ def test_copy_engine_tiled_ops():
     chunks, three dtypes, both B layouts, a small and a large tile; once, then every case twice
     back to back (the engine's own graphs replay by then)."""
     from dist_cases import run_back_to_back
-    from fo_tune.launch import run_ranks
+    from fo_tune.ranks.launch import run_ranks
 
     shapes = [(258, 250, 70), (2048, 4096, 4096), (1000, 3000, 1040), (4, 8, 8), (4096, 8192, 4096)]
     specs = []
@@ -477,7 +477,7 @@ def test_copy_engine_all_gather():
     gathered A equals every rank's shard, the product the float64 one, on every call (eager, then
     replayed from the engine's own graphs, which the last calls of each case use)."""
     from dist_cases import copy_engine_all_gather
-    from fo_tune.launch import run_ranks
+    from fo_tune.ranks.launch import run_ranks
 
     shapes = [(258, 250, 70), (2048, 4096, 4096), (1000, 3000, 1040), (4, 8, 8)]
     cases = [
@@ -498,7 +498,7 @@ def test_copy_engine_graphs_repeated_eager_calls():
     a rank replaying stay in step; growing the buffers drops the graphs and later calls are right."""
     from dist_cases import copy_engine_auto_graph
     from fo_kernels.engines.copy_engine import GRAPH_AFTER_CALLS
-    from fo_tune.launch import run_ranks
+    from fo_tune.ranks.launch import run_ranks
 
     cases = _engine_cases(
         [
@@ -531,7 +531,7 @@ def test_fallback_graphs_repeated_calls():
     eagerly, on another stream, after the ReduceScatter scratch grows, inside a caller's graph."""
     from dist_cases import fallback_auto_graph, fallback_cases
     from fo_kernels.graphs import GRAPH_AFTER_CALLS
-    from fo_tune.launch import run_ranks
+    from fo_tune.ranks.launch import run_ranks
 
     cases = fallback_cases(first_seed=41)
     per_rank = run_ranks(fallback_auto_graph, 2, cases, backend="nccl", timeout_s=300)
@@ -560,7 +560,7 @@ def test_fallback_graphs_repeated_calls():
 def test_copy_engine_in_a_cuda_graph():
     """The copy engine captured in a CUDA graph: replays on new operands, eager calls between them."""
     from dist_cases import copy_engine_graph
-    from fo_tune.launch import run_ranks
+    from fo_tune.ranks.launch import run_ranks
 
     specs = [
         ("all_reduce", 1024, 768, 512, "bfloat16", True, 3),

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from fo_kernels import Problem, Schedule, all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.engines.triton.settings import TritonSettings
-from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import cdiv
 from fo_kernels.tile import Tile
+from fo_tune.engines.triton.defaults import split_decreasing
 
 M, K, N = 512, 384, 640
 TILE = Tile(block_m=64, block_n=64, block_k=32, group_m=2, num_warps=4, num_stages=3)

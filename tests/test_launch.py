@@ -17,9 +17,9 @@ import pytest
 
 from fo_kernels.errors import EnvironmentMismatchError
 from fo_kernels.fingerprint import current_fingerprint
-from fo_tune import launch
-from fo_tune.launch import LaunchError, SpawnedPool, agreed_fingerprint, choose_backend, open_pool
-from fo_tune.timing import Timing
+from fo_tune.ranks import launch
+from fo_tune.ranks.launch import LaunchError, SpawnedPool, agreed_fingerprint, choose_backend, open_pool
+from fo_tune.ranks.timing import Timing
 from rank_tasks import ExitOn, FailOn, RankAndSum, SleepOn, TimeSleep
 
 TESTS = Path(__file__).resolve().parent
@@ -74,7 +74,7 @@ def _free_port() -> int:
 DRIVER = """
 import torch.distributed as dist
 
-from fo_tune.launch import open_pool
+from fo_tune.ranks.launch import open_pool
 from rank_tasks import RankAndSum
 
 with open_pool(2, backend="gloo") as pool:

@@ -12,7 +12,7 @@ from torch import nn
 
 from fo_kernels import ColumnParallelLinear, RowParallelLinear, parallelize_linears
 from fo_kernels import ops as ops_mod
-from fo_tune.launch import run_ranks
+from fo_tune.ranks.launch import run_ranks
 from tp_cases import MLP, suite
 
 # float32 against the unsharded float32 model (the bound).

@@ -16,12 +16,12 @@ from typer.testing import CliRunner
 from cli import app
 from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, with_all_gather_standin
 from fo_kernels.table import load_table, row_kind
-from fo_tune.calibration import load_calibration, save_calibration
-from fo_tune.cli.search import packaged_calibration
-from fo_tune.model import CostModel
+from fo_tune.calibrate.calibration import load_calibration, save_calibration
+from fo_tune.calibrate.find import packaged_calibration
+from fo_tune.engines import cost_model
+from fo_tune.engines.copy_engine.fit import fit_free
+from fo_tune.engines.copy_engine.model import chunk_rows, eager_ops
 from fo_tune.model.check import check_files, mape, measured_in
-from fo_tune.model.copy_engine import chunk_rows, eager_ops
-from fo_tune.model.fit import fit_free
 from fo_tune.search import SearchRequest, run_search
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,8 +111,8 @@ def test_units_are_ready_when_the_kernel_signals_them():
     from fo_kernels.plan import make_plan
     from fo_kernels.schedule import Problem, Schedule
     from fo_kernels.tile import Tile
+    from fo_tune.engines.triton.model import unit_ready_fractions
     from fo_tune.model.profiles import SPLIT_WAVE_SHARE
-    from fo_tune.model.triton import unit_ready_fractions
 
     big = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4)
 
@@ -146,8 +146,8 @@ def test_the_pingpong_kernels_units_are_ready_at_their_own_epilogue_and_its_k_sp
     from fo_kernels.plan import make_plan, tail_plan
     from fo_kernels.schedule import Problem, Schedule
     from fo_kernels.tile import Tile
+    from fo_tune.engines.triton.model import unit_ready_fractions
     from fo_tune.model.profiles import last_wave_share
-    from fo_tune.model.triton import unit_ready_fractions
 
     pp = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=5, pingpong=True)
 
@@ -212,7 +212,7 @@ def test_chunk_rows_cut_as_the_runtime_does():
 
     from fo_kernels.engines.copy_engine import ROW_ALIGN as RUNTIME_ROW_ALIGN
     from fo_kernels.engines.copy_engine import chunk_bounds
-    from fo_tune.model.copy_engine import ROW_ALIGN
+    from fo_tune.engines.copy_engine.model import ROW_ALIGN
 
     assert ROW_ALIGN == RUNTIME_ROW_ALIGN
     weightings = [(1,), (1, 1), (2, 1), (1, 1, 1, 1), (3, 2, 2, 1), (1,) * 6]
@@ -233,7 +233,7 @@ def test_all_gather_terms_follow_their_pipelines(h200):
     from fo_kernels.schedule import Problem, Schedule
     from fo_kernels.tile import Tile
 
-    model = CostModel(with_all_gather_standin(h200))
+    model = cost_model(with_all_gather_standin(h200))
     m, n, k = 8192, 8192, 8192
     base = model.baseline("all_gather", m, n, k, "bfloat16")
     assert base.comm_ms == model.curves.time(

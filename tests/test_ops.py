@@ -14,7 +14,7 @@ import fo_kernels
 from fo_kernels import GroupError, Problem, Schedule, ScheduleError, all_gather_gemm, gemm_all_reduce
 from fo_kernels import groups as groups_mod
 from fo_kernels import ops as ops_mod
-from fo_tune.launch import run_ranks
+from fo_tune.ranks.launch import run_ranks
 from tp_cases import TOL, OpCase, gather_schedule, suite
 
 ARGS = "(Tensor a, Tensor b, str group_name, str schedule)"

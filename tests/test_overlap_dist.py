@@ -8,11 +8,11 @@ import pytest
 
 from dist_cases import TOL, Case, bad_inputs, module_vs_linear, run_cases
 from fo_kernels.engines.triton.settings import TritonSettings
-from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import cdiv
 from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.tile import Tile
-from fo_tune.launch import run_ranks
+from fo_tune.engines.triton.defaults import split_decreasing
+from fo_tune.ranks.launch import run_ranks
 
 TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
 

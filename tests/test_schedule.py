@@ -12,10 +12,10 @@ from fo_kernels.engines import engine_names
 from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
 from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.errors import ScheduleError, ShapeError
-from fo_kernels.heuristics import MIN_OVERLAP_BYTES, default_schedule, split_decreasing
 from fo_kernels.plan import cdiv, make_plan, resolve_groups
 from fo_kernels.schedule import Problem, Schedule, settings_type
 from fo_kernels.tile import Tile
+from fo_tune.engines.triton.defaults import MIN_OVERLAP_BYTES, default_schedule, split_decreasing
 
 TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
 _COMMON = ("collective", "dtype", "world_size", "problem", "provenance")

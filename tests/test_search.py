@@ -24,16 +24,16 @@ from typer.testing import CliRunner
 from cli import app
 from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, with_all_gather_standin
 from fo_kernels.errors import HeuristicScheduleWarning
-from fo_kernels.heuristics import default_schedule
 from fo_kernels.plan import make_plan
 from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_table
 from fo_kernels.tile import Tile
 from fo_tune import tables as table_tools
-from fo_tune.calibration import save_calibration
-from fo_tune.encoding import Infeasible, UnionEncoding, schedule_key
-from fo_tune.engines import ShapeTask
-from fo_tune.model import CostModel, num_units, with_groups
+from fo_tune.calibrate.calibration import save_calibration
+from fo_tune.engines import ShapeTask, cost_model
+from fo_tune.engines.triton.defaults import default_schedule
+from fo_tune.engines.triton.model import num_units, with_groups
 from fo_tune.search import m_values, model_error
+from fo_tune.search.encoding import Infeasible, UnionEncoding, schedule_key
 from fo_tune.space import space_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_model_predicts_the_heuristic_schedule(model, collective, shape):
     if s.overlap:
         s = with_tile(s, priced_tiles(model)[0])
     p = model.predict(s, m, n, k)
-    base = model.sequential(collective, m, n, k, "bfloat16")
+    base = model.baseline(collective, m, n, k, "bfloat16")
     assert p.total_ms > 0 and math.isfinite(p.total_ms)
     assert base.sequential_ms >= base.gemm_ms + base.comm_ms - 1e-9
     if s.overlap:
@@ -163,7 +163,7 @@ def test_dp_grouping_beats_every_composition_it_could_have_chosen(model, collect
         )
     )
     units = num_units(base, m, n)
-    dp = model.best_grouping(base, m, n, k, max_groups=8)
+    dp = model.term("triton").best_grouping(base, m, n, k, max_groups=8)
     assert sum(dp) == units and len(dp) <= 8
     best = model.predict(with_groups(base, dp), m, n, k).total_ms
     rng = random.Random(0)
@@ -185,7 +185,7 @@ def test_dp_grouping_beats_every_composition_it_could_have_chosen(model, collect
 @pytest.fixture(scope="module")
 def ag_model(h200):
     """The shipped model with a stand-in all_gather curve (``with_all_gather_standin``)."""
-    return CostModel(with_all_gather_standin(h200))
+    return cost_model(with_all_gather_standin(h200))
 
 
 @pytest.mark.parametrize("shape", [(16384, 8192, 4096), (8192, 8192, 8192), (4096, 8192, 14336)])
@@ -202,7 +202,7 @@ def test_all_gather_dp_grouping_beats_every_composition(ag_model, shape, sms_fre
             )
         )  # fmt: skip
         units = num_units(base, m, n)
-        dp = ag_model.best_grouping(base, m, n, k, max_groups=8)
+        dp = ag_model.term("triton").best_grouping(base, m, n, k, max_groups=8)
         assert sum(dp) == units and len(dp) <= 8
         best = ag_model.predict(with_groups(base, dp), m, n, k).total_ms
         rng = random.Random(0)
@@ -401,12 +401,12 @@ def test_offline_all_gather_search_writes_a_row_the_runtime_returns(
 
 def test_the_shipped_calibration_cannot_price_all_gather(tmp_path, h200):
     """No all_gather was measured on the GPUs: the model refuses, naming what to measure."""
-    from fo_tune.calibration import CalibrationError
+    from fo_tune.calibrate.calibration import CalibrationError
 
     with pytest.raises(
         CalibrationError, match=r"no curve for all_gather.*--collectives all_reduce,reduce_scatter,all_gather"
     ):
-        CostModel(h200).baseline("all_gather", 4096, 8192, 4096, "bfloat16")
+        cost_model(h200).baseline("all_gather", 4096, 8192, 4096, "bfloat16")
     line = assert_one_line_error(
         search("--shape", "4096x8192x4096", "-c", "all_gather", "--out", str(tmp_path / "o"))
     )
@@ -861,7 +861,7 @@ def test_another_calibration_starts_another_study(tmp_path, h200):
     out = str(tmp_path / "o")
     assert search("--shape", "4096x8192x4096", "-n", "20", "--out", out).exit_code == 0
     other = dataclasses.replace(h200, created="2026-01-01T00:00:00+00:00")
-    from fo_tune.calibration import save_calibration
+    from fo_tune.calibrate.calibration import save_calibration
 
     save_calibration(other, tmp_path / "cal.yaml")
     r = search(
@@ -892,7 +892,7 @@ def test_new_study_starts_from_the_heuristic(model):
 def test_engine_bad_input_is_exit_2_and_writes_nothing(tmp_path, h200):
     out = tmp_path / "o"
     bare = tmp_path / "bare.yaml"
-    from fo_tune.calibration import save_calibration
+    from fo_tune.calibrate.calibration import save_calibration
 
     save_calibration(dataclasses.replace(h200, copy_engine=None), bare)
     line = assert_one_line_error(

@@ -1,4 +1,4 @@
-"""Tests of fo_tune.tables (merge under a lock, validation, diff) and the ``fo-tune table`` commands."""
+"""Tests of fo_tune.tables.merge (merge under a lock, validation, diff) and the ``fo-tune table`` commands."""
 
 from __future__ import annotations
 
@@ -19,22 +19,15 @@ from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.errors import FoTuneError, TableError
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint, make_device_key
-from fo_kernels.heuristics import default_schedule
 from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import ScheduleTable, load_table, save_table, table_path
 from fo_kernels.table import paths as table_paths
 from fo_kernels.tile import Tile
-from fo_tune.tables import (
-    RowDiff,
-    TableLockTimeout,
-    diff_tables,
-    find_tables,
-    header_differences,
-    known_device_keys,
-    lock_path,
-    merge_rows,
-    validate_table,
-)
+from fo_tune.engines.triton.defaults import default_schedule
+from fo_tune.tables.diff import RowDiff, diff_tables, header_differences
+from fo_tune.tables.find import find_tables, known_device_keys
+from fo_tune.tables.merge import TableLockTimeout, lock_path, merge_rows
+from fo_tune.tables.validate import validate_table
 
 HEADER = {"collective": "all_reduce", "world_size": 2, "dtype": "bfloat16"}
 CPU_TILE = Tile(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)

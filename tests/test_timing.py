@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fo_tune.launch import open_pool
-from fo_tune.timing import Timing
+from fo_tune.ranks.launch import open_pool
+from fo_tune.ranks.timing import Timing
 from rank_tasks import SkewedSamples
 
 
@@ -18,7 +18,7 @@ def test_time_interleaved_alternates_the_variants():
     """Each round samples every variant once, in order, so a drift hits them all alike."""
     import torch
 
-    from fo_tune.timing import time_interleaved
+    from fo_tune.ranks.timing import time_interleaved
 
     calls: list[str] = []
     fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
@@ -40,7 +40,7 @@ def test_time_interleaved_takes_longer_samples_on_request(monkeypatch):
 
     import torch
 
-    import fo_tune.timing as timing
+    import fo_tune.ranks.timing as timing
 
     now = [0.0]
     monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
@@ -75,7 +75,7 @@ def test_graphed_samples_replay_one_capture_of_inner_calls(monkeypatch):
 
     import torch
 
-    import fo_tune.timing as timing
+    import fo_tune.ranks.timing as timing
 
     now = [0.0]
     monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
@@ -118,7 +118,7 @@ def test_graphed_samples_replay_one_capture_of_inner_calls(monkeypatch):
 def test_graphed_samples_need_a_cuda_device_and_no_host_pacing():
     import torch
 
-    from fo_tune.timing import capture_calls, time_interleaved
+    from fo_tune.ranks.timing import capture_calls, time_interleaved
 
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         capture_calls(lambda: None, 2, torch.device("cpu"))

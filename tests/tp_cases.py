@@ -28,9 +28,9 @@ from fo_kernels import (
     gemm_all_reduce,
     gemm_reduce_scatter,
 )
-from fo_kernels.heuristics import split_decreasing
 from fo_kernels.plan import cdiv
 from fo_kernels.tile import Tile
+from fo_tune.engines.triton.defaults import split_decreasing
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 TOL = {"float32": 1e-5, "float16": 5e-3}

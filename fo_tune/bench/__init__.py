@@ -2,7 +2,7 @@
 
     run_bench(BenchRequest(shapes=((4096, 8192, 4096),)), reporter)        # run.py
       checks that the shapes can run here (request.py), opens one worker pool and agrees on the
-      ranks' fingerprint (fo_tune.launch), then per shape x collective one BenchCaseTask on every
+      ranks' fingerprint (fo_tune.ranks.launch), then per shape x collective one BenchCaseTask on every
       rank (task.py): each variant (variants.py: gemm, collective, sequential, chunked_c<C>, the
       collective's fused torch op async_tp or torch_fused, fo_tune) checked against a float32
       reference (operands.py), then all timed side by side

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.collectives import all_gather_tensor, reduce_scatter_tensor
-from fo_tune.measure import gemm_operands
+from fo_tune.ranks.gemm import gemm_operands
 
 
 def collective_of(

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from fo_tune.bench.rows import BENCH_COLUMNS, BenchResult
-from fo_tune.report import check_writable, figure, replacing_folder, write_rows
+from fo_tune.output import check_writable, figure, replacing_folder, write_rows
 
 BENCH_ROOT = Path("results/bench")
 BENCH_FILES = ("bench.csv", "bench.yaml", "bench.png")
@@ -27,7 +27,7 @@ def default_bench_dir(device_key: str, world_size: int) -> Path:
 
 def check_bench_out(out_dir: str | Path) -> None:
     """Raise ``OutputError`` unless ``write_bench_dir`` can create or replace ``out_dir``: a new
-    folder, or one holding only ``BENCH_FILES`` (``fo_tune.report.check_writable``'s rules)."""
+    folder, or one holding only ``BENCH_FILES`` (``fo_tune.output.check_writable``'s rules)."""
     check_writable(out_dir, allowed=BENCH_FILES, what="bench", writer="fo-tune bench")
 
 

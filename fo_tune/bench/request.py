@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from fo_kernels.errors import FoTuneError, ShapeError
 from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
 from fo_tune.bench.suite import Shape
-from fo_tune.launch import TASK_TIMEOUT_S
-from fo_tune.limits import check_problem_size, local_target
+from fo_tune.ranks.launch import TASK_TIMEOUT_S
+from fo_tune.ranks.limits import check_problem_size, local_target
 
 # Row chunks of the hand-chunked baseline: the design brief's H200 prototype split M into 2, 4 and 8
 # (docs/design.md#triton-engine).
 CHUNK_COUNTS = (2, 4, 8)
-# Untimed calls before each timing (fo_tune.timing.time_region's default); the interpreter is slow,
+# Untimed calls before each timing (fo_tune.ranks.timing.time_region's default); the interpreter is slow,
 # so one on the CPU. The checked call comes before these.
 WARMUP, CPU_WARMUP = 3, 1
 # Timed samples per variant (each sample spans >= comparison_sample_ms on GPUs). 30 on GPUs: with
@@ -51,7 +51,7 @@ class BenchRequest:
     chunks: tuple[int, ...] = CHUNK_COUNTS
     suite: str = ""  # the suite's name when the shapes came from one
     seed: int = 0
-    sample_ms: float | None = None  # None: fo_tune.timing.comparison_sample_ms (16 ms on GPUs)
+    sample_ms: float | None = None  # None: fo_tune.ranks.timing.comparison_sample_ms (16 ms on GPUs)
     allow_slow: bool = False  # run shapes above CPU_MAX_MACS in Triton's CPU interpreter anyway
 
     def __post_init__(self) -> None:
@@ -102,7 +102,7 @@ class BenchRequest:
 
 def check_runnable(request: BenchRequest, backend: str) -> None:
     """Refuse, before any rank starts, shapes that cannot exist on the ranks' devices
-    (``fo_tune.limits``) and, on the CPU (any backend but NCCL), shapes above ``CPU_MAX_MACS``
+    (``fo_tune.ranks.limits``) and, on the CPU (any backend but NCCL), shapes above ``CPU_MAX_MACS``
     unless ``request.allow_slow``."""
     check_problem_size(request.shapes, request.dtype_for(backend), local_target(backend, request.world_size))
     if backend == "nccl" or request.allow_slow:

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from fo_kernels.fingerprint import Fingerprint
-from fo_tune.measure import worst_error
-from fo_tune.timing import Timing
+from fo_tune.ranks.gemm import worst_error
+from fo_tune.ranks.timing import Timing
 
 BENCH_SCHEMA_VERSION = 1
 BENCH_KIND = "fo-tune-bench"

@@ -10,9 +10,9 @@ from fo_kernels.schedule import SHARDED_COLLECTIVES
 from fo_tune.bench.request import CPU_REPS, CPU_WARMUP, GPU_REPS, WARMUP, BenchRequest, check_runnable
 from fo_tune.bench.rows import BenchResult, case_rows, merge, skipped_rows
 from fo_tune.bench.task import BenchCaseTask
-from fo_tune.launch import choose_backend, fingerprinted_pool
-from fo_tune.progress import Reporter, SilentReporter
-from fo_tune.timing import comparison_sample_ms
+from fo_tune.output import Reporter, SilentReporter
+from fo_tune.ranks.launch import choose_backend, fingerprinted_pool
+from fo_tune.ranks.timing import comparison_sample_ms
 
 
 def run_bench(request: BenchRequest, reporter: Reporter | None = None) -> BenchResult | None:

@@ -8,7 +8,7 @@ for each variant (fo_tune.bench.variants): out = fn(); pass iff no NaN and
     so they are checked on a second operand set: a freed buffer holding an earlier variant's
     answer cannot pass. At world size 1 the fused torch op (symmetric memory between ranks) is a
     SKIP row
-time = fo_tune.timing.time_interleaved over every variant that passed (alternating rounds, the
+time = fo_tune.ranks.timing.time_interleaved over every variant that passed (alternating rounds, the
     ranks agree on call counts)
 fo_tune is checked once more after timing, its previous output poisoned with NaN first: the
     runtime replays repeated calls from CUDA graphs of its own, which the first check precedes
@@ -32,9 +32,9 @@ from fo_tune.bench import variants as v
 from fo_tune.bench.operands import CaseOperands, case_operands
 from fo_tune.bench.request import CHUNK_COUNTS, GPU_REPS, WARMUP
 from fo_tune.bench.rows import FUSED_VARIANT
-from fo_tune.launch import RankContext
-from fo_tune.measure import GEMM_TOL, rel_err
-from fo_tune.timing import MIN_SAMPLE_MS, time_interleaved
+from fo_tune.ranks.gemm import GEMM_TOL, rel_err
+from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.timing import MIN_SAMPLE_MS, time_interleaved
 
 # Seed offset of the second operand set (any number keeping it apart from the first set's seeds).
 FRESH_SEED = 7919
@@ -80,7 +80,7 @@ class BenchCaseTask:
     warmup: int = WARMUP
     reps: int = GPU_REPS
     seed: int = 0
-    min_sample_ms: float = MIN_SAMPLE_MS  # the shortest timed sample (fo_tune.timing)
+    min_sample_ms: float = MIN_SAMPLE_MS  # the shortest timed sample (fo_tune.ranks.timing)
 
     def run(self, ctx: RankContext) -> list[dict[str, Any]]:
         m, n, k, c = self.m, self.n, self.k, self.collective

@@ -41,7 +41,7 @@ from fo_kernels.errors import EnvironmentMismatchError, FoTuneError, HeuristicSc
 from fo_kernels.runtime import runtime_for
 from fo_kernels.table import MISS_SOURCE
 from fo_tune.bench.operands import collective_of
-from fo_tune.launch import RankContext
+from fo_tune.ranks.launch import RankContext
 
 Call = Callable[[], torch.Tensor]
 

@@ -1,4 +1,5 @@
-"""``fo-tune calibrate``: measure this machine (library: ``fo_tune.calibrate``, files: ``fo_tune.report``)."""
+"""``fo-tune calibrate``: measure this machine (library: ``fo_tune.calibrate.run``; files:
+``fo_tune.calibrate.files``)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ from fo_tune.cli.common import (
 from fo_tune.cli.progress import ProgressReporter, progress_bars
 
 if TYPE_CHECKING:
-    from fo_tune.calibration import Calibration, GemmPoint
+    from fo_tune.calibrate.calibration import Calibration, GemmPoint
 
-# fo_tune.calibration.CALIBRATED_COLLECTIVES and fo_tune.calibrate.PARTS, for the help text (importing
-# them pulls in torch, which --help does not need; a test checks they match).
+# fo_tune.calibrate.calibration.CALIBRATED_COLLECTIVES and fo_tune.calibrate.run.PARTS, for the help
+# text (importing them pulls in torch, which --help does not need; a test checks they match).
 CALIBRATED_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 PART_NAMES = ("bandwidth", "interference", "gemm", "copy_engine")
 
@@ -110,7 +111,8 @@ CalDtypeOpt = Annotated[
 
 # ----------------------------------------------------------------------------------- the summary
 def _print_summary(cal: Calibration, written: list[Path]) -> None:
-    from fo_tune.report import bandwidth_summary, interference_summary, size_label
+    from fo_tune.calibrate.files import bandwidth_summary, interference_summary
+    from fo_tune.output import size_label
 
     where = "NCCL" if cal.fingerprint.interconnect != "gloo" else "gloo on the CPU"
     bw = summary_table(
@@ -166,7 +168,7 @@ def _gemm_shape(cal: Calibration) -> tuple[int, int, int]:
 
 def gemm_table(points: Iterable[GemmPoint], title: str) -> Table:
     """Per shape: the fastest measured tile config and grid, next to cuBLAS."""
-    from fo_tune.report import gemm_summary
+    from fo_tune.calibrate.files import gemm_summary
 
     table = summary_table(
         title, ["MxNxK", "best tile", "r", "grid", "ms", "cuBLAS ms", "cuBLAS/ours", "measured"], 2
@@ -216,18 +218,25 @@ def calibrate(
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
         search_space = resolve_space(space, chosen)
-        from fo_tune.calibration import load_calibration
-        from fo_tune.report import DEFAULT_ROOT, check_writable, default_out_dir, write_calibration_dir
+        from fo_tune.calibrate.calibration import load_calibration
+        from fo_tune.calibrate.files import (
+            DEFAULT_ROOT,
+            check_calibration_out,
+            default_out_dir,
+            write_calibration_dir,
+        )
 
         target = load_calibration(into) if into is not None else None  # checked before any rank starts
         if target is not None:
             from fo_kernels.fingerprint import current_fingerprint
-            from fo_tune.calibrate import check_mergeable
+            from fo_tune.calibrate.run import check_mergeable
 
             check_mergeable(target, current_fingerprint(local_device(chosen), world_size), dtype)
         if driver and into is None:  # a bad --out costs nothing: checked before any rank starts
-            check_writable(out or DEFAULT_ROOT / expected_device_key(chosen, world_size) / f"tp{world_size}")
-        from fo_tune.calibrate import CalibrationRequest, run_calibration
+            check_calibration_out(
+                out or DEFAULT_ROOT / expected_device_key(chosen, world_size) / f"tp{world_size}"
+            )
+        from fo_tune.calibrate.run import CalibrationRequest, run_calibration
 
         request = CalibrationRequest(
             world_size=world_size,
@@ -244,8 +253,8 @@ def calibrate(
         if cal is None:  # a serving torchrun rank: rank 0 writes and reports
             return
         if target is not None:
-            from fo_tune.calibrate import merge_into
-            from fo_tune.calibration import save_calibration
+            from fo_tune.calibrate.calibration import save_calibration
+            from fo_tune.calibrate.run import merge_into
 
             assert into is not None
             save_calibration(merge_into(target, cal, request.selected()), into)

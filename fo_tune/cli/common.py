@@ -180,14 +180,14 @@ def check_dtype(dtype: str) -> str:
 # ------------------------------------------------------------------------------ before the ranks
 def resolve_backend(world_size: int, backend: str) -> str:
     """``nccl`` or ``gloo`` for ``world_size`` ranks, checked before anything is spawned: the option
-    values here, then ``fo_tune.launch.choose_backend`` (``auto``: gloo without GPUs, NCCL with
+    values here, then ``fo_tune.ranks.launch.choose_backend`` (``auto``: gloo without GPUs, NCCL with
     one GPU per rank, too few GPUs an error). Under torchrun the world size must match its ranks.
     """
     if backend not in BACKEND_NAMES:
         raise typer.BadParameter(f"--backend {backend!r} is not one of {', '.join(BACKEND_NAMES)}")
     if world_size < 1:
         raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
-    from fo_tune.launch import choose_backend, in_torchrun
+    from fo_tune.ranks.launch import choose_backend, in_torchrun
 
     if in_torchrun() and int(os.environ["WORLD_SIZE"]) != world_size:
         ranks = os.environ["WORLD_SIZE"]
@@ -199,7 +199,7 @@ def resolve_backend(world_size: int, backend: str) -> str:
 
 def is_driver_process() -> bool:
     """False on a torchrun rank other than 0 (it serves rank 0's tasks and prints nothing)."""
-    from fo_tune.launch import in_torchrun
+    from fo_tune.ranks.launch import in_torchrun
 
     return not in_torchrun() or os.environ.get("RANK") == "0"
 

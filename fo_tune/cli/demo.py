@@ -1,4 +1,4 @@
-"""``fo-tune demo``: check and time the overlapped ops on local ranks (library: ``fo_tune.demo``)."""
+"""``fo-tune demo``: check and time the overlapped ops on local ranks (library: ``fo_tune.bench.demo``)."""
 
 import math
 from typing import TYPE_CHECKING, Annotated
@@ -21,7 +21,7 @@ from fo_tune.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from fo_tune.demo import DemoRow
+    from fo_tune.bench.demo import DemoRow
 
 HELP = "\n\n".join(
     [
@@ -145,8 +145,8 @@ def demo(
             "--world-size >= 2 and leave --backend out"
         )
 
-    from fo_tune.demo import plan_demo, run_copy_engine_demo, run_demo
-    from fo_tune.launch import visible_gpus
+    from fo_tune.bench.demo import plan_demo, run_copy_engine_demo, run_demo
+    from fo_tune.ranks.launch import visible_gpus
 
     if engine == "copy_engine":
         ranks = world_size or 2

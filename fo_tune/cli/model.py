@@ -1,5 +1,5 @@
 """``fo-tune model``: the cost model against measurements (check), and fitting its free
-parameters to them (fit). Library: ``fo_tune.model.check``, ``fo_tune.model.fit``."""
+parameters to them (fit). Library: ``fo_tune.model.check``, ``fo_tune.engines.copy_engine.fit``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fo_tune.cli.calibrate import fmt, summary_table
 from fo_tune.cli.common import console, handle_errors
 
 if TYPE_CHECKING:
-    from fo_tune.calibration import Calibration
+    from fo_tune.calibrate.calibration import Calibration
     from fo_tune.model.check import Checked
 
 HELP = "\n\n".join(
@@ -97,8 +97,8 @@ _NK = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
 def _calibration(path: Path | None) -> tuple[Calibration, Path]:
-    from fo_tune.calibration import load_calibration
-    from fo_tune.cli.search import packaged_calibration
+    from fo_tune.calibrate.calibration import load_calibration
+    from fo_tune.calibrate.find import packaged_calibration
     from fo_tune.search import SearchError
 
     if path is None:
@@ -121,7 +121,7 @@ def _default_tables(cal: Calibration) -> list[Path]:
 
 def _check_terms(cal: Calibration, rows: list, engines: set[str]) -> None:
     """A calibration without what a measured row's engine needs: the section and its command."""
-    from fo_tune.calibration import CalibrationError
+    from fo_tune.calibrate.calibration import CalibrationError
     from fo_tune.engines import get_tuner
 
     for engine in sorted(engines - {""}):
@@ -161,7 +161,7 @@ def error_line(rows: list[Checked], what: str = "measured rows") -> str:
 
 @handle_errors
 def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
-    from fo_tune.model import CostModel
+    from fo_tune.engines import cost_model
     from fo_tune.model.check import CheckError, measured_in
 
     cal, path = _calibration(calibration)
@@ -175,7 +175,7 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     if not items:
         raise CheckError(f"no measured row or trial in {', '.join(map(str, paths))}")
     _check_terms(cal, items, {m.schedule.engine or "" for m in items})
-    model = CostModel(cal)
+    model = cost_model(cal)
     rows = [m.checked(model) for m in items]
     print_checked(rows, f"model of {path} against {len(paths)} file(s)")
     console.print(error_line(rows), highlight=False, markup=False)
@@ -200,8 +200,8 @@ def fit(
     hold_out_file: HoldOutFileOpt = None,
     out: OutOpt = None,
 ) -> None:
-    from fo_tune.calibration import load_calibration, save_calibration
-    from fo_tune.model.fit import fit_calibration
+    from fo_tune.calibrate.calibration import load_calibration, save_calibration
+    from fo_tune.engines.copy_engine.fit import fit_calibration
 
     nks = []
     for text in hold_out or []:

@@ -1,6 +1,7 @@
 """``fo-tune profile``: every tile config of the search space for one GEMM shape, next to cuBLAS.
 
-Library: ``fo_tune.calibrate.profile_shape`` (measures), ``fo_tune.report.write_profile_csv`` (writes).
+Library: ``fo_tune.calibrate.profile.profile_shape`` (measures), ``fo_tune.calibrate.files.write_profile_csv``
+(writes).
 """
 
 from __future__ import annotations
@@ -167,15 +168,16 @@ def profile(
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
         search_space = resolve_space(space, chosen)
-        from fo_tune.report import check_writable_file, default_profile_path, grids_path
+        from fo_tune.calibrate.files import default_profile_path, grids_path
+        from fo_tune.output import check_writable_file
 
         if driver:
             target = out or default_profile_path(expected_device_key(chosen, world_size), (m, n, k), dtype)
             check_writable_file(target)
             check_writable_file(grids_path(target))
-        from fo_tune.calibrate import profile_shape
-        from fo_tune.launch import fingerprinted_pool
-        from fo_tune.limits import check_problem_size, local_target
+        from fo_tune.calibrate.profile import profile_shape
+        from fo_tune.ranks.launch import fingerprinted_pool
+        from fo_tune.ranks.limits import check_problem_size, local_target
 
         check_problem_size([(m, n, k)], dtype, local_target(chosen, world_size))
 
@@ -189,13 +191,13 @@ def profile(
             with console.status(what, spinner="dots"):
                 device_key = fp.device_key
                 points = profile_shape(pool, m, n, k, tiles, frees, dtype, graphs=graphs)
-            from fo_tune.calibration import timing_name
-            from fo_tune.report import write_grids_csv, write_profile_csv
+            from fo_tune.calibrate.calibration import timing_name
+            from fo_tune.calibrate.files import write_grids_csv, write_profile_csv
 
             target = out or default_profile_path(device_key, (m, n, k), dtype)
             path = write_profile_csv(points, target, device_key, timing_name(graphs))
             _print_ranking(points, f"{m}x{n}x{k} {dtype}, {timing_name(graphs)}", device_key, path)
-            from fo_tune.calibrate import confirm_grids
+            from fo_tune.calibrate.profile import confirm_grids
 
             with console.status(f"timing the best of each grid side by side ({m}x{n}x{k})", spinner="dots"):
                 grids = confirm_grids(pool, points, dtype, graphs=graphs)

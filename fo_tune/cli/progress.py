@@ -1,5 +1,5 @@
 """Progress of the long commands (calibrate, search, bench): rich progress bars on a terminal, one
-timestamped line per step otherwise; ``ProgressReporter`` is the ``fo_tune.progress.Reporter``
+timestamped line per step otherwise; ``ProgressReporter`` is the ``fo_tune.output.Reporter``
 the library calls report to."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def progress_bars(enabled: bool = True) -> Progress:
 
 
 class ProgressReporter:
-    """``fo_tune.progress.Reporter`` over rich progress bars: one bar per stage.
+    """``fo_tune.output.Reporter`` over rich progress bars: one bar per stage.
 
     A first bar (no total) covers starting the ranks; it completes when the first stage begins.
     ``step`` advances its stage's bar and shows what was just measured. When the console is not a

@@ -1,15 +1,14 @@
 """``fo-tune search``: tune schedules and write them into the tables the runtime reads.
 
-Library: ``fo_tune.search.run_search`` (the studies), ``fo_tune.tables.merge_rows`` (the table),
-``fo_tune.search_report.write_report`` (trials CSV, summary YAML, plots).
+Library: ``fo_tune.search.run_search`` (the studies), ``fo_tune.tables.merge.merge_rows`` (the table),
+``fo_tune.search.report.write_report`` (trials CSV, summary YAML, plots), ``fo_tune.search.setup`` (the
+options' files and folders), ``fo_tune.calibrate.find`` (the calibration).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -38,11 +37,9 @@ from fo_tune.cli.progress import ProgressReporter, progress_bars
 
 if TYPE_CHECKING:
     from fo_kernels.schedule import Schedule
-    from fo_tune.calibration import Calibration
     from fo_tune.search import SearchResult
 
 MODE_NAMES = ("measure", "predict", "hybrid")
-SQLITE = "sqlite:///"
 
 HELP = "\n\n".join(
     [
@@ -207,51 +204,6 @@ def parse_m_range(text: str | None) -> tuple[int, int] | None:
     return lo, hi
 
 
-def read_shapes_file(path: Path) -> list[tuple[int, int, int]]:
-    from fo_kernels.files import read_yaml
-    from fo_tune.search import SearchError
-
-    data = read_yaml(path, error=SearchError, missing=SearchError, missing_hint="no such shapes file")
-    shapes = data.get("shapes") if isinstance(data, dict) else None
-    if not isinstance(shapes, list) or not shapes:
-        raise SearchError(f"{path}: expected a non-empty `shapes:` list of [M, N, K]")
-    out = []
-    for i, s in enumerate(shapes):
-        if (
-            not isinstance(s, list)
-            or len(s) != 3
-            or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in s)
-        ):
-            raise SearchError(f"{path}: shapes[{i}]: expected [M, N, K] with integers >= 1, got {s!r}")
-        out.append((s[0], s[1], s[2]))
-    return out
-
-
-def packaged_calibration(device_key: str | None, world_size: int) -> Path | None:
-    """The packaged calibration for ``device_key`` (any device when None) and world size."""
-    try:
-        root = Path(str(resources.files("fo_results") / "calibration"))
-    except (ModuleNotFoundError, TypeError):
-        return None
-    if not root.is_dir():
-        return None
-    for folder in sorted(root.iterdir()):
-        if device_key is not None and folder.name != device_key:
-            continue
-        path = folder / f"tp{world_size}" / "calibration.yaml"
-        if path.is_file():
-            return path
-    return None
-
-
-def find_calibration(device_key: str, world_size: int) -> Path | None:
-    """This machine's calibration: under results/calibration here, else the packaged one."""
-    local = Path("results/calibration") / device_key / f"tp{world_size}" / "calibration.yaml"
-    if local.is_file():
-        return local
-    return packaged_calibration(device_key, world_size)
-
-
 def short_schedule(row: Schedule) -> str:
     """``triton 128x256x64s3ws r28 cap24 u256 g1-1-1-1 row_band``, ``copy_engine ring 1-1-1-1``
     (or ``no overlap``)."""
@@ -329,95 +281,6 @@ def _print_summary(result: SearchResult, written: list[Path]) -> None:
     )
 
 
-def _choose_calibration(
-    path: Path | None, mode: str, world_size: int, backend: str
-) -> tuple[Calibration | None, str]:
-    """(the calibration the search reads, the mode): --calibration, else the packaged one for a
-    predict search, else this machine's; no mode given: hybrid with a calibration, else measure."""
-    from fo_kernels.fingerprint import current_fingerprint
-    from fo_tune.calibration import load_calibration
-    from fo_tune.search import SearchError
-
-    cal: Calibration | None = None
-    if path is not None:
-        cal = load_calibration(path)
-    elif mode == "predict":
-        found = packaged_calibration(None, world_size)
-        if found is None:
-            raise SearchError(
-                f"no packaged calibration for world size {world_size}; run `fo-tune calibrate "
-                f"--world-size {world_size}` on the GPUs and pass --calibration FILE"
-            )
-        cal = load_calibration(found)
-    else:
-        key = current_fingerprint(local_device(backend), world_size).device_key
-        found = find_calibration(key, world_size)
-        if found is not None:
-            cal = load_calibration(found)
-    if not mode:
-        mode = "hybrid" if cal is not None else "measure"
-    if (
-        mode == "hybrid"
-        and backend == "gloo"
-        and cal is not None
-        and cal.fingerprint.compute_capability != "cpu"
-    ):
-        raise SearchError(
-            f"--mode hybrid measures on these ranks (gloo on the CPU), but the calibration is for "
-            f"{cal.fingerprint.device_key}; use --mode predict, or a calibration of this machine"
-        )
-    if mode == "predict" and cal is None:
-        raise SearchError("--mode predict needs --calibration FILE")
-    return cal, mode
-
-
-def _outputs(out: Path | None, table_dir: Path | None, storage: str | None) -> tuple[Path, str]:
-    """(the tables' root, the studies' storage URL) of --out, --table-dir and --storage."""
-    from fo_kernels.table import TABLE_DIR_ENV, user_table_dir
-    from fo_tune.search import DEFAULT_STORAGE_FILE
-
-    if out is not None:
-        return table_dir or out / "tables", storage or f"sqlite:///{out / 'studies' / 'fo-tune.db'}"
-    env = os.environ.get(TABLE_DIR_ENV)
-    return table_dir or (
-        Path(env) if env else user_table_dir()
-    ), storage or f"sqlite:///{DEFAULT_STORAGE_FILE}"
-
-
-def _report_dirs(
-    requests: list,
-    cal: Calibration | None,
-    backend: str,
-    out: Path | None,
-    tables_root: Path,
-    storage_url: str,
-) -> list[Path]:
-    """Each request's report folder; every file the search writes (its report folders, table files
-    and SQLite study file) is checked writable before anything runs."""
-    from fo_kernels.fingerprint import current_fingerprint
-    from fo_kernels.table import table_path
-    from fo_tune.report import check_writable_file
-    from fo_tune.search_report import check_report_dir, default_report_dir
-
-    first = requests[0]
-    if first.mode == "predict":
-        assert cal is not None
-        device_key = cal.fingerprint.device_key
-    else:
-        device_key = current_fingerprint(local_device(backend), first.world_size).device_key
-    dirs = []
-    for r in requests:
-        folder = default_report_dir(
-            device_key, r.collective, r.world_size, r.dtype, r.mode, m_range=r.m_range is not None
-        )
-        dirs.append(out / "report" / folder.name if out is not None else folder)
-        check_report_dir(dirs[-1])
-        check_writable_file(table_path(tables_root, device_key, r.collective, r.world_size, r.dtype))
-    if storage_url.startswith(SQLITE):
-        check_writable_file(storage_url[len(SQLITE) :].split("?")[0])
-    return dirs
-
-
 @handle_errors
 def search(
     shape: ShapesOpt = None,
@@ -455,6 +318,8 @@ def search(
     rng = parse_m_range(m_range)
     wanted = [parse_shape(s) for s in shape or []]
     if shapes is not None:
+        from fo_tune.search.setup import read_shapes_file  # (reads YAML; defines no kernel)
+
         wanted += read_shapes_file(shapes)
     if not wanted:
         raise typer.BadParameter("no shape to search: give --shape MxNxK (repeatable) or --shapes FILE")
@@ -467,10 +332,13 @@ def search(
     chosen = "gloo" if mode == "predict" else resolve_backend(world_size, backend)
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
+        from fo_tune.calibrate.find import choose_calibration
         from fo_tune.search import SearchRequest, check_request, run_search
-        from fo_tune.search_report import write_report
+        from fo_tune.search.report import write_report
+        from fo_tune.search.setup import output_places, report_dirs
 
-        cal, mode = _choose_calibration(calibration, mode, world_size, chosen)
+        device = local_device(chosen)
+        cal, mode = choose_calibration(calibration, mode, world_size, chosen, device)
         search_space = None
         if space is not None:
             search_space = resolve_space(space, chosen)
@@ -478,7 +346,7 @@ def search(
             from fo_tune.space import space_for
 
             search_space = space_for(cal.fingerprint.compute_capability)
-        tables_root, storage_url = _outputs(out, table_dir, storage)
+        tables_root, storage_url = output_places(out, table_dir, storage)
         requests = [
             SearchRequest(
                 shapes=tuple(wanted),
@@ -504,11 +372,11 @@ def search(
         ]
         for request in requests:  # every bad input is reported before anything runs or is written
             check_request(request)
-        report_dirs = _report_dirs(requests, cal, chosen, out, tables_root, storage_url)
+        folders = report_dirs(requests, cal, device, out, tables_root, storage_url)
         results = []
         with progress_bars(enabled=driver) as progress:
             reporter = ProgressReporter(progress, f"search ({mode})")
-            for request, report_dir in zip(requests, report_dirs, strict=True):
+            for request, report_dir in zip(requests, folders, strict=True):
                 result = run_search(request, reporter)
                 if result is None:  # a serving torchrun rank
                     return

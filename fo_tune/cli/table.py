@@ -1,4 +1,4 @@
-"""``fo-tune table``: show, validate and compare schedule tables (library: ``fo_tune.tables``).
+"""``fo-tune table``: show, validate and compare schedule tables (library: ``fo_tune.tables.merge``).
 
 Table files are read with ``fo_kernels.table.load_table``; the runtime and the tuner are imported only
 inside the commands, so ``fo-tune --help`` stays light.
@@ -38,7 +38,7 @@ from fo_tune.cli.table_rows import (
 
 if TYPE_CHECKING:
     from fo_kernels.table import ScheduleTable
-    from fo_tune.tables import RowDiff
+    from fo_tune.tables.diff import RowDiff
 
 FORMATS = ("table", "yaml", "csv")
 # Defaults of `show` without a PATH: the setup docs/perf-notes.md measured (bf16, TP=2).
@@ -219,7 +219,7 @@ def _check_choice(option: str, value: str, choices: Sequence[str]) -> str:
 def _find(device_key: str | None, collective: str, world_size: int, dtype: str) -> list[Path]:
     from fo_kernels.errors import TableNotFoundError
     from fo_kernels.table import table_filename, table_search_path
-    from fo_tune.tables import find_tables, known_device_keys
+    from fo_tune.tables.find import find_tables, known_device_keys
 
     if device_key is None:
         from fo_kernels.fingerprint import current_fingerprint
@@ -323,7 +323,7 @@ def lookup(
             f"--shape {shape}: {collective} needs M divisible by the world size {world}{gathered}"
         )
     from fo_kernels.table import MISS_SOURCE
-    from fo_tune.tables import find_row
+    from fo_tune.tables.find import find_row
 
     if device_key is None:
         from fo_kernels.fingerprint import current_fingerprint
@@ -361,7 +361,7 @@ def _location_note(path: Path, table: ScheduleTable) -> str | None:
 def validate(paths: PathsArg, sm_count: SmCountOpt = None) -> None:
     from fo_kernels.errors import TableError, TableNotFoundError
     from fo_kernels.table import load_table
-    from fo_tune.tables import validate_table
+    from fo_tune.tables.validate import validate_table
 
     problems: list[str] = []
     bad_files = 0
@@ -402,7 +402,7 @@ def _latency_cell(values: dict[str, float]) -> tuple[str, str | None]:
 
 
 def _changes_cell(d: RowDiff) -> str:
-    from fo_tune.tables import field_value
+    from fo_tune.tables.diff import field_value
 
     if d.status == "only_a":
         row = d.a
@@ -443,7 +443,7 @@ def _print_diff(diffs: Sequence[RowDiff], show_all: bool) -> None:
 @handle_errors
 def diff(a: TableAArg, b: TableBArg, exit_code: ExitCodeOpt = False, all_: AllRowsOpt = False) -> None:
     from fo_kernels.table import load_table
-    from fo_tune.tables import DIFF_STATUSES, diff_tables, header_differences
+    from fo_tune.tables.diff import DIFF_STATUSES, diff_tables, header_differences
 
     table_a, table_b = load_table(a), load_table(b)
     print_plain(f"A: {a} ({table_a.fingerprint.device_key}, {len(table_a.rows)} row(s))")

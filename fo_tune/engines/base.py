@@ -15,7 +15,7 @@ An ``EngineTuner`` is stateless and registered by the exact name its runtime set
 4. ``term(model)`` once per cost model, then ``term.predict(schedule, m, n, k)`` per prediction.
 
 Parameters are plain mappings of the engine's own names; the union encoding
-(``fo_tune.encoding``) prefixes them with the engine's name in the Optuna study, under the
+(``fo_tune.search.encoding``) prefixes them with the engine's name in the Optuna study, under the
 ``engine`` choice, so two engines never share a parameter. ``overlap: false`` is no engine: it is
 the baseline every engine is judged against.
 """
@@ -32,7 +32,7 @@ from fo_kernels.schedule import SHARDED_COLLECTIVES, EngineSettings, Problem, Sc
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
-    from fo_tune.calibration import Calibration
+    from fo_tune.calibrate.calibration import Calibration
     from fo_tune.model import CostModel
     from fo_tune.space import SearchSpace, SpaceReader
 
@@ -150,7 +150,7 @@ class EngineTuner(ABC):
         exhaustive search visits, groupings included)."""
 
     def probe_task(self) -> Any | None:
-        """A task (``fo_tune.launch``) every rank of a measured search runs once: why the runtime
+        """A task (``fo_tune.ranks.launch``) every rank of a measured search runs once: why the runtime
         there cannot run the engine ("" when it can; None: nothing to probe beyond ``blocker``)."""
         return None
 

@@ -30,7 +30,7 @@ from fo_kernels.errors import FoTuneError, ScheduleError
 from fo_kernels.schedule import Problem, Schedule, settings_type
 from fo_kernels.table import ScheduleTable, row_kind
 from fo_kernels.tile import Tile
-from fo_tune.calibration import CalibrationError
+from fo_tune.calibrate.calibration import CalibrationError
 from fo_tune.model.core import CostModel
 
 

@@ -1,9 +1,10 @@
 """The cost model of one machine: what its calibration predicts for any schedule.
 
-``CostModel(calibration)`` holds the calibration's measurements as functions (``profiles``), the
-library GEMM (``library``), and one term per engine, made on first use by the engine's plug-in
-(``fo_tune.engines``: ``EngineTuner.term``). ``predict(schedule, m, n, k)`` asks the schedule's
-engine's term; an ``overlap: false`` schedule is the baseline:
+``CostModel(calibration, terms)`` holds the calibration's measurements as functions
+(``profiles``), the library GEMM (``library``), and one term per engine, made on first use by the
+factory it is handed for that engine (``fo_tune.engines.cost_model`` hands it every engine
+plug-in's ``EngineTuner.term``; nothing here imports an engine). ``predict(schedule, m, n, k)``
+asks the schedule's engine's term; an ``overlap: false`` schedule is the baseline:
 
     GEMM      = the library GEMM of (M, N, K) at the deciding measurements' clock
     comm      = the collective alone on the M x N output (NCCL's default communicator); for
@@ -21,12 +22,12 @@ A row is decided against the fallback (what the row runs when it does not overla
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fo_kernels.schedule import Schedule
 from fo_kernels.tile import Tile
-from fo_tune.calibration import Calibration
+from fo_tune.calibrate.calibration import Calibration, CalibrationError
 from fo_tune.model.library import PARAMS as LIBRARY_PARAMS
 from fo_tune.model.library import LibraryGemm, LibraryPoint
 from fo_tune.model.profiles import Curves, InterferenceTable, TileProfile
@@ -39,11 +40,16 @@ from fo_tune.model.types import Baseline, Interference, Prediction, element_byte
 DEFAULT_BASELINE_HOST = {"sequential_host_ms": 0.06, "fallback_host_ms": 0.05}
 
 
+# Makes an engine's term from the model (the term keeps the model to read its measurements).
+TermFactory = Callable[["CostModel"], Any]
+
+
 class CostModel:
     """Predictions for one calibration (see the module docstring)."""
 
-    def __init__(self, cal: Calibration) -> None:
+    def __init__(self, cal: Calibration, terms: Mapping[str, TermFactory]) -> None:
         self.cal = cal
+        self._factories = dict(terms)
         self.sm_count = cal.fingerprint.sm_count
         self.world_size = cal.world_size
         self.tile_profile = TileProfile(cal)
@@ -63,11 +69,14 @@ class CostModel:
 
     # ------------------------------------------------------------------------------ the terms
     def term(self, engine: str) -> Any:
-        """The cost-model term of ``engine`` (made by its plug-in on first use)."""
+        """The cost-model term of ``engine`` (made by its factory on first use)."""
         if engine not in self._terms:
-            from fo_tune.engines import get_tuner
-
-            self._terms[engine] = get_tuner(engine).term(self)
+            factory = self._factories.get(engine)
+            if factory is None:
+                raise CalibrationError(
+                    f"the cost model has no term for engine {engine!r} (it has {', '.join(self._factories)})"
+                )
+            self._terms[engine] = factory(self)
         return self._terms[engine]
 
     def predict(self, schedule: Schedule, m: int, n: int, k: int) -> Prediction:
@@ -104,10 +113,6 @@ class CostModel:
             fallback_ms=max(gemm + comm, self.baseline_host["fallback_host_ms"]),
         )
 
-    def sequential(self, collective: str, m: int, n: int, k: int, dtype: str) -> Baseline:
-        """The baselines of one shape (``baseline``; kept under its older name)."""
-        return self.baseline(collective, m, n, k, dtype)
-
     # ------------------------------------------------------------------------------ measured data
     def tiles(self) -> list[Tile]:
         """Tile configs the calibration profiled (the only ones the Triton term can predict)."""
@@ -131,17 +136,6 @@ class CostModel:
         """How the collective and the Triton GEMM slow each other at (sms_free, cap)."""
         return self.interference_table.lookup(collective, sms_free, cap)
 
-    def cublas_time(self, m: int, n: int, k: int) -> float:
-        """The library GEMM of (m, n, k) as the baseline runs it."""
-        t = self.library.time(m, n, k)
-        return t if math.isfinite(t) else math.nan
-
     def wave_model_time(self, tile: Tile, m: int, n: int, k: int, grid: int) -> float:
         """The tile's fitted wave model (ms), ignoring any profiled point."""
         return self.tile_profile.wave_model_time(tile, m, n, k, grid)
-
-    def best_grouping(
-        self, schedule: Schedule, m: int, n: int, k: int, *, max_groups: int
-    ) -> tuple[int, ...]:
-        """The Triton term's optimal grouping of a Triton schedule's signal units (its DP)."""
-        return self.term("triton").best_grouping(schedule, m, n, k, max_groups=max_groups)

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 
 from fo_kernels.plan import TailPlan, cdiv, tail_plan
 from fo_kernels.tile import Tile
-from fo_tune.calibration import BandwidthPoint, Calibration, CalibrationError, GemmPoint, InterferencePoint
+from fo_tune.calibrate.calibration import (
+    BandwidthPoint,
+    Calibration,
+    CalibrationError,
+    GemmPoint,
+    InterferencePoint,
+)
 from fo_tune.model.types import Interference
 
 

@@ -31,7 +31,7 @@ from fo_tune.search.results import (
     TrialRecord,
     model_error,
 )
-from fo_tune.studies import DEFAULT_STORAGE_FILE
+from fo_tune.search.storage import DEFAULT_STORAGE_FILE
 
 __all__ = [
     "CONFIRM_TOP",

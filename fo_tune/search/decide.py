@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from fo_tune.search.results import Candidate
 
 if TYPE_CHECKING:
-    from fo_tune.timing import Timing
-    from fo_tune.trials import Measurer
+    from fo_tune.ranks.timing import Timing
+    from fo_tune.search.trials import Measurer
 
 # The no-gain fallback: overlap must beat the overlap: false fallback by at least this fraction.
 MIN_GAIN = 0.02

@@ -16,8 +16,8 @@ Per shape (an ``--m-range`` adds the range's M values for each (N, K)):
    baselines; a predict search compares the predicted best with the predicted fallback; either
    way the row overlaps only when it beats the fallback by more than the no-gain margin.
 
-The rows are merged into the table (``fo_tune.tables.merge_rows``, under a file lock; a predicted
-row never replaces a measured one); the report (``fo_tune.search_report``) lists every trial.
+The rows are merged into the table (``fo_tune.tables.merge.merge_rows``, under a file lock; a predicted
+row never replaces a measured one); the report (``fo_tune.search.report``) lists every trial.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from fo_kernels.errors import FoTuneError, TableError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
 from fo_kernels.table import ScheduleTable, load_table, table_path
-from fo_tune.encoding import UnionEncoding
-from fo_tune.engines import ShapeTask, get_tuner
+from fo_tune.engines import ShapeTask, cost_model, get_tuner
 from fo_tune.model import CostModel
-from fo_tune.progress import Reporter, SilentReporter
+from fo_tune.output import Reporter, SilentReporter
 from fo_tune.search.decide import Verdict, confirm, decide_predicted, row_numbers
+from fo_tune.search.encoding import UnionEncoding
 from fo_tune.search.ranges import range_rows
 from fo_tune.search.request import (
     SearchError,
@@ -49,9 +49,9 @@ from fo_tune.search.request import (
     study_name,
 )
 from fo_tune.search.results import BaselineResult, SearchResult, ShapeResult, model_error
+from fo_tune.search.storage import DEFAULT_STORAGE_FILE, open_storage
 from fo_tune.search.strategies import ShapeJob, get_strategy
 from fo_tune.space import SearchSpace, space_for
-from fo_tune.studies import DEFAULT_STORAGE_FILE, open_storage
 
 
 def check_table_target(path: Any, fingerprint: Fingerprint) -> None:
@@ -80,8 +80,8 @@ def run_search(request: SearchRequest, reporter: Reporter | None = None) -> Sear
         return _run(request, cal.fingerprint, None, rep, t0)
     import optuna
 
-    from fo_tune.launch import fingerprinted_pool
-    from fo_tune.trials import Measurer
+    from fo_tune.ranks.launch import fingerprinted_pool
+    from fo_tune.search.trials import Measurer
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with fingerprinted_pool(request.world_size, backend=request.backend, purpose="search") as (pool, fp):
@@ -102,7 +102,7 @@ def _model(request: SearchRequest, fp: Fingerprint) -> CostModel | None:
     cal = request.calibration
     if cal is None or (cal.fingerprint.device_key != fp.device_key and request.mode != "predict"):
         return None  # a calibration of another machine cannot predict these ranks
-    model = CostModel(cal)
+    model = cost_model(cal)
     if not model.knows_collective(request.collective):
         if request.mode != "measure":
             from fo_tune.model.profiles import missing_curve
@@ -132,7 +132,7 @@ def _engines(
 
 
 def _run(request: SearchRequest, fp: Fingerprint, measurer: Any, rep: Reporter, t0: float) -> SearchResult:
-    from fo_tune.tables import merge_rows
+    from fo_tune.tables.merge import merge_rows
 
     cpu = fp.compute_capability == "cpu"
     space = request.space or space_for(fp.compute_capability)
@@ -341,7 +341,7 @@ def measure_baseline(
             "predicted", pred.gemm_ms, pred.comm_ms, pred.sequential_ms, 0.0, 0.0, predicted, pred.fallback_ms
         )
     got = measurer.baseline(request.collective, shape, request.dtype)
-    from fo_tune.measure import GEMM_TOL
+    from fo_tune.ranks.gemm import GEMM_TOL
 
     if got["has_nan"] or not got["rel_err"] < GEMM_TOL[request.dtype]:
         raise FoTuneError(

@@ -11,14 +11,13 @@ point, for a fraction of the dynamic programs.
 from __future__ import annotations
 
 import heapq
-import json
 import math
 from collections.abc import Iterable
 from typing import Any
 
 from fo_kernels.errors import ScheduleError
-from fo_tune.calibration import CalibrationError
-from fo_tune.encoding import Infeasible, describe_attrs, schedule_key, split_params
+from fo_tune.calibrate.calibration import CalibrationError
+from fo_tune.search.encoding import Infeasible, describe_attrs, schedule_key, split_params
 from fo_tune.search.results import Candidate, Outcome, TrialRecord
 from fo_tune.search.strategies.base import ShapeJob
 
@@ -107,8 +106,3 @@ def price(
     if skipped:
         job.notes.append(f"{skipped} point(s) skipped: their lower bound was not below the best price")
     return Outcome(sorted(candidates.values(), key=lambda c: c.value_ms), records)
-
-
-def settings_json(params: dict[str, Any]) -> str:
-    """A stable text of a point's parameters (for deduplicating enqueued points)."""
-    return json.dumps(dict(params), sort_keys=True, default=str)

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 from fo_kernels.errors import FoTuneError
 from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
 from fo_tune.engines import engine_names, get_tuner
-from fo_tune.limits import Target, check_problem_size, fingerprint_target, local_target
-from fo_tune.studies import check_storage_url
+from fo_tune.ranks.limits import Target, check_problem_size, fingerprint_target, local_target
+from fo_tune.search.storage import check_storage_url
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
-    from fo_tune.calibration import Calibration
+    from fo_tune.calibrate.calibration import Calibration
     from fo_tune.space import SearchSpace
 
 MODES = ("measure", "predict", "hybrid")
@@ -178,7 +178,7 @@ def _target(request: SearchRequest) -> Target:
     if request.mode == "predict":
         assert request.calibration is not None
         return fingerprint_target(request.calibration.fingerprint)
-    from fo_tune.launch import visible_gpus
+    from fo_tune.ranks.launch import visible_gpus
 
     backend = request.backend or ("nccl" if visible_gpus() else "gloo")
     return local_target(backend, request.world_size)

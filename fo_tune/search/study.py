@@ -22,10 +22,10 @@ from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.plan import resolve_groups
 from fo_kernels.schedule import Problem, Schedule, settings_type
 from fo_kernels.table import ScheduleTable
-from fo_tune.encoding import schedule_key
+from fo_tune.search.encoding import schedule_key
 from fo_tune.search.results import Candidate, Outcome, TrialRecord
+from fo_tune.search.storage import is_rdb
 from fo_tune.search.strategies.base import ShapeJob
-from fo_tune.studies import is_rdb
 
 
 def open_study(job: ShapeJob, *, predicted: bool) -> tuple[Any, Any, int]:
@@ -63,7 +63,7 @@ def run_tpe(job: ShapeJob, *, predicted: bool) -> Outcome:
     count): each priced by the model (``predicted``) or timed on the ranks."""
     import optuna
 
-    from fo_tune.trials import Objective
+    from fo_tune.search.trials import Objective
 
     measurer = None if predicted else job.measurer
     assert predicted or measurer is not None
@@ -85,7 +85,7 @@ def run_tpe(job: ShapeJob, *, predicted: bool) -> Outcome:
 def run_queued(job: ShapeJob, opened: tuple[Any, Any, int], points: Iterable[dict[str, Any]]) -> Outcome:
     """Time on the ranks the ``points`` the study (``opened``: what ``open_study`` returned) has not
     run yet, then store it."""
-    from fo_tune.trials import Objective
+    from fo_tune.search.trials import Objective
 
     assert job.measurer is not None
     stored, study, resumed = opened
@@ -151,7 +151,7 @@ def regroup(schedule: Schedule) -> Schedule:
     st = schedule.settings
     if not isinstance(st, TritonSettings):
         return schedule
-    from fo_tune.model import num_units
+    from fo_tune.engines.triton.model import num_units
 
     p = schedule.problem
     assert p.m is not None

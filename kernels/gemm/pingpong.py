@@ -26,7 +26,7 @@ K-split tail, run first: each tail tile's K blocks in ``parts`` ranges, one prog
 first item, the last of them to arrive adding the float32 parts and finishing the tile while the
 program's other consumer runs its first whole tile (so the fix-up is off the critical path); else
 ``fo_kernels.gemm.signalled_gemm`` runs a split tail after it (``fo_kernels.gemm.tail``). Measured:
-``docs/perf-notes.md``, "The product kernel (``fo_kernels.gemm_pingpong``, ``Tile.pingpong``)",
+``docs/perf-notes.md``, "The product kernel (``fo_kernels.gemm.pingpong``, ``Tile.pingpong``)",
 "The K-split tail in the ping-pong kernel" and "The K-split tail run first".
 
 ``pingpong_blocker`` says why a call cannot use it (the caller then runs the plain kernel); the

@@ -12,32 +12,31 @@ Every strategy has the signature of ``base.Strategy.run``.
 from __future__ import annotations
 
 import functools
-import importlib
 
+from fo_kernels.registry import Registry
+from fo_tune.search.request import SearchError
 from fo_tune.search.strategies.base import ShapeJob, Strategy
 
-__all__ = ["ShapeJob", "Strategy", "get_strategy", "strategy_names"]
+__all__ = ["STRATEGIES", "ShapeJob", "Strategy", "get_strategy", "strategy_names"]
 
 # name -> "module:class", imported on first use (measure, hybrid and exhaustive import Optuna).
-_REGISTRY = {
-    "measure": "fo_tune.search.strategies.measure:MeasureStrategy",
-    "predict": "fo_tune.search.strategies.predict:PredictStrategy",
-    "hybrid": "fo_tune.search.strategies.hybrid:HybridStrategy",
-    "exhaustive": "fo_tune.search.strategies.exhaustive:ExhaustiveStrategy",
-}
+STRATEGIES = Registry(
+    "strategy",
+    {
+        "measure": "fo_tune.search.strategies.measure:MeasureStrategy",
+        "predict": "fo_tune.search.strategies.predict:PredictStrategy",
+        "hybrid": "fo_tune.search.strategies.hybrid:HybridStrategy",
+        "exhaustive": "fo_tune.search.strategies.exhaustive:ExhaustiveStrategy",
+    },
+    error=SearchError,
+)
 
 
 def strategy_names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+    return STRATEGIES.names()
 
 
 @functools.cache
 def get_strategy(name: str) -> Strategy:
     """The strategy registered as ``name``; an unknown name lists the valid ones."""
-    from fo_tune.search.request import SearchError
-
-    where = _REGISTRY.get(name) if isinstance(name, str) else None
-    if where is None:
-        raise SearchError(f"strategy {name!r} is not one of {', '.join(strategy_names())}")
-    module, cls = where.split(":")
-    return getattr(importlib.import_module(module), cls)()
+    return STRATEGIES.load(name)()

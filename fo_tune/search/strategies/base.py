@@ -19,11 +19,11 @@ from fo_tune.search.results import Outcome
 
 if TYPE_CHECKING:
     from fo_kernels.table import ScheduleTable
-    from fo_tune.encoding import UnionEncoding
     from fo_tune.model import CostModel
-    from fo_tune.progress import Reporter
+    from fo_tune.output import Reporter
+    from fo_tune.search.encoding import UnionEncoding
     from fo_tune.search.request import SearchRequest
-    from fo_tune.trials import Measurer
+    from fo_tune.search.trials import Measurer
 
 
 @dataclass(kw_only=True)

@@ -32,7 +32,7 @@ class HybridStrategy(Strategy):
         opened = open_study(job, predicted=False)
         _stored, study, _resumed = opened
         done = {t.user_attrs.get("key") for t in study.get_trials(deepcopy=False)}
-        from fo_tune.encoding import schedule_key
+        from fo_tune.search.encoding import schedule_key
 
         points = [job.enc.params_of(c.schedule) for c in picks if schedule_key(c.schedule) not in done]
         # a DP grouping is rebuilt by its custom cuts; a point the space cannot express is left out

@@ -41,10 +41,6 @@ class Regions:
     def __post_init__(self) -> None:
         self._index = {name: i for i, name in enumerate(regions(self.world))}
 
-    @property
-    def total_bytes(self) -> int:
-        return len(self._index) * self.region_bytes
-
     def view(self, rows: Rows, width: int, dtype: torch.dtype) -> torch.Tensor:
         """``rows`` of a region as a (rows, width) ``dtype`` tensor."""
         start = self._index[rows.buffer] * self.region_bytes

@@ -6,7 +6,7 @@
     Timing.max_over(per_rank)                     # a measurement is the slowest rank's
 
 CUDA events bracket each sample on the current stream; on the CPU ``perf_counter`` does. Tasks of
-``fo_tune.launch`` call these on every rank at once, so ``agree=True`` (an all_reduce of the call
+``fo_tune.ranks.launch`` call these on every rank at once, so ``agree=True`` (an all_reduce of the call
 counts) keeps the ranks' collectives matched. Why samples are as long as they are:
 docs/design.md#timing.
 """

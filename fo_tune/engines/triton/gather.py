@@ -20,7 +20,7 @@ launches of the persistent Triton GEMM over (i1 - i0) x N x K. For a schedule an
                 the first gather is exposed, nothing can be computed before it lands
     gather_end(g) = a gather beside running GEMMs progresses 1 / comm_slowdown as fast; where the
                 calibration saw NCCL not run beside the GEMM at these free SMs and this cap, it
-                waits for the GEMMs issued before it to end (``fo_tune.model.triton._group_end``)
+                waits for the GEMMs issued before it to end (``fo_tune.engines.triton.model._group_end``)
     gemm_end(g) = max(gemm_end(g - 1), gather_end(g)) + gemm(g)
     device    = max(last gemm_end, last copy end)
     exposed   = the time the GEMMs wait for gathers (the first gather's at least)
@@ -38,7 +38,7 @@ a call costs ``max(device, host)``.
 communication stream is free, when the GEMMs end), keeping each prefix's Pareto front (thinned to
 ``FRONT``), with the GEMMs' slowdown fixed at its full value; each group count's best is then
 priced by ``predict``. ``TritonCollectivesTerm`` (what the Triton plug-in makes) prices all_gather
-schedules here and every other collective's with ``fo_tune.model.triton.TritonTerm``.
+schedules here and every other collective's with ``fo_tune.engines.triton.model.TritonTerm``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.plan import Plan, cdiv
 from fo_kernels.schedule import Schedule
 from fo_kernels.tile import Tile
-from fo_tune.model.triton import (
+from fo_tune.engines.triton.model import (
     COMM_ISSUE_GAP_MS,
     FIXED_POINT_ROUNDS,
     RESTORE_GBS,

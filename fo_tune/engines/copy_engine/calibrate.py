@@ -1,5 +1,5 @@
 """``fo-tune calibrate``'s copy-engine section: the measurements the copy engine's cost-model term
-reads (``fo_tune.model.copy_engine``, ``fo_tune.model.library``), and the parameters fitted to them.
+reads (``fo_tune.engines.copy_engine.model``, ``fo_tune.model.library``), and the parameters fitted to them.
 
 One GPU (``--world-size 1`` measures these alone):
 
@@ -22,10 +22,10 @@ Two GPUs (every rank runs the same task; CUDA only, each says why not elsewhere)
 - ``HostTask``: host time per call issued while the GPU is held busy: a copy-engine call eager
   (the engine's own graphs off) and replayed from its graphs, the ``overlap: false`` fallback
   replayed, and cuBLAS then NCCL eager -> ``host_eager_op_ms`` (per operation,
-  ``fo_tune.model.copy_engine.eager_ops``), ``host_graph_call_ms``, ``fallback_host_ms``,
+  ``fo_tune.engines.copy_engine.model.eager_ops``), ``host_graph_call_ms``, ``fallback_host_ms``,
   ``sequential_host_ms``.
 
-The parameters a measurement cannot give (``fo_tune.model.fit.COPY_ENGINE_FREE``) keep their
+The parameters a measurement cannot give (``fo_tune.engines.copy_engine.fit.COPY_ENGINE_FREE``) keep their
 values (fitted to measured rows: ``fo-tune model fit``). Every value records its source.
 """
 
@@ -43,13 +43,13 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.schedule import torch_dtype
-from fo_tune.calibration import CopyPoint, EngineCalibration, LibraryGemmPoint, Quantity
-from fo_tune.launch import RankContext
-from fo_tune.measure import gemm_operands
-from fo_tune.model.copy_engine import eager_ops
-from fo_tune.model.fit import fit_library, fit_lines
+from fo_tune.calibrate.calibration import CopyPoint, EngineCalibration, LibraryGemmPoint, Quantity
+from fo_tune.engines.copy_engine.fit import fit_library, fit_lines
+from fo_tune.engines.copy_engine.model import eager_ops
 from fo_tune.model.library import LibraryGemm
-from fo_tune.timing import Timing, time_region
+from fo_tune.ranks.gemm import gemm_operands
+from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.timing import Timing, time_region
 
 # Paced samples per shape (each one call, then an idle gap as long as the call).
 PACED_REPS = 15

@@ -8,7 +8,7 @@
     fewer GPUs than ranks     without --world-size: one rank per GPU (one GPU: world size 1); with
                               it: an error naming --world-size and --backend gloo
 
-``run_demo`` then spawns the ranks (``fo_tune.launch.run_ranks``). Each rank, for each shape and
+``run_demo`` then spawns the ranks (``fo_tune.ranks.launch.run_ranks``). Each rank, for each shape and
 for each collective (ReduceScatter and AllGather only when M % world_size == 0, else a skipped row):
 
     a, b  = random (M, K), (K, N) operands from a per-rank seed; AllGather takes this rank's
@@ -307,8 +307,8 @@ def run_demo(
     or hangs.
     """
     from fo_kernels.schedule import COLLECTIVES
-    from fo_tune.launch import run_ranks, visible_gpus
-    from fo_tune.limits import check_problem_size, local_target
+    from fo_tune.ranks.launch import run_ranks, visible_gpus
+    from fo_tune.ranks.limits import check_problem_size, local_target
 
     plan = plan_demo(world_size, backend, visible_gpus())
     on_gpu = plan.backend == "nccl"

@@ -37,7 +37,7 @@ from fo_tune.space import Section, listed, plain
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
-    from fo_tune.calibration import Calibration
+    from fo_tune.calibrate.calibration import Calibration
     from fo_tune.model import CostModel
     from fo_tune.space import SpaceReader
 
@@ -191,7 +191,7 @@ class CopyEngineTuner(EngineTuner):
         return ""
 
     def calibration_gap(self, cal: Calibration, collective: str) -> str:
-        from fo_tune.model.copy_engine import PARAMS as TERM_PARAMS
+        from fo_tune.engines.copy_engine.model import PARAMS as TERM_PARAMS
         from fo_tune.model.library import PARAMS as LIBRARY_PARAMS
 
         section = cal.copy_engine
@@ -206,7 +206,7 @@ class CopyEngineTuner(EngineTuner):
         return ""
 
     def probe_task(self) -> Any:
-        from fo_tune.measure import CopyEngineProbeTask
+        from fo_tune.engines.copy_engine.probe import CopyEngineProbeTask
 
         return CopyEngineProbeTask()
 
@@ -311,8 +311,8 @@ class CopyEngineTuner(EngineTuner):
 
     # ------------------------------------------------------------------------------ the model
     def term(self, model: CostModel) -> Any:
-        from fo_tune.calibration import CalibrationError
-        from fo_tune.model.copy_engine import CopyEngineTerm
+        from fo_tune.calibrate.calibration import CalibrationError
+        from fo_tune.engines.copy_engine.model import CopyEngineTerm
 
         gap = self.calibration_gap(model.cal, "all_reduce")
         if gap:

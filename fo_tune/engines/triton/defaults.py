@@ -1,4 +1,5 @@
-"""The documented default schedule, used when no table row matches a call.
+"""The Triton engine's default schedule: the first point a search seeds its study with, and the
+calibration's NCCL margin (without a table row the runtime itself runs ``overlap: false``).
 
 Rules (each constant below says where it comes from):
 

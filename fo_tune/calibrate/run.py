@@ -8,44 +8,41 @@
          itself, which docs/design.md saw stall the collective)
       4. GEMM profiles: tile configs x grids for the space's shape set, next to cuBLAS
       5. latency/bandwidth fits
-      6. the copy engine's section (``fo_tune.calibrate_copy_engine``): the library GEMM of its
+      6. the copy engine's section (``fo_tune.engines.copy_engine.calibrate``): the library GEMM of its
          chunk shapes paced and sustained (one GPU), peer copies, flags and host times (two GPUs)
 
 ``parts`` selects stages by name (``PARTS``); world size 1 has no collective, so its default is
 ``gemm`` and ``copy_engine`` (the one-GPU measurements: ``fo-tune calibrate --world-size 1``).
 
-All of it runs in one worker pool (``fo_tune.launch``); writing the files is ``fo_tune.report``.
+All of it runs in one worker pool (``fo_tune.ranks.launch``); writing the files is
+``fo_tune.calibrate.files``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fo_kernels.errors import EnvironmentMismatchError, FoTuneError
 from fo_kernels.fingerprint import Fingerprint
-from fo_kernels.heuristics import NCCL_SM_MARGIN
 from fo_kernels.tile import Tile
-from fo_tune.calibration import (
+from fo_tune.calibrate.calibration import (
     CALIBRATED_COLLECTIVES,
     BandwidthPoint,
     Calibration,
     EngineCalibration,
-    GemmPoint,
-    GridBest,
     InterferencePoint,
     Quantity,
     fit_all,
-    timing_name,
 )
-from fo_tune.launch import Pool, fingerprinted_pool
-from fo_tune.measure import CollectiveSweepTask, GemmGridsTask, GemmProfileTask, InterferenceTask
-from fo_tune.progress import Reporter, SilentReporter
-from fo_tune.report import size_label
+from fo_tune.calibrate.profile import profile_shape
+from fo_tune.engines.triton.defaults import NCCL_SM_MARGIN
+from fo_tune.output import Reporter, SilentReporter, size_label
+from fo_tune.ranks.collectives import CollectiveSweepTask, InterferenceTask
+from fo_tune.ranks.launch import Pool, fingerprinted_pool
+from fo_tune.ranks.timing import Timing
 from fo_tune.space import SearchSpace, space_for
-from fo_tune.timing import Timing
 
 
 class CalibrationRequestError(FoTuneError, ValueError):
@@ -223,127 +220,12 @@ def _gemm_profiles(pool: Pool, req: CalibrationRequest, space: SearchSpace, cpu:
     return points
 
 
-def profile_shape(
-    pool: Pool,
-    m: int,
-    n: int,
-    k: int,
-    tiles: tuple[Tile, ...],
-    frees: tuple[int, ...],
-    dtype: str,
-    *,
-    graphs: bool = False,
-) -> list[GemmPoint]:
-    """Every tile x grid for one shape (max over ranks), with cuBLAS's time on each row: the
-    cuBLAS samples timed in alternation with that row's config (``GemmProfileTask``), or cuBLAS
-    timed alone where the config did not run. ``graphs``: every sample one CUDA graph replay of
-    its calls (GPUs only; ``fo_tune.timing.time_interleaved``)."""
-    per_rank = pool.run(GemmProfileTask(m, n, k, tiles, frees, dtype, graphs=graphs))
-    cublas_alone = Timing.max_over([r["cublas"] for r in per_rank]).median_ms
-    points = []
-    for i, row in enumerate(per_rank[0]["rows"]):
-        rows = [r["rows"][i] for r in per_rank]
-        ok = all(x["status"] == "ok" for x in rows)
-        t = Timing.max_over([x["timing"] for x in rows]) if ok else None
-        cublas = Timing.max_over([x["cublas"] for x in rows]).median_ms if ok else cublas_alone
-        status = "ok" if ok else next(x["status"] for x in rows if x["status"] != "ok")
-        tile: Tile = row["tile"]
-        points.append(
-            GemmPoint(
-                m=m,
-                n=n,
-                k=k,
-                tile=tile.label(),
-                block_m=tile.block_m,
-                block_n=tile.block_n,
-                block_k=tile.block_k,
-                group_m=tile.group_m,
-                num_warps=tile.num_warps,
-                num_stages=tile.num_stages,
-                warp_specialize=tile.warp_specialize,
-                pingpong=tile.pingpong,
-                sms_free=row["sms_free"],
-                grid=row["grid"],
-                time_ms=t.median_ms if t else float("nan"),
-                spread_ms=t.spread_ms if t else float("nan"),
-                cublas_ms=cublas,
-                rel_err=max(x["rel_err"] for x in rows),
-                status=status,
-            )
-        )
-    return points
-
-
-# How many of each grid's fastest profiled configs ``confirm_grids`` times again side by side. The
-# profile times each config beside cuBLAS alone, so its ranking moves with the card's drift between
-# timings: a grid's profiled best has read up to 7% slower than the runner-up in a later side-by-side
-# run (docs/perf-notes.md, "Each grid's best from its fastest three").
-CONFIRM_CANDIDATES = 3
-# Rounds of that run: its variants (CONFIRM_CANDIDATES a grid, four grids, cuBLAS) share each round.
-CONFIRM_ROUNDS = 20
-
-
-def confirm_grids(
-    pool: Pool,
-    points: Sequence[GemmPoint],
-    dtype: str,
-    *,
-    graphs: bool = False,
-    candidates: int = CONFIRM_CANDIDATES,
-) -> list[GridBest]:
-    """The fastest config of each grid in ``points`` (one shape's profile): each grid's
-    ``candidates`` fastest measured configs and cuBLAS timed again in one interleaved run
-    (``GemmGridsTask``; ``graphs`` as ``profile_shape``'s), and the fastest of them in that run kept,
-    one row a grid by sms_free; [] unless the full grid (sms_free 0) and another grid both have one."""
-    if candidates < 1:
-        raise ValueError(f"candidates must be >= 1, got {candidates}")
-    measured: dict[int, list[GemmPoint]] = {}
-    for p in points:
-        if p.status == "ok" and not math.isnan(p.time_ms):
-            measured.setdefault(p.sms_free, []).append(p)
-    if 0 not in measured or len(measured) < 2:
-        return []
-    chosen = [p for r in sorted(measured) for p in sorted(measured[r], key=lambda p: p.time_ms)[:candidates]]
-    m, n, k = chosen[0].m, chosen[0].n, chosen[0].k
-    configs = tuple((p.tile_config(), p.sms_free) for p in chosen)
-    per_rank = pool.run(GemmGridsTask(m, n, k, configs, dtype, reps=CONFIRM_ROUNDS, graphs=graphs))
-    cublas = Timing.max_over([r["cublas"] for r in per_rank]).median_ms
-    times = [
-        Timing.max_over([r["rows"][i]["timing"] for r in per_rank]).median_ms for i in range(len(chosen))
-    ]
-    best: dict[int, int] = {}  # sms_free -> the index in chosen of its fastest in this run
-    for i, p in enumerate(chosen):
-        if p.sms_free not in best or times[i] < times[best[p.sms_free]]:
-            best[p.sms_free] = i
-    full = best[0]
-    grid_of = [per_rank[0]["rows"][i]["grid"] for i in range(len(chosen))]
-    rows = []
-    for r in sorted(best):
-        i = best[r]
-        rows.append(
-            GridBest(
-                m=m,
-                n=n,
-                k=k,
-                sms_free=r,
-                grid=grid_of[i],
-                tile=chosen[i].tile,
-                time_ms=times[i],
-                cublas_ms=cublas,
-                over_share=times[i] / times[full] / (grid_of[full] / grid_of[i]),
-                rel_err=max(rr["rows"][i]["rel_err"] for rr in per_rank),
-                timing=timing_name(graphs),
-                candidates=sum(p.sms_free == r for p in chosen),
-            )
-        )
-    return rows
-
-
 def _copy_engine(
     pool: Pool, req: CalibrationRequest, space: SearchSpace, cpu: bool, fp: Fingerprint, rep: Reporter
 ) -> EngineCalibration:
-    """The copy engine's section (``fo_tune.calibrate_copy_engine``): what this world size measures."""
-    from fo_tune import calibrate_copy_engine as ce
+    """The copy engine's section (``fo_tune.engines.copy_engine.calibrate``): what this world size
+    measures."""
+    from fo_tune.engines.copy_engine import calibrate as ce
 
     source = ce.measured_by(fp.device_key)
     section = space.engine("copy_engine")
@@ -399,7 +281,7 @@ def merge_into(target: Calibration, measured: Calibration, parts: Sequence[str])
     were measured on different GPUs (name, compute capability, SM count): the numbers would not
     describe ``target``'s machine."""
     check_mergeable(target, measured.fingerprint, measured.dtype)
-    from fo_tune.calibrate_copy_engine import merge_section
+    from fo_tune.engines.copy_engine.calibrate import merge_section
 
     if "bandwidth" in parts:
         target.bandwidth, target.fits = measured.bandwidth, measured.fits

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from fo_kernels.errors import ScheduleError
 from fo_kernels.schedule import Schedule
-from fo_tune.calibration import CalibrationError
+from fo_tune.calibrate.calibration import CalibrationError
 from fo_tune.engines import EngineTuner, Infeasible, ShapeTask, get_tuner
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ hardware fingerprint the ranks agree on.
         if fp is None:                           # a serving torchrun rank: rank 0 did the work
             return None
         per_rank = pool.run(SomeTask(...))       # every rank runs task.run(ctx); results by rank
-        timing = Timing.max_over(per_rank)       # fo_tune.timing: a measurement is the max over ranks
+        timing = Timing.max_over(per_rank)       # fo_tune.ranks.timing: a measurement is the max over ranks
 
 - Spawned (no torchrun): the calling process drives; it starts one process per rank once, joins
   them into one process group (``choose_backend``: NCCL with a GPU each, else gloo), and sends them

@@ -47,17 +47,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from fo_kernels.engines.triton.settings import LAYOUTS, WAIT_MODES, TritonSettings
 from fo_kernels.errors import ScheduleError
-from fo_kernels.heuristics import default_schedule, split_decreasing
 from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.schedule import EngineSettings
 from fo_kernels.tile import Tile
-from fo_tune.calibration import CalibrationError
+from fo_tune.calibrate.calibration import CalibrationError
 from fo_tune.engines.base import EngineTuner, Infeasible, ShapeTask
+from fo_tune.engines.triton.defaults import default_schedule, split_decreasing
 from fo_tune.space import Section, choices, integers, listed, sectioned
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
-    from fo_tune.calibration import Calibration
+    from fo_tune.calibrate.calibration import Calibration
     from fo_tune.model import CostModel
     from fo_tune.space import SpaceReader
 
@@ -273,7 +273,7 @@ class TritonTuner(EngineTuner):
             if task.model is None:
                 raise Infeasible("grouping 'dp' needs the cost model (a calibration)")
             try:
-                groups = task.model.best_grouping(
+                groups = task.model.term("triton").best_grouping(
                     task.schedule(base), task.m, task.n, task.k, max_groups=c.max_groups
                 )
             except CalibrationError as exc:  # measure mode: a tile the calibration did not profile
@@ -342,7 +342,7 @@ class TritonTuner(EngineTuner):
                     yield head | _custom(groups)
 
     def seeds(self, task: ShapeTask) -> list[dict[str, Any]]:
-        """The heuristic default (``fo_kernels.heuristics.default_schedule``, its sms_free snapped
+        """The heuristic default (``fo_tune.engines.triton.defaults.default_schedule``, its sms_free snapped
         to the nearest candidate) and the same config with the DP grouping."""
         c = self._choices(task)
         heuristic = default_schedule(
@@ -393,7 +393,7 @@ class TritonTuner(EngineTuner):
 
     # ------------------------------------------------------------------------------ the model
     def term(self, model: CostModel) -> Any:
-        from fo_tune.model.triton_gather import TritonCollectivesTerm
+        from fo_tune.engines.triton.gather import TritonCollectivesTerm
 
         section = model.cal.triton
         return TritonCollectivesTerm(model, section.values() if section is not None else None)

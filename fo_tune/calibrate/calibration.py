@@ -9,7 +9,7 @@ A ``Calibration`` holds, for one hardware fingerprint and world size:
 - ``gemm``: time per tile config per grid for a set of shapes, next to cuBLAS;
 - ``fits``: t = latency + bytes / bandwidth per (collective, cap), least squares over the points;
 - ``copy_engine`` (optional): what the copy engine's cost-model term reads
-  (``fo_tune.model.copy_engine``, ``fo_tune.model.library``): ``params``, every scalar by name with
+  (``fo_tune.engines.copy_engine.model``, ``fo_tune.model.library``): ``params``, every scalar by name with
   its value and its source (a measurement of ``fo-tune calibrate``, a probe, or a fit to measured
   rows), and the measured points behind them: ``library_gemm`` (cuBLAS per chunk shape, beta 0 and
   1, with pauses and back to back: one GPU) and ``copies`` (copy-engine copies of peer and local
@@ -142,7 +142,7 @@ class GemmPoint:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GridBest:
     """The fastest config of one grid among its ``candidates`` fastest profiled ones, all re-timed
-    beside the other grids' and cuBLAS in one run (``fo_tune.calibrate.confirm_grids``): ``time_ms``
+    beside the other grids' and cuBLAS in one run (``fo_tune.calibrate.profile.confirm_grids``): ``time_ms``
     and ``cublas_ms`` are that run's medians (max over ranks), ``over_share`` its time over the full
     grid's best in that run, divided by the SM share ``grid_0 / grid`` (1.0 at full grid; above 1,
     the grid costs more than the SMs it gives up)."""

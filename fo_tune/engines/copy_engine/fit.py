@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fo_kernels.plan import cdiv
-from fo_tune.calibration import Calibration, EngineCalibration, Quantity
+from fo_tune.calibrate.calibration import Calibration, EngineCalibration, Quantity
+from fo_tune.engines import cost_model
 from fo_tune.model.check import Checked, mape
 from fo_tune.model.core import CostModel
 from fo_tune.model.library import K_UNIT
@@ -141,7 +142,7 @@ def fit_calibration(
     ``cal`` with their sources and return the reports."""
     from fo_tune.model.check import measured_in
 
-    model = CostModel(cal)
+    model = cost_model(cal)
     items = measured_in(files)
     out = []
     groups = (

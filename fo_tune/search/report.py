@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from fo_tune.report import OutputError, check_ancestor, replacing_folder
+from fo_tune.output import OutputError, check_ancestor, replacing_folder
 from fo_tune.search import SearchResult, ShapeResult, TrialRecord
 
 REPORT_FILES = ("trials.csv", "summary.yaml", "history.png", "predicted_vs_measured.png")

@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fo_kernels.schedule import Schedule
-from fo_tune.encoding import Infeasible, UnionEncoding, describe_attrs, predicted_ms, schedule_key
-from fo_tune.launch import Pool
-from fo_tune.measure import ConfirmTask, CopyEngineProbeTask, OverlapTrialTask, SequentialTask
 from fo_tune.model import CostModel
-from fo_tune.timing import Timing
+from fo_tune.ranks.launch import Pool
+from fo_tune.ranks.timing import Timing
+from fo_tune.ranks.trials import ConfirmTask, OverlapTrialTask, SequentialTask
+from fo_tune.search.encoding import Infeasible, UnionEncoding, describe_attrs, predicted_ms, schedule_key
 
 
 class Measurer:
@@ -38,10 +38,6 @@ class Measurer:
             answers = self.pool.run(task) if task is not None else []
             self._why[engine] = next((a for a in answers if a), "")
         return self._why[engine]
-
-    def copy_engine_unavailable(self) -> str:
-        """Why these ranks cannot run ``engine: copy_engine`` ("" when they can); probed once."""
-        return self.unavailable("copy_engine", CopyEngineProbeTask())
 
     def trial(self, schedule: Schedule, shape: tuple[int, int, int]) -> dict[str, Any]:
         m, n, k = shape

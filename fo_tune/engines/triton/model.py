@@ -27,7 +27,7 @@ For a ``TritonSettings`` schedule and a shape (``predict``), with the plan of ``
 This is FlashOverlap's pipeline recurrence, corrected by the interference table;
 ``best_grouping`` is the dynamic program over signal units that minimises its end time. An
 all_gather schedule runs the reverse pipeline (each group's gather, then its chunk GEMMs):
-``fo_tune.model.triton_gather.TritonCollectivesTerm``, the term the plug-in makes, prices it
+``fo_tune.engines.triton.gather.TritonCollectivesTerm``, the term the plug-in makes, prices it
 (unvalidated: no all_gather was measured on GPUs) and leaves the others to this one.
 """
 
@@ -88,7 +88,7 @@ def with_groups(schedule: Schedule, groups: Sequence[int]) -> Schedule:
 
 def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
     """Per signal unit: when it is complete, as a fraction of the GEMM's duration. The plain
-    kernel signals a tile at its program's next tile's epilogue (``KernelOptions.defer_signal``),
+    kernel signals a tile at its program's next tile's epilogue (``fo_kernels.gemm.waves``),
     so a unit whose last wave's tiles have a next tile in the whole waves' loop is complete one
     wave after that wave; the ping-pong kernel (``tile.pingpong``) signals each tile at its own
     epilogue, when its wave ends. Where the last, partial wave runs after that loop (the split

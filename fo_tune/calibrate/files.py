@@ -1,0 +1,247 @@
+"""Writing a calibration to disk: CSVs, the calibration YAML and PNG plots, all or nothing.
+
+    write_calibration_dir(cal, out_dir)      # results/calibration/<device-key>/tp<N>/ by default
+      tmp = out_dir.parent/.<name>.tmp-XXXX   # everything is built here first
+      bandwidth.csv interference.csv gemm_profile.csv fits.csv calibration.yaml
+      bandwidth.png interference.png
+      swap: out_dir -> .<name>.old-XXXX, tmp -> out_dir, delete the old one
+      any error: tmp removed, an existing out_dir untouched
+
+The CSVs are plain (one header line, one row per point); each ends with a ``device_key`` column so a
+CSV alone says where it was measured (the YAML carries the whole fingerprint). ``bandwidth.csv``
+uses nccl-tests' columns. ``check_calibration_out`` is the check a command runs before it measures
+anything, so a bad ``--out`` costs nothing; it also refuses to replace a folder holding files
+fo-tune did not write. ``write_profile_csv`` writes one shape's tile profile (``fo-tune profile``)
+the same way. The ``*_summary`` helpers give the rows of the tables the CLI prints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from fo_kernels.files import atomic_write
+from fo_tune.calibrate.calibration import (
+    BandwidthPoint,
+    Calibration,
+    CurveFit,
+    GemmPoint,
+    GridBest,
+    InterferencePoint,
+    save_calibration,
+)
+from fo_tune.calibrate.plots import _plot_bandwidth, _plot_interference
+from fo_tune.output import (
+    check_writable,
+    check_writable_file,
+    made_parents,
+    replacing_folder,
+    write_csv,
+    write_rows,
+)
+
+DEFAULT_ROOT = Path("results/calibration")
+PROFILE_ROOT = Path("results/profiles")
+# nccl-tests' columns (size, time, algbw, busbw), then where it was measured.
+BANDWIDTH_COLUMNS = (
+    "collective",
+    "nccl_max_ctas",
+    "size_bytes",
+    "time_ms",
+    "spread_ms",
+    "algbw_GBs",
+    "busbw_GBs",
+    "device_key",
+)
+_BANDWIDTH_FIELDS = (
+    "collective",
+    "nccl_max_ctas",
+    "size_bytes",
+    "time_ms",
+    "spread_ms",
+    "algbw_gbs",
+    "busbw_gbs",
+)
+INTERFERENCE_COLUMNS = (*(f.name for f in fields(InterferencePoint)), "device_key")
+GEMM_COLUMNS = (*(f.name for f in fields(GemmPoint)), "device_key")
+FITS_COLUMNS = (*(f.name for f in fields(CurveFit)), "device_key")
+# Every file write_calibration_dir writes, in the order it returns them.
+CALIBRATION_FILES = (
+    "bandwidth.csv",
+    "interference.csv",
+    "gemm_profile.csv",
+    "fits.csv",
+    "calibration.yaml",
+    "bandwidth.png",
+    "interference.png",
+)
+
+
+# ----------------------------------------------------------------------------------- where to write
+def default_out_dir(cal: Calibration) -> Path:
+    """``results/calibration/<device-key>/tp<N>`` (relative to the working directory)."""
+    return DEFAULT_ROOT / cal.fingerprint.device_key / f"tp{cal.world_size}"
+
+
+def default_profile_path(device_key: str, shape: tuple[int, int, int], dtype: str) -> Path:
+    """``results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv`` (relative to the working directory)."""
+    m, n, k = shape
+    return PROFILE_ROOT / device_key / f"{m}x{n}x{k}-{dtype}.csv"
+
+
+def _time_key(p: GemmPoint) -> tuple[bool, float]:
+    """Measured configs by time, skipped ones (and NaN times) last."""
+    ok = p.status == "ok" and not math.isnan(p.time_ms)
+    return (not ok, p.time_ms if ok else math.inf)
+
+
+def _rows(points: Iterable[Any], names: Sequence[str], device_key: str) -> list[list[Any]]:
+    return [[*(getattr(p, n) for n in names), device_key] for p in points]
+
+
+def _write_tables(cal: Calibration, folder: Path) -> None:
+    key = cal.fingerprint.device_key
+    write_csv(folder / "bandwidth.csv", BANDWIDTH_COLUMNS, _rows(cal.bandwidth, _BANDWIDTH_FIELDS, key))
+    write_csv(
+        folder / "interference.csv",
+        INTERFERENCE_COLUMNS,
+        _rows(cal.interference, INTERFERENCE_COLUMNS[:-1], key),
+    )
+    gemm = sorted(cal.gemm, key=lambda p: ((p.m, p.n, p.k), *_time_key(p)))
+    write_csv(folder / "gemm_profile.csv", GEMM_COLUMNS, _rows(gemm, GEMM_COLUMNS[:-1], key))
+    write_csv(folder / "fits.csv", FITS_COLUMNS, _rows(cal.fits, FITS_COLUMNS[:-1], key))
+
+
+def write_profile_csv(points: list[GemmPoint], path: str | Path, device_key: str, timing: str) -> Path:
+    """One shape's tile profile, sorted by time (skipped configs last), written atomically: the
+    columns of ``gemm_profile.csv`` and ``timing`` (how the samples ran:
+    ``fo_tune.calibrate.calibration.timing_name``)."""
+    path = Path(path)
+    check_writable_file(path)
+    target = Path(os.path.abspath(path))
+    rows = [[*row, timing] for row in _rows(sorted(points, key=_time_key), GEMM_COLUMNS[:-1], device_key)]
+    with made_parents(target.parent):
+        atomic_write(target, lambda f: write_rows(f, [*GEMM_COLUMNS, "timing"], rows))
+    return path
+
+
+def grids_path(profile_path: str | Path) -> Path:
+    """Where ``fo-tune profile`` writes the grids' side-by-side timing next to a profile CSV:
+    ``<M>x<N>x<K>-<dtype>.csv`` -> ``<M>x<N>x<K>-<dtype>-grids.csv``."""
+    path = Path(profile_path)
+    return path.with_name(f"{path.stem}-grids{path.suffix or '.csv'}")
+
+
+def write_grids_csv(rows: Sequence[GridBest], path: str | Path, device_key: str) -> Path:
+    """The best config of each grid re-timed side by side (``GridBest`` rows, by sms_free), written
+    atomically."""
+    names = [f.name for f in fields(GridBest)]
+    path = Path(path)
+    check_writable_file(path)
+    target = Path(os.path.abspath(path))
+    with made_parents(target.parent):
+        atomic_write(target, lambda f: write_rows(f, [*names, "device_key"], _rows(rows, names, device_key)))
+    return path
+
+
+# ------------------------------------------------------------------------------- the whole folder
+def write_calibration_dir(cal: Calibration, out_dir: str | Path) -> list[Path]:
+    """Write every file of ``CALIBRATION_FILES`` into ``out_dir``, replacing it as a whole.
+
+    Built in a temporary sibling folder, then swapped in; on any error the temporary folder is
+    removed and an existing ``out_dir`` is left as it was. Returns the paths written.
+    """
+    check_calibration_out(out_dir)
+    with replacing_folder(out_dir) as tmp:
+        _write_tables(cal, tmp)
+        save_calibration(cal, tmp / "calibration.yaml")
+        _plot_bandwidth(cal, tmp / "bandwidth.png")
+        _plot_interference(cal, tmp / "interference.png")
+    return [Path(out_dir) / name for name in CALIBRATION_FILES]
+
+
+# ----------------------------------------------------------------------------- summary tables
+class BandwidthSummary(NamedTuple):
+    collective: str
+    nccl_max_ctas: int
+    size_bytes: int  # the largest size measured
+    busbw_gbs: float  # at that size
+    latency_ms: float  # fitted (NaN without a fit)
+    bandwidth_gbs: float  # fitted asymptotic algbw
+
+
+class InterferenceSummary(NamedTuple):
+    collective: str
+    size_bytes: int
+    sms_free: int
+    nccl_max_ctas: int
+    comm_slowdown: float
+    gemm_slowdown: float
+    comm_during_gemm: bool
+    concurrent: bool
+
+
+class GemmSummary(NamedTuple):
+    shape: tuple[int, int, int]
+    best: GemmPoint | None  # the fastest measured config, None when every config was skipped
+    measured: int  # configs (tile x grid) that ran
+    total: int
+    cublas_ms: float
+
+
+def bandwidth_summary(cal: Calibration) -> list[BandwidthSummary]:
+    """Per (collective, cap): busbw at the largest size and the fitted latency and bandwidth."""
+    largest: dict[tuple[str, int], BandwidthPoint] = {}
+    for p in cal.bandwidth:
+        key = (p.collective, p.nccl_max_ctas)
+        if key not in largest or p.size_bytes > largest[key].size_bytes:
+            largest[key] = p
+    out = []
+    for (collective, cap), p in largest.items():
+        fit = cal.fit_for(collective, cap)
+        latency, bandwidth = (fit.latency_ms, fit.bandwidth_gbs) if fit else (math.nan, math.nan)
+        out.append(BandwidthSummary(collective, cap, p.size_bytes, p.busbw_gbs, latency, bandwidth))
+    return out
+
+
+def interference_summary(cal: Calibration) -> list[InterferenceSummary]:
+    """The interference table, by collective, size, r and cap."""
+    rows = [
+        InterferenceSummary(
+            p.collective,
+            p.size_bytes,
+            p.sms_free,
+            p.nccl_max_ctas,
+            p.comm_slowdown,
+            p.gemm_slowdown,
+            p.comm_during_gemm,
+            p.concurrent,
+        )
+        for p in cal.interference
+    ]
+    return sorted(rows, key=lambda r: (r.collective, r.size_bytes, r.sms_free, r.nccl_max_ctas))
+
+
+def gemm_summary(points: Iterable[GemmPoint]) -> list[GemmSummary]:
+    """Per shape: the fastest measured tile config and grid, next to cuBLAS."""
+    by_shape: dict[tuple[int, int, int], list[GemmPoint]] = {}
+    for p in points:
+        by_shape.setdefault((p.m, p.n, p.k), []).append(p)
+    out = []
+    for shape, pts in by_shape.items():
+        ranked = sorted(pts, key=_time_key)
+        measured = [p for p in ranked if not _time_key(p)[0]]
+        out.append(
+            GemmSummary(shape, measured[0] if measured else None, len(measured), len(pts), pts[0].cublas_ms)
+        )
+    return out
+
+
+def check_calibration_out(out_dir: str | Path) -> None:
+    """Raise ``OutputError`` unless ``write_calibration_dir`` can create or replace ``out_dir``
+    (``fo_tune.output.check_writable``: only a previous calibration's files may be replaced)."""
+    check_writable(out_dir, allowed=CALIBRATION_FILES, what="calibration")

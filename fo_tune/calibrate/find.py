@@ -1,0 +1,79 @@
+"""Finding a calibration: this machine's (under ``results/calibration`` here), the packaged one for a
+device key and world size, and the one a search reads for its mode."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from fo_kernels.fingerprint import current_fingerprint
+from fo_tune.calibrate.calibration import Calibration, load_calibration
+from fo_tune.calibrate.files import DEFAULT_ROOT
+
+
+def packaged_calibration(device_key: str | None, world_size: int) -> Path | None:
+    """The packaged calibration for ``device_key`` (any device when None) and world size."""
+    try:
+        root = Path(str(resources.files("fo_results") / "calibration"))
+    except (ModuleNotFoundError, TypeError):
+        return None
+    if not root.is_dir():
+        return None
+    for folder in sorted(root.iterdir()):
+        if device_key is not None and folder.name != device_key:
+            continue
+        path = folder / f"tp{world_size}" / "calibration.yaml"
+        if path.is_file():
+            return path
+    return None
+
+
+def find_calibration(device_key: str, world_size: int) -> Path | None:
+    """This machine's calibration: under results/calibration here, else the packaged one."""
+    local = DEFAULT_ROOT / device_key / f"tp{world_size}" / "calibration.yaml"
+    if local.is_file():
+        return local
+    return packaged_calibration(device_key, world_size)
+
+
+def choose_calibration(
+    path: Path | None, mode: str, world_size: int, backend: str, device: torch.device
+) -> tuple[Calibration | None, str]:
+    """(the calibration the search reads, the mode): ``path`` (--calibration), else the packaged one
+    for a predict search, else this machine's (``device``, on ranks of ``backend``); no mode given:
+    hybrid with a calibration, else measure."""
+    from fo_tune.search import SearchError
+
+    cal: Calibration | None = None
+    if path is not None:
+        cal = load_calibration(path)
+    elif mode == "predict":
+        found = packaged_calibration(None, world_size)
+        if found is None:
+            raise SearchError(
+                f"no packaged calibration for world size {world_size}; run `fo-tune calibrate "
+                f"--world-size {world_size}` on the GPUs and pass --calibration FILE"
+            )
+        cal = load_calibration(found)
+    else:
+        key = current_fingerprint(device, world_size).device_key
+        found = find_calibration(key, world_size)
+        if found is not None:
+            cal = load_calibration(found)
+    if not mode:
+        mode = "hybrid" if cal is not None else "measure"
+    if (
+        mode == "hybrid"
+        and backend == "gloo"
+        and cal is not None
+        and cal.fingerprint.compute_capability != "cpu"
+    ):
+        raise SearchError(
+            f"--mode hybrid measures on these ranks (gloo on the CPU), but the calibration is for "
+            f"{cal.fingerprint.device_key}; use --mode predict, or a calibration of this machine"
+        )
+    if mode == "predict" and cal is None:
+        raise SearchError("--mode predict needs --calibration FILE")
+    return cal, mode

@@ -1,0 +1,117 @@
+"""A schedule's correctness check on the ranks, and the calls the search's tasks time.
+
+The op of a schedule's collective on (M, N, K), M the GEMM's rows:
+
+    all_reduce, reduce_scatter   a (M, K), b (K, N) per rank: collective(a @ b)
+        reference: collective(a.float() @ b.float())
+    all_gather                   a (M/w, K): this rank's shard; b (K, N) per rank: all_gather(a) @ b
+        reference: all_gather(a.float()) @ b.float()   (rank r's shard at rows [r*M/w, (r+1)*M/w))
+
+and GEMM then the collective (all_gather: the gather, then the GEMM) as the sequential baseline.
+A schedule passes when no output holds a NaN and the relative error stays under ``GEMM_TOL`` on
+every rank, on ``CHECK_INPUT_SETS`` input sets, each output poisoned with NaN once checked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from fo_kernels.runtime import reduce_scatter_tensor
+from fo_kernels.schedule import Schedule
+from fo_tune.ranks.collectives import _all_gather
+from fo_tune.ranks.gemm import gemm_operands, rel_err
+from fo_tune.ranks.launch import RankContext
+
+
+def _collective_fp32(collective: str, full: torch.Tensor, world: int) -> torch.Tensor:
+    """The float32 reference collective of a full (M, N) product (default process group)."""
+    if collective == "all_reduce":
+        dist.all_reduce(full)
+        return full
+    out = torch.empty((full.shape[0] // world, full.shape[1]), dtype=full.dtype, device=full.device)
+    reduce_scatter_tensor(out, full)
+    return out
+
+
+def _gathered(shard: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's (rows, K) ``shard`` gathered on dim 0, rank r's at rows [r*rows, (r+1)*rows)."""
+    out = torch.empty((shard.shape[0] * world, shard.shape[1]), dtype=shard.dtype, device=shard.device)
+    _all_gather(out, shard.contiguous())
+    return out
+
+
+def call_operands(
+    collective: str, m: int, n: int, k: int, dtype: str, device: torch.device, seed: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's operands of one call on (m, n, k): A (M, K), or for all_gather this rank's
+    (M/w, K) shard; B (K, N) (``gemm_operands``)."""
+    return gemm_operands(m // world if collective == "all_gather" else m, n, k, dtype, device, seed)
+
+
+def reference(collective: str, a: torch.Tensor, b: torch.Tensor, world: int) -> torch.Tensor:
+    """The op's result in float32 (the module docstring); every rank calls it at once."""
+    if collective == "all_gather":
+        return _gathered(a.float(), world) @ b.float()
+    return _collective_fp32(collective, a.float() @ b.float(), world)
+
+
+# Operand sets each schedule is checked on before it is timed: the op allocates its output with
+# torch.empty, which can hand back a block still holding the previous correct result; a second,
+# different input set makes such a stale result fail the check.
+CHECK_INPUT_SETS = 2
+
+
+def _op(collective: str) -> Callable[..., torch.Tensor]:
+    from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
+
+    ops = {
+        "all_reduce": gemm_all_reduce,
+        "reduce_scatter": gemm_reduce_scatter,
+        "all_gather": all_gather_gemm,
+    }
+    return ops[collective]
+
+
+def _check_schedule(ctx: RankContext, s: Schedule, m: int, n: int, k: int, seed: int) -> float:
+    """The worst relative error of ``s`` over ``CHECK_INPUT_SETS`` fresh inputs (inf on NaN),
+    the max over ranks (every rank learns whether to time it). Each output is poisoned with NaN
+    once checked: a later call handed the same block that writes nothing then reads NaN."""
+    op = _op(s.collective)
+    worst = 0.0
+    for i in range(CHECK_INPUT_SETS):
+        a, b = call_operands(
+            s.collective, m, n, k, s.dtype, ctx.device, (seed * 1009 + i) * 1009 + ctx.rank, ctx.world_size
+        )
+        out = op(a, b, schedule=s)
+        ref = reference(s.collective, a, b, ctx.world_size)
+        worst = max(worst, math.inf if bool(out.isnan().any()) else rel_err(out, ref))
+        out.fill_(math.nan)
+        del out
+    flag = torch.tensor([worst], device=ctx.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return float(flag.item())
+
+
+def _sequential_call(
+    collective: str, a: torch.Tensor, b: torch.Tensor, world: int
+) -> Callable[[], torch.Tensor]:
+    """cuBLAS GEMM, then the collective on NCCL's default communicator (all_gather: the gather of
+    the shard ``a``, then the GEMM)."""
+    m, n = a.shape[0], b.shape[1]
+    if collective == "all_gather":
+        return lambda: _gathered(a, world) @ b
+
+    def run() -> torch.Tensor:
+        out = a @ b
+        if collective == "all_reduce":
+            dist.all_reduce(out)
+            return out
+        part = torch.empty((m // world, n), dtype=out.dtype, device=out.device)
+        reduce_scatter_tensor(part, out)
+        return part
+
+    return run

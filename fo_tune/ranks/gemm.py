@@ -1,0 +1,201 @@
+"""GEMM measurement tasks: the signalled GEMM of every tile config beside cuBLAS (profiles) and the
+best reduced grids, each GEMM checked against ``torch.matmul`` before it is timed, and the
+checks' tolerances (``GEMM_TOL``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fo_kernels.engines.triton.settings import TritonSettings
+from fo_kernels.gemm import BOperand, signalled_gemm
+from fo_kernels.plan import cdiv, make_plan
+from fo_kernels.runtime import runtime_for
+from fo_kernels.schedule import Problem, Schedule, torch_dtype
+from fo_kernels.tile import Tile
+from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.timing import comparison_sample_ms, time_interleaved
+
+# Relative error a checked GEMM must stay under, per dtype (fp32 accumulation; docs/design.md#timing).
+GEMM_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-4}
+
+
+def gemm_runner(
+    a: torch.Tensor, b: torch.Tensor, tile: Tile, sms_free: int, sm_count: int
+) -> tuple[Callable[[], torch.Tensor], int]:
+    """The signalled persistent GEMM alone (one group, private counters): (run, grid)."""
+    m, k = a.shape
+    n = b.shape[1]
+    tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
+    schedule = Schedule(
+        collective="all_reduce",
+        dtype="bfloat16",
+        world_size=1,
+        problem=Problem(m=m, n=n, k=k),
+        settings=TritonSettings(
+            tile=tile, sms_free=sms_free, signal_tiles=tiles, groups=(1,), layout="row_band"
+        ),
+    )
+    plan = make_plan(schedule, m, n, k, sm_count=sm_count)
+    counters = torch.zeros(4, dtype=torch.int32, device=a.device)
+    unit_group = torch.zeros(1, dtype=torch.int32, device=a.device)
+    group_info = torch.tensor([0, m], dtype=torch.int32, device=a.device)
+    out = torch.empty(m * n, dtype=a.dtype, device=a.device)
+    operand = BOperand.of(b)
+    assert operand is not None
+
+    def run() -> torch.Tensor:
+        signalled_gemm(
+            a, operand, out, plan, tile, counters=counters, unit_group=unit_group, group_info=group_info
+        )
+        return out.view(m, n)
+
+    return run, plan.grid
+
+
+def gemm_operands(m: int, n: int, k: int, dtype: str, device: torch.device, seed: int) -> tuple:
+    """Random (never zero) A (M, K) and B as the transposed view of an (N, K) weight."""
+    gen = torch.Generator(device=device).manual_seed(seed)  # on the device: large shapes stay fast
+    a = torch.randn(m, k, generator=gen, device=device).to(torch_dtype(dtype))
+    w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(torch_dtype(dtype))
+    return a, w.t()
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``|got - ref| / |ref|`` (Frobenius norms); ``inf`` when ``got`` holds a NaN or an infinity,
+    so that a max over ranks or runs can never hide it (Python's ``max`` skips a NaN that is not
+    first: ``max(0.002, nan)`` is 0.002, which would pass one rank's NaN output)."""
+    err = ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return err if math.isfinite(err) else math.inf
+
+
+def worst_error(errors: Sequence[float]) -> float:
+    """The largest of ``errors``, NaN if any is NaN (a check that did not run, or one computed
+    without ``rel_err``): Python's ``max`` would return the first argument over a later NaN."""
+    return math.nan if any(math.isnan(e) for e in errors) else max(errors)
+
+
+def _gemm_problem(m: int, n: int, k: int, dtype: str, device: torch.device) -> tuple:
+    """(SMs, A, B, float32 reference A @ B) of one shape, the operands seeded by the shape, so that
+    every task of a shape measures the same problem."""
+    a, b = gemm_operands(m, n, k, dtype, device, seed=m + n + k)
+    return runtime_for(device, None).sm_count, a, b, a.float() @ b.float()
+
+
+@dataclass(frozen=True)
+class GemmProfileTask:
+    """Every tile config at every grid for one shape, checked, then timed beside cuBLAS: each
+    config and cuBLAS in alternating back-to-back samples (``time_interleaved``, the comparison
+    sample length), so both run at the card's sustained (power-limited) clock and each row's
+    ``cublas`` is its own paired baseline. ``graphs``: each sample replays a CUDA graph of its
+    calls (``time_interleaved(graphs=True)``), so a call whose host time exceeds its GPU time is
+    timed by the GPU's; the output the timed calls wrote is checked again (poisoned before)."""
+
+    m: int
+    n: int
+    k: int
+    tiles: tuple[Tile, ...]
+    sms_free: tuple[int, ...]
+    dtype: str
+    warmup: int = 3
+    reps: int = 10
+    graphs: bool = False
+
+    def run(self, ctx: RankContext) -> dict[str, Any]:
+        sm_count, a, b, ref = _gemm_problem(self.m, self.n, self.k, self.dtype, ctx.device)
+        sample_ms = comparison_sample_ms(ctx.device.type == "cuda")
+        cublas = time_interleaved(
+            {"cublas": lambda: a @ b}, ctx.device, warmup=self.warmup, rounds=self.reps, graphs=self.graphs
+        )["cublas"]
+        rows = []
+        for tile in self.tiles:
+            for r in self.sms_free:
+                row: dict[str, Any] = dict(tile=tile, sms_free=r, grid=0, timing=None, rel_err=float("nan"))
+                try:
+                    if r >= sm_count:
+                        raise ValueError(f"sms_free {r} leaves no SM of {sm_count}")
+                    run, row["grid"] = gemm_runner(a, b, tile, r, sm_count)
+                    run().fill_(float("nan"))  # poisoned: a tile the check's call does not write fails it
+                    out = run()
+                    row["rel_err"] = _checked(out, ref, self.dtype)
+                    paired = time_interleaved(
+                        {"gemm": run, "cublas": lambda: a @ b},
+                        ctx.device,
+                        warmup=self.warmup,
+                        rounds=self.reps,
+                        min_sample_ms=sample_ms,
+                        graphs=self.graphs,
+                        before_samples=lambda out=out: out.fill_(float("nan")),  # the timed calls write it
+                    )
+                    row["rel_err"] = max(row["rel_err"], _checked(out, ref, self.dtype))
+                    row["timing"], row["cublas"] = paired["gemm"], paired["cublas"]
+                    row["status"] = "ok"
+                except Exception as exc:  # a config that fails to compile or launch is skipped, with why
+                    row["status"] = f"skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                rows.append(row)
+        return {"cublas": cublas, "rows": rows}
+
+
+def _checked(out: torch.Tensor, ref: torch.Tensor, dtype: str, what: str = "") -> float:
+    """``out``'s relative error against ``ref``; ValueError beyond the dtype's tolerance, its
+    message led by ``what`` (the config and when)."""
+    err = rel_err(out, ref)
+    if not err < GEMM_TOL[dtype]:
+        raise ValueError(f"{what}wrong result (relative error {err:.2e})")
+    return err
+
+
+@dataclass(frozen=True)
+class GemmGridsTask:
+    """A few (tile, sms_free) configs of one shape, each checked against a float32 matmul (output
+    poisoned first), then all of them and cuBLAS timed in one interleaved run (``time_interleaved``,
+    the comparison sample length), so their ratios share one clock: ``GemmProfileTask`` times each
+    config beside cuBLAS only, and ratios across its timings move with the card's drift. The
+    outputs the timed calls wrote are checked again; ``graphs`` as ``GemmProfileTask``'s."""
+
+    m: int
+    n: int
+    k: int
+    configs: tuple[tuple[Tile, int], ...]
+    dtype: str
+    warmup: int = 3
+    reps: int = 10
+    graphs: bool = False
+
+    def run(self, ctx: RankContext) -> dict[str, Any]:
+        sm_count, a, b, ref = _gemm_problem(self.m, self.n, self.k, self.dtype, ctx.device)
+        fns: dict[str, Callable[[], Any]] = {"cublas": lambda: a @ b}
+        rows, outs = [], []
+        for i, (tile, r) in enumerate(self.configs):
+            run, grid = gemm_runner(a, b, tile, r, sm_count)
+            run().fill_(float("nan"))  # poisoned: a tile the check's call does not write fails it
+            out = run()
+            err = _checked(out, ref, self.dtype, f"{tile.label()} on {grid} programs: ")
+            fns[str(i)] = run
+            outs.append(out)
+            rows.append(dict(tile=tile, sms_free=r, grid=grid, rel_err=err))
+        sample_ms = comparison_sample_ms(ctx.device.type == "cuda")
+
+        def poison() -> None:  # after the warm-up and sizing calls: the timed calls must write it all
+            for out in outs:
+                out.fill_(float("nan"))
+
+        timings = time_interleaved(
+            fns,
+            ctx.device,
+            warmup=self.warmup,
+            rounds=self.reps,
+            min_sample_ms=sample_ms,
+            graphs=self.graphs,
+            before_samples=poison,
+        )
+        for i, row in enumerate(rows):
+            what = f"{row['tile'].label()} on {row['grid']} programs, after the timed calls: "
+            row["rel_err"] = max(row["rel_err"], _checked(outs[i], ref, self.dtype, what))
+            row["timing"] = timings[str(i)]
+        return {"rows": rows, "cublas": timings["cublas"]}

@@ -1,0 +1,160 @@
+"""The search's measurement tasks on every rank: a trial of one schedule (``OverlapTrialTask``), the
+sequential baseline (``SequentialTask``) and the confirmation of decided rows (``ConfirmTask``);
+each checks the schedule (``fo_tune.ranks.checks``) before it times it, and returns this rank's
+numbers (the driver takes the max over ranks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fo_kernels.schedule import Problem, Schedule
+from fo_tune.ranks.checks import _check_schedule, _gathered, _op, _sequential_call, call_operands, reference
+from fo_tune.ranks.collectives import collective_call
+from fo_tune.ranks.gemm import GEMM_TOL, rel_err
+from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.timing import comparison_sample_ms, time_interleaved, time_region
+
+
+@dataclass(frozen=True)
+class ConfirmTask:
+    """The confirmation of a search: its best schedules (each checked again), GEMM-then-collective
+    (checked by ``SequentialTask`` at the start of the search) and the runtime's ``overlap: false``
+    fallback (checked here: what the row runs if it does not overlap, replayed from the runtime's
+    own CUDA graphs on GPUs), timed side by side in alternating rounds (``time_interleaved``), so
+    the row is decided on one paired measurement rather than on numbers taken minutes apart."""
+
+    schedules: tuple[Schedule, ...]
+    m: int
+    n: int
+    k: int
+    seed: int
+    warmup: int = 3
+    rounds: int = 15
+
+    def run(self, ctx: RankContext) -> dict[str, Any]:
+        s0 = self.schedules[0]
+        errs = [_check_schedule(ctx, s, self.m, self.n, self.k, self.seed) for s in self.schedules]
+        ok = [e < GEMM_TOL[s0.dtype] for e in errs]
+        fallback = Schedule(
+            collective=s0.collective,
+            dtype=s0.dtype,
+            world_size=ctx.world_size,
+            problem=Problem(m=self.m, n=self.n, k=self.k),
+        )
+        fallback_ok = _check_schedule(ctx, fallback, self.m, self.n, self.k, self.seed) < GEMM_TOL[s0.dtype]
+        a, b = call_operands(
+            s0.collective,
+            self.m,
+            self.n,
+            self.k,
+            s0.dtype,
+            ctx.device,
+            self.seed * 1009 + ctx.rank,
+            ctx.world_size,
+        )
+        fns: dict[str, Callable[[], Any]] = {
+            "sequential": _sequential_call(s0.collective, a, b, ctx.world_size)
+        }
+        if fallback_ok:
+            fns["fallback"] = lambda: _op(fallback.collective)(a, b, schedule=fallback)
+        for i, s in enumerate(self.schedules):
+            if ok[i]:
+                fns[str(i)] = lambda s=s: _op(s.collective)(a, b, schedule=s)
+        # the bench's sample length, so a row is decided as the bench will time it
+        sample_ms = comparison_sample_ms(ctx.device.type == "cuda")
+        timings = time_interleaved(
+            fns, ctx.device, warmup=self.warmup, rounds=self.rounds, agree=True, min_sample_ms=sample_ms
+        )
+        return dict(
+            rel_err=errs,
+            ok=ok,
+            sequential=timings["sequential"],
+            fallback=timings.get("fallback"),
+            timings=[timings.get(str(i)) for i in range(len(self.schedules))],
+        )
+
+
+@dataclass(frozen=True)
+class OverlapTrialTask:
+    """One schedule of the search on every rank: checked on fresh random inputs against
+    ``collective_fp32(a.float() @ b.float())``, then timed back to back (ranks agree on counts)."""
+
+    schedule: Schedule
+    m: int
+    n: int
+    k: int
+    seed: int
+    warmup: int = 3
+    reps: int = 10
+
+    def run(self, ctx: RankContext) -> dict[str, Any]:
+        s = self.schedule
+        worst = _check_schedule(ctx, s, self.m, self.n, self.k, self.seed)
+        ok = worst < GEMM_TOL[s.dtype]  # the same on every rank: none is left waiting in a collective
+        timing = None
+        if ok:
+            a, b = call_operands(
+                s.collective,
+                self.m,
+                self.n,
+                self.k,
+                s.dtype,
+                ctx.device,
+                self.seed * 1009 + ctx.rank,
+                ctx.world_size,
+            )
+            op = _op(s.collective)
+            timing = time_region(
+                lambda: op(a, b, schedule=s), ctx.device, warmup=self.warmup, reps=self.reps, agree=True
+            )
+        return dict(rel_err=worst, has_nan=math.isinf(worst), ok=ok, timing=timing)
+
+
+@dataclass(frozen=True)
+class SequentialTask:
+    """The baselines of one shape: cuBLAS GEMM alone (all_gather: of the gathered A), the collective
+    alone (NCCL's default communicator, on the bytes it moves in the op) and GEMM then collective
+    (all_gather: the gather then the GEMM), the last checked against the float32 reference."""
+
+    collective: str
+    m: int
+    n: int
+    k: int
+    dtype: str
+    seed: int
+    warmup: int = 3
+    reps: int = 10
+
+    def run(self, ctx: RankContext) -> dict[str, Any]:
+        world = ctx.world_size
+        a, b = call_operands(
+            self.collective,
+            self.m,
+            self.n,
+            self.k,
+            self.dtype,
+            ctx.device,
+            self.seed * 1009 + ctx.rank,
+            world,
+        )
+        gemm_a = _gathered(a, world) if self.collective == "all_gather" else a
+        moved = gemm_a if self.collective == "all_gather" else gemm_a @ b  # what the collective moves
+        comm = collective_call(
+            self.collective, moved.numel() * moved.element_size(), moved.dtype, ctx.device, world, None
+        )
+
+        sequential = _sequential_call(self.collective, a, b, world)
+        got = sequential()
+        err = rel_err(got, reference(self.collective, a, b, world))
+        kw = dict(warmup=self.warmup, reps=self.reps)
+        return dict(
+            rel_err=err,
+            has_nan=bool(got.isnan().any()),
+            gemm=time_region(lambda: gemm_a @ b, ctx.device, **kw),
+            comm=time_region(comm, ctx.device, agree=True, **kw),
+            sequential=time_region(sequential, ctx.device, agree=True, **kw),
+        )

@@ -1,0 +1,85 @@
+"""What a search needs before it starts, read and checked from the command's options: the shapes
+file, where the tables and the studies go, and each request's report folder (every file the search
+will write is checked writable before anything runs)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from fo_kernels.fingerprint import current_fingerprint
+from fo_kernels.table import table_path
+from fo_tune.output import check_writable_file
+from fo_tune.search.report import check_report_dir, default_report_dir
+
+if TYPE_CHECKING:
+    from fo_tune.calibrate.calibration import Calibration
+    from fo_tune.search.request import SearchRequest
+
+# The prefix of a SQLite storage URL (the one storage whose file is checked writable up front).
+SQLITE = "sqlite:///"
+
+
+def read_shapes_file(path: Path) -> list[tuple[int, int, int]]:
+    from fo_kernels.files import read_yaml
+    from fo_tune.search import SearchError
+
+    data = read_yaml(path, error=SearchError, missing=SearchError, missing_hint="no such shapes file")
+    shapes = data.get("shapes") if isinstance(data, dict) else None
+    if not isinstance(shapes, list) or not shapes:
+        raise SearchError(f"{path}: expected a non-empty `shapes:` list of [M, N, K]")
+    out = []
+    for i, s in enumerate(shapes):
+        if (
+            not isinstance(s, list)
+            or len(s) != 3
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in s)
+        ):
+            raise SearchError(f"{path}: shapes[{i}]: expected [M, N, K] with integers >= 1, got {s!r}")
+        out.append((s[0], s[1], s[2]))
+    return out
+
+
+def output_places(out: Path | None, table_dir: Path | None, storage: str | None) -> tuple[Path, str]:
+    """(the tables' root, the studies' storage URL) of --out, --table-dir and --storage."""
+    from fo_kernels.table import TABLE_DIR_ENV, user_table_dir
+    from fo_tune.search import DEFAULT_STORAGE_FILE
+
+    if out is not None:
+        return table_dir or out / "tables", storage or f"sqlite:///{out / 'studies' / 'fo-tune.db'}"
+    env = os.environ.get(TABLE_DIR_ENV)
+    return table_dir or (
+        Path(env) if env else user_table_dir()
+    ), storage or f"sqlite:///{DEFAULT_STORAGE_FILE}"
+
+
+def report_dirs(
+    requests: list[SearchRequest],
+    cal: Calibration | None,
+    device: torch.device,
+    out: Path | None,
+    tables_root: Path,
+    storage_url: str,
+) -> list[Path]:
+    """Each request's report folder; every file the search writes (its report folders, table files
+    and SQLite study file) is checked writable before anything runs."""
+    first = requests[0]
+    if first.mode == "predict":
+        assert cal is not None
+        device_key = cal.fingerprint.device_key
+    else:
+        device_key = current_fingerprint(device, first.world_size).device_key
+    dirs = []
+    for r in requests:
+        folder = default_report_dir(
+            device_key, r.collective, r.world_size, r.dtype, r.mode, m_range=r.m_range is not None
+        )
+        dirs.append(out / "report" / folder.name if out is not None else folder)
+        check_report_dir(dirs[-1])
+        check_writable_file(table_path(tables_root, device_key, r.collective, r.world_size, r.dtype))
+    if storage_url.startswith(SQLITE):
+        check_writable_file(storage_url[len(SQLITE) :].split("?")[0])
+    return dirs

@@ -1,0 +1,157 @@
+"""Comparing two tables: per problem, whether a row is only in one table, changed (which fields) or
+the same, and the headers' differences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fo_kernels.schedule import Problem, Schedule
+from fo_kernels.table import (
+    ScheduleTable,
+)
+
+# Fields of a Schedule that change what the runtime does, in the order diffs report them: the
+# common ones, then any engine's settings (``field_value``).
+SCHEDULE_FIELDS = (
+    "collective",
+    "dtype",
+    "world_size",
+    "overlap",
+    "engine",
+    "mode",
+    "tile",
+    "sms_free",
+    "nccl_max_ctas",
+    "signal_tiles",
+    "groups",
+    "weights",
+    "layout",
+    "wait_mode",
+)
+# Of those, the ones that describe the header (every row of a table shares them).
+_HEADER_FIELDS = ("collective", "dtype", "world_size")
+# Provenance keys holding a latency in milliseconds, in the order of preference (a measurement
+# beats the model's prediction).
+LATENCY_KEYS = ("measured_ms", "predicted_ms")
+
+DiffStatus = Literal["only_a", "only_b", "changed", "same"]
+DIFF_STATUSES: tuple[DiffStatus, ...] = ("only_a", "only_b", "changed", "same")
+
+
+# ------------------------------------------------------------------------------------- diff
+def _problem_key(problem: Problem) -> tuple[int, int, int, int, int]:
+    """Sort key of a problem, the order tables keep their rows in."""
+    if problem.m is not None:
+        return (problem.n, problem.k, problem.m, 0, problem.m)
+    assert problem.m_min is not None and problem.m_max is not None
+    return (problem.n, problem.k, problem.m_min, 1, problem.m_max)
+
+
+def latencies(schedule: Schedule | None) -> dict[str, float]:
+    """The latencies (``LATENCY_KEYS``) a row's provenance holds as numbers, in preference order."""
+    if schedule is None:
+        return {}
+    out: dict[str, float] = {}
+    for key in LATENCY_KEYS:
+        value = schedule.provenance.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value)
+    return out
+
+
+def field_value(schedule: Schedule, name: str) -> Any:
+    """A ``SCHEDULE_FIELDS`` value of ``schedule``: a common field, or its engine's setting of that
+    name (None where its engine has none)."""
+    if name in ("collective", "dtype", "world_size", "overlap", "engine"):
+        return getattr(schedule, name)
+    return getattr(schedule.settings, name, None)
+
+
+def changed_fields(a: Schedule, b: Schedule) -> tuple[str, ...]:
+    """The ``SCHEDULE_FIELDS`` in which ``a`` and ``b`` differ.
+
+    When ``overlap`` differs only it (and header fields) are reported: the other fields mean nothing
+    on the side that does not overlap. Two rows without overlap compare on the header fields only.
+    """
+    header = tuple(name for name in _HEADER_FIELDS if getattr(a, name) != getattr(b, name))
+    if a.overlap != b.overlap:
+        return (*header, "overlap")
+    if not a.overlap:
+        return header
+    return tuple(name for name in SCHEDULE_FIELDS if field_value(a, name) != field_value(b, name))
+
+
+def _provenance_changed(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, ...]:
+    keys = list(dict.fromkeys([*a, *b]))
+    return tuple(str(key) for key in keys if a.get(key) != b.get(key))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RowDiff:
+    """How one problem's row compares between table ``a`` and table ``b``.
+
+    ``status``: ``only_a``, ``only_b``, ``changed`` (some ``SCHEDULE_FIELDS`` differ, listed in
+    ``fields``) or ``same`` (the runtime would do the same; the provenance may still differ, listed
+    in ``provenance_changed``). ``latency_a``/``latency_b``: the rows' provenance latencies
+    (``measured_ms``, ``predicted_ms``) where present.
+    """
+
+    problem: Problem
+    status: DiffStatus
+    a: Schedule | None
+    b: Schedule | None
+    fields: tuple[str, ...] = ()
+    provenance_changed: tuple[str, ...] = ()
+    latency_a: dict[str, float] = field(default_factory=dict)
+    latency_b: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def differs(self) -> bool:
+        """True unless the rows are the same schedule (provenance aside)."""
+        return self.status != "same"
+
+
+def diff_tables(a: ScheduleTable, b: ScheduleTable) -> list[RowDiff]:
+    """One ``RowDiff`` per problem in either table, in table order (N, K, then M or m_min).
+
+    Rows are matched by problem (exact M, or the identical M range); rows of the two tables are
+    compared field by field whatever their headers (compare the headers' fingerprints separately).
+    """
+    rows_a = {row.problem: row for row in a.rows}
+    rows_b = {row.problem: row for row in b.rows}
+    out: list[RowDiff] = []
+    for problem in sorted(rows_a.keys() | rows_b.keys(), key=_problem_key):
+        ra, rb = rows_a.get(problem), rows_b.get(problem)
+        lat = {"latency_a": latencies(ra), "latency_b": latencies(rb)}
+        if rb is None:
+            out.append(RowDiff(problem=problem, status="only_a", a=ra, b=None, **lat))
+        elif ra is None:
+            out.append(RowDiff(problem=problem, status="only_b", a=None, b=rb, **lat))
+        else:
+            fields_ = changed_fields(ra, rb)
+            out.append(
+                RowDiff(
+                    problem=problem,
+                    status="changed" if fields_ else "same",
+                    a=ra,
+                    b=rb,
+                    fields=fields_,
+                    provenance_changed=_provenance_changed(ra.provenance, rb.provenance),
+                    **lat,
+                )
+            )
+    return out
+
+
+def header_differences(a: ScheduleTable, b: ScheduleTable) -> list[tuple[str, Any, Any]]:
+    """(name, value in a, value in b) for every header and fingerprint field that differs."""
+    out: list[tuple[str, Any, Any]] = []
+    for name in ("collective", "world_size", "dtype", "schema_version"):
+        if getattr(a, name) != getattr(b, name):
+            out.append((name, getattr(a, name), getattr(b, name)))
+    fa, fb = a.fingerprint.to_dict(), b.fingerprint.to_dict()
+    out.extend((f"fingerprint.{name}", fa[name], fb[name]) for name in fa if fa[name] != fb[name])
+    return out

@@ -1,0 +1,149 @@
+"""Merging rows into a table file under an inter-process lock, so several search workers (or several
+``fo-tune search`` runs) can write into the same file without losing rows; a predicted row
+(``fo_kernels.table.row_kind``) never replaces a measured one.
+
+The lock is a second file beside the table, ``<table>.yaml.lock`` (``filelock``); the runtime never
+takes it, because tables are replaced by an atomic rename and a reader sees the old or the new file.
+``filelock`` is a dependency of the tuner only (the ``tune`` extra); the runtime never imports it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from fo_kernels.errors import FoTuneError, TableError, TableNotFoundError
+from fo_kernels.fingerprint import Fingerprint
+from fo_kernels.schedule import Schedule
+from fo_kernels.table import (
+    ScheduleTable,
+    load_table,
+    row_kind,
+    save_table,
+    table_filename,
+)
+from fo_tune.tables.validate import _ranges_overlap
+
+# The lock file beside a table: ``<table>.yaml.lock``.
+LOCK_SUFFIX = ".lock"
+# Seconds merge_rows waits for another process's merge. A merge holds the lock for one load, upsert
+# and save of a small YAML file (milliseconds), so a minute means a stuck or very slow writer.
+LOCK_TIMEOUT_S = 60.0
+
+
+class TableLockTimeout(FoTuneError, TimeoutError):
+    """Another process held a table's lock for longer than the merge waits."""
+
+
+# ------------------------------------------------------------------------------------- merge
+def lock_path(path: str | os.PathLike[str]) -> Path:
+    """The lock file of the table at ``path``: ``<path>.lock``."""
+    return Path(str(path) + LOCK_SUFFIX)
+
+
+def _hardware_mismatch(theirs: Fingerprint, ours: Fingerprint) -> str | None:
+    """What makes ``theirs`` other hardware than ``ours`` (device key, capability, world size)."""
+    for name in ("device_key", "compute_capability", "world_size"):
+        if getattr(theirs, name) != getattr(ours, name):
+            return f"{name} {getattr(theirs, name)!r}, the new rows' is {getattr(ours, name)!r}"
+    return None
+
+
+def merge_rows(
+    path: str | os.PathLike[str],
+    fingerprint: Fingerprint,
+    rows: Sequence[Schedule],
+    *,
+    collective: str,
+    world_size: int,
+    dtype: str,
+    lock_timeout_s: float = LOCK_TIMEOUT_S,
+) -> ScheduleTable:
+    """Upsert ``rows`` into the table file at ``path`` (created with its folders when missing).
+
+    Under the file lock ``<path>.lock`` it loads the table (or starts one with ``fingerprint`` and
+    the header ``collective``/``world_size``/``dtype``), replaces each row for the same problem
+    (``ScheduleTable.upsert``: exact M, or the identical M range; an incoming M-range row also drops
+    every existing range row of its (N, K) that it overlaps, so re-tuning a range never leaves
+    overlapping ranges behind) or adds it, saves it with
+    ``fo_kernels.table.save_table`` (atomic rename) and returns the merged table. Processes merging
+    into the same file concurrently therefore never lose each other's rows (as long as every writer
+    goes through ``merge_rows``; a bare ``save_table`` is not serialised); readers never wait.
+
+    The header's fingerprint becomes ``fingerprint``: a table says which library versions its latest
+    rows were measured with, and the runtime's version-drift warning compares against those. Rows
+    kept from earlier merges stay (they may have been measured with older versions; record versions
+    in their provenance where that matters, or re-tune).
+
+    A predicted row (provenance ``mode: predict``) is left out where the table has a measured row
+    for its problem (or, for an M range, a measured range it overlaps): measured beats predicted.
+
+    Raises ``TableError`` (one line, saying what to do) when a row's collective, dtype or world size
+    differs from the header, when ``fingerprint`` is for another world size, when the file holds
+    another collective, world size or dtype, or when its fingerprint is for other hardware
+    (device key, compute capability or world size); the file is then left untouched. A malformed
+    file raises the ``TableError`` of ``load_table``. ``TableLockTimeout`` when another process
+    holds the lock for more than ``lock_timeout_s`` seconds.
+    """
+    from filelock import FileLock, Timeout  # the tuner's dependency, never the runtime's
+
+    if fingerprint.world_size != world_size:
+        raise TableError(
+            f"{path}: the fingerprint is for world size {fingerprint.world_size}, the rows for "
+            f"{world_size}; measure the rows with {world_size} ranks"
+        )
+    # Checks every row against the header before the file is touched.
+    incoming = ScheduleTable(
+        fingerprint=fingerprint, collective=collective, world_size=world_size, dtype=dtype, rows=list(rows)
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_path(path)), timeout=lock_timeout_s)
+    try:
+        with lock:
+            try:
+                table = load_table(path)
+            except TableNotFoundError:
+                table = ScheduleTable(
+                    fingerprint=fingerprint, collective=collective, world_size=world_size, dtype=dtype
+                )
+            header = (table.collective, table.world_size, table.dtype)
+            if header != (collective, world_size, dtype):
+                raise TableError(
+                    f"{path}: holds {header[0]} world size {header[1]} {header[2]} rows, these are "
+                    f"{collective} world size {world_size} {dtype}; merge them into their own table, "
+                    f"{fingerprint.device_key}/{table_filename(collective, world_size, dtype)}"
+                )
+            mismatch = _hardware_mismatch(table.fingerprint, fingerprint)
+            if mismatch is not None:
+                raise TableError(
+                    f"{path}: the table is for other hardware ({mismatch}); merge the rows into the "
+                    f"table of {fingerprint.device_key}, or move this file away to start a new one"
+                )
+            table.fingerprint = fingerprint
+            for row in incoming.rows:
+                if _keeps_measured(table, row):
+                    continue
+                if row.problem.is_range:  # a new M range replaces every older range it overlaps
+                    table.rows = [old for old in table.rows if not _ranges_overlap(old.problem, row.problem)]
+                table.upsert(row)
+            save_table(table, path)
+    except Timeout:
+        raise TableLockTimeout(
+            f"{lock_path(path)}: another process has held the table's lock for more than "
+            f"{lock_timeout_s:g} s; wait for it to finish (or stop it) and merge again"
+        ) from None
+    return table
+
+
+def _keeps_measured(table: ScheduleTable, row: Schedule) -> bool:
+    """True when ``row`` is predicted and the table has a measured row it would replace (the same
+    problem, or for an M range any range it overlaps): measured beats predicted."""
+    if row_kind(row) != "predicted":
+        return False
+    return any(
+        row_kind(old) == "measured"
+        and (old.problem == row.problem or _ranges_overlap(old.problem, row.problem))
+        for old in table.rows
+    )

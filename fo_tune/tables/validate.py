@@ -1,0 +1,96 @@
+"""The table checks that need a shape, beyond what loading checks: ``fo_kernels.plan.check_fits``
+for every exact row and for the ends and middle of every M range, and overlapping M ranges.
+"""
+
+from __future__ import annotations
+
+from fo_kernels.errors import ScheduleError, ShapeError
+from fo_kernels.plan import check_fits
+from fo_kernels.schedule import SHARDED_COLLECTIVES, Problem, Schedule
+from fo_kernels.table import (
+    ScheduleTable,
+)
+
+
+def _ranges_overlap(a: Problem, b: Problem) -> bool:
+    if not (a.is_range and b.is_range) or (a.n, a.k) != (b.n, b.k):
+        return False
+    assert a.m_min is not None and a.m_max is not None and b.m_min is not None and b.m_max is not None
+    return a.m_min <= b.m_max and b.m_min <= a.m_max
+
+
+# ------------------------------------------------------------------------------------- validate
+def _range_ms(problem: Problem, shards: int) -> list[int]:
+    """M values a range row is checked at: both ends and the middle (multiples of ``shards``)."""
+    assert problem.m_min is not None and problem.m_max is not None
+    lo = -(-problem.m_min // shards) * shards
+    hi = problem.m_max // shards * shards
+    if lo > hi:
+        return []
+    mid = max(lo, (lo + hi) // 2 // shards * shards)
+    return sorted({lo, mid, hi})
+
+
+def _plan_issue(row: Schedule, m: int, sm_count: int, where: str) -> str | None:
+    try:
+        check_fits(row, m, row.problem.n, row.problem.k, sm_count=sm_count)
+    except (ScheduleError, ShapeError) as exc:
+        return f"row {where}: {exc}"
+    return None
+
+
+def validate_table(table: ScheduleTable, *, sm_count: int | None = None) -> list[str]:
+    """Problems the runtime would hit with ``table`` that loading does not catch; [] when none.
+
+    - every overlapped exact-shape row must fit its shape (``fo_kernels.plan.check_fits``): for the
+      Triton engine a plan, with groups summing to the signal units, ``row_band`` groups starting
+      on whole bands and a grid left by ``sms_free``; a copy-engine row fits any M;
+    - every overlapped M-range row must give a plan at ``m_min``, ``m_max`` and a middle M (for
+      ``reduce_scatter`` and ``all_gather`` the multiples of the world size nearest inside the
+      range), and the range must hold at least one such M;
+    - M ranges for the same (N, K) must not overlap (lookup would take the one with the lower
+      ``m_min`` for the common Ms).
+
+    ``sm_count`` defaults to the table fingerprint's. Each issue is one line naming the row
+    (``problem.describe()``) and the field, e.g.
+    ``row 64x64x32: groups: sizes sum to 3 signal units but this shape has 4 (...)``.
+    """
+    sms = sm_count if sm_count is not None else table.fingerprint.sm_count
+    issues: list[str] = []
+    for row in table.rows:
+        if not row.overlap:
+            continue
+        problem = row.problem
+        if not problem.is_range:
+            assert problem.m is not None
+            issue = _plan_issue(row, problem.m, sms, problem.describe())
+            if issue is not None:
+                issues.append(issue)
+            continue
+        shards = row.world_size if row.collective in SHARDED_COLLECTIVES else 1
+        ms = _range_ms(problem, shards)
+        if not ms:
+            issues.append(
+                f"row {problem.describe()}: problem: the M range holds no M divisible by world_size "
+                f"{row.world_size}, which {row.collective} needs"
+            )
+        for m in ms:
+            issue = _plan_issue(row, m, sms, f"{problem.describe()} at M={m}")
+            if issue is not None:
+                issues.append(issue)
+    ranges = sorted(
+        (row.problem for row in table.rows if row.problem.is_range),
+        key=lambda p: (p.n, p.k, p.m_min, p.m_max),
+    )
+    for i, first in enumerate(ranges):
+        assert first.m_max is not None
+        for second in ranges[i + 1 :]:
+            assert second.m_min is not None and second.m_max is not None
+            if (second.n, second.k) != (first.n, first.k) or second.m_min > first.m_max:
+                break
+            issues.append(
+                f"row {second.describe()}: problem: its M range overlaps row {first.describe()} for "
+                f"M in [{second.m_min},{min(first.m_max, second.m_max)}] (lookup takes "
+                f"{first.describe()} there); make the ranges disjoint"
+            )
+    return issues
