@@ -620,6 +620,14 @@ def test_errors_merge_never_hides_a_nan():
 
 
 # ------------------------------------------------------------- bench/'s scripts: their inputs
+def test_every_shipped_suite_loads():
+    """suites/*.yaml: the suite and the shape lists bench/'s scripts read, each valid."""
+    paths = sorted(packaged_suite().parent.glob("*.yaml"))
+    assert packaged_suite() in paths and len(paths) >= 4
+    for path in paths:
+        assert load_suite(path).dtype == "bfloat16", path
+
+
 def test_script_inputs_print_a_suites_shapes(capsys):
     """``python -m fo_tune.bench.script_inputs shapes``: the profile suite's ten shapes, one
     MxNxK a line, in file order (bench/profile.sh loops over them)."""
