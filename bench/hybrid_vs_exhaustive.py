@@ -46,7 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("exhaustive", type=Path)
     ap.add_argument("hybrid", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder to write")
     args = ap.parse_args()
     exh, hyb = best_schedules(args.exhaustive), best_schedules(args.hybrid)
     rows = []

@@ -617,3 +617,58 @@ def test_errors_merge_never_hides_a_nan():
     entry = dict(variant="fo_tune", status="PASS", detail="", timing=None, source="table")
     merged = merge([{**entry, "rel_err": 0.002}, {**entry, "rel_err": math.nan}])
     assert math.isnan(merged["rel_err"])
+
+
+# ------------------------------------------------------------- bench/'s scripts: their inputs
+def test_every_shipped_suite_loads():
+    """suites/*.yaml: the suite and the shape lists bench/'s scripts read, each valid."""
+    paths = sorted(packaged_suite().parent.glob("*.yaml"))
+    assert packaged_suite() in paths and len(paths) >= 4
+    for path in paths:
+        assert load_suite(path).dtype == "bfloat16", path
+
+
+def test_script_inputs_print_a_suites_shapes(capsys):
+    """``python -m fo_tune.bench.script_inputs shapes``: the profile suite's ten shapes, one
+    MxNxK a line, in file order (bench/profile.sh loops over them)."""
+    from fo_tune.bench import script_inputs
+
+    path = packaged_suite().with_name("h200_profile.yaml")
+    assert script_inputs.main(["shapes", str(path)]) == 0
+    lines = capsys.readouterr().out.split()
+    assert lines == script_inputs.shape_args(path)
+    assert len(lines) == 10 and lines[0] == "2048x4096x4096" and lines[7] == "3000x5120x6912"
+    assert set(script_inputs.shape_args(packaged_suite())) <= set(lines)  # the suite's five
+
+
+def test_script_inputs_narrow_a_space(tmp_path, capsys):
+    """``space``: hopper.yaml with the profile's grids and the M-range search's ring chunks, the
+    rest as it was; the written file loads; an engine the space leaves out or a bad list is exit
+    code 2 with one line."""
+    from fo_tune.bench import script_inputs
+    from fo_tune.space import load_space, packaged_spaces_dir
+
+    base = packaged_spaces_dir() / "hopper.yaml"
+    out = tmp_path / "narrowed.yaml"
+    args = ["space", str(base), str(out), "--sms-free", "0,8,12,16", "--ring-chunks", "1,2,4"]
+    assert script_inputs.main(args) == 0
+    assert out.read_text().startswith(f"# {base} narrowed (--sms-free 0,8,12,16; --ring-chunks 1,2,4)")
+    hopper, narrowed = load_space(base), load_space(out)
+    assert narrowed.sms_free == (0, 8, 12, 16)
+    assert set(narrowed.calibration.quick_interference_sms_free) <= set(narrowed.sms_free)
+    ring = narrowed.engine("copy_engine").modes["ring"]
+    assert ring.chunks == (1, 2, 4) and ring.weights == ()
+    assert narrowed.tiles == hopper.tiles and narrowed.nccl_max_ctas == hopper.nccl_max_ctas
+    assert narrowed.engine("copy_engine").modes["tiled"] == hopper.engine("copy_engine").modes["tiled"]
+    # only one list replaced: the other stays, a ring without weightings stays without them
+    again = script_inputs.narrow_space(narrowed, sms_free=(8,))
+    assert again.sms_free == (8,) and again.calibration.quick_interference_sms_free == (8,)
+    assert again.engine("copy_engine") == narrowed.engine("copy_engine")
+    small = packaged_spaces_dir() / "bench" / "h200_small.yaml"
+    capsys.readouterr()
+    assert script_inputs.main(["space", str(small), str(out), "--ring-chunks", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "engines.copy_engine.ring: missing" in err[0], err
+    assert script_inputs.main(["space", str(base), str(out), "--sms-free", "0,0"]) == 2
+    assert "repeats" in capsys.readouterr().err
+    assert load_space(out).sms_free == (0, 8, 12, 16)  # a refused narrowing leaves the file alone

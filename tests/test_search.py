@@ -383,7 +383,7 @@ def test_offline_all_gather_search_writes_a_row_the_runtime_returns(
     )
     assert r.exit_code == 0 and yaml.safe_load(r.stdout)["row"]["engine"] == row.engine
     # the other modes' plumbing: an exhaustive predict and M-range rows
-    small = str(ROOT / "bench" / "h200_small_space.yaml")
+    small = str(ROOT / "search_spaces" / "bench" / "h200_small.yaml")
     r = search(
         *shape, "--calibration", str(ag_calibration), "--exhaustive", "--space", small, "--out", str(out)
     )

@@ -324,7 +324,7 @@ def test_schema_1_files_load_into_the_same_space(tmp_path: Path) -> None:
     assert old.schema_version == 1 and old.engines == new.engines and old.tiles == new.tiles
     assert SearchSpace.from_dict(old.to_dict()) == dataclasses.replace(new, source="")
     # the bench's small space is still a schema-1 file
-    small = load_space(Path(__file__).resolve().parents[1] / "bench" / "h200_small_space.yaml")
+    small = load_space(packaged_spaces_dir() / "bench" / "h200_small.yaml")
     assert small.engine("copy_engine") is None and small.sms_free
 
 

@@ -15,7 +15,7 @@ from fo_tune.search.results import Outcome
 from fo_tune.search.strategies.base import ShapeJob, Strategy
 
 # --exhaustive refuses a space with more points than this for one shape (the shipped H200 space has
-# ~22,000: hours of measurement); bench/h200_small_space.yaml has 112-128.
+# ~22,000: hours of measurement); search_spaces/bench/h200_small.yaml has 112-128.
 EXHAUSTIVE_LIMIT = 4000
 
 
@@ -25,7 +25,7 @@ def check_size(job: ShapeJob) -> None:
     if count > EXHAUSTIVE_LIMIT:
         raise SearchError(
             f"--exhaustive: the space has more than {EXHAUSTIVE_LIMIT} points for {job.label}; give a "
-            "smaller one with --space (e.g. bench/h200_small_space.yaml) or search without --exhaustive"
+            "smaller one with --space (search_spaces/bench/h200_small.yaml) or search without --exhaustive"
         )
 
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU tests: every test of tests/ marked gpu or multigpu, the kernels compiled for the GPU.
+#
+#   bash bench/gpu_tests.sh OUT_DIR [PYTEST_ARGS...]
+#
+# On one GPU the gpu tests run and the multigpu ones skip themselves; on two both run (tests/
+# conftest.py). PYTEST_ARGS go to pytest: test files or -k EXPR to narrow the run, or -n N with
+# pytest-xdist installed; with -n, run the signal-visibility test (-k visible) on its own first,
+# since its reader needs SMs that another worker's kernels would take.
+#
+# Writes OUT_DIR/pytest-gpu.xml (JUnit) and OUT_DIR/pytest-gpu.log; the exit code is pytest's.
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+fo_help "$0" "${1-}"
+out_dir="$(fo_out_dir "$1")"
+shift
+cd "$FO_REPO"
+
+echo "GPUs: $(fo_gpu_count)" | tee "$out_dir/pytest-gpu.log"
+"$PYTHON" -m pytest -m "gpu or multigpu" --durations=10 --junitxml="$out_dir/pytest-gpu.xml" "$@" 2>&1 |
+  tee -a "$out_dir/pytest-gpu.log"

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The tuning runs behind what results/ ships: calibration, search and the hybrid-vs-exhaustive
+# check, through the fo-tune command line.
+#
+#   bash bench/tune.sh OUT_DIR [STAGE...]
+#
+# Stages, in this order by default on two GPUs (H200 x2 for results/; calibrate-w1 on one GPU):
+#
+#   calibrate     fo-tune calibrate, both row-parallel collectives, every tile of the space
+#                 -> OUT_DIR/calibration/ (results/calibration/<device-key>/tp2/;
+#                 docs/design.md#cost-model)
+#   compare       hybrid against exhaustive search on search_spaces/bench/h200_small.yaml, AllReduce
+#                 4096x8192x4096 and 16384x8192x4096: every point measured, then the model's top 7,
+#                 then both bests timed again side by side (bench/hybrid_vs_exhaustive.py)
+#                 -> OUT_DIR/hybrid-vs-exhaustive/ (results/search/<device-key>/hybrid-vs-exhaustive/;
+#                 docs/design.md#search)
+#   suite         hybrid search of the suite's shapes (suites/h200_tp.yaml), both collectives, with
+#                 the space's copy-engine candidates -> OUT_DIR/tables/, OUT_DIR/suite/report/
+#                 (results/tables/<device-key>/, results/search/<device-key>/*-hybrid/)
+#   mrange        M-range rows, M 512..16384 for the suite's four (N, K), both collectives, the
+#                 copy engine's ring cut into 1, 2 or 4 equal chunks only (the suite's searches never
+#                 gained from 3 or 6 chunks or light last chunks by more than noise,
+#                 docs/design.md#search) -> OUT_DIR/tables/, OUT_DIR/mrange/report/
+#                 (results/search/<device-key>/*-hybrid-mrange/)
+#   calibrate-w1  one GPU: fo-tune calibrate --world-size 1 --only copy_engine into a copy of the
+#                 H200 x2 calibration (OUT_DIR/calibration/calibration.yaml when the calibrate stage
+#                 wrote one, else the shipped one), then fo-tune model check with it
+#                 -> OUT_DIR/calibration-w1ce.yaml, OUT_DIR/model-check.log
+#                 (docs/perf-notes.md#the-copy-engines-one-gpu-calibration)
+#
+# The searches read OUT_DIR/calibration/calibration.yaml when the calibrate stage wrote one, else
+# fo-tune's default, this machine's calibration under results/calibration/<device-key>/tp2/ (a
+# hybrid search refuses to run without one: run the calibrate stage first). The suite and mrange
+# stages merge their rows into OUT_DIR/tables/, the tables to commit into results/tables/;
+# `FO_TUNE_TABLE_DIR=OUT_DIR/tables bash bench/bench.sh ...` benches them.
+# Each stage's log is OUT_DIR/<stage>.log.
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+fo_help "$0" "${1-}"
+out_dir="$(fo_out_dir "$1")"
+shift
+cd "$FO_REPO"
+
+shipped_calibration=results/calibration/nvidia-h200-cc90-132sm-w2-nvlink18/tp2/calibration.yaml
+suite=suites/h200_tp.yaml
+
+# --calibration for the searches: this run's calibration once the calibrate stage wrote it.
+calibration_args() {
+  if [ -f "$out_dir/calibration/calibration.yaml" ]; then
+    echo "--calibration"
+    echo "$out_dir/calibration/calibration.yaml"
+  fi
+}
+
+calibrate() {
+  fo_tune calibrate --world-size 2 --backend nccl -c all_reduce,reduce_scatter --out "$out_dir/calibration"
+}
+
+compare() {
+  local c="$out_dir/hybrid-vs-exhaustive" cal
+  local shapes=(--shape 4096x8192x4096 --shape 16384x8192x4096)
+  local space=search_spaces/bench/h200_small.yaml
+  mapfile -t cal < <(calibration_args)
+  echo "exhaustive: every point of $space measured"
+  fo_tune search --mode measure --exhaustive --space "$space" "${cal[@]}" "${shapes[@]}" \
+    --out "$c/exhaustive-search"
+  echo "hybrid: the model's top 7 measured"
+  fo_tune search --mode hybrid --top-k 7 --space "$space" "${cal[@]}" "${shapes[@]}" \
+    --out "$c/hybrid-search"
+  rm -rf "$c/exhaustive" "$c/hybrid-top7"
+  cp -r "$c/exhaustive-search/report/all_reduce-w2-bfloat16-measure" "$c/exhaustive"
+  cp -r "$c/hybrid-search/report/all_reduce-w2-bfloat16-hybrid" "$c/hybrid-top7"
+  echo "both bests timed again side by side"
+  "$PYTHON" bench/hybrid_vs_exhaustive.py "$c/exhaustive/summary.yaml" "$c/hybrid-top7/summary.yaml" --out "$c"
+}
+
+suite() {
+  local cal
+  mapfile -t cal < <(calibration_args)
+  fo_tune search --mode hybrid --top-k 4 "${cal[@]}" --shapes "$suite" -c all_reduce,reduce_scatter \
+    --out "$out_dir/suite" --table-dir "$out_dir/tables"
+}
+
+mrange() {
+  local cal space="$out_dir/mrange/space.yaml"
+  mapfile -t cal < <(calibration_args)
+  "$PYTHON" -m fo_tune.bench.script_inputs space search_spaces/hopper.yaml "$space" --ring-chunks 1,2,4
+  fo_tune search --mode hybrid --top-k 1 --trials 120 "${cal[@]}" --space "$space" --shapes "$suite" \
+    --m-range 512:16384 -c all_reduce,reduce_scatter --out "$out_dir/mrange" --table-dir "$out_dir/tables"
+}
+
+calibrate_w1() {
+  local into="$out_dir/calibration-w1ce.yaml"
+  if [ -f "$out_dir/calibration/calibration.yaml" ]; then
+    cp "$out_dir/calibration/calibration.yaml" "$into"
+  else
+    cp "$shipped_calibration" "$into"
+  fi
+  fo_tune calibrate --world-size 1 --only copy_engine --into "$into"
+  fo_tune model check --calibration "$into" 2>&1 | tee "$out_dir/model-check.log"
+}
+
+stages=("$@")
+if [ "${#stages[@]}" -eq 0 ]; then
+  if [ "$(fo_gpu_count)" -ge 2 ]; then
+    stages=(calibrate compare suite mrange)
+  else
+    stages=(calibrate-w1)
+  fi
+fi
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    calibrate | compare | suite | mrange | calibrate-w1) ;;
+    *)
+      echo "unknown stage $stage: calibrate, compare, suite, mrange or calibrate-w1" >&2
+      exit 2
+      ;;
+  esac
+done
+for stage in "${stages[@]}"; do
+  echo "== $stage ($(date -u +%FT%TZ))"
+  "${stage//-/_}" 2>&1 | tee "$out_dir/$stage.log"
+done
