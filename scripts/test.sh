@@ -15,4 +15,7 @@ PY="$VENV/bin/python"
 "$PY" -m pip install --quiet -e ".[dev]"
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
-"$PY" -m pytest -q -p no:cacheprovider "$@"
+# Two workers (pytest-xdist), one per core of the 2-core CI machine: every test still runs, each
+# gloo test's ranks in files and on ports of its own (tmp_path, free ports). Arguments after
+# these override them (e.g. -n 0 for one process).
+"$PY" -m pytest -q -p no:cacheprovider -n 2 "$@"

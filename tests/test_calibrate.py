@@ -373,7 +373,13 @@ def test_default_out_dir_and_summaries():
     assert [(r.collective, r.nccl_max_ctas, r.size_bytes) for r in rows] == [
         (c, cap, 1 << 20) for c in ("all_reduce", "all_to_all") for cap in (0, 8)
     ]
-    assert all(r.latency_ms >= 0 and r.bandwidth_gbs > 0 for r in rows)
+    # _calibration's points take 0.1 ms + size / (10 GB/s): the fit recovers both, and the busbw
+    # at 1 MiB is its algbw times the bus factor (1 for all_reduce, 1/2 for all_to_all, 2 ranks)
+    algbw = (1 << 20) / (0.1e-3 + (1 << 20) / 1e10) / 1e9
+    assert [(r.latency_ms, r.bandwidth_gbs, r.busbw_gbs) for r in rows] == [
+        (pytest.approx(0.1), pytest.approx(10.0), pytest.approx(algbw * factor))
+        for factor in (1.0, 1.0, 0.5, 0.5)
+    ]
     assert [(r.sms_free, r.nccl_max_ctas, r.comm_during_gemm) for r in report.interference_summary(cal)] == [
         (8, 0, True),
         (16, 8, True),

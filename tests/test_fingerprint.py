@@ -48,16 +48,16 @@ def test_device_key_is_filesystem_safe(name: str) -> None:
 
 
 def test_device_key_is_stable_and_separates_hardware() -> None:
-    args = ("NVIDIA H200", "9.0", 132, 2, "nvlink18")
-    assert make_device_key(*args) == make_device_key(*args)
+    # Pinned literals: a change to the key's format orphans every table written under the old one.
+    assert make_device_key("NVIDIA H200", "9.0", 132, 2, "nvlink18") == "nvidia-h200-cc90-132sm-w2-nvlink18"
     variants = {
-        make_device_key("NVIDIA H100", "9.0", 132, 2, "nvlink18"),
-        make_device_key("NVIDIA H200", "8.0", 132, 2, "nvlink18"),
-        make_device_key("NVIDIA H200", "9.0", 114, 2, "nvlink18"),
-        make_device_key("NVIDIA H200", "9.0", 132, 4, "nvlink18"),
-        make_device_key("NVIDIA H200", "9.0", 132, 2, "pcie"),
+        make_device_key("NVIDIA H100", "9.0", 132, 2, "nvlink18"): "nvidia-h100-cc90-132sm-w2-nvlink18",
+        make_device_key("NVIDIA H200", "8.0", 132, 2, "nvlink18"): "nvidia-h200-cc80-132sm-w2-nvlink18",
+        make_device_key("NVIDIA H200", "9.0", 114, 2, "nvlink18"): "nvidia-h200-cc90-114sm-w2-nvlink18",
+        make_device_key("NVIDIA H200", "9.0", 132, 4, "nvlink18"): "nvidia-h200-cc90-132sm-w4-nvlink18",
+        make_device_key("NVIDIA H200", "9.0", 132, 2, "pcie"): "nvidia-h200-cc90-132sm-w2-pcie",
     }
-    assert make_device_key(*args) not in variants
+    assert all(key == expected for key, expected in variants.items()), variants
     assert len(variants) == 5
 
 
@@ -112,13 +112,18 @@ def test_fingerprint_round_trip() -> None:
     fp = current_fingerprint("cpu", world_size=2)
     assert Fingerprint.from_dict(fp.to_dict()) == fp
     assert Fingerprint.from_dict(yaml.safe_load(yaml.safe_dump(fp.to_dict()))) == fp
-    assert fp.versions() == {
-        "driver": fp.driver,
-        "cuda": fp.cuda,
-        "nccl": fp.nccl,
-        "torch": fp.torch,
-        "triton": fp.triton,
-    }
+
+
+def test_fingerprint_versions_are_the_live_libraries() -> None:
+    import triton
+
+    versions = current_fingerprint("cpu", world_size=2).versions()
+    assert list(versions) == ["driver", "cuda", "nccl", "torch", "triton"]
+    assert versions["torch"] == torch.__version__
+    assert versions["triton"] == triton.__version__
+    assert versions["cuda"] == (torch.version.cuda or "none")
+    # The CPU has no driver and no NCCL.
+    assert versions["driver"] == "none" and versions["nccl"] == "none"
 
 
 def test_fingerprint_round_trip_numeric_looking_versions() -> None:

@@ -60,7 +60,7 @@ def test_two_ranks_all_layouts_dtypes_and_b_layouts():
         ["float32", "float16", "bfloat16"],
         [False, True],
     ):
-        for m, n, k in [(130, 66, 40), (6, 7, 5)]:
+        for m, n, k in [(66, 66, 40), (6, 7, 5)]:
             seed += 1
             s = make_schedule(collective, world, m, n, k, dtype, layout, unit_mult=1 + seed % 2)
             cases.append(Case(collective, m, n, k, dtype, kmajor, s.to_dict(), seed))

@@ -194,7 +194,9 @@ def test_all_gather_dp_grouping_beats_every_composition(ag_model, shape, sms_fre
     """The all_gather DP (a Pareto front per prefix) against every composition of the units."""
     m, n, k = shape
     enc = enc_for(ag_model, "all_gather", shape)
-    for tile in priced_tiles(ag_model):
+    tiles = priced_tiles(ag_model)
+    assert tiles, "the shipped calibration prices no tile of the shipped space"
+    for tile in tiles:
         base = enc.build(
             triton_point(
                 tile, sms_free=sms_free, nccl_max_ctas=cap, signal="band1", layout="row_band",
@@ -223,7 +225,9 @@ def test_all_gather_lower_bounds_never_exceed_the_prediction(ag_model):
     bound, or a better point could be skipped."""
     for shape in SUITE:
         enc = enc_for(ag_model, "all_gather", shape, engines=("triton", "copy_engine"))
-        for params in enc.points(exhaustive=True):
+        points = list(enc.points(exhaustive=True))
+        assert {params["engine"] for params in points} == {"triton", "copy_engine"}, shape
+        for params in points:
             schedule = enc.build(params)
             p = schedule.problem
             assert enc.lower_bound(params) <= ag_model.predict(schedule, p.m, p.n, p.k).total_ms + 1e-9

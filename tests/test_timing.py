@@ -15,16 +15,31 @@ def test_timing_max_over_takes_the_slowest_rank():
 
 
 def test_time_interleaved_alternates_the_variants():
-    """Each round samples every variant once, in order, so a drift hits them all alike."""
+    """Each round samples every variant once, in order, so a drift hits them all alike. The
+    variants sleep 2, 10 and 20 ms: each median is its sleep per call, within a late wake-up
+    (a sleep never returns early; 7 ms is a loaded CI machine's margin)."""
+    import time
+
     import torch
 
     from fo_tune.ranks.timing import time_interleaved
 
+    sleep_ms = {"a": 2.0, "b": 10.0, "c": 20.0}
     calls: list[str] = []
-    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+
+    def variant(name: str):
+        def fn() -> None:
+            calls.append(name)
+            time.sleep(sleep_ms[name] / 1e3)
+
+        return fn
+
+    fns = {name: variant(name) for name in sleep_ms}
     timings = time_interleaved(fns, torch.device("cpu"), warmup=1, rounds=4)
     assert set(timings) == {"a", "b", "c"}
-    assert all(t.samples == 4 and t.median_ms >= 0 and t.iqr_ms >= 0 for t in timings.values())
+    assert all(t.samples == 4 for t in timings.values())
+    for name, ms in sleep_ms.items():
+        assert ms <= timings[name].median_ms < ms + 7.0, (name, timings[name])
     # after the warm-ups and probes, the timed calls come in rounds: the order rotates each round
     # and every other round runs backwards
     timed = calls[6:]
