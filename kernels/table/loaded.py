@@ -6,7 +6,7 @@ Building every row is what ``load_table`` does, and what ``fo-tune table validat
 runtime's first lookup pays for the rows' problems only: in a file in the written form
 (``fo_kernels.table.text``) each row's problem is read from the start of its line, and the rest of
 the line stays text until a lookup takes the row. A 100,000-row table costs the first lookup in a
-training or serving process well under a second (docs/perf-notes.md#table-load-and-lookup-at-scale).
+training or serving process well under a second (docs/perf-notes.md#tables-and-lookup).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ YAML parser.
 
 That is what makes a large table cheap: on the 2-core CPU machine, PyYAML's libyaml loader took
 167 s for a 100,000-row table in block style (50 MB); ``json`` reads the same rows in about a
-second (docs/perf-notes.md#table-load-and-lookup-at-scale). A file that is not in this form (a
+second (docs/perf-notes.md#tables-and-lookup). A file that is not in this form (a
 hand-written table, a schema-1 file, a comment between rows) is read by the YAML parser, as
 before; a row line that is not JSON is read by the YAML parser alone.
 
