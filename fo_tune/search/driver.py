@@ -57,12 +57,8 @@ from fo_tune.search.strategies import ShapeJob, get_strategy
 from fo_tune.space import SearchSpace, space_for
 
 
-def check_table_target(path: Any, fingerprint: Fingerprint) -> None:
-    """Refuse (before searching) a table file that is malformed or for other hardware."""
-    try:
-        table = load_table(path)
-    except TableNotFoundError:
-        return
+def check_table_target(table: ScheduleTable, path: Any, fingerprint: Fingerprint) -> None:
+    """Refuse (before searching) a table file for other hardware."""
     theirs = table.fingerprint
     if (theirs.device_key, theirs.world_size) != (fingerprint.device_key, fingerprint.world_size):
         raise TableError(
@@ -153,9 +149,10 @@ def _run(
         target = table_path(
             request.table_dir, fp.device_key, request.collective, request.world_size, request.dtype
         )
-        check_table_target(target, fp)
-        with contextlib.suppress(TableNotFoundError):
+        with contextlib.suppress(TableNotFoundError):  # (a malformed file raises its TableError)
             table = load_table(target)
+        if table is not None:
+            check_table_target(table, target, fp)
     shapes = expand_shapes(request)
     encodings = [_encoding(request, shape, space, fp, cpu, model, engines) for shape in shapes]
     if request.exhaustive:  # every shape's space is checked before anything runs or is written
