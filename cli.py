@@ -3,6 +3,9 @@
 This module only wires the command modules of ``fo_tune.cli``; each calls a library function.
 """
 
+from importlib import metadata
+from typing import Annotated
+
 import typer
 
 from fo_tune.cli import bench, calibrate, demo, model, profile, search, table
@@ -19,15 +22,36 @@ HELP = "\n\n".join(
         "Commands: calibrate (bandwidth curves, interference table and GEMM tile profiles of this "
         "machine), profile (every tile config of the search space for one shape, next to cuBLAS), "
         "search (tune schedules: measured, predicted offline from a calibration, or both; writes the "
-        "tables), table (show, look up, validate, diff tables), model (check the cost model against "
-        "measured rows and trials, fit its free parameters), bench (fo-tune next to every "
-        "alternative, side by side) and demo (check and time the runtime on local ranks).",
+        "tables), table (list, show, look up, validate, diff tables; pull a fleet's tables from the "
+        "study storage its workers share), model (check the cost model against measured rows and "
+        "trials, fit its free parameters), bench (fo-tune next to every alternative, side by side) "
+        "and demo (check and time the runtime on local ranks).",
+        "--version prints fo-tune's version.",
     ]
 )
+
+# The distribution whose version --version prints (pyproject.toml's name).
+DISTRIBUTION = "fo-tune"
 
 app = typer.Typer(
     name="fo-tune", help=HELP, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"fo-tune {metadata.version(DISTRIBUTION)}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print fo-tune's version and exit."),
+    ] = False,
+) -> None:
+    """The root options (the commands are added below)."""
 
 
 calibrate.register(app)

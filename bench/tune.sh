@@ -69,8 +69,9 @@ compare() {
   fo_tune search --mode hybrid --top-k 7 --space "$space" "${cal[@]}" "${shapes[@]}" \
     --out "$c/hybrid-search"
   rm -rf "$c/exhaustive" "$c/hybrid-top7"
-  cp -r "$c/exhaustive-search/report/all_reduce-w2-bfloat16-measure" "$c/exhaustive"
-  cp -r "$c/hybrid-search/report/all_reduce-w2-bfloat16-hybrid" "$c/hybrid-top7"
+  # (each --out holds one run: its report is the one run folder under the report's name)
+  cp -r "$c/exhaustive-search/report/all_reduce-w2-bfloat16-measure"/*/ "$c/exhaustive"
+  cp -r "$c/hybrid-search/report/all_reduce-w2-bfloat16-hybrid"/*/ "$c/hybrid-top7"
   echo "both bests timed again side by side"
   "$PYTHON" bench/hybrid_vs_exhaustive.py "$c/exhaustive/summary.yaml" "$c/hybrid-top7/summary.yaml" --out "$c"
 }

@@ -7,7 +7,9 @@ The CLI passes ``fo_tune.cli.progress.ProgressReporter`` (rich progress bars, or
 output is not a terminal); library callers may pass nothing (``SilentReporter``). ``check_writable``
 and ``check_writable_file`` are the checks a command runs before its work, so a bad ``--out`` costs
 nothing; ``replacing_folder`` builds a folder's new contents beside it and swaps them in whole;
-``write_csv`` writes plain CSVs; ``figure`` and ``size_label`` serve every plot.
+``write_csv`` writes plain CSVs; ``figure`` and ``size_label`` serve every plot. ``data_dir`` is
+where a search writes what no option places (tables, studies, reports): the user folder the
+runtime's tables live in, whatever the working folder.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fo_kernels.errors import FoTuneError
+from fo_kernels.table import user_table_dir
+
+
+def data_dir() -> Path:
+    """fo-tune's data folder, ``$XDG_DATA_HOME/fo-tune`` (``~/.local/share/fo-tune``): the user
+    tables (``tables/``), the default study storage (``studies/``) and search reports
+    (``search/``)."""
+    return user_table_dir().parent
 
 
 class OutputError(FoTuneError, ValueError):

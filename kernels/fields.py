@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
@@ -28,11 +29,18 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
+@functools.cache
+def field_names(cls: type) -> tuple[str, ...]:
+    """The field names of dataclass ``cls``, in order (asked once per class: a table load asks per
+    row)."""
+    return tuple(f.name for f in fields(cls))
+
+
 def from_mapping(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, Mapping):
         raise ScheduleError(f"{where}: expected a mapping, got {type(data).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
+    known = field_names(cls)
+    unknown = sorted(key for key in data if key not in known)
     if unknown:
         raise ScheduleError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}; valid: {sorted(known)}")
     try:

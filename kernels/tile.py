@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from fo_kernels.errors import ScheduleError
-from fo_kernels.fields import check_int, from_mapping, is_pow2
+from fo_kernels.fields import check_int, field_names, from_mapping, is_pow2
 
 # tl.dot needs every block dimension >= 16; 256 is the largest block one Hopper CTA's shared memory
 # holds in a 2-stage pipeline at 16-bit inputs.
@@ -89,7 +89,7 @@ class Tile:
             )
 
     def to_dict(self) -> dict[str, int | bool]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {name: getattr(self, name) for name in field_names(type(self))}
         for name in TILE_FLAGS:
             if not out[name]:
                 del out[name]  # the default stays out of the tables

@@ -13,6 +13,14 @@ PY="$VENV/bin/python"
 # The CPU wheel of torch (the package itself does not pin torch) and the Triton that matches it.
 "$PY" -m pip install --quiet "torch==2.13.0" "triton==3.7.1"
 "$PY" -m pip install --quiet -e ".[dev]"
+# A PostgreSQL server for tests/test_fleet.py (it starts a throwaway cluster): Debian's package,
+# installed only when missing; where it cannot be installed those tests skip and say why.
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; } >/dev/null 2>&1 \
+      || echo "note: could not install postgresql; tests/test_fleet.py's PostgreSQL test skips" >&2
+  fi
+fi
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
 # Two workers (pytest-xdist), one per core of the 2-core CI machine: every test still runs, each

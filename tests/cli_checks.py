@@ -23,6 +23,19 @@ def assert_one_line_error(result, code: int = 2) -> str:
     return lines[0]
 
 
+def run_reports(folder: Path) -> list[Path]:
+    """The run folders of one search report name (``<collective>-w<W>-<dtype>-<mode>``), oldest
+    first (a run's folder name starts with its UTC time)."""
+    return sorted(p for p in folder.iterdir() if p.is_dir())
+
+
+def run_report(folder: Path) -> Path:
+    """The one run folder under ``folder`` (a report name's), asserting there is exactly one."""
+    runs = run_reports(folder)
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
 def isolate_tables(mp: pytest.MonkeyPatch, root: Path) -> None:
     """No user or shared table interferes (the spawned ranks inherit the environment)."""
     mp.setenv("FO_TUNE_TABLE_DIR", str(root / "tables"))

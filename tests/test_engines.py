@@ -330,7 +330,7 @@ def test_measured_search_confirms_every_engines_best(h200, measurer, want):
     engines = driver._engines(req, fp, req.space, measurer, SilentReporter())
     enc = driver._encoding(req, shape, req.space, fp, False, None, engines)
     storage = optuna.storages.InMemoryStorage()
-    r = driver._search_shape(req, enc, fp, None, measurer, lambda: storage, None, None, SilentReporter())
+    r = driver._search_shape(req, enc, fp, None, measurer, storage, None, None, SilentReporter())
     if measurer.trial_ok:
         confirmed = [s.engine for s in measurer.confirmed[0]]
         assert set(confirmed) == ({"triton"} if measurer.why else {"triton", "copy_engine"})

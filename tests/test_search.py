@@ -22,7 +22,14 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, with_all_gather_standin
+from cli_checks import (
+    H200_KEY,
+    assert_one_line_error,
+    isolate_tables,
+    run_report,
+    run_reports,
+    with_all_gather_standin,
+)
 from fo_kernels.errors import HeuristicScheduleWarning
 from fo_kernels.plan import make_plan
 from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_table
@@ -336,7 +343,7 @@ def test_offline_search_writes_a_row_the_runtime_returns(tmp_path, h200, monkeyp
     assert row.engine == "copy_engine" and row.provenance["fallback_ms"] > row.provenance["predicted_ms"]
     # the runtime, on that H200 x2, returns exactly this row when no measured row is found
     assert _runtime_lookup(monkeypatch, tmp_path / "o" / "tables", h200, "all_reduce") == row
-    report = tmp_path / "o" / "report" / "all_reduce-w2-bfloat16-predict"
+    report = run_report(tmp_path / "o" / "report" / "all_reduce-w2-bfloat16-predict")
     # a predict search writes no plots (nothing measured to plot; matplotlib stays unimported)
     assert {p.name for p in report.iterdir()} == {"trials.csv", "summary.yaml"}
     with (report / "trials.csv").open() as f:
@@ -374,7 +381,7 @@ def test_offline_all_gather_search_writes_a_row_the_runtime_returns(
     assert row is not None and row.provenance["mode"] == "predict"
     assert row.overlap and row.provenance["fallback_ms"] > row.provenance["predicted_ms"]
     assert _runtime_lookup(monkeypatch, out / "tables", h200, "all_gather") == row
-    with (out / "report" / "all_gather-w2-bfloat16-predict" / "trials.csv").open() as f:
+    with (run_report(out / "report" / "all_gather-w2-bfloat16-predict") / "trials.csv").open() as f:
         done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
     assert {t["engine"] for t in done} == {"triton", "copy_engine"}
     for t in done:  # only what the runtime's all_gather paths take
@@ -422,9 +429,10 @@ def test_rerun_resumes_the_study(tmp_path):
     """With --trials, a predict search is a TPE study, resumed by the same command."""
     args = ["--shape", "4096x8192x4096", "--trials", "30", "--out", str(tmp_path / "o")]
     assert search(*args).exit_code == 0
-    first = yaml.safe_load((tmp_path / "o/report/all_reduce-w2-bfloat16-predict/summary.yaml").read_text())
     assert search(*args[:-4], "--trials", "45", "--out", str(tmp_path / "o")).exit_code == 0
-    second = yaml.safe_load((tmp_path / "o/report/all_reduce-w2-bfloat16-predict/summary.yaml").read_text())
+    # each run has its report folder: the second did not replace the first's
+    runs = run_reports(tmp_path / "o" / "report" / "all_reduce-w2-bfloat16-predict")
+    first, second = (yaml.safe_load((run / "summary.yaml").read_text()) for run in runs)
     assert first["shapes"][0]["trials"] == 30 and second["shapes"][0]["trials"] == 45
     assert second["shapes"][0]["best_ms"] <= first["shapes"][0]["best_ms"]
 
@@ -444,8 +452,8 @@ def test_odd_shapes_reduce_scatter_and_m_ranges_get_valid_rows(tmp_path):
     r = search("--shape", "1x8192x4096", "--m-range", "512:4096", "--trials", "20", "--out", str(out))
     assert r.exit_code == 0, r.output
     # the range search's report sits beside the exact shapes' one instead of replacing it
-    assert (out / "report" / "all_reduce-w2-bfloat16-predict" / "summary.yaml").exists()
-    assert (out / "report" / "all_reduce-w2-bfloat16-predict-mrange" / "summary.yaml").exists()
+    assert (run_report(out / "report" / "all_reduce-w2-bfloat16-predict") / "summary.yaml").exists()
+    assert (run_report(out / "report" / "all_reduce-w2-bfloat16-predict-mrange") / "summary.yaml").exists()
     for name in ("all_reduce", "reduce_scatter"):
         table = load_table(out / "tables" / H200_KEY / f"{name}-w2-bfloat16.yaml")
         assert table_tools.validate_table(table) == []
@@ -592,7 +600,7 @@ def test_measure_mode_end_to_end_on_gloo(tmp_path, monkeypatch):
 
     key = current_fingerprint(torch.device("cpu"), 2).device_key
     for name in ("all_reduce", "reduce_scatter"):
-        report = out / "report" / f"{name}-w2-bfloat16-measure"
+        report = run_report(out / "report" / f"{name}-w2-bfloat16-measure")
         with (report / "trials.csv").open() as f:
             trials = list(csv.DictReader(f))
         done = [t for t in trials if t["state"] == "COMPLETE"]
@@ -621,7 +629,7 @@ def test_measure_mode_all_gather_on_gloo(tmp_path, monkeypatch):
 
     from fo_kernels.fingerprint import current_fingerprint
 
-    report = out / "report" / "all_gather-w2-float32-measure"
+    report = run_report(out / "report" / "all_gather-w2-float32-measure")
     with (report / "trials.csv").open() as f:
         done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
     assert done and all(float(t["measured_ms"]) > 0 and float(t["rel_err"]) < 1e-4 for t in done)
@@ -736,7 +744,7 @@ def test_hybrid_measures_only_the_models_top_k(tmp_path, cpu_calibration):
         str(out),
     )
     assert r.exit_code == 0, r.output
-    report = out / "report" / "all_reduce-w2-bfloat16-hybrid"
+    report = run_report(out / "report" / "all_reduce-w2-bfloat16-hybrid")
     summary = yaml.safe_load((report / "summary.yaml").read_text())["shapes"][0]
     # the top 2 of the model's ranking, plus the warm start (heuristic default, its DP grouping)
     assert 1 <= summary["measured_this_run"] <= 2 + 2
@@ -761,7 +769,7 @@ def test_hybrid_all_gather_on_gloo(tmp_path):
         "--reps", "2", "--out", str(out),
     )  # fmt: skip
     assert r.exit_code == 0, r.output
-    report = out / "report" / "all_gather-w2-float32-hybrid"
+    report = run_report(out / "report" / "all_gather-w2-float32-hybrid")
     summary = yaml.safe_load((report / "summary.yaml").read_text())["shapes"][0]
     assert 1 <= summary["measured_this_run"] <= 2 + 2
     with (report / "trials.csv").open() as f:
@@ -790,7 +798,7 @@ def test_measure_and_hybrid_on_two_gpus(tmp_path):
     )
     assert r.exit_code == 0, r.output
     for name in ("all_reduce", "reduce_scatter"):
-        report = out / "report" / f"{name}-w2-bfloat16-measure"
+        report = run_report(out / "report" / f"{name}-w2-bfloat16-measure")
         with (report / "trials.csv").open() as f:
             done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
         assert done and all(float(t["rel_err"]) < 1e-2 and float(t["measured_ms"]) > 0 for t in done)
@@ -833,7 +841,7 @@ def test_three_ranks_search_and_bench(tmp_path):
     )
     assert r.exit_code == 0, r.output
     summary = yaml.safe_load(
-        (out / "report" / "reduce_scatter-w3-float32-measure" / "summary.yaml").read_text()
+        (run_report(out / "report" / "reduce_scatter-w3-float32-measure") / "summary.yaml").read_text()
     )
     assert summary["fingerprint"]["world_size"] == 3
     assert summary["shapes"][0]["baseline"]["source"] == "measured"

@@ -245,15 +245,30 @@ def test_upsert_replaces_and_sorts() -> None:
         table.upsert(exact_row(dtype="float16"))
 
 
-def test_later_duplicate_row_in_file_wins(tmp_path: Path) -> None:
+def test_duplicate_row_in_file_is_refused_naming_both_rows(tmp_path: Path) -> None:
     data = valid_dict()
     dup = exact_row(tag="later").to_dict()
     for key in HEADER:
         del dup[key]
     data["rows"].append(dup)
-    table = load_table(write_raw(tmp_path, data))
-    assert len(table.rows) == 2
-    assert table.find(64, 64, 32).provenance["tag"] == "later"
+    path = write_raw(tmp_path, data)
+    with pytest.raises(TableError, match=r"rows\[1\] and rows\[2\] are both for problem 64x64x32"):
+        load_table(path)
+    with pytest.raises(TableError, match=r"rows\[1\] and rows\[2\]"):
+        table_lookup.read_table(path)  # the runtime's view refuses it as well
+
+
+def test_overlapping_ranges_are_refused_naming_both_rows() -> None:
+    with pytest.raises(
+        TableError,
+        match=r"rows\[0\] \(\[1,4096\]x64x32\) and rows\[2\] \(\[4000,8000\]x64x32\) overlap for M in "
+        r"\[4000,4096\]",
+    ):
+        make_table([range_row(), exact_row(), range_row(m_min=4000, m_max=8000)])
+    table = make_table([range_row(m_max=100), exact_row()])
+    with pytest.raises(TableError, match="overlap"):
+        table.upsert(range_row(m_min=50, m_max=200))
+    assert len(table.rows) == 2  # unchanged
 
 
 def test_find_exact_beats_range() -> None:

@@ -267,13 +267,11 @@ def test_validate_catches_a_bad_row(row: Schedule, needles: list[str]) -> None:
         assert needle in issues[0], issues
 
 
-def test_validate_reports_overlapping_ranges() -> None:
-    rows = [range_row(1, 100), range_row(50, 200), range_row(150, 300), range_row(1, 300, n=64)]
-    issues = validate_table(cpu_table(rows))
-    assert len(issues) == 2, issues
-    assert issues[0].startswith("row [50,200]x96x48: problem:") and "[1,100]x96x48" in issues[0]
-    assert "M in [50,100]" in issues[0]
-    assert "row [150,300]x96x48" in issues[1] and "[50,200]x96x48" in issues[1]
+def test_tables_refuse_overlapping_ranges() -> None:
+    """Loading refuses what validate_table reported before: ranges of one (N, K) that overlap."""
+    with pytest.raises(TableError, match=r"rows\[0\] \(\[1,100\]x96x48\) and rows\[1\] \(\[50,200\]x96x48\)"):
+        cpu_table([range_row(1, 100), range_row(50, 200), range_row(1, 300, n=64)])
+    assert len(cpu_table([range_row(1, 100), range_row(101, 200), range_row(1, 300, n=64)]).rows) == 3
 
 
 # ------------------------------------------------------------------------------------ diff
@@ -449,7 +447,10 @@ def test_validate_bad_row_is_one_line_per_problem(runner: CliRunner, tmp_path: P
     bad = write(tmp_path / "bad.yaml", [cpu_row(200), bad_row])
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(bad)]))
     assert str(bad) in line and "row 64x96x48: groups" in line
-    worse = write(tmp_path / "worse.yaml", [bad_row, range_row(1, 100), range_row(90, 200)])
+    worse = write(
+        tmp_path / "worse.yaml",
+        [bad_row, range_row(1, 100), tweak(cpu_row(256), signal_tiles=1, groups=(2, 1))],
+    )
     good = write(tmp_path / "good.yaml", [cpu_row(64)])
     result = runner.invoke(app, ["table", "validate", str(good), str(worse)])
     assert result.exit_code == 2, result.output
@@ -548,10 +549,12 @@ def test_show_marks_predicted_rows(runner: CliRunner, tmp_path: Path) -> None:
     lines = {line.split()[0]: line for line in result.stdout.splitlines() if "x96x48" in line}
     assert " measured " in lines["64x96x48"] and " predicted " in lines["128x96x48"]
     assert "1 predicted row(s)" in result.stdout
-    rows = list(
-        csv.DictReader(io.StringIO(runner.invoke(app, ["table", "show", str(path), "-f", "csv"]).stdout))
-    )
+    text = runner.invoke(app, ["table", "show", str(path), "-f", "csv"]).stdout
+    header = next(csv.reader(io.StringIO(text)))
+    assert len(header) == len(set(header)), header  # provenance's mode beside the copy engine's
+    rows = list(csv.DictReader(io.StringIO(text)))
     assert [r["kind"] for r in rows] == ["measured", "predicted"]
+    assert [r["provenance_mode"] for r in rows] == ["measure", "predict"]
 
 
 def _lookup(runner: CliRunner, *args: str) -> dict[str, Any]:

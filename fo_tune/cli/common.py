@@ -276,6 +276,25 @@ def summary_table(title: str, columns: list[str], right_from: int) -> Table:
     return table
 
 
+# ------------------------------------------------------------------------------ JSON output
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float as null (JSON has no NaN) and tuples as lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(key): _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
+
+
+def json_text(data: Any) -> str:
+    """``data`` as the JSON a command's ``--json`` prints (strict JSON: NaN as null)."""
+    import json
+
+    return json.dumps(_json_safe(data), indent=2, allow_nan=False, default=str)
+
+
 # ------------------------------------------------------------------------------ error mapping
 def _exit_code_for(exc: BaseException) -> int | None:
     """The one map from exception type to exit code; None for an unexpected exception."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -19,15 +20,16 @@ from rich.progress import (
 from fo_tune.cli.common import console
 
 
-def progress_bars(enabled: bool = True) -> Progress:
-    """The bars of one command (``enabled=False`` on a serving torchrun rank)."""
+def progress_bars(enabled: bool = True, to: Console = console) -> Progress:
+    """The bars of one command (``enabled=False`` on a serving torchrun rank), on ``to`` (stderr
+    where stdout carries a command's JSON)."""
     return Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=console,
+        console=to,
         disable=not enabled,
     )
 

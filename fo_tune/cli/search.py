@@ -21,9 +21,11 @@ from fo_tune.cli.common import (
     WorldSizeOpt,
     check_dtype,
     console,
+    err_console,
     fmt,
     handle_errors,
     is_driver_process,
+    json_text,
     local_device,
     parse_collectives,
     parse_names,
@@ -72,13 +74,22 @@ HELP = "\n\n".join(
         "engine's best beside the fallback in alternating rounds; a predict search compares the "
         "predicted best with the predicted fallback. Otherwise the row says overlap: false. "
         "M-range rows (--m-range LO:HI) cover every M of the range for the shapes' (N, K).",
-        "Studies live in --storage (default SQLite at results/studies/fo-tune.db): running the same "
-        "command again resumes them, and several workers may share one study (journal:FILE or "
-        "PostgreSQL). Tables go to --table-dir (default $FO_TUNE_TABLE_DIR, else "
-        "~/.local/share/fo-tune/tables), merged under a file lock; a predicted row never replaces "
-        "a measured one (the runtime prefers measured rows in any folder anyway). The report "
-        "(trials.csv, summary.yaml; measured searches also history.png, predicted_vs_measured.png) "
-        "goes to results/search/<device-key>/. --out DIR puts all three under DIR.",
+        "Studies live in --storage (default SQLite at ~/.local/share/fo-tune/studies/fo-tune.db, "
+        "under $XDG_DATA_HOME when set): running the same command again resumes them. Every "
+        "mode records each decided row in its study there, so the workers of a fleet share one "
+        "storage: journal:FILE or sqlite:///FILE on one machine, postgresql://USER@HOST:PORT/DB "
+        "across hosts (pip install 'fo-tune[postgres]'), and `fo-tune table pull --storage URL` "
+        "writes the tables from every study in it. The storage is opened before any work: a "
+        "missing driver, a server that does not answer or the folder of an explicit SQLite or "
+        "journal file that does not exist is exit 2.",
+        "Tables go to --table-dir (default $FO_TUNE_TABLE_DIR, else ~/.local/share/fo-tune/tables), "
+        "merged under a file lock; a predicted row never replaces a measured one (the runtime "
+        "prefers measured rows in any folder anyway). The report (trials.csv, summary.yaml; "
+        "measured searches also history.png, predicted_vs_measured.png) goes to a new folder for "
+        "every run, ~/.local/share/fo-tune/search/<device-key>/<collective>-w<W>-<dtype>-<mode>/"
+        "<UTC time>-<host>-<pid>/ (no run's report replaces another's). --out DIR puts all three "
+        "under DIR (DIR/tables, DIR/studies/fo-tune.db, DIR/report/.../<run>/). --json prints the "
+        "summary as JSON on stdout (progress on stderr).",
         "Exit code 0 when the rows are written, 1 when a measurement fails, 2 for bad input.",
     ]
 )
@@ -154,8 +165,9 @@ StorageOpt = Annotated[
     typer.Option(
         "--storage",
         metavar="URL",
-        help="Optuna storage: sqlite:///FILE, postgresql://..., or journal:FILE (several local "
-        "workers). Default: sqlite at results/studies/fo-tune.db (under --out when given).",
+        help="Optuna storage: sqlite:///FILE, journal:FILE (workers on one machine) or "
+        "postgresql://USER@HOST:PORT/DB (workers on many hosts). Default: SQLite at "
+        "~/.local/share/fo-tune/studies/fo-tune.db (DIR/studies/fo-tune.db with --out).",
     ),
 ]
 ExhaustiveOpt = Annotated[bool, typer.Option("--exhaustive", help="Enumerate the space (measure, predict).")]
@@ -175,6 +187,9 @@ OutOpt = Annotated[
         metavar="DIR",
         help="Put tables (DIR/tables), studies and the report (DIR/report) here.",
     ),
+]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print the summary as JSON on stdout (progress goes to stderr).")
 ]
 RepsOpt = Annotated[int, typer.Option("--reps", "-r", help="Timed samples per measured trial (median).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Sampler and input seed.")]
@@ -303,6 +318,7 @@ def search(
     reps: RepsOpt = 10,
     seed: SeedOpt = 0,
     engine: EngineOpt = None,
+    json_out: JsonOpt = False,
 ) -> None:
     collectives = parse_collectives(
         collective, valid=COLLECTIVE_NAMES, default=("all_reduce",), option="--collective"
@@ -359,6 +375,7 @@ def search(
                 time_budget_s=time_budget,
                 m_range=rng,
                 storage=storage_url,
+                make_storage_folder=storage is None,
                 calibration=cal,
                 space=search_space,
                 backend=chosen,
@@ -373,14 +390,24 @@ def search(
         for request in requests:  # every bad input is reported before anything runs or is written
             check_request(request)
         folders = report_dirs(requests, cal, device, out, tables_root, storage_url)
+        if storage is not None:  # its driver, its server, its folder (the default's is made later)
+            from fo_tune.search.storage import check_storage
+
+            check_storage(storage_url)
         results = []
-        with progress_bars(enabled=driver) as progress:
+        with progress_bars(enabled=driver, to=err_console if json_out else console) as progress:
             reporter = ProgressReporter(progress, f"search ({mode})")
             for request, report_dir in zip(requests, folders, strict=True):
                 result = run_search(request, reporter)
                 if result is None:  # a serving torchrun rank
                     return
                 results.append((result, write_report(result, report_dir)))
+    if json_out:
+        from fo_tune.search.report import summary
+
+        runs = [{**summary(result), "report": str(written[0].parent)} for result, written in results]
+        typer.echo(json_text({"kind": "fo-tune-search-summary", "runs": runs}))
+        return
     for result, written in results:
         _print_summary(result, written)
 

@@ -1,4 +1,6 @@
-"""``fo-tune table``: show, validate and compare schedule tables (library: ``fo_tune.tables.merge``).
+"""``fo-tune table``: the command group (list, show, lookup, validate, diff, pull) and the commands
+that read table files: show, validate, diff (library: ``fo_tune.tables``). ``lookup`` and ``list``
+are ``fo_tune.cli.table_find``'s, ``pull`` is ``fo_tune.cli.table_pull``'s.
 
 Table files are read with ``fo_kernels.table.load_table``; the runtime and the tuner are imported only
 inside the commands, so ``fo-tune --help`` stays light.
@@ -8,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -17,7 +19,6 @@ from fo_tune.cli.common import (
     COLLECTIVE_NAMES,
     DTYPE_NAMES,
     EXIT_BAD_INPUT,
-    SHARDED_COLLECTIVE_NAMES,
     console,
     err_console,
     fmt,
@@ -25,10 +26,22 @@ from fo_tune.cli.common import (
     one_line,
     summary_table,
 )
+from fo_tune.cli.table_find import LIST_HELP, LOOKUP_HELP, list_tables, lookup
+from fo_tune.cli.table_options import (
+    DEFAULT_COLLECTIVE,
+    DEFAULT_DTYPE,
+    DEFAULT_WORLD_SIZE,
+    CollectiveOpt,
+    DeviceKeyOpt,
+    TableDtypeOpt,
+    TableWorldSizeOpt,
+    check_choice,
+    find_paths,
+)
+from fo_tune.cli.table_pull import PULL_HELP, pull
 from fo_tune.cli.table_rows import (
     copy_engine_label,
     csv_rows,
-    kind_label,
     print_plain,
     show_rich,
     table_yaml,
@@ -41,10 +54,6 @@ if TYPE_CHECKING:
     from fo_tune.tables.diff import RowDiff
 
 FORMATS = ("table", "yaml", "csv")
-# Defaults of `show` without a PATH: the setup docs/perf-notes.md measured (bf16, TP=2).
-DEFAULT_COLLECTIVE = "all_reduce"
-DEFAULT_WORLD_SIZE = 2
-DEFAULT_DTYPE = "bfloat16"
 # Exit code of `diff --exit-code` when the tables differ (as `git diff --exit-code`).
 EXIT_DIFFERENT = 1
 STATUS_LABELS = {"only_a": "only in A", "only_b": "only in B", "changed": "changed", "same": "same"}
@@ -57,9 +66,11 @@ HELP = "\n\n".join(
         "<folder>/<device-key>/<collective>-w<world>-<dtype>.yaml, and the runtime searches the "
         "folders $FO_TUNE_TABLE_DIR, $XDG_DATA_HOME/fo-tune/tables (default "
         "~/.local/share/fo-tune/tables) and the packaged results/tables, in this order.",
-        "Commands: show (print a table), lookup (the row the runtime would use for one call, and its "
-        "file), validate (check files beyond their format: every row must give a plan for its shapes) "
-        "and diff (compare two tables row by row).",
+        "Commands: list (the table files the runtime finds, per device key), show (print a table), "
+        "lookup (the row the runtime would use for one call, and its file; -k picks the device key "
+        "on a machine without that GPU), validate (check files beyond their format: rows unique "
+        "per problem, every row must give a plan for its shapes), diff (compare two tables row by "
+        "row) and pull (write the tables of every study in a storage a fleet of workers shares).",
         "The runtime prefers a measured row over a predicted one (provenance mode: predict, written by "
         "an offline search) in any folder; between rows of the same kind the folder order decides.",
     ]
@@ -86,22 +97,6 @@ SHOW_HELP = "\n\n".join(
         "--format yaml prints the table(s) as YAML, --format csv one CSV line per row (with a file "
         "column), for scripts.",
         "Exit code 0 when shown, 2 when no table is found or a file is malformed.",
-    ]
-)
-
-LOOKUP_HELP = "\n\n".join(
-    [
-        "Print the row the runtime (fo_kernels.lookup_schedule) would use for one call, as YAML: "
-        "source (the table file it comes from), kind (measured or predicted) and the row with its "
-        "provenance.",
-        "The runtime reads every table for the device key, collective, world size and dtype in its "
-        "search path ($FO_TUNE_TABLE_DIR, the user folder, the packaged tables) and takes a "
-        "measured exact-shape row, else a measured M-range row covering M, else a predicted "
-        "exact-shape row, else a predicted M-range row; between rows of the same kind the folder "
-        "order decides. Without a matching row it runs overlap: false (GEMM then the collective); "
-        "lookup then prints that with source: no table row and the files it read.",
-        "--device-key defaults to this machine's key for --world-size.",
-        "Exit code 0 when printed (a row or overlap: false), 2 for bad options or a malformed table.",
     ]
 )
 
@@ -147,44 +142,6 @@ PathArg = Annotated[
         show_default=False,
     ),
 ]
-DeviceKeyOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--device-key",
-        "-k",
-        help="Device key of the table folder, e.g. nvidia-h200-cc90-132sm-w2-nvlink18. "
-        "Default: this machine's for --world-size.",
-        show_default=False,
-    ),
-]
-CollectiveOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--collective",
-        "-c",
-        help=f"Collective of the table: {', '.join(COLLECTIVE_NAMES)}. Default: {DEFAULT_COLLECTIVE}.",
-        show_default=False,
-    ),
-]
-TableWorldSizeOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--world-size",
-        "-w",
-        min=1,
-        help=f"World size (ranks) of the table. Default: {DEFAULT_WORLD_SIZE}.",
-        show_default=False,
-    ),
-]
-TableDtypeOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--dtype",
-        "-d",
-        help=f"Operand dtype of the table: {', '.join(DTYPE_NAMES)}. Default: {DEFAULT_DTYPE}.",
-        show_default=False,
-    ),
-]
 FormatOpt = Annotated[str, typer.Option("--format", "-f", help=f"Output format: {', '.join(FORMATS)}.")]
 PathsArg = Annotated[
     list[Path],
@@ -210,33 +167,6 @@ AllRowsOpt = Annotated[
 
 
 # ------------------------------------------------------------------------------ show
-def _check_choice(option: str, value: str, choices: Sequence[str]) -> str:
-    if value not in choices:
-        raise typer.BadParameter(f"{option} {value!r}: expected one of {', '.join(choices)}")
-    return value
-
-
-def _find(device_key: str | None, collective: str, world_size: int, dtype: str) -> list[Path]:
-    from fo_kernels.errors import TableNotFoundError
-    from fo_kernels.table import table_filename, table_search_path
-    from fo_tune.tables.find import find_tables, known_device_keys
-
-    if device_key is None:
-        from fo_kernels.fingerprint import current_fingerprint
-
-        device_key = current_fingerprint(None, world_size).device_key
-    paths = find_tables(device_key, collective, world_size, dtype)
-    if paths:
-        return paths
-    keys = known_device_keys()
-    known = f"tables exist for device keys {', '.join(keys)}" if keys else "no table folder exists"
-    folders = ", ".join(map(str, table_search_path()))
-    raise TableNotFoundError(
-        f"no table {device_key}/{table_filename(collective, world_size, dtype)} in {folders} ({known}); "
-        "write one with `fo-tune search`, pass --device-key, or give a PATH"
-    )
-
-
 @handle_errors
 def show(
     path: PathArg = None,
@@ -246,7 +176,7 @@ def show(
     dtype: TableDtypeOpt = None,
     format_: FormatOpt = "table",
 ) -> None:
-    _check_choice("--format", format_, FORMATS)
+    check_choice("--format", format_, FORMATS)
     header = {"--device-key": device_key, "--collective": collective, "--world-size": world_size}
     header["--dtype"] = dtype
     given = [name for name, value in header.items() if value is not None]
@@ -259,9 +189,9 @@ def show(
     if path is not None:
         paths = [path]
     else:
-        collective = _check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
-        dtype = _check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
-        paths = _find(device_key, collective, world_size or DEFAULT_WORLD_SIZE, dtype)
+        collective = check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
+        dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
+        paths = find_paths(device_key, collective, world_size or DEFAULT_WORLD_SIZE, dtype)
     found = [(p, load_table(p)) for p in paths]
     if format_ == "csv":
         typer.echo(csv_rows(found), nl=False)
@@ -273,76 +203,6 @@ def show(
         if i:
             console.print()
         show_rich(p, table)
-
-
-# ------------------------------------------------------------------------------ lookup
-ShapeOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--shape",
-        "-s",
-        metavar="MxNxK",
-        help="The call's GEMM: M x N x K per rank (all_gather: M is the gathered M, w x a shard's rows).",
-        show_default=False,
-    ),
-]
-LookupWorldSizeOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--world-size",
-        "-w",
-        help=f"World size of the call. Default: {DEFAULT_WORLD_SIZE}.",
-        show_default=False,
-    ),
-]
-
-
-@handle_errors
-def lookup(
-    shape: ShapeOpt = None,
-    collective: CollectiveOpt = None,
-    world_size: LookupWorldSizeOpt = None,
-    dtype: TableDtypeOpt = None,
-    device_key: DeviceKeyOpt = None,
-) -> None:
-    import yaml
-
-    from fo_tune.cli.common import parse_shape
-
-    if shape is None:
-        raise typer.BadParameter("--shape MxNxK: the call to look up is missing")
-    if world_size is not None and world_size < 1:
-        raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
-    m, n, k = parse_shape(shape)
-    collective = _check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
-    dtype = _check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
-    world = world_size or DEFAULT_WORLD_SIZE
-    if collective in SHARDED_COLLECTIVE_NAMES and m % world:
-        gathered = " (all_gather's M is the gathered M)" if collective == "all_gather" else ""
-        raise typer.BadParameter(
-            f"--shape {shape}: {collective} needs M divisible by the world size {world}{gathered}"
-        )
-    from fo_kernels.table import MISS_SOURCE
-    from fo_tune.tables.find import find_row
-
-    if device_key is None:
-        from fo_kernels.fingerprint import current_fingerprint
-
-        device_key = current_fingerprint(None, world).device_key
-    row, path, read = find_row(device_key, collective, world, dtype, m, n, k)
-    out: dict[str, Any] = {"device_key": device_key}
-    if row is None:
-        out.update(
-            source=f"{MISS_SOURCE}: the runtime runs overlap: false (GEMM then the collective)",
-            searched=[str(p) for p in read],
-            row={"problem": {"m": m, "n": n, "k": k}, "overlap": False},
-        )
-    else:
-        data = row.to_dict()
-        for key in ("collective", "dtype", "world_size"):
-            data.pop(key)
-        out.update(source=str(path), kind=kind_label(row), row=data)
-    typer.echo(yaml.safe_dump(out, sort_keys=False, width=110), nl=False)
 
 
 # ------------------------------------------------------------------------------ validate
@@ -466,10 +326,12 @@ def diff(a: TableAArg, b: TableBArg, exit_code: ExitCodeOpt = False, all_: AllRo
 
 
 def register(app: typer.Typer) -> None:
-    """Add the ``table`` command group (show, lookup, validate, diff) to the root app."""
+    """Add the ``table`` command group (list, show, lookup, validate, diff, pull) to the root app."""
     sub = typer.Typer(name="table", help=HELP, no_args_is_help=True, add_completion=False)
+    sub.command("list", help=LIST_HELP, short_help="The table files the runtime finds.")(list_tables)
     sub.command("show", help=SHOW_HELP, short_help="Print a table, its rows and its fingerprint.")(show)
     sub.command("lookup", help=LOOKUP_HELP, short_help="The row the runtime would use for one call.")(lookup)
     sub.command("validate", help=VALIDATE_HELP, short_help="Check table files: format and plans.")(validate)
     sub.command("diff", help=DIFF_HELP, short_help="Compare two tables row by row.")(diff)
+    sub.command("pull", help=PULL_HELP, short_help="Write the tables of a shared study storage.")(pull)
     app.add_typer(sub, name="table")

@@ -175,12 +175,24 @@ CSV_COLUMNS = (
 )
 
 
+# The prefix of a provenance key's column where the key is also a schedule column (provenance
+# ``mode``, the search's, beside the copy engine's ``mode``): every column name is unique.
+PROVENANCE_PREFIX = "provenance_"
+
+
+def provenance_columns(keys: Sequence[str]) -> list[str]:
+    """The CSV column of each provenance key: the key, or ``provenance_<key>`` where the key is a
+    schedule column."""
+    return [PROVENANCE_PREFIX + key if key in CSV_COLUMNS else key for key in keys]
+
+
 def csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
-    """One CSV line per row of every table; groups space-separated, provenance keys as columns."""
+    """One CSV line per row of every table; groups space-separated, provenance keys as columns
+    (``provenance_columns``: each column name once)."""
     prov = provenance_keys([row for _path, table in found for row in table.rows])
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow([*CSV_COLUMNS, *prov])
+    writer.writerow([*CSV_COLUMNS, *provenance_columns(prov)])
     for path, table in found:
         for row in table.rows:
             values: dict[str, Any] = {"file": str(path), **row.problem.to_dict(), "overlap": row.overlap}
@@ -198,6 +210,7 @@ def csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
                 for name in ("sms_free", "nccl_max_ctas", "signal_tiles", "layout", "wait_mode", "mode"):
                     if hasattr(st, name):
                         values[name] = getattr(st, name)
-            values.update({key: row.provenance[key] for key in prov if key in row.provenance})
-            writer.writerow([values.get(column, "") for column in (*CSV_COLUMNS, *prov)])
+            cells = [values.get(column, "") for column in CSV_COLUMNS]
+            cells += [row.provenance.get(key, "") for key in prov]
+            writer.writerow(cells)
     return buf.getvalue()

@@ -31,11 +31,10 @@ from fo_tune.search.results import (
     TrialRecord,
     model_error,
 )
-from fo_tune.search.storage import DEFAULT_STORAGE_FILE
+from fo_tune.search.storage import default_storage_file
 
 __all__ = [
     "CONFIRM_TOP",
-    "DEFAULT_STORAGE_FILE",
     "DEFAULT_TOP_K",
     "DEFAULT_TRIALS",
     "MIN_GAIN",
@@ -49,6 +48,7 @@ __all__ = [
     "TrialRecord",
     "check_request",
     "decide",
+    "default_storage_file",
     "expand_shapes",
     "m_values",
     "model_error",

@@ -16,8 +16,12 @@ Per shape (an ``--m-range`` adds the range's M values for each (N, K)):
    baselines; a predict search compares the predicted best with the predicted fallback; either
    way the row overlaps only when it beats the fallback by more than the no-gain margin.
 
-The rows are merged into the table (``fo_tune.tables.merge.merge_rows``, under a file lock; a predicted
-row never replaces a measured one); the report (``fo_tune.search.report``) lists every trial.
+The study storage is opened (and so checked: ``fo_tune.search.storage``) before any work. Each row
+is recorded in its study as soon as it is decided (``fo_tune.tables.stored``: what ``fo-tune
+table pull`` gathers from every worker of a fleet; an ``--m-range`` search records its range rows
+once they are placed), then merged into the table (``fo_tune.tables.merge.merge_rows``, under a
+file lock; a predicted row never replaces a measured one); the report
+(``fo_tune.search.report``) lists every trial.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
-import functools
 import math
 import time
 from typing import Any
@@ -49,17 +52,13 @@ from fo_tune.search.request import (
     study_name,
 )
 from fo_tune.search.results import BaselineResult, SearchResult, ShapeResult, model_error
-from fo_tune.search.storage import DEFAULT_STORAGE_FILE, open_storage
+from fo_tune.search.storage import open_storage, shown, storage_url
 from fo_tune.search.strategies import ShapeJob, get_strategy
 from fo_tune.space import SearchSpace, space_for
 
 
-def check_table_target(path: Any, fingerprint: Fingerprint) -> None:
-    """Refuse (before searching) a table file that is malformed or for other hardware."""
-    try:
-        table = load_table(path)
-    except TableNotFoundError:
-        return
+def check_table_target(table: ScheduleTable, path: Any, fingerprint: Fingerprint) -> None:
+    """Refuse (before searching) a table file for other hardware."""
     theirs = table.fingerprint
     if (theirs.device_key, theirs.world_size) != (fingerprint.device_key, fingerprint.world_size):
         raise TableError(
@@ -74,10 +73,14 @@ def run_search(request: SearchRequest, reporter: Reporter | None = None) -> Sear
     check_request(request)
     rep = reporter or SilentReporter()
     t0 = time.monotonic()
+    # An explicit storage is opened (checked) before any work; one whose folder the search makes
+    # (the default, --out's) once every other check has passed, so bad input writes nothing.
+    owned = request.make_storage_folder or not request.storage
+    storage = None if owned else open_storage(request.storage)
     if request.mode == "predict":
         cal = request.calibration
         assert cal is not None
-        return _run(request, cal.fingerprint, None, rep, t0)
+        return _run(request, cal.fingerprint, None, rep, t0, storage)
     import optuna
 
     from fo_tune.ranks.launch import fingerprinted_pool
@@ -95,7 +98,7 @@ def run_search(request: SearchRequest, reporter: Reporter | None = None) -> Sear
                     f"the calibration is for {cal.fingerprint.device_key}, these ranks are {fp.device_key}; "
                     "calibrate this machine with `fo-tune calibrate` or pass its --calibration"
                 )
-        return _run(request, fp, Measurer(pool, request.reps, request.seed), rep, t0)
+        return _run(request, fp, Measurer(pool, request.reps, request.seed), rep, t0, storage)
 
 
 def _model(request: SearchRequest, fp: Fingerprint) -> CostModel | None:
@@ -131,8 +134,11 @@ def _engines(
     return tuple(out)
 
 
-def _run(request: SearchRequest, fp: Fingerprint, measurer: Any, rep: Reporter, t0: float) -> SearchResult:
+def _run(
+    request: SearchRequest, fp: Fingerprint, measurer: Any, rep: Reporter, t0: float, storage: Any | None
+) -> SearchResult:
     from fo_tune.tables.merge import merge_rows
+    from fo_tune.tables.stored import record_rows
 
     cpu = fp.compute_capability == "cpu"
     space = request.space or space_for(fp.compute_capability)
@@ -143,9 +149,10 @@ def _run(request: SearchRequest, fp: Fingerprint, measurer: Any, rep: Reporter, 
         target = table_path(
             request.table_dir, fp.device_key, request.collective, request.world_size, request.dtype
         )
-        check_table_target(target, fp)
-        with contextlib.suppress(TableNotFoundError):
+        with contextlib.suppress(TableNotFoundError):  # (a malformed file raises its TableError)
             table = load_table(target)
+        if table is not None:
+            check_table_target(table, target, fp)
     shapes = expand_shapes(request)
     encodings = [_encoding(request, shape, space, fp, cpu, model, engines) for shape in shapes]
     if request.exhaustive:  # every shape's space is checked before anything runs or is written
@@ -153,15 +160,20 @@ def _run(request: SearchRequest, fp: Fingerprint, measurer: Any, rep: Reporter, 
 
         for enc in encodings:
             check_size(_job(request, enc, model, measurer, None, None, rep, math.nan, fp))
-    storage = functools.cache(lambda: open_storage(request.storage))
+    if storage is None:
+        storage = open_storage(request.storage, create_folder=True)
     results: list[ShapeResult] = []
     for i, enc in enumerate(encodings):
         budget = None
         if request.time_budget_s is not None:
             left = request.time_budget_s - (time.monotonic() - t0)
             budget = max(1.0, left / (len(shapes) - i))
-        results.append(_search_shape(request, enc, fp, model, measurer, storage, table, budget, rep))
+        result = _search_shape(request, enc, fp, model, measurer, storage, table, budget, rep)
+        results.append(result)
+        if request.m_range is None:  # (an --m-range search's exact rows never reach a table)
+            record_rows(storage, result.study, fp, [result.row])
     ranges = range_rows(request.m_range, results, fp.sm_count)
+    _record_ranges(storage, fp, results, ranges)
     kept: list[Schedule] = []
     if target is not None:
         # An --m-range search writes its range rows only: its M values were tuned to place them,
@@ -185,9 +197,23 @@ def _run(request: SearchRequest, fp: Fingerprint, measurer: Any, rep: Reporter, 
         range_rows=ranges,
         table=target,
         wall_s=time.monotonic() - t0,
-        storage=request.storage or f"sqlite:///{DEFAULT_STORAGE_FILE}",
+        storage=shown(storage_url(request.storage)),
         kept=kept,
     )
+
+
+def _record_ranges(storage: Any, fp: Fingerprint, results: list[ShapeResult], ranges: list[Schedule]) -> None:
+    """Record an ``--m-range`` search's rows, each (N, K)'s in a study of their own
+    (``fo_tune.tables.stored.range_study_name``)."""
+    from fo_tune.tables.stored import range_study_name, record_rows
+
+    by_nk: dict[tuple[int, int], list[Schedule]] = {}
+    for row in ranges:
+        by_nk.setdefault((row.problem.n, row.problem.k), []).append(row)
+    for (n, k), rows in by_nk.items():
+        first = next(r for r in results if r.shape[1:] == (n, k))
+        lo, hi = rows[0].problem.m_min, rows[-1].problem.m_max
+        record_rows(storage, range_study_name(first.study, f"[{lo},{hi}]x{n}x{k}"), fp, rows)
 
 
 def _encoding(

@@ -1,7 +1,11 @@
-"""The report of one ``fo-tune search``: every trial, the summary and the plots, in one folder.
+"""The report of one ``fo-tune search``: every trial, the summary and the plots, in one folder per
+run (``default_report_dir``): ``<root>/<collective>-w<W>-<dtype>-<mode>[-mrange]/<run id>``, the
+root ``<fo-tune data folder>/search/<device key>`` (or ``--out DIR/report``), the run id the UTC
+time, host and process (``run_id``), so no run's report replaces another's, concurrent runs'
+included.
 
-Files (written to a temporary sibling folder, then swapped in; an earlier report of the same
-search is replaced only when everything was written):
+Files (written to a temporary sibling folder, then renamed into place, so a report folder is
+complete or absent):
 
 - ``trials.csv``: one row per trial (or priced point) of every shape's search (resumed ones
   included): identity (shape, number, state), the engine, the parameters (JSON), the schedule (in
@@ -20,20 +24,24 @@ search is replaced only when everything was written):
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import json
 import math
 import os
+import re
+import socket
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from fo_tune.output import OutputError, check_ancestor, replacing_folder
+from fo_tune.output import OutputError, check_ancestor, data_dir, replacing_folder
 from fo_tune.search import SearchResult, ShapeResult, TrialRecord
 
 REPORT_FILES = ("trials.csv", "summary.yaml", "history.png", "predicted_vs_measured.png")
 PLOTS = ("history.png", "predicted_vs_measured.png")
-DEFAULT_REPORT_ROOT = Path("results/search")
+# Characters a host name keeps in a run id (the rest become "-").
+_HOST_DROP = re.compile(r"[^A-Za-z0-9.]+")
 TRIAL_COLUMNS = (
     "device_key",
     "collective",
@@ -59,14 +67,36 @@ TRIAL_COLUMNS = (
 )
 
 
+def report_root() -> Path:
+    """Where reports go without ``--out``: ``<fo-tune data folder>/search`` (``fo_tune.output.data_dir``)."""
+    return data_dir() / "search"
+
+
+def report_name(collective: str, world_size: int, dtype: str, mode: str, *, m_range: bool = False) -> str:
+    """``<collective>-w<W>-<dtype>-<mode>``, with ``-mrange`` after it for an ``--m-range`` search."""
+    return f"{collective}-w{world_size}-{dtype}-{mode}" + ("-mrange" if m_range else "")
+
+
+def run_id(now: dt.datetime | None = None) -> str:
+    """One run's folder name: ``<UTC time>-<host>-<pid>``, e.g. ``20261130T130039Z-node7-4121``."""
+    when = (now or dt.datetime.now(dt.timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+    host = _HOST_DROP.sub("-", socket.gethostname()).strip("-") or "host"
+    return f"{when}-{host}-{os.getpid()}"
+
+
 def default_report_dir(
-    device_key: str, collective: str, world_size: int, dtype: str, mode: str, *, m_range: bool = False
+    device_key: str,
+    collective: str,
+    world_size: int,
+    dtype: str,
+    mode: str,
+    *,
+    m_range: bool = False,
+    run: str | None = None,
 ) -> Path:
-    """``results/search/<device-key>/<collective>-w<W>-<dtype>-<mode>`` (relative to the working
-    dir), with ``-mrange`` after it for an ``--m-range`` search, so that one does not replace the
-    report of the exact shapes' search."""
-    suffix = "-mrange" if m_range else ""
-    return DEFAULT_REPORT_ROOT / device_key / f"{collective}-w{world_size}-{dtype}-{mode}{suffix}"
+    """``<report_root()>/<device-key>/<report_name>/<run>`` (``run`` defaults to ``run_id()``)."""
+    name = report_name(collective, world_size, dtype, mode, m_range=m_range)
+    return report_root() / device_key / name / (run or run_id())
 
 
 def _cell(value: Any) -> Any:

@@ -45,7 +45,8 @@ class SearchRequest:
     top_k: int = DEFAULT_TOP_K
     time_budget_s: float | None = None  # for the whole command, shared by the shapes left
     m_range: tuple[int, int] | None = None
-    storage: str = ""  # an Optuna URL, "journal:PATH"; "" = sqlite at DEFAULT_STORAGE_FILE
+    storage: str = ""  # an Optuna URL, "journal:PATH"; "" = sqlite at default_storage_file()
+    make_storage_folder: bool = False  # create a SQLite or journal file's folder (the default's, --out's)
     calibration: Calibration | None = None
     space: SearchSpace | None = None
     backend: str | None = None  # measure / hybrid

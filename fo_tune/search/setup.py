@@ -1,9 +1,10 @@
 """What a search needs before it starts, read and checked from the command's options: the shapes
-file, where the tables and the studies go, and each request's report folder (every file the search
-will write is checked writable before anything runs)."""
+file, where the tables and the studies go, and each request's report folder, one per run (every
+file the search will write is checked writable before anything runs)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,7 +14,7 @@ import torch
 from fo_kernels.fingerprint import current_fingerprint
 from fo_kernels.table import table_path
 from fo_tune.output import check_writable_file
-from fo_tune.search.report import check_report_dir, default_report_dir
+from fo_tune.search.report import check_report_dir, report_name, report_root, run_id
 
 if TYPE_CHECKING:
     from fo_tune.calibrate.calibration import Calibration
@@ -43,17 +44,22 @@ def read_shapes_file(path: Path) -> list[tuple[int, int, int]]:
     return out
 
 
-def output_places(out: Path | None, table_dir: Path | None, storage: str | None) -> tuple[Path, str]:
-    """(the tables' root, the studies' storage URL) of --out, --table-dir and --storage."""
+def default_table_dir() -> Path:
+    """Where tables go without --table-dir or --out: ``$FO_TUNE_TABLE_DIR``, else the user folder."""
     from fo_kernels.table import TABLE_DIR_ENV, user_table_dir
-    from fo_tune.search import DEFAULT_STORAGE_FILE
+
+    env = os.environ.get(TABLE_DIR_ENV)
+    return Path(env) if env else user_table_dir()
+
+
+def output_places(out: Path | None, table_dir: Path | None, storage: str | None) -> tuple[Path, str]:
+    """(the tables' root, the studies' storage URL) of --out, --table-dir and --storage: without
+    --storage, SQLite at ``DIR/studies/fo-tune.db`` under --out, else ``default_storage_file()``."""
+    from fo_tune.search.storage import storage_url
 
     if out is not None:
         return table_dir or out / "tables", storage or f"sqlite:///{out / 'studies' / 'fo-tune.db'}"
-    env = os.environ.get(TABLE_DIR_ENV)
-    return table_dir or (
-        Path(env) if env else user_table_dir()
-    ), storage or f"sqlite:///{DEFAULT_STORAGE_FILE}"
+    return table_dir or default_table_dir(), storage_url(storage or "")
 
 
 def report_dirs(
@@ -64,20 +70,28 @@ def report_dirs(
     tables_root: Path,
     storage_url: str,
 ) -> list[Path]:
-    """Each request's report folder; every file the search writes (its report folders, table files
-    and SQLite study file) is checked writable before anything runs."""
+    """Each request's report folder, a new one for this run (``fo_tune.search.report``); every file
+    the search writes (its report folders, table files and SQLite study file) is checked writable
+    before anything runs."""
     first = requests[0]
     if first.mode == "predict":
         assert cal is not None
         device_key = cal.fingerprint.device_key
     else:
         device_key = current_fingerprint(device, first.world_size).device_key
+    root = out / "report" if out is not None else report_root() / device_key
+    names = [
+        report_name(r.collective, r.world_size, r.dtype, r.mode, m_range=r.m_range is not None)
+        for r in requests
+    ]
+    run = run_id()
+    for suffix in itertools.count(2):  # a second run of this process within the same second
+        if not any((root / name / run).exists() for name in names):
+            break
+        run = f"{run_id()}-{suffix}"
     dirs = []
-    for r in requests:
-        folder = default_report_dir(
-            device_key, r.collective, r.world_size, r.dtype, r.mode, m_range=r.m_range is not None
-        )
-        dirs.append(out / "report" / folder.name if out is not None else folder)
+    for r, name in zip(requests, names, strict=True):
+        dirs.append(root / name / run)
         check_report_dir(dirs[-1])
         check_writable_file(table_path(tables_root, device_key, r.collective, r.world_size, r.dtype))
     if storage_url.startswith(SQLITE):

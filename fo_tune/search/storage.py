@@ -1,80 +1,109 @@
-"""Where the search's Optuna studies live: opening a storage from the ``--storage`` URL.
+"""Where the search's Optuna studies live: the ``--storage`` URL checked, resolved and opened.
 
-``""`` is SQLite at ``DEFAULT_STORAGE_FILE`` (one file, many studies); ``journal:PATH`` (or a path
-ending in ``.log`` / ``.jsonl``) is Optuna's journal file, which several local workers can share;
-any other URL (``sqlite:///...``, ``postgresql://...``) is an RDB storage. RDB storages get
-heartbeats, so a trial whose process was killed is failed after ``GRACE_S`` instead of staying
-RUNNING forever.
+- ``""``: SQLite at ``default_storage_file()`` (``<fo-tune data folder>/studies/fo-tune.db``);
+- ``journal:PATH`` (or a path ending in ``.log`` / ``.jsonl``): Optuna's journal file, which
+  several workers on one machine can share;
+- ``sqlite:///FILE``: one file, many studies, one machine;
+- ``postgresql://USER@HOST:PORT/DB``: the server a fleet of workers on many hosts shares (Debian's
+  ``postgresql`` package; the driver is psycopg, the ``postgres`` extra: a plain ``postgresql://``
+  URL takes psycopg 3 where psycopg2 is not installed); any other SQLAlchemy URL works the same.
+
+``open_storage`` checks, before a search does any work, everything a study needs: the URL's form,
+its driver, that the server answers (within ``CONNECT_TIMEOUT_S``), and that the folder of an
+explicit SQLite or journal file exists (an explicit path's folder is never created: a typo would
+start an empty storage beside the real one; the default's folder is). Every failure is one
+``StorageError`` line with the password left out. RDB storages get heartbeats, so a trial whose
+process was killed is failed after ``GRACE_S`` instead of staying RUNNING forever.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 from fo_kernels.errors import FoTuneError
+from fo_tune.output import data_dir
 
 # Seconds between heartbeats of a running trial in an RDB storage, and after how long without one
 # it counts as dead (failed) so a resumed search does not wait for it (Optuna's heartbeat).
 HEARTBEAT_S = 10
 GRACE_S = 60
-DEFAULT_STORAGE_FILE = Path("results/studies/fo-tune.db")
+# Seconds a PostgreSQL connection attempt may take before the server counts as not answering
+# (libpq's connect_timeout): a LAN server answers in milliseconds, a dropped packet never does.
+CONNECT_TIMEOUT_S = 10
+# Attempts at opening a new RDB storage: workers starting together on an empty database race to
+# create Optuna's tables, and the losers' CREATE fails once (they then find the tables made).
+OPEN_ATTEMPTS = 3
+OPEN_RETRY_S = 0.5
+SQLITE = "sqlite:///"
+JOURNAL = "journal:"
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+# What to install for a PostgreSQL storage (pyproject's extra).
+POSTGRES_EXTRA = "pip install 'fo-tune[postgres]' (psycopg)"
 
 
 class StorageError(FoTuneError, ValueError):
     """A ``--storage`` that cannot be opened; the message says what to do."""
 
 
-def open_storage(url: str, default_file: Path = DEFAULT_STORAGE_FILE) -> Any:
-    """An Optuna storage: ``""`` -> SQLite at ``default_file``; ``journal:PATH`` or a path ending in
-    ``.log``/``.jsonl`` -> a journal file (safe for several local workers); any other URL
-    (``sqlite:///...``, ``postgresql://...``) -> an RDB storage with heartbeats."""
-    import optuna
-    from optuna.storages import JournalStorage, RDBStorage
-    from optuna.storages.journal import JournalFileBackend
+def default_storage_file() -> Path:
+    """The study storage without ``--storage``: ``<fo-tune data folder>/studies/fo-tune.db``."""
+    return data_dir() / "studies" / "fo-tune.db"
 
-    if not url:
-        default_file.parent.mkdir(parents=True, exist_ok=True)
-        url = f"sqlite:///{default_file}"
-    journal = url[len("journal:") :] if url.startswith("journal:") else None
-    if journal is None and url.endswith((".log", ".jsonl")) and "://" not in url:
-        journal = url
+
+def storage_url(url: str) -> str:
+    """``url``, or for ``""`` the default storage's SQLite URL."""
+    return url or f"{SQLITE}{default_storage_file()}"
+
+
+def journal_path(url: str) -> str | None:
+    """The file of a journal storage URL, else None."""
+    if url.startswith(JOURNAL):
+        return url[len(JOURNAL) :]
+    if url.endswith((".log", ".jsonl")) and "://" not in url:
+        return url
+    return None
+
+
+def shown(url: str) -> str:
+    """``url`` as errors and reports show it: the password left out."""
+    if "://" not in url or url.startswith(SQLITE):
+        return url
     try:
-        if journal is not None:
-            Path(journal).parent.mkdir(parents=True, exist_ok=True)
-            return JournalStorage(JournalFileBackend(journal))
-        if "://" not in url:
-            raise StorageError(
-                f"--storage {url!r}: expected an Optuna URL (sqlite:///FILE, postgresql://...) or "
-                "journal:FILE"
-            )
-        if url.startswith("sqlite:///"):
-            Path(url[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna 4-5
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
-    except (ImportError, ModuleNotFoundError) as exc:
-        raise StorageError(f"--storage {url!r}: {exc}; install the database driver") from None
-    except optuna.exceptions.StorageInternalError as exc:
-        raise StorageError(f"--storage {url!r}: cannot open it ({exc})") from None
-    except Exception as exc:  # sqlalchemy's ArgumentError / OperationalError on a bad URL
-        if type(exc).__module__.startswith("sqlalchemy"):
-            raise StorageError(f"--storage {url!r}: {str(exc).splitlines()[0]}") from None
-        raise
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # a URL SQLAlchemy cannot parse has no password it could find either
+        return url
+
+
+def _resolve_driver(url: str) -> str:
+    """A plain ``postgresql://`` URL with the driver that is installed: psycopg2 (SQLAlchemy's
+    default), else psycopg 3; ``StorageError`` when neither is."""
+    scheme, sep, rest = url.partition("://")
+    if scheme not in POSTGRES_SCHEMES:
+        return url
+    if importlib.util.find_spec("psycopg2") is not None:
+        return url
+    if importlib.util.find_spec("psycopg") is not None:
+        return f"postgresql+psycopg{sep}{rest}"
+    raise StorageError(f"--storage {shown(url)}: no PostgreSQL driver is installed; {POSTGRES_EXTRA}")
 
 
 def check_storage_url(url: str) -> None:
-    """Refuse, without opening anything, a ``--storage`` that ``open_storage`` cannot take."""
-    if not url or url.startswith("journal:") or (url.endswith((".log", ".jsonl")) and "://" not in url):
+    """Refuse, without opening anything, a ``--storage`` whose form ``open_storage`` cannot take."""
+    if not url or journal_path(url) is not None:
         return
     if "://" not in url:
         raise StorageError(
             f"--storage {url!r}: expected an Optuna URL (sqlite:///FILE, postgresql://...) or journal:FILE"
         )
-    if url.startswith("sqlite:///") and not url[len("sqlite:///") :].strip():
+    if url.startswith(SQLITE) and not url[len(SQLITE) :].split("?")[0].strip():
         raise StorageError("--storage sqlite:/// names no file (an in-memory database would lose the study)")
-    if url.startswith("sqlite:///"):
+    if url.startswith(SQLITE):
         return  # a file path: nothing for SQLAlchemy to parse (and its import takes ~0.5 s)
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
@@ -83,6 +112,88 @@ def check_storage_url(url: str) -> None:
         make_url(url)
     except ArgumentError as exc:
         raise StorageError(f"--storage {url!r}: {str(exc).splitlines()[0]}") from None
+
+
+def _check_folder(path: str, url: str, *, create_folder: bool, must_exist: bool) -> None:
+    file = Path(path).expanduser()
+    if must_exist and not file.is_file():
+        raise StorageError(f"--storage {url}: {file} does not exist; give the storage the workers used")
+    if create_folder:
+        file.parent.mkdir(parents=True, exist_ok=True)
+    elif not file.parent.is_dir():
+        raise StorageError(
+            f"--storage {url}: the folder {file.parent} does not exist; create it, or fix the path"
+        )
+
+
+def _rdb(url: str) -> Any:
+    """An ``RDBStorage`` for ``url`` with heartbeats (and a connect timeout for PostgreSQL),
+    retried while workers race to create its tables (``OPEN_ATTEMPTS``)."""
+    import optuna
+    from optuna.storages import RDBStorage
+    from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
+
+    kwargs: dict[str, Any] = {}
+    if url.split("://")[0].split("+")[0] in POSTGRES_SCHEMES:
+        kwargs["engine_kwargs"] = {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
+    for attempt in range(OPEN_ATTEMPTS):
+        try:
+            with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna 4-5
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **kwargs)
+        except (IntegrityError, ProgrammingError, OperationalError) as exc:
+            racing = isinstance(exc, (IntegrityError, ProgrammingError)) or "already exists" in str(exc)
+            if not racing or attempt == OPEN_ATTEMPTS - 1:
+                raise
+            time.sleep(OPEN_RETRY_S)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def open_storage(url: str, *, create_folder: bool = False, must_exist: bool = False) -> Any:
+    """The Optuna storage of ``url`` (see the module docstring), checked by opening it.
+    ``create_folder``: make a SQLite or journal file's missing folders (the default storage's);
+    ``must_exist``: refuse a SQLite or journal file that is not there (a storage to read)."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    url = storage_url(url)
+    check_storage_url(url)
+    journal = journal_path(url)
+    try:
+        if journal is not None:
+            _check_folder(journal, url, create_folder=create_folder, must_exist=must_exist)
+            return JournalStorage(JournalFileBackend(str(Path(journal).expanduser())))
+        if url.startswith(SQLITE):
+            file = url[len(SQLITE) :].split("?")[0]
+            _check_folder(file, url, create_folder=create_folder, must_exist=must_exist)
+        return _rdb(_resolve_driver(url))
+    except StorageError:
+        raise
+    except ImportError as exc:
+        raise StorageError(f"--storage {shown(url)}: {exc}; install the database driver") from None
+    except optuna.exceptions.StorageInternalError as exc:
+        raise StorageError(f"--storage {shown(url)}: cannot open it ({exc})") from None
+    except Exception as exc:  # SQLAlchemy's ArgumentError / OperationalError: a bad URL, no server
+        if type(exc).__module__.startswith("sqlalchemy"):
+            why = " ".join(str(exc).split("\n")[0].split())
+            raise StorageError(
+                f"--storage {shown(url)}: cannot open it ({why}); check that the server runs and the URL"
+            ) from None
+        raise
+
+
+def close_storage(storage: Any) -> None:
+    """Release an opened storage's connections (RDB); nothing for a journal file."""
+    engine = getattr(storage, "engine", None)
+    if engine is not None:
+        engine.dispose()
+
+
+def check_storage(url: str, *, create_folder: bool = False, must_exist: bool = False) -> None:
+    """Open ``url`` as ``open_storage`` does and close it again: every ``StorageError`` a search
+    or a pull would meet, before it does any work."""
+    close_storage(open_storage(url, create_folder=create_folder, must_exist=must_exist))
 
 
 def is_rdb(storage: Any) -> bool:

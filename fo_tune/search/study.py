@@ -37,7 +37,7 @@ def open_study(job: ShapeJob, *, predicted: bool) -> tuple[Any, Any, int]:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(seed=job.request.seed)
-    storage = job.storage()
+    storage = job.storage
     stored = optuna.create_study(
         study_name=job.study_name, storage=storage, sampler=sampler, direction="minimize", load_if_exists=True
     )

@@ -7,12 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fo_kernels.schedule import Schedule
-from fo_kernels.table import (
-    best_row,
-    load_table,
-    table_path,
-    table_search_path,
-)
+from fo_kernels.table import best_match, read_table, table_path, table_search_path
 
 
 # ------------------------------------------------------------------------------------- find
@@ -20,15 +15,14 @@ def find_row(
     device_key: str, collective: str, world_size: int, dtype: str, m: int, n: int, k: int
 ) -> tuple[Schedule | None, Path | None, list[Path]]:
     """(row, its file, every file read) of the row ``lookup_schedule`` takes for this call on the
-    machine of ``device_key`` (``fo_kernels.table.best_row`` over ``find_tables``); (None, None,
-    files) when no row matches (the runtime then runs overlap: false)."""
+    machine of ``device_key`` (``fo_kernels.table.best_match`` over ``find_tables``, read as the
+    runtime reads them); (None, None, files) when no row matches (the runtime then runs overlap:
+    false)."""
     paths = find_tables(device_key, collective, world_size, dtype)
-    tables = [load_table(path) for path in paths]
-    row = best_row(tables, m, n, k)
-    if row is None:
+    match = best_match([read_table(path) for path in paths], m, n, k)
+    if match is None:
         return None, None, paths
-    path = next(p for p, t in zip(paths, tables, strict=True) if any(r is row for r in t.rows))
-    return row, path, paths
+    return match[1], paths[match[0]], paths
 
 
 def find_tables(device_key: str, collective: str, world_size: int, dtype: str) -> list[Path]:

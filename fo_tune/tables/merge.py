@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from fo_kernels.errors import FoTuneError, TableError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
-from fo_kernels.schedule import Schedule
+from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import (
     ScheduleTable,
     load_table,
@@ -23,7 +24,6 @@ from fo_kernels.table import (
     save_table,
     table_filename,
 )
-from fo_tune.tables.validate import _ranges_overlap
 
 # The lock file beside a table: ``<table>.yaml.lock``.
 LOCK_SUFFIX = ".lock"
@@ -63,10 +63,10 @@ def merge_rows(
     """Upsert ``rows`` into the table file at ``path`` (created with its folders when missing).
 
     Under the file lock ``<path>.lock`` it loads the table (or starts one with ``fingerprint`` and
-    the header ``collective``/``world_size``/``dtype``), replaces each row for the same problem
-    (``ScheduleTable.upsert``: exact M, or the identical M range; an incoming M-range row also drops
-    every existing range row of its (N, K) that it overlaps, so re-tuning a range never leaves
-    overlapping ranges behind) or adds it, saves it with
+    the header ``collective``/``world_size``/``dtype``), merges ``rows`` in, in order (``merge_into``:
+    a row replaces the row for the same problem, exact M or the identical M range; an M-range row
+    also replaces every range of its (N, K) that it overlaps, so re-tuning a range never leaves
+    overlapping ranges behind; the table stays unique per problem), saves it with
     ``fo_kernels.table.save_table`` (atomic rename) and returns the merged table. Processes merging
     into the same file concurrently therefore never lose each other's rows (as long as every writer
     goes through ``merge_rows``; a bare ``save_table`` is not serialised); readers never wait.
@@ -93,10 +93,7 @@ def merge_rows(
             f"{path}: the fingerprint is for world size {fingerprint.world_size}, the rows for "
             f"{world_size}; measure the rows with {world_size} ranks"
         )
-    # Checks every row against the header before the file is touched.
-    incoming = ScheduleTable(
-        fingerprint=fingerprint, collective=collective, world_size=world_size, dtype=dtype, rows=list(rows)
-    )
+    check_rows_header(rows, collective=collective, world_size=world_size, dtype=dtype)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(lock_path(path)), timeout=lock_timeout_s)
@@ -121,13 +118,7 @@ def merge_rows(
                     f"{path}: the table is for other hardware ({mismatch}); merge the rows into the "
                     f"table of {fingerprint.device_key}, or move this file away to start a new one"
                 )
-            table.fingerprint = fingerprint
-            for row in incoming.rows:
-                if _keeps_measured(table, row):
-                    continue
-                if row.problem.is_range:  # a new M range replaces every older range it overlaps
-                    table.rows = [old for old in table.rows if not _ranges_overlap(old.problem, row.problem)]
-                table.upsert(row)
+            table = merge_into(replace(table, fingerprint=fingerprint), rows)
             save_table(table, path)
     except Timeout:
         raise TableLockTimeout(
@@ -137,13 +128,50 @@ def merge_rows(
     return table
 
 
-def _keeps_measured(table: ScheduleTable, row: Schedule) -> bool:
-    """True when ``row`` is predicted and the table has a measured row it would replace (the same
-    problem, or for an M range any range it overlaps): measured beats predicted."""
-    if row_kind(row) != "predicted":
+def check_rows_header(rows: Sequence[Schedule], *, collective: str, world_size: int, dtype: str) -> None:
+    """``TableError`` (naming the row and the field) for a row of another collective, world size or
+    dtype than the table's header."""
+    header = {"collective": collective, "world_size": world_size, "dtype": dtype}
+    for row in rows:
+        for key, value in header.items():
+            if getattr(row, key) != value:
+                raise TableError(
+                    f"{key}: the row {row.problem.describe()} says {getattr(row, key)!r}, the table is "
+                    f"for {value!r}"
+                )
+
+
+def _ranges_overlap(a: Problem, b: Problem) -> bool:
+    if not (a.is_range and b.is_range) or (a.n, a.k) != (b.n, b.k):
         return False
-    return any(
-        row_kind(old) == "measured"
-        and (old.problem == row.problem or _ranges_overlap(old.problem, row.problem))
-        for old in table.rows
-    )
+    assert a.m_min is not None and a.m_max is not None and b.m_min is not None and b.m_max is not None
+    return a.m_min <= b.m_max and b.m_min <= a.m_max
+
+
+def merge_into(table: ScheduleTable, rows: Sequence[Schedule]) -> ScheduleTable:
+    """``table`` with ``rows`` merged in, in order, by the merge rules (``merge_rows``): a row
+    replaces the row for its problem, an M-range row every range of its (N, K) it overlaps, and a
+    predicted row is left out where it would replace a measured one. O((n + m) log(n + m)) for n
+    rows and m new ones (ranges are compared within their (N, K) only); the result is unique per
+    problem, its ranges disjoint."""
+    by_problem: dict[Problem, Schedule] = {row.problem: row for row in table.rows}
+    ranges: dict[tuple[int, int], list[Problem]] = {}
+    for row in table.rows:
+        if row.problem.is_range:
+            ranges.setdefault((row.problem.n, row.problem.k), []).append(row.problem)
+    for row in rows:
+        problem = row.problem
+        old = by_problem.get(problem)
+        same_nk = ranges.setdefault((problem.n, problem.k), []) if problem.is_range else []
+        overlapped = [p for p in same_nk if _ranges_overlap(p, problem)]
+        if row_kind(row) == "predicted" and any(
+            row_kind(by_problem[p]) == "measured" for p in [*([problem] if old else []), *overlapped]
+        ):
+            continue  # measured beats predicted
+        for p in overlapped:  # a new M range replaces every older range it overlaps
+            del by_problem[p]
+            same_nk.remove(p)
+        by_problem[problem] = row
+        if problem.is_range:
+            same_nk.append(problem)
+    return replace(table, rows=list(by_problem.values()))

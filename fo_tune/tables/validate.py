@@ -1,5 +1,6 @@
-"""The table checks that need a shape, beyond what loading checks: ``fo_kernels.plan.check_fits``
-for every exact row and for the ends and middle of every M range, and overlapping M ranges.
+"""The table checks that need a shape, beyond what loading checks (every field, rows unique per
+problem, M ranges disjoint): ``fo_kernels.plan.check_fits`` for every exact row and for the ends
+and middle of every M range.
 """
 
 from __future__ import annotations
@@ -10,13 +11,6 @@ from fo_kernels.schedule import SHARDED_COLLECTIVES, Problem, Schedule
 from fo_kernels.table import (
     ScheduleTable,
 )
-
-
-def _ranges_overlap(a: Problem, b: Problem) -> bool:
-    if not (a.is_range and b.is_range) or (a.n, a.k) != (b.n, b.k):
-        return False
-    assert a.m_min is not None and a.m_max is not None and b.m_min is not None and b.m_max is not None
-    return a.m_min <= b.m_max and b.m_min <= a.m_max
 
 
 # ------------------------------------------------------------------------------------- validate
@@ -48,8 +42,9 @@ def validate_table(table: ScheduleTable, *, sm_count: int | None = None) -> list
     - every overlapped M-range row must give a plan at ``m_min``, ``m_max`` and a middle M (for
       ``reduce_scatter`` and ``all_gather`` the multiples of the world size nearest inside the
       range), and the range must hold at least one such M;
-    - M ranges for the same (N, K) must not overlap (lookup would take the one with the lower
-      ``m_min`` for the common Ms).
+
+    (Two rows for one problem, and M ranges of one (N, K) that overlap, cannot be in a
+    ``ScheduleTable``: loading refuses them, naming both rows.)
 
     ``sm_count`` defaults to the table fingerprint's. Each issue is one line naming the row
     (``problem.describe()``) and the field, e.g.
@@ -78,19 +73,4 @@ def validate_table(table: ScheduleTable, *, sm_count: int | None = None) -> list
             issue = _plan_issue(row, m, sms, f"{problem.describe()} at M={m}")
             if issue is not None:
                 issues.append(issue)
-    ranges = sorted(
-        (row.problem for row in table.rows if row.problem.is_range),
-        key=lambda p: (p.n, p.k, p.m_min, p.m_max),
-    )
-    for i, first in enumerate(ranges):
-        assert first.m_max is not None
-        for second in ranges[i + 1 :]:
-            assert second.m_min is not None and second.m_max is not None
-            if (second.n, second.k) != (first.n, first.k) or second.m_min > first.m_max:
-                break
-            issues.append(
-                f"row {second.describe()}: problem: its M range overlaps row {first.describe()} for "
-                f"M in [{second.m_min},{min(first.m_max, second.m_max)}] (lookup takes "
-                f"{first.describe()} there); make the ranges disjoint"
-            )
     return issues

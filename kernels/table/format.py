@@ -1,5 +1,6 @@
 """The schedule table: ``ScheduleTable`` (one file's header and rows, unique per problem and sorted),
-its YAML format (schema 2, schema-1 rows upgraded), loading and saving, and the fingerprint check."""
+its format (schema 2, schema-1 rows upgraded; the text is ``fo_kernels.table.text``'s), loading
+and saving, and the fingerprint check."""
 
 from __future__ import annotations
 
@@ -7,15 +8,18 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from fo_kernels.errors import ScheduleError, TableError, TableNotFoundError, VersionDriftWarning
-from fo_kernels.files import atomic_write, read_yaml
+from fo_kernels.files import atomic_write
 from fo_kernels.fingerprint import Fingerprint
-from fo_kernels.schedule import COLLECTIVES, DTYPES, Schedule
+from fo_kernels.schedule import COLLECTIVES, DTYPES, Problem, Schedule
+from fo_kernels.table.index import ProblemKey, RowIndex, problem_key
 from fo_kernels.table.paths import TABLE_DIR_ENV, check_name
+from fo_kernels.table.text import dump_table_text, parse_table_text
 
 TABLE_SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = (1, 2)
@@ -26,17 +30,22 @@ _TOP_KEYS = ("schema_version", "kind", "fingerprint", "collective", "world_size"
 
 
 # ---------------------------------------------------------------------------------------- table
-def _row_key(schedule: Schedule) -> tuple[int, int, int, int, int]:
-    p = schedule.problem
-    if p.m is not None:
-        return (p.n, p.k, p.m, 0, p.m)
-    assert p.m_min is not None and p.m_max is not None
-    return (p.n, p.k, p.m_min, 1, p.m_max)
+def _check_header_keys(schedule: Schedule, table: Any) -> None:
+    for key in _HEADER_KEYS:
+        if getattr(schedule, key) != getattr(table, key):
+            theirs, ours = getattr(schedule, key), getattr(table, key)
+            raise TableError(f"{key}: the schedule says {theirs!r}, the table is for {ours!r}")
 
 
 @dataclass(kw_only=True, slots=True)
 class ScheduleTable:
-    """The schedules of one (device, collective, world size, dtype); see the module docstring."""
+    """The schedules of one (device, collective, world size, dtype); see the module docstring.
+
+    ``rows`` are kept sorted by (N, K, then M or m_min) and unique: two rows for one problem, or
+    two M ranges of one (N, K) that overlap, are refused (``TableError`` naming both by their
+    index in the rows given). Change them through ``upsert`` (or build a new table), which keeps
+    the lookup index (``fo_kernels.table.index``) in step.
+    """
 
     schema_version: int = TABLE_SCHEMA_VERSION
     fingerprint: Fingerprint
@@ -44,44 +53,45 @@ class ScheduleTable:
     world_size: int
     dtype: str
     rows: list[Schedule] = field(default_factory=list)
+    _index: RowIndex = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_name("collective", self.collective, COLLECTIVES)
         check_name("dtype", self.dtype, DTYPES)
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise TableError(f"world_size: expected an integer >= 1, got {self.world_size!r}")
-        rows, self.rows = list(self.rows), []
+        rows = list(self.rows)
         for row in rows:
-            self.upsert(row)
+            _check_header_keys(row, self)
+        self._set_rows(rows)
+
+    def _set_rows(self, rows: list[Schedule]) -> None:
+        """Sort ``rows`` and index them (O(n log n)); refuse duplicates and overlapping ranges."""
+        index = RowIndex([problem_key(row.problem) for row in rows])
+        self.rows = [rows[i] for i in index.order]
+        self._index = RowIndex([problem_key(row.problem) for row in self.rows])
 
     def upsert(self, schedule: Schedule) -> None:
-        """Replace the row for the same problem (exact M, or the identical range), else add it; keep order."""
-        for key in _HEADER_KEYS:
-            if getattr(schedule, key) != getattr(self, key):
-                raise TableError(
-                    f"{key}: the schedule says {getattr(schedule, key)!r}, "
-                    f"the table is for {getattr(self, key)!r}"
-                )
-        self.rows = [row for row in self.rows if row.problem != schedule.problem]
-        self.rows.append(schedule)
-        self.rows.sort(key=_row_key)
+        """Replace the row for the same problem (exact M, or the identical range), else add it; keep
+        the order. An M range that overlaps another row's range is refused (``TableError``):
+        remove that row first."""
+        _check_header_keys(schedule, self)
+        self._set_rows([row for row in self.rows if row.problem != schedule.problem] + [schedule])
 
     def find_exact(self, m: int, n: int, k: int, *, kind: str | None = None) -> Schedule | None:
         """The exact-shape row for (m, n, k) (of ``row_kind`` ``kind`` when given)."""
-        for row in self.rows:
-            if not row.problem.is_range and row.problem.covers(m, n, k) and kind in (None, row_kind(row)):
-                return row
-        return None
+        pos = self._index.exact(m, n, k)
+        row = self.rows[pos] if pos is not None else None
+        return row if row is not None and kind in (None, row_kind(row)) else None
 
     def find_range(self, m: int, n: int, k: int, *, kind: str | None = None) -> Schedule | None:
-        """The first M-range row (lowest m_min) covering m (of ``row_kind`` ``kind`` when given)."""
-        for row in self.rows:
-            if row.problem.is_range and row.problem.covers(m, n, k) and kind in (None, row_kind(row)):
-                return row
-        return None
+        """The M-range row covering m (of ``row_kind`` ``kind`` when given)."""
+        pos = self._index.range(m, n, k)
+        row = self.rows[pos] if pos is not None else None
+        return row if row is not None and kind in (None, row_kind(row)) else None
 
     def find(self, m: int, n: int, k: int) -> Schedule | None:
-        """The exact-shape row, else the first M-range row covering m, else None."""
+        """The exact-shape row, else the M-range row covering m, else None."""
         return self.find_exact(m, n, k) or self.find_range(m, n, k)
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,54 +114,112 @@ class ScheduleTable:
     @classmethod
     def from_dict(cls, data: Any, source: str = "<where>") -> ScheduleTable:
         """Validate and build; every error is a ``TableError`` naming ``source``, the row and the field."""
-        if not isinstance(data, Mapping):
-            raise TableError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
-        version = data.get("schema_version")
-        if version not in SUPPORTED_SCHEMA_VERSIONS or isinstance(version, bool):
-            raise TableError(
-                f"{source}: schema_version {version!r} is not supported (supported: "
-                f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}); re-run `fo-tune search` to rewrite it"
-            )
-        unknown = sorted(str(key) for key in set(data) - set(_TOP_KEYS))
-        if unknown:
-            raise TableError(f"{source}: unknown key(s) {', '.join(unknown)}; valid: {list(_TOP_KEYS)}")
-        missing = [key for key in _TOP_KEYS if key not in data]
-        if missing:
-            raise TableError(f"{source}: {missing[0]}: missing")
-        if data["kind"] != TABLE_KIND:
-            raise TableError(f"{source}: kind: expected {TABLE_KIND!r}, got {data['kind']!r}")
+        header, rows = parse_header(data, source)
+        schedules = [build_row(row, i, header, source) for i, row in enumerate(rows)]
         try:
-            fingerprint = Fingerprint.from_dict(data["fingerprint"])
-            header = {key: data[key] for key in _HEADER_KEYS}
-            table = cls(schema_version=version, fingerprint=fingerprint, **header)
-        except (TableError, ScheduleError) as exc:
+            return cls(
+                fingerprint=header.fingerprint,
+                collective=header.collective,
+                world_size=header.world_size,
+                dtype=header.dtype,
+                rows=schedules,
+            )  # (saving it writes the rows in today's form: schema_version is today's)
+        except TableError as exc:
             raise TableError(f"{source}: {exc}") from None
-        if fingerprint.world_size != table.world_size:
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TableHeader:
+    """A table file's header, checked: what every row shares."""
+
+    schema_version: int
+    fingerprint: Fingerprint
+    collective: str
+    world_size: int
+    dtype: str
+
+    def defaults(self) -> dict[str, Any]:
+        """The row keys the header owns, as ``Schedule.from_dict`` defaults."""
+        return {key: getattr(self, key) for key in _HEADER_KEYS}
+
+
+def parse_header(data: Any, source: str) -> tuple[TableHeader, list[Any]]:
+    """(the checked header, the rows as read) of a table file's data; every error is a
+    ``TableError`` naming ``source`` and the key (the rows are checked by ``build_row``)."""
+    if not isinstance(data, Mapping):
+        raise TableError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    version = data.get("schema_version")
+    if version not in SUPPORTED_SCHEMA_VERSIONS or isinstance(version, bool):
+        raise TableError(
+            f"{source}: schema_version {version!r} is not supported (supported: "
+            f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}); re-run `fo-tune search` to rewrite it"
+        )
+    unknown = sorted(str(key) for key in set(data) - set(_TOP_KEYS))
+    if unknown:
+        raise TableError(f"{source}: unknown key(s) {', '.join(unknown)}; valid: {list(_TOP_KEYS)}")
+    missing = [key for key in _TOP_KEYS if key not in data]
+    if missing:
+        raise TableError(f"{source}: {missing[0]}: missing")
+    if data["kind"] != TABLE_KIND:
+        raise TableError(f"{source}: kind: expected {TABLE_KIND!r}, got {data['kind']!r}")
+    try:
+        fingerprint = Fingerprint.from_dict(data["fingerprint"])
+        check_name("collective", data["collective"], COLLECTIVES)
+        check_name("dtype", data["dtype"], DTYPES)
+    except (TableError, ScheduleError) as exc:
+        raise TableError(f"{source}: {exc}") from None
+    world_size = data["world_size"]
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise TableError(f"{source}: world_size: expected an integer >= 1, got {world_size!r}")
+    if fingerprint.world_size != world_size:
+        raise TableError(
+            f"{source}: fingerprint.world_size: {fingerprint.world_size} differs from the header's "
+            f"world_size {world_size}"
+        )
+    rows = data["rows"]
+    if rows is None:
+        rows = []
+    if not isinstance(rows, list):
+        raise TableError(f"{source}: rows: expected a list, got {type(rows).__name__}")
+    header = TableHeader(
+        schema_version=version,
+        fingerprint=fingerprint,
+        collective=data["collective"],
+        world_size=world_size,
+        dtype=data["dtype"],
+    )
+    return header, rows
+
+
+def _check_row_mapping(row: Any, i: int, header: TableHeader, source: str) -> None:
+    if not isinstance(row, Mapping):
+        raise TableError(f"{source}: rows[{i}]: expected a mapping, got {type(row).__name__}")
+    for key in _HEADER_KEYS:
+        if key in row and row[key] != getattr(header, key):
             raise TableError(
-                f"{source}: fingerprint.world_size: {fingerprint.world_size} differs from the header's "
-                f"world_size {table.world_size}"
+                f"{source}: rows[{i}]: {key}: the row says {row[key]!r}, the header {getattr(header, key)!r}"
             )
-        rows = data["rows"]
-        if rows is None:
-            rows = []
-        if not isinstance(rows, list):
-            raise TableError(f"{source}: rows: expected a list, got {type(rows).__name__}")
-        for i, row in enumerate(rows):
-            if not isinstance(row, Mapping):
-                raise TableError(f"{source}: rows[{i}]: expected a mapping, got {type(row).__name__}")
-            for key in _HEADER_KEYS:
-                if key in row and row[key] != header[key]:
-                    raise TableError(
-                        f"{source}: rows[{i}]: {key}: the row says {row[key]!r}, the header {header[key]!r}"
-                    )
-            try:
-                if version == 1:
-                    row = upgrade_v1_row(row)
-                table.upsert(Schedule.from_dict(row, defaults=header))
-            except ScheduleError as exc:
-                raise TableError(f"{source}: rows[{i}]: {exc}") from None
-        table.schema_version = TABLE_SCHEMA_VERSION  # (saving it writes the rows in today's form)
-        return table
+
+
+def build_row(row: Any, i: int, header: TableHeader, source: str) -> Schedule:
+    """Row ``i`` of a file as a ``Schedule`` (a schema-1 row upgraded); errors name the row."""
+    _check_row_mapping(row, i, header, source)
+    try:
+        if header.schema_version == 1:
+            row = upgrade_v1_row(row)
+        return Schedule.from_dict(row, defaults=header.defaults())
+    except ScheduleError as exc:
+        raise TableError(f"{source}: rows[{i}]: {exc}") from None
+
+
+def row_problem_key(row: Any, i: int, header: TableHeader, source: str) -> ProblemKey:
+    """Row ``i``'s ``ProblemKey``, its problem checked (the rest of the row is checked when it is
+    built: ``build_row``)."""
+    _check_row_mapping(row, i, header, source)
+    try:
+        return problem_key(Problem.from_dict(row.get("problem")))
+    except ScheduleError as exc:
+        raise TableError(f"{source}: rows[{i}]: {exc}") from None
 
 
 # Schema 1: a row's Triton-engine fields, side by side with the common ones.
@@ -186,65 +254,46 @@ def upgrade_v1_row(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- load and save
+def read_table_text(path: str | os.PathLike[str]) -> str:
+    """The text of the table file at ``path``: ``TableNotFoundError`` when there is none,
+    ``TableError`` naming the path when it cannot be read."""
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TableNotFoundError(
+            f"{path}: no schedule table here; write one with `fo-tune search`, or set {TABLE_DIR_ENV} "
+            "to a folder that has one"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TableError(f"{path}: cannot read: {exc}") from None
+
+
+def read_table_data(path: str | os.PathLike[str]) -> Any:
+    """The data of the table file at ``path`` (``fo_kernels.table.text``; errors as
+    ``read_table_text``'s, and ``TableError`` naming the path when it is not YAML)."""
+    try:
+        return parse_table_text(read_table_text(path))
+    except yaml.YAMLError as exc:
+        raise TableError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+
+
 def load_table(path: str | os.PathLike[str]) -> ScheduleTable:
-    """Read and validate one table file."""
-    data = read_yaml(
-        path,
-        error=TableError,
-        missing=TableNotFoundError,
-        missing_hint=f"no schedule table here; write one with `fo-tune search`, or set {TABLE_DIR_ENV} "
-        "to a folder that has one",
-    )
-    return ScheduleTable.from_dict(data, source=str(path))
-
-
-class _FlowMapping(dict):
-    """A mapping written on one line (problem, tile, fingerprint-free leaves)."""
-
-
-class _FlowList(list):
-    """A list written on one line (groups)."""
-
-
-class _TableDumper(yaml.SafeDumper):
-    pass
-
-
-_TableDumper.add_representer(
-    _FlowMapping, lambda d, v: d.represent_mapping("tag:yaml.org,2002:map", v, flow_style=True)
-)
-_TableDumper.add_representer(
-    _FlowList, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True)
-)
-
-
-def _readable(data: dict[str, Any]) -> dict[str, Any]:
-    """Mark a row's small leaves (problem, tile, lists) for one-line output; settings without a
-    tile fit on one line too."""
-    out = dict(data)
-    out["problem"] = _FlowMapping(out["problem"])
-    settings = out.get("settings")
-    if settings is not None:
-        settings = {
-            key: _FlowList(value) if isinstance(value, list) else value for key, value in settings.items()
-        }
-        if "tile" in settings:
-            settings["tile"] = _FlowMapping(settings["tile"])
-            out["settings"] = settings
-        else:
-            out["settings"] = _FlowMapping(settings)
-    return out
+    """Read and validate one table file: every row built and checked, O(n log n) in its rows."""
+    return ScheduleTable.from_dict(read_table_data(path), source=str(path))
 
 
 def save_table(table: ScheduleTable, path: str | os.PathLike[str]) -> None:
-    """Write ``table`` as YAML: a temporary file in the same folder, then an atomic rename."""
+    """Write ``table`` (``fo_kernels.table.text``: the header in YAML, one row a line): a temporary
+    file in the same folder, then an atomic rename."""
     data = table.to_dict()
-    data["rows"] = [_readable(row) for row in data["rows"]]
-    text = yaml.dump(data, Dumper=_TableDumper, sort_keys=False, default_flow_style=False, width=110)
+    rows = data.pop("rows")
+    header = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=110)
+    text = dump_table_text(header, rows)
     atomic_write(path, lambda f: f.write(text))
 
 
-def check_fingerprint(table: ScheduleTable, current: Fingerprint, *, source: str) -> None:
+def check_fingerprint(table: ScheduleTable | TableHeader, current: Fingerprint, *, source: str) -> None:
     """Refuse a table for other hardware or another world size; warn once on library version drift."""
     theirs = table.fingerprint
     if theirs.compute_capability != current.compute_capability:

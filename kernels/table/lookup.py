@@ -8,14 +8,17 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from fo_kernels.errors import HeuristicScheduleWarning, ShapeError, TableError, TableNotFoundError
 from fo_kernels.fingerprint import current_fingerprint, resolve_device
 from fo_kernels.schedule import COLLECTIVES, SHARDED_COLLECTIVES, Problem, Schedule
-from fo_kernels.table.format import ScheduleTable, check_fingerprint, load_table
+from fo_kernels.table.format import check_fingerprint
+from fo_kernels.table.loaded import LoadedTable, read_table
 from fo_kernels.table.paths import (
     TABLE_DIR_ENV,
     check_name,
@@ -37,23 +40,31 @@ MISS_SOURCE = "no table row"
 
 
 # ---------------------------------------------------------------------------------------- lookup
+class FindsRows(Protocol):
+    """A table's finders (``ScheduleTable``, ``LoadedTable``), what ``best_row`` reads."""
+
+    def find_exact(self, m: int, n: int, k: int, *, kind: str | None = None) -> Schedule | None: ...
+
+    def find_range(self, m: int, n: int, k: int, *, kind: str | None = None) -> Schedule | None: ...
+
+
 class _TableCache:
     """Loaded tables keyed by path, valid while the file's (inode, mtime_ns, size) is unchanged."""
 
     def __init__(self, size: int) -> None:
         self._size = size
         self._lock = threading.Lock()
-        self._entries: OrderedDict[Path, tuple[tuple[int, int, int], ScheduleTable]] = OrderedDict()
+        self._entries: OrderedDict[Path, tuple[tuple[int, int, int], LoadedTable]] = OrderedDict()
         self._answers: OrderedDict[tuple, tuple[float, Schedule]] = OrderedDict()
 
-    def load(self, path: Path) -> ScheduleTable | None:
+    def load(self, path: Path) -> LoadedTable | None:
         """The table at ``path``, or None when there is no file."""
         with self._lock:
             try:
                 st = path.stat()
                 stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
                 hit = self._entries.pop(path, None)
-                table = hit[1] if hit is not None and hit[0] == stamp else load_table(path)
+                table = hit[1] if hit is not None and hit[0] == stamp else read_table(path)
             except (FileNotFoundError, TableNotFoundError):  # no file (or removed after the stat)
                 return None
             self._entries[path] = (stamp, table)
@@ -127,14 +138,14 @@ def lookup_schedule(
     dev = resolve_device(device) if pinned else dev_key  # (a pinned device is checked here)
     fp = current_fingerprint(dev, world_size)
     folders = table_search_path()
-    tables: list[ScheduleTable] = []
+    tables: list[LoadedTable] = []
     found_paths: list[str] = []
     for folder in folders:
         path = table_path(folder, fp.device_key, collective, world_size, dtype_name)
         table = _CACHE.load(path)
         if table is None:
             continue
-        check_fingerprint(table, fp, source=str(path))
+        check_fingerprint(table.header, fp, source=str(path))
         if (table.collective, table.dtype) != (collective, dtype_name):
             raise TableError(
                 f"{path}: holds {table.collective} {table.dtype} rows, expected {collective} {dtype_name}"
@@ -167,13 +178,21 @@ def lookup_schedule(
     return miss
 
 
-def best_row(tables: list[ScheduleTable], m: int, n: int, k: int) -> Schedule | None:
-    """The row ``lookup_schedule`` takes from ``tables`` (in folder order) for (m, n, k): measured
-    before predicted, then exact before M-range, then the first table's."""
+def best_match(tables: Sequence[FindsRows], m: int, n: int, k: int) -> tuple[int, Schedule] | None:
+    """(which of ``tables``, the row) ``lookup_schedule`` takes for (m, n, k), ``tables`` in folder
+    order: measured before predicted, then exact before M-range, then the first table's."""
     for kind in ("measured", "predicted"):
-        for finder in (ScheduleTable.find_exact, ScheduleTable.find_range):
-            for table in tables:
-                found = finder(table, m, n, k, kind=kind)
+        for exact in (True, False):
+            for i, table in enumerate(tables):
+                finder = table.find_exact if exact else table.find_range
+                found = finder(m, n, k, kind=kind)
                 if found is not None:
-                    return found
+                    return i, found
     return None
+
+
+def best_row(tables: Sequence[FindsRows], m: int, n: int, k: int) -> Schedule | None:
+    """The row ``lookup_schedule`` takes from ``tables`` (in folder order) for (m, n, k)
+    (``best_match``)."""
+    match = best_match(tables, m, n, k)
+    return match[1] if match is not None else None

@@ -11,7 +11,6 @@ decides a predicted one, with the same no-gain rule (``fo_tune.search.decide``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -36,7 +35,7 @@ class ShapeJob:
     model: CostModel | None
     measurer: Measurer | None
     study_name: str
-    storage: Callable[[], Any]  # opens the Optuna storage on first call (the enumeration never does)
+    storage: Any  # the opened Optuna storage (the enumeration runs no study in it)
     table: ScheduleTable | None
     budget_s: float | None
     reporter: Reporter

@@ -1,0 +1,220 @@
+"""``fo-tune table lookup`` and ``fo-tune table list``: the row the runtime would use for one call
+(library: ``fo_tune.tables.find.find_row``), and the table files in the runtime's search path.
+
+A lookup on a machine whose device key has no table (a CPU-only machine planning a GPU
+deployment) names the device keys that have tables and the ``-k`` that picks one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from fo_tune.cli.common import (
+    COLLECTIVE_NAMES,
+    DTYPE_NAMES,
+    SHARDED_COLLECTIVE_NAMES,
+    console,
+    handle_errors,
+    json_text,
+    summary_table,
+)
+from fo_tune.cli.table_options import (
+    DEFAULT_COLLECTIVE,
+    DEFAULT_DTYPE,
+    DEFAULT_WORLD_SIZE,
+    CollectiveOpt,
+    DeviceKeyOpt,
+    TableDtypeOpt,
+    check_choice,
+)
+from fo_tune.cli.table_rows import kind_label
+
+LOOKUP_HELP = "\n\n".join(
+    [
+        "Print the row the runtime (fo_kernels.lookup_schedule) would use for one call, as YAML "
+        "(--json: as JSON): device_key, source (the table file it comes from), kind (measured or "
+        "predicted) and the row with its provenance.",
+        "The runtime reads every table for the device key, collective, world size and dtype in its "
+        "search path ($FO_TUNE_TABLE_DIR, the user folder, the packaged tables) and takes a "
+        "measured exact-shape row, else a measured M-range row covering M, else a predicted "
+        "exact-shape row, else a predicted M-range row; between rows of the same kind the folder "
+        "order decides. Without a matching row it runs overlap: false (GEMM then the collective); "
+        "lookup then prints that with source: no table row and the files it read.",
+        "--device-key (-k) defaults to this machine's key for --world-size. A table belongs to the "
+        "machine it was tuned for: on a machine without that GPU (a CPU-only one planning an H200 "
+        "deployment) pass its key, e.g. -k nvidia-h200-cc90-132sm-w2-nvlink18; when this machine's "
+        "key has no table, the answer names the keys that have one (hint, other_device_keys). "
+        "`fo-tune table list` lists them all.",
+        "Exit code 0 when printed (a row or overlap: false), 2 for bad options or a malformed table.",
+    ]
+)
+
+LIST_HELP = "\n\n".join(
+    [
+        "List the table files the runtime's search path holds ($FO_TUNE_TABLE_DIR, the user folder "
+        "~/.local/share/fo-tune/tables, the packaged tables, in the order lookup reads them): per "
+        "file its device key, collective, world size, dtype, rows and folder. --device-key keeps "
+        "one device key's; --json prints them as JSON.",
+        "Exit code 0 (also when there is no table), 2 for a malformed table file.",
+    ]
+)
+
+ShapeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--shape",
+        "-s",
+        metavar="MxNxK",
+        help="The call's GEMM: M x N x K per rank (all_gather: M is the gathered M, w x a shard's rows).",
+        show_default=False,
+    ),
+]
+LookupWorldSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--world-size",
+        "-w",
+        help=f"World size of the call. Default: {DEFAULT_WORLD_SIZE}.",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of YAML.")]
+ListJsonOpt = Annotated[bool, typer.Option("--json", help="Print the list as JSON.")]
+ListDeviceKeyOpt = Annotated[
+    str | None,
+    typer.Option("--device-key", "-k", help="Only this device key's tables.", show_default=False),
+]
+
+
+def _miss_hint(device_key: str, read: list[Path]) -> dict[str, Any]:
+    """What a miss adds when ``device_key`` has no table at all: the keys that have one, and how
+    to pick one (empty when it has a table, or no key has one)."""
+    from fo_tune.tables.find import known_device_keys
+
+    others = [key for key in known_device_keys() if key != device_key]
+    if read or not others:
+        return {}
+    return {
+        "hint": f"no table for this machine's device key {device_key}; tables exist for "
+        f"{', '.join(others)}: pick one with -k KEY (--device-key), e.g. -k {others[0]}",
+        "other_device_keys": others,
+    }
+
+
+@handle_errors
+def lookup(
+    shape: ShapeOpt = None,
+    collective: CollectiveOpt = None,
+    world_size: LookupWorldSizeOpt = None,
+    dtype: TableDtypeOpt = None,
+    device_key: DeviceKeyOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    import yaml
+
+    from fo_tune.cli.common import parse_shape
+
+    if shape is None:
+        raise typer.BadParameter("--shape MxNxK: the call to look up is missing")
+    if world_size is not None and world_size < 1:
+        raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
+    m, n, k = parse_shape(shape)
+    collective = check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
+    dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
+    world = world_size or DEFAULT_WORLD_SIZE
+    if collective in SHARDED_COLLECTIVE_NAMES and m % world:
+        gathered = " (all_gather's M is the gathered M)" if collective == "all_gather" else ""
+        raise typer.BadParameter(
+            f"--shape {shape}: {collective} needs M divisible by the world size {world}{gathered}"
+        )
+    from fo_kernels.table import MISS_SOURCE
+    from fo_tune.tables.find import find_row
+
+    given = device_key is not None
+    if device_key is None:
+        from fo_kernels.fingerprint import current_fingerprint
+
+        device_key = current_fingerprint(None, world).device_key
+    row, path, read = find_row(device_key, collective, world, dtype, m, n, k)
+    out: dict[str, Any] = {"device_key": device_key}
+    if row is None:
+        out.update(
+            source=f"{MISS_SOURCE}: the runtime runs overlap: false (GEMM then the collective)",
+            searched=[str(p) for p in read],
+            row={"problem": {"m": m, "n": n, "k": k}, "overlap": False},
+        )
+        if not given:
+            out.update(_miss_hint(device_key, read))
+    else:
+        data = row.to_dict()
+        for key in ("collective", "dtype", "world_size"):
+            data.pop(key)
+        out.update(source=str(path), kind=kind_label(row), row=data)
+    if json_out:
+        typer.echo(json_text(out))
+    else:
+        typer.echo(yaml.safe_dump(out, sort_keys=False, width=110), nl=False)
+
+
+def table_files(device_key: str | None = None) -> list[dict[str, Any]]:
+    """Every table file in the runtime's search path (``device_key``'s only, when given), in the
+    order lookup reads the folders: its path, folder, header and row count."""
+    from fo_kernels.table import read_table, table_search_path
+
+    out: list[dict[str, Any]] = []
+    for root in table_search_path():
+        if not root.is_dir():
+            continue
+        for path in sorted(root.glob("*/*.yaml")):
+            if device_key is not None and path.parent.name != device_key:
+                continue
+            table = read_table(path)
+            out.append(
+                {
+                    "device_key": table.fingerprint.device_key,
+                    "collective": table.collective,
+                    "world_size": table.world_size,
+                    "dtype": table.dtype,
+                    "rows": len(table),
+                    "folder": str(root),
+                    "path": str(path),
+                }
+            )
+    return out
+
+
+@handle_errors
+def list_tables(device_key: ListDeviceKeyOpt = None, json_out: ListJsonOpt = False) -> None:
+    files = table_files(device_key)
+    if json_out:
+        typer.echo(json_text({"kind": "fo-tune-table-list", "tables": files}))
+        return
+    if not files:
+        from fo_kernels.table import table_search_path
+
+        folders = ", ".join(map(str, table_search_path()))
+        console.print(
+            f"no table in {folders}; write one with `fo-tune search`", markup=False, highlight=False
+        )
+        return
+    out = summary_table("", ["device key", "collective", "world", "dtype", "rows", "folder"], 4)
+    for f in files:
+        cells = [
+            f["device_key"],
+            f["collective"],
+            str(f["world_size"]),
+            f["dtype"],
+            str(f["rows"]),
+            f["folder"],
+        ]
+        out.add_row(*(escape(cell) for cell in cells))
+    console.print(out)
+    console.print(
+        "look a call up in one with `fo-tune table lookup -s MxNxK -c COLLECTIVE -k DEVICE_KEY`",
+        markup=False,
+        highlight=False,
+    )

@@ -1,0 +1,88 @@
+"""What the ``fo-tune table`` commands share: the header options that find a table (device key,
+collective, world size, dtype) with their defaults, the choice check, and finding the table files
+of a header in the runtime's search path (an error names the device keys that have tables)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fo_tune.cli.common import COLLECTIVE_NAMES, DTYPE_NAMES
+
+# Defaults of the header options: the setup docs/perf-notes.md measured (bf16, TP=2).
+DEFAULT_COLLECTIVE = "all_reduce"
+DEFAULT_WORLD_SIZE = 2
+DEFAULT_DTYPE = "bfloat16"
+
+DeviceKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--device-key",
+        "-k",
+        help="Device key of the table folder, e.g. nvidia-h200-cc90-132sm-w2-nvlink18. "
+        "Default: this machine's for --world-size.",
+        show_default=False,
+    ),
+]
+CollectiveOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--collective",
+        "-c",
+        help=f"Collective of the table: {', '.join(COLLECTIVE_NAMES)}. Default: {DEFAULT_COLLECTIVE}.",
+        show_default=False,
+    ),
+]
+TableWorldSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--world-size",
+        "-w",
+        min=1,
+        help=f"World size (ranks) of the table. Default: {DEFAULT_WORLD_SIZE}.",
+        show_default=False,
+    ),
+]
+TableDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--dtype",
+        "-d",
+        help=f"Operand dtype of the table: {', '.join(DTYPE_NAMES)}. Default: {DEFAULT_DTYPE}.",
+        show_default=False,
+    ),
+]
+
+
+def check_choice(option: str, value: str, choices: Sequence[str]) -> str:
+    """``value`` when it is one of ``choices``, else ``typer.BadParameter`` naming ``option``."""
+    if value not in choices:
+        raise typer.BadParameter(f"{option} {value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def find_paths(device_key: str | None, collective: str, world_size: int, dtype: str) -> list[Path]:
+    """The table files of this header in the search path (``device_key`` None: this machine's);
+    ``TableNotFoundError`` naming the device keys that have tables and the options that pick one."""
+    from fo_kernels.errors import TableNotFoundError
+    from fo_kernels.table import table_filename, table_search_path
+    from fo_tune.tables.find import find_tables, known_device_keys
+
+    if device_key is None:
+        from fo_kernels.fingerprint import current_fingerprint
+
+        device_key = current_fingerprint(None, world_size).device_key
+    paths = find_tables(device_key, collective, world_size, dtype)
+    if paths:
+        return paths
+    keys = known_device_keys()
+    known = f"tables exist for device keys {', '.join(keys)}" if keys else "no table folder exists"
+    folders = ", ".join(map(str, table_search_path()))
+    raise TableNotFoundError(
+        f"no table {device_key}/{table_filename(collective, world_size, dtype)} in {folders} ({known}); "
+        "write one with `fo-tune search`, pick a device key with -k KEY (`fo-tune table list` lists "
+        "them), or give a PATH"
+    )

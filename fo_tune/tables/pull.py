@@ -1,0 +1,80 @@
+"""``fo-tune table pull`` as a library call: the tables of every study in a shared storage, merged
+into a table folder with the rules every merge follows (``fo_tune.tables.merge``).
+
+The fleet's workers record their decided rows in their studies (``fo_tune.tables.stored``);
+``pull_tables`` reads every record, groups the rows by table (device key, collective, world size,
+dtype) and merges each group, oldest record first, into ``<table_dir>/<device key>/<file>``
+under the table's file lock: a row replaces the row for its problem, an M range every range it
+overlaps, and a predicted row never replaces a measured one (from the storage or already in the
+file). The header's fingerprint is the newest record's of that table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fo_kernels.fingerprint import Fingerprint
+from fo_kernels.schedule import Schedule
+from fo_kernels.table import row_kind, table_path
+from fo_tune.tables.merge import merge_rows
+from fo_tune.tables.stored import StoredRows, stored_rows
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PulledTable:
+    """One table file ``pull_tables`` wrote: how many rows came from how many studies, how many the
+    file holds now, and the measured rows a predicted one from the storage did not replace."""
+
+    path: Path
+    device_key: str
+    collective: str
+    world_size: int
+    dtype: str
+    studies: int
+    pulled: int
+    rows: int
+    kept_measured: int
+
+
+def _group(records: list[StoredRows]) -> dict[tuple[str, str, int, str], list[StoredRows]]:
+    groups: dict[tuple[str, str, int, str], list[StoredRows]] = {}
+    for record in records:  # (oldest first: stored_rows' order)
+        groups.setdefault(record.table_key, []).append(record)
+    return groups
+
+
+def pull_tables(storage: Any, table_dir: Path) -> list[PulledTable]:
+    """Merge the rows of every study in ``storage`` into the tables under ``table_dir`` (see the
+    module docstring); one ``PulledTable`` per file written, [] when no study records rows.
+    Raises ``TableError`` for a malformed record (naming the study) or a table file of other
+    hardware, before that table is written."""
+    out: list[PulledTable] = []
+    for (device_key, collective, world_size, dtype), records in _group(stored_rows(storage)).items():
+        fingerprint: Fingerprint = records[-1].fingerprint
+        rows: list[Schedule] = [row for record in records for row in record.rows]
+        path = table_path(table_dir, device_key, collective, world_size, dtype)
+        table = merge_rows(path, fingerprint, rows, collective=collective, world_size=world_size, dtype=dtype)
+        now = {row.problem: row for row in table.rows}
+        kept = {
+            row.problem
+            for row in rows
+            if row_kind(row) == "predicted"
+            and row.problem in now
+            and row_kind(now[row.problem]) == "measured"
+        }
+        out.append(
+            PulledTable(
+                path=path,
+                device_key=device_key,
+                collective=collective,
+                world_size=world_size,
+                dtype=dtype,
+                studies=len(records),
+                pulled=len(rows),
+                rows=len(table.rows),
+                kept_measured=len(kept),
+            )
+        )
+    return out

@@ -1,0 +1,157 @@
+"""A table file's text: the header in YAML's block style, then ``rows:`` with one row a line, each a
+JSON object. JSON objects are YAML flow mappings, so the file is YAML throughout (any YAML reader,
+``yq`` or a hand edit takes it), and the rows are read by ``json`` in one call instead of by the
+YAML parser.
+
+That is what makes a large table cheap: on the 2-core CPU machine, PyYAML's libyaml loader took
+167 s for a 100,000-row table in block style (50 MB); ``json`` reads the same rows in about a
+second (docs/perf-notes.md#tables-and-lookup). A file that is not in this form (a
+hand-written table, a schema-1 file, a comment between rows) is read by the YAML parser, as
+before; a row line that is not JSON is read by the YAML parser alone.
+
+A row's numbers read the same in both parsers: a float whose JSON form has no ``.`` (``1e-05``)
+is written ``1.0e-05`` (PyYAML, a YAML 1.1 reader, takes ``1e-05`` for a string); a row holding a
+non-finite float or a non-string key is written as a YAML flow mapping instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from fo_kernels.files import SAFE_LOADER
+from fo_kernels.table.index import EXACT, RANGE, ProblemKey
+
+# The line that starts the rows, and how every row line starts.
+ROWS_LINE = "rows:"
+ROW_PREFIX = "- "
+# How a row is written: JSON with a space after each separator (readable, and YAML needs the
+# space after ':' in a flow mapping whose keys are not quoted; ours are, the space costs nothing).
+_SEPARATORS = (", ", ": ")
+# Placeholder of a float written in its YAML-safe form (``1.0e-05``); NUL never occurs in YAML text.
+_FLOAT_MARK = "\u0000f{}\u0000"
+
+
+def _yaml_safe_floats(value: Any, floats: list[str]) -> Any:
+    """``value`` with each float that JSON writes without a ``.`` replaced by a placeholder (its
+    YAML-safe text appended to ``floats``); raises ``ValueError`` for what JSON cannot carry to
+    YAML unchanged (a non-finite float, a non-string key)."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("non-finite float")
+        text = repr(value)
+        if "." in text:
+            return value
+        mantissa, _, exponent = text.partition("e")
+        floats.append(f"{mantissa}.0e{exponent}")
+        return _FLOAT_MARK.format(len(floats) - 1)
+    if isinstance(value, Mapping):
+        if not all(isinstance(key, str) for key in value):
+            raise ValueError("non-string key")
+        return {key: _yaml_safe_floats(item, floats) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_yaml_safe_floats(item, floats) for item in value]
+    return value
+
+
+def row_line(row: Mapping[str, Any]) -> str:
+    """One row as its line's text (without ``- ``): JSON, else a one-line YAML flow mapping."""
+    floats: list[str] = []
+    try:
+        safe = _yaml_safe_floats(row, floats)
+    except ValueError:
+        text = yaml.safe_dump(dict(row), default_flow_style=True, width=math.inf, sort_keys=False)
+        return " ".join(text.split("\n")).strip()
+    text = json.dumps(safe, separators=_SEPARATORS, ensure_ascii=False)
+    for i, number in enumerate(floats):
+        text = text.replace(json.dumps(_FLOAT_MARK.format(i)), number, 1)
+    return text
+
+
+def dump_table_text(header_text: str, rows: list[Mapping[str, Any]]) -> str:
+    """The file: ``header_text`` (YAML block style, ending in a newline, without ``rows``), then
+    ``rows:`` and one line a row (``rows: []`` when there is none)."""
+    if not rows:
+        return f"{header_text}{ROWS_LINE} []\n"
+    lines = [f"{ROW_PREFIX}{row_line(row)}\n" for row in rows]
+    return f"{header_text}{ROWS_LINE}\n{''.join(lines)}"
+
+
+def _row_lines(body: str) -> list[str] | None:
+    """The row lines of ``body`` (the text after ``rows:``), each without ``- ``; None unless every
+    non-empty line is one flow-mapping row."""
+    lines = body.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if not all(line.startswith("- {") and line.endswith("}") for line in lines):
+        return None
+    return [line[len(ROW_PREFIX) :] for line in lines]
+
+
+def load_yaml_text(text: str) -> Any:
+    """A safe YAML load (libyaml's parser where PyYAML has it)."""
+    return yaml.load(text, Loader=SAFE_LOADER)  # a safe loader, C or Python
+
+
+def decode_row_line(line: str) -> Any:
+    """One row line (without ``- ``): by ``json``, else by the YAML parser."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        return load_yaml_text(line)
+
+
+def split_table_text(text: str) -> tuple[dict[str, Any], list[str]] | None:
+    """(the header's data, the row lines undecoded) of a file in the written form (see the module
+    docstring); None for any other text (read it with ``load_yaml_text``). Raises
+    ``yaml.YAMLError`` for a header that is not YAML."""
+    head, found, body = text.partition(f"\n{ROWS_LINE}\n")
+    lines = _row_lines(body) if found else None
+    if lines is None:
+        return None
+    header = load_yaml_text(head + "\n")
+    if not isinstance(header, dict) or "rows" in header:
+        return None
+    return header, lines
+
+
+def parse_table_text(text: str) -> Any:
+    """The data of a table file's ``text``: in the written form the header by the YAML parser and
+    the rows by ``json`` in one call (a line that is not JSON by the YAML parser), else all of it
+    by the YAML parser. Raises ``yaml.YAMLError`` for text that is not YAML."""
+    split = split_table_text(text)
+    if split is None:
+        return load_yaml_text(text)
+    data, lines = split
+    try:
+        data["rows"] = json.loads("[" + ",".join(lines) + "]")
+    except ValueError:
+        data["rows"] = [decode_row_line(line) for line in lines]
+    return data
+
+
+# The problem at the start of a written row line (``row_line`` writes ``problem`` first, with
+# these separators): exact ``m``, or ``m_min`` and ``m_max``; then ``n`` and ``k``.
+_PROBLEM_PREFIX = re.compile(
+    r'\{"problem": \{(?:"m": ([1-9][0-9]*)|"m_min": ([1-9][0-9]*), "m_max": ([1-9][0-9]*)), '
+    r'"n": ([1-9][0-9]*), "k": ([1-9][0-9]*)\}'
+)
+
+
+def line_problem(line: str) -> ProblemKey | None:
+    """The ``ProblemKey`` at the start of a written row line, without decoding the rest; None when
+    the line does not start that way (or its range is empty: decoding it names the error)."""
+    match = _PROBLEM_PREFIX.match(line)
+    if match is None:
+        return None
+    m, lo, hi, n, k = match.groups()
+    if m is not None:
+        return (int(n), int(k), int(m), EXACT, int(m))
+    if int(lo) > int(hi):
+        return None
+    return (int(n), int(k), int(lo), RANGE, int(hi))

@@ -1,0 +1,234 @@
+"""A fleet of search workers sharing one study storage: each records its decided rows there, and
+`fo-tune table pull` writes the tables from every study (tests/pg_server.py starts a real
+PostgreSQL server; SQLite is the one-machine case); a storage that cannot be opened is refused
+before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from cli import app
+from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, run_reports
+from fo_kernels.table import load_table
+from pg_server import postgres_server, server_blocker
+
+ROOT = Path(__file__).resolve().parents[1]
+# The workers of the fleet tests: (collective, what to search), each in its own process.
+WORKERS = (
+    ("all_reduce", ["--shape", "4096x8192x4096"]),
+    ("reduce_scatter", ["--shape", "8192x8192x8192"]),
+    ("all_reduce", ["--shape", "1x8192x4096", "--m-range", "512:2048"]),
+)
+# Seconds a worker may take (an offline search of one shape is ~3 s of CPU, mostly imports).
+WORKER_TIMEOUT_S = 300
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    isolate_tables(monkeypatch, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def pg_url() -> str:
+    """A PostgreSQL server for this module (skipped, with the reason, where none can start)."""
+    why = server_blocker()
+    if why is not None:
+        pytest.skip(why)
+    with postgres_server() as url:
+        yield url
+
+
+def run_fleet(tmp_path: Path, storage: str) -> list[Path]:
+    """Start the ``WORKERS`` at once against ``storage``, each with its own table folder and
+    working folder; wait for all; returns their table folders."""
+    procs, tables = [], []
+    for i, (collective, args) in enumerate(WORKERS):
+        work = tmp_path / f"worker{i}"
+        work.mkdir()
+        tables.append(work / "tables")
+        cmd = [sys.executable, str(ROOT / "cli.py"), "search", "-c", collective, *args, "--storage", storage]
+        env = {**os.environ, "FO_TUNE_TABLE_DIR": str(tables[-1]), "TRITON_INTERPRET": "1"}
+        procs.append(
+            subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        )
+    outs = [p.communicate(timeout=WORKER_TIMEOUT_S)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    return tables
+
+
+def check_pulled(tables: list[Path], pulled: Path) -> None:
+    """Every row each worker wrote into its own table is in the pulled table, unchanged."""
+    seen = 0
+    for folder in tables:
+        for path in folder.glob("*/*.yaml"):
+            mine = load_table(path)
+            theirs = load_table(pulled / path.relative_to(folder))
+            assert theirs.fingerprint.device_key == H200_KEY
+            for row in mine.rows:
+                assert row in theirs.rows, row.problem.describe()
+                seen += 1
+    ranges = [
+        row
+        for row in load_table(pulled / H200_KEY / "all_reduce-w2-bfloat16.yaml").rows
+        if row.problem.is_range
+    ]
+    assert ranges and ranges[0].problem.m_min == 512 and ranges[-1].problem.m_max == 2048
+    assert seen >= 4  # two exact rows and the M ranges
+
+
+def pull(storage: str, table_dir: Path, *extra: str) -> CliRunner:
+    return CliRunner().invoke(
+        app, ["table", "pull", "--storage", storage, "--table-dir", str(table_dir), *extra]
+    )
+
+
+def test_three_workers_on_postgres_are_gathered_by_pull(tmp_path: Path, pg_url: str) -> None:
+    tables = run_fleet(tmp_path, pg_url)
+    result = pull(pg_url, tmp_path / "pulled")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("table ") == 2  # all_reduce (exact + M ranges), reduce_scatter
+    check_pulled(tables, tmp_path / "pulled")
+    # pulling again changes nothing; --json says what was written
+    again = pull(pg_url, tmp_path / "pulled", "--json")
+    data = json.loads(again.stdout)
+    assert again.exit_code == 0 and {t["collective"] for t in data["tables"]} == {
+        "all_reduce",
+        "reduce_scatter",
+    }
+    assert "@127.0.0.1" in data["storage"]
+
+
+def test_three_workers_on_sqlite_are_gathered_by_pull(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'fleet.db'}"
+    tables = run_fleet(tmp_path, storage)
+    result = pull(storage, tmp_path / "pulled")
+    assert result.exit_code == 0, result.output
+    check_pulled(tables, tmp_path / "pulled")
+    # each worker's report is a folder of its own run, under the data folder (not the working one)
+    for i in range(len(WORKERS)):
+        assert not (tmp_path / f"worker{i}" / "results").exists()
+
+
+def test_pull_keeps_measured_rows_over_predicted_ones(tmp_path: Path) -> None:
+    """The merge rules hold for pulled rows: a measured row in the table stays."""
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    out = tmp_path / "o"
+    r = CliRunner().invoke(
+        app, ["search", "--shape", "4096x8192x4096", "--storage", storage, "--out", str(out)]
+    )
+    assert r.exit_code == 0, r.output
+    packaged = ROOT / "results" / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml"
+    target = tmp_path / "t" / H200_KEY / "all_reduce-w2-bfloat16.yaml"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(packaged.read_bytes())
+    measured = load_table(target).find(4096, 8192, 4096)
+    assert measured is not None and measured.provenance["mode"] != "predict"
+    result = pull(storage, tmp_path / "t")
+    assert result.exit_code == 0, result.output
+    assert "kept 1 measured row(s)" in result.stdout
+    assert load_table(target).find(4096, 8192, 4096) == measured
+
+
+def test_pull_from_an_empty_or_missing_storage(tmp_path: Path) -> None:
+    line = assert_one_line_error(pull(f"sqlite:///{tmp_path / 'none.db'}", tmp_path / "t"))
+    assert "does not exist" in line and not (tmp_path / "none.db").exists()
+    journal = tmp_path / "j.log"
+    journal.write_text("")
+    result = pull(f"journal:{journal}", tmp_path / "t")
+    assert result.exit_code == 0 and "nothing written" in result.stdout
+    assert "--storage" in assert_one_line_error(CliRunner().invoke(app, ["table", "pull"]))
+
+
+# ---------------------------------------------------------------------------------- bad storages
+@pytest.mark.parametrize(
+    ("storage", "needle"),
+    [
+        ("sqlite:///{tmp}/no/such/folder/s.db", "does not exist"),
+        ("journal:{tmp}/no/such/folder/s.log", "does not exist"),
+        ("postgresql://nobody@127.0.0.1:{port}/x", "cannot open it"),
+    ],
+)
+def test_a_storage_that_cannot_be_opened_is_exit_2_before_any_work(
+    tmp_path: Path, storage: str, needle: str
+) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = storage.format(tmp=tmp_path, port=port)
+    for mode in ([], ["--trials", "5"]):  # the enumerated predict search and the TPE one
+        start = time.monotonic()
+        result = CliRunner().invoke(app, ["search", "--shape", "4096x8192x4096", *mode, "--storage", url])
+        line = assert_one_line_error(result)
+        assert needle in line and "--storage" in line, line
+        assert time.monotonic() - start < WORKER_TIMEOUT_S
+    assert not (tmp_path / "no").exists()
+    assert not list((tmp_path / "xdg").glob("fo-tune/search/*/*/*"))  # no report
+
+
+def test_a_missing_postgres_driver_is_exit_2_naming_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("psycopg", "psycopg2") else real(name, *a),
+    )
+    line = assert_one_line_error(
+        CliRunner().invoke(
+            app, ["search", "--shape", "4096x8192x4096", "--storage", "postgresql://u:secret@db/x"]
+        )
+    )
+    assert "fo-tune[postgres]" in line and "secret" not in line
+
+
+# ---------------------------------------------------------------------------------- reports, JSON
+def test_each_run_has_its_own_report_and_json_summary(tmp_path: Path) -> None:
+    runner = CliRunner()
+    results = [runner.invoke(app, ["search", "--shape", "4096x8192x4096", "--json"]) for _ in range(2)]
+    assert all(r.exit_code == 0 for r in results), [r.output for r in results]
+    reports = []
+    for r in results:
+        data = json.loads(r.stdout)  # stdout is the JSON and nothing else
+        (run,) = data["runs"]
+        assert run["shapes"][0]["shape"] == "4096x8192x4096" and run["request"]["mode"] == "predict"
+        reports.append(Path(run["report"]))
+    name = tmp_path / "xdg" / "fo-tune" / "search" / H200_KEY / "all_reduce-w2-bfloat16-predict"
+    assert run_reports(name) == sorted(reports)  # two runs, two folders, none replaced
+    assert all((p / "summary.yaml").is_file() for p in reports)
+    summary = yaml.safe_load((reports[0] / "summary.yaml").read_text())
+    assert summary["request"]["storage"].endswith("fo-tune/studies/fo-tune.db")
+    help_text = runner.invoke(app, ["search", "--help"], terminal_width=200).stdout
+    assert "~/.local/share/fo-tune/search/" in " ".join(help_text.split())
+
+
+def test_lookup_json_list_and_version(tmp_path: Path) -> None:
+    runner = CliRunner()
+    miss = json.loads(runner.invoke(app, ["table", "lookup", "-s", "4096x8192x4096", "--json"]).stdout)
+    assert miss["row"]["overlap"] is False and H200_KEY in miss["other_device_keys"]
+    assert f"-k {H200_KEY}" in miss["hint"]
+    hit = json.loads(
+        runner.invoke(app, ["table", "lookup", "-s", "4096x8192x4096", "-k", H200_KEY, "--json"]).stdout
+    )
+    assert hit["kind"] == "measured" and hit["row"]["engine"] == "copy_engine"
+    listed = json.loads(runner.invoke(app, ["table", "list", "--json"]).stdout)["tables"]
+    assert {(t["device_key"], t["collective"]) for t in listed} >= {
+        (H200_KEY, "all_reduce"),
+        (H200_KEY, "reduce_scatter"),
+    }
+    assert all(t["rows"] > 0 for t in listed)
+    shown = runner.invoke(app, ["table", "list"])
+    assert shown.exit_code == 0 and H200_KEY in shown.stdout and "-k DEVICE_KEY" in shown.stdout
+    version = runner.invoke(app, ["--version"])
+    assert version.exit_code == 0 and version.stdout.startswith("fo-tune ")

@@ -1,0 +1,138 @@
+"""Tables at fleet scale: a generated 100,000-row table validates, and the runtime looks rows up in
+it, within the budgets of issue 40 on the 2-core CPU machine; the table file's text (one JSON row
+a line) reads the same as YAML."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from big_table import EXACT_PER_NK, M_STEP, big_table_rows, write_big_table
+from cli import app
+from fo_kernels.fingerprint import Fingerprint, current_fingerprint
+from fo_kernels.table import TABLE_DIR_ENV, load_table, lookup_schedule, read_table, table_path
+from fo_kernels.table import lookup as table_lookup
+from fo_kernels.table import paths as table_paths
+from fo_kernels.table.text import dump_table_text, parse_table_text, row_line
+
+# The table a merged M-range campaign grows to, and the budgets it must meet (issue 40): `fo-tune
+# table validate` <= 10 s, the runtime's first lookup_schedule <= 3 s, a later one <= 1 ms. They
+# are asserted on this process's CPU time (time.process_time), which other processes on a shared
+# machine do not inflate as they do the wall time; on an idle 2-core machine the two agree.
+BIG_ROWS = 100_000
+VALIDATE_BUDGET_S = 10.0
+FIRST_LOOKUP_BUDGET_S = 3.0
+LATER_LOOKUP_BUDGET_S = 1e-3
+# Later lookups timed: each a shape not looked up before (its row built from its line).
+LATER_LOOKUPS = 50
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Fingerprint]:
+    """The 100,000-row table, written once for this module, where lookup finds it on this machine."""
+    root = tmp_path_factory.mktemp("big-tables")
+    fp = current_fingerprint("cpu", world_size=2)
+    path = table_path(root, fp.device_key, "all_reduce", 2, "bfloat16")
+    return write_big_table(path, fp, BIG_ROWS), fp
+
+
+def test_a_100k_row_table_validates_within_budget(big: tuple[Path, Fingerprint]) -> None:
+    path, _fp = big
+    start = time.process_time()
+    result = CliRunner().invoke(app, ["table", "validate", str(path)])
+    took = time.process_time() - start
+    assert result.exit_code == 0, result.output
+    assert f"OK {path}: {BIG_ROWS} row(s)" in result.stdout
+    assert took <= VALIDATE_BUDGET_S, f"validate took {took:.1f} s of CPU"
+
+
+def test_a_100k_row_table_looks_up_within_budget(
+    big: tuple[Path, Fingerprint], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, fp = big
+    monkeypatch.setenv(TABLE_DIR_ENV, str(path.parents[1]))
+    monkeypatch.setattr(table_paths, "_packaged_table_dir", lambda: None)
+    table_lookup._CACHE.clear()
+    n, k = 1024, 1024
+    start = time.process_time()
+    first = lookup_schedule("all_reduce", M_STEP, n, k, dtype=torch.bfloat16, world_size=2, device="cpu")
+    took = time.process_time() - start
+    assert first.engine == "copy_engine" and first.problem.m == M_STEP
+    assert took <= FIRST_LOOKUP_BUDGET_S, f"the first lookup took {took:.2f} s"
+    later = []
+    for i in range(1, LATER_LOOKUPS + 1):  # other shapes, each one's row built on first use
+        m = (i + 1) * M_STEP if i % 2 else EXACT_PER_NK * M_STEP + 100 * i  # exact rows, M ranges
+        start = time.process_time()
+        row = lookup_schedule("all_reduce", m, n, k + 128, dtype=torch.bfloat16, world_size=2, device="cpu")
+        later.append(time.process_time() - start)
+        assert row.problem.covers(m, n, k + 128) and row.provenance["source"] == "fo-tune search"
+        assert row.problem.is_range == (i % 2 == 0)
+    start = time.process_time()
+    again = lookup_schedule("all_reduce", M_STEP, n, k, dtype=torch.bfloat16, world_size=2, device="cpu")
+    repeated = time.process_time() - start
+    assert again is first
+    assert statistics.median(later) <= LATER_LOOKUP_BUDGET_S, (
+        f"later lookups: median {statistics.median(later)}"
+    )
+    assert repeated <= LATER_LOOKUP_BUDGET_S, f"a repeated lookup took {repeated * 1e3:.2f} ms"
+    table_lookup._CACHE.clear()
+    assert len(read_table(path)) == BIG_ROWS and fp.device_key in str(path)
+
+
+def test_a_duplicate_row_is_refused_by_validate_with_exit_2(tmp_path: Path) -> None:
+    fp = current_fingerprint("cpu", world_size=2)
+    path = write_big_table(tmp_path / "t.yaml", fp, 300)
+    rows = path.read_text().splitlines()
+    path.write_text("\n".join([*rows, rows[-200]]) + "\n")  # the row of rows[100] again, last
+    result = CliRunner().invoke(app, ["table", "validate", str(path)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rows[100] and rows[300] are both for problem" in lines[0], lines
+
+
+# ------------------------------------------------------------------------------------ the text
+def test_row_lines_read_the_same_as_json_and_as_yaml() -> None:
+    row = {
+        "problem": {"m": 64, "n": 64, "k": 32},
+        "overlap": False,
+        "provenance": {
+            "small": 1e-05,
+            "large": 1e16,
+            "plain": 0.0612,
+            "negative": -2.5e-07,
+            "text": 'say "hi": {not a map}, # no comment\nsecond line',
+            "unicode": "über",
+            "list": [1, 2.0, None, True],
+        },
+    }
+    line = row_line(row)
+    assert "\n" not in line and "1.0e-05" in line and "1.0e+16" in line
+    assert json.loads(line) == row
+    assert yaml.safe_load(line) == row
+    odd = {"problem": {"m": 8, "n": 64, "k": 32}, "overlap": False, "provenance": {"x": math.inf}}
+    odd_line = row_line(odd)  # not JSON: a YAML flow mapping on one line
+    assert "\n" not in odd_line and yaml.safe_load(odd_line) == odd
+
+
+def test_written_text_parses_as_yaml_does(tmp_path: Path) -> None:
+    fp = current_fingerprint("cpu", world_size=2)
+    rows = big_table_rows(40, fp.sm_count)
+    rows[7]["provenance"]["x"] = math.nan  # one row that only YAML can carry
+    text = dump_table_text(yaml.safe_dump({"schema_version": 2}, sort_keys=False), rows)
+    fast, slow = parse_table_text(text), yaml.safe_load(text)
+    assert math.isnan(fast["rows"][7]["provenance"].pop("x"))
+    assert math.isnan(slow["rows"][7]["provenance"].pop("x"))
+    assert fast == slow
+    assert parse_table_text("schema_version: 2\nrows: []\n") == {"schema_version": 2, "rows": []}
+    path = write_big_table(tmp_path / "t.yaml", fp, 40)
+    with_comment = path.read_text().replace("rows:\n", "rows:\n# a comment the fast path does not take\n")
+    (tmp_path / "c.yaml").write_text(with_comment)
+    assert load_table(tmp_path / "c.yaml") == load_table(path)
