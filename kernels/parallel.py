@@ -36,7 +36,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwiseParallel
 from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwiseParallel
 from torch.distributed.tensor.parallel import parallelize_module
@@ -44,10 +44,10 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fo_kernels.errors import NotOverlappedWarning, PlanError
 from fo_kernels.groups import check_group
-from fo_kernels.parallel_forward import COLWISE, ROWWISE, LinearPlan, install
+from fo_kernels.parallel_forward import COLWISE, PLAN_ATTR, ROWWISE, LinearPlan, install_forward
 from fo_kernels.schedule import TORCH_DTYPES
 
-__all__ = ["ColwiseParallel", "RowwiseParallel", "parallelize_linears"]
+__all__ = ["ColwiseParallel", "LinearPlan", "RowwiseParallel", "install", "parallelize_linears", "plan_of"]
 
 # parallelize_linears' plan values.
 KINDS = ("column", "row")
@@ -68,10 +68,10 @@ def _is_last(placement: Placement) -> bool:
     return isinstance(placement, Shard) and placement.dim == -1
 
 
-def _plan(style: TorchColwiseParallel | TorchRowwiseParallel, kind: str, mesh: DeviceMesh) -> LinearPlan:
+def _plan(style: ColwiseParallel | RowwiseParallel, mesh: DeviceMesh) -> LinearPlan:
     group = mesh.get_group()
     return LinearPlan(
-        kind=kind,
+        kind=style.kind,
         mesh=mesh,
         group=group,
         group_name=group.group_name,
@@ -94,11 +94,17 @@ class ColwiseParallel(TorchColwiseParallel):
     """torch's ``ColwiseParallel`` (same arguments, same parameters) on fo-tune's ops; see the
     module docstring for what runs where."""
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        reason = _blocker(module, device_mesh)
+    kind = COLWISE
+
+    def _layout_blocker(self) -> str:
+        """Why fo-tune cannot run this style's layouts ("" when it can)."""
         (layout,) = self.input_layouts
-        if not reason and (isinstance(layout, Partial) or _is_last(layout)):
-            reason = f"input_layouts={layout!r} is gathered on its features by DTensor"
+        if isinstance(layout, Partial) or _is_last(layout):
+            return f"input_layouts={layout!r} is gathered on its features by DTensor"
+        return ""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        reason = _blocker(module, device_mesh) or self._layout_blocker()
         if reason:
             _warn(self, module, f"{reason}; it runs as torch's style")
             return super()._apply(module, device_mesh)
@@ -110,7 +116,7 @@ class ColwiseParallel(TorchColwiseParallel):
                 f"output_layouts={out!r} is made from Shard(-1) by DTensor, as torch's style does",
             )
         distribute_module(module, device_mesh, self._partition_linear_fn)
-        install(module, _plan(self, COLWISE, device_mesh))
+        install_forward(module, _plan(self, device_mesh))
         return module
 
 
@@ -118,20 +124,63 @@ class RowwiseParallel(TorchRowwiseParallel):
     """torch's ``RowwiseParallel`` (same arguments, same parameters) on fo-tune's ops; see the
     module docstring for what runs where."""
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        reason = _blocker(module, device_mesh)
+    kind = ROWWISE
+
+    def _layout_blocker(self) -> str:
+        """Why fo-tune cannot run this style's layouts ("" when it can)."""
         (layout,), (out,) = self.input_layouts, self.output_layouts
-        if not reason and not _is_last(layout):
-            reason = f"input_layouts={layout!r} is resharded to Shard(-1) by DTensor"
-        if not reason and not (isinstance(out, Replicate) or (isinstance(out, Shard) and not _is_last(out))):
-            reason = f"output_layouts={out!r} is neither an all-reduce nor a reduce-scatter of a leading dim"
+        if not _is_last(layout):
+            return f"input_layouts={layout!r} is resharded to Shard(-1) by DTensor"
+        if not (isinstance(out, Replicate) or (isinstance(out, Shard) and not _is_last(out))):
+            return f"output_layouts={out!r} is neither an all-reduce nor a reduce-scatter of a leading dim"
+        return ""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        reason = _blocker(module, device_mesh) or self._layout_blocker()
         if reason:
             _warn(self, module, f"{reason}; it runs as torch's style")
             return super()._apply(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)  # what torch's _apply sets for a linear
         distribute_module(module, device_mesh, self._partition_linear_fn)
-        install(module, _plan(self, ROWWISE, device_mesh))
+        install_forward(module, _plan(self, device_mesh))
         return module
+
+
+# The dim of its weight each style shards (torch's placements: colwise Shard(0), rowwise Shard(1)).
+WEIGHT_DIM = {COLWISE: 0, ROWWISE: 1}
+
+
+def install(
+    module: nn.Module, device_mesh: DeviceMesh, style: ColwiseParallel | RowwiseParallel
+) -> nn.Module:
+    """Give ``module``, an ``nn.Linear`` whose parameters a framework has already made DTensors
+    with torch's placements (transformers' ``tp_plan`` loading does), the forward ``style`` runs
+    with fo-tune's ops; returns ``module``. Raises ``PlanError`` where fo-tune cannot run it (the
+    framework's own forward is the one to keep there)."""
+    if not isinstance(style, ColwiseParallel | RowwiseParallel):
+        raise PlanError(
+            f"style: expected fo_kernels.parallel's ColwiseParallel or RowwiseParallel, got {style!r}"
+        )
+    reason = _blocker(module, device_mesh) or style._layout_blocker()
+    weight = getattr(module, "weight", None)
+    if not reason and not (
+        isinstance(weight, DTensor)
+        and len(weight.placements) == 1
+        and isinstance(weight.placements[0], Shard)
+        and weight.placements[0].dim % weight.dim() == WEIGHT_DIM[style.kind]
+    ):
+        dim = WEIGHT_DIM[style.kind]
+        reason = f"its weight is not a DTensor sharded on dim {dim}, as a {style.kind} weight is"
+    if reason:
+        raise PlanError(f"{style!r} cannot run on {type(module).__name__}: {reason}")
+    install_forward(module, _plan(style, device_mesh))
+    return module
+
+
+def plan_of(module: nn.Module) -> LinearPlan | None:
+    """How fo-tune runs ``module`` (its kind, mesh, group and layouts), or None where it does not
+    (a module no fo-tune style was applied to, or one its style left to torch's)."""
+    return getattr(module, PLAN_ATTR, None)
 
 
 def parallelize_linears(

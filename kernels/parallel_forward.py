@@ -66,7 +66,7 @@ class LinearPlan:
     use_local_output: bool
 
 
-def install(module: nn.Linear, plan: LinearPlan) -> None:
+def install_forward(module: nn.Linear, plan: LinearPlan) -> None:
     """Make ``module``'s forward the plan's (its parameters are already DTensors)."""
     setattr(module, PLAN_ATTR, plan)
     forward = _colwise_forward if plan.kind == COLWISE else _rowwise_forward
