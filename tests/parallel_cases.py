@@ -101,6 +101,9 @@ class StyleCase:
     ops: frozenset[str] = frozenset()  # the collectives fo-tune's ops run, forward and backward
     warnings: int = 0
     tokens: int = 0  # > 0: an integer input below this
+    # fo-tune's copy through parallelize_linears(model, linears, sequence_parallel=...) instead
+    linears: dict[str, str] | None = None
+    sequence_parallel: bool = False
 
 
 def _mlp_plan(sp_dim: int | None, bias: bool = True) -> StyleCase:
@@ -171,6 +174,17 @@ CASES: dict[str, StyleCase] = {
         ops=AG_RS,
         warnings=2,
         tokens=8,
+    ),
+    # parallelize_linears over the styles, with sequence parallelism: the plan of "mlp_sp"
+    "linears_sp": StyleCase(
+        model=lambda w: MLP(8, 4 * w),
+        plan=lambda s: {"up": s[0](input_layouts=Shard(0)), "down": s[1](output_layouts=Shard(0))},
+        x_shape=lambda w: (2, 3, 8),
+        x_shard=True,
+        y_shard=True,
+        ops=AG_RS,
+        linears={"up": "column", "do*": "row"},
+        sequence_parallel=True,
     ),
     # runs as torch's style does: a float64 model (at apply time), rows that do not divide by the
     # world size (at run time), an input sharded on its features
@@ -279,7 +293,10 @@ def style_case(ctx, name: str, backends: list[str | None]) -> dict[str, object]:
     out: dict[str, object] = {"runs": []}
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        torch_tp.parallelize_module(ours, mesh, case.plan(FO))
+        if case.linears is None:
+            torch_tp.parallelize_module(ours, mesh, case.plan(FO))
+        else:
+            fo_tp.parallelize_linears(ours, case.linears, sequence_parallel=case.sequence_parallel)
         for backend in backends:
             torch._dynamo.reset()
             model = ours if backend is None else torch.compile(ours, backend=backend, fullgraph=True)
@@ -428,6 +445,9 @@ def bad_inputs(ctx, _payload) -> dict[str, str]:
         "rs_dim": lambda: symm_mem.fused_matmul_reduce_scatter(a, b, "sum", -3, name),
         "rs_group": lambda: symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, "no-such-group"),
         "plan_unknown": lambda: fo_tp.parallelize_linears(MLP(4, 8), {"nope": "column"}),
+        "install_plain": lambda: fo_tp.install(nn.Linear(4, 4), mesh, fo_tp.ColwiseParallel()),
+        "install_style": lambda: fo_tp.install(col, mesh, torch_tp.ColwiseParallel()),
+        "install_embedding": lambda: fo_tp.install(nn.Embedding(4, 4), mesh, fo_tp.RowwiseParallel()),
         "plan_kind": lambda: fo_tp.parallelize_linears(MLP(4, 8), {"up": "diagonal"}),
     }
     msgs = {}

@@ -68,3 +68,6 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
         )
         assert msgs["rs_group"].startswith("GroupError"), msgs
         assert "names no submodule" in msgs["plan_unknown"] and "diagonal" in msgs["plan_kind"], msgs
+        assert "not a DTensor sharded on dim 0" in msgs["install_plain"], msgs
+        assert msgs["install_style"].startswith("PlanError: style: expected"), msgs
+        assert "Embedding is not an nn.Linear" in msgs["install_embedding"], msgs
