@@ -85,6 +85,12 @@ def _op_dtype_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype == weight.dtype and x.dtype in TORCH_DTYPES.values()
 
 
+def _input_why(x: torch.Tensor, weight: torch.Tensor) -> str:
+    if x.numel() == 0:
+        return f"an empty input {tuple(x.shape)}"
+    return f"input {x.dtype}, weight {weight.dtype} (the ops take one of bfloat16, float16, float32)"
+
+
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -141,8 +147,8 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight = module.weight.to_local()
     x, layout, is_dtensor = _local_input(x, plan)
     _check_features(module, x, weight, plan)
-    if not _op_dtype_ok(x, weight):
-        return torch_forward(module, x, plan, lambda: f"input {x.dtype}, weight {weight.dtype}")
+    if not _op_dtype_ok(x, weight) or x.numel() == 0:
+        return torch_forward(module, x, plan, lambda: _input_why(x, weight))
     d = _leading_dim(layout, x.dim())
     if isinstance(layout, Replicate):
         if is_dtensor:  # its gradient is a partial sum: DTensor reduces it where x came from
@@ -150,7 +156,8 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             y = x @ weight.t()
         elif _needs_grad(x, weight):
             rows = x.reshape(-1, x.shape[-1])
-            y = _ReplicatedInputMatmul.apply(rows, weight.t(), plan.group_name).view(*x.shape[:-1], -1)
+            y = _ReplicatedInputMatmul.apply(rows, weight.t(), plan.group_name)
+            y = y.view(*x.shape[:-1], weight.shape[0])
         else:
             y = x @ weight.t()
     elif d is not None:
@@ -158,7 +165,7 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             x = x.to_local()
         xm = _moved(x, d)
         rows = all_gather_gemm(xm.reshape(-1, xm.shape[-1]), weight.t(), group=plan.group)
-        y = _moved_back(rows.view(xm.shape[0] * plan.world_size, *xm.shape[1:-1], -1), d)
+        y = _moved_back(rows.view(xm.shape[0] * plan.world_size, *xm.shape[1:-1], weight.shape[0]), d)
     else:
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r} (DTensor gathers it)")
     if module.bias is not None:
@@ -204,14 +211,14 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not (isinstance(layout, Shard) and x.dim() >= 1 and layout.dim % x.dim() == x.dim() - 1):
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, not Shard(-1)")
     _check_features(module, x, weight, plan)
-    if not _op_dtype_ok(x, weight):
-        return torch_forward(module, x, plan, lambda: f"input {x.dtype}, weight {weight.dtype}")
+    if not _op_dtype_ok(x, weight) or x.numel() == 0:
+        return torch_forward(module, x, plan, lambda: _input_why(x, weight))
     want = plan.output_layouts[0]
     bias = module.bias.to_local() if module.bias is not None else None
     if isinstance(want, Replicate):
         local = x.to_local() if is_dtensor else x
         y = gemm_all_reduce(local.reshape(-1, local.shape[-1]), weight.t(), group=plan.group)
-        y = y.view(*local.shape[:-1], -1)
+        y = y.view(*local.shape[:-1], weight.shape[0])
         if bias is not None:
             y = y + bias
     else:
@@ -220,7 +227,7 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             return torch_forward(module, x, plan, lambda: _rows_why(want, x, plan))
         local = _moved(x.to_local() if is_dtensor else x, d)
         y = gemm_reduce_scatter(local.reshape(-1, local.shape[-1]), weight.t(), group=plan.group)
-        y = y.view(local.shape[0] // plan.world_size, *local.shape[1:-1], -1)
+        y = y.view(local.shape[0] // plan.world_size, *local.shape[1:-1], weight.shape[0])
         if bias is not None:
             y = _ShardBias.apply(y, bias, plan.group_name) if _needs_grad(y, bias) else y + bias
         y = _moved_back(y, d)
