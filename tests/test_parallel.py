@@ -15,10 +15,14 @@ from parallel_cases import CASES, suite
 
 # float32 against torch's styles on the same float32 model.
 TOL = 1e-5
-# The cases compiled at world size 3 (with and without sequence parallelism); world size 2
-# compiles every case. aot_eager runs Dynamo, AOTAutograd and the ops' fake implementations
-# without inductor's C++ code generation (see test_layers.py).
-COMPILED_AT_3 = ("mlp", "mlp_sp", "mlp_sp_seq", "block")
+# The cases also run under torch.compile (aot_eager: Dynamo, AOTAutograd and the ops' fake
+# implementations without inductor's C++ code generation, ~10 s of CPU a graph here; see
+# test_layers.py), per world size: without and with sequence parallelism (dim 0 and 1, DTensor
+# inputs), DTensor outputs, and a run-time fallback to torch's path inside the graph.
+COMPILED = {
+    2: ("mlp", "mlp_sp", "mlp_sp_seq", "block", "dtensor_out", "uneven_rows"),
+    3: ("mlp", "mlp_sp"),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +32,7 @@ def _isolated_tables(tmp_path, monkeypatch):
 
 
 def _backends(world: int, name: str) -> list[str | None]:
-    return [None, "aot_eager"] if world == 2 or name in COMPILED_AT_3 else [None]
+    return [None, "aot_eager"] if name in COMPILED[world] else [None]
 
 
 @pytest.mark.parametrize("world", [2, 3])
