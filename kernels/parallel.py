@@ -19,7 +19,8 @@ make them), so a distributed checkpoint or FSDP2 sees the same model. The forwar
 
 with autograd and under ``torch.compile`` (the ops are custom ops). A style fo-tune cannot run
 (a module other than a plain ``nn.Linear``, such as ``nn.Embedding`` or a subclass with its own
-forward; a mesh of more than one dim; a colwise input sharded on its features, a rowwise input
+forward; a mesh of more than one dim; weights other than bfloat16, float16 or float32; a colwise
+input sharded on its features, a rowwise input
 other than ``Shard(-1)`` or output other than ``Replicate()`` / a leading ``Shard``) is torch's style
 for that module, with one ``NotOverlappedWarning``; a colwise output layout other than ``Shard(-1)``
 is redistributed as torch's style does, with one warning.
@@ -215,8 +216,8 @@ def parallelize_linears(
                 raise PlanError(f"plan: {name} is a {found}, not an nn.Linear")
             chosen[name] = kind
     group = group if group is not None else dist.group.WORLD
-    device = next(iter(model.parameters())).device.type if any(True for _ in model.parameters()) else "cpu"
-    mesh = DeviceMesh.from_group(group, device)
+    first = model.get_submodule(next(iter(chosen)))
+    mesh = DeviceMesh.from_group(group, first.weight.device.type)
     activation = Shard(0) if sequence_parallel else Replicate()
     styles = {
         name: ColwiseParallel(input_layouts=activation)
