@@ -44,8 +44,9 @@ from fo_kernels.layers import _ReplicatedInputMatmul, _ShardBias
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.schedule import TORCH_DTYPES
 
-# The attribute of the module that holds its LinearPlan.
+# The attributes of the module that hold its LinearPlan, and whether it has warned of torch's path.
 PLAN_ATTR = "_fo_parallel_plan"
+WARNED_ATTR = "_fo_parallel_warned"
 COLWISE, ROWWISE = "colwise", "rowwise"
 # The layouts each kind computes in (torch's desired layouts of a linear).
 DESIRED_INPUT = {COLWISE: (Replicate(),), ROWWISE: (Shard(-1),)}
@@ -101,8 +102,8 @@ def torch_forward(
     """The module's forward as torch's style runs it (its input and output hooks around
     ``F.linear`` on the DTensor parameters), with one ``NotOverlappedWarning`` per module saying
     ``why()`` (a callable: torch.compile traces no message)."""
-    if not torch.compiler.is_compiling() and not getattr(module, "_fo_parallel_warned", False):
-        module._fo_parallel_warned = True
+    if not torch.compiler.is_compiling() and not getattr(module, WARNED_ATTR, False):
+        setattr(module, WARNED_ATTR, True)
         warnings.warn(
             f"fo_kernels.parallel: a {plan.kind} {type(module).__name__} runs as torch's style does, "
             f"not overlapped: {why()}",
