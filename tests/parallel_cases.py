@@ -463,3 +463,34 @@ def bad_inputs(ctx, _payload) -> dict[str, str]:
             msgs[key] = "NO ERROR"
     dist.barrier()  # every rank is still in step: no collective was left half-started
     return msgs
+
+
+# ---------------------------------------------------------------------------------- FSDP2
+def fsdp2_tp(ctx, _payload) -> dict[str, object]:
+    """FSDP2 over fo-tune's styles on a 2 x 2 (dp, tp) mesh against FSDP2 over torch's: the
+    output, every gradient (this rank's shard) and the parameters' 2-D placements agree, and
+    fo-tune's ops ran."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (2, ctx.world_size // 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(4)
+    full = MLP(8, 4 * mesh["tp"].size())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(9 + mesh["dp"].get_local_rank()))
+    runs = {}
+    for name, styles in (("torch", TORCH), ("fo", FO)):
+        model = copy.deepcopy(full)
+        torch_tp.parallelize_module(model, mesh["tp"], {"up": styles[0](), "down": styles[1]()})
+        fully_shard(model, mesh=mesh["dp"])
+        with warnings.catch_warnings(), recorded_collectives() as ops:
+            warnings.simplefilter("ignore")
+            y = model(x)
+            y.sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        runs[name] = (y.detach(), grads, _placements(model), sorted(set(ops)))
+    (y_t, g_t, p_t, _), (y_f, g_f, p_f, ops_f) = runs["torch"], runs["fo"]
+    return {
+        "errs": {"y": rel(y_f, y_t), **{n: rel(g_f[n], g) for n, g in g_t.items()}},
+        "placements_equal": p_f == p_t,
+        "ops": ops_f,
+    }

@@ -2,8 +2,9 @@
 sequence-parallel plan (``apply_tp``) with torch's styles, and again with fo-tune's styles swapped
 in, gives the same loss, gradients and placements on 2 and 4 gloo ranks; fo-tune's ops run its
 AllGather + GEMM (the output layer's sequence-parallel input) and GEMM + ReduceScatter (every
-block's ``wo`` and ``w2``). torchtitan is a dev dependency (pinned in pyproject.toml): the test fails,
-never skips, without it."""
+block's ``wo`` and ``w2``). The 4 ranks also run FSDP2 over fo-tune's styles on a 2 x 2 (dp, tp)
+mesh against FSDP2 over torch's (the parameters' placements are torch's, so FSDP2 composes).
+torchtitan is a dev dependency (pinned in pyproject.toml): the test fails, never skips, without it."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ def _isolated_tables(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_llama3_with_fo_tune_styles_matches_torchtitan(world):
-    results = run_ranks(suite, world, {"llama3": ("llama3", None)}, backend="gloo")
+    parts = {"llama3": ("llama3", None)}
+    if world == 4:  # the same 4 ranks: FSDP2 over the styles on a 2 x 2 (dp, tp) mesh
+        parts["fsdp2"] = ("fsdp2_tp", None)
+    results = run_ranks(suite, world, parts, backend="gloo")
     for rank, r in enumerate(results):
         run = r["llama3"]
         bad = {k: v for k, v in run["errs"].items() if not v < TOL}
@@ -32,3 +36,8 @@ def test_llama3_with_fo_tune_styles_matches_torchtitan(world):
         assert len(run["errs"]) > 10, run["errs"]  # the loss and every parameter's gradient
         assert run["same_names"] and run["placements_equal"] and run["grad_placements_equal"], run
         assert run["ops"] == ["all_gather", "reduce_scatter"], run["ops"]
+        if world == 4:
+            fsdp = r["fsdp2"]
+            bad = {k: v for k, v in fsdp["errs"].items() if not v < TOL}
+            assert not bad and len(fsdp["errs"]) == 5, (rank, fsdp["errs"])
+            assert fsdp["placements_equal"] and fsdp["ops"] == ["all_reduce"], fsdp

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from parallel_cases import recorded_collectives, rel
+from parallel_cases import fsdp2_tp, recorded_collectives, rel
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchtitan_llama3.py"
 
@@ -70,6 +70,10 @@ def llama3(ctx, _payload) -> dict[str, object]:
     )
 
 
+# the rank functions a suite may name (fsdp2_tp reuses the 4 ranks of the world-size-4 job)
+RANK_FUNCTIONS = {"llama3": llama3, "fsdp2_tp": fsdp2_tp}
+
+
 def suite(ctx, parts: dict[str, tuple[str, object]]) -> dict[str, object]:
-    """Several rank functions of this module in one start of the ranks: name -> (function, payload)."""
-    return {name: globals()[fn](ctx, payload) for name, (fn, payload) in parts.items()}
+    """Several rank functions in one start of the ranks: name -> (function, payload)."""
+    return {name: RANK_FUNCTIONS[fn](ctx, payload) for name, (fn, payload) in parts.items()}
