@@ -39,6 +39,7 @@ import os
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest import mock
 
@@ -46,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 
 # float32 against torchtitan's own plan on the same float32 model.
 TOLERANCE = 1e-5
@@ -67,7 +69,7 @@ def tiny_llama3(seed: int) -> torch.nn.Module:
 
 
 @contextmanager
-def fo_tune_styles():
+def fo_tune_styles() -> Iterator[None]:
     """torchtitan's parallelize module with fo-tune's ColwiseParallel and RowwiseParallel in place
     of torch's: what the two-line change of its import does."""
     from torchtitan.models.llama3.infra import parallelize as titan
@@ -78,7 +80,7 @@ def fo_tune_styles():
         yield
 
 
-def apply_torchtitan_tp(model: torch.nn.Module, mesh, *, fo_tune: bool) -> torch.nn.Module:
+def apply_torchtitan_tp(model: torch.nn.Module, mesh: DeviceMesh, *, fo_tune: bool) -> torch.nn.Module:
     """torchtitan's tensor- and sequence-parallel plan (``apply_tp``) on ``model``, with torch's
     styles or with fo-tune's."""
     from torchtitan.models.llama3.infra.parallelize import apply_tp

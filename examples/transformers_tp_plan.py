@@ -35,6 +35,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh
 
 # float32 against the unsharded float32 model.
 TOLERANCE = 1e-5
@@ -47,7 +48,9 @@ def fo_tune_style(base: type, fo_style: type) -> type:
     from fo_kernels.errors import NotOverlappedWarning, PlanError
 
     class FoTuneStyle(base):
-        def install_forward(self, module, mesh, **kwargs):
+        def install_forward(
+            self, module: torch.nn.Module, mesh: DeviceMesh, **kwargs: object
+        ) -> torch.nn.Module:
             style = fo_style(
                 input_layouts=self.input_layouts,
                 output_layouts=self.output_layouts,
