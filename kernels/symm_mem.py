@@ -23,6 +23,7 @@ arguments raise a ``ValueError`` subclass naming the problem before any collecti
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -61,20 +62,26 @@ def _described(t: object) -> str:
     return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
 
 
-def _world(group_name: str) -> tuple[dist.ProcessGroup | None, int]:
+def _world(group_name: str) -> tuple[str, int]:
+    """(the group's name as the ops take it, its size); an unknown name raises ``GroupError``.
+    Traced by torch.compile, the size is read by name (a function Dynamo folds to a constant)."""
+    if torch.compiler.is_compiling():
+        name = group_name or dist.group.WORLD.group_name
+        return name, dist.distributed_c10d._get_group_size_by_name(name)
     if not dist.is_available() or not dist.is_initialized():
         raise ArgumentError("torch.distributed is not initialized; call dist.init_process_group first")
     group = resolve_group(group_name)
-    return group, dist.get_world_size(group)
+    return ("" if group is None else group.group_name), dist.get_world_size(group)
 
 
 def _runs_on_ops(a: torch.Tensor, bs: list[torch.Tensor]) -> bool:
     return a.dtype in TORCH_DTYPES.values() and all(b.dtype == a.dtype and b.device == a.device for b in bs)
 
 
-def _not_overlapped(why: str) -> None:
+def _not_overlapped(why: Callable[[], str]) -> None:
+    """Warn that a call runs as torch's reference, saying ``why()`` (not traced by torch.compile)."""
     if not torch.compiler.is_compiling():
-        warnings.warn(f"fo_kernels.symm_mem: {why}; it runs as torch's reference", NotOverlappedWarning, 3)
+        warnings.warn(f"fo_kernels.symm_mem: {why()}; it runs as torch's reference", NotOverlappedWarning, 3)
 
 
 def _operand(b: torch.Tensor) -> torch.Tensor:
@@ -97,13 +104,14 @@ def fused_all_gather_matmul(
     if isinstance(Bs, torch.Tensor) or not Bs:
         raise ShapeError("Bs must be a non-empty list of (K, N) matrices")
     d = _dim(gather_dim, A_shard.dim(), "gather_dim")
-    group, world = _world(group_name)
-    name = "" if group is None else group.group_name
+    name, world = _world(group_name)
     k = A_shard.shape[-1] * (world if d == A_shard.dim() - 1 else 1)
     for i, b in enumerate(Bs):
         _check_b(A_shard, b, f"Bs[{i}]", k)
     if d == A_shard.dim() - 1 or not _runs_on_ops(A_shard, Bs):
-        _not_overlapped("a gather of the features" if d == A_shard.dim() - 1 else f"dtype {A_shard.dtype}")
+        _not_overlapped(
+            lambda: "a gather of the features" if d == A_shard.dim() - 1 else f"dtype {A_shard.dtype}"
+        )
         return _gather_then_matmul(A_shard, Bs, d, name, world, return_A)
     moved = A_shard.movedim(d, 0)
     lead = moved.shape[:-1]
@@ -129,15 +137,14 @@ def fused_matmul_reduce_scatter(
     if reduce_op not in REDUCE_OPS:
         raise ArgumentError(f"reduce_op {reduce_op!r} is not one of {', '.join(REDUCE_OPS)}")
     d = _dim(scatter_dim, A.dim(), "scatter_dim")
-    group, world = _world(group_name)
-    name = "" if group is None else group.group_name
+    name, world = _world(group_name)
     size = A.shape[d] if d < A.dim() - 1 else B.shape[1]
     if size % world:
         raise ShapeError(
             f"scatter_dim {scatter_dim} has {size} entries, not divisible by the world size {world}"
         )
     if d == A.dim() - 1 or not _runs_on_ops(A, [B]):
-        _not_overlapped("a scatter of the features" if d == A.dim() - 1 else f"dtype {A.dtype}")
+        _not_overlapped(lambda: "a scatter of the features" if d == A.dim() - 1 else f"dtype {A.dtype}")
         return _matmul_then_reduce_scatter(A, B, reduce_op, d, name, world)
     moved = A.movedim(d, 0)
     lead = moved.shape[:-1]

@@ -333,10 +333,11 @@ def suite(ctx, parts: dict[str, tuple[str, object]]) -> dict[str, object]:
 
 
 # ---------------------------------------------------------------------------------- fused ops
-def fused_ops(ctx, _payload) -> dict[str, float]:
+def fused_ops(ctx, compiled: bool) -> dict[str, float]:
     """fo_kernels.symm_mem against torch's reference implementations of the same ops (what
-    torch.ops.symm_mem computes; its own kernels are CUDA-only), name -> relative error, and the
-    gradients of the overlapped path against those of torch's path through autograd collectives."""
+    torch.ops.symm_mem computes; its own kernels are CUDA-only), name -> relative error, the
+    gradients of the overlapped path against those of torch's path through autograd collectives,
+    and with ``compiled`` both functions under torch.compile(fullgraph=True) against eager."""
     from torch.distributed import _symmetric_memory as torch_symm
 
     from fo_kernels import symm_mem
@@ -379,7 +380,29 @@ def fused_ops(ctx, _payload) -> dict[str, float]:
                 errs[f"rs{shape}@{scatter_dim} avg"] = rel(avg * world, want)
                 errs[f"rs{shape}@{scatter_dim} contiguous"] = 0.0 if got.is_contiguous() else 1.0
     errs.update(_fused_grads(rank, world, name))
+    if compiled:
+        errs["compiled"] = _fused_compiled(rank, world, name)
     return errs
+
+
+def _fused_compiled(rank: int, world: int, name: str) -> float:
+    """Both functions in one torch.compile(fullgraph=True) block against the same block eagerly."""
+    from fo_kernels import symm_mem
+
+    def block(a: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, b3: torch.Tensor) -> torch.Tensor:
+        gathered, (y1, y2) = symm_mem.fused_all_gather_matmul(a, [b1, b2], 1, name)
+        z = symm_mem.fused_matmul_reduce_scatter(y1, b3, "sum", 1, name)
+        return gathered.sum() + y2.sum() + z.sum()
+
+    gen = torch.Generator().manual_seed(80 + rank)
+    args = (torch.randn(2, 3, 6, generator=gen), torch.randn(6, 4, generator=gen))
+    args += (torch.randn(6, 5, generator=gen), torch.randn(4, 2, generator=gen))
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager = block(*args)
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(*args)
+    return rel(compiled, eager)
 
 
 def _fused_grads(rank: int, world: int, name: str) -> dict[str, float]:

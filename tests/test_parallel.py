@@ -40,7 +40,7 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
     payload = {name: _backends(world, name) for name in CASES}
     parts = {
         "styles": ("style_cases", payload),
-        "fused": ("fused_ops", None),
+        "fused": ("fused_ops", world == 2),
         "bad": ("bad_inputs", None),
     }
     results = run_ranks(suite, world, parts, backend="gloo")
@@ -58,6 +58,7 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
                 assert run["ops"] == case.ops, (where, run["backend"], run["ops"])
         bad = {k: v for k, v in r["fused"].items() if not v < TOL}
         assert not bad and len(r["fused"]) > 40, (rank, bad)
+        assert ("compiled" in r["fused"]) == (world == 2), r["fused"]
         msgs = r["bad"]
         assert "NO ERROR" not in msgs.values(), msgs
         assert (
