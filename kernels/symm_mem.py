@@ -118,7 +118,7 @@ def fused_all_gather_matmul(
     b = _operand(Bs[0] if len(Bs) == 1 else torch.cat(list(Bs), dim=1))
     out, gathered = call_op("all_gather", moved.reshape(-1, moved.shape[-1]), b, name)
     out = out.view(lead[0] * world, *lead[1:], -1).movedim(0, d)
-    outs = list(out.split([b.shape[1] for b in Bs], dim=-1)) if len(Bs) > 1 else [out]
+    outs = list(out.split([each.shape[1] for each in Bs], dim=-1)) if len(Bs) > 1 else [out]
     a_full = gathered.view(lead[0] * world, *lead[1:], -1).movedim(0, d) if return_A else None
     return a_full, outs
 
