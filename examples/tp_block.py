@@ -6,9 +6,10 @@
 
 Every rank builds the same decoder from a ``transformers`` Llama config with random weights (no
 download) and keeps an unsharded copy. The attention's q/k/v projections and the MLP's gate/up
-projections become ``ColumnParallelLinear`` (each rank: its heads, its MLP columns), the attention's
-output projection and the MLP's down projection ``RowParallelLinear`` (their GEMM and AllReduce
-overlapped by fo_kernels), through ``fo_kernels.parallelize_linears``. One forward and backward of
+projections are sharded column-wise (each rank: its heads, its MLP columns), the attention's
+output projection and the MLP's down projection row-wise (their GEMM and AllReduce overlapped by
+fo_kernels), through ``fo_kernels.parallelize_linears``: fo-tune's ``ColwiseParallel`` /
+``RowwiseParallel`` styles, the parameters DTensors with torch's placements. One forward and backward of
 a language-model loss on the same tokens then runs on both models, and the example compares the
 logits, the loss and every parameter's gradient (this rank's shard of it) with the unsharded
 model's. It prints what it checked with the largest relative error of each, then one ``RESULT``
@@ -73,35 +74,24 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.detach().double() - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def grad_errors(sharded: torch.nn.Module, full: torch.nn.Module, rank: int) -> dict[str, float]:
+def grad_errors(sharded: torch.nn.Module, full: torch.nn.Module, rank: int, world: int) -> dict[str, float]:
     """Largest relative error of each kind of parameter's gradient: this rank's shard of the
-    unsharded model's gradient for the tensor-parallel layers, all of it for the others."""
-    from fo_kernels import ColumnParallelLinear, RowParallelLinear
+    unsharded model's gradient for the tensor-parallel weights (DTensors: ``Shard(0)`` column-wise,
+    ``Shard(1)`` row-wise, cut as DTensor cuts them), all of it for the others."""
+    from torch.distributed.tensor import DTensor, Shard
 
     worst: dict[str, float] = {}
-    full_modules = dict(full.named_modules())
-    for name, module in sharded.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            kind = (
-                "column-parallel weights"
-                if isinstance(module, ColumnParallelLinear)
-                else "row-parallel weights"
-            )
-            want = full_modules[name].weight.grad
-            size = module.weight.shape[0] if kind.startswith("column") else module.weight.shape[1]
-            part = slice(rank * size, (rank + 1) * size)
-            want = want[part] if kind.startswith("column") else want[:, part]
-            pairs = [(module.weight.grad, want)]
-        elif not any(True for _ in module.children()):  # a leaf: embeddings, norms, lm_head
-            kind = "other parameters"
-            pairs = [
-                (p.grad, dict(full_modules[name].named_parameters())[n].grad)
-                for n, p in module.named_parameters()
-            ]
-        else:
-            continue
-        for got, want in pairs:
-            worst[kind] = max(worst.get(kind, 0.0), rel(got, want))
+    full_params = dict(full.named_parameters())
+    for name, param in sharded.named_parameters():
+        want = full_params[name].grad
+        if isinstance(param, DTensor):
+            (placement,) = param.placements
+            kind = "column-parallel weights" if placement == Shard(0) else "row-parallel weights"
+            got = param.grad.to_local()
+            want = want.chunk(world, dim=placement.dim)[rank]
+        else:  # embeddings, norms, lm_head
+            kind, got = "other parameters", param.grad
+        worst[kind] = max(worst.get(kind, 0.0), rel(got, want))
     return worst
 
 
@@ -122,7 +112,7 @@ def check(rank: int, world: int, device: torch.device) -> dict[str, float]:
         "logits": rel(outputs["sharded"].logits, outputs["full"].logits),
         "loss": rel(outputs["sharded"].loss, outputs["full"].loss),
     }
-    errors.update(grad_errors(sharded, full, rank))
+    errors.update(grad_errors(sharded, full, rank, world))
     return errors
 
 
@@ -154,7 +144,7 @@ def rank_main(rank: int, world: int, backend: str, store: str, results: dict | N
 
 def report(world: int, backend: str, worst: dict[str, float]) -> None:
     print(f"Llama decoder ({LAYERS} layers, {2 * world} heads) sharded over {world} ranks ({backend}):")
-    print("  q/k/v, gate/up -> ColumnParallelLinear; o_proj, down_proj -> RowParallelLinear")
+    print("  q/k/v, gate/up -> ColwiseParallel; o_proj, down_proj -> RowwiseParallel (fo_kernels.parallel)")
     for name, err in worst.items():
         verdict = "ok" if err <= TOLERANCE else "TOO LARGE"
         print(f"  {name:<24} max relative error {err:.2e} ({verdict}, tolerance {TOLERANCE:.0e})")

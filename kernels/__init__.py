@@ -2,8 +2,10 @@
 
 Tile-wise overlap of a GEMM with its collective (GEMM + AllReduce, GEMM + ReduceScatter, AllGather
 + GEMM), driven by YAML schedule tables; the ops are torch.library custom ops with autograd
-(``torch.ops.fo_kernels.*``), and tensor-parallel layers build on them. Depends only on
-torch, triton and pyyaml (cuda-bindings optional); it never imports the tuner ``fo_tune``.
+(``torch.ops.fo_kernels.*``), and tensor-parallel layers build on them: torch's ``parallelize_module``
+styles (``fo_kernels.parallel``), torch's fused-op signatures (``fo_kernels.symm_mem``) and the
+plain-tensor layers (``fo_kernels.layers``). Depends only on torch, triton and pyyaml
+(cuda-bindings optional); it never imports the tuner ``fo_tune``.
 
 The public names below load their module on first use (PEP 562), so ``import fo_kernels.errors``
 or ``fo_kernels.Schedule`` does not define the Triton kernels: Triton decides at that moment
@@ -31,7 +33,9 @@ _EXPORTS = {
     "PlanError": "errors",
     "ColumnParallelLinear": "layers",
     "RowParallelLinear": "layers",
-    "parallelize_linears": "layers",
+    "parallelize_linears": "parallel",
+    "NotOverlappedWarning": "errors",
+    "ArgumentError": "errors",
     "all_gather_gemm": "overlap",
     "gemm_all_reduce": "overlap",
     "gemm_reduce_scatter": "overlap",

@@ -25,6 +25,11 @@ class GroupError(FoTuneError, ValueError):
     """A process group the call cannot use: this rank is not in it, or it is unknown or destroyed."""
 
 
+class ArgumentError(FoTuneError, ValueError):
+    """An argument a call does not take (an unknown ``reduce_op``), or a call before torch.distributed
+    is initialized."""
+
+
 class PlanError(FoTuneError, ValueError):
     """A tensor-parallel plan (``parallelize_linears``) naming no module, or a module it cannot shard."""
 
@@ -47,3 +52,7 @@ class VersionDriftWarning(UserWarning):
 
 class HeuristicScheduleWarning(UserWarning):
     """No table row matched, so a documented heuristic schedule is used."""
+
+
+class NotOverlappedWarning(UserWarning):
+    """A tensor-parallel layer, or part of one, runs as torch's style runs it: fo-tune cannot overlap it."""

@@ -26,32 +26,24 @@ A leading-dimension input (batch, seq, features) is flattened to rows; with sequ
 dim 0 is the sharded one (rank r's rows come r-th), and a row-parallel output whose dim 0 does not
 divide by w comes back as the flat (M/w, out) shard of the rows.
 
-``parallelize_linears(model, plan)`` swaps a model's ``nn.Linear`` submodules for these layers by
-name. torch's own ``parallelize_module`` styles do not fit: they turn a module's parameters into
-DTensors and exchange DTensors between layers (its collectives run through DTensor's
-redistribution, which these layers replace by the fused ops), and a plan's style changes the
-module in place (``parallelize_module`` drops what a style returns for a named submodule), so a
-style cannot install another module.
+These layers hold plain tensors; ``fo_kernels.parallel`` has the same split as torch's
+``parallelize_module`` styles on the same ops, with DTensor parameters, and ``parallelize_linears``
+over them.
 """
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Mapping
 from typing import ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fo_kernels.errors import PlanError, ShapeError
+from fo_kernels.errors import ShapeError
 from fo_kernels.groups import check_group
 from fo_kernels.ops import call_op
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.schedule import Schedule
-
-# parallelize_linears' plan values.
-KINDS = ("column", "row")
 
 
 class _ReplicatedInputMatmul(torch.autograd.Function):
@@ -234,40 +226,3 @@ class RowParallelLinear(_ParallelLinear):
         if len(lead) == 0 or lead[0] % world:
             return y  # the shard of the flattened rows
         return y.reshape(lead[0] // world, *lead[1:], self.out_features)
-
-
-def parallelize_linears(
-    model: nn.Module,
-    plan: Mapping[str, str],
-    *,
-    sequence_parallel: bool = False,
-    group: dist.ProcessGroup | None = None,
-) -> nn.Module:
-    """Replace ``model``'s ``nn.Linear`` submodules named in ``plan`` by this rank's shard of them,
-    in place, and return ``model``.
-
-    ``plan`` maps a submodule's dotted name, or an ``fnmatch`` pattern of it (``layers.*.mlp.up_proj``),
-    to ``"column"`` (``ColumnParallelLinear.from_linear``) or ``"row"`` (``RowParallelLinear``). Every
-    rank must hold the same full weights beforehand. A pattern that matches no ``nn.Linear``, or a
-    name that is not one, raises ``PlanError`` before any module is replaced.
-    """
-    for kind in plan.values():
-        if kind not in KINDS:
-            raise PlanError(f"plan: {kind!r} is not one of {', '.join(KINDS)}")
-    chosen: dict[str, str] = {}
-    for pattern, kind in plan.items():
-        names = [name for name, _ in model.named_modules() if name and fnmatch.fnmatchcase(name, pattern)]
-        if not names:
-            raise PlanError(f"plan: {pattern!r} names no submodule of {type(model).__name__}")
-        for name in names:
-            if not isinstance(model.get_submodule(name), nn.Linear):
-                found = type(model.get_submodule(name)).__name__
-                raise PlanError(f"plan: {name} is a {found}, not an nn.Linear")
-            chosen[name] = kind
-    for name, kind in chosen.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
-        layer = cls.from_linear(getattr(parent, child), sequence_parallel=sequence_parallel, group=group)
-        setattr(parent, child, layer)
-    return model

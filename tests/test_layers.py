@@ -34,21 +34,24 @@ def one_rank(tmp_path):
         dist.destroy_process_group()
 
 
-def test_plan_swaps_linears_for_their_shards(one_rank):
-    """``parallelize_linears`` replaces the named nn.Linear modules (patterns too) by layers whose
-    weight and bias are nn.Linear-shaped shards; the model computes the same thing."""
+def test_plan_shards_linears_with_the_styles(one_rank):
+    """``parallelize_linears`` shards the named nn.Linear modules (patterns too) with
+    ``fo_kernels.parallel``'s styles: they stay nn.Linear modules whose parameters are DTensors with
+    torch's placements; the model computes the same thing."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     torch.manual_seed(0)
     model = nn.Sequential(MLP(12, 20), MLP(12, 20))
     x = torch.randn(3, 12)
     want = model(x).detach()
     parallelize_linears(model, {"*.up": "column", "1.down": "row", "0.down": "row"}, sequence_parallel=False)
-    assert isinstance(model[0].up, ColumnParallelLinear) and isinstance(model[1].up, ColumnParallelLinear)
-    assert isinstance(model[0].down, RowParallelLinear) and isinstance(model[1].down, RowParallelLinear)
-    assert model[0].up.weight.shape == (20, 12) and model[0].up.bias.shape == (20,)
-    assert model[0].down.weight.shape == (12, 20) and model[0].down.bias.shape == (12,)
+    assert all(type(m) is nn.Linear for mlp in model for m in (mlp.up, mlp.down))
+    up, down = model[0].up, model[1].down
+    assert isinstance(up.weight, DTensor) and up.weight.placements == (Shard(0),)
+    assert up.bias.placements == (Shard(0),) and up.weight.to_local().shape == (20, 12)
+    assert down.weight.placements == (Shard(1),) and down.bias.placements == (Replicate(),)
     with pytest.warns(UserWarning):  # the heuristic schedule (no table here)
         torch.testing.assert_close(model(x), want)
-    assert "sequence_parallel=False" in repr(model[0].up)
 
 
 def test_no_grad_forward_skips_the_dispatcher(one_rank, monkeypatch):

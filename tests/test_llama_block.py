@@ -1,5 +1,5 @@
 """A real model: ``examples/tp_block.py`` shards a small ``transformers`` Llama decoder (random
-weights, no download) with the tensor-parallel layers on 2 gloo CPU ranks and compares logits,
+weights, no download) with fo-tune's tensor-parallel styles on 2 gloo CPU ranks and compares logits,
 loss and every gradient with the unsharded model; this runs it and checks what it reports."""
 
 from __future__ import annotations
@@ -39,4 +39,4 @@ def test_llama_decoder_matches_unsharded(tmp_path):
     assert result["ok"] and result["world_size"] == 2, result
     assert set(result["errors"]) == CHECKS, result
     assert all(err < 1e-4 for err in result["errors"].values()), result
-    assert "ColumnParallelLinear" in done.stdout and "RowParallelLinear" in done.stdout
+    assert "ColwiseParallel" in done.stdout and "RowwiseParallel" in done.stdout

@@ -1,0 +1,231 @@
+"""torchtitan's Llama-3 on fo-tune's tensor-parallel styles: the two-line change, checked.
+
+    python examples/torchtitan_llama3.py          # 2 ranks: one GPU each if there are 2, else CPU (gloo)
+    python examples/torchtitan_llama3.py --world-size 4
+    torchrun --nproc-per-node 2 examples/torchtitan_llama3.py
+
+torchtitan (0.2) parallelizes Llama-3 in ``torchtitan/models/llama3/infra/parallelize.py``
+(``apply_tp``) with torch's ``parallelize_module`` and torch's styles. fo-tune's styles take the same
+arguments and leave the same DTensor parameters, so switching is the import of two names there:
+
+    from torch.distributed.tensor.parallel import parallelize_module, PrepareModuleInput, SequenceParallel
+    from fo_kernels.parallel import ColwiseParallel, RowwiseParallel
+
+Then every block's ``wo`` and ``w2`` run GEMM + ReduceScatter (the plan's ``output_layouts=Shard(1)``,
+sequence parallelism) and the output layer AllGather + GEMM (its ``input_layouts=Shard(1)``) as
+fo-tune's overlapped ops; q/k/v, w1 and w3 take the replicated activation that torchtitan's
+``PrepareModuleInput`` gathers. The embedding (an ``nn.Embedding``) and the output layer's gather of
+its logits run as torch's styles run them, and say so once (``NotOverlappedWarning``).
+
+This script swaps those two names on torchtitan's module (what the edited import does), builds a
+tiny Llama-3 with random weights on every rank (no download), parallelizes one copy with
+torchtitan's plan as shipped and one with the swap, runs a cross-entropy loss on the same tokens
+through both, and compares the loss and every parameter's gradient (this rank's shard). It prints
+the largest relative error of each, then one ``RESULT`` line of JSON, and exits 1 when one exceeds
+the tolerance (float32: 1e-5).
+
+Needs ``torchtitan==0.2.2`` (0.3 shards its models with its own ``spmd_types`` instead of
+``parallelize_module``). On the CPU the Triton kernels run in Triton's interpreter
+(``TRITON_INTERPRET=1``, set here); the schedules are fo-tune's heuristic ones unless a table for
+this machine exists (``fo-tune search``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+# float32 against torchtitan's own plan on the same float32 model.
+TOLERANCE = 1e-5
+# A tiny Llama-3: 4 heads of 4 dims, a SwiGLU FFN of 48 (multiple_of 16 over 2 * 4 * 16 / 3),
+# 32 tokens: every sharded size divides by 1, 2 and 4 ranks.
+TINY = dict(dim=16, n_layers=2, n_heads=4, vocab_size=32, multiple_of=16, max_seq_len=16, rope_theta=500000)
+BATCH, SEQ = 2, 8  # SEQ divides by the world size: sequence parallelism shards it
+
+
+def tiny_llama3(seed: int) -> torch.nn.Module:
+    """torchtitan's Llama-3 ``Transformer`` with the tiny config and random weights."""
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+
+    torch.manual_seed(seed)
+    model = Transformer(TransformerModelArgs(**TINY))
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+@contextmanager
+def fo_tune_styles() -> Iterator[None]:
+    """torchtitan's parallelize module with fo-tune's ColwiseParallel and RowwiseParallel in place
+    of torch's: what the two-line change of its import does."""
+    from torchtitan.models.llama3.infra import parallelize as titan
+
+    from fo_kernels.parallel import ColwiseParallel, RowwiseParallel
+
+    with mock.patch.multiple(titan, ColwiseParallel=ColwiseParallel, RowwiseParallel=RowwiseParallel):
+        yield
+
+
+def apply_torchtitan_tp(model: torch.nn.Module, mesh: DeviceMesh, *, fo_tune: bool) -> torch.nn.Module:
+    """torchtitan's tensor- and sequence-parallel plan (``apply_tp``) on ``model``, with torch's
+    styles or with fo-tune's."""
+    from torchtitan.models.llama3.infra.parallelize import apply_tp
+
+    if fo_tune:
+        with fo_tune_styles():
+            apply_tp(model, mesh, loss_parallel=False, enable_float8_tensorwise_tp=False)
+    else:
+        apply_tp(model, mesh, loss_parallel=False, enable_float8_tensorwise_tp=False)
+    return model
+
+
+def loss_and_grads(
+    model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The cross-entropy loss of one forward and every parameter's gradient after its backward."""
+    for p in model.parameters():
+        p.grad = None
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a tensor itself otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = local(got).detach().double(), local(want).detach().double()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def check(world: int, device: torch.device) -> dict[str, float]:
+    """Both parallelizations on the same tokens; name -> relative error (fo-tune's against torch's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,))
+    full = tiny_llama3(seed=0).to(device)
+    gen = torch.Generator().manual_seed(1)  # the same tokens on every rank
+    tokens = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=gen).to(device)
+    labels = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=gen).to(device)
+    results = {}
+    for fo_tune in (False, True):
+        model = apply_torchtitan_tp(copy.deepcopy(full), mesh, fo_tune=fo_tune)
+        results[fo_tune] = loss_and_grads(model, tokens, labels)
+    (want_loss, want), (got_loss, got) = results[False], results[True]
+    errors = {"loss": rel(got_loss, want_loss)}
+    for kind, names in (
+        ("attention wq/wk/wv/wo", [n for n in want if ".attention.w" in n]),
+        ("feed_forward w1/w2/w3", [n for n in want if ".feed_forward.w" in n]),
+        (
+            "embedding, norms, output",
+            [n for n in want if ".attention." not in n and ".feed_forward." not in n],
+        ),
+    ):
+        errors[kind] = max(rel(got[n], want[n]) for n in names)
+    return errors
+
+
+def rank_main(rank: int, world: int, backend: str, store: str, results: dict | None) -> None:
+    """One rank: join the group, run ``check``, report (rank 0 prints)."""
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        with warnings.catch_warnings():
+            # the heuristic schedules' "no table row" warnings, torchtitan's own
+            warnings.simplefilter("ignore")
+            errors = check(world, device)
+        everyone: list[dict[str, float]] = [{} for _ in range(world)]
+        dist.all_gather_object(everyone, errors)
+        dist.barrier()  # every rank done with its collectives before any tears the group down
+    finally:
+        dist.destroy_process_group()
+    worst = {name: max(e[name] for e in everyone) for name in errors}
+    if results is not None:
+        results.update(worst)
+    if rank == 0:
+        report(world, backend, worst)
+
+
+def report(world: int, backend: str, worst: dict[str, float]) -> None:
+    print(f"torchtitan Llama-3 ({TINY['n_layers']} layers) on {world} ranks ({backend}), its TP plan:")
+    print("  fo_kernels.parallel's ColwiseParallel / RowwiseParallel against torch's")
+    for name, err in worst.items():
+        verdict = "ok" if err <= TOLERANCE else "TOO LARGE"
+        print(f"  {name:<26} max relative error {err:.2e} ({verdict}, tolerance {TOLERANCE:.0e})")
+    ok = all(err <= TOLERANCE for err in worst.values())
+    print("RESULT " + json.dumps({"world_size": world, "backend": backend, "errors": worst, "ok": ok}))
+
+
+def spawned(rank: int, world: int, backend: str, store: str, queue) -> None:
+    results: dict[str, float] = {}
+    rank_main(rank, world, backend, store, results)
+    if rank == 0:
+        queue.put(results)
+    # The rank's work is done, checked and reported; its interpreter's shutdown is skipped (a gloo
+    # rank can abort there after the group is gone, which mp.spawn reports as a failed rank).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument(
+        "--backend", choices=["nccl", "gloo"], help="default: nccl with a GPU per rank, else gloo"
+    )
+    args = parser.parse_args(argv)
+    try:
+        import torchtitan  # noqa: F401
+    except ImportError:
+        print("this example needs torchtitan: pip install torchtitan==0.2.2", file=sys.stderr)
+        return 2
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        backend = args.backend or ("nccl" if torch.cuda.device_count() >= world else "gloo")
+        os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
+        results: dict[str, float] = {}
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group(backend)
+        rank_main(rank, world, backend, "", results)
+        return 0 if all(err <= TOLERANCE for err in results.values()) else 1
+    world = args.world_size
+    if world < 1 or SEQ % world or TINY["n_heads"] % world:
+        parser.error(f"--world-size must divide {SEQ} and {TINY['n_heads']}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = args.backend or ("nccl" if gpus >= world else "gloo")
+    # Triton's interpreter on the CPU; set before the ranks import fo_kernels (they inherit it)
+    os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+    with tempfile.TemporaryDirectory() as tmp:
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(spawned, args=(world, backend, os.path.join(tmp, "store"), queue), nprocs=world)
+        results = queue.get()
+    return 0 if all(err <= TOLERANCE for err in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

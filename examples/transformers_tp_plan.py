@@ -1,0 +1,243 @@
+"""transformers' ``tp_plan`` on fo-tune's ops: its "colwise" / "rowwise" names registered to fo-tune.
+
+    python examples/transformers_tp_plan.py          # 2 ranks: one GPU each if there are 2, else CPU (gloo)
+    python examples/transformers_tp_plan.py --world-size 4
+    torchrun --nproc-per-node 2 examples/transformers_tp_plan.py
+
+transformers (5.x) shards a model loaded with ``from_pretrained(..., tp_plan="auto")`` by its
+``base_model_tp_plan`` (module pattern -> style name, e.g. ``"layers.*.mlp.down_proj": "rowwise"``),
+and looks each name up in a registry, ``ALL_PARALLEL_STYLES``, that a user can register into. Its
+styles are transformers' own ``TensorParallelLayer`` classes, not torch's ``ParallelStyle``: each
+shards every parameter as it loads (DTensors with torch's placements: colwise weight ``Shard(0)``,
+rowwise ``Shard(-1)``), then wraps the module's forward (``install_forward``). So fo-tune's styles
+are not registered as they are; ``fo_tune_style`` below keeps transformers' parameter sharding and
+replaces only the forward, by ``fo_kernels.parallel.install`` (a module fo-tune cannot run keeps
+transformers' forward, with a ``NotOverlappedWarning``). ``register_fo_tune_styles()`` puts it under
+the names "colwise" and "rowwise" of every model's plan.
+
+This script saves a tiny Llama with random weights (no download), registers the styles, loads it
+with ``tp_plan="auto"`` on every rank and compares logits, loss and the gradients of the sharded
+weights (this rank's shard) with the unsharded model. It prints the largest relative error of each,
+then one ``RESULT`` line of JSON, and exits 1 when one exceeds the tolerance (float32: 1e-5).
+
+Needs ``transformers>=5`` and ``accelerate`` (``from_pretrained`` with a ``tp_plan`` asks for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh
+
+# float32 against the unsharded float32 model.
+TOLERANCE = 1e-5
+BATCH, SEQ, VOCAB = 2, 8, 64
+
+
+def fo_tune_style(base: type, fo_style: type) -> type:
+    """A transformers style class: ``base``'s parameter sharding, fo-tune's forward."""
+    from fo_kernels import parallel
+    from fo_kernels.errors import NotOverlappedWarning, PlanError
+
+    class FoTuneStyle(base):
+        def install_forward(
+            self, module: torch.nn.Module, mesh: DeviceMesh, **kwargs: object
+        ) -> torch.nn.Module:
+            style = fo_style(
+                input_layouts=self.input_layouts,
+                output_layouts=self.output_layouts,
+                use_local_output=self.use_local_output,
+            )
+            try:
+                return parallel.install(module, mesh, style)
+            except PlanError as exc:
+                warnings.warn(f"{exc}; transformers' forward runs it", NotOverlappedWarning, stacklevel=2)
+                return super().install_forward(module, mesh, **kwargs)
+
+    FoTuneStyle.__name__ = f"FoTune{base.__name__}"
+    return FoTuneStyle
+
+
+def register_fo_tune_styles() -> None:
+    """transformers' "colwise" and "rowwise" plan names -> fo-tune's ops (process-wide, as
+    transformers' registry is)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from transformers.integrations.tensor_parallel import (
+        ALL_PARALLEL_STYLES,
+        ColwiseParallel,
+        RowwiseParallel,
+    )
+
+    from fo_kernels import parallel
+
+    colwise = fo_tune_style(ColwiseParallel, parallel.ColwiseParallel)
+    rowwise = fo_tune_style(RowwiseParallel, parallel.RowwiseParallel)
+    ALL_PARALLEL_STYLES.register("colwise", colwise(input_layouts=Replicate(), output_layouts=Shard(-1)))
+    ALL_PARALLEL_STYLES.register("rowwise", rowwise(input_layouts=Shard(-1), output_layouts=Replicate()))
+
+
+def save_tiny_llama(folder: str, world: int) -> None:
+    """A 2-layer Llama, 2 query heads and 1 key/value head per rank, random weights, saved."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16 * world,
+        intermediate_size=32 * world,
+        num_hidden_layers=2,
+        num_attention_heads=2 * world,
+        num_key_value_heads=world,
+        max_position_embeddings=4 * SEQ,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().double(), want.detach().double()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def check(folder: str, world: int, rank: int, device: torch.device) -> tuple[dict[str, float], int]:
+    """The tp_plan model (fo-tune's styles registered) against the unsharded one: name -> relative
+    error, and how many of its modules run on fo-tune's ops."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from transformers import LlamaForCausalLM
+
+    from fo_kernels.parallel import plan_of
+
+    register_fo_tune_styles()
+    mesh = init_device_mesh(device.type, (world,))
+    full = LlamaForCausalLM.from_pretrained(folder).to(device)
+    sharded = LlamaForCausalLM.from_pretrained(folder, tp_plan="auto", device_mesh=mesh)
+    gen = torch.Generator().manual_seed(1)  # the same tokens on every rank
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device)
+    outs = {}
+    for name, model in (("full", full), ("sharded", sharded)):
+        outs[name] = model(input_ids=tokens, labels=tokens)
+        outs[name].loss.backward()
+    logits = outs["sharded"].logits
+    errors = {
+        "logits": rel(logits.full_tensor() if isinstance(logits, DTensor) else logits, outs["full"].logits),
+        "loss": rel(outs["sharded"].loss, outs["full"].loss),
+    }
+    full_params = dict(full.named_parameters())
+    for name, param in sharded.named_parameters():
+        if not (isinstance(param, DTensor) and (".self_attn." in name or ".mlp." in name)):
+            continue
+        (placement,) = param.placements
+        kind = "colwise weights" if placement.dim % param.dim() == 0 else "rowwise weights"
+        want = full_params[name].grad.chunk(world, dim=placement.dim)[rank]
+        errors[kind] = max(errors.get(kind, 0.0), rel(param.grad.to_local(), want))
+    on_fo_tune = [name for name, module in sharded.named_modules() if plan_of(module) is not None]
+    return errors, len(on_fo_tune)
+
+
+def rank_main(rank: int, world: int, backend: str, store: str, folder: str, results: dict | None) -> None:
+    """One rank: join the group, run ``check``, report (rank 0 prints)."""
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    # transformers reads the rank and world size from torchrun's variables, and binds the device by LOCAL_RANK
+    for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world)):
+        os.environ.setdefault(key, str(value))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the heuristic schedules' "no table row" warnings
+            errors, on_fo_tune = check(folder, world, rank, device)
+        everyone: list[dict[str, float]] = [{} for _ in range(world)]
+        dist.all_gather_object(everyone, errors)
+        dist.barrier()  # every rank done with its collectives before any tears the group down
+    finally:
+        dist.destroy_process_group()
+    worst = {name: max(e[name] for e in everyone) for name in errors}
+    if results is not None:
+        results.update(worst)
+    if rank == 0:
+        print(f"transformers Llama, tp_plan='auto' over {world} ranks ({backend}):")
+        print(
+            f"  'colwise' / 'rowwise' registered to fo-tune's forward: {on_fo_tune} modules on fo-tune's ops"
+        )
+        for name, err in worst.items():
+            verdict = "ok" if err <= TOLERANCE else "TOO LARGE"
+            print(f"  {name:<16} max relative error {err:.2e} ({verdict}, tolerance {TOLERANCE:.0e})")
+        ok = all(err <= TOLERANCE for err in worst.values())
+        result = {
+            "world_size": world,
+            "backend": backend,
+            "errors": worst,
+            "fo_tune_modules": on_fo_tune,
+            "ok": ok,
+        }
+        print("RESULT " + json.dumps(result))
+
+
+def spawned(rank: int, world: int, backend: str, store: str, folder: str, queue) -> None:
+    results: dict[str, float] = {}
+    rank_main(rank, world, backend, store, folder, results)
+    if rank == 0:
+        queue.put(results)
+    # done, checked and reported; the interpreter's shutdown is skipped (a gloo rank can abort
+    # there after the group is gone, which mp.spawn reports as a failed rank)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument(
+        "--backend", choices=["nccl", "gloo"], help="default: nccl with a GPU per rank, else gloo"
+    )
+    args = parser.parse_args(argv)
+    try:
+        import accelerate  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        print(
+            "this example needs transformers and accelerate: pip install transformers accelerate",
+            file=sys.stderr,
+        )
+        return 2
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with tempfile.TemporaryDirectory() as tmp:
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: every rank saves its own copy
+            world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+            backend = args.backend or ("nccl" if gpus >= world else "gloo")
+            os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
+            save_tiny_llama(tmp, world)
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+            dist.init_process_group(backend)
+            results: dict[str, float] = {}
+            rank_main(rank, world, backend, "", tmp, results)
+            return 0 if all(err <= TOLERANCE for err in results.values()) else 1
+        world = args.world_size
+        if world < 1:
+            parser.error("--world-size must be >= 1")
+        backend = args.backend or ("nccl" if gpus >= world else "gloo")
+        # Triton's interpreter on the CPU; set before the ranks import fo_kernels (they inherit it)
+        os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+        save_tiny_llama(tmp, world)
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(spawned, args=(world, backend, os.path.join(tmp, "store"), tmp, queue), nprocs=world)
+        results = queue.get()
+    return 0 if all(err <= TOLERANCE for err in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

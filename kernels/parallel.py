@@ -1,0 +1,230 @@
+"""fo-tune's tensor-parallel styles for torch's ``parallelize_module``, and ``parallelize_linears``.
+
+``ColwiseParallel`` and ``RowwiseParallel`` are torch's styles (``torch.distributed.tensor.parallel``,
+subclassed: same constructor, same ``isinstance``), with the GEMM and its collective run by fo-tune's
+ops. A plan switches by import:
+
+    from fo_kernels.parallel import ColwiseParallel, RowwiseParallel
+    parallelize_module(model, tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+
+The parameters become what torch's styles make them (DTensors on the mesh: colwise weight and bias
+``Shard(0)``, rowwise weight ``Shard(1)``, bias ``Replicate()``; torch's own partition functions
+make them), so a distributed checkpoint or FSDP2 sees the same model. The forward
+(``fo_kernels.parallel_forward``) runs:
+
+    ColwiseParallel   input Replicate()         local GEMM; its input gradient by gemm_all_reduce
+                      input Shard(d), d leading all_gather_gemm (sequence parallelism)
+    RowwiseParallel   output Replicate()        gemm_all_reduce
+                      output Shard(d), d leading gemm_reduce_scatter (sequence parallelism)
+
+with autograd and under ``torch.compile`` (the ops are custom ops). A style fo-tune cannot run
+(a module other than a plain ``nn.Linear``, such as ``nn.Embedding`` or a subclass with its own
+forward; a mesh of more than one dim; weights other than bfloat16, float16 or float32; a colwise
+input sharded on its features, a rowwise input
+other than ``Shard(-1)`` or output other than ``Replicate()`` / a leading ``Shard``) is torch's style
+for that module, with one ``NotOverlappedWarning``; a colwise output layout other than ``Shard(-1)``
+is redistributed as torch's style does, with one warning.
+
+``parallelize_linears(model, {pattern: "column" | "row"})`` is a thin convenience over the styles.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Mapping
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwiseParallel
+from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwiseParallel
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.placement_types import Placement
+
+from fo_kernels.errors import NotOverlappedWarning, PlanError
+from fo_kernels.groups import check_group
+from fo_kernels.parallel_forward import COLWISE, PLAN_ATTR, ROWWISE, LinearPlan, install_forward
+from fo_kernels.schedule import TORCH_DTYPES
+
+__all__ = ["ColwiseParallel", "LinearPlan", "RowwiseParallel", "install", "parallelize_linears", "plan_of"]
+
+# parallelize_linears' plan values.
+KINDS = ("column", "row")
+
+
+def _blocker(module: nn.Module, mesh: DeviceMesh) -> str:
+    """Why fo-tune cannot run ``module`` on ``mesh`` at all ("" when it can)."""
+    if type(module).forward is not nn.Linear.forward:
+        return f"{type(module).__name__} is not an nn.Linear with nn.Linear's forward"
+    if mesh.ndim != 1:
+        return f"the mesh has {mesh.ndim} dims, fo-tune's ops take one process group"
+    if module.weight.dtype not in TORCH_DTYPES.values():
+        return f"its weight is {module.weight.dtype}; the ops take bfloat16, float16 or float32"
+    return ""
+
+
+def _is_last(placement: Placement) -> bool:
+    return isinstance(placement, Shard) and placement.dim == -1
+
+
+def _plan(style: ColwiseParallel | RowwiseParallel, mesh: DeviceMesh) -> LinearPlan:
+    group = mesh.get_group()
+    return LinearPlan(
+        kind=style.kind,
+        mesh=mesh,
+        group=group,
+        group_name=group.group_name,
+        world_size=dist.get_world_size(group),
+        input_layouts=tuple(style.input_layouts),
+        output_layouts=tuple(style.output_layouts),
+        use_local_output=style.use_local_output,
+    )
+
+
+def _warn(style: object, module: nn.Module, what: str) -> None:
+    warnings.warn(
+        f"fo_kernels.parallel: {style!r} on {type(module).__name__}: {what}",
+        NotOverlappedWarning,
+        stacklevel=4,
+    )
+
+
+class ColwiseParallel(TorchColwiseParallel):
+    """torch's ``ColwiseParallel`` (same arguments, same parameters) on fo-tune's ops; see the
+    module docstring for what runs where."""
+
+    kind = COLWISE
+
+    def _layout_blocker(self) -> str:
+        """Why fo-tune cannot run this style's layouts ("" when it can)."""
+        (layout,) = self.input_layouts
+        if isinstance(layout, Partial) or _is_last(layout):
+            return f"input_layouts={layout!r} is gathered on its features by DTensor"
+        return ""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        reason = _blocker(module, device_mesh) or self._layout_blocker()
+        if reason:
+            _warn(self, module, f"{reason}; it runs as torch's style")
+            return super()._apply(module, device_mesh)
+        (out,) = self.output_layouts
+        if not _is_last(out):
+            _warn(
+                self,
+                module,
+                f"output_layouts={out!r} is made from Shard(-1) by DTensor, as torch's style does",
+            )
+        distribute_module(module, device_mesh, self._partition_linear_fn)
+        install_forward(module, _plan(self, device_mesh))
+        return module
+
+
+class RowwiseParallel(TorchRowwiseParallel):
+    """torch's ``RowwiseParallel`` (same arguments, same parameters) on fo-tune's ops; see the
+    module docstring for what runs where."""
+
+    kind = ROWWISE
+
+    def _layout_blocker(self) -> str:
+        """Why fo-tune cannot run this style's layouts ("" when it can)."""
+        (layout,), (out,) = self.input_layouts, self.output_layouts
+        if not _is_last(layout):
+            return f"input_layouts={layout!r} is resharded to Shard(-1) by DTensor"
+        if not (isinstance(out, Replicate) or (isinstance(out, Shard) and not _is_last(out))):
+            return f"output_layouts={out!r} is neither an all-reduce nor a reduce-scatter of a leading dim"
+        return ""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        reason = _blocker(module, device_mesh) or self._layout_blocker()
+        if reason:
+            _warn(self, module, f"{reason}; it runs as torch's style")
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)  # what torch's _apply sets for a linear
+        distribute_module(module, device_mesh, self._partition_linear_fn)
+        install_forward(module, _plan(self, device_mesh))
+        return module
+
+
+# The dim of its weight each style shards (torch's placements: colwise Shard(0), rowwise Shard(1)).
+WEIGHT_DIM = {COLWISE: 0, ROWWISE: 1}
+
+
+def install(
+    module: nn.Module, device_mesh: DeviceMesh, style: ColwiseParallel | RowwiseParallel
+) -> nn.Module:
+    """Give ``module``, an ``nn.Linear`` whose parameters a framework has already made DTensors
+    with torch's placements (transformers' ``tp_plan`` loading does), the forward ``style`` runs
+    with fo-tune's ops; returns ``module``. Raises ``PlanError`` where fo-tune cannot run it (the
+    framework's own forward is the one to keep there)."""
+    if not isinstance(style, ColwiseParallel | RowwiseParallel):
+        raise PlanError(
+            f"style: expected fo_kernels.parallel's ColwiseParallel or RowwiseParallel, got {style!r}"
+        )
+    reason = _blocker(module, device_mesh) or style._layout_blocker()
+    weight = getattr(module, "weight", None)
+    if not reason and not (
+        isinstance(weight, DTensor)
+        and len(weight.placements) == 1
+        and isinstance(weight.placements[0], Shard)
+        and weight.placements[0].dim % weight.dim() == WEIGHT_DIM[style.kind]
+    ):
+        dim = WEIGHT_DIM[style.kind]
+        reason = f"its weight is not a DTensor sharded on dim {dim}, as a {style.kind} weight is"
+    if reason:
+        raise PlanError(f"{style!r} cannot run on {type(module).__name__}: {reason}")
+    install_forward(module, _plan(style, device_mesh))
+    return module
+
+
+def plan_of(module: nn.Module) -> LinearPlan | None:
+    """How fo-tune runs ``module`` (its kind, mesh, group and layouts), or None where it does not
+    (a module no fo-tune style was applied to, or one its style left to torch's)."""
+    return getattr(module, PLAN_ATTR, None)
+
+
+def parallelize_linears(
+    model: nn.Module,
+    plan: Mapping[str, str],
+    *,
+    sequence_parallel: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> nn.Module:
+    """Shard ``model``'s ``nn.Linear`` submodules named in ``plan`` over ``group``, in place, with
+    fo-tune's styles, and return ``model``.
+
+    ``plan`` maps a submodule's dotted name, or an ``fnmatch`` pattern of it (``layers.*.mlp.up_proj``),
+    to ``"column"`` (``ColwiseParallel``) or ``"row"`` (``RowwiseParallel``); with
+    ``sequence_parallel=True`` a column layer takes and a row layer returns dim-0 shards
+    (``Shard(0)``), else the full activation (``Replicate()``). The parameters become DTensors on a
+    one-dim mesh of ``group`` (rank 0's weights are the ones scattered). A pattern that matches no
+    ``nn.Linear``, or a name that is not one, raises ``PlanError`` before any module is sharded.
+    """
+    for kind in plan.values():
+        if kind not in KINDS:
+            raise PlanError(f"plan: {kind!r} is not one of {', '.join(KINDS)}")
+    check_group(group)
+    chosen: dict[str, str] = {}
+    for pattern, kind in plan.items():
+        names = [name for name, _ in model.named_modules() if name and fnmatch.fnmatchcase(name, pattern)]
+        if not names:
+            raise PlanError(f"plan: {pattern!r} names no submodule of {type(model).__name__}")
+        for name in names:
+            if not isinstance(model.get_submodule(name), nn.Linear):
+                found = type(model.get_submodule(name)).__name__
+                raise PlanError(f"plan: {name} is a {found}, not an nn.Linear")
+            chosen[name] = kind
+    group = group if group is not None else dist.group.WORLD
+    first = model.get_submodule(next(iter(chosen)))
+    mesh = DeviceMesh.from_group(group, first.weight.device.type)
+    activation = Shard(0) if sequence_parallel else Replicate()
+    styles = {
+        name: ColwiseParallel(input_layouts=activation)
+        if kind == "column"
+        else RowwiseParallel(output_layouts=activation)
+        for name, kind in chosen.items()
+    }
+    # exact names: parallelize_module's own matching is fnmatch on each dotted part, and a name
+    # holds no pattern characters here
+    return parallelize_module(model, mesh, styles)

@@ -1,0 +1,237 @@
+"""The forward that ``fo_kernels.parallel``'s styles install on an ``nn.Linear`` with DTensor parameters.
+
+A style leaves the module's parameters as torch's styles make them (DTensors: colwise weight and
+bias ``Shard(0)``, rowwise weight ``Shard(1)`` and bias ``Replicate()``) and replaces its forward by
+one of the two below, which compute on the local shards with fo-tune's ops:
+
+    colwise   input Replicate()           y = x @ W_r.T (+ b_r)       backward: dx = gemm_all_reduce(dy, W_r)
+              input Shard(d), d leading   y = all_gather_gemm(x_r, W_r.T) (+ b_r), gathered on dim d
+              output: this rank's features, Shard(-1); another output layout is redistributed
+              from there through DTensor, as torch's style does
+    rowwise   input Shard(-1)             output Replicate(): y = gemm_all_reduce(x_r, W_r.T) + b
+                                          output Shard(d), d leading: y = gemm_reduce_scatter (+ b,
+                                          whose gradient is summed over the group)
+
+A leading dim d > 0 is moved to the front for the op and back after (one copy each way), so a
+``Shard(1)`` sequence dimension of (batch, seq, features) runs the same ops. A DTensor input is
+taken by its own placements, as torch's styles take it: ``Replicate()`` is read with a ``Partial()``
+gradient (DTensor sums it where the input came from), a leading ``Shard(d)`` as that shard.
+
+What these paths do not cover at run time (a DTensor input of another placement, an input dtype
+the ops do not take or other than the weight's, a sharded dim that does not divide by the world
+size) runs as torch's style runs it (``torch_forward``), with one ``NotOverlappedWarning`` per
+module. The gradient helpers are the layers' (``fo_kernels.layers``): the fused all-reduce of a
+replicated input's gradient and the bias of a dim-0 shard.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import style as torch_style
+from torch.distributed.tensor.placement_types import Placement
+
+from fo_kernels.errors import NotOverlappedWarning, ShapeError
+from fo_kernels.layers import _ReplicatedInputMatmul, _ShardBias
+from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
+from fo_kernels.schedule import TORCH_DTYPES
+
+# The attributes of the module that hold its LinearPlan, and whether it has warned of torch's path.
+PLAN_ATTR = "_fo_parallel_plan"
+WARNED_ATTR = "_fo_parallel_warned"
+COLWISE, ROWWISE = "colwise", "rowwise"
+# The layouts each kind computes in (torch's desired layouts of a linear).
+DESIRED_INPUT = {COLWISE: (Replicate(),), ROWWISE: (Shard(-1),)}
+TORCH_STYLES = {COLWISE: torch_style.ColwiseParallel, ROWWISE: torch_style.RowwiseParallel}
+
+
+@dataclass(frozen=True, slots=True)
+class LinearPlan:
+    """How one parallelized ``nn.Linear`` runs: the style's layouts, its mesh and group."""
+
+    kind: str
+    mesh: DeviceMesh
+    group: torch.distributed.ProcessGroup
+    group_name: str
+    world_size: int
+    input_layouts: tuple[Placement, ...]
+    output_layouts: tuple[Placement, ...]
+    use_local_output: bool
+
+
+def install_forward(module: nn.Linear, plan: LinearPlan) -> None:
+    """Make ``module``'s forward the plan's (its parameters are already DTensors)."""
+    setattr(module, PLAN_ATTR, plan)
+    forward = _colwise_forward if plan.kind == COLWISE else _rowwise_forward
+    module.forward = types.MethodType(forward, module)
+
+
+def _leading_dim(placement: Placement, ndim: int) -> int | None:
+    """The dim a ``Shard`` placement names when it is not the last (the features); else None."""
+    if not isinstance(placement, Shard) or ndim < 2:
+        return None
+    d = placement.dim % ndim
+    return d if d < ndim - 1 else None
+
+
+def _op_dtype_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.dtype == weight.dtype and x.dtype in TORCH_DTYPES.values()
+
+
+def _input_why(x: torch.Tensor, weight: torch.Tensor) -> str:
+    if x.numel() == 0:
+        return f"an empty input {tuple(x.shape)}"
+    return f"input {x.dtype}, weight {weight.dtype} (the ops take one of bfloat16, float16, float32)"
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def torch_forward(
+    module: nn.Linear, x: torch.Tensor, plan: LinearPlan, why: Callable[[], str]
+) -> torch.Tensor:
+    """The module's forward as torch's style runs it (its input and output hooks around
+    ``F.linear`` on the DTensor parameters), with one ``NotOverlappedWarning`` per module saying
+    ``why()`` (a callable: torch.compile traces no message)."""
+    if not torch.compiler.is_compiling() and not getattr(module, WARNED_ATTR, False):
+        setattr(module, WARNED_ATTR, True)
+        warnings.warn(
+            f"fo_kernels.parallel: a {plan.kind} {type(module).__name__} runs as torch's style does, "
+            f"not overlapped: {why()}",
+            NotOverlappedWarning,
+            stacklevel=3,
+        )
+    style = TORCH_STYLES[plan.kind]
+    x = style._prepare_input_fn(plan.input_layouts, DESIRED_INPUT[plan.kind], module, (x,), plan.mesh)
+    y = F.linear(x, module.weight, module.bias)
+    return style._prepare_output_fn(plan.output_layouts, plan.use_local_output, module, y, plan.mesh)
+
+
+def _moved(x: torch.Tensor, d: int) -> torch.Tensor:
+    """``x`` with dim ``d`` first, contiguous (a view when d is 0)."""
+    return x if d == 0 else x.movedim(d, 0).contiguous()
+
+
+def _moved_back(y: torch.Tensor, d: int) -> torch.Tensor:
+    return y if d == 0 else y.movedim(0, d).contiguous()
+
+
+def _local_input(x: torch.Tensor, plan: LinearPlan) -> tuple[torch.Tensor, Placement, bool]:
+    """(local tensor, its layout, whether it came from a DTensor)."""
+    if isinstance(x, DTensor):
+        return x, x.placements[0], True
+    return x, plan.input_layouts[0], False
+
+
+def _check_features(module: nn.Linear, x: torch.Tensor, weight: torch.Tensor, plan: LinearPlan) -> None:
+    """Raise ``ShapeError`` unless ``x``'s last dim (the local one) is what this rank's weight takes."""
+    local = x.to_local() if isinstance(x, DTensor) else x
+    features = local.shape[-1] if local.dim() else 0
+    if features != weight.shape[1]:
+        raise ShapeError(
+            f"a {plan.kind} nn.Linear({module.in_features}, {module.out_features}) takes {weight.shape[1]} "
+            f"input features on this rank, got an input of {tuple(local.shape)}"
+        )
+
+
+def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    plan: LinearPlan = getattr(module, PLAN_ATTR)
+    weight = module.weight.to_local()
+    x, layout, is_dtensor = _local_input(x, plan)
+    _check_features(module, x, weight, plan)
+    if not _op_dtype_ok(x, weight) or x.numel() == 0:
+        return torch_forward(module, x, plan, lambda: _input_why(x, weight))
+    d = _leading_dim(layout, x.dim())
+    if isinstance(layout, Replicate):
+        if is_dtensor:  # its gradient is a partial sum: DTensor reduces it where x came from
+            x = x.to_local(grad_placements=[Partial()])
+            y = x @ weight.t()
+        elif _needs_grad(x, weight):
+            rows = x.reshape(-1, x.shape[-1])
+            y = _ReplicatedInputMatmul.apply(rows, weight.t(), plan.group_name)
+            y = y.view(*x.shape[:-1], weight.shape[0])
+        else:
+            y = x @ weight.t()
+    elif d is not None:
+        if is_dtensor:
+            x = x.to_local()
+        xm = _moved(x, d)
+        rows = all_gather_gemm(xm.reshape(-1, xm.shape[-1]), weight.t(), group=plan.group)
+        y = _moved_back(rows.view(xm.shape[0] * plan.world_size, *xm.shape[1:-1], weight.shape[0]), d)
+    else:
+        return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r} (DTensor gathers it)")
+    if module.bias is not None:
+        y = y + module.bias.to_local()
+    return _colwise_output(y, plan, module.out_features)
+
+
+def _colwise_output(y: torch.Tensor, plan: LinearPlan, features: int) -> torch.Tensor:
+    """The local (..., N_r) result in the style's output layout, as torch's style returns it (the
+    global shape given, since the features need not divide by the world size)."""
+    want = plan.output_layouts[0]
+    is_features = isinstance(want, Shard) and want.dim % y.dim() == y.dim() - 1
+    if is_features and plan.use_local_output:
+        return y
+    shape = (*y.shape[:-1], features)
+    out = DTensor.from_local(
+        y, plan.mesh, [Shard(y.dim() - 1)], run_check=False, shape=shape, stride=_contiguous_strides(shape)
+    )
+    if not is_features:
+        out = out.redistribute(plan.mesh, plan.output_layouts)
+    return out.to_local() if plan.use_local_output else out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _rows_why(want: Placement, x: torch.Tensor, plan: LinearPlan) -> str:
+    return (
+        f"output_layouts={want!r} of an output of {tuple(x.shape[:-1])} rows: not a leading dim that "
+        f"divides by the world size {plan.world_size}"
+    )
+
+
+def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    plan: LinearPlan = getattr(module, PLAN_ATTR)
+    weight = module.weight.to_local()
+    x, layout, is_dtensor = _local_input(x, plan)
+    if not (isinstance(layout, Shard) and x.dim() >= 1 and layout.dim % x.dim() == x.dim() - 1):
+        return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, not Shard(-1)")
+    _check_features(module, x, weight, plan)
+    if not _op_dtype_ok(x, weight) or x.numel() == 0:
+        return torch_forward(module, x, plan, lambda: _input_why(x, weight))
+    want = plan.output_layouts[0]
+    bias = module.bias.to_local() if module.bias is not None else None
+    if isinstance(want, Replicate):
+        local = x.to_local() if is_dtensor else x
+        y = gemm_all_reduce(local.reshape(-1, local.shape[-1]), weight.t(), group=plan.group)
+        y = y.view(*local.shape[:-1], weight.shape[0])
+        if bias is not None:
+            y = y + bias
+    else:
+        d = _leading_dim(want, x.dim())
+        if d is None or x.shape[d] % plan.world_size:
+            return torch_forward(module, x, plan, lambda: _rows_why(want, x, plan))
+        local = _moved(x.to_local() if is_dtensor else x, d)
+        y = gemm_reduce_scatter(local.reshape(-1, local.shape[-1]), weight.t(), group=plan.group)
+        y = y.view(local.shape[0] // plan.world_size, *local.shape[1:-1], weight.shape[0])
+        if bias is not None:
+            y = _ShardBias.apply(y, bias, plan.group_name) if _needs_grad(y, bias) else y + bias
+        y = _moved_back(y, d)
+    if plan.use_local_output:
+        return y
+    return DTensor.from_local(y, plan.mesh, [want], run_check=False)

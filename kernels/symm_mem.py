@@ -1,0 +1,195 @@
+"""torch's fused tensor-parallel ops (``torch.ops.symm_mem``), same signatures, on fo-tune's ops.
+
+A caller of torch's async-TP ops switches by import:
+
+    torch.ops.symm_mem.fused_all_gather_matmul(A, Bs, gather_dim, group_name, return_A=True)
+    fo_kernels.symm_mem.fused_all_gather_matmul(A, Bs, gather_dim, group_name, return_A=True)
+
+    fused_all_gather_matmul(A_shard, Bs, gather_dim, group_name, *, return_A=True)
+        -> (A or None, [A @ B for B in Bs]), A = all_gather(A_shard) on gather_dim
+    fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name)
+        -> reduce_scatter(A @ B) on scatter_dim, reduce_op "sum" or "avg"
+
+``group_name`` is the process group's ``group_name``, as torch's ops take it. The results are
+torch's (the values of its reference implementation, ``_fused_*_fallback``, and the same dims
+moved back as views). A leading ``gather_dim`` / ``scatter_dim`` is moved to the front and the
+rows run through ``all_gather_gemm`` / ``gemm_reduce_scatter`` (several ``Bs`` as one GEMM of
+their concatenation, whose output is split); the last dim (the features) and dtypes the ops do not
+take run as torch's reference runs them, with a ``NotOverlappedWarning``. Unlike torch's ops these
+are differentiable in ``A`` and ``Bs`` (the gathered A that ``return_A`` gives is not). Bad
+arguments raise a ``ValueError`` subclass naming the problem before any collective.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from fo_kernels.errors import ArgumentError, NotOverlappedWarning, ShapeError
+from fo_kernels.gemm import BOperand
+from fo_kernels.groups import resolve_group
+from fo_kernels.ops import call_op
+from fo_kernels.schedule import TORCH_DTYPES
+
+__all__ = ["fused_all_gather_matmul", "fused_matmul_reduce_scatter"]
+
+REDUCE_OPS = ("sum", "avg")
+
+
+def _dim(dim: int, ndim: int, what: str) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ShapeError(f"{what} {dim!r} is not a dim of a {ndim}-dim A")
+    return dim % ndim
+
+
+def _check_b(a: torch.Tensor, b: torch.Tensor, what: str, k: int) -> None:
+    """Raise ``ShapeError`` unless ``b`` is a (k, N) matrix (k: A's features, gathered or not)."""
+    if not isinstance(b, torch.Tensor) or b.dim() != 2:
+        raise ShapeError(f"{what} must be a (K, N) matrix, got {_described(b)}")
+    if b.shape[0] != k:
+        raise ShapeError(f"K mismatch: A is {tuple(a.shape)} ({k} features) and {what} is {tuple(b.shape)}")
+
+
+def _check_a(a: torch.Tensor) -> None:
+    if not isinstance(a, torch.Tensor) or a.dim() < 2:
+        raise ShapeError(f"A must be a tensor of at least 2 dims, got {_described(a)}")
+
+
+def _described(t: object) -> str:
+    return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+
+
+def _world(group_name: str) -> tuple[str, int]:
+    """(the group's name as the ops take it, its size); an unknown name raises ``GroupError``.
+    Traced by torch.compile, the size is read by name (a function Dynamo folds to a constant)."""
+    if torch.compiler.is_compiling():
+        name = group_name or dist.group.WORLD.group_name
+        return name, dist.distributed_c10d._get_group_size_by_name(name)
+    if not dist.is_available() or not dist.is_initialized():
+        raise ArgumentError("torch.distributed is not initialized; call dist.init_process_group first")
+    group = resolve_group(group_name)
+    return ("" if group is None else group.group_name), dist.get_world_size(group)
+
+
+def _runs_on_ops(a: torch.Tensor, bs: list[torch.Tensor]) -> bool:
+    return a.dtype in TORCH_DTYPES.values() and all(b.dtype == a.dtype and b.device == a.device for b in bs)
+
+
+def _not_overlapped(why: Callable[[], str]) -> None:
+    """Warn that a call runs as torch's reference, saying ``why()`` (not traced by torch.compile)."""
+    if not torch.compiler.is_compiling():
+        warnings.warn(f"fo_kernels.symm_mem: {why()}; it runs as torch's reference", NotOverlappedWarning, 3)
+
+
+def _operand(b: torch.Tensor) -> torch.Tensor:
+    """``b`` as the ops take it: row-major, or the transposed view of a row-major weight."""
+    return b if BOperand.of(b) is not None else b.contiguous()
+
+
+def fused_all_gather_matmul(
+    A_shard: torch.Tensor,
+    Bs: list[torch.Tensor],
+    gather_dim: int,
+    group_name: str,
+    *,
+    return_A: bool = True,
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """``all_gather(A_shard, gather_dim) @ B`` for each B of ``Bs``, with the gather overlapped
+    with the GEMM (``all_gather_gemm``); returns (the gathered A if ``return_A`` else None, the
+    products). See the module docstring."""
+    _check_a(A_shard)
+    if isinstance(Bs, torch.Tensor) or not Bs:
+        raise ShapeError("Bs must be a non-empty list of (K, N) matrices")
+    d = _dim(gather_dim, A_shard.dim(), "gather_dim")
+    name, world = _world(group_name)
+    k = A_shard.shape[-1] * (world if d == A_shard.dim() - 1 else 1)
+    for i, b in enumerate(Bs):
+        _check_b(A_shard, b, f"Bs[{i}]", k)
+    if d == A_shard.dim() - 1 or not _runs_on_ops(A_shard, Bs):
+        _not_overlapped(
+            lambda: "a gather of the features" if d == A_shard.dim() - 1 else f"dtype {A_shard.dtype}"
+        )
+        return _gather_then_matmul(A_shard, Bs, d, name, world, return_A)
+    moved = A_shard.movedim(d, 0)
+    lead = moved.shape[:-1]
+    b = _operand(Bs[0] if len(Bs) == 1 else torch.cat(list(Bs), dim=1))
+    out, gathered = call_op("all_gather", moved.reshape(-1, moved.shape[-1]), b, name)
+    out = out.view(lead[0] * world, *lead[1:], -1).movedim(0, d)
+    outs = list(out.split([each.shape[1] for each in Bs], dim=-1)) if len(Bs) > 1 else [out]
+    a_full = gathered.view(lead[0] * world, *lead[1:], -1).movedim(0, d) if return_A else None
+    return a_full, outs
+
+
+def fused_matmul_reduce_scatter(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    reduce_op: str,
+    scatter_dim: int,
+    group_name: str,
+) -> torch.Tensor:
+    """``reduce_scatter(A @ B, reduce_op, scatter_dim)``, the GEMM overlapped with the
+    ReduceScatter (``gemm_reduce_scatter``). See the module docstring."""
+    _check_a(A)
+    _check_b(A, B, "B", A.shape[-1])
+    if reduce_op not in REDUCE_OPS:
+        raise ArgumentError(f"reduce_op {reduce_op!r} is not one of {', '.join(REDUCE_OPS)}")
+    d = _dim(scatter_dim, A.dim(), "scatter_dim")
+    name, world = _world(group_name)
+    size = A.shape[d] if d < A.dim() - 1 else B.shape[1]
+    if size % world:
+        raise ShapeError(
+            f"scatter_dim {scatter_dim} has {size} entries, not divisible by the world size {world}"
+        )
+    if d == A.dim() - 1 or not _runs_on_ops(A, [B]):
+        _not_overlapped(lambda: "a scatter of the features" if d == A.dim() - 1 else f"dtype {A.dtype}")
+        return _matmul_then_reduce_scatter(A, B, reduce_op, d, name, world)
+    moved = A.movedim(d, 0)
+    lead = moved.shape[:-1]
+    out = call_op("reduce_scatter", moved.reshape(-1, moved.shape[-1]), _operand(B), name)
+    if reduce_op == "avg":
+        out = out / world
+    return _scattered(out.view(lead[0] // world, *lead[1:], -1), d)
+
+
+# ------------------------------------------------------------------------- torch's reference
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(t)
+
+
+def _gather_then_matmul(
+    a: torch.Tensor, bs: list[torch.Tensor], d: int, name: str, world: int, return_A: bool
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """torch's ``_fused_all_gather_matmul_fallback``, with autograd."""
+    gathered = _wait(
+        torch.ops._c10d_functional_autograd.all_gather_into_tensor(a.contiguous(), world, _torch_name(name))
+    )
+    if d == a.dim() - 1:
+        full = torch.cat(gathered.chunk(world), dim=-1)
+        outs = [torch.matmul(full, b) for b in bs]
+        return (full if return_A else None), outs
+    full = gathered.view(world, *a.shape).movedim(d + 1, 1).flatten(0, 1)
+    outs = [torch.matmul(full, b).movedim(0, d) for b in bs]
+    return (full.movedim(0, d) if return_A else None), outs
+
+
+def _matmul_then_reduce_scatter(
+    a: torch.Tensor, b: torch.Tensor, reduce_op: str, d: int, name: str, world: int
+) -> torch.Tensor:
+    """torch's ``_fused_matmul_reduce_scatter_fallback`` (``reduce_scatter_single``), with autograd;
+    "avg" as a sum divided by the world size (gloo has no average)."""
+    y = (a @ b).movedim(d, 0).contiguous()
+    out = _wait(torch.ops._c10d_functional_autograd.reduce_scatter_tensor(y, "sum", world, _torch_name(name)))
+    return _scattered(out / world if reduce_op == "avg" else out, d)
+
+
+def _scattered(out: torch.Tensor, d: int) -> torch.Tensor:
+    """A dim-0 ReduceScatter's shard with dim 0 moved back to ``d``, contiguous as torch's."""
+    return out if d == 0 else out.movedim(0, d).contiguous()
+
+
+def _torch_name(name: str) -> str:
+    """A group's name as torch's functional collectives take it (the default group's own)."""
+    return name or dist.group.WORLD.group_name

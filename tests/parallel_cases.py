@@ -1,0 +1,519 @@
+"""Rank functions for the tests of ``fo_kernels.parallel`` and ``fo_kernels.symm_mem`` (spawned
+processes import this module).
+
+Each style case builds one model from a seed every rank shares, parallelizes one copy with torch's
+styles and one with fo-tune's (the same plan, the classes swapped), and runs both on the same
+input and output gradient: the outputs, the input's gradient and every parameter's gradient (this
+rank's shard) must agree, and the parameters and their gradients must carry the same placements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import parallel as torch_tp
+
+from fo_kernels import execute as execute_mod
+from fo_kernels import overlap as overlap_mod
+from fo_kernels import parallel as fo_tp
+from fo_kernels.errors import NotOverlappedWarning
+
+TORCH = (torch_tp.ColwiseParallel, torch_tp.RowwiseParallel)
+FO = (fo_tp.ColwiseParallel, fo_tp.RowwiseParallel)
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = (t.to_local() if isinstance(t, DTensor) else t for t in (got, want))
+    if got.shape != want.shape:
+        return float("inf")
+    want = want.double()
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------------------------- models
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int, bias: bool = True) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, inner, bias=bias)
+        self.down = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class FFN(nn.Module):
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inner, bias=False)
+        self.w2 = nn.Linear(inner, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inner, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """A torchtitan-shaped block: norm (sequence parallel), then a SwiGLU FFN fed a DTensor."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.ffn = FFN(hidden, inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ffn(self.norm(x))
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+        self.proj = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.tok(tokens))
+
+
+# ---------------------------------------------------------------------------------- cases
+@dataclass(frozen=True)
+class StyleCase:
+    """A model, its plan (from the (colwise, rowwise) style classes) and its input.
+
+    ``x_shard``: the input is this rank's shard (drawn per rank), else the same on every rank;
+    ``y_shard`` likewise for the output's gradient. ``warnings``: how many NotOverlappedWarnings
+    fo-tune's plan gives, when it is applied and in its first run."""
+
+    model: Callable[[int], nn.Module]
+    plan: Callable[[tuple[type, type]], dict]
+    x_shape: Callable[[int], tuple[int, ...]]
+    x_shard: bool
+    y_shard: bool
+    ops: frozenset[str] = frozenset()  # the collectives fo-tune's ops run, forward and backward
+    warnings: int = 0
+    tokens: int = 0  # > 0: an integer input below this
+    # fo-tune's copy through parallelize_linears(model, linears, sequence_parallel=...) instead
+    linears: dict[str, str] | None = None
+    sequence_parallel: bool = False
+
+
+def _mlp_plan(sp_dim: int | None, bias: bool = True) -> StyleCase:
+    act = Replicate() if sp_dim is None else Shard(sp_dim)
+    return StyleCase(
+        model=lambda w: MLP(8, 4 * w, bias),
+        plan=lambda s: {"up": s[0](input_layouts=act), "down": s[1](output_layouts=act)},
+        x_shape=lambda w: (4, 3, 8) if sp_dim is None else (2, 3, 8),
+        x_shard=sp_dim is not None,
+        y_shard=sp_dim is not None,
+        ops=AR if sp_dim is None else AG_RS,
+    )
+
+
+AR, AG_RS = frozenset({"all_reduce"}), frozenset({"all_gather", "reduce_scatter"})
+CASES: dict[str, StyleCase] = {
+    "mlp": _mlp_plan(None),
+    "mlp_sp": _mlp_plan(0),
+    "mlp_sp_seq": _mlp_plan(1, bias=False),
+    "block": StyleCase(
+        model=lambda w: Block(8, 6 * w),
+        plan=lambda s: {
+            "norm": torch_tp.SequenceParallel(),
+            "ffn": torch_tp.PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "ffn.w1": s[0](),
+            "ffn.w3": s[0](),
+            "ffn.w2": s[1](output_layouts=Shard(1)),
+        },
+        x_shape=lambda w: (2, 2, 8),
+        x_shard=True,
+        y_shard=True,
+        ops=AG_RS,
+    ),
+    "dtensor_out": StyleCase(
+        model=lambda w: MLP(8, 2 * w),
+        plan=lambda s: {
+            "up": s[0](use_local_output=False),
+            "down": s[1](use_local_output=False),
+        },
+        x_shape=lambda w: (5, 8),
+        x_shard=False,
+        y_shard=False,
+        ops=AR,
+    ),
+    "gather_out": StyleCase(
+        model=lambda w: MLP(8, 2 * w, bias=False),
+        plan=lambda s: {
+            "up": s[0](input_layouts=Shard(0), output_layouts=Replicate()),
+            "down": s[0](),
+        },
+        x_shape=lambda w: (1, 3, 8),
+        x_shard=True,
+        y_shard=True,
+        ops=AG_RS | AR,
+        warnings=1,
+    ),
+    "embedding": StyleCase(
+        model=lambda w: Embed(4 * w, 6),
+        plan=lambda s: {
+            "tok": s[1](input_layouts=Replicate(), output_layouts=Shard(1)),
+            "proj": s[0](input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+        x_shape=lambda w: (2, 2 * w),
+        x_shard=False,
+        y_shard=False,
+        ops=AG_RS,
+        warnings=2,
+        tokens=8,
+    ),
+    # parallelize_linears over the styles, with sequence parallelism: the plan of "mlp_sp"
+    "linears_sp": StyleCase(
+        model=lambda w: MLP(8, 4 * w),
+        plan=lambda s: {"up": s[0](input_layouts=Shard(0)), "down": s[1](output_layouts=Shard(0))},
+        x_shape=lambda w: (2, 3, 8),
+        x_shard=True,
+        y_shard=True,
+        ops=AG_RS,
+        linears={"up": "column", "do*": "row"},
+        sequence_parallel=True,
+    ),
+    # runs as torch's style does: a float64 model (at apply time), rows that do not divide by the
+    # world size (at run time), an input sharded on its features
+    "float64": StyleCase(
+        model=lambda w: MLP(8, 2 * w).double(),
+        plan=lambda s: {"up": s[0](), "down": s[1]()},
+        x_shape=lambda w: (3, 8),
+        x_shard=False,
+        y_shard=False,
+        warnings=2,
+    ),
+    "uneven_rows": StyleCase(
+        model=lambda w: MLP(8, 2 * w),
+        plan=lambda s: {"up": s[0](), "down": s[1](output_layouts=Shard(0))},
+        x_shape=lambda w: (2 * w + 1, 8),
+        x_shard=False,
+        y_shard=True,
+        ops=AR,
+        warnings=1,
+    ),
+    "features_in": StyleCase(
+        model=lambda w: nn.Sequential(nn.Linear(4 * w, 5 * w)),
+        plan=lambda s: {"0": s[0](input_layouts=Shard(-1))},
+        x_shape=lambda w: (3, 4),
+        x_shard=True,
+        y_shard=True,
+        warnings=1,
+    ),
+    # features that do not divide by the world size, the output a DTensor
+    "uneven_features": StyleCase(
+        model=lambda w: nn.Sequential(nn.Linear(6, 2 * w + 1)),
+        plan=lambda s: {"0": s[0](use_local_output=False)},
+        x_shape=lambda w: (2, 6),
+        x_shard=False,
+        y_shard=True,
+        ops=AR,
+    ),
+}
+
+
+def _mesh(ctx) -> DeviceMesh:
+    return DeviceMesh.from_group(dist.group.WORLD, ctx.device.type)
+
+
+def _input(case: StyleCase, rank: int, world: int, shape_seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(shape_seed * 131 + (rank if case.x_shard else 0))
+    if case.tokens:
+        return torch.randint(0, case.tokens, case.x_shape(world), generator=gen)
+    return torch.randn(case.x_shape(world), generator=gen)
+
+
+def _run(model: nn.Module, x: torch.Tensor, rank: int, y_shard: bool, params: nn.Module) -> dict[str, object]:
+    """Forward and backward of ``model`` (``params``: the module that holds its parameters)."""
+    for p in params.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_(x.is_floating_point())
+    y = model(x)
+    local = y.to_local() if isinstance(y, DTensor) else y
+    gen = torch.Generator().manual_seed(977 + (rank if y_shard else 0))
+    dy = torch.randn(local.shape, generator=gen).to(local.dtype)
+    (local * dy).sum().backward()
+    return {
+        "y": y.detach(),
+        "y_placements": (tuple(y.placements), tuple(y.shape)) if isinstance(y, DTensor) else None,
+        "dx": x.grad,
+        "grads": {n: p.grad for n, p in params.named_parameters()},
+    }
+
+
+def _placements(model: nn.Module) -> dict[str, tuple]:
+    return {n: tuple(p.placements) if isinstance(p, DTensor) else None for n, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def recorded_collectives() -> Iterator[list[str]]:
+    """The collective of every fo-tune op call made inside (direct and through the custom ops)."""
+    seen: list[str] = []
+    real = execute_mod.execute
+
+    def recording(collective, *args, **kwargs):
+        seen.append(collective)
+        return real(collective, *args, **kwargs)
+
+    execute_mod.execute, overlap_mod.execute = recording, recording
+    try:
+        yield seen
+    finally:
+        execute_mod.execute, overlap_mod.execute = real, real
+
+
+def style_case(ctx, name: str, backends: list[str | None]) -> dict[str, object]:
+    """One case: fo-tune's styles against torch's, eagerly and with each torch.compile backend."""
+    case = CASES[name]
+    rank, world = ctx.rank, ctx.world_size
+    mesh = _mesh(ctx)
+    torch.manual_seed(3)
+    full = case.model(world)
+    ref, ours = copy.deepcopy(full), copy.deepcopy(full)
+    x = _input(case, rank, world, 1)
+    if x.is_floating_point():
+        x = x.to(next(full.parameters()).dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch_tp.parallelize_module(ref, mesh, case.plan(TORCH))
+        want = _run(ref, x, rank, case.y_shard, ref)
+    out: dict[str, object] = {"runs": []}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if case.linears is None:
+            torch_tp.parallelize_module(ours, mesh, case.plan(FO))
+        else:
+            fo_tp.parallelize_linears(ours, case.linears, sequence_parallel=case.sequence_parallel)
+        for backend in backends:
+            torch._dynamo.reset()
+            model = ours if backend is None else torch.compile(ours, backend=backend, fullgraph=True)
+            with recorded_collectives() as ops:
+                got = _run(model, x, rank, case.y_shard, ours)
+            errs = {"y": rel(got["y"], want["y"])}
+            if want["dx"] is not None:
+                errs["dx"] = rel(got["dx"], want["dx"])
+            for n, g in want["grads"].items():
+                errs[f"d.{n}"] = rel(got["grads"][n], g)
+            same = got["y_placements"] == want["y_placements"] and all(
+                type(got["grads"][n]) is type(g) and got["grads"][n].placements == g.placements
+                for n, g in want["grads"].items()
+                if isinstance(g, DTensor)
+            )
+            out["runs"].append({"backend": backend, "errs": errs, "same_placements": same, "ops": set(ops)})
+    out["warnings"] = [str(w.message) for w in seen if issubclass(w.category, NotOverlappedWarning)]
+    out["placements_equal"] = _placements(ref) == _placements(ours)
+    out["params_equal"] = all(
+        torch.equal(p.to_local(), q.to_local())
+        for p, q in zip(ref.parameters(), ours.parameters(), strict=True)
+    )
+    return out
+
+
+def style_cases(ctx, payload: dict[str, list[str | None]]) -> dict[str, dict]:
+    """Every case named in ``payload`` (name -> torch.compile backends, None for eager)."""
+    return {name: style_case(ctx, name, backends) for name, backends in payload.items()}
+
+
+def suite(ctx, parts: dict[str, tuple[str, object]]) -> dict[str, object]:
+    """Several rank functions of this module in one start of the ranks: name -> (function, payload)."""
+    return {name: globals()[fn](ctx, payload) for name, (fn, payload) in parts.items()}
+
+
+# ---------------------------------------------------------------------------------- fused ops
+def fused_ops(ctx, compiled: bool) -> dict[str, float]:
+    """fo_kernels.symm_mem against torch's reference implementations of the same ops (what
+    torch.ops.symm_mem computes; its own kernels are CUDA-only), name -> relative error, the
+    gradients of the overlapped path against those of torch's path through autograd collectives,
+    and with ``compiled`` both functions under torch.compile(fullgraph=True) against eager."""
+    from torch.distributed import _symmetric_memory as torch_symm
+
+    from fo_kernels import symm_mem
+
+    rank, world = ctx.rank, ctx.world_size
+    name = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(40 + rank)
+    errs: dict[str, float] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for shape, gather_dim in (
+            ((3, 8), 0),
+            ((2, 3, 8), 1),
+            ((2, 3, 8), 0),
+            ((2, 3, 4), 2),
+            ((2, 3, 4), -1),
+        ):
+            a = torch.randn(shape, generator=gen)
+            k = a.shape[-1] * (world if gather_dim in (-1, len(shape) - 1) else 1)
+            bs = [torch.randn(k, 5, generator=gen), torch.randn(7, k, generator=gen).t()]
+            for n_bs in (1, 2):
+                for return_a in (True, False):
+                    got_a, got = symm_mem.fused_all_gather_matmul(
+                        a, bs[:n_bs], gather_dim, name, return_A=return_a
+                    )
+                    want_a, want = torch_symm._fused_all_gather_matmul_fallback(
+                        a, bs[:n_bs], gather_dim, name, return_A=return_a
+                    )
+                    key = f"ag{shape}@{gather_dim} bs={n_bs} A={return_a}"
+                    errs[key] = max(rel(g, w) for g, w in zip(got, want, strict=True))
+                    errs[key + " A"] = rel(got_a, want_a) if return_a else float(got_a is not None)
+        for shape, scatter_dim in (((2 * world, 8), 0), ((2, 3 * world, 8), 1), ((3, 2, 8), 2)):
+            a = torch.randn(shape, generator=gen)
+            n = 4 * world
+            for b in (torch.randn(8, n, generator=gen), torch.randn(n, 8, generator=gen).t()):
+                got = symm_mem.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim, name)
+                want = torch_symm._fused_matmul_reduce_scatter_fallback(a, b, "sum", scatter_dim, name)
+                errs[f"rs{shape}@{scatter_dim}"] = rel(got, want)
+                avg = symm_mem.fused_matmul_reduce_scatter(a, b, "avg", scatter_dim, name)
+                errs[f"rs{shape}@{scatter_dim} avg"] = rel(avg * world, want)
+                errs[f"rs{shape}@{scatter_dim} contiguous"] = 0.0 if got.is_contiguous() else 1.0
+    errs.update(_fused_grads(rank, world, name))
+    if compiled:
+        errs["compiled"] = _fused_compiled(rank, world, name)
+    return errs
+
+
+def _fused_compiled(rank: int, world: int, name: str) -> float:
+    """Both functions in one torch.compile(fullgraph=True) block against the same block eagerly."""
+    from fo_kernels import symm_mem
+
+    def block(a: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, b3: torch.Tensor) -> torch.Tensor:
+        gathered, (y1, y2) = symm_mem.fused_all_gather_matmul(a, [b1, b2], 1, name)
+        z = symm_mem.fused_matmul_reduce_scatter(y1, b3, "sum", 1, name)
+        return gathered.sum() + y2.sum() + z.sum()
+
+    gen = torch.Generator().manual_seed(80 + rank)
+    args = (torch.randn(2, 3, 6, generator=gen), torch.randn(6, 4, generator=gen))
+    args += (torch.randn(6, 5, generator=gen), torch.randn(4, 2, generator=gen))
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager = block(*args)
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(*args)
+    return rel(compiled, eager)
+
+
+def _fused_grads(rank: int, world: int, name: str) -> dict[str, float]:
+    """The overlapped paths' gradients against torch's path's (autograd collectives)."""
+    from fo_kernels import symm_mem
+
+    gen = torch.Generator().manual_seed(60 + rank)
+    a = torch.randn(2, 2 * world, 6, generator=gen)
+    b1, b2 = torch.randn(6, 4, generator=gen), torch.randn(6, 3, generator=gen)
+    dy = [torch.randn(2 * world, 2 * world, n, generator=gen) for n in (4, 3)]
+    out = {}
+    grads = []
+    for fn in (symm_mem.fused_all_gather_matmul, _torch_gather):
+        leaves = [t.clone().requires_grad_(True) for t in (a, b1, b2)]
+        _, ys = fn(leaves[0], leaves[1:], 0, name)
+        sum((y * g).sum() for y, g in zip(ys, dy, strict=True)).backward()
+        grads.append([t.grad for t in leaves])
+    out.update({f"ag grad {i}": rel(g, w) for i, (g, w) in enumerate(zip(*grads, strict=True))})
+    grads = []
+    dz = torch.randn(2, 2, 4, generator=gen)  # the shard of scatter dim 1 (2 * world rows)
+    for fn in (symm_mem.fused_matmul_reduce_scatter, _torch_scatter):
+        leaves = [t.clone().requires_grad_(True) for t in (a, b1)]
+        (fn(leaves[0], leaves[1], "sum", 1, name) * dz).sum().backward()
+        grads.append([t.grad for t in leaves])
+    out.update({f"rs grad {i}": rel(g, w) for i, (g, w) in enumerate(zip(*grads, strict=True))})
+    return out
+
+
+def _torch_gather(a, bs, d, name):
+    from fo_kernels import symm_mem
+
+    return symm_mem._gather_then_matmul(a, bs, d, name, dist.get_world_size(), True)
+
+
+def _torch_scatter(a, b, op, d, name):
+    from fo_kernels import symm_mem
+
+    return symm_mem._matmul_then_reduce_scatter(a, b, op, d, name, dist.get_world_size())
+
+
+# ---------------------------------------------------------------------------------- bad input
+def bad_inputs(ctx, _payload) -> dict[str, str]:
+    """Each bad call raises a ValueError subclass naming the problem before any collective;
+    name -> message."""
+    from fo_kernels import FoTuneError, symm_mem
+
+    world, name = ctx.world_size, dist.group.WORLD.group_name
+    mesh = _mesh(ctx)
+    a, b = torch.randn(2 * world, 8), torch.randn(8, 4)
+    col = torch_tp.parallelize_module(nn.Linear(8, 2 * world), mesh, fo_tp.ColwiseParallel())
+    row = torch_tp.parallelize_module(nn.Linear(2 * world, 8), mesh, fo_tp.RowwiseParallel())
+    calls = {
+        "col_features": lambda: col(torch.randn(3, 9)),
+        "row_features": lambda: row(torch.randn(3, 5)),
+        "ag_k": lambda: symm_mem.fused_all_gather_matmul(a, [torch.randn(7, 4)], 0, name),
+        "ag_no_bs": lambda: symm_mem.fused_all_gather_matmul(a, [], 0, name),
+        "ag_dim": lambda: symm_mem.fused_all_gather_matmul(a, [b], 2, name),
+        "ag_vector": lambda: symm_mem.fused_all_gather_matmul(torch.randn(8), [b], 0, name),
+        "rs_op": lambda: symm_mem.fused_matmul_reduce_scatter(a, b, "max", 0, name),
+        "rs_rows": lambda: symm_mem.fused_matmul_reduce_scatter(
+            torch.randn(2 * world + 1, 8), b, "sum", 0, name
+        ),
+        "rs_dim": lambda: symm_mem.fused_matmul_reduce_scatter(a, b, "sum", -3, name),
+        "rs_group": lambda: symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, "no-such-group"),
+        "plan_unknown": lambda: fo_tp.parallelize_linears(MLP(4, 8), {"nope": "column"}),
+        "install_plain": lambda: fo_tp.install(nn.Linear(4, 4), mesh, fo_tp.ColwiseParallel()),
+        "install_style": lambda: fo_tp.install(col, mesh, torch_tp.ColwiseParallel()),
+        "install_embedding": lambda: fo_tp.install(nn.Embedding(4, 4), mesh, fo_tp.RowwiseParallel()),
+        "plan_kind": lambda: fo_tp.parallelize_linears(MLP(4, 8), {"up": "diagonal"}),
+    }
+    msgs = {}
+    for key, call in calls.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                call()
+        except FoTuneError as exc:
+            assert isinstance(exc, ValueError), exc
+            msgs[key] = f"{type(exc).__name__}: {exc}"
+        else:
+            msgs[key] = "NO ERROR"
+    dist.barrier()  # every rank is still in step: no collective was left half-started
+    return msgs
+
+
+# ---------------------------------------------------------------------------------- FSDP2
+def fsdp2_tp(ctx, _payload) -> dict[str, object]:
+    """FSDP2 over fo-tune's styles on a 2 x 2 (dp, tp) mesh against FSDP2 over torch's: the
+    output, every gradient (this rank's shard) and the parameters' 2-D placements agree, and
+    fo-tune's ops ran."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (2, ctx.world_size // 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(4)
+    full = MLP(8, 4 * mesh["tp"].size())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(9 + mesh["dp"].get_local_rank()))
+    runs = {}
+    for name, styles in (("torch", TORCH), ("fo", FO)):
+        model = copy.deepcopy(full)
+        torch_tp.parallelize_module(model, mesh["tp"], {"up": styles[0](), "down": styles[1]()})
+        fully_shard(model, mesh=mesh["dp"])
+        with warnings.catch_warnings(), recorded_collectives() as ops:
+            warnings.simplefilter("ignore")
+            y = model(x)
+            y.sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        runs[name] = (y.detach(), grads, _placements(model), sorted(set(ops)))
+    (y_t, g_t, p_t, _), (y_f, g_f, p_f, ops_f) = runs["torch"], runs["fo"]
+    return {
+        "errs": {"y": rel(y_f, y_t), **{n: rel(g_f[n], g) for n, g in g_t.items()}},
+        "placements_equal": p_f == p_t,
+        "ops": ops_f,
+    }

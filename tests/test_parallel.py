@@ -1,0 +1,78 @@
+"""fo-tune's tensor-parallel styles (``fo_kernels.parallel``) and torch's fused-op signatures
+(``fo_kernels.symm_mem``) on gloo CPU ranks (2 and 3).
+
+Every style case parallelizes one model with torch's styles and with fo-tune's (the same plan)
+and compares outputs, input and parameter gradients and placements, eagerly and under
+torch.compile(fullgraph=True); the collectives fo-tune's ops ran are recorded, so a case that
+silently fell back to torch's path fails. One start of the ranks per world size runs every part."""
+
+from __future__ import annotations
+
+import pytest
+
+from fo_tune.ranks.launch import run_ranks
+from parallel_cases import CASES, suite
+
+# float32 against torch's styles on the same float32 model.
+TOL = 1e-5
+# The cases also run under torch.compile (aot_eager: Dynamo, AOTAutograd and the ops' fake
+# implementations without inductor's C++ code generation, ~10 s of CPU a graph here; see
+# test_layers.py), per world size: without and with sequence parallelism (dim 0 and 1, DTensor
+# inputs), DTensor outputs, and a run-time fallback to torch's path inside the graph.
+COMPILED = {
+    2: ("mlp", "mlp_sp", "mlp_sp_seq", "block", "dtensor_out", "uneven_rows"),
+    3: ("mlp", "mlp_sp"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _isolated_tables(tmp_path, monkeypatch):
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+
+
+def _backends(world: int, name: str) -> list[str | None]:
+    return [None, "aot_eager"] if name in COMPILED[world] else [None]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
+    payload = {name: _backends(world, name) for name in CASES}
+    parts = {
+        "styles": ("style_cases", payload),
+        "fused": ("fused_ops", world == 2),
+        "bad": ("bad_inputs", None),
+    }
+    results = run_ranks(suite, world, parts, backend="gloo")
+    for rank, r in enumerate(results):
+        for name, c in r["styles"].items():
+            case = CASES[name]
+            where = f"rank {rank} {name}"
+            assert c["placements_equal"] and c["params_equal"], where
+            assert len(c["warnings"]) == case.warnings, (where, c["warnings"])
+            assert [run["backend"] for run in c["runs"]] == payload[name], where
+            for run in c["runs"]:
+                bad = {k: v for k, v in run["errs"].items() if not v < TOL}
+                assert not bad, (where, run["backend"], bad)
+                assert run["same_placements"], (where, run["backend"])
+                assert run["ops"] == case.ops, (where, run["backend"], run["ops"])
+        bad = {k: v for k, v in r["fused"].items() if not v < TOL}
+        assert not bad and len(r["fused"]) > 40, (rank, bad)
+        assert ("compiled" in r["fused"]) == (world == 2), r["fused"]
+        msgs = r["bad"]
+        assert "NO ERROR" not in msgs.values(), msgs
+        assert (
+            msgs["col_features"].startswith("ShapeError") and "got an input of (3, 9)" in msgs["col_features"]
+        )
+        assert "takes 2 input features" in msgs["row_features"], msgs
+        assert "K mismatch" in msgs["ag_k"] and "non-empty" in msgs["ag_no_bs"], msgs
+        assert "gather_dim 2" in msgs["ag_dim"] and "at least 2 dims" in msgs["ag_vector"], msgs
+        assert msgs["rs_op"].startswith("ArgumentError: reduce_op 'max'"), msgs
+        assert "not divisible by the world size" in msgs["rs_rows"] and "scatter_dim -3" in msgs["rs_dim"], (
+            msgs
+        )
+        assert msgs["rs_group"].startswith("GroupError"), msgs
+        assert "names no submodule" in msgs["plan_unknown"] and "diagonal" in msgs["plan_kind"], msgs
+        assert "not a DTensor sharded on dim 0" in msgs["install_plain"], msgs
+        assert msgs["install_style"].startswith("PlanError: style: expected"), msgs
+        assert "Embedding is not an nn.Linear" in msgs["install_embedding"], msgs

@@ -1,0 +1,43 @@
+"""A real client: torchtitan's Llama-3 (tiny config) parallelized by torchtitan's own tensor- and
+sequence-parallel plan (``apply_tp``) with torch's styles, and again with fo-tune's styles swapped
+in, gives the same loss, gradients and placements on 2 and 4 gloo ranks; fo-tune's ops run its
+AllGather + GEMM (the output layer's sequence-parallel input) and GEMM + ReduceScatter (every
+block's ``wo`` and ``w2``). The 4 ranks also run FSDP2 over fo-tune's styles on a 2 x 2 (dp, tp)
+mesh against FSDP2 over torch's (the parameters' placements are torch's, so FSDP2 composes).
+torchtitan is a dev dependency (pinned in pyproject.toml): the test fails, never skips, without it."""
+
+from __future__ import annotations
+
+import pytest
+
+from fo_tune.ranks.launch import run_ranks
+from torchtitan_cases import suite
+
+# float32 against torch's styles on the same float32 model.
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _isolated_tables(tmp_path, monkeypatch):
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_llama3_with_fo_tune_styles_matches_torchtitan(world):
+    parts = {"llama3": ("llama3", None)}
+    if world == 4:  # the same 4 ranks: FSDP2 over the styles on a 2 x 2 (dp, tp) mesh
+        parts["fsdp2"] = ("fsdp2_tp", None)
+    results = run_ranks(suite, world, parts, backend="gloo")
+    for rank, r in enumerate(results):
+        run = r["llama3"]
+        bad = {k: v for k, v in run["errs"].items() if not v < TOL}
+        assert not bad, (rank, bad)
+        assert len(run["errs"]) > 10, run["errs"]  # the loss and every parameter's gradient
+        assert run["same_names"] and run["placements_equal"] and run["grad_placements_equal"], run
+        assert run["ops"] == ["all_gather", "reduce_scatter"], run["ops"]
+        if world == 4:
+            fsdp = r["fsdp2"]
+            bad = {k: v for k, v in fsdp["errs"].items() if not v < TOL}
+            assert not bad and len(fsdp["errs"]) == 5, (rank, fsdp["errs"])
+            assert fsdp["placements_equal"] and fsdp["ops"] == ["all_reduce"], fsdp
