@@ -36,6 +36,7 @@ from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
 if TYPE_CHECKING:
     from fo_kernels.gemm import BOperand
     from fo_kernels.runtime import OverlapRuntime
+    from fo_kernels.scaling import Scales
     from fo_kernels.schedule import Schedule
 
 # The protocol's public names, each loaded from its module on first use (PEP 562): importing the
@@ -92,6 +93,7 @@ class CopyEngine(Engine):
         b: BOperand,
         runtime: OverlapRuntime,
         *,
+        scales: Scales | None = None,
         own_graphs: bool = True,
     ) -> EngineResult:
         st = schedule.settings
