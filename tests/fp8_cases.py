@@ -173,3 +173,38 @@ def fp8_backward(ctx, _payload) -> str:
 
 def replaced(case: Fp8Case, **changes) -> Fp8Case:
     return dataclasses.replace(case, **changes)
+
+
+def fp8_layers(ctx, _payload) -> dict[str, float | str]:
+    """fp8 column- and row-parallel layers (both scalings, with and without sequence parallelism)
+    from one full bf16-sized ``nn.Linear`` pair on every rank, against the full float64 MLP:
+    name -> relative error (fp8 quantization of weight and activation, ~1e-2), plus the error a
+    backward through one gives."""
+    from fo_kernels import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(4321)  # the same full layers and input on every rank
+    w, feat, hidden, batch = ctx.world_size, 32, 64, 6
+    up, down = torch.nn.Linear(feat, hidden), torch.nn.Linear(hidden, feat)
+    x = torch.randn(batch * w, feat)
+    want = down(up(x)).double()
+    out: dict[str, float | str] = {}
+    for scaling in ("tensorwise", "rowwise"):
+        for sp in (False, True):
+            col = ColumnParallelLinear.from_linear(up, sequence_parallel=sp, fp8=scaling)
+            row = RowParallelLinear.from_linear(down, sequence_parallel=sp, fp8=scaling)
+            assert col.weight.dtype == FP8 and not col.weight.requires_grad
+            rows = batch * w // w
+            mine = x[ctx.rank * rows : (ctx.rank + 1) * rows] if sp else x
+            with torch.no_grad():
+                got = row(col(mine))
+            ref = want[ctx.rank * rows : (ctx.rank + 1) * rows] if sp else want
+            assert got.dtype == x.dtype and got.shape == ref.shape, (got.dtype, got.shape, ref.shape)
+            out[f"{scaling}-sp{int(sp)}"] = ((got.double() - ref).norm() / ref.norm()).item()
+    col = ColumnParallelLinear.from_linear(up, fp8="rowwise")
+    y = col(x.requires_grad_(True))
+    try:
+        y.sum().backward()
+        out["backward"] = "NO ERROR"
+    except Fp8TrainingError as exc:
+        out["backward"] = str(exc)
+    return out
