@@ -6,9 +6,11 @@
 # signalled GEMM at cuBLAS speed (one H200)").
 #
 #   bash bench/profile.sh OUT_DIR [MxNxK...]
+#   FO_DTYPE=float8_e4m3fn bash bench/profile.sh OUT_DIR    (fp8: beside torch._scaled_mm)
 #
-# MxNxK arguments profile those shapes instead of the suite's. Writes, per shape,
-# OUT_DIR/profiles/<M>x<N>x<K>-bfloat16.csv and its -grids.csv (results/profiles/<device-key>/),
+# MxNxK arguments profile those shapes instead of the suite's; FO_DTYPE is the operand dtype
+# (default bfloat16). Writes, per shape,
+# OUT_DIR/profiles/<M>x<N>x<K>-<dtype>.csv and its -grids.csv (results/profiles/<device-key>/),
 # the space profiled (OUT_DIR/profile-space.yaml), the log (OUT_DIR/profile.log) and, while it
 # runs, the SM clock, power and temperature every 200 ms (OUT_DIR/smi.csv: a loop of GEMMs runs
 # at the card's power limit, docs/design.md#power-limit).
@@ -20,6 +22,7 @@ out_dir="$(fo_out_dir "$1")"
 shift
 cd "$FO_REPO"
 
+dtype="${FO_DTYPE:-bfloat16}"
 space="$out_dir/profile-space.yaml"
 "$PYTHON" -m fo_tune.bench.script_inputs space search_spaces/hopper.yaml "$space" --sms-free 0,8,12,16
 if [ "$#" -gt 0 ]; then
@@ -38,6 +41,6 @@ fi
 
 for shape in "${shapes[@]}"; do
   echo "== $shape ($(date -u +%FT%TZ))"
-  fo_tune profile --shape "$shape" --space "$space" --dtype bfloat16 --timing graphs \
-    --out "$out_dir/profiles/$shape-bfloat16.csv"
+  fo_tune profile --shape "$shape" --space "$space" --dtype "$dtype" --timing graphs \
+    --out "$out_dir/profiles/$shape-$dtype.csv"
 done 2>&1 | tee "$out_dir/profile.log"

@@ -21,6 +21,8 @@ from typing import Any
 _EXPORTS = {
     "EnvironmentMismatchError": "errors",
     "FoTuneError": "errors",
+    "Fp8TrainingError": "errors",
+    "ScaleError": "errors",
     "HeuristicScheduleWarning": "errors",
     "ScheduleError": "errors",
     "ShapeError": "errors",

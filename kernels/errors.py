@@ -21,6 +21,15 @@ class ScheduleError(FoTuneError, ValueError):
     """A schedule that is malformed or does not fit the problem; the message names the field."""
 
 
+class ScaleError(ShapeError):
+    """fp8 operands and their scales that the ops cannot take (``fo_kernels.scaling``): scales on
+    other operands, wrong scale shapes or dtypes, mixed operand dtypes, another fp8 variant."""
+
+
+class Fp8TrainingError(FoTuneError, NotImplementedError):
+    """A backward through an op with fp8 operands: fo-tune runs fp8 for inference only."""
+
+
 class GroupError(FoTuneError, ValueError):
     """A process group the call cannot use: this rank is not in it, or it is unknown or destroyed."""
 

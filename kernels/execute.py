@@ -4,7 +4,8 @@ It checks the operands and the group, resolves the schedule (the caller's, else
 ``lookup_schedule``) and runs it: ``overlap: false`` through the runtime's fallback
 (``fo_kernels.fallback``: GEMM then the collective, or the gather then the GEMM), otherwise
 through the engine the schedule names (``fo_kernels.engines``). Every check runs before the first
-collective.
+collective. fp8 operands come with ``scale_a``, ``scale_b`` and ``out_dtype``
+(``fo_kernels.scaling``); their schedule is looked up under the operands' dtype, ``float8_e4m3fn``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,19 @@ from fo_kernels.fallback import one_rank
 from fo_kernels.gemm import BOperand
 from fo_kernels.groups import check_group
 from fo_kernels.runtime import runtime_for
+from fo_kernels.scaling import Scales, check_scales
 from fo_kernels.schedule import TORCH_DTYPES, Schedule, dtype_name
 from fo_kernels.table import lookup_schedule
 
 
-def _check_operands(a: torch.Tensor, b: torch.Tensor) -> BOperand:
+def _check_operands(
+    collective: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+) -> tuple[BOperand, Scales | None]:
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise ShapeError("a and b must be torch tensors")
     if a.dim() != 2 or b.dim() != 2:
@@ -33,8 +42,12 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor) -> BOperand:
         )
     if 0 in a.shape or b.shape[1] == 0:
         raise ShapeError(f"empty operand: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    scales = check_scales(collective, a, b, scale_a, scale_b, out_dtype)
     if a.dtype not in TORCH_DTYPES.values():
-        raise ShapeError(f"dtype {a.dtype} is not supported; use bfloat16, float16 or float32")
+        raise ShapeError(
+            f"dtype {a.dtype} is not supported; use bfloat16, float16, float32, or float8_e4m3fn with "
+            "scale_a and scale_b"
+        )
     if b.dtype != a.dtype:
         raise ShapeError(f"a is {a.dtype} but b is {b.dtype}; both must have the same dtype")
     if a.device != b.device:
@@ -45,7 +58,7 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor) -> BOperand:
             "b must be row-major (K, N) or the transposed view of a contiguous (N, K) weight "
             f"(got strides {b.stride()}); call .contiguous() on it"
         )
-    return operand
+    return operand, scales
 
 
 def _resolve_schedule(
@@ -78,13 +91,17 @@ def execute(
     schedule: Schedule | None,
     group: dist.ProcessGroup | None,
     *,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     own_graphs: bool = True,
 ) -> EngineResult:
     """One call of ``collective``'s op, eagerly: checks, schedule, then the fallback or the engine.
+    ``scale_a``, ``scale_b``, ``out_dtype``: an fp8 call's (``fo_kernels.scaling``).
     ``own_graphs=False`` (a call through the custom op: compiled code, autograd) keeps the
     runtime's own CUDA graphs and output pools out of it: its outputs come from the caller's
     allocator, which a caller's CUDA graphs (torch.compile's ``reduce-overhead``) require."""
-    operand = _check_operands(a, b)
+    operand, scales = _check_operands(collective, a, b, scale_a, scale_b, out_dtype)
     if not dist.is_available() or not dist.is_initialized():
         raise ScheduleError("torch.distributed is not initialized; call dist.init_process_group first")
     check_group(group)
@@ -96,10 +113,10 @@ def execute(
     schedule = _resolve_schedule(collective, a, b.shape[1], schedule, world)
     if schedule.engine is None:
         if world == 1:  # one rank's collective is the identity: the GEMM alone
-            return one_rank(collective, a, b)
+            return one_rank(collective, a, b, scales)
         if collective == "all_gather":
-            return runtime.fallback().all_gather(a, b, own_graphs=own_graphs)
-        return runtime.fallback().run(collective, a, b, own_graphs=own_graphs)
+            return runtime.fallback().all_gather(a, b, scales=scales, own_graphs=own_graphs)
+        return runtime.fallback().run(collective, a, b, scales=scales, own_graphs=own_graphs)
     engine = get_engine(schedule.engine)
     check_collective(engine, collective)
-    return engine.run(schedule, a, operand, runtime, own_graphs=own_graphs)
+    return engine.run(schedule, a, operand, runtime, scales=scales, own_graphs=own_graphs)

@@ -25,6 +25,11 @@ allocator must hold.
 
 At world size 1 the collective is the identity: the ops run ``one_rank`` instead, the GEMM alone
 (an AllGather's gathered A a copy of the operand), with no collective call.
+
+fp8 calls (``scales``, ``fo_kernels.scaling``) run the scaled GEMM (``torch._scaled_mm``) in its
+place and reduce its ``out_dtype`` output; an AllGather gathers the fp8 shard as bytes and, rowwise,
+the shard's rows of ``scale_a`` (one more small gather), then multiplies. A graphed fp8 call's key
+holds the scales' addresses too.
 """
 
 from __future__ import annotations
@@ -34,22 +39,26 @@ import torch.distributed as dist
 
 from fo_kernels.collectives import all_gather_now, all_reduce_now, reduce_scatter_now
 from fo_kernels.graphs import OutputPool, OwnGraphs
+from fo_kernels.scaling import Scales, gather_scales, matmul, out_dtype_of, wire
 
 
 def one_rank(
-    collective: str, a: torch.Tensor, b: torch.Tensor
+    collective: str, a: torch.Tensor, b: torch.Tensor, scales: Scales | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The overlap: false call of a group of one rank, whose collective is the identity: ``a @ b``
-    (all_gather: ``(gathered @ b, gathered)``, the gathered A a copy of ``a``). No collective runs."""
+    (all_gather: ``(gathered @ b, gathered)``, the gathered A a copy of ``a``; fp8: scaled by
+    ``scales``). No collective runs."""
     if collective == "all_gather":
         gathered = a.clone(memory_format=torch.contiguous_format)
-        return gathered @ b, gathered
-    return a @ b
+        return matmul(gathered, b, scales), gathered
+    return matmul(a, b, scales)
 
 
-def sequential(collective: str, a: torch.Tensor, b: torch.Tensor, group, world: int) -> torch.Tensor:
-    """GEMM then the collective, issued eagerly: ``collective(a @ b)``."""
-    full = a @ b
+def sequential(
+    collective: str, a: torch.Tensor, b: torch.Tensor, group, world: int, scales: Scales | None = None
+) -> torch.Tensor:
+    """GEMM then the collective, issued eagerly: ``collective(a @ b)`` (fp8: the scaled GEMM)."""
+    full = matmul(a, b, scales)
     if collective == "all_reduce":
         all_reduce_now(full, group)
         return full
@@ -59,13 +68,23 @@ def sequential(collective: str, a: torch.Tensor, b: torch.Tensor, group, world: 
 
 
 def sequential_all_gather(
-    a: torch.Tensor, b: torch.Tensor, group, world: int
+    a: torch.Tensor, b: torch.Tensor, group, world: int, scales: Scales | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather then GEMM, issued eagerly: ``(gathered @ b, gathered)`` where ``gathered`` holds
-    rank r's rows of ``a`` at rows [r*M/w, (r+1)*M/w)."""
+    rank r's rows of ``a`` at rows [r*M/w, (r+1)*M/w) (fp8: as bytes, and rowwise the rows' scales
+    gathered too, before the scaled GEMM)."""
     gathered = torch.empty((a.shape[0] * world, a.shape[1]), dtype=a.dtype, device=a.device)
-    all_gather_now(gathered, a.contiguous(), group)
-    return gathered @ b, gathered
+    all_gather_now(wire(gathered), wire(a.contiguous()), group)
+    if scales is not None:
+        scales = gather_scales(scales, world, group)
+    return matmul(gathered, b, scales), gathered
+
+
+def _scale_key(scales: Scales | None) -> tuple:
+    """What a graphed fp8 call's key adds: the scales' kind, addresses and the output dtype."""
+    if scales is None:
+        return ()
+    return (scales.rowwise, scales.out_dtype, scales.a.data_ptr(), scales.b.data_ptr(), scales.a.shape[0])
 
 
 # Views of the scratch buffer kept, one per (M, N, dtype) in use (oldest dropped first).
@@ -93,73 +112,81 @@ class Fallback:
         self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # (m, n, dtype) -> view
         self._last: torch.cuda.Stream | None = None  # the stream of the last graphed call
 
-    def _eager(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+    def _eager(self, a: torch.Tensor, b: torch.Tensor, scales: Scales | None) -> bool:
         """True when this call must not be graphed (see the module docstring)."""
+        tensors = (a, b) if scales is None else (a, b, scales.a, scales.b)
         return (
             self.graphs is None
             or self.graphs.after <= 0
             or torch.cuda.is_current_stream_capturing()
-            or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
         )
 
     def all_gather(
-        self, a: torch.Tensor, b: torch.Tensor, *, own_graphs: bool = True
+        self, a: torch.Tensor, b: torch.Tensor, *, scales: Scales | None = None, own_graphs: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gathered @ b, gathered)``: the (M, N) product and the (M, K) gathered A (M = world x
         a's rows). ``own_graphs=False``: issued eagerly, outputs from the caller's allocator."""
-        if not own_graphs or self._eager(a, b):
-            return sequential_all_gather(a, b, self.group, self.world)
+        if not own_graphs or self._eager(a, b, scales):
+            return sequential_all_gather(a, b, self.group, self.world, scales)
         a = a.contiguous()
         m, k, n = a.shape[0] * self.world, a.shape[1], b.shape[1]
         gathered = self._outputs.empty((m, k), a.dtype)
-        out = self._outputs.empty((m, n), a.dtype)
-        group = self.group
+        out = self._outputs.empty((m, n), out_dtype_of(a, scales))
+        group, world = self.group, self.world
 
         def issue() -> None:
-            all_gather_now(gathered, a, group)
-            torch.matmul(gathered, b, out=out)
+            all_gather_now(wire(gathered), wire(a), group)
+            matmul(gathered, b, None if scales is None else gather_scales(scales, world, group), out)
 
         key = (
             "all_gather", a.dtype, tuple(a.shape), a.data_ptr(),
-            tuple(b.shape), b.stride(), b.data_ptr(), out.data_ptr(), gathered.data_ptr(),
+            tuple(b.shape), b.stride(), b.data_ptr(), out.data_ptr(), gathered.data_ptr(), _scale_key(scales),
         )  # fmt: skip
         self.graphs.call(key, issue)
         return out, gathered
 
     def run(
-        self, collective: str, a: torch.Tensor, b: torch.Tensor, *, own_graphs: bool = True
+        self,
+        collective: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        *,
+        scales: Scales | None = None,
+        own_graphs: bool = True,
     ) -> torch.Tensor:
         """``collective(a @ b)`` over the group: (M, N) for all_reduce, (M / world, N) for
         reduce_scatter. ``own_graphs=False``: issued eagerly, outputs from the caller's allocator."""
         graphs = self.graphs
-        if not own_graphs or self._eager(a, b):
-            return sequential(collective, a, b, self.group, self.world)
+        if not own_graphs or self._eager(a, b, scales):
+            return sequential(collective, a, b, self.group, self.world, scales)
         m, n = a.shape[0], b.shape[1]
+        dtype = out_dtype_of(a, scales)
         main = torch.cuda.current_stream(self._index)
         last, self._last = self._last, main
         if last is not None and last.cuda_stream != main.cuda_stream:
             main.wait_stream(last)  # the previous call's use of the scratch is done
         group = self.group
         if collective == "all_reduce":
-            out = self._outputs.empty((m, n), a.dtype)
+            out = self._outputs.empty((m, n), dtype)
 
             def issue() -> None:
-                torch.matmul(a, b, out=out)
+                matmul(a, b, scales, out)
                 all_reduce_now(out, group)
 
             full_ptr = out.data_ptr()
         else:
-            out = self._outputs.empty((m // self.world, n), a.dtype)
-            full = self._full(m, n, a.dtype, last)
+            out = self._outputs.empty((m // self.world, n), dtype)
+            full = self._full(m, n, dtype, last)
 
             def issue() -> None:
-                torch.matmul(a, b, out=full)
+                matmul(a, b, scales, full)
                 reduce_scatter_now(out, full, group)
 
             full_ptr = full.data_ptr()
         key = (
             collective, a.dtype, tuple(a.shape), a.stride(), a.data_ptr(),
-            tuple(b.shape), b.stride(), b.data_ptr(), out.data_ptr(), full_ptr,
+            tuple(b.shape), b.stride(), b.data_ptr(), out.data_ptr(), full_ptr, _scale_key(scales),
         )  # fmt: skip
         graphs.call(key, issue)
         return out

@@ -22,6 +22,13 @@ Gradients are the unsharded model's (dy: the output's gradient, x: the input, W_
              dW_r = dy.T @ x_r                                    db = dy summed over rows (SP: and
                                                                   over the group, so it is the full one)
 
+fp8 for inference (``fp8="tensorwise"`` or ``"rowwise"``, or ``quantize_fp8`` on a built layer):
+the shard's weight is stored once as float8_e4m3fn codes with its ``weight_scale`` (0-dim, or one
+per output feature), and each call quantizes its activation the same way (``fo_kernels.quantize``;
+tensorwise before an AllGather with one scale over the group) and runs the scaled ops
+(``fo_kernels.scaling``), the output in the input's dtype. Training in fp8 is out of scope: a
+backward through an fp8 layer raises ``Fp8TrainingError``.
+
 A leading-dimension input (batch, seq, features) is flattened to rows; with sequence parallelism
 dim 0 is the sharded one (rank r's rows come r-th), and a row-parallel output whose dim 0 does not
 divide by w comes back as the flat (M/w, out) shard of the rows.
@@ -39,10 +46,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fo_kernels.errors import ShapeError
+from fo_kernels.errors import Fp8TrainingError, ScaleError, ShapeError
 from fo_kernels.groups import check_group
 from fo_kernels.ops import call_op
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
+from fo_kernels.quantize import check_scaling, layer_out_dtype, quantize_rows, quantize_weight
+from fo_kernels.scaling import FP8_ALIGN, Scales, is_fp8, scaled_mm
 from fo_kernels.schedule import Schedule
 
 
@@ -81,6 +90,22 @@ class _ShardBias(torch.autograd.Function):
         return dy, torch.ops._c10d_functional.wait_tensor(summed), None
 
 
+class _LocalScaledMatmul(torch.autograd.Function):
+    """A column-parallel fp8 layer's local GEMM (its input is the same on every rank): the scaled
+    GEMM forward; training in fp8 is out of scope, so its backward raises."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, scales: Scales) -> torch.Tensor:
+        return scaled_mm(a, b, scales)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        raise Fp8TrainingError(
+            "backward through an fp8 ColumnParallelLinear: fo-tune runs fp8 layers for inference only; "
+            "training in fp8 is out of scope"
+        )
+
+
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -106,6 +131,7 @@ class _ParallelLinear(nn.Module):
         schedule: Schedule | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        fp8: str | None = None,
     ) -> None:
         d, shape = self.split_dim, [out_features, in_features]
         _rank, shape[d] = _shard_of(shape[d], group, ("out_features", "in_features")[d])
@@ -117,7 +143,11 @@ class _ParallelLinear(nn.Module):
         self.group_name = (group if group is not None else dist.group.WORLD).group_name
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)) if bias else None
+        self.fp8: str | None = None  # the scaling of an fp8 layer (``quantize_fp8``)
+        self.register_buffer("weight_scale", None)  # an fp8 weight's scale_b
         self.reset_parameters()
+        if fp8 is not None:
+            self.quantize_fp8(fp8)
 
     @classmethod
     def from_linear(
@@ -127,9 +157,11 @@ class _ParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         group: dist.ProcessGroup | None = None,
         schedule: Schedule | None = None,
+        fp8: str | None = None,
     ) -> _Layer:
         """This rank's shard of a full ``nn.Linear`` (the same weights on every rank beforehand):
-        the features ``split_dim`` names, and the bias with output features."""
+        the features ``split_dim`` names, and the bias with output features; ``fp8``: the shard
+        then quantized for inference (``quantize_fp8``)."""
         w = linear.weight
         layer = cls(
             linear.in_features,
@@ -147,7 +179,41 @@ class _ParallelLinear(nn.Module):
             layer.weight.copy_(w.narrow(d, rank * part, part))
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias.narrow(0, rank * part, part) if d == 0 else linear.bias)
+        if fp8 is not None:
+            layer.quantize_fp8(fp8)
         return layer
+
+    def quantize_fp8(self: _Layer, scaling: str) -> _Layer:
+        """Store the shard's weight as float8_e4m3fn codes and ``weight_scale`` (``scaling``:
+        ``"tensorwise"`` or ``"rowwise"``, also how each call quantizes its activation), for
+        inference: the weight takes no gradient. Returns the layer."""
+        scaling = check_scaling(scaling)
+        if is_fp8(self.weight.dtype):
+            raise ScaleError(f"{type(self).__name__}: the weight is fp8 already ({self.fp8})")
+        n, k = self.weight.shape
+        if n % FP8_ALIGN or k % FP8_ALIGN:
+            raise ShapeError(
+                f"{type(self).__name__}: an fp8 shard needs its (out, in) = ({n}, {k}) multiples of "
+                f"{FP8_ALIGN} (torch._scaled_mm's rule)"
+            )
+        codes, scale = quantize_weight(self.weight, scaling)
+        self.weight = nn.Parameter(codes, requires_grad=False)
+        self.weight_scale = scale
+        self.fp8 = scaling
+        return self
+
+    def _quantized(self, rows: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scale_a) of a call's activation rows (``shared``: one tensorwise scale for
+        every rank of the group)."""
+        assert self.fp8 is not None
+        return quantize_rows(rows, self.fp8, shared=shared, group=self.group)
+
+    def _fp8_ops(self, x: torch.Tensor, scale_a: torch.Tensor) -> dict:
+        """The fp8 keyword arguments of this layer's op call."""
+        return dict(scale_a=scale_a, scale_b=self.weight_scale, out_dtype=layer_out_dtype(x))
+
+    def _bias_like(self, y: torch.Tensor) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.to(y.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
@@ -166,7 +232,7 @@ class _ParallelLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}, "
-            f"world_size={self.world_size}"
+            f"world_size={self.world_size}" + (f", fp8={self.fp8}" if self.fp8 else "")
         )
 
 
@@ -189,13 +255,28 @@ class ColumnParallelLinear(_ParallelLinear):
         w = self.weight.t()
         n = self.weight.shape[0]
         if self.sequence_parallel:
-            y = all_gather_gemm(rows, w, group=self.group, schedule=self.schedule)
+            if self.fp8:  # (tensorwise: the gathered shards share one scale)
+                codes, sa = self._quantized(rows, shared=True)
+                fp8 = self._fp8_ops(x, sa)
+                y = all_gather_gemm(codes, w, group=self.group, schedule=self.schedule, **fp8)
+            else:
+                y = all_gather_gemm(rows, w, group=self.group, schedule=self.schedule)
             shape = (x.shape[0] * self.world_size, *x.shape[1:-1], n) if x.dim() > 1 else (self.world_size, n)
         else:
-            y = _ReplicatedInputMatmul.apply(rows, w, self.group_name) if _needs_grad(x, w) else rows @ w
+            if self.fp8:
+                codes, sa = self._quantized(rows)
+                fp8 = self._fp8_ops(x, sa)
+                scales = Scales(
+                    sa.reshape(-1), fp8["scale_b"].reshape(-1), fp8["out_dtype"], self.fp8 == "rowwise"
+                )
+                y = _LocalScaledMatmul.apply(codes, w, scales)
+            elif _needs_grad(x, w):
+                y = _ReplicatedInputMatmul.apply(rows, w, self.group_name)
+            else:
+                y = rows @ w
             shape = (*x.shape[:-1], n)
         if self.bias is not None:
-            y = y + self.bias
+            y = y + self._bias_like(y)
         return y.reshape(shape)
 
 
@@ -207,10 +288,14 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._rows(x, self.weight.shape[1])
         lead = x.shape[:-1]
+        fp8: dict = {}
+        if self.fp8:  # (each rank's partial is scaled by its own scales before the sum)
+            rows, sa = self._quantized(rows)
+            fp8 = self._fp8_ops(x, sa)
         if not self.sequence_parallel:
-            y = gemm_all_reduce(rows, self.weight.t(), schedule=self.schedule, group=self.group)
+            y = gemm_all_reduce(rows, self.weight.t(), schedule=self.schedule, group=self.group, **fp8)
             if self.bias is not None:
-                y = y + self.bias
+                y = y + self._bias_like(y)
             return y.reshape(*lead, self.out_features)
         world = self.world_size
         if rows.shape[0] % world:
@@ -218,11 +303,11 @@ class RowParallelLinear(_ParallelLinear):
                 f"sequence parallelism splits the input's {rows.shape[0]} rows over the world size "
                 f"{world}: they must divide by it"
             )
-        y = gemm_reduce_scatter(rows, self.weight.t(), schedule=self.schedule, group=self.group)
+        y = gemm_reduce_scatter(rows, self.weight.t(), schedule=self.schedule, group=self.group, **fp8)
         if self.bias is not None and _needs_grad(y, self.bias):
-            y = _ShardBias.apply(y, self.bias, self.group_name)
+            y = _ShardBias.apply(y, self._bias_like(y), self.group_name)
         elif self.bias is not None:
-            y = y + self.bias
+            y = y + self._bias_like(y)
         if len(lead) == 0 or lead[0] % world:
             return y  # the shard of the flattened rows
         return y.reshape(lead[0] // world, *lead[1:], self.out_features)

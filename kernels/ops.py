@@ -1,8 +1,10 @@
 """The ops as torch.library custom ops: their schemas, fake (meta) implementations and autograd.
 
-    fo_kernels::gemm_all_reduce(Tensor a, Tensor b, str group_name, str schedule) -> Tensor
-    fo_kernels::gemm_reduce_scatter(Tensor a, Tensor b, str group_name, str schedule) -> Tensor
-    fo_kernels::all_gather_gemm(Tensor a, Tensor b, str group_name, str schedule) -> (Tensor, Tensor)
+    fo_kernels::gemm_all_reduce(Tensor a, Tensor b, str group_name, str schedule,
+                                Tensor? scale_a=None, Tensor? scale_b=None,
+                                ScalarType? out_dtype=None) -> Tensor
+    fo_kernels::gemm_reduce_scatter(...the same arguments...) -> Tensor
+    fo_kernels::all_gather_gemm(...the same arguments...) -> (Tensor, Tensor)
 
 ``group_name`` is the process group's ``group.group_name`` ("" for the default group), resolved
 inside the op with torch.distributed's ``_resolve_process_group``; ``schedule`` is a ``Schedule``
@@ -10,6 +12,8 @@ as JSON (``schedule_text``; "" looks one up per call, ``lookup_schedule``). torc
 both strings into its graph as constants, so a block that calls the ops compiles without a graph
 break; the op itself is opaque to it. ``all_gather_gemm`` returns ``(gathered @ b, gathered)``;
 the gathered A is not differentiable (it is what the backward keeps for the weight gradient).
+``scale_a``, ``scale_b`` and ``out_dtype`` are an fp8 call's (``fo_kernels.scaling``); the fake
+implementations give its output ``out_dtype`` (bfloat16 by default) and the gathered A fp8.
 
 Autograd, every backward through the ops (so their own schedule lookup applies), with ``dy`` the
 gradient of the output:
@@ -20,7 +24,8 @@ gradient of the output:
 
 (the first is two local GEMMs: every rank holds the same ``dy``). A backward whose op cannot run
 (its schedule names an engine without that collective in this build) raises ``ScheduleError``
-before its collective starts, on every rank alike.
+before its collective starts, on every rank alike. A backward through an fp8 call raises
+``Fp8TrainingError``: fo-tune runs fp8 for inference; training in fp8 is out of its scope.
 
 ``call_op`` is how code inside fo-tune calls an op: straight into ``fo_kernels.execute.execute``
 where nothing needs the dispatcher (``direct_call``), else through ``torch.ops.fo_kernels``.
@@ -34,8 +39,9 @@ import json
 
 import torch
 
-from fo_kernels.errors import ScheduleError, ShapeError
+from fo_kernels.errors import Fp8TrainingError, ScheduleError, ShapeError
 from fo_kernels.groups import group_size, resolve_group
+from fo_kernels.scaling import check_scales
 from fo_kernels.schedule import TORCH_DTYPES, Schedule
 
 LIBRARY = "fo_kernels"
@@ -76,12 +82,14 @@ def parse_schedule(text: str) -> Schedule | None:
 
 
 # ------------------------------------------------------------------------------ dispatch
-def direct_call(*tensors: torch.Tensor) -> bool:
+def direct_call(*tensors: torch.Tensor | None) -> bool:
     """True when a call can skip the dispatcher and run as a plain Python call: not traced
     (torch.compile, export, FX), plain tensors, no dispatch mode, nothing for autograd to record.
-    Through the dispatcher a call costs 30-45 us more host time (CPU, torch 2.13)."""
+    Through the dispatcher a call costs 30-45 us more host time (CPU, torch 2.13). None (a scale
+    left out) is skipped."""
     if torch.compiler.is_compiling():
         return False
+    tensors = tuple(t for t in tensors if t is not None)
     for t in tensors:
         if type(t) not in _PLAIN_TYPES:
             return False
@@ -107,106 +115,176 @@ def call_op(
 
 
 # ------------------------------------------------------------------------------ the ops
-def _impl(collective: str, a: torch.Tensor, b: torch.Tensor, name: str, schedule: str):
+def _impl(
+    collective: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    name: str,
+    schedule: str,
+    scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+):
     from fo_kernels.execute import execute
 
     # through the dispatcher (compiled code, autograd): outputs from the caller's allocator, which
     # a caller's CUDA graphs (torch.compile's reduce-overhead mode) require; no graphs of our own
-    return execute(collective, a, b, parse_schedule(schedule), resolve_group(name), own_graphs=False)
+    return execute(
+        collective, a, b, parse_schedule(schedule), resolve_group(name),
+        scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, own_graphs=False,
+    )  # fmt: skip
 
 
-def _check_fake(collective: str, a: torch.Tensor, b: torch.Tensor, world: int) -> int:
-    """The shape checks a traced call makes (the op repeats them when it runs); returns M of the output."""
+def _check_fake(
+    collective: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    world: int,
+    scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+) -> tuple[int, torch.dtype]:
+    """The checks a traced call makes (the op repeats them when it runs); returns (M of the
+    output, the output's dtype)."""
     if a.dim() != 2 or b.dim() != 2:
         raise ShapeError(f"a must be (M, K) and b (K, N); got a {tuple(a.shape)}, b {tuple(b.shape)}")
     if a.shape[1] != b.shape[0]:
         raise ShapeError(
             f"K mismatch: a is {tuple(a.shape)} and b is {tuple(b.shape)} (a.shape[1] != b.shape[0])"
         )
+    scales = check_scales(collective, a, b, scale_a, scale_b, out_dtype)
     if a.dtype not in TORCH_DTYPES.values() or b.dtype != a.dtype:
-        raise ShapeError(f"dtypes {a.dtype} and {b.dtype}: both must be one bfloat16, float16 or float32")
+        raise ShapeError(
+            f"dtypes {a.dtype} and {b.dtype}: both must be one bfloat16, float16, float32 or float8_e4m3fn"
+        )
+    dtype = a.dtype if scales is None else scales.out_dtype
     if collective == "reduce_scatter":
         if a.shape[0] % world:
             raise ShapeError(
                 f"reduce_scatter needs M divisible by the world size {world}, got M={a.shape[0]}"
             )
-        return a.shape[0] // world
-    return a.shape[0] * world if collective == "all_gather" else a.shape[0]
+        return a.shape[0] // world, dtype
+    return (a.shape[0] * world if collective == "all_gather" else a.shape[0]), dtype
 
 
 @torch.library.custom_op(f"{LIBRARY}::gemm_all_reduce", mutates_args=())
-def _gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group_name: str, schedule: str) -> torch.Tensor:
-    return _impl("all_reduce", a, b, group_name, schedule)
+def _gemm_all_reduce(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_name: str,
+    schedule: str,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    return _impl("all_reduce", a, b, group_name, schedule, scale_a, scale_b, out_dtype)
 
 
 @torch.library.custom_op(f"{LIBRARY}::gemm_reduce_scatter", mutates_args=())
-def _gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group_name: str, schedule: str) -> torch.Tensor:
-    return _impl("reduce_scatter", a, b, group_name, schedule)
+def _gemm_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_name: str,
+    schedule: str,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    return _impl("reduce_scatter", a, b, group_name, schedule, scale_a, scale_b, out_dtype)
 
 
 @torch.library.custom_op(f"{LIBRARY}::all_gather_gemm", mutates_args=())
 def _all_gather_gemm(
-    a: torch.Tensor, b: torch.Tensor, group_name: str, schedule: str
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_name: str,
+    schedule: str,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl("all_gather", a, b, group_name, schedule)
+    return _impl("all_gather", a, b, group_name, schedule, scale_a, scale_b, out_dtype)
 
 
 @_gemm_all_reduce.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, group_name: str, schedule: str) -> torch.Tensor:
-    m = _check_fake("all_reduce", a, b, group_size(group_name))
-    return a.new_empty((m, b.shape[1]))
+def _(a, b, group_name: str, schedule: str, scale_a=None, scale_b=None, out_dtype=None) -> torch.Tensor:
+    m, dtype = _check_fake("all_reduce", a, b, group_size(group_name), scale_a, scale_b, out_dtype)
+    return a.new_empty((m, b.shape[1]), dtype=dtype)
 
 
 @_gemm_reduce_scatter.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, group_name: str, schedule: str) -> torch.Tensor:
-    m = _check_fake("reduce_scatter", a, b, group_size(group_name))
-    return a.new_empty((m, b.shape[1]))
+def _(a, b, group_name: str, schedule: str, scale_a=None, scale_b=None, out_dtype=None) -> torch.Tensor:
+    m, dtype = _check_fake("reduce_scatter", a, b, group_size(group_name), scale_a, scale_b, out_dtype)
+    return a.new_empty((m, b.shape[1]), dtype=dtype)
 
 
 @_all_gather_gemm.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, group_name: str, schedule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    m = _check_fake("all_gather", a, b, group_size(group_name))
-    return a.new_empty((m, b.shape[1])), a.new_empty((m, a.shape[1]))
+def _(
+    a, b, group_name: str, schedule: str, scale_a=None, scale_b=None, out_dtype=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    m, dtype = _check_fake("all_gather", a, b, group_size(group_name), scale_a, scale_b, out_dtype)
+    return a.new_empty((m, b.shape[1]), dtype=dtype), a.new_empty((m, a.shape[1]))
 
 
 # ------------------------------------------------------------------------------ autograd
+# The op's inputs after a and b (group_name, schedule, scale_a, scale_b, out_dtype), which take no
+# gradient.
+_NO_GRADS = (None,) * 5
+_FP8_TRAINING = (
+    "backward through an fp8 call: fo-tune runs float8_e4m3fn operands for inference only; training "
+    "in fp8 is out of scope (run the backward in bfloat16, or call the op under torch.no_grad())"
+)
+
+
+def _no_fp8_backward(ctx) -> None:
+    if ctx.fp8:
+        raise Fp8TrainingError(_FP8_TRAINING)
+
+
 def _save_ab(ctx, inputs, output) -> None:
-    a, b, name, _ = inputs
+    a, b, name, _schedule, scale_a, *_ = inputs
     ctx.group_name = name
-    ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b)
+    ctx.fp8 = scale_a is not None
+    ctx.save_for_backward(a if ctx.needs_input_grad[1] and not ctx.fp8 else None, None if ctx.fp8 else b)
 
 
 def _all_reduce_backward(ctx, dy: torch.Tensor):
+    _no_fp8_backward(ctx)
     a, b = ctx.saved_tensors
     da = dy @ b.t() if ctx.needs_input_grad[0] else None
     db = a.t() @ dy if ctx.needs_input_grad[1] else None
-    return da, db, None, None
+    return da, db, *_NO_GRADS
 
 
 def _reduce_scatter_backward(ctx, dy: torch.Tensor):
+    _no_fp8_backward(ctx)
     a, b = ctx.saved_tensors
     da, gathered_dy = call_op("all_gather", dy.contiguous(), b.t(), ctx.group_name)
     db = a.t() @ gathered_dy if ctx.needs_input_grad[1] else None
-    return (da if ctx.needs_input_grad[0] else None), db, None, None
+    return (da if ctx.needs_input_grad[0] else None), db, *_NO_GRADS
 
 
 def _save_gathered(ctx, inputs, output) -> None:
-    _a, b, name, _ = inputs
+    _a, b, name, _schedule, scale_a, *_ = inputs
     _out, gathered = output
     ctx.group_name = name
+    ctx.fp8 = scale_a is not None
     ctx.mark_non_differentiable(gathered)
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if ctx.fp8:
+        need_a = need_b = False
     ctx.save_for_backward(gathered if need_b else None, b if need_a else None)
 
 
 def _all_gather_backward(ctx, dy: torch.Tensor, _d_gathered: torch.Tensor | None):
+    _no_fp8_backward(ctx)
     gathered, b = ctx.saved_tensors
     da = db = None
     if ctx.needs_input_grad[0]:
         da = call_op("reduce_scatter", dy.contiguous(), b.t(), ctx.group_name)
     if ctx.needs_input_grad[1]:
         db = gathered.t() @ dy
-    return da, db, None, None
+    return da, db, *_NO_GRADS
 
 
 _gemm_all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_ab)

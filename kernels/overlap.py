@@ -5,6 +5,10 @@ what torch.compile and autograd see), or, where nothing needs the dispatcher (ea
 tensors, no gradient to record: ``fo_kernels.ops.direct_call``), a plain call of ``execute``.
 ``fo_kernels.execute.execute`` (the one eager path under both) checks the operands, resolves the
 schedule and runs it. On return the caller's stream is ordered after all of the call's work.
+
+Every op takes ``float8_e4m3fn`` operands with ``scale_a``, ``scale_b`` and ``out_dtype``, as
+``torch._scaled_mm`` does (``fo_kernels.scaling``): tensorwise (0-dim float32 scales) or rowwise
+(``scale_a`` (M, 1), ``scale_b`` (1, N)), the result in ``out_dtype`` (bfloat16 by default).
 """
 
 from __future__ import annotations
@@ -20,11 +24,22 @@ from fo_kernels.schedule import Schedule
 
 
 def _call(
-    collective: str, a: torch.Tensor, b: torch.Tensor, schedule: Schedule | None, group
+    collective: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    schedule: Schedule | None,
+    group,
+    scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
 ) -> EngineResult:
-    if ops.direct_call(a, b):
-        return execute(collective, a, b, schedule, group)
-    return ops.op(collective)(a, b, group_name(group), ops.schedule_text(schedule))
+    if ops.direct_call(a, b, scale_a, scale_b):
+        return execute(
+            collective, a, b, schedule, group, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
+        )
+    return ops.op(collective)(
+        a, b, group_name(group), ops.schedule_text(schedule), scale_a, scale_b, out_dtype
+    )
 
 
 def gemm_all_reduce(
@@ -33,14 +48,22 @@ def gemm_all_reduce(
     *,
     schedule: Schedule | None = None,
     group: dist.ProcessGroup | None = None,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``all_reduce(a @ b)`` over ``group``, with the GEMM and the AllReduce overlapped tile-wise.
 
     ``a`` is (M, K); ``b`` is (K, N), row-major or the transposed view of an (N, K) ``nn.Linear``
     weight. ``schedule=None`` looks one up (``lookup_schedule``). Returns the (M, N) sum.
     Differentiable: the gradients are two local GEMMs (``fo_kernels.ops``).
+
+    fp8: ``a`` and ``b`` of dtype ``torch.float8_e4m3fn`` with float32 ``scale_a`` and ``scale_b``
+    (0-dim each, or rowwise (M, 1) and (1, N)) give ``all_reduce((a * scale_a) @ (b * scale_b))``
+    in ``out_dtype`` (bfloat16 by default; float16, float32), as ``torch._scaled_mm``. N and K
+    must be multiples of 16. Inference only: a backward raises ``Fp8TrainingError``.
     """
-    return _call("all_reduce", a, b, schedule, group)
+    return _call("all_reduce", a, b, schedule, group, scale_a, scale_b, out_dtype)
 
 
 def gemm_reduce_scatter(
@@ -49,13 +72,17 @@ def gemm_reduce_scatter(
     *,
     schedule: Schedule | None = None,
     group: dist.ProcessGroup | None = None,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``reduce_scatter_tensor(a @ b)`` on dim 0: rank r gets rows [r*M/w, (r+1)*M/w) of the sum.
 
-    Same operands as ``gemm_all_reduce``; M must be divisible by the world size. Returns (M/w, N).
-    Differentiable: the backward is ``all_gather_gemm`` of the output's gradient.
+    Same operands (fp8 with its scales too) as ``gemm_all_reduce``; M must be divisible by the
+    world size. Returns (M/w, N). Differentiable (not in fp8): the backward is ``all_gather_gemm``
+    of the output's gradient.
     """
-    return _call("reduce_scatter", a, b, schedule, group)
+    return _call("reduce_scatter", a, b, schedule, group, scale_a, scale_b, out_dtype)
 
 
 def all_gather_gemm(
@@ -64,10 +91,17 @@ def all_gather_gemm(
     *,
     group: dist.ProcessGroup | None = None,
     schedule: Schedule | None = None,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``all_gather(a_shard) @ b``: every rank's (M/w, K) ``a_shard`` gathered on dim 0 (rank r's
     at rows [r*M/w, (r+1)*M/w)), then multiplied by ``b`` (K, N), the gathers overlapped with the
     GEMM chunk by chunk. A schedule's problem is the GEMM's, (M, N, K) with M the gathered rows.
     Returns (M, N). Differentiable: the backward is ``gemm_reduce_scatter`` of the output's gradient.
+
+    fp8: ``a_shard`` and ``b`` in ``torch.float8_e4m3fn`` with ``scale_a`` (0-dim, the same on
+    every rank; or rowwise this rank's (M/w, 1) rows) and ``scale_b`` (0-dim or (1, N)): the fp8
+    shard and its scale rows are gathered (fp8 bytes on the wire), the product is in ``out_dtype``.
     """
-    return _call("all_gather", a_shard, b, schedule, group)[0]
+    return _call("all_gather", a_shard, b, schedule, group, scale_a, scale_b, out_dtype)[0]

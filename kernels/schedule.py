@@ -62,11 +62,14 @@ from fo_kernels.tile import Tile
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 # The collectives whose rows are split over the ranks: M must be divisible by world_size.
 SHARDED_COLLECTIVES = ("reduce_scatter", "all_gather")
-# Operand dtypes by their table name: the one map from names to torch dtypes.
+# Operand dtypes by their table name: the one map from names to torch dtypes. A schedule's dtype
+# is its operands' (a and b): fp8 calls (``fo_kernels.scaling``) look up ``float8_e4m3fn`` rows,
+# whatever their ``out_dtype``.
 TORCH_DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 DTYPES = tuple(TORCH_DTYPES)
 

@@ -109,7 +109,7 @@ def test_capture_needs_one_eager_call_first(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the capture stream")
     monkeypatch.setattr(
-        peers, "_eager", lambda plan, compiled, a, b, operand: log.append(compiled.eager) or (None, None)
+        peers, "_eager", lambda plan, compiled, a, b, *rest: log.append(compiled.eager) or (None, None)
     )
     b = torch.randn(4, 6)
     with pytest.raises(ScheduleError, match=r"once before capturing.*have not yet agreed"):

@@ -17,7 +17,10 @@ from fo_kernels import ops as ops_mod
 from fo_tune.ranks.launch import run_ranks
 from tp_cases import TOL, OpCase, gather_schedule, suite
 
-ARGS = "(Tensor a, Tensor b, str group_name, str schedule)"
+ARGS = (
+    "(Tensor a, Tensor b, str group_name, str schedule, Tensor? scale_a=None, Tensor? scale_b=None, "
+    "ScalarType? out_dtype=None)"
+)
 SCHEMAS = {
     "all_reduce": f"fo_kernels::gemm_all_reduce{ARGS} -> Tensor",
     "reduce_scatter": f"fo_kernels::gemm_reduce_scatter{ARGS} -> Tensor",

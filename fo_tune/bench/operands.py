@@ -9,6 +9,10 @@ references every variant is checked against.
 
 The collective alone takes what it would take inside the op: the GEMM's result in the operand
 dtype (all_reduce, reduce_scatter) or the shard (all_gather).
+
+fp8 (float8_e4m3fn): the operands come with the tuner's scales (``kw``, ``fo_tune.ranks.scaled``;
+``gemm_kw`` those of the gathered A), the references take the dequantized operands, the GEMM's
+result is bfloat16 and an AllGather moves the shard's bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.collectives import all_gather_tensor, reduce_scatter_tensor
+from fo_kernels.scaling import wire
 from fo_tune.ranks.gemm import gemm_operands
+from fo_tune.ranks.scaled import dequantized, out_dtype, scale_kwargs
 
 
 def collective_of(
@@ -55,6 +61,8 @@ class CaseOperands:
     comm_in: torch.Tensor  # what the collective alone takes
     comm_ref: torch.Tensor  # its result in float32
     ref: torch.Tensor  # the op's result in float32
+    kw: dict[str, Any]  # the op's fp8 scales ({} for other dtypes)
+    gemm_kw: dict[str, Any]  # the full GEMM's: ``kw``, or the gathered A's rows' scales
 
 
 def case_operands(
@@ -63,12 +71,20 @@ def case_operands(
     """Random operands (never zero, ``seed`` differs per rank) and their references; every rank
     calls this at once (the references take a collective)."""
     if collective == "all_gather":
-        a, b = gemm_operands(m // dist.get_world_size(), n, k, dtype, device, seed=seed)
-        gathered = collective_of("all_gather", a.float())
-        ref = gathered @ b.float()
-        return CaseOperands(a=a, b=b, gemm_a=gathered.to(a.dtype), gemm_ref=ref, comm_in=a,
-                            comm_ref=gathered, ref=ref)  # fmt: skip
+        w = dist.get_world_size()
+        a, b = gemm_operands(m // w, n, k, dtype, device, seed=seed)
+        kw = scale_kwargs(a, b)
+        a32, b32 = dequantized(a, b, kw)
+        gathered = collective_of("all_gather", a32)
+        ref = gathered @ b32
+        codes = collective_of("all_gather", wire(a))  # (a copy: exact)
+        gemm_kw = {**kw, "scale_a": kw["scale_a"].repeat(w, 1)} if kw else kw
+        return CaseOperands(a=a, b=b, gemm_a=codes.view(a.dtype), gemm_ref=ref, comm_in=wire(a),
+                            comm_ref=codes.float(), ref=ref, kw=kw, gemm_kw=gemm_kw)  # fmt: skip
     a, b = gemm_operands(m, n, k, dtype, device, seed=seed)
-    local = a.float() @ b.float()
+    kw = scale_kwargs(a, b)
+    a32, b32 = dequantized(a, b, kw)
+    local = a32 @ b32
     ref = collective_of(collective, local.clone())
-    return CaseOperands(a=a, b=b, gemm_a=a, gemm_ref=local, comm_in=local.to(a.dtype), comm_ref=ref, ref=ref)
+    return CaseOperands(a=a, b=b, gemm_a=a, gemm_ref=local, comm_in=local.to(out_dtype(a)), comm_ref=ref,
+                        ref=ref, kw=kw, gemm_kw=kw)  # fmt: skip

@@ -34,6 +34,7 @@ from fo_tune.bench.request import CHUNK_COUNTS, GPU_REPS, WARMUP
 from fo_tune.bench.rows import FUSED_VARIANT
 from fo_tune.ranks.gemm import GEMM_TOL, rel_err
 from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.scaled import library_mm
 from fo_tune.ranks.timing import MIN_SAMPLE_MS, time_interleaved
 
 # Seed offset of the second operand set (any number keeping it apart from the first set's seeds).
@@ -87,9 +88,11 @@ class BenchCaseTask:
         seed = (((self.seed * 1009 + m) * 1009 + n) * 1009 + k) * 1009 + ctx.rank
         ops = case_operands(c, m, n, k, self.dtype, ctx.device, seed % (1 << 62))
         out = [
-            self._measure(ctx, "gemm", "", lambda: lambda: ops.gemm_a @ ops.b, ops.gemm_ref),
+            self._measure(
+                ctx, "gemm", "", lambda: lambda: library_mm(ops.gemm_a, ops.b, ops.gemm_kw), ops.gemm_ref
+            ),
             self._measure(ctx, "collective", "", lambda: v.collective_alone(c, ops.comm_in), ops.comm_ref),
-            self._measure(ctx, "sequential", "", lambda: v.sequential(c, ops.a, ops.b), ops.ref),
+            self._measure(ctx, "sequential", "", lambda: v.sequential(c, ops.a, ops.b, ops.kw), ops.ref),
             *self._chunked(ctx, ops),
         ]
         fresh = case_operands(c, m, n, k, self.dtype, ctx.device, (seed + FRESH_SEED) % (1 << 62))
@@ -97,7 +100,7 @@ class BenchCaseTask:
         with warnings.catch_warnings():  # fo_tune's schedule source is recorded in its row instead
             warnings.simplefilter("ignore", HeuristicScheduleWarning)
             source, detail = v.fo_tune_schedule(c, m, n, k, self.dtype, ctx)
-            build = lambda: v.fo_tune(c, fresh.a, fresh.b)
+            build = lambda: v.fo_tune(c, fresh.a, fresh.b, fresh.kw)
             fo = self._measure(ctx, "fo_tune", detail, build, fresh.ref)
             out.append({**fo, "source": source})
             self._time(ctx, out, fresh.ref)
@@ -117,7 +120,7 @@ class BenchCaseTask:
             detail = f"chunks={chunks}"
             if ctx.device.type != "cuda":
                 detail += ", CPU: no second stream, the chunks run one after the other"
-            build = lambda chunks=chunks: v.chunked(self.collective, ctx, ops.a, ops.b, chunks)
+            build = lambda chunks=chunks: v.chunked(self.collective, ctx, ops.a, ops.b, chunks, ops.kw)
             out.append(self._measure(ctx, name, detail, build, ops.ref))
         return out
 
@@ -129,10 +132,17 @@ class BenchCaseTask:
             return entry(name, "SKIP", "torch fuses matmul with reduce_scatter and all_gather only")
         if ctx.world_size < 2:
             return entry(name, "SKIP", "world size 1: no peer rank for torch's symmetric-memory op")
+        scaled = "scaled_" if ops.kw else ""
         if self.collective == "reduce_scatter":
-            build, what = (lambda: v.async_tp(ctx, ops.a, ops.b)), "fused_matmul_reduce_scatter"
+            build, what = (
+                (lambda: v.async_tp(ctx, ops.a, ops.b, ops.kw)),
+                f"fused_{scaled}matmul_reduce_scatter",
+            )
         else:
-            build, what = (lambda: v.torch_fused(ctx, ops.a, ops.b)), "fused_all_gather_matmul"
+            build, what = (
+                (lambda: v.torch_fused(ctx, ops.a, ops.b, ops.kw)),
+                f"fused_all_gather_{scaled}matmul",
+            )
         return self._measure(ctx, name, what, build, ops.ref, raise_code=2)
 
     def _time(self, ctx: RankContext, out: list[dict[str, Any]], ref2: torch.Tensor) -> None:

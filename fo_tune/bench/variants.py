@@ -14,14 +14,20 @@ For all_reduce and reduce_scatter the op is ``collective(a @ b)``; for all_gathe
                  all_gather, the other way round: the gather of rows j*S/C..(j+1)*S/C of every
                  shard on the high-priority stream, an event, then one strided batched GEMM of
                  those rows into their places in the (M, N) output on the caller's stream
-    async_tp     torch.ops.symm_mem.fused_matmul_reduce_scatter (reduce_scatter)
-    torch_fused  torch.ops.symm_mem.fused_all_gather_matmul (all_gather)
+    async_tp     torch.ops.symm_mem.fused_matmul_reduce_scatter (reduce_scatter; fp8:
+                 fused_scaled_matmul_reduce_scatter)
+    torch_fused  torch.ops.symm_mem.fused_all_gather_matmul (all_gather; fp8:
+                 fused_all_gather_scaled_matmul)
     fo_tune      fo_kernels.gemm_all_reduce / gemm_reduce_scatter / all_gather_gemm, schedule=None
                  (the table row for the shape, else overlap: false)
 
 Buffers a call writes into are made once, full of NaN: a call that leaves part of its output
 unwritten fails its check. On the CPU (gloo) there is no second stream: the chunks run one after
 the other.
+
+fp8 (``kw``: the operands' scales, ``fo_tune.ranks.scaled``): every GEMM is ``torch._scaled_mm``
+(the chunks' GEMMs one per chunk and shard: torch has no batched scaled GEMM), its output
+bfloat16; gathers move the fp8 bytes.
 """
 
 from __future__ import annotations
@@ -39,9 +45,11 @@ import torch.distributed as dist
 from fo_kernels.collectives import all_gather_tensor, reduce_scatter_tensor
 from fo_kernels.errors import EnvironmentMismatchError, FoTuneError, HeuristicScheduleWarning
 from fo_kernels.runtime import runtime_for
+from fo_kernels.scaling import wire
 from fo_kernels.table import MISS_SOURCE
 from fo_tune.bench.operands import collective_of
 from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.scaled import library_mm, out_dtype
 
 Call = Callable[[], torch.Tensor]
 
@@ -57,9 +65,18 @@ def splits(total: int, parts: int) -> list[int]:
     return [i * total // parts for i in range(parts + 1)]
 
 
-def poisoned(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """A buffer of ``shape`` in ``like``'s dtype and device, full of NaN."""
-    return torch.full(shape, math.nan, dtype=like.dtype, device=like.device)
+def poisoned(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A buffer of ``shape`` in ``dtype`` (default ``like``'s) on ``like``'s device, full of NaN
+    (bytes: 0xff, an fp8 NaN)."""
+    dtype = dtype or like.dtype
+    if not dtype.is_floating_point:
+        return torch.full(shape, 255, dtype=dtype, device=like.device)
+    return torch.full(shape, math.nan, dtype=torch.float32, device=like.device).to(dtype)
+
+
+def _rows_kw(kw: dict[str, Any], r0: int, r1: int) -> dict[str, Any]:
+    """``kw``'s scales of A's rows [r0, r1) ({} stays {})."""
+    return {**kw, "scale_a": kw["scale_a"][r0:r1]} if kw else kw
 
 
 def collective_alone(collective: str, src: torch.Tensor) -> Call:
@@ -73,30 +90,38 @@ def collective_alone(collective: str, src: torch.Tensor) -> Call:
     return lambda: collective_of(collective, src, None, out)
 
 
-def sequential(collective: str, a: torch.Tensor, b: torch.Tensor) -> Call:
-    """cuBLAS into a preallocated (M, N) buffer, then the collective; for all_gather the gather
-    into a preallocated (M, K) buffer, then cuBLAS."""
-    w, n = dist.get_world_size(), b.shape[1]
+def sequential(collective: str, a: torch.Tensor, b: torch.Tensor, kw: dict[str, Any] | None = None) -> Call:
+    """cuBLAS (fp8: ``torch._scaled_mm`` with ``kw``'s scales) into a preallocated (M, N) buffer,
+    then the collective; for all_gather the gather into a preallocated (M, K) buffer, then cuBLAS."""
+    w, n, kw = dist.get_world_size(), b.shape[1], kw or {}
     if collective == "all_gather":
         gathered = poisoned((a.shape[0] * w, a.shape[1]), a)
-        product = poisoned((a.shape[0] * w, n), a)
+        product = poisoned((a.shape[0] * w, n), a, out_dtype(a))
+        gathered_kw = {**kw, "scale_a": kw["scale_a"].repeat(w, 1)} if kw else kw
 
         def gather_then_gemm() -> torch.Tensor:
-            collective_of(collective, a, None, gathered)
-            return torch.mm(gathered, b, out=product)
+            collective_of(collective, wire(a), None, wire(gathered))
+            return library_mm(gathered, b, gathered_kw, out=product)
 
         return gather_then_gemm
-    full = poisoned((a.shape[0], n), a)
-    out = poisoned((a.shape[0] // w, n), a)
+    full = poisoned((a.shape[0], n), a, out_dtype(a))
+    out = poisoned((a.shape[0] // w, n), full)
 
     def gemm_then_collective() -> torch.Tensor:
-        torch.mm(a, b, out=full)
+        library_mm(a, b, kw, out=full)
         return collective_of(collective, full, None, out)
 
     return gemm_then_collective
 
 
-def chunked(collective: str, ctx: RankContext, a: torch.Tensor, b: torch.Tensor, c: int) -> Call:
+def chunked(
+    collective: str,
+    ctx: RankContext,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: int,
+    kw: dict[str, Any] | None = None,
+) -> Call:
     """``c`` chunks on two streams: a GEMM chunk, an event, its collective on the high-priority
     stream (all_gather: a chunk's gather there, an event, its GEMM on the caller's stream).
 
@@ -105,7 +130,7 @@ def chunked(collective: str, ctx: RankContext, a: torch.Tensor, b: torch.Tensor,
     """
     rt = runtime_for(ctx.device, None)
     side = rt.comm_stream
-    gemms, comms, result = _chunk_calls(collective, a, b, c, rt.comm_group(0), ctx.world_size)
+    gemms, comms, result = _chunk_calls(collective, a, b, c, rt.comm_group(0), ctx.world_size, kw or {})
     gather_first = collective == "all_gather"
     if side is None:  # the CPU: one after the other
 
@@ -142,17 +167,21 @@ def chunked(collective: str, ctx: RankContext, a: torch.Tensor, b: torch.Tensor,
 
 
 def _chunk_calls(
-    collective: str, a: torch.Tensor, b: torch.Tensor, c: int, group: Any, w: int
+    collective: str, a: torch.Tensor, b: torch.Tensor, c: int, group: Any, w: int, kw: dict[str, Any]
 ) -> tuple[list[Callable[[], Any]], list[Callable[[], Any]], torch.Tensor]:
     """Per chunk: its GEMM and its collective (on views made once), and the output."""
     (m, k), n = a.shape, b.shape[1]
     if collective == "all_reduce":  # chunk j = rows bounds[j]..bounds[j+1] of the output
         bounds = splits(m, c)
-        full = poisoned((m, n), a)
-        parts = [(a[r0:r1], full[r0:r1]) for r0, r1 in itertools.pairwise(bounds)]
-        gemms = [functools.partial(torch.mm, ai, b, out=oi) for ai, oi in parts]
-        comms = [functools.partial(dist.all_reduce, oi, group=group) for _, oi in parts]
+        full = poisoned((m, n), a, out_dtype(a))
+        parts = [(r0, r1, full[r0:r1]) for r0, r1 in itertools.pairwise(bounds)]
+        gemms = [
+            functools.partial(library_mm, a[r0:r1], b, _rows_kw(kw, r0, r1), out=oi) for r0, r1, oi in parts
+        ]
+        comms = [functools.partial(dist.all_reduce, oi, group=group) for _, _, oi in parts]
         return gemms, comms, full
+    if kw:  # fp8: torch has no batched scaled GEMM
+        return _scaled_chunk_calls(collective, a, b, c, group, w, kw)
     gemms, comms = [], []
     if collective == "all_gather":
         # chunk j = rows bounds[j]..bounds[j+1] of every shard (a is this rank's (S, K) shard):
@@ -177,6 +206,48 @@ def _chunk_calls(
     return gemms, comms, result
 
 
+def _scaled_chunk_calls(
+    collective: str, a: torch.Tensor, b: torch.Tensor, c: int, group: Any, w: int, kw: dict[str, Any]
+) -> tuple[list[Callable[[], Any]], list[Callable[[], Any]], torch.Tensor]:
+    """``_chunk_calls`` of reduce_scatter and all_gather in fp8: the chunks as the batched GEMMs
+    cut them, each chunk's GEMM one scaled GEMM a shard."""
+    (m, k), n = a.shape, b.shape[1]
+    gemms, comms = [], []
+
+    def each(calls: list[Callable[[], Any]]) -> Callable[[], None]:
+        def run() -> None:
+            for call in calls:
+                call()
+
+        return run
+
+    if collective == "all_gather":  # a is this rank's (S, K) shard, every shard's scales alike
+        shard = m
+        out = poisoned((w * shard, n), a, out_dtype(a))
+        for s0, s1 in itertools.pairwise(splits(shard, c)):
+            buf = poisoned((w, s1 - s0, k), a)
+            comms.append(
+                functools.partial(all_gather_tensor, wire(buf).view(-1, k), wire(a[s0:s1]), group=group)
+            )
+            rows = _rows_kw(kw, s0, s1)
+            gemms.append(each([
+                functools.partial(library_mm, buf[q], b, rows, out=out[q * shard + s0 : q * shard + s1])
+                for q in range(w)
+            ]))  # fmt: skip
+        return gemms, comms, out
+    shard = m // w
+    result = poisoned((shard, n), a, out_dtype(a))
+    for s0, s1 in itertools.pairwise(splits(shard, c)):
+        buf = poisoned((w, s1 - s0, n), a, out_dtype(a))
+        gemms.append(each([
+            functools.partial(library_mm, a[q * shard + s0 : q * shard + s1], b,
+                              _rows_kw(kw, q * shard + s0, q * shard + s1), out=buf[q])
+            for q in range(w)
+        ]))  # fmt: skip
+        comms.append(functools.partial(reduce_scatter_tensor, result[s0:s1], buf.view(-1, n), group=group))
+    return gemms, comms, result
+
+
 def _symm_mem_group(ctx: RankContext) -> str:
     """The default group's name, enabled for symmetric memory; ``EnvironmentMismatchError`` off
     CUDA and NCCL."""
@@ -191,19 +262,33 @@ def _symm_mem_group(ctx: RankContext) -> str:
     return name
 
 
-def async_tp(ctx: RankContext, a: torch.Tensor, b: torch.Tensor) -> Call:
-    """PyTorch async-TP: ``fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0, group_name)``;
-    raises ``EnvironmentMismatchError`` off CUDA and NCCL."""
+def async_tp(ctx: RankContext, a: torch.Tensor, b: torch.Tensor, kw: dict[str, Any] | None = None) -> Call:
+    """PyTorch async-TP: ``fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0, group_name)``
+    (fp8: ``fused_scaled_matmul_reduce_scatter`` with ``kw``'s scales, bfloat16 out); raises
+    ``EnvironmentMismatchError`` off CUDA and NCCL."""
     name = _symm_mem_group(ctx)
+    if kw:
+        op = torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter
+        sa, sb, shape = kw["scale_a"], kw["scale_b"], [a.shape[0], b.shape[1]]
+        # A, B, A_scale, B_scale, reduce_op, orig_scatter_dim, scatter_dim_after_maybe_reshape,
+        # group_name, output_shape
+        return lambda: op(a, b, sa, sb, "sum", 0, 0, name, shape, out_dtype=out_dtype(a))
     op = torch.ops.symm_mem.fused_matmul_reduce_scatter
     return lambda: op(a, b, "sum", 0, name)  # reduce_op, scatter_dim, group_name
 
 
-def torch_fused(ctx: RankContext, a: torch.Tensor, b: torch.Tensor) -> Call:
+def torch_fused(ctx: RankContext, a: torch.Tensor, b: torch.Tensor, kw: dict[str, Any] | None = None) -> Call:
     """PyTorch's fused AllGather + GEMM: ``fused_all_gather_matmul(a, [b], gather_dim=0,
     group_name)``, which returns (gathered A, [product]) as async-TP's column-parallel layers
-    use it; raises ``EnvironmentMismatchError`` off CUDA and NCCL."""
+    use it (fp8: ``fused_all_gather_scaled_matmul`` with ``kw``'s scales, bfloat16 out); raises
+    ``EnvironmentMismatchError`` off CUDA and NCCL."""
     name = _symm_mem_group(ctx)
+    if kw:
+        op = torch.ops.symm_mem.fused_all_gather_scaled_matmul
+        sa, sb, dtype = kw["scale_a"], kw["scale_b"], out_dtype(a)
+        # A_shard, Bs, A_scale, B_scales, gather_dim, group_name, biases, result_scales, out_dtypes,
+        # use_fast_accum
+        return lambda: op(a, [b], sa, [sb], 0, name, [None], [None], [dtype], [False])[1][0]
     op = torch.ops.symm_mem.fused_all_gather_matmul
     return lambda: op(a, [b], 0, name)[1][0]  # A_shard, Bs, gather_dim, group_name
 
@@ -228,9 +313,9 @@ def fo_tune_schedule(
     return source, schedule.describe()
 
 
-def fo_tune(collective: str, a: torch.Tensor, b: torch.Tensor) -> Call:
+def fo_tune(collective: str, a: torch.Tensor, b: torch.Tensor, kw: dict[str, Any] | None = None) -> Call:
     """The runtime's op with ``schedule=None`` (the caller ignores its ``HeuristicScheduleWarning``:
-    the row records the schedule's source)."""
+    the row records the schedule's source); ``kw``: fp8 scales."""
     import fo_kernels
 
     op = {
@@ -238,4 +323,5 @@ def fo_tune(collective: str, a: torch.Tensor, b: torch.Tensor) -> Call:
         "reduce_scatter": fo_kernels.gemm_reduce_scatter,
         "all_gather": fo_kernels.all_gather_gemm,
     }[collective]
-    return lambda: op(a, b, schedule=None)
+    kw = kw or {}
+    return lambda: op(a, b, schedule=None, **kw)

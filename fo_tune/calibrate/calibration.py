@@ -15,7 +15,12 @@ A ``Calibration`` holds, for one hardware fingerprint and world size:
   1, with pauses and back to back: one GPU) and ``copies`` (copy-engine copies of peer and local
   memory: two GPUs);
 - ``triton`` (optional): the Triton term's host times (``params``, as above); without it the
-  term's measured defaults apply.
+  term's measured defaults apply;
+- ``gemm_dtypes`` (optional): GEMM profiles in other operand dtypes than ``dtype`` (fp8: the
+  signalled GEMM beside ``torch._scaled_mm``), measured on one GPU of the same model and merged
+  with ``fo-tune calibrate --world-size 1 --only gemm --dtype D --into``. ``for_dtype(D)`` is the
+  calibration a search in D reads: the same communication measurements, D's profile as ``gemm``,
+  and ``library_ratio``, D's library GEMM time over this dtype's (cuBLAS), for the library model.
 
 Sizes follow nccl-tests: ``size`` is the full buffer of the collective (the input of all_reduce,
 reduce_scatter and all_to_all, the output of all_gather); algbw = size / time; busbw = algbw times
@@ -28,7 +33,9 @@ Schema 1 (no ``copy_engine`` / ``triton`` sections) still loads.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -303,6 +310,12 @@ class Calibration:
     fits: list[CurveFit] = field(default_factory=list)
     copy_engine: EngineCalibration | None = None
     triton: EngineCalibration | None = None
+    gemm_dtypes: dict[str, list[GemmPoint]] = field(default_factory=dict)
+    # The library GEMM's time in this calibration's dtype over its time in the dtype its copy-engine
+    # section was measured in (``for_dtype``; not stored: derived from the two profiles).
+    library_ratio: float = 1.0
+    # The dtype its communication and copy-engine sections were measured in ("": ``dtype``).
+    base_dtype: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -321,7 +334,30 @@ class Calibration:
             section = getattr(self, name)
             if section is not None:
                 out[name] = section.to_dict()
+        if self.gemm_dtypes:
+            out["gemm_dtypes"] = {d: [asdict(p) for p in pts] for d, pts in self.gemm_dtypes.items()}
         return out
+
+    def for_dtype(self, dtype: str) -> Calibration:
+        """The calibration a model of ``dtype`` operands reads (see the module docstring): this one
+        for its own dtype; ``CalibrationError`` naming the command that adds a missing profile."""
+        if dtype == self.dtype:
+            return self
+        points = self.gemm_dtypes.get(dtype)
+        if not points:
+            raise CalibrationError(
+                f"the calibration ({self.fingerprint.device_key}, {self.dtype}) has no {dtype} GEMM "
+                f"profile; measure it on one GPU of this model with `fo-tune calibrate --world-size 1 "
+                f"--only gemm --dtype {dtype} --into CALIBRATION.yaml`"
+            )
+        return dataclasses.replace(
+            self,
+            dtype=dtype,
+            gemm=list(points),
+            gemm_dtypes={},
+            library_ratio=_library_ratio(self.gemm, points),
+            base_dtype=self.dtype,
+        )
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "<calibration>") -> Calibration:
@@ -348,6 +384,16 @@ class Calibration:
                 for name in ENGINE_SECTIONS
                 if data.get(name) is not None
             }
+            others = data.get("gemm_dtypes") or {}
+            if not isinstance(others, dict):
+                raise CalibrationError(f"{source}: gemm_dtypes: expected a mapping of dtype to points")
+            gemm_dtypes = {
+                str(d): [
+                    _point(GemmPoint, row, f"{source}: gemm_dtypes.{d}[{i}]")
+                    for i, row in enumerate(pts or [])
+                ]
+                for d, pts in others.items()
+            }
             return cls(
                 fingerprint=fp,
                 world_size=int(data["world_size"]),
@@ -357,6 +403,7 @@ class Calibration:
                 created=str(data["created"]),
                 **parts,
                 **sections,
+                gemm_dtypes=gemm_dtypes,
             )
         except KeyError as exc:
             raise CalibrationError(f"{source}: missing key {exc.args[0]!r}") from None
@@ -367,6 +414,29 @@ class Calibration:
 
     def fit_for(self, collective: str, cap: int) -> CurveFit | None:
         return next((f for f in self.fits if (f.collective, f.nccl_max_ctas) == (collective, cap)), None)
+
+
+def _library_ratio(base: list[GemmPoint], other: list[GemmPoint]) -> float:
+    """The library GEMM's time in ``other``'s dtype over ``base``'s: the geometric mean of the two
+    profiles' ``cublas_ms`` over the shapes both measured, else of their mean times a wave x K
+    (``K_WORK``); 1.0 where either profile has no library time."""
+
+    def library(points: list[GemmPoint]) -> dict[tuple[int, int, int], float]:
+        return {(p.m, p.n, p.k): p.cublas_ms for p in points if p.cublas_ms > 0}
+
+    mine, theirs = library(base), library(other)
+    shared = sorted(set(mine) & set(theirs))
+    if shared:
+        return math.exp(sum(math.log(theirs[s] / mine[s]) for s in shared) / len(shared))
+
+    def per_work(times: dict[tuple[int, int, int], float]) -> float:
+        return sum(t / (m * n * k / K_WORK) for (m, n, k), t in times.items()) / len(times)
+
+    return per_work(theirs) / per_work(mine) if mine and theirs else 1.0
+
+
+# The unit of work ``_library_ratio`` compares profiles of different shapes in (multiply-adds).
+K_WORK = 2**30
 
 
 _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}

@@ -39,11 +39,18 @@ def find_calibration(device_key: str, world_size: int) -> Path | None:
 
 
 def choose_calibration(
-    path: Path | None, mode: str, world_size: int, backend: str, device: torch.device
+    path: Path | None,
+    mode: str,
+    world_size: int,
+    backend: str,
+    device: torch.device,
+    dtype: str | None = None,
 ) -> tuple[Calibration | None, str]:
     """(the calibration the search reads, the mode): ``path`` (--calibration), else the packaged one
     for a predict search, else this machine's (``device``, on ranks of ``backend``); no mode given:
-    hybrid with a calibration, else measure."""
+    hybrid with a calibration, else measure. ``dtype``: the search's operands; a calibration in
+    another dtype is read through its GEMM profile for ``dtype`` (``Calibration.for_dtype``): a
+    predicting search without one is refused, naming the command; a measured one runs without."""
     from fo_tune.search import SearchError
 
     cal: Calibration | None = None
@@ -62,6 +69,11 @@ def choose_calibration(
         found = find_calibration(key, world_size)
         if found is not None:
             cal = load_calibration(found)
+    if cal is not None and dtype is not None and dtype != cal.dtype:
+        # predicting: CalibrationError naming the command where it has no profile for ``dtype``;
+        # measuring without one: no model, the ranks measure
+        predicting = dtype in cal.gemm_dtypes or mode in ("predict", "hybrid")
+        cal = cal.for_dtype(dtype) if predicting else None
     if not mode:
         mode = "hybrid" if cal is not None else "measure"
     if (

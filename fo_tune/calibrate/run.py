@@ -53,6 +53,11 @@ class CalibrationRequestError(FoTuneError, ValueError):
 PARTS = ("bandwidth", "interference", "gemm", "copy_engine")
 # Without a collective between ranks, world size 1 measures these.
 ONE_GPU_PARTS = ("gemm", "copy_engine")
+# What a calibration in another operand dtype than its communication's measures: the GEMM profile
+# (fp8: the signalled GEMM beside torch._scaled_mm), merged into a calibration's ``gemm_dtypes``
+# with --into; the collectives, the interference and the copy engine are measured in bfloat16.
+OTHER_DTYPE_PARTS = ("gemm",)
+GEMM_ONLY_DTYPES = ("float8_e4m3fn",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +83,12 @@ class CalibrationRequest:
         if self.world_size == 1 and set(self.parts or ()) & {"bandwidth", "interference"}:
             raise CalibrationRequestError(
                 "--only bandwidth/interference measure collectives between ranks; world size 1 has none"
+            )
+        if self.dtype in GEMM_ONLY_DTYPES and tuple(self.parts or ()) != OTHER_DTYPE_PARTS:
+            raise CalibrationRequestError(
+                f"--dtype {self.dtype} measures the GEMM profile only: run `fo-tune calibrate "
+                f"--world-size 1 --only gemm --dtype {self.dtype} --into CALIBRATION.yaml` to add it "
+                "to a bfloat16 calibration (the collectives and the copy engine are measured there)"
             )
 
     def selected(self) -> tuple[str, ...]:
@@ -256,10 +267,13 @@ def _copy_engine(
     return EngineCalibration(params=params, library_gemm=points, copies=copies)
 
 
-def check_mergeable(target: Calibration, fingerprint: Fingerprint, dtype: str) -> None:
+def check_mergeable(
+    target: Calibration, fingerprint: Fingerprint, dtype: str, parts: Sequence[str] = PARTS
+) -> None:
     """Refuse (``CalibrationRequestError``) to merge measurements of ``fingerprint``'s machine in
-    ``dtype`` into ``target``: another GPU model (name, compute capability, SM count) or dtype. The
-    CLI asks this with the local fingerprint before any rank starts."""
+    ``dtype`` into ``target``: another GPU model (name, compute capability, SM count), or another
+    dtype than the target's unless only its GEMM profile (``OTHER_DTYPE_PARTS``, kept apart in
+    ``gemm_dtypes``). The CLI asks this with the local fingerprint before any rank starts."""
     theirs = target.fingerprint
     for name in ("gpu_name", "compute_capability", "sm_count"):
         if getattr(theirs, name) != getattr(fingerprint, name):
@@ -268,10 +282,10 @@ def check_mergeable(target: Calibration, fingerprint: Fingerprint, dtype: str) -
                 f"{fingerprint.device_key} ({name} differs); measure on the same GPU model, or write a "
                 "calibration of its own"
             )
-    if dtype != target.dtype:
+    if dtype != target.dtype and tuple(parts) != OTHER_DTYPE_PARTS:
         raise CalibrationRequestError(
             f"--into: the calibration was measured with {target.dtype}, this run with {dtype}; "
-            f"pass --dtype {target.dtype}"
+            f"pass --dtype {target.dtype} (or --only gemm: another dtype's GEMM profile is kept beside)"
         )
 
 
@@ -280,9 +294,12 @@ def merge_into(target: Calibration, measured: Calibration, parts: Sequence[str])
     merged: a parameter no measurement gives keeps its value and source). Refused when the two
     were measured on different GPUs (name, compute capability, SM count): the numbers would not
     describe ``target``'s machine."""
-    check_mergeable(target, measured.fingerprint, measured.dtype)
+    check_mergeable(target, measured.fingerprint, measured.dtype, parts)
     from fo_tune.engines.copy_engine.calibrate import merge_section
 
+    if measured.dtype != target.dtype:  # another dtype's GEMM profile, beside the target's own
+        target.gemm_dtypes = {**target.gemm_dtypes, measured.dtype: measured.gemm}
+        return target
     if "bandwidth" in parts:
         target.bandwidth, target.fits = measured.bandwidth, measured.fits
     if "interference" in parts:

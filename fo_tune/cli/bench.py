@@ -63,6 +63,10 @@ HELP = "\n\n".join(
         "sequential ms / variant ms, fraction of ideal = ideal ms / variant ms. reduce_scatter and "
         "all_gather need M divisible by the world size: such a shape gives them SKIP rows, and is "
         "refused when no collective asked for can run it.",
+        "--dtype float8_e4m3fn: fp8 operands with rowwise scales and a bfloat16 output; gemm and "
+        "sequential run torch._scaled_mm, the fused peers torch's fused_scaled_matmul_reduce_scatter "
+        "and fused_all_gather_scaled_matmul, the references take the dequantized operands, the "
+        "tolerance is 1e-2 (the output is bfloat16).",
         "Shapes: --shape (repeat), or --suite FILE (suites/h200_tp.yaml: name, dtype, shapes; "
         "odd_shapes too with --include-odd). Default: the shipped h200_tp suite on GPUs, 64x96x64 "
         "on the CPU.",

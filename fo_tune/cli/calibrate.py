@@ -231,7 +231,8 @@ def calibrate(
             from fo_kernels.fingerprint import current_fingerprint
             from fo_tune.calibrate.run import check_mergeable
 
-            check_mergeable(target, current_fingerprint(local_device(chosen), world_size), dtype)
+            here = current_fingerprint(local_device(chosen), world_size)
+            check_mergeable(target, here, dtype, parts or PART_NAMES)
         if driver and into is None:  # a bad --out costs nothing: checked before any rank starts
             check_calibration_out(
                 out or DEFAULT_ROOT / expected_device_key(chosen, world_size) / f"tp{world_size}"

@@ -75,7 +75,7 @@ EXIT_INTERRUPTED = 130
 
 # fo_kernels.schedule.DTYPES and COLLECTIVES, for the help texts (see the module docstring): the
 # runtime's collectives are what `fo-tune bench` and `fo-tune demo` run.
-DTYPE_NAMES = ("float32", "float16", "bfloat16")
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 RUNTIME_COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather")
 # The collectives `fo-tune search` and `fo-tune table` take: every one the runtime runs.
 COLLECTIVE_NAMES = RUNTIME_COLLECTIVE_NAMES

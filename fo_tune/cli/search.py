@@ -116,7 +116,7 @@ CollectiveOpt = Annotated[
     ),
 ]
 SearchDtypeOpt = Annotated[
-    str, typer.Option("--dtype", "-d", help="Operand dtype: bfloat16, float16, float32.")
+    str, typer.Option("--dtype", "-d", help="Operand dtype: bfloat16, float16, float32, float8_e4m3fn.")
 ]
 ModeOpt = Annotated[
     str | None,
@@ -354,7 +354,7 @@ def search(
         from fo_tune.search.setup import output_places, report_dirs
 
         device = local_device(chosen)
-        cal, mode = choose_calibration(calibration, mode, world_size, chosen, device)
+        cal, mode = choose_calibration(calibration, mode, world_size, chosen, device, dtype)
         search_space = None
         if space is not None:
             search_space = resolve_space(space, chosen)

@@ -31,7 +31,7 @@ from fo_tune.calibrate.calibration import Calibration, CalibrationError
 from fo_tune.model.library import PARAMS as LIBRARY_PARAMS
 from fo_tune.model.library import LibraryGemm, LibraryPoint
 from fo_tune.model.profiles import Curves, InterferenceTable, TileProfile
-from fo_tune.model.types import Baseline, Interference, Prediction, element_bytes
+from fo_tune.model.types import Baseline, Interference, Prediction, element_bytes, output_bytes
 
 # Host time of a baseline call (ms) when the calibration's copy_engine section does not say:
 # the eager GEMM then collective 0.06 (one cuBLAS launch and one collective call, torch eager;
@@ -61,6 +61,9 @@ class CostModel:
                 (p.m, p.n, p.k, p.beta): LibraryPoint(p.paced_ms, p.sustained_ms)
                 for p in (cal.copy_engine.library_gemm if cal.copy_engine else [])
             }
+            if cal.library_ratio != 1.0:  # another dtype's GEMM (Calibration.for_dtype): its waves
+                ce = {**ce, "library_wave_ms": ce["library_wave_ms"] * cal.library_ratio}
+                points = {}  # (measured in the copy-engine section's dtype)
             self.library = LibraryGemm(ce, self.sm_count, points)
         else:
             self.library = LibraryGemm.from_cublas(self.tile_profile.cublas, self.sm_count)
@@ -104,7 +107,7 @@ class CostModel:
         """GEMM then the collective (all_gather: the gather, then the GEMM) on (m, n, k); an
         all_gather's ``m`` is the gathered M."""
         gemm = self.library.time(m, n, k)
-        moved = m * (k if collective == "all_gather" else n) * element_bytes(dtype)
+        moved = m * k * element_bytes(dtype) if collective == "all_gather" else m * n * output_bytes(dtype)
         comm = self.curves.time(collective, 0, moved)
         return Baseline(
             gemm_ms=gemm,

@@ -88,7 +88,8 @@ def missing_curve(cal: Calibration, collective: str) -> str:
     names = ",".join([*have, collective])
     return (
         f"the calibration's bandwidth section has no curve for {collective}; measure it on that machine "
-        f"with `fo-tune calibrate --world-size {cal.world_size} --dtype {cal.dtype} --only bandwidth "
+        f"with `fo-tune calibrate --world-size {cal.world_size} --dtype {cal.base_dtype or cal.dtype} "
+        "--only bandwidth "
         f"--collectives {names} --into CALIBRATION.yaml`"
     )
 

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+# The output dtype a table's rows are tuned for, by operand dtype: the operands' own, and for fp8
+# operands the ops' default out_dtype (fo_kernels.scaling.DEFAULT_OUT_DTYPE; docs/design.md#fp8).
+_TUNED_OUTPUT = {"float8_e4m3fn": "bfloat16"}
 
 
 def element_bytes(dtype: str) -> int:
-    """Bytes per element of a table dtype name."""
+    """Bytes per element of a table dtype name: an operand's (what an AllGather moves)."""
     return _ELEM_BYTES[dtype]
+
+
+def output_bytes(dtype: str) -> int:
+    """Bytes per element of the output of ``dtype`` operands (what an AllReduce or a ReduceScatter
+    moves): the operand's, bfloat16's for fp8."""
+    return _ELEM_BYTES[_TUNED_OUTPUT.get(dtype, dtype)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,9 @@ The op of a schedule's collective on (M, N, K), M the GEMM's rows:
 
 and GEMM then the collective (all_gather: the gather, then the GEMM) as the sequential baseline.
 A schedule passes when no output holds a NaN and the relative error stays under ``GEMM_TOL`` on
-every rank, on ``CHECK_INPUT_SETS`` input sets, each output poisoned with NaN once checked.
+every rank, on ``CHECK_INPUT_SETS`` input sets, each output poisoned with NaN once checked. fp8
+operands come with the tuner's scales (``fo_tune.ranks.scaled.scale_kwargs``, passed to every
+call), the references take the dequantized operands, the baseline's GEMM is ``torch._scaled_mm``.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.runtime import reduce_scatter_tensor
+from fo_kernels.scaling import wire
 from fo_kernels.schedule import Schedule
 from fo_tune.ranks.collectives import _all_gather
 from fo_tune.ranks.gemm import gemm_operands, rel_err
 from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.scaled import dequantized, library_mm, scale_kwargs
 
 
 def _collective_fp32(collective: str, full: torch.Tensor, world: int) -> torch.Tensor:
@@ -38,9 +42,10 @@ def _collective_fp32(collective: str, full: torch.Tensor, world: int) -> torch.T
 
 
 def _gathered(shard: torch.Tensor, world: int) -> torch.Tensor:
-    """Every rank's (rows, K) ``shard`` gathered on dim 0, rank r's at rows [r*rows, (r+1)*rows)."""
+    """Every rank's (rows, K) ``shard`` gathered on dim 0, rank r's at rows [r*rows, (r+1)*rows)
+    (fp8 as its bytes, as the runtime gathers it)."""
     out = torch.empty((shard.shape[0] * world, shard.shape[1]), dtype=shard.dtype, device=shard.device)
-    _all_gather(out, shard.contiguous())
+    _all_gather(wire(out), wire(shard.contiguous()))
     return out
 
 
@@ -53,10 +58,12 @@ def call_operands(
 
 
 def reference(collective: str, a: torch.Tensor, b: torch.Tensor, world: int) -> torch.Tensor:
-    """The op's result in float32 (the module docstring); every rank calls it at once."""
+    """The op's result in float32 (the module docstring; fp8: of the dequantized operands); every
+    rank calls it at once."""
+    a32, b32 = dequantized(a, b, scale_kwargs(a, b))
     if collective == "all_gather":
-        return _gathered(a.float(), world) @ b.float()
-    return _collective_fp32(collective, a.float() @ b.float(), world)
+        return _gathered(a32, world) @ b32
+    return _collective_fp32(collective, a32 @ b32, world)
 
 
 # Operand sets each schedule is checked on before it is timed: the op allocates its output with
@@ -86,7 +93,7 @@ def _check_schedule(ctx: RankContext, s: Schedule, m: int, n: int, k: int, seed:
         a, b = call_operands(
             s.collective, m, n, k, s.dtype, ctx.device, (seed * 1009 + i) * 1009 + ctx.rank, ctx.world_size
         )
-        out = op(a, b, schedule=s)
+        out = op(a, b, schedule=s, **scale_kwargs(a, b))
         ref = reference(s.collective, a, b, ctx.world_size)
         worst = max(worst, math.inf if bool(out.isnan().any()) else rel_err(out, ref))
         out.fill_(math.nan)
@@ -99,14 +106,16 @@ def _check_schedule(ctx: RankContext, s: Schedule, m: int, n: int, k: int, seed:
 def _sequential_call(
     collective: str, a: torch.Tensor, b: torch.Tensor, world: int
 ) -> Callable[[], torch.Tensor]:
-    """cuBLAS GEMM, then the collective on NCCL's default communicator (all_gather: the gather of
-    the shard ``a``, then the GEMM)."""
+    """cuBLAS GEMM (fp8: ``torch._scaled_mm``), then the collective on NCCL's default communicator
+    (all_gather: the gather of the shard ``a``, then the GEMM)."""
     m, n = a.shape[0], b.shape[1]
+    kw = scale_kwargs(a, b)
     if collective == "all_gather":
-        return lambda: _gathered(a, world) @ b
+        gathered_kw = {**kw, "scale_a": kw["scale_a"].repeat(world, 1)} if kw else kw
+        return lambda: library_mm(_gathered(a, world), b, gathered_kw)
 
     def run() -> torch.Tensor:
-        out = a @ b
+        out = library_mm(a, b, kw)
         if collective == "all_reduce":
             dist.all_reduce(out)
             return out

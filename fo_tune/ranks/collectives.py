@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
+from fo_kernels.scaling import DEFAULT_OUT_DTYPE, is_fp8
 from fo_kernels.schedule import torch_dtype
 from fo_kernels.tile import Tile
 from fo_tune.ranks.gemm import GEMM_TOL, gemm_operands, gemm_runner, rel_err
@@ -30,10 +31,18 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 def collective_call(
     collective: str, size: int, dtype: torch.dtype, device: torch.device, world: int, group: Any
 ) -> Callable[[], Any]:
-    """A closure running ``collective`` on a ``size``-byte buffer (nccl-tests sizing)."""
+    """A closure running ``collective`` on a ``size``-byte buffer (nccl-tests sizing). fp8 moves as
+    bytes where the runtime moves it (a gather: ``fo_kernels.scaling.wire``); the sums of an fp8
+    call are of its bfloat16 output."""
+    if is_fp8(dtype):
+        dtype = torch.uint8 if collective in ("all_gather", "all_to_all") else DEFAULT_OUT_DTYPE
     elem = torch.tensor([], dtype=dtype).element_size()
     count = max(world, size // elem // world * world)
-    full = torch.randn(count, device=device).to(dtype)
+    full = (
+        torch.randn(count, device=device).to(dtype)
+        if dtype.is_floating_point
+        else torch.ones(count, dtype=dtype, device=device)
+    )
     part = torch.empty(count // world, device=device, dtype=dtype)
     if collective == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)

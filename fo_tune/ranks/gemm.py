@@ -1,6 +1,8 @@
 """GEMM measurement tasks: the signalled GEMM of every tile config beside cuBLAS (profiles) and the
 best reduced grids, each GEMM checked against ``torch.matmul`` before it is timed, and the
-checks' tolerances (``GEMM_TOL``).
+checks' tolerances (``GEMM_TOL``). fp8 operands (``--dtype float8_e4m3fn``) come with the tuner's
+scales (``fo_tune.ranks.scaled``): the signalled GEMM beside ``torch._scaled_mm``, checked against
+the float32 product of the dequantized operands.
 """
 
 from __future__ import annotations
@@ -19,16 +21,19 @@ from fo_kernels.runtime import runtime_for
 from fo_kernels.schedule import Problem, Schedule, torch_dtype
 from fo_kernels.tile import Tile
 from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.scaled import dequantized, library_mm, out_dtype, scale_kwargs, scales_of
 from fo_tune.ranks.timing import comparison_sample_ms, time_interleaved
 
-# Relative error a checked GEMM must stay under, per dtype (fp32 accumulation; docs/design.md#timing).
-GEMM_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-4}
+# Relative error a checked GEMM must stay under, per dtype (fp32 accumulation; docs/design.md#timing;
+# fp8's output is bfloat16, and its reference the product of the dequantized operands).
+GEMM_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-4, "float8_e4m3fn": 1e-2}
 
 
 def gemm_runner(
     a: torch.Tensor, b: torch.Tensor, tile: Tile, sms_free: int, sm_count: int
 ) -> tuple[Callable[[], torch.Tensor], int]:
-    """The signalled persistent GEMM alone (one group, private counters): (run, grid)."""
+    """The signalled persistent GEMM alone (one group, private counters): (run, grid); fp8
+    operands with the tuner's scales (``fo_tune.ranks.scaled``)."""
     m, k = a.shape
     n = b.shape[1]
     tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
@@ -45,14 +50,16 @@ def gemm_runner(
     counters = torch.zeros(4, dtype=torch.int32, device=a.device)
     unit_group = torch.zeros(1, dtype=torch.int32, device=a.device)
     group_info = torch.tensor([0, m], dtype=torch.int32, device=a.device)
-    out = torch.empty(m * n, dtype=a.dtype, device=a.device)
+    out = torch.empty(m * n, dtype=out_dtype(a), device=a.device)
     operand = BOperand.of(b)
     assert operand is not None
+    scales = scales_of("all_reduce", a, b, scale_kwargs(a, b))
 
     def run() -> torch.Tensor:
         signalled_gemm(
-            a, operand, out, plan, tile, counters=counters, unit_group=unit_group, group_info=group_info
-        )
+            a, operand, out, plan, tile, counters=counters, unit_group=unit_group, group_info=group_info,
+            scales=scales,
+        )  # fmt: skip
         return out.view(m, n)
 
     return run, plan.grid
@@ -81,10 +88,13 @@ def worst_error(errors: Sequence[float]) -> float:
 
 
 def _gemm_problem(m: int, n: int, k: int, dtype: str, device: torch.device) -> tuple:
-    """(SMs, A, B, float32 reference A @ B) of one shape, the operands seeded by the shape, so that
-    every task of a shape measures the same problem."""
+    """(SMs, A, B, float32 reference A @ B, the library's GEMM) of one shape, the operands seeded by
+    the shape, so that every task of a shape measures the same problem (fp8: with the tuner's
+    scales, the reference of the dequantized operands, ``torch._scaled_mm``)."""
     a, b = gemm_operands(m, n, k, dtype, device, seed=m + n + k)
-    return runtime_for(device, None).sm_count, a, b, a.float() @ b.float()
+    kw = scale_kwargs(a, b)
+    a32, b32 = dequantized(a, b, kw)
+    return runtime_for(device, None).sm_count, a, b, a32 @ b32, lambda: library_mm(a, b, kw)
 
 
 @dataclass(frozen=True)
@@ -107,10 +117,10 @@ class GemmProfileTask:
     graphs: bool = False
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
-        sm_count, a, b, ref = _gemm_problem(self.m, self.n, self.k, self.dtype, ctx.device)
+        sm_count, a, b, ref, library = _gemm_problem(self.m, self.n, self.k, self.dtype, ctx.device)
         sample_ms = comparison_sample_ms(ctx.device.type == "cuda")
         cublas = time_interleaved(
-            {"cublas": lambda: a @ b}, ctx.device, warmup=self.warmup, rounds=self.reps, graphs=self.graphs
+            {"cublas": library}, ctx.device, warmup=self.warmup, rounds=self.reps, graphs=self.graphs
         )["cublas"]
         rows = []
         for tile in self.tiles:
@@ -124,7 +134,7 @@ class GemmProfileTask:
                     out = run()
                     row["rel_err"] = _checked(out, ref, self.dtype)
                     paired = time_interleaved(
-                        {"gemm": run, "cublas": lambda: a @ b},
+                        {"gemm": run, "cublas": library},
                         ctx.device,
                         warmup=self.warmup,
                         rounds=self.reps,
@@ -168,8 +178,8 @@ class GemmGridsTask:
     graphs: bool = False
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
-        sm_count, a, b, ref = _gemm_problem(self.m, self.n, self.k, self.dtype, ctx.device)
-        fns: dict[str, Callable[[], Any]] = {"cublas": lambda: a @ b}
+        sm_count, a, b, ref, library = _gemm_problem(self.m, self.n, self.k, self.dtype, ctx.device)
+        fns: dict[str, Callable[[], Any]] = {"cublas": library}
         rows, outs = [], []
         for i, (tile, r) in enumerate(self.configs):
             run, grid = gemm_runner(a, b, tile, r, sm_count)

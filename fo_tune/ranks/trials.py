@@ -16,6 +16,7 @@ from fo_tune.ranks.checks import _check_schedule, _gathered, _op, _sequential_ca
 from fo_tune.ranks.collectives import collective_call
 from fo_tune.ranks.gemm import GEMM_TOL, rel_err
 from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.scaled import library_mm, scale_kwargs
 from fo_tune.ranks.timing import comparison_sample_ms, time_interleaved, time_region
 
 
@@ -59,11 +60,12 @@ class ConfirmTask:
         fns: dict[str, Callable[[], Any]] = {
             "sequential": _sequential_call(s0.collective, a, b, ctx.world_size)
         }
+        kw = scale_kwargs(a, b)  # (fp8: made once, outside the timed calls)
         if fallback_ok:
-            fns["fallback"] = lambda: _op(fallback.collective)(a, b, schedule=fallback)
+            fns["fallback"] = lambda: _op(fallback.collective)(a, b, schedule=fallback, **kw)
         for i, s in enumerate(self.schedules):
             if ok[i]:
-                fns[str(i)] = lambda s=s: _op(s.collective)(a, b, schedule=s)
+                fns[str(i)] = lambda s=s: _op(s.collective)(a, b, schedule=s, **kw)
         # the bench's sample length, so a row is decided as the bench will time it
         sample_ms = comparison_sample_ms(ctx.device.type == "cuda")
         timings = time_interleaved(
@@ -107,9 +109,9 @@ class OverlapTrialTask:
                 self.seed * 1009 + ctx.rank,
                 ctx.world_size,
             )
-            op = _op(s.collective)
+            op, kw = _op(s.collective), scale_kwargs(a, b)
             timing = time_region(
-                lambda: op(a, b, schedule=s), ctx.device, warmup=self.warmup, reps=self.reps, agree=True
+                lambda: op(a, b, schedule=s, **kw), ctx.device, warmup=self.warmup, reps=self.reps, agree=True
             )
         return dict(rel_err=worst, has_nan=math.isinf(worst), ok=ok, timing=timing)
 
@@ -141,8 +143,14 @@ class SequentialTask:
             self.seed * 1009 + ctx.rank,
             world,
         )
-        gemm_a = _gathered(a, world) if self.collective == "all_gather" else a
-        moved = gemm_a if self.collective == "all_gather" else gemm_a @ b  # what the collective moves
+        kw = scale_kwargs(a, b)
+        if self.collective == "all_gather":
+            gemm_a = _gathered(a, world)
+            kw = {**kw, "scale_a": kw["scale_a"].repeat(world, 1)} if kw else kw
+        else:
+            gemm_a = a
+        # what the collective moves: the shard (fp8: its bytes), or the GEMM's output
+        moved = gemm_a if self.collective == "all_gather" else library_mm(gemm_a, b, kw)
         comm = collective_call(
             self.collective, moved.numel() * moved.element_size(), moved.dtype, ctx.device, world, None
         )
@@ -150,11 +158,11 @@ class SequentialTask:
         sequential = _sequential_call(self.collective, a, b, world)
         got = sequential()
         err = rel_err(got, reference(self.collective, a, b, world))
-        kw = dict(warmup=self.warmup, reps=self.reps)
+        timing = dict(warmup=self.warmup, reps=self.reps)
         return dict(
             rel_err=err,
             has_nan=bool(got.isnan().any()),
-            gemm=time_region(lambda: gemm_a @ b, ctx.device, **kw),
-            comm=time_region(comm, ctx.device, agree=True, **kw),
-            sequential=time_region(sequential, ctx.device, agree=True, **kw),
+            gemm=time_region(lambda: library_mm(gemm_a, b, kw), ctx.device, **timing),
+            comm=time_region(comm, ctx.device, agree=True, **timing),
+            sequential=time_region(sequential, ctx.device, agree=True, **timing),
         )

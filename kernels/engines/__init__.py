@@ -29,6 +29,7 @@ from fo_kernels.registry import Registry
 if TYPE_CHECKING:
     from fo_kernels.gemm import BOperand
     from fo_kernels.runtime import OverlapRuntime
+    from fo_kernels.scaling import Scales
     from fo_kernels.schedule import EngineSettings, Schedule
 
 
@@ -54,12 +55,14 @@ class Engine(ABC):
         b: BOperand,
         runtime: OverlapRuntime,
         *,
+        scales: Scales | None = None,
         own_graphs: bool = True,
     ) -> EngineResult:
         """``schedule.collective(a @ b)`` over the runtime's group, overlapped as its settings say
         (the ops have checked the operands, that the schedule covers the call and that the engine
         serves its collective). For all_gather, ``a`` is this rank's shard and the result is
-        ``(gathered @ b, gathered)``. Outputs are new tensors the caller owns (never views of
+        ``(gathered @ b, gathered)``. ``scales``: an fp8 call's (``fo_kernels.scaling``; the
+        output in ``scales.out_dtype``). Outputs are new tensors the caller owns (never views of
         buffers the runtime reuses: autograd may keep them). ``own_graphs=False``: no CUDA graph or
         output pool of the engine's own; outputs from the caller's allocator."""
 

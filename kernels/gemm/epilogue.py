@@ -6,6 +6,10 @@ helpers every plain kernel shares).
     barrier                                   # every thread of the CTA has issued its stores
     atomic_add(counters[g], 1, release)       # one thread's increment covers the CTA's stores
 
+An fp8 tile's float32 sum is first multiplied by its scales (``_scale``: one number each, or
+scale_a per row and scale_b per column, as ``torch._scaled_mm``), before it is rounded and stored,
+so a signal always covers scaled values.
+
 The release increment is cumulative over the CTA barrier, so a reader that acquires the counter
 at its target sees every element of the group's tiles (``tests/test_gpu.py`` reads each group from
 another SM the moment its counter is complete). The whole waves defer each tile's increment to
@@ -19,6 +23,26 @@ import triton
 import triton.language as tl
 
 from fo_kernels.gemm.tiles import _tile_dst
+
+
+@triton.jit
+def _scale(
+    acc, scale_a, scale_b, row0, col0, M, N,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr,
+):  # fmt: skip
+    """A tile's float32 sum times its fp8 scales (``fo_kernels.scaling``): SCALE 0 none; 1
+    tensorwise, ``scale_a[0] * scale_b[0]``; 2 rowwise, ``scale_a[r]`` for each row r of A from
+    ``row0`` and ``scale_b[c]`` for each column c from ``col0`` (rows past M and columns past N
+    read 0: they are never stored)."""
+    if SCALE == 1:
+        acc = acc * (tl.load(scale_a) * tl.load(scale_b))
+    elif SCALE == 2:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        sa = tl.load(scale_a + rows, mask=rows < M, other=0.0)
+        sb = tl.load(scale_b + cols, mask=cols < N, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
+    return acc
 
 
 @triton.jit

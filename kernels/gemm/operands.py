@@ -7,6 +7,11 @@
             so any M, N, K works
     out     row_band: the (M, N) rows of the plan's layout; tile_major: one BM x BN slot a tile;
             rows: the copy engine's plain row-major destination (``rows_gemm``)
+    fp8     A and B in float8_e4m3fn, their scales (``fo_kernels.scaling.Scales``) as two float32
+            vectors the epilogue reads (``scale_args``, the SCALE constexpr); the output in the
+            call's ``out_dtype``. Triton's CPU interpreter loads fp8 and runs ``tl.dot`` on fp8
+            blocks correctly (within float32 rounding of the float64 product, Triton 3.7.1), so
+            the interpreter runs the same fp8 kernels as a GPU: no upcast, unlike bf16
 
 The whole waves' launcher (``fo_kernels.gemm.waves``), the tail (``.tail``), the rows GEMM
 (``.rows``) and the ping-pong kernel (``.pingpong``) import this module and it imports none of
@@ -25,6 +30,7 @@ import torch
 import triton.language as tl
 
 from fo_kernels.plan import Plan
+from fo_kernels.scaling import SCALE_NONE, Scales
 from fo_kernels.tile import Tile
 
 # TMA needs every stride but the last and the base address 16-byte aligned (CUDA driver API,
@@ -143,16 +149,37 @@ def epilogue_pieces(tile: Tile) -> int:
     return min(EPILOGUE_PIECES, tile.block_n // MIN_PIECE)
 
 
+def scale_args(scales: Scales | None, unread: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' (scale_a, scale_b) arguments: an fp8 call's scale vectors, else ``unread`` twice
+    (SCALE 0: never read)."""
+    if scales is None:
+        return unread, unread
+    return scales.a, scales.b
+
+
 def kernel_meta(
-    a: torch.Tensor, b: BOperand, out: torch.Tensor, tile: Tile, use_tma: bool
+    a: torch.Tensor,
+    b: BOperand,
+    out: torch.Tensor,
+    tile: Tile,
+    use_tma: bool,
+    scales: Scales | None = None,
 ) -> Mapping[str, object]:
-    """The compile-time arguments every plain kernel takes (operands, dtypes, tile, launch)."""
-    return _meta_of(a.dtype, out.dtype, b.kmajor, tile, use_tma, interpreting())
+    """The compile-time arguments every plain kernel takes (operands, dtypes, tile, launch, the
+    SCALE mode of an fp8 call's scales)."""
+    scale = SCALE_NONE if scales is None else scales.mode
+    return _meta_of(a.dtype, out.dtype, b.kmajor, tile, use_tma, interpreting(), scale)
 
 
 @functools.lru_cache(maxsize=256)
 def _meta_of(
-    a_dtype: torch.dtype, out_dtype: torch.dtype, kmajor: bool, tile: Tile, use_tma: bool, interp: bool
+    a_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    kmajor: bool,
+    tile: Tile,
+    use_tma: bool,
+    interp: bool,
+    scale: int,
 ) -> Mapping[str, object]:
     """``kernel_meta``'s mapping, built once per distinct launch (read-only: every launch shares it;
     building it per call was ~8% of an eager call's host time, docs/perf-notes.md, "Host time of
@@ -170,6 +197,7 @@ def _meta_of(
             BLOCK_K=tile.block_k,
             GROUP_M=tile.group_m,
             PTX=not interp,  # inline PTX (the CTA barrier) in compiled kernels only
+            SCALE=scale,
             num_warps=tile.num_warps,
             num_stages=tile.num_stages,
         )

@@ -5,7 +5,7 @@ Protocol, per persistent program p of G (T = tiles_m x tiles_n tiles of one shar
 
     for t in p, p + G, p + 2G, ... < T:
         (tm, tn) = grouped_swizzle(t)                 # as the signalled GEMM's tiles (.tiles)
-        acc = sum over K of A[tm*BM : +BM, :] @ B[:, tn*BN : +BN]
+        acc = sum over K of A[tm*BM : +BM, :] @ B[:, tn*BN : +BN]; fp8: acc *= its scales
         g = row_group[tm]
         if ready: spin until ready[g] != 0 (acquire, system scope); acc += out's tile
         store acc at rows [tm*BM, +BM) of out (and of out2, which may be a peer GPU's memory)
@@ -22,16 +22,18 @@ import torch
 import triton
 import triton.language as tl
 
-from fo_kernels.gemm.epilogue import _signal, _store_tile
+from fo_kernels.gemm.epilogue import _scale, _signal, _store_tile
 from fo_kernels.gemm.operands import (
     LAYOUT_ROWS,
     BOperand,
     epilogue_pieces,
     kernel_meta,
     operand_args,
+    scale_args,
     strides,
 )
 from fo_kernels.gemm.tiles import _tile_acc, _tile_coords
+from fo_kernels.scaling import Scales
 from fo_kernels.tile import Tile
 
 # The store layout, as a constexpr a jit function may read (Triton reads no other globals).
@@ -64,13 +66,15 @@ def _finish_rows_tile(
 
 @triton.jit
 def _rows_kernel(
-    a, b, out, out2, counters, row_group, ready,  # tensors (a, b: or TMA descriptors)
+    a, b, out, out2, counters, row_group, ready, scale_a, scale_b,  # tensors (a, b: or TMA
+    # descriptors; scale_a, scale_b: an fp8 call's scales of these rows, else unread)
     rows, N, K, tiles_m, tiles_n, tiles,  # sizes (tiles = tiles_m x tiles_n)
     stride_am, stride_ak, stride_bk, stride_bn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, SIGNAL: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr, OUT_DTYPE: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
     PTX: tl.constexpr, ACCUMULATE: tl.constexpr, COPY: tl.constexpr, SYS_SIGNAL: tl.constexpr,
+    SCALE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
@@ -84,6 +88,7 @@ def _rows_kernel(
             stride_am, stride_ak, stride_bk, stride_bn,
             BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE,
         )  # fmt: skip
+        acc = _scale(acc, scale_a, scale_b, tm * BLOCK_M, tn * BLOCK_N, rows, N, BLOCK_M, BLOCK_N, SCALE)
         tile_c += progs
         _finish_rows_tile(
             acc, tile_c, out, out2, counters, row_group, ready, rows, N, tiles_m, tiles_n,
@@ -104,6 +109,7 @@ def rows_gemm(
     out2: torch.Tensor | None = None,
     use_tma: bool | None = None,
     remote_counters: bool = False,
+    scales: Scales | None = None,
 ) -> None:
     """``out = a @ b`` (or ``out += a @ b`` once ready, see ``ready``) by the persistent kernel on
     the current stream, for the copy engine's tiled mode (``fo_kernels.engines.copy_engine``).
@@ -117,7 +123,9 @@ def rows_gemm(
     ``remote_counters``: ``counters`` are in the peer's memory (release at system scope, so the
     stores before it, ``out2``'s too, land first). The grid must not exceed the SMs (every program
     must be resident while others wait on ``ready``). The loop is not flattened while it waits on
-    ``ready`` (a spin loop in the epilogue).
+    ``ready`` (a spin loop in the epilogue). ``scales``: an fp8 call's scales of ``a``'s rows
+    (``fo_kernels.scaling``), applied before the sum with what ``ready`` brought; ``out`` in its
+    ``out_dtype``.
     """
     rows, k = a.shape
     n = b.tensor.shape[1]
@@ -126,7 +134,7 @@ def rows_gemm(
     _rows_kernel[(max(1, min(grid, tiles_m * tiles_n)),)](
         a_arg, b_arg, out, out2 if out2 is not None else out,
         counters if counters is not None else row_group, row_group,
-        ready if ready is not None else row_group,
+        ready if ready is not None else row_group, *scale_args(scales, row_group),
         rows, n, k, tiles_m, tiles_n, tiles_m * tiles_n, *strides(a, b),
         SIGNAL=counters is not None,
         ACCUMULATE=ready is not None,
@@ -134,5 +142,5 @@ def rows_gemm(
         SYS_SIGNAL=remote_counters,
         FLATTEN=use_tma and ready is None,
         SUBTILE=epilogue_pieces(tile),
-        **kernel_meta(a, b, out, tile, use_tma),
+        **kernel_meta(a, b, out, tile, use_tma, scales),
     )  # fmt: skip

@@ -5,7 +5,7 @@ picks how it runs (the tiles [main_tiles, T) after the whole waves):
 
     split tail (SPLIT_M x SPLIT_N pieces a tile, one program a piece):
         piece q: tile i = q // (SPLIT_M*SPLIT_N), its piece (pm, pn)
-        acc = the piece's (BM/SPLIT_M) x (BN/SPLIT_N) sum over all of K
+        acc = the piece's (BM/SPLIT_M) x (BN/SPLIT_N) sum over all of K; fp8: times its scales
         store acc at its place in the tile's layout position
         barrier; if atomic_add(arrive[i], 1, acq_rel) == pieces - 1:   # the tile's last piece
             signal the tile's group (it acquired the other pieces' stores)
@@ -15,6 +15,7 @@ picks how it runs (the tiles [main_tiles, T) after the whole waves):
             partial[2p + slot] = its float32 sum over its K blocks of the tile
             barrier; if atomic_add(arrive[i], 1, acq_rel) == programs on tile i - 1:
                 total = the tile's parts added in program order (the same bits whoever is last)
+                fp8: total *= its scales
                 store total at the tile's layout position; signal its group
 
 Both run in the whole waves' launch, each program going on to its piece or its run once its last
@@ -32,10 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fo_kernels.gemm.epilogue import _cta_barrier, _finish_tile, _signal, _store_piece
-from fo_kernels.gemm.operands import BOperand, kernel_meta, layout_code, operand_args, strides
+from fo_kernels.gemm.epilogue import _cta_barrier, _finish_tile, _scale, _signal, _store_piece
+from fo_kernels.gemm.operands import BOperand, kernel_meta, layout_code, operand_args, scale_args, strides
 from fo_kernels.gemm.tiles import _tile_acc, _tile_acc_into, _tile_dst, _tile_pos
 from fo_kernels.plan import Plan, TailPlan, cdiv
+from fo_kernels.scaling import Scales
 from fo_kernels.tile import Tile
 
 # The split tail's own launch gives its pieces this many warps: one warpgroup fed 128x128 and
@@ -81,13 +83,13 @@ def _sk_step(pid, j: tl.constexpr, sk_iters, tail_iters, k_tiles):
 
 @triton.jit
 def _split_piece(
-    q, a, b, out, counters, unit_group, group_info, arrive, main_tiles, k_tiles,
+    q, a, b, out, counters, unit_group, group_info, scale_a, scale_b, arrive, main_tiles, k_tiles,
     M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles,
     stride_am, stride_ak, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_M: tl.constexpr, SPLIT_N: tl.constexpr, USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, LAYOUT: tl.constexpr, SIGNAL: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, PTX: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, PTX: tl.constexpr, SCALE: tl.constexpr,
 ):  # fmt: skip
     """Piece q of the split tail: tiles [main_tiles, ...) of SPLIT_M*BLOCK_M x SPLIT_N*BLOCK_N (the
     schedule's tile), each cut into SPLIT_M x SPLIT_N pieces of BLOCK_M x BLOCK_N. The piece is
@@ -101,11 +103,13 @@ def _split_piece(
     pn = q % SPLIT_N
     t = main_tiles + i
     _l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
+    row0 = s * rows_per_shard + tm * TILE_M + pm * BLOCK_M
+    col0 = tn * TILE_N + pn * BLOCK_N
     acc = _tile_acc(
-        a, b, s * rows_per_shard + tm * TILE_M + pm * BLOCK_M, tn * TILE_N + pn * BLOCK_N, 0, k_tiles,
-        M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+        a, b, row0, col0, 0, k_tiles, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
         BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE,
     )  # fmt: skip
+    acc = _scale(acc, scale_a, scale_b, row0, col0, M, N, BLOCK_M, BLOCK_N, SCALE)
     g, slot, dst_row0, local_row0, col0 = _tile_dst(
         t, unit_group, group_info, shards, unit_tiles, tiles_m, tiles_n, TILE_M, TILE_N, GROUP_M
     )
@@ -129,13 +133,13 @@ def _split_piece(
 
 @triton.jit
 def _sk_tail(
-    pid, a, b, out, counters, unit_group, group_info, arrive, partial,
+    pid, a, b, out, counters, unit_group, group_info, scale_a, scale_b, arrive, partial,
     M, N, K, rows_per_shard, tiles_m, tiles_n, num_tiles, shards, unit_tiles, main_tiles, sk_iters,
     k_tiles, stride_am, stride_ak, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, LAYOUT: tl.constexpr, SIGNAL: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, OUT_DTYPE: tl.constexpr, SUBTILE: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, SCALE: tl.constexpr,
 ):  # fmt: skip
     """Program pid's part of the stream-K tail (tiles [main_tiles, num_tiles), fewer than a wave):
     its K blocks, tile after tile, cut into one run of sk_iters per program, so each program covers
@@ -170,6 +174,10 @@ def _sk_tail(
                     jq = ((q * sk_iters) // k_tiles < i).to(tl.int32)  # tile i: q's slot 0 or 1
                     part = partial + (q * 2 + jq).to(tl.int64) * (BLOCK_M * BLOCK_N) + in_tile
                     total += tl.load(part, cache_modifier=".cg")
+                total = _scale(
+                    total, scale_a, scale_b, s * rows_per_shard + tm * BLOCK_M, tn * BLOCK_N, M, N,
+                    BLOCK_M, BLOCK_N, SCALE,
+                )  # fmt: skip
                 _finish_tile(
                     total, t, out, counters, unit_group, group_info, N, rows_per_shard, tiles_m,
                     tiles_n, shards, unit_tiles, BLOCK_M, BLOCK_N, GROUP_M, LAYOUT, SIGNAL, OUT_DTYPE,
@@ -179,21 +187,22 @@ def _sk_tail(
 
 @triton.jit
 def _split_tail_kernel(
-    a, b, out, counters, unit_group, group_info, arrive,  # tensors (a, b: or the pieces' descriptors)
+    a, b, out, counters, unit_group, group_info, scale_a, scale_b, arrive,  # tensors (a, b: or the
+    # pieces' descriptors; scale_a, scale_b: an fp8 call's scales, else unread)
     M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles, main_tiles,  # sizes
     stride_am, stride_ak, stride_bk, stride_bn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_M: tl.constexpr, SPLIT_N: tl.constexpr, USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, LAYOUT: tl.constexpr, SIGNAL: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, PTX: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, PTX: tl.constexpr, SCALE: tl.constexpr,
 ):  # fmt: skip
     """The split tail in a launch of its own: one piece (BLOCK_M x BLOCK_N) a program."""
     _split_piece(
-        tl.program_id(0), a, b, out, counters, unit_group, group_info, arrive, main_tiles,
-        tl.cdiv(K, BLOCK_K), M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles,
-        stride_am, stride_ak, stride_bk, stride_bn,
+        tl.program_id(0), a, b, out, counters, unit_group, group_info, scale_a, scale_b, arrive,
+        main_tiles, tl.cdiv(K, BLOCK_K), M, N, K, rows_per_shard, tiles_m, tiles_n, shards,
+        unit_tiles, stride_am, stride_ak, stride_bk, stride_bn,
         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_M, SPLIT_N, USE_TMA, B_KMAJOR, UPCAST, IEEE,
-        LAYOUT, SIGNAL, OUT_DTYPE, PTX,
+        LAYOUT, SIGNAL, OUT_DTYPE, PTX, SCALE,
     )  # fmt: skip
 
 
@@ -243,20 +252,22 @@ def split_tail(
     arrive: torch.Tensor,
     signal: bool,
     use_tma: bool,
+    scales: Scales | None = None,
 ) -> None:
     """Launch the split tail of ``tail`` on the current stream, one program a piece (after a launch
-    that ran the tiles before ``tail.main_tiles``); ``arrive`` from ``tail_buffers``."""
+    that ran the tiles before ``tail.main_tiles``); ``arrive`` from ``tail_buffers``; ``scales``
+    an fp8 call's."""
     m, k = a.shape
     piece = piece_tile(tile, tail.split)
     a_arg, b_arg, use_tma = operand_args(a, b, piece, use_tma)
     pieces = (plan.num_tiles - tail.main_tiles) * tail.split[0] * tail.split[1]
     _split_tail_kernel[(pieces,)](
-        a_arg, b_arg, out, counters, unit_group, group_info, arrive,
+        a_arg, b_arg, out, counters, unit_group, group_info, *scale_args(scales, counters), arrive,
         m, plan.n, k, plan.rows_per_shard, plan.tiles_m, plan.tiles_n, plan.shards, plan.unit_tiles,
         tail.main_tiles, *strides(a, b),
         SPLIT_M=tail.split[0],
         SPLIT_N=tail.split[1],
         LAYOUT=layout_code(plan),
         SIGNAL=signal,
-        **kernel_meta(a, b, out, piece, use_tma),
+        **kernel_meta(a, b, out, piece, use_tma, scales),
     )  # fmt: skip

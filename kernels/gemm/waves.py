@@ -2,12 +2,14 @@
 
 Math: C = A @ B with A (M, K), B (K, N) (row-major, or the transposed view of an (N, K) weight),
 bf16/fp16/fp32 in, fp32 accumulation, output in the input dtype, written in the plan's layout.
+fp8 (float8_e4m3fn) in: C = (A * scale_a) @ (B * scale_b), the scales applied to each tile's
+float32 sum in the epilogue (``.epilogue._scale``), output in the call's ``out_dtype``.
 
 Protocol, per persistent program p of G (symbols as in ``fo_kernels.plan`` and ``.tiles``):
 
     g' = -1                                          # the group stored but not yet signalled
     for t in p, p + G, p + 2G, ... < main_tiles:    # wave w = tiles [wG, (w+1)G)
-        acc = sum over K of the tile (.tiles._tile_acc)
+        acc = sum over K of the tile (.tiles._tile_acc); fp8: acc *= its scales
         if g' >= 0: barrier; atomic_add(counter[g'], 1, release, gpu scope)
         g' = unit_group[t // U]; store acc at its layout position in group g''s chunk
     if g' >= 0: barrier; atomic_add(counter[g'], 1, release, gpu scope)
@@ -45,31 +47,33 @@ import torch
 import triton
 import triton.language as tl
 
-from fo_kernels.gemm.epilogue import _finish_tile, _signal_if
+from fo_kernels.gemm.epilogue import _finish_tile, _scale, _signal_if
 from fo_kernels.gemm.operands import (
     BOperand,
     epilogue_pieces,
     kernel_meta,
     layout_code,
     operand_args,
+    scale_args,
     strides,
 )
 from fo_kernels.gemm.pingpong import pingpong_blocker, pingpong_gemm
 from fo_kernels.gemm.tail import _sk_tail, _split_piece, piece_tile, split_tail, tail_buffers
 from fo_kernels.gemm.tiles import _tile_acc, _tile_pos
 from fo_kernels.plan import Plan, tail_plan
+from fo_kernels.scaling import Scales
 from fo_kernels.tile import Tile
 
 
 @triton.jit
 def _whole_waves(
-    pid, progs, k_tiles, a, b, out, counters, unit_group, group_info,
+    pid, progs, k_tiles, a, b, out, counters, unit_group, group_info, scale_a, scale_b,
     M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles, main_tiles,
     stride_am, stride_ak, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, LAYOUT: tl.constexpr, SIGNAL: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, OUT_DTYPE: tl.constexpr, FLATTEN: tl.constexpr,
-    SUBTILE: tl.constexpr, PTX: tl.constexpr,
+    SUBTILE: tl.constexpr, PTX: tl.constexpr, SCALE: tl.constexpr,
 ):  # fmt: skip
     """Program pid's tiles pid, pid + progs, ... < main_tiles, each signalled at the next one's
     epilogue (the last after the loop)."""
@@ -80,11 +84,13 @@ def _whole_waves(
     prev_g = pid * 0 - 1  # the group of the tile stored but not yet signalled (-1: none)
     for t in tl.range(pid, main_tiles, progs, flatten=FLATTEN):
         _l, s, tm, tn = _tile_pos(t, shards, tiles_m, tiles_n, GROUP_M)
+        row0 = s * rows_per_shard + tm * BLOCK_M
         acc = _tile_acc(
-            a, b, s * rows_per_shard + tm * BLOCK_M, tn * BLOCK_N, 0, k_tiles, M, N, K,
+            a, b, row0, tn * BLOCK_N, 0, k_tiles, M, N, K,
             stride_am, stride_ak, stride_bk, stride_bn,
             BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, UPCAST, IEEE,
         )  # fmt: skip
+        acc = _scale(acc, scale_a, scale_b, row0, tn * BLOCK_N, M, N, BLOCK_M, BLOCK_N, SCALE)
         tile_c += progs
         # the previous tile's stores were issued a whole tile ago, so its fence is short
         if SIGNAL:  # (a constexpr; the tensor test inside is a separate if)
@@ -99,84 +105,86 @@ def _whole_waves(
 
 @triton.jit
 def _waves_kernel(
-    a, b, out, counters, unit_group, group_info,  # tensors (a, b: or TMA descriptors)
+    a, b, out, counters, unit_group, group_info, scale_a, scale_b,  # tensors (a, b: or TMA
+    # descriptors; scale_a, scale_b: an fp8 call's scales, else unread)
     M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles, main_tiles,  # sizes
     stride_am, stride_ak, stride_bk, stride_bn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, LAYOUT: tl.constexpr, SIGNAL: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, OUT_DTYPE: tl.constexpr, FLATTEN: tl.constexpr,
-    SUBTILE: tl.constexpr, PTX: tl.constexpr,
+    SUBTILE: tl.constexpr, PTX: tl.constexpr, SCALE: tl.constexpr,
 ):  # fmt: skip
     """The whole waves alone (tiles [0, main_tiles); a split tail, if any, runs after it)."""
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
     _whole_waves(
-        pid, progs, k_tiles, a, b, out, counters, unit_group, group_info,
+        pid, progs, k_tiles, a, b, out, counters, unit_group, group_info, scale_a, scale_b,
         M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles, main_tiles,
         stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-        USE_TMA, B_KMAJOR, LAYOUT, SIGNAL, UPCAST, IEEE, OUT_DTYPE, FLATTEN, SUBTILE, PTX,
+        USE_TMA, B_KMAJOR, LAYOUT, SIGNAL, UPCAST, IEEE, OUT_DTYPE, FLATTEN, SUBTILE, PTX, SCALE,
     )  # fmt: skip
 
 
 @triton.jit
 def _waves_split_kernel(
-    a, b, a_piece, b_piece, out, counters, unit_group, group_info, arrive,  # tensors (a_piece,
-    # b_piece: the pieces' operands, TMA descriptors of their blocks or the tensors)
+    a, b, a_piece, b_piece, out, counters, unit_group, group_info, scale_a, scale_b, arrive,  # tensors
+    # (a_piece, b_piece: the pieces' operands, TMA descriptors of their blocks or the tensors)
     M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles, main_tiles, num_tiles,  # sizes
     stride_am, stride_ak, stride_bk, stride_bn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, LAYOUT: tl.constexpr, SIGNAL: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, OUT_DTYPE: tl.constexpr, FLATTEN: tl.constexpr,
-    SUBTILE: tl.constexpr, PTX: tl.constexpr, SPLIT_M: tl.constexpr, SPLIT_N: tl.constexpr,
+    SUBTILE: tl.constexpr, PTX: tl.constexpr, SCALE: tl.constexpr, SPLIT_M: tl.constexpr,
+    SPLIT_N: tl.constexpr,
 ):  # fmt: skip
     """The whole waves, then the split tail: a piece a program (SPLIT_M x SPLIT_N pieces a tile)."""
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
     _whole_waves(
-        pid, progs, k_tiles, a, b, out, counters, unit_group, group_info,
+        pid, progs, k_tiles, a, b, out, counters, unit_group, group_info, scale_a, scale_b,
         M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles, main_tiles,
         stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-        USE_TMA, B_KMAJOR, LAYOUT, SIGNAL, UPCAST, IEEE, OUT_DTYPE, FLATTEN, SUBTILE, PTX,
+        USE_TMA, B_KMAJOR, LAYOUT, SIGNAL, UPCAST, IEEE, OUT_DTYPE, FLATTEN, SUBTILE, PTX, SCALE,
     )  # fmt: skip
     if pid < (num_tiles - main_tiles) * (SPLIT_M * SPLIT_N):
         _split_piece(
-            pid, a_piece, b_piece, out, counters, unit_group, group_info, arrive, main_tiles,
-            k_tiles, M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles,
+            pid, a_piece, b_piece, out, counters, unit_group, group_info, scale_a, scale_b, arrive,
+            main_tiles, k_tiles, M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles,
             stride_am, stride_ak, stride_bk, stride_bn,
             BLOCK_M // SPLIT_M, BLOCK_N // SPLIT_N, BLOCK_K, GROUP_M, SPLIT_M, SPLIT_N, USE_TMA,
-            B_KMAJOR, UPCAST, IEEE, LAYOUT, SIGNAL, OUT_DTYPE, PTX,
+            B_KMAJOR, UPCAST, IEEE, LAYOUT, SIGNAL, OUT_DTYPE, PTX, SCALE,
         )  # fmt: skip
 
 
 @triton.jit
 def _waves_stream_k_kernel(
-    a, b, out, counters, unit_group, group_info, arrive, partial,  # tensors (a, b: or descriptors)
+    a, b, out, counters, unit_group, group_info, scale_a, scale_b, arrive, partial,  # tensors
     M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles, main_tiles, num_tiles,  # sizes
     sk_iters,  # the stream-K tail's K blocks a program
     stride_am, stride_ak, stride_bk, stride_bn,  # strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, LAYOUT: tl.constexpr, SIGNAL: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, OUT_DTYPE: tl.constexpr, FLATTEN: tl.constexpr,
-    SUBTILE: tl.constexpr, PTX: tl.constexpr,
+    SUBTILE: tl.constexpr, PTX: tl.constexpr, SCALE: tl.constexpr,
 ):  # fmt: skip
     """The whole waves, then this program's run of the stream-K tail."""
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
     _whole_waves(
-        pid, progs, k_tiles, a, b, out, counters, unit_group, group_info,
+        pid, progs, k_tiles, a, b, out, counters, unit_group, group_info, scale_a, scale_b,
         M, N, K, rows_per_shard, tiles_m, tiles_n, shards, unit_tiles, main_tiles,
         stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-        USE_TMA, B_KMAJOR, LAYOUT, SIGNAL, UPCAST, IEEE, OUT_DTYPE, FLATTEN, SUBTILE, PTX,
+        USE_TMA, B_KMAJOR, LAYOUT, SIGNAL, UPCAST, IEEE, OUT_DTYPE, FLATTEN, SUBTILE, PTX, SCALE,
     )  # fmt: skip
     _sk_tail(
-        pid, a, b, out, counters, unit_group, group_info, arrive, partial,
+        pid, a, b, out, counters, unit_group, group_info, scale_a, scale_b, arrive, partial,
         M, N, K, rows_per_shard, tiles_m, tiles_n, num_tiles, shards, unit_tiles, main_tiles, sk_iters,
         k_tiles, stride_am, stride_ak, stride_bk, stride_bn,
         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, B_KMAJOR, LAYOUT, SIGNAL, UPCAST, IEEE,
-        OUT_DTYPE, SUBTILE, PTX,
+        OUT_DTYPE, SUBTILE, PTX, SCALE,
     )  # fmt: skip
 
 
@@ -222,6 +230,7 @@ def signalled_gemm(
     signal: bool = True,
     use_tma: bool | None = None,
     options: KernelOptions = DEFAULT_OPTIONS,
+    scales: Scales | None = None,
 ) -> None:
     """Launch the persistent GEMM on the current stream, writing ``out`` in the plan's layout.
 
@@ -229,7 +238,8 @@ def signalled_gemm(
     ``unit_group`` (int32, one per signal unit) and ``group_info`` (int32, (a0, a1 - a0) per group)
     are the plan's tables on the device; ``counters`` (int32) gets one release increment per tile
     at index ``unit_group[t // U]`` when ``signal`` is set. ``use_tma`` (loads) overrides the
-    automatic choice (False: the masked-pointer loads on any operands).
+    automatic choice (False: the masked-pointer loads on any operands). ``scales``: an fp8 call's
+    (``fo_kernels.scaling``), applied to each tile in the epilogue; ``out`` in its ``out_dtype``.
     A ``tile.pingpong`` call runs the ping-pong kernel (``fo_kernels.gemm.pingpong``: TMA stores;
     its last partial wave as its own K-split tail, or as the split tail's pieces in a launch after
     it, as ``tail_plan`` says) where ``pingpong_blocker`` accepts it and ``use_tma`` is not False;
@@ -257,13 +267,13 @@ def signalled_gemm(
     else:
         a_arg, b_arg, use_tma = operand_args(a, b, tile, use_tma)
         sizes = (m, n, k, plan.rows_per_shard, plan.tiles_m, plan.tiles_n, plan.shards, plan.unit_tiles)
-        tables = (counters, unit_group, group_info)
+        tables = (counters, unit_group, group_info, *scale_args(scales, counters))
         consts = dict(
             LAYOUT=layout_code(plan),
             SIGNAL=signal,
             FLATTEN=use_tma,  # the flattened loop needs TMA loads
             SUBTILE=epilogue_pieces(tile),
-            **kernel_meta(a, b, out, tile, use_tma),
+            **kernel_meta(a, b, out, tile, use_tma, scales),
         )
         if tail.share:
             _waves_stream_k_kernel[(plan.grid,)](
@@ -283,5 +293,5 @@ def signalled_gemm(
     if own_split:
         split_tail(
             a, b, out, plan, tile, tail, counters=counters, unit_group=unit_group,
-            group_info=group_info, arrive=arrive, signal=signal, use_tma=use_tma,
+            group_info=group_info, arrive=arrive, signal=signal, use_tma=use_tma, scales=scales,
         )  # fmt: skip

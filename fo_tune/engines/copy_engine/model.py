@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING
 from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
 from fo_kernels.plan import cdiv
 from fo_kernels.schedule import Schedule
-from fo_tune.model.types import Prediction, element_bytes
+from fo_tune.model.types import Prediction, element_bytes, output_bytes
 
 if TYPE_CHECKING:
     from fo_tune.model.core import CostModel
@@ -187,7 +187,7 @@ class CopyEngineTerm:
         self, schedule: Schedule, st: CopyEngineSettings, m: int, n: int, k: int, *, graphed: bool
     ) -> Prediction:
         p, lib, world = self.p, self.model.library, schedule.world_size
-        elem = element_bytes(schedule.dtype)
+        elem = output_bytes(schedule.dtype)  # (the partial sums: the output's dtype)
         rows = chunk_rows(cdiv(m, world), st.weights)
         fill = len(rows) * world > 1
         compute = side = 0.0
@@ -257,7 +257,7 @@ class CopyEngineTerm:
     ) -> Prediction:
         p, model = self.p, self.model
         assert st.tile is not None
-        elem = element_bytes(schedule.dtype)
+        elem = output_bytes(schedule.dtype)
         half = cdiv(m, 2)
         t0, source = model.tile_profile.scaled_time(st.tile, half, n, k, model.sm_count, split=False)
         t1 = t0 * p["tiled_gemm_factor"] * model.library.clock

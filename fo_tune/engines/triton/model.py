@@ -43,7 +43,7 @@ from fo_kernels.plan import Plan, cdiv, make_plan, tail_plan
 from fo_kernels.schedule import SHARDED_COLLECTIVES, Schedule
 from fo_kernels.tile import Tile
 from fo_tune.model.profiles import last_wave_share
-from fo_tune.model.types import Interference, Prediction, element_bytes
+from fo_tune.model.types import Interference, Prediction, output_bytes
 
 if TYPE_CHECKING:
     from fo_tune.model.core import CostModel
@@ -153,7 +153,7 @@ class TritonTerm:
         assert isinstance(st, TritonSettings)
         plan = self.plan(schedule, m, n, k)
         t0, source = self.model.tile_profile.time(st.tile, m, n, k, plan.grid)
-        elem = element_bytes(schedule.dtype)
+        elem = output_bytes(schedule.dtype)
         comm = [
             self.comm_time(schedule.collective, st.nccl_max_ctas, (c1 - c0) * elem)
             for c0, c1 in (plan.chunk_range(g) for g in range(plan.num_groups))
@@ -209,7 +209,7 @@ class TritonTerm:
         tiles = shards * cdiv(rows, tile.block_m) * cdiv(n, tile.block_n)
         grid = min(max(1, self.model.sm_count - sms_free), tiles)
         t0, _ = self.model.tile_profile.time(tile, m, n, k, grid)
-        elem = element_bytes(task.dtype)
+        elem = output_bytes(task.dtype)
         unit_bytes = min(unit_tiles * tile.block_m * tile.block_n, shards * rows * n) * elem
         tail = COMM_ISSUE_GAP_MS + self.comm_time(task.collective, cap, unit_bytes)
         restore = 0.0
@@ -245,7 +245,7 @@ class TritonTerm:
         gemm_ms = t0 * (inter.gemm_slowdown if inter.concurrent else 1.0)
         fractions = unit_ready_fractions(plan, st.tile)
         cuts = _allowed_cuts(plan, st, units)
-        chunk_bytes = _chunk_bytes(plan, element_bytes(schedule.dtype), n)
+        chunk_bytes = _chunk_bytes(plan, output_bytes(schedule.dtype), n)
         inf = math.inf
         # best[g][j]: earliest end of g groups covering units [0, cuts[j]); back[g][j]: previous cut
         best = [[inf] * len(cuts) for _ in range(max_groups + 1)]

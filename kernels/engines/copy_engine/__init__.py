@@ -18,6 +18,10 @@ FIFO workers, so CI runs the same lists the GPUs run.
     peers.py    ``CopyEnginePeers``: the engine of one GPU and process group
     settings.py ``CopyEngineSettings``: its part of a schedule
 
+fp8 (float8_e4m3fn operands with ``torch._scaled_mm``'s scales): the same protocols, the chunk
+GEMMs scaled (``torch._scaled_mm``; a partial sum added after it), the AllGather moving fp8 rows
+and, rowwise, their scale rows.
+
 Needs CUDA, GPUs with peer access (NVLink) between all ranks, ``torch.distributed.
 _symmetric_memory`` and cuda-bindings (``pip install 'fo-tune[cuda]'``); ``copy_engine_blocker``
 says what is missing. The CPU executor needs only torch.
@@ -36,6 +40,7 @@ from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
 if TYPE_CHECKING:
     from fo_kernels.gemm import BOperand
     from fo_kernels.runtime import OverlapRuntime
+    from fo_kernels.scaling import Scales
     from fo_kernels.schedule import Schedule
 
 # The protocol's public names, each loaded from its module on first use (PEP 562): importing the
@@ -92,16 +97,20 @@ class CopyEngine(Engine):
         b: BOperand,
         runtime: OverlapRuntime,
         *,
+        scales: Scales | None = None,
         own_graphs: bool = True,
     ) -> EngineResult:
         st = schedule.settings
         assert isinstance(st, CopyEngineSettings)
-        peers_args = dict(mode=st.mode, weights=st.weights, tile=st.tile, own_graphs=own_graphs)
+        peers_args = dict(
+            mode=st.mode, weights=st.weights, tile=st.tile, own_graphs=own_graphs, scales=scales
+        )
         if schedule.collective == "all_gather":  # (a is this rank's shard: every rank owns its rows)
             gathered, out = runtime.copy_engine().run_all_gather(a, b.tensor, **peers_args)
             return out, gathered
         if a.shape[0] < runtime.world_size:  # a rank would own no row (an M-range row reaching M = 1)
-            return runtime.fallback().run(schedule.collective, a, b.tensor, own_graphs=own_graphs)
+            fallback = runtime.fallback()
+            return fallback.run(schedule.collective, a, b.tensor, scales=scales, own_graphs=own_graphs)
         return runtime.copy_engine().run(schedule.collective, a, b.tensor, **peers_args)
 
 

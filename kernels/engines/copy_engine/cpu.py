@@ -10,8 +10,9 @@ are ordered only by ``Join``, ``WaitEvent`` and the flag waits, as on a GPU; ``f
 streams onto one FIFO to model streams that share one hardware queue (a wait there blocks the work
 queued behind it on the other stream). The symmetric regions are byte tensors every thread can read
 (``buffers.Regions``), the flag cells integers under one lock per rank, the GEMMs
-torch matmuls; the tiled mode's persistent kernel runs as its chunks in order, each waiting for its
-``ready`` cell and adding its tiles to its counter.
+torch matmuls (fp8: ``torch._scaled_mm``, each chunk's rows with their scales); the tiled mode's
+persistent kernel runs as its chunks in order, each waiting for its ``ready`` cell and adding its
+tiles to its counter.
 
 What fails a run, always within ``timeout_s`` instead of hanging:
 
@@ -38,8 +39,8 @@ from typing import TypeVar
 
 import torch
 
-from fo_kernels.engines.copy_engine.buffers import Regions, width_of
-from fo_kernels.engines.copy_engine.layout import CALLER_BUFFERS, Cell, FlagLayout, Rows, regions
+from fo_kernels.engines.copy_engine.buffers import Dtypes, Regions, data_bytes, width_of
+from fo_kernels.engines.copy_engine.layout import CALLER_BUFFERS, SCALES_OF, Cell, FlagLayout, Rows
 from fo_kernels.engines.copy_engine.ops import (
     MAIN,
     STREAMS,
@@ -57,6 +58,7 @@ from fo_kernels.engines.copy_engine.ops import (
     WaitEvent,
 )
 from fo_kernels.errors import FoTuneError
+from fo_kernels.scaling import Scales, scaled_mm
 
 T = TypeVar("T")
 
@@ -122,7 +124,7 @@ class _World:
     A rank's cells and progress change under its lock (``change``); a waiter registers what it
     waits for and is woken only once that holds (no thread wakes for a change it does not need)."""
 
-    def __init__(self, world: int, options: CpuOptions, region_bytes: int) -> None:
+    def __init__(self, world: int, options: CpuOptions, region_bytes: int, scale_bytes: int = 0) -> None:
         self.size, self.options = world, options
         self.locks = [threading.Lock() for _ in range(world)]
         self._waiters: list[list[tuple[Callable[[], bool], threading.Event]]] = [[] for _ in range(world)]
@@ -133,10 +135,9 @@ class _World:
                 self.cells[cell] = 1
         self.done: dict[tuple[int, str], int] = defaultdict(int)  # (rank, stream) -> ops run
         self.failure: BaseException | None = None
-        total = len(regions(world)) * region_bytes
-        self.regions = Regions(
-            world, region_bytes, {q: torch.zeros(total, dtype=torch.uint8) for q in range(world)}
-        )
+        total = data_bytes(world, region_bytes, scale_bytes)
+        data = {q: torch.zeros(total, dtype=torch.uint8) for q in range(world)}
+        self.regions = Regions(world, region_bytes, data, scale_bytes)
 
     def fail(self, exc: BaseException) -> None:
         if self.failure is None:
@@ -231,14 +232,20 @@ class CpuRank:
         b: torch.Tensor,
         out: torch.Tensor,
         gathered: torch.Tensor | None = None,
+        scales: Scales | None = None,
     ) -> None:
-        """Issue ``plan``'s operations, then wait for the main stream (as a synchronize would)."""
+        """Issue ``plan``'s operations, then wait for the main stream (as a synchronize would).
+        ``scales``: an fp8 call's (rowwise: ``scales.a`` has this rank's rows of A)."""
         world, r, opts = self.world, self.rank, self.world.options
         if plan.spec.rank != r or plan.spec.world != world.size:
             raise ProtocolError(
                 f"rank {r} of {world.size} was given the plan of rank {plan.spec.rank} of {plan.spec.world}"
             )
-        tensors = {"a": a, "out": out, "gathered": gathered}
+        tensors = {"a": a, "out": out, "gathered": gathered, "scales": scales}
+        if scales is not None and scales.rowwise:
+            tensors["scale_a"] = scales.a.view(-1, 1)
+            if plan.spec.row_scales:
+                tensors["gathered_scale"] = torch.empty(plan.spec.m, 1, dtype=torch.float32)
         self._calls += 1
         slow = (opts.slow or {}).get(r, 0.0)
         for i, op in enumerate(plan.ops):
@@ -333,15 +340,29 @@ class _Run:
                 raise ProtocolError(f"{self.where}: reads {rows}, another rank's own tensor")
             return self.tensors[rows.buffer][rows.r0 : rows.r1]
         width = width_of(rows.buffer, spec.n, spec.k)
-        return self.world.regions.view(rows, width, self.tensors["a"].dtype)
+        dtypes = Dtypes(self.tensors["a"].dtype, self.tensors["out"].dtype)
+        return self.world.regions.view(rows, width, dtypes.of(rows.buffer))
+
+    def scales(self, rows: Rows) -> Scales | None:
+        """The fp8 scales of A's ``rows`` (rowwise: their rows of the matching scale buffer)."""
+        scales = self.tensors["scales"]
+        if scales is None or not scales.rowwise:
+            return scales
+        mine = Rows(SCALES_OF[rows.buffer], rows.owner, rows.r0, rows.r1)
+        return scales.with_rows(self.view(mine).view(-1))
 
     def _mine(self, cell: Cell) -> None:
         if cell.owner != self.rank:
             raise ProtocolError(f"{self.where}: waits for or resets {cell}, which is not this rank's")
 
     def gemm(self, op: Gemm) -> None:
-        a, out = self.view(op.a), self.view(op.out)
-        if op.beta:
+        a, out, scales = self.view(op.a), self.view(op.out), self.scales(op.a)
+        if scales is not None:  # (the sum in a fused add after the scaled GEMM, as on GPUs)
+            if op.beta:
+                out.add_(scaled_mm(a, self.b, scales))
+            else:
+                scaled_mm(a, self.b, scales, out)
+        elif op.beta:
             out.addmm_(a, self.b)
         else:
             torch.mm(a, self.b, out=out)
@@ -378,12 +399,14 @@ class _Run:
     def tiledgemm(self, op: TiledGemm) -> None:
         """The persistent kernel, chunk by chunk: [wait ready(c)]; out[c] = a[c] @ B (+ out[c],
         summed in float32); [copy_to[c] = out[c]]; [counters(c) += tiles of c]."""
-        a, out = self.view(op.a), self.view(op.out)
+        a, out, scales = self.view(op.a), self.view(op.out), self.scales(op.a)
         copy = self.view(op.copy_to) if op.copy_to is not None else None
         for c, (c0, c1) in enumerate(op.chunks):
             if op.ready is not None:
                 self.wait(Wait(op.stream, shifted(op.ready, c)))
             acc = a[c0:c1].float() @ self.b.float()
+            if scales is not None:  # (the kernel's epilogue: the scales before the pulled sum)
+                acc *= scales.rows(c0, c1).scale_a() * scales.scale_b()
             if op.ready is not None:
                 acc += out[c0:c1].float()
             out[c0:c1] = acc.to(out.dtype)
@@ -397,12 +420,18 @@ class _Run:
 
 
 def run_ranks(
-    world: int, body: Callable[[CpuRank], T], *, region_bytes: int, options: CpuOptions | None = None
+    world: int,
+    body: Callable[[CpuRank], T],
+    *,
+    region_bytes: int,
+    options: CpuOptions | None = None,
+    scale_bytes: int = 0,
 ) -> list[T]:
     """Run ``body(rank)`` on ``world`` thread-ranks that share regions of ``region_bytes`` each
-    (``buffers.region_bytes_for``); their results in rank order. The first failure of any thread
-    (a ``ProtocolError``, or what ``body`` raised) is raised once every thread has stopped."""
-    shared = _World(world, options or CpuOptions(), region_bytes)
+    (``buffers.region_bytes_for``) and a scales region of ``scale_bytes``; their results in rank
+    order. The first failure of any thread (a ``ProtocolError``, or what ``body`` raised) is raised
+    once every thread has stopped."""
+    shared = _World(world, options or CpuOptions(), region_bytes, scale_bytes)
     ranks = [CpuRank(shared, r) for r in range(world)]
     results: list = [None] * world
 

@@ -3,6 +3,7 @@
 Each operation kind is one call, on its stream:
 
     Gemm        torch.mm(a, B, out=dst) (beta 0) | dst.addmm_(a, B) (beta 1)       (cuBLAS)
+                fp8: torch._scaled_mm(a, B, its rows' scales, out=dst) | dst += that (a fused add)
     TiledGemm   fo_kernels.gemm.rows_gemm(...)                       (the persistent Triton GEMM)
     Copy        cuMemcpyDtoDAsync(dst, src, bytes)                     (the copy engine; NVLink)
     Signal      cuStreamWriteValue32(cell, 1)       (after a system fence: the data lands first)
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fo_kernels.engines.copy_engine.buffers import Regions, width_of
-from fo_kernels.engines.copy_engine.layout import CALLER_BUFFERS, Cell, FlagLayout, Rows
+from fo_kernels.engines.copy_engine.buffers import Dtypes, Regions, dtypes_of, width_of
+from fo_kernels.engines.copy_engine.layout import CALLER_BUFFERS, SCALES_OF, Cell, FlagLayout, Rows
 from fo_kernels.engines.copy_engine.ops import (
     MAIN,
     CallPlan,
@@ -42,6 +43,7 @@ from fo_kernels.engines.copy_engine.ops import (
     WaitEvent,
 )
 from fo_kernels.gemm import BOperand, rows_gemm
+from fo_kernels.scaling import Scales, scaled_mm
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class _Call:
     a: torch.Tensor
     b: torch.Tensor
     operand: BOperand | None
+    scales: Scales | None
     tensors: dict[str, torch.Tensor | None]
     streams: dict[str, object]
     handles: dict[str, object]
@@ -99,17 +102,17 @@ class GpuExecutor:
         return wrapped
 
     # ------------------------------------------------------------------ compile
-    def compile(self, plan: CallPlan, dtype: torch.dtype) -> Compiled:
+    def compile(self, plan: CallPlan, dtypes: Dtypes | torch.dtype) -> Compiled:
         """``plan``'s steps with every address that does not depend on the call's own tensors
-        resolved (``regions`` must hold the plan's rows)."""
+        resolved (``regions`` must hold the plan's rows); ``dtypes`` of its buffers."""
         steps = []
-        spec, size = plan.spec, dtype.itemsize
+        spec, kinds = plan.spec, dtypes_of(dtypes)
         while len(self._events) < plan.events:
             self._events.append(torch.cuda.Event())
 
         def place(rows: Rows) -> tuple:
             """A Rows as (caller buffer, byte offset) or (None, absolute address)."""
-            row_bytes = width_of(rows.buffer, spec.n, spec.k) * size
+            row_bytes = width_of(rows.buffer, spec.n, spec.k) * kinds.of(rows.buffer).itemsize
             if rows.buffer in CALLER_BUFFERS:
                 return rows.buffer, rows.r0 * row_bytes
             return None, self.regions.address(rows, row_bytes)
@@ -117,14 +120,15 @@ class GpuExecutor:
         def view(rows: Rows | None):
             if rows is None or rows.buffer in CALLER_BUFFERS:
                 return rows
-            return self.regions.view(rows, width_of(rows.buffer, spec.n, spec.k), dtype)
+            return self.regions.view(rows, width_of(rows.buffer, spec.n, spec.k), kinds.of(rows.buffer))
 
         for op in plan.ops:
             s = op.stream
             if isinstance(op, Gemm):
                 steps.append((self._gemm, (s, view(op.a), view(op.out), op.beta)))
             elif isinstance(op, Copy):
-                nbytes = op.dst.count * width_of(op.dst.buffer, spec.n, spec.k) * size
+                dst = op.dst.buffer
+                nbytes = op.dst.count * width_of(dst, spec.n, spec.k) * kinds.of(dst).itemsize
                 steps.append((self._copy, (s, place(op.dst), place(op.src), nbytes)))
             elif isinstance(op, Signal):
                 peer = op.cell.owner != self.rank
@@ -178,12 +182,18 @@ class GpuExecutor:
         main: torch.cuda.Stream,
         gathered: torch.Tensor | None = None,
         operand: BOperand | None = None,
+        scales: Scales | None = None,
+        gathered_scale: torch.Tensor | None = None,
     ) -> None:
         """Issue ``steps`` (``Compiled.eager`` or ``.captured``) for one call's tensors, ``main``
-        being the call's stream."""
+        being the call's stream; ``scales`` an fp8 call's, ``gathered_scale`` the (M, 1) float32
+        buffer of an all_gather's rowwise scales."""
         streams = dict(self._streams, main=main)
         handles = dict(self._stream_handles, main=self.handle(main))
-        call = _Call(a, b, operand, {"a": a, "out": out, "gathered": gathered}, streams, handles)
+        tensors = {"a": a, "out": out, "gathered": gathered, "gathered_scale": gathered_scale}
+        if scales is not None and scales.rowwise:
+            tensors["scale_a"] = scales.a.view(-1, 1)
+        call = _Call(a, b, operand, scales, tensors, streams, handles)
         for fn, args in steps:
             fn(call, *args)
 
@@ -199,17 +209,33 @@ class GpuExecutor:
             return call.tensors[rows.buffer][rows.r0 : rows.r1]
         return rows
 
+    def _scales(self, call: _Call, rows) -> Scales | None:
+        """The fp8 scales of A's ``rows`` (a caller buffer's ``Rows``; rowwise: their rows of the
+        matching scale buffer)."""
+        scales = call.scales
+        if scales is None or not scales.rowwise:
+            return scales
+        return scales.with_rows(call.tensors[SCALES_OF[rows.buffer]][rows.r0 : rows.r1].view(-1))
+
     def _gemm(self, call: _Call, s: str, a, out, beta: int) -> None:
+        scales = self._scales(call, a)
         a, out = self._rows(call, a), self._rows(call, out)
         with torch.cuda.stream(call.streams[s]):
-            if beta:
+            if scales is not None:  # (torch._scaled_mm has no beta: the sum in a fused add)
+                if beta:
+                    out.add_(scaled_mm(a, call.b, scales))
+                else:
+                    scaled_mm(a, call.b, scales, out)
+            elif beta:
                 out.addmm_(a, call.b)
             else:
                 torch.mm(a, call.b, out=out)
 
     def _tiled(self, call: _Call, s: str, args: tuple) -> None:
         a, out, tile, row_group, kw = args
-        kw = dict(kw)
+        kw, scales = dict(kw), self._scales(call, a)
+        if scales is not None:
+            kw["scales"] = scales
         if "out2" in kw:
             kw["out2"] = self._rows(call, kw["out2"]) if kw["out2"] is not None else None
         a, out = self._rows(call, a), self._rows(call, out)

@@ -25,8 +25,11 @@ call's data have said they are done, so a call can follow the previous one witho
 Buffers. Each rank's symmetric data memory is one allocation cut into equal regions, named by
 ``regions(world)``: ``part0`` .. ``part<w-2>`` (the ring's accumulators, one per step that a
 neighbour pulls from), ``final`` (all_reduce: my summed shard, which every peer pulls) and
-``shard`` (all_gather: my shard of A). The caller's tensors are named ``a``, ``out`` and
-``gathered``; ``a``, ``shard`` and ``gathered`` have K columns, the others N.
+``shard`` (all_gather: my shard of A), then one small region ``scales`` (an fp8 all_gather with
+rowwise scales: my shard's rows of scale_a, float32). The caller's tensors are named ``a``,
+``out`` and ``gathered``, and for fp8 ``scale_a`` (my rows' scales) and ``gathered_scale`` (the
+gathered A's); ``a``, ``shard`` and ``gathered`` have K columns of the operand dtype, the scale
+buffers one float32 column, the others N columns of the output dtype.
 """
 
 from __future__ import annotations
@@ -45,8 +48,13 @@ ROW_ALIGN = 128
 # as any other (float32 needs a size divisible by 4) and every region starts aligned.
 BUFFER_ALIGN = 16
 
-CALLER_BUFFERS = ("a", "out", "gathered")  # the call's own tensors (this rank's memory)
-K_WIDE = frozenset(("a", "shard", "gathered"))  # buffers with K columns; the rest have N
+# The call's own tensors (this rank's memory).
+CALLER_BUFFERS = ("a", "out", "gathered", "scale_a", "gathered_scale")
+K_WIDE = frozenset(("a", "shard", "gathered"))  # buffers with K columns of the operand dtype
+SCALE_REGION = "scales"  # the small symmetric region after the equal ones
+SCALE_BUFFERS = frozenset(("scale_a", "gathered_scale", SCALE_REGION))  # one float32 column
+# The scale rows of the rows of each A buffer a chunk GEMM reads (fp8, rowwise).
+SCALES_OF = {"a": "scale_a", "gathered": "gathered_scale"}
 
 
 def shard_rows(m: int, world: int = 2) -> tuple[tuple[int, int], ...]:

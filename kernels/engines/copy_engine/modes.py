@@ -24,7 +24,10 @@
   took the previous call's: ``taken``), each peer is told (``shard``); my own rows' GEMM runs at
   once from ``a``; the side stream pulls each peer's shard chunk by chunk (peers in ring order
   r+1, r+2, ..., so each owner serves one reader at a time) into the gathered A, and the GEMM of
-  each chunk waits only for its pull.
+  each chunk waits only for its pull. With rowwise fp8 scales (``row_scales``) my shard's scale
+  rows go into my symmetric ``scales`` beside it, and the side stream pulls a peer's scale rows
+  before its first chunk (4 bytes a row against the chunks' K), so each chunk's pull event also
+  covers its rows' scales.
 
 GEMMs alternate between the caller's stream and ``alt``, each chunk's flag written after its
 GEMM on its own stream: the next chunk's tiles then fill the SMs a GEMM's last wave leaves
@@ -54,7 +57,14 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
-from fo_kernels.engines.copy_engine.layout import Cell, Rows, chunks_of, shard_rows, tile_row_bounds
+from fo_kernels.engines.copy_engine.layout import (
+    SCALE_REGION,
+    Cell,
+    Rows,
+    chunks_of,
+    shard_rows,
+    tile_row_bounds,
+)
 from fo_kernels.engines.copy_engine.ops import (
     ALT,
     LOCAL,
@@ -195,9 +205,11 @@ def plan_call(
     k: int,
     weights: tuple[int, ...],
     tile: Tile | None = None,
+    row_scales: bool = False,
 ) -> CallPlan:
     """The operation list of one call on ``rank`` (``m``: rows of the output, for all_gather of
-    the gathered A), after the checks of what a caller can get wrong, before any work."""
+    the gathered A), after the checks of what a caller can get wrong, before any work.
+    ``row_scales``: an fp8 call with rowwise scales (an all_gather moves them with the rows)."""
     chosen = mode_named(mode)
     if collective not in COLLECTIVES:
         raise ScheduleError(f"collective: {collective!r} is not one of {', '.join(COLLECTIVES)}")
@@ -214,7 +226,7 @@ def plan_call(
         raise ShapeError(f"reduce_scatter needs M divisible by the world size {world}, got M={m}")
     if n < 1 or k < 1:
         raise ShapeError(f"engine copy_engine: empty operands (N={n}, K={k})")
-    return chosen.build(CallSpec(collective, world, rank, m, n, k, weights, tile))
+    return chosen.build(CallSpec(collective, world, rank, m, n, k, weights, tile, row_scales))
 
 
 def _ring_reduce(spec: CallSpec) -> CallPlan:
@@ -306,8 +318,10 @@ def _ring_all_gather(spec: CallSpec) -> CallPlan:
     for q in peers:  # every peer has taken my previous shard
         b.take(LOCAL, Cell(r, "taken", (q,)))
     b.add(Copy(LOCAL, Rows("shard", r, 0, rows), Rows("a", r, 0, rows)))
-    b.add(*(Signal(LOCAL, Cell(q, "shard", (r,))) for q in peers))
     m0 = spans[r][0]
+    if spec.row_scales:  # my rows' scales beside them (my own rows' GEMM reads scale_a)
+        b.add(Copy(LOCAL, Rows(SCALE_REGION, r, 0, rows), Rows("scale_a", r, 0, rows)))
+    b.add(*(Signal(LOCAL, Cell(q, "shard", (r,))) for q in peers))
     b.add(Copy(LOCAL, Rows("gathered", r, m0, m0 + rows), Rows("a", r, 0, rows)))
     b.add(Join(ALT, MAIN))
     b.add(Gemm(b.gemm_stream(), Rows("a", r, 0, rows), Rows("out", r, m0, m0 + rows), 0))  # my rows first
@@ -315,6 +329,8 @@ def _ring_all_gather(spec: CallSpec) -> CallPlan:
     for q in peers:
         b.take(SIDE, Cell(r, "shard", (q,)))
         q0 = spans[q][0]
+        if spec.row_scales:  # (before its first chunk: every chunk's event covers it)
+            b.add(Copy(SIDE, Rows("gathered_scale", r, q0, q0 + rows), Rows(SCALE_REGION, q, 0, rows)))
         for c, (c0, c1) in enumerate(chunks):
             pulled[q, c] = b.event()
             b.add(
@@ -331,7 +347,8 @@ def _ring_all_gather(spec: CallSpec) -> CallPlan:
                 WaitEvent(g, pulled[q, c]), Gemm(g, Rows("gathered", r, *rows_c), Rows("out", r, *rows_c), 0)
             )
     b.add(Join(MAIN, LOCAL), Join(MAIN, ALT), Join(MAIN, SIDE))
-    return CallPlan(spec, "ring", tuple(b.ops), 2, spec.m, {"k": rows})
+    region_rows = {"k": rows, "s": rows} if spec.row_scales else {"k": rows}
+    return CallPlan(spec, "ring", tuple(b.ops), 2, spec.m, region_rows)
 
 
 def _tiled(spec: CallSpec) -> CallPlan:

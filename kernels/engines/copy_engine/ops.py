@@ -25,7 +25,8 @@ STREAMS = (MAIN, ALT, SIDE, LOCAL, NOTIFY)
 
 @dataclass(frozen=True, slots=True)
 class Gemm:
-    """``out = a @ B`` (``beta`` 0) or ``out += a @ B`` (``beta`` 1: the sum in the epilogue)."""
+    """``out = a @ B`` (``beta`` 0) or ``out += a @ B`` (``beta`` 1: the sum in the epilogue); fp8:
+    ``a``'s rows scaled by their rows of its scale buffer (``layout.SCALES_OF``) and B by its."""
 
     stream: str
     a: Rows
@@ -124,7 +125,9 @@ Op = Gemm | TiledGemm | Copy | Signal | Wait | Reset | Clear | Record | WaitEven
 
 @dataclass(frozen=True)
 class CallSpec:
-    """One call as the modes see it: ``m`` rows of the output (all_gather: of the gathered A)."""
+    """One call as the modes see it: ``m`` rows of the output (all_gather: of the gathered A);
+    ``row_scales``: A's rows come with scales of their own (fp8, rowwise), which an all_gather
+    moves with them."""
 
     collective: str
     world: int
@@ -134,14 +137,15 @@ class CallSpec:
     k: int
     weights: tuple[int, ...]
     tile: Tile | None = None
+    row_scales: bool = False
 
 
 @dataclass(frozen=True)
 class CallPlan:
     """The operations of one call on one rank. The first ``prologue`` operations are issued only
     by an eager call (they order it after the previous call's side streams; a captured graph
-    joins its own); ``region_rows`` is how many rows of each width (``"n"``, ``"k"``) the
-    symmetric regions must hold."""
+    joins its own); ``region_rows`` is how many rows of each width (``"n"``, ``"k"``; ``"s"``: of
+    the scales region) the symmetric regions must hold."""
 
     spec: CallSpec
     mode: str

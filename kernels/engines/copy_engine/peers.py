@@ -15,6 +15,11 @@ executor once per call shape) and the engine's own CUDA graphs (``fo_kernels.gra
             graphs: eagerly, or captured once the call's key (shape, operand and output
             addresses) repeats, then replayed (docs/design.md#cuda-graphs)
 
+fp8 calls (``scales``, ``fo_kernels.scaling``) run the same lists: A's buffers in float8_e4m3fn,
+the outputs and partial sums in ``out_dtype``, the chunk GEMMs scaled; an all_gather with rowwise
+scales moves the shard's scale rows through the small ``scales`` region. B is used K-major (the
+transposed view of an (N, K) weight as is; a row-major B is copied so each call).
+
 Every call's flags come back to their starting values, so every call issues the same operations
 and a graph of a call can be replayed. The regions must not move under a captured graph: the
 largest shape runs eagerly before any capture. Both ranks must make the same calls in the same
@@ -32,14 +37,21 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from fo_kernels.engines.copy_engine.buffers import Regions, region_bytes_for
+from fo_kernels.engines.copy_engine.buffers import (
+    Dtypes,
+    Regions,
+    data_bytes,
+    region_bytes_for,
+    scale_bytes_for,
+)
 from fo_kernels.engines.copy_engine.gpu import Compiled, GpuExecutor
-from fo_kernels.engines.copy_engine.layout import COUNTER_SLOTS, FlagLayout, regions
+from fo_kernels.engines.copy_engine.layout import COUNTER_SLOTS, FlagLayout
 from fo_kernels.engines.copy_engine.modes import check_weights, plan_call
 from fo_kernels.engines.copy_engine.ops import ALT, LOCAL, NOTIFY, SIDE, CallPlan
 from fo_kernels.errors import EnvironmentMismatchError, ScheduleError, ShapeError
 from fo_kernels.gemm import BOperand
 from fo_kernels.graphs import OutputPool, OwnGraphs
+from fo_kernels.scaling import Scales, out_dtype_of
 from fo_kernels.tile import Tile
 from fo_kernels.wait import _driver_module
 
@@ -99,6 +111,7 @@ class CopyEnginePeers:
         self._plans: OrderedDict = OrderedDict()  # plan key -> (CallPlan, Compiled)
         self._agreed: set = set()
         self._capacity = 0  # bytes per region
+        self._scale_capacity = 0  # bytes of the scales region
         self._calls = 0
         self._broken = ""  # why an earlier call failed part-way (the ranks' flags are out of step)
         self._captured = False  # a caller's CUDA graph holds the regions' addresses
@@ -132,13 +145,15 @@ class CopyEnginePeers:
         weights: tuple[int, ...],
         tile: Tile | None = None,
         own_graphs: bool = True,
+        scales: Scales | None = None,
     ) -> torch.Tensor:
         """``collective(a @ b)`` over the group: all_reduce (M, N); reduce_scatter (M / w, N), rank
         r's rows [r M/w, (r+1) M/w); all_gather: ``a`` is this rank's (M / w, K) shard of the rows
         and the result the (M, N) product of the gathered A. Forward only (no autograd history).
         ``own_graphs=False``: issued eagerly, outputs from the caller's allocator (no graph or
-        output pool of the engine's own)."""
-        return self._call(collective, a, b, mode, weights, tile, own_graphs)[1]
+        output pool of the engine's own). ``scales``: an fp8 call's (the output in its
+        ``out_dtype``)."""
+        return self._call(collective, a, b, mode, weights, tile, own_graphs, scales)[1]
 
     def run_all_gather(
         self,
@@ -149,16 +164,18 @@ class CopyEnginePeers:
         weights: tuple[int, ...],
         tile: Tile | None = None,
         own_graphs: bool = True,
+        scales: Scales | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the gathered (M, K) A, its (M, N) product with ``b``) for this rank's (M / w, K) shard
-        ``a``: rank r's shard at rows [r M/w, (r+1) M/w) (a backward reuses the gathered A)."""
-        gathered, out = self._call("all_gather", a, b, mode, weights, tile, own_graphs)
+        ``a``: rank r's shard at rows [r M/w, (r+1) M/w) (a backward reuses the gathered A).
+        ``scales``: an fp8 call's (rowwise: this rank's rows of scale_a, gathered with the rows)."""
+        gathered, out = self._call("all_gather", a, b, mode, weights, tile, own_graphs, scales)
         assert gathered is not None
         return gathered, out
 
     @torch.no_grad()  # (a replayed call issues no torch op: only the eager path needs it)
     def _call(
-        self, collective, a, b, mode, weights, tile, own_graphs=True
+        self, collective, a, b, mode, weights, tile, own_graphs=True, scales=None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         if self._broken:
             raise EnvironmentMismatchError(
@@ -167,6 +184,8 @@ class CopyEnginePeers:
             )
         gather = collective == "all_gather"
         operand = None
+        if scales is not None and (b.stride(0) != 1 or b.stride(1) < max(1, b.shape[0])):
+            b = b.t().contiguous().t()  # K-major, as torch._scaled_mm and fp8 wgmma read it
         if tile is not None:
             operand = BOperand.of(b)
             if operand is None:
@@ -179,33 +198,38 @@ class CopyEnginePeers:
         m = a.shape[0] * self.world if gather else a.shape[0]
         n, k = b.shape[1], a.shape[1]
         weights = check_weights(weights)
-        key = (collective, mode, m, n, k, a.dtype, weights, tile)
+        dtypes = Dtypes(a.dtype, out_dtype_of(a, scales))
+        row_scales = gather and scales is not None and scales.rowwise
+        scaling = None if scales is None else ("rowwise" if scales.rowwise else "tensorwise")
+        key = (collective, mode, m, n, k, dtypes, scaling, weights, tile)
         # M is left out: it changes from call to call in serving (each M would cost a collective)
-        signature = (collective, n, k, str(a.dtype), weights, mode, tile)
+        signature = (collective, n, k, str(dtypes), scaling, weights, mode, tile)
         capturing = torch.cuda.is_current_stream_capturing()
         entry = self._plans.get(key)
         if entry is None:  # (the checks of what a caller can get wrong come first)
-            plan = plan_call(mode, collective, self.world, self.rank, m, n, k, weights, tile)
+            plan = plan_call(mode, collective, self.world, self.rank, m, n, k, weights, tile, row_scales)
         if capturing:
             self._capturable(entry, signature, collective, m, n, k, a.dtype)
         if entry is None:
             self._agree(signature)
-            entry = self._make(key, plan, a.dtype)
+            entry = self._make(key, plan, dtypes)
         else:
             self._plans.move_to_end(key)
         plan, compiled = entry
         if capturing or not own_graphs:  # recorded into the caller's graph, or issued as it stands
-            out = torch.empty((plan.out_rows, n), dtype=a.dtype, device=a.device)
+            out = torch.empty((plan.out_rows, n), dtype=dtypes.out, device=a.device)
             gathered = torch.empty((m, k), dtype=a.dtype, device=a.device) if gather else None
+            rows_scale = torch.empty((m, 1), dtype=torch.float32, device=a.device) if row_scales else None
             main = torch.cuda.current_stream(self.device)
+            extra = (gathered, operand) if scales is None else (gathered, operand, scales, rows_scale)
             if capturing:
-                self._executor.issue(compiled.captured, a, b, out, main, gathered, operand)
+                self._executor.issue(compiled.captured, a, b, out, main, *extra)
                 self._captured = True
             else:
-                self._issue_eagerly(compiled, a, b, out, main, gathered, operand)
+                self._issue_eagerly(compiled, a, b, out, main, *extra)
             self._calls += 1
             return gathered, out
-        return self._eager(plan, compiled, a, b, operand)
+        return self._eager(plan, compiled, a, b, operand, scales, dtypes)
 
     def _capturable(self, entry, signature: tuple, collective: str, m: int, n: int, k: int, dtype) -> None:
         """Inside a caller's capture only a call whose first call ran eagerly can be recorded: the
@@ -227,15 +251,16 @@ class CopyEnginePeers:
         if last is not None and last.cuda_stream != main.cuda_stream:
             main.wait_stream(last)  # the previous call (eager or replayed) ran on another stream
 
-    def _issue_eagerly(self, compiled: Compiled, a, b, out, main, gathered, operand) -> None:
+    def _issue_eagerly(self, compiled: Compiled, a, b, out, main, *extra) -> None:
         """A call issued operation by operation, outside the engine's own graphs (a call through
-        the custom op, whose outputs the caller's allocator holds)."""
+        the custom op, whose outputs the caller's allocator holds); ``extra``: the executor's
+        optional arguments (gathered, operand, scales, gathered_scale)."""
         self._after_last_call(main)
-        self._executor.issue(compiled.eager, a, b, out, main, gathered, operand)
+        self._executor.issue(compiled.eager, a, b, out, main, *extra)
         self._last_main = main
 
     def _eager(
-        self, plan: CallPlan, compiled: Compiled, a, b, operand
+        self, plan: CallPlan, compiled: Compiled, a, b, operand, scales: Scales | None, dtypes: Dtypes
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """An eager call through the engine's own graphs (``OwnGraphs``): issued, captured or
         replayed by how often its key has been seen."""
@@ -244,39 +269,46 @@ class CopyEnginePeers:
         spec = plan.spec
         if self._outputs is None:
             self._outputs = OutputPool(self.device)
-        out = self._outputs.empty((plan.out_rows, spec.n), a.dtype)
+        out = self._outputs.empty((plan.out_rows, spec.n), dtypes.out)
         gathered = self._outputs.empty((spec.m, spec.k), a.dtype) if spec.collective == "all_gather" else None
+        rows_scale = self._outputs.empty((spec.m, 1), torch.float32) if spec.row_scales else None
+        scale_key = () if scales is None else (scales.rowwise, scales.a.data_ptr(), scales.b.data_ptr())
         key = (
             spec.collective, plan.mode, spec.weights, spec.tile, a.dtype, tuple(a.shape), a.stride(),
             a.data_ptr(), b.dtype, tuple(b.shape), b.stride(), b.data_ptr(), out.data_ptr(),
-            0 if gathered is None else gathered.data_ptr(),
+            0 if gathered is None else gathered.data_ptr(), dtypes.out, scale_key,
+            0 if rows_scale is None else rows_scale.data_ptr(),
         )  # fmt: skip
         issue = self._executor.issue
+        extra = (gathered, operand) if scales is None else (gathered, operand, scales, rows_scale)
 
         def record() -> None:
             self._recording = True
             try:
-                issue(compiled.captured, a, b, out, torch.cuda.current_stream(self.device), gathered, operand)
+                issue(compiled.captured, a, b, out, torch.cuda.current_stream(self.device), *extra)
             finally:
                 self._recording = False
 
-        self._graphs.call(key, lambda: issue(compiled.eager, a, b, out, main, gathered, operand), record)
+        self._graphs.call(key, lambda: issue(compiled.eager, a, b, out, main, *extra), record)
         self._calls += 1
         self._last_main = main
         return gathered, out
 
     # ------------------------------------------------------------------ plans and regions
-    def _make(self, key: tuple, plan: CallPlan, dtype: torch.dtype) -> tuple[CallPlan, Compiled]:
-        self._reserve(region_bytes_for(plan, dtype))
-        entry = self._plans[key] = (plan, self._executor.compile(plan, dtype))
+    def _make(self, key: tuple, plan: CallPlan, dtypes: Dtypes) -> tuple[CallPlan, Compiled]:
+        self._reserve(region_bytes_for(plan, dtypes), scale_bytes_for(plan))
+        entry = self._plans[key] = (plan, self._executor.compile(plan, dtypes))
         while len(self._plans) > PLAN_CACHE_SIZE:
             self._plans.popitem(last=False)
         return entry
 
-    def _reserve(self, region_bytes: int) -> None:
-        """Grow every rank's regions to ``region_bytes`` each (all ranks do it in the same call)."""
-        if region_bytes <= self._capacity:
+    def _reserve(self, region_bytes: int, scale_bytes: int = 0) -> None:
+        """Grow every rank's regions to ``region_bytes`` each and its scales region to
+        ``scale_bytes`` (all ranks do it in the same call)."""
+        if region_bytes <= self._capacity and scale_bytes <= self._scale_capacity:
             return
+        region_bytes = max(region_bytes, self._capacity)
+        scale_bytes = max(scale_bytes, self._scale_capacity)
         if self._captured:
             raise ScheduleError(
                 f"engine copy_engine: this call needs {region_bytes} bytes per peer buffer, more than "
@@ -290,10 +322,10 @@ class CopyEnginePeers:
         self._executor.regions = None
         self._plans.clear()  # their views and addresses point into the old regions
         self._graphs.clear()  # and so do the engine's own graphs
-        self._capacity = 0  # until the new regions exist
-        data = self._symmetric(len(regions(self.world)) * region_bytes, torch.uint8)
-        self._executor.regions = Regions(self.world, region_bytes, data)
-        self._capacity = region_bytes
+        self._capacity = self._scale_capacity = 0  # until the new regions exist
+        data = self._symmetric(data_bytes(self.world, region_bytes, scale_bytes), torch.uint8)
+        self._executor.regions = Regions(self.world, region_bytes, data, scale_bytes)
+        self._capacity, self._scale_capacity = region_bytes, scale_bytes
 
     def _symmetric(self, numel: int, dtype: torch.dtype) -> dict[int, torch.Tensor]:
         """A symmetric allocation of ``numel`` elements on every rank: rank -> its buffer (mine, or

@@ -24,6 +24,14 @@ Chunk g is the plan's row_band chunk with E = K (shard-major inside the chunk), 
 fills it; the chunk GEMMs of group g run while the gathers of later groups are in flight. The GEMM
 grid is ``sm_count - sms_free`` (SMs left to NCCL), the gathers run on the schedule's CTA-capped
 group. Nothing is signalled, so the call holds no counters and is safe to capture in a CUDA graph.
+
+fp8 (``scales``, ``fo_kernels.scaling``): the same streams and order; every GEMM applies the scales
+in its epilogue before the signal, outputs (and the collectives' chunks) are in ``out_dtype``. The
+AllGather moves the fp8 shard's bytes, and rowwise first gathers the shard's rows of ``scale_a``
+(one small gather on the comm stream before the chunks). On a GPU a row-major fp8 B is first copied
+K-major (the transposed view of an (N, K) weight needs no copy): Hopper's fp8 wgmma reads both
+operands K-major from shared memory (the PTX ISA allows a transposed operand for 16-bit types only),
+and torch._scaled_mm asks for the same layout.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from fo_kernels.engines import Engine, EngineResult
 if TYPE_CHECKING:
     from fo_kernels.gemm import BOperand
     from fo_kernels.runtime import OverlapRuntime
+    from fo_kernels.scaling import Scales
     from fo_kernels.schedule import Schedule
 
 
@@ -56,16 +65,19 @@ class TritonEngine(Engine):
         b: BOperand,
         runtime: OverlapRuntime,
         *,
+        scales: Scales | None = None,
         own_graphs: bool = True,
     ) -> EngineResult:
         # (own_graphs: this engine keeps no CUDA graphs or output pools of its own)
-        from fo_kernels.engines.triton.executor import gathered, overlapped
+        from fo_kernels.engines.triton.executor import gathered, kmajor_fp8, overlapped
 
         if not a.is_contiguous():
             a = a.contiguous()
+        if scales is not None:
+            b = kmajor_fp8(b)
         if schedule.collective == "all_gather":
-            return gathered(schedule, a, b, runtime)
-        return overlapped(schedule, a, b, runtime)
+            return gathered(schedule, a, b, runtime, scales)
+        return overlapped(schedule, a, b, runtime, scales)
 
 
 ENGINE = TritonEngine

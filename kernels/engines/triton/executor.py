@@ -13,10 +13,26 @@ from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.gemm import BOperand, restore_tile_major, rows_gemm, signalled_gemm
 from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.runtime import OverlapRuntime
+from fo_kernels.scaling import Scales, gather_scales, out_dtype_of, wire
 from fo_kernels.schedule import Schedule
 
 
-def overlapped(schedule: Schedule, a: torch.Tensor, b: BOperand, runtime: OverlapRuntime) -> torch.Tensor:
+def kmajor_fp8(b: BOperand) -> BOperand:
+    """An fp8 B as the GPU's fp8 GEMM reads it: K-major (``b`` itself when it is the transposed view
+    of an (N, K) weight, else a K-major copy; see ``fo_kernels.engines.triton``). The interpreter
+    takes either layout."""
+    if b.kmajor or not b.tensor.is_cuda:
+        return b
+    return BOperand(b.tensor.t().contiguous().t(), True)
+
+
+def overlapped(
+    schedule: Schedule,
+    a: torch.Tensor,
+    b: BOperand,
+    runtime: OverlapRuntime,
+    scales: Scales | None = None,
+) -> torch.Tensor:
     st = schedule.settings
     assert isinstance(st, TritonSettings)
     collective = schedule.collective
@@ -30,14 +46,15 @@ def overlapped(schedule: Schedule, a: torch.Tensor, b: BOperand, runtime: Overla
 
     in_place = collective == "all_reduce" and plan.layout == "row_band"
     out_rows = m if collective == "all_reduce" else plan.rows_per_shard
-    out = torch.empty((out_rows, n), dtype=a.dtype, device=dev)
-    buf = out.view(-1) if in_place else torch.empty(plan.buffer_numel(), dtype=a.dtype, device=dev)
+    dtype = out_dtype_of(a, scales)
+    out = torch.empty((out_rows, n), dtype=dtype, device=dev)
+    buf = out.view(-1) if in_place else torch.empty(plan.buffer_numel(), dtype=dtype, device=dev)
     if collective == "all_reduce":
         parts = buf  # all_reduce is in place
     elif plan.layout == "row_band":
         parts = out.view(-1)
     else:
-        parts = torch.empty(plan.tiles_per_shard * tile.block_m * tile.block_n, dtype=a.dtype, device=dev)
+        parts = torch.empty(plan.tiles_per_shard * tile.block_m * tile.block_n, dtype=dtype, device=dev)
 
     comm = runtime.comm_stream
     main = torch.cuda.current_stream(dev) if comm is not None else None
@@ -46,8 +63,9 @@ def overlapped(schedule: Schedule, a: torch.Tensor, b: BOperand, runtime: Overla
         comm.wait_stream(main)  # and everything before the GEMM (inputs, buffers) precedes ours
     targets = runtime.reserve_targets(plan)
     signalled_gemm(
-        a, b, buf, plan, tile, counters=runtime.counters, unit_group=unit_group, group_info=group_info
-    )
+        a, b, buf, plan, tile, counters=runtime.counters, unit_group=unit_group, group_info=group_info,
+        scales=scales,
+    )  # fmt: skip
     with torch.cuda.stream(comm) if comm is not None else contextlib.nullcontext():
         for g in range(plan.num_groups):
             waiter.wait(runtime.counters, g, targets[g])
@@ -65,9 +83,14 @@ def overlapped(schedule: Schedule, a: torch.Tensor, b: BOperand, runtime: Overla
 
 
 def gathered(
-    schedule: Schedule, a: torch.Tensor, b: BOperand, runtime: OverlapRuntime
+    schedule: Schedule,
+    a: torch.Tensor,
+    b: BOperand,
+    runtime: OverlapRuntime,
+    scales: Scales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """AllGather + GEMM (see the module docstring): ``(gathered @ b, gathered)``."""
+    """AllGather + GEMM (see the module docstring): ``(gathered @ b, gathered)``; fp8: the shard's
+    bytes gathered, rowwise its scale rows first."""
     st = schedule.settings
     assert isinstance(st, TritonSettings)
     world = runtime.world_size
@@ -78,7 +101,7 @@ def gathered(
     comm_group = runtime.comm_group(st.nccl_max_ctas)
     staged = torch.empty((m, k), dtype=a.dtype, device=dev)  # chunk g at rows [w*i0, w*i1)
     gathered = torch.empty((m, k), dtype=a.dtype, device=dev)
-    out = torch.empty((m, n), dtype=a.dtype, device=dev)
+    out = torch.empty((m, n), dtype=out_dtype_of(a, scales), device=dev)
     chunk_rows = max((i1 - i0 for i0, i1 in plan.group_rows), default=0)
     # the GEMM's tile-row groups: unused (nothing signals), but the kernel reads one per tile row
     row_group = torch.zeros(max(1, cdiv(chunk_rows, st.tile.block_m)), dtype=torch.int32, device=dev)
@@ -88,10 +111,14 @@ def gathered(
         comm.wait_stream(main)  # the shard (and everything before this call) precedes the gathers
     landed = []
     with torch.cuda.stream(comm) if comm is not None else contextlib.nullcontext():
+        if scales is not None and scales.rowwise:  # every rank's scale rows, before any chunk's
+            scales = gather_scales(scales, world, comm_group)
+            if main is not None:  # (allocated on the comm stream, read by the main stream's GEMMs)
+                scales.a.record_stream(main)
         for i0, i1 in plan.group_rows:
             chunk = staged[world * i0 : world * i1]
             if i1 > i0:
-                all_gather_now(chunk, a[i0:i1], comm_group)
+                all_gather_now(wire(chunk), wire(a[i0:i1]), comm_group)
             event = torch.cuda.Event() if comm is not None else None
             if event is not None:
                 event.record(comm)
@@ -105,7 +132,11 @@ def gathered(
         rows = i1 - i0
         for s in range(world):
             src = staged[world * i0 + s * rows : world * i0 + (s + 1) * rows]
-            rows_gemm(src, b, out[s * ms + i0 : s * ms + i1], st.tile, grid=plan.grid, row_group=row_group)
+            mine = None if scales is None else scales.rows(s * ms + i0, s * ms + i1)
+            rows_gemm(
+                src, b, out[s * ms + i0 : s * ms + i1], st.tile, grid=plan.grid, row_group=row_group,
+                scales=mine,
+            )  # fmt: skip
     if comm is not None:
         main.wait_stream(comm)
     return out, gathered

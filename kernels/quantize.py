@@ -1,0 +1,70 @@
+"""fp8 quantization for the tensor-parallel layers: a weight once, an activation per call.
+
+A block x (a whole tensor, tensorwise; each row, rowwise) becomes float8_e4m3fn codes and the
+float32 scale that ``torch._scaled_mm`` multiplies them back by:
+
+    scale = max(amax(|x|), AMAX_FLOOR) / FP8_MAX        codes = round(x / scale) in float8_e4m3fn
+
+so the block's largest magnitude maps to the largest finite fp8 value. A weight (N, K) in
+``nn.Linear`` layout gives ``scale_b`` for ``b = weight.t()``: 0-dim tensorwise, (1, N) rowwise
+(one per output feature). An activation (M, K) gives ``scale_a``: 0-dim or (M, 1). Where the ranks
+must share one tensorwise scale (an AllGather's shards: ``fo_kernels.scaling``), ``shared=True``
+takes the largest amax over ``group`` (one small all_reduce).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fo_kernels.errors import ScaleError
+from fo_kernels.scaling import FP8_DTYPE, OUT_DTYPES
+
+# The largest finite float8_e4m3fn value (448).
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+# An all-zero block's amax is taken as this, so its scale is not 0 (torchao's float8 EPS, 1e-12).
+AMAX_FLOOR = 1e-12
+SCALINGS = ("tensorwise", "rowwise")
+
+
+def check_scaling(scaling: object) -> str:
+    """``scaling`` when it is one of ``SCALINGS``, else ``ScaleError`` listing them."""
+    if scaling not in SCALINGS:
+        raise ScaleError(f"fp8: {scaling!r} is not one of {', '.join(SCALINGS)}")
+    return scaling  # type: ignore[return-value]
+
+
+def _codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_rows(
+    x: torch.Tensor, scaling: str, *, shared: bool = False, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale_a) of an (M, K) activation: scale_a 0-dim (tensorwise; ``shared``: one scale
+    for every rank of ``group``) or (M, 1) (rowwise)."""
+    mags = x.detach().abs().float()
+    if check_scaling(scaling) == "rowwise":
+        scale = mags.amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR) / FP8_MAX
+        return _codes(x, scale), scale
+    amax = mags.amax() if x.numel() else torch.zeros((), device=x.device)
+    if shared:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    scale = amax.clamp_min(AMAX_FLOOR) / FP8_MAX
+    return _codes(x, scale), scale
+
+
+def quantize_weight(weight: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale_b) of an (N, K) ``nn.Linear`` weight, for ``b = codes.t()``: scale_b 0-dim
+    (tensorwise) or (1, N) (rowwise, one per output feature)."""
+    mags = weight.detach().abs().float()
+    if check_scaling(scaling) == "rowwise":
+        scale = mags.amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR) / FP8_MAX
+        return _codes(weight.detach(), scale), scale.t().contiguous()
+    scale = mags.amax().clamp_min(AMAX_FLOOR) / FP8_MAX
+    return _codes(weight.detach(), scale), scale
+
+
+def layer_out_dtype(x: torch.Tensor) -> torch.dtype:
+    """An fp8 layer's output dtype: its input's (the model's dtype), bfloat16 for other inputs."""
+    return x.dtype if x.dtype in OUT_DTYPES else torch.bfloat16

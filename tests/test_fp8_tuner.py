@@ -1,0 +1,121 @@
+"""The tuner in fp8 (``--dtype float8_e4m3fn``) on the CPU: another dtype's GEMM profile kept beside a
+calibration (``gemm_dtypes``) and read through ``Calibration.for_dtype``; what the model moves (fp8
+gathers, bfloat16 sums); the calibration request's and merge's rules; an offline predict search
+writing an fp8 table the runtime returns; the refusal that names the command where a calibration has
+no fp8 profile."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from cli_checks import H200_KEY, assert_one_line_error, isolate_tables
+from fo_kernels.table import load_table
+from fo_tune.calibrate.calibration import CalibrationError, load_calibration, save_calibration
+from fo_tune.calibrate.run import CalibrationRequest, CalibrationRequestError, check_mergeable, merge_into
+from fo_tune.engines import cost_model
+
+FP8 = "float8_e4m3fn"
+# The synthetic fp8 profile of these tests: the shipped bf16 profile's times times this. A stand-in
+# to exercise the plumbing, not a measurement (the issue's H200 table puts torch._scaled_mm at
+# 0.52-0.60 of bf16 cuBLAS); the tests never check the numbers it gives.
+STANDIN_RATIO = 0.55
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    isolate_tables(monkeypatch, tmp_path / "env")
+    monkeypatch.chdir(tmp_path)
+
+
+def with_fp8_standin(cal):
+    """``cal`` with a stand-in fp8 GEMM profile (``STANDIN_RATIO``) in ``gemm_dtypes``."""
+    points = [
+        dataclasses.replace(p, time_ms=p.time_ms * STANDIN_RATIO, cublas_ms=p.cublas_ms * STANDIN_RATIO)
+        for p in cal.gemm
+    ]
+    return dataclasses.replace(cal, gemm_dtypes={FP8: points})
+
+
+@pytest.fixture
+def fp8_calibration(tmp_path, h200) -> Path:
+    path = tmp_path / "cal-fp8" / "calibration.yaml"
+    path.parent.mkdir()
+    save_calibration(with_fp8_standin(h200), path)
+    return path
+
+
+def test_for_dtype_reads_the_other_profile_with_the_same_communication(fp8_calibration, h200):
+    cal = load_calibration(fp8_calibration)
+    assert set(cal.gemm_dtypes) == {FP8} and cal.for_dtype("bfloat16") is cal
+    fp8 = cal.for_dtype(FP8)
+    assert fp8.dtype == FP8 and fp8.base_dtype == "bfloat16" and fp8.gemm_dtypes == {}
+    assert math.isclose(fp8.library_ratio, STANDIN_RATIO, rel_tol=1e-9)
+    assert fp8.bandwidth == cal.bandwidth and fp8.interference == cal.interference
+    bf16, f8 = cost_model(h200), cost_model(fp8)
+    # the library GEMM scales with the profiles' ratio; an AllReduce sums bfloat16 outputs (the
+    # tables' out_dtype), so its collective moves what bf16's does
+    base, base8 = (
+        bf16.baseline("all_reduce", 4096, 8192, 4096, "bfloat16"),
+        f8.baseline("all_reduce", 4096, 8192, 4096, FP8),
+    )
+    assert math.isclose(base8.comm_ms, base.comm_ms) and base8.gemm_ms < 0.7 * base.gemm_ms
+    with pytest.raises(CalibrationError, match=r"--only gemm --dtype float16 --into"):
+        cal.for_dtype("float16")
+
+
+def test_fp8_calibrates_its_gemm_only_and_merges_beside(h200):
+    with pytest.raises(CalibrationRequestError, match="measures the GEMM profile only"):
+        CalibrationRequest(world_size=2, dtype=FP8)
+    CalibrationRequest(world_size=1, dtype=FP8, parts=("gemm",))
+    with pytest.raises(CalibrationRequestError, match="--only gemm"):
+        check_mergeable(h200, h200.fingerprint, FP8, ("gemm", "copy_engine"))
+    check_mergeable(h200, h200.fingerprint, FP8, ("gemm",))
+    measured = dataclasses.replace(h200, dtype=FP8, gemm=h200.gemm[:3], bandwidth=[])
+    target = dataclasses.replace(h200, gemm_dtypes={})
+    merged = merge_into(target, measured, ("gemm",))
+    assert merged.gemm == h200.gemm and merged.bandwidth == h200.bandwidth  # its own untouched
+    assert merged.gemm_dtypes == {FP8: h200.gemm[:3]}
+
+
+def test_offline_fp8_search_writes_an_fp8_table(tmp_path, fp8_calibration):
+    out = tmp_path / "o"
+    for collective in ("all_reduce", "reduce_scatter"):
+        r = CliRunner().invoke(
+            app,
+            ["search", "--dtype", FP8, "--shape", "4096x8192x4096", "-c", collective,
+             "--calibration", str(fp8_calibration), "--out", str(out)],
+        )  # fmt: skip
+        assert r.exit_code == 0, r.output
+        table = load_table(out / "tables" / H200_KEY / f"{collective}-w2-{FP8}.yaml")
+        row = table.find(4096, 8192, 4096)
+        assert table.dtype == FP8 and row is not None and row.provenance["mode"] == "predict"
+        assert row.dtype == FP8
+
+
+def test_the_shipped_calibration_names_the_fp8_profile_to_measure(tmp_path):
+    r = CliRunner().invoke(
+        app, ["search", "--dtype", FP8, "--shape", "4096x8192x4096", "--out", str(tmp_path / "o")]
+    )
+    line = assert_one_line_error(r)
+    assert f"fo-tune calibrate --world-size 1 --only gemm --dtype {FP8} --into" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_fp8_profile_times_the_signalled_gemm_beside_scaled_mm(tmp_path):
+    """``fo-tune profile --dtype float8_e4m3fn``: every config checked (rowwise-scaled fp8 operands
+    against their dequantized float32 product) and timed beside torch._scaled_mm."""
+    import csv
+
+    out = tmp_path / "p" / "profile.csv"
+    r = CliRunner().invoke(app, ["profile", "--dtype", FP8, "--shape", "32x48x64", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(row["status"] == "ok" for row in rows)
+    assert all(float(row["rel_err"]) < 1e-2 and float(row["cublas_ms"]) > 0 for row in rows)
