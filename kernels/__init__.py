@@ -1,9 +1,10 @@
 """fo_kernels: the fo-tune runtime (source in ``kernels/``, imported as ``fo_kernels``).
 
 Tile-wise overlap of a GEMM with its collective (GEMM + AllReduce, GEMM + ReduceScatter, AllGather
-+ GEMM), driven by YAML schedule tables; the ops are torch.library custom ops with autograd
-(``torch.ops.fo_kernels.*``), and tensor-parallel layers build on them: torch's ``parallelize_module``
-styles (``fo_kernels.parallel``), torch's fused-op signatures (``fo_kernels.symm_mem``) and the
++ GEMM) and of MoE experts with their All-to-All (``expert_parallel_ffn``), driven by YAML
+schedule tables; the ops are torch.library custom ops with autograd (``torch.ops.fo_kernels.*``),
+and tensor-parallel layers build on them: torch's ``parallelize_module`` styles
+(``fo_kernels.parallel``), torch's fused-op signatures (``fo_kernels.symm_mem``) and the
 plain-tensor layers (``fo_kernels.layers``). Depends only on torch, triton and pyyaml
 (cuda-bindings optional); it never imports the tuner ``fo_tune``.
 
@@ -41,6 +42,9 @@ _EXPORTS = {
     "all_gather_gemm": "overlap",
     "gemm_all_reduce": "overlap",
     "gemm_reduce_scatter": "overlap",
+    "expert_parallel_ffn": "moe.ffn",
+    "MoeProblem": "moe.schedule",
+    "MoeSchedule": "moe.schedule",
     "OverlapRuntime": "runtime",
     "CopyEngineSettings": "engines.copy_engine.settings",
     "EngineSettings": "schedule",

@@ -20,6 +20,7 @@ the nn.Module and tests may build their own. Use one runtime from one host threa
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -90,12 +91,16 @@ class OverlapRuntime:
 
     def reserve_targets(self, plan: Plan) -> list[int]:
         """Advance the running totals by this call's tiles per group; return each group's target."""
-        if plan.num_groups > MAX_GROUPS:
-            raise ScheduleError(f"groups: at most {MAX_GROUPS} groups per call, got {plan.num_groups}")
+        return self.reserve_tiles([plan.group_tiles(g) for g in range(plan.num_groups)])
+
+    def reserve_tiles(self, tiles: Sequence[int]) -> list[int]:
+        """Advance counter g's running total by ``tiles[g]`` for every g; return each target."""
+        if len(tiles) > MAX_GROUPS:
+            raise ScheduleError(f"groups: at most {MAX_GROUPS} groups per call, got {len(tiles)}")
         self.counters  # noqa: B018 - allocates the counters and totals on first use
         targets = []
-        for g in range(plan.num_groups):
-            self._totals[g] = (self._totals[g] + plan.group_tiles(g)) & 0xFFFFFFFF
+        for g, count in enumerate(tiles):
+            self._totals[g] = (self._totals[g] + count) & 0xFFFFFFFF
             targets.append(self._totals[g])
         return targets
 

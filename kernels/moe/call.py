@@ -1,0 +1,74 @@
+"""``execute_ffn``: one eager call of the expert-parallel FFN, forward or backward, under both the
+custom ops and the direct calls.
+
+    checks        the tensors (routing.check_call), torch.distributed, the group, the schedule,
+                  the engine's blocker: all before any collective
+    routing       the sorted rows and per-expert counts (one device-to-host copy)
+    counts        the first collective: every rank's counts and call signature (exchange.py)
+    path          the schedule's engine (``MOE_PATHS``) or, for none, the fallback (fallback.py)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fo_kernels.errors import ScheduleError, ShapeError
+from fo_kernels.groups import check_group
+from fo_kernels.moe import fallback
+from fo_kernels.moe.exchange import exchange_counts
+from fo_kernels.moe.routing import check_call, route
+from fo_kernels.moe.schedule import MoeSchedule
+from fo_kernels.moe.stages import BackwardStage, ForwardStage
+from fo_kernels.registry import Registry
+from fo_kernels.schedule import dtype_name
+
+# Each engine's MoE path: ``blocker(device, world) -> str`` ("" when it can run here) and
+# ``run(stage, schedule, group)``, in the module registered under the engine's name.
+MOE_PATHS = Registry(
+    "engine:",
+    {"triton": "fo_kernels.moe.triton_path", "copy_engine": "fo_kernels.moe.copy_path"},
+    error=ScheduleError,
+)
+
+
+def execute_ffn(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    schedule: MoeSchedule | None,
+    group: dist.ProcessGroup | None,
+    *,
+    dy: torch.Tensor | None = None,
+):
+    """The forward ``y`` (``dy`` None), or the backward's ``(dx, d topk_weights, dw13, dw2)`` for
+    the output gradient ``dy``; see ``fo_kernels.moe.ffn.expert_parallel_ffn``."""
+    check_group(group)
+    if not dist.is_available() or not dist.is_initialized():
+        raise ScheduleError("torch.distributed is not initialized; call dist.init_process_group first")
+    world = dist.get_world_size(group)
+    shape = check_call(x, topk_ids, topk_weights, w13, w2, world)
+    if dy is not None and (not isinstance(dy, torch.Tensor) or dy.shape != x.shape):
+        raise ShapeError(f"dy must have x's shape {tuple(x.shape)}, got {getattr(dy, 'shape', dy)}")
+    if schedule is not None:
+        if not isinstance(schedule, MoeSchedule):
+            raise ScheduleError(f"schedule: expected a fo_kernels.MoeSchedule, got {type(schedule).__name__}")
+        schedule.check_call(shape, dtype_name(x.dtype))
+    engine = schedule.engine if schedule is not None else None
+    path = None
+    if engine is not None:
+        path = MOE_PATHS.load(engine)
+        why = path.blocker(x.device, world)
+        if why:
+            raise ScheduleError(f"engine: {engine} {why}; use a schedule with engine: null here")
+    routing = route(topk_ids, shape)
+    layout = exchange_counts(routing, shape, x.dtype, "forward" if dy is None else "backward", group)
+    common = (shape, routing, layout, w13, w2)
+    if dy is None:
+        stage = ForwardStage(x, topk_weights, *common)
+    else:
+        stage = BackwardStage(dy, x, topk_weights, *common)
+    result = fallback.run(stage, group) if path is None else path.run(stage, schedule, group)
+    return result if dy is None else stage.grads()

@@ -1,0 +1,153 @@
+"""Moving rows between the ranks: the counts exchange that opens every call, byte rows, and the
+All-to-All of the rows (one collective, or one ring step at a time).
+
+The counts exchange is the call's first collective. Each rank sends every peer one int64 row:
+its call signature (``SIGNATURE``: H, I, E_local, the dtype, the direction) and how many rows it
+sends for each of the peer's local experts. Every rank compares the signatures it received with
+its own and refuses a disagreement (``ShapeError``) before any row moves; a mismatch is seen by
+every rank, so all of them raise instead of some waiting on a collective that never comes.
+
+Rows travel as bytes (``pack`` / ``unpack``): a row may carry parts of several dtypes (the
+backward sends x, dy and a float32 weight in one row), and one exchange moves them all.
+
+    Layout.send[d][e]   rows this rank sends rank d for d's local expert e
+    Layout.recv[s][e]   rows rank s sends this rank for this rank's local expert e
+    slot s              the recv rows from rank s: [recv_offsets[s], recv_offsets[s + 1])
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fo_kernels.errors import ShapeError
+from fo_kernels.moe.routing import FfnShape, Routing
+
+# The signature fields, in the order every counts row starts with.
+SIGNATURE = ("hidden", "intermediate", "experts", "dtype", "direction")
+# The dtype field's codes (a stable number per supported dtype).
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DIRECTIONS = ("forward", "backward")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Who sends whom how many rows, per local expert (see the module docstring)."""
+
+    rank: int
+    send: tuple[tuple[int, ...], ...]
+    recv: tuple[tuple[int, ...], ...]
+
+    @property
+    def world(self) -> int:
+        return len(self.send)
+
+    @property
+    def send_splits(self) -> list[int]:
+        return [sum(row) for row in self.send]
+
+    @property
+    def recv_splits(self) -> list[int]:
+        return [sum(row) for row in self.recv]
+
+    @property
+    def send_offsets(self) -> list[int]:
+        return [0, *itertools.accumulate(self.send_splits)]
+
+    @property
+    def recv_offsets(self) -> list[int]:
+        return [0, *itertools.accumulate(self.recv_splits)]
+
+    def expert_counts(self, slots: Sequence[int]) -> list[int]:
+        """Rows per local expert over ``slots`` together."""
+        return [sum(self.recv[s][e] for s in slots) for e in range(len(self.recv[0]))]
+
+
+def exchange_counts(
+    routing: Routing, shape: FfnShape, dtype: torch.dtype, direction: str, group: dist.ProcessGroup | None
+) -> Layout:
+    """The counts exchange (see the module docstring): this call's ``Layout``; every rank raises
+    ``ShapeError`` alike when the ranks' signatures disagree."""
+    world, rank = shape.world, dist.get_rank(group)
+    mine = (shape.hidden, shape.intermediate, shape.experts, DTYPE_CODES[dtype], DIRECTIONS.index(direction))
+    if world == 1:
+        return Layout(rank, routing.host_counts, routing.host_counts)
+    head = torch.tensor(mine, dtype=torch.int64, device=routing.counts.device).expand(world, -1)
+    send = torch.cat([head, routing.counts], dim=1).contiguous()
+    got = torch.empty_like(send)
+    dist.all_to_all_single(got, send, group=group)
+    rows = got.tolist()
+    bad = [s for s, row in enumerate(rows) if tuple(row[: len(SIGNATURE)]) != mine]
+    if bad:
+        said = {s: dict(zip(SIGNATURE, rows[s][: len(SIGNATURE)], strict=True)) for s in (*bad, rank)}
+        raise ShapeError(
+            f"the ranks' calls disagree (rank {rank} of {world}): every rank of the group must call with "
+            f"the same H, I, E_local, dtype and direction; got {said}"
+        )
+    return Layout(rank, routing.host_counts, tuple(tuple(row[len(SIGNATURE) :]) for row in rows))
+
+
+# ----------------------------------------------------------------------------- byte rows
+def pack(*parts: torch.Tensor) -> torch.Tensor:
+    """``parts`` (each (R, ...), any dtype) side by side as (R, bytes) uint8 rows."""
+    rows = parts[0].shape[0]
+    flat = [p.reshape(rows, _width(p)) for p in parts]
+    return torch.cat([p.contiguous().view(torch.uint8) for p in flat], dim=1)
+
+
+def _width(t: torch.Tensor) -> int:
+    width = 1
+    for size in t.shape[1:]:
+        width *= size
+    return width
+
+
+def unpack(rows: torch.Tensor, parts: Sequence[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+    """The (R, width) tensors of ``parts`` (dtype, width) from (R, bytes) uint8 rows."""
+    out, at = [], 0
+    for dtype, width in parts:
+        nbytes = width * dtype.itemsize
+        out.append(rows[:, at : at + nbytes].contiguous().view(dtype))
+        at += nbytes
+    if at != rows.shape[1]:
+        raise ShapeError(f"rows of {rows.shape[1]} bytes do not hold parts of {at} bytes")
+    return out
+
+
+def row_bytes(parts: Sequence[tuple[torch.dtype, int]]) -> int:
+    return sum(width * dtype.itemsize for dtype, width in parts)
+
+
+# ----------------------------------------------------------------------------- rows
+def all_to_all_rows(
+    rows: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """One All-to-All of byte rows: ``send[d]`` rows to rank d (in rank order), ``recv[s]`` from s."""
+    out = rows.new_empty((sum(recv), rows.shape[1]))
+    if len(send) == 1:
+        out.copy_(rows)
+        return out
+    dist.all_to_all_single(out, rows, list(recv), list(send), group=group)
+    return out
+
+
+def ring_step(
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+    group: dist.ProcessGroup | None,
+) -> None:
+    """One step's point-to-point transfers (``(peer group rank, rows)``), posted together and
+    waited for; empty tensors are skipped (both ends know the sizes from the counts exchange)."""
+    ops = [
+        dist.P2POp(fn, t, dist.get_global_rank(group, peer) if group is not None else peer, group)
+        for fn, pairs in ((dist.isend, sends), (dist.irecv, recvs))
+        for peer, t in pairs
+        if t.numel()
+    ]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()

@@ -1,0 +1,48 @@
+"""``expert_parallel_ffn``: the public op of the expert-parallel MoE FFN."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fo_kernels.groups import group_name
+from fo_kernels.moe import ops
+from fo_kernels.moe.schedule import MoeSchedule
+from fo_kernels.ops import direct_call
+
+
+def expert_parallel_ffn(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    schedule: MoeSchedule | None = None,
+) -> torch.Tensor:
+    """The SwiGLU experts of an MoE layer under expert parallelism, over ``group``'s ranks.
+
+    ``x`` (T, H): this rank's tokens (T may differ between ranks, and may be 0); ``topk_ids``
+    (T, k) int64 global expert ids in [0, E), E = world size x E_local; ``topk_weights`` (T, k)
+    floating point; ``w13`` (E_local, H, 2I): this rank's experts, experts [rank x E_local,
+    (rank + 1) x E_local), the first I columns the gate and the last I the up projection; ``w2``
+    (E_local, I, H). Returns (T, H) in x's dtype::
+
+        y[t] = sum_j topk_weights[t, j] * (silu(x[t] @ W1[e]) * (x[t] @ W3[e])) @ W2[e],
+        e = topk_ids[t, j]
+
+    A token may name one expert in several slots: each slot is its own row, weighted by its own
+    weight. Every rank of the group calls at once (it is a collective). Bad input raises a
+    ``ValueError`` subclass (``ShapeError``, ``ScheduleError``, ``GroupError``) before any
+    collective. ``schedule=None`` runs the no-overlap path (dispatch, grouped GEMMs, combine);
+    a ``MoeSchedule`` names an engine that overlaps them. Differentiable in x, topk_weights, w13
+    and w2 (``fo_kernels.moe.ops``); traced by ``torch.compile(fullgraph=True)``.
+    """
+    name = group_name(group)
+    text = ops.schedule_text(schedule)
+    if direct_call(x, topk_ids, topk_weights, w13, w2):
+        from fo_kernels.moe.call import execute_ffn
+
+        return execute_ffn(x, topk_ids, topk_weights, w13, w2, schedule, group)
+    return ops._ffn(x, topk_ids, topk_weights, w13, w2, name, text)

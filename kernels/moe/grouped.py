@@ -1,0 +1,102 @@
+"""The experts' GEMMs in torch: grouped GEMMs over rows sorted by expert, and the SwiGLU between.
+
+Rows of expert e are ``[offset_e, offset_e + counts[e])`` of the operand (``counts`` on the host).
+
+    grouped_mm(a, b, counts)     out[rows of e] = a[rows of e] @ b[e]           b (E, K, N)
+    grouped_mm_t(a, b, counts)   out[rows of e] = a[rows of e] @ b[e].T         b (E, N, K)
+    weight_grad(a, g, counts)    out[e] = a[rows of e].T @ g[rows of e]         float32 (E, K, N)
+
+On CUDA with bfloat16 operands whose strides ``torch._grouped_mm`` takes (16-byte aligned), one
+``torch._grouped_mm`` call runs all experts; elsewhere (the CPU, float32 and float16, odd sizes) a
+loop of ``torch.mm`` per expert with rows. Both give the same math: each expert's product in the
+operands' dtype with float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+# torch._grouped_mm needs each operand's strides to be multiples of 16 bytes (its check says so
+# on the CPU: "strides should be multiple of 16 bytes").
+GROUPED_MM_ALIGN_BYTES = 16
+
+
+def _library(*tensors: torch.Tensor) -> bool:
+    """True when ``torch._grouped_mm`` takes these operands (see the module docstring)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    for t in tensors:
+        if not t.is_cuda or t.dtype != torch.bfloat16:
+            return False
+        for stride, size in zip(t.stride(), t.shape, strict=True):
+            if size > 1 and stride != 1 and (stride * t.element_size()) % GROUPED_MM_ALIGN_BYTES:
+                return False
+    return True
+
+
+def _offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=device)
+
+
+def _ranges(counts: Sequence[int]):
+    at = 0
+    for e, c in enumerate(counts):
+        if c:
+            yield e, at, at + c
+        at += c
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: Sequence[int], *, library: bool | None = None):
+    """``a[rows of e] @ b[e]`` for every expert e: (R, K) x (E, K, N) -> (R, N)."""
+    out = a.new_empty((a.shape[0], b.shape[2]))
+    if not a.shape[0]:
+        return out
+    if library if library is not None else _library(a, b):
+        return torch._grouped_mm(a, b, offs=_offsets(counts, a.device))
+    for e, r0, r1 in _ranges(counts):
+        torch.mm(a[r0:r1], b[e], out=out[r0:r1])
+    return out
+
+
+def grouped_mm_t(a: torch.Tensor, b: torch.Tensor, counts: Sequence[int], *, library: bool | None = None):
+    """``a[rows of e] @ b[e].T`` for every expert e: (R, N) x (E, K, N) -> (R, K)."""
+    return grouped_mm(a, b.transpose(1, 2), counts, library=library)
+
+
+def weight_grad(a: torch.Tensor, g: torch.Tensor, counts: Sequence[int], *, library: bool | None = None):
+    """``a[rows of e].T @ g[rows of e]`` for every expert e, in float32: (E, K, N); zero for an
+    expert without rows."""
+    experts = len(counts)
+    if not a.shape[0]:
+        return a.new_zeros((experts, a.shape[1], g.shape[1]), dtype=torch.float32)
+    if library if library is not None else _library(a, g):
+        return torch._grouped_mm(a.t(), g, offs=_offsets(counts, a.device), out_dtype=torch.float32)
+    out = a.new_zeros((experts, a.shape[1], g.shape[1]), dtype=torch.float32)
+    for e, r0, r1 in _ranges(counts):
+        out[e] = (a[r0:r1].t() @ g[r0:r1]).float()
+    return out
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of (R, 2I) rows whose first I columns are the gate, in float32, returned
+    in ``gu``'s dtype."""
+    inter = gu.shape[1] // 2
+    g, u = gu[:, :inter].float(), gu[:, inter:].float()
+    return (F.silu(g) * u).to(gu.dtype)
+
+
+def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``swiglu`` at ``gu`` for the output gradient ``dh`` (float32 (R, I)), as
+    (R, 2I) in ``gu``'s dtype: d gate = dh * up * silu'(gate), d up = dh * silu(gate), with
+    silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g)))."""
+    inter = gu.shape[1] // 2
+    g, u = gu[:, :inter].float(), gu[:, inter:].float()
+    sig = torch.sigmoid(g)
+    dg = dh * u * sig * (1 + g * (1 - sig))
+    du = dh * g * sig
+    return torch.cat([dg, du], dim=1).to(gu.dtype)

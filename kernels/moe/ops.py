@@ -1,0 +1,131 @@
+"""The expert-parallel FFN as torch.library custom ops: schemas, fake implementations, autograd.
+
+    fo_kernels::expert_parallel_ffn(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13,
+        Tensor w2, str group_name, str schedule) -> Tensor
+    fo_kernels::expert_parallel_ffn_backward(Tensor dy, Tensor x, Tensor topk_ids,
+        Tensor topk_weights, Tensor w13, Tensor w2, str group_name, str schedule)
+        -> (Tensor, Tensor, Tensor, Tensor)
+
+As the dense ops (``fo_kernels.ops``): the group goes in by name, the schedule as its JSON text
+(``MoeSchedule.op_text``; "" for none), so torch.compile keeps both as constants and traces the
+call without a graph break. Every output has a static shape (y like x; the gradients like x,
+topk_weights, w13 and w2): the routed rows, whose number depends on the data, never leave the op.
+
+Autograd: the forward saves its inputs only; the backward op dispatches x, dy and the weights
+again and recomputes the experts' activations (``fo_kernels.moe.stages``), one All-to-All each
+way as the forward. topk_ids gets no gradient. Importing this module registers the ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+
+from fo_kernels.errors import ScheduleError, ShapeError
+from fo_kernels.groups import group_size, resolve_group
+from fo_kernels.moe.routing import check_call
+from fo_kernels.moe.schedule import MoeSchedule
+from fo_kernels.ops import LIBRARY, SCHEDULE_CACHE_SIZE, direct_call
+
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def schedule_text(schedule: MoeSchedule | None) -> str:
+    """The ops' ``schedule`` argument ("" for None)."""
+    if schedule is None:
+        return ""
+    if not isinstance(schedule, MoeSchedule):
+        raise ScheduleError(f"schedule: expected a fo_kernels.MoeSchedule, got {type(schedule).__name__}")
+    return schedule.op_text
+
+
+@functools.lru_cache(maxsize=SCHEDULE_CACHE_SIZE)
+def parse_schedule(text: str) -> MoeSchedule | None:
+    if not text:
+        return None
+    try:
+        return MoeSchedule.from_dict(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise ScheduleError(f"schedule: not a schedule's JSON text ({exc})") from None
+
+
+def _execute(*args, group_name: str, schedule: str, dy: torch.Tensor | None = None):
+    from fo_kernels.moe.call import execute_ffn
+
+    return execute_ffn(*args, parse_schedule(schedule), resolve_group(group_name), dy=dy)
+
+
+@torch.library.custom_op(f"{LIBRARY}::expert_parallel_ffn", mutates_args=())
+def _ffn(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    group_name: str,
+    schedule: str,
+) -> torch.Tensor:
+    return _execute(x, topk_ids, topk_weights, w13, w2, group_name=group_name, schedule=schedule)
+
+
+@torch.library.custom_op(f"{LIBRARY}::expert_parallel_ffn_backward", mutates_args=())
+def _ffn_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    group_name: str,
+    schedule: str,
+) -> Grads:
+    return _execute(x, topk_ids, topk_weights, w13, w2, group_name=group_name, schedule=schedule, dy=dy)
+
+
+@_ffn.register_fake
+def _(x, topk_ids, topk_weights, w13, w2, group_name, schedule):
+    check_call(x, topk_ids, topk_weights, w13, w2, group_size(group_name), check_ids=False)
+    return x.new_empty(x.shape)
+
+
+@_ffn_backward.register_fake
+def _(dy, x, topk_ids, topk_weights, w13, w2, group_name, schedule):
+    check_call(x, topk_ids, topk_weights, w13, w2, group_size(group_name), check_ids=False)
+    if dy.shape != x.shape:
+        raise ShapeError(f"dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    return tuple(t.new_empty(t.shape) for t in (x, topk_weights, w13, w2))
+
+
+def call_backward(
+    dy: torch.Tensor, x, topk_ids, topk_weights, w13, w2, group_name: str, schedule: str
+) -> Grads:
+    """The backward op, directly where ``direct_call`` allows, else through the dispatcher."""
+    if direct_call(dy, x, topk_ids, topk_weights, w13, w2):
+        return _execute(x, topk_ids, topk_weights, w13, w2, group_name=group_name, schedule=schedule, dy=dy)
+    return _ffn_backward(dy, x, topk_ids, topk_weights, w13, w2, group_name, schedule)
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, topk_ids, topk_weights, w13, w2, group_name, schedule = inputs
+    ctx.group_name, ctx.schedule = group_name, schedule
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2)
+
+
+def _backward(ctx, dy: torch.Tensor):
+    x, topk_ids, topk_weights, w13, w2 = ctx.saved_tensors
+    dx, dw, dw13, dw2 = call_backward(dy, x, topk_ids, topk_weights, w13, w2, ctx.group_name, ctx.schedule)
+    need = ctx.needs_input_grad
+    return (
+        dx if need[0] else None,
+        None,
+        dw if need[2] else None,
+        dw13 if need[3] else None,
+        dw2 if need[4] else None,
+        None,
+        None,
+    )
+
+
+_ffn.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,201 @@
+"""What one direction of a call computes, apart from moving rows: a stage.
+
+Both directions have one shape, which every path (the no-overlap path, the Triton engine, the
+copy engine's protocol) runs the same way:
+
+    source   rows = stage.outgoing()                     sorted rows, bytes (routing.py)
+    (dispatch: rows to the ranks of their experts; slot s = the rows from rank s)
+    expert   stage.first(slots, rows of those slots)     the first GEMMs, as the slots land
+             stage.second(slots) -> rows back            the last GEMM of those slots
+    (combine: each slot's rows back to its source)
+    source   stage.finish(rows back, in sorted order)    the weighted sum at the source
+
+Forward (per row of expert e, x_r its token's row, w_r its weight):
+    first:  gu = x_r @ W13[e];  h = silu(gu[:I]) * gu[I:]          kept per slot
+    second: o = h @ W2[e]                                          (the row sent back)
+    finish: y[t] = sum_j w[t, j] * o[pair (t, j)]                  float32, then x's dtype
+
+Backward, recomputing the forward's activations (nothing of a data-dependent size is kept
+between the directions), with dy_r the output gradient of its token:
+    first:  gu, h as above;  dhu = dy_r @ W2[e].T;  dw_r = <dhu, h>;  dh = w_r * dhu
+            dW2[e] += h.T @ (w_r * dy_r);  dgu = swiglu'(gu) dh;  dW13[e] += x_r.T @ dgu
+    second: dx_r = dgu @ W13[e].T                                  (sent back with dw_r)
+    finish: dx[t] = sum_j dx[pair (t, j)];  d topk_weights[t, j] = dw[pair (t, j)]
+
+since y depends on w[t, j] through w * (h @ W2) and <dy, h @ W2> = <dy @ W2.T, h>.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from fo_kernels.moe.exchange import Layout, pack, unpack
+from fo_kernels.moe.grouped import grouped_mm, grouped_mm_t, swiglu, swiglu_backward, weight_grad
+from fo_kernels.moe.routing import FfnShape, Routing
+
+
+class Stage(ABC):
+    """One direction's compute (see the module docstring). ``first`` and ``second`` take slots in
+    any grouping, each slot once; rows of several slots are handled as one grouped GEMM."""
+
+    def __init__(
+        self, shape: FfnShape, routing: Routing, layout: Layout, w13: torch.Tensor, w2: torch.Tensor
+    ) -> None:
+        self.shape, self.routing, self.layout, self.w13, self.w2 = shape, routing, layout, w13, w2
+        self.dtype = w13.dtype
+        self._kept: dict[tuple[int, ...], tuple] = {}
+
+    @property
+    @abstractmethod
+    def out_parts(self) -> tuple[tuple[torch.dtype, int], ...]:
+        """The (dtype, width) parts of an outgoing row."""
+
+    @property
+    @abstractmethod
+    def back_parts(self) -> tuple[tuple[torch.dtype, int], ...]:
+        """The (dtype, width) parts of a row sent back."""
+
+    @abstractmethod
+    def outgoing(self) -> torch.Tensor:
+        """The sorted rows to send, as bytes."""
+
+    @abstractmethod
+    def _first(self, parts: list[torch.Tensor], counts: list[int]) -> tuple: ...
+
+    @abstractmethod
+    def _second(self, kept: tuple, counts: list[int]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def finish(self, back: torch.Tensor):
+        """The call's result from the rows sent back (bytes, sorted order)."""
+
+    # ------------------------------------------------------------------ slots
+    def _expert_major(self, slots: Sequence[int]) -> torch.Tensor | None:
+        """The permutation that orders the rows of ``slots`` (concatenated) by expert; None when
+        they already are (one slot)."""
+        if len(slots) == 1:
+            return None
+        experts = len(self.layout.recv[0])
+        ids = [e for s in slots for e in range(experts) for _ in range(self.layout.recv[s][e])]
+        key = torch.tensor(ids, dtype=torch.int64, device=self.w13.device)
+        return torch.sort(key, stable=True).indices
+
+    def first(self, slots: Sequence[int], rows: torch.Tensor) -> None:
+        """Phase 1 of ``slots``: ``rows`` are their received rows (bytes), concatenated in order."""
+        slots = tuple(slots)
+        perm = self._expert_major(slots)
+        if perm is not None:
+            rows = rows[perm]
+        parts = unpack(rows, self.out_parts)
+        self._kept[slots] = (perm, self._first(parts, self.layout.expert_counts(slots)))
+
+    def second(self, slots: Sequence[int]) -> torch.Tensor:
+        """Phase 2 of ``slots`` (given to ``first`` as one group): their rows back, as bytes, in
+        the order they arrived."""
+        perm, kept = self._kept.pop(tuple(slots))
+        back = self._second(kept, self.layout.expert_counts(slots))
+        if perm is not None:
+            unsorted = torch.empty_like(back)
+            unsorted[perm] = back
+            back = unsorted
+        return back
+
+    def slot_rows(self, slot: int) -> tuple[int, int]:
+        """Rows [r0, r1) of ``slot`` in the received rows."""
+        off = self.layout.recv_offsets
+        return off[slot], off[slot + 1]
+
+
+class ForwardStage(Stage):
+    """``y = sum_j w[t, j] * (silu(x W1) * (x W3)) W2`` (module docstring, forward)."""
+
+    def __init__(self, x: torch.Tensor, weights: torch.Tensor, *args) -> None:
+        super().__init__(*args)
+        self.x, self.weights = x, weights
+
+    @property
+    def out_parts(self):
+        return ((self.dtype, self.shape.hidden),)
+
+    @property
+    def back_parts(self):
+        return ((self.dtype, self.shape.hidden),)
+
+    def outgoing(self) -> torch.Tensor:
+        return pack(self.x[self.routing.tokens])
+
+    def _first(self, parts, counts):
+        (x,) = parts
+        return (swiglu(grouped_mm(x, self.w13, counts)),)
+
+    def _second(self, kept, counts):
+        (h,) = kept
+        return pack(grouped_mm(h, self.w2, counts))
+
+    def finish(self, back: torch.Tensor) -> torch.Tensor:
+        (o,) = unpack(back, self.back_parts)
+        t, k = self.shape.tokens, self.shape.top_k
+        pairs = self.routing.unsort(o).view(t, k, self.shape.hidden).float()
+        return (pairs * self.weights.float().unsqueeze(-1)).sum(1).to(self.x.dtype)
+
+
+class BackwardStage(Stage):
+    """The gradients of ``ForwardStage``'s output (module docstring, backward); ``grads()`` gives
+    (dx, d topk_weights, dw13, dw2) once ``finish`` has run."""
+
+    def __init__(self, dy: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, *args) -> None:
+        super().__init__(*args)
+        self.dy, self.x, self.weights = dy, x, weights
+        e, h, i = self.shape.experts, self.shape.hidden, self.shape.intermediate
+        self.dw13 = torch.zeros((e, h, 2 * i), dtype=torch.float32, device=x.device)
+        self.dw2 = torch.zeros((e, i, h), dtype=torch.float32, device=x.device)
+
+    @property
+    def out_parts(self):
+        h = self.shape.hidden
+        return ((self.dtype, h), (self.dtype, h), (torch.float32, 1))
+
+    @property
+    def back_parts(self):
+        return ((self.dtype, self.shape.hidden), (torch.float32, 1))
+
+    def outgoing(self) -> torch.Tensor:
+        tokens = self.routing.tokens
+        w = self.weights.reshape(-1)[self.routing.order].float().unsqueeze(1)
+        return pack(self.x[tokens], self.dy.to(self.dtype)[tokens], w)
+
+    def _first(self, parts, counts):
+        x, dy, w = parts
+        gu = grouped_mm(x, self.w13, counts)
+        h = swiglu(gu)
+        dhu = grouped_mm_t(dy, self.w2, counts).float()
+        dw = (dhu * h.float()).sum(1, keepdim=True)
+        self.dw2 += weight_grad(h, (dy.float() * w).to(self.dtype), counts)
+        dgu = swiglu_backward(gu, dhu * w)
+        self.dw13 += weight_grad(x, dgu, counts)
+        return dgu, dw
+
+    def _second(self, kept, counts):
+        dgu, dw = kept
+        return pack(grouped_mm_t(dgu, self.w13, counts), dw)
+
+    def finish(self, back: torch.Tensor) -> None:
+        dx_rows, dw = unpack(back, self.back_parts)
+        t, k = self.shape.tokens, self.shape.top_k
+        self.dx = self.routing.unsort(dx_rows).view(t, k, self.shape.hidden).float().sum(1).to(self.x.dtype)
+        self.dweights = self.routing.unsort(dw).view(t, k).to(self.weights.dtype)
+
+    def grads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.dx, self.dweights, self.dw13.to(self.dtype), self.dw2.to(self.dtype)
+
+
+def all_slots(layout: Layout) -> list[int]:
+    return list(range(layout.world))
+
+
+def ring_order(rank: int, world: int) -> list[int]:
+    """Slots in the order a ring brings them: my own, then rank - 1, rank - 2, ..."""
+    return [(rank - j) % world for j in range(world)]

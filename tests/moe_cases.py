@@ -1,0 +1,153 @@
+"""Rank functions for the expert-parallel FFN tests (spawned gloo processes import this by name).
+
+Every rank draws every rank's tokens, routing and output cotangent from seeds, and the global
+experts from one seed, so each rank builds the unsharded float64 reference (forward, and the
+gradients of sum over ranks of <y_r, g_r>) with no collective of its own.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fo_kernels import MoeSchedule, expert_parallel_ffn
+from fo_kernels.schedule import torch_dtype
+
+# Relative error bounds against the float64 reference, per dtype (fp32: the issue's 1e-4).
+TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+ROUTINGS = ("random", "distinct", "skewed", "duplicates")
+
+
+@dataclass(frozen=True)
+class MoeCase:
+    """One call on every rank: ``tokens[r]`` tokens on rank r."""
+
+    tokens: tuple[int, ...]
+    hidden: int
+    inter: int
+    experts: int  # E_local
+    top_k: int
+    dtype: str = "float32"
+    routing: str = "random"
+    seed: int = 0
+    backward: bool = True
+    compiled: bool = False
+    schedule: dict | None = None
+
+
+def global_ids(case: MoeCase, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s (T, k) expert ids: ``random`` draws with repeats, ``distinct`` k different
+    experts per token (as topk), ``skewed`` only the first rank's experts and one other,
+    ``duplicates`` every token's slots on one expert of a few."""
+    gen = torch.Generator().manual_seed(case.seed * 7919 + rank * 31 + 1)
+    t, k, e = case.tokens[rank], case.top_k, world * case.experts
+    if case.routing == "random":
+        return torch.randint(0, e, (t, k), generator=gen)
+    if case.routing == "distinct":
+        return torch.rand(t, e, generator=gen).topk(min(k, e), dim=1).indices[:, :k]
+    if case.routing == "skewed":
+        pool = torch.tensor([0, e - 1])
+        return pool[torch.randint(0, 2, (t, k), generator=gen)]
+    pick = torch.randint(0, min(e, 3), (t, 1), generator=gen) * (e // 3 or 1)
+    return pick.clamp(max=e - 1).expand(t, k).contiguous()
+
+
+def inputs(case: MoeCase, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s x, ids, weights, cotangent g (float64), and the global w13, w2."""
+    gen = torch.Generator().manual_seed(case.seed * 104729 + rank)
+    t, h, k = case.tokens[rank], case.hidden, case.top_k
+    x = torch.randn(t, h, generator=gen, dtype=torch.float64)
+    w = torch.rand(t, k, generator=gen, dtype=torch.float64) + 0.1
+    g = torch.randn(t, h, generator=gen, dtype=torch.float64)
+    wgen = torch.Generator().manual_seed(case.seed * 15485863 + 7)
+    e = world * case.experts
+    w13 = torch.randn(e, h, 2 * case.inter, generator=wgen, dtype=torch.float64) / h**0.5
+    w2 = torch.randn(e, case.inter, h, generator=wgen, dtype=torch.float64) / case.inter**0.5
+    return dict(x=x, ids=global_ids(case, rank, world), w=w, g=g, w13=w13, w2=w2)
+
+
+def reference_ffn(x, ids, w, w13, w2) -> torch.Tensor:
+    """The unsharded FFN, a loop over tokens and slots (the issue's formula, term by term)."""
+    inter = w13.shape[2] // 2
+    rows = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros_like(x[t])
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = x[t] @ w13[e]
+            acc = acc + w[t, j] * ((F.silu(gu[:inter]) * gu[inter:]) @ w2[e])
+        rows.append(acc)
+    return torch.stack(rows) if rows else x.new_zeros(x.shape)
+
+
+def reference(case: MoeCase, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s y, dx, dw and its shard of dw13, dw2, in float64."""
+    w13 = w2 = None
+    total = 0.0
+    mine = {}
+    for r in range(world):
+        d = inputs(case, r, world)
+        if w13 is None:
+            w13, w2 = d["w13"].requires_grad_(), d["w2"].requires_grad_()
+        x, w = d["x"].requires_grad_(), d["w"].requires_grad_()
+        y = reference_ffn(x, d["ids"], w, w13, w2)
+        total = total + (y * d["g"]).sum()
+        if r == rank:
+            mine = dict(y=y.detach(), x=x, w=w)
+    total.backward()
+    lo, hi = rank * case.experts, (rank + 1) * case.experts
+    x, w = mine["x"], mine["w"]
+    return dict(
+        y=mine["y"],
+        dx=x.grad if x.grad is not None else torch.zeros_like(x),  # (no tokens: no graph)
+        dw=w.grad if w.grad is not None else torch.zeros_like(w),
+        dw13=w13.grad[lo:hi],
+        dw2=w2.grad[lo:hi],
+    )
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    if got.shape != ref.shape:
+        return float("inf")
+    diff = (got.double() - ref).norm().item()
+    err = diff / max(ref.norm().item(), 1e-30) if ref.numel() else 0.0
+    return err if err == err else float("inf")  # NaN is a failure
+
+
+def ffn_call(case: MoeCase):
+    schedule = MoeSchedule.from_dict(case.schedule) if case.schedule is not None else None
+
+    def call(x, ids, w, w13, w2):
+        return expert_parallel_ffn(x, ids, w, w13, w2, schedule=schedule)
+
+    if case.compiled:
+        return torch.compile(call, fullgraph=True, backend="aot_eager", dynamic=False)
+    return call
+
+
+def run_case(case: MoeCase, rank: int, world: int) -> dict[str, float]:
+    """This rank's relative errors of y (and the gradients) against the float64 reference."""
+    d = inputs(case, rank, world)
+    dtype = torch_dtype(case.dtype)
+    lo, hi = rank * case.experts, (rank + 1) * case.experts
+    x = d["x"].to(dtype).requires_grad_(case.backward)
+    w = d["w"].float().requires_grad_(case.backward)
+    w13 = d["w13"][lo:hi].to(dtype).requires_grad_(case.backward)
+    w2 = d["w2"][lo:hi].to(dtype).requires_grad_(case.backward)
+    y = ffn_call(case)(x, d["ids"], w, w13, w2)
+    ref = reference(case, rank, world)
+    errs = {"y": rel_err(y, ref["y"]), "y_dtype": float(y.dtype != dtype)}
+    if case.backward:
+        (y.double() * d["g"]).sum().backward()
+        for name, t in (("dx", x), ("dw", w), ("dw13", w13), ("dw2", w2)):
+            errs[name] = rel_err(t.grad, ref[name]) if t.grad is not None else float("inf")
+    return errs
+
+
+def run_cases(ctx, cases: list[MoeCase]) -> list[dict[str, float]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [run_case(c, ctx.rank, ctx.world_size) for c in cases]
