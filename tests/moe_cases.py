@@ -151,3 +151,25 @@ def run_cases(ctx, cases: list[MoeCase]) -> list[dict[str, float]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return [run_case(c, ctx.rank, ctx.world_size) for c in cases]
+
+
+# ----------------------------------------------------------------------------- thread-ranks
+def thread_stage(case: MoeCase, rank: int, world: int, backward: bool):
+    """Rank ``rank``'s stage of ``case`` for the copy engine's CPU executor, its layout from every
+    rank's routing (what the counts exchange would give), in float32."""
+    from fo_kernels.moe.exchange import Layout
+    from fo_kernels.moe.routing import check_call, route
+    from fo_kernels.moe.stages import BackwardStage, ForwardStage
+
+    routings = []
+    for r in range(world):
+        d = inputs(case, r, world)
+        lo, hi = r * case.experts, (r + 1) * case.experts
+        args = (d["x"].float(), d["ids"], d["w"].float(), d["w13"][lo:hi].float(), d["w2"][lo:hi].float())
+        shape = check_call(*args, world)
+        routings.append((args, shape, route(d["ids"], shape), d["g"].float()))
+    (x, ids, w, w13, w2), shape, routing, g = routings[rank]
+    layout = Layout(rank, routing.host_counts, tuple(rt[2].host_counts[rank] for rt in routings))
+    if backward:
+        return BackwardStage(g, x, w, shape, routing, layout, w13, w2)
+    return ForwardStage(x, w, shape, routing, layout, w13, w2)

@@ -62,10 +62,6 @@ class Layout:
     def recv_offsets(self) -> list[int]:
         return [0, *itertools.accumulate(self.recv_splits)]
 
-    def expert_counts(self, slots: Sequence[int]) -> list[int]:
-        """Rows per local expert over ``slots`` together."""
-        return [sum(self.recv[s][e] for s in slots) for e in range(len(self.recv[0]))]
-
 
 def exchange_counts(
     routing: Routing, shape: FfnShape, dtype: torch.dtype, direction: str, group: dist.ProcessGroup | None

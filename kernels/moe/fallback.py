@@ -2,7 +2,7 @@
 
     rows = stage.outgoing()                           sorted rows (bytes)
     got  = all_to_all(rows)                           dispatch: one All-to-All, splits by counts
-    stage.first(all slots, got); back = stage.second(all slots)
+    stage.first(every slot, got); back = stage.second(every slot)
                                                       the grouped GEMMs over every received row
                                                       at once, ordered by expert
     ret  = all_to_all(back)                           combine: the dispatch's splits swapped
@@ -23,8 +23,8 @@ from fo_kernels.moe.stages import Stage
 def run(stage: Stage, group: dist.ProcessGroup | None):
     """One call of ``stage`` without overlap (see the module docstring)."""
     layout = stage.layout
-    slots = list(range(layout.world))
+    pieces = [stage.whole(s) for s in range(layout.world)]
     got = all_to_all_rows(stage.outgoing(), layout.send_splits, layout.recv_splits, group)
-    stage.first(slots, got)
-    back = stage.second(slots)
+    stage.first(pieces, got)
+    back = stage.second(pieces)
     return stage.finish(all_to_all_rows(back, layout.recv_splits, layout.send_splits, group))

@@ -4,9 +4,10 @@ Both directions have one shape, which every path (the no-overlap path, the Trito
 copy engine's protocol) runs the same way:
 
     source   rows = stage.outgoing()                     sorted rows, bytes (routing.py)
-    (dispatch: rows to the ranks of their experts; slot s = the rows from rank s)
-    expert   stage.first(slots, rows of those slots)     the first GEMMs, as the slots land
-             stage.second(slots) -> rows back            the last GEMM of those slots
+    (dispatch: rows to the ranks of their experts; slot s = the rows from rank s, grouped by
+     expert; a piece = one slot's rows of a range of experts)
+    expert   stage.first(pieces, their rows)             the first GEMMs, as the pieces land
+             stage.second(pieces) -> rows back           the last GEMM of those pieces
     (combine: each slot's rows back to its source)
     source   stage.finish(rows back, in sorted order)    the weighted sum at the source
 
@@ -36,17 +37,22 @@ from fo_kernels.moe.exchange import Layout, pack, unpack
 from fo_kernels.moe.grouped import grouped_mm, grouped_mm_t, swiglu, swiglu_backward, weight_grad
 from fo_kernels.moe.routing import FfnShape, Routing
 
+# A piece of the received rows: (slot, first expert, end expert): the rows source ``slot`` sent
+# for local experts [first, end), contiguous in that slot's block.
+Piece = tuple[int, int, int]
+
 
 class Stage(ABC):
-    """One direction's compute (see the module docstring). ``first`` and ``second`` take slots in
-    any grouping, each slot once; rows of several slots are handled as one grouped GEMM."""
+    """One direction's compute (see the module docstring). ``first`` and ``second`` take pieces
+    (``Piece``: a slot's rows of a range of experts) in any grouping, each piece once; rows of
+    several pieces run as one grouped GEMM."""
 
     def __init__(
         self, shape: FfnShape, routing: Routing, layout: Layout, w13: torch.Tensor, w2: torch.Tensor
     ) -> None:
         self.shape, self.routing, self.layout, self.w13, self.w2 = shape, routing, layout, w13, w2
         self.dtype = w13.dtype
-        self._kept: dict[tuple[int, ...], tuple] = {}
+        self._kept: dict[tuple[Piece, ...], tuple] = {}
 
     @property
     @abstractmethod
@@ -72,41 +78,53 @@ class Stage(ABC):
     def finish(self, back: torch.Tensor):
         """The call's result from the rows sent back (bytes, sorted order)."""
 
-    # ------------------------------------------------------------------ slots
-    def _expert_major(self, slots: Sequence[int]) -> torch.Tensor | None:
-        """The permutation that orders the rows of ``slots`` (concatenated) by expert; None when
-        they already are (one slot)."""
-        if len(slots) == 1:
+    # ------------------------------------------------------------------ pieces
+    def whole(self, slot: int) -> Piece:
+        """Every row of ``slot``."""
+        return (slot, 0, self.shape.experts)
+
+    def counts(self, pieces: Sequence[Piece]) -> list[int]:
+        """Rows per local expert over ``pieces`` together."""
+        out = [0] * self.shape.experts
+        for s, e0, e1 in pieces:
+            for e in range(e0, e1):
+                out[e] += self.layout.recv[s][e]
+        return out
+
+    def piece_rows(self, piece: Piece) -> tuple[int, int]:
+        """Rows [r0, r1) of ``piece`` in the received rows (slot by slot, in rank order)."""
+        s, e0, e1 = piece
+        at = self.layout.recv_offsets[s] + sum(self.layout.recv[s][:e0])
+        return at, at + sum(self.layout.recv[s][e0:e1])
+
+    def _expert_major(self, pieces: Sequence[Piece]) -> torch.Tensor | None:
+        """The permutation that orders the rows of ``pieces`` (concatenated) by expert; None when
+        they already are (one piece)."""
+        if len(pieces) == 1:
             return None
-        experts = len(self.layout.recv[0])
-        ids = [e for s in slots for e in range(experts) for _ in range(self.layout.recv[s][e])]
+        ids = [e for s, e0, e1 in pieces for e in range(e0, e1) for _ in range(self.layout.recv[s][e])]
         key = torch.tensor(ids, dtype=torch.int64, device=self.w13.device)
         return torch.sort(key, stable=True).indices
 
-    def first(self, slots: Sequence[int], rows: torch.Tensor) -> None:
-        """Phase 1 of ``slots``: ``rows`` are their received rows (bytes), concatenated in order."""
-        slots = tuple(slots)
-        perm = self._expert_major(slots)
+    def first(self, pieces: Sequence[Piece], rows: torch.Tensor) -> None:
+        """Phase 1 of ``pieces``: ``rows`` are their received rows (bytes), concatenated in order."""
+        pieces = tuple(pieces)
+        perm = self._expert_major(pieces)
         if perm is not None:
             rows = rows[perm]
         parts = unpack(rows, self.out_parts)
-        self._kept[slots] = (perm, self._first(parts, self.layout.expert_counts(slots)))
+        self._kept[pieces] = (perm, self._first(parts, self.counts(pieces)))
 
-    def second(self, slots: Sequence[int]) -> torch.Tensor:
-        """Phase 2 of ``slots`` (given to ``first`` as one group): their rows back, as bytes, in
+    def second(self, pieces: Sequence[Piece]) -> torch.Tensor:
+        """Phase 2 of ``pieces`` (given to ``first`` as one group): their rows back, as bytes, in
         the order they arrived."""
-        perm, kept = self._kept.pop(tuple(slots))
-        back = self._second(kept, self.layout.expert_counts(slots))
+        perm, kept = self._kept.pop(tuple(pieces))
+        back = self._second(kept, self.counts(pieces))
         if perm is not None:
             unsorted = torch.empty_like(back)
             unsorted[perm] = back
             back = unsorted
         return back
-
-    def slot_rows(self, slot: int) -> tuple[int, int]:
-        """Rows [r0, r1) of ``slot`` in the received rows."""
-        off = self.layout.recv_offsets
-        return off[slot], off[slot + 1]
 
 
 class ForwardStage(Stage):
@@ -190,12 +208,3 @@ class BackwardStage(Stage):
 
     def grads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.dx, self.dweights, self.dw13.to(self.dtype), self.dw2.to(self.dtype)
-
-
-def all_slots(layout: Layout) -> list[int]:
-    return list(range(layout.world))
-
-
-def ring_order(rank: int, world: int) -> list[int]:
-    """Slots in the order a ring brings them: my own, then rank - 1, rank - 2, ..."""
-    return [(rank - j) % world for j in range(world)]

@@ -121,14 +121,15 @@ def pipelined(stage: Stage, schedule: MoeSchedule, group: dist.ProcessGroup | No
     ring = _Ring(stage, schedule, group)
     rows = stage.outgoing()
     recv, landed = ring.dispatch(rows)
-    stage.first([ring.rank], ring.own_rows(rows))
+    stage.first([stage.whole(ring.rank)], ring.own_rows(rows))
     for j, event in zip(ring.steps, landed, strict=True):
         ring.wait(event)
-        r0, r1 = stage.slot_rows(ring.source(j))
-        stage.first([ring.source(j)], recv[r0:r1])
+        piece = stage.whole(ring.source(j))
+        r0, r1 = stage.piece_rows(piece)
+        stage.first([piece], recv[r0:r1])
     ret = rows.new_empty((rows.shape[0], row_bytes(stage.back_parts)))
     for j in ring.steps:
-        back = stage.second([ring.source(j)])
+        back = stage.second([stage.whole(ring.source(j))])
         done = ring.event()
         with ring.on_comm():
             if done is not None:
@@ -136,7 +137,7 @@ def pipelined(stage: Stage, schedule: MoeSchedule, group: dist.ProcessGroup | No
             ring.combine_step(j, back, ret)
             if ring.comm is not None:
                 back.record_stream(ring.comm)
-    ring.own_rows(ret).copy_(stage.second([ring.rank]))
+    ring.own_rows(ret).copy_(stage.second([stage.whole(ring.rank)]))
     return ring.finish(ret)
 
 

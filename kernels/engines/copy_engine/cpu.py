@@ -236,7 +236,7 @@ class CpuRank:
     ) -> None:
         """Issue ``plan``'s operations, then wait for the main stream (as a synchronize would).
         ``scales``: an fp8 call's (rowwise: ``scales.a`` has this rank's rows of A)."""
-        world, r, opts = self.world, self.rank, self.world.options
+        world, r = self.world, self.rank
         if plan.spec.rank != r or plan.spec.world != world.size:
             raise ProtocolError(
                 f"rank {r} of {world.size} was given the plan of rank {plan.spec.rank} of {plan.spec.world}"
@@ -246,16 +246,22 @@ class CpuRank:
             tensors["scale_a"] = scales.a.view(-1, 1)
             if plan.spec.row_scales:
                 tensors["gathered_scale"] = torch.empty(plan.spec.m, 1, dtype=torch.float32)
+        self.run_ops(plan.ops, lambda where: _Run(world, r, plan, tensors, b, where))
+
+    def run_ops(self, ops: tuple[Op, ...], make_run: Callable[[str], Callable[[Op], None]]) -> None:
+        """Issue ``ops``, then wait for the main stream; ``make_run(where)`` runs the operations
+        that are neither events nor joins (``call``'s are ``_Run``; another protocol's, its own)."""
+        world, r, opts = self.world, self.rank, self.world.options
         self._calls += 1
         slow = (opts.slow or {}).get(r, 0.0)
-        for i, op in enumerate(plan.ops):
+        for i, op in enumerate(ops):
             if opts.drop is not None and opts.drop(r, i, op):
                 continue
             if opts.delay_s:
                 _pause(self._rng, opts.delay_s / 4)
             if slow:
                 time.sleep(slow)
-            self._issue(i, op, plan, tensors, b)
+            self._issue(i, op, len(ops), make_run)
         target = self._issued[MAIN]
         # (each operation's wait is bounded: one of them times out first, and says which)
         with contextlib.suppress(_Aborted):
@@ -263,7 +269,7 @@ class CpuRank:
                 r,
                 lambda: world.done[r, MAIN] >= target,
                 lambda: f"rank {r}'s host waited for its main stream",
-                opts.timeout_s * (len(plan.ops) + 1),
+                opts.timeout_s * (len(ops) + 1),
             )
         if world.failure is not None:
             raise world.failure
@@ -279,7 +285,7 @@ class CpuRank:
             fifo.queue.put(None)
 
     # ------------------------------------------------------------------ issue
-    def _issue(self, i: int, op: Op, plan: CallPlan, tensors: dict, b: torch.Tensor) -> None:
+    def _issue(self, i: int, op: Op, count: int, make_run: Callable[[str], Callable[[Op], None]]) -> None:
         world, r, opts = self.world, self.rank, self.world.options
         where = f"rank {r}, call {self._calls}, {op.stream} stream, op {i} {type(op).__name__}"
         if isinstance(op, Record):
@@ -294,7 +300,7 @@ class CpuRank:
                 other, count = op.other, self._issued[op.other]
             # (waits within a rank target work queued before them, so they cannot deadlock by
             # themselves: they get the long bound, and the flag wait behind a failure reports it)
-            bound = opts.timeout_s * (len(plan.ops) + 1)
+            bound = opts.timeout_s * (count + 1)
 
             def wait() -> None:
                 done = lambda: world.done[r, other] >= count
@@ -302,7 +308,7 @@ class CpuRank:
 
             self._queue(op.stream, wait)
         else:
-            run = _Run(world, r, plan, tensors, b, where)
+            run = make_run(where)
             self._queue(op.stream, lambda: run(op))
 
     def _queue(self, stream: str, run: Callable[[], None]) -> None:
