@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fo_kernels import MoeSchedule, expert_parallel_ffn
+from fo_kernels import MoeProblem, MoeSchedule, expert_parallel_ffn
 from fo_kernels.schedule import torch_dtype
 
 # Relative error bounds against the float64 reference, per dtype (fp32: the issue's 1e-4).
-TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 3e-2}
 ROUTINGS = ("random", "distinct", "skewed", "duplicates")
 
 
@@ -97,15 +97,16 @@ def reference(case: MoeCase, rank: int, world: int) -> dict[str, torch.Tensor]:
         total = total + (y * d["g"]).sum()
         if r == rank:
             mine = dict(y=y.detach(), x=x, w=w)
-    total.backward()
+    if isinstance(total, torch.Tensor) and total.requires_grad:
+        total.backward()
     lo, hi = rank * case.experts, (rank + 1) * case.experts
     x, w = mine["x"], mine["w"]
     return dict(
         y=mine["y"],
         dx=x.grad if x.grad is not None else torch.zeros_like(x),  # (no tokens: no graph)
         dw=w.grad if w.grad is not None else torch.zeros_like(w),
-        dw13=w13.grad[lo:hi],
-        dw2=w2.grad[lo:hi],
+        dw13=w13.grad[lo:hi] if w13.grad is not None else torch.zeros_like(w13[lo:hi]),
+        dw2=w2.grad[lo:hi] if w2.grad is not None else torch.zeros_like(w2[lo:hi]),
     )
 
 
@@ -117,18 +118,18 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return err if err == err else float("inf")  # NaN is a failure
 
 
-def ffn_call(case: MoeCase):
+def ffn_call(case: MoeCase, group=None):
     schedule = MoeSchedule.from_dict(case.schedule) if case.schedule is not None else None
 
     def call(x, ids, w, w13, w2):
-        return expert_parallel_ffn(x, ids, w, w13, w2, schedule=schedule)
+        return expert_parallel_ffn(x, ids, w, w13, w2, group=group, schedule=schedule)
 
     if case.compiled:
         return torch.compile(call, fullgraph=True, backend="aot_eager", dynamic=False)
     return call
 
 
-def run_case(case: MoeCase, rank: int, world: int) -> dict[str, float]:
+def run_case(case: MoeCase, rank: int, world: int, group=None) -> dict[str, float]:
     """This rank's relative errors of y (and the gradients) against the float64 reference."""
     d = inputs(case, rank, world)
     dtype = torch_dtype(case.dtype)
@@ -137,7 +138,7 @@ def run_case(case: MoeCase, rank: int, world: int) -> dict[str, float]:
     w = d["w"].float().requires_grad_(case.backward)
     w13 = d["w13"][lo:hi].to(dtype).requires_grad_(case.backward)
     w2 = d["w2"][lo:hi].to(dtype).requires_grad_(case.backward)
-    y = ffn_call(case)(x, d["ids"], w, w13, w2)
+    y = ffn_call(case, group)(x, d["ids"], w, w13, w2)
     ref = reference(case, rank, world)
     errs = {"y": rel_err(y, ref["y"]), "y_dtype": float(y.dtype != dtype)}
     if case.backward:
@@ -151,6 +152,97 @@ def run_cases(ctx, cases: list[MoeCase]) -> list[dict[str, float]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return [run_case(c, ctx.rank, ctx.world_size) for c in cases]
+
+
+def run_groups(ctx, groups: list[tuple[tuple[int, ...], list[MoeCase]]]) -> list[dict]:
+    """For each (ranks, cases): a process group of those ranks; its members run the cases
+    (results tagged with the group), then the bad calls (``bad_inputs``); a rank outside calls
+    with the group and must get a ``GroupError``."""
+    import torch.distributed as dist
+
+    out = []
+    for ranks, cases in groups:
+        group = dist.new_group(list(ranks))
+        if ctx.rank not in ranks:
+            out.append({"ranks": ranks, "outside": _message(lambda g=group: _tiny_call(g))})
+            continue
+        rank, world = ranks.index(ctx.rank), len(ranks)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for c in cases:
+                out.append({"ranks": ranks, "case": c, "errs": run_case(c, rank, world, group)})
+            out.append({"ranks": ranks, "bad": bad_inputs(group, rank, world)})
+    return out
+
+
+def _tiny_call(group, **changes):
+    """One small call with ``changes`` to its arguments (x, ids, w, w13, w2, schedule)."""
+    args = dict(
+        x=torch.randn(3, 8),
+        ids=torch.zeros(3, 2, dtype=torch.int64),
+        w=torch.rand(3, 2),
+        w13=torch.randn(2, 8, 6),
+        w2=torch.randn(2, 3, 8),
+        schedule=None,
+    )
+    args.update(changes)
+    schedule = args.pop("schedule")
+    return expert_parallel_ffn(*args.values(), group=group, schedule=schedule)
+
+
+def _message(call) -> str:
+    """The ValueError's message of ``call`` (its type first), or why it is not one."""
+    try:
+        call()
+    except ValueError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # (reported: the test fails on it)
+        return f"NOT A ValueError {type(exc).__name__}: {exc}"
+    return "NO ERROR"
+
+
+def bad_inputs(group, rank: int, world: int) -> dict[str, str]:
+    """Every bad call's message (each must raise a ValueError before any collective: the good
+    call after them checks that no collective was left half done), and the good call's error.
+    The last bad call differs between the ranks (H), which only the counts exchange can see."""
+    e = 2 * world
+    bad = {
+        "id_too_big": dict(ids=torch.full((3, 2), e, dtype=torch.int64)),
+        "id_negative": dict(ids=torch.full((3, 2), -1, dtype=torch.int64)),
+        "ids_float": dict(ids=torch.zeros(3, 2)),
+        "weights_shape": dict(w=torch.rand(3, 3)),
+        "tokens_disagree": dict(ids=torch.zeros(4, 2, dtype=torch.int64), w=torch.rand(4, 2)),
+        "w13_hidden": dict(w13=torch.randn(2, 9, 6)),
+        "w13_odd": dict(w13=torch.randn(2, 8, 5)),
+        "w2_shape": dict(w2=torch.randn(2, 4, 8)),
+        "dtype_mixed": dict(w13=torch.randn(2, 8, 6, dtype=torch.float64)),
+        "x_int": dict(x=torch.zeros(3, 8, dtype=torch.int32)),
+        "x_3d": dict(x=torch.randn(3, 8, 1)),
+        "schedule_type": dict(schedule="fast"),
+    }
+    out = {name: _message(lambda c=c: _tiny_call(group, **c)) for name, c in bad.items()}
+    sched = MoeSchedule(
+        dtype="float32",
+        world_size=world,
+        problem=MoeProblem(hidden=8, intermediate=3, experts=2, top_k=2, tokens_max=2),
+    )
+    out["schedule_tokens"] = _message(lambda: _tiny_call(group, schedule=sched))
+    # H differs on the last rank only: every rank must raise at the counts exchange
+    h = 8 if rank < world - 1 else 4
+    mixed = dict(x=torch.randn(3, h), w13=torch.randn(2, h, 6), w2=torch.randn(2, 3, h))
+    out["ranks_disagree"] = _message(lambda: _tiny_call(group, **mixed))
+    x = torch.randn(3, 8, dtype=torch.float64)
+    ids = torch.tensor([[0, e - 1], [1, 1], [e - 1, 0]])
+    w = torch.rand(3, 2, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    w13 = torch.randn(e, 8, 6, generator=gen, dtype=torch.float64)
+    w2 = torch.randn(e, 3, 8, generator=gen, dtype=torch.float64)
+    lo = rank * 2
+    got = expert_parallel_ffn(
+        x.float(), ids, w.float(), w13[lo : lo + 2].float(), w2[lo : lo + 2].float(), group=group
+    )
+    out["good_after"] = rel_err(got, reference_ffn(x, ids, w, w13, w2))
+    return out
 
 
 # ----------------------------------------------------------------------------- thread-ranks
@@ -168,7 +260,7 @@ def thread_stage(case: MoeCase, rank: int, world: int, backward: bool):
         args = (d["x"].float(), d["ids"], d["w"].float(), d["w13"][lo:hi].float(), d["w2"][lo:hi].float())
         shape = check_call(*args, world)
         routings.append((args, shape, route(d["ids"], shape), d["g"].float()))
-    (x, ids, w, w13, w2), shape, routing, g = routings[rank]
+    (x, _ids, w, w13, w2), shape, routing, g = routings[rank]
     layout = Layout(rank, routing.host_counts, tuple(rt[2].host_counts[rank] for rt in routings))
     if backward:
         return BackwardStage(g, x, w, shape, routing, layout, w13, w2)

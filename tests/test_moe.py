@@ -1,0 +1,205 @@
+"""The expert-parallel FFN (``fo_kernels.moe``) on gloo process groups of 2, 3 and 4 CPU ranks
+against the unsharded float64 reference: forward and backward, eager and compiled, the no-overlap
+path and the Triton engine's, random routings and sizes; bad input; the custom op's registration.
+
+One spawned job of 4 ranks runs every world size: groups (0, 1), (1, 2, 3) and (0, 1, 2, 3),
+so rank 0 also calls with a group it is not in.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fo_kernels import GroupError, MoeProblem, MoeSchedule, ScheduleError, ShapeError, expert_parallel_ffn
+from fo_kernels.moe import ops as moe_ops
+from fo_tune.ranks.launch import run_ranks
+from moe_cases import ROUTINGS, TOL, MoeCase, reference_ffn, rel_err, run_groups
+
+GROUPS = ((0, 1), (1, 2, 3), (0, 1, 2, 3))
+TILE = {"block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 4, "num_stages": 1}
+DTYPES = ("float32", "bfloat16", "float32", "float16")
+CASES = 8  # per group
+# opcheck's checks but the dynamic-shape AOT dispatch (18 s on a 2-core CPU), which
+# test_compiled_with_routing_inside_matches_eager covers (aot_eager, dynamic=True) in ~3 s
+FAST_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+def _cases(world: int, seed: int, count: int) -> list[MoeCase]:
+    """``count`` cases of random sizes and routings (k = 1 .. 4, a rank without tokens in most);
+    every third on the Triton engine, the fourth compiled."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        tokens = [rng.randint(0, 9) for _ in range(world)]
+        if i % 3 != 2:
+            tokens[rng.randrange(world)] = 0
+        hidden, inter = rng.choice((8, 16, 24)), rng.choice((4, 8, 12))
+        experts, top_k = rng.randint(1, 3), 1 + i % 4
+        dtype = DTYPES[i % len(DTYPES)]
+        schedule = None
+        if i % 3 == 1:
+            problem = dict(hidden=hidden, intermediate=inter, experts=experts, top_k=top_k, tokens_max=9)
+            schedule = dict(dtype=dtype, world_size=world, engine="triton", problem=problem, tile=TILE)
+        out.append(
+            MoeCase(
+                tokens=tuple(tokens),
+                hidden=hidden,
+                inter=inter,
+                experts=experts,
+                top_k=top_k,
+                dtype=dtype,
+                routing=ROUTINGS[i % len(ROUTINGS)],
+                seed=seed * 100 + i,
+                compiled=i == 3,
+                schedule=schedule,
+            )
+        )
+    return out
+
+
+def test_gloo_groups_of_two_three_and_four_ranks():
+    """Forward and every gradient within the dtype's tolerance on every rank of every group; the
+    bad calls raise ValueErrors naming the problem and leave no collective half done; a rank
+    outside a group gets a GroupError."""
+    payload = [(ranks, _cases(len(ranks), 10 + len(ranks), CASES)) for ranks in GROUPS]
+    per_rank = run_ranks(run_groups, 4, payload, backend="gloo")
+    checked = 0
+    for rank, results in enumerate(per_rank):
+        for r in results:
+            where = f"rank {rank} of group {r['ranks']}"
+            if "outside" in r:
+                assert r["outside"].startswith("GroupError: group: this rank is not a member"), where
+            elif "bad" in r:
+                _check_bad(r["bad"], where)
+            else:
+                c, errs = r["case"], r["errs"]
+                assert errs.pop("y_dtype") == 0, where
+                for name, err in errs.items():
+                    assert err < TOL[c.dtype], f"{where}: {name} relative error {err:.2e} in {c}"
+                checked += 1
+    assert checked == sum(len(ranks) * CASES for ranks in GROUPS)
+
+
+def _check_bad(msgs: dict, where: str) -> None:
+    good = msgs.pop("good_after")
+    assert good < TOL["float32"], f"{where}: the good call after the bad ones: {good}"
+    for name, msg in msgs.items():
+        assert msg.split(":")[0] in ("ShapeError", "ScheduleError"), f"{where}: {name}: {msg}"
+    assert "[0, " in msgs["id_too_big"] and "[0, " in msgs["id_negative"]
+    assert "int64" in msgs["ids_float"]
+    assert "topk_weights" in msgs["weights_shape"] and "T = x.shape[0]" in msgs["tokens_disagree"]
+    assert "w13" in msgs["w13_hidden"] and "2I even" in msgs["w13_odd"] and "w2 must be" in msgs["w2_shape"]
+    assert "must agree" in msgs["dtype_mixed"] and "bfloat16" in msgs["x_int"]
+    assert "(T, H)" in msgs["x_3d"] and "MoeSchedule" in msgs["schedule_type"]
+    assert msgs["schedule_tokens"].startswith("ScheduleError: problem:")
+    assert "the ranks' calls disagree" in msgs["ranks_disagree"], msgs["ranks_disagree"]
+
+
+# ----------------------------------------------------------------------------- one process
+@pytest.fixture
+def one_rank():
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                yield
+        finally:
+            torch._dynamo.reset()
+            dist.destroy_process_group()
+
+
+def test_op_schema_fake_and_autograd_registration(one_rank):
+    """torch.library's own check of both ops (schema, fake against real, autograd registration)."""
+    x = torch.randn(5, 8, requires_grad=True)
+    ids = torch.tensor([[0, 1], [1, 1], [0, 0], [1, 0], [0, 1]])
+    w = torch.rand(5, 2, requires_grad=True)
+    w13 = torch.randn(2, 8, 6, requires_grad=True)
+    w2 = torch.randn(2, 3, 8, requires_grad=True)
+    op = torch.ops.fo_kernels.expert_parallel_ffn.default
+    assert str(op._schema) == (
+        "fo_kernels::expert_parallel_ffn(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
+        "Tensor w2, str group_name, str schedule) -> Tensor"
+    )
+    result = torch.library.opcheck(op, (x, ids, w, w13, w2, "", ""), test_utils=FAST_CHECKS)
+    assert set(result.values()) == {"SUCCESS"}, result
+    back = torch.ops.fo_kernels.expert_parallel_ffn_backward.default
+    plain = [t.detach() for t in (x, ids, w, w13, w2)]  # (it has no backward of its own)
+    result = torch.library.opcheck(back, (torch.randn(5, 8), *plain, "", ""), test_utils=FAST_CHECKS)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_compiled_with_routing_inside_matches_eager(one_rank):
+    """torch.compile(fullgraph=True) of a router + the op (dynamic token count): the op is one
+    node, and compiled equals eager, forward and backward; the schedule goes in as its text."""
+    gen = torch.Generator().manual_seed(3)
+    w13 = torch.randn(4, 16, 12, generator=gen, requires_grad=True)
+    w2 = torch.randn(4, 6, 16, generator=gen, requires_grad=True)
+    gate = torch.randn(16, 4, generator=gen)
+    problem = MoeProblem(hidden=16, intermediate=6, experts=4, top_k=2, tokens_max=64)
+    schedule = MoeSchedule(dtype="float32", world_size=1, problem=problem)
+
+    def block(x):
+        w, ids = (x @ gate).softmax(-1).topk(2, dim=-1)
+        return expert_parallel_ffn(x, ids, w, w13, w2, schedule=schedule)
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager", dynamic=True)
+    for tokens in (7, 13, 0):
+        x = torch.randn(tokens, 16, generator=gen, requires_grad=True)
+        got, want = compiled(x), block(x)
+        torch.testing.assert_close(got, want)
+        if tokens:
+            grads = torch.autograd.grad(got.square().sum(), (x, w13, w2))
+            ref = torch.autograd.grad(want.square().sum(), (x, w13, w2))
+            for g, r in zip(grads, ref, strict=True):
+                torch.testing.assert_close(g, r)
+
+
+def test_world_size_one_duplicates_and_direct_call(one_rank):
+    """At world size 1 nothing moves; a token naming one expert twice counts twice; a call without
+    gradients skips the dispatcher and equals the op's."""
+    x = torch.randn(6, 8, dtype=torch.float64)
+    ids = torch.tensor([[1, 1], [0, 2], [2, 2], [1, 0], [0, 0], [2, 1]])
+    w = torch.rand(6, 2, dtype=torch.float64)
+    w13, w2 = torch.randn(3, 8, 10, dtype=torch.float64), torch.randn(3, 5, 8, dtype=torch.float64)
+    want = reference_ffn(x, ids, w, w13, w2)
+    got = expert_parallel_ffn(x.float(), ids, w.float(), w13.float(), w2.float())
+    assert rel_err(got, want) < TOL["float32"]
+    via_op = moe_ops._ffn(x.float(), ids, w.float(), w13.float(), w2.float(), "", "")
+    torch.testing.assert_close(got, via_op)
+
+
+def test_schedule_fields_round_trip_and_errors_name_the_field():
+    problem = MoeProblem(hidden=4096, intermediate=1536, experts=16, top_k=8, tokens_min=512, tokens_max=1024)
+    s = MoeSchedule(dtype="bfloat16", world_size=8, problem=problem, engine="copy_engine", chunks=4)
+    assert MoeSchedule.from_dict(s.to_dict()) == s
+    assert moe_ops.parse_schedule(s.op_text) == s
+    tile = {"block_m": 128, "block_n": 128, "block_k": 64}
+    t = MoeSchedule.from_dict({**s.to_dict(), "engine": "triton", "tile": tile, "chunks": 1})
+    assert t.tile.block_m == 128 and MoeSchedule.from_dict(t.to_dict()) == t
+    for bad, field in (
+        ({"engine": "nccl"}, "engine:"),
+        ({"engine": "triton"}, "tile:"),
+        ({"chunks": 0}, "chunks:"),
+        ({"dtype": "int8"}, "dtype:"),
+        ({"problem": {**problem.to_dict(), "tokens_min": 2048}}, "problem.tokens_min:"),
+        ({"sms": 3}, "schedule: unknown key"),
+    ):
+        with pytest.raises(ScheduleError, match=field):
+            MoeSchedule.from_dict({**s.to_dict(), **bad})
+
+
+def test_without_a_process_group_it_says_so():
+    assert not dist.is_initialized()
+    with pytest.raises(ScheduleError, match="not initialized"):
+        expert_parallel_ffn(
+            torch.randn(2, 8), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1),
+            torch.randn(1, 8, 4), torch.randn(1, 2, 8),
+        )  # fmt: skip
+    assert issubclass(GroupError, ValueError) and issubclass(ShapeError, ValueError)
