@@ -43,6 +43,8 @@ _EXPORTS = {
     "gemm_all_reduce": "overlap",
     "gemm_reduce_scatter": "overlap",
     "expert_parallel_ffn": "moe.ffn",
+    "ExpertParallelExperts": "moe.module",
+    "parallelize_experts": "moe.module",
     "MoeProblem": "moe.schedule",
     "MoeSchedule": "moe.schedule",
     "OverlapRuntime": "runtime",

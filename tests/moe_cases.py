@@ -154,12 +154,16 @@ def run_cases(ctx, cases: list[MoeCase]) -> list[dict[str, float]]:
         return [run_case(c, ctx.rank, ctx.world_size) for c in cases]
 
 
-def run_groups(ctx, groups: list[tuple[tuple[int, ...], list[MoeCase]]]) -> list[dict]:
-    """For each (ranks, cases): a process group of those ranks; its members run the cases
-    (results tagged with the group), then the bad calls (``bad_inputs``); a rank outside calls
-    with the group and must get a ``GroupError``."""
+def run_groups(
+    ctx, payload: tuple[list[tuple[tuple[int, ...], list[MoeCase]]], tuple[str, ...]]
+) -> list[dict]:
+    """For each (ranks, cases) of ``payload[0]``: a process group of those ranks; its members run
+    the cases (results tagged with the group), then the bad calls (``bad_inputs``); a rank
+    outside calls with the group and must get a ``GroupError``. Then ``examples/moe_block.py``'s
+    check of each model in ``payload[1]`` on every rank (the default group)."""
     import torch.distributed as dist
 
+    groups, models = payload
     out = []
     for ranks, cases in groups:
         group = dist.new_group(list(ranks))
@@ -172,7 +176,24 @@ def run_groups(ctx, groups: list[tuple[tuple[int, ...], list[MoeCase]]]) -> list
             for c in cases:
                 out.append({"ranks": ranks, "case": c, "errs": run_case(c, rank, world, group)})
             out.append({"ranks": ranks, "bad": bad_inputs(group, rank, world)})
+    example = _example()
+    for kind in models:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out.append({"example": kind, "errors": example.check(kind, ctx.rank, ctx.world_size, ctx.device)})
     return out
+
+
+def _example():
+    """``examples/moe_block.py`` as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "moe_block.py"
+    spec = importlib.util.spec_from_file_location("moe_block", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _tiny_call(group, **changes):

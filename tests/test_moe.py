@@ -25,6 +25,8 @@ GROUPS = ((0, 1), (1, 2, 3), (0, 1, 2, 3))
 TILE = {"block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 4, "num_stages": 1}
 DTYPES = ("float32", "bfloat16", "float32", "float16")
 CASES = 8  # per group
+EXAMPLE_MODELS = ("mixtral", "qwen3_moe")
+EXAMPLE_CHECKS = {"logits", "loss", "other parameters", "expert weights"}
 # opcheck's checks but the dynamic-shape AOT dispatch (18 s on a 2-core CPU), which
 # test_compiled_with_routing_inside_matches_eager covers (aot_eager, dynamic=True) in ~3 s
 FAST_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
@@ -66,14 +68,20 @@ def _cases(world: int, seed: int, count: int) -> list[MoeCase]:
 def test_gloo_groups_of_two_three_and_four_ranks():
     """Forward and every gradient within the dtype's tolerance on every rank of every group; the
     bad calls raise ValueErrors naming the problem and leave no collective half done; a rank
-    outside a group gets a GroupError."""
-    payload = [(ranks, _cases(len(ranks), 10 + len(ranks), CASES)) for ranks in GROUPS]
-    per_rank = run_ranks(run_groups, 4, payload, backend="gloo")
+    outside a group gets a GroupError; examples/moe_block.py's check of a Mixtral and a Qwen3-MoE
+    decoder with their experts over the 4 ranks (``ExpertParallelExperts``) against the
+    unsharded models."""
+    groups = [(ranks, _cases(len(ranks), 10 + len(ranks), CASES)) for ranks in GROUPS]
+    per_rank = run_ranks(run_groups, 4, (groups, EXAMPLE_MODELS), backend="gloo")
     checked = 0
     for rank, results in enumerate(per_rank):
         for r in results:
-            where = f"rank {rank} of group {r['ranks']}"
-            if "outside" in r:
+            where = f"rank {rank} of group {r.get('ranks')}"
+            if "example" in r:
+                assert set(r["errors"]) == EXAMPLE_CHECKS, r
+                assert max(r["errors"].values()) < TOL["float32"], f"rank {rank}: {r}"
+                checked += 1
+            elif "outside" in r:
                 assert r["outside"].startswith("GroupError: group: this rank is not a member"), where
             elif "bad" in r:
                 _check_bad(r["bad"], where)
@@ -83,7 +91,7 @@ def test_gloo_groups_of_two_three_and_four_ranks():
                 for name, err in errs.items():
                     assert err < TOL[c.dtype], f"{where}: {name} relative error {err:.2e} in {c}"
                 checked += 1
-    assert checked == sum(len(ranks) * CASES for ranks in GROUPS)
+    assert checked == sum(len(ranks) * CASES for ranks in GROUPS) + 4 * len(EXAMPLE_MODELS)
 
 
 def _check_bad(msgs: dict, where: str) -> None:
@@ -203,3 +211,82 @@ def test_without_a_process_group_it_says_so():
             torch.randn(1, 8, 4), torch.randn(1, 2, 8),
         )  # fmt: skip
     assert issubclass(GroupError, ValueError) and issubclass(ShapeError, ValueError)
+
+
+# ----------------------------------------------------------------------------- the module
+def _mixtral_experts(experts: int = 4):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=experts)
+    block = MixtralExperts(config)
+    with torch.no_grad():
+        block.gate_up_proj.normal_(0, 0.3)
+        block.down_proj.normal_(0, 0.3)
+    return block
+
+
+class _Mlp(torch.nn.Module):
+    """A transformers-4 style expert MLP (Mixtral's w1 / w3 / w2)."""
+
+    def __init__(self, act) -> None:
+        super().__init__()
+        self.w1, self.w3 = torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(16, 8, bias=False)
+        self.w2, self.act_fn = torch.nn.Linear(8, 16, bias=False), act
+
+    def forward(self, x):
+        return self.w2(self.act_fn(self.w1(x)) * self.w3(x))
+
+
+def test_module_from_both_hf_layouts_matches_the_block(one_rank):
+    """``ExpertParallelExperts.from_experts`` of transformers' fused block (and its transposed and
+    interleaved variants) and of a ModuleList of MLPs computes what the block computes, and its
+    weight gradients are the block's."""
+    pytest.importorskip("transformers")
+    from fo_kernels import ExpertParallelExperts
+
+    block = _mixtral_experts()
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 16, generator=gen)
+    ids = torch.randint(0, 4, (9, 2), generator=gen)
+    w = torch.rand(9, 2, generator=gen)
+    want = block(x, ids, w)
+    ep = ExpertParallelExperts.from_experts(block)
+    got = ep(x, ids, w)
+    torch.testing.assert_close(got, want)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    torch.testing.assert_close(ep.w13.grad, block.gate_up_proj.grad.transpose(1, 2))
+    torch.testing.assert_close(ep.w2.grad, block.down_proj.grad.transpose(1, 2))
+    # the transposed and the interleaved fused layouts hold the same experts
+    with torch.no_grad():
+        block.is_transposed = True
+        block.gate_up_proj = torch.nn.Parameter(block.gate_up_proj.transpose(1, 2).contiguous())
+        block.down_proj = torch.nn.Parameter(block.down_proj.transpose(1, 2).contiguous())
+        torch.testing.assert_close(ExpertParallelExperts.from_experts(block)(x, ids, w), want)
+        g, u = block.gate_up_proj.chunk(2, dim=-1)
+        block.gate_up_proj = torch.nn.Parameter(torch.stack([g, u], dim=-1).flatten(-2))
+        block.is_concatenated = False
+        torch.testing.assert_close(ExpertParallelExperts.from_experts(block)(x, ids, w), want)
+    mlps = torch.nn.ModuleList(_Mlp(torch.nn.SiLU()) for _ in range(3))
+    per_token = torch.stack(
+        [sum(w[t, j] * mlps[int(ids[t, j]) % 3](x[t]) for j in range(2)) for t in range(9)]
+    )
+    torch.testing.assert_close(ExpertParallelExperts.from_experts(mlps)(x, ids % 3, w), per_token)
+
+
+def test_module_refuses_what_the_op_does_not_compute(one_rank):
+    pytest.importorskip("transformers")
+    from fo_kernels import ExpertParallelExperts, PlanError, parallelize_experts
+
+    gelu = torch.nn.ModuleList(_Mlp(torch.nn.GELU()) for _ in range(2))
+    with pytest.raises(PlanError, match="not SiLU"):
+        ExpertParallelExperts.from_experts(gelu)
+    block = _mixtral_experts()
+    block.has_bias = True
+    with pytest.raises(PlanError, match="has_bias"):
+        ExpertParallelExperts.from_experts(block)
+    with pytest.raises(PlanError, match="neither a fused"):
+        ExpertParallelExperts.from_experts(torch.nn.Linear(2, 2))
+    with pytest.raises(PlanError, match="no fused experts block"):
+        parallelize_experts(torch.nn.Sequential(torch.nn.Linear(2, 2)))

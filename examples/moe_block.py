@@ -1,0 +1,221 @@
+"""Expert parallelism on a small MoE decoder (Mixtral or Qwen3-MoE), checked against the unsharded
+model.
+
+    python examples/moe_block.py                         # 2 ranks: a GPU each if there are 2, else CPU (gloo)
+    python examples/moe_block.py --world-size 4 --model qwen3_moe
+    torchrun --nproc-per-node 2 examples/moe_block.py
+
+Every rank builds the same decoder from a ``transformers`` config with random weights (no download)
+and keeps an unsharded copy. ``fo_kernels.parallelize_experts`` replaces each layer's experts block
+by an ``ExpertParallelExperts``: rank r keeps experts [r x E/w, (r + 1) x E/w) and every expert
+FFN runs as ``expert_parallel_ffn`` (dispatch, grouped GEMMs, combine). Attention and the routers
+stay replicated; each rank runs its own tokens (a different number on every rank), as data
+parallelism does. One forward and backward of a language-model loss then runs on both models on
+this rank's tokens, and the example compares the logits, the loss, the gradients of the replicated
+parameters (this rank's tokens alone) and of this rank's experts (every rank's tokens routed to
+them: the unsharded model's expert gradients summed over the ranks). It prints what it checked
+with the largest relative error of each, then one ``RESULT`` line of JSON, and exits 1 when an
+error exceeds the tolerance (float32: 1e-4).
+
+Needs ``transformers`` (>= 5: its fused experts blocks). On the CPU, gloo moves the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# float32 against the unsharded float32 model.
+TOLERANCE = 1e-4
+HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB = 32, 4, 2, 2, 128
+EXPERTS_PER_RANK, TOP_K, EXPERT_INTER = 3, 2, 24
+MODELS = ("mixtral", "qwen3_moe")
+
+
+def build_model(kind: str, world: int, seed: int) -> torch.nn.Module:
+    """A 2-layer MoE decoder with ``EXPERTS_PER_RANK`` x world experts, random weights."""
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        num_experts_per_tok=TOP_K,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    if kind == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(
+            **common, intermediate_size=EXPERT_INTER, num_local_experts=EXPERTS_PER_RANK * world
+        )
+        model_cls = MixtralForCausalLM
+    else:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(
+            **common,
+            head_dim=HIDDEN // HEADS,
+            intermediate_size=2 * EXPERT_INTER,
+            moe_intermediate_size=EXPERT_INTER,
+            num_experts=EXPERTS_PER_RANK * world,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+        )
+        model_cls = Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():  # transformers leaves some experts' weights to its init: make them all random
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.detach().double()
+    return ((got.detach().double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def grad_errors(sharded: torch.nn.Module, full: torch.nn.Module, rank: int, world: int) -> dict[str, float]:
+    """The largest relative error of the experts' and of the other parameters' gradients."""
+    from fo_kernels import ExpertParallelExperts
+
+    worst: dict[str, float] = {}
+    full_modules = dict(full.named_modules())
+    for name, module in sharded.named_modules():
+        if isinstance(module, ExpertParallelExperts):
+            ref = full_modules[name]
+            local = module.w13.shape[0]
+            part = slice(rank * local, (rank + 1) * local)
+            for got, want in ((module.w13, ref.gate_up_proj), (module.w2, ref.down_proj)):
+                summed = want.grad.clone()
+                dist.all_reduce(summed)  # every rank's tokens reach this rank's experts
+                err = rel(got.grad, summed[part].transpose(1, 2))
+                worst["expert weights"] = max(worst.get("expert weights", 0.0), err)
+        elif not any(True for _ in module.children()) and "experts" not in name:
+            for n, p in module.named_parameters():
+                want = dict(full_modules[name].named_parameters())[n].grad
+                worst["other parameters"] = max(worst.get("other parameters", 0.0), rel(p.grad, want))
+    return worst
+
+
+def check(kind: str, rank: int, world: int, device: torch.device) -> dict[str, float]:
+    """Forward and backward of the sharded and the unsharded model; name -> relative error."""
+    from fo_kernels import parallelize_experts
+
+    full = build_model(kind, world, seed=0).to(device)
+    sharded = copy.deepcopy(full)
+    replaced = parallelize_experts(sharded)
+    assert len(replaced) == LAYERS, replaced
+    gen = torch.Generator().manual_seed(100 + rank)  # this rank's own tokens, a length of its own
+    tokens = torch.randint(0, VOCAB, (1, 5 + 3 * rank), generator=gen).to(device)
+    outputs = {}
+    for name, model in (("full", full), ("sharded", sharded)):
+        out = model(input_ids=tokens, labels=tokens)
+        out.loss.backward()
+        outputs[name] = out
+    errors = {
+        "logits": rel(outputs["sharded"].logits, outputs["full"].logits),
+        "loss": rel(outputs["sharded"].loss, outputs["full"].loss),
+    }
+    errors.update(grad_errors(sharded, full, rank, world))
+    return errors
+
+
+def rank_main(kind: str, rank: int, world: int, backend: str, store: str, results: dict | None) -> None:
+    """One rank: join the group, run ``check``, report (rank 0 prints)."""
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            errors = check(kind, rank, world, device)
+        everyone: list[dict[str, float]] = [{} for _ in range(world)]
+        dist.all_gather_object(everyone, errors)
+        dist.barrier()  # every rank done with its collectives before any tears the group down
+    finally:
+        dist.destroy_process_group()
+    worst = {name: max(e[name] for e in everyone) for name in errors}
+    if results is not None:
+        results.update(worst)
+    if rank == 0:
+        report(kind, world, backend, worst)
+
+
+def report(kind: str, world: int, backend: str, worst: dict[str, float]) -> None:
+    experts = EXPERTS_PER_RANK * world
+    print(f"{kind} decoder ({LAYERS} layers, {experts} experts, top-{TOP_K}) over {world} ranks ({backend}):")
+    print(f"  experts -> ExpertParallelExperts, {EXPERTS_PER_RANK} a rank; attention and routers replicated")
+    for name, err in worst.items():
+        verdict = "ok" if err <= TOLERANCE else "TOO LARGE"
+        print(f"  {name:<18} max relative error {err:.2e} ({verdict}, tolerance {TOLERANCE:.0e})")
+    ok = all(err <= TOLERANCE for err in worst.values())
+    result = {"model": kind, "world_size": world, "backend": backend, "errors": worst, "ok": ok}
+    print("RESULT " + json.dumps(result))
+
+
+def spawned(rank: int, kind: str, world: int, backend: str, store: str, queue) -> None:
+    results: dict[str, float] = {}
+    rank_main(kind, rank, world, backend, store, results)
+    if rank == 0:
+        queue.put(results)
+    # as examples/tp_block.py: a gloo rank can abort in its interpreter's shutdown after its work
+    # is done and reported, so the shutdown is skipped
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--model", choices=MODELS, default="mixtral")
+    parser.add_argument(
+        "--backend", choices=["nccl", "gloo"], help="default: nccl with a GPU per rank, else gloo"
+    )
+    args = parser.parse_args(argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("this example needs transformers: pip install transformers", file=sys.stderr)
+        return 2
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        backend = args.backend or ("nccl" if torch.cuda.device_count() >= world else "gloo")
+        results: dict[str, float] = {}
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group(backend)
+        rank_main(args.model, rank, world, backend, "", results)
+        return 0 if all(err <= TOLERANCE for err in results.values()) else 1
+    world = args.world_size
+    if world < 1:
+        parser.error("--world-size must be >= 1")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = args.backend or ("nccl" if gpus >= world else "gloo")
+    os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+    with tempfile.TemporaryDirectory() as tmp:
+        queue = mp.get_context("spawn").SimpleQueue()
+        store = os.path.join(tmp, "store")
+        mp.spawn(spawned, args=(args.model, world, backend, store, queue), nprocs=world)
+        results = queue.get()
+    return 0 if all(err <= TOLERANCE for err in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""``ExpertParallelExperts``: a Hugging Face experts block (Mixtral, Qwen3-MoE and their kin)
+sharded over an expert-parallel group, its forward one ``expert_parallel_ffn``.
+
+It takes the experts block's place in the model: ``forward(hidden_states, top_k_index,
+top_k_weights)`` as transformers (>= 5) calls ``MixtralExperts`` / ``Qwen3MoeExperts`` from the
+sparse MoE block, after the router, which stays replicated. Every rank keeps the experts
+[rank x E_local, (rank + 1) x E_local), E_local = E / world, and routes its own tokens.
+
+``from_experts`` reads the two layouts transformers has used:
+
+    fused (transformers >= 5)   gate_up_proj (E, 2I, H) [gate; up], down_proj (E, H, I)
+                                (``is_transposed``: (E, H, 2I) and (E, I, H); ``is_concatenated``
+                                False: gate and up interleaved column by column)
+    per expert (transformers 4) a ModuleList of MLPs with w1 / w3 / w2 (Mixtral) or gate_proj /
+                                up_proj / down_proj (Qwen3-MoE) ``nn.Linear`` layers
+
+and refuses (``PlanError``) what the op does not compute: an activation other than SiLU,
+biases, a norm after each expert, experts without a gate, E not divisible by the world size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fo_kernels.errors import PlanError
+from fo_kernels.groups import check_group
+from fo_kernels.moe.ffn import expert_parallel_ffn
+from fo_kernels.moe.schedule import MoeSchedule
+
+# Points where a SiLU is told apart from the other activations transformers' MoE models use
+# (gelu, relu, the clamped SwiGLU of gpt-oss); checked to float32 rounding.
+_PROBE = (-3.0, -0.5, 0.25, 2.0, 9.0)
+_PROBE_TOL = 1e-6
+# Per-expert MLP attribute names: (gate, up, down), Mixtral's then Qwen's (transformers 4).
+_MLP_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+
+
+def _check_silu(act: object, where: str) -> None:
+    if not callable(act):
+        raise PlanError(f"{where}: no act_fn to check; expert_parallel_ffn computes silu(gate) * up")
+    probe = torch.tensor(_PROBE)
+    try:
+        same = torch.allclose(act(probe), F.silu(probe), atol=_PROBE_TOL)
+    except (TypeError, RuntimeError):
+        same = False
+    if not same:
+        raise PlanError(
+            f"{where}: its activation {act!r} is not SiLU; expert_parallel_ffn computes silu(gate) * up"
+        )
+
+
+def _fused(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13, w2) of every expert from the fused layout, as (E, H, 2I) and (E, I, H)."""
+    for flag, bad in (("has_bias", True), ("has_post_expert_norm", True), ("has_gate", False)):
+        if getattr(experts, flag, not bad) == bad:
+            raise PlanError(f"experts: {flag}={bad} is not the SwiGLU expert expert_parallel_ffn computes")
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    if not getattr(experts, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    if not getattr(experts, "is_concatenated", True):  # [g0, u0, g1, u1, ...] -> [gate | up]
+        gate_up = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1)
+    return gate_up, down
+
+
+def _per_expert(experts: nn.ModuleList) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13, w2) of every expert from a ModuleList of MLPs (``_MLP_NAMES``)."""
+    first = experts[0]
+    names = next((n for n in _MLP_NAMES if all(hasattr(first, a) for a in n)), None)
+    if names is None:
+        raise PlanError(f"experts: an MLP without {' / '.join('/'.join(n) for n in _MLP_NAMES)} layers")
+    w13, w2 = [], []
+    for i, mlp in enumerate(experts):
+        gate, up, down = (getattr(mlp, a) for a in names)
+        if any(getattr(layer, "bias", None) is not None for layer in (gate, up, down)):
+            raise PlanError(
+                f"experts[{i}]: biases are not part of the SwiGLU expert expert_parallel_ffn computes"
+            )
+        _check_silu(getattr(mlp, "act_fn", None), f"experts[{i}]")
+        w13.append(torch.cat([gate.weight.detach().t(), up.weight.detach().t()], dim=1))
+        w2.append(down.weight.detach().t())
+    return torch.stack(w13), torch.stack(w2)
+
+
+class ExpertParallelExperts(nn.Module):
+    """This rank's experts (``w13`` (E_local, H, 2I), ``w2`` (E_local, I, H)) of ``num_experts``,
+    run by ``expert_parallel_ffn`` over ``group`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        num_experts: int,
+        group: dist.ProcessGroup | None = None,
+        schedule: MoeSchedule | None = None,
+    ) -> None:
+        super().__init__()
+        check_group(group)
+        self.w13 = nn.Parameter(w13.contiguous())
+        self.w2 = nn.Parameter(w2.contiguous())
+        self.num_experts, self.group, self.schedule = num_experts, group, schedule
+
+    @classmethod
+    def from_experts(
+        cls,
+        experts: nn.Module,
+        *,
+        group: dist.ProcessGroup | None = None,
+        schedule: MoeSchedule | None = None,
+    ) -> ExpertParallelExperts:
+        """This rank's share of a Hugging Face experts block (either layout of the module
+        docstring); the block itself is left as it is."""
+        check_group(group)
+        if isinstance(experts, nn.ModuleList):
+            w13, w2 = _per_expert(experts)
+        elif hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"):
+            _check_silu(getattr(experts, "act_fn", None), "experts")
+            w13, w2 = _fused(experts)
+        else:
+            raise PlanError(
+                f"experts: a {type(experts).__name__} is neither a fused experts block (gate_up_proj, "
+                "down_proj) nor a ModuleList of expert MLPs"
+            )
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        total = w13.shape[0]
+        if total % world:
+            raise PlanError(f"experts: {total} experts do not split over {world} ranks (E % world != 0)")
+        local = total // world
+        part = slice(rank * local, (rank + 1) * local)
+        return cls(w13[part].clone(), w2[part].clone(), num_experts=total, group=group, schedule=schedule)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts' weighted sum for this rank's tokens ``hidden_states`` (..., H), routed by
+        ``top_k_index`` and ``top_k_weights`` (..., k); the same shape as ``hidden_states``."""
+        hidden = hidden_states.shape[-1]
+        x = hidden_states.reshape(-1, hidden)
+        k = top_k_index.shape[-1]
+        y = expert_parallel_ffn(
+            x,
+            top_k_index.reshape(x.shape[0], k),
+            top_k_weights.reshape(x.shape[0], k),
+            self.w13,
+            self.w2,
+            group=self.group,
+            schedule=self.schedule,
+        )
+        return y.reshape(hidden_states.shape)
+
+    def extra_repr(self) -> str:
+        e, h, i2 = self.w13.shape
+        return f"experts={e} of {self.num_experts}, hidden={h}, intermediate={i2 // 2}"
+
+
+def parallelize_experts(
+    model: nn.Module, *, group: dist.ProcessGroup | None = None, schedule: MoeSchedule | None = None
+) -> list[str]:
+    """Replace every fused experts block (a module named ``experts`` with ``gate_up_proj`` and
+    ``down_proj``, as transformers >= 5 builds them) by its ``ExpertParallelExperts``; the names
+    replaced. A ModuleList of experts is left alone: its MoE block calls each expert itself."""
+    done = []
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "experts" and hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, leaf, ExpertParallelExperts.from_experts(module, group=group, schedule=schedule))
+            done.append(name)
+    if not done:
+        raise PlanError("parallelize_experts: the model has no fused experts block (a module named experts)")
+    return done
