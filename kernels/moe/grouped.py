@@ -74,7 +74,12 @@ def weight_grad(a: torch.Tensor, g: torch.Tensor, counts: Sequence[int], *, libr
     if not a.shape[0]:
         return a.new_zeros((experts, a.shape[1], g.shape[1]), dtype=torch.float32)
     if library if library is not None else _library(a, g):
-        return torch._grouped_mm(a.t(), g, offs=_offsets(counts, a.device), out_dtype=torch.float32)
+        # (the output in the operands' dtype: each expert's sum is one GEMM, rounded once)
+        out = torch._grouped_mm(a.t(), g, offs=_offsets(counts, a.device)).float()
+        empty = [e for e, c in enumerate(counts) if not c]
+        if empty:  # an expert without rows has no gradient, whatever the library leaves there
+            out[empty] = 0
+        return out
     out = a.new_zeros((experts, a.shape[1], g.shape[1]), dtype=torch.float32)
     for e, r0, r1 in _ranges(counts):
         out[e] = (a[r0:r1].t() @ g[r0:r1]).float()

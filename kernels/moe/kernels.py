@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -170,16 +171,38 @@ def _swiglu_kernel(
 
 
 # ----------------------------------------------------------------------------- host side
+@dataclass(frozen=True)
+class SegmentTables:
+    """The kernels' segment tables on the device (``segment_tables``): made once, they let a
+    launch be captured in a CUDA graph (no host-to-device copy inside it)."""
+
+    info: torch.Tensor  # (S, 4) int32: row0, rows, expert, group
+    prefix: torch.Tensor  # (S + 1,) int32: seg_tiles
+    count: int  # S, the segments with rows
+    tiles: int  # seg_tiles[S]
+    block_m: int
+    tiles_n: int
+
+
 def segment_tables(
     segments: Sequence[Segment], block_m: int, tiles_n: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(seg_info, seg_tiles, number of segments, tiles) of the segments with rows, on ``device``."""
+) -> SegmentTables:
+    """The tables of the segments with rows, for tiles of ``block_m`` rows and ``tiles_n`` columns."""
     kept = [s for s in segments if s[1] > 0]
     prefix = [0]
     for _, rows, _, _ in kept:
         prefix.append(prefix[-1] + -(-rows // block_m) * tiles_n)
     info = torch.tensor([x for s in kept for x in s] or [0], dtype=torch.int32, device=device)
-    return info, torch.tensor(prefix, dtype=torch.int32, device=device), len(kept), prefix[-1]
+    prefix_t = torch.tensor(prefix, dtype=torch.int32, device=device)
+    return SegmentTables(info, prefix_t, len(kept), prefix[-1], block_m, tiles_n)
+
+
+def _tables(segments, block_m: int, tiles_n: int, device: torch.device) -> SegmentTables:
+    if isinstance(segments, SegmentTables):
+        if (segments.block_m, segments.tiles_n) != (block_m, tiles_n):
+            raise ValueError(f"segment tables for {segments.block_m}-row tiles, {segments.tiles_n} columns")
+        return segments
+    return segment_tables(segments, block_m, tiles_n, device)
 
 
 def _operands(
@@ -216,7 +239,7 @@ def grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
     out: torch.Tensor,
-    segments: Sequence[Segment],
+    segments: Sequence[Segment] | SegmentTables,
     tile: Tile,
     *,
     grid: int,
@@ -225,10 +248,17 @@ def grouped_gemm(
 ) -> None:
     """``out[rows of s] = a[rows of s] @ w[expert of s]`` for every segment s, on the current
     stream; with ``counters``, each tile then adds 1 (release) to ``counters[group of s]``.
+    ``segments``: the list, or its ``SegmentTables`` for tiles of this tile's size.
     ``a`` (R, K) row-major, ``w`` (E, K, N) contiguous, ``out`` (R, N) with unit column stride."""
     _, k, n = w.shape
-    tiles_n = -(-n // tile.block_n)
-    info, prefix, count, tiles = segment_tables(segments, tile.block_m, tiles_n, a.device)
+    tables = _tables(segments, tile.block_m, -(-n // tile.block_n), a.device)
+    info, prefix, count, tiles, tiles_n = (
+        tables.info,
+        tables.prefix,
+        tables.count,
+        tables.tiles,
+        tables.tiles_n,
+    )
     if not tiles:
         return
     a_arg, b_arg, use_tma, meta = _operands(a, w, tile.block_k, tile.block_n, tile, use_tma, tile.block_n)
@@ -250,7 +280,7 @@ def swiglu_gemm(
     a: torch.Tensor,
     w13: torch.Tensor,
     out: torch.Tensor,
-    segments: Sequence[Segment],
+    segments: Sequence[Segment] | SegmentTables,
     tile: Tile,
     *,
     grid: int,
@@ -261,8 +291,14 @@ def swiglu_gemm(
     _, k, n2 = w13.shape
     inter = n2 // 2
     block_h = swiglu_block(tile)
-    tiles_n = -(-inter // block_h)
-    info, prefix, count, tiles = segment_tables(segments, tile.block_m, tiles_n, a.device)
+    tables = _tables(segments, tile.block_m, -(-inter // block_h), a.device)
+    info, prefix, count, tiles, tiles_n = (
+        tables.info,
+        tables.prefix,
+        tables.count,
+        tables.tiles,
+        tables.tiles_n,
+    )
     if not tiles:
         return
     # (the up projection's blocks start at column I)

@@ -1,0 +1,216 @@
+"""The MoE grouped GEMMs on one GPU: fo_kernels' Triton kernels beside ``torch._grouped_mm``.
+
+    python bench/moe_grouped_gemm.py --out DIR [--suite suites/moe_experts.yaml] [--rounds 20]
+
+For every model and EP of the suite (``suites/moe_experts.yaml``) one rank's expert GEMMs at a
+balanced load: E / EP local experts, tokens x k rows split over them by a seeded multinomial draw
+(uneven, as routing is). Variants, bf16, timed side by side:
+
+    up      lib: torch._grouped_mm(x, W13)               fo: swiglu_gemm (the SwiGLU in its epilogue)
+    up_act  lib: torch._grouped_mm(x, W13) + silu * up   (what the no-overlap path runs)
+    down    lib: torch._grouped_mm(h, W2)                fo: grouped_gemm, one slot
+    down_signalled                                      fo: grouped_gemm, EP slots, a counter
+                                                            per slot (what the combine waits on)
+
+Every variant is checked against ``torch._grouped_mm`` first (relative error < 2e-2). fo's tile
+is the fastest of ``TILES`` per shape (each timed alone, then the pick side by side). A sample is
+one CUDA graph replay of ``--calls`` calls; rounds alternate the variants' order; the median of
+the rounds is reported. Writes DIR/moe_grouped_gemm.csv (one row per model, EP and variant, with
+the GPU, torch, Triton and time of the run) and prints a summary: fo's time over lib's (x lib > 1:
+fo is faster). Needs a CUDA GPU with ``torch._grouped_mm`` (torch >= 2.8, Hopper for bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+os.environ.setdefault("TRITON_INTERPRET", "0")
+
+from fo_kernels.moe.kernels import grouped_gemm, segment_tables, swiglu_block, swiglu_gemm
+from fo_kernels.tile import Tile
+
+# Tiles tried for fo's kernels: the dense engine's default (128x256x64, 8 warps, 3 stages; the
+# design brief's prototype) and its neighbours.
+TILES = (
+    Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4),
+    Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
+    Tile(block_m=64, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+)
+TILE_SAMPLES = 3  # samples of each tile alone, to pick one
+CHECK_TOL = 2e-2  # bf16 against torch._grouped_mm (the dense ops' bf16 tolerance)
+COLUMNS = (
+    "model", "ep", "experts_local", "rows", "hidden", "intermediate", "variant", "tile", "lib_ms",
+    "fo_ms", "x_lib", "gpu", "torch", "triton", "time",
+)  # fmt: skip
+
+
+def _timed(fn, calls: int) -> callable:
+    """A sample function: one replay of a graph of ``calls`` calls of ``fn``, in ms per call."""
+    fn()  # warm-up: compile, allocate
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def sample() -> float:
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+
+    return sample
+
+
+def _rounds(samples: dict[str, callable], rounds: int) -> dict[str, float]:
+    """Median ms of each variant over ``rounds`` rounds whose order rotates."""
+    names = list(samples)
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            times[n].append(samples[n]())
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def bench_shape(model: dict, ep: int, tokens: int, rounds: int, calls: int, seed: int) -> list[dict]:
+    """The rows of one model at one EP (see the module docstring)."""
+    dev = torch.device("cuda")
+    local, k = model["experts"] // ep, model["top_k"]
+    h, inter, rows = model["hidden"], model["intermediate"], tokens * k
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    probs = torch.ones(local, device=dev)
+    counts = torch.bincount(torch.multinomial(probs, rows, replacement=True, generator=gen), minlength=local)
+    counts = counts.tolist()
+    offs = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
+    x = torch.randn(rows, h, device=dev, generator=gen, dtype=torch.bfloat16)
+    w13 = torch.randn(local, h, 2 * inter, device=dev, generator=gen, dtype=torch.bfloat16) / h**0.5
+    hh = torch.randn(rows, inter, device=dev, generator=gen, dtype=torch.bfloat16)
+    w2 = torch.randn(local, inter, h, device=dev, generator=gen, dtype=torch.bfloat16) / inter**0.5
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    segs, at = [], 0
+    for e, c in enumerate(counts):
+        segs.append((at, c, e, 0))
+        at += c
+    # EP slots: each expert's rows cut into EP consecutive parts, slot-major (as the combine sends)
+    slotted, at = [], 0
+    for s in range(ep):
+        for e, c in enumerate(counts):
+            part = c * (s + 1) // ep - c * s // ep
+            slotted.append((at, part, e, s))
+            at += part
+    counters = torch.zeros(ep, dtype=torch.int32, device=dev)
+    up_out = torch.empty(rows, inter, device=dev, dtype=torch.bfloat16)
+    down_out = torch.empty(rows, h, device=dev, dtype=torch.bfloat16)
+
+    def lib_up():
+        return torch._grouped_mm(x, w13, offs=offs)
+
+    def lib_up_act():
+        gu = torch._grouped_mm(x, w13, offs=offs)
+        return torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+
+    def lib_down():
+        return torch._grouped_mm(hh, w2, offs=offs)
+
+    def fo(kind: str, tile: Tile):
+        if kind == "up":
+            tables = segment_tables(segs, tile.block_m, -(-inter // swiglu_block(tile)), dev)
+            return lambda: swiglu_gemm(x, w13, up_out, tables, tile, grid=sms)
+        these = slotted if kind == "down_signalled" else segs
+        tables = segment_tables(these, tile.block_m, -(-h // tile.block_n), dev)
+        ctr = counters if kind == "down_signalled" else None
+        return lambda: grouped_gemm(hh, w2, down_out, tables, tile, grid=sms, counters=ctr)
+
+    # correctness first: fo against the library, every tile
+    ref_up = lib_up_act()
+    ref_down = lib_down()
+    for tile in TILES:
+        fo("up", tile)()
+        assert _rel(up_out, ref_up) < CHECK_TOL, (model["name"], "up", tile)
+        for kind in ("down", "down_signalled"):
+            down_out.fill_(float("nan"))
+            fo(kind, tile)()
+            assert _rel(down_out, ref_down) < CHECK_TOL, (model["name"], kind, tile)
+    out = []
+    lib_of = {"up": lib_up, "up_act": lib_up_act, "down": lib_down, "down_signalled": lib_down}
+    for kind in ("up", "down", "down_signalled"):
+        alone = {}
+        for t in TILES:
+            sample = _timed(fo(kind, t), calls)
+            alone[t] = statistics.median(sample() for _ in range(TILE_SAMPLES))
+        best = min(alone, key=alone.get)
+        variants = {"fo": _timed(fo(kind, best), calls), "lib": _timed(lib_of[kind], calls)}
+        if kind == "up":
+            variants["lib_act"] = _timed(lib_up_act, calls)
+        med = _rounds(variants, rounds)
+        pairs = [(kind, med["lib"])] + ([("up_act", med["lib_act"])] if kind == "up" else [])
+        for name, lib_ms in pairs:
+            tile = f"{best.block_m}x{best.block_n}x{best.block_k}/w{best.num_warps}/s{best.num_stages}"
+            shape = dict(
+                model=model["name"], ep=ep, experts_local=local, rows=rows, hidden=h, intermediate=inter
+            )
+            fo_ms = med["fo"]
+            out.append(
+                {**shape, "variant": name, "tile": tile, "lib_ms": round(lib_ms, 4), "fo_ms": round(fo_ms, 4),
+                 "x_lib": round(lib_ms / fo_ms, 3)}
+            )  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument(
+        "--suite", default=str(Path(__file__).resolve().parents[1] / "suites" / "moe_experts.yaml")
+    )
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=10, help="calls per graph replay (a sample)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
+        print("needs a CUDA GPU and torch._grouped_mm (torch >= 2.8)", file=sys.stderr)
+        return 2
+    suite = yaml.safe_load(Path(args.suite).read_text())
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    run = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )  # fmt: skip
+    rows = []
+    for i, model in enumerate(suite["models"]):
+        for ep in suite["ep"]:
+            for r in bench_shape(model, ep, suite["tokens"], args.rounds, args.calls, seed=i):
+                rows.append({**r, **run})
+                where = f"{r['model']:<18} EP{ep} {r['experts_local']:>3} experts {r['rows']:>6} rows"
+                times = f"lib {r['lib_ms']:.3f} ms  fo {r['fo_ms']:.3f} ms  x lib {r['x_lib']:.3f}"
+                print(f"{where}  {r['variant']:<15} {times}  ({r['tile']})", flush=True)
+    path = out_dir / "moe_grouped_gemm.csv"
+    with open(path.with_suffix(".tmp"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    path.with_suffix(".tmp").replace(path)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

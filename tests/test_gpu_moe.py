@@ -1,0 +1,205 @@
+"""GPU tests of the expert-parallel FFN on one GPU in this process (skipped without a GPU): the
+whole FFN at world size 1 (one NCCL rank) against float64, eager and compiled with inductor, both
+paths; the grouped GEMM kernels compiled for the GPU against float64; the signalled grouped GEMM's
+counters as another stream reads them.
+
+Run on a GPU machine with: TRITON_INTERPRET=0 python -m pytest -m gpu tests/test_gpu_moe.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fo_kernels import MoeProblem, MoeSchedule, expert_parallel_ffn
+from fo_kernels.moe.kernels import grouped_gemm, swiglu_gemm
+from fo_kernels.tile import Tile
+from moe_cases import reference_ffn, rel_err
+
+# A tile the GPU runs well and a small one (masked edges, many tiles)
+TILES = {
+    "128x128": Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    "64x64": Tile(block_m=64, block_n=64, block_k=32, group_m=4, num_warps=4, num_stages=3),
+}
+# against float64 of the same (rounded) operands
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+H, I, E, K_TOP = 512, 384, 8, 4
+# Repetitions of the visibility check (poisoned output each time)
+VISIBILITY_REPS = 100
+
+
+@pytest.fixture
+def nccl_one_rank(tmp_path):
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{tmp_path / 'store'}",
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", 0),
+    )
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+def _schedule(engine: str | None, dtype: torch.dtype, tokens: int, tile: Tile | None = None) -> MoeSchedule:
+    problem = MoeProblem(hidden=H, intermediate=I, experts=E, top_k=K_TOP, tokens_max=max(tokens, 1))
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    return MoeSchedule(dtype=name, world_size=1, problem=problem, engine=engine, tile=tile)
+
+
+def _inputs(tokens: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, H, device="cuda", generator=gen, dtype=torch.float64)
+    logits = torch.randn(tokens, E, device="cuda", generator=gen, dtype=torch.float64)
+    w, ids = logits.softmax(-1).topk(K_TOP, dim=-1)
+    w13 = torch.randn(E, H, 2 * I, device="cuda", generator=gen, dtype=torch.float64) / H**0.5
+    w2 = torch.randn(E, I, H, device="cuda", generator=gen, dtype=torch.float64) / I**0.5
+    g = torch.randn(tokens, H, device="cuda", generator=gen, dtype=torch.float64)
+    return x, ids, w, w13, w2, g
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("engine", [None, "triton"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ffn_at_world_size_one_matches_float64(nccl_one_rank, dtype, engine, compiled):
+    """y and every gradient against the float64 formula (autograd through a loop of experts), at
+    2000 tokens and at 0; the Triton engine's kernels compiled for this GPU."""
+    for tokens in (2000, 0):
+        x, ids, w, w13, w2, g = _inputs(tokens, dtype, seed=tokens + 1)
+        schedule = _schedule(engine, dtype, tokens, TILES["128x128"] if engine else None)
+        leaves = [t.to(dtype).requires_grad_() for t in (x, w13, w2)]
+        wf = w.float().requires_grad_()
+
+        def call(x_, w_, w13_, w2_, ids_=ids, schedule_=schedule):
+            return expert_parallel_ffn(x_, ids_, w_, w13_, w2_, schedule=schedule_)
+
+        fn = torch.compile(call, fullgraph=True) if compiled else call
+        y = fn(leaves[0], wf, leaves[1], leaves[2])
+        assert y.dtype == dtype and y.shape == x.shape
+        (y.double() * g).sum().backward()
+        ref_leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
+        ref = _reference_gpu(ref_leaves, ids)
+        (ref * g).sum().backward()
+        if tokens:
+            assert rel_err(y.cpu(), ref.detach().cpu()) < TOL[dtype]
+            got = (leaves[0].grad, wf.grad, leaves[1].grad, leaves[2].grad)
+            for name, a, b in zip(("dx", "dw", "dw13", "dw2"), got, ref_leaves, strict=True):
+                assert rel_err(a.cpu(), b.grad.cpu()) < TOL[dtype], name
+        else:
+            assert y.numel() == 0 and leaves[1].grad.abs().max() == 0
+
+
+def _reference_gpu(leaves, ids):
+    """``reference_ffn``'s formula, vectorised per expert (float64 on the GPU)."""
+    x, w, w13, w2 = leaves
+    inter = w13.shape[2] // 2
+    y = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        t, j = torch.where(ids == e)
+        gu = x[t] @ w13[e]
+        y = y.index_add(0, t, w[t, j, None] * ((F.silu(gu[:, :inter]) * gu[:, inter:]) @ w2[e]))
+    return y
+
+
+@pytest.mark.gpu
+def test_reference_loop_and_gpu_reference_agree():
+    """The vectorised GPU reference is the CPU tests' term-by-term loop (``reference_ffn``)."""
+    x, ids, w, w13, w2, _ = _inputs(40, torch.float64, seed=3)
+    want = reference_ffn(*(t.cpu() for t in (x, ids, w, w13, w2)))
+    assert rel_err(_reference_gpu([x, w, w13, w2], ids).cpu(), want) < 1e-12
+
+
+# ----------------------------------------------------------------------------- kernels
+def _segments(counts: list[int], slots: int) -> list[tuple[int, int, int, int]]:
+    """Segments of ``slots`` slots, each with ``counts`` rows per expert (slot-major)."""
+    out, at = [], 0
+    for s in range(slots):
+        for e, c in enumerate(counts):
+            out.append((at, c, e, s))
+            at += c
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(TILES))
+@pytest.mark.parametrize("use_tma", [None, False])
+def test_grouped_kernels_on_gpu(tile, use_tma):
+    """Both kernels against float64 (bf16, uneven experts and an empty one), the output poisoned;
+    each slot's counter advanced by its tiles."""
+    counts = [700, 0, 129, 1, 513, 64, 300, 95]
+    segs = _segments(counts, 3)
+    rows, k, n = 3 * sum(counts), 1024, 768
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(len(counts), k, n, device="cuda", generator=gen, dtype=torch.bfloat16) / k**0.5
+    out = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    counters = torch.zeros(3, dtype=torch.int32, device="cuda")
+    t = TILES[tile]
+    grouped_gemm(a, w, out, segs, t, grid=120, counters=counters, use_tma=use_tma)
+    want = torch.cat([a[r0 : r0 + c].double() @ w[e].double() for r0, c, e, _ in segs])
+    assert rel_err(out, want) < TOL[torch.bfloat16]
+    per_slot = sum(-(-c // t.block_m) * -(-n // t.block_n) for c in counts)
+    assert counters.tolist() == [per_slot] * 3
+    h = torch.full((rows, n // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+    swiglu_gemm(a, w, h, segs, t, grid=120, use_tma=use_tma)
+    act = torch.cat(
+        [(lambda gu: F.silu(gu[:, : n // 2]) * gu[:, n // 2 :])(a[r0 : r0 + c].double() @ w[e].double())
+         for r0, c, e, _ in segs]
+    )  # fmt: skip
+    assert rel_err(h, act) < TOL[torch.bfloat16]
+
+
+@triton.jit
+def _acquire_then_copy(counter, target, src, dst, n, BLOCK: tl.constexpr):
+    """Spin until ``counter`` reaches ``target`` (acquire), then copy src[:n] to dst from L2."""
+    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    while seen - target < 0:
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n, cache_modifier=".cg"), mask=offs < n)
+
+
+@pytest.mark.gpu
+def test_a_slot_is_visible_to_another_stream_once_its_counter_shows_it():
+    """The signalled grouped GEMM's guarantee, as the dense kernel's (tests/test_gpu.py): a reader
+    on another stream that acquires a slot's counter at its target reads all of its rows."""
+    counts = [300, 17, 0, 260, 128]
+    slots = 4
+    segs = _segments(counts, slots)
+    rows, k, n = slots * sum(counts), 512, 1024
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    a = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(len(counts), k, n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    out = torch.empty((rows, n), device="cuda", dtype=torch.bfloat16)
+    snap = torch.empty_like(out)
+    counters = torch.zeros(slots, dtype=torch.int32, device="cuda")
+    tile = TILES["128x128"]
+    per_slot = sum(-(-c // tile.block_m) * -(-n // tile.block_n) for c in counts)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    reader = torch.cuda.Stream(priority=-1)
+    bad = 0
+    for rep in range(VISIBILITY_REPS):
+        out.fill_(float("nan"))
+        snap.fill_(float("nan"))
+        reader.wait_stream(torch.cuda.current_stream())
+        grouped_gemm(a, w, out, segs, tile, grid=sms - 8, counters=counters)
+        with torch.cuda.stream(reader):
+            for s in range(slots):
+                r0, r1 = s * sum(counts), (s + 1) * sum(counts)
+                _acquire_then_copy[(4,)](
+                    counters[s:], per_slot * (rep + 1), out[r0:], snap[r0:], (r1 - r0) * n, BLOCK=1024
+                )
+        torch.cuda.current_stream().wait_stream(reader)
+        bad += not torch.equal(snap, out)
+    assert not out.isnan().any()
+    assert bad == 0, f"{bad} of {VISIBILITY_REPS} repetitions read a slot before its rows landed"
