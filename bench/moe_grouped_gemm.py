@@ -107,13 +107,11 @@ def bench_shape(model: dict, ep: int, tokens: int, rounds: int, calls: int, seed
     for e, c in enumerate(counts):
         segs.append((at, c, e, 0))
         at += c
-    # EP slots: each expert's rows cut into EP consecutive parts, slot-major (as the combine sends)
-    slotted, at = [], 0
-    for s in range(ep):
-        for e, c in enumerate(counts):
-            part = c * (s + 1) // ep - c * s // ep
-            slotted.append((at, part, e, s))
-            at += part
+    # EP slots: each expert's rows cut into EP parts, listed slot by slot (the tiles of slot 0
+    # first, as the combine sends them); the rows stay where they are, so the product is the same
+    slotted = [
+        (r0 + c * s // ep, c * (s + 1) // ep - c * s // ep, e, s) for s in range(ep) for r0, c, e, _ in segs
+    ]
     counters = torch.zeros(ep, dtype=torch.int32, device=dev)
     up_out = torch.empty(rows, inter, device=dev, dtype=torch.bfloat16)
     down_out = torch.empty(rows, h, device=dev, dtype=torch.bfloat16)
