@@ -11,7 +11,8 @@ An ``OverlapRuntime`` owns:
 - the waiter of each wait mode;
 - the copy-engine peers (symmetric buffers, flags) of ``engine: copy_engine`` schedules, made on
   first use;
-- the ``overlap: false`` calls' CUDA graphs and scratch (``fo_kernels.fallback``), made on first use.
+- the ``overlap: false`` calls' CUDA graphs and scratch (``fo_kernels.fallback``), made on first use;
+- ``engine_state``: what other paths keep, by name (the MoE copy engine's peers, ``fo_kernels.moe``).
 
 ``runtime_for(device, group)`` returns the process-wide instance for that pair, made on first use;
 the nn.Module and tests may build their own. Use one runtime from one host thread at a time.
@@ -62,6 +63,8 @@ class OverlapRuntime:
     _peers: CopyEnginePeers | None = field(default=None, repr=False)
     _fallback: Fallback | None = field(default=None, repr=False)
     _world_size: int = field(default=0, repr=False)
+    # what other paths keep between calls (the MoE copy engine's peers), by the path's name
+    engine_state: dict[str, object] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)

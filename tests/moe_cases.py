@@ -129,29 +129,32 @@ def ffn_call(case: MoeCase, group=None):
     return call
 
 
-def run_case(case: MoeCase, rank: int, world: int, group=None) -> dict[str, float]:
+def run_case(case: MoeCase, rank: int, world: int, group=None, device: str = "cpu") -> dict[str, float]:
     """This rank's relative errors of y (and the gradients) against the float64 reference."""
     d = inputs(case, rank, world)
     dtype = torch_dtype(case.dtype)
     lo, hi = rank * case.experts, (rank + 1) * case.experts
-    x = d["x"].to(dtype).requires_grad_(case.backward)
-    w = d["w"].float().requires_grad_(case.backward)
-    w13 = d["w13"][lo:hi].to(dtype).requires_grad_(case.backward)
-    w2 = d["w2"][lo:hi].to(dtype).requires_grad_(case.backward)
-    y = ffn_call(case, group)(x, d["ids"], w, w13, w2)
+
+    def leaf(t: torch.Tensor, to: torch.dtype) -> torch.Tensor:
+        return t.to(device=device, dtype=to).requires_grad_(case.backward)
+
+    x, w = leaf(d["x"], dtype), leaf(d["w"], torch.float32)
+    w13, w2 = leaf(d["w13"][lo:hi], dtype), leaf(d["w2"][lo:hi], dtype)
+    y = ffn_call(case, group)(x, d["ids"].to(device), w, w13, w2)
     ref = reference(case, rank, world)
-    errs = {"y": rel_err(y, ref["y"]), "y_dtype": float(y.dtype != dtype)}
+    errs = {"y": rel_err(y.cpu(), ref["y"]), "y_dtype": float(y.dtype != dtype)}
     if case.backward:
-        (y.double() * d["g"]).sum().backward()
+        (y.double() * d["g"].to(device)).sum().backward()
         for name, t in (("dx", x), ("dw", w), ("dw13", w13), ("dw2", w2)):
-            errs[name] = rel_err(t.grad, ref[name]) if t.grad is not None else float("inf")
+            errs[name] = rel_err(t.grad.cpu(), ref[name]) if t.grad is not None else float("inf")
     return errs
 
 
 def run_cases(ctx, cases: list[MoeCase]) -> list[dict[str, float]]:
+    """Every case on this rank of the default group, on its device."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [run_case(c, ctx.rank, ctx.world_size) for c in cases]
+        return [run_case(c, ctx.rank, ctx.world_size, device=ctx.device) for c in cases]
 
 
 def run_groups(
@@ -248,6 +251,9 @@ def bad_inputs(group, rank: int, world: int) -> dict[str, str]:
         problem=MoeProblem(hidden=8, intermediate=3, experts=2, top_k=2, tokens_max=2),
     )
     out["schedule_tokens"] = _message(lambda: _tiny_call(group, schedule=sched))
+    problem = MoeProblem(hidden=8, intermediate=3, experts=2, top_k=2, tokens_max=3)
+    copies = MoeSchedule(dtype="float32", world_size=world, problem=problem, engine="copy_engine")
+    out["copy_engine_on_cpu"] = _message(lambda: _tiny_call(group, schedule=copies))
     # H differs on the last rank only: every rank must raise at the counts exchange
     h = 8 if rank < world - 1 else 4
     mixed = dict(x=torch.randn(3, h), w13=torch.randn(2, h, 6), w2=torch.randn(2, 3, h))

@@ -203,3 +203,35 @@ def test_a_slot_is_visible_to_another_stream_once_its_counter_shows_it():
         bad += not torch.equal(snap, out)
     assert not out.isnan().any()
     assert bad == 0, f"{bad} of {VISIBILITY_REPS} repetitions read a slot before its rows landed"
+
+
+@pytest.mark.multigpu
+def test_two_gpus_every_path_matches_float64():
+    """Two NCCL ranks, one GPU each: the no-overlap path, the Triton engine (NCCL point-to-point
+    ring, the signalled grouped GEMM) and the copy engine (pushes into the peers' symmetric
+    slots), uneven tokens and a rank without any, forward and backward, against float64."""
+    from fo_tune.ranks.launch import run_ranks
+    from moe_cases import TOL as CASE_TOL
+    from moe_cases import MoeCase, run_cases
+
+    cases = []
+    runs = [
+        (None, "bfloat16", (700, 0)),
+        ("triton", "bfloat16", (333, 900)),
+        ("copy_engine", "bfloat16", (0, 512)),
+        ("copy_engine", "float32", (257, 31)),
+        ("triton", "float32", (64, 1)),
+    ]
+    for i, (engine, dtype, tokens) in enumerate(runs):
+        problem = dict(hidden=256, intermediate=192, experts=4, top_k=4, tokens_max=1024)
+        schedule = dict(dtype=dtype, world_size=2, problem=problem, engine=engine)
+        if engine == "triton":
+            schedule["tile"] = dict(block_m=64, block_n=64, block_k=32, group_m=4, num_warps=4, num_stages=3)
+        if engine == "copy_engine":
+            schedule["chunks"] = 2
+        cases.append(MoeCase(tokens=tokens, hidden=256, inter=192, experts=4, top_k=4, dtype=dtype,
+                             routing="distinct", seed=i, schedule=schedule))  # fmt: skip
+    for per_rank in run_ranks(run_cases, 2, cases, backend="nccl"):
+        for case, errs in zip(cases, per_rank, strict=True):
+            assert errs.pop("y_dtype") == 0
+            assert max(errs.values()) < CASE_TOL[case.dtype], (case.schedule["engine"], errs)

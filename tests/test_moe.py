@@ -107,6 +107,7 @@ def _check_bad(msgs: dict, where: str) -> None:
     assert "(T, H)" in msgs["x_3d"] and "MoeSchedule" in msgs["schedule_type"]
     assert msgs["schedule_tokens"].startswith("ScheduleError: problem:")
     assert "the ranks' calls disagree" in msgs["ranks_disagree"], msgs["ranks_disagree"]
+    assert "engine: copy_engine needs CUDA GPUs" in msgs["copy_engine_on_cpu"], msgs["copy_engine_on_cpu"]
 
 
 # ----------------------------------------------------------------------------- one process

@@ -23,6 +23,7 @@ every rank); peers in ring order, j = 1 .. w-1 (push to r + j, consume from r - 
 without rows moves nothing and sets no flag (both ends know its size from the counts)::
 
     main   record(sent)                                      (the host wrote ``send``)
+    local  wait_event(sent)
     side   wait_event(sent); for j: d = r+j: take free_in(d)
                for c: copy send[d, c] -> d.inbox[slot r, c]; signal d.landed(r, c)
     main   for c: phase1(mine, c) from send                  (my own rows never leave)
@@ -61,6 +62,7 @@ from fo_kernels.engines.copy_engine.ops import (
     Wait,
     WaitEvent,
 )
+from fo_kernels.moe.schedule import MAX_CHUNKS as MAX_PIECES
 
 CALLER = ("send", "back", "ret")  # this rank's own tensors of the call
 SYMMETRIC = ("inbox", "outbox")  # the symmetric regions, one slot per peer
@@ -110,6 +112,30 @@ class MoePlan:
     ops: tuple[MoeOp, ...]
 
 
+@dataclass(frozen=True)
+class MoeFlags:
+    """Slots of the flag cells of a ``world``-rank group in each rank's int32 array."""
+
+    world: int
+
+    @property
+    def slots(self) -> int:
+        return 2 * self.world * MAX_PIECES + 2 * self.world
+
+    def slot(self, cell: Cell) -> int:
+        """The index of ``cell`` in its owner's flag array."""
+        w = self.world
+        if cell.name in ("landed", "returned"):
+            q, c = cell.index
+            if not (0 <= q < w and 0 <= c < MAX_PIECES):
+                raise IndexError(f"{cell}: outside the flags of {w} ranks")
+            return (0 if cell.name == "landed" else w * MAX_PIECES) + q * MAX_PIECES + c
+        (q,) = cell.index
+        if not 0 <= q < w:
+            raise IndexError(f"{cell}: outside the flags of {w} ranks")
+        return 2 * w * MAX_PIECES + (0 if cell.name == "free_in" else w) + q
+
+
 def expert_ranges(experts: int, chunks: int) -> list[tuple[int, int]]:
     """``chunks`` ranges of local experts, as equal as can be (fewer when there are fewer experts)."""
     n = min(chunks, experts)
@@ -141,7 +167,9 @@ def build(call: MoeCall) -> MoePlan:
         p0 = sum(counts[:e0])
         return p0, p0 + sum(counts[e0:e1])
 
-    ops: list[MoeOp] = [Record(MAIN, 0), WaitEvent(SIDE, 0)]
+    # the side streams start after everything the caller's stream did before the call (``send``,
+    # and the memory of ``ret``, which the local stream writes)
+    ops: list[MoeOp] = [Record(MAIN, 0), WaitEvent(SIDE, 0), WaitEvent(LOCAL, 0)]
     events = 1
     for j in range(1, w):  # dispatch pushes
         d = (r + j) % w

@@ -77,6 +77,38 @@ def copy_engine_blocker(device: torch.device, world_size: int) -> str:
 _ADVICE = "use a table row with engine: triton or overlap: false on this machine"
 
 
+def symmetric(
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
+) -> dict[int, torch.Tensor]:
+    """A symmetric allocation of ``numel`` elements on every rank of ``group`` (collective): rank
+    -> its buffer (mine, or my view of a peer's)."""
+    group = group if group is not None else dist.group.WORLD
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed before torch 2.11, a deprecated no-op since
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(group.group_name)
+        mine = symm_mem.empty((numel,), dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(mine, group)
+        return {q: mine if q == rank else handle.get_buffer(q, (numel,), dtype) for q in range(world)}
+    except torch.OutOfMemoryError:
+        raise
+    except (ImportError, RuntimeError, AttributeError) as exc:
+        raise EnvironmentMismatchError(
+            f"engine copy_engine: symmetric memory between the {world} GPUs failed ({exc}); it "
+            "needs peer access (NVLink) between all of them and torch.distributed._symmetric_memory. "
+            "Use a table row with engine: triton or overlap: false here (re-run `fo-tune search`)"
+        ) from exc
+
+
 class CopyEnginePeers:
     """The copy engine of ``device`` in ``group`` (see the module docstring). Made collectively:
     every rank of the group makes its own at the same time."""
@@ -330,29 +362,7 @@ class CopyEnginePeers:
     def _symmetric(self, numel: int, dtype: torch.dtype) -> dict[int, torch.Tensor]:
         """A symmetric allocation of ``numel`` elements on every rank: rank -> its buffer (mine, or
         my view of a peer's)."""
-        group = self.group if self.group is not None else dist.group.WORLD
-        try:
-            from torch.distributed import _symmetric_memory as symm_mem
-
-            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-            if enable is not None:  # needed before torch 2.11, a deprecated no-op since
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FutureWarning)
-                    enable(group.group_name)
-            mine = symm_mem.empty((numel,), dtype=dtype, device=self.device)
-            handle = symm_mem.rendezvous(mine, group)
-            return {
-                q: mine if q == self.rank else handle.get_buffer(q, (numel,), dtype)
-                for q in range(self.world)
-            }
-        except torch.OutOfMemoryError:
-            raise
-        except (ImportError, RuntimeError, AttributeError) as exc:
-            raise EnvironmentMismatchError(
-                f"engine copy_engine: symmetric memory between the {self.world} GPUs failed ({exc}); it "
-                "needs peer access (NVLink) between all of them and torch.distributed._symmetric_memory. "
-                "Use a table row with engine: triton or overlap: false here (re-run `fo-tune search`)"
-            ) from exc
+        return symmetric(numel, dtype, self.device, self.group, self.rank, self.world)
 
     # ------------------------------------------------------------------ failures
     def _check(self, err, what: str) -> None:
