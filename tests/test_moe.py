@@ -184,6 +184,18 @@ def test_world_size_one_duplicates_and_direct_call(one_rank):
     torch.testing.assert_close(got, via_op)
 
 
+def test_gradcheck_in_float64(one_rank):
+    """Every gradient (x, topk_weights, w13, w2) against finite differences, in float64 (which the
+    no-overlap path takes, for references like this one); a token naming one expert twice."""
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.tensor([[2, 2], [0, 1], [1, 2], [2, 0], [0, 0]])
+    leaves = [
+        torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+        for shape in ((5, 6), (5, 2), (3, 6, 8), (3, 4, 6))
+    ]
+    assert torch.autograd.gradcheck(lambda x, w, w13, w2: expert_parallel_ffn(x, ids, w, w13, w2), leaves)
+
+
 def test_schedule_fields_round_trip_and_errors_name_the_field():
     problem = MoeProblem(hidden=4096, intermediate=1536, experts=16, top_k=8, tokens_min=512, tokens_max=1024)
     s = MoeSchedule(dtype="bfloat16", world_size=8, problem=problem, engine="copy_engine", chunks=4)

@@ -55,6 +55,8 @@ def execute_ffn(
     if schedule is not None:
         if not isinstance(schedule, MoeSchedule):
             raise ScheduleError(f"schedule: expected a fo_kernels.MoeSchedule, got {type(schedule).__name__}")
+        if x.dtype == torch.float64:
+            raise ScheduleError("dtype: a schedule is for bfloat16, float16 or float32; x is float64")
         schedule.check_call(shape, dtype_name(x.dtype))
     engine = schedule.engine if schedule is not None else None
     path = None

@@ -30,7 +30,7 @@ from fo_kernels.moe.routing import FfnShape, Routing
 # The signature fields, in the order every counts row starts with.
 SIGNATURE = ("hidden", "intermediate", "experts", "dtype", "direction")
 # The dtype field's codes (a stable number per supported dtype).
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 DIRECTIONS = ("forward", "backward")
 
 

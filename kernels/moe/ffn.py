@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fo_kernels.errors import ShapeError
 from fo_kernels.groups import group_name
 from fo_kernels.moe import ops
 from fo_kernels.moe.schedule import MoeSchedule
@@ -39,6 +40,15 @@ def expert_parallel_ffn(
     a ``MoeSchedule`` names an engine that overlaps them. Differentiable in x, topk_weights, w13
     and w2 (``fo_kernels.moe.ops``); traced by ``torch.compile(fullgraph=True)``.
     """
+    for arg, t in (
+        ("x", x),
+        ("topk_ids", topk_ids),
+        ("topk_weights", topk_weights),
+        ("w13", w13),
+        ("w2", w2),
+    ):
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(f"{arg} must be a torch tensor, got {type(t).__name__}")
     name = group_name(group)
     text = ops.schedule_text(schedule)
     if direct_call(x, topk_ids, topk_weights, w13, w2):

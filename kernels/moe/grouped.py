@@ -4,12 +4,13 @@ Rows of expert e are ``[offset_e, offset_e + counts[e])`` of the operand (``coun
 
     grouped_mm(a, b, counts)     out[rows of e] = a[rows of e] @ b[e]           b (E, K, N)
     grouped_mm_t(a, b, counts)   out[rows of e] = a[rows of e] @ b[e].T         b (E, N, K)
-    weight_grad(a, g, counts)    out[e] = a[rows of e].T @ g[rows of e]         float32 (E, K, N)
+    weight_grad(a, g, counts)    out[e] = a[rows of e].T @ g[rows of e]         (E, K, N), ``acc_dtype``
 
 On CUDA with bfloat16 operands whose strides ``torch._grouped_mm`` takes (16-byte aligned), one
 ``torch._grouped_mm`` call runs all experts; elsewhere (the CPU, float32 and float16, odd sizes) a
 loop of ``torch.mm`` per expert with rows. Both give the same math: each expert's product in the
-operands' dtype with float32 accumulation.
+operands' dtype with float32 accumulation. Sums and activations run in ``acc_dtype``: float32,
+or float64 for float64 operands (a reference run).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ import torch.nn.functional as F
 # torch._grouped_mm needs each operand's strides to be multiples of 16 bytes (its check says so
 # on the CPU: "strides should be multiple of 16 bytes").
 GROUPED_MM_ALIGN_BYTES = 16
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and activations of ``dtype`` operands run in: float32 or wider."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _library(*tensors: torch.Tensor) -> bool:
@@ -68,11 +74,11 @@ def grouped_mm_t(a: torch.Tensor, b: torch.Tensor, counts: Sequence[int], *, lib
 
 
 def weight_grad(a: torch.Tensor, g: torch.Tensor, counts: Sequence[int], *, library: bool | None = None):
-    """``a[rows of e].T @ g[rows of e]`` for every expert e, in float32: (E, K, N); zero for an
-    expert without rows."""
-    experts = len(counts)
+    """``a[rows of e].T @ g[rows of e]`` for every expert e, in ``acc_dtype``: (E, K, N); zero for
+    an expert without rows."""
+    experts, acc = len(counts), acc_dtype(a.dtype)
     if not a.shape[0]:
-        return a.new_zeros((experts, a.shape[1], g.shape[1]), dtype=torch.float32)
+        return a.new_zeros((experts, a.shape[1], g.shape[1]), dtype=acc)
     if library if library is not None else _library(a, g):
         # (the output in the operands' dtype: each expert's sum is one GEMM, rounded once)
         out = torch._grouped_mm(a.t(), g, offs=_offsets(counts, a.device)).float()
@@ -80,27 +86,27 @@ def weight_grad(a: torch.Tensor, g: torch.Tensor, counts: Sequence[int], *, libr
         if empty:  # an expert without rows has no gradient, whatever the library leaves there
             out[empty] = 0
         return out
-    out = a.new_zeros((experts, a.shape[1], g.shape[1]), dtype=torch.float32)
+    out = a.new_zeros((experts, a.shape[1], g.shape[1]), dtype=acc)
     for e, r0, r1 in _ranges(counts):
-        out[e] = (a[r0:r1].t() @ g[r0:r1]).float()
+        out[e] = (a[r0:r1].t() @ g[r0:r1]).to(acc)
     return out
 
 
 # ----------------------------------------------------------------------------- SwiGLU
 def swiglu(gu: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of (R, 2I) rows whose first I columns are the gate, in float32, returned
-    in ``gu``'s dtype."""
-    inter = gu.shape[1] // 2
-    g, u = gu[:, :inter].float(), gu[:, inter:].float()
+    """``silu(gate) * up`` of (R, 2I) rows whose first I columns are the gate, in ``acc_dtype``,
+    returned in ``gu``'s dtype."""
+    inter, acc = gu.shape[1] // 2, acc_dtype(gu.dtype)
+    g, u = gu[:, :inter].to(acc), gu[:, inter:].to(acc)
     return (F.silu(g) * u).to(gu.dtype)
 
 
 def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
-    """The gradient of ``swiglu`` at ``gu`` for the output gradient ``dh`` (float32 (R, I)), as
+    """The gradient of ``swiglu`` at ``gu`` for the output gradient ``dh`` (``acc_dtype`` (R, I)), as
     (R, 2I) in ``gu``'s dtype: d gate = dh * up * silu'(gate), d up = dh * silu(gate), with
     silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g)))."""
-    inter = gu.shape[1] // 2
-    g, u = gu[:, :inter].float(), gu[:, inter:].float()
+    inter, acc = gu.shape[1] // 2, acc_dtype(gu.dtype)
+    g, u = gu[:, :inter].to(acc), gu[:, inter:].to(acc)
     sig = torch.sigmoid(g)
     dg = dh * u * sig * (1 + g * (1 - sig))
     du = dh * g * sig

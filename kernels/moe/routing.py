@@ -27,6 +27,9 @@ from fo_kernels.schedule import TORCH_DTYPES
 
 # Index dtypes ``topk_ids`` may have: torch.topk returns int64; int32 is what some routers store.
 ID_DTYPES = (torch.int64, torch.int32)
+# The dtypes of x and the experts: the schedules' three, and float64 (a reference; the no-overlap
+# path only, since a schedule names one of the three).
+FFN_DTYPES = (*TORCH_DTYPES.values(), torch.float64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +93,8 @@ def check_call(
             f"w2 must be (E_local, I, H) = ({experts}, {inter}, {hidden}) to match w13 {tuple(w13.shape)}"
             f" and x; got {tuple(w2.shape)} (and E_local >= 1)"
         )
-    if x.dtype not in TORCH_DTYPES.values():
-        raise ShapeError(f"x is {x.dtype}; use bfloat16, float16 or float32")
+    if x.dtype not in FFN_DTYPES:
+        raise ShapeError(f"x is {x.dtype}; use bfloat16, float16 or float32 (float64 without a schedule)")
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ShapeError(f"x is {x.dtype} but w13 is {w13.dtype} and w2 {w2.dtype}; all three must agree")
     if topk_ids.dtype not in ID_DTYPES:

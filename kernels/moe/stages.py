@@ -16,6 +16,8 @@ Forward (per row of expert e, x_r its token's row, w_r its weight):
     second: o = h @ W2[e]                                          (the row sent back)
     finish: y[t] = sum_j w[t, j] * o[pair (t, j)]                  float32, then x's dtype
 
+(float32 is ``acc_dtype``: float64 for float64 operands.)
+
 Backward, recomputing the forward's activations (nothing of a data-dependent size is kept
 between the directions), with dy_r the output gradient of its token:
     first:  gu, h as above;  dhu = dy_r @ W2[e].T;  dw_r = <dhu, h>;  dh = w_r * dhu
@@ -34,7 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from fo_kernels.moe.exchange import Layout, pack, unpack
-from fo_kernels.moe.grouped import grouped_mm, grouped_mm_t, swiglu, swiglu_backward, weight_grad
+from fo_kernels.moe.grouped import acc_dtype, grouped_mm, grouped_mm_t, swiglu, swiglu_backward, weight_grad
 from fo_kernels.moe.routing import FfnShape, Routing
 
 # A piece of the received rows: (slot, first expert, end expert): the rows source ``slot`` sent
@@ -52,6 +54,7 @@ class Stage(ABC):
     ) -> None:
         self.shape, self.routing, self.layout, self.w13, self.w2 = shape, routing, layout, w13, w2
         self.dtype = w13.dtype
+        self.acc = acc_dtype(self.dtype)  # sums, activations, the routing weights' rows
         self._kept: dict[tuple[Piece, ...], tuple] = {}
 
     @property
@@ -156,8 +159,8 @@ class ForwardStage(Stage):
     def finish(self, back: torch.Tensor) -> torch.Tensor:
         (o,) = unpack(back, self.back_parts)
         t, k = self.shape.tokens, self.shape.top_k
-        pairs = self.routing.unsort(o).view(t, k, self.shape.hidden).float()
-        return (pairs * self.weights.float().unsqueeze(-1)).sum(1).to(self.x.dtype)
+        pairs = self.routing.unsort(o).view(t, k, self.shape.hidden).to(self.acc)
+        return (pairs * self.weights.to(self.acc).unsqueeze(-1)).sum(1).to(self.x.dtype)
 
 
 class BackwardStage(Stage):
@@ -168,30 +171,30 @@ class BackwardStage(Stage):
         super().__init__(*args)
         self.dy, self.x, self.weights = dy, x, weights
         e, h, i = self.shape.experts, self.shape.hidden, self.shape.intermediate
-        self.dw13 = torch.zeros((e, h, 2 * i), dtype=torch.float32, device=x.device)
-        self.dw2 = torch.zeros((e, i, h), dtype=torch.float32, device=x.device)
+        self.dw13 = torch.zeros((e, h, 2 * i), dtype=self.acc, device=x.device)
+        self.dw2 = torch.zeros((e, i, h), dtype=self.acc, device=x.device)
 
     @property
     def out_parts(self):
         h = self.shape.hidden
-        return ((self.dtype, h), (self.dtype, h), (torch.float32, 1))
+        return ((self.dtype, h), (self.dtype, h), (self.acc, 1))
 
     @property
     def back_parts(self):
-        return ((self.dtype, self.shape.hidden), (torch.float32, 1))
+        return ((self.dtype, self.shape.hidden), (self.acc, 1))
 
     def outgoing(self) -> torch.Tensor:
         tokens = self.routing.tokens
-        w = self.weights.reshape(-1)[self.routing.order].float().unsqueeze(1)
+        w = self.weights.reshape(-1)[self.routing.order].to(self.acc).unsqueeze(1)
         return pack(self.x[tokens], self.dy.to(self.dtype)[tokens], w)
 
     def _first(self, parts, counts):
         x, dy, w = parts
         gu = grouped_mm(x, self.w13, counts)
         h = swiglu(gu)
-        dhu = grouped_mm_t(dy, self.w2, counts).float()
-        dw = (dhu * h.float()).sum(1, keepdim=True)
-        self.dw2 += weight_grad(h, (dy.float() * w).to(self.dtype), counts)
+        dhu = grouped_mm_t(dy, self.w2, counts).to(self.acc)
+        dw = (dhu * h.to(self.acc)).sum(1, keepdim=True)
+        self.dw2 += weight_grad(h, (dy.to(self.acc) * w).to(self.dtype), counts)
         dgu = swiglu_backward(gu, dhu * w)
         self.dw13 += weight_grad(x, dgu, counts)
         return dgu, dw
@@ -203,7 +206,8 @@ class BackwardStage(Stage):
     def finish(self, back: torch.Tensor) -> None:
         dx_rows, dw = unpack(back, self.back_parts)
         t, k = self.shape.tokens, self.shape.top_k
-        self.dx = self.routing.unsort(dx_rows).view(t, k, self.shape.hidden).float().sum(1).to(self.x.dtype)
+        pairs = self.routing.unsort(dx_rows).view(t, k, self.shape.hidden)
+        self.dx = pairs.to(self.acc).sum(1).to(self.x.dtype)
         self.dweights = self.routing.unsort(dw).view(t, k).to(self.weights.dtype)
 
     def grads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
