@@ -607,3 +607,15 @@ def test_chunk_shapes_and_library_fit():
     assert params["library_wave_ms"].value == pytest.approx(0.011, rel=1e-6)
     assert params["library_beta1_factor"].value == pytest.approx(1.05, rel=1e-6)
     assert params["clock_sustained_factor"].value == pytest.approx(1.2, rel=1e-6)
+
+
+def test_all_to_all_is_calibrated_with_uneven_splits():
+    """Every rank sends its whole buffer in 1 : 2 : ... : w shares; what rank s sends rank r is
+    what r expects from s; the shares differ between pairs."""
+    from fo_tune.ranks.collectives import uneven_splits
+
+    for world in (2, 3, 8):
+        splits = [uneven_splits(4096, world, r) for r in range(world)]
+        for r, (send, recv) in enumerate(splits):
+            assert sum(send) == 4096 and recv == [splits[s][0][r] for s in range(world)]
+            assert len(set(send)) == world

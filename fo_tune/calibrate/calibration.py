@@ -24,7 +24,9 @@ A ``Calibration`` holds, for one hardware fingerprint and world size:
 
 Sizes follow nccl-tests: ``size`` is the full buffer of the collective (the input of all_reduce,
 reduce_scatter and all_to_all, the output of all_gather); algbw = size / time; busbw = algbw times
-2(n-1)/n for all_reduce and (n-1)/n for the others.
+2(n-1)/n for all_reduce and (n-1)/n for the others. all_to_all is measured with uneven splits
+(``fo_tune.ranks.collectives.uneven_splits``: each rank sends its peers 1 : 2 : ... : w shares),
+as an MoE layer's dispatch and combine are.
 
 Files: one YAML (schema version, fingerprint, everything) written atomically; ``load_calibration``
 refuses an unknown schema version or a malformed file with a ``CalibrationError`` naming the key.

@@ -51,9 +51,28 @@ def collective_call(
     if collective == "all_gather":
         return lambda: _all_gather(full, part, group=group)
     if collective == "all_to_all":
-        out = torch.empty_like(full)
-        return lambda: dist.all_to_all_single(out, full, group=group)
+        send, recv = uneven_splits(count, world, dist.get_rank(group))
+        out = torch.empty(sum(recv), device=device, dtype=dtype)
+        return lambda: dist.all_to_all_single(out, full, recv, send, group=group)
     raise ValueError(f"unknown collective {collective!r}")
+
+
+def uneven_splits(count: int, world: int, rank: int) -> tuple[list[int], list[int]]:
+    """(send, receive) splits of an All-to-All of ``count`` elements per rank, uneven as an MoE
+    dispatch is: rank r sends peer (r + j) mod w a share in proportion to j + 1 (itself the
+    smallest, the rank before it the largest), so every rank sends ``count`` elements, receives
+    about as many (the cuts round down), and the pairs of ranks move different amounts."""
+    weights = [(d - rank) % world + 1 for d in range(world)]
+    total = sum(weights)
+    cuts = [count * sum(weights[:d]) // total for d in range(world + 1)]
+    send = [cuts[d + 1] - cuts[d] for d in range(world)]
+    # what peer s sends me: its share for the distance (rank - s) mod w, cut the same way
+    recv = []
+    for s in range(world):
+        theirs = [(d - s) % world + 1 for d in range(world)]
+        edges = [count * sum(theirs[:d]) // total for d in range(world + 1)]
+        recv.append(edges[rank + 1] - edges[rank])
+    return send, recv
 
 
 @dataclass(frozen=True)
