@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from fo_kernels import MoeProblem, MoeSchedule, expert_parallel_ffn
 from fo_kernels.schedule import torch_dtype
 
+ROOT = Path(__file__).resolve().parents[1]  # this checkout
 # Relative error bounds against the float64 reference, per dtype (fp32: the issue's 1e-4).
 TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 3e-2}
 ROUTINGS = ("random", "distinct", "skewed", "duplicates")
@@ -187,12 +189,33 @@ def run_groups(
     return out
 
 
-def _example():
-    """``examples/moe_block.py`` as a module."""
-    import importlib.util
-    from pathlib import Path
+def import_transformers() -> None:
+    """Import transformers with this checkout's root off ``sys.path``: under ``python -m pytest``
+    from the root, its ``kernels/`` folder (fo_kernels' source) would shadow the PyPI package
+    ``kernels`` that transformers (>= 5) imports, the name clash that makes the runtime
+    ``fo_kernels`` (README, "Using the runtime")."""
+    import os
+    import sys
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "moe_block.py"
+    root = str(ROOT)
+    shadow = sys.modules.get("kernels")
+    if shadow is not None and str(getattr(shadow, "__file__", "")).startswith(root):
+        for name in [n for n in sys.modules if n == "kernels" or n.startswith("kernels.")]:
+            del sys.modules[name]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != root]
+    try:
+        import transformers.integrations.hub_kernels  # noqa: F401 - (imports kernels while it can)
+    finally:
+        sys.path[:] = saved
+
+
+def _example():
+    """``examples/moe_block.py`` as a module (transformers imported first, ``import_transformers``)."""
+    import importlib.util
+
+    import_transformers()
+    path = ROOT / "examples" / "moe_block.py"
     spec = importlib.util.spec_from_file_location("moe_block", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

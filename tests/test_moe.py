@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fo_kernels import GroupError, MoeProblem, MoeSchedule, ScheduleError, ShapeError, expert_parallel_ffn
 from fo_kernels.moe import ops as moe_ops
 from fo_tune.ranks.launch import run_ranks
-from moe_cases import ROUTINGS, TOL, MoeCase, reference_ffn, rel_err, run_groups
+from moe_cases import ROUTINGS, TOL, MoeCase, import_transformers, reference_ffn, rel_err, run_groups
 
 GROUPS = ((0, 1), (1, 2, 3), (0, 1, 2, 3))
 TILE = {"block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 4, "num_stages": 1}
@@ -228,6 +228,7 @@ def test_without_a_process_group_it_says_so():
 
 # ----------------------------------------------------------------------------- the module
 def _mixtral_experts(experts: int = 4):
+    import_transformers()
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 

@@ -35,6 +35,9 @@ from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.moe.stages import ForwardStage, Stage
 from fo_kernels.runtime import OverlapRuntime, runtime_for
 
+# The runtime's engine_state key of the CTA caps whose process group has run a collective.
+READY = "moe.triton.groups"
+
 
 def blocker(device: torch.device, world: int) -> str:
     """Why this process cannot run the path ("" when it can: any device, any backend with
@@ -50,6 +53,11 @@ class _Ring:
         self.rank, self.world = self.layout.rank, self.layout.world
         self.runtime: OverlapRuntime = runtime_for(stage.w13.device, group)
         self.group = self.runtime.comm_group(schedule.nccl_max_ctas)
+        ready = self.runtime.engine_state.setdefault(READY, set())
+        if schedule.nccl_max_ctas not in ready:  # once per group: its communicator exists before
+            if self.runtime.backend == "nccl":  # a step where some pairs move nothing
+                dist.all_reduce(torch.zeros(1, device=stage.w13.device), group=self.group)
+            ready.add(schedule.nccl_max_ctas)
         self.comm = self.runtime.comm_stream
         self.main = torch.cuda.current_stream(stage.w13.device) if self.comm is not None else None
         self.steps = range(1, self.world)
