@@ -105,8 +105,10 @@ class Stage(ABC):
         they already are (one piece)."""
         if len(pieces) == 1:
             return None
-        ids = [e for s, e0, e1 in pieces for e in range(e0, e1) for _ in range(self.layout.recv[s][e])]
-        key = torch.tensor(ids, dtype=torch.int64, device=self.w13.device)
+        experts = [e for _, e0, e1 in pieces for e in range(e0, e1)]
+        rows = [self.layout.recv[s][e] for s, e0, e1 in pieces for e in range(e0, e1)]
+        dev = self.w13.device
+        key = torch.repeat_interleave(torch.tensor(experts, device=dev), torch.tensor(rows, device=dev))
         return torch.sort(key, stable=True).indices
 
     def first(self, pieces: Sequence[Piece], rows: torch.Tensor) -> None:
