@@ -1,7 +1,7 @@
 """The expert-parallel FFN on the ranks of this machine: each engine's overlapped call beside the
 sequential one (dispatch -> torch._grouped_mm -> combine, two ``all_to_all_single``).
 
-    python bench/moe_ep.py --out DIR [--world-size N] [--suite suites/moe_experts.yaml]
+    python bench/moe_ep.py --out DIR [--world-size N] [--suite suites/moe/experts.yaml]
                            [--tokens T] [--scale S] [--rounds 30] [--backward]
 
 For every model of the suite, EP = the world size: E / EP experts a rank, T tokens a rank (rank r
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--world-size", type=int, default=None, help="default: the GPUs, else 2 (gloo)")
     parser.add_argument(
-        "--suite", default=str(Path(__file__).resolve().parents[1] / "suites" / "moe_experts.yaml")
+        "--suite", default=str(Path(__file__).resolve().parents[1] / "suites" / "moe" / "experts.yaml")
     )
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: the suite's)")
     parser.add_argument("--scale", type=int, default=1, help="divide H and I by this")

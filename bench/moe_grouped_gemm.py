@@ -1,8 +1,8 @@
 """The MoE grouped GEMMs on one GPU: fo_kernels' Triton kernels beside ``torch._grouped_mm``.
 
-    python bench/moe_grouped_gemm.py --out DIR [--suite suites/moe_experts.yaml] [--rounds 20]
+    python bench/moe_grouped_gemm.py --out DIR [--suite suites/moe/experts.yaml] [--rounds 20]
 
-For every model and EP of the suite (``suites/moe_experts.yaml``) one rank's expert GEMMs at a
+For every model and EP of the suite (``suites/moe/experts.yaml``) one rank's expert GEMMs at a
 balanced load: E / EP local experts, tokens x k rows split over them by a seeded multinomial draw
 (uneven, as routing is). Variants, bf16, timed side by side:
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument(
-        "--suite", default=str(Path(__file__).resolve().parents[1] / "suites" / "moe_experts.yaml")
+        "--suite", default=str(Path(__file__).resolve().parents[1] / "suites" / "moe" / "experts.yaml")
     )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calls", type=int, default=10, help="calls per graph replay (a sample)")
