@@ -41,6 +41,9 @@ from fo_kernels.gemm.tiles import _mma, _tile_coords
 from fo_kernels.tile import MIN_BLOCK, Tile
 
 Segment = tuple[int, int, int, int]  # (row0, rows, expert, group)
+# What these kernels take of the dense kernels' compile-time arguments (``kernel_meta``); the SwiGLU
+# kernel takes no PTX (it signals nothing).
+_META = ("UPCAST", "IEEE", "BLOCK_M", "BLOCK_K", "GROUP_M", "PTX", "num_warps", "num_stages")
 
 
 @triton.jit
@@ -216,9 +219,8 @@ def _operands(
     if use_tma is None:
         aligned = (col_align * w.element_size()) % TMA_ALIGN_BYTES == 0
         use_tma = aligned and k % block_k == 0 and tma_usable(a, operand)
-    meta = dict(kernel_meta(a, operand, a, tile, use_tma))
-    for unused in ("B_KMAJOR", "BLOCK_N", "OUT_DTYPE", "USE_TMA"):
-        meta.pop(unused)
+    full = kernel_meta(a, operand, a, tile, use_tma)
+    meta = {key: full[key] for key in _META}
     if not use_tma:
         return a, w, False, meta
     from triton.tools.tensor_descriptor import TensorDescriptor
