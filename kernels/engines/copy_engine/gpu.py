@@ -24,6 +24,7 @@ a plan once before its first flag wait (``warmup.py``: the kernel-loading rule).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -70,6 +71,7 @@ class _Call:
     tensors: dict[str, torch.Tensor | None]
     streams: dict[str, object]
     handles: dict[str, object]
+    main_current: bool = True  # the call's main stream is the current stream
 
 
 class GpuExecutor:
@@ -187,16 +189,19 @@ class GpuExecutor:
         operand: BOperand | None = None,
         scales: Scales | None = None,
         gathered_scale: torch.Tensor | None = None,
+        *,
+        main_current: bool = True,
     ) -> _Call:
         """One call's tensors and streams as the compiled steps read them, ``main`` being the
-        call's stream; ``scales`` an fp8 call's, ``gathered_scale`` the (M, 1) float32 buffer of
-        an all_gather's rowwise scales."""
+        call's stream (``main_current``: it is the current stream, as a rank's own call has it);
+        ``scales`` an fp8 call's, ``gathered_scale`` the (M, 1) float32 buffer of an all_gather's
+        rowwise scales."""
         streams = dict(self._streams, main=main)
         handles = dict(self._stream_handles, main=self.handle(main))
         tensors = {"a": a, "out": out, "gathered": gathered, "gathered_scale": gathered_scale}
         if scales is not None and scales.rowwise:
             tensors["scale_a"] = scales.a.view(-1, 1)
-        return _Call(a, b, operand, scales, tensors, streams, handles)
+        return _Call(a, b, operand, scales, tensors, streams, handles, main_current)
 
     def issue(self, steps: tuple[tuple, ...], *args, **kwargs) -> None:
         """Issue ``steps`` (``Compiled.eager`` or ``.captured``) for one call (``bind``'s
@@ -212,7 +217,7 @@ class GpuExecutor:
         synchronizes the device before and after."""
         scratch = dict.fromkeys(call.tensors)
         scratch.update({name: scratch_like(t) for name, t in call.tensors.items() if t is not None})
-        fake = _Call(call.a, call.b, call.operand, call.scales, scratch, call.streams, call.handles)
+        fake = dataclasses.replace(call, tensors=scratch)
         seen: set = set()
         drivers: set = set()
         for fn, args in steps:
@@ -296,7 +301,7 @@ class GpuExecutor:
         if "out2" in kw:
             kw["out2"] = self._rows(call, kw["out2"]) if kw["out2"] is not None else None
         a, out = self._rows(call, a), self._rows(call, out)
-        if s == MAIN:  # (the caller's stream is current)
+        if s == MAIN and call.main_current:  # (no stream switch: it costs host time)
             rows_gemm(a, call.operand, out, tile, grid=self.sms, row_group=row_group, **kw)
             return
         with torch.cuda.stream(call.streams[s]):

@@ -266,7 +266,7 @@ class CopyEnginePeers:
                 self._issue_eagerly(compiled, a, b, out, main, *extra)
             self._calls += 1
             return gathered, out
-        return self._eager(key, plan, compiled, a, b, operand, scales, dtypes)
+        return self._eager(plan, compiled, a, b, operand, scales, dtypes, key)
 
     def _capturable(self, entry, signature: tuple, collective: str, m: int, n: int, k: int, dtype) -> None:
         """Inside a caller's capture only a call whose first call ran eagerly can be recorded: the
@@ -311,7 +311,6 @@ class CopyEnginePeers:
 
     def _eager(
         self,
-        plan_key: tuple,
         plan: CallPlan,
         compiled: Compiled,
         a,
@@ -319,9 +318,10 @@ class CopyEnginePeers:
         operand,
         scales: Scales | None,
         dtypes: Dtypes,
+        plan_key: tuple,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """An eager call through the engine's own graphs (``OwnGraphs``): issued, captured or
-        replayed by how often its key has been seen."""
+        replayed by how often its key has been seen (``plan_key``: its plan's)."""
         main = torch.cuda.current_stream(self.device)
         self._after_last_call(main)
         spec = plan.spec

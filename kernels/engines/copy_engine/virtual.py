@@ -288,6 +288,8 @@ class VirtualRanks:
         ):
             raise ShapeError("virtual ranks: every rank's A must be (M, K) and its B (K, N), the same shapes")
         m = rows * self.world if gather else rows
+        if tile is not None or gather:  # (read by the kernel, or copied: as CopyEnginePeers does)
+            a = [t.contiguous() for t in a]
         out_dtype = scales[0].out_dtype if scales else a[0].dtype
         if scales:  # K-major B, as torch._scaled_mm reads it
             b = [t if t.stride(0) == 1 else t.t().contiguous().t() for t in b]
@@ -328,7 +330,10 @@ class VirtualRanks:
             operand = BOperand.of(b[r]) if tile is not None else None
             mine = None if not scales else scales[r]
             got = None if gathered is None else gathered[r]
-            calls.append(ex.bind(a[r], b[r], outs[r], self._mains[r], got, operand, mine, rows_scale))
+            main = self._mains[r]
+            calls.append(
+                ex.bind(a[r], b[r], outs[r], main, got, operand, mine, rows_scale, main_current=False)
+            )
         if tile is not None and any(c.operand is None for c in calls):
             raise ShapeError(
                 "virtual ranks with a tile: every B must be row-major (K, N) or an (N, K) weight's .t()"
