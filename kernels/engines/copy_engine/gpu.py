@@ -212,22 +212,26 @@ class GpuExecutor:
 
     def warm_up(self, steps: tuple[tuple, ...], call: _Call) -> int:
         """Run each distinct kernel of ``steps`` once on scratch tensors, and one small copy and
-        memset per stream that issues them, with no flag waited for or written
-        (``fo_kernels.engines.copy_engine.warmup``); the number of kernels run. The caller
-        synchronizes the device before and after."""
+        memset on each stream that issues them, with no flag waited for or written
+        (``fo_kernels.engines.copy_engine.warmup``); the number of kernels run. On a GPU the device
+        is synchronized first (no stream waits on a flag while a module loads), after the scratch
+        tensors are filled, and at the end (they are freed only once nothing uses them)."""
+        self._synchronize()
         scratch = dict.fromkeys(call.tensors)
         scratch.update({name: scratch_like(t) for name, t in call.tensors.items() if t is not None})
         fake = dataclasses.replace(call, tensors=scratch)
         seen: set = set()
+        runs: list[tuple] = []
         drivers: set = set()
         for fn, args in steps:
             kind = getattr(fn, "__func__", None)
             if kind in (GpuExecutor._copy, GpuExecutor._clear):
-                drivers.add((kind, args[0]))
+                drivers.add((kind.__name__, args[0]))
             if kind is GpuExecutor._gemm:
                 s, a, out, beta = args
                 key = (kind, s, launch_key(self._rows(call, a)), launch_key(self._rows(call, out)), beta)
-                swapped = (s, self._scratch(a), self._scratch(out), beta)
+                if key not in seen:
+                    runs.append((fn, (s, self._scratch(a), self._scratch(out), beta)))
             elif kind is GpuExecutor._tiled:
                 s, (a, out, tile, row_group, kw) = args
                 kw_keys = tuple(
@@ -236,21 +240,28 @@ class GpuExecutor:
                 )
                 shapes = (launch_key(self._rows(call, a)), launch_key(self._rows(call, out)))
                 key = (kind, s, *shapes, tile, kw_keys)
-                kw = {name: self._scratch(v, fill=1 if name == "ready" else 0) for name, v in kw.items()}
-                swapped = (s, (self._scratch(a), self._scratch(out), tile, row_group, kw))
+                if key not in seen:  # (the ready cells set: the kernel's tiles wait for them)
+                    kw = {name: self._scratch(v, fill=1 if name == "ready" else 0) for name, v in kw.items()}
+                    runs.append((fn, (s, (self._scratch(a), self._scratch(out), tile, row_group, kw))))
             else:
                 continue
-            if key not in seen:
-                seen.add(key)
-                fn(fake, *swapped)
+            seen.add(key)
         cell = scratch_like(self.counters[:4], fill=0)
-        for kind, s in sorted(drivers, key=lambda d: (d[0].__name__, d[1])):
-            if kind is GpuExecutor._copy:
-                where = (None, cell.data_ptr())
-                self._copy(fake, s, where, (None, cell.data_ptr() + 8), 8)
+        self._synchronize()  # (the fills above ran on the current stream, the kernels run on theirs)
+        for fn, args in runs:
+            fn(fake, *args)
+        for kind, s in sorted(drivers):
+            if kind == GpuExecutor._copy.__name__:
+                self._copy(fake, s, (None, cell.data_ptr()), (None, cell.data_ptr() + 8), 8)
             else:
                 self._clear(fake, s, self.driver.CUdeviceptr(cell.data_ptr()), 1)
-        return len(seen)
+        self._synchronize()
+        return len(runs)
+
+    def _synchronize(self) -> None:
+        """Wait for the device (a GPU executor's; the CPU tests' fakes have none)."""
+        if self.counters.is_cuda:
+            torch.cuda.synchronize(self.counters.device)
 
     def _scratch(self, x, fill: int = 0):
         """A region view's or a cell array's scratch twin (a caller buffer's ``Rows`` stays: the

@@ -292,13 +292,11 @@ class CopyEnginePeers:
         """Before the first call of a plan with these operands' alignments issues a flag wait,
         every kernel it launches runs once (``warmup.py``: under lazy module loading, a kernel's
         first launch while a stream waits on a flag can block the host), the device synchronized
-        around it; a replayed graph's calls were warmed when it was captured."""
+        around it (by the executor); a replayed graph's calls were warmed before it was captured."""
         signature = (plan_key, a.data_ptr() % SCRATCH_ALIGN, b.data_ptr() % SCRATCH_ALIGN, b.stride())
         if signature in self._warmed:
             return
-        torch.cuda.synchronize(self.device)
         self._executor.warm_up(compiled.eager, self._executor.bind(a, b, out, main, *extra))
-        torch.cuda.synchronize(self.device)
         self._warmed.add(signature)
 
     def _issue_eagerly(self, compiled: Compiled, a, b, out, main, *extra) -> None:

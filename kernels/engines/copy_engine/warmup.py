@@ -16,8 +16,10 @@ launches runs once here:
     and one small copy and memset on each stream that issues them (the driver's own copies)
 
 No flag is waited for or written: the tiled kernel's counters go to scratch cells and its ready
-cells are scratch cells already set. The GPU executor (``gpu.GpuExecutor.warm_up``) runs it; its
-callers synchronize the device around it, so no stream waits on a flag meanwhile.
+cells are scratch cells already set. The GPU executor (``gpu.GpuExecutor.warm_up``) runs it with
+the device synchronized first (no stream waits on a flag while a module loads), after the scratch
+tensors are filled (on the current stream; the kernels run on theirs) and at the end (the scratch
+is freed only once nothing uses it).
 """
 
 from __future__ import annotations
