@@ -25,8 +25,8 @@ cd "$FO_REPO" || exit 2
 unset CUDA_MODULE_LOADING
 
 # Time limits per step (s): the whole script stays under ~8.5 minutes.
-TESTS_S=300
-CALIBRATE_S=150
+TESTS_S=270
+CALIBRATE_S=180
 DEMO_S=60
 PACKAGED=results/calibration/nvidia-h200-cc90-132sm-w2-nvlink18/tp2/calibration.yaml
 

@@ -389,9 +389,9 @@ def run_copy_engine_demo(
     all_gather (the latter two when M is divisible by the world size, else a skipped row), each
     ``reps`` calls on the same buffers in the ``ring`` mode, checked against float64. On the CPU
     executor (``check_on_threads``) its time is the executor's; on the virtual ranks of one GPU
-    (``check_on_gpu``: the first call eagerly, the others replayed from a CUDA graph) the median
-    GPU time of a call of all ranks on that GPU. Neither is a rank's time on its own GPU, so there
-    is no sequential baseline."""
+    (``check_on_gpu``, every call issued eagerly: the GPU tests run the graphs) the median GPU
+    time of a call of all ranks on that GPU. Neither is a rank's time on its own GPU, so there is
+    no sequential baseline."""
     import torch
 
     from fo_kernels.engines.copy_engine import CpuCheck, check_on_threads
@@ -449,8 +449,8 @@ def run_copy_engine_demo(
 
 def _on_gpu(check: Any) -> Any:
     """``check`` on new virtual ranks of this process's GPU (the regions sized for it: a captured
-    graph holds them), the first call eagerly, the others replayed."""
+    graph would hold them), every call issued eagerly."""
     from fo_kernels.engines.copy_engine.check import check_on_gpu
     from fo_kernels.engines.copy_engine.virtual import VirtualRanks, cuda_device
 
-    return check_on_gpu(check, VirtualRanks(check.world, cuda_device()), graph=True)
+    return check_on_gpu(check, VirtualRanks(check.world, cuda_device()))

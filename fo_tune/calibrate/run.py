@@ -43,7 +43,7 @@ from fo_tune.calibrate.profile import profile_shape
 from fo_tune.engines.triton.defaults import NCCL_SM_MARGIN
 from fo_tune.output import Reporter, SilentReporter, size_label
 from fo_tune.ranks.collectives import CollectiveSweepTask, InterferenceTask
-from fo_tune.ranks.launch import Pool, fingerprinted_pool
+from fo_tune.ranks.launch import LaunchError, Pool, fingerprinted_pool
 from fo_tune.ranks.timing import Timing
 from fo_tune.space import SearchSpace, space_for
 
@@ -285,9 +285,18 @@ def _copy_engine_n(pool: Pool, req: CalibrationRequest, cpu: bool, rep: Reporter
     rep.stage("copy engine at N peers", 2)
     points = ce.library_points(pool.run(cn.layer_task(cpu, req.dtype)))
     rep.step("copy engine at N peers", f"chunk GEMMs at TP=4/8 layers, {len(points)} shapes")
-    per_rank = pool.run(cn.HostNTask(dtype=req.dtype))
-    host = [] if any(r["why"] for r in per_rank) else per_rank[0]["points"]
-    rep.step("copy engine at N peers", f"host times, {len(host)} points" if host else per_rank[0]["why"])
+    eager = pool.run(cn.HostNTask(dtype=req.dtype))
+    host: list = []
+    if any(r["why"] for r in eager):
+        rep.step("copy engine at N peers", f"host times: {eager[0]['why']}")
+        return EngineCalibration(library_gemm=points)
+    try:
+        graphs = pool.run(cn.HostNTask(dtype=req.dtype, graphs=True), timeout_s=cn.GRAPH_TASK_TIMEOUT_S)
+        host = cn.host_points(eager[0]["points"], graphs[0]["points"])
+        rep.step("copy engine at N peers", f"host times, {len(host)} points, eager and replayed")
+    except LaunchError as exc:  # (the eager times and the GEMMs are kept)
+        host = cn.host_points(eager[0]["points"], [])
+        rep.step("copy engine at N peers", f"host times eager only; the replays failed: {exc}")
     return EngineCalibration(library_gemm=points, host=host)
 
 

@@ -41,8 +41,8 @@ HELP = "\n\n".join(
         "real, the timings are not (they measure the interpreter). The first line says which.",
         "--engine copy_engine runs the copy engine's protocol instead, on --world-size ranks (default "
         "2) with no process group: where a GPU is visible, as virtual ranks on one GPU (every rank in "
-        "this process, its operation lists issued through the CUDA driver as on N GPUs; the first call "
-        "eagerly, the others replayed from a CUDA graph), else on thread-ranks of its CPU executor: "
+        "this process, its operation lists issued through the CUDA driver as on N GPUs, eagerly), "
+        "else on thread-ranks of its CPU executor: "
         "all_reduce, reduce_scatter and all_gather per shape, --reps calls on the same buffers, "
         "checked against float64. The times are all ranks' work on one GPU, or the executor's.",
         "Exit code 0 when every row passes, 1 when one fails, 2 for bad options.",

@@ -12,7 +12,10 @@ measure is measured here (docs/design.md#virtual-ranks):
       replayed every rank's call captured in one CUDA graph: a replay's host time / N
 
   -> ``HostPoint``s; the copy engine's model takes its host term's growth with N from them
-  (``fo_tune.engines.copy_engine.model``).
+  (``fo_tune.engines.copy_engine.model``). The replays are measured in a task of their own after
+  the eager times: one graph holds every rank's flag waits, and where the graph's executor cannot
+  run them (a hang, ended by the task's time limit) the eager times and the GEMMs stay, the
+  replayed ones NaN.
 - The chunk GEMMs at TP=4/8 layer shapes (``TP_LAYERS``): each layer's whole GEMM (beta 0) and
   the engine's chunk GEMMs of M / N rows cut into ``LAYER_CHUNKS`` chunks, beta 0 and 1 (the sum
   in the epilogue), paced and sustained (``calibrate.LibraryGemmTask``) -> ``LibraryGemmPoint``s,
@@ -24,6 +27,7 @@ stay).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +52,8 @@ HOST_SHAPE = (512, 512, 512)
 HOST_CALLS = 5
 GRAPH_REPLAYS = 20
 HOST_HOLD_MS = 200.0
+# The replays' task ends a hang after this many seconds (its 21 points take a few seconds).
+GRAPH_TASK_TIMEOUT_S = 60.0
 # TP=4/8 row-parallel layers (M x N x K of one rank's GEMM, N peers): the MLP's down projection
 # (K = intermediate size / TP, N = hidden size) and the attention output (K = hidden size / TP), M
 # tokens per step. Hidden / intermediate sizes from the models' public configs: Llama-3 8B 4096 /
@@ -88,8 +94,9 @@ def _held_ms(fn: Any, calls: int, device: torch.device) -> float:
     return per_call
 
 
-def host_point(world: int, collective: str, device: torch.device, dtype: str = "bfloat16") -> HostPoint:
-    """One ``HostPoint``: ``world`` virtual ranks on ``device`` (see the module docstring)."""
+def _virtual_call(world: int, collective: str, device: torch.device, dtype: str) -> tuple[Any, float]:
+    """(a call of ``world`` virtual ranks on ``device``, as a function; the operations one rank's
+    eager call issues, mean over the ranks), its kernels loaded and three calls made."""
     from fo_kernels.engines.copy_engine.buffers import Dtypes
     from fo_kernels.engines.copy_engine.virtual import VirtualRanks, cuda_device
 
@@ -107,44 +114,72 @@ def host_point(world: int, collective: str, device: torch.device, dtype: str = "
     def call() -> None:
         ranks.issue(vp, a, b, outs, gathered)
 
-    for _ in range(3):  # the first loads the kernels (warm-up); then steady state
+    for _ in range(3):  # the first loads the kernels (the warm-up); then steady state
         call()
+    torch.cuda.synchronize(device)
+    return call, sum(len(p.ops) for p in vp.plans) / world
+
+
+def eager_host(world: int, collective: str, device: torch.device, dtype: str) -> dict[str, Any]:
+    """One rank's eager host time at ``world`` peers: every rank's call issued, over ``world``."""
+    call, ops = _virtual_call(world, collective, device, dtype)
     eager = _held_ms(call, HOST_CALLS, device)
+    return {"world": world, "collective": collective, "ops": ops, "eager_ms": eager / world}
+
+
+def graph_host(world: int, collective: str, device: torch.device, dtype: str) -> dict[str, Any]:
+    """One rank's share of a replay's host time at ``world`` peers: every rank's call captured in
+    one CUDA graph, its replay's host time over ``world``."""
+    call, _ = _virtual_call(world, collective, device, dtype)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    torch.cuda.synchronize(device)
     graph.replay()
-    replay = _held_ms(graph.replay, GRAPH_REPLAYS, device)
-    ops = sum(len(p.ops) for p in vp.plans) / world
-    return HostPoint(
-        world=world,
-        collective=collective,
-        chunks=HOST_CHUNKS,
-        ops=ops,
-        eager_ms=eager / world,
-        graph_ms=replay / world,
-    )
+    torch.cuda.synchronize(device)
+    return {
+        "world": world,
+        "collective": collective,
+        "graph_ms": _held_ms(graph.replay, GRAPH_REPLAYS, device) / world,
+    }
 
 
 @dataclass(frozen=True)
 class HostNTask:
-    """``HostPoint``s at ``worlds`` x ``collectives`` (module docstring): {"why", "points"}."""
+    """Host times at ``worlds`` x ``collectives`` (module docstring), eager or (``graphs``)
+    replayed: {"why", "points": [dict per (world, collective)]}."""
 
     worlds: tuple[int, ...] = HOST_WORLDS
     collectives: tuple[str, ...] = HOST_COLLECTIVES
     dtype: str = "bfloat16"
+    graphs: bool = False
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
-        from fo_kernels.engines.copy_engine.peers import copy_engine_blocker
+        from fo_kernels.wait import _driver_module
 
         if ctx.device.type != "cuda":
             return {"why": f"needs a CUDA GPU; this rank runs on {ctx.device.type}", "points": []}
-        why = copy_engine_blocker(ctx.device, 2)
-        if why and "symmetric" not in why:  # (virtual ranks need no symmetric memory)
-            return {"why": why, "points": []}
-        points = [host_point(w, c, ctx.device, self.dtype) for w in self.worlds for c in self.collectives]
+        if _driver_module() is None:
+            return {"why": "needs cuda-bindings (pip install 'fo-tune[cuda]')", "points": []}
+        measure = graph_host if self.graphs else eager_host
+        points = [measure(w, c, ctx.device, self.dtype) for w in self.worlds for c in self.collectives]
         return {"why": "", "points": points}
+
+
+def host_points(eager: list[dict[str, Any]], graphs: list[dict[str, Any]]) -> list[HostPoint]:
+    """``HostPoint``s of the eager measurements, with the replayed ones where there are (NaN
+    where the replays were not measured)."""
+    replayed = {(g["world"], g["collective"]): g["graph_ms"] for g in graphs}
+    return [
+        HostPoint(
+            world=e["world"],
+            collective=e["collective"],
+            chunks=HOST_CHUNKS,
+            ops=e["ops"],
+            eager_ms=e["eager_ms"],
+            graph_ms=replayed.get((e["world"], e["collective"]), math.nan),
+        )
+        for e in eager
+    ]
 
 
 def layer_task(cpu: bool, dtype: str) -> LibraryGemmTask:

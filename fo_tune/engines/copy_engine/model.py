@@ -64,6 +64,7 @@ An eager call's operations are counted from the protocol itself (``fo_kernels.en
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -175,8 +176,9 @@ class CopyEngineTerm:
         self.p = dict(params)
         self._graph: dict[str, dict[int, float]] = {}
         self._per_op: dict[str, dict[int, float]] = {}
-        for point in host:
-            self._graph.setdefault(point.collective, {})[point.world] = point.graph_ms
+        for point in host:  # (a replay not measured is NaN: left out)
+            if not math.isnan(point.graph_ms):
+                self._graph.setdefault(point.collective, {})[point.world] = point.graph_ms
             self._per_op.setdefault(point.collective, {})[point.world] = point.eager_ms / point.ops
 
     def copy_ms(self, nbytes: float, *, peer: bool = True) -> float:
