@@ -5,6 +5,7 @@ options, and how the copy engine's model reads them (host growth with N, measure
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from typer.testing import CliRunner
@@ -171,3 +172,20 @@ def test_measured_chunk_gemms_replace_the_wave_model_above_two_peers(model, h200
         lib.points.update(saved)
     assert after[2] == pytest.approx(before[2])
     assert after[4] > 2 * before[4]
+
+
+def test_replays_not_measured_leave_the_graph_term_to_the_constants(model, h200: Calibration):
+    """The replays run in a task of their own; where it failed their points are NaN: the replayed
+    host term keeps the constants, the eager one still grows; such points survive the file."""
+    eager = [{"world": w, "collective": "all_reduce", "ops": 50.0, "eager_ms": 0.4 * w / 2} for w in (2, 8)]
+    points = cn.host_points(eager, [])
+    assert all(math.isnan(p.graph_ms) for p in points)
+    back = EngineCalibration.from_dict(EngineCalibration(host=points).to_dict(), "copy_engine").host
+    assert [p.eager_ms for p in back] == [p.eager_ms for p in points] and math.isnan(back[0].graph_ms)
+    params = h200.copy_engine.values()
+    term = CopyEngineTerm(model, params, points)
+    assert term.host_ms(_schedule(8), 2, graphed=True) == params["host_graph_call_ms"]
+    grown = (params["host_eager_op_ms"] + (1.6 - 0.4) / 50) * 10
+    assert term.host_ms(_schedule(8), 2, graphed=False, ops=10) == pytest.approx(grown)
+    both = cn.host_points(eager, [{"world": 8, "collective": "all_reduce", "graph_ms": 0.05}])
+    assert [p.graph_ms for p in both][1] == 0.05 and math.isnan(both[0].graph_ms)
