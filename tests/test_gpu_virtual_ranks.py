@@ -111,6 +111,20 @@ def test_float32_and_reuse_across_shapes(world: int):
             assert not got.has_nan and got.rel_err < TOL[torch.float32], (collective, m, n, k, got)
 
 
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_fp8_eager(collective: str, scaling: str):
+    """float8_e4m3fn operands with torch._scaled_mm's scales (rowwise: the all_gather moves the
+    rows' scales too), bfloat16 out, at 4 ranks."""
+    world = 4
+    check = CpuCheck(
+        collective=collective, world=world, m=64 * world, n=256, k=128, weights=(1, 2), scaling=scaling,
+        out_dtype=torch.bfloat16, calls=3, seed=world,
+    )  # fmt: skip
+    got = check_on_gpu(check, _ranks(world))
+    assert not got.has_nan and got.rel_err < TOL[torch.bfloat16], got
+
+
 # The graphs last: one graph holds every rank's flag waits, and their order is its executor's; a
 # hang there ends the run after the eager tests have reported.
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
