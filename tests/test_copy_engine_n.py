@@ -189,3 +189,23 @@ def test_replays_not_measured_leave_the_graph_term_to_the_constants(model, h200:
     assert term.host_ms(_schedule(8), 2, graphed=False, ops=10) == pytest.approx(grown)
     both = cn.host_points(eager, [{"world": 8, "collective": "all_reduce", "graph_ms": 0.05}])
     assert [p.graph_ms for p in both][1] == 0.05 and math.isnan(both[0].graph_ms)
+
+
+def test_recalibrating_the_tp2_section_keeps_the_n_peer_points(h200: Calibration):
+    """``--only copy_engine --into`` after ``copy_engine_n``: the TP=2 measurements are replaced,
+    the TP=4/8 chunk GEMMs and the host points stay."""
+    from fo_tune.engines.copy_engine.calibrate import merge_section
+
+    extra = LibraryGemmPoint(m=1024, n=8192, k=3584, beta=1, paced_ms=0.1, sustained_ms=0.12)
+    with_n = cn.merge_points(
+        h200.copy_engine, EngineCalibration(library_gemm=[extra], host=[_host(2, 0.01, 0.4)])
+    )
+    first = h200.copy_engine.library_gemm[0]
+    remeasured = EngineCalibration(
+        params={"library_wave_ms": Quantity(value=0.5, source="new")},
+        library_gemm=[dataclasses.replace(first, paced_ms=9.0)],
+    )
+    merged = merge_section(with_n, remeasured)
+    got = {(p.m, p.n, p.k, p.beta): p for p in merged.library_gemm}
+    assert got[(first.m, first.n, first.k, first.beta)].paced_ms == 9.0 and extra in merged.library_gemm
+    assert merged.host == with_n.host and merged.params["library_wave_ms"].source == "new"
