@@ -70,9 +70,17 @@ class _Executor:
 
     def __init__(self, log: list) -> None:
         self.log = log
+        self.warmed: list = []  # (steps warmed, the call's a) of each warm-up
 
     def issue(self, steps, a, b, out, main, gathered=None, operand=None) -> None:
         self.log.append(steps)
+
+    def bind(self, a, b, out, main, *extra):
+        return a
+
+    def warm_up(self, steps, call) -> int:
+        self.warmed.append((steps, call))
+        return 1
 
 
 def _bare_peers(monkeypatch: pytest.MonkeyPatch, log: list, world: int = 2):
@@ -94,6 +102,36 @@ def _bare_peers(monkeypatch: pytest.MonkeyPatch, log: list, world: int = 2):
     )
     monkeypatch.setattr(P.dist, "all_reduce", lambda tensor, op=None, group=None: tensor)
     return peers
+
+
+def test_a_plans_first_eager_call_warms_its_kernels_up(monkeypatch: pytest.MonkeyPatch):
+    """Before a plan's first eager call issues anything, its kernels run once; again for an
+    operand at another alignment (another cuBLAS or Triton kernel), not for a repeated call or
+    another address at the same alignment."""
+    from types import SimpleNamespace
+
+    import torch
+
+    log: list = []
+    peers = _bare_peers(monkeypatch, log)
+    peers.graph_after = 0
+    out = torch.empty(8, 6)
+    peers._outputs = SimpleNamespace(empty=lambda shape, dtype: out)
+    stream = SimpleNamespace(wait_stream=lambda other: None, cuda_stream=7)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    warmed = peers._executor.warmed
+    b = torch.randn(4, 6)
+    base = torch.randn(8 * 4 * 3 + 64)
+    a = base[:32].view(8, 4)
+    peers.run("all_reduce", a, b, mode="ring", weights=(1, 1))
+    assert warmed == [(("eager",), a)] and log == [("eager",)]
+    peers.run("all_reduce", a, b, mode="ring", weights=(1, 1))
+    peers.run("all_reduce", base[64:96].view(8, 4), b, mode="ring", weights=(1, 1))  # 256 bytes on
+    assert len(warmed) == 1 and len(log) == 3
+    shifted = base[4:36].view(8, 4)  # 16 bytes on
+    peers.run("all_reduce", shifted, b, mode="ring", weights=(1, 1))
+    assert warmed[1:] == [(("eager",), shifted)] and len(log) == 4
 
 
 def test_capture_needs_one_eager_call_first(monkeypatch: pytest.MonkeyPatch):

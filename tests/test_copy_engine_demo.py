@@ -56,3 +56,34 @@ def _worse(result):
 def test_bad_options_are_one_line_exit_2(args: list[str], what: str):
     line = assert_one_line_error(CliRunner().invoke(app, ["demo", *args]))
     assert what in line, line
+
+
+def test_the_demo_takes_the_virtual_ranks_where_a_gpu_is_visible(monkeypatch: pytest.MonkeyPatch):
+    """With a GPU visible the rows come from the virtual ranks (here a stand-in that runs the same
+    check on the CPU executor and records it), the GPU's default shapes and dtype; the first line
+    and the table say so. Without one, the CPU executor."""
+    import torch
+
+    import fo_kernels.engines.copy_engine as ce
+    import fo_tune.bench.demo as demo
+    import fo_tune.ranks.launch as launch
+
+    assert demo.copy_engine_backend(0) == demo.COPY_ENGINE_BACKEND
+    assert demo.copy_engine_backend(1) == demo.copy_engine_backend(8) == demo.VIRTUAL_BACKEND
+    seen: list = []
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(demo, "_on_gpu", lambda check: seen.append(check) or ce.check_on_threads(check))
+    monkeypatch.setattr(demo, "GPU_SHAPES", [(24, 16, 8)])
+    result = CliRunner().invoke(app, ["demo", "--engine", "copy_engine", "--world-size", "4", "--reps", "1"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "4 virtual ranks on one GPU" in result.stdout and "virtual ranks on one GPU" in result.stdout
+    assert [(c.collective, c.world, c.m, c.dtype) for c in seen] == [
+        (coll, 4, 24, getattr(torch, demo.GPU_DTYPE)) for coll in COPY_ENGINE_COLLECTIVES
+    ]
+
+
+def test_an_unknown_copy_engine_backend_is_refused():
+    from fo_kernels.errors import ShapeError
+
+    with pytest.raises(ShapeError, match="not one of cpu-threads, virtual-ranks"):
+        run_copy_engine_demo(2, [(8, 5, 3)], reps=1, backend="nccl")

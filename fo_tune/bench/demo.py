@@ -26,7 +26,9 @@ and the parent merges the ranks: the largest error and time of any rank, NaN on 
 
 On the CPU the timings measure the Triton interpreter against torch's CPU matmul: they show that the
 pipeline runs, not what overlap gains. ``run_copy_engine_demo`` runs the copy engine's protocol
-instead, on thread-ranks of its CPU executor (no process group, no GPU).
+instead, with no process group: on one GPU as virtual ranks (every rank in this process, its
+operation lists issued through the CUDA driver as on N GPUs), without a GPU on thread-ranks of its
+CPU executor.
 
 ``TRITON_INTERPRET`` is set for the ranks (1 for gloo, 0 for NCCL) before they start and restored
 afterwards; gloo ranks also get ``CUDA_VISIBLE_DEVICES=""``,
@@ -361,8 +363,16 @@ def _skipped(head: dict[str, Any], reason: str) -> DemoRow:
 
 # ------------------------------------------------------------------------------ the copy engine
 COPY_ENGINE_BACKEND = "cpu-threads"  # DemoRow.backend of the copy engine's CPU executor rows
+VIRTUAL_BACKEND = "virtual-ranks"  # DemoRow.backend of its virtual ranks on one GPU
 COPY_ENGINE_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 COPY_ENGINE_WEIGHTS = (1, 1)  # two chunks per shard: each hop runs beside the next chunk's GEMM
+
+
+def copy_engine_backend(gpus: int) -> str:
+    """Where ``--engine copy_engine`` runs its ranks: as virtual ranks on one GPU when this
+    process sees one (``fo_kernels.engines.copy_engine.virtual``: ranks cannot share a GPU through
+    NCCL), else as thread-ranks of the CPU executor."""
+    return VIRTUAL_BACKEND if gpus > 0 else COPY_ENGINE_BACKEND
 
 
 def run_copy_engine_demo(
@@ -372,20 +382,28 @@ def run_copy_engine_demo(
     reps: int = 5,
     *,
     seed: int = 0,
+    backend: str | None = None,
 ) -> list[DemoRow]:
-    """The copy engine's protocol on ``world_size`` thread-ranks of its CPU executor
-    (``fo_kernels.engines.copy_engine.check_on_threads``): for each shape, all_reduce, reduce_scatter and
+    """The copy engine's protocol on ``world_size`` ranks (``backend``: ``copy_engine_backend``
+    of the GPUs this process sees, unless given): for each shape, all_reduce, reduce_scatter and
     all_gather (the latter two when M is divisible by the world size, else a skipped row), each
-    ``reps`` calls on the same buffers in the ``ring`` mode, checked against float64. It runs the
-    operation lists the GPUs run, with no GPU; its time is the executor's, not a GPU's (no
-    sequential baseline)."""
+    ``reps`` calls on the same buffers in the ``ring`` mode, checked against float64. On the CPU
+    executor (``check_on_threads``) its time is the executor's; on the virtual ranks of one GPU
+    (``check_on_gpu``, every call issued eagerly: the GPU tests run the graphs) the median GPU
+    time of a call of all ranks on that GPU. Neither is a rank's time on its own GPU, so there is
+    no sequential baseline."""
     import torch
 
     from fo_kernels.engines.copy_engine import CpuCheck, check_on_threads
     from fo_kernels.errors import ShapeError
+    from fo_tune.ranks.launch import visible_gpus
 
-    shapes = list(shapes) if shapes else list(CPU_SHAPES)
-    dtype = dtype or CPU_DTYPE
+    backend = backend or copy_engine_backend(visible_gpus())
+    if backend not in (COPY_ENGINE_BACKEND, VIRTUAL_BACKEND):
+        raise ShapeError(f"backend {backend!r} is not one of {COPY_ENGINE_BACKEND}, {VIRTUAL_BACKEND}")
+    on_gpu = backend == VIRTUAL_BACKEND
+    shapes = list(shapes) if shapes else default_shapes(on_gpu)
+    dtype = dtype or default_dtype(on_gpu)
     _check_args(world_size, shapes, dtype, reps, 1.0)
     if world_size < 2:
         raise ShapeError(f"the copy engine runs between at least 2 ranks, got --world-size {world_size}")
@@ -400,7 +418,7 @@ def run_copy_engine_demo(
                 n=n,
                 k=k,
                 dtype=dtype,
-                backend=COPY_ENGINE_BACKEND,
+                backend=backend,
                 world_size=world_size,
             )
             if m < world_size or (collective != "all_reduce" and m % world_size):
@@ -410,14 +428,14 @@ def run_copy_engine_demo(
                 collective=collective, world=world_size, m=m, n=n, k=k, weights=weights,
                 dtype=getattr(torch, dtype), calls=reps, seed=seed,
             )  # fmt: skip
-            got = check_on_threads(check)
+            got = _on_gpu(check) if on_gpu else check_on_threads(check)
             nan = float("nan")
             passed = not got.has_nan and got.rel_err < TOL[dtype]
             rows.append(
                 DemoRow(
                     **head,
                     schedule=how,
-                    schedule_source="cpu executor",
+                    schedule_source="virtual ranks, one GPU" if on_gpu else "cpu executor",
                     rel_err=got.rel_err,
                     has_nan=got.has_nan,
                     passed=passed,
@@ -427,3 +445,12 @@ def run_copy_engine_demo(
                 )
             )
     return rows
+
+
+def _on_gpu(check: Any) -> Any:
+    """``check`` on new virtual ranks of this process's GPU (the regions sized for it: a captured
+    graph would hold them), every call issued eagerly."""
+    from fo_kernels.engines.copy_engine.check import check_on_gpu
+    from fo_kernels.engines.copy_engine.virtual import VirtualRanks, cuda_device
+
+    return check_on_gpu(check, VirtualRanks(check.world, cuda_device()))

@@ -13,7 +13,8 @@ A ``Calibration`` holds, for one hardware fingerprint and world size:
   its value and its source (a measurement of ``fo-tune calibrate``, a probe, or a fit to measured
   rows), and the measured points behind them: ``library_gemm`` (cuBLAS per chunk shape, beta 0 and
   1, with pauses and back to back: one GPU) and ``copies`` (copy-engine copies of peer and local
-  memory: two GPUs);
+  memory: two GPUs) and ``host`` (a call's host time per rank at N = 2..8 peers, eager and replayed:
+  virtual ranks on one GPU);
 - ``triton`` (optional): the Triton term's host times (``params``, as above); without it the
   term's measured defaults apply;
 - ``gemm_dtypes`` (optional): GEMM profiles in other operand dtypes than ``dtype`` (fp8: the
@@ -36,20 +37,51 @@ Schema 1 (no ``copy_engine`` / ``triton`` sections) still loads.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Iterable
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from fo_kernels.errors import FoTuneError
 from fo_kernels.files import atomic_write, read_yaml
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import COLLECTIVES
 from fo_kernels.tile import Tile
+from fo_tune.calibrate.section import (
+    CalibrationError,
+    CalibrationNotFoundError,
+    CopyPoint,
+    EngineCalibration,
+    HostPoint,
+    LibraryGemmPoint,
+    Quantity,
+    read_point,
+)
+
+__all__ = [
+    "CALIBRATED_COLLECTIVES",
+    "BandwidthPoint",
+    "Calibration",
+    "CalibrationError",
+    "CalibrationNotFoundError",
+    "CopyPoint",
+    "CurveFit",
+    "EngineCalibration",
+    "GemmPoint",
+    "GridBest",
+    "HostPoint",
+    "InterferencePoint",
+    "LibraryGemmPoint",
+    "Quantity",
+    "bus_factor",
+    "fit_all",
+    "fit_curve",
+    "load_calibration",
+    "save_calibration",
+    "timing_name",
+]
 
 CALIBRATION_SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = (1, 2)
@@ -57,14 +89,6 @@ CALIBRATION_KIND = "fo-tune-calibration"
 # What a calibration measures: the runtime's collectives and all_to_all, which an expert-parallel
 # layer ends in.
 CALIBRATED_COLLECTIVES = (*COLLECTIVES, "all_to_all")
-
-
-class CalibrationError(FoTuneError, ValueError):
-    """A calibration file that is malformed or of an unknown schema."""
-
-
-class CalibrationNotFoundError(CalibrationError, FileNotFoundError):
-    """A calibration file that does not exist."""
 
 
 def bus_factor(collective: str, world_size: int) -> float:
@@ -216,78 +240,6 @@ def fit_all(points: Iterable[BandwidthPoint]) -> list[CurveFit]:
     return [fit_curve(v) for _, v in sorted(by_key.items())]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Quantity:
-    """One calibrated scalar and where it comes from (a measurement, a probe, a fit to rows)."""
-
-    value: float
-    source: str
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LibraryGemmPoint:
-    """A library (cuBLAS) GEMM of one chunk shape: with pauses of its own length between calls
-    (paced) and back to back (sustained: the card at its power limit)."""
-
-    m: int
-    n: int
-    k: int
-    beta: int  # 0: C = A @ B; 1: C += A @ B (the copy engine's second step)
-    paced_ms: float
-    sustained_ms: float
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CopyPoint:
-    """One copy-engine copy: ``peer`` (reading the peer GPU's memory) or ``local``."""
-
-    kind: str
-    size_bytes: int
-    time_ms: float
-
-
-@dataclass(kw_only=True, slots=True)
-class EngineCalibration:
-    """An engine's section: named scalars with their sources, and the measured points behind them."""
-
-    params: dict[str, Quantity] = field(default_factory=dict)
-    library_gemm: list[LibraryGemmPoint] = field(default_factory=list)
-    copies: list[CopyPoint] = field(default_factory=list)
-
-    def values(self) -> dict[str, float]:
-        return {name: q.value for name, q in self.params.items()}
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"params": {name: asdict(q) for name, q in self.params.items()}}
-        if self.library_gemm:
-            out["library_gemm"] = [asdict(p) for p in self.library_gemm]
-        if self.copies:
-            out["copies"] = [asdict(p) for p in self.copies]
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str) -> EngineCalibration:
-        if not isinstance(data, dict):
-            raise CalibrationError(f"{where}: expected a mapping")
-        unknown = sorted(set(data) - {"params", "library_gemm", "copies"})
-        if unknown:
-            raise CalibrationError(f"{where}: unknown key(s) {unknown}; valid: params, library_gemm, copies")
-        params = data.get("params") or {}
-        if not isinstance(params, dict):
-            raise CalibrationError(f"{where}.params: expected a mapping of name: {{value, source}}")
-        return cls(
-            params={str(k): _point(Quantity, v, f"{where}.params.{k}") for k, v in params.items()},
-            library_gemm=[
-                _point(LibraryGemmPoint, row, f"{where}.library_gemm[{i}]")
-                for i, row in enumerate(data.get("library_gemm") or [])
-            ],
-            copies=[
-                _point(CopyPoint, row, f"{where}.copies[{i}]")
-                for i, row in enumerate(data.get("copies") or [])
-            ],
-        )
-
-
 # The optional engine sections of a calibration, by name.
 ENGINE_SECTIONS = ("copy_engine", "triton")
 
@@ -377,7 +329,8 @@ class Calibration:
             fp = Fingerprint.from_dict(data["fingerprint"])
             parts = {
                 name: [
-                    _point(kind, row, f"{source}: {name}[{i}]") for i, row in enumerate(data.get(name) or [])
+                    read_point(kind, row, f"{source}: {name}[{i}]")
+                    for i, row in enumerate(data.get(name) or [])
                 ]
                 for name, kind in _PARTS.items()
             }
@@ -391,7 +344,7 @@ class Calibration:
                 raise CalibrationError(f"{source}: gemm_dtypes: expected a mapping of dtype to points")
             gemm_dtypes = {
                 str(d): [
-                    _point(GemmPoint, row, f"{source}: gemm_dtypes.{d}[{i}]")
+                    read_point(GemmPoint, row, f"{source}: gemm_dtypes.{d}[{i}]")
                     for i, row in enumerate(pts or [])
                 ]
                 for d, pts in others.items()
@@ -439,34 +392,6 @@ def _library_ratio(base: list[GemmPoint], other: list[GemmPoint]) -> float:
 
 # The unit of work ``_library_ratio`` compares profiles of different shapes in (multiply-adds).
 K_WORK = 2**30
-
-
-_TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}
-
-
-@functools.cache
-def _schema(kind: type) -> tuple[frozenset[str], frozenset[str], tuple[tuple[str, str, Any], ...]]:
-    """(field names, those with defaults (newer fields a file may lack), (name, type name, accepted
-    builtin types) per field) of a point dataclass."""
-    names = frozenset(f.name for f in fields(kind))
-    optional = frozenset(f.name for f in fields(kind) if f.default is not MISSING)
-    return names, optional, tuple((f.name, str(f.type), _TYPES[str(f.type)]) for f in fields(kind))
-
-
-def _point(kind: type, row: Any, where: str) -> Any:
-    if not isinstance(row, dict):
-        raise CalibrationError(f"{where}: expected a mapping")
-    names, optional, types = _schema(kind)
-    missing, unknown = names - set(row) - optional, set(row) - names
-    if missing or unknown:
-        raise CalibrationError(f"{where}: missing {sorted(missing)}, unknown {sorted(unknown)}")
-    for name, type_name, want in types:
-        if name not in row:
-            continue
-        value = row[name]
-        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-            raise CalibrationError(f"{where}.{name}: expected {type_name}, got {value!r}")
-    return kind(**row)
 
 
 def save_calibration(cal: Calibration, path: Path) -> None:

@@ -10,6 +10,9 @@
       5. latency/bandwidth fits
       6. the copy engine's section (``fo_tune.engines.copy_engine.calibrate``): the library GEMM of its
          chunk shapes paced and sustained (one GPU), peer copies, flags and host times (two GPUs)
+      7. ``copy_engine_n`` (only when asked for: ``--only copy_engine_n``): the copy engine at N
+         peers on one GPU (``fo_tune.engines.copy_engine.calibrate_n``): host times per rank at
+         N = 2..8 with virtual ranks, chunk GEMMs at TP=4/8 layer shapes
 
 ``parts`` selects stages by name (``PARTS``); world size 1 has no collective, so its default is
 ``gemm`` and ``copy_engine`` (the one-GPU measurements: ``fo-tune calibrate --world-size 1``).
@@ -40,7 +43,7 @@ from fo_tune.calibrate.profile import profile_shape
 from fo_tune.engines.triton.defaults import NCCL_SM_MARGIN
 from fo_tune.output import Reporter, SilentReporter, size_label
 from fo_tune.ranks.collectives import CollectiveSweepTask, InterferenceTask
-from fo_tune.ranks.launch import Pool, fingerprinted_pool
+from fo_tune.ranks.launch import LaunchError, Pool, fingerprinted_pool
 from fo_tune.ranks.timing import Timing
 from fo_tune.space import SearchSpace, space_for
 
@@ -50,7 +53,10 @@ class CalibrationRequestError(FoTuneError, ValueError):
 
 
 # The stages a calibration can run, by name (--only).
-PARTS = ("bandwidth", "interference", "gemm", "copy_engine")
+PARTS = ("bandwidth", "interference", "gemm", "copy_engine", "copy_engine_n")
+# What a calibration measures unless told (copy_engine_n only when asked for: it adds the N-peer
+# measurements to a calibration measured before, with --into).
+DEFAULT_PARTS = PARTS[:4]
 # Without a collective between ranks, world size 1 measures these.
 ONE_GPU_PARTS = ("gemm", "copy_engine")
 # What a calibration in another operand dtype than its communication's measures: the GEMM profile
@@ -95,7 +101,7 @@ class CalibrationRequest:
         """The parts this request measures."""
         if self.parts is not None:
             return self.parts
-        return ONE_GPU_PARTS if self.world_size == 1 else PARTS
+        return ONE_GPU_PARTS if self.world_size == 1 else DEFAULT_PARTS
 
 
 def interference_pairs(sms_free: Sequence[int], caps: Sequence[int], quick: bool) -> list[tuple[int, int]]:
@@ -146,6 +152,10 @@ def run_calibration(request: CalibrationRequest, reporter: Reporter | None = Non
             cal.gemm = _gemm_profiles(pool, request, space, cpu, rep)
         if "copy_engine" in parts:
             cal.copy_engine = _copy_engine(pool, request, space, cpu, fp, rep)
+        if "copy_engine_n" in parts:
+            from fo_tune.engines.copy_engine.calibrate_n import merge_points
+
+            cal.copy_engine = merge_points(cal.copy_engine, _copy_engine_n(pool, request, cpu, rep))
         return cal
 
 
@@ -267,6 +277,29 @@ def _copy_engine(
     return EngineCalibration(params=params, library_gemm=points, copies=copies)
 
 
+def _copy_engine_n(pool: Pool, req: CalibrationRequest, cpu: bool, rep: Reporter) -> EngineCalibration:
+    """The copy engine at N peers on one GPU (``fo_tune.engines.copy_engine.calibrate_n``)."""
+    from fo_tune.engines.copy_engine import calibrate as ce
+    from fo_tune.engines.copy_engine import calibrate_n as cn
+
+    rep.stage("copy engine at N peers", 2)
+    points = ce.library_points(pool.run(cn.layer_task(cpu, req.dtype)))
+    rep.step("copy engine at N peers", f"chunk GEMMs at TP=4/8 layers, {len(points)} shapes")
+    eager = pool.run(cn.HostNTask(dtype=req.dtype))
+    host: list = []
+    if any(r["why"] for r in eager):
+        rep.step("copy engine at N peers", f"host times: {eager[0]['why']}")
+        return EngineCalibration(library_gemm=points)
+    try:
+        graphs = pool.run(cn.HostNTask(dtype=req.dtype, graphs=True), timeout_s=cn.GRAPH_TASK_TIMEOUT_S)
+        host = cn.host_points(eager[0]["points"], graphs[0]["points"])
+        rep.step("copy engine at N peers", f"host times, {len(host)} points, eager and replayed")
+    except LaunchError as exc:  # (the eager times and the GEMMs are kept)
+        host = cn.host_points(eager[0]["points"], [])
+        rep.step("copy engine at N peers", f"host times eager only; the replays failed: {exc}")
+    return EngineCalibration(library_gemm=points, host=host)
+
+
 def check_mergeable(
     target: Calibration, fingerprint: Fingerprint, dtype: str, parts: Sequence[str] = PARTS
 ) -> None:
@@ -308,4 +341,8 @@ def merge_into(target: Calibration, measured: Calibration, parts: Sequence[str])
         target.gemm = measured.gemm
     if "copy_engine" in parts and measured.copy_engine is not None:
         target.copy_engine = merge_section(target.copy_engine, measured.copy_engine)
+    if "copy_engine_n" in parts and measured.copy_engine is not None:
+        from fo_tune.engines.copy_engine.calibrate_n import merge_points
+
+        target.copy_engine = merge_points(target.copy_engine, measured.copy_engine)
     return target

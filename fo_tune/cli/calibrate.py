@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # fo_tune.calibrate.calibration.CALIBRATED_COLLECTIVES and fo_tune.calibrate.run.PARTS, for the help
 # text (importing them pulls in torch, which --help does not need; a test checks they match).
 CALIBRATED_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
-PART_NAMES = ("bandwidth", "interference", "gemm", "copy_engine")
+PART_NAMES = ("bandwidth", "interference", "gemm", "copy_engine", "copy_engine_n")
 
 HELP = "\n\n".join(
     [
@@ -92,7 +92,9 @@ OnlyOpt = Annotated[
         metavar="PART[,PART]",
         help="Measure only these parts: bandwidth, interference, gemm, copy_engine (the copy engine's "
         "section: library GEMM chunks and the sustained clock on one GPU; peer copies, flags and host "
-        "times on two). Default: all; with --world-size 1, gemm and copy_engine.",
+        "times on two), copy_engine_n (the copy engine at N peers on one GPU: host times at N = 2..8 "
+        "with virtual ranks, chunk GEMMs at TP=4/8 layer shapes; merge it with --into). Default: the "
+        "first four; with --world-size 1, gemm and copy_engine.",
     ),
 ]
 IntoOpt = Annotated[

@@ -39,10 +39,12 @@ HELP = "\n\n".join(
         "per GPU where there are fewer (world size 1 on a one-GPU machine). Without GPUs, or with "
         "--backend gloo, they use gloo and the GEMM runs in Triton's CPU interpreter: the check is "
         "real, the timings are not (they measure the interpreter). The first line says which.",
-        "--engine copy_engine runs the copy engine's protocol instead, on --world-size thread-ranks "
-        "(default 2) of its CPU executor (no process group, no GPU): all_reduce, reduce_scatter and "
-        "all_gather per shape, --reps calls on the same buffers, checked against float64; the times "
-        "are the executor's.",
+        "--engine copy_engine runs the copy engine's protocol instead, on --world-size ranks (default "
+        "2) with no process group: where a GPU is visible, as virtual ranks on one GPU (every rank in "
+        "this process, its operation lists issued through the CUDA driver as on N GPUs, eagerly), "
+        "else on thread-ranks of its CPU executor: "
+        "all_reduce, reduce_scatter and all_gather per shape, --reps calls on the same buffers, "
+        "checked against float64. The times are all ranks' work on one GPU, or the executor's.",
         "Exit code 0 when every row passes, 1 when one fails, 2 for bad options.",
     ]
 )
@@ -53,7 +55,7 @@ EngineOpt = Annotated[
         "--engine",
         "-e",
         help="auto: the schedule the runtime would pick; copy_engine: the copy engine's protocol on "
-        "thread-ranks of its CPU executor.",
+        "virtual ranks of one GPU, or on thread-ranks of its CPU executor without a GPU.",
     ),
 ]
 
@@ -88,6 +90,7 @@ def _table(rows: "list[DemoRow]", world_size: int, backend: str) -> Table:
     where = {
         "nccl": "NCCL, one GPU per rank",
         "cpu-threads": "the copy engine's CPU executor, thread-ranks",
+        "virtual-ranks": "the copy engine's virtual ranks on one GPU",
     }.get(backend, "gloo on the CPU, Triton interpreter")
     dtypes = ", ".join(sorted({r.dtype for r in rows}))
     table = Table(
@@ -141,24 +144,31 @@ def demo(
         raise typer.BadParameter(f"--engine {engine!r} is not one of {', '.join(ENGINES)}")
     if engine == "copy_engine" and ((world_size is not None and world_size < 2) or backend != "auto"):
         raise typer.BadParameter(
-            "--engine copy_engine runs on 2 or more thread-ranks of its CPU executor: give "
-            "--world-size >= 2 and leave --backend out"
+            "--engine copy_engine runs 2 or more ranks in this process (virtual ranks on one GPU, or "
+            "thread-ranks of its CPU executor): give --world-size >= 2 and leave --backend out"
         )
 
-    from fo_tune.bench.demo import plan_demo, run_copy_engine_demo, run_demo
+    from fo_tune.bench.demo import (
+        VIRTUAL_BACKEND,
+        copy_engine_backend,
+        plan_demo,
+        run_copy_engine_demo,
+        run_demo,
+    )
     from fo_tune.ranks.launch import visible_gpus
 
     if engine == "copy_engine":
         ranks = world_size or 2
-        console.print(
-            f"fo-tune demo: the copy engine's protocol on {ranks} thread-ranks of its CPU executor "
-            "(no GPU, no process group)",
-            markup=False,
-            highlight=False,
+        where = copy_engine_backend(visible_gpus())
+        how = (
+            f"{ranks} virtual ranks on one GPU (one process, no process group)"
+            if where == VIRTUAL_BACKEND
+            else f"{ranks} thread-ranks of its CPU executor (no GPU, no process group)"
         )
-        with console.status(f"running {ranks} thread-rank(s) ...", spinner="dots"):
-            rows = run_copy_engine_demo(ranks, shapes or None, dtype, reps)
-        console.print(_table(rows, ranks, rows[0].backend if rows else "cpu-executor"))
+        console.print(f"fo-tune demo: the copy engine's protocol on {how}", markup=False, highlight=False)
+        with console.status(f"running {ranks} rank(s) ...", spinner="dots"):
+            rows = run_copy_engine_demo(ranks, shapes or None, dtype, reps, backend=where)
+        console.print(_table(rows, ranks, where))
         console.print("schedules (the copy engine's operation lists, as on GPUs):", style="dim")
     else:
         plan = plan_demo(world_size, backend, visible_gpus())

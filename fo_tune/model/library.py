@@ -16,7 +16,9 @@ tiles where an output has too few of those to fill the SMs)::
 power limit lowers the SM clock, docs/design.md "Measured since"); ``clock_context`` is how much
 of that slowdown the measurement that decides a row sees (its 16 ms samples of back-to-back calls
 alternate with other variants). A measured point of the calibration (``copy_engine.library_gemm``:
-its paced and sustained times) replaces the wave model for its exact shape.
+its paced and sustained times) replaces the wave model for its exact shape; for chunks whose
+partial last wave the next chunk fills, only where asked (``measured_fill``: the copy engine at
+N > 2 peers), scaled by the wave model's filled over whole waves.
 
 Without a copy-engine section the model is fitted through the cuBLAS times of the calibration's
 tile profile (every profiled shape's ``cublas_ms``), at clock factor 1.
@@ -109,11 +111,19 @@ class LibraryGemm:
         t = self.p["library_latency_ms"] + best
         return t * (self.p["library_beta1_factor"] if beta else 1.0)
 
-    def time(self, rows: int, n: int, k: int, *, beta: int = 0, fill: bool = False) -> float:
+    def time(
+        self, rows: int, n: int, k: int, *, beta: int = 0, fill: bool = False, measured_fill: bool = False
+    ) -> float:
         """The GEMM as the deciding measurements run it: a measured point's sustained-context time
-        for this exact (rows, N, K, beta), else the wave model at the context clock."""
+        for this exact (rows, N, K, beta), else the wave model at the context clock. With ``fill``
+        the wave model's, unless ``measured_fill``: then the measured point scaled by the wave
+        model's filled over whole waves (the copy engine at N > 2 peers)."""
         point = self.points.get((rows, n, k, beta))
-        if point is not None and not fill:
+        if point is not None and (not fill or measured_fill):
             p = self.p
-            return point.paced_ms + p["clock_context"] * (point.sustained_ms - point.paced_ms)
+            t = point.paced_ms + p["clock_context"] * (point.sustained_ms - point.paced_ms)
+            if fill:
+                whole = self.paced_ms(rows, n, k, beta=beta)
+                t *= self.paced_ms(rows, n, k, beta=beta, fill=True) / whole if whole > 0 else 1.0
+            return t
         return self.paced_ms(rows, n, k, beta=beta, fill=fill) * self.clock

@@ -450,11 +450,14 @@ def measured_by(device_key: str) -> str:
 
 def merge_section(old: EngineCalibration | None, new: EngineCalibration) -> EngineCalibration:
     """``old`` with ``new``'s parameters and points replacing it where ``new`` has them (the
-    parameters no measurement gives keep their fitted values)."""
+    parameters no measurement gives keep their fitted values; library GEMM points of shapes
+    ``new`` did not measure, such as ``copy_engine_n``'s TP=4/8 chunks, and host points stay)."""
     if old is None:
         return new
+    gemm = {(p.m, p.n, p.k, p.beta): p for p in [*old.library_gemm, *new.library_gemm]}
     return EngineCalibration(
         params={**old.params, **new.params},
-        library_gemm=new.library_gemm or old.library_gemm,
+        library_gemm=list(gemm.values()),
         copies=new.copies or old.copies,
+        host=new.host or old.host,
     )

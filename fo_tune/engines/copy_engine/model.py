@@ -30,7 +30,19 @@ counter, notify and wait), and AllReduce ends with the peer's local copy of the 
 replayed from the engine's own CUDA graphs (every call whose addresses repeat, as the search and
 the bench time them) cost ``host_graph_call_ms`` of host time; eager ones ``host_eager_op_ms`` per
 operation issued
-(``eager_ops``). A call costs ``max(device, host)``.
+(``eager_ops``). A call costs ``max(device, host)``. Both constants were measured through the whole
+op at N = 2. Where the calibration has host times at N peers (``copy_engine.host``: virtual ranks
+on one GPU, ``fo-tune calibrate --only copy_engine_n``), the host term at N adds what they grew by
+from N = 2 (interpolated between measured N, extended linearly past them)::
+
+    replayed  host_graph_call_ms + graph(N) - graph(2)                 graph: a rank's replay
+    eager     (host_eager_op_ms + op(N) - op(2)) x operations          op: a rank's eager time per op
+
+Without them the term keeps the N = 2 constants at every N (the growth with N then comes only
+from the operation count of an eager call). Chunk GEMMs at N > 2 whose exact shape the
+calibration measured (``copy_engine_n``'s TP=4/8 layers) take the measured time over the wave
+model (``LibraryGemm.time(measured_fill=True)``); at N = 2 the wave model stays, as the free
+parameters were fitted with it.
 
 AllGather + GEMM (ring mode only; unvalidated: no all_gather was ever measured on GPUs, and the
 section's free parameters were fitted to AllReduce and ReduceScatter rows). Rank r copies its
@@ -52,7 +64,8 @@ An eager call's operations are counted from the protocol itself (``fo_kernels.en
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,6 +75,7 @@ from fo_kernels.schedule import Schedule
 from fo_tune.model.types import Prediction, element_bytes, output_bytes
 
 if TYPE_CHECKING:
+    from fo_tune.calibrate.calibration import HostPoint
     from fo_tune.model.core import CostModel
 
 # The parameters the term reads beyond the library model's (fo_tune.model.library.PARAMS).
@@ -133,21 +147,68 @@ def eager_ops(collective: str, world: int, chunks: int) -> int:
     return EAGER_OPS_PER_CALL + EAGER_OPS_PER_CHUNK_STEP * chunks * world + gather
 
 
-class CopyEngineTerm:
-    """Predictions of copy-engine schedules (see the module docstring)."""
+# The world size the host constants (host_graph_call_ms, host_eager_op_ms) were measured at: the
+# growth measured with virtual ranks is added from here.
+HOST_BASE_WORLD = 2
 
-    def __init__(self, model: CostModel, params: Mapping[str, float]) -> None:
+
+def _at(points: Mapping[int, float], world: int) -> float:
+    """``points`` (world -> value) at ``world``: exact, interpolated between the two measured world
+    sizes around it, or extended linearly from the two nearest."""
+    if world in points:
+        return points[world]
+    xs = sorted(points)
+    below = [x for x in xs if x < world]
+    above = [x for x in xs if x > world]
+    if below and above:
+        x0, x1 = below[-1], above[0]
+    else:
+        x0, x1 = (xs[-2], xs[-1]) if below else (xs[0], xs[1])
+    return points[x0] + (points[x1] - points[x0]) * (world - x0) / (x1 - x0)
+
+
+class CopyEngineTerm:
+    """Predictions of copy-engine schedules (see the module docstring); ``host``: the
+    calibration's host times at N peers (``HostPoint``s), if any."""
+
+    def __init__(self, model: CostModel, params: Mapping[str, float], host: Sequence[HostPoint] = ()) -> None:
         self.model = model
         self.p = dict(params)
+        self._graph: dict[str, dict[int, float]] = {}
+        self._per_op: dict[str, dict[int, float]] = {}
+        for point in host:  # (a replay not measured is NaN: left out)
+            if not math.isnan(point.graph_ms):
+                self._graph.setdefault(point.collective, {})[point.world] = point.graph_ms
+            self._per_op.setdefault(point.collective, {})[point.world] = point.eager_ms / point.ops
 
     def copy_ms(self, nbytes: float, *, peer: bool = True) -> float:
         kind = "peer" if peer else "local"
         return self.p[f"{kind}_copy_latency_ms"] + nbytes / (self.p[f"{kind}_copy_gbs"] * 1e6)
 
-    def host_ms(self, schedule: Schedule, chunks: int, *, graphed: bool) -> float:
+    def host_growth(self, collective: str, world: int, *, graphed: bool) -> float:
+        """How much a rank's host time (replayed: per call; eager: per operation) grows from
+        ``HOST_BASE_WORLD`` to ``world`` peers, from the measured host times (0.0 without them,
+        or without a measurement at the base and one more world size)."""
+        points = (self._graph if graphed else self._per_op).get(collective, {})
+        if HOST_BASE_WORLD not in points or len(points) < 2:
+            return 0.0
+        return _at(points, world) - points[HOST_BASE_WORLD]
+
+    def host_ms(self, schedule: Schedule, chunks: int, *, graphed: bool, ops: int | None = None) -> float:
+        """A rank's host time of a call (``ops``: an eager call's operation count, default
+        ``eager_ops``)."""
+        collective, world = schedule.collective, schedule.world_size
+        grow = self.host_growth(collective, world, graphed=graphed)
         if graphed:
-            return self.p["host_graph_call_ms"]
-        return self.p["host_eager_op_ms"] * eager_ops(schedule.collective, schedule.world_size, chunks)
+            return self.p["host_graph_call_ms"] + grow
+        ops = eager_ops(collective, world, chunks) if ops is None else ops
+        return (self.p["host_eager_op_ms"] + grow) * ops
+
+    def _chunk_ms(self, rows: int, n: int, k: int, world: int, *, beta: int = 0, fill: bool = False) -> float:
+        """A chunk GEMM alone: its measured time at N > 2 where the calibration has its shape."""
+        return self.model.library.time(
+            rows, n, k, beta=beta, fill=fill, measured_fill=world > HOST_BASE_WORLD
+        )
 
     @staticmethod
     def _prediction(
@@ -186,7 +247,7 @@ class CopyEngineTerm:
     def _ring(
         self, schedule: Schedule, st: CopyEngineSettings, m: int, n: int, k: int, *, graphed: bool
     ) -> Prediction:
-        p, lib, world = self.p, self.model.library, schedule.world_size
+        p, world = self.p, schedule.world_size
         elem = output_bytes(schedule.dtype)  # (the partial sums: the output's dtype)
         rows = chunk_rows(cdiv(m, world), st.weights)
         fill = len(rows) * world > 1
@@ -198,7 +259,7 @@ class CopyEngineTerm:
             now_pulled, finished = [], []
             for c, r in enumerate(rows):
                 dep = pulled[c] + p["flag_ms"] if step else 0.0
-                alone = lib.time(r, n, k, beta=1 if step else 0, fill=fill)
+                alone = self._chunk_ms(r, n, k, world, beta=1 if step else 0, fill=fill)
                 dur = alone * p["copy_contention"] + p["chunk_overhead_ms"]
                 gemm_alone += alone
                 gemm_busy += dur
@@ -223,12 +284,12 @@ class CopyEngineTerm:
         self, schedule: Schedule, st: CopyEngineSettings, m: int, n: int, k: int, *, graphed: bool
     ) -> Prediction:
         """AllGather + GEMM on the gathered (m, n, k) (module docstring)."""
-        p, lib, world = self.p, self.model.library, schedule.world_size
+        p, world = self.p, schedule.world_size
         elem = element_bytes(schedule.dtype)
         shard = m // world
         rows = chunk_rows(shard, st.weights)
         shard_ready = self.copy_ms(shard * k * elem, peer=False) + p["flag_ms"]
-        own = lib.time(shard, n, k, fill=True)
+        own = self._chunk_ms(shard, n, k, world, fill=True)
         gemm_alone = own
         compute = gemm_busy = own * p["copy_contention"] + p["chunk_overhead_ms"]
         side, waited = shard_ready, 0.0
@@ -236,20 +297,19 @@ class CopyEngineTerm:
         for _peer in range(world - 1):
             for r in rows:
                 side = pulls.add(shard_ready, side, self.copy_ms(r * k * elem))
-                alone = lib.time(r, n, k, fill=True)
+                alone = self._chunk_ms(r, n, k, world, fill=True)
                 dur = alone * p["copy_contention"] + p["chunk_overhead_ms"]
                 waited += max(0.0, side - compute)
                 compute = max(compute, side) + dur
                 gemm_alone += alone
                 gemm_busy += dur
         device = compute + p["call_overhead_ms"]
-        if graphed:
-            host = p["host_graph_call_ms"]
-        else:
+        ops = None
+        if not graphed:
             from fo_kernels.engines.copy_engine.modes import plan_call
 
-            ops = plan_call("ring", "all_gather", world, 0, m, n, k, st.weights).ops
-            host = p["host_eager_op_ms"] * len(ops)
+            ops = len(plan_call("ring", "all_gather", world, 0, m, n, k, st.weights).ops)
+        host = self.host_ms(schedule, len(rows), graphed=graphed, ops=ops)
         return self._prediction(device, host, gemm_alone, gemm_busy, pulls, waited)
 
     def _tiled(

@@ -319,4 +319,4 @@ class CopyEngineTuner(EngineTuner):
             raise CalibrationError(f"engine copy_engine {gap}")
         section = model.cal.copy_engine
         assert section is not None
-        return CopyEngineTerm(model, section.values())
+        return CopyEngineTerm(model, section.values(), section.host)

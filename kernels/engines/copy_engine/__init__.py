@@ -13,8 +13,10 @@ FIFO workers, so CI runs the same lists the GPUs run.
     modes.py    the modes by name (``ring``, ``tiled``), each building a call's operation list
     buffers.py  the symmetric regions as views and addresses
     gpu.py      the GPU executor (cuda-bindings, cuBLAS, ``rows_gemm``)
+    warmup.py   the kernel-loading rule: a plan's kernels loaded before its first flag wait
+    virtual.py  N ranks in one process on one GPU, each rank's list issued by a GPU executor
     cpu.py      the CPU executor (threads, FIFOs, shared tensors and counters, delays, timeouts)
-    check.py    repeated calls on N thread-ranks checked against float64 (tests, the demo)
+    check.py    repeated calls on N thread-ranks (or virtual ranks) checked against float64
     peers.py    ``CopyEnginePeers``: the engine of one GPU and process group
     settings.py ``CopyEngineSettings``: its part of a schedule
 
@@ -58,9 +60,14 @@ _EXPORTS = {
     "ProtocolError": "fo_kernels.engines.copy_engine.cpu",
     "ProtocolTimeout": "fo_kernels.engines.copy_engine.cpu",
     "ROW_ALIGN": "fo_kernels.engines.copy_engine.layout",
+    "VirtualDevice": "fo_kernels.engines.copy_engine.virtual",
+    "VirtualRanks": "fo_kernels.engines.copy_engine.virtual",
+    "check_on_gpu": "fo_kernels.engines.copy_engine.check",
     "check_on_threads": "fo_kernels.engines.copy_engine.check",
     "chunk_bounds": "fo_kernels.engines.copy_engine.layout",
     "copy_engine_blocker": "fo_kernels.engines.copy_engine.peers",
+    "cuda_device": "fo_kernels.engines.copy_engine.virtual",
+    "issue_order": "fo_kernels.engines.copy_engine.virtual",
     "mode_blocker": "fo_kernels.engines.copy_engine.modes",
     "mode_named": "fo_kernels.engines.copy_engine.modes",
     "plan_call": "fo_kernels.engines.copy_engine.modes",

@@ -1,4 +1,4 @@
-"""Repeated copy-engine calls on N thread-ranks of the CPU executor, checked against float64.
+"""Repeated copy-engine calls on N thread-ranks (or N virtual ranks of one GPU), checked against float64.
 
     for call i = 1 .. calls, on every rank r, with no barrier between calls (a fast rank starts its
     next call while the others still read its buffers: the reuse guards must hold it back):
@@ -12,7 +12,10 @@
 fp8 (``scaling`` tensorwise or rowwise): a_q, b_q in float8_e4m3fn with float32 scales, the
 reference of the dequantized operands (a_q * sa_q) @ (b_q * sb_q), the output in ``out_dtype``.
 
-``fo-tune demo --engine copy_engine`` and the CPU tests run this.
+``check_on_gpu`` runs the same calls on the virtual ranks of one GPU (``virtual.VirtualRanks``):
+eagerly, or captured in a CUDA graph after the first call and replayed.
+
+``fo-tune demo --engine copy_engine`` and the tests run these.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +33,9 @@ from fo_kernels.engines.copy_engine.layout import shard_rows
 from fo_kernels.engines.copy_engine.modes import plan_call
 from fo_kernels.scaling import FP8_DTYPE, Scales
 from fo_kernels.tile import Tile
+
+if TYPE_CHECKING:
+    from fo_kernels.engines.copy_engine.virtual import VirtualRanks
 
 SCALINGS = ("", "tensorwise", "rowwise")
 
@@ -72,20 +79,50 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _operands(c: CpuCheck, a_rows: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """One rank's (a, b, scale_a, scale_b) of one call (scales None without ``scaling``);
-    tensorwise, every rank's scale_a is the same (an all_gather's A has one scale)."""
-    dtype = FP8_DTYPE if c.scaling else c.dtype
-    a = (torch.randn(a_rows, c.k, generator=gen) * (3 if c.scaling else 1)).to(dtype)
-    b = torch.randn(c.k, c.n, generator=gen).to(dtype)
+    """One rank's (a, b, scale_a, scale_b) of one call on ``gen``'s device (scales None without
+    ``scaling``); tensorwise, every rank's scale_a is the same (an all_gather's A has one scale)."""
+    dtype, on = FP8_DTYPE if c.scaling else c.dtype, {"generator": gen, "device": gen.device}
+    a = (torch.randn(a_rows, c.k, **on) * (3 if c.scaling else 1)).to(dtype)
+    b = torch.randn(c.k, c.n, **on).to(dtype)
     if c.scaling == "rowwise":
-        return a, b, torch.rand(a_rows, 1, generator=gen) + 0.25, torch.rand(1, c.n, generator=gen) + 0.25
+        return a, b, torch.rand(a_rows, 1, **on) + 0.25, torch.rand(1, c.n, **on) + 0.25
     if c.scaling == "tensorwise":
-        return a, b, torch.tensor(0.5 + c.seed % 3 / 4), torch.rand((), generator=gen) + 0.25
+        return a, b, torch.tensor(0.5 + c.seed % 3 / 4, device=gen.device), torch.rand((), **on) + 0.25
     return a, b, None, None
 
 
 def _dequantized(a: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return a.double() if scale is None else a.double() * scale.double()
+
+
+def _references(c: CpuCheck, ops: list[tuple]) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+    """Each rank's (gathered A or None, output) of one call in float64, from every rank's
+    ``_operands``."""
+    deq = [(_dequantized(a, sa), _dequantized(b, sb)) for a, b, sa, sb in ops]
+    if c.collective == "all_gather":
+        whole = torch.cat([a.double() for a, *_ in ops])
+        return [(whole, torch.cat([a for a, _ in deq]) @ b) for _, b in deq]
+    total = sum(a @ b for a, b in deq)
+    if c.collective == "all_reduce":
+        return [(None, total) for _ in ops]
+    return [(None, total[r0:r1]) for r0, r1 in shard_rows(c.m, c.world)]
+
+
+def _scales_of(c: CpuCheck, sa: torch.Tensor | None, sb: torch.Tensor | None) -> Scales | None:
+    if not c.scaling:
+        return None
+    return Scales(a=sa.reshape(-1), b=sb.reshape(-1), out_dtype=c.out_dtype, rowwise=c.scaling == "rowwise")
+
+
+def _poison(out: torch.Tensor, gathered: torch.Tensor | None) -> None:
+    """NaN into a call's outputs, so a row the call does not write fails the check."""
+    out.fill_(float("nan"))
+    if gathered is not None:
+        gathered.view(torch.uint8).fill_(255)  # (NaN in float8_e4m3fn and bfloat16 too)
+
+
+def _has_nan(out: torch.Tensor, gathered: torch.Tensor | None) -> bool:
+    return bool(out.isnan().any()) or (gathered is not None and bool(gathered.float().isnan().any()))
 
 
 def check_on_threads(check: CpuCheck, options: CpuOptions | None = None) -> CheckResult:
@@ -97,19 +134,10 @@ def check_on_threads(check: CpuCheck, options: CpuOptions | None = None) -> Chec
         plan_call(c.mode, c.collective, w, r, c.m, c.n, c.k, c.weights, c.tile, row_scales=row_scales)
         for r in range(w)
     ]
-    rows = shard_rows(c.m, w)
     a_rows = c.m // w if gather else c.m
     gen = torch.Generator().manual_seed(c.seed)
     operands = [[_operands(c, a_rows, gen) for _ in range(w)] for _ in range(c.calls)]
-    refs = []
-    for ops in operands:
-        deq = [(_dequantized(a, sa), _dequantized(b, sb)) for a, b, sa, sb in ops]
-        if gather:
-            whole = torch.cat([a.double() for a, *_ in ops])
-            refs.append([(whole, torch.cat([a for a, _ in deq]) @ b) for _, b in deq])
-        else:
-            total = sum(a @ b for a, b in deq)
-            refs.append([(None, total if c.collective == "all_reduce" else total[r0:r1]) for r0, r1 in rows])
+    refs = [_references(c, ops) for ops in operands]
     in_dtype = operands[0][0][0].dtype
     out_dtype = c.out_dtype if c.scaling else c.dtype
 
@@ -122,18 +150,13 @@ def check_on_threads(check: CpuCheck, options: CpuOptions | None = None) -> Chec
         for i in range(c.calls):
             a.copy_(operands[i][r][0])
             b.copy_(operands[i][r][1])
-            _, _, sa, sb = operands[i][r]
-            scales = None
-            if c.scaling:
-                scales = Scales(a=sa.reshape(-1), b=sb.reshape(-1), out_dtype=out_dtype, rowwise=row_scales)
-            out.fill_(float("nan"))
-            if gathered is not None:
-                gathered.view(torch.uint8).fill_(255)  # (NaN in float8_e4m3fn too)
+            scales = _scales_of(c, *operands[i][r][2:])
+            _poison(out, gathered)
             t0 = time.perf_counter()
             rank.call(plan, a, b, out, gathered, scales)
             times.append((time.perf_counter() - t0) * 1e3)
             whole, ref = refs[i][r]
-            nan |= bool(out.isnan().any()) or (gathered is not None and bool(gathered.float().isnan().any()))
+            nan |= _has_nan(out, gathered)
             err = max(err, _rel(out, ref), _rel(gathered, whole) if gathered is not None else 0.0)
         return err, nan, statistics.median(times)
 
@@ -147,3 +170,61 @@ def check_on_threads(check: CpuCheck, options: CpuOptions | None = None) -> Chec
         has_nan=any(n for _, n, _ in per_rank),
         wall_ms=max(t for _, _, t in per_rank),
     )
+
+
+def check_on_gpu(check: CpuCheck, ranks: VirtualRanks, *, graph: bool = False) -> CheckResult:
+    """``check``'s calls on the virtual ranks of one GPU (``virtual.VirtualRanks``, ``check.world``
+    of them), on the same tensors every call with new values, the outputs poisoned (NaN) before
+    each: every call issued eagerly, or (``graph``) the first eagerly and every later one replayed
+    from a CUDA graph captured after it. Errors against float64 on the GPU; ``wall_ms`` is the
+    median GPU time of a call of all N ranks on the one GPU."""
+    c, w = check, ranks.world
+    if c.world != w:
+        raise ValueError(f"the check is for {c.world} ranks, the virtual ranks are {w}")
+    device = ranks.dev.device
+    gather = c.collective == "all_gather"
+    a_rows = c.m // w if gather else c.m
+    gen = torch.Generator(device=device).manual_seed(c.seed)
+    first = [_operands(c, a_rows, gen) for _ in range(w)]
+    a, b = [x[0].clone() for x in first], [x[1].clone() for x in first]  # (the call's tensors)
+    sa = [None if x[2] is None else x[2].clone() for x in first]
+    sb = [None if x[3] is None else x[3].clone() for x in first]
+    scales = [_scales_of(c, sa[r], sb[r]) for r in range(w)] if c.scaling else None
+    out_dtype = c.out_dtype if c.scaling else c.dtype
+    vp = ranks.plan(
+        c.collective, c.m, c.n, c.k, Dtypes(a[0].dtype, out_dtype),
+        mode=c.mode, weights=c.weights, tile=c.tile, row_scales=c.scaling == "rowwise" and gather,
+    )  # fmt: skip
+    outs = [torch.empty(p.out_rows, c.n, dtype=out_dtype, device=device) for p in vp.plans]
+    gathered = [torch.empty(c.m, c.k, dtype=a[0].dtype, device=device) for _ in range(w)] if gather else None
+    captured = None
+    err, nan, times = 0.0, False, []
+    for i in range(c.calls):
+        ops = first if i == 0 else [_operands(c, a_rows, gen) for _ in range(w)]
+        for r, (ar, br, sar, sbr) in enumerate(ops):
+            a[r].copy_(ar)
+            b[r].copy_(br)
+            if sar is not None:
+                sa[r].copy_(sar)
+                sb[r].copy_(sbr)
+            _poison(outs[r], None if gathered is None else gathered[r])
+        ranks.dev.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if captured is not None:
+            captured.replay()
+        else:
+            ranks.issue(vp, a, b, outs, gathered, scales=scales)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        for r, (whole, ref) in enumerate(_references(c, ops)):
+            got = None if gathered is None else gathered[r]
+            nan |= _has_nan(outs[r], got)
+            err = max(err, _rel(outs[r], ref), _rel(got, whole) if got is not None else 0.0)
+        if graph and captured is None:
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                ranks.issue(vp, a, b, outs, gathered, scales=scales)
+            ranks.dev.synchronize()
+    return CheckResult(rel_err=err, has_nan=nan, wall_ms=statistics.median(times))

@@ -17,10 +17,14 @@ once: the symmetric regions' views and addresses, the flag cells' addresses, the
 row groups; ``issue`` then adds only the call's own tensors' addresses. The executor issues the
 list exactly as it stands (``eager=False`` leaves out the eager-only prologue), so an eager call,
 a captured one and the CPU executor's run of the same list agree operation by operation.
+``bind`` gives a call's tensors and streams to the steps, so another issuer (the virtual ranks of
+``virtual.py``) can interleave the steps of several ranks. ``warm_up`` runs each distinct kernel of
+a plan once before its first flag wait (``warmup.py``: the kernel-loading rule).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -42,6 +46,7 @@ from fo_kernels.engines.copy_engine.ops import (
     Wait,
     WaitEvent,
 )
+from fo_kernels.engines.copy_engine.warmup import launch_key, scratch_like
 from fo_kernels.gemm import BOperand, rows_gemm
 from fo_kernels.scaling import Scales, scaled_mm
 
@@ -66,6 +71,7 @@ class _Call:
     tensors: dict[str, torch.Tensor | None]
     streams: dict[str, object]
     handles: dict[str, object]
+    main_current: bool = True  # the call's main stream is the current stream
 
 
 class GpuExecutor:
@@ -173,9 +179,8 @@ class GpuExecutor:
         return view(op.a), view(op.out), op.tile, row_group, kw
 
     # ------------------------------------------------------------------ issue
-    def issue(
+    def bind(
         self,
-        steps: tuple[tuple, ...],
         a: torch.Tensor,
         b: torch.Tensor,
         out: torch.Tensor,
@@ -184,18 +189,86 @@ class GpuExecutor:
         operand: BOperand | None = None,
         scales: Scales | None = None,
         gathered_scale: torch.Tensor | None = None,
-    ) -> None:
-        """Issue ``steps`` (``Compiled.eager`` or ``.captured``) for one call's tensors, ``main``
-        being the call's stream; ``scales`` an fp8 call's, ``gathered_scale`` the (M, 1) float32
-        buffer of an all_gather's rowwise scales."""
+        *,
+        main_current: bool = True,
+    ) -> _Call:
+        """One call's tensors and streams as the compiled steps read them, ``main`` being the
+        call's stream (``main_current``: it is the current stream, as a rank's own call has it);
+        ``scales`` an fp8 call's, ``gathered_scale`` the (M, 1) float32 buffer of an all_gather's
+        rowwise scales."""
         streams = dict(self._streams, main=main)
         handles = dict(self._stream_handles, main=self.handle(main))
         tensors = {"a": a, "out": out, "gathered": gathered, "gathered_scale": gathered_scale}
         if scales is not None and scales.rowwise:
             tensors["scale_a"] = scales.a.view(-1, 1)
-        call = _Call(a, b, operand, scales, tensors, streams, handles)
+        return _Call(a, b, operand, scales, tensors, streams, handles, main_current)
+
+    def issue(self, steps: tuple[tuple, ...], *args, **kwargs) -> None:
+        """Issue ``steps`` (``Compiled.eager`` or ``.captured``) for one call (``bind``'s
+        arguments)."""
+        call = self.bind(*args, **kwargs)
+        for fn, step_args in steps:
+            fn(call, *step_args)
+
+    def warm_up(self, steps: tuple[tuple, ...], call: _Call) -> int:
+        """Run each distinct kernel of ``steps`` once on scratch tensors, and one small copy and
+        memset on each stream that issues them, with no flag waited for or written
+        (``fo_kernels.engines.copy_engine.warmup``); the number of kernels run. On a GPU the device
+        is synchronized first (no stream waits on a flag while a module loads), after the scratch
+        tensors are filled, and at the end (they are freed only once nothing uses them)."""
+        self._synchronize()
+        scratch = dict.fromkeys(call.tensors)
+        scratch.update({name: scratch_like(t) for name, t in call.tensors.items() if t is not None})
+        fake = dataclasses.replace(call, tensors=scratch)
+        seen: set = set()
+        runs: list[tuple] = []
+        drivers: set = set()
         for fn, args in steps:
-            fn(call, *args)
+            kind = getattr(fn, "__func__", None)
+            if kind in (GpuExecutor._copy, GpuExecutor._clear):
+                drivers.add((kind.__name__, args[0]))
+            if kind is GpuExecutor._gemm:
+                s, a, out, beta = args
+                key = (kind, s, launch_key(self._rows(call, a)), launch_key(self._rows(call, out)), beta)
+                if key not in seen:
+                    runs.append((fn, (s, self._scratch(a), self._scratch(out), beta)))
+            elif kind is GpuExecutor._tiled:
+                s, (a, out, tile, row_group, kw) = args
+                kw_keys = tuple(
+                    (name, launch_key(self._rows(call, v)) if not isinstance(v, bool) else v)
+                    for name, v in sorted(kw.items())
+                )
+                shapes = (launch_key(self._rows(call, a)), launch_key(self._rows(call, out)))
+                key = (kind, s, *shapes, tile, kw_keys)
+                if key not in seen:  # (the ready cells set: the kernel's tiles wait for them)
+                    kw = {name: self._scratch(v, fill=1 if name == "ready" else 0) for name, v in kw.items()}
+                    runs.append((fn, (s, (self._scratch(a), self._scratch(out), tile, row_group, kw))))
+            else:
+                continue
+            seen.add(key)
+        cell = scratch_like(self.counters[:4], fill=0)
+        self._synchronize()  # (the fills above ran on the current stream, the kernels run on theirs)
+        for fn, args in runs:
+            fn(fake, *args)
+        for kind, s in sorted(drivers):
+            if kind == GpuExecutor._copy.__name__:
+                self._copy(fake, s, (None, cell.data_ptr()), (None, cell.data_ptr() + 8), 8)
+            else:
+                self._clear(fake, s, self.driver.CUdeviceptr(cell.data_ptr()), 1)
+        self._synchronize()
+        return len(runs)
+
+    def _synchronize(self) -> None:
+        """Wait for the device (a GPU executor's; the CPU tests' fakes have none)."""
+        if self.counters.is_cuda:
+            torch.cuda.synchronize(self.counters.device)
+
+    def _scratch(self, x, fill: int = 0):
+        """A region view's or a cell array's scratch twin (a caller buffer's ``Rows`` stays: the
+        warm-up's call holds scratch caller tensors); booleans and None as they are."""
+        if isinstance(x, torch.Tensor):
+            return scratch_like(x, fill=fill if x.dtype == torch.int32 else None)
+        return x
 
     def wait_cells(self, cells: list[Cell], stream: torch.cuda.Stream) -> None:
         """``stream`` waits until each of my ``cells`` is set, leaving it set (no reset)."""
@@ -239,7 +312,7 @@ class GpuExecutor:
         if "out2" in kw:
             kw["out2"] = self._rows(call, kw["out2"]) if kw["out2"] is not None else None
         a, out = self._rows(call, a), self._rows(call, out)
-        if s == MAIN:  # (the caller's stream is current)
+        if s == MAIN and call.main_current:  # (no stream switch: it costs host time)
             rows_gemm(a, call.operand, out, tile, grid=self.sms, row_group=row_group, **kw)
             return
         with torch.cuda.stream(call.streams[s]):

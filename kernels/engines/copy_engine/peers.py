@@ -11,6 +11,8 @@ executor once per call shape) and the engine's own CUDA graphs (``fo_kernels.gra
             check they cut the same chunks (one small all_reduce), else the flags never match
         plan: the mode's operation list for this rank, the regions grown to hold it (collective;
             the peers first finish reading the old ones), compiled once per shape
+        warm up: on a plan's first eager call with these operands' alignments, every kernel it
+            launches runs once before its first flag wait (``warmup.py``)
         issue: inside a caller's capture, the list as it stands; else through the engine's own
             graphs: eagerly, or captured once the call's key (shape, operand and output
             addresses) repeats, then replayed (docs/design.md#cuda-graphs)
@@ -48,6 +50,7 @@ from fo_kernels.engines.copy_engine.gpu import Compiled, GpuExecutor
 from fo_kernels.engines.copy_engine.layout import COUNTER_SLOTS, FlagLayout
 from fo_kernels.engines.copy_engine.modes import check_weights, plan_call
 from fo_kernels.engines.copy_engine.ops import ALT, LOCAL, NOTIFY, SIDE, CallPlan
+from fo_kernels.engines.copy_engine.warmup import SCRATCH_ALIGN
 from fo_kernels.errors import EnvironmentMismatchError, ScheduleError, ShapeError
 from fo_kernels.gemm import BOperand
 from fo_kernels.graphs import OutputPool, OwnGraphs
@@ -142,6 +145,7 @@ class CopyEnginePeers:
         self.layout = FlagLayout(world)
         self._plans: OrderedDict = OrderedDict()  # plan key -> (CallPlan, Compiled)
         self._agreed: set = set()
+        self._warmed: set = set()  # (plan key, operands' alignments) whose kernels are loaded
         self._capacity = 0  # bytes per region
         self._scale_capacity = 0  # bytes of the scales region
         self._calls = 0
@@ -258,10 +262,11 @@ class CopyEnginePeers:
                 self._executor.issue(compiled.captured, a, b, out, main, *extra)
                 self._captured = True
             else:
+                self._warm_up(key, compiled, a, b, out, main, *extra)
                 self._issue_eagerly(compiled, a, b, out, main, *extra)
             self._calls += 1
             return gathered, out
-        return self._eager(plan, compiled, a, b, operand, scales, dtypes)
+        return self._eager(plan, compiled, a, b, operand, scales, dtypes, key)
 
     def _capturable(self, entry, signature: tuple, collective: str, m: int, n: int, k: int, dtype) -> None:
         """Inside a caller's capture only a call whose first call ran eagerly can be recorded: the
@@ -283,6 +288,17 @@ class CopyEnginePeers:
         if last is not None and last.cuda_stream != main.cuda_stream:
             main.wait_stream(last)  # the previous call (eager or replayed) ran on another stream
 
+    def _warm_up(self, plan_key: tuple, compiled: Compiled, a, b, out, main, *extra) -> None:
+        """Before the first call of a plan with these operands' alignments issues a flag wait,
+        every kernel it launches runs once (``warmup.py``: under lazy module loading, a kernel's
+        first launch while a stream waits on a flag can block the host), the device synchronized
+        around it (by the executor); a replayed graph's calls were warmed before it was captured."""
+        signature = (plan_key, a.data_ptr() % SCRATCH_ALIGN, b.data_ptr() % SCRATCH_ALIGN, b.stride())
+        if signature in self._warmed:
+            return
+        self._executor.warm_up(compiled.eager, self._executor.bind(a, b, out, main, *extra))
+        self._warmed.add(signature)
+
     def _issue_eagerly(self, compiled: Compiled, a, b, out, main, *extra) -> None:
         """A call issued operation by operation, outside the engine's own graphs (a call through
         the custom op, whose outputs the caller's allocator holds); ``extra``: the executor's
@@ -292,10 +308,18 @@ class CopyEnginePeers:
         self._last_main = main
 
     def _eager(
-        self, plan: CallPlan, compiled: Compiled, a, b, operand, scales: Scales | None, dtypes: Dtypes
+        self,
+        plan: CallPlan,
+        compiled: Compiled,
+        a,
+        b,
+        operand,
+        scales: Scales | None,
+        dtypes: Dtypes,
+        plan_key: tuple,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """An eager call through the engine's own graphs (``OwnGraphs``): issued, captured or
-        replayed by how often its key has been seen."""
+        replayed by how often its key has been seen (``plan_key``: its plan's)."""
         main = torch.cuda.current_stream(self.device)
         self._after_last_call(main)
         spec = plan.spec
@@ -313,6 +337,7 @@ class CopyEnginePeers:
         )  # fmt: skip
         issue = self._executor.issue
         extra = (gathered, operand) if scales is None else (gathered, operand, scales, rows_scale)
+        self._warm_up(plan_key, compiled, a, b, out, main, *extra)
 
         def record() -> None:
             self._recording = True
@@ -353,6 +378,7 @@ class CopyEnginePeers:
             torch.cuda.synchronize(self.device)
         self._executor.regions = None
         self._plans.clear()  # their views and addresses point into the old regions
+        self._warmed.clear()
         self._graphs.clear()  # and so do the engine's own graphs
         self._capacity = self._scale_capacity = 0  # until the new regions exist
         data = self._symmetric(data_bytes(self.world, region_bytes, scale_bytes), torch.uint8)

@@ -1,0 +1,211 @@
+"""The copy engine at N peers measured on one GPU (``fo-tune calibrate --only copy_engine_n``), on
+the CPU: the calibration's host points, their merge into a TP=2 calibration, the stage's shapes and
+options, and how the copy engine's model reads them (host growth with N, measured chunk GEMMs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from cli_checks import isolate_tables
+from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
+from fo_kernels.schedule import Problem, Schedule
+from fo_tune.calibrate.calibration import (
+    Calibration,
+    CalibrationError,
+    EngineCalibration,
+    HostPoint,
+    LibraryGemmPoint,
+    Quantity,
+    load_calibration,
+)
+from fo_tune.calibrate.run import DEFAULT_PARTS, PARTS, CalibrationRequest, merge_into
+from fo_tune.cli.calibrate import PART_NAMES
+from fo_tune.engines.copy_engine import calibrate_n as cn
+from fo_tune.engines.copy_engine.model import CopyEngineTerm, chunk_rows
+
+
+def _host(world: int, graph_ms: float, eager_ms: float, collective: str = "all_reduce") -> HostPoint:
+    return HostPoint(
+        world=world, collective=collective, chunks=2, ops=50.0, eager_ms=eager_ms, graph_ms=graph_ms
+    )
+
+
+def test_host_points_round_trip_and_older_sections_load():
+    section = EngineCalibration(
+        params={"flag_ms": Quantity(value=0.01, source="probe")},
+        host=[_host(2, 0.01, 0.4), _host(8, 0.05, 2.0)],
+    )
+    data = section.to_dict()
+    assert EngineCalibration.from_dict(data, "copy_engine") == section
+    older = {k: v for k, v in data.items() if k != "host"}
+    assert EngineCalibration.from_dict(older, "copy_engine").host == []
+    bad = {**data, "host": [{**data["host"][0], "world": "8"}]}
+    with pytest.raises(CalibrationError, match=r"copy_engine.host\[0\].world: expected int"):
+        EngineCalibration.from_dict(bad, "copy_engine")
+
+
+def test_the_packaged_calibration_still_loads(h200: Calibration):
+    assert h200.copy_engine is not None and h200.copy_engine.library_gemm
+
+
+def test_merge_points_adds_to_the_tp2_section(h200: Calibration):
+    """The TP=2 parameters and points stay; the new points join them (the same shape, or world
+    size and collective, replaced); merge_into does it for --only copy_engine_n."""
+    old = h200.copy_engine
+    first = old.library_gemm[0]
+    new = EngineCalibration(
+        library_gemm=[
+            dataclasses.replace(first, paced_ms=first.paced_ms * 2),
+            LibraryGemmPoint(m=1024, n=8192, k=3584, beta=1, paced_ms=0.1, sustained_ms=0.12),
+        ],
+        host=[_host(2, 0.01, 0.4), _host(8, 0.05, 2.0)],
+    )
+    merged = cn.merge_points(old, new)
+    assert merged.params == old.params and merged.copies == old.copies
+    assert len(merged.library_gemm) == len(old.library_gemm) + 1
+    got = {(p.m, p.n, p.k, p.beta): p for p in merged.library_gemm}
+    assert got[(first.m, first.n, first.k, first.beta)].paced_ms == first.paced_ms * 2
+    assert merged.host == new.host
+    again = cn.merge_points(merged, EngineCalibration(host=[_host(8, 0.07, 2.5)]))
+    assert [p.graph_ms for p in again.host] == [0.01, 0.07]
+    measured = dataclasses.replace(h200, copy_engine=new, gemm=[], bandwidth=[])
+    target = dataclasses.replace(h200, copy_engine=dataclasses.replace(old))
+    done = merge_into(target, measured, ("copy_engine_n",))
+    assert done.gemm == h200.gemm and done.bandwidth == h200.bandwidth
+    assert done.copy_engine.host == new.host and len(done.copy_engine.library_gemm) == len(
+        merged.library_gemm
+    )
+
+
+def test_the_stage_is_asked_for_by_name():
+    """copy_engine_n is a part (the CLI's names match the library's), measured only when named."""
+    assert PART_NAMES == PARTS and "copy_engine_n" in PARTS and "copy_engine_n" not in DEFAULT_PARTS
+    assert CalibrationRequest(world_size=2).selected() == DEFAULT_PARTS
+    assert CalibrationRequest(world_size=1, parts=("copy_engine_n",)).selected() == ("copy_engine_n",)
+
+
+def test_layer_shapes_are_the_engines_chunks_beside_the_whole_gemm():
+    """Every TP=4/8 layer: its whole GEMM and, for each chunk count, the chunk GEMM of the rows the
+    runtime cuts (beta 0 and 1): the model finds them by exact shape."""
+    shapes = set(cn.layer_gemm_shapes(cpu=False))
+    assert {w for *_, w in cn.TP_LAYERS} == {4, 8}
+    for m, n, k, world in cn.TP_LAYERS:
+        assert m % world == 0 and (m, n, k, 0) in shapes
+        for chunks in cn.LAYER_CHUNKS:
+            rows = chunk_rows(m // world, (1,) * chunks)
+            assert len(set(rows)) == 1, (m, world, chunks)  # equal chunks: one GEMM shape
+            assert {(rows[0], n, k, 0), (rows[0], n, k, 1)} <= shapes
+    assert len(cn.layer_gemm_shapes(cpu=True)) < len(shapes)
+
+
+def test_the_stage_on_the_cpu_measures_the_chunk_gemms_and_says_why_not_the_host(tmp_path, monkeypatch):
+    """On gloo (no GPU) the stage measures the CPU layers' GEMMs and leaves the host times out
+    (they need virtual ranks on a GPU); the file loads."""
+    isolate_tables(monkeypatch, tmp_path)
+    out = tmp_path / "cal"
+    result = CliRunner().invoke(
+        app,
+        ["calibrate", "--backend", "gloo", "--world-size", "1", "--only", "copy_engine_n", "--out", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    section = load_calibration(out / "calibration.yaml").copy_engine
+    want = set(cn.layer_gemm_shapes(cpu=True))
+    assert {(p.m, p.n, p.k, p.beta) for p in section.library_gemm} == want
+    assert section.host == [] and not section.params
+
+
+def _schedule(world: int, collective: str = "all_reduce", weights=(1, 1)) -> Schedule:
+    return Schedule(
+        collective=collective,
+        dtype="bfloat16",
+        world_size=world,
+        problem=Problem(m=8192, n=8192, k=3584),
+        settings=CopyEngineSettings(mode="ring", weights=weights),
+    )
+
+
+def test_the_host_term_grows_as_measured(model, h200: Calibration):
+    """With host points the term adds their growth from N = 2 (interpolated between measured N,
+    extended past them); without them, or at N = 2, it is the TP=2 constants'."""
+    params = h200.copy_engine.values()
+    old = CopyEngineTerm(model, params)
+    host = [_host(2, 0.010, 0.40), _host(4, 0.020, 0.80), _host(8, 0.060, 2.40)]
+    new = CopyEngineTerm(model, params, host)
+    graph, per_op = params["host_graph_call_ms"], params["host_eager_op_ms"]
+    for world in (2, 3, 4, 8):
+        assert old.host_ms(_schedule(world), 2, graphed=True) == graph
+    assert new.host_ms(_schedule(2), 2, graphed=True) == pytest.approx(graph)
+    assert new.host_ms(_schedule(4), 2, graphed=True) == pytest.approx(graph + 0.010)
+    assert new.host_ms(_schedule(6), 2, graphed=True) == pytest.approx(graph + 0.030)
+    assert new.host_ms(_schedule(16), 2, graphed=True) == pytest.approx(graph + 0.130)
+    ops = 123
+    assert new.host_ms(_schedule(8), 2, graphed=False, ops=ops) == pytest.approx((per_op + 0.040) * ops)
+    assert old.host_ms(_schedule(8), 2, graphed=False, ops=ops) == pytest.approx(per_op * ops)
+    other = _schedule(8, "reduce_scatter")  # no points for this collective: the constants
+    assert new.host_ms(other, 2, graphed=True) == graph
+    only = CopyEngineTerm(model, params, [_host(8, 0.06, 2.4)])  # no base at N = 2: the constants
+    assert only.host_ms(_schedule(8), 2, graphed=True) == graph
+
+
+def test_measured_chunk_gemms_replace_the_wave_model_above_two_peers(model, h200: Calibration):
+    """A chunk GEMM measured at its exact shape (copy_engine_n's layers) decides the prediction at
+    N > 2; at N = 2 the wave model stays (the free parameters were fitted with it)."""
+    term = CopyEngineTerm(model, h200.copy_engine.values())
+    m, n, k = 8192, 8192, 3584
+    before = {w: term.predict(_schedule(w), m, n, k).gemm_alone_ms for w in (2, 4)}
+    lib = model.library
+    saved = dict(lib.points)
+    try:
+        for world in (2, 4):
+            rows = chunk_rows(m // world, (1, 1))[0]
+            for beta in (0, 1):
+                slow = lib.paced_ms(rows, n, k, beta=beta) * 3
+                lib.points[(rows, n, k, beta)] = type(next(iter(saved.values())))(slow, slow)
+        after = {w: term.predict(_schedule(w), m, n, k).gemm_alone_ms for w in (2, 4)}
+    finally:
+        lib.points.clear()
+        lib.points.update(saved)
+    assert after[2] == pytest.approx(before[2])
+    assert after[4] > 2 * before[4]
+
+
+def test_replays_not_measured_leave_the_graph_term_to_the_constants(model, h200: Calibration):
+    """The replays run in a task of their own; where it failed their points are NaN: the replayed
+    host term keeps the constants, the eager one still grows; such points survive the file."""
+    eager = [{"world": w, "collective": "all_reduce", "ops": 50.0, "eager_ms": 0.4 * w / 2} for w in (2, 8)]
+    points = cn.host_points(eager, [])
+    assert all(math.isnan(p.graph_ms) for p in points)
+    back = EngineCalibration.from_dict(EngineCalibration(host=points).to_dict(), "copy_engine").host
+    assert [p.eager_ms for p in back] == [p.eager_ms for p in points] and math.isnan(back[0].graph_ms)
+    params = h200.copy_engine.values()
+    term = CopyEngineTerm(model, params, points)
+    assert term.host_ms(_schedule(8), 2, graphed=True) == params["host_graph_call_ms"]
+    grown = (params["host_eager_op_ms"] + (1.6 - 0.4) / 50) * 10
+    assert term.host_ms(_schedule(8), 2, graphed=False, ops=10) == pytest.approx(grown)
+    both = cn.host_points(eager, [{"world": 8, "collective": "all_reduce", "graph_ms": 0.05}])
+    assert [p.graph_ms for p in both][1] == 0.05 and math.isnan(both[0].graph_ms)
+
+
+def test_recalibrating_the_tp2_section_keeps_the_n_peer_points(h200: Calibration):
+    """``--only copy_engine --into`` after ``copy_engine_n``: the TP=2 measurements are replaced,
+    the TP=4/8 chunk GEMMs and the host points stay."""
+    from fo_tune.engines.copy_engine.calibrate import merge_section
+
+    extra = LibraryGemmPoint(m=1024, n=8192, k=3584, beta=1, paced_ms=0.1, sustained_ms=0.12)
+    with_n = cn.merge_points(
+        h200.copy_engine, EngineCalibration(library_gemm=[extra], host=[_host(2, 0.01, 0.4)])
+    )
+    first = h200.copy_engine.library_gemm[0]
+    remeasured = EngineCalibration(
+        params={"library_wave_ms": Quantity(value=0.5, source="new")},
+        library_gemm=[dataclasses.replace(first, paced_ms=9.0)],
+    )
+    merged = merge_section(with_n, remeasured)
+    got = {(p.m, p.n, p.k, p.beta): p for p in merged.library_gemm}
+    assert got[(first.m, first.n, first.k, first.beta)].paced_ms == 9.0 and extra in merged.library_gemm
+    assert merged.host == with_n.host and merged.params["library_wave_ms"].source == "new"
