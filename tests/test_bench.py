@@ -641,6 +641,23 @@ def test_script_inputs_print_a_suites_shapes(capsys):
     assert set(script_inputs.shape_args(packaged_suite())) <= set(lines)  # the suite's five
 
 
+def test_tp48_suite_holds_small_k_row_parallel_shapes(capsys):
+    """suites/tp48_profile.yaml: >= 12 distinct TP=4/8 row-parallel shapes, K <= 4096, N and K
+    multiples of 16 (TMA's 16-byte strides in bf16), each named by its model and TP; printed by
+    ``script_inputs shapes`` for bench/profile.sh."""
+    from fo_tune.bench import script_inputs
+
+    path = packaged_suite().with_name("tp48_profile.yaml")
+    shapes = load_suite(path).shapes
+    assert len(set(shapes)) == len(shapes) >= 12
+    assert all(k <= 4096 and n % 16 == 0 and k % 16 == 0 and m in (4096, 8192) for m, n, k in shapes)
+    assert script_inputs.main(["shapes", str(path)]) == 0
+    assert capsys.readouterr().out.split() == ["x".join(map(str, s)) for s in shapes]
+    comments = [line for line in path.read_text().splitlines() if line.startswith("  # ")]
+    named = [c for c in comments if "TP=4" in c or "TP=8" in c]
+    assert len(named) == len(shapes)
+
+
 def test_script_inputs_narrow_a_space(tmp_path, capsys):
     """``space``: hopper.yaml with the profile's grids and the M-range search's ring chunks, the
     rest as it was; the written file loads; an engine the space leaves out or a bad list is exit
