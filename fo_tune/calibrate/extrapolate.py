@@ -115,7 +115,9 @@ def extrapolate(cal: Calibration, world_size: int) -> Calibration:
     ``world_size`` GPUs of that board (the module docstring); ``ExtrapolationError`` saying what is
     needed where it cannot be."""
     if cal.basis:
-        raise ExtrapolationError(f"the calibration is itself extrapolated ({cal.basis}); start from a measured one")
+        raise ExtrapolationError(
+            f"the calibration is itself extrapolated ({cal.basis}); start from a measured one"
+        )
     if not 2 <= cal.world_size < world_size <= NVSWITCH_BOARD_GPUS:
         raise ExtrapolationError(
             f"extrapolates a calibration of world size >= 2 to a larger one of at most "
@@ -131,9 +133,8 @@ def extrapolate(cal: Calibration, world_size: int) -> Calibration:
     have = {p.collective for p in points}
     derived: tuple[str, ...] = ()
     if "all_gather" not in have and "reduce_scatter" in have:
-        points += [
-            dataclasses.replace(p, collective="all_gather") for p in points if p.collective == "reduce_scatter"
-        ]
+        scatter = [p for p in points if p.collective == "reduce_scatter"]
+        points += [dataclasses.replace(p, collective="all_gather") for p in scatter]
         derived = ("all_gather",)
     fp = cal.fingerprint
     key = make_device_key(fp.gpu_name, fp.compute_capability, fp.sm_count, world_size, fp.interconnect)

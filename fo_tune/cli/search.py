@@ -291,7 +291,8 @@ def _print_summary(result: SearchResult, written: list[Path]) -> None:
         )
     basis = r.calibration.basis if r.calibration is not None and r.mode == "predict" else ""
     if basis:
-        console.print(f"basis: {basis} (predicted rows; no measured error yet)", markup=False, highlight=False)
+        note = f"basis: {basis} (predicted rows; no measured error yet)"
+        console.print(note, markup=False, highlight=False)
     if result.table is not None:
         console.print(f"[green]table[/] {result.table}", highlight=False)
     console.print(

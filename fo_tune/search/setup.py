@@ -42,8 +42,8 @@ def check_measuring_machine(mode: str, world_size: int, backend: str, gpus: int,
         return
     raise SearchError(
         f"--mode {mode} at world size {world_size} times the ranks on {world_size} GPUs, one a rank, "
-        f"and this machine has {gpus}: run it on a {world_size}-GPU machine (`FO_WORLD_SIZE={world_size} "
-        f"bash bench/tune.sh OUT_DIR`), or plan offline with --mode predict"
+        f"and this machine has {gpus}: run it on a {world_size}-GPU machine (after `fo-tune calibrate "
+        f"--world-size {world_size}` there), or plan offline with --mode predict"
     )
 
 
