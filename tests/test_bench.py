@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import os
 import tempfile
 from pathlib import Path
 
@@ -656,6 +657,28 @@ def test_tp48_suite_holds_small_k_row_parallel_shapes(capsys):
     comments = [line for line in path.read_text().splitlines() if line.startswith("  # ")]
     named = [c for c in comments if "TP=4" in c or "TP=8" in c]
     assert len(named) == len(shapes)
+
+
+@pytest.mark.parametrize(
+    "script, args",
+    [("tune.sh", ["suite"]), ("tune.sh", []), ("bench.sh", []), ("gpu_tests.sh", [])],
+)
+def test_scripts_at_a_world_size_without_its_gpus_stop_in_one_line(tmp_path, script, args):
+    """FO_WORLD_SIZE=8 on a machine without 8 GPUs: exit 2 and one line naming what is needed,
+    before anything runs; a world size below 2 the same."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("checks a machine without GPUs")
+    root = packaged_suite().parents[1]
+    for world, want in [("8", "needs 8 GPUs"), ("1", "expected an integer >= 2")]:
+        env = {**os.environ, "FO_WORLD_SIZE": world}
+        cmd = ["bash", str(root / "bench" / script), str(tmp_path / "out"), *args]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+        assert len(r.stderr.splitlines()) == 1 and want in r.stderr, r.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
 
 
 def test_script_inputs_narrow_a_space(tmp_path, capsys):
