@@ -51,9 +51,9 @@ NVLINK4_CAPABILITY = "9.0"
 # span boards and the network: not extrapolated.
 NVSWITCH_BOARD_GPUS = 8
 # NCCL's ring latency per step on NVLink with the Simple protocol, 3.4 us (src/graph/tuning.cc,
-# hwLat[NCCL_HW_NVLINK][NCCL_ALGO_RING][NCCL_PROTO_SIMPLE], NCCL 2.19-2.28; LL 0.6, LL128 1.9): the
-# protocol of the MiB-sized buffers a layer's collective moves. For buffers small enough for LL it
-# over-counts by at most 2.8 us a step.
+# hwLat[NCCL_HW_NVLINK][NCCL_ALGO_RING][NCCL_PROTO_SIMPLE], the same in the NCCL 2.x releases read;
+# LL 0.6, 0.47 in older ones; LL128 1.9): the protocol of the MiB-sized buffers a layer's collective
+# moves. For buffers small enough for LL it over-counts by at most 2.8 us a step.
 RING_HOP_LATENCY_MS = 0.0034
 # The ``interconnect`` of a fingerprint with NVLink: ``nvlink<active links>``.
 _NVLINK = re.compile(r"^nvlink(\d+)$")
