@@ -18,12 +18,19 @@
 #   PYTHONPATH  this checkout's code first, installed or not: build/pythonpath/ holds the links
 #               fo_kernels -> kernels and fo_results -> results (the names the packages install
 #               under), and the checkout itself gives fo_tune and cli.
+#   FO_WORLD_SIZE
+#               the ranks of the multi-GPU stages of tune.sh, bench.sh and gpu_tests.sh: 2 unless
+#               set (the H200 x2 runs behind results/); 4 or 8 on a TP=4 or TP=8 machine. Checked
+#               by fo_world_size.
 # Functions:
 #   fo_tune ARGS...         this checkout's fo-tune command line (cli.py).
 #   fo_help SCRIPT [ARG]    ARG -h or --help: SCRIPT's header comment (its usage) on stdout, exit
 #                           0; no ARG: the same on stderr, exit 2; else nothing.
 #   fo_out_dir DIR          creates DIR and prints its absolute path (before the script's cd).
 #   fo_gpu_count            the GPUs nvidia-smi lists (0 without it).
+#   fo_world_size           sets FO_WORLD_SIZE to 2 when unset and exports it; anything but an
+#                           integer >= 2: one line on stderr, exit 2.
+#   fo_need_gpus N WHAT     fewer than N GPUs listed: one line naming WHAT on stderr, exit 2.
 
 FO_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -66,5 +73,23 @@ fo_gpu_count() {
     nvidia-smi -L | grep -c '^GPU' || true
   else
     echo 0
+  fi
+}
+
+fo_world_size() {
+  FO_WORLD_SIZE="${FO_WORLD_SIZE:-2}"
+  if ! [[ "$FO_WORLD_SIZE" =~ ^[0-9]+$ ]] || [ "$FO_WORLD_SIZE" -lt 2 ]; then
+    echo "FO_WORLD_SIZE=$FO_WORLD_SIZE: expected an integer >= 2 (the ranks of the multi-GPU stages)" >&2
+    exit 2
+  fi
+  export FO_WORLD_SIZE
+}
+
+fo_need_gpus() {
+  local gpus
+  gpus="$(fo_gpu_count)"
+  if [ "$gpus" -lt "$1" ]; then
+    echo "$2 needs $1 GPUs (FO_WORLD_SIZE=$1), $gpus visible: run it on a machine with $1 GPUs" >&2
+    exit 2
   fi
 }

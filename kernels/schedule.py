@@ -186,7 +186,7 @@ def settings_from_mapping(cls: type, data: Any) -> Any:
 
 
 # The keys of a table row (the header gives collective, dtype and world_size).
-_ROW_KEYS = ("problem", "overlap", "engine", "settings", "provenance")
+_ROW_KEYS = ("problem", "overlap", "engine", "settings", "provenance", "basis")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -201,6 +201,10 @@ class Schedule:
     settings: EngineSettings | None = None
     # Where the row came from (search id, measured/predicted ms, ...); the runtime ignores it.
     provenance: Mapping[str, Any] = field(default_factory=dict)
+    # What a row's numbers rest on where they are not its own machine's measurements (a calibration
+    # extrapolated to another world size: ``fo_tune.calibrate.extrapolate``); "" otherwise. Written
+    # only when set, so tables without it load; the runtime ignores it, as the provenance.
+    basis: str = ""
     # The schedule as the custom ops' ``schedule`` argument: its JSON without the provenance, made
     # once here, so that torch.compile reads it as a constant attribute (``fo_kernels.ops``).
     op_text: str = field(init=False, repr=False, compare=False)
@@ -228,8 +232,11 @@ class Schedule:
             self.settings.check(self.collective, self.world_size)
         if not isinstance(self.provenance, Mapping):
             raise ScheduleError(f"provenance: expected a mapping, got {type(self.provenance).__name__}")
+        if not isinstance(self.basis, str):
+            raise ScheduleError(f"basis: expected a string, got {type(self.basis).__name__}")
         data = self.to_dict()
         data.pop("provenance", None)
+        data.pop("basis", None)
         object.__setattr__(self, "op_text", json.dumps(data, sort_keys=True, separators=(",", ":")))
 
     @property
@@ -256,6 +263,8 @@ class Schedule:
             out.update(engine=self.settings.ENGINE, settings=self.settings.to_dict())
         if self.provenance:
             out["provenance"] = dict(self.provenance)
+        if self.basis:
+            out["basis"] = self.basis
         return out
 
     @classmethod
@@ -273,6 +282,7 @@ class Schedule:
             "engine",
             "settings",
             "provenance",
+            "basis",
         )
         unknown = sorted(str(key) for key in set(merged) - set(known))
         if unknown:
@@ -297,6 +307,7 @@ class Schedule:
             problem=Problem.from_dict(merged["problem"]),
             settings=settings,
             provenance=merged.get("provenance") or {},
+            basis=merged.get("basis") or "",
         )
 
     def describe(self) -> str:

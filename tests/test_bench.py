@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import os
 import tempfile
 from pathlib import Path
 
@@ -639,6 +640,45 @@ def test_script_inputs_print_a_suites_shapes(capsys):
     assert lines == script_inputs.shape_args(path)
     assert len(lines) == 10 and lines[0] == "2048x4096x4096" and lines[7] == "3000x5120x6912"
     assert set(script_inputs.shape_args(packaged_suite())) <= set(lines)  # the suite's five
+
+
+def test_tp48_suite_holds_small_k_row_parallel_shapes(capsys):
+    """suites/tp48_profile.yaml: >= 12 distinct TP=4/8 row-parallel shapes, K <= 4096, N and K
+    multiples of 16 (TMA's 16-byte strides in bf16), each named by its model and TP; printed by
+    ``script_inputs shapes`` for bench/profile.sh."""
+    from fo_tune.bench import script_inputs
+
+    path = packaged_suite().with_name("tp48_profile.yaml")
+    shapes = load_suite(path).shapes
+    assert len(set(shapes)) == len(shapes) >= 12
+    assert all(k <= 4096 and n % 16 == 0 and k % 16 == 0 and m in (4096, 8192) for m, n, k in shapes)
+    assert script_inputs.main(["shapes", str(path)]) == 0
+    assert capsys.readouterr().out.split() == ["x".join(map(str, s)) for s in shapes]
+    comments = [line for line in path.read_text().splitlines() if line.startswith("  # ")]
+    named = [c for c in comments if "TP=4" in c or "TP=8" in c]
+    assert len(named) == len(shapes)
+
+
+@pytest.mark.parametrize(
+    "script, args",
+    [("tune.sh", ["suite"]), ("tune.sh", []), ("bench.sh", []), ("gpu_tests.sh", [])],
+)
+def test_scripts_at_a_world_size_without_its_gpus_stop_in_one_line(tmp_path, script, args):
+    """FO_WORLD_SIZE=8 on a machine without 8 GPUs: exit 2 and one line naming what is needed,
+    before anything runs; a world size below 2 the same."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("checks a machine without GPUs")
+    root = packaged_suite().parents[1]
+    for world, want in [("8", "needs 8 GPUs"), ("1", "expected an integer >= 2")]:
+        env = {**os.environ, "FO_WORLD_SIZE": world}
+        cmd = ["bash", str(root / "bench" / script), str(tmp_path / "out"), *args]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+        assert len(r.stderr.splitlines()) == 1 and want in r.stderr, r.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
 
 
 def test_script_inputs_narrow_a_space(tmp_path, capsys):

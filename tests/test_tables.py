@@ -542,6 +542,33 @@ def test_a_predicted_row_never_replaces_a_measured_one(tmp_path: Path) -> None:
     assert {r.problem.describe(): r for r in table.rows}["128x96x48"].provenance["mode"] == "hybrid"
 
 
+def test_a_rows_basis_is_written_loaded_and_kept_by_merge(tmp_path: Path) -> None:
+    """``basis`` (what a row rests on: an extrapolated calibration) is written only when set, so a
+    table without it loads as before; merge keeps it; it stays out of the ops' schedule text; a
+    measured row still replaces a predicted row that has one, and the runtime takes the measured
+    row first (``best_row``)."""
+    from fo_kernels.table import best_row
+
+    path = tmp_path / "t.yaml"
+    basis = "extrapolated from world size 2 (k) and NVLink facts"
+    planned = dataclasses.replace(cpu_row(128, mode="predict", predicted_ms=0.7), basis=basis)
+    plain = cpu_row(256, mode="predict", predicted_ms=0.9)
+    assert planned.op_text == dataclasses.replace(planned, basis="").op_text
+    assert "basis" not in plain.to_dict() and planned.to_dict()["basis"] == basis
+    table = merge(path, [planned, plain])
+    assert '"basis": "extrapolated from world size 2' in path.read_text()
+    loaded = {row.problem.m: row for row in load_table(path).rows}
+    assert loaded[128].basis == basis and loaded[256].basis == ""
+    assert best_row([table], 128, 96, 48).basis == basis  # the only row: taken as a predicted one
+    table = merge(path, [cpu_row(512, mode="measure", measured_ms=1.0)])
+    assert {row.problem.m: row.basis for row in table.rows} == {128: basis, 256: "", 512: ""}
+    measured = cpu_row(128, mode="hybrid", measured_ms=0.8)
+    table = merge(path, [measured])
+    assert best_row([table], 128, 96, 48) == measured
+    table = merge(path, [planned])  # a predicted row never replaces a measured one
+    assert best_row([load_table(path)], 128, 96, 48) == measured
+
+
 def test_show_marks_predicted_rows(runner: CliRunner, tmp_path: Path) -> None:
     path = write(tmp_path / "t.yaml", [cpu_row(64, mode="measure"), cpu_row(128, mode="predict")])
     result = runner.invoke(app, ["table", "show", str(path)])

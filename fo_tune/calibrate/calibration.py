@@ -270,6 +270,9 @@ class Calibration:
     library_ratio: float = 1.0
     # The dtype its communication and copy-engine sections were measured in ("": ``dtype``).
     base_dtype: str = ""
+    # What it rests on where not on its own machine's measurements ("": measured there; an
+    # extrapolation to another world size says which calibration and facts: ``extrapolate.py``).
+    basis: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -290,6 +293,8 @@ class Calibration:
                 out[name] = section.to_dict()
         if self.gemm_dtypes:
             out["gemm_dtypes"] = {d: [asdict(p) for p in pts] for d, pts in self.gemm_dtypes.items()}
+        if self.basis:
+            out["basis"] = self.basis
         return out
 
     def for_dtype(self, dtype: str) -> Calibration:
@@ -359,6 +364,7 @@ class Calibration:
                 **parts,
                 **sections,
                 gemm_dtypes=gemm_dtypes,
+                basis=str(data.get("basis") or ""),
             )
         except KeyError as exc:
             raise CalibrationError(f"{source}: missing key {exc.args[0]!r}") from None

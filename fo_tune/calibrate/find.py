@@ -1,5 +1,6 @@
 """Finding a calibration: this machine's (under ``results/calibration`` here), the packaged one for a
-device key and world size, and the one a search reads for its mode."""
+device key and world size, and the one a search reads for its mode (a predicting search at a world
+size nothing measured reads an extrapolation: ``fo_tune.calibrate.extrapolate``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import torch
 
 from fo_kernels.fingerprint import current_fingerprint
 from fo_tune.calibrate.calibration import Calibration, load_calibration
+from fo_tune.calibrate.extrapolate import NVSWITCH_BOARD_GPUS, extrapolate
 from fo_tune.calibrate.files import DEFAULT_ROOT
+
+# The packaged calibration an offline plan at a world size without one is extrapolated from.
+EXTRAPOLATED_FROM_WORLD = 2
 
 
 def packaged_calibration(device_key: str | None, world_size: int) -> Path | None:
@@ -47,7 +52,9 @@ def choose_calibration(
     dtype: str | None = None,
 ) -> tuple[Calibration | None, str]:
     """(the calibration the search reads, the mode): ``path`` (--calibration), else the packaged one
-    for a predict search, else this machine's (``device``, on ranks of ``backend``); no mode given:
+    for a predict search, else this machine's (``device``, on ranks of ``backend``). A predict
+    search at a world size its calibration (given, or packaged: world size 2) did not measure reads
+    it extrapolated to ``world_size`` (``extrapolate``; its ``basis`` says so). No mode given:
     hybrid with a calibration, else measure. ``dtype``: the search's operands; a calibration in
     another dtype is read through its GEMM profile for ``dtype`` (``Calibration.for_dtype``): a
     predicting search without one is refused, naming the command; a measured one runs without."""
@@ -59,9 +66,12 @@ def choose_calibration(
     elif mode == "predict":
         found = packaged_calibration(None, world_size)
         if found is None:
+            found = packaged_calibration(None, EXTRAPOLATED_FROM_WORLD)
+        if found is None or not EXTRAPOLATED_FROM_WORLD <= world_size <= NVSWITCH_BOARD_GPUS:
             raise SearchError(
-                f"no packaged calibration for world size {world_size}; run `fo-tune calibrate "
-                f"--world-size {world_size}` on the GPUs and pass --calibration FILE"
+                f"no packaged calibration for world size {world_size} (extrapolated: "
+                f"{EXTRAPOLATED_FROM_WORLD}-{NVSWITCH_BOARD_GPUS}); run `fo-tune calibrate --world-size "
+                f"{world_size}` on the GPUs and pass --calibration FILE"
             )
         cal = load_calibration(found)
     else:
@@ -69,6 +79,8 @@ def choose_calibration(
         found = find_calibration(key, world_size)
         if found is not None:
             cal = load_calibration(found)
+    if mode == "predict" and cal is not None and cal.world_size < world_size:
+        cal = extrapolate(cal, world_size)
     if cal is not None and dtype is not None and dtype != cal.dtype:
         # predicting: CalibrationError naming the command where it has no profile for ``dtype``;
         # measuring without one: no model, the ranks measure

@@ -41,9 +41,11 @@ CHECK_HELP = "\n\n".join(
         "measurement of its own (trials.csv of `fo-tune search`, or its report folder).",
         "Without files: the packaged tables of the calibration's device. Without --calibration: the "
         "packaged calibration (world size 2).",
-        "Exit code 0 when printed; 2 for a missing or malformed file, a file with no measured row, "
-        "or a calibration without what an engine's term needs (its section and the command that "
-        "measures it are named).",
+        "Predicted rows that rest on an extrapolation (a row's basis, e.g. a TP=8 plan from the "
+        "TP=2 calibration) are counted per file with their basis: they have no measured error yet.",
+        "Exit code 0 when printed; 2 for a missing or malformed file, files with neither a measured "
+        "row nor such a predicted one, or a calibration without what an engine's term needs (its "
+        "section and the command that measures it are named).",
     ]
 )
 
@@ -162,7 +164,7 @@ def error_line(rows: list[Checked], what: str = "measured rows") -> str:
 @handle_errors
 def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     from fo_tune.engines import cost_model
-    from fo_tune.model.check import CheckError, measured_in
+    from fo_tune.model.check import CheckError, measured_in, unmeasured_in
 
     cal, path = _calibration(calibration)
     paths = list(files or []) or _default_tables(cal)
@@ -172,6 +174,17 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
         if not p.exists():
             raise CheckError(f"{p}: no such table or report")
     items = measured_in(paths)
+    unmeasured = unmeasured_in(paths)
+    for u in unmeasured:
+        console.print(
+            f"{Path(u.source).name}: {u.rows} predicted row(s) rest on: {u.basis}; no measured error "
+            f"yet (measured rows come from `fo-tune calibrate --world-size {u.world_size}` and "
+            f"`fo-tune search --world-size {u.world_size}` on {u.world_size} GPUs)",
+            markup=False,
+            highlight=False,
+        )
+    if not items and unmeasured:
+        return
     if not items:
         raise CheckError(f"no measured row or trial in {', '.join(map(str, paths))}")
     _check_terms(cal, items, {m.schedule.engine or "" for m in items})

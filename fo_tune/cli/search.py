@@ -289,6 +289,10 @@ def _print_summary(result: SearchResult, written: list[Path]) -> None:
             markup=False,
             highlight=False,
         )
+    basis = r.calibration.basis if r.calibration is not None and r.mode == "predict" else ""
+    if basis:
+        note = f"basis: {basis} (predicted rows; no measured error yet)"
+        console.print(note, markup=False, highlight=False)
     if result.table is not None:
         console.print(f"[green]table[/] {result.table}", highlight=False)
     console.print(
@@ -341,10 +345,12 @@ def search(
         raise typer.BadParameter("no shape to search: give --shape MxNxK (repeatable) or --shapes FILE")
     if reps < 1:
         raise typer.BadParameter(f"--reps must be >= 1, got {reps}")
-    import torch
+    from fo_tune.ranks.launch import in_torchrun, visible_gpus
+    from fo_tune.search.setup import check_measuring_machine, default_mode
 
-    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
-    mode = mode or ("predict" if not has_gpu else "")
+    gpus, torchrun = visible_gpus(), in_torchrun()
+    mode = mode or default_mode(gpus, world_size, torchrun)
+    check_measuring_machine(mode, world_size, backend, gpus, torchrun)
     chosen = "gloo" if mode == "predict" else resolve_backend(world_size, backend)
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels

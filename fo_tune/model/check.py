@@ -12,7 +12,9 @@ trial, and say how far off the predictions are (``fo-tune model check``).
 
 Predicted rows and trials are never reported (a prediction checked against itself says nothing):
 the all_gather terms, which no GPU measurement has checked yet, show up here only once measured
-all_gather rows or trials exist.
+all_gather rows or trials exist. Predicted rows that rest on something other than their machine's
+measurements (``Schedule.basis``: a calibration extrapolated to their world size) are counted by
+``unmeasured_in``, so the command can say they have no measured error yet.
 """
 
 from __future__ import annotations
@@ -205,6 +207,33 @@ def measured_in(paths: Iterable[Path]) -> list[Measured]:
             raise CheckError(
                 f"{path}: expected a table (.yaml) or a search report (trials.csv, or its folder)"
             )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Unmeasured:
+    """Predicted rows of one table that share a ``basis``: nothing measured them yet."""
+
+    source: str  # the file
+    basis: str
+    world_size: int
+    rows: int
+
+
+def unmeasured_in(paths: Iterable[Path]) -> list[Unmeasured]:
+    """The predicted rows with a ``basis`` in the tables of ``paths`` (``*.yaml``), by file and basis."""
+    from fo_kernels.table import load_table
+
+    out: list[Unmeasured] = []
+    for path in paths:
+        if path.suffix not in (".yaml", ".yml"):
+            continue
+        table = load_table(path)
+        counts: dict[str, int] = {}
+        for row in table.rows:
+            if row.basis and row_kind(row) == "predicted":
+                counts[row.basis] = counts.get(row.basis, 0) + 1
+        out += [Unmeasured(str(path), basis, table.world_size, n) for basis, n in counts.items()]
     return out
 
 

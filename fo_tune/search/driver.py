@@ -336,6 +336,8 @@ def make_row(
         "date": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
         **{key: round(v, 5) if isinstance(v, float) else v for key, v in numbers.items()},
     }
+    # a predicted row says what its model rests on where that is not this machine's measurements
+    basis = request.calibration.basis if request.mode == "predict" and request.calibration else ""
     chosen = verdict.chosen
     if chosen is None:
         from fo_kernels.schedule import Problem
@@ -346,12 +348,13 @@ def make_row(
             world_size=request.world_size,
             problem=Problem(m=m, n=n, k=k),
             provenance=prov,
+            basis=basis,
         )
     if chosen.trial is not None:
         prov["trial"] = chosen.trial
     if not math.isnan(chosen.predicted_ms) and request.mode != "predict":
         prov["predicted_ms"] = round(chosen.predicted_ms, 5)
-    return dataclasses.replace(chosen.schedule, provenance=prov)
+    return dataclasses.replace(chosen.schedule, provenance=prov, basis=basis)
 
 
 def measure_baseline(

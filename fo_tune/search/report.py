@@ -11,7 +11,8 @@ complete or absent):
   included): identity (shape, number, state), the engine, the parameters (JSON), the schedule (in
   words, and its settings as JSON: ``fo-tune model check`` rebuilds it from them), predicted and
   measured latency, spread, relative error, speedup vs the baseline, cache hits and notes;
-- ``summary.yaml``: the request, the fingerprint, per shape the engines searched, the baseline,
+- ``summary.yaml``: the request (with the calibration's ``basis`` where it is an extrapolation), the
+  fingerprint, per shape the engines searched, the baseline,
   the best schedule, the row written (``overlap: false`` with the reason when nothing beats the
   fallback), the model's error (MAPE, worst case) over measured trials, trials and measurements
   spent and wall time; the measured rows a predicted one did not replace;
@@ -192,6 +193,7 @@ def summary(result: SearchResult) -> dict[str, Any]:
             "storage": result.storage,
             "calibration": r.calibration.fingerprint.device_key if r.calibration else None,
             "calibration_created": r.calibration.created if r.calibration else None,
+            "basis": (r.calibration.basis or None) if r.calibration else None,
         },
         "table": str(result.table) if result.table else None,
         "range_rows": [row.to_dict() for row in result.range_rows],

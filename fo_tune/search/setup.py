@@ -1,4 +1,5 @@
-"""What a search needs before it starts, read and checked from the command's options: the shapes
+"""What a search needs before it starts, read and checked from the command's options: its mode on
+this machine (the default, and a measuring one this machine's GPUs cannot hold refused), the shapes
 file, where the tables and the studies go, and each request's report folder, one per run (every
 file the search will write is checked writable before anything runs)."""
 
@@ -22,6 +23,28 @@ if TYPE_CHECKING:
 
 # The prefix of a SQLite storage URL (the one storage whose file is checked writable up front).
 SQLITE = "sqlite:///"
+
+
+def default_mode(gpus: int, world_size: int, torchrun: bool) -> str:
+    """The mode of a search without --mode: ``predict`` where this machine cannot start the ranks
+    (no GPU, or fewer GPUs than the world size outside torchrun), else "" (hybrid with a
+    calibration of this machine, else measure: ``fo_tune.calibrate.find.choose_calibration``)."""
+    return "predict" if gpus == 0 or (gpus < world_size and not torchrun) else ""
+
+
+def check_measuring_machine(mode: str, world_size: int, backend: str, gpus: int, torchrun: bool) -> None:
+    """Refuse (``SearchError``, before any work) a measuring search (measure, hybrid) whose ranks
+    this machine's GPUs cannot hold, saying what it needs; gloo ranks (``--backend gloo``, or no GPU
+    at all) run on the CPU and are let through."""
+    from fo_tune.search import SearchError
+
+    if mode == "predict" or backend == "gloo" or gpus == 0 or torchrun or gpus >= world_size:
+        return
+    raise SearchError(
+        f"--mode {mode} at world size {world_size} times the ranks on {world_size} GPUs, one a rank, "
+        f"and this machine has {gpus}: run it on a {world_size}-GPU machine (after `fo-tune calibrate "
+        f"--world-size {world_size}` there), or plan offline with --mode predict"
+    )
 
 
 def read_shapes_file(path: Path) -> list[tuple[int, int, int]]:

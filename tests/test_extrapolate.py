@@ -1,0 +1,213 @@
+"""Offline plans for world sizes nothing here measured: the packaged TP=2 calibration extrapolated
+(``fo_tune.calibrate.extrapolate``), the predict search's rows and report carrying its basis,
+``fo-tune model check`` on such rows, and measuring searches refused where the GPUs are missing."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from cli import app
+from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, run_report
+from fo_kernels.table import load_table
+from fo_tune.calibrate.calibration import bus_factor, save_calibration
+from fo_tune.calibrate.extrapolate import (
+    NVLINK4_LINK_GBS,
+    RING_HOP_LATENCY_MS,
+    ExtrapolationError,
+    extrapolate,
+    ring_steps,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+BASIS = f"extrapolated from world size 2 ({H200_KEY}) and NVLink facts"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    isolate_tables(monkeypatch, tmp_path / "env")
+    monkeypatch.chdir(tmp_path)  # default studies / reports land under tmp_path
+
+
+def search(*args: str):
+    return CliRunner().invoke(app, ["search", *args])
+
+
+# ------------------------------------------------------------------------------ the extrapolation
+@pytest.mark.parametrize("world", [4, 8])
+def test_bus_bandwidth_carries_over_and_times_grow(h200, world):
+    """At N the curves keep TP=2's asymptotic bus bandwidth (NVSwitch: every hop at the full link),
+    so every point takes longer by the bus factor's growth and the ring's extra steps; the device
+    key is the board's at N, and what one GPU measures is carried unchanged."""
+    ext = extrapolate(h200, world)
+    assert ext.world_size == ext.fingerprint.world_size == world
+    assert ext.fingerprint.device_key == H200_KEY.replace("-w2-", f"-w{world}-")
+    assert ext.basis == f"{BASIS}; all_gather from reduce_scatter's curve"
+    for fit in h200.fits:
+        new = ext.fit_for(fit.collective, fit.nccl_max_ctas)
+        bus = new.bandwidth_gbs * bus_factor(fit.collective, world)
+        assert bus == pytest.approx(fit.bandwidth_gbs * bus_factor(fit.collective, 2), rel=1e-6)
+        assert bus <= 18 * NVLINK4_LINK_GBS
+        extra = (ring_steps(fit.collective, world) - ring_steps(fit.collective, 2)) * RING_HOP_LATENCY_MS
+        assert new.latency_ms == pytest.approx(fit.latency_ms + extra, abs=1e-6)
+    before = {(p.collective, p.nccl_max_ctas, p.size_bytes): p.time_ms for p in h200.bandwidth}
+    after = {(p.collective, p.nccl_max_ctas, p.size_bytes): p.time_ms for p in ext.bandwidth}
+    assert all(after[key] > t for key, t in before.items())
+
+    def curve(name: str) -> list:
+        return sorted(
+            (p.nccl_max_ctas, p.size_bytes, p.time_ms) for p in ext.bandwidth if p.collective == name
+        )
+
+    assert curve("all_gather") == curve("reduce_scatter") != []
+    assert ext.gemm == h200.gemm and ext.interference == h200.interference
+    assert ext.copy_engine is h200.copy_engine and ext.triton is h200.triton
+    assert extrapolate(h200, 8).bandwidth[-1].time_ms > extrapolate(h200, 4).bandwidth[-1].time_ms
+
+
+def test_what_cannot_be_extrapolated_says_what_it_needs(h200):
+    with pytest.raises(ExtrapolationError, match="at most 8 GPUs"):
+        extrapolate(h200, 16)
+    with pytest.raises(ExtrapolationError, match="asked 2 -> 2"):
+        extrapolate(h200, 2)
+    with pytest.raises(ExtrapolationError, match="itself extrapolated"):
+        extrapolate(extrapolate(h200, 4), 8)
+    pcie = dataclasses.replace(h200, fingerprint=dataclasses.replace(h200.fingerprint, interconnect="pcie"))
+    with pytest.raises(ExtrapolationError, match="NVLink 4 GPUs on NVSwitch"):
+        extrapolate(pcie, 4)
+
+
+# ------------------------------------------------------------------------------ the predict search
+def test_tp8_plan_on_the_cpu_states_its_basis(tmp_path):
+    """The issue's command: a TP=8 plan from the packaged TP=2 calibration, exit 0, its row, report
+    and summary saying what it rests on."""
+    out = tmp_path / "w8"
+    r = search(
+        "--mode",
+        "predict",
+        "--world-size",
+        "8",
+        "--shape",
+        "8192x8192x3584",
+        "-c",
+        "reduce_scatter",
+        "--out",
+        str(out),
+    )
+    assert r.exit_code == 0, r.output
+    assert f"basis: {BASIS}" in " ".join(r.stdout.split())
+    key = H200_KEY.replace("-w2-", "-w8-")
+    table = load_table(out / "tables" / key / "reduce_scatter-w8-bfloat16.yaml")
+    assert table.world_size == 8 and [row.basis.startswith(BASIS) for row in table.rows] == [True]
+    assert table.rows[0].provenance["mode"] == "predict"
+    report = run_report(out / "report" / "reduce_scatter-w8-bfloat16-predict")
+    summary = yaml.safe_load((report / "summary.yaml").read_text())
+    assert summary["request"]["basis"].startswith(BASIS)
+    assert summary["shapes"][0]["row"]["basis"].startswith(BASIS)
+
+
+def test_tp4_plans_every_collective_with_both_engines(tmp_path):
+    out = tmp_path / "w4"
+    r = search(
+        "--mode",
+        "predict",
+        "--world-size",
+        "4",
+        "--shape",
+        "4096x8192x3584",
+        "-c",
+        "all_reduce,reduce_scatter,all_gather",
+        "--out",
+        str(out),
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    import json
+
+    runs = json.loads(r.stdout)["runs"]
+    assert [run["request"]["collective"] for run in runs] == ["all_reduce", "reduce_scatter", "all_gather"]
+    for run in runs:
+        (shape,) = run["shapes"]
+        assert shape["engines"] == ["triton", "copy_engine"], run["request"]["collective"]
+        assert shape["row"]["basis"].startswith(BASIS) and shape["baseline"]["source"] == "predicted"
+
+
+def test_a_given_tp2_calibration_is_extrapolated_too(tmp_path, h200):
+    cal = tmp_path / "cal.yaml"
+    save_calibration(h200, cal)
+    r = search(
+        "--mode",
+        "predict",
+        "--world-size",
+        "4",
+        "--calibration",
+        str(cal),
+        "--shape",
+        "4096x8192x3584",
+        "--engine",
+        "triton",
+        "--out",
+        str(tmp_path / "o"),
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    assert '"basis": "extrapolated from world size 2' in r.stdout
+
+
+def test_no_plan_beyond_one_nvswitch_board():
+    r = search("--mode", "predict", "--world-size", "16", "--shape", "8192x8192x3584")
+    assert "no packaged calibration for world size 16" in assert_one_line_error(r)
+
+
+# ------------------------------------------------------------------------------ measuring searches
+@pytest.mark.parametrize("mode", ["measure", "hybrid"])
+def test_measuring_without_the_gpus_is_refused(monkeypatch, mode):
+    monkeypatch.setattr("fo_tune.ranks.launch.visible_gpus", lambda: 2)
+    r = search("--mode", mode, "--world-size", "8", "--shape", "8192x8192x3584")
+    line = assert_one_line_error(r)
+    assert f"--mode {mode} at world size 8" in line and "8-GPU machine" in line and "--mode predict" in line
+
+
+def test_without_a_mode_too_few_gpus_plan_offline(monkeypatch, tmp_path):
+    monkeypatch.setattr("fo_tune.ranks.launch.visible_gpus", lambda: 1)
+    r = search(
+        "--world-size", "4", "--shape", "4096x8192x3584", "--engine", "triton", "--out", str(tmp_path / "o")
+    )
+    assert r.exit_code == 0, r.output
+    assert "w4, predict" in " ".join(r.stdout.split()) and f"basis: {BASIS}" in " ".join(r.stdout.split())
+
+
+# ------------------------------------------------------------------------------ model check
+def test_model_check_says_extrapolated_rows_have_no_measured_error(tmp_path):
+    out = tmp_path / "w8"
+    assert (
+        search(
+            "--mode",
+            "predict",
+            "--world-size",
+            "8",
+            "--shape",
+            "8192x8192x3584",
+            "-c",
+            "reduce_scatter",
+            "--engine",
+            "triton",
+            "--out",
+            str(out),
+        ).exit_code
+        == 0
+    )
+    (table,) = (out / "tables").glob("*/*.yaml")
+    r = CliRunner().invoke(app, ["model", "check", str(table)])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert f"1 predicted row(s) rest on: {BASIS}" in text and "no measured error yet" in text
+    assert "MAPE" not in text
+    shipped = ROOT / "results" / "tables" / H200_KEY / "reduce_scatter-w2-bfloat16.yaml"
+    r = CliRunner().invoke(app, ["model", "check", str(table), str(shipped)])
+    assert r.exit_code == 0, r.output
+    assert "no measured error yet" in r.stdout and "MAPE" in r.stdout
