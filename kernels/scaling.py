@@ -183,6 +183,12 @@ def gather_scales(scales: Scales, world: int, group: dist.ProcessGroup | None) -
     return scales.with_rows(gathered)
 
 
+# cuBLASLt refuses an fp8 product into float32 whose rows are not a multiple of 16
+# (CUBLAS_STATUS_NOT_SUPPORTED at 43 rows: a copy-engine chunk, one H100, torch 2.11); such an A
+# is padded with zero rows to the next multiple.
+F32_OUT_ROW_MULTIPLE = 16
+
+
 def scaled_mm(
     a: torch.Tensor, b: torch.Tensor, scales: Scales, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -197,7 +203,11 @@ def scaled_mm(
         b = b.t().contiguous().t()
     if scales.rowwise and scales.out_dtype != torch.bfloat16 and a.is_cuda:
         one = torch.ones((), dtype=torch.float32, device=a.device)
-        y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        rows = a.shape[0]
+        pad = -rows % F32_OUT_ROW_MULTIPLE
+        if pad:
+            a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+        y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)[:rows]
         y.mul_(scales.scale_a()).mul_(scales.scale_b())
         if out is None:
             return y.to(scales.out_dtype)

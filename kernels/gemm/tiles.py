@@ -44,18 +44,17 @@ def _mma(a_blk, b_blk, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """``acc + a_blk @ b_blk`` in float32: upcast first under the interpreter (its bf16 ``tl.dot``
     is wrong), IEEE precision when the inputs are (or were upcast to) float32 (no TF32).
 
-    fp8 operands: Hopper's fp8 wgmma accumulates in reduced precision, and Triton's default on
-    sm_90 (``max_num_imprecise_acc`` 2**30) keeps the whole K loop there, as ``torch._scaled_mm``'s
-    ``use_fast_accum=True``; that read 1.3e-3 relative against float64 at K = 4096 on one H100.
-    ``max_num_imprecise_acc = BLOCK_K`` adds each K block's product into the float32
-    accumulator, as cuBLAS's default (``use_fast_accum=False``) does."""
+    fp8 operands accumulate as Triton's default on sm_90 has them (``max_num_imprecise_acc``
+    2**30): the whole K loop in the wgmma's own reduced-precision accumulator, as
+    ``torch._scaled_mm(use_fast_accum=True)``; 1.3e-3 relative against float64 at K = 4096 (one
+    H100). Promoting each K block into the float32 accumulator (``max_num_imprecise_acc =
+    BLOCK_K``) read 1.3e-4 at K = 1024 but made the GEMM 1.5-1.6x slower (docs/perf-notes.md,
+    "fp8 accumulation"), so it does not ship."""
     if UPCAST:
         a_blk = a_blk.to(tl.float32)
         b_blk = b_blk.to(tl.float32)
     if IEEE:
         return tl.dot(a_blk, b_blk, acc, input_precision="ieee")
-    if a_blk.dtype.is_fp8():
-        return tl.dot(a_blk, b_blk, acc, max_num_imprecise_acc=a_blk.shape[1])
     return tl.dot(a_blk, b_blk, acc)
 
 
