@@ -112,7 +112,26 @@ CollectiveOpt = Annotated[
         "--collective",
         "-c",
         metavar="NAME[,NAME]",
-        help=f"{', '.join(COLLECTIVE_NAMES)}; repeat or comma-separate to tune several. Default: all_reduce.",
+        help=f"{', '.join(COLLECTIVE_NAMES)}; repeat or comma-separate to tune several. Default: all_reduce. "
+        "moe (alone): the expert-parallel MoE FFN, its dispatch and combine All-to-All around the grouped "
+        "GEMMs, planned from a calibration (--mode predict) for --experts and --tokens.",
+    ),
+]
+ExpertsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--experts",
+        metavar="H,I,E_LOCAL,K",
+        help="-c moe: the experts' shape (hidden, intermediate, local experts per rank, top_k); repeatable.",
+    ),
+]
+TokensOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tokens",
+        metavar="T[,T...]",
+        help="-c moe: the M buckets, ascending tokens per rank (a row covers the tokens above the bucket "
+        "before it). Default: the MoE search space's tokens_per_rank.",
     ),
 ]
 SearchDtypeOpt = Annotated[
@@ -323,7 +342,24 @@ def search(
     seed: SeedOpt = 0,
     engine: EngineOpt = None,
     json_out: JsonOpt = False,
+    experts: ExpertsOpt = None,
+    tokens: TokensOpt = None,
 ) -> None:
+    from fo_tune.cli.search_moe import MOE_COLLECTIVE, run_moe_search
+
+    picked = parse_collectives(
+        collective, valid=(*COLLECTIVE_NAMES, MOE_COLLECTIVE), default=("all_reduce",), option="--collective"
+    )
+    if MOE_COLLECTIVE in picked:
+        if len(picked) > 1:
+            raise typer.BadParameter(f"-c {MOE_COLLECTIVE} is searched alone, not with {', '.join(picked)}")
+        check_dtype(dtype)
+        return run_moe_search(
+            experts=experts, tokens=tokens, world_size=world_size, dtype=dtype, mode=mode,
+            calibration=calibration, space=space, engine=engine, table_dir=table_dir, out=out, json_out=json_out,
+        )  # fmt: skip
+    if experts or tokens:
+        raise typer.BadParameter("--experts and --tokens are for -c moe")
     collectives = parse_collectives(
         collective, valid=COLLECTIVE_NAMES, default=("all_reduce",), option="--collective"
     )

@@ -1,0 +1,145 @@
+"""``fo-tune search -c moe``: plan the MoE table (the expert-parallel FFN's dispatch and combine
+All-to-All around its grouped GEMMs) from a calibration, offline.
+
+Library: ``fo_tune.engines.moe_cost_model`` (the model), ``fo_tune.moe.space`` (the space),
+``fo_tune.moe.plan`` (the rows and the table). Only ``--mode predict`` plans: a measured MoE
+search would time the engines on two or more GPUs (``bench/moe_ep.py`` times them by hand).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from fo_tune.cli.common import console, fmt, json_text, summary_table
+
+# The collective name `fo-tune search -c` takes for the MoE FFN.
+MOE_COLLECTIVE = "moe"
+# GPUs a measured MoE search needs: the dispatch and the combine move rows between ranks.
+MIN_MEASURE_GPUS = 2
+
+
+def run_moe_search(
+    *,
+    experts: list[str] | None,
+    tokens: str | None,
+    world_size: int,
+    dtype: str,
+    mode: str | None,
+    calibration: Path | None,
+    space: Path | None,
+    engine: list[str] | None,
+    table_dir: Path | None,
+    out: Path | None,
+    json_out: bool,
+) -> None:
+    """Check the options, plan the rows, merge them into the MoE table, print the summary."""
+    import torch
+
+    from fo_tune.cli.common import parse_names
+    from fo_tune.engines import moe_engine_names, moe_term
+    from fo_tune.moe.plan import ExpertsShape, MoeSearchError
+
+    if not experts:
+        raise MoeSearchError("-c moe needs the experts' shape: --experts H,I,E_local,k (repeatable)")
+    shapes = [ExpertsShape.parse(text) for text in experts]
+    wanted = [int(t) for t in tokens.split(",")] if tokens else None
+    names = parse_names(engine, valid=moe_engine_names(), option="--engine") or moe_engine_names()
+    mode = mode or "predict"
+    if mode != "predict":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < MIN_MEASURE_GPUS:
+            raise MoeSearchError(
+                f"-c moe --mode {mode} needs >= {MIN_MEASURE_GPUS} GPUs (this machine has {gpus}); "
+                "plan offline with --mode predict"
+            )
+        raise MoeSearchError(
+            f"-c moe --mode {mode}: a measured MoE search is not built; time the engines with "
+            "`python bench/moe_ep.py --out DIR` and plan with --mode predict"
+        )
+    from fo_tune.calibrate.calibration import load_calibration
+    from fo_tune.calibrate.find import packaged_calibration
+
+    if calibration is None:
+        found = packaged_calibration(None, world_size)
+        if found is None:
+            raise MoeSearchError(
+                f"-c moe --mode predict needs a calibration of world size {world_size} (none is packaged); "
+                f"run `fo-tune calibrate --world-size {world_size} --collectives all_to_all` on the GPUs "
+                "and pass --calibration FILE"
+            )
+        calibration = found
+    cal = load_calibration(calibration)
+    if cal.world_size != world_size:
+        raise MoeSearchError(
+            f"{calibration} is for world size {cal.world_size}, not --world-size {world_size}"
+        )
+    cal = cal.for_dtype(dtype)
+    plan, model = _plan(cal, shapes, wanted, dtype, names, space, moe_term)
+    from fo_tune.moe.plan import write_moe_rows
+    from fo_tune.search.setup import default_table_dir
+
+    root = table_dir or (out / "tables" if out is not None else default_table_dir())
+    path = write_moe_rows(root, cal.fingerprint, [p.row for p in plan.rows], world_size=world_size, dtype=dtype)
+    if json_out:
+        rows = [
+            {**p.row.to_dict(), "prediction": p.prediction.to_dict(), "fallback_ms": p.fallback.total_ms}
+            for p in plan.rows
+        ]
+        typer.echo(json_text({"kind": "fo-tune-moe-search-summary", "table": str(path), "basis": model.basis,
+                              "skipped": plan.skipped, "rows": rows}))  # fmt: skip
+        return
+    _print(plan, model.basis, path, cal.fingerprint.device_key, world_size, dtype)
+
+
+def _plan(cal, shapes, tokens, dtype, names, space_file, moe_term):
+    from fo_tune.engines import moe_cost_model
+    from fo_tune.moe.plan import plan_moe
+    from fo_tune.moe.space import load_moe_space, moe_space_for
+
+    keys = {name: moe_term(name).SPACE_KEYS for name in names}
+    if space_file is not None:
+        space = load_moe_space(space_file, keys)
+    else:
+        space = moe_space_for(cal.fingerprint.compute_capability, keys)
+    model = moe_cost_model(cal)
+    engines = {}
+    for name in names:
+        term = moe_term(name)
+        why = term.blocker(cal.fingerprint) or term.calibration_gap(cal)
+        engines[name] = why or ("" if name in space.engines else f"has no section in {space.source}")
+    provenance = {"calibration": f"{cal.fingerprint.device_key} {cal.created}", "space": space.name}
+    plan = plan_moe(model, space, shapes, tokens or space.tokens_per_rank, dtype=dtype, engines=engines,
+                    provenance=provenance)  # fmt: skip
+    return plan, model
+
+
+def _print(plan, basis: str, path: Path, device_key: str, world_size: int, dtype: str) -> None:
+    table = summary_table(
+        f"moe {dtype} w{world_size}, predict, {device_key}",
+        ["experts (H, I, E_local, k)", "tokens", "engine", "settings", "predicted ms", "no overlap ms", "x"],
+        4,
+    )
+    for p in plan.rows:
+        s = p.row.schedule
+        pr = s.problem
+        settings = ""
+        if s.engine == "triton":
+            settings = f"{s.tile.label()} r{s.sms_free} c{s.nccl_max_ctas}"
+        elif s.engine == "copy_engine":
+            settings = f"chunks {s.chunks}"
+        table.add_row(
+            f"{pr.hidden}, {pr.intermediate}, {pr.experts}, {pr.top_k}",
+            f"{pr.tokens_min}..{pr.tokens_max}",
+            s.engine or "none (overlap: false)",
+            settings,
+            fmt(p.prediction.total_ms),
+            fmt(p.fallback.total_ms),
+            f"{p.speedup:.2f}",
+        )
+    console.print(table)
+    for name, why in plan.skipped.items():
+        console.print(f"engine {name} not searched: {why}", highlight=False, markup=False)
+    console.print(f"basis: {basis}", highlight=False, markup=False)
+    console.print(f"[green]table[/] {path}", highlight=False)
