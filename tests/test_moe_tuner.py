@@ -16,7 +16,15 @@ from typer.testing import CliRunner
 
 from cli import app
 from cli_checks import H200_KEY, assert_one_line_error, isolate_tables
-from fo_kernels import MoeProblem, MoeRow, MoeSchedule, MoeTable, expert_parallel_ffn, load_moe_table, save_moe_table
+from fo_kernels import (
+    MoeProblem,
+    MoeRow,
+    MoeSchedule,
+    MoeTable,
+    expert_parallel_ffn,
+    load_moe_table,
+    save_moe_table,
+)
 from fo_kernels.errors import TableError
 from fo_kernels.fingerprint import current_fingerprint
 from fo_kernels.moe.table import MoeTableCache, moe_table_path
@@ -44,7 +52,9 @@ def _call(tokens: int, world: int = 2, **shape) -> MoeCall:
 
 
 def _schedule(world: int = 2, tokens_max: int = 1 << 14, **fields) -> MoeSchedule:
-    return MoeSchedule(dtype="bfloat16", world_size=world, problem=MoeProblem(**DEEPSEEK, tokens_max=tokens_max), **fields)
+    return MoeSchedule(
+        dtype="bfloat16", world_size=world, problem=MoeProblem(**DEEPSEEK, tokens_max=tokens_max), **fields
+    )
 
 
 # ----------------------------------------------------------------------------- the model
@@ -66,7 +76,9 @@ def test_all_to_all_is_derived_from_reduce_scatter_with_its_basis(cal):
 
 
 def test_all_to_all_curve_of_its_own_and_from_all_reduce(cal):
-    own = [BandwidthPoint.measured("all_to_all", 0, s, t, 0.0, 2) for s, t in ((1 << 20, 0.05), (2 << 20, 0.07))]
+    own = [
+        BandwidthPoint.measured("all_to_all", 0, s, t, 0.0, 2) for s, t in ((1 << 20, 0.05), (2 << 20, 0.07))
+    ]
     with_own = dataclasses.replace(cal, bandwidth=[*cal.bandwidth, *own])
     model = moe_cost_model(with_own)
     assert model.basis == "all_to_all: the calibration's curve"
@@ -132,7 +144,11 @@ def test_copy_engine_hides_the_pushes_behind_the_gemms(cal):
 
 @pytest.mark.parametrize(
     "fields",
-    [{}, {"engine": "triton", "tile": TILE, "sms_free": 16, "nccl_max_ctas": 16}, {"engine": "copy_engine", "chunks": 4}],
+    [
+        {},
+        {"engine": "triton", "tile": TILE, "sms_free": 16, "nccl_max_ctas": 16},
+        {"engine": "copy_engine", "chunks": 4},
+    ],
 )
 def test_every_path_grows_with_tokens(cal, fields):
     model = moe_cost_model(cal)
@@ -203,7 +219,9 @@ def test_expert_parallel_ffn_looks_the_table_up(tmp_path, monkeypatch):
     fp = current_fingerprint("cpu", 1)
     problem = MoeProblem(hidden=h, intermediate=i, experts=e, top_k=k, tokens_max=64)
     cpu_tile = Tile(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
-    row = MoeRow(schedule=MoeSchedule(dtype="float32", world_size=1, problem=problem, engine="triton", tile=cpu_tile))
+    row = MoeRow(
+        schedule=MoeSchedule(dtype="float32", world_size=1, problem=problem, engine="triton", tile=cpu_tile)
+    )
     path = moe_table_path(tmp_path / "tables", fp.device_key, 1, "float32")
     with tempfile.TemporaryDirectory() as store:
         dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
@@ -267,5 +285,7 @@ def test_search_moe_needs_the_experts(runner, tmp_path, monkeypatch):
     isolate_tables(monkeypatch, tmp_path)
     line = assert_one_line_error(runner.invoke(app, ["search", "-c", "moe"]))
     assert "--experts H,I,E_local,k" in line
-    line = assert_one_line_error(runner.invoke(app, ["search", "--shape", "64x64x64", "--experts", "1,2,3,4"]))
+    line = assert_one_line_error(
+        runner.invoke(app, ["search", "--shape", "64x64x64", "--experts", "1,2,3,4"])
+    )
     assert "are for -c moe" in line

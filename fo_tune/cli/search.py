@@ -356,7 +356,8 @@ def search(
         check_dtype(dtype)
         return run_moe_search(
             experts=experts, tokens=tokens, world_size=world_size, dtype=dtype, mode=mode,
-            calibration=calibration, space=space, engine=engine, table_dir=table_dir, out=out, json_out=json_out,
+            calibration=calibration, space=space, engine=engine, table_dir=table_dir, out=out,
+            json_out=json_out,
         )  # fmt: skip
     if experts or tokens:
         raise typer.BadParameter("--experts and --tokens are for -c moe")

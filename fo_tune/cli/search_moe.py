@@ -9,10 +9,14 @@ search would time the engines on two or more GPUs (``bench/moe_ep.py`` times the
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from fo_tune.cli.common import console, fmt, json_text, summary_table
+
+if TYPE_CHECKING:
+    from fo_tune.moe.plan import MoePlan
 
 # The collective name `fo-tune search -c` takes for the MoE FFN.
 MOE_COLLECTIVE = "moe"
@@ -38,7 +42,7 @@ def run_moe_search(
     import torch
 
     from fo_tune.cli.common import parse_names
-    from fo_tune.engines import moe_engine_names, moe_term
+    from fo_tune.engines import moe_engine_names
     from fo_tune.moe.plan import ExpertsShape, MoeSearchError
 
     if not experts:
@@ -76,46 +80,27 @@ def run_moe_search(
             f"{calibration} is for world size {cal.world_size}, not --world-size {world_size}"
         )
     cal = cal.for_dtype(dtype)
-    plan, model = _plan(cal, shapes, wanted, dtype, names, space, moe_term)
-    from fo_tune.moe.plan import write_moe_rows
+    from fo_tune.moe.plan import plan_moe_search, write_moe_rows
+
+    plan, model = plan_moe_search(cal, shapes, wanted, dtype=dtype, engines=names, space_file=space)
     from fo_tune.search.setup import default_table_dir
 
     root = table_dir or (out / "tables" if out is not None else default_table_dir())
-    path = write_moe_rows(root, cal.fingerprint, [p.row for p in plan.rows], world_size=world_size, dtype=dtype)
+    path = write_moe_rows(
+        root, cal.fingerprint, [p.row for p in plan.rows], world_size=world_size, dtype=dtype
+    )
     if json_out:
         rows = [
             {**p.row.to_dict(), "prediction": p.prediction.to_dict(), "fallback_ms": p.fallback.total_ms}
             for p in plan.rows
         ]
-        typer.echo(json_text({"kind": "fo-tune-moe-search-summary", "table": str(path), "basis": model.basis,
-                              "skipped": plan.skipped, "rows": rows}))  # fmt: skip
+        summary = {"kind": "fo-tune-moe-search-summary", "table": str(path), "basis": model.basis}
+        typer.echo(json_text({**summary, "skipped": plan.skipped, "rows": rows}))
         return
     _print(plan, model.basis, path, cal.fingerprint.device_key, world_size, dtype)
 
 
-def _plan(cal, shapes, tokens, dtype, names, space_file, moe_term):
-    from fo_tune.engines import moe_cost_model
-    from fo_tune.moe.plan import plan_moe
-    from fo_tune.moe.space import load_moe_space, moe_space_for
-
-    keys = {name: moe_term(name).SPACE_KEYS for name in names}
-    if space_file is not None:
-        space = load_moe_space(space_file, keys)
-    else:
-        space = moe_space_for(cal.fingerprint.compute_capability, keys)
-    model = moe_cost_model(cal)
-    engines = {}
-    for name in names:
-        term = moe_term(name)
-        why = term.blocker(cal.fingerprint) or term.calibration_gap(cal)
-        engines[name] = why or ("" if name in space.engines else f"has no section in {space.source}")
-    provenance = {"calibration": f"{cal.fingerprint.device_key} {cal.created}", "space": space.name}
-    plan = plan_moe(model, space, shapes, tokens or space.tokens_per_rank, dtype=dtype, engines=engines,
-                    provenance=provenance)  # fmt: skip
-    return plan, model
-
-
-def _print(plan, basis: str, path: Path, device_key: str, world_size: int, dtype: str) -> None:
+def _print(plan: MoePlan, basis: str, path: Path, device_key: str, world_size: int, dtype: str) -> None:
     table = summary_table(
         f"moe {dtype} w{world_size}, predict, {device_key}",
         ["experts (H, I, E_local, k)", "tokens", "engine", "settings", "predicted ms", "no overlap ms", "x"],

@@ -67,7 +67,9 @@ def all_to_all_curve(cal: Calibration) -> AllToAllCurve:
     nvlink = cal.fingerprint.interconnect.startswith("nvlink")
     wire = NVLINK_GBS if nvlink else 0.0
     if curves.knows("all_to_all"):
-        return AllToAllCurve(curves, "all_to_all", 1.0, cal.world_size, 0.0, "all_to_all: the calibration's curve")
+        return AllToAllCurve(
+            curves, "all_to_all", 1.0, cal.world_size, 0.0, "all_to_all: the calibration's curve"
+        )
     for name, scale in DERIVED_FROM:
         if curves.knows(name):
             size = "the same size" if scale == 1.0 else f"{scale:g} x the size"

@@ -167,7 +167,9 @@ class MoeCostModel:
         factor = GROUPED_UP_OVERHEAD if up else GROUPED_DOWN_OVERHEAD
         return self.dense.library.time(padded, n, k) * factor
 
-    def grouped_triton_ms(self, tile: Tile, rows: int, n: int, k: int, segments: int, grid: int, *, up: bool) -> float:
+    def grouped_triton_ms(
+        self, tile: Tile, rows: int, n: int, k: int, segments: int, grid: int, *, up: bool
+    ) -> float:
         """The Triton grouped GEMM of ``rows`` over ``segments`` segments on ``grid`` programs;
         ``CalibrationError`` for a tile the calibration did not profile."""
         padded = padded_rows(rows, segments, tile.block_m)

@@ -28,9 +28,9 @@ from fo_kernels.moe.table import (
     moe_table_path,
     save_moe_table,
 )
-from fo_tune.calibrate.calibration import CalibrationError
+from fo_tune.calibrate.calibration import Calibration, CalibrationError
 from fo_tune.moe.model import MoeCall, MoeCostModel, MoePrediction
-from fo_tune.moe.space import MoeSpace
+from fo_tune.moe.space import MoeSpace, load_moe_space, moe_space_for
 from fo_tune.search.decide import MIN_GAIN
 from fo_tune.tables.merge import LOCK_TIMEOUT_S, lock_path
 
@@ -131,6 +131,45 @@ def plan_moe(
     return plan
 
 
+def plan_moe_search(
+    cal: Calibration,
+    experts: Sequence[ExpertsShape],
+    tokens: Sequence[int] | None,
+    *,
+    dtype: str,
+    engines: Sequence[str],
+    space_file: Path | None = None,
+) -> tuple[MoePlan, MoeCostModel]:
+    """What ``fo-tune search -c moe --mode predict`` plans: the MoE space (``space_file``, else the
+    packaged one of the calibration's GPU), the model of ``cal`` and ``plan_moe`` over ``engines``
+    (each left out, with why, where its blocker, its calibration gap or the space says so);
+    ``tokens`` None: the space's M buckets."""
+    from fo_tune.engines import moe_cost_model, moe_term
+
+    keys = {name: moe_term(name).SPACE_KEYS for name in engines}
+    if space_file is not None:
+        space = load_moe_space(space_file, keys)
+    else:
+        space = moe_space_for(cal.fingerprint.compute_capability, keys)
+    model = moe_cost_model(cal)
+    reasons = {}
+    for name in engines:
+        term = moe_term(name)
+        why = term.blocker(cal.fingerprint) or term.calibration_gap(cal)
+        reasons[name] = why or ("" if name in space.engines else f"has no section in {space.source}")
+    provenance = {"calibration": f"{cal.fingerprint.device_key} {cal.created}", "space": space.name}
+    plan = plan_moe(
+        model,
+        space,
+        experts,
+        tokens or space.tokens_per_rank,
+        dtype=dtype,
+        engines=reasons,
+        provenance=provenance,
+    )
+    return plan, model
+
+
 def _plan_bucket(
     model: MoeCostModel,
     space: MoeSpace,
@@ -167,7 +206,9 @@ def _plan_bucket(
         "tokens_priced": call.tokens,
         "basis": best_pred.basis,
     }
-    return PlannedRow(row=MoeRow(schedule=best, provenance=note), prediction=best_pred, fallback=fallback, priced=priced)
+    return PlannedRow(
+        row=MoeRow(schedule=best, provenance=note), prediction=best_pred, fallback=fallback, priced=priced
+    )
 
 
 def write_moe_rows(

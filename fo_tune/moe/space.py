@@ -97,7 +97,7 @@ def parse_moe_space(data: Any, source: str, space_keys: Mapping[str, tuple[str, 
         raise SpaceError(f"{source}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(_TOP_KEYS)}")
     caps = data.get("compute_capability")
     if not isinstance(caps, list) or not caps or not all(isinstance(c, str) for c in caps):
-        raise _fail(source, "compute_capability", "expected a non-empty list of strings (\"9.0\", \"*\")")
+        raise _fail(source, "compute_capability", 'expected a non-empty list of strings ("9.0", "*")')
     tokens = _ints(source, "tokens_per_rank", data.get("tokens_per_rank"), 1)
     if list(tokens) != sorted(set(tokens)):
         raise _fail(source, "tokens_per_rank", "expected ascending, distinct values")
@@ -119,7 +119,9 @@ def parse_moe_space(data: Any, source: str, space_keys: Mapping[str, tuple[str, 
 
 
 def load_moe_space(path: str | Path, space_keys: Mapping[str, tuple[str, ...]]) -> MoeSpace:
-    data = read_yaml(path, error=SpaceError, missing=SpaceNotFoundError, missing_hint="no such MoE space file")
+    data = read_yaml(
+        path, error=SpaceError, missing=SpaceNotFoundError, missing_hint="no such MoE space file"
+    )
     return parse_moe_space(data, str(path), space_keys)
 
 

@@ -23,8 +23,8 @@ from fo_kernels.moe import fallback
 from fo_kernels.moe.exchange import Layout, exchange_counts
 from fo_kernels.moe.routing import FfnShape, check_call, route
 from fo_kernels.moe.schedule import MoeSchedule
-from fo_kernels.moe.table import MoeTableCache
 from fo_kernels.moe.stages import BackwardStage, ForwardStage
+from fo_kernels.moe.table import MoeTableCache
 from fo_kernels.registry import Registry
 from fo_kernels.runtime import runtime_for
 from fo_kernels.schedule import DTYPES, dtype_name

@@ -28,6 +28,7 @@ its default, the no-overlap path).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -180,7 +181,7 @@ def _overlap(a: MoeProblem, b: MoeProblem) -> bool:
 
 def _sorted_rows(rows: Sequence[MoeRow]) -> list[MoeRow]:
     out = sorted(rows, key=lambda r: (experts_key(r.schedule.problem), r.schedule.problem.tokens_min))
-    for a, b in zip(out, out[1:], strict=False):
+    for a, b in itertools.pairwise(out):
         if _overlap(a.schedule.problem, b.schedule.problem):
             raise TableError(
                 f"rows for {a.schedule.problem.describe()} and {b.schedule.problem.describe()} overlap"
@@ -225,11 +226,21 @@ class MoeTableCache:
         self._tables[path] = (stamp, table)
         return table
 
-    def lookup(self, key: ExpertsKey, tokens: int, *, dtype: str, world_size: int, device: Any) -> MoeSchedule | None:
+    def lookup(
+        self, key: ExpertsKey, tokens: int, *, dtype: str, world_size: int, device: Any
+    ) -> MoeSchedule | None:
         """The row for a call of the experts' shape ``key`` whose ranks hold at most ``tokens``
         tokens each: measured rows first, then the first folder's; None without one. Raises
         ``TableError`` for a found table that is malformed or for other hardware."""
-        ask = (key, tokens, dtype, world_size, str(device), os.environ.get(TABLE_DIR_ENV), os.environ.get("XDG_DATA_HOME"))
+        ask = (
+            key,
+            tokens,
+            dtype,
+            world_size,
+            str(device),
+            os.environ.get(TABLE_DIR_ENV),
+            os.environ.get("XDG_DATA_HOME"),
+        )
         with self._lock:
             hit = self._answers.get(ask)
             if hit is not None and time.monotonic() - hit[0] <= MOE_TABLE_RECHECK_S:
@@ -246,7 +257,12 @@ class MoeTableCache:
                     raise TableError(f"{path}: holds {table.dtype} rows, expected {dtype}")
                 tables.append(table)
             found = next(
-                (s for kind in ("measured", "predicted") for t in tables if (s := t.find(key, tokens, kind=kind))),
+                (
+                    s
+                    for kind in ("measured", "predicted")
+                    for t in tables
+                    if (s := t.find(key, tokens, kind=kind))
+                ),
                 None,
             )
             self._answers[ask] = (time.monotonic(), found)

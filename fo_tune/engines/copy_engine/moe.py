@@ -62,7 +62,9 @@ class CopyEngineMoeTerm:
         if fingerprint.world_size < 2:
             return "moves rows between GPUs; world size 1 has none"
         if not fingerprint.interconnect.startswith(PEER_INTERCONNECTS):
-            return f"needs peer access between the GPUs; {fingerprint.device_key} has {fingerprint.interconnect}"
+            return (
+                f"needs peer access between the GPUs; {fingerprint.device_key} has {fingerprint.interconnect}"
+            )
         return ""
 
     @staticmethod

@@ -74,7 +74,13 @@ class TritonMoeTerm:
             section.get("wait_modes", ("stream_wait",)),
         ):
             if free < self.model.sm_count:
-                yield {"engine": "triton", "tile": tile, "sms_free": free, "nccl_max_ctas": cap, "wait_mode": wait}
+                yield {
+                    "engine": "triton",
+                    "tile": tile,
+                    "sms_free": free,
+                    "nccl_max_ctas": cap,
+                    "wait_mode": wait,
+                }
 
     def predict(self, schedule: MoeSchedule, call: MoeCall) -> MoePrediction:
         m = self.model
