@@ -289,3 +289,18 @@ def test_search_moe_needs_the_experts(runner, tmp_path, monkeypatch):
         runner.invoke(app, ["search", "--shape", "64x64x64", "--experts", "1,2,3,4"])
     )
     assert "are for -c moe" in line
+
+
+def test_search_moe_from_the_suite_and_table_list(runner, tmp_path, monkeypatch):
+    """An MoE suite's models at EP = the world size; the table goes to $FO_TUNE_TABLE_DIR, where
+    `fo-tune table list` lists it beside the dense tables."""
+    isolate_tables(monkeypatch, tmp_path)
+    suite = Path(__file__).resolve().parents[1] / "suites" / "moe" / "experts.yaml"
+    result = runner.invoke(app, ["search", "-c", "moe", "--shapes", str(suite), "--tokens", "512", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["rows"]
+    assert {(r["problem"]["hidden"], r["problem"]["experts"]) for r in rows} >= {(7168, 128), (4096, 4)}
+    listed = runner.invoke(app, ["table", "list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    (moe,) = [t for t in json.loads(listed.stdout)["tables"] if t["collective"] == "moe"]
+    assert moe["rows"] == len(rows) and moe["world_size"] == 2 and moe["device_key"] == H200_KEY

@@ -103,7 +103,10 @@ ShapesOpt = Annotated[
 ShapesFileOpt = Annotated[
     Path | None,
     typer.Option(
-        "--shapes", metavar="FILE", help="YAML with a `shapes:` list of [M, N, K] (e.g. suites/h200_tp.yaml)."
+        "--shapes",
+        metavar="FILE",
+        help="YAML with a `shapes:` list of [M, N, K] (e.g. suites/h200_tp.yaml); -c moe: an MoE suite's "
+        "`models:` (suites/moe/experts.yaml), E / world size local experts each.",
     ),
 ]
 CollectiveOpt = Annotated[
@@ -355,8 +358,8 @@ def search(
             raise typer.BadParameter(f"-c {MOE_COLLECTIVE} is searched alone, not with {', '.join(picked)}")
         check_dtype(dtype)
         return run_moe_search(
-            experts=experts, tokens=tokens, world_size=world_size, dtype=dtype, mode=mode,
-            calibration=calibration, space=space, engine=engine, table_dir=table_dir, out=out,
+            experts=experts, suite=shapes, tokens=tokens, world_size=world_size, dtype=dtype,
+            mode=mode, calibration=calibration, space=space, engine=engine, table_dir=table_dir, out=out,
             json_out=json_out,
         )  # fmt: skip
     if experts or tokens:

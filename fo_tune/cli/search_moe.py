@@ -27,6 +27,7 @@ MIN_MEASURE_GPUS = 2
 def run_moe_search(
     *,
     experts: list[str] | None,
+    suite: Path | None,
     tokens: str | None,
     world_size: int,
     dtype: str,
@@ -43,11 +44,16 @@ def run_moe_search(
 
     from fo_tune.cli.common import parse_names
     from fo_tune.engines import moe_engine_names
-    from fo_tune.moe.plan import ExpertsShape, MoeSearchError
+    from fo_tune.moe.plan import ExpertsShape, MoeSearchError, experts_from_suite
 
-    if not experts:
-        raise MoeSearchError("-c moe needs the experts' shape: --experts H,I,E_local,k (repeatable)")
-    shapes = [ExpertsShape.parse(text) for text in experts]
+    if not experts and suite is None:
+        raise MoeSearchError(
+            "-c moe needs the experts' shape: --experts H,I,E_local,k (repeatable) or --shapes "
+            "suites/moe/experts.yaml"
+        )
+    shapes = [ExpertsShape.parse(text) for text in experts or []]
+    if suite is not None:
+        shapes += experts_from_suite(suite, world_size)
     wanted = [int(t) for t in tokens.split(",")] if tokens else None
     names = parse_names(engine, valid=moe_engine_names(), option="--engine") or moe_engine_names()
     mode = mode or "predict"

@@ -64,6 +64,29 @@ class ExpertsShape:
         return f"H {self.hidden}, I {self.intermediate}, E_local {self.experts}, k {self.top_k}"
 
 
+def experts_from_suite(path: Path, world_size: int) -> list[ExpertsShape]:
+    """The experts' shapes of an MoE suite's ``models`` (``suites/moe/experts.yaml``: hidden,
+    intermediate, experts E, top_k) at EP = ``world_size``: E / w local experts, the models whose
+    E the world size does not divide left out."""
+    from fo_kernels.files import read_yaml
+
+    data = read_yaml(path, error=MoeSearchError, missing=MoeSearchError, missing_hint="no such MoE suite")
+    models = data.get("models") if isinstance(data, Mapping) else None
+    if not isinstance(models, list) or not models:
+        raise MoeSearchError(f"{path}: models: expected a list of {{hidden, intermediate, experts, top_k}}")
+    out = []
+    for i, m in enumerate(models):
+        try:
+            h, inter, e, k = (int(m[key]) for key in ("hidden", "intermediate", "experts", "top_k"))
+        except (KeyError, TypeError, ValueError):
+            raise MoeSearchError(f"{path}: models[{i}]: needs hidden, intermediate, experts, top_k") from None
+        if e % world_size == 0:
+            out.append(ExpertsShape(hidden=h, intermediate=inter, experts=e // world_size, top_k=k))
+    if not out:
+        raise MoeSearchError(f"{path}: no model's experts divide among {world_size} ranks")
+    return out
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlannedRow:
     """One planned row, its prediction and the no-overlap path's, and how many points were priced."""
