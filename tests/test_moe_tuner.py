@@ -131,6 +131,27 @@ def test_triton_without_concurrency_adds_its_parts(cal):
     assert "no overlap at this point" in pred.basis
 
 
+def test_triton_ring_overlaps_where_the_calibration_says_nccl_runs_beside_the_gemm(cal):
+    """Every interference point made concurrent without slowdown: the ring's timeline by hand
+    (w = 2: my own rows' g1 beside the step that brings the peer's, then the peer's g1; g2 with
+    the peer's half sent back while my half runs)."""
+    free = [
+        dataclasses.replace(q, concurrent=True, comm_during_gemm=True, comm_slowdown=1.0, gemm_slowdown=1.0)
+        for q in cal.interference
+    ]
+    model = moe_cost_model(dataclasses.replace(cal, interference=free))
+    call = _call(4096)
+    pred = model.predict(_schedule(engine="triton", tile=TILE, sms_free=16, nccl_max_ctas=16), call)
+    g1 = model.grouped_triton_ms(TILE, 16384, 4096, 7168, 16, 116, up=True)
+    g2 = model.grouped_triton_ms(TILE, 32768, 7168, 2048, 32, 116, up=False)
+    step, counts = model.comm.step_ms(16384 * 7168 * 2, 16), model.counts_ms(call)
+    start = max(counts + g1, counts + step) + g1
+    want = max(max(start, start + g2 / 2) + step, start + g2)
+    assert pred.device_ms == pytest.approx(want)
+    assert pred.device_ms < model.fallback(call).device_ms
+    assert pred.exposed_comm_ms == pytest.approx(want - 2 * g1 - g2)
+
+
 def test_copy_engine_hides_the_pushes_behind_the_gemms(cal):
     model = moe_cost_model(cal)
     for tokens in (1024, 8192):

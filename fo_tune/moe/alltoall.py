@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from fo_tune.calibrate.calibration import Calibration, CalibrationError
 from fo_tune.model.profiles import Curves, missing_curve
 
-# NVLink per direction on H100 / H200 (NV18: 18 links x 25 GB/s), docs/design.md "What others reach
-# at TP=4/8 on Hopper": 450 GB/s per direction; a copy-engine peer copy measured ~380 GB/s one way
-# on H100. The wire floor of a derived curve: no collective moves bytes faster than this.
+# NVLink per direction on H100 / H200 (NV18: 18 links x 25 GB/s; the design brief's "What others
+# reach at TP=4/8 on Hopper": 450 GB/s per direction, a copy-engine peer copy ~380 GB/s one way on
+# H100). The wire floor of a derived curve: no collective moves bytes faster than this.
 NVLINK_GBS = 450.0
 # The curves an All-to-All is derived from, in order of preference, with the size each is read at
 # (its bus bytes equal to the All-to-All's: see the module docstring).
