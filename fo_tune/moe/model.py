@@ -46,8 +46,8 @@ from fo_tune.moe.alltoall import AllToAllCurve, all_to_all_curve
 
 # torch._grouped_mm over one dense GEMM of the same rows, bf16, one H200, 2026-12-03 (issue 38; the
 # design brief's "Measured since (one H200, 2026-12-03 ...)"): DeepSeek-V3 at EP=8 (32 experts,
-# 32768 rows) up (K 7168, N 4096) 3.20 vs 2.89 ms, down (K 2048, N 7168) 1.71 vs 1.48 ms. (Qwen3-30B-A3B up 0.63 vs 0.56,
-# Mixtral up 3.06 vs 2.88: 1.13 and 1.06, within these two.)
+# 32768 rows) up (K 7168, N 4096) 3.20 vs 2.89 ms, down (K 2048, N 7168) 1.71 vs 1.48 ms. The same
+# run's other ratios: Qwen3-30B-A3B up 0.63 vs 0.56 (x1.125), Mixtral up 3.06 vs 2.88 (x1.063).
 GROUPED_UP_OVERHEAD = 3.20 / 2.89
 GROUPED_DOWN_OVERHEAD = 1.71 / 1.48
 # Rows of the library GEMM's tile (``fo_tune.model.library.LIBRARY_TILES``: 128 x 256 and 128 x
