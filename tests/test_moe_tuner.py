@@ -325,3 +325,26 @@ def test_search_moe_from_the_suite_and_table_list(runner, tmp_path, monkeypatch)
     assert listed.exit_code == 0, listed.output
     (moe,) = [t for t in json.loads(listed.stdout)["tables"] if t["collective"] == "moe"]
     assert moe["rows"] == len(rows) and moe["world_size"] == 2 and moe["device_key"] == H200_KEY
+
+
+def test_search_moe_reads_a_space_file_and_names_its_errors(runner, tmp_path, monkeypatch):
+    isolate_tables(monkeypatch, tmp_path)
+    space = tmp_path / "moe.yaml"
+    text = (
+        "schema_version: 1\nkind: fo-tune-moe-search-space\nname: tiny\ncompute_capability: ['*']\n"
+        "tokens_per_rank: [4096]\nengines:\n  copy_engine: {chunks: [2]}\n"
+    )
+    space.write_text(text)
+    args = ["search", "-c", "moe", "--experts", "4096,1536,64,8", "--space", str(space), "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["skipped"] == {"triton": f"has no section in {space}"}
+    (row,) = summary["rows"]
+    assert (row["engine"], row["chunks"], row["problem"]["tokens_max"]) == ("copy_engine", 2, 4096)
+    space.write_text(text.replace("chunks: [2]", "chunks: [2], tiles: [1]"))
+    line = assert_one_line_error(runner.invoke(app, args))
+    assert f"{space}: engines.copy_engine: unknown key(s) tiles" in line, line
+    space.write_text(text.replace("[4096]", "[4096, 512]"))
+    line = assert_one_line_error(runner.invoke(app, args))
+    assert "tokens_per_rank: expected ascending" in line, line
