@@ -198,6 +198,12 @@ def test_table_round_trip_and_overlap_refused(tmp_path):
     assert back.rows[1].kind == "predicted" and back.rows[0].kind == "measured"
     with pytest.raises(TableError, match="overlap"):
         _table(fp, (0, 600, {}, ""), (512, 1024, {}, ""))
+    path.write_text(path.read_text().replace('"chunks": 2', '"chunks": 99'))
+    with pytest.raises(TableError, match=r"rows\[1\]: chunks: at most 16"):
+        load_moe_table(path)
+    path.write_text(path.read_text().replace("fo-tune-moe-schedule-table", "fo-tune-schedule-table"))
+    with pytest.raises(TableError, match="expected kind 'fo-tune-moe-schedule-table'"):
+        load_moe_table(path)
 
 
 def test_predicted_rows_never_replace_measured_ones(tmp_path):
