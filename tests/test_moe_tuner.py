@@ -58,6 +58,18 @@ def _schedule(world: int = 2, tokens_max: int = 1 << 14, **fields) -> MoeSchedul
 
 
 # ----------------------------------------------------------------------------- the model
+def test_every_moe_path_has_a_term_under_its_name():
+    """The runtime's MoE paths and the tuner's MoE terms name the same engines."""
+    from fo_kernels.moe.call import MOE_PATHS
+    from fo_kernels.moe.schedule import MOE_ENGINES
+    from fo_tune.engines import moe_engine_names, moe_term
+
+    assert set(moe_engine_names()) == set(MOE_ENGINES) == set(MOE_PATHS.names())
+    for name in moe_engine_names():
+        term = moe_term(name)
+        assert term.name == name and term.SPACE_KEYS
+
+
 def test_padded_rows_round_each_segment_up_to_whole_tiles():
     assert padded_rows(100, 4, 128) == 4 * 128
     assert padded_rows(1024, 4, 128) == 1024

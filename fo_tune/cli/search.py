@@ -61,6 +61,10 @@ HELP = "\n\n".join(
         "on GPUs yet: its cost-model terms are unvalidated, and a predicted all_gather search needs "
         "a calibration with an all_gather bandwidth curve (the packaged H200 one has none; the "
         "error names the command that measures it).",
+        "-c moe plans the expert-parallel MoE FFN's table (its dispatch and combine All-to-All around "
+        "the grouped GEMMs) for --experts H,I,E_local,k (or --shapes suites/moe/experts.yaml) and --tokens "
+        "buckets, from a calibration's model only (--mode predict; the measured modes need two or more "
+        "GPUs and are not built for it).",
         "Modes: predict (the cost model of a calibration prices every enumerated point, "
         "bounded, no GPU: the default without GPUs, with the packaged calibration for "
         "--world-size; with --trials N a TPE study of N predictions instead), measure (a TPE "
