@@ -308,6 +308,8 @@ def test_search_moe_plans_a_table_offline(runner, tmp_path, monkeypatch):
         (["--world-size", "4"], "needs a calibration of world size 4"),
         (["--experts", "7168,2048,16"], "expected H,I,E_local,k"),
         (["--tokens", "512,128"], "ascending"),
+        (["--tokens", "512,x"], "comma-separated integers"),
+        (["--dtype", "float8_e4m3fn"], "the MoE FFN runs bfloat16"),
         (["-c", "all_reduce"], "searched alone"),
     ],
 )

@@ -44,7 +44,7 @@ def run_moe_search(
 
     from fo_tune.cli.common import parse_names
     from fo_tune.engines import moe_engine_names
-    from fo_tune.moe.plan import ExpertsShape, MoeSearchError, experts_from_suite
+    from fo_tune.moe.plan import MOE_DTYPES, ExpertsShape, MoeSearchError, experts_from_suite, parse_tokens
 
     if not experts and suite is None:
         raise MoeSearchError(
@@ -54,7 +54,9 @@ def run_moe_search(
     shapes = [ExpertsShape.parse(text) for text in experts or []]
     if suite is not None:
         shapes += experts_from_suite(suite, world_size)
-    wanted = [int(t) for t in tokens.split(",")] if tokens else None
+    wanted = parse_tokens(tokens) if tokens else None
+    if dtype not in MOE_DTYPES:
+        raise MoeSearchError(f"-c moe --dtype {dtype}: the MoE FFN runs {', '.join(MOE_DTYPES)}")
     names = parse_names(engine, valid=moe_engine_names(), option="--engine") or moe_engine_names()
     mode = mode or "predict"
     if mode != "predict":

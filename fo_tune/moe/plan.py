@@ -34,6 +34,10 @@ from fo_tune.moe.space import MoeSpace, load_moe_space, moe_space_for
 from fo_tune.search.decide import MIN_GAIN
 from fo_tune.tables.merge import LOCK_TIMEOUT_S, lock_path
 
+# The dtypes an MoE table is planned in: the expert-parallel FFN's (fo_kernels.moe runs bf16, fp16
+# and fp32 experts; its grouped GEMMs take no fp8 scales).
+MOE_DTYPES = ("bfloat16", "float16", "float32")
+
 
 class MoeSearchError(FoTuneError, ValueError):
     """Bad MoE search input (experts' shapes, buckets, mode, calibration); the message says what to do."""
@@ -107,6 +111,16 @@ class MoePlan:
 
     rows: list[PlannedRow] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``T[,T...]`` (the --tokens option) as integers; ``MoeSearchError`` naming the option."""
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise MoeSearchError(
+            f"--tokens {text!r}: expected comma-separated integers (tokens per rank)"
+        ) from None
 
 
 def buckets(tokens: Sequence[int]) -> list[tuple[int, int]]:
