@@ -28,6 +28,8 @@ from fo_kernels import (
 from fo_kernels.errors import TableError
 from fo_kernels.fingerprint import current_fingerprint
 from fo_kernels.moe.table import MoeTableCache, moe_table_path
+from fo_kernels.moe.triton_path import READY as TRITON_READY
+from fo_kernels.runtime import runtime_for
 from fo_kernels.tile import Tile
 from fo_tune.calibrate.calibration import BandwidthPoint, load_calibration
 from fo_tune.calibrate.find import packaged_calibration
@@ -268,8 +270,11 @@ def test_expert_parallel_ffn_looks_the_table_up(tmp_path, monkeypatch):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 save_moe_table(MoeTable(fingerprint=fp, world_size=1, dtype="float32", rows=[row]), path)
+                state = runtime_for(x.device, None).engine_state
+                state.pop(TRITON_READY, None)  # the ring path marks its process group ready here
                 y = expert_parallel_ffn(x, ids, wts, w13, w2)
                 torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+                assert TRITON_READY in state  # the row's engine ran
                 path.write_text(path.read_text().replace("world_size: 1", "world_size: 2"))
                 with pytest.raises(TableError, match="world size 2"):  # 3 tokens: a new lookup
                     expert_parallel_ffn(x[:3], ids[:3], wts[:3], w13, w2)
