@@ -282,6 +282,53 @@ def test_expert_parallel_ffn_looks_the_table_up(tmp_path, monkeypatch):
             dist.destroy_process_group()
 
 
+def _straddling_ranks(ctx, payload: dict) -> dict:
+    """One rank of a call whose ranks' tokens straddle two table rows: its error against the
+    unsharded float64 sum, and whether the ring (the larger bucket's row) ran here."""
+    h, i, e, k = payload["shape"]
+    world, rank = ctx.world_size, ctx.rank
+    gen = torch.Generator().manual_seed(7)  # every rank draws the same global experts
+    w13_all = torch.randn(world * e, h, 2 * i, generator=gen)
+    w2_all = torch.randn(world * e, i, h, generator=gen)
+    gen.manual_seed(100 + rank)
+    t = payload["tokens"][rank]
+    x, wts = torch.randn(t, h, generator=gen), torch.rand(t, k, generator=gen)
+    ids = torch.randint(0, world * e, (t, k), generator=gen)
+    state = runtime_for(x.device, None).engine_state
+    state.pop(TRITON_READY, None)
+    y = expert_parallel_ffn(
+        x, ids, wts, w13_all[rank * e : (rank + 1) * e], w2_all[rank * e : (rank + 1) * e]
+    )
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    for s in range(t):
+        for j in range(k):
+            g, u = (x[s].double() @ w13_all[ids[s, j]].double()).split(i)
+            ref[s] += wts[s, j].double() * (torch.nn.functional.silu(g) * u) @ w2_all[ids[s, j]].double()
+    return {"err": ((y.double() - ref).norm() / ref.norm()).item(), "ring": TRITON_READY in state}
+
+
+def test_every_rank_takes_the_row_of_the_most_tokens(tmp_path, monkeypatch):
+    """Rank 0 holds 3 tokens (the 0..4 row: no overlap), rank 1 holds 7 (the 5..64 row: the
+    Triton ring): both run the ring, keyed by the most tokens any rank holds, and match the
+    unsharded sum. A rank that took its own row would wait on a collective the other never makes."""
+    isolate_tables(monkeypatch, tmp_path)
+    from fo_tune.ranks.launch import run_ranks
+
+    h, i, e, k = 8, 4, 2, 2
+    fp = current_fingerprint("cpu", 2)
+    tile = Tile(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
+    rows = []
+    for lo, hi, fields in ((0, 4, {}), (5, 64, {"engine": "triton", "tile": tile})):
+        problem = MoeProblem(hidden=h, intermediate=i, experts=e, top_k=k, tokens_min=lo, tokens_max=hi)
+        rows.append(MoeRow(schedule=MoeSchedule(dtype="float32", world_size=2, problem=problem, **fields)))
+    table = MoeTable(fingerprint=fp, world_size=2, dtype="float32", rows=rows)
+    save_moe_table(table, moe_table_path(tmp_path / "tables", fp.device_key, 2, "float32"))
+    payload = {"shape": (h, i, e, k), "tokens": (3, 7)}
+    got = run_ranks(_straddling_ranks, 2, payload, backend="gloo", timeout_s=120)
+    assert [r["ring"] for r in got] == [True, True], got
+    assert max(r["err"] for r in got) < 1e-4, got
+
+
 # ----------------------------------------------------------------------------- the CLI
 @pytest.fixture
 def runner() -> CliRunner:
