@@ -351,6 +351,10 @@ def test_search_moe_plans_a_table_offline(runner, tmp_path, monkeypatch):
         assert row.provenance["predicted_ms"] <= row.provenance["fallback_ms"]
         assert (row.schedule.engine is None) == (planned["engine"] is None)
     assert any(r.schedule.engine is not None for r in table.rows)  # the large buckets overlap
+    result = runner.invoke(app, [*args, "--engine", "triton", "--table-dir", str(tmp_path / "t2")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert {r["engine"] for r in summary["rows"]} <= {None, "triton"} and summary["skipped"] == {}
 
 
 @pytest.mark.parametrize(

@@ -181,9 +181,9 @@ def plan_moe_search(
     packaged one of the calibration's GPU), the model of ``cal`` and ``plan_moe`` over ``engines``
     (each left out, with why, where its blocker, its calibration gap or the space says so);
     ``tokens`` None: the space's M buckets."""
-    from fo_tune.engines import moe_cost_model, moe_term
+    from fo_tune.engines import moe_cost_model, moe_engine_names, moe_term
 
-    keys = {name: moe_term(name).SPACE_KEYS for name in engines}
+    keys = {name: moe_term(name).SPACE_KEYS for name in moe_engine_names()}  # the file's sections
     if space_file is not None:
         space = load_moe_space(space_file, keys)
     else:
