@@ -32,6 +32,7 @@ import itertools
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,9 @@ _TOP_KEYS = ("schema_version", "kind", "fingerprint", "world_size", "dtype", "ro
 # Seconds a cache answers a repeated lookup from memory before it looks at the files again (the
 # dense lookup's ``TABLE_RECHECK_S``, for the same reason: a filesystem round trip per call).
 MOE_TABLE_RECHECK_S = 1.0
+# Remembered answers (experts' shapes x the tokens calls see: routing changes the most tokens a rank
+# holds every step); the oldest dropped past this many, the dense lookup's bound.
+MOE_ANSWERS_SIZE = 4096
 
 ExpertsKey = tuple[int, int, int, int]  # (hidden, intermediate, experts, top_k)
 
@@ -211,7 +215,7 @@ class MoeTableCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tables: dict[Path, tuple[tuple[int, int, int], MoeTable]] = {}
-        self._answers: dict[tuple, tuple[float, MoeSchedule | None]] = {}
+        self._answers: OrderedDict[tuple, tuple[float, MoeSchedule | None]] = OrderedDict()
 
     def _load(self, path: Path) -> MoeTable | None:
         try:
@@ -265,5 +269,8 @@ class MoeTableCache:
                 ),
                 None,
             )
+            self._answers.pop(ask, None)
             self._answers[ask] = (time.monotonic(), found)
+            while len(self._answers) > MOE_ANSWERS_SIZE:
+                self._answers.popitem(last=False)
             return found
