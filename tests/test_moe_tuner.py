@@ -355,13 +355,19 @@ def test_search_moe_plans_a_table_offline(runner, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert {r["engine"] for r in summary["rows"]} <= {None, "triton"} and summary["skipped"] == {}
+    result = runner.invoke(app, [*args, "--world-size", "4", "--table-dir", str(tmp_path / "t4")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)  # the packaged TP=2 calibration, extrapolated to 4 ranks
+    assert "extrapolated from world size 2" in summary["basis"]
+    assert Path(summary["table"]).name == "moe-w4-bfloat16.yaml"
+    assert all("extrapolated from world size 2" in r["provenance"]["basis"] for r in summary["rows"])
 
 
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
         (["--mode", "measure"], "needs >= 2 GPUs"),
-        (["--world-size", "4"], "needs a calibration of world size 4"),
+        (["--world-size", "16"], "no packaged calibration for world size 16"),
         (["--experts", "7168,2048,16"], "expected H,I,E_local,k"),
         (["--tokens", "512,128"], "ascending"),
         (["--tokens", "512,x"], "comma-separated integers"),

@@ -70,24 +70,15 @@ def run_moe_search(
             f"-c moe --mode {mode}: a measured MoE search is not built; time the engines with "
             "`python bench/moe_ep.py --out DIR` and plan with --mode predict"
         )
-    from fo_tune.calibrate.calibration import load_calibration
-    from fo_tune.calibrate.find import packaged_calibration
+    from fo_tune.calibrate.find import choose_calibration
 
-    if calibration is None:
-        found = packaged_calibration(None, world_size)
-        if found is None:
-            raise MoeSearchError(
-                f"-c moe --mode predict needs a calibration of world size {world_size} (none is packaged); "
-                f"run `fo-tune calibrate --world-size {world_size} --collectives all_to_all` on the GPUs "
-                "and pass --calibration FILE"
-            )
-        calibration = found
-    cal = load_calibration(calibration)
+    # the packaged TP=2 calibration, or --calibration FILE; extrapolated to a larger world size
+    # (fo_tune.calibrate.extrapolate: its basis joins every row's)
+    cal, _ = choose_calibration(calibration, "predict", world_size, "gloo", torch.device("cpu"), dtype)
     if cal.world_size != world_size:
         raise MoeSearchError(
             f"{calibration} is for world size {cal.world_size}, not --world-size {world_size}"
         )
-    cal = cal.for_dtype(dtype)
     from fo_tune.moe.plan import plan_moe_search, write_moe_rows
 
     plan, model = plan_moe_search(cal, shapes, wanted, dtype=dtype, engines=names, space_file=space)

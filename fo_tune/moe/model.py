@@ -135,7 +135,9 @@ class MoeCostModel:
 
     @property
     def basis(self) -> str:
-        return self.comm.basis
+        """What the predictions rest on: the All-to-All's source, and the calibration's own basis
+        where it was extrapolated (``fo_tune.calibrate.extrapolate``)."""
+        return f"{self.comm.basis}; {self.cal.basis}" if self.cal.basis else self.comm.basis
 
     def engines(self) -> tuple[str, ...]:
         return tuple(self._factories)
