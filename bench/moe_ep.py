@@ -10,6 +10,8 @@ token's k experts distinct, as ``torch.topk`` gives). ``--scale S`` divides H an
 smaller run of the same layout: the CPU smoke run uses it). Variants, by schedule:
 
     sequential   engine null: all_to_all_single, torch's grouped GEMMs, all_to_all_single
+    table        schedule=None: the MoE table's row for the shape and the most tokens a rank holds
+                 (``fo-tune search -c moe`` writes it), else the sequential path
     triton       NCCL ring steps beside the Triton grouped GEMMs (the dense engine's default tile)
     copy_engine  pushes into the peers' symmetric slots (only where its blocker allows: GPUs with
                  peer access, cuda-bindings, symmetric memory)
@@ -53,7 +55,7 @@ def _schedules(model: dict, world: int, tokens_max: int, dtype: str, device: tor
         hidden=model["hidden"], intermediate=model["intermediate"], experts=model["experts"] // world,
         top_k=model["top_k"], tokens_max=tokens_max,
     )  # fmt: skip
-    out = {"sequential": None}
+    out = {"sequential": MoeSchedule(dtype=dtype, world_size=world, problem=problem), "table": None}
     if world > 1:
         out["triton"] = MoeSchedule(
             dtype=dtype, world_size=world, problem=problem, engine="triton", tile=Tile(**TILE),
@@ -97,7 +99,7 @@ def rank_task(ctx, payload: dict) -> list[dict]:
             y = expert_parallel_ffn(args[0], ids, *args[1:], schedule=schedule)
             return (y, *torch.autograd.grad(y, args, dy))
 
-        want = call(None)
+        want = call(schedules["sequential"])
         for name, schedule in schedules.items():
             for got, ref in zip(call(schedule), want, strict=True):
                 err = ((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()

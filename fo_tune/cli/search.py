@@ -61,6 +61,10 @@ HELP = "\n\n".join(
         "on GPUs yet: its cost-model terms are unvalidated, and a predicted all_gather search needs "
         "a calibration with an all_gather bandwidth curve (the packaged H200 one has none; the "
         "error names the command that measures it).",
+        "-c moe plans the expert-parallel MoE FFN's table (its dispatch and combine All-to-All around "
+        "the grouped GEMMs) for --experts H,I,E_local,k (or --shapes suites/moe/experts.yaml) and --tokens "
+        "buckets, from a calibration's model only (--mode predict; the measured modes need two or more "
+        "GPUs and are not built for it).",
         "Modes: predict (the cost model of a calibration prices every enumerated point, "
         "bounded, no GPU: the default without GPUs, with the packaged calibration for "
         "--world-size; with --trials N a TPE study of N predictions instead), measure (a TPE "
@@ -103,7 +107,10 @@ ShapesOpt = Annotated[
 ShapesFileOpt = Annotated[
     Path | None,
     typer.Option(
-        "--shapes", metavar="FILE", help="YAML with a `shapes:` list of [M, N, K] (e.g. suites/h200_tp.yaml)."
+        "--shapes",
+        metavar="FILE",
+        help="YAML with a `shapes:` list of [M, N, K] (e.g. suites/h200_tp.yaml); -c moe: an MoE suite's "
+        "`models:` (suites/moe/experts.yaml), E / world size local experts each.",
     ),
 ]
 CollectiveOpt = Annotated[
@@ -112,7 +119,26 @@ CollectiveOpt = Annotated[
         "--collective",
         "-c",
         metavar="NAME[,NAME]",
-        help=f"{', '.join(COLLECTIVE_NAMES)}; repeat or comma-separate to tune several. Default: all_reduce.",
+        help=f"{', '.join(COLLECTIVE_NAMES)}; repeat or comma-separate to tune several. Default: all_reduce. "
+        "moe (alone): the expert-parallel MoE FFN, its dispatch and combine All-to-All around the grouped "
+        "GEMMs, planned from a calibration (--mode predict) for --experts and --tokens.",
+    ),
+]
+ExpertsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--experts",
+        metavar="H,I,E_LOCAL,K",
+        help="-c moe: the experts' shape (hidden, intermediate, local experts per rank, top_k); repeatable.",
+    ),
+]
+TokensOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tokens",
+        metavar="T[,T...]",
+        help="-c moe: the M buckets, ascending tokens per rank (a row covers the tokens above the bucket "
+        "before it). Default: the MoE search space's tokens_per_rank.",
     ),
 ]
 SearchDtypeOpt = Annotated[
@@ -323,7 +349,25 @@ def search(
     seed: SeedOpt = 0,
     engine: EngineOpt = None,
     json_out: JsonOpt = False,
+    experts: ExpertsOpt = None,
+    tokens: TokensOpt = None,
 ) -> None:
+    from fo_tune.cli.search_moe import MOE_COLLECTIVE, run_moe_search
+
+    picked = parse_collectives(
+        collective, valid=(*COLLECTIVE_NAMES, MOE_COLLECTIVE), default=("all_reduce",), option="--collective"
+    )
+    if MOE_COLLECTIVE in picked:
+        if len(picked) > 1:
+            raise typer.BadParameter(f"-c {MOE_COLLECTIVE} is searched alone, not with {', '.join(picked)}")
+        check_dtype(dtype)
+        return run_moe_search(
+            experts=experts, suite=shapes, tokens=tokens, world_size=world_size, dtype=dtype,
+            mode=mode, calibration=calibration, space=space, engine=engine, table_dir=table_dir, out=out,
+            json_out=json_out,
+        )  # fmt: skip
+    if experts or tokens:
+        raise typer.BadParameter("--experts and --tokens are for -c moe")
     collectives = parse_collectives(
         collective, valid=COLLECTIVE_NAMES, default=("all_reduce",), option="--collective"
     )

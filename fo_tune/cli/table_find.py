@@ -163,6 +163,7 @@ def lookup(
 def table_files(device_key: str | None = None) -> list[dict[str, Any]]:
     """Every table file in the runtime's search path (``device_key``'s only, when given), in the
     order lookup reads the folders: its path, folder, header and row count."""
+    from fo_kernels.moe.table import MOE_TABLE_PREFIX, load_moe_table
     from fo_kernels.table import read_table, table_search_path
 
     out: list[dict[str, Any]] = []
@@ -171,6 +172,14 @@ def table_files(device_key: str | None = None) -> list[dict[str, Any]]:
             continue
         for path in sorted(root.glob("*/*.yaml")):
             if device_key is not None and path.parent.name != device_key:
+                continue
+            if path.name.startswith(f"{MOE_TABLE_PREFIX}-"):  # the MoE table (fo-tune search -c moe)
+                moe = load_moe_table(path)
+                key, world, dtype = moe.fingerprint.device_key, moe.world_size, moe.dtype
+                out.append(
+                    {"device_key": key, "collective": MOE_TABLE_PREFIX, "world_size": world, "dtype": dtype,
+                     "rows": len(moe.rows), "folder": str(root), "path": str(path)}
+                )  # fmt: skip
                 continue
             table = read_table(path)
             out.append(

@@ -9,6 +9,11 @@ added to the runtime (``fo_kernels.engines``) gets searched, predicted and calib
 here whose ``TUNER`` is its ``fo_tune.engines.base.EngineTuner`` and one line in ``TUNERS``; the
 strategies, the encoding and the model need no change (``cost_model`` hands the model every
 engine's term). See ``base`` for the call order.
+
+An engine with an expert-parallel MoE path (``fo_kernels.moe.schedule.MOE_ENGINES``) also has a
+``moe`` module in its package: ``MOE_TERM``, the class that prices its MoE schedules
+(``fo_tune.moe.model``), made by ``moe_cost_model`` for every such engine, loaded through the
+same registry (``moe_term``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from fo_tune.engines.base import EngineTuner, Infeasible, ShapeTask, UnknownEngi
 if TYPE_CHECKING:
     from fo_tune.calibrate.calibration import Calibration
     from fo_tune.model import CostModel
+    from fo_tune.moe.model import MoeCostModel
 
 __all__ = [
     "TUNERS",
@@ -32,6 +38,9 @@ __all__ = [
     "cost_model",
     "engine_names",
     "get_tuner",
+    "moe_cost_model",
+    "moe_engine_names",
+    "moe_term",
 ]
 
 # Each engine's tuner package (``TUNER``: its ``EngineTuner``), in search order.
@@ -59,3 +68,22 @@ def cost_model(cal: Calibration) -> CostModel:
     from fo_tune.model import CostModel
 
     return CostModel(cal, {name: get_tuner(name).term for name in engine_names()})
+
+
+def moe_engine_names() -> tuple[str, ...]:
+    """The registered engines with an MoE path, in search order."""
+    from fo_kernels.moe.schedule import MOE_ENGINES
+
+    return tuple(name for name in engine_names() if name in MOE_ENGINES)
+
+
+def moe_term(name: str) -> type:
+    """The MoE term class of engine ``name`` (its package's ``moe.MOE_TERM``)."""
+    return TUNERS.load(name, "moe").MOE_TERM
+
+
+def moe_cost_model(cal: Calibration) -> MoeCostModel:
+    """The MoE cost model of ``cal`` with every MoE engine's term (each made on first use)."""
+    from fo_tune.moe.model import MoeCostModel
+
+    return MoeCostModel(cal, cost_model(cal), {name: moe_term(name) for name in moe_engine_names()})

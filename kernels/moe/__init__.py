@@ -7,6 +7,8 @@ dispatch and combine, overlapped.
     stages.py     what each direction computes: outgoing rows, phase 1 and 2 per slot, the finish
     fallback.py   no overlap: dispatch -> grouped GEMMs -> combine
     schedule.py   MoeSchedule, MoeProblem
+    table.py      the MoE schedule table (keyed by the experts' shape and tokens per rank), its
+                  file and the runtime's lookup of a call's row
     call.py       execute_ffn: checks, routing, counts, then the path
     ops.py        the custom ops, fake implementations, autograd
     ffn.py        expert_parallel_ffn, the public op

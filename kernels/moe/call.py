@@ -4,7 +4,11 @@ custom ops and the direct calls.
     checks        the tensors (routing.check_call), torch.distributed, the group, the schedule,
                   the engine's blocker: all before any collective
     routing       the sorted rows and per-expert counts (one device-to-host copy)
-    counts        the first collective: every rank's counts and call signature (exchange.py)
+    counts        the first collective: every rank's counts, tokens and call signature
+                  (exchange.py)
+    table         no schedule given: the MoE table's row for the experts' shape and the most
+                  tokens any rank holds (``fo_kernels.moe.table``; the same row on every rank),
+                  kept only where its engine can run here
     path          the schedule's engine (``MOE_PATHS``) or, for none, the fallback (fallback.py)
 """
 
@@ -16,12 +20,17 @@ import torch.distributed as dist
 from fo_kernels.errors import ScheduleError, ShapeError
 from fo_kernels.groups import check_group
 from fo_kernels.moe import fallback
-from fo_kernels.moe.exchange import exchange_counts
-from fo_kernels.moe.routing import check_call, route
+from fo_kernels.moe.exchange import Layout, exchange_counts
+from fo_kernels.moe.routing import FfnShape, check_call, route
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.moe.stages import BackwardStage, ForwardStage
+from fo_kernels.moe.table import MoeTableCache
 from fo_kernels.registry import Registry
-from fo_kernels.schedule import dtype_name
+from fo_kernels.runtime import runtime_for
+from fo_kernels.schedule import DTYPES, dtype_name
+
+# The runtime's engine_state key of its MoE table lookups (``MoeTableCache``).
+TABLE_STATE = "moe.table"
 
 # Each engine's MoE path: ``blocker(device, world) -> str`` ("" when it can run here) and
 # ``run(stage, schedule, group)``, in the module registered under the engine's name.
@@ -67,6 +76,8 @@ def execute_ffn(
             raise ScheduleError(f"engine: {engine} {why}; use a schedule with engine: null here")
     routing = route(topk_ids, shape)
     layout = exchange_counts(routing, shape, x.dtype, "forward" if dy is None else "backward", group)
+    if schedule is None:
+        schedule, path = table_schedule(shape, layout, x, group)
     common = (shape, routing, layout, w13, w2)
     if dy is None:
         stage = ForwardStage(x, topk_weights, *common)
@@ -74,3 +85,25 @@ def execute_ffn(
         stage = BackwardStage(dy, x, topk_weights, *common)
     result = fallback.run(stage, group) if path is None else path.run(stage, schedule, group)
     return result if dy is None else stage.grads()
+
+
+def table_schedule(
+    shape: FfnShape, layout: Layout, x: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[MoeSchedule | None, object]:
+    """(the table's schedule for this call, its engine's path), or (None, None): no row, a float64
+    call (no table holds one), or a row whose engine cannot run here. Keyed by the most tokens any
+    rank holds (``layout.tokens``), so every rank of the call takes the same row."""
+    dtype = dtype_name(x.dtype) if x.dtype != torch.float64 else ""
+    if dtype not in DTYPES:
+        return None, None
+    runtime = runtime_for(x.device, group)
+    cache = runtime.engine_state.setdefault(TABLE_STATE, MoeTableCache())
+    tokens = max(layout.tokens or (shape.tokens,))
+    key = (shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+    found = cache.lookup(key, tokens, dtype=dtype, world_size=shape.world, device=x.device)
+    if found is None or found.engine is None:
+        return found, None
+    path = MOE_PATHS.load(found.engine)
+    if path.blocker(x.device, shape.world):
+        return None, None
+    return found, path

@@ -2,8 +2,9 @@
 All-to-All of the rows (one collective, or one ring step at a time).
 
 The counts exchange is the call's first collective. Each rank sends every peer one int64 row:
-its call signature (``SIGNATURE``: H, I, E_local, the dtype, the direction) and how many rows it
-sends for each of the peer's local experts. Every rank compares the signatures it received with
+its call signature (``SIGNATURE``: H, I, E_local, the dtype, the direction), its tokens (T, which
+may differ between ranks: ``Layout.tokens``, what the table lookup is keyed by) and how many rows
+it sends for each of the peer's local experts. Every rank compares the signatures it received with
 its own and refuses a disagreement (``ShapeError``) before any row moves; a mismatch is seen by
 every rank, so all of them raise instead of some waiting on a collective that never comes.
 
@@ -12,6 +13,7 @@ backward sends x, dy and a float32 weight in one row), and one exchange moves th
 
     Layout.send[d][e]   rows this rank sends rank d for d's local expert e
     Layout.recv[s][e]   rows rank s sends this rank for this rank's local expert e
+    Layout.tokens[s]    rank s's tokens this call
     slot s              the recv rows from rank s: [recv_offsets[s], recv_offsets[s + 1])
 """
 
@@ -41,6 +43,7 @@ class Layout:
     rank: int
     send: tuple[tuple[int, ...], ...]
     recv: tuple[tuple[int, ...], ...]
+    tokens: tuple[int, ...] = ()  # every rank's tokens (empty where the layout was built by hand)
 
     @property
     def world(self) -> int:
@@ -71,8 +74,9 @@ def exchange_counts(
     world, rank = shape.world, dist.get_rank(group)
     mine = (shape.hidden, shape.intermediate, shape.experts, DTYPE_CODES[dtype], DIRECTIONS.index(direction))
     if world == 1:
-        return Layout(rank, routing.host_counts, routing.host_counts)
-    head = torch.tensor(mine, dtype=torch.int64, device=routing.counts.device).expand(world, -1)
+        return Layout(rank, routing.host_counts, routing.host_counts, (shape.tokens,))
+    head = torch.tensor((*mine, shape.tokens), dtype=torch.int64, device=routing.counts.device)
+    head = head.expand(world, -1)
     send = torch.cat([head, routing.counts], dim=1).contiguous()
     got = torch.empty_like(send)
     dist.all_to_all_single(got, send, group=group)
@@ -84,7 +88,9 @@ def exchange_counts(
             f"the ranks' calls disagree (rank {rank} of {world}): every rank of the group must call with "
             f"the same H, I, E_local, dtype and direction; got {said}"
         )
-    return Layout(rank, routing.host_counts, tuple(tuple(row[len(SIGNATURE) :]) for row in rows))
+    at = len(SIGNATURE) + 1  # the signature, then the tokens
+    tokens = tuple(row[len(SIGNATURE)] for row in rows)
+    return Layout(rank, routing.host_counts, tuple(tuple(row[at:]) for row in rows), tokens)
 
 
 # ----------------------------------------------------------------------------- byte rows

@@ -1,0 +1,129 @@
+"""``fo-tune search -c moe``: plan the MoE table (the expert-parallel FFN's dispatch and combine
+All-to-All around its grouped GEMMs) from a calibration, offline.
+
+Library: ``fo_tune.engines.moe_cost_model`` (the model), ``fo_tune.moe.space`` (the space),
+``fo_tune.moe.plan`` (the rows and the table). Only ``--mode predict`` plans: a measured MoE
+search would time the engines on two or more GPUs (``bench/moe_ep.py`` times them by hand).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from fo_tune.cli.common import console, fmt, json_text, summary_table
+
+if TYPE_CHECKING:
+    from fo_tune.moe.plan import MoePlan
+
+# The collective name `fo-tune search -c` takes for the MoE FFN.
+MOE_COLLECTIVE = "moe"
+# GPUs a measured MoE search needs: the dispatch and the combine move rows between ranks.
+MIN_MEASURE_GPUS = 2
+
+
+def run_moe_search(
+    *,
+    experts: list[str] | None,
+    suite: Path | None,
+    tokens: str | None,
+    world_size: int,
+    dtype: str,
+    mode: str | None,
+    calibration: Path | None,
+    space: Path | None,
+    engine: list[str] | None,
+    table_dir: Path | None,
+    out: Path | None,
+    json_out: bool,
+) -> None:
+    """Check the options, plan the rows, merge them into the MoE table, print the summary."""
+    import torch
+
+    from fo_tune.cli.common import parse_names
+    from fo_tune.engines import moe_engine_names
+    from fo_tune.moe.plan import MOE_DTYPES, ExpertsShape, MoeSearchError, experts_from_suite, parse_tokens
+
+    if not experts and suite is None:
+        raise MoeSearchError(
+            "-c moe needs the experts' shape: --experts H,I,E_local,k (repeatable) or --shapes "
+            "suites/moe/experts.yaml"
+        )
+    shapes = [ExpertsShape.parse(text) for text in experts or []]
+    if suite is not None:
+        shapes += experts_from_suite(suite, world_size)
+    wanted = parse_tokens(tokens) if tokens else None
+    if dtype not in MOE_DTYPES:
+        raise MoeSearchError(f"-c moe --dtype {dtype}: the MoE FFN runs {', '.join(MOE_DTYPES)}")
+    names = parse_names(engine, valid=moe_engine_names(), option="--engine") or moe_engine_names()
+    mode = mode or "predict"
+    if mode != "predict":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < MIN_MEASURE_GPUS:
+            raise MoeSearchError(
+                f"-c moe --mode {mode} needs >= {MIN_MEASURE_GPUS} GPUs (this machine has {gpus}); "
+                "plan offline with --mode predict"
+            )
+        raise MoeSearchError(
+            f"-c moe --mode {mode}: a measured MoE search is not built; time the engines with "
+            "`python bench/moe_ep.py --out DIR` and plan with --mode predict"
+        )
+    from fo_tune.calibrate.find import choose_calibration
+
+    # the packaged TP=2 calibration, or --calibration FILE; extrapolated to a larger world size
+    # (fo_tune.calibrate.extrapolate: its basis joins every row's)
+    cal, _ = choose_calibration(calibration, "predict", world_size, "gloo", torch.device("cpu"), dtype)
+    if cal.world_size != world_size:
+        raise MoeSearchError(
+            f"{calibration} is for world size {cal.world_size}, not --world-size {world_size}"
+        )
+    from fo_tune.moe.plan import plan_moe_search, write_moe_rows
+
+    plan, model = plan_moe_search(cal, shapes, wanted, dtype=dtype, engines=names, space_file=space)
+    from fo_tune.search.setup import default_table_dir
+
+    root = table_dir or (out / "tables" if out is not None else default_table_dir())
+    path = write_moe_rows(
+        root, cal.fingerprint, [p.row for p in plan.rows], world_size=world_size, dtype=dtype
+    )
+    if json_out:
+        rows = [
+            {**p.row.to_dict(), "prediction": p.prediction.to_dict(), "fallback_ms": p.fallback.total_ms}
+            for p in plan.rows
+        ]
+        summary = {"kind": "fo-tune-moe-search-summary", "table": str(path), "basis": model.basis}
+        typer.echo(json_text({**summary, "skipped": plan.skipped, "rows": rows}))
+        return
+    _print(plan, model.basis, path, cal.fingerprint.device_key, world_size, dtype)
+
+
+def _print(plan: MoePlan, basis: str, path: Path, device_key: str, world_size: int, dtype: str) -> None:
+    table = summary_table(
+        f"moe {dtype} w{world_size}, predict, {device_key}",
+        ["experts (H, I, E_local, k)", "tokens", "engine", "settings", "predicted ms", "no overlap ms", "x"],
+        4,
+    )
+    for p in plan.rows:
+        s = p.row.schedule
+        pr = s.problem
+        settings = ""
+        if s.engine == "triton":
+            settings = f"{s.tile.label()} r{s.sms_free} c{s.nccl_max_ctas}"
+        elif s.engine == "copy_engine":
+            settings = f"chunks {s.chunks}"
+        table.add_row(
+            f"{pr.hidden}, {pr.intermediate}, {pr.experts}, {pr.top_k}",
+            f"{pr.tokens_min}..{pr.tokens_max}",
+            s.engine or "none (overlap: false)",
+            settings,
+            fmt(p.prediction.total_ms),
+            fmt(p.fallback.total_ms),
+            f"{p.speedup:.2f}",
+        )
+    console.print(table)
+    for name, why in plan.skipped.items():
+        console.print(f"engine {name} not searched: {why}", highlight=False, markup=False)
+    console.print(f"basis: {basis}", highlight=False, markup=False)
+    console.print(f"[green]table[/] {path}", highlight=False)

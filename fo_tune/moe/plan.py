@@ -1,0 +1,290 @@
+"""Planning MoE table rows from the model: ``plan_moe`` prices every point of the MoE space per
+(experts' shape, M bucket) and keeps the best where it beats the no-overlap path; ``write_moe_rows``
+merges the rows into the MoE table under the dense tables' file lock.
+
+M buckets: ascending tokens per rank T_1 < T_2 < ...; bucket i's row covers tokens (T_{i-1}, T_i]
+(the first from 0) and is priced at T_i, its token bound (the copy engine sizes its buffers for
+it, and the most tokens a bucket holds is its slowest call). A row overlaps only when its best
+point is predicted faster than the no-overlap path by ``MIN_GAIN`` (the dense search's rule,
+``fo_tune.search.decide``), else it says ``engine: null``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fo_kernels.errors import FoTuneError, ScheduleError, TableNotFoundError
+from fo_kernels.fingerprint import Fingerprint
+from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
+from fo_kernels.moe.table import (
+    MoeRow,
+    MoeTable,
+    experts_key,
+    load_moe_table,
+    moe_table_path,
+    save_moe_table,
+)
+from fo_tune.calibrate.calibration import Calibration, CalibrationError
+from fo_tune.moe.model import MoeCall, MoeCostModel, MoePrediction
+from fo_tune.moe.space import MoeSpace, load_moe_space, moe_space_for
+from fo_tune.search.decide import MIN_GAIN
+from fo_tune.tables.merge import LOCK_TIMEOUT_S, lock_path
+
+# The dtypes an MoE table is planned in: the expert-parallel FFN's (fo_kernels.moe runs bf16, fp16
+# and fp32 experts; its grouped GEMMs take no fp8 scales).
+MOE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class MoeSearchError(FoTuneError, ValueError):
+    """Bad MoE search input (experts' shapes, buckets, mode, calibration); the message says what to do."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExpertsShape:
+    """The experts' shape a table row is keyed by: H, I, E_local, k."""
+
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+
+    @classmethod
+    def parse(cls, text: str) -> ExpertsShape:
+        """``H,I,E_local,k`` (``x`` also separates)."""
+        parts = text.replace("x", ",").split(",")
+        try:
+            values = [int(p) for p in parts]
+        except ValueError:
+            values = []
+        if len(values) != 4 or min(values) < 1:
+            raise MoeSearchError(f"--experts {text!r}: expected H,I,E_local,k (four integers >= 1)")
+        return cls(hidden=values[0], intermediate=values[1], experts=values[2], top_k=values[3])
+
+    def label(self) -> str:
+        return f"H {self.hidden}, I {self.intermediate}, E_local {self.experts}, k {self.top_k}"
+
+
+def experts_from_suite(path: Path, world_size: int) -> list[ExpertsShape]:
+    """The experts' shapes of an MoE suite's ``models`` (``suites/moe/experts.yaml``: hidden,
+    intermediate, experts E, top_k) at EP = ``world_size``: E / w local experts, the models whose
+    E the world size does not divide left out."""
+    from fo_kernels.files import read_yaml
+
+    data = read_yaml(path, error=MoeSearchError, missing=MoeSearchError, missing_hint="no such MoE suite")
+    models = data.get("models") if isinstance(data, Mapping) else None
+    if not isinstance(models, list) or not models:
+        raise MoeSearchError(f"{path}: models: expected a list of {{hidden, intermediate, experts, top_k}}")
+    out = []
+    for i, m in enumerate(models):
+        try:
+            h, inter, e, k = (int(m[key]) for key in ("hidden", "intermediate", "experts", "top_k"))
+        except (KeyError, TypeError, ValueError):
+            raise MoeSearchError(f"{path}: models[{i}]: needs hidden, intermediate, experts, top_k") from None
+        if e % world_size == 0:
+            out.append(ExpertsShape(hidden=h, intermediate=inter, experts=e // world_size, top_k=k))
+    if not out:
+        raise MoeSearchError(f"{path}: no model's experts divide among {world_size} ranks")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannedRow:
+    """One planned row, its prediction and the no-overlap path's, and how many points were priced."""
+
+    row: MoeRow
+    prediction: MoePrediction
+    fallback: MoePrediction
+    priced: int
+
+    @property
+    def speedup(self) -> float:
+        return self.fallback.total_ms / self.prediction.total_ms if self.prediction.total_ms > 0 else 1.0
+
+
+@dataclass(kw_only=True, slots=True)
+class MoePlan:
+    """Every planned row, and the engines left out with why."""
+
+    rows: list[PlannedRow] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``T[,T...]`` (the --tokens option) as integers; ``MoeSearchError`` naming the option."""
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise MoeSearchError(
+            f"--tokens {text!r}: expected comma-separated integers (tokens per rank)"
+        ) from None
+
+
+def buckets(tokens: Sequence[int]) -> list[tuple[int, int]]:
+    """(tokens_min, tokens_max) of each M bucket (see the module docstring)."""
+    values = list(tokens)
+    if not values or values != sorted(set(values)) or values[0] < 1:
+        raise MoeSearchError(f"--tokens {values}: expected ascending, distinct integers >= 1")
+    return [(0 if i == 0 else values[i - 1] + 1, t) for i, t in enumerate(values)]
+
+
+def plan_moe(
+    model: MoeCostModel,
+    space: MoeSpace,
+    experts: Sequence[ExpertsShape],
+    tokens: Sequence[int],
+    *,
+    dtype: str,
+    engines: Mapping[str, str],
+    provenance: Mapping[str, Any] | None = None,
+) -> MoePlan:
+    """The planned rows. ``engines``: each MoE engine's reason it cannot be searched ("" when it
+    can); the space's section of every searchable one is priced point by point."""
+    plan = MoePlan(skipped={name: why for name, why in engines.items() if why})
+    ranges = buckets(tokens)
+    for shape in experts:
+        for lo, hi in ranges:
+            call = MoeCall(
+                tokens=hi,
+                hidden=shape.hidden,
+                intermediate=shape.intermediate,
+                experts=shape.experts,
+                top_k=shape.top_k,
+                world=model.world_size,
+                dtype=dtype,
+            )
+            problem = MoeProblem(
+                hidden=shape.hidden,
+                intermediate=shape.intermediate,
+                experts=shape.experts,
+                top_k=shape.top_k,
+                tokens_min=lo,
+                tokens_max=hi,
+            )
+            plan.rows.append(_plan_bucket(model, space, call, problem, dtype, engines, provenance or {}))
+    return plan
+
+
+def plan_moe_search(
+    cal: Calibration,
+    experts: Sequence[ExpertsShape],
+    tokens: Sequence[int] | None,
+    *,
+    dtype: str,
+    engines: Sequence[str],
+    space_file: Path | None = None,
+) -> tuple[MoePlan, MoeCostModel]:
+    """What ``fo-tune search -c moe --mode predict`` plans: the MoE space (``space_file``, else the
+    packaged one of the calibration's GPU), the model of ``cal`` and ``plan_moe`` over ``engines``
+    (each left out, with why, where its blocker, its calibration gap or the space says so);
+    ``tokens`` None: the space's M buckets."""
+    from fo_tune.engines import moe_cost_model, moe_engine_names, moe_term
+
+    keys = {name: moe_term(name).SPACE_KEYS for name in moe_engine_names()}  # the file's sections
+    if space_file is not None:
+        space = load_moe_space(space_file, keys)
+    else:
+        space = moe_space_for(cal.fingerprint.compute_capability, keys)
+    model = moe_cost_model(cal)
+    reasons = {}
+    for name in engines:
+        term = moe_term(name)
+        why = term.blocker(cal.fingerprint) or term.calibration_gap(cal)
+        reasons[name] = why or ("" if name in space.engines else f"has no section in {space.source}")
+    provenance = {"calibration": f"{cal.fingerprint.device_key} {cal.created}", "space": space.name}
+    plan = plan_moe(
+        model,
+        space,
+        experts,
+        tokens or space.tokens_per_rank,
+        dtype=dtype,
+        engines=reasons,
+        provenance=provenance,
+    )
+    return plan, model
+
+
+def _plan_bucket(
+    model: MoeCostModel,
+    space: MoeSpace,
+    call: MoeCall,
+    problem: MoeProblem,
+    dtype: str,
+    engines: Mapping[str, str],
+    provenance: Mapping[str, Any],
+) -> PlannedRow:
+    base = MoeSchedule(dtype=dtype, world_size=call.world, problem=problem)
+    fallback = model.fallback(call)
+    best, best_pred, priced = base, fallback, 0
+    for name, why in engines.items():
+        section = space.engines.get(name)
+        if why or section is None:
+            continue
+        term = model.term(name)
+        for point in term.points(section, call):
+            try:
+                schedule = MoeSchedule(dtype=dtype, world_size=call.world, problem=problem, **point)
+                pred = term.predict(schedule, call)
+            except (ScheduleError, CalibrationError):
+                continue  # a point this shape or calibration cannot run or price
+            priced += 1
+            if pred.total_ms < best_pred.total_ms:
+                best, best_pred = schedule, pred
+    if best.engine is not None and best_pred.total_ms > fallback.total_ms * (1 - MIN_GAIN):
+        best, best_pred = base, fallback
+    note = {
+        **provenance,
+        "mode": "predict",
+        "predicted_ms": round(best_pred.total_ms, 6),
+        "fallback_ms": round(fallback.total_ms, 6),
+        "tokens_priced": call.tokens,
+        "basis": best_pred.basis,
+    }
+    return PlannedRow(
+        row=MoeRow(schedule=best, provenance=note), prediction=best_pred, fallback=fallback, priced=priced
+    )
+
+
+def write_moe_rows(
+    root: str | os.PathLike[str],
+    fingerprint: Fingerprint,
+    rows: Sequence[MoeRow],
+    *,
+    world_size: int,
+    dtype: str,
+    lock_timeout_s: float = LOCK_TIMEOUT_S,
+) -> Path:
+    """Merge ``rows`` into ``<root>/<device key>/moe-w<W>-<dtype>.yaml`` under its lock: a row
+    replaces the rows of its experts' shape whose token ranges it overlaps, except that a predicted
+    row never replaces a measured one (it is left out). Returns the path."""
+    from filelock import FileLock  # the tuner's dependency, never the runtime's
+
+    path = moe_table_path(root, fingerprint.device_key, world_size, dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
+        try:
+            table = load_moe_table(path)
+        except TableNotFoundError:
+            table = MoeTable(fingerprint=fingerprint, world_size=world_size, dtype=dtype)
+        if table.fingerprint.device_key != fingerprint.device_key:
+            raise MoeSearchError(
+                f"{path}: holds rows of {table.fingerprint.device_key}, not {fingerprint.device_key}"
+            )
+        for row in rows:
+            p = row.schedule.problem
+            measured = [
+                r
+                for r in table.rows
+                if r.kind == "measured"
+                and experts_key(r.schedule.problem) == experts_key(p)
+                and r.schedule.problem.tokens_min <= p.tokens_max
+                and p.tokens_min <= r.schedule.problem.tokens_max
+            ]
+            if row.kind == "predicted" and measured:
+                continue
+            table.upsert(row)
+        save_moe_table(table, path)
+    return path

@@ -1,0 +1,276 @@
+"""The MoE schedule table: ``MoeTable`` (one file's header and rows), its loading and saving, and
+the runtime's lookup of a call's row (``MoeTableCache.lookup``).
+
+One file per (device key, world size, dtype), ``<root>/<device_key>/moe-w<world_size>-<dtype>.yaml``,
+in the dense tables' folders (``fo_kernels.table.table_search_path``: ``$FO_TUNE_TABLE_DIR``, the
+user folder, the packaged tables), in the dense tables' text (the header in YAML, one JSON row a
+line: ``fo_kernels.table.text``)::
+
+    schema_version: 1
+    kind: fo-tune-moe-schedule-table
+    fingerprint: {device_key: ..., compute_capability: "9.0", world_size: 2, ...}
+    world_size: 2
+    dtype: bfloat16
+    rows:
+    - {"problem": {"hidden": 7168, "intermediate": 2048, "experts": 16, "top_k": 8,
+       "tokens_min": 0, "tokens_max": 512}, "engine": "triton", "tile": {...}, ..., "provenance": {...}}
+
+A row is a ``MoeSchedule`` (its ``dtype`` and ``world_size`` from the header) and its provenance
+(``mode: predict`` for a row the cost model alone chose). Rows are keyed by the experts' shape
+(H, I, E_local, k) and a range of tokens per rank (the M bucket); two rows of one experts' shape
+whose token ranges overlap are refused.
+
+The lookup key is the largest tokens per rank of the call over every rank (the counts exchange
+carries each rank's tokens), so every rank of a call finds the same row. Across the folders a
+measured row wins over a predicted one, then the first folder's. No row: None (the caller runs
+its default, the no-overlap path).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fo_kernels.errors import ScheduleError, TableError
+from fo_kernels.files import atomic_write
+from fo_kernels.fingerprint import Fingerprint, current_fingerprint
+from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
+from fo_kernels.schedule import DTYPES
+from fo_kernels.table.format import check_fingerprint, read_table_data
+from fo_kernels.table.paths import TABLE_DIR_ENV, check_name, table_search_path
+from fo_kernels.table.text import dump_table_text
+
+MOE_TABLE_SCHEMA_VERSION = 1
+MOE_TABLE_KIND = "fo-tune-moe-schedule-table"
+# The name a MoE table file starts with (the dense files start with their collective's name).
+MOE_TABLE_PREFIX = "moe"
+_TOP_KEYS = ("schema_version", "kind", "fingerprint", "world_size", "dtype", "rows")
+# Seconds a cache answers a repeated lookup from memory before it looks at the files again (the
+# dense lookup's ``TABLE_RECHECK_S``, for the same reason: a filesystem round trip per call).
+MOE_TABLE_RECHECK_S = 1.0
+# Remembered answers (experts' shapes x the tokens calls see: routing changes the most tokens a rank
+# holds every step); the oldest dropped past this many, the dense lookup's bound.
+MOE_ANSWERS_SIZE = 4096
+
+ExpertsKey = tuple[int, int, int, int]  # (hidden, intermediate, experts, top_k)
+
+
+def experts_key(problem: MoeProblem) -> ExpertsKey:
+    return (problem.hidden, problem.intermediate, problem.experts, problem.top_k)
+
+
+def moe_table_filename(world_size: int, dtype: str) -> str:
+    """``moe-w<world_size>-<dtype>.yaml``."""
+    check_name("dtype", dtype, DTYPES)
+    return f"{MOE_TABLE_PREFIX}-w{int(world_size)}-{dtype}.yaml"
+
+
+def moe_table_path(root: str | os.PathLike[str], device_key: str, world_size: int, dtype: str) -> Path:
+    """``<root>/<device_key>/moe-w<world_size>-<dtype>.yaml``."""
+    return Path(root) / device_key / moe_table_filename(world_size, dtype)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoeRow:
+    """One row: the schedule and where it comes from (``provenance``)."""
+
+    schedule: MoeSchedule
+    provenance: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def kind(self) -> str:
+        """``predicted`` for a row of the cost model alone (``mode: predict``), else ``measured``."""
+        return "predicted" if self.provenance.get("mode") == "predict" else "measured"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = self.schedule.to_dict()
+        del data["dtype"], data["world_size"]
+        return {**data, "provenance": dict(self.provenance)} if self.provenance else data
+
+
+@dataclass(kw_only=True, slots=True)
+class MoeTable:
+    """The MoE schedules of one (device, world size, dtype); rows sorted by (experts' shape,
+    tokens_min), no two token ranges of one experts' shape overlapping (``TableError``)."""
+
+    fingerprint: Fingerprint
+    world_size: int
+    dtype: str
+    rows: list[MoeRow] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_name("dtype", self.dtype, DTYPES)
+        for row in self.rows:
+            s = row.schedule
+            if (s.dtype, s.world_size) != (self.dtype, self.world_size):
+                raise TableError(
+                    f"a {s.dtype} w{s.world_size} row in a {self.dtype} w{self.world_size} table"
+                )
+        self.rows = _sorted_rows(self.rows)
+
+    def upsert(self, row: MoeRow) -> None:
+        """Put ``row`` in, dropping the rows of its experts' shape whose token ranges it overlaps."""
+        p = row.schedule.problem
+        keep = [r for r in self.rows if not _overlap(r.schedule.problem, p)]
+        self.rows = _sorted_rows([*keep, row])
+
+    def find(self, key: ExpertsKey, tokens: int, *, kind: str | None = None) -> MoeSchedule | None:
+        """The row of ``key`` whose token range holds ``tokens`` (of ``kind`` when given)."""
+        for row in self.rows:
+            p = row.schedule.problem
+            if experts_key(p) == key and p.tokens_min <= tokens <= p.tokens_max:
+                return row.schedule if kind in (None, row.kind) else None
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": MOE_TABLE_SCHEMA_VERSION,
+            "kind": MOE_TABLE_KIND,
+            "fingerprint": self.fingerprint.to_dict(),
+            "world_size": self.world_size,
+            "dtype": self.dtype,
+            "rows": [row.to_dict() for row in self.rows],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<where>") -> MoeTable:
+        """Validate and build; every error is a ``TableError`` naming ``source`` (and the row)."""
+        if not isinstance(data, Mapping):
+            raise TableError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+        if data.get("kind") != MOE_TABLE_KIND or data.get("schema_version") != MOE_TABLE_SCHEMA_VERSION:
+            raise TableError(
+                f"{source}: expected kind {MOE_TABLE_KIND!r} schema_version {MOE_TABLE_SCHEMA_VERSION}, got "
+                f"{data.get('kind')!r} {data.get('schema_version')!r}"
+            )
+        unknown = sorted(str(k) for k in set(data) - set(_TOP_KEYS))
+        if unknown:
+            raise TableError(f"{source}: unknown key(s) {', '.join(unknown)}; valid: {list(_TOP_KEYS)}")
+        try:
+            fingerprint = Fingerprint.from_dict(data.get("fingerprint"))
+            world, dtype = data.get("world_size"), data.get("dtype")
+            check_name("dtype", dtype, DTYPES)
+            if isinstance(world, bool) or not isinstance(world, int) or world != fingerprint.world_size:
+                raise TableError(f"world_size: {world!r} is not the fingerprint's {fingerprint.world_size}")
+        except (ScheduleError, TableError) as exc:
+            raise TableError(f"{source}: {exc}") from None
+        rows = []
+        for i, row in enumerate(data.get("rows") or []):
+            if not isinstance(row, Mapping):
+                raise TableError(f"{source}: rows[{i}]: expected a mapping, got {type(row).__name__}")
+            body = {k: v for k, v in row.items() if k != "provenance"}
+            try:
+                schedule = MoeSchedule.from_dict({**body, "dtype": dtype, "world_size": world})
+            except ScheduleError as exc:
+                raise TableError(f"{source}: rows[{i}]: {exc}") from None
+            rows.append(MoeRow(schedule=schedule, provenance=dict(row.get("provenance") or {})))
+        try:
+            return cls(fingerprint=fingerprint, world_size=world, dtype=dtype, rows=rows)
+        except TableError as exc:
+            raise TableError(f"{source}: {exc}") from None
+
+
+def _overlap(a: MoeProblem, b: MoeProblem) -> bool:
+    same = experts_key(a) == experts_key(b)
+    return same and a.tokens_min <= b.tokens_max and b.tokens_min <= a.tokens_max
+
+
+def _sorted_rows(rows: Sequence[MoeRow]) -> list[MoeRow]:
+    out = sorted(rows, key=lambda r: (experts_key(r.schedule.problem), r.schedule.problem.tokens_min))
+    for a, b in itertools.pairwise(out):
+        if _overlap(a.schedule.problem, b.schedule.problem):
+            raise TableError(
+                f"rows for {a.schedule.problem.describe()} and {b.schedule.problem.describe()} overlap"
+            )
+    return out
+
+
+def load_moe_table(path: str | os.PathLike[str]) -> MoeTable:
+    """Read and validate one MoE table file (``TableNotFoundError`` when there is none)."""
+    return MoeTable.from_dict(read_table_data(path), source=str(path))
+
+
+def save_moe_table(table: MoeTable, path: str | os.PathLike[str]) -> None:
+    """Write ``table`` (the header in YAML, one row a line), atomically."""
+    data = table.to_dict()
+    rows = data.pop("rows")
+    header = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=110)
+    atomic_write(path, lambda f: f.write(dump_table_text(header, rows)))
+
+
+# ----------------------------------------------------------------------------------- lookup
+class MoeTableCache:
+    """The runtime's MoE lookups (one per device and group, kept in the runtime's
+    ``engine_state``): tables per path while the file's (inode, mtime, size) is unchanged, answers
+    per call key for ``MOE_TABLE_RECHECK_S``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tables: dict[Path, tuple[tuple[int, int, int], MoeTable]] = {}
+        self._answers: OrderedDict[tuple, tuple[float, MoeSchedule | None]] = OrderedDict()
+
+    def _load(self, path: Path) -> MoeTable | None:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        hit = self._tables.get(path)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        table = load_moe_table(path)
+        self._tables[path] = (stamp, table)
+        return table
+
+    def lookup(
+        self, key: ExpertsKey, tokens: int, *, dtype: str, world_size: int, device: Any
+    ) -> MoeSchedule | None:
+        """The row for a call of the experts' shape ``key`` whose ranks hold at most ``tokens``
+        tokens each: measured rows first, then the first folder's; None without one. Raises
+        ``TableError`` for a found table that is malformed or for other hardware."""
+        ask = (
+            key,
+            tokens,
+            dtype,
+            world_size,
+            str(device),
+            os.environ.get(TABLE_DIR_ENV),
+            os.environ.get("XDG_DATA_HOME"),
+        )
+        with self._lock:
+            hit = self._answers.get(ask)
+            if hit is not None and time.monotonic() - hit[0] <= MOE_TABLE_RECHECK_S:
+                return hit[1]
+            fp = current_fingerprint(device, world_size)
+            tables = []
+            for folder in table_search_path():
+                path = moe_table_path(folder, fp.device_key, world_size, dtype)
+                table = self._load(path)
+                if table is None:
+                    continue
+                check_fingerprint(table, fp, source=str(path))
+                if table.dtype != dtype:
+                    raise TableError(f"{path}: holds {table.dtype} rows, expected {dtype}")
+                tables.append(table)
+            found = next(
+                (
+                    s
+                    for kind in ("measured", "predicted")
+                    for t in tables
+                    if (s := t.find(key, tokens, kind=kind))
+                ),
+                None,
+            )
+            self._answers.pop(ask, None)
+            self._answers[ask] = (time.monotonic(), found)
+            while len(self._answers) > MOE_ANSWERS_SIZE:
+                self._answers.popitem(last=False)
+            return found

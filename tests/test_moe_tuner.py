@@ -1,0 +1,432 @@
+"""The MoE tuner through its public interfaces: the model against hand-computed values, the MoE
+table's round trip and the runtime's lookup of it, and ``fo-tune search -c moe``'s exit codes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from typer.testing import CliRunner
+
+from cli import app
+from cli_checks import H200_KEY, assert_one_line_error, isolate_tables
+from fo_kernels import (
+    MoeProblem,
+    MoeRow,
+    MoeSchedule,
+    MoeTable,
+    expert_parallel_ffn,
+    load_moe_table,
+    save_moe_table,
+)
+from fo_kernels.errors import TableError
+from fo_kernels.fingerprint import current_fingerprint
+from fo_kernels.moe.table import MoeTableCache, moe_table_path
+from fo_kernels.moe.triton_path import READY as TRITON_READY
+from fo_kernels.runtime import runtime_for
+from fo_kernels.tile import Tile
+from fo_tune.calibrate.calibration import BandwidthPoint, load_calibration
+from fo_tune.calibrate.find import packaged_calibration
+from fo_tune.engines import moe_cost_model
+from fo_tune.model.profiles import Curves
+from fo_tune.moe.model import GROUPED_DOWN_OVERHEAD, GROUPED_UP_OVERHEAD, MoeCall, padded_rows
+from fo_tune.moe.plan import write_moe_rows
+
+DEEPSEEK = dict(hidden=7168, intermediate=2048, experts=16, top_k=8)
+TILE = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+
+@pytest.fixture(scope="module")
+def cal():
+    path = packaged_calibration(H200_KEY, 2)
+    assert path is not None
+    return load_calibration(path)
+
+
+def _call(tokens: int, world: int = 2, **shape) -> MoeCall:
+    return MoeCall(tokens=tokens, world=world, dtype="bfloat16", **{**DEEPSEEK, **shape})
+
+
+def _schedule(world: int = 2, tokens_max: int = 1 << 14, **fields) -> MoeSchedule:
+    return MoeSchedule(
+        dtype="bfloat16", world_size=world, problem=MoeProblem(**DEEPSEEK, tokens_max=tokens_max), **fields
+    )
+
+
+# ----------------------------------------------------------------------------- the model
+def test_every_moe_path_has_a_term_under_its_name():
+    """The runtime's MoE paths and the tuner's MoE terms name the same engines."""
+    from fo_kernels.moe.call import MOE_PATHS
+    from fo_kernels.moe.schedule import MOE_ENGINES
+    from fo_tune.engines import moe_engine_names, moe_term
+
+    assert set(moe_engine_names()) == set(MOE_ENGINES) == set(MOE_PATHS.names())
+    for name in moe_engine_names():
+        term = moe_term(name)
+        assert term.name == name and term.SPACE_KEYS
+
+
+def test_padded_rows_round_each_segment_up_to_whole_tiles():
+    assert padded_rows(100, 4, 128) == 4 * 128
+    assert padded_rows(1024, 4, 128) == 1024
+    assert padded_rows(1025, 1, 64) == 17 * 64
+    assert padded_rows(0, 8, 128) == 0
+
+
+def test_all_to_all_is_derived_from_reduce_scatter_with_its_basis(cal):
+    model = moe_cost_model(cal)
+    assert model.basis.startswith("all_to_all from the reduce_scatter curve")
+    curves = Curves(cal)
+    for size in (1 << 20, 3 << 24, 1 << 29):  # the wire floor (450 GB/s a direction) is far below
+        assert model.comm.time(size) == pytest.approx(curves.time("reduce_scatter", 0, size))
+    assert model.comm.time(0) == 0.0
+    assert model.comm.step_ms(1 << 24) == pytest.approx(curves.time("reduce_scatter", 0, 2 << 24))
+
+
+def test_all_to_all_curve_of_its_own_and_from_all_reduce(cal):
+    own = [
+        BandwidthPoint.measured("all_to_all", 0, s, t, 0.0, 2) for s, t in ((1 << 20, 0.05), (2 << 20, 0.07))
+    ]
+    with_own = dataclasses.replace(cal, bandwidth=[*cal.bandwidth, *own])
+    model = moe_cost_model(with_own)
+    assert model.basis == "all_to_all: the calibration's curve"
+    assert model.comm.time(3 << 19) == pytest.approx(0.06)  # halfway between the two points
+    only_ar = dataclasses.replace(cal, bandwidth=[b for b in cal.bandwidth if b.collective == "all_reduce"])
+    model = moe_cost_model(only_ar)
+    assert "from the all_reduce curve" in model.basis
+    assert model.comm.time(1 << 26) == pytest.approx(Curves(only_ar).time("all_reduce", 0, 1 << 25))
+
+
+def test_grouped_gemm_is_the_library_gemm_times_the_measured_overhead(cal):
+    model = moe_cost_model(cal)
+    dense = model.dense.library.time(32768, 4096, 7168)
+    assert model.grouped_library_ms(32768, 4096, 7168, 32, up=True) == pytest.approx(dense * 3.20 / 2.89)
+    assert model.grouped_library_ms(32768, 7168, 2048, 32, up=False) == pytest.approx(
+        model.dense.library.time(32768, 7168, 2048) * GROUPED_DOWN_OVERHEAD
+    )
+    assert 1.08 <= GROUPED_UP_OVERHEAD <= 1.18 and 1.08 <= GROUPED_DOWN_OVERHEAD <= 1.18
+    # 16 rows over 16 experts: each expert's one row is a whole 128-row tile
+    assert model.grouped_library_ms(16, 4096, 7168, 16, up=True) == pytest.approx(
+        model.dense.library.time(16 * 128, 4096, 7168) * GROUPED_UP_OVERHEAD
+    )
+
+
+def test_fallback_is_the_sum_of_its_parts(cal):
+    model = moe_cost_model(cal)
+    call = _call(1024)
+    rows = 1024 * 8
+    a2a = model.comm.time(rows * 7168 * 2)
+    up = model.dense.library.time(rows, 4096, 7168) * GROUPED_UP_OVERHEAD
+    down = model.dense.library.time(rows, 7168, 2048) * GROUPED_DOWN_OVERHEAD
+    counts = model.comm.time(2 * (6 + 16) * 8)
+    got = model.fallback(call)
+    assert got.device_ms == pytest.approx(counts + 2 * a2a + up + down)
+    assert got.total_ms == pytest.approx(max(got.device_ms, got.host_ms))
+    assert got.basis == model.basis
+
+
+def test_triton_without_concurrency_adds_its_parts(cal):
+    """The packaged calibration says NCCL does not run beside the GEMM at r=0, cap 8 (nearest
+    point): nothing overlaps, and the ring's parts add up."""
+    model = moe_cost_model(cal)
+    assert not model.dense.interference("all_to_all", 0, 8).concurrent
+    call = _call(1024)
+    pred = model.predict(_schedule(engine="triton", tile=TILE, sms_free=0, nccl_max_ctas=8), call)
+    g1 = model.grouped_triton_ms(TILE, 4096, 4096, 7168, 16, 132, up=True)
+    g2 = model.grouped_triton_ms(TILE, 8192, 7168, 2048, 32, 132, up=False)
+    step = model.comm.step_ms(4096 * 7168 * 2, 8)
+    assert pred.device_ms == pytest.approx(model.counts_ms(call) + 2 * step + 2 * g1 + g2)
+    assert "no overlap at this point" in pred.basis
+
+
+def test_triton_ring_overlaps_where_the_calibration_says_nccl_runs_beside_the_gemm(cal):
+    """Every interference point made concurrent without slowdown: the ring's timeline by hand
+    (w = 2: my own rows' g1 beside the step that brings the peer's, then the peer's g1; g2 with
+    the peer's half sent back while my half runs)."""
+    free = [
+        dataclasses.replace(q, concurrent=True, comm_during_gemm=True, comm_slowdown=1.0, gemm_slowdown=1.0)
+        for q in cal.interference
+    ]
+    model = moe_cost_model(dataclasses.replace(cal, interference=free))
+    call = _call(4096)
+    pred = model.predict(_schedule(engine="triton", tile=TILE, sms_free=16, nccl_max_ctas=16), call)
+    g1 = model.grouped_triton_ms(TILE, 16384, 4096, 7168, 16, 116, up=True)
+    g2 = model.grouped_triton_ms(TILE, 32768, 7168, 2048, 32, 116, up=False)
+    step, counts = model.comm.step_ms(16384 * 7168 * 2, 16), model.counts_ms(call)
+    start = max(counts + g1, counts + step) + g1
+    want = max(max(start, start + g2 / 2) + step, start + g2)
+    assert pred.device_ms == pytest.approx(want)
+    assert pred.device_ms < model.fallback(call).device_ms
+    assert pred.exposed_comm_ms == pytest.approx(want - 2 * g1 - g2)
+
+
+def test_copy_engine_hides_the_pushes_behind_the_gemms(cal):
+    model = moe_cost_model(cal)
+    for tokens in (1024, 8192):
+        call = _call(tokens)
+        base = model.fallback(call)
+        ce = model.predict(_schedule(engine="copy_engine", chunks=2), call)
+        gemms = ce.up_ms + ce.down_ms
+        assert gemms <= ce.device_ms < base.device_ms
+        assert ce.device_ms < gemms + ce.dispatch_ms + ce.combine_ms
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"engine": "triton", "tile": TILE, "sms_free": 16, "nccl_max_ctas": 16},
+        {"engine": "copy_engine", "chunks": 4},
+    ],
+)
+def test_every_path_grows_with_tokens(cal, fields):
+    model = moe_cost_model(cal)
+    times = [model.predict(_schedule(**fields), _call(t)).device_ms for t in (64, 256, 1024, 4096, 16384)]
+    assert times == sorted(times) and times[0] < times[-1]
+
+
+# ----------------------------------------------------------------------------- the table
+def _table(fp, *rows: tuple[int, int, dict, str]) -> MoeTable:
+    out = []
+    for lo, hi, fields, mode in rows:
+        problem = MoeProblem(**DEEPSEEK, tokens_min=lo, tokens_max=hi)
+        schedule = MoeSchedule(dtype="float32", world_size=fp.world_size, problem=problem, **fields)
+        out.append(MoeRow(schedule=schedule, provenance={"mode": mode} if mode else {}))
+    return MoeTable(fingerprint=fp, world_size=fp.world_size, dtype="float32", rows=out)
+
+
+def test_table_round_trip_and_overlap_refused(tmp_path):
+    fp = current_fingerprint("cpu", 2)
+    table = _table(fp, (513, 4096, {"engine": "copy_engine", "chunks": 2}, "predict"), (0, 512, {}, ""))
+    path = moe_table_path(tmp_path, fp.device_key, 2, "float32")
+    save_moe_table(table, path)
+    back = load_moe_table(path)
+    assert [r.to_dict() for r in back.rows] == [r.to_dict() for r in table.rows]
+    assert [r.schedule.problem.tokens_min for r in back.rows] == [0, 513]
+    assert back.rows[1].kind == "predicted" and back.rows[0].kind == "measured"
+    with pytest.raises(TableError, match="overlap"):
+        _table(fp, (0, 600, {}, ""), (512, 1024, {}, ""))
+    path.write_text(path.read_text().replace('"chunks": 2', '"chunks": 99'))
+    with pytest.raises(TableError, match=r"rows\[1\]: chunks: at most 16"):
+        load_moe_table(path)
+    path.write_text(path.read_text().replace("fo-tune-moe-schedule-table", "fo-tune-schedule-table"))
+    with pytest.raises(TableError, match="expected kind 'fo-tune-moe-schedule-table'"):
+        load_moe_table(path)
+
+
+def test_predicted_rows_never_replace_measured_ones(tmp_path):
+    fp = current_fingerprint("cpu", 2)
+    measured = _table(fp, (0, 512, {"engine": "copy_engine", "chunks": 4}, "")).rows
+    predicted = _table(fp, (0, 256, {}, "predict"), (257, 2048, {}, "predict")).rows
+    write_moe_rows(tmp_path, fp, measured, world_size=2, dtype="float32")
+    path = write_moe_rows(tmp_path, fp, predicted, world_size=2, dtype="float32")
+    rows = load_moe_table(path).rows
+    assert [(r.schedule.engine, r.kind) for r in rows] == [("copy_engine", "measured")]
+
+
+def test_lookup_takes_the_covering_row_measured_first(tmp_path, monkeypatch):
+    isolate_tables(monkeypatch, tmp_path)
+    fp = current_fingerprint("cpu", 2)
+    table = _table(fp, (0, 512, {"engine": "copy_engine", "chunks": 2}, ""), (513, 4096, {}, "predict"))
+    save_moe_table(table, moe_table_path(tmp_path / "tables", fp.device_key, 2, "float32"))
+    cache = MoeTableCache()
+    key = tuple(DEEPSEEK.values())
+    found = cache.lookup(key, 300, dtype="float32", world_size=2, device="cpu")
+    assert found is not None and found.engine == "copy_engine" and found.chunks == 2
+    assert cache.lookup(key, 4096, dtype="float32", world_size=2, device="cpu").engine is None
+    assert cache.lookup(key, 4097, dtype="float32", world_size=2, device="cpu") is None
+    assert cache.lookup((7168, 2048, 16, 6), 300, dtype="float32", world_size=2, device="cpu") is None
+
+
+def test_expert_parallel_ffn_looks_the_table_up(tmp_path, monkeypatch):
+    """schedule=None reads the MoE table of this device: a table for another world size is refused
+    (so the lookup ran), a row of this one runs and gives the unsharded result."""
+    isolate_tables(monkeypatch, tmp_path)
+    h, i, e, k, t = 8, 6, 2, 2, 5
+    torch.manual_seed(0)
+    x, w13, w2 = torch.randn(t, h), torch.randn(e, h, 2 * i), torch.randn(e, i, h)
+    ids, wts = torch.randint(0, e, (t, k)), torch.rand(t, k)
+    ref = torch.zeros(t, h)
+    for s in range(t):
+        for j in range(k):
+            g, u = (x[s] @ w13[ids[s, j]]).split(i)
+            ref[s] += wts[s, j] * (torch.nn.functional.silu(g) * u) @ w2[ids[s, j]]
+    fp = current_fingerprint("cpu", 1)
+    problem = MoeProblem(hidden=h, intermediate=i, experts=e, top_k=k, tokens_max=64)
+    cpu_tile = Tile(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    row = MoeRow(
+        schedule=MoeSchedule(dtype="float32", world_size=1, problem=problem, engine="triton", tile=cpu_tile)
+    )
+    path = moe_table_path(tmp_path / "tables", fp.device_key, 1, "float32")
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                save_moe_table(MoeTable(fingerprint=fp, world_size=1, dtype="float32", rows=[row]), path)
+                state = runtime_for(x.device, None).engine_state
+                state.pop(TRITON_READY, None)  # the ring path marks its process group ready here
+                y = expert_parallel_ffn(x, ids, wts, w13, w2)
+                torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+                assert TRITON_READY in state  # the row's engine ran
+                path.write_text(path.read_text().replace("world_size: 1", "world_size: 2"))
+                with pytest.raises(TableError, match="world size 2"):  # 3 tokens: a new lookup
+                    expert_parallel_ffn(x[:3], ids[:3], wts[:3], w13, w2)
+        finally:
+            dist.destroy_process_group()
+
+
+def _straddling_ranks(ctx, payload: dict) -> dict:
+    """One rank of a call whose ranks' tokens straddle two table rows: its error against the
+    unsharded float64 sum, and whether the ring (the larger bucket's row) ran here."""
+    h, i, e, k = payload["shape"]
+    world, rank = ctx.world_size, ctx.rank
+    gen = torch.Generator().manual_seed(7)  # every rank draws the same global experts
+    w13_all = torch.randn(world * e, h, 2 * i, generator=gen)
+    w2_all = torch.randn(world * e, i, h, generator=gen)
+    gen.manual_seed(100 + rank)
+    t = payload["tokens"][rank]
+    x, wts = torch.randn(t, h, generator=gen), torch.rand(t, k, generator=gen)
+    ids = torch.randint(0, world * e, (t, k), generator=gen)
+    state = runtime_for(x.device, None).engine_state
+    state.pop(TRITON_READY, None)
+    y = expert_parallel_ffn(
+        x, ids, wts, w13_all[rank * e : (rank + 1) * e], w2_all[rank * e : (rank + 1) * e]
+    )
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    for s in range(t):
+        for j in range(k):
+            g, u = (x[s].double() @ w13_all[ids[s, j]].double()).split(i)
+            ref[s] += wts[s, j].double() * (torch.nn.functional.silu(g) * u) @ w2_all[ids[s, j]].double()
+    return {"err": ((y.double() - ref).norm() / ref.norm()).item(), "ring": TRITON_READY in state}
+
+
+def test_every_rank_takes_the_row_of_the_most_tokens(tmp_path, monkeypatch):
+    """Rank 0 holds 3 tokens (the 0..4 row: no overlap), rank 1 holds 7 (the 5..64 row: the
+    Triton ring): both run the ring, keyed by the most tokens any rank holds, and match the
+    unsharded sum. A rank that took its own row would wait on a collective the other never makes."""
+    isolate_tables(monkeypatch, tmp_path)
+    from fo_tune.ranks.launch import run_ranks
+
+    h, i, e, k = 8, 4, 2, 2
+    fp = current_fingerprint("cpu", 2)
+    tile = Tile(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
+    rows = []
+    for lo, hi, fields in ((0, 4, {}), (5, 64, {"engine": "triton", "tile": tile})):
+        problem = MoeProblem(hidden=h, intermediate=i, experts=e, top_k=k, tokens_min=lo, tokens_max=hi)
+        rows.append(MoeRow(schedule=MoeSchedule(dtype="float32", world_size=2, problem=problem, **fields)))
+    table = MoeTable(fingerprint=fp, world_size=2, dtype="float32", rows=rows)
+    save_moe_table(table, moe_table_path(tmp_path / "tables", fp.device_key, 2, "float32"))
+    payload = {"shape": (h, i, e, k), "tokens": (3, 7)}
+    got = run_ranks(_straddling_ranks, 2, payload, backend="gloo", timeout_s=120)
+    assert [r["ring"] for r in got] == [True, True], got
+    assert max(r["err"] for r in got) < 1e-4, got
+
+
+# ----------------------------------------------------------------------------- the CLI
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def test_search_moe_plans_a_table_offline(runner, tmp_path, monkeypatch):
+    isolate_tables(monkeypatch, tmp_path)
+    args = ["search", "-c", "moe", "--experts", "7168,2048,16,8", "--tokens", "64,1024,8192", "--json"]
+    result = runner.invoke(app, [*args, "--table-dir", str(tmp_path / "t")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["basis"].startswith("all_to_all from the reduce_scatter curve")
+    table = load_moe_table(summary["table"])
+    assert Path(summary["table"]).name == "moe-w2-bfloat16.yaml" and table.fingerprint.device_key == H200_KEY
+    ranges = [(r.schedule.problem.tokens_min, r.schedule.problem.tokens_max) for r in table.rows]
+    assert ranges == [(0, 64), (65, 1024), (1025, 8192)]
+    for row, planned in zip(table.rows, summary["rows"], strict=True):
+        assert row.kind == "predicted"
+        assert row.provenance["predicted_ms"] <= row.provenance["fallback_ms"]
+        assert (row.schedule.engine is None) == (planned["engine"] is None)
+    assert any(r.schedule.engine is not None for r in table.rows)  # the large buckets overlap
+    result = runner.invoke(app, [*args, "--engine", "triton", "--table-dir", str(tmp_path / "t2")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert {r["engine"] for r in summary["rows"]} <= {None, "triton"} and summary["skipped"] == {}
+    result = runner.invoke(app, [*args, "--world-size", "4", "--table-dir", str(tmp_path / "t4")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)  # the packaged TP=2 calibration, extrapolated to 4 ranks
+    assert "extrapolated from world size 2" in summary["basis"]
+    assert Path(summary["table"]).name == "moe-w4-bfloat16.yaml"
+    assert all("extrapolated from world size 2" in r["provenance"]["basis"] for r in summary["rows"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--mode", "measure"], "needs >= 2 GPUs"),
+        (["--world-size", "16"], "no packaged calibration for world size 16"),
+        (["--experts", "7168,2048,16"], "expected H,I,E_local,k"),
+        (["--tokens", "512,128"], "ascending"),
+        (["--tokens", "512,x"], "comma-separated integers"),
+        (["--dtype", "float8_e4m3fn"], "the MoE FFN runs bfloat16"),
+        (["-c", "all_reduce"], "searched alone"),
+    ],
+)
+def test_search_moe_says_what_it_needs(runner, tmp_path, monkeypatch, extra, says):
+    isolate_tables(monkeypatch, tmp_path)
+    if torch.cuda.device_count() >= 2 and "measure" in extra:
+        pytest.skip("this machine has the GPUs a measured search needs")
+    args = ["search", "-c", "moe", "--experts", "7168,2048,16,8", *extra]
+    line = assert_one_line_error(runner.invoke(app, args))
+    assert says in line, line
+
+
+def test_search_moe_needs_the_experts(runner, tmp_path, monkeypatch):
+    isolate_tables(monkeypatch, tmp_path)
+    line = assert_one_line_error(runner.invoke(app, ["search", "-c", "moe"]))
+    assert "--experts H,I,E_local,k" in line
+    line = assert_one_line_error(
+        runner.invoke(app, ["search", "--shape", "64x64x64", "--experts", "1,2,3,4"])
+    )
+    assert "are for -c moe" in line
+
+
+def test_search_moe_from_the_suite_and_table_list(runner, tmp_path, monkeypatch):
+    """An MoE suite's models at EP = the world size; the table goes to $FO_TUNE_TABLE_DIR, where
+    `fo-tune table list` lists it beside the dense tables."""
+    isolate_tables(monkeypatch, tmp_path)
+    suite = Path(__file__).resolve().parents[1] / "suites" / "moe" / "experts.yaml"
+    result = runner.invoke(app, ["search", "-c", "moe", "--shapes", str(suite), "--tokens", "512", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["rows"]
+    assert {(r["problem"]["hidden"], r["problem"]["experts"]) for r in rows} >= {(7168, 128), (4096, 4)}
+    listed = runner.invoke(app, ["table", "list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    (moe,) = [t for t in json.loads(listed.stdout)["tables"] if t["collective"] == "moe"]
+    assert moe["rows"] == len(rows) and moe["world_size"] == 2 and moe["device_key"] == H200_KEY
+
+
+def test_search_moe_reads_a_space_file_and_names_its_errors(runner, tmp_path, monkeypatch):
+    isolate_tables(monkeypatch, tmp_path)
+    space = tmp_path / "moe.yaml"
+    text = (
+        "schema_version: 1\nkind: fo-tune-moe-search-space\nname: tiny\ncompute_capability: ['*']\n"
+        "tokens_per_rank: [4096]\nengines:\n  copy_engine: {chunks: [2]}\n"
+    )
+    space.write_text(text)
+    args = ["search", "-c", "moe", "--experts", "4096,1536,64,8", "--space", str(space), "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["skipped"] == {"triton": f"has no section in {space}"}
+    (row,) = summary["rows"]
+    assert (row["engine"], row["chunks"], row["problem"]["tokens_max"]) == ("copy_engine", 2, 4096)
+    space.write_text(text.replace("chunks: [2]", "chunks: [2], tiles: [1]"))
+    line = assert_one_line_error(runner.invoke(app, args))
+    assert f"{space}: engines.copy_engine: unknown key(s) tiles" in line, line
+    space.write_text(text.replace("[4096]", "[4096, 512]"))
+    line = assert_one_line_error(runner.invoke(app, args))
+    assert "tokens_per_rank: expected ascending" in line, line
