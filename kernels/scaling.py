@@ -183,10 +183,10 @@ def gather_scales(scales: Scales, world: int, group: dist.ProcessGroup | None) -
     return scales.with_rows(gathered)
 
 
-# cuBLASLt refuses an fp8 product into float32 whose rows are not a multiple of 16
+# cuBLASLt refused a rowwise-scaled fp8 product whose rows are not a multiple of 16
 # (CUBLAS_STATUS_NOT_SUPPORTED at 43 rows: a copy-engine chunk, one H100, torch 2.11); such an A
-# is padded with zero rows to the next multiple.
-F32_OUT_ROW_MULTIPLE = 16
+# (and its scale rows) is padded to the next multiple.
+ROWWISE_ROW_MULTIPLE = 16
 
 
 def scaled_mm(
@@ -201,18 +201,23 @@ def scaled_mm(
     a = a.contiguous()
     if b.stride(0) != 1 or b.stride(1) < max(1, b.shape[0]):
         b = b.t().contiguous().t()
+    rows = a.shape[0]
+    pad = -rows % ROWWISE_ROW_MULTIPLE if scales.rowwise and a.is_cuda else 0
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
     if scales.rowwise and scales.out_dtype != torch.bfloat16 and a.is_cuda:
         one = torch.ones((), dtype=torch.float32, device=a.device)
-        rows = a.shape[0]
-        pad = -rows % F32_OUT_ROW_MULTIPLE
-        if pad:
-            a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
         y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)[:rows]
         y.mul_(scales.scale_a()).mul_(scales.scale_b())
         if out is None:
             return y.to(scales.out_dtype)
         return out.copy_(y)
-    kw = dict(scale_a=scales.scale_a(), scale_b=scales.scale_b(), out_dtype=scales.out_dtype)
+    scale_a = scales.scale_a()
+    if pad:
+        scale_a = torch.cat([scale_a, scale_a.new_ones(pad, 1)])
+        y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scales.scale_b(), out_dtype=scales.out_dtype)
+        return y[:rows] if out is None else out.copy_(y[:rows])
+    kw = dict(scale_a=scale_a, scale_b=scales.scale_b(), out_dtype=scales.out_dtype)
     if out is None:
         return torch._scaled_mm(a, b, **kw)
     return torch._scaled_mm(a, b, **kw, out=out)
