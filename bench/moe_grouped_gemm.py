@@ -1,6 +1,7 @@
 """The MoE grouped GEMMs on one GPU: fo_kernels' Triton kernels beside ``torch._grouped_mm``.
 
     python bench/moe_grouped_gemm.py --out DIR [--suite suites/moe/experts.yaml] [--rounds 20]
+        [--models DeepSeek-V3,Mixtral-8x7B] [--ep 4,8]
 
 For every model and EP of the suite (``suites/moe/experts.yaml``) one rank's expert GEMMs at a
 balanced load: E / EP local experts, tokens x k rows split over them by a seeded multinomial draw
@@ -8,6 +9,8 @@ balanced load: E / EP local experts, tokens x k rows split over them by a seeded
 
     up      lib: torch._grouped_mm(x, W13)               fo: swiglu_gemm (the SwiGLU in its epilogue)
     up_act  lib: torch._grouped_mm(x, W13) + silu * up   (what the no-overlap path runs)
+    up_slotted                                          fo: swiglu_gemm over EP slots' segments
+                                                            (the rows as dispatch lands them)
     down    lib: torch._grouped_mm(h, W2)                fo: grouped_gemm, one slot
     down_signalled                                      fo: grouped_gemm, EP slots, a counter
                                                             per slot (what the combine waits on)
@@ -127,8 +130,9 @@ def bench_shape(model: dict, ep: int, tokens: int, rounds: int, calls: int, seed
         return torch._grouped_mm(hh, w2, offs=offs)
 
     def fo(kind: str, tile: Tile):
-        if kind == "up":
-            tables = segment_tables(segs, tile.block_m, -(-inter // swiglu_block(tile)), dev)
+        if kind in ("up", "up_slotted"):
+            these = slotted if kind == "up_slotted" else segs
+            tables = segment_tables(these, tile.block_m, -(-inter // swiglu_block(tile)), dev)
             return lambda: swiglu_gemm(x, w13, up_out, tables, tile, grid=sms)
         these = slotted if kind == "down_signalled" else segs
         tables = segment_tables(these, tile.block_m, -(-h // tile.block_n), dev)
@@ -139,15 +143,17 @@ def bench_shape(model: dict, ep: int, tokens: int, rounds: int, calls: int, seed
     ref_up = lib_up_act()
     ref_down = lib_down()
     for tile in TILES:
-        fo("up", tile)()
-        assert _rel(up_out, ref_up) < CHECK_TOL, (model["name"], "up", tile)
+        for kind in ("up", "up_slotted"):
+            up_out.fill_(float("nan"))
+            fo(kind, tile)()
+            assert _rel(up_out, ref_up) < CHECK_TOL, (model["name"], kind, tile)
         for kind in ("down", "down_signalled"):
             down_out.fill_(float("nan"))
             fo(kind, tile)()
             assert _rel(down_out, ref_down) < CHECK_TOL, (model["name"], kind, tile)
     out = []
-    lib_of = {"up": lib_up, "up_act": lib_up_act, "down": lib_down, "down_signalled": lib_down}
-    for kind in ("up", "down", "down_signalled"):
+    lib_of = {"up": lib_up, "up_slotted": lib_up_act, "down": lib_down, "down_signalled": lib_down}
+    for kind in ("up", "up_slotted", "down", "down_signalled"):
         alone = {}
         for t in TILES:
             sample = _timed(fo(kind, t), calls)
@@ -179,11 +185,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calls", type=int, default=10, help="calls per graph replay (a sample)")
+    parser.add_argument("--models", default="", help="comma-separated model names of the suite (default: all)")
+    parser.add_argument("--ep", default="", help="comma-separated EP sizes (default: the suite's)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
         print("needs a CUDA GPU and torch._grouped_mm (torch >= 2.8)", file=sys.stderr)
         return 2
     suite = yaml.safe_load(Path(args.suite).read_text())
+    names = [m["name"] for m in suite["models"]]
+    wanted = [n for n in args.models.split(",") if n]
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        print(f"unknown model {unknown[0]!r}: the suite has {', '.join(names)}", file=sys.stderr)
+        return 2
+    eps = [int(e) for e in args.ep.split(",") if e] or suite["ep"]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     import triton
@@ -194,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     rows = []
     for i, model in enumerate(suite["models"]):
-        for ep in suite["ep"]:
+        if wanted and model["name"] not in wanted:
+            continue
+        for ep in eps:
             for r in bench_shape(model, ep, suite["tokens"], args.rounds, args.calls, seed=i):
                 rows.append({**r, **run})
                 where = f"{r['model']:<18} EP{ep} {r['experts_local']:>3} experts {r['rows']:>6} rows"

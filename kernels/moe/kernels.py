@@ -18,7 +18,8 @@ swizzle of the dense kernels (``fo_kernels.gemm.tiles``)::
 communication stream waits on before it sends the slot's rows back). ``swiglu_gemm`` is the
 first GEMM with the activation in its epilogue (phase 1: x @ W13): per tile two accumulators of
 BN/2 columns, the gate's (columns [tn*BN/2, +BN/2) of B[e]) and the up projection's (the same
-columns + I), stored as silu(gate) * up: (R, I) in A's dtype, never the (R, 2I) product.
+columns + I) in one K loop that loads each A block once, stored as silu(gate) * up: (R, I) in
+A's dtype, never the (R, 2I) product.
 
 Loads are TMA descriptors over A (R, K) and B as (E x K, N) rows where TMA is usable and K is
 a multiple of BLOCK_K (a K block then never reads the next expert's rows), masked pointer loads
@@ -97,6 +98,45 @@ def _segment_acc(
 
 
 @triton.jit
+def _swiglu_acc(
+    a, b, b_ptr, a_row0, rows_end, b_row0, col0, I, K, stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """(gate, up) in float32: A[a_row0 : +BM, :] @ B_e[:, col0 : +BH] and @ B_e[:, I + col0 : +BH],
+    one K loop that loads each A block once for both products (two loops, one per product, load A
+    twice and run as two half-width tiles). Loads as ``_segment_acc``'s."""
+    gate = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if USE_TMA:
+        for kk in range(k_tiles):
+            a_blk = a.load([a_row0, kk * BLOCK_K])
+            g_blk = b.load([b_row0 + kk * BLOCK_K, col0])
+            u_blk = b.load([b_row0 + kk * BLOCK_K, I + col0])
+            gate = _mma(a_blk, g_blk, gate, UPCAST, IEEE)
+            up = _mma(a_blk, u_blk, up, UPCAST, IEEE)
+    else:
+        offs_m = a_row0 + tl.arange(0, BLOCK_M)
+        offs_n = col0 + tl.arange(0, BLOCK_H)
+        offs_m = tl.where(offs_m < rows_end, offs_m, a_row0).to(tl.int64)
+        offs_n = tl.where(offs_n < I, offs_n, 0)
+        for kk in range(k_tiles):
+            offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+            a_blk = tl.load(
+                a + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                mask=offs_k[None, :] < K,
+                other=0.0,
+            )
+            b_off = offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+            g_blk = tl.load(b_ptr + b_off, mask=offs_k[:, None] < K, other=0.0)
+            u_blk = tl.load(b_ptr + I * stride_bn + b_off, mask=offs_k[:, None] < K, other=0.0)
+            gate = _mma(a_blk, g_blk, gate, UPCAST, IEEE)
+            up = _mma(a_blk, u_blk, up, UPCAST, IEEE)
+    return gate, up
+
+
+@triton.jit
 def _store_rows(acc, out, row0, rows_end, col0, N, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 OUT_DTYPE: tl.constexpr):  # fmt: skip
     """Store a float32 tile at rows [row0, rows_end) and columns < N of ``out``."""
@@ -159,14 +199,9 @@ def _swiglu_kernel(
         row0, rows_end, expert, _group, tn = _tile_of(
             t, seg_info, seg_tiles, segments, tiles_n, BLOCK_M, GROUP_M, LOG_SEGMENTS
         )
-        b_e = b_raw + expert.to(tl.int64) * stride_be
         col0 = tn * BLOCK_H
-        gate = _segment_acc(
-            a, b, b_e, row0, rows_end, expert * K, col0, col0, I, K,
-            stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_H, BLOCK_K, USE_TMA, UPCAST, IEEE,
-        )  # fmt: skip
-        up = _segment_acc(
-            a, b, b_e + I * stride_bn, row0, rows_end, expert * K, I + col0, col0, I, K,
+        gate, up = _swiglu_acc(
+            a, b, b_raw + expert.to(tl.int64) * stride_be, row0, rows_end, expert * K, col0, I, K,
             stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_H, BLOCK_K, USE_TMA, UPCAST, IEEE,
         )  # fmt: skip
         h = gate * tl.sigmoid(gate) * up
