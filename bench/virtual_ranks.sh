@@ -9,7 +9,9 @@
 # 2. fo-tune calibrate --world-size 1 --only copy_engine_n: host times per rank at N = 2..8 with
 #    virtual ranks, chunk GEMMs at TP=4/8 layer shapes -> merged into a copy of the packaged H200
 #    TP=2 calibration (OUT_DIR/calibration.yaml; copy it over results/calibration/... to ship it)
-#    when this GPU is of that model, else written alone into OUT_DIR/calibration-n/
+#    when this GPU is of that model; when it is another model of the same die (the refusal names
+#    --into-sibling: an H100), merged there with --into-sibling, each merged point recording this
+#    GPU's device key (measured_on); else written alone into OUT_DIR/calibration-n/
 #    -> OUT_DIR/calibrate.log
 # 3. fo-tune demo --engine copy_engine --world-size 8 on one suite shape -> OUT_DIR/demo.log
 #
@@ -44,14 +46,25 @@ step "tests done (failed=$failed)"
 step "2/3 fo-tune calibrate --world-size 1 --only copy_engine_n (limit ${CALIBRATE_S}s)"
 cp "$PACKAGED" "$out_dir/calibration.yaml"
 chmod u+w "$out_dir/calibration.yaml"
-if timeout "$CALIBRATE_S" "$PYTHON" "$FO_REPO/cli.py" calibrate --world-size 1 --only copy_engine_n \
-  --into "$out_dir/calibration.yaml" 2>&1 | tee "$out_dir/calibrate.log"; then
+# calibrate_n [OPTION...]: the copy engine at N peers on this GPU, logged to calibrate.log.
+calibrate_n() {
+  timeout "$CALIBRATE_S" "$PYTHON" "$FO_REPO/cli.py" calibrate --world-size 1 --only copy_engine_n \
+    "$@" 2>&1 | tee -a "$out_dir/calibrate.log"
+}
+: >"$out_dir/calibrate.log"
+if calibrate_n --into "$out_dir/calibration.yaml"; then
   step "merged into $out_dir/calibration.yaml"
+elif grep -q -- "or pass --into-sibling" "$out_dir/calibrate.log"; then
+  step "another GPU model of the packaged calibration's die: merged with --into-sibling"
+  if calibrate_n --into "$out_dir/calibration.yaml" --into-sibling; then
+    step "merged into $out_dir/calibration.yaml (its new points record measured_on)"
+  else
+    failed=1
+  fi
 elif grep -q -- "--into: the calibration is for" "$out_dir/calibrate.log"; then
   rm -f "$out_dir/calibration.yaml"
   step "another GPU model than the packaged calibration's: written alone into $out_dir/calibration-n"
-  timeout "$CALIBRATE_S" "$PYTHON" "$FO_REPO/cli.py" calibrate --world-size 1 --only copy_engine_n \
-    --out "$out_dir/calibration-n" 2>&1 | tee -a "$out_dir/calibrate.log" || failed=1
+  calibrate_n --out "$out_dir/calibration-n" || failed=1
 else
   failed=1
 fi

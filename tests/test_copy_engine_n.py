@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import isolate_tables
+from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
 from fo_kernels.schedule import Problem, Schedule
 from fo_tune.calibrate.calibration import (
@@ -209,3 +210,168 @@ def test_recalibrating_the_tp2_section_keeps_the_n_peer_points(h200: Calibration
     got = {(p.m, p.n, p.k, p.beta): p for p in merged.library_gemm}
     assert got[(first.m, first.n, first.k, first.beta)].paced_ms == 9.0 and extra in merged.library_gemm
     assert merged.host == with_n.host and merged.params["library_wave_ms"].source == "new"
+
+
+# ----------------------------------------------------------------- a sibling GPU (--into-sibling)
+H100_NAME = "NVIDIA H100 80GB HBM3"
+
+
+def _sibling_of(cal: Calibration, gpu_name: str = H100_NAME, sm_count: int | None = None) -> Calibration:
+    """A one-GPU ``copy_engine_n`` measurement of another GPU model (the same die unless
+    ``sm_count`` says otherwise): two chunk GEMMs and two host points."""
+    from fo_kernels.fingerprint import make_device_key
+
+    fp = cal.fingerprint
+    sms = fp.sm_count if sm_count is None else sm_count
+    key = make_device_key(gpu_name, fp.compute_capability, sms, 1, "single")
+    other = dataclasses.replace(
+        fp, gpu_name=gpu_name, sm_count=sms, world_size=1, interconnect="single", device_key=key
+    )
+    section = EngineCalibration(
+        params={"host_growth_test": Quantity(value=1.5, source="`fo-tune calibrate` on " + key)},
+        library_gemm=[LibraryGemmPoint(m=1024, n=8192, k=3584, beta=1, paced_ms=0.1, sustained_ms=0.12)],
+        host=[_host(2, 0.01, 0.4), _host(8, 0.05, 2.0)],
+    )
+    return Calibration(
+        fingerprint=other,
+        world_size=1,
+        dtype=cal.dtype,
+        space=cal.space,
+        quick=False,
+        created="now",
+        copy_engine=section,
+    )
+
+
+def _copy(cal: Calibration) -> Calibration:
+    return dataclasses.replace(cal, copy_engine=dataclasses.replace(cal.copy_engine))
+
+
+def test_into_sibling_merges_and_records_where_points_were_measured(h200: Calibration, tmp_path):
+    """An H100's copy_engine_n into the H200 calibration: merged with sibling=True, each new point
+    carrying the H100's device key (the H200's own points none), the parameters' sources naming it;
+    measured_on survives the file and is written only where set."""
+    from fo_tune.calibrate.calibration import save_calibration
+
+    measured = _sibling_of(h200)
+    key = measured.fingerprint.device_key
+    done = merge_into(_copy(h200), measured, ("copy_engine_n",), sibling=True)
+    section = done.copy_engine
+    assert done.fingerprint == h200.fingerprint and done.gemm == h200.gemm
+    assert [p.measured_on for p in section.host] == [key, key]
+    new = [p for p in section.library_gemm if p.measured_on]
+    assert [(p.m, p.n, p.k, p.beta, p.measured_on) for p in new] == [(1024, 8192, 3584, 1, key)]
+    assert len(section.library_gemm) == len(h200.copy_engine.library_gemm) + 1
+    assert key in section.params["host_growth_test"].source
+    assert section.params["flag_ms"] == h200.copy_engine.params["flag_ms"]
+    path = tmp_path / "calibration.yaml"
+    save_calibration(done, path)
+    back = load_calibration(path).copy_engine
+    assert back.host == section.host and back.library_gemm == section.library_gemm
+    text = path.read_text()
+    assert text.count("measured_on:") == len(section.host) + len(new)
+
+
+def test_a_sibling_is_refused_without_the_flag(h200: Calibration):
+    """Without --into-sibling another GPU name is refused as before; for copy_engine_n of the same
+    die the message names the flag, for other parts it does not."""
+    from fo_tune.calibrate.run import CalibrationRequestError
+
+    measured = _sibling_of(h200)
+    with pytest.raises(CalibrationRequestError, match=r"gpu_name differs.*--into-sibling"):
+        merge_into(_copy(h200), measured, ("copy_engine_n",))
+    with pytest.raises(CalibrationRequestError, match="gpu_name differs") as info:
+        merge_into(_copy(h200), measured, ("copy_engine",))
+    assert "--into-sibling" not in str(info.value)
+
+
+def test_the_flag_refuses_another_die_and_other_parts(h200: Calibration):
+    """--into-sibling needs the same compute capability and SM count, and merges copy_engine_n
+    alone."""
+    from fo_tune.calibrate.run import CalibrationRequestError
+
+    fewer = _sibling_of(h200, "NVIDIA H100 PCIe", sm_count=114)
+    with pytest.raises(CalibrationRequestError, match=r"--into-sibling: .*\(sm_count differs\)"):
+        merge_into(_copy(h200), fewer, ("copy_engine_n",), sibling=True)
+    with pytest.raises(CalibrationRequestError, match="--into-sibling merges --only copy_engine_n alone"):
+        merge_into(_copy(h200), _sibling_of(h200), ("copy_engine",), sibling=True)
+
+
+@pytest.fixture
+def shipped(tmp_path) -> Path:
+    """A copy of the packaged H200 TP=2 calibration."""
+    from cli_checks import H200_KEY
+    from fo_tune.calibrate.find import packaged_calibration
+
+    target = tmp_path / "calibration.yaml"
+    target.write_bytes(packaged_calibration(H200_KEY, 2).read_bytes())
+    return target
+
+
+def _calibrate(*args: str):
+    return CliRunner().invoke(app, ["calibrate", "--backend", "gloo", "--world-size", "1", *args])
+
+
+def _as_if_on(monkeypatch, measured: Calibration) -> list:
+    """This machine's fingerprint and its measurement replaced by ``measured``'s; returns the list
+    the measurement requests are appended to (a refusal leaves it empty)."""
+    import fo_kernels.fingerprint
+    import fo_tune.calibrate.run as run
+
+    asked: list = []
+
+    def measure(request, reporter=None):
+        asked.append(request)
+        return measured
+
+    monkeypatch.setattr(fo_kernels.fingerprint, "current_fingerprint", lambda *a, **k: measured.fingerprint)
+    monkeypatch.setattr(run, "run_calibration", measure)
+    return asked
+
+
+def test_cli_into_sibling_merges_a_sibling_measurement(h200: Calibration, shipped, tmp_path, monkeypatch):
+    """The command on (a stand-in for) an H100: refused without the flag, naming it, the file
+    untouched; merged with it, the file's new points carrying the H100's device key."""
+    isolate_tables(monkeypatch, tmp_path / "env")
+    measured = _sibling_of(h200)
+    asked = _as_if_on(monkeypatch, measured)
+    before = shipped.read_bytes()
+    line = assert_one_line_error(_calibrate("--only", "copy_engine_n", "--into", str(shipped)))
+    assert "gpu_name differs" in line and "--into-sibling" in line
+    assert asked == [] and shipped.read_bytes() == before
+    result = _calibrate("--only", "copy_engine_n", "--into", str(shipped), "--into-sibling")
+    assert result.exit_code == 0, result.output
+    assert len(asked) == 1
+    section = load_calibration(shipped).copy_engine
+    key = measured.fingerprint.device_key
+    assert [p.measured_on for p in section.host] == [key, key]
+    assert sum(p.measured_on == key for p in section.library_gemm) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--only", "copy_engine_n", "--into-sibling"], "--into-sibling merges into an existing"),
+        (["--only", "copy_engine", "--into", "{cal}", "--into-sibling"], "--only copy_engine_n alone"),
+        (["--into", "{cal}", "--into-sibling"], "--only copy_engine_n alone"),
+        (["--only", "copy_engine_n", "--into", "{cal}", "--into-sibling"], "(sm_count differs)"),
+    ],
+)
+def test_cli_into_sibling_misuse(h200: Calibration, shipped, tmp_path, monkeypatch, args, needle):
+    """Without --into, with other parts, or on another die: exit 2, one line, nothing measured."""
+    isolate_tables(monkeypatch, tmp_path / "env")
+    asked = _as_if_on(monkeypatch, _sibling_of(h200, "NVIDIA H100 PCIe", sm_count=114))
+    before = shipped.read_bytes()
+    line = assert_one_line_error(_calibrate(*[a.format(cal=shipped) for a in args]))
+    assert needle in line, line
+    assert asked == [] and shipped.read_bytes() == before
+
+
+def test_cli_into_sibling_on_this_cpu_is_another_die(shipped, tmp_path, monkeypatch):
+    """Unpatched: this CPU's fingerprint is not the H200's die, so the flag is refused up front."""
+    isolate_tables(monkeypatch, tmp_path / "env")
+    line = assert_one_line_error(
+        _calibrate("--only", "copy_engine_n", "--into", str(shipped), "--into-sibling")
+    )
+    assert line.startswith("error: --into-sibling: the calibration is for nvidia-h200"), line
+    assert "(compute_capability differs)" in line

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from cli import app
 from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, run_report
 from fo_kernels.table import load_table
-from fo_tune.calibrate.calibration import bus_factor, save_calibration
+from fo_tune.calibrate.calibration import HostPoint, bus_factor, save_calibration
 from fo_tune.calibrate.extrapolate import (
     NVLINK4_LINK_GBS,
     RING_HOP_LATENCY_MS,
@@ -79,6 +79,24 @@ def test_what_cannot_be_extrapolated_says_what_it_needs(h200):
     pcie = dataclasses.replace(h200, fingerprint=dataclasses.replace(h200.fingerprint, interconnect="pcie"))
     with pytest.raises(ExtrapolationError, match="NVLink 4 GPUs on NVSwitch"):
         extrapolate(pcie, 4)
+
+
+def test_the_basis_names_a_sibling_that_measured_the_copy_engine_at_n_peers(h200):
+    """Copy-engine points merged from another GPU model of the same die (``measured_on``): the
+    extrapolated basis says so, naming its device key; the packaged calibration's has no clause."""
+    sibling = "nvidia-h100-80gb-hbm3-cc90-132sm-w1-single"
+    section = h200.copy_engine
+    host = HostPoint(
+        world=8, collective="all_reduce", chunks=2, ops=50.0, eager_ms=2.0, graph_ms=0.05, measured_on=sibling
+    )
+    merged = dataclasses.replace(h200, copy_engine=dataclasses.replace(section, host=[*section.host, host]))
+    clause = f"; copy-engine host and chunk-GEMM terms at N peers measured on {sibling}"
+    assert extrapolate(merged, 8).basis.endswith(clause)
+    assert extrapolate(merged, 8).basis.startswith(BASIS)
+    assert "measured on" not in extrapolate(h200, 8).basis
+    gemm = dataclasses.replace(section.library_gemm[0], measured_on=sibling)
+    only_gemm = dataclasses.replace(h200, copy_engine=dataclasses.replace(section, library_gemm=[gemm]))
+    assert extrapolate(only_gemm, 4).basis.endswith(clause)
 
 
 # ------------------------------------------------------------------------------ the predict search

@@ -24,7 +24,8 @@ speed, flags, host times; ``triton``: host times) and any field the ``Calibratio
 measurements per world size (``dataclasses.replace`` keeps every field it is not given).
 
 The result's fingerprint is the board's at N (``device_key`` ``...-w<N>-nvlink18``), and ``basis``
-says what it rests on; every row a search writes from it carries that ``basis``.
+says what it rests on (naming the sibling GPU whose copy-engine points at N peers were merged with
+``--into-sibling``, if any); every row a search writes from it carries that ``basis``.
 """
 
 from __future__ import annotations
@@ -85,11 +86,26 @@ def nvlink_gbs(cal: Calibration) -> float:
 
 
 def basis_text(cal: Calibration, derived: tuple[str, ...] = ()) -> str:
-    """What an extrapolation of ``cal`` rests on, as rows and reports say it."""
+    """What an extrapolation of ``cal`` rests on, as rows and reports say it: with the GPUs that
+    measured its copy engine at N peers where they are another model than ``cal``'s (the points'
+    ``measured_on``, merged with ``--into-sibling``)."""
     text = f"extrapolated from world size {cal.world_size} ({cal.fingerprint.device_key}) and NVLink facts"
     for name in derived:
         text += f"; {name} from reduce_scatter's curve"
+    siblings = sibling_devices(cal)
+    if siblings:
+        text += f"; copy-engine host and chunk-GEMM terms at N peers measured on {', '.join(siblings)}"
     return text
+
+
+def sibling_devices(cal: Calibration) -> tuple[str, ...]:
+    """The device keys (sorted) that measured points of ``cal``'s copy-engine section other than
+    its own GPU model (``measured_on``)."""
+    section = cal.copy_engine
+    if section is None:
+        return ()
+    keys = {p.measured_on for p in [*section.host, *section.library_gemm] if p.measured_on}
+    return tuple(sorted(keys))
 
 
 def _scaled_points(cal: Calibration, world_size: int, link_gbs: float) -> list[BandwidthPoint]:

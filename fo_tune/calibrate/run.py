@@ -12,7 +12,9 @@
          chunk shapes paced and sustained (one GPU), peer copies, flags and host times (two GPUs)
       7. ``copy_engine_n`` (only when asked for: ``--only copy_engine_n``): the copy engine at N
          peers on one GPU (``fo_tune.engines.copy_engine.calibrate_n``): host times per rank at
-         N = 2..8 with virtual ranks, chunk GEMMs at TP=4/8 layer shapes
+         N = 2..8 with virtual ranks, chunk GEMMs at TP=4/8 layer shapes; merged (``merge_into``)
+         into a calibration of the same GPU model, or of another model of the same die with
+         ``sibling`` (``--into-sibling``), its points then recording where they were measured
 
 ``parts`` selects stages by name (``PARTS``); world size 1 has no collective, so its default is
 ``gemm`` and ``copy_engine`` (the one-GPU measurements: ``fo-tune calibrate --world-size 1``).
@@ -64,6 +66,12 @@ ONE_GPU_PARTS = ("gemm", "copy_engine")
 # with --into; the collectives, the interference and the copy engine are measured in bfloat16.
 OTHER_DTYPE_PARTS = ("gemm",)
 GEMM_ONLY_DTYPES = ("float8_e4m3fn",)
+# What a sibling GPU (another model of the same die: the fingerprint fields of SAME_DIE equal, its
+# name not) may merge into a calibration, with --into-sibling: the copy engine at N peers, whose
+# host times and chunk GEMMs the die decides (its memory bandwidth aside); each point merged records
+# the sibling's device key (``measured_on``).
+SIBLING_PARTS = ("copy_engine_n",)
+SAME_DIE = ("compute_capability", "sm_count")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,20 +309,44 @@ def _copy_engine_n(pool: Pool, req: CalibrationRequest, cpu: bool, rep: Reporter
 
 
 def check_mergeable(
-    target: Calibration, fingerprint: Fingerprint, dtype: str, parts: Sequence[str] = PARTS
+    target: Calibration,
+    fingerprint: Fingerprint,
+    dtype: str,
+    parts: Sequence[str] = PARTS,
+    *,
+    sibling: bool = False,
 ) -> None:
     """Refuse (``CalibrationRequestError``) to merge measurements of ``fingerprint``'s machine in
     ``dtype`` into ``target``: another GPU model (name, compute capability, SM count), or another
     dtype than the target's unless only its GEMM profile (``OTHER_DTYPE_PARTS``, kept apart in
-    ``gemm_dtypes``). The CLI asks this with the local fingerprint before any rank starts."""
+    ``gemm_dtypes``). With ``sibling`` (``--into-sibling``) another GPU name is accepted for
+    ``SIBLING_PARTS`` alone, where the ``SAME_DIE`` fields match. The CLI asks this with the local
+    fingerprint before any rank starts."""
     theirs = target.fingerprint
-    for name in ("gpu_name", "compute_capability", "sm_count"):
-        if getattr(theirs, name) != getattr(fingerprint, name):
+    if sibling and tuple(parts) != SIBLING_PARTS:
+        raise CalibrationRequestError(
+            f"--into-sibling merges --only {','.join(SIBLING_PARTS)} alone (the copy engine at N "
+            "peers, which a GPU of the same die measures alike); pass --only "
+            f"{','.join(SIBLING_PARTS)}, or drop --into-sibling"
+        )
+    same_die = all(getattr(theirs, name) == getattr(fingerprint, name) for name in SAME_DIE)
+    for name in SAME_DIE if sibling else ("gpu_name", *SAME_DIE):
+        if getattr(theirs, name) == getattr(fingerprint, name):
+            continue
+        if sibling:
             raise CalibrationRequestError(
-                f"--into: the calibration is for {theirs.device_key}, this machine is "
-                f"{fingerprint.device_key} ({name} differs); measure on the same GPU model, or write a "
-                "calibration of its own"
+                f"--into-sibling: the calibration is for {theirs.device_key}, this machine is "
+                f"{fingerprint.device_key} ({name} differs): not the same die; measure on a GPU of "
+                "the same compute capability and SM count, or write a calibration of its own"
             )
+        hint = ""
+        if name == "gpu_name" and same_die and tuple(parts) == SIBLING_PARTS:
+            hint = ", or pass --into-sibling (the same die: its points record measured_on)"
+        raise CalibrationRequestError(
+            f"--into: the calibration is for {theirs.device_key}, this machine is "
+            f"{fingerprint.device_key} ({name} differs); measure on the same GPU model, or write a "
+            f"calibration of its own{hint}"
+        )
     if dtype != target.dtype and tuple(parts) != OTHER_DTYPE_PARTS:
         raise CalibrationRequestError(
             f"--into: the calibration was measured with {target.dtype}, this run with {dtype}; "
@@ -322,12 +354,15 @@ def check_mergeable(
         )
 
 
-def merge_into(target: Calibration, measured: Calibration, parts: Sequence[str]) -> Calibration:
+def merge_into(
+    target: Calibration, measured: Calibration, parts: Sequence[str], *, sibling: bool = False
+) -> Calibration:
     """``target`` with the ``parts`` of ``measured`` replacing its own (the copy engine's section
     merged: a parameter no measurement gives keeps its value and source). Refused when the two
     were measured on different GPUs (name, compute capability, SM count): the numbers would not
-    describe ``target``'s machine."""
-    check_mergeable(target, measured.fingerprint, measured.dtype, parts)
+    describe ``target``'s machine; with ``sibling``, ``copy_engine_n`` of another GPU model of the
+    same die is merged, its points recording ``measured``'s device key (``measured_on``)."""
+    check_mergeable(target, measured.fingerprint, measured.dtype, parts, sibling=sibling)
     from fo_tune.engines.copy_engine.calibrate import merge_section
 
     if measured.dtype != target.dtype:  # another dtype's GEMM profile, beside the target's own
@@ -344,5 +379,7 @@ def merge_into(target: Calibration, measured: Calibration, parts: Sequence[str])
     if "copy_engine_n" in parts and measured.copy_engine is not None:
         from fo_tune.engines.copy_engine.calibrate_n import merge_points
 
-        target.copy_engine = merge_points(target.copy_engine, measured.copy_engine)
+        other = measured.fingerprint.gpu_name != target.fingerprint.gpu_name
+        source = measured.fingerprint.device_key if other else ""
+        target.copy_engine = merge_points(target.copy_engine, measured.copy_engine, source)
     return target

@@ -43,6 +43,7 @@ class LibraryGemmPoint:
     beta: int  # 0: C = A @ B; 1: C += A @ B (the copy engine's second step)
     paced_ms: float
     sustained_ms: float
+    measured_on: str = ""  # another GPU's device key (a sibling of the same die); "": this GPU
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,7 +61,9 @@ class HostPoint:
     ranks in one process on one GPU (``fo_tune.engines.copy_engine.calibrate_n``): ``ops`` the
     operations one rank's eager call issues (mean over the ranks), ``eager_ms`` one rank's issue of
     them, ``graph_ms`` one rank's share of a replay of every rank's call captured in one graph;
-    ``chunks`` equal chunks per shard."""
+    ``chunks`` equal chunks per shard; ``measured_on`` the device key of the GPU that measured it
+    where that is not the calibration's own model (a sibling of the same die, ``--into-sibling``),
+    "" where it is."""
 
     world: int
     collective: str
@@ -68,13 +71,14 @@ class HostPoint:
     ops: float
     eager_ms: float
     graph_ms: float
+    measured_on: str = ""
 
 
 @dataclass(kw_only=True, slots=True)
 class EngineCalibration:
     """An engine's section: named scalars with their sources, and the measured points behind them
     (``host``: the copy engine's host time per rank at N peers; absent from files written before
-    it was measured)."""
+    it was measured). A point's ``measured_on`` is written only where it is set."""
 
     params: dict[str, Quantity] = field(default_factory=dict)
     library_gemm: list[LibraryGemmPoint] = field(default_factory=list)
@@ -87,11 +91,11 @@ class EngineCalibration:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"params": {name: asdict(q) for name, q in self.params.items()}}
         if self.library_gemm:
-            out["library_gemm"] = [asdict(p) for p in self.library_gemm]
+            out["library_gemm"] = [_point_dict(p) for p in self.library_gemm]
         if self.copies:
             out["copies"] = [asdict(p) for p in self.copies]
         if self.host:
-            out["host"] = [asdict(p) for p in self.host]
+            out["host"] = [_point_dict(p) for p in self.host]
         return out
 
     @classmethod
@@ -121,6 +125,15 @@ class EngineCalibration:
                 for i, row in enumerate(data.get("host") or [])
             ],
         )
+
+
+def _point_dict(point: LibraryGemmPoint | HostPoint) -> dict[str, Any]:
+    """A point as a file's mapping, without ``measured_on`` where it is "" (the calibration's own
+    GPU: the files of calibrations measured on one GPU model stay as they were)."""
+    out = asdict(point)
+    if not out["measured_on"]:
+        del out["measured_on"]
+    return out
 
 
 _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}

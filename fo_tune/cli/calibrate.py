@@ -102,8 +102,19 @@ IntoOpt = Annotated[
     typer.Option(
         "--into",
         metavar="FILE",
-        help="Merge what this run measures into an existing calibration.yaml (of the same GPU model; "
-        "e.g. one GPU's copy-engine measurements into the TP=2 calibration) instead of writing a folder.",
+        help="Merge what this run measures into an existing calibration.yaml (of the same GPU model, "
+        "or of the same die with --into-sibling; e.g. one GPU's copy-engine measurements into the "
+        "TP=2 calibration) instead of writing a folder.",
+    ),
+]
+IntoSiblingOpt = Annotated[
+    bool,
+    typer.Option(
+        "--into-sibling",
+        help="With --into and --only copy_engine_n alone: merge although this GPU is another model "
+        "than the calibration's, where the two share the die (the same compute capability and SM "
+        "count, e.g. an H100 into an H200's calibration); each point merged records this machine's "
+        "device key (measured_on), and extrapolated plans name it in their basis.",
     ),
 ]
 CalDtypeOpt = Annotated[
@@ -210,7 +221,13 @@ def calibrate(
     backend: BackendOpt = "auto",
     only: OnlyOpt = None,
     into: IntoOpt = None,
+    into_sibling: IntoSiblingOpt = False,
 ) -> None:
+    if into_sibling and into is None:
+        raise typer.BadParameter(
+            "--into-sibling merges into an existing calibration: pass --into CALIBRATION.yaml "
+            "--only copy_engine_n with it, or drop it"
+        )
     names = parse_collectives(
         collectives, valid=CALIBRATED_NAMES, default=CALIBRATED_NAMES, option="--collectives"
     )
@@ -234,7 +251,7 @@ def calibrate(
             from fo_tune.calibrate.run import check_mergeable
 
             here = current_fingerprint(local_device(chosen), world_size)
-            check_mergeable(target, here, dtype, parts or PART_NAMES)
+            check_mergeable(target, here, dtype, parts or PART_NAMES, sibling=into_sibling)
         if driver and into is None:  # a bad --out costs nothing: checked before any rank starts
             check_calibration_out(
                 out or DEFAULT_ROOT / expected_device_key(chosen, world_size) / f"tp{world_size}"
@@ -260,7 +277,7 @@ def calibrate(
             from fo_tune.calibrate.run import merge_into
 
             assert into is not None
-            save_calibration(merge_into(target, cal, request.selected()), into)
+            save_calibration(merge_into(target, cal, request.selected(), sibling=into_sibling), into)
             console.print(f"[green]merged[/] {', '.join(request.selected())} into {into}", highlight=False)
             return
         written = write_calibration_dir(cal, out or default_out_dir(cal))

@@ -22,11 +22,13 @@ measure is measured here (docs/design.md#virtual-ranks):
   which the model reads for those exact chunks at N > 2.
 
 ``merge_points`` adds both to a calibration's copy-engine section (its TP=2 points and parameters
-stay).
+stay). Measured on a sibling GPU of the calibration's (same die, compute capability and SM count;
+``fo-tune calibrate --into-sibling``), the points merged record its device key in ``measured_on``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-from fo_tune.calibrate.calibration import EngineCalibration, HostPoint
+from fo_tune.calibrate.calibration import EngineCalibration, HostPoint, Quantity
 from fo_tune.engines.copy_engine.calibrate import LibraryGemmTask, chunk_shapes
 from fo_tune.ranks.launch import RankContext
 
@@ -187,9 +189,17 @@ def layer_task(cpu: bool, dtype: str) -> LibraryGemmTask:
     return LibraryGemmTask(layer_gemm_shapes(cpu), dtype)
 
 
-def merge_points(old: EngineCalibration | None, new: EngineCalibration) -> EngineCalibration:
+def merge_points(
+    old: EngineCalibration | None, new: EngineCalibration, measured_on: str = ""
+) -> EngineCalibration:
     """``old`` with ``new``'s library points and host points added (a point of the same shape, or
-    the same world size, collective and chunks, replaced) and its parameters over ``old``'s."""
+    the same world size, collective and chunks, replaced) and its parameters over ``old``'s.
+
+    ``measured_on``: the device key of the GPU that measured ``new`` where it is another model than
+    ``old``'s calibration (a sibling of the same die, ``--into-sibling``); each of ``new``'s points
+    records it and each of its parameters' sources names it."""
+    if measured_on:
+        new = from_sibling(new, measured_on)
     if old is None:
         return new
     gemm = {(p.m, p.n, p.k, p.beta): p for p in [*old.library_gemm, *new.library_gemm]}
@@ -199,4 +209,18 @@ def merge_points(old: EngineCalibration | None, new: EngineCalibration) -> Engin
         library_gemm=list(gemm.values()),
         copies=new.copies or old.copies,
         host=sorted(host.values(), key=lambda p: (p.collective, p.world, p.chunks)),
+    )
+
+
+def from_sibling(section: EngineCalibration, measured_on: str) -> EngineCalibration:
+    """``section`` as measured on ``measured_on`` (a device key): its library and host points carry
+    it, its parameters' sources name it."""
+    return EngineCalibration(
+        params={
+            name: Quantity(value=q.value, source=f"{q.source}; measured on {measured_on}, a sibling GPU")
+            for name, q in section.params.items()
+        },
+        library_gemm=[dataclasses.replace(p, measured_on=measured_on) for p in section.library_gemm],
+        copies=section.copies,
+        host=[dataclasses.replace(p, measured_on=measured_on) for p in section.host],
     )
