@@ -9,7 +9,7 @@
 #   FO_DTYPE=float8_e4m3fn bash bench/profile.sh OUT_DIR    (fp8: beside torch._scaled_mm)
 #
 # MxNxK arguments profile those shapes instead of the suite's; FO_DTYPE is the operand dtype
-# (default bfloat16). Writes, per shape,
+# (default bfloat16); FO_SMS_FREE the reduced grids' free SMs (default 0,8,12,16). Writes, per shape,
 # OUT_DIR/profiles/<M>x<N>x<K>-<dtype>.csv and its -grids.csv (results/profiles/<device-key>/),
 # the space profiled (OUT_DIR/profile-space.yaml), the log (OUT_DIR/profile.log) and, while it
 # runs, the SM clock, power and temperature every 200 ms (OUT_DIR/smi.csv: a loop of GEMMs runs
@@ -24,7 +24,7 @@ cd "$FO_REPO"
 
 dtype="${FO_DTYPE:-bfloat16}"
 space="$out_dir/profile-space.yaml"
-"$PYTHON" -m fo_tune.bench.script_inputs space search_spaces/hopper.yaml "$space" --sms-free 0,8,12,16
+"$PYTHON" -m fo_tune.bench.script_inputs space search_spaces/hopper.yaml "$space" --sms-free "${FO_SMS_FREE:-0,8,12,16}"
 if [ "$#" -gt 0 ]; then
   shapes=("$@")
 else
