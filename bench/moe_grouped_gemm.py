@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calls", type=int, default=10, help="calls per graph replay (a sample)")
-    parser.add_argument("--models", default="", help="comma-separated model names of the suite (default: all)")
+    parser.add_argument("--models", default="", help="comma-separated model names (default: all)")
     parser.add_argument("--ep", default="", help="comma-separated EP sizes (default: the suite's)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
