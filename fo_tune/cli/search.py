@@ -64,7 +64,9 @@ HELP = "\n\n".join(
         "-c moe plans the expert-parallel MoE FFN's table (its dispatch and combine All-to-All around "
         "the grouped GEMMs) for --experts H,I,E_local,k (or --shapes suites/moe/experts.yaml) and --tokens "
         "buckets, from a calibration's model only (--mode predict; the measured modes need two or more "
-        "GPUs and are not built for it).",
+        "GPUs and are not built for it). It records no study, so it takes no --storage: the table "
+        "goes to <table dir>/<device key>/moe-w<W>-<dtype>.yaml, which every `fo-tune table` "
+        "command reads.",
         "Modes: predict (the cost model of a calibration prices every enumerated point, "
         "bounded, no GPU: the default without GPUs, with the packaged calibration for "
         "--world-size; with --trials N a TPE study of N predictions instead), measure (a TPE "
@@ -361,6 +363,11 @@ def search(
         if len(picked) > 1:
             raise typer.BadParameter(f"-c {MOE_COLLECTIVE} is searched alone, not with {', '.join(picked)}")
         check_dtype(dtype)
+        if storage is not None:  # an offline plan: no trials, so no study to keep in a storage
+            raise typer.BadParameter(
+                f"--storage: -c {MOE_COLLECTIVE} plans its table offline and records no study; leave "
+                "--storage out (copy the moe-w<W>-<dtype>.yaml table file to share it)"
+            )
         return run_moe_search(
             experts=experts, suite=shapes, tokens=tokens, world_size=world_size, dtype=dtype,
             mode=mode, calibration=calibration, space=space, engine=engine, table_dir=table_dir, out=out,

@@ -2,13 +2,15 @@
 that read table files: show, validate, diff (library: ``fo_tune.tables``). ``lookup`` and ``list``
 are ``fo_tune.cli.table_find``'s, ``pull`` is ``fo_tune.cli.table_pull``'s.
 
-Table files are read with ``fo_kernels.table.load_table``; the runtime and the tuner are imported only
-inside the commands, so ``fo-tune --help`` stays light.
+Each command takes dense tables (``fo_kernels.table``) and MoE tables (``fo_kernels.moe.table``):
+a file is read as the kind its name or its ``kind`` says (``fo_tune.tables.kinds``) and handled
+by that kind's checks, comparison and rows (``fo_tune.cli.table_moe`` shows the MoE ones). The
+runtime and the tuner are imported only inside the commands, so ``fo-tune --help`` stays light.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -16,7 +18,6 @@ import typer
 from rich.markup import escape
 
 from fo_tune.cli.common import (
-    COLLECTIVE_NAMES,
     DTYPE_NAMES,
     EXIT_BAD_INPUT,
     console,
@@ -27,10 +28,12 @@ from fo_tune.cli.common import (
     summary_table,
 )
 from fo_tune.cli.table_find import LIST_HELP, LOOKUP_HELP, list_tables, lookup
+from fo_tune.cli.table_moe import moe_changes_cell, moe_csv_rows, moe_table_yaml, show_moe_rich
 from fo_tune.cli.table_options import (
     DEFAULT_COLLECTIVE,
     DEFAULT_DTYPE,
     DEFAULT_WORLD_SIZE,
+    TABLE_COLLECTIVES,
     CollectiveOpt,
     DeviceKeyOpt,
     TableDtypeOpt,
@@ -50,8 +53,10 @@ from fo_tune.cli.table_rows import (
 )
 
 if TYPE_CHECKING:
+    from fo_kernels.moe.table import MoeTable
     from fo_kernels.table import ScheduleTable
     from fo_tune.tables.diff import RowDiff
+    from fo_tune.tables.moe_diff import MoeRowDiff
 
 FORMATS = ("table", "yaml", "csv")
 # Exit code of `diff --exit-code` when the tables differ (as `git diff --exit-code`).
@@ -65,10 +70,14 @@ HELP = "\n\n".join(
         "A table holds the schedules of one (device key, collective, world size, dtype); it lives at "
         "<folder>/<device-key>/<collective>-w<world>-<dtype>.yaml, and the runtime searches the "
         "folders $FO_TUNE_TABLE_DIR, $XDG_DATA_HOME/fo-tune/tables (default "
-        "~/.local/share/fo-tune/tables) and the packaged results/tables, in this order.",
+        "~/.local/share/fo-tune/tables) and the packaged results/tables, in this order. The MoE "
+        "table (`fo-tune search -c moe`: the expert-parallel FFN's rows per experts' shape and "
+        "bucket of tokens per rank) lives beside them at <folder>/<device-key>/moe-w<world>-<dtype>.yaml; "
+        "every command below takes it too.",
         "Commands: list (the table files the runtime finds, per device key), show (print a table), "
         "lookup (the row the runtime would use for one call, and its file; -k picks the device key "
-        "on a machine without that GPU), validate (check files beyond their format: rows unique "
+        "on a machine without that GPU; --experts and --tokens for an MoE call), validate (check "
+        "files beyond their format: rows unique "
         "per problem, every row must give a plan for its shapes), diff (compare two tables row by "
         "row) and pull (write the tables of every study in a storage a fleet of workers shares).",
         "The runtime prefers a measured row over a predicted one (provenance mode: predict, written by "
@@ -94,6 +103,11 @@ SHOW_HELP = "\n\n".join(
         "weights on an M-range row). A copy-engine row (engine: copy_engine) shows 'copy engine' "
         "and its mode as its tile (with the tiled mode's tile) and the relative row weights of its "
         "chunks as groups.",
+        "An MoE table (moe-w<world>-<dtype>.yaml; -c moe finds it by the header options) is shown "
+        "per row with its experts' shape (H, I, E_local, k), bucket of tokens per rank, measured or "
+        "predicted, engine and its settings (triton: tile, SMs left free, NCCL CTA cap, wait mode; "
+        "copy_engine: chunks) and provenance (predicted_ms, fallback_ms: the no-overlap path's, ...); "
+        "the calibration and basis of its predictions follow the table, once each.",
         "--format yaml prints the table(s) as YAML, --format csv one CSV line per row (with a file "
         "column), for scripts.",
         "Exit code 0 when shown, 2 when no table is found or a file is malformed.",
@@ -110,8 +124,14 @@ VALIDATE_HELP = "\n\n".join(
         "rows, sms_free leaving a grid of the fingerprint's SM count); every overlapped M-range row "
         "must give a plan at m_min, m_max and a middle M (multiples of the world size for "
         "reduce_scatter and all_gather); M ranges for the same N, K must not overlap.",
+        "An MoE table (moe-w<world>-<dtype>.yaml, or a file whose kind says so): its format (what "
+        "loading checks: every field, the tile, chunks, token buckets of one experts' shape not "
+        "overlapping), then every overlapped row: a triton row's sms_free must leave its grouped "
+        "GEMMs a grid of the fingerprint's SM count, and the row's engine must run on the "
+        "fingerprint's machine (the copy engine needs peer access between the GPUs).",
         "Prints OK per good file on stdout and one line per problem on stderr. A note says when a "
-        "file is not where lookup looks for it (<device-key>/<collective>-w<world>-<dtype>.yaml).",
+        "file is not where lookup looks for it (<device-key>/<collective>-w<world>-<dtype>.yaml, "
+        "<device-key>/moe-w<world>-<dtype>.yaml).",
         "Exit code 0 when every file is fine, 2 when any has a problem (fix the row named, or "
         "re-tune it with `fo-tune search`).",
     ]
@@ -124,11 +144,15 @@ DIFF_HELP = "\n\n".join(
         "sms_free, nccl_max_ctas, signal_tiles, groups, layout, wait_mode, overlap) or the same. "
         "Latencies from the rows' provenance (measured_ms, else predicted_ms) are shown side by "
         "side with their ratio B/A.",
+        "Two MoE tables are compared the same way, rows matched by experts' shape and bucket of "
+        "tokens per rank, fields engine (alone when it differs), tile, sms_free, nccl_max_ctas, "
+        "wait_mode, chunks. An MoE table is never compared with a dense one (exit code 2).",
         "Header and fingerprint differences (e.g. library versions) are listed above the rows. "
         "Provenance alone (a re-measured time) does not make a row changed: the runtime would do "
         "the same.",
         "Exit code 0 whether or not they differ; with --exit-code 1 when any row differs (as "
-        "`git diff --exit-code`); 2 when a file is missing or malformed.",
+        "`git diff --exit-code`); 2 when a file is missing or malformed, or the tables are of two "
+        "kinds.",
     ]
 )
 
@@ -184,34 +208,45 @@ def show(
         raise typer.BadParameter(
             f"{', '.join(given)}: give a PATH or the header options that find a table, not both"
         )
-    from fo_kernels.table import load_table
+    from fo_kernels.moe.table import MoeTable
+    from fo_tune.tables.kinds import load_any_table
 
     if path is not None:
         paths = [path]
     else:
-        collective = check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
+        collective = check_choice("--collective", collective or DEFAULT_COLLECTIVE, TABLE_COLLECTIVES)
         dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
         paths = find_paths(device_key, collective, world_size or DEFAULT_WORLD_SIZE, dtype)
-    found = [(p, load_table(p)) for p in paths]
-    if format_ == "csv":
-        typer.echo(csv_rows(found), nl=False)
+    found = [(p, load_any_table(p)) for p in paths]
+    moe = [(p, t) for p, t in found if isinstance(t, MoeTable)]
+    dense = [(p, t) for p, t in found if not isinstance(t, MoeTable)]
+    if format_ == "csv":  # (the files of one header are of one kind)
+        typer.echo(moe_csv_rows(moe) if moe else csv_rows(dense), nl=False)
         return
     for i, (p, table) in enumerate(found):
+        is_moe = isinstance(table, MoeTable)
         if format_ == "yaml":
-            typer.echo(("---\n" if i else "") + f"# {p}\n" + table_yaml(table), nl=False)
+            text = moe_table_yaml(table) if is_moe else table_yaml(table)
+            typer.echo(("---\n" if i else "") + f"# {p}\n" + text, nl=False)
             continue
         if i:
             console.print()
-        show_rich(p, table)
+        if is_moe:
+            show_moe_rich(p, table)
+        else:
+            show_rich(p, table)
 
 
 # ------------------------------------------------------------------------------ validate
-def _location_note(path: Path, table: ScheduleTable) -> str | None:
+def _location_note(path: Path, table: ScheduleTable | MoeTable) -> str | None:
+    from fo_kernels.moe.table import MoeTable, moe_table_filename
     from fo_kernels.table import table_filename
 
-    expected = Path(table.fingerprint.device_key) / table_filename(
-        table.collective, table.world_size, table.dtype
-    )
+    if isinstance(table, MoeTable):
+        name = moe_table_filename(table.world_size, table.dtype)
+    else:
+        name = table_filename(table.collective, table.world_size, table.dtype)
+    expected = Path(table.fingerprint.device_key) / name
     if (path.parent.name, path.name) == expected.parts:
         return None
     return f"{path}: lookup reads this table only as <table folder>/{expected}"
@@ -220,24 +255,32 @@ def _location_note(path: Path, table: ScheduleTable) -> str | None:
 @handle_errors
 def validate(paths: PathsArg, sm_count: SmCountOpt = None) -> None:
     from fo_kernels.errors import TableError, TableNotFoundError
-    from fo_kernels.table import load_table
+    from fo_kernels.moe.table import MoeTable
+    from fo_tune.cli.search_moe import MOE_COLLECTIVE
+    from fo_tune.tables.kinds import load_any_table
+    from fo_tune.tables.moe_validate import validate_moe_table
     from fo_tune.tables.validate import validate_table
 
     problems: list[str] = []
     bad_files = 0
     for path in paths:
         try:
-            table = load_table(path)
+            table = load_any_table(path)
         except (TableError, TableNotFoundError) as exc:
             problems.append(one_line(exc))
             bad_files += 1
             continue
-        issues = validate_table(table, sm_count=sm_count)
+        if isinstance(table, MoeTable):
+            issues = validate_moe_table(table, sm_count=sm_count)
+            what = MOE_COLLECTIVE
+        else:
+            issues = validate_table(table, sm_count=sm_count)
+            what = table.collective
         problems.extend(f"{path}: {issue}" for issue in issues)
         bad_files += bool(issues)
         if not issues:
             print_plain(
-                f"OK {path}: {len(table.rows)} row(s), {table.collective} {table.dtype} world size "
+                f"OK {path}: {len(table.rows)} row(s), {what} {table.dtype} world size "
                 f"{table.world_size}, {table.fingerprint.device_key}"
             )
         note = _location_note(path, table)
@@ -284,7 +327,13 @@ def _changes_cell(d: RowDiff) -> str:
     return "; ".join(parts) or "-"
 
 
-def _print_diff(diffs: Sequence[RowDiff], show_all: bool) -> None:
+def _print_diff(
+    diffs: Sequence[RowDiff] | Sequence[MoeRowDiff],
+    show_all: bool,
+    changes: Callable[..., str] = _changes_cell,
+) -> None:
+    """The rows of ``diffs`` (the differing ones unless ``show_all``), ``changes`` making the
+    changes cell of a row's diff (dense or MoE)."""
     out = summary_table("", ["problem", "status", "changes (A -> B)", "A ms", "B ms", "B/A"], 3)
     for d in diffs:
         if not show_all and not d.differs:
@@ -294,7 +343,7 @@ def _print_diff(diffs: Sequence[RowDiff], show_all: bool) -> None:
         ratio = "-"
         if a_key is not None and a_key == b_key and d.latency_a[a_key] > 0:
             ratio = fmt(d.latency_b[b_key] / d.latency_a[a_key], ".3g")
-        cells = [d.problem.describe(), STATUS_LABELS[d.status], _changes_cell(d), a_cell, b_cell, ratio]
+        cells = [d.problem.describe(), STATUS_LABELS[d.status], changes(d), a_cell, b_cell, ratio]
         out.add_row(*(escape(cell) for cell in cells))
     if out.row_count:
         console.print(out)
@@ -302,16 +351,30 @@ def _print_diff(diffs: Sequence[RowDiff], show_all: bool) -> None:
 
 @handle_errors
 def diff(a: TableAArg, b: TableBArg, exit_code: ExitCodeOpt = False, all_: AllRowsOpt = False) -> None:
-    from fo_kernels.table import load_table
+    from fo_kernels.errors import TableError
+    from fo_kernels.moe.table import MoeTable
     from fo_tune.tables.diff import DIFF_STATUSES, diff_tables, header_differences
+    from fo_tune.tables.kinds import load_any_table
+    from fo_tune.tables.moe_diff import diff_moe_tables, moe_header_differences
 
-    table_a, table_b = load_table(a), load_table(b)
+    table_a, table_b = load_any_table(a), load_any_table(b)
+    moe_a, moe_b = isinstance(table_a, MoeTable), isinstance(table_b, MoeTable)
+    if moe_a != moe_b:
+        moe_path, dense_path = (a, b) if moe_a else (b, a)
+        raise TableError(
+            f"{moe_path} is an MoE table and {dense_path} a dense one; diff compares two tables of one kind"
+        )
     print_plain(f"A: {a} ({table_a.fingerprint.device_key}, {len(table_a.rows)} row(s))")
     print_plain(f"B: {b} ({table_b.fingerprint.device_key}, {len(table_b.rows)} row(s))")
-    for name, value_a, value_b in header_differences(table_a, table_b):
+    if moe_a:
+        headers = moe_header_differences(table_a, table_b)
+        diffs: Sequence[RowDiff] | Sequence[MoeRowDiff] = diff_moe_tables(table_a, table_b)
+    else:
+        headers = header_differences(table_a, table_b)
+        diffs = diff_tables(table_a, table_b)
+    for name, value_a, value_b in headers:
         print_plain(f"header {name}: {value_label(value_a)} -> {value_label(value_b)}")
-    diffs = diff_tables(table_a, table_b)
-    _print_diff(diffs, all_)
+    _print_diff(diffs, all_, moe_changes_cell if moe_a else _changes_cell)
     counts = {status: sum(d.status == status for d in diffs) for status in DIFF_STATUSES}
     differing = len(diffs) - counts["same"]
     if differing:

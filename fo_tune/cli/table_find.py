@@ -1,5 +1,6 @@
 """``fo-tune table lookup`` and ``fo-tune table list``: the row the runtime would use for one call
-(library: ``fo_tune.tables.find.find_row``), and the table files in the runtime's search path.
+(library: ``fo_tune.tables.find.find_row``; for an MoE call, ``--experts`` and ``--tokens``,
+``find_moe_row``), and the table files in the runtime's search path, dense and MoE.
 
 A lookup on a machine whose device key has no table (a CPU-only machine planning a GPU
 deployment) names the device keys that have tables and the ``-k`` that picks one.
@@ -22,6 +23,7 @@ from fo_tune.cli.common import (
     json_text,
     summary_table,
 )
+from fo_tune.cli.search_moe import MOE_COLLECTIVE
 from fo_tune.cli.table_options import (
     DEFAULT_COLLECTIVE,
     DEFAULT_DTYPE,
@@ -49,6 +51,13 @@ LOOKUP_HELP = "\n\n".join(
         "deployment) pass its key, e.g. -k nvidia-h200-cc90-132sm-w2-nvlink18; when this machine's "
         "key has no table, the answer names the keys that have one (hint, other_device_keys). "
         "`fo-tune table list` lists them all.",
+        "An MoE call (expert_parallel_ffn with schedule=None): --experts H,I,E_LOCAL,K and --tokens "
+        "T, the most tokens any rank of the call holds (the runtime looks its row up by that, so "
+        "every rank takes the same row), with --world-size, --dtype and -k as above. The runtime "
+        "reads moe-w<world>-<dtype>.yaml in every folder and takes the measured row whose bucket "
+        "holds T, else the predicted one, the folder order deciding between rows of one kind; "
+        "without one it runs the no-overlap path (dispatch, grouped GEMMs, combine), which lookup "
+        "prints with source: no table row and the files it read.",
         "Exit code 0 when printed (a row or overlap: false), 2 for bad options or a malformed table.",
     ]
 )
@@ -57,7 +66,8 @@ LIST_HELP = "\n\n".join(
     [
         "List the table files the runtime's search path holds ($FO_TUNE_TABLE_DIR, the user folder "
         "~/.local/share/fo-tune/tables, the packaged tables, in the order lookup reads them): per "
-        "file its device key, collective, world size, dtype, rows and folder. --device-key keeps "
+        "file its device key, collective (moe for the MoE table, moe-w<world>-<dtype>.yaml), world "
+        "size, dtype, rows and folder. --device-key keeps "
         "one device key's; --json prints them as JSON.",
         "Exit code 0 (also when there is no table), 2 for a malformed table file.",
     ]
@@ -79,6 +89,26 @@ LookupWorldSizeOpt = Annotated[
         "--world-size",
         "-w",
         help=f"World size of the call. Default: {DEFAULT_WORLD_SIZE}.",
+        show_default=False,
+    ),
+]
+ExpertsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--experts",
+        metavar="H,I,E_LOCAL,K",
+        help="An MoE call's experts' shape: hidden, intermediate, local experts per rank, top_k "
+        "(with --tokens; instead of --shape).",
+        show_default=False,
+    ),
+]
+TokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--tokens",
+        "-t",
+        metavar="T",
+        help="An MoE call's tokens per rank: the most any rank of the call holds (with --experts).",
         show_default=False,
     ),
 ]
@@ -113,15 +143,23 @@ def lookup(
     dtype: TableDtypeOpt = None,
     device_key: DeviceKeyOpt = None,
     json_out: JsonOpt = False,
+    experts: ExpertsOpt = None,
+    tokens: TokensOpt = None,
 ) -> None:
-    import yaml
-
     from fo_tune.cli.common import parse_shape
 
-    if shape is None:
-        raise typer.BadParameter("--shape MxNxK: the call to look up is missing")
     if world_size is not None and world_size < 1:
         raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
+    if experts is not None or tokens is not None or collective == MOE_COLLECTIVE:
+        if shape is not None:
+            raise typer.BadParameter("--shape is a dense call's; an MoE call is --experts and --tokens")
+        if collective not in (None, MOE_COLLECTIVE):
+            raise typer.BadParameter(f"--experts and --tokens look an MoE call up, not -c {collective}")
+        out = _moe_lookup(experts, tokens, world_size, dtype, device_key)
+        _print_answer(out, json_out)
+        return
+    if shape is None:
+        raise typer.BadParameter("--shape MxNxK: the call to look up is missing")
     m, n, k = parse_shape(shape)
     collective = check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
     dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
@@ -154,17 +192,64 @@ def lookup(
         for key in ("collective", "dtype", "world_size"):
             data.pop(key)
         out.update(source=str(path), kind=kind_label(row), row=data)
+    _print_answer(out, json_out)
+
+
+def _print_answer(out: dict[str, Any], json_out: bool) -> None:
+    import yaml
+
     if json_out:
         typer.echo(json_text(out))
     else:
         typer.echo(yaml.safe_dump(out, sort_keys=False, width=110), nl=False)
 
 
+def _moe_lookup(
+    experts: str | None, tokens: int | None, world_size: int | None, dtype: str | None, device_key: str | None
+) -> dict[str, Any]:
+    """The answer of an MoE lookup: the row ``expert_parallel_ffn`` takes for the call (with its
+    file and kind), or the no-overlap path and the files read."""
+    if experts is None or tokens is None:
+        missing = "--experts H,I,E_LOCAL,K" if experts is None else "--tokens T"
+        raise typer.BadParameter(f"{missing}: an MoE lookup needs the experts' shape and the tokens per rank")
+    if tokens < 0:
+        raise typer.BadParameter(f"--tokens must be >= 0, got {tokens}")
+    from fo_tune.moe.plan import ExpertsShape
+
+    shape = ExpertsShape.parse(experts)
+    key = (shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+    dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
+    world = world_size or DEFAULT_WORLD_SIZE
+    from fo_kernels.table import MISS_SOURCE
+    from fo_tune.tables.find import find_moe_row
+
+    given = device_key is not None
+    if device_key is None:
+        from fo_kernels.fingerprint import current_fingerprint
+
+        device_key = current_fingerprint(None, world).device_key
+    row, path, read = find_moe_row(device_key, world, dtype, key, tokens)
+    out: dict[str, Any] = {"device_key": device_key}
+    if row is None:
+        problem = dict(zip(("hidden", "intermediate", "experts", "top_k"), key, strict=True))
+        out.update(
+            source=f"{MISS_SOURCE}: the runtime runs the no-overlap path (dispatch, grouped GEMMs, combine)",
+            searched=[str(p) for p in read],
+            row={"problem": {**problem, "tokens": tokens}, "engine": None},
+        )
+        if not given:
+            out.update(_miss_hint(device_key, read))
+        return out
+    out.update(source=str(path), kind=row.kind, row=row.to_dict())
+    return out
+
+
 def table_files(device_key: str | None = None) -> list[dict[str, Any]]:
     """Every table file in the runtime's search path (``device_key``'s only, when given), in the
     order lookup reads the folders: its path, folder, header and row count."""
-    from fo_kernels.moe.table import MOE_TABLE_PREFIX, load_moe_table
+    from fo_kernels.moe.table import load_moe_table
     from fo_kernels.table import read_table, table_search_path
+    from fo_tune.tables.kinds import is_moe_name
 
     out: list[dict[str, Any]] = []
     for root in table_search_path():
@@ -173,11 +258,11 @@ def table_files(device_key: str | None = None) -> list[dict[str, Any]]:
         for path in sorted(root.glob("*/*.yaml")):
             if device_key is not None and path.parent.name != device_key:
                 continue
-            if path.name.startswith(f"{MOE_TABLE_PREFIX}-"):  # the MoE table (fo-tune search -c moe)
+            if is_moe_name(path):  # the MoE table (fo-tune search -c moe)
                 moe = load_moe_table(path)
                 key, world, dtype = moe.fingerprint.device_key, moe.world_size, moe.dtype
                 out.append(
-                    {"device_key": key, "collective": MOE_TABLE_PREFIX, "world_size": world, "dtype": dtype,
+                    {"device_key": key, "collective": MOE_COLLECTIVE, "world_size": world, "dtype": dtype,
                      "rows": len(moe.rows), "folder": str(root), "path": str(path)}
                 )  # fmt: skip
                 continue
@@ -227,3 +312,9 @@ def list_tables(device_key: ListDeviceKeyOpt = None, json_out: ListJsonOpt = Fal
         markup=False,
         highlight=False,
     )
+    if any(f["collective"] == MOE_COLLECTIVE for f in files):
+        console.print(
+            "an MoE call with `fo-tune table lookup --experts H,I,E_LOCAL,K --tokens T -k DEVICE_KEY`",
+            markup=False,
+            highlight=False,
+        )

@@ -1,6 +1,7 @@
 """What the ``fo-tune table`` commands share: the header options that find a table (device key,
-collective, world size, dtype) with their defaults, the choice check, and finding the table files
-of a header in the runtime's search path (an error names the device keys that have tables)."""
+collective or ``moe``, world size, dtype) with their defaults, the choice check, and finding the
+table files of a header in the runtime's search path (an error names the device keys that have
+tables)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from typing import Annotated
 import typer
 
 from fo_tune.cli.common import COLLECTIVE_NAMES, DTYPE_NAMES
+from fo_tune.cli.search_moe import MOE_COLLECTIVE
 
 # Defaults of the header options: the setup docs/perf-notes.md measured (bf16, TP=2).
 DEFAULT_COLLECTIVE = "all_reduce"
+# What --collective names a table by: a dense table's collective, or ``moe`` for the MoE table
+# (``moe-w<W>-<dtype>.yaml``; the name `fo-tune search -c` takes for it).
+TABLE_COLLECTIVES = (*COLLECTIVE_NAMES, MOE_COLLECTIVE)
 DEFAULT_WORLD_SIZE = 2
 DEFAULT_DTYPE = "bfloat16"
 
@@ -32,7 +37,8 @@ CollectiveOpt = Annotated[
     typer.Option(
         "--collective",
         "-c",
-        help=f"Collective of the table: {', '.join(COLLECTIVE_NAMES)}. Default: {DEFAULT_COLLECTIVE}.",
+        help=f"Collective of the table: {', '.join(COLLECTIVE_NAMES)}, or {MOE_COLLECTIVE} for the MoE "
+        f"table. Default: {DEFAULT_COLLECTIVE}.",
         show_default=False,
     ),
 ]
@@ -65,24 +71,31 @@ def check_choice(option: str, value: str, choices: Sequence[str]) -> str:
 
 
 def find_paths(device_key: str | None, collective: str, world_size: int, dtype: str) -> list[Path]:
-    """The table files of this header in the search path (``device_key`` None: this machine's);
+    """The table files of this header in the search path (``device_key`` None: this machine's;
+    ``collective`` ``moe``: the MoE tables);
     ``TableNotFoundError`` naming the device keys that have tables and the options that pick one."""
     from fo_kernels.errors import TableNotFoundError
+    from fo_kernels.moe.table import moe_table_filename
     from fo_kernels.table import table_filename, table_search_path
-    from fo_tune.tables.find import find_tables, known_device_keys
+    from fo_tune.tables.find import find_moe_tables, find_tables, known_device_keys
 
     if device_key is None:
         from fo_kernels.fingerprint import current_fingerprint
 
         device_key = current_fingerprint(None, world_size).device_key
-    paths = find_tables(device_key, collective, world_size, dtype)
+    if collective == MOE_COLLECTIVE:
+        paths = find_moe_tables(device_key, world_size, dtype)
+        filename = moe_table_filename(world_size, dtype)
+    else:
+        paths = find_tables(device_key, collective, world_size, dtype)
+        filename = table_filename(collective, world_size, dtype)
     if paths:
         return paths
     keys = known_device_keys()
     known = f"tables exist for device keys {', '.join(keys)}" if keys else "no table folder exists"
     folders = ", ".join(map(str, table_search_path()))
     raise TableNotFoundError(
-        f"no table {device_key}/{table_filename(collective, world_size, dtype)} in {folders} ({known}); "
+        f"no table {device_key}/{filename} in {folders} ({known}); "
         "write one with `fo-tune search`, pick a device key with -k KEY (`fo-tune table list` lists "
         "them), or give a PATH"
     )

@@ -21,6 +21,9 @@ PULL_HELP = "\n\n".join(
         "merge: a row replaces the row for its problem, an M range every range it overlaps, and a "
         "predicted row never replaces a measured one (from the storage or already in the file). "
         "Run it again at any time: it merges what was recorded since.",
+        "The MoE table (moe-w<world>-<dtype>.yaml) is not in a storage: `fo-tune search -c moe` "
+        "plans it offline and records no study (it refuses --storage), so pull neither writes nor "
+        "touches it; copy the file to share it.",
         "--storage takes the URL the workers used: postgresql://USER@HOST:PORT/DB, sqlite:///FILE "
         "or journal:FILE (a SQLite or journal file must exist). --table-dir defaults to "
         "$FO_TUNE_TABLE_DIR, else ~/.local/share/fo-tune/tables, where the runtime finds them.",

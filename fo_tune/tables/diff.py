@@ -52,11 +52,14 @@ def _problem_key(problem: Problem) -> tuple[int, int, int, int, int]:
 
 def latencies(schedule: Schedule | None) -> dict[str, float]:
     """The latencies (``LATENCY_KEYS``) a row's provenance holds as numbers, in preference order."""
-    if schedule is None:
-        return {}
+    return {} if schedule is None else provenance_latencies(schedule.provenance)
+
+
+def provenance_latencies(provenance: Mapping[str, Any]) -> dict[str, float]:
+    """The latencies (``LATENCY_KEYS``) ``provenance`` holds as numbers, in preference order."""
     out: dict[str, float] = {}
     for key in LATENCY_KEYS:
-        value = schedule.provenance.get(key)
+        value = provenance.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = float(value)
     return out
@@ -84,7 +87,8 @@ def changed_fields(a: Schedule, b: Schedule) -> tuple[str, ...]:
     return tuple(name for name in SCHEDULE_FIELDS if field_value(a, name) != field_value(b, name))
 
 
-def _provenance_changed(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, ...]:
+def changed_provenance(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, ...]:
+    """The provenance keys whose values differ between ``a`` and ``b``, in first-seen order."""
     keys = list(dict.fromkeys([*a, *b]))
     return tuple(str(key) for key in keys if a.get(key) != b.get(key))
 
@@ -139,7 +143,7 @@ def diff_tables(a: ScheduleTable, b: ScheduleTable) -> list[RowDiff]:
                     a=ra,
                     b=rb,
                     fields=fields_,
-                    provenance_changed=_provenance_changed(ra.provenance, rb.provenance),
+                    provenance_changed=changed_provenance(ra.provenance, rb.provenance),
                     **lat,
                 )
             )

@@ -1,11 +1,14 @@
 """Finding tables: the row the runtime would use for a call and the file it comes from, and table
-files in the runtime's search path.
+files in the runtime's search path; for a dense call (``lookup_schedule``) and for an MoE call
+(``expert_parallel_ffn``'s table lookup).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from fo_kernels.errors import TableError
+from fo_kernels.moe.table import ExpertsKey, MoeRow, best_moe_row, load_moe_table, moe_table_path
 from fo_kernels.schedule import Schedule
 from fo_kernels.table import best_match, read_table, table_path, table_search_path
 
@@ -30,6 +33,34 @@ def find_tables(device_key: str, collective: str, world_size: int, dtype: str) -
     ``lookup_schedule`` reads them in: an exact-shape row in any of them beats an M-range row)."""
     paths = (table_path(root, device_key, collective, world_size, dtype) for root in table_search_path())
     return [path for path in paths if path.is_file()]
+
+
+def find_moe_tables(device_key: str, world_size: int, dtype: str) -> list[Path]:
+    """The existing MoE table files of this (device key, world size, dtype) in
+    ``table_search_path()`` order (the order the runtime's MoE lookup reads them in)."""
+    paths = (moe_table_path(root, device_key, world_size, dtype) for root in table_search_path())
+    return [path for path in paths if path.is_file()]
+
+
+def find_moe_row(
+    device_key: str, world_size: int, dtype: str, key: ExpertsKey, tokens: int
+) -> tuple[MoeRow | None, Path | None, list[Path]]:
+    """(row, its file, every file read) of the row ``expert_parallel_ffn`` takes for a call of the
+    experts' shape ``key`` whose ranks hold at most ``tokens`` tokens each, on the machine of
+    ``device_key`` (``fo_kernels.moe.table.best_moe_row`` over ``find_moe_tables``); (None, None,
+    files) when no row covers it (the runtime then runs the no-overlap path). A file holding
+    another dtype or world size is a ``TableError``, as in the runtime."""
+    paths = find_moe_tables(device_key, world_size, dtype)
+    tables = [load_moe_table(path) for path in paths]
+    for path, table in zip(paths, tables, strict=True):
+        if (table.dtype, table.world_size) != (dtype, world_size):
+            raise TableError(
+                f"{path}: holds {table.dtype} w{table.world_size} rows, expected {dtype} w{world_size}"
+            )
+    match = best_moe_row(tables, key, tokens)
+    if match is None:
+        return None, None, paths
+    return match[1], paths[match[0]], paths
 
 
 def known_device_keys() -> list[str]:

@@ -7,6 +7,9 @@ dtype) and merges each group, oldest record first, into ``<table_dir>/<device ke
 under the table's file lock: a row replaces the row for its problem, an M range every range it
 overlaps, and a predicted row never replaces a measured one (from the storage or already in the
 file). The header's fingerprint is the newest record's of that table.
+
+A record holds a dense table's rows: `fo-tune search -c moe` plans the MoE table offline and
+records no study, so the MoE tables (``moe-w<W>-<dtype>.yaml``) in ``table_dir`` are left as they are.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The MoE schedule table: ``MoeTable`` (one file's header and rows), its loading and saving, and
-the runtime's lookup of a call's row (``MoeTableCache.lookup``).
+the runtime's lookup of a call's row (``MoeTableCache.lookup``, choosing with ``best_moe_row``).
 
 One file per (device key, world size, dtype), ``<root>/<device_key>/moe-w<world_size>-<dtype>.yaml``,
 in the dense tables' folders (``fo_kernels.table.table_search_path``: ``$FO_TUNE_TABLE_DIR``, the
@@ -60,6 +60,9 @@ MOE_TABLE_RECHECK_S = 1.0
 # Remembered answers (experts' shapes x the tokens calls see: routing changes the most tokens a rank
 # holds every step); the oldest dropped past this many, the dense lookup's bound.
 MOE_ANSWERS_SIZE = 4096
+
+# Row kinds in the order the lookup prefers them (``MoeRow.kind``).
+MOE_ROW_KINDS = ("measured", "predicted")
 
 ExpertsKey = tuple[int, int, int, int]  # (hidden, intermediate, experts, top_k)
 
@@ -123,13 +126,18 @@ class MoeTable:
         keep = [r for r in self.rows if not _overlap(r.schedule.problem, p)]
         self.rows = _sorted_rows([*keep, row])
 
-    def find(self, key: ExpertsKey, tokens: int, *, kind: str | None = None) -> MoeSchedule | None:
+    def find_row(self, key: ExpertsKey, tokens: int, *, kind: str | None = None) -> MoeRow | None:
         """The row of ``key`` whose token range holds ``tokens`` (of ``kind`` when given)."""
         for row in self.rows:
             p = row.schedule.problem
             if experts_key(p) == key and p.tokens_min <= tokens <= p.tokens_max:
-                return row.schedule if kind in (None, row.kind) else None
+                return row if kind in (None, row.kind) else None
         return None
+
+    def find(self, key: ExpertsKey, tokens: int, *, kind: str | None = None) -> MoeSchedule | None:
+        """The schedule of ``find_row``'s row (None without one)."""
+        row = self.find_row(key, tokens, kind=kind)
+        return None if row is None else row.schedule
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -207,6 +215,19 @@ def save_moe_table(table: MoeTable, path: str | os.PathLike[str]) -> None:
 
 
 # ----------------------------------------------------------------------------------- lookup
+def best_moe_row(tables: Sequence[MoeTable], key: ExpertsKey, tokens: int) -> tuple[int, MoeRow] | None:
+    """(index in ``tables``, row) of the row a call of the experts' shape ``key`` whose ranks hold
+    at most ``tokens`` tokens each takes from ``tables`` (in search path order): a measured row of
+    any table first, then a predicted one; between rows of one kind the first table's. None
+    without one."""
+    for kind in MOE_ROW_KINDS:
+        for i, table in enumerate(tables):
+            row = table.find_row(key, tokens, kind=kind)
+            if row is not None:
+                return i, row
+    return None
+
+
 class MoeTableCache:
     """The runtime's MoE lookups (one per device and group, kept in the runtime's
     ``engine_state``): tables per path while the file's (inode, mtime, size) is unchanged, answers
@@ -260,15 +281,8 @@ class MoeTableCache:
                 if table.dtype != dtype:
                     raise TableError(f"{path}: holds {table.dtype} rows, expected {dtype}")
                 tables.append(table)
-            found = next(
-                (
-                    s
-                    for kind in ("measured", "predicted")
-                    for t in tables
-                    if (s := t.find(key, tokens, kind=kind))
-                ),
-                None,
-            )
+            match = best_moe_row(tables, key, tokens)
+            found = None if match is None else match[1].schedule
             self._answers.pop(ask, None)
             self._answers[ask] = (time.monotonic(), found)
             while len(self._answers) > MOE_ANSWERS_SIZE:

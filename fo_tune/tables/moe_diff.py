@@ -1,0 +1,104 @@
+"""Comparing two MoE tables: per experts' shape and token bucket, whether a row is only in one
+table, changed (which fields) or the same, and the headers' differences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
+from fo_kernels.moe.table import MoeRow, MoeTable, experts_key
+from fo_tune.tables.diff import DiffStatus, changed_provenance, provenance_latencies
+
+# Fields of a MoeSchedule that change what the runtime does, in the order diffs report them, per
+# engine (a field another engine's schedule carries means nothing to this one's).
+MOE_ENGINE_FIELDS: dict[str | None, tuple[str, ...]] = {
+    None: (),
+    "triton": ("tile", "sms_free", "nccl_max_ctas", "wait_mode"),
+    "copy_engine": ("chunks",),
+}
+# Header fields every row of a table shares.
+_HEADER_FIELDS = ("world_size", "dtype")
+
+
+def moe_changed_fields(a: MoeSchedule, b: MoeSchedule) -> tuple[str, ...]:
+    """The fields in which ``a`` and ``b`` differ: ``engine`` alone (with header fields) when the
+    engines differ, else the engine's own fields (``MOE_ENGINE_FIELDS``)."""
+    header = tuple(name for name in _HEADER_FIELDS if getattr(a, name) != getattr(b, name))
+    if a.engine != b.engine:
+        return (*header, "engine")
+    own = MOE_ENGINE_FIELDS[a.engine]
+    return (*header, *(name for name in own if getattr(a, name) != getattr(b, name)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoeRowDiff:
+    """How one (experts' shape, bucket)'s row compares between MoE table ``a`` and table ``b``:
+    as ``fo_tune.tables.diff.RowDiff`` (``status``, ``fields``, ``provenance_changed``, the
+    latencies of the rows' provenance)."""
+
+    problem: MoeProblem
+    status: DiffStatus
+    a: MoeRow | None
+    b: MoeRow | None
+    fields: tuple[str, ...] = ()
+    provenance_changed: tuple[str, ...] = ()
+    latency_a: dict[str, float] = field(default_factory=dict)
+    latency_b: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def differs(self) -> bool:
+        """True unless the rows are the same schedule (provenance aside)."""
+        return self.status != "same"
+
+
+def _key(problem: MoeProblem) -> tuple[int, ...]:
+    """Sort key of a problem, the order MoE tables keep their rows in."""
+    return (*experts_key(problem), problem.tokens_min, problem.tokens_max)
+
+
+def diff_moe_tables(a: MoeTable, b: MoeTable) -> list[MoeRowDiff]:
+    """One ``MoeRowDiff`` per (experts' shape, token bucket) in either table, in table order.
+
+    Rows are matched by their problem (the experts' shape and the identical bucket); a bucket
+    that changed its bounds is one row only in A and one only in B."""
+    rows_a = {row.schedule.problem: row for row in a.rows}
+    rows_b = {row.schedule.problem: row for row in b.rows}
+    out: list[MoeRowDiff] = []
+    for problem in sorted(rows_a.keys() | rows_b.keys(), key=_key):
+        ra, rb = rows_a.get(problem), rows_b.get(problem)
+        lat = {
+            "latency_a": provenance_latencies(ra.provenance) if ra else {},
+            "latency_b": provenance_latencies(rb.provenance) if rb else {},
+        }
+        if rb is None:
+            out.append(MoeRowDiff(problem=problem, status="only_a", a=ra, b=None, **lat))
+        elif ra is None:
+            out.append(MoeRowDiff(problem=problem, status="only_b", a=None, b=rb, **lat))
+        else:
+            fields_ = moe_changed_fields(ra.schedule, rb.schedule)
+            out.append(
+                MoeRowDiff(
+                    problem=problem,
+                    status="changed" if fields_ else "same",
+                    a=ra,
+                    b=rb,
+                    fields=fields_,
+                    provenance_changed=changed_provenance(ra.provenance, rb.provenance),
+                    **lat,
+                )
+            )
+    return out
+
+
+def moe_header_differences(a: MoeTable, b: MoeTable) -> list[tuple[str, Any, Any]]:
+    """(name, value in a, value in b) for every header and fingerprint field that differs."""
+    out: list[tuple[str, Any, Any]] = [
+        (name, getattr(a, name), getattr(b, name))
+        for name in _HEADER_FIELDS
+        if getattr(a, name) != getattr(b, name)
+    ]
+    fa, fb = a.fingerprint.to_dict(), b.fingerprint.to_dict()
+    out.extend((f"fingerprint.{name}", fa[name], fb[name]) for name in fa if fa[name] != fb[name])
+    return out

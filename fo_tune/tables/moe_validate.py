@@ -1,0 +1,50 @@
+"""The MoE table checks beyond what loading checks (every field, the tile, ``chunks`` in
+[1, ``MAX_CHUNKS``], no two token buckets of one experts' shape overlapping): whether every
+overlapped row's engine can run its bucket on the table's machine.
+"""
+
+from __future__ import annotations
+
+from fo_kernels.moe.table import MoeRow, MoeTable
+
+
+def _row_issue(row: MoeRow, table: MoeTable, sm_count: int) -> str | None:
+    """Why the runtime cannot run ``row`` as written on the table's machine (None when it can)."""
+    s = row.schedule
+    where = f"row {s.problem.describe()}"
+    if s.engine == "triton" and s.sms_free >= sm_count:
+        # the Triton path launches its grouped GEMMs on sm_count - sms_free programs
+        return f"{where}: sms_free: {s.sms_free} leaves no SM of {sm_count} for the grouped GEMMs"
+    from fo_tune.engines import moe_term
+
+    why = moe_term(s.engine).blocker(table.fingerprint)
+    if why:
+        return (
+            f"{where}: engine: {s.engine} {why}; the runtime skips this row there and runs the "
+            "no-overlap path"
+        )
+    return None
+
+
+def validate_moe_table(table: MoeTable, *, sm_count: int | None = None) -> list[str]:
+    """Problems the runtime would hit with ``table`` that loading does not catch; [] when none.
+
+    - an overlapped ``triton`` row must leave its grouped GEMMs a grid: ``sms_free`` below the SM
+      count (the Triton path launches ``sm_count - sms_free`` programs);
+    - an overlapped row's engine must be able to run on the table's fingerprint (the engine's MoE
+      term ``blocker``, what the planner checks: the copy engine needs peer access between the
+      GPUs); the runtime skips a row it cannot run and runs the no-overlap path.
+
+    The grouped GEMMs mask partial tiles, so any tile that loads runs any bucket. ``sm_count``
+    defaults to the table fingerprint's. Each issue is one line naming the row
+    (``MoeProblem.describe()``) and the field.
+    """
+    sms = sm_count if sm_count is not None else table.fingerprint.sm_count
+    issues: list[str] = []
+    for row in table.rows:
+        if row.schedule.engine is None:
+            continue
+        issue = _row_issue(row, table, sms)
+        if issue is not None:
+            issues.append(issue)
+    return issues

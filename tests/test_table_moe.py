@@ -1,0 +1,288 @@
+"""``fo-tune table`` on MoE tables (``moe-w<W>-<dtype>.yaml``): validate, show, lookup, diff and
+list through the CLI, beside the dense tables, and what refuses to mix the two kinds."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from cli import app
+from cli_checks import H200_KEY, assert_one_line_error, isolate_tables
+from fo_kernels.fingerprint import Fingerprint, current_fingerprint
+from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
+from fo_kernels.moe.table import (
+    MoeRow,
+    MoeTable,
+    MoeTableCache,
+    load_moe_table,
+    moe_table_path,
+    save_moe_table,
+)
+from fo_kernels.schedule import Problem, Schedule
+from fo_kernels.table import ScheduleTable, save_table
+from fo_kernels.table import paths as table_paths
+from fo_kernels.tile import Tile
+
+EXPERTS = (4096, 1536, 32, 8)  # H, I, E_local, k
+SHAPE = dict(zip(("hidden", "intermediate", "experts", "top_k"), EXPERTS, strict=True))
+TILE = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+# The SM count of the H200 the packaged calibration (and so `search -c moe`'s table) is for.
+H200_SMS = 132
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hermetic search path (env and user folders under tmp_path, no packaged tables), wide output."""
+    isolate_tables(monkeypatch, tmp_path)
+    monkeypatch.setattr(table_paths, "_packaged_table_dir", lambda: None)
+    monkeypatch.setenv("COLUMNS", "250")
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def cpu_fp() -> Fingerprint:
+    return current_fingerprint("cpu", 2)
+
+
+def row(lo: int, hi: int, *, world: int = 2, dtype: str = "float32", **fields: Any) -> MoeRow:
+    """A row of ``EXPERTS`` for tokens [lo, hi]; ``provenance`` and the schedule's fields in ``fields``."""
+    provenance = fields.pop("provenance", {})
+    problem = MoeProblem(**SHAPE, tokens_min=lo, tokens_max=hi)
+    schedule = MoeSchedule(dtype=dtype, world_size=world, problem=problem, **fields)
+    return MoeRow(schedule=schedule, provenance=provenance)
+
+
+def write(path: Path, rows: list[MoeRow], fp: Fingerprint | None = None, dtype: str = "float32") -> Path:
+    fp = fp or cpu_fp()
+    save_moe_table(MoeTable(fingerprint=fp, world_size=fp.world_size, dtype=dtype, rows=rows), path)
+    return path
+
+
+def searched_table(runner: CliRunner, tmp_path: Path) -> Path:
+    """The MoE table `fo-tune search -c moe` writes into $FO_TUNE_TABLE_DIR."""
+    args = ["search", "-c", "moe", "--experts", ",".join(map(str, EXPERTS)), "--tokens", "1024,4096"]
+    result = runner.invoke(app, [*args, "--table-dir", str(tmp_path / "tables"), "--json"])
+    assert result.exit_code == 0, result.output
+    path = Path(json.loads(result.stdout)["table"])
+    assert path == moe_table_path(tmp_path / "tables", H200_KEY, 2, "bfloat16")
+    return path
+
+
+# ------------------------------------------------------------------------------------ validate
+def test_a_searched_moe_table_validates_and_shows(runner: CliRunner, tmp_path: Path) -> None:
+    path = searched_table(runner, tmp_path)
+    result = runner.invoke(app, ["table", "validate", str(path)])
+    assert result.exit_code == 0, result.output
+    assert f"OK {path}: 2 row(s), moe bfloat16 world size 2, {H200_KEY}" in result.stdout
+    assert "note:" not in result.stdout and result.stderr == ""
+    table = load_moe_table(path)
+    for args in (["table", "show", str(path)], ["table", "show", "-c", "moe", "-k", H200_KEY]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        out = result.stdout
+        assert str(path) in out and "moe bfloat16, world size 2, 2 row(s)" in out and "132 SMs" in out
+        for r in table.rows:
+            s = r.schedule
+            bucket = f"{s.problem.tokens_min}..{s.problem.tokens_max}"
+            line = next(
+                line for line in out.splitlines() if line.startswith("4096, 1536, 32, 8") and bucket in line
+            )
+            assert "predicted" in line and (s.engine or "no overlap") in line
+            assert f"{r.provenance['predicted_ms']:.4g}" in line
+        assert "basis (2 row(s)): all_to_all from the reduce_scatter curve" in out
+        assert "calibration (2 row(s))" in out
+    result = runner.invoke(app, ["table", "show", str(path), "-f", "csv"])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert [(r["tokens_min"], r["tokens_max"]) for r in rows] == [("0", "1024"), ("1025", "4096")]
+    assert all(r["kind"] == "predicted" and r["file"] == str(path) for r in rows)
+    result = runner.invoke(app, ["table", "show", str(path), "-f", "yaml"])
+    assert result.exit_code == 0, result.output
+    assert MoeTable.from_dict(yaml.safe_load(result.stdout)).to_dict() == table.to_dict()
+
+
+def test_validate_reports_moe_rows_the_runtime_cannot_run(runner: CliRunner, tmp_path: Path) -> None:
+    h200 = dataclasses.replace(load_moe_table(searched_table(runner, tmp_path)).fingerprint)
+    bad = write(
+        tmp_path / "bad" / H200_KEY / "moe-w2-bfloat16.yaml",
+        [
+            row(0, 512, dtype="bfloat16"),
+            row(513, 4096, dtype="bfloat16", engine="triton", tile=TILE, sms_free=H200_SMS),
+        ],
+        h200,
+        dtype="bfloat16",
+    )
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(bad)]))
+    assert line.startswith(f"error: {bad}: row H 4096, I 1536, E_local 32, k 8, tokens [513, 4096]: sms_free")
+    # the copy engine on a machine without peer access between the GPUs (a CPU's gloo)
+    blocked = write(tmp_path / "blocked.yaml", [row(0, 512, engine="copy_engine", chunks=2)])
+    good = searched_table(runner, tmp_path)
+    result = runner.invoke(app, ["table", "validate", str(good), str(blocked), str(bad)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2, lines
+    assert (
+        lines[0].startswith(f"error: {blocked}: row ") and "engine: copy_engine needs peer access" in lines[0]
+    )
+    assert f"OK {good}" in result.stdout and "2 problem(s) in 2 of 3 file(s)" in result.stdout
+    assert f"note: {blocked}: lookup reads this table only as" in result.stdout
+    # the same row passes where the SM count leaves a grid
+    assert runner.invoke(app, ["table", "validate", str(bad), "--sm-count", "256"]).exit_code == 0
+
+
+def test_validate_reports_overlapping_buckets_as_one_line(runner: CliRunner, tmp_path: Path) -> None:
+    path = write(
+        moe_table_path(tmp_path / "tables", cpu_fp().device_key, 2, "float32"), [row(0, 512), row(513, 900)]
+    )
+    path.write_text(path.read_text().replace('"tokens_min": 513', '"tokens_min": 500'))
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert (
+        str(path) in line and "tokens [0, 512]" in line and "tokens [500, 900]" in line and "overlap" in line
+    )
+    # a moe- file is an MoE table whatever it holds: a dense one there is named, not guessed at
+    dense = ScheduleTable(
+        fingerprint=cpu_fp(), collective="all_reduce", world_size=2, dtype="float32", rows=[]
+    )
+    save_table(dense, path)
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert "expected kind 'fo-tune-moe-schedule-table'" in line
+
+
+# ------------------------------------------------------------------------------------ lookup
+def test_lookup_takes_the_row_the_runtime_takes(runner: CliRunner, tmp_path: Path) -> None:
+    """A predicted row in $FO_TUNE_TABLE_DIR (the first folder) and a measured one in the user folder
+    both cover 300 tokens: the runtime takes the measured one, and so does lookup."""
+    fp = cpu_fp()
+    env = write(
+        moe_table_path(tmp_path / "tables", fp.device_key, 2, "float32"),
+        [row(0, 512, provenance={"mode": "predict"}), row(513, 4096, engine="triton", tile=TILE)],
+    )
+    user = write(
+        moe_table_path(tmp_path / "xdg" / "fo-tune" / "tables", fp.device_key, 2, "float32"),
+        [row(256, 1024, engine="triton", tile=TILE, sms_free=2, provenance={"measured_ms": 1.5})],
+    )
+    args = ["table", "lookup", "--experts", ",".join(map(str, EXPERTS)), "-d", "float32", "-k", fp.device_key]
+    cache = MoeTableCache()
+    for tokens, source in ((300, user), (2000, env), (100, env)):
+        result = runner.invoke(app, [*args, "--tokens", str(tokens), "--json"])
+        assert result.exit_code == 0, result.output
+        answer = json.loads(result.stdout)
+        runtime = cache.lookup(EXPERTS, tokens, dtype="float32", world_size=2, device="cpu")
+        assert runtime is not None
+        assert answer["source"] == str(source)
+        data = {k: v for k, v in answer["row"].items() if k != "provenance"}
+        assert MoeSchedule.from_dict({**data, "dtype": "float32", "world_size": 2}) == runtime
+    assert answer["kind"] == "predicted"
+    result = runner.invoke(app, [*args, "--tokens", "5000"])
+    assert result.exit_code == 0, result.output
+    answer = yaml.safe_load(result.stdout)
+    assert cache.lookup(EXPERTS, 5000, dtype="float32", world_size=2, device="cpu") is None
+    assert answer["source"].startswith("no table row") and answer["row"]["engine"] is None
+    assert answer["searched"] == [str(env), str(user)] and answer["row"]["problem"]["tokens"] == 5000
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--experts", "4096,1536,32,8"], "--tokens T"),
+        (["--tokens", "5"], "--experts H,I,E_LOCAL,K"),
+        (["--experts", "4096,1536,32", "--tokens", "5"], "expected H,I,E_local,k"),
+        (["--experts", "4096,1536,32,8", "--tokens", "5", "-s", "64x64x64"], "--shape is a dense call's"),
+        (["--experts", "4096,1536,32,8", "--tokens", "5", "-c", "all_reduce"], "not -c all_reduce"),
+        (["--experts", "4096,1536,32,8", "--tokens", "-1"], "--tokens must be >= 0"),
+    ],
+)
+def test_moe_lookup_bad_input_is_one_line(runner: CliRunner, args: list[str], needle: str) -> None:
+    line = assert_one_line_error(runner.invoke(app, ["table", "lookup", *args]))
+    assert needle in line, line
+
+
+# ------------------------------------------------------------------------------------ diff, list
+def test_diff_two_moe_tables(runner: CliRunner, tmp_path: Path) -> None:
+    a = write(
+        tmp_path / "a.yaml",
+        [
+            row(0, 512, engine="copy_engine", chunks=2, provenance={"measured_ms": 1.0}),
+            row(513, 4096),
+            row(4097, 8192, engine="triton", tile=TILE),
+        ],
+    )
+    b = write(
+        tmp_path / "b.yaml",
+        [
+            row(0, 512, engine="copy_engine", chunks=4, provenance={"measured_ms": 0.8}),
+            row(513, 2048),
+            row(4097, 8192, engine="triton", tile=TILE, provenance={"predicted_ms": 2.0}),
+        ],
+        dataclasses.replace(cpu_fp(), torch="0.0.1"),
+    )
+    result = runner.invoke(app, ["table", "diff", str(a), str(b)])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "header fingerprint.torch" in out and "-> 0.0.1" in out
+    line = next(line for line in out.splitlines() if "tokens [0, 512]" in line)
+    assert "changed" in line and "chunks 2 -> 4" in line and "0.8" in line
+    assert "only in A" in out and "only in B" in out and "tokens [4097, 8192]" not in out
+    assert "1 changed, 1 only in A, 1 only in B, 1 same" in out
+    assert "tokens [4097, 8192]" in runner.invoke(app, ["table", "diff", str(a), str(b), "--all"]).stdout
+    assert runner.invoke(app, ["table", "diff", str(a), str(b), "--exit-code"]).exit_code == 1
+    same = runner.invoke(app, ["table", "diff", str(a), str(a), "--exit-code"])
+    assert same.exit_code == 0 and "no differences in 3 row(s)" in same.stdout
+    c = write(tmp_path / "c.yaml", [row(0, 512, engine="triton", tile=TILE)])
+    result = runner.invoke(app, ["table", "diff", str(a), str(c)])
+    line = next(line for line in result.stdout.splitlines() if "tokens [0, 512]" in line)
+    assert "engine copy_engine -> triton" in line and "chunks" not in line
+
+
+def test_diff_refuses_an_moe_and_a_dense_table(runner: CliRunner, tmp_path: Path) -> None:
+    moe = write(tmp_path / "moe-w2-float32.yaml", [row(0, 512)])
+    problem = Problem(m=64, n=96, k=48)
+    dense = tmp_path / "all_reduce-w2-float32.yaml"
+    schedule = Schedule(collective="all_reduce", dtype="float32", world_size=2, problem=problem)
+    save_table(
+        ScheduleTable(
+            fingerprint=cpu_fp(), collective="all_reduce", world_size=2, dtype="float32", rows=[schedule]
+        ),
+        dense,
+    )
+    for args in ([str(moe), str(dense)], [str(dense), str(moe)]):
+        line = assert_one_line_error(runner.invoke(app, ["table", "diff", *args]))
+        assert f"{moe} is an MoE table and {dense} a dense one" in line, line
+
+
+def test_list_and_help_name_the_moe_table(runner: CliRunner, tmp_path: Path) -> None:
+    path = searched_table(runner, tmp_path)
+    result = runner.invoke(app, ["table", "list"])
+    assert result.exit_code == 0, result.output
+    assert "moe" in result.stdout and "--experts H,I,E_LOCAL,K --tokens T" in result.stdout
+    listed = json.loads(runner.invoke(app, ["table", "list", "--json"]).stdout)["tables"]
+    assert [(t["collective"], t["path"]) for t in listed] == [("moe", str(path))]
+    for command, words in {
+        (): ("moe-w<world>-<dtype>.yaml",),
+        ("validate",): ("sms_free", "peer access"),
+        ("lookup",): ("--experts", "--tokens", "no-overlap path"),
+        ("pull",): ("records no study",),
+    }.items():
+        result = runner.invoke(app, ["table", *command, "--help"])
+        assert result.exit_code == 0, result.output
+        text = " ".join(result.output.split())
+        for word in words:
+            assert word in text, (command, word)
+
+
+def test_search_moe_refuses_a_storage(runner: CliRunner) -> None:
+    """An MoE search records no study, so `table pull` has no MoE rows to write: --storage is refused."""
+    args = ["search", "-c", "moe", "--experts", "4096,1536,32,8", "--storage", "sqlite:///nowhere.db"]
+    line = assert_one_line_error(runner.invoke(app, args))
+    assert "--storage" in line and "records no study" in line
