@@ -4,7 +4,7 @@ the same, and the headers' differences.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -126,27 +126,41 @@ def diff_tables(a: ScheduleTable, b: ScheduleTable) -> list[RowDiff]:
     """
     rows_a = {row.problem: row for row in a.rows}
     rows_b = {row.problem: row for row in b.rows}
-    out: list[RowDiff] = []
-    for problem in sorted(rows_a.keys() | rows_b.keys(), key=_problem_key):
+    pairs = compare_rows(rows_a, rows_b, sort_key=_problem_key, changed=changed_fields)
+    return [RowDiff(**pair) for pair in pairs]
+
+
+def compare_rows(
+    rows_a: Mapping[Any, Any],
+    rows_b: Mapping[Any, Any],
+    *,
+    sort_key: Callable[[Any], Any],
+    changed: Callable[[Any, Any], tuple[str, ...]],
+) -> list[dict[str, Any]]:
+    """Rows matched by problem between two tables, in ``sort_key`` order: per problem in either,
+    the fields of a ``RowDiff`` (or ``MoeRowDiff``) as keywords: ``status`` (``only_a``,
+    ``only_b``, ``changed`` when ``changed(row_a, row_b)`` names fields, else ``same``), the rows,
+    the changed fields and provenance keys, and the rows' provenance latencies. Rows are any with
+    a ``provenance`` mapping."""
+    out: list[dict[str, Any]] = []
+    for problem in sorted(rows_a.keys() | rows_b.keys(), key=sort_key):
         ra, rb = rows_a.get(problem), rows_b.get(problem)
-        lat = {"latency_a": latencies(ra), "latency_b": latencies(rb)}
+        pa = {} if ra is None else ra.provenance
+        pb = {} if rb is None else rb.provenance
+        pair: dict[str, Any] = dict(problem=problem, a=ra, b=rb)
+        pair.update(latency_a=provenance_latencies(pa), latency_b=provenance_latencies(pb))
         if rb is None:
-            out.append(RowDiff(problem=problem, status="only_a", a=ra, b=None, **lat))
+            pair["status"] = "only_a"
         elif ra is None:
-            out.append(RowDiff(problem=problem, status="only_b", a=None, b=rb, **lat))
+            pair["status"] = "only_b"
         else:
-            fields_ = changed_fields(ra, rb)
-            out.append(
-                RowDiff(
-                    problem=problem,
-                    status="changed" if fields_ else "same",
-                    a=ra,
-                    b=rb,
-                    fields=fields_,
-                    provenance_changed=changed_provenance(ra.provenance, rb.provenance),
-                    **lat,
-                )
+            fields_ = changed(ra, rb)
+            pair.update(
+                status="changed" if fields_ else "same",
+                fields=fields_,
+                provenance_changed=changed_provenance(pa, pb),
             )
+        out.append(pair)
     return out
 
 

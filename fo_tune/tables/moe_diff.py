@@ -9,7 +9,7 @@ from typing import Any
 
 from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
 from fo_kernels.moe.table import MoeRow, MoeTable, experts_key
-from fo_tune.tables.diff import DiffStatus, changed_provenance, provenance_latencies
+from fo_tune.tables.diff import DiffStatus, compare_rows
 
 # Fields of a MoeSchedule that change what the runtime does, in the order diffs report them, per
 # engine (a field another engine's schedule carries means nothing to this one's).
@@ -65,31 +65,10 @@ def diff_moe_tables(a: MoeTable, b: MoeTable) -> list[MoeRowDiff]:
     that changed its bounds is one row only in A and one only in B."""
     rows_a = {row.schedule.problem: row for row in a.rows}
     rows_b = {row.schedule.problem: row for row in b.rows}
-    out: list[MoeRowDiff] = []
-    for problem in sorted(rows_a.keys() | rows_b.keys(), key=_key):
-        ra, rb = rows_a.get(problem), rows_b.get(problem)
-        lat = {
-            "latency_a": provenance_latencies(ra.provenance) if ra else {},
-            "latency_b": provenance_latencies(rb.provenance) if rb else {},
-        }
-        if rb is None:
-            out.append(MoeRowDiff(problem=problem, status="only_a", a=ra, b=None, **lat))
-        elif ra is None:
-            out.append(MoeRowDiff(problem=problem, status="only_b", a=None, b=rb, **lat))
-        else:
-            fields_ = moe_changed_fields(ra.schedule, rb.schedule)
-            out.append(
-                MoeRowDiff(
-                    problem=problem,
-                    status="changed" if fields_ else "same",
-                    a=ra,
-                    b=rb,
-                    fields=fields_,
-                    provenance_changed=changed_provenance(ra.provenance, rb.provenance),
-                    **lat,
-                )
-            )
-    return out
+    pairs = compare_rows(
+        rows_a, rows_b, sort_key=_key, changed=lambda ra, rb: moe_changed_fields(ra.schedule, rb.schedule)
+    )
+    return [MoeRowDiff(**pair) for pair in pairs]
 
 
 def moe_header_differences(a: MoeTable, b: MoeTable) -> list[tuple[str, Any, Any]]:
