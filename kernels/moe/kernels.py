@@ -61,6 +61,48 @@ def _find_segment(t, seg_tiles, segments, LOG_SEGMENTS: tl.constexpr):
 
 
 @triton.jit
+def _pointer_offsets(a_row0, rows_end, col0, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The rows and columns a pointer-loaded tile reads: rows from ``rows_end`` on read row a_row0
+    and columns from N on read column 0 (never stored)."""
+    offs_m = a_row0 + tl.arange(0, BLOCK_M)
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.where(offs_m < rows_end, offs_m, a_row0).to(tl.int64)
+    offs_n = tl.where(offs_n < N, offs_n, 0)
+    return offs_m, offs_n
+
+
+@triton.jit
+def _a_block(a, a_row0, offs_m, kk, K, stride_am, stride_ak, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
+    """K block ``kk`` of the tile's A rows: a TMA load at row ``a_row0``, or a masked pointer load
+    of rows ``offs_m`` (K past its end reads zeros)."""
+    if USE_TMA:
+        blk = a.load([a_row0, kk * BLOCK_K])
+    else:
+        offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+        blk = tl.load(
+            a + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak, mask=offs_k[None, :] < K, other=0.0
+        )
+    return blk
+
+
+@triton.jit
+def _b_block(b, b_ptr, b_row0, b_col0, offs_n, kk, K, stride_bk, stride_bn, BLOCK_K: tl.constexpr,
+             USE_TMA: tl.constexpr):  # fmt: skip
+    """K block ``kk`` of B_e's columns: a TMA load of ``b``'s block at row ``b_row0`` + kk x BK and
+    column ``b_col0``, or a masked pointer load of columns ``offs_n`` of ``b_ptr`` (B_e)."""
+    if USE_TMA:
+        blk = b.load([b_row0 + kk * BLOCK_K, b_col0])
+    else:
+        offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+        blk = tl.load(
+            b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+            mask=offs_k[:, None] < K,
+            other=0.0,
+        )
+    return blk
+
+
+@triton.jit
 def _segment_acc(
     a, b, b_ptr, a_row0, rows_end, b_row0, b_col0, col0, N, K, stride_am, stride_ak, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
@@ -68,32 +110,13 @@ def _segment_acc(
 ):  # fmt: skip
     """A[a_row0 : +BM, :] @ B_e[:, col0 : +BN] in float32: TMA (``a``, ``b``: descriptors; B_e's
     block at row ``b_row0`` and column ``b_col0`` of ``b``) or masked pointer loads (``b_ptr``: B_e;
-    rows from ``rows_end`` on and columns from N on read row a_row0 and column 0, never stored)."""
+    ``_pointer_offsets``)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    if USE_TMA:
-        for kk in range(k_tiles):
-            a_blk = a.load([a_row0, kk * BLOCK_K])
-            b_blk = b.load([b_row0 + kk * BLOCK_K, b_col0])
-            acc = _mma(a_blk, b_blk, acc, UPCAST, IEEE)
-    else:
-        offs_m = a_row0 + tl.arange(0, BLOCK_M)
-        offs_n = col0 + tl.arange(0, BLOCK_N)
-        offs_m = tl.where(offs_m < rows_end, offs_m, a_row0).to(tl.int64)
-        offs_n = tl.where(offs_n < N, offs_n, 0)
-        for kk in range(k_tiles):
-            offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
-            a_blk = tl.load(
-                a + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                mask=offs_k[None, :] < K,
-                other=0.0,
-            )
-            b_blk = tl.load(
-                b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                mask=offs_k[:, None] < K,
-                other=0.0,
-            )
-            acc = _mma(a_blk, b_blk, acc, UPCAST, IEEE)
+    offs_m, offs_n = _pointer_offsets(a_row0, rows_end, col0, N, BLOCK_M, BLOCK_N)
+    for kk in range(tl.cdiv(K, BLOCK_K)):
+        a_blk = _a_block(a, a_row0, offs_m, kk, K, stride_am, stride_ak, BLOCK_K, USE_TMA)
+        b_blk = _b_block(b, b_ptr, b_row0, b_col0, offs_n, kk, K, stride_bk, stride_bn, BLOCK_K, USE_TMA)
+        acc = _mma(a_blk, b_blk, acc, UPCAST, IEEE)
     return acc
 
 
@@ -108,31 +131,15 @@ def _swiglu_acc(
     twice and run as two half-width tiles). Loads as ``_segment_acc``'s."""
     gate = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    if USE_TMA:
-        for kk in range(k_tiles):
-            a_blk = a.load([a_row0, kk * BLOCK_K])
-            g_blk = b.load([b_row0 + kk * BLOCK_K, col0])
-            u_blk = b.load([b_row0 + kk * BLOCK_K, I + col0])
-            gate = _mma(a_blk, g_blk, gate, UPCAST, IEEE)
-            up = _mma(a_blk, u_blk, up, UPCAST, IEEE)
-    else:
-        offs_m = a_row0 + tl.arange(0, BLOCK_M)
-        offs_n = col0 + tl.arange(0, BLOCK_H)
-        offs_m = tl.where(offs_m < rows_end, offs_m, a_row0).to(tl.int64)
-        offs_n = tl.where(offs_n < I, offs_n, 0)
-        for kk in range(k_tiles):
-            offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
-            a_blk = tl.load(
-                a + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                mask=offs_k[None, :] < K,
-                other=0.0,
-            )
-            b_off = offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-            g_blk = tl.load(b_ptr + b_off, mask=offs_k[:, None] < K, other=0.0)
-            u_blk = tl.load(b_ptr + I * stride_bn + b_off, mask=offs_k[:, None] < K, other=0.0)
-            gate = _mma(a_blk, g_blk, gate, UPCAST, IEEE)
-            up = _mma(a_blk, u_blk, up, UPCAST, IEEE)
+    offs_m, offs_n = _pointer_offsets(a_row0, rows_end, col0, I, BLOCK_M, BLOCK_H)
+    for kk in range(tl.cdiv(K, BLOCK_K)):
+        a_blk = _a_block(a, a_row0, offs_m, kk, K, stride_am, stride_ak, BLOCK_K, USE_TMA)
+        g_blk = _b_block(b, b_ptr, b_row0, col0, offs_n, kk, K, stride_bk, stride_bn, BLOCK_K, USE_TMA)
+        u_blk = _b_block(
+            b, b_ptr + I * stride_bn, b_row0, I + col0, offs_n, kk, K, stride_bk, stride_bn, BLOCK_K, USE_TMA
+        )
+        gate = _mma(a_blk, g_blk, gate, UPCAST, IEEE)
+        up = _mma(a_blk, u_blk, up, UPCAST, IEEE)
     return gate, up
 
 
