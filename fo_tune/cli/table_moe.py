@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape
 
 from fo_tune.cli.common import console, summary_table
-from fo_tune.cli.table_rows import PROVENANCE_LONG, print_plain, tile_label, value_label
+from fo_tune.cli.table_rows import (
+    PROVENANCE_LONG,
+    device_lines,
+    print_plain,
+    provenance_keys,
+    tile_label,
+    value_label,
+)
 
 if TYPE_CHECKING:
     from fo_kernels.moe.schedule import MoeSchedule
@@ -90,19 +97,9 @@ def moe_settings_cells(schedule: MoeSchedule) -> list[str]:
     return [NO_OVERLAP, "-", "-", "-", "-", "-"]
 
 
-def moe_provenance_keys(rows: Sequence[MoeRow]) -> list[str]:
-    """Provenance keys present in any row: ``MOE_PROVENANCE_ORDER`` first, the rest sorted."""
-    present = {str(key) for row in rows for key in row.provenance}
-    first = [key for key in MOE_PROVENANCE_ORDER if key in present]
-    return first + sorted(present - set(MOE_PROVENANCE_ORDER))
-
-
 def moe_fingerprint_lines(table: MoeTable) -> list[str]:
-    fp = table.fingerprint
     return [
-        f"fingerprint: {fp.device_key}: {fp.gpu_name}, compute capability {fp.compute_capability}, "
-        f"{fp.sm_count} SMs, world size {fp.world_size}, {fp.interconnect}",
-        "versions: " + ", ".join(f"{name} {value}" for name, value in fp.versions().items()),
+        *device_lines(table.fingerprint),
         f"moe {table.dtype}, world size {table.world_size}, {len(table.rows)} row(s)",
     ]
 
@@ -115,7 +112,7 @@ def show_moe_rich(path: Path, table: MoeTable) -> None:
     for line in moe_fingerprint_lines(table):
         print_plain(f"  {line}")
     hidden = {*PROVENANCE_LONG, *MOE_PROVENANCE_NOTES}
-    prov = [key for key in moe_provenance_keys(table.rows) if key not in hidden]
+    prov = [key for key in provenance_keys(table.rows, MOE_PROVENANCE_ORDER) if key not in hidden]
     columns = ["experts (H, I, E_local, k)", "tokens", "row", *MOE_SETTINGS_COLUMNS, *prov]
     out = summary_table("", columns, 4)
     for row in table.rows:
@@ -145,7 +142,7 @@ def moe_table_yaml(table: MoeTable) -> str:
 def moe_csv_rows(found: Sequence[tuple[Path, MoeTable]]) -> str:
     """One CSV line per row of every MoE table; provenance keys as columns (``provenance_<key>``
     where the key is also a schedule column)."""
-    prov = moe_provenance_keys([row for _path, table in found for row in table.rows])
+    prov = provenance_keys([row for _path, table in found for row in table.rows], MOE_PROVENANCE_ORDER)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     names = [PROVENANCE_PREFIX + key if key in CSV_COLUMNS else key for key in prov]

@@ -14,6 +14,7 @@ from rich.markup import escape
 from fo_tune.cli.common import console, fmt, summary_table
 
 if TYPE_CHECKING:
+    from fo_kernels.fingerprint import Fingerprint
     from fo_kernels.schedule import Schedule
     from fo_kernels.table import ScheduleTable
     from fo_kernels.tile import Tile
@@ -67,18 +68,25 @@ def value_label(value: Any) -> str:
     return str(value)
 
 
-def provenance_keys(rows: Sequence[Schedule]) -> list[str]:
-    """Provenance keys present in any row: ``PROVENANCE_ORDER`` first, the rest sorted."""
+def provenance_keys(rows: Sequence[Any], order: Sequence[str] = PROVENANCE_ORDER) -> list[str]:
+    """Provenance keys present in any row (a dense or MoE table's: anything with a ``provenance``
+    mapping): ``order``'s first, the rest sorted."""
     present = {str(key) for row in rows for key in row.provenance}
-    return [key for key in PROVENANCE_ORDER if key in present] + sorted(present - set(PROVENANCE_ORDER))
+    return [key for key in order if key in present] + sorted(present - set(order))
 
 
-def fingerprint_lines(table: ScheduleTable) -> list[str]:
-    fp = table.fingerprint
+def device_lines(fp: Fingerprint) -> list[str]:
+    """A table fingerprint's machine and library versions, one line each."""
     return [
         f"fingerprint: {fp.device_key}: {fp.gpu_name}, compute capability {fp.compute_capability}, "
         f"{fp.sm_count} SMs, world size {fp.world_size}, {fp.interconnect}",
         "versions: " + ", ".join(f"{name} {value}" for name, value in fp.versions().items()),
+    ]
+
+
+def fingerprint_lines(table: ScheduleTable) -> list[str]:
+    return [
+        *device_lines(table.fingerprint),
         f"{table.collective} {table.dtype}, world size {table.world_size}, schema "
         f"{table.schema_version}, {len(table.rows)} row(s)",
     ]
