@@ -27,7 +27,7 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.plan import cdiv
 from fo_tune.calibrate.calibration import Calibration
-from fo_tune.engines.copy_engine.tuner import PEER_INTERCONNECTS
+from fo_tune.engines.copy_engine.tuner import peer_blocker
 from fo_tune.moe.model import MoeCall, MoeCostModel, MoePrediction
 
 # The calibration's copy_engine parameters this term reads.
@@ -59,13 +59,7 @@ class CopyEngineMoeTerm:
 
     @staticmethod
     def blocker(fingerprint: Fingerprint) -> str:
-        if fingerprint.world_size < 2:
-            return "moves rows between GPUs; world size 1 has none"
-        if not fingerprint.interconnect.startswith(PEER_INTERCONNECTS):
-            return (
-                f"needs peer access between the GPUs; {fingerprint.device_key} has {fingerprint.interconnect}"
-            )
-        return ""
+        return peer_blocker(fingerprint, "rows")
 
     @staticmethod
     def calibration_gap(cal: Calibration) -> str:

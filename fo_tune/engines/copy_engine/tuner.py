@@ -53,6 +53,19 @@ TILED_WORLD = 2
 CALIBRATE = "fo-tune calibrate --world-size 2 --only copy_engine"
 
 
+def peer_blocker(fingerprint: Fingerprint, moves: str) -> str:
+    """Why the copy engine cannot move ``moves`` (data, rows) between ``fingerprint``'s GPUs ("" when
+    it can): it needs two or more of them, with peer access."""
+    if fingerprint.world_size < 2:
+        return f"moves {moves} between GPUs; world size 1 has none"
+    if not fingerprint.interconnect.startswith(PEER_INTERCONNECTS):
+        return (
+            f"needs peer access between the GPUs (NVLink or PCIe P2P); {fingerprint.device_key} "
+            f"has interconnect {fingerprint.interconnect}"
+        )
+    return ""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RingSpace(Section):
     """The ring mode's chunkings: equal ``chunks`` and extra ``weights``."""
@@ -181,14 +194,7 @@ class CopyEngineTuner(EngineTuner):
     def blocker(self, fingerprint: Fingerprint, collective: str, dtype: str) -> str:
         if collective not in COLLECTIVES:
             return f"does not run {collective} (it runs {', '.join(COLLECTIVES)})"
-        if fingerprint.world_size < 2:
-            return "moves data between GPUs; world size 1 has none"
-        if not fingerprint.interconnect.startswith(PEER_INTERCONNECTS):
-            return (
-                f"needs peer access between the GPUs (NVLink or PCIe P2P); {fingerprint.device_key} "
-                f"has interconnect {fingerprint.interconnect}"
-            )
-        return ""
+        return peer_blocker(fingerprint, "data")
 
     def calibration_gap(self, cal: Calibration, collective: str) -> str:
         from fo_tune.engines.copy_engine.model import PARAMS as TERM_PARAMS
