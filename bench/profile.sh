@@ -7,13 +7,17 @@
 #
 #   bash bench/profile.sh OUT_DIR [MxNxK...]
 #   FO_DTYPE=float8_e4m3fn bash bench/profile.sh OUT_DIR    (fp8: beside torch._scaled_mm)
+#   FO_SCALING=tensorwise FO_DTYPE=float8_e4m3fn bash bench/profile.sh OUT_DIR
 #
 # MxNxK arguments profile those shapes instead of the suite's; FO_DTYPE is the operand dtype
-# (default bfloat16); FO_SMS_FREE the reduced grids' free SMs (default 0,8,12,16). Writes, per shape,
-# OUT_DIR/profiles/<M>x<N>x<K>-<dtype>.csv and its -grids.csv (results/profiles/<device-key>/),
-# the space profiled (OUT_DIR/profile-space.yaml), the log (OUT_DIR/profile.log) and, while it
-# runs, the SM clock, power and temperature every 200 ms (OUT_DIR/smi.csv: a loop of GEMMs runs
-# at the card's power limit, docs/design.md#power-limit).
+# (default bfloat16); FO_SCALING the fp8 operands' scales (fo-tune profile --scaling): rowwise, the
+# default and the tables' tuning, or tensorwise (fp8 only: refused with another dtype); FO_SMS_FREE
+# the reduced grids' free SMs (default 0,8,12,16). Writes, per shape,
+# OUT_DIR/profiles/<M>x<N>x<K>-<dtype>.csv (fp8 tensorwise: <M>x<N>x<K>-float8_e4m3fn-tensorwise.csv)
+# and its -grids.csv (results/profiles/<device-key>/), the space profiled
+# (OUT_DIR/profile-space.yaml), the log (OUT_DIR/profile.log) and, while it runs, the SM clock,
+# power and temperature every 200 ms (OUT_DIR/smi.csv: a loop of GEMMs runs at the card's power
+# limit, docs/design.md#power-limit).
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -23,6 +27,11 @@ shift
 cd "$FO_REPO"
 
 dtype="${FO_DTYPE:-bfloat16}"
+scaling="${FO_SCALING:-rowwise}"
+# The profile's file name: the dtype, and the scaling where it is not the tables' (fo-tune profile's
+# default name; it refuses a scaling other than rowwise for a dtype without scales).
+name="$dtype"
+if [ "$scaling" != rowwise ]; then name="$dtype-$scaling"; fi
 space="$out_dir/profile-space.yaml"
 "$PYTHON" -m fo_tune.bench.script_inputs space search_spaces/hopper.yaml "$space" --sms-free "${FO_SMS_FREE:-0,8,12,16}"
 if [ "$#" -gt 0 ]; then
@@ -41,6 +50,6 @@ fi
 
 for shape in "${shapes[@]}"; do
   echo "== $shape ($(date -u +%FT%TZ))"
-  fo_tune profile --shape "$shape" --space "$space" --dtype "$dtype" --timing graphs \
-    --out "$out_dir/profiles/$shape-$dtype.csv"
+  fo_tune profile --shape "$shape" --space "$space" --dtype "$dtype" --scaling "$scaling" \
+    --timing graphs --out "$out_dir/profiles/$shape-$name.csv"
 done 2>&1 | tee "$out_dir/profile.log"

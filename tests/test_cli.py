@@ -28,6 +28,7 @@ from fo_tune.cli.common import (
     DTYPE_NAMES,
     FILE_WIDTH,
     RUNTIME_COLLECTIVE_NAMES,
+    SCALING_NAMES,
     SHARDED_COLLECTIVE_NAMES,
     _Console,
     parse_shape,
@@ -36,6 +37,7 @@ from fo_tune.cli.common import (
 )
 from fo_tune.ranks.launch import LaunchError
 from fo_tune.ranks.limits import INT32_MAX
+from fo_tune.ranks.scaled import SCALINGS, TUNE_SCALING
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,9 +202,11 @@ def test_run_demo_rejects_bad_input_before_spawning():
 
 
 def test_cli_names_match_the_runtime():
-    """The help texts' names (written in fo_tune.cli.common to keep --help light) are the runtime's;
-    search and table take every collective the runtime runs (the search tunes all three)."""
+    """The help texts' names (written in fo_tune.cli.common to keep --help light) are the runtime's
+    and the tuner's; search and table take every collective the runtime runs (the search tunes all
+    three)."""
     assert set(DTYPE_NAMES) == set(DTYPES) and RUNTIME_COLLECTIVE_NAMES == COLLECTIVES
+    assert SCALING_NAMES == SCALINGS and SCALING_NAMES[0] == TUNE_SCALING
     assert COLLECTIVE_NAMES == COLLECTIVES and SHARDED_COLLECTIVE_NAMES == SHARDED_COLLECTIVES
 
 

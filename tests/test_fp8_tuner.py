@@ -119,3 +119,74 @@ def test_fp8_profile_times_the_signalled_gemm_beside_scaled_mm(tmp_path):
         rows = list(csv.DictReader(f))
     assert rows and all(row["status"] == "ok" for row in rows)
     assert all(float(row["rel_err"]) < 1e-2 and float(row["cublas_ms"]) > 0 for row in rows)
+
+
+def test_fp8_profile_measures_tensorwise_scales(tmp_path):
+    """``--scaling tensorwise``: every config checked with 0-dim scales (the signalled GEMM and
+    torch._scaled_mm given the same ones) and timed; the ranking's title names the scaling."""
+    import csv
+
+    out = tmp_path / "p" / "profile.csv"
+    r = CliRunner().invoke(
+        app,
+        ["profile", "--dtype", FP8, "--scaling", "tensorwise", "--shape", "32x48x64", "--out", str(out)],
+    )
+    assert r.exit_code == 0, (r.output, r.exception)
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(row["status"] == "ok" for row in rows)
+    assert all(float(row["rel_err"]) < 1e-2 and float(row["cublas_ms"]) > 0 for row in rows)
+    assert f"32x48x64 {FP8} tensorwise" in r.output
+
+
+def test_tensorwise_scales_are_two_numbers_a_dropped_one_fails_the_check():
+    """The tensorwise scales are 0-dim float32, not 1 and not equal, so the signalled GEMM given
+    other scales than the reference's (the tuner's rowwise ones, or none) fails the profile's check."""
+    import torch
+
+    from fo_kernels.tile import Tile
+    from fo_tune.ranks.gemm import GEMM_TOL, gemm_operands, gemm_runner, rel_err
+    from fo_tune.ranks.scaled import SCALINGS, dequantized, scale_kwargs
+
+    a, b = gemm_operands(32, 48, 64, FP8, torch.device("cpu"), seed=1)
+    kw = scale_kwargs(a, b, "tensorwise")
+    sa, sb = kw["scale_a"], kw["scale_b"]
+    assert sa.dim() == sb.dim() == 0 and sa.dtype == sb.dtype == torch.float32
+    assert sa.item() != 1 and sb.item() != 1 and sa.item() != sb.item()
+    a32, b32 = dequantized(a, b, kw)
+    ref = a32 @ b32
+    tol = GEMM_TOL[FP8]
+    assert rel_err(a32 @ b.float(), ref) > tol and rel_err(a.float() @ b32, ref) > tol  # a scale dropped
+    tile = Tile(block_m=16, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=1)
+    run, _grid = gemm_runner(a, b, tile, 0, 4, kw)
+    assert rel_err(run(), ref) < tol
+    run_rowwise, _grid = gemm_runner(a, b, tile, 0, 4)  # the tuner's default scales, not the task's
+    assert rel_err(run_rowwise(), ref) > tol
+    with pytest.raises(ValueError, match="rowwise, tensorwise"):
+        scale_kwargs(a, b, "columnwise")
+    bf = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    assert all(scale_kwargs(*bf, scaling) == {} for scaling in SCALINGS)
+
+
+def test_tensorwise_profiles_get_their_own_default_file():
+    from fo_tune.calibrate.files import default_profile_path, grids_path
+
+    rowwise = default_profile_path("dev", (32, 48, 64), FP8)
+    tensorwise = default_profile_path("dev", (32, 48, 64), FP8, scaling="tensorwise")
+    assert rowwise.name == f"32x48x64-{FP8}.csv" and rowwise.parent == tensorwise.parent
+    assert tensorwise.name == f"32x48x64-{FP8}-tensorwise.csv"
+    assert grids_path(tensorwise).name == f"32x48x64-{FP8}-tensorwise-grids.csv"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scaling", "named"),
+    [("bfloat16", "tensorwise", "--dtype float8_e4m3fn"), (FP8, "columnwise", "rowwise, tensorwise")],
+)
+def test_profile_refuses_a_scaling_its_operands_cannot_take(tmp_path, dtype, scaling, named):
+    out = tmp_path / "p" / "profile.csv"
+    r = CliRunner().invoke(
+        app, ["profile", "--dtype", dtype, "--scaling", scaling, "--shape", "32x48x64", "--out", str(out)]
+    )
+    line = assert_one_line_error(r)
+    assert "--scaling" in line and named in line
+    assert not out.parent.exists()

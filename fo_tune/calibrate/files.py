@@ -43,6 +43,7 @@ from fo_tune.output import (
     write_csv,
     write_rows,
 )
+from fo_tune.ranks.scaled import TUNE_SCALING
 
 DEFAULT_ROOT = Path("results/calibration")
 PROFILE_ROOT = Path("results/profiles")
@@ -87,10 +88,15 @@ def default_out_dir(cal: Calibration) -> Path:
     return DEFAULT_ROOT / cal.fingerprint.device_key / f"tp{cal.world_size}"
 
 
-def default_profile_path(device_key: str, shape: tuple[int, int, int], dtype: str) -> Path:
-    """``results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv`` (relative to the working directory)."""
+def default_profile_path(
+    device_key: str, shape: tuple[int, int, int], dtype: str, *, scaling: str = TUNE_SCALING
+) -> Path:
+    """``results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv`` (relative to the working directory);
+    ``...-<dtype>-<scaling>.csv`` for a ``scaling`` other than the tuner's (``TUNE_SCALING``, the
+    one calibrate and the tables are tuned for), so the two fp8 scalings' profiles sit side by side."""
     m, n, k = shape
-    return PROFILE_ROOT / device_key / f"{m}x{n}x{k}-{dtype}.csv"
+    tag = "" if scaling == TUNE_SCALING else f"-{scaling}"
+    return PROFILE_ROOT / device_key / f"{m}x{n}x{k}-{dtype}{tag}.csv"
 
 
 def _time_key(p: GemmPoint) -> tuple[bool, float]:

@@ -17,6 +17,7 @@ from fo_tune.calibrate.calibration import (
 )
 from fo_tune.ranks.gemm import GemmGridsTask, GemmProfileTask
 from fo_tune.ranks.launch import Pool
+from fo_tune.ranks.scaled import TUNE_SCALING
 from fo_tune.ranks.timing import Timing
 
 
@@ -30,12 +31,15 @@ def profile_shape(
     dtype: str,
     *,
     graphs: bool = False,
+    scaling: str = TUNE_SCALING,
 ) -> list[GemmPoint]:
     """Every tile x grid for one shape (max over ranks), with cuBLAS's time on each row: the
     cuBLAS samples timed in alternation with that row's config (``GemmProfileTask``), or cuBLAS
     timed alone where the config did not run. ``graphs``: every sample one CUDA graph replay of
-    its calls (GPUs only; ``fo_tune.ranks.timing.time_interleaved``)."""
-    per_rank = pool.run(GemmProfileTask(m, n, k, tiles, frees, dtype, graphs=graphs))
+    its calls (GPUs only; ``fo_tune.ranks.timing.time_interleaved``). ``scaling``: the fp8
+    operands' scales, for the GEMM and ``torch._scaled_mm`` alike (``fo_tune.ranks.scaled.SCALINGS``;
+    the default is the one calibrate tunes for)."""
+    per_rank = pool.run(GemmProfileTask(m, n, k, tiles, frees, dtype, graphs=graphs, scaling=scaling))
     cublas_alone = Timing.max_over([r["cublas"] for r in per_rank]).median_ms
     points = []
     for i, row in enumerate(per_rank[0]["rows"]):
@@ -87,11 +91,13 @@ def confirm_grids(
     *,
     graphs: bool = False,
     candidates: int = CONFIRM_CANDIDATES,
+    scaling: str = TUNE_SCALING,
 ) -> list[GridBest]:
     """The fastest config of each grid in ``points`` (one shape's profile): each grid's
     ``candidates`` fastest measured configs and cuBLAS timed again in one interleaved run
-    (``GemmGridsTask``; ``graphs`` as ``profile_shape``'s), and the fastest of them in that run kept,
-    one row a grid by sms_free; [] unless the full grid (sms_free 0) and another grid both have one."""
+    (``GemmGridsTask``; ``graphs`` and ``scaling`` as given to ``profile_shape`` for ``points``),
+    and the fastest of them in that run kept, one row a grid by sms_free; [] unless the full grid
+    (sms_free 0) and another grid both have one."""
     if candidates < 1:
         raise ValueError(f"candidates must be >= 1, got {candidates}")
     measured: dict[int, list[GemmPoint]] = {}
@@ -103,7 +109,8 @@ def confirm_grids(
     chosen = [p for r in sorted(measured) for p in sorted(measured[r], key=lambda p: p.time_ms)[:candidates]]
     m, n, k = chosen[0].m, chosen[0].n, chosen[0].k
     configs = tuple((p.tile_config(), p.sms_free) for p in chosen)
-    per_rank = pool.run(GemmGridsTask(m, n, k, configs, dtype, reps=CONFIRM_ROUNDS, graphs=graphs))
+    task = GemmGridsTask(m, n, k, configs, dtype, reps=CONFIRM_ROUNDS, graphs=graphs, scaling=scaling)
+    per_rank = pool.run(task)
     cublas = Timing.max_over([r["cublas"] for r in per_rank]).median_ms
     times = [
         Timing.max_over([r["rows"][i]["timing"] for r in per_rank]).median_ms for i in range(len(chosen))

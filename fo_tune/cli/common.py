@@ -16,8 +16,8 @@ stderr and an exit code:
 
 With ``FO_TUNE_DEBUG=1`` the traceback is printed instead of the one line (same exit code). torch,
 the runtime and the tuner are imported inside the functions that need them, so ``fo-tune --help``
-stays light; that is also why the dtype and collective names the help texts list are written here
-(a test checks them against ``fo_kernels.schedule``).
+stays light; that is also why the dtype, collective and fp8 scaling names the help texts list are
+written here (a test checks them against ``fo_kernels.schedule`` and ``fo_tune.ranks.scaled``).
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ EXIT_INTERRUPTED = 130
 # fo_kernels.schedule.DTYPES and COLLECTIVES, for the help texts (see the module docstring): the
 # runtime's collectives are what `fo-tune bench` and `fo-tune demo` run.
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
+# fo_tune.ranks.scaled.SCALINGS, for the same reason: the fp8 scalings `fo-tune profile` measures,
+# the tuner's (TUNE_SCALING) first.
+SCALING_NAMES = ("rowwise", "tensorwise")
 RUNTIME_COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather")
 # The collectives `fo-tune search` and `fo-tune table` take: every one the runtime runs.
 COLLECTIVE_NAMES = RUNTIME_COLLECTIVE_NAMES

@@ -14,6 +14,7 @@ import typer
 
 from fo_tune.cli.common import (
     DTYPE_NAMES,
+    SCALING_NAMES,
     BackendOpt,
     SpaceOpt,
     WorldSizeOpt,
@@ -40,18 +41,25 @@ HELP = "\n\n".join(
         "compile, launch or check is skipped with its reason.",
         "Writes a CSV sorted by time (skipped configs last; columns as gemm_profile.csv of "
         "`fo-tune calibrate`, with cublas_ms on every row, and timing) to --out, default "
-        "results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv, and prints the ranking.",
+        "results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv (fp8 with --scaling tensorwise: "
+        "<M>x<N>x<K>-float8_e4m3fn-tensorwise.csv), and prints the ranking.",
         "Then the three fastest configs of each grid are timed again, all of them and cuBLAS side by "
         "side in one run, and each grid keeps the fastest of its own there, so that a reduced grid's "
         "cost over its share of SMs (its time over the full grid's best, divided by grid_0 / grid) is "
         "read off one clock: printed, and written next to the profile as "
-        "<M>x<N>x<K>-<dtype>-grids.csv (its candidates column: how many configs of the grid ran). "
+        "<M>x<N>x<K>-<dtype>-grids.csv, or -tensorwise-grids.csv (its candidates column: how many "
+        "configs of the grid ran). "
         "Ratios across the ranking's rows compare different runs and move with the card's drift.",
         "--timing graphs (the default on GPUs) captures each sample's calls into one CUDA graph and "
         "replays it, for cuBLAS and the GEMM alike: the GPU's own time, where a call's host time "
         "(Triton's launch path: ~0.08 ms a call on an H200's host) would otherwise bound a short "
         "GEMM's samples. --timing eager has the host issue every call. Both CSVs say which in "
         "their timing column. Every output is poisoned before its timed calls and checked after them.",
+        "--dtype float8_e4m3fn: fp8 operands and a bfloat16 output, the signalled GEMM timed beside "
+        "torch._scaled_mm, both given the same scales (--scaling): rowwise, the default, (M, 1) and "
+        "(1, N), the scaling the tables and `fo-tune calibrate` are tuned for; or tensorwise, one "
+        "0-dim scale each, the other scaling torch._scaled_mm serves. Checked against the float32 "
+        "product of the dequantized operands.",
         "Without GPUs the GEMM runs in Triton's CPU interpreter with the space's cpu tiles, timed "
         "eager: use tiny shapes (e.g. 32x48x40).",
         "Exit code 0 when the CSV is written, 1 when a measurement fails, 2 for bad options.",
@@ -74,12 +82,25 @@ OutFileOpt = Annotated[
         "-o",
         metavar="FILE",
         help="CSV to write (replaced atomically). "
-        "Default: results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv.",
+        "Default: results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv, "
+        "<M>x<N>x<K>-float8_e4m3fn-tensorwise.csv with --scaling tensorwise.",
     ),
 ]
 ProfileDtypeOpt = Annotated[
     str, typer.Option("--dtype", "-d", help=f"Operand dtype: {', '.join(DTYPE_NAMES)}.")
 ]
+ScalingOpt = Annotated[
+    str,
+    typer.Option(
+        "--scaling",
+        help="fp8 only (--dtype float8_e4m3fn): the operands' scales, given to the GEMM and "
+        "torch._scaled_mm alike: rowwise ((M, 1) and (1, N)) or tensorwise (0-dim each). The tables "
+        "and `fo-tune calibrate` are tuned rowwise; tensorwise profiles measure the other scaling "
+        "torch._scaled_mm serves.",
+    ),
+]
+# The dtype whose operands take scales (fo_kernels.scaling.FP8_DTYPE's name).
+FP8_NAME = "float8_e4m3fn"
 TIMINGS = ("auto", "graphs", "eager")
 TimingOpt = Annotated[
     str,
@@ -100,6 +121,18 @@ def resolve_timing(timing: str, backend: str) -> bool:
     if timing == "graphs" and not on_gpus:
         raise typer.BadParameter("--timing graphs needs GPUs (CUDA graphs); on the CPU use --timing eager")
     return timing == "graphs" or (timing == "auto" and on_gpus)
+
+
+def check_scaling(scaling: str, dtype: str) -> str:
+    """``scaling`` when it is one of ``SCALING_NAMES`` and ``dtype`` takes it (any but the default
+    needs fp8 operands: no other dtype has scales), else ``typer.BadParameter`` naming --scaling."""
+    if scaling not in SCALING_NAMES:
+        raise typer.BadParameter(f"--scaling {scaling!r} is not one of {', '.join(SCALING_NAMES)}")
+    if scaling != SCALING_NAMES[0] and dtype != FP8_NAME:
+        raise typer.BadParameter(
+            f"--scaling {scaling} is for --dtype {FP8_NAME}; {dtype} operands have no scales"
+        )
+    return scaling
 
 
 def _print_ranking(points, shape: str, device_key: str, path: Path) -> None:
@@ -160,9 +193,12 @@ def profile(
     backend: BackendOpt = "auto",
     out: OutFileOpt = None,
     timing: TimingOpt = "auto",
+    scaling: ScalingOpt = SCALING_NAMES[0],
 ) -> None:
     m, n, k = parse_shape(shape)
     check_dtype(dtype)
+    check_scaling(scaling, dtype)
+    problem = f"{m}x{n}x{k} {dtype}" + (f" {scaling}" if dtype == FP8_NAME else "")
     chosen = resolve_backend(world_size, backend)
     graphs = resolve_timing(timing, chosen)
     driver = is_driver_process()
@@ -172,7 +208,8 @@ def profile(
         from fo_tune.output import check_writable_file
 
         if driver:
-            target = out or default_profile_path(expected_device_key(chosen, world_size), (m, n, k), dtype)
+            key = expected_device_key(chosen, world_size)
+            target = out or default_profile_path(key, (m, n, k), dtype, scaling=scaling)
             check_writable_file(target)
             check_writable_file(grids_path(target))
         from fo_tune.calibrate.profile import profile_shape
@@ -190,20 +227,20 @@ def profile(
             what = f"profiling {m}x{n}x{k}: {len(tiles)} tiles x {len(frees)} grids on {world_size} rank(s)"
             with console.status(what, spinner="dots"):
                 device_key = fp.device_key
-                points = profile_shape(pool, m, n, k, tiles, frees, dtype, graphs=graphs)
+                points = profile_shape(pool, m, n, k, tiles, frees, dtype, graphs=graphs, scaling=scaling)
             from fo_tune.calibrate.calibration import timing_name
             from fo_tune.calibrate.files import write_grids_csv, write_profile_csv
 
-            target = out or default_profile_path(device_key, (m, n, k), dtype)
+            target = out or default_profile_path(device_key, (m, n, k), dtype, scaling=scaling)
             path = write_profile_csv(points, target, device_key, timing_name(graphs))
-            _print_ranking(points, f"{m}x{n}x{k} {dtype}, {timing_name(graphs)}", device_key, path)
+            _print_ranking(points, f"{problem}, {timing_name(graphs)}", device_key, path)
             from fo_tune.calibrate.profile import confirm_grids
 
             with console.status(f"timing the best of each grid side by side ({m}x{n}x{k})", spinner="dots"):
-                grids = confirm_grids(pool, points, dtype, graphs=graphs)
+                grids = confirm_grids(pool, points, dtype, graphs=graphs, scaling=scaling)
             if grids:
                 grids_file = write_grids_csv(grids, grids_path(path), device_key)
-                _print_grids(grids, f"{m}x{n}x{k} {dtype}, {timing_name(graphs)}", grids_file)
+                _print_grids(grids, f"{problem}, {timing_name(graphs)}", grids_file)
 
 
 def register(app: typer.Typer) -> None:

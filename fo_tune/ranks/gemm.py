@@ -1,8 +1,9 @@
 """GEMM measurement tasks: the signalled GEMM of every tile config beside cuBLAS (profiles) and the
 best reduced grids, each GEMM checked against ``torch.matmul`` before it is timed, and the
 checks' tolerances (``GEMM_TOL``). fp8 operands (``--dtype float8_e4m3fn``) come with the tuner's
-scales (``fo_tune.ranks.scaled``): the signalled GEMM beside ``torch._scaled_mm``, checked against
-the float32 product of the dequantized operands.
+scales of the task's ``scaling`` (``fo_tune.ranks.scaled``; rowwise unless named): the signalled
+GEMM beside ``torch._scaled_mm``, both given the same scales, checked against the float32 product of
+the dequantized operands.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fo_kernels.runtime import runtime_for
 from fo_kernels.schedule import Problem, Schedule, torch_dtype
 from fo_kernels.tile import Tile
 from fo_tune.ranks.launch import RankContext
-from fo_tune.ranks.scaled import dequantized, library_mm, out_dtype, scale_kwargs, scales_of
+from fo_tune.ranks.scaled import TUNE_SCALING, dequantized, library_mm, out_dtype, scale_kwargs, scales_of
 from fo_tune.ranks.timing import comparison_sample_ms, time_interleaved
 
 # Relative error a checked GEMM must stay under, per dtype (fp32 accumulation; docs/design.md#timing;
@@ -30,10 +31,16 @@ GEMM_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-4, "float8_e4m3fn":
 
 
 def gemm_runner(
-    a: torch.Tensor, b: torch.Tensor, tile: Tile, sms_free: int, sm_count: int
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tile: Tile,
+    sms_free: int,
+    sm_count: int,
+    kw: dict[str, Any] | None = None,
 ) -> tuple[Callable[[], torch.Tensor], int]:
     """The signalled persistent GEMM alone (one group, private counters): (run, grid); fp8
-    operands with the tuner's scales (``fo_tune.ranks.scaled``)."""
+    operands with ``kw``'s scales (``scale_kwargs``), ``TUNE_SCALING``'s when None, so a
+    caller that times the library GEMM with ``kw`` gives both the same scales."""
     m, k = a.shape
     n = b.shape[1]
     tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
@@ -53,7 +60,7 @@ def gemm_runner(
     out = torch.empty(m * n, dtype=out_dtype(a), device=a.device)
     operand = BOperand.of(b)
     assert operand is not None
-    scales = scales_of("all_reduce", a, b, scale_kwargs(a, b))
+    scales = scales_of("all_reduce", a, b, scale_kwargs(a, b) if kw is None else kw)
 
     def run() -> torch.Tensor:
         signalled_gemm(
@@ -87,14 +94,15 @@ def worst_error(errors: Sequence[float]) -> float:
     return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
-def _gemm_problem(m: int, n: int, k: int, dtype: str, device: torch.device) -> tuple:
-    """(SMs, A, B, float32 reference A @ B, the library's GEMM) of one shape, the operands seeded by
-    the shape, so that every task of a shape measures the same problem (fp8: with the tuner's
-    scales, the reference of the dequantized operands, ``torch._scaled_mm``)."""
+def _gemm_problem(m: int, n: int, k: int, dtype: str, scaling: str, device: torch.device) -> tuple:
+    """(SMs, A, B, the ops' keyword arguments, float32 reference A @ B, the library's GEMM) of one
+    shape, the operands seeded by the shape, so that every task of a shape measures the same problem
+    (fp8: ``scaling``'s scales in the keyword arguments, which the signalled GEMM takes too, the
+    reference of the dequantized operands, ``torch._scaled_mm``)."""
     a, b = gemm_operands(m, n, k, dtype, device, seed=m + n + k)
-    kw = scale_kwargs(a, b)
+    kw = scale_kwargs(a, b, scaling)
     a32, b32 = dequantized(a, b, kw)
-    return runtime_for(device, None).sm_count, a, b, a32 @ b32, lambda: library_mm(a, b, kw)
+    return runtime_for(device, None).sm_count, a, b, kw, a32 @ b32, lambda: library_mm(a, b, kw)
 
 
 @dataclass(frozen=True)
@@ -104,7 +112,8 @@ class GemmProfileTask:
     sample length), so both run at the card's sustained (power-limited) clock and each row's
     ``cublas`` is its own paired baseline. ``graphs``: each sample replays a CUDA graph of its
     calls (``time_interleaved(graphs=True)``), so a call whose host time exceeds its GPU time is
-    timed by the GPU's; the output the timed calls wrote is checked again (poisoned before)."""
+    timed by the GPU's; the output the timed calls wrote is checked again (poisoned before).
+    ``scaling``: fp8 operands' scales (``fo_tune.ranks.scaled.SCALINGS``); other dtypes ignore it."""
 
     m: int
     n: int
@@ -115,9 +124,12 @@ class GemmProfileTask:
     warmup: int = 3
     reps: int = 10
     graphs: bool = False
+    scaling: str = TUNE_SCALING
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
-        sm_count, a, b, ref, library = _gemm_problem(self.m, self.n, self.k, self.dtype, ctx.device)
+        sm_count, a, b, kw, ref, library = _gemm_problem(
+            self.m, self.n, self.k, self.dtype, self.scaling, ctx.device
+        )
         sample_ms = comparison_sample_ms(ctx.device.type == "cuda")
         cublas = time_interleaved(
             {"cublas": library}, ctx.device, warmup=self.warmup, rounds=self.reps, graphs=self.graphs
@@ -129,7 +141,7 @@ class GemmProfileTask:
                 try:
                     if r >= sm_count:
                         raise ValueError(f"sms_free {r} leaves no SM of {sm_count}")
-                    run, row["grid"] = gemm_runner(a, b, tile, r, sm_count)
+                    run, row["grid"] = gemm_runner(a, b, tile, r, sm_count, kw)
                     run().fill_(float("nan"))  # poisoned: a tile the check's call does not write fails it
                     out = run()
                     row["rel_err"] = _checked(out, ref, self.dtype)
@@ -166,7 +178,8 @@ class GemmGridsTask:
     poisoned first), then all of them and cuBLAS timed in one interleaved run (``time_interleaved``,
     the comparison sample length), so their ratios share one clock: ``GemmProfileTask`` times each
     config beside cuBLAS only, and ratios across its timings move with the card's drift. The
-    outputs the timed calls wrote are checked again; ``graphs`` as ``GemmProfileTask``'s."""
+    outputs the timed calls wrote are checked again; ``graphs`` and ``scaling`` as
+    ``GemmProfileTask``'s."""
 
     m: int
     n: int
@@ -176,13 +189,16 @@ class GemmGridsTask:
     warmup: int = 3
     reps: int = 10
     graphs: bool = False
+    scaling: str = TUNE_SCALING
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
-        sm_count, a, b, ref, library = _gemm_problem(self.m, self.n, self.k, self.dtype, ctx.device)
+        sm_count, a, b, kw, ref, library = _gemm_problem(
+            self.m, self.n, self.k, self.dtype, self.scaling, ctx.device
+        )
         fns: dict[str, Callable[[], Any]] = {"cublas": library}
         rows, outs = [], []
         for i, (tile, r) in enumerate(self.configs):
-            run, grid = gemm_runner(a, b, tile, r, sm_count)
+            run, grid = gemm_runner(a, b, tile, r, sm_count, kw)
             run().fill_(float("nan"))  # poisoned: a tile the check's call does not write fails it
             out = run()
             err = _checked(out, ref, self.dtype, f"{tile.label()} on {grid} programs: ")
