@@ -68,6 +68,9 @@ def _timed(fn, calls: int) -> callable:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def sample() -> float:
+        # (``fn`` stays referenced while the graph lives: the device tensors it holds, such as
+        # fo's segment tables, are what the graph's kernels read; freed, their memory is reused)
+        keep_alive = fn  # noqa: F841
         start.record()
         graph.replay()
         end.record()
@@ -140,6 +143,7 @@ def bench_shape(model: dict, ep: int, tokens: int, rounds: int, calls: int, seed
         return lambda: grouped_gemm(hh, w2, down_out, tables, tile, grid=sms, counters=ctr)
 
     # correctness first: fo against the library, every tile
+    print(f"  {model['name']} EP{ep}: checking", file=sys.stderr, flush=True)
     ref_up = lib_up_act()
     ref_down = lib_down()
     for tile in TILES:
@@ -154,6 +158,8 @@ def bench_shape(model: dict, ep: int, tokens: int, rounds: int, calls: int, seed
     out = []
     lib_of = {"up": lib_up, "up_slotted": lib_up_act, "down": lib_down, "down_signalled": lib_down}
     for kind in ("up", "up_slotted", "down", "down_signalled"):
+        # (on stderr: an asynchronous CUDA error then names the variant it came from)
+        print(f"  {model['name']} EP{ep}: timing {kind}", file=sys.stderr, flush=True)
         alone = {}
         for t in TILES:
             sample = _timed(fo(kind, t), calls)
@@ -208,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )  # fmt: skip
     rows = []
+    path = out_dir / "moe_grouped_gemm.csv"
     for i, model in enumerate(suite["models"]):
         if wanted and model["name"] not in wanted:
             continue
@@ -217,14 +224,18 @@ def main(argv: list[str] | None = None) -> int:
                 where = f"{r['model']:<18} EP{ep} {r['experts_local']:>3} experts {r['rows']:>6} rows"
                 times = f"lib {r['lib_ms']:.3f} ms  fo {r['fo_ms']:.3f} ms  x lib {r['x_lib']:.3f}"
                 print(f"{where}  {r['variant']:<15} {times}  ({r['tile']})", flush=True)
-    path = out_dir / "moe_grouped_gemm.csv"
+            _write(rows, path)  # after every shape: a run cut short keeps what it measured
+    print(f"wrote {path}")
+    return 0
+
+
+def _write(rows: list[dict], path: Path) -> None:
+    """The CSV of ``rows``, replaced atomically."""
     with open(path.with_suffix(".tmp"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     path.with_suffix(".tmp").replace(path)
-    print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ def test_the_packaged_calibration_still_loads(h200: Calibration):
 def test_merge_points_adds_to_the_tp2_section(h200: Calibration):
     """The TP=2 parameters and points stay; the new points join them (the same shape, or world
     size and collective, replaced); merge_into does it for --only copy_engine_n."""
-    old = h200.copy_engine
+    # the TP=2 section alone (the packaged one also holds N-peer points measured on a sibling GPU)
+    tp2 = [p for p in h200.copy_engine.library_gemm if not p.measured_on]
+    old = dataclasses.replace(h200.copy_engine, library_gemm=tp2, host=[])
     first = old.library_gemm[0]
     new = EngineCalibration(
         library_gemm=[
@@ -247,12 +249,22 @@ def _copy(cal: Calibration) -> Calibration:
     return dataclasses.replace(cal, copy_engine=dataclasses.replace(cal.copy_engine))
 
 
+def _tp2_only(cal: Calibration) -> Calibration:
+    """``cal`` without its N-peer copy-engine points (the packaged calibration holds some, measured
+    on a sibling GPU): the TP=2 section a first merge starts from."""
+    tp2 = [p for p in cal.copy_engine.library_gemm if not p.measured_on]
+    return dataclasses.replace(
+        cal, copy_engine=dataclasses.replace(cal.copy_engine, library_gemm=tp2, host=[])
+    )
+
+
 def test_into_sibling_merges_and_records_where_points_were_measured(h200: Calibration, tmp_path):
     """An H100's copy_engine_n into the H200 calibration: merged with sibling=True, each new point
     carrying the H100's device key (the H200's own points none), the parameters' sources naming it;
     measured_on survives the file and is written only where set."""
     from fo_tune.calibrate.calibration import save_calibration
 
+    h200 = _tp2_only(h200)
     measured = _sibling_of(h200)
     key = measured.fingerprint.device_key
     done = merge_into(_copy(h200), measured, ("copy_engine_n",), sibling=True)
@@ -299,12 +311,13 @@ def test_the_flag_refuses_another_die_and_other_parts(h200: Calibration):
 
 @pytest.fixture
 def shipped(tmp_path) -> Path:
-    """A copy of the packaged H200 TP=2 calibration."""
+    """A copy of the packaged H200 TP=2 calibration, without its N-peer copy-engine points."""
     from cli_checks import H200_KEY
+    from fo_tune.calibrate.calibration import load_calibration, save_calibration
     from fo_tune.calibrate.find import packaged_calibration
 
     target = tmp_path / "calibration.yaml"
-    target.write_bytes(packaged_calibration(H200_KEY, 2).read_bytes())
+    save_calibration(_tp2_only(load_calibration(packaged_calibration(H200_KEY, 2))), target)
     return target
 
 
