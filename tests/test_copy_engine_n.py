@@ -153,6 +153,13 @@ def test_the_host_term_grows_as_measured(model, h200: Calibration):
     assert new.host_ms(other, 2, graphed=True) == graph
     only = CopyEngineTerm(model, params, [_host(8, 0.06, 2.4)])  # no base at N = 2: the constants
     assert only.host_ms(_schedule(8), 2, graphed=True) == graph
+    # a time the calibration could not measure (NaN: the host waited for the GPU) is left out:
+    # the term follows the points that were measured
+    unmeasured = [*host[:2], _host(8, math.nan, math.nan)]
+    holes = CopyEngineTerm(model, params, unmeasured)
+    assert holes.host_ms(_schedule(4), 2, graphed=True) == pytest.approx(graph + 0.010)
+    assert holes.host_ms(_schedule(8), 2, graphed=True) == pytest.approx(graph + 0.030)
+    assert holes.host_ms(_schedule(8), 2, graphed=False, ops=ops) == pytest.approx((per_op + 0.024) * ops)
 
 
 def test_measured_chunk_gemms_replace_the_wave_model_above_two_peers(model, h200: Calibration):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -49,11 +50,13 @@ HOST_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 HOST_CHUNKS = 2
 # A small GEMM (rows per rank, N, K): the host is measured, not the GPU.
 HOST_SHAPE = (512, 512, 512)
-# Calls per timed sample, and how long the GPU is held while they are issued (ms): an eager call of
-# 8 ranks issues ~800 operations at ~8 us each (docs/design.md#host-time), so 5 calls take ~35 ms.
-HOST_CALLS = 5
-GRAPH_REPLAYS = 20
-HOST_HOLD_MS = 200.0
+# Samples of one call (eager) or one replay each, every one issued under its own hold of the GPU
+# (ms): one call of 8 ranks issues ~1,700 operations (all_reduce, 2 chunks), ~7 ms of host time.
+# One call a hold: while the GPU is held every issued operation waits in its queue, and on one H100
+# five eager calls of 8 ranks' all_reduce (~8,400 operations) or twenty replays of 5 ranks' filled
+# it: the host then waited for the hold to end, and that wait read as host time (~HOLD / calls).
+HOST_SAMPLES = 5
+HOST_HOLD_MS = 50.0
 # The replays' task ends a hang after this many seconds (its 21 points take a few seconds).
 GRAPH_TASK_TIMEOUT_S = 60.0
 # TP=4/8 row-parallel layers (M x N x K of one rank's GEMM, N peers): the MLP's down projection
@@ -83,17 +86,25 @@ def layer_gemm_shapes(cpu: bool) -> tuple[tuple[int, int, int, int], ...]:
     return tuple(dict.fromkeys(out))
 
 
-def _held_ms(fn: Any, calls: int, device: torch.device) -> float:
-    """Host ms per call of ``calls`` calls of ``fn`` issued while the GPU sleeps (``HOST_HOLD_MS``)."""
-    torch.cuda.synchronize(device)
+def _held_ms(fn: Any, device: torch.device) -> float:
+    """Host ms of one call of ``fn`` issued while the GPU sleeps (``HOST_HOLD_MS``), median of
+    ``HOST_SAMPLES``; NaN when a sample's hold ended before its call returned (the host may have
+    waited for the GPU: not a host time)."""
     clock = torch.cuda.get_device_properties(device).clock_rate  # kHz: cycles per ms
-    torch.cuda._sleep(int(HOST_HOLD_MS * clock))
-    t0 = time.perf_counter()
-    for _ in range(calls):
+    samples = []
+    for _ in range(HOST_SAMPLES):
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(int(HOST_HOLD_MS * clock))
+        held = torch.cuda.Event()
+        held.record()  # done when the hold ends
+        t0 = time.perf_counter()
         fn()
-    per_call = (time.perf_counter() - t0) * 1e3 / calls
+        samples.append((time.perf_counter() - t0) * 1e3)
+        if held.query():
+            torch.cuda.synchronize(device)
+            return math.nan
     torch.cuda.synchronize(device)
-    return per_call
+    return statistics.median(samples)
 
 
 def _virtual_call(world: int, collective: str, device: torch.device, dtype: str) -> tuple[Any, float]:
@@ -125,7 +136,7 @@ def _virtual_call(world: int, collective: str, device: torch.device, dtype: str)
 def eager_host(world: int, collective: str, device: torch.device, dtype: str) -> dict[str, Any]:
     """One rank's eager host time at ``world`` peers: every rank's call issued, over ``world``."""
     call, ops = _virtual_call(world, collective, device, dtype)
-    eager = _held_ms(call, HOST_CALLS, device)
+    eager = _held_ms(call, device)
     return {"world": world, "collective": collective, "ops": ops, "eager_ms": eager / world}
 
 
@@ -141,7 +152,7 @@ def graph_host(world: int, collective: str, device: torch.device, dtype: str) ->
     return {
         "world": world,
         "collective": collective,
-        "graph_ms": _held_ms(graph.replay, GRAPH_REPLAYS, device) / world,
+        "graph_ms": _held_ms(graph.replay, device) / world,
     }
 
 

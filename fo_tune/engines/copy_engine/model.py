@@ -176,10 +176,11 @@ class CopyEngineTerm:
         self.p = dict(params)
         self._graph: dict[str, dict[int, float]] = {}
         self._per_op: dict[str, dict[int, float]] = {}
-        for point in host:  # (a replay not measured is NaN: left out)
+        for point in host:  # (a time not measured, or not measurable, is NaN: left out)
             if not math.isnan(point.graph_ms):
                 self._graph.setdefault(point.collective, {})[point.world] = point.graph_ms
-            self._per_op.setdefault(point.collective, {})[point.world] = point.eager_ms / point.ops
+            if not math.isnan(point.eager_ms):
+                self._per_op.setdefault(point.collective, {})[point.world] = point.eager_ms / point.ops
 
     def copy_ms(self, nbytes: float, *, peer: bool = True) -> float:
         kind = "peer" if peer else "local"
