@@ -31,6 +31,8 @@ import datetime
 import os
 import statistics
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -57,30 +59,38 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def _timed(fn, calls: int) -> callable:
-    """A sample function: one replay of a graph of ``calls`` calls of ``fn``, in ms per call."""
+@dataclass
+class _Graphed:
+    """One sample: a replay of a CUDA graph of ``calls`` calls of ``fn``, in ms per call. ``fn``
+    lives as long as the graph: the device tensors it holds (fo's segment tables) are what the
+    graph's kernels read, and freed, their memory goes to the next capture."""
+
+    fn: Callable[[], object]
+    graph: torch.cuda.CUDAGraph
+    calls: int
+    start: torch.cuda.Event = field(default_factory=lambda: torch.cuda.Event(enable_timing=True))
+    end: torch.cuda.Event = field(default_factory=lambda: torch.cuda.Event(enable_timing=True))
+
+    def __call__(self) -> float:
+        self.start.record()
+        self.graph.replay()
+        self.end.record()
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / self.calls
+
+
+def _timed(fn: Callable[[], object], calls: int) -> _Graphed:
+    """``fn`` warmed up, then captured ``calls`` times into one graph (``_Graphed``)."""
     fn()  # warm-up: compile, allocate
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def sample() -> float:
-        # (``fn`` stays referenced while the graph lives: the device tensors it holds, such as
-        # fo's segment tables, are what the graph's kernels read; freed, their memory is reused)
-        keep_alive = fn  # noqa: F841
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / calls
-
-    return sample
+    return _Graphed(fn, graph, calls)
 
 
-def _rounds(samples: dict[str, callable], rounds: int) -> dict[str, float]:
+def _rounds(samples: dict[str, _Graphed], rounds: int) -> dict[str, float]:
     """Median ms of each variant over ``rounds`` rounds whose order rotates."""
     names = list(samples)
     times = {n: [] for n in names}
