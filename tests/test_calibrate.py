@@ -113,7 +113,8 @@ def test_quick_calibration_csv_columns(quick_run):
         ("fits.csv", CurveFit),
     ):
         header, rows = read_csv(out / name)
-        assert header == [f.name for f in fields(kind)] + ["device_key"], name
+        # (a point's measured_on stays out: the device_key column says where rows were measured)
+        assert header == [f.name for f in fields(kind) if f.name != "measured_on"] + ["device_key"], name
         assert rows and {r["device_key"] for r in rows} == {key}, name
     _, gemm = read_csv(out / "gemm_profile.csv")
     times = [float(r["time_ms"]) for r in gemm if r["status"] == "ok"]
@@ -247,7 +248,8 @@ def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
     result = runner.invoke(app, ["profile", "--shape", "32x48x40", "--out", str(out)])
     assert result.exit_code == 0, (result.output, result.exception)
     header, rows = read_csv(out)
-    assert header == [f.name for f in fields(GemmPoint)] + ["device_key", "timing"]
+    # a point's measured_on stays out of the CSV: its device_key column says where rows were measured
+    assert header == [f.name for f in fields(GemmPoint) if f.name != "measured_on"] + ["device_key", "timing"]
     assert "cublas_ms" in header and rows
     assert {r["timing"] for r in rows} == {"eager"}  # --timing auto: the CPU has no CUDA graphs
     assert {(r["m"], r["n"], r["k"]) for r in rows} == {("32", "48", "40")}
@@ -256,6 +258,9 @@ def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
     assert len(times) == len(rows) and times == sorted(times)
     assert all(float(r["cublas_ms"]) > 0 for r in rows)
     assert {r["device_key"] for r in rows} == {current_fingerprint("cpu", 1).device_key}
+    points, keys = report.read_profile_csv(out)  # read back as --from-profiles reads it
+    assert keys == [current_fingerprint("cpu", 1).device_key] and len(points) == len(rows)
+    assert [p.time_ms for p in points] == times and {p.measured_on for p in points} == {""}
     assert "cuBLAS" in result.stdout and str(out) in result.stdout.replace("\n", "")
     # each grid's fastest of its three best, re-timed side by side, next to the profile
     header, grids = read_csv(tmp_path / "p" / "profile-grids.csv")

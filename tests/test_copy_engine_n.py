@@ -257,11 +257,13 @@ def _copy(cal: Calibration) -> Calibration:
 
 
 def _tp2_only(cal: Calibration) -> Calibration:
-    """``cal`` without its N-peer copy-engine points (the packaged calibration holds some, measured
-    on a sibling GPU): the TP=2 section a first merge starts from."""
+    """``cal`` without its N-peer copy-engine points and its other dtypes' GEMM profiles (the
+    packaged calibration holds both, measured on a sibling GPU): what a first merge starts from."""
     tp2 = [p for p in cal.copy_engine.library_gemm if not p.measured_on]
     return dataclasses.replace(
-        cal, copy_engine=dataclasses.replace(cal.copy_engine, library_gemm=tp2, host=[])
+        cal,
+        copy_engine=dataclasses.replace(cal.copy_engine, library_gemm=tp2, host=[]),
+        gemm_dtypes={},
     )
 
 
@@ -314,6 +316,23 @@ def test_the_flag_refuses_another_die_and_other_parts(h200: Calibration):
         merge_into(_copy(h200), fewer, ("copy_engine_n",), sibling=True)
     with pytest.raises(CalibrationRequestError, match="--into-sibling merges --only copy_engine_n alone"):
         merge_into(_copy(h200), _sibling_of(h200), ("copy_engine",), sibling=True)
+
+
+def test_the_flag_merges_a_sibling_gemm_profile_of_another_dtype(h200: Calibration):
+    """--into-sibling also takes a sibling's GEMM profile in another dtype than the calibration's
+    (fp8): kept beside its own, each point recording where; a profile in its own dtype is refused."""
+    from fo_tune.calibrate.run import CalibrationRequestError
+
+    measured = dataclasses.replace(
+        _sibling_of(h200), dtype="float8_e4m3fn", gemm=h200.gemm[:2], copy_engine=None
+    )
+    with pytest.raises(CalibrationRequestError, match=r"gpu_name differs.*--into-sibling"):
+        merge_into(dataclasses.replace(h200, gemm_dtypes={}), measured, ("gemm",))
+    done = merge_into(dataclasses.replace(h200, gemm_dtypes={}), measured, ("gemm",), sibling=True)
+    assert done.gemm == h200.gemm
+    assert {p.measured_on for p in done.gemm_dtypes["float8_e4m3fn"]} == {measured.fingerprint.device_key}
+    with pytest.raises(CalibrationRequestError, match="or --only gemm in another dtype"):
+        merge_into(_copy(h200), _sibling_of(h200), ("gemm",), sibling=True)
 
 
 @pytest.fixture

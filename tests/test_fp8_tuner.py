@@ -2,7 +2,7 @@
 calibration (``gemm_dtypes``) and read through ``Calibration.for_dtype``; what the model moves (fp8
 gathers, bfloat16 sums); the calibration request's and merge's rules; an offline predict search
 writing an fp8 table the runtime returns; the refusal that names the command where a calibration has
-no fp8 profile."""
+no fp8 profile; the shipped calibration's fp8 plan, resting on a sibling GPU's profile."""
 
 from __future__ import annotations
 
@@ -98,13 +98,40 @@ def test_offline_fp8_search_writes_an_fp8_table(tmp_path, fp8_calibration):
         assert row.dtype == FP8
 
 
-def test_the_shipped_calibration_names_the_fp8_profile_to_measure(tmp_path):
+def test_a_calibration_without_the_profile_names_the_fp8_profile_to_measure(tmp_path, h200):
+    bare = tmp_path / "bare.yaml"
+    save_calibration(dataclasses.replace(h200, gemm_dtypes={}), bare)
     r = CliRunner().invoke(
-        app, ["search", "--dtype", FP8, "--shape", "4096x8192x4096", "--out", str(tmp_path / "o")]
-    )
+        app,
+        ["search", "--dtype", FP8, "--shape", "4096x8192x4096", "--calibration", str(bare),
+         "--out", str(tmp_path / "o")],
+    )  # fmt: skip
     line = assert_one_line_error(r)
     assert f"fo-tune calibrate --world-size 1 --only gemm --dtype {FP8} --into" in line
     assert not (tmp_path / "o").exists()
+
+
+def test_the_shipped_calibration_plans_fp8_offline_on_a_sibling_profile(tmp_path):
+    """The packaged H200 calibration holds an fp8 GEMM profile measured on an H100 (merged with
+    --from-profiles --into-sibling): a predicted fp8 plan runs without a GPU, and every row, at
+    TP=2 and extrapolated to TP=4, says it rests on that sibling's profile."""
+    sibling = f"{FP8} GEMM profile measured on nvidia-h100-80gb-hbm3-cc90-132sm-w1-single, a sibling GPU"
+    for world in (2, 4):
+        out = tmp_path / f"o{world}"
+        r = CliRunner().invoke(
+            app,
+            ["search", "--mode", "predict", "--dtype", FP8, "--shape", "4096x8192x4096",
+             "-c", "all_reduce", "--world-size", str(world), "--out", str(out)],
+        )  # fmt: skip
+        assert r.exit_code == 0, r.output
+        assert sibling in " ".join(r.output.split())  # the printed basis line
+        key = H200_KEY.replace("-w2-", f"-w{world}-")
+        table = load_table(out / "tables" / key / f"all_reduce-w{world}-{FP8}.yaml")
+        assert table.dtype == FP8 and table.rows
+        assert all(row.basis.endswith(sibling) for row in table.rows), [r.basis for r in table.rows]
+        assert all(
+            row.basis.startswith("extrapolated from world size 2") == (world == 4) for row in table.rows
+        )
 
 
 def test_fp8_profile_times_the_signalled_gemm_beside_scaled_mm(tmp_path):

@@ -18,10 +18,12 @@ A ``Calibration`` holds, for one hardware fingerprint and world size:
 - ``triton`` (optional): the Triton term's host times (``params``, as above); without it the
   term's measured defaults apply;
 - ``gemm_dtypes`` (optional): GEMM profiles in other operand dtypes than ``dtype`` (fp8: the
-  signalled GEMM beside ``torch._scaled_mm``), measured on one GPU of the same model and merged
-  with ``fo-tune calibrate --world-size 1 --only gemm --dtype D --into``. ``for_dtype(D)`` is the
-  calibration a search in D reads: the same communication measurements, D's profile as ``gemm``,
-  and ``library_ratio``, D's library GEMM time over this dtype's (cuBLAS), for the library model.
+  signalled GEMM beside ``torch._scaled_mm``), measured on one GPU of the same model (or of a
+  sibling of the same die, its points' ``measured_on`` naming it) and merged with ``fo-tune
+  calibrate --world-size 1 --only gemm --dtype D --into`` (``--from-profiles DIR``: from ``fo-tune
+  profile`` CSVs, without a GPU). ``for_dtype(D)`` is the calibration a search in D reads: the same
+  communication measurements, D's profile as ``gemm``, and ``library_ratio``, D's library GEMM time
+  over this dtype's (cuBLAS), for the library model.
 
 Sizes follow nccl-tests: ``size`` is the full buffer of the collective (the input of all_reduce,
 reduce_scatter and all_to_all, the output of all_gather); algbw = size / time; busbw = algbw times
@@ -39,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,7 @@ from fo_tune.calibrate.section import (
     HostPoint,
     LibraryGemmPoint,
     Quantity,
+    point_dict,
     read_point,
 )
 
@@ -166,6 +169,9 @@ class GemmPoint:
     status: str  # "ok", or why the config was skipped
     # The ping-pong kernel (``Tile.pingpong``); absent from calibrations written before it existed.
     pingpong: bool = False
+    # Another GPU's device key (a sibling of the same die, ``--into-sibling``); "": this GPU. Written
+    # to a calibration only where set; profile CSVs say it in their ``device_key`` column instead.
+    measured_on: str = ""
 
     def tile_config(self) -> Tile:
         """The tile config this point measured (its fields of ``Tile``, by name)."""
@@ -286,20 +292,22 @@ class Calibration:
             "created": self.created,
         }
         for name in _PARTS:
-            out[name] = [asdict(p) for p in getattr(self, name)]
+            out[name] = [point_dict(p) for p in getattr(self, name)]
         for name in ENGINE_SECTIONS:
             section = getattr(self, name)
             if section is not None:
                 out[name] = section.to_dict()
         if self.gemm_dtypes:
-            out["gemm_dtypes"] = {d: [asdict(p) for p in pts] for d, pts in self.gemm_dtypes.items()}
+            out["gemm_dtypes"] = {d: [point_dict(p) for p in pts] for d, pts in self.gemm_dtypes.items()}
         if self.basis:
             out["basis"] = self.basis
         return out
 
     def for_dtype(self, dtype: str) -> Calibration:
         """The calibration a model of ``dtype`` operands reads (see the module docstring): this one
-        for its own dtype; ``CalibrationError`` naming the command that adds a missing profile."""
+        for its own dtype; ``CalibrationError`` naming the command that adds a missing profile. Where
+        the profile was measured on a sibling GPU (its points' ``measured_on``), ``basis`` says so:
+        every row a search predicts from it then names that GPU."""
         if dtype == self.dtype:
             return self
         points = self.gemm_dtypes.get(dtype)
@@ -309,6 +317,8 @@ class Calibration:
                 f"profile; measure it on one GPU of this model with `fo-tune calibrate --world-size 1 "
                 f"--only gemm --dtype {dtype} --into CALIBRATION.yaml`"
             )
+        siblings = sorted({p.measured_on for p in points if p.measured_on})
+        clause = f"{dtype} GEMM profile measured on {', '.join(siblings)}, a sibling GPU" if siblings else ""
         return dataclasses.replace(
             self,
             dtype=dtype,
@@ -316,6 +326,7 @@ class Calibration:
             gemm_dtypes={},
             library_ratio=_library_ratio(self.gemm, points),
             base_dtype=self.dtype,
+            basis="; ".join(b for b in (self.basis, clause) if b),
         )
 
     @classmethod

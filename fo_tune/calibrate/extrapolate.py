@@ -25,7 +25,8 @@ measurements per world size (``dataclasses.replace`` keeps every field it is not
 
 The result's fingerprint is the board's at N (``device_key`` ``...-w<N>-nvlink18``), and ``basis``
 says what it rests on (naming the sibling GPU whose copy-engine points at N peers were merged with
-``--into-sibling``, if any); every row a search writes from it carries that ``basis``.
+``--into-sibling``, if any); every row a search writes from it carries that ``basis`` (in another
+dtype, ``Calibration.for_dtype`` adds the GPU its GEMM profile was measured on, where a sibling).
 """
 
 from __future__ import annotations

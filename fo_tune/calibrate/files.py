@@ -12,11 +12,13 @@ CSV alone says where it was measured (the YAML carries the whole fingerprint). `
 uses nccl-tests' columns. ``check_calibration_out`` is the check a command runs before it measures
 anything, so a bad ``--out`` costs nothing; it also refuses to replace a folder holding files
 fo-tune did not write. ``write_profile_csv`` writes one shape's tile profile (``fo-tune profile``)
-the same way. The ``*_summary`` helpers give the rows of the tables the CLI prints.
+the same way, and ``read_profile_csv`` reads one back. The ``*_summary`` helpers give the rows of
+the tables the CLI prints.
 """
 
 from __future__ import annotations
 
+import csv
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -28,6 +30,7 @@ from fo_kernels.files import atomic_write
 from fo_tune.calibrate.calibration import (
     BandwidthPoint,
     Calibration,
+    CalibrationError,
     CurveFit,
     GemmPoint,
     GridBest,
@@ -68,7 +71,8 @@ _BANDWIDTH_FIELDS = (
     "busbw_gbs",
 )
 INTERFERENCE_COLUMNS = (*(f.name for f in fields(InterferencePoint)), "device_key")
-GEMM_COLUMNS = (*(f.name for f in fields(GemmPoint)), "device_key")
+# (a point's ``measured_on`` is left out: a CSV's device_key column says where its rows were measured)
+GEMM_COLUMNS = (*(f.name for f in fields(GemmPoint) if f.name != "measured_on"), "device_key")
 FITS_COLUMNS = (*(f.name for f in fields(CurveFit)), "device_key")
 # Every file write_calibration_dir writes, in the order it returns them.
 CALIBRATION_FILES = (
@@ -133,6 +137,44 @@ def write_profile_csv(points: list[GemmPoint], path: str | Path, device_key: str
     with made_parents(target.parent):
         atomic_write(target, lambda f: write_rows(f, [*GEMM_COLUMNS, "timing"], rows))
     return path
+
+
+def read_profile_csv(path: str | Path) -> tuple[list[GemmPoint], list[str]]:
+    """The rows of a tile profile CSV (``write_profile_csv``; or a ``gemm_profile.csv``) as points,
+    and the device keys its rows name, in order of first appearance; ``CalibrationError`` naming
+    the file and line where a column is missing or a value is not of its field's type."""
+    path = Path(path)
+    kinds = {f.name: str(f.type) for f in fields(GemmPoint) if f.name in GEMM_COLUMNS}
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in GEMM_COLUMNS if c not in (reader.fieldnames or ())]
+            if missing:
+                raise CalibrationError(
+                    f"{path}: not a tile profile of `fo-tune profile` (no column {missing[0]!r})"
+                )
+            points, keys = [], []
+            for line, row in enumerate(reader, start=2):
+                try:
+                    points.append(GemmPoint(**{n: _cell(row[n], kind) for n, kind in kinds.items()}))
+                except (TypeError, ValueError) as exc:
+                    raise CalibrationError(f"{path}:{line}: {exc}") from None
+                if row["device_key"] not in keys:
+                    keys.append(row["device_key"])
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise CalibrationError(f"{path}: cannot read it as a tile profile: {exc}") from None
+    return points, keys
+
+
+def _cell(text: str | None, kind: str) -> Any:
+    """One CSV cell as a ``GemmPoint`` field of type ``kind`` (``int``, ``float``, ``bool``, ``str``)."""
+    if text is None:
+        raise ValueError("a row shorter than the header")
+    if kind == "bool":
+        if text not in ("True", "False"):
+            raise ValueError(f"expected True or False, got {text!r}")
+        return text == "True"
+    return {"int": int, "float": float, "str": str}[kind](text)
 
 
 def grids_path(profile_path: str | Path) -> Path:

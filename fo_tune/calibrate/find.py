@@ -56,8 +56,9 @@ def choose_calibration(
     search at a world size its calibration (given, or packaged: world size 2) did not measure reads
     it extrapolated to ``world_size`` (``extrapolate``; its ``basis`` says so). No mode given:
     hybrid with a calibration, else measure. ``dtype``: the search's operands; a calibration in
-    another dtype is read through its GEMM profile for ``dtype`` (``Calibration.for_dtype``): a
-    predicting search without one is refused, naming the command; a measured one runs without."""
+    another dtype is read through its GEMM profile for ``dtype`` (``Calibration.for_dtype``, its
+    ``basis`` naming a sibling GPU that measured it): a predicting search without one is refused,
+    naming the command; a measured one runs without."""
     from fo_tune.search import SearchError
 
     cal: Calibration | None = None

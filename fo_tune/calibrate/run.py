@@ -16,6 +16,9 @@
          into a calibration of the same GPU model, or of another model of the same die with
          ``sibling`` (``--into-sibling``), its points then recording where they were measured
 
+A GEMM profile in another dtype than the calibration's (fp8) may come from a sibling too, measured
+here or read from ``fo-tune profile`` CSVs without a GPU (``fo_tune.calibrate.from_profiles``).
+
 ``parts`` selects stages by name (``PARTS``); world size 1 has no collective, so its default is
 ``gemm`` and ``copy_engine`` (the one-GPU measurements: ``fo-tune calibrate --world-size 1``).
 
@@ -25,6 +28,7 @@ All of it runs in one worker pool (``fo_tune.ranks.launch``); writing the files 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +41,7 @@ from fo_tune.calibrate.calibration import (
     BandwidthPoint,
     Calibration,
     EngineCalibration,
+    GemmPoint,
     InterferencePoint,
     Quantity,
     fit_all,
@@ -68,8 +73,9 @@ OTHER_DTYPE_PARTS = ("gemm",)
 GEMM_ONLY_DTYPES = ("float8_e4m3fn",)
 # What a sibling GPU (another model of the same die: the fingerprint fields of SAME_DIE equal, its
 # name not) may merge into a calibration, with --into-sibling: the copy engine at N peers, whose
-# host times and chunk GEMMs the die decides (its memory bandwidth aside); each point merged records
-# the sibling's device key (``measured_on``).
+# host times and chunk GEMMs the die decides (its memory bandwidth aside), and a GEMM profile in
+# another dtype than the calibration's (OTHER_DTYPE_PARTS: fp8, whose plans then say they rest on
+# it); each point merged records the sibling's device key (``measured_on``).
 SIBLING_PARTS = ("copy_engine_n",)
 SAME_DIE = ("compute_capability", "sm_count")
 
@@ -308,6 +314,12 @@ def _copy_engine_n(pool: Pool, req: CalibrationRequest, cpu: bool, rep: Reporter
     return EngineCalibration(library_gemm=points, host=host)
 
 
+def sibling_may_merge(parts: Sequence[str], dtype: str, target_dtype: str) -> bool:
+    """Whether ``--into-sibling`` may merge ``parts`` measured in ``dtype`` into a calibration in
+    ``target_dtype``: ``SIBLING_PARTS``, or another dtype's GEMM profile (``OTHER_DTYPE_PARTS``)."""
+    return tuple(parts) == SIBLING_PARTS or (tuple(parts) == OTHER_DTYPE_PARTS and dtype != target_dtype)
+
+
 def check_mergeable(
     target: Calibration,
     fingerprint: Fingerprint,
@@ -315,19 +327,21 @@ def check_mergeable(
     parts: Sequence[str] = PARTS,
     *,
     sibling: bool = False,
+    measured_by: str = "this machine is",
 ) -> None:
     """Refuse (``CalibrationRequestError``) to merge measurements of ``fingerprint``'s machine in
     ``dtype`` into ``target``: another GPU model (name, compute capability, SM count), or another
     dtype than the target's unless only its GEMM profile (``OTHER_DTYPE_PARTS``, kept apart in
-    ``gemm_dtypes``). With ``sibling`` (``--into-sibling``) another GPU name is accepted for
-    ``SIBLING_PARTS`` alone, where the ``SAME_DIE`` fields match. The CLI asks this with the local
-    fingerprint before any rank starts."""
+    ``gemm_dtypes``). With ``sibling`` (``--into-sibling``) another GPU name is accepted where the
+    ``SAME_DIE`` fields match, for what ``sibling_may_merge`` allows. The CLI asks this with the
+    local fingerprint before any rank starts; ``measured_by`` names that machine in the messages."""
     theirs = target.fingerprint
-    if sibling and tuple(parts) != SIBLING_PARTS:
+    if sibling and not sibling_may_merge(parts, dtype, target.dtype):
         raise CalibrationRequestError(
             f"--into-sibling merges --only {','.join(SIBLING_PARTS)} alone (the copy engine at N "
-            "peers, which a GPU of the same die measures alike); pass --only "
-            f"{','.join(SIBLING_PARTS)}, or drop --into-sibling"
+            f"peers), or --only {','.join(OTHER_DTYPE_PARTS)} in another dtype than the calibration's "
+            f"{target.dtype} (e.g. --dtype {GEMM_ONLY_DTYPES[0]}): what a GPU of the same die "
+            "measures alike; pass one of those, or drop --into-sibling"
         )
     same_die = all(getattr(theirs, name) == getattr(fingerprint, name) for name in SAME_DIE)
     for name in SAME_DIE if sibling else ("gpu_name", *SAME_DIE):
@@ -335,15 +349,15 @@ def check_mergeable(
             continue
         if sibling:
             raise CalibrationRequestError(
-                f"--into-sibling: the calibration is for {theirs.device_key}, this machine is "
+                f"--into-sibling: the calibration is for {theirs.device_key}, {measured_by} "
                 f"{fingerprint.device_key} ({name} differs): not the same die; measure on a GPU of "
                 "the same compute capability and SM count, or write a calibration of its own"
             )
         hint = ""
-        if name == "gpu_name" and same_die and tuple(parts) == SIBLING_PARTS:
+        if name == "gpu_name" and same_die and sibling_may_merge(parts, dtype, target.dtype):
             hint = ", or pass --into-sibling (the same die: its points record measured_on)"
         raise CalibrationRequestError(
-            f"--into: the calibration is for {theirs.device_key}, this machine is "
+            f"--into: the calibration is for {theirs.device_key}, {measured_by} "
             f"{fingerprint.device_key} ({name} differs); measure on the same GPU model, or write a "
             f"calibration of its own{hint}"
         )
@@ -360,14 +374,16 @@ def merge_into(
     """``target`` with the ``parts`` of ``measured`` replacing its own (the copy engine's section
     merged: a parameter no measurement gives keeps its value and source). Refused when the two
     were measured on different GPUs (name, compute capability, SM count): the numbers would not
-    describe ``target``'s machine; with ``sibling``, ``copy_engine_n`` of another GPU model of the
-    same die is merged, its points recording ``measured``'s device key (``measured_on``)."""
+    describe ``target``'s machine; with ``sibling``, ``copy_engine_n`` or another dtype's GEMM
+    profile of another GPU model of the same die is merged, its points recording ``measured``'s
+    device key (``measured_on``)."""
     check_mergeable(target, measured.fingerprint, measured.dtype, parts, sibling=sibling)
     from fo_tune.engines.copy_engine.calibrate import merge_section
 
+    other = measured.fingerprint.gpu_name != target.fingerprint.gpu_name
+    source = measured.fingerprint.device_key if other else ""
     if measured.dtype != target.dtype:  # another dtype's GEMM profile, beside the target's own
-        target.gemm_dtypes = {**target.gemm_dtypes, measured.dtype: measured.gemm}
-        return target
+        return merge_gemm_dtype(target, measured.dtype, measured.gemm, source)
     if "bandwidth" in parts:
         target.bandwidth, target.fits = measured.bandwidth, measured.fits
     if "interference" in parts:
@@ -379,7 +395,15 @@ def merge_into(
     if "copy_engine_n" in parts and measured.copy_engine is not None:
         from fo_tune.engines.copy_engine.calibrate_n import merge_points
 
-        other = measured.fingerprint.gpu_name != target.fingerprint.gpu_name
-        source = measured.fingerprint.device_key if other else ""
         target.copy_engine = merge_points(target.copy_engine, measured.copy_engine, source)
+    return target
+
+
+def merge_gemm_dtype(
+    target: Calibration, dtype: str, points: Sequence[GemmPoint], measured_on: str = ""
+) -> Calibration:
+    """``target`` with ``points`` as its GEMM profile in ``dtype`` (``gemm_dtypes``, replacing one
+    there), each recording ``measured_on`` (a sibling's device key; "": ``target``'s GPU)."""
+    kept = [dataclasses.replace(p, measured_on=measured_on) for p in points]
+    target.gemm_dtypes = {**target.gemm_dtypes, dtype: kept}
     return target

@@ -91,11 +91,11 @@ class EngineCalibration:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"params": {name: asdict(q) for name, q in self.params.items()}}
         if self.library_gemm:
-            out["library_gemm"] = [_point_dict(p) for p in self.library_gemm]
+            out["library_gemm"] = [point_dict(p) for p in self.library_gemm]
         if self.copies:
             out["copies"] = [asdict(p) for p in self.copies]
         if self.host:
-            out["host"] = [_point_dict(p) for p in self.host]
+            out["host"] = [point_dict(p) for p in self.host]
         return out
 
     @classmethod
@@ -127,11 +127,11 @@ class EngineCalibration:
         )
 
 
-def _point_dict(point: LibraryGemmPoint | HostPoint) -> dict[str, Any]:
-    """A point as a file's mapping, without ``measured_on`` where it is "" (the calibration's own
-    GPU: the files of calibrations measured on one GPU model stay as they were)."""
+def point_dict(point: Any) -> dict[str, Any]:
+    """A point as a file's mapping, without ``measured_on`` where it has one that is "" (the
+    calibration's own GPU: the files of calibrations measured on one GPU model stay as they were)."""
     out = asdict(point)
-    if not out["measured_on"]:
+    if out.get("measured_on") == "":
         del out["measured_on"]
     return out
 

@@ -58,6 +58,8 @@ HELP = "\n\n".join(
         "--quick measures fewer sizes, tiles and grids (a few minutes on 2 GPUs). Without GPUs the "
         "ranks use gloo, the GEMM runs in Triton's CPU interpreter and the search space's cpu section "
         "gives tiny sizes: the pipeline is exercised, the numbers describe the CPU.",
+        "--from-profiles DIR --into FILE --only gemm --dtype D merges the GEMM profile in D (fp8) "
+        "from `fo-tune profile` CSVs instead of measuring: no GPU needed.",
         "Exit code 0 when the files are written, 1 when a measurement fails, 2 for bad options.",
     ]
 )
@@ -111,10 +113,23 @@ IntoSiblingOpt = Annotated[
     bool,
     typer.Option(
         "--into-sibling",
-        help="With --into and --only copy_engine_n alone: merge although this GPU is another model "
+        help="With --into and --only copy_engine_n, or --only gemm in another dtype than the "
+        "calibration's (fp8): merge although this GPU (or --from-profiles' GPU) is another model "
         "than the calibration's, where the two share the die (the same compute capability and SM "
-        "count, e.g. an H100 into an H200's calibration); each point merged records this machine's "
-        "device key (measured_on), and extrapolated plans name it in their basis.",
+        "count, e.g. an H100 into an H200's calibration); each point merged records that GPU's "
+        "device key (measured_on), and the plans resting on it name it in their basis.",
+    ),
+]
+FromProfilesOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--from-profiles",
+        metavar="DIR",
+        help="With --into, --only gemm and --dtype D (another dtype than the calibration's, e.g. "
+        "float8_e4m3fn): measure nothing, read the GEMM profile from DIR's <M>x<N>x<K>-<D>.csv "
+        "files (`fo-tune profile`, e.g. results/profiles/<device-key>/) and merge it as a measured "
+        "one is merged; their device_key column must be the calibration's GPU, or a sibling of the "
+        "same die with --into-sibling. Needs no GPU.",
     ),
 ]
 CalDtypeOpt = Annotated[
@@ -222,17 +237,21 @@ def calibrate(
     only: OnlyOpt = None,
     into: IntoOpt = None,
     into_sibling: IntoSiblingOpt = False,
+    from_profiles: FromProfilesOpt = None,
 ) -> None:
     if into_sibling and into is None:
         raise typer.BadParameter(
-            "--into-sibling merges into an existing calibration: pass --into CALIBRATION.yaml "
-            "--only copy_engine_n with it, or drop it"
+            "--into-sibling merges into an existing calibration: pass --into CALIBRATION.yaml with "
+            "it, or drop it"
         )
     names = parse_collectives(
         collectives, valid=CALIBRATED_NAMES, default=CALIBRATED_NAMES, option="--collectives"
     )
     check_dtype(dtype)
     parts = parse_names(only, valid=PART_NAMES, option="--only", what="part")
+    if from_profiles is not None:
+        _merge_profiles(from_profiles, into, parts, dtype, into_sibling)
+        return
     chosen = resolve_backend(world_size, backend)
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
@@ -282,6 +301,29 @@ def calibrate(
             return
         written = write_calibration_dir(cal, out or default_out_dir(cal))
     _print_summary(cal, written)
+
+
+def _merge_profiles(
+    folder: Path, into: Path | None, parts: tuple[str, ...] | None, dtype: str, sibling: bool
+) -> None:
+    """--from-profiles: ``folder``'s GEMM profiles in ``dtype`` merged into ``into``, nothing
+    measured (``fo_tune.calibrate.from_profiles``)."""
+    if into is None:
+        raise typer.BadParameter(
+            "--from-profiles merges into an existing calibration: pass --into CALIBRATION.yaml with it"
+        )
+    if tuple(parts or ()) != ("gemm",):  # fo_tune.calibrate.run.OTHER_DTYPE_PARTS
+        raise typer.BadParameter("--from-profiles reads GEMM profiles only: pass --only gemm with it")
+    from fo_tune.calibrate.calibration import load_calibration, save_calibration
+    from fo_tune.calibrate.from_profiles import merge_profiles
+
+    merged = merge_profiles(load_calibration(into), folder, dtype, sibling=sibling)
+    save_calibration(merged, into)
+    points = merged.gemm_dtypes[dtype]
+    on = sorted({p.measured_on for p in points if p.measured_on})
+    console.print(gemm_table(points, f"{dtype} GEMM from {folder.name}: best tile per shape"))
+    where = f" (measured on {', '.join(on)}, a sibling GPU)" if on else ""
+    console.print(f"[green]merged[/] {len(points)} {dtype} GEMM points{where} into {into}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -41,8 +41,9 @@ CHECK_HELP = "\n\n".join(
         "measurement of its own (trials.csv of `fo-tune search`, or its report folder).",
         "Without files: the packaged tables of the calibration's device. Without --calibration: the "
         "packaged calibration (world size 2).",
-        "Predicted rows that rest on an extrapolation (a row's basis, e.g. a TP=8 plan from the "
-        "TP=2 calibration) are counted per file with their basis: they have no measured error yet.",
+        "Predicted rows that rest on an extrapolation or on another GPU's measurements (a row's "
+        "basis, e.g. a TP=8 plan from the TP=2 calibration, or an fp8 plan from a sibling GPU's fp8 "
+        "GEMM profile) are counted per file with their basis: they have no measured error yet.",
         "Exit code 0 when printed; 2 for a missing or malformed file, files with neither a measured "
         "row nor such a predicted one, or a calibration without what an engine's term needs (its "
         "section and the command that measures it are named).",
@@ -176,10 +177,12 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     items = measured_in(paths)
     unmeasured = unmeasured_in(paths)
     for u in unmeasured:
+        w, d = u.world_size, "" if u.dtype == "bfloat16" else f" --dtype {u.dtype}"
+        calibrate = f"--world-size 1 --only gemm{d} --into CALIBRATION.yaml" if d else f"--world-size {w}"
         console.print(
             f"{Path(u.source).name}: {u.rows} predicted row(s) rest on: {u.basis}; no measured error "
-            f"yet (measured rows come from `fo-tune calibrate --world-size {u.world_size}` and "
-            f"`fo-tune search --world-size {u.world_size}` on {u.world_size} GPUs)",
+            f"yet (measured rows come from `fo-tune calibrate {calibrate}` and "
+            f"`fo-tune search --world-size {w}{d}` on {w} GPUs)",
             markup=False,
             highlight=False,
         )

@@ -218,6 +218,7 @@ class Unmeasured:
     basis: str
     world_size: int
     rows: int
+    dtype: str = "bfloat16"  # the table's
 
 
 def unmeasured_in(paths: Iterable[Path]) -> list[Unmeasured]:
@@ -233,7 +234,7 @@ def unmeasured_in(paths: Iterable[Path]) -> list[Unmeasured]:
         for row in table.rows:
             if row.basis and row_kind(row) == "predicted":
                 counts[row.basis] = counts.get(row.basis, 0) + 1
-        out += [Unmeasured(str(path), basis, table.world_size, n) for basis, n in counts.items()]
+        out += [Unmeasured(str(path), basis, table.world_size, n, table.dtype) for basis, n in counts.items()]
     return out
 
 
