@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import (
@@ -93,8 +93,14 @@ def changed_provenance(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str,
     return tuple(str(key) for key in keys if a.get(key) != b.get(key))
 
 
+# A table's problem and row types: ``Problem`` and ``Schedule`` for the dense tables,
+# ``MoeProblem`` and ``MoeRow`` for the MoE tables (``fo_tune.tables.moe_diff.MoeRowDiff``).
+P = TypeVar("P")
+R = TypeVar("R")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RowDiff:
+class RowDiff(Generic[P, R]):
     """How one problem's row compares between table ``a`` and table ``b``.
 
     ``status``: ``only_a``, ``only_b``, ``changed`` (some ``SCHEDULE_FIELDS`` differ, listed in
@@ -103,10 +109,10 @@ class RowDiff:
     (``measured_ms``, ``predicted_ms``) where present.
     """
 
-    problem: Problem
+    problem: P
     status: DiffStatus
-    a: Schedule | None
-    b: Schedule | None
+    a: R | None
+    b: R | None
     fields: tuple[str, ...] = ()
     provenance_changed: tuple[str, ...] = ()
     latency_a: dict[str, float] = field(default_factory=dict)
@@ -118,7 +124,7 @@ class RowDiff:
         return self.status != "same"
 
 
-def diff_tables(a: ScheduleTable, b: ScheduleTable) -> list[RowDiff]:
+def diff_tables(a: ScheduleTable, b: ScheduleTable) -> list[RowDiff[Problem, Schedule]]:
     """One ``RowDiff`` per problem in either table, in table order (N, K, then M or m_min).
 
     Rows are matched by problem (exact M, or the identical M range); rows of the two tables are

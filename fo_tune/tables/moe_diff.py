@@ -4,12 +4,11 @@ table, changed (which fields) or the same, and the headers' differences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
 from fo_kernels.moe.table import MoeRow, MoeTable, experts_key
-from fo_tune.tables.diff import DiffStatus, compare_rows
+from fo_tune.tables.diff import RowDiff, compare_rows
 
 # Fields of a MoeSchedule that change what the runtime does, in the order diffs report them, per
 # engine (a field another engine's schedule carries means nothing to this one's).
@@ -32,25 +31,9 @@ def moe_changed_fields(a: MoeSchedule, b: MoeSchedule) -> tuple[str, ...]:
     return (*header, *(name for name in own if getattr(a, name) != getattr(b, name)))
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MoeRowDiff:
-    """How one (experts' shape, bucket)'s row compares between MoE table ``a`` and table ``b``:
-    as ``fo_tune.tables.diff.RowDiff`` (``status``, ``fields``, ``provenance_changed``, the
-    latencies of the rows' provenance)."""
-
-    problem: MoeProblem
-    status: DiffStatus
-    a: MoeRow | None
-    b: MoeRow | None
-    fields: tuple[str, ...] = ()
-    provenance_changed: tuple[str, ...] = ()
-    latency_a: dict[str, float] = field(default_factory=dict)
-    latency_b: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def differs(self) -> bool:
-        """True unless the rows are the same schedule (provenance aside)."""
-        return self.status != "same"
+# How one (experts' shape, bucket)'s row compares between MoE table ``a`` and table ``b``: the
+# dense tables' ``RowDiff`` over MoE problems and rows.
+MoeRowDiff = RowDiff[MoeProblem, MoeRow]
 
 
 def _key(problem: MoeProblem) -> tuple[int, ...]:
@@ -68,7 +51,7 @@ def diff_moe_tables(a: MoeTable, b: MoeTable) -> list[MoeRowDiff]:
     pairs = compare_rows(
         rows_a, rows_b, sort_key=_key, changed=lambda ra, rb: moe_changed_fields(ra.schedule, rb.schedule)
     )
-    return [MoeRowDiff(**pair) for pair in pairs]
+    return [RowDiff(**pair) for pair in pairs]  # (a subscripted alias cannot build a frozen slotted one)
 
 
 def moe_header_differences(a: MoeTable, b: MoeTable) -> list[tuple[str, Any, Any]]:
