@@ -58,3 +58,15 @@ def with_all_gather_standin(cal: Any) -> Any:
     ]
     assert bandwidth, "the calibration has no reduce_scatter curve to stand in for all_gather's"
     return dataclasses.replace(cal, bandwidth=[*cal.bandwidth, *bandwidth], fits=[*cal.fits, *fits])
+
+
+def tp2_only(cal: Any) -> Any:
+    """``cal`` (a ``Calibration``) without its N-peer copy-engine points and its other dtypes' GEMM
+    profiles (the packaged calibration holds both, measured on a sibling GPU): its TP=2 section as
+    measured on its own GPU, what a first merge starts from."""
+    tp2 = [p for p in cal.copy_engine.library_gemm if not p.measured_on]
+    return dataclasses.replace(
+        cal,
+        copy_engine=dataclasses.replace(cal.copy_engine, library_gemm=tp2, host=[]),
+        gemm_dtypes={},
+    )

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import assert_one_line_error, isolate_tables
+from cli_checks import assert_one_line_error, isolate_tables, tp2_only
 from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
 from fo_kernels.schedule import Problem, Schedule
 from fo_tune.calibrate.calibration import (
@@ -57,9 +57,7 @@ def test_the_packaged_calibration_still_loads(h200: Calibration):
 def test_merge_points_adds_to_the_tp2_section(h200: Calibration):
     """The TP=2 parameters and points stay; the new points join them (the same shape, or world
     size and collective, replaced); merge_into does it for --only copy_engine_n."""
-    # the TP=2 section alone (the packaged one also holds N-peer points measured on a sibling GPU)
-    tp2 = [p for p in h200.copy_engine.library_gemm if not p.measured_on]
-    old = dataclasses.replace(h200.copy_engine, library_gemm=tp2, host=[])
+    old = tp2_only(h200).copy_engine
     first = old.library_gemm[0]
     new = EngineCalibration(
         library_gemm=[
@@ -256,24 +254,13 @@ def _copy(cal: Calibration) -> Calibration:
     return dataclasses.replace(cal, copy_engine=dataclasses.replace(cal.copy_engine))
 
 
-def _tp2_only(cal: Calibration) -> Calibration:
-    """``cal`` without its N-peer copy-engine points and its other dtypes' GEMM profiles (the
-    packaged calibration holds both, measured on a sibling GPU): what a first merge starts from."""
-    tp2 = [p for p in cal.copy_engine.library_gemm if not p.measured_on]
-    return dataclasses.replace(
-        cal,
-        copy_engine=dataclasses.replace(cal.copy_engine, library_gemm=tp2, host=[]),
-        gemm_dtypes={},
-    )
-
-
 def test_into_sibling_merges_and_records_where_points_were_measured(h200: Calibration, tmp_path):
     """An H100's copy_engine_n into the H200 calibration: merged with sibling=True, each new point
     carrying the H100's device key (the H200's own points none), the parameters' sources naming it;
     measured_on survives the file and is written only where set."""
     from fo_tune.calibrate.calibration import save_calibration
 
-    h200 = _tp2_only(h200)
+    h200 = tp2_only(h200)
     measured = _sibling_of(h200)
     key = measured.fingerprint.device_key
     done = merge_into(_copy(h200), measured, ("copy_engine_n",), sibling=True)
@@ -343,7 +330,7 @@ def shipped(tmp_path) -> Path:
     from fo_tune.calibrate.find import packaged_calibration
 
     target = tmp_path / "calibration.yaml"
-    save_calibration(_tp2_only(load_calibration(packaged_calibration(H200_KEY, 2))), target)
+    save_calibration(tp2_only(load_calibration(packaged_calibration(H200_KEY, 2))), target)
     return target
 
 

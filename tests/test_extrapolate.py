@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, run_report
+from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, run_report, tp2_only
 from fo_kernels.table import load_table
 from fo_tune.calibrate.calibration import HostPoint, bus_factor, save_calibration
 from fo_tune.calibrate.extrapolate import (
@@ -88,10 +88,7 @@ def test_the_basis_names_a_sibling_that_measured_the_copy_engine_at_n_peers(h200
     """Copy-engine points merged from another GPU model of the same die (``measured_on``): the
     extrapolated basis says so, naming its device key; a calibration without them has no clause."""
     sibling = "nvidia-h100-80gb-hbm3-cc90-132sm-w1-single"
-    tp2 = [p for p in h200.copy_engine.library_gemm if not p.measured_on]
-    h200 = dataclasses.replace(
-        h200, copy_engine=dataclasses.replace(h200.copy_engine, library_gemm=tp2, host=[])
-    )
+    h200 = tp2_only(h200)
     section = h200.copy_engine
     host = HostPoint(
         world=8, collective="all_reduce", chunks=2, ops=50.0, eager_ms=2.0, graph_ms=0.05, measured_on=sibling
