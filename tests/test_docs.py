@@ -1,0 +1,124 @@
+"""The docs stay short and free of run/session history, and every link into them resolves."""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ("docs/design.md", "docs/perf-notes.md")
+
+# The issue's acceptance bar: "perf notes <= 800 lines" (what is true now plus the tried-and-dropped
+# table; the history stays in git).
+PERF_NOTES_MAX_LINES = 800
+
+# Run and session tags are history; the notes say what is true of the code as it ships.
+HISTORY_TAGS = (re.compile(r"\[run \d+\]", re.IGNORECASE), re.compile(r"\bsession \d+\b", re.IGNORECASE))
+
+# A markdown link into either file, its path relative to the linking file: [text](../docs/design.md#anchor)
+MD_LINK = re.compile(r"\]\(([^()\s#]*(?:perf-notes|design)\.md)#([^()\s]+)\)")
+# A plain mention from the repository root, as code comments write it: docs/design.md#anchor
+ROOT_MENTION = re.compile(r"(?<![\w/.-])(docs/(?:perf-notes|design)\.md)#([\w-]+)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lowercase, punctuation other than '-' and '_' dropped, spaces -> '-'."""
+    text = heading.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading anchor of a markdown file; a repeated slug gets -1, -2, ... as on GitHub."""
+    seen: dict[str, int] = {}
+    out: set[str] = set()
+    fenced = False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+            continue
+        match = None if fenced else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not match:
+            continue
+        base = slug(match.group(1))
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        out.add(base if count == 0 else f"{base}-{count}")
+    return out
+
+
+def tracked_files() -> list[str]:
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed: cannot list the tracked files whose links to check")
+    done = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"not a git checkout ({done.stderr.strip()}): cannot list the tracked files")
+    return done.stdout.splitlines()
+
+
+def links(rel: str, text: str) -> list[tuple[str, str, int]]:
+    """(target file from the root, anchor, line) of each link or mention in a file at rel."""
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for match in MD_LINK.finditer(line):
+            target = posixpath.normpath(posixpath.join(posixpath.dirname(rel), match.group(1)))
+            out.append((target, match.group(2), number))
+        for match in ROOT_MENTION.finditer(line):
+            out.append((match.group(1), match.group(2), number))
+    return out
+
+
+def test_slug_matches_githubs_anchors():
+    assert slug("The product kernel (`fo_kernels.gemm.pingpong`, `Tile.pingpong`)") == (
+        "the-product-kernel-fo_kernelsgemmpingpong-tilepingpong"
+    )
+    assert slug("AllGather + GEMM") == "allgather--gemm"
+    assert slug("TP=4 and TP=8, predicted") == "tp4-and-tp8-predicted"
+
+
+def test_duplicate_headings_get_numbered_anchors(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Notes\n## Measured\n```\n# not a heading\n```\n## Measured\n### Measured\n")
+    assert anchors(doc) == {"notes", "measured", "measured-1", "measured-2"}
+
+
+def test_perf_notes_within_the_issues_line_bar():
+    lines = (ROOT / "docs/perf-notes.md").read_text().splitlines()
+    assert len(lines) <= PERF_NOTES_MAX_LINES, f"docs/perf-notes.md has {len(lines)} lines"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_docs_carry_no_run_or_session_tags(doc):
+    found = [
+        f"{doc}:{number}: {match.group(0)}"
+        for number, line in enumerate((ROOT / doc).read_text().splitlines(), 1)
+        for pattern in HISTORY_TAGS
+        for match in pattern.finditer(line)
+    ]
+    assert not found, found
+
+
+def test_links_into_the_docs_resolve():
+    targets = {doc: anchors(ROOT / doc) for doc in DOCS}
+    broken, checked = [], 0
+    for rel in tracked_files():
+        path = ROOT / rel
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        for target, anchor, number in links(rel, text):
+            checked += 1
+            if target not in targets:
+                broken.append(f"{rel}:{number}: {target} is not one of {DOCS}")
+            elif anchor not in targets[target]:
+                broken.append(f"{rel}:{number}: {target}#{anchor} names no heading")
+    assert checked, "no links into the docs found"
+    assert not broken, "\n".join(broken)
