@@ -7,6 +7,8 @@ a device. A file (``schema_version: 2``, ``kind: fo-tune-search-space``)::
     compute_capability: ["9.0"]
     tiles: [...]          # GEMM tile candidates: the Triton engine's, the copy engine's tiled
                           # mode's and the calibration's tile profiles
+    dtype_tiles:          # optional: an operand dtype whose candidates differ, and its own list,
+      float8_e4m3fn: [...]  # which replaces `tiles` for it (1-byte operands afford deeper K tiles)
     engines:              # one section per engine plug-in (fo_tune.engines), by its exact name;
       triton: {...}       # an engine left out is not searched
       copy_engine: {...}
@@ -35,6 +37,7 @@ from typing import Any, NoReturn
 
 from fo_kernels.errors import FoTuneError, ScheduleError
 from fo_kernels.files import read_yaml
+from fo_kernels.schedule import DTYPES
 from fo_kernels.tile import TILE_FLAGS, Tile
 
 __all__ = [
@@ -154,6 +157,9 @@ class SearchSpace:
     engines: Mapping[str, Any]
     calibration: CalibrationPlan
     cpu: CpuOverrides
+    # Operand dtype -> its own tile candidates, replacing ``tiles`` for that dtype (the key a file
+    # may leave out: then every dtype tries ``tiles``).
+    dtype_tiles: Mapping[str, tuple[Tile, ...]] = field(default_factory=dict)
     schema_version: int = SPACE_SCHEMA_VERSION
     source: str = field(default="", compare=False)  # the file it was loaded from
 
@@ -175,9 +181,17 @@ class SearchSpace:
         return section.nccl_max_ctas if section is not None else (0,)
 
     # ------------------------------------------------------------- effective candidates and sizes
-    def tile_candidates(self, *, quick: bool = False, cpu: bool = False) -> list[Tile]:
-        """GEMM tiles to try: the CPU's, the first ``calibration.quick_tiles``, or all."""
-        return _pick(cpu, quick, self.cpu.tiles, self.tiles[: self.calibration.quick_tiles], self.tiles)
+    def tiles_for(self, dtype: str | None = None) -> tuple[Tile, ...]:
+        """The GPU tile candidates of operand ``dtype``: its ``dtype_tiles`` list, else ``tiles``."""
+        return self.dtype_tiles.get(dtype, self.tiles) if dtype is not None else self.tiles
+
+    def tile_candidates(
+        self, *, dtype: str | None = None, quick: bool = False, cpu: bool = False
+    ) -> list[Tile]:
+        """GEMM tiles to try for operand ``dtype`` (None: ``tiles``): the CPU's, the first
+        ``calibration.quick_tiles`` of the dtype's list, or all of it."""
+        tiles = self.tiles_for(dtype)
+        return _pick(cpu, quick, self.cpu.tiles, tiles[: self.calibration.quick_tiles], tiles)
 
     def sms_free_candidates(self, *, cpu: bool = False) -> list[int]:
         """SMs left to communication to try (persistent grid = SMs - r)."""
@@ -222,6 +236,11 @@ class SearchSpace:
             "name": self.name,
             "compute_capability": list(self.compute_capability),
             "tiles": plain(self.tiles),
+            **(
+                {"dtype_tiles": {d: plain(t) for d, t in self.dtype_tiles.items()}}
+                if self.dtype_tiles
+                else {}
+            ),
             "engines": {name: plain(section) for name, section in self.engines.items()},
             "calibration": self.calibration.to_dict(),
             "cpu": self.cpu.to_dict(),
@@ -382,6 +401,21 @@ _COMMON = {
 _TAIL = {"calibration": sectioned(CalibrationPlan, _CALIBRATION), "cpu": sectioned(CpuOverrides, _CPU)}
 
 
+def _read_dtype_tiles(r: SpaceReader, node: Any, path: str) -> dict[str, tuple[Tile, ...]]:
+    """``dtype_tiles``: operand dtype names (as ``--dtype`` spells them) -> a tile list each."""
+    if not isinstance(node, Mapping) or not node:
+        r.fail(
+            path,
+            f"expected a mapping of operand dtypes ({', '.join(DTYPES)}) to tile lists, got {_what(node)}",
+        )
+    out = {}
+    for dtype, tiles in node.items():
+        if dtype not in DTYPES:
+            r.fail(_join(path, str(dtype)), f"unknown operand dtype; valid: {', '.join(DTYPES)}")
+        out[dtype] = listed(SpaceReader.tile)(r, tiles, _join(path, dtype))
+    return out
+
+
 def _read_engines(r: SpaceReader, node: Any, path: str) -> dict[str, Any]:
     from fo_tune.engines import engine_names, get_tuner
 
@@ -428,13 +462,18 @@ def _read_space(r: SpaceReader, data: Any) -> SearchSpace:
         required, optional = _v1_keys()
         r.mapping(data, "", ("schema_version", "kind", *_COMMON, *required, *_TAIL), optional=optional)
     else:
-        r.mapping(data, "", ("schema_version", "kind", *_COMMON, "engines", *_TAIL))
+        r.mapping(
+            data, "", ("schema_version", "kind", *_COMMON, "engines", *_TAIL), optional=("dtype_tiles",)
+        )
     if data["kind"] != SPACE_KIND:
         r.fail("kind", f"expected {SPACE_KIND!r}, got {data['kind']!r}")
     common = {key: read(r, data[key], key) for key, read in _COMMON.items()}
     engines = _read_v1_engines(r, data) if version == 1 else _read_engines(r, data["engines"], "engines")
     tail = {key: read(r, data[key], key) for key, read in _TAIL.items()}
-    space = SearchSpace(schema_version=version, source=r.source, engines=engines, **common, **tail)
+    dtype_tiles = _read_dtype_tiles(r, data["dtype_tiles"], "dtype_tiles") if "dtype_tiles" in data else {}
+    space = SearchSpace(
+        schema_version=version, source=r.source, engines=engines, dtype_tiles=dtype_tiles, **common, **tail
+    )
     cal = space.calibration
     for i, value in enumerate(cal.quick_interference_sms_free):
         if space.sms_free and value not in space.sms_free:

@@ -110,6 +110,26 @@ def test_quick_and_full_selections_on_gpu() -> None:
     assert space.sms_free_candidates() == list(space.sms_free)
 
 
+def test_a_dtype_with_its_own_tiles_tries_them_and_others_try_the_common_list() -> None:
+    space = space_for("9.0")
+    fp8 = space.tile_candidates(dtype="float8_e4m3fn")
+    deep = Tile(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3)
+    assert fp8 == list(space.dtype_tiles["float8_e4m3fn"]) and fp8[0] == deep
+    assert deep not in space.tiles  # 16-bit operands: 96 KiB a stage, too much for 3 stages
+    assert space.tile_candidates(dtype="float8_e4m3fn", quick=True) == fp8[:2]
+    for dtype in ("bfloat16", "float16", "float32", None):
+        assert space.tile_candidates(dtype=dtype) == list(space.tiles)
+    assert space.tile_candidates(dtype="float8_e4m3fn", cpu=True) == space.tile_candidates(cpu=True)
+
+
+def test_a_space_without_dtype_tiles_writes_none(tmp_path: Path) -> None:
+    data = shipped_data()
+    del data["dtype_tiles"]
+    space = load_space(write(tmp_path, data))
+    assert space.dtype_tiles == {} and "dtype_tiles" not in space.to_dict()
+    assert space.tile_candidates(dtype="float8_e4m3fn") == list(space.tiles)
+
+
 @pytest.mark.parametrize("quick", [False, True])
 def test_cpu_selection_is_tiny_and_ignores_quick(quick: bool) -> None:
     space = space_for("cpu")
@@ -254,6 +274,18 @@ MALFORMED = {
         "engines.copy_engine.tiled.tiles: missing",
     ),
     "cpu unknown key": (_set(("cpu", "quick"), 1), "cpu.quick: unknown key; valid: tiles"),
+    "unknown tile dtype": (
+        _set(("dtype_tiles", "float8_e5m2"), [{"block_m": 64, "block_n": 64, "block_k": 128}]),
+        "dtype_tiles.float8_e5m2: unknown operand dtype; valid: bfloat16, float16, float32, float8_e4m3fn",
+    ),
+    "bad dtype tile": (
+        _set(("dtype_tiles", "float8_e4m3fn", 1, "block_k"), 96),
+        "dtype_tiles.float8_e4m3fn[1].block_k: must be a power of two",
+    ),
+    "empty dtype tiles": (
+        _set(("dtype_tiles", "float8_e4m3fn"), []),
+        "dtype_tiles.float8_e4m3fn: expected a non-empty list",
+    ),
 }
 
 
@@ -306,9 +338,11 @@ def test_space_for_reports_a_broken_file(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------ schema 1
 def _v1(data: dict[str, Any]) -> dict[str, Any]:
-    """A schema-1 document of the same space: the engines' keys at the top level."""
+    """A schema-1 document of the same space: the engines' keys at the top level (and no
+    ``dtype_tiles``, a schema-2 key)."""
     triton = data["engines"]["triton"]
-    out = {key: value for key, value in data.items() if key != "engines"} | {"schema_version": 1} | triton
+    kept = {key: value for key, value in data.items() if key not in ("engines", "dtype_tiles")}
+    out = kept | {"schema_version": 1} | triton
     ce = data["engines"].get("copy_engine")
     if ce is not None:
         out["copy_engine_chunks"] = ce["ring"]["chunks"]
@@ -322,7 +356,7 @@ def test_schema_1_files_load_into_the_same_space(tmp_path: Path) -> None:
     new = load_space(packaged_spaces_dir() / "hopper.yaml")
     old = load_space(write(tmp_path, _v1(shipped_data())))
     assert old.schema_version == 1 and old.engines == new.engines and old.tiles == new.tiles
-    assert SearchSpace.from_dict(old.to_dict()) == dataclasses.replace(new, source="")
+    assert SearchSpace.from_dict(old.to_dict()) == dataclasses.replace(new, source="", dtype_tiles={})
     # the bench's small space is still a schema-1 file
     small = load_space(packaged_spaces_dir() / "bench" / "h200_small.yaml")
     assert small.engine("copy_engine") is None and small.sms_free

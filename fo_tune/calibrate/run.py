@@ -244,7 +244,7 @@ def _interference(
 
 def _gemm_profiles(pool: Pool, req: CalibrationRequest, space: SearchSpace, cpu: bool, rep: Reporter):
     shapes = space.gemm_shapes(quick=req.quick, cpu=cpu)
-    tiles = tuple(space.tile_candidates(quick=req.quick, cpu=cpu))
+    tiles = tuple(space.tile_candidates(dtype=req.dtype, quick=req.quick, cpu=cpu))
     grids = tuple(space.interference_sms_free(quick=req.quick, cpu=cpu))
     frees = tuple(sorted({0, *grids}))
     rep.stage("gemm", len(shapes))

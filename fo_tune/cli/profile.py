@@ -222,7 +222,7 @@ def profile(
             if fp is None:  # a serving torchrun rank: rank 0 writes and reports
                 return
             cpu = pool.backend != "nccl"
-            tiles = tuple(search_space.tile_candidates(quick=False, cpu=cpu))
+            tiles = tuple(search_space.tile_candidates(dtype=dtype, quick=False, cpu=cpu))
             frees = tuple(sorted({0, *search_space.sms_free_candidates(cpu=cpu)}))
             what = f"profiling {m}x{n}x{k}: {len(tiles)} tiles x {len(frees)} grids on {world_size} rank(s)"
             with console.status(what, spinner="dots"):

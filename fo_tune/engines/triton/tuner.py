@@ -191,7 +191,7 @@ class TritonTuner(EngineTuner):
         section: TritonSpace | None = task.space.engine(self.name)
         if section is None:
             raise Infeasible("the search space has no engines.triton section")
-        tiles = tuple(task.space.tile_candidates(cpu=task.cpu))
+        tiles = tuple(task.space.tile_candidates(dtype=task.dtype, cpu=task.cpu))
         if task.predictable:
             assert task.model is not None
             tiles = tuple(t for t in tiles if task.model.knows_tile(t))
