@@ -288,6 +288,34 @@ def test_default_schedule_is_valid_for_any_shape(collective, m, n, k, on_gpu):
         assert on_gpu and m * (k if collective == "all_gather" else n) * 2 < MIN_OVERLAP_BYTES
 
 
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_fp8_default_schedule_takes_the_deep_k_tile_and_counts_fp8_bytes(collective):
+    world, n = 2, 8192
+    m = 8192 * (1 if collective == "all_reduce" else world)
+    s = default_schedule(
+        collective, m, n, 4096, dtype="float8_e4m3fn", world_size=world, sm_count=132, on_gpu=True
+    )
+    assert s.overlap and s.settings.tile.block_k == 128 and s.settings.tile.block_n == 256
+    bf16 = default_schedule(
+        collective, m, n, 4096, dtype="bfloat16", world_size=world, sm_count=132, on_gpu=True
+    )
+    assert bf16.settings.tile.block_k == 64
+    # An AllGather of fp8 A moves 1 byte an element: 4096 x 4096 rows at 2 ranks is 32 MiB of fp8,
+    # under the overlap threshold, where 64 MiB of bf16 is not.
+    small = default_schedule(
+        collective,
+        4096 * world,
+        4096,
+        4096,
+        dtype="float8_e4m3fn",
+        world_size=world,
+        sm_count=132,
+        on_gpu=True,
+    )
+    moved = 4096 * world * 4096 * (1 if collective == "all_gather" else 2)
+    assert small.overlap == (moved >= MIN_OVERLAP_BYTES)
+
+
 def test_copy_engine_settings_agree_with_the_engines_modes():
     """The schedule's copy-engine rules (kept light: reading a table defines no kernel) say what the
     engine's own mode registry says: the same mode names, and the same feasibility per collective

@@ -4,8 +4,8 @@ calibration's NCCL margin (without a table row the runtime itself runs ``overlap
 Rules (each constant below says where it comes from):
 
 1. Tile: on a GPU, 128x256x64, GROUP_M 8, 8 warps, 3 stages (ran at 0.96-1.09x cuBLAS on three
-   H200 suite shapes, ``docs/design.md``); 128x128x64 when the output has fewer tiles of that
-   size than the GPU has SMs. On the CPU (Triton interpreter) 32x32x32 with 4 warps and 1 stage,
+   H200 suite shapes, ``docs/design.md``), 128x256x128 for fp8 operands; 128x128x64 when the
+   output has fewer tiles of that size than the GPU has SMs. On the CPU (Triton interpreter) 32x32x32 with 4 warps and 1 stage,
    which keeps interpreter runs short.
 2. SMs left free: at least ``DEFAULT_NCCL_MAX_CTAS + NCCL_SM_MARGIN`` (NCCL ran beside the GEMM
    every time with r = c + 4..8 free SMs, and mostly not at all with r = c; docs/design.md), then more
@@ -31,6 +31,10 @@ from fo_kernels.tile import Tile
 
 GPU_TILE = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 GPU_SMALL_TILE = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
+# fp8 operands: a 128-deep K block (the bytes of bf16's 64), picked by the side-by-side run on all 80
+# grids of the H100 fp8 profiles (search_spaces/hopper.yaml dtype_tiles; docs/perf-notes.md, "fp8 tiles").
+GPU_FP8_TILE = Tile(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3)
+FP8 = "float8_e4m3fn"
 CPU_TILE = Tile(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
 # NCCL CTA cap of the default schedule; the design brief's prototype (docs/design.md) used 16 on H200 x2.
 DEFAULT_NCCL_MAX_CTAS = 16
@@ -72,8 +76,9 @@ def default_schedule(
     ``m`` is the gathered M."""
     problem = Problem(m=m, n=n, k=k)
     shards = world_size if collective in SHARDED_COLLECTIVES else 1
-    elem_bytes = 4 if dtype == "float32" else 2
-    moved = m * (k if collective == "all_gather" else n) * elem_bytes
+    # An AllGather moves the operand A (fp8: 1 byte); a sum moves the output (fp8's default: bfloat16).
+    out_bytes = 4 if dtype == "float32" else 2
+    moved = m * k * (1 if dtype == FP8 else out_bytes) if collective == "all_gather" else m * n * out_bytes
     if on_gpu and moved < MIN_OVERLAP_BYTES:
         return Schedule(
             collective=collective,
@@ -83,7 +88,7 @@ def default_schedule(
             provenance={"source": "heuristic"},
         )
     if on_gpu:
-        tile = GPU_TILE
+        tile = GPU_FP8_TILE if dtype == FP8 else GPU_TILE
         if cdiv(m // shards, tile.block_m) * cdiv(n, tile.block_n) * shards < sm_count:
             tile = GPU_SMALL_TILE
         cap = DEFAULT_NCCL_MAX_CTAS
