@@ -45,11 +45,13 @@ OUT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.fl
 # does, in the wgmma's reduced-precision accumulator (1.3e-3 read at K = 4096 on one H100;
 # kernels/gemm/tiles.py). The CPU's gloo tests hold fp32 out to 1e-5.
 TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 5e-3}
-# The Triton engine's default tile (docs/design.md#default-schedule) and a deeper-K one for fp8
-# (fp8 halves the bytes of a K block: 128 of K is one 128-byte TMA row).
+# The Triton engine's bf16 default tile (docs/design.md#default-schedule), its fp8 default (a
+# 128-deep K block: fp8 halves a K block's bytes; search_spaces/hopper.yaml dtype_tiles) and the
+# square deep tile.
 TILES = (
     Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
     Tile(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4),
+    Tile(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3),
 )
 # (M, N, K): M = 1, M not a multiple of any tile, small N, and the suite's and layers' shapes.
 SHAPES = [
@@ -154,7 +156,7 @@ def test_signalled_fp8_gemm_matches_float64(shape, rowwise):
     m, n, k = shape
     want = None
     for i, (tile, out_name, kmajor, sms_free) in enumerate(
-        [(TILES[0], "bfloat16", True, 0), (TILES[1], "float32", False, 16), (TILES[0], "float16", False, 8)]
+        [(TILES[0], "bfloat16", True, 0), (TILES[1], "float32", False, 16), (TILES[2], "float16", False, 8)]
     ):
         a, b, sa, sb = _operands(m, n, k, rowwise, kmajor, seed=sum(shape) + i)
         want = _reference(a, b, sa, sb)
@@ -212,7 +214,7 @@ def test_fp8_ops_at_world_size_one(nccl_one_rank, collective, engine):
         ]
     ):
         a, b, sa, sb = _operands(m, n, k, rowwise, kmajor, seed=100 + i)
-        schedule = None if engine == "lookup" else _schedule(collective, m, n, k, TILES[0], 16)
+        schedule = None if engine == "lookup" else _schedule(collective, m, n, k, TILES[2], 16)
         kw = dict(scale_a=sa, scale_b=sb, out_dtype=OUT[out_name], schedule=schedule)
         want = _reference(a, b, sa, sb)
         got = op(a, b, **kw)
