@@ -516,6 +516,29 @@ def test_bad_input_is_exit_2_and_writes_nothing(tmp_path, args, needle):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "shape"),
+    [
+        (
+            ["--mode", "measure", "--shape", "8192x8192x3584", "-c", "reduce_scatter", "-w", "4"],
+            "8192x8192x3584",
+        ),
+        (["--mode", "measure", "--shapes", str(ROOT / "suites" / "h200_tp.yaml")], "8192x8192x8192"),
+        (["--mode", "measure", "--shape", "1x8192x4096", "--m-range", "512:4096"], "4096x8192x4096"),
+    ],
+)
+def test_a_gpu_sized_measured_search_on_gloo_ranks_is_refused_at_once(tmp_path, args, shape):
+    """Gloo ranks run every trial in Triton's CPU interpreter: GPU-sized shapes would take hours, so
+    a measuring search of them is exit 2 at once (as fo-tune bench's GPU suite is), naming the
+    largest, --mode predict and --allow-slow."""
+    t0 = time.monotonic()
+    r = search(*args, "--backend", "gloo", "--out", str(tmp_path / "o"))
+    line = assert_one_line_error(r)
+    assert time.monotonic() - t0 < 30
+    assert f"up to {shape}" in line and "--mode predict" in line and "--allow-slow" in line, line
+    assert not (tmp_path / "o").exists()
+
+
 def test_corrupt_calibration_is_exit_2(tmp_path):
     bad = tmp_path / "cal.yaml"
     bad.write_text("schema_version: 1\nkind: fo-tune-calibration\nfingerprint: {}\n")

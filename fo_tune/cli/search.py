@@ -216,6 +216,14 @@ OutOpt = Annotated[
         help="Put tables (DIR/tables), studies and the report (DIR/report) here.",
     ),
 ]
+AllowSlowOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-slow",
+        help="measure / hybrid without GPUs: run shapes above 1024x1024x1024 (M*N*K) too: Triton's CPU "
+        "interpreter takes hours for a GPU-sized shape, so they are refused otherwise.",
+    ),
+]
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print the summary as JSON on stdout (progress goes to stderr).")
 ]
@@ -353,6 +361,7 @@ def search(
     json_out: JsonOpt = False,
     experts: ExpertsOpt = None,
     tokens: TokensOpt = None,
+    allow_slow: AllowSlowOpt = False,
 ) -> None:
     from fo_tune.cli.search_moe import MOE_COLLECTIVE, run_moe_search
 
@@ -397,7 +406,7 @@ def search(
     if reps < 1:
         raise typer.BadParameter(f"--reps must be >= 1, got {reps}")
     from fo_tune.ranks.launch import in_torchrun, visible_gpus
-    from fo_tune.search.setup import check_measuring_machine, default_mode
+    from fo_tune.search.setup import check_cpu_sized, check_measuring_machine, default_mode
 
     gpus, torchrun = visible_gpus(), in_torchrun()
     mode = mode or default_mode(gpus, world_size, torchrun)
@@ -446,6 +455,7 @@ def search(
         ]
         for request in requests:  # every bad input is reported before anything runs or is written
             check_request(request)
+        check_cpu_sized(mode, chosen, wanted, rng, allow_slow)
         folders = report_dirs(requests, cal, device, out, tables_root, storage_url)
         if storage is not None:  # its driver, its server, its folder (the default's is made later)
             from fo_tune.search.storage import check_storage
