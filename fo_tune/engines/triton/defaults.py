@@ -5,8 +5,8 @@ Rules (each constant below says where it comes from):
 
 1. Tile: on a GPU, 128x256x64, GROUP_M 8, 8 warps, 3 stages (ran at 0.96-1.09x cuBLAS on three
    H200 suite shapes, ``docs/design.md``), 128x256x128 for fp8 operands; 128x128x64 when the
-   output has fewer tiles of that size than the GPU has SMs. On the CPU (Triton interpreter) 32x32x32 with 4 warps and 1 stage,
-   which keeps interpreter runs short.
+   output has fewer tiles of that size than the GPU has SMs. On the CPU (Triton interpreter)
+   32x32x32 with 4 warps and 1 stage, which keeps interpreter runs short.
 2. SMs left free: at least ``DEFAULT_NCCL_MAX_CTAS + NCCL_SM_MARGIN`` (NCCL ran beside the GEMM
    every time with r = c + 4..8 free SMs, and mostly not at all with r = c; docs/design.md), then more
    until the grid divides the tiles into whole waves (``wave_aligned_sms_free``: a partial last
