@@ -286,6 +286,15 @@ def test_profile_bad_shape_is_exit_2(runner, shape):
     assert "--shape" in line
 
 
+def test_profile_of_a_gpu_sized_shape_without_gpus_is_exit_2_at_once(runner, tmp_path):
+    """Hours in Triton's interpreter: refused before any rank starts, naming --allow-slow."""
+    out = tmp_path / "p.csv"
+    args = ["profile", "--backend", "gloo", "--shape", "1024x1024x1025", "--out", str(out)]
+    line = assert_one_line_error(runner.invoke(app, args))
+    assert "1024x1024x1025" in line and "--allow-slow" in line
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("timing, says", [("graphs", "needs GPUs"), ("cudagraph", "is not one of")])
 def test_profile_bad_timing_is_exit_2_before_any_work(runner, tmp_path, timing, says):
     """CUDA graphs on the CPU (gloo ranks), or an unknown --timing: one line, nothing written."""

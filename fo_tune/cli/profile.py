@@ -59,13 +59,23 @@ HELP = "\n\n".join(
         "torch._scaled_mm, both given the same scales (--scaling): rowwise, the default, (M, 1) and "
         "(1, N), the scaling the tables and `fo-tune calibrate` are tuned for; or tensorwise, one "
         "0-dim scale each, the other scaling torch._scaled_mm serves. Checked against the float32 "
-        "product of the dequantized operands.",
+        "product of the dequantized operands. fp8 tries the space's fp8 tiles where it lists its own "
+        "(dtype_tiles: 128-deep K blocks in search_spaces/hopper.yaml).",
         "Without GPUs the GEMM runs in Triton's CPU interpreter with the space's cpu tiles, timed "
-        "eager: use tiny shapes (e.g. 32x48x40).",
+        "eager: use tiny shapes (e.g. 32x48x40); a shape above 1024x1024x1024 (M*N*K) is refused "
+        "there (hours in the interpreter) unless --allow-slow.",
         "Exit code 0 when the CSV is written, 1 when a measurement fails, 2 for bad options.",
     ]
 )
 
+AllowSlowOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-slow",
+        help="Without GPUs, profile a shape above 1024x1024x1024 (M*N*K) anyway: Triton's CPU "
+        "interpreter takes hours for a GPU-sized shape, so it is refused otherwise.",
+    ),
+]
 ShapeOpt = Annotated[
     str,
     typer.Option(
@@ -194,12 +204,22 @@ def profile(
     out: OutFileOpt = None,
     timing: TimingOpt = "auto",
     scaling: ScalingOpt = SCALING_NAMES[0],
+    allow_slow: AllowSlowOpt = False,
 ) -> None:
     m, n, k = parse_shape(shape)
     check_dtype(dtype)
     check_scaling(scaling, dtype)
     problem = f"{m}x{n}x{k} {dtype}" + (f" {scaling}" if dtype == FP8_NAME else "")
     chosen = resolve_backend(world_size, backend)
+    from fo_tune.bench.request import CPU_MAX_MACS
+
+    if chosen != "nccl" and not allow_slow and m * n * k > CPU_MAX_MACS:
+        side = round(CPU_MAX_MACS ** (1 / 3))
+        raise typer.BadParameter(
+            f"--shape {m}x{n}x{k} without GPUs runs every config in Triton's CPU interpreter, hours "
+            f"for a GPU-sized shape: profile it on the GPU, give a shape up to {side}x{side}x{side}, "
+            "or pass --allow-slow to run it anyway"
+        )
     graphs = resolve_timing(timing, chosen)
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels

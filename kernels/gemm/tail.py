@@ -60,7 +60,7 @@ def _sk_step(pid, j: tl.constexpr, sk_iters, tail_iters, k_tiles):
     k_tiles - sk_iters, sk_iters) from the common step, and the programs at one offset read the
     same A rows' and B columns' K blocks together, as a wave does. (Each program's run in order,
     from scattered K blocks, was 0.1-6.4% slower at K >= 9472 and 7.3% at 3000x5120x6912 on 124
-    programs: docs/perf-notes.md, "The change: the tail's runs in aligned order".)"""
+    programs: docs/perf-notes.md, "Tried and dropped", unaligned stream-K.)"""
     lo = pid * sk_iters
     hi = tl.minimum(lo + sk_iters, tail_iters)
     first_tile = lo // k_tiles

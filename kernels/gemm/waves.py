@@ -17,8 +17,8 @@ Protocol, per persistent program p of G (symbols as in ``fo_kernels.plan`` and `
 
 Each tile's signal goes out at the next tile's epilogue, when its stores have long been issued
 (signalled at once, the fence stalled the CTA on the stores just issued: 0-4% slower at full grid
-on 9 of 9 shapes, 0.959 -> 0.918x cuBLAS at 8192x4096x2048; docs/perf-notes.md, "Signal at the
-next tile's epilogue"); a group then completes up to one tile's time later. The release increment
+on 9 of 9 shapes, 0.959 -> 0.918x cuBLAS at 8192x4096x2048; docs/perf-notes.md, "The
+deferred signal"); a group then completes up to one tile's time later. The release increment
 is cumulative over the CTA barrier (``.epilogue``). Counters are never reset: each call's targets
 are the running totals the host keeps (see ``fo_kernels.runtime``), and every comparison is
 wrap-around safe in int32.
