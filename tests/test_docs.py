@@ -122,3 +122,43 @@ def test_links_into_the_docs_resolve():
                 broken.append(f"{rel}:{number}: {target}#{anchor} names no heading")
     assert checked, "no links into the docs found"
     assert not broken, "\n".join(broken)
+
+
+# A passage cited by name, as code comments and docs write it: docs/perf-notes.md, "The split tail"
+# (and more names after it: , "Other" or and "Other"), the comment markers of wrapped lines dropped.
+NAMED = re.compile(
+    r"(docs/)?(perf-notes|design)\.md(?:#[\w-]+)?,?\s+((?:\"[^\"\n]{2,160}\"(?:,\s*|\s+and\s+)?)+)"
+)
+WRAPPED = re.compile(r"\n[ \t]*(?:#+|//|\*)?[ \t]*")
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_passages_cited_by_name_exist():
+    """A quoted name after a doc is one of its headings (or a heading's start) or a sentence in it."""
+    docs = {}
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        heads = [re.sub(r"^#+\s*", "", line).strip() for line in text.splitlines() if line.startswith("#")]
+        docs[doc.split("/")[1].removesuffix(".md")] = (heads, _flat(text))
+    missing, checked = [], 0
+    for rel in tracked_files():
+        path = ROOT / rel
+        if (
+            path == Path(__file__).resolve()
+            or not path.is_file()
+            or path.suffix not in (".py", ".md", ".yaml", ".sh")
+        ):
+            continue
+        flat = WRAPPED.sub(" ", path.read_text())
+        for match in NAMED.finditer(flat):
+            heads, body = docs[match.group(2)]
+            for name in re.findall(r"\"([^\"]+)\"", match.group(3)):
+                checked += 1
+                name = _flat(name)
+                if not any(h.startswith(name) for h in heads) and name not in body:
+                    missing.append(f"{rel}: {match.group(2)}.md, {name!r}")
+    assert checked, "no passage cited by name found"
+    assert not missing, "\n".join(missing)

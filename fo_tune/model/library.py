@@ -13,7 +13,7 @@ tiles where an output has too few of those to fill the SMs)::
     t            = t_paced * (1 + clock_context * (clock_sustained_factor - 1))
 
 ``clock_sustained_factor`` is a GEMM run back to back over the same GEMM with pauses (the card's
-power limit lowers the SM clock, docs/design.md "Measured since"); ``clock_context`` is how much
+power limit lowers the SM clock, docs/design.md, "Power limit"); ``clock_context`` is how much
 of that slowdown the measurement that decides a row sees (its 16 ms samples of back-to-back calls
 alternate with other variants). A measured point of the calibration (``copy_engine.library_gemm``:
 its paced and sustained times) replaces the wave model for its exact shape; for chunks whose

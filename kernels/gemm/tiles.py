@@ -49,7 +49,7 @@ def _mma(a_blk, b_blk, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     ``torch._scaled_mm(use_fast_accum=True)``; 1.3e-3 relative against float64 at K = 4096 (one
     H100). Promoting each K block into the float32 accumulator (``max_num_imprecise_acc =
     BLOCK_K``) read 1.3e-4 at K = 1024 but made the GEMM 1.5-1.6x slower (docs/perf-notes.md,
-    "fp8 accumulation"), so it does not ship."""
+    "Tried and dropped"), so it does not ship."""
     if UPCAST:
         a_blk = a_blk.to(tl.float32)
         b_blk = b_blk.to(tl.float32)
