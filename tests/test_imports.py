@@ -147,3 +147,20 @@ def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_the_distribution_lists_every_package():
+    """pyproject's explicit ``packages`` takes no subpackage along: a folder it misses is missing
+    from a built wheel though an editable install still finds it."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {name: ROOT / where for name, where in setuptools["package-dir"].items()}
+    found = {
+        ".".join((name, *init.parent.relative_to(folder).parts))
+        for name, folder in folders.items()
+        for init in folder.rglob("__init__.py")
+        if not any(part.startswith((".", "__pycache__")) for part in init.parent.relative_to(folder).parts)
+    }
+    assert {"fo_tune.moe", "fo_kernels.gemm", "fo_results"} <= found
+    assert sorted(found) == sorted(setuptools["packages"])

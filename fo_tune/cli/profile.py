@@ -211,15 +211,6 @@ def profile(
     check_scaling(scaling, dtype)
     problem = f"{m}x{n}x{k} {dtype}" + (f" {scaling}" if dtype == FP8_NAME else "")
     chosen = resolve_backend(world_size, backend)
-    from fo_tune.bench.request import CPU_MAX_MACS
-
-    if chosen != "nccl" and not allow_slow and m * n * k > CPU_MAX_MACS:
-        side = round(CPU_MAX_MACS ** (1 / 3))
-        raise typer.BadParameter(
-            f"--shape {m}x{n}x{k} without GPUs runs every config in Triton's CPU interpreter, hours "
-            f"for a GPU-sized shape: profile it on the GPU, give a shape up to {side}x{side}x{side}, "
-            "or pass --allow-slow to run it anyway"
-        )
     graphs = resolve_timing(timing, chosen)
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
@@ -237,6 +228,15 @@ def profile(
         from fo_tune.ranks.limits import check_problem_size, local_target
 
         check_problem_size([(m, n, k)], dtype, local_target(chosen, world_size))
+        from fo_tune.bench.request import CPU_MAX_MACS
+
+        if chosen != "nccl" and not allow_slow and m * n * k > CPU_MAX_MACS:
+            side = round(CPU_MAX_MACS ** (1 / 3))
+            raise typer.BadParameter(
+                f"--shape {m}x{n}x{k} without GPUs runs every config in Triton's CPU interpreter, hours "
+                f"for a GPU-sized shape: profile it on the GPU, give a shape up to {side}x{side}x{side}, "
+                "or pass --allow-slow to run it anyway"
+            )
 
         with fingerprinted_pool(world_size, backend=chosen, purpose="profile") as (pool, fp):
             if fp is None:  # a serving torchrun rank: rank 0 writes and reports

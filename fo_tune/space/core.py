@@ -1,42 +1,14 @@
-"""Search spaces: what the tuner and the calibration explore on one GPU family.
-
-This module owns the format of ``search_spaces/*.yaml``, its validation and the choice of file for
-a device. A file (``schema_version: 2``, ``kind: fo-tune-search-space``)::
-
-    name: hopper
-    compute_capability: ["9.0"]
-    tiles: [...]          # GEMM tile candidates: the Triton engine's, the copy engine's tiled
-                          # mode's and the calibration's tile profiles
-    dtype_tiles:          # optional: an operand dtype whose candidates differ, and its own list,
-      float8_e4m3fn: [...]  # which replaces `tiles` for it (1-byte operands afford deeper K tiles)
-    engines:              # one section per engine plug-in (fo_tune.engines), by its exact name;
-      triton: {...}       # an engine left out is not searched
-      copy_engine: {...}
-    calibration: {...}    # what `fo-tune calibrate` measures (full and --quick)
-    cpu: {...}            # tiny sizes for runs on the CPU (gloo and the Triton interpreter)
-
-Each engine validates its own section (``EngineTuner.read_space``); an unknown engine names the
-valid ones. A schema-1 file (the Triton keys ``sms_free`` ... ``wait_modes`` and the
-``copy_engine_*`` lists at the top level) is read into the same structure; its removed
-``copy_engine_exchange_chunks`` is refused with what to do. ``SearchSpace`` methods return the
-effective candidates for CPU vs GPU and quick vs full.
-
-``space_for(cc)`` loads every ``*.yaml`` of a folder and returns the one whose
-``compute_capability`` list names ``cc`` (``"9.0"``), else the catch-all (``["*"]``, the shipped
-``default.yaml``); ``"cpu"`` gets the catch-all too. Every error is a ``SpaceError`` whose message
-starts with the file and the key path (``search_spaces/x.yaml: engines.triton.sms_free[3]: ...``).
-"""
+"""A search space's types and its validating reader (``SearchSpace.from_dict``); the file format
+is described in ``fo_tune.space``."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, NoReturn
 
 from fo_kernels.errors import FoTuneError, ScheduleError
-from fo_kernels.files import read_yaml
 from fo_kernels.schedule import DTYPES
 from fo_kernels.tile import TILE_FLAGS, Tile
 
@@ -51,9 +23,6 @@ __all__ = [
     "SpaceError",
     "SpaceNotFoundError",
     "SpaceReader",
-    "load_space",
-    "packaged_spaces_dir",
-    "space_for",
 ]
 
 SPACE_SCHEMA_VERSION = 2
@@ -481,44 +450,3 @@ def _read_space(r: SpaceReader, data: Any) -> SearchSpace:
     if cal.quick_tiles > len(space.tiles):
         r.fail("calibration.quick_tiles", f"{cal.quick_tiles} > the {len(space.tiles)} tiles listed")
     return space
-
-
-# ------------------------------------------------------------------------------- files and lookup
-def packaged_spaces_dir() -> Path:
-    """The repository's ``search_spaces/`` folder (beside the ``fo_tune`` package)."""
-    return Path(__file__).resolve().parents[1] / "search_spaces"
-
-
-def load_space(path: str | Path) -> SearchSpace:
-    """Read and validate one search space file."""
-    data = read_yaml(
-        path,
-        error=SpaceError,
-        missing=SpaceNotFoundError,
-        missing_hint=f"no search space file here; the shipped ones are in {packaged_spaces_dir()}",
-    )
-    return SearchSpace.from_dict(data, source=str(path))
-
-
-def space_for(compute_capability: str, *, directory: Path | None = None) -> SearchSpace:
-    """The space of ``directory`` (default: the packaged one) that names ``compute_capability``
-    (``"9.0"``), else its catch-all (``compute_capability: ["*"]``); ``"cpu"`` gets the catch-all.
-
-    Every ``*.yaml`` there is loaded and validated; two files naming the same device are an error.
-    """
-    folder = Path(directory) if directory is not None else packaged_spaces_dir()
-    if not folder.is_dir():
-        raise SpaceNotFoundError(f"{folder}: no such folder of search spaces")
-    spaces = [load_space(p) for p in sorted(folder.glob("*.yaml"))]
-    named = [s for s in spaces if compute_capability in s.compute_capability and compute_capability != "*"]
-    catch_all = [s for s in spaces if ANY_DEVICE in s.compute_capability]
-    for matches in (named, catch_all):
-        if len(matches) > 1:
-            files = " and ".join(s.source for s in matches)
-            raise SpaceError(f"{folder}: compute_capability: {files} both apply to {compute_capability!r}")
-        if matches:
-            return matches[0]
-    raise SpaceNotFoundError(
-        f"{folder}: no search space for compute capability {compute_capability!r} and no catch-all "
-        f'file (compute_capability: ["*"], as the shipped default.yaml)'
-    )
