@@ -712,3 +712,23 @@ def test_script_inputs_narrow_a_space(tmp_path, capsys):
     assert script_inputs.main(["space", str(base), str(out), "--sms-free", "0,0"]) == 2
     assert "repeats" in capsys.readouterr().err
     assert load_space(out).sms_free == (0, 8, 12, 16)  # a refused narrowing leaves the file alone
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without GPUs")
+@pytest.mark.parametrize("script", ["moe_grouped_gemm.py", "fp8_partial_sums.py"])
+def test_gpu_bench_scripts_refuse_a_machine_without_gpus(tmp_path, script):
+    """bench/'s one-GPU Python scripts: exit 2 and one line on stderr naming what they need,
+    nothing written; --help explains the script."""
+    import subprocess
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "bench" / script
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, str(path), "--out", str(tmp_path / "o")], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "needs a CUDA GPU" in done.stderr
+    assert not (tmp_path / "o").exists()
+    helped = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, env=env)
+    assert helped.returncode == 0 and "--out" in helped.stdout

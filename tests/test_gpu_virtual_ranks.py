@@ -136,3 +136,15 @@ def test_ring_graph(world: int, collective: str):
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
 def test_tiled_graph(collective: str):
     _tiled(collective, graph=True)
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_fp8_graph(collective: str):
+    """fp8's sums (the rows GEMM adding each partial in its epilogue) captured and replayed."""
+    world = 4
+    check = CpuCheck(
+        collective=collective, world=world, m=64 * world, n=256, k=128, weights=(1, 2), scaling="rowwise",
+        out_dtype=torch.bfloat16, calls=3, seed=world + 1,
+    )  # fmt: skip
+    got = check_on_gpu(check, _ranks(world), graph=True)
+    assert not got.has_nan and got.rel_err < TOL[torch.bfloat16], got

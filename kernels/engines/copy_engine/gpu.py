@@ -3,7 +3,8 @@
 Each operation kind is one call, on its stream:
 
     Gemm        torch.mm(a, B, out=dst) (beta 0) | dst.addmm_(a, B) (beta 1)       (cuBLAS)
-                fp8: torch._scaled_mm(a, B, its rows' scales, out=dst) | dst += that (a fused add)
+                fp8: torch._scaled_mm(a, B, its rows' scales, out=dst) (beta 0) |
+                rows_gemm(..., ready set): dst += in the Triton rows GEMM's epilogue (beta 1)
     TiledGemm   fo_kernels.gemm.rows_gemm(...)                       (the persistent Triton GEMM)
     Copy        cuMemcpyDtoDAsync(dst, src, bytes)                     (the copy engine; NVLink)
     Signal      cuStreamWriteValue32(cell, 1)       (after a system fence: the data lands first)
@@ -48,7 +49,15 @@ from fo_kernels.engines.copy_engine.ops import (
 )
 from fo_kernels.engines.copy_engine.warmup import launch_key, scratch_like
 from fo_kernels.gemm import BOperand, rows_gemm
-from fo_kernels.scaling import Scales, scaled_mm
+from fo_kernels.plan import cdiv
+from fo_kernels.scaling import Scales, is_fp8, scaled_mm
+from fo_kernels.tile import Tile
+
+# An fp8 chunk GEMM onto a partial sum (beta 1) runs in the persistent rows GEMM, which adds the
+# partial in its epilogue: torch._scaled_mm has no beta, and its product then a fused add cost
+# 1.15-1.30x the GEMM alone on 8 chunk shapes of TP=2/4/8 layers, this tile 1.01-1.20x (one H100,
+# bench/fp8_partial_sums.py; docs/perf-notes.md, "fp8 partial sums"). fp8's default tile.
+FP8_SUM_TILE = Tile(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3)
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,9 @@ class GpuExecutor:
         self._streams = dict(streams)
         self._stream_handles = {name: self.handle(s) for name, s in streams.items()}
         self._events: list = []
+        # The rows GEMM's ready flag for an fp8 sum: always set (the partial is in place when the
+        # step runs: its stream waited for the copy that brought it).
+        self._ready = torch.ones(1, dtype=torch.int32, device=counters.device)
 
     def handle(self, stream: torch.cuda.Stream):
         """The driver's handle object of a CUDA stream (made once per stream)."""
@@ -131,7 +143,11 @@ class GpuExecutor:
         for op in plan.ops:
             s = op.stream
             if isinstance(op, Gemm):
-                steps.append((self._gemm, (s, view(op.a), view(op.out), op.beta)))
+                groups = None  # an fp8 sum's row groups (every tile row in group 0: self._ready)
+                if op.beta and is_fp8(kinds.operand):
+                    tiles_m = cdiv(op.out.count, FP8_SUM_TILE.block_m)
+                    groups = torch.zeros(max(1, tiles_m), dtype=torch.int32, device=self.counters.device)
+                steps.append((self._gemm, (s, view(op.a), view(op.out), op.beta, groups)))
             elif isinstance(op, Copy):
                 dst = op.dst.buffer
                 nbytes = op.dst.count * width_of(dst, spec.n, spec.k) * kinds.of(dst).itemsize
@@ -228,10 +244,10 @@ class GpuExecutor:
             if kind in (GpuExecutor._copy, GpuExecutor._clear):
                 drivers.add((kind.__name__, args[0]))
             if kind is GpuExecutor._gemm:
-                s, a, out, beta = args
+                s, a, out, beta, groups = args
                 key = (kind, s, launch_key(self._rows(call, a)), launch_key(self._rows(call, out)), beta)
                 if key not in seen:
-                    runs.append((fn, (s, self._scratch(a), self._scratch(out), beta)))
+                    runs.append((fn, (s, self._scratch(a), self._scratch(out), beta, groups)))
             elif kind is GpuExecutor._tiled:
                 s, (a, out, tile, row_group, kw) = args
                 kw_keys = tuple(
@@ -290,13 +306,17 @@ class GpuExecutor:
             return scales
         return scales.with_rows(call.tensors[SCALES_OF[rows.buffer]][rows.r0 : rows.r1].view(-1))
 
-    def _gemm(self, call: _Call, s: str, a, out, beta: int) -> None:
+    def _gemm(self, call: _Call, s: str, a, out, beta: int, groups: torch.Tensor | None) -> None:
         scales = self._scales(call, a)
         a, out = self._rows(call, a), self._rows(call, out)
         with torch.cuda.stream(call.streams[s]):
-            if scales is not None:  # (torch._scaled_mm has no beta: the sum in a fused add)
-                if beta:
-                    out.add_(scaled_mm(a, call.b, scales))
+            if scales is not None:
+                if beta:  # (torch._scaled_mm has no beta: the sum in the rows GEMM's epilogue)
+                    operand = call.operand or BOperand.of(call.b)
+                    rows_gemm(
+                        a, operand, out, FP8_SUM_TILE, grid=self.sms, row_group=groups, ready=self._ready,
+                        scales=scales,
+                    )  # fmt: skip
                 else:
                     scaled_mm(a, call.b, scales, out)
             elif beta:
