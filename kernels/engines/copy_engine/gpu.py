@@ -234,7 +234,8 @@ class GpuExecutor:
         tensors are filled, and at the end (they are freed only once nothing uses them)."""
         self._synchronize()
         scratch = dict.fromkeys(call.tensors)
-        scratch.update({name: scratch_like(t) for name, t in call.tensors.items() if t is not None})
+        # (zeros: a kernel run on uninitialized floats computes on garbage; the interpreter warns)
+        scratch.update({name: scratch_like(t, fill=0) for name, t in call.tensors.items() if t is not None})
         fake = dataclasses.replace(call, tensors=scratch)
         seen: set = set()
         runs: list[tuple] = []
@@ -280,10 +281,11 @@ class GpuExecutor:
             torch.cuda.synchronize(self.counters.device)
 
     def _scratch(self, x, fill: int = 0):
-        """A region view's or a cell array's scratch twin (a caller buffer's ``Rows`` stays: the
-        warm-up's call holds scratch caller tensors); booleans and None as they are."""
+        """A region view's or a cell array's scratch twin, zeros (cells: ``fill``; a caller
+        buffer's ``Rows`` stays: the warm-up's call holds scratch caller tensors); booleans and None
+        as they are."""
         if isinstance(x, torch.Tensor):
-            return scratch_like(x, fill=fill if x.dtype == torch.int32 else None)
+            return scratch_like(x, fill=fill if x.dtype == torch.int32 else 0)
         return x
 
     def wait_cells(self, cells: list[Cell], stream: torch.cuda.Stream) -> None:
