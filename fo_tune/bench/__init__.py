@@ -21,7 +21,6 @@ CLI is ``fo_tune.cli.bench``.
 from fo_tune.bench.output import BENCH_FILES, BENCH_ROOT, check_bench_out, default_bench_dir, write_bench_dir
 from fo_tune.bench.request import (
     CHUNK_COUNTS,
-    CPU_MAX_MACS,
     CPU_SHAPES,
     BenchRequest,
     BenchRequestError,
@@ -40,6 +39,7 @@ from fo_tune.bench.rows import (
 from fo_tune.bench.run import run_bench
 from fo_tune.bench.suite import Suite, SuiteError, SuiteNotFoundError, load_suite, packaged_suite
 from fo_tune.bench.task import BenchCaseTask
+from fo_tune.ranks.limits import CPU_MAX_MACS
 
 __all__ = [
     "BENCH_COLUMNS",

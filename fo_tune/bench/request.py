@@ -9,7 +9,7 @@ from fo_kernels.errors import FoTuneError, ShapeError
 from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
 from fo_tune.bench.suite import Shape
 from fo_tune.ranks.launch import TASK_TIMEOUT_S
-from fo_tune.ranks.limits import check_problem_size, local_target
+from fo_tune.ranks.limits import CPU_MAX_SIDE, check_problem_size, largest_for_the_interpreter, local_target
 
 # Row chunks of the hand-chunked baseline: the design brief's H200 prototype split M into 2, 4 and 8
 # (docs/design.md#triton-engine).
@@ -26,11 +26,6 @@ GPU_REPS, CPU_REPS = 30, 3
 GPU_DTYPE, CPU_DTYPE = "bfloat16", "float32"
 # The default shape on the CPU: small enough for the interpreter (~40 ms per fo_tune call on 2 ranks).
 CPU_SHAPES = ((64, 96, 64),)
-# The largest shape (M x N x K multiply-adds) a bench runs on the CPU unless asked to: Triton's
-# interpreter runs fo_tune's GEMM tile by tile in Python at ~0.02 G multiply-adds per second on a
-# 2-core machine (512x512x512 float32 took 5.2 s a call), so 2**30 of them (1024^3) take about a
-# minute a call, and a case makes about ten; a GPU suite's shapes would take hours.
-CPU_MAX_MACS = 2**30
 
 
 class BenchRequestError(FoTuneError, ValueError):
@@ -52,7 +47,7 @@ class BenchRequest:
     suite: str = ""  # the suite's name when the shapes came from one
     seed: int = 0
     sample_ms: float | None = None  # None: fo_tune.ranks.timing.comparison_sample_ms (16 ms on GPUs)
-    allow_slow: bool = False  # run shapes above CPU_MAX_MACS in Triton's CPU interpreter anyway
+    allow_slow: bool = False  # run shapes above limits.CPU_MAX_MACS in Triton's CPU interpreter anyway
 
     def __post_init__(self) -> None:
         if not self.shapes:
@@ -102,18 +97,18 @@ class BenchRequest:
 
 def check_runnable(request: BenchRequest, backend: str) -> None:
     """Refuse, before any rank starts, shapes that cannot exist on the ranks' devices
-    (``fo_tune.ranks.limits``) and, on the CPU (any backend but NCCL), shapes above ``CPU_MAX_MACS``
+    (``fo_tune.ranks.limits``) and, on the CPU (any backend but NCCL), shapes above ``limits.CPU_MAX_MACS``
     unless ``request.allow_slow``."""
     check_problem_size(request.shapes, request.dtype_for(backend), local_target(backend, request.world_size))
     if backend == "nccl" or request.allow_slow:
         return
-    big = [s for s in request.shapes if s[0] * s[1] * s[2] > CPU_MAX_MACS]
-    if not big:
+    largest = largest_for_the_interpreter(request.shapes)
+    if largest is None:
         return
-    m, n, k = max(big, key=lambda s: s[0] * s[1] * s[2])
+    m, n, k = largest
     what = f"the suite {request.suite!r} holds GPU shapes" if request.suite else "the shapes are GPU-sized"
     default = "x".join(map(str, CPU_SHAPES[0]))
-    side = round(CPU_MAX_MACS ** (1 / 3))
+    side = CPU_MAX_SIDE
     raise BenchRequestError(
         f"{what} (up to {m}x{n}x{k}): without GPUs every call runs in Triton's CPU interpreter, "
         f"hours per shape; run `fo-tune bench` without --suite and --shape for the CPU default "

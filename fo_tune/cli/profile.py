@@ -225,13 +225,16 @@ def profile(
             check_writable_file(grids_path(target))
         from fo_tune.calibrate.profile import profile_shape
         from fo_tune.ranks.launch import fingerprinted_pool
-        from fo_tune.ranks.limits import check_problem_size, local_target
+        from fo_tune.ranks.limits import (
+            CPU_MAX_SIDE,
+            check_problem_size,
+            largest_for_the_interpreter,
+            local_target,
+        )
 
         check_problem_size([(m, n, k)], dtype, local_target(chosen, world_size))
-        from fo_tune.bench.request import CPU_MAX_MACS
-
-        if chosen != "nccl" and not allow_slow and m * n * k > CPU_MAX_MACS:
-            side = round(CPU_MAX_MACS ** (1 / 3))
+        if chosen != "nccl" and not allow_slow and largest_for_the_interpreter([(m, n, k)]) is not None:
+            side = CPU_MAX_SIDE
             raise typer.BadParameter(
                 f"--shape {m}x{n}x{k} without GPUs runs every config in Triton's CPU interpreter, hours "
                 f"for a GPU-sized shape: profile it on the GPU, give a shape up to {side}x{side}x{side}, "

@@ -23,6 +23,13 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import torch_dtype
 
 INT32_MAX = 2**31 - 1
+# The largest shape (M x N x K multiply-adds) run on the CPU unless asked to: Triton's
+# interpreter runs fo_tune's GEMM tile by tile in Python at ~0.02 G multiply-adds per second on a
+# 2-core machine (512x512x512 float32 took 5.2 s a call), so 2**30 of them (1024^3) take about a
+# minute a call, and a bench case makes about ten; a GPU suite's shapes would take hours.
+CPU_MAX_MACS = 2**30
+# CPU_MAX_MACS as a cube's side, for messages ("give shapes up to 1024x1024x1024").
+CPU_MAX_SIDE = round(CPU_MAX_MACS ** (1 / 3))
 # Memory of the GPUs whose calibrations ship, for searches that plan for them offline (NVIDIA H200
 # datasheet: 141 GB of HBM3e).
 DATASHEET_MEMORY_BYTES = {"NVIDIA H200": 141 * 10**9}
@@ -91,3 +98,10 @@ def check_problem_size(shapes: Iterable[tuple[int, int, int]], dtype: str, targe
                 f"shape {shape}: A, B and the output of one rank need {need / GB:.1f} GB in {dtype}, "
                 f"more than the {target.memory_bytes / GB:.1f} GB of {target.name}; give a smaller shape"
             )
+
+
+def largest_for_the_interpreter(shapes: Iterable[tuple[int, int, int]]) -> tuple[int, int, int] | None:
+    """The largest of ``shapes`` (by M x N x K) above ``CPU_MAX_MACS``, hours in Triton's CPU
+    interpreter; None when every shape is within it. Each command words its own refusal."""
+    big = [s for s in shapes if s[0] * s[1] * s[2] > CPU_MAX_MACS]
+    return max(big, key=lambda s: s[0] * s[1] * s[2]) if big else None

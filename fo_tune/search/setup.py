@@ -55,20 +55,19 @@ def check_cpu_sized(
     allow_slow: bool,
 ) -> None:
     """Refuse (``SearchError``, before any rank starts) a measuring search on gloo ranks (the CPU:
-    every trial in Triton's interpreter) of shapes above ``CPU_MAX_MACS``, as ``fo-tune bench``
+    every trial in Triton's interpreter) of shapes above ``limits.CPU_MAX_MACS``, as ``fo-tune bench``
     refuses them, unless ``allow_slow``: a GPU suite would take hours a shape there. An M range's
     shapes count at its HI."""
-    from fo_tune.bench.request import CPU_MAX_MACS
+    from fo_tune.ranks.limits import CPU_MAX_SIDE, largest_for_the_interpreter
     from fo_tune.search import SearchError
 
     if mode == "predict" or backend == "nccl" or allow_slow:
         return
-    sized = [(m_range[1] if m_range else m, n, k) for m, n, k in shapes]
-    big = [s for s in sized if s[0] * s[1] * s[2] > CPU_MAX_MACS]
-    if not big:
+    largest = largest_for_the_interpreter((m_range[1] if m_range else m, n, k) for m, n, k in shapes)
+    if largest is None:
         return
-    m, n, k = max(big, key=lambda s: s[0] * s[1] * s[2])
-    side = round(CPU_MAX_MACS ** (1 / 3))
+    m, n, k = largest
+    side = CPU_MAX_SIDE
     raise SearchError(
         f"--mode {mode or 'measure'} on the CPU (gloo ranks, no GPU) times every trial in Triton's CPU "
         f"interpreter, hours per GPU-sized shape (up to {m}x{n}x{k}): plan offline with --mode predict, "
