@@ -111,3 +111,8 @@ class Tile:
 
 # The tile's true-or-false fields (the others are positive integers); false stays out of tables.
 TILE_FLAGS = tuple(f.name for f in fields(Tile) if f.type == "bool")
+
+# fp8 operands' tile: a 128-deep K block (the bytes of bf16's 64), each grid's pick on all 80 grids
+# of the H100 fp8 profiles (search_spaces/hopper.yaml dtype_tiles; docs/perf-notes.md, "fp8 tiles"):
+# the tuner's fp8 default and the copy engine's fp8 sums.
+FP8_TILE = Tile(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3)

@@ -27,13 +27,10 @@ from __future__ import annotations
 from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.plan import cdiv
 from fo_kernels.schedule import SHARDED_COLLECTIVES, Problem, Schedule
-from fo_kernels.tile import Tile
+from fo_kernels.tile import FP8_TILE, Tile
 
 GPU_TILE = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 GPU_SMALL_TILE = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
-# fp8 operands: a 128-deep K block (the bytes of bf16's 64), picked by the side-by-side run on all 80
-# grids of the H100 fp8 profiles (search_spaces/hopper.yaml dtype_tiles; docs/perf-notes.md, "fp8 tiles").
-GPU_FP8_TILE = Tile(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3)
 FP8 = "float8_e4m3fn"
 CPU_TILE = Tile(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
 # NCCL CTA cap of the default schedule; the design brief's prototype (docs/design.md) used 16 on H200 x2.
@@ -88,7 +85,7 @@ def default_schedule(
             provenance={"source": "heuristic"},
         )
     if on_gpu:
-        tile = GPU_FP8_TILE if dtype == FP8 else GPU_TILE
+        tile = FP8_TILE if dtype == FP8 else GPU_TILE
         if cdiv(m // shards, tile.block_m) * cdiv(n, tile.block_n) * shards < sm_count:
             tile = GPU_SMALL_TILE
         cap = DEFAULT_NCCL_MAX_CTAS

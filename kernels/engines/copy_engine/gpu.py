@@ -51,13 +51,12 @@ from fo_kernels.engines.copy_engine.warmup import launch_key, scratch_like
 from fo_kernels.gemm import BOperand, rows_gemm
 from fo_kernels.plan import cdiv
 from fo_kernels.scaling import Scales, is_fp8, scaled_mm
-from fo_kernels.tile import Tile
+from fo_kernels.tile import FP8_TILE
 
-# An fp8 chunk GEMM onto a partial sum (beta 1) runs in the persistent rows GEMM, which adds the
-# partial in its epilogue: torch._scaled_mm has no beta, and its product then a fused add cost
-# 1.15-1.30x the GEMM alone on 8 chunk shapes of TP=2/4/8 layers, this tile 1.01-1.20x (one H100,
-# bench/fp8_partial_sums.py; docs/perf-notes.md, "fp8 partial sums"). fp8's default tile.
-FP8_SUM_TILE = Tile(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3)
+# An fp8 chunk GEMM onto a partial sum (beta 1) runs in the persistent rows GEMM with FP8_TILE,
+# which adds the partial in its epilogue: torch._scaled_mm has no beta, and its product then a
+# fused add cost 1.15-1.30x the GEMM alone on 8 chunk shapes of TP=2/4/8 layers, the rows GEMM
+# 1.01-1.20x (one H100; docs/perf-notes.md, "fp8 partial sums").
 
 
 @dataclass(frozen=True)
@@ -145,7 +144,7 @@ class GpuExecutor:
             if isinstance(op, Gemm):
                 groups = None  # an fp8 sum's row groups (every tile row in group 0: self._ready)
                 if op.beta and is_fp8(kinds.operand):
-                    tiles_m = cdiv(op.out.count, FP8_SUM_TILE.block_m)
+                    tiles_m = cdiv(op.out.count, FP8_TILE.block_m)
                     groups = torch.zeros(max(1, tiles_m), dtype=torch.int32, device=self.counters.device)
                 steps.append((self._gemm, (s, view(op.a), view(op.out), op.beta, groups)))
             elif isinstance(op, Copy):
@@ -316,7 +315,7 @@ class GpuExecutor:
                 if beta:  # (torch._scaled_mm has no beta: the sum in the rows GEMM's epilogue)
                     operand = call.operand or BOperand.of(call.b)
                     rows_gemm(
-                        a, operand, out, FP8_SUM_TILE, grid=self.sms, row_group=groups, ready=self._ready,
+                        a, operand, out, FP8_TILE, grid=self.sms, row_group=groups, ready=self._ready,
                         scales=scales,
                     )  # fmt: skip
                 else:
