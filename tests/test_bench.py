@@ -715,9 +715,9 @@ def test_script_inputs_narrow_a_space(tmp_path, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without GPUs")
-@pytest.mark.parametrize("script", ["moe_grouped_gemm.py", "fp8_partial_sums.py"])
+@pytest.mark.parametrize("script", ["moe_grouped_gemm.py"])
 def test_gpu_bench_scripts_refuse_a_machine_without_gpus(tmp_path, script):
-    """bench/'s one-GPU Python scripts: exit 2 and one line on stderr naming what they need,
+    """bench/'s one-GPU Python script: exit 2 and one line on stderr naming what they need,
     nothing written; --help explains the script."""
     import subprocess
     import sys
