@@ -27,44 +27,8 @@ effective candidates for CPU vs GPU and quick vs full.
 starts with the file and the key path (``search_spaces/x.yaml: engines.triton.sms_free[3]: ...``).
 """
 
-from fo_tune.space.core import (
-    ANY_DEVICE,
-    SPACE_KIND,
-    SPACE_SCHEMA_VERSION,
-    ByteRange,
-    CalibrationPlan,
-    CpuOverrides,
-    SearchSpace,
-    Section,
-    SpaceError,
-    SpaceNotFoundError,
-    SpaceReader,
-    choices,
-    integers,
-    listed,
-    plain,
-    sectioned,
-)
-from fo_tune.space.files import load_space, packaged_spaces_dir, space_for
+from fo_tune.space import core, files
+from fo_tune.space.core import *  # noqa: F403  (its __all__: the types and readers)
+from fo_tune.space.files import *  # noqa: F403  (its __all__: loading, the file for a device)
 
-__all__ = [
-    "ANY_DEVICE",
-    "SPACE_KIND",
-    "SPACE_SCHEMA_VERSION",
-    "ByteRange",
-    "CalibrationPlan",
-    "CpuOverrides",
-    "SearchSpace",
-    "Section",
-    "SpaceError",
-    "SpaceNotFoundError",
-    "SpaceReader",
-    "choices",
-    "integers",
-    "listed",
-    "load_space",
-    "packaged_spaces_dir",
-    "plain",
-    "sectioned",
-    "space_for",
-]
+__all__ = [*core.__all__, *files.__all__]

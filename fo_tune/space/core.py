@@ -12,6 +12,7 @@ from fo_kernels.errors import FoTuneError, ScheduleError
 from fo_kernels.schedule import DTYPES
 from fo_kernels.tile import TILE_FLAGS, Tile
 
+# The types, and the readers an engine's space section is built with (fo_tune.engines).
 __all__ = [
     "ANY_DEVICE",
     "SPACE_KIND",
@@ -20,9 +21,15 @@ __all__ = [
     "CalibrationPlan",
     "CpuOverrides",
     "SearchSpace",
+    "Section",
     "SpaceError",
     "SpaceNotFoundError",
     "SpaceReader",
+    "choices",
+    "integers",
+    "listed",
+    "plain",
+    "sectioned",
 ]
 
 SPACE_SCHEMA_VERSION = 2
