@@ -34,6 +34,7 @@ __all__ = [
     "device_sm_count",
     "interconnect_summary",
     "make_device_key",
+    "read_device_key",
     "resolve_device",
 ]
 
@@ -49,6 +50,8 @@ _FALLBACK_NVLINK_MAX_LINKS = 18
 _VERSION_FIELDS = ("driver", "cuda", "nccl", "torch", "triton")
 
 _SLUG_DROP = re.compile(r"[^a-z0-9_]+")
+# A device key as make_device_key writes it.
+_DEVICE_KEY = re.compile(r"^(?P<gpu>.+)-cc(?P<cc>[a-z0-9_]+)-(?P<sms>\d+)sm-w(?P<world>\d+)-(?P<link>.+)$")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,6 +117,22 @@ def make_device_key(
     """
     capability = _slug(compute_capability).replace("-", "")
     return f"{_slug(gpu_name)}-cc{capability}-{int(sm_count)}sm-w{int(world_size)}-{_slug(interconnect)}"
+
+
+def read_device_key(key: str) -> dict[str, str | int] | None:
+    """``make_device_key``'s five fields read back from ``key``, as the key spells them (slugs; the
+    capability without its dot): ``gpu_name``, ``compute_capability``, ``sm_count``,
+    ``world_size``, ``interconnect``; None where ``key`` is not a device key."""
+    match = _DEVICE_KEY.match(key)
+    if match is None:
+        return None
+    return {
+        "gpu_name": match["gpu"],
+        "compute_capability": match["cc"],
+        "sm_count": int(match["sms"]),
+        "world_size": int(match["world"]),
+        "interconnect": match["link"],
+    }
 
 
 def resolve_device(device: torch.device | str | int | None = None) -> torch.device:

@@ -21,6 +21,7 @@ from fo_kernels.fingerprint import (
     device_sm_count,
     interconnect_summary,
     make_device_key,
+    read_device_key,
 )
 
 SAFE_KEY = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
@@ -34,6 +35,19 @@ def test_device_key_format_gpu() -> None:
 
 def test_device_key_format_cpu() -> None:
     assert make_device_key("cpu-x86_64", "cpu", 8, 2, "gloo") == "cpu-x86_64-cccpu-8sm-w2-gloo"
+
+
+def test_a_device_key_reads_back_into_its_fields() -> None:
+    key = make_device_key("NVIDIA H100 80GB HBM3", "9.0", 132, 1, "single")
+    assert read_device_key(key) == {
+        "gpu_name": "nvidia-h100-80gb-hbm3",
+        "compute_capability": "90",
+        "sm_count": 132,
+        "world_size": 1,
+        "interconnect": "single",
+    }
+    assert read_device_key("cpu-x86_64-cccpu-8sm-w2-gloo")["gpu_name"] == "cpu-x86_64"
+    assert read_device_key("not-a-key") is None
 
 
 @pytest.mark.parametrize(

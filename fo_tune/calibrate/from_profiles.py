@@ -17,13 +17,10 @@ import dataclasses
 import re
 from pathlib import Path
 
-from fo_kernels.fingerprint import Fingerprint, make_device_key
+from fo_kernels.fingerprint import Fingerprint, make_device_key, read_device_key
 from fo_tune.calibrate.calibration import Calibration, CalibrationError, GemmPoint
 from fo_tune.calibrate.files import read_profile_csv
 from fo_tune.calibrate.run import OTHER_DTYPE_PARTS, check_mergeable, merge_gemm_dtype
-
-# A device key as ``make_device_key`` writes it: <gpu>-cc<capability>-<sms>sm-w<world>-<interconnect>.
-_DEVICE_KEY = re.compile(r"^(?P<gpu>.+)-cc(?P<cc>[a-z0-9_]+)-(?P<sms>\d+)sm-w(?P<world>\d+)-(?P<link>.+)$")
 
 
 class ProfilesError(CalibrationError):
@@ -50,18 +47,10 @@ def profile_paths(folder: Path, dtype: str) -> list[Path]:
 def key_fingerprint(key: str, like: Fingerprint) -> Fingerprint:
     """``like`` with the fields a device key holds read from ``key`` (GPU and capability as the
     key spells them); ``ProfilesError`` where ``key`` is not a device key."""
-    match = _DEVICE_KEY.match(key)
-    if match is None:
+    fields = read_device_key(key)
+    if fields is None:
         raise ProfilesError(f"device key {key!r} is not <gpu>-cc<capability>-<sms>sm-w<world>-<interconnect>")
-    return dataclasses.replace(
-        like,
-        device_key=key,
-        gpu_name=match["gpu"],
-        compute_capability=match["cc"],
-        sm_count=int(match["sms"]),
-        world_size=int(match["world"]),
-        interconnect=match["link"],
-    )
+    return dataclasses.replace(like, device_key=key, **fields)
 
 
 def read_profiles(folder: Path, dtype: str) -> tuple[list[GemmPoint], str]:
