@@ -19,7 +19,16 @@ import torch.distributed as dist
 from fo_kernels import GroupError, MoeProblem, MoeSchedule, ScheduleError, ShapeError, expert_parallel_ffn
 from fo_kernels.moe import ops as moe_ops
 from fo_tune.ranks.launch import run_ranks
-from moe_cases import ROUTINGS, TOL, MoeCase, import_transformers, reference_ffn, rel_err, run_groups
+from moe_cases import (
+    ROUTINGS,
+    TOL,
+    MoeCase,
+    disagreeing_calls,
+    import_transformers,
+    reference_ffn,
+    rel_err,
+    run_groups,
+)
 
 GROUPS = ((0, 1), (1, 2, 3), (0, 1, 2, 3))
 TILE = {"block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 4, "num_stages": 1}
@@ -108,6 +117,21 @@ def _check_bad(msgs: dict, where: str) -> None:
     assert msgs["schedule_tokens"].startswith("ScheduleError: problem:")
     assert "the ranks' calls disagree" in msgs["ranks_disagree"], msgs["ranks_disagree"]
     assert "engine: copy_engine needs CUDA GPUs" in msgs["copy_engine_on_cpu"], msgs["copy_engine_on_cpu"]
+
+
+def test_ranks_that_disagree_raise_alike():
+    """On 3 gloo ranks: a rank with more local experts than the others, and a rank with more
+    tokens than the schedule's bound, make every rank raise (none hangs, none aborts); a rank
+    with fewer tokens than the bound's minimum runs, the call's tokens being the most any rank
+    holds (as the table's lookup takes them)."""
+    per_rank = run_ranks(disagreeing_calls, 3, backend="gloo", timeout_s=120)
+    for rank, msgs in enumerate(per_rank):
+        assert msgs["experts_disagree"].startswith("ShapeError: the ranks' calls disagree"), (rank, msgs)
+        assert "'experts': 3" in msgs["experts_disagree"], (rank, msgs)
+        for engine in (None, "triton"):
+            msg = msgs[f"over_bound_{engine}"]
+            assert msg.startswith("ScheduleError: problem:") and "up to 6 tokens (group rank 2)" in msg, msg
+        assert msgs["under_min_on_one_rank"] < TOL["float32"], (rank, msgs)
 
 
 # ----------------------------------------------------------------------------- one process
