@@ -194,6 +194,28 @@ def test_compiled_with_routing_inside_matches_eager(one_rank):
                 torch.testing.assert_close(g, r)
 
 
+def test_compiled_bad_input_raises_the_ops_value_errors(one_rank):
+    """Under torch.compile(fullgraph=True), bad input raises the eager call's ShapeError (a
+    ValueError), not the RuntimeError Dynamo makes of an exception in fake propagation; a good
+    call then runs."""
+    x, ids, w = torch.randn(3, 8), torch.tensor([[0, 1], [1, 1], [0, 0]]), torch.rand(3, 2)
+    w13, w2 = torch.randn(2, 8, 6), torch.randn(2, 3, 8)
+    compiled = torch.compile(expert_parallel_ffn, fullgraph=True, backend="aot_eager", dynamic=False)
+    for bad, match in (
+        (dict(w2=torch.randn(2, 4, 8)), "w2 must be"),
+        (dict(w13=torch.randn(2, 8, 5)), "2I even"),
+        (dict(w=torch.rand(3, 3)), "topk_weights"),
+        (dict(w13=w13.double()), "must agree"),
+        (dict(x=torch.randn(3, 8, 1)), r"\(T, H\)"),
+        (dict(ids=torch.full((3, 2), 2)), r"\[0, 2\)"),
+    ):
+        args = dict(x=x, ids=ids, w=w, w13=w13, w2=w2) | bad
+        with pytest.raises(ShapeError, match=match):
+            compiled(*args.values())
+    want = expert_parallel_ffn(x, ids, w, w13, w2)
+    torch.testing.assert_close(compiled(x, ids, w, w13, w2), want)
+
+
 def test_world_size_one_duplicates_and_direct_call(one_rank):
     """At world size 1 nothing moves; a token naming one expert twice counts twice; a call without
     gradients skips the dispatcher and equals the op's."""
