@@ -164,8 +164,9 @@ def run_groups(
 ) -> list[dict]:
     """For each (ranks, cases) of ``payload[0]``: a process group of those ranks; its members run
     the cases (results tagged with the group), then the bad calls (``bad_inputs``); a rank
-    outside calls with the group and must get a ``GroupError``. Then ``examples/moe_block.py``'s
-    check of each model in ``payload[1]`` on every rank (the default group)."""
+    outside calls with the group, eagerly and compiled, and must get a ``GroupError``. Then
+    ``examples/moe_block.py``'s check of each model in ``payload[1]`` on every rank (the default
+    group)."""
     import torch.distributed as dist
 
     groups, models = payload
@@ -174,6 +175,8 @@ def run_groups(
         group = dist.new_group(list(ranks))
         if ctx.rank not in ranks:
             out.append({"ranks": ranks, "outside": _message(lambda g=group: _tiny_call(g))})
+            compiled = torch.compile(_tiny_call, fullgraph=True, backend="aot_eager")
+            out.append({"ranks": ranks, "outside": _message(lambda g=group, c=compiled: c(g))})
             continue
         rank, world = ranks.index(ctx.rank), len(ranks)
         with warnings.catch_warnings():

@@ -77,9 +77,9 @@ def _cases(world: int, seed: int, count: int) -> list[MoeCase]:
 def test_gloo_groups_of_two_three_and_four_ranks():
     """Forward and every gradient within the dtype's tolerance on every rank of every group; the
     bad calls raise ValueErrors naming the problem and leave no collective half done; a rank
-    outside a group gets a GroupError; examples/moe_block.py's check of a Mixtral and a Qwen3-MoE
-    decoder with their experts over the 4 ranks (``ExpertParallelExperts``) against the
-    unsharded models."""
+    outside a group gets a GroupError, eagerly and compiled; examples/moe_block.py's check of a
+    Mixtral and a Qwen3-MoE decoder with their experts over the 4 ranks
+    (``ExpertParallelExperts``) against the unsharded models."""
     groups = [(ranks, _cases(len(ranks), 10 + len(ranks), CASES)) for ranks in GROUPS]
     per_rank = run_ranks(run_groups, 4, (groups, EXAMPLE_MODELS), backend="gloo")
     checked = 0

@@ -22,6 +22,7 @@ import functools
 import json
 
 import torch
+import torch.distributed as dist
 
 from fo_kernels.errors import ScheduleError
 from fo_kernels.groups import resolve_group
@@ -29,6 +30,10 @@ from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.ops import LIBRARY, SCHEDULE_CACHE_SIZE, direct_call
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# The ops' ``group_name`` of a group this rank is not in, passed by a compiled call (whose trace
+# cannot raise a ValueError: ``expert_parallel_ffn``) so that the op raises its GroupError when
+# it runs; no process group has this name.
+NON_MEMBER = "<not a member of the group>"
 
 
 def schedule_text(schedule: MoeSchedule | None) -> str:
@@ -53,7 +58,8 @@ def parse_schedule(text: str) -> MoeSchedule | None:
 def _execute(*args, group_name: str, schedule: str, dy: torch.Tensor | None = None):
     from fo_kernels.moe.call import execute_ffn
 
-    return execute_ffn(*args, parse_schedule(schedule), resolve_group(group_name), dy=dy)
+    group = dist.GroupMember.NON_GROUP_MEMBER if group_name == NON_MEMBER else resolve_group(group_name)
+    return execute_ffn(*args, parse_schedule(schedule), group, dy=dy)
 
 
 @torch.library.custom_op(f"{LIBRARY}::expert_parallel_ffn", mutates_args=())
