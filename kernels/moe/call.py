@@ -78,10 +78,10 @@ def execute_ffn(
             raise ScheduleError(f"engine: {engine} {why}; use a schedule with engine: null here")
     routing = route(topk_ids, shape)
     layout = exchange_counts(routing, shape, x.dtype, "forward" if dy is None else "backward", group)
-    if schedule is not None:  # the call's tokens: every rank's, so every rank refuses alike
-        schedule.check_tokens(layout.tokens)
     if schedule is None:
         schedule, path = table_schedule(shape, layout, x, group)
+    else:  # the call's tokens: every rank's, so every rank refuses alike
+        schedule.check_tokens(layout.tokens)
     common = (shape, routing, layout, w13, w2)
     if dy is None:
         stage = ForwardStage(x, topk_weights, *common)
