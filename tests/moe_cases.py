@@ -164,8 +164,9 @@ def run_groups(
 ) -> list[dict]:
     """For each (ranks, cases) of ``payload[0]``: a process group of those ranks; its members run
     the cases (results tagged with the group), then the bad calls (``bad_inputs``); a rank
-    outside calls with the group and must get a ``GroupError``. Then ``examples/moe_block.py``'s
-    check of each model in ``payload[1]`` on every rank (the default group)."""
+    outside calls with the group, eagerly and compiled, and must get a ``GroupError``. Then
+    ``examples/moe_block.py``'s check of each model in ``payload[1]`` on every rank (the default
+    group)."""
     import torch.distributed as dist
 
     groups, models = payload
@@ -174,6 +175,8 @@ def run_groups(
         group = dist.new_group(list(ranks))
         if ctx.rank not in ranks:
             out.append({"ranks": ranks, "outside": _message(lambda g=group: _tiny_call(g))})
+            compiled = torch.compile(_tiny_call, fullgraph=True, backend="aot_eager")
+            out.append({"ranks": ranks, "outside": _message(lambda g=group, c=compiled: c(g))})
             continue
         rank, world = ranks.index(ctx.rank), len(ranks)
         with warnings.catch_warnings():
@@ -292,6 +295,51 @@ def bad_inputs(group, rank: int, world: int) -> dict[str, str]:
         x.float(), ids, w.float(), w13[lo : lo + 2].float(), w2[lo : lo + 2].float(), group=group
     )
     out["good_after"] = rel_err(got, reference_ffn(x, ids, w, w13, w2))
+    return out
+
+
+def disagreeing_calls(ctx, _payload=None) -> dict[str, object]:
+    """Calls whose ranks differ in what only the counts exchange can compare (each must raise on
+    every rank, none may hang or abort a rank), then calls a schedule covers only by the most
+    tokens any rank holds (which must run): the last rank holds more experts than the others;
+    the last rank holds more tokens than the schedule's bound (the no-overlap path's and the
+    Triton engine's schedule); rank 0 holds fewer than the bound's minimum while another is in
+    range (the relative error against the reference)."""
+    rank, world = ctx.rank, ctx.world_size
+    last = rank == world - 1
+    e_local = 3 if last else 2
+    out: dict[str, object] = {}
+    out["experts_disagree"] = _message(
+        lambda: _tiny_call(None, w13=torch.randn(e_local, 8, 6), w2=torch.randn(e_local, 3, 8))
+    )
+
+    def tokens(t: int, schedule: MoeSchedule):
+        x, ids, w = torch.randn(t, 8), torch.zeros(t, 2, dtype=torch.int64), torch.rand(t, 2)
+        return _tiny_call(None, x=x, ids=ids, w=w, schedule=schedule)
+
+    tile = {"block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 4, "num_stages": 1}
+    for engine in (None, "triton"):
+        problem = MoeProblem(hidden=8, intermediate=3, experts=2, top_k=2, tokens_max=4)
+        bound = MoeSchedule.from_dict(
+            {"dtype": "float32", "world_size": world, "problem": problem.to_dict(), "engine": engine}
+            | ({"tile": tile} if engine else {})
+        )
+        out[f"over_bound_{engine}"] = _message(lambda b=bound: tokens(6 if last else 3, b))
+    # the schedule covers 4 .. 8 tokens a rank: rank 0's 1 token is the call's 5
+    problem = MoeProblem(hidden=8, intermediate=3, experts=2, top_k=2, tokens_min=4, tokens_max=8)
+    schedule = MoeSchedule(dtype="float32", world_size=world, problem=problem)
+    t, e = (1 if rank == 0 else 5), 2 * world
+    gen = torch.Generator().manual_seed(11)
+    w13 = torch.randn(e, 8, 6, generator=gen, dtype=torch.float64)
+    w2 = torch.randn(e, 3, 8, generator=gen, dtype=torch.float64)
+    gen.manual_seed(rank)
+    x, w = torch.randn(t, 8, generator=gen, dtype=torch.float64), torch.rand(t, 2, generator=gen)
+    ids = torch.randint(0, e, (t, 2), generator=gen)
+    lo = rank * 2
+    got = expert_parallel_ffn(
+        x.float(), ids, w, w13[lo : lo + 2].float(), w2[lo : lo + 2].float(), schedule=schedule
+    )
+    out["under_min_on_one_rank"] = rel_err(got, reference_ffn(x, ids, w.double(), w13, w2))
     return out
 
 

@@ -19,7 +19,16 @@ import torch.distributed as dist
 from fo_kernels import GroupError, MoeProblem, MoeSchedule, ScheduleError, ShapeError, expert_parallel_ffn
 from fo_kernels.moe import ops as moe_ops
 from fo_tune.ranks.launch import run_ranks
-from moe_cases import ROUTINGS, TOL, MoeCase, import_transformers, reference_ffn, rel_err, run_groups
+from moe_cases import (
+    ROUTINGS,
+    TOL,
+    MoeCase,
+    disagreeing_calls,
+    import_transformers,
+    reference_ffn,
+    rel_err,
+    run_groups,
+)
 
 GROUPS = ((0, 1), (1, 2, 3), (0, 1, 2, 3))
 TILE = {"block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 4, "num_stages": 1}
@@ -68,9 +77,9 @@ def _cases(world: int, seed: int, count: int) -> list[MoeCase]:
 def test_gloo_groups_of_two_three_and_four_ranks():
     """Forward and every gradient within the dtype's tolerance on every rank of every group; the
     bad calls raise ValueErrors naming the problem and leave no collective half done; a rank
-    outside a group gets a GroupError; examples/moe_block.py's check of a Mixtral and a Qwen3-MoE
-    decoder with their experts over the 4 ranks (``ExpertParallelExperts``) against the
-    unsharded models."""
+    outside a group gets a GroupError, eagerly and compiled; examples/moe_block.py's check of a
+    Mixtral and a Qwen3-MoE decoder with their experts over the 4 ranks
+    (``ExpertParallelExperts``) against the unsharded models."""
     groups = [(ranks, _cases(len(ranks), 10 + len(ranks), CASES)) for ranks in GROUPS]
     per_rank = run_ranks(run_groups, 4, (groups, EXAMPLE_MODELS), backend="gloo")
     checked = 0
@@ -108,6 +117,21 @@ def _check_bad(msgs: dict, where: str) -> None:
     assert msgs["schedule_tokens"].startswith("ScheduleError: problem:")
     assert "the ranks' calls disagree" in msgs["ranks_disagree"], msgs["ranks_disagree"]
     assert "engine: copy_engine needs CUDA GPUs" in msgs["copy_engine_on_cpu"], msgs["copy_engine_on_cpu"]
+
+
+def test_ranks_that_disagree_raise_alike():
+    """On 3 gloo ranks: a rank with more local experts than the others, and a rank with more
+    tokens than the schedule's bound, make every rank raise (none hangs, none aborts); a rank
+    with fewer tokens than the bound's minimum runs, the call's tokens being the most any rank
+    holds (as the table's lookup takes them)."""
+    per_rank = run_ranks(disagreeing_calls, 3, backend="gloo", timeout_s=120)
+    for rank, msgs in enumerate(per_rank):
+        assert msgs["experts_disagree"].startswith("ShapeError: the ranks' calls disagree"), (rank, msgs)
+        assert "'experts': 3" in msgs["experts_disagree"], (rank, msgs)
+        for engine in (None, "triton"):
+            msg = msgs[f"over_bound_{engine}"]
+            assert msg.startswith("ScheduleError: problem:") and "up to 6 tokens (group rank 2)" in msg, msg
+        assert msgs["under_min_on_one_rank"] < TOL["float32"], (rank, msgs)
 
 
 # ----------------------------------------------------------------------------- one process
@@ -168,6 +192,28 @@ def test_compiled_with_routing_inside_matches_eager(one_rank):
             ref = torch.autograd.grad(want.square().sum(), (x, w13, w2))
             for g, r in zip(grads, ref, strict=True):
                 torch.testing.assert_close(g, r)
+
+
+def test_compiled_bad_input_raises_the_ops_value_errors(one_rank):
+    """Under torch.compile(fullgraph=True), bad input raises the eager call's ShapeError (a
+    ValueError), not the RuntimeError Dynamo makes of an exception in fake propagation; a good
+    call then runs."""
+    x, ids, w = torch.randn(3, 8), torch.tensor([[0, 1], [1, 1], [0, 0]]), torch.rand(3, 2)
+    w13, w2 = torch.randn(2, 8, 6), torch.randn(2, 3, 8)
+    compiled = torch.compile(expert_parallel_ffn, fullgraph=True, backend="aot_eager", dynamic=False)
+    for bad, match in (
+        (dict(w2=torch.randn(2, 4, 8)), "w2 must be"),
+        (dict(w13=torch.randn(2, 8, 5)), "2I even"),
+        (dict(w=torch.rand(3, 3)), "topk_weights"),
+        (dict(w13=w13.double()), "must agree"),
+        (dict(x=torch.randn(3, 8, 1)), r"\(T, H\)"),
+        (dict(ids=torch.full((3, 2), 2)), r"\[0, 2\)"),
+    ):
+        args = dict(x=x, ids=ids, w=w, w13=w13, w2=w2) | bad
+        with pytest.raises(ShapeError, match=match):
+            compiled(*args.values())
+    want = expert_parallel_ffn(x, ids, w, w13, w2)
+    torch.testing.assert_close(compiled(x, ids, w, w13, w2), want)
 
 
 def test_world_size_one_duplicates_and_direct_call(one_rank):

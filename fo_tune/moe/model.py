@@ -5,7 +5,8 @@ A call, every rank alike (balanced routing: each rank's T x k rows spread evenly
 ranks, so each rank also receives R = T x k rows, R / w from each source, R / (w E_local) per
 expert of a source):
 
-    counts    the counts exchange: an All-to-All of w rows of (signature, tokens, E_local counts)
+    counts    the counts exchange: an All-to-All of w rows of (signature, tokens), then one of w
+              rows of E_local counts
     dispatch  an All-to-All of T x k rows of H elements (nccl-tests size: the send buffer)
     up        the grouped GEMM (R, H) x (H, 2I), the SwiGLU after it
     down      the grouped GEMM (R, I) x (I, H)
@@ -59,8 +60,11 @@ HOST_TORCH_OP_MS = 0.03
 # Host time of one eager launch of a signalled Triton GEMM: ~84 us of CPU (docs/design.md, "The
 # signalled GEMM's eager launch costs ~84 us of CPU", one H200).
 HOST_TRITON_LAUNCH_MS = 0.084
-# The counts exchange's row: the signature (5 fields), the tokens, then E_local counts, int64.
+# The counts exchange's first row: the signature (5 fields) and the tokens, int64; its second row
+# holds the E_local counts (fo_kernels.moe.exchange).
 COUNTS_FIELDS = 6
+# The counts exchange's All-to-Alls: the signature rows, then the counts rows.
+COUNTS_EXCHANGES = 2
 COUNT_BYTES = 8
 
 
@@ -155,7 +159,9 @@ class MoeCostModel:
 
     # ------------------------------------------------------------------------------ parts
     def counts_ms(self, call: MoeCall) -> float:
-        return self.comm.time(call.world * (COUNTS_FIELDS + call.experts) * COUNT_BYTES)
+        """The counts exchange: the signature rows, then the counts rows (two All-to-Alls)."""
+        head = self.comm.time(call.world * COUNTS_FIELDS * COUNT_BYTES)
+        return head + self.comm.time(call.world * call.experts * COUNT_BYTES)
 
     def all_to_all_ms(self, call: MoeCall) -> float:
         """The dispatch (and the combine): an All-to-All of the call's rows."""
@@ -188,7 +194,8 @@ class MoeCostModel:
         down = self.grouped_library_ms(call.rows, call.hidden, call.intermediate, call.experts, up=False)
         counts = self.counts_ms(call)
         device = counts + a2a + up + down + a2a
-        host = 5 * HOST_TORCH_OP_MS  # the counts exchange, two All-to-Alls, two grouped GEMMs
+        # the counts exchange, the dispatch and the combine, two grouped GEMMs
+        host = (COUNTS_EXCHANGES + 4) * HOST_TORCH_OP_MS
         return MoePrediction(
             total_ms=max(device, host),
             device_ms=device,

@@ -2,7 +2,7 @@
 dispatch and combine, overlapped.
 
     routing.py    checks of one rank's call; rows sorted by expert, per-expert counts
-    exchange.py   the counts exchange (the first collective), byte rows, All-to-All and ring steps
+    exchange.py   the counts exchange (the first collectives), byte rows, All-to-All and ring steps
     grouped.py    the experts' GEMMs in torch (torch._grouped_mm or a loop), SwiGLU and its gradient
     stages.py     what each direction computes: outgoing rows, phase 1 and 2 per slot, the finish
     fallback.py   no overlap: dispatch -> grouped GEMMs -> combine

@@ -1,11 +1,13 @@
 """``execute_ffn``: one eager call of the expert-parallel FFN, forward or backward, under both the
 custom ops and the direct calls.
 
-    checks        the tensors (routing.check_call), torch.distributed, the group, the schedule,
-                  the engine's blocker: all before any collective
+    checks        the tensors (routing.check_call), torch.distributed, the group, the schedule
+                  (but its token range), the engine's blocker: all before any collective
     routing       the sorted rows and per-expert counts (one device-to-host copy)
-    counts        the first collective: every rank's counts, tokens and call signature
-                  (exchange.py)
+    counts        the first collectives: every rank's call signature and tokens, then its counts
+                  (exchange.py); the schedule's token range against the most tokens any rank
+                  holds, which every rank sees alike (a rank refusing alone would leave the
+                  others waiting in the dispatch)
     table         no schedule given: the MoE table's row for the experts' shape and the most
                   tokens any rank holds (``fo_kernels.moe.table``; the same row on every rank),
                   kept only where its engine can run here
@@ -78,6 +80,8 @@ def execute_ffn(
     layout = exchange_counts(routing, shape, x.dtype, "forward" if dy is None else "backward", group)
     if schedule is None:
         schedule, path = table_schedule(shape, layout, x, group)
+    else:  # the call's tokens: every rank's, so every rank refuses alike
+        schedule.check_tokens(layout.tokens)
     common = (shape, routing, layout, w13, w2)
     if dy is None:
         stage = ForwardStage(x, topk_weights, *common)

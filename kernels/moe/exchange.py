@@ -1,12 +1,15 @@
 """Moving rows between the ranks: the counts exchange that opens every call, byte rows, and the
 All-to-All of the rows (one collective, or one ring step at a time).
 
-The counts exchange is the call's first collective. Each rank sends every peer one int64 row:
-its call signature (``SIGNATURE``: H, I, E_local, the dtype, the direction), its tokens (T, which
-may differ between ranks: ``Layout.tokens``, what the table lookup is keyed by) and how many rows
-it sends for each of the peer's local experts. Every rank compares the signatures it received with
-its own and refuses a disagreement (``ShapeError``) before any row moves; a mismatch is seen by
-every rank, so all of them raise instead of some waiting on a collective that never comes.
+The counts exchange opens every call: two All-to-Alls of int64 rows. The first sends every peer
+a row of fixed width: the call signature (``SIGNATURE``: H, I, E_local, the dtype, the direction)
+and its tokens (T, which may differ between ranks: ``Layout.tokens``, what the table lookup and
+the schedule's token bound read). Every rank compares the signatures it received with its own and
+refuses a disagreement (``ShapeError``) before any row moves; a mismatch is seen by every rank, so
+all of them raise instead of some waiting on a collective that never comes. Only then does the
+second send every peer how many rows it sends for each of the peer's local experts: that row is
+E_local wide, so it waits until every rank is known to have the same E_local (rows of different
+widths in one All-to-All abort gloo ranks and are undefined under NCCL).
 
 Rows travel as bytes (``pack`` / ``unpack``): a row may carry parts of several dtypes (the
 backward sends x, dy and a float32 weight in one row), and one exchange moves them all.
@@ -76,11 +79,7 @@ def exchange_counts(
     if world == 1:
         return Layout(rank, routing.host_counts, routing.host_counts, (shape.tokens,))
     head = torch.tensor((*mine, shape.tokens), dtype=torch.int64, device=routing.counts.device)
-    head = head.expand(world, -1)
-    send = torch.cat([head, routing.counts], dim=1).contiguous()
-    got = torch.empty_like(send)
-    dist.all_to_all_single(got, send, group=group)
-    rows = got.tolist()
+    rows = _all_to_all_int(head.expand(world, -1), group).tolist()
     bad = [s for s, row in enumerate(rows) if tuple(row[: len(SIGNATURE)]) != mine]
     if bad:
         said = {s: dict(zip(SIGNATURE, rows[s][: len(SIGNATURE)], strict=True)) for s in (*bad, rank)}
@@ -88,9 +87,17 @@ def exchange_counts(
             f"the ranks' calls disagree (rank {rank} of {world}): every rank of the group must call with "
             f"the same H, I, E_local, dtype and direction; got {said}"
         )
-    at = len(SIGNATURE) + 1  # the signature, then the tokens
     tokens = tuple(row[len(SIGNATURE)] for row in rows)
-    return Layout(rank, routing.host_counts, tuple(tuple(row[at:]) for row in rows), tokens)
+    counts = _all_to_all_int(routing.counts, group).tolist()
+    return Layout(rank, routing.host_counts, tuple(tuple(row) for row in counts), tokens)
+
+
+def _all_to_all_int(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Row d of ``send`` (world, width) to rank d; row s of the result from rank s."""
+    send = send.contiguous()
+    got = torch.empty_like(send)
+    dist.all_to_all_single(got, send, group=group)
+    return got
 
 
 # ----------------------------------------------------------------------------- byte rows

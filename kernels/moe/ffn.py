@@ -51,7 +51,12 @@ def expert_parallel_ffn(
     ):
         if not isinstance(t, torch.Tensor):
             raise ShapeError(f"{arg} must be a torch tensor, got {type(t).__name__}")
-    name = group_name(group)
+    if group is dist.GroupMember.NON_GROUP_MEMBER and torch.compiler.is_compiling():
+        # Dynamo makes a RuntimeError of what its trace raises: the op raises the GroupError
+        # when the compiled graph runs it, before any collective
+        name = ops.NON_MEMBER
+    else:
+        name = group_name(group)
     text = ops.schedule_text(schedule)
     if direct_call(x, topk_ids, topk_weights, w13, w2):
         from fo_kernels.moe.call import execute_ffn

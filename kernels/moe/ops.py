@@ -22,14 +22,18 @@ import functools
 import json
 
 import torch
+import torch.distributed as dist
 
-from fo_kernels.errors import ScheduleError, ShapeError
-from fo_kernels.groups import group_size, resolve_group
-from fo_kernels.moe.routing import check_call
+from fo_kernels.errors import ScheduleError
+from fo_kernels.groups import resolve_group
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.ops import LIBRARY, SCHEDULE_CACHE_SIZE, direct_call
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# The ops' ``group_name`` of a group this rank is not in, passed by a compiled call (whose trace
+# cannot raise a ValueError: ``expert_parallel_ffn``) so that the op raises its GroupError when
+# it runs; no process group has this name.
+NON_MEMBER = "<not a member of the group>"
 
 
 def schedule_text(schedule: MoeSchedule | None) -> str:
@@ -54,7 +58,8 @@ def parse_schedule(text: str) -> MoeSchedule | None:
 def _execute(*args, group_name: str, schedule: str, dy: torch.Tensor | None = None):
     from fo_kernels.moe.call import execute_ffn
 
-    return execute_ffn(*args, parse_schedule(schedule), resolve_group(group_name), dy=dy)
+    group = dist.GroupMember.NON_GROUP_MEMBER if group_name == NON_MEMBER else resolve_group(group_name)
+    return execute_ffn(*args, parse_schedule(schedule), group, dy=dy)
 
 
 @torch.library.custom_op(f"{LIBRARY}::expert_parallel_ffn", mutates_args=())
@@ -84,17 +89,18 @@ def _ffn_backward(
     return _execute(x, topk_ids, topk_weights, w13, w2, group_name=group_name, schedule=schedule, dy=dy)
 
 
+# The fake implementations check nothing: Dynamo turns any exception raised while it propagates
+# fake tensors into a RuntimeError (torch._dynamo.exc.TorchRuntimeError), so a check here would
+# give bad input under torch.compile a RuntimeError instead of the op's ValueError. Their outputs
+# are shaped like the inputs whatever those are; the op itself checks at run time
+# (``execute_ffn``), before any collective, in eager calls and compiled graphs alike.
 @_ffn.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, group_name, schedule):
-    check_call(x, topk_ids, topk_weights, w13, w2, group_size(group_name), check_ids=False)
     return x.new_empty(x.shape)
 
 
 @_ffn_backward.register_fake
 def _(dy, x, topk_ids, topk_weights, w13, w2, group_name, schedule):
-    check_call(x, topk_ids, topk_weights, w13, w2, group_size(group_name), check_ids=False)
-    if dy.shape != x.shape:
-        raise ShapeError(f"dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
     return tuple(t.new_empty(t.shape) for t in (x, topk_weights, w13, w2))
 
 

@@ -13,13 +13,19 @@
 
 ``tokens_max`` is the token bound: the copy engine sizes its symmetric buffers for it (a slot of
 tokens_max x k rows per source rank, made once) and a call with more tokens on any rank is refused
-before any collective. Routing changes every step, so a buffer sized for one step's rows would
+before any row moves. Routing changes every step, so a buffer sized for one step's rows would
 be resized on most steps; sized for the bound it never is.
+
+A call's tokens are the most any of its ranks holds (the M bucket the table keys rows by), which
+no rank knows before the counts exchange: ``check_call`` checks what this rank alone can see
+(before any collective), ``check_tokens`` the tokens from the exchange, so that every rank of a
+call refuses it alike instead of one raising while the others wait for it in a collective.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,15 +61,18 @@ class MoeProblem:
                 f"problem.tokens_min: {self.tokens_min} is above tokens_max {self.tokens_max}"
             )
 
-    def covers(self, shape: FfnShape) -> bool:
-        """True when a call of ``shape`` is this problem (its tokens in range)."""
-        same = (shape.hidden, shape.intermediate, shape.experts, shape.top_k) == (
+    def same_experts(self, shape: FfnShape) -> bool:
+        """True when a call of ``shape`` has this problem's experts' shape (H, I, E_local, k)."""
+        return (shape.hidden, shape.intermediate, shape.experts, shape.top_k) == (
             self.hidden,
             self.intermediate,
             self.experts,
             self.top_k,
         )
-        return same and self.tokens_min <= shape.tokens <= self.tokens_max
+
+    def covers(self, shape: FfnShape) -> bool:
+        """True when a call of ``shape`` is this problem (its tokens in range)."""
+        return self.same_experts(shape) and self.tokens_min <= shape.tokens <= self.tokens_max
 
     def describe(self) -> str:
         return (
@@ -147,13 +156,27 @@ class MoeSchedule:
         return from_mapping(cls, data, "schedule")
 
     def check_call(self, shape: FfnShape, dtype: str) -> None:
-        """Raise ``ScheduleError`` unless this schedule is for a call of ``shape`` in ``dtype``."""
+        """Raise ``ScheduleError`` unless this schedule is for a call of ``shape`` in ``dtype``,
+        its tokens aside (``check_tokens``: the most any rank holds, known after the counts
+        exchange)."""
         for name, want in (("dtype", dtype), ("world_size", shape.world)):
             if getattr(self, name) != want:
                 have = getattr(self, name)
                 raise ScheduleError(f"{name}: the schedule says {have!r}, this call needs {want!r}")
-        if not self.problem.covers(shape):
+        if not self.problem.same_experts(shape):
             raise ScheduleError(
                 f"problem: the schedule is for {self.problem.describe()}; called with H {shape.hidden}, "
-                f"I {shape.intermediate}, E_local {shape.experts}, k {shape.top_k}, {shape.tokens} tokens"
+                f"I {shape.intermediate}, E_local {shape.experts}, k {shape.top_k}"
+            )
+
+    def check_tokens(self, tokens: Sequence[int]) -> None:
+        """Raise ``ScheduleError`` unless the most tokens any rank of the call holds (``tokens``:
+        every rank's, from the counts exchange; every rank sees the same) is in the schedule's
+        range, so every rank of the call raises alike."""
+        most = max(tokens)
+        if not self.problem.tokens_min <= most <= self.problem.tokens_max:
+            raise ScheduleError(
+                f"problem: the schedule is for {self.problem.describe()}; the call's ranks hold up to "
+                f"{most} tokens (group rank {list(tokens).index(most)}); use a schedule whose tokens "
+                "cover it"
             )

@@ -30,6 +30,7 @@ from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.tile import Tile
 from fo_tune.calibrate.calibration import Calibration
 from fo_tune.moe.model import (
+    COUNTS_EXCHANGES,
     HOST_TORCH_OP_MS,
     HOST_TRITON_LAUNCH_MS,
     MoeCall,
@@ -112,7 +113,7 @@ class TritonMoeTerm:
         else:
             gemm_total = w * g1 + g2
             device = counts + 2 * (w - 1) * step + gemm_total
-        host = (w + 1) * HOST_TRITON_LAUNCH_MS + (2 * (w - 1) + 1) * HOST_TORCH_OP_MS
+        host = (w + 1) * HOST_TRITON_LAUNCH_MS + (2 * (w - 1) + COUNTS_EXCHANGES) * HOST_TORCH_OP_MS
         basis = m.basis if overlap or w == 1 else f"{m.basis}; no overlap at this point ({noted.matched})"
         return MoePrediction(
             total_ms=max(device, host),
