@@ -73,6 +73,20 @@ def test_check_scales_tells_tensorwise_from_rowwise():
         check_scales("all_reduce", _fp8(5, 24), _fp8(24, 32), one, one, None)
 
 
+@pytest.mark.parametrize("op", [gemm_all_reduce, gemm_reduce_scatter, all_gather_gemm])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_python_number_as_a_scale_is_a_scale_error(op, grad):
+    """A Python float as a scale is a ScaleError naming it (no process group needed: it is refused
+    before any collective), not the custom op schema's RuntimeError; with a scale that requires a
+    gradient the call goes through the dispatcher, which would refuse the float first."""
+    a, b = _fp8(4, 32), _fp8(16, 32).t()
+    other = torch.tensor(1.0, requires_grad=grad)
+    with pytest.raises(ScaleError, match="scale_a is a float; scales are float32 tensors"):
+        op(a, b, scale_a=1.0, scale_b=other)
+    with pytest.raises(ScaleError, match="scale_b is a int; scales are float32 tensors"):
+        op(a, b, scale_a=other, scale_b=2)
+
+
 def test_ops_at_world_size_one_and_their_fake_implementations(tmp_path):
     """One gloo rank in this process: each op equals the float64 reference of the dequantized
     operands (overlap: false is the GEMM alone); the custom ops pass torch.library's check (schema,
@@ -174,6 +188,9 @@ def test_fp8_ops_on_gloo_ranks(world):
         "gather_full_rows": "this rank's rows",
         "out_int": "out_dtype",
         "n_not_16": "multiples of 16",
+        "k_not_16": "multiples of 16",
+        "one_scale": "need scale_b",
+        "scale_b_wrong": "scale shapes",
     }
     for name, want in wants.items():
         assert want in bad[name], (name, bad[name])
