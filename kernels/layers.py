@@ -91,8 +91,9 @@ class _ShardBias(torch.autograd.Function):
 
 
 class _LocalScaledMatmul(torch.autograd.Function):
-    """A column-parallel fp8 layer's local GEMM (its input is the same on every rank): the scaled
-    GEMM forward; training in fp8 is out of scope, so its backward raises."""
+    """A column-parallel fp8 layer's local GEMM (its input is the same on every rank; the layers'
+    and the styles', ``fo_kernels.parallel_forward``): the scaled GEMM forward; training in fp8 is
+    out of scope, so its backward raises."""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, scales: Scales) -> torch.Tensor:
@@ -101,8 +102,8 @@ class _LocalScaledMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         raise Fp8TrainingError(
-            "backward through an fp8 ColumnParallelLinear: fo-tune runs fp8 layers for inference only; "
-            "training in fp8 is out of scope"
+            "backward through an fp8 column-parallel linear: fo-tune runs fp8 layers for inference "
+            "only; training in fp8 is out of scope"
         )
 
 

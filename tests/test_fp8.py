@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from fp8_cases import FP8, TOL, Fp8Case, bad_fp8_calls, fp8_backward, fp8_layers, run_fp8_cases
+from fp8_cases import FP8, TOL, Fp8Case, bad_fp8_calls, fp8_backward, fp8_layers, fp8_styles, run_fp8_cases
 from test_overlap_dist import make_schedule
 
 import fo_kernels.engines.copy_engine.gpu as gpu
@@ -199,6 +199,27 @@ def test_fp8_ops_on_gloo_ranks(world):
         layers = dict(got["layers"])
         assert "training in fp8 is out of scope" in layers.pop("backward")
         assert all(err < LAYER_TOL for err in layers.values()), (rank, layers)
+
+
+def test_fp8_styles_on_gloo_ranks():
+    """fo_kernels.parallel's ColwiseParallel / RowwiseParallel with ``fp8=`` (both scalings, with
+    and without sequence parallelism, and ``parallelize_linears(fp8=...)``) hold an fp8 weight shard
+    and its scale and are within fp8's quantization error of the full MLP; a backward says training
+    in fp8 is out of scope; an fp8 style fo-tune cannot run is a PlanError, not torch's style."""
+    per_rank = run_ranks(fp8_styles, 2, None, backend="gloo")
+    for rank, got in enumerate(per_rank):
+        assert "training in fp8 is out of scope" in got.pop("backward"), rank
+        assert "is gathered on its features" in got.pop("refused"), rank
+        assert all(err < LAYER_TOL for err in got.values()), (rank, got)
+
+
+def test_fp8_style_option_is_checked():
+    """An unknown ``fp8`` scaling is a ScaleError when the style is made; the option shows in its repr."""
+    from fo_kernels.parallel import ColwiseParallel, RowwiseParallel
+
+    with pytest.raises(ScaleError, match="'blockwise' is not one of tensorwise, rowwise"):
+        RowwiseParallel(fp8="blockwise")
+    assert "fp8='rowwise'" in repr(ColwiseParallel(fp8="rowwise")) and "fp8" not in repr(ColwiseParallel())
 
 
 # ------------------------------------------------------------------------------ the copy engine
