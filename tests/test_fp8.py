@@ -29,7 +29,7 @@ from fo_kernels.engines.copy_engine.buffers import (
     scale_bytes_for,
 )
 from fo_kernels.engines.copy_engine.layout import SCALE_REGION, FlagLayout, Rows, shard_rows
-from fo_kernels.errors import ScaleError, ShapeError
+from fo_kernels.errors import Fp8TrainingError, ScaleError, ShapeError
 from fo_kernels.scaling import check_scales
 from fo_kernels.tile import Tile
 from fo_tune.ranks.launch import run_ranks
@@ -117,6 +117,42 @@ def test_ops_at_world_size_one_and_their_fake_implementations(tmp_path):
             y = gemm_all_reduce(a, b, scale_a=sa_grad, scale_b=torch.tensor(1.0))
             with pytest.raises(NotImplementedError, match="training in fp8 is out of scope"):
                 y.float().sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_fp8_calls_with_gradients_run_forward_and_refuse_the_backward(tmp_path):
+    """torch.compile traces the backward of a forward whose inputs require a gradient (AOTAutograd's
+    joint graph): a compiled fp8 op call, and a compiled fp8 column-parallel layer (its local scaled
+    GEMM), with such inputs run their forward as in eager; the backward raises Fp8TrainingError
+    when it runs. One gloo rank in this process."""
+    from fo_kernels import ColumnParallelLinear
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the lookup's heuristic warning
+            a, b = _fp8(8, 32), _fp8(48, 32).t()
+            sb = torch.tensor(2.0)
+            for op in (gemm_all_reduce, gemm_reduce_scatter, all_gather_gemm):
+                sa = torch.tensor(0.5, requires_grad=True)
+                call = torch.compile(
+                    lambda a, b, sa, sb, op=op: op(a, b, scale_a=sa, scale_b=sb),
+                    fullgraph=True,
+                    backend="aot_eager",
+                )
+                y = call(a, b, sa, sb)
+                want = (a.double() * 0.5) @ (b.double() * 2.0)
+                torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=1e-2)
+                with pytest.raises(Fp8TrainingError, match="training in fp8 is out of scope"):
+                    y.float().sum().backward()
+            torch.manual_seed(7)
+            layer = ColumnParallelLinear(32, 48, fp8="rowwise")
+            x = torch.randn(5, 32, requires_grad=True)
+            y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+            assert y.shape == (5, 48) and y.dtype == x.dtype
+            with pytest.raises(Fp8TrainingError, match="training in fp8 is out of scope"):
+                y.sum().backward()
     finally:
         dist.destroy_process_group()
 
