@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fo_kernels.errors import Fp8TrainingError, ScaleError, ShapeError
+from fo_kernels.errors import ScaleError, ShapeError
 from fo_kernels.groups import check_group
-from fo_kernels.ops import call_op
+from fo_kernels.ops import call_op, fp8_input_meta, fp8_refused_grads
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.quantize import check_scaling, layer_out_dtype, quantize_rows, quantize_weight
 from fo_kernels.scaling import FP8_ALIGN, Scales, is_fp8, scaled_mm
@@ -91,19 +91,19 @@ class _ShardBias(torch.autograd.Function):
 
 
 class _LocalScaledMatmul(torch.autograd.Function):
-    """A column-parallel fp8 layer's local GEMM (its input is the same on every rank): the scaled
-    GEMM forward; training in fp8 is out of scope, so its backward raises."""
+    """A column-parallel fp8 layer's local GEMM (its input is the same on every rank; the layers'
+    and the styles', ``fo_kernels.parallel_forward``): the scaled GEMM forward; training in fp8 is
+    out of scope, so its backward raises."""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, scales: Scales) -> torch.Tensor:
+        ctx.input_meta = fp8_input_meta((a, b, scales))
         return scaled_mm(a, b, scales)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        raise Fp8TrainingError(
-            "backward through an fp8 ColumnParallelLinear: fo-tune runs fp8 layers for inference only; "
-            "training in fp8 is out of scope"
-        )
+        # (raises Fp8TrainingError when it runs; an op, so torch.compile can trace it: fo_kernels.ops)
+        return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:

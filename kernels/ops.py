@@ -236,20 +236,59 @@ _FP8_TRAINING = (
 )
 
 
-def _no_fp8_backward(ctx) -> None:
-    if ctx.fp8:
-        raise Fp8TrainingError(_FP8_TRAINING)
+@torch.library.custom_op(f"{LIBRARY}::fp8_backward_refused", mutates_args=())
+def _fp8_backward_refused(dy: torch.Tensor) -> torch.Tensor:
+    """The backward of an fp8 call: raises ``Fp8TrainingError`` when it runs. It is an op rather
+    than a raise in the autograd formula because torch.compile traces the backward when it compiles
+    a forward whose inputs require a gradient (AOTAutograd's joint graph): a raise there would fail
+    the forward, which runs in eager; the op defers the error to a backward that runs, as in eager."""
+    raise Fp8TrainingError(_FP8_TRAINING)
+
+
+@_fp8_backward_refused.register_fake
+def _(dy: torch.Tensor) -> torch.Tensor:
+    return dy.new_empty(())
+
+
+def fp8_input_meta(inputs: tuple) -> tuple[tuple[tuple[int, ...], torch.dtype] | None, ...]:
+    """(shape, dtype) of each tensor of ``inputs`` (None for the others): what
+    ``fp8_refused_grads`` needs."""
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in inputs)
+
+
+def fp8_refused_grads(
+    dy: torch.Tensor,
+    meta: tuple[tuple[tuple[int, ...], torch.dtype] | None, ...],
+    needs_input_grad: tuple[bool, ...],
+) -> tuple[torch.Tensor | None, ...]:
+    """An fp8 backward's gradients: ``_fp8_backward_refused`` raises ``Fp8TrainingError`` when it
+    runs; traced, each gradient an input needs is a view of its result (so no compiler drops the op
+    as unused), of the input's shape (``meta``, from ``fp8_input_meta``) and dtype. (A custom op's
+    ``needs_input_grad`` can leave out its trailing non-tensor inputs: those need none.)"""
+    refused = _fp8_backward_refused(dy)
+    needs = tuple(needs_input_grad) + (False,) * (len(meta) - len(needs_input_grad))
+    return tuple(
+        refused.to(m[1]).expand(m[0]) if need and m is not None else None
+        for m, need in zip(meta, needs, strict=True)
+    )
+
+
+def _fp8_grads(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of a backward through an fp8 call (``fp8_refused_grads``)."""
+    return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
 
 
 def _save_ab(ctx, inputs, output) -> None:
     a, b, name, _schedule, scale_a, *_ = inputs
     ctx.group_name = name
     ctx.fp8 = scale_a is not None
+    ctx.input_meta = fp8_input_meta(inputs) if ctx.fp8 else None
     ctx.save_for_backward(a if ctx.needs_input_grad[1] and not ctx.fp8 else None, None if ctx.fp8 else b)
 
 
 def _all_reduce_backward(ctx, dy: torch.Tensor):
-    _no_fp8_backward(ctx)
+    if ctx.fp8:
+        return _fp8_grads(ctx, dy)
     a, b = ctx.saved_tensors
     da = dy @ b.t() if ctx.needs_input_grad[0] else None
     db = a.t() @ dy if ctx.needs_input_grad[1] else None
@@ -257,7 +296,8 @@ def _all_reduce_backward(ctx, dy: torch.Tensor):
 
 
 def _reduce_scatter_backward(ctx, dy: torch.Tensor):
-    _no_fp8_backward(ctx)
+    if ctx.fp8:
+        return _fp8_grads(ctx, dy)
     a, b = ctx.saved_tensors
     da, gathered_dy = call_op("all_gather", dy.contiguous(), b.t(), ctx.group_name)
     db = a.t() @ gathered_dy if ctx.needs_input_grad[1] else None
@@ -269,6 +309,7 @@ def _save_gathered(ctx, inputs, output) -> None:
     _out, gathered = output
     ctx.group_name = name
     ctx.fp8 = scale_a is not None
+    ctx.input_meta = fp8_input_meta(inputs) if ctx.fp8 else None
     ctx.mark_non_differentiable(gathered)
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if ctx.fp8:
@@ -277,7 +318,8 @@ def _save_gathered(ctx, inputs, output) -> None:
 
 
 def _all_gather_backward(ctx, dy: torch.Tensor, _d_gathered: torch.Tensor | None):
-    _no_fp8_backward(ctx)
+    if ctx.fp8:
+        return _fp8_grads(ctx, dy)
     gathered, b = ctx.saved_tensors
     da = db = None
     if ctx.needs_input_grad[0]:

@@ -20,6 +20,7 @@ from fo_kernels import ops
 from fo_kernels.engines import EngineResult
 from fo_kernels.execute import execute
 from fo_kernels.groups import group_name
+from fo_kernels.scaling import check_scale_types
 from fo_kernels.schedule import Schedule
 
 
@@ -33,6 +34,7 @@ def _call(
     scale_b: torch.Tensor | None,
     out_dtype: torch.dtype | None,
 ) -> EngineResult:
+    check_scale_types(scale_a, scale_b)  # (a Python number would fail the ops' schema first)
     if ops.direct_call(a, b, scale_a, scale_b):
         return execute(
             collective, a, b, schedule, group, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype

@@ -25,6 +25,13 @@ other than ``Shard(-1)`` or output other than ``Replicate()`` / a leading ``Shar
 for that module, with one ``NotOverlappedWarning``; a colwise output layout other than ``Shard(-1)``
 is redistributed as torch's style does, with one warning.
 
+fp8 for inference: ``ColwiseParallel(fp8="tensorwise" | "rowwise")`` (and ``RowwiseParallel``)
+stores each weight shard once as float8_e4m3fn codes with its ``weight_scale`` buffer and quantizes
+each call's input the same way, as ``ColumnParallelLinear(fp8=...)`` does
+(``fo_kernels.parallel_forward``). torch's style has no fp8 GEMM, so an fp8 style that fo-tune
+cannot run is a ``PlanError`` when applied (a ``ShapeError`` at run time), not torch's style; a
+backward raises ``Fp8TrainingError``.
+
 ``parallelize_linears(model, {pattern: "column" | "row"})`` is a thin convenience over the styles.
 """
 
@@ -46,6 +53,7 @@ from torch.distributed.tensor.placement_types import Placement
 from fo_kernels.errors import NotOverlappedWarning, PlanError
 from fo_kernels.groups import check_group
 from fo_kernels.parallel_forward import COLWISE, PLAN_ATTR, ROWWISE, LinearPlan, install_forward
+from fo_kernels.quantize import check_scaling
 from fo_kernels.schedule import TORCH_DTYPES
 
 __all__ = ["ColwiseParallel", "LinearPlan", "RowwiseParallel", "install", "parallelize_linears", "plan_of"]
@@ -80,6 +88,7 @@ def _plan(style: ColwiseParallel | RowwiseParallel, mesh: DeviceMesh) -> LinearP
         input_layouts=tuple(style.input_layouts),
         output_layouts=tuple(style.output_layouts),
         use_local_output=style.use_local_output,
+        fp8=style.fp8,
     )
 
 
@@ -91,9 +100,31 @@ def _warn(style: object, module: nn.Module, what: str) -> None:
     )
 
 
-class ColwiseParallel(TorchColwiseParallel):
-    """torch's ``ColwiseParallel`` (same arguments, same parameters) on fo-tune's ops; see the
-    module docstring for what runs where."""
+class _Fp8Option:
+    """The styles' ``fp8`` keyword (None, ``"tensorwise"`` or ``"rowwise"``) beside torch's arguments."""
+
+    fp8: str | None
+
+    def __init__(self, *, fp8: str | None = None, **torch_args) -> None:
+        super().__init__(**torch_args)
+        self.fp8 = None if fp8 is None else check_scaling(fp8)
+
+    def __repr__(self) -> str:
+        text = super().__repr__()
+        return text if self.fp8 is None else f"{text[:-1]}, fp8={self.fp8!r})"
+
+    def _torch_or_refuse(self, module: nn.Module, device_mesh: DeviceMesh, reason: str) -> nn.Module:
+        """torch's style for a module fo-tune cannot run, with a warning; an fp8 style raises
+        ``PlanError`` instead (torch's style has no fp8 GEMM: it would run unquantized)."""
+        if self.fp8 is not None:
+            raise PlanError(f"{self!r} cannot run on {type(module).__name__}: {reason}")
+        _warn(self, module, f"{reason}; it runs as torch's style")
+        return super()._apply(module, device_mesh)
+
+
+class ColwiseParallel(_Fp8Option, TorchColwiseParallel):
+    """torch's ``ColwiseParallel`` (same arguments, same parameters) on fo-tune's ops, with an
+    ``fp8`` option for inference; see the module docstring for what runs where."""
 
     kind = COLWISE
 
@@ -107,8 +138,7 @@ class ColwiseParallel(TorchColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         reason = _blocker(module, device_mesh) or self._layout_blocker()
         if reason:
-            _warn(self, module, f"{reason}; it runs as torch's style")
-            return super()._apply(module, device_mesh)
+            return self._torch_or_refuse(module, device_mesh, reason)
         (out,) = self.output_layouts
         if not _is_last(out):
             _warn(
@@ -121,9 +151,9 @@ class ColwiseParallel(TorchColwiseParallel):
         return module
 
 
-class RowwiseParallel(TorchRowwiseParallel):
-    """torch's ``RowwiseParallel`` (same arguments, same parameters) on fo-tune's ops; see the
-    module docstring for what runs where."""
+class RowwiseParallel(_Fp8Option, TorchRowwiseParallel):
+    """torch's ``RowwiseParallel`` (same arguments, same parameters) on fo-tune's ops, with an
+    ``fp8`` option for inference; see the module docstring for what runs where."""
 
     kind = ROWWISE
 
@@ -139,8 +169,7 @@ class RowwiseParallel(TorchRowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         reason = _blocker(module, device_mesh) or self._layout_blocker()
         if reason:
-            _warn(self, module, f"{reason}; it runs as torch's style")
-            return super()._apply(module, device_mesh)
+            return self._torch_or_refuse(module, device_mesh, reason)
         self.desired_input_layouts = (Shard(-1),)  # what torch's _apply sets for a linear
         distribute_module(module, device_mesh, self._partition_linear_fn)
         install_forward(module, _plan(self, device_mesh))
@@ -190,6 +219,7 @@ def parallelize_linears(
     *,
     sequence_parallel: bool = False,
     group: dist.ProcessGroup | None = None,
+    fp8: str | None = None,
 ) -> nn.Module:
     """Shard ``model``'s ``nn.Linear`` submodules named in ``plan`` over ``group``, in place, with
     fo-tune's styles, and return ``model``.
@@ -200,6 +230,7 @@ def parallelize_linears(
     (``Shard(0)``), else the full activation (``Replicate()``). The parameters become DTensors on a
     one-dim mesh of ``group`` (rank 0's weights are the ones scattered). A pattern that matches no
     ``nn.Linear``, or a name that is not one, raises ``PlanError`` before any module is sharded.
+    ``fp8``: every chosen module in fp8 for inference (the styles' ``fp8`` option).
     """
     for kind in plan.values():
         if kind not in KINDS:
@@ -220,9 +251,9 @@ def parallelize_linears(
     mesh = DeviceMesh.from_group(group, first.weight.device.type)
     activation = Shard(0) if sequence_parallel else Replicate()
     styles = {
-        name: ColwiseParallel(input_layouts=activation)
+        name: ColwiseParallel(input_layouts=activation, fp8=fp8)
         if kind == "column"
-        else RowwiseParallel(output_layouts=activation)
+        else RowwiseParallel(output_layouts=activation, fp8=fp8)
         for name, kind in chosen.items()
     }
     # exact names: parallelize_module's own matching is fnmatch on each dotted part, and a name

@@ -22,6 +22,15 @@ the ops do not take or other than the weight's, a sharded dim that does not divi
 size) runs as torch's style runs it (``torch_forward``), with one ``NotOverlappedWarning`` per
 module. The gradient helpers are the layers' (``fo_kernels.layers``): the fused all-reduce of a
 replicated input's gradient and the bias of a dim-0 shard.
+
+fp8 for inference (a style's ``fp8="tensorwise"`` or ``"rowwise"``, ``LinearPlan.fp8``): as the
+layers' (``fo_kernels.layers``), the local weight shard is stored once as float8_e4m3fn codes (a
+DTensor of the same placements, no gradient) with its scale in the module's ``weight_scale`` buffer
+(this rank's: 0-dim, or one per output feature of its shard), and each call quantizes its input's
+rows the same way (``fo_kernels.quantize``; tensorwise before an AllGather with one scale over the
+group) for the scaled ops, the output in the input's dtype. torch's style has no fp8 GEMM, so what
+would run as torch's style raises ``ShapeError`` for an fp8 module instead; a backward raises
+``Fp8TrainingError``.
 """
 
 from __future__ import annotations
@@ -40,8 +49,10 @@ from torch.distributed.tensor.parallel import style as torch_style
 from torch.distributed.tensor.placement_types import Placement
 
 from fo_kernels.errors import NotOverlappedWarning, ShapeError
-from fo_kernels.layers import _ReplicatedInputMatmul, _ShardBias
+from fo_kernels.layers import _LocalScaledMatmul, _ReplicatedInputMatmul, _ShardBias
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
+from fo_kernels.quantize import layer_out_dtype, quantize_rows, quantize_weight
+from fo_kernels.scaling import FP8_ALIGN, OUT_DTYPES, Scales
 from fo_kernels.schedule import TORCH_DTYPES
 
 # The attributes of the module that hold its LinearPlan, and whether it has warned of torch's path.
@@ -51,6 +62,8 @@ COLWISE, ROWWISE = "colwise", "rowwise"
 # The layouts each kind computes in (torch's desired layouts of a linear).
 DESIRED_INPUT = {COLWISE: (Replicate(),), ROWWISE: (Shard(-1),)}
 TORCH_STYLES = {COLWISE: torch_style.ColwiseParallel, ROWWISE: torch_style.RowwiseParallel}
+# The buffer of an fp8 module that holds its weight shard's scale (scale_b), as the layers name it.
+SCALE_ATTR = "weight_scale"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +78,59 @@ class LinearPlan:
     input_layouts: tuple[Placement, ...]
     output_layouts: tuple[Placement, ...]
     use_local_output: bool
+    fp8: str | None = None  # the scaling of an fp8 module ("tensorwise" or "rowwise"), or None
 
 
 def install_forward(module: nn.Linear, plan: LinearPlan) -> None:
-    """Make ``module``'s forward the plan's (its parameters are already DTensors)."""
+    """Make ``module``'s forward the plan's (its parameters are already DTensors); an fp8 plan
+    first quantizes the module's weight shard (``quantize_module``)."""
+    if plan.fp8 is not None:
+        quantize_module(module, plan.fp8)
     setattr(module, PLAN_ATTR, plan)
     forward = _colwise_forward if plan.kind == COLWISE else _rowwise_forward
     module.forward = types.MethodType(forward, module)
+
+
+def quantize_module(module: nn.Linear, scaling: str) -> None:
+    """Store ``module``'s local weight shard as float8_e4m3fn codes (a DTensor of the weight's
+    placements, no gradient) and its scale in the ``weight_scale`` buffer, for inference. The shard's
+    (out, in) must be multiples of 16 (torch._scaled_mm's rule): ``ShapeError`` otherwise."""
+    weight = module.weight
+    local = weight.to_local()
+    n, k = local.shape
+    if n % FP8_ALIGN or k % FP8_ALIGN:
+        raise ShapeError(
+            f"an fp8 {type(module).__name__}'s weight shard needs its (out, in) = ({n}, {k}) multiples "
+            f"of {FP8_ALIGN} (torch._scaled_mm's rule)"
+        )
+    codes, scale = quantize_weight(local, scaling)
+    fp8 = DTensor.from_local(
+        codes, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
+        stride=weight.stride(),
+    )  # fmt: skip
+    module.weight = nn.Parameter(fp8, requires_grad=False)
+    module.register_buffer(SCALE_ATTR, scale)
+
+
+def _fp8_rows(
+    module: nn.Linear, plan: LinearPlan, rows: torch.Tensor, shared: bool = False
+) -> tuple[torch.Tensor, dict]:
+    """(rows, the op's fp8 keyword arguments): an fp8 module's rows quantized (``shared``: one
+    tensorwise scale over the group, before an AllGather) and its scales; else the rows as they are."""
+    if plan.fp8 is None:
+        return rows, {}
+    codes, scale_a = quantize_rows(rows, plan.fp8, shared=shared, group=plan.group)
+    fp8 = dict(scale_a=scale_a, scale_b=getattr(module, SCALE_ATTR), out_dtype=layer_out_dtype(rows))
+    return codes, fp8
+
+
+def _local_fp8(module: nn.Linear, plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A colwise fp8 module's local GEMM of a replicated input: its rows quantized, the scaled GEMM."""
+    codes, fp8 = _fp8_rows(module, plan, x.reshape(-1, x.shape[-1]))
+    scales = Scales(
+        fp8["scale_a"].reshape(-1), fp8["scale_b"].reshape(-1), fp8["out_dtype"], plan.fp8 == "rowwise"
+    )
+    return _LocalScaledMatmul.apply(codes, weight.t(), scales).view(*x.shape[:-1], weight.shape[0])
 
 
 def _leading_dim(placement: Placement, ndim: int) -> int | None:
@@ -82,7 +141,9 @@ def _leading_dim(placement: Placement, ndim: int) -> int | None:
     return d if d < ndim - 1 else None
 
 
-def _op_dtype_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _op_dtype_ok(x: torch.Tensor, weight: torch.Tensor, plan: LinearPlan) -> bool:
+    if plan.fp8 is not None:  # (the input is quantized per call; the output is in its dtype)
+        return x.dtype in OUT_DTYPES
     return x.dtype == weight.dtype and x.dtype in TORCH_DTYPES.values()
 
 
@@ -101,7 +162,13 @@ def torch_forward(
 ) -> torch.Tensor:
     """The module's forward as torch's style runs it (its input and output hooks around
     ``F.linear`` on the DTensor parameters), with one ``NotOverlappedWarning`` per module saying
-    ``why()`` (a callable: torch.compile traces no message)."""
+    ``why()`` (a callable: torch.compile traces no message). An fp8 module raises ``ShapeError``
+    instead: torch's style has no fp8 GEMM."""
+    if plan.fp8 is not None:
+        raise ShapeError(
+            f"an fp8 {plan.kind} {type(module).__name__} runs on fo-tune's ops only (torch's style has "
+            f"no fp8 GEMM), which cannot take {why()}"
+        )
     if not torch.compiler.is_compiling() and not getattr(module, WARNED_ATTR, False):
         setattr(module, WARNED_ATTR, True)
         warnings.warn(
@@ -148,11 +215,13 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight = module.weight.to_local()
     x, layout, is_dtensor = _local_input(x, plan)
     _check_features(module, x, weight, plan)
-    if not _op_dtype_ok(x, weight) or x.numel() == 0:
+    if not _op_dtype_ok(x, weight, plan) or x.numel() == 0:
         return torch_forward(module, x, plan, lambda: _input_why(x, weight))
     d = _leading_dim(layout, x.dim())
     if isinstance(layout, Replicate):
-        if is_dtensor:  # its gradient is a partial sum: DTensor reduces it where x came from
+        if plan.fp8 is not None:  # (inference only: no gradient for DTensor to reduce)
+            y = _local_fp8(module, plan, x.to_local() if is_dtensor else x, weight)
+        elif is_dtensor:  # its gradient is a partial sum: DTensor reduces it where x came from
             x = x.to_local(grad_placements=[Partial()])
             y = x @ weight.t()
         elif _needs_grad(x, weight):
@@ -165,12 +234,13 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if is_dtensor:
             x = x.to_local()
         xm = _moved(x, d)
-        rows = all_gather_gemm(xm.reshape(-1, xm.shape[-1]), weight.t(), group=plan.group)
+        rows, fp8 = _fp8_rows(module, plan, xm.reshape(-1, xm.shape[-1]), shared=True)
+        rows = all_gather_gemm(rows, weight.t(), group=plan.group, **fp8)
         y = _moved_back(rows.view(xm.shape[0] * plan.world_size, *xm.shape[1:-1], weight.shape[0]), d)
     else:
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r} (DTensor gathers it)")
-    if module.bias is not None:
-        y = y + module.bias.to_local()
+    if module.bias is not None:  # (an fp8 module's output is in its input's dtype, not the bias')
+        y = y + module.bias.to_local().to(y.dtype)
     return _colwise_output(y, plan, module.out_features)
 
 
@@ -212,24 +282,27 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not (isinstance(layout, Shard) and x.dim() >= 1 and layout.dim % x.dim() == x.dim() - 1):
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, not Shard(-1)")
     _check_features(module, x, weight, plan)
-    if not _op_dtype_ok(x, weight) or x.numel() == 0:
+    if not _op_dtype_ok(x, weight, plan) or x.numel() == 0:
         return torch_forward(module, x, plan, lambda: _input_why(x, weight))
     want = plan.output_layouts[0]
     bias = module.bias.to_local() if module.bias is not None else None
     if isinstance(want, Replicate):
         local = x.to_local() if is_dtensor else x
-        y = gemm_all_reduce(local.reshape(-1, local.shape[-1]), weight.t(), group=plan.group)
+        rows, fp8 = _fp8_rows(module, plan, local.reshape(-1, local.shape[-1]))
+        y = gemm_all_reduce(rows, weight.t(), group=plan.group, **fp8)
         y = y.view(*local.shape[:-1], weight.shape[0])
         if bias is not None:
-            y = y + bias
+            y = y + bias.to(y.dtype)
     else:
         d = _leading_dim(want, x.dim())
         if d is None or x.shape[d] % plan.world_size:
             return torch_forward(module, x, plan, lambda: _rows_why(want, x, plan))
         local = _moved(x.to_local() if is_dtensor else x, d)
-        y = gemm_reduce_scatter(local.reshape(-1, local.shape[-1]), weight.t(), group=plan.group)
+        rows, fp8 = _fp8_rows(module, plan, local.reshape(-1, local.shape[-1]))
+        y = gemm_reduce_scatter(rows, weight.t(), group=plan.group, **fp8)
         y = y.view(local.shape[0] // plan.world_size, *local.shape[1:-1], weight.shape[0])
         if bias is not None:
+            bias = bias.to(y.dtype)
             y = _ShardBias.apply(y, bias, plan.group_name) if _needs_grad(y, bias) else y + bias
         y = _moved_back(y, d)
     if plan.use_local_output:

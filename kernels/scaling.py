@@ -83,6 +83,17 @@ class Scales:
         return dataclasses.replace(self, a=a)
 
 
+def check_scale_types(scale_a: object, scale_b: object) -> None:
+    """``ScaleError`` for a scale that is neither None nor a tensor (a Python number): the custom
+    ops' schema would refuse it with a ``RuntimeError`` before ``check_scales`` could name it."""
+    for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if scale is not None and not isinstance(scale, torch.Tensor):
+            raise ScaleError(
+                f"{name} is a {type(scale).__name__}; scales are float32 tensors (0-dim tensorwise, "
+                "or rowwise), as torch._scaled_mm's"
+            )
+
+
 def _check_scale(name: str, scale: object, a: torch.Tensor) -> torch.Tensor:
     if not isinstance(scale, torch.Tensor):
         raise ScaleError(

@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from fo_kernels import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.errors import FoTuneError, Fp8TrainingError
@@ -207,4 +208,66 @@ def fp8_layers(ctx, _payload) -> dict[str, float | str]:
         out["backward"] = "NO ERROR"
     except Fp8TrainingError as exc:
         out["backward"] = str(exc)
+    return out
+
+
+def fp8_styles(ctx, _payload) -> dict[str, float | str]:
+    """fo_kernels.parallel's styles with ``fp8=`` on an MLP (colwise then rowwise, both scalings,
+    replicated and dim-0 sequence-parallel activations, a bf16 model) against the full float64 MLP:
+    name -> relative error; plus the backward's error, an fp8 style's refusal of a layout fo-tune
+    cannot run (torch's style has no fp8 GEMM) and ``parallelize_linears(fp8=...)``."""
+    import copy
+    import warnings
+
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fo_kernels.errors import NotOverlappedWarning, PlanError
+    from fo_kernels.parallel import ColwiseParallel, RowwiseParallel, parallelize_linears, plan_of
+
+    w, feat, hidden = ctx.world_size, 32, 64
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    torch.manual_seed(4321)  # the same full model and input on every rank
+    full = nn.Sequential(nn.Linear(feat, hidden), nn.Linear(hidden, feat)).to(torch.bfloat16)
+    x = torch.randn(2 * w, 3, feat, dtype=torch.bfloat16)
+    want = copy.deepcopy(full).double()(x.double())
+    out: dict[str, float | str] = {}
+    for scaling in ("tensorwise", "rowwise"):
+        for sp in (False, True):
+            model = copy.deepcopy(full)
+            act = Shard(0) if sp else None
+            plan = {
+                "0": ColwiseParallel(input_layouts=act, fp8=scaling),
+                "1": RowwiseParallel(output_layouts=act, fp8=scaling),
+            }
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", NotOverlappedWarning)  # fp8 never runs as torch's
+                parallelize_module(model, mesh, plan)
+            up = model[0]
+            assert up.weight.dtype == FP8 and not up.weight.requires_grad and plan_of(up).fp8 == scaling
+            assert up.weight_scale.dtype == torch.float32
+            mine = x.chunk(w)[ctx.rank] if sp else x
+            ref = want.chunk(w)[ctx.rank] if sp else want
+            with torch.no_grad():
+                got = model(mine)
+            assert got.dtype == x.dtype and got.shape == ref.shape, (got.dtype, got.shape, ref.shape)
+            out[f"{scaling}-sp{int(sp)}"] = ((got.double() - ref).norm() / ref.norm()).item()
+    try:
+        model(mine.clone().requires_grad_(True)).float().sum().backward()
+        out["backward"] = "NO ERROR"
+    except Fp8TrainingError as exc:
+        out["backward"] = str(exc)
+    try:  # a colwise input sharded on its features: torch's style, which has no fp8 GEMM
+        parallelize_module(
+            copy.deepcopy(full), mesh, {"0": ColwiseParallel(input_layouts=Shard(-1), fp8="rowwise")}
+        )
+        out["refused"] = "NO ERROR"
+    except PlanError as exc:
+        out["refused"] = str(exc)
+    model = parallelize_linears(copy.deepcopy(full), {"0": "column", "1": "row"}, fp8="rowwise")
+    with torch.no_grad():
+        got = model(x)
+    out["parallelize_linears"] = ((got.double() - want).norm() / want.norm()).item()
     return out

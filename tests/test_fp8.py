@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from fp8_cases import FP8, TOL, Fp8Case, bad_fp8_calls, fp8_backward, fp8_layers, run_fp8_cases
+from fp8_cases import FP8, TOL, Fp8Case, bad_fp8_calls, fp8_backward, fp8_layers, fp8_styles, run_fp8_cases
 from test_overlap_dist import make_schedule
 
 import fo_kernels.engines.copy_engine.gpu as gpu
@@ -29,7 +29,7 @@ from fo_kernels.engines.copy_engine.buffers import (
     scale_bytes_for,
 )
 from fo_kernels.engines.copy_engine.layout import SCALE_REGION, FlagLayout, Rows, shard_rows
-from fo_kernels.errors import ScaleError, ShapeError
+from fo_kernels.errors import Fp8TrainingError, ScaleError, ShapeError
 from fo_kernels.scaling import check_scales
 from fo_kernels.tile import Tile
 from fo_tune.ranks.launch import run_ranks
@@ -73,6 +73,20 @@ def test_check_scales_tells_tensorwise_from_rowwise():
         check_scales("all_reduce", _fp8(5, 24), _fp8(24, 32), one, one, None)
 
 
+@pytest.mark.parametrize("op", [gemm_all_reduce, gemm_reduce_scatter, all_gather_gemm])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_python_number_as_a_scale_is_a_scale_error(op, grad):
+    """A Python float as a scale is a ScaleError naming it (no process group needed: it is refused
+    before any collective), not the custom op schema's RuntimeError; with a scale that requires a
+    gradient the call goes through the dispatcher, which would refuse the float first."""
+    a, b = _fp8(4, 32), _fp8(16, 32).t()
+    other = torch.tensor(1.0, requires_grad=grad)
+    with pytest.raises(ScaleError, match="scale_a is a float; scales are float32 tensors"):
+        op(a, b, scale_a=1.0, scale_b=other)
+    with pytest.raises(ScaleError, match="scale_b is a int; scales are float32 tensors"):
+        op(a, b, scale_a=other, scale_b=2)
+
+
 def test_ops_at_world_size_one_and_their_fake_implementations(tmp_path):
     """One gloo rank in this process: each op equals the float64 reference of the dequantized
     operands (overlap: false is the GEMM alone); the custom ops pass torch.library's check (schema,
@@ -103,6 +117,42 @@ def test_ops_at_world_size_one_and_their_fake_implementations(tmp_path):
             y = gemm_all_reduce(a, b, scale_a=sa_grad, scale_b=torch.tensor(1.0))
             with pytest.raises(NotImplementedError, match="training in fp8 is out of scope"):
                 y.float().sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_fp8_calls_with_gradients_run_forward_and_refuse_the_backward(tmp_path):
+    """torch.compile traces the backward of a forward whose inputs require a gradient (AOTAutograd's
+    joint graph): a compiled fp8 op call, and a compiled fp8 column-parallel layer (its local scaled
+    GEMM), with such inputs run their forward as in eager; the backward raises Fp8TrainingError
+    when it runs. One gloo rank in this process."""
+    from fo_kernels import ColumnParallelLinear
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the lookup's heuristic warning
+            a, b = _fp8(8, 32), _fp8(48, 32).t()
+            sb = torch.tensor(2.0)
+            for op in (gemm_all_reduce, gemm_reduce_scatter, all_gather_gemm):
+                sa = torch.tensor(0.5, requires_grad=True)
+                call = torch.compile(
+                    lambda a, b, sa, sb, op=op: op(a, b, scale_a=sa, scale_b=sb),
+                    fullgraph=True,
+                    backend="aot_eager",
+                )
+                y = call(a, b, sa, sb)
+                want = (a.double() * 0.5) @ (b.double() * 2.0)
+                torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=1e-2)
+                with pytest.raises(Fp8TrainingError, match="training in fp8 is out of scope"):
+                    y.float().sum().backward()
+            torch.manual_seed(7)
+            layer = ColumnParallelLinear(32, 48, fp8="rowwise")
+            x = torch.randn(5, 32, requires_grad=True)
+            y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+            assert y.shape == (5, 48) and y.dtype == x.dtype
+            with pytest.raises(Fp8TrainingError, match="training in fp8 is out of scope"):
+                y.sum().backward()
     finally:
         dist.destroy_process_group()
 
@@ -174,6 +224,9 @@ def test_fp8_ops_on_gloo_ranks(world):
         "gather_full_rows": "this rank's rows",
         "out_int": "out_dtype",
         "n_not_16": "multiples of 16",
+        "k_not_16": "multiples of 16",
+        "one_scale": "need scale_b",
+        "scale_b_wrong": "scale shapes",
     }
     for name, want in wants.items():
         assert want in bad[name], (name, bad[name])
@@ -182,6 +235,27 @@ def test_fp8_ops_on_gloo_ranks(world):
         layers = dict(got["layers"])
         assert "training in fp8 is out of scope" in layers.pop("backward")
         assert all(err < LAYER_TOL for err in layers.values()), (rank, layers)
+
+
+def test_fp8_styles_on_gloo_ranks():
+    """fo_kernels.parallel's ColwiseParallel / RowwiseParallel with ``fp8=`` (both scalings, with
+    and without sequence parallelism, and ``parallelize_linears(fp8=...)``) hold an fp8 weight shard
+    and its scale and are within fp8's quantization error of the full MLP; a backward says training
+    in fp8 is out of scope; an fp8 style fo-tune cannot run is a PlanError, not torch's style."""
+    per_rank = run_ranks(fp8_styles, 2, None, backend="gloo")
+    for rank, got in enumerate(per_rank):
+        assert "training in fp8 is out of scope" in got.pop("backward"), rank
+        assert "is gathered on its features" in got.pop("refused"), rank
+        assert all(err < LAYER_TOL for err in got.values()), (rank, got)
+
+
+def test_fp8_style_option_is_checked():
+    """An unknown ``fp8`` scaling is a ScaleError when the style is made; the option shows in its repr."""
+    from fo_kernels.parallel import ColwiseParallel, RowwiseParallel
+
+    with pytest.raises(ScaleError, match="'blockwise' is not one of tensorwise, rowwise"):
+        RowwiseParallel(fp8="blockwise")
+    assert "fp8='rowwise'" in repr(ColwiseParallel(fp8="rowwise")) and "fp8" not in repr(ColwiseParallel())
 
 
 # ------------------------------------------------------------------------------ the copy engine
