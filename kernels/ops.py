@@ -14,6 +14,8 @@ break; the op itself is opaque to it. ``all_gather_gemm`` returns ``(gathered @ 
 the gathered A is not differentiable (it is what the backward keeps for the weight gradient).
 ``scale_a``, ``scale_b`` and ``out_dtype`` are an fp8 call's (``fo_kernels.scaling``); the fake
 implementations give its output ``out_dtype`` (bfloat16 by default) and the gathered A fp8.
+The fake implementations check nothing (``_fake_output``): the op checks its input when it runs,
+in a compiled graph as in an eager call, and raises the eager call's ``ValueError`` subclass.
 
 Autograd, every backward through the ops (so their own schedule lookup applies), with ``dy`` the
 gradient of the output:
@@ -38,11 +40,12 @@ import functools
 import json
 
 import torch
+import torch.distributed as dist
 
-from fo_kernels.errors import Fp8TrainingError, ScheduleError, ShapeError
+from fo_kernels.errors import FoTuneError, Fp8TrainingError, ScheduleError
 from fo_kernels.groups import group_size, resolve_group
-from fo_kernels.scaling import check_scales
-from fo_kernels.schedule import TORCH_DTYPES, Schedule
+from fo_kernels.scaling import DEFAULT_OUT_DTYPE, is_fp8
+from fo_kernels.schedule import Schedule
 
 LIBRARY = "fo_kernels"
 # collective -> op name in torch.ops.fo_kernels
@@ -55,6 +58,10 @@ OP_NAMES = {
 SCHEDULE_CACHE_SIZE = 256
 # Tensor types a direct (dispatcher-free) call takes: parameters are plain tensors too.
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+# The ops' ``group_name`` of a group this rank is not in, passed by a compiled call (whose trace
+# cannot raise a ValueError: ``fo_kernels.overlap``, ``expert_parallel_ffn``) so that the op
+# raises its GroupError when it runs; no process group has this name.
+NON_MEMBER = "<not a member of the group>"
 
 
 # ------------------------------------------------------------------------------ op arguments
@@ -127,44 +134,38 @@ def _impl(
 ):
     from fo_kernels.execute import execute
 
+    group = dist.GroupMember.NON_GROUP_MEMBER if name == NON_MEMBER else resolve_group(name)
     # through the dispatcher (compiled code, autograd): outputs from the caller's allocator, which
     # a caller's CUDA graphs (torch.compile's reduce-overhead mode) require; no graphs of our own
     return execute(
-        collective, a, b, parse_schedule(schedule), resolve_group(name),
+        collective, a, b, parse_schedule(schedule), group,
         scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, own_graphs=False,
     )  # fmt: skip
 
 
-def _check_fake(
-    collective: str,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    world: int,
-    scale_a: torch.Tensor | None,
-    scale_b: torch.Tensor | None,
-    out_dtype: torch.dtype | None,
-) -> tuple[int, torch.dtype]:
-    """The checks a traced call makes (the op repeats them when it runs); returns (M of the
-    output, the output's dtype)."""
-    if a.dim() != 2 or b.dim() != 2:
-        raise ShapeError(f"a must be (M, K) and b (K, N); got a {tuple(a.shape)}, b {tuple(b.shape)}")
-    if a.shape[1] != b.shape[0]:
-        raise ShapeError(
-            f"K mismatch: a is {tuple(a.shape)} and b is {tuple(b.shape)} (a.shape[1] != b.shape[0])"
-        )
-    scales = check_scales(collective, a, b, scale_a, scale_b, out_dtype)
-    if a.dtype not in TORCH_DTYPES.values() or b.dtype != a.dtype:
-        raise ShapeError(
-            f"dtypes {a.dtype} and {b.dtype}: both must be one bfloat16, float16, float32 or float8_e4m3fn"
-        )
-    dtype = a.dtype if scales is None else scales.out_dtype
+def _fake_output(
+    collective: str, a: torch.Tensor, b: torch.Tensor, name: str, out_dtype: torch.dtype | None
+) -> tuple[int, int, torch.dtype]:
+    """(M, N, dtype) of a traced call's output, from its inputs whatever they are.
+
+    The fake implementations check nothing: Dynamo turns any exception raised while it propagates
+    fake tensors into a RuntimeError (torch._dynamo.exc.TorchRuntimeError), so a check here would
+    give bad input under torch.compile a RuntimeError instead of the op's ValueError. The op itself
+    checks when it runs (``execute``), before any collective, in eager calls and compiled graphs
+    alike; for input it refuses, the shapes here are never used."""
+    try:
+        world = group_size(name)
+    except FoTuneError:  # torch.distributed not initialized, or NON_MEMBER: the op raises it
+        world = 1
+    m = a.shape[0] if a.dim() else 1
+    n = b.shape[-1] if b.dim() else 1
+    if is_fp8(a.dtype) or is_fp8(b.dtype):
+        dtype = DEFAULT_OUT_DTYPE if out_dtype is None else out_dtype
+    else:
+        dtype = a.dtype
     if collective == "reduce_scatter":
-        if a.shape[0] % world:
-            raise ShapeError(
-                f"reduce_scatter needs M divisible by the world size {world}, got M={a.shape[0]}"
-            )
-        return a.shape[0] // world, dtype
-    return (a.shape[0] * world if collective == "all_gather" else a.shape[0]), dtype
+        return m // world, n, dtype
+    return (m * world if collective == "all_gather" else m), n, dtype
 
 
 @torch.library.custom_op(f"{LIBRARY}::gemm_all_reduce", mutates_args=())
@@ -208,22 +209,22 @@ def _all_gather_gemm(
 
 @_gemm_all_reduce.register_fake
 def _(a, b, group_name: str, schedule: str, scale_a=None, scale_b=None, out_dtype=None) -> torch.Tensor:
-    m, dtype = _check_fake("all_reduce", a, b, group_size(group_name), scale_a, scale_b, out_dtype)
-    return a.new_empty((m, b.shape[1]), dtype=dtype)
+    m, n, dtype = _fake_output("all_reduce", a, b, group_name, out_dtype)
+    return a.new_empty((m, n), dtype=dtype)
 
 
 @_gemm_reduce_scatter.register_fake
 def _(a, b, group_name: str, schedule: str, scale_a=None, scale_b=None, out_dtype=None) -> torch.Tensor:
-    m, dtype = _check_fake("reduce_scatter", a, b, group_size(group_name), scale_a, scale_b, out_dtype)
-    return a.new_empty((m, b.shape[1]), dtype=dtype)
+    m, n, dtype = _fake_output("reduce_scatter", a, b, group_name, out_dtype)
+    return a.new_empty((m, n), dtype=dtype)
 
 
 @_all_gather_gemm.register_fake
 def _(
     a, b, group_name: str, schedule: str, scale_a=None, scale_b=None, out_dtype=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    m, dtype = _check_fake("all_gather", a, b, group_size(group_name), scale_a, scale_b, out_dtype)
-    return a.new_empty((m, b.shape[1]), dtype=dtype), a.new_empty((m, a.shape[1]))
+    m, n, dtype = _fake_output("all_gather", a, b, group_name, out_dtype)
+    return a.new_empty((m, n), dtype=dtype), a.new_empty((m, a.shape[-1] if a.dim() else 1))
 
 
 # ------------------------------------------------------------------------------ autograd

@@ -39,9 +39,13 @@ def _call(
         return execute(
             collective, a, b, schedule, group, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
         )
-    return ops.op(collective)(
-        a, b, group_name(group), ops.schedule_text(schedule), scale_a, scale_b, out_dtype
-    )
+    if group is dist.GroupMember.NON_GROUP_MEMBER and torch.compiler.is_compiling():
+        # Dynamo makes a RuntimeError of what its trace raises: the op raises the GroupError
+        # when the compiled graph runs it, before any collective
+        name = ops.NON_MEMBER
+    else:
+        name = group_name(group)
+    return ops.op(collective)(a, b, name, ops.schedule_text(schedule), scale_a, scale_b, out_dtype)
 
 
 def gemm_all_reduce(

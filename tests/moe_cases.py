@@ -302,9 +302,10 @@ def disagreeing_calls(ctx, _payload=None) -> dict[str, object]:
     """Calls whose ranks differ in what only the counts exchange can compare (each must raise on
     every rank, none may hang or abort a rank), then calls a schedule covers only by the most
     tokens any rank holds (which must run): the last rank holds more experts than the others;
-    the last rank holds more tokens than the schedule's bound (the no-overlap path's and the
-    Triton engine's schedule); rank 0 holds fewer than the bound's minimum while another is in
-    range (the relative error against the reference)."""
+    the last rank routes each token to one expert more (k), without a schedule and with one; the
+    last rank holds more tokens than the schedule's bound (the no-overlap path's and the Triton
+    engine's schedule); rank 0 holds fewer than the bound's minimum while another is in range
+    (the relative error against the reference)."""
     rank, world = ctx.rank, ctx.world_size
     last = rank == world - 1
     e_local = 3 if last else 2
@@ -312,6 +313,14 @@ def disagreeing_calls(ctx, _payload=None) -> dict[str, object]:
     out["experts_disagree"] = _message(
         lambda: _tiny_call(None, w13=torch.randn(e_local, 8, 6), w2=torch.randn(e_local, 3, 8))
     )
+    # k: the last rank routes each token to 3 experts, the others to 2; with no schedule (the
+    # table's key has k) and with a schedule for k = 2 (which only the last rank's k misses)
+    k = 3 if last else 2
+    top_k = dict(ids=torch.zeros(3, k, dtype=torch.int64), w=torch.rand(3, k))
+    out["top_k_disagree"] = _message(lambda: _tiny_call(None, **top_k))
+    problem = MoeProblem(hidden=8, intermediate=3, experts=2, top_k=2, tokens_max=4)
+    for_k2 = MoeSchedule(dtype="float32", world_size=world, problem=problem)
+    out["top_k_disagree_schedule"] = _message(lambda: _tiny_call(None, schedule=for_k2, **top_k))
 
     def tokens(t: int, schedule: MoeSchedule):
         x, ids, w = torch.randn(t, 8), torch.zeros(t, 2, dtype=torch.int64), torch.rand(t, 2)

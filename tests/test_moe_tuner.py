@@ -124,7 +124,7 @@ def test_fallback_is_the_sum_of_its_parts(cal):
     a2a = model.comm.time(rows * 7168 * 2)
     up = model.dense.library.time(rows, 4096, 7168) * GROUPED_UP_OVERHEAD
     down = model.dense.library.time(rows, 7168, 2048) * GROUPED_DOWN_OVERHEAD
-    counts = model.comm.time(2 * 6 * 8) + model.comm.time(2 * 16 * 8)  # signature rows, then counts
+    counts = model.comm.time(2 * 7 * 8) + model.comm.time(2 * 16 * 8)  # signature rows, then counts
     got = model.fallback(call)
     assert got.device_ms == pytest.approx(counts + 2 * a2a + up + down)
     assert got.total_ms == pytest.approx(max(got.device_ms, got.host_ms))

@@ -14,6 +14,7 @@ import fo_kernels
 from fo_kernels import GroupError, Problem, Schedule, ScheduleError, all_gather_gemm, gemm_all_reduce
 from fo_kernels import groups as groups_mod
 from fo_kernels import ops as ops_mod
+from fo_kernels.errors import ScaleError, ShapeError
 from fo_tune.ranks.launch import run_ranks
 from tp_cases import TOL, OpCase, gather_schedule, suite
 
@@ -21,6 +22,7 @@ ARGS = (
     "(Tensor a, Tensor b, str group_name, str schedule, Tensor? scale_a=None, Tensor? scale_b=None, "
     "ScalarType? out_dtype=None)"
 )
+FP8 = torch.float8_e4m3fn
 SCHEMAS = {
     "all_reduce": f"fo_kernels::gemm_all_reduce{ARGS} -> Tensor",
     "reduce_scatter": f"fo_kernels::gemm_reduce_scatter{ARGS} -> Tensor",
@@ -132,6 +134,75 @@ def test_compiled_block_at_world_size_one(one_rank):
             results.append((y.detach(), x.grad, w.grad))
         for got, want in zip(results[1], results[0], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _bad_inputs() -> dict[str, tuple[dict, type[Exception]]]:
+    """name -> (a public op's arguments, the error an eager call raises): each a ValueError
+    subclass raised before any collective."""
+    a, b, one, rows = torch.randn(4, 16), torch.randn(16, 32), torch.tensor(1.0), torch.ones(4, 1)
+    a8, b8 = a.to(FP8), b.to(FP8)
+    e5m2 = dict(a=a.to(torch.float8_e5m2), b=b.to(torch.float8_e5m2), scale_a=one, scale_b=one)
+    other = Schedule(collective="all_gather", dtype="float16", world_size=1, problem=Problem(m=4, n=32, k=16))
+    return {
+        "k mismatch": (dict(a=a, b=torch.randn(8, 32)), ShapeError),
+        "a 3-D": (dict(a=torch.randn(2, 4, 16), b=b), ShapeError),
+        "a 1-D": (dict(a=torch.randn(16), b=b), ShapeError),
+        "b 1-D": (dict(a=a, b=torch.randn(16)), ShapeError),
+        "mixed dtypes": (dict(a=a, b=b.double()), ShapeError),
+        "int32": (dict(a=a.int(), b=b.int()), ShapeError),
+        "empty": (dict(a=torch.randn(0, 16), b=b), ShapeError),
+        "b strided": (dict(a=a, b=torch.randn(16, 64)[:, ::2]), ShapeError),
+        "scales on fp32": (dict(a=a, b=b, scale_a=one, scale_b=one), ScaleError),
+        "out_dtype on fp32": (dict(a=a, b=b, out_dtype=torch.float16), ScaleError),
+        "fp8 without scales": (dict(a=a8, b=b8), ScaleError),
+        "fp8 and fp32": (dict(a=a8, b=b, scale_a=one, scale_b=one), ScaleError),
+        "fp8 e5m2": (e5m2, ScaleError),
+        "fp8 float64 scale": (dict(a=a8, b=b8, scale_a=one.double(), scale_b=one), ScaleError),
+        "fp8 scale shapes": (dict(a=a8, b=b8, scale_a=rows[:3], scale_b=torch.ones(1, 32)), ScaleError),
+        "fp8 out_dtype": (dict(a=a8, b=b8, scale_a=one, scale_b=one, out_dtype=torch.int32), ScaleError),
+        "fp8 K of 8": (dict(a=a8[:, :8], b=b8[:8], scale_a=one, scale_b=one), ShapeError),
+        "another op's schedule": (dict(a=a, b=b, schedule=other), ScheduleError),
+        "not a member": (dict(a=a, b=b, group=dist.GroupMember.NON_GROUP_MEMBER), GroupError),
+    }
+
+
+# bad inputs compiled with inductor as well (its first compile costs seconds)
+INDUCTOR_TOO = ("k mismatch", "fp8 scale shapes")
+
+
+def _raised(fn, args: dict) -> BaseException | None:
+    args = dict(args)
+    try:
+        fn(args.pop("a"), args.pop("b"), **args)
+    except Exception as exc:  # the test compares what each call raises
+        return exc
+    return None
+
+
+def test_compiled_bad_input_raises_the_eager_calls_value_errors(one_rank):
+    """Under torch.compile(fullgraph=True) every bad input an eager call refuses raises the eager
+    call's ValueError subclass and message, not the RuntimeError Dynamo makes of an exception in
+    fake propagation (the fake implementations check nothing; the op checks when the graph runs
+    it); good calls, fp8 too, still trace and equal eager's."""
+    public = (gemm_all_reduce, fo_kernels.gemm_reduce_scatter, all_gather_gemm)
+    for name, (args, error) in _bad_inputs().items():
+        for op in public:
+            eager = _raised(op, args)
+            assert type(eager) is error and isinstance(eager, ValueError), (name, op.__name__, eager)
+            for backend in ("aot_eager", "inductor") if name in INDUCTOR_TOO else ("aot_eager",):
+                torch._dynamo.reset()  # a case's recompilation is not the test's (recompile_limit)
+                compiled = _raised(torch.compile(op, fullgraph=True, backend=backend), args)
+                where = (name, op.__name__, backend)
+                assert type(compiled) is error and str(compiled) == str(eager), (*where, compiled)
+    a, b, one = torch.randn(4, 16), torch.randn(32, 16).t(), torch.tensor(0.5)
+    for op in public:
+        torch._dynamo.reset()
+        compiled = torch.compile(op, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(a, b), op(a, b))
+        fp8 = dict(scale_a=one, scale_b=one)
+        got = compiled(a.to(FP8), b.to(FP8), **fp8)
+        assert got.dtype == torch.bfloat16 and got.shape == (4, 32)
+        torch.testing.assert_close(got, op(a.to(FP8), b.to(FP8), **fp8))
 
 
 def _check_cases(results: list[list[dict]], world: int) -> None:

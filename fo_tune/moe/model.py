@@ -60,9 +60,9 @@ HOST_TORCH_OP_MS = 0.03
 # Host time of one eager launch of a signalled Triton GEMM: ~84 us of CPU (docs/design.md, "The
 # signalled GEMM's eager launch costs ~84 us of CPU", one H200).
 HOST_TRITON_LAUNCH_MS = 0.084
-# The counts exchange's first row: the signature (5 fields) and the tokens, int64; its second row
+# The counts exchange's first row: the signature (6 fields) and the tokens, int64; its second row
 # holds the E_local counts (fo_kernels.moe.exchange).
-COUNTS_FIELDS = 6
+COUNTS_FIELDS = 7
 # The counts exchange's All-to-Alls: the signature rows, then the counts rows.
 COUNTS_EXCHANGES = 2
 COUNT_BYTES = 8

@@ -1,13 +1,13 @@
 """``execute_ffn``: one eager call of the expert-parallel FFN, forward or backward, under both the
 custom ops and the direct calls.
 
-    checks        the tensors (routing.check_call), torch.distributed, the group, the schedule
-                  (but its token range), the engine's blocker: all before any collective
+    checks        the tensors (routing.check_call), torch.distributed, the group, the schedule's
+                  type, the engine's blocker: all before any collective
     routing       the sorted rows and per-expert counts (one device-to-host copy)
     counts        the first collectives: every rank's call signature and tokens, then its counts
-                  (exchange.py); the schedule's token range against the most tokens any rank
-                  holds, which every rank sees alike (a rank refusing alone would leave the
-                  others waiting in the dispatch)
+                  (exchange.py); then the schedule against the call (dtype, H, I, E_local, k) and
+                  its token range against the most tokens any rank holds, which every rank sees
+                  alike (a rank refusing alone would leave the others waiting in the dispatch)
     table         no schedule given: the MoE table's row for the experts' shape and the most
                   tokens any rank holds (``fo_kernels.moe.table``; the same row on every rank),
                   kept only where its engine can run here
@@ -63,12 +63,8 @@ def execute_ffn(
     shape = check_call(x, topk_ids, topk_weights, w13, w2, world)
     if dy is not None and (not isinstance(dy, torch.Tensor) or dy.shape != x.shape):
         raise ShapeError(f"dy must have x's shape {tuple(x.shape)}, got {getattr(dy, 'shape', dy)}")
-    if schedule is not None:
-        if not isinstance(schedule, MoeSchedule):
-            raise ScheduleError(f"schedule: expected a fo_kernels.MoeSchedule, got {type(schedule).__name__}")
-        if x.dtype == torch.float64:
-            raise ScheduleError("dtype: a schedule is for bfloat16, float16 or float32; x is float64")
-        schedule.check_call(shape, dtype_name(x.dtype))
+    if schedule is not None and not isinstance(schedule, MoeSchedule):
+        raise ScheduleError(f"schedule: expected a fo_kernels.MoeSchedule, got {type(schedule).__name__}")
     engine = schedule.engine if schedule is not None else None
     path = None
     if engine is not None:
@@ -80,7 +76,12 @@ def execute_ffn(
     layout = exchange_counts(routing, shape, x.dtype, "forward" if dy is None else "backward", group)
     if schedule is None:
         schedule, path = table_schedule(shape, layout, x, group)
-    else:  # the call's tokens: every rank's, so every rank refuses alike
+    else:
+        # checked after the exchange, where every rank's signature agrees and every rank's tokens
+        # are known: a schedule for another call is refused by every rank alike
+        if x.dtype == torch.float64:
+            raise ScheduleError("dtype: a schedule is for bfloat16, float16 or float32; x is float64")
+        schedule.check_call(shape, dtype_name(x.dtype))
         schedule.check_tokens(layout.tokens)
     common = (shape, routing, layout, w13, w2)
     if dy is None:

@@ -2,14 +2,14 @@
 All-to-All of the rows (one collective, or one ring step at a time).
 
 The counts exchange opens every call: two All-to-Alls of int64 rows. The first sends every peer
-a row of fixed width: the call signature (``SIGNATURE``: H, I, E_local, the dtype, the direction)
-and its tokens (T, which may differ between ranks: ``Layout.tokens``, what the table lookup and
-the schedule's token bound read). Every rank compares the signatures it received with its own and
-refuses a disagreement (``ShapeError``) before any row moves; a mismatch is seen by every rank, so
-all of them raise instead of some waiting on a collective that never comes. Only then does the
-second send every peer how many rows it sends for each of the peer's local experts: that row is
-E_local wide, so it waits until every rank is known to have the same E_local (rows of different
-widths in one All-to-All abort gloo ranks and are undefined under NCCL).
+a row of fixed width: the call signature (``SIGNATURE``: H, I, E_local, k, the dtype, the
+direction) and its tokens (T, which may differ between ranks: ``Layout.tokens``, what the table
+lookup and the schedule's token bound read). Every rank compares the signatures it received with
+its own and refuses a disagreement (``ShapeError``) before any row moves; a mismatch is seen by
+every rank, so all of them raise instead of some waiting on a collective that never comes. Only
+then does the second send every peer how many rows it sends for each of the peer's local experts:
+that row is E_local wide, so it waits until every rank is known to have the same E_local (rows
+of different widths in one All-to-All abort gloo ranks and are undefined under NCCL).
 
 Rows travel as bytes (``pack`` / ``unpack``): a row may carry parts of several dtypes (the
 backward sends x, dy and a float32 weight in one row), and one exchange moves them all.
@@ -33,7 +33,9 @@ from fo_kernels.errors import ShapeError
 from fo_kernels.moe.routing import FfnShape, Routing
 
 # The signature fields, in the order every counts row starts with.
-SIGNATURE = ("hidden", "intermediate", "experts", "dtype", "direction")
+# k is among them: ranks with different k would look the MoE table up under different keys (and
+# could take different engines), or check a schedule's k apart (one raising, the others waiting).
+SIGNATURE = ("hidden", "intermediate", "experts", "top_k", "dtype", "direction")
 # The dtype field's codes (a stable number per supported dtype).
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 DIRECTIONS = ("forward", "backward")
@@ -75,7 +77,14 @@ def exchange_counts(
     """The counts exchange (see the module docstring): this call's ``Layout``; every rank raises
     ``ShapeError`` alike when the ranks' signatures disagree."""
     world, rank = shape.world, dist.get_rank(group)
-    mine = (shape.hidden, shape.intermediate, shape.experts, DTYPE_CODES[dtype], DIRECTIONS.index(direction))
+    mine = (
+        shape.hidden,
+        shape.intermediate,
+        shape.experts,
+        shape.top_k,
+        DTYPE_CODES[dtype],
+        DIRECTIONS.index(direction),
+    )
     if world == 1:
         return Layout(rank, routing.host_counts, routing.host_counts, (shape.tokens,))
     head = torch.tensor((*mine, shape.tokens), dtype=torch.int64, device=routing.counts.device)
@@ -85,7 +94,7 @@ def exchange_counts(
         said = {s: dict(zip(SIGNATURE, rows[s][: len(SIGNATURE)], strict=True)) for s in (*bad, rank)}
         raise ShapeError(
             f"the ranks' calls disagree (rank {rank} of {world}): every rank of the group must call with "
-            f"the same H, I, E_local, dtype and direction; got {said}"
+            f"the same H, I, E_local, k, dtype and direction; got {said}"
         )
     tokens = tuple(row[len(SIGNATURE)] for row in rows)
     counts = _all_to_all_int(routing.counts, group).tolist()

@@ -27,13 +27,9 @@ import torch.distributed as dist
 from fo_kernels.errors import ScheduleError
 from fo_kernels.groups import resolve_group
 from fo_kernels.moe.schedule import MoeSchedule
-from fo_kernels.ops import LIBRARY, SCHEDULE_CACHE_SIZE, direct_call
+from fo_kernels.ops import LIBRARY, NON_MEMBER, SCHEDULE_CACHE_SIZE, direct_call
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-# The ops' ``group_name`` of a group this rank is not in, passed by a compiled call (whose trace
-# cannot raise a ValueError: ``expert_parallel_ffn``) so that the op raises its GroupError when
-# it runs; no process group has this name.
-NON_MEMBER = "<not a member of the group>"
 
 
 def schedule_text(schedule: MoeSchedule | None) -> str:
