@@ -163,6 +163,10 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             y = x @ weight.t()
     elif d is not None:
         if is_dtensor:
+            # DTensor shards a dim that does not divide by the world size unevenly (torch.chunk's
+            # sizes), and all_gather_gemm gathers equal shards: DTensor gathers those
+            if x.shape[d] % plan.world_size:
+                return torch_forward(module, x, plan, lambda: _gather_why(layout, x, plan))
             x = x.to_local()
         xm = _moved(x, d)
         rows = all_gather_gemm(xm.reshape(-1, xm.shape[-1]), weight.t(), group=plan.group)
@@ -196,6 +200,13 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def _gather_why(layout: Placement, x: DTensor, plan: LinearPlan) -> str:
+    return (
+        f"a DTensor input {tuple(x.shape)} laid out as {layout!r}: its sharded dim does not divide by "
+        f"the world size {plan.world_size}, so its shards are uneven"
+    )
 
 
 def _rows_why(want: Placement, x: torch.Tensor, plan: LinearPlan) -> str:

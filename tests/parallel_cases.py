@@ -74,6 +74,17 @@ class Block(nn.Module):
         return x + self.ffn(self.norm(x))
 
 
+class Wrapped(nn.Module):
+    """A module around another, for a plan that prepares the inner one's input."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
 class Embed(nn.Module):
     def __init__(self, vocab: int, hidden: int) -> None:
         super().__init__()
@@ -204,6 +215,24 @@ CASES: dict[str, StyleCase] = {
         y_shard=True,
         ops=AR,
         warnings=1,
+    ),
+    # a sequence of 5 that does not divide by the world size, as DTensor shards it (unevenly) after
+    # a SequenceParallel norm: DTensor gathers it, and the output is reduce-scattered by DTensor
+    "uneven_seq": StyleCase(
+        model=lambda w: Wrapped(Block(8, 2 * w)),
+        plan=lambda s: {
+            "inner": torch_tp.PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)
+            ),
+            "inner.norm": torch_tp.SequenceParallel(),
+            "inner.ffn.w1": s[0](input_layouts=Shard(1)),
+            "inner.ffn.w3": s[0](input_layouts=Shard(1)),
+            "inner.ffn.w2": s[1](output_layouts=Shard(1), use_local_output=False),
+        },
+        x_shape=lambda w: (2, 5, 8),
+        x_shard=False,
+        y_shard=True,
+        warnings=3,
     ),
     "features_in": StyleCase(
         model=lambda w: nn.Sequential(nn.Linear(4 * w, 5 * w)),
