@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import style as torch_style
 from torch.distributed.tensor.placement_types import Placement
 
 from fo_kernels.errors import NotOverlappedWarning, ShapeError
+from fo_kernels.groups import resolve_group
 from fo_kernels.layers import _ReplicatedInputMatmul, _ShardBias
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.schedule import TORCH_DTYPES
@@ -65,6 +66,29 @@ class LinearPlan:
     input_layouts: tuple[Placement, ...]
     output_layouts: tuple[Placement, ...]
     use_local_output: bool
+
+    def __reduce__(self) -> tuple[Callable[..., LinearPlan], tuple[object, ...]]:
+        """The plan as ``copy.deepcopy`` and pickle take it (a deep copy of a parallelized model):
+        its group by name, found again in this process as ``DeviceMesh`` finds its own, since a
+        ``ProcessGroup`` neither pickles nor deep-copies."""
+        fields = (self.kind, self.mesh, self.group_name, self.world_size)
+        return _plan_of_group_name, (*fields, self.input_layouts, self.output_layouts, self.use_local_output)
+
+
+def _plan_of_group_name(
+    kind: str,
+    mesh: DeviceMesh,
+    group_name: str,
+    world_size: int,
+    input_layouts: tuple[Placement, ...],
+    output_layouts: tuple[Placement, ...],
+    use_local_output: bool,
+) -> LinearPlan:
+    """A ``LinearPlan`` whose group is the one named ``group_name`` in this process."""
+    group = resolve_group(group_name) or torch.distributed.group.WORLD
+    return LinearPlan(
+        kind, mesh, group, group_name, world_size, input_layouts, output_layouts, use_local_output
+    )
 
 
 def install_forward(module: nn.Linear, plan: LinearPlan) -> None:

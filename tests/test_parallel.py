@@ -42,6 +42,7 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
         "styles": ("style_cases", payload),
         "fused": ("fused_ops", world == 2),
         "bad": ("bad_inputs", None),
+        "copies": ("copies", None),
     }
     results = run_ranks(suite, world, parts, backend="gloo")
     for rank, r in enumerate(results):
@@ -59,6 +60,9 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
         bad = {k: v for k, v in r["fused"].items() if not v < TOL}
         assert not bad and len(r["fused"]) > 40, (rank, bad)
         assert ("compiled" in r["fused"]) == (world == 2), r["fused"]
+        copied = r["copies"]
+        assert copied["err"] < TOL and copied["planned"] and copied["own_params"], copied
+        assert copied["ops"] == ["all_reduce"], copied
         msgs = r["bad"]
         assert "NO ERROR" not in msgs.values(), msgs
         assert (
