@@ -16,6 +16,7 @@ A leading dim d > 0 is moved to the front for the op and back after (one copy ea
 ``Shard(1)`` sequence dimension of (batch, seq, features) runs the same ops. A DTensor input is
 taken by its own placements, as torch's styles take it: ``Replicate()`` is read with a ``Partial()``
 gradient (DTensor sums it where the input came from), a leading ``Shard(d)`` as that shard.
+Inside ``torch.autocast`` the operands are cast to its dtype first, as ``F.linear``'s are.
 
 What these paths do not cover at run time (a DTensor input of another placement, an input dtype
 the ops do not take or other than the weight's, a sharded dim that does not divide by the world
@@ -167,10 +168,29 @@ def _check_features(module: nn.Linear, x: torch.Tensor, weight: torch.Tensor, pl
         )
 
 
+def _autocast_operands(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The operands as ``F.linear`` takes them inside ``torch.autocast``: cast to its dtype, so the
+    output's dtype is torch's style's (autocast does not cast the arguments of the custom ops);
+    outside autocast, as they are."""
+    device = weight.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t.to(dtype) if t is not None and t.is_floating_point() else t
+
+    return cast(x), cast(weight), cast(bias)
+
+
 def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan: LinearPlan = getattr(module, PLAN_ATTR)
     weight = module.weight.to_local()
+    bias = module.bias.to_local() if module.bias is not None else None
     x, layout, is_dtensor = _local_input(x, plan)
+    x, weight, bias = _autocast_operands(x, weight, bias)
     _check_features(module, x, weight, plan)
     if not _op_dtype_ok(x, weight) or x.numel() == 0:
         return torch_forward(module, x, plan, lambda: _input_why(x, weight))
@@ -197,8 +217,8 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         y = _moved_back(rows.view(xm.shape[0] * plan.world_size, *xm.shape[1:-1], weight.shape[0]), d)
     else:
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r} (DTensor gathers it)")
-    if module.bias is not None:
-        y = y + module.bias.to_local()
+    if bias is not None:
+        y = y + bias
     return _colwise_output(y, plan, module.out_features)
 
 
@@ -243,14 +263,15 @@ def _rows_why(want: Placement, x: torch.Tensor, plan: LinearPlan) -> str:
 def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan: LinearPlan = getattr(module, PLAN_ATTR)
     weight = module.weight.to_local()
+    bias = module.bias.to_local() if module.bias is not None else None
     x, layout, is_dtensor = _local_input(x, plan)
+    x, weight, bias = _autocast_operands(x, weight, bias)
     if not (isinstance(layout, Shard) and x.dim() >= 1 and layout.dim % x.dim() == x.dim() - 1):
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, not Shard(-1)")
     _check_features(module, x, weight, plan)
     if not _op_dtype_ok(x, weight) or x.numel() == 0:
         return torch_forward(module, x, plan, lambda: _input_why(x, weight))
     want = plan.output_layouts[0]
-    bias = module.bias.to_local() if module.bias is not None else None
     if isinstance(want, Replicate):
         local = x.to_local() if is_dtensor else x
         y = gemm_all_reduce(local.reshape(-1, local.shape[-1]), weight.t(), group=plan.group)

@@ -494,6 +494,41 @@ def copies(ctx, _payload) -> dict[str, object]:
     }
 
 
+# ---------------------------------------------------------------------------------- autocast
+def autocast(ctx, _payload) -> dict[str, dict[str, object]]:
+    """An MLP (replicated and sequence-parallel activations) under torch.autocast(bfloat16) with
+    fo-tune's styles against torch's: per plan, the output's dtype with each, the relative errors
+    of the output, the input's and the parameters' gradients, the gradients' dtypes and the
+    collectives fo-tune's ops ran."""
+    rank, mesh = ctx.rank, _mesh(ctx)
+    out = {}
+    for name, act, x_shape in (("replicated", Replicate(), (4, 6, 16)), ("sequence", Shard(1), (2, 6, 16))):
+        torch.manual_seed(6)
+        full = MLP(16, 8 * ctx.world_size)
+        gen = torch.Generator().manual_seed(12 + (0 if isinstance(act, Replicate) else rank))
+        x = torch.randn(x_shape, generator=gen)
+        runs = {}
+        for which, styles in (("torch", TORCH), ("fo", FO)):
+            model = copy.deepcopy(full)
+            plan = {"up": styles[0](input_layouts=act), "down": styles[1](output_layouts=act)}
+            torch_tp.parallelize_module(model, mesh, plan)
+            xi = x.clone().requires_grad_(True)
+            with recorded_collectives() as ops, torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+                y = model(xi)
+            y.float().sum().backward()
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            runs[which] = (y.detach(), xi.grad, grads, sorted(set(ops)))
+        (y_t, dx_t, g_t, _), (y_f, dx_f, g_f, ops) = runs["torch"], runs["fo"]
+        errs = {"y": rel(y_f, y_t), "dx": rel(dx_f, dx_t)}
+        out[name] = {
+            "dtypes": (str(y_f.dtype), str(y_t.dtype)),
+            "errs": errs | {n: rel(g_f[n], g) for n, g in g_t.items()},
+            "grad_dtypes_equal": all(g_f[n].dtype == g.dtype for n, g in g_t.items()),
+            "ops": ops,
+        }
+    return out
+
+
 # ---------------------------------------------------------------------------------- bad input
 def bad_inputs(ctx, _payload) -> dict[str, str]:
     """Each bad call raises a ValueError subclass naming the problem before any collective;
