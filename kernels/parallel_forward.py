@@ -16,6 +16,7 @@ A leading dim d > 0 is moved to the front for the op and back after (one copy ea
 ``Shard(1)`` sequence dimension of (batch, seq, features) runs the same ops. A DTensor input is
 taken by its own placements, as torch's styles take it: ``Replicate()`` is read with a ``Partial()``
 gradient (DTensor sums it where the input came from), a leading ``Shard(d)`` as that shard.
+Inside ``torch.autocast`` the operands are cast to its dtype first, as ``F.linear``'s are.
 
 What these paths do not cover at run time (a DTensor input of another placement, an input dtype
 the ops do not take or other than the weight's, a sharded dim that does not divide by the world
@@ -49,10 +50,11 @@ from torch.distributed.tensor.parallel import style as torch_style
 from torch.distributed.tensor.placement_types import Placement
 
 from fo_kernels.errors import NotOverlappedWarning, ShapeError
+from fo_kernels.groups import resolve_group
 from fo_kernels.layers import _LocalScaledMatmul, _ReplicatedInputMatmul, _ShardBias
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.quantize import layer_out_dtype, quantize_rows, quantize_weight
-from fo_kernels.scaling import FP8_ALIGN, OUT_DTYPES, Scales
+from fo_kernels.scaling import FP8_ALIGN, FP8_VARIANTS, OUT_DTYPES, Scales
 from fo_kernels.schedule import TORCH_DTYPES
 
 # The attributes of the module that hold its LinearPlan, and whether it has warned of torch's path.
@@ -79,6 +81,31 @@ class LinearPlan:
     output_layouts: tuple[Placement, ...]
     use_local_output: bool
     fp8: str | None = None  # the scaling of an fp8 module ("tensorwise" or "rowwise"), or None
+
+    def __reduce__(self) -> tuple[Callable[..., LinearPlan], tuple[object, ...]]:
+        """The plan as ``copy.deepcopy`` and pickle take it (a deep copy of a parallelized model):
+        its group by name, found again in this process as ``DeviceMesh`` finds its own, since a
+        ``ProcessGroup`` neither pickles nor deep-copies."""
+        fields = (self.kind, self.mesh, self.group_name, self.world_size)
+        layouts = (self.input_layouts, self.output_layouts, self.use_local_output)
+        return _plan_of_group_name, (*fields, *layouts, self.fp8)
+
+
+def _plan_of_group_name(
+    kind: str,
+    mesh: DeviceMesh,
+    group_name: str,
+    world_size: int,
+    input_layouts: tuple[Placement, ...],
+    output_layouts: tuple[Placement, ...],
+    use_local_output: bool,
+    fp8: str | None = None,
+) -> LinearPlan:
+    """A ``LinearPlan`` whose group is the one named ``group_name`` in this process."""
+    group = resolve_group(group_name) or torch.distributed.group.WORLD
+    return LinearPlan(
+        kind, mesh, group, group_name, world_size, input_layouts, output_layouts, use_local_output, fp8
+    )
 
 
 def install_forward(module: nn.Linear, plan: LinearPlan) -> None:
@@ -210,10 +237,31 @@ def _check_features(module: nn.Linear, x: torch.Tensor, weight: torch.Tensor, pl
         )
 
 
+def _autocast_operands(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The operands as ``F.linear`` takes them inside ``torch.autocast``: cast to its dtype, so the
+    output's dtype is torch's style's (autocast does not cast the arguments of the custom ops);
+    outside autocast, as they are."""
+    device = weight.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        # an fp8 module's weight stays fp8 codes: its scaled GEMM takes them with their scale
+        keep = t is None or not t.is_floating_point() or t.dtype in FP8_VARIANTS
+        return t if keep else t.to(dtype)
+
+    return cast(x), cast(weight), cast(bias)
+
+
 def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan: LinearPlan = getattr(module, PLAN_ATTR)
     weight = module.weight.to_local()
+    bias = module.bias.to_local() if module.bias is not None else None
     x, layout, is_dtensor = _local_input(x, plan)
+    x, weight, bias = _autocast_operands(x, weight, bias)
     _check_features(module, x, weight, plan)
     if not _op_dtype_ok(x, weight, plan) or x.numel() == 0:
         return torch_forward(module, x, plan, lambda: _input_why(x, weight))
@@ -231,7 +279,13 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         else:
             y = x @ weight.t()
     elif d is not None:
+        if module.out_features % plan.world_size:
+            return torch_forward(module, x, plan, lambda: _uneven_why(module.out_features, "output", plan))
         if is_dtensor:
+            # DTensor shards a dim that does not divide by the world size unevenly (torch.chunk's
+            # sizes), and all_gather_gemm gathers equal shards: DTensor gathers those
+            if x.shape[d] % plan.world_size:
+                return torch_forward(module, x, plan, lambda: _gather_why(layout, x, plan))
             x = x.to_local()
         xm = _moved(x, d)
         rows, fp8 = _fp8_rows(module, plan, xm.reshape(-1, xm.shape[-1]), shared=True)
@@ -239,8 +293,8 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         y = _moved_back(rows.view(xm.shape[0] * plan.world_size, *xm.shape[1:-1], weight.shape[0]), d)
     else:
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r} (DTensor gathers it)")
-    if module.bias is not None:  # (an fp8 module's output is in its input's dtype, not the bias')
-        y = y + module.bias.to_local().to(y.dtype)
+    if bias is not None:  # (an fp8 module's output is in its input's dtype, not the bias')
+        y = y + bias.to(y.dtype)
     return _colwise_output(y, plan, module.out_features)
 
 
@@ -268,6 +322,22 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _uneven_why(features: int, side: str, plan: LinearPlan) -> str:
+    """Why uneven weight shards run torch's way: the ranks' local shapes differ, so each rank's
+    schedule lookup (keyed by its local N and K) could pick another engine than its peers'."""
+    return (
+        f"{features} {side} features do not divide by the world size {plan.world_size} (each rank's "
+        "shard, and the schedule its lookup picks, would differ)"
+    )
+
+
+def _gather_why(layout: Placement, x: DTensor, plan: LinearPlan) -> str:
+    return (
+        f"a DTensor input {tuple(x.shape)} laid out as {layout!r}: its sharded dim does not divide by "
+        f"the world size {plan.world_size}, so its shards are uneven"
+    )
+
+
 def _rows_why(want: Placement, x: torch.Tensor, plan: LinearPlan) -> str:
     return (
         f"output_layouts={want!r} of an output of {tuple(x.shape[:-1])} rows: not a leading dim that "
@@ -278,14 +348,17 @@ def _rows_why(want: Placement, x: torch.Tensor, plan: LinearPlan) -> str:
 def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan: LinearPlan = getattr(module, PLAN_ATTR)
     weight = module.weight.to_local()
+    bias = module.bias.to_local() if module.bias is not None else None
     x, layout, is_dtensor = _local_input(x, plan)
+    x, weight, bias = _autocast_operands(x, weight, bias)
     if not (isinstance(layout, Shard) and x.dim() >= 1 and layout.dim % x.dim() == x.dim() - 1):
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, not Shard(-1)")
     _check_features(module, x, weight, plan)
     if not _op_dtype_ok(x, weight, plan) or x.numel() == 0:
         return torch_forward(module, x, plan, lambda: _input_why(x, weight))
+    if module.in_features % plan.world_size:
+        return torch_forward(module, x, plan, lambda: _uneven_why(module.in_features, "input", plan))
     want = plan.output_layouts[0]
-    bias = module.bias.to_local() if module.bias is not None else None
     if isinstance(want, Replicate):
         local = x.to_local() if is_dtensor else x
         rows, fp8 = _fp8_rows(module, plan, local.reshape(-1, local.shape[-1]))

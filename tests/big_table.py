@@ -83,10 +83,9 @@ def big_table_rows(count: int, sm_count: int) -> list[dict[str, Any]]:
     return rows[:count]
 
 
-def write_big_table(path: Path, fingerprint: Fingerprint, count: int) -> Path:
-    """Write a ``count``-row all_reduce bfloat16 table for ``fingerprint`` (world size 2) at
-    ``path`` with the writer ``save_table`` uses; returns ``path``."""
-    header = {
+def big_table_header(fingerprint: Fingerprint) -> dict[str, Any]:
+    """The header of an all_reduce bfloat16 table for ``fingerprint``."""
+    return {
         "schema_version": 2,
         "kind": "fo-tune-schedule-table",
         "fingerprint": fingerprint.to_dict(),
@@ -94,6 +93,12 @@ def write_big_table(path: Path, fingerprint: Fingerprint, count: int) -> Path:
         "world_size": fingerprint.world_size,
         "dtype": "bfloat16",
     }
+
+
+def write_big_table(path: Path, fingerprint: Fingerprint, count: int) -> Path:
+    """Write a ``count``-row all_reduce bfloat16 table for ``fingerprint`` (world size 2) at
+    ``path`` with the writer ``save_table`` uses; returns ``path``."""
+    header = big_table_header(fingerprint)
     text = dump_table_text(
         yaml.safe_dump(header, sort_keys=False), big_table_rows(count, fingerprint.sm_count)
     )

@@ -254,6 +254,15 @@ def fp8_styles(ctx, _payload) -> dict[str, float | str]:
                 got = model(mine)
             assert got.dtype == x.dtype and got.shape == ref.shape, (got.dtype, got.shape, ref.shape)
             out[f"{scaling}-sp{int(sp)}"] = ((got.double() - ref).norm() / ref.norm()).item()
+    # under autocast the weight stays fp8 codes (cast to bf16 they would lose their scale)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(mine.float())
+    out["autocast"] = ((got.double() - ref).norm() / ref.norm()).item()
+    copied = copy.deepcopy(model)  # the copy keeps the fp8 plan
+    assert plan_of(copied[0]).fp8 == plan_of(model[0]).fp8 == "rowwise"
+    with torch.no_grad():
+        got = copied(mine)
+    out["deepcopy"] = ((got.double() - ref).norm() / ref.norm()).item()
     try:
         model(mine.clone().requires_grad_(True)).float().sum().backward()
         out["backward"] = "NO ERROR"

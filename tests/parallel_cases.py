@@ -74,6 +74,17 @@ class Block(nn.Module):
         return x + self.ffn(self.norm(x))
 
 
+class Wrapped(nn.Module):
+    """A module around another, for a plan that prepares the inner one's input."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
 class Embed(nn.Module):
     def __init__(self, vocab: int, hidden: int) -> None:
         super().__init__()
@@ -190,7 +201,7 @@ CASES: dict[str, StyleCase] = {
     # world size (at run time), an input sharded on its features
     "float64": StyleCase(
         model=lambda w: MLP(8, 2 * w).double(),
-        plan=lambda s: {"up": s[0](), "down": s[1]()},
+        plan=lambda s: {"up": s[0](use_local_output=False), "down": s[1]()},
         x_shape=lambda w: (3, 8),
         x_shard=False,
         y_shard=False,
@@ -204,6 +215,24 @@ CASES: dict[str, StyleCase] = {
         y_shard=True,
         ops=AR,
         warnings=1,
+    ),
+    # a sequence of 5 that does not divide by the world size, as DTensor shards it (unevenly) after
+    # a SequenceParallel norm: DTensor gathers it, and the output is reduce-scattered by DTensor
+    "uneven_seq": StyleCase(
+        model=lambda w: Wrapped(Block(8, 2 * w)),
+        plan=lambda s: {
+            "inner": torch_tp.PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)
+            ),
+            "inner.norm": torch_tp.SequenceParallel(),
+            "inner.ffn.w1": s[0](input_layouts=Shard(1)),
+            "inner.ffn.w3": s[0](input_layouts=Shard(1)),
+            "inner.ffn.w2": s[1](output_layouts=Shard(1), use_local_output=False),
+        },
+        x_shape=lambda w: (2, 5, 8),
+        x_shard=False,
+        y_shard=True,
+        warnings=3,
     ),
     "features_in": StyleCase(
         model=lambda w: nn.Sequential(nn.Linear(4 * w, 5 * w)),
@@ -220,6 +249,30 @@ CASES: dict[str, StyleCase] = {
         x_shape=lambda w: (2, 6),
         x_shard=False,
         y_shard=True,
+        ops=AR,
+    ),
+    # the inner features do not divide by the world size (the colwise output a DTensor, as torch's
+    # styles need then): the sequence-parallel gather and the row-parallel GEMMs run as torch's
+    # styles do (each rank's local N or K would differ)
+    "uneven_inner_sp": StyleCase(
+        model=lambda w: MLP(8, 2 * w + 1),
+        plan=lambda s: {
+            "up": s[0](input_layouts=Shard(0), use_local_output=False),
+            "down": s[1](output_layouts=Shard(0)),
+        },
+        x_shape=lambda w: (2, 3, 8),
+        x_shard=True,
+        y_shard=True,
+        warnings=2,
+        ops=frozenset(),
+    ),
+    "uneven_inner": StyleCase(
+        model=lambda w: MLP(8, 2 * w + 1),
+        plan=lambda s: {"up": s[0](use_local_output=False), "down": s[1]()},
+        x_shape=lambda w: (3, 8),
+        x_shard=False,
+        y_shard=False,
+        warnings=1,
         ops=AR,
     ),
 }
@@ -441,6 +494,63 @@ def _torch_scatter(a, b, op, d, name):
     from fo_kernels import symm_mem
 
     return symm_mem._matmul_then_reduce_scatter(a, b, op, d, name, dist.get_world_size())
+
+
+# ---------------------------------------------------------------------------------- copies
+def copies(ctx, _payload) -> dict[str, object]:
+    """A deep copy of a model parallelized with fo-tune's styles (an EMA or reference copy) runs
+    on fo-tune's ops as the original does: relative error of its output, whether its modules keep
+    a plan, the collectives it ran."""
+    mesh = _mesh(ctx)
+    torch.manual_seed(5)
+    model = MLP(8, 2 * ctx.world_size)
+    torch_tp.parallelize_module(model, mesh, {"up": FO[0](), "down": FO[1]()})
+    copied = copy.deepcopy(model)
+    x = torch.randn(3, 8)
+    with warnings.catch_warnings(), recorded_collectives() as ops:
+        warnings.simplefilter("ignore")
+        err = rel(copied(x), model(x))
+    return {
+        "err": err,
+        "planned": all(fo_tp.plan_of(copied.get_submodule(n)) is not None for n in ("up", "down")),
+        "own_params": copied.up.weight is not model.up.weight,
+        "ops": sorted(set(ops)),
+    }
+
+
+# ---------------------------------------------------------------------------------- autocast
+def autocast(ctx, _payload) -> dict[str, dict[str, object]]:
+    """An MLP (replicated and sequence-parallel activations) under torch.autocast(bfloat16) with
+    fo-tune's styles against torch's: per plan, the output's dtype with each, the relative errors
+    of the output, the input's and the parameters' gradients, the gradients' dtypes and the
+    collectives fo-tune's ops ran."""
+    rank, mesh = ctx.rank, _mesh(ctx)
+    out = {}
+    for name, act, x_shape in (("replicated", Replicate(), (4, 6, 16)), ("sequence", Shard(1), (2, 6, 16))):
+        torch.manual_seed(6)
+        full = MLP(16, 8 * ctx.world_size)
+        gen = torch.Generator().manual_seed(12 + (0 if isinstance(act, Replicate) else rank))
+        x = torch.randn(x_shape, generator=gen)
+        runs = {}
+        for which, styles in (("torch", TORCH), ("fo", FO)):
+            model = copy.deepcopy(full)
+            plan = {"up": styles[0](input_layouts=act), "down": styles[1](output_layouts=act)}
+            torch_tp.parallelize_module(model, mesh, plan)
+            xi = x.clone().requires_grad_(True)
+            with recorded_collectives() as ops, torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+                y = model(xi)
+            y.float().sum().backward()
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            runs[which] = (y.detach(), xi.grad, grads, sorted(set(ops)))
+        (y_t, dx_t, g_t, _), (y_f, dx_f, g_f, ops) = runs["torch"], runs["fo"]
+        errs = {"y": rel(y_f, y_t), "dx": rel(dx_f, dx_t)}
+        out[name] = {
+            "dtypes": (str(y_f.dtype), str(y_t.dtype)),
+            "errs": errs | {n: rel(g_f[n], g) for n, g in g_t.items()},
+            "grad_dtypes_equal": all(g_f[n].dtype == g.dtype for n, g in g_t.items()),
+            "ops": ops,
+        }
+    return out
 
 
 # ---------------------------------------------------------------------------------- bad input

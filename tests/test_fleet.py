@@ -222,6 +222,11 @@ def test_lookup_json_list_and_version(tmp_path: Path) -> None:
         runner.invoke(app, ["table", "lookup", "-s", "4096x8192x4096", "-k", H200_KEY, "--json"]).stdout
     )
     assert hit["kind"] == "measured" and hit["row"]["engine"] == "copy_engine"
+    # a device key given with -k that has no table (a typo) names the keys that have one
+    typo = runner.invoke(app, ["table", "lookup", "-s", "4096x8192x4096", "-k", H200_KEY + "x", "--json"])
+    typo_answer = json.loads(typo.stdout)
+    assert typo.exit_code == 0 and H200_KEY in typo_answer["other_device_keys"], typo.stdout
+    assert f"given with -k; tables exist for {H200_KEY}" in typo_answer["hint"], typo_answer
     listed = json.loads(runner.invoke(app, ["table", "list", "--json"]).stdout)["tables"]
     assert {(t["device_key"], t["collective"]) for t in listed} >= {
         (H200_KEY, "all_reduce"),

@@ -15,6 +15,9 @@ from parallel_cases import CASES, suite
 
 # float32 against torch's styles on the same float32 model.
 TOL = 1e-5
+# bfloat16 under torch.autocast against torch's styles under it: a few of bfloat16's 2^-8 steps
+# (the partial sums are rounded at other points than DTensor's).
+BF16_TOL = 2e-2
 # The cases also run under torch.compile (aot_eager: Dynamo, AOTAutograd and the ops' fake
 # implementations without inductor's C++ code generation, ~10 s of CPU a graph here; see
 # test_layers.py), per world size: without and with sequence parallelism (dim 0 and 1, DTensor
@@ -42,6 +45,8 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
         "styles": ("style_cases", payload),
         "fused": ("fused_ops", world == 2),
         "bad": ("bad_inputs", None),
+        "copies": ("copies", None),
+        "autocast": ("autocast", None),
     }
     results = run_ranks(suite, world, parts, backend="gloo")
     for rank, r in enumerate(results):
@@ -59,6 +64,15 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
         bad = {k: v for k, v in r["fused"].items() if not v < TOL}
         assert not bad and len(r["fused"]) > 40, (rank, bad)
         assert ("compiled" in r["fused"]) == (world == 2), r["fused"]
+        copied = r["copies"]
+        assert copied["err"] < TOL and copied["planned"] and copied["own_params"], copied
+        assert copied["ops"] == ["all_reduce"], copied
+        for name, run in r["autocast"].items():
+            assert run["dtypes"] == ("torch.bfloat16", "torch.bfloat16"), (rank, name, run)
+            bad = {k: v for k, v in run["errs"].items() if not v < BF16_TOL}
+            assert not bad and run["grad_dtypes_equal"], (rank, name, bad, run)
+        assert r["autocast"]["replicated"]["ops"] == ["all_reduce"], r["autocast"]
+        assert r["autocast"]["sequence"]["ops"] == ["all_gather", "reduce_scatter"], r["autocast"]
         msgs = r["bad"]
         assert "NO ERROR" not in msgs.values(), msgs
         assert (

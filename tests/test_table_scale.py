@@ -15,7 +15,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from big_table import EXACT_PER_NK, M_STEP, big_table_rows, write_big_table
+from big_table import EXACT_PER_NK, M_STEP, big_table_header, big_table_rows, write_big_table
 from cli import app
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint
 from fo_kernels.table import TABLE_DIR_ENV, load_table, lookup_schedule, read_table, table_path
@@ -85,6 +85,21 @@ def test_a_100k_row_table_looks_up_within_budget(
     assert repeated <= LATER_LOOKUP_BUDGET_S, f"a repeated lookup took {repeated * 1e3:.2f} ms"
     table_lookup._CACHE.clear()
     assert len(read_table(path)) == BIG_ROWS and fp.device_key in str(path)
+
+
+def test_a_100k_row_table_written_as_one_json_document_validates_within_budget(tmp_path: Path) -> None:
+    # a table a script generated with json.dump (JSON is YAML): read by json, not the YAML parser
+    fp = current_fingerprint("cpu", world_size=2)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({**big_table_header(fp), "rows": big_table_rows(BIG_ROWS, fp.sm_count)}))
+    start = time.process_time()
+    result = CliRunner().invoke(app, ["table", "validate", str(path)])
+    took = time.process_time() - start
+    assert result.exit_code == 0, result.output
+    assert f"OK {path}: {BIG_ROWS} row(s)" in result.stdout
+    assert took <= VALIDATE_BUDGET_S, f"validate took {took:.1f} s of CPU"
+    small = json.dumps({**big_table_header(fp), "rows": big_table_rows(40, fp.sm_count)})
+    assert parse_table_text(small) == yaml.safe_load(small)
 
 
 def test_a_duplicate_row_is_refused_by_validate_with_exit_2(tmp_path: Path) -> None:

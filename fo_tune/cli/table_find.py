@@ -49,7 +49,8 @@ LOOKUP_HELP = "\n\n".join(
         "--device-key (-k) defaults to this machine's key for --world-size. A table belongs to the "
         "machine it was tuned for: on a machine without that GPU (a CPU-only one planning an H200 "
         "deployment) pass its key, e.g. -k nvidia-h200-cc90-132sm-w2-nvlink18; when this machine's "
-        "key has no table, the answer names the keys that have one (hint, other_device_keys). "
+        "key (or the one given with -k) has no table, the answer names the keys that have one "
+        "(hint, other_device_keys). "
         "`fo-tune table list` lists them all.",
         "An MoE call (expert_parallel_ffn with schedule=None): --experts H,I,E_LOCAL,K and --tokens "
         "T, the most tokens any rank of the call holds (the runtime looks its row up by that, so "
@@ -120,16 +121,19 @@ ListDeviceKeyOpt = Annotated[
 ]
 
 
-def _miss_hint(device_key: str, read: list[Path]) -> dict[str, Any]:
-    """What a miss adds when ``device_key`` has no table at all: the keys that have one, and how
-    to pick one (empty when it has a table, or no key has one)."""
+def _miss_hint(device_key: str, read: list[Path], *, given: bool) -> dict[str, Any]:
+    """What a miss adds when ``device_key`` (this machine's, or the one ``given`` with -k: a typo
+    there reads no table either) has no table at all: the keys that have one, and how to pick one
+    (empty when it has a table, or no key has one)."""
     from fo_tune.tables.find import known_device_keys
 
     others = [key for key in known_device_keys() if key != device_key]
     if read or not others:
         return {}
+    whose = "the device key {} given with -k" if given else "this machine's device key {}"
+    whose = whose.format(device_key)
     return {
-        "hint": f"no table for this machine's device key {device_key}; tables exist for "
+        "hint": f"no table for {whose}; tables exist for "
         f"{', '.join(others)}: pick one with -k KEY (--device-key), e.g. -k {others[0]}",
         "other_device_keys": others,
     }
@@ -185,8 +189,7 @@ def lookup(
             searched=[str(p) for p in read],
             row={"problem": {"m": m, "n": n, "k": k}, "overlap": False},
         )
-        if not given:
-            out.update(_miss_hint(device_key, read))
+        out.update(_miss_hint(device_key, read, given=given))
     else:
         data = row.to_dict()
         for key in ("collective", "dtype", "world_size"):
@@ -237,8 +240,7 @@ def _moe_lookup(
             searched=[str(p) for p in read],
             row={"problem": {**problem, "tokens": tokens}, "engine": None},
         )
-        if not given:
-            out.update(_miss_hint(device_key, read))
+        out.update(_miss_hint(device_key, read, given=given))
         return out
     out.update(source=str(path), kind=row.kind, row=row.to_dict())
     return out

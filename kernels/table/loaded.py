@@ -29,7 +29,7 @@ from fo_kernels.table.format import (
     row_problem_key,
 )
 from fo_kernels.table.index import ProblemKey, RowIndex
-from fo_kernels.table.text import decode_row_line, line_problem, load_yaml_text, split_table_text
+from fo_kernels.table.text import decode_row_line, line_problem, load_document, split_table_text
 
 
 class LoadedTable:
@@ -43,7 +43,7 @@ class LoadedTable:
         split = None
         try:
             split = split_table_text(text)
-            data = split[0] if split is not None else load_yaml_text(text)
+            data = split[0] if split is not None else load_document(text)
         except yaml.YAMLError as exc:
             raise TableError(f"{source}: not valid YAML: {' '.join(str(exc).split())}") from None
         if split is not None:  # the rows stay text until a lookup takes one

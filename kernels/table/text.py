@@ -7,7 +7,8 @@ That is what makes a large table cheap: on the 2-core CPU machine, PyYAML's liby
 167 s for a 100,000-row table in block style (50 MB); ``json`` reads the same rows in about a
 second (docs/perf-notes.md#tables-and-lookup). A file that is not in this form (a
 hand-written table, a schema-1 file, a comment between rows) is read by the YAML parser, as
-before; a row line that is not JSON is read by the YAML parser alone.
+before, unless it is one JSON document (``json.dump`` of a table), which ``json`` reads; a row
+line that is not JSON is read by the YAML parser alone.
 
 A row's numbers read the same in both parsers: a float whose JSON form has no ``.`` (``1e-05``)
 is written ``1.0e-05`` (PyYAML, a YAML 1.1 reader, takes ``1e-05`` for a string); a row holding a
@@ -98,6 +99,18 @@ def load_yaml_text(text: str) -> Any:
     return yaml.load(text, Loader=SAFE_LOADER)  # a safe loader, C or Python
 
 
+def load_document(text: str) -> Any:
+    """A whole file that is not in the written form: by ``json`` when it is one JSON document (a
+    table a script wrote with ``json.dump``; JSON is YAML, and ``json`` reads a 100,000-row one in
+    about a second where the YAML parser took a minute), else by the YAML parser."""
+    if text.lstrip().startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError:  # a YAML flow mapping that is not JSON
+            pass
+    return load_yaml_text(text)
+
+
 def decode_row_line(line: str) -> Any:
     """One row line (without ``- ``): by ``json``, else by the YAML parser."""
     try:
@@ -108,7 +121,7 @@ def decode_row_line(line: str) -> Any:
 
 def split_table_text(text: str) -> tuple[dict[str, Any], list[str]] | None:
     """(the header's data, the row lines undecoded) of a file in the written form (see the module
-    docstring); None for any other text (read it with ``load_yaml_text``). Raises
+    docstring); None for any other text (read it with ``load_document``). Raises
     ``yaml.YAMLError`` for a header that is not YAML."""
     head, found, body = text.partition(f"\n{ROWS_LINE}\n")
     lines = _row_lines(body) if found else None
@@ -123,10 +136,11 @@ def split_table_text(text: str) -> tuple[dict[str, Any], list[str]] | None:
 def parse_table_text(text: str) -> Any:
     """The data of a table file's ``text``: in the written form the header by the YAML parser and
     the rows by ``json`` in one call (a line that is not JSON by the YAML parser), else all of it
-    by the YAML parser. Raises ``yaml.YAMLError`` for text that is not YAML."""
+    by ``load_document`` (``json`` for one JSON document, else the YAML parser). Raises
+    ``yaml.YAMLError`` for text that is not YAML."""
     split = split_table_text(text)
     if split is None:
-        return load_yaml_text(text)
+        return load_document(text)
     data, lines = split
     try:
         data["rows"] = json.loads("[" + ",".join(lines) + "]")
