@@ -117,8 +117,13 @@ def fused_all_gather_matmul(
     lead = moved.shape[:-1]
     b = _operand(Bs[0] if len(Bs) == 1 else torch.cat(list(Bs), dim=1))
     out, gathered = call_op("all_gather", moved.reshape(-1, moved.shape[-1]), b, name)
-    out = out.view(lead[0] * world, *lead[1:], -1).movedim(0, d)
-    outs = list(out.split([each.shape[1] for each in Bs], dim=-1)) if len(Bs) > 1 else [out]
+    out = out.view(lead[0] * world, *lead[1:], -1)
+    # several Bs: each product in its own storage, as torch's op allocates them (a column slice of
+    # the one GEMM's output would not take a caller's .view)
+    pieces = (
+        [p.contiguous() for p in out.split([each.shape[1] for each in Bs], dim=-1)] if len(Bs) > 1 else [out]
+    )
+    outs = [p.movedim(0, d) for p in pieces]
     a_full = gathered.view(lead[0] * world, *lead[1:], -1).movedim(0, d) if return_A else None
     return a_full, outs
 

@@ -422,6 +422,8 @@ def fused_ops(ctx, compiled: bool) -> dict[str, float]:
                     key = f"ag{shape}@{gather_dim} bs={n_bs} A={return_a}"
                     errs[key] = max(rel(g, w) for g, w in zip(got, want, strict=True))
                     errs[key + " A"] = rel(got_a, want_a) if return_a else float(got_a is not None)
+                    if gather_dim == 0:  # each product its own contiguous tensor, as torch's
+                        errs[key + " contiguous"] = 0.0 if all(g.is_contiguous() for g in got) else 1.0
         for shape, scatter_dim in (((2 * world, 8), 0), ((2, 3 * world, 8), 1), ((3, 2, 8), 2)):
             a = torch.randn(shape, generator=gen)
             n = 4 * world
