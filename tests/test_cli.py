@@ -62,6 +62,14 @@ def test_help_describes_the_product(runner):
         assert word in result.output
 
 
+def test_search_help_keeps_the_postgres_extra(runner):
+    """Typer renders the help with Rich markup, where an unescaped "[postgres]" reads as a style tag
+    and vanishes: the help names the extra that installs the driver."""
+    result = runner.invoke(app, ["search", "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    assert "pip install 'fo-tune[postgres]'" in result.output, result.output
+
+
 def test_demo_help_says_what_it_checks(runner):
     result = runner.invoke(app, ["demo", "--help"])
     assert result.exit_code == 0, result.output

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 MODE_NAMES = ("measure", "predict", "hybrid")
 
+# Typer renders the help with Rich markup: a literal "[" is written "\\[" (else "[postgres]"
+# reads as a style tag and vanishes from the help).
 HELP = "\n\n".join(
     [
         "Search schedules for GEMM + AllReduce / ReduceScatter and AllGather + GEMM shapes and write "
@@ -84,7 +86,7 @@ HELP = "\n\n".join(
         "under $XDG_DATA_HOME when set): running the same command again resumes them. Every "
         "mode records each decided row in its study there, so the workers of a fleet share one "
         "storage: journal:FILE or sqlite:///FILE on one machine, postgresql://USER@HOST:PORT/DB "
-        "across hosts (pip install 'fo-tune[postgres]'), and `fo-tune table pull --storage URL` "
+        "across hosts (pip install 'fo-tune\\[postgres]'), and `fo-tune table pull --storage URL` "
         "writes the tables from every study in it. The storage is opened before any work: a "
         "missing driver, a server that does not answer or the folder of an explicit SQLite or "
         "journal file that does not exist is exit 2.",
