@@ -373,6 +373,9 @@ def test_search_moe_plans_a_table_offline(runner, tmp_path, monkeypatch):
         (["--tokens", "512,x"], "comma-separated integers"),
         (["--dtype", "float8_e4m3fn"], "the MoE FFN runs bfloat16"),
         (["-c", "all_reduce"], "searched alone"),
+        (["--shape", "4096x8192x4096"], "--shape: for the dense collectives, not -c moe"),
+        (["--m-range", "1:64", "--trials", "3"], "--m-range, --trials: for the dense collectives"),
+        (["--exhaustive", "--seed", "1"], "--exhaustive, --seed: for the dense collectives"),
     ],
 )
 def test_search_moe_says_what_it_needs(runner, tmp_path, monkeypatch, extra, says):
