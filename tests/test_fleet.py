@@ -232,3 +232,24 @@ def test_lookup_json_list_and_version(tmp_path: Path) -> None:
     assert shown.exit_code == 0 and H200_KEY in shown.stdout and "-k DEVICE_KEY" in shown.stdout
     version = runner.invoke(app, ["--version"])
     assert version.exit_code == 0 and version.stdout.startswith("fo-tune ")
+
+
+def test_lookup_takes_the_world_size_of_the_device_key(tmp_path: Path) -> None:
+    """The README's TP=8 plan, then its lookup with -k the TP=8 key and no --world-size: the call's
+    world size is the key's (it answered overlap: false from no file at all, looking for w2 rows
+    under a w8 key); a --world-size the key contradicts is exit 2, one line; a -k key without a
+    table names the keys that have one."""
+    runner = CliRunner()
+    plan = ["search", "--mode", "predict", "-w", "8", "-s", "8192x8192x3584", "-c", "reduce_scatter"]
+    assert runner.invoke(app, plan).exit_code == 0
+    key8 = H200_KEY.replace("-w2-", "-w8-")
+    call = ["table", "lookup", "-s", "8192x8192x3584", "-c", "reduce_scatter", "--json"]
+    hit = json.loads(runner.invoke(app, [*call, "-k", key8]).stdout)
+    assert hit["kind"] == "predicted" and hit["source"].endswith("reduce_scatter-w8-bfloat16.yaml"), hit
+    line = assert_one_line_error(runner.invoke(app, [*call, "-k", key8, "-w", "2"]))
+    assert "is for world size 8; pass -w 8" in line, line
+    miss = json.loads(runner.invoke(app, [*call, "-k", "no-such-key"]).stdout)
+    assert miss["row"]["overlap"] is False and key8 in miss["other_device_keys"]
+    assert "no table for the device key no-such-key" in miss["hint"]
+    other = json.loads(runner.invoke(app, [*call, "-k", key8, "-d", "float16"]).stdout)
+    assert "hint" not in other  # the key has tables, of another dtype: no key to suggest
