@@ -235,10 +235,10 @@ def test_lookup_json_list_and_version(tmp_path: Path) -> None:
 
 
 def test_lookup_takes_the_world_size_of_the_device_key(tmp_path: Path) -> None:
-    """The README's TP=8 plan, then its lookup with -k the TP=8 key and no --world-size: the call's
-    world size is the key's (it answered overlap: false from no file at all, looking for w2 rows
-    under a w8 key); a --world-size the key contradicts is exit 2, one line; a -k key without a
-    table names the keys that have one."""
+    """The README's TP=8 plan, then its lookup (and table show) with -k the TP=8 key and no
+    --world-size: the world size is the key's (lookup answered overlap: false from no file at all,
+    looking for w2 rows under a w8 key); a --world-size the key contradicts is exit 2, one line; a
+    -k key without a table names the keys that have one."""
     runner = CliRunner()
     plan = ["search", "--mode", "predict", "-w", "8", "-s", "8192x8192x3584", "-c", "reduce_scatter"]
     assert runner.invoke(app, plan).exit_code == 0
@@ -253,3 +253,7 @@ def test_lookup_takes_the_world_size_of_the_device_key(tmp_path: Path) -> None:
     assert "no table for the device key no-such-key" in miss["hint"]
     other = json.loads(runner.invoke(app, [*call, "-k", key8, "-d", "float16"]).stdout)
     assert "hint" not in other  # the key has tables, of another dtype: no key to suggest
+    shown = runner.invoke(app, ["table", "show", "-c", "reduce_scatter", "-k", key8])
+    assert shown.exit_code == 0 and "reduce_scatter-w8-bfloat16.yaml" in shown.stdout, shown.output
+    line = assert_one_line_error(runner.invoke(app, ["table", "show", "-k", key8, "-w", "4"]))
+    assert "is for world size 8" in line, line

@@ -32,6 +32,7 @@ from fo_tune.cli.table_options import (
     DeviceKeyOpt,
     TableDtypeOpt,
     check_choice,
+    world_of,
 )
 from fo_tune.cli.table_rows import kind_label
 
@@ -140,24 +141,6 @@ def _miss_hint(device_key: str, read: list[Path], given: bool) -> dict[str, Any]
     }
 
 
-def _call_world(world_size: int | None, device_key: str | None) -> int:
-    """The call's world size: --world-size, else the one a -k device key names (a table of a key
-    holds that world size's rows only: ``<gpu>-cc..-..sm-w<N>-<link>``), else the default. A
-    --world-size the key contradicts is exit 2: the lookup could only miss."""
-    from fo_kernels.fingerprint import read_device_key
-
-    fields = read_device_key(device_key) if device_key is not None else None
-    keyed = int(fields["world_size"]) if fields is not None else None
-    if world_size is None:
-        return keyed or DEFAULT_WORLD_SIZE
-    if keyed is not None and keyed != world_size:
-        raise typer.BadParameter(
-            f"--world-size {world_size}: the device key {device_key} is for world size {keyed}; "
-            f"pass -w {keyed}, or leave --world-size out"
-        )
-    return world_size
-
-
 @handle_errors
 def lookup(
     shape: ShapeOpt = None,
@@ -186,7 +169,7 @@ def lookup(
     m, n, k = parse_shape(shape)
     collective = check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
     dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
-    world = _call_world(world_size, device_key)
+    world = world_of(world_size, device_key)
     if collective in SHARDED_COLLECTIVE_NAMES and m % world:
         gathered = " (all_gather's M is the gathered M)" if collective == "all_gather" else ""
         raise typer.BadParameter(
@@ -241,7 +224,7 @@ def _moe_lookup(
     shape = ExpertsShape.parse(experts)
     key = (shape.hidden, shape.intermediate, shape.experts, shape.top_k)
     dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
-    world = _call_world(world_size, device_key)
+    world = world_of(world_size, device_key)
     from fo_kernels.table import MISS_SOURCE
     from fo_tune.tables.find import find_moe_row
 
