@@ -257,3 +257,22 @@ def test_lookup_takes_the_world_size_of_the_device_key(tmp_path: Path) -> None:
     assert shown.exit_code == 0 and "reduce_scatter-w8-bfloat16.yaml" in shown.stdout, shown.output
     line = assert_one_line_error(runner.invoke(app, ["table", "show", "-k", key8, "-w", "4"]))
     assert "is for world size 8" in line, line
+
+
+def test_pull_and_moe_search_refuse_a_table_dir_they_cannot_write(tmp_path: Path) -> None:
+    """A --table-dir that is a file: `table pull` and `search -c moe` are exit 2 with one line naming
+    the path (they ended with an internal error, NotADirectoryError, exit 1), and pull writes none
+    of its tables."""
+    runner = CliRunner()
+    db = f"sqlite:///{tmp_path / 'fleet.db'}"
+    plan = ["search", "--mode", "predict", "-s", "4096x8192x4096", "--storage", db]
+    assert runner.invoke(app, plan).exit_code == 0
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    line = assert_one_line_error(
+        runner.invoke(app, ["table", "pull", "--storage", db, "--table-dir", str(blocker)])
+    )
+    assert f"{blocker} is a file, not a folder" in line, line
+    moe = ["search", "-c", "moe", "--experts", "4096,1536,16,8", "--tokens", "512"]
+    line = assert_one_line_error(runner.invoke(app, [*moe, "--table-dir", str(blocker / "t")]))
+    assert f"{blocker} is a file, not a folder" in line, line

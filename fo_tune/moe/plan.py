@@ -262,7 +262,10 @@ def write_moe_rows(
     row never replaces a measured one (it is left out). Returns the path."""
     from filelock import FileLock  # the tuner's dependency, never the runtime's
 
+    from fo_tune.output import check_writable_file
+
     path = moe_table_path(root, fingerprint.device_key, world_size, dtype)
+    check_writable_file(path)  # OutputError (exit 2 in the CLI) naming the path, not an OSError
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
         try:
