@@ -376,6 +376,8 @@ def test_search_moe_plans_a_table_offline(runner, tmp_path, monkeypatch):
         (["--shape", "4096x8192x4096"], "--shape: for the dense collectives, not -c moe"),
         (["--m-range", "1:64", "--trials", "3"], "--m-range, --trials: for the dense collectives"),
         (["--exhaustive", "--seed", "1"], "--exhaustive, --seed: for the dense collectives"),
+        (["--tokens", "99999999999"], "the rows T x k = 799999999992 is above 2147483647"),
+        (["--experts", "999999,999999,128,8"], "GB of NVIDIA H200 (the calibration's GPU, datasheet)"),
     ],
 )
 def test_search_moe_says_what_it_needs(runner, tmp_path, monkeypatch, extra, says):
