@@ -371,6 +371,7 @@ def test_search_moe_plans_a_table_offline(runner, tmp_path, monkeypatch):
         (["--experts", "7168,2048,16"], "expected H,I,E_local,k"),
         (["--tokens", "512,128"], "ascending"),
         (["--tokens", "512,x"], "comma-separated integers"),
+        (["--tokens", ""], "--tokens '': expected comma-separated integers"),
         (["--dtype", "float8_e4m3fn"], "the MoE FFN runs bfloat16"),
         (["-c", "all_reduce"], "searched alone"),
         (["--shape", "4096x8192x4096"], "--shape: for the dense collectives, not -c moe"),
