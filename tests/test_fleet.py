@@ -155,6 +155,8 @@ def test_pull_from_an_empty_or_missing_storage(tmp_path: Path) -> None:
         ("sqlite:///{tmp}/no/such/folder/s.db", "does not exist"),
         ("journal:{tmp}/no/such/folder/s.log", "does not exist"),
         ("postgresql://nobody@127.0.0.1:{port}/x", "cannot open it"),
+        # SQLAlchemy's default MySQL driver (mysqlclient) is no dependency of fo-tune's
+        ("mysql://nobody@127.0.0.1:{port}/x", "no driver for mysql is installed (Failed to import"),
     ],
 )
 def test_a_storage_that_cannot_be_opened_is_exit_2_before_any_work(
