@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from fo_tune.cli import bench, calibrate, demo, model, profile, search, table
+from fo_tune.cli.common import OneLineErrorsGroup
 
 HELP = "\n\n".join(
     [
@@ -34,7 +35,12 @@ HELP = "\n\n".join(
 DISTRIBUTION = "fo-tune"
 
 app = typer.Typer(
-    name="fo-tune", help=HELP, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False
+    name="fo-tune",
+    help=HELP,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    cls=OneLineErrorsGroup,  # a usage error is one line on stderr, exit 2
 )
 
 

@@ -62,6 +62,36 @@ def test_help_describes_the_product(runner):
         assert word in result.output
 
 
+def test_search_help_keeps_the_postgres_extra(runner):
+    """Typer renders the help with Rich markup, where an unescaped "[postgres]" reads as a style tag
+    and vanishes: the help names the extra that installs the driver."""
+    result = runner.invoke(app, ["search", "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    assert "pip install 'fo-tune[postgres]'" in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["search", "--world-size", "abc"], "Invalid value for '--world-size'"),
+        (["search", "--no-such-option"], "No such option: --no-such-option"),
+        (["table", "validate"], "Missing argument 'PATH...'"),
+        (["table", "diff", "a.yaml"], "Missing argument 'B'"),
+        (["no-such-command"], "No such command 'no-such-command'"),
+    ],
+)
+def test_usage_errors_are_one_line(runner, args, says):
+    """An error click finds while parsing is one line on stderr naming the --help that explains,
+    exit 2, as every other user error (not typer's usage line, hint and framed panel)."""
+    line = assert_one_line_error(runner.invoke(app, args))
+    assert says in line and "--help` explains the options" in line, line
+
+
+def test_a_group_without_a_command_prints_its_help(runner):
+    result = runner.invoke(app, ["table"])
+    assert result.exit_code == 2 and "fo-tune table" in result.output and "lookup" in result.output
+
+
 def test_demo_help_says_what_it_checks(runner):
     result = runner.invoke(app, ["demo", "--help"])
     assert result.exit_code == 0, result.output

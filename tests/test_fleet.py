@@ -155,6 +155,8 @@ def test_pull_from_an_empty_or_missing_storage(tmp_path: Path) -> None:
         ("sqlite:///{tmp}/no/such/folder/s.db", "does not exist"),
         ("journal:{tmp}/no/such/folder/s.log", "does not exist"),
         ("postgresql://nobody@127.0.0.1:{port}/x", "cannot open it"),
+        # SQLAlchemy's default MySQL driver (mysqlclient) is no dependency of fo-tune's
+        ("mysql://nobody@127.0.0.1:{port}/x", "no driver for mysql is installed (Failed to import"),
     ],
 )
 def test_a_storage_that_cannot_be_opened_is_exit_2_before_any_work(
@@ -226,7 +228,7 @@ def test_lookup_json_list_and_version(tmp_path: Path) -> None:
     typo = runner.invoke(app, ["table", "lookup", "-s", "4096x8192x4096", "-k", H200_KEY + "x", "--json"])
     typo_answer = json.loads(typo.stdout)
     assert typo.exit_code == 0 and H200_KEY in typo_answer["other_device_keys"], typo.stdout
-    assert f"given with -k; tables exist for {H200_KEY}" in typo_answer["hint"], typo_answer
+    assert f"the device key {H200_KEY}x; tables exist for {H200_KEY}" in typo_answer["hint"], typo_answer
     listed = json.loads(runner.invoke(app, ["table", "list", "--json"]).stdout)["tables"]
     assert {(t["device_key"], t["collective"]) for t in listed} >= {
         (H200_KEY, "all_reduce"),
@@ -237,3 +239,47 @@ def test_lookup_json_list_and_version(tmp_path: Path) -> None:
     assert shown.exit_code == 0 and H200_KEY in shown.stdout and "-k DEVICE_KEY" in shown.stdout
     version = runner.invoke(app, ["--version"])
     assert version.exit_code == 0 and version.stdout.startswith("fo-tune ")
+
+
+def test_lookup_takes_the_world_size_of_the_device_key(tmp_path: Path) -> None:
+    """The README's TP=8 plan, then its lookup (and table show) with -k the TP=8 key and no
+    --world-size: the world size is the key's (lookup answered overlap: false from no file at all,
+    looking for w2 rows under a w8 key); a --world-size the key contradicts is exit 2, one line; a
+    -k key without a table names the keys that have one."""
+    runner = CliRunner()
+    plan = ["search", "--mode", "predict", "-w", "8", "-s", "8192x8192x3584", "-c", "reduce_scatter"]
+    assert runner.invoke(app, plan).exit_code == 0
+    key8 = H200_KEY.replace("-w2-", "-w8-")
+    call = ["table", "lookup", "-s", "8192x8192x3584", "-c", "reduce_scatter", "--json"]
+    hit = json.loads(runner.invoke(app, [*call, "-k", key8]).stdout)
+    assert hit["kind"] == "predicted" and hit["source"].endswith("reduce_scatter-w8-bfloat16.yaml"), hit
+    line = assert_one_line_error(runner.invoke(app, [*call, "-k", key8, "-w", "2"]))
+    assert "is for world size 8; pass -w 8" in line, line
+    miss = json.loads(runner.invoke(app, [*call, "-k", "no-such-key"]).stdout)
+    assert miss["row"]["overlap"] is False and key8 in miss["other_device_keys"]
+    assert "no table for the device key no-such-key" in miss["hint"]
+    other = json.loads(runner.invoke(app, [*call, "-k", key8, "-d", "float16"]).stdout)
+    assert "hint" not in other  # the key has tables, of another dtype: no key to suggest
+    shown = runner.invoke(app, ["table", "show", "-c", "reduce_scatter", "-k", key8])
+    assert shown.exit_code == 0 and "reduce_scatter-w8-bfloat16.yaml" in shown.stdout, shown.output
+    line = assert_one_line_error(runner.invoke(app, ["table", "show", "-k", key8, "-w", "4"]))
+    assert "is for world size 8" in line, line
+
+
+def test_pull_and_moe_search_refuse_a_table_dir_they_cannot_write(tmp_path: Path) -> None:
+    """A --table-dir that is a file: `table pull` and `search -c moe` are exit 2 with one line naming
+    the path (they ended with an internal error, NotADirectoryError, exit 1), and pull writes none
+    of its tables."""
+    runner = CliRunner()
+    db = f"sqlite:///{tmp_path / 'fleet.db'}"
+    plan = ["search", "--mode", "predict", "-s", "4096x8192x4096", "--storage", db]
+    assert runner.invoke(app, plan).exit_code == 0
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    line = assert_one_line_error(
+        runner.invoke(app, ["table", "pull", "--storage", db, "--table-dir", str(blocker)])
+    )
+    assert f"{blocker} is a file, not a folder" in line, line
+    moe = ["search", "-c", "moe", "--experts", "4096,1536,16,8", "--tokens", "512"]
+    line = assert_one_line_error(runner.invoke(app, [*moe, "--table-dir", str(blocker / "t")]))
+    assert f"{blocker} is a file, not a folder" in line, line

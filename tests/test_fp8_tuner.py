@@ -134,6 +134,17 @@ def test_the_shipped_calibration_plans_fp8_offline_on_a_sibling_profile(tmp_path
         )
 
 
+@pytest.mark.parametrize("extra", [["--shape", "16x8x8"], ["--shape", "4096x8192x4100", "--m-range", "1:64"]])
+def test_offline_fp8_search_refuses_n_or_k_the_fp8_ops_refuse(tmp_path, monkeypatch, extra):
+    """N and K not multiples of 16: the fp8 ops raise ShapeError for such a call, so the search
+    refuses the shape (exit 2, one line) before it writes a row no call can use."""
+    isolate_tables(monkeypatch, tmp_path)
+    args = ["search", "--mode", "predict", "--dtype", FP8, *extra, "--out", str(tmp_path / "o")]
+    line = assert_one_line_error(CliRunner().invoke(app, args))
+    assert "needs N and K multiples of 16" in line, line
+    assert not (tmp_path / "o").exists()
+
+
 def test_fp8_profile_times_the_signalled_gemm_beside_scaled_mm(tmp_path):
     """``fo-tune profile --dtype float8_e4m3fn``: every config checked (rowwise-scaled fp8 operands
     against their dequantized float32 product) and timed beside torch._scaled_mm."""

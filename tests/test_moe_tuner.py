@@ -371,8 +371,14 @@ def test_search_moe_plans_a_table_offline(runner, tmp_path, monkeypatch):
         (["--experts", "7168,2048,16"], "expected H,I,E_local,k"),
         (["--tokens", "512,128"], "ascending"),
         (["--tokens", "512,x"], "comma-separated integers"),
+        (["--tokens", ""], "--tokens '': expected comma-separated integers"),
         (["--dtype", "float8_e4m3fn"], "the MoE FFN runs bfloat16"),
         (["-c", "all_reduce"], "searched alone"),
+        (["--shape", "4096x8192x4096"], "--shape: for the dense collectives, not -c moe"),
+        (["--m-range", "1:64", "--trials", "3"], "--m-range, --trials: for the dense collectives"),
+        (["--exhaustive", "--seed", "1"], "--exhaustive, --seed: for the dense collectives"),
+        (["--tokens", "99999999999"], "the rows T x k = 799999999992 is above 2147483647"),
+        (["--experts", "999999,999999,128,8"], "GB of NVIDIA H200 (the calibration's GPU, datasheet)"),
     ],
 )
 def test_search_moe_says_what_it_needs(runner, tmp_path, monkeypatch, extra, says):
@@ -392,6 +398,26 @@ def test_search_moe_needs_the_experts(runner, tmp_path, monkeypatch):
         runner.invoke(app, ["search", "--shape", "64x64x64", "--experts", "1,2,3,4"])
     )
     assert "are for -c moe" in line
+
+
+def test_model_check_counts_moe_rows_beside_the_dense_ones(runner, tmp_path, monkeypatch):
+    """The README's `fo-tune model check <tables>/<key>/*.yaml` after dense and MoE plans at one
+    world size: the glob takes the MoE table too, whose predicted rows are counted with their
+    basis (no measured error yet) beside the dense table's, exit 0."""
+    isolate_tables(monkeypatch, tmp_path)
+    root = tmp_path / "t"
+    moe = ["search", "-c", "moe", "--experts", "4096,1536,16,8", "--tokens", "512", "-w", "4"]
+    assert runner.invoke(app, [*moe, "--table-dir", str(root)]).exit_code == 0
+    dense = ["search", "--mode", "predict", "-w", "4", "-s", "4096x8192x4096", "-c", "reduce_scatter"]
+    assert runner.invoke(app, [*dense, "--table-dir", str(root)]).exit_code == 0
+    files = sorted(str(p) for p in (root / H200_KEY.replace("-w2-", "-w4-")).glob("*.yaml"))
+    assert [Path(f).name for f in files] == ["moe-w4-bfloat16.yaml", "reduce_scatter-w4-bfloat16.yaml"]
+    result = runner.invoke(app, ["model", "check", *files])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "moe-w4-bfloat16.yaml: 1 predicted row(s) rest on: all_to_all from" in text, text
+    assert "a measured MoE search is not built" in text
+    assert "reduce_scatter-w4-bfloat16.yaml: 1 predicted row(s) rest on: extrapolated" in text
 
 
 def test_search_moe_from_the_suite_and_table_list(runner, tmp_path, monkeypatch):

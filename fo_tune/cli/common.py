@@ -37,6 +37,7 @@ import typer
 from rich import box
 from rich.console import Console, ConsoleDimensions
 from rich.table import Table
+from typer.core import TyperGroup
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +73,11 @@ DEBUG_ENV = "FO_TUNE_DEBUG"
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+# The class name of click's error for a group called without a command (its help is the output).
+NO_ARGS_IS_HELP = "NoArgsIsHelpError"
+# click's base of the errors it finds while parsing, from the click typer raises them with (recent
+# typer ships its own copy of click; older ones use click itself).
+ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 # fo_kernels.schedule.DTYPES and COLLECTIVES, for the help texts (see the module docstring): the
 # runtime's collectives are what `fo-tune bench` and `fo-tune demo` run.
@@ -315,10 +321,14 @@ def _exit_code_for(exc: BaseException) -> int | None:
 def one_line(exc: BaseException) -> str:
     """The message of ``exc`` on one line: its first line, and the last line of a multi-line message
     (a rank's traceback ends with the exception that failed it)."""
-    text = exc.message if isinstance(exc, typer.BadParameter) else str(exc)
+    return one_line_text(exc.message if isinstance(exc, typer.BadParameter) else str(exc), type(exc).__name__)
+
+
+def one_line_text(text: str, empty: str = "bad usage") -> str:
+    """``text`` on one line, as ``one_line`` words an exception's message; ``empty`` when blank."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
-        return type(exc).__name__
+        return empty
     if len(lines) == 1:
         return lines[0]
     return f"{lines[0].rstrip(':')}: {lines[-1]} (set {DEBUG_ENV}=1 for the full message)"
@@ -355,6 +365,31 @@ def run_cli(fn: Callable[[], T]) -> T:
             raise typer.Exit(EXIT_FAILED) from None
         _report(exc, one_line(exc))
         raise typer.Exit(code) from None
+
+
+class OneLineErrorsGroup(TyperGroup):
+    """The root command's group: a usage error click finds while parsing (an unknown option, a
+    missing argument, a value of the wrong type) ends, as every other user error does, with one
+    ``error: ...`` line on stderr naming the ``--help`` that explains, and exit 2, instead of
+    typer's usage line, hint and framed panel. Parsing runs in click's non-standalone mode so the
+    error reaches this method; the exit codes of the commands (``typer.Exit``) pass through."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except ClickException as exc:
+            if type(exc).__name__ == NO_ARGS_IS_HELP:  # the help was printed as it was raised
+                sys.exit(exc.exit_code)
+            ctx = getattr(exc, "ctx", None)
+            where = f" (`{ctx.command_path} --help` explains the options)" if ctx is not None else ""
+            _report(exc, f"{one_line_text(exc.format_message())}{where}")
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            _report(KeyboardInterrupt(), "interrupted")
+            sys.exit(EXIT_INTERRUPTED)
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 def handle_errors(fn: Callable[..., T]) -> Callable[..., T]:

@@ -179,10 +179,16 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     for u in unmeasured:
         w, d = u.world_size, "" if u.dtype == "bfloat16" else f" --dtype {u.dtype}"
         calibrate = f"--world-size 1 --only gemm{d} --into CALIBRATION.yaml" if d else f"--world-size {w}"
+        where = (
+            "a measured MoE search is not built; `python bench/moe_ep.py --out DIR` times the "
+            f"engines on {w} GPUs"
+            if u.moe
+            else f"measured rows come from `fo-tune calibrate {calibrate}` and "
+            f"`fo-tune search --world-size {w}{d}` on {w} GPUs"
+        )
         console.print(
             f"{Path(u.source).name}: {u.rows} predicted row(s) rest on: {u.basis}; no measured error "
-            f"yet (measured rows come from `fo-tune calibrate {calibrate}` and "
-            f"`fo-tune search --world-size {w}{d}` on {w} GPUs)",
+            f"yet ({where})",
             markup=False,
             highlight=False,
         )

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 MODE_NAMES = ("measure", "predict", "hybrid")
 
+# Typer renders the help with Rich markup: a literal "[" is written "\\[" (else "[postgres]"
+# reads as a style tag and vanishes from the help).
 HELP = "\n\n".join(
     [
         "Search schedules for GEMM + AllReduce / ReduceScatter and AllGather + GEMM shapes and write "
@@ -64,7 +66,9 @@ HELP = "\n\n".join(
         "-c moe plans the expert-parallel MoE FFN's table (its dispatch and combine All-to-All around "
         "the grouped GEMMs) for --experts H,I,E_local,k (or --shapes suites/moe/experts.yaml) and --tokens "
         "buckets, from a calibration's model only (--mode predict; the measured modes need two or more "
-        "GPUs and are not built for it). It records no study, so it takes no --storage: the table "
+        "GPUs and are not built for it). It records no study, so it takes no --storage, and the dense "
+        "search's options (--shape, --m-range, --trials, --top-k, --time-budget, --exhaustive, "
+        "--backend, --reps, --seed, --allow-slow) are refused with it: the table "
         "goes to <table dir>/<device key>/moe-w<W>-<dtype>.yaml, which every `fo-tune table` "
         "command reads.",
         "Modes: predict (the cost model of a calibration prices every enumerated point, "
@@ -84,7 +88,7 @@ HELP = "\n\n".join(
         "under $XDG_DATA_HOME when set): running the same command again resumes them. Every "
         "mode records each decided row in its study there, so the workers of a fleet share one "
         "storage: journal:FILE or sqlite:///FILE on one machine, postgresql://USER@HOST:PORT/DB "
-        "across hosts (pip install 'fo-tune[postgres]'), and `fo-tune table pull --storage URL` "
+        "across hosts (pip install 'fo-tune\\[postgres]'), and `fo-tune table pull --storage URL` "
         "writes the tables from every study in it. The storage is opened before any work: a "
         "missing driver, a server that does not answer or the folder of an explicit SQLite or "
         "journal file that does not exist is exit 2.",
@@ -242,6 +246,36 @@ EngineOpt = Annotated[
 
 _RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
+# The dense search's options an MoE plan has no use for (parameter name -> flag): -c moe refuses
+# them when given rather than leaving them out silently (a --shape or --m-range would otherwise
+# write a table without the shape the user asked for).
+DENSE_ONLY_OPTIONS = {
+    "shape": "--shape",
+    "m_range": "--m-range",
+    "trials": "--trials",
+    "top_k": "--top-k",
+    "time_budget": "--time-budget",
+    "exhaustive": "--exhaustive",
+    "backend": "--backend",
+    "reps": "--reps",
+    "seed": "--seed",
+    "allow_slow": "--allow-slow",
+}
+
+# click's parameter sources of an option the user did not give.
+UNSET_SOURCES = ("DEFAULT", "DEFAULT_MAP")
+
+
+def given_options(ctx: typer.Context, names: dict[str, str]) -> list[str]:
+    """The flags of ``names`` (parameter name -> flag) the command line or the environment set.
+    Sources are compared by name: typer ships its own copy of click's ``ParameterSource``."""
+    sources = {name: ctx.get_parameter_source(name) for name in names}
+    return [
+        flag
+        for name, flag in names.items()
+        if sources[name] is not None and sources[name].name not in UNSET_SOURCES
+    ]
+
 
 def parse_m_range(text: str | None) -> tuple[int, int] | None:
     if text is None:
@@ -338,6 +372,7 @@ def _print_summary(result: SearchResult, written: list[Path]) -> None:
 
 @handle_errors
 def search(
+    ctx: typer.Context,
     shape: ShapesOpt = None,
     shapes: ShapesFileOpt = None,
     collective: CollectiveOpt = None,
@@ -371,6 +406,12 @@ def search(
     if MOE_COLLECTIVE in picked:
         if len(picked) > 1:
             raise typer.BadParameter(f"-c {MOE_COLLECTIVE} is searched alone, not with {', '.join(picked)}")
+        dense = given_options(ctx, DENSE_ONLY_OPTIONS)
+        if dense:
+            raise typer.BadParameter(
+                f"{', '.join(dense)}: for the dense collectives, not -c {MOE_COLLECTIVE}, which plans "
+                "from --experts H,I,E_LOCAL,K (or --shapes MOE_SUITE) and --tokens T,...; leave them out"
+            )
         check_dtype(dtype)
         if storage is not None:  # an offline plan: no trials, so no study to keep in a storage
             raise typer.BadParameter(

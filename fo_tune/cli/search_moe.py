@@ -54,7 +54,7 @@ def run_moe_search(
     shapes = [ExpertsShape.parse(text) for text in experts or []]
     if suite is not None:
         shapes += experts_from_suite(suite, world_size)
-    wanted = parse_tokens(tokens) if tokens else None
+    wanted = parse_tokens(tokens) if tokens is not None else None  # "" is refused, not the default
     if dtype not in MOE_DTYPES:
         raise MoeSearchError(f"-c moe --dtype {dtype}: the MoE FFN runs {', '.join(MOE_DTYPES)}")
     names = parse_names(engine, valid=moe_engine_names(), option="--engine") or moe_engine_names()

@@ -32,7 +32,6 @@ from fo_tune.cli.table_moe import moe_changes_cell, moe_csv_rows, moe_table_yaml
 from fo_tune.cli.table_options import (
     DEFAULT_COLLECTIVE,
     DEFAULT_DTYPE,
-    DEFAULT_WORLD_SIZE,
     TABLE_COLLECTIVES,
     CollectiveOpt,
     DeviceKeyOpt,
@@ -40,6 +39,7 @@ from fo_tune.cli.table_options import (
     TableWorldSizeOpt,
     check_choice,
     find_paths,
+    world_of,
 )
 from fo_tune.cli.table_pull import PULL_HELP, pull
 from fo_tune.cli.table_rows import (
@@ -216,7 +216,7 @@ def show(
     else:
         collective = check_choice("--collective", collective or DEFAULT_COLLECTIVE, TABLE_COLLECTIVES)
         dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
-        paths = find_paths(device_key, collective, world_size or DEFAULT_WORLD_SIZE, dtype)
+        paths = find_paths(device_key, collective, world_of(world_size, device_key), dtype)
     found = [(p, load_any_table(p)) for p in paths]
     moe = [(p, t) for p, t in found if isinstance(t, MoeTable)]
     dense = [(p, t) for p, t in found if not isinstance(t, MoeTable)]

@@ -32,6 +32,7 @@ from fo_tune.cli.table_options import (
     DeviceKeyOpt,
     TableDtypeOpt,
     check_choice,
+    world_of,
 )
 from fo_tune.cli.table_rows import kind_label
 
@@ -48,10 +49,10 @@ LOOKUP_HELP = "\n\n".join(
         "lookup then prints that with source: no table row and the files it read.",
         "--device-key (-k) defaults to this machine's key for --world-size. A table belongs to the "
         "machine it was tuned for: on a machine without that GPU (a CPU-only one planning an H200 "
-        "deployment) pass its key, e.g. -k nvidia-h200-cc90-132sm-w2-nvlink18; when this machine's "
-        "key (or the one given with -k) has no table, the answer names the keys that have one "
-        "(hint, other_device_keys). "
-        "`fo-tune table list` lists them all.",
+        "deployment) pass its key, e.g. -k nvidia-h200-cc90-132sm-w2-nvlink18; the world size then "
+        "defaults to the key's (its -w<N>-), and a --world-size the key contradicts is exit 2. When "
+        "the key (this machine's or -k's) has no table, the answer names the keys that have one "
+        "(hint, other_device_keys). `fo-tune table list` lists them all.",
         "An MoE call (expert_parallel_ffn with schedule=None): --experts H,I,E_LOCAL,K and --tokens "
         "T, the most tokens any rank of the call holds (the runtime looks its row up by that, so "
         "every rank takes the same row), with --world-size, --dtype and -k as above. The runtime "
@@ -89,7 +90,8 @@ LookupWorldSizeOpt = Annotated[
     typer.Option(
         "--world-size",
         "-w",
-        help=f"World size of the call. Default: {DEFAULT_WORLD_SIZE}.",
+        help="World size of the call. Default: the one in --device-key's key (its -w<N>-), else "
+        f"{DEFAULT_WORLD_SIZE}.",
         show_default=False,
     ),
 ]
@@ -121,19 +123,19 @@ ListDeviceKeyOpt = Annotated[
 ]
 
 
-def _miss_hint(device_key: str, read: list[Path], *, given: bool) -> dict[str, Any]:
-    """What a miss adds when ``device_key`` (this machine's, or the one ``given`` with -k: a typo
-    there reads no table either) has no table at all: the keys that have one, and how to pick one
-    (empty when it has a table, or no key has one)."""
+def _miss_hint(device_key: str, read: list[Path], given: bool) -> dict[str, Any]:
+    """What a miss adds when ``device_key`` (this machine's, or the one -k ``given``) has no table
+    at all: the keys that have one, and how to pick one (empty when it has a table, or no key has
+    one)."""
     from fo_tune.tables.find import known_device_keys
 
-    others = [key for key in known_device_keys() if key != device_key]
-    if read or not others:
+    known = known_device_keys()
+    others = [key for key in known if key != device_key]
+    if read or device_key in known or not others:  # its tables hold other collectives or dtypes
         return {}
-    whose = "the device key {} given with -k" if given else "this machine's device key {}"
-    whose = whose.format(device_key)
+    whose = "the device key" if given else "this machine's device key"
     return {
-        "hint": f"no table for {whose}; tables exist for "
+        "hint": f"no table for {whose} {device_key}; tables exist for "
         f"{', '.join(others)}: pick one with -k KEY (--device-key), e.g. -k {others[0]}",
         "other_device_keys": others,
     }
@@ -167,7 +169,7 @@ def lookup(
     m, n, k = parse_shape(shape)
     collective = check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
     dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
-    world = world_size or DEFAULT_WORLD_SIZE
+    world = world_of(world_size, device_key)
     if collective in SHARDED_COLLECTIVE_NAMES and m % world:
         gathered = " (all_gather's M is the gathered M)" if collective == "all_gather" else ""
         raise typer.BadParameter(
@@ -189,7 +191,7 @@ def lookup(
             searched=[str(p) for p in read],
             row={"problem": {"m": m, "n": n, "k": k}, "overlap": False},
         )
-        out.update(_miss_hint(device_key, read, given=given))
+        out.update(_miss_hint(device_key, read, given))
     else:
         data = row.to_dict()
         for key in ("collective", "dtype", "world_size"):
@@ -222,7 +224,7 @@ def _moe_lookup(
     shape = ExpertsShape.parse(experts)
     key = (shape.hidden, shape.intermediate, shape.experts, shape.top_k)
     dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
-    world = world_size or DEFAULT_WORLD_SIZE
+    world = world_of(world_size, device_key)
     from fo_kernels.table import MISS_SOURCE
     from fo_tune.tables.find import find_moe_row
 
@@ -240,7 +242,7 @@ def _moe_lookup(
             searched=[str(p) for p in read],
             row={"problem": {**problem, "tokens": tokens}, "engine": None},
         )
-        out.update(_miss_hint(device_key, read, given=given))
+        out.update(_miss_hint(device_key, read, given))
         return out
     out.update(source=str(path), kind=row.kind, row=row.to_dict())
     return out

@@ -48,7 +48,8 @@ TableWorldSizeOpt = Annotated[
         "--world-size",
         "-w",
         min=1,
-        help=f"World size (ranks) of the table. Default: {DEFAULT_WORLD_SIZE}.",
+        help="World size (ranks) of the table. Default: the one in --device-key's key (its -w<N>-), "
+        f"else {DEFAULT_WORLD_SIZE}.",
         show_default=False,
     ),
 ]
@@ -68,6 +69,24 @@ def check_choice(option: str, value: str, choices: Sequence[str]) -> str:
     if value not in choices:
         raise typer.BadParameter(f"{option} {value!r}: expected one of {', '.join(choices)}")
     return value
+
+
+def world_of(world_size: int | None, device_key: str | None) -> int:
+    """The world size of a table or call: --world-size, else the one a -k device key names (a
+    key's tables hold that world size's rows only: ``<gpu>-cc..-..sm-w<N>-<link>``), else the
+    default. A --world-size the key contradicts is exit 2: no table could match."""
+    from fo_kernels.fingerprint import read_device_key
+
+    fields = read_device_key(device_key) if device_key is not None else None
+    keyed = int(fields["world_size"]) if fields is not None else None
+    if world_size is None:
+        return keyed or DEFAULT_WORLD_SIZE
+    if keyed is not None and keyed != world_size:
+        raise typer.BadParameter(
+            f"--world-size {world_size}: the device key {device_key} is for world size {keyed}; "
+            f"pass -w {keyed}, or leave --world-size out"
+        )
+    return world_size
 
 
 def find_paths(device_key: str | None, collective: str, world_size: int, dtype: str) -> list[Path]:

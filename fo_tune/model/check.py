@@ -15,6 +15,11 @@ the all_gather terms, which no GPU measurement has checked yet, show up here onl
 all_gather rows or trials exist. Predicted rows that rest on something other than their machine's
 measurements (``Schedule.basis``: a calibration extrapolated to their world size) are counted by
 ``unmeasured_in``, so the command can say they have no measured error yet.
+
+MoE tables (``moe-w<W>-<dtype>.yaml``, ``fo-tune search -c moe``) are read too, since a glob of a
+device key's folder takes them with the dense ones: the dense model prices none of their rows (no
+measured MoE row exists; a measured MoE search is not built), and their predicted rows count in
+``unmeasured_in`` by the basis their provenance records.
 """
 
 from __future__ import annotations
@@ -193,14 +198,16 @@ def report_trials(path: Path) -> list[Measured]:
 def measured_in(paths: Iterable[Path]) -> list[Measured]:
     """Every measured row or trial of ``paths`` (tables: ``*.yaml``; reports: ``trials.csv`` or a
     report folder holding one)."""
-    from fo_kernels.table import load_table
+    from fo_tune.tables.kinds import load_any_table
 
     out: list[Measured] = []
     for path in paths:
         if path.is_dir():
             path = path / "trials.csv"
         if path.suffix in (".yaml", ".yml"):
-            out += table_rows(load_table(path), str(path))
+            table = load_any_table(path)
+            if isinstance(table, ScheduleTable):  # an MoE table's rows are no dense GEMM's
+                out += table_rows(table, str(path))
         elif path.suffix == ".csv":
             out += report_trials(path)
         else:
@@ -219,22 +226,32 @@ class Unmeasured:
     world_size: int
     rows: int
     dtype: str = "bfloat16"  # the table's
+    moe: bool = False  # rows of an MoE table (fo-tune search -c moe)
 
 
 def unmeasured_in(paths: Iterable[Path]) -> list[Unmeasured]:
-    """The predicted rows with a ``basis`` in the tables of ``paths`` (``*.yaml``), by file and basis."""
-    from fo_kernels.table import load_table
+    """The predicted rows with a basis in the tables of ``paths`` (``*.yaml``), by file and basis: a
+    dense row's ``basis``, an MoE row's ``provenance["basis"]``."""
+    from fo_tune.tables.kinds import load_any_table
 
     out: list[Unmeasured] = []
     for path in paths:
         if path.suffix not in (".yaml", ".yml"):
             continue
-        table = load_table(path)
+        table = load_any_table(path)
+        moe = not isinstance(table, ScheduleTable)
         counts: dict[str, int] = {}
         for row in table.rows:
-            if row.basis and row_kind(row) == "predicted":
-                counts[row.basis] = counts.get(row.basis, 0) + 1
-        out += [Unmeasured(str(path), basis, table.world_size, n, table.dtype) for basis, n in counts.items()]
+            if moe:
+                basis, predicted = row.provenance.get("basis", ""), row.kind == "predicted"
+            else:
+                basis, predicted = row.basis, row_kind(row) == "predicted"
+            if basis and predicted:
+                counts[basis] = counts.get(basis, 0) + 1
+        out += [
+            Unmeasured(str(path), basis, table.world_size, n, table.dtype, moe=moe)
+            for basis, n in counts.items()
+        ]
     return out
 
 

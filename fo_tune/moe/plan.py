@@ -31,6 +31,7 @@ from fo_kernels.moe.table import (
 from fo_tune.calibrate.calibration import Calibration, CalibrationError
 from fo_tune.moe.model import MoeCall, MoeCostModel, MoePrediction
 from fo_tune.moe.space import MoeSpace, load_moe_space, moe_space_for
+from fo_tune.ranks.limits import GB, INT32_MAX, Target, fingerprint_target
 from fo_tune.search.decide import MIN_GAIN
 from fo_tune.tables.merge import LOCK_TIMEOUT_S, lock_path
 
@@ -131,6 +132,44 @@ def buckets(tokens: Sequence[int]) -> list[tuple[int, int]]:
     return [(0 if i == 0 else values[i - 1] + 1, t) for i, t in enumerate(values)]
 
 
+def moe_call_bytes(shape: ExpertsShape, tokens: int, itemsize: int) -> int:
+    """Bytes one rank holds for an MoE call of ``tokens`` tokens, routing balanced (each rank
+    receives the ``tokens x k`` rows it sends): its experts' weights (w13 (E, H, 2I), w2 (E, I, H)),
+    x and y (T, H) and the rows' tensors: dispatched and combined (R, H) each, the up projection
+    (R, 2I) and its activation (R, I), the down projection (R, H)."""
+    h, i, rows = shape.hidden, shape.intermediate, tokens * shape.top_k
+    weights = 3 * shape.experts * h * i
+    return (weights + 2 * tokens * h + rows * (3 * h + 3 * i)) * itemsize
+
+
+def check_moe_size(
+    experts: Sequence[ExpertsShape], tokens: Sequence[int], dtype: str, target: Target
+) -> None:
+    """``MoeSearchError`` for the first experts' shape whose call at the largest bucket cannot exist
+    on ``target``: a size (H, 2I, the rows T x k) above ``INT32_MAX`` (the grouped GEMMs' sizes and
+    the kernels' row indices are int32), or more bytes (``moe_call_bytes``) than its memory, as the
+    dense search refuses a shape."""
+    from fo_kernels.schedule import torch_dtype
+
+    most = max(tokens)
+    itemsize = torch_dtype(dtype).itemsize
+    for shape in experts:
+        sizes = {"H": shape.hidden, "2I": 2 * shape.intermediate, "the rows T x k": most * shape.top_k}
+        for name, size in sizes.items():
+            if size > INT32_MAX:
+                raise MoeSearchError(
+                    f"--experts {shape.label()} at {most} tokens a rank: {name} = {size} is above "
+                    f"{INT32_MAX}, the largest size the grouped GEMMs take; give a smaller shape or --tokens"
+                )
+        need = moe_call_bytes(shape, most, itemsize)
+        if target.memory_bytes is not None and need > target.memory_bytes:
+            raise MoeSearchError(
+                f"--experts {shape.label()} at {most} tokens a rank: the experts' weights and the "
+                f"call's rows need {need / GB:.1f} GB a rank in {dtype}, more than the "
+                f"{target.memory_bytes / GB:.1f} GB of {target.name}; give a smaller shape or --tokens"
+            )
+
+
 def plan_moe(
     model: MoeCostModel,
     space: MoeSpace,
@@ -188,6 +227,7 @@ def plan_moe_search(
         space = load_moe_space(space_file, keys)
     else:
         space = moe_space_for(cal.fingerprint.compute_capability, keys)
+    check_moe_size(experts, tokens or space.tokens_per_rank, dtype, fingerprint_target(cal.fingerprint))
     model = moe_cost_model(cal)
     reasons = {}
     for name in engines:
@@ -262,7 +302,10 @@ def write_moe_rows(
     row never replaces a measured one (it is left out). Returns the path."""
     from filelock import FileLock  # the tuner's dependency, never the runtime's
 
+    from fo_tune.output import check_writable_file
+
     path = moe_table_path(root, fingerprint.device_key, world_size, dtype)
+    check_writable_file(path)  # OutputError (exit 2 in the CLI) naming the path, not an OSError
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
         try:

@@ -111,9 +111,17 @@ def _check_shapes(request: SearchRequest) -> None:
                 f"--m-range {lo}:{hi}: {request.collective} needs LO and HI divisible by the world size "
                 f"{request.world_size}{_GATHERED.get(request.collective, '')}"
             )
+    from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE
+
+    fp8 = request.dtype == str(FP8_DTYPE).removeprefix("torch.")
     for m, n, k in expand_shapes(request):
         if min(m, n, k) < 1:
             raise SearchError(f"shape {m}x{n}x{k}: M, N and K must be >= 1")
+        if fp8 and (n % FP8_ALIGN or k % FP8_ALIGN):  # the fp8 ops refuse such a call (ShapeError)
+            raise SearchError(
+                f"shape {m}x{n}x{k}: {request.dtype} needs N and K multiples of {FP8_ALIGN} "
+                "(torch._scaled_mm's rule, which the fp8 ops enforce); choose another N and K"
+            )
         if request.collective in SHARDED_COLLECTIVES and m % request.world_size:
             raise SearchError(
                 f"shape {m}x{n}x{k}: {request.collective} needs M divisible by the world size "

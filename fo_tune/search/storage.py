@@ -171,7 +171,11 @@ def open_storage(url: str, *, create_folder: bool = False, must_exist: bool = Fa
     except StorageError:
         raise
     except ImportError as exc:
-        raise StorageError(f"--storage {shown(url)}: {exc}; install the database driver") from None
+        scheme = url.split(":", 1)[0]  # Optuna's message ends with a sentence of its own: no ".;"
+        raise StorageError(
+            f"--storage {shown(url)}: no driver for {scheme} is installed ({str(exc).rstrip('. ')}); "
+            "install it, or use postgresql://..., sqlite:///FILE or journal:FILE"
+        ) from None
     except optuna.exceptions.StorageInternalError as exc:
         raise StorageError(f"--storage {shown(url)}: cannot open it ({exc})") from None
     except Exception as exc:  # SQLAlchemy's ArgumentError / OperationalError: a bad URL, no server

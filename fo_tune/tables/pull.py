@@ -52,9 +52,15 @@ def pull_tables(storage: Any, table_dir: Path) -> list[PulledTable]:
     """Merge the rows of every study in ``storage`` into the tables under ``table_dir`` (see the
     module docstring); one ``PulledTable`` per file written, [] when no study records rows.
     Raises ``TableError`` for a malformed record (naming the study) or a table file of other
-    hardware, before that table is written."""
+    hardware, before that table is written, and ``OutputError`` for a table file that cannot be
+    written under ``table_dir`` (a file in its place, a read-only folder), before any is written."""
+    from fo_tune.output import check_writable_file
+
+    groups = _group(stored_rows(storage))
+    for device_key, collective, world_size, dtype in groups:  # every file writable before any is written
+        check_writable_file(table_path(table_dir, device_key, collective, world_size, dtype))
     out: list[PulledTable] = []
-    for (device_key, collective, world_size, dtype), records in _group(stored_rows(storage)).items():
+    for (device_key, collective, world_size, dtype), records in groups.items():
         fingerprint: Fingerprint = records[-1].fingerprint
         rows: list[Schedule] = [row for record in records for row in record.rows]
         path = table_path(table_dir, device_key, collective, world_size, dtype)
