@@ -267,6 +267,18 @@ def test_validate_catches_a_bad_row(row: Schedule, needles: list[str]) -> None:
         assert needle in issues[0], issues
 
 
+def test_validate_refuses_fp8_rows_no_call_takes() -> None:
+    """An fp8 row whose N or K is not a multiple of 16 is never called (the fp8 ops refuse the
+    shape): validate names it; a bf16 row of that shape is fine."""
+    fp8 = {**HEADER, "dtype": "float8_e4m3fn"}
+    rows = [Schedule(**fp8, problem=Problem(m=8, n=n, k=k)) for n, k in ((64, 32), (40, 32), (64, 24))]
+    issues = validate_table(cpu_table(rows, dtype="float8_e4m3fn"))
+    assert [issue.split(":")[0] for issue in issues] == ["row 8x40x32", "row 8x64x24"], issues
+    assert all("multiples of 16" in issue for issue in issues), issues
+    bf16 = [Schedule(**HEADER, problem=Problem(m=8, n=40, k=24))]
+    assert validate_table(cpu_table(bf16)) == []
+
+
 def test_tables_refuse_overlapping_ranges() -> None:
     """Loading refuses what validate_table reported before: ranges of one (N, K) that overlap."""
     with pytest.raises(TableError, match=r"rows\[0\] \(\[1,100\]x96x48\) and rows\[1\] \(\[50,200\]x96x48\)"):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from fo_kernels.errors import ScheduleError, ShapeError
 from fo_kernels.plan import check_fits
-from fo_kernels.schedule import SHARDED_COLLECTIVES, Problem, Schedule
+from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE
+from fo_kernels.schedule import SHARDED_COLLECTIVES, Problem, Schedule, dtype_name
 from fo_kernels.table import (
     ScheduleTable,
 )
@@ -43,6 +44,9 @@ def validate_table(table: ScheduleTable, *, sm_count: int | None = None) -> list
       ``reduce_scatter`` and ``all_gather`` the multiples of the world size nearest inside the
       range), and the range must hold at least one such M;
 
+    - an fp8 row's N and K must be multiples of ``FP8_ALIGN`` (the fp8 ops refuse other shapes, so
+      such a row is never called);
+
     (Two rows for one problem, and M ranges of one (N, K) that overlap, cannot be in a
     ``ScheduleTable``: loading refuses them, naming both rows.)
 
@@ -52,10 +56,16 @@ def validate_table(table: ScheduleTable, *, sm_count: int | None = None) -> list
     """
     sms = sm_count if sm_count is not None else table.fingerprint.sm_count
     issues: list[str] = []
+    fp8 = dtype_name(FP8_DTYPE)
     for row in table.rows:
+        problem = row.problem
+        if row.dtype == fp8 and (problem.n % FP8_ALIGN or problem.k % FP8_ALIGN):
+            issues.append(
+                f"row {problem.describe()}: problem: an fp8 row's N and K must be multiples of "
+                f"{FP8_ALIGN} (torch._scaled_mm's rule), so no call ever takes this row"
+            )
         if not row.overlap:
             continue
-        problem = row.problem
         if not problem.is_range:
             assert problem.m is not None
             issue = _plan_issue(row, problem.m, sms, problem.describe())
