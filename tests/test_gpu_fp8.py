@@ -12,6 +12,7 @@ Run on a GPU machine with: TRITON_INTERPRET=0 python -m pytest -m gpu tests/test
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -254,6 +255,41 @@ def test_fp8_layers_at_world_size_one(nccl_one_rank):
             row = RowParallelLinear.from_linear(down, fp8=scaling)
             got = row(col(x))
             assert got.dtype == torch.bfloat16 and _rel(got, want) < 0.1, scaling
+
+
+def test_fp8_styles_at_world_size_one(nccl_one_rank):
+    """fo_kernels.parallel's styles with ``fp8=`` in torch's parallelize_module on a one-rank mesh
+    (replicated and sequence-parallel activations, both scalings, and under bf16 autocast from a
+    float32 input): fp8 weight shards, within fp8's quantization error of the full bf16 MLP."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fo_kernels.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(0)
+    full = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Linear(4096, 1024))
+    full = full.to("cuda", torch.bfloat16)
+    x = torch.randn(2, 150, 1024, device="cuda", dtype=torch.bfloat16)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")
+    with torch.no_grad():
+        want = full(x)
+        for scaling in ("tensorwise", "rowwise"):
+            for act in (None, Shard(1)):
+                model = parallelize_module(
+                    copy.deepcopy(full),
+                    mesh,
+                    {
+                        "0": ColwiseParallel(input_layouts=act, fp8=scaling),
+                        "1": RowwiseParallel(output_layouts=act, fp8=scaling),
+                    },
+                )
+                assert model[0].weight.dtype == FP8, scaling
+                got = model(x)
+                assert got.dtype == torch.bfloat16 and _rel(got, want) < 0.1, (scaling, act)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    got = model(x.float())
+                assert got.dtype == torch.bfloat16 and _rel(got, want) < 0.1, (scaling, act, "autocast")
 
 
 @pytest.mark.parametrize(
