@@ -181,7 +181,7 @@ def spawned(rank: int, kind: str, world: int, backend: str, store: str, queue) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     parser.add_argument("--model", choices=MODELS, default="mixtral")
     parser.add_argument(
@@ -207,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--world-size must be >= 1")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = args.backend or ("nccl" if gpus >= world else "gloo")
+    if backend == "nccl" and gpus < world:
+        parser.error(
+            f"--backend nccl needs a GPU per rank ({world} ranks, {gpus} visible): use --backend gloo"
+        )
     os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
     with tempfile.TemporaryDirectory() as tmp:

@@ -193,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--world-size must be >= 1")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = args.backend or ("nccl" if gpus >= world else "gloo")
+    if backend == "nccl" and gpus < world:
+        parser.error(
+            f"--backend nccl needs a GPU per rank ({world} ranks, {gpus} visible): use --backend gloo"
+        )
     # Triton's interpreter on the CPU; set before the ranks import fo_kernels (they inherit it)
     os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
