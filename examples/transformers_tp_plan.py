@@ -84,9 +84,20 @@ def register_fo_tune_styles() -> None:
     ALL_PARALLEL_STYLES.register("rowwise", rowwise(input_layouts=Shard(-1), output_layouts=Replicate()))
 
 
+def no_progress_bars() -> None:
+    """Turn transformers' progress bars off ("Writing model shards", "Loading weights"): noise here,
+    and each bar's tqdm lock is a multiprocessing semaphore that a rank's ``os._exit`` leaves behind
+    ("resource_tracker: There appear to be N leaked semaphore objects" at the end of the run)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def save_tiny_llama(folder: str, world: int) -> None:
     """A 2-layer Llama, 2 query heads and 1 key/value head per rank, random weights, saved."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    no_progress_bars()
 
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -116,6 +127,7 @@ def check(folder: str, world: int, rank: int, device: torch.device) -> tuple[dic
 
     from fo_kernels.parallel import plan_of
 
+    no_progress_bars()
     register_fo_tune_styles()
     mesh = init_device_mesh(device.type, (world,))
     full = LlamaForCausalLM.from_pretrained(folder).to(device)
