@@ -229,10 +229,15 @@ def main(argv: list[str] | None = None) -> int:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: every rank saves its own copy
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
             backend = args.backend or ("nccl" if gpus >= world else "gloo")
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            if backend == "nccl" and local >= torch.cuda.device_count():
+                parser.error(
+                    f"--backend nccl needs a GPU per rank; local rank {local} has none: use --backend gloo"
+                )
             os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
             save_tiny_llama(tmp, world)
             if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+                torch.cuda.set_device(local)
             dist.init_process_group(backend)
             results: dict[str, float] = {}
             rank_main(rank, world, backend, "", tmp, results)
