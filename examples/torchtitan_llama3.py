@@ -205,10 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         backend = args.backend or ("nccl" if torch.cuda.device_count() >= world else "gloo")
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        if backend == "nccl" and local >= torch.cuda.device_count():
+            parser.error(
+                f"--backend nccl needs a GPU per rank; local rank {local} has none: use --backend gloo"
+            )
         os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
         results: dict[str, float] = {}
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(local)
         dist.init_process_group(backend)
         rank_main(rank, world, backend, "", results)
         return 0 if all(err <= TOLERANCE for err in results.values()) else 1
@@ -217,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--world-size must divide {SEQ} and {TINY['n_heads']}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = args.backend or ("nccl" if gpus >= world else "gloo")
+    if backend == "nccl" and gpus < world:
+        parser.error(
+            f"--backend nccl needs a GPU per rank ({world} ranks, {gpus} visible): use --backend gloo"
+        )
     # Triton's interpreter on the CPU; set before the ranks import fo_kernels (they inherit it)
     os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off

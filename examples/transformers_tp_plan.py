@@ -84,9 +84,20 @@ def register_fo_tune_styles() -> None:
     ALL_PARALLEL_STYLES.register("rowwise", rowwise(input_layouts=Shard(-1), output_layouts=Replicate()))
 
 
+def no_progress_bars() -> None:
+    """Turn transformers' progress bars off ("Writing model shards", "Loading weights"): noise here,
+    and each bar's tqdm lock is a multiprocessing semaphore that a rank's ``os._exit`` leaves behind
+    ("resource_tracker: There appear to be N leaked semaphore objects" at the end of the run)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def save_tiny_llama(folder: str, world: int) -> None:
     """A 2-layer Llama, 2 query heads and 1 key/value head per rank, random weights, saved."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    no_progress_bars()
 
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -116,6 +127,7 @@ def check(folder: str, world: int, rank: int, device: torch.device) -> tuple[dic
 
     from fo_kernels.parallel import plan_of
 
+    no_progress_bars()
     register_fo_tune_styles()
     mesh = init_device_mesh(device.type, (world,))
     full = LlamaForCausalLM.from_pretrained(folder).to(device)
@@ -217,10 +229,15 @@ def main(argv: list[str] | None = None) -> int:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: every rank saves its own copy
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
             backend = args.backend or ("nccl" if gpus >= world else "gloo")
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            if backend == "nccl" and local >= torch.cuda.device_count():
+                parser.error(
+                    f"--backend nccl needs a GPU per rank; local rank {local} has none: use --backend gloo"
+                )
             os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
             save_tiny_llama(tmp, world)
             if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+                torch.cuda.set_device(local)
             dist.init_process_group(backend)
             results: dict[str, float] = {}
             rank_main(rank, world, backend, "", tmp, results)
@@ -229,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         if world < 1:
             parser.error("--world-size must be >= 1")
         backend = args.backend or ("nccl" if gpus >= world else "gloo")
+        if backend == "nccl" and gpus < world:
+            parser.error(
+                f"--backend nccl needs a GPU per rank ({world} ranks, {gpus} visible): use --backend gloo"
+            )
         # Triton's interpreter on the CPU; set before the ranks import fo_kernels (they inherit it)
         os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off

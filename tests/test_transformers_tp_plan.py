@@ -39,3 +39,5 @@ def test_tp_plan_names_run_on_fo_tune(tmp_path):
     assert set(result["errors"]) == CHECKS, result
     assert all(err < 1e-5 for err in result["errors"].values()), result
     assert result["fo_tune_modules"] == FO_TUNE_MODULES, result
+    # no progress bars, and no semaphore of theirs left behind by a rank's os._exit
+    assert "Loading weights" not in done.stderr and "leaked semaphore" not in done.stderr, done.stderr

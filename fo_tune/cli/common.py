@@ -85,6 +85,8 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 # fo_tune.ranks.scaled.SCALINGS, for the same reason: the fp8 scalings `fo-tune profile` measures,
 # the tuner's (TUNE_SCALING) first.
 SCALING_NAMES = ("rowwise", "tensorwise")
+# fo_tune.bench.demo.TOL's keys: the dtypes `fo-tune demo` checks (it has no fp8 check).
+DEMO_DTYPE_NAMES = ("float32", "float16", "bfloat16")
 RUNTIME_COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather")
 # The collectives `fo-tune search` and `fo-tune table` take: every one the runtime runs.
 COLLECTIVE_NAMES = RUNTIME_COLLECTIVE_NAMES
@@ -112,7 +114,7 @@ DtypeOpt = Annotated[
     typer.Option(
         "--dtype",
         "-d",
-        help=f"Operand dtype: {', '.join(DTYPE_NAMES)}. Default: float32 on the CPU, bfloat16 on GPUs.",
+        help=f"Operand dtype: {', '.join(DEMO_DTYPE_NAMES)}. Default: float32 on the CPU, bfloat16 on GPUs.",
     ),
 ]
 BackendOpt = Annotated[

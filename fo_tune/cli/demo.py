@@ -9,7 +9,7 @@ from rich.table import Table
 
 from fo_tune.cli.common import (
     BACKEND_NAMES,
-    DTYPE_NAMES,
+    DEMO_DTYPE_NAMES,
     BackendOpt,
     DtypeOpt,
     RepsOpt,
@@ -130,8 +130,8 @@ def demo(
     engine: EngineOpt = "auto",
 ) -> None:
     shapes = [parse_shape(s) for s in shape or []]
-    if dtype is not None and dtype not in DTYPE_NAMES:
-        raise typer.BadParameter(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    if dtype is not None and dtype not in DEMO_DTYPE_NAMES:
+        raise typer.BadParameter(f"--dtype {dtype!r} is not one of {', '.join(DEMO_DTYPE_NAMES)}")
     if backend not in BACKEND_NAMES:
         raise typer.BadParameter(f"--backend {backend!r} is not one of {', '.join(BACKEND_NAMES)}")
     if world_size is not None and world_size < 1:

@@ -1,0 +1,60 @@
+"""The examples' command lines: ``--help`` describes each in a whole sentence, and ``--backend nccl``
+on a machine with fewer GPUs than ranks is one usage error (exit 2) before any rank starts (under
+torchrun: on each rank, before it joins the group), not a traceback from every spawned rank. Fast:
+nothing here spawns a rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.py"))
+NEEDS = {"torchtitan_llama3.py": "torchtitan", "transformers_tp_plan.py": "accelerate"}
+
+
+def run(example: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(example), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_every_example_is_covered():
+    assert {p.name for p in EXAMPLES} >= {
+        "moe_block.py",
+        "tp_block.py",
+        "torchtitan_llama3.py",
+        "transformers_tp_plan.py",
+    }
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_help_describes_the_example(example):
+    done = run(example, "--help")
+    assert done.returncode == 0, done.stderr
+    description = done.stdout.split("\n\n")[1]
+    assert description.rstrip().endswith("."), done.stdout  # a whole sentence, not a cut first line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
+@pytest.mark.parametrize("torchrun", [False, True], ids=["spawn", "torchrun"])
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_nccl_without_gpus_is_one_usage_error(example, torchrun):
+    pytest.importorskip("transformers")
+    if example.name in NEEDS:
+        pytest.importorskip(NEEDS[example.name])
+    # torchrun's variables (one rank of one): the example takes its torchrun branch
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"} if torchrun else None
+    done = run(example, "--backend", "nccl", env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "--backend nccl needs a GPU per rank" in last and "--backend gloo" in last, done.stderr
