@@ -106,6 +106,20 @@ class _LocalScaledMatmul(torch.autograd.Function):
         return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
 
 
+class _Fp8RefusedMatmul(torch.autograd.Function):
+    """``a @ b`` of an fp8 layer's input with no rows (``_ParallelLinear._empty_forward``):
+    training in fp8 is out of scope, so its backward raises as ``_LocalScaledMatmul``'s does."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.input_meta = fp8_input_meta((a, b))
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
+
+
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -212,6 +226,23 @@ class _ParallelLinear(nn.Module):
         """The fp8 keyword arguments of this layer's op call."""
         return dict(scale_a=scale_a, scale_b=self.weight_scale, out_dtype=layer_out_dtype(x))
 
+    def _empty_forward(self, x: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The output of an input with no rows, as ``nn.Linear`` gives it: the ops refuse empty
+        operands, and an input with no rows has none on any rank (the rows are the same on every
+        rank, or with sequence parallelism an equal shard of them), so every rank skips the
+        collectives alike. A local GEMM keeps autograd's zero weight and bias gradients; an fp8
+        layer takes the dequantized weight (its backward raises as on any other input)."""
+        if self.fp8:
+            out_dtype = layer_out_dtype(x)
+            scale = self.weight_scale if self.weight_scale.dim() == 0 else self.weight_scale.reshape(-1, 1)
+            weight = self.weight.to(out_dtype) * scale.to(out_dtype)
+            y = _Fp8RefusedMatmul.apply(rows.to(out_dtype), weight.t())
+        else:
+            y = rows @ self.weight.t()
+        if self.bias is not None:
+            y = y + self._bias_like(y)
+        return y.reshape(shape)
+
     def _bias_like(self, y: torch.Tensor) -> torch.Tensor | None:
         return None if self.bias is None else self.bias.to(y.dtype)
 
@@ -254,6 +285,12 @@ class ColumnParallelLinear(_ParallelLinear):
         rows = self._rows(x, self.in_features)
         w = self.weight.t()
         n = self.weight.shape[0]
+        if self.sequence_parallel:  # the gathered rows: dim 0 times the world size
+            shape = (x.shape[0] * self.world_size, *x.shape[1:-1], n) if x.dim() > 1 else (self.world_size, n)
+        else:
+            shape = (*x.shape[:-1], n)
+        if rows.shape[0] == 0:
+            return self._empty_forward(x, rows, shape)
         if self.sequence_parallel:
             if self.fp8:  # (tensorwise: the gathered shards share one scale)
                 codes, sa = self._quantized(rows, shared=True)
@@ -261,7 +298,6 @@ class ColumnParallelLinear(_ParallelLinear):
                 y = all_gather_gemm(codes, w, group=self.group, schedule=self.schedule, **fp8)
             else:
                 y = all_gather_gemm(rows, w, group=self.group, schedule=self.schedule)
-            shape = (x.shape[0] * self.world_size, *x.shape[1:-1], n) if x.dim() > 1 else (self.world_size, n)
         else:
             if self.fp8:
                 codes, sa = self._quantized(rows)
@@ -274,7 +310,6 @@ class ColumnParallelLinear(_ParallelLinear):
                 y = _ReplicatedInputMatmul.apply(rows, w, self.group_name)
             else:
                 y = rows @ w
-            shape = (*x.shape[:-1], n)
         if self.bias is not None:
             y = y + self._bias_like(y)
         return y.reshape(shape)
@@ -288,6 +323,9 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._rows(x, self.weight.shape[1])
         lead = x.shape[:-1]
+        world = self.world_size
+        if rows.shape[0] == 0:
+            return self._empty_forward(x, rows, self._out_shape(lead))
         fp8: dict = {}
         if self.fp8:  # (each rank's partial is scaled by its own scales before the sum)
             rows, sa = self._quantized(rows)
@@ -296,8 +334,7 @@ class RowParallelLinear(_ParallelLinear):
             y = gemm_all_reduce(rows, self.weight.t(), schedule=self.schedule, group=self.group, **fp8)
             if self.bias is not None:
                 y = y + self._bias_like(y)
-            return y.reshape(*lead, self.out_features)
-        world = self.world_size
+            return y.reshape(self._out_shape(lead))
         if rows.shape[0] % world:
             raise ShapeError(
                 f"sequence parallelism splits the input's {rows.shape[0]} rows over the world size "
@@ -308,6 +345,15 @@ class RowParallelLinear(_ParallelLinear):
             y = _ShardBias.apply(y, self._bias_like(y), self.group_name)
         elif self.bias is not None:
             y = y + self._bias_like(y)
+        return y.reshape(self._out_shape(lead))
+
+    def _out_shape(self, lead: torch.Size) -> tuple[int, ...]:
+        """The output's shape for an input of leading dims ``lead``: those dims, or with sequence
+        parallelism this rank's dim-0 shard of them, the flat (M/w, out) shard of the rows where
+        dim 0 does not divide by w."""
+        world = self.world_size
+        if not self.sequence_parallel:
+            return (*lead, self.out_features)
         if len(lead) == 0 or lead[0] % world:
-            return y  # the shard of the flattened rows
-        return y.reshape(lead[0] // world, *lead[1:], self.out_features)
+            return (-1, self.out_features)  # the shard of the flattened rows
+        return (lead[0] // world, *lead[1:], self.out_features)

@@ -87,9 +87,14 @@ def test_mlp_matches_unsharded_model(world):
     """Column- then row-parallel MLP vs the unsharded float32 one: the output, the input's
     gradient and both layers' weight and bias gradients within 1e-4 relative (this rank's
     shards of them), eager and compiled, with and without sequence parallelism; bad layer input
-    raises a ValueError subclass before any collective."""
+    raises a ValueError subclass before any collective; an input with no rows gives nn.Linear's
+    empty output and zero gradients (the ops refuse empty operands, so the layers skip them)."""
     payload = {"batch": 2 * world, "seq": 3, "hidden": 24, "inner": 16 * world, "runs": _runs(world)}
-    parts = {"mlp": ("mlp_cases", payload), "bad": ("layer_bad_inputs", None)}
+    parts = {
+        "mlp": ("mlp_cases", payload),
+        "bad": ("layer_bad_inputs", None),
+        "empty": ("empty_inputs", None),
+    }
     results = run_ranks(suite, world, parts, backend="gloo")
     for rank, r in enumerate(results):
         assert [(c["sp"], c["backend"]) for c in r["mlp"]] == payload["runs"]
@@ -106,3 +111,13 @@ def test_mlp_matches_unsharded_model(world):
         assert "not an nn.Linear" in msgs["plan_not_linear"] and "diagonal" in msgs["plan_kind"], msgs
         if rank == 2:
             assert "not a member" in msgs["group_not_member"], msgs
+        empty = r["empty"]
+        for sp in (False, True):
+            for backend in (None, "aot_eager"):
+                assert empty[f"sp={sp} {backend} (0, 3, 16)"] == ((0, 3, 16), (0, 3, 16), 0.0), empty
+                # (a column-parallel layer gathers dim 0 with sequence parallelism, a row-parallel one
+                # scatters it: the pair keeps the input's shape either way)
+                shape = (2 * world, 0, 16)
+                assert empty[f"sp={sp} {backend} {shape}"] == (shape, shape, 0.0), empty
+        assert empty["fp8"] == ((0, 16), "torch.float32"), empty
+        assert empty["fp8_backward"] == "Fp8TrainingError", empty
