@@ -54,6 +54,14 @@ def test_plan_shards_linears_with_the_styles(one_rank):
         torch.testing.assert_close(model(x), want)
 
 
+def test_empty_plan_leaves_the_model_as_it_is(one_rank):
+    """An empty plan shards nothing (as ``parallelize_module``'s does): the same model back, its
+    parameters plain tensors."""
+    model = MLP(4, 8)
+    assert parallelize_linears(model, {}) is model
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+
+
 def test_no_grad_forward_skips_the_dispatcher(one_rank, monkeypatch):
     """Inference (no gradient to record) runs the ops' bodies directly, as before the custom ops."""
 
