@@ -17,6 +17,8 @@ from tp_cases import MLP, suite
 
 # float32 against the unsharded float32 model (the issue's bound).
 LAYER_TOL = 1e-4
+# bfloat16 (torch.autocast) against the unsharded model under the same autocast.
+AUTOCAST_TOL = 2e-2
 
 
 @pytest.fixture(autouse=True)
@@ -96,12 +98,15 @@ def test_mlp_matches_unsharded_model(world):
     gradient and both layers' weight and bias gradients within 1e-4 relative (this rank's
     shards of them), eager and compiled, with and without sequence parallelism; bad layer input
     raises a ValueError subclass before any collective; an input with no rows gives nn.Linear's
-    empty output and zero gradients (the ops refuse empty operands, so the layers skip them)."""
+    empty output and zero gradients (the ops refuse empty operands, so the layers skip them);
+    inside torch.autocast the layers cast their operands as F.linear does (bf16 output, the
+    autocast model's results within 2e-2)."""
     payload = {"batch": 2 * world, "seq": 3, "hidden": 24, "inner": 16 * world, "runs": _runs(world)}
     parts = {
         "mlp": ("mlp_cases", payload),
         "bad": ("layer_bad_inputs", None),
         "empty": ("empty_inputs", None),
+        "autocast": ("autocast_cases", None),
     }
     results = run_ranks(suite, world, parts, backend="gloo")
     for rank, r in enumerate(results):
@@ -129,3 +134,5 @@ def test_mlp_matches_unsharded_model(world):
                 assert empty[f"sp={sp} {backend} {shape}"] == (shape, shape, 0.0), empty
         assert empty["fp8"] == ((0, 16), "torch.float32"), empty
         assert empty["fp8_backward"] == "Fp8TrainingError", empty
+        for name, (dtype, err) in r["autocast"].items():
+            assert dtype == "torch.bfloat16" and err < AUTOCAST_TOL, f"rank {rank} {name}: {dtype} {err:.2e}"

@@ -368,6 +368,43 @@ def empty_inputs(ctx, _payload) -> dict[str, object]:
     return out
 
 
+def autocast_cases(ctx, _payload) -> dict[str, object]:
+    """The MLP inside ``torch.autocast`` (bfloat16) against the unsharded one inside it, as
+    ``F.linear`` casts its operands: name -> (output dtype, largest relative error of the output,
+    input and parameter gradients) for each (sequence_parallel, backend)."""
+    rank, world = ctx.rank, ctx.world_size
+    torch.manual_seed(5)
+    full = MLP(16, 16 * world)
+    x = torch.randn(2 * world, 3, 16)
+    dy = torch.randn(2 * world, 3, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _grads(full, x, dy)
+    out: dict[str, object] = {}
+    for sp in (False, True):
+        for backend in (None, "aot_eager"):
+            torch._dynamo.reset()
+            sharded = ShardedMLP(full, sp, None)
+            model = sharded if backend is None else torch.compile(sharded, fullgraph=True, backend=backend)
+            mine = slice(rank * 2, (rank + 1) * 2) if sp else slice(None)
+            with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+                warnings.simplefilter("ignore")
+                got = _grads(model, x[mine], dy[mine])
+            o = 16
+            ref = (
+                want[0][mine],
+                want[1][mine],
+                want[2][rank * o : (rank + 1) * o],
+                want[3][rank * o : (rank + 1) * o],
+                want[4][:, rank * o : (rank + 1) * o],
+                want[5],
+            )
+            out[f"sp={sp} {backend}"] = (
+                str(got[0].dtype),
+                max(rel(g, r) for g, r in zip(got, ref, strict=True)),
+            )
+    return out
+
+
 def layer_bad_inputs(ctx, _payload) -> dict[str, str]:
     """Bad layer use raises a ValueError subclass before any collective; name -> message."""
     from fo_kernels import PlanError, parallelize_linears
