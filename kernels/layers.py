@@ -31,7 +31,9 @@ backward through an fp8 layer raises ``Fp8TrainingError``.
 
 A leading-dimension input (batch, seq, features) is flattened to rows; with sequence parallelism
 dim 0 is the sharded one (rank r's rows come r-th), and a row-parallel output whose dim 0 does not
-divide by w comes back as the flat (M/w, out) shard of the rows.
+divide by w comes back as the flat (M/w, out) shard of the rows. An input with no rows gives
+``nn.Linear``'s empty output, with no collective. Inside ``torch.autocast`` the input, weight and
+bias are cast to its dtype, as ``F.linear``'s are.
 
 These layers hold plain tensors; ``fo_kernels.parallel`` has the same split as torch's
 ``parallelize_module`` styles on the same ops, with DTensor parameters, and ``parallelize_linears``
@@ -51,7 +53,7 @@ from fo_kernels.groups import check_group
 from fo_kernels.ops import call_op, fp8_input_meta, fp8_refused_grads
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.quantize import check_scaling, layer_out_dtype, quantize_rows, quantize_weight
-from fo_kernels.scaling import FP8_ALIGN, Scales, is_fp8, scaled_mm
+from fo_kernels.scaling import FP8_ALIGN, FP8_VARIANTS, Scales, is_fp8, scaled_mm
 from fo_kernels.schedule import Schedule
 
 
@@ -104,6 +106,39 @@ class _LocalScaledMatmul(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         # (raises Fp8TrainingError when it runs; an op, so torch.compile can trace it: fo_kernels.ops)
         return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
+
+
+class _Fp8RefusedMatmul(torch.autograd.Function):
+    """``a @ b`` of an fp8 layer's input with no rows (``_ParallelLinear._empty_forward``):
+    training in fp8 is out of scope, so its backward raises as ``_LocalScaledMatmul``'s does."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.input_meta = fp8_input_meta((a, b))
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
+
+
+def _autocast_operands(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The operands as ``F.linear`` takes them inside ``torch.autocast``: cast to its dtype, so the
+    output's dtype is torch's style's (autocast does not cast the arguments of the custom ops);
+    outside autocast, as they are."""
+    device = weight.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        # an fp8 module's weight stays fp8 codes: its scaled GEMM takes them with their scale
+        keep = t is None or not t.is_floating_point() or t.dtype in FP8_VARIANTS
+        return t if keep else t.to(dtype)
+
+    return cast(x), cast(weight), cast(bias)
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -212,8 +247,24 @@ class _ParallelLinear(nn.Module):
         """The fp8 keyword arguments of this layer's op call."""
         return dict(scale_a=scale_a, scale_b=self.weight_scale, out_dtype=layer_out_dtype(x))
 
-    def _bias_like(self, y: torch.Tensor) -> torch.Tensor | None:
-        return None if self.bias is None else self.bias.to(y.dtype)
+    def _empty_forward(
+        self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The output of an input with no rows, as ``nn.Linear`` gives it: the ops refuse empty
+        operands, and an input with no rows has none on any rank (the rows are the same on every
+        rank, or with sequence parallelism an equal shard of them), so every rank skips the
+        collectives alike. A local GEMM keeps autograd's zero weight and bias gradients; an fp8
+        layer takes the dequantized weight (its backward raises as on any other input)."""
+        if self.fp8:
+            out_dtype = layer_out_dtype(rows)
+            scale = self.weight_scale if self.weight_scale.dim() == 0 else self.weight_scale.reshape(-1, 1)
+            dequantized = weight.to(out_dtype) * scale.to(out_dtype)
+            y = _Fp8RefusedMatmul.apply(rows.to(out_dtype), dequantized.t())
+        else:
+            y = rows @ weight.t()
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.reshape(shape)
 
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
@@ -251,32 +302,37 @@ class ColumnParallelLinear(_ParallelLinear):
     split_dim: ClassVar[int] = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = self._rows(x, self.in_features)
-        w = self.weight.t()
-        n = self.weight.shape[0]
+        # (inside torch.autocast, the operands in its dtype, as F.linear takes them)
+        rows, weight, bias = _autocast_operands(self._rows(x, self.in_features), self.weight, self.bias)
+        w = weight.t()
+        n = weight.shape[0]
+        if self.sequence_parallel:  # the gathered rows: dim 0 times the world size
+            shape = (x.shape[0] * self.world_size, *x.shape[1:-1], n) if x.dim() > 1 else (self.world_size, n)
+        else:
+            shape = (*x.shape[:-1], n)
+        if rows.shape[0] == 0:
+            return self._empty_forward(rows, weight, bias, shape)
         if self.sequence_parallel:
             if self.fp8:  # (tensorwise: the gathered shards share one scale)
                 codes, sa = self._quantized(rows, shared=True)
-                fp8 = self._fp8_ops(x, sa)
+                fp8 = self._fp8_ops(rows, sa)
                 y = all_gather_gemm(codes, w, group=self.group, schedule=self.schedule, **fp8)
             else:
                 y = all_gather_gemm(rows, w, group=self.group, schedule=self.schedule)
-            shape = (x.shape[0] * self.world_size, *x.shape[1:-1], n) if x.dim() > 1 else (self.world_size, n)
         else:
             if self.fp8:
                 codes, sa = self._quantized(rows)
-                fp8 = self._fp8_ops(x, sa)
+                fp8 = self._fp8_ops(rows, sa)
                 scales = Scales(
                     sa.reshape(-1), fp8["scale_b"].reshape(-1), fp8["out_dtype"], self.fp8 == "rowwise"
                 )
                 y = _LocalScaledMatmul.apply(codes, w, scales)
-            elif _needs_grad(x, w):
+            elif _needs_grad(rows, w):
                 y = _ReplicatedInputMatmul.apply(rows, w, self.group_name)
             else:
                 y = rows @ w
-            shape = (*x.shape[:-1], n)
-        if self.bias is not None:
-            y = y + self._bias_like(y)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
         return y.reshape(shape)
 
 
@@ -286,28 +342,41 @@ class RowParallelLinear(_ParallelLinear):
     split_dim: ClassVar[int] = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = self._rows(x, self.weight.shape[1])
+        # (inside torch.autocast, the operands in its dtype, as F.linear takes them)
+        rows, weight, bias = _autocast_operands(self._rows(x, self.weight.shape[1]), self.weight, self.bias)
         lead = x.shape[:-1]
+        world = self.world_size
+        if rows.shape[0] == 0:
+            return self._empty_forward(rows, weight, bias, self._out_shape(lead))
         fp8: dict = {}
         if self.fp8:  # (each rank's partial is scaled by its own scales before the sum)
-            rows, sa = self._quantized(rows)
-            fp8 = self._fp8_ops(x, sa)
+            codes, sa = self._quantized(rows)
+            fp8 = self._fp8_ops(rows, sa)
+            rows = codes
         if not self.sequence_parallel:
-            y = gemm_all_reduce(rows, self.weight.t(), schedule=self.schedule, group=self.group, **fp8)
-            if self.bias is not None:
-                y = y + self._bias_like(y)
-            return y.reshape(*lead, self.out_features)
-        world = self.world_size
+            y = gemm_all_reduce(rows, weight.t(), schedule=self.schedule, group=self.group, **fp8)
+            if bias is not None:
+                y = y + bias.to(y.dtype)
+            return y.reshape(self._out_shape(lead))
         if rows.shape[0] % world:
             raise ShapeError(
                 f"sequence parallelism splits the input's {rows.shape[0]} rows over the world size "
                 f"{world}: they must divide by it"
             )
-        y = gemm_reduce_scatter(rows, self.weight.t(), schedule=self.schedule, group=self.group, **fp8)
-        if self.bias is not None and _needs_grad(y, self.bias):
-            y = _ShardBias.apply(y, self._bias_like(y), self.group_name)
-        elif self.bias is not None:
-            y = y + self._bias_like(y)
+        y = gemm_reduce_scatter(rows, weight.t(), schedule=self.schedule, group=self.group, **fp8)
+        if bias is not None and _needs_grad(y, bias):
+            y = _ShardBias.apply(y, bias.to(y.dtype), self.group_name)
+        elif bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.reshape(self._out_shape(lead))
+
+    def _out_shape(self, lead: torch.Size) -> tuple[int, ...]:
+        """The output's shape for an input of leading dims ``lead``: those dims, or with sequence
+        parallelism this rank's dim-0 shard of them, the flat (M/w, out) shard of the rows where
+        dim 0 does not divide by w."""
+        world = self.world_size
+        if not self.sequence_parallel:
+            return (*lead, self.out_features)
         if len(lead) == 0 or lead[0] % world:
-            return y  # the shard of the flattened rows
-        return y.reshape(lead[0] // world, *lead[1:], self.out_features)
+            return (-1, self.out_features)  # the shard of the flattened rows
+        return (lead[0] // world, *lead[1:], self.out_features)

@@ -230,7 +230,8 @@ def parallelize_linears(
     (``Shard(0)``), else the full activation (``Replicate()``). The parameters become DTensors on a
     one-dim mesh of ``group`` (rank 0's weights are the ones scattered). A pattern that matches no
     ``nn.Linear``, or a name that is not one, raises ``PlanError`` before any module is sharded.
-    ``fp8``: every chosen module in fp8 for inference (the styles' ``fp8`` option).
+    ``fp8``: every chosen module in fp8 for inference (the styles' ``fp8`` option). An empty
+    ``plan`` shards nothing and returns ``model`` as it is, as ``parallelize_module`` does.
     """
     for kind in plan.values():
         if kind not in KINDS:
@@ -246,6 +247,8 @@ def parallelize_linears(
                 found = type(model.get_submodule(name)).__name__
                 raise PlanError(f"plan: {name} is a {found}, not an nn.Linear")
             chosen[name] = kind
+    if not chosen:  # (an empty plan: no module to take the mesh's device type from)
+        return model
     group = group if group is not None else dist.group.WORLD
     first = model.get_submodule(next(iter(chosen)))
     mesh = DeviceMesh.from_group(group, first.weight.device.type)

@@ -51,10 +51,10 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fo_kernels.errors import NotOverlappedWarning, ShapeError
 from fo_kernels.groups import resolve_group
-from fo_kernels.layers import _LocalScaledMatmul, _ReplicatedInputMatmul, _ShardBias
+from fo_kernels.layers import _autocast_operands, _LocalScaledMatmul, _ReplicatedInputMatmul, _ShardBias
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.quantize import layer_out_dtype, quantize_rows, quantize_weight
-from fo_kernels.scaling import FP8_ALIGN, FP8_VARIANTS, OUT_DTYPES, Scales
+from fo_kernels.scaling import FP8_ALIGN, OUT_DTYPES, Scales
 from fo_kernels.schedule import TORCH_DTYPES
 
 # The attributes of the module that hold its LinearPlan, and whether it has warned of torch's path.
@@ -235,25 +235,6 @@ def _check_features(module: nn.Linear, x: torch.Tensor, weight: torch.Tensor, pl
             f"a {plan.kind} nn.Linear({module.in_features}, {module.out_features}) takes {weight.shape[1]} "
             f"input features on this rank, got an input of {tuple(local.shape)}"
         )
-
-
-def _autocast_operands(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The operands as ``F.linear`` takes them inside ``torch.autocast``: cast to its dtype, so the
-    output's dtype is torch's style's (autocast does not cast the arguments of the custom ops);
-    outside autocast, as they are."""
-    device = weight.device.type
-    if not torch.is_autocast_enabled(device):
-        return x, weight, bias
-    dtype = torch.get_autocast_dtype(device)
-
-    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-        # an fp8 module's weight stays fp8 codes: its scaled GEMM takes them with their scale
-        keep = t is None or not t.is_floating_point() or t.dtype in FP8_VARIANTS
-        return t if keep else t.to(dtype)
-
-    return cast(x), cast(weight), cast(bias)
 
 
 def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:

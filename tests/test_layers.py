@@ -17,6 +17,8 @@ from tp_cases import MLP, suite
 
 # float32 against the unsharded float32 model (the issue's bound).
 LAYER_TOL = 1e-4
+# bfloat16 (torch.autocast) against the unsharded model under the same autocast.
+AUTOCAST_TOL = 2e-2
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +56,14 @@ def test_plan_shards_linears_with_the_styles(one_rank):
         torch.testing.assert_close(model(x), want)
 
 
+def test_empty_plan_leaves_the_model_as_it_is(one_rank):
+    """An empty plan shards nothing (as ``parallelize_module``'s does): the same model back, its
+    parameters plain tensors."""
+    model = MLP(4, 8)
+    assert parallelize_linears(model, {}) is model
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+
+
 def test_no_grad_forward_skips_the_dispatcher(one_rank, monkeypatch):
     """Inference (no gradient to record) runs the ops' bodies directly, as before the custom ops."""
 
@@ -87,9 +97,17 @@ def test_mlp_matches_unsharded_model(world):
     """Column- then row-parallel MLP vs the unsharded float32 one: the output, the input's
     gradient and both layers' weight and bias gradients within 1e-4 relative (this rank's
     shards of them), eager and compiled, with and without sequence parallelism; bad layer input
-    raises a ValueError subclass before any collective."""
+    raises a ValueError subclass before any collective; an input with no rows gives nn.Linear's
+    empty output and zero gradients (the ops refuse empty operands, so the layers skip them);
+    inside torch.autocast the layers cast their operands as F.linear does (bf16 output, the
+    autocast model's results within 2e-2)."""
     payload = {"batch": 2 * world, "seq": 3, "hidden": 24, "inner": 16 * world, "runs": _runs(world)}
-    parts = {"mlp": ("mlp_cases", payload), "bad": ("layer_bad_inputs", None)}
+    parts = {
+        "mlp": ("mlp_cases", payload),
+        "bad": ("layer_bad_inputs", None),
+        "empty": ("empty_inputs", None),
+        "autocast": ("autocast_cases", None),
+    }
     results = run_ranks(suite, world, parts, backend="gloo")
     for rank, r in enumerate(results):
         assert [(c["sp"], c["backend"]) for c in r["mlp"]] == payload["runs"]
@@ -106,3 +124,15 @@ def test_mlp_matches_unsharded_model(world):
         assert "not an nn.Linear" in msgs["plan_not_linear"] and "diagonal" in msgs["plan_kind"], msgs
         if rank == 2:
             assert "not a member" in msgs["group_not_member"], msgs
+        empty = r["empty"]
+        for sp in (False, True):
+            for backend in (None, "aot_eager"):
+                assert empty[f"sp={sp} {backend} (0, 3, 16)"] == ((0, 3, 16), (0, 3, 16), 0.0), empty
+                # (a column-parallel layer gathers dim 0 with sequence parallelism, a row-parallel one
+                # scatters it: the pair keeps the input's shape either way)
+                shape = (2 * world, 0, 16)
+                assert empty[f"sp={sp} {backend} {shape}"] == (shape, shape, 0.0), empty
+        assert empty["fp8"] == ((0, 16), "torch.float32"), empty
+        assert empty["fp8_backward"] == "Fp8TrainingError", empty
+        for name, (dtype, err) in r["autocast"].items():
+            assert dtype == "torch.bfloat16" and err < AUTOCAST_TOL, f"rank {rank} {name}: {dtype} {err:.2e}"

@@ -332,6 +332,79 @@ def mlp_cases(ctx, payload: dict) -> list[dict]:
     return out
 
 
+def empty_inputs(ctx, _payload) -> dict[str, object]:
+    """An input with no rows, as ``nn.Linear`` takes it: name -> (output shape, input gradient
+    shape, largest parameter gradient) for each (sequence_parallel, backend, input shape), and an fp8 pair's
+    output shape and dtype under no_grad and what its backward raises."""
+    from fo_kernels import Fp8TrainingError
+
+    world = ctx.world_size
+    torch.manual_seed(5)
+    full = MLP(16, 16 * world)
+    out: dict[str, object] = {}
+    for sp in (False, True):
+        for backend in (None, "aot_eager"):
+            torch._dynamo.reset()
+            sharded = ShardedMLP(full, sp, None)
+            model = sharded if backend is None else torch.compile(sharded, fullgraph=True, backend=backend)
+            for shape in ((0, 3, 16), (2 * world, 0, 16)):
+                x = torch.randn(shape, requires_grad=True)
+                y = model(x)
+                y.sum().backward()
+                biggest = max(p.grad.abs().max().item() for p in sharded.parameters())
+                out[f"sp={sp} {backend} {shape}"] = (tuple(y.shape), tuple(x.grad.shape), biggest)
+    fp8 = nn.Sequential(
+        ColumnParallelLinear.from_linear(nn.Linear(16, 16 * world), fp8="rowwise"),
+        RowParallelLinear.from_linear(nn.Linear(16 * world, 16), fp8="tensorwise"),
+    )
+    with torch.no_grad():
+        y = fp8(torch.randn(0, 16))
+    out["fp8"] = (tuple(y.shape), str(y.dtype))
+    try:
+        fp8(torch.randn(0, 16, requires_grad=True)).sum().backward()
+        out["fp8_backward"] = "NO ERROR"
+    except Fp8TrainingError as exc:
+        out["fp8_backward"] = type(exc).__name__
+    return out
+
+
+def autocast_cases(ctx, _payload) -> dict[str, object]:
+    """The MLP inside ``torch.autocast`` (bfloat16) against the unsharded one inside it, as
+    ``F.linear`` casts its operands: name -> (output dtype, largest relative error of the output,
+    input and parameter gradients) for each (sequence_parallel, backend)."""
+    rank, world = ctx.rank, ctx.world_size
+    torch.manual_seed(5)
+    full = MLP(16, 16 * world)
+    x = torch.randn(2 * world, 3, 16)
+    dy = torch.randn(2 * world, 3, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _grads(full, x, dy)
+    out: dict[str, object] = {}
+    for sp in (False, True):
+        for backend in (None, "aot_eager"):
+            torch._dynamo.reset()
+            sharded = ShardedMLP(full, sp, None)
+            model = sharded if backend is None else torch.compile(sharded, fullgraph=True, backend=backend)
+            mine = slice(rank * 2, (rank + 1) * 2) if sp else slice(None)
+            with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+                warnings.simplefilter("ignore")
+                got = _grads(model, x[mine], dy[mine])
+            o = 16
+            ref = (
+                want[0][mine],
+                want[1][mine],
+                want[2][rank * o : (rank + 1) * o],
+                want[3][rank * o : (rank + 1) * o],
+                want[4][:, rank * o : (rank + 1) * o],
+                want[5],
+            )
+            out[f"sp={sp} {backend}"] = (
+                str(got[0].dtype),
+                max(rel(g, r) for g, r in zip(got, ref, strict=True)),
+            )
+    return out
+
+
 def layer_bad_inputs(ctx, _payload) -> dict[str, str]:
     """Bad layer use raises a ValueError subclass before any collective; name -> message."""
     from fo_kernels import PlanError, parallelize_linears
