@@ -53,7 +53,7 @@ from fo_kernels.groups import check_group
 from fo_kernels.ops import call_op, fp8_input_meta, fp8_refused_grads
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.quantize import check_scaling, layer_out_dtype, quantize_rows, quantize_weight
-from fo_kernels.scaling import FP8_ALIGN, FP8_VARIANTS, Scales, is_fp8, scaled_mm
+from fo_kernels.scaling import FP8_VARIANTS, Scales, is_fp8, scaled_mm
 from fo_kernels.schedule import Schedule
 
 
@@ -225,13 +225,7 @@ class _ParallelLinear(nn.Module):
         scaling = check_scaling(scaling)
         if is_fp8(self.weight.dtype):
             raise ScaleError(f"{type(self).__name__}: the weight is fp8 already ({self.fp8})")
-        n, k = self.weight.shape
-        if n % FP8_ALIGN or k % FP8_ALIGN:
-            raise ShapeError(
-                f"{type(self).__name__}: an fp8 shard needs its (out, in) = ({n}, {k}) multiples of "
-                f"{FP8_ALIGN} (torch._scaled_mm's rule)"
-            )
-        codes, scale = quantize_weight(self.weight, scaling)
+        codes, scale = quantize_weight(self.weight, scaling, type(self).__name__)
         self.weight = nn.Parameter(codes, requires_grad=False)
         self.weight_scale = scale
         self.fp8 = scaling

@@ -54,7 +54,7 @@ from fo_kernels.groups import resolve_group
 from fo_kernels.layers import _autocast_operands, _LocalScaledMatmul, _ReplicatedInputMatmul, _ShardBias
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.quantize import layer_out_dtype, quantize_rows, quantize_weight
-from fo_kernels.scaling import FP8_ALIGN, OUT_DTYPES, Scales
+from fo_kernels.scaling import OUT_DTYPES, Scales
 from fo_kernels.schedule import TORCH_DTYPES
 
 # The attributes of the module that hold its LinearPlan, and whether it has warned of torch's path.
@@ -123,14 +123,7 @@ def quantize_module(module: nn.Linear, scaling: str) -> None:
     placements, no gradient) and its scale in the ``weight_scale`` buffer, for inference. The shard's
     (out, in) must be multiples of 16 (torch._scaled_mm's rule): ``ShapeError`` otherwise."""
     weight = module.weight
-    local = weight.to_local()
-    n, k = local.shape
-    if n % FP8_ALIGN or k % FP8_ALIGN:
-        raise ShapeError(
-            f"an fp8 {type(module).__name__}'s weight shard needs its (out, in) = ({n}, {k}) multiples "
-            f"of {FP8_ALIGN} (torch._scaled_mm's rule)"
-        )
-    codes, scale = quantize_weight(local, scaling)
+    codes, scale = quantize_weight(weight.to_local(), scaling, f"an fp8 {type(module).__name__}")
     fp8 = DTensor.from_local(
         codes, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
         stride=weight.stride(),

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fo_kernels.errors import ScaleError
-from fo_kernels.scaling import FP8_DTYPE, OUT_DTYPES
+from fo_kernels.errors import ScaleError, ShapeError
+from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE, OUT_DTYPES, fp8_aligned
 
 # The largest finite float8_e4m3fn value (448).
 FP8_MAX = torch.finfo(FP8_DTYPE).max
@@ -54,9 +54,16 @@ def quantize_rows(
     return _codes(x, scale), scale
 
 
-def quantize_weight(weight: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scale_b) of an (N, K) ``nn.Linear`` weight, for ``b = codes.t()``: scale_b 0-dim
-    (tensorwise) or (1, N) (rowwise, one per output feature)."""
+def quantize_weight(weight: torch.Tensor, scaling: str, owner: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale_b) of an (N, K) ``nn.Linear`` weight (shard), for ``b = codes.t()``: scale_b
+    0-dim (tensorwise) or (1, N) (rowwise, one per output feature). ``ShapeError`` naming
+    ``owner`` unless N and K are multiples of ``FP8_ALIGN`` (no fp8 GEMM takes such a weight)."""
+    n, k = weight.shape
+    if not fp8_aligned(n, k):
+        raise ShapeError(
+            f"{owner}: an fp8 weight shard needs its (out, in) = ({n}, {k}) multiples of {FP8_ALIGN} "
+            "(torch._scaled_mm's rule)"
+        )
     mags = weight.detach().abs().float()
     if check_scaling(scaling) == "rowwise":
         scale = mags.amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR) / FP8_MAX

@@ -46,6 +46,12 @@ FP8_ALIGN = 16
 SCALE_NONE, SCALE_TENSORWISE, SCALE_ROWWISE = 0, 1, 2
 
 
+def fp8_aligned(n: int, k: int) -> bool:
+    """Whether an fp8 GEMM of N output columns and depth K is one the fp8 ops (and
+    ``torch._scaled_mm``) take: N and K multiples of ``FP8_ALIGN``."""
+    return n % FP8_ALIGN == 0 and k % FP8_ALIGN == 0
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     """True for any float8 dtype (the supported one or another variant)."""
     return dtype in FP8_VARIANTS
@@ -161,7 +167,7 @@ def check_scales(
     if out not in OUT_DTYPES:
         raise ScaleError(f"out_dtype {out_dtype} is not one of bfloat16, float16, float32")
     n, k = b.shape[1], a.shape[1]
-    if n % FP8_ALIGN or k % FP8_ALIGN:
+    if not fp8_aligned(n, k):
         raise ShapeError(
             f"float8_e4m3fn operands need N and K multiples of {FP8_ALIGN} (torch._scaled_mm's and "
             f"the fp8 tensor cores' rule), got N={n}, K={k}"

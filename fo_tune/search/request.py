@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fo_kernels.errors import FoTuneError
-from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
+from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES, dtype_name
 from fo_tune.engines import engine_names, get_tuner
 from fo_tune.ranks.limits import Target, check_problem_size, fingerprint_target, local_target
 from fo_tune.search.storage import check_storage_url
@@ -111,13 +111,13 @@ def _check_shapes(request: SearchRequest) -> None:
                 f"--m-range {lo}:{hi}: {request.collective} needs LO and HI divisible by the world size "
                 f"{request.world_size}{_GATHERED.get(request.collective, '')}"
             )
-    from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE
+    from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE, fp8_aligned
 
-    fp8 = request.dtype == str(FP8_DTYPE).removeprefix("torch.")
+    fp8 = request.dtype == dtype_name(FP8_DTYPE)
     for m, n, k in expand_shapes(request):
         if min(m, n, k) < 1:
             raise SearchError(f"shape {m}x{n}x{k}: M, N and K must be >= 1")
-        if fp8 and (n % FP8_ALIGN or k % FP8_ALIGN):  # the fp8 ops refuse such a call (ShapeError)
+        if fp8 and not fp8_aligned(n, k):  # the fp8 ops refuse such a call (ShapeError)
             raise SearchError(
                 f"shape {m}x{n}x{k}: {request.dtype} needs N and K multiples of {FP8_ALIGN} "
                 "(torch._scaled_mm's rule, which the fp8 ops enforce); choose another N and K"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fo_kernels.errors import ScheduleError, ShapeError
 from fo_kernels.plan import check_fits
-from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE
+from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE, fp8_aligned
 from fo_kernels.schedule import SHARDED_COLLECTIVES, Problem, Schedule, dtype_name
 from fo_kernels.table import (
     ScheduleTable,
@@ -59,7 +59,7 @@ def validate_table(table: ScheduleTable, *, sm_count: int | None = None) -> list
     fp8 = dtype_name(FP8_DTYPE)
     for row in table.rows:
         problem = row.problem
-        if row.dtype == fp8 and (problem.n % FP8_ALIGN or problem.k % FP8_ALIGN):
+        if row.dtype == fp8 and not fp8_aligned(problem.n, problem.k):
             issues.append(
                 f"row {problem.describe()}: problem: an fp8 row's N and K must be multiples of "
                 f"{FP8_ALIGN} (torch._scaled_mm's rule), so no call ever takes this row"
