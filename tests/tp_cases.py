@@ -279,6 +279,24 @@ class ShardedMLP(nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
+def _sharded_mlp(full: MLP, sp: bool, backend: str | None) -> tuple[ShardedMLP, nn.Module]:
+    """(the sharded MLP, what a case calls: it, or it compiled with ``backend``), Dynamo reset."""
+    torch._dynamo.reset()
+    sharded = ShardedMLP(full, sp, None)
+    return sharded, sharded if backend is None else torch.compile(sharded, fullgraph=True, backend=backend)
+
+
+def _shard_of(want: tuple[torch.Tensor, ...], mine: slice, rank: int, width: int) -> tuple[torch.Tensor, ...]:
+    """The unsharded MLP's ``_grads`` as this rank's sharded MLP gives them: its rows ``mine``, its
+    ``width`` inner features."""
+    cols = slice(rank * width, (rank + 1) * width)
+    return (want[0][mine], want[1][mine], want[2][cols], want[3][cols], want[4][:, cols], want[5])
+
+
+# What ``_grads`` returns, in order.
+GRAD_NAMES = ("y", "dx", "dw_up", "db_up", "dw_down", "db_down")
+
+
 def _grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
     for p in module.parameters():
         p.grad = None
@@ -307,27 +325,16 @@ def mlp_cases(ctx, payload: dict) -> list[dict]:
     want = _grads(full, x, dy)
     out = []
     for sp, backend in payload["runs"]:
-        torch._dynamo.reset()
-        sharded = ShardedMLP(full, sp, None)
+        _sharded, model = _sharded_mlp(full, sp, backend)
         rows = batch // world
         mine = slice(rank * rows, (rank + 1) * rows) if sp else slice(None)
-        model = sharded if backend is None else torch.compile(sharded, fullgraph=True, backend=backend)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            y, dx, dw1, db1, dw2, db2 = _grads(model, x[mine], dy[mine])
-            got = {"y": y, "dx": dx, "dw_up": dw1, "db_up": db1, "dw_down": dw2, "db_down": db2}
+            got = dict(zip(GRAD_NAMES, _grads(model, x[mine], dy[mine]), strict=True))
             with torch.no_grad():  # the plain (no autograd) path gives the same output
                 got["y_no_grad"] = model(x[mine])
-        o = inner // world
-        ref = {
-            "y": want[0][mine],
-            "dx": want[1][mine],
-            "dw_up": want[2][rank * o : (rank + 1) * o],
-            "db_up": want[3][rank * o : (rank + 1) * o],
-            "dw_down": want[4][:, rank * o : (rank + 1) * o],
-            "db_down": want[5],
-            "y_no_grad": want[0][mine],
-        }
+        ref = dict(zip(GRAD_NAMES, _shard_of(want, mine, rank, inner // world), strict=True))
+        ref["y_no_grad"] = ref["y"]
         out.append(dict(sp=sp, backend=backend, errs={k: rel(got[k], ref[k]) for k in ref}))
     return out
 
@@ -344,9 +351,7 @@ def empty_inputs(ctx, _payload) -> dict[str, object]:
     out: dict[str, object] = {}
     for sp in (False, True):
         for backend in (None, "aot_eager"):
-            torch._dynamo.reset()
-            sharded = ShardedMLP(full, sp, None)
-            model = sharded if backend is None else torch.compile(sharded, fullgraph=True, backend=backend)
+            sharded, model = _sharded_mlp(full, sp, backend)
             for shape in ((0, 3, 16), (2 * world, 0, 16)):
                 x = torch.randn(shape, requires_grad=True)
                 y = model(x)
@@ -382,22 +387,12 @@ def autocast_cases(ctx, _payload) -> dict[str, object]:
     out: dict[str, object] = {}
     for sp in (False, True):
         for backend in (None, "aot_eager"):
-            torch._dynamo.reset()
-            sharded = ShardedMLP(full, sp, None)
-            model = sharded if backend is None else torch.compile(sharded, fullgraph=True, backend=backend)
+            _sharded, model = _sharded_mlp(full, sp, backend)
             mine = slice(rank * 2, (rank + 1) * 2) if sp else slice(None)
             with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
                 warnings.simplefilter("ignore")
                 got = _grads(model, x[mine], dy[mine])
-            o = 16
-            ref = (
-                want[0][mine],
-                want[1][mine],
-                want[2][rank * o : (rank + 1) * o],
-                want[3][rank * o : (rank + 1) * o],
-                want[4][:, rank * o : (rank + 1) * o],
-                want[5],
-            )
+            ref = _shard_of(want, mine, rank, 16)
             out[f"sp={sp} {backend}"] = (
                 str(got[0].dtype),
                 max(rel(g, r) for g, r in zip(got, ref, strict=True)),
