@@ -141,6 +141,29 @@ def _autocast_operands(
     return cast(x), cast(weight), cast(bias)
 
 
+def _fp8_operands(
+    rows: torch.Tensor,
+    scaling: str,
+    weight_scale: torch.Tensor,
+    *,
+    shared: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """(codes, the op's fp8 keyword arguments) of a call's activation rows against a weight of
+    ``weight_scale`` (``shared``: one tensorwise scale for every rank of ``group``, before an
+    AllGather); the output in the rows' dtype (``layer_out_dtype``)."""
+    codes, scale_a = quantize_rows(rows, scaling, shared=shared, group=group)
+    return codes, dict(scale_a=scale_a, scale_b=weight_scale, out_dtype=layer_out_dtype(rows))
+
+
+def _local_fp8_matmul(codes: torch.Tensor, w: torch.Tensor, fp8: dict, scaling: str) -> torch.Tensor:
+    """The local scaled GEMM ``codes @ w`` of a replicated input, with ``_fp8_operands``'s arguments."""
+    scales = Scales(
+        fp8["scale_a"].reshape(-1), fp8["scale_b"].reshape(-1), fp8["out_dtype"], scaling == "rowwise"
+    )
+    return _LocalScaledMatmul.apply(codes, w, scales)
+
+
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -231,15 +254,10 @@ class _ParallelLinear(nn.Module):
         self.fp8 = scaling
         return self
 
-    def _quantized(self, rows: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes, scale_a) of a call's activation rows (``shared``: one tensorwise scale for
-        every rank of the group)."""
+    def _fp8_rows(self, rows: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, dict]:
+        """(codes, the op's fp8 keyword arguments) of a call's activation rows (``_fp8_operands``)."""
         assert self.fp8 is not None
-        return quantize_rows(rows, self.fp8, shared=shared, group=self.group)
-
-    def _fp8_ops(self, x: torch.Tensor, scale_a: torch.Tensor) -> dict:
-        """The fp8 keyword arguments of this layer's op call."""
-        return dict(scale_a=scale_a, scale_b=self.weight_scale, out_dtype=layer_out_dtype(x))
+        return _fp8_operands(rows, self.fp8, self.weight_scale, shared=shared, group=self.group)
 
     def _empty_forward(
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shape: tuple[int, ...]
@@ -308,19 +326,14 @@ class ColumnParallelLinear(_ParallelLinear):
             return self._empty_forward(rows, weight, bias, shape)
         if self.sequence_parallel:
             if self.fp8:  # (tensorwise: the gathered shards share one scale)
-                codes, sa = self._quantized(rows, shared=True)
-                fp8 = self._fp8_ops(rows, sa)
+                codes, fp8 = self._fp8_rows(rows, shared=True)
                 y = all_gather_gemm(codes, w, group=self.group, schedule=self.schedule, **fp8)
             else:
                 y = all_gather_gemm(rows, w, group=self.group, schedule=self.schedule)
         else:
             if self.fp8:
-                codes, sa = self._quantized(rows)
-                fp8 = self._fp8_ops(rows, sa)
-                scales = Scales(
-                    sa.reshape(-1), fp8["scale_b"].reshape(-1), fp8["out_dtype"], self.fp8 == "rowwise"
-                )
-                y = _LocalScaledMatmul.apply(codes, w, scales)
+                codes, fp8 = self._fp8_rows(rows)
+                y = _local_fp8_matmul(codes, w, fp8, self.fp8)
             elif _needs_grad(rows, w):
                 y = _ReplicatedInputMatmul.apply(rows, w, self.group_name)
             else:
@@ -344,9 +357,7 @@ class RowParallelLinear(_ParallelLinear):
             return self._empty_forward(rows, weight, bias, self._out_shape(lead))
         fp8: dict = {}
         if self.fp8:  # (each rank's partial is scaled by its own scales before the sum)
-            codes, sa = self._quantized(rows)
-            fp8 = self._fp8_ops(rows, sa)
-            rows = codes
+            rows, fp8 = self._fp8_rows(rows)
         if not self.sequence_parallel:
             y = gemm_all_reduce(rows, weight.t(), schedule=self.schedule, group=self.group, **fp8)
             if bias is not None:

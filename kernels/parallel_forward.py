@@ -51,10 +51,17 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fo_kernels.errors import NotOverlappedWarning, ShapeError
 from fo_kernels.groups import resolve_group
-from fo_kernels.layers import _autocast_operands, _LocalScaledMatmul, _ReplicatedInputMatmul, _ShardBias
+from fo_kernels.layers import (
+    _autocast_operands,
+    _fp8_operands,
+    _local_fp8_matmul,
+    _needs_grad,
+    _ReplicatedInputMatmul,
+    _ShardBias,
+)
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
-from fo_kernels.quantize import layer_out_dtype, quantize_rows, quantize_weight
-from fo_kernels.scaling import OUT_DTYPES, Scales
+from fo_kernels.quantize import quantize_weight
+from fo_kernels.scaling import OUT_DTYPES
 from fo_kernels.schedule import TORCH_DTYPES
 
 # The attributes of the module that hold its LinearPlan, and whether it has warned of torch's path.
@@ -139,18 +146,13 @@ def _fp8_rows(
     tensorwise scale over the group, before an AllGather) and its scales; else the rows as they are."""
     if plan.fp8 is None:
         return rows, {}
-    codes, scale_a = quantize_rows(rows, plan.fp8, shared=shared, group=plan.group)
-    fp8 = dict(scale_a=scale_a, scale_b=getattr(module, SCALE_ATTR), out_dtype=layer_out_dtype(rows))
-    return codes, fp8
+    return _fp8_operands(rows, plan.fp8, getattr(module, SCALE_ATTR), shared=shared, group=plan.group)
 
 
 def _local_fp8(module: nn.Linear, plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A colwise fp8 module's local GEMM of a replicated input: its rows quantized, the scaled GEMM."""
     codes, fp8 = _fp8_rows(module, plan, x.reshape(-1, x.shape[-1]))
-    scales = Scales(
-        fp8["scale_a"].reshape(-1), fp8["scale_b"].reshape(-1), fp8["out_dtype"], plan.fp8 == "rowwise"
-    )
-    return _LocalScaledMatmul.apply(codes, weight.t(), scales).view(*x.shape[:-1], weight.shape[0])
+    return _local_fp8_matmul(codes, weight.t(), fp8, plan.fp8).view(*x.shape[:-1], weight.shape[0])
 
 
 def _leading_dim(placement: Placement, ndim: int) -> int | None:
@@ -171,10 +173,6 @@ def _input_why(x: torch.Tensor, weight: torch.Tensor) -> str:
     if x.numel() == 0:
         return f"an empty input {tuple(x.shape)}"
     return f"input {x.dtype}, weight {weight.dtype} (the ops take one of bfloat16, float16, float32)"
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def torch_forward(
