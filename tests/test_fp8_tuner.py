@@ -134,13 +134,22 @@ def test_the_shipped_calibration_plans_fp8_offline_on_a_sibling_profile(tmp_path
         )
 
 
-@pytest.mark.parametrize("extra", [["--shape", "16x8x8"], ["--shape", "4096x8192x4100", "--m-range", "1:64"]])
-def test_offline_fp8_search_refuses_n_or_k_the_fp8_ops_refuse(tmp_path, monkeypatch, extra):
-    """N and K not multiples of 16: the fp8 ops raise ShapeError for such a call, so the search
-    refuses the shape (exit 2, one line) before it writes a row no call can use."""
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["search", "--mode", "predict", "--shape", "16x8x8"],
+        ["search", "--mode", "predict", "--shape", "4096x8192x4100", "--m-range", "1:64"],
+        ["bench", "--world-size", "2", "-c", "all_reduce", "--shape", "64x60x64"],
+        ["profile", "--shape", "64x64x40"],
+    ],
+)
+def test_fp8_commands_refuse_n_or_k_the_fp8_ops_refuse(tmp_path, monkeypatch, args):
+    """N and K not multiples of 16: the fp8 ops raise ShapeError for such a call, so search, bench
+    and profile refuse the shape (exit 2, one line) before any rank starts or a row is written
+    (bench and profile ran it and reported each variant's ShapeError as a failure, exit 1)."""
     isolate_tables(monkeypatch, tmp_path)
-    args = ["search", "--mode", "predict", "--dtype", FP8, *extra, "--out", str(tmp_path / "o")]
-    line = assert_one_line_error(CliRunner().invoke(app, args))
+    out = tmp_path / "o" / ("p.csv" if args[0] == "profile" else "")
+    line = assert_one_line_error(CliRunner().invoke(app, [*args, "--dtype", FP8, "--out", str(out)]))
     assert "needs N and K multiples of 16" in line, line
     assert not (tmp_path / "o").exists()
 

@@ -9,7 +9,10 @@ A shape is refused (``ProblemSizeError``, a ``ShapeError``: exit code 2 in the C
   the local GPU's when the ranks run here (``torch.cuda.get_device_properties``), the host's
   physical memory shared by the ranks when they run on the CPU, and for an offline search the
   datasheet memory of the calibration's GPU (``DATASHEET_MEMORY_BYTES``; a GPU not listed there
-  is checked against the int32 limit only).
+  is checked against the int32 limit only);
+- the dtype is float8_e4m3fn and N or K is not a multiple of ``FP8_ALIGN``: the fp8 ops refuse
+  such a call (``ShapeError``), as torch._scaled_mm does, so no measurement or table row of it
+  could run (``check_fp8_shapes``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 
 from fo_kernels.errors import ShapeError
 from fo_kernels.fingerprint import Fingerprint
-from fo_kernels.schedule import torch_dtype
+from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE, fp8_aligned
+from fo_kernels.schedule import dtype_name, torch_dtype
 
 INT32_MAX = 2**31 - 1
 # The largest shape (M x N x K multiply-adds) run on the CPU unless asked to: Triton's
@@ -82,8 +86,24 @@ def fingerprint_target(fp: Fingerprint) -> Target:
     return Target(memory, f"{fp.gpu_name} (the calibration's GPU, datasheet)")
 
 
+def check_fp8_shapes(shapes: Iterable[tuple[int, int, int]], dtype: str) -> None:
+    """Raise ``ShapeError`` for the first fp8 shape whose N or K is not a multiple of
+    ``FP8_ALIGN`` (nothing for other dtypes)."""
+    if dtype != dtype_name(FP8_DTYPE):
+        return
+    for m, n, k in shapes:
+        if not fp8_aligned(n, k):
+            raise ShapeError(
+                f"shape {m}x{n}x{k}: {dtype} needs N and K multiples of {FP8_ALIGN} (torch._scaled_mm's "
+                "rule, which the fp8 ops enforce); choose another N and K"
+            )
+
+
 def check_problem_size(shapes: Iterable[tuple[int, int, int]], dtype: str, target: Target) -> None:
-    """Raise ``ProblemSizeError`` for the first shape that breaks a bound of the module docstring."""
+    """Raise ``ProblemSizeError`` for the first shape that breaks a size bound of the module
+    docstring, ``ShapeError`` for an fp8 shape the fp8 ops refuse (``check_fp8_shapes``)."""
+    shapes = list(shapes)
+    check_fp8_shapes(shapes, dtype)
     for m, n, k in shapes:
         shape = f"{m}x{n}x{k}"
         for name, size in (("M", m), ("N", n), ("K", k)):

@@ -10,9 +10,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fo_kernels.errors import FoTuneError
-from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES, dtype_name
+from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
 from fo_tune.engines import engine_names, get_tuner
-from fo_tune.ranks.limits import Target, check_problem_size, fingerprint_target, local_target
+from fo_tune.ranks.limits import (
+    Target,
+    check_fp8_shapes,
+    check_problem_size,
+    fingerprint_target,
+    local_target,
+)
 from fo_tune.search.storage import check_storage_url
 
 if TYPE_CHECKING:
@@ -111,22 +117,15 @@ def _check_shapes(request: SearchRequest) -> None:
                 f"--m-range {lo}:{hi}: {request.collective} needs LO and HI divisible by the world size "
                 f"{request.world_size}{_GATHERED.get(request.collective, '')}"
             )
-    from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE, fp8_aligned
-
-    fp8 = request.dtype == dtype_name(FP8_DTYPE)
     for m, n, k in expand_shapes(request):
         if min(m, n, k) < 1:
             raise SearchError(f"shape {m}x{n}x{k}: M, N and K must be >= 1")
-        if fp8 and not fp8_aligned(n, k):  # the fp8 ops refuse such a call (ShapeError)
-            raise SearchError(
-                f"shape {m}x{n}x{k}: {request.dtype} needs N and K multiples of {FP8_ALIGN} "
-                "(torch._scaled_mm's rule, which the fp8 ops enforce); choose another N and K"
-            )
         if request.collective in SHARDED_COLLECTIVES and m % request.world_size:
             raise SearchError(
                 f"shape {m}x{n}x{k}: {request.collective} needs M divisible by the world size "
                 f"{request.world_size}{_GATHERED.get(request.collective, '')}; choose another M"
             )
+    check_fp8_shapes(expand_shapes(request), request.dtype)  # (the fp8 ops refuse such a call)
 
 
 # What a sharded collective's M is, for its errors.
