@@ -4,7 +4,8 @@ With ``a`` and ``b`` of dtype ``torch.float8_e4m3fn`` an op computes, as ``torch
 
     y = collective((a * scale_a) @ (b * scale_b))     products summed in float32, y in out_dtype
 
-    tensorwise   scale_a, scale_b: 0-dim float32 tensors (one number each)
+    tensorwise   scale_a, scale_b: 0-dim float32 tensors (one number each; any one-element
+                 shape, (1,) or (1, 1), is taken as torch._scaled_mm takes it)
     rowwise      scale_a: (M, 1) float32, one per row of a; scale_b: (1, N), one per column of b
     out_dtype    bfloat16 (default), float16 or float32
 
@@ -89,15 +90,21 @@ class Scales:
         return dataclasses.replace(self, a=a)
 
 
-def check_scale_types(scale_a: object, scale_b: object) -> None:
-    """``ScaleError`` for a scale that is neither None nor a tensor (a Python number): the custom
-    ops' schema would refuse it with a ``RuntimeError`` before ``check_scales`` could name it."""
+def check_scale_types(scale_a: object, scale_b: object, out_dtype: object = None) -> None:
+    """``ScaleError`` for a scale that is neither None nor a tensor (a Python number), or an
+    ``out_dtype`` that is neither None nor a torch.dtype (a string): the custom ops' schema would
+    refuse it with a ``RuntimeError`` before ``check_scales`` could name it."""
     for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
         if scale is not None and not isinstance(scale, torch.Tensor):
             raise ScaleError(
                 f"{name} is a {type(scale).__name__}; scales are float32 tensors (0-dim tensorwise, "
                 "or rowwise), as torch._scaled_mm's"
             )
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise ScaleError(
+            f"out_dtype is a {type(out_dtype).__name__} ({out_dtype!r}); pass a torch.dtype: "
+            "torch.bfloat16, torch.float16 or torch.float32"
+        )
 
 
 def _check_scale(name: str, scale: object, a: torch.Tensor) -> torch.Tensor:
@@ -116,8 +123,10 @@ def _check_scale(name: str, scale: object, a: torch.Tensor) -> torch.Tensor:
 def _check_shapes(
     collective: str, a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
 ) -> bool:
-    """True for rowwise scales, False for tensorwise; ``ScaleError`` for anything else."""
-    if sa.numel() == 1 and sa.dim() <= 1 and sb.numel() == 1 and sb.dim() <= 1:
+    """True for rowwise scales, False for tensorwise (one element each, whatever its shape, as
+    torch._scaled_mm's; a rowwise scale_b has N >= FP8_ALIGN elements, so none is one element);
+    ``ScaleError`` for anything else."""
+    if sa.numel() == 1 and sb.numel() == 1:
         return False
     rows, n = a.shape[0], b.shape[1]
     if tuple(sa.shape) == (rows, 1) and tuple(sb.shape) == (1, n):
@@ -125,7 +134,8 @@ def _check_shapes(
     mine = " (this rank's rows of the gathered A)" if collective == "all_gather" else ""
     raise ScaleError(
         f"scale shapes: scale_a is {tuple(sa.shape)} and scale_b {tuple(sb.shape)}; tensorwise both "
-        f"are 0-dim, rowwise scale_a is (M, 1) = ({rows}, 1){mine} and scale_b (1, N) = (1, {n})"
+        f"are 0-dim (one element), rowwise scale_a is (M, 1) = ({rows}, 1){mine} and scale_b "
+        f"(1, N) = (1, {n})"
     )
 
 

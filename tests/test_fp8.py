@@ -64,6 +64,10 @@ def test_check_scales_tells_tensorwise_from_rowwise():
     assert rw.rows(1, 3).a.shape == (2,) and tw.rows(1, 3) is tw
     one_row = check_scales("all_reduce", a[:1], b, torch.rand(1, 1), torch.rand(1, 16), None)
     assert one_row.rowwise  # M = 1: a (1, 1) scale_a with a (1, N) scale_b is rowwise
+    for shape_a, shape_b in (((1, 1), (1, 1)), ((1,), (1, 1)), ((1, 1), ())):
+        # one element each, whatever the shape, is tensorwise, as torch._scaled_mm takes it
+        single = check_scales("all_reduce", a, b, torch.full(shape_a, 2.0), torch.full(shape_b, 3.0), None)
+        assert not single.rowwise and single.scale_a().dim() == 0 and single.scale_b().item() == 3.0
     assert check_scales("all_reduce", a.float(), b.float(), None, None, torch.float32) is None
     with pytest.raises(ScaleError, match="mixed operand dtypes"):
         check_scales("all_reduce", a, b.float(), one, one, None)
@@ -76,15 +80,18 @@ def test_check_scales_tells_tensorwise_from_rowwise():
 @pytest.mark.parametrize("op", [gemm_all_reduce, gemm_reduce_scatter, all_gather_gemm])
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_python_number_as_a_scale_is_a_scale_error(op, grad):
-    """A Python float as a scale is a ScaleError naming it (no process group needed: it is refused
-    before any collective), not the custom op schema's RuntimeError; with a scale that requires a
-    gradient the call goes through the dispatcher, which would refuse the float first."""
+    """A Python float as a scale, or a string as out_dtype, is a ScaleError naming it (no process
+    group needed: it is refused before any collective), not the custom op schema's RuntimeError;
+    with a scale that requires a gradient the call goes through the dispatcher, which would refuse
+    it first."""
     a, b = _fp8(4, 32), _fp8(16, 32).t()
     other = torch.tensor(1.0, requires_grad=grad)
     with pytest.raises(ScaleError, match="scale_a is a float; scales are float32 tensors"):
         op(a, b, scale_a=1.0, scale_b=other)
     with pytest.raises(ScaleError, match="scale_b is a int; scales are float32 tensors"):
         op(a, b, scale_a=other, scale_b=2)
+    with pytest.raises(ScaleError, match=r"out_dtype is a str \('bfloat16'\); pass a torch.dtype"):
+        op(a, b, scale_a=other, scale_b=other, out_dtype="bfloat16")
 
 
 def test_ops_at_world_size_one_and_their_fake_implementations(tmp_path):
