@@ -26,8 +26,9 @@ fp8 for inference (``fp8="tensorwise"`` or ``"rowwise"``, or ``quantize_fp8`` on
 the shard's weight is stored once as float8_e4m3fn codes with its ``weight_scale`` (0-dim, or one
 per output feature), and each call quantizes its activation the same way (``fo_kernels.quantize``;
 tensorwise before an AllGather with one scale over the group) and runs the scaled ops
-(``fo_kernels.scaling``), the output in the input's dtype. Training in fp8 is out of scope: a
-backward through an fp8 layer raises ``Fp8TrainingError``.
+(``fo_kernels.scaling``), the output in the input's dtype; a cast of the module's dtype
+(``.to(torch.bfloat16)``, ``.half()``) leaves the fp8 weight and its float32 scale as they are.
+Training in fp8 is out of scope: a backward through an fp8 layer raises ``Fp8TrainingError``.
 
 A leading-dimension input (batch, seq, features) is flattened to rows; with sequence parallelism
 dim 0 is the sharded one (rank r's rows come r-th), and a row-parallel output whose dim 0 does not
@@ -253,6 +254,23 @@ class _ParallelLinear(nn.Module):
         self.weight_scale = scale
         self.fp8 = scaling
         return self
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``to``, ``half``, ``cuda``...), but an fp8 layer's weight codes
+        and float32 ``weight_scale`` keep their dtypes through a cast of the module's dtype
+        (``model.to(torch.bfloat16)``): cast, the codes would become plain numbers without their
+        scale and the scale lose precision; a device move still moves them."""
+        if self.fp8 is None:
+            return super()._apply(fn, recurse)
+        kept = (self.weight, self.weight_scale)
+
+        def keep_fp8(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if any(t is k for k in kept) and out.dtype != t.dtype:
+                return t.to(device=out.device)
+            return out
+
+        return super()._apply(keep_fp8, recurse)
 
     def _fp8_rows(self, rows: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, dict]:
         """(codes, the op's fp8 keyword arguments) of a call's activation rows (``_fp8_operands``)."""

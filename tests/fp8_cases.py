@@ -201,6 +201,13 @@ def fp8_layers(ctx, _payload) -> dict[str, float | str]:
             ref = want[ctx.rank * rows : (ctx.rank + 1) * rows] if sp else want
             assert got.dtype == x.dtype and got.shape == ref.shape, (got.dtype, got.shape, ref.shape)
             out[f"{scaling}-sp{int(sp)}"] = ((got.double() - ref).norm() / ref.norm()).item()
+    # the model cast to bf16 after quantization: the layers keep their fp8 codes and float32 scales
+    col = ColumnParallelLinear.from_linear(up, fp8="tensorwise").to(torch.bfloat16)
+    row = RowParallelLinear.from_linear(down, fp8="rowwise").half().to(torch.bfloat16)
+    assert (col.weight.dtype, row.weight_scale.dtype) == (FP8, torch.float32), (col.weight, row.weight_scale)
+    with torch.no_grad():
+        got = row(col(x.to(torch.bfloat16)))
+    out["cast-bf16"] = ((got.double() - want).norm() / want.norm()).item()
     col = ColumnParallelLinear.from_linear(up, fp8="rowwise")
     y = col(x.requires_grad_(True))
     try:

@@ -206,8 +206,8 @@ def test_fp8_ops_on_gloo_ranks(world):
     2e-2 relative, fp32 1e-5), with no NaN from the poisoned memory, in its shape and out_dtype;
     every bad fp8 call raises a ValueError subclass naming the problem before any collective (the
     next call would hang otherwise); a backward says training in fp8 is out of scope; fp8 column-
-    then row-parallel layers (both scalings, with and without sequence parallelism) are within
-    fp8's quantization error of the full MLP."""
+    then row-parallel layers (both scalings, with and without sequence parallelism, and cast to
+    bf16 after quantization) are within fp8's quantization error of the full MLP."""
     per_rank = run_ranks(_suite, world, _cases(world), backend="gloo")
     for rank, got in enumerate(per_rank):
         for r in got["results"]:
