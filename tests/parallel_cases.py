@@ -434,9 +434,44 @@ def fused_ops(ctx, compiled: bool) -> dict[str, float]:
                 avg = symm_mem.fused_matmul_reduce_scatter(a, b, "avg", scatter_dim, name)
                 errs[f"rs{shape}@{scatter_dim} avg"] = rel(avg * world, want)
                 errs[f"rs{shape}@{scatter_dim} contiguous"] = 0.0 if got.is_contiguous() else 1.0
+        errs.update(_fused_edges(gen, world, name))
     errs.update(_fused_grads(rank, world, name))
     if compiled:
         errs["compiled"] = _fused_compiled(rank, world, name)
+    return errs
+
+
+def _fused_edges(gen: torch.Generator, world: int, name: str) -> dict[str, float]:
+    """Empty operands (no rows, no outputs, no features: torch's reference gives the empty or zero
+    result) and the group as a ``ProcessGroup`` (torch's reference takes one) against torch's
+    reference; name -> relative error (the summed absolute difference where the result is empty or
+    zero, a shape mismatch inf)."""
+    from torch.distributed import _symmetric_memory as torch_symm
+
+    from fo_kernels import symm_mem
+
+    def err(got: torch.Tensor, want: torch.Tensor) -> float:
+        if got.shape != want.shape:
+            return float("inf")
+        return rel(got, want) if want.abs().sum() > 0 else (got - want).abs().sum().item()
+
+    errs = {}
+    group = dist.group.WORLD
+    for key, (rows, k, n) in {"rows": (0, 8, 5), "outputs": (3, 8, 0), "features": (3, 0, 5)}.items():
+        a, b = torch.randn(rows, k, generator=gen), torch.randn(k, n, generator=gen)
+        got_a, (got,) = symm_mem.fused_all_gather_matmul(a, [b], 0, name)
+        want_a, (want,) = torch_symm._fused_all_gather_matmul_fallback(a, [b], 0, name)
+        errs[f"ag empty {key}"] = max(err(got, want), err(got_a, want_a))
+        a = torch.randn(rows * world, k, generator=gen)
+        got = symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, name)
+        errs[f"rs empty {key}"] = err(
+            got, torch_symm._fused_matmul_reduce_scatter_fallback(a, b, "sum", 0, name)
+        )
+    a, b = torch.randn(2 * world, 3, 8, generator=gen), torch.randn(8, 4, generator=gen)
+    got = symm_mem.fused_all_gather_matmul(a, [b], 1, group)[1][0]
+    errs["ag group"] = err(got, torch_symm._fused_all_gather_matmul_fallback(a, [b], 1, name)[1][0])
+    got = symm_mem.fused_matmul_reduce_scatter(a, b, "avg", 0, group)
+    errs["rs group"] = err(got, torch_symm._fused_matmul_reduce_scatter_fallback(a, b, "avg", 0, name))
     return errs
 
 
@@ -579,6 +614,7 @@ def bad_inputs(ctx, _payload) -> dict[str, str]:
         ),
         "rs_dim": lambda: symm_mem.fused_matmul_reduce_scatter(a, b, "sum", -3, name),
         "rs_group": lambda: symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, "no-such-group"),
+        "ag_group_type": lambda: symm_mem.fused_all_gather_matmul(a, [b], 0, 0),
         "plan_unknown": lambda: fo_tp.parallelize_linears(MLP(4, 8), {"nope": "column"}),
         "install_plain": lambda: fo_tp.install(nn.Linear(4, 4), mesh, fo_tp.ColwiseParallel()),
         "install_style": lambda: fo_tp.install(col, mesh, torch_tp.ColwiseParallel()),
