@@ -161,6 +161,15 @@ CASES: dict[str, StyleCase] = {
         y_shard=False,
         ops=AR,
     ),
+    # a rowwise input sharded on its features named from the front (Shard(2) of 3 dims: Shard(-1))
+    "row_in_dim": StyleCase(
+        model=lambda w: MLP(8, 2 * w),
+        plan=lambda s: {"up": s[0](), "down": s[1](input_layouts=Shard(2))},
+        x_shape=lambda w: (2, 3, 8),
+        x_shard=False,
+        y_shard=False,
+        ops=AR,
+    ),
     "gather_out": StyleCase(
         model=lambda w: MLP(8, 2 * w, bias=False),
         plan=lambda s: {
