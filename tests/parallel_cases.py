@@ -544,24 +544,33 @@ def _torch_scatter(a, b, op, d, name):
 
 # ---------------------------------------------------------------------------------- copies
 def copies(ctx, _payload) -> dict[str, object]:
-    """A deep copy of a model parallelized with fo-tune's styles (an EMA or reference copy) runs
-    on fo-tune's ops as the original does: relative error of its output, whether its modules keep
-    a plan, the collectives it ran."""
+    """A deep copy of a model parallelized with fo-tune's styles (an EMA or reference copy), and
+    the model saved whole with torch.save and loaded again, run on fo-tune's ops as the original
+    does: per copy ("deepcopy", "saved"), relative error of its output, whether its modules keep
+    a plan and own their parameters, the collectives it ran."""
+    import io
+
     mesh = _mesh(ctx)
     torch.manual_seed(5)
     model = MLP(8, 2 * ctx.world_size)
     torch_tp.parallelize_module(model, mesh, {"up": FO[0](), "down": FO[1]()})
-    copied = copy.deepcopy(model)
-    x = torch.randn(3, 8)
-    with warnings.catch_warnings(), recorded_collectives() as ops:
-        warnings.simplefilter("ignore")
-        err = rel(copied(x), model(x))
-    return {
-        "err": err,
-        "planned": all(fo_tp.plan_of(copied.get_submodule(n)) is not None for n in ("up", "down")),
-        "own_params": copied.up.weight is not model.up.weight,
-        "ops": sorted(set(ops)),
-    }
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    out = {}
+    loaded = torch.load(saved, weights_only=False)
+    for name, copied in (("deepcopy", copy.deepcopy(model)), ("saved", loaded)):
+        x = torch.randn(3, 8)
+        with warnings.catch_warnings(), recorded_collectives() as ops:
+            warnings.simplefilter("ignore")
+            err = rel(copied(x), model(x))
+        out[name] = {
+            "err": err,
+            "planned": all(fo_tp.plan_of(copied.get_submodule(n)) is not None for n in ("up", "down")),
+            "own_params": copied.up.weight is not model.up.weight,
+            "ops": sorted(set(ops)),
+        }
+    return out
 
 
 # ---------------------------------------------------------------------------------- autocast
