@@ -20,10 +20,10 @@ make them), so a distributed checkpoint or FSDP2 sees the same model. The forwar
 with autograd and under ``torch.compile`` (the ops are custom ops). A style fo-tune cannot run
 (a module other than a plain ``nn.Linear``, such as ``nn.Embedding`` or a subclass with its own
 forward; a mesh of more than one dim; weights other than bfloat16, float16 or float32; a colwise
-input sharded on its features, a rowwise input
-other than ``Shard(-1)`` or output other than ``Replicate()`` / a leading ``Shard``) is torch's style
-for that module, with one ``NotOverlappedWarning``; a colwise output layout other than ``Shard(-1)``
-is redistributed as torch's style does, with one warning.
+input sharded on its features, a rowwise input not sharded on its features (``Shard(-1)``, or the
+last dim counted from the front, seen at run time) or output other than ``Replicate()`` / a leading
+``Shard``) is torch's style for that module, with one ``NotOverlappedWarning``; a colwise output
+layout other than ``Shard(-1)`` is redistributed as torch's style does, with one warning.
 
 fp8 for inference: ``ColwiseParallel(fp8="tensorwise" | "rowwise")`` (and ``RowwiseParallel``)
 stores each weight shard once as float8_e4m3fn codes with its ``weight_scale`` buffer and quantizes
@@ -160,7 +160,9 @@ class RowwiseParallel(_Fp8Option, TorchRowwiseParallel):
     def _layout_blocker(self) -> str:
         """Why fo-tune cannot run this style's layouts ("" when it can)."""
         (layout,), (out,) = self.input_layouts, self.output_layouts
-        if not _is_last(layout):
+        # (a Shard of a dim counted from the front, Shard(1) of a (tokens, features) input, is the
+        # features or not by the input's dims: the forward decides when it sees them)
+        if not isinstance(layout, Shard):
             return f"input_layouts={layout!r} is resharded to Shard(-1) by DTensor"
         if not (isinstance(out, Replicate) or (isinstance(out, Shard) and not _is_last(out))):
             return f"output_layouts={out!r} is neither an all-reduce nor a reduce-scatter of a leading dim"

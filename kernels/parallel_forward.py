@@ -36,7 +36,7 @@ would run as torch's style raises ``ShapeError`` for an fp8 module instead; a ba
 
 from __future__ import annotations
 
-import types
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,7 +122,9 @@ def install_forward(module: nn.Linear, plan: LinearPlan) -> None:
         quantize_module(module, plan.fp8)
     setattr(module, PLAN_ATTR, plan)
     forward = _colwise_forward if plan.kind == COLWISE else _rowwise_forward
-    module.forward = types.MethodType(forward, module)
+    # a partial, not a bound method: it pickles by the function's name (torch.save of the whole
+    # model loads again) and deep-copies with the module (a copy's forward is the copy's)
+    module.forward = functools.partial(forward, module)
 
 
 def quantize_module(module: nn.Linear, scaling: str) -> None:

@@ -10,12 +10,14 @@ A caller of torch's async-TP ops switches by import:
     fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name)
         -> reduce_scatter(A @ B) on scatter_dim, reduce_op "sum" or "avg"
 
-``group_name`` is the process group's ``group_name``, as torch's ops take it. The results are
+``group_name`` is the process group's ``group_name``, as torch's ops take it (or the
+``ProcessGroup`` itself, as torch's reference implementations take it). The results are
 torch's (the values of its reference implementation, ``_fused_*_fallback``, and the same dims
 moved back as views). A leading ``gather_dim`` / ``scatter_dim`` is moved to the front and the
 rows run through ``all_gather_gemm`` / ``gemm_reduce_scatter`` (several ``Bs`` as one GEMM of
-their concatenation, whose output is split); the last dim (the features) and dtypes the ops do not
-take run as torch's reference runs them, with a ``NotOverlappedWarning``. Unlike torch's ops these
+their concatenation, whose output is split); the last dim (the features), dtypes the ops do not
+take and empty operands (no rows, features or outputs) run as torch's reference runs them, with a
+``NotOverlappedWarning``. Unlike torch's ops these
 are differentiable in ``A`` and ``Bs`` (the gathered A that ``return_A`` gives is not). Bad
 arguments raise a ``ValueError`` subclass naming the problem before any collective.
 """
@@ -28,15 +30,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fo_kernels.errors import ArgumentError, NotOverlappedWarning, ShapeError
+from fo_kernels.errors import ArgumentError, GroupError, NotOverlappedWarning, ShapeError
 from fo_kernels.gemm import BOperand
-from fo_kernels.groups import resolve_group
+from fo_kernels.groups import check_group, resolve_group
 from fo_kernels.ops import call_op
 from fo_kernels.schedule import TORCH_DTYPES
 
 __all__ = ["fused_all_gather_matmul", "fused_matmul_reduce_scatter"]
 
 REDUCE_OPS = ("sum", "avg")
+# The dtypes the ops take, as a warning names them.
+_DTYPES = ", ".join(str(t).removeprefix("torch.") for t in TORCH_DTYPES.values())
 
 
 def _dim(dim: int, ndim: int, what: str) -> int:
@@ -62,9 +66,25 @@ def _described(t: object) -> str:
     return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
 
 
-def _world(group_name: str) -> tuple[str, int]:
+def _named(group_name: str | dist.ProcessGroup) -> str:
+    """``group_name`` as a name: a string as it is, a ``ProcessGroup`` by its ``group_name``;
+    anything else raises ``GroupError``."""
+    if isinstance(group_name, str):
+        return group_name
+    if isinstance(group_name, dist.ProcessGroup):
+        return group_name.group_name
+    if group_name is dist.GroupMember.NON_GROUP_MEMBER:
+        check_group(group_name)  # (what dist.new_group returns outside the group: that message)
+    raise GroupError(
+        f"group_name: expected a process group's group_name (str) or a ProcessGroup, got "
+        f"{type(group_name).__name__}"
+    )
+
+
+def _world(group_name: str | dist.ProcessGroup) -> tuple[str, int]:
     """(the group's name as the ops take it, its size); an unknown name raises ``GroupError``.
     Traced by torch.compile, the size is read by name (a function Dynamo folds to a constant)."""
+    group_name = _named(group_name)
     if torch.compiler.is_compiling():
         name = group_name or dist.group.WORLD.group_name
         return name, dist.distributed_c10d._get_group_size_by_name(name)
@@ -74,8 +94,18 @@ def _world(group_name: str) -> tuple[str, int]:
     return ("" if group is None else group.group_name), dist.get_world_size(group)
 
 
-def _runs_on_ops(a: torch.Tensor, bs: list[torch.Tensor]) -> bool:
-    return a.dtype in TORCH_DTYPES.values() and all(b.dtype == a.dtype and b.device == a.device for b in bs)
+def _reference_why(a: torch.Tensor, bs: list[torch.Tensor], d: int) -> Callable[[], str] | None:
+    """Why a call runs as torch's reference (a callable: torch.compile traces no message), or None
+    when it runs on the ops: a gather or scatter of the features (dim ``d`` of ``a`` the last), a
+    dtype or device the ops do not take, or an empty operand (the ops take no empty GEMM; torch's
+    reference gives the empty or zero result)."""
+    if d == a.dim() - 1:
+        return lambda: "a gather or scatter of the features"
+    if a.dtype not in TORCH_DTYPES.values() or any(b.dtype != a.dtype or b.device != a.device for b in bs):
+        return lambda: f"A {a.dtype}, B {', '.join(str(b.dtype) for b in bs)} (the ops take one of {_DTYPES})"
+    if a.numel() == 0 or any(b.numel() == 0 for b in bs):
+        return lambda: f"an empty operand: A {tuple(a.shape)}, B {', '.join(str(tuple(b.shape)) for b in bs)}"
+    return None
 
 
 def _not_overlapped(why: Callable[[], str]) -> None:
@@ -93,7 +123,7 @@ def fused_all_gather_matmul(
     A_shard: torch.Tensor,
     Bs: list[torch.Tensor],
     gather_dim: int,
-    group_name: str,
+    group_name: str | dist.ProcessGroup,
     *,
     return_A: bool = True,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -108,10 +138,9 @@ def fused_all_gather_matmul(
     k = A_shard.shape[-1] * (world if d == A_shard.dim() - 1 else 1)
     for i, b in enumerate(Bs):
         _check_b(A_shard, b, f"Bs[{i}]", k)
-    if d == A_shard.dim() - 1 or not _runs_on_ops(A_shard, Bs):
-        _not_overlapped(
-            lambda: "a gather of the features" if d == A_shard.dim() - 1 else f"dtype {A_shard.dtype}"
-        )
+    why = _reference_why(A_shard, Bs, d)
+    if why is not None:
+        _not_overlapped(why)
         return _gather_then_matmul(A_shard, Bs, d, name, world, return_A)
     moved = A_shard.movedim(d, 0)
     lead = moved.shape[:-1]
@@ -133,7 +162,7 @@ def fused_matmul_reduce_scatter(
     B: torch.Tensor,
     reduce_op: str,
     scatter_dim: int,
-    group_name: str,
+    group_name: str | dist.ProcessGroup,
 ) -> torch.Tensor:
     """``reduce_scatter(A @ B, reduce_op, scatter_dim)``, the GEMM overlapped with the
     ReduceScatter (``gemm_reduce_scatter``). See the module docstring."""
@@ -148,8 +177,9 @@ def fused_matmul_reduce_scatter(
         raise ShapeError(
             f"scatter_dim {scatter_dim} has {size} entries, not divisible by the world size {world}"
         )
-    if d == A.dim() - 1 or not _runs_on_ops(A, [B]):
-        _not_overlapped(lambda: "a scatter of the features" if d == A.dim() - 1 else f"dtype {A.dtype}")
+    why = _reference_why(A, [B], d)
+    if why is not None:
+        _not_overlapped(why)
         return _matmul_then_reduce_scatter(A, B, reduce_op, d, name, world)
     moved = A.movedim(d, 0)
     lead = moved.shape[:-1]

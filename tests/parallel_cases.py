@@ -161,6 +161,15 @@ CASES: dict[str, StyleCase] = {
         y_shard=False,
         ops=AR,
     ),
+    # a rowwise input sharded on its features named from the front (Shard(2) of 3 dims: Shard(-1))
+    "row_in_dim": StyleCase(
+        model=lambda w: MLP(8, 2 * w),
+        plan=lambda s: {"up": s[0](), "down": s[1](input_layouts=Shard(2))},
+        x_shape=lambda w: (2, 3, 8),
+        x_shard=False,
+        y_shard=False,
+        ops=AR,
+    ),
     "gather_out": StyleCase(
         model=lambda w: MLP(8, 2 * w, bias=False),
         plan=lambda s: {
@@ -434,9 +443,44 @@ def fused_ops(ctx, compiled: bool) -> dict[str, float]:
                 avg = symm_mem.fused_matmul_reduce_scatter(a, b, "avg", scatter_dim, name)
                 errs[f"rs{shape}@{scatter_dim} avg"] = rel(avg * world, want)
                 errs[f"rs{shape}@{scatter_dim} contiguous"] = 0.0 if got.is_contiguous() else 1.0
+        errs.update(_fused_edges(gen, world, name))
     errs.update(_fused_grads(rank, world, name))
     if compiled:
         errs["compiled"] = _fused_compiled(rank, world, name)
+    return errs
+
+
+def _fused_edges(gen: torch.Generator, world: int, name: str) -> dict[str, float]:
+    """Empty operands (no rows, no outputs, no features: torch's reference gives the empty or zero
+    result) and the group as a ``ProcessGroup`` (torch's reference takes one) against torch's
+    reference; name -> relative error (the summed absolute difference where the result is empty or
+    zero, a shape mismatch inf)."""
+    from torch.distributed import _symmetric_memory as torch_symm
+
+    from fo_kernels import symm_mem
+
+    def err(got: torch.Tensor, want: torch.Tensor) -> float:
+        if got.shape != want.shape:
+            return float("inf")
+        return rel(got, want) if want.abs().sum() > 0 else (got - want).abs().sum().item()
+
+    errs = {}
+    group = dist.group.WORLD
+    for key, (rows, k, n) in {"rows": (0, 8, 5), "outputs": (3, 8, 0), "features": (3, 0, 5)}.items():
+        a, b = torch.randn(rows, k, generator=gen), torch.randn(k, n, generator=gen)
+        got_a, (got,) = symm_mem.fused_all_gather_matmul(a, [b], 0, name)
+        want_a, (want,) = torch_symm._fused_all_gather_matmul_fallback(a, [b], 0, name)
+        errs[f"ag empty {key}"] = max(err(got, want), err(got_a, want_a))
+        a = torch.randn(rows * world, k, generator=gen)
+        got = symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, name)
+        errs[f"rs empty {key}"] = err(
+            got, torch_symm._fused_matmul_reduce_scatter_fallback(a, b, "sum", 0, name)
+        )
+    a, b = torch.randn(2 * world, 3, 8, generator=gen), torch.randn(8, 4, generator=gen)
+    got = symm_mem.fused_all_gather_matmul(a, [b], 1, group)[1][0]
+    errs["ag group"] = err(got, torch_symm._fused_all_gather_matmul_fallback(a, [b], 1, name)[1][0])
+    got = symm_mem.fused_matmul_reduce_scatter(a, b, "avg", 0, group)
+    errs["rs group"] = err(got, torch_symm._fused_matmul_reduce_scatter_fallback(a, b, "avg", 0, name))
     return errs
 
 
@@ -500,24 +544,33 @@ def _torch_scatter(a, b, op, d, name):
 
 # ---------------------------------------------------------------------------------- copies
 def copies(ctx, _payload) -> dict[str, object]:
-    """A deep copy of a model parallelized with fo-tune's styles (an EMA or reference copy) runs
-    on fo-tune's ops as the original does: relative error of its output, whether its modules keep
-    a plan, the collectives it ran."""
+    """A deep copy of a model parallelized with fo-tune's styles (an EMA or reference copy), and
+    the model saved whole with torch.save and loaded again, run on fo-tune's ops as the original
+    does: per copy ("deepcopy", "saved"), relative error of its output, whether its modules keep
+    a plan and own their parameters, the collectives it ran."""
+    import io
+
     mesh = _mesh(ctx)
     torch.manual_seed(5)
     model = MLP(8, 2 * ctx.world_size)
     torch_tp.parallelize_module(model, mesh, {"up": FO[0](), "down": FO[1]()})
-    copied = copy.deepcopy(model)
-    x = torch.randn(3, 8)
-    with warnings.catch_warnings(), recorded_collectives() as ops:
-        warnings.simplefilter("ignore")
-        err = rel(copied(x), model(x))
-    return {
-        "err": err,
-        "planned": all(fo_tp.plan_of(copied.get_submodule(n)) is not None for n in ("up", "down")),
-        "own_params": copied.up.weight is not model.up.weight,
-        "ops": sorted(set(ops)),
-    }
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    out = {}
+    loaded = torch.load(saved, weights_only=False)
+    for name, copied in (("deepcopy", copy.deepcopy(model)), ("saved", loaded)):
+        x = torch.randn(3, 8)
+        with warnings.catch_warnings(), recorded_collectives() as ops:
+            warnings.simplefilter("ignore")
+            err = rel(copied(x), model(x))
+        out[name] = {
+            "err": err,
+            "planned": all(fo_tp.plan_of(copied.get_submodule(n)) is not None for n in ("up", "down")),
+            "own_params": copied.up.weight is not model.up.weight,
+            "ops": sorted(set(ops)),
+        }
+    return out
 
 
 # ---------------------------------------------------------------------------------- autocast
@@ -579,6 +632,7 @@ def bad_inputs(ctx, _payload) -> dict[str, str]:
         ),
         "rs_dim": lambda: symm_mem.fused_matmul_reduce_scatter(a, b, "sum", -3, name),
         "rs_group": lambda: symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, "no-such-group"),
+        "ag_group_type": lambda: symm_mem.fused_all_gather_matmul(a, [b], 0, 0),
         "plan_unknown": lambda: fo_tp.parallelize_linears(MLP(4, 8), {"nope": "column"}),
         "install_plain": lambda: fo_tp.install(nn.Linear(4, 4), mesh, fo_tp.ColwiseParallel()),
         "install_style": lambda: fo_tp.install(col, mesh, torch_tp.ColwiseParallel()),

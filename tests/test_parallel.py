@@ -63,10 +63,11 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
                 assert run["ops"] == case.ops, (where, run["backend"], run["ops"])
         bad = {k: v for k, v in r["fused"].items() if not v < TOL}
         assert not bad and len(r["fused"]) > 40, (rank, bad)
+        assert {"ag empty rows", "rs empty features", "ag group", "rs group"} <= r["fused"].keys(), r["fused"]
         assert ("compiled" in r["fused"]) == (world == 2), r["fused"]
-        copied = r["copies"]
-        assert copied["err"] < TOL and copied["planned"] and copied["own_params"], copied
-        assert copied["ops"] == ["all_reduce"], copied
+        for copied in r["copies"].values():
+            assert copied["err"] < TOL and copied["planned"] and copied["own_params"], copied
+            assert copied["ops"] == ["all_reduce"], copied
         for name, run in r["autocast"].items():
             assert run["dtypes"] == ("torch.bfloat16", "torch.bfloat16"), (rank, name, run)
             bad = {k: v for k, v in run["errs"].items() if not v < BF16_TOL}
@@ -86,6 +87,7 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
             msgs
         )
         assert msgs["rs_group"].startswith("GroupError"), msgs
+        assert msgs["ag_group_type"].startswith("GroupError: group_name: expected"), msgs
         assert "names no submodule" in msgs["plan_unknown"] and "diagonal" in msgs["plan_kind"], msgs
         assert "not a DTensor sharded on dim 0" in msgs["install_plain"], msgs
         assert msgs["install_style"].startswith("PlanError: style: expected"), msgs
