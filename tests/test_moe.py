@@ -114,6 +114,8 @@ def _check_bad(msgs: dict, where: str) -> None:
     assert "w13" in msgs["w13_hidden"] and "2I even" in msgs["w13_odd"] and "w2 must be" in msgs["w2_shape"]
     assert "must agree" in msgs["dtype_mixed"] and "bfloat16" in msgs["x_int"]
     assert "(T, H)" in msgs["x_3d"] and "MoeSchedule" in msgs["schedule_type"]
+    assert "H >= 1" in msgs["x_no_width"], msgs["x_no_width"]
+    assert msgs["x_fp8"].startswith("ShapeError: x is torch.float8_e4m3fn"), msgs["x_fp8"]
     assert msgs["schedule_tokens"].startswith("ScheduleError: problem:")
     assert "the ranks' calls disagree" in msgs["ranks_disagree"], msgs["ranks_disagree"]
     assert "engine: copy_engine needs CUDA GPUs" in msgs["copy_engine_on_cpu"], msgs["copy_engine_on_cpu"]
@@ -259,6 +261,7 @@ def test_schedule_fields_round_trip_and_errors_name_the_field():
         ({"engine": "triton"}, "tile:"),
         ({"chunks": 0}, "chunks:"),
         ({"dtype": "int8"}, "dtype:"),
+        ({"dtype": "float8_e4m3fn"}, "dtype:"),
         ({"problem": {**problem.to_dict(), "tokens_min": 2048}}, "problem.tokens_min:"),
         ({"sms": 3}, "schedule: unknown key"),
     ):
