@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]  # this checkout
 # Relative error bounds against the float64 reference, per dtype (fp32: the issue's 1e-4).
 TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 3e-2}
 ROUTINGS = ("random", "distinct", "skewed", "duplicates")
+# ``_tiny_call``'s x, w13 and w2 shapes (the float8 bad call makes all three float8).
+FP8_OPERANDS = {"x": (3, 8), "w13": (2, 8, 6), "w2": (2, 3, 8)}
 
 
 @dataclass(frozen=True)
@@ -268,6 +270,8 @@ def bad_inputs(group, rank: int, world: int) -> dict[str, str]:
         "dtype_mixed": dict(w13=torch.randn(2, 8, 6, dtype=torch.float64)),
         "x_int": dict(x=torch.zeros(3, 8, dtype=torch.int32)),
         "x_3d": dict(x=torch.randn(3, 8, 1)),
+        "x_no_width": dict(x=torch.randn(3, 0), w13=torch.randn(2, 0, 6), w2=torch.randn(2, 3, 0)),
+        "x_fp8": {n: torch.randn(*shape).to(torch.float8_e4m3fn) for n, shape in FP8_OPERANDS.items()},
         "schedule_type": dict(schedule="fast"),
     }
     out = {name: _message(lambda c=c: _tiny_call(group, **c)) for name, c in bad.items()}

@@ -114,6 +114,8 @@ def _check_bad(msgs: dict, where: str) -> None:
     assert "w13" in msgs["w13_hidden"] and "2I even" in msgs["w13_odd"] and "w2 must be" in msgs["w2_shape"]
     assert "must agree" in msgs["dtype_mixed"] and "bfloat16" in msgs["x_int"]
     assert "(T, H)" in msgs["x_3d"] and "MoeSchedule" in msgs["schedule_type"]
+    assert "H >= 1" in msgs["x_no_width"], msgs["x_no_width"]
+    assert msgs["x_fp8"].startswith("ShapeError: x is torch.float8_e4m3fn"), msgs["x_fp8"]
     assert msgs["schedule_tokens"].startswith("ScheduleError: problem:")
     assert "the ranks' calls disagree" in msgs["ranks_disagree"], msgs["ranks_disagree"]
     assert "engine: copy_engine needs CUDA GPUs" in msgs["copy_engine_on_cpu"], msgs["copy_engine_on_cpu"]
@@ -259,6 +261,7 @@ def test_schedule_fields_round_trip_and_errors_name_the_field():
         ({"engine": "triton"}, "tile:"),
         ({"chunks": 0}, "chunks:"),
         ({"dtype": "int8"}, "dtype:"),
+        ({"dtype": "float8_e4m3fn"}, "dtype:"),
         ({"problem": {**problem.to_dict(), "tokens_min": 2048}}, "problem.tokens_min:"),
         ({"sms": 3}, "schedule: unknown key"),
     ):
@@ -352,5 +355,21 @@ def test_module_refuses_what_the_op_does_not_compute(one_rank):
         ExpertParallelExperts.from_experts(block)
     with pytest.raises(PlanError, match="neither a fused"):
         ExpertParallelExperts.from_experts(torch.nn.Linear(2, 2))
+    # a SiLU act_fn under a clamped gate (DeepSeek-V4's _apply_gate, limit 10): the gate decides
+    block = _mixtral_experts()
+    block._apply_gate = lambda gu: block.act_fn(gu.chunk(2, -1)[0].clamp(max=10)) * gu.chunk(2, -1)[1]
+    with pytest.raises(PlanError, match=r"_apply_gate\) is not silu\(gate\) \* up"):
+        ExpertParallelExperts.from_experts(block)
+    from transformers import GptOssConfig, Llama4TextConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    tiny = dict(hidden_size=16, intermediate_size=8, num_local_experts=4)
+    with pytest.raises(PlanError, match="has_bias=True"):
+        ExpertParallelExperts.from_experts(GptOssExperts(GptOssConfig(**tiny)))
+    # Llama 4's experts: (E, H, 2I) weights without transformers' layout flags, called with
+    # pre-weighted rows and no routing
+    with pytest.raises(PlanError, match=r"gate_up_proj \(4, 16, 16\) and down_proj \(4, 8, 16\)"):
+        ExpertParallelExperts.from_experts(Llama4TextExperts(Llama4TextConfig(**tiny)))
     with pytest.raises(PlanError, match="no fused experts block"):
         parallelize_experts(torch.nn.Sequential(torch.nn.Linear(2, 2)))

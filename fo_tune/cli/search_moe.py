@@ -42,9 +42,10 @@ def run_moe_search(
     """Check the options, plan the rows, merge them into the MoE table, print the summary."""
     import torch
 
+    from fo_kernels.moe.routing import MOE_DTYPES
     from fo_tune.cli.common import parse_names
     from fo_tune.engines import moe_engine_names
-    from fo_tune.moe.plan import MOE_DTYPES, ExpertsShape, MoeSearchError, experts_from_suite, parse_tokens
+    from fo_tune.moe.plan import ExpertsShape, MoeSearchError, experts_from_suite, parse_tokens
 
     if not experts and suite is None:
         raise MoeSearchError(

@@ -35,10 +35,6 @@ from fo_tune.ranks.limits import GB, INT32_MAX, Target, fingerprint_target
 from fo_tune.search.decide import MIN_GAIN
 from fo_tune.tables.merge import LOCK_TIMEOUT_S, lock_path
 
-# The dtypes an MoE table is planned in: the expert-parallel FFN's (fo_kernels.moe runs bf16, fp16
-# and fp32 experts; its grouped GEMMs take no fp8 scales).
-MOE_DTYPES = ("bfloat16", "float16", "float32")
-
 
 class MoeSearchError(FoTuneError, ValueError):
     """Bad MoE search input (experts' shapes, buckets, mode, calibration); the message says what to do."""

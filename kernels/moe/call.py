@@ -23,13 +23,13 @@ from fo_kernels.errors import ScheduleError, ShapeError
 from fo_kernels.groups import check_group
 from fo_kernels.moe import fallback
 from fo_kernels.moe.exchange import Layout, exchange_counts
-from fo_kernels.moe.routing import FfnShape, check_call, route
+from fo_kernels.moe.routing import MOE_DTYPES, FfnShape, check_call, route
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.moe.stages import BackwardStage, ForwardStage
 from fo_kernels.moe.table import MoeTableCache
 from fo_kernels.registry import Registry
 from fo_kernels.runtime import runtime_for
-from fo_kernels.schedule import DTYPES, dtype_name
+from fo_kernels.schedule import dtype_name
 
 # The runtime's engine_state key of its MoE table lookups (``MoeTableCache``).
 TABLE_STATE = "moe.table"
@@ -99,7 +99,7 @@ def table_schedule(
     call (no table holds one), or a row whose engine cannot run here. Keyed by the most tokens any
     rank holds (``layout.tokens``), so every rank of the call takes the same row."""
     dtype = dtype_name(x.dtype) if x.dtype != torch.float64 else ""
-    if dtype not in DTYPES:
+    if dtype not in MOE_DTYPES:
         return None, None
     runtime = runtime_for(x.device, group)
     cache = runtime.engine_state.setdefault(TABLE_STATE, MoeTableCache())

@@ -14,8 +14,11 @@ sparse MoE block, after the router, which stays replicated. Every rank keeps the
     per expert (transformers 4) a ModuleList of MLPs with w1 / w3 / w2 (Mixtral) or gate_proj /
                                 up_proj / down_proj (Qwen3-MoE) ``nn.Linear`` layers
 
-and refuses (``PlanError``) what the op does not compute: an activation other than SiLU,
-biases, a norm after each expert, experts without a gate, E not divisible by the world size.
+and refuses (``PlanError``) what the op does not compute: an activation other than SiLU (the
+fused block's ``_apply_gate`` is probed, so a clamped SwiGLU such as DeepSeek-V4's or gpt-oss's is
+refused), biases, a norm after each expert, experts without a gate, weights in neither layout
+(Llama 4's experts, which take pre-weighted rows and no routing), E not divisible by the world
+size.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from fo_kernels.moe.ffn import expert_parallel_ffn
 from fo_kernels.moe.schedule import MoeSchedule
 
 # Points where a SiLU is told apart from the other activations transformers' MoE models use
-# (gelu, relu, the clamped SwiGLU of gpt-oss); checked to float32 rounding.
-_PROBE = (-3.0, -0.5, 0.25, 2.0, 9.0)
+# (gelu, relu, the clamped SwiGLUs): the largest lie far past every clamp limit transformers'
+# models set (gpt-oss 7, DeepSeek-V4 10); checked to float32 rounding.
+_PROBE = (-1e3, -3.0, -0.5, 0.25, 2.0, 9.0, 1e3)
 _PROBE_TOL = 1e-6
 # Per-expert MLP attribute names: (gate, up, down), Mixtral's then Qwen's (transformers 4).
 _MLP_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
@@ -52,14 +56,46 @@ def _check_silu(act: object, where: str) -> None:
         )
 
 
+def _check_gate(experts: nn.Module) -> None:
+    """Raise ``PlanError`` unless the fused block's gating (its ``_apply_gate`` of (R, 2I) rows,
+    which transformers' experts implementations call, else its ``act_fn``) is ``silu(gate) * up``."""
+    apply_gate = getattr(experts, "_apply_gate", None)
+    if apply_gate is None:
+        _check_silu(getattr(experts, "act_fn", None), "experts")
+        return
+    probe = torch.tensor(_PROBE)
+    gate, up = (t.reshape(-1) for t in torch.meshgrid(probe, probe, indexing="ij"))
+    # I = 1: the concatenated [gate | up] and the interleaved [g0, u0] rows are the same
+    try:
+        got = apply_gate(torch.stack([gate, up], dim=1)).reshape(-1)
+        same = torch.allclose(got, F.silu(gate) * up, rtol=_PROBE_TOL, atol=_PROBE_TOL)
+    except (TypeError, RuntimeError, AttributeError):
+        same = False
+    if not same:
+        raise PlanError(
+            f"experts: its gating ({type(experts).__name__}._apply_gate) is not silu(gate) * up, which "
+            "expert_parallel_ffn computes"
+        )
+
+
 def _fused(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(w13, w2) of every expert from the fused layout, as (E, H, 2I) and (E, I, H)."""
     for flag, bad in (("has_bias", True), ("has_post_expert_norm", True), ("has_gate", False)):
         if getattr(experts, flag, not bad) == bad:
             raise PlanError(f"experts: {flag}={bad} is not the SwiGLU expert expert_parallel_ffn computes")
+    _check_gate(experts)
     gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
-    if not getattr(experts, "is_transposed", False):
+    transposed = getattr(experts, "is_transposed", False)
+    if not transposed:
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    experts_n, hidden, i2 = gate_up.shape if gate_up.dim() == 3 else (0, 0, 0)
+    if i2 % 2 or i2 == 0 or tuple(down.shape) != (experts_n, i2 // 2, hidden):
+        want = "(E, H, 2I) and (E, I, H)" if transposed else "(E, 2I, H) and (E, H, I)"
+        raise PlanError(
+            f"experts: gate_up_proj {tuple(experts.gate_up_proj.shape)} and down_proj "
+            f"{tuple(experts.down_proj.shape)} of a {type(experts).__name__} are not the {want} of "
+            f"a transformers experts block (is_transposed={transposed})"
+        )
     if not getattr(experts, "is_concatenated", True):  # [g0, u0, g1, u1, ...] -> [gate | up]
         gate_up = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1)
     return gate_up, down
@@ -117,7 +153,6 @@ class ExpertParallelExperts(nn.Module):
         if isinstance(experts, nn.ModuleList):
             w13, w2 = _per_expert(experts)
         elif hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"):
-            _check_silu(getattr(experts, "act_fn", None), "experts")
             w13, w2 = _fused(experts)
         else:
             raise PlanError(

@@ -27,9 +27,12 @@ from fo_kernels.schedule import TORCH_DTYPES
 
 # Index dtypes ``topk_ids`` may have: torch.topk returns int64; int32 is what some routers store.
 ID_DTYPES = (torch.int64, torch.int32)
+# The dtypes a MoE schedule and table name: the dense schedules' but float8 (the experts' grouped
+# GEMMs have no scaled path).
+MOE_DTYPES = ("bfloat16", "float16", "float32")
 # The dtypes of x and the experts: the schedules' three, and float64 (a reference; the no-overlap
 # path only, since a schedule names one of the three).
-FFN_DTYPES = (*TORCH_DTYPES.values(), torch.float64)
+FFN_DTYPES = (*(TORCH_DTYPES[name] for name in MOE_DTYPES), torch.float64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +79,8 @@ def check_call(
             f"(E_local, I, H); got {', '.join(_describe(n, t) for n, t in named.items())}"
         )
     tokens, hidden = x.shape
+    if hidden == 0:
+        raise ShapeError(f"x must be (T, H) with H >= 1; got {_describe('x', x)}")
     if topk_ids.shape[0] != tokens or topk_weights.shape != topk_ids.shape:
         raise ShapeError(
             f"topk_ids and topk_weights must both be (T, k) with T = x.shape[0] = {tokens}; got "

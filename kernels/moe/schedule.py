@@ -31,8 +31,7 @@ from typing import Any
 
 from fo_kernels.errors import ScheduleError
 from fo_kernels.fields import check_choice, check_int, from_mapping
-from fo_kernels.moe.routing import FfnShape
-from fo_kernels.schedule import DTYPES
+from fo_kernels.moe.routing import MOE_DTYPES, FfnShape
 from fo_kernels.tile import Tile
 
 MOE_ENGINES = ("triton", "copy_engine")
@@ -107,7 +106,7 @@ class MoeSchedule:
     op_text: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("dtype", self.dtype, MOE_DTYPES)
         check_int("world_size", self.world_size, minimum=1)
         if not isinstance(self.problem, MoeProblem):
             raise ScheduleError(f"problem: expected a MoeProblem, got {type(self.problem).__name__}")

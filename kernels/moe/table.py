@@ -43,8 +43,8 @@ import yaml
 from fo_kernels.errors import ScheduleError, TableError
 from fo_kernels.files import atomic_write
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint
+from fo_kernels.moe.routing import MOE_DTYPES
 from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
-from fo_kernels.schedule import DTYPES
 from fo_kernels.table.format import check_fingerprint, read_table_data
 from fo_kernels.table.paths import TABLE_DIR_ENV, check_name, table_search_path
 from fo_kernels.table.text import dump_table_text
@@ -73,7 +73,7 @@ def experts_key(problem: MoeProblem) -> ExpertsKey:
 
 def moe_table_filename(world_size: int, dtype: str) -> str:
     """``moe-w<world_size>-<dtype>.yaml``."""
-    check_name("dtype", dtype, DTYPES)
+    check_name("dtype", dtype, MOE_DTYPES)
     return f"{MOE_TABLE_PREFIX}-w{int(world_size)}-{dtype}.yaml"
 
 
@@ -111,7 +111,7 @@ class MoeTable:
     rows: list[MoeRow] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        check_name("dtype", self.dtype, DTYPES)
+        check_name("dtype", self.dtype, MOE_DTYPES)
         for row in self.rows:
             s = row.schedule
             if (s.dtype, s.world_size) != (self.dtype, self.world_size):
@@ -165,7 +165,7 @@ class MoeTable:
         try:
             fingerprint = Fingerprint.from_dict(data.get("fingerprint"))
             world, dtype = data.get("world_size"), data.get("dtype")
-            check_name("dtype", dtype, DTYPES)
+            check_name("dtype", dtype, MOE_DTYPES)
             if isinstance(world, bool) or not isinstance(world, int) or world != fingerprint.world_size:
                 raise TableError(f"world_size: {world!r} is not the fingerprint's {fingerprint.world_size}")
         except (ScheduleError, TableError) as exc:
