@@ -30,7 +30,8 @@ stores each weight shard once as float8_e4m3fn codes with its ``weight_scale`` b
 each call's input the same way, as ``ColumnParallelLinear(fp8=...)`` does
 (``fo_kernels.parallel_forward``). torch's style has no fp8 GEMM, so an fp8 style that fo-tune
 cannot run is a ``PlanError`` when applied (a ``ShapeError`` at run time), not torch's style; a
-backward raises ``Fp8TrainingError``.
+backward raises ``Fp8TrainingError``. A cast of the model's dtype (``model.to(torch.bfloat16)``,
+``.half()``) leaves each fp8 weight and its float32 scale as they are; a device move moves them.
 
 ``parallelize_linears(model, {pattern: "column" | "row"})`` is a thin convenience over the styles.
 """

@@ -31,7 +31,8 @@ DTensor of the same placements, no gradient) with its scale in the module's ``we
 rows the same way (``fo_kernels.quantize``; tensorwise before an AllGather with one scale over the
 group) for the scaled ops, the output in the input's dtype. torch's style has no fp8 GEMM, so what
 would run as torch's style raises ``ShapeError`` for an fp8 module instead; a backward raises
-``Fp8TrainingError``.
+``Fp8TrainingError``. The module's own ``_apply`` keeps the codes and the float32 scale through a
+cast of its dtype (``model.to(torch.bfloat16)``), as the layers' does.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from fo_kernels.groups import resolve_group
 from fo_kernels.layers import (
     _autocast_operands,
     _fp8_operands,
+    _keeping_dtypes,
     _local_fp8_matmul,
     _needs_grad,
     _ReplicatedInputMatmul,
@@ -139,6 +141,20 @@ def quantize_module(module: nn.Linear, scaling: str) -> None:
     )  # fmt: skip
     module.weight = nn.Parameter(fp8, requires_grad=False)
     module.register_buffer(SCALE_ATTR, scale)
+    # the module is the user's nn.Linear, whose class's _apply casts every floating tensor: an
+    # instance attribute shadows it for this module alone (model.to(torch.bfloat16) calls each
+    # child's _apply), a partial as the forward is, so it deep-copies and pickles with the module
+    module._apply = functools.partial(_fp8_apply, module)
+
+
+def _fp8_apply(
+    module: nn.Linear, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+) -> nn.Linear:
+    """An fp8 module's ``_apply`` (``to``, ``half``, ``float``...): its class's, but the weight's
+    fp8 codes and its float32 ``weight_scale`` keep their dtypes through a cast of the module's
+    dtype, as the layers' do; a device move still moves them."""
+    kept = (module.weight, getattr(module, SCALE_ATTR))
+    return type(module)._apply(module, _keeping_dtypes(fn, kept), recurse)
 
 
 def _fp8_rows(
