@@ -23,7 +23,8 @@ forward; a mesh of more than one dim; weights other than bfloat16, float16 or fl
 input sharded on its features, a rowwise input not sharded on its features (``Shard(-1)``, or the
 last dim counted from the front, seen at run time) or output other than ``Replicate()`` / a leading
 ``Shard``) is torch's style for that module, with one ``NotOverlappedWarning``; a colwise output
-layout other than ``Shard(-1)`` is redistributed as torch's style does, with one warning.
+layout other than its features (``Shard(-1)``, or the last dim counted from the front, seen at run
+time) is redistributed as torch's style does, with one warning from its first eager call.
 
 fp8 for inference: ``ColwiseParallel(fp8="tensorwise" | "rowwise")`` (and ``RowwiseParallel``)
 stores each weight shard once as float8_e4m3fn codes with its ``weight_scale`` buffer and quantizes
@@ -140,13 +141,8 @@ class ColwiseParallel(_Fp8Option, TorchColwiseParallel):
         reason = _blocker(module, device_mesh) or self._layout_blocker()
         if reason:
             return self._torch_or_refuse(module, device_mesh, reason)
-        (out,) = self.output_layouts
-        if not _is_last(out):
-            _warn(
-                self,
-                module,
-                f"output_layouts={out!r} is made from Shard(-1) by DTensor, as torch's style does",
-            )
+        # (an output layout other than the features is redistributed by DTensor: the forward warns,
+        # since whether Shard(2) is the features depends on the output's dims)
         distribute_module(module, device_mesh, self._partition_linear_fn)
         install_forward(module, _plan(self, device_mesh))
         return module
