@@ -43,6 +43,7 @@ over them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar, TypeVar
 
 import torch
@@ -165,6 +166,23 @@ def _local_fp8_matmul(codes: torch.Tensor, w: torch.Tensor, fp8: dict, scaling: 
     return _LocalScaledMatmul.apply(codes, w, scales)
 
 
+def _keeping_dtypes(
+    fn: Callable[[torch.Tensor], torch.Tensor], kept: tuple[torch.Tensor, ...]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``fn``, the function ``nn.Module._apply`` maps over a module's tensors (``to``, ``half``,
+    ``cuda``...), but the tensors in ``kept`` (an fp8 weight's codes and its float32 scale) keep
+    their dtypes: cast, the codes would become plain numbers without their scale and the scale
+    lose precision; a device move still moves them."""
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        out = fn(t)
+        if any(t is k for k in kept) and out.dtype != t.dtype:
+            return t.to(device=out.device)
+        return out
+
+    return keep
+
+
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -258,19 +276,10 @@ class _ParallelLinear(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """``nn.Module._apply`` (``to``, ``half``, ``cuda``...), but an fp8 layer's weight codes
         and float32 ``weight_scale`` keep their dtypes through a cast of the module's dtype
-        (``model.to(torch.bfloat16)``): cast, the codes would become plain numbers without their
-        scale and the scale lose precision; a device move still moves them."""
+        (``_keeping_dtypes``)."""
         if self.fp8 is None:
             return super()._apply(fn, recurse)
-        kept = (self.weight, self.weight_scale)
-
-        def keep_fp8(t: torch.Tensor) -> torch.Tensor:
-            out = fn(t)
-            if any(t is k for k in kept) and out.dtype != t.dtype:
-                return t.to(device=out.device)
-            return out
-
-        return super()._apply(keep_fp8, recurse)
+        return super()._apply(_keeping_dtypes(fn, (self.weight, self.weight_scale)), recurse)
 
     def _fp8_rows(self, rows: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, dict]:
         """(codes, the op's fp8 keyword arguments) of a call's activation rows (``_fp8_operands``)."""

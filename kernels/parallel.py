@@ -23,14 +23,16 @@ forward; a mesh of more than one dim; weights other than bfloat16, float16 or fl
 input sharded on its features, a rowwise input not sharded on its features (``Shard(-1)``, or the
 last dim counted from the front, seen at run time) or output other than ``Replicate()`` / a leading
 ``Shard``) is torch's style for that module, with one ``NotOverlappedWarning``; a colwise output
-layout other than ``Shard(-1)`` is redistributed as torch's style does, with one warning.
+layout other than its features (``Shard(-1)``, or the last dim counted from the front, seen at run
+time) is redistributed as torch's style does, with one warning from its first eager call.
 
 fp8 for inference: ``ColwiseParallel(fp8="tensorwise" | "rowwise")`` (and ``RowwiseParallel``)
 stores each weight shard once as float8_e4m3fn codes with its ``weight_scale`` buffer and quantizes
 each call's input the same way, as ``ColumnParallelLinear(fp8=...)`` does
 (``fo_kernels.parallel_forward``). torch's style has no fp8 GEMM, so an fp8 style that fo-tune
 cannot run is a ``PlanError`` when applied (a ``ShapeError`` at run time), not torch's style; a
-backward raises ``Fp8TrainingError``.
+backward raises ``Fp8TrainingError``. A cast of the model's dtype (``model.to(torch.bfloat16)``,
+``.half()``) leaves each fp8 weight and its float32 scale as they are; a device move moves them.
 
 ``parallelize_linears(model, {pattern: "column" | "row"})`` is a thin convenience over the styles.
 """
@@ -139,13 +141,8 @@ class ColwiseParallel(_Fp8Option, TorchColwiseParallel):
         reason = _blocker(module, device_mesh) or self._layout_blocker()
         if reason:
             return self._torch_or_refuse(module, device_mesh, reason)
-        (out,) = self.output_layouts
-        if not _is_last(out):
-            _warn(
-                self,
-                module,
-                f"output_layouts={out!r} is made from Shard(-1) by DTensor, as torch's style does",
-            )
+        # (an output layout other than the features is redistributed by DTensor: the forward warns,
+        # since whether Shard(2) is the features depends on the output's dims)
         distribute_module(module, device_mesh, self._partition_linear_fn)
         install_forward(module, _plan(self, device_mesh))
         return module

@@ -7,7 +7,7 @@ one of the two below, which compute on the local shards with fo-tune's ops:
     colwise   input Replicate()           y = x @ W_r.T (+ b_r)       backward: dx = gemm_all_reduce(dy, W_r)
               input Shard(d), d leading   y = all_gather_gemm(x_r, W_r.T) (+ b_r), gathered on dim d
               output: this rank's features, Shard(-1); another output layout is redistributed
-              from there through DTensor, as torch's style does
+              from there through DTensor, as torch's style does, with one warning per module
     rowwise   input Shard(-1)             output Replicate(): y = gemm_all_reduce(x_r, W_r.T) + b
                                           output Shard(d), d leading: y = gemm_reduce_scatter (+ b,
                                           whose gradient is summed over the group)
@@ -31,7 +31,8 @@ DTensor of the same placements, no gradient) with its scale in the module's ``we
 rows the same way (``fo_kernels.quantize``; tensorwise before an AllGather with one scale over the
 group) for the scaled ops, the output in the input's dtype. torch's style has no fp8 GEMM, so what
 would run as torch's style raises ``ShapeError`` for an fp8 module instead; a backward raises
-``Fp8TrainingError``.
+``Fp8TrainingError``. The module's own ``_apply`` keeps the codes and the float32 scale through a
+cast of its dtype (``model.to(torch.bfloat16)``), as the layers' does.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from fo_kernels.groups import resolve_group
 from fo_kernels.layers import (
     _autocast_operands,
     _fp8_operands,
+    _keeping_dtypes,
     _local_fp8_matmul,
     _needs_grad,
     _ReplicatedInputMatmul,
@@ -64,9 +66,11 @@ from fo_kernels.quantize import quantize_weight
 from fo_kernels.scaling import OUT_DTYPES
 from fo_kernels.schedule import TORCH_DTYPES
 
-# The attributes of the module that hold its LinearPlan, and whether it has warned of torch's path.
+# The attributes of the module that hold its LinearPlan, whether it has warned of torch's path, and
+# whether it has warned of a colwise output DTensor redistributes.
 PLAN_ATTR = "_fo_parallel_plan"
 WARNED_ATTR = "_fo_parallel_warned"
+REDISTRIBUTED_ATTR = "_fo_parallel_warned_output"
 COLWISE, ROWWISE = "colwise", "rowwise"
 # The layouts each kind computes in (torch's desired layouts of a linear).
 DESIRED_INPUT = {COLWISE: (Replicate(),), ROWWISE: (Shard(-1),)}
@@ -139,6 +143,20 @@ def quantize_module(module: nn.Linear, scaling: str) -> None:
     )  # fmt: skip
     module.weight = nn.Parameter(fp8, requires_grad=False)
     module.register_buffer(SCALE_ATTR, scale)
+    # the module is the user's nn.Linear, whose class's _apply casts every floating tensor: an
+    # instance attribute shadows it for this module alone (model.to(torch.bfloat16) calls each
+    # child's _apply), a partial as the forward is, so it deep-copies and pickles with the module
+    module._apply = functools.partial(_fp8_apply, module)
+
+
+def _fp8_apply(
+    module: nn.Linear, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+) -> nn.Linear:
+    """An fp8 module's ``_apply`` (``to``, ``half``, ``float``...): its class's, but the weight's
+    fp8 codes and its float32 ``weight_scale`` keep their dtypes through a cast of the module's
+    dtype, as the layers' do; a device move still moves them."""
+    kept = (module.weight, getattr(module, SCALE_ATTR))
+    return type(module)._apply(module, _keeping_dtypes(fn, kept), recurse)
 
 
 def _fp8_rows(
@@ -177,6 +195,16 @@ def _input_why(x: torch.Tensor, weight: torch.Tensor) -> str:
     return f"input {x.dtype}, weight {weight.dtype} (the ops take one of bfloat16, float16, float32)"
 
 
+def _warn_once(module: nn.Linear, attr: str, message: Callable[[], str]) -> None:
+    """One ``NotOverlappedWarning`` per module and ``attr`` (the module's flag that it was given),
+    from an eager call: torch.compile traces no warning, so ``message`` is a callable, called once."""
+    if torch.compiler.is_compiling() or getattr(module, attr, False):
+        return
+    setattr(module, attr, True)
+    # (the frame that called the forward: past this function, its caller and the forward)
+    warnings.warn(f"fo_kernels.parallel: {message()}", NotOverlappedWarning, stacklevel=4)
+
+
 def torch_forward(
     module: nn.Linear, x: torch.Tensor, plan: LinearPlan, why: Callable[[], str]
 ) -> torch.Tensor:
@@ -189,14 +217,11 @@ def torch_forward(
             f"an fp8 {plan.kind} {type(module).__name__} runs on fo-tune's ops only (torch's style has "
             f"no fp8 GEMM), which cannot take {why()}"
         )
-    if not torch.compiler.is_compiling() and not getattr(module, WARNED_ATTR, False):
-        setattr(module, WARNED_ATTR, True)
-        warnings.warn(
-            f"fo_kernels.parallel: a {plan.kind} {type(module).__name__} runs as torch's style does, "
-            f"not overlapped: {why()}",
-            NotOverlappedWarning,
-            stacklevel=3,
-        )
+    _warn_once(
+        module,
+        WARNED_ATTR,
+        lambda: f"a {plan.kind} {type(module).__name__} runs as torch's style does, not overlapped: {why()}",
+    )
     style = TORCH_STYLES[plan.kind]
     x = style._prepare_input_fn(plan.input_layouts, DESIRED_INPUT[plan.kind], module, (x,), plan.mesh)
     y = F.linear(x, module.weight, module.bias)
@@ -269,17 +294,28 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r} (DTensor gathers it)")
     if bias is not None:  # (an fp8 module's output is in its input's dtype, not the bias')
         y = y + bias.to(y.dtype)
-    return _colwise_output(y, plan, module.out_features)
+    return _colwise_output(module, y, plan)
 
 
-def _colwise_output(y: torch.Tensor, plan: LinearPlan, features: int) -> torch.Tensor:
+def _colwise_output(module: nn.Linear, y: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
     """The local (..., N_r) result in the style's output layout, as torch's style returns it (the
-    global shape given, since the features need not divide by the world size)."""
+    global shape given, since the features need not divide by the world size). A layout other than
+    the features is redistributed by DTensor, with one warning per module; whether a ``Shard(d)``
+    counted from the front is the features depends on the output's dims, seen here."""
     want = plan.output_layouts[0]
     is_features = isinstance(want, Shard) and want.dim % y.dim() == y.dim() - 1
     if is_features and plan.use_local_output:
         return y
-    shape = (*y.shape[:-1], features)
+    if not is_features:
+        _warn_once(
+            module,
+            REDISTRIBUTED_ATTR,
+            lambda: (
+                f"a colwise {type(module).__name__}'s output_layouts={want!r} of a {y.dim()}-dim output "
+                "is made from its features (Shard(-1)) by DTensor, as torch's style does"
+            ),
+        )
+    shape = (*y.shape[:-1], module.out_features)
     out = DTensor.from_local(
         y, plan.mesh, [Shard(y.dim() - 1)], run_check=False, shape=shape, stride=_contiguous_strides(shape)
     )

@@ -218,11 +218,40 @@ def fp8_layers(ctx, _payload) -> dict[str, float | str]:
     return out
 
 
+def _recast(model: torch.nn.Module, x: torch.Tensor, before: torch.Tensor) -> float:
+    """``model`` (parallelized with fp8 styles) cast to other dtypes and back, then deep-copied and
+    saved whole and loaded again (each cast once more): every fp8 weight stays fp8 codes and its
+    scale float32, and the largest difference of an output from ``before`` (the uncast model's on
+    ``x``) is returned. A device move (to meta, a CPU rank's other device) still moves them."""
+    import copy
+    import io
+
+    def check(m: torch.nn.Module, device: str = "cpu") -> None:
+        for sub in m.modules():
+            if hasattr(sub, "weight_scale"):
+                scale, local = sub.weight_scale, sub.weight.to_local()
+                assert (local.dtype, scale.dtype) == (FP8, torch.float32), (sub, local.dtype, scale.dtype)
+                assert local.device.type == scale.device.type == device, (sub, local.device, scale.device)
+
+    cast = copy.deepcopy(model).float().half().to(torch.bfloat16)
+    check(cast)
+    saved = io.BytesIO()
+    torch.save(cast, saved)
+    saved.seek(0)
+    copies = (cast, copy.deepcopy(cast).float(), torch.load(saved, weights_only=False).half())
+    for m in copies[1:]:
+        check(m)
+    check(copy.deepcopy(cast).to("meta"), "meta")
+    with torch.no_grad():
+        return max((m(x) - before).abs().max().item() for m in copies)
+
+
 def fp8_styles(ctx, _payload) -> dict[str, float | str]:
     """fo_kernels.parallel's styles with ``fp8=`` on an MLP (colwise then rowwise, both scalings,
     replicated and dim-0 sequence-parallel activations, a bf16 model) against the full float64 MLP:
     name -> relative error; plus the backward's error, an fp8 style's refusal of a layout fo-tune
-    cannot run (torch's style has no fp8 GEMM) and ``parallelize_linears(fp8=...)``."""
+    cannot run (torch's style has no fp8 GEMM) and ``parallelize_linears(fp8=...)``; "... cast":
+    each model's largest difference from itself after casts of its dtype (``_recast``)."""
     import copy
     import warnings
 
@@ -261,6 +290,7 @@ def fp8_styles(ctx, _payload) -> dict[str, float | str]:
                 got = model(mine)
             assert got.dtype == x.dtype and got.shape == ref.shape, (got.dtype, got.shape, ref.shape)
             out[f"{scaling}-sp{int(sp)}"] = ((got.double() - ref).norm() / ref.norm()).item()
+            out[f"{scaling}-sp{int(sp)} cast"] = _recast(model, mine, got)
     # under autocast the weight stays fp8 codes (cast to bf16 they would lose their scale)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         got = model(mine.float())
@@ -286,4 +316,5 @@ def fp8_styles(ctx, _payload) -> dict[str, float | str]:
     with torch.no_grad():
         got = model(x)
     out["parallelize_linears"] = ((got.double() - want).norm() / want.norm()).item()
+    out["parallelize_linears cast"] = _recast(model, x, got)
     return out

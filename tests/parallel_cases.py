@@ -170,6 +170,27 @@ CASES: dict[str, StyleCase] = {
         y_shard=False,
         ops=AR,
     ),
+    # a colwise output sharded on its features named from the front (Shard(2) of 3 dims: Shard(-1)),
+    # which DTensor does not redistribute: no warning
+    "col_out_dim": StyleCase(
+        model=lambda w: nn.Sequential(nn.Linear(8, 2 * w)),
+        plan=lambda s: {"0": s[0](output_layouts=Shard(2))},
+        x_shape=lambda w: (2, 3, 8),
+        x_shard=False,
+        y_shard=True,
+        ops=AR,
+    ),
+    # a colwise output sharded on its sequence dim (Shard(1) of 3 dims): redistributed by DTensor,
+    # one warning (from the first eager run, none from the compiled one)
+    "col_out_seq": StyleCase(
+        model=lambda w: nn.Sequential(nn.Linear(8, 2 * w)),
+        plan=lambda s: {"0": s[0](output_layouts=Shard(1))},
+        x_shape=lambda w: (2, 2 * w, 8),
+        x_shard=False,
+        y_shard=True,
+        ops=AR,
+        warnings=1,
+    ),
     "gather_out": StyleCase(
         model=lambda w: MLP(8, 2 * w, bias=False),
         plan=lambda s: {

@@ -248,11 +248,16 @@ def test_fp8_styles_on_gloo_ranks():
     """fo_kernels.parallel's ColwiseParallel / RowwiseParallel with ``fp8=`` (both scalings, with
     and without sequence parallelism, and ``parallelize_linears(fp8=...)``) hold an fp8 weight shard
     and its scale and are within fp8's quantization error of the full MLP; a backward says training
-    in fp8 is out of scope; an fp8 style fo-tune cannot run is a PlanError, not torch's style."""
+    in fp8 is out of scope; an fp8 style fo-tune cannot run is a PlanError, not torch's style; a
+    cast of the parallelized model's dtype (``.float()``, ``.half()``, ``.to(torch.bfloat16)``) keeps
+    the fp8 weights and float32 scales, deep-copied or saved and loaded too, and gives the uncast
+    model's output; a device move moves them."""
     per_rank = run_ranks(fp8_styles, 2, None, backend="gloo")
     for rank, got in enumerate(per_rank):
         assert "training in fp8 is out of scope" in got.pop("backward"), rank
         assert "is gathered on its features" in got.pop("refused"), rank
+        cast = {k: got.pop(k) for k in list(got) if k.endswith(" cast")}
+        assert len(cast) == 5 and not any(cast.values()), (rank, cast)
         assert all(err < LAYER_TOL for err in got.values()), (rank, got)
 
 

@@ -21,9 +21,10 @@ BF16_TOL = 2e-2
 # The cases also run under torch.compile (aot_eager: Dynamo, AOTAutograd and the ops' fake
 # implementations without inductor's C++ code generation, ~10 s of CPU a graph here; see
 # test_layers.py), per world size: without and with sequence parallelism (dim 0 and 1, DTensor
-# inputs), DTensor outputs, and a run-time fallback to torch's path inside the graph.
+# inputs), DTensor outputs, a run-time fallback to torch's path inside the graph and a colwise output
+# DTensor redistributes (its warning decided in the forward).
 COMPILED = {
-    2: ("mlp", "mlp_sp", "mlp_sp_seq", "block", "dtensor_out", "uneven_rows"),
+    2: ("mlp", "mlp_sp", "mlp_sp_seq", "block", "dtensor_out", "uneven_rows", "col_out_seq"),
     3: ("mlp", "mlp_sp"),
 }
 
