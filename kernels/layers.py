@@ -310,6 +310,16 @@ class _ParallelLinear(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
+    def _check_dtype(self, rows: torch.Tensor, weight: torch.Tensor) -> None:
+        """Refuse an input of another dtype than the weight's (``ShapeError``), as the ops refuse
+        mixed operands; a column-parallel layer's local GEMM would raise torch's RuntimeError
+        instead. An fp8 layer quantizes its input, of any float dtype, per call."""
+        if self.fp8 is None and rows.dtype != weight.dtype:
+            raise ShapeError(
+                f"input is {rows.dtype} but {type(self).__name__}'s weight is {weight.dtype}; cast "
+                "the input or the layer, or run it inside torch.autocast"
+            )
+
     def _rows(self, x: torch.Tensor, features: int) -> torch.Tensor:
         if x.dim() < 1 or x.shape[-1] != features:
             raise ShapeError(
@@ -343,6 +353,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (inside torch.autocast, the operands in its dtype, as F.linear takes them)
         rows, weight, bias = _autocast_operands(self._rows(x, self.in_features), self.weight, self.bias)
+        self._check_dtype(rows, weight)
         w = weight.t()
         n = weight.shape[0]
         if self.sequence_parallel:  # the gathered rows: dim 0 times the world size
@@ -378,6 +389,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (inside torch.autocast, the operands in its dtype, as F.linear takes them)
         rows, weight, bias = _autocast_operands(self._rows(x, self.weight.shape[1]), self.weight, self.bias)
+        self._check_dtype(rows, weight)
         lead = x.shape[:-1]
         world = self.world_size
         if rows.shape[0] == 0:

@@ -28,6 +28,7 @@ rows [s*Ms + i0, s*Ms + i1) of every shard s (``fo_kernels.engines.triton.execut
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fo_kernels.engines.triton.settings import TritonSettings
@@ -170,12 +171,17 @@ def tail_plan(
     return TailPlan((1, 1), main, share)
 
 
-def resolve_groups(groups: tuple[int, ...], num_units: int, *, exact: bool) -> tuple[int, ...]:
+def resolve_groups(
+    groups: tuple[int, ...], num_units: int, *, exact: bool, step: int = 1
+) -> tuple[int, ...]:
     """Group sizes in units for this call.
 
     On an exact-shape row the sizes must already sum to ``num_units``. On an M-range row they are
     relative weights: scaled to ``num_units`` by largest remainder, each group keeping >= 1 unit;
-    with fewer units than groups, every unit becomes its own group.
+    with fewer units than groups, every unit becomes its own group. ``step`` (range rows only):
+    groups start only at multiples of ``step`` units (``row_band``: where a band of tile rows
+    starts, ``band_step``), so the weights are scaled over the ``ceil(num_units / step)`` spans
+    and the last group ends at ``num_units``.
     """
     total = sum(groups)
     if exact:
@@ -185,6 +191,10 @@ def resolve_groups(groups: tuple[int, ...], num_units: int, *, exact: bool) -> t
                 f"(ceil(tiles / signal_tiles))"
             )
         return tuple(groups)
+    if step > 1:
+        sizes = [size * step for size in resolve_groups(groups, cdiv(num_units, step), exact=False)]
+        sizes[-1] -= sum(sizes) - num_units  # (the last span is the partial one)
+        return tuple(sizes)
     if num_units <= len(groups):
         return (1,) * num_units
     spare = num_units - len(groups)
@@ -194,6 +204,13 @@ def resolve_groups(groups: tuple[int, ...], num_units: int, *, exact: bool) -> t
     for i in order[: spare - sum(base)]:
         base[i] += 1
     return tuple(1 + b for b in base)
+
+
+def band_step(unit: int, shards: int, band: int) -> int:
+    """Signal units from one start of a band of tile rows to the next: unit ``u`` ends at tile
+    ``u * unit``, local tile ``u * unit / shards``, which starts a band when ``u * unit`` is a
+    multiple of ``shards * band`` (``band`` local tiles)."""
+    return math.lcm(unit, shards * band) // unit
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +316,10 @@ def make_plan(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> P
     grid = min(grid, num_tiles)
     unit = st.signal_tiles
     num_units = cdiv(num_tiles, unit)
-    sizes = resolve_groups(st.groups, num_units, exact=not schedule.problem.is_range)
+    band = tile.group_m * nt  # local tiles in one band of GROUP_M tile rows
+    # (an M-range row_band row cuts its groups where bands start, whatever the call's M)
+    step = band_step(unit, shards, band) if st.layout == "row_band" else 1
+    sizes = resolve_groups(st.groups, num_units, exact=not schedule.problem.is_range, step=step)
 
     local: list[tuple[int, int]] = []
     start = 0
@@ -309,7 +329,6 @@ def make_plan(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> P
         start = stop
     rows_of: list[tuple[int, int]] = []
     if st.layout == "row_band":
-        band = tile.group_m * nt  # local tiles in one band of GROUP_M tile rows
         for g, (l0, _l1) in enumerate(local):
             if l0 % band and l0 != mt * nt:
                 raise ScheduleError(

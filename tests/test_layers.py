@@ -118,6 +118,8 @@ def test_mlp_matches_unsharded_model(world):
         assert "NO ERROR" not in msgs.values(), msgs
         assert "takes 8" in msgs["col_features"] and "takes 4" in msgs["row_features"], msgs
         assert "must divide" in msgs["row_sp_rows"], msgs
+        for name in ("col_dtype", "col_dtype_int", "row_dtype"):
+            assert msgs[name].startswith("ShapeError: input is torch."), msgs
         assert "not divisible by the world size" in msgs["col_not_divisible"], msgs
         assert "not divisible by the world size" in msgs["row_not_divisible"], msgs
         assert msgs["plan_unknown"].startswith("PlanError: plan: 'nope' names no submodule"), msgs

@@ -83,6 +83,16 @@ def test_two_ranks_fallbacks_and_heuristic_lookup():
         cases.append(Case(collective, 64, 64, 48, "float32", False, one_group.to_dict(), 300 + i))
         stream = make_schedule(collective, world, 96, 40, 24, "float32", "row_band", wait="stream_wait")
         cases.append(Case(collective, 96, 40, 24, "float32", False, stream.to_dict(), 400 + i))
+        # an M-range row_band row with one-tile units: its groups cut where bands start at any M
+        shards = world if collective == "reduce_scatter" else 1
+        ranged = Schedule(
+            collective=collective,
+            dtype="float32",
+            world_size=world,
+            problem=Problem(m_min=shards, m_max=200 * shards, n=20, k=9),
+            settings=TritonSettings(tile=TILE, signal_tiles=shards, groups=(6, 2), layout="row_band"),
+        )
+        cases.append(Case(collective, 50 * shards, 20, 9, "float32", True, ranged.to_dict(), 500 + i))
     results = run_ranks(run_cases, world, cases, backend="gloo")
     check(results, world)
     for per_rank in results:

@@ -262,12 +262,40 @@ def test_all_gather_rules():
     assert plan.shards == 2 and plan.rows_per_shard == 32 and plan.group_rows == ((0, 32),)
 
 
+@pytest.mark.parametrize("collective, world", [("all_reduce", 2), ("reduce_scatter", 2), ("all_gather", 3)])
+def test_range_row_band_row_plans_every_m_of_its_range(collective, world):
+    """An M-range row_band row whose signal unit is not a whole band (a wave unit, as the tuner
+    offers) plans at every M of its range, its groups starting where bands start: scaled unit by
+    unit, its weights (6, 2) cut inside a band at M = 50 (a ScheduleError at run time for an M
+    the row covers)."""
+    shards = 1 if collective == "all_reduce" else world
+    row = sched(
+        collective=collective,
+        world_size=world,
+        problem=Problem(m_min=shards, m_max=200 * shards, n=20, k=8),
+        layout="row_band",
+        signal_tiles=shards,
+        groups=(6, 2),
+    )
+    band = TILE.group_m  # N = 20 is one tile column
+    for m in range(shards, 200 * shards + 1, shards):
+        plan = make_plan(row, m, 20, 8, sm_count=4)
+        assert sum(plan.group_units) == plan.num_units, m
+        assert all(l0 % band == 0 for l0, _ in plan.group_local), (m, plan.group_local)
+        assert plan.group_rows[-1][1] == m // shards
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(plan.group_rows)), m
+    assert make_plan(row, 100 * shards, 20, 8, sm_count=4).num_groups == 2
+
+
 def test_resolve_groups_for_ranges():
     assert resolve_groups((2, 1, 1), 4, exact=True) == (2, 1, 1)
     assert sum(resolve_groups((3, 2, 1), 40, exact=False)) == 40
     scaled = resolve_groups((3, 2, 1), 40, exact=False)
     assert scaled[0] > scaled[1] > scaled[2] >= 1
     assert resolve_groups((5, 5, 5, 5), 2, exact=False) == (1, 1)
+    # cut only every 3rd unit: the weights scaled over 4 spans, the last span partial
+    assert resolve_groups((3, 1), 11, exact=False, step=3) == (9, 2)
+    assert resolve_groups((3, 1), 2, exact=False, step=3) == (2,)
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])

@@ -227,6 +227,13 @@ def test_validate_reduce_scatter_ranges_use_divisible_m() -> None:
     assert issues[0].startswith("row [3,3]x64x48: problem:") and "divisible by world_size 2" in issues[0]
 
 
+def test_validate_passes_a_range_row_band_row_of_one_tile_units() -> None:
+    """A range row_band row whose units are single tiles plans at every M: the runtime cuts its
+    groups where bands start (at M=1, 1x3 tiles in one band, it is one group)."""
+    row = range_row(1, 512, signal_tiles=1, groups=(1, 1), layout="row_band")
+    assert validate_table(cpu_table([cpu_row(200), row])) == []
+
+
 def test_validate_all_gather_rows_plan_the_gathered_m() -> None:
     """An all_gather row's M is the gathered M: ranges are checked at multiples of the world size
     (a plan of M/w-row shards), and its row_band groups start on whole bands of every shard."""
@@ -256,8 +263,7 @@ def test_validate_all_gather_rows_plan_the_gathered_m() -> None:
             ["row 128x64x48: groups", "row_band", "starts at local tile 1"],
         ),
         (tweak(cpu_row(64), sms_free=8), ["row 64x96x48: sms_free: 8 leaves no SM of 8"]),
-        # M=1: 1x3 tiles, units of 1 tile, groups (1, 1, 1): group 1 starts inside the band
-        (range_row(1, 512, signal_tiles=1, groups=(1, 1), layout="row_band"), ["[1,512]x96x48 at M=1"]),
+        (range_row(1, 512, sms_free=8), ["[1,512]x96x48 at M=1: sms_free"]),
     ],
 )
 def test_validate_catches_a_bad_row(row: Schedule, needles: list[str]) -> None:
