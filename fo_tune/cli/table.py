@@ -93,7 +93,8 @@ SHOW_HELP = "\n\n".join(
         "signal granularity, groups, layout, wait mode; copy engine: mode, tile, chunk weights), "
         "and the provenance the tuner recorded (measured_ms, predicted_ms, speedup, mode, source, "
         "...), under a header with the fingerprint the table was measured on (device key, GPU, "
-        "library versions).",
+        "library versions); then what predicted rows rest on (their basis, e.g. extrapolated from "
+        "world size 2), once per basis.",
         "Give a PATH to a table file, or leave it out to show the table(s) the runtime would read "
         "for --device-key (default: this machine's key for --world-size), --collective, --world-size "
         "and --dtype: every file found in the search path, in the order lookup reads them (an "
