@@ -251,6 +251,11 @@ def test_lookup_json_list_and_version(tmp_path: Path) -> None:
     assert all(t["rows"] > 0 for t in listed)
     shown = runner.invoke(app, ["table", "list"])
     assert shown.exit_code == 0 and H200_KEY in shown.stdout and "-k DEVICE_KEY" in shown.stdout
+    # -k with a key that has no table (a typo) says so and names the keys that have one
+    typo = runner.invoke(app, ["table", "list", "-k", H200_KEY + "x"])
+    said = " ".join(typo.stdout.split())
+    assert typo.exit_code == 0 and f"no table for device key {H200_KEY}x" in said, typo.stdout
+    assert f"tables exist for {H200_KEY}" in said, typo.stdout
     version = runner.invoke(app, ["--version"])
     assert version.exit_code == 0 and version.stdout.startswith("fo-tune ")
 
