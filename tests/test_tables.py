@@ -156,6 +156,11 @@ def test_merge_refuses_other_header_or_world_size(tmp_path: Path) -> None:
         merge(path, [cpu_row(200)], cpu_fp(world_size=4))
     assert path.read_bytes() == before
     assert not (tmp_path / "other.yaml").exists()
+    # a file under the new rows' own name that holds another table's rows: rename the file (the
+    # message named that same file as the rows' own table)
+    misnamed = write(tmp_path / "all_reduce-w2-float16.yaml", [cpu_row(64)])
+    with pytest.raises(TableError, match=r"rename it to all_reduce-w2-bfloat16\.yaml"):
+        merge(misnamed, [f16], dtype="float16")
 
 
 def test_merge_refuses_a_malformed_file(tmp_path: Path) -> None:
