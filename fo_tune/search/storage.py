@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import time
 import warnings
 from pathlib import Path
@@ -41,6 +42,9 @@ CONNECT_TIMEOUT_S = 10
 # create Optuna's tables, and the losers' CREATE fails once (they then find the tables made).
 OPEN_ATTEMPTS = 3
 OPEN_RETRY_S = 0.5
+# Bytes read from the end of a journal file to check its last record (a record is one line of
+# a few hundred bytes; a longer last line is left to Optuna's reader).
+JOURNAL_TAIL_BYTES = 1 << 16
 SQLITE = "sqlite:///"
 JOURNAL = "journal:"
 POSTGRES_SCHEMES = ("postgresql", "postgres")
@@ -165,35 +169,41 @@ def _rdb(url: str) -> Any:
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def _check_journal_lines(file: Path) -> None:
-    """Every whole line of the journal ``file`` (one ending in a newline) is a JSON object, as
-    Optuna writes its records; a last line without its newline is a record still being written by
-    another worker. (Optuna's own reader passes a bad last line for that reason, and a search would
-    then append its records after it, into a file that is not a journal.)"""
+def _check_journal_tail(file: Path) -> None:
+    """The last whole line of the journal ``file`` (one ending in a newline) is a JSON object, as
+    Optuna writes its records. Optuna's own reader refuses a bad line followed by others (the
+    storage's replay raises as it opens) but passes a bad last line, taken for a record another
+    worker is still writing; a search would then append its records after it, into a file that is
+    not a journal. A last line without its newline is such a record in progress, and passes."""
     if not file.is_file():
         return
     with file.open("rb") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.endswith(b"\n"):
-                return
-            try:
-                record = json.loads(line)
-            except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-                raise ValueError(f"line {number}: {exc}") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"line {number}: a JSON {type(record).__name__}, not a record")
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - JOURNAL_TAIL_BYTES))
+        tail = f.read()
+    whole = tail.split(b"\n")[:-1]  # (the last part ends no line)
+    if size > JOURNAL_TAIL_BYTES:
+        whole = whole[1:]  # the first part may be the end of a longer line
+    if not whole:
+        return
+    try:
+        record = json.loads(whole[-1])
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"its last line: {exc}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"its last line is a JSON {type(record).__name__}, not a record")
 
 
 def _journal(path: str, url: str) -> Any:
     """The ``JournalStorage`` of the file at ``path``; ``StorageError`` when the file holds
-    something other than Optuna's journal (its lines are read as records, and the storage replays
+    something other than Optuna's journal (its last record is checked, and the storage replays
     every record as it opens)."""
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
     file = Path(path).expanduser()
     try:
-        _check_journal_lines(file)
+        _check_journal_tail(file)
         return JournalStorage(JournalFileBackend(str(file)))
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:  # a record not Optuna's
         raise StorageError(
