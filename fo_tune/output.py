@@ -99,12 +99,13 @@ def check_writable(
     check_ancestor(path, shown)
 
 
-def check_writable_file(path: str | Path) -> None:
-    """Raise ``OutputError`` unless a file can be written (atomically) at ``path``."""
+def check_writable_file(path: str | Path, *, what: str = "--out") -> None:
+    """Raise ``OutputError`` unless a file can be written (atomically) at ``path``; ``what`` names
+    the file in the message (the option that gave it, or what it is)."""
     shown = Path(path)
     target = Path(os.path.abspath(path))
     if target.is_dir():
-        raise OutputError(f"--out {shown} is a folder; give a file name")
+        raise OutputError(f"{what} {shown} is a folder; give a file name")
     check_ancestor(target, shown)
 
 

@@ -51,6 +51,8 @@ def _worse(result):
         (["--engine", "nccl_copy"], "--engine"),
         (["--engine", "copy_engine", "--world-size", "1"], "--world-size >= 2"),
         (["--engine", "copy_engine", "--backend", "gloo"], "leave --backend out"),
+        # every shape below the world size: nothing would be checked (it said "passed: 0 of 0")
+        (["--engine", "copy_engine", "-w", "4", "-s", "2x8x8", "-s", "3x8x8"], "no --shape runs"),
     ],
 )
 def test_bad_options_are_one_line_exit_2(args: list[str], what: str):
@@ -87,3 +89,13 @@ def test_an_unknown_copy_engine_backend_is_refused():
 
     with pytest.raises(ShapeError, match="not one of cpu-threads, virtual-ranks"):
         run_copy_engine_demo(2, [(8, 5, 3)], reps=1, backend="nccl")
+
+
+def test_a_shape_below_the_world_size_is_skipped_for_that_reason():
+    """all_reduce needs no M divisible by the world size: a skip of M < world size says that M is
+    below it (it said 'not divisible'), beside a shape that runs."""
+    rows = run_copy_engine_demo(4, [(2, 8, 8), (4, 8, 8)], reps=1)
+    reasons = [r.schedule for r in rows if r.skipped]
+    assert len(reasons) == len(COPY_ENGINE_COLLECTIVES), rows
+    assert all("M=2 is below the world size 4" in why for why in reasons), reasons
+    assert [r.passed for r in rows if not r.skipped] == [True] * len(COPY_ENGINE_COLLECTIVES)

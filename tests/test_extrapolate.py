@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 from pathlib import Path
 
 import pytest
@@ -130,6 +132,14 @@ def test_tp8_plan_on_the_cpu_states_its_basis(tmp_path):
     summary = yaml.safe_load((report / "summary.yaml").read_text())
     assert summary["request"]["basis"].startswith(BASIS)
     assert summary["shapes"][0]["row"]["basis"].startswith(BASIS)
+    # `table show` says it too: once after the rows, and in the CSV's basis column
+    path = out / "tables" / key / "reduce_scatter-w8-bfloat16.yaml"
+    shown = CliRunner().invoke(app, ["table", "show", str(path)])
+    assert shown.exit_code == 0, shown.output
+    assert f"basis (1 row(s)): {BASIS}" in " ".join(shown.stdout.split())
+    text = CliRunner().invoke(app, ["table", "show", str(path), "-f", "csv"]).stdout
+    (row,) = csv.DictReader(io.StringIO(text))
+    assert row["basis"] == table.rows[0].basis
 
 
 def test_tp4_plans_every_collective_with_both_engines(tmp_path):

@@ -157,6 +157,15 @@ def test_pull_from_an_empty_or_missing_storage(tmp_path: Path) -> None:
         ("postgresql://nobody@127.0.0.1:{port}/x", "cannot open it"),
         # SQLAlchemy's default MySQL driver (mysqlclient) is no dependency of fo-tune's
         ("mysql://nobody@127.0.0.1:{port}/x", "no driver for mysql is installed (Failed to import"),
+        # no file: SQLite's in-memory database (the study would not outlive the process), a folder
+        ("sqlite://", "names no file"),
+        ("sqlite:///:memory:", "names no file"),
+        ("journal:", "names no file"),
+        ("journal:{tmp}", "is a folder"),
+        ("sqlite:///{tmp}", "is a folder"),
+        # a file that is not Optuna's journal (not JSON, and JSON records of no study)
+        ("journal:{tmp}/notes.log", "not an Optuna journal file"),
+        ("journal:{tmp}/records.log", "not an Optuna journal file"),
     ],
 )
 def test_a_storage_that_cannot_be_opened_is_exit_2_before_any_work(
@@ -167,6 +176,8 @@ def test_a_storage_that_cannot_be_opened_is_exit_2_before_any_work(
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    (tmp_path / "notes.log").write_text("not a journal\n")
+    (tmp_path / "records.log").write_text('{"op_code": 0, "worker_id": "w"}\n')
     url = storage.format(tmp=tmp_path, port=port)
     for mode in ([], ["--trials", "5"]):  # the enumerated predict search and the TPE one
         start = time.monotonic()
@@ -174,6 +185,9 @@ def test_a_storage_that_cannot_be_opened_is_exit_2_before_any_work(
         line = assert_one_line_error(result)
         assert needle in line and "--storage" in line, line
         assert time.monotonic() - start < WORKER_TIMEOUT_S
+    if "{port}" not in storage:  # the same refusal from pull, which reads the storage
+        line = assert_one_line_error(pull(url, tmp_path / "pulled"))
+        assert needle in line and "--storage" in line, line
     assert not (tmp_path / "no").exists()
     assert not list((tmp_path / "xdg").glob("fo-tune/search/*/*/*"))  # no report
 
@@ -237,6 +251,11 @@ def test_lookup_json_list_and_version(tmp_path: Path) -> None:
     assert all(t["rows"] > 0 for t in listed)
     shown = runner.invoke(app, ["table", "list"])
     assert shown.exit_code == 0 and H200_KEY in shown.stdout and "-k DEVICE_KEY" in shown.stdout
+    # -k with a key that has no table (a typo) says so and names the keys that have one
+    typo = runner.invoke(app, ["table", "list", "-k", H200_KEY + "x"])
+    said = " ".join(typo.stdout.split())
+    assert typo.exit_code == 0 and f"no table for device key {H200_KEY}x" in said, typo.stdout
+    assert f"tables exist for {H200_KEY}" in said, typo.stdout
     version = runner.invoke(app, ["--version"])
     assert version.exit_code == 0 and version.stdout.startswith("fo-tune ")
 
@@ -283,3 +302,12 @@ def test_pull_and_moe_search_refuse_a_table_dir_they_cannot_write(tmp_path: Path
     moe = ["search", "-c", "moe", "--experts", "4096,1536,16,8", "--tokens", "512"]
     line = assert_one_line_error(runner.invoke(app, [*moe, "--table-dir", str(blocker / "t")]))
     assert f"{blocker} is a file, not a folder" in line, line
+    # a folder where the table file goes: the message names the table file, not an --out
+    taken = tmp_path / "taken"
+    (taken / H200_KEY / "all_reduce-w2-bfloat16.yaml").mkdir(parents=True)
+    line = assert_one_line_error(runner.invoke(app, [*plan, "--table-dir", str(taken)]))
+    assert line.startswith("error: table file ") and "is a folder" in line, line
+    line = assert_one_line_error(
+        runner.invoke(app, ["table", "pull", "--storage", db, "--table-dir", str(taken)])
+    )
+    assert line.startswith("error: table file ") and "is a folder" in line, line

@@ -156,6 +156,11 @@ def test_merge_refuses_other_header_or_world_size(tmp_path: Path) -> None:
         merge(path, [cpu_row(200)], cpu_fp(world_size=4))
     assert path.read_bytes() == before
     assert not (tmp_path / "other.yaml").exists()
+    # a file under the new rows' own name that holds another table's rows: rename the file (the
+    # message named that same file as the rows' own table)
+    misnamed = write(tmp_path / "all_reduce-w2-float16.yaml", [cpu_row(64)])
+    with pytest.raises(TableError, match=r"rename it to all_reduce-w2-bfloat16\.yaml"):
+        merge(misnamed, [f16], dtype="float16")
 
 
 def test_merge_refuses_a_malformed_file(tmp_path: Path) -> None:
@@ -652,3 +657,31 @@ def test_lookup_refuses_a_table_of_a_removed_mode(runner: CliRunner, tmp_path: P
     path.write_text(yaml.safe_dump(data))
     line = assert_one_line_error(runner.invoke(app, ["table", "lookup", "--shape", "64x96x48", "-k", key]))
     assert "exchange" in line and str(path) in line
+
+
+def test_a_table_under_another_tables_name_is_refused_as_the_runtime_refuses_it(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """A world-size-4 table copied to the world-size-2 table's name: the runtime reads it for w2
+    calls and raises; `table lookup` says the same (it printed a row from the other folders as
+    if the file were not there) and `table validate` is exit 2 saying how to rename it (it passed
+    with a note). The same for a file holding another collective's rows."""
+    w2 = cpu_fp().device_key
+    fp4 = cpu_fp(4)
+    row4 = dataclasses.replace(cpu_row(64), world_size=4)
+    misplaced = write(table_path(tmp_path / "tables", w2, **HEADER), [row4], fp4, world_size=4)
+    line = assert_one_line_error(runner.invoke(app, ["table", "lookup", "-s", "64x96x48", "-k", w2]))
+    assert str(misplaced) in line and "is for world size 4" in line, line
+    result = runner.invoke(app, ["table", "validate", str(misplaced)])
+    assert result.exit_code == 2, result.output
+    assert "rename it to all_reduce-w4-bfloat16.yaml" in result.stderr, result.stderr
+    scatter = dataclasses.replace(cpu_row(64), collective="reduce_scatter")
+    write(misplaced, [scatter], collective="reduce_scatter")
+    line = assert_one_line_error(runner.invoke(app, ["table", "lookup", "-s", "64x96x48", "-k", w2]))
+    assert "holds reduce_scatter bfloat16 rows, expected all_reduce bfloat16" in line, line
+    result = runner.invoke(app, ["table", "validate", str(misplaced)])
+    assert result.exit_code == 2 and "rename it to reduce_scatter-w2-bfloat16.yaml" in result.stderr
+    # a file of any other name is never read by lookup: still a note only
+    other = write(tmp_path / "mine.yaml", [cpu_row(64)])
+    result = runner.invoke(app, ["table", "validate", str(other)])
+    assert result.exit_code == 0 and "note: " in result.stdout, result.output

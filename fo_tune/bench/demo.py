@@ -386,7 +386,8 @@ def run_copy_engine_demo(
 ) -> list[DemoRow]:
     """The copy engine's protocol on ``world_size`` ranks (``backend``: ``copy_engine_backend``
     of the GPUs this process sees, unless given): for each shape, all_reduce, reduce_scatter and
-    all_gather (the latter two when M is divisible by the world size, else a skipped row), each
+    all_gather (the latter two when M is divisible by the world size, else a skipped row; a shape
+    of M below the world size is skipped, and ``ShapeError`` when no shape runs at all), each
     ``reps`` calls on the same buffers in the ``ring`` mode, checked against float64. On the CPU
     executor (``check_on_threads``) its time is the executor's; on the virtual ranks of one GPU
     (``check_on_gpu``, every call issued eagerly: the GPU tests run the graphs) the median GPU
@@ -407,6 +408,16 @@ def run_copy_engine_demo(
     _check_args(world_size, shapes, dtype, reps, 1.0)
     if world_size < 2:
         raise ShapeError(f"the copy engine runs between at least 2 ranks, got --world-size {world_size}")
+    skips = {
+        (m, collective): _copy_engine_skip(m, collective, world_size)
+        for m, _n, _k in shapes
+        for collective in COPY_ENGINE_COLLECTIVES
+    }
+    if all(why is not None for why in skips.values()):
+        raise ShapeError(
+            f"no --shape runs on the copy engine at world size {world_size}: each needs M >= the world "
+            "size (a multiple of it for reduce_scatter and all_gather); give a larger M"
+        )
     rows: list[DemoRow] = []
     weights = COPY_ENGINE_WEIGHTS
     how = f"copy engine ring, {len(weights)} chunk(s) per shard, weights {list(weights)}"
@@ -421,8 +432,9 @@ def run_copy_engine_demo(
                 backend=backend,
                 world_size=world_size,
             )
-            if m < world_size or (collective != "all_reduce" and m % world_size):
-                rows.append(_skipped(head, f"M={m} is not divisible by the world size {world_size}"))
+            skip = skips[m, collective]
+            if skip is not None:
+                rows.append(_skipped(head, skip))
                 continue
             check = CpuCheck(
                 collective=collective, world=world_size, m=m, n=n, k=k, weights=weights,
@@ -445,6 +457,20 @@ def run_copy_engine_demo(
                 )
             )
     return rows
+
+
+def _copy_engine_skip(m: int, collective: str, world_size: int) -> str | None:
+    """Why the copy-engine demo skips ``collective`` at M = ``m`` on ``world_size`` ranks, else
+    None: its ring splits M among the ranks, and the runtime runs a call of M < world size as the
+    GEMM then the collective instead."""
+    if m < world_size:
+        return (
+            f"M={m} is below the world size {world_size} (the runtime runs such a call as GEMM then "
+            "the collective)"
+        )
+    if collective != "all_reduce" and m % world_size:
+        return f"M={m} is not divisible by the world size {world_size}"
+    return None
 
 
 def _on_gpu(check: Any) -> Any:

@@ -93,7 +93,8 @@ SHOW_HELP = "\n\n".join(
         "signal granularity, groups, layout, wait mode; copy engine: mode, tile, chunk weights), "
         "and the provenance the tuner recorded (measured_ms, predicted_ms, speedup, mode, source, "
         "...), under a header with the fingerprint the table was measured on (device key, GPU, "
-        "library versions).",
+        "library versions); then what predicted rows rest on (their basis, e.g. extrapolated from "
+        "world size 2), once per basis.",
         "Give a PATH to a table file, or leave it out to show the table(s) the runtime would read "
         "for --device-key (default: this machine's key for --world-size), --collective, --world-size "
         "and --dtype: every file found in the search path, in the order lookup reads them (an "
@@ -238,8 +239,15 @@ def show(
 
 
 # ------------------------------------------------------------------------------ validate
-def _location_note(path: Path, table: ScheduleTable | MoeTable) -> str | None:
-    from fo_kernels.moe.table import MoeTable, moe_table_filename
+def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | None, str | None]:
+    """(note, problem) about where ``path`` sits: a note when lookup never reads it (another
+    folder or name); a problem when its name is another table's (``<collective>-w<N>-<dtype>.yaml``
+    or the MoE table's for another header), since lookup then reads it for those calls and refuses
+    it (another world size, collective or dtype)."""
+    import re
+
+    from fo_kernels.moe.table import MOE_TABLE_PREFIX, MoeTable, moe_table_filename
+    from fo_kernels.schedule import COLLECTIVES, DTYPES
     from fo_kernels.table import table_filename
 
     if isinstance(table, MoeTable):
@@ -248,8 +256,14 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> str | None:
         name = table_filename(table.collective, table.world_size, table.dtype)
     expected = Path(table.fingerprint.device_key) / name
     if (path.parent.name, path.name) == expected.parts:
-        return None
-    return f"{path}: lookup reads this table only as <table folder>/{expected}"
+        return None, None
+    kinds = "|".join((*COLLECTIVES, MOE_TABLE_PREFIX))
+    if path.name != name and re.fullmatch(rf"({kinds})-w\d+-({'|'.join(DTYPES)})\.yaml", path.name):
+        return None, (
+            f"lookup reads this file for the calls its name says and refuses it (it holds "
+            f"{name.removesuffix('.yaml')}'s rows); rename it to {name}"
+        )
+    return f"{path}: lookup reads this table only as <table folder>/{expected}", None
 
 
 @handle_errors
@@ -276,6 +290,8 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None) -> None:
         else:
             issues = validate_table(table, sm_count=sm_count)
             what = table.collective
+        note, misnamed = _location_note(path, table)
+        issues = [*issues, misnamed] if misnamed is not None else issues
         problems.extend(f"{path}: {issue}" for issue in issues)
         bad_files += bool(issues)
         if not issues:
@@ -283,7 +299,6 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None) -> None:
                 f"OK {path}: {len(table.rows)} row(s), {what} {table.dtype} world size "
                 f"{table.world_size}, {table.fingerprint.device_key}"
             )
-        note = _location_note(path, table)
         if note is not None:
             print_plain(f"note: {note}")
     for problem in problems:

@@ -293,11 +293,18 @@ def list_tables(device_key: ListDeviceKeyOpt = None, json_out: ListJsonOpt = Fal
         return
     if not files:
         from fo_kernels.table import table_search_path
+        from fo_tune.tables.find import known_device_keys
 
         folders = ", ".join(map(str, table_search_path()))
-        console.print(
-            f"no table in {folders}; write one with `fo-tune search`", markup=False, highlight=False
-        )
+        known = known_device_keys()
+        if device_key is not None and known:  # the tables there are other keys'
+            text = (
+                f"no table for device key {device_key} in {folders}; tables exist for "
+                f"{', '.join(known)}: list them without -k, or pick one with -k KEY"
+            )
+        else:
+            text = f"no table in {folders}; write one with `fo-tune search`"
+        console.print(text, markup=False, highlight=False)
         return
     out = summary_table("", ["device key", "collective", "world", "dtype", "rows", "folder"], 4)
     for f in files:

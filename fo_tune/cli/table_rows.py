@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -147,6 +148,9 @@ def show_rich(path: Path, table: ScheduleTable) -> None:
             "measured row matches)"
         )
     console.print(out)
+    # what the rows rest on (an extrapolated calibration's sentence), once per distinct text
+    for basis, count in Counter(row.basis for row in table.rows if row.basis).items():
+        print_plain(f"basis ({count} row(s)): {basis}")
 
 
 def table_yaml(table: ScheduleTable) -> str:
@@ -180,6 +184,7 @@ CSV_COLUMNS = (
     "mode",  # (copy engine rows)
     "kind",  # measured or predicted
     "pingpong",  # (Triton tiles; last, as the columns added after it)
+    "basis",  # what a predicted row rests on (an extrapolated calibration's), else empty
 )
 
 
@@ -205,6 +210,7 @@ def csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
         for row in table.rows:
             values: dict[str, Any] = {"file": str(path), **row.problem.to_dict(), "overlap": row.overlap}
             values["kind"] = kind_label(row)
+            values["basis"] = row.basis
             st = row.settings
             if st is not None:
                 values["engine"] = row.engine

@@ -301,7 +301,8 @@ def write_moe_rows(
     from fo_tune.output import check_writable_file
 
     path = moe_table_path(root, fingerprint.device_key, world_size, dtype)
-    check_writable_file(path)  # OutputError (exit 2 in the CLI) naming the path, not an OSError
+    # OutputError (exit 2 in the CLI) naming the path, not an OSError
+    check_writable_file(path, what="table file")
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lock_path(path)), timeout=lock_timeout_s):
         try:

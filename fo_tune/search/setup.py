@@ -144,7 +144,9 @@ def report_dirs(
     for r, name in zip(requests, names, strict=True):
         dirs.append(root / name / run)
         check_report_dir(dirs[-1])
-        check_writable_file(table_path(tables_root, device_key, r.collective, r.world_size, r.dtype))
+        check_writable_file(
+            table_path(tables_root, device_key, r.collective, r.world_size, r.dtype), what="table file"
+        )
     if storage_url.startswith(SQLITE):
-        check_writable_file(storage_url[len(SQLITE) :].split("?")[0])
+        check_writable_file(storage_url[len(SQLITE) :].split("?")[0], what=f"--storage {storage_url}:")
     return dirs

@@ -9,16 +9,20 @@
   URL takes psycopg 3 where psycopg2 is not installed); any other SQLAlchemy URL works the same.
 
 ``open_storage`` checks, before a search does any work, everything a study needs: the URL's form,
-its driver, that the server answers (within ``CONNECT_TIMEOUT_S``), and that the folder of an
-explicit SQLite or journal file exists (an explicit path's folder is never created: a typo would
-start an empty storage beside the real one; the default's folder is). Every failure is one
-``StorageError`` line with the password left out. RDB storages get heartbeats, so a trial whose
-process was killed is failed after ``GRACE_S`` instead of staying RUNNING forever.
+its driver, that the server answers (within ``CONNECT_TIMEOUT_S``), that a SQLite or journal URL
+names a file (not a folder, not SQLite's in-memory database, which the study would not outlive),
+that the folder of an explicit one exists (an explicit path's folder is never created: a typo would
+start an empty storage beside the real one; the default's folder is) and that a journal file holds
+Optuna's records. Every failure is one ``StorageError`` line with the password left out. RDB
+storages get heartbeats, so a trial whose process was killed is failed after ``GRACE_S`` instead
+of staying RUNNING forever.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import time
 import warnings
 from pathlib import Path
@@ -38,9 +42,16 @@ CONNECT_TIMEOUT_S = 10
 # create Optuna's tables, and the losers' CREATE fails once (they then find the tables made).
 OPEN_ATTEMPTS = 3
 OPEN_RETRY_S = 0.5
+# Bytes read from the end of a journal file to check its last record (a record is one line of
+# a few hundred bytes; a longer last line is left to Optuna's reader).
+JOURNAL_TAIL_BYTES = 1 << 16
 SQLITE = "sqlite:///"
 JOURNAL = "journal:"
 POSTGRES_SCHEMES = ("postgresql", "postgres")
+# The database of a SQLite URL that is no file (``sqlite://``, ``sqlite:///:memory:``): SQLite keeps
+# it in memory, so the studies, and the rows recorded in them, are gone when the process ends.
+IN_MEMORY = ("", ":memory:")
+NO_FILE = "names no file (an in-memory database would lose the study); give sqlite:///FILE"
 # What to install for a PostgreSQL storage (pyproject's extra).
 POSTGRES_EXTRA = "pip install 'fo-tune[postgres]' (psycopg)"
 
@@ -95,27 +106,36 @@ def _resolve_driver(url: str) -> str:
 
 def check_storage_url(url: str) -> None:
     """Refuse, without opening anything, a ``--storage`` whose form ``open_storage`` cannot take."""
-    if not url or journal_path(url) is not None:
+    if not url:
+        return
+    journal = journal_path(url)
+    if journal is not None:
+        if not journal.strip():
+            raise StorageError(f"--storage {url!r} names no file; give journal:FILE")
         return
     if "://" not in url:
         raise StorageError(
             f"--storage {url!r}: expected an Optuna URL (sqlite:///FILE, postgresql://...) or journal:FILE"
         )
-    if url.startswith(SQLITE) and not url[len(SQLITE) :].split("?")[0].strip():
-        raise StorageError("--storage sqlite:/// names no file (an in-memory database would lose the study)")
     if url.startswith(SQLITE):
+        if url[len(SQLITE) :].split("?")[0].strip() in IN_MEMORY:
+            raise StorageError(f"--storage {url!r} {NO_FILE}")
         return  # a file path: nothing for SQLAlchemy to parse (and its import takes ~0.5 s)
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
     try:
-        make_url(url)
+        parsed = make_url(url)
     except ArgumentError as exc:
         raise StorageError(f"--storage {url!r}: {str(exc).splitlines()[0]}") from None
+    if parsed.get_backend_name() == "sqlite" and (parsed.database or "").strip() in IN_MEMORY:
+        raise StorageError(f"--storage {url!r} {NO_FILE}")  # (a SQLite URL has no password)
 
 
 def _check_folder(path: str, url: str, *, create_folder: bool, must_exist: bool) -> None:
     file = Path(path).expanduser()
+    if file.is_dir():
+        raise StorageError(f"--storage {url}: {file} is a folder; give the storage's file")
     if must_exist and not file.is_file():
         raise StorageError(f"--storage {url}: {file} does not exist; give the storage the workers used")
     if create_folder:
@@ -149,13 +169,54 @@ def _rdb(url: str) -> Any:
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
+def _check_journal_tail(file: Path) -> None:
+    """The last whole line of the journal ``file`` (one ending in a newline) is a JSON object, as
+    Optuna writes its records. Optuna's own reader refuses a bad line followed by others (the
+    storage's replay raises as it opens) but passes a bad last line, taken for a record another
+    worker is still writing; a search would then append its records after it, into a file that is
+    not a journal. A last line without its newline is such a record in progress, and passes."""
+    if not file.is_file():
+        return
+    with file.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - JOURNAL_TAIL_BYTES))
+        tail = f.read()
+    whole = tail.split(b"\n")[:-1]  # (the last part ends no line)
+    if size > JOURNAL_TAIL_BYTES:
+        whole = whole[1:]  # the first part may be the end of a longer line
+    if not whole:
+        return
+    try:
+        record = json.loads(whole[-1])
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"its last line: {exc}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"its last line is a JSON {type(record).__name__}, not a record")
+
+
+def _journal(path: str, url: str) -> Any:
+    """The ``JournalStorage`` of the file at ``path``; ``StorageError`` when the file holds
+    something other than Optuna's journal (its last record is checked, and the storage replays
+    every record as it opens)."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    file = Path(path).expanduser()
+    try:
+        _check_journal_tail(file)
+        return JournalStorage(JournalFileBackend(str(file)))
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:  # a record not Optuna's
+        raise StorageError(
+            f"--storage {url}: not an Optuna journal file ({type(exc).__name__}: {exc}); give the "
+            "journal the workers wrote, or a new file"
+        ) from None
+
+
 def open_storage(url: str, *, create_folder: bool = False, must_exist: bool = False) -> Any:
     """The Optuna storage of ``url`` (see the module docstring), checked by opening it.
     ``create_folder``: make a SQLite or journal file's missing folders (the default storage's);
     ``must_exist``: refuse a SQLite or journal file that is not there (a storage to read)."""
     import optuna
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
 
     url = storage_url(url)
     check_storage_url(url)
@@ -163,7 +224,7 @@ def open_storage(url: str, *, create_folder: bool = False, must_exist: bool = Fa
     try:
         if journal is not None:
             _check_folder(journal, url, create_folder=create_folder, must_exist=must_exist)
-            return JournalStorage(JournalFileBackend(str(Path(journal).expanduser())))
+            return _journal(journal, url)
         if url.startswith(SQLITE):
             file = url[len(SQLITE) :].split("?")[0]
             _check_folder(file, url, create_folder=create_folder, must_exist=must_exist)

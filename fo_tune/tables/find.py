@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from fo_kernels.errors import TableError
+from fo_kernels.fingerprint import read_device_key
 from fo_kernels.moe.table import ExpertsKey, MoeRow, best_moe_row, load_moe_table, moe_table_path
 from fo_kernels.schedule import Schedule
-from fo_kernels.table import best_match, read_table, table_path, table_search_path
+from fo_kernels.table import best_match, check_header_for, read_table, table_path, table_search_path
 
 
 # ------------------------------------------------------------------------------------- find
@@ -20,9 +21,23 @@ def find_row(
     """(row, its file, every file read) of the row ``lookup_schedule`` takes for this call on the
     machine of ``device_key`` (``fo_kernels.table.best_match`` over ``find_tables``, read as the
     runtime reads them); (None, None, files) when no row matches (the runtime then runs overlap:
-    false)."""
+    false). A file whose header is for another call (collective, dtype, world size) or another
+    compute capability than ``device_key``'s is a ``TableError``, as in the runtime."""
     paths = find_tables(device_key, collective, world_size, dtype)
-    match = best_match([read_table(path) for path in paths], m, n, k)
+    tables = [read_table(path) for path in paths]
+    want = read_device_key(device_key)
+    for path, table in zip(paths, tables, strict=True):
+        check_header_for(
+            table.header, collective=collective, dtype=dtype, world_size=world_size, source=str(path)
+        )
+        have = read_device_key(table.fingerprint.device_key)
+        if want and have and want["compute_capability"] != have["compute_capability"]:
+            fp = table.fingerprint
+            raise TableError(
+                f"table {path} is for compute capability {fp.compute_capability} ({fp.gpu_name}), "
+                f"not the device key {device_key}'s; tune one for that GPU with `fo-tune search`"
+            )
+    match = best_match(tables, m, n, k)
     if match is None:
         return None, None, paths
     return match[1], paths[match[0]], paths

@@ -107,10 +107,14 @@ def merge_rows(
                 )
             header = (table.collective, table.world_size, table.dtype)
             if header != (collective, world_size, dtype):
+                own = table_filename(collective, world_size, dtype)
+                if path.name == own:  # the file, not the rows, is under another table's name
+                    fix = f"rename it to {table_filename(*header)} (lookup refuses it here), then merge again"
+                else:
+                    fix = f"merge them into their own table, {fingerprint.device_key}/{own}"
                 raise TableError(
                     f"{path}: holds {header[0]} world size {header[1]} {header[2]} rows, these are "
-                    f"{collective} world size {world_size} {dtype}; merge them into their own table, "
-                    f"{fingerprint.device_key}/{table_filename(collective, world_size, dtype)}"
+                    f"{collective} world size {world_size} {dtype}; {fix}"
                 )
             mismatch = _hardware_mismatch(table.fingerprint, fingerprint)
             if mismatch is not None:

@@ -58,7 +58,8 @@ def pull_tables(storage: Any, table_dir: Path) -> list[PulledTable]:
 
     groups = _group(stored_rows(storage))
     for device_key, collective, world_size, dtype in groups:  # every file writable before any is written
-        check_writable_file(table_path(table_dir, device_key, collective, world_size, dtype))
+        path = table_path(table_dir, device_key, collective, world_size, dtype)
+        check_writable_file(path, what="table file")
     out: list[PulledTable] = []
     for (device_key, collective, world_size, dtype), records in groups.items():
         fingerprint: Fingerprint = records[-1].fingerprint

@@ -293,6 +293,23 @@ def save_table(table: ScheduleTable, path: str | os.PathLike[str]) -> None:
     atomic_write(path, lambda f: f.write(text))
 
 
+def check_header_for(
+    header: ScheduleTable | TableHeader, *, collective: str, dtype: str, world_size: int, source: str
+) -> None:
+    """Refuse a table whose header is not for a call of ``collective``, ``dtype`` and
+    ``world_size`` (a file copied under another table's name): what ``lookup_schedule`` and
+    ``fo-tune table lookup`` check of every file they read (``TableError`` naming ``source``)."""
+    if (header.collective, header.dtype) != (collective, dtype):
+        raise TableError(
+            f"{source}: holds {header.collective} {header.dtype} rows, expected {collective} {dtype}"
+        )
+    if header.world_size != world_size or header.fingerprint.world_size != world_size:
+        raise TableError(
+            f"table {source} is for world size {header.world_size}, this job has {world_size}; "
+            f"tune one for world size {world_size} with `fo-tune search`"
+        )
+
+
 def check_fingerprint(table: ScheduleTable | TableHeader, current: Fingerprint, *, source: str) -> None:
     """Refuse a table for other hardware or another world size; warn once on library version drift."""
     theirs = table.fingerprint

@@ -14,10 +14,10 @@ from typing import Protocol
 
 import torch
 
-from fo_kernels.errors import HeuristicScheduleWarning, ShapeError, TableError, TableNotFoundError
+from fo_kernels.errors import HeuristicScheduleWarning, ShapeError, TableNotFoundError
 from fo_kernels.fingerprint import current_fingerprint, resolve_device
 from fo_kernels.schedule import COLLECTIVES, SHARDED_COLLECTIVES, Problem, Schedule
-from fo_kernels.table.format import check_fingerprint
+from fo_kernels.table.format import check_fingerprint, check_header_for
 from fo_kernels.table.loaded import LoadedTable, read_table
 from fo_kernels.table.paths import (
     TABLE_DIR_ENV,
@@ -146,10 +146,9 @@ def lookup_schedule(
         if table is None:
             continue
         check_fingerprint(table.header, fp, source=str(path))
-        if (table.collective, table.dtype) != (collective, dtype_name):
-            raise TableError(
-                f"{path}: holds {table.collective} {table.dtype} rows, expected {collective} {dtype_name}"
-            )
+        check_header_for(
+            table.header, collective=collective, dtype=dtype_name, world_size=world_size, source=str(path)
+        )
         tables.append(table)
         found_paths.append(str(path))
     found = best_row(tables, m, n, k)
