@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 import time
 
 import pytest
@@ -50,6 +51,11 @@ def _shape(collective: str, world: int, chunks: int) -> tuple[int, int, int]:
     return m, 13, 11
 
 
+def _executor_threads() -> list[str]:
+    """The CPU executor's threads still alive (its ranks' host and FIFO workers, "rank<r>:...")."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("rank")]
+
+
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
 @pytest.mark.parametrize("world, chunks", SIZES)
 def test_repeated_calls_match_float64(collective: str, world: int, chunks: int):
@@ -60,6 +66,9 @@ def test_repeated_calls_match_float64(collective: str, world: int, chunks: int):
     )
     got = check_on_threads(check, FAST)
     assert not got.has_nan and got.rel_err < TOL, got
+    # every worker has stopped when the run returns (one left inside a torch op when the
+    # interpreter exits aborts the process)
+    assert _executor_threads() == []
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
@@ -143,6 +152,7 @@ def test_a_lost_flag_fails_within_the_timeout(collective: str, name: str):
     with pytest.raises(ProtocolTimeout, match=rf"waited for rank \d's {name}.*a lost flag or a deadlock"):
         check_on_threads(check, opts)
     assert time.monotonic() - start < 5.0
+    assert _executor_threads() == []
 
 
 def _operands(plan, seed: int = 0):

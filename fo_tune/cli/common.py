@@ -130,7 +130,13 @@ RepsOpt = Annotated[
     int, typer.Option("--reps", "-r", help="Timed calls per op (median reported), after 2 warm-ups.")
 ]
 TimeoutOpt = Annotated[
-    float, typer.Option("--timeout", help="Seconds before a hung or slow run is stopped (all ranks).")
+    float,
+    typer.Option(
+        "--timeout",
+        help="Seconds before a hung or slow run of rank processes is stopped (all ranks). --engine "
+        "copy_engine starts no processes: its thread-ranks fail any wait of more than the CPU "
+        "executor's bound (CpuOptions.timeout_s, 10 s), and its virtual ranks on one GPU run unbounded.",
+    ),
 ]
 SpaceOpt = Annotated[
     Path | None,

@@ -281,8 +281,13 @@ class CpuRank:
             )
 
     def close(self) -> None:
+        """Stop this rank's FIFO workers and wait for them: a worker still inside a torch op
+        when the interpreter exits aborts the process (C++ ``terminate``). Their waits end on a
+        failure anywhere, so the bound is a wait's."""
         for fifo in self._fifos.values():
             fifo.queue.put(None)
+        for fifo in self._fifos.values():
+            fifo.thread.join(self.world.options.timeout_s)
 
     # ------------------------------------------------------------------ issue
     def _issue(self, i: int, op: Op, count: int, make_run: Callable[[str], Callable[[Op], None]]) -> None:
