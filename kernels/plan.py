@@ -171,9 +171,7 @@ def tail_plan(
     return TailPlan((1, 1), main, share)
 
 
-def resolve_groups(
-    groups: tuple[int, ...], num_units: int, *, exact: bool, step: int = 1
-) -> tuple[int, ...]:
+def resolve_groups(groups: tuple[int, ...], num_units: int, *, exact: bool, step: int = 1) -> tuple[int, ...]:
     """Group sizes in units for this call.
 
     On an exact-shape row the sizes must already sum to ``num_units``. On an M-range row they are
