@@ -211,6 +211,18 @@ def band_step(unit: int, shards: int, band: int) -> int:
     return math.lcm(unit, shards * band) // unit
 
 
+def group_step(schedule: Schedule, m: int, n: int) -> int:
+    """Signal units between the places a group of a Triton schedule may start on an (m, n)
+    output: 1, or with ``row_band`` the units from one band of tile rows to the next
+    (``band_step``). ``resolve_groups`` takes it to scale relative weights."""
+    st = schedule.settings
+    assert isinstance(st, TritonSettings)
+    if st.layout != "row_band":
+        return 1
+    shards = schedule.world_size if schedule.collective in SHARDED_COLLECTIVES else 1
+    return band_step(st.signal_tiles, shards, st.tile.group_m * cdiv(n, st.tile.block_n))
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """Everything the launcher needs for one call; see the module docstring for the symbols."""
@@ -316,7 +328,7 @@ def make_plan(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> P
     num_units = cdiv(num_tiles, unit)
     band = tile.group_m * nt  # local tiles in one band of GROUP_M tile rows
     # (an M-range row_band row cuts its groups where bands start, whatever the call's M)
-    step = band_step(unit, shards, band) if st.layout == "row_band" else 1
+    step = group_step(schedule, m, n)
     sizes = resolve_groups(st.groups, num_units, exact=not schedule.problem.is_range, step=step)
 
     local: list[tuple[int, int]] = []

@@ -287,6 +287,35 @@ def test_range_row_band_row_plans_every_m_of_its_range(collective, world):
     assert make_plan(row, 100 * shards, 20, 8, sm_count=4).num_groups == 2
 
 
+@pytest.mark.parametrize("collective, world", [("all_reduce", 2), ("reduce_scatter", 2), ("all_gather", 3)])
+def test_a_row_band_row_taken_to_another_m_plans_there(collective, world):
+    """The tuner's warm start takes the nearest exact row to the searched M (``regroup``): a
+    row_band row whose unit is not a whole band keeps its groups on band starts at every M."""
+    from fo_tune.search.study import regroup
+
+    shards = 1 if collective == "all_reduce" else world
+    ranged = sched(
+        collective=collective,
+        world_size=world,
+        problem=Problem(m_min=shards, m_max=200 * shards, n=20, k=8),
+        layout="row_band",
+        signal_tiles=shards,
+        groups=(6, 2),
+    )
+    m0 = 100 * shards
+    exact = dataclasses.replace(
+        ranged,
+        problem=Problem(m=m0, n=20, k=8),
+        settings=dataclasses.replace(
+            ranged.settings, groups=make_plan(ranged, m0, 20, 8, sm_count=4).group_units
+        ),
+    )
+    for m in range(shards, 200 * shards + 1, shards):
+        moved = regroup(dataclasses.replace(exact, problem=Problem(m=m, n=20, k=8)))
+        plan = make_plan(moved, m, 20, 8, sm_count=4)  # (a ScheduleError when a group starts mid-band)
+        assert sum(plan.group_units) == plan.num_units, m
+
+
 def test_resolve_groups_for_ranges():
     assert resolve_groups((2, 1, 1), 4, exact=True) == (2, 1, 1)
     assert sum(resolve_groups((3, 2, 1), 40, exact=False)) == 40

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fo_kernels.engines.triton.settings import TritonSettings
-from fo_kernels.plan import resolve_groups
+from fo_kernels.plan import group_step, resolve_groups
 from fo_kernels.schedule import Problem, Schedule, settings_type
 from fo_kernels.table import ScheduleTable
 from fo_tune.search.encoding import schedule_key
@@ -147,7 +147,8 @@ def nearest_row(table: ScheduleTable | None, shape: tuple[int, int, int]) -> Sch
 
 
 def regroup(schedule: Schedule) -> Schedule:
-    """A row taken to another M: a Triton row's groups read as relative weights (``resolve_groups``)."""
+    """A row taken to another M: a Triton row's groups read as relative weights (``resolve_groups``,
+    cut where a group may start at that M: ``group_step``)."""
     st = schedule.settings
     if not isinstance(st, TritonSettings):
         return schedule
@@ -156,7 +157,7 @@ def regroup(schedule: Schedule) -> Schedule:
     p = schedule.problem
     assert p.m is not None
     units = num_units(schedule, p.m, p.n)
-    groups = resolve_groups(st.groups, units, exact=False)
+    groups = resolve_groups(st.groups, units, exact=False, step=group_step(schedule, p.m, p.n))
     return dataclasses.replace(schedule, settings=dataclasses.replace(st, groups=groups))
 
 
