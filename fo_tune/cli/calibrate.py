@@ -244,6 +244,11 @@ def calibrate(
             "--into-sibling merges into an existing calibration: pass --into CALIBRATION.yaml with "
             "it, or drop it"
         )
+    if into is not None and not into.is_file():  # the loader's hint names --calibration, not --into
+        raise typer.BadParameter(
+            f"--into {into}: no such calibration file to merge into; give an existing "
+            "calibration.yaml (`fo-tune calibrate --out DIR` writes one)"
+        )
     names = parse_collectives(
         collectives, valid=CALIBRATED_NAMES, default=CALIBRATED_NAMES, option="--collectives"
     )
