@@ -278,6 +278,15 @@ def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
     share = float(reduced["time_ms"]) / float(full["time_ms"]) / (int(full["grid"]) / int(reduced["grid"]))
     assert float(reduced["over_share"]) == pytest.approx(share, rel=1e-4)  # (the CSV keeps 6 digits)
     assert str(tmp_path / "p" / "profile-grids.csv") in result.stdout.replace("\n", "")
+    # a profile of the full grid alone replaces this one: the grids CSV beside it is removed
+    one_grid = tmp_path / "one-grid.yaml"
+    default = (packaged_spaces_dir() / "default.yaml").read_text()
+    one_grid.write_text(default.replace("  sms_free: [0, 2]\n", "  sms_free: [0]\n"))
+    args = ["profile", "--shape", "32x48x40", "--out", str(out), "--space", str(one_grid)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert {r["sms_free"] for r in read_csv(out)[1]} == {"0"}
+    assert not (tmp_path / "p" / "profile-grids.csv").exists() and "removed" in result.stdout
 
 
 @pytest.mark.parametrize("shape", ["0x1x1", "32x48", "axbxc"])
