@@ -303,6 +303,10 @@ def test_model_check_bad_input(tmp_path, h200):
     assert "expected a table" in assert_one_line_error(model_check(str(tmp_path / "x.txt")))
     (tmp_path / "empty.csv").write_text("a,b\n1,2\n")
     assert "trials.csv" in assert_one_line_error(model_check(str(tmp_path / "empty.csv")))
+    cal = CALIBRATION_DIR / "calibration.yaml"
+    assert f"is a calibration, not a table or report; pass it as --calibration {cal}" in (
+        assert_one_line_error(model_check(str(cal)))
+    )
     bare = tmp_path / "cal.yaml"
     save_calibration(dataclasses.replace(h200, copy_engine=None), bare)
     line = assert_one_line_error(model_check("--calibration", str(bare)))

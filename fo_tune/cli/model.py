@@ -98,6 +98,21 @@ HoldOutFileOpt = Annotated[
 OutOpt = Annotated[Path | None, typer.Option("--out", "-o", metavar="FILE", help="Where to write the fit.")]
 
 _NK = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+# How much of a YAML file is read to tell a calibration given as a table (its kind is on its second
+# line as fo_tune.calibrate.calibration.save_calibration writes it) from a table.
+KIND_PEEK_CHARS = 4096
+
+
+def _is_calibration(path: Path) -> bool:
+    """Whether ``path`` is a calibration YAML (top-level ``kind: fo-tune-calibration``)."""
+    from fo_tune.calibrate.calibration import CALIBRATION_KIND
+
+    if path.suffix not in (".yaml", ".yml") or not path.is_file():
+        return False
+    with path.open(encoding="utf-8", errors="replace") as f:
+        head = f.read(KIND_PEEK_CHARS)
+    kind = re.compile(rf"^kind:\s*['\"]?{re.escape(CALIBRATION_KIND)}['\"]?\s*$", re.MULTILINE)
+    return kind.search(head) is not None
 
 
 def _calibration(path: Path | None) -> tuple[Calibration, Path]:
@@ -134,6 +149,8 @@ def _files(files: list[Path] | None, cal: Calibration) -> list[Path]:
     for p in paths:
         if not p.exists():
             raise CheckError(f"{p}: no such table or report")
+        if _is_calibration(p):
+            raise CheckError(f"{p} is a calibration, not a table or report; pass it as --calibration {p}")
     return paths
 
 
