@@ -27,6 +27,7 @@ from fo_tune.calibrate.calibration import (
     InterferencePoint,
     fit_all,
     load_calibration,
+    save_calibration,
 )
 from fo_tune.calibrate.files import check_calibration_out, write_calibration_dir, write_profile_csv
 from fo_tune.cli.calibrate import CALIBRATED_NAMES
@@ -221,6 +222,17 @@ def test_out_with_foreign_files_is_never_replaced(tmp_path):
     line = assert_one_line_error(calibrate("--out", str(out)))
     assert "notes.txt" in line
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_out_with_another_machines_calibration_is_never_replaced(tmp_path, h200):
+    out = tmp_path / "h200"
+    save_calibration(h200, out / "calibration.yaml")
+    before = (out / "calibration.yaml").read_bytes()
+    line = assert_one_line_error(calibrate("--quick", "--out", str(out)))
+    assert f"holds the calibration of {h200.fingerprint.device_key}" in line
+    assert (out / "calibration.yaml").read_bytes() == before
+    with pytest.raises(OutputError, match="holds the calibration of"):  # the library's writer too
+        write_calibration_dir(replace(h200, fingerprint=current_fingerprint("cpu", 2)), out)
 
 
 def test_malformed_space_is_exit_2_naming_the_key(tmp_path):

@@ -83,7 +83,8 @@ OutDirOpt = Annotated[
         "--out",
         "-o",
         metavar="DIR",
-        help="Folder to write (created, or replaced when it holds an earlier calibration). "
+        help="Folder to write (created, or replaced when it holds an earlier calibration of this "
+        "machine's device key; another machine's is refused). "
         "Default: results/calibration/<device-key>/tp<N>.",
     ),
 ]
@@ -277,9 +278,8 @@ def calibrate(
             here = current_fingerprint(local_device(chosen), world_size)
             check_mergeable(target, here, dtype, parts or PART_NAMES, sibling=into_sibling)
         if driver and into is None:  # a bad --out costs nothing: checked before any rank starts
-            check_calibration_out(
-                out or DEFAULT_ROOT / expected_device_key(chosen, world_size) / f"tp{world_size}"
-            )
+            key = expected_device_key(chosen, world_size)
+            check_calibration_out(out or DEFAULT_ROOT / key / f"tp{world_size}", key)
         from fo_tune.calibrate.run import CalibrationRequest, run_calibration
 
         request = CalibrationRequest(
