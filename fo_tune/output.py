@@ -7,7 +7,8 @@ The CLI passes ``fo_tune.cli.progress.ProgressReporter`` (rich progress bars, or
 output is not a terminal); library callers may pass nothing (``SilentReporter``). ``check_writable``
 and ``check_writable_file`` are the checks a command runs before its work, so a bad ``--out`` costs
 nothing; ``replacing_folder`` builds a folder's new contents beside it and swaps them in whole;
-``write_csv`` writes plain CSVs; ``figure`` and ``size_label`` serve every plot. ``data_dir`` is
+``write_csv`` writes plain CSVs; ``whole`` keeps a whole setting whole in them and in YAML;
+``figure`` and ``size_label`` serve every plot. ``data_dir`` is
 where a search writes what no option places (tables, studies, reports): the user folder the
 runtime's tables live in, whatever the working folder.
 """
@@ -142,6 +143,12 @@ def replacing_folder(out_dir: str | Path) -> Iterator[Path]:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def whole(value: float) -> float | int:
+    """``value`` as an int where it is whole (``4.0`` -> ``4``): a setting a file records (YAML,
+    CSV) reads 4, as the user gave it, not 4.0; any other value unchanged."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 # -------------------------------------------------------------------------------------------- CSV

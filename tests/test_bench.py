@@ -236,6 +236,8 @@ def test_bench_yaml(gloo_run):
     assert (settings["world_size"], settings["dtype"], settings["reps"]) == (2, "float32", 2)
     assert settings["chunks"] == [2, 4, 8]
     assert settings["sample_ms"] == 4.0  # fo_tune.ranks.timing.MIN_SAMPLE_MS on the CPU (16 on GPUs)
+    text = (out / "bench.yaml").read_text()  # whole settings stay whole (4, not 4.0)
+    assert "  sample_ms: 4\n" in text and "  timeout_s: 600\n" in text, text[:800]
     _, rows = read_csv(out / "bench.csv")
     assert len(data["rows"]) == len(rows)
     assert [r["variant"] for r in data["rows"]] == [r["variant"] for r in rows]

@@ -27,6 +27,7 @@ from fo_tune.calibrate.calibration import (
     InterferencePoint,
     fit_all,
     load_calibration,
+    save_calibration,
 )
 from fo_tune.calibrate.files import check_calibration_out, write_calibration_dir, write_profile_csv
 from fo_tune.cli.calibrate import CALIBRATED_NAMES
@@ -223,6 +224,17 @@ def test_out_with_foreign_files_is_never_replaced(tmp_path):
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
+def test_out_with_another_machines_calibration_is_never_replaced(tmp_path, h200):
+    out = tmp_path / "h200"
+    save_calibration(h200, out / "calibration.yaml")
+    before = (out / "calibration.yaml").read_bytes()
+    line = assert_one_line_error(calibrate("--quick", "--out", str(out)))
+    assert f"holds the calibration of {h200.fingerprint.device_key}" in line
+    assert (out / "calibration.yaml").read_bytes() == before
+    with pytest.raises(OutputError, match="holds the calibration of"):  # the library's writer too
+        write_calibration_dir(replace(h200, fingerprint=current_fingerprint("cpu", 2)), out)
+
+
 def test_malformed_space_is_exit_2_naming_the_key(tmp_path):
     text = (packaged_spaces_dir() / "default.yaml").read_text()
     bad = tmp_path / "bad.yaml"
@@ -278,6 +290,15 @@ def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
     share = float(reduced["time_ms"]) / float(full["time_ms"]) / (int(full["grid"]) / int(reduced["grid"]))
     assert float(reduced["over_share"]) == pytest.approx(share, rel=1e-4)  # (the CSV keeps 6 digits)
     assert str(tmp_path / "p" / "profile-grids.csv") in result.stdout.replace("\n", "")
+    # a profile of the full grid alone replaces this one: the grids CSV beside it is removed
+    one_grid = tmp_path / "one-grid.yaml"
+    default = (packaged_spaces_dir() / "default.yaml").read_text()
+    one_grid.write_text(default.replace("  sms_free: [0, 2]\n", "  sms_free: [0]\n"))
+    args = ["profile", "--shape", "32x48x40", "--out", str(out), "--space", str(one_grid)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert {r["sms_free"] for r in read_csv(out)[1]} == {"0"}
+    assert not (tmp_path / "p" / "profile-grids.csv").exists() and "removed" in result.stdout
 
 
 @pytest.mark.parametrize("shape", ["0x1x1", "32x48", "axbxc"])

@@ -391,8 +391,15 @@ def test_cli_output_through_a_pipe_keeps_every_number():
         "t = summary_table('wide', [f'column {i}' for i in range(12)], 1)\n"
         "t.add_row(*[f'{0.123456789 * (i + 1):.9f}' for i in range(12)])\n"
         "console.print(t)\n"
+        "n = summary_table('a title much wider than its narrow table', ['a'], 1)\n"
+        "n.caption = 'a caption much wider than its narrow table'\n"
+        "n.add_row('1')\n"
+        "console.print(n)\n"
     )
     env = {**os.environ, "COLUMNS": "80"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "…" not in done.stdout and "1.234567890" in done.stdout and "0.123456789" in done.stdout
+    lines = done.stdout.splitlines()  # a narrow table's title and caption each stay on one line
+    assert "a title much wider than its narrow table" in lines, done.stdout
+    assert "a caption much wider than its narrow table" in lines, done.stdout

@@ -27,6 +27,9 @@ def test_demo_runs_every_collective_through_the_cpu_executor(world: int):
     checked = len(rows) - skipped
     assert f"passed: {checked} of {checked} checked rows" in result.stdout
     assert "copy engine's CPU executor" in result.stdout
+    # the table's title, wider than the table, stays on one line in output that is not a terminal
+    title = f"fo-tune demo: {world} ranks, the copy engine's CPU executor, thread-ranks, float32"
+    assert title in lines, result.stdout
 
 
 def test_the_demo_rows_fail_when_a_result_is_wrong(monkeypatch: pytest.MonkeyPatch):

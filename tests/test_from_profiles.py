@@ -125,6 +125,8 @@ FP8_GEMM = ["--dtype", FP8, "--only", "gemm"]
     [
         ([*FP8_GEMM, "--from-profiles", "{empty}", "--into", "{cal}"], "no <M>x<N>x<K>"),
         ([*FP8_GEMM, "--from-profiles", "{missing}", "--into", "{cal}"], "no such folder"),
+        ([*FP8_GEMM, "--from-profiles", "{dir}", "--into", "{missing}"],
+         "no such calibration file to merge into"),
         ([*FP8_GEMM, "--from-profiles", "{dir}"], "pass --into CALIBRATION.yaml"),
         (["--dtype", FP8, "--from-profiles", "{dir}", "--into", "{cal}"], "pass --only gemm"),
         ([*FP8_GEMM, "--only", "copy_engine", "--from-profiles", "{dir}", "--into", "{cal}"],

@@ -303,6 +303,10 @@ def test_model_check_bad_input(tmp_path, h200):
     assert "expected a table" in assert_one_line_error(model_check(str(tmp_path / "x.txt")))
     (tmp_path / "empty.csv").write_text("a,b\n1,2\n")
     assert "trials.csv" in assert_one_line_error(model_check(str(tmp_path / "empty.csv")))
+    cal = CALIBRATION_DIR / "calibration.yaml"
+    assert f"is a calibration, not a table or report; pass it as --calibration {cal}" in (
+        assert_one_line_error(model_check(str(cal)))
+    )
     bare = tmp_path / "cal.yaml"
     save_calibration(dataclasses.replace(h200, copy_engine=None), bare)
     line = assert_one_line_error(model_check("--calibration", str(bare)))
@@ -354,6 +358,44 @@ def test_model_fit_writes_fitted_values_with_sources(tmp_path, h200):
     assert "--hold-out '8192-14336': expected NxK" in assert_one_line_error(bad)
     summary = yaml.safe_load((tmp_path / "o.yaml").read_text())
     assert summary["schema_version"] == 2
+
+
+def test_model_fit_refuses_what_would_fit_nothing_or_hold_out_nothing(tmp_path, h200):
+    """Bad input to ``model fit`` ends with one line and exit 2 before the calibration is written:
+    an --out it cannot write, a --hold-out or --hold-out-file that matches no row (a typo would
+    silently hold out nothing), every row held out, no file to fit, nothing the calibration's
+    sections fit. A --hold-out-file names its file by any path to it."""
+    cal = tmp_path / "cal.yaml"
+    shutil.copy(packaged_calibration(H200_KEY, 2), cal)
+    before = cal.read_bytes()
+    table = next(t for t in TABLES if t.name.startswith("reduce_scatter"))
+    other = next(t for t in TABLES if t.name.startswith("all_reduce"))
+
+    def fit(*args: str):
+        return CliRunner().invoke(app, ["model", "fit", "--calibration", str(cal), *args])
+
+    (tmp_path / "a-file").write_text("")
+    line = assert_one_line_error(fit(str(table), "--out", str(tmp_path / "a-file" / "o.yaml")))
+    assert "a-file is a file, not a folder" in line
+    assert "--hold-out 1x1: no measured row" in assert_one_line_error(fit(str(table), "--hold-out", "1x1"))
+    line = assert_one_line_error(fit(str(table), "--hold-out-file", str(other)))
+    assert "is not one of the files fitted" in line
+    assert "is held out" in assert_one_line_error(fit(str(table), "--hold-out-file", str(table)))
+    bare = tmp_path / "bare.yaml"
+    save_calibration(dataclasses.replace(h200, copy_engine=None), bare)
+    line = assert_one_line_error(
+        CliRunner().invoke(app, ["model", "fit", "--calibration", str(bare), str(table)])
+    )
+    assert line.startswith("error: nothing to fit in")
+    assert cal.read_bytes() == before  # nothing written by a refused fit
+    # the same file, named relative and absolute, is held out; without a hold-out no held-out line
+    rel = table.relative_to(ROOT)
+    shutil.copytree(table.parent, tmp_path / rel.parent)  # the working folder is tmp_path
+    r = fit(str(rel), str(other), "--hold-out-file", str(tmp_path / rel), "--out", str(tmp_path / "o.yaml"))
+    assert r.exit_code == 0, r.output
+    assert "held out: MAPE" in r.stdout and "over 0 measured rows" not in r.stdout
+    r = fit(str(table), "--out", str(tmp_path / "o.yaml"))
+    assert r.exit_code == 0 and "held out" not in r.stdout, r.output
 
 
 def test_a_predict_search_into_the_user_folder_leaves_the_measured_rows_in_charge(tmp_path, monkeypatch):

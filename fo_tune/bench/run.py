@@ -10,7 +10,7 @@ from fo_kernels.schedule import SHARDED_COLLECTIVES
 from fo_tune.bench.request import CPU_REPS, CPU_WARMUP, GPU_REPS, WARMUP, BenchRequest, check_runnable
 from fo_tune.bench.rows import BenchResult, case_rows, merge, skipped_rows
 from fo_tune.bench.task import BenchCaseTask
-from fo_tune.output import Reporter, SilentReporter
+from fo_tune.output import Reporter, SilentReporter, whole
 from fo_tune.ranks.launch import choose_backend, fingerprinted_pool
 from fo_tune.ranks.timing import comparison_sample_ms
 
@@ -47,11 +47,11 @@ def run_bench(request: BenchRequest, reporter: Reporter | None = None) -> BenchR
                 dtype=dtype,
                 backend=pool.backend,
                 reps=reps,
-                sample_ms=sample_ms,
+                sample_ms=whole(sample_ms),
                 warmup=warmup,
                 chunks=list(request.chunks),
                 suite=request.suite,
-                timeout_s=request.timeout_s,
+                timeout_s=whole(request.timeout_s),
                 seed=request.seed,
             ),
         )

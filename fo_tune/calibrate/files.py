@@ -26,7 +26,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fo_kernels.files import atomic_write
+import yaml
+
+from fo_kernels.files import SAFE_LOADER, atomic_write
 from fo_tune.calibrate.calibration import (
     BandwidthPoint,
     Calibration,
@@ -39,6 +41,7 @@ from fo_tune.calibrate.calibration import (
 )
 from fo_tune.calibrate.plots import _plot_bandwidth, _plot_interference
 from fo_tune.output import (
+    OutputError,
     check_writable,
     check_writable_file,
     made_parents,
@@ -203,7 +206,7 @@ def write_calibration_dir(cal: Calibration, out_dir: str | Path) -> list[Path]:
     Built in a temporary sibling folder, then swapped in; on any error the temporary folder is
     removed and an existing ``out_dir`` is left as it was. Returns the paths written.
     """
-    check_calibration_out(out_dir)
+    check_calibration_out(out_dir, cal.fingerprint.device_key)
     with replacing_folder(out_dir) as tmp:
         _write_tables(cal, tmp)
         save_calibration(cal, tmp / "calibration.yaml")
@@ -289,7 +292,28 @@ def gemm_summary(points: Iterable[GemmPoint]) -> list[GemmSummary]:
     return out
 
 
-def check_calibration_out(out_dir: str | Path) -> None:
+def _device_key_in(path: Path) -> str | None:
+    """The device key of the calibration YAML at ``path``; None when it is missing or unreadable
+    (such a folder's files are replaced as any earlier calibration's)."""
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=SAFE_LOADER)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    fingerprint = data.get("fingerprint") if isinstance(data, dict) else None
+    key = fingerprint.get("device_key") if isinstance(fingerprint, dict) else None
+    return key if isinstance(key, str) else None
+
+
+def check_calibration_out(out_dir: str | Path, device_key: str | None = None) -> None:
     """Raise ``OutputError`` unless ``write_calibration_dir`` can create or replace ``out_dir``
-    (``fo_tune.output.check_writable``: only a previous calibration's files may be replaced)."""
+    (``fo_tune.output.check_writable``: only a previous calibration's files may be replaced) and,
+    given the ``device_key`` of the calibration to write, unless a calibration there is of the
+    same machine: one of another GPU model, world size or interconnect is never replaced by a
+    mistyped --out (it took that machine to measure)."""
     check_writable(out_dir, allowed=CALIBRATION_FILES, what="calibration")
+    there = _device_key_in(Path(out_dir) / "calibration.yaml")
+    if device_key is not None and there is not None and there != device_key:
+        raise OutputError(
+            f"--out {out_dir} holds the calibration of {there}, and this one is of {device_key}; "
+            "give another folder (the default one is per device key), or remove that one first"
+        )

@@ -83,7 +83,8 @@ OutDirOpt = Annotated[
         "--out",
         "-o",
         metavar="DIR",
-        help="Folder to write (created, or replaced when it holds an earlier calibration). "
+        help="Folder to write (created, or replaced when it holds an earlier calibration of this "
+        "machine's device key; another machine's is refused). "
         "Default: results/calibration/<device-key>/tp<N>.",
     ),
 ]
@@ -244,6 +245,11 @@ def calibrate(
             "--into-sibling merges into an existing calibration: pass --into CALIBRATION.yaml with "
             "it, or drop it"
         )
+    if into is not None and not into.is_file():  # the loader's hint names --calibration, not --into
+        raise typer.BadParameter(
+            f"--into {into}: no such calibration file to merge into; give an existing "
+            "calibration.yaml (`fo-tune calibrate --out DIR` writes one)"
+        )
     names = parse_collectives(
         collectives, valid=CALIBRATED_NAMES, default=CALIBRATED_NAMES, option="--collectives"
     )
@@ -272,9 +278,8 @@ def calibrate(
             here = current_fingerprint(local_device(chosen), world_size)
             check_mergeable(target, here, dtype, parts or PART_NAMES, sibling=into_sibling)
         if driver and into is None:  # a bad --out costs nothing: checked before any rank starts
-            check_calibration_out(
-                out or DEFAULT_ROOT / expected_device_key(chosen, world_size) / f"tp{world_size}"
-            )
+            key = expected_device_key(chosen, world_size)
+            check_calibration_out(out or DEFAULT_ROOT / key / f"tp{world_size}", key)
         from fo_tune.calibrate.run import CalibrationRequest, run_calibration
 
         request = CalibrationRequest(

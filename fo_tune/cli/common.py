@@ -37,6 +37,7 @@ import typer
 from rich import box
 from rich.console import Console, ConsoleDimensions
 from rich.table import Table
+from rich.text import Text
 from typer.core import TyperGroup
 
 if TYPE_CHECKING:
@@ -277,9 +278,23 @@ def fmt(x: float, spec: str = ".3g") -> str:
     return "-" if math.isnan(x) else format(x, spec)
 
 
+class _SummaryTable(Table):
+    """A ``Table`` whose title and caption, printed to a file or a pipe, stay whole on one line
+    each: rich wraps them at the table's width, a narrow table's title word by word or letter by
+    letter, which breaks the promise above that such output is never wrapped. On a terminal they
+    wrap as rich wraps them."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("title", "caption") and isinstance(value, str) and not console.is_terminal:
+            text = Text.from_markup(value, style=f"table.{name}")
+            text.no_wrap, text.overflow = True, "ignore"
+            value = text
+        super().__setattr__(name, value)
+
+
 def summary_table(title: str, columns: list[str], right_from: int) -> Table:
     """A borderless table with ``columns``, the ones from ``right_from`` on right-aligned."""
-    table = Table(
+    table = _SummaryTable(
         title=title,
         title_justify="left",
         caption_justify="left",

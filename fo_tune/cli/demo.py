@@ -4,7 +4,6 @@ import math
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich import box
 from rich.table import Table
 
 from fo_tune.cli.common import (
@@ -18,6 +17,7 @@ from fo_tune.cli.common import (
     console,
     handle_errors,
     parse_shape,
+    summary_table,
 )
 
 if TYPE_CHECKING:
@@ -93,18 +93,11 @@ def _table(rows: "list[DemoRow]", world_size: int, backend: str) -> Table:
         "virtual-ranks": "the copy engine's virtual ranks on one GPU",
     }.get(backend, "gloo on the CPU, Triton interpreter")
     dtypes = ", ".join(sorted({r.dtype for r in rows}))
-    table = Table(
-        title=f"fo-tune demo: {world_size} ranks, {where}, {dtypes}",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        show_edge=False,
-        padding=(0, 1, 0, 0),
+    table = summary_table(
+        f"fo-tune demo: {world_size} ranks, {where}, {dtypes}",
+        ["status", "collective", "MxNxK", "rel err", "overlap ms", "seq ms", "speedup"],
+        3,
     )
-    for name in ("status", "collective", "MxNxK"):
-        table.add_column(name, no_wrap=True)
-    for name in ("rel err", "overlap ms", "seq ms", "speedup"):
-        table.add_column(name, justify="right", no_wrap=True)
     styles = {"PASS": "green", "FAIL": "bold red", "SKIP": "yellow"}
     for row in rows:
         table.add_row(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -97,6 +98,21 @@ HoldOutFileOpt = Annotated[
 OutOpt = Annotated[Path | None, typer.Option("--out", "-o", metavar="FILE", help="Where to write the fit.")]
 
 _NK = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+# How much of a YAML file is read to tell a calibration given as a table (its kind is on its second
+# line as fo_tune.calibrate.calibration.save_calibration writes it) from a table.
+KIND_PEEK_CHARS = 4096
+
+
+def _is_calibration(path: Path) -> bool:
+    """Whether ``path`` is a calibration YAML (top-level ``kind: fo-tune-calibration``)."""
+    from fo_tune.calibrate.calibration import CALIBRATION_KIND
+
+    if path.suffix not in (".yaml", ".yml") or not path.is_file():
+        return False
+    with path.open(encoding="utf-8", errors="replace") as f:
+        head = f.read(KIND_PEEK_CHARS)
+    kind = re.compile(rf"^kind:\s*['\"]?{re.escape(CALIBRATION_KIND)}['\"]?\s*$", re.MULTILINE)
+    return kind.search(head) is not None
 
 
 def _calibration(path: Path | None) -> tuple[Calibration, Path]:
@@ -120,6 +136,22 @@ def _default_tables(cal: Calibration) -> list[Path]:
     except (ModuleNotFoundError, TypeError):
         return []
     return sorted(folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def _files(files: list[Path] | None, cal: Calibration) -> list[Path]:
+    """The tables and reports to read: ``files``, else the packaged tables of the calibration's
+    device; ``CheckError`` when there are none or one does not exist."""
+    from fo_tune.model.check import CheckError
+
+    paths = list(files or []) or _default_tables(cal)
+    if not paths:
+        raise CheckError(f"no packaged table for {cal.fingerprint.device_key}; give tables or reports")
+    for p in paths:
+        if not p.exists():
+            raise CheckError(f"{p}: no such table or report")
+        if _is_calibration(p):
+            raise CheckError(f"{p} is a calibration, not a table or report; pass it as --calibration {p}")
+    return paths
 
 
 def _check_terms(cal: Calibration, rows: list, engines: set[str]) -> None:
@@ -168,12 +200,7 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     from fo_tune.model.check import CheckError, measured_in, unmeasured_in
 
     cal, path = _calibration(calibration)
-    paths = list(files or []) or _default_tables(cal)
-    if not paths:
-        raise CheckError(f"no packaged table for {cal.fingerprint.device_key}; give tables or reports")
-    for p in paths:
-        if not p.exists():
-            raise CheckError(f"{p}: no such table or report")
+    paths = _files(files, cal)
     items = measured_in(paths)
     unmeasured = unmeasured_in(paths)
     for u in unmeasured:
@@ -203,13 +230,38 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     console.print(error_line(rows), highlight=False, markup=False)
 
 
-def _held_out(nks: list[tuple[int, int]], files: list[Path]):
+def _sources(path: Path) -> set[Path]:
+    """The sources the rows of ``path`` carry (a report folder's rows come from its trials.csv),
+    resolved, so that ``./t.yaml``, ``t.yaml`` and its absolute path name the same file."""
+    return {path.resolve(), (path / "trials.csv").resolve()}
 
-    names = {str(p) for p in files} | {str(p / "trials.csv") for p in files}
+
+def _held_out(
+    nks: list[tuple[int, int]], hold_files: list[Path], paths: list[Path]
+) -> Callable[[Checked], bool]:
+    """Whether a row is held out of the fit; each ``--hold-out`` must match a measured row or trial
+    of ``paths``, each ``--hold-out-file`` be one of ``paths`` (else ``typer.BadParameter``: a typo
+    would silently hold out nothing)."""
+    from fo_tune.model.check import measured_in
+
+    fitted = set().union(*(_sources(p) for p in paths))
+    for p in hold_files:
+        if not _sources(p) & fitted:
+            raise typer.BadParameter(
+                f"--hold-out-file {p} is not one of the files fitted; pass it as a file too, or drop it"
+            )
+    present = {(m.schedule.problem.n, m.schedule.problem.k) for m in measured_in(paths)}
+    for n, k in nks:
+        if (n, k) not in present:
+            raise typer.BadParameter(
+                f"--hold-out {n}x{k}: no measured row or trial has N, K = {n}, {k}; "
+                "choose an N x K of the files (`fo-tune model check` lists them)"
+            )
+    names = set().union(*(_sources(p) for p in hold_files))
 
     def held(c: Checked) -> bool:
         _, n, k = (int(x) for x in c.item.split()[-1].split("x"))
-        return (n, k) in nks or c.source in names
+        return (n, k) in nks or Path(c.source).resolve() in names
 
     return held
 
@@ -224,6 +276,8 @@ def fit(
 ) -> None:
     from fo_tune.calibrate.calibration import load_calibration, save_calibration
     from fo_tune.engines.copy_engine.fit import fit_calibration
+    from fo_tune.model.check import CheckError
+    from fo_tune.output import check_writable_file
 
     nks = []
     for text in hold_out or []:
@@ -232,18 +286,25 @@ def fit(
             raise typer.BadParameter(f"--hold-out {text!r}: expected NxK, e.g. 8192x8192")
         nks.append((int(match.group(1)), int(match.group(2))))
     cal = load_calibration(calibration)
-    paths = list(files or []) or _default_tables(cal)
-    held = [f"N, K = {n}, {k}" for n, k in nks] + [f"every one of {p}" for p in hold_out_file or []]
-    fits = fit_calibration(
-        cal, files=paths, held_out=_held_out(nks, list(hold_out_file or [])), held_out_text="; ".join(held)
-    )
     target = out or calibration
+    check_writable_file(target)  # a bad --out costs no fit
+    paths = _files(files, cal)
+    is_held = _held_out(nks, list(hold_out_file or []), paths)
+    held = [f"N, K = {n}, {k}" for n, k in nks] + [f"every one of {p}" for p in hold_out_file or []]
+    fits = fit_calibration(cal, files=paths, held_out=is_held, held_out_text="; ".join(held))
+    if not fits:
+        raise CheckError(
+            f"nothing to fit in {', '.join(map(str, paths))}: no measured copy-engine, overlap: false "
+            "or Triton row or trial the calibration has a section for; give tables or search reports "
+            "that have them"
+        )
     save_calibration(cal, target)
     for f in fits:
         values = ", ".join(f"{name} {value:.4g}" for name, value in f.values.items())
         console.print(f"{f.term}: {values}", markup=False, highlight=False)
         console.print(f"  fit: {error_line(f.fit)}", markup=False, highlight=False)
-        console.print(f"  held out: {error_line(f.held_out)}", markup=False, highlight=False)
+        if f.held_out:
+            console.print(f"  held out: {error_line(f.held_out)}", markup=False, highlight=False)
     console.print(f"[green]wrote[/] {target}", highlight=False)
 
 

@@ -48,7 +48,7 @@ HELP = "\n\n".join(
         "cost over its share of SMs (its time over the full grid's best, divided by grid_0 / grid) is "
         "read off one clock: printed, and written next to the profile as "
         "<M>x<N>x<K>-<dtype>-grids.csv, or -tensorwise-grids.csv (its candidates column: how many "
-        "configs of the grid ran). "
+        "configs of the grid ran); the grids CSV of a profile this one replaces is removed first. "
         "Ratios across the ranking's rows compare different runs and move with the card's drift.",
         "--timing graphs (the default on GPUs) captures each sample's calls into one CUDA graph and "
         "replays it, for cuBLAS and the GEMM alike: the GPU's own time, where a call's host time "
@@ -256,6 +256,10 @@ def profile(
 
             target = out or default_profile_path(device_key, (m, n, k), dtype, scaling=scaling)
             path = write_profile_csv(points, target, device_key, timing_name(graphs))
+            # A grids CSV beside it belongs to the profile just replaced: removed before this one's
+            # grids are timed, so a failure or a profile without grids leaves no mismatched pair.
+            stale = grids_path(path).exists()
+            grids_path(path).unlink(missing_ok=True)
             _print_ranking(points, f"{problem}, {timing_name(graphs)}", device_key, path)
             from fo_tune.calibrate.profile import confirm_grids
 
@@ -264,6 +268,13 @@ def profile(
             if grids:
                 grids_file = write_grids_csv(grids, grids_path(path), device_key)
                 _print_grids(grids, f"{problem}, {timing_name(graphs)}", grids_file)
+            elif stale:
+                console.print(
+                    f"removed {grids_path(path)}: the replaced profile's; this one has no grid to "
+                    "compare beside the full one",
+                    markup=False,
+                    highlight=False,
+                )
 
 
 def register(app: typer.Typer) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from fo_kernels.plan import cdiv
 from fo_tune.calibrate.calibration import Calibration, EngineCalibration, Quantity
 from fo_tune.engines import cost_model
-from fo_tune.model.check import Checked, mape
+from fo_tune.model.check import Checked, CheckError, mape
 from fo_tune.model.core import CostModel
 from fo_tune.model.library import K_UNIT
 
@@ -139,7 +139,8 @@ def fit_calibration(
     """Fit ``COPY_ENGINE_FREE`` to the measured copy-engine and ``overlap: false`` rows and trials
     of ``files`` and ``TRITON_FREE`` to their measured Triton ones, leaving out of each fit what
     ``held_out`` says (``held_out_text`` describes it in the sources); write the values into
-    ``cal`` with their sources and return the reports."""
+    ``cal`` with their sources and return the reports. A term whose every row and trial is held
+    out raises ``CheckError``: its parameters would be fitted to nothing."""
     from fo_tune.model.check import measured_in
 
     model = cost_model(cal)
@@ -153,6 +154,11 @@ def fit_calibration(
         if not group or (term == "copy_engine" and cal.copy_engine is None):
             continue
         train = [m for m in group if not held_out(m.checked(model))]
+        if not train:
+            raise CheckError(
+                f"model fit: every one of the {len(group)} measured {term} rows and trials is held "
+                f"out ({held_out_text or 'all of them'}); hold out fewer, or give more files"
+            )
 
         def evaluate(params: Mapping[str, float], term: str = term, train: list = train) -> list[Checked]:
             _apply(model, term, params)
