@@ -676,10 +676,17 @@ def bad_inputs(ctx, _payload) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------- FSDP2
-def fsdp2_tp(ctx, _payload) -> dict[str, object]:
+# The training steps of fsdp2_tp's torchtitan-shaped composition, the micro-batches accumulated
+# before each AdamW step, and a gradient-norm cap it reaches (so clip_grad_norm_ scales).
+FSDP_STEPS, FSDP_MICRO, FSDP_CLIP = 2, 2, 0.05
+# fsdp2_tp's (batch, sequence, hidden) and the per-rank sequence lengths of its eval-mode calls.
+FSDP_SHAPE, EVAL_SEQS = (2, 8, 8), (4, 1, 3)
+
+
+def fsdp2_tp(ctx, checkpoint_dir: str) -> dict[str, object]:
     """FSDP2 over fo-tune's styles on a 2 x 2 (dp, tp) mesh against FSDP2 over torch's: the
     output, every gradient (this rank's shard) and the parameters' 2-D placements agree, and
-    fo-tune's ops ran."""
+    fo-tune's ops ran. Then the compositions torchtitan trains with (``_fsdp2_training``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -703,4 +710,90 @@ def fsdp2_tp(ctx, _payload) -> dict[str, object]:
         "errs": {"y": rel(y_f, y_t), **{n: rel(g_f[n], g) for n, g in g_t.items()}},
         "placements_equal": p_f == p_t,
         "ops": ops_f,
+        "training": _fsdp2_training(mesh, checkpoint_dir),
     }
+
+
+def _fsdp2_blocks(styles: tuple[type, type], mesh: DeviceMesh, seed: int) -> nn.Module:
+    """Two ``Block``s with torchtitan's sequence-parallel plan on mesh["tp"] (the norm on the
+    Shard(1) sequence, the FFN fed the gathered activation, w2 reduce-scattered back to Shard(1)),
+    the first activation-checkpointed (non-reentrant), each block and the root ``fully_shard`` over
+    mesh["dp"], the second not resharded after its forward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    hidden = FSDP_SHAPE[-1]
+    model = nn.Sequential(*(Block(hidden, 4 * mesh["tp"].size()) for _ in range(2)))
+    for block in model:
+        gathered = torch_tp.PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+        torch_tp.parallelize_module(block, mesh["tp"], {
+            "norm": torch_tp.SequenceParallel(), "ffn": gathered,
+            "ffn.w1": styles[0](), "ffn.w3": styles[0](), "ffn.w2": styles[1](output_layouts=Shard(1)),
+        })  # fmt: skip
+    model[0] = checkpoint_wrapper(model[0])
+    for i, block in enumerate(model):
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=i == 0)
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def _fsdp2_batch(mesh: DeviceMesh, seed: int, seq: int = FSDP_SHAPE[1]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, target): this rank's sequence shard of its dp rank's batch."""
+    gen = torch.Generator().manual_seed(seed * 7 + mesh["dp"].get_local_rank())
+    x, target = (torch.randn(FSDP_SHAPE[0], seq, FSDP_SHAPE[2], generator=gen) for _ in range(2))
+    tp, tp_rank = mesh["tp"].size(), mesh["tp"].get_local_rank()
+    return x.chunk(tp, dim=1)[tp_rank], target.chunk(tp, dim=1)[tp_rank]
+
+
+def _fsdp2_train(model: nn.Module, mesh: DeviceMesh) -> list[float]:
+    """AdamW steps of accumulated micro-batches, the gradients clipped by ``clip_grad_norm_`` over
+    the 2-D DTensors: every micro-batch's loss and every step's total norm."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen = []
+    for step in range(FSDP_STEPS):
+        for micro in range(FSDP_MICRO):
+            x, target = _fsdp2_batch(mesh, step * FSDP_MICRO + micro)
+            loss = F.mse_loss(model(x), target)
+            loss.backward()
+            seen.append(loss.item())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), FSDP_CLIP)
+        seen.append(norm.full_tensor().item())
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
+def _fsdp2_eval(model: nn.Module, mesh: DeviceMesh) -> list[torch.Tensor]:
+    """``model.eval()`` outputs under ``torch.no_grad()`` for sequences of changing lengths."""
+    model.eval()
+    with torch.no_grad():
+        return [model(_fsdp2_batch(mesh, 99, seq * mesh["tp"].size())[0]) for seq in EVAL_SEQS]
+
+
+def _fsdp2_training(mesh: DeviceMesh, checkpoint_dir: str) -> dict[str, object]:
+    """torchtitan's composition (``_fsdp2_blocks``) trained with torch's styles and with fo-tune's:
+    the relative errors of the losses and norms and of the final parameters; then torch's model
+    saved with ``torch.distributed.checkpoint`` and loaded into a fresh fo-tune model: the errors of
+    its eval-mode outputs against torch's model; and the collectives fo-tune's ops ran."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = _fsdp2_blocks(TORCH, mesh, seed=6)
+        want = _fsdp2_train(ref, mesh)
+        ours = _fsdp2_blocks(FO, mesh, seed=6)
+        with recorded_collectives() as ops:
+            got = _fsdp2_train(ours, mesh)
+        errs = {"losses": rel(torch.tensor(got), torch.tensor(want))}
+        for (n, p), q in zip(ref.named_parameters(), ours.parameters(), strict=True):
+            errs[n] = rel(q.full_tensor(), p.full_tensor())
+        dcp.save(ref.state_dict(), checkpoint_id=checkpoint_dir)
+        loaded = _fsdp2_blocks(FO, mesh, seed=7)
+        state = loaded.state_dict()
+        dcp.load(state, checkpoint_id=checkpoint_dir)
+        loaded.load_state_dict(state)
+        for i, (y, y_ref) in enumerate(zip(_fsdp2_eval(loaded, mesh), _fsdp2_eval(ref, mesh), strict=True)):
+            errs[f"loaded eval {EVAL_SEQS[i]}"] = rel(y, y_ref)
+    return {"errs": errs, "ops": sorted(set(ops))}

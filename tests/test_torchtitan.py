@@ -3,7 +3,11 @@ sequence-parallel plan (``apply_tp``) with torch's styles, and again with fo-tun
 in, gives the same loss, gradients and placements on 2 and 4 gloo ranks; fo-tune's ops run its
 AllGather + GEMM (the output layer's sequence-parallel input) and GEMM + ReduceScatter (every
 block's ``wo`` and ``w2``). The 4 ranks also run FSDP2 over fo-tune's styles on a 2 x 2 (dp, tp)
-mesh against FSDP2 over torch's (the parameters' placements are torch's, so FSDP2 composes).
+mesh against FSDP2 over torch's (the parameters' placements are torch's, so FSDP2 composes), and
+torchtitan's training composition: a sequence-parallel plan, activation checkpointing, resharding
+after forward or not, accumulated gradients clipped over the 2-D DTensors, AdamW steps, a
+distributed checkpoint of torch's model loaded into fo-tune's, and eval-mode calls of changing
+sequence lengths.
 torchtitan is a dev dependency (pinned in pyproject.toml): the test fails, never skips, without it."""
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ def _isolated_tables(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_llama3_with_fo_tune_styles_matches_torchtitan(world):
+def test_llama3_with_fo_tune_styles_matches_torchtitan(world, tmp_path):
     parts = {"llama3": ("llama3", None)}
     if world == 4:  # the same 4 ranks: FSDP2 over the styles on a 2 x 2 (dp, tp) mesh
-        parts["fsdp2"] = ("fsdp2_tp", None)
+        parts["fsdp2"] = ("fsdp2_tp", str(tmp_path / "checkpoint"))
     results = run_ranks(suite, world, parts, backend="gloo")
     for rank, r in enumerate(results):
         run = r["llama3"]
@@ -41,3 +45,8 @@ def test_llama3_with_fo_tune_styles_matches_torchtitan(world):
             bad = {k: v for k, v in fsdp["errs"].items() if not v < TOL}
             assert not bad and len(fsdp["errs"]) == 5, (rank, fsdp["errs"])
             assert fsdp["placements_equal"] and fsdp["ops"] == ["all_reduce"], fsdp
+            train = fsdp["training"]
+            bad = {k: v for k, v in train["errs"].items() if not v < TOL}
+            # the losses and norms, 2 blocks' 5 parameters, 3 eval-mode outputs of the loaded model
+            assert not bad and len(train["errs"]) == 1 + 10 + 3, (rank, train["errs"])
+            assert train["ops"] == ["all_gather", "reduce_scatter"], train
