@@ -73,7 +73,8 @@ def execute_ffn(
         if why:
             raise ScheduleError(f"engine: {engine} {why}; use a schedule with engine: null here")
     routing = route(topk_ids, shape)
-    layout = exchange_counts(routing, shape, x.dtype, "forward" if dy is None else "backward", group)
+    direction = "forward" if dy is None else "backward"
+    layout = exchange_counts(routing, shape, x.dtype, direction, group, schedule)
     if schedule is None:
         schedule, path = table_schedule(shape, layout, x, group)
     else:
