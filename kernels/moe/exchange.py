@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +54,7 @@ class Layout:
     send: tuple[tuple[int, ...], ...]
     recv: tuple[tuple[int, ...], ...]
     tokens: tuple[int, ...] = ()  # every rank's tokens (empty where the layout was built by hand)
+    choices: tuple[int, ...] = ()  # every rank's ``choose`` answer (empty without one)
 
     @property
     def world(self) -> int:
@@ -89,10 +90,13 @@ def exchange_counts(
     direction: str,
     group: dist.ProcessGroup | None,
     schedule: MoeSchedule | None = None,
+    choose: Callable[[tuple[int, ...]], int] | None = None,
 ) -> Layout:
     """The counts exchange (see the module docstring): this call's ``Layout``; every rank raises
     ``ShapeError`` alike when the ranks' signatures disagree (``ScheduleError`` when only their
-    schedules do)."""
+    schedules do). ``choose(tokens)`` (every rank's tokens, from the first exchange) gives a number
+    the second carries beside the counts (``Layout.choices``: every rank's), so that the ranks
+    can check they chose alike (the table's row)."""
     world, rank = shape.world, dist.get_rank(group)
     mine = (
         shape.hidden,
@@ -104,7 +108,8 @@ def exchange_counts(
         schedule_code(schedule),
     )
     if world == 1:
-        return Layout(rank, routing.host_counts, routing.host_counts, (shape.tokens,))
+        chosen = () if choose is None else (choose((shape.tokens,)),)
+        return Layout(rank, routing.host_counts, routing.host_counts, (shape.tokens,), chosen)
     head = torch.tensor((*mine, shape.tokens), dtype=torch.int64, device=routing.counts.device)
     rows = _all_to_all_int(head.expand(world, -1), group).tolist()
     bad = [s for s, row in enumerate(rows) if tuple(row[: len(SIGNATURE)]) != mine]
@@ -121,8 +126,13 @@ def exchange_counts(
             f"the same H, I, E_local, k, dtype, direction and schedule; got {said}"
         )
     tokens = tuple(row[len(SIGNATURE)] for row in rows)
-    counts = _all_to_all_int(routing.counts, group).tolist()
-    return Layout(rank, routing.host_counts, tuple(tuple(row) for row in counts), tokens)
+    if choose is None:
+        counts = _all_to_all_int(routing.counts, group).tolist()
+        return Layout(rank, routing.host_counts, tuple(tuple(row) for row in counts), tokens)
+    mine_choice = routing.counts.new_full((world, 1), choose(tokens))
+    got = _all_to_all_int(torch.cat((routing.counts, mine_choice), dim=1), group).tolist()
+    recv = tuple(tuple(row[:-1]) for row in got)
+    return Layout(rank, routing.host_counts, recv, tokens, tuple(row[-1] for row in got))
 
 
 def _all_to_all_int(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
