@@ -303,13 +303,13 @@ def bad_inputs(group, rank: int, world: int) -> dict[str, str]:
 
 
 def disagreeing_calls(ctx, _payload=None) -> dict[str, object]:
-    """Calls whose ranks differ in what only the counts exchange can compare (each must raise on
-    every rank, none may hang or abort a rank), then calls a schedule covers only by the most
-    tokens any rank holds (which must run): the last rank holds more experts than the others;
-    the last rank routes each token to one expert more (k), without a schedule and with one; the
-    last rank holds more tokens than the schedule's bound (the no-overlap path's and the Triton
-    engine's schedule); rank 0 holds fewer than the bound's minimum while another is in range
-    (the relative error against the reference)."""
+    """Calls whose ranks differ in what only the counts exchange can compare (each must raise on every
+    rank, none may hang or abort a rank), then calls a schedule covers only by the most tokens any
+    rank holds (which must run): the last rank holds more experts than the others; the last rank
+    routes each token to one expert more (k), without a schedule and with one; the last rank is
+    given another schedule than the others; the last rank holds more tokens than the schedule's
+    bound (the no-overlap path's and the Triton engine's schedule); rank 0 holds fewer than the
+    bound's minimum while another is in range (the relative error against the reference)."""
     rank, world = ctx.rank, ctx.world_size
     last = rank == world - 1
     e_local = 3 if last else 2
@@ -331,6 +331,14 @@ def disagreeing_calls(ctx, _payload=None) -> dict[str, object]:
         return _tiny_call(None, x=x, ids=ids, w=w, schedule=schedule)
 
     tile = {"block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 4, "num_stages": 1}
+    # the last rank is given the Triton engine's schedule, the others the no-overlap path's: the
+    # ranks would run different paths (their collectives never meet)
+    problem = MoeProblem(hidden=8, intermediate=3, experts=2, top_k=2, tokens_max=4)
+    ring = {"engine": "triton", "tile": tile} if last else {}
+    mixed = MoeSchedule.from_dict(
+        {"dtype": "float32", "world_size": world, "problem": problem.to_dict()} | ring
+    )
+    out["schedules_disagree"] = _message(lambda: tokens(3, mixed))
     for engine in (None, "triton"):
         problem = MoeProblem(hidden=8, intermediate=3, experts=2, top_k=2, tokens_max=4)
         bound = MoeSchedule.from_dict(

@@ -122,11 +122,11 @@ def _check_bad(msgs: dict, where: str) -> None:
 
 
 def test_ranks_that_disagree_raise_alike():
-    """On 3 gloo ranks: a rank with more local experts than the others, a rank with another k
-    (with no schedule, and with a schedule only the other ranks' k fits), and a rank with more
-    tokens than the schedule's bound, make every rank raise (none hangs, none aborts); a rank
-    with fewer tokens than the bound's minimum runs, the call's tokens being the most any rank
-    holds (as the table's lookup takes them)."""
+    """On 3 gloo ranks: a rank with more local experts than the others, a rank with another k (with no
+    schedule, and with a schedule only the other ranks' k fits), a rank given another schedule than
+    the others, and a rank with more tokens than the schedule's bound, make every rank raise (none
+    hangs, none aborts); a rank with fewer tokens than the bound's minimum runs, the call's tokens
+    being the most any rank holds (as the table's lookup takes them)."""
     per_rank = run_ranks(disagreeing_calls, 3, backend="gloo", timeout_s=120)
     for rank, msgs in enumerate(per_rank):
         assert msgs["experts_disagree"].startswith("ShapeError: the ranks' calls disagree"), (rank, msgs)
@@ -134,6 +134,8 @@ def test_ranks_that_disagree_raise_alike():
         for name in ("top_k_disagree", "top_k_disagree_schedule"):
             assert msgs[name].startswith("ShapeError: the ranks' calls disagree"), (rank, name, msgs)
             assert "'top_k': 3" in msgs[name] and "'top_k': 2" in msgs[name], (rank, name, msgs)
+        msg = msgs["schedules_disagree"]
+        assert msg.startswith("ScheduleError: the ranks' schedules differ") and "ranks [" in msg, (rank, msg)
         for engine in (None, "triton"):
             msg = msgs[f"over_bound_{engine}"]
             assert msg.startswith("ScheduleError: problem:") and "up to 6 tokens (group rank 2)" in msg, msg

@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from fo_kernels.engines.copy_engine.cpu import CpuOptions, ProtocolError, ProtocolTimeout
+from fo_kernels.engines.copy_engine.layout import Rows
 from fo_kernels.engines.copy_engine.ops import Signal
 from fo_kernels.moe.cpu import Slots, run_moe_ranks
 from fo_kernels.moe.exchange import row_bytes
 from fo_kernels.moe.grouped import grouped_mm, grouped_mm_t, weight_grad
 from fo_kernels.moe.kernels import grouped_gemm, swiglu_gemm
-from fo_kernels.moe.protocol import MoeCall, build, expert_ranges
+from fo_kernels.moe.protocol import MoeCall, build, expert_ranges, slot_span
 from fo_kernels.tile import Tile
 from moe_cases import TOL, MoeCase, reference, rel_err, thread_stage
 
@@ -142,6 +143,27 @@ def test_a_lost_flag_fails_in_time_naming_it():
 
     with pytest.raises(ProtocolTimeout, match=r"(landed|returned)\[.*a lost flag or a deadlock"):
         _protocol(case, 2, 1, CpuOptions(timeout_s=0.5, drop=drop), calls=(False,))
+
+
+def test_slots_stay_put_between_calls():
+    """A slot's rows start at the same byte whatever the call's row width (a forward's narrower
+    rows, a backward's wider ones), and a plan numbering slots of fewer rows than the slots hold
+    (a call of a smaller bound or k) is refused: a guard frees one source's slot only, so a slot
+    that moved could take a push over another source's rows of the previous call not read yet."""
+    for width in (5, 12):
+        assert slot_span(Rows("inbox", 1, 2 * 9 + 3, 2 * 9 + 5), 9, 12, width) == (
+            2 * 9 * 12 + 3 * width,
+            2 * 9 * 12 + 5 * width,
+        )
+    case = MoeCase(tokens=(3, 1, 2), hidden=8, inter=4, experts=1, top_k=2, seed=5)
+
+    def body(rank):
+        stage = thread_stage(case, rank.rank.rank, 3, False)
+        call = MoeCall(rank.rank.rank, stage.layout.send, stage.layout.recv, 1, 2 * case.top_k)
+        return rank.call(build(call), stage)
+
+    with pytest.raises(ProtocolError, match="slots of 4 rows; the slots hold 6"):
+        run_moe_ranks(_slots(case, 3), body, options=CpuOptions(timeout_s=2))
 
 
 def test_a_plan_for_another_rank_is_refused():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tempfile
 import warnings
 from pathlib import Path
@@ -284,7 +285,8 @@ def test_expert_parallel_ffn_looks_the_table_up(tmp_path, monkeypatch):
 
 def _straddling_ranks(ctx, payload: dict) -> dict:
     """One rank of a call whose ranks' tokens straddle two table rows: its error against the
-    unsharded float64 sum, and whether the ring (the larger bucket's row) ran here."""
+    unsharded float64 sum, and whether the ring (the larger bucket's row) ran here; then the same
+    call with the last rank reading another, empty table folder (``split_*``)."""
     h, i, e, k = payload["shape"]
     world, rank = ctx.world_size, ctx.rank
     gen = torch.Generator().manual_seed(7)  # every rank draws the same global experts
@@ -294,23 +296,31 @@ def _straddling_ranks(ctx, payload: dict) -> dict:
     t = payload["tokens"][rank]
     x, wts = torch.randn(t, h, generator=gen), torch.rand(t, k, generator=gen)
     ids = torch.randint(0, world * e, (t, k), generator=gen)
-    state = runtime_for(x.device, None).engine_state
-    state.pop(TRITON_READY, None)
-    y = expert_parallel_ffn(
-        x, ids, wts, w13_all[rank * e : (rank + 1) * e], w2_all[rank * e : (rank + 1) * e]
-    )
     ref = torch.zeros(t, h, dtype=torch.float64)
     for s in range(t):
         for j in range(k):
             g, u = (x[s].double() @ w13_all[ids[s, j]].double()).split(i)
             ref[s] += wts[s, j].double() * (torch.nn.functional.silu(g) * u) @ w2_all[ids[s, j]].double()
-    return {"err": ((y.double() - ref).norm() / ref.norm()).item(), "ring": TRITON_READY in state}
+    state = runtime_for(x.device, None).engine_state
+    out = {}
+    for name in ("", "split_"):
+        if name and rank == world - 1:
+            os.environ["FO_TUNE_TABLE_DIR"] = payload["empty"]
+        state.pop(TRITON_READY, None)
+        y = expert_parallel_ffn(
+            x, ids, wts, w13_all[rank * e : (rank + 1) * e], w2_all[rank * e : (rank + 1) * e]
+        )
+        out[f"{name}err"] = ((y.double() - ref).norm() / ref.norm()).item()
+        out[f"{name}ring"] = TRITON_READY in state
+    return out
 
 
 def test_every_rank_takes_the_row_of_the_most_tokens(tmp_path, monkeypatch):
     """Rank 0 holds 3 tokens (the 0..4 row: no overlap), rank 1 holds 7 (the 5..64 row: the
     Triton ring): both run the ring, keyed by the most tokens any rank holds, and match the
-    unsharded sum. A rank that took its own row would wait on a collective the other never makes."""
+    unsharded sum. A rank that took its own row would wait on a collective the other never makes.
+    Ranks whose lookups differ (a table file that changed between them; here rank 1 reads another
+    folder) all run the no-overlap path."""
     isolate_tables(monkeypatch, tmp_path)
     from fo_tune.ranks.launch import run_ranks
 
@@ -323,10 +333,13 @@ def test_every_rank_takes_the_row_of_the_most_tokens(tmp_path, monkeypatch):
         rows.append(MoeRow(schedule=MoeSchedule(dtype="float32", world_size=2, problem=problem, **fields)))
     table = MoeTable(fingerprint=fp, world_size=2, dtype="float32", rows=rows)
     save_moe_table(table, moe_table_path(tmp_path / "tables", fp.device_key, 2, "float32"))
-    payload = {"shape": (h, i, e, k), "tokens": (3, 7)}
+    payload = {"shape": (h, i, e, k), "tokens": (3, 7), "empty": str(tmp_path / "empty")}
     got = run_ranks(_straddling_ranks, 2, payload, backend="gloo", timeout_s=120)
     assert [r["ring"] for r in got] == [True, True], got
     assert max(r["err"] for r in got) < 1e-4, got
+    # rank 1 finds no row (its table folder is another): both ranks run the no-overlap path
+    assert [r["split_ring"] for r in got] == [False, False], got
+    assert max(r["split_err"] for r in got) < 1e-4, got
 
 
 # ----------------------------------------------------------------------------- the CLI

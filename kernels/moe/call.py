@@ -9,8 +9,9 @@ custom ops and the direct calls.
                   its token range against the most tokens any rank holds, which every rank sees
                   alike (a rank refusing alone would leave the others waiting in the dispatch)
     table         no schedule given: the MoE table's row for the experts' shape and the most
-                  tokens any rank holds (``fo_kernels.moe.table``; the same row on every rank),
-                  kept only where its engine can run here
+                  tokens any rank holds (``fo_kernels.moe.table``), kept only where its engine can
+                  run here, looked up between the two exchanges: the second carries each rank's
+                  row (a checksum), and ranks whose rows differ all run the no-overlap path
     path          the schedule's engine (``MOE_PATHS``) or, for none, the fallback (fallback.py)
 """
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from fo_kernels.errors import ScheduleError, ShapeError
 from fo_kernels.groups import check_group
 from fo_kernels.moe import fallback
-from fo_kernels.moe.exchange import Layout, exchange_counts
+from fo_kernels.moe.exchange import exchange_counts, schedule_code
 from fo_kernels.moe.routing import MOE_DTYPES, FfnShape, check_call, route
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.moe.stages import BackwardStage, ForwardStage
@@ -73,9 +74,24 @@ def execute_ffn(
         if why:
             raise ScheduleError(f"engine: {engine} {why}; use a schedule with engine: null here")
     routing = route(topk_ids, shape)
-    layout = exchange_counts(routing, shape, x.dtype, "forward" if dy is None else "backward", group)
+    direction = "forward" if dy is None else "backward"
+    chosen: list[tuple[MoeSchedule | None, object]] = []
+
+    def choose(tokens: tuple[int, ...]) -> int:
+        """The table's row for the call's tokens, and its checksum for the counts exchange (0 for
+        the no-overlap path)."""
+        chosen.append(table_schedule(shape, tokens, x, group))
+        return 0 if chosen[0][1] is None else schedule_code(chosen[0][0])
+
+    layout = exchange_counts(
+        routing, shape, x.dtype, direction, group, schedule, choose if schedule is None else None
+    )
     if schedule is None:
-        schedule, path = table_schedule(shape, layout, x, group)
+        schedule, path = chosen[0]
+        if len(set(layout.choices)) > 1:
+            # the ranks took different rows: a table file that changed between their lookups, or
+            # an engine that runs on some ranks only; all of them run the no-overlap path
+            schedule, path = None, None
     else:
         # checked after the exchange, where every rank's signature agrees and every rank's tokens
         # are known: a schedule for another call is refused by every rank alike
@@ -93,19 +109,18 @@ def execute_ffn(
 
 
 def table_schedule(
-    shape: FfnShape, layout: Layout, x: torch.Tensor, group: dist.ProcessGroup | None
+    shape: FfnShape, tokens: tuple[int, ...], x: torch.Tensor, group: dist.ProcessGroup | None
 ) -> tuple[MoeSchedule | None, object]:
     """(the table's schedule for this call, its engine's path), or (None, None): no row, a float64
     call (no table holds one), or a row whose engine cannot run here. Keyed by the most tokens any
-    rank holds (``layout.tokens``), so every rank of the call takes the same row."""
+    rank holds (``tokens``: every rank's), so every rank of the call takes the same row."""
     dtype = dtype_name(x.dtype) if x.dtype != torch.float64 else ""
     if dtype not in MOE_DTYPES:
         return None, None
     runtime = runtime_for(x.device, group)
     cache = runtime.engine_state.setdefault(TABLE_STATE, MoeTableCache())
-    tokens = max(layout.tokens or (shape.tokens,))
     key = (shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-    found = cache.lookup(key, tokens, dtype=dtype, world_size=shape.world, device=x.device)
+    found = cache.lookup(key, max(tokens), dtype=dtype, world_size=shape.world, device=x.device)
     if found is None or found.engine is None:
         return found, None
     path = MOE_PATHS.load(found.engine)

@@ -10,10 +10,11 @@ the rows pushed into the peers' symmetric slots by the copy engines (no SM, no N
 
 ``MoePeers`` (one per device and group, in the runtime's ``engine_state``) owns the symmetric flag
 cells (``protocol.MoeFlags``) and the slots: ``inbox`` and ``outbox``, each world x S rows for S =
-the schedule's token bound x k, of the widest rows either direction sends (the backward's: 2H
-elements + a float32). A call uses the first S x its row width bytes of each slot, so the slots
-never move while the bound holds; a schedule with a larger bound grows them once, collectively
-(every rank synchronizes, then all allocate). The plan comes from the counts the call exchanged
+the largest token bound x k a call has needed, of the widest rows either direction sends (the
+backward's: 2H elements + a float32). Every call's plan numbers the slots by that S and a call's
+rows are packed from its slot's first byte (``protocol.slot_span``), so the slots never move
+between calls of other bounds, k or row widths; a schedule with a larger bound grows them once,
+collectively (every rank synchronizes, then all allocate). The plan comes from the counts the call exchanged
 (on the host), so the path runs eagerly: a CUDA graph cannot hold a call whose copies' sizes
 change with the routing.
 
@@ -42,7 +43,17 @@ from fo_kernels.engines.copy_engine.ops import (
 from fo_kernels.engines.copy_engine.peers import copy_engine_blocker, symmetric
 from fo_kernels.errors import EnvironmentMismatchError
 from fo_kernels.moe.exchange import row_bytes
-from fo_kernels.moe.protocol import CALLER, OUTGOING, MoeCall, MoeFlags, MoePlan, Phase, build, guard_cells
+from fo_kernels.moe.protocol import (
+    CALLER,
+    OUTGOING,
+    MoeCall,
+    MoeFlags,
+    MoePlan,
+    Phase,
+    build,
+    guard_cells,
+    slot_span,
+)
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.moe.stages import Stage
 from fo_kernels.runtime import runtime_for
@@ -117,10 +128,10 @@ class MoePeers:
     def run(self, stage: Stage, schedule: MoeSchedule):
         """``stage`` over the group (the caller checked the call against ``schedule``)."""
         shape = stage.shape
-        slot_rows = schedule.problem.tokens_max * shape.top_k
-        self._reserve(slot_rows, shape.hidden, stage.dtype)
+        self._reserve(schedule.problem.tokens_max * shape.top_k, shape.hidden, stage.dtype)
         lay = stage.layout
-        plan = build(MoeCall(self.rank, lay.send, lay.recv, schedule.chunks, slot_rows))
+        # the slots as made, not this call's bound: they stay put between calls (protocol's S)
+        plan = build(MoeCall(self.rank, lay.send, lay.recv, schedule.chunks, self.capacity[0]))
         send = stage.outgoing()
         widths = {"inbox": row_bytes(stage.out_parts), "outbox": row_bytes(stage.back_parts)}
         tensors = {
@@ -136,8 +147,9 @@ class MoePeers:
         if rows.buffer in CALLER:
             return tensors[rows.buffer][rows.r0 : rows.r1]
         width = widths[rows.buffer]
-        flat = self.slots[rows.buffer][rows.owner]
-        return flat[rows.r0 * width : rows.r1 * width].view(rows.count, width)
+        slot_width = self.capacity[1 if rows.buffer == "inbox" else 2]
+        b0, b1 = slot_span(rows, self.capacity[0], slot_width, width)
+        return self.slots[rows.buffer][rows.owner][b0:b1].view(rows.count, width)
 
     def _cell(self, cell: Cell):
         return self.driver.CUdeviceptr(self.flags[cell.owner][self.layout.slot(cell) :].data_ptr())

@@ -18,7 +18,7 @@ import torch
 
 from fo_kernels.engines.copy_engine.cpu import CpuOptions, CpuRank, ProtocolError, _Run, run_ranks
 from fo_kernels.moe.exchange import row_bytes
-from fo_kernels.moe.protocol import CALLER, OUTGOING, MoePlan, Phase, guard_cells
+from fo_kernels.moe.protocol import CALLER, OUTGOING, MoePlan, Phase, guard_cells, slot_span
 from fo_kernels.moe.stages import Stage
 
 T = TypeVar("T")
@@ -27,7 +27,8 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Slots:
     """Every rank's symmetric slots: ``slot_rows`` rows a peer, rows of up to ``out_bytes``
-    (``inbox``) and ``back_bytes`` (``outbox``); a call uses the first bytes of each row."""
+    (``inbox``) and ``back_bytes`` (``outbox``), in flat bytes as the GPU's: a call's rows are
+    packed from its slot's first byte (``protocol.slot_span``)."""
 
     world: int
     slot_rows: int
@@ -38,11 +39,15 @@ class Slots:
         rows = self.slot_rows * self.world
         return {
             q: {
-                "inbox": torch.zeros((rows, self.out_bytes), dtype=torch.uint8),
-                "outbox": torch.zeros((rows, self.back_bytes), dtype=torch.uint8),
+                "inbox": torch.zeros(rows * self.out_bytes, dtype=torch.uint8),
+                "outbox": torch.zeros(rows * self.back_bytes, dtype=torch.uint8),
             }
             for q in range(self.world)
         }
+
+    def width(self, buffer: str) -> int:
+        """The bytes of a row of ``buffer``'s slots."""
+        return self.out_bytes if buffer == "inbox" else self.back_bytes
 
 
 class MoeRank:
@@ -63,11 +68,14 @@ class MoeRank:
         if plan.call.rank != r or plan.call.world != self.rank.world.size:
             raise ProtocolError(f"rank {r} was given the plan of rank {plan.call.rank} of {plan.call.world}")
         out_bytes, back_bytes = row_bytes(stage.out_parts), row_bytes(stage.back_parts)
-        if (
-            plan.call.slot_rows > self.slots.slot_rows
-            or out_bytes > self.slots.out_bytes
-            or back_bytes > self.slots.back_bytes
-        ):
+        if plan.call.slot_rows != self.slots.slot_rows:
+            # a slot numbered by another S sits elsewhere: a push there could land on another
+            # source's rows of the previous call that a peer has not read yet
+            raise ProtocolError(
+                f"rank {r}: the plan numbers slots of {plan.call.slot_rows} rows; the slots hold "
+                f"{self.slots.slot_rows} (a plan takes the slots as made)"
+            )
+        if out_bytes > self.slots.out_bytes or back_bytes > self.slots.back_bytes:
             raise ProtocolError(f"rank {r}: the call needs larger slots than {self.slots}")
         send = stage.outgoing()
         tensors = {
@@ -78,7 +86,8 @@ class MoeRank:
         widths = {"inbox": out_bytes, "outbox": back_bytes}
         world = self.rank.world
         self.rank.run_ops(
-            plan.ops, lambda where: _MoeRun(world, r, tensors, self.shared, widths, stage, where)
+            plan.ops,
+            lambda where: _MoeRun(world, r, tensors, self.shared, widths, stage, where, self.slots),
         )
         return stage.finish(tensors["ret"])
 
@@ -87,17 +96,27 @@ class _MoeRun(_Run):
     """Runs one operation of a MoE list (``Phase``, and the dense protocol's copies and flags)."""
 
     def __init__(
-        self, world, rank: int, tensors: dict, shared: dict, widths: dict, stage: Stage, where: str
+        self,
+        world,
+        rank: int,
+        tensors: dict,
+        shared: dict,
+        widths: dict,
+        stage: Stage,
+        where: str,
+        slots: Slots,
     ) -> None:
         super().__init__(world, rank, None, tensors, None, where)
-        self.shared, self.widths, self.stage = shared, widths, stage
+        self.shared, self.widths, self.stage, self.slots = shared, widths, stage, slots
 
     def view(self, rows) -> torch.Tensor:
         if rows.buffer in CALLER:
             if rows.owner != self.rank:
                 raise ProtocolError(f"{self.where}: reads {rows}, another rank's own tensor")
             return self.tensors[rows.buffer][rows.r0 : rows.r1]
-        return self.shared[rows.owner][rows.buffer][rows.r0 : rows.r1, : self.widths[rows.buffer]]
+        width = self.widths[rows.buffer]
+        b0, b1 = slot_span(rows, self.slots.slot_rows, self.slots.width(rows.buffer), width)
+        return self.shared[rows.owner][rows.buffer][b0:b1].view(rows.count, width)
 
     def copy(self, op) -> None:
         if (op.dst.buffer in OUTGOING) != (op.src.buffer in OUTGOING):

@@ -3,9 +3,10 @@ All-to-All of the rows (one collective, or one ring step at a time).
 
 The counts exchange opens every call: two All-to-Alls of int64 rows. The first sends every peer
 a row of fixed width: the call signature (``SIGNATURE``: H, I, E_local, k, the dtype, the
-direction) and its tokens (T, which may differ between ranks: ``Layout.tokens``, what the table
-lookup and the schedule's token bound read). Every rank compares the signatures it received with
-its own and refuses a disagreement (``ShapeError``) before any row moves; a mismatch is seen by
+direction, the schedule's checksum) and its tokens (T, which may differ between ranks:
+``Layout.tokens``, what the table lookup and the schedule's token bound read). Every rank
+compares the signatures it received with its own and refuses a disagreement (``ShapeError``;
+``ScheduleError`` where only the schedules differ) before any row moves; a mismatch is seen by
 every rank, so all of them raise instead of some waiting on a collective that never comes. Only
 then does the second send every peer how many rows it sends for each of the peer's local experts:
 that row is E_local wide, so it waits until every rank is known to have the same E_local (rows
@@ -23,19 +24,23 @@ backward sends x, dy and a float32 weight in one row), and one exchange moves th
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from fo_kernels.errors import ShapeError
+from fo_kernels.errors import ScheduleError, ShapeError
 from fo_kernels.moe.routing import FfnShape, Routing
+from fo_kernels.moe.schedule import MoeSchedule
 
 # The signature fields, in the order every counts row starts with.
 # k is among them: ranks with different k would look the MoE table up under different keys (and
 # could take different engines), or check a schedule's k apart (one raising, the others waiting).
-SIGNATURE = ("hidden", "intermediate", "experts", "top_k", "dtype", "direction")
+# The schedule is too (``schedule_code``): ranks given different schedules would run different
+# paths, or one engine's slots numbered apart, and wait on each other's collectives for ever.
+SIGNATURE = ("hidden", "intermediate", "experts", "top_k", "dtype", "direction", "schedule")
 # The dtype field's codes (a stable number per supported dtype).
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 DIRECTIONS = ("forward", "backward")
@@ -49,6 +54,7 @@ class Layout:
     send: tuple[tuple[int, ...], ...]
     recv: tuple[tuple[int, ...], ...]
     tokens: tuple[int, ...] = ()  # every rank's tokens (empty where the layout was built by hand)
+    choices: tuple[int, ...] = ()  # every rank's ``choose`` answer (empty without one)
 
     @property
     def world(self) -> int:
@@ -71,11 +77,26 @@ class Layout:
         return [0, *itertools.accumulate(self.recv_splits)]
 
 
+def schedule_code(schedule: MoeSchedule | None) -> int:
+    """The signature's schedule field: 0 for none (the table's row, the same on every rank), else
+    a checksum of the schedule's text (1 + CRC-32, never 0)."""
+    return 0 if schedule is None else 1 + zlib.crc32(schedule.op_text.encode())
+
+
 def exchange_counts(
-    routing: Routing, shape: FfnShape, dtype: torch.dtype, direction: str, group: dist.ProcessGroup | None
+    routing: Routing,
+    shape: FfnShape,
+    dtype: torch.dtype,
+    direction: str,
+    group: dist.ProcessGroup | None,
+    schedule: MoeSchedule | None = None,
+    choose: Callable[[tuple[int, ...]], int] | None = None,
 ) -> Layout:
     """The counts exchange (see the module docstring): this call's ``Layout``; every rank raises
-    ``ShapeError`` alike when the ranks' signatures disagree."""
+    ``ShapeError`` alike when the ranks' signatures disagree (``ScheduleError`` when only their
+    schedules do). ``choose(tokens)`` (every rank's tokens, from the first exchange) gives a number
+    the second carries beside the counts (``Layout.choices``: every rank's), so that the ranks
+    can check they chose alike (the table's row)."""
     world, rank = shape.world, dist.get_rank(group)
     mine = (
         shape.hidden,
@@ -84,21 +105,34 @@ def exchange_counts(
         shape.top_k,
         DTYPE_CODES[dtype],
         DIRECTIONS.index(direction),
+        schedule_code(schedule),
     )
     if world == 1:
-        return Layout(rank, routing.host_counts, routing.host_counts, (shape.tokens,))
+        chosen = () if choose is None else (choose((shape.tokens,)),)
+        return Layout(rank, routing.host_counts, routing.host_counts, (shape.tokens,), chosen)
     head = torch.tensor((*mine, shape.tokens), dtype=torch.int64, device=routing.counts.device)
     rows = _all_to_all_int(head.expand(world, -1), group).tolist()
     bad = [s for s, row in enumerate(rows) if tuple(row[: len(SIGNATURE)]) != mine]
     if bad:
+        call = len(SIGNATURE) - 1  # the fields before the schedule's
+        if all(tuple(rows[s][:call]) == mine[:call] for s in bad):
+            raise ScheduleError(
+                f"the ranks' schedules differ (rank {rank} of {world}; ranks {bad} were given another "
+                "schedule): every rank of the group must pass the same MoeSchedule, or schedule=None"
+            )
         said = {s: dict(zip(SIGNATURE, rows[s][: len(SIGNATURE)], strict=True)) for s in (*bad, rank)}
         raise ShapeError(
             f"the ranks' calls disagree (rank {rank} of {world}): every rank of the group must call with "
-            f"the same H, I, E_local, k, dtype and direction; got {said}"
+            f"the same H, I, E_local, k, dtype, direction and schedule; got {said}"
         )
     tokens = tuple(row[len(SIGNATURE)] for row in rows)
-    counts = _all_to_all_int(routing.counts, group).tolist()
-    return Layout(rank, routing.host_counts, tuple(tuple(row) for row in counts), tokens)
+    if choose is None:
+        counts = _all_to_all_int(routing.counts, group).tolist()
+        return Layout(rank, routing.host_counts, tuple(tuple(row) for row in counts), tokens)
+    mine_choice = routing.counts.new_full((world, 1), choose(tokens))
+    got = _all_to_all_int(torch.cat((routing.counts, mine_choice), dim=1), group).tolist()
+    recv = tuple(tuple(row[:-1]) for row in got)
+    return Layout(rank, routing.host_counts, recv, tokens, tuple(row[-1] for row in got))
 
 
 def _all_to_all_int(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

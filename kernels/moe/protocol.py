@@ -7,8 +7,12 @@ Buffers, in rows of bytes (the executor knows each buffer's row width):
     ret     mine: the rows sent back to me, sorted as ``send``: what ``Stage.finish`` reads
     inbox   symmetric: slot s, rows [s x S, (s + 1) x S), holds what rank s pushed me
     outbox  symmetric: slot d holds what rank d computed for me and pushed back
-    S       the token bound x k rows a slot (``MoeSchedule.problem.tokens_max``): a source never
-            sends one rank more rows than its tokens x k
+    S       the rows a slot holds: the slots' size as made (at least the token bound x k,
+            ``MoeSchedule.problem.tokens_max``; a source never sends one rank more rows than its
+            tokens x k), the same for every call until the slots grow, and each slot at the same
+            bytes whatever a call's row width (``slot_span``): a guard frees one source's slot
+            only, so a slot that moved between calls could take a push while the peer still reads
+            another source's rows of the previous call there
 
 Flags (``Cell(owner, name, index)``), 0 or 1, set by one rank and reset by the stream that
 waited for it; the ``free_*`` cells start at 1 (buffer-reuse guards, as the dense protocol's):
@@ -141,6 +145,18 @@ def expert_ranges(experts: int, chunks: int) -> list[tuple[int, int]]:
     n = min(chunks, experts)
     bounds = [e * experts // n for e in range(n + 1)]
     return [(bounds[c], bounds[c + 1]) for c in range(n)]
+
+
+def slot_span(rows: Rows, slot_rows: int, slot_width: int, width: int) -> tuple[int, int]:
+    """The bytes [b0, b1) of ``rows`` of a symmetric buffer (numbered as ``build`` numbers them,
+    slot s from row s x ``slot_rows``) in a region of slots of ``slot_rows`` rows of
+    ``slot_width`` bytes: slot s starts at byte s x slot_rows x slot_width, and the call's rows of
+    ``width`` bytes are packed from there."""
+    slot, first = divmod(rows.r0, slot_rows)
+    if rows.count < 0 or first + rows.count > slot_rows or width > slot_width:
+        raise IndexError(f"{rows} of {width} bytes do not fit one slot of {slot_rows} x {slot_width} bytes")
+    start = slot * slot_rows * slot_width + first * width
+    return start, start + rows.count * width
 
 
 def guard_cells(rank: int, world: int) -> list[Cell]:
