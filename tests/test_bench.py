@@ -511,6 +511,7 @@ def test_help_says_what_it_measures():
         (["--shape", "axbxc"], "--shape"),
         (["--collective", "all_reduce,all_sum"], "all_sum"),
         (["--collective", ","], "--collective"),
+        (["-c", "all_reduce,moe"], "bench/moe_ep.py"),
         (["-c", "all_gather", "--shape", "63x96x64"], "all_gather needs M divisible by the world size 2"),
         (["-c", "reduce_scatter,all_gather", "-s", "64x96x64", "-s", "65x96x64"], "shape 65x96x64"),
         (["-c", "all_gather", "-w", "3", "--shape", "64x96x64"], "world size 3"),

@@ -27,6 +27,7 @@ from fo_tune.cli.common import (
     triton_mode,
 )
 from fo_tune.cli.progress import ProgressReporter, progress_bars
+from fo_tune.cli.search_moe import MOE_COLLECTIVE
 
 if TYPE_CHECKING:
     from fo_tune.bench import BenchRequest, BenchResult, BenchRow
@@ -301,6 +302,11 @@ def bench(
         raise typer.BadParameter("--shape and --suite: give one of them, not both")
     if include_odd and suite is None:
         raise typer.BadParameter("--include-odd needs --suite (the odd shapes come from the suite file)")
+    if any(MOE_COLLECTIVE in value.split(",") for value in collective or []):
+        raise typer.BadParameter(
+            f"--collective {MOE_COLLECTIVE}: fo-tune bench times the dense ops; the expert-parallel "
+            "FFN's bench is `python bench/moe_ep.py --out DIR` (its --help says more)"
+        )
     names = parse_collectives(
         collective, valid=RUNTIME_COLLECTIVE_NAMES, default=RUNTIME_COLLECTIVE_NAMES, option="--collective"
     )
@@ -333,7 +339,7 @@ def bench(
             check_bench_out(out or default_bench_dir(expected_device_key(chosen, world_size), world_size))
         with progress_bars(enabled=driver) as progress:
             where = "one GPU each, NCCL" if chosen == "nccl" else "gloo on the CPU"
-            result = run_bench(request, ProgressReporter(progress, f"start {world_size} ranks ({where})"))
+            result = run_bench(request, ProgressReporter(progress, f"start {world_size} rank(s) ({where})"))
         if result is None:  # a serving torchrun rank: rank 0 writes and reports
             return
         written = write_bench_dir(result, out or default_bench_dir(result.fingerprint.device_key, world_size))

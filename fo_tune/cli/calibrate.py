@@ -293,7 +293,8 @@ def calibrate(
         )
         with progress_bars(enabled=driver) as progress:
             where = "one GPU each, NCCL" if chosen == "nccl" else "gloo on the CPU"
-            cal = run_calibration(request, ProgressReporter(progress, f"start {world_size} ranks ({where})"))
+            starting = f"start {world_size} rank(s) ({where})"
+            cal = run_calibration(request, ProgressReporter(progress, starting))
         if cal is None:  # a serving torchrun rank: rank 0 writes and reports
             return
         if target is not None:

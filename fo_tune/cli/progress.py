@@ -63,7 +63,7 @@ class ProgressReporter:
             self._starting = None
         self._tasks[name] = self._progress.add_task(name, total=total)
         self._left[name] = total
-        self._line(f"{name}: {total} steps")
+        self._line(f"{name}: {total} step{'' if total == 1 else 's'}")
 
     def step(self, name: str, detail: str = "", *, log: bool = True) -> None:
         """Advance ``name``'s bar; ``log=False`` keeps the step out of the non-terminal log."""
