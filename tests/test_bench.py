@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
+from fo_kernels.errors import ShapeError
 from fo_kernels.fingerprint import current_fingerprint
 from fo_kernels.schedule import COLLECTIVES
 from fo_kernels.table import MISS_SOURCE, ScheduleTable, save_table, table_path
@@ -467,22 +468,32 @@ def test_bad_suite_names_the_key(tmp_path, text, key):
 
 
 @pytest.mark.parametrize(
-    "bad",
+    ("bad", "names"),
     [
-        dict(shapes=()),
-        dict(shapes=((0, 1, 1),)),
-        dict(shapes=((8, 8, 8),), reps=0),
-        dict(shapes=((8, 8, 8),), collectives=("all_sum",)),
-        dict(shapes=((63, 8, 8),), collectives=("all_gather",)),
-        dict(shapes=((64, 8, 8), (63, 8, 8)), collectives=("reduce_scatter", "all_gather")),
-        dict(shapes=((64, 8, 8),), collectives=("all_gather",), world_size=3),
-        dict(shapes=((8, 8, 8),), chunks=(1,)),
-        dict(shapes=((8, 8, 8),), sample_ms=0.0),
-        dict(shapes=((8, 8, 8),), sample_ms=True),
+        (dict(shapes=()), "no shapes"),
+        (dict(shapes=((0, 1, 1),)), r"shape \(0, 1, 1\): expected \(M, N, K\)"),
+        (dict(shapes=((8, 8, 8),), reps=0), "reps must be an integer >= 1"),
+        (dict(shapes=((8, 8, 8),), collectives=("all_sum",)), r"collectives \['all_sum'\]: choose from"),
+        (
+            dict(shapes=((63, 8, 8),), collectives=("all_gather",)),
+            "63x8x8: all_gather needs M divisible by the world size 2",
+        ),
+        (
+            dict(shapes=((64, 8, 8), (63, 8, 8)), collectives=("reduce_scatter", "all_gather")),
+            "63x8x8: reduce_scatter and all_gather need M divisible",
+        ),
+        (
+            dict(shapes=((64, 8, 8),), collectives=("all_gather",), world_size=3),
+            "64x8x8: all_gather needs M divisible by the world size 3",
+        ),
+        (dict(shapes=((8, 8, 8),), chunks=(1,)), r"chunks must be integers >= 2, got \[1\]"),
+        (dict(shapes=((8, 8, 8),), sample_ms=0.0), "sample length must be > 0 ms, got 0.0"),
+        (dict(shapes=((8, 8, 8),), sample_ms=True), "sample length must be > 0 ms, got True"),
     ],
 )
-def test_request_validates(bad):
-    with pytest.raises(ValueError):
+def test_request_validates(bad, names):
+    """Each bad field is refused with a ShapeError naming that field, not some other refusal."""
+    with pytest.raises(ShapeError, match=names):
         BenchRequest(**bad)
 
 
