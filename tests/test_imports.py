@@ -9,6 +9,7 @@ import statement: registries point down to their plug-ins without an edge back."
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ MAX_MODULE_LINES = 500
 # fo_tune's top level: __init__ and at most two modules every stage shares.
 MAX_TOP_LEVEL_MODULES = 3
 FO_TUNE_STAGES = ("calibrate", "model", "search", "tables", "bench", "cli", "engines", "ranks")
+# A string that names a tuner module the way importlib and the registries take one ("module[:attribute]").
+TUNER_MODULE_STRING = re.compile(r"fo_tune(\.\w+)*(:\w+)?")
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -141,6 +144,52 @@ def test_fo_tune_keeps_its_stages_in_packages():
     assert "__init__.py" in top and len(top) <= MAX_TOP_LEVEL_MODULES, top
     for stage in FO_TUNE_STAGES:
         assert (ROOT / "fo_tune" / stage / "__init__.py").is_file(), stage
+
+
+def tuner_references(source: str) -> list[int]:
+    """The lines of ``source`` that import the tuner: an import statement of ``fo_tune`` at any level
+    (under ``if TYPE_CHECKING:`` too, since type checkers then need the tuner installed), or a
+    ``fo_tune`` module string handed to importlib or a registry (a plug-in loaded by name)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value] if TUNER_MODULE_STRING.fullmatch(node.value) else []
+        else:
+            continue
+        if any(name.split(".")[0] == "fo_tune" for name in names):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_the_runtime_never_imports_the_tuner():
+    modules = _modules("fo_kernels")
+    assert len(modules) > 20
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in modules.values()
+        for line in tuner_references(path.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, f"the runtime must not import the tuner: {offenders}"
+
+
+def test_the_tuner_reference_finder_finds_each_form():
+    source = (
+        "import os, fo_tune.search\n"
+        "from fo_tune import bench\n"
+        "def f():\n"
+        "    import importlib\n"
+        "    return importlib.import_module('fo_tune.engines')\n"
+        "PLUGINS = {'x': 'fo_tune.engines.triton:Engine'}\n"
+        "if TYPE_CHECKING:\n"
+        "    from fo_tune.ranks import launch\n"
+    )
+    assert tuner_references(source) == [1, 2, 5, 6, 8]
+    prose = '"""The runtime never imports fo_tune; see fo_tune.search."""\nfrom . import fo_tune_like\n'
+    assert tuner_references(prose) == []
 
 
 def test_the_cycle_finder_finds_a_cycle():
