@@ -260,6 +260,7 @@ def test_custom_grouping_reaches_any_composition(model):
         s = with_groups(one, groups)
         params = enc.params_of(s)
         assert params is not None and params["engine"] == "triton"
+        assert enc.build(params) == s, (groups, params)  # the point builds the same schedule back
         assert enc.build(params).settings.groups == groups
 
 
