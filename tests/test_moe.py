@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.backends.debugging import aot_eager
 
 from fo_kernels import GroupError, MoeProblem, MoeSchedule, ScheduleError, ShapeError, expert_parallel_ffn
 from fo_kernels.moe import ops as moe_ops
@@ -190,7 +191,14 @@ def test_compiled_with_routing_inside_matches_eager(one_rank):
         w, ids = (x @ gate).softmax(-1).topk(2, dim=-1)
         return expert_parallel_ffn(x, ids, w, w13, w2, schedule=schedule)
 
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager", dynamic=True)
+    graphs = []
+
+    def recorded(gm: torch.fx.GraphModule, example_inputs):
+        """aot_eager, keeping each graph Dynamo hands it."""
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    compiled = torch.compile(block, fullgraph=True, backend=recorded, dynamic=True)
     for tokens in (7, 13, 0):
         x = torch.randn(tokens, 16, generator=gen, requires_grad=True)
         got, want = compiled(x), block(x)
@@ -200,6 +208,8 @@ def test_compiled_with_routing_inside_matches_eager(one_rank):
             ref = torch.autograd.grad(want.square().sum(), (x, w13, w2))
             for g, r in zip(grads, ref, strict=True):
                 torch.testing.assert_close(g, r)
+    op = torch.ops.fo_kernels.expert_parallel_ffn.default
+    assert graphs and all([n.target for n in gm.graph.nodes].count(op) == 1 for gm in graphs), graphs
 
 
 def test_compiled_bad_input_raises_the_ops_value_errors(one_rank):
