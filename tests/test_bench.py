@@ -420,8 +420,12 @@ def test_check_bench_out(tmp_path):
     (tmp_path / "bench.csv").write_text("")
     check_bench_out(tmp_path)  # an earlier bench folder: may be replaced
     (tmp_path / "notes.txt").write_text("")
-    for bad in (tmp_path, tmp_path / "notes.txt", Path(".")):
-        with pytest.raises(OutputError):
+    for bad, why in (
+        (tmp_path, r"holds files fo-tune bench did not write \(notes\.txt\)"),
+        (tmp_path / "notes.txt", "notes.txt is a file; give a folder"),
+        (Path("."), r"--out \. is the current folder or above it"),
+    ):
+        with pytest.raises(OutputError, match=why):
             check_bench_out(bad)
 
 

@@ -533,8 +533,14 @@ def test_check_calibration_out(tmp_path):
     (tmp_path / "bandwidth.csv").write_text("")
     check_calibration_out(tmp_path)  # an earlier calibration: may be replaced
     (tmp_path / "file").write_text("")
-    for bad in (tmp_path, tmp_path / "file", tmp_path / "file" / "below", Path("."), Path.cwd().parent):
-        with pytest.raises(OutputError):
+    for bad, why in (
+        (tmp_path, r"holds files fo-tune did not write \(file\)"),
+        (tmp_path / "file", "file is a file; give a folder"),
+        (tmp_path / "file" / "below", "file is a file, not a folder"),
+        (Path("."), r"--out \. is the current folder or above it"),
+        (Path.cwd().parent, "is the current folder or above it"),
+    ):
+        with pytest.raises(OutputError, match=why):
             check_calibration_out(bad)
 
 
