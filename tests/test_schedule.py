@@ -179,7 +179,7 @@ def test_plan_group_sum_and_band_alignment_errors():
         make_plan(sched(sms_free=4), 64, 64, 32, sm_count=4)
     with pytest.raises(ScheduleError, match=r"^problem"):
         make_plan(sched(), 65, 64, 32, sm_count=4)
-    with pytest.raises(ShapeError):
+    with pytest.raises(ShapeError, match="reduce_scatter needs M divisible by the world size 2, got M=63"):
         make_plan(
             sched(
                 problem=Problem(m_min=1, m_max=99, n=64, k=32), collective="reduce_scatter", signal_tiles=2
