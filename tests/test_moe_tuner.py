@@ -373,6 +373,7 @@ def test_search_moe_plans_a_table_offline(runner, tmp_path, monkeypatch):
     summary = json.loads(result.stdout)  # the packaged TP=2 calibration, extrapolated to 4 ranks
     assert "extrapolated from world size 2" in summary["basis"]
     assert Path(summary["table"]).name == "moe-w4-bfloat16.yaml"
+    assert len(summary["rows"]) == 3  # one row per --tokens bucket, at 4 ranks too
     assert all("extrapolated from world size 2" in r["provenance"]["basis"] for r in summary["rows"])
 
 
