@@ -22,7 +22,11 @@ def test_demo_runs_every_collective_through_the_cpu_executor(world: int):
     lines = result.stdout.splitlines()
     rows = [line for line in lines if line.startswith(("PASS", "FAIL", "SKIP"))]
     assert len(rows) == 2 * len(COPY_ENGINE_COLLECTIVES), result.stdout
-    assert all(line.startswith(("PASS", "SKIP")) for line in rows), result.stdout
+    for line in rows:  # a SKIP exactly where a sharded collective's M is not divisible by the world size
+        status, collective, shape = line.split()[:3]
+        m = int(shape.split("x")[0])
+        sharded_misfit = collective != "all_reduce" and m % world != 0
+        assert status == ("SKIP" if sharded_misfit else "PASS"), (line, result.stdout)
     skipped = sum(line.startswith("SKIP") for line in rows)
     checked = len(rows) - skipped
     assert f"passed: {checked} of {checked} checked rows" in result.stdout
