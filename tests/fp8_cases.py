@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
-from fo_kernels.errors import FoTuneError, Fp8TrainingError
+from fo_kernels.errors import EnvironmentMismatchError, FoTuneError, Fp8TrainingError
 from fo_kernels.schedule import Schedule
 
 FP8 = torch.float8_e4m3fn
@@ -108,9 +108,20 @@ def run_fp8_cases(ctx, cases: list[Fp8Case]) -> list[dict]:
     return out
 
 
+def _copy_engine_row(world: int, *, m: int, n: int, k: int) -> Schedule:
+    """An fp8 ``engine: copy_engine`` all_gather table row (gathered M of ``m`` rows)."""
+    problem = dict(m=m, n=n, k=k)
+    settings = dict(mode="ring", weights=[1, 1])
+    return Schedule.from_dict(
+        dict(collective="all_gather", dtype="float8_e4m3fn", world_size=world, problem=problem,
+             engine="copy_engine", settings=settings)
+    )  # fmt: skip
+
+
 def bad_fp8_calls(ctx, _payload) -> dict[str, str]:
-    """Each bad fp8 call must raise a ValueError subclass before any collective; name -> message.
-    (A collective started on one rank only would hang the other: the ranks call in step.)"""
+    """Each bad fp8 call must raise a ValueError subclass before any collective (a copy_engine row
+    off CUDA peers: EnvironmentMismatchError); name -> "ErrorType: message". (A collective started
+    on one rank only would hang the other: the ranks call in step.)"""
     dev, w = ctx.device, ctx.world_size
     a = torch.randn(4 * w, 32, device=dev).to(FP8)
     b = torch.randn(32, 16, device=dev).to(FP8)
@@ -138,6 +149,13 @@ def bad_fp8_calls(ctx, _payload) -> dict[str, str]:
         "n_not_16": lambda: gemm_reduce_scatter(
             a, torch.randn(32, 24, device=dev).to(FP8), scale_a=one, scale_b=one
         ),
+        "copy_engine_row": lambda: all_gather_gemm(
+            a,
+            b,
+            scale_a=torch.ones(4 * w, 1, device=dev),
+            scale_b=torch.ones(1, 16, device=dev),
+            schedule=_copy_engine_row(w, m=4 * w * w, n=16, k=32),
+        ),
         "k_not_16": lambda: gemm_all_reduce(
             torch.randn(4, 24, device=dev).to(FP8),
             torch.randn(24, 16, device=dev).to(FP8),
@@ -149,9 +167,9 @@ def bad_fp8_calls(ctx, _payload) -> dict[str, str]:
     for name, call in calls.items():
         try:
             call()
-        except ValueError as exc:
+        except (ValueError, EnvironmentMismatchError) as exc:
             assert isinstance(exc, FoTuneError), (name, type(exc))
-            msgs[name] = str(exc)
+            msgs[name] = f"{type(exc).__name__}: {exc}"
         else:
             msgs[name] = "NO ERROR"
     return msgs

@@ -29,12 +29,14 @@ from fo_kernels.engines.copy_engine import (
     plan_call,
 )
 from fo_kernels.engines.copy_engine.buffers import region_bytes_for
-from fo_kernels.engines.copy_engine.cpu import run_ranks
+from fo_kernels.engines.copy_engine.cpu import CpuRank, run_ranks
 from fo_kernels.engines.copy_engine.layout import Cell
 from fo_kernels.engines.copy_engine.ops import SIDE, STREAMS, Gemm, Signal, Wait
+from fo_kernels.errors import ScaleError, ShapeError
 from fo_kernels.tile import Tile
 
 TOL = 1e-5  # float32 operands against the float64 reference
+BF16_TOL = 2e-2  # an fp8 call's bfloat16 output against the float64 reference
 CALLS = 10
 FAST = CpuOptions(timeout_s=10.0, delay_s=2e-4, seed=1)
 TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=1, num_warps=4, num_stages=1)
@@ -220,6 +222,42 @@ def test_a_wrong_sum_is_caught():
     check = CpuCheck(collective="reduce_scatter", world=2, m=40, n=13, k=11, weights=(1, 1), calls=1)
     drop = lambda r, i, op: r == 1 and isinstance(op, Gemm) and op.beta == 1 and op.out.r0 == 0
     got = check_on_threads(check, dataclasses.replace(FAST, drop=drop))
+    assert got.rel_err > 0.1, got
+
+
+@pytest.mark.parametrize(
+    "changes, error, match",
+    [
+        (dict(m=7), ShapeError, "all_gather needs M divisible by the world size 2, got M=7"),
+        (dict(n=24), ShapeError, r"N and K multiples of 16 .*got N=24, K=16"),
+        (dict(k=8), ShapeError, r"N and K multiples of 16 .*got N=16, K=8"),
+        (dict(out_dtype=torch.int32), ScaleError, "out_dtype torch.int32 is not one of"),
+        (dict(out_dtype=torch.float8_e4m3fn), ScaleError, "out_dtype torch.float8_e4m3fn is not one of"),
+    ],
+)
+def test_a_check_the_ops_would_refuse_is_refused(changes: dict, error: type, match: str):
+    """A check of a call the fp8 ops refuse (or an all_gather whose shards would differ in rows)
+    raises naming the problem, before any rank starts."""
+    with pytest.raises(error, match=match):
+        shape = dict(m=8, n=16, k=16, scaling="rowwise") | changes
+        check_on_threads(CpuCheck(collective="all_gather", world=2, **shape), FAST)
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_a_stale_fp8_scale_is_caught(monkeypatch: pytest.MonkeyPatch, scaling: str):
+    """The float64 check can fail on scales: a rank that keeps its first call's scale_a (a stale
+    scale) fails the later calls, whose scale_a differs, tensorwise as rowwise."""
+    kept: dict[int, torch.Tensor] = {}
+    real = CpuRank.call
+
+    def stale(self, plan, a, b, out, gathered=None, scales=None):
+        first = kept.setdefault(self.rank, scales.a.clone())
+        return real(self, plan, a, b, out, gathered, dataclasses.replace(scales, a=first))
+
+    check = CpuCheck(collective="all_gather", world=2, m=8, n=16, k=16, scaling=scaling, calls=2)
+    assert check_on_threads(check, FAST).rel_err < BF16_TOL
+    monkeypatch.setattr(CpuRank, "call", stale)
+    got = check_on_threads(check, FAST)
     assert got.rel_err > 0.1, got
 
 

@@ -20,7 +20,7 @@ from test_overlap_dist import make_schedule
 import fo_kernels.engines.copy_engine.gpu as gpu
 from fo_kernels import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels import ops as ops_mod
-from fo_kernels.engines.copy_engine import CpuCheck, check_on_threads, plan_call
+from fo_kernels.engines.copy_engine import CpuCheck, CpuOptions, check_on_threads, plan_call
 from fo_kernels.engines.copy_engine.buffers import (
     Dtypes,
     Regions,
@@ -29,6 +29,7 @@ from fo_kernels.engines.copy_engine.buffers import (
     scale_bytes_for,
 )
 from fo_kernels.engines.copy_engine.layout import SCALE_REGION, FlagLayout, Rows, shard_rows
+from fo_kernels.engines.copy_engine.ops import STREAMS
 from fo_kernels.errors import Fp8TrainingError, ScaleError, ShapeError
 from fo_kernels.scaling import check_scales
 from fo_kernels.tile import Tile
@@ -234,6 +235,7 @@ def test_fp8_ops_on_gloo_ranks(world):
         "k_not_16": "multiples of 16",
         "one_scale": "need scale_b",
         "scale_b_wrong": "scale shapes",
+        "copy_engine_row": "EnvironmentMismatchError: engine copy_engine needs CUDA GPUs",
     }
     for name, want in wants.items():
         assert want in bad[name], (name, bad[name])
@@ -295,6 +297,34 @@ def test_copy_engine_fp8_protocols_on_threads(collective, world, mode, scaling):
     )  # fmt: skip
     result = check_on_threads(check)
     assert not result.has_nan and result.rel_err < TOL["float32"], result
+
+
+ONE_FIFO = {s: "queue" for s in STREAMS}
+
+
+@pytest.mark.parametrize(
+    "collective, world, mode, m, weights, out_dtype, fifos",
+    [
+        ("all_gather", 5, "ring", 25, (1, 2, 3, 4, 5), "bfloat16", ONE_FIFO),
+        ("all_gather", 7, "ring", 21, (1, 1, 1), "float16", None),
+        ("reduce_scatter", 4, "ring", 4, (1,), "bfloat16", ONE_FIFO),
+        ("all_reduce", 8, "ring", 19, (2, 1), "float16", None),
+        ("reduce_scatter", 2, "tiled", 38, (1, 1, 1), "bfloat16", ONE_FIFO),
+    ],
+)
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_copy_engine_fp8_chunkings_on_threads(collective, world, mode, m, weights, out_dtype, fifos, scaling):
+    """More of the fp8 lists: 1 to 5 chunks (M = world size: one-row shards; M not a multiple of
+    the chunk count), up to 8 ranks, bfloat16 and float16 out, N = 16 and K an odd multiple of 16,
+    a rank's streams on one FIFO, random delays, four calls whose scales all change (rowwise, the
+    scale rows of an AllGather of 5 and 7 ranks lined up with their gathered rows)."""
+    check = CpuCheck(
+        collective=collective, world=world, m=m, n=16, k=80, mode=mode,
+        tile=TILE if mode == "tiled" else None, weights=weights, scaling=scaling,
+        out_dtype=getattr(torch, out_dtype), calls=4, seed=world,
+    )  # fmt: skip
+    result = check_on_threads(check, CpuOptions(delay_s=2e-4, seed=world, fifos=fifos))
+    assert not result.has_nan and result.rel_err < TOL[out_dtype], result
 
 
 def test_gpu_executor_issues_the_fp8_all_gather_with_its_scales(monkeypatch: pytest.MonkeyPatch):

@@ -31,13 +31,17 @@ from fo_kernels.engines.copy_engine.buffers import Dtypes, region_bytes_for, sca
 from fo_kernels.engines.copy_engine.cpu import CpuOptions, CpuRank, run_ranks
 from fo_kernels.engines.copy_engine.layout import shard_rows
 from fo_kernels.engines.copy_engine.modes import plan_call
-from fo_kernels.scaling import FP8_DTYPE, Scales
+from fo_kernels.errors import ScaleError, ShapeError
+from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE, OUT_DTYPES, Scales, fp8_aligned
 from fo_kernels.tile import Tile
 
 if TYPE_CHECKING:
     from fo_kernels.engines.copy_engine.virtual import VirtualRanks
 
 SCALINGS = ("", "tensorwise", "rowwise")
+# A tensorwise call's scale_a: one of these, the same on every rank (an all_gather's A has one
+# scale) and another on each next call (a scale left from the previous call fails the check).
+TENSORWISE_A_SCALES = (0.5, 0.75, 1.0, 0.25)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +66,15 @@ class CpuCheck:
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling: {self.scaling!r} is not one of {SCALINGS}")
+        if not self.scaling:
+            return
+        if self.out_dtype not in OUT_DTYPES:  # (the fp8 ops' rule, ``scaling.check_scales``)
+            raise ScaleError(f"out_dtype {self.out_dtype} is not one of bfloat16, float16, float32")
+        if not fp8_aligned(self.n, self.k):
+            raise ShapeError(
+                f"float8_e4m3fn operands need N and K multiples of {FP8_ALIGN} (as the fp8 ops), "
+                f"got N={self.n}, K={self.k}"
+            )
 
 
 @dataclass(frozen=True)
@@ -78,16 +91,17 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _operands(c: CpuCheck, a_rows: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """One rank's (a, b, scale_a, scale_b) of one call on ``gen``'s device (scales None without
-    ``scaling``); tensorwise, every rank's scale_a is the same (an all_gather's A has one scale)."""
+def _operands(c: CpuCheck, a_rows: int, gen: torch.Generator, call: int) -> tuple[torch.Tensor, ...]:
+    """One rank's (a, b, scale_a, scale_b) of call number ``call`` on ``gen``'s device (scales None
+    without ``scaling``); tensorwise, scale_a is ``TENSORWISE_A_SCALES``' for the call."""
     dtype, on = FP8_DTYPE if c.scaling else c.dtype, {"generator": gen, "device": gen.device}
     a = (torch.randn(a_rows, c.k, **on) * (3 if c.scaling else 1)).to(dtype)
     b = torch.randn(c.k, c.n, **on).to(dtype)
     if c.scaling == "rowwise":
         return a, b, torch.rand(a_rows, 1, **on) + 0.25, torch.rand(1, c.n, **on) + 0.25
     if c.scaling == "tensorwise":
-        return a, b, torch.tensor(0.5 + c.seed % 3 / 4, device=gen.device), torch.rand((), **on) + 0.25
+        scale_a = TENSORWISE_A_SCALES[(c.seed + call) % len(TENSORWISE_A_SCALES)]
+        return a, b, torch.tensor(scale_a, device=gen.device), torch.rand((), **on) + 0.25
     return a, b, None, None
 
 
@@ -136,7 +150,7 @@ def check_on_threads(check: CpuCheck, options: CpuOptions | None = None) -> Chec
     ]
     a_rows = c.m // w if gather else c.m
     gen = torch.Generator().manual_seed(c.seed)
-    operands = [[_operands(c, a_rows, gen) for _ in range(w)] for _ in range(c.calls)]
+    operands = [[_operands(c, a_rows, gen, i) for _ in range(w)] for i in range(c.calls)]
     refs = [_references(c, ops) for ops in operands]
     in_dtype = operands[0][0][0].dtype
     out_dtype = c.out_dtype if c.scaling else c.dtype
@@ -185,7 +199,7 @@ def check_on_gpu(check: CpuCheck, ranks: VirtualRanks, *, graph: bool = False) -
     gather = c.collective == "all_gather"
     a_rows = c.m // w if gather else c.m
     gen = torch.Generator(device=device).manual_seed(c.seed)
-    first = [_operands(c, a_rows, gen) for _ in range(w)]
+    first = [_operands(c, a_rows, gen, 0) for _ in range(w)]
     a, b = [x[0].clone() for x in first], [x[1].clone() for x in first]  # (the call's tensors)
     sa = [None if x[2] is None else x[2].clone() for x in first]
     sb = [None if x[3] is None else x[3].clone() for x in first]
@@ -200,7 +214,7 @@ def check_on_gpu(check: CpuCheck, ranks: VirtualRanks, *, graph: bool = False) -
     captured = None
     err, nan, times = 0.0, False, []
     for i in range(c.calls):
-        ops = first if i == 0 else [_operands(c, a_rows, gen) for _ in range(w)]
+        ops = first if i == 0 else [_operands(c, a_rows, gen, i) for _ in range(w)]
         for r, (ar, br, sar, sbr) in enumerate(ops):
             a[r].copy_(ar)
             b[r].copy_(br)

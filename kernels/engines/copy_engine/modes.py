@@ -222,8 +222,8 @@ def plan_call(
             f"engine copy_engine needs M >= the world size {world} (a row per rank), got M={m}; "
             "the ops run smaller M as GEMM then the collective"
         )
-    if collective == "reduce_scatter" and m % world:
-        raise ShapeError(f"reduce_scatter needs M divisible by the world size {world}, got M={m}")
+    if collective != "all_reduce" and m % world:  # (all_gather: every shard has M / world rows)
+        raise ShapeError(f"{collective} needs M divisible by the world size {world}, got M={m}")
     if n < 1 or k < 1:
         raise ShapeError(f"engine copy_engine: empty operands (N={n}, K={k})")
     return chosen.build(CallSpec(collective, world, rank, m, n, k, weights, tile, row_scales))
