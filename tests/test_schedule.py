@@ -262,12 +262,9 @@ def test_all_gather_rules():
     assert plan.shards == 2 and plan.rows_per_shard == 32 and plan.group_rows == ((0, 32),)
 
 
-@pytest.mark.parametrize("collective, world", [("all_reduce", 2), ("reduce_scatter", 2), ("all_gather", 3)])
-def test_range_row_band_row_plans_every_m_of_its_range(collective, world):
-    """An M-range row_band row whose signal unit is not a whole band (a wave unit, as the tuner
-    offers) plans at every M of its range, its groups starting where bands start: scaled unit by
-    unit, its weights (6, 2) cut inside a band at M = 50 (a ScheduleError at run time for an M
-    the row covers)."""
+def _unit_below_band_row(collective: str, world: int) -> tuple[Schedule, int]:
+    """(an M-range row_band row over M = shards..200 x shards of N = 20, K = 8 whose signal unit,
+    ``shards`` tiles, is not a whole band, with weights (6, 2); the collective's shard count)."""
     shards = 1 if collective == "all_reduce" else world
     row = sched(
         collective=collective,
@@ -277,6 +274,16 @@ def test_range_row_band_row_plans_every_m_of_its_range(collective, world):
         signal_tiles=shards,
         groups=(6, 2),
     )
+    return row, shards
+
+
+@pytest.mark.parametrize("collective, world", [("all_reduce", 2), ("reduce_scatter", 2), ("all_gather", 3)])
+def test_range_row_band_row_plans_every_m_of_its_range(collective, world):
+    """An M-range row_band row whose signal unit is not a whole band (a wave unit, as the tuner
+    offers) plans at every M of its range, its groups starting where bands start: scaled unit by
+    unit, its weights (6, 2) cut inside a band at M = 50 (a ScheduleError at run time for an M
+    the row covers)."""
+    row, shards = _unit_below_band_row(collective, world)
     band = TILE.group_m  # N = 20 is one tile column
     for m in range(shards, 200 * shards + 1, shards):
         plan = make_plan(row, m, 20, 8, sm_count=4)
@@ -293,15 +300,7 @@ def test_a_row_band_row_taken_to_another_m_plans_there(collective, world):
     row_band row whose unit is not a whole band keeps its groups on band starts at every M."""
     from fo_tune.search.study import regroup
 
-    shards = 1 if collective == "all_reduce" else world
-    ranged = sched(
-        collective=collective,
-        world_size=world,
-        problem=Problem(m_min=shards, m_max=200 * shards, n=20, k=8),
-        layout="row_band",
-        signal_tiles=shards,
-        groups=(6, 2),
-    )
+    ranged, shards = _unit_below_band_row(collective, world)
     m0 = 100 * shards
     exact = dataclasses.replace(
         ranged,
