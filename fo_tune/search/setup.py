@@ -21,9 +21,6 @@ if TYPE_CHECKING:
     from fo_tune.calibrate.calibration import Calibration
     from fo_tune.search.request import SearchRequest
 
-# The prefix of a SQLite storage URL (the one storage whose file is checked writable up front).
-SQLITE = "sqlite:///"
-
 
 def default_mode(gpus: int, world_size: int, torchrun: bool) -> str:
     """The mode of a search without --mode: ``predict`` where this machine cannot start the ranks
@@ -124,6 +121,8 @@ def report_dirs(
     """Each request's report folder, a new one for this run (``fo_tune.search.report``); every file
     the search writes (its report folders, table files and SQLite study file) is checked writable
     before anything runs."""
+    from fo_tune.search.storage import sqlite_path
+
     first = requests[0]
     if first.mode == "predict":
         assert cal is not None
@@ -147,6 +146,7 @@ def report_dirs(
         check_writable_file(
             table_path(tables_root, device_key, r.collective, r.world_size, r.dtype), what="table file"
         )
-    if storage_url.startswith(SQLITE):
-        check_writable_file(storage_url[len(SQLITE) :].split("?")[0], what=f"--storage {storage_url}:")
+    sqlite = sqlite_path(storage_url)  # (the one storage whose file is checked writable up front)
+    if sqlite is not None:
+        check_writable_file(sqlite, what=f"--storage {storage_url}:")
     return dirs

@@ -79,6 +79,11 @@ def journal_path(url: str) -> str | None:
     return None
 
 
+def sqlite_path(url: str) -> str | None:
+    """The file of a ``sqlite:///FILE`` storage URL (its query left out), else None."""
+    return url[len(SQLITE) :].split("?")[0] if url.startswith(SQLITE) else None
+
+
 def shown(url: str) -> str:
     """``url`` as errors and reports show it: the password left out."""
     if "://" not in url or url.startswith(SQLITE):
@@ -117,8 +122,9 @@ def check_storage_url(url: str) -> None:
         raise StorageError(
             f"--storage {url!r}: expected an Optuna URL (sqlite:///FILE, postgresql://...) or journal:FILE"
         )
-    if url.startswith(SQLITE):
-        if url[len(SQLITE) :].split("?")[0].strip() in IN_MEMORY:
+    sqlite = sqlite_path(url)
+    if sqlite is not None:
+        if sqlite.strip() in IN_MEMORY:
             raise StorageError(f"--storage {url!r} {NO_FILE}")
         return  # a file path: nothing for SQLAlchemy to parse (and its import takes ~0.5 s)
     from sqlalchemy.engine import make_url
@@ -225,9 +231,9 @@ def open_storage(url: str, *, create_folder: bool = False, must_exist: bool = Fa
         if journal is not None:
             _check_folder(journal, url, create_folder=create_folder, must_exist=must_exist)
             return _journal(journal, url)
-        if url.startswith(SQLITE):
-            file = url[len(SQLITE) :].split("?")[0]
-            _check_folder(file, url, create_folder=create_folder, must_exist=must_exist)
+        sqlite = sqlite_path(url)
+        if sqlite is not None:
+            _check_folder(sqlite, url, create_folder=create_folder, must_exist=must_exist)
         return _rdb(_resolve_driver(url))
     except StorageError:
         raise
