@@ -28,7 +28,9 @@ per output feature), and each call quantizes its activation the same way (``fo_k
 tensorwise before an AllGather with one scale over the group) and runs the scaled ops
 (``fo_kernels.scaling``), the output in the input's dtype; a cast of the module's dtype
 (``.to(torch.bfloat16)``, ``.half()``) leaves the fp8 weight and its float32 scale as they are.
-Training in fp8 is out of scope: a backward through an fp8 layer raises ``Fp8TrainingError``.
+``load_state_dict`` quantizes a high-precision weight into an fp8 layer with a fresh scale and
+dequantizes an fp8 one into another layer (``fo_kernels.fp8_state``). Training in fp8 is out of
+scope: a backward through an fp8 layer raises ``Fp8TrainingError``.
 
 A leading-dimension input (batch, seq, features) is flattened to rows; with sequence parallelism
 dim 0 is the sharded one (rank r's rows come r-th), and a row-parallel output whose dim 0 does not
@@ -51,10 +53,17 @@ import torch.distributed as dist
 from torch import nn
 
 from fo_kernels.errors import ScaleError, ShapeError
+from fo_kernels.fp8_state import prepare_weight_state
 from fo_kernels.groups import check_group
 from fo_kernels.ops import call_op, fp8_input_meta, fp8_refused_grads
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
-from fo_kernels.quantize import check_scaling, layer_out_dtype, quantize_rows, quantize_weight
+from fo_kernels.quantize import (
+    check_scaling,
+    dequantize_weight,
+    layer_out_dtype,
+    quantize_rows,
+    quantize_weight,
+)
 from fo_kernels.scaling import FP8_VARIANTS, Scales, is_fp8, scaled_mm
 from fo_kernels.schedule import Schedule
 
@@ -280,6 +289,20 @@ class _ParallelLinear(nn.Module):
         if self.fp8 is None:
             return super()._apply(fn, recurse)
         return super()._apply(_keeping_dtypes(fn, (self.weight, self.weight_scale)), recurse)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """``nn.Module``'s, after ``prepare_weight_state``: a high-precision weight loaded into an
+        fp8 layer is quantized with a fresh scale, an fp8 one into another layer dequantized, an
+        fp8 weight without its scale (or a high-precision one with a scale) a ``ScaleError``."""
+        owner = type(self).__name__
+        prepare_weight_state(
+            state_dict,
+            prefix,
+            self.weight,
+            lambda w: quantize_weight(w, self.fp8, owner),
+            lambda codes, scale: dequantize_weight(codes, scale, self.weight.dtype),
+        )
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _fp8_rows(self, rows: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, dict]:
         """(codes, the op's fp8 keyword arguments) of a call's activation rows (``_fp8_operands``)."""

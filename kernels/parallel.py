@@ -27,12 +27,13 @@ layout other than its features (``Shard(-1)``, or the last dim counted from the 
 time) is redistributed as torch's style does, with one warning from its first eager call.
 
 fp8 for inference: ``ColwiseParallel(fp8="tensorwise" | "rowwise")`` (and ``RowwiseParallel``)
-stores each weight shard once as float8_e4m3fn codes with its ``weight_scale`` buffer and quantizes
-each call's input the same way, as ``ColumnParallelLinear(fp8=...)`` does
-(``fo_kernels.parallel_forward``). torch's style has no fp8 GEMM, so an fp8 style that fo-tune
-cannot run is a ``PlanError`` when applied (a ``ShapeError`` at run time), not torch's style; a
-backward raises ``Fp8TrainingError``. A cast of the model's dtype (``model.to(torch.bfloat16)``,
-``.half()``) leaves each fp8 weight and its float32 scale as they are; a device move moves them.
+stores each weight shard once as float8_e4m3fn codes with the full weight's scale in its
+``weight_scale`` buffer (a DTensor, so a distributed checkpoint holds it) and quantizes each call's
+input the same way, as ``ColumnParallelLinear(fp8=...)`` does (``fo_kernels.parallel_forward``).
+torch's style has no fp8 GEMM, so an fp8 style that fo-tune cannot run is a ``PlanError`` when
+applied (a ``ShapeError`` at run time), not torch's style; a backward raises ``Fp8TrainingError``. A
+cast of the model's dtype (``model.to(torch.bfloat16)``, ``.half()``) leaves each fp8 weight and its
+float32 scale as they are; a device move moves them.
 
 ``parallelize_linears(model, {pattern: "column" | "row"})`` is a thin convenience over the styles.
 """

@@ -27,12 +27,14 @@ replicated input's gradient and the bias of a dim-0 shard.
 fp8 for inference (a style's ``fp8="tensorwise"`` or ``"rowwise"``, ``LinearPlan.fp8``): as the
 layers' (``fo_kernels.layers``), the local weight shard is stored once as float8_e4m3fn codes (a
 DTensor of the same placements, no gradient) with its scale in the module's ``weight_scale`` buffer
-(this rank's: 0-dim, or one per output feature of its shard), and each call quantizes its input's
+(a DTensor: the full weight's scale, ``_scale_sharded``), and each call quantizes its input's
 rows the same way (``fo_kernels.quantize``; tensorwise before an AllGather with one scale over the
 group) for the scaled ops, the output in the input's dtype. torch's style has no fp8 GEMM, so what
 would run as torch's style raises ``ShapeError`` for an fp8 module instead; a backward raises
 ``Fp8TrainingError``. The module's own ``_apply`` keeps the codes and the float32 scale through a
-cast of its dtype (``model.to(torch.bfloat16)``), as the layers' does.
+cast of its dtype (``model.to(torch.bfloat16)``), as the layers' does; ``load_state_dict``
+quantizes a high-precision weight into it and dequantizes an fp8 one into a plain module
+(``_load_hook``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from torch.distributed.tensor.parallel import style as torch_style
 from torch.distributed.tensor.placement_types import Placement
 
 from fo_kernels.errors import NotOverlappedWarning, ShapeError
+from fo_kernels.fp8_state import prepare_weight_state
 from fo_kernels.groups import resolve_group
 from fo_kernels.layers import (
     _autocast_operands,
@@ -62,7 +65,7 @@ from fo_kernels.layers import (
     _ShardBias,
 )
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
-from fo_kernels.quantize import quantize_weight
+from fo_kernels.quantize import dequantize_weight, quantize_weight
 from fo_kernels.scaling import OUT_DTYPES
 from fo_kernels.schedule import TORCH_DTYPES
 
@@ -121,32 +124,90 @@ def _plan_of_group_name(
 
 def install_forward(module: nn.Linear, plan: LinearPlan) -> None:
     """Make ``module``'s forward the plan's (its parameters are already DTensors); an fp8 plan
-    first quantizes the module's weight shard (``quantize_module``)."""
+    first quantizes the module's weight shard (``quantize_module``). Its ``load_state_dict`` takes
+    a high-precision or an fp8 checkpoint alike (``fo_kernels.fp8_state``)."""
     if plan.fp8 is not None:
-        quantize_module(module, plan.fp8)
+        quantize_module(module, plan)
     setattr(module, PLAN_ATTR, plan)
     forward = _colwise_forward if plan.kind == COLWISE else _rowwise_forward
     # a partial, not a bound method: it pickles by the function's name (torch.save of the whole
     # model loads again) and deep-copies with the module (a copy's forward is the copy's)
     module.forward = functools.partial(forward, module)
+    # (a partial of a module-level function for the same reasons; torch keeps the module weakly)
+    module.register_load_state_dict_pre_hook(_load_hook)
 
 
-def quantize_module(module: nn.Linear, scaling: str) -> None:
-    """Store ``module``'s local weight shard as float8_e4m3fn codes (a DTensor of the weight's
-    placements, no gradient) and its scale in the ``weight_scale`` buffer, for inference. The shard's
-    (out, in) must be multiples of 16 (torch._scaled_mm's rule): ``ShapeError`` otherwise."""
-    weight = module.weight
-    codes, scale = quantize_weight(weight.to_local(), scaling, f"an fp8 {type(module).__name__}")
-    fp8 = DTensor.from_local(
+def _quantize_dtensor(weight: torch.Tensor, plan: LinearPlan, owner: str) -> tuple[DTensor, DTensor]:
+    """(codes, scale) of a DTensor weight of a ``plan`` module, both DTensors on its mesh: the codes
+    of the weight's placements, the scale the full weight's (``_scale_sharded``)."""
+    local = weight.to_local()
+    sharded = _scale_sharded(plan)
+    codes, scale = quantize_weight(local, plan.fp8, owner, shared=not sharded, group=plan.group)
+    codes = DTensor.from_local(
         codes, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
         stride=weight.stride(),
     )  # fmt: skip
-    module.weight = nn.Parameter(fp8, requires_grad=False)
+    if sharded:  # (1, N) over the output features, split as the weight's rows are
+        shape = (1, weight.shape[0])
+        scale = DTensor.from_local(
+            scale, weight.device_mesh, [Shard(1)], run_check=False, shape=shape, stride=(shape[1], 1)
+        )
+    else:
+        scale = DTensor.from_local(scale, weight.device_mesh, [Replicate()], run_check=False)
+    return codes, scale
+
+
+def _scale_sharded(plan: LinearPlan) -> bool:
+    """Whether the module's scale is split over the ranks: rowwise scaling of a colwise weight (one
+    scale per output feature, and each rank holds whole rows). Every other scale is the full
+    weight's, the same on every rank (the largest amax over the group), so a checkpoint holds one
+    scale that a load at any world size finds (a distributed checkpoint saves a replicated tensor
+    once)."""
+    return plan.fp8 == "rowwise" and plan.kind == COLWISE
+
+
+def quantize_module(module: nn.Linear, plan: LinearPlan) -> None:
+    """Store ``module``'s weight as float8_e4m3fn codes (a DTensor of the weight's placements, no
+    gradient) and its scale in the ``weight_scale`` buffer (a DTensor: ``_scale_sharded``), for
+    inference, as ``plan.fp8`` scales it (one small all_reduce). The shard's (out, in) must be
+    multiples of 16 (torch._scaled_mm's rule): ``ShapeError`` otherwise."""
+    codes, scale = _quantize_dtensor(module.weight, plan, f"an fp8 {type(module).__name__}")
+    module.weight = nn.Parameter(codes, requires_grad=False)
     module.register_buffer(SCALE_ATTR, scale)
     # the module is the user's nn.Linear, whose class's _apply casts every floating tensor: an
     # instance attribute shadows it for this module alone (model.to(torch.bfloat16) calls each
     # child's _apply), a partial as the forward is, so it deep-copies and pickles with the module
     module._apply = functools.partial(_fp8_apply, module)
+
+
+def _load_hook(module: nn.Linear, state_dict: dict, prefix: str, *_args) -> None:
+    """A parallelized module's ``load_state_dict`` pre-hook (``prepare_weight_state``): a
+    high-precision DTensor weight quantized into an fp8 module with the scale ``quantize_module``
+    gives (one small all_reduce: every rank loads alike); an fp8 one (codes and scale DTensors)
+    dequantized into another module. A plain tensor is left to torch, which refuses to copy it into
+    a DTensor parameter as it does for torch's styles."""
+    plan: LinearPlan = getattr(module, PLAN_ATTR)
+    weight = module.weight
+    if not isinstance(state_dict.get(prefix + "weight"), DTensor):
+        return
+
+    def quantize(loaded: torch.Tensor) -> tuple[DTensor, DTensor]:
+        # (laid out as the module's weight first: its scale is split or shared by that layout)
+        loaded = loaded.redistribute(weight.device_mesh, weight.placements)
+        return _quantize_dtensor(loaded, plan, f"an fp8 {type(module).__name__}")
+
+    def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        local = dequantize_weight(codes.to_local(), _local(scale), weight.dtype)
+        return DTensor.from_local(
+            local, codes.device_mesh, codes.placements, run_check=False, shape=codes.shape,
+            stride=codes.stride(),
+        )  # fmt: skip
+
+    prepare_weight_state(state_dict, prefix, weight, quantize, dequantize)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _fp8_apply(
@@ -166,7 +227,8 @@ def _fp8_rows(
     tensorwise scale over the group, before an AllGather) and its scales; else the rows as they are."""
     if plan.fp8 is None:
         return rows, {}
-    return _fp8_operands(rows, plan.fp8, getattr(module, SCALE_ATTR), shared=shared, group=plan.group)
+    scale = _local(getattr(module, SCALE_ATTR))
+    return _fp8_operands(rows, plan.fp8, scale, shared=shared, group=plan.group)
 
 
 def _local_fp8(module: nn.Linear, plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

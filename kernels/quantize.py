@@ -14,6 +14,8 @@ takes the largest amax over ``group`` (one small all_reduce).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -54,10 +56,20 @@ def quantize_rows(
     return _codes(x, scale), scale
 
 
-def quantize_weight(weight: torch.Tensor, scaling: str, owner: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(
+    weight: torch.Tensor,
+    scaling: str,
+    owner: str,
+    *,
+    shared: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scale_b) of an (N, K) ``nn.Linear`` weight (shard), for ``b = codes.t()``: scale_b
-    0-dim (tensorwise) or (1, N) (rowwise, one per output feature). ``ShapeError`` naming
-    ``owner`` unless N and K are multiples of ``FP8_ALIGN`` (no fp8 GEMM takes such a weight)."""
+    0-dim (tensorwise) or (1, N) (rowwise, one per output feature); ``shared``: the amax is the
+    largest over ``group`` (one small all_reduce), so the scale is the full weight's when the
+    shards split what one scale covers. ``ShapeError`` naming ``owner`` unless N and K are
+    multiples of ``FP8_ALIGN`` (no fp8 GEMM takes such a weight); ``ScaleError`` for a weight with
+    a non-finite value (its scale would be inf or NaN, and the codes of its block 0 or NaN)."""
     n, k = weight.shape
     if not fp8_aligned(n, k):
         raise ShapeError(
@@ -65,11 +77,24 @@ def quantize_weight(weight: torch.Tensor, scaling: str, owner: str) -> tuple[tor
             "(torch._scaled_mm's rule)"
         )
     mags = weight.detach().abs().float()
-    if check_scaling(scaling) == "rowwise":
-        scale = mags.amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR) / FP8_MAX
-        return _codes(weight.detach(), scale), scale.t().contiguous()
-    scale = mags.amax().clamp_min(AMAX_FLOOR) / FP8_MAX
-    return _codes(weight.detach(), scale), scale
+    rowwise = check_scaling(scaling) == "rowwise"
+    # (NaN as inf: the all_reduce's MAX carries it to every rank, so every rank raises alike)
+    amax = mags.amax(dim=1, keepdim=True) if rowwise else mags.amax()
+    amax = amax.nan_to_num(nan=math.inf, posinf=math.inf)
+    if shared:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    if not bool(amax.isfinite().all()):
+        raise ScaleError(f"{owner}: the weight to quantize to fp8 holds inf or NaN")
+    scale = amax.clamp_min(AMAX_FLOOR) / FP8_MAX
+    codes = _codes(weight.detach(), scale)
+    return codes, (scale.t().contiguous() if rowwise else scale)
+
+
+def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The (N, K) weight in ``dtype`` of fp8 ``codes`` and their ``scale_b`` (``quantize_weight``'s:
+    0-dim, or (1, N) for ``b = codes.t()``)."""
+    per_row = scale if scale.dim() == 0 else scale.reshape(-1, 1)
+    return (codes.float() * per_row.float()).to(dtype)
 
 
 def layer_out_dtype(x: torch.Tensor) -> torch.dtype:

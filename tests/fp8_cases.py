@@ -13,6 +13,7 @@ Each output is poisoned (NaN left in the allocator) before the call, and a NaN f
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -264,7 +265,7 @@ def _recast(model: torch.nn.Module, x: torch.Tensor, before: torch.Tensor) -> fl
         return max((m(x) - before).abs().max().item() for m in copies)
 
 
-def fp8_styles(ctx, _payload) -> dict[str, float | str]:
+def fp8_styles(ctx, checkpoint_dir: str) -> dict[str, float | str]:
     """fo_kernels.parallel's styles with ``fp8=`` on an MLP (colwise then rowwise, both scalings,
     replicated and dim-0 sequence-parallel activations, a bf16 model) against the full float64 MLP:
     name -> relative error; plus the backward's error, an fp8 style's refusal of a layout fo-tune
@@ -335,4 +336,64 @@ def fp8_styles(ctx, _payload) -> dict[str, float | str]:
         got = model(x)
     out["parallelize_linears"] = ((got.double() - want).norm() / want.norm()).item()
     out["parallelize_linears cast"] = _recast(model, x, got)
+    out.update(_style_loads(full, mesh, x, want, checkpoint_dir))
+    return out
+
+
+def _style_loads(full, mesh, x: torch.Tensor, want: torch.Tensor, checkpoint_dir: str) -> dict[str, object]:
+    """fp8 styles through ``load_state_dict`` and a distributed checkpoint, both scalings: "... load"
+    (the largest difference from the fp8 model made from ``full``, 0 when bitwise equal) of a fresh
+    fp8 model of other weights loading the high-precision parallelized model's DTensor state_dict
+    (bf16 and fp32, strict and not), the fp8 model's own, and its DCP checkpoint; "... plain": a
+    model of plain styles loading the fp8 state_dict (dequantized), its error against ``want``;
+    "... no scale": the error of fp8 codes without their scale."""
+    import copy
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fo_kernels.errors import ScaleError
+    from fo_kernels.parallel import ColwiseParallel, RowwiseParallel
+
+    def styled(scaling: str | None, scale: float = 1.0) -> torch.nn.Module:
+        model = copy.deepcopy(full)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(scale)
+        plan = {"0": ColwiseParallel(fp8=scaling), "1": RowwiseParallel(fp8=scaling)}
+        return parallelize_module(model, mesh, plan)
+
+    def diff(model: torch.nn.Module, ref: torch.nn.Module) -> float:
+        with torch.no_grad():
+            return (model(x).float() - ref(x).float()).abs().max().item()
+
+    out: dict[str, object] = {}
+    high = styled(None).state_dict()
+    for scaling in ("tensorwise", "rowwise"):
+        fp8 = styled(scaling)
+        for dtype, strict in itertools.product((torch.bfloat16, torch.float32), (True, False)):
+            model = styled(scaling, -0.5)  # other weights and scales beforehand
+            model.load_state_dict({k: v.to(dtype) for k, v in high.items()}, strict=strict)
+            out[f"{scaling} {dtype} strict={strict} load"] = diff(model, fp8)
+        model = styled(scaling, -0.5)
+        model.load_state_dict(fp8.state_dict())
+        out[f"{scaling} state_dict load"] = diff(model, fp8)
+        where = os.path.join(checkpoint_dir, scaling)
+        dcp.save(fp8.state_dict(), checkpoint_id=where)
+        model = styled(scaling, -0.5)
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=where)
+        model.load_state_dict(state)
+        out[f"{scaling} dcp load"] = diff(model, fp8)
+        plain = styled(None, -0.5)
+        plain.load_state_dict(fp8.state_dict(), strict=False)
+        with torch.no_grad():
+            out[f"{scaling} plain"] = ((plain(x).double() - want).norm() / want.norm()).item()
+        codes = {k: v for k, v in fp8.state_dict().items() if not k.endswith("weight_scale")}
+        try:
+            styled(scaling).load_state_dict(codes, strict=False)
+            out[f"{scaling} no scale"] = "NO ERROR"
+        except ScaleError as exc:
+            out[f"{scaling} no scale"] = str(exc)
     return out

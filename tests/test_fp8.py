@@ -31,6 +31,7 @@ from fo_kernels.engines.copy_engine.buffers import (
 from fo_kernels.engines.copy_engine.layout import SCALE_REGION, FlagLayout, Rows, shard_rows
 from fo_kernels.engines.copy_engine.ops import STREAMS
 from fo_kernels.errors import Fp8TrainingError, ScaleError, ShapeError
+from fo_kernels.quantize import SCALINGS
 from fo_kernels.scaling import check_scales
 from fo_kernels.tile import Tile
 from fo_tune.ranks.launch import run_ranks
@@ -165,6 +166,57 @@ def test_compiled_fp8_calls_with_gradients_run_forward_and_refuse_the_backward(t
         dist.destroy_process_group()
 
 
+def test_fp8_layers_load_high_precision_and_fp8_checkpoints(tmp_path):
+    """One gloo rank in this process. An fp8 layer loading a high-precision (fp32 or bf16)
+    state_dict quantizes it with a fresh scale, in both strict modes: bitwise the output of the
+    layer quantized from those weights (a stale scale, or none, read O(1) off); its own state_dict
+    loads bitwise into a fresh fp8 layer; a plain layer dequantizes an fp8 one. An fp8 weight
+    without its scale, or a high-precision one with a scale, is a ScaleError naming the key; a
+    weight holding inf or NaN is a ScaleError, an all-zero one gives the bias, not NaN."""
+    from fo_kernels import ColumnParallelLinear, RowParallelLinear
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # the lookup's heuristic warning
+            torch.manual_seed(5)
+            full, x = torch.nn.Linear(32, 48), torch.randn(5, 32)
+            for cls, scaling in itertools.product((ColumnParallelLinear, RowParallelLinear), SCALINGS):
+                where = (cls.__name__, scaling)
+                want = cls.from_linear(full, fp8=scaling)
+                for dtype, strict in itertools.product((torch.float32, torch.bfloat16), (True, False)):
+                    high = {k: v.to(dtype) for k, v in cls.from_linear(full).state_dict().items()}
+                    layer = cls(32, 48, fp8=scaling)  # other weights and scale beforehand
+                    layer.load_state_dict(high, strict=strict)
+                    assert layer.weight.dtype == FP8 and layer.weight_scale.dtype == torch.float32, where
+                    if dtype == torch.float32:
+                        assert torch.equal(layer(x), want(x)), (where, strict)
+                    torch.testing.assert_close(layer(x), want(x), rtol=LAYER_TOL, atol=LAYER_TOL)
+                fresh = cls(32, 48, fp8=scaling)
+                fresh.load_state_dict(want.state_dict())
+                assert torch.equal(fresh(x), want(x)), where
+                plain = cls(32, 48)
+                plain.load_state_dict(want.state_dict(), strict=False)
+                scale = want.weight_scale.double()  # (0-dim, or (1, N) of b = weight.t())
+                deq = want.weight.double() * (scale.t() if scale.dim() else scale)
+                torch.testing.assert_close(plain.weight.double(), deq, rtol=1e-6, atol=1e-6)
+                codes_only = {k: v for k, v in want.state_dict().items() if k != "weight_scale"}
+                with pytest.raises(ScaleError, match=r"weight is torch\.float8_e4m3fn codes but"):
+                    cls(32, 48, fp8=scaling).load_state_dict(codes_only, strict=False)
+                high = {k: v.float() for k, v in high.items()}
+                with pytest.raises(ScaleError, match=r"weight is torch\.float32, not fp8 codes, but .* also"):
+                    cls(32, 48, fp8=scaling).load_state_dict({**high, "weight_scale": want.weight_scale})
+                bad = torch.nn.Linear(32, 48)
+                for value in (float("inf"), float("nan")):
+                    bad.weight[3, 7] = value
+                    with pytest.raises(ScaleError, match="holds inf or NaN"):
+                        cls.from_linear(bad, fp8=scaling)
+                bad.weight.zero_()
+                torch.testing.assert_close(cls.from_linear(bad, fp8=scaling)(x), bad(x))
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------------------ gloo ranks
 def _cases(world: int) -> list[Fp8Case]:
     """Triton-engine schedules (both layouts), all_gather, and looked-up (overlap: false) calls over
@@ -246,17 +298,25 @@ def test_fp8_ops_on_gloo_ranks(world):
         assert all(err < LAYER_TOL for err in layers.values()), (rank, layers)
 
 
-def test_fp8_styles_on_gloo_ranks():
+def test_fp8_styles_on_gloo_ranks(tmp_path):
     """fo_kernels.parallel's ColwiseParallel / RowwiseParallel with ``fp8=`` (both scalings, with
     and without sequence parallelism, and ``parallelize_linears(fp8=...)``) hold an fp8 weight shard
     and its scale and are within fp8's quantization error of the full MLP; a backward says training
     in fp8 is out of scope; an fp8 style fo-tune cannot run is a PlanError, not torch's style; a
     cast of the parallelized model's dtype (``.float()``, ``.half()``, ``.to(torch.bfloat16)``) keeps
     the fp8 weights and float32 scales, deep-copied or saved and loaded too, and gives the uncast
-    model's output; a device move moves them."""
-    per_rank = run_ranks(fp8_styles, 2, None, backend="gloo")
+    model's output; a device move moves them. A fresh fp8 model loading the high-precision
+    model's DTensor state_dict (bf16 or fp32, strict or not), the fp8 model's own, or its
+    distributed checkpoint gives the fp8 model's output bitwise (a scale the checkpoint holds once
+    is the same on every rank); a plain model loading the fp8 one dequantizes it; fp8 codes
+    without their scale are a ScaleError."""
+    per_rank = run_ranks(fp8_styles, 2, str(tmp_path), backend="gloo")
     for rank, got in enumerate(per_rank):
         assert "training in fp8 is out of scope" in got.pop("backward"), rank
+        loads = {k: got.pop(k) for k in list(got) if k.endswith(" load")}
+        assert len(loads) == 12 and not any(loads.values()), (rank, loads)
+        for scaling in ("tensorwise", "rowwise"):
+            assert "0.weight is torch.float8_e4m3fn codes but" in got.pop(f"{scaling} no scale"), rank
         assert "is gathered on its features" in got.pop("refused"), rank
         cast = {k: got.pop(k) for k in list(got) if k.endswith(" cast")}
         assert len(cast) == 5 and not any(cast.values()), (rank, cast)

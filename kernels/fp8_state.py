@@ -1,0 +1,64 @@
+"""An fp8 weight and its scale through ``load_state_dict``: the layers' and the styles' load rule.
+
+A module's state holds ``weight`` and, for an fp8 module, ``weight_scale``: the codes mean nothing
+without their scale. Before torch copies a checkpoint's tensors into the module
+(``nn.Module._load_from_state_dict``), ``prepare_weight_state`` makes the checkpoint's entries what
+the module holds, in both strict modes:
+
+    module fp8,     checkpoint high-precision weight, no scale   quantized on load (a fresh scale)
+    module fp8,     checkpoint fp8 weight with its scale         loaded as it is
+    module not fp8, checkpoint fp8 weight with its scale         dequantized on load (codes * scale)
+    an fp8 weight without its scale, or a high-precision one with a scale: ``ScaleError`` naming
+    the key (a stale scale would give wrong results, silently)
+
+A weight of another shape than the module's, or none, is left to torch's own report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+
+import torch
+
+from fo_kernels.errors import ScaleError
+from fo_kernels.scaling import is_fp8
+
+# The state_dict key of an fp8 module's scale, beside its ``weight``.
+SCALE_KEY = "weight_scale"
+
+# (codes, scale) of a module's high-precision weight in checkpoint form.
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# The module's high-precision weight of (codes, scale) in checkpoint form.
+Dequantize = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def prepare_weight_state(
+    state_dict: MutableMapping[str, torch.Tensor],
+    prefix: str,
+    weight: torch.Tensor,
+    quantize: Quantize,
+    dequantize: Dequantize,
+) -> None:
+    """Make ``state_dict``'s ``prefix``-ed weight (and scale) what a module whose weight is
+    ``weight`` holds (the table above), in place: ``quantize`` for an fp8 module, ``dequantize``
+    for another one."""
+    w_key, s_key = prefix + "weight", prefix + SCALE_KEY
+    loaded = state_dict.get(w_key)
+    if loaded is None or tuple(loaded.shape) != tuple(weight.shape):
+        return
+    has_scale = s_key in state_dict
+    if is_fp8(loaded.dtype) and not has_scale:
+        raise ScaleError(
+            f"{w_key} is {loaded.dtype} codes but the checkpoint has no {s_key}: save and load the fp8 "
+            "module's whole state_dict, or load its high-precision weight (quantized on load)"
+        )
+    if is_fp8(weight.dtype):
+        if not is_fp8(loaded.dtype):
+            if has_scale:
+                raise ScaleError(
+                    f"{w_key} is {loaded.dtype}, not fp8 codes, but the checkpoint also has {s_key}: "
+                    "a high-precision weight is quantized on load with a fresh scale; drop the scale"
+                )
+            state_dict[w_key], state_dict[s_key] = quantize(loaded)
+    elif is_fp8(loaded.dtype):
+        state_dict[w_key] = dequantize(loaded, state_dict.pop(s_key))
