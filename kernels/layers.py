@@ -336,7 +336,12 @@ class _ParallelLinear(nn.Module):
     def _check_dtype(self, rows: torch.Tensor, weight: torch.Tensor) -> None:
         """Refuse an input of another dtype than the weight's (``ShapeError``), as the ops refuse
         mixed operands; a column-parallel layer's local GEMM would raise torch's RuntimeError
-        instead. An fp8 layer quantizes its input, of any float dtype, per call."""
+        instead. An fp8 layer quantizes its input, of any float dtype, per call (an integer one,
+        as ``nn.Linear`` does, it refuses)."""
+        if self.fp8 is not None and not rows.is_floating_point():
+            raise ShapeError(
+                f"input is {rows.dtype}; an fp8 {type(self).__name__} quantizes a floating-point input"
+            )
         if self.fp8 is None and rows.dtype != weight.dtype:
             raise ShapeError(
                 f"input is {rows.dtype} but {type(self).__name__}'s weight is {weight.dtype}; cast "

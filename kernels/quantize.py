@@ -81,9 +81,10 @@ def quantize_weight(
     # (NaN as inf: the all_reduce's MAX carries it to every rank, so every rank raises alike)
     amax = mags.amax(dim=1, keepdim=True) if rowwise else mags.amax()
     amax = amax.nan_to_num(nan=math.inf, posinf=math.inf)
-    if shared:
+    # (a meta weight, a model built before its weights are loaded, has no values to share or check)
+    if shared and not amax.is_meta:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    if not bool(amax.isfinite().all()):
+    if not amax.is_meta and not bool(amax.isfinite().all()):
         raise ScaleError(f"{owner}: the weight to quantize to fp8 holds inf or NaN")
     scale = amax.clamp_min(AMAX_FLOOR) / FP8_MAX
     codes = _codes(weight.detach(), scale)

@@ -344,7 +344,8 @@ def _style_loads(full, mesh, x: torch.Tensor, want: torch.Tensor, checkpoint_dir
     """fp8 styles through ``load_state_dict`` and a distributed checkpoint, both scalings: "... load"
     (the largest difference from the fp8 model made from ``full``, 0 when bitwise equal) of a fresh
     fp8 model of other weights loading the high-precision parallelized model's DTensor state_dict
-    (bf16 and fp32, strict and not), the fp8 model's own, and its DCP checkpoint; "... plain": a
+    (bf16 and fp32, strict and not), the fp8 model's own, and its DCP checkpoint, and a model built
+    on the meta device then loading the high-precision state_dict; "... plain": a
     model of plain styles loading the fp8 state_dict (dequantized), its error against ``want``;
     "... no scale": the error of fp8 codes without their scale."""
     import copy
@@ -386,6 +387,13 @@ def _style_loads(full, mesh, x: torch.Tensor, want: torch.Tensor, checkpoint_dir
         dcp.load(state, checkpoint_id=where)
         model.load_state_dict(state)
         out[f"{scaling} dcp load"] = diff(model, fp8)
+        with torch.device("meta"):  # built before its weights are loaded, as torchtitan does
+            model = copy.deepcopy(full).to("meta")
+        model = parallelize_module(
+            model, mesh, {"0": ColwiseParallel(fp8=scaling), "1": RowwiseParallel(fp8=scaling)}
+        )
+        model.to_empty(device="cpu").load_state_dict(high)
+        out[f"{scaling} meta load"] = diff(model, fp8)
         plain = styled(None, -0.5)
         plain.load_state_dict(fp8.state_dict(), strict=False)
         with torch.no_grad():

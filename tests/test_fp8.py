@@ -172,7 +172,8 @@ def test_fp8_layers_load_high_precision_and_fp8_checkpoints(tmp_path):
     layer quantized from those weights (a stale scale, or none, read O(1) off); its own state_dict
     loads bitwise into a fresh fp8 layer; a plain layer dequantizes an fp8 one. An fp8 weight
     without its scale, or a high-precision one with a scale, is a ScaleError naming the key; a
-    weight holding inf or NaN is a ScaleError, an all-zero one gives the bias, not NaN."""
+    weight holding inf or NaN is a ScaleError, an all-zero one gives the bias, not NaN. A layer
+    built on the meta device loads with ``assign=True``; an integer input is a ShapeError."""
     from fo_kernels import ColumnParallelLinear, RowParallelLinear
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -195,6 +196,11 @@ def test_fp8_layers_load_high_precision_and_fp8_checkpoints(tmp_path):
                 fresh = cls(32, 48, fp8=scaling)
                 fresh.load_state_dict(want.state_dict())
                 assert torch.equal(fresh(x), want(x)), where
+                on_meta = cls(32, 48, fp8=scaling, device="meta")  # built before its weights are loaded
+                on_meta.load_state_dict(cls.from_linear(full).state_dict(), assign=True)
+                assert torch.equal(on_meta(x), want(x)), where
+                with pytest.raises(ShapeError, match=r"input is torch\.int64; an fp8"):
+                    want(x.long())
                 plain = cls(32, 48)
                 plain.load_state_dict(want.state_dict(), strict=False)
                 scale = want.weight_scale.double()  # (0-dim, or (1, N) of b = weight.t())
@@ -314,7 +320,7 @@ def test_fp8_styles_on_gloo_ranks(tmp_path):
     for rank, got in enumerate(per_rank):
         assert "training in fp8 is out of scope" in got.pop("backward"), rank
         loads = {k: got.pop(k) for k in list(got) if k.endswith(" load")}
-        assert len(loads) == 12 and not any(loads.values()), (rank, loads)
+        assert len(loads) == 14 and not any(loads.values()), (rank, loads)
         for scaling in ("tensorwise", "rowwise"):
             assert "0.weight is torch.float8_e4m3fn codes but" in got.pop(f"{scaling} no scale"), rank
         assert "is gathered on its features" in got.pop("refused"), rank
