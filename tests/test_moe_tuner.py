@@ -221,14 +221,41 @@ def test_table_round_trip_and_overlap_refused(tmp_path):
         load_moe_table(path)
 
 
+def _ranges(rows) -> list[tuple[int, int, str | None, str]]:
+    return [
+        (r.schedule.problem.tokens_min, r.schedule.problem.tokens_max, r.schedule.engine, r.kind)
+        for r in rows
+    ]
+
+
 def test_predicted_rows_never_replace_measured_ones(tmp_path):
     fp = current_fingerprint("cpu", 2)
     measured = _table(fp, (0, 512, {"engine": "copy_engine", "chunks": 4}, "")).rows
     predicted = _table(fp, (0, 256, {}, "predict"), (257, 2048, {}, "predict")).rows
     write_moe_rows(tmp_path, fp, measured, world_size=2, dtype="float32")
     path = write_moe_rows(tmp_path, fp, predicted, world_size=2, dtype="float32")
+    # the predicted rows fill only the tokens no measured row covers
     rows = load_moe_table(path).rows
-    assert [(r.schedule.engine, r.kind) for r in rows] == [("copy_engine", "measured")]
+    assert _ranges(rows) == [(0, 512, "copy_engine", "measured"), (513, 2048, None, "predicted")]
+
+
+def test_merging_keeps_every_bucket_newer_rows_over_their_own_tokens(tmp_path):
+    fp = current_fingerprint("cpu", 2)
+    ce = {"engine": "copy_engine", "chunks": 2}
+    first = _table(fp, (0, 256, {}, ""), (257, 4096, ce, ""), (4097, 8192, ce, "predict")).rows
+    write_moe_rows(tmp_path, fp, first, world_size=2, dtype="float32")
+    # a measured row inside another measured one splits it; a predicted one over measured and
+    # predicted tokens takes only the predicted ones; the same bucket again is replaced
+    newer = _table(fp, (1000, 2000, {}, ""), (3000, 6000, {}, "predict"), (0, 256, ce, "")).rows
+    path = write_moe_rows(tmp_path, fp, newer, world_size=2, dtype="float32")
+    assert _ranges(load_moe_table(path).rows) == [
+        (0, 256, "copy_engine", "measured"),
+        (257, 999, "copy_engine", "measured"),
+        (1000, 2000, None, "measured"),
+        (2001, 4096, "copy_engine", "measured"),
+        (4097, 6000, None, "predicted"),
+        (6001, 8192, "copy_engine", "predicted"),
+    ]
 
 
 def test_lookup_takes_the_covering_row_measured_first(tmp_path, monkeypatch):
@@ -364,6 +391,18 @@ def test_search_moe_plans_a_table_offline(runner, tmp_path, monkeypatch):
         assert row.provenance["predicted_ms"] <= row.provenance["fallback_ms"]
         assert (row.schedule.engine is None) == (planned["engine"] is None)
     assert any(r.schedule.engine is not None for r in table.rows)  # the large buckets overlap
+    # a second search of the shape with other buckets takes their tokens; the first run's rows
+    # keep the rest (2049..8192 of its 1025..8192 bucket, priced at 8192), none overlapping
+    again = ["search", "-c", "moe", "--experts", "7168,2048,16,8", "--tokens", "512,2048"]
+    result = runner.invoke(app, [*again, "--table-dir", str(tmp_path / "t")])
+    assert result.exit_code == 0, result.output
+    merged = load_moe_table(summary["table"])
+    ranges = [(r.schedule.problem.tokens_min, r.schedule.problem.tokens_max) for r in merged.rows]
+    assert ranges == [(0, 512), (513, 2048), (2049, 8192)]
+    assert merged.rows[2].schedule.engine == table.rows[2].schedule.engine
+    assert merged.rows[2].provenance["tokens_priced"] == 8192
+    result = runner.invoke(app, ["table", "validate", summary["table"]])
+    assert result.exit_code == 0, result.output
     result = runner.invoke(app, [*args, "--engine", "triton", "--table-dir", str(tmp_path / "t2")])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
