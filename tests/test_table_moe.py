@@ -150,6 +150,12 @@ def test_validate_reports_overlapping_buckets_as_one_line(runner: CliRunner, tmp
     assert (
         str(path) in line and "tokens [0, 512]" in line and "tokens [500, 900]" in line and "overlap" in line
     )
+    assert "rows[0] and rows[1]" in line  # by their index in the file
+    # the same bucket twice (a row line copied below the rows) is named as such, by both indices
+    first = next(text for text in path.read_text().splitlines() if '"tokens_min": 0' in text)
+    path.write_text(path.read_text().replace('"tokens_min": 500', '"tokens_min": 513') + first + "\n")
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert "rows[0] and rows[2] are both for" in line and "tokens [0, 512]" in line, line
     # a moe- file is an MoE table whatever it holds: a dense one there is named, not guessed at
     dense = ScheduleTable(
         fingerprint=cpu_fp(), collective="all_reduce", world_size=2, dtype="float32", rows=[]

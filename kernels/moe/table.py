@@ -217,13 +217,24 @@ def rows_outside(row: MoeRow, problem: MoeProblem) -> list[MoeRow]:
 
 
 def _sorted_rows(rows: Sequence[MoeRow]) -> list[MoeRow]:
-    out = sorted(rows, key=lambda r: (experts_key(r.schedule.problem), r.schedule.problem.tokens_min))
-    for a, b in itertools.pairwise(out):
-        if _overlap(a.schedule.problem, b.schedule.problem):
+    """``rows`` sorted by (experts' shape, tokens_min); ``TableError`` naming two rows that overlap
+    by their index in ``rows`` (a file's order). Sorted by tokens_min, any overlap within an
+    experts' shape shows between neighbours."""
+    order = sorted(
+        range(len(rows)),
+        key=lambda i: (experts_key(rows[i].schedule.problem), rows[i].schedule.problem.tokens_min),
+    )
+    for i, j in itertools.pairwise(order):
+        a, b = rows[i].schedule.problem, rows[j].schedule.problem
+        if _overlap(a, b):
+            first, second = sorted((i, j))
+            what = "are both for" if a == b else "overlap:"
             raise TableError(
-                f"rows for {a.schedule.problem.describe()} and {b.schedule.problem.describe()} overlap"
+                f"rows[{first}] and rows[{second}] {what} {rows[first].schedule.problem.describe()}"
+                + ("" if a == b else f" and {rows[second].schedule.problem.describe()}")
+                + "; keep one row per tokens of an experts' shape (lookup could take either)"
             )
-    return out
+    return [rows[i] for i in order]
 
 
 def load_moe_table(path: str | os.PathLike[str]) -> MoeTable:
