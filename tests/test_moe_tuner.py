@@ -339,6 +339,14 @@ def _straddling_ranks(ctx, payload: dict) -> dict:
         )
         out[f"{name}err"] = ((y.double() - ref).norm() / ref.norm()).item()
         out[f"{name}ring"] = TRITON_READY in state
+    if rank == world - 1:  # a malformed table that only this rank reads
+        os.environ["FO_TUNE_TABLE_DIR"] = payload["malformed"]
+    try:
+        expert_parallel_ffn(
+            x, ids, wts, w13_all[rank * e : (rank + 1) * e], w2_all[rank * e : (rank + 1) * e]
+        )
+    except TableError as exc:
+        out["malformed"] = str(exc)
     return out
 
 
@@ -347,7 +355,7 @@ def test_every_rank_takes_the_row_of_the_most_tokens(tmp_path, monkeypatch):
     Triton ring): both run the ring, keyed by the most tokens any rank holds, and match the
     unsharded sum. A rank that took its own row would wait on a collective the other never makes.
     Ranks whose lookups differ (a table file that changed between them; here rank 1 reads another
-    folder) all run the no-overlap path."""
+    folder) all run the no-overlap path. A rank whose table is malformed makes every rank raise."""
     isolate_tables(monkeypatch, tmp_path)
     from fo_tune.ranks.launch import run_ranks
 
@@ -360,13 +368,25 @@ def test_every_rank_takes_the_row_of_the_most_tokens(tmp_path, monkeypatch):
         rows.append(MoeRow(schedule=MoeSchedule(dtype="float32", world_size=2, problem=problem, **fields)))
     table = MoeTable(fingerprint=fp, world_size=2, dtype="float32", rows=rows)
     save_moe_table(table, moe_table_path(tmp_path / "tables", fp.device_key, 2, "float32"))
-    payload = {"shape": (h, i, e, k), "tokens": (3, 7), "empty": str(tmp_path / "empty")}
+    malformed = moe_table_path(tmp_path / "malformed", fp.device_key, 2, "float32")
+    malformed.parent.mkdir(parents=True)
+    malformed.write_text("schema_version: 1\nkind: nonsense\n")
+    payload = {
+        "shape": (h, i, e, k),
+        "tokens": (3, 7),
+        "empty": str(tmp_path / "empty"),
+        "malformed": str(tmp_path / "malformed"),
+    }
     got = run_ranks(_straddling_ranks, 2, payload, backend="gloo", timeout_s=120)
     assert [r["ring"] for r in got] == [True, True], got
     assert max(r["err"] for r in got) < 1e-4, got
     # rank 1 finds no row (its table folder is another): both ranks run the no-overlap path
     assert [r["split_ring"] for r in got] == [False, False], got
     assert max(r["split_err"] for r in got) < 1e-4, got
+    # rank 1's table is malformed: it raises why, rank 0 that rank 1 could not read its table
+    # (neither waits for the other in the counts exchange)
+    assert "group rank(s) [1] could not read their MoE table" in got[0]["malformed"], got
+    assert str(malformed) in got[1]["malformed"] and "nonsense" in got[1]["malformed"], got
 
 
 # ----------------------------------------------------------------------------- the CLI
