@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from typer.testing import CliRunner
 
 from cli import app
@@ -413,9 +414,14 @@ def test_search_moe_plans_a_table_offline(runner, tmp_path, monkeypatch):
     assert any(r.schedule.engine is not None for r in table.rows)  # the large buckets overlap
     # a second search of the shape with other buckets takes their tokens; the first run's rows
     # keep the rest (2049..8192 of its 1025..8192 bucket, priced at 8192), none overlapping
-    again = ["search", "-c", "moe", "--experts", "7168,2048,16,8", "--tokens", "512,2048"]
+    again = ["search", "-c", "moe", "--experts", "7168,2048,16,8", "--tokens", "512,2048", "--json"]
     result = runner.invoke(app, [*again, "--table-dir", str(tmp_path / "t")])
     assert result.exit_code == 0, result.output
+    # each run's summary in a report folder of its own (the same second: a suffixed name)
+    reports = [Path(summary["report"]), Path(json.loads(result.stdout)["report"])]
+    assert reports[0] != reports[1] and reports[0].parent == reports[1].parent
+    assert reports[0].parent.name == "moe-w2-bfloat16-predict"
+    assert yaml.safe_load((reports[0] / "summary.yaml").read_text()) == summary
     merged = load_moe_table(summary["table"])
     ranges = [(r.schedule.problem.tokens_min, r.schedule.problem.tokens_max) for r in merged.rows]
     assert ranges == [(0, 512), (513, 2048), (2049, 8192)]
