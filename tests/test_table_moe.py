@@ -198,6 +198,20 @@ def test_lookup_takes_the_row_the_runtime_takes(runner: CliRunner, tmp_path: Pat
     assert answer["searched"] == [str(env), str(user)] and answer["row"]["problem"]["tokens"] == 5000
 
 
+def test_lookup_miss_suggests_a_key_of_the_world_size_first(runner: CliRunner, tmp_path: Path) -> None:
+    """On a machine without the tables' GPU, a w8 lookup's hint names the w8 key first (the w2
+    key sorts before it), so the example it gives runs with the same -w."""
+    searched_table(runner, tmp_path)  # the w2 key's table
+    args = ["search", "-c", "moe", "--experts", ",".join(map(str, EXPERTS)), "--tokens", "1024", "-w", "8"]
+    assert runner.invoke(app, [*args, "--table-dir", str(tmp_path / "tables")]).exit_code == 0
+    key8 = H200_KEY.replace("-w2-", "-w8-")
+    lookup = ["table", "lookup", "--experts", ",".join(map(str, EXPERTS)), "--tokens", "100", "-w", "8"]
+    miss = json.loads(runner.invoke(app, [*lookup, "--json"]).stdout)
+    assert miss["other_device_keys"] == [key8, H200_KEY] and miss["hint"].endswith(f"e.g. -k {key8}"), miss
+    hit = json.loads(runner.invoke(app, [*lookup, "-k", key8, "--json"]).stdout)
+    assert hit["kind"] == "predicted" and hit["row"]["problem"]["tokens_max"] == 1024, hit
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
