@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from typer.testing import CliRunner
 
 from cli import app
@@ -221,14 +222,41 @@ def test_table_round_trip_and_overlap_refused(tmp_path):
         load_moe_table(path)
 
 
+def _ranges(rows) -> list[tuple[int, int, str | None, str]]:
+    return [
+        (r.schedule.problem.tokens_min, r.schedule.problem.tokens_max, r.schedule.engine, r.kind)
+        for r in rows
+    ]
+
+
 def test_predicted_rows_never_replace_measured_ones(tmp_path):
     fp = current_fingerprint("cpu", 2)
     measured = _table(fp, (0, 512, {"engine": "copy_engine", "chunks": 4}, "")).rows
     predicted = _table(fp, (0, 256, {}, "predict"), (257, 2048, {}, "predict")).rows
     write_moe_rows(tmp_path, fp, measured, world_size=2, dtype="float32")
     path = write_moe_rows(tmp_path, fp, predicted, world_size=2, dtype="float32")
+    # the predicted rows fill only the tokens no measured row covers
     rows = load_moe_table(path).rows
-    assert [(r.schedule.engine, r.kind) for r in rows] == [("copy_engine", "measured")]
+    assert _ranges(rows) == [(0, 512, "copy_engine", "measured"), (513, 2048, None, "predicted")]
+
+
+def test_merging_keeps_every_bucket_newer_rows_over_their_own_tokens(tmp_path):
+    fp = current_fingerprint("cpu", 2)
+    ce = {"engine": "copy_engine", "chunks": 2}
+    first = _table(fp, (0, 256, {}, ""), (257, 4096, ce, ""), (4097, 8192, ce, "predict")).rows
+    write_moe_rows(tmp_path, fp, first, world_size=2, dtype="float32")
+    # a measured row inside another measured one splits it; a predicted one over measured and
+    # predicted tokens takes only the predicted ones; the same bucket again is replaced
+    newer = _table(fp, (1000, 2000, {}, ""), (3000, 6000, {}, "predict"), (0, 256, ce, "")).rows
+    path = write_moe_rows(tmp_path, fp, newer, world_size=2, dtype="float32")
+    assert _ranges(load_moe_table(path).rows) == [
+        (0, 256, "copy_engine", "measured"),
+        (257, 999, "copy_engine", "measured"),
+        (1000, 2000, None, "measured"),
+        (2001, 4096, "copy_engine", "measured"),
+        (4097, 6000, None, "predicted"),
+        (6001, 8192, "copy_engine", "predicted"),
+    ]
 
 
 def test_lookup_takes_the_covering_row_measured_first(tmp_path, monkeypatch):
@@ -312,6 +340,14 @@ def _straddling_ranks(ctx, payload: dict) -> dict:
         )
         out[f"{name}err"] = ((y.double() - ref).norm() / ref.norm()).item()
         out[f"{name}ring"] = TRITON_READY in state
+    if rank == world - 1:  # a malformed table that only this rank reads
+        os.environ["FO_TUNE_TABLE_DIR"] = payload["malformed"]
+    try:
+        expert_parallel_ffn(
+            x, ids, wts, w13_all[rank * e : (rank + 1) * e], w2_all[rank * e : (rank + 1) * e]
+        )
+    except TableError as exc:
+        out["malformed"] = str(exc)
     return out
 
 
@@ -320,7 +356,7 @@ def test_every_rank_takes_the_row_of_the_most_tokens(tmp_path, monkeypatch):
     Triton ring): both run the ring, keyed by the most tokens any rank holds, and match the
     unsharded sum. A rank that took its own row would wait on a collective the other never makes.
     Ranks whose lookups differ (a table file that changed between them; here rank 1 reads another
-    folder) all run the no-overlap path."""
+    folder) all run the no-overlap path. A rank whose table is malformed makes every rank raise."""
     isolate_tables(monkeypatch, tmp_path)
     from fo_tune.ranks.launch import run_ranks
 
@@ -333,13 +369,25 @@ def test_every_rank_takes_the_row_of_the_most_tokens(tmp_path, monkeypatch):
         rows.append(MoeRow(schedule=MoeSchedule(dtype="float32", world_size=2, problem=problem, **fields)))
     table = MoeTable(fingerprint=fp, world_size=2, dtype="float32", rows=rows)
     save_moe_table(table, moe_table_path(tmp_path / "tables", fp.device_key, 2, "float32"))
-    payload = {"shape": (h, i, e, k), "tokens": (3, 7), "empty": str(tmp_path / "empty")}
+    malformed = moe_table_path(tmp_path / "malformed", fp.device_key, 2, "float32")
+    malformed.parent.mkdir(parents=True)
+    malformed.write_text("schema_version: 1\nkind: nonsense\n")
+    payload = {
+        "shape": (h, i, e, k),
+        "tokens": (3, 7),
+        "empty": str(tmp_path / "empty"),
+        "malformed": str(tmp_path / "malformed"),
+    }
     got = run_ranks(_straddling_ranks, 2, payload, backend="gloo", timeout_s=120)
     assert [r["ring"] for r in got] == [True, True], got
     assert max(r["err"] for r in got) < 1e-4, got
     # rank 1 finds no row (its table folder is another): both ranks run the no-overlap path
     assert [r["split_ring"] for r in got] == [False, False], got
     assert max(r["split_err"] for r in got) < 1e-4, got
+    # rank 1's table is malformed: it raises why, rank 0 that rank 1 could not read its table
+    # (neither waits for the other in the counts exchange)
+    assert "group rank(s) [1] could not read their MoE table" in got[0]["malformed"], got
+    assert str(malformed) in got[1]["malformed"] and "nonsense" in got[1]["malformed"], got
 
 
 # ----------------------------------------------------------------------------- the CLI
@@ -364,6 +412,23 @@ def test_search_moe_plans_a_table_offline(runner, tmp_path, monkeypatch):
         assert row.provenance["predicted_ms"] <= row.provenance["fallback_ms"]
         assert (row.schedule.engine is None) == (planned["engine"] is None)
     assert any(r.schedule.engine is not None for r in table.rows)  # the large buckets overlap
+    # a second search of the shape with other buckets takes their tokens; the first run's rows
+    # keep the rest (2049..8192 of its 1025..8192 bucket, priced at 8192), none overlapping
+    again = ["search", "-c", "moe", "--experts", "7168,2048,16,8", "--tokens", "512,2048", "--json"]
+    result = runner.invoke(app, [*again, "--table-dir", str(tmp_path / "t")])
+    assert result.exit_code == 0, result.output
+    # each run's summary in a report folder of its own (the same second: a suffixed name)
+    reports = [Path(summary["report"]), Path(json.loads(result.stdout)["report"])]
+    assert reports[0] != reports[1] and reports[0].parent == reports[1].parent
+    assert reports[0].parent.name == "moe-w2-bfloat16-predict"
+    assert yaml.safe_load((reports[0] / "summary.yaml").read_text()) == summary
+    merged = load_moe_table(summary["table"])
+    ranges = [(r.schedule.problem.tokens_min, r.schedule.problem.tokens_max) for r in merged.rows]
+    assert ranges == [(0, 512), (513, 2048), (2049, 8192)]
+    assert merged.rows[2].schedule.engine == table.rows[2].schedule.engine
+    assert merged.rows[2].provenance["tokens_priced"] == 8192
+    result = runner.invoke(app, ["table", "validate", summary["table"]])
+    assert result.exit_code == 0, result.output
     result = runner.invoke(app, [*args, "--engine", "triton", "--table-dir", str(tmp_path / "t2")])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)

@@ -150,6 +150,12 @@ def test_validate_reports_overlapping_buckets_as_one_line(runner: CliRunner, tmp
     assert (
         str(path) in line and "tokens [0, 512]" in line and "tokens [500, 900]" in line and "overlap" in line
     )
+    assert "rows[0] and rows[1]" in line  # by their index in the file
+    # the same bucket twice (a row line copied below the rows) is named as such, by both indices
+    first = next(text for text in path.read_text().splitlines() if '"tokens_min": 0' in text)
+    path.write_text(path.read_text().replace('"tokens_min": 500', '"tokens_min": 513') + first + "\n")
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert "rows[0] and rows[2] are both for" in line and "tokens [0, 512]" in line, line
     # a moe- file is an MoE table whatever it holds: a dense one there is named, not guessed at
     dense = ScheduleTable(
         fingerprint=cpu_fp(), collective="all_reduce", world_size=2, dtype="float32", rows=[]
@@ -190,6 +196,20 @@ def test_lookup_takes_the_row_the_runtime_takes(runner: CliRunner, tmp_path: Pat
     assert cache.lookup(EXPERTS, 5000, dtype="float32", world_size=2, device="cpu") is None
     assert answer["source"].startswith("no table row") and answer["row"]["engine"] is None
     assert answer["searched"] == [str(env), str(user)] and answer["row"]["problem"]["tokens"] == 5000
+
+
+def test_lookup_miss_suggests_a_key_of_the_world_size_first(runner: CliRunner, tmp_path: Path) -> None:
+    """On a machine without the tables' GPU, a w8 lookup's hint names the w8 key first (the w2
+    key sorts before it), so the example it gives runs with the same -w."""
+    searched_table(runner, tmp_path)  # the w2 key's table
+    args = ["search", "-c", "moe", "--experts", ",".join(map(str, EXPERTS)), "--tokens", "1024", "-w", "8"]
+    assert runner.invoke(app, [*args, "--table-dir", str(tmp_path / "tables")]).exit_code == 0
+    key8 = H200_KEY.replace("-w2-", "-w8-")
+    lookup = ["table", "lookup", "--experts", ",".join(map(str, EXPERTS)), "--tokens", "100", "-w", "8"]
+    miss = json.loads(runner.invoke(app, [*lookup, "--json"]).stdout)
+    assert miss["other_device_keys"] == [key8, H200_KEY] and miss["hint"].endswith(f"e.g. -k {key8}"), miss
+    hit = json.loads(runner.invoke(app, [*lookup, "-k", key8, "--json"]).stdout)
+    assert hit["kind"] == "predicted" and hit["row"]["problem"]["tokens_max"] == 1024, hit
 
 
 @pytest.mark.parametrize(

@@ -83,21 +83,45 @@ def run_moe_search(
     from fo_tune.moe.plan import plan_moe_search, write_moe_rows
 
     plan, model = plan_moe_search(cal, shapes, wanted, dtype=dtype, engines=names, space_file=space)
+    from fo_tune.search.report import check_report_dir, new_run, report_name, report_root
     from fo_tune.search.setup import default_table_dir
 
     root = table_dir or (out / "tables" if out is not None else default_table_dir())
+    reports = out / "report" if out is not None else report_root() / cal.fingerprint.device_key
+    name = report_name(MOE_COLLECTIVE, world_size, dtype, mode)
+    report = reports / name / new_run(reports, [name])
+    check_report_dir(report)  # before the table is written: OutputError (exit 2) naming it
     path = write_moe_rows(
         root, cal.fingerprint, [p.row for p in plan.rows], world_size=world_size, dtype=dtype
     )
+    rows = [
+        {**p.row.to_dict(), "prediction": p.prediction.to_dict(), "fallback_ms": p.fallback.total_ms}
+        for p in plan.rows
+    ]
+    summary = {
+        "kind": "fo-tune-moe-search-summary",
+        "table": str(path),
+        "report": str(report),
+        "basis": model.basis,
+        "skipped": plan.skipped,
+        "rows": rows,
+    }
+    _write_summary(summary, report)
     if json_out:
-        rows = [
-            {**p.row.to_dict(), "prediction": p.prediction.to_dict(), "fallback_ms": p.fallback.total_ms}
-            for p in plan.rows
-        ]
-        summary = {"kind": "fo-tune-moe-search-summary", "table": str(path), "basis": model.basis}
-        typer.echo(json_text({**summary, "skipped": plan.skipped, "rows": rows}))
+        typer.echo(json_text(summary))
         return
     _print(plan, model.basis, path, cal.fingerprint.device_key, world_size, dtype)
+    console.print(f"[green]report[/] {report}", highlight=False)
+
+
+def _write_summary(summary: dict, report: Path) -> None:
+    """The run's ``summary.yaml`` (what --json prints) in its own report folder, written whole."""
+    import yaml
+
+    from fo_tune.output import replacing_folder
+
+    with replacing_folder(report) as tmp, (tmp / "summary.yaml").open("w", encoding="utf-8") as f:
+        yaml.safe_dump(summary, f, sort_keys=False, width=110)
 
 
 def _print(plan: MoePlan, basis: str, path: Path, device_key: str, world_size: int, dtype: str) -> None:

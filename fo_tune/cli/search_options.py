@@ -38,7 +38,8 @@ HELP = "\n\n".join(
         "search's options (--shape, --m-range, --trials, --top-k, --time-budget, --exhaustive, "
         "--backend, --reps, --seed, --allow-slow) are refused with it: the table "
         "goes to <table dir>/<device key>/moe-w<W>-<dtype>.yaml, which every `fo-tune table` "
-        "command reads.",
+        "command reads, and the run's summary.yaml (what --json prints) to its own report folder, "
+        "<report root>/moe-w<W>-<dtype>-predict/<run>/ as below.",
         "Modes: predict (the cost model of a calibration prices every enumerated point, "
         "bounded, no GPU: the default without GPUs, with the packaged calibration for "
         "--world-size; with --trials N a TPE study of N predictions instead), measure (a TPE "

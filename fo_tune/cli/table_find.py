@@ -125,12 +125,19 @@ ListDeviceKeyOpt = Annotated[
 
 def _miss_hint(device_key: str, read: list[Path], given: bool) -> dict[str, Any]:
     """What a miss adds when ``device_key`` (this machine's, or the one -k ``given``) has no table
-    at all: the keys that have one, and how to pick one (empty when it has a table, or no key has
-    one)."""
+    at all: the keys that have one, those of ``device_key``'s world size first (the example it
+    names runs with the same --world-size), and how to pick one (empty when it has a table, or
+    no key has one)."""
+    from fo_kernels.fingerprint import read_device_key
     from fo_tune.tables.find import known_device_keys
 
+    def world(key: str) -> int | None:
+        fields = read_device_key(key)
+        return None if fields is None else int(fields["world_size"])
+
     known = known_device_keys()
-    others = [key for key in known if key != device_key]
+    mine = world(device_key)
+    others = sorted((key for key in known if key != device_key), key=lambda key: world(key) != mine)
     if read or device_key in known or not others:  # its tables hold other collectives or dtypes
         return {}
     whose = "the device key" if given else "this machine's device key"

@@ -1,6 +1,7 @@
 """Planning MoE table rows from the model: ``plan_moe`` prices every point of the MoE space per
 (experts' shape, M bucket) and keeps the best where it beats the no-overlap path; ``write_moe_rows``
-merges the rows into the MoE table under the dense tables' file lock.
+merges the rows into the MoE table under the dense tables' file lock (a new bucket takes its tokens
+from the rows it overlaps, which keep the rest: ``fo_tune.tables.merge.merge_moe_into``).
 
 M buckets: ascending tokens per rank T_1 < T_2 < ...; bucket i's row covers tokens (T_{i-1}, T_i]
 (the first from 0) and is priced at T_i, its token bound (the copy engine sizes its buffers for
@@ -23,7 +24,6 @@ from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
 from fo_kernels.moe.table import (
     MoeRow,
     MoeTable,
-    experts_key,
     load_moe_table,
     moe_table_path,
     save_moe_table,
@@ -33,7 +33,7 @@ from fo_tune.moe.model import MoeCall, MoeCostModel, MoePrediction
 from fo_tune.moe.space import MoeSpace, load_moe_space, moe_space_for
 from fo_tune.ranks.limits import GB, INT32_MAX, Target, fingerprint_target
 from fo_tune.search.decide import MIN_GAIN
-from fo_tune.tables.merge import LOCK_TIMEOUT_S, lock_path
+from fo_tune.tables.merge import LOCK_TIMEOUT_S, lock_path, merge_moe_into
 
 
 class MoeSearchError(FoTuneError, ValueError):
@@ -293,9 +293,10 @@ def write_moe_rows(
     dtype: str,
     lock_timeout_s: float = LOCK_TIMEOUT_S,
 ) -> Path:
-    """Merge ``rows`` into ``<root>/<device key>/moe-w<W>-<dtype>.yaml`` under its lock: a row
-    replaces the rows of its experts' shape whose token ranges it overlaps, except that a predicted
-    row never replaces a measured one (it is left out). Returns the path."""
+    """Merge ``rows`` into ``<root>/<device key>/moe-w<W>-<dtype>.yaml`` under its lock, by
+    ``fo_tune.tables.merge.merge_moe_into``'s rules: a row takes its token range from the rows of its
+    experts' shape it overlaps, which keep the tokens outside it; a predicted row takes no tokens
+    from a measured one. Returns the path."""
     from filelock import FileLock  # the tuner's dependency, never the runtime's
 
     from fo_tune.output import check_writable_file
@@ -313,18 +314,6 @@ def write_moe_rows(
             raise MoeSearchError(
                 f"{path}: holds rows of {table.fingerprint.device_key}, not {fingerprint.device_key}"
             )
-        for row in rows:
-            p = row.schedule.problem
-            measured = [
-                r
-                for r in table.rows
-                if r.kind == "measured"
-                and experts_key(r.schedule.problem) == experts_key(p)
-                and r.schedule.problem.tokens_min <= p.tokens_max
-                and p.tokens_min <= r.schedule.problem.tokens_max
-            ]
-            if row.kind == "predicted" and measured:
-                continue
-            table.upsert(row)
+        table = merge_moe_into(table, rows)
         save_moe_table(table, path)
     return path

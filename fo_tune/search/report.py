@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import itertools
 import json
 import math
 import os
 import re
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,17 @@ def run_id(now: dt.datetime | None = None) -> str:
     when = (now or dt.datetime.now(dt.timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
     host = _HOST_DROP.sub("-", socket.gethostname()).strip("-") or "host"
     return f"{when}-{host}-{os.getpid()}"
+
+
+def new_run(root: Path, names: Sequence[str]) -> str:
+    """A run folder name (``run_id``) that no report of ``names`` under ``root`` has yet: a
+    second run of this process within the same second gets ``-2``, ``-3``, ... after it."""
+    run = run_id()
+    for suffix in itertools.count(2):
+        if not any((root / name / run).exists() for name in names):
+            return run
+        run = f"{run_id()}-{suffix}"
+    raise AssertionError("unreachable")  # itertools.count never ends
 
 
 def default_report_dir(

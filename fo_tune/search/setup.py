@@ -5,7 +5,6 @@ file the search will write is checked writable before anything runs)."""
 
 from __future__ import annotations
 
-import itertools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,7 +14,7 @@ import torch
 from fo_kernels.fingerprint import current_fingerprint
 from fo_kernels.table import table_path
 from fo_tune.output import check_writable_file
-from fo_tune.search.report import check_report_dir, report_name, report_root, run_id
+from fo_tune.search.report import check_report_dir, new_run, report_name, report_root
 
 if TYPE_CHECKING:
     from fo_tune.calibrate.calibration import Calibration
@@ -134,11 +133,7 @@ def report_dirs(
         report_name(r.collective, r.world_size, r.dtype, r.mode, m_range=r.m_range is not None)
         for r in requests
     ]
-    run = run_id()
-    for suffix in itertools.count(2):  # a second run of this process within the same second
-        if not any((root / name / run).exists() for name in names):
-            break
-        run = f"{run_id()}-{suffix}"
+    run = new_run(root, names)
     dirs = []
     for r, name in zip(requests, names, strict=True):
         dirs.append(root / name / run)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fo_kernels.errors import FoTuneError, TableError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
+from fo_kernels.moe.table import MoeRow, MoeTable, experts_key, rows_outside
 from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import (
     ScheduleTable,
@@ -179,3 +180,22 @@ def merge_into(table: ScheduleTable, rows: Sequence[Schedule]) -> ScheduleTable:
         if problem.is_range:
             same_nk.append(problem)
     return replace(table, rows=list(by_problem.values()))
+
+
+def merge_moe_into(table: MoeTable, rows: Sequence[MoeRow]) -> MoeTable:
+    """``table`` with the MoE ``rows`` merged in, in order, keeping every token count either covers:
+    a row takes its token range from the rows of its experts' shape it overlaps, which keep the
+    tokens outside it (``MoeTable.upsert``; the same bucket is replaced outright), except that a
+    predicted row takes no tokens from a measured one (it is put in over the tokens no measured
+    row covers, or left out). The result has no two rows of one experts' shape overlapping."""
+    for row in rows:
+        pieces = [row]
+        if row.kind == "predicted":
+            key = experts_key(row.schedule.problem)
+            for old in table.rows:
+                p = old.schedule.problem
+                if old.kind == "measured" and experts_key(p) == key:
+                    pieces = [part for piece in pieces for part in rows_outside(piece, p)]
+        for piece in pieces:
+            table.upsert(piece)
+    return table

@@ -11,7 +11,9 @@ custom ops and the direct calls.
     table         no schedule given: the MoE table's row for the experts' shape and the most
                   tokens any rank holds (``fo_kernels.moe.table``), kept only where its engine can
                   run here, looked up between the two exchanges: the second carries each rank's
-                  row (a checksum), and ranks whose rows differ all run the no-overlap path
+                  row (a checksum), and ranks whose rows differ all run the no-overlap path; a
+                  rank whose table cannot be read (``TableError``) makes every rank raise one
+                  after that exchange (it cannot raise alone: the others would wait in it)
     path          the schedule's engine (``MOE_PATHS``) or, for none, the fallback (fallback.py)
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fo_kernels.errors import ScheduleError, ShapeError
+from fo_kernels.errors import ScheduleError, ShapeError, TableError
 from fo_kernels.groups import check_group
 from fo_kernels.moe import fallback
 from fo_kernels.moe.exchange import exchange_counts, schedule_code
@@ -34,6 +36,9 @@ from fo_kernels.schedule import dtype_name
 
 # The runtime's engine_state key of its MoE table lookups (``MoeTableCache``).
 TABLE_STATE = "moe.table"
+
+# The counts exchange's choice of a rank whose table lookup raised (a schedule's code is >= 0).
+TABLE_FAILED = -1
 
 # Each engine's MoE path: ``blocker(device, world) -> str`` ("" when it can run here) and
 # ``run(stage, schedule, group)``, in the module registered under the engine's name.
@@ -76,17 +81,31 @@ def execute_ffn(
     routing = route(topk_ids, shape)
     direction = "forward" if dy is None else "backward"
     chosen: list[tuple[MoeSchedule | None, object]] = []
+    failed: list[TableError] = []
 
     def choose(tokens: tuple[int, ...]) -> int:
         """The table's row for the call's tokens, and its checksum for the counts exchange (0 for
-        the no-overlap path)."""
-        chosen.append(table_schedule(shape, tokens, x, group))
+        the no-overlap path, ``TABLE_FAILED`` where this rank's table cannot be read)."""
+        try:
+            chosen.append(table_schedule(shape, tokens, x, group))
+        except TableError as exc:
+            # raised after the second exchange, which tells every rank, so none waits for this one
+            failed.append(exc)
+            return TABLE_FAILED
         return 0 if chosen[0][1] is None else schedule_code(chosen[0][0])
 
     layout = exchange_counts(
         routing, shape, x.dtype, direction, group, schedule, choose if schedule is None else None
     )
     if schedule is None:
+        if failed:
+            raise failed[0]
+        if TABLE_FAILED in layout.choices:
+            ranks = [r for r, code in enumerate(layout.choices) if code == TABLE_FAILED]
+            raise TableError(
+                f"group rank(s) {ranks} could not read their MoE table (each raised why): every rank of "
+                "the call stops; fix or move that table file, or pass a MoeSchedule"
+            )
         schedule, path = chosen[0]
         if len(set(layout.choices)) > 1:
             # the ranks took different rows: a table file that changed between their lookups, or

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,9 +121,11 @@ class MoeTable:
         self.rows = _sorted_rows(self.rows)
 
     def upsert(self, row: MoeRow) -> None:
-        """Put ``row`` in, dropping the rows of its experts' shape whose token ranges it overlaps."""
+        """Put ``row`` in over its token range: a row of its experts' shape that it overlaps keeps
+        the tokens outside that range (``rows_outside``: trimmed, split in two, or gone when
+        ``row`` covers all of it), so every token count the table covered keeps a row."""
         p = row.schedule.problem
-        keep = [r for r in self.rows if not _overlap(r.schedule.problem, p)]
+        keep = [piece for r in self.rows for piece in rows_outside(r, p)]
         self.rows = _sorted_rows([*keep, row])
 
     def find_row(self, key: ExpertsKey, tokens: int, *, kind: str | None = None) -> MoeRow | None:
@@ -191,14 +193,48 @@ def _overlap(a: MoeProblem, b: MoeProblem) -> bool:
     return same and a.tokens_min <= b.tokens_max and b.tokens_min <= a.tokens_max
 
 
+def rows_outside(row: MoeRow, problem: MoeProblem) -> list[MoeRow]:
+    """The parts of ``row`` outside ``problem``'s token range: ``[row]`` for another experts'
+    shape or a disjoint range, else 0, 1 or 2 rows with the same schedule settings and provenance
+    over the tokens ``problem`` leaves (below its ``tokens_min``, above its ``tokens_max``). A part
+    keeps its row's settings: a schedule runs any tokens in its range, and a smaller
+    ``tokens_max`` only makes the copy engine's buffers smaller."""
+    own = row.schedule.problem
+    if not _overlap(own, problem):
+        return [row]
+    ranges = []
+    if own.tokens_min < problem.tokens_min:
+        ranges.append((own.tokens_min, problem.tokens_min - 1))
+    if own.tokens_max > problem.tokens_max:
+        ranges.append((problem.tokens_max + 1, own.tokens_max))
+    return [
+        MoeRow(
+            schedule=replace(row.schedule, problem=replace(own, tokens_min=lo, tokens_max=hi)),
+            provenance=dict(row.provenance),
+        )
+        for lo, hi in ranges
+    ]
+
+
 def _sorted_rows(rows: Sequence[MoeRow]) -> list[MoeRow]:
-    out = sorted(rows, key=lambda r: (experts_key(r.schedule.problem), r.schedule.problem.tokens_min))
-    for a, b in itertools.pairwise(out):
-        if _overlap(a.schedule.problem, b.schedule.problem):
+    """``rows`` sorted by (experts' shape, tokens_min); ``TableError`` naming two rows that overlap
+    by their index in ``rows`` (a file's order). Sorted by tokens_min, any overlap within an
+    experts' shape shows between neighbours."""
+    order = sorted(
+        range(len(rows)),
+        key=lambda i: (experts_key(rows[i].schedule.problem), rows[i].schedule.problem.tokens_min),
+    )
+    for i, j in itertools.pairwise(order):
+        a, b = rows[i].schedule.problem, rows[j].schedule.problem
+        if _overlap(a, b):
+            first, second = sorted((i, j))
+            what = "are both for" if a == b else "overlap:"
             raise TableError(
-                f"rows for {a.schedule.problem.describe()} and {b.schedule.problem.describe()} overlap"
+                f"rows[{first}] and rows[{second}] {what} {rows[first].schedule.problem.describe()}"
+                + ("" if a == b else f" and {rows[second].schedule.problem.describe()}")
+                + "; keep one row per tokens of an experts' shape (lookup could take either)"
             )
-    return out
+    return [rows[i] for i in order]
 
 
 def load_moe_table(path: str | os.PathLike[str]) -> MoeTable:
