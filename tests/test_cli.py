@@ -25,6 +25,7 @@ from fo_kernels.table import MISS_SOURCE
 from fo_tune.bench.demo import DEFAULT_WORLD_SIZE, plan_demo, run_demo
 from fo_tune.cli.common import (
     COLLECTIVE_NAMES,
+    CPU_WORLD_SIZE_LIMIT,
     DTYPE_NAMES,
     FILE_WIDTH,
     RUNTIME_COLLECTIVE_NAMES,
@@ -35,7 +36,7 @@ from fo_tune.cli.common import (
     run_cli,
     summary_table,
 )
-from fo_tune.ranks.launch import LaunchError
+from fo_tune.ranks.launch import MAX_CPU_WORLD_SIZE, LaunchError
 from fo_tune.ranks.limits import INT32_MAX
 from fo_tune.ranks.scaled import SCALINGS, TUNE_SCALING
 
@@ -246,6 +247,7 @@ def test_cli_names_match_the_runtime():
     assert set(DTYPE_NAMES) == set(DTYPES) and RUNTIME_COLLECTIVE_NAMES == COLLECTIVES
     assert SCALING_NAMES == SCALINGS and SCALING_NAMES[0] == TUNE_SCALING
     assert COLLECTIVE_NAMES == COLLECTIVES and SHARDED_COLLECTIVE_NAMES == SHARDED_COLLECTIVES
+    assert CPU_WORLD_SIZE_LIMIT == MAX_CPU_WORLD_SIZE
 
 
 def test_search_takes_all_gather_and_refuses_another_name(runner, tmp_path):
@@ -317,6 +319,33 @@ def _timed(runner, args):
     result = runner.invoke(app, args)
     assert time.monotonic() - start < BAD_INPUT_S, args
     return result
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["demo", "--backend", "gloo"],
+        pytest.param(
+            ["demo", "--engine", "copy_engine"],
+            marks=pytest.mark.skipif(GPUS > 0, reason="a GPU runs virtual ranks, not thread-ranks"),
+        ),
+        ["bench", "--backend", "gloo", "--shape", "64x64x64"],
+        ["profile", "--backend", "gloo", "--shape", "64x64x64"],
+        ["calibrate", "--backend", "gloo", "--quick"],
+        ["search", "--backend", "gloo", "--mode", "measure", "--shape", "64x64x64"],
+    ],
+)
+def test_a_cpu_world_beyond_the_bound_is_refused_before_anything_starts(runner, tmp_path, args):
+    """A mistyped --world-size on the CPU (gloo processes, thread-ranks) is one line and exit 2,
+    nothing printed on stdout, instead of starting that many ranks; the bound is in the help."""
+    out = tmp_path / "never"
+    extra = [] if args[0] == "demo" else ["--out", str(out)]
+    result = _timed(runner, [*args, "--world-size", str(MAX_CPU_WORLD_SIZE + 1), *extra])
+    line = assert_one_line_error(result)
+    assert f"--world-size {MAX_CPU_WORLD_SIZE + 1}: at most {MAX_CPU_WORLD_SIZE} ranks" in line, line
+    assert result.stdout == "" and not out.exists()
+    help_text = runner.invoke(app, [args[0], "--help"], env={"COLUMNS": "400"}).output
+    assert f"at most {MAX_CPU_WORLD_SIZE} on the CPU" in help_text
 
 
 def test_a_shape_that_cannot_exist_is_refused_at_once(runner, tmp_path):

@@ -108,6 +108,7 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
     and ``backend`` (None or "auto", "gloo", "nccl") on a machine with ``gpus`` GPUs (module
     docstring). Raises ``EnvironmentMismatchError`` when the asked ranks cannot run here."""
     from fo_kernels.errors import EnvironmentMismatchError
+    from fo_tune.ranks.launch import check_cpu_world_size
 
     asked = DEFAULT_WORLD_SIZE if world_size is None else world_size
     if backend not in (None, "auto", "gloo", "nccl"):
@@ -115,6 +116,8 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
     if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
         raise EnvironmentMismatchError(f"world size must be an integer >= 1, got {asked!r}")
     cpu = f"{asked} rank(s) on the CPU (gloo, Triton's interpreter"
+    if backend == "gloo" or (gpus == 0 and backend != "nccl"):
+        check_cpu_world_size(asked)
     if backend == "gloo":
         return DemoPlan(asked, "gloo", f"{cpu}, asked for with --backend gloo)")
     if gpus >= asked:
@@ -397,7 +400,7 @@ def run_copy_engine_demo(
 
     from fo_kernels.engines.copy_engine import CpuCheck, check_on_threads
     from fo_kernels.errors import ShapeError
-    from fo_tune.ranks.launch import visible_gpus
+    from fo_tune.ranks.launch import check_cpu_world_size, visible_gpus
 
     backend = backend or copy_engine_backend(visible_gpus())
     if backend not in (COPY_ENGINE_BACKEND, VIRTUAL_BACKEND):
@@ -406,6 +409,8 @@ def run_copy_engine_demo(
     shapes = list(shapes) if shapes else default_shapes(on_gpu)
     dtype = dtype or default_dtype(on_gpu)
     _check_args(world_size, shapes, dtype, reps, 1.0)
+    if not on_gpu:
+        check_cpu_world_size(world_size)
     if world_size < 2:
         raise ShapeError(f"the copy engine runs between at least 2 ranks, got --world-size {world_size}")
     skips = {

@@ -8,6 +8,7 @@ from rich.table import Table
 
 from fo_tune.cli.common import (
     BACKEND_NAMES,
+    CPU_WORLD_SIZE_LIMIT,
     DEMO_DTYPE_NAMES,
     BackendOpt,
     DtypeOpt,
@@ -65,8 +66,9 @@ DemoWorldSizeOpt = Annotated[
     typer.Option(
         "--world-size",
         "-w",
-        help="Number of local processes (ranks); one GPU each with NCCL. Default: 2, or the number "
-        "of GPUs where there are fewer.",
+        help="Number of local processes (ranks); one GPU each with NCCL, at most "
+        f"{CPU_WORLD_SIZE_LIMIT} on the CPU (gloo processes or the copy engine's thread-ranks). "
+        "Default: 2, or the number of GPUs where there are fewer.",
     ),
 ]
 
@@ -148,11 +150,13 @@ def demo(
         run_copy_engine_demo,
         run_demo,
     )
-    from fo_tune.ranks.launch import visible_gpus
+    from fo_tune.ranks.launch import check_cpu_world_size, visible_gpus
 
     if engine == "copy_engine":
         ranks = world_size or 2
         where = copy_engine_backend(visible_gpus())
+        if where != VIRTUAL_BACKEND:  # thread-ranks of the CPU executor
+            check_cpu_world_size(ranks)
         how = (
             f"{ranks} virtual ranks on one GPU (one process, no process group)"
             if where == VIRTUAL_BACKEND
