@@ -19,10 +19,16 @@ from typer.testing import CliRunner
 
 from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
-from fo_kernels.errors import EnvironmentMismatchError, ShapeError, TableNotFoundError
+from fo_kernels.errors import ArgumentError, EnvironmentMismatchError, ShapeError, TableNotFoundError
 from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
 from fo_kernels.table import MISS_SOURCE
-from fo_tune.bench.demo import DEFAULT_WORLD_SIZE, plan_demo, run_demo
+from fo_tune.bench.demo import (
+    COPY_ENGINE_BACKEND,
+    DEFAULT_WORLD_SIZE,
+    plan_demo,
+    run_copy_engine_demo,
+    run_demo,
+)
 from fo_tune.cli.common import (
     COLLECTIVE_NAMES,
     CPU_WORLD_SIZE_LIMIT,
@@ -238,6 +244,15 @@ def test_run_demo_rejects_bad_input_before_spawning():
         run_demo(world_size=2, shapes=[(8, 8, 8)], dtype="int8", backend="gloo")
     with pytest.raises(ShapeError, match=r"shape \(8, 0, 8\): expected \(M, N, K\), integers >= 1"):
         run_demo(world_size=2, shapes=[(8, 0, 8)], dtype="float32", backend="gloo")
+    # the library's own checks raise fo-tune's error types, which the CLI maps to exit 2
+    with pytest.raises(ArgumentError, match="reps must be an integer >= 1, got 0"):
+        run_demo(world_size=2, shapes=[(8, 8, 8)], dtype="float32", backend="gloo", reps=0)
+    with pytest.raises(ArgumentError, match="timeout_s must be > 0"):
+        run_demo(world_size=2, shapes=[(8, 8, 8)], dtype="float32", backend="gloo", timeout_s=0.0)
+    with pytest.raises(ArgumentError, match="reps must be an integer >= 1"):
+        run_copy_engine_demo(2, [(8, 8, 8)], "float32", reps=0, backend=COPY_ENGINE_BACKEND)
+    with pytest.raises(ArgumentError, match=f"at most {MAX_CPU_WORLD_SIZE} ranks"):
+        run_copy_engine_demo(MAX_CPU_WORLD_SIZE + 1, [(64, 8, 8)], "float32", backend=COPY_ENGINE_BACKEND)
 
 
 def test_cli_names_match_the_runtime():

@@ -277,7 +277,7 @@ def _merge(per_rank: list[dict[str, Any]], tol: float) -> dict[str, Any]:
 def _check_args(
     world_size: int, shapes: Sequence[tuple[int, int, int]], dtype: str, reps: int, timeout_s: float
 ) -> None:
-    from fo_kernels.errors import ShapeError
+    from fo_kernels.errors import ArgumentError, ShapeError
 
     if dtype not in TOL:
         raise ShapeError(f"dtype {dtype!r} is not supported; use one of {', '.join(TOL)}")
@@ -287,9 +287,9 @@ def _check_args(
         if len(shape) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape):
             raise ShapeError(f"shape {shape!r}: expected (M, N, K), integers >= 1")
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
-        raise ValueError(f"reps must be an integer >= 1, got {reps!r}")
+        raise ArgumentError(f"reps must be an integer >= 1, got {reps!r}")
     if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        raise ArgumentError(f"timeout_s must be > 0, got {timeout_s!r}")
 
 
 def run_demo(
