@@ -155,8 +155,17 @@ def test_demo_nccl_without_gpus_is_one_line_exit_2(runner):
     ],
 )
 def test_demo_bad_options_are_one_line_exit_2(runner, args):
-    line = assert_one_line_error(runner.invoke(app, ["demo", *args]))
+    result = runner.invoke(app, ["demo", *args])
+    line = assert_one_line_error(result)
     assert args[-2] in line
+    assert result.stdout == "", result.stdout
+
+
+def test_demo_shape_beyond_the_ranks_memory_is_refused_before_its_first_line(runner):
+    result = _timed(runner, ["demo", "--backend", "gloo", "--shape", "100000x100000x100000"])
+    line = assert_one_line_error(result)
+    assert "shape 100000x100000x100000" in line and "give a smaller shape" in line, line
+    assert result.stdout == "", result.stdout
 
 
 def test_debug_variable_shows_the_traceback(runner, monkeypatch):
@@ -322,6 +331,8 @@ def test_demo_on_one_gpu_runs_world_size_1_on_it(runner, monkeypatch):
 
     monkeypatch.setattr(launch, "visible_gpus", lambda: 1)
     monkeypatch.setattr(demo_lib, "run_demo", fake_run_demo)
+    # (its checks of the GPU's memory need the GPU: the faked machine has none to ask)
+    monkeypatch.setattr(demo_lib, "demo_inputs", lambda plan, *args: ([], demo_lib.GPU_DTYPE))
     result = runner.invoke(app, ["demo"])
     assert result.exit_code == 0, (result.output, result.exception)
     assert calls == [(1, "nccl")]

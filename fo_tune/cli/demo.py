@@ -145,18 +145,18 @@ def demo(
 
     from fo_tune.bench.demo import (
         VIRTUAL_BACKEND,
-        copy_engine_backend,
+        copy_engine_demo_inputs,
+        demo_inputs,
         plan_demo,
         run_copy_engine_demo,
         run_demo,
     )
-    from fo_tune.ranks.launch import check_cpu_world_size, visible_gpus
+    from fo_tune.ranks.launch import visible_gpus
 
+    # every check runs before the first line is printed
     if engine == "copy_engine":
         ranks = world_size or 2
-        where = copy_engine_backend(visible_gpus())
-        if where != VIRTUAL_BACKEND:  # thread-ranks of the CPU executor
-            check_cpu_world_size(ranks)
+        where = copy_engine_demo_inputs(ranks, shapes or None, dtype, reps, None)[0]
         how = (
             f"{ranks} virtual ranks on one GPU (one process, no process group)"
             if where == VIRTUAL_BACKEND
@@ -169,6 +169,7 @@ def demo(
         console.print("schedules (the copy engine's operation lists, as on GPUs):", style="dim")
     else:
         plan = plan_demo(world_size, backend, visible_gpus())
+        demo_inputs(plan, shapes or None, dtype, reps, timeout)
         console.print(f"fo-tune demo: {plan.note}", markup=False, highlight=False)
         with console.status(f"running {plan.world_size} rank(s) ...", spinner="dots"):
             rows = run_demo(plan.world_size, shapes or None, dtype, plan.backend, reps, timeout)
