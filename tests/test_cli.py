@@ -413,12 +413,14 @@ def test_the_gpu_suite_on_the_cpu_is_refused_at_once(runner, tmp_path):
         ["search", "--shape", "64x64x64", "--mode", "predict"],
         ["profile", "--backend", "gloo", "--shape", "32x48x40", "--out", "/proc/x/profile.csv"],
         ["search", "--shape", "64x64x64", "--mode", "predict", "--table-dir", "/proc/x"],
+        # a journal storage's file, as a SQLite one's (it was an internal error, exit 1)
+        ["search", "--shape", "64x64x64", "--mode", "measure", "--storage", "journal:/proc/x.log"],
     ],
 )
 def test_an_output_that_cannot_be_written_is_refused_before_any_work(runner, args):
-    """Every --out (and search's --table-dir) is checked with a real write: /proc passes root's
-    permission checks but takes no new folder."""
-    if "--out" not in args and "--table-dir" not in args:
+    """Every --out (and search's --table-dir, a storage file) is checked with a real write: /proc
+    passes root's permission checks but takes no new folder."""
+    if not {"--out", "--table-dir", "--storage"} & set(args):
         args = [*args, "--out", "/proc/x"]
     line = assert_one_line_error(_timed(runner, args))
     assert "cannot write /proc/x" in line and "choose another path" in line
