@@ -19,12 +19,19 @@ from typer.testing import CliRunner
 
 from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
-from fo_kernels.errors import EnvironmentMismatchError, ShapeError, TableNotFoundError
+from fo_kernels.errors import ArgumentError, EnvironmentMismatchError, ShapeError, TableNotFoundError
 from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
 from fo_kernels.table import MISS_SOURCE
-from fo_tune.bench.demo import DEFAULT_WORLD_SIZE, plan_demo, run_demo
+from fo_tune.bench.demo import (
+    COPY_ENGINE_BACKEND,
+    DEFAULT_WORLD_SIZE,
+    plan_demo,
+    run_copy_engine_demo,
+    run_demo,
+)
 from fo_tune.cli.common import (
     COLLECTIVE_NAMES,
+    CPU_WORLD_SIZE_LIMIT,
     DTYPE_NAMES,
     FILE_WIDTH,
     RUNTIME_COLLECTIVE_NAMES,
@@ -35,7 +42,7 @@ from fo_tune.cli.common import (
     run_cli,
     summary_table,
 )
-from fo_tune.ranks.launch import LaunchError
+from fo_tune.ranks.launch import MAX_CPU_WORLD_SIZE, LaunchError
 from fo_tune.ranks.limits import INT32_MAX
 from fo_tune.ranks.scaled import SCALINGS, TUNE_SCALING
 
@@ -148,8 +155,17 @@ def test_demo_nccl_without_gpus_is_one_line_exit_2(runner):
     ],
 )
 def test_demo_bad_options_are_one_line_exit_2(runner, args):
-    line = assert_one_line_error(runner.invoke(app, ["demo", *args]))
+    result = runner.invoke(app, ["demo", *args])
+    line = assert_one_line_error(result)
     assert args[-2] in line
+    assert result.stdout == "", result.stdout
+
+
+def test_demo_shape_beyond_the_ranks_memory_is_refused_before_its_first_line(runner):
+    result = _timed(runner, ["demo", "--backend", "gloo", "--shape", "100000x100000x100000"])
+    line = assert_one_line_error(result)
+    assert "shape 100000x100000x100000" in line and "give a smaller shape" in line, line
+    assert result.stdout == "", result.stdout
 
 
 def test_debug_variable_shows_the_traceback(runner, monkeypatch):
@@ -237,6 +253,15 @@ def test_run_demo_rejects_bad_input_before_spawning():
         run_demo(world_size=2, shapes=[(8, 8, 8)], dtype="int8", backend="gloo")
     with pytest.raises(ShapeError, match=r"shape \(8, 0, 8\): expected \(M, N, K\), integers >= 1"):
         run_demo(world_size=2, shapes=[(8, 0, 8)], dtype="float32", backend="gloo")
+    # the library's own checks raise fo-tune's error types, which the CLI maps to exit 2
+    with pytest.raises(ArgumentError, match="reps must be an integer >= 1, got 0"):
+        run_demo(world_size=2, shapes=[(8, 8, 8)], dtype="float32", backend="gloo", reps=0)
+    with pytest.raises(ArgumentError, match="timeout_s must be > 0"):
+        run_demo(world_size=2, shapes=[(8, 8, 8)], dtype="float32", backend="gloo", timeout_s=0.0)
+    with pytest.raises(ArgumentError, match="reps must be an integer >= 1"):
+        run_copy_engine_demo(2, [(8, 8, 8)], "float32", reps=0, backend=COPY_ENGINE_BACKEND)
+    with pytest.raises(ArgumentError, match=f"at most {MAX_CPU_WORLD_SIZE} ranks"):
+        run_copy_engine_demo(MAX_CPU_WORLD_SIZE + 1, [(64, 8, 8)], "float32", backend=COPY_ENGINE_BACKEND)
 
 
 def test_cli_names_match_the_runtime():
@@ -246,6 +271,7 @@ def test_cli_names_match_the_runtime():
     assert set(DTYPE_NAMES) == set(DTYPES) and RUNTIME_COLLECTIVE_NAMES == COLLECTIVES
     assert SCALING_NAMES == SCALINGS and SCALING_NAMES[0] == TUNE_SCALING
     assert COLLECTIVE_NAMES == COLLECTIVES and SHARDED_COLLECTIVE_NAMES == SHARDED_COLLECTIVES
+    assert CPU_WORLD_SIZE_LIMIT == MAX_CPU_WORLD_SIZE
 
 
 def test_search_takes_all_gather_and_refuses_another_name(runner, tmp_path):
@@ -305,6 +331,8 @@ def test_demo_on_one_gpu_runs_world_size_1_on_it(runner, monkeypatch):
 
     monkeypatch.setattr(launch, "visible_gpus", lambda: 1)
     monkeypatch.setattr(demo_lib, "run_demo", fake_run_demo)
+    # (its checks of the GPU's memory need the GPU: the faked machine has none to ask)
+    monkeypatch.setattr(demo_lib, "demo_inputs", lambda plan, *args: ([], demo_lib.GPU_DTYPE))
     result = runner.invoke(app, ["demo"])
     assert result.exit_code == 0, (result.output, result.exception)
     assert calls == [(1, "nccl")]
@@ -317,6 +345,33 @@ def _timed(runner, args):
     result = runner.invoke(app, args)
     assert time.monotonic() - start < BAD_INPUT_S, args
     return result
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["demo", "--backend", "gloo"],
+        pytest.param(
+            ["demo", "--engine", "copy_engine"],
+            marks=pytest.mark.skipif(GPUS > 0, reason="a GPU runs virtual ranks, not thread-ranks"),
+        ),
+        ["bench", "--backend", "gloo", "--shape", "64x64x64"],
+        ["profile", "--backend", "gloo", "--shape", "64x64x64"],
+        ["calibrate", "--backend", "gloo", "--quick"],
+        ["search", "--backend", "gloo", "--mode", "measure", "--shape", "64x64x64"],
+    ],
+)
+def test_a_cpu_world_beyond_the_bound_is_refused_before_anything_starts(runner, tmp_path, args):
+    """A mistyped --world-size on the CPU (gloo processes, thread-ranks) is one line and exit 2,
+    nothing printed on stdout, instead of starting that many ranks; the bound is in the help."""
+    out = tmp_path / "never"
+    extra = [] if args[0] == "demo" else ["--out", str(out)]
+    result = _timed(runner, [*args, "--world-size", str(MAX_CPU_WORLD_SIZE + 1), *extra])
+    line = assert_one_line_error(result)
+    assert f"--world-size {MAX_CPU_WORLD_SIZE + 1}: at most {MAX_CPU_WORLD_SIZE} ranks" in line, line
+    assert result.stdout == "" and not out.exists()
+    help_text = runner.invoke(app, [args[0], "--help"], env={"COLUMNS": "400"}).output
+    assert f"at most {MAX_CPU_WORLD_SIZE} on the CPU" in help_text
 
 
 def test_a_shape_that_cannot_exist_is_refused_at_once(runner, tmp_path):
@@ -358,12 +413,14 @@ def test_the_gpu_suite_on_the_cpu_is_refused_at_once(runner, tmp_path):
         ["search", "--shape", "64x64x64", "--mode", "predict"],
         ["profile", "--backend", "gloo", "--shape", "32x48x40", "--out", "/proc/x/profile.csv"],
         ["search", "--shape", "64x64x64", "--mode", "predict", "--table-dir", "/proc/x"],
+        # a journal storage's file, as a SQLite one's (it was an internal error, exit 1)
+        ["search", "--shape", "64x64x64", "--mode", "measure", "--storage", "journal:/proc/x.log"],
     ],
 )
 def test_an_output_that_cannot_be_written_is_refused_before_any_work(runner, args):
-    """Every --out (and search's --table-dir) is checked with a real write: /proc passes root's
-    permission checks but takes no new folder."""
-    if "--out" not in args and "--table-dir" not in args:
+    """Every --out (and search's --table-dir, a storage file) is checked with a real write: /proc
+    passes root's permission checks but takes no new folder."""
+    if not {"--out", "--table-dir", "--storage"} & set(args):
         args = [*args, "--out", "/proc/x"]
     line = assert_one_line_error(_timed(runner, args))
     assert "cannot write /proc/x" in line and "choose another path" in line

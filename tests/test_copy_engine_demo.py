@@ -63,8 +63,10 @@ def _worse(result):
     ],
 )
 def test_bad_options_are_one_line_exit_2(args: list[str], what: str):
-    line = assert_one_line_error(CliRunner().invoke(app, ["demo", *args]))
+    result = CliRunner().invoke(app, ["demo", *args])
+    line = assert_one_line_error(result)
     assert what in line, line
+    assert result.stdout == "", result.stdout  # refused before the first line says where it runs
 
 
 def test_the_demo_takes_the_virtual_ranks_where_a_gpu_is_visible(monkeypatch: pytest.MonkeyPatch):

@@ -148,6 +148,13 @@ def test_pull_from_an_empty_or_missing_storage(tmp_path: Path) -> None:
     assert "--storage" in assert_one_line_error(CliRunner().invoke(app, ["table", "pull"]))
 
 
+@pytest.mark.skipif(not Path("/proc/version").is_file(), reason="needs /proc (Linux)")
+def test_pull_from_a_journal_file_that_cannot_be_opened_is_one_line(tmp_path: Path) -> None:
+    """/proc/version exists but takes no append, even from root (it was an internal error, exit 1)."""
+    line = assert_one_line_error(pull("journal:/proc/version", tmp_path / "t"))
+    assert "--storage journal:/proc/version: cannot open it" in line, line
+
+
 # ---------------------------------------------------------------------------------- bad storages
 @pytest.mark.parametrize(
     ("storage", "needle"),

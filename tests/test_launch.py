@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fo_kernels.errors import EnvironmentMismatchError
+from fo_kernels.errors import ArgumentError, EnvironmentMismatchError
 from fo_kernels.fingerprint import current_fingerprint
 from fo_tune.ranks import launch
 from fo_tune.ranks.launch import LaunchError, SpawnedPool, agreed_fingerprint, choose_backend, open_pool
@@ -128,6 +128,16 @@ def test_choose_backend(monkeypatch, gpus, world, backend, want):
     assert choose_backend(world, backend) == want
 
 
+@pytest.mark.parametrize(("gpus", "backend"), [(0, None), (0, "auto"), (2, "gloo")])
+def test_choose_backend_refuses_more_cpu_ranks_than_the_bound(monkeypatch, gpus, backend):
+    monkeypatch.setattr(launch, "visible_gpus", lambda: gpus)
+    for key in launch.TORCHRUN_VARS:
+        monkeypatch.delenv(key, raising=False)
+    assert choose_backend(launch.MAX_CPU_WORLD_SIZE, backend) == "gloo"
+    with pytest.raises(ArgumentError, match=f"at most {launch.MAX_CPU_WORLD_SIZE} ranks run without GPUs"):
+        choose_backend(launch.MAX_CPU_WORLD_SIZE + 1, backend)
+
+
 @pytest.mark.parametrize(("gpus", "backend"), [(1, None), (1, "auto"), (0, "nccl"), (1, "nccl")])
 def test_choose_backend_refuses_too_few_gpus(monkeypatch, gpus, backend):
     """GPUs present but fewer than the ranks: gloo beside them is asked for, never picked."""
@@ -145,6 +155,8 @@ def test_choose_backend_under_torchrun_and_bad_values(monkeypatch):
     assert launch.in_torchrun() and choose_backend(4) == "nccl"
     monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
     assert choose_backend(4) == "gloo"
+    # torchrun started its ranks: the bound on the ranks this machine spawns does not apply
+    assert choose_backend(launch.MAX_CPU_WORLD_SIZE + 1, "gloo") == "gloo"
     with pytest.raises(EnvironmentMismatchError, match="'mpi' is not one of auto, nccl, gloo"):
         choose_backend(2, "mpi")
     with pytest.raises(EnvironmentMismatchError, match="world size must be an integer >= 1"):

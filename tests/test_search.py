@@ -512,8 +512,10 @@ def test_time_budget_stops_early(tmp_path):
     ],
 )
 def test_bad_input_is_exit_2_and_writes_nothing(tmp_path, args, needle):
+    """... and shows nothing first: no progress line (an --exhaustive space too large among them)."""
     r = search(*args, "--out", str(tmp_path / "o"))
     assert needle in assert_one_line_error(r)
+    assert r.stdout == "", r.stdout
     assert not (tmp_path / "o").exists()
 
 

@@ -110,6 +110,18 @@ def test_a_searched_moe_table_validates_and_shows(runner: CliRunner, tmp_path: P
     result = runner.invoke(app, ["table", "show", str(path), "-f", "yaml"])
     assert result.exit_code == 0, result.output
     assert MoeTable.from_dict(yaml.safe_load(result.stdout)).to_dict() == table.to_dict()
+    result = runner.invoke(app, ["table", "show", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    (shown,) = json.loads(result.stdout)["tables"]
+    assert shown["path"] == str(path) and shown["fingerprint"]["device_key"] == H200_KEY
+    assert [r.pop("kind") for r in shown["rows"]] == ["predicted", "predicted"]
+    assert shown["rows"] == table.to_dict()["rows"]
+    assert shown["bases"] == [{"basis": table.rows[0].provenance["basis"], "rows": 2}]
+    result = runner.invoke(app, ["table", "validate", str(path), "--json"])
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    assert json.loads(result.stdout)["files"] == [
+        {"path": str(path), "ok": True, "rows": 2, "problems": [], "note": None}
+    ]
 
 
 def test_validate_reports_moe_rows_the_runtime_cannot_run(runner: CliRunner, tmp_path: Path) -> None:

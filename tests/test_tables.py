@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import json
 import multiprocessing
 from pathlib import Path
 from typing import Any
@@ -605,6 +606,48 @@ def test_show_marks_predicted_rows(runner: CliRunner, tmp_path: Path) -> None:
     rows = list(csv.DictReader(io.StringIO(text)))
     assert [r["kind"] for r in rows] == ["measured", "predicted"]
     assert [r["provenance_mode"] for r in rows] == ["measure", "predict"]
+
+
+def test_show_json_is_one_document_of_header_bases_and_rows(runner: CliRunner, tmp_path: Path) -> None:
+    basis = "extrapolated from world size 2"
+    predicted = dataclasses.replace(cpu_row(128, mode="predict"), basis=basis)
+    path = write(tmp_path / "t.yaml", [cpu_row(64, mode="measure"), predicted])
+    result = runner.invoke(app, ["table", "show", str(path), "--json"])
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    doc = json.loads(result.stdout)
+    assert doc["kind"] == "fo-tune-table-show"
+    (shown,) = doc["tables"]
+    assert shown["path"] == str(path) and shown["fingerprint"]["device_key"] == cpu_fp().device_key
+    assert (shown["collective"], shown["world_size"], shown["dtype"]) == ("all_reduce", 2, "bfloat16")
+    assert shown["bases"] == [{"basis": basis, "rows": 1}]
+    assert [r.pop("kind") for r in shown["rows"]] == ["measured", "predicted"]
+    assert shown["rows"] == load_table(path).to_dict()["rows"]
+    # errors as lookup --json's: one line on stderr, nothing on stdout
+    for args in ([str(path), "-f", "csv"], ["-k", "nope"]):
+        result = runner.invoke(app, ["table", "show", *args, "--json"])
+        assert_one_line_error(result)
+        assert result.stdout == ""
+
+
+def test_validate_json_lists_every_file_and_keeps_the_exit_code(runner: CliRunner, tmp_path: Path) -> None:
+    good = write(tmp_path / "good.yaml", [cpu_row(64), range_row(1, 100)])
+    bad = write(tmp_path / "bad.yaml", [tweak(cpu_row(64), signal_tiles=1, groups=(2, 1))])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("schema_version: 9\n")
+    result = runner.invoke(app, ["table", "validate", str(good), "--json"])
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    doc = json.loads(result.stdout)
+    assert doc["kind"] == "fo-tune-table-validate" and doc["ok"] and doc["problems"] == 0
+    (file,) = doc["files"]
+    assert file["ok"] and file["rows"] == 2 and "lookup reads this table only as" in file["note"]
+    result = runner.invoke(app, ["table", "validate", str(good), str(bad), str(broken), "--json"])
+    line = assert_one_line_error(result)
+    assert "2 problem(s) in 2 of 3 file(s)" in line, line
+    doc = json.loads(result.stdout)
+    assert not doc["ok"] and doc["problems"] == 2
+    assert [(f["ok"], f["rows"]) for f in doc["files"]] == [(True, 2), (False, 1), (False, None)]
+    assert "row 64x96x48: groups" in doc["files"][1]["problems"][0]
+    assert "schema_version 9" in doc["files"][2]["problems"][0]
 
 
 def _lookup(runner: CliRunner, *args: str) -> dict[str, Any]:

@@ -8,8 +8,9 @@
     fewer GPUs than ranks     without --world-size: one rank per GPU (one GPU: world size 1); with
                               it: an error naming --world-size and --backend gloo
 
-``run_demo`` then spawns the ranks (``fo_tune.ranks.launch.run_ranks``). Each rank, for each shape and
-for each collective (ReduceScatter and AllGather only when M % world_size == 0, else a skipped row):
+``run_demo`` then spawns the ranks (``fo_tune.ranks.launch.run_ranks``; what they run is
+``fo_tune.bench.demo_rank``'s). Each rank, for each shape and for each collective (ReduceScatter
+and AllGather only when M % world_size == 0, else a skipped row):
 
     a, b  = random (M, K), (K, N) operands from a per-rank seed; AllGather takes this rank's
             (M/w, K) shard, the first M/w rows of a (M is the gathered M)
@@ -39,12 +40,11 @@ visible GPUs is not a tested combination). Nothing heavy is imported at module i
 from __future__ import annotations
 
 import os
-import statistics
-import time
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from fo_tune.bench.demo_rank import Job, merge_ranks, rank_main
 
 # The ranks the demo starts without --world-size (TP=2, the setup the tables are tuned for).
 DEFAULT_WORLD_SIZE = 2
@@ -52,7 +52,6 @@ TOL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 1e-2}
 CPU_SHAPES = [(258, 130, 70), (96, 64, 48)]  # small: the interpreter runs every tile in Python
 GPU_SHAPES = [(4096, 8192, 4096), (8192, 8192, 8192)]  # two of the benchmark suite (docs/design.md)
 CPU_DTYPE, GPU_DTYPE = "float32", "bfloat16"  # bf16 tl.dot is wrong in the CPU interpreter (docs/design.md)
-WARMUP = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,14 +86,6 @@ class DemoRow:
 
 
 @dataclass(frozen=True, slots=True)
-class _Job:
-    shapes: tuple[tuple[int, int, int], ...]
-    dtype: str
-    reps: int
-    seed: int
-
-
-@dataclass(frozen=True, slots=True)
 class DemoPlan:
     """Where the demo runs: world size, backend, and the line that says which and why."""
 
@@ -108,6 +99,7 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
     and ``backend`` (None or "auto", "gloo", "nccl") on a machine with ``gpus`` GPUs (module
     docstring). Raises ``EnvironmentMismatchError`` when the asked ranks cannot run here."""
     from fo_kernels.errors import EnvironmentMismatchError
+    from fo_tune.ranks.launch import check_cpu_world_size
 
     asked = DEFAULT_WORLD_SIZE if world_size is None else world_size
     if backend not in (None, "auto", "gloo", "nccl"):
@@ -115,6 +107,8 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
     if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
         raise EnvironmentMismatchError(f"world size must be an integer >= 1, got {asked!r}")
     cpu = f"{asked} rank(s) on the CPU (gloo, Triton's interpreter"
+    if backend == "gloo" or (gpus == 0 and backend != "nccl"):
+        check_cpu_world_size(asked)
     if backend == "gloo":
         return DemoPlan(asked, "gloo", f"{cpu}, asked for with --backend gloo)")
     if gpus >= asked:
@@ -142,139 +136,11 @@ def default_dtype(on_gpu: bool) -> str:
     return GPU_DTYPE if on_gpu else CPU_DTYPE
 
 
-# ------------------------------------------------------------------------------------ one rank
-def _timed_median(call: Callable[[], Any], reps: int, device: Any, warmup: int = WARMUP) -> float:
-    """Median ms of ``reps`` calls after ``warmup`` untimed ones; each timed call starts at a barrier."""
-    import torch
-    import torch.distributed as dist
-
-    for _ in range(warmup):
-        call()
-    cuda = device.type == "cuda"
-    times: list[float] = []
-    for _ in range(reps):
-        dist.barrier()
-        if cuda:
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def _collective_of(collective: str, x: Any, world: int) -> Any:
-    """``collective`` of ``x`` over the default group: all_reduce in place, reduce_scatter of an
-    (M, N) product, all_gather of an (M/w, K) shard."""
-    import torch.distributed as dist
-
-    from fo_kernels.collectives import all_gather_tensor, reduce_scatter_tensor
-
-    if collective == "all_reduce":
-        dist.all_reduce(x)
-        return x
-    if collective == "all_gather":
-        out = x.new_empty((x.shape[0] * world, x.shape[1]))
-        all_gather_tensor(out, x)
-        return out
-    out = x.new_empty((x.shape[0] // world, x.shape[1]))
-    reduce_scatter_tensor(out, x)
-    return out
-
-
-def _one_case(ctx: Any, collective: str, a: Any, b: Any, job: _Job) -> dict[str, Any]:
-    import fo_kernels
-    from fo_kernels import HeuristicScheduleWarning, lookup_schedule
-    from fo_kernels.table import MISS_SOURCE
-
-    world = ctx.world_size
-    gather = collective == "all_gather"
-    if gather:
-        a = a[: a.shape[0] // world]  # this rank's shard of the gathered A
-    m = a.shape[0] * world if gather else a.shape[0]
-    n, k = b.shape[1], b.shape[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", HeuristicScheduleWarning)
-        schedule = lookup_schedule(collective, m, n, k, dtype=job.dtype, world_size=world, device=ctx.device)
-    op = {
-        "all_reduce": fo_kernels.gemm_all_reduce,
-        "reduce_scatter": fo_kernels.gemm_reduce_scatter,
-        "all_gather": fo_kernels.all_gather_gemm,
-    }[collective]
-
-    def overlapped() -> Any:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", HeuristicScheduleWarning)
-            return op(a, b, schedule=None)
-
-    def sequential(x: Any, y: Any) -> Any:
-        if gather:
-            return _collective_of(collective, x, world) @ y
-        return _collective_of(collective, x @ y, world)
-
-    out = overlapped()  # the checked call, also the first warm-up
-    ref = sequential(a.double(), b.double())
-    has_nan = bool(out.isnan().any())
-    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-    return dict(
-        schedule=schedule.describe(),
-        source=MISS_SOURCE if schedule.provenance.get("source") == MISS_SOURCE else "table",
-        rel_err=err,
-        has_nan=has_nan,
-        overlapped_ms=_timed_median(overlapped, job.reps, ctx.device, warmup=WARMUP - 1),
-        sequential_ms=_timed_median(lambda: sequential(a, b), job.reps, ctx.device),
-    )
-
-
-def _rank_main(ctx: Any, job: _Job) -> list[dict[str, Any] | None]:
-    """On every rank: one result per (shape, collective), None for a skipped ReduceScatter or
-    AllGather (M not divisible by the world size)."""
-    import torch
-
-    from fo_kernels.schedule import COLLECTIVES, SHARDED_COLLECTIVES, torch_dtype
-
-    dtype = torch_dtype(job.dtype)
-    results: list[dict[str, Any] | None] = []
-    for i, (m, n, k) in enumerate(job.shapes):
-        gen = torch.Generator().manual_seed((job.seed * 1009 + i) * 1009 + ctx.rank)
-        a = torch.randn(m, k, generator=gen).to(dtype).to(ctx.device)
-        b = torch.randn(k, n, generator=gen).to(dtype).to(ctx.device)
-        for collective in COLLECTIVES:
-            if collective in SHARDED_COLLECTIVES and m % ctx.world_size:
-                results.append(None)
-                continue
-            results.append(_one_case(ctx, collective, a, b, job))
-    return results
-
-
-# ------------------------------------------------------------------------------------ the parent
-def _merge(per_rank: list[dict[str, Any]], tol: float) -> dict[str, Any]:
-    err = max(r["rel_err"] for r in per_rank)
-    nan = any(r["has_nan"] for r in per_rank)
-    over = max(r["overlapped_ms"] for r in per_rank)
-    seq = max(r["sequential_ms"] for r in per_rank)
-    return dict(
-        schedule=per_rank[0]["schedule"],
-        schedule_source=per_rank[0]["source"],
-        rel_err=err,
-        has_nan=nan,
-        passed=not nan and err == err and err < tol,
-        overlapped_ms=over,
-        sequential_ms=seq,
-        speedup=seq / over if over > 0 else float("nan"),
-    )
-
-
+# ------------------------------------------------------------------------------------ checks
 def _check_args(
     world_size: int, shapes: Sequence[tuple[int, int, int]], dtype: str, reps: int, timeout_s: float
 ) -> None:
-    from fo_kernels.errors import ShapeError
+    from fo_kernels.errors import ArgumentError, ShapeError
 
     if dtype not in TOL:
         raise ShapeError(f"dtype {dtype!r} is not supported; use one of {', '.join(TOL)}")
@@ -284,9 +150,29 @@ def _check_args(
         if len(shape) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape):
             raise ShapeError(f"shape {shape!r}: expected (M, N, K), integers >= 1")
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
-        raise ValueError(f"reps must be an integer >= 1, got {reps!r}")
+        raise ArgumentError(f"reps must be an integer >= 1, got {reps!r}")
     if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        raise ArgumentError(f"timeout_s must be > 0, got {timeout_s!r}")
+
+
+def demo_inputs(
+    plan: DemoPlan,
+    shapes: Sequence[tuple[int, int, int]] | None,
+    dtype: str | None,
+    reps: int,
+    timeout_s: float,
+) -> tuple[list[tuple[int, int, int]], str]:
+    """The shapes and dtype ``run_demo`` runs on ``plan``'s ranks (the device's defaults where
+    None), checked before any rank starts: ``ShapeError``, ``ArgumentError``, ``ProblemSizeError``
+    (shapes too large for the ranks' memory)."""
+    from fo_tune.ranks.limits import check_problem_size, local_target
+
+    on_gpu = plan.backend == "nccl"
+    shapes = list(shapes) if shapes else default_shapes(on_gpu)
+    dtype = dtype or default_dtype(on_gpu)
+    _check_args(plan.world_size, shapes, dtype, reps, timeout_s)
+    check_problem_size(shapes, dtype, local_target(plan.backend, plan.world_size))
+    return shapes, dtype
 
 
 def run_demo(
@@ -310,21 +196,17 @@ def run_demo(
     """
     from fo_kernels.schedule import COLLECTIVES
     from fo_tune.ranks.launch import run_ranks, visible_gpus
-    from fo_tune.ranks.limits import check_problem_size, local_target
 
     plan = plan_demo(world_size, backend, visible_gpus())
     on_gpu = plan.backend == "nccl"
-    shapes = list(shapes) if shapes else default_shapes(on_gpu)
-    dtype = dtype or default_dtype(on_gpu)
-    _check_args(plan.world_size, shapes, dtype, reps, timeout_s)
-    check_problem_size(shapes, dtype, local_target(plan.backend, plan.world_size))
-    job = _Job(tuple(tuple(s) for s in shapes), dtype, reps, seed)  # type: ignore[misc]
+    shapes, dtype = demo_inputs(plan, shapes, dtype, reps, timeout_s)
+    job = Job(tuple(tuple(s) for s in shapes), dtype, reps, seed)  # type: ignore[misc]
     # the spawned ranks inherit these: compiled kernels on the GPUs, else the interpreter and no GPU
     env = {"TRITON_INTERPRET": "0"} if on_gpu else {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     saved = {key: os.environ.get(key) for key in env}
     try:
         os.environ.update(env)
-        per_rank = run_ranks(_rank_main, plan.world_size, job, backend=plan.backend, timeout_s=timeout_s)
+        per_rank = run_ranks(rank_main, plan.world_size, job, backend=plan.backend, timeout_s=timeout_s)
     finally:
         for key, value in saved.items():
             if value is None:
@@ -340,7 +222,7 @@ def run_demo(
         if any(r is None for r in results):
             rows.append(_skipped(head, f"M={m} is not divisible by the world size {world_size}"))
             continue
-        rows.append(DemoRow(**head, **_merge(results, TOL[dtype])))  # type: ignore[arg-type]
+        rows.append(DemoRow(**head, **merge_ranks(results, TOL[dtype])))  # type: ignore[arg-type]
     return rows
 
 
@@ -396,28 +278,14 @@ def run_copy_engine_demo(
     import torch
 
     from fo_kernels.engines.copy_engine import CpuCheck, check_on_threads
-    from fo_kernels.errors import ShapeError
-    from fo_tune.ranks.launch import visible_gpus
 
-    backend = backend or copy_engine_backend(visible_gpus())
-    if backend not in (COPY_ENGINE_BACKEND, VIRTUAL_BACKEND):
-        raise ShapeError(f"backend {backend!r} is not one of {COPY_ENGINE_BACKEND}, {VIRTUAL_BACKEND}")
+    backend, shapes, dtype = copy_engine_demo_inputs(world_size, shapes, dtype, reps, backend)
     on_gpu = backend == VIRTUAL_BACKEND
-    shapes = list(shapes) if shapes else default_shapes(on_gpu)
-    dtype = dtype or default_dtype(on_gpu)
-    _check_args(world_size, shapes, dtype, reps, 1.0)
-    if world_size < 2:
-        raise ShapeError(f"the copy engine runs between at least 2 ranks, got --world-size {world_size}")
     skips = {
         (m, collective): _copy_engine_skip(m, collective, world_size)
         for m, _n, _k in shapes
         for collective in COPY_ENGINE_COLLECTIVES
     }
-    if all(why is not None for why in skips.values()):
-        raise ShapeError(
-            f"no --shape runs on the copy engine at world size {world_size}: each needs M >= the world "
-            "size (a multiple of it for reduce_scatter and all_gather); give a larger M"
-        )
     rows: list[DemoRow] = []
     weights = COPY_ENGINE_WEIGHTS
     how = f"copy engine ring, {len(weights)} chunk(s) per shard, weights {list(weights)}"
@@ -457,6 +325,38 @@ def run_copy_engine_demo(
                 )
             )
     return rows
+
+
+def copy_engine_demo_inputs(
+    world_size: int,
+    shapes: Sequence[tuple[int, int, int]] | None,
+    dtype: str | None,
+    reps: int,
+    backend: str | None,
+) -> tuple[str, list[tuple[int, int, int]], str]:
+    """(backend, shapes, dtype) ``run_copy_engine_demo`` runs (the defaults of the GPUs this
+    process sees where None), checked before any rank starts: ``ShapeError`` (also when no shape
+    runs at all), ``ArgumentError``."""
+    from fo_kernels.errors import ShapeError
+    from fo_tune.ranks.launch import check_cpu_world_size, visible_gpus
+
+    backend = backend or copy_engine_backend(visible_gpus())
+    if backend not in (COPY_ENGINE_BACKEND, VIRTUAL_BACKEND):
+        raise ShapeError(f"backend {backend!r} is not one of {COPY_ENGINE_BACKEND}, {VIRTUAL_BACKEND}")
+    on_gpu = backend == VIRTUAL_BACKEND
+    shapes = list(shapes) if shapes else default_shapes(on_gpu)
+    dtype = dtype or default_dtype(on_gpu)
+    _check_args(world_size, shapes, dtype, reps, 1.0)
+    if not on_gpu:
+        check_cpu_world_size(world_size)
+    if world_size < 2:
+        raise ShapeError(f"the copy engine runs between at least 2 ranks, got --world-size {world_size}")
+    if all(_copy_engine_skip(m, c, world_size) for m, _n, _k in shapes for c in COPY_ENGINE_COLLECTIVES):
+        raise ShapeError(
+            f"no --shape runs on the copy engine at world size {world_size}: each needs M >= the world "
+            "size (a multiple of it for reduce_scatter and all_gather); give a larger M"
+        )
+    return backend, shapes, dtype
 
 
 def _copy_engine_skip(m: int, collective: str, world_size: int) -> str | None:

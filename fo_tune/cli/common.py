@@ -95,10 +95,19 @@ COLLECTIVE_NAMES = RUNTIME_COLLECTIVE_NAMES
 # the world size; all_gather's M is the gathered M).
 SHARDED_COLLECTIVE_NAMES = ("reduce_scatter", "all_gather")
 BACKEND_NAMES = ("auto", "gloo", "nccl")
+# fo_tune.ranks.launch.MAX_CPU_WORLD_SIZE, for the help texts: the most ranks a run without GPUs
+# starts (gloo processes, or the copy engine's thread-ranks).
+CPU_WORLD_SIZE_LIMIT = 16
 
 # ------------------------------------------------------------------------------ shared options
 WorldSizeOpt = Annotated[
-    int, typer.Option("--world-size", "-w", help="Number of local processes (ranks); one GPU each with NCCL.")
+    int,
+    typer.Option(
+        "--world-size",
+        "-w",
+        help="Number of local processes (ranks); one GPU each with NCCL, at most "
+        f"{CPU_WORLD_SIZE_LIMIT} on the CPU (gloo).",
+    ),
 ]
 ShapesOpt = Annotated[
     list[str] | None,

@@ -8,6 +8,7 @@ from rich.table import Table
 
 from fo_tune.cli.common import (
     BACKEND_NAMES,
+    CPU_WORLD_SIZE_LIMIT,
     DEMO_DTYPE_NAMES,
     BackendOpt,
     DtypeOpt,
@@ -65,8 +66,9 @@ DemoWorldSizeOpt = Annotated[
     typer.Option(
         "--world-size",
         "-w",
-        help="Number of local processes (ranks); one GPU each with NCCL. Default: 2, or the number "
-        "of GPUs where there are fewer.",
+        help="Number of local processes (ranks); one GPU each with NCCL, at most "
+        f"{CPU_WORLD_SIZE_LIMIT} on the CPU (gloo processes or the copy engine's thread-ranks). "
+        "Default: 2, or the number of GPUs where there are fewer.",
     ),
 ]
 
@@ -143,16 +145,18 @@ def demo(
 
     from fo_tune.bench.demo import (
         VIRTUAL_BACKEND,
-        copy_engine_backend,
+        copy_engine_demo_inputs,
+        demo_inputs,
         plan_demo,
         run_copy_engine_demo,
         run_demo,
     )
     from fo_tune.ranks.launch import visible_gpus
 
+    # every check runs before the first line is printed
     if engine == "copy_engine":
         ranks = world_size or 2
-        where = copy_engine_backend(visible_gpus())
+        where = copy_engine_demo_inputs(ranks, shapes or None, dtype, reps, None)[0]
         how = (
             f"{ranks} virtual ranks on one GPU (one process, no process group)"
             if where == VIRTUAL_BACKEND
@@ -165,6 +169,7 @@ def demo(
         console.print("schedules (the copy engine's operation lists, as on GPUs):", style="dim")
     else:
         plan = plan_demo(world_size, backend, visible_gpus())
+        demo_inputs(plan, shapes or None, dtype, reps, timeout)
         console.print(f"fo-tune demo: {plan.note}", markup=False, highlight=False)
         with console.status(f"running {plan.world_size} rank(s) ...", spinner="dots"):
             rows = run_demo(plan.world_size, shapes or None, dtype, plan.backend, reps, timeout)

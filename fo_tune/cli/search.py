@@ -321,6 +321,14 @@ def search(
         for request in requests:  # every bad input is reported before anything runs or is written
             check_request(request)
         check_cpu_sized(mode, chosen, wanted, rng, allow_slow)
+        if exhaustive:  # a space too large is refused before the ranks start or progress shows
+            from fo_kernels.fingerprint import current_fingerprint
+            from fo_tune.search import check_exhaustive_size
+
+            target = cal.fingerprint if mode == "predict" and cal is not None else None
+            target = target or current_fingerprint(device, world_size)
+            for request in requests:
+                check_exhaustive_size(request, target)
         folders = report_dirs(requests, cal, device, out, tables_root, storage_url)
         if storage is not None:  # its driver, its server, its folder (the default's is made later)
             from fo_tune.search.storage import check_storage

@@ -24,10 +24,12 @@ from fo_tune.cli.common import (
     err_console,
     fmt,
     handle_errors,
+    json_text,
     one_line,
     summary_table,
 )
 from fo_tune.cli.table_find import LIST_HELP, LOOKUP_HELP, list_tables, lookup
+from fo_tune.cli.table_json import FileCheck, show_document, validate_document
 from fo_tune.cli.table_moe import moe_changes_cell, moe_csv_rows, moe_table_yaml, show_moe_rich
 from fo_tune.cli.table_options import (
     DEFAULT_COLLECTIVE,
@@ -110,7 +112,7 @@ SHOW_HELP = "\n\n".join(
         "copy_engine: chunks) and provenance (predicted_ms, fallback_ms: the no-overlap path's, ...); "
         "the calibration and basis of its predictions follow the table, once each.",
         "--format yaml prints the table(s) as YAML, --format csv one CSV line per row (with a file "
-        "column), for scripts.",
+        "column), --json one JSON document (per table its file, header, bases and rows), for scripts.",
         "Exit code 0 when shown, 2 when no table is found or a file is malformed.",
     ]
 )
@@ -132,7 +134,8 @@ VALIDATE_HELP = "\n\n".join(
         "fingerprint's machine (the copy engine needs peer access between the GPUs).",
         "Prints OK per good file on stdout and one line per problem on stderr. A note says when a "
         "file is not where lookup looks for it (<device-key>/<collective>-w<world>-<dtype>.yaml, "
-        "<device-key>/moe-w<world>-<dtype>.yaml).",
+        "<device-key>/moe-w<world>-<dtype>.yaml). --json prints one JSON document instead (ok; per "
+        "file ok, rows, problems and note).",
         "Exit code 0 when every file is fine, 2 when any has a problem (fix the row named, or "
         "re-tune it with `fo-tune search`).",
     ]
@@ -186,6 +189,22 @@ TableBArg = Annotated[Path, typer.Argument(metavar="B", help="The second table f
 ExitCodeOpt = Annotated[
     bool, typer.Option("--exit-code", help="Exit with 1 when any row differs (0 when none does).")
 ]
+ShowJsonOpt = Annotated[
+    bool,
+    typer.Option(
+        "--json",
+        help="Print one JSON document instead: per table its file, header, fingerprint, the bases of "
+        "its predicted rows and its rows (each with its kind, measured or predicted).",
+    ),
+]
+ValidateJsonOpt = Annotated[
+    bool,
+    typer.Option(
+        "--json",
+        help="Print one JSON document instead: ok, and per file ok, its row count and its problems "
+        "(exit code as without it; with problems, one line on stderr says so).",
+    ),
+]
 AllRowsOpt = Annotated[
     bool, typer.Option("--all", "-a", help="List the rows that are the same too (default: only differences).")
 ]
@@ -200,8 +219,11 @@ def show(
     world_size: TableWorldSizeOpt = None,
     dtype: TableDtypeOpt = None,
     format_: FormatOpt = "table",
+    json_out: ShowJsonOpt = False,
 ) -> None:
     check_choice("--format", format_, FORMATS)
+    if json_out and format_ != FORMATS[0]:
+        raise typer.BadParameter(f"--json and --format {format_}: give one of them")
     header = {"--device-key": device_key, "--collective": collective, "--world-size": world_size}
     header["--dtype"] = dtype
     given = [name for name, value in header.items() if value is not None]
@@ -221,6 +243,9 @@ def show(
     found = [(p, load_any_table(p)) for p in paths]
     moe = [(p, t) for p, t in found if isinstance(t, MoeTable)]
     dense = [(p, t) for p, t in found if not isinstance(t, MoeTable)]
+    if json_out:
+        typer.echo(json_text(show_document(found)))
+        return
     if format_ == "csv":  # (the files of one header are of one kind)
         typer.echo(moe_csv_rows(moe) if moe else csv_rows(dense), nl=False)
         return
@@ -267,7 +292,7 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
 
 
 @handle_errors
-def validate(paths: PathsArg, sm_count: SmCountOpt = None) -> None:
+def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJsonOpt = False) -> None:
     from fo_kernels.errors import TableError, TableNotFoundError
     from fo_kernels.moe.table import MoeTable
     from fo_tune.cli.search_moe import MOE_COLLECTIVE
@@ -275,14 +300,12 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None) -> None:
     from fo_tune.tables.moe_validate import validate_moe_table
     from fo_tune.tables.validate import validate_table
 
-    problems: list[str] = []
-    bad_files = 0
+    checks: list[FileCheck] = []
     for path in paths:
         try:
             table = load_any_table(path)
         except (TableError, TableNotFoundError) as exc:
-            problems.append(one_line(exc))
-            bad_files += 1
+            checks.append(FileCheck(path, None, [one_line(exc)]))
             continue
         if isinstance(table, MoeTable):
             issues = validate_moe_table(table, sm_count=sm_count)
@@ -292,8 +315,9 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None) -> None:
             what = table.collective
         note, misnamed = _location_note(path, table)
         issues = [*issues, misnamed] if misnamed is not None else issues
-        problems.extend(f"{path}: {issue}" for issue in issues)
-        bad_files += bool(issues)
+        checks.append(FileCheck(path, len(table.rows), [f"{path}: {issue}" for issue in issues], note))
+        if json_out:
+            continue
         if not issues:
             print_plain(
                 f"OK {path}: {len(table.rows)} row(s), {what} {table.dtype} world size "
@@ -301,13 +325,21 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None) -> None:
             )
         if note is not None:
             print_plain(f"note: {note}")
+    problems = [problem for check in checks for problem in check.problems]
+    summary = (
+        f"{len(problems)} problem(s) in {sum(bool(c.problems) for c in checks)} of {len(paths)} file(s); "
+        "fix the rows named, or re-tune them with `fo-tune search`"
+    )
+    if json_out:
+        typer.echo(json_text(validate_document(checks)))
+        if problems:  # the problems are in the document; stderr says only that there are some
+            err_console.print(f"error: {summary} (listed in the JSON on stdout)", markup=False)
+            raise typer.Exit(EXIT_BAD_INPUT)
+        return
     for problem in problems:
         err_console.print(f"error: {problem}", markup=False)
     if problems:
-        print_plain(
-            f"{len(problems)} problem(s) in {bad_files} of {len(paths)} file(s); fix the rows named, "
-            "or re-tune them with `fo-tune search`"
-        )
+        print_plain(summary)
         raise typer.Exit(EXIT_BAD_INPUT)
 
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from fo_kernels.errors import EnvironmentMismatchError, FoTuneError
+from fo_kernels.errors import ArgumentError, EnvironmentMismatchError, FoTuneError
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
@@ -57,6 +57,12 @@ POLL_S = 0.5
 STARTUP_TIMEOUT_S = 300.0
 # Default per-task limit; a measurement sweep is split into tasks well under it.
 TASK_TIMEOUT_S = 600.0
+# The most ranks this machine starts without GPUs (gloo processes, or the copy engine's
+# thread-ranks). A gloo rank is a process holding torch and Triton's interpreter (~0.4 GB
+# resident); CPU worlds stand in for GPU worlds, the largest of which the tuner plans is one
+# 8-GPU NVSwitch board, so twice that leaves room beyond it while a mistyped --world-size (1000)
+# is refused before anything starts instead of exhausting the machine's memory.
+MAX_CPU_WORLD_SIZE = 16
 
 
 class LaunchError(FoTuneError, RuntimeError):
@@ -90,6 +96,15 @@ def in_torchrun() -> bool:
     return all(key in os.environ for key in TORCHRUN_VARS)
 
 
+def check_cpu_world_size(world_size: int) -> None:
+    """``ArgumentError`` (naming --world-size) for more ranks than ``MAX_CPU_WORLD_SIZE`` on the CPU."""
+    if world_size > MAX_CPU_WORLD_SIZE:
+        raise ArgumentError(
+            f"--world-size {world_size}: at most {MAX_CPU_WORLD_SIZE} ranks run without GPUs (gloo "
+            "processes, the copy engine's thread-ranks); lower --world-size"
+        )
+
+
 def choose_backend(world_size: int, backend: str | None = None) -> str:
     """``nccl`` or ``gloo`` for ``world_size`` ranks: the one rule of every command and pool.
 
@@ -97,15 +112,16 @@ def choose_backend(world_size: int, backend: str | None = None) -> str:
     fewer than the ranks is an error (gloo ranks beside visible GPUs are rarely what was meant:
     ask for ``"gloo"``). ``"nccl"`` needs one GPU per rank. Under torchrun the ranks may span
     hosts, so the local GPU count is not checked there (``auto``: NCCL when any GPU is visible).
+    Spawned gloo ranks are at most ``MAX_CPU_WORLD_SIZE`` (``check_cpu_world_size``).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise EnvironmentMismatchError(f"world size must be an integer >= 1, got {world_size!r}")
     if backend not in (None, "auto", *BACKENDS):
         raise EnvironmentMismatchError(f"backend {backend!r} is not one of auto, {', '.join(BACKENDS)}")
-    if backend == "gloo":
-        return "gloo"
-    gpus = visible_gpus()
-    if backend != "nccl" and gpus == 0:
+    gpus = 0 if backend == "gloo" else visible_gpus()
+    if backend == "gloo" or (backend != "nccl" and gpus == 0):
+        if not in_torchrun():  # (torchrun started its ranks already)
+            check_cpu_world_size(world_size)
         return "gloo"
     if gpus < world_size and not in_torchrun():
         raise EnvironmentMismatchError(

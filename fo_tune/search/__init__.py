@@ -10,7 +10,7 @@ model over an enumeration), ``study`` (Optuna studies), ``ranges`` (M-range rows
 """
 
 from fo_tune.search.decide import CONFIRM_TOP, MIN_GAIN, decide
-from fo_tune.search.driver import run_search
+from fo_tune.search.driver import check_exhaustive_size, run_search
 from fo_tune.search.ranges import plans_everywhere, range_rows
 from fo_tune.search.request import (
     DEFAULT_TOP_K,
@@ -46,6 +46,7 @@ __all__ = [
     "SearchResult",
     "ShapeResult",
     "TrialRecord",
+    "check_exhaustive_size",
     "check_request",
     "decide",
     "default_storage_file",

@@ -101,6 +101,42 @@ def run_search(request: SearchRequest, reporter: Reporter | None = None) -> Sear
         return _run(request, fp, Measurer(pool, request.reps, request.seed), rep, t0, storage)
 
 
+def check_exhaustive_size(request: SearchRequest, fp: Fingerprint) -> None:
+    """Refuse an ``exhaustive`` request whose space is too large for a shape
+    (``fo_tune.search.strategies.exhaustive.check_size``) before any rank starts or any progress
+    is shown, ``fp`` being the machine the search runs for (the calibration's when it predicts,
+    else this machine's). A measured search counts only the engines whose availability needs no
+    answer from the ranks (no probe task): a space refused here is refused by ``run_search``
+    too, which checks again with the engines the ranks run."""
+    if not request.exhaustive:
+        return
+    space = request.space or space_for(fp.compute_capability)
+    model = _model(request, fp)
+    engines = tuple(
+        name
+        for name in select_engines(request, fp, space)
+        if request.mode == "predict" or get_tuner(name).probe_task() is None
+    )
+    cpu = fp.compute_capability == "cpu"
+    shapes = expand_shapes(request)
+    encodings = [_encoding(request, shape, space, fp, cpu, model, engines) for shape in shapes]
+    _check_sizes(request, encodings, model, None, SilentReporter(), fp)
+
+
+def _check_sizes(
+    request: SearchRequest,
+    encodings: list[UnionEncoding],
+    model: CostModel | None,
+    measurer: Any,
+    rep: Reporter,
+    fp: Fingerprint,
+) -> None:
+    from fo_tune.search.strategies.exhaustive import check_size
+
+    for enc in encodings:
+        check_size(_job(request, enc, model, measurer, None, None, rep, math.nan, fp))
+
+
 def _model(request: SearchRequest, fp: Fingerprint) -> CostModel | None:
     cal = request.calibration
     if cal is None or (cal.fingerprint.device_key != fp.device_key and request.mode != "predict"):
@@ -156,10 +192,7 @@ def _run(
     shapes = expand_shapes(request)
     encodings = [_encoding(request, shape, space, fp, cpu, model, engines) for shape in shapes]
     if request.exhaustive:  # every shape's space is checked before anything runs or is written
-        from fo_tune.search.strategies.exhaustive import check_size
-
-        for enc in encodings:
-            check_size(_job(request, enc, model, measurer, None, None, rep, math.nan, fp))
+        _check_sizes(request, encodings, model, measurer, rep, fp)
     if storage is None:
         storage = open_storage(request.storage, create_folder=True)
     results: list[ShapeResult] = []

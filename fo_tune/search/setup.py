@@ -120,7 +120,7 @@ def report_dirs(
     """Each request's report folder, a new one for this run (``fo_tune.search.report``); every file
     the search writes (its report folders, table files and SQLite study file) is checked writable
     before anything runs."""
-    from fo_tune.search.storage import sqlite_path
+    from fo_tune.search.storage import journal_path, sqlite_path
 
     first = requests[0]
     if first.mode == "predict":
@@ -141,7 +141,7 @@ def report_dirs(
         check_writable_file(
             table_path(tables_root, device_key, r.collective, r.world_size, r.dtype), what="table file"
         )
-    sqlite = sqlite_path(storage_url)  # (the one storage whose file is checked writable up front)
-    if sqlite is not None:
-        check_writable_file(sqlite, what=f"--storage {storage_url}:")
+    file = sqlite_path(storage_url) or journal_path(storage_url)  # (the storages that are files)
+    if file is not None:
+        check_writable_file(file, what=f"--storage {storage_url}:")
     return dirs

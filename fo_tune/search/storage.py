@@ -216,6 +216,10 @@ def _journal(path: str, url: str) -> Any:
             f"--storage {url}: not an Optuna journal file ({type(exc).__name__}: {exc}); give the "
             "journal the workers wrote, or a new file"
         ) from None
+    except OSError as exc:  # a file that cannot be read or created (permissions, a read-only folder)
+        raise StorageError(
+            f"--storage {url}: cannot open it ({exc.strerror or exc}); give another file"
+        ) from None
 
 
 def open_storage(url: str, *, create_folder: bool = False, must_exist: bool = False) -> Any:
