@@ -127,6 +127,7 @@ def _miss_hint(device_key: str, read: list[Path], given: bool) -> dict[str, Any]
     """What a miss adds when ``device_key`` (this machine's, or the one -k ``given``) has no table
     at all: the keys that have one, and how to pick one (empty when it has a table, or no key has
     one)."""
+    from fo_kernels.fingerprint import read_device_key
     from fo_tune.tables.find import known_device_keys
 
     known = known_device_keys()
@@ -134,9 +135,18 @@ def _miss_hint(device_key: str, read: list[Path], given: bool) -> dict[str, Any]
     if read or device_key in known or not others:  # its tables hold other collectives or dtypes
         return {}
     whose = "the device key" if given else "this machine's device key"
+
+    # the example: a key of the call's world size where one has tables (a key's tables hold its
+    # world size's rows only, so another's would miss again)
+    def world(key: str) -> int | str | None:
+        fields = read_device_key(key)
+        return None if fields is None else fields["world_size"]
+
+    same_world = [key for key in others if world(key) is not None and world(key) == world(device_key)]
+    example = (same_world or others)[0]
     return {
         "hint": f"no table for {whose} {device_key}; tables exist for "
-        f"{', '.join(others)}: pick one with -k KEY (--device-key), e.g. -k {others[0]}",
+        f"{', '.join(others)}: pick one with -k KEY (--device-key), e.g. -k {example}",
         "other_device_keys": others,
     }
 
