@@ -32,9 +32,11 @@
 #                 wrote one, else the shipped one), then fo-tune model check with it
 #                 -> OUT_DIR/calibration-w1ce.yaml, OUT_DIR/model-check.log
 #                 (docs/perf-notes.md#the-copy-engines-one-gpu-calibration)
-#   plan          no GPU: the offline plan of the suite at FO_WORLD_SIZE, all three collectives
-#                 (fo-tune search --mode predict; above 2 from the packaged TP=2 calibration
-#                 extrapolated, docs/design.md#offline-plans-for-tp4-and-tp8) -> OUT_DIR/plan/
+#   plan          no GPU: the offline plan of the suite at FO_WORLD_SIZE, the collectives the
+#                 other stages take (fo-tune search --mode predict; above 2 from the packaged TP=2
+#                 calibration extrapolated, all_gather from its reduce_scatter curve,
+#                 docs/design.md#offline-plans-for-tp4-and-tp8; at 2 no all_gather: the packaged
+#                 calibration has no all_gather curve) -> OUT_DIR/plan/
 #                 (docs/perf-notes.md#tp4-and-tp8-predicted); never run by default
 #
 # The searches read OUT_DIR/calibration/calibration.yaml when the calibrate stage wrote one, else
@@ -122,8 +124,7 @@ calibrate_w1() {
 }
 
 plan() {
-  fo_tune search --mode predict --world-size "$w" --shapes "$suite" -c all_reduce,reduce_scatter,all_gather \
-    --out "$out_dir/plan"
+  fo_tune search --mode predict --world-size "$w" --shapes "$suite" -c "$collectives" --out "$out_dir/plan"
 }
 
 stages=("$@")

@@ -699,6 +699,43 @@ def test_scripts_at_a_world_size_without_its_gpus_stop_in_one_line(tmp_path, scr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_tune_plan_stage_asks_what_the_offline_calibration_prices(tmp_path, world):
+    """``FO_WORLD_SIZE=W bash bench/tune.sh OUT plan`` (no GPU): its one fo-tune command line parses
+    and names only collectives the calibration a predict search at W reads has a curve for (the
+    packaged TP=2 one has no all_gather curve; its extrapolation to 4 or 8 derives one), so the
+    stage's search does not stop at its calibration check. The command is recorded by a stand-in
+    interpreter (PYTHON), not run."""
+    import subprocess
+
+    import typer
+
+    from fo_tune.calibrate.find import choose_calibration
+    from fo_tune.model.profiles import missing_curve
+
+    root = packaged_suite().parents[1]
+    log = tmp_path / "calls"
+    shim = tmp_path / "python"
+    shim.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$CALLS"\n')
+    shim.chmod(0o755)
+    env = {**os.environ, "FO_WORLD_SIZE": str(world), "PYTHON": str(shim), "CALLS": str(log)}
+    cmd = ["bash", str(root / "bench" / "tune.sh"), str(tmp_path / "out"), "plan"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    script, *args = log.read_text().splitlines()
+    assert script.endswith("cli.py") and args[0] == "search", args
+    command = typer.main.get_command(app)
+    ctx = command.make_context("fo-tune", ["search"], resilient_parsing=True)
+    search = command.get_command(ctx, "search")  # (the root command is a group)
+    params = search.make_context("search", args[1:], parent=ctx).params  # an unknown option raises
+    assert params["world_size"] == world and params["mode"] == "predict"
+    cal, _ = choose_calibration(None, "predict", world, "gloo", torch.device("cpu"))
+    assert cal is not None and cal.world_size == world
+    collectives = ",".join(params["collective"]).split(",")
+    assert "all_reduce" in collectives and ("all_gather" in collectives) == (world > 2)
+    assert not [gap for c in collectives if (gap := missing_curve(cal, c))]
+
+
 def test_script_inputs_narrow_a_space(tmp_path, capsys):
     """``space``: hopper.yaml with the profile's grids and the M-range search's ring chunks, the
     rest as it was; the written file loads; an engine the space leaves out or a bad list is exit

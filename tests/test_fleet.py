@@ -284,6 +284,9 @@ def test_lookup_takes_the_world_size_of_the_device_key(tmp_path: Path) -> None:
     miss = json.loads(runner.invoke(app, [*call, "-k", "no-such-key"]).stdout)
     assert miss["row"]["overlap"] is False and key8 in miss["other_device_keys"]
     assert "no table for the device key no-such-key" in miss["hint"]
+    # this machine's key at world size 8 has no table: the example key is the w8 one, not the w2 one
+    here = json.loads(runner.invoke(app, [*call, "-w", "8"]).stdout)
+    assert here["hint"].endswith(f"e.g. -k {key8}") and H200_KEY in here["other_device_keys"], here
     other = json.loads(runner.invoke(app, [*call, "-k", key8, "-d", "float16"]).stdout)
     assert "hint" not in other  # the key has tables, of another dtype: no key to suggest
     shown = runner.invoke(app, ["table", "show", "-c", "reduce_scatter", "-k", key8])

@@ -141,9 +141,10 @@ def _miss_hint(device_key: str, read: list[Path], given: bool) -> dict[str, Any]
     if read or device_key in known or not others:  # its tables hold other collectives or dtypes
         return {}
     whose = "the device key" if given else "this machine's device key"
+    example = others[0]  # (one of the call's world size where one has tables)
     return {
         "hint": f"no table for {whose} {device_key}; tables exist for "
-        f"{', '.join(others)}: pick one with -k KEY (--device-key), e.g. -k {others[0]}",
+        f"{', '.join(others)}: pick one with -k KEY (--device-key), e.g. -k {example}",
         "other_device_keys": others,
     }
 
