@@ -137,7 +137,7 @@ def _engines(
 def _run(
     request: SearchRequest, fp: Fingerprint, measurer: Any, rep: Reporter, t0: float, storage: Any | None
 ) -> SearchResult:
-    from fo_tune.tables.merge import merge_rows
+    from fo_tune.tables.merge import kept_measured, merge_rows
     from fo_tune.tables.stored import record_rows
 
     cpu = fp.compute_capability == "cpu"
@@ -187,9 +187,7 @@ def _run(
             world_size=request.world_size,
             dtype=request.dtype,
         )
-        # the measured rows a predicted one did not replace (merge_rows never replaces one)
-        now = {r.problem: r for r in merged.rows}
-        kept = [now[row.problem] for row in rows if now.get(row.problem) not in (None, row)]
+        kept = kept_measured(merged, rows)  # (a predicted row takes no M from a measured one)
     return SearchResult(
         request=request,
         fingerprint=fp,

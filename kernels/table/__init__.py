@@ -56,6 +56,7 @@ from fo_kernels.table.format import (
     check_header_for,
     load_table,
     row_kind,
+    row_rank,
     save_table,
     upgrade_v1_row,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "lookup_schedule",
     "read_table",
     "row_kind",
+    "row_rank",
     "save_table",
     "table_filename",
     "table_path",
