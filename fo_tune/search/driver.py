@@ -20,7 +20,7 @@ The study storage is opened (and so checked: ``fo_tune.search.storage``) before 
 is recorded in its study as soon as it is decided (``fo_tune.tables.stored``: what ``fo-tune
 table pull`` gathers from every worker of a fleet; an ``--m-range`` search records its range rows
 once they are placed), then merged into the table (``fo_tune.tables.merge.merge_rows``, under a
-file lock; a predicted row never replaces a measured one); the report
+file lock; a row takes only its own Ms, and a predicted row none of a measured one); the report
 (``fo_tune.search.report``) lists every trial.
 """
 

@@ -1,6 +1,8 @@
 """Merging rows into a table file under an inter-process lock, so several search workers (or several
-``fo-tune search`` runs) can write into the same file without losing rows; a predicted row
-(``fo_kernels.table.row_kind``) never replaces a measured one.
+``fo-tune search`` runs) can write into the same file without losing rows. A row takes only its
+own Ms from the rows it overlaps, which keep the rest (``fo_kernels.table.spans``, the MoE tables'
+rule too), so a merge loses no M a table covered; a row lookup takes first
+(``fo_kernels.table.row_rank``: a measured row before a predicted one) keeps its Ms.
 
 The lock is a second file beside the table, ``<table>.yaml.lock`` (``filelock``); the runtime never
 takes it, because tables are replaced by an atomic rename and a reader sees the old or the new file.
