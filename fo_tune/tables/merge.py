@@ -171,12 +171,15 @@ def merge_into(table: ScheduleTable, rows: Sequence[Schedule]) -> ScheduleTable:
     """``table`` with ``rows`` merged in, in order, by the merge rule (``fo_kernels.table.spans``):
     a row takes only its own Ms (one M, or its range) from the rows of its (N, K) it overlaps,
     exact or range, which keep the rest with their settings: a range is trimmed, split in two, or
-    removed when covered, an exact row removed when covered. A predicted row takes no M from a
-    measured one: it goes in over the Ms no measured row covers (in parts), or not at all. For
+    removed when covered, an exact row removed when covered. A row that lookup takes first
+    (``row_rank``: measured before predicted, then exact before range) keeps its Ms: a predicted
+    row goes in over the Ms no measured row holds (in parts, or not at all), and a measured range
+    around a measured exact row, while an exact row splits an older range of its kind. For
     ``reduce_scatter`` and ``all_gather`` every part is narrowed to the Ms divisible by the world
-    size, and a part without one is dropped. O((n + m) log(n + m)) for n rows and m new ones plus
-    the moves within one (N, K); the result is unique per problem, its ranges disjoint, and an M
-    no row covered before stays covered."""
+    size, and a part without one is dropped. O((n + m) log(n + m)) for n rows and m new ones, plus
+    the moves within one (N, K); no M a row held before is left without one, and no row it writes
+    overlaps another.
+    """
     step = table.world_size if table.collective in SHARDED_COLLECTIVES else 1
     buckets: dict[tuple[int, int], tuple[SpanRows[Schedule], SpanRows[Schedule]]] = {}
     for (n, k), group in itertools.groupby(table.rows, key=lambda r: (r.problem.n, r.problem.k)):
