@@ -130,12 +130,15 @@ def test_pull_keeps_measured_rows_over_predicted_ones(tmp_path: Path) -> None:
     target = tmp_path / "t" / H200_KEY / "all_reduce-w2-bfloat16.yaml"
     target.parent.mkdir(parents=True)
     target.write_bytes(packaged.read_bytes())
-    measured = load_table(target).find(4096, 8192, 4096)
+    before = load_table(target)
+    measured = before.find(4096, 8192, 4096)
     assert measured is not None and measured.provenance["mode"] != "predict"
     result = pull(storage, tmp_path / "t")
     assert result.exit_code == 0, result.output
-    assert "kept 1 measured row(s)" in result.stdout
+    # the exact row and the M range [2897,5792] both hold M=4096: both keep it
+    assert "kept 2 measured row(s)" in result.stdout
     assert load_table(target).find(4096, 8192, 4096) == measured
+    assert load_table(target).rows == before.rows
 
 
 def test_pull_from_an_empty_or_missing_storage(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.errors import FoTuneError, TableError
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint, make_device_key
 from fo_kernels.schedule import Problem, Schedule
-from fo_kernels.table import ScheduleTable, load_table, save_table, table_path
+from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_table, table_path
 from fo_kernels.table import paths as table_paths
 from fo_kernels.tile import Tile
 from fo_tune.engines.triton.defaults import default_schedule
@@ -527,26 +527,102 @@ def test_diff_command(runner: CliRunner, tmp_path: Path) -> None:
     assert "c.yaml" in line
 
 
-def test_merging_a_range_drops_the_ranges_it_overlaps(tmp_path):
-    """Re-tuning an M range (another LO:HI) never leaves overlapping range rows behind."""
-    fp = current_fingerprint("cpu", 2)
-    path = tmp_path / "t.yaml"
+def _layout(table: ScheduleTable, n: int) -> list[tuple[str, str]]:
+    """(M or [m_min,m_max], tag) of the rows of ``table`` with this N, in order."""
+    return [(r.problem.describe().split("x")[0], r.provenance["tag"]) for r in table.rows if r.problem.n == n]
 
-    def rng(lo: int, hi: int, tag: str) -> Schedule:
-        return Schedule(
-            collective="all_reduce",
-            dtype="float32",
-            world_size=2,
-            problem=Problem(m_min=lo, m_max=hi, n=96, k=48),
-            provenance={"tag": tag},
+
+def test_merging_keeps_every_m_newer_rows_over_their_own_ms(runner: CliRunner, tmp_path: Path) -> None:
+    """A new row takes only its own Ms; an older row it overlaps keeps the rest with its settings
+    (trimmed, split in two, or removed when covered), except a row lookup takes first (measured
+    before predicted, exact before range), which keeps its Ms; for reduce_scatter every part holds
+    the Ms divisible by the world size. One (N, K) per layout; the merged files validate,
+    round-trip and answer lookups by the rows that own each M."""
+    key = cpu_fp().device_key
+    path = table_path(tmp_path / "tables", key, **HEADER)
+
+    def rng(lo: int, hi: int, n: int, tag: str, mode: str = "measure", **changes: Any) -> Schedule:
+        return range_row(lo, hi, n=n, provenance={"tag": tag, "mode": mode}, **changes)
+
+    def exact(m: int, n: int, tag: str, mode: str = "measure") -> Schedule:
+        return dataclasses.replace(cpu_row(m, n=n), provenance={"tag": tag, "mode": mode})
+
+    merge(path, [rng(1, 256, 96, "a"), rng(257, 1024, 96, "b"), rng(1025, 4096, 96, "c")])
+    merge(
+        path,
+        [
+            rng(1, 4096, 128, "a", groups=(1, 2)),
+            exact(1500, 128, "x"),
+            exact(64, 160, "e"),
+            rng(100, 200, 160, "a"),
+            exact(300, 160, "p", "predict"),
+        ],
+    )
+    merge(path, [rng(1, 1000, 192, "m"), rng(1001, 3000, 192, "p", "predict")])
+    merge(path, [rng(1, 1000, 224, "p", "predict"), exact(1200, 224, "e")])
+    new = [
+        rng(1, 512, 96, "n1"),  # partial over a, b, c; covers a
+        rng(513, 2048, 96, "n2"),
+        rng(1000, 2000, 128, "n"),  # inside an older range: splits it; goes around a measured exact row
+        exact(3000, 128, "e"),  # an exact row inside a range splits it
+        rng(1, 1000, 160, "n"),  # covers a range and a predicted exact row, not a measured one
+        rng(500, 2000, 192, "q", "predict"),  # only the Ms no measured row holds
+        rng(1, 500, 224, "m"),  # a measured row over a predicted one
+        exact(1200, 224, "q", "predict"),  # a predicted row over a measured one: left out
+    ]
+    table = merge(path, new)
+    assert _layout(table, 96) == [("[1,512]", "n1"), ("[513,2048]", "n2"), ("[2049,4096]", "c")]
+    assert _layout(table, 128) == [
+        ("[1,999]", "a"), ("[1000,1499]", "n"), ("1500", "x"), ("[1501,2000]", "n"),
+        ("[2001,2999]", "a"), ("3000", "e"), ("[3001,4096]", "a"),
+    ]  # fmt: skip
+    assert _layout(table, 160) == [("[1,63]", "n"), ("64", "e"), ("[65,1000]", "n")]
+    assert _layout(table, 192) == [("[1,1000]", "m"), ("[1001,2000]", "q"), ("[2001,3000]", "p")]
+    assert _layout(table, 224) == [("[1,500]", "m"), ("[501,1000]", "p"), ("1200", "e")]
+    parts = {
+        (r.provenance["tag"], r.settings.groups)
+        for r in table.rows
+        if r.problem.n == 128 and r.problem.is_range
+    }
+    assert parts == {("a", (1, 2)), ("n", (3, 1))}  # each part keeps its row's settings
+
+    rs = {**HEADER, "collective": "reduce_scatter"}
+    rs_path = table_path(tmp_path / "tables", key, **rs)
+    old = [rng(2, 1024, 96, "a", **rs), rng(1026, 2048, 96, "b", **rs), rng(2, 1025, 128, "a", **rs)]
+    merge(rs_path, old, **rs)
+    new = [rng(100, 300, 96, "n", **rs), rng(1028, 2046, 96, "m", **rs), rng(2, 1024, 128, "n", **rs)]
+    rs_table = merge(rs_path, new, **rs)
+    # a keeps the even Ms of [2,99] and [301,1024], b those of [1026,1027] and [2047,2048]
+    assert _layout(rs_table, 96) == [
+        ("[2,98]", "a"), ("[100,300]", "n"), ("[302,1024]", "a"),
+        ("[1026,1026]", "b"), ("[1028,2046]", "m"), ("[2048,2048]", "b"),
+    ]  # fmt: skip
+    assert _layout(rs_table, 128) == [("[2,1024]", "n")]  # (a's [1025,1025] holds no even M)
+
+    for file, merged in ((path, table), (rs_path, rs_table)):
+        assert load_table(file) == merged  # round-trips
+        result = runner.invoke(app, ["table", "validate", str(file)])
+        assert result.exit_code == 0, result.output
+    found = {
+        (m, n): lookup_schedule("all_reduce", m, n, 48, dtype="bfloat16", world_size=2, device="cpu")
+        for m, n in (
+            (2500, 96),
+            (3000, 96),
+            (1200, 128),
+            (1500, 128),
+            (2500, 128),
+            (3000, 128),
+            (300, 160),
+            (1500, 192),
+            (2500, 192),
+            (1200, 224),
         )
-
-    kw = dict(collective="all_reduce", world_size=2, dtype="float32")
-    merge_rows(path, fp, [rng(1, 100, "a"), rng(101, 200, "b"), rng(201, 300, "c")], **kw)
-    table = merge_rows(path, fp, [rng(150, 250, "new")], **kw)
-    tags = [(r.problem.m_min, r.provenance["tag"]) for r in table.rows]
-    assert tags == [(1, "a"), (150, "new")]
-    assert validate_table(load_table(path)) == []
+    }
+    tags = {where: row.provenance["tag"] for where, row in found.items()}
+    assert tags == {
+        (2500, 96): "c", (3000, 96): "c", (1200, 128): "n", (1500, 128): "x", (2500, 128): "a",
+        (3000, 128): "e", (300, 160): "n", (1500, 192): "q", (2500, 192): "p", (1200, 224): "e",
+    }  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ measured first
@@ -560,7 +636,8 @@ def test_a_predicted_row_never_replaces_a_measured_one(tmp_path: Path) -> None:
     by_m = {row.problem.describe(): row for row in table.rows}
     assert by_m["64x96x48"].provenance["mode"] == "measure"  # kept
     assert by_m["128x96x48"].provenance["mode"] == "predict"  # nothing measured there: added
-    assert "[16,48]x96x48" not in by_m and "[1,32]x96x48" in by_m  # overlaps a measured range
+    assert by_m["[1,32]x96x48"].provenance["mode"] == "measure"  # a measured range keeps its Ms
+    assert by_m["[33,48]x96x48"].provenance["mode"] == "predict"  # the predicted range takes the rest
     # a measured row replaces a predicted one
     table = merge(path, [cpu_row(128, mode="hybrid", measured_ms=0.8)])
     assert {r.problem.describe(): r for r in table.rows}["128x96x48"].provenance["mode"] == "hybrid"

@@ -20,7 +20,7 @@ The study storage is opened (and so checked: ``fo_tune.search.storage``) before 
 is recorded in its study as soon as it is decided (``fo_tune.tables.stored``: what ``fo-tune
 table pull`` gathers from every worker of a fleet; an ``--m-range`` search records its range rows
 once they are placed), then merged into the table (``fo_tune.tables.merge.merge_rows``, under a
-file lock; a predicted row never replaces a measured one); the report
+file lock; a row takes only its own Ms, and a predicted row none of a measured one); the report
 (``fo_tune.search.report``) lists every trial.
 """
 
@@ -173,7 +173,7 @@ def _engines(
 def _run(
     request: SearchRequest, fp: Fingerprint, measurer: Any, rep: Reporter, t0: float, storage: Any | None
 ) -> SearchResult:
-    from fo_tune.tables.merge import merge_rows
+    from fo_tune.tables.merge import kept_measured, merge_rows
     from fo_tune.tables.stored import record_rows
 
     cpu = fp.compute_capability == "cpu"
@@ -220,9 +220,7 @@ def _run(
             world_size=request.world_size,
             dtype=request.dtype,
         )
-        # the measured rows a predicted one did not replace (merge_rows never replaces one)
-        now = {r.problem: r for r in merged.rows}
-        kept = [now[row.problem] for row in rows if now.get(row.problem) not in (None, row)]
+        kept = kept_measured(merged, rows)  # (a predicted row takes no M from a measured one)
     return SearchResult(
         request=request,
         fingerprint=fp,

@@ -100,7 +100,7 @@ class SearchResult:
     table: Path | None = None
     wall_s: float = 0.0
     storage: str = ""
-    kept: list[Schedule] = field(default_factory=list)  # measured rows a predicted one did not replace
+    kept: list[Schedule] = field(default_factory=list)  # measured rows that kept Ms over predicted ones
 
 
 def model_error(records: Sequence[TrialRecord]) -> tuple[float, float]:

@@ -1,6 +1,8 @@
 """Merging rows into a table file under an inter-process lock, so several search workers (or several
-``fo-tune search`` runs) can write into the same file without losing rows; a predicted row
-(``fo_kernels.table.row_kind``) never replaces a measured one.
+``fo-tune search`` runs) can write into the same file without losing rows. A row takes only its
+own Ms from the rows it overlaps, which keep the rest (``fo_kernels.table.spans``, the MoE tables'
+rule too), so a merge loses no M a table covered; a row lookup takes first
+(``fo_kernels.table.row_rank``: a measured row before a predicted one) keeps its Ms.
 
 The lock is a second file beside the table, ``<table>.yaml.lock`` (``filelock``); the runtime never
 takes it, because tables are replaced by an atomic rename and a reader sees the old or the new file.
@@ -9,22 +11,26 @@ takes it, because tables are replaced by an atomic rename and a reader sees the 
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from fo_kernels.errors import FoTuneError, TableError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
-from fo_kernels.moe.table import MoeRow, MoeTable, experts_key, rows_outside
-from fo_kernels.schedule import Problem, Schedule
+from fo_kernels.moe.table import MoeRow, MoeTable
+from fo_kernels.schedule import SHARDED_COLLECTIVES, Schedule
 from fo_kernels.table import (
     ScheduleTable,
     load_table,
     row_kind,
+    row_rank,
     save_table,
     table_filename,
 )
+from fo_kernels.table.spans import Span, SpanRows, put_row
 
 # The lock file beside a table: ``<table>.yaml.lock``.
 LOCK_SUFFIX = ".lock"
@@ -65,9 +71,8 @@ def merge_rows(
 
     Under the file lock ``<path>.lock`` it loads the table (or starts one with ``fingerprint`` and
     the header ``collective``/``world_size``/``dtype``), merges ``rows`` in, in order (``merge_into``:
-    a row replaces the row for the same problem, exact M or the identical M range; an M-range row
-    also replaces every range of its (N, K) that it overlaps, so re-tuning a range never leaves
-    overlapping ranges behind; the table stays unique per problem), saves it with
+    a row takes only its own Ms from the rows of its (N, K) it overlaps, which keep the rest, so
+    re-tuning a range loses no M the table covered and leaves no overlapping rows behind), saves it with
     ``fo_kernels.table.save_table`` (atomic rename) and returns the merged table. Processes merging
     into the same file concurrently therefore never lose each other's rows (as long as every writer
     goes through ``merge_rows``; a bare ``save_table`` is not serialised); readers never wait.
@@ -77,8 +82,8 @@ def merge_rows(
     kept from earlier merges stay (they may have been measured with older versions; record versions
     in their provenance where that matters, or re-tune).
 
-    A predicted row (provenance ``mode: predict``) is left out where the table has a measured row
-    for its problem (or, for an M range, a measured range it overlaps): measured beats predicted.
+    A predicted row (provenance ``mode: predict``) takes no M from a measured row: it goes in over
+    the Ms no measured row covers, or is left out; measured beats predicted.
 
     Raises ``TableError`` (one line, saying what to do) when a row's collective, dtype or world size
     differs from the header, when ``fingerprint`` is for another world size, when the file holds
@@ -146,56 +151,77 @@ def check_rows_header(rows: Sequence[Schedule], *, collective: str, world_size: 
                 )
 
 
-def _ranges_overlap(a: Problem, b: Problem) -> bool:
-    if not (a.is_range and b.is_range) or (a.n, a.k) != (b.n, b.k):
-        return False
-    assert a.m_min is not None and a.m_max is not None and b.m_min is not None and b.m_max is not None
-    return a.m_min <= b.m_max and b.m_min <= a.m_max
+def _m_span(row: Schedule) -> Span:
+    p = row.problem
+    return (p.m, p.m) if p.m is not None else (p.m_min, p.m_max)  # type: ignore[return-value]
+
+
+def _with_ms(row: Schedule, ms: Span) -> Schedule:
+    """``row`` (an M-range row) over the Ms ``ms`` with the same settings: a range row's settings
+    run any M in its range (its groups are relative weights)."""
+    return replace(row, problem=replace(row.problem, m_min=ms[0], m_max=ms[1]))
+
+
+def _outranks(rank: tuple[bool, bool], old: Schedule) -> bool:
+    """Whether lookup takes ``old`` before a row of rank ``rank`` (``row_rank``)."""
+    return row_rank(old) < rank
 
 
 def merge_into(table: ScheduleTable, rows: Sequence[Schedule]) -> ScheduleTable:
-    """``table`` with ``rows`` merged in, in order, by the merge rules (``merge_rows``): a row
-    replaces the row for its problem, an M-range row every range of its (N, K) it overlaps, and a
-    predicted row is left out where it would replace a measured one. O((n + m) log(n + m)) for n
-    rows and m new ones (ranges are compared within their (N, K) only); the result is unique per
-    problem, its ranges disjoint."""
-    by_problem: dict[Problem, Schedule] = {row.problem: row for row in table.rows}
-    ranges: dict[tuple[int, int], list[Problem]] = {}
-    for row in table.rows:
-        if row.problem.is_range:
-            ranges.setdefault((row.problem.n, row.problem.k), []).append(row.problem)
+    """``table`` with ``rows`` merged in, in order, by the merge rule (``fo_kernels.table.spans``):
+    a row takes only its own Ms (one M, or its range) from the rows of its (N, K) it overlaps,
+    exact or range, which keep the rest with their settings: a range is trimmed, split in two, or
+    removed when covered, an exact row removed when covered. A row that lookup takes first
+    (``row_rank``: measured before predicted, then exact before range) keeps its Ms: a predicted
+    row goes in over the Ms no measured row holds (in parts, or not at all), and a measured range
+    around a measured exact row, while an exact row splits an older range of its kind. For
+    ``reduce_scatter`` and ``all_gather`` every part is narrowed to the Ms divisible by the world
+    size, and a part without one is dropped. O((n + m) log(n + m)) for n rows and m new ones, plus
+    the moves within one (N, K); no M a row held before is left without one, and no row it writes
+    overlaps another.
+    """
+    step = table.world_size if table.collective in SHARDED_COLLECTIVES else 1
+    buckets: dict[tuple[int, int], tuple[SpanRows[Schedule], SpanRows[Schedule]]] = {}
+    for (n, k), group in itertools.groupby(table.rows, key=lambda r: (r.problem.n, r.problem.k)):
+        both = list(group)
+        exact = SpanRows([r for r in both if not r.problem.is_range], _m_span)
+        buckets[n, k] = (exact, SpanRows([r for r in both if r.problem.is_range], _m_span))
     for row in rows:
-        problem = row.problem
-        old = by_problem.get(problem)
-        same_nk = ranges.setdefault((problem.n, problem.k), []) if problem.is_range else []
-        overlapped = [p for p in same_nk if _ranges_overlap(p, problem)]
-        if row_kind(row) == "predicted" and any(
-            row_kind(by_problem[p]) == "measured" for p in [*([problem] if old else []), *overlapped]
-        ):
-            continue  # measured beats predicted
-        for p in overlapped:  # a new M range replaces every older range it overlaps
-            del by_problem[p]
-            same_nk.remove(p)
-        by_problem[problem] = row
-        if problem.is_range:
-            same_nk.append(problem)
-    return replace(table, rows=list(by_problem.values()))
+        nk = (row.problem.n, row.problem.k)
+        if nk not in buckets:
+            buckets[nk] = (SpanRows([], _m_span), SpanRows([], _m_span))
+        exact, ranges = buckets[nk]
+        into, beside = (ranges, exact) if row.problem.is_range else (exact, ranges)
+        put_row(row, into, [beside], respan=_with_ms, step=step, yields_to=partial(_outranks, row_rank(row)))
+    merged = [r for exact, ranges in buckets.values() for part in (exact, ranges) for r in part.rows]
+    return replace(table, rows=merged)
+
+
+def kept_measured(merged: ScheduleTable, rows: Sequence[Schedule]) -> list[Schedule]:
+    """The measured rows of ``merged`` (the result of merging ``rows``, none of them) that hold Ms
+    of a predicted row of ``rows``: the rows that kept those Ms over it (what a search or a pull
+    reports). Each once, in table order."""
+    ours = {id(row) for row in rows}
+    predicted: dict[tuple[int, int], list[Span]] = {}
+    for row in rows:
+        if row_kind(row) == "predicted":
+            predicted.setdefault((row.problem.n, row.problem.k), []).append(_m_span(row))
+    out = []
+    for row in merged.rows:
+        if id(row) in ours or row_kind(row) != "measured":
+            continue
+        lo, hi = _m_span(row)
+        if any(a <= hi and lo <= b for a, b in predicted.get((row.problem.n, row.problem.k), ())):
+            out.append(row)
+    return out
 
 
 def merge_moe_into(table: MoeTable, rows: Sequence[MoeRow]) -> MoeTable:
-    """``table`` with the MoE ``rows`` merged in, in order, keeping every token count either covers:
-    a row takes its token range from the rows of its experts' shape it overlaps, which keep the
-    tokens outside it (``MoeTable.upsert``; the same bucket is replaced outright), except that a
-    predicted row takes no tokens from a measured one (it is put in over the tokens no measured
-    row covers, or left out). The result has no two rows of one experts' shape overlapping."""
+    """``table`` with the MoE ``rows`` merged in, in order, by the merge rule (``MoeTable.upsert``
+    with ``measured_first``): a row takes its token range from the rows of its experts' shape it
+    overlaps, which keep the tokens outside it, and a predicted row takes no tokens from a
+    measured one (it is put in over the tokens no measured row covers, or left out). The result
+    has no two rows of one experts' shape overlapping."""
     for row in rows:
-        pieces = [row]
-        if row.kind == "predicted":
-            key = experts_key(row.schedule.problem)
-            for old in table.rows:
-                p = old.schedule.problem
-                if old.kind == "measured" and experts_key(p) == key:
-                    pieces = [part for piece in pieces for part in rows_outside(piece, p)]
-        for piece in pieces:
-            table.upsert(piece)
+        table.upsert(row, measured_first=True)
     return table

@@ -4,9 +4,9 @@ into a table folder with the rules every merge follows (``fo_tune.tables.merge``
 The fleet's workers record their decided rows in their studies (``fo_tune.tables.stored``);
 ``pull_tables`` reads every record, groups the rows by table (device key, collective, world size,
 dtype) and merges each group, oldest record first, into ``<table_dir>/<device key>/<file>``
-under the table's file lock: a row replaces the row for its problem, an M range every range it
-overlaps, and a predicted row never replaces a measured one (from the storage or already in the
-file). The header's fingerprint is the newest record's of that table.
+under the table's file lock (``merge_rows``): a row takes only its own Ms from the rows it
+overlaps, which keep the rest, and a predicted row takes no M from a measured one (from the
+storage or already in the file). The header's fingerprint is the newest record's of that table.
 
 A record holds a dense table's rows: `fo-tune search -c moe` plans the MoE table offline and
 records no study, so the MoE tables (``moe-w<W>-<dtype>.yaml``) in ``table_dir`` are left as they are.
@@ -20,15 +20,16 @@ from typing import Any
 
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
-from fo_kernels.table import row_kind, table_path
-from fo_tune.tables.merge import merge_rows
+from fo_kernels.table import table_path
+from fo_tune.tables.merge import kept_measured, merge_rows
 from fo_tune.tables.stored import StoredRows, stored_rows
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PulledTable:
     """One table file ``pull_tables`` wrote: how many rows came from how many studies, how many the
-    file holds now, and the measured rows a predicted one from the storage did not replace."""
+    file holds now, and the measured rows that kept Ms a predicted row from the storage was for
+    (``kept_measured``)."""
 
     path: Path
     device_key: str
@@ -66,14 +67,7 @@ def pull_tables(storage: Any, table_dir: Path) -> list[PulledTable]:
         rows: list[Schedule] = [row for record in records for row in record.rows]
         path = table_path(table_dir, device_key, collective, world_size, dtype)
         table = merge_rows(path, fingerprint, rows, collective=collective, world_size=world_size, dtype=dtype)
-        now = {row.problem: row for row in table.rows}
-        kept = {
-            row.problem
-            for row in rows
-            if row_kind(row) == "predicted"
-            and row.problem in now
-            and row_kind(now[row.problem]) == "measured"
-        }
+        kept = kept_measured(table, rows)
         out.append(
             PulledTable(
                 path=path,

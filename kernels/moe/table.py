@@ -47,6 +47,7 @@ from fo_kernels.moe.routing import MOE_DTYPES
 from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
 from fo_kernels.table.format import check_fingerprint, read_table_data
 from fo_kernels.table.paths import TABLE_DIR_ENV, check_name, table_search_path
+from fo_kernels.table.spans import Span, SpanRows, put_row
 from fo_kernels.table.text import dump_table_text
 
 MOE_TABLE_SCHEMA_VERSION = 1
@@ -120,13 +121,20 @@ class MoeTable:
                 )
         self.rows = _sorted_rows(self.rows)
 
-    def upsert(self, row: MoeRow) -> None:
-        """Put ``row`` in over its token range: a row of its experts' shape that it overlaps keeps
-        the tokens outside that range (``rows_outside``: trimmed, split in two, or gone when
-        ``row`` covers all of it), so every token count the table covered keeps a row."""
-        p = row.schedule.problem
-        keep = [piece for r in self.rows for piece in rows_outside(r, p)]
-        self.rows = _sorted_rows([*keep, row])
+    def upsert(self, row: MoeRow, *, measured_first: bool = False) -> list[MoeRow]:
+        """Put ``row`` in over its token range by the merge rule (``fo_kernels.table.spans``): a
+        row of its experts' shape that it overlaps keeps the tokens outside that range (trimmed,
+        split in two, or gone when ``row`` covers all of it), so every token count the table
+        covered keeps a row. With ``measured_first`` a predicted row takes no tokens from a
+        measured one: it goes in over the tokens no measured row covers, or not at all. Returns
+        the rows put in (``row`` or its parts)."""
+        key = experts_key(row.schedule.problem)
+        same = SpanRows([r for r in self.rows if experts_key(r.schedule.problem) == key], _tokens)
+        yields = _measured if measured_first and row.kind == "predicted" else None
+        placed = put_row(row, same, respan=_with_tokens, yields_to=yields)
+        others = [r for r in self.rows if experts_key(r.schedule.problem) != key]
+        self.rows = _sorted_rows([*others, *same.rows])
+        return placed
 
     def find_row(self, key: ExpertsKey, tokens: int, *, kind: str | None = None) -> MoeRow | None:
         """The row of ``key`` whose token range holds ``tokens`` (of ``kind`` when given)."""
@@ -193,27 +201,22 @@ def _overlap(a: MoeProblem, b: MoeProblem) -> bool:
     return same and a.tokens_min <= b.tokens_max and b.tokens_min <= a.tokens_max
 
 
-def rows_outside(row: MoeRow, problem: MoeProblem) -> list[MoeRow]:
-    """The parts of ``row`` outside ``problem``'s token range: ``[row]`` for another experts'
-    shape or a disjoint range, else 0, 1 or 2 rows with the same schedule settings and provenance
-    over the tokens ``problem`` leaves (below its ``tokens_min``, above its ``tokens_max``). A part
-    keeps its row's settings: a schedule runs any tokens in its range, and a smaller
-    ``tokens_max`` only makes the copy engine's buffers smaller."""
+def _tokens(row: MoeRow) -> Span:
+    p = row.schedule.problem
+    return (p.tokens_min, p.tokens_max)
+
+
+def _with_tokens(row: MoeRow, tokens: Span) -> MoeRow:
+    """``row`` over the tokens ``tokens`` with the same settings and provenance: a schedule runs
+    any tokens in its range, and a smaller ``tokens_max`` only makes the copy engine's buffers
+    smaller."""
     own = row.schedule.problem
-    if not _overlap(own, problem):
-        return [row]
-    ranges = []
-    if own.tokens_min < problem.tokens_min:
-        ranges.append((own.tokens_min, problem.tokens_min - 1))
-    if own.tokens_max > problem.tokens_max:
-        ranges.append((problem.tokens_max + 1, own.tokens_max))
-    return [
-        MoeRow(
-            schedule=replace(row.schedule, problem=replace(own, tokens_min=lo, tokens_max=hi)),
-            provenance=dict(row.provenance),
-        )
-        for lo, hi in ranges
-    ]
+    problem = replace(own, tokens_min=tokens[0], tokens_max=tokens[1])
+    return MoeRow(schedule=replace(row.schedule, problem=problem), provenance=dict(row.provenance))
+
+
+def _measured(row: MoeRow) -> bool:
+    return row.kind == "measured"
 
 
 def _sorted_rows(rows: Sequence[MoeRow]) -> list[MoeRow]:

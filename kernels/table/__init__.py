@@ -1,6 +1,6 @@
 """YAML schedule tables: where they live (``paths``), their format, loading and saving (``format``;
 the text ``text``), the index rows are found by (``index``), the runtime's view of a file
-(``loaded``) and the runtime lookup (``lookup``).
+(``loaded``), the runtime lookup (``lookup``) and the rule merges put rows in by (``spans``).
 
 One file per (device key, collective, world size, dtype),
 ``<root>/<device_key>/<collective>-w<world_size>-<dtype>.yaml`` (collective ``all_reduce``,
@@ -56,6 +56,7 @@ from fo_kernels.table.format import (
     check_header_for,
     load_table,
     row_kind,
+    row_rank,
     save_table,
     upgrade_v1_row,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "lookup_schedule",
     "read_table",
     "row_kind",
+    "row_rank",
     "save_table",
     "table_filename",
     "table_path",

@@ -341,3 +341,9 @@ def row_kind(row: Schedule) -> str:
     """``predicted`` for a row the cost model alone chose (provenance ``mode: predict``), else
     ``measured`` (a measured search's row, or one written by hand)."""
     return "predicted" if row.provenance.get("mode") == "predict" else "measured"
+
+
+def row_rank(row: Schedule) -> tuple[bool, bool]:
+    """Where ``lookup_schedule`` ranks ``row`` among the rows that hold an M, lower first
+    (``best_match``): measured before predicted, then exact before M range."""
+    return (row_kind(row) == "predicted", row.problem.is_range)
