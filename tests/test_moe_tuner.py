@@ -8,6 +8,7 @@ import json
 import os
 import tempfile
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,24 @@ def test_predicted_rows_never_replace_measured_ones(tmp_path):
     # the predicted rows fill only the tokens no measured row covers
     rows = load_moe_table(path).rows
     assert _ranges(rows) == [(0, 512, "copy_engine", "measured"), (513, 2048, None, "predicted")]
+
+
+def test_extrapolated_rows_take_no_tokens_from_rows_of_the_machines_own_calibration(tmp_path):
+    fp = current_fingerprint("cpu", 2)
+    ce = {"engine": "copy_engine", "chunks": 2}
+    own = _table(fp, (0, 512, ce, "predict")).rows
+    write_moe_rows(tmp_path, fp, own, world_size=2, dtype="float32")
+    extrapolated = _table(fp, (0, 1024, {}, "predict")).rows
+    extrapolated = [replace(r, provenance={**r.provenance, "basis": "extrapolated"}) for r in extrapolated]
+    path = write_moe_rows(tmp_path, fp, extrapolated, world_size=2, dtype="float32")
+    rows = load_moe_table(path).rows
+    assert _ranges(rows) == [(0, 512, "copy_engine", "predicted"), (513, 1024, None, "predicted")]
+    assert [r.provenance.get("basis") for r in rows] == [None, "extrapolated"]
+    # a row of the machine's own calibration takes its tokens back
+    path = write_moe_rows(
+        tmp_path, fp, _table(fp, (0, 2048, {}, "predict")).rows, world_size=2, dtype="float32"
+    )
+    assert [r.provenance.get("basis") for r in load_moe_table(path).rows] == [None]
 
 
 def test_merging_keeps_every_bucket_newer_rows_over_their_own_tokens(tmp_path):

@@ -668,6 +668,36 @@ def test_a_rows_basis_is_written_loaded_and_kept_by_merge(tmp_path: Path) -> Non
     assert best_row([table], 128, 96, 48) == measured
     table = merge(path, [planned])  # a predicted row never replaces a measured one
     assert best_row([load_table(path)], 128, 96, 48) == measured
+    # a row that rests on another machine's calibration takes no M from one of this machine's
+    # own, which takes its Ms back from it
+    table = merge(path, [dataclasses.replace(cpu_row(256, mode="predict", predicted_ms=0.5), basis=basis)])
+    assert best_row([table], 256, 96, 48) == plain
+    table = merge(
+        path, [dataclasses.replace(range_row(200, 300, provenance={"mode": "predict"}), basis=basis)]
+    )
+    assert best_row([table], 256, 96, 48) == plain
+    assert best_row([table], 300, 96, 48).basis == basis
+    own = range_row(250, 400, provenance={"mode": "predict"})
+    table = merge(path, [own])
+    assert best_row([table], 300, 96, 48).problem.describe() == "[257,400]x96x48"  # (around 256)
+    assert best_row([table], 300, 96, 48).basis == "" and best_row([table], 200, 96, 48).basis == basis
+
+
+def test_predicted_rows_keep_the_fingerprint_of_a_tables_measured_rows(tmp_path: Path) -> None:
+    """The runtime's version-drift warning compares against the header: predicted rows (of a
+    calibration made elsewhere, or with other versions) merged into a table of measured rows leave
+    it; measured rows, or predicted rows into a table without measured ones, set it."""
+    path = tmp_path / "t.yaml"
+    ours, theirs = cpu_fp(), dataclasses.replace(cpu_fp(), torch="0.0-elsewhere")
+    merge(path, [cpu_row(64, mode="measure", measured_ms=1.0)], fp=ours)
+    merge(path, [cpu_row(128, mode="predict", predicted_ms=0.7)], fp=theirs)
+    assert load_table(path).fingerprint == ours
+    merge(path, [cpu_row(256, mode="measure", measured_ms=1.0)], fp=theirs)
+    assert load_table(path).fingerprint == theirs
+    fresh = tmp_path / "p.yaml"
+    merge(fresh, [cpu_row(128, mode="predict")], fp=ours)
+    merge(fresh, [cpu_row(256, mode="predict")], fp=theirs)
+    assert load_table(fresh).fingerprint == theirs
 
 
 def test_show_marks_predicted_rows(runner: CliRunner, tmp_path: Path) -> None:

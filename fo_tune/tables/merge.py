@@ -83,7 +83,11 @@ def merge_rows(
     in their provenance where that matters, or re-tune).
 
     A predicted row (provenance ``mode: predict``) takes no M from a measured row: it goes in over
-    the Ms no measured row covers, or is left out; measured beats predicted.
+    the Ms no measured row covers, or is left out; measured beats predicted, and a predicted row of
+    the machine's own calibration beats one with a ``basis`` (``merge_rank``). Predicted rows alone
+    merged into a table that holds measured rows leave its fingerprint as it is: the versions the
+    runtime's drift warning compares against stay those its measured rows ran with (a predicted
+    row's calibration is in its provenance).
 
     Raises ``TableError`` (one line, saying what to do) when a row's collective, dtype or world size
     differs from the header, when ``fingerprint`` is for another world size, when the file holds
@@ -128,7 +132,9 @@ def merge_rows(
                     f"{path}: the table is for other hardware ({mismatch}); merge the rows into the "
                     f"table of {fingerprint.device_key}, or move this file away to start a new one"
                 )
-            table = merge_into(replace(table, fingerprint=fingerprint), rows)
+            if not _keeps_header(table, rows):
+                table = replace(table, fingerprint=fingerprint)
+            table = merge_into(table, rows)
             save_table(table, path)
     except Timeout:
         raise TableLockTimeout(
@@ -136,6 +142,13 @@ def merge_rows(
             f"{lock_timeout_s:g} s; wait for it to finish (or stop it) and merge again"
         ) from None
     return table
+
+
+def _keeps_header(table: ScheduleTable, rows: Sequence[Schedule]) -> bool:
+    """Whether merging ``rows`` leaves ``table``'s fingerprint: they are all predicted and it holds
+    a measured row (whose versions the header records)."""
+    predicted_only = all(row_kind(row) == "predicted" for row in rows)
+    return predicted_only and any(row_kind(row) == "measured" for row in table.rows)
 
 
 def check_rows_header(rows: Sequence[Schedule], *, collective: str, world_size: int, dtype: str) -> None:
@@ -162,9 +175,19 @@ def _with_ms(row: Schedule, ms: Span) -> Schedule:
     return replace(row, problem=replace(row.problem, m_min=ms[0], m_max=ms[1]))
 
 
-def _outranks(rank: tuple[bool, bool], old: Schedule) -> bool:
-    """Whether lookup takes ``old`` before a row of rank ``rank`` (``row_rank``)."""
-    return row_rank(old) < rank
+def merge_rank(row: Schedule) -> tuple[bool, bool, bool]:
+    """Where a merge ranks ``row`` among rows that hold an M, lower first: measured, then a
+    predicted row of its machine's own calibration, then one that rests on another's (its
+    ``basis``: an extrapolated calibration, a sibling GPU's profile); within one rank as lookup
+    takes them (``row_rank``: exact before range). A predicted table row and an extrapolated one
+    never share an M after a merge, so lookup needs no third rank."""
+    predicted, is_range = row_rank(row)
+    return (predicted, predicted and bool(row.basis), is_range)
+
+
+def _outranks(rank: tuple[bool, bool, bool], old: Schedule) -> bool:
+    """Whether a merge keeps ``old``'s Ms over a row of rank ``rank`` (``merge_rank``)."""
+    return merge_rank(old) < rank
 
 
 def merge_into(table: ScheduleTable, rows: Sequence[Schedule]) -> ScheduleTable:
@@ -174,7 +197,8 @@ def merge_into(table: ScheduleTable, rows: Sequence[Schedule]) -> ScheduleTable:
     removed when covered, an exact row removed when covered. A row that lookup takes first
     (``row_rank``: measured before predicted, then exact before range) keeps its Ms: a predicted
     row goes in over the Ms no measured row holds (in parts, or not at all), and a measured range
-    around a measured exact row, while an exact row splits an older range of its kind. For
+    around a measured exact row, while an exact row splits an older range of its kind; a predicted
+    row with a ``basis`` takes no M from one without (``merge_rank``). For
     ``reduce_scatter`` and ``all_gather`` every part is narrowed to the Ms divisible by the world
     size, and a part without one is dropped. O((n + m) log(n + m)) for n rows and m new ones, plus
     the moves within one (N, K); no M a row held before is left without one, and no row it writes
@@ -192,7 +216,9 @@ def merge_into(table: ScheduleTable, rows: Sequence[Schedule]) -> ScheduleTable:
             buckets[nk] = (SpanRows([], _m_span), SpanRows([], _m_span))
         exact, ranges = buckets[nk]
         into, beside = (ranges, exact) if row.problem.is_range else (exact, ranges)
-        put_row(row, into, [beside], respan=_with_ms, step=step, yields_to=partial(_outranks, row_rank(row)))
+        put_row(
+            row, into, [beside], respan=_with_ms, step=step, yields_to=partial(_outranks, merge_rank(row))
+        )
     merged = [r for exact, ranges in buckets.values() for part in (exact, ranges) for r in part.rows]
     return replace(table, rows=merged)
 

@@ -35,6 +35,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -126,11 +127,12 @@ class MoeTable:
         row of its experts' shape that it overlaps keeps the tokens outside that range (trimmed,
         split in two, or gone when ``row`` covers all of it), so every token count the table
         covered keeps a row. With ``measured_first`` a predicted row takes no tokens from a
-        measured one: it goes in over the tokens no measured row covers, or not at all. Returns
+        measured one, nor an extrapolated one (provenance ``basis``) from a predicted one of its
+        machine's own calibration: it goes in over the tokens no such row covers, or not at all. Returns
         the rows put in (``row`` or its parts)."""
         key = experts_key(row.schedule.problem)
         same = SpanRows([r for r in self.rows if experts_key(r.schedule.problem) == key], _tokens)
-        yields = _measured if measured_first and row.kind == "predicted" else None
+        yields = partial(_outranks, _rank(row)) if measured_first else None
         placed = put_row(row, same, respan=_with_tokens, yields_to=yields)
         others = [r for r in self.rows if experts_key(r.schedule.problem) != key]
         self.rows = _sorted_rows([*others, *same.rows])
@@ -215,8 +217,16 @@ def _with_tokens(row: MoeRow, tokens: Span) -> MoeRow:
     return MoeRow(schedule=replace(row.schedule, problem=problem), provenance=dict(row.provenance))
 
 
-def _measured(row: MoeRow) -> bool:
-    return row.kind == "measured"
+def _rank(row: MoeRow) -> tuple[bool, bool]:
+    """Where a merge ranks ``row``, lower first: measured, then predicted from its machine's own
+    calibration, then predicted from another's (provenance ``basis``: an extrapolated one)."""
+    predicted = row.kind == "predicted"
+    return (predicted, predicted and bool(row.provenance.get("basis")))
+
+
+def _outranks(rank: tuple[bool, bool], old: MoeRow) -> bool:
+    """Whether ``old`` keeps its tokens over a row of rank ``rank`` (``_rank``)."""
+    return _rank(old) < rank
 
 
 def _sorted_rows(rows: Sequence[MoeRow]) -> list[MoeRow]:
