@@ -184,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     parser.add_argument(
-        "--model", choices=MODELS, default="mixtral", help="the decoder's transformers model (default: mixtral)"
+        "--model",
+        choices=MODELS,
+        default="mixtral",
+        help="the decoder's transformers model (default: mixtral)",
     )
     parser.add_argument(
         "--backend", choices=["nccl", "gloo"], help="default: nccl with a GPU per rank, else gloo"
