@@ -17,6 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,6 +29,8 @@ from fo_tune.ranks.timing import Timing
 from fo_tune.ranks.trials import OverlapTrialTask, SequentialTask
 
 ROUNDS = 7
+# The ranks the schedules are timed on: the H200 x2 searches' world size.
+WORLD = 2
 
 
 def best_schedules(path: Path) -> dict[str, tuple[Schedule, int]]:
@@ -42,15 +45,34 @@ def best_schedules(path: Path) -> dict[str, tuple[Schedule, int]]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("exhaustive", type=Path)
-    ap.add_argument("hybrid", type=Path)
-    ap.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder to write")
-    args = ap.parse_args()
-    exh, hyb = best_schedules(args.exhaustive), best_schedules(args.hybrid)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0] + f" Needs {WORLD} CUDA GPUs (the searches' world size)."
+    )
+    ap.add_argument("exhaustive", type=Path, help="summary.yaml of the exhaustive search (fo-tune search)")
+    ap.add_argument("hybrid", type=Path, help="summary.yaml of the hybrid search")
+    ap.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="folder to write hybrid_vs_exhaustive.csv into"
+    )
+    args = ap.parse_args(argv)
+    bests = []
+    for path in (args.exhaustive, args.hybrid):
+        try:
+            bests.append(best_schedules(path))
+        except OSError as exc:
+            ap.error(f"{path}: {exc.strerror}")
+        except (yaml.YAMLError, KeyError, TypeError) as exc:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            ap.error(f"{path}: not a search's summary.yaml ({type(exc).__name__}: {first})")
+    exh, hyb = bests
+    if not set(exh) & set(hyb):
+        ap.error("the two summaries share no shape with a best schedule")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < WORLD:
+        print(f"needs {WORLD} CUDA GPUs ({gpus} visible): the schedules are timed on them", file=sys.stderr)
+        return 2
     rows = []
-    with open_pool(2) as pool:
+    with open_pool(WORLD) as pool:
         device_key = pool.run(FingerprintTask())[0].device_key
         for shape in sorted(set(exh) & set(hyb)):
             m, n, k = map(int, shape.split("x"))
@@ -90,7 +112,8 @@ def main() -> None:
             f"{r['hybrid_over_exhaustive']:.3f}, sequential {r['sequential_ms']:.3f} ms, "
             f"same schedule: {r['same_schedule']}"
         )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

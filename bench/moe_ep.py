@@ -43,6 +43,10 @@ NCCL_CAP = 16
 CHECK_TOL = {"bfloat16": 2e-2, "float32": 1e-4}
 SHAPE_COLUMNS = ("model", "world", "tokens", "hidden", "intermediate", "experts_local", "top_k", "dtype")
 RUN_COLUMNS = ("backend", "gpu", "torch", "time")
+# The packaged suite: six public MoE models' expert shapes.
+SUITE = Path(__file__).resolve().parents[1] / "suites" / "moe" / "experts.yaml"
+# A CPU run that ends in minutes: the suite's layouts with H and I / 64, 16 tokens a rank, 2 rounds.
+CPU_SMOKE = "--scale 64 --tokens 16 --rounds 2"
 COLUMNS = (*SHAPE_COLUMNS, "backward", "variant", "median_ms", "iqr_ms", "x_sequential", *RUN_COLUMNS)
 
 
@@ -123,29 +127,64 @@ def rank_task(ctx, payload: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--world-size", type=int, default=None, help="default: the GPUs, else 2 (gloo)")
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--out", required=True, help="folder to write moe_ep.csv into (made if missing)")
     parser.add_argument(
-        "--suite", default=str(Path(__file__).resolve().parents[1] / "suites" / "moe" / "experts.yaml")
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks = EP (default: the GPUs if 2 or more, else 2 on gloo)",
+    )
+    parser.add_argument(
+        "--suite", default=str(SUITE), help="the models' expert shapes (default: %(default)s)"
     )
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: the suite's)")
-    parser.add_argument("--scale", type=int, default=1, help="divide H and I by this")
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--dtype", choices=sorted(CHECK_TOL), default=None, help="default: bf16 on GPUs")
+    parser.add_argument(
+        "--scale",
+        type=int,
+        default=None,
+        help="divide H and I by this (default 1; on the CPU it must be given)",
+    )
+    parser.add_argument("--rounds", type=int, default=30, help="timing rounds (default: %(default)s)")
+    parser.add_argument(
+        "--dtype", choices=sorted(CHECK_TOL), default=None, help="default: bf16 on GPUs, else fp32"
+    )
     parser.add_argument("--backward", action="store_true", help="time forward and backward")
     args = parser.parse_args(argv)
+    for name in ("world_size", "tokens", "scale", "rounds"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     world = args.world_size or (gpus if gpus >= 2 else 2)
     backend = "nccl" if gpus >= world else "gloo"
+    if backend == "gloo" and args.scale is None:
+        print(
+            f"on the CPU (gloo, {gpus} GPUs for {world} ranks) the suite's full shapes take hours in "
+            f"Triton's interpreter: give --scale (a smoke run: {CPU_SMOKE}), or run on {world} GPUs",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        suite = yaml.safe_load(Path(args.suite).read_text())
+    except OSError as exc:
+        parser.error(f"--suite: {exc.strerror}: {args.suite}")
+    models = [m for m in suite["models"] if m["experts"] % world == 0]
+    if not models:
+        experts = ", ".join(f"{m['name']} {m['experts']}" for m in suite["models"])
+        parser.error(f"--world-size {world} divides no model's experts ({experts}): EP must divide E")
+    skipped = [f"{m['name']} ({m['experts']} experts)" for m in suite["models"] if m not in models]
+    if skipped:
+        print(f"skipped, EP {world} does not divide their experts: {', '.join(skipped)}", file=sys.stderr)
+    smallest = min(min(m["hidden"], m["intermediate"]) for m in models)
+    if args.scale and smallest < args.scale:
+        parser.error(f"--scale {args.scale} leaves no column of the smallest H or I ({smallest})")
     os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
     from fo_tune.ranks.launch import run_ranks
 
-    suite = yaml.safe_load(Path(args.suite).read_text())
-    models = [m for m in suite["models"] if m["experts"] % world == 0]
     payload = dict(
-        models=models, tokens=args.tokens or suite["tokens"], scale=args.scale, rounds=args.rounds,
+        models=models, tokens=args.tokens or suite["tokens"], scale=args.scale or 1, rounds=args.rounds,
         dtype=args.dtype or ("bfloat16" if backend == "nccl" else "float32"), backward=args.backward,
     )  # fmt: skip
     rows = run_ranks(rank_task, world, payload, backend=backend)[0]
@@ -155,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     base = {r["model"]: r["median_ms"] for r in rows if r["variant"] == "sequential"}
     for r in rows:
-        r.update(run, x_sequential=round(base[r["model"]] / r["median_ms"], 3))
-        print(f"{r['model']:<18} w{world} {r['variant']:<12} {r['median_ms']:.3f} ms  x sequential ", end="")
-        print(r["x_sequential"])
+        r.update(run, x_sequential=base[r["model"]] / r["median_ms"])  # unrounded in the CSV
+        print(f"{r['model']:<18} w{world} {r['variant']:<12} {r['median_ms']:.3f} ms  ", end="")
+        print(f"x sequential {r['x_sequential']:.3f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "moe_ep.csv"

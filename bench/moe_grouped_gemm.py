@@ -51,6 +51,8 @@ TILES = (
     Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
     Tile(block_m=64, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
 )
+# The packaged suite: six public MoE models' expert shapes.
+SUITE = Path(__file__).resolve().parents[1] / "suites" / "moe" / "experts.yaml"
 TILE_SAMPLES = 3  # samples of each tile alone, to pick one
 CHECK_TOL = 2e-2  # bf16 against torch._grouped_mm (the dense ops' bf16 tolerance)
 COLUMNS = (
@@ -186,35 +188,51 @@ def bench_shape(model: dict, ep: int, tokens: int, rounds: int, calls: int, seed
                 model=model["name"], ep=ep, experts_local=local, rows=rows, hidden=h, intermediate=inter
             )
             fo_ms = med["fo"]
-            out.append(
-                {**shape, "variant": name, "tile": tile, "lib_ms": round(lib_ms, 4), "fo_ms": round(fo_ms, 4),
-                 "x_lib": round(lib_ms / fo_ms, 3)}
-            )  # fmt: skip
+            times = {"lib_ms": lib_ms, "fo_ms": fo_ms, "x_lib": lib_ms / fo_ms}  # unrounded in the CSV
+            out.append({**shape, "variant": name, "tile": tile, **times})
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument(
-        "--suite", default=str(Path(__file__).resolve().parents[1] / "suites" / "moe" / "experts.yaml")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0] + " Needs a CUDA GPU with torch._grouped_mm."
     )
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--calls", type=int, default=10, help="calls per graph replay (a sample)")
+    parser.add_argument(
+        "--out", required=True, help="folder to write moe_grouped_gemm.csv into (made if missing)"
+    )
+    parser.add_argument(
+        "--suite", default=str(SUITE), help="the models' expert shapes (default: %(default)s)"
+    )
+    parser.add_argument("--rounds", type=int, default=20, help="timing rounds (default: %(default)s)")
+    parser.add_argument(
+        "--calls", type=int, default=10, help="calls per graph replay, a sample (default: %(default)s)"
+    )
     parser.add_argument("--models", default="", help="comma-separated model names (default: all)")
     parser.add_argument("--ep", default="", help="comma-separated EP sizes (default: the suite's)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
-        print("needs a CUDA GPU and torch._grouped_mm (torch >= 2.8)", file=sys.stderr)
-        return 2
-    suite = yaml.safe_load(Path(args.suite).read_text())
+    for name in ("rounds", "calls"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    try:
+        suite = yaml.safe_load(Path(args.suite).read_text())
+    except OSError as exc:
+        parser.error(f"--suite: {exc.strerror}: {args.suite}")
     names = [m["name"] for m in suite["models"]]
     wanted = [n for n in args.models.split(",") if n]
     unknown = [n for n in wanted if n not in names]
     if unknown:
-        print(f"unknown model {unknown[0]!r}: the suite has {', '.join(names)}", file=sys.stderr)
+        parser.error(f"--models: unknown model {unknown[0]!r}: the suite has {', '.join(names)}")
+    try:
+        eps = [int(e) for e in args.ep.split(",") if e] or suite["ep"]
+    except ValueError:
+        parser.error(f"--ep: {args.ep!r} is not a comma-separated list of whole numbers")
+    for model in (m for m in suite["models"] if m["name"] in (wanted or names)):
+        for ep in eps:
+            if ep < 1 or model["experts"] % ep:  # E / EP experts a rank
+                parser.error(f"--ep {ep} does not divide {model['name']}'s {model['experts']} experts")
+    if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
+        print("needs a CUDA GPU and torch._grouped_mm (torch >= 2.8)", file=sys.stderr)
         return 2
-    eps = [int(e) for e in args.ep.split(",") if e] or suite["ep"]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     import triton

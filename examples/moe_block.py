@@ -183,7 +183,12 @@ def spawned(rank: int, kind: str, world: int, backend: str, store: str, queue) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    parser.add_argument("--model", choices=MODELS, default="mixtral")
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="mixtral",
+        help="the decoder's transformers model (default: mixtral)",
+    )
     parser.add_argument(
         "--backend", choices=["nccl", "gloo"], help="default: nccl with a GPU per rank, else gloo"
     )

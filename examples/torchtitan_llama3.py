@@ -190,13 +190,37 @@ def spawned(rank: int, world: int, backend: str, store: str, queue) -> None:
     os._exit(0)
 
 
+def unfit_world(world: int) -> str | None:
+    """Why the tiny model cannot be sharded over ``world`` ranks, or None: sequence parallelism
+    cuts the sequence and tensor parallelism the heads, so the world size divides both. Checked
+    before any rank joins a group (an uneven cut fails inside a collective, on every rank)."""
+    if world < 1:
+        return "needs at least 1 rank"
+    if SEQ % world or TINY["n_heads"] % world:
+        return (
+            f"the tiny Llama-3's sequence ({SEQ} tokens) and heads ({TINY['n_heads']}) are sharded "
+            "over the ranks, so the world size must divide both"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        help=f"ranks to spawn, a divisor of {SEQ} and {TINY['n_heads']} (ignored under torchrun)",
+    )
     parser.add_argument(
         "--backend", choices=["nccl", "gloo"], help="default: nccl with a GPU per rank, else gloo"
     )
     args = parser.parse_args(argv)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
+    if unfit_world(world):  # before the imports and any rank: a usage error, at once
+        which = f"torchrun's {world} ranks" if under_torchrun else f"--world-size {world}"
+        parser.error(f"{which}: {unfit_world(world)}")
     try:
         import torchtitan  # noqa: F401
     except ImportError:
@@ -217,9 +241,6 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group(backend)
         rank_main(rank, world, backend, "", results)
         return 0 if all(err <= TOLERANCE for err in results.values()) else 1
-    world = args.world_size
-    if world < 1 or SEQ % world or TINY["n_heads"] % world:
-        parser.error(f"--world-size must divide {SEQ} and {TINY['n_heads']}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = args.backend or ("nccl" if gpus >= world else "gloo")
     if backend == "nccl" and gpus < world:

@@ -39,6 +39,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 # float32 against the unsharded float32 model.
 TOLERANCE = 1e-5
+# transformers applies no tp_plan on fewer ranks (the parameters stay plain tensors, no module runs
+# fo-tune's forward), so a smaller world would check nothing of fo-tune.
+MIN_WORLD = 2
+TOO_FEW = f"transformers shards by its tp_plan only over {MIN_WORLD} or more ranks"
 BATCH, SEQ, VOCAB = 2, 8, 64
 
 
@@ -210,11 +214,18 @@ def spawned(rank: int, world: int, backend: str, store: str, folder: str, queue)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument(
+        "--world-size", type=int, default=2, help=f"ranks to spawn, >= {MIN_WORLD} (ignored under torchrun)"
+    )
     parser.add_argument(
         "--backend", choices=["nccl", "gloo"], help="default: nccl with a GPU per rank, else gloo"
     )
     args = parser.parse_args(argv)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
+    if world < MIN_WORLD:  # before the imports and any rank: a usage error, at once
+        which = f"torchrun's {world} rank" if under_torchrun else f"--world-size {world}"
+        parser.error(f"{which}: {TOO_FEW}")
     try:
         import accelerate  # noqa: F401
         import transformers  # noqa: F401
@@ -242,9 +253,6 @@ def main(argv: list[str] | None = None) -> int:
             results: dict[str, float] = {}
             rank_main(rank, world, backend, "", tmp, results)
             return 0 if all(err <= TOLERANCE for err in results.values()) else 1
-        world = args.world_size
-        if world < 1:
-            parser.error("--world-size must be >= 1")
         backend = args.backend or ("nccl" if gpus >= world else "gloo")
         if backend == "nccl" and gpus < world:
             parser.error(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import math
 import os
 import tempfile
@@ -787,3 +788,81 @@ def test_gpu_bench_scripts_refuse_a_machine_without_gpus(tmp_path, script):
     assert not (tmp_path / "o").exists()
     helped = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, env=env)
     assert helped.returncode == 0 and "--out" in helped.stdout
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+SEARCHES = BENCH.parent / "results" / "search" / "nvidia-h200-cc90-132sm-w2-nvlink18" / "hybrid-vs-exhaustive"
+
+
+def _bench_script(name: str):
+    """``bench/<name>.py`` as a module (bench/ is no package)."""
+    import importlib.util
+    import sys
+
+    if f"bench_{name}" not in sys.modules:  # registered first: its dataclasses look their module up
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules[f"bench_{name}"]
+
+
+def _main_code(module, argv: list[str]) -> int:
+    try:
+        return module.main(argv)
+    except SystemExit as exc:  # argparse's usage errors and --help
+        return exc.code
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without GPUs")
+@pytest.mark.parametrize(
+    ("script", "args", "says"),
+    [
+        ("moe_ep", [], "on the CPU (gloo, 0 GPUs for 2 ranks) the suite's full shapes take hours"),
+        ("moe_ep", ["--scale", "0"], "--scale must be >= 1, got 0"),
+        ("moe_ep", ["--scale", "4", "--world-size", "7"], "--world-size 7 divides no model's experts"),
+        ("moe_ep", ["--scale", "100000"], "--scale 100000 leaves no column"),
+        ("moe_grouped_gemm", ["--ep", "3"], "--ep 3 does not divide DeepSeek-V3's 256 experts"),
+        ("moe_grouped_gemm", ["--rounds", "0"], "--rounds must be >= 1"),
+        ("hybrid_vs_exhaustive", [str(SEARCHES / "exhaustive" / "summary.yaml"), "nope"], "No such file"),
+        ("hybrid_vs_exhaustive", [str(SEARCHES / s / "summary.yaml") for s in ("exhaustive", "hybrid-top7")],
+         "needs 2 CUDA GPUs (0 visible)"),
+    ],
+)  # fmt: skip
+def test_moe_and_hybrid_bench_scripts_stop_in_one_line_before_any_work(tmp_path, capsys, script, args, says):
+    """On a machine without GPUs: bad options, a world size that divides no model's experts and a
+    run that needs GPUs (or, for moe_ep.py on the CPU, a --scale) are exit 2 with one line naming
+    the problem, before any rank starts or any file is written."""
+    code = _main_code(_bench_script(script), [*args, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert says in err[-1] and not any("Traceback" in line for line in err), err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("script", "says"),
+    [
+        ("moe_ep", ["moe_ep.csv", "--scale", "--rounds", "--suite", "on the CPU it must be given"]),
+        ("moe_grouped_gemm", ["moe_grouped_gemm.csv", "--rounds", "--suite", "Needs a CUDA GPU"]),
+        ("hybrid_vs_exhaustive", ["hybrid_vs_exhaustive.csv", "summary.yaml", "Needs 2 CUDA GPUs"]),
+    ],
+)
+def test_moe_and_hybrid_bench_help_explains_every_option(capsys, script, says):
+    """--help: a whole first sentence, a line for every option, the file the script writes and
+    what it needs."""
+    module = _bench_script(script)
+    assert _main_code(module, ["--help"]) == 0
+    out = capsys.readouterr().out
+    description = " ".join(out.split("\n\n")[1].split())
+    assert description.endswith("."), description
+    lines = [*out.splitlines(), ""]
+    helpless = [  # an option's line without its help text beside it or on the next line
+        line
+        for line, after in itertools.pairwise(lines)
+        if line.strip().startswith("-")
+        and "  " not in line.strip()
+        and not (after.startswith(" " * 8) and not after.strip().startswith("-"))
+    ]
+    assert not helpless, helpless
+    for word in says:
+        assert word in " ".join(out.split()), word

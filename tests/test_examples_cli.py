@@ -51,10 +51,31 @@ def test_nccl_without_gpus_is_one_usage_error(example, torchrun):
     pytest.importorskip("transformers")
     if example.name in NEEDS:
         pytest.importorskip(NEEDS[example.name])
-    # torchrun's variables (one rank of one): the example takes its torchrun branch
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"} if torchrun else None
+    # torchrun's variables (rank 0 of 2): the example takes its torchrun branch
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"} if torchrun else None
     done = run(example, "--backend", "nccl", env=env)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert "--backend nccl needs a GPU per rank" in last and "--backend gloo" in last, done.stderr
+
+
+# (example, its arguments, the world size torchrun would give, what the one line says): world sizes
+# the example cannot shard over, refused before any import of the client library or any rank;
+# under torchrun the rank reads its world size from torchrun's variables, set here without
+# starting torchrun
+UNFIT_WORLDS = [
+    ("torchtitan_llama3.py", ["--world-size", "3"], None, "--world-size 3: the tiny Llama-3's sequence"),
+    ("torchtitan_llama3.py", [], "3", "torchrun's 3 ranks: the tiny Llama-3's sequence"),
+    ("transformers_tp_plan.py", ["--world-size", "1"], None, "--world-size 1: transformers shards"),
+    ("transformers_tp_plan.py", [], "1", "torchrun's 1 rank: transformers shards"),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "torchrun_world", "says"), UNFIT_WORLDS)
+def test_a_world_size_the_example_cannot_shard_over_is_one_usage_error(name, args, torchrun_world, says):
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": torchrun_world} if torchrun_world else None
+    done = run(EXAMPLES[0].parent / name, *args, "--backend", "gloo", env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert says in done.stderr.strip().splitlines()[-1], done.stderr
