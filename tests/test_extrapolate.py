@@ -7,6 +7,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import re
+import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ from typer.testing import CliRunner
 from cli import app
 from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, run_report, tp2_only
 from fo_kernels.table import load_table
-from fo_tune.calibrate.calibration import HostPoint, bus_factor, save_calibration
+from fo_tune.calibrate.calibration import HostPoint, bus_factor, load_calibration, save_calibration
 from fo_tune.calibrate.extrapolate import (
     NVLINK4_LINK_GBS,
     RING_HOP_LATENCY_MS,
@@ -189,6 +192,53 @@ def test_a_given_tp2_calibration_is_extrapolated_too(tmp_path, h200):
     )
     assert r.exit_code == 0, r.output
     assert '"basis": "extrapolated from world size 2' in r.stdout
+
+
+def _commands(line: str) -> list[list[str]]:
+    """The commands an error line gives between backticks, as argv lists."""
+    return [shlex.split(c) for c in re.findall(r"`([^`]+)`", line)]
+
+
+def _parse(argv: list[str]) -> None:
+    """``argv`` (``fo-tune CMD ...``) through typer's parser, nothing run: a bad option raises."""
+    import typer.main
+
+    assert argv[0] == "fo-tune", argv
+    command = typer.main.get_command(app).commands[argv[1]]
+    command.make_context(argv[1], argv[2:])
+
+
+@pytest.mark.parametrize(
+    "world, args",
+    [
+        (8, ["--dtype", "float16", "-c", "reduce_scatter", "--shape", "8192x8192x3584"]),
+        (2, ["--dtype", "float32", "-c", "reduce_scatter", "--shape", "8192x8192x3584"]),
+        (8, ["--dtype", "float16", "-c", "moe", "--experts", "4096,1408,8,2", "--tokens", "128"]),
+    ],
+)
+def test_a_missing_gemm_profile_names_commands_that_work(tmp_path, world, args):
+    """A plan in a dtype the packaged calibration has no GEMM profile for (at world size 8 an
+    extrapolation, whose device key names no file) gives commands that parse and work: copy the
+    packaged TP=2 file, measure the profile into the copy (refused on the CPU, as the message
+    says: it needs a GPU of that model), search with the copy."""
+    request = ["--mode", "predict", "--world-size", str(world), *args, "--out", str(tmp_path / "o")]
+    line = assert_one_line_error(search(*request))
+    copy, measure, again = _commands(line)
+    assert copy[0] == "cp" and Path(copy[1]).is_file() and copy[2] == f"{H200_KEY}.yaml", line
+    assert "A machine without such a GPU cannot measure it" in line
+    subprocess.run(copy, check=True)
+    own = Path(copy[2])
+    for argv in (measure, ["fo-tune", "search", *request, *again]):
+        _parse(argv)
+    assert measure[-2:] == ["--into", str(own)] and again == ["--calibration", str(own)], line
+    refused = CliRunner().invoke(app, measure[1:])  # this machine is not an H200
+    assert "gpu_name differs" in assert_one_line_error(refused)
+    # what the measurement on an H200 adds (a stand-in: the bfloat16 profile), then the search
+    dtype = args[1]
+    cal = load_calibration(own)
+    save_calibration(dataclasses.replace(cal, gemm_dtypes={**cal.gemm_dtypes, dtype: cal.gemm}), own)
+    r = search(*request, *again)
+    assert r.exit_code == 0, r.output
 
 
 def test_no_plan_beyond_one_nvswitch_board():
