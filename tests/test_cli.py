@@ -82,7 +82,7 @@ def test_search_help_keeps_the_postgres_extra(runner):
     [
         (["search", "--world-size", "abc"], "Invalid value for '--world-size'"),
         (["search", "--no-such-option"], "No such option: --no-such-option"),
-        (["table", "validate"], "Missing argument 'PATH...'"),
+        (["table", "validate"], "Missing argument 'PATH'"),
         (["table", "diff", "a.yaml"], "Missing argument 'B'"),
         (["no-such-command"], "No such command 'no-such-command'"),
     ],
@@ -439,6 +439,38 @@ def test_a_table_not_going_to_a_terminal_keeps_every_number():
     text = buf.getvalue()
     assert "…" not in text and all(n in text for n in numbers), text
     assert len(max(text.splitlines(), key=len)) > 80  # one line, wider than Rich's default for files
+
+
+def test_table_list_left_aligns_text_and_right_aligns_numbers(runner):
+    """`fo-tune table list` (the packaged tables): the folder and dtype columns start under their
+    header, the world size and row count end under theirs."""
+    result = runner.invoke(app, ["table", "list"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("device key"))
+    rows = [line for line in lines if line.startswith("nvidia-")]
+    assert rows, result.stdout
+    for row in rows:
+        cells = row.split()
+        for name, cell in (("folder", cells[-1]), ("dtype", cells[3])):
+            assert row.index(cell, header.index(name) - 1) == header.index(name), (name, row)
+        for name, cell in (("world", cells[2]), ("rows", cells[4])):
+            end = header.index(name) + len(name)
+            assert row[end - len(cell) : end] == cell and row[end] == " ", (name, row)
+
+
+@pytest.mark.parametrize(
+    "command, usage",
+    [
+        (["model", "fit"], "[TABLE_OR_REPORT]..."),
+        (["model", "check"], "[TABLE_OR_REPORT]..."),
+        (["table", "validate"], "{PATH}..."),
+    ],
+)
+def test_a_list_argument_shows_its_metavar_once(runner, command: list[str], usage: str):
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+    line = next(line for line in result.output.splitlines() if "Usage:" in line)
+    assert line.split()[-1] == usage, line
 
 
 def test_cli_output_through_a_pipe_keeps_every_number():
