@@ -25,6 +25,7 @@ from fo_kernels.table import MISS_SOURCE
 from fo_tune.bench.demo import (
     COPY_ENGINE_BACKEND,
     DEFAULT_WORLD_SIZE,
+    demo_inputs,
     plan_demo,
     run_copy_engine_demo,
     run_demo,
@@ -256,7 +257,7 @@ def test_run_demo_rejects_bad_input_before_spawning():
     # the library's own checks raise fo-tune's error types, which the CLI maps to exit 2
     with pytest.raises(ArgumentError, match="reps must be an integer >= 1, got 0"):
         run_demo(world_size=2, shapes=[(8, 8, 8)], dtype="float32", backend="gloo", reps=0)
-    with pytest.raises(ArgumentError, match="timeout_s must be > 0"):
+    with pytest.raises(ArgumentError, match="timeout_s must be a number > 0"):
         run_demo(world_size=2, shapes=[(8, 8, 8)], dtype="float32", backend="gloo", timeout_s=0.0)
     with pytest.raises(ArgumentError, match="reps must be an integer >= 1"):
         run_copy_engine_demo(2, [(8, 8, 8)], "float32", reps=0, backend=COPY_ENGINE_BACKEND)
@@ -316,6 +317,24 @@ def test_plan_demo_refuses_too_few_gpus(world, backend, gpus):
         EnvironmentMismatchError, match=rf"world size {asked} needs {asked} GPUs, {gpus} visible \(NCCL"
     ):
         plan_demo(world, backend, gpus)
+
+
+@pytest.mark.parametrize(
+    ("world", "backend", "match"),
+    [
+        (0, None, "--world-size: expected an integer >= 1, got 0"),
+        ("2", None, "--world-size: expected an integer >= 1, got '2'"),
+        (2, "mpi", "--backend 'mpi' is not one of auto, gloo, nccl"),
+    ],
+)
+def test_plan_demo_refuses_bad_arguments_as_input_errors(world, backend, match):
+    with pytest.raises(ArgumentError, match=match):
+        plan_demo(world, backend, 0)
+
+
+def test_demo_inputs_refuse_a_timeout_that_is_not_a_number():
+    with pytest.raises(ArgumentError, match="timeout_s must be a number > 0, got '5'"):
+        demo_inputs(plan_demo(2, "gloo", 0), None, None, 1, "5")
 
 
 def test_demo_on_one_gpu_runs_world_size_1_on_it(runner, monkeypatch):
