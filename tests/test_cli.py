@@ -281,7 +281,8 @@ def test_search_takes_all_gather_and_refuses_another_name(runner, tmp_path):
     out = tmp_path / "never"
     args = ["search", "--shape", "64x64x64", "-c", "all_gather", "--mode", "predict", "--out", str(out)]
     line = assert_one_line_error(_timed(runner, args))
-    assert "no curve for all_gather" in line and "--collectives all_reduce,reduce_scatter,all_gather" in line
+    assert "no bandwidth curve for all_gather" in line, line
+    assert "--collectives all_reduce,reduce_scatter,all_gather" in line, line
     args[4] = "all_to_all"
     line = assert_one_line_error(_timed(runner, args))
     assert "'all_to_all'" in line and "all_reduce, reduce_scatter, all_gather" in line, line

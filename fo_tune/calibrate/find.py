@@ -4,8 +4,6 @@ size nothing measured reads an extrapolation: ``fo_tune.calibrate.extrapolate``)
 
 from __future__ import annotations
 
-import shlex
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -14,23 +12,15 @@ from fo_kernels.fingerprint import current_fingerprint
 from fo_tune.calibrate.calibration import Calibration, CalibrationError, load_calibration
 from fo_tune.calibrate.extrapolate import NVSWITCH_BOARD_GPUS, extrapolate
 from fo_tune.calibrate.files import DEFAULT_ROOT
+from fo_tune.calibrate.missing import missing_profile, packaged_root
 
 # The packaged calibration an offline plan at a world size without one is extrapolated from.
 EXTRAPOLATED_FROM_WORLD = 2
 
 
-def _packaged_root() -> Path | None:
-    """The folder of the packaged calibrations (``fo_results/calibration``), None without one."""
-    try:
-        root = Path(str(resources.files("fo_results") / "calibration"))
-    except (ModuleNotFoundError, TypeError):
-        return None
-    return root if root.is_dir() else None
-
-
 def packaged_calibration(device_key: str | None, world_size: int) -> Path | None:
     """The packaged calibration for ``device_key`` (any device when None) and world size."""
-    root = _packaged_root()
+    root = packaged_root()
     if root is None:
         return None
     for folder in sorted(root.iterdir()):
@@ -69,7 +59,6 @@ def choose_calibration(
     from fo_tune.search import SearchError
 
     cal: Calibration | None = None
-    source = path  # the file ``cal`` is read from
     if path is not None:
         cal = load_calibration(path)
     elif mode == "predict":
@@ -82,18 +71,18 @@ def choose_calibration(
                 f"{EXTRAPOLATED_FROM_WORLD}-{NVSWITCH_BOARD_GPUS}); run `fo-tune calibrate --world-size "
                 f"{world_size}` on the GPUs and pass --calibration FILE"
             )
-        cal, source = load_calibration(found), found
+        cal = load_calibration(found)
     else:
         key = current_fingerprint(device, world_size).device_key
         found = find_calibration(key, world_size)
         if found is not None:
-            cal, source = load_calibration(found), found
+            cal = load_calibration(found)
     predicting = mode in ("predict", "hybrid")
     # a predicting search without a GEMM profile in ``dtype`` is refused naming the file it is read
     # from (before an extrapolation, whose device key names no file)
     other = cal is not None and dtype not in (None, cal.dtype)
-    if other and predicting and source is not None and not cal.gemm_dtypes.get(dtype):
-        raise missing_profile(cal, dtype, Path(source))
+    if other and predicting and not cal.gemm_dtypes.get(dtype):
+        raise CalibrationError(missing_profile(cal, dtype))
     if mode == "predict" and cal is not None and cal.world_size < world_size:
         cal = extrapolate(cal, world_size)
     if cal is not None and dtype is not None and dtype != cal.dtype:
@@ -114,25 +103,3 @@ def choose_calibration(
     if mode == "predict" and cal is None:
         raise SearchError("--mode predict needs --calibration FILE")
     return cal, mode
-
-
-def missing_profile(cal: Calibration, dtype: str, source: Path) -> CalibrationError:
-    """The refusal of a predicting search in ``dtype`` whose calibration (``cal``, read from
-    ``source``) has no GEMM profile in that dtype: the commands that add one to a file the user
-    owns (a copy of a packaged calibration, named after its device key) and search with it. The
-    profile is measured on one GPU of the calibration's model, or of the same die with
-    ``--into-sibling`` (``fo_tune.calibrate.run.check_mergeable``): a machine without one cannot."""
-    fp = cal.fingerprint
-    root = _packaged_root()
-    packaged = root is not None and source.resolve().is_relative_to(root.resolve())
-    own = Path(f"{fp.device_key}.yaml") if packaged else source
-    steps = f"`cp {shlex.quote(str(source))} {shlex.quote(str(own))}`, then " if packaged else ""
-    into = shlex.quote(str(own))
-    return CalibrationError(
-        f"the {'packaged ' if packaged else ''}calibration {source} ({fp.device_key}, {cal.dtype}) has no "
-        f"{dtype} GEMM profile. Measure it on one GPU of its model ({fp.gpu_name}; on another GPU of the "
-        f"same die add --into-sibling) into {'a copy you own' if packaged else 'that file'}: {steps}"
-        f"`fo-tune calibrate --world-size 1 --only gemm --dtype {dtype} --into {into}`; then run this "
-        f"search again with `--calibration {into}`. A machine without such a GPU cannot measure it "
-        "(calibrate refuses to merge another GPU's measurements)"
-    )
