@@ -1,5 +1,6 @@
 """Field checks shared by the schedule's dataclasses and the engines' settings: every error is a
-``ScheduleError`` that names the field."""
+``ScheduleError`` that names the field (``check_int`` takes another ``FoTuneError`` type for the
+sizes of other dataclasses, e.g. ``ShapeError``)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,18 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from fo_kernels.errors import ScheduleError
+from fo_kernels.errors import FoTuneError, ScheduleError
 
 
 def is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
-def check_int(name: str, value: Any, *, minimum: int) -> int:
+def check_int(name: str, value: Any, *, minimum: int, error: type[FoTuneError] = ScheduleError) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ScheduleError(f"{name}: expected an integer, got {value!r}")
+        raise error(f"{name}: expected an integer, got {value!r}")
     if value < minimum:
-        raise ScheduleError(f"{name}: must be >= {minimum}, got {value}")
+        raise error(f"{name}: must be >= {minimum}, got {value}")
     return value
 
 

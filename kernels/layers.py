@@ -52,7 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fo_kernels.errors import ScaleError, ShapeError
+from fo_kernels.errors import ScaleError, ScheduleError, ShapeError
+from fo_kernels.fields import check_int
 from fo_kernels.fp8_state import prepare_weight_state
 from fo_kernels.groups import check_group
 from fo_kernels.ops import call_op, fp8_input_meta, fp8_refused_grads
@@ -64,8 +65,11 @@ from fo_kernels.quantize import (
     quantize_rows,
     quantize_weight,
 )
-from fo_kernels.scaling import FP8_VARIANTS, Scales, is_fp8, scaled_mm
+from fo_kernels.scaling import FP8_VARIANTS, OUT_DTYPES, Scales, is_fp8, scaled_mm
 from fo_kernels.schedule import Schedule
+
+# The dtypes of a layer's parameters: the ops' operands other than fp8 (whose weight ``fp8=`` makes).
+PARAM_DTYPES = OUT_DTYPES
 
 
 class _ReplicatedInputMatmul(torch.autograd.Function):
@@ -219,6 +223,7 @@ class _ParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
         fp8: str | None = None,
     ) -> None:
+        _check_layer_args(in_features, out_features, schedule, dtype)
         d, shape = self.split_dim, [out_features, in_features]
         _rank, shape[d] = _shard_of(shape[d], group, ("out_features", "in_features")[d])
         super().__init__()
@@ -361,6 +366,25 @@ class _ParallelLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}, "
             f"world_size={self.world_size}" + (f", fp8={self.fp8}" if self.fp8 else "")
+        )
+
+
+def _check_layer_args(in_features: object, out_features: object, schedule: object, dtype: object) -> None:
+    """Refuse (``ShapeError``, ``ScheduleError``) what the ops would refuse at the first call:
+    feature counts that are not positive integers, a schedule that is not a ``Schedule``, parameters
+    in a dtype the ops do not take (``dtype``, else torch's default dtype)."""
+    check_int("in_features", in_features, minimum=1, error=ShapeError)
+    check_int("out_features", out_features, minimum=1, error=ShapeError)
+    if schedule is not None and not isinstance(schedule, Schedule):
+        raise ScheduleError(
+            f"schedule: expected a fo_kernels.Schedule or None, got {type(schedule).__name__}"
+        )
+    got = torch.get_default_dtype() if dtype is None else dtype
+    if got not in PARAM_DTYPES:
+        raise ShapeError(
+            f"dtype: {got!r}{' (torch.get_default_dtype())' if dtype is None else ''} is not one of "
+            "torch.bfloat16, torch.float16, torch.float32 (the ops' operands); for fp8 weights pass "
+            "fp8='tensorwise' or 'rowwise'"
         )
 
 

@@ -25,6 +25,7 @@ from fo_kernels.table import MISS_SOURCE
 from fo_tune.bench.demo import (
     COPY_ENGINE_BACKEND,
     DEFAULT_WORLD_SIZE,
+    demo_inputs,
     plan_demo,
     run_copy_engine_demo,
     run_demo,
@@ -82,7 +83,7 @@ def test_search_help_keeps_the_postgres_extra(runner):
     [
         (["search", "--world-size", "abc"], "Invalid value for '--world-size'"),
         (["search", "--no-such-option"], "No such option: --no-such-option"),
-        (["table", "validate"], "Missing argument 'PATH...'"),
+        (["table", "validate"], "Missing argument 'PATH'"),
         (["table", "diff", "a.yaml"], "Missing argument 'B'"),
         (["no-such-command"], "No such command 'no-such-command'"),
     ],
@@ -256,7 +257,7 @@ def test_run_demo_rejects_bad_input_before_spawning():
     # the library's own checks raise fo-tune's error types, which the CLI maps to exit 2
     with pytest.raises(ArgumentError, match="reps must be an integer >= 1, got 0"):
         run_demo(world_size=2, shapes=[(8, 8, 8)], dtype="float32", backend="gloo", reps=0)
-    with pytest.raises(ArgumentError, match="timeout_s must be > 0"):
+    with pytest.raises(ArgumentError, match="timeout_s must be a number > 0"):
         run_demo(world_size=2, shapes=[(8, 8, 8)], dtype="float32", backend="gloo", timeout_s=0.0)
     with pytest.raises(ArgumentError, match="reps must be an integer >= 1"):
         run_copy_engine_demo(2, [(8, 8, 8)], "float32", reps=0, backend=COPY_ENGINE_BACKEND)
@@ -280,7 +281,8 @@ def test_search_takes_all_gather_and_refuses_another_name(runner, tmp_path):
     out = tmp_path / "never"
     args = ["search", "--shape", "64x64x64", "-c", "all_gather", "--mode", "predict", "--out", str(out)]
     line = assert_one_line_error(_timed(runner, args))
-    assert "no curve for all_gather" in line and "--collectives all_reduce,reduce_scatter,all_gather" in line
+    assert "no bandwidth curve for all_gather" in line, line
+    assert "--collectives all_reduce,reduce_scatter,all_gather" in line, line
     args[4] = "all_to_all"
     line = assert_one_line_error(_timed(runner, args))
     assert "'all_to_all'" in line and "all_reduce, reduce_scatter, all_gather" in line, line
@@ -316,6 +318,24 @@ def test_plan_demo_refuses_too_few_gpus(world, backend, gpus):
         EnvironmentMismatchError, match=rf"world size {asked} needs {asked} GPUs, {gpus} visible \(NCCL"
     ):
         plan_demo(world, backend, gpus)
+
+
+@pytest.mark.parametrize(
+    ("world", "backend", "match"),
+    [
+        (0, None, "--world-size: expected an integer >= 1, got 0"),
+        ("2", None, "--world-size: expected an integer >= 1, got '2'"),
+        (2, "mpi", "--backend 'mpi' is not one of auto, gloo, nccl"),
+    ],
+)
+def test_plan_demo_refuses_bad_arguments_as_input_errors(world, backend, match):
+    with pytest.raises(ArgumentError, match=match):
+        plan_demo(world, backend, 0)
+
+
+def test_demo_inputs_refuse_a_timeout_that_is_not_a_number():
+    with pytest.raises(ArgumentError, match="timeout_s must be a number > 0, got '5'"):
+        demo_inputs(plan_demo(2, "gloo", 0), None, None, 1, "5")
 
 
 def test_demo_on_one_gpu_runs_world_size_1_on_it(runner, monkeypatch):
@@ -439,6 +459,38 @@ def test_a_table_not_going_to_a_terminal_keeps_every_number():
     text = buf.getvalue()
     assert "…" not in text and all(n in text for n in numbers), text
     assert len(max(text.splitlines(), key=len)) > 80  # one line, wider than Rich's default for files
+
+
+def test_table_list_left_aligns_text_and_right_aligns_numbers(runner):
+    """`fo-tune table list` (the packaged tables): the folder and dtype columns start under their
+    header, the world size and row count end under theirs."""
+    result = runner.invoke(app, ["table", "list"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("device key"))
+    rows = [line for line in lines if line.startswith("nvidia-")]
+    assert rows, result.stdout
+    for row in rows:
+        cells = row.split()
+        for name, cell in (("folder", cells[-1]), ("dtype", cells[3])):
+            assert row.index(cell, header.index(name) - 1) == header.index(name), (name, row)
+        for name, cell in (("world", cells[2]), ("rows", cells[4])):
+            end = header.index(name) + len(name)
+            assert row[end - len(cell) : end] == cell and row[end] == " ", (name, row)
+
+
+@pytest.mark.parametrize(
+    "command, usage",
+    [
+        (["model", "fit"], "[TABLE_OR_REPORT]..."),
+        (["model", "check"], "[TABLE_OR_REPORT]..."),
+        (["table", "validate"], "{PATH}..."),
+    ],
+)
+def test_a_list_argument_shows_its_metavar_once(runner, command: list[str], usage: str):
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+    line = next(line for line in result.output.splitlines() if "Usage:" in line)
+    assert line.split()[-1] == usage, line
 
 
 def test_cli_output_through_a_pipe_keeps_every_number():

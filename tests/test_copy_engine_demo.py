@@ -94,10 +94,19 @@ def test_the_demo_takes_the_virtual_ranks_where_a_gpu_is_visible(monkeypatch: py
 
 
 def test_an_unknown_copy_engine_backend_is_refused():
-    from fo_kernels.errors import ShapeError
+    from fo_kernels.errors import ArgumentError
 
-    with pytest.raises(ShapeError, match="not one of cpu-threads, virtual-ranks"):
+    with pytest.raises(ArgumentError, match="not one of cpu-threads, virtual-ranks"):
         run_copy_engine_demo(2, [(8, 5, 3)], reps=1, backend="nccl")
+
+
+@pytest.mark.parametrize("world", ["2", 2.0, 0, True])
+def test_a_world_size_that_is_not_a_positive_integer_is_refused(world):
+    """(a string or a float reached a comparison: a TypeError, not an error naming it)"""
+    from fo_kernels.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=rf"--world-size: expected an integer >= 1, got {world!r}"):
+        run_copy_engine_demo(world, [(8, 16, 16)], reps=1)
 
 
 def test_a_shape_below_the_world_size_is_skipped_for_that_reason():

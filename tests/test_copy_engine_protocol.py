@@ -32,7 +32,7 @@ from fo_kernels.engines.copy_engine.buffers import region_bytes_for
 from fo_kernels.engines.copy_engine.cpu import CpuRank, run_ranks
 from fo_kernels.engines.copy_engine.layout import Cell
 from fo_kernels.engines.copy_engine.ops import SIDE, STREAMS, Gemm, Signal, Wait
-from fo_kernels.errors import ScaleError, ShapeError
+from fo_kernels.errors import ArgumentError, ScaleError, ScheduleError, ShapeError
 from fo_kernels.tile import Tile
 
 TOL = 1e-5  # float32 operands against the float64 reference
@@ -231,8 +231,8 @@ def test_a_wrong_sum_is_caught():
         (dict(m=7), ShapeError, "all_gather needs M divisible by the world size 2, got M=7"),
         (dict(n=24), ShapeError, r"N and K multiples of 16 .*got N=24, K=16"),
         (dict(k=8), ShapeError, r"N and K multiples of 16 .*got N=16, K=8"),
-        (dict(out_dtype=torch.int32), ScaleError, "out_dtype torch.int32 is not one of"),
-        (dict(out_dtype=torch.float8_e4m3fn), ScaleError, "out_dtype torch.float8_e4m3fn is not one of"),
+        (dict(out_dtype=torch.int32), ScaleError, "out_dtype: torch.int32 is not one of"),
+        (dict(out_dtype=torch.float8_e4m3fn), ScaleError, "out_dtype: torch.float8_e4m3fn is not one of"),
     ],
 )
 def test_a_check_the_ops_would_refuse_is_refused(changes: dict, error: type, match: str):
@@ -241,6 +241,60 @@ def test_a_check_the_ops_would_refuse_is_refused(changes: dict, error: type, mat
     with pytest.raises(error, match=match):
         shape = dict(m=8, n=16, k=16, scaling="rowwise") | changes
         check_on_threads(CpuCheck(collective="all_gather", world=2, **shape), FAST)
+
+
+@pytest.mark.parametrize(
+    "changes, error, match",
+    [
+        (dict(collective="all_to_all"), ScheduleError, "collective: 'all_to_all' is not one of"),
+        (dict(world=1), ScheduleError, "world: must be >= 2, got 1"),
+        (dict(world=0), ScheduleError, "world: must be >= 2, got 0"),
+        (dict(world="2"), ScheduleError, "world: expected an integer, got '2'"),
+        (dict(m=0), ShapeError, "m: must be >= 1, got 0"),
+        (dict(n=-1), ShapeError, "n: must be >= 1, got -1"),
+        (dict(k=2.5), ShapeError, "k: expected an integer, got 2.5"),
+        (dict(mode="rings"), ScheduleError, "mode: 'rings' is not a copy-engine mode"),
+        (dict(mode="tiled"), ScheduleError, "mode tiled: needs the persistent GEMM's tile"),
+        (dict(weights=(0, 1)), ScheduleError, "weights: expected 1 to 64 positive integers"),
+        (dict(dtype="float32"), ShapeError, "dtype: 'float32' is not one of torch.bfloat16"),
+        (dict(dtype=torch.int32), ShapeError, "dtype: torch.int32 is not one of"),
+        (dict(calls=0), ArgumentError, "calls: must be >= 1, got 0"),
+        (dict(scaling="row"), ScaleError, "scaling: 'row' is not one of"),
+        (dict(scaling="rowwise", out_dtype="bfloat16"), ScaleError, "out_dtype: 'bfloat16' is not one of"),
+    ],
+)
+def test_a_bad_check_is_refused_on_construction(changes: dict, error: type, match: str):
+    """Each field of a ``CpuCheck`` a caller can get wrong raises naming it when the check is
+    made, not later inside a thread-rank (an IndexError, a torch error or a hang)."""
+    with pytest.raises(error, match=match):
+        CpuCheck(**(dict(collective="all_reduce", world=2, m=8, n=16, k=16) | changes))
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(timeout_s=0), r"timeout_s: expected a finite number of seconds > 0, got 0"),
+        (dict(timeout_s="5"), r"timeout_s: .* got '5'"),
+        (dict(timeout_s=float("inf")), r"timeout_s: .* got inf"),
+        (dict(delay_s=float("nan")), r"delay_s: expected a finite number of seconds >= 0, got nan"),
+        (dict(seed="x"), r"seed: expected an integer, got 'x'"),
+        (dict(slow={0: -1.0}), r"slow: expected a mapping of rank .* got \{0: -1.0\}"),
+        (dict(slow=[0.1]), r"slow: expected a mapping"),
+        (dict(fifos={"mian": "q"}), r"fifos: unknown stream\(s\) \['mian'\]; valid: main"),
+        (dict(fifos=["main"]), r"fifos: expected a mapping of stream name to FIFO name"),
+        (dict(drop=True), r"drop: expected a function"),
+    ],
+)
+def test_bad_executor_options_are_refused_on_construction(options: dict, match: str):
+    with pytest.raises(ArgumentError, match=match):
+        CpuOptions(**options)
+
+
+def test_a_slow_rank_outside_the_run_is_refused_before_any_thread_starts():
+    check = CpuCheck(collective="all_reduce", world=2, m=8, n=16, k=16, calls=1)
+    with pytest.raises(ArgumentError, match=r"slow: rank\(s\) \[2\] outside the 2 ranks"):
+        check_on_threads(check, CpuOptions(slow={2: 0.1}))
+    assert not _executor_threads()
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])

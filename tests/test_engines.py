@@ -114,6 +114,20 @@ def test_each_engine_names_the_calibration_it_misses(h200):
     assert get_tuner("copy_engine").calibration_gap(h200, "all_gather") == ""  # (its pulls: no NCCL)
 
 
+def test_gaps_of_an_extrapolated_calibration_name_the_world_size_that_measures_them(h200):
+    """At world size 8 from the TP=2 file: the GEMM profile is measured on one GPU and the copy
+    engine's section on two, never on the 8 GPUs the extrapolation stands in for."""
+    from fo_tune.calibrate.extrapolate import extrapolate
+    from fo_tune.engines import moe_term
+
+    bare = extrapolate(dataclasses.replace(h200, gemm=[], copy_engine=None), 8)
+    one_gpu = "`fo-tune calibrate --world-size 1 --only gemm --into CALIBRATION.yaml`"
+    assert one_gpu in get_tuner("triton").calibration_gap(bare, "all_reduce")
+    assert one_gpu in moe_term("triton").calibration_gap(bare)
+    two_gpus = "`fo-tune calibrate --world-size 2 --only copy_engine --into CALIBRATION.yaml`"
+    assert two_gpus in moe_term("copy_engine").calibration_gap(bare)
+
+
 def test_select_engines(h200):
     req = SearchRequest(shapes=((4096, 8192, 4096),), calibration=h200)
     assert select_engines(req, h200.fingerprint, space_for("9.0")) == ("triton", "copy_engine")

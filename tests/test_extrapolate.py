@@ -7,6 +7,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import re
+import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,9 +17,16 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, run_report, tp2_only
+from cli_checks import (
+    H200_KEY,
+    assert_one_line_error,
+    isolate_tables,
+    run_report,
+    tp2_only,
+    with_all_gather_standin,
+)
 from fo_kernels.table import load_table
-from fo_tune.calibrate.calibration import HostPoint, bus_factor, save_calibration
+from fo_tune.calibrate.calibration import HostPoint, bus_factor, load_calibration, save_calibration
 from fo_tune.calibrate.extrapolate import (
     NVLINK4_LINK_GBS,
     RING_HOP_LATENCY_MS,
@@ -189,6 +199,60 @@ def test_a_given_tp2_calibration_is_extrapolated_too(tmp_path, h200):
     )
     assert r.exit_code == 0, r.output
     assert '"basis": "extrapolated from world size 2' in r.stdout
+
+
+def _commands(line: str) -> list[list[str]]:
+    """The commands an error line gives between backticks, as argv lists."""
+    return [shlex.split(c) for c in re.findall(r"`([^`]+)`", line)]
+
+
+def _parse(argv: list[str]) -> None:
+    """``argv`` (``fo-tune CMD ...``) through typer's parser, nothing run: a bad option raises."""
+    import typer.main
+
+    assert argv[0] == "fo-tune", argv
+    command = typer.main.get_command(app).commands[argv[1]]
+    command.make_context(argv[1], argv[2:])
+
+
+def _gemm_profile_standin(cal, dtype: str):
+    """What measuring ``dtype``'s GEMM profile on an H200 adds (a stand-in: the bfloat16 one)."""
+    return dataclasses.replace(cal, gemm_dtypes={**cal.gemm_dtypes, dtype: cal.gemm})
+
+
+@pytest.mark.parametrize(
+    "world, args, added",
+    [
+        (8, ["--dtype", "float16", "-c", "reduce_scatter", "--shape", "8192x8192x3584"], "profile"),
+        (2, ["--dtype", "float32", "-c", "reduce_scatter", "--shape", "8192x8192x3584"], "profile"),
+        (8, ["--dtype", "float16", "-c", "moe", "--experts", "4096,1408,8,2", "--tokens", "128"], "profile"),
+        (2, ["-c", "all_gather", "--shape", "4096x8192x4096"], "curve"),
+    ],
+)
+def test_a_missing_measurement_names_commands_that_work(tmp_path, world, args, added):
+    """A plan the packaged calibration cannot price (no GEMM profile in the dtype, at world size 8
+    from an extrapolation whose device key names no file; no all_gather curve at world size 2)
+    gives commands that parse and work: copy the packaged TP=2 file, measure into the copy
+    (refused on the CPU, as the message says: it needs that GPU model), search with the copy."""
+    request = ["--mode", "predict", "--world-size", str(world), *args, "--out", str(tmp_path / "o")]
+    line = assert_one_line_error(search(*request))
+    copy, measure, again = _commands(line)
+    assert copy[0] == "cp" and Path(copy[1]).is_file() and copy[2] == f"{H200_KEY}.yaml", line
+    assert "A machine without such" in line and "cannot measure it" in line, line
+    subprocess.run(copy, check=True)
+    own = Path(copy[2])
+    for argv in (measure, ["fo-tune", "search", *request, *again]):
+        _parse(argv)
+    assert measure[-2:] == ["--into", str(own)] and again == ["--calibration", str(own)], line
+    refused = CliRunner().invoke(app, measure[1:])  # this machine is not an H200
+    assert "gpu_name differs" in assert_one_line_error(refused)
+    # what the measurement on H200s adds (a stand-in), then the search
+    cal = load_calibration(own)
+    save_calibration(
+        _gemm_profile_standin(cal, args[1]) if added == "profile" else with_all_gather_standin(cal), own
+    )
+    r = search(*request, *again)
+    assert r.exit_code == 0, r.output
 
 
 def test_no_plan_beyond_one_nvswitch_board():

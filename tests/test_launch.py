@@ -157,9 +157,9 @@ def test_choose_backend_under_torchrun_and_bad_values(monkeypatch):
     assert choose_backend(4) == "gloo"
     # torchrun started its ranks: the bound on the ranks this machine spawns does not apply
     assert choose_backend(launch.MAX_CPU_WORLD_SIZE + 1, "gloo") == "gloo"
-    with pytest.raises(EnvironmentMismatchError, match="'mpi' is not one of auto, nccl, gloo"):
+    with pytest.raises(ArgumentError, match="--backend 'mpi' is not one of auto, nccl, gloo"):
         choose_backend(2, "mpi")
-    with pytest.raises(EnvironmentMismatchError, match="world size must be an integer >= 1"):
+    with pytest.raises(ArgumentError, match="--world-size: expected an integer >= 1, got 0"):
         choose_backend(0)
 
 

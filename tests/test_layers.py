@@ -124,6 +124,13 @@ def test_mlp_matches_unsharded_model(world):
         assert "not divisible by the world size" in msgs["row_not_divisible"], msgs
         assert msgs["plan_unknown"].startswith("PlanError: plan: 'nope' names no submodule"), msgs
         assert "not an nn.Linear" in msgs["plan_not_linear"] and "diagonal" in msgs["plan_kind"], msgs
+        assert msgs["plan_list"].startswith("PlanError: plan: expected a mapping of submodule"), msgs
+        # construction refuses what the ops would refuse at the first call
+        assert msgs["col_in_zero"] == "ShapeError: in_features: must be >= 1, got 0", msgs
+        assert msgs["row_out_str"] == "ShapeError: out_features: expected an integer, got '6'", msgs
+        assert msgs["col_schedule"].startswith("ScheduleError: schedule: expected a fo_kernels."), msgs
+        assert msgs["row_param_dtype"].startswith("ShapeError: dtype: torch.float64 is not one of"), msgs
+        assert msgs["col_param_dtype_name"].startswith("ShapeError: dtype: 'bfloat16' is not one of"), msgs
         if rank == 2:
             assert "not a member" in msgs["group_not_member"], msgs
         empty = r["empty"]

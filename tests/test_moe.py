@@ -354,6 +354,30 @@ def test_module_from_both_hf_layouts_matches_the_block(one_rank):
     torch.testing.assert_close(ExpertParallelExperts.from_experts(mlps)(x, ids % 3, w), per_token)
 
 
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(num_experts=0), "ShapeError", "num_experts: must be >= 1, got 0"),
+        (dict(num_experts="4"), "ShapeError", "num_experts: expected an integer, got '4'"),
+        (dict(num_experts=8), "ShapeError", r"num_experts: 8 is not this rank's 4 experts .* = 4"),
+        (dict(w13=[1.0]), "ShapeError", r"w13: expected a 3-dim tensor \(E_local, H, 2I\).*got list"),
+        (dict(w13=torch.zeros(16, 16)), "ShapeError", r"w13: expected a 3-dim tensor.*got \(16, 16\)"),
+        (dict(w2=torch.zeros(4, 8, 8)), "ShapeError", r"w2 must be \(E_local, I, H\) = \(4, 8, 16\)"),
+        (dict(w2=torch.zeros(4, 8, 16, dtype=torch.long)), "ShapeError", r"w2: .*torch.int64"),
+        (dict(schedule="auto"), "ScheduleError", "schedule: expected a fo_kernels.MoeSchedule or None"),
+    ],
+)
+def test_module_refuses_bad_arguments_on_construction(one_rank, change, error, match):
+    """What the op would refuse at the first call (or never check: num_experts) is refused when
+    the module is made, naming the argument."""
+    import fo_kernels
+    from fo_kernels import ExpertParallelExperts
+
+    args = dict(w13=torch.zeros(4, 16, 16), w2=torch.zeros(4, 8, 16), num_experts=4) | change
+    with pytest.raises(getattr(fo_kernels, error), match=match):
+        ExpertParallelExperts(args.pop("w13"), args.pop("w2"), **args)
+
+
 def test_module_refuses_what_the_op_does_not_compute(one_rank):
     pytest.importorskip("transformers")
     from fo_kernels import ExpertParallelExperts, PlanError, parallelize_experts

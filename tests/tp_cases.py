@@ -420,6 +420,12 @@ def layer_bad_inputs(ctx, _payload) -> dict[str, str]:
         "plan_unknown": lambda: parallelize_linears(MLP(4, 8), {"nope": "column"}),
         "plan_not_linear": lambda: parallelize_linears(nn.Sequential(MLP(4, 8)), {"0": "row"}),
         "plan_kind": lambda: parallelize_linears(MLP(4, 8), {"up": "diagonal"}),
+        "plan_list": lambda: parallelize_linears(MLP(4, 8), ["up"]),
+        "col_in_zero": lambda: ColumnParallelLinear(0, 4 * world),
+        "row_out_str": lambda: RowParallelLinear(4 * world, "6"),
+        "col_schedule": lambda: ColumnParallelLinear(8, 4 * world, schedule="auto"),
+        "row_param_dtype": lambda: RowParallelLinear(4 * world, 6, dtype=torch.float64),
+        "col_param_dtype_name": lambda: ColumnParallelLinear(8, 4 * world, dtype="bfloat16"),
     }
     if ctx.rank == 2:
         calls["group_not_member"] = lambda: ColumnParallelLinear(8, 4, group=others)
@@ -427,7 +433,7 @@ def layer_bad_inputs(ctx, _payload) -> dict[str, str]:
     for name, call in calls.items():
         try:
             call()
-        except (ShapeError, PlanError, GroupError) as exc:
+        except (ShapeError, ScheduleError, PlanError, GroupError) as exc:
             assert isinstance(exc, ValueError)
             msgs[name] = f"{type(exc).__name__}: {exc}"
         else:

@@ -98,14 +98,12 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
     """The demo's ranks for ``world_size`` (None: ``DEFAULT_WORLD_SIZE``, or fewer to fit the GPUs)
     and ``backend`` (None or "auto", "gloo", "nccl") on a machine with ``gpus`` GPUs (module
     docstring). Raises ``EnvironmentMismatchError`` when the asked ranks cannot run here."""
-    from fo_kernels.errors import EnvironmentMismatchError
-    from fo_tune.ranks.launch import check_cpu_world_size
+    from fo_kernels.errors import ArgumentError, EnvironmentMismatchError
+    from fo_tune.ranks.launch import check_cpu_world_size, check_world_size
 
-    asked = DEFAULT_WORLD_SIZE if world_size is None else world_size
+    asked = check_world_size(DEFAULT_WORLD_SIZE if world_size is None else world_size)
     if backend not in (None, "auto", "gloo", "nccl"):
-        raise EnvironmentMismatchError(f"backend {backend!r} is not one of auto, gloo, nccl")
-    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
-        raise EnvironmentMismatchError(f"world size must be an integer >= 1, got {asked!r}")
+        raise ArgumentError(f"--backend {backend!r} is not one of auto, gloo, nccl")
     cpu = f"{asked} rank(s) on the CPU (gloo, Triton's interpreter"
     if backend == "gloo" or (gpus == 0 and backend != "nccl"):
         check_cpu_world_size(asked)
@@ -151,8 +149,8 @@ def _check_args(
             raise ShapeError(f"shape {shape!r}: expected (M, N, K), integers >= 1")
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ArgumentError(f"reps must be an integer >= 1, got {reps!r}")
-    if not timeout_s > 0:
-        raise ArgumentError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ArgumentError(f"timeout_s must be a number > 0, got {timeout_s!r}")
 
 
 def demo_inputs(
@@ -337,12 +335,13 @@ def copy_engine_demo_inputs(
     """(backend, shapes, dtype) ``run_copy_engine_demo`` runs (the defaults of the GPUs this
     process sees where None), checked before any rank starts: ``ShapeError`` (also when no shape
     runs at all), ``ArgumentError``."""
-    from fo_kernels.errors import ShapeError
-    from fo_tune.ranks.launch import check_cpu_world_size, visible_gpus
+    from fo_kernels.errors import ArgumentError, ShapeError
+    from fo_tune.ranks.launch import check_cpu_world_size, check_world_size, visible_gpus
 
+    check_world_size(world_size)
     backend = backend or copy_engine_backend(visible_gpus())
     if backend not in (COPY_ENGINE_BACKEND, VIRTUAL_BACKEND):
-        raise ShapeError(f"backend {backend!r} is not one of {COPY_ENGINE_BACKEND}, {VIRTUAL_BACKEND}")
+        raise ArgumentError(f"backend {backend!r} is not one of {COPY_ENGINE_BACKEND}, {VIRTUAL_BACKEND}")
     on_gpu = backend == VIRTUAL_BACKEND
     shapes = list(shapes) if shapes else default_shapes(on_gpu)
     dtype = dtype or default_dtype(on_gpu)

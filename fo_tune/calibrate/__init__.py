@@ -7,6 +7,8 @@
 Modules: ``calibration`` (the dataclasses and the YAML format), ``run`` (``fo-tune calibrate`` as a
 library call), ``profile`` (``fo-tune profile``: one shape's tiles beside cuBLAS), ``files`` and
 ``plots`` (writing it), ``find`` (this machine's, the packaged one, the one a search reads),
+``missing`` (a predicting search's refusal of a calibration that lacks a measurement, with the
+commands that add it),
 ``extrapolate`` (a calibration for a larger world size on the same NVLink board, for offline plans). Each
 engine's own part of the calibration lives with the engine (``fo_tune.engines.copy_engine.calibrate``).
 """

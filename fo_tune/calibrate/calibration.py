@@ -279,6 +279,9 @@ class Calibration:
     # What it rests on where not on its own machine's measurements ("": measured there; an
     # extrapolation to another world size says which calibration and facts: ``extrapolate.py``).
     basis: str = ""
+    # The file it was read from ("": made in memory), for the commands a refusal names; not stored,
+    # not compared (the same measurements read from two files are equal).
+    file: str = field(default="", compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -424,4 +427,4 @@ def load_calibration(path: str | Path) -> Calibration:
         missing=CalibrationNotFoundError,
         missing_hint="no such calibration file; run `fo-tune calibrate` or pass --calibration",
     )
-    return Calibration.from_dict(data, source=str(path))
+    return dataclasses.replace(Calibration.from_dict(data, source=str(path)), file=str(path))

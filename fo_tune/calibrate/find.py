@@ -4,15 +4,15 @@ size nothing measured reads an extrapolation: ``fo_tune.calibrate.extrapolate``)
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 
 import torch
 
 from fo_kernels.fingerprint import current_fingerprint
-from fo_tune.calibrate.calibration import Calibration, load_calibration
+from fo_tune.calibrate.calibration import Calibration, CalibrationError, load_calibration
 from fo_tune.calibrate.extrapolate import NVSWITCH_BOARD_GPUS, extrapolate
 from fo_tune.calibrate.files import DEFAULT_ROOT
+from fo_tune.calibrate.missing import missing_profile, packaged_root
 
 # The packaged calibration an offline plan at a world size without one is extrapolated from.
 EXTRAPOLATED_FROM_WORLD = 2
@@ -20,11 +20,8 @@ EXTRAPOLATED_FROM_WORLD = 2
 
 def packaged_calibration(device_key: str | None, world_size: int) -> Path | None:
     """The packaged calibration for ``device_key`` (any device when None) and world size."""
-    try:
-        root = Path(str(resources.files("fo_results") / "calibration"))
-    except (ModuleNotFoundError, TypeError):
-        return None
-    if not root.is_dir():
+    root = packaged_root()
+    if root is None:
         return None
     for folder in sorted(root.iterdir()):
         if device_key is not None and folder.name != device_key:
@@ -80,13 +77,17 @@ def choose_calibration(
         found = find_calibration(key, world_size)
         if found is not None:
             cal = load_calibration(found)
+    predicting = mode in ("predict", "hybrid")
+    # a predicting search without a GEMM profile in ``dtype`` is refused naming the file it is read
+    # from (before an extrapolation, whose device key names no file)
+    other = cal is not None and dtype not in (None, cal.dtype)
+    if other and predicting and not cal.gemm_dtypes.get(dtype):
+        raise CalibrationError(missing_profile(cal, dtype))
     if mode == "predict" and cal is not None and cal.world_size < world_size:
         cal = extrapolate(cal, world_size)
     if cal is not None and dtype is not None and dtype != cal.dtype:
-        # predicting: CalibrationError naming the command where it has no profile for ``dtype``;
-        # measuring without one: no model, the ranks measure
-        predicting = dtype in cal.gemm_dtypes or mode in ("predict", "hybrid")
-        cal = cal.for_dtype(dtype) if predicting else None
+        # measuring without a profile for ``dtype``: no model, the ranks measure
+        cal = cal.for_dtype(dtype) if predicting or dtype in cal.gemm_dtypes else None
     if not mode:
         mode = "hybrid" if cal is not None else "measure"
     if (

@@ -167,6 +167,7 @@ def _print_summary(cal: Calibration, written: list[Path]) -> None:
         f"interference: the {'x'.join(map(str, _gemm_shape(cal)))} GEMM on SMs - r beside the collective",
         ["collective", "size", "r", "CTA cap", "comm slowdown", "GEMM slowdown", "during GEMM"],
         2,
+        text=["during GEMM"],
     )
     for r in rows:
         cap = "default" if r.nccl_max_ctas == 0 else str(r.nccl_max_ctas)

@@ -29,7 +29,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -301,8 +301,9 @@ class _SummaryTable(Table):
         super().__setattr__(name, value)
 
 
-def summary_table(title: str, columns: list[str], right_from: int) -> Table:
-    """A borderless table with ``columns``, the ones from ``right_from`` on right-aligned."""
+def summary_table(title: str, columns: list[str], right_from: int, *, text: Collection[str] = ()) -> Table:
+    """A borderless table with ``columns``: the ones from ``right_from`` on (numbers) right-aligned,
+    the others and those named in ``text`` (text among the numbers: a folder, a tile) left-aligned."""
     table = _SummaryTable(
         title=title,
         title_justify="left",
@@ -313,7 +314,8 @@ def summary_table(title: str, columns: list[str], right_from: int) -> Table:
         padding=(0, 1, 0, 0),
     )
     for i, name in enumerate(columns):
-        table.add_column(name, justify="right" if i >= right_from else "left", no_wrap=True)
+        right = i >= right_from and name not in text
+        table.add_column(name, justify="right" if right else "left", no_wrap=True)
     return table
 
 

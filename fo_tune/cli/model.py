@@ -76,7 +76,7 @@ CalibrationOpt = Annotated[
 FilesArg = Annotated[
     list[Path] | None,
     typer.Argument(
-        metavar="[TABLE_OR_REPORT]...",
+        metavar="TABLE_OR_REPORT",
         help="Tables (.yaml) and search reports (trials.csv or its folder). Default: the packaged "
         "tables of the calibration's device.",
         show_default=False,

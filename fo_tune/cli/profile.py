@@ -179,7 +179,8 @@ def _print_grids(rows, shape: str, path: Path) -> None:
     table = summary_table(
         f"{shape}: each grid's fastest of its best profiled configs, timed side by side in one run",
         ["r", "grid", "tile", "ms", "cuBLAS/ours", "over SM share"],
-        2,
+        0,
+        text=["tile"],
     )
     for g in rows:
         table.add_row(

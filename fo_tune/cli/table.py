@@ -173,7 +173,7 @@ PathArg = Annotated[
 FormatOpt = Annotated[str, typer.Option("--format", "-f", help=f"Output format: {', '.join(FORMATS)}.")]
 PathsArg = Annotated[
     list[Path],
-    typer.Argument(metavar="PATH...", help="Table files to check.", show_default=False),
+    typer.Argument(metavar="PATH", help="Table files to check.", show_default=False),
 ]
 SmCountOpt = Annotated[
     int | None,

@@ -314,7 +314,9 @@ def list_tables(device_key: ListDeviceKeyOpt = None, json_out: ListJsonOpt = Fal
             text = f"no table in {folders}; write one with `fo-tune search`"
         console.print(text, markup=False, highlight=False)
         return
-    out = summary_table("", ["device key", "collective", "world", "dtype", "rows", "folder"], 4)
+    out = summary_table(
+        "", ["device key", "collective", "world", "dtype", "rows", "folder"], 2, text=["dtype", "folder"]
+    )
     for f in files:
         cells = [
             f["device_key"],

@@ -136,7 +136,15 @@ def show_rich(path: Path, table: ScheduleTable) -> None:
         "wait",
         *prov,
     ]
-    out = summary_table("", columns, 4)
+    # text columns among the numbers: the settings' lists and names, provenance that is not a number
+    words = [
+        key
+        for key in prov
+        if not all(
+            isinstance(row.provenance[key], (int, float)) for row in table.rows if key in row.provenance
+        )
+    ]
+    out = summary_table("", columns, 4, text=["groups", "layout", "wait", *words])
     for row in table.rows:
         cells = [row.problem.describe(), kind_label(row), value_label(row.overlap), *settings_cells(row)]
         cells += [value_label(row.provenance[key]) if key in row.provenance else "-" for key in prov]

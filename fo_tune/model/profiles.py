@@ -78,19 +78,25 @@ def last_wave_share(tail: TailPlan, k_tiles: int) -> float:
     return 1.0
 
 
+def curve_command(cal: Calibration, collectives: Sequence[str], into: str = "CALIBRATION.yaml") -> str:
+    """The command that measures ``cal``'s bandwidth curves with ``collectives`` added and merges
+    them into ``into`` (``--into`` replaces the whole bandwidth section, so it names every
+    collective the section keeps)."""
+    names = ",".join(dict.fromkeys([*(b.collective for b in cal.bandwidth), *collectives]))
+    return (
+        f"fo-tune calibrate --world-size {cal.world_size} --dtype {cal.base_dtype or cal.dtype} "
+        f"--only bandwidth --collectives {names} --into {into}"
+    )
+
+
 def missing_curve(cal: Calibration, collective: str) -> str:
     """ "" when ``cal`` has a bandwidth curve of ``collective``, else what is missing and the command
-    that measures it (``--into`` replaces the whole bandwidth section, so it names every collective
-    the section keeps)."""
-    have = list(dict.fromkeys(b.collective for b in cal.bandwidth))
-    if collective in have:
+    that measures it (``curve_command``)."""
+    if any(b.collective == collective for b in cal.bandwidth):
         return ""
-    names = ",".join([*have, collective])
     return (
         f"the calibration's bandwidth section has no curve for {collective}; measure it on that machine "
-        f"with `fo-tune calibrate --world-size {cal.world_size} --dtype {cal.base_dtype or cal.dtype} "
-        "--only bandwidth "
-        f"--collectives {names} --into CALIBRATION.yaml`"
+        f"with `{curve_command(cal, [collective])}`"
     )
 
 

@@ -96,6 +96,13 @@ def in_torchrun() -> bool:
     return all(key in os.environ for key in TORCHRUN_VARS)
 
 
+def check_world_size(world_size: object) -> int:
+    """``world_size`` when it is an integer >= 1, else ``ArgumentError`` naming --world-size."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ArgumentError(f"--world-size: expected an integer >= 1, got {world_size!r}")
+    return world_size
+
+
 def check_cpu_world_size(world_size: int) -> None:
     """``ArgumentError`` (naming --world-size) for more ranks than ``MAX_CPU_WORLD_SIZE`` on the CPU."""
     if world_size > MAX_CPU_WORLD_SIZE:
@@ -114,10 +121,9 @@ def choose_backend(world_size: int, backend: str | None = None) -> str:
     hosts, so the local GPU count is not checked there (``auto``: NCCL when any GPU is visible).
     Spawned gloo ranks are at most ``MAX_CPU_WORLD_SIZE`` (``check_cpu_world_size``).
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise EnvironmentMismatchError(f"world size must be an integer >= 1, got {world_size!r}")
+    check_world_size(world_size)
     if backend not in (None, "auto", *BACKENDS):
-        raise EnvironmentMismatchError(f"backend {backend!r} is not one of auto, {', '.join(BACKENDS)}")
+        raise ArgumentError(f"--backend {backend!r} is not one of auto, {', '.join(BACKENDS)}")
     gpus = 0 if backend == "gloo" else visible_gpus()
     if backend == "gloo" or (backend != "nccl" and gpus == 0):
         if not in_torchrun():  # (torchrun started its ranks already)

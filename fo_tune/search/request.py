@@ -148,9 +148,9 @@ def _check_calibration(request: SearchRequest) -> None:
             f"the calibration is for world size {cal.world_size}, the search for {request.world_size}; "
             f"calibrate with `fo-tune calibrate --world-size {request.world_size}`"
         )
-    from fo_tune.model.profiles import missing_curve
+    from fo_tune.calibrate.missing import missing_curves
 
-    gap = missing_curve(cal, request.collective)
+    gap = missing_curves(cal, [request.collective])
     if gap:  # the baseline every row is decided against is GEMM then this collective
         raise SearchError(f"--mode {request.mode} prices GEMM then {request.collective}, but {gap}")
 

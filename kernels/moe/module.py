@@ -28,9 +28,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fo_kernels.errors import PlanError
+from fo_kernels.errors import PlanError, ScheduleError, ShapeError
+from fo_kernels.fields import check_int
 from fo_kernels.groups import check_group
 from fo_kernels.moe.ffn import expert_parallel_ffn
+from fo_kernels.moe.routing import FFN_DTYPES, check_call
 from fo_kernels.moe.schedule import MoeSchedule
 
 # Points where a SiLU is told apart from the other activations transformers' MoE models use
@@ -120,6 +122,36 @@ def _per_expert(experts: nn.ModuleList) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(w13), torch.stack(w2)
 
 
+def _check_experts(w13: object, w2: object, num_experts: object, schedule: object, world: int) -> None:
+    """Refuse on construction what ``expert_parallel_ffn`` would refuse at the first call (the
+    weights' shapes and dtypes, ``routing.check_call``'s rules), and a ``num_experts`` that is not
+    this rank's experts times the group's size (``ShapeError``), a schedule that is not a
+    ``MoeSchedule`` (``ScheduleError``)."""
+    for name, t in (("w13", w13), ("w2", w2)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype not in FFN_DTYPES:
+            raise ShapeError(
+                f"{name}: expected a 3-dim tensor ({'E_local, H, 2I' if name == 'w13' else 'E_local, I, H'}) "
+                f"of bfloat16, float16, float32 or float64, got {_described(t)}"
+            )
+    # a call of no token checks the weights against each other as every call does
+    none = w13.new_empty(0, w13.shape[1])
+    check_call(none, torch.empty(0, 1, dtype=torch.int64, device=w13.device), none[:, :1], w13, w2, world)
+    check_int("num_experts", num_experts, minimum=1, error=ShapeError)
+    if num_experts != w13.shape[0] * world:
+        raise ShapeError(
+            f"num_experts: {num_experts} is not this rank's {w13.shape[0]} experts (w13.shape[0]) x the "
+            f"group's {world} ranks = {w13.shape[0] * world}"
+        )
+    if schedule is not None and not isinstance(schedule, MoeSchedule):
+        raise ScheduleError(
+            f"schedule: expected a fo_kernels.MoeSchedule or None, got {type(schedule).__name__}"
+        )
+
+
+def _described(t: object) -> str:
+    return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
 class ExpertParallelExperts(nn.Module):
     """This rank's experts (``w13`` (E_local, H, 2I), ``w2`` (E_local, I, H)) of ``num_experts``,
     run by ``expert_parallel_ffn`` over ``group`` (see the module docstring)."""
@@ -135,6 +167,7 @@ class ExpertParallelExperts(nn.Module):
     ) -> None:
         super().__init__()
         check_group(group)
+        _check_experts(w13, w2, num_experts, schedule, dist.get_world_size(group))
         self.w13 = nn.Parameter(w13.contiguous())
         self.w2 = nn.Parameter(w2.contiguous())
         self.num_experts, self.group, self.schedule = num_experts, group, schedule

@@ -27,7 +27,7 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.plan import cdiv
 from fo_tune.calibrate.calibration import Calibration
-from fo_tune.engines.copy_engine.tuner import peer_blocker
+from fo_tune.engines.copy_engine.tuner import CALIBRATE, peer_blocker
 from fo_tune.moe.model import MoeCall, MoeCostModel, MoePrediction
 
 # The calibration's copy_engine parameters this term reads.
@@ -67,8 +67,8 @@ class CopyEngineMoeTerm:
         missing = [name for name in PARAMS if name not in have]
         if missing:
             return (
-                f"needs copy_engine.params.{missing[0]} in the calibration; measure it with `fo-tune "
-                f"calibrate --world-size {cal.world_size} --only copy_engine --into CALIBRATION.yaml`"
+                f"needs copy_engine.params.{missing[0]} in the calibration; measure it with "
+                f"`{CALIBRATE} --into CALIBRATION.yaml` (CALIBRATION.yaml: the file passed to --calibration)"
             )
         return ""
 

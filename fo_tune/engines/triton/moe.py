@@ -29,6 +29,7 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.tile import Tile
 from fo_tune.calibrate.calibration import Calibration
+from fo_tune.engines.triton.tuner import CALIBRATE_GEMM
 from fo_tune.moe.model import (
     COUNTS_EXCHANGES,
     HOST_TORCH_OP_MS,
@@ -60,8 +61,9 @@ class TritonMoeTerm:
     def calibration_gap(cal: Calibration) -> str:
         if not any(p.status == "ok" for p in cal.gemm):
             return (
-                "needs the calibration's GEMM tile profile; measure it with `fo-tune calibrate "
-                f"--world-size {cal.world_size} --only gemm --into CALIBRATION.yaml`"
+                "needs the calibration's GEMM tile profile; measure it on one GPU of its model with "
+                f"`{CALIBRATE_GEMM} --into CALIBRATION.yaml` (CALIBRATION.yaml: the file passed to "
+                "--calibration)"
             )
         return ""
 

@@ -67,6 +67,9 @@ GROUPINGS = ("dp", "custom")
 ENUMERATED_GROUP_COUNTS = (1, 2, 4)
 # The collectives this engine's runtime overlaps (fo_kernels.engines.triton.executor).
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+# The command that measures a calibration's GEMM tile profile: one GPU's, whatever world size the
+# calibration is for (an extrapolated one's too), merged into its file with --into.
+CALIBRATE_GEMM = "fo-tune calibrate --world-size 1 --only gemm"
 # What an all_gather schedule keeps in its unused wait_mode field: TritonSettings' default.
 ALL_GATHER_WAIT: str = next(f.default for f in dataclasses.fields(TritonSettings) if f.name == "wait_mode")
 # all_gather's only layout and signal kind (TritonSettings.check: whole bands of every shard).
@@ -176,8 +179,8 @@ class TritonTuner(EngineTuner):
             return f"needs the calibration's bandwidth curve of {collective}: {gap}"
         if not any(p.status == "ok" for p in cal.gemm):
             return (
-                "needs the calibration's GEMM tile profile (section gemm); measure it with "
-                f"`fo-tune calibrate --world-size {cal.world_size}`"
+                "needs the calibration's GEMM tile profile (section gemm); measure it on one GPU of "
+                f"its model with `{CALIBRATE_GEMM} --into CALIBRATION.yaml` (the calibration's file)"
             )
         return ""
 

@@ -30,8 +30,10 @@ import torch
 from fo_kernels.engines.copy_engine.buffers import Dtypes, region_bytes_for, scale_bytes_for
 from fo_kernels.engines.copy_engine.cpu import CpuOptions, CpuRank, run_ranks
 from fo_kernels.engines.copy_engine.layout import shard_rows
-from fo_kernels.engines.copy_engine.modes import plan_call
-from fo_kernels.errors import ScaleError, ShapeError
+from fo_kernels.engines.copy_engine.modes import check_weights, plan_call
+from fo_kernels.engines.copy_engine.settings import COPY_ENGINE_MIN_WORLD
+from fo_kernels.errors import ArgumentError, ScaleError, ScheduleError, ShapeError
+from fo_kernels.fields import check_int
 from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE, OUT_DTYPES, Scales, fp8_aligned
 from fo_kernels.tile import Tile
 
@@ -64,12 +66,31 @@ class CpuCheck:
     out_dtype: torch.dtype = torch.bfloat16  # an fp8 call's output dtype
 
     def __post_init__(self) -> None:
+        """Every field a caller can get wrong, refused here (before any thread-rank starts), each
+        error naming the field: the sizes, the call the operation lists are built for (collective,
+        mode, weights, tile and the rows per rank, as ``plan_call`` refuses them), the dtypes."""
+        check_int("world", self.world, minimum=COPY_ENGINE_MIN_WORLD, error=ScheduleError)
+        for name in ("m", "n", "k"):
+            check_int(name, getattr(self, name), minimum=1, error=ShapeError)
+        check_int("calls", self.calls, minimum=1, error=ArgumentError)
+        check_int("seed", self.seed, minimum=0, error=ArgumentError)
         if self.scaling not in SCALINGS:
-            raise ValueError(f"scaling: {self.scaling!r} is not one of {SCALINGS}")
+            raise ScaleError(f"scaling: {self.scaling!r} is not one of {', '.join(map(repr, SCALINGS))}")
+        if not self.scaling and self.dtype not in OUT_DTYPES:  # (the ops' unscaled operand dtypes)
+            raise ShapeError(
+                f"dtype: {self.dtype!r} is not one of torch.bfloat16, torch.float16, torch.float32 "
+                "(float8_e4m3fn operands: give scaling)"
+            )
+        object.__setattr__(self, "weights", check_weights(self.weights))
+        row_scales = self.scaling == "rowwise"
+        plan_call(self.mode, self.collective, self.world, 0, self.m, self.n, self.k, self.weights, self.tile,
+                  row_scales=row_scales)  # fmt: skip
         if not self.scaling:
             return
         if self.out_dtype not in OUT_DTYPES:  # (the fp8 ops' rule, ``scaling.check_scales``)
-            raise ScaleError(f"out_dtype {self.out_dtype} is not one of bfloat16, float16, float32")
+            raise ScaleError(
+                f"out_dtype: {self.out_dtype!r} is not one of torch.bfloat16, torch.float16, torch.float32"
+            )
         if not fp8_aligned(self.n, self.k):
             raise ShapeError(
                 f"float8_e4m3fn operands need N and K multiples of {FP8_ALIGN} (as the fp8 ops), "
@@ -194,7 +215,9 @@ def check_on_gpu(check: CpuCheck, ranks: VirtualRanks, *, graph: bool = False) -
     median GPU time of a call of all N ranks on the one GPU."""
     c, w = check, ranks.world
     if c.world != w:
-        raise ValueError(f"the check is for {c.world} ranks, the virtual ranks are {w}")
+        raise ShapeError(
+            f"world: the check is for {c.world} ranks, the virtual ranks are {w}; give both the same"
+        )
     device = ranks.dev.device
     gather = c.collective == "all_gather"
     a_rows = c.m // w if gather else c.m

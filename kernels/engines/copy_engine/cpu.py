@@ -28,6 +28,7 @@ What fails a run, always within ``timeout_s`` instead of hanging:
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import random
 import threading
@@ -57,7 +58,7 @@ from fo_kernels.engines.copy_engine.ops import (
     Wait,
     WaitEvent,
 )
-from fo_kernels.errors import FoTuneError
+from fo_kernels.errors import ArgumentError, FoTuneError
 from fo_kernels.scaling import Scales, scaled_mm
 
 T = TypeVar("T")
@@ -91,13 +92,39 @@ class CpuOptions:
     drop: Callable[[int, int, Op], bool] | None = None
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0 or self.delay_s < 0 or any(s < 0 for s in (self.slow or {}).values()):
-            raise ValueError(
-                f"timeout_s must be > 0 and delays >= 0, got {self.timeout_s}, {self.delay_s}, {self.slow}"
+        """Every option checked here, before any thread starts: ``ArgumentError`` naming it."""
+        if not _number(self.timeout_s) or not 0 < self.timeout_s < math.inf:
+            raise ArgumentError(f"timeout_s: expected a finite number of seconds > 0, got {self.timeout_s!r}")
+        if not _number(self.delay_s) or not 0 <= self.delay_s < math.inf:
+            raise ArgumentError(f"delay_s: expected a finite number of seconds >= 0, got {self.delay_s!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ArgumentError(f"seed: expected an integer, got {self.seed!r}")
+        slow = self.slow if self.slow is not None else {}
+        if not isinstance(slow, Mapping) or not all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 0 and _number(s) and 0 <= s < math.inf
+            for r, s in slow.items()
+        ):
+            raise ArgumentError(
+                f"slow: expected a mapping of rank (an integer >= 0) to finite seconds >= 0, "
+                f"got {self.slow!r}"
             )
-        unknown = set(self.fifos or {}) - set(STREAMS)
+        fifos = self.fifos if self.fifos is not None else {}
+        if not isinstance(fifos, Mapping) or not all(isinstance(q, str) for q in fifos.values()):
+            raise ArgumentError(f"fifos: expected a mapping of stream name to FIFO name, got {self.fifos!r}")
+        unknown = set(fifos) - set(STREAMS)
         if unknown:
-            raise ValueError(f"fifos: unknown stream(s) {sorted(unknown)}; valid: {', '.join(STREAMS)}")
+            raise ArgumentError(
+                f"fifos: unknown stream(s) {sorted(map(str, unknown))}; valid: {', '.join(STREAMS)}"
+            )
+        if self.drop is not None and not callable(self.drop):
+            raise ArgumentError(
+                f"drop: expected a function (rank, index, op) -> bool, or None; got {self.drop!r}"
+            )
+
+
+def _number(x: object) -> bool:
+    """An int or float, not a bool (a comparison then means what it says)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def shifted(cell: Cell, c: int) -> Cell:
@@ -442,7 +469,11 @@ def run_ranks(
     (``buffers.region_bytes_for``) and a scales region of ``scale_bytes``; their results in rank
     order. The first failure of any thread (a ``ProtocolError``, or what ``body`` raised) is raised
     once every thread has stopped."""
-    shared = _World(world, options or CpuOptions(), region_bytes, scale_bytes)
+    options = options or CpuOptions()
+    beyond = sorted(r for r in options.slow or {} if r >= world)
+    if beyond:
+        raise ArgumentError(f"slow: rank(s) {beyond} outside the {world} ranks of this run")
+    shared = _World(world, options, region_bytes, scale_bytes)
     ranks = [CpuRank(shared, r) for r in range(world)]
     results: list = [None] * world
 

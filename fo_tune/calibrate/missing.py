@@ -1,0 +1,87 @@
+"""What a predicting search says when its calibration lacks a measurement (another dtype's GEMM
+profile, a collective's bandwidth curve): the commands that measure it on the calibration's GPUs
+into a file the user owns (the file it was read from, or a copy of a packaged one named after its
+device key) and the search to run then, and that a machine without such GPUs cannot (``fo-tune
+calibrate --into`` refuses another GPU's measurements: ``fo_tune.calibrate.run.check_mergeable``).
+Also where the packaged calibrations are (``packaged_root``)."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from fo_tune.calibrate.calibration import Calibration
+
+
+def packaged_root() -> Path | None:
+    """The folder of the packaged calibrations (``fo_results/calibration``), None without one."""
+    try:
+        root = Path(str(resources.files("fo_results") / "calibration"))
+    except (ModuleNotFoundError, TypeError):
+        return None
+    return root if root.is_dir() else None
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where a missing measurement of a calibration is merged: its file, or for a packaged one (or
+    one read from no file) a copy the user owns, named after its device key; ``steps``: the
+    command that makes the copy, if any."""
+
+    named: str  # the calibration, as the refusal names it
+    into: str  # shell-quoted
+    steps: str
+    owned: bool  # the file itself, not a copy
+
+
+def _target(cal: Calibration) -> _Target:
+    fp, source = cal.fingerprint, Path(cal.file) if cal.file else None
+    root = packaged_root()
+    packaged = source is not None and root is not None and source.resolve().is_relative_to(root.resolve())
+    what = f"({fp.device_key}, {cal.base_dtype or cal.dtype})"
+    if source is not None and not packaged:
+        return _Target(f"the calibration {source} {what}", shlex.quote(str(source)), "", True)
+    own = shlex.quote(f"{fp.device_key}.yaml")
+    if source is None:  # (made in memory: the file it was measured into is the user's to name)
+        return _Target(f"the calibration {what}", "CALIBRATION.yaml", "", True)
+    steps = f"`cp {shlex.quote(str(source))} {own}`, then "
+    return _Target(f"the packaged calibration {source} {what}", own, steps, False)
+
+
+def missing_profile(cal: Calibration, dtype: str) -> str:
+    """Why a predicting search in ``dtype`` whose calibration has no GEMM profile in that dtype is
+    refused, and the commands that add one to a file the user owns (a copy of a packaged
+    calibration) and search with it. The profile is measured on one GPU of the calibration's model,
+    or of the same die with ``--into-sibling`` (``fo_tune.calibrate.run.check_mergeable``): a
+    machine without one cannot."""
+    t = _target(cal)
+    return (
+        f"{t.named} has no {dtype} GEMM profile. Measure it on one GPU of its model "
+        f"({cal.fingerprint.gpu_name}; on another GPU of the same die add --into-sibling) into "
+        f"{'that file' if t.owned else 'a copy you own'}: {t.steps}`fo-tune calibrate --world-size 1 "
+        f"--only gemm --dtype {dtype} --into {t.into}`; then run this search again with "
+        f"`--calibration {t.into}`. A machine without such a GPU cannot measure it (calibrate refuses "
+        "to merge another GPU's measurements)"
+    )
+
+
+def missing_curves(cal: Calibration, collectives: Sequence[str]) -> str:
+    """ "" when ``cal`` has a bandwidth curve of each of ``collectives``; else what it lacks (the
+    fallback every row is decided against is GEMM then the collective), and the commands that
+    measure it on the GPUs of its machine into a file the user owns and search with it."""
+    from fo_tune.model.profiles import curve_command, missing_curve
+
+    lacking = [c for c in collectives if missing_curve(cal, c)]
+    if not lacking:
+        return ""
+    t, fp = _target(cal), cal.fingerprint
+    return (
+        f"{t.named} has no bandwidth curve for {', '.join(lacking)}. Measure it on {fp.world_size} GPUs "
+        f"of its model ({fp.gpu_name}) into {'that file' if t.owned else 'a copy you own'}: {t.steps}"
+        f"`{curve_command(cal, lacking, t.into)}`; then run this search again with `--calibration "
+        f"{t.into}`. A machine without such GPUs cannot measure it (calibrate refuses to merge another "
+        "machine's measurements)"
+    )
