@@ -248,6 +248,29 @@ def test_world_size_one_duplicates_and_direct_call(one_rank):
     torch.testing.assert_close(got, via_op)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize(("tokens", "top_k"), [(1, 1), (0, 2)])
+def test_backward_of_an_odd_width_with_one_row_or_none(one_rank, dtype, tokens, top_k):
+    """An odd H in a 2-byte dtype puts the float32 routing weight of a row sent back at a byte
+    offset that is not a multiple of 4: a call of one row (T = 1, k = 1) or none still unpacks it
+    (gradients within the dtype's tolerance of the float64 reference)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, 13, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, 2, (tokens, top_k), generator=gen)
+    w = torch.rand(tokens, top_k, generator=gen, dtype=torch.float64)
+    w13 = torch.randn(2, 13, 14, generator=gen, dtype=torch.float64) / 13**0.5
+    w2 = torch.randn(2, 7, 13, generator=gen, dtype=torch.float64) / 7**0.5
+    want = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
+    touch = sum(0 * t.sum() for t in want)  # (no tokens: the reference has no graph of its own)
+    (reference_ffn(want[0], ids, want[1], want[2], want[3]).sum() + touch).backward()
+    to = getattr(torch, dtype)
+    got = [x.to(to), w.float(), w13.to(to), w2.to(to)]
+    got = [t.requires_grad_() for t in got]
+    expert_parallel_ffn(got[0], ids, got[1], got[2], got[3]).float().sum().backward()
+    for g, r in zip(got, want, strict=True):
+        assert rel_err(g.grad, r.grad) < TOL[dtype]
+
+
 def test_gradcheck_in_float64(one_rank):
     """Every gradient (x, topk_weights, w13, w2) against finite differences, in float64 (which the
     no-overlap path takes, for references like this one); a token naming one expert twice."""

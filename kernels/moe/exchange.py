@@ -163,7 +163,12 @@ def unpack(rows: torch.Tensor, parts: Sequence[tuple[torch.dtype, int]]) -> list
     out, at = [], 0
     for dtype, width in parts:
         nbytes = width * dtype.itemsize
-        out.append(rows[:, at : at + nbytes].contiguous().view(dtype))
+        part = rows[:, at : at + nbytes]
+        if not part.is_contiguous() or part.storage_offset() % dtype.itemsize:
+            # a copy starts at byte 0; a slice of 0 or 1 rows counts as contiguous and keeps its
+            # offset, which a part after an odd number of 2-byte columns leaves misaligned
+            part = part.clone(memory_format=torch.contiguous_format)
+        out.append(part.view(dtype))
         at += nbytes
     if at != rows.shape[1]:
         raise ShapeError(f"rows of {rows.shape[1]} bytes do not hold parts of {at} bytes")
