@@ -401,6 +401,25 @@ def test_module_refuses_bad_arguments_on_construction(one_rank, change, error, m
         ExpertParallelExperts(args.pop("w13"), args.pop("w2"), **args)
 
 
+@pytest.mark.parametrize(
+    "ids_shape, weights_shape",
+    [((2, 1), (2, 1)), ((8, 1), (8, 1)), ((4, 2), (4, 1)), ((3, 2, 1), (3, 2, 1))],
+)
+def test_module_forward_refuses_a_routing_of_other_tokens(one_rank, ids_shape, weights_shape):
+    """top_k_index / top_k_weights that do not route hidden_states' tokens (another number of
+    rows, shapes that differ) raise a ShapeError naming them, not a reshape's RuntimeError; leading
+    dims that hold the same tokens are taken."""
+    from fo_kernels import ExpertParallelExperts
+
+    ep = ExpertParallelExperts(torch.randn(2, 8, 6), torch.randn(2, 3, 8), num_experts=2)
+    x = torch.randn(4, 8)
+    ids, w = torch.zeros(ids_shape, dtype=torch.int64), torch.rand(weights_shape)
+    with pytest.raises(ShapeError, match=r"top_k_index and top_k_weights must both be .* over the 4 tokens"):
+        ep(x, ids, w)
+    ids, w = torch.zeros(2, 2, 1, dtype=torch.int64), torch.rand(2, 2, 1)
+    assert ep(x.view(2, 2, 8), ids, w).shape == (2, 2, 8)
+
+
 def test_module_refuses_what_the_op_does_not_compute(one_rank):
     pytest.importorskip("transformers")
     from fo_kernels import ExpertParallelExperts, PlanError, parallelize_experts

@@ -23,6 +23,8 @@ size.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -148,6 +150,26 @@ def _check_experts(w13: object, w2: object, num_experts: object, schedule: objec
         )
 
 
+def _token_rows(
+    hidden_states: object, top_k_index: object, top_k_weights: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward's arguments as the op's (T, H), (T, k) and (T, k) rows; ``ShapeError`` (before
+    any collective) for a routing of another number of tokens than ``hidden_states`` holds."""
+    named = {"hidden_states": hidden_states, "top_k_index": top_k_index, "top_k_weights": top_k_weights}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise ShapeError(f"{name}: expected a tensor of at least 1 dim, got {_described(t)}")
+    tokens, k = math.prod(hidden_states.shape[:-1]), top_k_index.shape[-1]
+    if top_k_weights.shape != top_k_index.shape or math.prod(top_k_index.shape[:-1]) != tokens:
+        raise ShapeError(
+            f"top_k_index and top_k_weights must both be (..., k) over the {tokens} tokens of "
+            f"hidden_states {tuple(hidden_states.shape)}; got {_described(top_k_index)} and "
+            f"{_described(top_k_weights)}"
+        )
+    x = hidden_states.reshape(tokens, hidden_states.shape[-1])
+    return x, top_k_index.reshape(tokens, k), top_k_weights.reshape(tokens, k)
+
+
 def _described(t: object) -> str:
     return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
 
@@ -205,13 +227,11 @@ class ExpertParallelExperts(nn.Module):
     ) -> torch.Tensor:
         """The experts' weighted sum for this rank's tokens ``hidden_states`` (..., H), routed by
         ``top_k_index`` and ``top_k_weights`` (..., k); the same shape as ``hidden_states``."""
-        hidden = hidden_states.shape[-1]
-        x = hidden_states.reshape(-1, hidden)
-        k = top_k_index.shape[-1]
+        x, ids, weights = _token_rows(hidden_states, top_k_index, top_k_weights)
         y = expert_parallel_ffn(
             x,
-            top_k_index.reshape(x.shape[0], k),
-            top_k_weights.reshape(x.shape[0], k),
+            ids,
+            weights,
             self.w13,
             self.w2,
             group=self.group,
