@@ -342,8 +342,8 @@ class _Mlp(torch.nn.Module):
 
 def test_module_from_both_hf_layouts_matches_the_block(one_rank):
     """``ExpertParallelExperts.from_experts`` of transformers' fused block (and its transposed and
-    interleaved variants) and of a ModuleList of MLPs computes what the block computes, and its
-    weight gradients are the block's."""
+    interleaved variants) and of a ModuleList of MLPs computes what the block computes, its
+    weight gradients are the block's, and its weights train where the block's do."""
     pytest.importorskip("transformers")
     from fo_kernels import ExpertParallelExperts
 
@@ -375,6 +375,15 @@ def test_module_from_both_hf_layouts_matches_the_block(one_rank):
         [sum(w[t, j] * mlps[int(ids[t, j]) % 3](x[t]) for j in range(2)) for t in range(9)]
     )
     torch.testing.assert_close(ExpertParallelExperts.from_experts(mlps)(x, ids % 3, w), per_token)
+    # frozen experts stay frozen (a fine-tune of the rest), in either layout; trained ones train
+    assert ep.w13.requires_grad and ep.w2.requires_grad
+    block.gate_up_proj.requires_grad_(False)
+    frozen = ExpertParallelExperts.from_experts(block)
+    assert (frozen.w13.requires_grad, frozen.w2.requires_grad) == (False, True)
+    for mlp in mlps:
+        mlp.requires_grad_(False)
+    frozen = ExpertParallelExperts.from_experts(mlps)
+    assert (frozen.w13.requires_grad, frozen.w2.requires_grad) == (False, False)
 
 
 @pytest.mark.parametrize(

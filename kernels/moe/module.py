@@ -82,7 +82,11 @@ def _check_gate(experts: nn.Module) -> None:
         )
 
 
-def _fused(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+# (w13, w2) of every expert, and whether the block trains each (its weights' requires_grad).
+Weights = tuple[torch.Tensor, torch.Tensor, tuple[bool, bool]]
+
+
+def _fused(experts: nn.Module) -> Weights:
     """(w13, w2) of every expert from the fused layout, as (E, H, 2I) and (E, I, H)."""
     for flag, bad in (("has_bias", True), ("has_post_expert_norm", True), ("has_gate", False)):
         if getattr(experts, flag, not bad) == bad:
@@ -102,16 +106,16 @@ def _fused(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         )
     if not getattr(experts, "is_concatenated", True):  # [g0, u0, g1, u1, ...] -> [gate | up]
         gate_up = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1)
-    return gate_up, down
+    return gate_up, down, (experts.gate_up_proj.requires_grad, experts.down_proj.requires_grad)
 
 
-def _per_expert(experts: nn.ModuleList) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_expert(experts: nn.ModuleList) -> Weights:
     """(w13, w2) of every expert from a ModuleList of MLPs (``_MLP_NAMES``)."""
     first = experts[0]
     names = next((n for n in _MLP_NAMES if all(hasattr(first, a) for a in n)), None)
     if names is None:
         raise PlanError(f"experts: an MLP without {' / '.join('/'.join(n) for n in _MLP_NAMES)} layers")
-    w13, w2 = [], []
+    w13, w2, trains = [], [], [False, False]
     for i, mlp in enumerate(experts):
         gate, up, down = (getattr(mlp, a) for a in names)
         if any(getattr(layer, "bias", None) is not None for layer in (gate, up, down)):
@@ -121,7 +125,9 @@ def _per_expert(experts: nn.ModuleList) -> tuple[torch.Tensor, torch.Tensor]:
         _check_silu(getattr(mlp, "act_fn", None), f"experts[{i}]")
         w13.append(torch.cat([gate.weight.detach().t(), up.weight.detach().t()], dim=1))
         w2.append(down.weight.detach().t())
-    return torch.stack(w13), torch.stack(w2)
+        trains[0] |= gate.weight.requires_grad or up.weight.requires_grad
+        trains[1] |= down.weight.requires_grad
+    return torch.stack(w13), torch.stack(w2), (trains[0], trains[1])
 
 
 def _check_experts(w13: object, w2: object, num_experts: object, schedule: object, world: int) -> None:
@@ -203,12 +209,13 @@ class ExpertParallelExperts(nn.Module):
         schedule: MoeSchedule | None = None,
     ) -> ExpertParallelExperts:
         """This rank's share of a Hugging Face experts block (either layout of the module
-        docstring); the block itself is left as it is."""
+        docstring), its weights trained where the block's are (frozen experts stay frozen); the
+        block itself is left as it is."""
         check_group(group)
         if isinstance(experts, nn.ModuleList):
-            w13, w2 = _per_expert(experts)
+            w13, w2, trains = _per_expert(experts)
         elif hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"):
-            w13, w2 = _fused(experts)
+            w13, w2, trains = _fused(experts)
         else:
             raise PlanError(
                 f"experts: a {type(experts).__name__} is neither a fused experts block (gate_up_proj, "
@@ -220,7 +227,10 @@ class ExpertParallelExperts(nn.Module):
             raise PlanError(f"experts: {total} experts do not split over {world} ranks (E % world != 0)")
         local = total // world
         part = slice(rank * local, (rank + 1) * local)
-        return cls(w13[part].clone(), w2[part].clone(), num_experts=total, group=group, schedule=schedule)
+        module = cls(w13[part].clone(), w2[part].clone(), num_experts=total, group=group, schedule=schedule)
+        module.w13.requires_grad_(trains[0])
+        module.w2.requires_grad_(trains[1])
+        return module
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
