@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from fo_kernels import MoeProblem, MoeSchedule, expert_parallel_ffn
@@ -186,12 +187,44 @@ def run_groups(
             for c in cases:
                 out.append({"ranks": ranks, "case": c, "errs": run_case(c, rank, world, group)})
             out.append({"ranks": ranks, "bad": bad_inputs(group, rank, world)})
+            out.append({"ranks": ranks, "copied": copied_module(group, rank)})
     example = _example()
     for kind in models:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out.append({"example": kind, "errors": example.check(kind, ctx.rank, ctx.world_size, ctx.device)})
     return out
+
+
+def copied_module(group, rank: int) -> float | str:
+    """``copy.deepcopy`` of an ``ExpertParallelExperts`` over ``group`` (a process group cannot be
+    copied): the copy runs over the same group, its weights its own; the relative difference of
+    the copy's output from the module's (0 when the copy is right), else what went wrong."""
+    import copy
+
+    from fo_kernels import ExpertParallelExperts
+
+    world = dist.get_world_size(group)
+    gen = torch.Generator().manual_seed(rank)
+    module = ExpertParallelExperts(
+        torch.randn(2, 8, 6, generator=gen),
+        torch.randn(2, 3, 8, generator=gen),
+        num_experts=2 * world,
+        group=group,
+    )
+    try:
+        copied = copy.deepcopy(module)
+    except TypeError as exc:  # (reported: raised alike on every rank, before any collective)
+        return f"{type(exc).__name__}: {exc}"
+    if copied.group is not group or copied.w13 is module.w13:
+        return "the copy has another group, or shares the module's weights"
+    x, ids, w = (
+        torch.randn(3, 8, generator=gen),
+        torch.randint(0, 2 * world, (3, 2), generator=gen),
+        torch.rand(3, 2),
+    )
+    with torch.no_grad():
+        return rel_err(copied(x, ids, w), module(x, ids, w).double())
 
 
 def import_transformers() -> None:

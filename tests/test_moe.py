@@ -78,7 +78,8 @@ def _cases(world: int, seed: int, count: int) -> list[MoeCase]:
 def test_gloo_groups_of_two_three_and_four_ranks():
     """Forward and every gradient within the dtype's tolerance on every rank of every group; the
     bad calls raise ValueErrors naming the problem and leave no collective half done; a rank
-    outside a group gets a GroupError, eagerly and compiled; examples/moe_block.py's check of a
+    outside a group gets a GroupError, eagerly and compiled; a deep copy of an
+    ExpertParallelExperts runs over the module's group; examples/moe_block.py's check of a
     Mixtral and a Qwen3-MoE decoder with their experts over the 4 ranks
     (``ExpertParallelExperts``) against the unsharded models."""
     groups = [(ranks, _cases(len(ranks), 10 + len(ranks), CASES)) for ranks in GROUPS]
@@ -95,6 +96,8 @@ def test_gloo_groups_of_two_three_and_four_ranks():
                 assert r["outside"].startswith("GroupError: group: this rank is not a member"), where
             elif "bad" in r:
                 _check_bad(r["bad"], where)
+            elif "copied" in r:
+                assert r["copied"] == 0, (where, r["copied"])
             else:
                 c, errs = r["case"], r["errs"]
                 assert errs.pop("y_dtype") == 0, where

@@ -23,6 +23,7 @@ size.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -252,6 +253,17 @@ class ExpertParallelExperts(nn.Module):
     def extra_repr(self) -> str:
         e, h, i2 = self.w13.shape
         return f"experts={e} of {self.num_experts}, hidden={h}, intermediate={i2 // 2}"
+
+    def __deepcopy__(self, memo: dict) -> ExpertParallelExperts:
+        """A copy of the weights over the same process group: a ``ProcessGroup`` cannot be
+        copied, and a copy of a model (an EMA, a frozen reference) runs on the group it was
+        sharded over."""
+        if self.group is not None:
+            memo[id(self.group)] = self.group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return new
 
 
 def parallelize_experts(
