@@ -41,9 +41,8 @@ from fo_kernels.engines.copy_engine.buffers import (
     region_bytes_for,
     scale_bytes_for,
 )
-from fo_kernels.engines.copy_engine.cpu import ProtocolError, shifted
 from fo_kernels.engines.copy_engine.gpu import Compiled, GpuExecutor
-from fo_kernels.engines.copy_engine.layout import COUNTER_SLOTS, Cell, FlagLayout
+from fo_kernels.engines.copy_engine.layout import COUNTER_SLOTS, Cell, FlagLayout, shifted
 from fo_kernels.engines.copy_engine.modes import plan_call
 from fo_kernels.engines.copy_engine.ops import (
     ALT,
@@ -58,7 +57,7 @@ from fo_kernels.engines.copy_engine.ops import (
     Wait,
 )
 from fo_kernels.engines.copy_engine.warmup import SCRATCH_ALIGN
-from fo_kernels.errors import EnvironmentMismatchError, ScheduleError, ShapeError
+from fo_kernels.errors import EnvironmentMismatchError, ProtocolError, ScheduleError, ShapeError
 from fo_kernels.gemm import BOperand
 from fo_kernels.scaling import Scales
 from fo_kernels.tile import Tile
