@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from fo_kernels.engines.copy_engine import cuda_device
 from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
 from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.errors import (
@@ -541,9 +542,11 @@ def test_lookup_bad_input(
 
 @pytest.mark.parametrize("device", ["foo", "cuda:x", -1, 3.5])
 def test_a_device_torch_cannot_read_is_an_argument_error(device: Any) -> None:
-    """``lookup_schedule`` and ``OverlapRuntime`` name the device and the forms they take, as a
-    ValueError of fo-tune's rather than torch's RuntimeError or TypeError."""
+    """``lookup_schedule``, ``OverlapRuntime`` and ``cuda_device`` name the device and the forms
+    they take, as a ValueError of fo-tune's rather than torch's RuntimeError or TypeError."""
     with pytest.raises(ArgumentError, match=r"device: .* give 'cpu', 'cuda', 'cuda:N'"):
         lookup_schedule("all_reduce", 64, 64, 32, dtype="bfloat16", world_size=2, device=device)
     with pytest.raises(ArgumentError, match=re.escape(repr(device))):
         OverlapRuntime(device=device)
+    with pytest.raises(ArgumentError, match=re.escape(repr(device))):
+        cuda_device(device)  # the copy engine's virtual ranks
