@@ -51,6 +51,15 @@ class TableNotFoundError(FoTuneError, FileNotFoundError):
     """A table file that does not exist."""
 
 
+class ProtocolError(FoTuneError, RuntimeError):
+    """An operation list broke the copy engine's protocol (``fo_kernels.engines.copy_engine.cpu``:
+    a flag set twice, a wait or reset of a peer's cell, an event waited for before it is recorded)."""
+
+
+class ProtocolTimeout(ProtocolError):
+    """A wait was not satisfied within the timeout: a lost flag or a deadlock."""
+
+
 class EnvironmentMismatchError(FoTuneError, RuntimeError):
     """The machine cannot run what was asked (no GPU, wrong backend, missing package)."""
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fo_kernels.errors import EnvironmentMismatchError, ScheduleError, TableError
+from fo_kernels.errors import ArgumentError, EnvironmentMismatchError, ScheduleError, TableError
 
 __all__ = [
     "CPU_NOMINAL_PROGRAMS",
@@ -138,14 +138,20 @@ def read_device_key(key: str) -> dict[str, str | int] | None:
 def resolve_device(device: torch.device | str | int | None = None) -> torch.device:
     """``None``: the current CUDA device when CUDA is available, else the CPU; ``cuda`` gets its index.
 
-    Raises ``EnvironmentMismatchError`` for a device type other than cpu and cuda, or for a CUDA
-    device when CUDA is not available.
+    Raises ``ArgumentError`` for something torch does not read as a device (``"foo"``, ``"cuda:x"``,
+    a negative index), ``EnvironmentMismatchError`` for a device type other than cpu and cuda, or for
+    a CUDA device when CUDA is not available.
     """
     if device is None:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError):  # torch's own message lists device types fo-tune does not run on
+        raise ArgumentError(
+            f"device: {device!r} is not a device; give 'cpu', 'cuda', 'cuda:N' or a GPU index N"
+        ) from None
     if dev.type not in ("cpu", "cuda"):
         raise EnvironmentMismatchError(f"device: fo-tune runs on cpu or cuda, got {dev}")
     if dev.type == "cuda":

@@ -31,7 +31,7 @@ from fo_kernels.collectives import all_reduce_now, reduce_scatter_now, reduce_sc
 from fo_kernels.engines.copy_engine import CopyEnginePeers
 from fo_kernels.errors import ScheduleError
 from fo_kernels.fallback import Fallback
-from fo_kernels.fingerprint import device_sm_count
+from fo_kernels.fingerprint import device_sm_count, resolve_device
 from fo_kernels.plan import Plan
 from fo_kernels.wait import Waiter, make_waiter
 
@@ -67,9 +67,7 @@ class OverlapRuntime:
     engine_state: dict[str, object] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self.device = torch.device(self.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(self.device)
         if not self.sm_count:
             self.sm_count = device_sm_count(self.device)
 

@@ -433,7 +433,7 @@ def test_the_gpu_suite_on_the_cpu_is_refused_at_once(runner, tmp_path):
         ["search", "--shape", "64x64x64", "--mode", "predict"],
         ["profile", "--backend", "gloo", "--shape", "32x48x40", "--out", "/proc/x/profile.csv"],
         ["search", "--shape", "64x64x64", "--mode", "predict", "--table-dir", "/proc/x"],
-        # a journal storage's file, as a SQLite one's (it was an internal error, exit 1)
+        # a journal storage's file, refused as a SQLite one's is (exit 2, not an internal error)
         ["search", "--shape", "64x64x64", "--mode", "measure", "--storage", "journal:/proc/x.log"],
     ],
 )

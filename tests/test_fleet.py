@@ -153,7 +153,7 @@ def test_pull_from_an_empty_or_missing_storage(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not Path("/proc/version").is_file(), reason="needs /proc (Linux)")
 def test_pull_from_a_journal_file_that_cannot_be_opened_is_one_line(tmp_path: Path) -> None:
-    """/proc/version exists but takes no append, even from root (it was an internal error, exit 1)."""
+    """/proc/version exists but takes no append, even from root: a StorageError, exit 2 and one line."""
     line = assert_one_line_error(pull("journal:/proc/version", tmp_path / "t"))
     assert "--storage journal:/proc/version: cannot open it" in line, line
 

@@ -65,13 +65,27 @@ def test_for_dtype_reads_the_other_profile_with_the_same_communication(fp8_calib
         f8.baseline("all_reduce", 4096, 8192, 4096, FP8),
     )
     assert math.isclose(base8.comm_ms, base.comm_ms) and base8.gemm_ms < 0.7 * base.gemm_ms
-    with pytest.raises(CalibrationError, match=r"--only gemm --dtype float16 --into"):
+    # the refusal names the file the calibration was read from, or for one read from no file the
+    # command that writes one, never a placeholder
+    with pytest.raises(CalibrationError, match=r"--only gemm --dtype float16 --into") as read:
         cal.for_dtype("float16")
+    assert f"--into {fp8_calibration}" in str(read.value)
+    with pytest.raises(CalibrationError) as unread:
+        dataclasses.replace(cal, file=None).for_dtype("float16")
+    folder = f"calibration-{h200.fingerprint.device_key}"
+    assert f"`fo-tune calibrate --world-size 2 --out {folder}`" in str(unread.value)
+    assert f"--dtype float16 --into {folder}/calibration.yaml" in str(unread.value)
+    assert "CALIBRATION.yaml" not in str(read.value) + str(unread.value)
 
 
 def test_fp8_calibrates_its_gemm_only_and_merges_beside(h200):
-    with pytest.raises(CalibrationRequestError, match="measures the GEMM profile only"):
+    with pytest.raises(CalibrationRequestError, match="measures the GEMM profile only") as refused:
         CalibrationRequest(world_size=2, dtype=FP8)
+    # without a calibration to merge into, the commands that write one and merge into it
+    assert (
+        "`fo-tune calibrate --world-size 2 --out calibration-w2`, then `fo-tune calibrate --world-size 1 "
+        f"--only gemm --dtype {FP8} --into calibration-w2/calibration.yaml`"
+    ) in str(refused.value)
     CalibrationRequest(world_size=1, dtype=FP8, parts=("gemm",))
     with pytest.raises(CalibrationRequestError, match="--only gemm"):
         check_mergeable(h200, h200.fingerprint, FP8, ("gemm", "copy_engine"))

@@ -416,9 +416,11 @@ def test_the_shipped_calibration_cannot_price_all_gather(tmp_path, h200):
     from fo_tune.calibrate.calibration import CalibrationError
 
     with pytest.raises(
-        CalibrationError, match=r"no curve for all_gather.*--collectives all_reduce,reduce_scatter,all_gather"
-    ):
+        CalibrationError, match=r"no bandwidth curve for all_gather.*--collectives all_reduce,reduce_scatter,all_gather"
+    ) as refused:
         cost_model(h200).baseline("all_gather", 4096, 8192, 4096, "bfloat16")
+    # into a copy of the packaged file, named after its device key (a file the command can write)
+    assert f"--into {h200.fingerprint.device_key}.yaml" in str(refused.value)
     line = assert_one_line_error(
         search("--shape", "4096x8192x4096", "-c", "all_gather", "--out", str(tmp_path / "o"))
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,11 @@ import pytest
 import torch
 import yaml
 
+from fo_kernels.engines.copy_engine import cuda_device
 from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
 from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.errors import (
+    ArgumentError,
     HeuristicScheduleWarning,
     ScheduleError,
     TableError,
@@ -23,6 +26,7 @@ from fo_kernels.errors import (
 )
 from fo_kernels.fingerprint import CPU_NOMINAL_PROGRAMS, Fingerprint, current_fingerprint
 from fo_kernels.plan import make_plan
+from fo_kernels.runtime import OverlapRuntime
 from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import (
     MISS_SOURCE,
@@ -534,3 +538,15 @@ def test_lookup_bad_input(
     collective, m, n, k, dtype = (args[key] for key in ("collective", "m", "n", "k", "dtype"))
     with pytest.raises(error, match=needle):
         lookup_schedule(collective, m, n, k, dtype=dtype, world_size=2, device="cpu")
+
+
+@pytest.mark.parametrize("device", ["foo", "cuda:x", -1, 3.5])
+def test_a_device_torch_cannot_read_is_an_argument_error(device: Any) -> None:
+    """``lookup_schedule``, ``OverlapRuntime`` and ``cuda_device`` name the device and the forms
+    they take, as a ValueError of fo-tune's rather than torch's RuntimeError or TypeError."""
+    with pytest.raises(ArgumentError, match=r"device: .* give 'cpu', 'cuda', 'cuda:N'"):
+        lookup_schedule("all_reduce", 64, 64, 32, dtype="bfloat16", world_size=2, device=device)
+    with pytest.raises(ArgumentError, match=re.escape(repr(device))):
+        OverlapRuntime(device=device)
+    with pytest.raises(ArgumentError, match=re.escape(repr(device))):
+        cuda_device(device)  # the copy engine's virtual ranks

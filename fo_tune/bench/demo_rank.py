@@ -120,11 +120,12 @@ def rank_main(ctx: Any, job: Job) -> list[dict[str, Any] | None]:
     import torch
 
     from fo_kernels.schedule import COLLECTIVES, SHARDED_COLLECTIVES, torch_dtype
+    from fo_tune.ranks.gemm import operand_seed
 
     dtype = torch_dtype(job.dtype)
     results: list[dict[str, Any] | None] = []
     for i, (m, n, k) in enumerate(job.shapes):
-        gen = torch.Generator().manual_seed((job.seed * 1009 + i) * 1009 + ctx.rank)
+        gen = torch.Generator().manual_seed(operand_seed(job.seed, i, ctx.rank))
         a = torch.randn(m, k, generator=gen).to(dtype).to(ctx.device)
         b = torch.randn(k, n, generator=gen).to(dtype).to(ctx.device)
         for collective in COLLECTIVES:

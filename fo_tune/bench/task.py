@@ -32,7 +32,7 @@ from fo_tune.bench import variants as v
 from fo_tune.bench.operands import CaseOperands, case_operands
 from fo_tune.bench.request import CHUNK_COUNTS, GPU_REPS, WARMUP
 from fo_tune.bench.rows import FUSED_VARIANT
-from fo_tune.ranks.gemm import GEMM_TOL, rel_err
+from fo_tune.ranks.gemm import GEMM_TOL, operand_seed, rel_err
 from fo_tune.ranks.launch import RankContext
 from fo_tune.ranks.scaled import library_mm
 from fo_tune.ranks.timing import MIN_SAMPLE_MS, time_interleaved
@@ -85,7 +85,7 @@ class BenchCaseTask:
 
     def run(self, ctx: RankContext) -> list[dict[str, Any]]:
         m, n, k, c = self.m, self.n, self.k, self.collective
-        seed = (((self.seed * 1009 + m) * 1009 + n) * 1009 + k) * 1009 + ctx.rank
+        seed = operand_seed(self.seed, m, n, k, ctx.rank)
         ops = case_operands(c, m, n, k, self.dtype, ctx.device, seed % (1 << 62))
         out = [
             self._measure(

@@ -51,6 +51,7 @@ from fo_kernels.files import atomic_write, read_yaml
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import COLLECTIVES
 from fo_kernels.tile import Tile
+from fo_tune.calibrate.missing import missing_profile
 from fo_tune.calibrate.section import (
     CalibrationError,
     CalibrationNotFoundError,
@@ -315,11 +316,7 @@ class Calibration:
             return self
         points = self.gemm_dtypes.get(dtype)
         if not points:
-            raise CalibrationError(
-                f"the calibration ({self.fingerprint.device_key}, {self.dtype}) has no {dtype} GEMM "
-                f"profile; measure it on one GPU of this model with `fo-tune calibrate --world-size 1 "
-                f"--only gemm --dtype {dtype} --into CALIBRATION.yaml`"
-            )
+            raise CalibrationError(missing_profile(self, dtype))
         siblings = sorted({p.measured_on for p in points if p.measured_on})
         clause = f"{dtype} GEMM profile measured on {', '.join(siblings)}, a sibling GPU" if siblings else ""
         return dataclasses.replace(

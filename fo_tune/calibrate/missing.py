@@ -3,7 +3,10 @@ profile, a collective's bandwidth curve): the commands that measure it on the ca
 into a file the user owns (the file it was read from, or a copy of a packaged one named after its
 device key) and the search to run then, and that a machine without such GPUs cannot (``fo-tune
 calibrate --into`` refuses another GPU's measurements: ``fo_tune.calibrate.run.check_mergeable``).
-Also where the packaged calibrations are (``packaged_root``)."""
+A calibration read from no file (measured or extrapolated in memory) is first written to a file
+by the command that measures it. ``fo-tune calibrate --dtype D`` for more than the GEMM profile is
+answered the same way (``gemm_only_refusal``). Also where the packaged calibrations are
+(``packaged_root``)."""
 
 from __future__ import annotations
 
@@ -12,8 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fo_tune.calibrate.calibration import Calibration
+if TYPE_CHECKING:  # (annotations only: the calibration's refusals use this module)
+    from fo_tune.calibrate.calibration import Calibration
 
 
 def packaged_root() -> Path | None:
@@ -28,13 +33,13 @@ def packaged_root() -> Path | None:
 @dataclass(frozen=True)
 class _Target:
     """Where a missing measurement of a calibration is merged: its file, or for a packaged one (or
-    one read from no file) a copy the user owns, named after its device key; ``steps``: the
-    command that makes the copy, if any."""
+    one read from no file) a file the user owns, named after its device key; ``steps``: the
+    command that makes that file, if any; ``dest``: the file, as the refusal names it."""
 
     named: str  # the calibration, as the refusal names it
     into: str  # shell-quoted
     steps: str
-    owned: bool  # the file itself, not a copy
+    dest: str
 
 
 def _target(cal: Calibration) -> _Target:
@@ -43,12 +48,21 @@ def _target(cal: Calibration) -> _Target:
     packaged = source is not None and root is not None and source.resolve().is_relative_to(root.resolve())
     what = f"({fp.device_key}, {cal.base_dtype or cal.dtype})"
     if source is not None and not packaged:
-        return _Target(f"the calibration {source} {what}", shlex.quote(str(source)), "", True)
+        return _Target(f"the calibration {source} {what}", shlex.quote(str(source)), "", "that file")
     own = shlex.quote(f"{fp.device_key}.yaml")
-    if source is None:  # (made in memory: the file it was measured into is the user's to name)
-        return _Target(f"the calibration {what}", "CALIBRATION.yaml", "", True)
+    if source is None:  # (made in memory: its machine measures one into a folder named for it)
+        folder, steps = _new_calibration(fp.world_size, fp.device_key)
+        into = shlex.quote(f"{folder}/calibration.yaml")
+        return _Target(f"the calibration {what}, read from no file,", into, steps, "a file of its own")
     steps = f"`cp {shlex.quote(str(source))} {own}`, then "
-    return _Target(f"the packaged calibration {source} {what}", own, steps, False)
+    return _Target(f"the packaged calibration {source} {what}", own, steps, "a copy you own")
+
+
+def _new_calibration(world_size: int, name: str) -> tuple[str, str]:
+    """(the folder, the step that measures a calibration into it): ``fo-tune calibrate --out``
+    writes ``<folder>/calibration.yaml``."""
+    folder = f"calibration-{name}"
+    return folder, f"`fo-tune calibrate --world-size {world_size} --out {shlex.quote(folder)}`, then "
 
 
 def missing_profile(cal: Calibration, dtype: str) -> str:
@@ -61,7 +75,7 @@ def missing_profile(cal: Calibration, dtype: str) -> str:
     return (
         f"{t.named} has no {dtype} GEMM profile. Measure it on one GPU of its model "
         f"({cal.fingerprint.gpu_name}; on another GPU of the same die add --into-sibling) into "
-        f"{'that file' if t.owned else 'a copy you own'}: {t.steps}`fo-tune calibrate --world-size 1 "
+        f"{t.dest}: {t.steps}`fo-tune calibrate --world-size 1 "
         f"--only gemm --dtype {dtype} --into {t.into}`; then run this search again with "
         f"`--calibration {t.into}`. A machine without such a GPU cannot measure it (calibrate refuses "
         "to merge another GPU's measurements)"
@@ -72,16 +86,39 @@ def missing_curves(cal: Calibration, collectives: Sequence[str]) -> str:
     """ "" when ``cal`` has a bandwidth curve of each of ``collectives``; else what it lacks (the
     fallback every row is decided against is GEMM then the collective), and the commands that
     measure it on the GPUs of its machine into a file the user owns and search with it."""
-    from fo_tune.model.profiles import curve_command, missing_curve
-
-    lacking = [c for c in collectives if missing_curve(cal, c)]
+    measured = {b.collective for b in cal.bandwidth}
+    lacking = [c for c in collectives if c not in measured]
     if not lacking:
         return ""
     t, fp = _target(cal), cal.fingerprint
     return (
         f"{t.named} has no bandwidth curve for {', '.join(lacking)}. Measure it on {fp.world_size} GPUs "
-        f"of its model ({fp.gpu_name}) into {'that file' if t.owned else 'a copy you own'}: {t.steps}"
+        f"of its model ({fp.gpu_name}) into {t.dest}: {t.steps}"
         f"`{curve_command(cal, lacking, t.into)}`; then run this search again with `--calibration "
         f"{t.into}`. A machine without such GPUs cannot measure it (calibrate refuses to merge another "
         "machine's measurements)"
+    )
+
+
+def curve_command(cal: Calibration, collectives: Sequence[str], into: str) -> str:
+    """The command that measures ``cal``'s bandwidth curves with ``collectives`` added and merges
+    them into ``into`` (``--into`` replaces the whole bandwidth section, so it names every
+    collective the section keeps)."""
+    names = ",".join(dict.fromkeys([*(b.collective for b in cal.bandwidth), *collectives]))
+    return (
+        f"fo-tune calibrate --world-size {cal.world_size} --dtype {cal.base_dtype or cal.dtype} "
+        f"--only bandwidth --collectives {names} --into {into}"
+    )
+
+
+def gemm_only_refusal(dtype: str, world_size: int) -> str:
+    """Why ``fo-tune calibrate --dtype D`` (D measured for its GEMM profile only) is refused for more
+    parts, and the commands that add the profile to a bfloat16 calibration of this GPU model: the
+    one given with ``--into``, else one measured first into a folder of its own."""
+    folder, steps = _new_calibration(world_size, f"w{world_size}")
+    gemm = f"fo-tune calibrate --world-size 1 --only gemm --dtype {dtype} --into"
+    return (
+        f"--dtype {dtype} measures the GEMM profile only (the collectives and the copy engine are "
+        f"measured in bfloat16): add it to this GPU model's bfloat16 calibration with `{gemm} FILE`; "
+        f"without one, {steps}`{gemm} {shlex.quote(folder + '/calibration.yaml')}`"
     )

@@ -46,6 +46,7 @@ from fo_tune.calibrate.calibration import (
     Quantity,
     fit_all,
 )
+from fo_tune.calibrate.missing import gemm_only_refusal
 from fo_tune.calibrate.profile import profile_shape
 from fo_tune.engines.triton.defaults import NCCL_SM_MARGIN
 from fo_tune.output import Reporter, SilentReporter, size_label
@@ -105,11 +106,7 @@ class CalibrationRequest:
                 "--only bandwidth/interference measure collectives between ranks; world size 1 has none"
             )
         if self.dtype in GEMM_ONLY_DTYPES and tuple(self.parts or ()) != OTHER_DTYPE_PARTS:
-            raise CalibrationRequestError(
-                f"--dtype {self.dtype} measures the GEMM profile only: run `fo-tune calibrate "
-                f"--world-size 1 --only gemm --dtype {self.dtype} --into CALIBRATION.yaml` to add it "
-                "to a bfloat16 calibration (the collectives and the copy engine are measured there)"
-            )
+            raise CalibrationRequestError(gemm_only_refusal(self.dtype, self.world_size))
 
     def selected(self) -> tuple[str, ...]:
         """The parts this request measures."""

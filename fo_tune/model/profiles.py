@@ -10,7 +10,8 @@
   collective asked for; of every calibrated collective where it has none, which its ``matched``
   says: all_gather beside the GEMM was never measured on GPUs).
 
-``missing_curve`` says what a collective's curve lacks, with the command that measures it.
+``missing_curve`` says what a collective's curve lacks, with the commands that measure it
+(``fo_tune.calibrate.missing``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from fo_tune.calibrate.calibration import (
     GemmPoint,
     InterferencePoint,
 )
+from fo_tune.calibrate.missing import missing_curves
 from fo_tune.model.types import Interference
 
 
@@ -78,26 +80,10 @@ def last_wave_share(tail: TailPlan, k_tiles: int) -> float:
     return 1.0
 
 
-def curve_command(cal: Calibration, collectives: Sequence[str], into: str = "CALIBRATION.yaml") -> str:
-    """The command that measures ``cal``'s bandwidth curves with ``collectives`` added and merges
-    them into ``into`` (``--into`` replaces the whole bandwidth section, so it names every
-    collective the section keeps)."""
-    names = ",".join(dict.fromkeys([*(b.collective for b in cal.bandwidth), *collectives]))
-    return (
-        f"fo-tune calibrate --world-size {cal.world_size} --dtype {cal.base_dtype or cal.dtype} "
-        f"--only bandwidth --collectives {names} --into {into}"
-    )
-
-
 def missing_curve(cal: Calibration, collective: str) -> str:
-    """ "" when ``cal`` has a bandwidth curve of ``collective``, else what is missing and the command
-    that measures it (``curve_command``)."""
-    if any(b.collective == collective for b in cal.bandwidth):
-        return ""
-    return (
-        f"the calibration's bandwidth section has no curve for {collective}; measure it on that machine "
-        f"with `{curve_command(cal, [collective])}`"
-    )
+    """ "" when ``cal`` has a bandwidth curve of ``collective``, else what is missing and the
+    commands that measure it into a file the user owns (``fo_tune.calibrate.missing``)."""
+    return missing_curves(cal, [collective])
 
 
 def _fit_waves(points: Sequence[GemmPoint]) -> _WaveFit:

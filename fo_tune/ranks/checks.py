@@ -26,7 +26,7 @@ from fo_kernels.runtime import reduce_scatter_tensor
 from fo_kernels.scaling import wire
 from fo_kernels.schedule import Schedule
 from fo_tune.ranks.collectives import _all_gather
-from fo_tune.ranks.gemm import gemm_operands, rel_err
+from fo_tune.ranks.gemm import gemm_operands, operand_seed, rel_err
 from fo_tune.ranks.launch import RankContext
 from fo_tune.ranks.scaled import dequantized, library_mm, scale_kwargs
 
@@ -91,7 +91,7 @@ def _check_schedule(ctx: RankContext, s: Schedule, m: int, n: int, k: int, seed:
     worst = 0.0
     for i in range(CHECK_INPUT_SETS):
         a, b = call_operands(
-            s.collective, m, n, k, s.dtype, ctx.device, (seed * 1009 + i) * 1009 + ctx.rank, ctx.world_size
+            s.collective, m, n, k, s.dtype, ctx.device, operand_seed(seed, i, ctx.rank), ctx.world_size
         )
         out = op(a, b, schedule=s, **scale_kwargs(a, b))
         ref = reference(s.collective, a, b, ctx.world_size)

@@ -1,9 +1,9 @@
 """GEMM measurement tasks: the signalled GEMM of every tile config beside cuBLAS (profiles) and the
-best reduced grids, each GEMM checked against ``torch.matmul`` before it is timed, and the
-checks' tolerances (``GEMM_TOL``). fp8 operands (``--dtype float8_e4m3fn``) come with the tuner's
-scales of the task's ``scaling`` (``fo_tune.ranks.scaled``; rowwise unless named): the signalled
-GEMM beside ``torch._scaled_mm``, both given the same scales, checked against the float32 product of
-the dequantized operands.
+best reduced grids, each GEMM checked against ``torch.matmul`` before it is timed, the checks'
+tolerances (``GEMM_TOL``) and the operands' seeds (``operand_seed``). fp8 operands (``--dtype
+float8_e4m3fn``) come with the tuner's scales of the task's ``scaling`` (``fo_tune.ranks.scaled``;
+rowwise unless named): the signalled GEMM beside ``torch._scaled_mm``, both given the same scales,
+checked against the float32 product of the dequantized operands.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from fo_tune.ranks.launch import RankContext
 from fo_tune.ranks.scaled import TUNE_SCALING, dequantized, library_mm, out_dtype, scale_kwargs, scales_of
 from fo_tune.ranks.timing import comparison_sample_ms, time_interleaved
 
+# The multiplier ``operand_seed`` folds each index in with: a prime above the indices folded in
+# (input sets, shapes of a run, ranks), so each (seed, index, ..., rank) gets its own operands.
+SEED_FOLD = 1009
 # Relative error a checked GEMM must stay under, per dtype (fp32 accumulation; docs/design.md#timing;
 # fp8's output is bfloat16, and its reference the product of the dequantized operands).
 GEMM_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-4, "float8_e4m3fn": 1e-2}
@@ -70,6 +73,14 @@ def gemm_runner(
         return out.view(m, n)
 
     return run, plan.grid
+
+
+def operand_seed(seed: int, *parts: int) -> int:
+    """One generator seed for a run's ``seed`` and the indices of what it makes operands for (a
+    shape, an input set, the rank): ``(seed * SEED_FOLD + parts[0]) * SEED_FOLD + ...``."""
+    for part in parts:
+        seed = seed * SEED_FOLD + part
+    return seed
 
 
 def gemm_operands(m: int, n: int, k: int, dtype: str, device: torch.device, seed: int) -> tuple:

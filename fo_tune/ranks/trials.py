@@ -14,7 +14,7 @@ from typing import Any
 from fo_kernels.schedule import Problem, Schedule
 from fo_tune.ranks.checks import _check_schedule, _gathered, _op, _sequential_call, call_operands, reference
 from fo_tune.ranks.collectives import collective_call
-from fo_tune.ranks.gemm import GEMM_TOL, rel_err
+from fo_tune.ranks.gemm import GEMM_TOL, operand_seed, rel_err
 from fo_tune.ranks.launch import RankContext
 from fo_tune.ranks.scaled import library_mm, scale_kwargs
 from fo_tune.ranks.timing import comparison_sample_ms, time_interleaved, time_region
@@ -54,7 +54,7 @@ class ConfirmTask:
             self.k,
             s0.dtype,
             ctx.device,
-            self.seed * 1009 + ctx.rank,
+            operand_seed(self.seed, ctx.rank),
             ctx.world_size,
         )
         fns: dict[str, Callable[[], Any]] = {
@@ -106,7 +106,7 @@ class OverlapTrialTask:
                 self.k,
                 s.dtype,
                 ctx.device,
-                self.seed * 1009 + ctx.rank,
+                operand_seed(self.seed, ctx.rank),
                 ctx.world_size,
             )
             op, kw = _op(s.collective), scale_kwargs(a, b)
@@ -140,7 +140,7 @@ class SequentialTask:
             self.k,
             self.dtype,
             ctx.device,
-            self.seed * 1009 + ctx.rank,
+            operand_seed(self.seed, ctx.rank),
             world,
         )
         kw = scale_kwargs(a, b)

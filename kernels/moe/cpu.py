@@ -16,7 +16,8 @@ from typing import TypeVar
 
 import torch
 
-from fo_kernels.engines.copy_engine.cpu import CpuOptions, CpuRank, ProtocolError, _Run, run_ranks
+from fo_kernels.engines.copy_engine.cpu import CpuOptions, CpuRank, ProtocolError, run_ranks
+from fo_kernels.engines.copy_engine.cpu_run import CpuRun
 from fo_kernels.moe.exchange import row_bytes
 from fo_kernels.moe.protocol import CALLER, OUTGOING, MoePlan, Phase, guard_cells, slot_span
 from fo_kernels.moe.stages import Stage
@@ -92,7 +93,7 @@ class MoeRank:
         return stage.finish(tensors["ret"])
 
 
-class _MoeRun(_Run):
+class _MoeRun(CpuRun):
     """Runs one operation of a MoE list (``Phase``, and the dense protocol's copies and flags)."""
 
     def __init__(

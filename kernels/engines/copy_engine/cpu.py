@@ -9,10 +9,9 @@ Each stream of a rank is a FIFO worker of its own, so operations on different st
 are ordered only by ``Join``, ``WaitEvent`` and the flag waits, as on a GPU; ``fifos`` maps several
 streams onto one FIFO to model streams that share one hardware queue (a wait there blocks the work
 queued behind it on the other stream). The symmetric regions are byte tensors every thread can read
-(``buffers.Regions``), the flag cells integers under one lock per rank, the GEMMs
-torch matmuls (fp8: ``torch._scaled_mm``, each chunk's rows with their scales); the tiled mode's
-persistent kernel runs as its chunks in order, each waiting for its ``ready`` cell and adding its
-tiles to its counter.
+(``buffers.Regions``), the flag cells integers under one lock per rank. What each operation does
+there is ``cpu_run.CpuRun``'s: the GEMMs as torch matmuls (fp8: ``torch._scaled_mm``), the tiled
+mode's persistent kernel as its chunks in order.
 
 What fails a run, always within ``timeout_s`` instead of hanging:
 
@@ -40,36 +39,22 @@ from typing import TypeVar
 
 import torch
 
-from fo_kernels.engines.copy_engine.buffers import Dtypes, Regions, data_bytes, width_of
-from fo_kernels.engines.copy_engine.layout import CALLER_BUFFERS, SCALES_OF, Cell, FlagLayout, Rows
+from fo_kernels.engines.copy_engine.buffers import Regions, data_bytes
+from fo_kernels.engines.copy_engine.cpu_run import CpuRun
+from fo_kernels.engines.copy_engine.layout import Cell, FlagLayout
 from fo_kernels.engines.copy_engine.ops import (
     MAIN,
     STREAMS,
     CallPlan,
-    Clear,
-    Copy,
-    Gemm,
     Join,
     Op,
     Record,
-    Reset,
-    Signal,
-    TiledGemm,
-    Wait,
     WaitEvent,
 )
-from fo_kernels.errors import ArgumentError, FoTuneError
-from fo_kernels.scaling import Scales, scaled_mm
+from fo_kernels.errors import ArgumentError, ProtocolError, ProtocolTimeout
+from fo_kernels.scaling import Scales
 
 T = TypeVar("T")
-
-
-class ProtocolError(FoTuneError, RuntimeError):
-    """An operation list broke the copy engine's protocol (see the module docstring)."""
-
-
-class ProtocolTimeout(ProtocolError):
-    """A wait was not satisfied within the timeout: a lost flag or a deadlock."""
 
 
 class _Aborted(Exception):
@@ -127,11 +112,6 @@ def _number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def shifted(cell: Cell, c: int) -> Cell:
-    """The cell ``c`` places after ``cell`` in its last index (a chunk's cell from the first)."""
-    return Cell(cell.owner, cell.name, (*cell.index[:-1], cell.index[-1] + c))
-
-
 # The share of operations that a random delay holds back: a sleep costs a thread switch under the
 # GIL, and with 8 ranks of 5 streams sleeping before every operation made a run several times
 # slower without reaching more orders (a delayed operation delays everything behind it anyway).
@@ -145,7 +125,7 @@ def _pause(rng: random.Random, delay_s: float) -> None:
         time.sleep(x / PAUSE_SHARE * delay_s)
 
 
-class _World:
+class World:
     """What the thread-ranks share: flag cells, regions, per-stream progress, the first failure.
 
     A rank's cells and progress change under its lock (``change``); a waiter registers what it
@@ -212,7 +192,7 @@ class _World:
 class _Fifo:
     """One FIFO worker: runs queued (stream, operation) items in order."""
 
-    def __init__(self, world: _World, rank: int, name: str, seed: int) -> None:
+    def __init__(self, world: World, rank: int, name: str, seed: int) -> None:
         self.world, self.rank = world, rank
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.rng = random.Random(seed)
@@ -244,7 +224,7 @@ class _Fifo:
 class CpuRank:
     """One thread-rank: its FIFOs and the issue of its calls (``call``)."""
 
-    def __init__(self, world: _World, rank: int) -> None:
+    def __init__(self, world: World, rank: int) -> None:
         self.world, self.rank = world, rank
         self._fifos: dict[str, _Fifo] = {}
         self._issued: dict[str, int] = defaultdict(int)
@@ -273,11 +253,11 @@ class CpuRank:
             tensors["scale_a"] = scales.a.view(-1, 1)
             if plan.spec.row_scales:
                 tensors["gathered_scale"] = torch.empty(plan.spec.m, 1, dtype=torch.float32)
-        self.run_ops(plan.ops, lambda where: _Run(world, r, plan, tensors, b, where))
+        self.run_ops(plan.ops, lambda where: CpuRun(world, r, plan, tensors, b, where))
 
     def run_ops(self, ops: tuple[Op, ...], make_run: Callable[[str], Callable[[Op], None]]) -> None:
         """Issue ``ops``, then wait for the main stream; ``make_run(where)`` runs the operations
-        that are neither events nor joins (``call``'s are ``_Run``; another protocol's, its own)."""
+        that are neither events nor joins (``call``'s are ``CpuRun``; another protocol's, its own)."""
         world, r, opts = self.world, self.rank, self.world.options
         self._calls += 1
         slow = (opts.slow or {}).get(r, 0.0)
@@ -353,110 +333,6 @@ class CpuRank:
         fifo.queue.put((stream, run))
 
 
-class _Run:
-    """Runs one operation on a FIFO worker."""
-
-    def __init__(
-        self, world: _World, rank: int, plan: CallPlan, tensors: dict, b: torch.Tensor, where: str
-    ) -> None:
-        self.world, self.rank, self.plan, self.tensors, self.b, self.where = (
-            world,
-            rank,
-            plan,
-            tensors,
-            b,
-            where,
-        )
-
-    def __call__(self, op: Op) -> None:
-        getattr(self, type(op).__name__.lower())(op)
-
-    def view(self, rows: Rows) -> torch.Tensor:
-        spec = self.plan.spec
-        if rows.buffer in CALLER_BUFFERS:
-            if rows.owner != self.rank:
-                raise ProtocolError(f"{self.where}: reads {rows}, another rank's own tensor")
-            return self.tensors[rows.buffer][rows.r0 : rows.r1]
-        width = width_of(rows.buffer, spec.n, spec.k)
-        dtypes = Dtypes(self.tensors["a"].dtype, self.tensors["out"].dtype)
-        return self.world.regions.view(rows, width, dtypes.of(rows.buffer))
-
-    def scales(self, rows: Rows) -> Scales | None:
-        """The fp8 scales of A's ``rows`` (rowwise: their rows of the matching scale buffer)."""
-        scales = self.tensors["scales"]
-        if scales is None or not scales.rowwise:
-            return scales
-        mine = Rows(SCALES_OF[rows.buffer], rows.owner, rows.r0, rows.r1)
-        return scales.with_rows(self.view(mine).view(-1))
-
-    def _mine(self, cell: Cell) -> None:
-        if cell.owner != self.rank:
-            raise ProtocolError(f"{self.where}: waits for or resets {cell}, which is not this rank's")
-
-    def gemm(self, op: Gemm) -> None:
-        a, out, scales = self.view(op.a), self.view(op.out), self.scales(op.a)
-        if scales is not None:  # (the sum in a fused add after the scaled GEMM, as on GPUs)
-            if op.beta:
-                out.add_(scaled_mm(a, self.b, scales))
-            else:
-                scaled_mm(a, self.b, scales, out)
-        elif op.beta:
-            out.addmm_(a, self.b)
-        else:
-            torch.mm(a, self.b, out=out)
-
-    def copy(self, op: Copy) -> None:
-        self.view(op.dst).copy_(self.view(op.src))
-
-    def signal(self, op: Signal) -> None:
-        owner = op.cell.owner
-        with self.world.locks[owner]:
-            if self.world.cells[op.cell]:
-                raise ProtocolError(f"{self.where}: sets {op.cell} while it is still set (a signal lost)")
-            self.world.cells[op.cell] = 1
-            self.world.changed(owner)
-
-    def wait(self, op: Wait) -> None:
-        self._mine(op.cell)
-        cells = self.world.cells
-        self.world.wait_until(
-            self.rank,
-            lambda: cells[op.cell] >= op.target,
-            lambda: f"{self.where} waited for {op.cell} to reach {op.target} (it is {cells[op.cell]})",
-        )
-
-    def reset(self, op: Reset) -> None:
-        self.clear(Clear(op.stream, op.cell, 1))
-
-    def clear(self, op: Clear) -> None:
-        self._mine(op.cell)
-        with self.world.locks[self.rank]:
-            for c in range(op.count):
-                self.world.cells[shifted(op.cell, c)] = 0
-
-    def tiledgemm(self, op: TiledGemm) -> None:
-        """The persistent kernel, chunk by chunk: [wait ready(c)]; out[c] = a[c] @ B (+ out[c],
-        summed in float32); [copy_to[c] = out[c]]; [counters(c) += tiles of c]."""
-        a, out, scales = self.view(op.a), self.view(op.out), self.scales(op.a)
-        copy = self.view(op.copy_to) if op.copy_to is not None else None
-        for c, (c0, c1) in enumerate(op.chunks):
-            if op.ready is not None:
-                self.wait(Wait(op.stream, shifted(op.ready, c)))
-            acc = a[c0:c1].float() @ self.b.float()
-            if scales is not None:  # (the kernel's epilogue: the scales before the pulled sum)
-                acc *= scales.rows(c0, c1).scale_a() * scales.scale_b()
-            if op.ready is not None:
-                acc += out[c0:c1].float()
-            out[c0:c1] = acc.to(out.dtype)
-            if copy is not None:
-                copy[c0:c1].copy_(out[c0:c1])
-            if op.counters is not None:
-                cell = shifted(op.counters, c)
-                with self.world.locks[cell.owner]:
-                    self.world.cells[cell] += op.tiles[c]
-                    self.world.changed(cell.owner)
-
-
 def run_ranks(
     world: int,
     body: Callable[[CpuRank], T],
@@ -473,7 +349,7 @@ def run_ranks(
     beyond = sorted(r for r in options.slow or {} if r >= world)
     if beyond:
         raise ArgumentError(f"slow: rank(s) {beyond} outside the {world} ranks of this run")
-    shared = _World(world, options, region_bytes, scale_bytes)
+    shared = World(world, options, region_bytes, scale_bytes)
     ranks = [CpuRank(shared, r) for r in range(world)]
     results: list = [None] * world
 

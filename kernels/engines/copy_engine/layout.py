@@ -114,6 +114,11 @@ class Cell:
         return f"rank {self.owner}'s {self.name}{list(self.index)}"
 
 
+def shifted(cell: Cell, c: int) -> Cell:
+    """The cell ``c`` places after ``cell`` in its last index (a chunk's cell from the first)."""
+    return Cell(cell.owner, cell.name, (*cell.index[:-1], cell.index[-1] + c))
+
+
 @dataclass(frozen=True, slots=True)
 class Rows:
     """Rows [r0, r1) of a buffer of rank ``owner`` (a symmetric region, or the call's tensors)."""

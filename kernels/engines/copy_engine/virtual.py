@@ -41,9 +41,8 @@ from fo_kernels.engines.copy_engine.buffers import (
     region_bytes_for,
     scale_bytes_for,
 )
-from fo_kernels.engines.copy_engine.cpu import ProtocolError, shifted
 from fo_kernels.engines.copy_engine.gpu import Compiled, GpuExecutor
-from fo_kernels.engines.copy_engine.layout import COUNTER_SLOTS, Cell, FlagLayout
+from fo_kernels.engines.copy_engine.layout import COUNTER_SLOTS, Cell, FlagLayout, shifted
 from fo_kernels.engines.copy_engine.modes import plan_call
 from fo_kernels.engines.copy_engine.ops import (
     ALT,
@@ -58,7 +57,8 @@ from fo_kernels.engines.copy_engine.ops import (
     Wait,
 )
 from fo_kernels.engines.copy_engine.warmup import SCRATCH_ALIGN
-from fo_kernels.errors import EnvironmentMismatchError, ScheduleError, ShapeError
+from fo_kernels.errors import EnvironmentMismatchError, ProtocolError, ScheduleError, ShapeError
+from fo_kernels.fingerprint import resolve_device
 from fo_kernels.gemm import BOperand
 from fo_kernels.scaling import Scales
 from fo_kernels.tile import Tile
@@ -84,15 +84,13 @@ class VirtualDevice:
 
 
 def cuda_device(device: torch.device | int | str = "cuda") -> VirtualDevice:
-    """``device``'s ``VirtualDevice``; ``EnvironmentMismatchError`` without a CUDA GPU or
-    cuda-bindings."""
+    """``device``'s ``VirtualDevice``; ``ArgumentError`` for what is not a device,
+    ``EnvironmentMismatchError`` without a CUDA GPU or cuda-bindings (``resolve_device``)."""
     from fo_kernels.wait import _driver_module
 
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    device = resolve_device(device)
+    if device.type != "cuda":
         raise EnvironmentMismatchError(f"virtual ranks run on a CUDA GPU; got {device}")
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     driver = _driver_module()
     if driver is None:
         raise EnvironmentMismatchError("virtual ranks need cuda-bindings (pip install 'fo-tune[cuda]')")
