@@ -416,7 +416,8 @@ def test_the_shipped_calibration_cannot_price_all_gather(tmp_path, h200):
     from fo_tune.calibrate.calibration import CalibrationError
 
     with pytest.raises(
-        CalibrationError, match=r"no bandwidth curve for all_gather.*--collectives all_reduce,reduce_scatter,all_gather"
+        CalibrationError,
+        match=r"no bandwidth curve for all_gather.*--collectives all_reduce,reduce_scatter,all_gather",
     ) as refused:
         cost_model(h200).baseline("all_gather", 4096, 8192, 4096, "bfloat16")
     # into a copy of the packaged file, named after its device key (a file the command can write)
