@@ -3,6 +3,9 @@ custom op's arguments, checked and resolved back inside the op."""
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch.distributed as dist
 
 from fo_kernels.errors import GroupError, ScheduleError
@@ -46,3 +49,19 @@ def group_size(name: str) -> int:
     if not dist.is_available() or not dist.is_initialized():
         raise ScheduleError("torch.distributed is not initialized; call dist.init_process_group first")
     return dist.get_world_size(resolve_group(name))
+
+
+class SharesGroupWhenCopied:
+    """A module mix-in for modules that keep their process group in ``self.group``: a deep copy
+    (a model's EMA or frozen reference copy, ``copy.deepcopy``) shares the group, which cannot be
+    copied, and copies everything else; the copy runs on the group the original was sharded over."""
+
+    group: dist.ProcessGroup | None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        if self.group is not None:
+            memo[id(self.group)] = self.group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))  # type: ignore[attr-defined]
+        return new

@@ -55,7 +55,7 @@ from torch import nn
 from fo_kernels.errors import ScaleError, ScheduleError, ShapeError
 from fo_kernels.fields import check_int
 from fo_kernels.fp8_state import prepare_weight_state
-from fo_kernels.groups import check_group
+from fo_kernels.groups import SharesGroupWhenCopied, check_group
 from fo_kernels.ops import call_op, fp8_input_meta, fp8_refused_grads
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.quantize import (
@@ -203,8 +203,9 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
 _Layer = TypeVar("_Layer", bound="_ParallelLinear")
 
 
-class _ParallelLinear(nn.Module):
-    """What both layers share: the shard's parameters, the group, the schedule."""
+class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
+    """What both layers share: the shard's parameters, the group (shared by a deep copy), the
+    schedule."""
 
     # The dim of the (out, in) weight split over the ranks: 0 (output features, and the bias with
     # them) for a column-parallel layer, 1 (input features; the bias stays whole) for a row-parallel one.

@@ -100,13 +100,14 @@ def test_mlp_matches_unsharded_model(world):
     raises a ValueError subclass before any collective; an input with no rows gives nn.Linear's
     empty output and zero gradients (the ops refuse empty operands, so the layers skip them);
     inside torch.autocast the layers cast their operands as F.linear does (bf16 output, the
-    autocast model's results within 2e-2)."""
+    autocast model's results within 2e-2); a deep copy over an explicit group shares it."""
     payload = {"batch": 2 * world, "seq": 3, "hidden": 24, "inner": 16 * world, "runs": _runs(world)}
     parts = {
         "mlp": ("mlp_cases", payload),
         "bad": ("layer_bad_inputs", None),
         "empty": ("empty_inputs", None),
         "autocast": ("autocast_cases", None),
+        "copied": ("copied_layers", None),
     }
     results = run_ranks(suite, world, parts, backend="gloo")
     for rank, r in enumerate(results):
@@ -114,6 +115,8 @@ def test_mlp_matches_unsharded_model(world):
         for c in r["mlp"]:
             for name, err in c["errs"].items():
                 assert err < LAYER_TOL, f"rank {rank} sp={c['sp']} {c['backend']}: {name} {err:.2e}"
+        copied = r["copied"]
+        assert copied["same_group"] and copied["own_weights"] and copied["err"] == 0.0, copied
         msgs = r["bad"]
         assert "NO ERROR" not in msgs.values(), msgs
         assert "takes 8" in msgs["col_features"] and "takes 4" in msgs["row_features"], msgs

@@ -442,6 +442,22 @@ def layer_bad_inputs(ctx, _payload) -> dict[str, str]:
     return msgs
 
 
+def copied_layers(ctx, _payload) -> dict[str, object]:
+    """A deep copy of layers built over an explicit process group (an EMA or a frozen reference
+    model): it shares the group, owns its weights and gives the original's output."""
+    import copy
+
+    torch.manual_seed(0)
+    sharded = ShardedMLP(MLP(8, 4 * ctx.world_size), False, dist.group.WORLD)
+    copied = copy.deepcopy(sharded)
+    x = torch.randn(3, 8)
+    return {
+        "same_group": copied.up.group is sharded.up.group and copied.down.group is sharded.down.group,
+        "own_weights": copied.up.weight.data_ptr() != sharded.up.weight.data_ptr(),
+        "err": rel(copied(x), sharded(x)),
+    }
+
+
 def suite(ctx, parts: dict[str, tuple[str, object]]) -> dict[str, object]:
     """Several rank functions of this module in one start of the ranks: name -> (function, payload)."""
     return {name: globals()[fn](ctx, payload) for name, (fn, payload) in parts.items()}

@@ -23,7 +23,6 @@ size.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -33,7 +32,7 @@ from torch import nn
 
 from fo_kernels.errors import PlanError, ScheduleError, ShapeError
 from fo_kernels.fields import check_int
-from fo_kernels.groups import check_group
+from fo_kernels.groups import SharesGroupWhenCopied, check_group
 from fo_kernels.moe.ffn import expert_parallel_ffn
 from fo_kernels.moe.routing import FFN_DTYPES, check_call
 from fo_kernels.moe.schedule import MoeSchedule
@@ -181,7 +180,7 @@ def _described(t: object) -> str:
     return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-class ExpertParallelExperts(nn.Module):
+class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
     """This rank's experts (``w13`` (E_local, H, 2I), ``w2`` (E_local, I, H)) of ``num_experts``,
     run by ``expert_parallel_ffn`` over ``group`` (see the module docstring)."""
 
@@ -253,17 +252,6 @@ class ExpertParallelExperts(nn.Module):
     def extra_repr(self) -> str:
         e, h, i2 = self.w13.shape
         return f"experts={e} of {self.num_experts}, hidden={h}, intermediate={i2 // 2}"
-
-    def __deepcopy__(self, memo: dict) -> ExpertParallelExperts:
-        """A copy of the weights over the same process group: a ``ProcessGroup`` cannot be
-        copied, and a copy of a model (an EMA, a frozen reference) runs on the group it was
-        sharded over."""
-        if self.group is not None:
-            memo[id(self.group)] = self.group
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__dict__, memo))
-        return new
 
 
 def parallelize_experts(
