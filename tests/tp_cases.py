@@ -207,7 +207,11 @@ def op_bad_inputs(ctx, root: str) -> dict[str, str]:
         finally:
             os.environ["FO_TUNE_TABLE_DIR"] = before or ""
 
+    destroyed = dist.new_group(list(range(world)))
+    gemm_all_reduce(a, b, group=destroyed)  # (the runtime of this group is made and cached)
+    dist.destroy_process_group(destroyed)
     calls = {
+        "group_destroyed": lambda: gemm_all_reduce(a, b, group=destroyed),
         "ag_k_mismatch": lambda: all_gather_gemm(a, torch.randn(7, 6)),
         "ag_shard_problem": lambda: all_gather_gemm(a, b, schedule=_shard_row(world)),
         "ag_copy_engine": lambda: all_gather_gemm(
