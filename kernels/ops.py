@@ -279,15 +279,52 @@ def _fp8_grads(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
 
 
-def _save_ab(ctx, inputs, output) -> None:
+def _refused(collective: str, a: torch.Tensor, b: torch.Tensor, name: str) -> bool:
+    """True for operands whose shapes the op refuses when it runs (``execute``'s checks: not 2-D,
+    K mismatch, a ReduceScatter's M not divisible by the world size). Only a trace gets this far
+    with them (torch.compile's joint graph of a forward whose input needs a gradient): the backward
+    formulas would fail that trace on the shapes with a RuntimeError, where the op raises its
+    ``ShapeError`` when the graph runs."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        return True
+    if collective != "reduce_scatter":
+        return False
+    try:
+        world = group_size(name)
+    except FoTuneError:  # not initialized, or NON_MEMBER: the op raises it
+        return True
+    return a.shape[0] % world != 0
+
+
+def _placeholder_grads(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Zero gradients of the inputs' shapes and dtypes for a traced call the op refuses when it
+    runs (``_refused``): its forward raises first, so they are never computed."""
+    needs = tuple(ctx.needs_input_grad) + (False,) * (len(ctx.input_meta) - len(ctx.needs_input_grad))
+    return tuple(
+        dy.new_zeros(m[0], dtype=m[1]) if need and m is not None else None
+        for m, need in zip(ctx.input_meta, needs, strict=True)
+    )
+
+
+def _save_meta(ctx, collective: str, inputs) -> None:
+    """What every backward needs: the group, whether the call is fp8 or refused, and (for those)
+    the inputs' shapes and dtypes."""
     a, b, name, _schedule, scale_a, *_ = inputs
     ctx.group_name = name
     ctx.fp8 = scale_a is not None
-    ctx.input_meta = fp8_input_meta(inputs) if ctx.fp8 else None
+    ctx.refused = _refused(collective, a, b, name)
+    ctx.input_meta = fp8_input_meta(inputs) if ctx.fp8 or ctx.refused else None
+
+
+def _save_ab(ctx, inputs, output, collective: str) -> None:
+    a, b, *_ = inputs
+    _save_meta(ctx, collective, inputs)
     ctx.save_for_backward(a if ctx.needs_input_grad[1] and not ctx.fp8 else None, None if ctx.fp8 else b)
 
 
 def _all_reduce_backward(ctx, dy: torch.Tensor):
+    if ctx.refused:
+        return _placeholder_grads(ctx, dy)
     if ctx.fp8:
         return _fp8_grads(ctx, dy)
     a, b = ctx.saved_tensors
@@ -297,6 +334,8 @@ def _all_reduce_backward(ctx, dy: torch.Tensor):
 
 
 def _reduce_scatter_backward(ctx, dy: torch.Tensor):
+    if ctx.refused:
+        return _placeholder_grads(ctx, dy)
     if ctx.fp8:
         return _fp8_grads(ctx, dy)
     a, b = ctx.saved_tensors
@@ -306,19 +345,19 @@ def _reduce_scatter_backward(ctx, dy: torch.Tensor):
 
 
 def _save_gathered(ctx, inputs, output) -> None:
-    _a, b, name, _schedule, scale_a, *_ = inputs
+    _a, b, *_ = inputs
     _out, gathered = output
-    ctx.group_name = name
-    ctx.fp8 = scale_a is not None
-    ctx.input_meta = fp8_input_meta(inputs) if ctx.fp8 else None
+    _save_meta(ctx, "all_gather", inputs)
     ctx.mark_non_differentiable(gathered)
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if ctx.fp8:
+    if ctx.fp8 or ctx.refused:
         need_a = need_b = False
     ctx.save_for_backward(gathered if need_b else None, b if need_a else None)
 
 
 def _all_gather_backward(ctx, dy: torch.Tensor, _d_gathered: torch.Tensor | None):
+    if ctx.refused:
+        return _placeholder_grads(ctx, dy)
     if ctx.fp8:
         return _fp8_grads(ctx, dy)
     gathered, b = ctx.saved_tensors
@@ -330,6 +369,10 @@ def _all_gather_backward(ctx, dy: torch.Tensor, _d_gathered: torch.Tensor | None
     return da, db, *_NO_GRADS
 
 
-_gemm_all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_ab)
-_gemm_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_ab)
+_gemm_all_reduce.register_autograd(
+    _all_reduce_backward, setup_context=functools.partial(_save_ab, collective="all_reduce")
+)
+_gemm_reduce_scatter.register_autograd(
+    _reduce_scatter_backward, setup_context=functools.partial(_save_ab, collective="reduce_scatter")
+)
 _all_gather_gemm.register_autograd(_all_gather_backward, setup_context=_save_gathered)
