@@ -26,7 +26,9 @@ gradient of the output:
 
 (the first is two local GEMMs: every rank holds the same ``dy``). A backward whose op cannot run
 (its schedule names an engine without that collective in this build) raises ``ScheduleError``
-before its collective starts, on every rank alike. A backward through an fp8 call raises
+before its collective starts, on every rank alike. A traced call whose shapes the op refuses
+(``_refused``) gets zero gradients in its traced backward, so the trace completes and the op
+raises its ``ShapeError`` when the graph runs. A backward through an fp8 call raises
 ``Fp8TrainingError``: fo-tune runs fp8 for inference; training in fp8 is out of its scope.
 
 ``call_op`` is how code inside fo-tune calls an op: straight into ``fo_kernels.execute.execute``
