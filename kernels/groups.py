@@ -21,8 +21,18 @@ def group_name(group: dist.ProcessGroup | None) -> str:
 
 
 def check_group(group: object) -> None:
-    """Raise ``GroupError`` unless ``group`` is None or a process group this rank is in."""
-    if group is None or isinstance(group, dist.ProcessGroup):
+    """Raise ``GroupError`` unless ``group`` is None or a live process group this rank is in (one
+    that ``dist.destroy_process_group`` has not removed from torch.distributed's registry: the
+    runtime's cache would otherwise keep running collectives on it where the ops' dispatcher path,
+    which resolves the group by name, refuses it)."""
+    if group is None:
+        return
+    if isinstance(group, dist.ProcessGroup):
+        if group not in dist.distributed_c10d._world.pg_map:
+            raise GroupError(
+                "group: the process group was destroyed (dist.destroy_process_group) or was not made "
+                "by torch.distributed; pass a live group, or None for the default one"
+            )
         return
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise GroupError(

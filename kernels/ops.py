@@ -26,7 +26,9 @@ gradient of the output:
 
 (the first is two local GEMMs: every rank holds the same ``dy``). A backward whose op cannot run
 (its schedule names an engine without that collective in this build) raises ``ScheduleError``
-before its collective starts, on every rank alike. A backward through an fp8 call raises
+before its collective starts, on every rank alike. A traced call whose shapes the op refuses
+(``_refused``) gets zero gradients in its traced backward, so the trace completes and the op
+raises its ``ShapeError`` when the graph runs. A backward through an fp8 call raises
 ``Fp8TrainingError``: fo-tune runs fp8 for inference; training in fp8 is out of its scope.
 
 ``call_op`` is how code inside fo-tune calls an op: straight into ``fo_kernels.execute.execute``
@@ -279,15 +281,52 @@ def _fp8_grads(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
 
 
-def _save_ab(ctx, inputs, output) -> None:
+def _refused(collective: str, a: torch.Tensor, b: torch.Tensor, name: str) -> bool:
+    """True for operands whose shapes the op refuses when it runs (``execute``'s checks: not 2-D,
+    K mismatch, a ReduceScatter's M not divisible by the world size). Only a trace gets this far
+    with them (torch.compile's joint graph of a forward whose input needs a gradient): the backward
+    formulas would fail that trace on the shapes with a RuntimeError, where the op raises its
+    ``ShapeError`` when the graph runs."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        return True
+    if collective != "reduce_scatter":
+        return False
+    try:
+        world = group_size(name)
+    except FoTuneError:  # not initialized, or NON_MEMBER: the op raises it
+        return True
+    return a.shape[0] % world != 0
+
+
+def _placeholder_grads(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Zero gradients of the inputs' shapes and dtypes for a traced call the op refuses when it
+    runs (``_refused``): its forward raises first, so they are never computed."""
+    needs = tuple(ctx.needs_input_grad) + (False,) * (len(ctx.input_meta) - len(ctx.needs_input_grad))
+    return tuple(
+        dy.new_zeros(m[0], dtype=m[1]) if need and m is not None else None
+        for m, need in zip(ctx.input_meta, needs, strict=True)
+    )
+
+
+def _save_meta(ctx, collective: str, inputs) -> None:
+    """What every backward needs: the group, whether the call is fp8 or refused, and (for those)
+    the inputs' shapes and dtypes."""
     a, b, name, _schedule, scale_a, *_ = inputs
     ctx.group_name = name
     ctx.fp8 = scale_a is not None
-    ctx.input_meta = fp8_input_meta(inputs) if ctx.fp8 else None
+    ctx.refused = _refused(collective, a, b, name)
+    ctx.input_meta = fp8_input_meta(inputs) if ctx.fp8 or ctx.refused else None
+
+
+def _save_ab(ctx, inputs, output, collective: str) -> None:
+    a, b, *_ = inputs
+    _save_meta(ctx, collective, inputs)
     ctx.save_for_backward(a if ctx.needs_input_grad[1] and not ctx.fp8 else None, None if ctx.fp8 else b)
 
 
 def _all_reduce_backward(ctx, dy: torch.Tensor):
+    if ctx.refused:
+        return _placeholder_grads(ctx, dy)
     if ctx.fp8:
         return _fp8_grads(ctx, dy)
     a, b = ctx.saved_tensors
@@ -297,6 +336,8 @@ def _all_reduce_backward(ctx, dy: torch.Tensor):
 
 
 def _reduce_scatter_backward(ctx, dy: torch.Tensor):
+    if ctx.refused:
+        return _placeholder_grads(ctx, dy)
     if ctx.fp8:
         return _fp8_grads(ctx, dy)
     a, b = ctx.saved_tensors
@@ -306,19 +347,19 @@ def _reduce_scatter_backward(ctx, dy: torch.Tensor):
 
 
 def _save_gathered(ctx, inputs, output) -> None:
-    _a, b, name, _schedule, scale_a, *_ = inputs
+    _a, b, *_ = inputs
     _out, gathered = output
-    ctx.group_name = name
-    ctx.fp8 = scale_a is not None
-    ctx.input_meta = fp8_input_meta(inputs) if ctx.fp8 else None
+    _save_meta(ctx, "all_gather", inputs)
     ctx.mark_non_differentiable(gathered)
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if ctx.fp8:
+    if ctx.fp8 or ctx.refused:
         need_a = need_b = False
     ctx.save_for_backward(gathered if need_b else None, b if need_a else None)
 
 
 def _all_gather_backward(ctx, dy: torch.Tensor, _d_gathered: torch.Tensor | None):
+    if ctx.refused:
+        return _placeholder_grads(ctx, dy)
     if ctx.fp8:
         return _fp8_grads(ctx, dy)
     gathered, b = ctx.saved_tensors
@@ -330,6 +371,10 @@ def _all_gather_backward(ctx, dy: torch.Tensor, _d_gathered: torch.Tensor | None
     return da, db, *_NO_GRADS
 
 
-_gemm_all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_ab)
-_gemm_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_ab)
+_gemm_all_reduce.register_autograd(
+    _all_reduce_backward, setup_context=functools.partial(_save_ab, collective="all_reduce")
+)
+_gemm_reduce_scatter.register_autograd(
+    _reduce_scatter_backward, setup_context=functools.partial(_save_ab, collective="reduce_scatter")
+)
 _all_gather_gemm.register_autograd(_all_gather_backward, setup_context=_save_gathered)

@@ -36,6 +36,10 @@ cast of the model's dtype (``model.to(torch.bfloat16)``, ``.half()``) leaves eac
 float32 scale as they are; a device move moves them.
 
 ``parallelize_linears(model, {pattern: "column" | "row"})`` is a thin convenience over the styles.
+
+``fused_all_gather_matmul`` and ``fused_matmul_reduce_scatter`` (torch's fused-op signatures,
+``fo_kernels.symm_mem``) are importable from here too, beside the styles a caller of torch's
+async-TP switches with them.
 """
 
 from __future__ import annotations
@@ -58,8 +62,18 @@ from fo_kernels.groups import check_group
 from fo_kernels.parallel_forward import COLWISE, PLAN_ATTR, ROWWISE, LinearPlan, install_forward
 from fo_kernels.quantize import check_scaling
 from fo_kernels.schedule import TORCH_DTYPES
+from fo_kernels.symm_mem import fused_all_gather_matmul, fused_matmul_reduce_scatter
 
-__all__ = ["ColwiseParallel", "LinearPlan", "RowwiseParallel", "install", "parallelize_linears", "plan_of"]
+__all__ = [
+    "ColwiseParallel",
+    "LinearPlan",
+    "RowwiseParallel",
+    "fused_all_gather_matmul",
+    "fused_matmul_reduce_scatter",
+    "install",
+    "parallelize_linears",
+    "plan_of",
+]
 
 # parallelize_linears' plan values.
 KINDS = ("column", "row")

@@ -93,3 +93,12 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
         assert "not a DTensor sharded on dim 0" in msgs["install_plain"], msgs
         assert msgs["install_style"].startswith("PlanError: style: expected"), msgs
         assert "Embedding is not an nn.Linear" in msgs["install_embedding"], msgs
+
+
+def test_fused_ops_are_importable_beside_the_styles():
+    """A caller of torch's async-TP switches the styles and the fused ops by one import."""
+    from fo_kernels import parallel, symm_mem
+
+    for name in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"):
+        assert getattr(parallel, name) is getattr(symm_mem, name), name
+        assert name in parallel.__all__, name

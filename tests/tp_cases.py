@@ -207,7 +207,17 @@ def op_bad_inputs(ctx, root: str) -> dict[str, str]:
         finally:
             os.environ["FO_TUNE_TABLE_DIR"] = before or ""
 
+    def compiled_grad_rows() -> None:
+        # a compiled forward whose input needs a gradient traces the backward too (AOTAutograd)
+        torch._dynamo.reset()
+        x = torch.randn(4 * world + 1, 8, requires_grad=True)
+        torch.compile(lambda x: gemm_reduce_scatter(x, b), fullgraph=True, backend="aot_eager")(x)
+
+    destroyed = dist.new_group(list(range(world)))
+    gemm_all_reduce(a, b, group=destroyed)  # (the runtime of this group is made and cached)
+    dist.destroy_process_group(destroyed)
     calls = {
+        "group_destroyed": lambda: gemm_all_reduce(a, b, group=destroyed),
         "ag_k_mismatch": lambda: all_gather_gemm(a, torch.randn(7, 6)),
         "ag_shard_problem": lambda: all_gather_gemm(a, b, schedule=_shard_row(world)),
         "ag_copy_engine": lambda: all_gather_gemm(
@@ -219,6 +229,8 @@ def op_bad_inputs(ctx, root: str) -> dict[str, str]:
         "rs_backward_engine": backward_needs_copy_engine,
         "group_not_a_group": lambda: all_gather_gemm(a, b, group="tp"),
     }
+    if world == 2:  # (one compile: ~5 s of CPU a rank)
+        calls["compiled_grad_rows"] = compiled_grad_rows
     if ctx.rank == 2:
         calls["group_not_member"] = lambda: gemm_all_reduce(a, b, group=others)
     msgs = {}
