@@ -24,6 +24,22 @@ from fo_kernels.schedule import TORCH_DTYPES, Schedule, dtype_name
 from fo_kernels.table import lookup_schedule
 
 
+def check_shapes(a: torch.Tensor, b: torch.Tensor) -> None:
+    """``ShapeError`` unless ``a`` is (M, K) and ``b`` (K, N)."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ShapeError(f"a must be (M, K) and b (K, N); got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ShapeError(
+            f"K mismatch: a is {tuple(a.shape)} and b is {tuple(b.shape)} (a.shape[1] != b.shape[0])"
+        )
+
+
+def check_rows(collective: str, m: int, world: int) -> None:
+    """``ShapeError`` for a ReduceScatter whose M the world size does not divide."""
+    if collective == "reduce_scatter" and m % world:
+        raise ShapeError(f"reduce_scatter needs M divisible by the world size {world}, got M={m}")
+
+
 def _check_operands(
     collective: str,
     a: torch.Tensor,
@@ -34,12 +50,7 @@ def _check_operands(
 ) -> tuple[BOperand, Scales | None]:
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise ShapeError("a and b must be torch tensors")
-    if a.dim() != 2 or b.dim() != 2:
-        raise ShapeError(f"a must be (M, K) and b (K, N); got a {tuple(a.shape)}, b {tuple(b.shape)}")
-    if a.shape[1] != b.shape[0]:
-        raise ShapeError(
-            f"K mismatch: a is {tuple(a.shape)} and b is {tuple(b.shape)} (a.shape[1] != b.shape[0])"
-        )
+    check_shapes(a, b)
     if 0 in a.shape or b.shape[1] == 0:
         raise ShapeError(f"empty operand: a {tuple(a.shape)}, b {tuple(b.shape)}")
     scales = check_scales(collective, a, b, scale_a, scale_b, out_dtype)
@@ -107,9 +118,7 @@ def execute(
     check_group(group)
     runtime = runtime_for(a.device, group)
     world = runtime.world_size
-    m = a.shape[0]
-    if collective == "reduce_scatter" and m % world:
-        raise ShapeError(f"reduce_scatter needs M divisible by the world size {world}, got M={m}")
+    check_rows(collective, a.shape[0], world)
     schedule = _resolve_schedule(collective, a, b.shape[1], schedule, world)
     if schedule.engine is None:
         if world == 1:  # one rank's collective is the identity: the GEMM alone

@@ -282,20 +282,19 @@ def _fp8_grads(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
 
 
 def _refused(collective: str, a: torch.Tensor, b: torch.Tensor, name: str) -> bool:
-    """True for operands whose shapes the op refuses when it runs (``execute``'s checks: not 2-D,
-    K mismatch, a ReduceScatter's M not divisible by the world size). Only a trace gets this far
-    with them (torch.compile's joint graph of a forward whose input needs a gradient): the backward
-    formulas would fail that trace on the shapes with a RuntimeError, where the op raises its
-    ``ShapeError`` when the graph runs."""
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        return True
-    if collective != "reduce_scatter":
-        return False
+    """True for operands whose shapes the op refuses when it runs (``execute``'s shape checks:
+    ``check_shapes``, ``check_rows``). Only a trace gets this far with them (torch.compile's joint
+    graph of a forward whose input needs a gradient): the backward formulas would fail that trace
+    on the shapes with a RuntimeError, where the op raises its ``ShapeError`` when the graph runs."""
+    from fo_kernels.execute import check_rows, check_shapes
+
     try:
-        world = group_size(name)
-    except FoTuneError:  # not initialized, or NON_MEMBER: the op raises it
+        check_shapes(a, b)
+        if collective == "reduce_scatter":
+            check_rows(collective, a.shape[0], group_size(name))
+    except FoTuneError:  # a shape refused; or not initialized, or NON_MEMBER: the op raises it
         return True
-    return a.shape[0] % world != 0
+    return False
 
 
 def _placeholder_grads(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
