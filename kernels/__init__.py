@@ -23,6 +23,7 @@ _EXPORTS = {
     "EnvironmentMismatchError": "errors",
     "FoTuneError": "errors",
     "Fp8TrainingError": "errors",
+    "DoubleBackwardError": "errors",
     "ScaleError": "errors",
     "HeuristicScheduleWarning": "errors",
     "ScheduleError": "errors",

@@ -30,6 +30,11 @@ class Fp8TrainingError(FoTuneError, NotImplementedError):
     """A backward through an op with fp8 operands: fo-tune runs fp8 for inference only."""
 
 
+class DoubleBackwardError(FoTuneError, NotImplementedError):
+    """A gradient of a gradient (``create_graph=True``, then a backward through the gradients) of an
+    op whose backward is not differentiable: the expert-parallel FFN's (``expert_parallel_ffn``)."""
+
+
 class GroupError(FoTuneError, ValueError):
     """A process group the call cannot use: this rank is not in it, or it is unknown or destroyed."""
 

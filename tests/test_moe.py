@@ -286,6 +286,49 @@ def test_gradcheck_in_float64(one_rank):
     assert torch.autograd.gradcheck(lambda x, w, w13, w2: expert_parallel_ffn(x, ids, w, w13, w2), leaves)
 
 
+def test_autocast_casts_x_and_the_experts_as_f_linear(one_rank):
+    """Inside torch.autocast the op takes x, w13 and w2 in its dtype, as F.linear takes its
+    operands (mixed float32 and bfloat16 operands included), eager and compiled: the output in that
+    dtype, equal to a call with the operands cast by hand; the float32 leaves get float32 gradients."""
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.tensor([[0, 1], [1, 1], [0, 0], [1, 0]])
+    leaves = [
+        torch.randn(*s, generator=gen, requires_grad=True) for s in ((4, 8), (4, 2), (2, 8, 6), (2, 3, 8))
+    ]
+    x, w, w13, w2 = leaves
+    want = expert_parallel_ffn(x.bfloat16(), ids, w, w13.bfloat16(), w2.bfloat16())
+    compiled = torch.compile(expert_parallel_ffn, fullgraph=True, backend="aot_eager", dynamic=False)
+    for call in (expert_parallel_ffn, compiled):
+        for operand in (x, x.bfloat16()):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got = call(operand, ids, w, w13, w2)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got, want)
+    got.float().sum().backward()
+    assert [t.grad.dtype for t in leaves] == [torch.float32] * 4
+
+
+def test_double_backward_raises_a_clear_error(one_rank):
+    """Gradients taken with create_graph=True are the plain backward's; a backward through them
+    raises DoubleBackwardError (a NotImplementedError) naming the limitation, not torch's error of
+    an op without an autograd formula."""
+    from fo_kernels import DoubleBackwardError
+
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.tensor([[0, 1], [1, 1], [0, 0]])
+    x, w = torch.randn(3, 8, generator=gen, requires_grad=True), torch.rand(3, 2, generator=gen)
+    w13, w2 = torch.randn(2, 8, 6, generator=gen, requires_grad=True), torch.randn(2, 3, 8, generator=gen)
+    plain = torch.autograd.grad(expert_parallel_ffn(x, ids, w, w13, w2).square().sum(), (x, w13))
+    grads = torch.autograd.grad(
+        expert_parallel_ffn(x, ids, w, w13, w2).square().sum(), (x, w13), create_graph=True
+    )
+    for g, p in zip(grads, plain, strict=True):
+        torch.testing.assert_close(g, p)
+    assert issubclass(DoubleBackwardError, NotImplementedError)
+    with pytest.raises(DoubleBackwardError, match="expert_parallel_ffn has no double backward"):
+        grads[0].square().sum().backward()
+
+
 def test_schedule_fields_round_trip_and_errors_name_the_field():
     problem = MoeProblem(hidden=4096, intermediate=1536, experts=16, top_k=8, tokens_min=512, tokens_max=1024)
     s = MoeSchedule(dtype="bfloat16", world_size=8, problem=problem, engine="copy_engine", chunks=4)

@@ -12,6 +12,17 @@ from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.ops import direct_call
 
 
+def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` as ``F.linear`` takes its operands inside ``torch.autocast`` (of the first
+    tensor's device type): each floating-point tensor but a float64 one cast to its dtype, since
+    autocast does not cast a custom op's arguments; outside autocast, as they are."""
+    device = tensors[0].device.type
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
+
+
 def expert_parallel_ffn(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -40,7 +51,9 @@ def expert_parallel_ffn(
     tokens any rank holds (``fo_kernels.moe.table``; written by ``fo-tune search -c moe``), else
     runs the no-overlap path (dispatch, grouped GEMMs, combine); a ``MoeSchedule`` names an
     engine that overlaps them. Differentiable in x, topk_weights, w13
-    and w2 (``fo_kernels.moe.ops``); traced by ``torch.compile(fullgraph=True)``.
+    and w2 (``fo_kernels.moe.ops``); traced by ``torch.compile(fullgraph=True)``. Inside
+    ``torch.autocast`` x, w13 and w2 are cast to its dtype first, as ``F.linear``'s operands are
+    (the output in that dtype); topk_weights, of any floating dtype, stays as it is.
     """
     for arg, t in (
         ("x", x),
@@ -51,6 +64,7 @@ def expert_parallel_ffn(
     ):
         if not isinstance(t, torch.Tensor):
             raise ShapeError(f"{arg} must be a torch tensor, got {type(t).__name__}")
+    x, w13, w2 = autocast_operands(x, w13, w2)
     if group is dist.GroupMember.NON_GROUP_MEMBER and torch.compiler.is_compiling():
         # Dynamo makes a RuntimeError of what its trace raises: the op raises the GroupError
         # when the compiled graph runs it, before any collective

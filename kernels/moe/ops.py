@@ -13,7 +13,10 @@ topk_weights, w13 and w2): the routed rows, whose number depends on the data, ne
 
 Autograd: the forward saves its inputs only; the backward op dispatches x, dy and the weights
 again and recomputes the experts' activations (``fo_kernels.moe.stages``), one All-to-All each
-way as the forward. topk_ids gets no gradient. Importing this module registers the ops.
+way as the forward. topk_ids gets no gradient. The backward op's own backward (a double backward:
+``create_graph=True``, then a backward through the gradients) raises ``DoubleBackwardError``
+before any collective; its gradients taken with ``create_graph=True`` and never differentiated
+again are the plain backward's. Importing this module registers the ops.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from fo_kernels.errors import ScheduleError
+from fo_kernels.errors import DoubleBackwardError, ScheduleError
 from fo_kernels.groups import resolve_group
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.ops import LIBRARY, NON_MEMBER, SCHEDULE_CACHE_SIZE, direct_call
@@ -131,3 +134,13 @@ def _backward(ctx, dy: torch.Tensor):
 
 
 _ffn.register_autograd(_backward, setup_context=_setup)
+
+
+def _double_backward(ctx, *grads: torch.Tensor):
+    raise DoubleBackwardError(
+        "expert_parallel_ffn has no double backward (its backward is not differentiable): take its "
+        "gradients without create_graph=True, or detach them before differentiating them again"
+    )
+
+
+_ffn_backward.register_autograd(_double_backward)

@@ -101,7 +101,10 @@ def check_call(
     if x.dtype not in FFN_DTYPES:
         raise ShapeError(f"x is {x.dtype}; use bfloat16, float16 or float32 (float64 without a schedule)")
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ShapeError(f"x is {x.dtype} but w13 is {w13.dtype} and w2 {w2.dtype}; all three must agree")
+        raise ShapeError(
+            f"x is {x.dtype} but w13 is {w13.dtype} and w2 {w2.dtype}; all three must agree (cast "
+            "them, or call inside torch.autocast)"
+        )
     if topk_ids.dtype not in ID_DTYPES:
         raise ShapeError(f"topk_ids is {topk_ids.dtype}; expert ids are int64 (or int32)")
     if not topk_weights.dtype.is_floating_point:
