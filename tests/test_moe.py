@@ -506,3 +506,8 @@ def test_module_refuses_what_the_op_does_not_compute(one_rank):
         ExpertParallelExperts.from_experts(Llama4TextExperts(Llama4TextConfig(**tiny)))
     with pytest.raises(PlanError, match="no fused experts block"):
         parallelize_experts(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    # an empty ModuleList, and an experts block passed as the model (nothing can hold its replacement)
+    with pytest.raises(PlanError, match="an empty ModuleList"):
+        ExpertParallelExperts.from_experts(torch.nn.ModuleList())
+    with pytest.raises(PlanError, match=r"the model is itself an experts block \(MixtralExperts\)"):
+        parallelize_experts(_mixtral_experts())

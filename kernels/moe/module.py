@@ -111,6 +111,8 @@ def _fused(experts: nn.Module) -> Weights:
 
 def _per_expert(experts: nn.ModuleList) -> Weights:
     """(w13, w2) of every expert from a ModuleList of MLPs (``_MLP_NAMES``)."""
+    if not len(experts):
+        raise PlanError("experts: an empty ModuleList; an experts block holds one MLP per expert")
     first = experts[0]
     names = next((n for n in _MLP_NAMES if all(hasattr(first, a) for a in n)), None)
     if names is None:
@@ -267,6 +269,13 @@ def parallelize_experts(
             parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             setattr(parent, leaf, ExpertParallelExperts.from_experts(module, group=group, schedule=schedule))
             done.append(name)
+    if not done and hasattr(model, "gate_up_proj") and hasattr(model, "down_proj"):
+        # (the root cannot be replaced in place: there is no parent to hold its replacement)
+        raise PlanError(
+            f"parallelize_experts: the model is itself an experts block ({type(model).__name__}); "
+            "pass the module that holds it, or build its replacement with "
+            "ExpertParallelExperts.from_experts"
+        )
     if not done:
         raise PlanError("parallelize_experts: the model has no fused experts block (a module named experts)")
     return done
