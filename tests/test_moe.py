@@ -239,7 +239,7 @@ def test_compiled_bad_input_raises_the_ops_value_errors(one_rank):
 
 def test_world_size_one_duplicates_and_direct_call(one_rank):
     """At world size 1 nothing moves; a token naming one expert twice counts twice; a call without
-    gradients skips the dispatcher and equals the op's."""
+    gradients skips the dispatcher and equals the op's; meta tensors are refused."""
     x = torch.randn(6, 8, dtype=torch.float64)
     ids = torch.tensor([[1, 1], [0, 2], [2, 2], [1, 0], [0, 0], [2, 1]])
     w = torch.rand(6, 2, dtype=torch.float64)
@@ -249,6 +249,10 @@ def test_world_size_one_duplicates_and_direct_call(one_rank):
     assert rel_err(got, want) < TOL["float32"]
     via_op = moe_ops._ffn(x.float(), ids, w.float(), w13.float(), w2.float(), "", "")
     torch.testing.assert_close(got, via_op)
+    # meta tensors hold no ids: a ShapeError naming the device, not torch's RuntimeError of .item()
+    meta = [t.float().to("meta") for t in (x, w, w13, w2)]
+    with pytest.raises(ShapeError, match="on the meta device"):
+        expert_parallel_ffn(meta[0], ids.to("meta"), *meta[1:])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -145,7 +145,9 @@ def _check_experts(w13: object, w2: object, num_experts: object, schedule: objec
             )
     # a call of no token checks the weights against each other as every call does
     none = w13.new_empty(0, w13.shape[1])
-    check_call(none, torch.empty(0, 1, dtype=torch.int64, device=w13.device), none[:, :1], w13, w2, world)
+    # (no ids to read: a module made on the meta device, to be loaded later, is taken)
+    ids = torch.empty(0, 1, dtype=torch.int64, device=w13.device)
+    check_call(none, ids, none[:, :1], w13, w2, world, check_ids=False)
     check_int("num_experts", num_experts, minimum=1, error=ShapeError)
     if num_experts != w13.shape[0] * world:
         raise ShapeError(

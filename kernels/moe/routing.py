@@ -68,7 +68,7 @@ def check_call(
 ) -> FfnShape:
     """The call's sizes; raises ``ShapeError`` for input that disagrees (the message names the
     tensors). ``check_ids`` also reads the ids' range (a device sync: the real call makes it, a
-    traced one cannot)."""
+    traced one cannot), and so refuses meta tensors, which hold no ids to read."""
     named = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights, "w13": w13, "w2": w2}
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
@@ -113,6 +113,11 @@ def check_call(
     if len(devices) != 1:
         raise ShapeError(f"every tensor must be on one device, got {', '.join(sorted(map(str, devices)))}")
     shape = FfnShape(tokens, hidden, topk_ids.shape[1], experts, inter, world)
+    if check_ids and x.device.type == "meta":
+        raise ShapeError(
+            "the tensors are on the meta device, which holds no data: call with the tokens and "
+            "experts on a real device (a model made on meta: to_empty, then load its weights)"
+        )
     if check_ids and topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= shape.total_experts:
