@@ -286,6 +286,20 @@ def _message(call) -> str:
     return "NO ERROR"
 
 
+def _uneven_experts(group, experts: int):
+    """``ExpertParallelExperts.from_experts`` of a fused (transformers-layout) block of ``experts``
+    experts, which must split evenly over ``group``."""
+    from torch import nn
+
+    from fo_kernels import ExpertParallelExperts
+
+    block = nn.Module()
+    block.gate_up_proj = nn.Parameter(torch.randn(experts, 6, 8))
+    block.down_proj = nn.Parameter(torch.randn(experts, 8, 3))
+    block.act_fn = nn.SiLU()
+    return ExpertParallelExperts.from_experts(block, group=group)
+
+
 def bad_inputs(group, rank: int, world: int) -> dict[str, str]:
     """Every bad call's message (each must raise a ValueError before any collective: the good
     call after them checks that no collective was left half done), and the good call's error.
@@ -321,6 +335,7 @@ def bad_inputs(group, rank: int, world: int) -> dict[str, str]:
     h = 8 if rank < world - 1 else 4
     mixed = dict(x=torch.randn(3, h), w13=torch.randn(2, h, 6), w2=torch.randn(2, 3, h))
     out["ranks_disagree"] = _message(lambda: _tiny_call(group, **mixed))
+    out["experts_split"] = _message(lambda: _uneven_experts(group, 2 * world + 1))
     x = torch.randn(3, 8, dtype=torch.float64)
     ids = torch.tensor([[0, e - 1], [1, 1], [e - 1, 0]])
     w = torch.rand(3, 2, dtype=torch.float64)

@@ -109,6 +109,9 @@ def test_gloo_groups_of_two_three_and_four_ranks():
 
 def _check_bad(msgs: dict, where: str) -> None:
     good = msgs.pop("good_after")
+    split = msgs.pop("experts_split")
+    assert split.startswith("PlanError: experts: ") and "do not split over" in split, f"{where}: {split}"
+    assert "whose size divides" in split, f"{where}: {split}"
     assert good < TOL["float32"], f"{where}: the good call after the bad ones: {good}"
     for name, msg in msgs.items():
         assert msg.split(":")[0] in ("ShapeError", "ScheduleError"), f"{where}: {name}: {msg}"

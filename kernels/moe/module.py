@@ -228,7 +228,10 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         total = w13.shape[0]
         if total % world:
-            raise PlanError(f"experts: {total} experts do not split over {world} ranks (E % world != 0)")
+            raise PlanError(
+                f"experts: {total} experts do not split over {world} ranks (E % world != 0); use an "
+                f"expert-parallel group whose size divides {total}"
+            )
         local = total // world
         part = slice(rank * local, (rank + 1) * local)
         module = cls(w13[part].clone(), w2[part].clone(), num_experts=total, group=group, schedule=schedule)
