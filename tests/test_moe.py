@@ -518,3 +518,10 @@ def test_module_refuses_what_the_op_does_not_compute(one_rank):
         ExpertParallelExperts.from_experts(torch.nn.ModuleList())
     with pytest.raises(PlanError, match=r"the model is itself an experts block \(MixtralExperts\)"):
         parallelize_experts(_mixtral_experts())
+    # a block refused after another was taken: the model is left as it was, the error names it
+    model = torch.nn.ModuleDict({"a": torch.nn.Module(), "b": torch.nn.Module()})
+    model.a.experts, model.b.experts = _mixtral_experts(), _mixtral_experts()
+    model.b.experts.has_bias = True
+    with pytest.raises(PlanError, match=r"^b\.experts: experts: has_bias=True"):
+        parallelize_experts(model)
+    assert type(model.a.experts).__name__ == "MixtralExperts"

@@ -266,14 +266,22 @@ def parallelize_experts(
 ) -> list[str]:
     """Replace every fused experts block (a module named ``experts`` with ``gate_up_proj`` and
     ``down_proj``, as transformers >= 5 builds them) by its ``ExpertParallelExperts``; the names
-    replaced. A ModuleList of experts is left alone: its MoE block calls each expert itself."""
-    done = []
+    replaced. A ModuleList of experts is left alone: its MoE block calls each expert itself. Every
+    block is built before any is replaced, so a block it refuses (``PlanError``, naming the block)
+    leaves the model as it was."""
+    built = []
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "experts" and hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
-            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-            setattr(parent, leaf, ExpertParallelExperts.from_experts(module, group=group, schedule=schedule))
-            done.append(name)
+            try:
+                sharded = ExpertParallelExperts.from_experts(module, group=group, schedule=schedule)
+            except PlanError as exc:
+                raise PlanError(f"{name}: {exc}") from None
+            built.append((name, sharded))
+    for name, sharded in built:
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        parent.experts = sharded
+    done = [name for name, _ in built]
     if not done and hasattr(model, "gate_up_proj") and hasattr(model, "down_proj"):
         # (the root cannot be replaced in place: there is no parent to hold its replacement)
         raise PlanError(
