@@ -85,7 +85,8 @@ def test_a_python_number_as_a_scale_is_a_scale_error(op, grad):
     """A Python float as a scale, or a string as out_dtype, is a ScaleError naming it (no process
     group needed: it is refused before any collective), not the custom op schema's RuntimeError;
     with a scale that requires a gradient the call goes through the dispatcher, which would refuse
-    it first."""
+    it first (and would run a meta scale's fake implementation: a scale on another device is a
+    ScaleError too)."""
     a, b = _fp8(4, 32), _fp8(16, 32).t()
     other = torch.tensor(1.0, requires_grad=grad)
     with pytest.raises(ScaleError, match="scale_a is a float; scales are float32 tensors"):
@@ -94,6 +95,9 @@ def test_a_python_number_as_a_scale_is_a_scale_error(op, grad):
         op(a, b, scale_a=other, scale_b=2)
     with pytest.raises(ScaleError, match=r"out_dtype is a str \('bfloat16'\); pass a torch.dtype"):
         op(a, b, scale_a=other, scale_b=other, out_dtype="bfloat16")
+    # a meta scale beside CPU operands: through the dispatcher it ran the fake implementation
+    with pytest.raises(ScaleError, match="scale_b is on meta but the operands are on cpu"):
+        op(a, b, scale_a=other, scale_b=torch.ones((), device="meta"))
 
 
 def test_ops_at_world_size_one_and_their_fake_implementations(tmp_path):
