@@ -7,6 +7,9 @@ the module holds, in both strict modes:
 
     module fp8,     checkpoint high-precision weight, no scale   quantized on load (a fresh scale)
     module fp8,     checkpoint fp8 weight with its scale         loaded as it is
+    module fp8,     checkpoint fp8 of the other scaling          dequantized, then quantized as the
+                    (its scale of another shape than the         module scales (a fresh scale)
+                    module's)
     module not fp8, checkpoint fp8 weight with its scale         dequantized on load (codes * scale)
     an fp8 weight without its scale, or a high-precision one with a scale: ``ScaleError`` naming
     the key (a stale scale would give wrong results, silently)
@@ -38,10 +41,12 @@ def prepare_weight_state(
     weight: torch.Tensor,
     quantize: Quantize,
     dequantize: Dequantize,
+    scale: torch.Tensor | None = None,
 ) -> None:
     """Make ``state_dict``'s ``prefix``-ed weight (and scale) what a module whose weight is
-    ``weight`` holds (the table above), in place: ``quantize`` for an fp8 module, ``dequantize``
-    for another one."""
+    ``weight`` and, fp8, whose scale is ``scale`` holds (the table above), in place: ``quantize``
+    for an fp8 module, ``dequantize`` for another one (and for an fp8 module's checkpoint of the
+    other scaling first: ``dequantize`` then gives a high-precision weight)."""
     w_key, s_key = prefix + "weight", prefix + SCALE_KEY
     loaded = state_dict.get(w_key)
     if loaded is None or tuple(loaded.shape) != tuple(weight.shape):
@@ -60,5 +65,8 @@ def prepare_weight_state(
                     "a high-precision weight is quantized on load with a fresh scale; drop the scale"
                 )
             state_dict[w_key], state_dict[s_key] = quantize(loaded)
+        elif scale is not None and tuple(state_dict[s_key].shape) != tuple(scale.shape):
+            high = dequantize(loaded, state_dict[s_key])
+            state_dict[w_key], state_dict[s_key] = quantize(high)
     elif is_fp8(loaded.dtype):
         state_dict[w_key] = dequantize(loaded, state_dict.pop(s_key))

@@ -123,18 +123,29 @@ class _LocalScaledMatmul(torch.autograd.Function):
         return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
 
 
-class _Fp8RefusedMatmul(torch.autograd.Function):
-    """``a @ b`` of an fp8 layer's input with no rows (``_ParallelLinear._empty_forward``):
+class _Fp8Refused(torch.autograd.Function):
+    """``a @ b`` (``add``: ``a + b``) of an fp8 layer outside its scaled ops: the GEMM of an input
+    with no rows (``_ParallelLinear._empty_forward``), the bias added to the output (``_add_bias``);
     training in fp8 is out of scope, so its backward raises as ``_LocalScaledMatmul``'s does."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        ctx.input_meta = fp8_input_meta((a, b))
-        return a @ b
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, add: bool) -> torch.Tensor:
+        ctx.input_meta = fp8_input_meta((a, b, add))
+        return a + b if add else a @ b
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None, fp8: bool) -> torch.Tensor:
+    """``y + bias`` in ``y``'s dtype (an fp8 layer's output is in its input's, not the bias').
+    ``fp8``: where the bias needs a gradient the sum's backward raises ``Fp8TrainingError`` (the
+    scaled ops' output needs none where the input needs none: the bias alone would train)."""
+    if bias is None:
+        return y
+    bias = bias.to(y.dtype)
+    return _Fp8Refused.apply(y, bias, True) if fp8 and _needs_grad(y, bias) else y + bias
 
 
 def _autocast_operands(
@@ -306,7 +317,11 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
             prefix,
             self.weight,
             lambda w: quantize_weight(w, self.fp8, owner),
-            lambda codes, scale: dequantize_weight(codes, scale, self.weight.dtype),
+            # (an fp8 layer dequantizes a checkpoint of the other scaling to float32, then quantizes)
+            lambda codes, scale: dequantize_weight(
+                codes, scale, torch.float32 if self.fp8 else self.weight.dtype
+            ),
+            self.weight_scale,
         )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -327,12 +342,10 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
             out_dtype = layer_out_dtype(rows)
             scale = self.weight_scale if self.weight_scale.dim() == 0 else self.weight_scale.reshape(-1, 1)
             dequantized = weight.to(out_dtype) * scale.to(out_dtype)
-            y = _Fp8RefusedMatmul.apply(rows.to(out_dtype), dequantized.t())
+            y = _Fp8Refused.apply(rows.to(out_dtype), dequantized.t(), False)
         else:
             y = rows @ weight.t()
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        return y.reshape(shape)
+        return _add_bias(y, bias, self.fp8 is not None).reshape(shape)
 
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
@@ -429,9 +442,7 @@ class ColumnParallelLinear(_ParallelLinear):
                 y = _ReplicatedInputMatmul.apply(rows, w, self.group_name)
             else:
                 y = rows @ w
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        return y.reshape(shape)
+        return _add_bias(y, bias, self.fp8 is not None).reshape(shape)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -452,19 +463,17 @@ class RowParallelLinear(_ParallelLinear):
             rows, fp8 = self._fp8_rows(rows)
         if not self.sequence_parallel:
             y = gemm_all_reduce(rows, weight.t(), schedule=self.schedule, group=self.group, **fp8)
-            if bias is not None:
-                y = y + bias.to(y.dtype)
-            return y.reshape(self._out_shape(lead))
+            return _add_bias(y, bias, self.fp8 is not None).reshape(self._out_shape(lead))
         if rows.shape[0] % world:
             raise ShapeError(
                 f"sequence parallelism splits the input's {rows.shape[0]} rows over the world size "
                 f"{world}: they must divide by it"
             )
         y = gemm_reduce_scatter(rows, weight.t(), schedule=self.schedule, group=self.group, **fp8)
-        if bias is not None and _needs_grad(y, bias):
+        if bias is not None and _needs_grad(y, bias) and not self.fp8:
             y = _ShardBias.apply(y, bias.to(y.dtype), self.group_name)
-        elif bias is not None:
-            y = y + bias.to(y.dtype)
+        else:
+            y = _add_bias(y, bias, self.fp8 is not None)
         return y.reshape(self._out_shape(lead))
 
     def _out_shape(self, lead: torch.Size) -> tuple[int, ...]:

@@ -34,7 +34,7 @@ def _call(
     scale_b: torch.Tensor | None,
     out_dtype: torch.dtype | None,
 ) -> EngineResult:
-    check_scale_types(scale_a, scale_b, out_dtype)  # (the ops' schema would refuse a number first)
+    check_scale_types(scale_a, scale_b, out_dtype, a)  # (the ops' schema would refuse a number first)
     if ops.direct_call(a, b, scale_a, scale_b):
         return execute(
             collective, a, b, schedule, group, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype

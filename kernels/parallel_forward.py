@@ -56,6 +56,7 @@ from fo_kernels.errors import NotOverlappedWarning, ShapeError
 from fo_kernels.fp8_state import prepare_weight_state
 from fo_kernels.groups import resolve_group
 from fo_kernels.layers import (
+    _add_bias,
     _autocast_operands,
     _fp8_operands,
     _keeping_dtypes,
@@ -197,13 +198,15 @@ def _load_hook(module: nn.Linear, state_dict: dict, prefix: str, *_args) -> None
         return _quantize_dtensor(loaded, plan, f"an fp8 {type(module).__name__}")
 
     def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        local = dequantize_weight(codes.to_local(), _local(scale), weight.dtype)
+        # (an fp8 module dequantizes a checkpoint of the other scaling to float32, then quantizes)
+        dtype = torch.float32 if plan.fp8 is not None else weight.dtype
+        local = dequantize_weight(codes.to_local(), _local(scale), dtype)
         return DTensor.from_local(
             local, codes.device_mesh, codes.placements, run_check=False, shape=codes.shape,
             stride=codes.stride(),
         )  # fmt: skip
 
-    prepare_weight_state(state_dict, prefix, weight, quantize, dequantize)
+    prepare_weight_state(state_dict, prefix, weight, quantize, dequantize, getattr(module, SCALE_ATTR, None))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -354,8 +357,7 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         y = _moved_back(rows.view(xm.shape[0] * plan.world_size, *xm.shape[1:-1], weight.shape[0]), d)
     else:
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r} (DTensor gathers it)")
-    if bias is not None:  # (an fp8 module's output is in its input's dtype, not the bias')
-        y = y + bias.to(y.dtype)
+    y = _add_bias(y, bias, plan.fp8 is not None)
     return _colwise_output(module, y, plan)
 
 
@@ -435,9 +437,7 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         local = x.to_local() if is_dtensor else x
         rows, fp8 = _fp8_rows(module, plan, local.reshape(-1, local.shape[-1]))
         y = gemm_all_reduce(rows, weight.t(), group=plan.group, **fp8)
-        y = y.view(*local.shape[:-1], weight.shape[0])
-        if bias is not None:
-            y = y + bias.to(y.dtype)
+        y = _add_bias(y.view(*local.shape[:-1], weight.shape[0]), bias, plan.fp8 is not None)
     else:
         d = _leading_dim(want, x.dim())
         if d is None or x.shape[d] % plan.world_size:
@@ -446,9 +446,10 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         rows, fp8 = _fp8_rows(module, plan, local.reshape(-1, local.shape[-1]))
         y = gemm_reduce_scatter(rows, weight.t(), group=plan.group, **fp8)
         y = y.view(local.shape[0] // plan.world_size, *local.shape[1:-1], weight.shape[0])
-        if bias is not None:
-            bias = bias.to(y.dtype)
-            y = _ShardBias.apply(y, bias, plan.group_name) if _needs_grad(y, bias) else y + bias
+        if bias is not None and _needs_grad(y, bias) and plan.fp8 is None:
+            y = _ShardBias.apply(y, bias.to(y.dtype), plan.group_name)
+        else:
+            y = _add_bias(y, bias, plan.fp8 is not None)
         y = _moved_back(y, d)
     if plan.use_local_output:
         return y

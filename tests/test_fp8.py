@@ -85,7 +85,8 @@ def test_a_python_number_as_a_scale_is_a_scale_error(op, grad):
     """A Python float as a scale, or a string as out_dtype, is a ScaleError naming it (no process
     group needed: it is refused before any collective), not the custom op schema's RuntimeError;
     with a scale that requires a gradient the call goes through the dispatcher, which would refuse
-    it first."""
+    it first (and would run a meta scale's fake implementation: a scale on another device is a
+    ScaleError too)."""
     a, b = _fp8(4, 32), _fp8(16, 32).t()
     other = torch.tensor(1.0, requires_grad=grad)
     with pytest.raises(ScaleError, match="scale_a is a float; scales are float32 tensors"):
@@ -94,6 +95,9 @@ def test_a_python_number_as_a_scale_is_a_scale_error(op, grad):
         op(a, b, scale_a=other, scale_b=2)
     with pytest.raises(ScaleError, match=r"out_dtype is a str \('bfloat16'\); pass a torch.dtype"):
         op(a, b, scale_a=other, scale_b=other, out_dtype="bfloat16")
+    # a meta scale beside CPU operands: through the dispatcher it ran the fake implementation
+    with pytest.raises(ScaleError, match="scale_b is on meta but the operands are on cpu"):
+        op(a, b, scale_a=other, scale_b=torch.ones((), device="meta"))
 
 
 def test_ops_at_world_size_one_and_their_fake_implementations(tmp_path):
@@ -336,6 +340,64 @@ def test_fp8_style_option_is_checked():
     with pytest.raises(ScaleError, match="'blockwise' is not one of tensorwise, rowwise"):
         RowwiseParallel(fp8="blockwise")
     assert "fp8='rowwise'" in repr(ColwiseParallel(fp8="rowwise")) and "fp8" not in repr(ColwiseParallel())
+
+
+def _fp8_modules(mesh, full: torch.nn.Sequential, scaling: str, sp: bool) -> dict[str, torch.nn.Module]:
+    """The fp8 layers and styles of ``full``'s two linears, with and without sequence parallelism."""
+    import copy
+
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fo_kernels import ColumnParallelLinear, RowParallelLinear
+    from fo_kernels.parallel import ColwiseParallel, RowwiseParallel
+
+    act = Shard(0) if sp else None
+    plan = {
+        "0": ColwiseParallel(input_layouts=act, fp8=scaling),
+        "1": RowwiseParallel(output_layouts=act, fp8=scaling),
+    }
+    layers = torch.nn.Sequential(
+        ColumnParallelLinear.from_linear(full[0], sequence_parallel=sp, fp8=scaling),
+        RowParallelLinear.from_linear(full[1], sequence_parallel=sp, fp8=scaling),
+    )
+    return {"layers": layers, "styles": parallelize_module(copy.deepcopy(full), mesh, plan)}
+
+
+def test_fp8_layers_refuse_a_backward_to_their_bias_and_load_the_other_scaling(tmp_path):
+    """One gloo rank in this process. The fp8 layers and styles keep a bias that requires a
+    gradient: a backward through one (its input needing none, so the scaled ops' output needs
+    none) raises Fp8TrainingError rather than train the bias alone. An fp8 state_dict of the other
+    scaling (a scale of another shape) loads as the module scales it: dequantized, then quantized
+    with a fresh scale, its output within fp8's error of the full model's (torch refused the
+    scale's shape with a RuntimeError before)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the lookup's heuristic warning
+            mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+            torch.manual_seed(11)
+            full = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 32))
+            x = torch.randn(2, 3, 32)
+            with torch.no_grad():
+                want = full(x)
+            for scaling, sp in itertools.product(SCALINGS, (False, True)):
+                for kind, model in _fp8_modules(mesh, full, scaling, sp).items():
+                    where = (kind, scaling, sp)
+                    assert model[1].bias.requires_grad, where
+                    with pytest.raises(Fp8TrainingError, match="training in fp8 is out of scope"):
+                        model(x).sum().backward()
+                    other = "rowwise" if scaling == "tensorwise" else "tensorwise"
+                    source = _fp8_modules(mesh, full, other, sp)[kind]
+                    model.load_state_dict(source.state_dict())
+                    assert model[0].weight.dtype == FP8, where
+                    with torch.no_grad():
+                        got = model(x)
+                    assert ((got - want).norm() / want.norm()).item() < LAYER_TOL, where
+    finally:
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------ the copy engine

@@ -18,6 +18,13 @@ and AllGather only when M % world_size == 0, else a skipped row):
                                                     # schedule=None: the table row, else overlap: false
     ref   = collective(a.double() @ b.double())     # float64: dist.all_reduce / reduce_scatter_tensor
             | all_gather(a.double()) @ b.double()   # all_gather_into_tensor
+
+With ``float8_e4m3fn`` the operands come with the tuner's rowwise scales (``scale_a`` of this
+rank's rows, ``fo_tune.ranks.scaled.scale_kwargs``; ``b`` the transposed view of an (N, K) weight)
+and the op's bfloat16 output is checked against the float64 reference of the dequantized operands,
+``(a * scale_a) @ (b * scale_b)``, within the issue's 2e-2; the sequential baseline is the
+library's scaled GEMM (``torch._scaled_mm``) then the collective (the gather of the fp8 rows and
+their scales, then the GEMM). N and K must be multiples of 16.
     err   = ||out - ref|| / ||ref||,  pass iff no NaN and err < TOL[dtype]
     time  = median of `reps` calls after 2 warm-ups (the checked call is the first warm-up), for the
             overlapped op and for the sequential baseline (a @ b, then the collective; for
@@ -48,8 +55,12 @@ from fo_tune.bench.demo_rank import Job, merge_ranks, rank_main
 
 # The ranks the demo starts without --world-size (TP=2, the setup the tables are tuned for).
 DEFAULT_WORLD_SIZE = 2
-TOL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 1e-2}
+# The relative error a row passes within; fp8: the bound for its bfloat16 output.
+TOL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 1e-2, "float8_e4m3fn": 2e-2}
+FP8_NAME = "float8_e4m3fn"
 CPU_SHAPES = [(258, 130, 70), (96, 64, 48)]  # small: the interpreter runs every tile in Python
+# fp8's CPU shapes: N and K multiples of 16 (the fp8 ops' rule), M still odd.
+FP8_CPU_SHAPES = [(258, 128, 80), (96, 64, 48)]
 GPU_SHAPES = [(4096, 8192, 4096), (8192, 8192, 8192)]  # two of the benchmark suite (docs/design.md)
 CPU_DTYPE, GPU_DTYPE = "float32", "bfloat16"  # bf16 tl.dot is wrong in the CPU interpreter (docs/design.md)
 
@@ -126,8 +137,10 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
     )
 
 
-def default_shapes(on_gpu: bool) -> list[tuple[int, int, int]]:
-    return list(GPU_SHAPES if on_gpu else CPU_SHAPES)
+def default_shapes(on_gpu: bool, dtype: str | None = None) -> list[tuple[int, int, int]]:
+    if on_gpu:
+        return list(GPU_SHAPES)
+    return list(FP8_CPU_SHAPES if dtype == FP8_NAME else CPU_SHAPES)
 
 
 def default_dtype(on_gpu: bool) -> str:
@@ -139,6 +152,7 @@ def _check_args(
     world_size: int, shapes: Sequence[tuple[int, int, int]], dtype: str, reps: int, timeout_s: float
 ) -> None:
     from fo_kernels.errors import ArgumentError, ShapeError
+    from fo_tune.ranks.limits import check_fp8_shapes
 
     if dtype not in TOL:
         raise ShapeError(f"dtype {dtype!r} is not supported; use one of {', '.join(TOL)}")
@@ -147,6 +161,7 @@ def _check_args(
     for shape in shapes:
         if len(shape) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape):
             raise ShapeError(f"shape {shape!r}: expected (M, N, K), integers >= 1")
+    check_fp8_shapes(shapes, dtype)
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ArgumentError(f"reps must be an integer >= 1, got {reps!r}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -166,7 +181,7 @@ def demo_inputs(
     from fo_tune.ranks.limits import check_problem_size, local_target
 
     on_gpu = plan.backend == "nccl"
-    shapes = list(shapes) if shapes else default_shapes(on_gpu)
+    shapes = list(shapes) if shapes else default_shapes(on_gpu, dtype)
     dtype = dtype or default_dtype(on_gpu)
     _check_args(plan.world_size, shapes, dtype, reps, timeout_s)
     check_problem_size(shapes, dtype, local_target(plan.backend, plan.world_size))
@@ -305,6 +320,7 @@ def run_copy_engine_demo(
             check = CpuCheck(
                 collective=collective, world=world_size, m=m, n=n, k=k, weights=weights,
                 dtype=getattr(torch, dtype), calls=reps, seed=seed,
+                scaling="rowwise" if dtype == FP8_NAME else "",
             )  # fmt: skip
             got = _on_gpu(check) if on_gpu else check_on_threads(check)
             nan = float("nan")
@@ -343,7 +359,7 @@ def copy_engine_demo_inputs(
     if backend not in (COPY_ENGINE_BACKEND, VIRTUAL_BACKEND):
         raise ArgumentError(f"backend {backend!r} is not one of {COPY_ENGINE_BACKEND}, {VIRTUAL_BACKEND}")
     on_gpu = backend == VIRTUAL_BACKEND
-    shapes = list(shapes) if shapes else default_shapes(on_gpu)
+    shapes = list(shapes) if shapes else default_shapes(on_gpu, dtype)
     dtype = dtype or default_dtype(on_gpu)
     _check_args(world_size, shapes, dtype, reps, 1.0)
     if not on_gpu:

@@ -53,27 +53,38 @@ def _timed_median(call: Callable[[], Any], reps: int, device: Any, warmup: int =
 
 def _collective_of(collective: str, x: Any, world: int) -> Any:
     """``collective`` of ``x`` over the default group: all_reduce in place, reduce_scatter of an
-    (M, N) product, all_gather of an (M/w, K) shard."""
+    (M, N) product, all_gather of an (M/w, K) shard (fp8 as its bytes, ``fo_kernels.scaling.wire``:
+    gloo has no fp8 type)."""
     import torch.distributed as dist
 
     from fo_kernels.collectives import all_gather_tensor, reduce_scatter_tensor
+    from fo_kernels.scaling import wire
 
     if collective == "all_reduce":
         dist.all_reduce(x)
         return x
     if collective == "all_gather":
-        out = x.new_empty((x.shape[0] * world, x.shape[1]))
-        all_gather_tensor(out, x)
+        out = x.new_empty((x.shape[0] * world, *x.shape[1:]))
+        all_gather_tensor(wire(out), wire(x.contiguous()))
         return out
     out = x.new_empty((x.shape[0] // world, x.shape[1]))
     reduce_scatter_tensor(out, x)
     return out
 
 
+def _gathered(scales: dict[str, Any], world: int) -> dict[str, Any]:
+    """fp8 scales of a gathered A: rowwise, every rank's ``scale_a`` rows gathered (tensorwise and
+    no scales: as they are)."""
+    if not scales or scales["scale_a"].dim() == 0:
+        return scales
+    return {**scales, "scale_a": _collective_of("all_gather", scales["scale_a"], world)}
+
+
 def _one_case(ctx: Any, collective: str, a: Any, b: Any, job: Job) -> dict[str, Any]:
     import fo_kernels
     from fo_kernels import HeuristicScheduleWarning, lookup_schedule
     from fo_kernels.table import MISS_SOURCE
+    from fo_tune.ranks.scaled import dequantized, library_mm, scale_kwargs
 
     world = ctx.world_size
     gather = collective == "all_gather"
@@ -90,18 +101,21 @@ def _one_case(ctx: Any, collective: str, a: Any, b: Any, job: Job) -> dict[str, 
         "all_gather": fo_kernels.all_gather_gemm,
     }[collective]
 
+    kw = scale_kwargs(a, b)  # fp8: this rank's rows' scales, as the op takes them; else {}
+
     def overlapped() -> Any:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", HeuristicScheduleWarning)
-            return op(a, b, schedule=None)
+            return op(a, b, schedule=None, **kw)
 
-    def sequential(x: Any, y: Any) -> Any:
+    def sequential(x: Any, y: Any, scales: dict[str, Any]) -> Any:
+        # (fp8: the library's scaled GEMM, torch._scaled_mm; gathered, with the gathered rows' scales)
         if gather:
-            return _collective_of(collective, x, world) @ y
-        return _collective_of(collective, x @ y, world)
+            return library_mm(_collective_of(collective, x, world), y, _gathered(scales, world))
+        return _collective_of(collective, library_mm(x, y, scales), world)
 
     out = overlapped()  # the checked call, also the first warm-up
-    ref = sequential(a.double(), b.double())
+    ref = sequential(*(t.double() for t in dequantized(a, b, kw)), {})
     has_nan = bool(out.isnan().any())
     err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     return dict(
@@ -110,7 +124,7 @@ def _one_case(ctx: Any, collective: str, a: Any, b: Any, job: Job) -> dict[str, 
         rel_err=err,
         has_nan=has_nan,
         overlapped_ms=_timed_median(overlapped, job.reps, ctx.device, warmup=WARMUP - 1),
-        sequential_ms=_timed_median(lambda: sequential(a, b), job.reps, ctx.device),
+        sequential_ms=_timed_median(lambda: sequential(a, b, kw), job.reps, ctx.device),
     )
 
 
@@ -119,6 +133,7 @@ def rank_main(ctx: Any, job: Job) -> list[dict[str, Any] | None]:
     AllGather (M not divisible by the world size)."""
     import torch
 
+    from fo_kernels.scaling import is_fp8
     from fo_kernels.schedule import COLLECTIVES, SHARDED_COLLECTIVES, torch_dtype
     from fo_tune.ranks.gemm import operand_seed
 
@@ -127,7 +142,10 @@ def rank_main(ctx: Any, job: Job) -> list[dict[str, Any] | None]:
     for i, (m, n, k) in enumerate(job.shapes):
         gen = torch.Generator().manual_seed(operand_seed(job.seed, i, ctx.rank))
         a = torch.randn(m, k, generator=gen).to(dtype).to(ctx.device)
-        b = torch.randn(k, n, generator=gen).to(dtype).to(ctx.device)
+        if is_fp8(dtype):  # the transposed view of an (N, K) weight: the layout fp8 GEMMs read
+            b = torch.randn(n, k, generator=gen).to(dtype).to(ctx.device).t()
+        else:
+            b = torch.randn(k, n, generator=gen).to(dtype).to(ctx.device)
         for collective in COLLECTIVES:
             if collective in SHARDED_COLLECTIVES and m % ctx.world_size:
                 results.append(None)

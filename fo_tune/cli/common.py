@@ -86,8 +86,8 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 # fo_tune.ranks.scaled.SCALINGS, for the same reason: the fp8 scalings `fo-tune profile` measures,
 # the tuner's (TUNE_SCALING) first.
 SCALING_NAMES = ("rowwise", "tensorwise")
-# fo_tune.bench.demo.TOL's keys: the dtypes `fo-tune demo` checks (it has no fp8 check).
-DEMO_DTYPE_NAMES = ("float32", "float16", "bfloat16")
+# fo_tune.bench.demo.TOL's keys: the dtypes `fo-tune demo` checks (fp8 with rowwise scales).
+DEMO_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 RUNTIME_COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather")
 # The collectives `fo-tune search` and `fo-tune table` take: every one the runtime runs.
 COLLECTIVE_NAMES = RUNTIME_COLLECTIVE_NAMES
@@ -124,7 +124,8 @@ DtypeOpt = Annotated[
     typer.Option(
         "--dtype",
         "-d",
-        help=f"Operand dtype: {', '.join(DEMO_DTYPE_NAMES)}. Default: float32 on the CPU, bfloat16 on GPUs.",
+        help=f"Operand dtype: {', '.join(DEMO_DTYPE_NAMES)} (fp8: rowwise scales, a bfloat16 output; N "
+        "and K multiples of 16). Default: float32 on the CPU, bfloat16 on GPUs.",
     ),
 ]
 BackendOpt = Annotated[

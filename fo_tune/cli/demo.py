@@ -34,7 +34,10 @@ HELP = "\n\n".join(
         "the ranks with a float64 matmul of the same operands and the same collective in "
         "torch.distributed (for all_gather_gemm the gather comes first); a row passes when the relative "
         "error is within the dtype's tolerance (1e-5 float32, 5e-3 float16, 1e-2 bfloat16) and nothing "
-        "is NaN. Both the overlapped op and the sequential baseline (GEMM, then the collective; the "
+        "is NaN. With --dtype float8_e4m3fn the operands come with rowwise scales (scale_a, scale_b, "
+        "as torch._scaled_mm's), the reference is that of the dequantized operands and the bfloat16 "
+        "output passes within 2e-2; the sequential baseline is torch._scaled_mm then the collective. "
+        "Both the overlapped op and the sequential baseline (GEMM, then the collective; the "
         "gather, then the GEMM) are timed.",
         "On GPUs the ranks use NCCL, one GPU each; without --world-size the demo starts 2 ranks, or one "
         "per GPU where there are fewer (world size 1 on a one-GPU machine). Without GPUs, or with "
