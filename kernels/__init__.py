@@ -39,6 +39,7 @@ _EXPORTS = {
     "parallelize_linears": "parallel",
     "NotOverlappedWarning": "errors",
     "ArgumentError": "errors",
+    "NotInitializedError": "errors",
     "all_gather_gemm": "overlap",
     "gemm_all_reduce": "overlap",
     "gemm_reduce_scatter": "overlap",

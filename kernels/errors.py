@@ -35,8 +35,14 @@ class GroupError(FoTuneError, ValueError):
 
 
 class ArgumentError(FoTuneError, ValueError):
-    """An argument a call does not take (an unknown ``reduce_op``), or a call before torch.distributed
-    is initialized."""
+    """An argument a call does not take (an unknown ``reduce_op``)."""
+
+
+class NotInitializedError(GroupError, ArgumentError, ScheduleError):
+    """A collective call (an op, a fused op, a layer or a style) before
+    ``torch.distributed.init_process_group``: every such entry point raises this one type, with one
+    message. It is also an ``ArgumentError`` and a ``ScheduleError`` (and so a ``ValueError``), so an
+    ``except`` clause written for either still catches it."""
 
 
 class PlanError(FoTuneError, ValueError):

@@ -58,7 +58,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
 from fo_kernels.errors import NotOverlappedWarning, PlanError
-from fo_kernels.groups import check_group
+from fo_kernels.groups import check_group, require_initialized
 from fo_kernels.parallel_forward import COLWISE, PLAN_ATTR, ROWWISE, LinearPlan, install_forward
 from fo_kernels.quantize import check_scaling
 from fo_kernels.schedule import TORCH_DTYPES
@@ -268,6 +268,7 @@ def parallelize_linears(
             chosen[name] = kind
     if not chosen:  # (an empty plan: no module to take the mesh's device type from)
         return model
+    require_initialized()
     group = group if group is not None else dist.group.WORLD
     first = model.get_submodule(next(iter(chosen)))
     mesh = DeviceMesh.from_group(group, first.weight.device.type)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from fo_kernels.errors import ArgumentError, GroupError, NotOverlappedWarning, ShapeError
 from fo_kernels.gemm import BOperand
-from fo_kernels.groups import check_group, resolve_group
+from fo_kernels.groups import check_group, require_initialized, resolve_group
 from fo_kernels.ops import call_op
 from fo_kernels.schedule import TORCH_DTYPES
 
@@ -88,8 +88,7 @@ def _world(group_name: str | dist.ProcessGroup) -> tuple[str, int]:
     if torch.compiler.is_compiling():
         name = group_name or dist.group.WORLD.group_name
         return name, dist.distributed_c10d._get_group_size_by_name(name)
-    if not dist.is_available() or not dist.is_initialized():
-        raise ArgumentError("torch.distributed is not initialized; call dist.init_process_group first")
+    require_initialized()
     group = resolve_group(group_name)
     return ("" if group is None else group.group_name), dist.get_world_size(group)
 
