@@ -34,6 +34,7 @@ _EXPORTS = {
     "current_fingerprint": "fingerprint",
     "GroupError": "errors",
     "PlanError": "errors",
+    "AlreadyParallelizedError": "errors",
     "ColumnParallelLinear": "layers",
     "RowParallelLinear": "layers",
     "parallelize_linears": "parallel",

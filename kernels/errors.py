@@ -49,6 +49,12 @@ class PlanError(FoTuneError, ValueError):
     """A tensor-parallel plan (``parallelize_linears``) naming no module, or a module it cannot shard."""
 
 
+class AlreadyParallelizedError(PlanError, RuntimeError):
+    """A tensor-parallel style applied to a module whose parameters a style already distributed
+    (``parallelize_module`` run twice on it). Also a ``RuntimeError``, what torch's styles raise
+    for it, so a drop-in caller's ``except`` still catches it."""
+
+
 class TableError(FoTuneError, ValueError):
     """A schedule table that is malformed, of an unknown schema, or for other hardware."""
 

@@ -57,7 +57,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwisePar
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
-from fo_kernels.errors import NotOverlappedWarning, PlanError
+from fo_kernels.errors import AlreadyParallelizedError, NotOverlappedWarning, PlanError
 from fo_kernels.groups import check_group, require_initialized
 from fo_kernels.parallel_forward import COLWISE, PLAN_ATTR, ROWWISE, LinearPlan, install_forward
 from fo_kernels.quantize import check_scaling
@@ -130,6 +130,16 @@ class _Fp8Option:
         text = super().__repr__()
         return text if self.fp8 is None else f"{text[:-1]}, fp8={self.fp8!r})"
 
+    def _refuse_distributed(self, module: nn.Module) -> None:
+        """Raise ``AlreadyParallelizedError`` where a style (fo-tune's or torch's) already made
+        ``module``'s parameters DTensors: ``distribute_module`` runs once per module."""
+        if getattr(module, "_distribute_module_applied", False) or getattr(module, PLAN_ATTR, None):
+            raise AlreadyParallelizedError(
+                f"{self!r} on {type(module).__name__}: its parameters are already distributed by a "
+                "tensor-parallel style (parallelize_module ran on it before); apply one style to a fresh "
+                "module, or keep the one it has"
+            )
+
     def _torch_or_refuse(self, module: nn.Module, device_mesh: DeviceMesh, reason: str) -> nn.Module:
         """torch's style for a module fo-tune cannot run, with a warning; an fp8 style raises
         ``PlanError`` instead (torch's style has no fp8 GEMM: it would run unquantized)."""
@@ -153,6 +163,7 @@ class ColwiseParallel(_Fp8Option, TorchColwiseParallel):
         return ""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._refuse_distributed(module)
         reason = _blocker(module, device_mesh) or self._layout_blocker()
         if reason:
             return self._torch_or_refuse(module, device_mesh, reason)
@@ -181,6 +192,7 @@ class RowwiseParallel(_Fp8Option, TorchRowwiseParallel):
         return ""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._refuse_distributed(module)
         reason = _blocker(module, device_mesh) or self._layout_blocker()
         if reason:
             return self._torch_or_refuse(module, device_mesh, reason)

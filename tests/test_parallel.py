@@ -88,6 +88,13 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
             msgs
         )
         assert msgs["rs_group"].startswith("GroupError"), msgs
+        for key in ("twice", "twice_after_torch"):  # (a RuntimeError too, as torch's styles raise)
+            assert msgs[key].startswith("AlreadyParallelizedError") and "already distributed" in msgs[key], (
+                msgs
+            )
+        assert "Bs[1] is torch.bfloat16" in msgs["ag_dtype"] and "B is torch.float64" in msgs["rs_dtype"], (
+            msgs
+        )
         assert msgs["ag_group_type"].startswith("GroupError: group_name: expected"), msgs
         assert "names no submodule" in msgs["plan_unknown"] and "diagonal" in msgs["plan_kind"], msgs
         assert "not a DTensor sharded on dim 0" in msgs["install_plain"], msgs
