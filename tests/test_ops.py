@@ -85,6 +85,11 @@ def test_schedule_and_group_arguments(one_rank):
         groups_mod.resolve_group("nope")
     with pytest.raises(GroupError, match="not a member"):
         gemm_all_reduce(torch.randn(2, 3), torch.randn(3, 4), group=dist.GroupMember.NON_GROUP_MEMBER)
+    # an operand that is not a tensor: the op's ShapeError, not the dispatcher's RuntimeError
+    with pytest.raises(ShapeError, match=r"a must be a torch\.Tensor .* got a list"):
+        all_gather_gemm([[1.0, 2.0]], torch.randn(2, 4))
+    with pytest.raises(ShapeError, match=r"b must be a torch\.Tensor .* got a ndarray"):
+        gemm_all_reduce(torch.randn(2, 3), torch.randn(3, 4).numpy())
 
 
 def test_plain_no_grad_calls_skip_the_dispatcher(one_rank, monkeypatch):
