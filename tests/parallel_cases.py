@@ -272,6 +272,16 @@ CASES: dict[str, StyleCase] = {
         y_shard=True,
         warnings=1,
     ),
+    # the features named from the front (Shard(2) of a 3-dim input: seen at run time), gathered by
+    # DTensor as torch's style does
+    "features_in_dim": StyleCase(
+        model=lambda w: nn.Sequential(nn.Linear(4 * w, 5 * w)),
+        plan=lambda s: {"0": s[0](input_layouts=Shard(2))},
+        x_shape=lambda w: (2, 3, 4),
+        x_shard=True,
+        y_shard=True,
+        warnings=1,
+    ),
     # features that do not divide by the world size, the output a DTensor
     "uneven_features": StyleCase(
         model=lambda w: nn.Sequential(nn.Linear(6, 2 * w + 1)),
