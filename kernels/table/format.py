@@ -19,7 +19,7 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import COLLECTIVES, DTYPES, Problem, Schedule
 from fo_kernels.table.index import ProblemKey, RowIndex, problem_key
 from fo_kernels.table.paths import TABLE_DIR_ENV, check_name
-from fo_kernels.table.text import dump_table_text, parse_table_text
+from fo_kernels.table.text import dump_table_text, parse_table_text, unreadable
 
 TABLE_SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = (1, 2)
@@ -275,7 +275,7 @@ def read_table_data(path: str | os.PathLike[str]) -> Any:
     try:
         return parse_table_text(read_table_text(path))
     except yaml.YAMLError as exc:
-        raise TableError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+        raise TableError(unreadable(str(path), exc)) from None
 
 
 def load_table(path: str | os.PathLike[str]) -> ScheduleTable:
