@@ -269,6 +269,7 @@ def parallelize_linears(
             raise PlanError(f"plan: {kind!r} is not one of {', '.join(KINDS)}")
     check_group(group)
     chosen: dict[str, str] = {}
+    matched_by: dict[str, str] = {}  # each chosen module's first pattern
     for pattern, kind in plan.items():
         names = [name for name, _ in model.named_modules() if name and fnmatch.fnmatchcase(name, pattern)]
         if not names:
@@ -277,7 +278,14 @@ def parallelize_linears(
             if not isinstance(model.get_submodule(name), nn.Linear):
                 found = type(model.get_submodule(name)).__name__
                 raise PlanError(f"plan: {name} is a {found}, not an nn.Linear")
+            if chosen.get(name, kind) != kind:
+                first = matched_by[name]
+                raise PlanError(
+                    f"plan: {name} is matched by {first!r} ({chosen[name]}) and by {pattern!r} ({kind}); "
+                    "give each module one kind (narrow a pattern)"
+                )
             chosen[name] = kind
+            matched_by.setdefault(name, pattern)
     if not chosen:  # (an empty plan: no module to take the mesh's device type from)
         return model
     require_initialized()

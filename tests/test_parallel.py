@@ -109,3 +109,17 @@ def test_fused_ops_are_importable_beside_the_styles():
     for name in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"):
         assert getattr(parallel, name) is getattr(symm_mem, name), name
         assert name in parallel.__all__, name
+
+
+def test_parallelize_linears_refuses_a_module_two_patterns_give_other_kinds():
+    """A module matched by a "column" and a "row" pattern is a PlanError naming both patterns,
+    raised before any module is sharded (no process group needed to see it)."""
+    from torch import nn
+
+    from fo_kernels import PlanError
+    from fo_kernels.parallel import parallelize_linears
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    with pytest.raises(PlanError, match=r"1 is matched by '\*' \(column\) and by '1' \(row\)"):
+        parallelize_linears(model, {"*": "column", "1": "row"})
+    assert not any(hasattr(m, "_distribute_module_applied") for m in model.modules())
