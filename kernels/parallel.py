@@ -255,7 +255,8 @@ def parallelize_linears(
     ``sequence_parallel=True`` a column layer takes and a row layer returns dim-0 shards
     (``Shard(0)``), else the full activation (``Replicate()``). The parameters become DTensors on a
     one-dim mesh of ``group`` (rank 0's weights are the ones scattered). A pattern that matches no
-    ``nn.Linear``, or a name that is not one, raises ``PlanError`` before any module is sharded.
+    ``nn.Linear``, a name that is not one, or a module that two patterns give other kinds raises
+    ``PlanError`` before any module is sharded.
     ``fp8``: every chosen module in fp8 for inference (the styles' ``fp8`` option). An empty
     ``plan`` shards nothing and returns ``model`` as it is, as ``parallelize_module`` does.
     """
