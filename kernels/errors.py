@@ -40,12 +40,24 @@ class GroupError(FoTuneError, ValueError):
 
 
 class ArgumentError(FoTuneError, ValueError):
-    """An argument a call does not take (an unknown ``reduce_op``), or a call before torch.distributed
-    is initialized."""
+    """An argument a call does not take (an unknown ``reduce_op``)."""
+
+
+class NotInitializedError(GroupError, ArgumentError, ScheduleError):
+    """A collective call (an op, a fused op, a layer or a style) before
+    ``torch.distributed.init_process_group``: every such entry point raises this one type, with one
+    message. It is also an ``ArgumentError`` and a ``ScheduleError`` (and so a ``ValueError``), so an
+    ``except`` clause written for either still catches it."""
 
 
 class PlanError(FoTuneError, ValueError):
     """A tensor-parallel plan (``parallelize_linears``) naming no module, or a module it cannot shard."""
+
+
+class AlreadyParallelizedError(PlanError, RuntimeError):
+    """A tensor-parallel style applied to a module whose parameters a style already distributed
+    (``parallelize_module`` run twice on it). Also a ``RuntimeError``, what torch's styles raise
+    for it, so a drop-in caller's ``except`` still catches it."""
 
 
 class TableError(FoTuneError, ValueError):

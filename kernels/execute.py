@@ -17,7 +17,7 @@ from fo_kernels.engines import EngineResult, check_collective, get_engine
 from fo_kernels.errors import ScheduleError, ShapeError
 from fo_kernels.fallback import one_rank
 from fo_kernels.gemm import BOperand
-from fo_kernels.groups import check_group
+from fo_kernels.groups import check_group, require_initialized
 from fo_kernels.runtime import runtime_for
 from fo_kernels.scaling import Scales, check_scales
 from fo_kernels.schedule import TORCH_DTYPES, Schedule, dtype_name
@@ -113,8 +113,7 @@ def execute(
     runtime's own CUDA graphs and output pools out of it: its outputs come from the caller's
     allocator, which a caller's CUDA graphs (torch.compile's ``reduce-overhead``) require."""
     operand, scales = _check_operands(collective, a, b, scale_a, scale_b, out_dtype)
-    if not dist.is_available() or not dist.is_initialized():
-        raise ScheduleError("torch.distributed is not initialized; call dist.init_process_group first")
+    require_initialized()
     check_group(group)
     runtime = runtime_for(a.device, group)
     world = runtime.world_size

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fo_kernels.errors import GroupError, ScheduleError
+from fo_kernels.errors import GroupError, NotInitializedError
 
 
 def group_name(group: dist.ProcessGroup | None) -> str:
@@ -54,10 +54,23 @@ def resolve_group(name: str) -> dist.ProcessGroup | None:
         ) from None
 
 
+# What every collective entry point says when torch.distributed is not initialized.
+NOT_INITIALIZED = (
+    "torch.distributed is not initialized: call torch.distributed.init_process_group(...) before this "
+    "call, then leave group as None (the default process group) or pass a group made from it"
+)
+
+
+def require_initialized() -> None:
+    """Raise ``NotInitializedError`` unless torch.distributed has a default process group (every
+    group a call can pass is made after it), before any collective or world-size query."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise NotInitializedError(NOT_INITIALIZED)
+
+
 def group_size(name: str) -> int:
     """The world size of an op's ``group_name``."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise ScheduleError("torch.distributed is not initialized; call dist.init_process_group first")
+    require_initialized()
     return dist.get_world_size(resolve_group(name))
 
 

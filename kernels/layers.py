@@ -55,7 +55,7 @@ from torch import nn
 from fo_kernels.errors import ScaleError, ScheduleError, ShapeError
 from fo_kernels.fields import check_int
 from fo_kernels.fp8_state import prepare_weight_state
-from fo_kernels.groups import SharesGroupWhenCopied, check_group
+from fo_kernels.groups import SharesGroupWhenCopied, check_group, require_initialized
 from fo_kernels.ops import call_op, fp8_input_meta, fp8_refused_grads
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.quantize import (
@@ -404,6 +404,7 @@ def _check_layer_args(in_features: object, out_features: object, schedule: objec
 
 def _shard_of(features: int, group: dist.ProcessGroup | None, what: str) -> tuple[int, int]:
     """(rank, features per rank) of a split of ``features`` over ``group``."""
+    require_initialized()
     check_group(group)
     world = dist.get_world_size(group)
     if features % world:

@@ -57,8 +57,8 @@ from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwisePar
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
-from fo_kernels.errors import NotOverlappedWarning, PlanError
-from fo_kernels.groups import check_group
+from fo_kernels.errors import AlreadyParallelizedError, NotOverlappedWarning, PlanError
+from fo_kernels.groups import check_group, require_initialized
 from fo_kernels.parallel_forward import COLWISE, PLAN_ATTR, ROWWISE, LinearPlan, install_forward
 from fo_kernels.quantize import check_scaling
 from fo_kernels.schedule import TORCH_DTYPES
@@ -130,6 +130,16 @@ class _Fp8Option:
         text = super().__repr__()
         return text if self.fp8 is None else f"{text[:-1]}, fp8={self.fp8!r})"
 
+    def _refuse_distributed(self, module: nn.Module) -> None:
+        """Raise ``AlreadyParallelizedError`` where a style (fo-tune's or torch's) already made
+        ``module``'s parameters DTensors: ``distribute_module`` runs once per module."""
+        if getattr(module, "_distribute_module_applied", False) or getattr(module, PLAN_ATTR, None):
+            raise AlreadyParallelizedError(
+                f"{self!r} on {type(module).__name__}: its parameters are already distributed by a "
+                "tensor-parallel style (parallelize_module ran on it before); apply one style to a fresh "
+                "module, or keep the one it has"
+            )
+
     def _torch_or_refuse(self, module: nn.Module, device_mesh: DeviceMesh, reason: str) -> nn.Module:
         """torch's style for a module fo-tune cannot run, with a warning; an fp8 style raises
         ``PlanError`` instead (torch's style has no fp8 GEMM: it would run unquantized)."""
@@ -153,6 +163,7 @@ class ColwiseParallel(_Fp8Option, TorchColwiseParallel):
         return ""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._refuse_distributed(module)
         reason = _blocker(module, device_mesh) or self._layout_blocker()
         if reason:
             return self._torch_or_refuse(module, device_mesh, reason)
@@ -181,6 +192,7 @@ class RowwiseParallel(_Fp8Option, TorchRowwiseParallel):
         return ""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._refuse_distributed(module)
         reason = _blocker(module, device_mesh) or self._layout_blocker()
         if reason:
             return self._torch_or_refuse(module, device_mesh, reason)
@@ -243,7 +255,8 @@ def parallelize_linears(
     ``sequence_parallel=True`` a column layer takes and a row layer returns dim-0 shards
     (``Shard(0)``), else the full activation (``Replicate()``). The parameters become DTensors on a
     one-dim mesh of ``group`` (rank 0's weights are the ones scattered). A pattern that matches no
-    ``nn.Linear``, or a name that is not one, raises ``PlanError`` before any module is sharded.
+    ``nn.Linear``, a name that is not one, or a module that two patterns give other kinds raises
+    ``PlanError`` before any module is sharded.
     ``fp8``: every chosen module in fp8 for inference (the styles' ``fp8`` option). An empty
     ``plan`` shards nothing and returns ``model`` as it is, as ``parallelize_module`` does.
     """
@@ -257,6 +270,7 @@ def parallelize_linears(
             raise PlanError(f"plan: {kind!r} is not one of {', '.join(KINDS)}")
     check_group(group)
     chosen: dict[str, str] = {}
+    matched_by: dict[str, str] = {}  # each chosen module's first pattern
     for pattern, kind in plan.items():
         names = [name for name, _ in model.named_modules() if name and fnmatch.fnmatchcase(name, pattern)]
         if not names:
@@ -265,9 +279,17 @@ def parallelize_linears(
             if not isinstance(model.get_submodule(name), nn.Linear):
                 found = type(model.get_submodule(name)).__name__
                 raise PlanError(f"plan: {name} is a {found}, not an nn.Linear")
+            if chosen.get(name, kind) != kind:
+                first = matched_by[name]
+                raise PlanError(
+                    f"plan: {name} is matched by {first!r} ({chosen[name]}) and by {pattern!r} ({kind}); "
+                    "give each module one kind (narrow a pattern)"
+                )
             chosen[name] = kind
+            matched_by.setdefault(name, pattern)
     if not chosen:  # (an empty plan: no module to take the mesh's device type from)
         return model
+    require_initialized()
     group = group if group is not None else dist.group.WORLD
     first = model.get_submodule(next(iter(chosen)))
     mesh = DeviceMesh.from_group(group, first.weight.device.type)

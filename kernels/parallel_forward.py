@@ -326,10 +326,12 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     bias = module.bias.to_local() if module.bias is not None else None
     x, layout, is_dtensor = _local_input(x, plan)
     x, weight, bias = _autocast_operands(x, weight, bias)
+    d = _leading_dim(layout, x.dim())
+    if isinstance(layout, Shard) and d is None:  # (Shard(2) of a 3-dim input: its features)
+        return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, its features")
     _check_features(module, x, weight, plan)
     if not _op_dtype_ok(x, weight, plan) or x.numel() == 0:
         return torch_forward(module, x, plan, lambda: _input_why(x, weight))
-    d = _leading_dim(layout, x.dim())
     if isinstance(layout, Replicate):
         if plan.fp8 is not None:  # (inference only: no gradient for DTensor to reduce)
             y = _local_fp8(module, plan, x.to_local() if is_dtensor else x, weight)

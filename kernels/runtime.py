@@ -32,6 +32,7 @@ from fo_kernels.engines.copy_engine import CopyEnginePeers
 from fo_kernels.errors import ScheduleError
 from fo_kernels.fallback import Fallback
 from fo_kernels.fingerprint import device_sm_count, resolve_device
+from fo_kernels.groups import require_initialized
 from fo_kernels.plan import Plan
 from fo_kernels.wait import Waiter, make_waiter
 
@@ -76,6 +77,7 @@ class OverlapRuntime:
         """The group's size (asked once: ``dist.get_world_size`` costs ~17 us of host time a call,
         ``docs/design.md#host-time``)."""
         if not self._world_size:
+            require_initialized()
             self._world_size = dist.get_world_size(self.group)
         return self._world_size
 

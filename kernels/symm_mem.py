@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from fo_kernels.errors import ArgumentError, GroupError, NotOverlappedWarning, ShapeError
 from fo_kernels.gemm import BOperand
-from fo_kernels.groups import check_group, resolve_group
+from fo_kernels.groups import check_group, require_initialized, resolve_group
 from fo_kernels.ops import call_op
 from fo_kernels.schedule import TORCH_DTYPES
 
@@ -55,6 +55,17 @@ def _check_b(a: torch.Tensor, b: torch.Tensor, what: str, k: int) -> None:
         raise ShapeError(f"{what} must be a (K, N) matrix, got {_described(b)}")
     if b.shape[0] != k:
         raise ShapeError(f"K mismatch: A is {tuple(a.shape)} ({k} features) and {what} is {tuple(b.shape)}")
+
+
+def _check_alike(a: torch.Tensor, bs: list[torch.Tensor], names: list[str]) -> None:
+    """Raise ``ShapeError`` unless every B has A's dtype and device: ``torch.matmul`` refuses mixed
+    ones, which the reference path would reach only after its collective."""
+    for b, what in zip(bs, names, strict=True):
+        if b.dtype != a.dtype or b.device != a.device:
+            raise ShapeError(
+                f"A is {a.dtype} on {a.device} and {what} is {b.dtype} on {b.device}: give the operands "
+                "one dtype and one device (torch.matmul takes no mix)"
+            )
 
 
 def _check_a(a: torch.Tensor) -> None:
@@ -88,8 +99,7 @@ def _world(group_name: str | dist.ProcessGroup) -> tuple[str, int]:
     if torch.compiler.is_compiling():
         name = group_name or dist.group.WORLD.group_name
         return name, dist.distributed_c10d._get_group_size_by_name(name)
-    if not dist.is_available() or not dist.is_initialized():
-        raise ArgumentError("torch.distributed is not initialized; call dist.init_process_group first")
+    require_initialized()
     group = resolve_group(group_name)
     return ("" if group is None else group.group_name), dist.get_world_size(group)
 
@@ -101,7 +111,7 @@ def _reference_why(a: torch.Tensor, bs: list[torch.Tensor], d: int) -> Callable[
     reference gives the empty or zero result)."""
     if d == a.dim() - 1:
         return lambda: "a gather or scatter of the features"
-    if a.dtype not in TORCH_DTYPES.values() or any(b.dtype != a.dtype or b.device != a.device for b in bs):
+    if a.dtype not in TORCH_DTYPES.values():
         return lambda: f"A {a.dtype}, B {', '.join(str(b.dtype) for b in bs)} (the ops take one of {_DTYPES})"
     if a.numel() == 0 or any(b.numel() == 0 for b in bs):
         return lambda: f"an empty operand: A {tuple(a.shape)}, B {', '.join(str(tuple(b.shape)) for b in bs)}"
@@ -138,6 +148,7 @@ def fused_all_gather_matmul(
     k = A_shard.shape[-1] * (world if d == A_shard.dim() - 1 else 1)
     for i, b in enumerate(Bs):
         _check_b(A_shard, b, f"Bs[{i}]", k)
+    _check_alike(A_shard, Bs, [f"Bs[{i}]" for i in range(len(Bs))])
     why = _reference_why(A_shard, Bs, d)
     if why is not None:
         _not_overlapped(why)
@@ -168,6 +179,7 @@ def fused_matmul_reduce_scatter(
     ReduceScatter (``gemm_reduce_scatter``). See the module docstring."""
     _check_a(A)
     _check_b(A, B, "B", A.shape[-1])
+    _check_alike(A, [B], ["B"])
     if reduce_op not in REDUCE_OPS:
         raise ArgumentError(f"reduce_op {reduce_op!r} is not one of {', '.join(REDUCE_OPS)}")
     d = _dim(scatter_dim, A.dim(), "scatter_dim")

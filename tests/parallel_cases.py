@@ -272,6 +272,16 @@ CASES: dict[str, StyleCase] = {
         y_shard=True,
         warnings=1,
     ),
+    # the features named from the front (Shard(2) of a 3-dim input: seen at run time), gathered by
+    # DTensor as torch's style does
+    "features_in_dim": StyleCase(
+        model=lambda w: nn.Sequential(nn.Linear(4 * w, 5 * w)),
+        plan=lambda s: {"0": s[0](input_layouts=Shard(2))},
+        x_shape=lambda w: (2, 3, 4),
+        x_shard=True,
+        y_shard=True,
+        warnings=1,
+    ),
     # features that do not divide by the world size, the output a DTensor
     "uneven_features": StyleCase(
         model=lambda w: nn.Sequential(nn.Linear(6, 2 * w + 1)),
@@ -653,6 +663,14 @@ def bad_inputs(ctx, _payload) -> dict[str, str]:
         ),
         "rs_dim": lambda: symm_mem.fused_matmul_reduce_scatter(a, b, "sum", -3, name),
         "rs_group": lambda: symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, "no-such-group"),
+        "twice": lambda: torch_tp.parallelize_module(col, mesh, fo_tp.ColwiseParallel()),
+        "twice_after_torch": lambda: torch_tp.parallelize_module(
+            torch_tp.parallelize_module(nn.Linear(2 * world, 8), mesh, torch_tp.RowwiseParallel()),
+            mesh,
+            fo_tp.RowwiseParallel(),
+        ),
+        "ag_dtype": lambda: symm_mem.fused_all_gather_matmul(a, [b, b.bfloat16()], 0, name),
+        "rs_dtype": lambda: symm_mem.fused_matmul_reduce_scatter(a, b.double(), "sum", 0, name),
         "ag_group_type": lambda: symm_mem.fused_all_gather_matmul(a, [b], 0, 0),
         "plan_unknown": lambda: fo_tp.parallelize_linears(MLP(4, 8), {"nope": "column"}),
         "install_plain": lambda: fo_tp.install(nn.Linear(4, 4), mesh, fo_tp.ColwiseParallel()),

@@ -85,6 +85,11 @@ def test_schedule_and_group_arguments(one_rank):
         groups_mod.resolve_group("nope")
     with pytest.raises(GroupError, match="not a member"):
         gemm_all_reduce(torch.randn(2, 3), torch.randn(3, 4), group=dist.GroupMember.NON_GROUP_MEMBER)
+    # an operand that is not a tensor: the op's ShapeError, not the dispatcher's RuntimeError
+    with pytest.raises(ShapeError, match=r"a must be a torch\.Tensor .* got a list"):
+        all_gather_gemm([[1.0, 2.0]], torch.randn(2, 4))
+    with pytest.raises(ShapeError, match=r"b must be a torch\.Tensor .* got a ndarray"):
+        gemm_all_reduce(torch.randn(2, 3), torch.randn(3, 4).numpy())
 
 
 def test_plain_no_grad_calls_skip_the_dispatcher(one_rank, monkeypatch):
@@ -262,3 +267,43 @@ def test_ops_on_gloo_ranks(world, tmp_path):
         assert msgs["group_destroyed"].startswith("GroupError: group: the process group was destroyed"), msgs
         if rank == 2:
             assert "not a member" in msgs["group_not_member"], msgs
+
+
+def test_every_collective_entry_point_before_init_process_group_raises_one_error():
+    """The dense ops, torch's fused-op signatures, the layers, parallelize_linears and the MoE
+    call all refuse a call before ``init_process_group`` with one type and one message, a
+    ``ValueError`` that is also the ``ArgumentError`` / ``ScheduleError`` they raised apart."""
+    from torch import nn
+
+    from fo_kernels import ArgumentError, NotInitializedError, expert_parallel_ffn, symm_mem
+    from fo_kernels import parallel as fo_tp
+
+    assert not dist.is_initialized()
+    a, b = torch.randn(4, 8), torch.randn(8, 4)
+    calls = {
+        "gemm_all_reduce": lambda: gemm_all_reduce(a, b),
+        "all_gather_gemm": lambda: all_gather_gemm(a, b),
+        "gemm_reduce_scatter": lambda: fo_kernels.gemm_reduce_scatter(a, b),
+        "fused_all_gather_matmul": lambda: symm_mem.fused_all_gather_matmul(a, [b], 0, ""),
+        "fused_matmul_reduce_scatter": lambda: symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, ""),
+        "ColumnParallelLinear": lambda: fo_kernels.ColumnParallelLinear(8, 4),
+        "RowParallelLinear": lambda: fo_kernels.RowParallelLinear(8, 4),
+        "parallelize_linears": lambda: fo_tp.parallelize_linears(
+            nn.Sequential(nn.Linear(8, 4)), {"0": "row"}
+        ),
+        "expert_parallel_ffn": lambda: expert_parallel_ffn(
+            torch.randn(2, 8),
+            torch.zeros(2, 1, dtype=torch.int64),
+            torch.ones(2, 1),
+            torch.randn(1, 8, 4),
+            torch.randn(1, 2, 8),
+        ),
+    }
+    messages = set()
+    for name, call in calls.items():
+        with pytest.raises(NotInitializedError) as info:
+            call()
+        messages.add(str(info.value))
+        assert all(isinstance(info.value, t) for t in (ArgumentError, ScheduleError, GroupError)), name
+    (message,) = messages
+    assert "torch.distributed.init_process_group" in message and "group" in message

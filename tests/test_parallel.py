@@ -88,6 +88,13 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
             msgs
         )
         assert msgs["rs_group"].startswith("GroupError"), msgs
+        for key in ("twice", "twice_after_torch"):  # (a RuntimeError too, as torch's styles raise)
+            assert msgs[key].startswith("AlreadyParallelizedError") and "already distributed" in msgs[key], (
+                msgs
+            )
+        assert "Bs[1] is torch.bfloat16" in msgs["ag_dtype"] and "B is torch.float64" in msgs["rs_dtype"], (
+            msgs
+        )
         assert msgs["ag_group_type"].startswith("GroupError: group_name: expected"), msgs
         assert "names no submodule" in msgs["plan_unknown"] and "diagonal" in msgs["plan_kind"], msgs
         assert "not a DTensor sharded on dim 0" in msgs["install_plain"], msgs
@@ -102,3 +109,17 @@ def test_fused_ops_are_importable_beside_the_styles():
     for name in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"):
         assert getattr(parallel, name) is getattr(symm_mem, name), name
         assert name in parallel.__all__, name
+
+
+def test_parallelize_linears_refuses_a_module_two_patterns_give_other_kinds():
+    """A module matched by a "column" and a "row" pattern is a PlanError naming both patterns,
+    raised before any module is sharded (no process group needed to see it)."""
+    from torch import nn
+
+    from fo_kernels import PlanError
+    from fo_kernels.parallel import parallelize_linears
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    with pytest.raises(PlanError, match=r"1 is matched by '\*' \(column\) and by '1' \(row\)"):
+        parallelize_linears(model, {"*": "column", "1": "row"})
+    assert not any(hasattr(m, "_distribute_module_applied") for m in model.modules())

@@ -162,9 +162,10 @@ def show_rich(path: Path, table: ScheduleTable) -> None:
 
 
 def table_yaml(table: ScheduleTable) -> str:
-    import yaml
+    """``table`` as YAML, as its file holds it (the header, then one row a line)."""
+    from fo_kernels.table.format import table_text
 
-    return yaml.safe_dump(table.to_dict(), sort_keys=False, default_flow_style=None, width=110)
+    return table_text(table)
 
 
 CSV_COLUMNS = (

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.errors import ScheduleError, ShapeError, TableError
-from fo_kernels.groups import check_group
+from fo_kernels.groups import check_group, require_initialized
 from fo_kernels.moe import fallback
 from fo_kernels.moe.exchange import exchange_counts, schedule_code
 from fo_kernels.moe.routing import MOE_DTYPES, FfnShape, check_call, route
@@ -62,9 +62,8 @@ def execute_ffn(
 ):
     """The forward ``y`` (``dy`` None), or the backward's ``(dx, d topk_weights, dw13, dw2)`` for
     the output gradient ``dy``; see ``fo_kernels.moe.ffn.expert_parallel_ffn``."""
+    require_initialized()
     check_group(group)
-    if not dist.is_available() or not dist.is_initialized():
-        raise ScheduleError("torch.distributed is not initialized; call dist.init_process_group first")
     world = dist.get_world_size(group)
     shape = check_call(x, topk_ids, topk_weights, w13, w2, world)
     if dy is not None and (not isinstance(dy, torch.Tensor) or dy.shape != x.shape):

@@ -32,7 +32,7 @@ from torch import nn
 
 from fo_kernels.errors import PlanError, ScheduleError, ShapeError
 from fo_kernels.fields import check_int
-from fo_kernels.groups import SharesGroupWhenCopied, check_group
+from fo_kernels.groups import SharesGroupWhenCopied, check_group, require_initialized
 from fo_kernels.moe.ffn import expert_parallel_ffn
 from fo_kernels.moe.routing import FFN_DTYPES, check_call
 from fo_kernels.moe.schedule import MoeSchedule
@@ -198,6 +198,7 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
         schedule: MoeSchedule | None = None,
     ) -> None:
         super().__init__()
+        require_initialized()
         check_group(group)
         _check_experts(w13, w2, num_experts, schedule, dist.get_world_size(group))
         self.w13 = nn.Parameter(w13.contiguous())
@@ -215,6 +216,7 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
         """This rank's share of a Hugging Face experts block (either layout of the module
         docstring), its weights trained where the block's are (frozen experts stay frozen); the
         block itself is left as it is."""
+        require_initialized()
         check_group(group)
         if isinstance(experts, nn.ModuleList):
             w13, w2, trains = _per_expert(experts)

@@ -29,7 +29,7 @@ from fo_kernels.table.format import (
     row_problem_key,
 )
 from fo_kernels.table.index import ProblemKey, RowIndex
-from fo_kernels.table.text import decode_row_line, line_problem, load_document, split_table_text
+from fo_kernels.table.text import decode_row_line, line_problem, load_document, split_table_text, unreadable
 
 
 class LoadedTable:
@@ -45,7 +45,7 @@ class LoadedTable:
             split = split_table_text(text)
             data = split[0] if split is not None else load_document(text)
         except yaml.YAMLError as exc:
-            raise TableError(f"{source}: not valid YAML: {' '.join(str(exc).split())}") from None
+            raise TableError(unreadable(source, exc)) from None
         if split is not None:  # the rows stay text until a lookup takes one
             data = {**data, "rows": split[1]}
         self.header: TableHeader
@@ -72,9 +72,7 @@ class LoadedTable:
         try:
             return decode_row_line(self._raw[i])
         except yaml.YAMLError as exc:
-            raise TableError(
-                f"{self.source}: rows[{i}]: not valid YAML: {' '.join(str(exc).split())}"
-            ) from None
+            raise TableError(unreadable(f"{self.source}: rows[{i}]", exc)) from None
 
     @property
     def fingerprint(self) -> Fingerprint:

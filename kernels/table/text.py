@@ -28,6 +28,16 @@ import yaml
 from fo_kernels.files import SAFE_LOADER
 from fo_kernels.table.index import EXACT, RANGE, ProblemKey
 
+# What a table file that does not parse (cut short by a full disk or an interrupted copy, or edited
+# by hand) says to do, after what the parser found.
+UNREADABLE_HINT = "restore the file from its copy, or move it away and re-tune its rows with `fo-tune search`"
+
+
+def unreadable(source: str, exc: Exception) -> str:
+    """The one-line message of a table file at ``source`` that the parser refused with ``exc``."""
+    return f"{source}: not valid YAML: {' '.join(str(exc).split())}; {UNREADABLE_HINT}"
+
+
 # The line that starts the rows, and how every row line starts.
 ROWS_LINE = "rows:"
 ROW_PREFIX = "- "
