@@ -102,6 +102,10 @@ def test_a_searched_moe_table_validates_and_shows(runner: CliRunner, tmp_path: P
             assert f"{r.provenance['predicted_ms']:.4g}" in line
         assert "basis (2 row(s)): all_to_all from the reduce_scatter curve" in out
         assert "calibration (2 row(s))" in out
+    result = runner.invoke(app, ["table", "show", str(path), "--limit", "1"])  # the terminal view's cap
+    assert result.exit_code == 0, result.output
+    assert "0..1024" in result.stdout and "1025..4096" not in result.stdout
+    assert "1 of 2 rows not shown (showing the first 1)" in result.stdout
     result = runner.invoke(app, ["table", "show", str(path), "-f", "csv"])
     assert result.exit_code == 0, result.output
     rows = list(csv.DictReader(io.StringIO(result.stdout)))

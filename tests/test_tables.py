@@ -15,6 +15,7 @@ import yaml
 from filelock import FileLock
 from typer.testing import CliRunner
 
+from big_table import write_big_table
 from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.engines.triton.settings import TritonSettings
@@ -24,6 +25,7 @@ from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_table, table_path
 from fo_kernels.table import paths as table_paths
 from fo_kernels.tile import Tile
+from fo_tune.cli.table_rows import SHOW_ROWS
 from fo_tune.engines.triton.defaults import default_schedule
 from fo_tune.tables.diff import RowDiff, diff_tables, header_differences
 from fo_tune.tables.find import find_tables, known_device_keys
@@ -458,6 +460,54 @@ def test_show_yaml_and_csv(runner: CliRunner, tmp_path: Path) -> None:
     assert rows[1]["block_n"] == "256" and rows[1]["measured_ms"] == "1.25" and rows[1]["file"] == str(path)
     assert rows[0]["overlap"] == "False" and rows[0]["block_m"] == ""
     assert len(rows[1]["groups"].split()) >= 1
+
+
+def _shown_rows(out: str, table: ScheduleTable) -> list[str]:
+    """The problems of ``table``'s rows that the terminal view ``out`` prints, in its order."""
+    problems = {row.problem.describe() for row in table.rows}
+    return [line.split(" ", 1)[0] for line in out.splitlines() if line.split(" ", 1)[0] in problems]
+
+
+def test_show_prints_a_capped_number_of_rows_and_says_how_to_see_the_rest(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """A fleet-scale table in the terminal view: its first SHOW_ROWS rows (rich lays out about 2 ms
+    a row, so 80,000 rows held the terminal for minutes) and one line on the rows left out."""
+    path = write_big_table(tmp_path / "big.yaml", cpu_fp(), SHOW_ROWS + 1)
+    table = load_table(path)
+    described = [row.problem.describe() for row in table.rows]
+    result = runner.invoke(app, ["table", "show", str(path)])
+    assert result.exit_code == 0, result.output
+    assert _shown_rows(result.stdout, table) == described[:SHOW_ROWS]
+    assert f"1 of {SHOW_ROWS + 1} rows not shown" in result.stdout
+    assert f"{SHOW_ROWS + 1} row(s)" in result.stdout  # the header counts every row
+    for how in ("--limit N", "--all", "--format csv", "--json"):
+        assert how in result.stdout, how
+    result = runner.invoke(app, ["table", "show", str(path), "--limit", "2"])
+    assert result.exit_code == 0, result.output
+    assert _shown_rows(result.stdout, table) == described[:2]
+    assert f"{SHOW_ROWS - 1} of {SHOW_ROWS + 1} rows not shown (showing the first 2)" in result.stdout
+    result = runner.invoke(app, ["table", "show", str(path), "--all"])
+    assert result.exit_code == 0, result.output
+    assert _shown_rows(result.stdout, table) == described and "not shown" not in result.stdout
+    help_text = runner.invoke(app, ["table", "show", "--help"]).stdout
+    assert "--limit" in help_text and f"first {SHOW_ROWS} rows" in help_text
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--limit", "3", "--all"], "--limit N and --all"),
+        (["--limit", "3", "--json"], "--json prints every row"),
+        (["--all", "-f", "csv"], "--format csv prints every row"),
+        (["--limit", "0"], "--limit"),
+    ],
+)
+def test_show_row_cap_options_are_for_the_terminal_view(
+    runner: CliRunner, tmp_path: Path, args: list[str], needle: str
+) -> None:
+    path = gpu_table_file(tmp_path)
+    assert needle in assert_one_line_error(runner.invoke(app, ["table", "show", str(path), *args]))
 
 
 def test_validate_ok(runner: CliRunner, tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from fo_tune.cli.table_options import (
 )
 from fo_tune.cli.table_pull import PULL_HELP, pull
 from fo_tune.cli.table_rows import (
+    SHOW_ROWS,
     copy_engine_label,
     csv_rows,
     print_plain,
@@ -111,8 +112,12 @@ SHOW_HELP = "\n\n".join(
         "predicted, engine and its settings (triton: tile, SMs left free, NCCL CTA cap, wait mode; "
         "copy_engine: chunks) and provenance (predicted_ms, fallback_ms: the no-overlap path's, ...); "
         "the calibration and basis of its predictions follow the table, once each.",
+        f"The terminal view prints the first {SHOW_ROWS} rows of each table (a fleet-scale table "
+        "would hold the terminal for minutes) and a line saying how many it leaves out: --limit N "
+        "prints N, --all every row.",
         "--format yaml prints the table(s) as YAML, --format csv one CSV line per row (with a file "
-        "column), --json one JSON document (per table its file, header, bases and rows), for scripts.",
+        "column), --json one JSON document (per table its file, header, bases and rows), for "
+        "scripts: each with every row.",
         "Exit code 0 when shown, 2 when no table is found or a file is malformed.",
     ]
 )
@@ -170,7 +175,29 @@ PathArg = Annotated[
         show_default=False,
     ),
 ]
-FormatOpt = Annotated[str, typer.Option("--format", "-f", help=f"Output format: {', '.join(FORMATS)}.")]
+FormatOpt = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        "-f",
+        help=f"Output format: {', '.join(FORMATS)} (table: the terminal view, the first {SHOW_ROWS} "
+        "rows of each table unless --limit or --all).",
+    ),
+]
+LimitOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--limit",
+        "-n",
+        min=1,
+        metavar="N",
+        help=f"The terminal view prints the first N rows of each table. Default: {SHOW_ROWS}.",
+        show_default=False,
+    ),
+]
+AllShownOpt = Annotated[
+    bool, typer.Option("--all", help="The terminal view prints every row (slow beyond a few thousand).")
+]
 PathsArg = Annotated[
     list[Path],
     typer.Argument(metavar="PATH", help="Table files to check.", show_default=False),
@@ -220,10 +247,18 @@ def show(
     dtype: TableDtypeOpt = None,
     format_: FormatOpt = "table",
     json_out: ShowJsonOpt = False,
+    limit: LimitOpt = None,
+    all_rows: AllShownOpt = False,
 ) -> None:
     check_choice("--format", format_, FORMATS)
     if json_out and format_ != FORMATS[0]:
         raise typer.BadParameter(f"--json and --format {format_}: give one of them")
+    cap = ["--limit"] * (limit is not None) + ["--all"] * all_rows
+    if len(cap) == 2:
+        raise typer.BadParameter("--limit N and --all: give one of them")
+    if cap and (json_out or format_ != FORMATS[0]):
+        given = "--json" if json_out else f"--format {format_}"
+        raise typer.BadParameter(f"{cap[0]} is for the terminal view; {given} prints every row")
     header = {"--device-key": device_key, "--collective": collective, "--world-size": world_size}
     header["--dtype"] = dtype
     given = [name for name, value in header.items() if value is not None]
@@ -257,10 +292,11 @@ def show(
             continue
         if i:
             console.print()
+        rows = None if all_rows else limit or SHOW_ROWS
         if is_moe:
-            show_moe_rich(p, table)
+            show_moe_rich(p, table, rows)
         else:
-            show_rich(p, table)
+            show_rich(p, table, rows)
 
 
 # ------------------------------------------------------------------------------ validate

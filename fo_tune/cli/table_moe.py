@@ -16,7 +16,9 @@ from rich.markup import escape
 from fo_tune.cli.common import console, summary_table
 from fo_tune.cli.table_rows import (
     PROVENANCE_LONG,
+    SHOW_ROWS,
     device_lines,
+    left_out_line,
     print_plain,
     provenance_keys,
     tile_label,
@@ -104,9 +106,10 @@ def moe_fingerprint_lines(table: MoeTable) -> list[str]:
     ]
 
 
-def show_moe_rich(path: Path, table: MoeTable) -> None:
+def show_moe_rich(path: Path, table: MoeTable, limit: int | None = SHOW_ROWS) -> None:
     """The MoE table as ``fo-tune table show`` prints it: the header, one line per row (experts'
-    shape, bucket, measured or predicted, engine and its settings, provenance), then the long
+    shape, bucket, measured or predicted, engine and its settings, provenance) for its first
+    ``limit`` rows (every row when None) with a line on the rows left out, then the long
     provenance values (calibration, basis) once each."""
     console.print(f"[bold]{escape(str(path))}[/]", highlight=False)
     for line in moe_fingerprint_lines(table):
@@ -115,7 +118,7 @@ def show_moe_rich(path: Path, table: MoeTable) -> None:
     prov = [key for key in provenance_keys(table.rows, MOE_PROVENANCE_ORDER) if key not in hidden]
     columns = ["experts (H, I, E_local, k)", "tokens", "row", *MOE_SETTINGS_COLUMNS, *prov]
     out = summary_table("", columns, 4)
-    for row in table.rows:
+    for row in table.rows[:limit]:
         s = row.schedule
         cells = [experts_label(s), bucket_label(s), row.kind, *moe_settings_cells(s)]
         cells += [value_label(row.provenance[key]) if key in row.provenance else "-" for key in prov]
@@ -127,6 +130,9 @@ def show_moe_rich(path: Path, table: MoeTable) -> None:
             "measured row covers the call)"
         )
     console.print(out)
+    left_out = left_out_line(out.row_count, len(table.rows))
+    if left_out is not None:
+        print_plain(left_out)
     for key in MOE_PROVENANCE_NOTES:
         values = Counter(str(row.provenance[key]) for row in table.rows if key in row.provenance)
         for value, count in values.items():

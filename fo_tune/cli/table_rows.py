@@ -33,6 +33,11 @@ PROVENANCE_LONG = (
     "sequential_iqr_ms",
     "trial",
 )
+# Rows the terminal view (`show`'s default format) prints per table unless --limit or --all says
+# otherwise: rich lays a table out in about 2 ms a row (a 20,000-row table took 37 s, an
+# 80,000-row one 148 s), so a fleet-scale table would hold the terminal for minutes; 200 rows
+# print in well under a second, and a line after them says how to see the others.
+SHOW_ROWS = 200
 
 
 def tile_label(tile: Tile | None) -> str:
@@ -118,7 +123,21 @@ def settings_cells(row: Schedule) -> list[str]:
     return ["-"] * 7
 
 
-def show_rich(path: Path, table: ScheduleTable) -> None:
+def left_out_line(shown: int, total: int) -> str | None:
+    """The line after a terminal table that shows ``shown`` of its ``total`` rows: how many are
+    left out and how to see them (None when every row is shown)."""
+    if shown >= total:
+        return None
+    return (
+        f"{total - shown} of {total} rows not shown (showing the first {shown}): --limit N shows N, "
+        "--all every row (slow in a terminal beyond a few thousand), --format csv or yaml or --json "
+        "prints them all for scripts"
+    )
+
+
+def show_rich(path: Path, table: ScheduleTable, limit: int | None = SHOW_ROWS) -> None:
+    """The table as ``fo-tune table show`` prints it: the header, its first ``limit`` rows (every
+    row when None) with a line on the rows left out, then the bases of its predicted rows."""
     console.print(f"[bold]{escape(str(path))}[/]", highlight=False)
     for line in fingerprint_lines(table):
         print_plain(f"  {line}")
@@ -145,7 +164,7 @@ def show_rich(path: Path, table: ScheduleTable) -> None:
         )
     ]
     out = summary_table("", columns, 4, text=["groups", "layout", "wait", *words])
-    for row in table.rows:
+    for row in table.rows[:limit]:
         cells = [row.problem.describe(), kind_label(row), value_label(row.overlap), *settings_cells(row)]
         cells += [value_label(row.provenance[key]) if key in row.provenance else "-" for key in prov]
         out.add_row(*(escape(cell) for cell in cells))
@@ -156,6 +175,9 @@ def show_rich(path: Path, table: ScheduleTable) -> None:
             "measured row matches)"
         )
     console.print(out)
+    left_out = left_out_line(out.row_count, len(table.rows))
+    if left_out is not None:
+        print_plain(left_out)
     # what the rows rest on (an extrapolated calibration's sentence), once per distinct text
     for basis, count in Counter(row.basis for row in table.rows if row.basis).items():
         print_plain(f"basis ({count} row(s)): {basis}")
