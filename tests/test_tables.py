@@ -889,3 +889,42 @@ def test_a_table_under_another_tables_name_is_refused_as_the_runtime_refuses_it(
     other = write(tmp_path / "mine.yaml", [cpu_row(64)])
     result = runner.invoke(app, ["table", "validate", str(other)])
     assert result.exit_code == 0 and "note: " in result.stdout, result.output
+
+
+def test_list_shows_every_good_table_and_one_line_per_file_that_does_not_read(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """One malformed file among a fleet's tables: `table list` listed nothing (exit 2 on the first
+    bad file); now it lists the others and says per bad file its path and why, exit 1."""
+    key, gpu = cpu_fp().device_key, H200["device_key"]
+    good = write(table_path(tmp_path / "tables", key, **HEADER), [cpu_row(64)])
+    gpu_table_file(tmp_path)
+    broken = table_path(tmp_path / "tables", gpu, "all_reduce", 2, "float16")
+    broken.write_text("schema_version: 2\nrows: [\n")
+    bad_row = table_path(tmp_path / "xdg" / "fo-tune" / "tables", key, "reduce_scatter", 2, "bfloat16")
+    bad_row.parent.mkdir(parents=True)
+    bad_row.write_text(good.read_text().replace("all_reduce", "reduce_scatter").replace('"m": 64', '"m": -1'))
+    result = runner.invoke(app, ["table", "list"])
+    assert result.exit_code == 1, result.output
+    assert str(tmp_path / "tables") in result.stdout and "all_reduce" in result.stdout
+    assert key in result.stdout and gpu in result.stdout  # both good tables
+    errors = result.stderr.splitlines()
+    assert [line.split(":", 2)[:2] for line in errors] == [["error", f" {broken}"], ["error", f" {bad_row}"]]
+    assert "not valid YAML" in errors[0] and "Traceback" not in result.output
+    doc = json.loads(runner.invoke(app, ["table", "list", "--json"]).stdout)
+    assert {t["path"] for t in doc["tables"]} == {
+        str(good),
+        str(table_path(tmp_path / "tables", gpu, **HEADER)),
+    }
+    assert [bad["path"] for bad in doc["unreadable"]] == [str(broken), str(bad_row)]
+    assert all(bad["error"].startswith(bad["path"]) for bad in doc["unreadable"])
+    # -k keeps one device key's files: the other key's broken file is not this listing's
+    result = runner.invoke(app, ["table", "list", "-k", gpu])
+    assert result.exit_code == 1 and len(result.stderr.splitlines()) == 1, result.output
+    result = runner.invoke(app, ["table", "list", "-k", key, "--json"])
+    assert result.exit_code == 1 and [b["path"] for b in json.loads(result.stdout)["unreadable"]] == [
+        str(bad_row)
+    ]
+    bad_row.unlink()
+    result = runner.invoke(app, ["table", "list", "-k", key])
+    assert result.exit_code == 0 and result.stderr == "", result.output

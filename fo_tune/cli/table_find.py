@@ -17,10 +17,13 @@ from rich.markup import escape
 from fo_tune.cli.common import (
     COLLECTIVE_NAMES,
     DTYPE_NAMES,
+    EXIT_FAILED,
     SHARDED_COLLECTIVE_NAMES,
     console,
+    err_console,
     handle_errors,
     json_text,
+    one_line,
     summary_table,
 )
 from fo_tune.cli.search_moe import MOE_COLLECTIVE
@@ -70,8 +73,13 @@ LIST_HELP = "\n\n".join(
         "~/.local/share/fo-tune/tables, the packaged tables, in the order lookup reads them): per "
         "file its device key, collective (moe for the MoE table, moe-w<world>-<dtype>.yaml), world "
         "size, dtype, rows and folder. --device-key keeps "
-        "one device key's; --json prints them as JSON.",
-        "Exit code 0 (also when there is no table), 2 for a malformed table file.",
+        "one device key's; --json prints them as JSON (tables, and unreadable: per file that does "
+        "not read its path, folder and error).",
+        "A file that does not read (not valid YAML, a bad row or header) is one line on stderr with "
+        "its path and why; every other file is still listed. Lookup refuses every call of that "
+        "file's table until it is fixed or moved away (`fo-tune table validate PATH` says more).",
+        "Exit code 0 when every file reads (also when there is no table), 1 when some file does not, "
+        "2 for bad options.",
     ]
 )
 
@@ -256,49 +264,65 @@ def _moe_lookup(
     return out
 
 
-def table_files(device_key: str | None = None) -> list[dict[str, Any]]:
-    """Every table file in the runtime's search path (``device_key``'s only, when given), in the
-    order lookup reads the folders: its path, folder, header and row count."""
+def _file_entry(path: Path, root: Path) -> dict[str, Any]:
+    """The ``list`` entry of the table file at ``path`` (in the search path folder ``root``): its
+    header and row count; ``TableError`` when it does not read."""
     from fo_kernels.moe.table import load_moe_table
-    from fo_kernels.table import read_table, table_search_path
+    from fo_kernels.table import read_table
     from fo_tune.tables.kinds import is_moe_name
 
-    out: list[dict[str, Any]] = []
+    if is_moe_name(path):  # the MoE table (fo-tune search -c moe)
+        moe = load_moe_table(path)
+        header = (moe.fingerprint.device_key, MOE_COLLECTIVE, moe.world_size, moe.dtype, len(moe.rows))
+    else:
+        table = read_table(path)
+        header = (table.fingerprint.device_key, table.collective, table.world_size, table.dtype, len(table))
+    names = ("device_key", "collective", "world_size", "dtype", "rows")
+    return {**dict(zip(names, header, strict=True)), "folder": str(root), "path": str(path)}
+
+
+def table_files(device_key: str | None = None) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Every table file in the runtime's search path (``device_key``'s only, when given), in the
+    order lookup reads the folders: (per file that reads its path, folder, header and row count;
+    per file that does not its path, folder and why, in one line). One malformed file never hides
+    the others: a fleet's folders gather files from many hosts."""
+    from fo_kernels.errors import TableError, TableNotFoundError
+    from fo_kernels.table import table_search_path
+
+    files: list[dict[str, Any]] = []
+    unreadable: list[dict[str, str]] = []
     for root in table_search_path():
         if not root.is_dir():
             continue
         for path in sorted(root.glob("*/*.yaml")):
             if device_key is not None and path.parent.name != device_key:
                 continue
-            if is_moe_name(path):  # the MoE table (fo-tune search -c moe)
-                moe = load_moe_table(path)
-                key, world, dtype = moe.fingerprint.device_key, moe.world_size, moe.dtype
-                out.append(
-                    {"device_key": key, "collective": MOE_COLLECTIVE, "world_size": world, "dtype": dtype,
-                     "rows": len(moe.rows), "folder": str(root), "path": str(path)}
-                )  # fmt: skip
+            try:
+                files.append(_file_entry(path, root))
+            except TableNotFoundError:  # removed since the folder was read
                 continue
-            table = read_table(path)
-            out.append(
-                {
-                    "device_key": table.fingerprint.device_key,
-                    "collective": table.collective,
-                    "world_size": table.world_size,
-                    "dtype": table.dtype,
-                    "rows": len(table),
-                    "folder": str(root),
-                    "path": str(path),
-                }
-            )
-    return out
+            except TableError as exc:
+                reason = one_line(exc)
+                reason = reason if str(path) in reason else f"{path}: {reason}"
+                unreadable.append({"path": str(path), "folder": str(root), "error": reason})
+    return files, unreadable
 
 
 @handle_errors
 def list_tables(device_key: ListDeviceKeyOpt = None, json_out: ListJsonOpt = False) -> None:
-    files = table_files(device_key)
+    files, unreadable = table_files(device_key)
     if json_out:
-        typer.echo(json_text({"kind": "fo-tune-table-list", "tables": files}))
-        return
+        typer.echo(json_text({"kind": "fo-tune-table-list", "tables": files, "unreadable": unreadable}))
+    else:
+        _print_list(files, device_key)
+    for bad in unreadable:  # one line each, after the list (stdout and stderr may share a terminal)
+        err_console.print(f"error: {bad['error']}", markup=False)
+    if unreadable:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _print_list(files: list[dict[str, Any]], device_key: str | None) -> None:
+    """The terminal view of ``list``: a line per table file, or where none is."""
     if not files:
         from fo_kernels.table import table_search_path
         from fo_tune.tables.find import known_device_keys
