@@ -212,6 +212,12 @@ def test_lookup_takes_the_row_the_runtime_takes(runner: CliRunner, tmp_path: Pat
     assert cache.lookup(EXPERTS, 5000, dtype="float32", world_size=2, device="cpu") is None
     assert answer["source"].startswith("no table row") and answer["row"]["engine"] is None
     assert answer["searched"] == [str(env), str(user)] and answer["row"]["problem"]["tokens"] == 5000
+    # a CPU-tuned MoE table copied into the H200's folder: refused as the runtime refuses it, naming
+    # both device keys and where the table belongs (lookup printed its row as if it were the H200's)
+    copied = write(moe_table_path(tmp_path / "tables", H200_KEY, 2, "float32"), [row(0, 4096)])
+    line = assert_one_line_error(runner.invoke(app, [*args[:-1], H200_KEY, "--tokens", "300"]))
+    assert f"table {copied} sits in the folder of device key {H200_KEY}" in line, line
+    assert f"its fingerprint is device key {fp.device_key}" in line and f"-k {fp.device_key}" in line
 
 
 def test_lookup_miss_suggests_a_key_of_the_world_size_first(runner: CliRunner, tmp_path: Path) -> None:

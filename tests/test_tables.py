@@ -928,3 +928,22 @@ def test_list_shows_every_good_table_and_one_line_per_file_that_does_not_read(
     bad_row.unlink()
     result = runner.invoke(app, ["table", "list", "-k", key])
     assert result.exit_code == 0 and result.stderr == "", result.output
+
+
+def test_lookup_of_a_table_in_another_machines_folder_says_so_and_what_to_do(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """A CPU-tuned table copied into the H200's folder: lookup -k H200 refuses it as the runtime
+    does, saying the table's device key is not its folder's and where it belongs (it said the
+    table "is for compute capability cpu", which named neither key)."""
+    gpu, cpu = H200["device_key"], cpu_fp().device_key
+    copied = write(table_path(tmp_path / "tables", gpu, **HEADER), [cpu_row(64)])
+    line = assert_one_line_error(runner.invoke(app, ["table", "lookup", "-s", "64x96x48", "-k", gpu]))
+    home = table_path(tmp_path / "tables", cpu, **HEADER)
+    for text in (
+        f"table {copied} sits in the folder of device key {gpu}, but its fingerprint is device key {cpu}",
+        f"move it to {home} (then look it up with -k {cpu})",
+        f"or tune a table for {gpu} with `fo-tune search`",
+    ):
+        assert text in line, line
+    assert "compute capability" not in line

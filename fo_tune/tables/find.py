@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fo_kernels.errors import TableError
-from fo_kernels.fingerprint import read_device_key
+from fo_kernels.fingerprint import Fingerprint, read_device_key
 from fo_kernels.moe.table import ExpertsKey, MoeRow, best_moe_row, load_moe_table, moe_table_path
 from fo_kernels.schedule import Schedule
 from fo_kernels.table import best_match, check_header_for, read_table, table_path, table_search_path
@@ -21,26 +21,37 @@ def find_row(
     """(row, its file, every file read) of the row ``lookup_schedule`` takes for this call on the
     machine of ``device_key`` (``fo_kernels.table.best_match`` over ``find_tables``, read as the
     runtime reads them); (None, None, files) when no row matches (the runtime then runs overlap:
-    false). A file whose header is for another call (collective, dtype, world size) or another
-    compute capability than ``device_key``'s is a ``TableError``, as in the runtime."""
+    false). A file whose header is for another call (collective, dtype, world size), or whose
+    fingerprint is a GPU of another compute capability than ``device_key``'s (a file in another
+    machine's folder), is a ``TableError``, as in the runtime."""
     paths = find_tables(device_key, collective, world_size, dtype)
     tables = [read_table(path) for path in paths]
-    want = read_device_key(device_key)
     for path, table in zip(paths, tables, strict=True):
         check_header_for(
             table.header, collective=collective, dtype=dtype, world_size=world_size, source=str(path)
         )
-        have = read_device_key(table.fingerprint.device_key)
-        if want and have and want["compute_capability"] != have["compute_capability"]:
-            fp = table.fingerprint
-            raise TableError(
-                f"table {path} is for compute capability {fp.compute_capability} ({fp.gpu_name}), "
-                f"not the device key {device_key}'s; tune one for that GPU with `fo-tune search`"
-            )
+        _check_machine(path, table.fingerprint, device_key)
     match = best_match(tables, m, n, k)
     if match is None:
         return None, None, paths
     return match[1], paths[match[0]], paths
+
+
+def _check_machine(path: Path, fp: Fingerprint, device_key: str) -> None:
+    """Refuse the table at ``path`` (in ``device_key``'s folder) whose fingerprint ``fp`` is a GPU
+    of another compute capability, as the runtime refuses it on ``device_key``'s machine: a
+    ``TableError`` saying the table's device key is not its folder's, and what to do (move it to
+    its own device key's folder, or tune one for ``device_key``)."""
+    want, have = read_device_key(device_key), read_device_key(fp.device_key)
+    if not want or not have or want["compute_capability"] == have["compute_capability"]:
+        return
+    home = path.parent.parent / fp.device_key / path.name
+    raise TableError(
+        f"table {path} sits in the folder of device key {device_key}, but its fingerprint is device "
+        f"key {fp.device_key} ({fp.gpu_name}): it was tuned on that machine, and lookup, as the "
+        f"runtime, refuses it here; move it to {home} (then look it up with -k {fp.device_key}), "
+        f"or tune a table for {device_key} with `fo-tune search`"
+    )
 
 
 def find_tables(device_key: str, collective: str, world_size: int, dtype: str) -> list[Path]:
@@ -64,7 +75,8 @@ def find_moe_row(
     experts' shape ``key`` whose ranks hold at most ``tokens`` tokens each, on the machine of
     ``device_key`` (``fo_kernels.moe.table.best_moe_row`` over ``find_moe_tables``); (None, None,
     files) when no row covers it (the runtime then runs the no-overlap path). A file holding
-    another dtype or world size is a ``TableError``, as in the runtime."""
+    another dtype or world size, or whose fingerprint is a GPU of another compute capability than
+    ``device_key``'s, is a ``TableError``, as in the runtime."""
     paths = find_moe_tables(device_key, world_size, dtype)
     tables = [load_moe_table(path) for path in paths]
     for path, table in zip(paths, tables, strict=True):
@@ -72,6 +84,7 @@ def find_moe_row(
             raise TableError(
                 f"{path}: holds {table.dtype} w{table.world_size} rows, expected {dtype} w{world_size}"
             )
+        _check_machine(path, table.fingerprint, device_key)
     match = best_moe_row(tables, key, tokens)
     if match is None:
         return None, None, paths
