@@ -947,3 +947,7 @@ def test_lookup_of_a_table_in_another_machines_folder_says_so_and_what_to_do(
     ):
         assert text in line, line
     assert "compute capability" not in line
+    # validate passed it with a note; lookup refuses it there, so it is a problem saying where it goes
+    result = runner.invoke(app, ["table", "validate", str(copied)])
+    assert result.exit_code == 2, result.output
+    assert f"refuses it (its fingerprint is device key {cpu}); move it to {home}" in result.stderr

@@ -139,8 +139,9 @@ VALIDATE_HELP = "\n\n".join(
         "fingerprint's machine (the copy engine needs peer access between the GPUs).",
         "Prints OK per good file on stdout and one line per problem on stderr. A note says when a "
         "file is not where lookup looks for it (<device-key>/<collective>-w<world>-<dtype>.yaml, "
-        "<device-key>/moe-w<world>-<dtype>.yaml). --json prints one JSON document instead (ok; per "
-        "file ok, rows, problems and note).",
+        "<device-key>/moe-w<world>-<dtype>.yaml); a file lookup reads and refuses (under another "
+        "table's name, or in another GPU's device key folder) is a problem. --json prints one JSON "
+        "document instead (ok; per file ok, rows, problems and note).",
         "Exit code 0 when every file is fine, 2 when any has a problem (fix the row named, or "
         "re-tune it with `fo-tune search`).",
     ]
@@ -303,10 +304,11 @@ def show(
 def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | None, str | None]:
     """(note, problem) about where ``path`` sits: a note when lookup never reads it (another
     folder or name); a problem when its name is another table's (``<collective>-w<N>-<dtype>.yaml``
-    or the MoE table's for another header), since lookup then reads it for those calls and refuses
-    it (another world size, collective or dtype)."""
+    or the MoE table's for another header), or its folder another GPU's device key, since lookup
+    then reads it for those calls and refuses it (another world size, collective, dtype or GPU)."""
     import re
 
+    from fo_kernels.fingerprint import read_device_key
     from fo_kernels.moe.table import MOE_TABLE_PREFIX, MoeTable, moe_table_filename
     from fo_kernels.schedule import COLLECTIVES, DTYPES
     from fo_kernels.table import table_filename
@@ -318,6 +320,12 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
     expected = Path(table.fingerprint.device_key) / name
     if (path.parent.name, path.name) == expected.parts:
         return None, None
+    folder, have = read_device_key(path.parent.name), read_device_key(expected.parts[0])
+    if path.name == name and folder and have and folder["compute_capability"] != have["compute_capability"]:
+        return None, (
+            f"lookup reads this file for device key {path.parent.name}'s calls and refuses it (its "
+            f"fingerprint is device key {expected.parts[0]}); move it to {path.parent.parent / expected}"
+        )
     kinds = "|".join((*COLLECTIVES, MOE_TABLE_PREFIX))
     if path.name != name and re.fullmatch(rf"({kinds})-w\d+-({'|'.join(DTYPES)})\.yaml", path.name):
         return None, (
