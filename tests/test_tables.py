@@ -370,6 +370,8 @@ def test_table_help(runner: CliRunner) -> None:
         "show": ("--device-key", "--collective", "--world-size", "--dtype", "--format", "fingerprint"),
         "validate": ("plan", "row_band", "m_min", "must not overlap", "Exit code"),
         "diff": ("--exit-code", "only in A", "changed", "measured_ms"),
+        "list": ("one line on stderr with its path and why", "1 when some file does not"),
+        "lookup": ("another GPU's fingerprint in this device key's folder",),
     }
     for command, words in expected.items():
         result = runner.invoke(app, ["table", command, "--help"])

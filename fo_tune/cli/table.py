@@ -68,8 +68,8 @@ STATUS_LABELS = {"only_a": "only in A", "only_b": "only in B", "changed": "chang
 
 HELP = "\n\n".join(
     [
-        "Show, validate and compare schedule tables: the YAML files `fo-tune search` writes and the "
-        "runtime (fo_kernels.lookup_schedule) reads.",
+        "List, show, look up, validate, compare and pull schedule tables: the YAML files `fo-tune "
+        "search` writes and the runtime (fo_kernels.lookup_schedule) reads.",
         "A table holds the schedules of one (device key, collective, world size, dtype); it lives at "
         "<folder>/<device-key>/<collective>-w<world>-<dtype>.yaml, and the runtime searches the "
         "folders $FO_TUNE_TABLE_DIR, $XDG_DATA_HOME/fo-tune/tables (default "

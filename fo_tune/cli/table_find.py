@@ -63,14 +63,17 @@ LOOKUP_HELP = "\n\n".join(
         "holds T, else the predicted one, the folder order deciding between rows of one kind; "
         "without one it runs the no-overlap path (dispatch, grouped GEMMs, combine), which lookup "
         "prints with source: no table row and the files it read.",
-        "Exit code 0 when printed (a row or overlap: false), 2 for bad options or a malformed table.",
+        "Exit code 0 when printed (a row or overlap: false), 2 for bad options, a malformed table or "
+        "one the runtime refuses (another call's header under this call's name, another GPU's "
+        "fingerprint in this device key's folder): the message names the file and what to do.",
     ]
 )
 
 LIST_HELP = "\n\n".join(
     [
         "List the table files the runtime's search path holds ($FO_TUNE_TABLE_DIR, the user folder "
-        "~/.local/share/fo-tune/tables, the packaged tables, in the order lookup reads them): per "
+        "$XDG_DATA_HOME/fo-tune/tables (default ~/.local/share/fo-tune/tables), the packaged tables, "
+        "in the order lookup reads them): per "
         "file its device key, collective (moe for the MoE table, moe-w<world>-<dtype>.yaml), world "
         "size, dtype, rows and folder. --device-key keeps "
         "one device key's; --json prints them as JSON (tables, and unreadable: per file that does "
