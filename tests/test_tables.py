@@ -370,7 +370,7 @@ def test_table_help(runner: CliRunner) -> None:
         "show": ("--device-key", "--collective", "--world-size", "--dtype", "--format", "fingerprint"),
         "validate": ("plan", "row_band", "m_min", "must not overlap", "Exit code"),
         "diff": ("--exit-code", "only in A", "changed", "measured_ms"),
-        "list": ("one line on stderr with its path and why", "1 when some file does not"),
+        "list": ("one line on stderr with its path, why and what to do", "1 when some file is not"),
         "lookup": ("another GPU's fingerprint in this device key's folder",),
     }
     for command, words in expected.items():
@@ -893,38 +893,39 @@ def test_a_table_under_another_tables_name_is_refused_as_the_runtime_refuses_it(
     assert result.exit_code == 0 and "note: " in result.stdout, result.output
 
 
-def test_list_shows_every_good_table_and_one_line_per_file_that_does_not_read(
-    runner: CliRunner, tmp_path: Path
-) -> None:
+def test_list_shows_every_good_table_and_one_line_per_bad_file(runner: CliRunner, tmp_path: Path) -> None:
     """One malformed file among a fleet's tables: `table list` listed nothing (exit 2 on the first
-    bad file); now it lists the others and says per bad file its path and why, exit 1."""
+    bad file); now it lists the others and says per bad file its path and why, exit 1. A table
+    lookup refuses where it sits (a CPU table in the H200's folder) is listed and said too."""
     key, gpu = cpu_fp().device_key, H200["device_key"]
+    user = tmp_path / "xdg" / "fo-tune" / "tables"
     good = write(table_path(tmp_path / "tables", key, **HEADER), [cpu_row(64)])
-    gpu_table_file(tmp_path)
+    gpu_good = gpu_table_file(tmp_path)
     broken = table_path(tmp_path / "tables", gpu, "all_reduce", 2, "float16")
     broken.write_text("schema_version: 2\nrows: [\n")
-    bad_row = table_path(tmp_path / "xdg" / "fo-tune" / "tables", key, "reduce_scatter", 2, "bfloat16")
+    bad_row = table_path(user, key, "reduce_scatter", 2, "bfloat16")
     bad_row.parent.mkdir(parents=True)
     bad_row.write_text(good.read_text().replace("all_reduce", "reduce_scatter").replace('"m": 64', '"m": -1'))
+    copied = write(table_path(user, gpu, **HEADER), [cpu_row(64)])
     result = runner.invoke(app, ["table", "list"])
     assert result.exit_code == 1, result.output
     assert str(tmp_path / "tables") in result.stdout and "all_reduce" in result.stdout
-    assert key in result.stdout and gpu in result.stdout  # both good tables
+    assert key in result.stdout and gpu in result.stdout  # the good tables
     errors = result.stderr.splitlines()
-    assert [line.split(":", 2)[:2] for line in errors] == [["error", f" {broken}"], ["error", f" {bad_row}"]]
-    assert "not valid YAML" in errors[0] and "Traceback" not in result.output
+    assert len(errors) == 3 and all(line.startswith("error: ") for line in errors), errors
+    assert str(broken) in errors[0] and "not valid YAML" in errors[0] and "Traceback" not in result.output
+    assert str(bad_row) in errors[1]
+    assert (
+        f"{copied} sits in the folder of device key {gpu}, but its fingerprint is device key {key}"
+        in errors[2]
+    )
     doc = json.loads(runner.invoke(app, ["table", "list", "--json"]).stdout)
-    assert {t["path"] for t in doc["tables"]} == {
-        str(good),
-        str(table_path(tmp_path / "tables", gpu, **HEADER)),
-    }
-    assert [bad["path"] for bad in doc["unreadable"]] == [str(broken), str(bad_row)]
-    assert all(bad["error"].startswith(bad["path"]) for bad in doc["unreadable"])
-    # -k keeps one device key's files: the other key's broken file is not this listing's
-    result = runner.invoke(app, ["table", "list", "-k", gpu])
-    assert result.exit_code == 1 and len(result.stderr.splitlines()) == 1, result.output
+    assert [t["path"] for t in doc["tables"]] == [str(good), str(gpu_good), str(copied)]
+    assert [bad["path"] for bad in doc["problems"]] == [str(broken), str(bad_row), str(copied)]
+    assert all(bad["path"] in bad["error"] for bad in doc["problems"])
+    # -k keeps one device key's folder: the other key's bad files are not this listing's
     result = runner.invoke(app, ["table", "list", "-k", key, "--json"])
-    assert result.exit_code == 1 and [b["path"] for b in json.loads(result.stdout)["unreadable"]] == [
+    assert result.exit_code == 1 and [b["path"] for b in json.loads(result.stdout)["problems"]] == [
         str(bad_row)
     ]
     bad_row.unlink()

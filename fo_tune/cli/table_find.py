@@ -9,7 +9,7 @@ deployment) names the device keys that have tables and the ``-k`` that picks one
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -38,6 +38,9 @@ from fo_tune.cli.table_options import (
     world_of,
 )
 from fo_tune.cli.table_rows import kind_label
+
+if TYPE_CHECKING:
+    from fo_kernels.fingerprint import Fingerprint
 
 LOOKUP_HELP = "\n\n".join(
     [
@@ -76,12 +79,14 @@ LIST_HELP = "\n\n".join(
         "in the order lookup reads them): per "
         "file its device key, collective (moe for the MoE table, moe-w<world>-<dtype>.yaml), world "
         "size, dtype, rows and folder. --device-key keeps "
-        "one device key's; --json prints them as JSON (tables, and unreadable: per file that does "
-        "not read its path, folder and error).",
-        "A file that does not read (not valid YAML, a bad row or header) is one line on stderr with "
-        "its path and why; every other file is still listed. Lookup refuses every call of that "
-        "file's table until it is fixed or moved away (`fo-tune table validate PATH` says more).",
-        "Exit code 0 when every file reads (also when there is no table), 1 when some file does not, "
+        "one device key's folder; --json prints them as JSON (tables, and problems: per bad file "
+        "its path, folder and error).",
+        "A file that does not read (not valid YAML, a bad row or header), or that lookup refuses "
+        "where it sits (another GPU's table in this device key's folder, listed under its own key), "
+        "is one line on stderr with its path, why and what to do; every other file is still listed. "
+        "Lookup refuses every call of such a file's table until it is fixed or moved (`fo-tune "
+        "table validate PATH` says more).",
+        "Exit code 0 when every file is good (also when there is no table), 1 when some file is not, "
         "2 for bad options.",
     ]
 )
@@ -267,33 +272,41 @@ def _moe_lookup(
     return out
 
 
-def _file_entry(path: Path, root: Path) -> dict[str, Any]:
+def _file_entry(path: Path, root: Path) -> tuple[dict[str, Any], Fingerprint]:
     """The ``list`` entry of the table file at ``path`` (in the search path folder ``root``): its
-    header and row count; ``TableError`` when it does not read."""
+    header and row count, and its fingerprint; ``TableError`` when it does not read."""
     from fo_kernels.moe.table import load_moe_table
     from fo_kernels.table import read_table
     from fo_tune.tables.kinds import is_moe_name
 
     if is_moe_name(path):  # the MoE table (fo-tune search -c moe)
         moe = load_moe_table(path)
-        header = (moe.fingerprint.device_key, MOE_COLLECTIVE, moe.world_size, moe.dtype, len(moe.rows))
+        fp, header = moe.fingerprint, (MOE_COLLECTIVE, moe.world_size, moe.dtype, len(moe.rows))
     else:
         table = read_table(path)
-        header = (table.fingerprint.device_key, table.collective, table.world_size, table.dtype, len(table))
-    names = ("device_key", "collective", "world_size", "dtype", "rows")
-    return {**dict(zip(names, header, strict=True)), "folder": str(root), "path": str(path)}
+        fp, header = table.fingerprint, (table.collective, table.world_size, table.dtype, len(table))
+    names = ("collective", "world_size", "dtype", "rows")
+    entry = {"device_key": fp.device_key, **dict(zip(names, header, strict=True))}
+    return {**entry, "folder": str(root), "path": str(path)}, fp
 
 
 def table_files(device_key: str | None = None) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """Every table file in the runtime's search path (``device_key``'s only, when given), in the
-    order lookup reads the folders: (per file that reads its path, folder, header and row count;
-    per file that does not its path, folder and why, in one line). One malformed file never hides
+    """Every table file in the runtime's search path (``device_key``'s folder only, when given), in
+    the order lookup reads the folders: (per file that reads its path, folder, header and row
+    count; per file that does not read, or that lookup refuses where it sits (another GPU's table
+    in a device key's folder), its path, folder and why, in one line). One bad file never hides
     the others: a fleet's folders gather files from many hosts."""
     from fo_kernels.errors import TableError, TableNotFoundError
     from fo_kernels.table import table_search_path
+    from fo_tune.tables.find import check_machine
+
+    def problem(path: Path, root: Path, exc: TableError) -> dict[str, str]:
+        reason = one_line(exc)
+        reason = reason if str(path) in reason else f"{path}: {reason}"
+        return {"path": str(path), "folder": str(root), "error": reason}
 
     files: list[dict[str, Any]] = []
-    unreadable: list[dict[str, str]] = []
+    problems: list[dict[str, str]] = []
     for root in table_search_path():
         if not root.is_dir():
             continue
@@ -301,26 +314,30 @@ def table_files(device_key: str | None = None) -> tuple[list[dict[str, Any]], li
             if device_key is not None and path.parent.name != device_key:
                 continue
             try:
-                files.append(_file_entry(path, root))
+                entry, fp = _file_entry(path, root)
             except TableNotFoundError:  # removed since the folder was read
                 continue
             except TableError as exc:
-                reason = one_line(exc)
-                reason = reason if str(path) in reason else f"{path}: {reason}"
-                unreadable.append({"path": str(path), "folder": str(root), "error": reason})
-    return files, unreadable
+                problems.append(problem(path, root, exc))
+                continue
+            files.append(entry)
+            try:
+                check_machine(path, fp, path.parent.name)
+            except TableError as exc:
+                problems.append(problem(path, root, exc))
+    return files, problems
 
 
 @handle_errors
 def list_tables(device_key: ListDeviceKeyOpt = None, json_out: ListJsonOpt = False) -> None:
-    files, unreadable = table_files(device_key)
+    files, problems = table_files(device_key)
     if json_out:
-        typer.echo(json_text({"kind": "fo-tune-table-list", "tables": files, "unreadable": unreadable}))
+        typer.echo(json_text({"kind": "fo-tune-table-list", "tables": files, "problems": problems}))
     else:
         _print_list(files, device_key)
-    for bad in unreadable:  # one line each, after the list (stdout and stderr may share a terminal)
+    for bad in problems:  # one line each, after the list (stdout and stderr may share a terminal)
         err_console.print(f"error: {bad['error']}", markup=False)
-    if unreadable:
+    if problems:
         raise typer.Exit(EXIT_FAILED)
 
 

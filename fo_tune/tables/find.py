@@ -30,14 +30,14 @@ def find_row(
         check_header_for(
             table.header, collective=collective, dtype=dtype, world_size=world_size, source=str(path)
         )
-        _check_machine(path, table.fingerprint, device_key)
+        check_machine(path, table.fingerprint, device_key)
     match = best_match(tables, m, n, k)
     if match is None:
         return None, None, paths
     return match[1], paths[match[0]], paths
 
 
-def _check_machine(path: Path, fp: Fingerprint, device_key: str) -> None:
+def check_machine(path: Path, fp: Fingerprint, device_key: str) -> None:
     """Refuse the table at ``path`` (in ``device_key``'s folder) whose fingerprint ``fp`` is a GPU
     of another compute capability, as the runtime refuses it on ``device_key``'s machine: a
     ``TableError`` saying the table's device key is not its folder's, and what to do (move it to
@@ -84,7 +84,7 @@ def find_moe_row(
             raise TableError(
                 f"{path}: holds {table.dtype} w{table.world_size} rows, expected {dtype} w{world_size}"
             )
-        _check_machine(path, table.fingerprint, device_key)
+        check_machine(path, table.fingerprint, device_key)
     match = best_moe_row(tables, key, tokens)
     if match is None:
         return None, None, paths
