@@ -258,8 +258,8 @@ def show(
     if len(cap) == 2:
         raise typer.BadParameter("--limit N and --all: give one of them")
     if cap and (json_out or format_ != FORMATS[0]):
-        given = "--json" if json_out else f"--format {format_}"
-        raise typer.BadParameter(f"{cap[0]} is for the terminal view; {given} prints every row")
+        script = "--json" if json_out else f"--format {format_}"
+        raise typer.BadParameter(f"{cap[0]} is for the terminal view; {script} prints every row")
     header = {"--device-key": device_key, "--collective": collective, "--world-size": world_size}
     header["--dtype"] = dtype
     given = [name for name, value in header.items() if value is not None]

@@ -1,6 +1,7 @@
 """``fo-tune table lookup`` and ``fo-tune table list``: the row the runtime would use for one call
 (library: ``fo_tune.tables.find.find_row``; for an MoE call, ``--experts`` and ``--tokens``,
-``find_moe_row``), and the table files in the runtime's search path, dense and MoE.
+``find_moe_row``), and the table files in the runtime's search path, dense and MoE (a file that
+does not read, or that lookup refuses where it sits, is a line of its own; the others are listed).
 
 A lookup on a machine whose device key has no table (a CPU-only machine planning a GPU
 deployment) names the device keys that have tables and the ``-k`` that picks one.
@@ -333,7 +334,7 @@ def list_tables(device_key: ListDeviceKeyOpt = None, json_out: ListJsonOpt = Fal
     files, problems = table_files(device_key)
     if json_out:
         typer.echo(json_text({"kind": "fo-tune-table-list", "tables": files, "problems": problems}))
-    else:
+    elif files or not problems:  # (with bad files only, their lines below say what is there)
         _print_list(files, device_key)
     for bad in problems:  # one line each, after the list (stdout and stderr may share a terminal)
         err_console.print(f"error: {bad['error']}", markup=False)
