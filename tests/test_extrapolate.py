@@ -308,3 +308,41 @@ def test_model_check_says_extrapolated_rows_have_no_measured_error(tmp_path):
     r = CliRunner().invoke(app, ["model", "check", str(table), str(shipped)])
     assert r.exit_code == 0, r.output
     assert "no measured error yet" in r.stdout and "MAPE" in r.stdout
+
+
+def test_model_check_names_real_files_for_measured_rows_in_another_dtype(tmp_path, h200):
+    """An fp8 TP=8 plan's rows: the commands that measure such rows write a calibration of the 8
+    GPUs into a folder and add the fp8 GEMM profile to that file, which the search then reads."""
+    fp8, key = "float8_e4m3fn", H200_KEY.replace("-w2-", "-w8-")
+    row = {
+        "problem": {"m": 8192, "n": 8192, "k": 3584},
+        "engine": "copy_engine",
+        "settings": {"mode": "ring", "weights": [2, 1]},
+        "provenance": {"source": "fo-tune search", "mode": "predict", "predicted_ms": 0.5},
+        "basis": BASIS,
+    }
+    fingerprint = {**h200.fingerprint.to_dict(), "device_key": key, "world_size": 8}
+    table = tmp_path / f"reduce_scatter-w8-{fp8}.yaml"
+    table.write_text(
+        yaml.safe_dump(
+            {
+                "schema_version": 2,
+                "kind": "fo-tune-schedule-table",
+                "fingerprint": fingerprint,
+                "collective": "reduce_scatter",
+                "world_size": 8,
+                "dtype": fp8,
+                "rows": [row],
+            }
+        )
+    )
+    r = CliRunner().invoke(app, ["model", "check", str(table)])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    into = "calibration-w8/calibration.yaml"
+    assert (
+        "measured rows come from `fo-tune calibrate --world-size 8 --out calibration-w8`, then "
+        f"`fo-tune calibrate --world-size 1 --only gemm --dtype {fp8} --into {into}` and "
+        f"`fo-tune search --world-size 8 --dtype {fp8} --calibration {into}` on 8 GPUs"
+    ) in text, text
+    assert "CALIBRATION.yaml" not in text

@@ -196,6 +196,7 @@ def error_line(rows: list[Checked], what: str = "measured rows") -> str:
 
 @handle_errors
 def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
+    from fo_tune.calibrate.missing import measured_rows
     from fo_tune.engines import cost_model
     from fo_tune.model.check import CheckError, measured_in, unmeasured_in
 
@@ -204,14 +205,12 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     items = measured_in(paths)
     unmeasured = unmeasured_in(paths)
     for u in unmeasured:
-        w, d = u.world_size, "" if u.dtype == "bfloat16" else f" --dtype {u.dtype}"
-        calibrate = f"--world-size 1 --only gemm{d} --into CALIBRATION.yaml" if d else f"--world-size {w}"
+        w = u.world_size
         where = (
             "a measured MoE search is not built; `python bench/moe_ep.py --out DIR` times the "
             f"engines on {w} GPUs"
             if u.moe
-            else f"measured rows come from `fo-tune calibrate {calibrate}` and "
-            f"`fo-tune search --world-size {w}{d}` on {w} GPUs"
+            else f"measured rows come from {measured_rows(w, u.dtype)} on {w} GPUs"
         )
         console.print(
             f"{Path(u.source).name}: {u.rows} predicted row(s) rest on: {u.basis}; no measured error "
