@@ -278,6 +278,15 @@ def test_without_a_mode_too_few_gpus_plan_offline(monkeypatch, tmp_path):
     assert "w4, predict" in " ".join(r.stdout.split()) and f"basis: {BASIS}" in " ".join(r.stdout.split())
 
 
+def test_search_help_says_what_a_plan_at_3_to_8_rests_on():
+    """The help names the extrapolation a predict search at 3-8 GPUs reads, and that all_gather
+    then plans from reduce_scatter's curve (the packaged TP=2 calibration has no all_gather one)."""
+    r = CliRunner().invoke(app, ["search", "--help"], env={"COLUMNS": "400"})
+    text = " ".join(r.output.replace("│", " ").split())
+    assert "at 3-8 the packaged TP=2 one extrapolated" in text and "stating that basis" in text
+    assert "at 3-8 its extrapolation takes reduce_scatter's curve" in text
+
+
 # ------------------------------------------------------------------------------ model check
 def test_model_check_says_extrapolated_rows_have_no_measured_error(tmp_path):
     out = tmp_path / "w8"
