@@ -30,7 +30,9 @@
 #   fo_gpu_count            the GPUs nvidia-smi lists (0 without it).
 #   fo_world_size           sets FO_WORLD_SIZE to 2 when unset and exports it; anything but an
 #                           integer >= 2: one line on stderr, exit 2.
-#   fo_need_gpus N WHAT     fewer than N GPUs listed: one line naming WHAT on stderr, exit 2.
+#   fo_need_gpus N WHAT [ELSE]
+#                           fewer than N GPUs listed: one line naming WHAT (and ELSE, what runs
+#                           without them) on stderr, exit 2.
 
 FO_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -89,7 +91,7 @@ fo_need_gpus() {
   local gpus
   gpus="$(fo_gpu_count)"
   if [ "$gpus" -lt "$1" ]; then
-    echo "$2 needs $1 GPUs (FO_WORLD_SIZE=$1), $gpus visible: run it on a machine with $1 GPUs" >&2
+    echo "$2 needs $1 GPUs (FO_WORLD_SIZE=$1), $gpus visible: run it on a machine with $1 GPUs${3-}" >&2
     exit 2
   fi
 }

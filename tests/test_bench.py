@@ -697,6 +697,9 @@ def test_scripts_at_a_world_size_without_its_gpus_stop_in_one_line(tmp_path, scr
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
         assert len(r.stderr.splitlines()) == 1 and want in r.stderr, r.stderr
+        # tune.sh names the stage that runs without the GPUs: the offline plan
+        offline = f"plan offline: FO_WORLD_SIZE={world} bash bench/tune.sh OUT_DIR plan"
+        assert (offline in r.stderr) == (script == "tune.sh" and world == "8"), r.stderr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
 
 
