@@ -317,6 +317,15 @@ def test_model_check_says_extrapolated_rows_have_no_measured_error(tmp_path):
     r = CliRunner().invoke(app, ["model", "check", str(table), str(shipped)])
     assert r.exit_code == 0, r.output
     assert "no measured error yet" in r.stdout and "MAPE" in r.stdout
+    # the search's report: its predicted trials rest on the same basis; its summary is no table
+    (report,) = (out / "report").glob("*/*")
+    r = CliRunner().invoke(app, ["model", "check", str(report)])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert f"report {report}: " in text and f"predicted trial(s) rest on: {BASIS}" in text, text
+    assert "no measured error yet" in text and "MAPE" not in text
+    line = assert_one_line_error(CliRunner().invoke(app, ["model", "check", str(report / "summary.yaml")]))
+    assert f"is a search report's summary, not a table; pass its folder {report}" in line, line
 
 
 def test_model_check_names_real_files_for_measured_rows_in_another_dtype(tmp_path, h200):
