@@ -258,6 +258,9 @@ def test_a_missing_measurement_names_commands_that_work(tmp_path, world, args, a
 def test_no_plan_beyond_one_nvswitch_board():
     r = search("--mode", "predict", "--world-size", "16", "--shape", "8192x8192x3584")
     assert "no packaged calibration for world size 16" in assert_one_line_error(r)
+    # world size 1 has nothing to plan (it named a calibration of one GPU to measure)
+    r = search("--mode", "predict", "--world-size", "1", "--shape", "8192x8192x3584")
+    assert "--world-size 1 has no collective to overlap" in assert_one_line_error(r)
 
 
 # ------------------------------------------------------------------------------ measuring searches
