@@ -3,10 +3,13 @@ profile, a collective's bandwidth curve): the commands that measure it on the ca
 into a file the user owns (the file it was read from, or a copy of a packaged one named after its
 device key) and the search to run then, and that a machine without such GPUs cannot (``fo-tune
 calibrate --into`` refuses another GPU's measurements: ``fo_tune.calibrate.run.check_mergeable``).
-A calibration read from no file (measured or extrapolated in memory) is first written to a file
-by the command that measures it. ``fo-tune calibrate --dtype D`` for more than the GEMM profile is
-answered the same way (``gemm_only_refusal``). Also where the packaged calibrations are
-(``packaged_root``)."""
+A calibration read from no file (measured in memory) is first written to a file by the command that
+measures it; an extrapolated one's gaps go into its measured origin's file, measured at that world
+size (the GEMM profile on one GPU, the copy engine's section on two), never at the world size it
+stands in for. The engines' missing sections are answered the same way (``measure_into``), and the
+rows a plan lacks measurements for name the commands that measure them (``measured_rows``).
+``fo-tune calibrate --dtype D`` for more than the GEMM profile is answered the same way
+(``gemm_only_refusal``). Also where the packaged calibrations are (``packaged_root``)."""
 
 from __future__ import annotations
 
