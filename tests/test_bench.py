@@ -703,6 +703,23 @@ def test_scripts_at_a_world_size_without_its_gpus_stop_in_one_line(tmp_path, scr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.parametrize("script", ["virtual_ranks.sh", "profile.sh"])
+def test_one_gpu_scripts_without_a_gpu_stop_in_one_line(tmp_path, script):
+    """The one-GPU scripts on a machine without one: exit 2 and one line naming what they need,
+    nothing written (they ran minutes of steps bound to fail, or a traceback)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("checks a machine without GPUs")
+    cmd = ["bash", str(packaged_suite().parents[1] / "bench" / script), str(tmp_path / "out")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    needs = "needs a CUDA GPU, none visible (nvidia-smi lists none): run it on a machine with one"
+    assert r.stderr.splitlines() == [f"bash bench/{script} {needs}"], r.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_tune_plan_stage_asks_what_the_offline_calibration_prices(tmp_path, world):
     """``FO_WORLD_SIZE=W bash bench/tune.sh OUT plan`` (no GPU): its one fo-tune command line parses
