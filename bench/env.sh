@@ -30,8 +30,8 @@
 #   fo_gpu_count            the GPUs nvidia-smi lists (0 without it).
 #   fo_world_size           sets FO_WORLD_SIZE to 2 when unset and exports it; anything but an
 #                           integer >= 2: one line on stderr, exit 2.
-#   fo_need_gpu WHAT        no GPU listed: one line naming WHAT on stderr, exit 2 (the one-GPU
-#                           scripts, before they write anything).
+#   fo_need_gpu WHAT [ELSE] no GPU listed: one line naming WHAT (and ELSE, what runs without
+#                           one) on stderr, exit 2 (the one-GPU scripts and stages).
 #   fo_need_gpus N WHAT [ELSE]
 #                           fewer than N GPUs listed: one line naming WHAT (and ELSE, what runs
 #                           without them) on stderr, exit 2.
@@ -91,7 +91,7 @@ fo_world_size() {
 
 fo_need_gpu() {
   if [ "$(fo_gpu_count)" -lt 1 ]; then
-    echo "$1 needs a CUDA GPU, none visible (nvidia-smi lists none): run it on a machine with one" >&2
+    echo "$1 needs a CUDA GPU, none visible (nvidia-smi lists none): run it on a machine with one${2-}" >&2
     exit 2
   fi
 }

@@ -142,7 +142,8 @@ fi
 for stage in "${stages[@]}"; do
   case "$stage" in
     calibrate | compare | suite | mrange) fo_need_gpus "$w" "stage $stage" "$offline" ;;
-    calibrate-w1 | plan) ;;
+    calibrate-w1) fo_need_gpu "stage calibrate-w1" "$offline" ;;
+    plan) ;;
     *)
       echo "unknown stage $stage: calibrate, compare, suite, mrange, calibrate-w1 or plan" >&2
       exit 2

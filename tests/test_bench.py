@@ -703,21 +703,33 @@ def test_scripts_at_a_world_size_without_its_gpus_stop_in_one_line(tmp_path, scr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
 
 
-@pytest.mark.parametrize("script", ["virtual_ranks.sh", "profile.sh"])
-def test_one_gpu_scripts_without_a_gpu_stop_in_one_line(tmp_path, script):
-    """The one-GPU scripts on a machine without one: exit 2 and one line naming what they need,
-    nothing written (they ran minutes of steps bound to fail, or a traceback)."""
+@pytest.mark.parametrize(
+    ("script", "what"),
+    [
+        ("virtual_ranks.sh", "bash bench/virtual_ranks.sh"),
+        ("profile.sh", "bash bench/profile.sh"),
+        ("bench.sh", "stage w1"),  # (the default stage without GPUs)
+        ("tune.sh", "stage calibrate-w1"),
+    ],
+)
+def test_one_gpu_scripts_and_stages_without_a_gpu_stop_in_one_line(tmp_path, script, what):
+    """The one-GPU scripts and stages on a machine without a GPU: exit 2 and one line naming what
+    they need, before any work (they ran minutes of steps bound to fail, or ended in a
+    traceback); the scripts write nothing."""
     import shutil
     import subprocess
 
     if shutil.which("nvidia-smi"):
         pytest.skip("checks a machine without GPUs")
     cmd = ["bash", str(packaged_suite().parents[1] / "bench" / script), str(tmp_path / "out")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k != "FO_WORLD_SIZE"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     needs = "needs a CUDA GPU, none visible (nvidia-smi lists none): run it on a machine with one"
-    assert r.stderr.splitlines() == [f"bash bench/{script} {needs}"], r.stderr
-    assert not (tmp_path / "out").exists()
+    (line,) = r.stderr.splitlines()
+    assert line.startswith(f"{what} {needs}"), line
+    assert ("plan offline" in line) == (script == "tune.sh"), line
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
