@@ -708,6 +708,7 @@ def test_scripts_at_a_world_size_without_its_gpus_stop_in_one_line(tmp_path, scr
     [
         ("virtual_ranks.sh", "bash bench/virtual_ranks.sh"),
         ("profile.sh", "bash bench/profile.sh"),
+        ("gpu_tests.sh", "bash bench/gpu_tests.sh"),  # (every test skipped itself, exit 0)
         ("bench.sh", "stage w1"),  # (the default stage without GPUs)
         ("tune.sh", "stage calibrate-w1"),
     ],
