@@ -93,7 +93,7 @@ for stage in "${stages[@]}"; do
       fi
       fo_need_gpus 2 "stage spot"
       ;;
-    w1) ;;
+    w1) fo_need_gpu "stage w1" ;;
     *)
       echo "unknown stage $stage: suite, spot or w1" >&2
       exit 2

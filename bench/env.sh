@@ -30,7 +30,11 @@
 #   fo_gpu_count            the GPUs nvidia-smi lists (0 without it).
 #   fo_world_size           sets FO_WORLD_SIZE to 2 when unset and exports it; anything but an
 #                           integer >= 2: one line on stderr, exit 2.
-#   fo_need_gpus N WHAT     fewer than N GPUs listed: one line naming WHAT on stderr, exit 2.
+#   fo_need_gpu WHAT [ELSE] no GPU listed: one line naming WHAT (and ELSE, what runs without
+#                           one) on stderr, exit 2 (the one-GPU scripts and stages).
+#   fo_need_gpus N WHAT [ELSE]
+#                           fewer than N GPUs listed: one line naming WHAT (and ELSE, what runs
+#                           without them) on stderr, exit 2.
 
 FO_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -85,11 +89,18 @@ fo_world_size() {
   export FO_WORLD_SIZE
 }
 
+fo_need_gpu() {
+  if [ "$(fo_gpu_count)" -lt 1 ]; then
+    echo "$1 needs a CUDA GPU, none visible (nvidia-smi lists none): run it on a machine with one${2-}" >&2
+    exit 2
+  fi
+}
+
 fo_need_gpus() {
   local gpus
   gpus="$(fo_gpu_count)"
   if [ "$gpus" -lt "$1" ]; then
-    echo "$2 needs $1 GPUs (FO_WORLD_SIZE=$1), $gpus visible: run it on a machine with $1 GPUs" >&2
+    echo "$2 needs $1 GPUs (FO_WORLD_SIZE=$1), $gpus visible: run it on a machine with $1 GPUs${3-}" >&2
     exit 2
   fi
 }

@@ -7,7 +7,8 @@
 # On one GPU the gpu tests run and the multigpu ones skip themselves; on two both run (tests/
 # conftest.py). FO_WORLD_SIZE (bench/env.sh, default 2) is the ranks of tests/test_gpu_world.py
 # (handed to it as FO_TEST_WORLD_SIZE: every engine and collective on that many GPUs); the other
-# multigpu tests take two of them. Set, it needs that many GPUs: fewer is exit 2 before pytest. PYTEST_ARGS go to pytest: test files or -k EXPR to narrow the run, or -n N with
+# multigpu tests take two of them. Set, it needs that many GPUs: fewer is exit 2 before pytest;
+# unset, a machine without a GPU is exit 2 too (every test would skip itself). PYTEST_ARGS go to pytest: test files or -k EXPR to narrow the run, or -n N with
 # pytest-xdist installed; with -n, run the signal-visibility test (-k visible) on its own first,
 # since its reader needs SMs that another worker's kernels would take.
 #
@@ -16,6 +17,9 @@ set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 fo_help "$0" "${1-}"
+if [ -z "${FO_WORLD_SIZE-}" ]; then
+  fo_need_gpu "bash bench/gpu_tests.sh"
+fi
 out_dir="$(fo_out_dir "$1")"
 shift
 cd "$FO_REPO"

@@ -9,6 +9,8 @@
 #   FO_DTYPE=float8_e4m3fn bash bench/profile.sh OUT_DIR    (fp8: beside torch._scaled_mm)
 #   FO_SCALING=tensorwise FO_DTYPE=float8_e4m3fn bash bench/profile.sh OUT_DIR
 #
+# Without a GPU: exit 2 and one line, before anything is written.
+#
 # MxNxK arguments profile those shapes instead of the suite's; FO_DTYPE is the operand dtype
 # (default bfloat16); FO_SCALING the fp8 operands' scales (fo-tune profile --scaling): rowwise, the
 # default and the tables' tuning, or tensorwise (fp8 only: refused with another dtype); FO_SMS_FREE
@@ -22,6 +24,7 @@ set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 fo_help "$0" "${1-}"
+fo_need_gpu "bash bench/profile.sh"
 out_dir="$(fo_out_dir "$1")"
 shift
 cd "$FO_REPO"

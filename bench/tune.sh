@@ -128,19 +128,22 @@ plan() {
 }
 
 stages=("$@")
+# what a refusal for want of GPUs offers instead: the offline plan of the same shapes
+offline="; without them, plan offline: FO_WORLD_SIZE=$w bash bench/tune.sh OUT_DIR plan"
 if [ "${#stages[@]}" -eq 0 ]; then
   if [ "$(fo_gpu_count)" -ge "$w" ]; then
     stages=(calibrate compare suite mrange)
   elif [ -z "$explicit_world" ]; then
     stages=(calibrate-w1)
   else
-    fo_need_gpus "$w" "FO_WORLD_SIZE=$w bash bench/tune.sh"
+    fo_need_gpus "$w" "FO_WORLD_SIZE=$w bash bench/tune.sh" "$offline"
   fi
 fi
 for stage in "${stages[@]}"; do
   case "$stage" in
-    calibrate | compare | suite | mrange) fo_need_gpus "$w" "stage $stage" ;;
-    calibrate-w1 | plan) ;;
+    calibrate | compare | suite | mrange) fo_need_gpus "$w" "stage $stage" "$offline" ;;
+    calibrate-w1) fo_need_gpu "stage calibrate-w1" "$offline" ;;
+    plan) ;;
     *)
       echo "unknown stage $stage: calibrate, compare, suite, mrange, calibrate-w1 or plan" >&2
       exit 2

@@ -3,6 +3,8 @@
 #
 #   bash bench/virtual_ranks.sh OUT_DIR
 #
+# Without a GPU: exit 2 and one line, before anything is written.
+#
 # 1. the virtual-rank GPU tests (tests/test_gpu_virtual_ranks.py: every mode and collective at
 #    N = 2, 3, 4, 8, eager and graphs, repeated, against float64; a hung test ends its pytest with
 #    every thread's stack) -> OUT_DIR/pytest-virtual.xml, OUT_DIR/pytest-virtual.log
@@ -22,6 +24,7 @@ set -uo pipefail
 # shellcheck source-path=SCRIPTDIR source=env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 fo_help "$0" "${1-}"
+fo_need_gpu "bash bench/virtual_ranks.sh"
 out_dir="$(fo_out_dir "$1")"
 cd "$FO_REPO" || exit 2
 unset CUDA_MODULE_LOADING

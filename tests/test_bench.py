@@ -697,7 +697,40 @@ def test_scripts_at_a_world_size_without_its_gpus_stop_in_one_line(tmp_path, scr
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
         assert len(r.stderr.splitlines()) == 1 and want in r.stderr, r.stderr
+        # tune.sh names the stage that runs without the GPUs: the offline plan
+        offline = f"plan offline: FO_WORLD_SIZE={world} bash bench/tune.sh OUT_DIR plan"
+        assert (offline in r.stderr) == (script == "tune.sh" and world == "8"), r.stderr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("script", "what"),
+    [
+        ("virtual_ranks.sh", "bash bench/virtual_ranks.sh"),
+        ("profile.sh", "bash bench/profile.sh"),
+        ("gpu_tests.sh", "bash bench/gpu_tests.sh"),  # (every test skipped itself, exit 0)
+        ("bench.sh", "stage w1"),  # (the default stage without GPUs)
+        ("tune.sh", "stage calibrate-w1"),
+    ],
+)
+def test_one_gpu_scripts_and_stages_without_a_gpu_stop_in_one_line(tmp_path, script, what):
+    """The one-GPU scripts and stages on a machine without a GPU: exit 2 and one line naming what
+    they need, before any work (they ran minutes of steps bound to fail, or ended in a
+    traceback); the scripts write nothing."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("checks a machine without GPUs")
+    cmd = ["bash", str(packaged_suite().parents[1] / "bench" / script), str(tmp_path / "out")]
+    env = {k: v for k, v in os.environ.items() if k != "FO_WORLD_SIZE"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    needs = "needs a CUDA GPU, none visible (nvidia-smi lists none): run it on a machine with one"
+    (line,) = r.stderr.splitlines()
+    assert line.startswith(f"{what} {needs}"), line
+    assert ("plan offline" in line) == (script == "tune.sh"), line
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

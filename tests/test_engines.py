@@ -116,16 +116,41 @@ def test_each_engine_names_the_calibration_it_misses(h200):
 
 def test_gaps_of_an_extrapolated_calibration_name_the_world_size_that_measures_them(h200):
     """At world size 8 from the TP=2 file: the GEMM profile is measured on one GPU and the copy
-    engine's section on two, never on the 8 GPUs the extrapolation stands in for."""
+    engine's section on two, never on the 8 GPUs the extrapolation stands in for, into a copy of
+    the packaged TP=2 file it was extrapolated from (the file a later search reads again)."""
     from fo_tune.calibrate.extrapolate import extrapolate
     from fo_tune.engines import moe_term
 
     bare = extrapolate(dataclasses.replace(h200, gemm=[], copy_engine=None), 8)
-    one_gpu = "`fo-tune calibrate --world-size 1 --only gemm --into CALIBRATION.yaml`"
-    assert one_gpu in get_tuner("triton").calibration_gap(bare, "all_reduce")
-    assert one_gpu in moe_term("triton").calibration_gap(bare)
-    two_gpus = "`fo-tune calibrate --world-size 2 --only copy_engine --into CALIBRATION.yaml`"
-    assert two_gpus in moe_term("copy_engine").calibration_gap(bare)
+    own = f"{h200.fingerprint.device_key}.yaml"
+    copy = f"`cp {h200.file} {own}`, then "
+    one_gpu = f"{copy}`fo-tune calibrate --world-size 1 --only gemm --into {own}`"
+    two_gpus = f"{copy}`fo-tune calibrate --world-size 2 --only copy_engine --into {own}`"
+    gaps = {
+        one_gpu: [
+            get_tuner("triton").calibration_gap(bare, "all_reduce"),
+            moe_term("triton").calibration_gap(bare),
+        ],
+        two_gpus: [
+            get_tuner("copy_engine").calibration_gap(bare, "all_reduce"),
+            moe_term("copy_engine").calibration_gap(bare),
+        ],
+    }
+    for command, texts in gaps.items():
+        for text in texts:
+            assert command in text and f"then pass `--calibration {own}`" in text, text
+            assert "extrapolated to world size 8" in text and "CALIBRATION.yaml" not in text
+    # a bandwidth curve its TP=2 file lacks is measured on 2 GPUs, not 8
+    one_curve = [b for b in h200.bandwidth if b.collective == "all_reduce"]
+    gap = get_tuner("triton").calibration_gap(
+        extrapolate(dataclasses.replace(h200, bandwidth=one_curve), 8), "reduce_scatter"
+    )
+    assert "on 2 GPUs" in gap and "`fo-tune calibrate --world-size 2 --dtype bfloat16 --only bandwidth" in gap
+    # a calibration's own file takes what it lacks
+    mine = dataclasses.replace(h200, gemm=[], file="/data/mine.yaml")
+    assert "--into /data/mine.yaml`; then pass `--calibration /data/mine.yaml`" in moe_term(
+        "triton"
+    ).calibration_gap(mine)
 
 
 def test_select_engines(h200):

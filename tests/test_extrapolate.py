@@ -258,6 +258,9 @@ def test_a_missing_measurement_names_commands_that_work(tmp_path, world, args, a
 def test_no_plan_beyond_one_nvswitch_board():
     r = search("--mode", "predict", "--world-size", "16", "--shape", "8192x8192x3584")
     assert "no packaged calibration for world size 16" in assert_one_line_error(r)
+    # world size 1 has nothing to plan (it named a calibration of one GPU to measure)
+    r = search("--mode", "predict", "--world-size", "1", "--shape", "8192x8192x3584")
+    assert "--world-size 1 has no collective to overlap" in assert_one_line_error(r)
 
 
 # ------------------------------------------------------------------------------ measuring searches
@@ -276,6 +279,15 @@ def test_without_a_mode_too_few_gpus_plan_offline(monkeypatch, tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert "w4, predict" in " ".join(r.stdout.split()) and f"basis: {BASIS}" in " ".join(r.stdout.split())
+
+
+def test_search_help_says_what_a_plan_at_3_to_8_rests_on():
+    """The help names the extrapolation a predict search at 3-8 GPUs reads, and that all_gather
+    then plans from reduce_scatter's curve (the packaged TP=2 calibration has no all_gather one)."""
+    r = CliRunner().invoke(app, ["search", "--help"], env={"COLUMNS": "400"})
+    text = " ".join(r.output.replace("│", " ").split())
+    assert "at 3-8 the packaged TP=2 one extrapolated" in text and "stating that basis" in text
+    assert "at 3-8 its extrapolation takes reduce_scatter's curve" in text
 
 
 # ------------------------------------------------------------------------------ model check
@@ -308,3 +320,50 @@ def test_model_check_says_extrapolated_rows_have_no_measured_error(tmp_path):
     r = CliRunner().invoke(app, ["model", "check", str(table), str(shipped)])
     assert r.exit_code == 0, r.output
     assert "no measured error yet" in r.stdout and "MAPE" in r.stdout
+    # the search's report: its predicted trials rest on the same basis; its summary is no table
+    (report,) = (out / "report").glob("*/*")
+    r = CliRunner().invoke(app, ["model", "check", str(report)])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert f"report {report}: " in text and f"predicted trial(s) rest on: {BASIS}" in text, text
+    assert "no measured error yet" in text and "MAPE" not in text
+    line = assert_one_line_error(CliRunner().invoke(app, ["model", "check", str(report / "summary.yaml")]))
+    assert f"is a search report's summary, not a table; pass its folder {report}" in line, line
+
+
+def test_model_check_names_real_files_for_measured_rows_in_another_dtype(tmp_path, h200):
+    """An fp8 TP=8 plan's rows: the commands that measure such rows write a calibration of the 8
+    GPUs into a folder and add the fp8 GEMM profile to that file, which the search then reads."""
+    fp8, key = "float8_e4m3fn", H200_KEY.replace("-w2-", "-w8-")
+    row = {
+        "problem": {"m": 8192, "n": 8192, "k": 3584},
+        "engine": "copy_engine",
+        "settings": {"mode": "ring", "weights": [2, 1]},
+        "provenance": {"source": "fo-tune search", "mode": "predict", "predicted_ms": 0.5},
+        "basis": BASIS,
+    }
+    fingerprint = {**h200.fingerprint.to_dict(), "device_key": key, "world_size": 8}
+    table = tmp_path / f"reduce_scatter-w8-{fp8}.yaml"
+    table.write_text(
+        yaml.safe_dump(
+            {
+                "schema_version": 2,
+                "kind": "fo-tune-schedule-table",
+                "fingerprint": fingerprint,
+                "collective": "reduce_scatter",
+                "world_size": 8,
+                "dtype": fp8,
+                "rows": [row],
+            }
+        )
+    )
+    r = CliRunner().invoke(app, ["model", "check", str(table)])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    into = "calibration-w8/calibration.yaml"
+    assert (
+        "measured rows come from `fo-tune calibrate --world-size 8 --out calibration-w8`, then "
+        f"`fo-tune calibrate --world-size 1 --only gemm --dtype {fp8} --into {into}` and "
+        f"`fo-tune search --world-size 8 --dtype {fp8} --calibration {into}` on 8 GPUs"
+    ) in text, text
+    assert "CALIBRATION.yaml" not in text

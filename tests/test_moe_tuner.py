@@ -498,6 +498,14 @@ def test_search_moe_needs_the_experts(runner, tmp_path, monkeypatch):
     assert "are for -c moe" in line
 
 
+def test_search_moe_suite_at_a_world_size_dividing_no_model_names_the_counts(runner, tmp_path, monkeypatch):
+    isolate_tables(monkeypatch, tmp_path)
+    suite = str(Path(__file__).resolve().parents[1] / "suites" / "moe" / "experts.yaml")
+    line = assert_one_line_error(runner.invoke(app, ["search", "-c", "moe", "--shapes", suite, "-w", "3"]))
+    assert "no model's experts (E = 8, 128, 256) divide among 3 ranks" in line, line
+    assert "give a --world-size that divides one, or --experts H,I,E_local,k" in line, line
+
+
 def test_model_check_counts_moe_rows_beside_the_dense_ones(runner, tmp_path, monkeypatch):
     """The README's `fo-tune model check <tables>/<key>/*.yaml` after dense and MoE plans at one
     world size: the glob takes the MoE table too, whose predicted rows are counted with their

@@ -283,6 +283,9 @@ class Calibration:
     # The file it was read from ("": made in memory), for the commands a refusal names; not stored,
     # not compared (the same measurements read from two files are equal).
     file: str = field(default="", compare=False)
+    # An extrapolation's measured calibration (``extrapolate.py``), whose file its refusals name:
+    # what it lacks is measured at that world size and merged there; not stored, not compared.
+    origin: Calibration | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

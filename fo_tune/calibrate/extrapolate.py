@@ -162,5 +162,6 @@ def extrapolate(cal: Calibration, world_size: int) -> Calibration:
         bandwidth=points,
         fits=fit_all(points),
         basis=basis_text(cal, derived),
-        file="",  # (read from no file: its device key names none; the refusals name the measured one)
+        file="",  # (read from no file: its device key names none; the refusals name ``origin``'s)
+        origin=cal,
     )

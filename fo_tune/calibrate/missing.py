@@ -3,10 +3,13 @@ profile, a collective's bandwidth curve): the commands that measure it on the ca
 into a file the user owns (the file it was read from, or a copy of a packaged one named after its
 device key) and the search to run then, and that a machine without such GPUs cannot (``fo-tune
 calibrate --into`` refuses another GPU's measurements: ``fo_tune.calibrate.run.check_mergeable``).
-A calibration read from no file (measured or extrapolated in memory) is first written to a file
-by the command that measures it. ``fo-tune calibrate --dtype D`` for more than the GEMM profile is
-answered the same way (``gemm_only_refusal``). Also where the packaged calibrations are
-(``packaged_root``)."""
+A calibration read from no file (measured in memory) is first written to a file by the command that
+measures it; an extrapolated one's gaps go into its measured origin's file, measured at that world
+size (the GEMM profile on one GPU, the copy engine's section on two), never at the world size it
+stands in for. The engines' missing sections are answered the same way (``measure_into``), and the
+rows a plan lacks measurements for name the commands that measure them (``measured_rows``).
+``fo-tune calibrate --dtype D`` for more than the GEMM profile is answered the same way
+(``gemm_only_refusal``). Also where the packaged calibrations are (``packaged_root``)."""
 
 from __future__ import annotations
 
@@ -43,6 +46,9 @@ class _Target:
 
 
 def _target(cal: Calibration) -> _Target:
+    if cal.origin is not None:  # (an extrapolation: its measured calibration takes what it lacks)
+        t = _target(cal.origin)
+        return _Target(f"{t.named} extrapolated to world size {cal.world_size}", t.into, t.steps, t.dest)
     fp, source = cal.fingerprint, Path(cal.file) if cal.file else None
     root = packaged_root()
     packaged = source is not None and root is not None and source.resolve().is_relative_to(root.resolve())
@@ -90,13 +96,42 @@ def missing_curves(cal: Calibration, collectives: Sequence[str]) -> str:
     lacking = [c for c in collectives if c not in measured]
     if not lacking:
         return ""
-    t, fp = _target(cal), cal.fingerprint
+    t, measured = _target(cal), cal.origin or cal  # (an extrapolation's curves: its origin's, scaled)
     return (
-        f"{t.named} has no bandwidth curve for {', '.join(lacking)}. Measure it on {fp.world_size} GPUs "
-        f"of its model ({fp.gpu_name}) into {t.dest}: {t.steps}"
-        f"`{curve_command(cal, lacking, t.into)}`; then run this search again with `--calibration "
+        f"{t.named} has no bandwidth curve for {', '.join(lacking)}. Measure it on "
+        f"{measured.world_size} GPUs of its model ({cal.fingerprint.gpu_name}) into {t.dest}: {t.steps}"
+        f"`{curve_command(measured, lacking, t.into)}`; then run this search again with `--calibration "
         f"{t.into}`. A machine without such GPUs cannot measure it (calibrate refuses to merge another "
         "machine's measurements)"
+    )
+
+
+def measure_into(cal: Calibration, command: str, gpus: str) -> str:
+    """Where and how a part ``cal`` lacks is measured: ``command`` (``fo-tune calibrate
+    --world-size W --only PART``, run on ``gpus``, e.g. "two GPUs", of its model) merged with
+    ``--into`` into the file the user owns (for an extrapolation, its measured calibration's: the
+    part is measured at that world size, never at the one extrapolated to), and the option that
+    reads it then."""
+    t = _target(cal)
+    again = f" (at --world-size {cal.world_size} it is extrapolated again)" if cal.origin else ""
+    return (
+        f"{t.named} lacks it: measure it on {gpus} of its model ({cal.fingerprint.gpu_name}) into "
+        f"{t.dest}: {t.steps}`{command} --into {t.into}`; then pass `--calibration {t.into}`{again}"
+    )
+
+
+def measured_rows(world_size: int, dtype: str) -> str:
+    """The commands that make measured rows of a table of ``world_size`` GPUs in ``dtype``, run on
+    such GPUs: a calibration of them (in another dtype than bfloat16, one measured into a folder of
+    its own, then its GEMM profile in ``dtype`` added) and the search that reads it."""
+    search = f"fo-tune search --world-size {world_size}"
+    if dtype == "bfloat16":
+        return f"`fo-tune calibrate --world-size {world_size}` and `{search}`"
+    folder, steps = _new_calibration(world_size, f"w{world_size}")
+    into = shlex.quote(f"{folder}/calibration.yaml")
+    return (
+        f"{steps}`fo-tune calibrate --world-size 1 --only gemm --dtype {dtype} --into {into}` and "
+        f"`{search} --dtype {dtype} --calibration {into}`"
     )
 
 

@@ -17,7 +17,7 @@ from fo_tune.cli.common import console, handle_errors
 
 if TYPE_CHECKING:
     from fo_tune.calibrate.calibration import Calibration
-    from fo_tune.model.check import Checked
+    from fo_tune.model.check import Checked, Unmeasured
 
 HELP = "\n\n".join(
     [
@@ -44,7 +44,8 @@ CHECK_HELP = "\n\n".join(
         "packaged calibration (world size 2).",
         "Predicted rows that rest on an extrapolation or on another GPU's measurements (a row's "
         "basis, e.g. a TP=8 plan from the TP=2 calibration, or an fp8 plan from a sibling GPU's fp8 "
-        "GEMM profile) are counted per file with their basis: they have no measured error yet.",
+        "GEMM profile) are counted per file with their basis, as are the trials of a predict "
+        "search's report that rests on one: they have no measured error yet.",
         "Exit code 0 when printed; 2 for a missing or malformed file, files with neither a measured "
         "row nor such a predicted one, or a calibration without what an engine's term needs (its "
         "section and the command that measures it are named).",
@@ -103,15 +104,14 @@ _NK = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 KIND_PEEK_CHARS = 4096
 
 
-def _is_calibration(path: Path) -> bool:
-    """Whether ``path`` is a calibration YAML (top-level ``kind: fo-tune-calibration``)."""
-    from fo_tune.calibrate.calibration import CALIBRATION_KIND
-
+def _is_kind(path: Path, name: str) -> bool:
+    """Whether ``path`` is a YAML file of top-level ``kind: <name>`` (a calibration's or a search
+    report's summary, which are no tables)."""
     if path.suffix not in (".yaml", ".yml") or not path.is_file():
         return False
     with path.open(encoding="utf-8", errors="replace") as f:
         head = f.read(KIND_PEEK_CHARS)
-    kind = re.compile(rf"^kind:\s*['\"]?{re.escape(CALIBRATION_KIND)}['\"]?\s*$", re.MULTILINE)
+    kind = re.compile(rf"^kind:\s*['\"]?{re.escape(name)}['\"]?\s*$", re.MULTILINE)
     return kind.search(head) is not None
 
 
@@ -141,7 +141,9 @@ def _default_tables(cal: Calibration) -> list[Path]:
 def _files(files: list[Path] | None, cal: Calibration) -> list[Path]:
     """The tables and reports to read: ``files``, else the packaged tables of the calibration's
     device; ``CheckError`` when there are none or one does not exist."""
+    from fo_tune.calibrate.calibration import CALIBRATION_KIND
     from fo_tune.model.check import CheckError
+    from fo_tune.search.report import REPORT_KIND
 
     paths = list(files or []) or _default_tables(cal)
     if not paths:
@@ -149,9 +151,17 @@ def _files(files: list[Path] | None, cal: Calibration) -> list[Path]:
     for p in paths:
         if not p.exists():
             raise CheckError(f"{p}: no such table or report")
-        if _is_calibration(p):
+        if _is_kind(p, CALIBRATION_KIND):
             raise CheckError(f"{p} is a calibration, not a table or report; pass it as --calibration {p}")
+        if _is_kind(p, REPORT_KIND):
+            raise CheckError(f"{p} is a search report's summary, not a table; pass its folder {p.parent}")
     return paths
+
+
+def _label(u: Unmeasured) -> str:
+    """A table by its file name, a report's trials by their folder."""
+    source = Path(u.source)
+    return source.name if source.suffix != ".csv" else f"report {source.parent}"
 
 
 def _check_terms(cal: Calibration, rows: list, engines: set[str]) -> None:
@@ -196,6 +206,7 @@ def error_line(rows: list[Checked], what: str = "measured rows") -> str:
 
 @handle_errors
 def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
+    from fo_tune.calibrate.missing import measured_rows
     from fo_tune.engines import cost_model
     from fo_tune.model.check import CheckError, measured_in, unmeasured_in
 
@@ -204,18 +215,15 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     items = measured_in(paths)
     unmeasured = unmeasured_in(paths)
     for u in unmeasured:
-        w, d = u.world_size, "" if u.dtype == "bfloat16" else f" --dtype {u.dtype}"
-        calibrate = f"--world-size 1 --only gemm{d} --into CALIBRATION.yaml" if d else f"--world-size {w}"
+        w = u.world_size
         where = (
             "a measured MoE search is not built; `python bench/moe_ep.py --out DIR` times the "
             f"engines on {w} GPUs"
             if u.moe
-            else f"measured rows come from `fo-tune calibrate {calibrate}` and "
-            f"`fo-tune search --world-size {w}{d}` on {w} GPUs"
+            else f"measured rows come from {measured_rows(w, u.dtype)} on {w} GPUs"
         )
         console.print(
-            f"{Path(u.source).name}: {u.rows} predicted row(s) rest on: {u.basis}; no measured error "
-            f"yet ({where})",
+            f"{_label(u)}: {u.rows} predicted {u.what} rest on: {u.basis}; no measured error yet ({where})",
             markup=False,
             highlight=False,
         )

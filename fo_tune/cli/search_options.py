@@ -29,8 +29,9 @@ HELP = "\n\n".join(
         "the ring mode's chunk weightings, the tiled mode's chunks and tiles; all_gather: the ring "
         "mode only), as the search space's engines sections list them. No all_gather was measured "
         "on GPUs yet: its cost-model terms are unvalidated, and a predicted all_gather search needs "
-        "a calibration with an all_gather bandwidth curve (the packaged H200 one has none; the "
-        "error names the command that measures it).",
+        "a calibration with an all_gather bandwidth curve (the packaged H200 one has none: at "
+        "--world-size 2 the error names the command that measures it; at 3-8 its extrapolation "
+        "takes reduce_scatter's curve and its basis says so).",
         "-c moe plans the expert-parallel MoE FFN's table (its dispatch and combine All-to-All around "
         "the grouped GEMMs) for --experts H,I,E_local,k (or --shapes suites/moe/experts.yaml) and --tokens "
         "buckets, from a calibration's model only (--mode predict; the measured modes need two or more "
@@ -42,7 +43,9 @@ HELP = "\n\n".join(
         "<report root>/moe-w<W>-<dtype>-predict/<run>/ as below.",
         "Modes: predict (the cost model of a calibration prices every enumerated point, "
         "bounded, no GPU: the default without GPUs, with the packaged calibration for "
-        "--world-size; with --trials N a TPE study of N predictions instead), measure (a TPE "
+        "--world-size, at 3-8 the packaged TP=2 one extrapolated to that many GPUs of one NVSwitch "
+        "board, every row and the report stating that basis; with --trials N a TPE study of N "
+        "predictions instead), measure (a TPE "
         "study over the union, every trial checked against matmul + collective on the ranks, "
         "then timed back to back; the max over ranks), hybrid (the model ranks the space, the "
         "--top-k best and every engine's best are measured; the default with GPUs when this "
@@ -135,7 +138,8 @@ CalibrationOpt = Annotated[
         metavar="FILE",
         help="calibration.yaml of `fo-tune calibrate` for the model. Default: results/calibration/"
         "<device-key>/tp<N>/calibration.yaml here, else the packaged one (predict: the packaged H200 "
-        "calibration for --world-size).",
+        "calibration for --world-size, at 3-8 the TP=2 one extrapolated; one of a smaller world size "
+        "given here is extrapolated too).",
     ),
 ]
 TrialsOpt = Annotated[

@@ -219,7 +219,8 @@ def measured_in(paths: Iterable[Path]) -> list[Measured]:
 
 @dataclass(frozen=True, slots=True)
 class Unmeasured:
-    """Predicted rows of one table that share a ``basis``: nothing measured them yet."""
+    """Predicted rows of one table, or predicted trials of one search report, that share a
+    ``basis``: nothing measured them yet."""
 
     source: str  # the file
     basis: str
@@ -227,15 +228,20 @@ class Unmeasured:
     rows: int
     dtype: str = "bfloat16"  # the table's
     moe: bool = False  # rows of an MoE table (fo-tune search -c moe)
+    what: str = "row(s)"  # "trial(s)" for a report's
 
 
 def unmeasured_in(paths: Iterable[Path]) -> list[Unmeasured]:
     """The predicted rows with a basis in the tables of ``paths`` (``*.yaml``), by file and basis: a
-    dense row's ``basis``, an MoE row's ``provenance["basis"]``."""
+    dense row's ``basis``, an MoE row's ``provenance["basis"]``; and the predicted trials of the
+    search reports of ``paths`` whose request has a basis (``report_unmeasured``)."""
     from fo_tune.tables.kinds import load_any_table
 
     out: list[Unmeasured] = []
     for path in paths:
+        if path.is_dir() or path.suffix == ".csv":
+            out += report_unmeasured(path / "trials.csv" if path.is_dir() else path)
+            continue
         if path.suffix not in (".yaml", ".yml"):
             continue
         table = load_any_table(path)
@@ -253,6 +259,27 @@ def unmeasured_in(paths: Iterable[Path]) -> list[Unmeasured]:
             for basis, n in counts.items()
         ]
     return out
+
+
+def report_unmeasured(trials: Path) -> list[Unmeasured]:
+    """The completed predicted trials of a search report (``trials.csv``) whose request, in the
+    ``summary.yaml`` beside it, rests on a ``basis`` (a predict search from an extrapolated
+    calibration); none without that summary or basis."""
+    from fo_kernels.files import read_yaml
+
+    summary = trials.parent / "summary.yaml"
+    if not trials.is_file() or not summary.is_file():
+        return []
+    data = read_yaml(summary, error=CheckError, missing=CheckError, missing_hint="no search report summary")
+    request = data.get("request") if isinstance(data, dict) else None
+    if not isinstance(request, dict) or not request.get("basis"):
+        return []
+    with trials.open(newline="", encoding="utf-8") as f:
+        n = sum(1 for r in csv.DictReader(f) if r.get("mode") == "predict" and r.get("state") == "COMPLETE")
+    if not n:
+        return []
+    world, dtype = int(request.get("world_size", 0)), str(request.get("dtype", "bfloat16"))
+    return [Unmeasured(str(trials), str(request["basis"]), world, n, dtype, what="trial(s)")]
 
 
 def check_files(paths: Iterable[Path], model: CostModel) -> list[Checked]:

@@ -75,16 +75,20 @@ def experts_from_suite(path: Path, world_size: int) -> list[ExpertsShape]:
     models = data.get("models") if isinstance(data, Mapping) else None
     if not isinstance(models, list) or not models:
         raise MoeSearchError(f"{path}: models: expected a list of {{hidden, intermediate, experts, top_k}}")
-    out = []
+    out, counts = [], []
     for i, m in enumerate(models):
         try:
             h, inter, e, k = (int(m[key]) for key in ("hidden", "intermediate", "experts", "top_k"))
         except (KeyError, TypeError, ValueError):
             raise MoeSearchError(f"{path}: models[{i}]: needs hidden, intermediate, experts, top_k") from None
+        counts.append(e)
         if e % world_size == 0:
             out.append(ExpertsShape(hidden=h, intermediate=inter, experts=e // world_size, top_k=k))
     if not out:
-        raise MoeSearchError(f"{path}: no model's experts divide among {world_size} ranks")
+        raise MoeSearchError(
+            f"{path}: no model's experts (E = {', '.join(map(str, sorted(set(counts))))}) divide among "
+            f"{world_size} ranks; give a --world-size that divides one, or --experts H,I,E_local,k"
+        )
     return out
 
 

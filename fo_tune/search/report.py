@@ -42,6 +42,8 @@ from fo_tune.output import OutputError, check_ancestor, data_dir, replacing_fold
 from fo_tune.search import SearchResult, ShapeResult, TrialRecord
 
 REPORT_FILES = ("trials.csv", "summary.yaml", "history.png", "predicted_vs_measured.png")
+# summary.yaml's top-level kind (``fo-tune model check`` tells it from a table by it).
+REPORT_KIND = "fo-tune-search-report"
 PLOTS = ("history.png", "predicted_vs_measured.png")
 # Characters a host name keeps in a run id (the rest become "-").
 _HOST_DROP = re.compile(r"[^A-Za-z0-9.]+")
@@ -191,7 +193,7 @@ def summary(result: SearchResult) -> dict[str, Any]:
             }
         )
     return {
-        "kind": "fo-tune-search-report",
+        "kind": REPORT_KIND,
         "fingerprint": result.fingerprint.to_dict(),
         "request": {
             "collective": r.collective,

@@ -66,10 +66,10 @@ class CopyEngineMoeTerm:
         have = cal.copy_engine.params if cal.copy_engine is not None else {}
         missing = [name for name in PARAMS if name not in have]
         if missing:
-            return (
-                f"needs copy_engine.params.{missing[0]} in the calibration; measure it with "
-                f"`{CALIBRATE} --into CALIBRATION.yaml` (CALIBRATION.yaml: the file passed to --calibration)"
-            )
+            from fo_tune.calibrate.missing import measure_into
+
+            how = measure_into(cal, CALIBRATE, "two GPUs")
+            return f"needs copy_engine.params.{missing[0]} in the calibration; {how}"
         return ""
 
     def points(self, section: Mapping[str, Any], call: MoeCall) -> Iterator[dict[str, Any]]:

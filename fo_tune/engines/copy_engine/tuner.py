@@ -197,6 +197,7 @@ class CopyEngineTuner(EngineTuner):
         return peer_blocker(fingerprint, "data")
 
     def calibration_gap(self, cal: Calibration, collective: str) -> str:
+        from fo_tune.calibrate.missing import measure_into
         from fo_tune.engines.copy_engine.model import PARAMS as TERM_PARAMS
         from fo_tune.model.library import PARAMS as LIBRARY_PARAMS
 
@@ -204,11 +205,12 @@ class CopyEngineTuner(EngineTuner):
         if section is None:
             return (
                 "needs the calibration's copy_engine section (library GEMM chunks, peer copies, "
-                f"flags, host times, the sustained clock); measure it with `{CALIBRATE}`"
+                f"flags, host times, the sustained clock); {measure_into(cal, CALIBRATE, 'two GPUs')}"
             )
         missing = [name for name in (*LIBRARY_PARAMS, *TERM_PARAMS) if name not in section.params]
         if missing:
-            return f"needs copy_engine.params.{missing[0]} in the calibration; measure it with `{CALIBRATE}`"
+            how = measure_into(cal, CALIBRATE, "two GPUs")
+            return f"needs copy_engine.params.{missing[0]} in the calibration; {how}"
         return ""
 
     def probe_task(self) -> Any:

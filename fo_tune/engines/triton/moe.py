@@ -60,10 +60,10 @@ class TritonMoeTerm:
     @staticmethod
     def calibration_gap(cal: Calibration) -> str:
         if not any(p.status == "ok" for p in cal.gemm):
+            from fo_tune.calibrate.missing import measure_into
+
             return (
-                "needs the calibration's GEMM tile profile; measure it on one GPU of its model with "
-                f"`{CALIBRATE_GEMM} --into CALIBRATION.yaml` (CALIBRATION.yaml: the file passed to "
-                "--calibration)"
+                f"needs the calibration's GEMM tile profile; {measure_into(cal, CALIBRATE_GEMM, 'one GPU')}"
             )
         return ""
 

@@ -178,10 +178,10 @@ class TritonTuner(EngineTuner):
         if gap:
             return f"needs the calibration's bandwidth curve of {collective}: {gap}"
         if not any(p.status == "ok" for p in cal.gemm):
-            return (
-                "needs the calibration's GEMM tile profile (section gemm); measure it on one GPU of "
-                f"its model with `{CALIBRATE_GEMM} --into CALIBRATION.yaml` (the calibration's file)"
-            )
+            from fo_tune.calibrate.missing import measure_into
+
+            how = measure_into(cal, CALIBRATE_GEMM, "one GPU")
+            return f"needs the calibration's GEMM tile profile (section gemm); {how}"
         return ""
 
     # ------------------------------------------------------------------------------ the encoding
