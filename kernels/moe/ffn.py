@@ -17,7 +17,9 @@ def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     tensor's device type): each floating-point tensor but a float64 one cast to its dtype, since
     autocast does not cast a custom op's arguments; outside autocast, as they are."""
     device = tensors[0].device.type
-    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+    # (meta has no autocast state: torch raises for it. torch.amp.is_autocast_available would
+    # say so, but Dynamo cannot trace it in torch 2.11, so the one such device is named here.)
+    if device == "meta" or not torch.is_autocast_enabled(device):
         return tensors
     dtype = torch.get_autocast_dtype(device)
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
