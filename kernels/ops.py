@@ -313,7 +313,8 @@ def _save_meta(ctx, collective: str, inputs) -> None:
     a, b, name, _schedule, scale_a, *_ = inputs
     ctx.group_name = name
     ctx.fp8 = scale_a is not None
-    ctx.refused = _refused(collective, a, b, name)
+    # (eager, the op's forward has already refused such shapes: only a trace asks, off the hot path)
+    ctx.refused = torch.compiler.is_compiling() and _refused(collective, a, b, name)
     ctx.input_meta = fp8_input_meta(inputs) if ctx.fp8 or ctx.refused else None
 
 
