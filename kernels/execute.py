@@ -24,6 +24,13 @@ from fo_kernels.schedule import TORCH_DTYPES, Schedule, dtype_name
 from fo_kernels.table import lookup_schedule
 
 
+def check_tensors(a: object, b: object) -> None:
+    """``ShapeError`` naming an operand that is not a tensor (a list, a number)."""
+    for what, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(f"{what} must be a torch.Tensor (a 2-D matrix), got a {type(t).__name__}")
+
+
 def check_shapes(a: torch.Tensor, b: torch.Tensor) -> None:
     """``ShapeError`` unless ``a`` is (M, K) and ``b`` (K, N)."""
     if a.dim() != 2 or b.dim() != 2:
@@ -48,8 +55,7 @@ def _check_operands(
     scale_b: torch.Tensor | None,
     out_dtype: torch.dtype | None,
 ) -> tuple[BOperand, Scales | None]:
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        raise ShapeError("a and b must be torch tensors")
+    check_tensors(a, b)
     check_shapes(a, b)
     if 0 in a.shape or b.shape[1] == 0:
         raise ShapeError(f"empty operand: a {tuple(a.shape)}, b {tuple(b.shape)}")

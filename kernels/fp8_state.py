@@ -32,7 +32,7 @@ SCALE_KEY = "weight_scale"
 # (codes, scale) of a module's high-precision weight in checkpoint form.
 Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # The module's high-precision weight of (codes, scale) in checkpoint form.
-Dequantize = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
 
 def prepare_weight_state(
@@ -46,7 +46,8 @@ def prepare_weight_state(
     """Make ``state_dict``'s ``prefix``-ed weight (and scale) what a module whose weight is
     ``weight`` and, fp8, whose scale is ``scale`` holds (the table above), in place: ``quantize``
     for an fp8 module, ``dequantize`` for another one (and for an fp8 module's checkpoint of the
-    other scaling first: ``dequantize`` then gives a high-precision weight)."""
+    other scaling first: ``dequantize`` (codes, scale, dtype) then gives a float32 weight to
+    quantize; for a module that is not fp8, one in its weight's dtype)."""
     w_key, s_key = prefix + "weight", prefix + SCALE_KEY
     loaded = state_dict.get(w_key)
     if loaded is None or tuple(loaded.shape) != tuple(weight.shape):
@@ -66,7 +67,7 @@ def prepare_weight_state(
                 )
             state_dict[w_key], state_dict[s_key] = quantize(loaded)
         elif scale is not None and tuple(state_dict[s_key].shape) != tuple(scale.shape):
-            high = dequantize(loaded, state_dict[s_key])
+            high = dequantize(loaded, state_dict[s_key], torch.float32)
             state_dict[w_key], state_dict[s_key] = quantize(high)
     elif is_fp8(loaded.dtype):
-        state_dict[w_key] = dequantize(loaded, state_dict.pop(s_key))
+        state_dict[w_key] = dequantize(loaded, state_dict.pop(s_key), weight.dtype)

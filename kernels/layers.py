@@ -148,6 +148,14 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None, fp8: bool) -> torch.Te
     return _Fp8Refused.apply(y, bias, True) if fp8 and _needs_grad(y, bias) else y + bias
 
 
+def _add_bias_to_shard(y: torch.Tensor, bias: torch.Tensor | None, fp8: bool, name: str) -> torch.Tensor:
+    """``_add_bias`` for ``y``, this rank's dim-0 shard of a ReduceScatter's output: a bias that
+    trains (not fp8) goes through ``_ShardBias``, its gradient summed over group ``name``."""
+    if bias is not None and not fp8 and _needs_grad(y, bias):
+        return _ShardBias.apply(y, bias.to(y.dtype), name)
+    return _add_bias(y, bias, fp8)
+
+
 def _autocast_operands(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -317,10 +325,7 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
             prefix,
             self.weight,
             lambda w: quantize_weight(w, self.fp8, owner),
-            # (an fp8 layer dequantizes a checkpoint of the other scaling to float32, then quantizes)
-            lambda codes, scale: dequantize_weight(
-                codes, scale, torch.float32 if self.fp8 else self.weight.dtype
-            ),
+            dequantize_weight,
             self.weight_scale,
         )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -471,11 +476,9 @@ class RowParallelLinear(_ParallelLinear):
                 f"{world}: they must divide by it"
             )
         y = gemm_reduce_scatter(rows, weight.t(), schedule=self.schedule, group=self.group, **fp8)
-        if bias is not None and _needs_grad(y, bias) and not self.fp8:
-            y = _ShardBias.apply(y, bias.to(y.dtype), self.group_name)
-        else:
-            y = _add_bias(y, bias, self.fp8 is not None)
-        return y.reshape(self._out_shape(lead))
+        return _add_bias_to_shard(y, bias, self.fp8 is not None, self.group_name).reshape(
+            self._out_shape(lead)
+        )
 
     def _out_shape(self, lead: torch.Size) -> tuple[int, ...]:
         """The output's shape for an input of leading dims ``lead``: those dims, or with sequence

@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 from fo_kernels import ops
 from fo_kernels.engines import EngineResult
-from fo_kernels.errors import ShapeError
-from fo_kernels.execute import execute
+from fo_kernels.execute import check_tensors, execute
 from fo_kernels.groups import group_name
 from fo_kernels.scaling import check_scale_types
 from fo_kernels.schedule import Schedule
@@ -35,9 +34,7 @@ def _call(
     scale_b: torch.Tensor | None,
     out_dtype: torch.dtype | None,
 ) -> EngineResult:
-    for what, t in (("a", a), ("b", b)):  # (the ops' schema would refuse them with a RuntimeError)
-        if not isinstance(t, torch.Tensor):
-            raise ShapeError(f"{what} must be a torch.Tensor (a 2-D matrix), got a {type(t).__name__}")
+    check_tensors(a, b)  # (the ops' schema would refuse them with a RuntimeError)
     check_scale_types(scale_a, scale_b, out_dtype, a)  # (the ops' schema would refuse a number first)
     if ops.direct_call(a, b, scale_a, scale_b):
         return execute(

@@ -57,13 +57,13 @@ from fo_kernels.fp8_state import prepare_weight_state
 from fo_kernels.groups import resolve_group
 from fo_kernels.layers import (
     _add_bias,
+    _add_bias_to_shard,
     _autocast_operands,
     _fp8_operands,
     _keeping_dtypes,
     _local_fp8_matmul,
     _needs_grad,
     _ReplicatedInputMatmul,
-    _ShardBias,
 )
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.quantize import dequantize_weight, quantize_weight
@@ -197,9 +197,7 @@ def _load_hook(module: nn.Linear, state_dict: dict, prefix: str, *_args) -> None
         loaded = loaded.redistribute(weight.device_mesh, weight.placements)
         return _quantize_dtensor(loaded, plan, f"an fp8 {type(module).__name__}")
 
-    def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        # (an fp8 module dequantizes a checkpoint of the other scaling to float32, then quantizes)
-        dtype = torch.float32 if plan.fp8 is not None else weight.dtype
+    def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         local = dequantize_weight(codes.to_local(), _local(scale), dtype)
         return DTensor.from_local(
             local, codes.device_mesh, codes.placements, run_check=False, shape=codes.shape,
@@ -448,10 +446,7 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         rows, fp8 = _fp8_rows(module, plan, local.reshape(-1, local.shape[-1]))
         y = gemm_reduce_scatter(rows, weight.t(), group=plan.group, **fp8)
         y = y.view(local.shape[0] // plan.world_size, *local.shape[1:-1], weight.shape[0])
-        if bias is not None and _needs_grad(y, bias) and plan.fp8 is None:
-            y = _ShardBias.apply(y, bias.to(y.dtype), plan.group_name)
-        else:
-            y = _add_bias(y, bias, plan.fp8 is not None)
+        y = _add_bias_to_shard(y, bias, plan.fp8 is not None, plan.group_name)
         y = _moved_back(y, d)
     if plan.use_local_output:
         return y

@@ -97,13 +97,13 @@ def check_scale_types(scale_a: object, scale_b: object, out_dtype: object = None
     eagerly, also a scale on another device: through the dispatcher a meta scale beside real
     operands would run the op's fake implementation, an output of uninitialized memory. (Traced,
     the op checks its scales when the graph runs: Dynamo makes another error of a raise here.)"""
+    fp8 = isinstance(a, torch.Tensor) and is_fp8(a.dtype)
     for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
         if scale is not None and not isinstance(scale, torch.Tensor):
             raise ScaleError(
                 f"{name} is a {type(scale).__name__}; scales are float32 tensors (0-dim tensorwise, "
                 "or rowwise), as torch._scaled_mm's"
             )
-        fp8 = isinstance(a, torch.Tensor) and is_fp8(a.dtype)
         if fp8 and scale is not None and scale.device != a.device and not torch.compiler.is_compiling():
             raise ScaleError(f"{name} is on {scale.device} but the operands are on {a.device}")
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
