@@ -745,7 +745,7 @@ def test_tune_plan_stage_asks_what_the_offline_calibration_prices(tmp_path, worl
     import typer
 
     from fo_tune.calibrate.find import choose_calibration
-    from fo_tune.model.profiles import missing_curve
+    from fo_tune.calibrate.missing import missing_curves
 
     root = packaged_suite().parents[1]
     log = tmp_path / "calls"
@@ -767,7 +767,7 @@ def test_tune_plan_stage_asks_what_the_offline_calibration_prices(tmp_path, worl
     assert cal is not None and cal.world_size == world
     collectives = ",".join(params["collective"]).split(",")
     assert "all_reduce" in collectives and ("all_gather" in collectives) == (world > 2)
-    assert not [gap for c in collectives if (gap := missing_curve(cal, c))]
+    assert not [gap for c in collectives if (gap := missing_curves(cal, [c]))]
 
 
 def test_script_inputs_narrow_a_space(tmp_path, capsys):

@@ -96,11 +96,11 @@ def missing_curves(cal: Calibration, collectives: Sequence[str]) -> str:
     lacking = [c for c in collectives if c not in measured]
     if not lacking:
         return ""
-    t, measured = _target(cal), cal.origin or cal  # (an extrapolation's curves: its origin's, scaled)
+    t, source = _target(cal), cal.origin or cal  # (an extrapolation's curves: its origin's, scaled)
     return (
         f"{t.named} has no bandwidth curve for {', '.join(lacking)}. Measure it on "
-        f"{measured.world_size} GPUs of its model ({cal.fingerprint.gpu_name}) into {t.dest}: {t.steps}"
-        f"`{curve_command(measured, lacking, t.into)}`; then run this search again with `--calibration "
+        f"{source.world_size} GPUs of its model ({cal.fingerprint.gpu_name}) into {t.dest}: {t.steps}"
+        f"`{curve_command(source, lacking, t.into)}`; then run this search again with `--calibration "
         f"{t.into}`. A machine without such GPUs cannot measure it (calibrate refuses to merge another "
         "machine's measurements)"
     )

@@ -10,8 +10,8 @@
   collective asked for; of every calibrated collective where it has none, which its ``matched``
   says: all_gather beside the GEMM was never measured on GPUs).
 
-``missing_curve`` says what a collective's curve lacks, with the commands that measure it
-(``fo_tune.calibrate.missing``).
+A collective without a curve is refused with what ``fo_tune.calibrate.missing.missing_curves``
+says: the commands that measure it.
 """
 
 from __future__ import annotations
@@ -78,12 +78,6 @@ def last_wave_share(tail: TailPlan, k_tiles: int) -> float:
     if tail.share:
         return min(1.0, (tail.share + STREAM_K_OVERHEAD_BLOCKS) / k_tiles)
     return 1.0
-
-
-def missing_curve(cal: Calibration, collective: str) -> str:
-    """ "" when ``cal`` has a bandwidth curve of ``collective``, else what is missing and the
-    commands that measure it into a file the user owns (``fo_tune.calibrate.missing``)."""
-    return missing_curves(cal, [collective])
 
 
 def _fit_waves(points: Sequence[GemmPoint]) -> _WaveFit:
@@ -191,7 +185,7 @@ class Curves:
     def _curve(self, collective: str, cap: int) -> list[BandwidthPoint]:
         caps = sorted(c for (name, c) in self._curves if name == collective)
         if not caps:
-            raise CalibrationError(missing_curve(self.cal, collective))
+            raise CalibrationError(missing_curves(self.cal, [collective]))
         use = cap if cap in caps else min(caps, key=lambda c: (abs(c - cap), c))
         return self._curves[(collective, use)]
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fo_tune.calibrate.calibration import Calibration, CalibrationError
-from fo_tune.model.profiles import Curves, missing_curve
+from fo_tune.calibrate.missing import missing_curves
+from fo_tune.model.profiles import Curves
 
 # NVLink per direction on H100 / H200 (NV18: 18 links x 25 GB/s; the design brief's "What others
 # reach at TP=4/8 on Hopper": 450 GB/s per direction, a copy-engine peer copy ~380 GB/s one way on
@@ -76,4 +77,4 @@ def all_to_all_curve(cal: Calibration) -> AllToAllCurve:
             floor = f", at most NVLink's {NVLINK_GBS:g} GB/s a direction" if nvlink else ""
             basis = f"all_to_all from the {name} curve ({size}: the same bytes on each rank's links{floor})"
             return AllToAllCurve(curves, name, scale, cal.world_size, wire, basis)
-    raise CalibrationError(missing_curve(cal, "all_to_all"))
+    raise CalibrationError(missing_curves(cal, ["all_to_all"]))

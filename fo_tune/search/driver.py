@@ -144,9 +144,9 @@ def _model(request: SearchRequest, fp: Fingerprint) -> CostModel | None:
     model = cost_model(cal)
     if not model.knows_collective(request.collective):
         if request.mode != "measure":
-            from fo_tune.model.profiles import missing_curve
+            from fo_tune.calibrate.missing import missing_curves
 
-            raise SearchError(missing_curve(cal, request.collective))
+            raise SearchError(missing_curves(cal, [request.collective]))
         return None  # measure mode runs without predictions
     return model
 

@@ -172,9 +172,9 @@ class TritonTuner(EngineTuner):
         return ""
 
     def calibration_gap(self, cal: Calibration, collective: str) -> str:
-        from fo_tune.model.profiles import missing_curve
+        from fo_tune.calibrate.missing import missing_curves
 
-        gap = missing_curve(cal, collective)
+        gap = missing_curves(cal, [collective])
         if gap:
             return f"needs the calibration's bandwidth curve of {collective}: {gap}"
         if not any(p.status == "ok" for p in cal.gemm):
