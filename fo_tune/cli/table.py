@@ -308,10 +308,11 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
     then reads it for those calls and refuses it (another world size, collective, dtype or GPU)."""
     import re
 
-    from fo_kernels.fingerprint import read_device_key
+    from fo_kernels.errors import TableError
     from fo_kernels.moe.table import MOE_TABLE_PREFIX, MoeTable, moe_table_filename
     from fo_kernels.schedule import COLLECTIVES, DTYPES
     from fo_kernels.table import table_filename
+    from fo_tune.tables.find import check_machine
 
     if isinstance(table, MoeTable):
         name = moe_table_filename(table.world_size, table.dtype)
@@ -320,12 +321,14 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
     expected = Path(table.fingerprint.device_key) / name
     if (path.parent.name, path.name) == expected.parts:
         return None, None
-    folder, have = read_device_key(path.parent.name), read_device_key(expected.parts[0])
-    if path.name == name and folder and have and folder["compute_capability"] != have["compute_capability"]:
-        return None, (
-            f"lookup reads this file for device key {path.parent.name}'s calls and refuses it (its "
-            f"fingerprint is device key {expected.parts[0]}); move it to {path.parent.parent / expected}"
-        )
+    if path.name == name:
+        try:
+            check_machine(path, table.fingerprint, path.parent.name)
+        except TableError:
+            return None, (
+                f"lookup reads this file for device key {path.parent.name}'s calls and refuses it (its "
+                f"fingerprint is device key {expected.parts[0]}); move it to {path.parent.parent / expected}"
+            )
     kinds = "|".join((*COLLECTIVES, MOE_TABLE_PREFIX))
     if path.name != name and re.fullmatch(rf"({kinds})-w\d+-({'|'.join(DTYPES)})\.yaml", path.name):
         return None, (
