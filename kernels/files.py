@@ -56,6 +56,8 @@ def read_yaml(
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise missing(f"{path}: {missing_hint}") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a folder, not a YAML file; name the file in it") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise error(f"{path}: cannot read: {exc}") from None
     try:

@@ -22,6 +22,7 @@ from fo_tune.calibrate.calibration import (
     CALIBRATION_SCHEMA_VERSION,
     BandwidthPoint,
     Calibration,
+    CalibrationError,
     CurveFit,
     GemmPoint,
     InterferencePoint,
@@ -135,6 +136,13 @@ def test_quick_calibration_yaml(quick_run):
         assert p.comm_slowdown > 0 and p.gemm_slowdown > 0
         assert not p.concurrent  # the CPU runs the two one after the other
     assert cal.gemm and all(p.status == "ok" and p.cublas_ms > 0 for p in cal.gemm)
+
+
+def test_a_calibration_folder_stands_for_its_yaml_and_another_folder_is_refused(quick_run, tmp_path):
+    _, out = quick_run
+    assert load_calibration(out) == load_calibration(out / "calibration.yaml")
+    with pytest.raises(CalibrationError, match=r"is a folder, not a YAML file; name the file in it$"):
+        load_calibration(tmp_path)
 
 
 def test_three_ranks_two_collectives(tmp_path):

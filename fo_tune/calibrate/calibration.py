@@ -414,13 +414,20 @@ def _library_ratio(base: list[GemmPoint], other: list[GemmPoint]) -> float:
 K_WORK = 2**30
 
 
+# The calibration's own file in a calibration folder (``fo-tune calibrate`` writes it there).
+CALIBRATION_FILE = "calibration.yaml"
+
+
 def save_calibration(cal: Calibration, path: Path) -> None:
     """Write ``cal`` as YAML atomically (temporary file in the same folder, then rename)."""
     atomic_write(path, lambda f: yaml.safe_dump(cal.to_dict(), f, sort_keys=False, width=120))
 
 
 def load_calibration(path: str | Path) -> Calibration:
-    """Read and validate a calibration YAML."""
+    """Read and validate a calibration YAML; a folder stands for the ``calibration.yaml`` in it
+    (the file ``fo-tune calibrate`` writes into its output folder)."""
+    if Path(path).is_dir() and (Path(path) / CALIBRATION_FILE).is_file():
+        path = Path(path) / CALIBRATION_FILE
     data = read_yaml(
         path,
         error=CalibrationError,

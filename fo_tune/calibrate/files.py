@@ -30,6 +30,7 @@ import yaml
 
 from fo_kernels.files import SAFE_LOADER, atomic_write
 from fo_tune.calibrate.calibration import (
+    CALIBRATION_FILE,
     BandwidthPoint,
     Calibration,
     CalibrationError,
@@ -83,7 +84,7 @@ CALIBRATION_FILES = (
     "interference.csv",
     "gemm_profile.csv",
     "fits.csv",
-    "calibration.yaml",
+    CALIBRATION_FILE,
     "bandwidth.png",
     "interference.png",
 )
@@ -209,7 +210,7 @@ def write_calibration_dir(cal: Calibration, out_dir: str | Path) -> list[Path]:
     check_calibration_out(out_dir, cal.fingerprint.device_key)
     with replacing_folder(out_dir) as tmp:
         _write_tables(cal, tmp)
-        save_calibration(cal, tmp / "calibration.yaml")
+        save_calibration(cal, tmp / CALIBRATION_FILE)
         _plot_bandwidth(cal, tmp / "bandwidth.png")
         _plot_interference(cal, tmp / "interference.png")
     return [Path(out_dir) / name for name in CALIBRATION_FILES]

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from fo_kernels.fingerprint import current_fingerprint
-from fo_tune.calibrate.calibration import Calibration, CalibrationError, load_calibration
+from fo_tune.calibrate.calibration import CALIBRATION_FILE, Calibration, CalibrationError, load_calibration
 from fo_tune.calibrate.extrapolate import NVSWITCH_BOARD_GPUS, extrapolate
 from fo_tune.calibrate.files import DEFAULT_ROOT
 from fo_tune.calibrate.missing import missing_profile, packaged_root
@@ -26,7 +26,7 @@ def packaged_calibration(device_key: str | None, world_size: int) -> Path | None
     for folder in sorted(root.iterdir()):
         if device_key is not None and folder.name != device_key:
             continue
-        path = folder / f"tp{world_size}" / "calibration.yaml"
+        path = folder / f"tp{world_size}" / CALIBRATION_FILE
         if path.is_file():
             return path
     return None
@@ -34,7 +34,7 @@ def packaged_calibration(device_key: str | None, world_size: int) -> Path | None
 
 def find_calibration(device_key: str, world_size: int) -> Path | None:
     """This machine's calibration: under results/calibration here, else the packaged one."""
-    local = DEFAULT_ROOT / device_key / f"tp{world_size}" / "calibration.yaml"
+    local = DEFAULT_ROOT / device_key / f"tp{world_size}" / CALIBRATION_FILE
     if local.is_file():
         return local
     return packaged_calibration(device_key, world_size)
