@@ -498,6 +498,7 @@ def test_time_budget_stops_early(tmp_path):
         (["--shape", "64x64x64", "--mode", "fast"], "--mode"),
         (["--shape", "64x64x64", "--m-range", "9:3"], "LO <= HI"),
         (["--shape", "64x64x64", "--trials", "0"], "--trials"),
+        (["--shape", "64x64x64", "--mode", "measure", "--confirm-rounds", "0"], "--confirm-rounds"),
         (["--shape", "64x64x64", "--calibration", "missing.yaml"], "missing.yaml"),
         (["--shape", "4096x8192x4096", "--dtype", "float32"], "bfloat16"),
         (["--shape", "64x64x64", "-c", ","], "--collective"),
@@ -617,6 +618,8 @@ def test_measure_mode_end_to_end_on_gloo(tmp_path, monkeypatch):
         "4",
         "--reps",
         "2",
+        "--confirm-rounds",
+        "2",
         "-c",
         "all_reduce,reduce_scatter",
         "--out",
@@ -651,7 +654,8 @@ def test_measure_mode_all_gather_on_gloo(tmp_path, monkeypatch):
     out = tmp_path / "o"
     r = search(
         "--mode", "measure", "--shape", "256x64x32", "-c", "all_gather", "--world-size", "2",
-        "--backend", "gloo", "--trials", "3", "--reps", "2", "--dtype", "float32", "--out", str(out),
+        "--backend", "gloo", "--trials", "3", "--reps", "2", "--confirm-rounds", "2", "--dtype", "float32",
+        "--out", str(out),
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     import torch
@@ -704,6 +708,8 @@ def test_sigkill_then_rerun_loses_no_completed_trial(tmp_path):
         "--trials",
         "6",
         "--reps",
+        "2",
+        "--confirm-rounds",
         "2",
         "--storage",
         f"sqlite:///{db}",
@@ -769,6 +775,8 @@ def test_hybrid_measures_only_the_models_top_k(tmp_path, cpu_calibration):
         "2",
         "--reps",
         "2",
+        "--confirm-rounds",
+        "2",
         "--out",
         str(out),
     )
@@ -795,7 +803,7 @@ def test_hybrid_all_gather_on_gloo(tmp_path):
     r = search(
         "--mode", "hybrid", "--calibration", str(cal / "calibration.yaml"), "--shape", "256x64x32",
         "-c", "all_gather", "--dtype", "float32", "--world-size", "2", "--backend", "gloo", "--top-k", "2",
-        "--reps", "2", "--out", str(out),
+        "--reps", "2", "--confirm-rounds", "2", "--out", str(out),
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     report = run_report(out / "report" / "all_gather-w2-float32-hybrid")
@@ -860,6 +868,8 @@ def test_three_ranks_search_and_bench(tmp_path):
         "--trials",
         "3",
         "--reps",
+        "2",
+        "--confirm-rounds",
         "2",
         "-c",
         "reduce_scatter",

@@ -43,6 +43,7 @@ from fo_tune.cli.search_options import (
     BudgetOpt,
     CalibrationOpt,
     CollectiveOpt,
+    ConfirmRoundsOpt,
     EngineOpt,
     ExhaustiveOpt,
     ExpertsOpt,
@@ -61,6 +62,7 @@ from fo_tune.cli.search_options import (
     TopKOpt,
     TrialsOpt,
 )
+from fo_tune.ranks import CONFIRM_ROUNDS
 
 if TYPE_CHECKING:
     from fo_kernels.schedule import Schedule
@@ -81,6 +83,7 @@ DENSE_ONLY_OPTIONS = {
     "exhaustive": "--exhaustive",
     "backend": "--backend",
     "reps": "--reps",
+    "confirm_rounds": "--confirm-rounds",
     "seed": "--seed",
     "allow_slow": "--allow-slow",
 }
@@ -215,6 +218,7 @@ def search(
     out: OutOpt = None,
     backend: BackendOpt = "auto",
     reps: RepsOpt = 10,
+    confirm_rounds: ConfirmRoundsOpt = CONFIRM_ROUNDS,
     seed: SeedOpt = 0,
     engine: EngineOpt = None,
     json_out: JsonOpt = False,
@@ -314,6 +318,7 @@ def search(
                 engines=engines,
                 seed=seed,
                 reps=reps,
+                confirm_rounds=confirm_rounds,
                 table_dir=tables_root,
             )
             for name in collectives

@@ -205,6 +205,14 @@ JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print the summary as JSON on stdout (progress goes to stderr).")
 ]
 RepsOpt = Annotated[int, typer.Option("--reps", "-r", help="Timed samples per measured trial (median).")]
+ConfirmRoundsOpt = Annotated[
+    int,
+    typer.Option(
+        "--confirm-rounds",
+        help="measure / hybrid: rounds of the side-by-side re-timing that decides each row (its best "
+        "schedules, the fallback and the sequential baseline, each timed once per round).",
+    ),
+]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Sampler and input seed.")]
 EngineOpt = Annotated[
     list[str] | None,

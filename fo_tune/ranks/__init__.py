@@ -8,3 +8,9 @@ and reduced grids beside cuBLAS), ``checks`` (a schedule against float64 before 
 ``trials`` (the search's trials, baselines and confirmations). An engine's own tasks live with the
 engine (``fo_tune.engines.copy_engine.probe``).
 """
+
+# The default rounds of a confirmation (``trials.ConfirmTask``): each round times every variant
+# once, in turn. ``fo-tune search --confirm-rounds`` takes fewer on the CPU, where one call of
+# Triton's interpreter takes 0.1-0.2 s. (Here, not in ``trials``, so the CLI's option default
+# names it without importing torch.)
+CONFIRM_ROUNDS = 15

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fo_kernels.schedule import Problem, Schedule
+from fo_tune.ranks import CONFIRM_ROUNDS
 from fo_tune.ranks.checks import _check_schedule, _gathered, _op, _sequential_call, call_operands, reference
 from fo_tune.ranks.collectives import collective_call
 from fo_tune.ranks.gemm import GEMM_TOL, operand_seed, rel_err
@@ -34,7 +35,7 @@ class ConfirmTask:
     k: int
     seed: int
     warmup: int = 3
-    rounds: int = 15
+    rounds: int = CONFIRM_ROUNDS
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
         s0 = self.schedules[0]

@@ -98,7 +98,9 @@ def run_search(request: SearchRequest, reporter: Reporter | None = None) -> Sear
                     f"the calibration is for {cal.fingerprint.device_key}, these ranks are {fp.device_key}; "
                     "calibrate this machine with `fo-tune calibrate` or pass its --calibration"
                 )
-        return _run(request, fp, Measurer(pool, request.reps, request.seed), rep, t0, storage)
+        return _run(
+            request, fp, Measurer(pool, request.reps, request.seed, request.confirm_rounds), rep, t0, storage
+        )
 
 
 def check_exhaustive_size(request: SearchRequest, fp: Fingerprint) -> None:

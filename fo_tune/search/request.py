@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fo_kernels.errors import FoTuneError
 from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
 from fo_tune.engines import engine_names, get_tuner
+from fo_tune.ranks import CONFIRM_ROUNDS
 from fo_tune.ranks.limits import (
     Target,
     check_fp8_shapes,
@@ -60,6 +61,7 @@ class SearchRequest:
     engines: tuple[str, ...] | None = None  # None: every registered engine that can run here
     seed: int = 0
     reps: int = 10
+    confirm_rounds: int = CONFIRM_ROUNDS  # measure / hybrid: rounds of the re-timing that decides a row
     table_dir: Path | None = None  # None: no table written (the caller writes)
 
     def trial_count(self) -> int:
@@ -100,6 +102,8 @@ def _check_counts(request: SearchRequest) -> None:
         raise SearchError("no shape to search: give --shape MxNxK (repeatable) or --shapes FILE")
     if request.trials is not None and request.trials < 1:
         raise SearchError(f"--trials must be >= 1, got {request.trials}")
+    if request.confirm_rounds < 1:
+        raise SearchError(f"--confirm-rounds must be >= 1, got {request.confirm_rounds}")
     if request.top_k < 1:
         raise SearchError(f"--top-k must be >= 1, got {request.top_k}")
     if request.time_budget_s is not None and not request.time_budget_s > 0:

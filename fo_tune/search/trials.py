@@ -15,6 +15,7 @@ from typing import Any
 
 from fo_kernels.schedule import Schedule
 from fo_tune.model import CostModel
+from fo_tune.ranks import CONFIRM_ROUNDS
 from fo_tune.ranks.launch import Pool
 from fo_tune.ranks.timing import Timing
 from fo_tune.ranks.trials import ConfirmTask, OverlapTrialTask, SequentialTask
@@ -24,9 +25,10 @@ from fo_tune.search.encoding import Infeasible, UnionEncoding, describe_attrs, p
 class Measurer:
     """Runs trials and baselines on the pool's ranks (max over ranks)."""
 
-    def __init__(self, pool: Pool, reps: int, seed: int) -> None:
+    def __init__(self, pool: Pool, reps: int, seed: int, confirm_rounds: int = CONFIRM_ROUNDS) -> None:
         self.pool = pool
         self.reps = reps
+        self.confirm_rounds = confirm_rounds
         self.seed = seed
         self.count = 0
         self._why: dict[str, str] = {}
@@ -54,7 +56,9 @@ class Measurer:
 
     def confirm(self, schedules: Sequence[Schedule], shape: tuple[int, int, int]) -> dict[str, Any]:
         m, n, k = shape
-        per_rank = self.pool.run(ConfirmTask(tuple(schedules), m, n, k, seed=self.seed + 1))
+        per_rank = self.pool.run(
+            ConfirmTask(tuple(schedules), m, n, k, seed=self.seed + 1, rounds=self.confirm_rounds)
+        )
         timings = []
         for i in range(len(schedules)):
             ts = [r["timings"][i] for r in per_rank]
