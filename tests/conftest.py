@@ -6,6 +6,7 @@ import fo_kernels. A GPU run sets TRITON_INTERPRET=0 itself and selects ``-m "gp
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -15,9 +16,15 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 # ranks inherit it): the tests' tensors are tiny, and two pytest workers whose gloo ranks each
 # start a thread per core oversubscribe the cores (~13% more CPU time for the gloo tests on 2).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Triton's interpreter without its per-call listing of triton.language (tests/interpreter_site):
+# in this process now, and in every process it starts through PYTHONPATH.
+_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "interpreter_site")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
+_spec = importlib.util.spec_from_file_location("fo_tests_site", os.path.join(_SITE, "sitecustomize.py"))
+_spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 
-import pytest
-import torch
+import pytest  # noqa: E402 (after the environment above)
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

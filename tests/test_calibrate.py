@@ -148,8 +148,9 @@ def test_a_calibration_folder_stands_for_its_yaml_and_another_folder_is_refused(
 def test_three_ranks_two_collectives(tmp_path):
     out = tmp_path / "tp3"
     result = calibrate(
-        "--world-size", "3", "--quick", "--collectives", "all_reduce,reduce_scatter", "--out", str(out)
-    )
+        "--world-size", "3", "--quick", "--only", "bandwidth", "--collectives", "all_reduce,reduce_scatter",
+        "--out", str(out),
+    )  # fmt: skip
     assert result.exit_code == 0, (result.output, result.exception)
     cal = load_calibration(out / "calibration.yaml")
     assert cal.world_size == 3 and cal.fingerprint.world_size == 3
@@ -162,7 +163,7 @@ def test_three_ranks_two_collectives(tmp_path):
 
 def test_default_out_then_a_rerun_replaces_the_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = ("--world-size", "2", "--quick", "--collectives", "all_reduce")
+    args = ("--world-size", "2", "--quick", "--only", "bandwidth", "--collectives", "all_reduce")
     assert calibrate(*args).exit_code == 0
     out = Path("results/calibration") / current_fingerprint("cpu", 2).device_key / "tp2"
     assert {p.name for p in out.iterdir()} == FILES
