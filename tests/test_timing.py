@@ -14,6 +14,24 @@ def test_timing_max_over_takes_the_slowest_rank():
     assert t == Timing(3.0, 0.9, 7, 0.2)
 
 
+def test_the_cpu_warms_up_once_and_a_gpu_as_asked():
+    """Off the GPU a call's one-time costs are paid by its first call: three warm-up calls asked
+    for become ``CPU_WARMUP``, in time_region and time_interleaved alike; a GPU makes all three."""
+    import torch
+
+    from fo_tune.ranks.timing import CPU_WARMUP, time_interleaved, time_region, warmup_calls
+
+    calls: list[str] = []
+    time_region(lambda: calls.append("r"), torch.device("cpu"), warmup=3, reps=2, inner=1)
+    assert len(calls) == CPU_WARMUP + 2 == 3
+    calls.clear()
+    time_interleaved(
+        {"x": lambda: calls.append("x")}, torch.device("cpu"), warmup=3, rounds=2, min_sample_ms=0
+    )
+    assert len(calls) == CPU_WARMUP + 1 + 2  # the warm-up, the one-call probe, two one-call samples
+    assert warmup_calls(3, torch.device("cuda", 0)) == 3 and warmup_calls(0, torch.device("cpu")) == 0
+
+
 def test_time_interleaved_alternates_the_variants():
     """Each round samples every variant once, in order, so a drift hits them all alike. The
     variants sleep 2, 10 and 20 ms: each median is its sleep per call, within a late wake-up

@@ -30,7 +30,9 @@ def _timed_median(call: Callable[[], Any], reps: int, device: Any, warmup: int =
     import torch
     import torch.distributed as dist
 
-    for _ in range(warmup):
+    from fo_tune.ranks.timing import warmup_calls
+
+    for _ in range(warmup_calls(warmup, device)):
         call()
     cuda = device.type == "cuda"
     times: list[float] = []

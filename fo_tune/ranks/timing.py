@@ -60,6 +60,16 @@ MAX_INNER = 64
 # power-limited clock (docs/design.md#timing, #power-limit). The search's many trials keep
 # MIN_SAMPLE_MS.
 STEADY_SAMPLE_MS = 16.0
+# Warm-up calls on the CPU, whatever a caller asks: a GPU's warm-up loads and compiles kernels,
+# picks library algorithms and raises clocks, while the CPU's only one-time cost (Triton's
+# interpreter and gloo set up on first use) is paid by the first call; each further warm-up call of
+# an interpreted op costs 0.1-0.5 s.
+CPU_WARMUP = 1
+
+
+def warmup_calls(warmup: int, device: torch.device) -> int:
+    """The warm-up calls to make on ``device``: ``warmup``, at most ``CPU_WARMUP`` off the GPU."""
+    return warmup if device.type == "cuda" else min(warmup, CPU_WARMUP)
 
 
 def comparison_sample_ms(on_gpu: bool) -> float:
@@ -77,14 +87,15 @@ def time_region(
     inner: int | None = None,
     agree: bool = False,
 ) -> Timing:
-    """Time ``fn`` ``reps`` times after ``warmup`` calls; each sample runs ``inner`` calls back to
-    back (default: enough for ``MIN_SAMPLE_MS``) and reports the time per call.
+    """Time ``fn`` ``reps`` times after ``warmup`` calls (``warmup_calls``); each sample runs
+    ``inner`` calls back to back (default: enough for ``MIN_SAMPLE_MS``) and reports the time per
+    call.
 
     CUDA events bracket each sample on the current stream; on the CPU ``perf_counter`` does.
     ``agree``: ``fn`` is a collective, so every rank must make the same number of calls; the ranks
     take the largest ``inner`` (an all_reduce on the default group).
     """
-    for _ in range(warmup):
+    for _ in range(warmup_calls(warmup, device)):
         fn()
     if inner is None:
         one = _samples(fn, device, reps=1, inner=1)[0]
@@ -140,7 +151,7 @@ def time_interleaved(
     names = list(fns)
     inners = []
     for name in names:
-        for _ in range(warmup):
+        for _ in range(warmup_calls(warmup, device)):
             fns[name]()
         one = _samples(fns[name], device, reps=1, inner=1)[0]
         inners.append(max(1, min(MAX_INNER, math.ceil(min_sample_ms / max(one, 1e-6)))))
