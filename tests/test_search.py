@@ -512,6 +512,16 @@ def test_time_budget_stops_early(tmp_path):
         (["--shape", "64x64x64", "--engine", "nvshmem"], "triton, copy_engine"),
         (["--shape", "64x64x64", "--engine", ","], "--engine"),
         ([], "--shape"),
+        # an option the search's mode would not read (the default here is predict: no GPU)
+        (["--shape", "64x64x64", "--top-k", "3"], "--top-k applies to --mode hybrid"),
+        (["--shape", "64x64x64", "-m", "measure", "-k", "3"], "this search is --mode measure:"),
+        (["--shape", "64x64x64", "-m", "hybrid", "--trials", "5"], "leave --trials out"),
+        (["--shape", "64x64x64", "-m", "measure", "--exhaustive", "-n", "5"], "--exhaustive runs every"),
+        (["--shape", "64x64x64", "--time-budget", "9"], "or give --trials N"),
+        (["--shape", "64x64x64", "-m", "predict", "--exhaustive", "--time-budget", "9"], "--time-budget"),
+        (["--shape", "64x64x64", "--reps", "3"], "--reps applies to the searches that time on ranks"),
+        (["--shape", "64x64x64", "--backend", "gloo"], "leave --backend out"),
+        (["--shape", "64x64x64", "--allow-slow"], "leave --allow-slow out"),
     ],
 )
 def test_bad_input_is_exit_2_and_writes_nothing(tmp_path, args, needle):
