@@ -107,7 +107,7 @@ mrange() {
   local cal space="$out_dir/mrange/space.yaml"
   mapfile -t cal < <(calibration_args)
   "$PYTHON" -m fo_tune.bench.script_inputs space search_spaces/hopper.yaml "$space" --ring-chunks 1,2,4
-  fo_tune search --mode hybrid --top-k 1 --trials 120 --world-size "$w" "${cal[@]}" --space "$space" \
+  fo_tune search --mode hybrid --top-k 1 --world-size "$w" "${cal[@]}" --space "$space" \
     --shapes "$suite" --m-range 512:16384 -c all_reduce,reduce_scatter --out "$out_dir/mrange" \
     --table-dir "$out_dir/tables"
 }

@@ -513,6 +513,16 @@ def test_time_budget_stops_early(tmp_path):
         (["--shape", "64x64x64", "--engine", "nvshmem"], "triton, copy_engine"),
         (["--shape", "64x64x64", "--engine", ","], "--engine"),
         ([], "--shape"),
+        # an option the search's mode would not read (the default here is predict: no GPU)
+        (["--shape", "64x64x64", "--top-k", "3"], "--top-k applies to --mode hybrid"),
+        (["--shape", "64x64x64", "-m", "measure", "-k", "3"], "this search is --mode measure:"),
+        (["--shape", "64x64x64", "-m", "hybrid", "--trials", "5"], "leave --trials out"),
+        (["--shape", "64x64x64", "-m", "measure", "--exhaustive", "-n", "5"], "--exhaustive runs every"),
+        (["--shape", "64x64x64", "--time-budget", "9"], "or give --trials N"),
+        (["--shape", "64x64x64", "-m", "predict", "--exhaustive", "--time-budget", "9"], "--time-budget"),
+        (["--shape", "64x64x64", "--reps", "3"], "--reps applies to the searches that time on ranks"),
+        (["--shape", "64x64x64", "--backend", "gloo"], "leave --backend out"),
+        (["--shape", "64x64x64", "--allow-slow"], "leave --allow-slow out"),
     ],
 )
 def test_bad_input_is_exit_2_and_writes_nothing(tmp_path, args, needle):
@@ -938,6 +948,25 @@ def test_new_study_starts_from_the_heuristic(model):
     assert triton[0]["triton.sms_free"] == 28 and triton[0]["triton.tile"] == h.settings.tile.label()
     copy = [p for p in seeds if p["engine"] == "copy_engine"]
     assert copy == list(enc.points(exhaustive=True))[-len(copy) :] and len(copy) >= 8
+
+
+def test_a_calibration_without_the_copy_engine_section_is_answered_alike_dense_and_moe(tmp_path, h200):
+    """The dense search refuses it, the MoE plan leaves the copy engine out, both in one sentence:
+    the section it lacks and the command that measures it."""
+    from fo_tune.calibrate.calibration import save_calibration
+
+    bare = tmp_path / "bare.yaml"
+    save_calibration(dataclasses.replace(h200, copy_engine=None), bare)
+    dense = assert_one_line_error(
+        search("--shape", "4096x8192x4096", "--calibration", str(bare), "--out", str(tmp_path / "d"))
+    )
+    moe = search("-c", "moe", "--experts", "7168,2048,16,8", "--tokens", "512", "--calibration", str(bare),
+                 "--out", str(tmp_path / "m"))  # fmt: skip
+    assert moe.exit_code == 0, moe.output
+    prefix = "engine copy_engine not searched: "
+    gap = next(line for line in moe.stdout.splitlines() if line.startswith(prefix)).removeprefix(prefix)
+    assert gap.startswith("needs the calibration's copy_engine section (") and "--only copy_engine" in gap
+    assert f"engine copy_engine {gap} (or leave it out with --engine)" in dense
 
 
 def test_engine_bad_input_is_exit_2_and_writes_nothing(tmp_path, h200):

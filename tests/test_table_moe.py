@@ -277,7 +277,7 @@ def test_diff_two_moe_tables(runner: CliRunner, tmp_path: Path) -> None:
     assert "changed" in line and "chunks 2 -> 4" in line and "0.8" in line
     assert "only in A" in out and "only in B" in out and "tokens [4097, 8192]" not in out
     assert "1 changed, 1 only in A, 1 only in B, 1 same" in out
-    assert "tokens [4097, 8192]" in runner.invoke(app, ["table", "diff", str(a), str(b), "--all"]).stdout
+    assert "tokens [4097, 8192]" in runner.invoke(app, ["table", "diff", str(a), str(b), "--same"]).stdout
     assert runner.invoke(app, ["table", "diff", str(a), str(b), "--exit-code"]).exit_code == 1
     same = runner.invoke(app, ["table", "diff", str(a), str(a), "--exit-code"])
     assert same.exit_code == 0 and "no differences in 3 row(s)" in same.stdout

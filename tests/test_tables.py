@@ -574,13 +574,43 @@ def test_diff_command(runner: CliRunner, tmp_path: Path) -> None:
     row = next(line for line in out.splitlines() if line.startswith("64x96x48"))
     assert "changed" in row and "sms_free 0 -> 2" in row and "0.8" in row
     assert "only in A" in out and "only in B" in out and "200x96x48" not in out
-    assert "1 changed, 1 only in A, 1 only in B, 1 same" in out
-    assert "200x96x48" in runner.invoke(app, ["table", "diff", str(a), str(b), "--all"]).stdout
+    assert "1 changed, 1 only in A, 1 only in B, 1 same (--same lists them)" in out
+    assert "200x96x48" in runner.invoke(app, ["table", "diff", str(a), str(b), "--same"]).stdout
+    # --all lifts the row cap, as show's: the same rows stay out
+    assert "200x96x48" not in runner.invoke(app, ["table", "diff", str(a), str(b), "--all"]).stdout
     assert runner.invoke(app, ["table", "diff", str(a), str(b), "--exit-code"]).exit_code == 1
     same = runner.invoke(app, ["table", "diff", str(a), str(a), "--exit-code"])
     assert same.exit_code == 0 and "no differences in 3 row(s)" in same.stdout
     line = assert_one_line_error(runner.invoke(app, ["table", "diff", str(a), str(tmp_path / "c.yaml")]))
     assert "c.yaml" in line
+
+
+def test_diff_prints_a_capped_number_of_rows_and_says_how_to_see_the_rest(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """Two fleet-scale tables compared in the terminal: the first SHOW_ROWS listed rows, one line
+    on the rows left out, as `show` prints them; the counts and --exit-code cover every row."""
+    a = write_big_table(tmp_path / "big.yaml", cpu_fp(), SHOW_ROWS + 1)
+    b = write(tmp_path / "empty.yaml", [])
+    table = load_table(a)
+    result = runner.invoke(app, ["table", "diff", str(a), str(b), "--exit-code"])
+    assert result.exit_code == 1, result.output
+    assert len(_shown_rows(result.stdout, table)) == SHOW_ROWS
+    assert f"1 of {SHOW_ROWS + 1} rows not shown (showing the first {SHOW_ROWS})" in result.stdout
+    assert "--limit N shows N, --all every row" in result.stdout and "--json" not in result.stdout
+    assert f"0 changed, {SHOW_ROWS + 1} only in A, 0 only in B, 0 same" in result.stdout
+    result = runner.invoke(app, ["table", "diff", str(a), str(b), "-n", "2"])
+    assert len(_shown_rows(result.stdout, table)) == 2
+    assert f"{SHOW_ROWS - 1} of {SHOW_ROWS + 1} rows not shown (showing the first 2)" in result.stdout
+    result = runner.invoke(app, ["table", "diff", str(a), str(b), "--all"])
+    assert len(_shown_rows(result.stdout, table)) == SHOW_ROWS + 1 and "not shown" not in result.stdout
+    # the same rows listed with --same count towards the cap
+    result = runner.invoke(app, ["table", "diff", str(a), str(a), "--same", "--limit", "3"])
+    assert len(_shown_rows(result.stdout, table)) == 3 and f"{SHOW_ROWS - 2} of" in result.stdout
+    help_text = runner.invoke(app, ["table", "diff", "--help"]).stdout
+    assert "--limit" in help_text and f"first {SHOW_ROWS} of them" in help_text
+    line = assert_one_line_error(runner.invoke(app, ["table", "diff", str(a), str(b), "-n", "3", "--all"]))
+    assert "--limit N and --all: give one of them" in line
 
 
 def _layout(table: ScheduleTable, n: int) -> list[tuple[str, str]]:

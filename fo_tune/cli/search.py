@@ -39,6 +39,7 @@ from fo_tune.cli.progress import ProgressReporter, progress_bars
 from fo_tune.cli.search_options import (
     HELP,
     MODE_NAMES,
+    MODE_OPTIONS,
     AllowSlowOpt,
     BudgetOpt,
     CalibrationOpt,
@@ -61,6 +62,7 @@ from fo_tune.cli.search_options import (
     TokensOpt,
     TopKOpt,
     TrialsOpt,
+    unread_option,
 )
 from fo_tune.ranks import CONFIRM_ROUNDS
 
@@ -101,6 +103,14 @@ def given_options(ctx: typer.Context, names: dict[str, str]) -> list[str]:
         for name, flag in names.items()
         if sources[name] is not None and sources[name].name not in UNSET_SOURCES
     ]
+
+
+def _refuse_unread(ctx: typer.Context, mode: str, mode_given: bool, exhaustive: bool) -> None:
+    """``typer.BadParameter`` (exit 2, before any work) for an option given on the command line
+    that a search of ``mode`` would drop silently (``search_options.unread_option``)."""
+    unread = unread_option(given_options(ctx, MODE_OPTIONS), mode, mode_given, exhaustive)
+    if unread is not None:
+        raise typer.BadParameter(unread)
 
 
 def parse_m_range(text: str | None) -> tuple[int, int] | None:
@@ -264,6 +274,8 @@ def search(
         raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
     if mode is not None and mode not in MODE_NAMES:
         raise typer.BadParameter(f"--mode {mode!r} is not one of {', '.join(MODE_NAMES)}")
+    if mode is not None:  # (a defaulted mode is checked once chosen, below)
+        _refuse_unread(ctx, mode, True, exhaustive)
     rng = parse_m_range(m_range)
     wanted = [parse_shape(s) for s in shape or []]
     if shapes is not None:
@@ -278,6 +290,7 @@ def search(
     from fo_tune.search.setup import check_cpu_sized, check_measuring_machine, default_mode
 
     gpus, torchrun = visible_gpus(), in_torchrun()
+    given_mode = mode is not None
     mode = mode or default_mode(gpus, world_size, torchrun)
     check_measuring_machine(mode, world_size, backend, gpus, torchrun)
     chosen = "gloo" if mode == "predict" else resolve_backend(world_size, backend)
@@ -290,6 +303,8 @@ def search(
 
         device = local_device(chosen)
         cal, mode = choose_calibration(calibration, mode, world_size, chosen, device, dtype)
+        if not given_mode:
+            _refuse_unread(ctx, mode, False, exhaustive)
         search_space = None
         if space is not None:
             search_space = resolve_space(space, chosen)

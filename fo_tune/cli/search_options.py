@@ -49,7 +49,10 @@ HELP = "\n\n".join(
         "study over the union, every trial checked against matmul + collective on the ranks, "
         "then timed back to back; the max over ranks), hybrid (the model ranks the space, the "
         "--top-k best and every engine's best are measured; the default with GPUs when this "
-        "machine has a calibration). --exhaustive enumerates every point (measure, predict).",
+        "machine has a calibration). --exhaustive enumerates every point (measure, predict). An "
+        "option the search would not read is refused (exit 2): --top-k but with hybrid, --trials "
+        "with hybrid or --exhaustive, --time-budget with predict unless --trials, and --reps, "
+        "--backend, --allow-slow with predict.",
         "A row overlaps only when its best schedule beats the overlap: false fallback (GEMM then "
         "the collective as the runtime runs it, replayed from its own CUDA graphs on GPUs) by more "
         "than the spread and at least 2%: measured searches re-time their best three and every "
@@ -148,13 +151,20 @@ TrialsOpt = Annotated[
         "--trials",
         "-n",
         help="Trials per shape (a study's total, counting resumed ones): default 40 measure; "
-        "predict: a TPE study of N predictions instead of pricing the enumerated space.",
+        "predict: a TPE study of N predictions instead of pricing the enumerated space (not with "
+        "hybrid or --exhaustive).",
     ),
 ]
-TopKOpt = Annotated[int, typer.Option("--top-k", "-k", help="hybrid: schedules measured per shape.")]
+TopKOpt = Annotated[
+    int, typer.Option("--top-k", "-k", help="hybrid (only): the model's best schedules measured per shape.")
+]
 BudgetOpt = Annotated[
     float | None,
-    typer.Option("--time-budget", metavar="SECONDS", help="Stop searching after this long (all shapes)."),
+    typer.Option(
+        "--time-budget",
+        metavar="SECONDS",
+        help="Stop searching after this long (all shapes; predict: with --trials).",
+    ),
 ]
 MRangeOpt = Annotated[
     str | None,
@@ -224,3 +234,54 @@ EngineOpt = Annotated[
         "engine that can run on the machine and has a section in the search space.",
     ),
 ]
+
+# The dense search's options that some searches do not read (parameter name -> flag): given with
+# such a search they are refused (``unread_option``) rather than dropped silently.
+MODE_OPTIONS = {
+    "top_k": "--top-k",
+    "trials": "--trials",
+    "time_budget": "--time-budget",
+    "reps": "--reps",
+    "backend": "--backend",
+    "allow_slow": "--allow-slow",
+}
+
+
+def unread_option(given: list[str], mode: str, mode_given: bool, exhaustive: bool) -> str | None:
+    """The one-line error for the first of ``given`` (flags of ``MODE_OPTIONS`` the command line
+    set) that a search of ``mode`` (``mode_given``: by --mode, else the default here) and
+    ``exhaustive`` would not read, saying what to do; None when it reads them all.
+
+    hybrid times the model's --top-k best (no TPE study: no --trials); measure, and predict with
+    --trials, run TPE studies of --trials trials that --time-budget stops; --exhaustive runs every
+    point (no --trials), and predict without --trials or with --exhaustive prices its points with
+    no study (no --time-budget); predict times nothing on no ranks (no --reps, --backend,
+    --allow-slow)."""
+    this = f"this search is --mode {mode}" + ("" if mode_given else " (the default here)")
+    enumerated = mode == "predict" and (exhaustive or "--trials" not in given)
+    for flag in given:
+        if flag == "--top-k" and mode != "hybrid":
+            return (
+                f"--top-k applies to --mode hybrid (the model's best it times per shape); {this}: "
+                "leave --top-k out, or pass --mode hybrid"
+            )
+        if flag == "--trials" and exhaustive:
+            return "--trials sizes a TPE study, --exhaustive runs every point instead; give one of them"
+        if flag == "--trials" and mode == "hybrid":
+            return (
+                f"--trials sizes the TPE studies of --mode measure and predict; {this}, which times the "
+                "model's --top-k best: leave --trials out (--top-k K sets how many)"
+            )
+        if flag == "--time-budget" and enumerated:
+            how = "--exhaustive" if exhaustive else "without --trials"
+            return (
+                f"--time-budget stops a study's trials; --mode predict {how} prices the space's points "
+                "with no study, in seconds a shape: leave --time-budget out"
+                + ("" if exhaustive else ", or give --trials N for a TPE study it stops")
+            )
+        if flag in ("--reps", "--backend", "--allow-slow") and mode == "predict":
+            return (
+                f"{flag} applies to the searches that time on ranks (--mode measure, hybrid); {this}, "
+                f"which times nothing: leave {flag} out"
+            )
+    return None

@@ -1,6 +1,7 @@
 """``fo-tune table``: the command group (list, show, lookup, validate, diff, pull) and the commands
-that read table files: show, validate, diff (library: ``fo_tune.tables``). ``lookup`` and ``list``
-are ``fo_tune.cli.table_find``'s, ``pull`` is ``fo_tune.cli.table_pull``'s.
+that read one table file at a time: show, validate (library: ``fo_tune.tables``). ``lookup`` and
+``list`` are ``fo_tune.cli.table_find``'s, ``diff`` is ``fo_tune.cli.table_diff``'s, ``pull`` is
+``fo_tune.cli.table_pull``'s.
 
 Each command takes dense tables (``fo_kernels.table``) and MoE tables (``fo_kernels.moe.table``):
 a file is read as the kind its name or its ``kind`` says (``fo_tune.tables.kinds``) and handled
@@ -10,27 +11,24 @@ runtime and the tuner are imported only inside the commands, so ``fo-tune --help
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.markup import escape
 
 from fo_tune.cli.common import (
     DTYPE_NAMES,
     EXIT_BAD_INPUT,
     console,
     err_console,
-    fmt,
     handle_errors,
     json_text,
     one_line,
-    summary_table,
 )
+from fo_tune.cli.table_diff import DIFF_HELP, diff
 from fo_tune.cli.table_find import LIST_HELP, LOOKUP_HELP, list_tables, lookup
 from fo_tune.cli.table_json import FileCheck, show_document, validate_document
-from fo_tune.cli.table_moe import moe_changes_cell, moe_csv_rows, moe_table_yaml, show_moe_rich
+from fo_tune.cli.table_moe import moe_csv_rows, moe_table_yaml, show_moe_rich
 from fo_tune.cli.table_options import (
     DEFAULT_COLLECTIVE,
     DEFAULT_DTYPE,
@@ -41,30 +39,23 @@ from fo_tune.cli.table_options import (
     TableWorldSizeOpt,
     check_choice,
     find_paths,
+    row_cap,
     world_of,
 )
 from fo_tune.cli.table_pull import PULL_HELP, pull
 from fo_tune.cli.table_rows import (
     SHOW_ROWS,
-    copy_engine_label,
     csv_rows,
     print_plain,
     show_rich,
     table_yaml,
-    tile_label,
-    value_label,
 )
 
 if TYPE_CHECKING:
     from fo_kernels.moe.table import MoeTable
     from fo_kernels.table import ScheduleTable
-    from fo_tune.tables.diff import RowDiff
-    from fo_tune.tables.moe_diff import MoeRowDiff
 
 FORMATS = ("table", "yaml", "csv")
-# Exit code of `diff --exit-code` when the tables differ (as `git diff --exit-code`).
-EXIT_DIFFERENT = 1
-STATUS_LABELS = {"only_a": "only in A", "only_b": "only in B", "changed": "changed", "same": "same"}
 
 HELP = "\n\n".join(
     [
@@ -147,25 +138,6 @@ VALIDATE_HELP = "\n\n".join(
     ]
 )
 
-DIFF_HELP = "\n\n".join(
-    [
-        "Compare two schedule tables row by row. Rows are matched by problem (exact M, or the same "
-        "M range); each is only in A, only in B, changed (the fields that differ, A -> B: tile, "
-        "sms_free, nccl_max_ctas, signal_tiles, groups, layout, wait_mode, overlap) or the same. "
-        "Latencies from the rows' provenance (measured_ms, else predicted_ms) are shown side by "
-        "side with their ratio B/A.",
-        "Two MoE tables are compared the same way, rows matched by experts' shape and bucket of "
-        "tokens per rank, fields engine (alone when it differs), tile, sms_free, nccl_max_ctas, "
-        "wait_mode, chunks. An MoE table is never compared with a dense one (exit code 2).",
-        "Header and fingerprint differences (e.g. library versions) are listed above the rows. "
-        "Provenance alone (a re-measured time) does not make a row changed: the runtime would do "
-        "the same.",
-        "Exit code 0 whether or not they differ; with --exit-code 1 when any row differs (as "
-        "`git diff --exit-code`); 2 when a file is missing or malformed, or the tables are of two "
-        "kinds.",
-    ]
-)
-
 # ------------------------------------------------------------------------------ options
 PathArg = Annotated[
     Path | None,
@@ -212,11 +184,6 @@ SmCountOpt = Annotated[
         show_default=False,
     ),
 ]
-TableAArg = Annotated[Path, typer.Argument(metavar="A", help="The first table file.", show_default=False)]
-TableBArg = Annotated[Path, typer.Argument(metavar="B", help="The second table file.", show_default=False)]
-ExitCodeOpt = Annotated[
-    bool, typer.Option("--exit-code", help="Exit with 1 when any row differs (0 when none does).")
-]
 ShowJsonOpt = Annotated[
     bool,
     typer.Option(
@@ -232,9 +199,6 @@ ValidateJsonOpt = Annotated[
         help="Print one JSON document instead: ok, and per file ok, its row count and its problems "
         "(exit code as without it; with problems, one line on stderr says so).",
     ),
-]
-AllRowsOpt = Annotated[
-    bool, typer.Option("--all", "-a", help="List the rows that are the same too (default: only differences).")
 ]
 
 
@@ -254,12 +218,11 @@ def show(
     check_choice("--format", format_, FORMATS)
     if json_out and format_ != FORMATS[0]:
         raise typer.BadParameter(f"--json and --format {format_}: give one of them")
-    cap = ["--limit"] * (limit is not None) + ["--all"] * all_rows
-    if len(cap) == 2:
-        raise typer.BadParameter("--limit N and --all: give one of them")
-    if cap and (json_out or format_ != FORMATS[0]):
+    rows = row_cap(limit, all_rows)
+    if (limit is not None or all_rows) and (json_out or format_ != FORMATS[0]):
         script = "--json" if json_out else f"--format {format_}"
-        raise typer.BadParameter(f"{cap[0]} is for the terminal view; {script} prints every row")
+        cap = "--all" if all_rows else "--limit"
+        raise typer.BadParameter(f"{cap} is for the terminal view; {script} prints every row")
     header = {"--device-key": device_key, "--collective": collective, "--world-size": world_size}
     header["--dtype"] = dtype
     given = [name for name, value in header.items() if value is not None]
@@ -293,7 +256,6 @@ def show(
             continue
         if i:
             console.print()
-        rows = None if all_rows else limit or SHOW_ROWS
         if is_moe:
             show_moe_rich(p, table, rows)
         else:
@@ -388,98 +350,6 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJso
     if problems:
         print_plain(summary)
         raise typer.Exit(EXIT_BAD_INPUT)
-
-
-# ------------------------------------------------------------------------------ diff
-def _latency_cell(values: dict[str, float]) -> tuple[str, str | None]:
-    """(cell, key): the preferred latency, marked ``pred`` when it is a prediction."""
-    for key, value in values.items():
-        return fmt(value, ".4g") + (" pred" if key == "predicted_ms" else ""), key
-    return "-", None
-
-
-def _changes_cell(d: RowDiff) -> str:
-    from fo_tune.tables.diff import field_value
-
-    if d.status == "only_a":
-        row = d.a
-    elif d.status == "only_b":
-        row = d.b
-    else:
-        row = None
-    if row is not None:
-        if not row.overlap:
-            return "no overlap"
-        return copy_engine_label(row) if row.engine == "copy_engine" else tile_label(field_value(row, "tile"))
-    assert d.a is not None and d.b is not None
-    parts = [
-        f"{name} {value_label(field_value(d.a, name))} -> {value_label(field_value(d.b, name))}"
-        for name in d.fields
-    ]
-    if d.provenance_changed:
-        parts.append("provenance: " + ", ".join(d.provenance_changed))
-    return "; ".join(parts) or "-"
-
-
-def _print_diff(
-    diffs: Sequence[RowDiff] | Sequence[MoeRowDiff],
-    show_all: bool,
-    changes: Callable[..., str] = _changes_cell,
-) -> None:
-    """The rows of ``diffs`` (the differing ones unless ``show_all``), ``changes`` making the
-    changes cell of a row's diff (dense or MoE)."""
-    out = summary_table("", ["problem", "status", "changes (A -> B)", "A ms", "B ms", "B/A"], 3)
-    for d in diffs:
-        if not show_all and not d.differs:
-            continue
-        a_cell, a_key = _latency_cell(d.latency_a)
-        b_cell, b_key = _latency_cell(d.latency_b)
-        ratio = "-"
-        if a_key is not None and a_key == b_key and d.latency_a[a_key] > 0:
-            ratio = fmt(d.latency_b[b_key] / d.latency_a[a_key], ".3g")
-        cells = [d.problem.describe(), STATUS_LABELS[d.status], changes(d), a_cell, b_cell, ratio]
-        out.add_row(*(escape(cell) for cell in cells))
-    if out.row_count:
-        console.print(out)
-
-
-@handle_errors
-def diff(a: TableAArg, b: TableBArg, exit_code: ExitCodeOpt = False, all_: AllRowsOpt = False) -> None:
-    from fo_kernels.errors import TableError
-    from fo_kernels.moe.table import MoeTable
-    from fo_tune.tables.diff import DIFF_STATUSES, diff_tables, header_differences
-    from fo_tune.tables.kinds import load_any_table
-    from fo_tune.tables.moe_diff import diff_moe_tables, moe_header_differences
-
-    table_a, table_b = load_any_table(a), load_any_table(b)
-    moe_a, moe_b = isinstance(table_a, MoeTable), isinstance(table_b, MoeTable)
-    if moe_a != moe_b:
-        moe_path, dense_path = (a, b) if moe_a else (b, a)
-        raise TableError(
-            f"{moe_path} is an MoE table and {dense_path} a dense one; diff compares two tables of one kind"
-        )
-    print_plain(f"A: {a} ({table_a.fingerprint.device_key}, {len(table_a.rows)} row(s))")
-    print_plain(f"B: {b} ({table_b.fingerprint.device_key}, {len(table_b.rows)} row(s))")
-    if moe_a:
-        headers = moe_header_differences(table_a, table_b)
-        diffs: Sequence[RowDiff] | Sequence[MoeRowDiff] = diff_moe_tables(table_a, table_b)
-    else:
-        headers = header_differences(table_a, table_b)
-        diffs = diff_tables(table_a, table_b)
-    for name, value_a, value_b in headers:
-        print_plain(f"header {name}: {value_label(value_a)} -> {value_label(value_b)}")
-    _print_diff(diffs, all_, moe_changes_cell if moe_a else _changes_cell)
-    counts = {status: sum(d.status == status for d in diffs) for status in DIFF_STATUSES}
-    differing = len(diffs) - counts["same"]
-    if differing:
-        print_plain(
-            f"{counts['changed']} changed, {counts['only_a']} only in A, {counts['only_b']} only in B, "
-            f"{counts['same']} same"
-        )
-    else:
-        print_plain(f"no differences in {len(diffs)} row(s)")
-    if exit_code and differing:
-        raise typer.Exit(EXIT_DIFFERENT)
 
 
 def register(app: typer.Typer) -> None:

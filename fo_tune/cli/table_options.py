@@ -1,7 +1,7 @@
 """What the ``fo-tune table`` commands share: the header options that find a table (device key,
-collective or ``moe``, world size, dtype) with their defaults, the choice check, and finding the
-table files of a header in the runtime's search path (an error names the device keys that have
-tables)."""
+collective or ``moe``, world size, dtype) with their defaults, the choice check, the row cap of
+the terminal views (``show``, ``diff``: --limit N or --all), and finding the table files of a
+header in the runtime's search path (an error names the device keys that have tables)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import typer
 
 from fo_tune.cli.common import COLLECTIVE_NAMES, DTYPE_NAMES
 from fo_tune.cli.search_moe import MOE_COLLECTIVE
+from fo_tune.cli.table_rows import SHOW_ROWS
 
 # Defaults of the header options: the setup docs/perf-notes.md measured (bf16, TP=2).
 DEFAULT_COLLECTIVE = "all_reduce"
@@ -69,6 +70,14 @@ def check_choice(option: str, value: str, choices: Sequence[str]) -> str:
     if value not in choices:
         raise typer.BadParameter(f"{option} {value!r}: expected one of {', '.join(choices)}")
     return value
+
+
+def row_cap(limit: int | None, all_rows: bool) -> int | None:
+    """The rows a terminal view prints: every one with --all (None), else --limit's N, else
+    ``SHOW_ROWS``; both given is ``typer.BadParameter``."""
+    if limit is not None and all_rows:
+        raise typer.BadParameter("--limit N and --all: give one of them")
+    return None if all_rows else limit or SHOW_ROWS
 
 
 def world_of(world_size: int | None, device_key: str | None) -> int:

@@ -33,7 +33,7 @@ PROVENANCE_LONG = (
     "sequential_iqr_ms",
     "trial",
 )
-# Rows the terminal view (`show`'s default format) prints per table unless --limit or --all says
+# Rows the terminal view (`show`'s default format, `diff`'s) prints per table unless --limit or --all says
 # otherwise: rich lays a table out in about 2 ms a row (a 20,000-row table took 37 s, an
 # 80,000-row one 148 s), so a fleet-scale table would hold the terminal for minutes; 200 rows
 # print in well under a second, and a line after them says how to see the others.
@@ -123,16 +123,17 @@ def settings_cells(row: Schedule) -> list[str]:
     return ["-"] * 7
 
 
-def left_out_line(shown: int, total: int) -> str | None:
+def left_out_line(shown: int, total: int, scripts: bool = True) -> str | None:
     """The line after a terminal table that shows ``shown`` of its ``total`` rows: how many are
-    left out and how to see them (None when every row is shown)."""
+    left out and how to see them (None when every row is shown); ``scripts``: the command also
+    prints every row in script formats (``show``'s --format csv or yaml, --json)."""
     if shown >= total:
         return None
-    return (
+    line = (
         f"{total - shown} of {total} rows not shown (showing the first {shown}): --limit N shows N, "
-        "--all every row (slow in a terminal beyond a few thousand), --format csv or yaml or --json "
-        "prints them all for scripts"
+        "--all every row (slow in a terminal beyond a few thousand)"
     )
+    return line + (", --format csv or yaml or --json prints them all for scripts" if scripts else "")
 
 
 def show_rich(path: Path, table: ScheduleTable, limit: int | None = SHOW_ROWS) -> None:

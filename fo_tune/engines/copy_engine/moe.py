@@ -27,7 +27,7 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.plan import cdiv
 from fo_tune.calibrate.calibration import Calibration
-from fo_tune.engines.copy_engine.tuner import CALIBRATE, peer_blocker
+from fo_tune.engines.copy_engine.tuner import params_gap, peer_blocker
 from fo_tune.moe.model import MoeCall, MoeCostModel, MoePrediction
 
 # The calibration's copy_engine parameters this term reads.
@@ -63,14 +63,7 @@ class CopyEngineMoeTerm:
 
     @staticmethod
     def calibration_gap(cal: Calibration) -> str:
-        have = cal.copy_engine.params if cal.copy_engine is not None else {}
-        missing = [name for name in PARAMS if name not in have]
-        if missing:
-            from fo_tune.calibrate.missing import measure_into
-
-            how = measure_into(cal, CALIBRATE, "two GPUs")
-            return f"needs copy_engine.params.{missing[0]} in the calibration; {how}"
-        return ""
+        return params_gap(cal, PARAMS)
 
     def points(self, section: Mapping[str, Any], call: MoeCall) -> Iterator[dict[str, Any]]:
         """One point per ``chunks`` candidate that cuts the local experts into non-empty ranges."""

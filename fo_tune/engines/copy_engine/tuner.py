@@ -24,7 +24,7 @@ shard into the chunks that are pulled and multiplied one by one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -51,6 +51,27 @@ TILED_WORLD = 2
 # The command that measures the copy engine's calibration section (two GPUs: peer copies and
 # flags; the library GEMM and the clock need one GPU, `--world-size 1`).
 CALIBRATE = "fo-tune calibrate --world-size 2 --only copy_engine"
+
+
+# What the copy engine's calibration section holds, for the refusal of a calibration without one.
+SECTION_HOLDS = "library GEMM chunks, peer copies, flags, host times, the sustained clock"
+
+
+def params_gap(cal: Calibration, params: Iterable[str]) -> str:
+    """Why ``cal`` cannot price a copy-engine term that reads ``params`` ("" when it can): it has no
+    copy_engine section, or the section lacks one of them; then the command that measures them into
+    a file the user owns. The one wording of the dense term's gap and the MoE term's."""
+    from fo_tune.calibrate.missing import measure_into
+
+    section = cal.copy_engine
+    if section is None:
+        what = f"the calibration's copy_engine section ({SECTION_HOLDS})"
+    else:
+        missing = [name for name in params if name not in section.params]
+        if not missing:
+            return ""
+        what = f"copy_engine.params.{missing[0]} in the calibration"
+    return f"needs {what}; {measure_into(cal, CALIBRATE, 'two GPUs')}"
 
 
 def peer_blocker(fingerprint: Fingerprint, moves: str) -> str:
@@ -197,21 +218,10 @@ class CopyEngineTuner(EngineTuner):
         return peer_blocker(fingerprint, "data")
 
     def calibration_gap(self, cal: Calibration, collective: str) -> str:
-        from fo_tune.calibrate.missing import measure_into
         from fo_tune.engines.copy_engine.model import PARAMS as TERM_PARAMS
         from fo_tune.model.library import PARAMS as LIBRARY_PARAMS
 
-        section = cal.copy_engine
-        if section is None:
-            return (
-                "needs the calibration's copy_engine section (library GEMM chunks, peer copies, "
-                f"flags, host times, the sustained clock); {measure_into(cal, CALIBRATE, 'two GPUs')}"
-            )
-        missing = [name for name in (*LIBRARY_PARAMS, *TERM_PARAMS) if name not in section.params]
-        if missing:
-            how = measure_into(cal, CALIBRATE, "two GPUs")
-            return f"needs copy_engine.params.{missing[0]} in the calibration; {how}"
-        return ""
+        return params_gap(cal, (*LIBRARY_PARAMS, *TERM_PARAMS))
 
     def probe_task(self) -> Any:
         from fo_tune.engines.copy_engine.probe import CopyEngineProbeTask
