@@ -523,6 +523,7 @@ def test_time_budget_stops_early(tmp_path):
         (["--shape", "64x64x64", "--reps", "3"], "--reps applies to the searches that time on ranks"),
         (["--shape", "64x64x64", "--backend", "gloo"], "leave --backend out"),
         (["--shape", "64x64x64", "--allow-slow"], "leave --allow-slow out"),
+        (["--shape", "64x64x64", "--confirm-rounds", "3"], "leave --confirm-rounds out"),
     ],
 )
 def test_bad_input_is_exit_2_and_writes_nothing(tmp_path, args, needle):

@@ -52,7 +52,7 @@ HELP = "\n\n".join(
         "machine has a calibration). --exhaustive enumerates every point (measure, predict). An "
         "option the search would not read is refused (exit 2): --top-k but with hybrid, --trials "
         "with hybrid or --exhaustive, --time-budget with predict unless --trials, and --reps, "
-        "--backend, --allow-slow with predict.",
+        "--confirm-rounds, --backend, --allow-slow with predict.",
         "A row overlaps only when its best schedule beats the overlap: false fallback (GEMM then "
         "the collective as the runtime runs it, replayed from its own CUDA graphs on GPUs) by more "
         "than the spread and at least 2%: measured searches re-time their best three and every "
@@ -242,6 +242,7 @@ MODE_OPTIONS = {
     "trials": "--trials",
     "time_budget": "--time-budget",
     "reps": "--reps",
+    "confirm_rounds": "--confirm-rounds",
     "backend": "--backend",
     "allow_slow": "--allow-slow",
 }
@@ -255,8 +256,8 @@ def unread_option(given: list[str], mode: str, mode_given: bool, exhaustive: boo
     hybrid times the model's --top-k best (no TPE study: no --trials); measure, and predict with
     --trials, run TPE studies of --trials trials that --time-budget stops; --exhaustive runs every
     point (no --trials), and predict without --trials or with --exhaustive prices its points with
-    no study (no --time-budget); predict times nothing on no ranks (no --reps, --backend,
-    --allow-slow)."""
+    no study (no --time-budget); predict times nothing on no ranks (no --reps, --confirm-rounds,
+    --backend, --allow-slow)."""
     this = f"this search is --mode {mode}" + ("" if mode_given else " (the default here)")
     enumerated = mode == "predict" and (exhaustive or "--trials" not in given)
     for flag in given:
@@ -279,7 +280,7 @@ def unread_option(given: list[str], mode: str, mode_given: bool, exhaustive: boo
                 "with no study, in seconds a shape: leave --time-budget out"
                 + ("" if exhaustive else ", or give --trials N for a TPE study it stops")
             )
-        if flag in ("--reps", "--backend", "--allow-slow") and mode == "predict":
+        if flag in ("--reps", "--confirm-rounds", "--backend", "--allow-slow") and mode == "predict":
             return (
                 f"{flag} applies to the searches that time on ranks (--mode measure, hybrid); {this}, "
                 f"which times nothing: leave {flag} out"
