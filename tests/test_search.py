@@ -448,12 +448,12 @@ def test_odd_shapes_reduce_scatter_and_m_ranges_get_valid_rows(tmp_path):
         "-c",
         "all_reduce,reduce_scatter",
         "--trials",
-        "40",
+        "12",
         "--out",
         str(out),
     )
     assert r.exit_code == 0, r.output
-    r = search("--shape", "1x8192x4096", "--m-range", "512:4096", "--trials", "20", "--out", str(out))
+    r = search("--shape", "1x8192x4096", "--m-range", "512:4096", "--trials", "8", "--out", str(out))
     assert r.exit_code == 0, r.output
     # the range search's report sits beside the exact shapes' one instead of replacing it
     assert (run_report(out / "report" / "all_reduce-w2-bfloat16-predict") / "summary.yaml").exists()
@@ -717,7 +717,7 @@ def test_sigkill_then_rerun_loses_no_completed_trial(tmp_path):
         "--backend",
         "gloo",
         "--trials",
-        "6",
+        "4",
         "--reps",
         "2",
         "--confirm-rounds",
@@ -742,7 +742,7 @@ def test_sigkill_then_rerun_loses_no_completed_trial(tmp_path):
     after = _complete_in(db)
     for number, value in before.items():
         assert after.get(number) == value  # every completed trial survived, unchanged
-    assert len(after) >= 6 - 1  # the rerun completed the study (pruned trials count towards 6)
+    assert len(after) >= 4 - 1  # the rerun completed the study (pruned trials count towards 4)
 
 
 @pytest.fixture(scope="module")
@@ -758,6 +758,8 @@ def cpu_calibration(tmp_path_factory) -> Path:
             "--backend",
             "gloo",
             "--quick",
+            "--only",  # (the gloo ranks run no copy engine: its section would go unused)
+            "bandwidth,interference,gemm",
             "-c",
             "all_reduce",
             "--out",
@@ -808,6 +810,7 @@ def test_hybrid_all_gather_on_gloo(tmp_path):
     search: the model ranks, the ranks measure its best (checked against all_gather(a) @ b)."""
     cal = tmp_path / "cal"
     args = ["--world-size", "2", "--backend", "gloo", "--quick", "-c", "all_gather", "--dtype", "float32"]
+    args += ["--only", "bandwidth,interference,gemm"]  # (no copy engine on gloo ranks)
     r = CliRunner().invoke(app, ["calibrate", *args, "--out", str(cal)])
     assert r.exit_code == 0, r.output
     out = tmp_path / "o"
