@@ -318,8 +318,7 @@ def search(
             )
             for name in collectives
         ]
-        # first: on gloo ranks a GPU-sized shape cannot be measured whatever else is given (a
-        # hybrid search asked for a calibration, then refused it as another machine's)
+        # first: on gloo ranks a GPU-sized shape cannot be measured, whatever calibration is given
         check_cpu_sized(mode, chosen, wanted, rng, allow_slow)
         for request in requests:  # every bad input is reported before anything runs or is written
             check_request(request)

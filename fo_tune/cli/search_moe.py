@@ -61,7 +61,7 @@ def run_moe_search(
     names = parse_names(engine, valid=moe_engine_names(), option="--engine") or moe_engine_names()
     mode = mode or "predict"
     if mode != "predict":
-        # not built on any machine: saying only that it needs GPUs sent a CPU user to find some
+        # not built on any machine: the message says so everywhere, with the GPUs it would need
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         raise MoeSearchError(
             f"-c moe --mode {mode}: a measured MoE search is not built (it would need >= "

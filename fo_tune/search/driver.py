@@ -325,7 +325,7 @@ def _search_shape(
     else:
         outcome = get_strategy(request.strategy).run(job)
         if measurer is not None and outcome.candidates:
-            # a stage of its own: the strategy's stage counted its trials only (a step more read 4/3)
+            # a stage of its own: the strategy's stage counts its trials only
             retime = f"{job.stage} re-time"
             rep.stage(retime, 1)
             verdict = confirm(outcome.candidates, shape, measurer, lambda detail: rep.step(retime, detail))
