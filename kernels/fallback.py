@@ -112,6 +112,19 @@ class Fallback:
         self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # (m, n, dtype) -> view
         self._last: torch.cuda.Stream | None = None  # the stream of the last graphed call
 
+    @property
+    def graph_after(self) -> int:
+        """An eager call is captured into a graph of the fallback's own after this many calls with
+        the same key; 0 never. Always 0 where nothing is graphed (the CPU, backends other than
+        NCCL)."""
+        return self.graphs.after if self.graphs is not None else 0
+
+    @graph_after.setter
+    def graph_after(self, calls: int) -> None:
+        # where nothing is graphed every call is already eager: a setting of 0 (or any) changes nothing
+        if self.graphs is not None:
+            self.graphs.after = calls
+
     def _eager(self, a: torch.Tensor, b: torch.Tensor, scales: Scales | None) -> bool:
         """True when this call must not be graphed (see the module docstring)."""
         tensors = (a, b) if scales is None else (a, b, scales.a, scales.b)

@@ -39,6 +39,7 @@ from fo_tune.cli.common import (
     SCALING_NAMES,
     SHARDED_COLLECTIVE_NAMES,
     _Console,
+    fmt,
     parse_shape,
     run_cli,
     summary_table,
@@ -479,6 +480,20 @@ def test_a_table_not_going_to_a_terminal_keeps_every_number():
     text = buf.getvalue()
     assert "…" not in text and all(n in text for n in numbers), text
     assert len(max(text.splitlines(), key=len)) > 80  # one line, wider than Rich's default for files
+
+
+def test_numbers_keep_their_significant_digits():
+    """A column of times reads 0.500, 0.657, 2.60, 1.00 (the search's baseline and best columns
+    had read 0.5 beside 0.657 and a best time of 1): trailing zeros stay, a bare point does not."""
+    assert [fmt(x) for x in (0.5, 0.657, 2.6, 1.0, 292.3, 0.0505)] == [
+        "0.500",
+        "0.657",
+        "2.60",
+        "1.00",
+        "292",
+        "0.0505",
+    ]
+    assert fmt(0.308, ".4g") == "0.3080" and fmt(1.25, ".2f") == "1.25" and fmt(math.nan) == "-"
 
 
 def test_table_list_left_aligns_text_and_right_aligns_numbers(runner):

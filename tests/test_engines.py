@@ -348,6 +348,42 @@ class FakeMeasurer:
         )
 
 
+class StepCounter:
+    """A ``Reporter`` that counts each stage's steps against its total, and notes when the
+    measurer confirmed (re-timed) relative to the steps."""
+
+    def __init__(self, measurer: FakeMeasurer) -> None:
+        self.totals: dict[str, int] = {}
+        self.steps: dict[str, list[str]] = {}
+        self.measurer = measurer
+
+    def stage(self, name: str, total: int) -> None:
+        self.totals[name] = total
+        self.steps[name] = []
+
+    def step(self, name: str, detail: str = "", *, log: bool = True) -> None:
+        self.steps.setdefault(name, []).append(f"{detail} (after {len(self.measurer.confirmed)} re-timings)")
+
+
+def test_measured_search_counts_its_re_timing_as_a_stage_of_its_own(h200):
+    """Every stage's bar ends at its total: the re-timing of the best schedules had been one step
+    more than the strategy's stage counted (``64x96x64 measure 4/3``), and its line said done
+    before it ran."""
+    from fo_tune.search import driver
+
+    measurer = FakeMeasurer()
+    shape = (4096, 8192, 4096)
+    req = SearchRequest(shapes=(shape,), world_size=2, mode="measure", trials=3, space=space_for("9.0"))
+    fp = h200.fingerprint
+    engines = driver._engines(req, fp, req.space, measurer, SilentReporter())
+    enc = driver._encoding(req, shape, req.space, fp, False, None, engines)
+    rep = StepCounter(measurer)
+    driver._search_shape(req, enc, fp, None, measurer, optuna.storages.InMemoryStorage(), None, None, rep)
+    assert {name: len(steps) for name, steps in rep.steps.items()} == rep.totals, rep.steps
+    (retime,) = [steps for name, steps in rep.steps.items() if name.endswith("re-time")]
+    assert retime[0].startswith("re-timed the best") and retime[0].endswith("(after 1 re-timings)")
+
+
 @pytest.mark.parametrize(
     ("measurer", "want"),
     [

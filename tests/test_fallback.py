@@ -151,6 +151,10 @@ def test_fallback_replays_repeated_calls_with_right_results(one_rank, monkeypatc
     a.requires_grad_(False)
     fake.capturing = True  # inside a caller's capture: issued into it
     assert call(a, b) == [] and fb.graphs.calls == calls + 1
+    fake.capturing = False
+    assert fb.graph_after == GRAPH_AFTER_CALLS
+    fb.graph_after = 0  # the README's switch: every call eager from then on
+    assert fb.graphs.after == 0 and call(a, b) == [] and call(a, b) == []
 
 
 def test_cpu_runtime_has_no_fallback_graphs(one_rank):
@@ -161,6 +165,8 @@ def test_cpu_runtime_has_no_fallback_graphs(one_rank):
     assert runtime.made_fallback() is None
     fallback = runtime.fallback()
     assert fallback.graphs is None and runtime.made_fallback() is fallback
+    fallback.graph_after = 0  # the README's switch: nothing to turn off here, and no error
+    assert fallback.graph_after == 0
     a, b = torch.randn(6, 4), torch.randn(4, 3)
     torch.testing.assert_close(fallback.run("reduce_scatter", a, b), a @ b)
 

@@ -355,6 +355,9 @@ def test_schedule_fields_round_trip_and_errors_name_the_field():
     ):
         with pytest.raises(ScheduleError, match=field):
             MoeSchedule.from_dict({**s.to_dict(), **bad})
+    # the README's MoeSchedule(dtype=..., world_size=..., problem=...) given a mapping says what to pass
+    with pytest.raises(ScheduleError, match=r"fo_kernels\.MoeProblem\(hidden=H.*got dict"):
+        MoeSchedule(dtype="bfloat16", world_size=8, problem=problem.to_dict())
 
 
 def test_without_a_process_group_it_says_so():

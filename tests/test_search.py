@@ -542,6 +542,10 @@ def test_bad_input_is_exit_2_and_writes_nothing(tmp_path, args, needle):
             "8192x8192x3584",
         ),
         (["--mode", "measure", "--shapes", str(ROOT / "suites" / "h200_tp.yaml")], "8192x8192x8192"),
+        (  # hybrid had asked for a calibration first, and then refused the H200's as another machine's
+            ["--mode", "hybrid", "--shape", "8192x8192x3584", "-c", "reduce_scatter", "-w", "4"],
+            "8192x8192x3584",
+        ),
         (["--mode", "measure", "--shape", "1x8192x4096", "--m-range", "512:4096"], "4096x8192x4096"),
     ],
 )

@@ -284,8 +284,15 @@ def expected_device_key(backend: str, world_size: int) -> str:
 
 # ------------------------------------------------------------------------------ summary tables
 def fmt(x: float, spec: str = ".3g") -> str:
-    """``x`` formatted with ``spec``; ``-`` for NaN."""
-    return "-" if math.isnan(x) else format(x, spec)
+    """``x`` formatted with ``spec``; ``-`` for NaN. A ``g`` spec keeps its trailing zeros (0.500,
+    1.00, 2.60: a column's numbers all show their significant digits, not 0.5 beside 0.657) but no
+    bare trailing point (292, not 292.)."""
+    if math.isnan(x):
+        return "-"
+    if spec.endswith("g") and "#" not in spec:
+        text = format(x, "#" + spec)
+        return text[:-1] if text.endswith(".") else text
+    return format(x, spec)
 
 
 class _SummaryTable(Table):

@@ -338,9 +338,10 @@ def search(
             )
             for name in collectives
         ]
+        # first: on gloo ranks a GPU-sized shape cannot be measured, whatever calibration is given
+        check_cpu_sized(mode, chosen, wanted, rng, allow_slow)
         for request in requests:  # every bad input is reported before anything runs or is written
             check_request(request)
-        check_cpu_sized(mode, chosen, wanted, rng, allow_slow)
         if exhaustive:  # a space too large is refused before the ranks start or progress shows
             from fo_kernels.fingerprint import current_fingerprint
             from fo_tune.search import check_exhaustive_size

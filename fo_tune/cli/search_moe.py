@@ -61,15 +61,12 @@ def run_moe_search(
     names = parse_names(engine, valid=moe_engine_names(), option="--engine") or moe_engine_names()
     mode = mode or "predict"
     if mode != "predict":
+        # not built on any machine: the message says so everywhere, with the GPUs it would need
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus < MIN_MEASURE_GPUS:
-            raise MoeSearchError(
-                f"-c moe --mode {mode} needs >= {MIN_MEASURE_GPUS} GPUs (this machine has {gpus}); "
-                "plan offline with --mode predict"
-            )
         raise MoeSearchError(
-            f"-c moe --mode {mode}: a measured MoE search is not built; time the engines with "
-            "`python bench/moe_ep.py --out DIR` and plan with --mode predict"
+            f"-c moe --mode {mode}: a measured MoE search is not built (it would need >= "
+            f"{MIN_MEASURE_GPUS} GPUs; this machine has {gpus}); plan with --mode predict, and time the "
+            f"engines on {MIN_MEASURE_GPUS}+ GPUs with `python bench/moe_ep.py --out DIR`"
         )
     from fo_tune.calibrate.find import choose_calibration
 

@@ -82,8 +82,8 @@ def confirm(
     """Re-time ``to_confirm(candidates)`` beside the baselines and decide (module docstring)."""
     picks = to_confirm(candidates)
     engines = ", ".join(sorted({str(c.schedule.engine) for c in picks}))
-    note(f"re-timing the best {len(picks)} ({engines}) beside the baseline")
     got = measurer.confirm([c.schedule for c in picks], shape)
+    note(f"re-timed the best {len(picks)} ({engines}) beside the baseline")  # a step, once it is done
     seq: Timing = got["sequential"]
     confirmed = []
     for c, timing, err in zip(picks, got["timings"], got["rel_err"], strict=True):

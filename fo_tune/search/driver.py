@@ -327,7 +327,10 @@ def _search_shape(
     else:
         outcome = get_strategy(request.strategy).run(job)
         if measurer is not None and outcome.candidates:
-            verdict = confirm(outcome.candidates, shape, measurer, job.step)
+            # a stage of its own: the strategy's stage counts its trials only
+            retime = f"{job.stage} re-time"
+            rep.stage(retime, 1)
+            verdict = confirm(outcome.candidates, shape, measurer, lambda detail: rep.step(retime, detail))
         elif measurer is not None:
             verdict = Verdict(False, 1.0, "no feasible schedule completed", None, None, math.nan)
         else:

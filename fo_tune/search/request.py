@@ -141,7 +141,10 @@ def _check_calibration(request: SearchRequest) -> None:
         return
     cal = request.calibration
     if cal is None:
-        raise SearchError(f"--mode {request.mode} needs a calibration: pass --calibration FILE")
+        raise SearchError(
+            f"--mode {request.mode} needs a calibration: pass --calibration FILE, or run `fo-tune calibrate "
+            f"--world-size {request.world_size}` on this machine first (the search then finds it)"
+        )
     if cal.dtype != request.dtype:
         raise SearchError(
             f"the calibration was measured with {cal.dtype}, the search is for {request.dtype}; "

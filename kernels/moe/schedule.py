@@ -109,7 +109,11 @@ class MoeSchedule:
         check_choice("dtype", self.dtype, MOE_DTYPES)
         check_int("world_size", self.world_size, minimum=1)
         if not isinstance(self.problem, MoeProblem):
-            raise ScheduleError(f"problem: expected a MoeProblem, got {type(self.problem).__name__}")
+            raise ScheduleError(
+                f"problem: expected a fo_kernels.MoeProblem(hidden=H, intermediate=I, experts=E_LOCAL, "
+                f"top_k=K, tokens_max=T), got {type(self.problem).__name__} (MoeSchedule.from_dict reads a "
+                "mapping)"
+            )
         if self.engine is not None:
             check_choice("engine", self.engine, MOE_ENGINES)
         if self.tile is not None and not isinstance(self.tile, Tile):
