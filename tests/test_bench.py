@@ -394,7 +394,8 @@ def test_the_summary_sets_fo_tune_beside_torch_fused(tmp_path, monkeypatch):
     assert head.split() == ["MxNxK", "seq", "chunked", "torch", "fused", "fo-tune", "ideal", "speedup", "of",
                             "ideal", "x", "torch", "fused", "ok"]  # fmt: skip
     line = next(line for line in result.stdout.splitlines() if line.startswith("8x8x8"))
-    assert line.split() == ["8x8x8", "6", "5", "c2", "7.5", "3", "3", "2.00x", "1.00", "2.50x", "6/6"], line
+    want = ["8x8x8", "6.00", "5.00", "c2", "7.50", "3.00", "3.00", "2.00x", "1.00", "2.50x", "6/6"]
+    assert line.split() == want, line  # (times keep their significant digits: 6.00 beside 7.50)
 
 
 def test_write_replaces_a_bench_folder_and_leaves_it_on_error(tmp_path, monkeypatch):
