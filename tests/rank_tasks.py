@@ -24,6 +24,19 @@ class RankAndSum:
 
 
 @dataclass(frozen=True)
+class WhereAmI:
+    """(working folder, the environment variable ``name``, whether ``sys.path`` holds ``entry``)."""
+
+    name: str
+    entry: str
+
+    def run(self, ctx: RankContext) -> tuple[str, str | None, bool]:
+        import sys
+
+        return os.getcwd(), os.environ.get(self.name), self.entry in sys.path
+
+
+@dataclass(frozen=True)
 class TimeSleep:
     """A ``time_region`` of a sleep that is longer on higher ranks."""
 

@@ -20,7 +20,7 @@ from fo_kernels.fingerprint import current_fingerprint
 from fo_tune.ranks import launch
 from fo_tune.ranks.launch import LaunchError, SpawnedPool, agreed_fingerprint, choose_backend, open_pool
 from fo_tune.ranks.timing import Timing
-from rank_tasks import ExitOn, FailOn, RankAndSum, SleepOn, TimeSleep
+from rank_tasks import ExitOn, FailOn, RankAndSum, SleepOn, TimeSleep, WhereAmI
 
 TESTS = Path(__file__).resolve().parent
 
@@ -39,6 +39,23 @@ def test_pool_results_by_rank_then_a_failing_rank_closes_it():
         assert "ValueError: boom on rank 1" in str(info.value)
         with pytest.raises(LaunchError, match="closed"):
             pool.run(RankAndSum())
+
+
+def test_each_pool_s_ranks_start_where_the_driver_is_then(tmp_path, monkeypatch):
+    """gloo ranks fork from a server started with the first pool: a later pool's ranks still
+    take the driver's working folder, environment and sys.path as they are when it starts."""
+    assert launch.rank_processes("gloo").get_start_method() in ("forkserver", "spawn")
+    assert launch.rank_processes("nccl").get_start_method() == "spawn"
+    with open_pool(2, backend="gloo") as pool:
+        before = pool.run(WhereAmI("FO_TEST_LAUNCH_MARK", str(tmp_path)))
+    assert before == [(os.getcwd(), None, False)] * 2
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FO_TEST_LAUNCH_MARK", "later")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with open_pool(2, backend="gloo") as pool:
+        assert (
+            pool.run(WhereAmI("FO_TEST_LAUNCH_MARK", str(tmp_path))) == [(str(tmp_path), "later", True)] * 2
+        )
 
 
 def test_a_dead_rank_ends_the_task():

@@ -9,7 +9,10 @@ hardware fingerprint the ranks agree on.
 
 - Spawned (no torchrun): the calling process drives; it starts one process per rank once, joins
   them into one process group (``choose_backend``: NCCL with a GPU each, else gloo), and sends them
-  tasks. Processes and communicators live for the whole command, never one per candidate.
+  tasks. Processes and communicators live for the whole command, never one per candidate. NCCL
+  ranks are spawned (a fresh interpreter each); gloo ranks fork from a server process that has
+  imported torch once (``rank_processes``), and each takes the driver's working folder,
+  environment and ``sys.path`` as they are when the pool starts, as a spawned one would.
 - Under torchrun: rank 0 drives; the other ranks serve tasks it broadcasts until it closes the pool
   (``pool.is_driver`` is False there, and the command body is skipped). Every rank leaves the
   process group when the pool closes.
@@ -45,8 +48,8 @@ if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
 
 T = TypeVar("T")
-# NVLink multicast must stay off on the shared H200 hosts (device notes: NVLS can take the host's
-# GPUs out of service); every rank process gets these unless the caller set them.
+# NVLink multicast (NVLS) stays off: on some H200 hosts it takes the host's GPUs out of service;
+# every rank process gets these unless the caller set them.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 BACKENDS = ("nccl", "gloo")
 # The rendezvous variables torchrun sets in every rank's environment.
@@ -163,7 +166,48 @@ class Pool(Protocol):
 
 
 # ----------------------------------------------------------------------------- spawned ranks
-def _serve(rank: int, world: int, backend: str, init_file: str, inbox, outbox) -> None:
+# What a gloo rank's server process imports before it forks the ranks: torch is ~1.6 s of CPU a
+# process (its import), the most of a rank's start on the CPU; "__main__" as spawn re-imports it,
+# so a task defined in the driver's script unpickles. (Nothing that reads TRITON_INTERPRET: the
+# ranks import fo_kernels themselves, after they take the driver's environment.)
+FORKSERVER_PRELOAD = ["__main__", "torch"]
+
+
+def rank_processes(backend: str) -> Any:
+    """The multiprocessing context of ``backend``'s ranks: spawn for NCCL (CUDA in a fresh
+    interpreter); forkserver with ``FORKSERVER_PRELOAD`` for gloo where the platform has it."""
+    if backend == "gloo" and "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
+
+
+@dataclass(frozen=True)
+class _Driver:
+    """What a rank takes from its driver when it starts: a forked rank has its server's instead."""
+
+    cwd: str
+    env: dict[str, str]
+    path: list[str]
+
+    @staticmethod
+    def now() -> _Driver:
+        import sys
+
+        return _Driver(os.getcwd(), dict(os.environ), list(sys.path))
+
+    def apply(self) -> None:
+        import sys
+
+        os.chdir(self.cwd)
+        os.environ.clear()
+        os.environ.update(self.env)
+        sys.path[:] = self.path
+
+
+def _serve(rank: int, world: int, backend: str, init_file: str, inbox, outbox, driver: _Driver) -> None:
+    driver.apply()
     for key, value in SAFE_ENV.items():
         os.environ.setdefault(key, value)
     try:
@@ -209,7 +253,7 @@ class SpawnedPool:
     def __init__(self, world_size: int, backend: str | None = None) -> None:
         self.world_size = world_size
         self.backend = choose_backend(world_size, backend)
-        self._ctx = mp.get_context("spawn")
+        self._ctx = rank_processes(self.backend)
         self._tmp = tempfile.TemporaryDirectory(prefix="fo-tune-pool-")
         self._outbox = self._ctx.Queue()
         self._inboxes = [self._ctx.Queue() for _ in range(world_size)]
@@ -217,7 +261,7 @@ class SpawnedPool:
         self._procs = [
             self._ctx.Process(
                 target=_serve,
-                args=(r, world_size, self.backend, init_file, self._inboxes[r], self._outbox),
+                args=(r, world_size, self.backend, init_file, self._inboxes[r], self._outbox, _Driver.now()),
                 daemon=True,
             )
             for r in range(world_size)
