@@ -17,7 +17,7 @@ PY="$VENV/bin/python"
 # installed only when missing; where it cannot be installed those tests skip and say why.
 if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; } >/dev/null 2>&1 \
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql; } >/dev/null 2>&1 \
       || echo "note: could not install postgresql; tests/test_fleet.py's PostgreSQL test skips" >&2
   fi
 fi
