@@ -33,12 +33,14 @@ from fo_tune.cli.table_options import (
     DEFAULT_COLLECTIVE,
     DEFAULT_DTYPE,
     TABLE_COLLECTIVES,
+    AllRowsOpt,
     CollectiveOpt,
     DeviceKeyOpt,
     TableDtypeOpt,
     TableWorldSizeOpt,
     check_choice,
     find_paths,
+    limit_option,
     row_cap,
     world_of,
 )
@@ -157,20 +159,7 @@ FormatOpt = Annotated[
         "rows of each table unless --limit or --all).",
     ),
 ]
-LimitOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--limit",
-        "-n",
-        min=1,
-        metavar="N",
-        help=f"The terminal view prints the first N rows of each table. Default: {SHOW_ROWS}.",
-        show_default=False,
-    ),
-]
-AllShownOpt = Annotated[
-    bool, typer.Option("--all", help="The terminal view prints every row (slow beyond a few thousand).")
-]
+LimitOpt = limit_option("each table")
 PathsArg = Annotated[
     list[Path],
     typer.Argument(metavar="PATH", help="Table files to check.", show_default=False),
@@ -213,7 +202,7 @@ def show(
     format_: FormatOpt = "table",
     json_out: ShowJsonOpt = False,
     limit: LimitOpt = None,
-    all_rows: AllShownOpt = False,
+    all_rows: AllRowsOpt = False,
 ) -> None:
     check_choice("--format", format_, FORMATS)
     if json_out and format_ != FORMATS[0]:

@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from fo_tune.cli.common import console, fmt, handle_errors, summary_table
 from fo_tune.cli.table_moe import moe_changes_cell
-from fo_tune.cli.table_options import row_cap
+from fo_tune.cli.table_options import AllRowsOpt, limit_option, row_cap
 from fo_tune.cli.table_rows import (
     SHOW_ROWS,
     copy_engine_label,
@@ -62,20 +62,7 @@ ExitCodeOpt = Annotated[
 SameRowsOpt = Annotated[
     bool, typer.Option("--same", help="List the rows that are the same too (default: only differences).")
 ]
-DiffLimitOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--limit",
-        "-n",
-        min=1,
-        metavar="N",
-        help=f"The terminal view prints the first N rows of the comparison. Default: {SHOW_ROWS}.",
-        show_default=False,
-    ),
-]
-DiffAllOpt = Annotated[
-    bool, typer.Option("--all", help="The terminal view prints every row (slow beyond a few thousand).")
-]
+DiffLimitOpt = limit_option("the comparison")
 
 
 def _latency_cell(values: dict[str, float]) -> tuple[str, str | None]:
@@ -141,7 +128,7 @@ def diff(
     exit_code: ExitCodeOpt = False,
     same: SameRowsOpt = False,
     limit: DiffLimitOpt = None,
-    all_rows: DiffAllOpt = False,
+    all_rows: AllRowsOpt = False,
 ) -> None:
     from fo_kernels.errors import TableError
     from fo_kernels.moe.table import MoeTable

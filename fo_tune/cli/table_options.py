@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -70,6 +70,27 @@ def check_choice(option: str, value: str, choices: Sequence[str]) -> str:
     if value not in choices:
         raise typer.BadParameter(f"{option} {value!r}: expected one of {', '.join(choices)}")
     return value
+
+
+def limit_option(rows: str) -> Any:
+    """The ``--limit N`` option of a terminal view that prints ``rows`` (see ``row_cap``)."""
+    return Annotated[
+        int | None,
+        typer.Option(
+            "--limit",
+            "-n",
+            min=1,
+            metavar="N",
+            help=f"The terminal view prints the first N rows of {rows}. Default: {SHOW_ROWS}.",
+            show_default=False,
+        ),
+    ]
+
+
+# The ``--all`` option of a terminal view (see ``row_cap``).
+AllRowsOpt = Annotated[
+    bool, typer.Option("--all", help="The terminal view prints every row (slow beyond a few thousand).")
+]
 
 
 def row_cap(limit: int | None, all_rows: bool) -> int | None:
