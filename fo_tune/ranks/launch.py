@@ -31,6 +31,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -193,13 +194,9 @@ class _Driver:
 
     @staticmethod
     def now() -> _Driver:
-        import sys
-
         return _Driver(os.getcwd(), dict(os.environ), list(sys.path))
 
     def apply(self) -> None:
-        import sys
-
         os.chdir(self.cwd)
         os.environ.clear()
         os.environ.update(self.env)
