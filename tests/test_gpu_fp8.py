@@ -203,8 +203,9 @@ OPS = {"all_reduce": gemm_all_reduce, "reduce_scatter": gemm_reduce_scatter, "al
 @pytest.mark.parametrize("engine", ["lookup", "triton"])
 def test_fp8_ops_at_world_size_one(nccl_one_rank, collective, engine):
     """Each op (the fallback's torch._scaled_mm where no row matches, the Triton engine) on odd and
-    round shapes, both scalings, three out dtypes and both B layouts; eagerly, through the custom op
-    (a scale that requires grad) and replayed from a caller's CUDA graph (the fallback's)."""
+    round shapes (N and K down to 16), both scalings, three out dtypes and both B layouts; eagerly,
+    through the custom op (a scale that requires grad) and replayed from a caller's CUDA graph (the
+    fallback's)."""
     op = OPS[collective]
     for i, ((m, n, k), rowwise, out_name, kmajor) in enumerate(
         [
@@ -212,6 +213,8 @@ def test_fp8_ops_at_world_size_one(nccl_one_rank, collective, engine):
             ((1000, 2048, 1024), True, "float32", False),
             ((2048, 4096, 4096), True, "float16", True),
             ((1, 4096, 4096), False, "bfloat16", False),
+            ((17, 48, 80), True, "bfloat16", True),  # N and K multiples of 16 below every tile
+            ((100, 272, 16), False, "float32", False),
         ]
     ):
         a, b, sa, sb = _operands(m, n, k, rowwise, kmajor, seed=100 + i)

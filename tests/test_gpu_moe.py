@@ -98,6 +98,52 @@ def test_ffn_at_world_size_one_matches_float64(nccl_one_rank, dtype, engine, com
             assert y.numel() == 0 and leaves[1].grad.abs().max() == 0
 
 
+# Other expert shapes and routings than the cases above: (hidden, intermediate, experts, top_k,
+# tokens, dtype): many small experts with k = 8 (Qwen3-MoE's routing), k = 1 (Switch-style), one
+# token, fp16, and widths that are not multiples of any tile; the Triton engine with a tile that
+# leaves masked edges, and the table's choice (None).
+OTHER_SHAPES = [
+    (1024, 384, 64, 8, 1500, torch.bfloat16),
+    (768, 1000, 4, 1, 999, torch.bfloat16),
+    (520, 200, 16, 2, 1, torch.float16),
+    (2048, 1408, 8, 6, 700, torch.float16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", OTHER_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + "-" + str(s[5])[6:])
+@pytest.mark.parametrize("engine", [None, "triton"])
+def test_ffn_other_shapes_match_float64(nccl_one_rank, shape, engine):
+    """y and dx, dw13 against float64 on expert shapes, routings and dtypes the cases above do
+    not use, with one expert that no token picks."""
+    hidden, inter, experts, top_k, tokens, dtype = shape
+    gen = torch.Generator(device="cuda").manual_seed(hidden + tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen, dtype=torch.float64)
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen, dtype=torch.float64)
+    logits[:, 0] = -1e9  # expert 0 gets no token
+    w, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    w13 = torch.randn(experts, hidden, 2 * inter, device="cuda", generator=gen, dtype=torch.float64)
+    w13 /= hidden**0.5
+    w2 = torch.randn(experts, inter, hidden, device="cuda", generator=gen, dtype=torch.float64) / inter**0.5
+    g = torch.randn(tokens, hidden, device="cuda", generator=gen, dtype=torch.float64)
+    problem = MoeProblem(hidden=hidden, intermediate=inter, experts=experts, top_k=top_k, tokens_max=tokens)
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    schedule = MoeSchedule(
+        dtype=name, world_size=1, problem=problem, engine=engine, tile=TILES["128x128"] if engine else None
+    )
+    leaves = [t.to(dtype).requires_grad_() for t in (x, w13, w2)]
+    y = expert_parallel_ffn(leaves[0], ids, w.to(dtype), leaves[1], leaves[2], schedule=schedule)
+    assert y.dtype == dtype and y.shape == x.shape
+    (y.double() * g).sum().backward()
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
+    ref = _reference_gpu(ref_leaves, ids)
+    (ref * g).sum().backward()
+    assert rel_err(y.cpu(), ref.detach().cpu()) < TOL[torch.bfloat16]
+    for name_, got, want in (("dx", leaves[0], ref_leaves[0]), ("dw13", leaves[1], ref_leaves[2])):
+        assert rel_err(got.grad.cpu(), want.grad.cpu()) < TOL[torch.bfloat16], name_
+    assert leaves[1].grad[0].abs().max() == 0  # (the expert no token picked)
+
+
 def _reference_gpu(leaves, ids):
     """``reference_ffn``'s formula, vectorised per expert (float64 on the GPU)."""
     x, w, w13, w2 = leaves
