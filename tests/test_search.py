@@ -799,7 +799,9 @@ def test_hybrid_measures_only_the_models_top_k(tmp_path, cpu_calibration):
     )
     assert r.exit_code == 0, r.output
     report = run_report(out / "report" / "all_reduce-w2-bfloat16-hybrid")
-    summary = yaml.safe_load((report / "summary.yaml").read_text())["shapes"][0]
+    whole = yaml.safe_load((report / "summary.yaml").read_text())
+    assert whole["request"]["top_k"] == 2 and whole["request"]["trials"] is None  # (hybrid reads none)
+    summary = whole["shapes"][0]
     # the top 2 of the model's ranking, plus the warm start (heuristic default, its DP grouping)
     assert 1 <= summary["measured_this_run"] <= 2 + 2
     assert summary["model_error"]["mape"] is not None

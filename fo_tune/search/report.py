@@ -200,7 +200,7 @@ def summary(result: SearchResult) -> dict[str, Any]:
             "world_size": r.world_size,
             "dtype": r.dtype,
             "mode": r.mode,
-            "trials": r.trial_count(),
+            "trials": r.trials_asked(),
             "top_k": r.top_k if r.mode == "hybrid" else None,
             "exhaustive": r.exhaustive,
             "engines": list(r.engines) if r.engines is not None else None,

@@ -65,7 +65,16 @@ class SearchRequest:
     table_dir: Path | None = None  # None: no table written (the caller writes)
 
     def trial_count(self) -> int:
+        """The trials a sampled study runs: ``trials``, or the mode's default."""
         return self.trials if self.trials is not None else DEFAULT_TRIALS[self.mode]
+
+    def trials_asked(self) -> int | None:
+        """The trial budget for the search's summary: None where the strategy reads none (hybrid
+        times its ``top_k``, exhaustive the whole space); predict's is the budget of a sampled
+        study, which it runs with ``--trials`` or for a space too large to enumerate."""
+        if self.mode == "hybrid" or self.exhaustive:
+            return None
+        return self.trial_count()
 
     @property
     def strategy(self) -> str:
