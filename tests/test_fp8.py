@@ -137,7 +137,8 @@ def test_ops_at_world_size_one_and_their_fake_implementations(tmp_path):
 def test_rowwise_scales_as_views_at_one_row(tmp_path):
     """Rowwise scales given as views (a column of a bigger tensor, a row of strided columns, a 0-dim
     scale expanded to (M, 1)) equal the float64 reference; at M = 1 the expanded (1, 1) scale_a has
-    stride 0, which torch._scaled_mm refused with its own ValueError. One gloo rank in this process."""
+    stride 0, which torch._scaled_mm refuses (its own ValueError) unless the call copies it to
+    stride 1. One gloo rank in this process."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         with warnings.catch_warnings():
