@@ -189,9 +189,15 @@ def check_scales(
             f"the fp8 tensor cores' rule), got N={n}, K={k}"
         )
     rowwise = _check_shapes(collective, a, b, sa, sb)
-    return Scales(
-        a=sa.reshape(-1).contiguous(), b=sb.reshape(-1).contiguous(), out_dtype=out, rowwise=rowwise
-    )
+    return Scales(a=_flat(sa), b=_flat(sb), out_dtype=out, rowwise=rowwise)
+
+
+def _flat(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` as a 1-D tensor of stride 1. ``contiguous()`` alone keeps a one-element view's
+    stride (an ``expand`` of a 0-dim scale to (1, 1) has stride 0, which torch counts contiguous),
+    and torch._scaled_mm refuses a rowwise scale whose last stride is not 1."""
+    flat = scale.reshape(-1)
+    return flat if flat.stride() == (1,) else flat.clone(memory_format=torch.contiguous_format)
 
 
 def out_dtype_of(a: torch.Tensor, scales: Scales | None) -> torch.dtype:

@@ -134,6 +134,30 @@ def test_ops_at_world_size_one_and_their_fake_implementations(tmp_path):
         dist.destroy_process_group()
 
 
+def test_rowwise_scales_as_views_at_one_row(tmp_path):
+    """Rowwise scales given as views (a column of a bigger tensor, a row of strided columns, a 0-dim
+    scale expanded to (M, 1)) equal the float64 reference; at M = 1 the expanded (1, 1) scale_a has
+    stride 0, which torch._scaled_mm refuses (its own ValueError) unless the call copies it to
+    stride 1. One gloo rank in this process."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the lookup's heuristic warning
+            for m in (1, 3):
+                a, b = (torch.randn(m, 48) * 3).to(FP8), _fp8(80, 48).t()
+                scales = {
+                    "expanded": (torch.tensor(0.6).expand(m, 1), torch.tensor(1.5).expand(1, 80)),
+                    "views": ((torch.rand(m, 5) + 0.5)[:, 2:3], (torch.rand(3, 160) + 0.5)[1:2, ::2]),
+                }
+                for name, (sa, sb) in scales.items():
+                    want = (a.double() * sa.double()) @ (b.double() * sb.double())
+                    for op in (gemm_all_reduce, gemm_reduce_scatter, all_gather_gemm):
+                        got = op(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+                        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_compiled_fp8_calls_with_gradients_run_forward_and_refuse_the_backward(tmp_path):
     """torch.compile traces the backward of a forward whose inputs require a gradient (AOTAutograd's
     joint graph): a compiled fp8 op call, and a compiled fp8 column-parallel layer (its local scaled
