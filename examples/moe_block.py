@@ -13,7 +13,9 @@ stay replicated; each rank runs its own tokens (a different number on every rank
 parallelism does. One forward and backward of a language-model loss then runs on both models on
 this rank's tokens, and the example compares the logits, the loss, the gradients of the replicated
 parameters (this rank's tokens alone) and of this rank's experts (every rank's tokens routed to
-them: the unsharded model's expert gradients summed over the ranks). It prints what it checked
+them: the unsharded model's expert gradients summed over the ranks). Last, the unsharded model's
+state_dict (a checkpoint's keys, every expert) loads into a sharded model of other weights, whose
+logits must then be the unsharded model's. It prints what it checked
 with the largest relative error of each, then one ``RESULT`` line of JSON, and exits 1 when an
 error exceeds the tolerance (float32: 1e-4).
 
@@ -130,6 +132,13 @@ def check(kind: str, rank: int, world: int, device: torch.device) -> dict[str, f
         "loss": rel(outputs["sharded"].loss, outputs["full"].loss),
     }
     errors.update(grad_errors(sharded, full, rank, world))
+    # the unsharded model's state_dict (a Hugging Face checkpoint's keys, every expert) loads into
+    # a sharded model of other weights as this rank's experts
+    loaded = build_model(kind, world, seed=1).to(device)
+    parallelize_experts(loaded)
+    loaded.load_state_dict(full.state_dict())
+    with torch.no_grad():
+        errors["checkpoint load"] = rel(loaded(input_ids=tokens).logits, outputs["full"].logits)
     return errors
 
 

@@ -8,6 +8,7 @@ so rank 0 also calls with a group it is not in.
 
 from __future__ import annotations
 
+import copy
 import random
 import tempfile
 import warnings
@@ -36,7 +37,7 @@ TILE = {"block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 
 DTYPES = ("float32", "bfloat16", "float32", "float16")
 CASES = 8  # per group
 EXAMPLE_MODELS = ("mixtral", "qwen3_moe")
-EXAMPLE_CHECKS = {"logits", "loss", "other parameters", "expert weights"}
+EXAMPLE_CHECKS = {"logits", "loss", "other parameters", "expert weights", "checkpoint load"}
 # opcheck's checks but the dynamic-shape AOT dispatch (18 s on a 2-core CPU), which
 # test_compiled_with_routing_inside_matches_eager covers (aot_eager, dynamic=True) in ~3 s
 FAST_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
@@ -81,7 +82,8 @@ def test_gloo_groups_of_two_three_and_four_ranks():
     outside a group gets a GroupError, eagerly and compiled; a deep copy of an
     ExpertParallelExperts runs over the module's group; examples/moe_block.py's check of a
     Mixtral and a Qwen3-MoE decoder with their experts over the 4 ranks
-    (``ExpertParallelExperts``) against the unsharded models."""
+    (``ExpertParallelExperts``) against the unsharded models, and the unsharded model's
+    state_dict loaded into a sharded one (each rank its experts)."""
     groups = [(ranks, _cases(len(ranks), 10 + len(ranks), CASES)) for ranks in GROUPS]
     per_rank = run_ranks(run_groups, 4, (groups, EXAMPLE_MODELS), backend="gloo")
     checked = 0
@@ -440,6 +442,51 @@ def test_module_from_both_hf_layouts_matches_the_block(one_rank):
         mlp.requires_grad_(False)
     frozen = ExpertParallelExperts.from_experts(mlps)
     assert (frozen.w13.requires_grad, frozen.w2.requires_grad) == (False, False)
+
+
+def test_module_loads_a_state_dict_of_the_block_it_was_built_from(one_rank):
+    """A state_dict of the experts block (a Hugging Face checkpoint's keys: fused, transposed,
+    interleaved, or per-expert Linears) loads into the module built from such a block as the
+    module built from the checkpoint's block; its own state_dict round-trips; a block of another
+    size or one missing an expert is refused naming the key."""
+    pytest.importorskip("transformers")
+    from fo_kernels import ExpertParallelExperts, PlanError
+
+    def variants(block):
+        yield block
+        with torch.no_grad():
+            t = copy.deepcopy(block)
+            t.is_transposed = True
+            t.gate_up_proj = torch.nn.Parameter(block.gate_up_proj.transpose(1, 2).contiguous())
+            t.down_proj = torch.nn.Parameter(block.down_proj.transpose(1, 2).contiguous())
+            yield t
+            i = copy.deepcopy(t)
+            g, u = t.gate_up_proj.chunk(2, dim=-1)
+            i.gate_up_proj = torch.nn.Parameter(torch.stack([g, u], dim=-1).flatten(-2))
+            i.is_concatenated = False
+            yield i
+
+    torch.manual_seed(3)
+    mlps = [torch.nn.ModuleList(_Mlp(torch.nn.SiLU()) for _ in range(4)) for _ in range(2)]
+    pairs = list(zip(variants(_mixtral_experts()), variants(_mixtral_experts()), strict=True))
+    for built_from, checkpoint in [*pairs, tuple(mlps)]:
+        module = ExpertParallelExperts.from_experts(built_from)
+        want = ExpertParallelExperts.from_experts(checkpoint)
+        assert not torch.equal(module.w13, want.w13)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), module)
+        model.load_state_dict(torch.nn.Sequential(torch.nn.Linear(16, 16), checkpoint).state_dict())
+        torch.testing.assert_close(module.w13, want.w13, rtol=0, atol=0)
+        torch.testing.assert_close(module.w2, want.w2, rtol=0, atol=0)
+        assert set(model.state_dict()) == {"0.weight", "0.bias", "1.w13", "1.w2"}
+        module.load_state_dict(ExpertParallelExperts.from_experts(built_from).state_dict())
+        assert not torch.equal(module.w13, want.w13)
+    module = ExpertParallelExperts.from_experts(_mixtral_experts())
+    with pytest.raises(PlanError, match=r"are \(6, 16, 16\) as \(E, H, 2I\); this module holds 4 experts"):
+        module.load_state_dict(_mixtral_experts(experts=6).state_dict())
+    per_expert = ExpertParallelExperts.from_experts(mlps[0])
+    partial = {k: v for k, v in mlps[1].state_dict().items() if not k.startswith("3.")}
+    with pytest.raises(PlanError, match=r"lacks 3\.w1\.weight \(and 2 more\)"):
+        per_expert.load_state_dict(partial)
 
 
 @pytest.mark.parametrize(

@@ -14,16 +14,19 @@ sparse MoE block, after the router, which stays replicated. Every rank keeps the
     per expert (transformers 4) a ModuleList of MLPs with w1 / w3 / w2 (Mixtral) or gate_proj /
                                 up_proj / down_proj (Qwen3-MoE) ``nn.Linear`` layers
 
-and refuses (``PlanError``) what the op does not compute: an activation other than SiLU (the
-fused block's ``_apply_gate`` is probed, so a clamped SwiGLU such as DeepSeek-V4's or gpt-oss's is
-refused), biases, a norm after each expert, experts without a gate, weights in neither layout
-(Llama 4's experts, which take pre-weighted rows and no routing), E not divisible by the world
-size.
+and loads a state_dict of such a block (a Hugging Face checkpoint of the whole model, every expert)
+as this rank's experts: ``model.load_state_dict(full_state_dict)`` after ``parallelize_experts``.
+Its own state_dict holds this rank's ``w13`` and ``w2``. It refuses (``PlanError``) what the op does
+not compute: an activation other than SiLU (the fused block's ``_apply_gate`` is probed, so a
+clamped SwiGLU such as DeepSeek-V4's or gpt-oss's is refused), biases, a norm after each expert,
+experts without a gate, weights in neither layout (Llama 4's experts, which take pre-weighted rows
+and no routing), E not divisible by the world size.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -82,8 +85,59 @@ def _check_gate(experts: nn.Module) -> None:
         )
 
 
-# (w13, w2) of every expert, and whether the block trains each (its weights' requires_grad).
-Weights = tuple[torch.Tensor, torch.Tensor, tuple[bool, bool]]
+# (w13, w2) of every expert, whether the block trains each (its weights' requires_grad), and how
+# the block names them.
+Weights = tuple[torch.Tensor, torch.Tensor, tuple[bool, bool], "Source"]
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """How the block ``from_experts`` read names and lays out its weights, so that a state_dict
+    of such blocks (a Hugging Face checkpoint) loads into the sharded module."""
+
+    fused: bool
+    transposed: bool = False  # fused: (E, H, 2I) and (E, I, H) rather than (E, 2I, H) and (E, H, I)
+    concatenated: bool = True  # fused: [gate | up] rather than [g0, u0, g1, u1, ...]
+    names: tuple[str, str, str] = ("", "", "")  # per expert: the (gate, up, down) Linear names
+
+    def fused_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as (E, H, 2I) and (E, I, H) from a fused block's gate_up_proj and down_proj;
+        ``PlanError`` for shapes that are not a fused block's."""
+        if not self.transposed:
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        experts_n, hidden, i2 = gate_up.shape if gate_up.dim() == 3 else (0, 0, 0)
+        if i2 % 2 or i2 == 0 or tuple(down.shape) != (experts_n, i2 // 2, hidden):
+            want = "(E, H, 2I) and (E, I, H)" if self.transposed else "(E, 2I, H) and (E, H, I)"
+            raise PlanError(
+                f"gate_up_proj {_shape_of(gate_up, self.transposed)} and down_proj "
+                f"{_shape_of(down, self.transposed)} are not the {want} of a transformers experts "
+                f"block (is_transposed={self.transposed})"
+            )
+        if not self.concatenated:  # [g0, u0, g1, u1, ...] -> [gate | up]
+            gate_up = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1)
+        return gate_up, down
+
+    def keys(self, experts: int) -> list[str]:
+        """The state_dict keys of such a block of ``experts`` experts (below its prefix)."""
+        if self.fused:
+            return ["gate_up_proj", "down_proj"]
+        return [f"{e}.{name}.weight" for e in range(experts) for name in self.names]
+
+    def weights(self, entries: dict[str, torch.Tensor], experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) of all ``experts`` from a state_dict's ``keys(experts)`` entries."""
+        if self.fused:
+            return self.fused_weights(entries["gate_up_proj"], entries["down_proj"])
+        gate, up, down = self.names
+        w13 = [
+            torch.cat([entries[f"{e}.{gate}.weight"].t(), entries[f"{e}.{up}.weight"].t()], 1)
+            for e in range(experts)
+        ]
+        return torch.stack(w13), torch.stack([entries[f"{e}.{down}.weight"].t() for e in range(experts)])
+
+
+def _shape_of(t: torch.Tensor, transposed: bool) -> tuple[int, ...]:
+    """``t``'s shape as the block holds it (undoing ``fused_weights``' transpose)."""
+    return tuple(t.shape) if transposed or t.dim() != 3 else (t.shape[0], t.shape[2], t.shape[1])
 
 
 def _fused(experts: nn.Module) -> Weights:
@@ -92,21 +146,16 @@ def _fused(experts: nn.Module) -> Weights:
         if getattr(experts, flag, not bad) == bad:
             raise PlanError(f"experts: {flag}={bad} is not the SwiGLU expert expert_parallel_ffn computes")
     _check_gate(experts)
-    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
-    transposed = getattr(experts, "is_transposed", False)
-    if not transposed:
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    experts_n, hidden, i2 = gate_up.shape if gate_up.dim() == 3 else (0, 0, 0)
-    if i2 % 2 or i2 == 0 or tuple(down.shape) != (experts_n, i2 // 2, hidden):
-        want = "(E, H, 2I) and (E, I, H)" if transposed else "(E, 2I, H) and (E, H, I)"
-        raise PlanError(
-            f"experts: gate_up_proj {tuple(experts.gate_up_proj.shape)} and down_proj "
-            f"{tuple(experts.down_proj.shape)} of a {type(experts).__name__} are not the {want} of "
-            f"a transformers experts block (is_transposed={transposed})"
-        )
-    if not getattr(experts, "is_concatenated", True):  # [g0, u0, g1, u1, ...] -> [gate | up]
-        gate_up = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1)
-    return gate_up, down, (experts.gate_up_proj.requires_grad, experts.down_proj.requires_grad)
+    source = Source(
+        fused=True,
+        transposed=bool(getattr(experts, "is_transposed", False)),
+        concatenated=bool(getattr(experts, "is_concatenated", True)),
+    )
+    try:
+        w13, w2 = source.fused_weights(experts.gate_up_proj.detach(), experts.down_proj.detach())
+    except PlanError as exc:
+        raise PlanError(f"experts: a {type(experts).__name__}'s {exc}") from None
+    return w13, w2, (experts.gate_up_proj.requires_grad, experts.down_proj.requires_grad), source
 
 
 def _per_expert(experts: nn.ModuleList) -> Weights:
@@ -129,7 +178,7 @@ def _per_expert(experts: nn.ModuleList) -> Weights:
         w2.append(down.weight.detach().t())
         trains[0] |= gate.weight.requires_grad or up.weight.requires_grad
         trains[1] |= down.weight.requires_grad
-    return torch.stack(w13), torch.stack(w2), (trains[0], trains[1])
+    return torch.stack(w13), torch.stack(w2), (trains[0], trains[1]), Source(fused=False, names=names)
 
 
 def _check_experts(w13: object, w2: object, num_experts: object, schedule: object, world: int) -> None:
@@ -204,6 +253,9 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
         self.w13 = nn.Parameter(w13.contiguous())
         self.w2 = nn.Parameter(w2.contiguous())
         self.num_experts, self.group, self.schedule = num_experts, group, schedule
+        # the layout of the block ``from_experts`` read, whose state_dicts load too (see
+        # ``_load_from_state_dict``); None for a module built from w13 and w2
+        self.source: Source | None = None
 
     @classmethod
     def from_experts(
@@ -219,9 +271,9 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
         require_initialized()
         check_group(group)
         if isinstance(experts, nn.ModuleList):
-            w13, w2, trains = _per_expert(experts)
+            w13, w2, trains, source = _per_expert(experts)
         elif hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"):
-            w13, w2, trains = _fused(experts)
+            w13, w2, trains, source = _fused(experts)
         else:
             raise PlanError(
                 f"experts: a {type(experts).__name__} is neither a fused experts block (gate_up_proj, "
@@ -239,7 +291,44 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
         module = cls(w13[part].clone(), w2[part].clone(), num_experts=total, group=group, schedule=schedule)
         module.w13.requires_grad_(trains[0])
         module.w2.requires_grad_(trains[1])
+        module.source = source
         return module
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """A state_dict of the block ``from_experts`` read (a Hugging Face checkpoint: fused
+        ``gate_up_proj`` / ``down_proj``, or each expert's Linear weights) loads as this rank's
+        experts, taken from the block's ``num_experts``; one of this module (``w13``, ``w2``) loads
+        as it is."""
+        source = self.source
+        if source is not None and prefix + "w13" not in state_dict:
+            keys = [prefix + k for k in source.keys(self.num_experts)]
+            if any(k in state_dict for k in keys):
+                entries = {k[len(prefix) :]: state_dict.pop(k) for k in keys if k in state_dict}
+                state_dict[prefix + "w13"], state_dict[prefix + "w2"] = self._shard(entries, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _shard(self, entries: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (w13, w2) from the whole block's state_dict ``entries`` (``PlanError`` for
+        a block of another size or layout)."""
+        missing = sorted(set(self.source.keys(self.num_experts)) - set(entries))
+        if missing:
+            raise PlanError(
+                f"{prefix or 'state_dict'}: the checkpoint's experts block lacks {prefix}{missing[0]} "
+                f"(and {len(missing) - 1} more): this module loads the whole block of "
+                f"{self.num_experts} experts it was built from"
+            )
+        try:
+            w13, w2 = self.source.weights(entries, self.num_experts)
+        except (PlanError, RuntimeError) as exc:  # (RuntimeError: experts' Linears that differ)
+            raise PlanError(f"{prefix or 'state_dict'}: the checkpoint's {exc}") from None
+        if w13.shape[0] != self.num_experts or w13.shape[1:] != self.w13.shape[1:]:
+            raise PlanError(
+                f"{prefix or 'state_dict'}: the checkpoint's experts are {tuple(w13.shape)} as (E, H, 2I); "
+                f"this module holds {self.num_experts} experts of {tuple(self.w13.shape[1:])}"
+            )
+        local = self.w13.shape[0]
+        part = slice(dist.get_rank(self.group) * local, (dist.get_rank(self.group) + 1) * local)
+        return w13[part], w2[part]
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
