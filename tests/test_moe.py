@@ -480,6 +480,13 @@ def test_module_loads_a_state_dict_of_the_block_it_was_built_from(one_rank):
         assert set(model.state_dict()) == {"0.weight", "0.bias", "1.w13", "1.w2"}
         module.load_state_dict(ExpertParallelExperts.from_experts(built_from).state_dict())
         assert not torch.equal(module.w13, want.w13)
+    # built on the meta device (no memory), then given the checkpoint's tensors
+    real = _mixtral_experts()
+    with torch.device("meta"):
+        on_meta = ExpertParallelExperts.from_experts(type(real)(real.config))
+    on_meta.load_state_dict(real.state_dict(), assign=True)
+    torch.testing.assert_close(on_meta.w13, ExpertParallelExperts.from_experts(real).w13, rtol=0, atol=0)
+    assert on_meta.w13.is_contiguous() and on_meta.w2.device.type == "cpu"
     module = ExpertParallelExperts.from_experts(_mixtral_experts())
     with pytest.raises(PlanError, match=r"are \(6, 16, 16\) as \(E, H, 2I\); this module holds 4 experts"):
         module.load_state_dict(_mixtral_experts(experts=6).state_dict())

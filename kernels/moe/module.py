@@ -42,7 +42,8 @@ from fo_kernels.moe.schedule import MoeSchedule
 
 # Points where a SiLU is told apart from the other activations transformers' MoE models use
 # (gelu, relu, the clamped SwiGLUs): the largest lie far past every clamp limit transformers'
-# models set (gpt-oss 7, DeepSeek-V4 10); checked to float32 rounding.
+# models set (gpt-oss 7, DeepSeek-V4 10); checked to float32 rounding, on the CPU (a model built
+# under ``torch.device("meta")`` would otherwise probe meta tensors, which hold no values).
 _PROBE = (-1e3, -3.0, -0.5, 0.25, 2.0, 9.0, 1e3)
 _PROBE_TOL = 1e-6
 # Per-expert MLP attribute names: (gate, up, down), Mixtral's then Qwen's (transformers 4).
@@ -52,7 +53,7 @@ _MLP_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 def _check_silu(act: object, where: str) -> None:
     if not callable(act):
         raise PlanError(f"{where}: no act_fn to check; expert_parallel_ffn computes silu(gate) * up")
-    probe = torch.tensor(_PROBE)
+    probe = torch.tensor(_PROBE, device="cpu")
     try:
         same = torch.allclose(act(probe), F.silu(probe), atol=_PROBE_TOL)
     except (TypeError, RuntimeError):
@@ -70,7 +71,7 @@ def _check_gate(experts: nn.Module) -> None:
     if apply_gate is None:
         _check_silu(getattr(experts, "act_fn", None), "experts")
         return
-    probe = torch.tensor(_PROBE)
+    probe = torch.tensor(_PROBE, device="cpu")
     gate, up = (t.reshape(-1) for t in torch.meshgrid(probe, probe, indexing="ij"))
     # I = 1: the concatenated [gate | up] and the interleaved [g0, u0] rows are the same
     try:
@@ -328,7 +329,9 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
             )
         local = self.w13.shape[0]
         part = slice(dist.get_rank(self.group) * local, (dist.get_rank(self.group) + 1) * local)
-        return w13[part], w2[part]
+        # copies of this rank's part alone (``load_state_dict(..., assign=True)`` keeps what it is
+        # given: a view would keep every expert of the checkpoint alive)
+        return tuple(t[part].clone(memory_format=torch.contiguous_format) for t in (w13, w2))
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
