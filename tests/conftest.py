@@ -37,6 +37,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs and TRITON_INTERPRET=0"))
 
 
+@pytest.fixture(autouse=True)
+def _grad_mode_restored():
+    """Every test leaves autograd's grad mode as it found it (on): a test that leaves it off (a
+    ``yield`` inside ``torch.no_grad()``) would change what later tests in its process check."""
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("the test left grad mode off (torch.is_grad_enabled() is False)")
+
+
 @pytest.fixture(scope="module")
 def h200():
     """The packaged H200 x2 calibration (``cli_checks.H200_KEY``, world size 2)."""

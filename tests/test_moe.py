@@ -453,18 +453,17 @@ def test_module_loads_a_state_dict_of_the_block_it_was_built_from(one_rank):
     from fo_kernels import ExpertParallelExperts, PlanError
 
     def variants(block):
-        yield block
-        with torch.no_grad():
+        """The block, transposed, and transposed with gate and up interleaved."""
+        with torch.no_grad():  # (a list, not a generator: a yield here would leave grad mode off)
             t = copy.deepcopy(block)
             t.is_transposed = True
             t.gate_up_proj = torch.nn.Parameter(block.gate_up_proj.transpose(1, 2).contiguous())
             t.down_proj = torch.nn.Parameter(block.down_proj.transpose(1, 2).contiguous())
-            yield t
             i = copy.deepcopy(t)
             g, u = t.gate_up_proj.chunk(2, dim=-1)
             i.gate_up_proj = torch.nn.Parameter(torch.stack([g, u], dim=-1).flatten(-2))
             i.is_concatenated = False
-            yield i
+        return [block, t, i]
 
     torch.manual_seed(3)
     mlps = [torch.nn.ModuleList(_Mlp(torch.nn.SiLU()) for _ in range(4)) for _ in range(2)]
