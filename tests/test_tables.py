@@ -557,6 +557,31 @@ def test_validate_malformed_or_missing_is_one_line(
     assert str(path) in line and needle in line
 
 
+@pytest.mark.parametrize("command", ["show", "validate", "diff"])
+@pytest.mark.parametrize(
+    ("what", "needle"),
+    [
+        ("folder", "is a folder, not a table file; name one of its files"),
+        ("empty", "got an empty file; give a schedule table file"),
+        ("binary", "cannot read: 'utf-8' codec"),
+    ],
+)
+def test_a_file_that_is_no_table_at_all_says_what_to_give(
+    runner: CliRunner, tmp_path: Path, command: str, what: str, needle: str
+) -> None:
+    """A folder, an empty file or a binary one given as a table is one line naming it, what it is
+    and what to give instead (a schedule table file), from every command that reads a table."""
+    path = tmp_path / "t.yaml"
+    if what == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes(b"" if what == "empty" else b"\xff\xfe\x00")
+    args = [str(path), str(path)] if command == "diff" else [str(path)]
+    line = assert_one_line_error(runner.invoke(app, ["table", command, *args]))
+    assert str(path) in line and needle in line, line
+    assert "`fo-tune " in line, line
+
+
 def test_validate_sm_count_option(runner: CliRunner, tmp_path: Path) -> None:
     path = gpu_table_file(tmp_path)
     result = runner.invoke(app, ["table", "validate", str(path), "--sm-count", "16"])
