@@ -422,3 +422,6 @@ def test_a_predict_search_into_the_user_folder_leaves_the_measured_rows_in_charg
         packaged = ROOT / "results" / "tables" / H200_KEY / f"{collective}-w2-bfloat16.yaml"
         assert Path(answer["source"]).resolve() == packaged.resolve() and answer["kind"] == "measured"
         assert answer["row"]["provenance"]["mode"] == "hybrid"
+    # the model has nothing to check in its own predictions: the line says which files it can check
+    line = assert_one_line_error(model_check(*map(str, sorted(user.glob("*.yaml")))))
+    assert "no measured row or trial" in line and "leave the files out" in line, line

@@ -230,7 +230,12 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     if not items and unmeasured:
         return
     if not items:
-        raise CheckError(f"no measured row or trial in {', '.join(map(str, paths))}")
+        raise CheckError(
+            f"no measured row or trial in {', '.join(map(str, paths))} (a predict search's rows and "
+            "trials are the model's own numbers); give tables or reports of a measured search "
+            "(--mode measure or hybrid, on the GPUs), or leave the files out to check the packaged "
+            "measured tables"
+        )
     _check_terms(cal, items, {m.schedule.engine or "" for m in items})
     model = cost_model(cal)
     rows = [m.checked(model) for m in items]
