@@ -1007,3 +1007,24 @@ def test_a_table_of_an_unknown_schema_is_exit_2_and_left_alone(tmp_path):
     line = assert_one_line_error(search("--shape", "4096x8192x4096", "--out", str(out)))
     assert "schema_version 99" in line and "fo-tune search" in line
     assert path.read_bytes() == before and not (out / "report").exists()
+
+
+def test_a_later_collectives_bad_table_is_exit_2_before_the_first_is_searched(tmp_path):
+    """-c all_reduce,reduce_scatter with reduce_scatter's table malformed (a duplicate row): one
+    line before any collective is searched, nothing written for all_reduce either (a measured
+    search would otherwise spend its first collective's hours and stop at the second)."""
+    out = tmp_path / "o"
+    good = out / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml"
+    bad = good.with_name("reduce_scatter-w2-bfloat16.yaml")
+    bad.parent.mkdir(parents=True)
+    row = {"problem": {"m": 4096, "n": 8192, "k": 4096}, "overlap": False}
+    table = {"schema_version": 2, "kind": "fo-tune-schedule-table", "collective": "reduce_scatter"}
+    table |= {"world_size": 2, "dtype": "bfloat16", "rows": [row, row]}
+    shipped = load_table(ROOT / "results" / "tables" / H200_KEY / "reduce_scatter-w2-bfloat16.yaml")
+    table["fingerprint"] = shipped.fingerprint.to_dict()
+    bad.write_text(yaml.safe_dump(table))
+    line = assert_one_line_error(
+        search("--shape", "4096x8192x4096", "-c", "all_reduce,reduce_scatter", "--out", str(out))
+    )
+    assert str(bad) in line and "rows[0] and rows[1]" in line, line
+    assert not good.exists() and not (out / "report").exists()
