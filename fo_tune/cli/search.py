@@ -353,8 +353,8 @@ def search(
             target = target or current_fingerprint(device, world_size)
             for request in requests:
                 check_exhaustive_size(request, target)
-        _read_tables(requests, mode, cal, device, world_size)
         folders = report_dirs(requests, cal, device, out, tables_root, storage_url)
+        _read_tables(requests, mode, cal, device, world_size)  # (writable first: report_dirs)
         if storage is not None:  # its driver, its server, its folder (the default's is made later)
             from fo_tune.search.storage import check_storage
 
