@@ -441,6 +441,13 @@ def test_show_not_found_and_bad_options_are_one_line(runner: CliRunner, tmp_path
     )
     line = assert_one_line_error(runner.invoke(app, ["table", "show", str(tmp_path / "missing.yaml")]))
     assert "fo-tune search" in line
+    # a key that has tables, but none of this dtype: what the key holds, not the key list again
+    line = assert_one_line_error(
+        runner.invoke(app, ["table", "show", "-k", H200["device_key"], "-d", "float16"])
+    )
+    assert f"{H200['device_key']} holds all_reduce-w2-bfloat16.yaml: pick one with -c, -w and -d" in line, (
+        line
+    )
     line = assert_one_line_error(runner.invoke(app, ["table", "show", "x.yaml", "--dtype", "float16"]))
     assert "--dtype" in line
     assert "--format" in assert_one_line_error(runner.invoke(app, ["table", "show", "-f", "json"]))

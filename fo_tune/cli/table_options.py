@@ -142,6 +142,9 @@ def find_paths(device_key: str | None, collective: str, world_size: int, dtype: 
         return paths
     keys = known_device_keys()
     known = f"tables exist for device keys {', '.join(keys)}" if keys else "no table folder exists"
+    if device_key in keys:  # (the key is right: name what it holds, not the key list again)
+        held = {p.name for root in table_search_path() for p in (root / device_key).glob("*.yaml")}
+        known = f"{device_key} holds {', '.join(sorted(held))}: pick one with -c, -w and -d"
     folders = ", ".join(map(str, table_search_path()))
     raise TableNotFoundError(
         f"no table {device_key}/{filename} in {folders} ({known}); "
