@@ -208,7 +208,7 @@ def error_line(rows: list[Checked], what: str = "measured rows") -> str:
 def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     from fo_tune.calibrate.missing import measured_rows
     from fo_tune.engines import cost_model
-    from fo_tune.model.check import CheckError, measured_in, unmeasured_in
+    from fo_tune.model.check import CheckError, check_machines, measured_in, unmeasured_in
 
     cal, path = _calibration(calibration)
     paths = _files(files, cal)
@@ -236,6 +236,7 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
             "(--mode measure or hybrid, on the GPUs), or leave the files out to check the packaged "
             "measured tables"
         )
+    check_machines(items, cal.fingerprint.device_key, path)
     _check_terms(cal, items, {m.schedule.engine or "" for m in items})
     model = cost_model(cal)
     rows = [m.checked(model) for m in items]
