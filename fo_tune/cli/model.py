@@ -47,8 +47,9 @@ CHECK_HELP = "\n\n".join(
         "GEMM profile) are counted per file with their basis, as are the trials of a predict "
         "search's report that rests on one: they have no measured error yet.",
         "Exit code 0 when printed; 2 for a missing or malformed file, files with neither a measured "
-        "row nor such a predicted one, or a calibration without what an engine's term needs (its "
-        "section and the command that measures it are named).",
+        "row nor such a predicted one, a file measured on another machine than the calibration's "
+        "(its table's or report's device key; pass that machine's --calibration), or a calibration "
+        "without what an engine's term needs (its section and the command that measures it are named).",
     ]
 )
 
