@@ -907,6 +907,9 @@ def test_lookup_names_the_row_and_its_file(runner: CliRunner, tmp_path: Path) ->
         (["--shape", "64x96x48", "-d", "int8"], "--dtype"),
         (["--shape", "64x96x48", "-w", "0"], "--world-size"),
         ([], "--shape"),
+        # a path for a key would read table files outside the table folders
+        (["--shape", "64x96x48", "-k", "../../etc"], "a device key is a folder name"),
+        (["--experts", "4096,1536,32,8", "--tokens", "5", "-k", ".."], "not a path"),
     ],
 )
 def test_lookup_bad_input_is_one_line(runner: CliRunner, args: list[str], needle: str) -> None:
