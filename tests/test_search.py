@@ -1028,3 +1028,29 @@ def test_a_later_collectives_bad_table_is_exit_2_before_the_first_is_searched(tm
     )
     assert str(bad) in line and "rows[0] and rows[1]" in line, line
     assert not good.exists() and not (out / "report").exists()
+
+
+def test_a_measured_searchs_report_names_only_a_calibration_that_priced_its_machine(h200):
+    """A measured search given another machine's calibration (the H200's, on CPU ranks) predicts
+    nothing with it; its report's request names no calibration (it named the H200's), and one of
+    the ranks' own machine is named."""
+    from fo_kernels.fingerprint import current_fingerprint
+    from fo_tune.search import SearchRequest, SearchResult
+    from fo_tune.search.report import summary
+
+    cpu = current_fingerprint("cpu", 2)
+    request = SearchRequest(shapes=((64, 64, 64),), mode="measure", calibration=h200)
+    named = summary(SearchResult(request=request, fingerprint=cpu, shapes=[]))["request"]
+    assert (named["calibration"], named["calibration_created"], named["basis"]) == (None, None, None)
+    own = dataclasses.replace(h200, fingerprint=cpu)
+    named = summary(
+        SearchResult(request=dataclasses.replace(request, calibration=own), fingerprint=cpu, shapes=[])
+    )
+    assert named["request"]["calibration"] == cpu.device_key
+    # a predict search plans the calibration's machine: its calibration is named, whatever ran it
+    planned = summary(
+        SearchResult(
+            request=dataclasses.replace(request, mode="predict"), fingerprint=h200.fingerprint, shapes=[]
+        )
+    )
+    assert planned["request"]["calibration"] == H200_KEY
