@@ -306,6 +306,9 @@ def test_m_values():
     assert m_values(512, 16384) == [512, 1024, 2048, 4096, 8192, 16384]
     assert m_values(100, 1000) == [100, 128, 256, 512, 1000]
     assert m_values(64, 64) == [64]
+    # a sharded collective at world size 3 (no power of two divides): the nearest multiples of 3
+    assert m_values(3, 96, 3) == [3, 9, 15, 33, 63, 96]
+    assert m_values(512, 16384, 8) == m_values(512, 16384)
 
 
 def test_model_error():
@@ -471,6 +474,20 @@ def test_odd_shapes_reduce_scatter_and_m_ranges_get_valid_rows(tmp_path):
     for m in (512, 600, 1500, 3000, 4096):
         assert table.find(m, 8192, 4096) is not None
     assert not [row for row in table.rows if not row.problem.is_range and row.problem.n == 8192]
+
+
+def test_an_m_range_at_world_size_3_tunes_multiples_of_3(tmp_path):
+    """--m-range 3:96 of reduce_scatter at world size 3 (no power of two divides by 3): exit 0 with
+    range rows over 3..96 that validate; it stopped on 'shape 4x4096x1024', an M nobody gave."""
+    out = tmp_path / "o"
+    args = ("-w", "3", "-s", "96x4096x1024", "--m-range", "3:96", "-c", "reduce_scatter", "--out", str(out))
+    r = search(*args)
+    assert r.exit_code == 0, r.output
+    key = H200_KEY.replace("-w2-", "-w3-")
+    table = load_table(out / "tables" / key / "reduce_scatter-w3-bfloat16.yaml")
+    assert table_tools.validate_table(table) == []
+    assert [row.provenance["tuned_m"] for row in table.rows] == [3, 9, 15, 33, 63, 96]
+    assert table.rows[0].problem.m_min == 3 and table.rows[-1].problem.m_max == 96
 
 
 def test_time_budget_stops_early(tmp_path):
