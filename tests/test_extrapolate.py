@@ -88,7 +88,7 @@ def test_bus_bandwidth_carries_over_and_times_grow(h200, world):
 def test_what_cannot_be_extrapolated_says_what_it_needs(h200):
     with pytest.raises(ExtrapolationError, match="at most 8 GPUs"):
         extrapolate(h200, 16)
-    with pytest.raises(ExtrapolationError, match="asked 2 -> 2"):
+    with pytest.raises(ExtrapolationError, match="world size 2 to 2: "):
         extrapolate(h200, 2)
     with pytest.raises(ExtrapolationError, match="itself extrapolated"):
         extrapolate(extrapolate(h200, 4), 8)
@@ -255,11 +255,25 @@ def test_a_missing_measurement_names_commands_that_work(tmp_path, world, args, a
     assert r.exit_code == 0, r.output
 
 
-def test_no_plan_beyond_one_nvswitch_board():
+def test_no_plan_beyond_one_nvswitch_board(tmp_path, h200):
     r = search("--mode", "predict", "--world-size", "16", "--shape", "8192x8192x3584")
     assert "no packaged calibration for world size 16" in assert_one_line_error(r)
     # world size 1 has nothing to plan (it named a calibration of one GPU to measure)
     r = search("--mode", "predict", "--world-size", "1", "--shape", "8192x8192x3584")
+    assert "--world-size 1 has no collective to overlap" in assert_one_line_error(r)
+    # the same answers with a TP=2 calibration given: a whole sentence saying what to run, and
+    # no calibration of one GPU to measure
+    cal = tmp_path / "cal.yaml"
+    save_calibration(h200, cal)
+    r = search(
+        "--mode", "predict", "--world-size", "16", "--shape", "8192x8192x3584", "--calibration", str(cal)
+    )
+    line = assert_one_line_error(r)
+    assert "cannot extrapolate a calibration of world size 2 to 16" in line, line
+    assert "`fo-tune calibrate --world-size 16`" in line, line
+    r = search(
+        "--mode", "predict", "--world-size", "1", "--shape", "8192x8192x3584", "--calibration", str(cal)
+    )
     assert "--world-size 1 has no collective to overlap" in assert_one_line_error(r)
 
 

@@ -324,3 +324,20 @@ def test_pull_and_moe_search_refuse_a_table_dir_they_cannot_write(tmp_path: Path
         runner.invoke(app, ["table", "pull", "--storage", db, "--table-dir", str(taken)])
     )
     assert line.startswith("error: table file ") and "is a folder" in line, line
+
+
+def test_pull_refuses_a_malformed_table_before_it_writes_any(tmp_path: Path) -> None:
+    """A table under --table-dir with a duplicate row: `table pull` is one line naming it and
+    writes none of the storage's tables (it wrote every table merged before that one)."""
+    runner = CliRunner()
+    db = f"sqlite:///{tmp_path / 'fleet.db'}"
+    plan = ["search", "--mode", "predict", "-s", "4096x8192x4096", "--storage", db, "--table-dir"]
+    assert runner.invoke(app, [*plan, str(tmp_path / "w"), "-c", "all_reduce,reduce_scatter"]).exit_code == 0
+    root = tmp_path / "t"
+    bad = root / H200_KEY / "reduce_scatter-w2-bfloat16.yaml"
+    bad.parent.mkdir(parents=True)
+    text = (tmp_path / "w" / H200_KEY / bad.name).read_text()
+    bad.write_text(text + text[text.index("\n- ") + 1 :])  # its one row twice
+    line = assert_one_line_error(pull(db, root))
+    assert str(bad) in line and "rows[0] and rows[1]" in line, line
+    assert sorted(p.name for p in (root / H200_KEY).glob("*.yaml")) == [bad.name]

@@ -313,6 +313,31 @@ def test_model_check_bad_input(tmp_path, h200):
     assert "copy_engine section" in line and "fo-tune calibrate" in line
 
 
+def test_model_check_refuses_files_measured_on_another_machine(tmp_path):
+    """A table or a search report measured on another machine than the calibration's (here a
+    CPU's gloo ranks against the packaged H200 calibration) is one line naming both machines and
+    the --calibration to pass; it printed -99.7% errors for a table and 'MAPE nan%' for a report."""
+    from fo_kernels.table import save_table
+
+    cpu = "cpu-x86_64-cccpu-8sm-w2-gloo"
+    packaged = load_table(ROOT / "results" / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml")
+    table = tmp_path / cpu / "all_reduce-w2-bfloat16.yaml"
+    save_table(
+        dataclasses.replace(packaged, fingerprint=dataclasses.replace(packaged.fingerprint, device_key=cpu)),
+        table,
+    )
+    report = tmp_path / "report"
+    report.mkdir()
+    shutil.copy(REPORTS[0], report / "trials.csv")
+    summary = yaml.safe_load((REPORTS[0].parent / "summary.yaml").read_text())
+    summary["fingerprint"]["device_key"] = cpu
+    (report / "summary.yaml").write_text(yaml.safe_dump(summary))
+    for path in (table, report):
+        line = assert_one_line_error(model_check(str(path)))
+        assert f"was measured on {cpu}" in line and f"is {H200_KEY}'s" in line, line
+        assert f"pass --calibration of {cpu}" in line, line
+
+
 def test_fit_free_recovers_a_parameter():
     from fo_tune.model.check import Checked
 
@@ -422,3 +447,6 @@ def test_a_predict_search_into_the_user_folder_leaves_the_measured_rows_in_charg
         packaged = ROOT / "results" / "tables" / H200_KEY / f"{collective}-w2-bfloat16.yaml"
         assert Path(answer["source"]).resolve() == packaged.resolve() and answer["kind"] == "measured"
         assert answer["row"]["provenance"]["mode"] == "hybrid"
+    # the model has nothing to check in its own predictions: the line says which files it can check
+    line = assert_one_line_error(model_check(*map(str, sorted(user.glob("*.yaml")))))
+    assert "no measured row or trial" in line and "leave the files out" in line, line

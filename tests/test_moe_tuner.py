@@ -461,6 +461,31 @@ def test_search_moe_plans_a_table_offline(runner, tmp_path, monkeypatch):
     assert all("extrapolated from world size 2" in r["provenance"]["basis"] for r in summary["rows"])
 
 
+def test_search_moe_plans_an_experts_shape_given_twice_once(runner, tmp_path, monkeypatch):
+    """--experts A --experts A plans A once (its rows once in the summary), as a --shape given
+    twice is searched once."""
+    isolate_tables(monkeypatch, tmp_path)
+    twice = ["--experts", "7168,2048,16,8"] * 2
+    args = [
+        "search",
+        "-c",
+        "moe",
+        *twice,
+        "--tokens",
+        "64,1024",
+        "--json",
+        "--table-dir",
+        str(tmp_path / "t"),
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["rows"]
+    assert [(r["problem"]["tokens_min"], r["problem"]["tokens_max"]) for r in rows] == [
+        (0, 64),
+        (65, 1024),
+    ], rows
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [

@@ -306,6 +306,9 @@ def test_m_values():
     assert m_values(512, 16384) == [512, 1024, 2048, 4096, 8192, 16384]
     assert m_values(100, 1000) == [100, 128, 256, 512, 1000]
     assert m_values(64, 64) == [64]
+    # a sharded collective at world size 3 (no power of two divides): the nearest multiples of 3
+    assert m_values(3, 96, 3) == [3, 9, 15, 33, 63, 96]
+    assert m_values(512, 16384, 8) == m_values(512, 16384)
 
 
 def test_model_error():
@@ -471,6 +474,20 @@ def test_odd_shapes_reduce_scatter_and_m_ranges_get_valid_rows(tmp_path):
     for m in (512, 600, 1500, 3000, 4096):
         assert table.find(m, 8192, 4096) is not None
     assert not [row for row in table.rows if not row.problem.is_range and row.problem.n == 8192]
+
+
+def test_an_m_range_at_world_size_3_tunes_multiples_of_3(tmp_path):
+    """--m-range 3:96 of reduce_scatter at world size 3 (no power of two divides by 3): exit 0 with
+    range rows over 3..96 that validate; it stopped on 'shape 4x4096x1024', an M nobody gave."""
+    out = tmp_path / "o"
+    args = ("-w", "3", "-s", "96x4096x1024", "--m-range", "3:96", "-c", "reduce_scatter", "--out", str(out))
+    r = search(*args)
+    assert r.exit_code == 0, r.output
+    key = H200_KEY.replace("-w2-", "-w3-")
+    table = load_table(out / "tables" / key / "reduce_scatter-w3-bfloat16.yaml")
+    assert table_tools.validate_table(table) == []
+    assert [row.provenance["tuned_m"] for row in table.rows] == [3, 9, 15, 33, 63, 96]
+    assert table.rows[0].problem.m_min == 3 and table.rows[-1].problem.m_max == 96
 
 
 def test_time_budget_stops_early(tmp_path):
@@ -1009,3 +1026,50 @@ def test_a_table_of_an_unknown_schema_is_exit_2_and_left_alone(tmp_path):
     line = assert_one_line_error(search("--shape", "4096x8192x4096", "--out", str(out)))
     assert "schema_version 99" in line and "fo-tune search" in line
     assert path.read_bytes() == before and not (out / "report").exists()
+
+
+def test_a_later_collectives_bad_table_is_exit_2_before_the_first_is_searched(tmp_path):
+    """-c all_reduce,reduce_scatter with reduce_scatter's table malformed (a duplicate row): one
+    line before any collective is searched, nothing written for all_reduce either (a measured
+    search would otherwise spend its first collective's hours and stop at the second)."""
+    out = tmp_path / "o"
+    good = out / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml"
+    bad = good.with_name("reduce_scatter-w2-bfloat16.yaml")
+    bad.parent.mkdir(parents=True)
+    row = {"problem": {"m": 4096, "n": 8192, "k": 4096}, "overlap": False}
+    table = {"schema_version": 2, "kind": "fo-tune-schedule-table", "collective": "reduce_scatter"}
+    table |= {"world_size": 2, "dtype": "bfloat16", "rows": [row, row]}
+    shipped = load_table(ROOT / "results" / "tables" / H200_KEY / "reduce_scatter-w2-bfloat16.yaml")
+    table["fingerprint"] = shipped.fingerprint.to_dict()
+    bad.write_text(yaml.safe_dump(table))
+    line = assert_one_line_error(
+        search("--shape", "4096x8192x4096", "-c", "all_reduce,reduce_scatter", "--out", str(out))
+    )
+    assert str(bad) in line and "rows[0] and rows[1]" in line, line
+    assert not good.exists() and not (out / "report").exists()
+
+
+def test_a_measured_searchs_report_names_only_a_calibration_that_priced_its_machine(h200):
+    """A measured search given another machine's calibration (the H200's, on CPU ranks) predicts
+    nothing with it; its report's request names no calibration (it named the H200's), and one of
+    the ranks' own machine is named."""
+    from fo_kernels.fingerprint import current_fingerprint
+    from fo_tune.search import SearchRequest, SearchResult
+    from fo_tune.search.report import summary
+
+    cpu = current_fingerprint("cpu", 2)
+    request = SearchRequest(shapes=((64, 64, 64),), mode="measure", calibration=h200)
+    named = summary(SearchResult(request=request, fingerprint=cpu, shapes=[]))["request"]
+    assert (named["calibration"], named["calibration_created"], named["basis"]) == (None, None, None)
+    own = dataclasses.replace(h200, fingerprint=cpu)
+    named = summary(
+        SearchResult(request=dataclasses.replace(request, calibration=own), fingerprint=cpu, shapes=[])
+    )
+    assert named["request"]["calibration"] == cpu.device_key
+    # a predict search plans the calibration's machine: its calibration is named, whatever ran it
+    planned = summary(
+        SearchResult(
+            request=dataclasses.replace(request, mode="predict"), fingerprint=h200.fingerprint, shapes=[]
+        )
+    )
+    assert planned["request"]["calibration"] == H200_KEY

@@ -242,6 +242,8 @@ def test_lookup_miss_suggests_a_key_of_the_world_size_first(runner: CliRunner, t
         (["--experts", "4096,1536,32", "--tokens", "5"], "expected H,I,E_local,k"),
         (["--experts", "4096,1536,32,8", "--tokens", "5", "-s", "64x64x64"], "--shape is a dense call's"),
         (["--experts", "4096,1536,32,8", "--tokens", "5", "-c", "all_reduce"], "not -c all_reduce"),
+        # a dense call with a stray MoE option: the option is named, not the dense call's --shape
+        (["--tokens", "5", "-c", "all_reduce", "-s", "64x64x64"], "--tokens looks an MoE call up (-c moe)"),
         (["--experts", "4096,1536,32,8", "--tokens", "-1"], "--tokens must be >= 0"),
     ],
 )

@@ -441,6 +441,13 @@ def test_show_not_found_and_bad_options_are_one_line(runner: CliRunner, tmp_path
     )
     line = assert_one_line_error(runner.invoke(app, ["table", "show", str(tmp_path / "missing.yaml")]))
     assert "fo-tune search" in line
+    # a key that has tables, but none of this dtype: what the key holds, not the key list again
+    line = assert_one_line_error(
+        runner.invoke(app, ["table", "show", "-k", H200["device_key"], "-d", "float16"])
+    )
+    assert f"{H200['device_key']} holds all_reduce-w2-bfloat16.yaml: pick one with -c, -w and -d" in line, (
+        line
+    )
     line = assert_one_line_error(runner.invoke(app, ["table", "show", "x.yaml", "--dtype", "float16"]))
     assert "--dtype" in line
     assert "--format" in assert_one_line_error(runner.invoke(app, ["table", "show", "-f", "json"]))
@@ -555,6 +562,31 @@ def test_validate_malformed_or_missing_is_one_line(
         path.write_text(text)
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
     assert str(path) in line and needle in line
+
+
+@pytest.mark.parametrize("command", ["show", "validate", "diff"])
+@pytest.mark.parametrize(
+    ("what", "needle"),
+    [
+        ("folder", "is a folder, not a table file; name one of its files"),
+        ("empty", "got an empty file; give a schedule table file"),
+        ("binary", "cannot read: 'utf-8' codec"),
+    ],
+)
+def test_a_file_that_is_no_table_at_all_says_what_to_give(
+    runner: CliRunner, tmp_path: Path, command: str, what: str, needle: str
+) -> None:
+    """A folder, an empty file or a binary one given as a table is one line naming it, what it is
+    and what to give instead (a schedule table file), from every command that reads a table."""
+    path = tmp_path / "t.yaml"
+    if what == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes(b"" if what == "empty" else b"\xff\xfe\x00")
+    args = [str(path), str(path)] if command == "diff" else [str(path)]
+    line = assert_one_line_error(runner.invoke(app, ["table", command, *args]))
+    assert str(path) in line and needle in line, line
+    assert "`fo-tune " in line, line
 
 
 def test_validate_sm_count_option(runner: CliRunner, tmp_path: Path) -> None:
@@ -875,6 +907,9 @@ def test_lookup_names_the_row_and_its_file(runner: CliRunner, tmp_path: Path) ->
         (["--shape", "64x96x48", "-d", "int8"], "--dtype"),
         (["--shape", "64x96x48", "-w", "0"], "--world-size"),
         ([], "--shape"),
+        # a path for a key would read table files outside the table folders
+        (["--shape", "64x96x48", "-k", "../../etc"], "a device key is a folder name"),
+        (["--experts", "4096,1536,32,8", "--tokens", "5", "-k", ".."], "not a path"),
     ],
 )
 def test_lookup_bad_input_is_one_line(runner: CliRunner, args: list[str], needle: str) -> None:

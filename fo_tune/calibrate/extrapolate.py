@@ -137,8 +137,10 @@ def extrapolate(cal: Calibration, world_size: int) -> Calibration:
         )
     if not 2 <= cal.world_size < world_size <= NVSWITCH_BOARD_GPUS:
         raise ExtrapolationError(
-            f"extrapolates a calibration of world size >= 2 to a larger one of at most "
-            f"{NVSWITCH_BOARD_GPUS} GPUs (one NVSwitch board); asked {cal.world_size} -> {world_size}"
+            f"cannot extrapolate a calibration of world size {cal.world_size} to {world_size}: an "
+            f"extrapolation goes from a measured world size >= 2 to a larger one of at most "
+            f"{NVSWITCH_BOARD_GPUS} GPUs (one NVSwitch board); for {world_size} GPUs run `fo-tune "
+            f"calibrate --world-size {world_size}` on them and pass that --calibration FILE"
         )
     link_gbs = nvlink_gbs(cal)
     if not cal.bandwidth:

@@ -59,15 +59,15 @@ def choose_calibration(
     from fo_tune.search import SearchError
 
     cal: Calibration | None = None
+    if mode == "predict" and world_size < EXTRAPOLATED_FROM_WORLD:  # (a --calibration file or not)
+        raise SearchError(
+            f"--world-size {world_size} has no collective to overlap: every call runs the GEMM "
+            "alone (overlap: false), with no table row to plan; plan the world size you deploy "
+            f"(--world-size {EXTRAPOLATED_FROM_WORLD}-{NVSWITCH_BOARD_GPUS} offline)"
+        )
     if path is not None:
         cal = load_calibration(path)
     elif mode == "predict":
-        if world_size < EXTRAPOLATED_FROM_WORLD:
-            raise SearchError(
-                f"--world-size {world_size} has no collective to overlap: every call runs the GEMM "
-                "alone (overlap: false), with no table row to plan; plan the world size you deploy "
-                f"(--world-size {EXTRAPOLATED_FROM_WORLD}-{NVSWITCH_BOARD_GPUS} offline)"
-            )
         found = packaged_calibration(None, world_size)
         if found is None:
             found = packaged_calibration(None, EXTRAPOLATED_FROM_WORLD)

@@ -47,8 +47,9 @@ CHECK_HELP = "\n\n".join(
         "GEMM profile) are counted per file with their basis, as are the trials of a predict "
         "search's report that rests on one: they have no measured error yet.",
         "Exit code 0 when printed; 2 for a missing or malformed file, files with neither a measured "
-        "row nor such a predicted one, or a calibration without what an engine's term needs (its "
-        "section and the command that measures it are named).",
+        "row nor such a predicted one, a file measured on another machine than the calibration's "
+        "(its table's or report's device key; pass that machine's --calibration), or a calibration "
+        "without what an engine's term needs (its section and the command that measures it are named).",
     ]
 )
 
@@ -208,7 +209,7 @@ def error_line(rows: list[Checked], what: str = "measured rows") -> str:
 def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     from fo_tune.calibrate.missing import measured_rows
     from fo_tune.engines import cost_model
-    from fo_tune.model.check import CheckError, measured_in, unmeasured_in
+    from fo_tune.model.check import CheckError, check_machines, measured_in, unmeasured_in
 
     cal, path = _calibration(calibration)
     paths = _files(files, cal)
@@ -230,7 +231,13 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     if not items and unmeasured:
         return
     if not items:
-        raise CheckError(f"no measured row or trial in {', '.join(map(str, paths))}")
+        raise CheckError(
+            f"no measured row or trial in {', '.join(map(str, paths))} (a predict search's rows and "
+            "trials are the model's own numbers); give tables or reports of a measured search "
+            "(--mode measure or hybrid, on the GPUs), or leave the files out to check the packaged "
+            "measured tables"
+        )
+    check_machines(items, cal.fingerprint.device_key, path)
     _check_terms(cal, items, {m.schedule.engine or "" for m in items})
     model = cost_model(cal)
     rows = [m.checked(model) for m in items]

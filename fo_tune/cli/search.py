@@ -67,8 +67,11 @@ from fo_tune.cli.search_options import (
 from fo_tune.ranks import CONFIRM_ROUNDS
 
 if TYPE_CHECKING:
+    import torch
+
     from fo_kernels.schedule import Schedule
-    from fo_tune.search import SearchResult
+    from fo_tune.calibrate.calibration import Calibration
+    from fo_tune.search import SearchRequest, SearchResult
 
 
 _RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
@@ -351,6 +354,7 @@ def search(
             for request in requests:
                 check_exhaustive_size(request, target)
         folders = report_dirs(requests, cal, device, out, tables_root, storage_url)
+        _read_tables(requests, mode, cal, device, world_size)  # (writable first: report_dirs)
         if storage is not None:  # its driver, its server, its folder (the default's is made later)
             from fo_tune.search.storage import check_storage
 
@@ -371,6 +375,23 @@ def search(
         return
     for result, written in results:
         _print_summary(result, written)
+
+
+def _read_tables(
+    requests: list[SearchRequest], mode: str, cal: Calibration | None, device: torch.device, world_size: int
+) -> None:
+    """Read every collective's table before the first search starts: a malformed one (a
+    duplicate row, not YAML) is exit 2 before any work, not after the collectives before it ran.
+    Planning offline, the calibration's machine is the target and its tables are checked whole;
+    measuring, the ranks' fingerprint comes when they start, so this machine's key finds the file
+    and the search checks its machine then."""
+    from fo_kernels.fingerprint import current_fingerprint
+    from fo_tune.search.driver import read_target
+
+    predict = mode == "predict" and cal is not None
+    fp = cal.fingerprint if predict else current_fingerprint(device, world_size)
+    for request in requests:
+        read_target(request, fp, check_machine=predict)
 
 
 def register(app: typer.Typer) -> None:

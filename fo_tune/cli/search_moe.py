@@ -55,6 +55,7 @@ def run_moe_search(
     shapes = [ExpertsShape.parse(text) for text in experts or []]
     if suite is not None:
         shapes += experts_from_suite(suite, world_size)
+    shapes = list(dict.fromkeys(shapes))  # (an experts' shape given twice is planned once, as a --shape)
     wanted = parse_tokens(tokens) if tokens is not None else None  # "" is refused, not the default
     if dtype not in MOE_DTYPES:
         raise MoeSearchError(f"-c moe --dtype {dtype}: the MoE FFN runs {', '.join(MOE_DTYPES)}")

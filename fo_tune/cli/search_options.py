@@ -172,7 +172,8 @@ MRangeOpt = Annotated[
         "--m-range",
         metavar="LO:HI",
         help="Tune M = LO, the powers of two between and HI for each shape's (N, K), and write M-range "
-        "rows covering LO..HI (only those: exact rows come from searching the exact shape).",
+        "rows covering LO..HI (only those: exact rows come from searching the exact shape); for "
+        "reduce_scatter and all_gather each power of two rounded to a multiple of the world size.",
     ),
 ]
 StorageOpt = Annotated[

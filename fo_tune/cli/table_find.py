@@ -182,10 +182,16 @@ def lookup(
     if world_size is not None and world_size < 1:
         raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
     if experts is not None or tokens is not None or collective == MOE_COLLECTIVE:
+        # (the collective first: -c all_reduce -s MxNxK --tokens T is a dense call with a stray option)
+        if collective not in (None, MOE_COLLECTIVE):
+            given = [o for o, v in (("--experts", experts), ("--tokens", tokens)) if v is not None]
+            verb = "looks" if len(given) == 1 else "look"
+            raise typer.BadParameter(
+                f"{' and '.join(given)} {verb} an MoE call up (-c moe), not -c {collective}; a dense call "
+                "is --shape MxNxK alone"
+            )
         if shape is not None:
             raise typer.BadParameter("--shape is a dense call's; an MoE call is --experts and --tokens")
-        if collective not in (None, MOE_COLLECTIVE):
-            raise typer.BadParameter(f"--experts and --tokens look an MoE call up, not -c {collective}")
         out = _moe_lookup(experts, tokens, world_size, dtype, device_key)
         _print_answer(out, json_out)
         return

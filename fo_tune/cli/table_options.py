@@ -104,9 +104,18 @@ def row_cap(limit: int | None, all_rows: bool) -> int | None:
 def world_of(world_size: int | None, device_key: str | None) -> int:
     """The world size of a table or call: --world-size, else the one a -k device key names (a
     key's tables hold that world size's rows only: ``<gpu>-cc..-..sm-w<N>-<link>``), else the
-    default. A --world-size the key contradicts is exit 2: no table could match."""
+    default. A --world-size the key contradicts is exit 2: no table could match; so is a key that
+    is a path (it would read files outside the table folders)."""
     from fo_kernels.fingerprint import read_device_key
 
+    if device_key is not None and (
+        not device_key or "/" in device_key or "\\" in device_key or device_key in (".", "..")
+    ):
+        # (a key names one folder under each table folder: a path would read files outside them)
+        raise typer.BadParameter(
+            f"--device-key {device_key!r}: a device key is a folder name under the table folders (e.g. "
+            "nvidia-h200-cc90-132sm-w2-nvlink18), not a path; `fo-tune table list` lists the keys"
+        )
     fields = read_device_key(device_key) if device_key is not None else None
     keyed = int(fields["world_size"]) if fields is not None else None
     if world_size is None:
@@ -142,6 +151,9 @@ def find_paths(device_key: str | None, collective: str, world_size: int, dtype: 
         return paths
     keys = known_device_keys()
     known = f"tables exist for device keys {', '.join(keys)}" if keys else "no table folder exists"
+    if device_key in keys:  # (the key is right: name what it holds, not the key list again)
+        held = {p.name for root in table_search_path() for p in (root / device_key).glob("*.yaml")}
+        known = f"{device_key} holds {', '.join(sorted(held))}: pick one with -c, -w and -d"
     folders = ", ".join(map(str, table_search_path()))
     raise TableNotFoundError(
         f"no table {device_key}/{filename} in {folders} ({known}); "

@@ -282,6 +282,39 @@ def report_unmeasured(trials: Path) -> list[Unmeasured]:
     return [Unmeasured(str(trials), str(request["basis"]), world, n, dtype, what="trial(s)")]
 
 
+def machine_of(source: str) -> str | None:
+    """The device key the measured rows or trials of ``source`` were measured on: a table's
+    fingerprint, a report's (the ``summary.yaml`` beside its ``trials.csv``); None where the file
+    does not say (a CSV without a summary)."""
+    from fo_kernels.files import read_yaml
+    from fo_tune.tables.kinds import load_any_table
+
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml"):
+        return load_any_table(path).fingerprint.device_key
+    summary = path.parent / "summary.yaml"
+    if not summary.is_file():
+        return None
+    data = read_yaml(summary, error=CheckError, missing=CheckError, missing_hint="no search report summary")
+    fingerprint = data.get("fingerprint") if isinstance(data, dict) else None
+    key = fingerprint.get("device_key") if isinstance(fingerprint, dict) else None
+    return key if isinstance(key, str) else None
+
+
+def check_machines(items: Sequence[Measured], device_key: str, calibration: Path) -> None:
+    """Raise ``CheckError`` where a file of ``items`` was measured on another machine than the
+    calibration's (``device_key``): its model prices that machine only, so the errors would compare
+    two machines, not the model with a measurement."""
+    for source in dict.fromkeys(m.source for m in items):
+        theirs = machine_of(source)
+        if theirs is not None and theirs != device_key:
+            raise CheckError(
+                f"{source} was measured on {theirs}, and the calibration {calibration} is {device_key}'s: "
+                f"its model does not price {theirs}; pass --calibration of {theirs} (`fo-tune "
+                "calibrate` on that machine writes one), or check that machine's files apart"
+            )
+
+
 def check_files(paths: Iterable[Path], model: CostModel) -> list[Checked]:
     """``measured_in(paths)``, each predicted by ``model``."""
     return [m.checked(model) for m in measured_in(paths)]

@@ -57,6 +57,27 @@ from fo_tune.search.strategies import ShapeJob, get_strategy
 from fo_tune.space import SearchSpace, space_for
 
 
+def read_target(
+    request: SearchRequest, fp: Fingerprint, *, check_machine: bool = True
+) -> tuple[Any, ScheduleTable | None]:
+    """(the table file ``request``'s rows merge into on the machine of ``fp``, its table where
+    one is there). A malformed file (not YAML, a bad or duplicate row) raises its ``TableError``,
+    and with ``check_machine`` one for other hardware too: ``fo-tune search`` reads every
+    collective's table this way before the first search starts, so a bad one is refused before
+    any work rather than after the collectives searched before it."""
+    if request.table_dir is None:
+        return None, None
+    target = table_path(
+        request.table_dir, fp.device_key, request.collective, request.world_size, request.dtype
+    )
+    table = None
+    with contextlib.suppress(TableNotFoundError):  # (a malformed file raises its TableError)
+        table = load_table(target)
+    if table is not None and check_machine:
+        check_table_target(table, target, fp)
+    return target, table
+
+
 def check_table_target(table: ScheduleTable, path: Any, fingerprint: Fingerprint) -> None:
     """Refuse (before searching) a table file for other hardware."""
     theirs = table.fingerprint
@@ -182,15 +203,7 @@ def _run(
     space = request.space or space_for(fp.compute_capability)
     model = _model(request, fp)
     engines = _engines(request, fp, space, measurer, rep)
-    target = table = None
-    if request.table_dir is not None:
-        target = table_path(
-            request.table_dir, fp.device_key, request.collective, request.world_size, request.dtype
-        )
-        with contextlib.suppress(TableNotFoundError):  # (a malformed file raises its TableError)
-            table = load_table(target)
-        if table is not None:
-            check_table_target(table, target, fp)
+    target, table = read_target(request, fp)
     shapes = expand_shapes(request)
     encodings = [_encoding(request, shape, space, fp, cpu, model, engines) for shape in shapes]
     if request.exhaustive:  # every shape's space is checked before anything runs or is written

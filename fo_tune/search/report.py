@@ -192,6 +192,15 @@ def summary(result: SearchResult) -> dict[str, Any]:
                 "wall_s": round(s.wall_s, 2),
             }
         )
+    # the calibration the model priced these shapes with: a measured search's of another machine
+    # prices nothing there (driver._model), so the report names none
+    cal = r.calibration
+    if (
+        cal is not None
+        and r.mode != "predict"
+        and cal.fingerprint.device_key != result.fingerprint.device_key
+    ):
+        cal = None
     return {
         "kind": REPORT_KIND,
         "fingerprint": result.fingerprint.to_dict(),
@@ -206,9 +215,9 @@ def summary(result: SearchResult) -> dict[str, Any]:
             "engines": list(r.engines) if r.engines is not None else None,
             "m_range": list(r.m_range) if r.m_range else None,
             "storage": result.storage,
-            "calibration": r.calibration.fingerprint.device_key if r.calibration else None,
-            "calibration_created": r.calibration.created if r.calibration else None,
-            "basis": (r.calibration.basis or None) if r.calibration else None,
+            "calibration": cal.fingerprint.device_key if cal else None,
+            "calibration_created": cal.created if cal else None,
+            "basis": (cal.basis or None) if cal else None,
         },
         "table": str(result.table) if result.table else None,
         "range_rows": [row.to_dict() for row in result.range_rows],

@@ -82,13 +82,17 @@ class SearchRequest:
         return "exhaustive" if self.exhaustive else self.mode
 
 
-def m_values(lo: int, hi: int) -> list[int]:
-    """M values an ``--m-range`` tunes: lo, every power of two strictly inside, and hi."""
+def m_values(lo: int, hi: int, multiple: int = 1) -> list[int]:
+    """M values an ``--m-range`` tunes: lo, every power of two strictly inside, and hi; with
+    ``multiple`` (the world size of a sharded collective, whose M it must divide: lo and hi do),
+    each power of two rounded to its nearest multiple, those left strictly inside and distinct (at
+    world size 3 no power of two divides)."""
     out = [lo]
     p = 1 << lo.bit_length()
     while p < hi:
-        if p > lo:
-            out.append(p)
+        q = multiple * max(1, round(p / multiple))
+        if lo < q < hi and q != out[-1]:
+            out.append(q)
         p <<= 1
     if hi > lo:
         out.append(hi)
@@ -101,7 +105,8 @@ def expand_shapes(request: SearchRequest) -> list[tuple[int, int, int]]:
         return list(dict.fromkeys(request.shapes))
     lo, hi = request.m_range
     pairs = list(dict.fromkeys((n, k) for _, n, k in request.shapes))
-    return [(m, n, k) for n, k in pairs for m in m_values(lo, hi)]
+    multiple = request.world_size if request.collective in SHARDED_COLLECTIVES else 1
+    return [(m, n, k) for n, k in pairs for m in m_values(lo, hi, multiple)]
 
 
 def _check_counts(request: SearchRequest) -> None:

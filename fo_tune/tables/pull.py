@@ -14,13 +14,15 @@ records no study, so the MoE tables (``moe-w<W>-<dtype>.yaml``) in ``table_dir``
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fo_kernels.errors import TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
-from fo_kernels.table import table_path
+from fo_kernels.table import load_table, table_path
 from fo_tune.tables.merge import kept_measured, merge_rows
 from fo_tune.tables.stored import StoredRows, stored_rows
 
@@ -54,13 +56,16 @@ def pull_tables(storage: Any, table_dir: Path) -> list[PulledTable]:
     module docstring); one ``PulledTable`` per file written, [] when no study records rows.
     Raises ``TableError`` for a malformed record (naming the study) or a table file of other
     hardware, before that table is written, and ``OutputError`` for a table file that cannot be
-    written under ``table_dir`` (a file in its place, a read-only folder), before any is written."""
+    written under ``table_dir`` (a file in its place, a read-only folder) or ``TableError`` for a
+    malformed one there (not YAML, a duplicate row), before any is written."""
     from fo_tune.output import check_writable_file
 
     groups = _group(stored_rows(storage))
-    for device_key, collective, world_size, dtype in groups:  # every file writable before any is written
+    for device_key, collective, world_size, dtype in groups:  # every file good before any is written
         path = table_path(table_dir, device_key, collective, world_size, dtype)
         check_writable_file(path, what="table file")
+        with contextlib.suppress(TableNotFoundError):  # (a malformed file raises its TableError)
+            load_table(path)
     out: list[PulledTable] = []
     for (device_key, collective, world_size, dtype), records in groups.items():
         fingerprint: Fingerprint = records[-1].fingerprint

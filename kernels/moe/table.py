@@ -46,7 +46,7 @@ from fo_kernels.files import atomic_write
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint
 from fo_kernels.moe.routing import MOE_DTYPES
 from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
-from fo_kernels.table.format import check_fingerprint, read_table_data
+from fo_kernels.table.format import check_fingerprint, not_a_mapping, read_table_data
 from fo_kernels.table.paths import TABLE_DIR_ENV, check_name, table_search_path
 from fo_kernels.table.spans import Span, SpanRows, put_row
 from fo_kernels.table.text import dump_table_text
@@ -165,7 +165,7 @@ class MoeTable:
     def from_dict(cls, data: Any, source: str = "<where>") -> MoeTable:
         """Validate and build; every error is a ``TableError`` naming ``source`` (and the row)."""
         if not isinstance(data, Mapping):
-            raise TableError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+            raise not_a_mapping(data, source)
         if data.get("kind") != MOE_TABLE_KIND or data.get("schema_version") != MOE_TABLE_SCHEMA_VERSION:
             raise TableError(
                 f"{source}: expected kind {MOE_TABLE_KIND!r} schema_version {MOE_TABLE_SCHEMA_VERSION}, got "

@@ -143,11 +143,21 @@ class TableHeader:
         return {key: getattr(self, key) for key in _HEADER_KEYS}
 
 
+# What to do with a file that is not a schedule table at all.
+GIVE_A_TABLE = "give a schedule table file (the YAML `fo-tune search` writes)"
+
+
+def not_a_mapping(data: Any, source: str) -> TableError:
+    """The error for a table file whose top level is not a mapping (an empty file, a list)."""
+    got = "an empty file" if data is None else f"a {type(data).__name__}"
+    return TableError(f"{source}: expected a mapping at the top level, got {got}; {GIVE_A_TABLE}")
+
+
 def parse_header(data: Any, source: str) -> tuple[TableHeader, list[Any]]:
     """(the checked header, the rows as read) of a table file's data; every error is a
     ``TableError`` naming ``source`` and the key (the rows are checked by ``build_row``)."""
     if not isinstance(data, Mapping):
-        raise TableError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+        raise not_a_mapping(data, source)
     version = data.get("schema_version")
     if version not in SUPPORTED_SCHEMA_VERSIONS or isinstance(version, bool):
         raise TableError(
@@ -265,8 +275,13 @@ def read_table_text(path: str | os.PathLike[str]) -> str:
             f"{path}: no schedule table here; write one with `fo-tune search`, or set {TABLE_DIR_ENV} "
             "to a folder that has one"
         ) from None
+    except IsADirectoryError:
+        raise TableError(
+            f"{path}: is a folder, not a table file; name one of its files "
+            "(<device-key>/<collective>-w<world>-<dtype>.yaml; `fo-tune table list` lists them)"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise TableError(f"{path}: cannot read: {exc}") from None
+        raise TableError(f"{path}: cannot read: {exc}; {GIVE_A_TABLE}") from None
 
 
 def read_table_data(path: str | os.PathLike[str]) -> Any:
