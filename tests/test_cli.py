@@ -133,6 +133,15 @@ def test_demo_two_ranks_passes_every_collective(runner):
         )
 
 
+def test_demo_one_rank_names_no_search(runner):
+    """At world size 1 every call is the GEMM alone and `fo-tune search` refuses --world-size 1,
+    so the demo's schedules line names no search to run."""
+    result = runner.invoke(app, ["demo", "--world-size", "1", "--shape", "8x8x8", "--reps", "1"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "passed: 3 of 3" in result.stdout, result.stdout
+    assert "the GEMM alone: nothing to tune" in result.stdout and "fo-tune search" not in result.stdout
+
+
 @pytest.mark.parametrize("where", [["--backend", "gloo"], ["--engine", "copy_engine"]])
 def test_demo_fp8_passes_every_collective(runner, where):
     """``--dtype float8_e4m3fn``: the three ops with rowwise-scaled fp8 operands on 2 ranks (gloo,

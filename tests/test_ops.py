@@ -110,6 +110,18 @@ def test_plain_no_grad_calls_skip_the_dispatcher(one_rank, monkeypatch):
         gemm_all_reduce(a, w)
 
 
+def test_a_table_miss_at_world_size_one_warns_nothing(one_rank):
+    """One rank's call is the GEMM alone and `fo-tune search` refuses --world-size 1, so a miss
+    there gives ``overlap: false`` without a HeuristicScheduleWarning naming that search."""
+    a, b = torch.randn(8, 6), torch.randn(6, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fo_kernels.HeuristicScheduleWarning)
+        for op in (gemm_all_reduce, fo_kernels.gemm_reduce_scatter, all_gather_gemm):
+            torch.testing.assert_close(op(a, b), a @ b)
+        found = fo_kernels.lookup_schedule("all_reduce", 8, 5, 6, dtype=torch.float32, world_size=1)
+    assert not found.overlap
+
+
 def test_compiled_block_at_world_size_one(one_rank):
     """torch.compile(fullgraph=True) of all three ops with a caller's (M-range) schedule and
     dynamic shapes: compiled equals eager, forward and backward."""

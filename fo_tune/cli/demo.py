@@ -179,7 +179,11 @@ def demo(
         console.print(_table(rows, plan.world_size, plan.backend))
         console.print(
             "schedules (the table rows the runtime found; without one it runs GEMM then the "
-            "collective: tune the shape with `fo-tune search`):",
+            + (
+                "collective: tune the shape with `fo-tune search`):"
+                if plan.world_size > 1
+                else "identity collective of one rank, the GEMM alone: nothing to tune):"
+            ),
             style="dim",
         )
     for row in rows:

@@ -37,7 +37,8 @@ M-range row, a predicted exact-shape row, a predicted M-range row (``row_kind``:
 provenance says ``mode: predict`` came from the cost model alone; any other row was measured or
 written by hand); between rows of the same kind, the folder order decides. Without a matching row
 it returns ``overlap: false`` (GEMM then the collective, never slower than sequential) with a
-``HeuristicScheduleWarning`` saying how to tune the shape. It reads a file as a ``LoadedTable``
+``HeuristicScheduleWarning`` saying how to tune the shape (at world size 1, where the call is the
+GEMM alone, without one). It reads a file as a ``LoadedTable``
 (the header and every row's problem checked, a row built when first taken) and keeps it per
 (path, inode, mtime, size), so an unchanged file is parsed once and a rewritten one
 (``save_table`` renames) is read again. Its answer per call signature is kept for ``TABLE_RECHECK_S``: a layer

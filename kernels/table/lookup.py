@@ -107,7 +107,8 @@ def lookup_schedule(
     device: torch.device | str | int | None = None,
 ) -> Schedule:
     """The schedule for this call: the best matching table row (``best_row``), else ``overlap: false``
-    with a ``HeuristicScheduleWarning`` saying how to tune the shape.
+    with a ``HeuristicScheduleWarning`` saying how to tune the shape (none at world size 1, where
+    the call is the GEMM alone and there is nothing to tune).
 
     For ``all_gather``, ``m`` is the gathered M (world size x the shard's rows).
     Raises ``ScheduleError`` for an unknown collective or dtype, ``ShapeError`` for a bad shape and
@@ -155,17 +156,22 @@ def lookup_schedule(
     if found is not None:
         _CACHE.remember(key, found)
         return found
-    filename = table_filename(collective, world_size, dtype_name)
-    searched = f"tables without a matching row: {', '.join(found_paths)}" if found_paths else "no table file"
-    warnings.warn(
-        f"no schedule table row for {collective} {dtype_name} {m}x{n}x{k} at world size {world_size} on "
-        f"device {fp.device_key}; looked for {fp.device_key}/{filename} in {', '.join(map(str, folders))} "
-        f"({searched}); running GEMM then the collective (overlap: false); tune the shape with "
-        f"`fo-tune search --shape {m}x{n}x{k} -c {collective} --world-size {world_size} "
-        f"--dtype {dtype_name}`",
-        HeuristicScheduleWarning,
-        stacklevel=2,
-    )
+    # One rank's collective is the identity: its call is the GEMM alone whatever a row would say,
+    # and `fo-tune search` refuses --world-size 1, so a miss there is nothing to warn about.
+    if world_size > 1:
+        filename = table_filename(collective, world_size, dtype_name)
+        searched = "no table file"
+        if found_paths:
+            searched = f"tables without a matching row: {', '.join(found_paths)}"
+        warnings.warn(
+            f"no schedule table row for {collective} {dtype_name} {m}x{n}x{k} at world size {world_size} "
+            f"on device {fp.device_key}; looked for {fp.device_key}/{filename} in "
+            f"{', '.join(map(str, folders))} ({searched}); running GEMM then the collective "
+            f"(overlap: false); tune the shape with `fo-tune search --shape {m}x{n}x{k} -c {collective} "
+            f"--world-size {world_size} --dtype {dtype_name}`",
+            HeuristicScheduleWarning,
+            stacklevel=2,
+        )
     miss = Schedule(
         collective=collective,
         dtype=dtype_name,
