@@ -496,6 +496,8 @@ def test_table_miss_runs_overlap_false_and_warns_once(
     assert found.problem == Problem(m=m, n=n, k=k) and found.collective == collective
     assert found.world_size == 2 and not found.overlap and found.provenance == {"source": MISS_SOURCE}
     assert f"fo-tune search --shape {m}x{n}x{k} -c {collective} --world-size 2" in message
+    # a CPU's rows come from measuring its gloo ranks (without --mode the search plans an H200)
+    assert message.endswith(f"--dtype {found.dtype} --mode measure`"), message
 
 
 def test_heuristic_fallback_names_tables_without_match(roots: dict[str, Path]) -> None:

@@ -163,12 +163,15 @@ def lookup_schedule(
         searched = "no table file"
         if found_paths:
             searched = f"tables without a matching row: {', '.join(found_paths)}"
+        # Without GPUs the search plans the packaged H200 deployment offline, whose rows go under
+        # the H200's device key: this machine's own rows come from measuring on its gloo ranks.
+        mode = " --mode measure" if dev.type == "cpu" else ""
         warnings.warn(
             f"no schedule table row for {collective} {dtype_name} {m}x{n}x{k} at world size {world_size} "
             f"on device {fp.device_key}; looked for {fp.device_key}/{filename} in "
             f"{', '.join(map(str, folders))} ({searched}); running GEMM then the collective "
             f"(overlap: false); tune the shape with `fo-tune search --shape {m}x{n}x{k} -c {collective} "
-            f"--world-size {world_size} --dtype {dtype_name}`",
+            f"--world-size {world_size} --dtype {dtype_name}{mode}`",
             HeuristicScheduleWarning,
             stacklevel=2,
         )
