@@ -16,10 +16,10 @@ torch's (the values of its reference implementation, ``_fused_*_fallback``, and 
 moved back as views). A leading ``gather_dim`` / ``scatter_dim`` is moved to the front and the
 rows run through ``all_gather_gemm`` / ``gemm_reduce_scatter`` (several ``Bs`` as one GEMM of
 their concatenation, whose output is split); the last dim (the features), dtypes the ops do not
-take and empty operands (no rows, features or outputs) run as torch's reference runs them, with a
-``NotOverlappedWarning``. Unlike torch's ops these
-are differentiable in ``A`` and ``Bs`` (the gathered A that ``return_A`` gives is not). Bad
-arguments raise a ``ValueError`` subclass naming the problem before any collective.
+take, empty operands (no rows, features or outputs) and an empty ``Bs`` run as torch's reference
+runs them, with a ``NotOverlappedWarning``. Unlike torch's ops these are differentiable in ``A``
+and ``Bs`` (the gathered A that ``return_A`` gives is not). Bad arguments raise a ``ValueError``
+subclass naming the problem before any collective.
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ def _reference_why(a: torch.Tensor, bs: list[torch.Tensor], d: int) -> Callable[
         return lambda: "a gather or scatter of the features"
     if a.dtype not in TORCH_DTYPES.values():
         return lambda: f"A {a.dtype}, B {', '.join(str(b.dtype) for b in bs)} (the ops take one of {_DTYPES})"
+    if not bs:  # no products: torch's reference gathers A alone
+        return lambda: "no Bs (nothing to multiply)"
     if a.numel() == 0 or any(b.numel() == 0 for b in bs):
         return lambda: f"an empty operand: A {tuple(a.shape)}, B {', '.join(str(tuple(b.shape)) for b in bs)}"
     return None
@@ -137,8 +139,8 @@ def fused_all_gather_matmul(
     with the GEMM (``all_gather_gemm``); returns (the gathered A if ``return_A`` else None, the
     products). See the module docstring."""
     _check_a(A_shard)
-    if isinstance(Bs, torch.Tensor) or not Bs:
-        raise ShapeError("Bs must be a non-empty list of (K, N) matrices")
+    if isinstance(Bs, torch.Tensor) or not isinstance(Bs, list | tuple):
+        raise ShapeError(f"Bs must be a list of (K, N) matrices, got {type(Bs).__name__}")
     d = _dim(gather_dim, A_shard.dim(), "gather_dim")
     name, world = _world(group_name)
     k = A_shard.shape[-1] * (world if d == A_shard.dim() - 1 else 1)

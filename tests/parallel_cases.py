@@ -483,9 +483,9 @@ def fused_ops(ctx, compiled: bool) -> dict[str, float]:
 
 def _fused_edges(gen: torch.Generator, world: int, name: str) -> dict[str, float]:
     """Empty operands (no rows, no outputs, no features: torch's reference gives the empty or zero
-    result) and the group as a ``ProcessGroup`` (torch's reference takes one) against torch's
-    reference; name -> relative error (the summed absolute difference where the result is empty or
-    zero, a shape mismatch inf)."""
+    result), no Bs (the gathered A alone) and the group as a ``ProcessGroup`` (torch's reference
+    takes one) against torch's reference; name -> relative error (the summed absolute difference
+    where the result is empty or zero, a shape mismatch inf)."""
     from torch.distributed import _symmetric_memory as torch_symm
 
     from fo_kernels import symm_mem
@@ -507,6 +507,10 @@ def _fused_edges(gen: torch.Generator, world: int, name: str) -> dict[str, float
         errs[f"rs empty {key}"] = err(
             got, torch_symm._fused_matmul_reduce_scatter_fallback(a, b, "sum", 0, name)
         )
+    a = torch.randn(3, 8, generator=gen)  # no Bs: torch's reference gathers A alone
+    got_a, got = symm_mem.fused_all_gather_matmul(a, [], 0, name)
+    want_a, want = torch_symm._fused_all_gather_matmul_fallback(a, [], 0, name)
+    errs["ag no Bs"] = err(got_a, want_a) if got == want == [] else float("inf")
     a, b = torch.randn(2 * world, 3, 8, generator=gen), torch.randn(8, 4, generator=gen)
     got = symm_mem.fused_all_gather_matmul(a, [b], 1, group)[1][0]
     errs["ag group"] = err(got, torch_symm._fused_all_gather_matmul_fallback(a, [b], 1, name)[1][0])
@@ -654,7 +658,7 @@ def bad_inputs(ctx, _payload) -> dict[str, str]:
         "col_features": lambda: col(torch.randn(3, 9)),
         "row_features": lambda: row(torch.randn(3, 5)),
         "ag_k": lambda: symm_mem.fused_all_gather_matmul(a, [torch.randn(7, 4)], 0, name),
-        "ag_no_bs": lambda: symm_mem.fused_all_gather_matmul(a, [], 0, name),
+        "ag_bs_tensor": lambda: symm_mem.fused_all_gather_matmul(a, b, 0, name),
         "ag_dim": lambda: symm_mem.fused_all_gather_matmul(a, [b], 2, name),
         "ag_vector": lambda: symm_mem.fused_all_gather_matmul(torch.randn(8), [b], 0, name),
         "rs_op": lambda: symm_mem.fused_matmul_reduce_scatter(a, b, "max", 0, name),
