@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fo_kernels.errors import ScaleError, ScheduleError, ShapeError
+from fo_kernels.errors import PlanError, ScaleError, ScheduleError, ShapeError
 from fo_kernels.fields import check_int
 from fo_kernels.fp8_state import prepare_weight_state
 from fo_kernels.groups import SharesGroupWhenCopied, check_group, require_initialized
@@ -271,8 +271,10 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
         fp8: str | None = None,
     ) -> _Layer:
         """This rank's shard of a full ``nn.Linear`` (the same weights on every rank beforehand):
-        the features ``split_dim`` names, and the bias with output features; ``fp8``: the shard
-        then quantized for inference (``quantize_fp8``)."""
+        its output features (column) or input features (row), and the bias with output features;
+        ``fp8``: the shard then quantized for inference (``quantize_fp8``)."""
+        if not isinstance(linear, nn.Linear):
+            raise PlanError(f"from_linear takes an nn.Linear, got {type(linear).__name__}")
         w = linear.weight
         layer = cls(
             linear.in_features,

@@ -260,11 +260,12 @@ def parallelize_linears(
     ``fp8``: every chosen module in fp8 for inference (the styles' ``fp8`` option). An empty
     ``plan`` shards nothing and returns ``model`` as it is, as ``parallelize_module`` does.
     """
-    if not isinstance(plan, Mapping) or not all(isinstance(name, str) for name in plan):
-        raise PlanError(
-            f"plan: expected a mapping of submodule names (or patterns) to {' or '.join(map(repr, KINDS))}, "
-            f"got {type(plan).__name__}"
-        )
+    wanted = f"a mapping of submodule names (or patterns) to {' or '.join(map(repr, KINDS))}"
+    if not isinstance(plan, Mapping):
+        raise PlanError(f"plan: expected {wanted}, got {type(plan).__name__}")
+    for name in plan:
+        if not isinstance(name, str):
+            raise PlanError(f"plan: expected {wanted}; key {name!r} ({type(name).__name__}) is not a name")
     for kind in plan.values():
         if kind not in KINDS:
             raise PlanError(f"plan: {kind!r} is not one of {', '.join(KINDS)}")

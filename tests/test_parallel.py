@@ -124,3 +124,18 @@ def test_parallelize_linears_refuses_a_module_two_patterns_give_other_kinds():
     with pytest.raises(PlanError, match=r"1 is matched by '\*' \(column\) and by '1' \(row\)"):
         parallelize_linears(model, {"*": "column", "1": "row"})
     assert not any(hasattr(m, "_distribute_module_applied") for m in model.modules())
+
+
+def test_a_plan_key_that_is_no_name_and_from_linear_of_no_linear_are_plan_errors():
+    """A plan keyed by something other than a name says which key; ``from_linear`` of a module
+    that is no nn.Linear is a PlanError naming its type (it raised an AttributeError)."""
+    from torch import nn
+
+    from fo_kernels import ColumnParallelLinear, PlanError, RowParallelLinear
+    from fo_kernels.parallel import parallelize_linears
+
+    with pytest.raises(PlanError, match=r"key 0 \(int\) is not a name"):
+        parallelize_linears(nn.Sequential(nn.Linear(4, 4)), {0: "column"})
+    for layer in (ColumnParallelLinear, RowParallelLinear):
+        with pytest.raises(PlanError, match=r"from_linear takes an nn\.Linear, got Conv1d"):
+            layer.from_linear(nn.Conv1d(4, 4, 1))
