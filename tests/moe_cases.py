@@ -394,13 +394,6 @@ def disagreeing_calls(ctx, _payload=None) -> dict[str, object]:
             | ({"tile": tile} if engine else {})
         )
         out[f"over_bound_{engine}"] = _message(lambda b=bound: tokens(6 if last else 3, b))
-    # a copy-engine schedule on CPU ranks: the machine's error on every rank, as the dense ops'
-    on_gpus = MoeSchedule(dtype="float32", world_size=world, problem=problem, engine="copy_engine")
-    try:
-        tokens(3, on_gpus)
-        out["copy_engine_on_cpu"] = "NO ERROR"
-    except Exception as exc:
-        out["copy_engine_on_cpu"] = f"{type(exc).__name__}: {exc}"
     # the schedule covers 4 .. 8 tokens a rank: rank 0's 1 token is the call's 5
     problem = MoeProblem(hidden=8, intermediate=3, experts=2, top_k=2, tokens_min=4, tokens_max=8)
     schedule = MoeSchedule(dtype="float32", world_size=world, problem=problem)

@@ -149,8 +149,6 @@ def test_ranks_that_disagree_raise_alike():
             msg = msgs[f"over_bound_{engine}"]
             assert msg.startswith("ScheduleError: problem:") and "up to 6 tokens (group rank 2)" in msg, msg
         assert msgs["under_min_on_one_rank"] < TOL["float32"], (rank, msgs)
-        msg = msgs["copy_engine_on_cpu"]
-        assert msg.startswith("EnvironmentMismatchError: engine copy_engine needs CUDA GPUs"), msg
 
 
 # ----------------------------------------------------------------------------- one process

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fo_kernels.errors import EnvironmentMismatchError, ScheduleError, ShapeError, TableError
+from fo_kernels.errors import ScheduleError, ShapeError, TableError
 from fo_kernels.groups import check_group, require_initialized
 from fo_kernels.moe import fallback
 from fo_kernels.moe.exchange import exchange_counts, schedule_code
@@ -75,8 +75,8 @@ def execute_ffn(
     if engine is not None:
         path = MOE_PATHS.load(engine)
         why = path.blocker(x.device, world)
-        if why:  # this machine, not the schedule, is what is missing: as the dense ops say it
-            raise EnvironmentMismatchError(f"engine {engine} {why}; use a schedule with engine: null here")
+        if why:
+            raise ScheduleError(f"engine: {engine} {why}; use a schedule with engine: null here")
     routing = route(topk_ids, shape)
     direction = "forward" if dy is None else "backward"
     chosen: list[tuple[MoeSchedule | None, object]] = []

@@ -49,8 +49,7 @@ def expert_parallel_ffn(
     A token may name one expert in several slots: each slot is its own row, weighted by its own
     weight. Every rank of the group calls at once (it is a collective). Bad input raises a
     ``ValueError`` subclass (``ShapeError``, ``ScheduleError``, ``GroupError``) before any
-    collective; a schedule whose engine this machine cannot run, ``EnvironmentMismatchError``.
-    ``schedule=None`` takes the MoE table's row for the experts' shape and the most
+    collective. ``schedule=None`` takes the MoE table's row for the experts' shape and the most
     tokens any rank holds (``fo_kernels.moe.table``; written by ``fo-tune search -c moe``), else
     runs the no-overlap path (dispatch, grouped GEMMs, combine); a ``MoeSchedule`` names an
     engine that overlaps them. Differentiable in x, topk_weights, w13
