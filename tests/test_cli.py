@@ -131,6 +131,8 @@ def test_demo_two_ranks_passes_every_collective(runner):
         assert result.stdout.startswith(
             "fo-tune demo: 2 rank(s) on the CPU (gloo, Triton's interpreter: no GPU"
         )
+        # gloo ranks' own rows come from a measured search (without --mode it plans an H200)
+        assert "tune the shape with `fo-tune search --mode measure`" in result.stdout
 
 
 def test_demo_one_rank_names_no_search(runner):

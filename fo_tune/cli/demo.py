@@ -177,10 +177,12 @@ def demo(
         with console.status(f"running {plan.world_size} rank(s) ...", spinner="dots"):
             rows = run_demo(plan.world_size, shapes or None, dtype, plan.backend, reps, timeout)
         console.print(_table(rows, plan.world_size, plan.backend))
+        # gloo ranks' rows come from measuring them: without --mode the search plans an H200
+        search = "fo-tune search --mode measure" if plan.backend == "gloo" else "fo-tune search"
         console.print(
             "schedules (the table rows the runtime found; without one it runs GEMM then the "
             + (
-                "collective: tune the shape with `fo-tune search`):"
+                f"collective: tune the shape with `{search}`):"
                 if plan.world_size > 1
                 else "identity collective of one rank, the GEMM alone: nothing to tune):"
             ),
