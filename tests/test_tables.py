@@ -560,8 +560,20 @@ def test_validate_malformed_or_missing_is_one_line(
     path = tmp_path / "t.yaml"
     if text is not None:
         path.write_text(text)
-    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    result = runner.invoke(app, ["table", "validate", str(path)])
+    line = assert_one_line_error(result)
     assert str(path) in line and needle in line
+    assert result.stdout == "", result.stdout  # no summary about rows beside a file that does not read
+
+
+def test_validate_summary_names_the_remedy_of_each_kind_of_problem(runner: CliRunner, tmp_path: Path) -> None:
+    """With a file that does not read among several, the summary says to give readable files, and
+    names rows to fix only where a file that read has a bad row."""
+    good = write(tmp_path / "good.yaml", [cpu_row(64)])
+    result = runner.invoke(app, ["table", "validate", str(good), str(tmp_path / "missing.yaml")])
+    assert result.exit_code == 2, result.output
+    assert "1 problem(s) in 1 of 2 file(s); name table files that exist and read" in result.stdout
+    assert "fix the rows named" not in result.stdout
 
 
 @pytest.mark.parametrize("command", ["show", "validate", "diff"])
