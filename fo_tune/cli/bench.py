@@ -328,6 +328,7 @@ def bench(
             run_bench,
             write_bench_dir,
         )
+        from fo_tune.tables.find import search_folders
 
         request = _request(
             shapes, suite, include_odd, dtype, chosen,
@@ -335,6 +336,7 @@ def bench(
             allow_slow=allow_slow,
         )  # fmt: skip
         check_runnable(request, chosen)  # shapes too large here, the GPU suite on the CPU
+        search_folders()  # the fo_tune variant's tables: a $FO_TUNE_TABLE_DIR naming a file is refused
         if driver:  # a bad --out costs nothing: checked before any rank starts
             check_bench_out(out or default_bench_dir(expected_device_key(chosen, world_size), world_size))
         with progress_bars(enabled=driver) as progress:

@@ -155,6 +155,7 @@ def demo(
         run_demo,
     )
     from fo_tune.ranks.launch import visible_gpus
+    from fo_tune.tables.find import search_folders
 
     # every check runs before the first line is printed
     if engine == "copy_engine":
@@ -173,6 +174,7 @@ def demo(
     else:
         plan = plan_demo(world_size, backend, visible_gpus())
         demo_inputs(plan, shapes or None, dtype, reps, timeout)
+        search_folders()  # the runtime's tables: a $FO_TUNE_TABLE_DIR naming a file is refused
         console.print(f"fo-tune demo: {plan.note}", markup=False, highlight=False)
         with console.status(f"running {plan.world_size} rank(s) ...", spinner="dots"):
             rows = run_demo(plan.world_size, shapes or None, dtype, plan.backend, reps, timeout)
