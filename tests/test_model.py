@@ -297,6 +297,35 @@ def test_model_check_defaults_and_reports(tmp_path):
     assert r.stdout.strip().splitlines()[-1].endswith(f"over {n} measured rows")
 
 
+def test_model_check_counts_only_the_rows_it_priced_and_says_why_the_others_are_not(tmp_path):
+    """A trial the model cannot price (here a tile no calibration profiled) is left out of the MAPE
+    and of its row count alike, and counted apart with the reason; the MAPE is the priced rows'."""
+    import csv
+
+    report = tmp_path / "report"
+    shutil.copytree(REPORTS[0].parent, report)
+    trials = report / "trials.csv"
+    rows = list(csv.DictReader(trials.open()))
+    old_tile = rows[0]["tile"].split()[0]
+    rows[0] = {**rows[0], "tile": rows[0]["tile"].replace(old_tile, "16x16x16")}
+    rows[0]["schedule"] = rows[0]["schedule"].replace(old_tile, "16x16x16")
+    with trials.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    r = model_check(str(report))
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.strip().splitlines()
+    total = len(measured_in([trials]))
+    checked = check_files([trials], cost_model(load_calibration(CALIBRATION_DIR / "calibration.yaml")))
+    mean, worst = mape(checked)
+    assert lines[-1] == (
+        f"MAPE {mean:.1%} (worst {worst:.1%}) over {total - 1} measured rows; "
+        "1 more the model could not price (why: above)"
+    ), lines[-1]
+    assert lines[-2].startswith("not priced: 1 row(s) (e.g. trials.csv trial 0 "), lines[-2]
+
+
 def test_model_check_bad_input(tmp_path, h200):
     assert "nope.yaml" in assert_one_line_error(model_check(str(tmp_path / "nope.yaml")))
     (tmp_path / "x.txt").write_text("hello")

@@ -35,7 +35,9 @@ CHECK_HELP = "\n\n".join(
     [
         "Predict every measured row of the given tables and every measured trial of the given search "
         "reports with a calibration's cost model; print predicted vs measured per row and, last, "
-        "one line: MAPE X% (worst Y%) over N measured rows.",
+        "one line: MAPE X% (worst Y%) over N measured rows. N counts the rows the model priced; a row "
+        "it cannot price (a tile the calibration never profiled, a schedule that cannot run its "
+        "shape) is left out of the MAPE and counted apart, with a line per reason above.",
         "A table row is measured unless its provenance says mode: predict; its latency is its "
         "measured_ms (overlap) or the overlap: false fallback it runs (fallback_ms). An M-range "
         "row is predicted at the M it was tuned at. A trial counts when it completed with a "
@@ -199,10 +201,29 @@ def print_checked(rows: list[Checked], title: str) -> None:
 
 
 def error_line(rows: list[Checked], what: str = "measured rows") -> str:
-    from fo_tune.model.check import mape
+    """``MAPE X% (worst Y%) over N <what>``, N the rows priced (those the MAPE is over), and how
+    many more the model could not price (their reasons are ``unpriced_lines``)."""
+    from fo_tune.model.check import mape, priced
 
+    n = len(priced(rows))
+    left = len(rows) - n
+    if n == 0:
+        return f"no MAPE: the model priced none of {len(rows)} {what} (why: above)"
     mean, worst = mape(rows)
-    return f"MAPE {mean:.1%} (worst {worst:.1%}) over {len(rows)} {what}"
+    more = f"; {left} more the model could not price (why: above)" if left else ""
+    return f"MAPE {mean:.1%} (worst {worst:.1%}) over {n} {what}{more}"
+
+
+def unpriced_lines(rows: list[Checked]) -> list[str]:
+    """One line per reason the model could not price some rows: how many, an example, and why."""
+    reasons: dict[str, list[Checked]] = {}
+    for row in rows:
+        if row.unpriced:
+            reasons.setdefault(row.unpriced, []).append(row)
+    return [
+        f"not priced: {len(same)} row(s) (e.g. {Path(same[0].source).name} {same[0].item}): {reason}"
+        for reason, same in reasons.items()
+    ]
 
 
 @handle_errors
@@ -242,6 +263,8 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     model = cost_model(cal)
     rows = [m.checked(model) for m in items]
     print_checked(rows, f"model of {path} against {len(paths)} file(s)")
+    for line in unpriced_lines(rows):
+        console.print(line, highlight=False, markup=False)
     console.print(error_line(rows), highlight=False, markup=False)
 
 
@@ -317,9 +340,11 @@ def fit(
     for f in fits:
         values = ", ".join(f"{name} {value:.4g}" for name, value in f.values.items())
         console.print(f"{f.term}: {values}", markup=False, highlight=False)
-        console.print(f"  fit: {error_line(f.fit)}", markup=False, highlight=False)
-        if f.held_out:
-            console.print(f"  held out: {error_line(f.held_out)}", markup=False, highlight=False)
+        for label, rows in (("fit", f.fit), ("held out", f.held_out)):
+            if rows or label == "fit":
+                for line in unpriced_lines(rows):
+                    console.print(f"  {line}", markup=False, highlight=False)
+                console.print(f"  {label}: {error_line(rows)}", markup=False, highlight=False)
     console.print(f"[green]wrote[/] {target}", highlight=False)
 
 
