@@ -190,6 +190,18 @@ def test_demo_shape_beyond_the_ranks_memory_is_refused_before_its_first_line(run
     assert result.stdout == "", result.stdout
 
 
+def test_demo_shape_too_large_for_the_interpreter_is_refused_before_any_rank(runner):
+    """A GPU-sized shape on gloo ranks would run for hours in Triton's interpreter: exit 2 at once
+    (as bench and profile), naming --allow-slow; the copy engine, which needs no interpreter,
+    refuses --allow-slow as an option it does not read."""
+    result = _timed(runner, ["demo", "--backend", "gloo", "--shape", "32x48x40", "--shape", "2048x1024x1024"])
+    line = assert_one_line_error(result)
+    assert "--shape 2048x1024x1024 without GPUs" in line and "--allow-slow" in line, line
+    assert result.stdout == "", result.stdout
+    line = assert_one_line_error(runner.invoke(app, ["demo", "--engine", "copy_engine", "--allow-slow"]))
+    assert "drop --allow-slow" in line, line
+
+
 def test_debug_variable_shows_the_traceback(runner, monkeypatch):
     monkeypatch.setenv("FO_TUNE_DEBUG", "1")
     result = runner.invoke(app, ["demo", "--shape", "abc"])
@@ -366,14 +378,14 @@ def test_demo_on_one_gpu_runs_world_size_1_on_it(runner, monkeypatch):
 
     calls = []
 
-    def fake_run_demo(world_size, shapes, dtype, backend, reps, timeout_s):
+    def fake_run_demo(world_size, shapes, dtype, backend, reps, timeout_s, **kwargs):
         calls.append((world_size, backend))
         return []
 
     monkeypatch.setattr(launch, "visible_gpus", lambda: 1)
     monkeypatch.setattr(demo_lib, "run_demo", fake_run_demo)
     # (its checks of the GPU's memory need the GPU: the faked machine has none to ask)
-    monkeypatch.setattr(demo_lib, "demo_inputs", lambda plan, *args: ([], demo_lib.GPU_DTYPE))
+    monkeypatch.setattr(demo_lib, "demo_inputs", lambda plan, *args, **kwargs: ([], demo_lib.GPU_DTYPE))
     result = runner.invoke(app, ["demo"])
     assert result.exit_code == 0, (result.output, result.exception)
     assert calls == [(1, "nccl")]
