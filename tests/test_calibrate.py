@@ -100,6 +100,13 @@ def test_quick_calibration_writes_every_file(quick_run):
         assert word in result.stdout, word
 
 
+def test_quick_calibration_progress_goes_to_stderr(quick_run):
+    """Piped, stdout holds the summary and the files written; the progress lines are on stderr."""
+    result, _ = quick_run
+    assert "s] start 2 rank(s)" in result.stderr, result.stderr
+    assert "s] " not in result.stdout and "start 2 rank(s)" not in result.stdout, result.stdout
+
+
 def test_quick_calibration_csv_columns(quick_run):
     _, out = quick_run
     key = current_fingerprint("cpu", 2).device_key
