@@ -270,6 +270,42 @@ def test_bad_options_are_exit_2(args):
     assert args[0] in line
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (
+            ["--only", "gemm", "--collectives", "all_to_all"],
+            "--only gemm measures neither: drop --collectives",
+        ),
+        (["--world-size", "1", "-c", "all_reduce"], "--world-size 1 measures neither: drop --collectives"),
+        (["--only", "gemm", "--into", "{cal}", "--out", "{out}"], "so --out is not read: drop one of them"),
+        (
+            [
+                "--only",
+                "gemm",
+                "--dtype",
+                "float8_e4m3fn",
+                "--into",
+                "{cal}",
+                "--from-profiles",
+                "{out}",
+                "--quick",
+            ],
+            "--from-profiles measures nothing and writes --into: drop --quick",
+        ),
+    ],
+)
+def test_an_option_the_run_would_not_read_is_exit_2(tmp_path, args, says):
+    """--collectives where no part measures a collective, --out beside --into, and a measuring
+    option beside --from-profiles are refused before any rank starts, not silently dropped."""
+    cal = tmp_path / "calibration.yaml"
+    cal.write_text("not read: the refusal comes first\n")
+    values = {"cal": str(cal), "out": str(tmp_path / "out")}
+    line = assert_one_line_error(calibrate(*[a.format(**values) for a in args]))
+    assert says in line, line
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------------------- profile
 def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
     out = tmp_path / "p" / "profile.csv"

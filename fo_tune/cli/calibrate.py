@@ -256,6 +256,10 @@ def calibrate(
     )
     check_dtype(dtype)
     parts = parse_names(only, valid=PART_NAMES, option="--only", what="part")
+    _refuse_unread(
+        out=out, into=into, from_profiles=from_profiles, collectives=collectives, quick=quick,
+        space=space, backend=backend, parts=parts, world_size=world_size,
+    )  # fmt: skip
     if from_profiles is not None:
         _merge_profiles(from_profiles, into, parts, dtype, into_sibling)
         return
@@ -308,6 +312,44 @@ def calibrate(
             return
         written = write_calibration_dir(cal, out or default_out_dir(cal))
     _print_summary(cal, written)
+
+
+def _refuse_unread(
+    *,
+    out: Path | None,
+    into: Path | None,
+    from_profiles: Path | None,
+    collectives: list[str] | None,
+    quick: bool,
+    space: Path | None,
+    backend: str,
+    parts: tuple[str, ...] | None,
+    world_size: int,
+) -> None:
+    """Refuse (``typer.BadParameter``) an option this run would not read, before any rank starts: a
+    mistyped run must not look like the one asked for."""
+    if from_profiles is not None:
+        given = {"--out": out, "--quick": quick, "--collectives": collectives, "--space": space}
+        unread = [name for name, value in given.items() if value] + (
+            ["--backend"] if backend != "auto" else []
+        )
+        if unread:
+            raise typer.BadParameter(
+                f"--from-profiles measures nothing and writes --into: drop {', '.join(unread)}"
+            )
+    if into is not None and out is not None:
+        raise typer.BadParameter(
+            f"--into merges into {into} and writes no folder, so --out is not read: drop one of them"
+        )
+    collective_parts = {"bandwidth", "interference"}  # the parts that measure --collectives
+    measured = set(parts) if parts is not None else (set() if world_size == 1 else collective_parts)
+    if collectives and not measured & collective_parts:
+        what = f"--only {','.join(parts)}" if parts is not None else "--world-size 1"
+        fix = "add those parts to --only" if world_size > 1 else "give --world-size 2 or more"
+        raise typer.BadParameter(
+            f"--collectives is read by the bandwidth and interference parts, and {what} measures "
+            f"neither: drop --collectives, or {fix}"
+        )
 
 
 def _merge_profiles(
