@@ -332,6 +332,13 @@ def test_model_check_bad_input(tmp_path, h200):
     assert "expected a table" in assert_one_line_error(model_check(str(tmp_path / "x.txt")))
     (tmp_path / "empty.csv").write_text("a,b\n1,2\n")
     assert "trials.csv" in assert_one_line_error(model_check(str(tmp_path / "empty.csv")))
+    (tmp_path / "empty").mkdir()  # a folder that is no report: said so, not an OS error
+    line = assert_one_line_error(model_check(str(tmp_path / "empty")))
+    assert "a folder without a trials.csv" in line and "Errno" not in line, line
+    runs = tmp_path / "runs"  # a report name's folder: its run folders are named
+    shutil.copytree(REPORTS[0].parent, runs / "20260101T000000-host-1")
+    line = assert_one_line_error(model_check(str(runs)))
+    assert f"give one of them, e.g. {runs / '20260101T000000-host-1'}" in line, line
     cal = CALIBRATION_DIR / "calibration.yaml"
     assert f"is a calibration, not a table or report; pass it as --calibration {cal}" in (
         assert_one_line_error(model_check(str(cal)))

@@ -154,6 +154,14 @@ def _files(files: list[Path] | None, cal: Calibration) -> list[Path]:
     for p in paths:
         if not p.exists():
             raise CheckError(f"{p}: no such table or report")
+        if p.is_dir() and not (p / "trials.csv").is_file():
+            runs = sorted(p.glob("*/trials.csv"))
+            hint = (
+                f"it holds report folders: give one of them, e.g. {runs[-1].parent}"
+                if runs
+                else "give a search report's folder (`fo-tune search` writes trials.csv there) or a table"
+            )
+            raise CheckError(f"{p}: a folder without a trials.csv, so no search report; {hint}")
         if _is_kind(p, CALIBRATION_KIND):
             raise CheckError(f"{p} is a calibration, not a table or report; pass it as --calibration {p}")
         if _is_kind(p, REPORT_KIND):
