@@ -339,6 +339,11 @@ def test_model_check_bad_input(tmp_path, h200):
     shutil.copytree(REPORTS[0].parent, runs / "20260101T000000-host-1")
     line = assert_one_line_error(model_check(str(runs)))
     assert f"give one of them, e.g. {runs / '20260101T000000-host-1'}" in line, line
+    moe = tmp_path / "moe-report"  # an MoE search's report folder: its table is named
+    moe.mkdir()
+    (moe / "summary.yaml").write_text("kind: fo-tune-moe-search-summary\ntable: /t/moe-w2-bfloat16.yaml\n")
+    line = assert_one_line_error(model_check(str(moe)))
+    assert "is an MoE search's report, which lists no trials; pass its table /t/moe-w2-bfloat16.yaml" in line
     cal = CALIBRATION_DIR / "calibration.yaml"
     assert f"is a calibration, not a table or report; pass it as --calibration {cal}" in (
         assert_one_line_error(model_check(str(cal)))

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+import yaml
 from rich.markup import escape
 
 from fo_tune.cli.calibrate import fmt, summary_table
 from fo_tune.cli.common import console, handle_errors
+from fo_tune.cli.search_moe import MOE_REPORT_KIND
 
 if TYPE_CHECKING:
     from fo_tune.calibrate.calibration import Calibration
@@ -154,6 +156,10 @@ def _files(files: list[Path] | None, cal: Calibration) -> list[Path]:
     for p in paths:
         if not p.exists():
             raise CheckError(f"{p}: no such table or report")
+        moe_summary = p / "summary.yaml" if p.is_dir() else p
+        if _is_kind(moe_summary, MOE_REPORT_KIND):  # an MoE search reports no trial: its table has the rows
+            table = (yaml.safe_load(moe_summary.read_text(encoding="utf-8")) or {}).get("table")
+            raise CheckError(f"{p} is an MoE search's report, which lists no trials; pass its table {table}")
         if p.is_dir() and not (p / "trials.csv").is_file():
             runs = sorted(p.glob("*/trials.csv"))
             hint = (
