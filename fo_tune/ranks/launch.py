@@ -301,7 +301,8 @@ class SpawnedPool:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(got))
                     raise LaunchError(
-                        f"rank(s) {missing} did not finish {what} within {timeout_s:.0f} s (hung?)"
+                        f"rank(s) {missing} did not finish {what} within {timeout_s:g} s (hung, or "
+                        "slower than that: a longer --timeout allows more)"
                     ) from None
                 continue
             if not ok:
