@@ -159,6 +159,9 @@ def test_three_ranks_two_collectives(tmp_path):
         "--out", str(out),
     )  # fmt: skip
     assert result.exit_code == 0, (result.output, result.exception)
+    assert "bandwidth: 3 rank(s), gloo on the CPU" in result.stdout, result.stdout
+    assert "interference: not measured (not in --only)" in result.stdout, result.stdout
+    assert "GEMM: best tile" not in result.stdout, result.stdout
     cal = load_calibration(out / "calibration.yaml")
     assert cal.world_size == 3 and cal.fingerprint.world_size == 3
     assert {p.collective for p in cal.bandwidth} == {"all_reduce", "reduce_scatter"}

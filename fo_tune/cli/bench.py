@@ -222,7 +222,7 @@ def _case_table(result: BenchResult, collective: str) -> tuple[Table, list[str]]
     fused = FUSED_COLUMNS.get(collective)  # (variant, column) of the collective's fused torch op
     columns = ["MxNxK", "seq", "chunked", *([fused[1]] if fused else []), "fo-tune", "ideal"]
     table = summary_table(
-        f"{collective} (ms): {result.fingerprint.world_size} ranks, {where}, {result.settings['dtype']}, "
+        f"{collective} (ms): {result.fingerprint.world_size} rank(s), {where}, {result.settings['dtype']}, "
         f"{result.fingerprint.device_key}",
         [*columns, "speedup", "of ideal", *([f"x {fused[1]}"] if fused else []), "ok"],
         1,

@@ -139,17 +139,43 @@ CalDtypeOpt = Annotated[
 
 
 # ----------------------------------------------------------------------------------- the summary
-def _print_summary(cal: Calibration, written: list[Path]) -> None:
+def _not_measured(part: str, parts: tuple[str, ...], world_size: int) -> str | None:
+    """Why ``part`` was not measured (world size 1, or left out of --only), None when it was."""
+    if part in parts:
+        return None
+    why = "world size 1 has no collective" if world_size == 1 else "not in --only"
+    return f"{part}: not measured ({why})"
+
+
+def _print_summary(cal: Calibration, written: list[Path], parts: tuple[str, ...]) -> None:
+    """The bandwidth, interference and GEMM tables of the parts measured (``parts``), a line for
+    each collective part not measured, then the files written."""
     from fo_tune.calibrate.files import bandwidth_summary, interference_summary
+
+    skipped = [_not_measured(part, parts, cal.world_size) for part in ("bandwidth", "interference")]
+    for line in filter(None, skipped):
+        console.print(line, style="dim", markup=False, highlight=False)
+    if skipped[0] is None:
+        _print_bandwidth(cal, bandwidth_summary(cal))
+    if skipped[1] is None:
+        _print_interference(cal, interference_summary(cal))
+    if "gemm" in parts:
+        console.print(gemm_table(cal.gemm, "GEMM: best tile per shape"))
+    console.print(f"[green]wrote[/] {len(written)} files to {written[0].parent if written else '-'}:")
+    for path in written:
+        console.print(f"  {path}", markup=False, highlight=False)
+
+
+def _print_bandwidth(cal: Calibration, summary: list) -> None:
     from fo_tune.output import size_label
 
     where = "NCCL" if cal.fingerprint.interconnect != "gloo" else "gloo on the CPU"
     bw = summary_table(
-        f"bandwidth: {cal.world_size} ranks, {where}, {cal.fingerprint.device_key}",
+        f"bandwidth: {cal.world_size} rank(s), {where}, {cal.fingerprint.device_key}",
         ["collective", "CTA cap", "largest size", "busbw GB/s", "fit latency us", "fit bw GB/s"],
         2,
     )
-    for r in bandwidth_summary(cal):
+    for r in summary:
         cap = "default" if r.nccl_max_ctas == 0 else str(r.nccl_max_ctas)
         bw.add_row(
             r.collective,
@@ -160,7 +186,11 @@ def _print_summary(cal: Calibration, written: list[Path]) -> None:
             fmt(r.bandwidth_gbs),
         )
     console.print(bw)
-    rows = interference_summary(cal)
+
+
+def _print_interference(cal: Calibration, rows: list) -> None:
+    from fo_tune.output import size_label
+
     if not rows:
         console.print("interference: nothing measured (no sms_free > 0 in the search space)", style="dim")
     inter = summary_table(
@@ -185,10 +215,6 @@ def _print_summary(cal: Calibration, written: list[Path]) -> None:
         inter.caption = "on the CPU the two run one after the other: these slowdowns are timing noise"
     if rows:
         console.print(inter)
-    console.print(gemm_table(cal.gemm, "GEMM: best tile per shape"))
-    console.print(f"[green]wrote[/] {len(written)} files to {written[0].parent if written else '-'}:")
-    for path in written:
-        console.print(f"  {path}", markup=False, highlight=False)
 
 
 def _gemm_shape(cal: Calibration) -> tuple[int, int, int]:
@@ -311,7 +337,7 @@ def calibrate(
             console.print(f"[green]merged[/] {', '.join(request.selected())} into {into}", highlight=False)
             return
         written = write_calibration_dir(cal, out or default_out_dir(cal))
-    _print_summary(cal, written)
+    _print_summary(cal, written, request.selected())
 
 
 def _refuse_unread(

@@ -110,7 +110,7 @@ def _table(rows: "list[DemoRow]", world_size: int, backend: str) -> Table:
     }.get(backend, "gloo on the CPU, Triton interpreter")
     dtypes = ", ".join(sorted({r.dtype for r in rows}))
     table = summary_table(
-        f"fo-tune demo: {world_size} ranks, {where}, {dtypes}",
+        f"fo-tune demo: {world_size} rank(s), {where}, {dtypes}",
         ["status", "collective", "MxNxK", "rel err", "overlap ms", "seq ms", "speedup"],
         3,
     )
