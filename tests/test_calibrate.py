@@ -356,6 +356,33 @@ def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
     assert not (tmp_path / "p" / "profile-grids.csv").exists() and "removed" in result.stdout
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        (
+            "calibration.yaml",
+            "kind: fo-tune-calibration\n",
+            "a profile is a CSV; give a file name ending in .csv",
+        ),
+        (
+            "bench.csv",
+            "device_key,world_size,dtype,m,n,k\n",
+            "exists and is not a profile `fo-tune profile` wrote",
+        ),
+        ("p-grids.csv", "something else\n", "the grids file beside it"),
+    ],
+)
+def test_profile_out_never_replaces_a_file_it_did_not_write(runner, tmp_path, name, content, says):
+    """--out naming another command's file (a calibration, a bench CSV), or a profile whose grids
+    name is taken by another file, is exit 2 before any rank starts, the file left as it was."""
+    (tmp_path / name).write_text(content)
+    out = tmp_path / ("p.csv" if name == "p-grids.csv" else name)
+    result = runner.invoke(app, ["profile", "--shape", "32x48x40", "--out", str(out)])
+    line = assert_one_line_error(result)
+    assert says in line, line
+    assert (tmp_path / name).read_text() == content
+
+
 @pytest.mark.parametrize("shape", ["0x1x1", "32x48", "axbxc"])
 def test_profile_bad_shape_is_exit_2(runner, shape):
     line = assert_one_line_error(runner.invoke(app, ["profile", "--shape", shape]))

@@ -216,14 +216,11 @@ def profile(
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
         search_space = resolve_space(space, chosen)
-        from fo_tune.calibrate.files import default_profile_path, grids_path
-        from fo_tune.output import check_writable_file
+        from fo_tune.calibrate.files import check_profile_out, default_profile_path, grids_path
 
         if driver:
             key = expected_device_key(chosen, world_size)
-            target = out or default_profile_path(key, (m, n, k), dtype, scaling=scaling)
-            check_writable_file(target)
-            check_writable_file(grids_path(target))
+            check_profile_out(out or default_profile_path(key, (m, n, k), dtype, scaling=scaling))
         from fo_tune.calibrate.profile import profile_shape
         from fo_tune.ranks.launch import fingerprinted_pool
         from fo_tune.ranks.limits import (
