@@ -91,7 +91,7 @@ OutFileOpt = Annotated[
         "--out",
         "-o",
         metavar="FILE",
-        help="CSV to write (replaced atomically). "
+        help="CSV to write (a profile there is replaced atomically; any other file is refused). "
         "Default: results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv, "
         "<M>x<N>x<K>-float8_e4m3fn-tensorwise.csv with --scaling tensorwise.",
     ),
