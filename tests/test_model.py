@@ -443,6 +443,14 @@ def test_model_fit_refuses_what_would_fit_nothing_or_hold_out_nothing(tmp_path, 
     (tmp_path / "a-file").write_text("")
     line = assert_one_line_error(fit(str(table), "--out", str(tmp_path / "a-file" / "o.yaml")))
     assert "a-file is a file, not a folder" in line
+    # an --out that is another kind of file (a table, a CSV) is never replaced by the calibration
+    victim = tmp_path / "table.yaml"
+    shutil.copy(table, victim)
+    line = assert_one_line_error(fit(str(table), "--out", str(victim)))
+    assert "exists and is not a calibration, so it is not replaced" in line, line
+    assert victim.read_bytes() == table.read_bytes()
+    line = assert_one_line_error(fit(str(table), "--out", str(tmp_path / "fit.csv")))
+    assert "a calibration is YAML; give a file name ending in .yaml" in line, line
     assert "--hold-out 1x1: no measured row" in assert_one_line_error(fit(str(table), "--hold-out", "1x1"))
     line = assert_one_line_error(fit(str(table), "--hold-out-file", str(other)))
     assert "is not one of the files fitted" in line

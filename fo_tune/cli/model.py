@@ -318,6 +318,19 @@ def _held_out(
     return held
 
 
+def _check_fit_out(out: Path) -> None:
+    """Refuse a ``fit --out`` that would replace a file other than a calibration (a table, a CSV)."""
+    from fo_tune.calibrate.calibration import CALIBRATION_KIND
+
+    if out.suffix not in (".yaml", ".yml"):
+        raise typer.BadParameter(f"--out {out}: a calibration is YAML; give a file name ending in .yaml")
+    if out.exists() and not _is_kind(out, CALIBRATION_KIND):
+        raise typer.BadParameter(
+            f"--out {out} exists and is not a calibration, so it is not replaced; give another file "
+            "name, or move that file away"
+        )
+
+
 @handle_errors
 def fit(
     calibration: FitCalibrationOpt,
@@ -340,6 +353,8 @@ def fit(
     cal = load_calibration(calibration)
     target = out or calibration
     check_writable_file(target)  # a bad --out costs no fit
+    if out is not None:
+        _check_fit_out(out)
     paths = _files(files, cal)
     is_held = _held_out(nks, list(hold_out_file or []), paths)
     held = [f"N, K = {n}, {k}" for n, k in nks] + [f"every one of {p}" for p in hold_out_file or []]
