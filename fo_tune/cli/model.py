@@ -101,7 +101,15 @@ HoldOutFileOpt = Annotated[
         "--hold-out-file", metavar="PATH", help="Keep every row and trial of this file out of the fit."
     ),
 ]
-OutOpt = Annotated[Path | None, typer.Option("--out", "-o", metavar="FILE", help="Where to write the fit.")]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        "-o",
+        metavar="FILE",
+        help="Where to write the fit: a new .yaml file, or a calibration to replace.",
+    ),
+]
 
 _NK = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 # How much of a YAML file is read to tell a calibration given as a table (its kind is on its second
