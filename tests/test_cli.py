@@ -392,6 +392,23 @@ def test_demo_on_one_gpu_runs_world_size_1_on_it(runner, monkeypatch):
     assert result.stdout.startswith("fo-tune demo: 1 GPU(s) visible: 1 rank(s), one GPU each (NCCL)")
 
 
+def test_demo_spinner_is_on_stderr_and_stdout_holds_the_results(runner, monkeypatch):
+    """The demo's "running N rank(s)" spinner is drawn on stderr (a terminal there), never on
+    stdout, which a pipe or a file takes whole."""
+    from rich.console import Console
+
+    from fo_tune.bench import demo as demo_lib
+    from fo_tune.cli import demo as demo_cli
+
+    spun = io.StringIO()
+    monkeypatch.setattr(demo_cli, "err_console", Console(file=spun, force_terminal=True, width=100))
+    monkeypatch.setattr(demo_lib, "run_demo", lambda *args, **kwargs: [])
+    result = runner.invoke(app, ["demo", "--backend", "gloo", "--shape", "32x48x40"])
+    assert result.exit_code == 0, result.output
+    assert "running 2 rank(s)" in spun.getvalue(), spun.getvalue()
+    assert "running" not in result.stdout, result.stdout
+
+
 # ------------------------------------------------------------------------------ bad input, in seconds
 def _timed(runner, args):
     start = time.monotonic()

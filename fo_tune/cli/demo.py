@@ -16,6 +16,7 @@ from fo_tune.cli.common import (
     ShapesOpt,
     TimeoutOpt,
     console,
+    err_console,
     handle_errors,
     parse_shape,
     summary_table,
@@ -184,7 +185,7 @@ def demo(
             else f"{ranks} thread-ranks of its CPU executor (no GPU, no process group)"
         )
         console.print(f"fo-tune demo: the copy engine's protocol on {how}", markup=False, highlight=False)
-        with console.status(f"running {ranks} rank(s) ...", spinner="dots"):
+        with err_console.status(f"running {ranks} rank(s) ...", spinner="dots"):
             rows = run_copy_engine_demo(ranks, shapes or None, dtype, reps, backend=where)
         console.print(_table(rows, ranks, where))
         console.print("schedules (the copy engine's operation lists, as on GPUs):", style="dim")
@@ -193,7 +194,7 @@ def demo(
         demo_inputs(plan, shapes or None, dtype, reps, timeout, allow_slow=allow_slow)
         search_folders()  # the runtime's tables: a $FO_TUNE_TABLE_DIR naming a file is refused
         console.print(f"fo-tune demo: {plan.note}", markup=False, highlight=False)
-        with console.status(f"running {plan.world_size} rank(s) ...", spinner="dots"):
+        with err_console.status(f"running {plan.world_size} rank(s) ...", spinner="dots"):
             rows = run_demo(
                 plan.world_size, shapes or None, dtype, plan.backend, reps, timeout, allow_slow=allow_slow
             )
