@@ -410,6 +410,28 @@ def test_demo_spinner_is_on_stderr_and_stdout_holds_the_results(runner, monkeypa
 
 
 # ------------------------------------------------------------------------------ bad input, in seconds
+@pytest.mark.parametrize("content", [b"x: [\n", b"\xff\xfe"])
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["profile", "--shape", "32x48x40", "--space", "{f}"], "; fix it, or give one of "),
+        (["bench", "--suite", "{f}"], "; fix it, or give the shipped "),
+        (["model", "check", "--calibration", "{f}"], "; give a calibration.yaml `fo-tune calibrate` wrote"),
+        (
+            ["calibrate", "--only", "gemm", "--into", "{f}"],
+            "; give a calibration.yaml `fo-tune calibrate` wrote",
+        ),
+    ],
+)
+def test_a_malformed_or_binary_input_file_says_what_to_give(runner, tmp_path, content, args, says):
+    """A search space, suite or calibration that is not valid YAML, or not text at all, is one line
+    naming the file, why, and what to give instead."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(content)
+    line = assert_one_line_error(_timed(runner, [a.format(f=bad) for a in args]))
+    assert str(bad) in line and says in line, line
+
+
 def _timed(runner, args):
     start = time.monotonic()
     result = runner.invoke(app, args)
