@@ -203,7 +203,7 @@ def test_nccl_without_enough_gpus_is_exit_2(runner, tmp_path):
     out = tmp_path / "never"
     args = ["calibrate", "--backend", "nccl", "--world-size", "2", "--out", str(out)]
     line = assert_one_line_error(runner.invoke(app, args))
-    assert f"world size 2 needs 2 GPUs, {GPUS} visible" in line and "--backend gloo" in line
+    assert f"world size 2 needs 2 GPU(s), {GPUS} visible" in line and "--backend gloo" in line
     assert not out.exists()
 
 

@@ -164,8 +164,13 @@ def test_choose_backend_refuses_too_few_gpus(monkeypatch, gpus, backend):
     monkeypatch.setattr(launch, "visible_gpus", lambda: gpus)
     for key in launch.TORCHRUN_VARS:
         monkeypatch.delenv(key, raising=False)
-    with pytest.raises(EnvironmentMismatchError, match=rf"world size 2 needs 2 GPUs, {gpus} visible \(NCCL"):
+    # the fix named fits: no --world-size to lower to without a GPU
+    fix = "lower --world-size to 1, or use --backend gloo" if gpus else "; use --backend gloo"
+    with pytest.raises(
+        EnvironmentMismatchError, match=rf"world size 2 needs 2 GPU\(s\), {gpus} visible \(NCCL"
+    ) as info:
         choose_backend(2, backend)
+    assert fix in str(info.value) and (gpus or "lower" not in str(info.value)), info.value
 
 
 def test_choose_backend_under_torchrun_and_bad_values(monkeypatch):
