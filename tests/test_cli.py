@@ -348,9 +348,12 @@ def test_plan_demo_says_where_it_runs(world, backend, gpus, want, says):
 def test_plan_demo_refuses_too_few_gpus(world, backend, gpus):
     asked = world or DEFAULT_WORLD_SIZE
     with pytest.raises(
-        EnvironmentMismatchError, match=rf"world size {asked} needs {asked} GPUs, {gpus} visible \(NCCL"
-    ):
+        EnvironmentMismatchError, match=rf"world size {asked} needs {asked} GPU\(s\), {gpus} visible \(NCCL"
+    ) as info:
         plan_demo(world, backend, gpus)
+    # the fix named fits: without a GPU, no --world-size (or leaving it out) makes NCCL run
+    fix = f"lower --world-size to {gpus}" if gpus else "; use --backend gloo"
+    assert fix in str(info.value) and (gpus or "world-size" not in str(info.value).split(";")[1]), info.value
 
 
 @pytest.mark.parametrize(

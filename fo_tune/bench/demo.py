@@ -131,9 +131,13 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
             f"{gpus} GPU(s) visible: {gpus} rank(s), one GPU each (NCCL), instead of {asked}; "
             f"--backend gloo runs {asked} ranks on the CPU",
         )
+    fix = (
+        f"lower --world-size to {gpus} (or leave it out to use the GPUs there are), or use --backend gloo"
+        if gpus
+        else "use --backend gloo"
+    )
     raise EnvironmentMismatchError(
-        f"world size {asked} needs {asked} GPUs, {gpus} visible (NCCL takes one per rank); lower "
-        "--world-size (or leave it out to use the GPUs there are) or use --backend gloo"
+        f"world size {asked} needs {asked} GPU(s), {gpus} visible (NCCL takes one per rank); {fix}"
     )
 
 
