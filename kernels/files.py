@@ -46,12 +46,18 @@ SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def read_yaml(
-    path: str | os.PathLike[str], *, error: type[Exception], missing: type[Exception], missing_hint: str
+    path: str | os.PathLike[str],
+    *,
+    error: type[Exception],
+    missing: type[Exception],
+    missing_hint: str,
+    bad_hint: str = "",
 ) -> Any:
     """A safe load of ``path`` (libyaml's parser when PyYAML has it: ``SAFE_LOADER``). A missing
     file raises ``missing`` ("<path>: <missing_hint>"), an unreadable or malformed one ``error``
-    with the path and the reason on one line."""
+    with the path and the reason on one line, then ``bad_hint`` (what to give instead) if any."""
     path = Path(path)
+    then = f"; {bad_hint}" if bad_hint else ""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -59,8 +65,8 @@ def read_yaml(
     except IsADirectoryError:
         raise error(f"{path}: is a folder, not a YAML file; name the file in it") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise error(f"{path}: cannot read: {exc}") from None
+        raise error(f"{path}: cannot read: {exc}{then}") from None
     try:
         return yaml.load(text, Loader=SAFE_LOADER)  # a safe loader, C or Python
     except yaml.YAMLError as exc:
-        raise error(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+        raise error(f"{path}: not valid YAML: {' '.join(str(exc).split())}{then}") from None

@@ -155,6 +155,14 @@ def test_bench_writes_every_file(gloo_run):
     assert "skipped" in result.stdout and "unavailable" in result.stdout and "wrote 3 files" in result.stdout
 
 
+def test_bench_progress_goes_to_stderr_and_the_results_to_stdout(gloo_run):
+    """Piped, stdout holds the summary alone; the progress lines (and bars) are on stderr."""
+    result, _ = gloo_run
+    assert "s] start 2 rank(s)" in result.stderr and "s] bench: " in result.stderr, result.stderr
+    assert "s] " not in result.stdout and "start 2 rank(s)" not in result.stdout, result.stdout
+    assert "all_reduce (ms)" in result.stdout, result.stdout
+
+
 def test_bench_csv_variants_and_statuses(gloo_run):
     _, out = gloo_run
     header, rows = read_csv(out / "bench.csv")

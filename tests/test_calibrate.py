@@ -100,6 +100,13 @@ def test_quick_calibration_writes_every_file(quick_run):
         assert word in result.stdout, word
 
 
+def test_quick_calibration_progress_goes_to_stderr(quick_run):
+    """Piped, stdout holds the summary and the files written; the progress lines are on stderr."""
+    result, _ = quick_run
+    assert "s] start 2 rank(s)" in result.stderr, result.stderr
+    assert "s] " not in result.stdout and "start 2 rank(s)" not in result.stdout, result.stdout
+
+
 def test_quick_calibration_csv_columns(quick_run):
     _, out = quick_run
     key = current_fingerprint("cpu", 2).device_key
@@ -152,6 +159,9 @@ def test_three_ranks_two_collectives(tmp_path):
         "--out", str(out),
     )  # fmt: skip
     assert result.exit_code == 0, (result.output, result.exception)
+    assert "bandwidth: 3 rank(s), gloo on the CPU" in result.stdout, result.stdout
+    assert "interference: not measured (not in --only)" in result.stdout, result.stdout
+    assert "GEMM: best tile" not in result.stdout, result.stdout
     cal = load_calibration(out / "calibration.yaml")
     assert cal.world_size == 3 and cal.fingerprint.world_size == 3
     assert {p.collective for p in cal.bandwidth} == {"all_reduce", "reduce_scatter"}
@@ -193,7 +203,7 @@ def test_nccl_without_enough_gpus_is_exit_2(runner, tmp_path):
     out = tmp_path / "never"
     args = ["calibrate", "--backend", "nccl", "--world-size", "2", "--out", str(out)]
     line = assert_one_line_error(runner.invoke(app, args))
-    assert f"world size 2 needs 2 GPUs, {GPUS} visible" in line and "--backend gloo" in line
+    assert f"world size 2 needs 2 GPU(s), {GPUS} visible" in line and "--backend gloo" in line
     assert not out.exists()
 
 
@@ -263,6 +273,42 @@ def test_bad_options_are_exit_2(args):
     assert args[0] in line
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (
+            ["--only", "gemm", "--collectives", "all_to_all"],
+            "--only gemm measures neither: drop --collectives",
+        ),
+        (["--world-size", "1", "-c", "all_reduce"], "--world-size 1 measures neither: drop --collectives"),
+        (["--only", "gemm", "--into", "{cal}", "--out", "{out}"], "so --out is not read: drop one of them"),
+        (
+            [
+                "--only",
+                "gemm",
+                "--dtype",
+                "float8_e4m3fn",
+                "--into",
+                "{cal}",
+                "--from-profiles",
+                "{out}",
+                "--quick",
+            ],
+            "--from-profiles measures nothing and writes --into: drop --quick",
+        ),
+    ],
+)
+def test_an_option_the_run_would_not_read_is_exit_2(tmp_path, args, says):
+    """--collectives where no part measures a collective, --out beside --into, and a measuring
+    option beside --from-profiles are refused before any rank starts, not silently dropped."""
+    cal = tmp_path / "calibration.yaml"
+    cal.write_text("not read: the refusal comes first\n")
+    values = {"cal": str(cal), "out": str(tmp_path / "out")}
+    line = assert_one_line_error(calibrate(*[a.format(**values) for a in args]))
+    assert says in line, line
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------------------- profile
 def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
     out = tmp_path / "p" / "profile.csv"
@@ -308,6 +354,33 @@ def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
     assert result.exit_code == 0, (result.output, result.exception)
     assert {r["sms_free"] for r in read_csv(out)[1]} == {"0"}
     assert not (tmp_path / "p" / "profile-grids.csv").exists() and "removed" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        (
+            "calibration.yaml",
+            "kind: fo-tune-calibration\n",
+            "a profile is a CSV; give a file name ending in .csv",
+        ),
+        (
+            "bench.csv",
+            "device_key,world_size,dtype,m,n,k\n",
+            "exists and is not a profile `fo-tune profile` wrote",
+        ),
+        ("p-grids.csv", "something else\n", "the grids file beside it"),
+    ],
+)
+def test_profile_out_never_replaces_a_file_it_did_not_write(runner, tmp_path, name, content, says):
+    """--out naming another command's file (a calibration, a bench CSV), or a profile whose grids
+    name is taken by another file, is exit 2 before any rank starts, the file left as it was."""
+    (tmp_path / name).write_text(content)
+    out = tmp_path / ("p.csv" if name == "p-grids.csv" else name)
+    result = runner.invoke(app, ["profile", "--shape", "32x48x40", "--out", str(out)])
+    line = assert_one_line_error(result)
+    assert says in line, line
+    assert (tmp_path / name).read_text() == content
 
 
 @pytest.mark.parametrize("shape", ["0x1x1", "32x48", "axbxc"])

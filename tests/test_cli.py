@@ -201,6 +201,18 @@ def test_demo_shape_beyond_the_ranks_memory_is_refused_before_its_first_line(run
     assert result.stdout == "", result.stdout
 
 
+def test_demo_shape_too_large_for_the_interpreter_is_refused_before_any_rank(runner):
+    """A GPU-sized shape on gloo ranks would run for hours in Triton's interpreter: exit 2 at once
+    (as bench and profile), naming --allow-slow; the copy engine, which needs no interpreter,
+    refuses --allow-slow as an option it does not read."""
+    result = _timed(runner, ["demo", "--backend", "gloo", "--shape", "32x48x40", "--shape", "2048x1024x1024"])
+    line = assert_one_line_error(result)
+    assert "--shape 2048x1024x1024 without GPUs" in line and "--allow-slow" in line, line
+    assert result.stdout == "", result.stdout
+    line = assert_one_line_error(runner.invoke(app, ["demo", "--engine", "copy_engine", "--allow-slow"]))
+    assert "drop --allow-slow" in line, line
+
+
 def test_debug_variable_shows_the_traceback(runner, monkeypatch):
     monkeypatch.setenv("FO_TUNE_DEBUG", "1")
     result = runner.invoke(app, ["demo", "--shape", "abc"])
@@ -347,9 +359,12 @@ def test_plan_demo_says_where_it_runs(world, backend, gpus, want, says):
 def test_plan_demo_refuses_too_few_gpus(world, backend, gpus):
     asked = world or DEFAULT_WORLD_SIZE
     with pytest.raises(
-        EnvironmentMismatchError, match=rf"world size {asked} needs {asked} GPUs, {gpus} visible \(NCCL"
-    ):
+        EnvironmentMismatchError, match=rf"world size {asked} needs {asked} GPU\(s\), {gpus} visible \(NCCL"
+    ) as info:
         plan_demo(world, backend, gpus)
+    # the fix named fits: without a GPU, no --world-size (or leaving it out) makes NCCL run
+    fix = f"lower --world-size to {gpus}" if gpus else "; use --backend gloo"
+    assert fix in str(info.value) and (gpus or "world-size" not in str(info.value).split(";")[1]), info.value
 
 
 @pytest.mark.parametrize(
@@ -377,21 +392,60 @@ def test_demo_on_one_gpu_runs_world_size_1_on_it(runner, monkeypatch):
 
     calls = []
 
-    def fake_run_demo(world_size, shapes, dtype, backend, reps, timeout_s):
+    def fake_run_demo(world_size, shapes, dtype, backend, reps, timeout_s, **kwargs):
         calls.append((world_size, backend))
         return []
 
     monkeypatch.setattr(launch, "visible_gpus", lambda: 1)
     monkeypatch.setattr(demo_lib, "run_demo", fake_run_demo)
     # (its checks of the GPU's memory need the GPU: the faked machine has none to ask)
-    monkeypatch.setattr(demo_lib, "demo_inputs", lambda plan, *args: ([], demo_lib.GPU_DTYPE))
+    monkeypatch.setattr(demo_lib, "demo_inputs", lambda plan, *args, **kwargs: ([], demo_lib.GPU_DTYPE))
     result = runner.invoke(app, ["demo"])
     assert result.exit_code == 0, (result.output, result.exception)
     assert calls == [(1, "nccl")]
     assert result.stdout.startswith("fo-tune demo: 1 GPU(s) visible: 1 rank(s), one GPU each (NCCL)")
 
 
+def test_demo_spinner_is_on_stderr_and_stdout_holds_the_results(runner, monkeypatch):
+    """The demo's "running N rank(s)" spinner is drawn on stderr (a terminal there), never on
+    stdout, which a pipe or a file takes whole."""
+    from rich.console import Console
+
+    from fo_tune.bench import demo as demo_lib
+    from fo_tune.cli import demo as demo_cli
+
+    spun = io.StringIO()
+    monkeypatch.setattr(demo_cli, "err_console", Console(file=spun, force_terminal=True, width=100))
+    monkeypatch.setattr(demo_lib, "run_demo", lambda *args, **kwargs: [])
+    result = runner.invoke(app, ["demo", "--backend", "gloo", "--shape", "32x48x40"])
+    assert result.exit_code == 0, result.output
+    assert "running 2 rank(s)" in spun.getvalue(), spun.getvalue()
+    assert "running" not in result.stdout, result.stdout
+
+
 # ------------------------------------------------------------------------------ bad input, in seconds
+@pytest.mark.parametrize("content", [b"x: [\n", b"\xff\xfe"])
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["profile", "--shape", "32x48x40", "--space", "{f}"], "; fix it, or give one of "),
+        (["bench", "--suite", "{f}"], "; fix it, or give the shipped "),
+        (["model", "check", "--calibration", "{f}"], "; give a calibration.yaml `fo-tune calibrate` wrote"),
+        (
+            ["calibrate", "--only", "gemm", "--into", "{f}"],
+            "; give a calibration.yaml `fo-tune calibrate` wrote",
+        ),
+    ],
+)
+def test_a_malformed_or_binary_input_file_says_what_to_give(runner, tmp_path, content, args, says):
+    """A search space, suite or calibration that is not valid YAML, or not text at all, is one line
+    naming the file, why, and what to give instead."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(content)
+    line = assert_one_line_error(_timed(runner, [a.format(f=bad) for a in args]))
+    assert str(bad) in line and says in line, line
+
+
 def _timed(runner, args):
     start = time.monotonic()
     result = runner.invoke(app, args)

@@ -114,6 +114,10 @@ def test_the_stage_on_the_cpu_measures_the_chunk_gemms_and_says_why_not_the_host
         ["calibrate", "--backend", "gloo", "--world-size", "1", "--only", "copy_engine_n", "--out", str(out)],
     )
     assert result.exit_code == 0, result.output
+    # the summary says why no collective was measured, and shows no table of a part not measured
+    assert "bandwidth: not measured (world size 1 has no collective)" in result.stdout, result.stdout
+    assert "interference: not measured (world size 1 has no collective)" in result.stdout, result.stdout
+    assert "sms_free > 0" not in result.stdout and "GEMM: best tile" not in result.stdout, result.stdout
     section = load_calibration(out / "calibration.yaml").copy_engine
     want = set(cn.layer_gemm_shapes(cpu=True))
     assert {(p.m, p.n, p.k, p.beta) for p in section.library_gemm} == want

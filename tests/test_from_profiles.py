@@ -125,6 +125,7 @@ FP8_GEMM = ["--dtype", FP8, "--only", "gemm"]
     [
         ([*FP8_GEMM, "--from-profiles", "{empty}", "--into", "{cal}"], "no <M>x<N>x<K>"),
         ([*FP8_GEMM, "--from-profiles", "{missing}", "--into", "{cal}"], "no such folder"),
+        ([*FP8_GEMM, "--from-profiles", "{cal}", "--into", "{cal}"], "a file, not a folder; pass the folder"),
         ([*FP8_GEMM, "--from-profiles", "{dir}", "--into", "{missing}"],
          "no such calibration file to merge into"),
         ([*FP8_GEMM, "--from-profiles", "{dir}"], "pass --into CALIBRATION.yaml"),

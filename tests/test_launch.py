@@ -73,8 +73,11 @@ def test_a_hung_rank_ends_the_task_at_the_timeout():
     pool = SpawnedPool(2, backend="gloo")
     try:
         start = time.monotonic()
-        with pytest.raises(LaunchError, match=r"rank\(s\) \[1\] did not finish SleepOn within 3 s"):
-            pool.run(SleepOn(rank=1, seconds=4.5), timeout_s=3)
+        # a fractional --timeout is said as given (it read "within 0 s" for 0.5), with what to do
+        with pytest.raises(
+            LaunchError, match=r"rank\(s\) \[1\] did not finish SleepOn within 2.5 s .*a longer --timeout"
+        ):
+            pool.run(SleepOn(rank=1, seconds=4.5), timeout_s=2.5)
         assert time.monotonic() - start < 20  # the timeout, plus the pool's shutdown
         with pytest.raises(LaunchError, match="closed"):
             pool.run(RankAndSum())
@@ -161,8 +164,13 @@ def test_choose_backend_refuses_too_few_gpus(monkeypatch, gpus, backend):
     monkeypatch.setattr(launch, "visible_gpus", lambda: gpus)
     for key in launch.TORCHRUN_VARS:
         monkeypatch.delenv(key, raising=False)
-    with pytest.raises(EnvironmentMismatchError, match=rf"world size 2 needs 2 GPUs, {gpus} visible \(NCCL"):
+    # the fix named fits: no --world-size to lower to without a GPU
+    fix = "lower --world-size to 1, or use --backend gloo" if gpus else "; use --backend gloo"
+    with pytest.raises(
+        EnvironmentMismatchError, match=rf"world size 2 needs 2 GPU\(s\), {gpus} visible \(NCCL"
+    ) as info:
         choose_backend(2, backend)
+    assert fix in str(info.value) and (gpus or "lower" not in str(info.value)), info.value
 
 
 def test_choose_backend_under_torchrun_and_bad_values(monkeypatch):

@@ -297,12 +297,53 @@ def test_model_check_defaults_and_reports(tmp_path):
     assert r.stdout.strip().splitlines()[-1].endswith(f"over {n} measured rows")
 
 
+def test_model_check_counts_only_the_rows_it_priced_and_says_why_the_others_are_not(tmp_path):
+    """A trial the model cannot price (here a tile no calibration profiled) is left out of the MAPE
+    and of its row count alike, and counted apart with the reason; the MAPE is the priced rows'."""
+    import csv
+
+    report = tmp_path / "report"
+    shutil.copytree(REPORTS[0].parent, report)
+    trials = report / "trials.csv"
+    rows = list(csv.DictReader(trials.open()))
+    old_tile = rows[0]["tile"].split()[0]
+    rows[0] = {**rows[0], "tile": rows[0]["tile"].replace(old_tile, "16x16x16")}
+    rows[0]["schedule"] = rows[0]["schedule"].replace(old_tile, "16x16x16")
+    with trials.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    r = model_check(str(report))
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.strip().splitlines()
+    total = len(measured_in([trials]))
+    checked = check_files([trials], cost_model(load_calibration(CALIBRATION_DIR / "calibration.yaml")))
+    mean, worst = mape(checked)
+    assert lines[-1] == (
+        f"MAPE {mean:.1%} (worst {worst:.1%}) over {total - 1} measured rows; "
+        "1 more the model could not price (why: above)"
+    ), lines[-1]
+    assert lines[-2].startswith("not priced: 1 row(s) (e.g. trials.csv trial 0 "), lines[-2]
+
+
 def test_model_check_bad_input(tmp_path, h200):
     assert "nope.yaml" in assert_one_line_error(model_check(str(tmp_path / "nope.yaml")))
     (tmp_path / "x.txt").write_text("hello")
     assert "expected a table" in assert_one_line_error(model_check(str(tmp_path / "x.txt")))
     (tmp_path / "empty.csv").write_text("a,b\n1,2\n")
     assert "trials.csv" in assert_one_line_error(model_check(str(tmp_path / "empty.csv")))
+    (tmp_path / "empty").mkdir()  # a folder that is no report: said so, not an OS error
+    line = assert_one_line_error(model_check(str(tmp_path / "empty")))
+    assert "a folder without a trials.csv" in line and "Errno" not in line, line
+    runs = tmp_path / "runs"  # a report name's folder: its run folders are named
+    shutil.copytree(REPORTS[0].parent, runs / "20260101T000000-host-1")
+    line = assert_one_line_error(model_check(str(runs)))
+    assert f"give one of them, e.g. {runs / '20260101T000000-host-1'}" in line, line
+    moe = tmp_path / "moe-report"  # an MoE search's report folder: its table is named
+    moe.mkdir()
+    (moe / "summary.yaml").write_text("kind: fo-tune-moe-search-summary\ntable: /t/moe-w2-bfloat16.yaml\n")
+    line = assert_one_line_error(model_check(str(moe)))
+    assert "is an MoE search's report, which lists no trials; pass its table /t/moe-w2-bfloat16.yaml" in line
     cal = CALIBRATION_DIR / "calibration.yaml"
     assert f"is a calibration, not a table or report; pass it as --calibration {cal}" in (
         assert_one_line_error(model_check(str(cal)))
@@ -402,6 +443,14 @@ def test_model_fit_refuses_what_would_fit_nothing_or_hold_out_nothing(tmp_path, 
     (tmp_path / "a-file").write_text("")
     line = assert_one_line_error(fit(str(table), "--out", str(tmp_path / "a-file" / "o.yaml")))
     assert "a-file is a file, not a folder" in line
+    # an --out that is another kind of file (a table, a CSV) is never replaced by the calibration
+    victim = tmp_path / "table.yaml"
+    shutil.copy(table, victim)
+    line = assert_one_line_error(fit(str(table), "--out", str(victim)))
+    assert "exists and is not a calibration, so it is not replaced" in line, line
+    assert victim.read_bytes() == table.read_bytes()
+    line = assert_one_line_error(fit(str(table), "--out", str(tmp_path / "fit.csv")))
+    assert "a calibration is YAML; give a file name ending in .yaml" in line, line
     assert "--hold-out 1x1: no measured row" in assert_one_line_error(fit(str(table), "--hold-out", "1x1"))
     line = assert_one_line_error(fit(str(table), "--hold-out-file", str(other)))
     assert "is not one of the files fitted" in line

@@ -560,8 +560,20 @@ def test_validate_malformed_or_missing_is_one_line(
     path = tmp_path / "t.yaml"
     if text is not None:
         path.write_text(text)
-    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    result = runner.invoke(app, ["table", "validate", str(path)])
+    line = assert_one_line_error(result)
     assert str(path) in line and needle in line
+    assert result.stdout == "", result.stdout  # no summary about rows beside a file that does not read
+
+
+def test_validate_summary_names_the_remedy_of_each_kind_of_problem(runner: CliRunner, tmp_path: Path) -> None:
+    """With a file that does not read among several, the summary says to give readable files, and
+    names rows to fix only where a file that read has a bad row."""
+    good = write(tmp_path / "good.yaml", [cpu_row(64)])
+    result = runner.invoke(app, ["table", "validate", str(good), str(tmp_path / "missing.yaml")])
+    assert result.exit_code == 2, result.output
+    assert "1 problem(s) in 1 of 2 file(s); name table files that exist and read" in result.stdout
+    assert "fix the rows named" not in result.stdout
 
 
 @pytest.mark.parametrize("command", ["show", "validate", "diff"])
@@ -1019,3 +1031,29 @@ def test_lookup_of_a_table_in_another_machines_folder_says_so_and_what_to_do(
     result = runner.invoke(app, ["table", "validate", str(copied)])
     assert result.exit_code == 2, result.output
     assert f"refuses it (its fingerprint is device key {cpu}); move it to {home}" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["table", "list"],
+        ["table", "list", "--json"],
+        ["table", "show"],
+        ["table", "lookup", "--shape", "64x64x64", "-c", "all_reduce"],
+        ["table", "lookup", "--experts", "64,64,2,2", "--tokens", "8"],
+        ["bench", "--shape", "32x48x40"],
+        ["demo", "--shape", "32x48x40"],
+    ],
+)
+def test_a_table_dir_variable_naming_a_file_is_refused_by_every_command_that_reads_tables(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]
+) -> None:
+    """$FO_TUNE_TABLE_DIR set to a file is exit 2 and one line, before any rank starts, from every
+    command that reads the runtime's tables, as from search, instead of being skipped as if it named
+    no tables."""
+    not_a_folder = tmp_path / "tables.yaml"
+    not_a_folder.write_text("x: 1\n")
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(not_a_folder))
+    line = assert_one_line_error(runner.invoke(app, args))
+    assert f"FO_TUNE_TABLE_DIR={not_a_folder} is a file, not a folder" in line, line
+    assert "unset it" in line, line

@@ -131,9 +131,13 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
             f"{gpus} GPU(s) visible: {gpus} rank(s), one GPU each (NCCL), instead of {asked}; "
             f"--backend gloo runs {asked} ranks on the CPU",
         )
+    fix = (
+        f"lower --world-size to {gpus} (or leave it out to use the GPUs there are), or use --backend gloo"
+        if gpus
+        else "use --backend gloo"
+    )
     raise EnvironmentMismatchError(
-        f"world size {asked} needs {asked} GPUs, {gpus} visible (NCCL takes one per rank); lower "
-        "--world-size (or leave it out to use the GPUs there are) or use --backend gloo"
+        f"world size {asked} needs {asked} GPU(s), {gpus} visible (NCCL takes one per rank); {fix}"
     )
 
 
@@ -174,17 +178,34 @@ def demo_inputs(
     dtype: str | None,
     reps: int,
     timeout_s: float,
+    *,
+    allow_slow: bool = False,
 ) -> tuple[list[tuple[int, int, int]], str]:
     """The shapes and dtype ``run_demo`` runs on ``plan``'s ranks (the device's defaults where
     None), checked before any rank starts: ``ShapeError``, ``ArgumentError``, ``ProblemSizeError``
-    (shapes too large for the ranks' memory)."""
-    from fo_tune.ranks.limits import check_problem_size, local_target
+    (shapes too large for the ranks' memory), and ``ShapeError`` for a shape above
+    ``limits.CPU_MAX_MACS`` on the CPU (hours in Triton's interpreter) unless ``allow_slow``."""
+    from fo_kernels.errors import ShapeError
+    from fo_tune.ranks.limits import (
+        CPU_MAX_SIDE,
+        check_problem_size,
+        largest_for_the_interpreter,
+        local_target,
+    )
 
     on_gpu = plan.backend == "nccl"
     shapes = list(shapes) if shapes else default_shapes(on_gpu, dtype)
     dtype = dtype or default_dtype(on_gpu)
     _check_args(plan.world_size, shapes, dtype, reps, timeout_s)
     check_problem_size(shapes, dtype, local_target(plan.backend, plan.world_size))
+    largest = None if on_gpu or allow_slow else largest_for_the_interpreter(shapes)
+    if largest is not None:
+        side = CPU_MAX_SIDE
+        raise ShapeError(
+            f"--shape {'x'.join(map(str, largest))} without GPUs runs every op in Triton's CPU "
+            f"interpreter, hours for a GPU-sized shape: run it on GPUs, give shapes up to "
+            f"{side}x{side}x{side}, or pass --allow-slow to run it anyway"
+        )
     return shapes, dtype
 
 
@@ -197,6 +218,7 @@ def run_demo(
     timeout_s: float = 600.0,
     *,
     seed: int = 0,
+    allow_slow: bool = False,
 ) -> list[DemoRow]:
     """Run the demo (see the module docstring); rows in (shape, collective) order, the collectives
     in ``fo_kernels.schedule.COLLECTIVES`` order.
@@ -212,7 +234,7 @@ def run_demo(
 
     plan = plan_demo(world_size, backend, visible_gpus())
     on_gpu = plan.backend == "nccl"
-    shapes, dtype = demo_inputs(plan, shapes, dtype, reps, timeout_s)
+    shapes, dtype = demo_inputs(plan, shapes, dtype, reps, timeout_s, allow_slow=allow_slow)
     job = Job(tuple(tuple(s) for s in shapes), dtype, reps, seed)  # type: ignore[misc]
     # the spawned ranks inherit these: compiled kernels on the GPUs, else the interpreter and no GPU
     env = {"TRITON_INTERPRET": "0"} if on_gpu else {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}

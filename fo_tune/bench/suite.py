@@ -56,6 +56,7 @@ def load_suite(path: str | Path) -> Suite:
         error=SuiteError,
         missing=SuiteNotFoundError,
         missing_hint=f"no suite file here; the shipped one is {packaged_suite()}",
+        bad_hint=f"fix it, or give the shipped {packaged_suite()}",
     )
     if not isinstance(data, dict):
         raise SuiteError(f"{source}: expected a mapping with name, dtype and shapes")

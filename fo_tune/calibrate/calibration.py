@@ -433,5 +433,6 @@ def load_calibration(path: str | Path) -> Calibration:
         error=CalibrationError,
         missing=CalibrationNotFoundError,
         missing_hint="no such calibration file; run `fo-tune calibrate` or pass --calibration",
+        bad_hint="give a calibration.yaml `fo-tune calibrate` wrote",
     )
     return dataclasses.replace(Calibration.from_dict(data, source=str(path)), file=str(path))

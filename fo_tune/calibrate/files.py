@@ -188,6 +188,37 @@ def grids_path(profile_path: str | Path) -> Path:
     return path.with_name(f"{path.stem}-grids{path.suffix or '.csv'}")
 
 
+def check_profile_out(path: str | Path) -> None:
+    """Refuse (``OutputError``), before anything is measured, a ``fo-tune profile --out`` that is not
+    a ``.csv`` name, or whose file or grids file beside it (``grids_path``) exists and is not one
+    ``fo-tune profile`` wrote: replacing it would destroy another file (a calibration, a bench CSV)."""
+    path = Path(path)
+    check_writable_file(path)
+    check_writable_file(grids_path(path))
+    if path.suffix != ".csv":
+        raise OutputError(f"--out {path}: a profile is a CSV; give a file name ending in .csv")
+    headers = {
+        path: ",".join([*GEMM_COLUMNS, "timing"]),
+        grids_path(path): ",".join([*(f.name for f in fields(GridBest)), "device_key"]),
+    }
+    for file, header in headers.items():
+        if file.is_file() and not _starts_with(file, header):
+            what = f"--out {path}" if file == path else f"--out {path}: the grids file beside it, {file},"
+            raise OutputError(
+                f"{what} exists and is not a profile `fo-tune profile` wrote, so it is not replaced; "
+                "give another file name, or move that file away"
+            )
+
+
+def _starts_with(path: Path, header: str) -> bool:
+    """Whether the first line of ``path`` is ``header`` (an unreadable file is not)."""
+    try:
+        with path.open(encoding="utf-8", newline="") as f:
+            return f.readline().rstrip("\r\n") == header
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def write_grids_csv(rows: Sequence[GridBest], path: str | Path, device_key: str) -> Path:
     """The best config of each grid re-timed side by side (``GridBest`` rows, by sms_free), written
     atomically."""

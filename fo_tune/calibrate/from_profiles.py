@@ -31,9 +31,8 @@ def profile_paths(folder: Path, dtype: str) -> list[Path]:
     """The ``<M>x<N>x<K>-<dtype>.csv`` files in ``folder``, sorted; ``ProfilesError`` where there
     is no such folder or no such file in it."""
     if not folder.is_dir():
-        raise ProfilesError(
-            f"--from-profiles {folder}: no such folder; pass the folder `fo-tune profile` wrote"
-        )
+        what = "a file, not a folder" if folder.exists() else "no such folder"
+        raise ProfilesError(f"--from-profiles {folder}: {what}; pass the folder `fo-tune profile` wrote")
     name = re.compile(rf"^\d+x\d+x\d+-{re.escape(dtype)}\.csv$")
     paths = sorted(p for p in folder.iterdir() if name.match(p.name) and p.is_file())
     if not paths:

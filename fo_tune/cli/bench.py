@@ -222,7 +222,7 @@ def _case_table(result: BenchResult, collective: str) -> tuple[Table, list[str]]
     fused = FUSED_COLUMNS.get(collective)  # (variant, column) of the collective's fused torch op
     columns = ["MxNxK", "seq", "chunked", *([fused[1]] if fused else []), "fo-tune", "ideal"]
     table = summary_table(
-        f"{collective} (ms): {result.fingerprint.world_size} ranks, {where}, {result.settings['dtype']}, "
+        f"{collective} (ms): {result.fingerprint.world_size} rank(s), {where}, {result.settings['dtype']}, "
         f"{result.fingerprint.device_key}",
         [*columns, "speedup", "of ideal", *([f"x {fused[1]}"] if fused else []), "ok"],
         1,
@@ -328,6 +328,7 @@ def bench(
             run_bench,
             write_bench_dir,
         )
+        from fo_tune.tables.find import search_folders
 
         request = _request(
             shapes, suite, include_odd, dtype, chosen,
@@ -335,6 +336,7 @@ def bench(
             allow_slow=allow_slow,
         )  # fmt: skip
         check_runnable(request, chosen)  # shapes too large here, the GPU suite on the CPU
+        search_folders()  # the fo_tune variant's tables: a $FO_TUNE_TABLE_DIR naming a file is refused
         if driver:  # a bad --out costs nothing: checked before any rank starts
             check_bench_out(out or default_bench_dir(expected_device_key(chosen, world_size), world_size))
         with progress_bars(enabled=driver) as progress:

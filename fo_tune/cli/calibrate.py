@@ -139,17 +139,43 @@ CalDtypeOpt = Annotated[
 
 
 # ----------------------------------------------------------------------------------- the summary
-def _print_summary(cal: Calibration, written: list[Path]) -> None:
+def _not_measured(part: str, parts: tuple[str, ...], world_size: int) -> str | None:
+    """Why ``part`` was not measured (world size 1, or left out of --only), None when it was."""
+    if part in parts:
+        return None
+    why = "world size 1 has no collective" if world_size == 1 else "not in --only"
+    return f"{part}: not measured ({why})"
+
+
+def _print_summary(cal: Calibration, written: list[Path], parts: tuple[str, ...]) -> None:
+    """The bandwidth, interference and GEMM tables of the parts measured (``parts``), a line for
+    each collective part not measured, then the files written."""
     from fo_tune.calibrate.files import bandwidth_summary, interference_summary
+
+    skipped = [_not_measured(part, parts, cal.world_size) for part in ("bandwidth", "interference")]
+    for line in filter(None, skipped):
+        console.print(line, style="dim", markup=False, highlight=False)
+    if skipped[0] is None:
+        _print_bandwidth(cal, bandwidth_summary(cal))
+    if skipped[1] is None:
+        _print_interference(cal, interference_summary(cal))
+    if "gemm" in parts:
+        console.print(gemm_table(cal.gemm, "GEMM: best tile per shape"))
+    console.print(f"[green]wrote[/] {len(written)} files to {written[0].parent if written else '-'}:")
+    for path in written:
+        console.print(f"  {path}", markup=False, highlight=False)
+
+
+def _print_bandwidth(cal: Calibration, summary: list) -> None:
     from fo_tune.output import size_label
 
     where = "NCCL" if cal.fingerprint.interconnect != "gloo" else "gloo on the CPU"
     bw = summary_table(
-        f"bandwidth: {cal.world_size} ranks, {where}, {cal.fingerprint.device_key}",
+        f"bandwidth: {cal.world_size} rank(s), {where}, {cal.fingerprint.device_key}",
         ["collective", "CTA cap", "largest size", "busbw GB/s", "fit latency us", "fit bw GB/s"],
         2,
     )
-    for r in bandwidth_summary(cal):
+    for r in summary:
         cap = "default" if r.nccl_max_ctas == 0 else str(r.nccl_max_ctas)
         bw.add_row(
             r.collective,
@@ -160,7 +186,11 @@ def _print_summary(cal: Calibration, written: list[Path]) -> None:
             fmt(r.bandwidth_gbs),
         )
     console.print(bw)
-    rows = interference_summary(cal)
+
+
+def _print_interference(cal: Calibration, rows: list) -> None:
+    from fo_tune.output import size_label
+
     if not rows:
         console.print("interference: nothing measured (no sms_free > 0 in the search space)", style="dim")
     inter = summary_table(
@@ -185,10 +215,6 @@ def _print_summary(cal: Calibration, written: list[Path]) -> None:
         inter.caption = "on the CPU the two run one after the other: these slowdowns are timing noise"
     if rows:
         console.print(inter)
-    console.print(gemm_table(cal.gemm, "GEMM: best tile per shape"))
-    console.print(f"[green]wrote[/] {len(written)} files to {written[0].parent if written else '-'}:")
-    for path in written:
-        console.print(f"  {path}", markup=False, highlight=False)
 
 
 def _gemm_shape(cal: Calibration) -> tuple[int, int, int]:
@@ -256,6 +282,10 @@ def calibrate(
     )
     check_dtype(dtype)
     parts = parse_names(only, valid=PART_NAMES, option="--only", what="part")
+    _refuse_unread(
+        out=out, into=into, from_profiles=from_profiles, collectives=collectives, quick=quick,
+        space=space, backend=backend, parts=parts, world_size=world_size,
+    )  # fmt: skip
     if from_profiles is not None:
         _merge_profiles(from_profiles, into, parts, dtype, into_sibling)
         return
@@ -307,7 +337,45 @@ def calibrate(
             console.print(f"[green]merged[/] {', '.join(request.selected())} into {into}", highlight=False)
             return
         written = write_calibration_dir(cal, out or default_out_dir(cal))
-    _print_summary(cal, written)
+    _print_summary(cal, written, request.selected())
+
+
+def _refuse_unread(
+    *,
+    out: Path | None,
+    into: Path | None,
+    from_profiles: Path | None,
+    collectives: list[str] | None,
+    quick: bool,
+    space: Path | None,
+    backend: str,
+    parts: tuple[str, ...] | None,
+    world_size: int,
+) -> None:
+    """Refuse (``typer.BadParameter``) an option this run would not read, before any rank starts: a
+    mistyped run must not look like the one asked for."""
+    if from_profiles is not None:
+        given = {"--out": out, "--quick": quick, "--collectives": collectives, "--space": space}
+        unread = [name for name, value in given.items() if value] + (
+            ["--backend"] if backend != "auto" else []
+        )
+        if unread:
+            raise typer.BadParameter(
+                f"--from-profiles measures nothing and writes --into: drop {', '.join(unread)}"
+            )
+    if into is not None and out is not None:
+        raise typer.BadParameter(
+            f"--into merges into {into} and writes no folder, so --out is not read: drop one of them"
+        )
+    collective_parts = {"bandwidth", "interference"}  # the parts that measure --collectives
+    measured = set(parts) if parts is not None else (set() if world_size == 1 else collective_parts)
+    if collectives and not measured & collective_parts:
+        what = f"--only {','.join(parts)}" if parts is not None else "--world-size 1"
+        fix = "add those parts to --only" if world_size > 1 else "give --world-size 2 or more"
+        raise typer.BadParameter(
+            f"--collectives is read by the bandwidth and interference parts, and {what} measures "
+            f"neither: drop --collectives, or {fix}"
+        )
 
 
 def _merge_profiles(

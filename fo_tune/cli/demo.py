@@ -16,6 +16,7 @@ from fo_tune.cli.common import (
     ShapesOpt,
     TimeoutOpt,
     console,
+    err_console,
     handle_errors,
     parse_shape,
     summary_table,
@@ -49,6 +50,8 @@ HELP = "\n\n".join(
         "else on thread-ranks of its CPU executor: "
         "all_reduce, reduce_scatter and all_gather per shape, --reps calls on the same buffers, "
         "checked against float64. The times are all ranks' work on one GPU, or the executor's.",
+        "Without GPUs a shape above 1024x1024x1024 (M*N*K) is refused (hours in the interpreter) "
+        "unless --allow-slow.",
         "Exit code 0 when every row passes, 1 when one fails, 2 for bad options.",
     ]
 )
@@ -60,6 +63,15 @@ EngineOpt = Annotated[
         "-e",
         help="auto: the schedule the runtime would pick; copy_engine: the copy engine's protocol on "
         "virtual ranks of one GPU, or on thread-ranks of its CPU executor without a GPU.",
+    ),
+]
+AllowSlowOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-slow",
+        help="Without GPUs, run shapes above 1024x1024x1024 (M*N*K) anyway: every op runs in Triton's "
+        "CPU interpreter, hours for a GPU-sized shape, so they are refused otherwise (not read by "
+        "--engine copy_engine, whose CPU executor runs torch's matmul).",
     ),
 ]
 
@@ -99,7 +111,7 @@ def _table(rows: "list[DemoRow]", world_size: int, backend: str) -> Table:
     }.get(backend, "gloo on the CPU, Triton interpreter")
     dtypes = ", ".join(sorted({r.dtype for r in rows}))
     table = summary_table(
-        f"fo-tune demo: {world_size} ranks, {where}, {dtypes}",
+        f"fo-tune demo: {world_size} rank(s), {where}, {dtypes}",
         ["status", "collective", "MxNxK", "rel err", "overlap ms", "seq ms", "speedup"],
         3,
     )
@@ -126,6 +138,7 @@ def demo(
     reps: RepsOpt = 5,
     timeout: TimeoutOpt = 600.0,
     engine: EngineOpt = "auto",
+    allow_slow: AllowSlowOpt = False,
 ) -> None:
     shapes = [parse_shape(s) for s in shape or []]
     if dtype is not None and dtype not in DEMO_DTYPE_NAMES:
@@ -145,6 +158,11 @@ def demo(
             "--engine copy_engine runs 2 or more ranks in this process (virtual ranks on one GPU, or "
             "thread-ranks of its CPU executor): give --world-size >= 2 and leave --backend out"
         )
+    if engine == "copy_engine" and allow_slow:
+        raise typer.BadParameter(
+            "--allow-slow is for the Triton ops in the CPU interpreter; --engine copy_engine runs any "
+            "shape without it: drop --allow-slow"
+        )
 
     from fo_tune.bench.demo import (
         VIRTUAL_BACKEND,
@@ -155,6 +173,7 @@ def demo(
         run_demo,
     )
     from fo_tune.ranks.launch import visible_gpus
+    from fo_tune.tables.find import search_folders
 
     # every check runs before the first line is printed
     if engine == "copy_engine":
@@ -166,16 +185,19 @@ def demo(
             else f"{ranks} thread-ranks of its CPU executor (no GPU, no process group)"
         )
         console.print(f"fo-tune demo: the copy engine's protocol on {how}", markup=False, highlight=False)
-        with console.status(f"running {ranks} rank(s) ...", spinner="dots"):
+        with err_console.status(f"running {ranks} rank(s) ...", spinner="dots"):
             rows = run_copy_engine_demo(ranks, shapes or None, dtype, reps, backend=where)
         console.print(_table(rows, ranks, where))
         console.print("schedules (the copy engine's operation lists, as on GPUs):", style="dim")
     else:
         plan = plan_demo(world_size, backend, visible_gpus())
-        demo_inputs(plan, shapes or None, dtype, reps, timeout)
+        demo_inputs(plan, shapes or None, dtype, reps, timeout, allow_slow=allow_slow)
+        search_folders()  # the runtime's tables: a $FO_TUNE_TABLE_DIR naming a file is refused
         console.print(f"fo-tune demo: {plan.note}", markup=False, highlight=False)
-        with console.status(f"running {plan.world_size} rank(s) ...", spinner="dots"):
-            rows = run_demo(plan.world_size, shapes or None, dtype, plan.backend, reps, timeout)
+        with err_console.status(f"running {plan.world_size} rank(s) ...", spinner="dots"):
+            rows = run_demo(
+                plan.world_size, shapes or None, dtype, plan.backend, reps, timeout, allow_slow=allow_slow
+            )
         console.print(_table(rows, plan.world_size, plan.backend))
         # gloo ranks' rows come from measuring them: without --mode the search plans an H200
         search = "fo-tune search --mode measure" if plan.backend == "gloo" else "fo-tune search"

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+import yaml
 from rich.markup import escape
 
 from fo_tune.cli.calibrate import fmt, summary_table
 from fo_tune.cli.common import console, handle_errors
+from fo_tune.cli.search_moe import MOE_REPORT_KIND
 
 if TYPE_CHECKING:
     from fo_tune.calibrate.calibration import Calibration
@@ -35,7 +37,9 @@ CHECK_HELP = "\n\n".join(
     [
         "Predict every measured row of the given tables and every measured trial of the given search "
         "reports with a calibration's cost model; print predicted vs measured per row and, last, "
-        "one line: MAPE X% (worst Y%) over N measured rows.",
+        "one line: MAPE X% (worst Y%) over N measured rows. N counts the rows the model priced; a row "
+        "it cannot price (a tile the calibration never profiled, a schedule that cannot run its "
+        "shape) is left out of the MAPE and counted apart, with a line per reason above.",
         "A table row is measured unless its provenance says mode: predict; its latency is its "
         "measured_ms (overlap) or the overlap: false fallback it runs (fallback_ms). An M-range "
         "row is predicted at the M it was tuned at. A trial counts when it completed with a "
@@ -97,7 +101,15 @@ HoldOutFileOpt = Annotated[
         "--hold-out-file", metavar="PATH", help="Keep every row and trial of this file out of the fit."
     ),
 ]
-OutOpt = Annotated[Path | None, typer.Option("--out", "-o", metavar="FILE", help="Where to write the fit.")]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        "-o",
+        metavar="FILE",
+        help="Where to write the fit: a new .yaml file, or a calibration to replace.",
+    ),
+]
 
 _NK = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 # How much of a YAML file is read to tell a calibration given as a table (its kind is on its second
@@ -152,6 +164,18 @@ def _files(files: list[Path] | None, cal: Calibration) -> list[Path]:
     for p in paths:
         if not p.exists():
             raise CheckError(f"{p}: no such table or report")
+        moe_summary = p / "summary.yaml" if p.is_dir() else p
+        if _is_kind(moe_summary, MOE_REPORT_KIND):  # an MoE search reports no trial: its table has the rows
+            table = (yaml.safe_load(moe_summary.read_text(encoding="utf-8")) or {}).get("table")
+            raise CheckError(f"{p} is an MoE search's report, which lists no trials; pass its table {table}")
+        if p.is_dir() and not (p / "trials.csv").is_file():
+            runs = sorted(p.glob("*/trials.csv"))
+            hint = (
+                f"it holds report folders: give one of them, e.g. {runs[-1].parent}"
+                if runs
+                else "give a search report's folder (`fo-tune search` writes trials.csv there) or a table"
+            )
+            raise CheckError(f"{p}: a folder without a trials.csv, so no search report; {hint}")
         if _is_kind(p, CALIBRATION_KIND):
             raise CheckError(f"{p} is a calibration, not a table or report; pass it as --calibration {p}")
         if _is_kind(p, REPORT_KIND):
@@ -199,10 +223,29 @@ def print_checked(rows: list[Checked], title: str) -> None:
 
 
 def error_line(rows: list[Checked], what: str = "measured rows") -> str:
-    from fo_tune.model.check import mape
+    """``MAPE X% (worst Y%) over N <what>``, N the rows priced (those the MAPE is over), and how
+    many more the model could not price (their reasons are ``unpriced_lines``)."""
+    from fo_tune.model.check import mape, priced
 
+    n = len(priced(rows))
+    left = len(rows) - n
+    if n == 0:
+        return f"no MAPE: the model priced none of {len(rows)} {what} (why: above)"
     mean, worst = mape(rows)
-    return f"MAPE {mean:.1%} (worst {worst:.1%}) over {len(rows)} {what}"
+    more = f"; {left} more the model could not price (why: above)" if left else ""
+    return f"MAPE {mean:.1%} (worst {worst:.1%}) over {n} {what}{more}"
+
+
+def unpriced_lines(rows: list[Checked]) -> list[str]:
+    """One line per reason the model could not price some rows: how many, an example, and why."""
+    reasons: dict[str, list[Checked]] = {}
+    for row in rows:
+        if row.unpriced:
+            reasons.setdefault(row.unpriced, []).append(row)
+    return [
+        f"not priced: {len(same)} row(s) (e.g. {Path(same[0].source).name} {same[0].item}): {reason}"
+        for reason, same in reasons.items()
+    ]
 
 
 @handle_errors
@@ -242,6 +285,8 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     model = cost_model(cal)
     rows = [m.checked(model) for m in items]
     print_checked(rows, f"model of {path} against {len(paths)} file(s)")
+    for line in unpriced_lines(rows):
+        console.print(line, highlight=False, markup=False)
     console.print(error_line(rows), highlight=False, markup=False)
 
 
@@ -281,6 +326,19 @@ def _held_out(
     return held
 
 
+def _check_fit_out(out: Path) -> None:
+    """Refuse a ``fit --out`` that would replace a file other than a calibration (a table, a CSV)."""
+    from fo_tune.calibrate.calibration import CALIBRATION_KIND
+
+    if out.suffix not in (".yaml", ".yml"):
+        raise typer.BadParameter(f"--out {out}: a calibration is YAML; give a file name ending in .yaml")
+    if out.exists() and not _is_kind(out, CALIBRATION_KIND):
+        raise typer.BadParameter(
+            f"--out {out} exists and is not a calibration, so it is not replaced; give another file "
+            "name, or move that file away"
+        )
+
+
 @handle_errors
 def fit(
     calibration: FitCalibrationOpt,
@@ -303,6 +361,8 @@ def fit(
     cal = load_calibration(calibration)
     target = out or calibration
     check_writable_file(target)  # a bad --out costs no fit
+    if out is not None:
+        _check_fit_out(out)
     paths = _files(files, cal)
     is_held = _held_out(nks, list(hold_out_file or []), paths)
     held = [f"N, K = {n}, {k}" for n, k in nks] + [f"every one of {p}" for p in hold_out_file or []]
@@ -317,9 +377,11 @@ def fit(
     for f in fits:
         values = ", ".join(f"{name} {value:.4g}" for name, value in f.values.items())
         console.print(f"{f.term}: {values}", markup=False, highlight=False)
-        console.print(f"  fit: {error_line(f.fit)}", markup=False, highlight=False)
-        if f.held_out:
-            console.print(f"  held out: {error_line(f.held_out)}", markup=False, highlight=False)
+        for label, rows in (("fit", f.fit), ("held out", f.held_out)):
+            if rows or label == "fit":
+                for line in unpriced_lines(rows):
+                    console.print(f"  {line}", markup=False, highlight=False)
+                console.print(f"  {label}: {error_line(rows)}", markup=False, highlight=False)
     console.print(f"[green]wrote[/] {target}", highlight=False)
 
 

@@ -20,6 +20,7 @@ from fo_tune.cli.common import (
     WorldSizeOpt,
     check_dtype,
     console,
+    err_console,
     expected_device_key,
     fmt,
     handle_errors,
@@ -91,7 +92,7 @@ OutFileOpt = Annotated[
         "--out",
         "-o",
         metavar="FILE",
-        help="CSV to write (replaced atomically). "
+        help="CSV to write (a profile there is replaced atomically; any other file is refused). "
         "Default: results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv, "
         "<M>x<N>x<K>-float8_e4m3fn-tensorwise.csv with --scaling tensorwise.",
     ),
@@ -216,14 +217,11 @@ def profile(
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
         search_space = resolve_space(space, chosen)
-        from fo_tune.calibrate.files import default_profile_path, grids_path
-        from fo_tune.output import check_writable_file
+        from fo_tune.calibrate.files import check_profile_out, default_profile_path, grids_path
 
         if driver:
             key = expected_device_key(chosen, world_size)
-            target = out or default_profile_path(key, (m, n, k), dtype, scaling=scaling)
-            check_writable_file(target)
-            check_writable_file(grids_path(target))
+            check_profile_out(out or default_profile_path(key, (m, n, k), dtype, scaling=scaling))
         from fo_tune.calibrate.profile import profile_shape
         from fo_tune.ranks.launch import fingerprinted_pool
         from fo_tune.ranks.limits import (
@@ -249,7 +247,7 @@ def profile(
             tiles = tuple(search_space.tile_candidates(dtype=dtype, quick=False, cpu=cpu))
             frees = tuple(sorted({0, *search_space.sms_free_candidates(cpu=cpu)}))
             what = f"profiling {m}x{n}x{k}: {len(tiles)} tiles x {len(frees)} grids on {world_size} rank(s)"
-            with console.status(what, spinner="dots"):
+            with err_console.status(what, spinner="dots"):
                 device_key = fp.device_key
                 points = profile_shape(pool, m, n, k, tiles, frees, dtype, graphs=graphs, scaling=scaling)
             from fo_tune.calibrate.calibration import timing_name
@@ -264,7 +262,8 @@ def profile(
             _print_ranking(points, f"{problem}, {timing_name(graphs)}", device_key, path)
             from fo_tune.calibrate.profile import confirm_grids
 
-            with console.status(f"timing the best of each grid side by side ({m}x{n}x{k})", spinner="dots"):
+            side_by_side = f"timing the best of each grid side by side ({m}x{n}x{k})"
+            with err_console.status(side_by_side, spinner="dots"):
                 grids = confirm_grids(pool, points, dtype, graphs=graphs, scaling=scaling)
             if grids:
                 grids_file = write_grids_csv(grids, grids_path(path), device_key)

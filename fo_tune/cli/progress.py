@@ -17,12 +17,12 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from fo_tune.cli.common import console
+from fo_tune.cli.common import err_console
 
 
-def progress_bars(enabled: bool = True, to: Console = console) -> Progress:
-    """The bars of one command (``enabled=False`` on a serving torchrun rank), on ``to`` (stderr
-    where stdout carries a command's JSON)."""
+def progress_bars(enabled: bool = True, to: Console = err_console) -> Progress:
+    """The bars of one command (``enabled=False`` on a serving torchrun rank), on ``to``: stderr,
+    so that stdout carries the command's results alone (its tables, its JSON) when piped."""
     return Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),

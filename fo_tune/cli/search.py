@@ -21,7 +21,6 @@ from fo_tune.cli.common import (
     WorldSizeOpt,
     check_dtype,
     console,
-    err_console,
     fmt,
     handle_errors,
     is_driver_process,
@@ -360,7 +359,7 @@ def search(
 
             check_storage(storage_url)
         results = []
-        with progress_bars(enabled=driver, to=err_console if json_out else console) as progress:
+        with progress_bars(enabled=driver) as progress:
             reporter = ProgressReporter(progress, f"search ({mode})")
             for request, report_dir in zip(requests, folders, strict=True):
                 result = run_search(request, reporter)

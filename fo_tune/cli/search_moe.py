@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 # The collective name `fo-tune search -c` takes for the MoE FFN.
 MOE_COLLECTIVE = "moe"
+MOE_REPORT_KIND = "fo-tune-moe-search-summary"  # the kind of an MoE search's summary.yaml
 # GPUs a measured MoE search needs: the dispatch and the combine move rows between ranks.
 MIN_MEASURE_GPUS = 2
 
@@ -97,7 +98,7 @@ def run_moe_search(
         for p in plan.rows
     ]
     summary = {
-        "kind": "fo-tune-moe-search-summary",
+        "kind": MOE_REPORT_KIND,
         "table": str(path),
         "report": str(report),
         "basis": model.basis,

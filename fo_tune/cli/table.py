@@ -324,10 +324,7 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJso
         if note is not None:
             print_plain(f"note: {note}")
     problems = [problem for check in checks for problem in check.problems]
-    summary = (
-        f"{len(problems)} problem(s) in {sum(bool(c.problems) for c in checks)} of {len(paths)} file(s); "
-        "fix the rows named, or re-tune them with `fo-tune search`"
-    )
+    summary = _validate_summary(checks)
     if json_out:
         typer.echo(json_text(validate_document(checks)))
         if problems:  # the problems are in the document; stderr says only that there are some
@@ -337,8 +334,22 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJso
     for problem in problems:
         err_console.print(f"error: {problem}", markup=False)
     if problems:
-        print_plain(summary)
+        if len(checks) > 1 or checks[0].rows is not None:  # one unreadable file: its line says it all
+            print_plain(summary)
         raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def _validate_summary(checks: list[FileCheck]) -> str:
+    """``validate``'s last line: how many problems in how many files, and the remedy of each kind
+    found (a file that does not read is fixed or replaced; a bad row is fixed or re-tuned)."""
+    bad = [check for check in checks if check.problems]
+    count = sum(len(check.problems) for check in bad)
+    remedies = []
+    if any(check.rows is None for check in bad):
+        remedies.append("name table files that exist and read (each line says what to do)")
+    if any(check.rows is not None for check in bad):
+        remedies.append("fix the rows named, or re-tune them with `fo-tune search`")
+    return f"{count} problem(s) in {len(bad)} of {len(checks)} file(s); {'; '.join(remedies)}"
 
 
 def register(app: typer.Typer) -> None:

@@ -304,8 +304,7 @@ def table_files(device_key: str | None = None) -> tuple[list[dict[str, Any]], li
     in a device key's folder), its path, folder and why, in one line). One bad file never hides
     the others: a fleet's folders gather files from many hosts."""
     from fo_kernels.errors import TableError, TableNotFoundError
-    from fo_kernels.table import table_search_path
-    from fo_tune.tables.find import check_machine
+    from fo_tune.tables.find import check_machine, search_folders
 
     def problem(path: Path, root: Path, exc: TableError) -> dict[str, str]:
         reason = one_line(exc)
@@ -314,7 +313,7 @@ def table_files(device_key: str | None = None) -> tuple[list[dict[str, Any]], li
 
     files: list[dict[str, Any]] = []
     problems: list[dict[str, str]] = []
-    for root in table_search_path():
+    for root in search_folders():
         if not root.is_dir():
             continue
         for path in sorted(root.glob("*/*.yaml")):
@@ -351,10 +350,9 @@ def list_tables(device_key: ListDeviceKeyOpt = None, json_out: ListJsonOpt = Fal
 def _print_list(files: list[dict[str, Any]], device_key: str | None) -> None:
     """The terminal view of ``list``: a line per table file, or where none is."""
     if not files:
-        from fo_kernels.table import table_search_path
-        from fo_tune.tables.find import known_device_keys
+        from fo_tune.tables.find import known_device_keys, search_folders
 
-        folders = ", ".join(map(str, table_search_path()))
+        folders = ", ".join(map(str, search_folders()))
         known = known_device_keys()
         if device_key is not None and known:  # the tables there are other keys'
             text = (

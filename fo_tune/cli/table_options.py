@@ -134,8 +134,8 @@ def find_paths(device_key: str | None, collective: str, world_size: int, dtype: 
     ``TableNotFoundError`` naming the device keys that have tables and the options that pick one."""
     from fo_kernels.errors import TableNotFoundError
     from fo_kernels.moe.table import moe_table_filename
-    from fo_kernels.table import table_filename, table_search_path
-    from fo_tune.tables.find import find_moe_tables, find_tables, known_device_keys
+    from fo_kernels.table import table_filename
+    from fo_tune.tables.find import find_moe_tables, find_tables, known_device_keys, search_folders
 
     if device_key is None:
         from fo_kernels.fingerprint import current_fingerprint
@@ -152,9 +152,9 @@ def find_paths(device_key: str | None, collective: str, world_size: int, dtype: 
     keys = known_device_keys()
     known = f"tables exist for device keys {', '.join(keys)}" if keys else "no table folder exists"
     if device_key in keys:  # (the key is right: name what it holds, not the key list again)
-        held = {p.name for root in table_search_path() for p in (root / device_key).glob("*.yaml")}
+        held = {p.name for root in search_folders() for p in (root / device_key).glob("*.yaml")}
         known = f"{device_key} holds {', '.join(sorted(held))}: pick one with -c, -w and -d"
-    folders = ", ".join(map(str, table_search_path()))
+    folders = ", ".join(map(str, search_folders()))
     raise TableNotFoundError(
         f"no table {device_key}/{filename} in {folders} ({known}); "
         "write one with `fo-tune search`, pick a device key with -k KEY (`fo-tune table list` lists "

@@ -57,13 +57,15 @@ class Measured:
     def checked(self, model: CostModel) -> Checked:
         p = self.schedule.problem
         assert p.m is not None
+        predicted_ms, unpriced = _predict(model, self.schedule, p.m, p.n, p.k)
         return Checked(
             self.source,
             self.item,
             self.schedule.engine or "",
             self.schedule.describe().split(": ", 1)[-1],
             self.measured_ms,
-            _predict(model, self.schedule, p.m, p.n, p.k),
+            predicted_ms,
+            unpriced,
         )
 
 
@@ -76,7 +78,8 @@ class Checked:
     engine: str  # "" for overlap: false
     schedule: str
     measured_ms: float
-    predicted_ms: float
+    predicted_ms: float  # nan where the model cannot price it
+    unpriced: str = ""  # why the model cannot price it (its error, one line); "" where it can
 
     @property
     def error(self) -> float:
@@ -86,17 +89,24 @@ class Checked:
 
 def mape(rows: Sequence[Checked]) -> tuple[float, float]:
     """(mean, worst) absolute percentage error over ``rows`` (nan, nan when empty)."""
-    errs = [abs(r.error) for r in rows if math.isfinite(r.predicted_ms)]
+    errs = [abs(r.error) for r in priced(rows)]
     if not errs:
         return math.nan, math.nan
     return sum(errs) / len(errs), max(errs)
 
 
-def _predict(model: CostModel, schedule: Schedule, m: int, n: int, k: int) -> float:
+def priced(rows: Sequence[Checked]) -> list[Checked]:
+    """The rows the model priced (a finite prediction): the ones a MAPE is over."""
+    return [r for r in rows if math.isfinite(r.predicted_ms)]
+
+
+def _predict(model: CostModel, schedule: Schedule, m: int, n: int, k: int) -> tuple[float, str]:
+    """(predicted ms, "") or (nan, why not in one line) where the calibration cannot price the
+    schedule (a tile it never profiled, a missing curve) or the schedule cannot run the shape."""
     try:
-        return model.predict(schedule, m, n, k).total_ms
-    except (CalibrationError, ScheduleError):
-        return math.nan
+        return model.predict(schedule, m, n, k).total_ms, ""
+    except (CalibrationError, ScheduleError) as exc:
+        return math.nan, " ".join(str(exc).split())
 
 
 def table_rows(table: ScheduleTable, source: str) -> list[Measured]:

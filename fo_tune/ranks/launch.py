@@ -134,9 +134,10 @@ def choose_backend(world_size: int, backend: str | None = None) -> str:
             check_cpu_world_size(world_size)
         return "gloo"
     if gpus < world_size and not in_torchrun():
+        fix = f"lower --world-size to {gpus}, or use --backend gloo" if gpus else "use --backend gloo"
         raise EnvironmentMismatchError(
-            f"world size {world_size} needs {world_size} GPUs, {gpus} visible (NCCL takes one per "
-            "rank); lower --world-size or use --backend gloo"
+            f"world size {world_size} needs {world_size} GPU(s), {gpus} visible (NCCL takes one per "
+            f"rank); {fix}"
         )
     return "nccl"
 
@@ -301,7 +302,8 @@ class SpawnedPool:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(got))
                     raise LaunchError(
-                        f"rank(s) {missing} did not finish {what} within {timeout_s:.0f} s (hung?)"
+                        f"rank(s) {missing} did not finish {what} within {timeout_s:g} s (hung, or "
+                        "slower than that: a longer --timeout allows more)"
                     ) from None
                 continue
             if not ok:

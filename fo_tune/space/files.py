@@ -22,6 +22,7 @@ def load_space(path: str | Path) -> SearchSpace:
         error=SpaceError,
         missing=SpaceNotFoundError,
         missing_hint=f"no search space file here; the shipped ones are in {packaged_spaces_dir()}",
+        bad_hint=f"fix it, or give one of {packaged_spaces_dir()}",
     )
     return SearchSpace.from_dict(data, source=str(path))
 

@@ -5,16 +5,38 @@ files in the runtime's search path; for a dense call (``lookup_schedule``) and f
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from fo_kernels.errors import TableError
 from fo_kernels.fingerprint import Fingerprint, read_device_key
 from fo_kernels.moe.table import ExpertsKey, MoeRow, best_moe_row, load_moe_table, moe_table_path
 from fo_kernels.schedule import Schedule
-from fo_kernels.table import best_match, check_header_for, read_table, table_path, table_search_path
+from fo_kernels.table import (
+    TABLE_DIR_ENV,
+    best_match,
+    check_header_for,
+    read_table,
+    table_path,
+    table_search_path,
+)
 
 
 # ------------------------------------------------------------------------------------- find
+def search_folders() -> list[Path]:
+    """``table_search_path()``, refusing a ``$FO_TUNE_TABLE_DIR`` that names a file: the runtime
+    finds no table under a file, so listing or looking up past it would hide the mistake (a search
+    refuses it too, as a place it cannot write). A folder that does not exist yet is searched as
+    empty."""
+    env = os.environ.get(TABLE_DIR_ENV)
+    if env and Path(env).expanduser().is_file():
+        raise TableError(
+            f"{TABLE_DIR_ENV}={env} is a file, not a folder of tables; point {TABLE_DIR_ENV} at a "
+            "folder (it is created by `fo-tune search`), or unset it"
+        )
+    return table_search_path()
+
+
 def find_row(
     device_key: str, collective: str, world_size: int, dtype: str, m: int, n: int, k: int
 ) -> tuple[Schedule | None, Path | None, list[Path]]:
@@ -57,14 +79,14 @@ def check_machine(path: Path, fp: Fingerprint, device_key: str) -> None:
 def find_tables(device_key: str, collective: str, world_size: int, dtype: str) -> list[Path]:
     """The existing table files for this header in ``table_search_path()`` order (the order
     ``lookup_schedule`` reads them in: an exact-shape row in any of them beats an M-range row)."""
-    paths = (table_path(root, device_key, collective, world_size, dtype) for root in table_search_path())
+    paths = (table_path(root, device_key, collective, world_size, dtype) for root in search_folders())
     return [path for path in paths if path.is_file()]
 
 
 def find_moe_tables(device_key: str, world_size: int, dtype: str) -> list[Path]:
     """The existing MoE table files of this (device key, world size, dtype) in
     ``table_search_path()`` order (the order the runtime's MoE lookup reads them in)."""
-    paths = (moe_table_path(root, device_key, world_size, dtype) for root in table_search_path())
+    paths = (moe_table_path(root, device_key, world_size, dtype) for root in search_folders())
     return [path for path in paths if path.is_file()]
 
 
@@ -94,7 +116,7 @@ def find_moe_row(
 def known_device_keys() -> list[str]:
     """Device keys that have a table folder somewhere in the search path, sorted."""
     keys: set[str] = set()
-    for root in table_search_path():
+    for root in search_folders():
         if root.is_dir():
             keys.update(
                 child.name for child in root.iterdir() if child.is_dir() and any(child.glob("*.yaml"))
