@@ -30,6 +30,7 @@ _EXPORTS = {
     "ShapeError": "errors",
     "TableError": "errors",
     "TableNotFoundError": "errors",
+    "TableDirWarning": "errors",
     "VersionDriftWarning": "errors",
     "Fingerprint": "fingerprint",
     "current_fingerprint": "fingerprint",

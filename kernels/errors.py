@@ -89,5 +89,9 @@ class HeuristicScheduleWarning(UserWarning):
     """No table row matched, so a documented heuristic schedule is used."""
 
 
+class TableDirWarning(UserWarning):
+    """``$FO_TUNE_TABLE_DIR`` names something that is not a folder, so no table is read from it."""
+
+
 class NotOverlappedWarning(UserWarning):
     """A tensor-parallel layer, or part of one, runs as torch's style runs it: fo-tune cannot overlap it."""

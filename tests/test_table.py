@@ -508,6 +508,22 @@ def test_heuristic_fallback_names_tables_without_match(roots: dict[str, Path]) -
     assert str(path) in str(record[0].message)
 
 
+def test_a_table_dir_variable_naming_a_file_warns_and_the_other_folders_answer(
+    roots: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``$FO_TUNE_TABLE_DIR`` set to a file: the lookup says so (``TableDirWarning``, naming the
+    variable) and still finds the user folder's row."""
+    from fo_kernels import TableDirWarning
+
+    write(roots["user"], [exact_row()])
+    not_a_folder = roots["env"].parent / "tables.yaml"
+    not_a_folder.write_text("rows: []\n")
+    monkeypatch.setenv(TABLE_DIR_ENV, str(not_a_folder))
+    with pytest.warns(TableDirWarning, match=rf"{TABLE_DIR_ENV}=.*tables.yaml is a file, not a folder"):
+        found = lookup_schedule("all_reduce", 64, 64, 32, dtype="bfloat16", world_size=2, device="cpu")
+    assert found.provenance == {"tag": "exact"}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "needle"),
     [

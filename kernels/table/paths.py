@@ -5,13 +5,14 @@ table's header and the lookup share."""
 from __future__ import annotations
 
 import os
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fo_kernels.errors import ScheduleError, ShapeError
+from fo_kernels.errors import ScheduleError, ShapeError, TableDirWarning
 from fo_kernels.schedule import COLLECTIVES, DTYPES, dtype_name
 
 TABLE_DIR_ENV = "FO_TUNE_TABLE_DIR"
@@ -63,11 +64,22 @@ def _packaged_table_dir() -> Path | None:
 
 
 def table_search_path() -> list[Path]:
-    """Folders searched for tables, in order: ``$FO_TUNE_TABLE_DIR``, the user folder, the packaged one."""
+    """Folders searched for tables, in order: ``$FO_TUNE_TABLE_DIR``, the user folder, the packaged one.
+    A ``$FO_TUNE_TABLE_DIR`` that names a file warns (``TableDirWarning``) and is left out."""
     folders: list[Path] = []
     env = os.environ.get(TABLE_DIR_ENV)
     if env:
-        folders.append(Path(env).expanduser())
+        folder = Path(env).expanduser()
+        if folder.exists() and not folder.is_dir():
+            # (a running job's calls go on with the other folders; the CLI refuses it outright)
+            warnings.warn(
+                f"{TABLE_DIR_ENV}={env} is a file, not a folder: no table is read from it; point it at "
+                "the folder that holds <device-key>/<collective>-w<world>-<dtype>.yaml tables",
+                TableDirWarning,
+                stacklevel=3,
+            )
+        else:
+            folders.append(folder)
     folders.append(user_table_dir())
     packaged = _packaged_table_dir()
     if packaged is not None:
