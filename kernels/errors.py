@@ -40,7 +40,7 @@ class GroupError(FoTuneError, ValueError):
 
 
 class ArgumentError(FoTuneError, ValueError):
-    """An argument a call does not take (an unknown ``reduce_op``)."""
+    """An argument a call does not take (an unknown ``reduce_op``, a flag that is not a bool)."""
 
 
 class NotInitializedError(GroupError, ArgumentError, ScheduleError):

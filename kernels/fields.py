@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from fo_kernels.errors import FoTuneError, ScheduleError
+from fo_kernels.errors import ArgumentError, FoTuneError, ScheduleError
 
 
 def is_pow2(x: int) -> bool:
@@ -22,6 +22,14 @@ def check_int(name: str, value: Any, *, minimum: int, error: type[FoTuneError] =
     if value < minimum:
         raise error(f"{name}: must be >= {minimum}, got {value}")
     return value
+
+
+def check_bool(name: str, value: Any, *, error: type[FoTuneError] = ArgumentError) -> bool:
+    """``value`` if it is a bool (numpy's too); anything else, which Python would read as true or
+    false by its truthiness (``"no"`` as true), raises ``error`` naming the field."""
+    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+        raise error(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fo_kernels.errors import PlanError, ScaleError, ScheduleError, ShapeError
-from fo_kernels.fields import check_int
+from fo_kernels.fields import check_bool, check_int
 from fo_kernels.fp8_state import prepare_weight_state
 from fo_kernels.groups import SharesGroupWhenCopied, check_group, require_initialized
 from fo_kernels.ops import call_op, fp8_input_meta, fp8_refused_grads
@@ -243,7 +243,7 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
         dtype: torch.dtype | None = None,
         fp8: str | None = None,
     ) -> None:
-        _check_layer_args(in_features, out_features, schedule, dtype)
+        _check_layer_args(in_features, out_features, schedule, dtype, sequence_parallel)
         d, shape = self.split_dim, [out_features, in_features]
         _rank, shape[d] = _shard_of(shape[d], group, ("out_features", "in_features")[d])
         super().__init__()
@@ -390,10 +390,14 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
         )
 
 
-def _check_layer_args(in_features: object, out_features: object, schedule: object, dtype: object) -> None:
-    """Refuse (``ShapeError``, ``ScheduleError``) what the ops would refuse at the first call:
-    feature counts that are not positive integers, a schedule that is not a ``Schedule``, parameters
-    in a dtype the ops do not take (``dtype``, else torch's default dtype)."""
+def _check_layer_args(
+    in_features: object, out_features: object, schedule: object, dtype: object, sequence_parallel: object
+) -> None:
+    """Refuse (``ShapeError``, ``ScheduleError``, ``ArgumentError``) what the ops would refuse at the
+    first call: feature counts that are not positive integers, a schedule that is not a
+    ``Schedule``, parameters in a dtype the ops do not take (``dtype``, else torch's default
+    dtype); and a ``sequence_parallel`` that is not a bool (``"no"`` would read as true)."""
+    check_bool("sequence_parallel", sequence_parallel)
     check_int("in_features", in_features, minimum=1, error=ShapeError)
     check_int("out_features", out_features, minimum=1, error=ShapeError)
     if schedule is not None and not isinstance(schedule, Schedule):

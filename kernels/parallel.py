@@ -58,6 +58,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
 from fo_kernels.errors import AlreadyParallelizedError, NotOverlappedWarning, PlanError
+from fo_kernels.fields import check_bool
 from fo_kernels.groups import check_group, require_initialized
 from fo_kernels.parallel_forward import COLWISE, PLAN_ATTR, ROWWISE, LinearPlan, install_forward
 from fo_kernels.quantize import check_scaling
@@ -260,6 +261,7 @@ def parallelize_linears(
     ``fp8``: every chosen module in fp8 for inference (the styles' ``fp8`` option). An empty
     ``plan`` shards nothing and returns ``model`` as it is, as ``parallelize_module`` does.
     """
+    check_bool("sequence_parallel", sequence_parallel)
     wanted = f"a mapping of submodule names (or patterns) to {' or '.join(map(repr, KINDS))}"
     if not isinstance(plan, Mapping):
         raise PlanError(f"plan: expected {wanted}, got {type(plan).__name__}")

@@ -139,3 +139,23 @@ def test_a_plan_key_that_is_no_name_and_from_linear_of_no_linear_are_plan_errors
     for layer in (ColumnParallelLinear, RowParallelLinear):
         with pytest.raises(PlanError, match=r"from_linear takes an nn\.Linear, got Conv1d"):
             layer.from_linear(nn.Conv1d(4, 4, 1))
+
+
+@pytest.mark.parametrize("flag", ["no", 1, None])
+def test_sequence_parallel_that_is_not_a_bool_is_refused(flag):
+    """``sequence_parallel="no"`` (or 1, None) is an ArgumentError naming the option, from the
+    layers and from parallelize_linears, before any process group is needed: Python would read
+    "no" as true."""
+    from torch import nn
+
+    from fo_kernels import ArgumentError, ColumnParallelLinear, RowParallelLinear
+    from fo_kernels.parallel import parallelize_linears
+
+    want = rf"sequence_parallel: expected True or False, got {flag!r}"
+    with pytest.raises(ArgumentError, match=want):
+        parallelize_linears(nn.Sequential(nn.Linear(4, 4)), {"0": "column"}, sequence_parallel=flag)
+    for layer in (ColumnParallelLinear, RowParallelLinear):
+        with pytest.raises(ArgumentError, match=want):
+            layer(4, 4, sequence_parallel=flag)
+        with pytest.raises(ArgumentError, match=want):
+            layer.from_linear(nn.Linear(4, 4), sequence_parallel=flag)
