@@ -8,7 +8,7 @@ output is not a terminal); library callers may pass nothing (``SilentReporter``)
 and ``check_writable_file`` are the checks a command runs before its work, so a bad ``--out`` costs
 nothing; ``replacing_folder`` builds a folder's new contents beside it and swaps them in whole;
 ``write_csv`` writes plain CSVs; ``whole`` keeps a whole setting whole in them and in YAML;
-``figure`` and ``size_label`` serve every plot. ``data_dir`` is
+``figure`` and ``size_label`` serve every plot, ``count`` every "N ranks" a title says. ``data_dir`` is
 where a search writes what no option places (tables, studies, reports): the user folder the
 runtime's tables live in, whatever the working folder.
 """
@@ -170,6 +170,11 @@ def write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) 
 
 
 # ------------------------------------------------------------------------------------------ plots
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, the noun plural unless n is 1: "1 rank", "3 ranks", "2 GPUs"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def size_label(size: float, _pos: Any = None) -> str:
     """Bytes as ``4 KiB`` / ``256 MiB`` (also a matplotlib tick formatter)."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):

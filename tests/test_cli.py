@@ -129,7 +129,7 @@ def test_demo_two_ranks_passes_every_collective(runner):
     assert "passed: 3 of 3" in result.stdout
     if GPUS == 0:  # the first line says where the ranks ran, and why
         assert result.stdout.startswith(
-            "fo-tune demo: 2 rank(s) on the CPU (gloo, Triton's interpreter: no GPU"
+            "fo-tune demo: 2 ranks on the CPU (gloo, Triton's interpreter: no GPU"
         )
         # gloo ranks' own rows come from a measured search (without --mode it plans an H200)
         assert "tune the shape with `fo-tune search --mode measure`" in result.stdout
@@ -339,12 +339,12 @@ def test_search_takes_all_gather_and_refuses_another_name(runner, tmp_path):
     [
         (None, None, 0, (2, "gloo"), "no GPU visible"),
         (None, "auto", 2, (2, "nccl"), "one GPU each (NCCL)"),
-        (None, None, 1, (1, "nccl"), "1 GPU(s) visible: 1 rank(s), one GPU each (NCCL), instead of 2"),
-        (None, None, 3, (2, "nccl"), "2 rank(s), one GPU each"),
-        (1, None, 1, (1, "nccl"), "1 rank(s), one GPU each"),
+        (None, None, 1, (1, "nccl"), "1 GPU visible: 1 rank, one GPU each (NCCL), instead of 2"),
+        (None, None, 3, (2, "nccl"), "2 ranks, one GPU each"),
+        (1, None, 1, (1, "nccl"), "1 rank, one GPU each"),
         (None, "gloo", 1, (2, "gloo"), "asked for with --backend gloo"),
-        (3, "gloo", 0, (3, "gloo"), "3 rank(s) on the CPU"),
-        (None, "nccl", 1, (1, "nccl"), "1 GPU(s) visible"),
+        (3, "gloo", 0, (3, "gloo"), "3 ranks on the CPU"),
+        (None, "nccl", 1, (1, "nccl"), "1 GPU visible"),
     ],
 )
 def test_plan_demo_says_where_it_runs(world, backend, gpus, want, says):
@@ -403,11 +403,11 @@ def test_demo_on_one_gpu_runs_world_size_1_on_it(runner, monkeypatch):
     result = runner.invoke(app, ["demo"])
     assert result.exit_code == 0, (result.output, result.exception)
     assert calls == [(1, "nccl")]
-    assert result.stdout.startswith("fo-tune demo: 1 GPU(s) visible: 1 rank(s), one GPU each (NCCL)")
+    assert result.stdout.startswith("fo-tune demo: 1 GPU visible: 1 rank, one GPU each (NCCL)")
 
 
 def test_demo_spinner_is_on_stderr_and_stdout_holds_the_results(runner, monkeypatch):
-    """The demo's "running N rank(s)" spinner is drawn on stderr (a terminal there), never on
+    """The demo's "running N ranks" spinner is drawn on stderr (a terminal there), never on
     stdout, which a pipe or a file takes whole."""
     from rich.console import Console
 
@@ -419,7 +419,7 @@ def test_demo_spinner_is_on_stderr_and_stdout_holds_the_results(runner, monkeypa
     monkeypatch.setattr(demo_lib, "run_demo", lambda *args, **kwargs: [])
     result = runner.invoke(app, ["demo", "--backend", "gloo", "--shape", "32x48x40"])
     assert result.exit_code == 0, result.output
-    assert "running 2 rank(s)" in spun.getvalue(), spun.getvalue()
+    assert "running 2 ranks" in spun.getvalue(), spun.getvalue()
     assert "running" not in result.stdout, result.stdout
 
 

@@ -110,25 +110,26 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
     and ``backend`` (None or "auto", "gloo", "nccl") on a machine with ``gpus`` GPUs (module
     docstring). Raises ``EnvironmentMismatchError`` when the asked ranks cannot run here."""
     from fo_kernels.errors import ArgumentError, EnvironmentMismatchError
+    from fo_tune.output import count
     from fo_tune.ranks.launch import check_cpu_world_size, check_world_size
 
     asked = check_world_size(DEFAULT_WORLD_SIZE if world_size is None else world_size)
     if backend not in (None, "auto", "gloo", "nccl"):
         raise ArgumentError(f"--backend {backend!r} is not one of auto, gloo, nccl")
-    cpu = f"{asked} rank(s) on the CPU (gloo, Triton's interpreter"
+    cpu = f"{count(asked, 'rank')} on the CPU (gloo, Triton's interpreter"
     if backend == "gloo" or (gpus == 0 and backend != "nccl"):
         check_cpu_world_size(asked)
     if backend == "gloo":
         return DemoPlan(asked, "gloo", f"{cpu}, asked for with --backend gloo)")
     if gpus >= asked:
-        return DemoPlan(asked, "nccl", f"{asked} rank(s), one GPU each (NCCL)")
+        return DemoPlan(asked, "nccl", f"{count(asked, 'rank')}, one GPU each (NCCL)")
     if gpus == 0 and backend != "nccl":
         return DemoPlan(asked, "gloo", f"{cpu}: no GPU visible)")
     if world_size is None and gpus > 0:
         return DemoPlan(
             gpus,
             "nccl",
-            f"{gpus} GPU(s) visible: {gpus} rank(s), one GPU each (NCCL), instead of {asked}; "
+            f"{count(gpus, 'GPU')} visible: {count(gpus, 'rank')}, one GPU each (NCCL), instead of {asked}; "
             f"--backend gloo runs {asked} ranks on the CPU",
         )
     fix = (

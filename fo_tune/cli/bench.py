@@ -218,12 +218,14 @@ def _times_faster(other: BenchRow | None, ours: BenchRow) -> str:
 def _case_table(result: BenchResult, collective: str) -> tuple[Table, list[str]]:
     """One collective's summary: per shape the times (ms), fo-tune's speedup, fraction of ideal and,
     beside a fused torch op, how many times faster than it fo-tune is."""
+    from fo_tune.output import count
+
     where = "NCCL" if result.backend == "nccl" else "gloo on the CPU"
     fused = FUSED_COLUMNS.get(collective)  # (variant, column) of the collective's fused torch op
     columns = ["MxNxK", "seq", "chunked", *([fused[1]] if fused else []), "fo-tune", "ideal"]
     table = summary_table(
-        f"{collective} (ms): {result.fingerprint.world_size} rank(s), {where}, {result.settings['dtype']}, "
-        f"{result.fingerprint.device_key}",
+        f"{collective} (ms): {count(result.fingerprint.world_size, 'rank')}, {where}, "
+        f"{result.settings['dtype']}, {result.fingerprint.device_key}",
         [*columns, "speedup", "of ideal", *([f"x {fused[1]}"] if fused else []), "ok"],
         1,
     )
@@ -297,6 +299,8 @@ def bench(
     timeout: BenchTimeoutOpt = 600.0,
     allow_slow: AllowSlowOpt = False,
 ) -> None:
+    from fo_tune.output import count
+
     shapes = [parse_shape(s) for s in shape or []]
     if shapes and suite is not None:
         raise typer.BadParameter("--shape and --suite: give one of them, not both")
@@ -341,7 +345,8 @@ def bench(
             check_bench_out(out or default_bench_dir(expected_device_key(chosen, world_size), world_size))
         with progress_bars(enabled=driver) as progress:
             where = "one GPU each, NCCL" if chosen == "nccl" else "gloo on the CPU"
-            result = run_bench(request, ProgressReporter(progress, f"start {world_size} rank(s) ({where})"))
+            starting = f"start {count(world_size, 'rank')} ({where})"
+            result = run_bench(request, ProgressReporter(progress, starting))
         if result is None:  # a serving torchrun rank: rank 0 writes and reports
             return
         written = write_bench_dir(result, out or default_bench_dir(result.fingerprint.device_key, world_size))

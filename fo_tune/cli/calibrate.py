@@ -167,11 +167,11 @@ def _print_summary(cal: Calibration, written: list[Path], parts: tuple[str, ...]
 
 
 def _print_bandwidth(cal: Calibration, summary: list) -> None:
-    from fo_tune.output import size_label
+    from fo_tune.output import count, size_label
 
     where = "NCCL" if cal.fingerprint.interconnect != "gloo" else "gloo on the CPU"
     bw = summary_table(
-        f"bandwidth: {cal.world_size} rank(s), {where}, {cal.fingerprint.device_key}",
+        f"bandwidth: {count(cal.world_size, 'rank')}, {where}, {cal.fingerprint.device_key}",
         ["collective", "CTA cap", "largest size", "busbw GB/s", "fit latency us", "fit bw GB/s"],
         2,
     )
@@ -267,6 +267,8 @@ def calibrate(
     into_sibling: IntoSiblingOpt = False,
     from_profiles: FromProfilesOpt = None,
 ) -> None:
+    from fo_tune.output import count
+
     if into_sibling and into is None:
         raise typer.BadParameter(
             "--into-sibling merges into an existing calibration: pass --into CALIBRATION.yaml with "
@@ -324,7 +326,7 @@ def calibrate(
         )
         with progress_bars(enabled=driver) as progress:
             where = "one GPU each, NCCL" if chosen == "nccl" else "gloo on the CPU"
-            starting = f"start {world_size} rank(s) ({where})"
+            starting = f"start {count(world_size, 'rank')} ({where})"
             cal = run_calibration(request, ProgressReporter(progress, starting))
         if cal is None:  # a serving torchrun rank: rank 0 writes and reports
             return

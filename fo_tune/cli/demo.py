@@ -104,6 +104,8 @@ def _schedule_line(row: "DemoRow") -> str:
 
 
 def _table(rows: "list[DemoRow]", world_size: int, backend: str) -> Table:
+    from fo_tune.output import count
+
     where = {
         "nccl": "NCCL, one GPU per rank",
         "cpu-threads": "the copy engine's CPU executor, thread-ranks",
@@ -111,7 +113,7 @@ def _table(rows: "list[DemoRow]", world_size: int, backend: str) -> Table:
     }.get(backend, "gloo on the CPU, Triton interpreter")
     dtypes = ", ".join(sorted({r.dtype for r in rows}))
     table = summary_table(
-        f"fo-tune demo: {world_size} rank(s), {where}, {dtypes}",
+        f"fo-tune demo: {count(world_size, 'rank')}, {where}, {dtypes}",
         ["status", "collective", "MxNxK", "rel err", "overlap ms", "seq ms", "speedup"],
         3,
     )
@@ -140,6 +142,8 @@ def demo(
     engine: EngineOpt = "auto",
     allow_slow: AllowSlowOpt = False,
 ) -> None:
+    from fo_tune.output import count
+
     shapes = [parse_shape(s) for s in shape or []]
     if dtype is not None and dtype not in DEMO_DTYPE_NAMES:
         raise typer.BadParameter(f"--dtype {dtype!r} is not one of {', '.join(DEMO_DTYPE_NAMES)}")
@@ -185,7 +189,7 @@ def demo(
             else f"{ranks} thread-ranks of its CPU executor (no GPU, no process group)"
         )
         console.print(f"fo-tune demo: the copy engine's protocol on {how}", markup=False, highlight=False)
-        with err_console.status(f"running {ranks} rank(s) ...", spinner="dots"):
+        with err_console.status(f"running {count(ranks, 'rank')} ...", spinner="dots"):
             rows = run_copy_engine_demo(ranks, shapes or None, dtype, reps, backend=where)
         console.print(_table(rows, ranks, where))
         console.print("schedules (the copy engine's operation lists, as on GPUs):", style="dim")
@@ -194,7 +198,7 @@ def demo(
         demo_inputs(plan, shapes or None, dtype, reps, timeout, allow_slow=allow_slow)
         search_folders()  # the runtime's tables: a $FO_TUNE_TABLE_DIR naming a file is refused
         console.print(f"fo-tune demo: {plan.note}", markup=False, highlight=False)
-        with err_console.status(f"running {plan.world_size} rank(s) ...", spinner="dots"):
+        with err_console.status(f"running {count(plan.world_size, 'rank')} ...", spinner="dots"):
             rows = run_demo(
                 plan.world_size, shapes or None, dtype, plan.backend, reps, timeout, allow_slow=allow_slow
             )
