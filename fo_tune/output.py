@@ -6,11 +6,12 @@
 The CLI passes ``fo_tune.cli.progress.ProgressReporter`` (rich progress bars, or log lines when the
 output is not a terminal); library callers may pass nothing (``SilentReporter``). ``check_writable``
 and ``check_writable_file`` are the checks a command runs before its work, so a bad ``--out`` costs
-nothing; ``replacing_folder`` builds a folder's new contents beside it and swaps them in whole;
+nothing, and ``refuse_foreign`` the one that keeps it from replacing another kind of file;
+``replacing_folder`` builds a folder's new contents beside it and swaps them in whole;
 ``write_csv`` writes plain CSVs; ``whole`` keeps a whole setting whole in them and in YAML;
-``figure`` and ``size_label`` serve every plot, ``count`` every "N ranks" a title says. ``data_dir`` is
-where a search writes what no option places (tables, studies, reports): the user folder the
-runtime's tables live in, whatever the working folder.
+``figure`` and ``size_label`` serve every plot, ``count`` every "N ranks" a title says.
+``data_dir`` is where a search writes what no option places (tables, studies, reports): the user
+folder the runtime's tables live in, whatever the working folder.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -108,6 +109,17 @@ def check_writable_file(path: str | Path, *, what: str = "--out") -> None:
     if target.is_dir():
         raise OutputError(f"{what} {shown} is a folder; give a file name")
     check_ancestor(target, shown)
+
+
+def refuse_foreign(path: Path, is_ours: Callable[[Path], bool], *, ours: str, named: str) -> None:
+    """Raise ``OutputError`` where a file at ``path`` is not one the command writes (``is_ours``
+    False: a table, a calibration, another command's CSV), which writing would destroy; ``ours``
+    says what it would have to be, ``named`` shows the file ("--out PATH")."""
+    if path.is_file() and not is_ours(path):
+        raise OutputError(
+            f"{named} exists and is not {ours}, so it is not replaced; give another file name, or "
+            "move that file away"
+        )
 
 
 @contextlib.contextmanager

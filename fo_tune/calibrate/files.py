@@ -46,6 +46,7 @@ from fo_tune.output import (
     check_writable,
     check_writable_file,
     made_parents,
+    refuse_foreign,
     replacing_folder,
     write_csv,
     write_rows,
@@ -202,12 +203,9 @@ def check_profile_out(path: str | Path) -> None:
         grids_path(path): ",".join([*(f.name for f in fields(GridBest)), "device_key"]),
     }
     for file, header in headers.items():
-        if file.is_file() and not _starts_with(file, header):
-            what = f"--out {path}" if file == path else f"--out {path}: the grids file beside it, {file},"
-            raise OutputError(
-                f"{what} exists and is not a profile `fo-tune profile` wrote, so it is not replaced; "
-                "give another file name, or move that file away"
-            )
+        named = f"--out {path}" if file == path else f"--out {path}: the grids file beside it, {file},"
+        ours = "a profile `fo-tune profile` wrote"
+        refuse_foreign(file, lambda f, h=header: _starts_with(f, h), ours=ours, named=named)
 
 
 def _starts_with(path: Path, header: str) -> bool:

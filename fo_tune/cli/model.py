@@ -329,14 +329,11 @@ def _held_out(
 def _check_fit_out(out: Path) -> None:
     """Refuse a ``fit --out`` that would replace a file other than a calibration (a table, a CSV)."""
     from fo_tune.calibrate.calibration import CALIBRATION_KIND
+    from fo_tune.output import refuse_foreign
 
     if out.suffix not in (".yaml", ".yml"):
         raise typer.BadParameter(f"--out {out}: a calibration is YAML; give a file name ending in .yaml")
-    if out.exists() and not _is_kind(out, CALIBRATION_KIND):
-        raise typer.BadParameter(
-            f"--out {out} exists and is not a calibration, so it is not replaced; give another file "
-            "name, or move that file away"
-        )
+    refuse_foreign(out, lambda p: _is_kind(p, CALIBRATION_KIND), ours="a calibration", named=f"--out {out}")
 
 
 @handle_errors
