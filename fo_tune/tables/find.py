@@ -5,7 +5,6 @@ files in the runtime's search path; for a dense call (``lookup_schedule``) and f
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from fo_kernels.errors import TableError
@@ -17,6 +16,7 @@ from fo_kernels.table import (
     best_match,
     check_header_for,
     read_table,
+    table_dir_env_not_a_folder,
     table_path,
     table_search_path,
 )
@@ -28,8 +28,8 @@ def search_folders() -> list[Path]:
     finds no table under a file, so listing or looking up past it would hide the mistake (a search
     refuses it too, as a place it cannot write). A folder that does not exist yet is searched as
     empty."""
-    env = os.environ.get(TABLE_DIR_ENV)
-    if env and Path(env).expanduser().is_file():
+    env = table_dir_env_not_a_folder()
+    if env is not None:
         raise TableError(
             f"{TABLE_DIR_ENV}={env} is a file, not a folder of tables; point {TABLE_DIR_ENV} at a "
             "folder (it is created by `fo-tune search`), or unset it"

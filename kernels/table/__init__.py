@@ -65,6 +65,7 @@ from fo_kernels.table.loaded import LoadedTable, read_table
 from fo_kernels.table.lookup import MISS_SOURCE, TABLE_RECHECK_S, best_match, best_row, lookup_schedule
 from fo_kernels.table.paths import (
     TABLE_DIR_ENV,
+    table_dir_env_not_a_folder,
     table_filename,
     table_path,
     table_search_path,
@@ -91,6 +92,7 @@ __all__ = [
     "row_kind",
     "row_rank",
     "save_table",
+    "table_dir_env_not_a_folder",
     "table_filename",
     "table_path",
     "table_search_path",

@@ -63,23 +63,31 @@ def _packaged_table_dir() -> Path | None:
     return root if isinstance(root, Path) else None  # a zipped install is not searched
 
 
+def table_dir_env_not_a_folder() -> str | None:
+    """``$FO_TUNE_TABLE_DIR`` where it names something that exists and is no folder (a file): no
+    table can be read from it. None where it is unset, a folder, or not there yet."""
+    env = os.environ.get(TABLE_DIR_ENV)
+    if env and Path(env).expanduser().exists() and not Path(env).expanduser().is_dir():
+        return env
+    return None
+
+
 def table_search_path() -> list[Path]:
     """Folders searched for tables, in order: ``$FO_TUNE_TABLE_DIR``, the user folder, the packaged one.
     A ``$FO_TUNE_TABLE_DIR`` that names a file warns (``TableDirWarning``) and is left out."""
     folders: list[Path] = []
     env = os.environ.get(TABLE_DIR_ENV)
-    if env:
-        folder = Path(env).expanduser()
-        if folder.exists() and not folder.is_dir():
-            # (a running job's calls go on with the other folders; the CLI refuses it outright)
-            warnings.warn(
-                f"{TABLE_DIR_ENV}={env} is a file, not a folder: no table is read from it; point it at "
-                "the folder that holds <device-key>/<collective>-w<world>-<dtype>.yaml tables",
-                TableDirWarning,
-                stacklevel=3,
-            )
-        else:
-            folders.append(folder)
+    not_a_folder = table_dir_env_not_a_folder()
+    if not_a_folder is not None:
+        # (a running job's calls go on with the other folders; the CLI refuses it outright)
+        warnings.warn(
+            f"{TABLE_DIR_ENV}={not_a_folder} is a file, not a folder: no table is read from it; point "
+            "it at the folder that holds <device-key>/<collective>-w<world>-<dtype>.yaml tables",
+            TableDirWarning,
+            stacklevel=3,
+        )
+    elif env:
+        folders.append(Path(env).expanduser())
     folders.append(user_table_dir())
     packaged = _packaged_table_dir()
     if packaged is not None:
