@@ -161,9 +161,9 @@ def _check_sizes(
 
 
 def _model(request: SearchRequest, fp: Fingerprint) -> CostModel | None:
-    cal = request.calibration
-    if cal is None or (cal.fingerprint.device_key != fp.device_key and request.mode != "predict"):
-        return None  # a calibration of another machine cannot predict these ranks
+    cal = request.pricing_calibration(fp.device_key)
+    if cal is None:
+        return None
     model = cost_model(cal)
     if not model.knows_collective(request.collective):
         if request.mode != "measure":

@@ -192,15 +192,8 @@ def summary(result: SearchResult) -> dict[str, Any]:
                 "wall_s": round(s.wall_s, 2),
             }
         )
-    # the calibration the model priced these shapes with: a measured search's of another machine
-    # prices nothing there (driver._model), so the report names none
-    cal = r.calibration
-    if (
-        cal is not None
-        and r.mode != "predict"
-        and cal.fingerprint.device_key != result.fingerprint.device_key
-    ):
-        cal = None
+    # the calibration the model priced these shapes with (none where it priced nothing)
+    cal = r.pricing_calibration(result.fingerprint.device_key)
     return {
         "kind": REPORT_KIND,
         "fingerprint": result.fingerprint.to_dict(),

@@ -76,6 +76,15 @@ class SearchRequest:
             return None
         return self.trial_count()
 
+    def pricing_calibration(self, device_key: str) -> Calibration | None:
+        """The calibration whose model prices this search run on the machine of ``device_key``:
+        ``calibration``, except another machine's in a measured search (it cannot predict these
+        ranks; a predict search prices the calibration's own machine wherever it runs)."""
+        cal = self.calibration
+        if cal is None or (cal.fingerprint.device_key != device_key and self.mode != "predict"):
+            return None
+        return cal
+
     @property
     def strategy(self) -> str:
         """The strategy's name (``fo_tune.search.strategies``)."""
