@@ -182,6 +182,12 @@ def _per_expert(experts: nn.ModuleList) -> Weights:
     return torch.stack(w13), torch.stack(w2), (trains[0], trains[1]), Source(fused=False, names=names)
 
 
+def _rank_experts(local: int, group: dist.ProcessGroup | None) -> slice:
+    """This rank's ``local`` experts among all of them: [rank x E_local, (rank + 1) x E_local)."""
+    rank = dist.get_rank(group)
+    return slice(rank * local, (rank + 1) * local)
+
+
 def _check_experts(w13: object, w2: object, num_experts: object, schedule: object, world: int) -> None:
     """Refuse on construction what ``expert_parallel_ffn`` would refuse at the first call (the
     weights' shapes and dtypes, ``routing.check_call``'s rules), and a ``num_experts`` that is not
@@ -280,15 +286,14 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
                 f"experts: a {type(experts).__name__} is neither a fused experts block (gate_up_proj, "
                 "down_proj) nor a ModuleList of expert MLPs"
             )
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        world = dist.get_world_size(group)
         total = w13.shape[0]
         if total % world:
             raise PlanError(
                 f"experts: {total} experts do not split over {world} ranks (E % world != 0); use an "
                 f"expert-parallel group whose size divides {total}"
             )
-        local = total // world
-        part = slice(rank * local, (rank + 1) * local)
+        part = _rank_experts(total // world, group)
         module = cls(w13[part].clone(), w2[part].clone(), num_experts=total, group=group, schedule=schedule)
         module.w13.requires_grad_(trains[0])
         module.w2.requires_grad_(trains[1])
@@ -327,8 +332,7 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
                 f"{prefix or 'state_dict'}: the checkpoint's experts are {tuple(w13.shape)} as (E, H, 2I); "
                 f"this module holds {self.num_experts} experts of {tuple(self.w13.shape[1:])}"
             )
-        local = self.w13.shape[0]
-        part = slice(dist.get_rank(self.group) * local, (dist.get_rank(self.group) + 1) * local)
+        part = _rank_experts(self.w13.shape[0], self.group)
         # copies of this rank's part alone (``load_state_dict(..., assign=True)`` keeps what it is
         # given: a view would keep every expert of the checkpoint alive)
         return tuple(t[part].clone(memory_format=torch.contiguous_format) for t in (w13, w2))
