@@ -109,9 +109,9 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
     """The demo's ranks for ``world_size`` (None: ``DEFAULT_WORLD_SIZE``, or fewer to fit the GPUs)
     and ``backend`` (None or "auto", "gloo", "nccl") on a machine with ``gpus`` GPUs (module
     docstring). Raises ``EnvironmentMismatchError`` when the asked ranks cannot run here."""
-    from fo_kernels.errors import ArgumentError, EnvironmentMismatchError
+    from fo_kernels.errors import ArgumentError
     from fo_tune.output import count
-    from fo_tune.ranks.launch import check_cpu_world_size, check_world_size
+    from fo_tune.ranks.launch import check_cpu_world_size, check_world_size, too_few_gpus
 
     asked = check_world_size(DEFAULT_WORLD_SIZE if world_size is None else world_size)
     if backend not in (None, "auto", "gloo", "nccl"):
@@ -132,14 +132,7 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
             f"{count(gpus, 'GPU')} visible: {count(gpus, 'rank')}, one GPU each (NCCL), instead of {asked}; "
             f"--backend gloo runs {asked} ranks on the CPU",
         )
-    fix = (
-        f"lower --world-size to {gpus} (or leave it out to use the GPUs there are), or use --backend gloo"
-        if gpus
-        else "use --backend gloo"
-    )
-    raise EnvironmentMismatchError(
-        f"world size {asked} needs {asked} GPU(s), {gpus} visible (NCCL takes one per rank); {fix}"
-    )
+    raise too_few_gpus(asked, gpus, default_fits=True)
 
 
 def default_shapes(on_gpu: bool, dtype: str | None = None) -> list[tuple[int, int, int]]:

@@ -134,12 +134,21 @@ def choose_backend(world_size: int, backend: str | None = None) -> str:
             check_cpu_world_size(world_size)
         return "gloo"
     if gpus < world_size and not in_torchrun():
-        fix = f"lower --world-size to {gpus}, or use --backend gloo" if gpus else "use --backend gloo"
-        raise EnvironmentMismatchError(
-            f"world size {world_size} needs {world_size} GPU(s), {gpus} visible (NCCL takes one per "
-            f"rank); {fix}"
-        )
+        raise too_few_gpus(world_size, gpus)
     return "nccl"
+
+
+def too_few_gpus(world_size: int, gpus: int, *, default_fits: bool = False) -> EnvironmentMismatchError:
+    """The error for NCCL ranks that ``gpus`` visible GPUs cannot hold, with the fixes that fit:
+    fewer ranks where there are GPUs (``default_fits``: a command whose default world size takes
+    the GPUs there are says so), else gloo."""
+    fix = "use --backend gloo"
+    if gpus:
+        default = " (or leave it out to use the GPUs there are)" if default_fits else ""
+        fix = f"lower --world-size to {gpus}{default}, or {fix}"
+    return EnvironmentMismatchError(
+        f"world size {world_size} needs {world_size} GPU(s), {gpus} visible (NCCL takes one per rank); {fix}"
+    )
 
 
 def torchrun_context(backend: str | None = None) -> RankContext:
