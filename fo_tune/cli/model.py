@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-import yaml
 from rich.markup import escape
 
 from fo_tune.cli.calibrate import fmt, summary_table
@@ -154,6 +153,7 @@ def _default_tables(cal: Calibration) -> list[Path]:
 def _files(files: list[Path] | None, cal: Calibration) -> list[Path]:
     """The tables and reports to read: ``files``, else the packaged tables of the calibration's
     device; ``CheckError`` when there are none or one does not exist."""
+    from fo_kernels.files import read_yaml
     from fo_tune.calibrate.calibration import CALIBRATION_KIND
     from fo_tune.model.check import CheckError
     from fo_tune.search.report import REPORT_KIND
@@ -166,7 +166,8 @@ def _files(files: list[Path] | None, cal: Calibration) -> list[Path]:
             raise CheckError(f"{p}: no such table or report")
         moe_summary = p / "summary.yaml" if p.is_dir() else p
         if _is_kind(moe_summary, MOE_REPORT_KIND):  # an MoE search reports no trial: its table has the rows
-            table = (yaml.safe_load(moe_summary.read_text(encoding="utf-8")) or {}).get("table")
+            data = read_yaml(moe_summary, error=CheckError, missing=CheckError, missing_hint="no summary")
+            table = data.get("table") if isinstance(data, dict) else None
             raise CheckError(f"{p} is an MoE search's report, which lists no trials; pass its table {table}")
         if p.is_dir() and not (p / "trials.csv").is_file():
             runs = sorted(p.glob("*/trials.csv"))
