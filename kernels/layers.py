@@ -45,7 +45,6 @@ over them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar, TypeVar
 
 import torch
@@ -56,16 +55,19 @@ from fo_kernels.errors import PlanError, ScaleError, ScheduleError, ShapeError
 from fo_kernels.fields import check_bool, check_int
 from fo_kernels.fp8_state import prepare_weight_state
 from fo_kernels.groups import SharesGroupWhenCopied, check_group, require_initialized
-from fo_kernels.ops import call_op, fp8_input_meta, fp8_refused_grads
+from fo_kernels.ops import call_op
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.quantize import (
+    Fp8Refused,
     check_scaling,
     dequantize_weight,
+    fp8_operands,
+    keeping_dtypes,
     layer_out_dtype,
-    quantize_rows,
+    local_fp8_matmul,
     quantize_weight,
 )
-from fo_kernels.scaling import FP8_VARIANTS, OUT_DTYPES, Scales, is_fp8, scaled_mm
+from fo_kernels.scaling import FP8_VARIANTS, OUT_DTYPES, is_fp8
 from fo_kernels.schedule import Schedule
 
 # The dtypes of a layer's parameters: the ops' operands other than fp8 (whose weight ``fp8=`` makes).
@@ -107,37 +109,6 @@ class _ShardBias(torch.autograd.Function):
         return dy, torch.ops._c10d_functional.wait_tensor(summed), None
 
 
-class _LocalScaledMatmul(torch.autograd.Function):
-    """A column-parallel fp8 layer's local GEMM (its input is the same on every rank; the layers'
-    and the styles', ``fo_kernels.parallel_forward``): the scaled GEMM forward; training in fp8 is
-    out of scope, so its backward raises."""
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, scales: Scales) -> torch.Tensor:
-        ctx.input_meta = fp8_input_meta((a, b, scales))
-        return scaled_mm(a, b, scales)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        # (raises Fp8TrainingError when it runs; an op, so torch.compile can trace it: fo_kernels.ops)
-        return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
-
-
-class _Fp8Refused(torch.autograd.Function):
-    """``a @ b`` (``add``: ``a + b``) of an fp8 layer outside its scaled ops: the GEMM of an input
-    with no rows (``_ParallelLinear._empty_forward``), the bias added to the output (``_add_bias``);
-    training in fp8 is out of scope, so its backward raises as ``_LocalScaledMatmul``'s does."""
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, add: bool) -> torch.Tensor:
-        ctx.input_meta = fp8_input_meta((a, b, add))
-        return a + b if add else a @ b
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
-
-
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None, fp8: bool) -> torch.Tensor:
     """``y + bias`` in ``y``'s dtype (an fp8 layer's output is in its input's, not the bias').
     ``fp8``: where the bias needs a gradient the sum's backward raises ``Fp8TrainingError`` (the
@@ -145,7 +116,7 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None, fp8: bool) -> torch.Te
     if bias is None:
         return y
     bias = bias.to(y.dtype)
-    return _Fp8Refused.apply(y, bias, True) if fp8 and _needs_grad(y, bias) else y + bias
+    return Fp8Refused.apply(y, bias, True) if fp8 and _needs_grad(y, bias) else y + bias
 
 
 def _add_bias_to_shard(y: torch.Tensor, bias: torch.Tensor | None, fp8: bool, name: str) -> torch.Tensor:
@@ -175,46 +146,6 @@ def _autocast_operands(
     return cast(x), cast(weight), cast(bias)
 
 
-def _fp8_operands(
-    rows: torch.Tensor,
-    scaling: str,
-    weight_scale: torch.Tensor,
-    *,
-    shared: bool = False,
-    group: dist.ProcessGroup | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """(codes, the op's fp8 keyword arguments) of a call's activation rows against a weight of
-    ``weight_scale`` (``shared``: one tensorwise scale for every rank of ``group``, before an
-    AllGather); the output in the rows' dtype (``layer_out_dtype``)."""
-    codes, scale_a = quantize_rows(rows, scaling, shared=shared, group=group)
-    return codes, dict(scale_a=scale_a, scale_b=weight_scale, out_dtype=layer_out_dtype(rows))
-
-
-def _local_fp8_matmul(codes: torch.Tensor, w: torch.Tensor, fp8: dict, scaling: str) -> torch.Tensor:
-    """The local scaled GEMM ``codes @ w`` of a replicated input, with ``_fp8_operands``'s arguments."""
-    scales = Scales(
-        fp8["scale_a"].reshape(-1), fp8["scale_b"].reshape(-1), fp8["out_dtype"], scaling == "rowwise"
-    )
-    return _LocalScaledMatmul.apply(codes, w, scales)
-
-
-def _keeping_dtypes(
-    fn: Callable[[torch.Tensor], torch.Tensor], kept: tuple[torch.Tensor, ...]
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``fn``, the function ``nn.Module._apply`` maps over a module's tensors (``to``, ``half``,
-    ``cuda``...), but the tensors in ``kept`` (an fp8 weight's codes and its float32 scale) keep
-    their dtypes: cast, the codes would become plain numbers without their scale and the scale
-    lose precision; a device move still moves them."""
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        out = fn(t)
-        if any(t is k for k in kept) and out.dtype != t.dtype:
-            return t.to(device=out.device)
-        return out
-
-    return keep
-
-
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -229,6 +160,8 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
     # The dim of the (out, in) weight split over the ranks: 0 (output features, and the bias with
     # them) for a column-parallel layer, 1 (input features; the bias stays whole) for a row-parallel one.
     split_dim: ClassVar[int]
+    # The forward's collective without and with sequence parallelism (None: none, a local GEMM).
+    collectives: ClassVar[tuple[str | None, str]]
 
     def __init__(
         self,
@@ -244,12 +177,20 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
         fp8: str | None = None,
     ) -> None:
         _check_layer_args(in_features, out_features, schedule, dtype, sequence_parallel)
+        require_initialized()
+        check_group(group)
+        self._check_schedule(schedule, sequence_parallel, dist.get_world_size(group))
         d, shape = self.split_dim, [out_features, in_features]
-        _rank, shape[d] = _shard_of(shape[d], group, ("out_features", "in_features")[d])
+        if shape[d] % dist.get_world_size(group):
+            raise ShapeError(
+                f"{('out_features', 'in_features')[d]} {shape[d]} is not divisible by the world "
+                f"size {dist.get_world_size(group)}"
+            )
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel, self.group, self.schedule = bool(sequence_parallel), group, schedule
         self.world_size = dist.get_world_size(group)
+        shape[d] //= self.world_size
         # the group's name for the collectives the backward calls by name (the default group's own)
         self.group_name = (group if group is not None else dist.group.WORLD).group_name
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -312,10 +253,10 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """``nn.Module._apply`` (``to``, ``half``, ``cuda``...), but an fp8 layer's weight codes
         and float32 ``weight_scale`` keep their dtypes through a cast of the module's dtype
-        (``_keeping_dtypes``)."""
+        (``keeping_dtypes``)."""
         if self.fp8 is None:
             return super()._apply(fn, recurse)
-        return super()._apply(_keeping_dtypes(fn, (self.weight, self.weight_scale)), recurse)
+        return super()._apply(keeping_dtypes(fn, (self.weight, self.weight_scale)), recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         """``nn.Module``'s, after ``prepare_weight_state``: a high-precision weight loaded into an
@@ -333,9 +274,9 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _fp8_rows(self, rows: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, dict]:
-        """(codes, the op's fp8 keyword arguments) of a call's activation rows (``_fp8_operands``)."""
+        """(codes, the op's fp8 keyword arguments) of a call's activation rows (``fp8_operands``)."""
         assert self.fp8 is not None
-        return _fp8_operands(rows, self.fp8, self.weight_scale, shared=shared, group=self.group)
+        return fp8_operands(rows, self.fp8, self.weight_scale, shared=shared, group=self.group)
 
     def _empty_forward(
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shape: tuple[int, ...]
@@ -349,10 +290,28 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
             out_dtype = layer_out_dtype(rows)
             scale = self.weight_scale if self.weight_scale.dim() == 0 else self.weight_scale.reshape(-1, 1)
             dequantized = weight.to(out_dtype) * scale.to(out_dtype)
-            y = _Fp8Refused.apply(rows.to(out_dtype), dequantized.t(), False)
+            y = Fp8Refused.apply(rows.to(out_dtype), dequantized.t(), False)
         else:
             y = rows @ weight.t()
         return _add_bias(y, bias, self.fp8 is not None).reshape(shape)
+
+    def _check_schedule(self, schedule: Schedule | None, sequence_parallel: bool, world: int) -> None:
+        """Refuse (``ScheduleError``) a schedule the forward would not run: one for a layer whose
+        forward has no collective, or for another collective or world size."""
+        want, name = self.collectives[sequence_parallel], type(self).__name__
+        if schedule is None or (schedule.collective, schedule.world_size) == (want, world):
+            return
+        if want is None:
+            raise ScheduleError(
+                f"schedule: a {name} without sequence_parallel runs no collective in its forward "
+                "(its input is the same on every rank), so a schedule goes unused; leave it None, "
+                "or give an all_gather schedule with sequence_parallel=True"
+            )
+        sp = " with sequence_parallel" if sequence_parallel else ""
+        raise ScheduleError(
+            f"schedule: a {name}{sp} on {world} ranks runs {want} on {world} ranks, the schedule "
+            f"is for {schedule.collective} on {schedule.world_size}"
+        )
 
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
@@ -413,20 +372,11 @@ def _check_layer_args(
         )
 
 
-def _shard_of(features: int, group: dist.ProcessGroup | None, what: str) -> tuple[int, int]:
-    """(rank, features per rank) of a split of ``features`` over ``group``."""
-    require_initialized()
-    check_group(group)
-    world = dist.get_world_size(group)
-    if features % world:
-        raise ShapeError(f"{what} {features} is not divisible by the world size {world}")
-    return dist.get_rank(group), features // world
-
-
 class ColumnParallelLinear(_ParallelLinear):
     """Column-parallel ``nn.Linear`` (see the module docstring); the schedule is looked up per shape."""
 
     split_dim: ClassVar[int] = 0
+    collectives: ClassVar[tuple[str | None, str]] = (None, "all_gather")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (inside torch.autocast, the operands in its dtype, as F.linear takes them)
@@ -449,7 +399,7 @@ class ColumnParallelLinear(_ParallelLinear):
         else:
             if self.fp8:
                 codes, fp8 = self._fp8_rows(rows)
-                y = _local_fp8_matmul(codes, w, fp8, self.fp8)
+                y = local_fp8_matmul(codes, w, fp8, self.fp8)
             elif _needs_grad(rows, w):
                 y = _ReplicatedInputMatmul.apply(rows, w, self.group_name)
             else:
@@ -461,6 +411,7 @@ class RowParallelLinear(_ParallelLinear):
     """Row-parallel ``nn.Linear`` (see the module docstring); the schedule is looked up per shape."""
 
     split_dim: ClassVar[int] = 1
+    collectives: ClassVar[tuple[str | None, str]] = ("all_reduce", "reduce_scatter")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (inside torch.autocast, the operands in its dtype, as F.linear takes them)

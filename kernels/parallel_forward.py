@@ -59,14 +59,17 @@ from fo_kernels.layers import (
     _add_bias,
     _add_bias_to_shard,
     _autocast_operands,
-    _fp8_operands,
-    _keeping_dtypes,
-    _local_fp8_matmul,
     _needs_grad,
     _ReplicatedInputMatmul,
 )
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
-from fo_kernels.quantize import dequantize_weight, quantize_weight
+from fo_kernels.quantize import (
+    dequantize_weight,
+    fp8_operands,
+    keeping_dtypes,
+    local_fp8_matmul,
+    quantize_weight,
+)
 from fo_kernels.scaling import OUT_DTYPES
 from fo_kernels.schedule import TORCH_DTYPES
 
@@ -218,7 +221,7 @@ def _fp8_apply(
     fp8 codes and its float32 ``weight_scale`` keep their dtypes through a cast of the module's
     dtype, as the layers' do; a device move still moves them."""
     kept = (module.weight, getattr(module, SCALE_ATTR))
-    return type(module)._apply(module, _keeping_dtypes(fn, kept), recurse)
+    return type(module)._apply(module, keeping_dtypes(fn, kept), recurse)
 
 
 def _fp8_rows(
@@ -229,13 +232,13 @@ def _fp8_rows(
     if plan.fp8 is None:
         return rows, {}
     scale = _local(getattr(module, SCALE_ATTR))
-    return _fp8_operands(rows, plan.fp8, scale, shared=shared, group=plan.group)
+    return fp8_operands(rows, plan.fp8, scale, shared=shared, group=plan.group)
 
 
 def _local_fp8(module: nn.Linear, plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A colwise fp8 module's local GEMM of a replicated input: its rows quantized, the scaled GEMM."""
     codes, fp8 = _fp8_rows(module, plan, x.reshape(-1, x.shape[-1]))
-    return _local_fp8_matmul(codes, weight.t(), fp8, plan.fp8).view(*x.shape[:-1], weight.shape[0])
+    return local_fp8_matmul(codes, weight.t(), fp8, plan.fp8).view(*x.shape[:-1], weight.shape[0])
 
 
 def _leading_dim(placement: Placement, ndim: int) -> int | None:

@@ -10,17 +10,23 @@ so the block's largest magnitude maps to the largest finite fp8 value. A weight 
 (one per output feature). An activation (M, K) gives ``scale_a``: 0-dim or (M, 1). Where the ranks
 must share one tensorwise scale (an AllGather's shards: ``fo_kernels.scaling``), ``shared=True``
 takes the largest amax over ``group`` (one small all_reduce).
+
+Beside them, the fp8 layers' pieces outside the scaled ops, shared by ``fo_kernels.layers`` and
+``fo_kernels.parallel_forward``: the local scaled GEMM of a replicated input, the autograd
+functions whose backward refuses fp8 training, a call's fp8 operands, and the dtype-keeping cast.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from fo_kernels.errors import ScaleError, ShapeError
-from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE, OUT_DTYPES, fp8_aligned
+from fo_kernels.ops import fp8_input_meta, fp8_refused_grads
+from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE, OUT_DTYPES, Scales, fp8_aligned, scaled_mm
 
 # The largest finite float8_e4m3fn value (448).
 FP8_MAX = torch.finfo(FP8_DTYPE).max
@@ -101,3 +107,74 @@ def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 def layer_out_dtype(x: torch.Tensor) -> torch.dtype:
     """An fp8 layer's output dtype: its input's (the model's dtype), bfloat16 for other inputs."""
     return x.dtype if x.dtype in OUT_DTYPES else torch.bfloat16
+
+
+class LocalScaledMatmul(torch.autograd.Function):
+    """A column-parallel fp8 layer's local GEMM (its input is the same on every rank; the layers'
+    and the styles', ``fo_kernels.parallel_forward``): the scaled GEMM forward; training in fp8 is
+    out of scope, so its backward raises."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, scales: Scales) -> torch.Tensor:
+        ctx.input_meta = fp8_input_meta((a, b, scales))
+        return scaled_mm(a, b, scales)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        # (raises Fp8TrainingError when it runs; an op, so torch.compile can trace it: fo_kernels.ops)
+        return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
+
+
+class Fp8Refused(torch.autograd.Function):
+    """``a @ b`` (``add``: ``a + b``) of an fp8 layer outside its scaled ops: the GEMM of an input
+    with no rows (``_ParallelLinear._empty_forward``), the bias added to the output (``_add_bias``);
+    training in fp8 is out of scope, so its backward raises as ``LocalScaledMatmul``'s does."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, add: bool) -> torch.Tensor:
+        ctx.input_meta = fp8_input_meta((a, b, add))
+        return a + b if add else a @ b
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
+
+
+def fp8_operands(
+    rows: torch.Tensor,
+    scaling: str,
+    weight_scale: torch.Tensor,
+    *,
+    shared: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """(codes, the op's fp8 keyword arguments) of a call's activation rows against a weight of
+    ``weight_scale`` (``shared``: one tensorwise scale for every rank of ``group``, before an
+    AllGather); the output in the rows' dtype (``layer_out_dtype``)."""
+    codes, scale_a = quantize_rows(rows, scaling, shared=shared, group=group)
+    return codes, dict(scale_a=scale_a, scale_b=weight_scale, out_dtype=layer_out_dtype(rows))
+
+
+def local_fp8_matmul(codes: torch.Tensor, w: torch.Tensor, fp8: dict, scaling: str) -> torch.Tensor:
+    """The local scaled GEMM ``codes @ w`` of a replicated input, with ``fp8_operands``'s arguments."""
+    scales = Scales(
+        fp8["scale_a"].reshape(-1), fp8["scale_b"].reshape(-1), fp8["out_dtype"], scaling == "rowwise"
+    )
+    return LocalScaledMatmul.apply(codes, w, scales)
+
+
+def keeping_dtypes(
+    fn: Callable[[torch.Tensor], torch.Tensor], kept: tuple[torch.Tensor, ...]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``fn``, the function ``nn.Module._apply`` maps over a module's tensors (``to``, ``half``,
+    ``cuda``...), but the tensors in ``kept`` (an fp8 weight's codes and its float32 scale) keep
+    their dtypes: cast, the codes would become plain numbers without their scale and the scale
+    lose precision; a device move still moves them."""
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        out = fn(t)
+        if any(t is k for k in kept) and out.dtype != t.dtype:
+            return t.to(device=out.device)
+        return out
+
+    return keep

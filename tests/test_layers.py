@@ -132,6 +132,15 @@ def test_mlp_matches_unsharded_model(world):
         assert msgs["col_schedule"].startswith("ScheduleError: schedule: expected a fo_kernels."), msgs
         assert msgs["row_param_dtype"].startswith("ShapeError: dtype: torch.float64 is not one of"), msgs
         assert msgs["col_param_dtype_name"].startswith("ShapeError: dtype: 'bfloat16' is not one of"), msgs
+        assert msgs["col_schedule_unused"].startswith(
+            "ScheduleError: schedule: a ColumnParallelLinear without sequence_parallel runs no "
+            "collective in its forward"
+        ), msgs
+        assert msgs["row_schedule_collective"] == (
+            f"ScheduleError: schedule: a RowParallelLinear on {world} ranks runs all_reduce on "
+            f"{world} ranks, the schedule is for reduce_scatter on {world}"
+        ), msgs
+        assert "is for reduce_scatter on " + str(world + 1) in msgs["row_schedule_world"], msgs
         if rank == 2:
             assert "not a member" in msgs["group_not_member"], msgs
         empty = r["empty"]

@@ -417,8 +417,20 @@ def layer_bad_inputs(ctx, _payload) -> dict[str, str]:
     from fo_kernels import PlanError, parallelize_linears
 
     world = ctx.world_size
+
+    def fixed(collective: str, ranks: int = world) -> Schedule:
+        return Schedule(
+            collective=collective,
+            dtype="float32",
+            world_size=ranks,
+            problem=Problem(n=8, k=8, m_min=1, m_max=1024),
+        )
+
     col = ColumnParallelLinear(8, 4 * world)
     row = RowParallelLinear(4 * world, 6, sequence_parallel=True)
+    # a schedule of the forward's collective is taken
+    ColumnParallelLinear(8, 4 * world, sequence_parallel=True, schedule=fixed("all_gather"))
+    RowParallelLinear(4 * world, 6, schedule=fixed("all_reduce"))
     others = dist.new_group([0, 1])
     calls = {
         "col_features": lambda: col(torch.randn(3, 9)),
@@ -438,6 +450,13 @@ def layer_bad_inputs(ctx, _payload) -> dict[str, str]:
         "col_schedule": lambda: ColumnParallelLinear(8, 4 * world, schedule="auto"),
         "row_param_dtype": lambda: RowParallelLinear(4 * world, 6, dtype=torch.float64),
         "col_param_dtype_name": lambda: ColumnParallelLinear(8, 4 * world, dtype="bfloat16"),
+        # a schedule the forward would not run: none runs without sequence parallelism, another
+        # collective, another world size
+        "col_schedule_unused": lambda: ColumnParallelLinear(8, 4 * world, schedule=fixed("all_gather")),
+        "row_schedule_collective": lambda: RowParallelLinear(4 * world, 6, schedule=fixed("reduce_scatter")),
+        "row_schedule_world": lambda: RowParallelLinear(
+            4 * world, 6, sequence_parallel=True, schedule=fixed("reduce_scatter", world + 1)
+        ),
     }
     if ctx.rank == 2:
         calls["group_not_member"] = lambda: ColumnParallelLinear(8, 4, group=others)
