@@ -1,4 +1,4 @@
-"""Makes Triton's CPU interpreter cheaper for the test processes; changes nothing it computes.
+"""Makes Triton's CPU interpreter cheaper for the test processes, and decodes fp8 NaN codes as the GPU does.
 
 Triton's interpreter (3.6-3.7) re-patches ``triton.language`` on every call of a ``@triton.jit``
 device function (``_patch_lang``), and each patch lists the modules' members with
