@@ -716,6 +716,20 @@ def bad_inputs(ctx, _payload) -> dict[str, str]:
         "ag_dtype": lambda: symm_mem.fused_all_gather_matmul(a, [b, b.bfloat16()], 0, name),
         "rs_dtype": lambda: symm_mem.fused_matmul_reduce_scatter(a, b.double(), "sum", 0, name),
         "ag_group_type": lambda: symm_mem.fused_all_gather_matmul(a, [b], 0, 0),
+        # fp8 operands: these signatures take no scales (torch.matmul has no fp8 kernel either)
+        "ag_fp8": lambda: symm_mem.fused_all_gather_matmul(
+            torch.randn(2, 3, 16).to(torch.float8_e4m3fn),
+            [torch.randn(16, 16).to(torch.float8_e4m3fn)],
+            1,
+            name,
+        ),
+        "rs_e5m2": lambda: symm_mem.fused_matmul_reduce_scatter(
+            torch.randn(2 * world, 16).to(torch.float8_e5m2),
+            torch.randn(16, 16).to(torch.float8_e5m2),
+            "sum",
+            0,
+            name,
+        ),
         "plan_unknown": lambda: fo_tp.parallelize_linears(MLP(4, 8), {"nope": "column"}),
         "install_plain": lambda: fo_tp.install(nn.Linear(4, 4), mesh, fo_tp.ColwiseParallel()),
         "install_style": lambda: fo_tp.install(col, mesh, torch_tp.ColwiseParallel()),
