@@ -331,6 +331,12 @@ def fp8_styles(ctx, checkpoint_dir: str) -> dict[str, float | str]:
         out["refused"] = "NO ERROR"
     except PlanError as exc:
         out["refused"] = str(exc)
+    codes = copy.deepcopy(full[0]).requires_grad_(False).to(FP8)  # an nn.Linear of fp8 codes already
+    try:  # (no scale to run the codes by: the option quantizes a high-precision weight itself)
+        parallelize_module(codes, mesh, ColwiseParallel(fp8="tensorwise"))
+        out["refused codes"] = "NO ERROR"
+    except PlanError as exc:
+        out["refused codes"] = str(exc)
     model = parallelize_linears(copy.deepcopy(full), {"0": "column", "1": "row"}, fp8="rowwise")
     with torch.no_grad():
         got = model(x)
