@@ -62,6 +62,7 @@ from fo_kernels.fields import check_bool
 from fo_kernels.groups import check_group, require_initialized
 from fo_kernels.parallel_forward import COLWISE, PLAN_ATTR, ROWWISE, LinearPlan, install_forward
 from fo_kernels.quantize import check_scaling
+from fo_kernels.scaling import is_fp8
 from fo_kernels.schedule import TORCH_DTYPES
 from fo_kernels.symm_mem import fused_all_gather_matmul, fused_matmul_reduce_scatter
 
@@ -86,8 +87,12 @@ def _blocker(module: nn.Module, mesh: DeviceMesh) -> str:
         return f"{type(module).__name__} is not an nn.Linear with nn.Linear's forward"
     if mesh.ndim != 1:
         return f"the mesh has {mesh.ndim} dims, fo-tune's ops take one process group"
-    if module.weight.dtype not in TORCH_DTYPES.values():
-        return f"its weight is {module.weight.dtype}; the ops take bfloat16, float16 or float32"
+    dtype = module.weight.dtype
+    if dtype not in TORCH_DTYPES.values() or is_fp8(dtype):  # (fp8 codes: no scale to run them by)
+        return (
+            f"its weight is {dtype}; the ops take bfloat16, float16 or float32 weights (the fp8 option "
+            "quantizes one of those itself)"
+        )
     return ""
 
 

@@ -19,7 +19,8 @@ their concatenation, whose output is split); the last dim (the features), dtypes
 take, empty operands (no rows, features or outputs) and an empty ``Bs`` run as torch's reference
 runs them, with a ``NotOverlappedWarning``. Unlike torch's ops these are differentiable in ``A``
 and ``Bs`` (the gathered A that ``return_A`` gives is not). Bad arguments raise a ``ValueError``
-subclass naming the problem before any collective.
+subclass naming the problem before any collective; fp8 operands are one (``ScaleError``: these
+signatures take no scales; ``all_gather_gemm`` / ``gemm_reduce_scatter`` take them).
 """
 
 from __future__ import annotations
@@ -30,17 +31,19 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fo_kernels.errors import ArgumentError, GroupError, NotOverlappedWarning, ShapeError
+from fo_kernels.errors import ArgumentError, GroupError, NotOverlappedWarning, ScaleError, ShapeError
 from fo_kernels.gemm import BOperand
 from fo_kernels.groups import check_group, require_initialized, resolve_group
 from fo_kernels.ops import call_op
+from fo_kernels.scaling import is_fp8
 from fo_kernels.schedule import TORCH_DTYPES
 
 __all__ = ["fused_all_gather_matmul", "fused_matmul_reduce_scatter"]
 
 REDUCE_OPS = ("sum", "avg")
-# The dtypes the ops take, as a warning names them.
-_DTYPES = ", ".join(str(t).removeprefix("torch.") for t in TORCH_DTYPES.values())
+# The dtypes these functions run on the ops (fp8 needs scales, which torch's signatures have no
+# place for: ``_check_not_fp8``), as a warning names them.
+_DTYPES = ", ".join(str(t).removeprefix("torch.") for t in TORCH_DTYPES.values() if not is_fp8(t))
 
 
 def _dim(dim: int, ndim: int, what: str) -> int:
@@ -67,6 +70,26 @@ def _check_b(a: torch.Tensor, b: torch.Tensor, what: str, k: int) -> None:
 def _check_a(a: torch.Tensor) -> None:
     if not isinstance(a, torch.Tensor) or a.dim() < 2:
         raise ShapeError(f"A must be a tensor of at least 2 dims, got {_described(a)}")
+
+
+# The op that takes scales, named by each fused function's fp8 refusal (``_check_not_fp8``).
+_FP8_OPS = {
+    "fused_all_gather_matmul": "all_gather_gemm",
+    "fused_matmul_reduce_scatter": "gemm_reduce_scatter",
+}
+
+
+def _check_not_fp8(what: str, a: torch.Tensor, bs: list[torch.Tensor]) -> None:
+    """Raise ``ScaleError`` for fp8 operands: torch's unscaled signatures have no ``scale_a`` /
+    ``scale_b`` (torch has ``fused_all_gather_scaled_matmul`` for those), and torch.matmul has no
+    fp8 kernel, so the call would fail after its collective."""
+    dtypes = [t.dtype for t in (a, *bs) if is_fp8(t.dtype)]
+    if dtypes:
+        raise ScaleError(
+            f"{what} has no scales for {dtypes[0]} operands (torch's unscaled signature): call "
+            f"fo_kernels.{_FP8_OPS[what]} with float8_e4m3fn operands, scale_a and scale_b, or pass "
+            "bfloat16, float16 or float32 operands"
+        )
 
 
 def _described(t: object) -> str:
@@ -146,6 +169,7 @@ def fused_all_gather_matmul(
     k = A_shard.shape[-1] * (world if d == A_shard.dim() - 1 else 1)
     for i, b in enumerate(Bs):
         _check_b(A_shard, b, f"Bs[{i}]", k)
+    _check_not_fp8("fused_all_gather_matmul", A_shard, Bs)
     why = _reference_why(A_shard, Bs, d)
     if why is not None:
         _not_overlapped(why)
@@ -176,6 +200,7 @@ def fused_matmul_reduce_scatter(
     ReduceScatter (``gemm_reduce_scatter``). See the module docstring."""
     _check_a(A)
     _check_b(A, B, "B", A.shape[-1])
+    _check_not_fp8("fused_matmul_reduce_scatter", A, [B])
     if reduce_op not in REDUCE_OPS:
         raise ArgumentError(f"reduce_op {reduce_op!r} is not one of {', '.join(REDUCE_OPS)}")
     d = _dim(scatter_dim, A.dim(), "scatter_dim")

@@ -331,12 +331,56 @@ def fp8_styles(ctx, checkpoint_dir: str) -> dict[str, float | str]:
         out["refused"] = "NO ERROR"
     except PlanError as exc:
         out["refused"] = str(exc)
+    codes = copy.deepcopy(full[0]).requires_grad_(False).to(FP8)  # an nn.Linear of fp8 codes already
+    try:  # (no scale to run the codes by: the option quantizes a high-precision weight itself)
+        parallelize_module(codes, mesh, ColwiseParallel(fp8="tensorwise"))
+        out["refused codes"] = "NO ERROR"
+    except PlanError as exc:
+        out["refused codes"] = str(exc)
     model = parallelize_linears(copy.deepcopy(full), {"0": "column", "1": "row"}, fp8="rowwise")
     with torch.no_grad():
         got = model(x)
     out["parallelize_linears"] = ((got.double() - want).norm() / want.norm()).item()
     out["parallelize_linears cast"] = _recast(model, x, got)
+    out.update(_loss_parallel_fp8(mesh, w))
     out.update(_style_loads(full, mesh, x, want, checkpoint_dir))
+    return out
+
+
+def _loss_parallel_fp8(mesh, w: int) -> dict[str, float]:
+    """torchtitan's plan with loss parallelism in fp8 (``parallel_cases.LossParallelLM``: the
+    embedding on torch's style, the colwise layers fed a SequenceParallel norm's ``Shard(1)``
+    DTensor, the output a ``Shard(-1)`` DTensor) against the full float64 model, each scaling."""
+    import copy
+
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import parallel as torch_tp
+
+    from fo_kernels.parallel import ColwiseParallel, RowwiseParallel
+    from parallel_cases import LossParallelLM
+
+    torch.manual_seed(99)
+    full = LossParallelLM(16 * w, 32, 16 * w, bias=True)
+    tokens = torch.randint(0, 16 * w, (2, 2 * w))
+    want = copy.deepcopy(full).double()(tokens)
+    out = {}
+    for scaling in ("tensorwise", "rowwise"):
+        plan = {
+            "tok": torch_tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": torch_tp.SequenceParallel(),
+            "up": ColwiseParallel(input_layouts=Shard(1), fp8=scaling),
+            "down": RowwiseParallel(output_layouts=Shard(1), fp8=scaling),
+            "final_norm": torch_tp.SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False, fp8=scaling
+            ),
+        }
+        model = torch_tp.parallelize_module(copy.deepcopy(full), mesh, plan)
+        with torch.no_grad():
+            got = model(tokens)
+        assert isinstance(got, DTensor) and got.placements == (Shard(2),), got
+        got = got.full_tensor().double()
+        out[f"loss_parallel-{scaling}"] = ((got - want).norm() / want.norm()).item()
     return out
 
 

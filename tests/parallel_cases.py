@@ -95,6 +95,27 @@ class Embed(nn.Module):
         return self.proj(self.tok(tokens))
 
 
+class LossParallelLM(nn.Module):
+    """A torchtitan-shaped language model head with loss parallelism: a sequence-parallel
+    embedding, a sequence-parallel norm whose DTensor feeds a colwise projection directly (its
+    ``Shard(1)`` input gathered), a rowwise one back to ``Shard(1)``, a residual, a final norm
+    and an output projection that keeps its vocabulary shard as a DTensor (``Shard(-1)``)."""
+
+    def __init__(self, vocab: int, hidden: int, inner: int, bias: bool) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+        self.norm = nn.RMSNorm(hidden)
+        self.up = nn.Linear(hidden, inner, bias=bias)
+        self.down = nn.Linear(inner, hidden, bias=bias)
+        self.final_norm = nn.RMSNorm(hidden)
+        self.output = nn.Linear(hidden, vocab, bias=bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens)
+        h = h + self.down(torch.tanh(self.up(self.norm(h))))
+        return self.output(self.final_norm(h))
+
+
 # ---------------------------------------------------------------------------------- cases
 @dataclass(frozen=True)
 class StyleCase:
@@ -215,6 +236,25 @@ CASES: dict[str, StyleCase] = {
         ops=AG_RS,
         warnings=2,
         tokens=8,
+    ),
+    # torchtitan's plan with loss parallelism on 3-dim activations: the embedding runs as torch's
+    # style (one warning), the colwise layers gather a Shard(1) DTensor, the output stays Shard(-1)
+    "loss_parallel": StyleCase(
+        model=lambda w: LossParallelLM(4 * w, 8, 2 * w, bias=True),
+        plan=lambda s: {
+            "tok": s[1](input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": torch_tp.SequenceParallel(),
+            "up": s[0](input_layouts=Shard(1)),
+            "down": s[1](output_layouts=Shard(1)),
+            "final_norm": torch_tp.SequenceParallel(),
+            "output": s[0](input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        },
+        x_shape=lambda w: (2, 2 * w),
+        x_shard=False,
+        y_shard=True,
+        ops=AG_RS,
+        warnings=1,
+        tokens=4,
     ),
     # parallelize_linears over the styles, with sequence parallelism: the plan of "mlp_sp"
     "linears_sp": StyleCase(
@@ -676,6 +716,20 @@ def bad_inputs(ctx, _payload) -> dict[str, str]:
         "ag_dtype": lambda: symm_mem.fused_all_gather_matmul(a, [b, b.bfloat16()], 0, name),
         "rs_dtype": lambda: symm_mem.fused_matmul_reduce_scatter(a, b.double(), "sum", 0, name),
         "ag_group_type": lambda: symm_mem.fused_all_gather_matmul(a, [b], 0, 0),
+        # fp8 operands: these signatures take no scales (torch.matmul has no fp8 kernel either)
+        "ag_fp8": lambda: symm_mem.fused_all_gather_matmul(
+            torch.randn(2, 3, 16).to(torch.float8_e4m3fn),
+            [torch.randn(16, 16).to(torch.float8_e4m3fn)],
+            1,
+            name,
+        ),
+        "rs_e5m2": lambda: symm_mem.fused_matmul_reduce_scatter(
+            torch.randn(2 * world, 16).to(torch.float8_e5m2),
+            torch.randn(16, 16).to(torch.float8_e5m2),
+            "sum",
+            0,
+            name,
+        ),
         "plan_unknown": lambda: fo_tp.parallelize_linears(MLP(4, 8), {"nope": "column"}),
         "install_plain": lambda: fo_tp.install(nn.Linear(4, 4), mesh, fo_tp.ColwiseParallel()),
         "install_style": lambda: fo_tp.install(col, mesh, torch_tp.ColwiseParallel()),

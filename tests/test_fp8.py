@@ -158,6 +158,49 @@ def test_rowwise_scales_as_views_at_one_row(tmp_path):
         dist.destroy_process_group()
 
 
+def test_triton_engine_fp8_matches_scaled_mm_on_small_views_and_nan(tmp_path):
+    """One gloo rank in this process, each op through a Triton-engine schedule and through the
+    lookup (overlap: false), against torch._scaled_mm on the same operands: M = 1 with N = K = 16
+    (one tile, tensorwise scales of shape (1,) and (1, 1)), and a non-contiguous A (the transposed
+    view of a (K, M) tensor) with a row-major B and rowwise scales; a NaN code in A gives NaN in
+    its row, as torch's does (the interpreter read it as 480 before the tests' setup decoded it)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the lookup's heuristic warning
+            one_tile = ((torch.randn(1, 16) * 3).to(FP8), _fp8(16, 16).t())
+            scales_1 = (torch.full((1,), 0.75), torch.full((1, 1), 1.25))
+            wide = ((torch.randn(32, 5) * 3).to(FP8).t(), _fp8(32, 48))
+            scales_rw = (torch.rand(5, 1) + 0.5, torch.rand(1, 48) + 0.5)
+            nan_a = wide[0].clone()
+            nan_a[2, 7] = float("nan")
+            for (a, b), (sa, sb) in (
+                (one_tile, scales_1),
+                (wide, scales_rw),
+                ((nan_a, wide[1]), scales_rw),
+            ):
+                m, (k, n) = a.shape[0], b.shape
+                # (torch._scaled_mm's own layouts: A row-major, B column-major)
+                ref_a, ref_b = a.contiguous(), b.t().contiguous().t()
+                want = torch._scaled_mm(ref_a, ref_b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+                assert bool(want.isnan().any()) == (a is nan_a)
+                for collective, op in (
+                    ("all_reduce", gemm_all_reduce),
+                    ("reduce_scatter", gemm_reduce_scatter),
+                    ("all_gather", all_gather_gemm),
+                ):
+                    if collective == "all_gather":
+                        schedule = gather_schedule(1, m, n, k, DTYPE, 2)
+                    else:
+                        schedule = make_schedule(collective, 1, m, n, k, DTYPE, "row_band")
+                    for s in (schedule, None):
+                        got = op(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32, schedule=s)
+                        where = f"{collective} {m}x{n}x{k} engine={s is not None}"
+                        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, equal_nan=True, msg=where)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_compiled_fp8_calls_with_gradients_run_forward_and_refuse_the_backward(tmp_path):
     """torch.compile traces the backward of a forward whose inputs require a gradient (AOTAutograd's
     joint graph): a compiled fp8 op call, and a compiled fp8 column-parallel layer (its local scaled
@@ -352,6 +395,7 @@ def test_fp8_styles_on_gloo_ranks(tmp_path):
         for scaling in ("tensorwise", "rowwise"):
             assert "0.weight is torch.float8_e4m3fn codes but" in got.pop(f"{scaling} no scale"), rank
         assert "is gathered on its features" in got.pop("refused"), rank
+        assert "its weight is torch.float8_e4m3fn; the ops take" in got.pop("refused codes"), rank
         cast = {k: got.pop(k) for k in list(got) if k.endswith(" cast")}
         assert len(cast) == 5 and not any(cast.values()), (rank, cast)
         assert all(err < LAYER_TOL for err in got.values()), (rank, got)

@@ -97,6 +97,9 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
             msgs
         )
         assert msgs["ag_group_type"].startswith("GroupError: group_name: expected"), msgs
+        assert msgs["ag_fp8"].startswith("ScaleError: fused_all_gather_matmul has no scales"), msgs
+        assert "call fo_kernels.all_gather_gemm with float8_e4m3fn operands" in msgs["ag_fp8"], msgs
+        assert "float8_e5m2 operands" in msgs["rs_e5m2"] and "gemm_reduce_scatter" in msgs["rs_e5m2"], msgs
         assert "names no submodule" in msgs["plan_unknown"] and "diagonal" in msgs["plan_kind"], msgs
         assert "not a DTensor sharded on dim 0" in msgs["install_plain"], msgs
         assert msgs["install_style"].startswith("PlanError: style: expected"), msgs

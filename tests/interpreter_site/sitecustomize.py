@@ -1,4 +1,4 @@
-"""Makes Triton's CPU interpreter cheaper for the test processes; changes nothing it computes.
+"""Makes Triton's CPU interpreter cheaper for the test processes, and decodes fp8 NaN codes as the GPU does.
 
 Triton's interpreter (3.6-3.7) re-patches ``triton.language`` on every call of a ``@triton.jit``
 device function (``_patch_lang``), and each patch lists the modules' members with
@@ -14,6 +14,11 @@ interpreter time). The test setup (``tests/conftest.py``) puts this folder on
 ``PYTHONPATH``, so Python runs this file at the start of every process the tests start (pytest's
 workers, gloo ranks, CLI subprocesses); it acts only once ``triton.runtime.interpreter`` is
 imported, and leaves Triton as it is where its internals differ from what it expects.
+
+One conversion is corrected rather than sped up (``_fp8_nan_codes``): the interpreter decodes
+float8_e4m3fn by its bits alone, so its NaN codes (0x7F, 0xFF; the format has no inf) read as
++-480 where the GPU's conversion, and torch's, give NaN; a NaN in an fp8 operand would vanish
+from a CPU test of the kernels while it reaches the output on the GPU.
 """
 
 from __future__ import annotations
@@ -50,7 +55,35 @@ def speed_up(interpreter: ModuleType) -> bool:
 
     interpreter._patch_builtin = _patch_builtin
     _skip_nested_patches(interpreter)
+    _fp8_nan_codes(interpreter)
     return True
+
+
+def _fp8_nan_codes(interpreter: ModuleType) -> None:
+    """Make the interpreter's float conversion (``_convert_float``: loads cast up, and ``tl.dot`` of
+    fp8 blocks, which it runs in float16) give NaN for float8_e4m3fn's NaN codes, as the GPU does;
+    every other code converts as before."""
+    import numpy as np
+
+    convert = getattr(interpreter, "_convert_float", None)
+    if convert is None:
+        return
+
+    def _convert_float(input: Any, input_dtype: Any, output_dtype: Any, rounding_mode: Any) -> Any:
+        out = convert(input, input_dtype, output_dtype, rounding_mode)
+        # (by name: triton.language is still being imported when this is installed)
+        if getattr(input_dtype, "name", None) != "fp8e4nv" or output_dtype.primitive_bitwidth <= 8:
+            return out
+        codes = np.frombuffer(input.tobytes(), dtype=np.uint8).reshape(out.shape)
+        nan = (codes & 0x7F) == 0x7F
+        if not nan.any():
+            return out
+        mantissa = output_dtype.fp_mantissa_width
+        exponent = output_dtype.primitive_bitwidth - mantissa - 1
+        quiet_nan = (((1 << exponent) - 1) << mantissa) | (1 << (mantissa - 1))
+        return np.where(nan, np.array(quiet_nan, dtype=out.dtype), out)
+
+    interpreter._convert_float = _convert_float
 
 
 def _skip_nested_patches(interpreter: ModuleType) -> None:
