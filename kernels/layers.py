@@ -63,7 +63,6 @@ from fo_kernels.quantize import (
     dequantize_weight,
     fp8_operands,
     keeping_dtypes,
-    layer_out_dtype,
     local_fp8_matmul,
     quantize_weight,
 )
@@ -287,7 +286,7 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
         collectives alike. A local GEMM keeps autograd's zero weight and bias gradients; an fp8
         layer takes the dequantized weight (its backward raises as on any other input)."""
         if self.fp8:
-            out_dtype = layer_out_dtype(rows)
+            out_dtype = rows.dtype
             scale = self.weight_scale if self.weight_scale.dim() == 0 else self.weight_scale.reshape(-1, 1)
             dequantized = weight.to(out_dtype) * scale.to(out_dtype)
             y = Fp8Refused.apply(rows.to(out_dtype), dequantized.t(), False)
@@ -321,11 +320,12 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
     def _check_dtype(self, rows: torch.Tensor, weight: torch.Tensor) -> None:
         """Refuse an input of another dtype than the weight's (``ShapeError``), as the ops refuse
         mixed operands; a column-parallel layer's local GEMM would raise torch's RuntimeError
-        instead. An fp8 layer quantizes its input, of any float dtype, per call (an integer one,
-        as ``nn.Linear`` does, it refuses)."""
-        if self.fp8 is not None and not rows.is_floating_point():
+        instead. An fp8 layer quantizes its input per call and gives its output in the input's
+        dtype: bfloat16, float16 or float32 (the scaled GEMM's output dtypes); another it refuses."""
+        if self.fp8 is not None and rows.dtype not in OUT_DTYPES:
             raise ShapeError(
-                f"input is {rows.dtype}; an fp8 {type(self).__name__} quantizes a floating-point input"
+                f"input is {rows.dtype}; an fp8 {type(self).__name__} quantizes an input of "
+                "torch.bfloat16, torch.float16 or torch.float32 and gives its output in that dtype"
             )
         if self.fp8 is None and rows.dtype != weight.dtype:
             raise ShapeError(

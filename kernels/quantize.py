@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from fo_kernels.errors import ScaleError, ShapeError
 from fo_kernels.ops import fp8_input_meta, fp8_refused_grads
-from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE, OUT_DTYPES, Scales, fp8_aligned, scaled_mm
+from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE, Scales, fp8_aligned, scaled_mm
 
 # The largest finite float8_e4m3fn value (448).
 FP8_MAX = torch.finfo(FP8_DTYPE).max
@@ -104,11 +104,6 @@ def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     return (codes.float() * per_row.float()).to(dtype)
 
 
-def layer_out_dtype(x: torch.Tensor) -> torch.dtype:
-    """An fp8 layer's output dtype: its input's (the model's dtype), bfloat16 for other inputs."""
-    return x.dtype if x.dtype in OUT_DTYPES else torch.bfloat16
-
-
 class LocalScaledMatmul(torch.autograd.Function):
     """A column-parallel fp8 layer's local GEMM (its input is the same on every rank; the layers'
     and the styles', ``fo_kernels.parallel_forward``): the scaled GEMM forward; training in fp8 is
@@ -150,9 +145,9 @@ def fp8_operands(
 ) -> tuple[torch.Tensor, dict]:
     """(codes, the op's fp8 keyword arguments) of a call's activation rows against a weight of
     ``weight_scale`` (``shared``: one tensorwise scale for every rank of ``group``, before an
-    AllGather); the output in the rows' dtype (``layer_out_dtype``)."""
+    AllGather); the output in the rows' dtype (bfloat16, float16 or float32)."""
     codes, scale_a = quantize_rows(rows, scaling, shared=shared, group=group)
-    return codes, dict(scale_a=scale_a, scale_b=weight_scale, out_dtype=layer_out_dtype(rows))
+    return codes, dict(scale_a=scale_a, scale_b=weight_scale, out_dtype=rows.dtype)
 
 
 def local_fp8_matmul(codes: torch.Tensor, w: torch.Tensor, fp8: dict, scaling: str) -> torch.Tensor:

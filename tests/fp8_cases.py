@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
-from fo_kernels.errors import EnvironmentMismatchError, FoTuneError, Fp8TrainingError
+from fo_kernels.errors import EnvironmentMismatchError, FoTuneError, Fp8TrainingError, ShapeError
 from fo_kernels.schedule import Schedule
 
 FP8 = torch.float8_e4m3fn
@@ -234,6 +234,13 @@ def fp8_layers(ctx, _payload) -> dict[str, float | str]:
         out["backward"] = "NO ERROR"
     except Fp8TrainingError as exc:
         out["backward"] = str(exc)
+    # an input the scaled GEMM cannot give its output in (float64) or quantize (an integer one)
+    for name, bad in (("float64 input", x.detach().double()), ("int input", x.detach().long())):
+        try:
+            col(bad)
+            out[name] = "NO ERROR"
+        except ShapeError as exc:
+            out[name] = str(exc)
     return out
 
 

@@ -372,6 +372,11 @@ def test_fp8_ops_on_gloo_ranks(world):
     for rank, got in enumerate(per_rank):
         layers = dict(got["layers"])
         assert "training in fp8 is out of scope" in layers.pop("backward")
+        for name in ("float64 input", "int input"):
+            assert (
+                layers.pop(name).startswith("input is torch.")
+                and "quantizes an input of" in got["layers"][name]
+            ), (rank, got["layers"][name])
         assert all(err < LAYER_TOL for err in layers.values()), (rank, layers)
 
 
