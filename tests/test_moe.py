@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.backends.debugging import aot_eager
+from torch.distributed.device_mesh import init_device_mesh
 
 from fo_kernels import GroupError, MoeProblem, MoeSchedule, ScheduleError, ShapeError, expert_parallel_ffn
 from fo_kernels.moe import ops as moe_ops
@@ -238,13 +239,35 @@ def test_compiled_bad_input_raises_the_ops_value_errors(one_rank):
         args = dict(x=x, ids=ids, w=w, w13=w13, w2=w2) | bad
         with pytest.raises(ShapeError, match=match):
             compiled(*args.values())
+    # a DeviceMesh where its group goes, a list of ranks, a schedule's dict: the eager call's error
+    # and message (the trace cannot raise them: the op does when the graph runs it)
+    problem = MoeProblem(hidden=8, intermediate=3, experts=2, top_k=2, tokens_max=4)
+    for bad, error, match in (
+        (
+            dict(group=init_device_mesh("cpu", (1,))),
+            GroupError,
+            r"got a DeviceMesh; .* mesh\.get_group\(dim\)",
+        ),
+        (dict(group=[0]), GroupError, "ProcessGroup or None, got list"),
+        (
+            dict(schedule=MoeSchedule(dtype="float32", world_size=1, problem=problem).to_dict()),
+            ScheduleError,
+            "got dict",
+        ),
+    ):
+        torch._dynamo.reset()  # (each case a compile of its own: the recompile limit is not the test's)
+        traced = torch.compile(expert_parallel_ffn, fullgraph=True, backend="aot_eager", dynamic=False)
+        for call in (expert_parallel_ffn, traced):
+            with pytest.raises(error, match=match):
+                call(x, ids, w, w13, w2, **bad)
     want = expert_parallel_ffn(x, ids, w, w13, w2)
     torch.testing.assert_close(compiled(x, ids, w, w13, w2), want)
 
 
 def test_world_size_one_duplicates_and_direct_call(one_rank):
     """At world size 1 nothing moves; a token naming one expert twice counts twice; a call without
-    gradients skips the dispatcher and equals the op's; meta tensors are refused."""
+    gradients skips the dispatcher and equals the op's; int32 ids are taken; meta tensors are
+    refused."""
     x = torch.randn(6, 8, dtype=torch.float64)
     ids = torch.tensor([[1, 1], [0, 2], [2, 2], [1, 0], [0, 0], [2, 1]])
     w = torch.rand(6, 2, dtype=torch.float64)
@@ -254,6 +277,12 @@ def test_world_size_one_duplicates_and_direct_call(one_rank):
     assert rel_err(got, want) < TOL["float32"]
     via_op = moe_ops._ffn(x.float(), ids, w.float(), w13.float(), w2.float(), "", "")
     torch.testing.assert_close(got, via_op)
+    # int32 ids (some routers store them) route as int64 ones; other index dtypes are refused
+    torch.testing.assert_close(
+        expert_parallel_ffn(x.float(), ids.int(), w.float(), w13.float(), w2.float()), got
+    )
+    with pytest.raises(ShapeError, match=r"topk_ids is torch\.int16; expert ids are int64 \(or int32\)"):
+        expert_parallel_ffn(x.float(), ids.short(), w.float(), w13.float(), w2.float())
     # meta tensors hold no ids: a ShapeError naming the device, not torch's RuntimeError of .item()
     meta = [t.float().to("meta") for t in (x, w, w13, w2)]
     with pytest.raises(ShapeError, match="on the meta device"):
