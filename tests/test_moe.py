@@ -37,6 +37,14 @@ GROUPS = ((0, 1), (1, 2, 3), (0, 1, 2, 3))
 TILE = {"block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 4, "num_stages": 1}
 DTYPES = ("float32", "bfloat16", "float32", "float16")
 CASES = 8  # per group
+# Sizes no random case draws (H 24, I 40, E_local 3), added to the first group's: no rank holds
+# tokens; k = E (every expert once), one rank without tokens; k = 1, every row on few experts.
+ODD = dict(hidden=24, inter=40, experts=3)
+ODD_CASES = (
+    MoeCase(tokens=(0, 0), top_k=2, seed=71, **ODD),
+    MoeCase(tokens=(5, 0), top_k=6, routing="distinct", seed=72, **ODD),
+    MoeCase(tokens=(4, 7), top_k=1, routing="duplicates", dtype="bfloat16", seed=73, **ODD),
+)
 EXAMPLE_MODELS = ("mixtral", "qwen3_moe")
 EXAMPLE_CHECKS = {"logits", "loss", "other parameters", "expert weights", "checkpoint load"}
 # opcheck's checks but the dynamic-shape AOT dispatch (18 s on a 2-core CPU), which
@@ -78,14 +86,15 @@ def _cases(world: int, seed: int, count: int) -> list[MoeCase]:
 
 
 def test_gloo_groups_of_two_three_and_four_ranks():
-    """Forward and every gradient within the dtype's tolerance on every rank of every group; the
-    bad calls raise ValueErrors naming the problem and leave no collective half done; a rank
-    outside a group gets a GroupError, eagerly and compiled; a deep copy of an
-    ExpertParallelExperts runs over the module's group; examples/moe_block.py's check of a
-    Mixtral and a Qwen3-MoE decoder with their experts over the 4 ranks
-    (``ExpertParallelExperts``) against the unsharded models, and the unsharded model's
-    state_dict loaded into a sharded one (each rank its experts)."""
+    """Forward and every gradient within the dtype's tolerance on every rank of every group (random
+    cases, and ``ODD_CASES`` on the first); the bad calls raise ValueErrors naming the problem and
+    leave no collective half done; a rank outside a group gets a GroupError, eagerly and compiled;
+    a deep copy of an ExpertParallelExperts runs over the module's group; examples/moe_block.py's
+    check of a Mixtral and a Qwen3-MoE decoder with their experts over the 4 ranks
+    (``ExpertParallelExperts``) against the unsharded models, and the unsharded model's state_dict
+    loaded into a sharded one (each rank its experts)."""
     groups = [(ranks, _cases(len(ranks), 10 + len(ranks), CASES)) for ranks in GROUPS]
+    groups[0][1].extend(ODD_CASES)
     per_rank = run_ranks(run_groups, 4, (groups, EXAMPLE_MODELS), backend="gloo")
     checked = 0
     for rank, results in enumerate(per_rank):
@@ -107,7 +116,7 @@ def test_gloo_groups_of_two_three_and_four_ranks():
                 for name, err in errs.items():
                     assert err < TOL[c.dtype], f"{where}: {name} relative error {err:.2e} in {c}"
                 checked += 1
-    assert checked == sum(len(ranks) * CASES for ranks in GROUPS) + 4 * len(EXAMPLE_MODELS)
+    assert checked == sum(len(ranks) * len(cases) for ranks, cases in groups) + 4 * len(EXAMPLE_MODELS)
 
 
 def _check_bad(msgs: dict, where: str) -> None:
