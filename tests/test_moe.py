@@ -576,6 +576,18 @@ def test_module_forward_refuses_a_routing_of_other_tokens(one_rank, ids_shape, w
     assert ep(x.view(2, 2, 8), ids, w).shape == (2, 2, 8)
 
 
+def test_module_takes_experts_whose_silu_works_in_place(one_rank):
+    """An expert MLP's ``nn.SiLU(inplace=True)`` is a SiLU: the module is built, and computes what
+    the experts compute."""
+    from fo_kernels import ExpertParallelExperts
+
+    torch.manual_seed(5)
+    mlps = torch.nn.ModuleList(_Mlp(torch.nn.SiLU(inplace=True)) for _ in range(3))
+    x, ids, w = torch.randn(5, 16), torch.randint(0, 3, (5, 2)), torch.rand(5, 2)
+    want = torch.stack([sum(w[t, j] * mlps[int(ids[t, j])](x[t]) for j in range(2)) for t in range(5)])
+    torch.testing.assert_close(ExpertParallelExperts.from_experts(mlps)(x, ids, w), want)
+
+
 def test_module_refuses_what_the_op_does_not_compute(one_rank):
     pytest.importorskip("transformers")
     from fo_kernels import ExpertParallelExperts, PlanError, parallelize_experts
