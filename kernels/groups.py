@@ -6,18 +6,56 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from fo_kernels.errors import GroupError, NotInitializedError
 
+# The ops' ``group_name`` of a group argument that ``check_group`` refuses, in a traced call
+# (torch.compile): Dynamo makes a RuntimeError of anything its trace raises, so the name carries
+# the refusal instead and ``resolve_group`` raises that ``GroupError`` when the graph runs the op,
+# before any collective, as an eager call raises it. No process group has such a name.
+REFUSED_GROUP = "<refused group> "
 
-def group_name(group: dist.ProcessGroup | None) -> str:
+
+def group_name(group: object) -> str:
     """The ops' ``group_name`` argument of ``group`` ("" for the default group); refuses what is
-    not a process group of this rank (``GroupError``) before any collective starts."""
+    not a process group of this rank (``GroupError``) before any collective starts: at once, or
+    in a traced call when the op runs (``REFUSED_GROUP``)."""
     if group is None:
         return ""
-    check_group(group)
+    problem = group_problem(group)
+    if problem:
+        if torch.compiler.is_compiling():
+            return REFUSED_GROUP + problem
+        raise GroupError(problem)
     return group.group_name
+
+
+def group_problem(group: object) -> str:
+    """Why ``check_group`` refuses ``group``; "" when it takes it."""
+    if group is None:
+        return ""
+    if isinstance(group, dist.ProcessGroup):
+        if group not in dist.distributed_c10d._world.pg_map:
+            return (
+                "group: the process group was destroyed (dist.destroy_process_group) or was not made "
+                "by torch.distributed; pass a live group, or None for the default one"
+            )
+        return ""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return (
+            "group: this rank is not a member of the process group it was given (dist.new_group returns "
+            "GroupMember.NON_GROUP_MEMBER on ranks outside it); call the op only on the group's ranks"
+        )
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):  # (a traced call sees it as another type: named here)
+        return (
+            "group: expected a torch.distributed ProcessGroup or None, got a DeviceMesh; pass the group "
+            "of one of its dimensions, mesh.get_group(dim)"
+        )
+    return f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}"
 
 
 def check_group(group: object) -> None:
@@ -25,27 +63,18 @@ def check_group(group: object) -> None:
     that ``dist.destroy_process_group`` has not removed from torch.distributed's registry: the
     runtime's cache would otherwise keep running collectives on it where the ops' dispatcher path,
     which resolves the group by name, refuses it)."""
-    if group is None:
-        return
-    if isinstance(group, dist.ProcessGroup):
-        if group not in dist.distributed_c10d._world.pg_map:
-            raise GroupError(
-                "group: the process group was destroyed (dist.destroy_process_group) or was not made "
-                "by torch.distributed; pass a live group, or None for the default one"
-            )
-        return
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise GroupError(
-            "group: this rank is not a member of the process group it was given (dist.new_group returns "
-            "GroupMember.NON_GROUP_MEMBER on ranks outside it); call the op only on the group's ranks"
-        )
-    raise GroupError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    problem = group_problem(group)
+    if problem:
+        raise GroupError(problem)
 
 
 def resolve_group(name: str) -> dist.ProcessGroup | None:
-    """The process group of an op's ``group_name`` (None: the default group)."""
+    """The process group of an op's ``group_name`` (None: the default group); a ``REFUSED_GROUP``
+    name raises the refusal it carries."""
     if not name:
         return None
+    if name.startswith(REFUSED_GROUP):
+        raise GroupError(name[len(REFUSED_GROUP) :])
     try:
         return dist.distributed_c10d._resolve_process_group(name)
     except (ValueError, RuntimeError, KeyError) as exc:

@@ -42,7 +42,6 @@ import functools
 import json
 
 import torch
-import torch.distributed as dist
 
 from fo_kernels.errors import FoTuneError, Fp8TrainingError, ScheduleError
 from fo_kernels.groups import group_size, resolve_group
@@ -60,10 +59,12 @@ OP_NAMES = {
 SCHEDULE_CACHE_SIZE = 256
 # Tensor types a direct (dispatcher-free) call takes: parameters are plain tensors too.
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-# The ops' ``group_name`` of a group this rank is not in, passed by a compiled call (whose trace
-# cannot raise a ValueError: ``fo_kernels.overlap``, ``expert_parallel_ffn``) so that the op
-# raises its GroupError when it runs; no process group has this name.
-NON_MEMBER = "<not a member of the group>"
+# The ops' ``schedule`` argument of a schedule argument that is not a schedule, in a traced call
+# (torch.compile): Dynamo makes a RuntimeError of anything its trace raises, so the text carries
+# the refusal instead and ``parse_schedule`` raises that ``ScheduleError`` when the graph runs the
+# op, before any collective, as an eager call raises it (``fo_kernels.groups.REFUSED_GROUP`` does
+# the same for the group). No schedule's JSON text starts so.
+REFUSED_SCHEDULE = "<refused schedule> "
 
 
 # ------------------------------------------------------------------------------ op arguments
@@ -74,8 +75,22 @@ def schedule_text(schedule: Schedule | None) -> str:
     if schedule is None:
         return ""
     if not isinstance(schedule, Schedule):
-        raise ScheduleError(f"schedule: expected a fo_kernels.Schedule, got {type(schedule).__name__}")
+        return refuse_schedule(f"schedule: expected a fo_kernels.Schedule, got {type(schedule).__name__}")
     return schedule.op_text
+
+
+def refuse_schedule(message: str) -> str:
+    """Raise ``ScheduleError(message)``; in a traced call, the ``REFUSED_SCHEDULE`` text the op
+    raises it from when it runs."""
+    if torch.compiler.is_compiling():
+        return REFUSED_SCHEDULE + message
+    raise ScheduleError(message)
+
+
+def check_schedule_text(text: str) -> None:
+    """Raise the ``ScheduleError`` a ``REFUSED_SCHEDULE`` text carries."""
+    if text.startswith(REFUSED_SCHEDULE):
+        raise ScheduleError(text[len(REFUSED_SCHEDULE) :])
 
 
 @functools.lru_cache(maxsize=SCHEDULE_CACHE_SIZE)
@@ -83,6 +98,7 @@ def parse_schedule(text: str) -> Schedule | None:
     """The schedule of an op's ``schedule`` argument (None for "": look one up)."""
     if not text:
         return None
+    check_schedule_text(text)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -136,7 +152,7 @@ def _impl(
 ):
     from fo_kernels.execute import execute
 
-    group = dist.GroupMember.NON_GROUP_MEMBER if name == NON_MEMBER else resolve_group(name)
+    group = resolve_group(name)
     # through the dispatcher (compiled code, autograd): outputs from the caller's allocator, which
     # a caller's CUDA graphs (torch.compile's reduce-overhead mode) require; no graphs of our own
     return execute(
@@ -157,7 +173,7 @@ def _fake_output(
     alike; for input it refuses, the shapes here are never used."""
     try:
         world = group_size(name)
-    except FoTuneError:  # torch.distributed not initialized, or NON_MEMBER: the op raises it
+    except FoTuneError:  # torch.distributed not initialized, or a refused group: the op raises it
         world = 1
     m = a.shape[0] if a.dim() else 1
     n = b.shape[-1] if b.dim() else 1
@@ -292,7 +308,7 @@ def _refused(collective: str, a: torch.Tensor, b: torch.Tensor, name: str) -> bo
         check_shapes(a, b)
         if collective == "reduce_scatter":
             check_rows(collective, a.shape[0], group_size(name))
-    except FoTuneError:  # a shape refused; or not initialized, or NON_MEMBER: the op raises it
+    except FoTuneError:  # a shape refused; or not initialized, or a refused group: the op raises it
         return True
     return False
 

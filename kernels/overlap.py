@@ -40,12 +40,8 @@ def _call(
         return execute(
             collective, a, b, schedule, group, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
         )
-    if group is dist.GroupMember.NON_GROUP_MEMBER and torch.compiler.is_compiling():
-        # Dynamo makes a RuntimeError of what its trace raises: the op raises the GroupError
-        # when the compiled graph runs it, before any collective
-        name = ops.NON_MEMBER
-    else:
-        name = group_name(group)
+    # (a refused group or schedule, traced: the op raises its ValueError when the graph runs it)
+    name = group_name(group)
     return ops.op(collective)(a, b, name, ops.schedule_text(schedule), scale_a, scale_b, out_dtype)
 
 

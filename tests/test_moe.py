@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.backends.debugging import aot_eager
+from torch.distributed.device_mesh import init_device_mesh
 
 from fo_kernels import GroupError, MoeProblem, MoeSchedule, ScheduleError, ShapeError, expert_parallel_ffn
 from fo_kernels.moe import ops as moe_ops
@@ -36,6 +37,14 @@ GROUPS = ((0, 1), (1, 2, 3), (0, 1, 2, 3))
 TILE = {"block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 4, "num_stages": 1}
 DTYPES = ("float32", "bfloat16", "float32", "float16")
 CASES = 8  # per group
+# Sizes no random case draws (H 24, I 40, E_local 3), added to the first group's: no rank holds
+# tokens; k = E (every expert once), one rank without tokens; k = 1, every row on few experts.
+ODD = dict(hidden=24, inter=40, experts=3)
+ODD_CASES = (
+    MoeCase(tokens=(0, 0), top_k=2, seed=71, **ODD),
+    MoeCase(tokens=(5, 0), top_k=6, routing="distinct", seed=72, **ODD),
+    MoeCase(tokens=(4, 7), top_k=1, routing="duplicates", dtype="bfloat16", seed=73, **ODD),
+)
 EXAMPLE_MODELS = ("mixtral", "qwen3_moe")
 EXAMPLE_CHECKS = {"logits", "loss", "other parameters", "expert weights", "checkpoint load"}
 # opcheck's checks but the dynamic-shape AOT dispatch (18 s on a 2-core CPU), which
@@ -77,14 +86,15 @@ def _cases(world: int, seed: int, count: int) -> list[MoeCase]:
 
 
 def test_gloo_groups_of_two_three_and_four_ranks():
-    """Forward and every gradient within the dtype's tolerance on every rank of every group; the
-    bad calls raise ValueErrors naming the problem and leave no collective half done; a rank
-    outside a group gets a GroupError, eagerly and compiled; a deep copy of an
-    ExpertParallelExperts runs over the module's group; examples/moe_block.py's check of a
-    Mixtral and a Qwen3-MoE decoder with their experts over the 4 ranks
-    (``ExpertParallelExperts``) against the unsharded models, and the unsharded model's
-    state_dict loaded into a sharded one (each rank its experts)."""
+    """Forward and every gradient within the dtype's tolerance on every rank of every group (random
+    cases, and ``ODD_CASES`` on the first); the bad calls raise ValueErrors naming the problem and
+    leave no collective half done; a rank outside a group gets a GroupError, eagerly and compiled;
+    a deep copy of an ExpertParallelExperts runs over the module's group; examples/moe_block.py's
+    check of a Mixtral and a Qwen3-MoE decoder with their experts over the 4 ranks
+    (``ExpertParallelExperts``) against the unsharded models, and the unsharded model's state_dict
+    loaded into a sharded one (each rank its experts)."""
     groups = [(ranks, _cases(len(ranks), 10 + len(ranks), CASES)) for ranks in GROUPS]
+    groups[0][1].extend(ODD_CASES)
     per_rank = run_ranks(run_groups, 4, (groups, EXAMPLE_MODELS), backend="gloo")
     checked = 0
     for rank, results in enumerate(per_rank):
@@ -106,7 +116,7 @@ def test_gloo_groups_of_two_three_and_four_ranks():
                 for name, err in errs.items():
                     assert err < TOL[c.dtype], f"{where}: {name} relative error {err:.2e} in {c}"
                 checked += 1
-    assert checked == sum(len(ranks) * CASES for ranks in GROUPS) + 4 * len(EXAMPLE_MODELS)
+    assert checked == sum(len(ranks) * len(cases) for ranks, cases in groups) + 4 * len(EXAMPLE_MODELS)
 
 
 def _check_bad(msgs: dict, where: str) -> None:
@@ -238,13 +248,35 @@ def test_compiled_bad_input_raises_the_ops_value_errors(one_rank):
         args = dict(x=x, ids=ids, w=w, w13=w13, w2=w2) | bad
         with pytest.raises(ShapeError, match=match):
             compiled(*args.values())
+    # a DeviceMesh where its group goes, a list of ranks, a schedule's dict: the eager call's error
+    # and message (the trace cannot raise them: the op does when the graph runs it)
+    problem = MoeProblem(hidden=8, intermediate=3, experts=2, top_k=2, tokens_max=4)
+    for bad, error, match in (
+        (
+            dict(group=init_device_mesh("cpu", (1,))),
+            GroupError,
+            r"got a DeviceMesh; .* mesh\.get_group\(dim\)",
+        ),
+        (dict(group=[0]), GroupError, "ProcessGroup or None, got list"),
+        (
+            dict(schedule=MoeSchedule(dtype="float32", world_size=1, problem=problem).to_dict()),
+            ScheduleError,
+            "got dict",
+        ),
+    ):
+        torch._dynamo.reset()  # (each case a compile of its own: the recompile limit is not the test's)
+        traced = torch.compile(expert_parallel_ffn, fullgraph=True, backend="aot_eager", dynamic=False)
+        for call in (expert_parallel_ffn, traced):
+            with pytest.raises(error, match=match):
+                call(x, ids, w, w13, w2, **bad)
     want = expert_parallel_ffn(x, ids, w, w13, w2)
     torch.testing.assert_close(compiled(x, ids, w, w13, w2), want)
 
 
 def test_world_size_one_duplicates_and_direct_call(one_rank):
     """At world size 1 nothing moves; a token naming one expert twice counts twice; a call without
-    gradients skips the dispatcher and equals the op's; meta tensors are refused."""
+    gradients skips the dispatcher and equals the op's; int32 ids are taken; meta tensors are
+    refused."""
     x = torch.randn(6, 8, dtype=torch.float64)
     ids = torch.tensor([[1, 1], [0, 2], [2, 2], [1, 0], [0, 0], [2, 1]])
     w = torch.rand(6, 2, dtype=torch.float64)
@@ -254,6 +286,12 @@ def test_world_size_one_duplicates_and_direct_call(one_rank):
     assert rel_err(got, want) < TOL["float32"]
     via_op = moe_ops._ffn(x.float(), ids, w.float(), w13.float(), w2.float(), "", "")
     torch.testing.assert_close(got, via_op)
+    # int32 ids (some routers store them) route as int64 ones; other index dtypes are refused
+    torch.testing.assert_close(
+        expert_parallel_ffn(x.float(), ids.int(), w.float(), w13.float(), w2.float()), got
+    )
+    with pytest.raises(ShapeError, match=r"topk_ids is torch\.int16; expert ids are int64 \(or int32\)"):
+        expert_parallel_ffn(x.float(), ids.short(), w.float(), w13.float(), w2.float())
     # meta tensors hold no ids: a ShapeError naming the device, not torch's RuntimeError of .item()
     meta = [t.float().to("meta") for t in (x, w, w13, w2)]
     with pytest.raises(ShapeError, match="on the meta device"):
@@ -536,6 +574,18 @@ def test_module_forward_refuses_a_routing_of_other_tokens(one_rank, ids_shape, w
         ep(x, ids, w)
     ids, w = torch.zeros(2, 2, 1, dtype=torch.int64), torch.rand(2, 2, 1)
     assert ep(x.view(2, 2, 8), ids, w).shape == (2, 2, 8)
+
+
+def test_module_takes_experts_whose_silu_works_in_place(one_rank):
+    """An expert MLP's ``nn.SiLU(inplace=True)`` is a SiLU: the module is built, and computes what
+    the experts compute."""
+    from fo_kernels import ExpertParallelExperts
+
+    torch.manual_seed(5)
+    mlps = torch.nn.ModuleList(_Mlp(torch.nn.SiLU(inplace=True)) for _ in range(3))
+    x, ids, w = torch.randn(5, 16), torch.randint(0, 3, (5, 2)), torch.rand(5, 2)
+    want = torch.stack([sum(w[t, j] * mlps[int(ids[t, j])](x[t]) for j in range(2)) for t in range(5)])
+    torch.testing.assert_close(ExpertParallelExperts.from_experts(mlps)(x, ids, w), want)
 
 
 def test_module_refuses_what_the_op_does_not_compute(one_rank):

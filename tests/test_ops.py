@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import fo_kernels
 from fo_kernels import GroupError, Problem, Schedule, ScheduleError, all_gather_gemm, gemm_all_reduce
@@ -180,6 +181,9 @@ def _bad_inputs() -> dict[str, tuple[dict, type[Exception]]]:
         "fp8 K of 8": (dict(a=a8[:, :8], b=b8[:8], scale_a=one, scale_b=one), ShapeError),
         "another op's schedule": (dict(a=a, b=b, schedule=other), ScheduleError),
         "not a member": (dict(a=a, b=b, group=dist.GroupMember.NON_GROUP_MEMBER), GroupError),
+        # a mesh where its group goes, and a schedule's dict: refused as the op runs, when traced
+        "a DeviceMesh as the group": (dict(a=a, b=b, group=init_device_mesh("cpu", (1,))), GroupError),
+        "a dict as the schedule": (dict(a=a, b=b, schedule=other.to_dict()), ScheduleError),
     }
 
 

@@ -113,6 +113,42 @@ def test_a_duplicate_row_is_refused_by_validate_with_exit_2(tmp_path: Path) -> N
     assert len(lines) == 1 and "rows[100] and rows[300] are both for problem" in lines[0], lines
 
 
+@pytest.mark.parametrize(
+    ("index", "old", "new", "named"),
+    [
+        # rows[200] again with other settings: still two rows for one problem
+        (
+            200,
+            '"weights": [2, 2, 1, 1]}',
+            '"weights": [1, 1]}',
+            "rows[200] and rows[300] are both for problem",
+        ),
+        # rows[91]'s range moved down to share one M with rows[90]'s
+        (
+            91,
+            '"m_min": 6786,',
+            '"m_min": 6783,',
+            "rows[90] ([5762,6783]x1024x1024) and rows[300] ([6783,7807]",
+        ),
+    ],
+)
+def test_rows_for_one_problem_or_m_are_refused_by_validate_with_exit_2(
+    tmp_path: Path, index: int, old: str, new: str, named: str
+) -> None:
+    """Two rows that differ only in their settings, and M ranges that share their end M, are
+    refused as a duplicate is: exit 2, one line naming both rows by their index."""
+    fp = current_fingerprint("cpu", world_size=2)
+    path = write_big_table(tmp_path / "t.yaml", fp, 300)
+    rows = path.read_text().splitlines()
+    moved = rows[-300 + index]
+    assert old in moved
+    path.write_text("\n".join([*rows, moved.replace(old, new)]) + "\n")  # rows[index] changed, last
+    result = CliRunner().invoke(app, ["table", "validate", str(path)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0], lines
+
+
 # ------------------------------------------------------------------------------------ the text
 def test_row_lines_read_the_same_as_json_and_as_yaml() -> None:
     row = {

@@ -99,4 +99,10 @@ def get_engine(name: str) -> Engine:
 
 def engine_settings(name: object) -> type[EngineSettings]:
     """The settings type of the engine registered as ``name``; an unknown name lists the valid ones."""
+    return _settings_of(ENGINES.check(name))
+
+
+@functools.cache
+def _settings_of(name: str) -> type[EngineSettings]:
+    """``engine_settings`` of a registered name, imported once (a table's every row asks)."""
     return ENGINES.load(name, "settings").SETTINGS

@@ -38,10 +38,10 @@ def expert_parallel_ffn(
     """The SwiGLU experts of an MoE layer under expert parallelism, over ``group``'s ranks.
 
     ``x`` (T, H): this rank's tokens (T may differ between ranks, and may be 0); ``topk_ids``
-    (T, k) int64 global expert ids in [0, E), E = world size x E_local; ``topk_weights`` (T, k)
-    floating point; ``w13`` (E_local, H, 2I): this rank's experts, experts [rank x E_local,
-    (rank + 1) x E_local), the first I columns the gate and the last I the up projection; ``w2``
-    (E_local, I, H). Returns (T, H) in x's dtype::
+    (T, k) int64 global expert ids in [0, E) (int32 taken too; other dtypes raise ``ShapeError``),
+    E = world size x E_local; ``topk_weights`` (T, k) floating point; ``w13`` (E_local, H, 2I):
+    this rank's experts, experts [rank x E_local, (rank + 1) x E_local), the first I columns the
+    gate and the last I the up projection; ``w2`` (E_local, I, H). Returns (T, H) in x's dtype::
 
         y[t] = sum_j topk_weights[t, j] * (silu(x[t] @ W1[e]) * (x[t] @ W3[e])) @ W2[e],
         e = topk_ids[t, j]
@@ -67,12 +67,8 @@ def expert_parallel_ffn(
         if not isinstance(t, torch.Tensor):
             raise ShapeError(f"{arg} must be a torch tensor, got {type(t).__name__}")
     x, w13, w2 = autocast_operands(x, w13, w2)
-    if group is dist.GroupMember.NON_GROUP_MEMBER and torch.compiler.is_compiling():
-        # Dynamo makes a RuntimeError of what its trace raises: the op raises the GroupError
-        # when the compiled graph runs it, before any collective
-        name = ops.NON_MEMBER
-    else:
-        name = group_name(group)
+    # (a refused group or schedule, traced: the op raises its ValueError when the graph runs it)
+    name = group_name(group)
     text = ops.schedule_text(schedule)
     if direct_call(x, topk_ids, topk_weights, w13, w2):
         from fo_kernels.moe.call import execute_ffn

@@ -54,8 +54,8 @@ def _check_silu(act: object, where: str) -> None:
     if not callable(act):
         raise PlanError(f"{where}: no act_fn to check; expert_parallel_ffn computes silu(gate) * up")
     probe = torch.tensor(_PROBE, device="cpu")
-    try:
-        same = torch.allclose(act(probe), F.silu(probe), atol=_PROBE_TOL)
+    try:  # (on a copy: an in-place SiLU, nn.SiLU(inplace=True), would change the probe itself)
+        same = torch.allclose(act(probe.clone()), F.silu(probe), atol=_PROBE_TOL)
     except (TypeError, RuntimeError):
         same = False
     if not same:

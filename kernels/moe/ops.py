@@ -25,12 +25,11 @@ import functools
 import json
 
 import torch
-import torch.distributed as dist
 
 from fo_kernels.errors import DoubleBackwardError, ScheduleError
 from fo_kernels.groups import resolve_group
 from fo_kernels.moe.schedule import MoeSchedule
-from fo_kernels.ops import LIBRARY, NON_MEMBER, SCHEDULE_CACHE_SIZE, direct_call
+from fo_kernels.ops import LIBRARY, SCHEDULE_CACHE_SIZE, check_schedule_text, direct_call, refuse_schedule
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -40,7 +39,7 @@ def schedule_text(schedule: MoeSchedule | None) -> str:
     if schedule is None:
         return ""
     if not isinstance(schedule, MoeSchedule):
-        raise ScheduleError(f"schedule: expected a fo_kernels.MoeSchedule, got {type(schedule).__name__}")
+        return refuse_schedule(f"schedule: expected a fo_kernels.MoeSchedule, got {type(schedule).__name__}")
     return schedule.op_text
 
 
@@ -48,6 +47,7 @@ def schedule_text(schedule: MoeSchedule | None) -> str:
 def parse_schedule(text: str) -> MoeSchedule | None:
     if not text:
         return None
+    check_schedule_text(text)
     try:
         return MoeSchedule.from_dict(json.loads(text))
     except json.JSONDecodeError as exc:
@@ -57,8 +57,7 @@ def parse_schedule(text: str) -> MoeSchedule | None:
 def _execute(*args, group_name: str, schedule: str, dy: torch.Tensor | None = None):
     from fo_kernels.moe.call import execute_ffn
 
-    group = dist.GroupMember.NON_GROUP_MEMBER if group_name == NON_MEMBER else resolve_group(group_name)
-    return execute_ffn(*args, parse_schedule(schedule), group, dy=dy)
+    return execute_ffn(*args, parse_schedule(schedule), resolve_group(group_name), dy=dy)
 
 
 @torch.library.custom_op(f"{LIBRARY}::expert_parallel_ffn", mutates_args=())

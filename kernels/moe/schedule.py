@@ -24,7 +24,6 @@ call refuses it alike instead of one raising while the others wait for it in a c
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 from fo_kernels.errors import ScheduleError
 from fo_kernels.fields import check_choice, check_int, from_mapping
 from fo_kernels.moe.routing import MOE_DTYPES, FfnShape
+from fo_kernels.schedule import OP_TEXT_ENCODER
 from fo_kernels.tile import Tile
 
 MOE_ENGINES = ("triton", "copy_engine")
@@ -128,7 +128,7 @@ class MoeSchedule:
             raise ScheduleError("tile: engine triton needs the grouped GEMMs' tile")
         if self.engine == "copy_engine" and self.world_size < 2:
             raise ScheduleError("engine: copy_engine runs between at least 2 ranks")
-        object.__setattr__(self, "op_text", json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")))
+        object.__setattr__(self, "op_text", OP_TEXT_ENCODER.encode(self.to_dict()))
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
