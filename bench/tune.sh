@@ -8,7 +8,8 @@
 # FO_WORLD_SIZE (bench/env.sh, default 2) is the ranks of every stage but calibrate-w1 and needs
 # that many GPUs (fewer: exit 2 before anything runs; plan offline with the plan stage instead).
 # At 2 the stages run as results/ was made; at any other size they take the TP=4/8 shapes
-# (suites/tp48_profile.yaml) and all three collectives. Stages, in this order by default with
+# (suites/tp48_profile.yaml) and all three collectives; at 3, 5, 6 or 7, which its Ms (and the mrange
+# stage's 512..16384) do not divide, the suite, mrange and plan stages are exit 2. Stages, in this order by default with
 # FO_WORLD_SIZE GPUs (H200 x2 for results/; calibrate-w1 by default on one GPU at world size 2):
 #
 #   calibrate     fo-tune calibrate, both row-parallel collectives (and all_gather at world sizes
@@ -64,6 +65,15 @@ else
   suite=suites/tp48_profile.yaml
   collectives=all_reduce,reduce_scatter,all_gather
 fi
+
+# reduce_scatter and all_gather split M over the ranks: the suite's Ms (4096 and 8192, checked by
+# tests/test_bench.py) and the mrange stage's 512..16384 divide by the world sizes that divide 512
+# (2, 4, 8), not by 3, 5, 6 or 7, where the suite, mrange and plan stages are refused up front.
+suite_fits=1
+if ((512 % w)); then
+  suite_fits=0
+fi
+own_plan="fo-tune search --mode predict --world-size $w --shape MxNxK (M divisible by $w for reduce_scatter and all_gather)"
 
 # --calibration for the searches: this run's calibration once the calibrate stage wrote it.
 calibration_args() {
@@ -130,6 +140,9 @@ plan() {
 stages=("$@")
 # what a refusal for want of GPUs offers instead: the offline plan of the same shapes
 offline="; without them, plan offline: FO_WORLD_SIZE=$w bash bench/tune.sh OUT_DIR plan"
+if [ "$suite_fits" -eq 0 ]; then
+  offline="; without them, plan offline: $own_plan"
+fi
 if [ "${#stages[@]}" -eq 0 ]; then
   if [ "$(fo_gpu_count)" -ge "$w" ]; then
     stages=(calibrate compare suite mrange)
@@ -140,6 +153,12 @@ if [ "${#stages[@]}" -eq 0 ]; then
   fi
 fi
 for stage in "${stages[@]}"; do
+  if [ "$suite_fits" -eq 0 ] && [[ "$stage" =~ ^(suite|mrange|plan)$ ]]; then
+    echo "stage $stage at FO_WORLD_SIZE=$w: its reduce_scatter and all_gather searches need every M" \
+      "divisible by $w, and $suite's Ms (4096, 8192; the mrange stage's 512..16384) take 2, 4 or 8;" \
+      "run the calibrate and compare stages by name, or plan your shapes: $own_plan" >&2
+    exit 2
+  fi
   case "$stage" in
     calibrate | compare | suite | mrange) fo_need_gpus "$w" "stage $stage" "$offline" ;;
     calibrate-w1) fo_need_gpu "stage calibrate-w1" "$offline" ;;

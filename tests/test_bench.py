@@ -779,6 +779,40 @@ def test_tune_plan_stage_asks_what_the_offline_calibration_prices(tmp_path, worl
     assert not [gap for c in collectives if (gap := missing_curves(cal, [c]))]
 
 
+@pytest.mark.parametrize("stage", ["plan", "suite", "mrange"])
+def test_tune_suite_stages_at_a_world_size_the_suite_does_not_divide_stop_in_one_line(tmp_path, stage):
+    """``FO_WORLD_SIZE=6 bash bench/tune.sh OUT plan`` (or suite, mrange): suites/tp48_profile.yaml's
+    Ms and the mrange stage's 512..16384 do not divide by 6, which reduce_scatter and all_gather
+    need, so the stage stops with exit 2 and one line saying so, before any fo-tune command (the
+    plan stage ran into the search's refusal with a traceback); the calibrate stage's refusal for
+    want of GPUs offers the offline plan that works at that size. Commands are recorded by a
+    stand-in interpreter (PYTHON), not run."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("checks a machine without GPUs")
+    root = packaged_suite().parents[1]
+    log = tmp_path / "calls"
+    shim = tmp_path / "python"
+    shim.write_text('#!/bin/sh\nprintf "%s\\n" "$@" >> "$CALLS"\n')
+    shim.chmod(0o755)
+    env = {**os.environ, "FO_WORLD_SIZE": "6", "PYTHON": str(shim), "CALLS": str(log)}
+    for args, want in [
+        ([stage], f"stage {stage} at FO_WORLD_SIZE=6: its reduce_scatter and all_gather searches"),
+        (["calibrate"], "stage calibrate needs 6 GPUs"),
+    ]:
+        cmd = ["bash", str(root / "bench" / "tune.sh"), str(tmp_path / "out"), *args]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+        (line,) = done.stderr.splitlines()
+        assert line.startswith(want), line
+        own = "fo-tune search --mode predict --world-size 6 --shape MxNxK (M divisible by 6 for"
+        assert line.endswith(f"{own} reduce_scatter and all_gather)"), line
+        assert "bench/tune.sh OUT_DIR plan" not in line, line
+    assert not log.exists()
+
+
 def test_script_inputs_narrow_a_space(tmp_path, capsys):
     """``space``: hopper.yaml with the profile's grids and the M-range search's ring chunks, the
     rest as it was; the written file loads; an engine the space leaves out or a bad list is exit
