@@ -42,6 +42,14 @@ __all__ = [
 # this number only fixes the size of the persistent grid (and thus the wave structure) CPU tests see.
 CPU_NOMINAL_PROGRAMS = 8
 
+# The largest shape (M x N x K multiply-adds) run on the CPU unless asked to: Triton's
+# interpreter runs fo_tune's GEMM tile by tile in Python at ~0.02 G multiply-adds per second on a
+# 2-core machine (512x512x512 float32 took 5.2 s a call), so 2**30 of them (1024^3) take about a
+# minute a call, and a bench case makes about ten; a GPU suite's shapes would take hours. The
+# fo-tune commands refuse larger shapes without GPUs unless --allow-slow, and the runtime's
+# table-miss hint on the CPU names that option for them.
+CPU_MAX_MACS = 2**30
+
 # NVML's link count when the installed nvidia-ml-py lacks the constant (NVML_NVLINK_MAX_LINKS is 18
 # since the Hopper-era NVML headers: H100/H200 SXM have 18 NVLink 4 links).
 _FALLBACK_NVLINK_MAX_LINKS = 18

@@ -500,6 +500,28 @@ def test_table_miss_runs_overlap_false_and_warns_once(
     assert message.endswith(f"--dtype {found.dtype} --mode measure`"), message
 
 
+def test_table_miss_on_the_cpu_names_a_search_that_runs_for_a_gpu_sized_shape(roots: dict[str, Path]) -> None:
+    """A CPU call no row matches, of a shape above the CPU's limit: the hint's measuring search
+    carries --allow-slow (without it the search refuses the shape, exit 2) and says what it costs;
+    a shape within the limit gets the plain measuring search."""
+    from fo_tune.search import SearchError
+    from fo_tune.search.setup import check_cpu_sized
+
+    for m, n, k, slow in [(6000, 8192, 4096, True), (1020, 1024, 1024, False)]:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            lookup_schedule("reduce_scatter", m, n, k, dtype="bfloat16", world_size=6, device="cpu")
+        (message,) = [str(w.message) for w in record]
+        command = message.split("`")[-2]
+        assert command.startswith(f"fo-tune search --shape {m}x{n}x{k} -c reduce_scatter --world-size 6")
+        assert command.endswith(" --mode measure --allow-slow" if slow else " --mode measure"), command
+        assert message.endswith("(hours: every trial runs in Triton's CPU interpreter)") == slow, message
+        check_cpu_sized("measure", "gloo", [(m, n, k)], None, allow_slow=slow)  # the hint runs
+        if slow:
+            with pytest.raises(SearchError, match="--allow-slow"):
+                check_cpu_sized("measure", "gloo", [(m, n, k)], None, allow_slow=False)
+
+
 def test_heuristic_fallback_names_tables_without_match(roots: dict[str, Path]) -> None:
     path = write(roots["user"], [exact_row()])
     with pytest.warns(HeuristicScheduleWarning) as record:

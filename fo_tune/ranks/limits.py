@@ -22,16 +22,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fo_kernels.errors import ShapeError
-from fo_kernels.fingerprint import Fingerprint
+from fo_kernels.fingerprint import CPU_MAX_MACS, Fingerprint
 from fo_kernels.scaling import FP8_ALIGN, FP8_DTYPE, fp8_aligned
 from fo_kernels.schedule import dtype_name, torch_dtype
 
 INT32_MAX = 2**31 - 1
-# The largest shape (M x N x K multiply-adds) run on the CPU unless asked to: Triton's
-# interpreter runs fo_tune's GEMM tile by tile in Python at ~0.02 G multiply-adds per second on a
-# 2-core machine (512x512x512 float32 took 5.2 s a call), so 2**30 of them (1024^3) take about a
-# minute a call, and a bench case makes about ten; a GPU suite's shapes would take hours.
-CPU_MAX_MACS = 2**30
 # CPU_MAX_MACS as a cube's side, for messages ("give shapes up to 1024x1024x1024").
 CPU_MAX_SIDE = round(CPU_MAX_MACS ** (1 / 3))
 # Memory of the GPUs whose calibrations ship, for searches that plan for them offline (NVIDIA H200

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from fo_kernels.errors import HeuristicScheduleWarning, ShapeError, TableNotFoundError
-from fo_kernels.fingerprint import current_fingerprint, resolve_device
+from fo_kernels.fingerprint import CPU_MAX_MACS, current_fingerprint, resolve_device
 from fo_kernels.schedule import COLLECTIVES, SHARDED_COLLECTIVES, Problem, Schedule
 from fo_kernels.table.format import check_fingerprint, check_header_for
 from fo_kernels.table.loaded import LoadedTable, read_table
@@ -164,14 +164,18 @@ def lookup_schedule(
         if found_paths:
             searched = f"tables without a matching row: {', '.join(found_paths)}"
         # Without GPUs the search plans the packaged H200 deployment offline, whose rows go under
-        # the H200's device key: this machine's own rows come from measuring on its gloo ranks.
-        mode = " --mode measure" if dev.type == "cpu" else ""
+        # the H200's device key: this machine's own rows come from measuring on its gloo ranks,
+        # which the search refuses for a shape above CPU_MAX_MACS unless --allow-slow.
+        mode = ""
+        if dev.type == "cpu":
+            mode = " --mode measure" + (" --allow-slow" if m * n * k > CPU_MAX_MACS else "")
         warnings.warn(
             f"no schedule table row for {collective} {dtype_name} {m}x{n}x{k} at world size {world_size} "
             f"on device {fp.device_key}; looked for {fp.device_key}/{filename} in "
             f"{', '.join(map(str, folders))} ({searched}); running GEMM then the collective "
             f"(overlap: false); tune the shape with `fo-tune search --shape {m}x{n}x{k} -c {collective} "
-            f"--world-size {world_size} --dtype {dtype_name}{mode}`",
+            f"--world-size {world_size} --dtype {dtype_name}{mode}`"
+            + (" (hours: every trial runs in Triton's CPU interpreter)" if "allow" in mode else ""),
             HeuristicScheduleWarning,
             stacklevel=2,
         )
