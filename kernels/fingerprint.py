@@ -157,6 +157,15 @@ def resolve_device(device: torch.device | str | int | None = None) -> torch.devi
     try:
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     except (RuntimeError, TypeError):  # torch's own message lists device types fo-tune does not run on
+        if isinstance(device, str) and read_device_key(device) is not None:
+            # A user planning another machine's deployment passes its key: the runtime reads only
+            # the tables of the machine it runs on, and `fo-tune table lookup -k` answers for a key.
+            raise ArgumentError(
+                f"device: {device!r} is a device key, not a device; the runtime looks up the tables "
+                "of the device it runs on ('cpu', 'cuda', 'cuda:N' or a GPU index N): to see the row "
+                "a call on that machine gets, run "
+                f"`fo-tune table lookup --shape MxNxK -c COLLECTIVE -k {device}`"
+            ) from None
         raise ArgumentError(
             f"device: {device!r} is not a device; give 'cpu', 'cuda', 'cuda:N' or a GPU index N"
         ) from None

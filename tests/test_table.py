@@ -522,6 +522,23 @@ def test_table_miss_on_the_cpu_names_a_search_that_runs_for_a_gpu_sized_shape(ro
                 check_cpu_sized("measure", "gloo", [(m, n, k)], None, allow_slow=False)
 
 
+def test_a_device_key_given_as_the_lookup_device_names_the_command_that_answers_for_it(
+    roots: dict[str, Path],
+) -> None:
+    """A CPU-only user passes the planned machine's device key as ``device=``: an ArgumentError (a
+    ValueError) saying it is a key, not a device, and naming `fo-tune table lookup -k KEY`, the
+    way to see that machine's row; a string that is neither stays the plain refusal."""
+    from fo_kernels.errors import ArgumentError
+
+    key = "nvidia-h200-cc90-132sm-w8-nvlink18"
+    with pytest.raises(ArgumentError, match="is a device key, not a device") as caught:
+        lookup_schedule("all_reduce", 4096, 8192, 4096, dtype="bfloat16", world_size=8, device=key)
+    assert isinstance(caught.value, ValueError)
+    assert f"`fo-tune table lookup --shape MxNxK -c COLLECTIVE -k {key}`" in str(caught.value)
+    with pytest.raises(ArgumentError, match="'foo' is not a device"):
+        lookup_schedule("all_reduce", 4096, 8192, 4096, dtype="bfloat16", world_size=8, device="foo")
+
+
 def test_heuristic_fallback_names_tables_without_match(roots: dict[str, Path]) -> None:
     path = write(roots["user"], [exact_row()])
     with pytest.warns(HeuristicScheduleWarning) as record:
