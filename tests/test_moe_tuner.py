@@ -503,6 +503,7 @@ def test_search_moe_plans_an_experts_shape_given_twice_once(runner, tmp_path, mo
         (["--exhaustive", "--seed", "1"], "--exhaustive, --seed: for the dense collectives"),
         (["--tokens", "99999999999"], "the rows T x k = 799999999992 is above 2147483647"),
         (["--experts", "999999,999999,128,8"], "GB of NVIDIA H200 (the calibration's GPU, datasheet)"),
+        (["--experts", "4096,1024,1,8", "-w", "3"], "k = 8 is above the 3 experts at --world-size 3"),
     ],
 )
 def test_search_moe_says_what_it_needs(runner, tmp_path, monkeypatch, extra, says):
