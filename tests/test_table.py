@@ -539,6 +539,24 @@ def test_a_device_key_given_as_the_lookup_device_names_the_command_that_answers_
         lookup_schedule("all_reduce", 4096, 8192, 4096, dtype="bfloat16", world_size=8, device="foo")
 
 
+def test_table_miss_names_other_machines_tables_of_the_call(roots: dict[str, Path]) -> None:
+    """A CPU-only machine holding an offline plan for an H200 (its tables under the H200's device
+    key): a miss here names that key and the command that shows its row; a table of another
+    collective or world size is not named."""
+    key = "nvidia-h200-cc90-132sm-w2-nvlink18"
+    h200 = cpu_fp(gpu_name="NVIDIA H200", compute_capability="9.0", sm_count=132, device_key=key)
+    write(roots["user"], [exact_row()], h200)
+    other = table_path(roots["env"], "nvidia-h100-cc90-132sm-w4-nvlink18", "all_reduce", 4, "bfloat16")
+    other.parent.mkdir(parents=True)
+    other.write_text("")
+    with pytest.warns(HeuristicScheduleWarning) as record:
+        lookup_schedule("all_reduce", 4096, 8192, 4096, dtype="bfloat16", world_size=2, device="cpu")
+    (message,) = [str(w.message) for w in record]
+    assert f"other machines' tables hold all_reduce-w2-bfloat16.yaml: {h200.device_key} (" in message
+    assert "`fo-tune table lookup --shape 4096x8192x4096 -c all_reduce -k KEY`" in message
+    assert "h100" not in message, message
+
+
 def test_heuristic_fallback_names_tables_without_match(roots: dict[str, Path]) -> None:
     path = write(roots["user"], [exact_row()])
     with pytest.warns(HeuristicScheduleWarning) as record:

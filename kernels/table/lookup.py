@@ -163,6 +163,7 @@ def lookup_schedule(
         searched = "no table file"
         if found_paths:
             searched = f"tables without a matching row: {', '.join(found_paths)}"
+        searched += _other_machines(folders, fp.device_key, filename, f"{m}x{n}x{k}", collective)
         # Without GPUs the search plans the packaged H200 deployment offline, whose rows go under
         # the H200's device key: this machine's own rows come from measuring on its gloo ranks,
         # which the search refuses for a shape above CPU_MAX_MACS unless --allow-slow.
@@ -188,6 +189,27 @@ def lookup_schedule(
     )
     _CACHE.remember(key, miss)
     return miss
+
+
+def _other_machines(
+    folders: Sequence[Path], device_key: str, filename: str, shape: str, collective: str
+) -> str:
+    """For a miss's warning: the other device keys whose folders hold ``filename`` (a plan for
+    another machine, e.g. an offline search's H200 rows on a CPU-only one), and how to read them."""
+    keys: set[str] = set()
+    for folder in folders:
+        try:
+            keys.update(p.parent.name for p in Path(folder).glob(f"*/{filename}"))
+        except OSError:  # an unreadable folder: the lookup above already read what it could
+            continue
+    keys.discard(device_key)
+    if not keys:
+        return ""
+    return (
+        f"; other machines' tables hold {filename}: {', '.join(sorted(keys))} (the runtime reads "
+        f"them on that machine; `fo-tune table lookup --shape {shape} -c {collective} -k KEY` shows "
+        "the row a call there gets)"
+    )
 
 
 def best_match(tables: Sequence[FindsRows], m: int, n: int, k: int) -> tuple[int, Schedule] | None:
