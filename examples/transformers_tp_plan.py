@@ -43,7 +43,10 @@ TOLERANCE = 1e-5
 # fo-tune's forward), so a smaller world would check nothing of fo-tune.
 MIN_WORLD = 2
 TOO_FEW = f"transformers shards by its tp_plan only over {MIN_WORLD} or more ranks"
-BATCH, SEQ, VOCAB = 2, 8, 64
+BATCH, SEQ = 2, 8
+# Vocabulary rows per rank: transformers shards the embedding by vocabulary, so the tiny Llama's
+# vocabulary grows with the world size (a fixed one leaves ranks past its size no rows).
+VOCAB_PER_RANK = 32
 
 
 def fo_tune_style(base: type, fo_style: type) -> type:
@@ -98,13 +101,14 @@ def no_progress_bars() -> None:
 
 
 def save_tiny_llama(folder: str, world: int) -> None:
-    """A 2-layer Llama, 2 query heads and 1 key/value head per rank, random weights, saved."""
+    """A 2-layer Llama, 2 query heads, 1 key/value head and 32 vocabulary rows per rank, random
+    weights, saved."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     no_progress_bars()
 
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=VOCAB_PER_RANK * world,
         hidden_size=16 * world,
         intermediate_size=32 * world,
         num_hidden_layers=2,
@@ -137,7 +141,7 @@ def check(folder: str, world: int, rank: int, device: torch.device) -> tuple[dic
     full = LlamaForCausalLM.from_pretrained(folder).to(device)
     sharded = LlamaForCausalLM.from_pretrained(folder, tp_plan="auto", device_mesh=mesh)
     gen = torch.Generator().manual_seed(1)  # the same tokens on every rank
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device)
+    tokens = torch.randint(0, VOCAB_PER_RANK * world, (BATCH, SEQ), generator=gen).to(device)
     outs = {}
     for name, model in (("full", full), ("sharded", sharded)):
         outs[name] = model(input_ids=tokens, labels=tokens)

@@ -219,3 +219,14 @@ def test_the_distribution_lists_every_package():
         top, *parts = name.split(".")
         folder = folders[top].joinpath(*parts)
         assert folder.is_dir() and not any(folder.rglob("*.py")), name
+
+
+def test_the_dev_extra_asks_for_the_transformers_the_tests_use():
+    """The MoE tests and examples shard transformers 5's fused experts blocks: a dev install into an
+    environment that holds a 4.x release must upgrade it, not keep it."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (spec,) = [Requirement(r).specifier for r in extras["dev"] if Requirement(r).name == "transformers"]
+    assert not spec.contains("4.57.0") and spec.contains("5.0.0"), spec

@@ -41,3 +41,20 @@ def test_tp_plan_names_run_on_fo_tune(tmp_path):
     assert result["fo_tune_modules"] == FO_TUNE_MODULES, result
     # no progress bars, and no semaphore of theirs left behind by a rank's os._exit
     assert "Loading weights" not in done.stderr and "leaked semaphore" not in done.stderr, done.stderr
+
+
+def test_the_tiny_llama_gives_every_rank_vocabulary_rows(tmp_path):
+    """transformers shards the embedding by vocabulary: at any world size the example's model has a
+    vocabulary the ranks split evenly (a fixed 64 left rank 8 of 9 no rows, and its lookup failed)."""
+    import importlib.util
+
+    from moe_cases import import_transformers
+
+    import_transformers()  # before the example's first transformers import: the kernels name clash
+    spec = importlib.util.spec_from_file_location("transformers_tp_plan", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for world in (9,):
+        example.save_tiny_llama(str(tmp_path / str(world)), world)
+        vocab = json.loads((tmp_path / str(world) / "config.json").read_text())["vocab_size"]
+        assert vocab % world == 0 and vocab >= world, (world, vocab)
