@@ -341,3 +341,37 @@ def test_pull_refuses_a_malformed_table_before_it_writes_any(tmp_path: Path) -> 
     line = assert_one_line_error(pull(db, root))
     assert str(bad) in line and "rows[0] and rows[1]" in line, line
     assert sorted(p.name for p in (root / H200_KEY).glob("*.yaml")) == [bad.name]
+
+
+def test_a_worker_that_finishes_last_records_the_best_of_every_workers_trials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two predicted TPE workers on one study, the second finishing while the first runs: the
+    first records last, and its row is the best of both workers' trials (it recorded the best of
+    its own run's only, worse than the row the study's trials hold)."""
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'fleet.db'}"
+    runner = CliRunner()
+    search = ["search", "-s", "4096x8192x4096", "--storage", storage, "--trials"]
+    real = optuna.study.Study.optimize
+    second: list[object] = []
+
+    def optimize_then_let_another_worker_finish(study: optuna.study.Study, *a: object, **kw: object) -> None:
+        real(study, *a, **kw)
+        if not second:  # the first worker's trials ran (in memory); the second worker runs all of its
+            second.append(None)
+            other = runner.invoke(app, [*search, "30", "--table-dir", str(tmp_path / "second")])
+            second[0] = other
+
+    monkeypatch.setattr(optuna.study.Study, "optimize", optimize_then_let_another_worker_finish)
+    first = runner.invoke(app, [*search, "1", "--table-dir", str(tmp_path / "first")])
+    assert first.exit_code == 0 and second[0].exit_code == 0, (first.output, second[0].output)
+    monkeypatch.undo()
+    name = f"{H200_KEY}/all_reduce-w2-bfloat16.yaml"
+    best = load_table(tmp_path / "second" / name).rows[0]
+    assert pull(storage, tmp_path / "pulled").exit_code == 0
+    (pulled,) = load_table(tmp_path / "pulled" / name).rows
+    assert best.overlap and pulled.provenance.get("predicted_ms") == best.provenance["predicted_ms"], pulled
+    assert (pulled.engine, pulled.settings) == (best.engine, best.settings)
+    assert load_table(tmp_path / "first" / name).rows[0].settings == best.settings

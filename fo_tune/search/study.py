@@ -79,7 +79,9 @@ def run_tpe(job: ShapeJob, *, predicted: bool) -> Outcome:
         study.optimize(objective, n_trials=target - have, timeout=job.budget_s, callbacks=[stop])
     close_study(stored, study, resumed)
     measured = measurer.count - before if measurer is not None else 0
-    return Outcome(candidates(study, job), records(study, job), measured)
+    # Decide from the stored study: it also holds the trials other workers sharing it stored while
+    # this one ran in memory, so the row recorded last is the best of every trial, not of this run's.
+    return Outcome(candidates(stored, job), records(stored, job), measured)
 
 
 def run_queued(job: ShapeJob, opened: tuple[Any, Any, int], points: Iterable[dict[str, Any]]) -> Outcome:
