@@ -166,7 +166,7 @@ def test_pull_from_a_journal_file_that_cannot_be_opened_is_one_line(tmp_path: Pa
         ("journal:{tmp}/no/such/folder/s.log", "does not exist"),
         ("postgresql://nobody@127.0.0.1:{port}/x", "cannot open it"),
         # SQLAlchemy's default MySQL driver (mysqlclient) is no dependency of fo-tune's
-        ("mysql://nobody@127.0.0.1:{port}/x", "no driver for mysql is installed (Failed to import"),
+        ("mysql://nobody@127.0.0.1:{port}/x", "no driver for mysql is installed (No module named 'MySQLdb')"),
         # no file: SQLite's in-memory database (the study would not outlive the process), a folder
         ("sqlite://", "names no file"),
         ("sqlite:///:memory:", "names no file"),
@@ -217,6 +217,32 @@ def test_a_missing_postgres_driver_is_exit_2_naming_what_to_install(monkeypatch:
         )
     )
     assert "fo-tune[postgres]" in line and "secret" not in line
+
+
+def test_a_postgres_driver_that_does_not_import_is_one_line_naming_why_and_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """psycopg installed but not importable (no libpq: "no pq wrapper available"): the line gives
+    the import's reason and the extra to install (it said "no driver for postgresql is installed
+    (Failed to import DB access module ...); install it, or use postgresql://...")."""
+    import importlib.machinery
+    import importlib.util
+
+    real = importlib.util.find_spec
+    spec = importlib.machinery.ModuleSpec("psycopg", None)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (
+            {"psycopg2": None, "psycopg": spec}[name] if name in ("psycopg", "psycopg2") else real(name, *a)
+        ),
+    )
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # its import fails
+    url = "postgresql://u:secret@127.0.0.1:1/x"
+    for cmd in (["search", "--shape", "4096x8192x4096"], ["table", "pull"]):
+        line = assert_one_line_error(CliRunner().invoke(app, [*cmd, "--storage", url]))
+        assert "the PostgreSQL driver does not import (import of psycopg halted" in line, line
+        assert line.endswith("pip install 'fo-tune[postgres]' (psycopg)") and "secret" not in line, line
 
 
 # ---------------------------------------------------------------------------------- reports, JSON

@@ -242,11 +242,7 @@ def open_storage(url: str, *, create_folder: bool = False, must_exist: bool = Fa
     except StorageError:
         raise
     except ImportError as exc:
-        scheme = url.split(":", 1)[0]  # Optuna's message ends with a sentence of its own: no ".;"
-        raise StorageError(
-            f"--storage {shown(url)}: no driver for {scheme} is installed ({str(exc).rstrip('. ')}); "
-            "install it, or use postgresql://..., sqlite:///FILE or journal:FILE"
-        ) from None
+        raise StorageError(_no_driver(url, exc)) from None
     except optuna.exceptions.StorageInternalError as exc:
         raise StorageError(f"--storage {shown(url)}: cannot open it ({exc})") from None
     except Exception as exc:  # SQLAlchemy's ArgumentError / OperationalError: a bad URL, no server
@@ -256,6 +252,21 @@ def open_storage(url: str, *, create_folder: bool = False, must_exist: bool = Fa
                 f"--storage {shown(url)}: cannot open it ({why}); check that the server runs and the URL"
             ) from None
         raise
+
+
+def _no_driver(url: str, exc: ImportError) -> str:
+    """The one line for a driver that does not import: Optuna's own message hides the driver's
+    reason (psycopg installed without libpq: "no pq wrapper available"), its cause holds it; a
+    PostgreSQL URL names the extra that brings a working driver."""
+    scheme = url.split(":", 1)[0]
+    cause = exc.__cause__ or exc
+    why = " ".join(str(cause).split("\n")[0].split()).rstrip(". ")  # (no ".;" before ours)
+    if scheme.split("+")[0] in POSTGRES_SCHEMES:
+        return f"--storage {shown(url)}: the PostgreSQL driver does not import ({why}); {POSTGRES_EXTRA}"
+    return (
+        f"--storage {shown(url)}: no driver for {scheme} is installed ({why}); "
+        "install it, or use postgresql://..., sqlite:///FILE or journal:FILE"
+    )
 
 
 def close_storage(storage: Any) -> None:
