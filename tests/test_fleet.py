@@ -401,3 +401,34 @@ def test_a_worker_that_finishes_last_records_the_best_of_every_workers_trials(
     assert best.overlap and pulled.provenance.get("predicted_ms") == best.provenance["predicted_ms"], pulled
     assert (pulled.engine, pulled.settings) == (best.engine, best.settings)
     assert load_table(tmp_path / "first" / name).rows[0].settings == best.settings
+
+
+@pytest.mark.parametrize(
+    ("kind", "method"), [("sqlite", "set_study_user_attr"), ("journal", "set_trial_state_values")]
+)
+def test_a_storage_that_fails_during_the_search_is_one_line_saying_how_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, method: str
+) -> None:
+    """The storage stops answering mid-search (its server stopped): Optuna's StorageInternalError,
+    chained from the driver's error as a dropped PostgreSQL connection raises it, is exit 2 and one
+    line naming the driver's reason (it was "internal error: UnboundLocalError ... please report
+    it", Optuna's own error inside a trial, or "internal error: StorageInternalError" as a row was
+    recorded); the progress shown before it stays on stderr."""
+    import optuna
+    import sqlalchemy.exc
+
+    storages = {"sqlite": optuna.storages.RDBStorage, "journal": optuna.storages.JournalStorage}
+
+    def gone(*_a: object, **_kw: object) -> None:
+        try:
+            raise sqlalchemy.exc.OperationalError("INSERT", {}, Exception("server closed the connection"))
+        except sqlalchemy.exc.OperationalError as exc:
+            raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from exc
+
+    monkeypatch.setattr(storages[kind], method, gone)
+    url = f"sqlite:///{tmp_path / 's.db'}" if kind == "sqlite" else f"journal:{tmp_path / 's.log'}"
+    result = CliRunner().invoke(app, ["search", "-s", "4096x8192x4096", "--trials", "3", "--storage", url])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert "the storage failed during the search (" in line and "server closed the connection" in line, line
+    assert line.endswith("run the same command to resume"), line

@@ -52,7 +52,7 @@ from fo_tune.search.request import (
     study_name,
 )
 from fo_tune.search.results import BaselineResult, SearchResult, ShapeResult, model_error
-from fo_tune.search.storage import open_storage, shown, storage_url
+from fo_tune.search.storage import open_storage, shown, storage_lost, storage_url
 from fo_tune.search.strategies import ShapeJob, get_strategy
 from fo_tune.space import SearchSpace, space_for
 
@@ -93,7 +93,11 @@ def run_search(request: SearchRequest, reporter: Reporter | None = None) -> Sear
     torchrun rank. Writes the table rows when ``request.table_dir`` is set."""
     check_request(request)
     rep = reporter or SilentReporter()
-    t0 = time.monotonic()
+    with storage_lost(request.storage):  # a server gone mid-search: one line, not Optuna's own error
+        return _search(request, rep, time.monotonic())
+
+
+def _search(request: SearchRequest, rep: Reporter, t0: float) -> SearchResult | None:
     # An explicit storage is opened (checked) before any work; one whose folder the search makes
     # (the default, --out's) once every other check has passed, so bad input writes nothing.
     owned = request.make_storage_folder or not request.storage

@@ -20,11 +20,13 @@ of staying RUNNING forever.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +269,34 @@ def _no_driver(url: str, exc: ImportError) -> str:
         f"--storage {shown(url)}: no driver for {scheme} is installed ({why}); "
         "install it, or use postgresql://..., sqlite:///FILE or journal:FILE"
     )
+
+
+@contextlib.contextmanager
+def storage_lost(url: str) -> Iterator[None]:
+    """Turn a storage that stops answering inside the block (its server stopped, the connection
+    dropped) into one ``StorageError`` line saying how to resume: Optuna raises its
+    ``StorageInternalError``, or, from inside a trial, an ``UnboundLocalError`` of its own whose
+    context is that error, neither of which says what happened."""
+    import optuna
+
+    try:
+        yield
+    except FoTuneError:
+        raise
+    except Exception as exc:
+        chain, seen = [], exc
+        while seen is not None and len(chain) < 8:
+            chain.append(seen)
+            seen = seen.__cause__ or seen.__context__
+        lost = [e for e in chain if isinstance(e, optuna.exceptions.StorageInternalError)]
+        if not lost:
+            raise
+        driver = [e for e in chain if type(e).__module__.startswith(("sqlalchemy", "psycopg"))]
+        why = " ".join(str((driver or lost)[0]).split("\n")[0].split()).rstrip(". ")
+        raise StorageError(
+            f"--storage {shown(storage_url(url))}: the storage failed during the search ({why}); the "
+            "trials stored before are kept: once it answers again, run the same command to resume"
+        ) from None
 
 
 def close_storage(storage: Any) -> None:
