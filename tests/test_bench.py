@@ -375,7 +375,7 @@ def _result(status: str = "PASS") -> BenchResult:
 
 
 def test_a_failed_variant_is_exit_1_with_the_files_written(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "run_bench", lambda request, reporter=None: _result("FAIL"))
+    monkeypatch.setattr(bench, "run_bench", lambda request, reporter=None, keep=None: _result("FAIL"))
     out = tmp_path / "out"
     result = run_bench_cli("--shape", "8x8x8", "--out", str(out))
     assert result.exit_code == 1, result.output
@@ -395,7 +395,7 @@ def test_the_summary_sets_fo_tune_beside_torch_fused(tmp_path, monkeypatch):
     assert [r.variant for r in rows] == [v for v in ORDER_AG if v not in ("chunked_c4", "chunked_c8")]
     fake = BenchResult(fingerprint=current_fingerprint("cpu", 2), backend="gloo",
                        settings=dict(shapes=[[8, 8, 8]], dtype="float32"), rows=rows)  # fmt: skip
-    monkeypatch.setattr(bench, "run_bench", lambda request, reporter=None: fake)
+    monkeypatch.setattr(bench, "run_bench", lambda request, reporter=None, keep=None: fake)
     result = run_bench_cli("--shape", "8x8x8", "-c", "all_gather", "--out", str(tmp_path / "out"))
     assert result.exit_code == 0, result.output
     head = next(line for line in result.stdout.splitlines() if line.startswith("MxNxK"))
@@ -942,3 +942,42 @@ def test_moe_and_hybrid_bench_help_explains_every_option(capsys, script, says):
     assert not helpless, helpless
     for word in says:
         assert word in " ".join(out.split()), word
+
+
+def test_a_bench_stopped_after_a_case_keeps_the_cases_it_finished(tmp_path, monkeypatch):
+    """A Ctrl-C (or a failing rank) after the first case wrote nothing: the finished cases' rows
+    go to --out, bench.yaml saying after which case and why, and the exit is still 130."""
+    from fo_tune.bench import run as bench_run
+
+    made = bench_run.case_rows
+
+    def stop_at_the_second(*args, **kwargs):
+        if stop_at_the_second.calls == 1:
+            raise KeyboardInterrupt
+        stop_at_the_second.calls += 1
+        return made(*args, **kwargs)
+
+    stop_at_the_second.calls = 0
+    monkeypatch.setattr(bench_run, "case_rows", stop_at_the_second)
+    out = tmp_path / "out"
+    args = [
+        "-w",
+        "1",
+        "-c",
+        "all_reduce",
+        "-s",
+        "8x16x16",
+        "-s",
+        "16x16x16",
+        "--reps",
+        "1",
+        "--sample-ms",
+        "0.1",
+    ]
+    result = run_bench_cli(*args, "--out", str(out))
+    assert result.exit_code == 130, result.output
+    assert f"kept the finished cases (after 1 of 2 cases: interrupted) in {out}" in result.stderr
+    _, rows = read_csv(out / "bench.csv")
+    assert rows and {(r["m"], r["collective"]) for r in rows} == {("8", "all_reduce")}
+    settings = yaml.safe_load((out / "bench.yaml").read_text())["settings"]
+    assert settings["stopped"] == "after 1 of 2 cases: interrupted"

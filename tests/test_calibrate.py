@@ -329,6 +329,8 @@ def test_profile_writes_a_csv_sorted_by_time(runner, tmp_path):
     assert keys == [current_fingerprint("cpu", 1).device_key] and len(points) == len(rows)
     assert [p.time_ms for p in points] == times and {p.measured_on for p in points} == {""}
     assert "cuBLAS" in result.stdout and str(out) in result.stdout.replace("\n", "")
+    # progress off a terminal: each stage as a stderr line (the spinner alone printed nothing)
+    assert "profiling 32x48x40: " in result.stderr and "timing the best of each grid" in result.stderr
     # each grid's fastest of its three best, re-timed side by side, next to the profile
     header, grids = read_csv(tmp_path / "p" / "profile-grids.csv")
     assert header[:6] == ["m", "n", "k", "sms_free", "grid", "tile"] and header[-1] == "device_key"

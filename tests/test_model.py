@@ -499,3 +499,42 @@ def test_a_predict_search_into_the_user_folder_leaves_the_measured_rows_in_charg
     # the model has nothing to check in its own predictions: the line says which files it can check
     line = assert_one_line_error(model_check(*map(str, sorted(user.glob("*.yaml")))))
     assert "no measured row or trial" in line and "leave the files out" in line, line
+
+
+def test_model_check_and_fit_price_fp8_trials_on_the_fp8_gemm_profile(tmp_path):
+    """An fp8 search's trials are priced on the calibration's fp8 GEMM profile (what the search
+    predicted them with), not its bfloat16 one: `model check` of a CPU machine's fp8 hybrid report
+    printed 181% where the search's own MAPE was 37%, and `model fit` fitted host times to that."""
+    import csv
+
+    cal = load_calibration(CALIBRATION_DIR / "calibration.yaml")
+    # an fp8 profile of the same tiles at half the bfloat16 times: fp8 trials priced apart
+    cal.gemm_dtypes = {"float8_e4m3fn": [dataclasses.replace(p, time_ms=p.time_ms / 2) for p in cal.gemm]}
+    save_calibration(cal, tmp_path / "calibration.yaml")
+    rows = list(csv.DictReader(REPORTS[0].open()))
+    trials = tmp_path / "report" / "trials.csv"
+    trials.parent.mkdir()
+    with trials.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({**r, "dtype": "float8_e4m3fn"} for r in rows)
+    fp8 = check_files([trials], cost_model(cal.for_dtype("float8_e4m3fn")))
+    bf16 = check_files([trials], cost_model(cal))
+    assert mape(fp8) != mape(bf16)
+    r = model_check("--calibration", str(tmp_path / "calibration.yaml"), str(trials.parent))
+    assert r.exit_code == 0, r.output
+    mean, worst = mape(fp8)
+    assert r.stdout.strip().splitlines()[-1].startswith(f"MAPE {mean:.1%} (worst {worst:.1%})"), r.stdout
+    r = CliRunner().invoke(
+        app,
+        ["model", "fit", "--calibration", str(tmp_path / "calibration.yaml"), str(trials), "-o", "fit.yaml"],
+    )
+    assert r.exit_code == 0, r.output
+    fit = [line for line in r.stdout.splitlines() if line.strip().startswith("fit: MAPE")]
+    assert fit, r.stdout
+    fitted = load_calibration(tmp_path / "fit.yaml")
+    host = dict(cost_model(fitted).term("triton").host)
+    model = cost_model(fitted.for_dtype("float8_e4m3fn"))
+    assert dict(model.term("triton").host) == host
+    mean, worst = mape(check_files([trials], model))
+    assert fit[0].strip() == f"fit: MAPE {mean:.1%} (worst {worst:.1%}) over {len(fp8)} measured rows", fit

@@ -587,3 +587,21 @@ def test_search_moe_reads_a_space_file_and_names_its_errors(runner, tmp_path, mo
     space.write_text(text.replace("[4096]", "[4096, 512]"))
     line = assert_one_line_error(runner.invoke(app, args))
     assert "tokens_per_rank: expected ascending" in line, line
+
+
+def test_search_moe_refuses_a_calibration_that_cannot_price_the_no_overlap_path(
+    runner, tmp_path, monkeypatch
+):
+    """A calibration without library GEMM times (no GEMM profile, no copy-engine section: a CPU
+    machine's `fo-tune calibrate -c all_to_all --only bandwidth`) priced every row at inf and wrote
+    it; it is refused before any file is written, naming the command that measures the GEMMs."""
+    isolate_tables(monkeypatch, tmp_path)
+    data = yaml.safe_load(packaged_calibration(H200_KEY, 2).read_text())
+    for key in ("gemm", "copy_engine", "gemm_dtypes"):
+        data.pop(key)
+    bare = tmp_path / "calibration.yaml"
+    bare.write_text(yaml.safe_dump(data))
+    args = ["search", "-c", "moe", "--experts", "64,32,2,2", "--tokens", "8,16", "--calibration", str(bare)]
+    line = assert_one_line_error(runner.invoke(app, [*args, "--out", str(tmp_path / "out")]))
+    assert "cannot price the no-overlap path" in line and "--only gemm --dtype bfloat16 --into" in line, line
+    assert not (tmp_path / "out").exists()

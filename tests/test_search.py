@@ -1073,3 +1073,24 @@ def test_a_measured_searchs_report_names_only_a_calibration_that_priced_its_mach
         )
     )
     assert planned["request"]["calibration"] == H200_KEY
+
+
+def test_a_search_stopped_at_a_later_shape_keeps_the_rows_decided_before(tmp_path, h200, monkeypatch):
+    """Each shape's row reaches the table as soon as it is decided: a Ctrl-C (or a failing rank)
+    during the second shape's search left the first shape's decided row out of the table."""
+    from fo_tune.search import driver
+
+    searched = driver._search_shape
+
+    def stop_at_the_second(*args, **kwargs):
+        if stop_at_the_second.calls == 1:
+            raise KeyboardInterrupt
+        stop_at_the_second.calls += 1
+        return searched(*args, **kwargs)
+
+    stop_at_the_second.calls = 0
+    monkeypatch.setattr(driver, "_search_shape", stop_at_the_second)
+    result = search("--shape", "16384x8192x4096", "--shape", "8192x8192x4096", "--out", str(tmp_path / "o"))
+    assert result.exit_code == 130, result.output
+    table = load_table(tmp_path / "o" / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml")
+    assert table.find(16384, 8192, 4096) is not None and table.find(8192, 8192, 4096) is None

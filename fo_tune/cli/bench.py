@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -16,6 +17,7 @@ from fo_tune.cli.common import (
     WorldSizeOpt,
     check_dtype,
     console,
+    err_console,
     expected_device_key,
     fmt,
     handle_errors,
@@ -76,7 +78,9 @@ HELP = "\n\n".join(
         "speedup_vs_sequential, fraction_of_ideal, schedule_source), bench.yaml (the same rows, the "
         "hardware fingerprint, the settings, the wall time) and bench.png (speedup over sequential "
         "per shape, one panel per collective) into --out (default "
-        "results/bench/<device-key>/tp<N>/), all at once, then prints a summary.",
+        "results/bench/<device-key>/tp<N>/), all at once, then prints a summary. A Ctrl-C or a "
+        "failing rank writes the cases finished before it there (bench.yaml's settings.stopped says "
+        "after which case and why), then exits 130 or 1.",
         "Without GPUs the ranks use gloo and fo_tune's GEMM runs in Triton's CPU interpreter; there "
         "is no second stream, so the chunks run one after the other: the pipeline is checked, the "
         "numbers describe the CPU.",
@@ -346,7 +350,7 @@ def bench(
         with progress_bars(enabled=driver) as progress:
             where = "one GPU each, NCCL" if chosen == "nccl" else "gloo on the CPU"
             starting = f"start {count(world_size, 'rank')} ({where})"
-            result = run_bench(request, ProgressReporter(progress, starting))
+            result = run_bench(request, ProgressReporter(progress, starting), keep=_keep(out, world_size))
         if result is None:  # a serving torchrun rank: rank 0 writes and reports
             return
         written = write_bench_dir(result, out or default_bench_dir(result.fingerprint.device_key, world_size))
@@ -355,6 +359,21 @@ def bench(
     if failed:
         console.print(f"[bold red]FAILED[/]: {len(failed)} of {len(result.checked)} checked variants")
         raise typer.Exit(1)
+
+
+def _keep(out: Path | None, world_size: int) -> Callable[[BenchResult], None]:
+    """What a bench stopped by Ctrl-C or a failing rank does with the cases it finished: writes
+    them (bench.yaml's settings.stopped says after which case and why) and says where, on stderr."""
+
+    def keep(result: BenchResult) -> None:
+        from fo_tune.bench import default_bench_dir, write_bench_dir
+
+        where = out or default_bench_dir(result.fingerprint.device_key, world_size)
+        written = write_bench_dir(result, where)
+        stopped = result.settings["stopped"]
+        err_console.print(f"kept the finished cases ({stopped}) in {written[0].parent}", markup=False)
+
+    return keep
 
 
 def register(app: typer.Typer) -> None:

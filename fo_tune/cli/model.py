@@ -283,8 +283,10 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
         )
     check_machines(items, cal.fingerprint.device_key, path)
     _check_terms(cal, items, {m.schedule.engine or "" for m in items})
-    model = cost_model(cal)
-    rows = [m.checked(model) for m in items]
+    # each dtype's rows and trials priced on its own GEMM profile (Calibration.for_dtype: an fp8
+    # trial on the fp8 profile, not the calibration's bfloat16 one)
+    models = {d: cost_model(cal.for_dtype(d)) for d in sorted({m.schedule.dtype for m in items})}
+    rows = [m.checked(models[m.schedule.dtype]) for m in items]
     print_checked(rows, f"model of {path} against {len(paths)} file(s)")
     for line in unpriced_lines(rows):
         console.print(line, highlight=False, markup=False)

@@ -12,6 +12,7 @@ point is predicted faster than the no-overlap path by ``MIN_GAIN`` (the dense se
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -234,6 +235,7 @@ def plan_moe_search(
         term = moe_term(name)
         why = term.blocker(cal.fingerprint) or term.calibration_gap(cal)
         reasons[name] = why or ("" if name in space.engines else f"has no section in {space.source}")
+    _check_fallback_priced(cal, model, experts, tokens or space.tokens_per_rank, dtype)
     provenance = {"calibration": f"{cal.fingerprint.device_key} {cal.created}", "space": space.name}
     plan = plan_moe(
         model,
@@ -245,6 +247,33 @@ def plan_moe_search(
         provenance=provenance,
     )
     return plan, model
+
+
+def _check_fallback_priced(
+    cal: Calibration, model: MoeCostModel, experts: Sequence[ExpertsShape], tokens: Sequence[int], dtype: str
+) -> None:
+    """``MoeSearchError`` where the no-overlap path has no finite price: every row is decided
+    against it, so a calibration without library GEMM times (no GEMM profile's cuBLAS column, no
+    copy-engine section) would write rows whose times are infinite."""
+    shape, top = experts[0], max(tokens)
+    call = MoeCall(
+        tokens=top,
+        hidden=shape.hidden,
+        intermediate=shape.intermediate,
+        experts=shape.experts,
+        top_k=shape.top_k,
+        world=model.world_size,
+        dtype=dtype,
+    )
+    if math.isfinite(model.fallback(call).total_ms):
+        return
+    from fo_tune.calibrate.missing import measure_into
+
+    how = measure_into(cal, f"fo-tune calibrate --world-size 1 --only gemm --dtype {dtype}", "one GPU")
+    raise MoeSearchError(
+        f"-c moe: the calibration cannot price the no-overlap path's grouped GEMMs (it has no library "
+        f"GEMM times in {dtype}); {how}"
+    )
 
 
 def _plan_bucket(

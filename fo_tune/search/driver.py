@@ -215,6 +215,20 @@ def _run(
     if storage is None:
         storage = open_storage(request.storage, create_folder=True)
     results: list[ShapeResult] = []
+    kept: list[Schedule] = []
+
+    def merge(rows: list[Schedule]) -> None:
+        merged = merge_rows(
+            target,
+            fp,
+            rows,
+            collective=request.collective,
+            world_size=request.world_size,
+            dtype=request.dtype,
+        )
+        # (a predicted row takes no M from a measured one); each measured row once over the merges
+        kept.extend(r for r in kept_measured(merged, rows) if r not in kept)
+
     for i, enc in enumerate(encodings):
         budget = None
         if request.time_budget_s is not None:
@@ -224,22 +238,14 @@ def _run(
         results.append(result)
         if request.m_range is None:  # (an --m-range search's exact rows never reach a table)
             record_rows(storage, result.study, fp, [result.row])
+            if target is not None:  # merged as soon as decided: a Ctrl-C or a failing rank later keeps it
+                merge([result.row])
     ranges = range_rows(request.m_range, results, fp.sm_count)
     _record_ranges(storage, fp, results, ranges)
-    kept: list[Schedule] = []
-    if target is not None:
+    if target is not None and request.m_range is not None:
         # An --m-range search writes its range rows only: its M values were tuned to place them,
         # and must not replace exact rows a search of that very shape wrote.
-        rows = ranges if request.m_range is not None else [r.row for r in results]
-        merged = merge_rows(
-            target,
-            fp,
-            rows,
-            collective=request.collective,
-            world_size=request.world_size,
-            dtype=request.dtype,
-        )
-        kept = kept_measured(merged, rows)  # (a predicted row takes no M from a measured one)
+        merge(ranges)
     return SearchResult(
         request=request,
         fingerprint=fp,

@@ -23,7 +23,7 @@ from pathlib import Path
 from fo_kernels.plan import cdiv
 from fo_tune.calibrate.calibration import Calibration, EngineCalibration, Quantity
 from fo_tune.engines import cost_model
-from fo_tune.model.check import Checked, CheckError, mape
+from fo_tune.model.check import Checked, CheckError, Measured, mape
 from fo_tune.model.core import CostModel
 from fo_tune.model.library import K_UNIT
 
@@ -119,14 +119,15 @@ class FitReport:
     held_out: list[Checked]
 
 
-def _apply(model: CostModel, term: str, params: Mapping[str, float]) -> None:
-    for name, value in params.items():
-        if term == "copy_engine":
-            if name in model.library.p:
-                model.library.p[name] = value
-            model.term("copy_engine").p[name] = value
-        else:
-            model.term("triton").host[name] = value
+def _apply(models: Mapping[str, CostModel], term: str, params: Mapping[str, float]) -> None:
+    for model in models.values():
+        for name, value in params.items():
+            if term == "copy_engine":
+                if name in model.library.p:
+                    model.library.p[name] = value
+                model.term("copy_engine").p[name] = value
+            else:
+                model.term("triton").host[name] = value
 
 
 def fit_calibration(
@@ -143,8 +144,14 @@ def fit_calibration(
     out raises ``CheckError``: its parameters would be fitted to nothing."""
     from fo_tune.model.check import measured_in
 
-    model = cost_model(cal)
     items = measured_in(files)
+    # one model per operand dtype, each on its own GEMM profile (Calibration.for_dtype), sharing
+    # the parameters fitted here
+    models = {d: cost_model(cal.for_dtype(d)) for d in sorted({m.schedule.dtype for m in items})}
+
+    def checked(m: Measured) -> Checked:
+        return m.checked(models[m.schedule.dtype])
+
     out = []
     groups = (
         ("copy_engine", COPY_ENGINE_FREE, [m for m in items if m.schedule.engine != "triton"]),
@@ -153,7 +160,7 @@ def fit_calibration(
     for term, free, group in groups:
         if not group or (term == "copy_engine" and cal.copy_engine is None):
             continue
-        train = [m for m in group if not held_out(m.checked(model))]
+        train = [m for m in group if not held_out(checked(m))]
         if not train:
             raise CheckError(
                 f"model fit: every one of the {len(group)} measured {term} rows and trials is held "
@@ -161,13 +168,14 @@ def fit_calibration(
             )
 
         def evaluate(params: Mapping[str, float], term: str = term, train: list = train) -> list[Checked]:
-            _apply(model, term, params)
-            return [m.checked(model) for m in train]
+            _apply(models, term, params)
+            return [checked(m) for m in train]
 
-        start = cal.copy_engine.values() if term == "copy_engine" else dict(model.term("triton").host)
+        any_model = next(iter(models.values()))
+        start = cal.copy_engine.values() if term == "copy_engine" else dict(any_model.term("triton").host)
         values, _ = fit_free(evaluate, start, free)
-        _apply(model, term, values)
-        rows = [m.checked(model) for m in group]
+        _apply(models, term, values)
+        rows = [checked(m) for m in group]
         use = [c for c in rows if not held_out(c)]
         names = ", ".join(dict.fromkeys(c.source for c in use))
         held = f"{len(rows) - len(use)} held out" + (f": {held_out_text}" if held_out_text else "")
