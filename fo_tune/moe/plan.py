@@ -65,6 +65,18 @@ class ExpertsShape:
     def label(self) -> str:
         return f"H {self.hidden}, I {self.intermediate}, E_local {self.experts}, k {self.top_k}"
 
+    def call(self, tokens: int, world: int, dtype: str) -> MoeCall:
+        """The model's call of these experts at ``tokens`` per rank on ``world`` ranks."""
+        return MoeCall(
+            tokens=tokens,
+            hidden=self.hidden,
+            intermediate=self.intermediate,
+            experts=self.experts,
+            top_k=self.top_k,
+            world=world,
+            dtype=dtype,
+        )
+
 
 def experts_from_suite(path: Path, world_size: int) -> list[ExpertsShape]:
     """The experts' shapes of an MoE suite's ``models`` (``suites/moe/experts.yaml``: hidden,
@@ -187,15 +199,7 @@ def plan_moe(
     ranges = buckets(tokens)
     for shape in experts:
         for lo, hi in ranges:
-            call = MoeCall(
-                tokens=hi,
-                hidden=shape.hidden,
-                intermediate=shape.intermediate,
-                experts=shape.experts,
-                top_k=shape.top_k,
-                world=model.world_size,
-                dtype=dtype,
-            )
+            call = shape.call(hi, model.world_size, dtype)
             problem = MoeProblem(
                 hidden=shape.hidden,
                 intermediate=shape.intermediate,
@@ -255,16 +259,7 @@ def _check_fallback_priced(
     """``MoeSearchError`` where the no-overlap path has no finite price: every row is decided
     against it, so a calibration without library GEMM times (no GEMM profile's cuBLAS column, no
     copy-engine section) would write rows whose times are infinite."""
-    shape, top = experts[0], max(tokens)
-    call = MoeCall(
-        tokens=top,
-        hidden=shape.hidden,
-        intermediate=shape.intermediate,
-        experts=shape.experts,
-        top_k=shape.top_k,
-        world=model.world_size,
-        dtype=dtype,
-    )
+    call = experts[0].call(max(tokens), model.world_size, dtype)
     if math.isfinite(model.fallback(call).total_ms):
         return
     from fo_tune.calibrate.missing import measure_into
