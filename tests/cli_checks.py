@@ -1,9 +1,10 @@
-"""Helpers shared by the CLI tests: the one-line error assertion, the isolated table paths and
-the stand-in all_gather curve of the shipped calibration."""
+"""Helpers shared by the CLI tests: the one-line error assertion, the isolated table paths, the
+stand-in all_gather curve of the shipped calibration and a Ctrl-C at a function's second call."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +71,17 @@ def tp2_only(cal: Any) -> Any:
         copy_engine=dataclasses.replace(cal.copy_engine, library_gemm=tp2, host=[]),
         gemm_dtypes={},
     )
+
+
+def interrupted_at_second_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, but its second call raises ``KeyboardInterrupt`` (a Ctrl-C after the first case)."""
+    calls = 0
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise KeyboardInterrupt
+        return fn(*args, **kwargs)
+
+    return wrapped

@@ -18,7 +18,7 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import assert_one_line_error, isolate_tables
+from cli_checks import assert_one_line_error, interrupted_at_second_call, isolate_tables
 from fo_kernels.errors import ShapeError
 from fo_kernels.fingerprint import current_fingerprint
 from fo_kernels.schedule import COLLECTIVES
@@ -949,16 +949,7 @@ def test_a_bench_stopped_after_a_case_keeps_the_cases_it_finished(tmp_path, monk
     go to --out, bench.yaml saying after which case and why, and the exit is still 130."""
     from fo_tune.bench import run as bench_run
 
-    made = bench_run.case_rows
-
-    def stop_at_the_second(*args, **kwargs):
-        if stop_at_the_second.calls == 1:
-            raise KeyboardInterrupt
-        stop_at_the_second.calls += 1
-        return made(*args, **kwargs)
-
-    stop_at_the_second.calls = 0
-    monkeypatch.setattr(bench_run, "case_rows", stop_at_the_second)
+    monkeypatch.setattr(bench_run, "case_rows", interrupted_at_second_call(bench_run.case_rows))
     out = tmp_path / "out"
     args = [
         "-w",

@@ -25,6 +25,7 @@ from cli import app
 from cli_checks import (
     H200_KEY,
     assert_one_line_error,
+    interrupted_at_second_call,
     isolate_tables,
     run_report,
     run_reports,
@@ -1080,16 +1081,7 @@ def test_a_search_stopped_at_a_later_shape_keeps_the_rows_decided_before(tmp_pat
     during the second shape's search left the first shape's decided row out of the table."""
     from fo_tune.search import driver
 
-    searched = driver._search_shape
-
-    def stop_at_the_second(*args, **kwargs):
-        if stop_at_the_second.calls == 1:
-            raise KeyboardInterrupt
-        stop_at_the_second.calls += 1
-        return searched(*args, **kwargs)
-
-    stop_at_the_second.calls = 0
-    monkeypatch.setattr(driver, "_search_shape", stop_at_the_second)
+    monkeypatch.setattr(driver, "_search_shape", interrupted_at_second_call(driver._search_shape))
     result = search("--shape", "16384x8192x4096", "--shape", "8192x8192x4096", "--out", str(tmp_path / "o"))
     assert result.exit_code == 130, result.output
     table = load_table(tmp_path / "o" / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml")
