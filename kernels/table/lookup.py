@@ -167,16 +167,15 @@ def lookup_schedule(
         # Without GPUs the search plans the packaged H200 deployment offline, whose rows go under
         # the H200's device key: this machine's own rows come from measuring on its gloo ranks,
         # which the search refuses for a shape above CPU_MAX_MACS unless --allow-slow.
-        mode = ""
-        if dev.type == "cpu":
-            mode = " --mode measure" + (" --allow-slow" if m * n * k > CPU_MAX_MACS else "")
+        slow = dev.type == "cpu" and m * n * k > CPU_MAX_MACS
+        mode = (" --mode measure" + (" --allow-slow" if slow else "")) if dev.type == "cpu" else ""
         warnings.warn(
             f"no schedule table row for {collective} {dtype_name} {m}x{n}x{k} at world size {world_size} "
             f"on device {fp.device_key}; looked for {fp.device_key}/{filename} in "
             f"{', '.join(map(str, folders))} ({searched}); running GEMM then the collective "
             f"(overlap: false); tune the shape with `fo-tune search --shape {m}x{n}x{k} -c {collective} "
             f"--world-size {world_size} --dtype {dtype_name}{mode}`"
-            + (" (hours: every trial runs in Triton's CPU interpreter)" if "allow" in mode else ""),
+            + (" (hours: every trial runs in Triton's CPU interpreter)" if slow else ""),
             HeuristicScheduleWarning,
             stacklevel=2,
         )
