@@ -252,7 +252,7 @@ def unpriced_lines(rows: list[Checked]) -> list[str]:
 @handle_errors
 def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
     from fo_tune.calibrate.missing import measured_rows
-    from fo_tune.engines import cost_model
+    from fo_tune.engines import cost_models_by_dtype
     from fo_tune.model.check import CheckError, check_machines, measured_in, unmeasured_in
 
     cal, path = _calibration(calibration)
@@ -283,9 +283,7 @@ def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
         )
     check_machines(items, cal.fingerprint.device_key, path)
     _check_terms(cal, items, {m.schedule.engine or "" for m in items})
-    # each dtype's rows and trials priced on its own GEMM profile (Calibration.for_dtype: an fp8
-    # trial on the fp8 profile, not the calibration's bfloat16 one)
-    models = {d: cost_model(cal.for_dtype(d)) for d in sorted({m.schedule.dtype for m in items})}
+    models = cost_models_by_dtype(cal, (m.schedule.dtype for m in items))
     rows = [m.checked(models[m.schedule.dtype]) for m in items]
     print_checked(rows, f"model of {path} against {len(paths)} file(s)")
     for line in unpriced_lines(rows):

@@ -19,6 +19,7 @@ same registry (``moe_term``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from fo_kernels.registry import Registry
@@ -68,6 +69,12 @@ def cost_model(cal: Calibration) -> CostModel:
     from fo_tune.model import CostModel
 
     return CostModel(cal, {name: get_tuner(name).term for name in engine_names()})
+
+
+def cost_models_by_dtype(cal: Calibration, dtypes: Iterable[str]) -> dict[str, CostModel]:
+    """A cost model per operand dtype, each on its own GEMM profile (``Calibration.for_dtype``:
+    an fp8 row priced on the fp8 profile, not the calibration's bfloat16 one)."""
+    return {d: cost_model(cal.for_dtype(d)) for d in sorted(set(dtypes))}
 
 
 def moe_engine_names() -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fo_kernels.plan import cdiv
 from fo_tune.calibrate.calibration import Calibration, EngineCalibration, Quantity
-from fo_tune.engines import cost_model
+from fo_tune.engines import cost_models_by_dtype
 from fo_tune.model.check import Checked, CheckError, Measured, mape
 from fo_tune.model.core import CostModel
 from fo_tune.model.library import K_UNIT
@@ -145,9 +145,8 @@ def fit_calibration(
     from fo_tune.model.check import measured_in
 
     items = measured_in(files)
-    # one model per operand dtype, each on its own GEMM profile (Calibration.for_dtype), sharing
-    # the parameters fitted here
-    models = {d: cost_model(cal.for_dtype(d)) for d in sorted({m.schedule.dtype for m in items})}
+    # one model per operand dtype, sharing the parameters fitted here
+    models = cost_models_by_dtype(cal, (m.schedule.dtype for m in items))
 
     def checked(m: Measured) -> Checked:
         return m.checked(models[m.schedule.dtype])
