@@ -261,14 +261,19 @@ def _no_driver(url: str, exc: ImportError) -> str:
     reason (psycopg installed without libpq: "no pq wrapper available"), its cause holds it; a
     PostgreSQL URL names the extra that brings a working driver."""
     scheme = url.split(":", 1)[0]
-    cause = exc.__cause__ or exc
-    why = " ".join(str(cause).split("\n")[0].split()).rstrip(". ")  # (no ".;" before ours)
+    why = _first_line(exc.__cause__ or exc)
     if scheme.split("+")[0] in POSTGRES_SCHEMES:
         return f"--storage {shown(url)}: the PostgreSQL driver does not import ({why}); {POSTGRES_EXTRA}"
     return (
         f"--storage {shown(url)}: no driver for {scheme} is installed ({why}); "
         "install it, or use postgresql://..., sqlite:///FILE or journal:FILE"
     )
+
+
+def _first_line(exc: BaseException) -> str:
+    """``exc``'s message as a clause of one of our lines: its first line, spaces collapsed, no
+    closing full stop (no ".;" before ours)."""
+    return " ".join(str(exc).split("\n")[0].split()).rstrip(". ")
 
 
 @contextlib.contextmanager
@@ -292,7 +297,7 @@ def storage_lost(url: str) -> Iterator[None]:
         if not lost:
             raise
         driver = [e for e in chain if type(e).__module__.startswith(("sqlalchemy", "psycopg"))]
-        why = " ".join(str((driver or lost)[0]).split("\n")[0].split()).rstrip(". ")
+        why = _first_line((driver or lost)[0])
         raise StorageError(
             f"--storage {shown(storage_url(url))}: the storage failed during the search ({why}); the "
             "trials stored before are kept: once it answers again, run the same command to resume"
