@@ -6,9 +6,7 @@ Library: ``fo_tune.calibrate.profile.profile_shape`` (measures), ``fo_tune.calib
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -22,7 +20,6 @@ from fo_tune.cli.common import (
     WorldSizeOpt,
     check_dtype,
     console,
-    err_console,
     expected_device_key,
     fmt,
     handle_errors,
@@ -33,6 +30,7 @@ from fo_tune.cli.common import (
     summary_table,
     triton_mode,
 )
+from fo_tune.cli.progress import status
 
 HELP = "\n\n".join(
     [
@@ -249,7 +247,7 @@ def profile(
             tiles = tuple(search_space.tile_candidates(dtype=dtype, quick=False, cpu=cpu))
             frees = tuple(sorted({0, *search_space.sms_free_candidates(cpu=cpu)}))
             what = f"profiling {m}x{n}x{k}: {len(tiles)} tiles x {len(frees)} grids on {world_size} rank(s)"
-            with _status(what):
+            with status(what):
                 device_key = fp.device_key
                 points = profile_shape(pool, m, n, k, tiles, frees, dtype, graphs=graphs, scaling=scaling)
             from fo_tune.calibrate.calibration import timing_name
@@ -265,7 +263,7 @@ def profile(
             from fo_tune.calibrate.profile import confirm_grids
 
             side_by_side = f"timing the best of each grid side by side ({m}x{n}x{k})"
-            with _status(side_by_side):
+            with status(side_by_side):
                 grids = confirm_grids(pool, points, dtype, graphs=graphs, scaling=scaling)
             if grids:
                 grids_file = write_grids_csv(grids, grids_path(path), device_key)
@@ -277,18 +275,6 @@ def profile(
                     markup=False,
                     highlight=False,
                 )
-
-
-@contextlib.contextmanager
-def _status(what: str) -> Iterator[None]:
-    """A spinner on a terminal; elsewhere (a log file, CI) ``what`` as one stderr line, where the
-    spinner would show nothing while the interpreter runs configs for minutes."""
-    if err_console.is_terminal:
-        with err_console.status(what, spinner="dots"):
-            yield
-    else:
-        err_console.print(what, markup=False, highlight=False)
-        yield
 
 
 def register(app: typer.Typer) -> None:

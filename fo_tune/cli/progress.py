@@ -1,10 +1,12 @@
 """Progress of the long commands (calibrate, search, bench): rich progress bars on a terminal, one
 timestamped line per step otherwise; ``ProgressReporter`` is the ``fo_tune.output.Reporter``
-the library calls report to."""
+the library calls report to; ``status`` a step without a count (profile's)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 from rich.console import Console
 from rich.progress import (
@@ -75,3 +77,15 @@ class ProgressReporter:
         self._progress.update(self._tasks[name], advance=1, description=text)
         if log:
             self._line(f"{name}: {detail or 'step'} done")
+
+
+@contextlib.contextmanager
+def status(what: str) -> Iterator[None]:
+    """One long step without a count: a spinner on a terminal; elsewhere (a log file, CI) ``what``
+    as one stderr line, where a spinner shows nothing for the minutes the step may take."""
+    if err_console.is_terminal:
+        with err_console.status(what, spinner="dots"):
+            yield
+    else:
+        err_console.print(what, markup=False, highlight=False)
+        yield
