@@ -167,7 +167,7 @@ def _per_expert(experts: nn.ModuleList) -> Weights:
     names = next((n for n in _MLP_NAMES if all(hasattr(first, a) for a in n)), None)
     if names is None:
         raise PlanError(f"experts: an MLP without {' / '.join('/'.join(n) for n in _MLP_NAMES)} layers")
-    w13, w2, trains = [], [], [False, False]
+    entries, trains = {}, [False, False]  # (entries: the block's state_dict, as Source reads it)
     for i, mlp in enumerate(experts):
         gate, up, down = (getattr(mlp, a) for a in names)
         if any(getattr(layer, "bias", None) is not None for layer in (gate, up, down)):
@@ -175,11 +175,12 @@ def _per_expert(experts: nn.ModuleList) -> Weights:
                 f"experts[{i}]: biases are not part of the SwiGLU expert expert_parallel_ffn computes"
             )
         _check_silu(getattr(mlp, "act_fn", None), f"experts[{i}]")
-        w13.append(torch.cat([gate.weight.detach().t(), up.weight.detach().t()], dim=1))
-        w2.append(down.weight.detach().t())
+        entries.update({f"{i}.{a}.weight": getattr(mlp, a).weight.detach() for a in names})
         trains[0] |= gate.weight.requires_grad or up.weight.requires_grad
         trains[1] |= down.weight.requires_grad
-    return torch.stack(w13), torch.stack(w2), (trains[0], trains[1]), Source(fused=False, names=names)
+    source = Source(fused=False, names=names)
+    w13, w2 = source.weights(entries, len(experts))
+    return w13, w2, (trains[0], trains[1]), source
 
 
 def _rank_experts(local: int, group: dist.ProcessGroup | None) -> slice:
