@@ -412,10 +412,10 @@ def test_demo_spinner_is_on_stderr_and_stdout_holds_the_results(runner, monkeypa
     from rich.console import Console
 
     from fo_tune.bench import demo as demo_lib
-    from fo_tune.cli import demo as demo_cli
+    from fo_tune.cli import progress
 
     spun = io.StringIO()
-    monkeypatch.setattr(demo_cli, "err_console", Console(file=spun, force_terminal=True, width=100))
+    monkeypatch.setattr(progress, "err_console", Console(file=spun, force_terminal=True, width=100))
     monkeypatch.setattr(demo_lib, "run_demo", lambda *args, **kwargs: [])
     result = runner.invoke(app, ["demo", "--backend", "gloo", "--shape", "32x48x40"])
     assert result.exit_code == 0, result.output

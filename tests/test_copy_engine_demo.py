@@ -117,3 +117,14 @@ def test_a_shape_below_the_world_size_is_skipped_for_that_reason():
     assert len(reasons) == len(COPY_ENGINE_COLLECTIVES), rows
     assert all("M=2 is below the world size 4" in why for why in reasons), reasons
     assert [r.passed for r in rows if not r.skipped] == [True] * len(COPY_ENGINE_COLLECTIVES)
+
+
+def test_each_case_is_reported_as_it_finishes():
+    """A GPU-sized shape takes minutes on the CPU executor: off a terminal, stderr names each
+    (collective, shape) checked as it finishes, and the count of those that run (the skipped
+    ones are not counted)."""
+    result = CliRunner().invoke(app, ["demo", "--engine", "copy_engine", "-w", "4", "-s", "6x8x8", "-r", "1"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "check and time: 1 step" in result.stderr, result.stderr
+    assert "check and time: all_reduce 6x8x8 done" in result.stderr, result.stderr
+    assert "reduce_scatter 6x8x8 done" not in result.stderr, result.stderr

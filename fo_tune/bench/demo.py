@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fo_tune.bench.demo_rank import Job, merge_ranks, rank_main
+from fo_tune.output import Reporter, SilentReporter
 
 # The ranks the demo starts without --world-size (TP=2, the setup the tables are tuned for).
 DEFAULT_WORLD_SIZE = 2
@@ -277,6 +278,7 @@ COPY_ENGINE_BACKEND = "cpu-threads"  # DemoRow.backend of the copy engine's CPU 
 VIRTUAL_BACKEND = "virtual-ranks"  # DemoRow.backend of its virtual ranks on one GPU
 COPY_ENGINE_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 COPY_ENGINE_WEIGHTS = (1, 1)  # two chunks per shard: each hop runs beside the next chunk's GEMM
+COPY_ENGINE_STAGE = "check and time"  # the reporter's stage of run_copy_engine_demo
 
 
 def copy_engine_backend(gpus: int) -> str:
@@ -294,6 +296,7 @@ def run_copy_engine_demo(
     *,
     seed: int = 0,
     backend: str | None = None,
+    reporter: Reporter | None = None,
 ) -> list[DemoRow]:
     """The copy engine's protocol on ``world_size`` ranks (``backend``: ``copy_engine_backend``
     of the GPUs this process sees, unless given): for each shape, all_reduce, reduce_scatter and
@@ -303,7 +306,8 @@ def run_copy_engine_demo(
     executor (``check_on_threads``) its time is the executor's; on the virtual ranks of one GPU
     (``check_on_gpu``, every call issued eagerly: the GPU tests run the graphs) the median GPU
     time of a call of all ranks on that GPU. Neither is a rank's time on its own GPU, so there is
-    no sequential baseline."""
+    no sequential baseline. ``reporter`` gets a stage ``COPY_ENGINE_STAGE`` with a step per
+    (shape, collective) that runs."""
     import torch
 
     from fo_kernels.engines.copy_engine import CpuCheck, check_on_threads
@@ -315,6 +319,8 @@ def run_copy_engine_demo(
         for m, _n, _k in shapes
         for collective in COPY_ENGINE_COLLECTIVES
     }
+    rep = reporter or SilentReporter()
+    rep.stage(COPY_ENGINE_STAGE, sum(skip is None for skip in skips.values()))
     rows: list[DemoRow] = []
     weights = COPY_ENGINE_WEIGHTS
     how = f"copy engine ring, {len(weights)} chunk(s) per shard, weights {list(weights)}"
@@ -339,6 +345,7 @@ def run_copy_engine_demo(
                 scaling="rowwise" if dtype == FP8_NAME else "",
             )  # fmt: skip
             got = _on_gpu(check) if on_gpu else check_on_threads(check)
+            rep.step(COPY_ENGINE_STAGE, f"{collective} {m}x{n}x{k}")
             nan = float("nan")
             passed = not got.has_nan and got.rel_err < TOL[dtype]
             rows.append(

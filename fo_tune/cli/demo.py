@@ -16,7 +16,6 @@ from fo_tune.cli.common import (
     ShapesOpt,
     TimeoutOpt,
     console,
-    err_console,
     handle_errors,
     parse_shape,
     summary_table,
@@ -176,6 +175,7 @@ def demo(
         run_copy_engine_demo,
         run_demo,
     )
+    from fo_tune.cli.progress import ProgressReporter, progress_bars, status
     from fo_tune.ranks.launch import visible_gpus
     from fo_tune.tables.find import search_folders
 
@@ -189,8 +189,9 @@ def demo(
             else f"{ranks} thread-ranks of its CPU executor (no GPU, no process group)"
         )
         console.print(f"fo-tune demo: the copy engine's protocol on {how}", markup=False, highlight=False)
-        with err_console.status(f"running {count(ranks, 'rank')} ...", spinner="dots"):
-            rows = run_copy_engine_demo(ranks, shapes or None, dtype, reps, backend=where)
+        with progress_bars() as progress:  # a GPU-sized shape takes minutes on the CPU executor
+            reporter = ProgressReporter(progress, f"start {count(ranks, 'rank')}")
+            rows = run_copy_engine_demo(ranks, shapes or None, dtype, reps, backend=where, reporter=reporter)
         console.print(_table(rows, ranks, where))
         console.print("schedules (the copy engine's operation lists, as on GPUs):", style="dim")
     else:
@@ -198,7 +199,7 @@ def demo(
         demo_inputs(plan, shapes or None, dtype, reps, timeout, allow_slow=allow_slow)
         search_folders()  # the runtime's tables: a $FO_TUNE_TABLE_DIR naming a file is refused
         console.print(f"fo-tune demo: {plan.note}", markup=False, highlight=False)
-        with err_console.status(f"running {count(plan.world_size, 'rank')} ...", spinner="dots"):
+        with status(f"running {count(plan.world_size, 'rank')} ..."):
             rows = run_demo(
                 plan.world_size, shapes or None, dtype, plan.backend, reps, timeout, allow_slow=allow_slow
             )
