@@ -21,6 +21,7 @@ from fo_tune.cli.common import (
     WorldSizeOpt,
     check_dtype,
     console,
+    err_console,
     fmt,
     handle_errors,
     is_driver_process,
@@ -299,7 +300,7 @@ def search(
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
         from fo_tune.calibrate.find import choose_calibration
-        from fo_tune.search import SearchRequest, check_request, run_search
+        from fo_tune.search import SearchInterrupted, SearchRequest, check_request, run_search
         from fo_tune.search.report import write_report
         from fo_tune.search.setup import output_places, report_dirs
 
@@ -358,14 +359,22 @@ def search(
             from fo_tune.search.storage import check_storage
 
             check_storage(storage_url)
-        results = []
+        results, stop = [], None
         with progress_bars(enabled=driver) as progress:
             reporter = ProgressReporter(progress, f"search ({mode})")
-            for request, report_dir in zip(requests, folders, strict=True):
-                result = run_search(request, reporter)
+            for i, (request, report_dir) in enumerate(zip(requests, folders, strict=True)):
+                try:
+                    result = run_search(request, reporter)
+                except SearchInterrupted as exc:  # (reported once the progress bars are gone)
+                    stop = (exc, report_dir, [r.collective for r in requests[i + 1 :]])
+                    break
                 if result is None:  # a serving torchrun rank
                     return
                 results.append((result, write_report(result, report_dir)))
+        if stop is not None:
+            if driver:
+                _keep_interrupted(stop[0].result, stop[1], stop[2])
+            raise stop[0]
     if json_out:
         from fo_tune.search.report import summary
 
@@ -374,6 +383,25 @@ def search(
         return
     for result, written in results:
         _print_summary(result, written)
+
+
+def _keep_interrupted(result: SearchResult, report_dir: Path, not_started: list[str]) -> None:
+    """What a search stopped by Ctrl-C does before ``error: interrupted``: writes the report of the
+    shapes it decided (their rows are already in the table; summary.yaml's ``stopped`` and
+    ``not_done`` say which were not searched) and says on stderr where, and how to resume."""
+    from fo_tune.search.report import stopped, write_report
+
+    written = write_report(result, report_dir)
+    r = result.request
+    left = ", ".join("x".join(map(str, shape)) for shape in result.not_done)
+    later = f"; {', '.join(not_started)} not started" if not_started else ""
+    err_console.print(
+        f"{r.collective}: kept the decided shapes ({stopped(result)}; not searched: {left}{later}) "
+        f"in {written[0].parent}; run the same command again to search the rest (the study storage "
+        f"{result.storage or '-'} keeps the trials recorded so far)",
+        markup=False,
+        highlight=False,
+    )
 
 
 def _read_tables(
