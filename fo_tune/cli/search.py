@@ -373,6 +373,8 @@ def search(
                 results.append((result, write_report(result, report_dir)))
         if stop is not None:
             if driver:
+                for result, written in [] if json_out else results:  # the collectives it finished
+                    _print_summary(result, written)
                 _keep_interrupted(stop[0].result, stop[1], stop[2])
             raise stop[0]
     if json_out:
@@ -387,18 +389,19 @@ def search(
 
 def _keep_interrupted(result: SearchResult, report_dir: Path, not_started: list[str]) -> None:
     """What a search stopped by Ctrl-C does before ``error: interrupted``: writes the report of the
-    shapes it decided (their rows are already in the table; summary.yaml's ``stopped`` and
-    ``not_done`` say which were not searched) and says on stderr where, and how to resume."""
+    shapes it decided, if any (their rows are already in the table; summary.yaml's ``stopped`` and
+    ``not_done`` say which were not searched), and says on stderr where, and how to resume."""
     from fo_tune.search.report import stopped, write_report
 
-    written = write_report(result, report_dir)
-    r = result.request
     left = ", ".join("x".join(map(str, shape)) for shape in result.not_done)
     later = f"; {', '.join(not_started)} not started" if not_started else ""
+    kept = "no shape decided"
+    if result.shapes:
+        kept = f"kept the decided shapes in {write_report(result, report_dir)[0].parent}"
     err_console.print(
-        f"{r.collective}: kept the decided shapes ({stopped(result)}; not searched: {left}{later}) "
-        f"in {written[0].parent}; run the same command again to search the rest (the study storage "
-        f"{result.storage or '-'} keeps the trials recorded so far)",
+        f"{result.request.collective}: {kept} ({stopped(result)}; not searched: {left}{later}); run the "
+        f"same command again to search the rest (the study storage {result.storage or '-'} keeps the "
+        "trials recorded so far)",
         markup=False,
         highlight=False,
     )
