@@ -256,6 +256,8 @@ def _moe_lookup(
     key = (shape.hidden, shape.intermediate, shape.experts, shape.top_k)
     dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
     world = world_of(world_size, device_key)
+    named = "--world-size" if world_size is not None else "-k's world size" if device_key else ""
+    shape.check_world(world, named or "the default --world-size")
     from fo_kernels.table import MISS_SOURCE
     from fo_tune.tables.find import find_moe_row
 
