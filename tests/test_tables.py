@@ -928,6 +928,15 @@ def test_lookup_bad_input_is_one_line(runner: CliRunner, args: list[str], needle
     assert needle in assert_one_line_error(runner.invoke(app, ["table", "lookup", *args]))
 
 
+@pytest.mark.parametrize("key", ["../..", "", "nvidia-h200-cc90-132sm-w2-nvlink18/.."])
+def test_list_refuses_a_path_for_a_device_key(runner: CliRunner, key: str) -> None:
+    """`table list -k PATH` was exit 0 with "no table for device key PATH", where lookup and show
+    refuse the same -k as exit 2."""
+    assert "a device key is a folder name" in assert_one_line_error(
+        runner.invoke(app, ["table", "list", "-k", key])
+    )
+
+
 def test_lookup_refuses_a_table_of_a_removed_mode(runner: CliRunner, tmp_path: Path) -> None:
     """A schema-1 table whose row uses the removed exchange mode: exit 2, one line, what to do."""
     key = cpu_fp().device_key

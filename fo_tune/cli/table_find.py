@@ -36,6 +36,7 @@ from fo_tune.cli.table_options import (
     DeviceKeyOpt,
     TableDtypeOpt,
     check_choice,
+    check_device_key,
     world_of,
 )
 from fo_tune.cli.table_rows import kind_label
@@ -338,6 +339,7 @@ def table_files(device_key: str | None = None) -> tuple[list[dict[str, Any]], li
 
 @handle_errors
 def list_tables(device_key: ListDeviceKeyOpt = None, json_out: ListJsonOpt = False) -> None:
+    check_device_key(device_key)
     files, problems = table_files(device_key)
     if json_out:
         typer.echo(json_text({"kind": "fo-tune-table-list", "tables": files, "problems": problems}))
