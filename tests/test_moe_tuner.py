@@ -504,6 +504,10 @@ def test_search_moe_plans_an_experts_shape_given_twice_once(runner, tmp_path, mo
         (["--tokens", "99999999999"], "the rows T x k = 799999999992 is above 2147483647"),
         (["--experts", "999999,999999,128,8"], "GB of NVIDIA H200 (the calibration's GPU, datasheet)"),
         (["--experts", "4096,1024,1,8", "-w", "3"], "k = 8 is above the 3 experts at --world-size 3"),
+        # -w 0 divided by zero (an internal error); --mode bogus was called a measured MoE search
+        (["-w", "0"], "--world-size must be >= 1, got 0"),
+        (["-w", "-2"], "--world-size must be >= 1, got -2"),
+        (["--mode", "bogus"], "--mode 'bogus' is not one of measure, predict, hybrid"),
     ],
 )
 def test_search_moe_says_what_it_needs(runner, tmp_path, monkeypatch, extra, says):

@@ -528,6 +528,9 @@ def test_time_budget_stops_early(tmp_path):
         (["--shape", "64x64x64", "--trials", "5", "--storage", "nosuchdb+x://"], "--storage"),
         (["--shape", "4096x8192x4096", "--exhaustive"], "--space"),
         (["--shape", "64x64x64", "--world-size", "0"], "--world-size"),
+        # a seed Optuna's sampler refuses was an internal error once the study started
+        (["--shape", "64x64x64", "--trials", "3", "--seed", "-1"], "--seed must be between 0 and"),
+        (["--shape", "64x64x64", "--trials", "3", "--seed", str(2**32)], "--seed must be between 0 and"),
         (["--shape", "64x64x64", "--engine", "nvshmem"], "triton, copy_engine"),
         (["--shape", "64x64x64", "--engine", ","], "--engine"),
         ([], "--shape"),

@@ -244,6 +244,11 @@ def search(
     picked = parse_collectives(
         collective, valid=(*COLLECTIVE_NAMES, MOE_COLLECTIVE), default=("all_reduce",), option="--collective"
     )
+    # (both searches': an MoE plan divides by the world size too)
+    if world_size < 1:
+        raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
+    if mode is not None and mode not in MODE_NAMES:
+        raise typer.BadParameter(f"--mode {mode!r} is not one of {', '.join(MODE_NAMES)}")
     if MOE_COLLECTIVE in picked:
         if len(picked) > 1:
             raise typer.BadParameter(f"-c {MOE_COLLECTIVE} is searched alone, not with {', '.join(picked)}")
@@ -273,10 +278,6 @@ def search(
 
     engines = parse_names(engine, valid=engine_names(), option="--engine")
     check_dtype(dtype)
-    if world_size < 1:
-        raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
-    if mode is not None and mode not in MODE_NAMES:
-        raise typer.BadParameter(f"--mode {mode!r} is not one of {', '.join(MODE_NAMES)}")
     if mode is not None:  # (a defaulted mode is checked once chosen, below)
         _refuse_unread(ctx, mode, True, exhaustive)
     rng = parse_m_range(m_range)
