@@ -535,6 +535,18 @@ def test_search_moe_suite_at_a_world_size_dividing_no_model_names_the_counts(run
     assert "give a --world-size that divides one, or --experts H,I,E_local,k" in line, line
 
 
+def test_search_moe_suite_with_a_zero_size_names_the_file_and_model(runner, tmp_path, monkeypatch):
+    """A suite model with hidden: 0 was refused as "problem.hidden: must be >= 1", naming neither
+    the file nor the model."""
+    isolate_tables(monkeypatch, tmp_path)
+    suite = tmp_path / "experts.yaml"
+    suite.write_text("models:\n  - {hidden: 0, intermediate: 64, experts: 2, top_k: 1}\n")
+    line = assert_one_line_error(runner.invoke(app, ["search", "-c", "moe", "--shapes", str(suite)]))
+    assert (
+        f"{suite}: models[0]: hidden, intermediate, experts and top_k must be >= 1, got 0, 64, 2, 1" in line
+    )
+
+
 def test_model_check_counts_moe_rows_beside_the_dense_ones(runner, tmp_path, monkeypatch):
     """The README's `fo-tune model check <tables>/<key>/*.yaml` after dense and MoE plans at one
     world size: the glob takes the MoE table too, whose predicted rows are counted with their

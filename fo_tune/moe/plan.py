@@ -106,6 +106,11 @@ def experts_from_suite(path: Path, world_size: int) -> list[ExpertsShape]:
             h, inter, e, k = (int(m[key]) for key in ("hidden", "intermediate", "experts", "top_k"))
         except (KeyError, TypeError, ValueError):
             raise MoeSearchError(f"{path}: models[{i}]: needs hidden, intermediate, experts, top_k") from None
+        if min(h, inter, e, k) < 1:
+            raise MoeSearchError(
+                f"{path}: models[{i}]: hidden, intermediate, experts and top_k must be >= 1, got "
+                f"{h}, {inter}, {e}, {k}"
+            )
         counts.append(e)
         if e % world_size == 0:
             out.append(ExpertsShape(hidden=h, intermediate=inter, experts=e // world_size, top_k=k))
