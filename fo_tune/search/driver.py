@@ -241,20 +241,20 @@ def _run(
             **more,
         )
 
-    for i, enc in enumerate(encodings):
-        budget = None
-        if request.time_budget_s is not None:
-            left = request.time_budget_s - (time.monotonic() - t0)
-            budget = max(1.0, left / (len(shapes) - i))
-        try:
+    try:
+        for i, enc in enumerate(encodings):
+            budget = None
+            if request.time_budget_s is not None:
+                left = request.time_budget_s - (time.monotonic() - t0)
+                budget = max(1.0, left / (len(shapes) - i))
             result = _search_shape(request, enc, fp, model, measurer, storage, table, budget, rep)
-        except KeyboardInterrupt:  # the shapes decided so far are in the table; say which are not
-            raise SearchInterrupted(result_so_far(not_done=shapes[i:])) from None
-        results.append(result)
-        if request.m_range is None:  # (an --m-range search's exact rows never reach a table)
-            record_rows(storage, result.study, fp, [result.row])
-            if target is not None:  # merged as soon as decided: a Ctrl-C or a failing rank later keeps it
-                merge([result.row])
+            if request.m_range is None:  # (an --m-range search's exact rows never reach a table)
+                record_rows(storage, result.study, fp, [result.row])
+                if target is not None:  # merged as soon as decided: a Ctrl-C or a failing rank later keeps it
+                    merge([result.row])
+            results.append(result)  # (done once recorded and merged)
+    except KeyboardInterrupt:  # the shapes done so far are in the table; say which are not
+        raise SearchInterrupted(result_so_far(not_done=shapes[len(results) :])) from None
     ranges = range_rows(request.m_range, results, fp.sm_count)
     _record_ranges(storage, fp, results, ranges)
     if target is not None and request.m_range is not None:
