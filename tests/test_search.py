@@ -525,6 +525,8 @@ def test_time_budget_stops_early(tmp_path):
         # (a storage is used by a study: measured searches, or predict with --trials)
         (["--shape", "64x64x64", "--trials", "5", "--storage", "sqlite:///"], "names no file"),
         (["--shape", "64x64x64", "--trials", "5", "--storage", "bogus"], "Optuna URL"),
+        # an empty URL (an unset shell variable) searched into the default storage
+        (["--shape", "64x64x64", "--trials", "5", "--storage", ""], "--storage '': no URL given"),
         (["--shape", "64x64x64", "--trials", "5", "--storage", "nosuchdb+x://"], "--storage"),
         (["--shape", "4096x8192x4096", "--exhaustive"], "--space"),
         (["--shape", "64x64x64", "--world-size", "0"], "--world-size"),

@@ -249,6 +249,11 @@ def search(
         raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
     if mode is not None and mode not in MODE_NAMES:
         raise typer.BadParameter(f"--mode {mode!r} is not one of {', '.join(MODE_NAMES)}")
+    if storage is not None and not storage.strip():  # (an unset shell variable, not the default)
+        raise typer.BadParameter(
+            "--storage '': no URL given; give sqlite:///FILE, journal:FILE or postgresql://..., or "
+            "leave --storage out for the default"
+        )
     if MOE_COLLECTIVE in picked:
         if len(picked) > 1:
             raise typer.BadParameter(f"-c {MOE_COLLECTIVE} is searched alone, not with {', '.join(picked)}")

@@ -199,8 +199,10 @@ def lookup(
     if shape is None:
         raise typer.BadParameter("--shape MxNxK: the call to look up is missing")
     m, n, k = parse_shape(shape)
-    collective = check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
-    dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
+    collective = check_choice(
+        "--collective", DEFAULT_COLLECTIVE if collective is None else collective, COLLECTIVE_NAMES
+    )
+    dtype = check_choice("--dtype", DEFAULT_DTYPE if dtype is None else dtype, DTYPE_NAMES)
     world = world_of(world_size, device_key)
     if collective in SHARDED_COLLECTIVE_NAMES and m % world:
         gathered = " (all_gather's M is the gathered M)" if collective == "all_gather" else ""
@@ -255,7 +257,7 @@ def _moe_lookup(
 
     shape = ExpertsShape.parse(experts)
     key = (shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-    dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
+    dtype = check_choice("--dtype", DEFAULT_DTYPE if dtype is None else dtype, DTYPE_NAMES)
     world = world_of(world_size, device_key)
     named = "--world-size" if world_size is not None else "-k's world size" if device_key else ""
     shape.check_world(world, named or "the default --world-size")
