@@ -205,6 +205,23 @@ def test_default_out_then_a_rerun_replaces_the_folder(tmp_path, monkeypatch):
     assert "in bfloat16 whose interference this float16 run does not measure" in line
 
 
+def test_a_rerun_merges_only_into_a_calibration_holding_more_than_it_measures(tmp_path):
+    """A full rerun replaces a calibration of the same parts whole (a fresh one); what no such run
+    measures (another dtype's GEMM profile, copy_engine_n's host times, model fit's triton
+    section) makes it merge instead, and in another dtype be refused rather than dropped."""
+    out, key = tmp_path / "cal", current_fingerprint("cpu", 2).device_key
+    every = ("bandwidth", "interference", "gemm", "copy_engine")
+    write_calibration_dir(_calibration(), out)
+    assert report.earlier_calibration(out, key, "float32", ["bandwidth", "interference"]) is None
+    assert report.earlier_calibration(out, key, "float32", ["bandwidth"]) == _calibration()
+    fp8 = replace(_calibration(), gemm_dtypes={"float8_e4m3fn": [_gemm_point(1.0)]})
+    write_calibration_dir(fp8, out)
+    assert report.held(fp8) == ["bandwidth", "interference", "gemm_dtypes"]
+    assert report.earlier_calibration(out, key, "float32", every) == fp8
+    with pytest.raises(OutputError, match="whose gemm_dtypes this bfloat16 run does not measure"):
+        report.earlier_calibration(out, key, "bfloat16", every)
+
+
 # ------------------------------------------------------------------------------------- bad input
 def test_unknown_collective_is_exit_2_naming_the_valid_ones(tmp_path):
     out = tmp_path / "never"

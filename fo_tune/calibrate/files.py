@@ -8,8 +8,9 @@
       any error: tmp removed, an existing out_dir untouched
 
 A run of some parts writes the YAML and those parts' files (``PART_FILES``); an earlier
-calibration's files of the other parts are carried over unchanged, and the CLI merges the run into
-its YAML first (``earlier_calibration``), so no measured part is replaced by an unmeasured one.
+calibration's files of the other parts are carried over unchanged, and where it holds more than the
+run measures the CLI merges the run into its YAML first (``earlier_calibration``), so no measured
+part is replaced by an unmeasured one.
 
 The CSVs are plain (one header line, one row per point); each ends with a ``device_key`` column so a
 CSV alone says where it was measured (the YAML carries the whole fingerprint). ``bandwidth.csv``
@@ -288,10 +289,10 @@ def earlier_calibration(
     out_dir: str | Path, device_key: str, dtype: str, parts: Sequence[str]
 ) -> Calibration | None:
     """The calibration in ``out_dir`` a run of this machine measuring ``parts`` in ``dtype`` merges
-    into (``fo_tune.calibrate.run.merge_into``), so the parts it does not measure keep their
-    numbers: None where there is none of ``device_key`` (or none readable), and where one in
-    another dtype has nothing outside ``parts`` (the run replaces all it holds). One in another
-    dtype with a part outside ``parts`` is refused (``OutputError``): its YAML holds one dtype."""
+    into (``fo_tune.calibrate.run.merge_into``), so what it holds beyond ``parts`` (``held``)
+    keeps its numbers. None where there is none of ``device_key`` (or none readable), or where
+    it holds nothing beyond ``parts``: the run replaces it whole, as a fresh calibration. One in
+    another dtype that holds more is refused (``OutputError``): its YAML holds one dtype."""
     from fo_tune.calibrate.calibration import load_calibration
 
     path = Path(out_dir) / CALIBRATION_FILE
@@ -301,23 +302,33 @@ def earlier_calibration(
         earlier = load_calibration(path)
     except CalibrationError:
         return None
-    has = {
-        "bandwidth": bool(earlier.bandwidth),
-        "interference": bool(earlier.interference),
-        "gemm": bool(earlier.gemm or earlier.gemm_dtypes),
-        "copy_engine": earlier.copy_engine is not None,
-    }
-    measured = {*parts, *(["copy_engine"] if "copy_engine_n" in parts else [])}
-    kept = [part for part, there in has.items() if there and part not in measured]
-    if earlier.dtype == dtype:
-        return earlier
-    if kept:
+    kept = [name for name in held(earlier) if name not in parts]
+    if not kept:
+        return None
+    if earlier.dtype != dtype:
         raise OutputError(
             f"--out {out_dir} holds a calibration in {earlier.dtype} whose {', '.join(kept)} this "
             f"{dtype} run does not measure and would drop; pass --dtype {earlier.dtype}, or give "
             "another --out"
         )
-    return None
+    return earlier
+
+
+def held(cal: Calibration) -> list[str]:
+    """What ``cal`` holds, by the --only part that measures it; ``gemm_dtypes`` (other dtypes' GEMM
+    profiles) and ``triton`` (`fo-tune model fit`'s host times), which no run in its dtype
+    measures, by their keys in calibration.yaml."""
+    engine = cal.copy_engine
+    has = {
+        "bandwidth": bool(cal.bandwidth),
+        "interference": bool(cal.interference),
+        "gemm": bool(cal.gemm),
+        "copy_engine": engine is not None,
+        "copy_engine_n": engine is not None and bool(engine.host),  # (the host times at N peers)
+        "gemm_dtypes": bool(cal.gemm_dtypes),
+        "triton": cal.triton is not None,
+    }
+    return [name for name, there in has.items() if there]
 
 
 # ----------------------------------------------------------------------------- summary tables

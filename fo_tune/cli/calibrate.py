@@ -55,8 +55,9 @@ HELP = "\n\n".join(
         "(fingerprint, schema version, everything) and bandwidth.png / interference.png into --out "
         "(default results/calibration/<device-key>/tp<N>/), all at once: a folder there from an "
         "earlier calibration is replaced only when everything was written. A run of some parts "
-        "(--only, --world-size 1) writes their files; an earlier calibration's files of the other "
-        "parts are kept, its calibration.yaml merged with what was measured.",
+        "(--only, --world-size 1) writes their files; an earlier calibration of this machine there "
+        "that holds more than the run measures keeps it: its other files stay, and its "
+        "calibration.yaml is merged with what was measured (in another --dtype it is refused).",
         "--quick measures fewer sizes, tiles and grids (a few minutes on 2 GPUs). Without GPUs the "
         "ranks use gloo, the GEMM runs in Triton's CPU interpreter and the search space's cpu section "
         "gives tiny sizes: the pipeline is exercised, the numbers describe the CPU.",
