@@ -172,18 +172,54 @@ def test_three_ranks_two_collectives(tmp_path):
 
 
 def test_default_out_then_a_rerun_replaces_the_folder(tmp_path, monkeypatch):
+    """--only bandwidth wrote every part's files, the unmeasured ones empty, and a rerun into a
+    folder holding a fuller calibration replaced its measured interference with nothing."""
     monkeypatch.chdir(tmp_path)
     args = ("--world-size", "2", "--quick", "--only", "bandwidth", "--collectives", "all_reduce")
     assert calibrate(*args).exit_code == 0
     out = Path("results/calibration") / current_fingerprint("cpu", 2).device_key / "tp2"
-    assert {p.name for p in out.iterdir()} == FILES
+    bandwidth = {"bandwidth.csv", "fits.csv", "bandwidth.png", "calibration.yaml"}
+    assert {p.name for p in out.iterdir()} == bandwidth  # only what it measured
+    # an earlier calibration there with its interference measured: a rerun of the bandwidth keeps it
+    write_calibration_dir(replace(_calibration(), dtype="bfloat16"), out)
+    kept = {
+        name: (out / name).read_bytes()
+        for name in ("interference.csv", "interference.png", "gemm_profile.csv")
+    }
     first = out.stat().st_ino
-    (out / "fits.csv").unlink()  # the new folder comes whole, not merged with the old one
+    (out / "fits.csv").unlink()  # the measured part's files all come anew
     second = calibrate(*args, "--out", str(out))
     assert second.exit_code == 0, (second.output, second.exception)
     assert out.stat().st_ino != first
     assert {p.name for p in out.iterdir()} == FILES
+    assert {name: (out / name).read_bytes() for name in kept} == kept
+    assert (
+        "kept the earlier calibration's gemm_profile.csv, interference.csv, interference.png" in second.stdout
+    )
+    merged = load_calibration(out / "calibration.yaml")
+    assert merged.interference == _calibration().interference
+    assert {p.collective for p in merged.bandwidth} == {"all_reduce"}  # the new measurement's
     assert [p.name for p in out.parent.iterdir()] == ["tp2"]  # no .tmp- or .old- folder left
+    # one in another dtype would lose its interference (one YAML, one dtype): refused before any rank
+    line = assert_one_line_error(calibrate(*args, "--dtype", "float16", "--out", str(out)))
+    assert "in bfloat16 whose interference this float16 run does not measure" in line
+
+
+def test_a_rerun_merges_only_into_a_calibration_holding_more_than_it_measures(tmp_path):
+    """A full rerun replaces a calibration of the same parts whole (a fresh one); what no such run
+    measures (another dtype's GEMM profile, copy_engine_n's host times, model fit's triton
+    section) makes it merge instead, and in another dtype be refused rather than dropped."""
+    out, key = tmp_path / "cal", current_fingerprint("cpu", 2).device_key
+    every = ("bandwidth", "interference", "gemm", "copy_engine")
+    write_calibration_dir(_calibration(), out)
+    assert report.earlier_calibration(out, key, "float32", ["bandwidth", "interference"]) is None
+    assert report.earlier_calibration(out, key, "float32", ["bandwidth"]) == _calibration()
+    fp8 = replace(_calibration(), gemm_dtypes={"float8_e4m3fn": [_gemm_point(1.0)]})
+    write_calibration_dir(fp8, out)
+    assert report.held(fp8) == ["bandwidth", "interference", "gemm_dtypes"]
+    assert report.earlier_calibration(out, key, "float32", every) == fp8
+    with pytest.raises(OutputError, match="whose gemm_dtypes this bfloat16 run does not measure"):
+        report.earlier_calibration(out, key, "bfloat16", every)
 
 
 # ------------------------------------------------------------------------------------- bad input

@@ -504,6 +504,10 @@ def test_search_moe_plans_an_experts_shape_given_twice_once(runner, tmp_path, mo
         (["--tokens", "99999999999"], "the rows T x k = 799999999992 is above 2147483647"),
         (["--experts", "999999,999999,128,8"], "GB of NVIDIA H200 (the calibration's GPU, datasheet)"),
         (["--experts", "4096,1024,1,8", "-w", "3"], "k = 8 is above the 3 experts at --world-size 3"),
+        # -w 0 divided by zero (an internal error); --mode bogus was called a measured MoE search
+        (["-w", "0"], "--world-size must be >= 1, got 0"),
+        (["-w", "-2"], "--world-size must be >= 1, got -2"),
+        (["--mode", "bogus"], "--mode 'bogus' is not one of measure, predict, hybrid"),
     ],
 )
 def test_search_moe_says_what_it_needs(runner, tmp_path, monkeypatch, extra, says):
@@ -529,6 +533,18 @@ def test_search_moe_suite_at_a_world_size_dividing_no_model_names_the_counts(run
     line = assert_one_line_error(runner.invoke(app, ["search", "-c", "moe", "--shapes", suite, "-w", "3"]))
     assert "no model's experts (E = 8, 128, 256) divide among 3 ranks" in line, line
     assert "give a --world-size that divides one, or --experts H,I,E_local,k" in line, line
+
+
+def test_search_moe_suite_with_a_zero_size_names_the_file_and_model(runner, tmp_path, monkeypatch):
+    """A suite model with hidden: 0 was refused as "problem.hidden: must be >= 1", naming neither
+    the file nor the model."""
+    isolate_tables(monkeypatch, tmp_path)
+    suite = tmp_path / "experts.yaml"
+    suite.write_text("models:\n  - {hidden: 0, intermediate: 64, experts: 2, top_k: 1}\n")
+    line = assert_one_line_error(runner.invoke(app, ["search", "-c", "moe", "--shapes", str(suite)]))
+    assert (
+        f"{suite}: models[0]: hidden, intermediate, experts and top_k must be >= 1, got 0, 64, 2, 1" in line
+    )
 
 
 def test_model_check_counts_moe_rows_beside_the_dense_ones(runner, tmp_path, monkeypatch):

@@ -525,9 +525,14 @@ def test_time_budget_stops_early(tmp_path):
         # (a storage is used by a study: measured searches, or predict with --trials)
         (["--shape", "64x64x64", "--trials", "5", "--storage", "sqlite:///"], "names no file"),
         (["--shape", "64x64x64", "--trials", "5", "--storage", "bogus"], "Optuna URL"),
+        # an empty URL (an unset shell variable) searched into the default storage
+        (["--shape", "64x64x64", "--trials", "5", "--storage", ""], "--storage '': no URL given"),
         (["--shape", "64x64x64", "--trials", "5", "--storage", "nosuchdb+x://"], "--storage"),
         (["--shape", "4096x8192x4096", "--exhaustive"], "--space"),
         (["--shape", "64x64x64", "--world-size", "0"], "--world-size"),
+        # a seed Optuna's sampler refuses was an internal error once the study started
+        (["--shape", "64x64x64", "--trials", "3", "--seed", "-1"], "--seed must be between 0 and"),
+        (["--shape", "64x64x64", "--trials", "3", "--seed", str(2**32)], "--seed must be between 0 and"),
         (["--shape", "64x64x64", "--engine", "nvshmem"], "triton, copy_engine"),
         (["--shape", "64x64x64", "--engine", ","], "--engine"),
         ([], "--shape"),
@@ -1086,3 +1091,41 @@ def test_a_search_stopped_at_a_later_shape_keeps_the_rows_decided_before(tmp_pat
     assert result.exit_code == 130, result.output
     table = load_table(tmp_path / "o" / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml")
     assert table.find(16384, 8192, 4096) is not None and table.find(8192, 8192, 4096) is None
+    # its report is written for the decided shape, saying which shape was not searched, and the
+    # line before "error: interrupted" says where it is and how to resume
+    run = run_report(tmp_path / "o" / "report" / "all_reduce-w2-bfloat16-predict")
+    written = yaml.safe_load((run / "summary.yaml").read_text())
+    assert [s["shape"] for s in written["shapes"]] == ["16384x8192x4096"]
+    assert written["stopped"] == "after 1 of 2 shapes: interrupted"
+    assert written["not_done"] == ["8192x8192x4096"]
+    kept, last = result.stderr.strip().splitlines()[-2:]
+    assert last == "error: interrupted"
+    assert str(run) in kept and "not searched: 8192x8192x4096" in kept and "run the same command" in kept
+
+
+def test_a_ctrl_c_during_a_trial_shows_no_optuna_traceback(tmp_path, monkeypatch):
+    """A Ctrl-C inside a TPE trial went through Optuna's trial runner, which logged the
+    KeyboardInterrupt's traceback (and "Trial 1 failed with value None") above the CLI's one line."""
+    import logging
+
+    from fo_tune.search import trials
+
+    monkeypatch.setattr(trials.Objective, "__call__", interrupted_at_second_call(trials.Objective.__call__))
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    logging.getLogger("optuna").addHandler(handler)  # (Optuna's own handler may hold an older stderr)
+    try:
+        result = search("--shape", "4096x8192x4096", "--trials", "4", "--out", str(tmp_path / "o"))
+    finally:
+        logging.getLogger("optuna").removeHandler(handler)
+    assert result.exit_code == 130, result.output
+    assert [r.getMessage() for r in seen if r.levelno >= logging.WARNING] == []
+    assert "Traceback" not in result.output and result.stderr.strip().endswith("error: interrupted")
+    # no shape was decided: no report, and the line before says so and how to resume
+    assert not (tmp_path / "o" / "report").exists()
+    said = " ".join(result.stderr.split())
+    assert (
+        "all_reduce: no shape decided (after 0 of 1 shapes: interrupted; not searched: 4096x8192x4096)"
+        in said
+    )

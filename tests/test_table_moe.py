@@ -245,6 +245,20 @@ def test_lookup_miss_suggests_a_key_of_the_world_size_first(runner: CliRunner, t
         # a dense call with a stray MoE option: the option is named, not the dense call's --shape
         (["--tokens", "5", "-c", "all_reduce", "-s", "64x64x64"], "--tokens looks an MoE call up (-c moe)"),
         (["--experts", "4096,1536,32,8", "--tokens", "-1"], "--tokens must be >= 0"),
+        # k distinct experts of E = world x E_local: a k above E was looked up (a call no router makes)
+        (["--experts", "4096,1536,4,9", "--tokens", "5"], "k = 9 is above the 8 experts at the default"),
+        (
+            ["--experts", "4096,1536,1,3", "--tokens", "5", "-w", "2"],
+            "k = 3 is above the 2 experts at --world-size 2",
+        ),
+        (
+            ["--experts", "4096,1536,1,3", "--tokens", "5", "-k", "gpu-cc90-132sm-w2-nvlink18"],
+            "at -k's world size 2",
+        ),
+        (["--experts", "4096,1536,32,0", "--tokens", "5"], "four integers >= 1"),
+        (["--experts", "4096,1536,0,2", "--tokens", "5"], "four integers >= 1"),
+        (["--experts", "0,1536,32,2", "--tokens", "5"], "four integers >= 1"),
+        (["--experts", "4096,-1536,32,2", "--tokens", "5"], "four integers >= 1"),
     ],
 )
 def test_moe_lookup_bad_input_is_one_line(runner: CliRunner, args: list[str], needle: str) -> None:

@@ -452,6 +452,12 @@ def test_show_not_found_and_bad_options_are_one_line(runner: CliRunner, tmp_path
     assert "--dtype" in line
     assert "--format" in assert_one_line_error(runner.invoke(app, ["table", "show", "-f", "json"]))
     assert "--collective" in assert_one_line_error(runner.invoke(app, ["table", "show", "-c", "all_to_all"]))
+    # an empty value (an unset shell variable) showed the default table
+    for option, name in (("-c", "--collective"), ("-d", "--dtype")):
+        line = assert_one_line_error(
+            runner.invoke(app, ["table", "show", "-k", H200["device_key"], option, ""])
+        )
+        assert f"{name} '': expected one of" in line, line
 
 
 def test_show_yaml_and_csv(runner: CliRunner, tmp_path: Path) -> None:
@@ -917,6 +923,9 @@ def test_lookup_names_the_row_and_its_file(runner: CliRunner, tmp_path: Path) ->
         (["--shape", "64x96x48", "-c", "all_to_all"], "--collective"),
         (["--shape", "63x96x48", "-c", "all_gather"], "all_gather needs M divisible"),
         (["--shape", "64x96x48", "-d", "int8"], "--dtype"),
+        # an empty value (an unset shell variable) looked the default up
+        (["--shape", "64x96x48", "-c", ""], "--collective '': expected one of"),
+        (["--shape", "64x96x48", "-d", ""], "--dtype '': expected one of"),
         (["--shape", "64x96x48", "-w", "0"], "--world-size"),
         ([], "--shape"),
         # a path for a key would read table files outside the table folders
@@ -926,6 +935,15 @@ def test_lookup_names_the_row_and_its_file(runner: CliRunner, tmp_path: Path) ->
 )
 def test_lookup_bad_input_is_one_line(runner: CliRunner, args: list[str], needle: str) -> None:
     assert needle in assert_one_line_error(runner.invoke(app, ["table", "lookup", *args]))
+
+
+@pytest.mark.parametrize("key", ["../..", "", "nvidia-h200-cc90-132sm-w2-nvlink18/.."])
+def test_list_refuses_a_path_for_a_device_key(runner: CliRunner, key: str) -> None:
+    """`table list -k PATH` was exit 0 with "no table for device key PATH", where lookup and show
+    refuse the same -k as exit 2."""
+    assert "a device key is a folder name" in assert_one_line_error(
+        runner.invoke(app, ["table", "list", "-k", key])
+    )
 
 
 def test_lookup_refuses_a_table_of_a_removed_mode(runner: CliRunner, tmp_path: Path) -> None:

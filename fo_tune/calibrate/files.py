@@ -7,6 +7,11 @@
       swap: out_dir -> .<name>.old-XXXX, tmp -> out_dir, delete the old one
       any error: tmp removed, an existing out_dir untouched
 
+A run of some parts writes the YAML and those parts' files (``PART_FILES``); an earlier
+calibration's files of the other parts are carried over unchanged, and where it holds more than the
+run measures the CLI merges the run into its YAML first (``earlier_calibration``), so no measured
+part is replaced by an unmeasured one.
+
 The CSVs are plain (one header line, one row per point); each ends with a ``device_key`` column so a
 CSV alone says where it was measured (the YAML carries the whole fingerprint). ``bandwidth.csv``
 uses nccl-tests' columns. ``check_calibration_out`` is the check a command runs before it measures
@@ -21,6 +26,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -90,6 +96,13 @@ CALIBRATION_FILES = (
     "interference.png",
 )
 
+# The files of each part a run may measure (the copy engine's sections live in the YAML only).
+PART_FILES = {
+    "bandwidth": ("bandwidth.csv", "fits.csv", "bandwidth.png"),
+    "interference": ("interference.csv", "interference.png"),
+    "gemm": ("gemm_profile.csv",),
+}
+
 
 # ----------------------------------------------------------------------------------- where to write
 def default_out_dir(cal: Calibration) -> Path:
@@ -118,17 +131,22 @@ def _rows(points: Iterable[Any], names: Sequence[str], device_key: str) -> list[
     return [[*(getattr(p, n) for n in names), device_key] for p in points]
 
 
-def _write_tables(cal: Calibration, folder: Path) -> None:
+def _write_tables(cal: Calibration, folder: Path, names: Sequence[str]) -> None:
+    """The CSVs of ``names`` (``CALIBRATION_FILES``' names) from ``cal``."""
     key = cal.fingerprint.device_key
-    write_csv(folder / "bandwidth.csv", BANDWIDTH_COLUMNS, _rows(cal.bandwidth, _BANDWIDTH_FIELDS, key))
-    write_csv(
-        folder / "interference.csv",
-        INTERFERENCE_COLUMNS,
-        _rows(cal.interference, INTERFERENCE_COLUMNS[:-1], key),
-    )
     gemm = sorted(cal.gemm, key=lambda p: ((p.m, p.n, p.k), *_time_key(p)))
-    write_csv(folder / "gemm_profile.csv", GEMM_COLUMNS, _rows(gemm, GEMM_COLUMNS[:-1], key))
-    write_csv(folder / "fits.csv", FITS_COLUMNS, _rows(cal.fits, FITS_COLUMNS[:-1], key))
+    tables = {
+        "bandwidth.csv": (BANDWIDTH_COLUMNS, lambda: _rows(cal.bandwidth, _BANDWIDTH_FIELDS, key)),
+        "interference.csv": (
+            INTERFERENCE_COLUMNS,
+            lambda: _rows(cal.interference, INTERFERENCE_COLUMNS[:-1], key),
+        ),
+        "gemm_profile.csv": (GEMM_COLUMNS, lambda: _rows(gemm, GEMM_COLUMNS[:-1], key)),
+        "fits.csv": (FITS_COLUMNS, lambda: _rows(cal.fits, FITS_COLUMNS[:-1], key)),
+    }
+    for name, (columns, rows) in tables.items():
+        if name in names:
+            write_csv(folder / name, columns, rows())
 
 
 def write_profile_csv(points: list[GemmPoint], path: str | Path, device_key: str, timing: str) -> Path:
@@ -230,19 +248,87 @@ def write_grids_csv(rows: Sequence[GridBest], path: str | Path, device_key: str)
 
 
 # ------------------------------------------------------------------------------- the whole folder
-def write_calibration_dir(cal: Calibration, out_dir: str | Path) -> list[Path]:
-    """Write every file of ``CALIBRATION_FILES`` into ``out_dir``, replacing it as a whole.
+def part_files(parts: Sequence[str] | None) -> tuple[str, ...]:
+    """The files of ``CALIBRATION_FILES`` a run measuring ``parts`` (None: every part) writes:
+    calibration.yaml and the files of those parts (``PART_FILES``), in ``CALIBRATION_FILES``' order."""
+    chosen = {CALIBRATION_FILE}
+    for part, names in PART_FILES.items():
+        if parts is None or part in parts:
+            chosen.update(names)
+    return tuple(name for name in CALIBRATION_FILES if name in chosen)
+
+
+def write_calibration_dir(
+    cal: Calibration, out_dir: str | Path, parts: Sequence[str] | None = None
+) -> list[Path]:
+    """Write calibration.yaml and the files of the ``parts`` measured (``part_files``; None: every
+    file of ``CALIBRATION_FILES``) into ``out_dir``, replacing it as a whole. The files of the other
+    parts are not written: those an earlier calibration there has are kept as they were (merge
+    ``cal`` into it first, ``earlier_calibration``, so its YAML keeps their numbers too).
 
     Built in a temporary sibling folder, then swapped in; on any error the temporary folder is
     removed and an existing ``out_dir`` is left as it was. Returns the paths written.
     """
     check_calibration_out(out_dir, cal.fingerprint.device_key)
+    names = part_files(parts)
+    earlier = Path(os.path.abspath(out_dir))
     with replacing_folder(out_dir) as tmp:
-        _write_tables(cal, tmp)
+        _write_tables(cal, tmp, names)
         save_calibration(cal, tmp / CALIBRATION_FILE)
-        _plot_bandwidth(cal, tmp / "bandwidth.png")
-        _plot_interference(cal, tmp / "interference.png")
-    return [Path(out_dir) / name for name in CALIBRATION_FILES]
+        if "bandwidth.png" in names:
+            _plot_bandwidth(cal, tmp / "bandwidth.png")
+        if "interference.png" in names:
+            _plot_interference(cal, tmp / "interference.png")
+        for name in CALIBRATION_FILES:
+            if name not in names and (earlier / name).is_file():
+                shutil.copy2(earlier / name, tmp / name)
+    return [Path(out_dir) / name for name in names]
+
+
+def earlier_calibration(
+    out_dir: str | Path, device_key: str, dtype: str, parts: Sequence[str]
+) -> Calibration | None:
+    """The calibration in ``out_dir`` a run of this machine measuring ``parts`` in ``dtype`` merges
+    into (``fo_tune.calibrate.run.merge_into``), so what it holds beyond ``parts`` (``held``)
+    keeps its numbers. None where there is none of ``device_key`` (or none readable), or where
+    it holds nothing beyond ``parts``: the run replaces it whole, as a fresh calibration. One in
+    another dtype that holds more is refused (``OutputError``): its YAML holds one dtype."""
+    from fo_tune.calibrate.calibration import load_calibration
+
+    path = Path(out_dir) / CALIBRATION_FILE
+    if _device_key_in(path) != device_key:
+        return None
+    try:
+        earlier = load_calibration(path)
+    except CalibrationError:
+        return None
+    kept = [name for name in held(earlier) if name not in parts]
+    if not kept:
+        return None
+    if earlier.dtype != dtype:
+        raise OutputError(
+            f"--out {out_dir} holds a calibration in {earlier.dtype} whose {', '.join(kept)} this "
+            f"{dtype} run does not measure and would drop; pass --dtype {earlier.dtype}, or give "
+            "another --out"
+        )
+    return earlier
+
+
+def held(cal: Calibration) -> list[str]:
+    """What ``cal`` holds, by the --only part that measures it; ``gemm_dtypes`` (other dtypes' GEMM
+    profiles) and ``triton`` (`fo-tune model fit`'s host times), which no run in its dtype
+    measures, by their keys in calibration.yaml."""
+    engine = cal.copy_engine
+    has = {
+        "bandwidth": bool(cal.bandwidth),
+        "interference": bool(cal.interference),
+        "gemm": bool(cal.gemm),
+        "copy_engine": engine is not None,
+        "copy_engine_n": engine is not None and bool(engine.host),  # (the host times at N peers)
+        "gemm_dtypes": bool(cal.gemm_dtypes),
+        "triton": cal.triton is not None,
+    }
+    return [name for name, there in has.items() if there]
 
 
 # ----------------------------------------------------------------------------- summary tables

@@ -54,7 +54,10 @@ HELP = "\n\n".join(
         "Writes bandwidth.csv, interference.csv, gemm_profile.csv, fits.csv, calibration.yaml "
         "(fingerprint, schema version, everything) and bandwidth.png / interference.png into --out "
         "(default results/calibration/<device-key>/tp<N>/), all at once: a folder there from an "
-        "earlier calibration is replaced only when everything was written.",
+        "earlier calibration is replaced only when everything was written. A run of some parts "
+        "(--only, --world-size 1) writes their files; an earlier calibration of this machine there "
+        "that holds more than the run measures keeps it: its other files stay, and its "
+        "calibration.yaml is merged with what was measured (in another --dtype it is refused).",
         "--quick measures fewer sizes, tiles and grids (a few minutes on 2 GPUs). Without GPUs the "
         "ranks use gloo, the GEMM runs in Triton's CPU interpreter and the search space's cpu section "
         "gives tiny sizes: the pipeline is exercised, the numbers describe the CPU.",
@@ -164,6 +167,9 @@ def _print_summary(cal: Calibration, written: list[Path], parts: tuple[str, ...]
     console.print(f"[green]wrote[/] {len(written)} files to {written[0].parent if written else '-'}:")
     for path in written:
         console.print(f"  {path}", markup=False, highlight=False)
+    kept = sorted(p.name for p in written[0].parent.iterdir() if p not in written) if written else []
+    if kept:  # an earlier calibration's files of the parts not measured
+        console.print(f"kept the earlier calibration's {', '.join(kept)} (not measured)", markup=False)
 
 
 def _print_bandwidth(cal: Calibration, summary: list) -> None:
@@ -300,6 +306,7 @@ def calibrate(
             DEFAULT_ROOT,
             check_calibration_out,
             default_out_dir,
+            earlier_calibration,
             write_calibration_dir,
         )
 
@@ -310,9 +317,6 @@ def calibrate(
 
             here = current_fingerprint(local_device(chosen), world_size)
             check_mergeable(target, here, dtype, parts or PART_NAMES, sibling=into_sibling)
-        if driver and into is None:  # a bad --out costs nothing: checked before any rank starts
-            key = expected_device_key(chosen, world_size)
-            check_calibration_out(out or DEFAULT_ROOT / key / f"tp{world_size}", key)
         from fo_tune.calibrate.run import CalibrationRequest, run_calibration
 
         request = CalibrationRequest(
@@ -324,6 +328,12 @@ def calibrate(
             space=search_space,
             parts=parts,
         )
+        earlier = None  # the calibration in --out that the parts measured are merged into
+        if driver and into is None:  # a bad --out costs nothing: checked before any rank starts
+            key = expected_device_key(chosen, world_size)
+            out = out or DEFAULT_ROOT / key / f"tp{world_size}"
+            check_calibration_out(out, key)
+            earlier = earlier_calibration(out, key, dtype, request.selected())
         with progress_bars(enabled=driver) as progress:
             where = "one GPU each, NCCL" if chosen == "nccl" else "gloo on the CPU"
             starting = f"start {count(world_size, 'rank')} ({where})"
@@ -338,7 +348,11 @@ def calibrate(
             save_calibration(merge_into(target, cal, request.selected(), sibling=into_sibling), into)
             console.print(f"[green]merged[/] {', '.join(request.selected())} into {into}", highlight=False)
             return
-        written = write_calibration_dir(cal, out or default_out_dir(cal))
+        if earlier is not None:  # the parts not measured keep their numbers and files
+            from fo_tune.calibrate.run import merge_into
+
+            cal = merge_into(earlier, cal, request.selected())
+        written = write_calibration_dir(cal, out or default_out_dir(cal), request.selected())
     _print_summary(cal, written, request.selected())
 
 

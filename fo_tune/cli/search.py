@@ -21,6 +21,7 @@ from fo_tune.cli.common import (
     WorldSizeOpt,
     check_dtype,
     console,
+    err_console,
     fmt,
     handle_errors,
     is_driver_process,
@@ -243,6 +244,16 @@ def search(
     picked = parse_collectives(
         collective, valid=(*COLLECTIVE_NAMES, MOE_COLLECTIVE), default=("all_reduce",), option="--collective"
     )
+    # (both searches': an MoE plan divides by the world size too)
+    if world_size < 1:
+        raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
+    if mode is not None and mode not in MODE_NAMES:
+        raise typer.BadParameter(f"--mode {mode!r} is not one of {', '.join(MODE_NAMES)}")
+    if storage is not None and not storage.strip():  # (an unset shell variable, not the default)
+        raise typer.BadParameter(
+            "--storage '': no URL given; give sqlite:///FILE, journal:FILE or postgresql://..., or "
+            "leave --storage out for the default"
+        )
     if MOE_COLLECTIVE in picked:
         if len(picked) > 1:
             raise typer.BadParameter(f"-c {MOE_COLLECTIVE} is searched alone, not with {', '.join(picked)}")
@@ -272,10 +283,6 @@ def search(
 
     engines = parse_names(engine, valid=engine_names(), option="--engine")
     check_dtype(dtype)
-    if world_size < 1:
-        raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
-    if mode is not None and mode not in MODE_NAMES:
-        raise typer.BadParameter(f"--mode {mode!r} is not one of {', '.join(MODE_NAMES)}")
     if mode is not None:  # (a defaulted mode is checked once chosen, below)
         _refuse_unread(ctx, mode, True, exhaustive)
     rng = parse_m_range(m_range)
@@ -299,7 +306,7 @@ def search(
     driver = is_driver_process()
     with triton_mode(chosen):  # before anything imports fo_kernels
         from fo_tune.calibrate.find import choose_calibration
-        from fo_tune.search import SearchRequest, check_request, run_search
+        from fo_tune.search import SearchInterrupted, SearchRequest, check_request, run_search
         from fo_tune.search.report import write_report
         from fo_tune.search.setup import output_places, report_dirs
 
@@ -358,14 +365,24 @@ def search(
             from fo_tune.search.storage import check_storage
 
             check_storage(storage_url)
-        results = []
+        results, stop = [], None
         with progress_bars(enabled=driver) as progress:
             reporter = ProgressReporter(progress, f"search ({mode})")
-            for request, report_dir in zip(requests, folders, strict=True):
-                result = run_search(request, reporter)
+            for i, (request, report_dir) in enumerate(zip(requests, folders, strict=True)):
+                try:
+                    result = run_search(request, reporter)
+                except SearchInterrupted as exc:  # (reported once the progress bars are gone)
+                    stop = (exc, report_dir, [r.collective for r in requests[i + 1 :]])
+                    break
                 if result is None:  # a serving torchrun rank
                     return
                 results.append((result, write_report(result, report_dir)))
+        if stop is not None:
+            if driver:
+                for result, written in [] if json_out else results:  # the collectives it finished
+                    _print_summary(result, written)
+                _keep_interrupted(stop[0].result, stop[1], stop[2])
+            raise stop[0]
     if json_out:
         from fo_tune.search.report import summary
 
@@ -374,6 +391,26 @@ def search(
         return
     for result, written in results:
         _print_summary(result, written)
+
+
+def _keep_interrupted(result: SearchResult, report_dir: Path, not_started: list[str]) -> None:
+    """What a search stopped by Ctrl-C does before ``error: interrupted``: writes the report of the
+    shapes it decided, if any (their rows are already in the table; summary.yaml's ``stopped`` and
+    ``not_done`` say which were not searched), and says on stderr where, and how to resume."""
+    from fo_tune.search.report import stopped, write_report
+
+    left = ", ".join("x".join(map(str, shape)) for shape in result.not_done)
+    later = f"; {', '.join(not_started)} not started" if not_started else ""
+    kept = "no shape decided"
+    if result.shapes:
+        kept = f"kept the decided shapes in {write_report(result, report_dir)[0].parent}"
+    err_console.print(
+        f"{result.request.collective}: {kept} ({stopped(result)}; not searched: {left}{later}); run the "
+        f"same command again to search the rest (the study storage {result.storage or '-'} keeps the "
+        "trials recorded so far)",
+        markup=False,
+        highlight=False,
+    )
 
 
 def _read_tables(

@@ -58,15 +58,7 @@ def run_moe_search(
         shapes += experts_from_suite(suite, world_size)
     shapes = list(dict.fromkeys(shapes))  # (an experts' shape given twice is planned once, as a --shape)
     for shape in shapes:
-        # a router picks k distinct experts of E = world x E_local (torch.topk over E logits)
-        if shape.top_k > shape.experts * world_size:
-            total = shape.experts * world_size
-            raise MoeSearchError(
-                f"--experts {shape.hidden},{shape.intermediate},{shape.experts},{shape.top_k}: k = "
-                f"{shape.top_k} is above the {total} experts at --world-size {world_size} (E = "
-                f"{world_size} x E_local {shape.experts}), and a token picks k distinct experts; give "
-                f"k <= {total}, or E_local >= {-(-shape.top_k // world_size)}"
-            )
+        shape.check_world(world_size)
     wanted = parse_tokens(tokens) if tokens is not None else None  # "" is refused, not the default
     if dtype not in MOE_DTYPES:
         raise MoeSearchError(f"-c moe --dtype {dtype}: the MoE FFN runs {', '.join(MOE_DTYPES)}")

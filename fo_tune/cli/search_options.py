@@ -75,7 +75,12 @@ HELP = "\n\n".join(
         "<UTC time>-<host>-<pid>/ (no run's report replaces another's). --out DIR puts all three "
         "under DIR (DIR/tables, DIR/studies/fo-tune.db, DIR/report/.../<run>/). --json prints the "
         "summary as JSON on stdout (progress on stderr).",
-        "Exit code 0 when the rows are written, 1 when a measurement fails, 2 for bad input.",
+        "Ctrl-C keeps the rows of the shapes decided before it (each is merged as soon as decided; "
+        "an --m-range search places its rows at its end) "
+        "and writes their report, whose summary.yaml names the shapes not searched (stopped, "
+        "not_done); the same command searches the rest.",
+        "Exit code 0 when the rows are written, 1 when a measurement fails, 2 for bad input, 130 "
+        "when interrupted.",
     ]
 )
 

@@ -225,8 +225,10 @@ def show(
     if path is not None:
         paths = [path]
     else:
-        collective = check_choice("--collective", collective or DEFAULT_COLLECTIVE, TABLE_COLLECTIVES)
-        dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
+        collective = check_choice(
+            "--collective", DEFAULT_COLLECTIVE if collective is None else collective, TABLE_COLLECTIVES
+        )
+        dtype = check_choice("--dtype", DEFAULT_DTYPE if dtype is None else dtype, DTYPE_NAMES)
         paths = find_paths(device_key, collective, world_of(world_size, device_key), dtype)
     found = [(p, load_any_table(p)) for p in paths]
     moe = [(p, t) for p, t in found if isinstance(t, MoeTable)]

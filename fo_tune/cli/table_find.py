@@ -36,6 +36,7 @@ from fo_tune.cli.table_options import (
     DeviceKeyOpt,
     TableDtypeOpt,
     check_choice,
+    check_device_key,
     world_of,
 )
 from fo_tune.cli.table_rows import kind_label
@@ -198,8 +199,10 @@ def lookup(
     if shape is None:
         raise typer.BadParameter("--shape MxNxK: the call to look up is missing")
     m, n, k = parse_shape(shape)
-    collective = check_choice("--collective", collective or DEFAULT_COLLECTIVE, COLLECTIVE_NAMES)
-    dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
+    collective = check_choice(
+        "--collective", DEFAULT_COLLECTIVE if collective is None else collective, COLLECTIVE_NAMES
+    )
+    dtype = check_choice("--dtype", DEFAULT_DTYPE if dtype is None else dtype, DTYPE_NAMES)
     world = world_of(world_size, device_key)
     if collective in SHARDED_COLLECTIVE_NAMES and m % world:
         gathered = " (all_gather's M is the gathered M)" if collective == "all_gather" else ""
@@ -254,8 +257,10 @@ def _moe_lookup(
 
     shape = ExpertsShape.parse(experts)
     key = (shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-    dtype = check_choice("--dtype", dtype or DEFAULT_DTYPE, DTYPE_NAMES)
+    dtype = check_choice("--dtype", DEFAULT_DTYPE if dtype is None else dtype, DTYPE_NAMES)
     world = world_of(world_size, device_key)
+    named = "--world-size" if world_size is not None else "-k's world size" if device_key else ""
+    shape.check_world(world, named or "the default --world-size")
     from fo_kernels.table import MISS_SOURCE
     from fo_tune.tables.find import find_moe_row
 
@@ -336,6 +341,7 @@ def table_files(device_key: str | None = None) -> tuple[list[dict[str, Any]], li
 
 @handle_errors
 def list_tables(device_key: ListDeviceKeyOpt = None, json_out: ListJsonOpt = False) -> None:
+    check_device_key(device_key)
     files, problems = table_files(device_key)
     if json_out:
         typer.echo(json_text({"kind": "fo-tune-table-list", "tables": files, "problems": problems}))

@@ -101,6 +101,18 @@ def row_cap(limit: int | None, all_rows: bool) -> int | None:
     return None if all_rows else limit or SHOW_ROWS
 
 
+def check_device_key(device_key: str | None) -> None:
+    """``typer.BadParameter`` for a -k that is empty or a path: a key names one folder under each
+    table folder, and a path would read files outside them (or, to ``list``, match none)."""
+    if device_key is not None and (
+        not device_key or "/" in device_key or "\\" in device_key or device_key in (".", "..")
+    ):
+        raise typer.BadParameter(
+            f"--device-key {device_key!r}: a device key is a folder name under the table folders (e.g. "
+            "nvidia-h200-cc90-132sm-w2-nvlink18), not a path; `fo-tune table list` lists the keys"
+        )
+
+
 def world_of(world_size: int | None, device_key: str | None) -> int:
     """The world size of a table or call: --world-size, else the one a -k device key names (a
     key's tables hold that world size's rows only: ``<gpu>-cc..-..sm-w<N>-<link>``), else the
@@ -108,14 +120,7 @@ def world_of(world_size: int | None, device_key: str | None) -> int:
     is a path (it would read files outside the table folders)."""
     from fo_kernels.fingerprint import read_device_key
 
-    if device_key is not None and (
-        not device_key or "/" in device_key or "\\" in device_key or device_key in (".", "..")
-    ):
-        # (a key names one folder under each table folder: a path would read files outside them)
-        raise typer.BadParameter(
-            f"--device-key {device_key!r}: a device key is a folder name under the table folders (e.g. "
-            "nvidia-h200-cc90-132sm-w2-nvlink18), not a path; `fo-tune table list` lists the keys"
-        )
+    check_device_key(device_key)
     fields = read_device_key(device_key) if device_key is not None else None
     keyed = int(fields["world_size"]) if fields is not None else None
     if world_size is None:

@@ -65,6 +65,18 @@ class ExpertsShape:
     def label(self) -> str:
         return f"H {self.hidden}, I {self.intermediate}, E_local {self.experts}, k {self.top_k}"
 
+    def check_world(self, world_size: int, where: str = "--world-size") -> None:
+        """``MoeSearchError`` unless a token can pick its k distinct experts (a router's torch.topk
+        over E = ``world_size`` x E_local logits); ``where`` names what set the world size."""
+        total = self.experts * world_size
+        if self.top_k > total:
+            raise MoeSearchError(
+                f"--experts {self.hidden},{self.intermediate},{self.experts},{self.top_k}: k = "
+                f"{self.top_k} is above the {total} experts at {where} {world_size} (E = "
+                f"{world_size} x E_local {self.experts}), and a token picks k distinct experts; give "
+                f"k <= {total}, or E_local >= {-(-self.top_k // world_size)}"
+            )
+
     def call(self, tokens: int, world: int, dtype: str) -> MoeCall:
         """The model's call of these experts at ``tokens`` per rank on ``world`` ranks."""
         return MoeCall(
@@ -94,6 +106,11 @@ def experts_from_suite(path: Path, world_size: int) -> list[ExpertsShape]:
             h, inter, e, k = (int(m[key]) for key in ("hidden", "intermediate", "experts", "top_k"))
         except (KeyError, TypeError, ValueError):
             raise MoeSearchError(f"{path}: models[{i}]: needs hidden, intermediate, experts, top_k") from None
+        if min(h, inter, e, k) < 1:
+            raise MoeSearchError(
+                f"{path}: models[{i}]: hidden, intermediate, experts and top_k must be >= 1, got "
+                f"{h}, {inter}, {e}, {k}"
+            )
         counts.append(e)
         if e % world_size == 0:
             out.append(ExpertsShape(hidden=h, intermediate=inter, experts=e // world_size, top_k=k))

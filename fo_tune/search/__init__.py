@@ -26,6 +26,7 @@ from fo_tune.search.request import (
 from fo_tune.search.results import (
     BaselineResult,
     Candidate,
+    SearchInterrupted,
     SearchResult,
     ShapeResult,
     TrialRecord,
@@ -42,6 +43,7 @@ __all__ = [
     "BaselineResult",
     "Candidate",
     "SearchError",
+    "SearchInterrupted",
     "SearchRequest",
     "SearchResult",
     "ShapeResult",

@@ -51,7 +51,7 @@ from fo_tune.search.request import (
     select_engines,
     study_name,
 )
-from fo_tune.search.results import BaselineResult, SearchResult, ShapeResult, model_error
+from fo_tune.search.results import BaselineResult, SearchInterrupted, SearchResult, ShapeResult, model_error
 from fo_tune.search.storage import open_storage, shown, storage_lost, storage_url
 from fo_tune.search.strategies import ShapeJob, get_strategy
 from fo_tune.space import SearchSpace, space_for
@@ -229,33 +229,39 @@ def _run(
         # (a predicted row takes no M from a measured one); each measured row once over the merges
         kept.extend(r for r in kept_measured(merged, rows) if r not in kept)
 
-    for i, enc in enumerate(encodings):
-        budget = None
-        if request.time_budget_s is not None:
-            left = request.time_budget_s - (time.monotonic() - t0)
-            budget = max(1.0, left / (len(shapes) - i))
-        result = _search_shape(request, enc, fp, model, measurer, storage, table, budget, rep)
-        results.append(result)
-        if request.m_range is None:  # (an --m-range search's exact rows never reach a table)
-            record_rows(storage, result.study, fp, [result.row])
-            if target is not None:  # merged as soon as decided: a Ctrl-C or a failing rank later keeps it
-                merge([result.row])
+    def result_so_far(**more: Any) -> SearchResult:
+        return SearchResult(
+            request=request,
+            fingerprint=fp,
+            shapes=results,
+            table=target,
+            wall_s=time.monotonic() - t0,
+            storage=shown(storage_url(request.storage)),
+            kept=kept,
+            **more,
+        )
+
+    try:
+        for i, enc in enumerate(encodings):
+            budget = None
+            if request.time_budget_s is not None:
+                left = request.time_budget_s - (time.monotonic() - t0)
+                budget = max(1.0, left / (len(shapes) - i))
+            result = _search_shape(request, enc, fp, model, measurer, storage, table, budget, rep)
+            if request.m_range is None:  # (an --m-range search's exact rows never reach a table)
+                record_rows(storage, result.study, fp, [result.row])
+                if target is not None:  # merged as soon as decided: a Ctrl-C or a failing rank later keeps it
+                    merge([result.row])
+            results.append(result)  # (done once recorded and merged)
+    except KeyboardInterrupt:  # the shapes done so far are in the table; say which are not
+        raise SearchInterrupted(result_so_far(not_done=shapes[len(results) :])) from None
     ranges = range_rows(request.m_range, results, fp.sm_count)
     _record_ranges(storage, fp, results, ranges)
     if target is not None and request.m_range is not None:
         # An --m-range search writes its range rows only: its M values were tuned to place them,
         # and must not replace exact rows a search of that very shape wrote.
         merge(ranges)
-    return SearchResult(
-        request=request,
-        fingerprint=fp,
-        shapes=results,
-        range_rows=ranges,
-        table=target,
-        wall_s=time.monotonic() - t0,
-        storage=shown(storage_url(request.storage)),
-        kept=kept,
-    )
+    return result_so_far(range_rows=ranges)
 
 
 def _record_ranges(storage: Any, fp: Fingerprint, results: list[ShapeResult], ranges: list[Schedule]) -> None:

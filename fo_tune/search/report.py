@@ -15,7 +15,8 @@ complete or absent):
   fingerprint, per shape the engines searched, the baseline,
   the best schedule, the row written (``overlap: false`` with the reason when nothing beats the
   fallback), the model's error (MAPE, worst case) over measured trials, trials and measurements
-  spent and wall time; the measured rows a predicted one did not replace;
+  spent and wall time; the measured rows a predicted one did not replace; for a search a Ctrl-C
+  stopped, after which shape (``stopped``) and the shapes it did not search (``not_done``);
 - ``history.png``: best-so-far latency per trial per shape, the baseline dashed, and
   ``predicted_vs_measured.png``: every measured trial's prediction against its measurement
   (measured searches only: a predict search has nothing to plot against, and skipping matplotlib
@@ -216,8 +217,19 @@ def summary(result: SearchResult) -> dict[str, Any]:
         "range_rows": [row.to_dict() for row in result.range_rows],
         "kept_measured_rows": [row.to_dict() for row in result.kept],
         "shapes": shapes,
+        # a search a Ctrl-C stopped: after how many shapes, and the shapes it left unsearched
+        "stopped": stopped(result),
+        "not_done": ["x".join(map(str, shape)) for shape in result.not_done],
         "wall_s": round(result.wall_s, 2),
     }
+
+
+def stopped(result: SearchResult) -> str | None:
+    """``after 1 of 3 shapes: interrupted`` for a search a Ctrl-C stopped, else None."""
+    if not result.not_done:
+        return None
+    done = len(result.shapes)
+    return f"after {done} of {done + len(result.not_done)} shapes: interrupted"
 
 
 def _plot_history(result: SearchResult, path: Path) -> None:

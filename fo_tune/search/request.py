@@ -35,6 +35,8 @@ MODES = ("measure", "predict", "hybrid")
 DEFAULT_TRIALS = {"predict": 200, "measure": 40, "hybrid": 300}
 # Schedules a hybrid search measures per shape.
 DEFAULT_TOP_K = 8
+# The largest --seed: Optuna's samplers seed numpy, which takes 0 .. 2**32 - 1.
+MAX_SEED = 2**32 - 1
 
 
 class SearchError(FoTuneError, ValueError):
@@ -131,6 +133,8 @@ def _check_counts(request: SearchRequest) -> None:
         raise SearchError(f"--top-k must be >= 1, got {request.top_k}")
     if request.time_budget_s is not None and not request.time_budget_s > 0:
         raise SearchError(f"--time-budget must be > 0 seconds, got {request.time_budget_s}")
+    if not 0 <= request.seed <= MAX_SEED:  # the range Optuna's samplers (numpy) take
+        raise SearchError(f"--seed must be between 0 and {MAX_SEED} (2**32 - 1), got {request.seed}")
 
 
 def _check_shapes(request: SearchRequest) -> None:

@@ -101,6 +101,18 @@ class SearchResult:
     wall_s: float = 0.0
     storage: str = ""
     kept: list[Schedule] = field(default_factory=list)  # measured rows that kept Ms over predicted ones
+    # shapes a Ctrl-C left unsearched (their rows were not written); empty for a search that finished
+    not_done: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """A Ctrl-C during ``run_search``, carrying the ``SearchResult`` of the shapes decided before it
+    (their rows are already in the table; ``result.not_done`` lists the rest), so a caller can write
+    their report. A ``KeyboardInterrupt``: a caller that does not look for it still stops."""
+
+    def __init__(self, result: SearchResult) -> None:
+        super().__init__()
+        self.result = result
 
 
 def model_error(records: Sequence[TrialRecord]) -> tuple[float, float]:

@@ -12,10 +12,12 @@ DP grouping, every copy-engine point) and the nearest existing row of the target
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from fo_kernels.engines.triton.settings import TritonSettings
@@ -76,7 +78,8 @@ def run_tpe(job: ShapeJob, *, predicted: bool) -> Outcome:
     job.reporter.stage(job.stage, max(0, target - have))
     if have < target:
         stop = optuna.study.MaxTrialsCallback(target, states=finished_states())
-        study.optimize(objective, n_trials=target - have, timeout=job.budget_s, callbacks=[stop])
+        with quiet_interrupt():
+            study.optimize(objective, n_trials=target - have, timeout=job.budget_s, callbacks=[stop])
     close_study(stored, study, resumed)
     measured = measurer.count - before if measurer is not None else 0
     # Decide from the stored study: it also holds the trials other workers sharing it stored while
@@ -96,9 +99,44 @@ def run_queued(job: ShapeJob, opened: tuple[Any, Any, int], points: Iterable[dic
     before = job.measurer.count
     if waiting:
         objective = Objective(job.enc, job.model, job.measurer, "measured", lambda d, log: job.step(d, log))
-        study.optimize(objective, n_trials=waiting, timeout=job.budget_s)
+        with quiet_interrupt():
+            study.optimize(objective, n_trials=waiting, timeout=job.budget_s)
     close_study(stored, study, resumed)
     return Outcome(candidates(study, job), records(study, job), job.measurer.count - before)
+
+
+# The logger Optuna's ``study.optimize`` reports a failed trial on.
+OPTIMIZE_LOGGER = "optuna.study._optimize"
+
+
+class _InterruptFilter(logging.Filter):
+    """Drops Optuna's two warnings about the trial a Ctrl-C stopped (the KeyboardInterrupt's
+    traceback, then "Trial N failed with value None"): the interrupt goes on to the caller, and
+    the CLI says ``error: interrupted`` once. Every other record passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trial: str | None = None  # "Trial N " of the interrupted trial
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        message = record.getMessage()
+        if isinstance(exc, KeyboardInterrupt):
+            self.trial = " ".join(message.split()[:2]) + " "
+            return False
+        return not (self.trial is not None and message.startswith(f"{self.trial}failed with value"))
+
+
+@contextlib.contextmanager
+def quiet_interrupt() -> Iterator[None]:
+    """Within it, a Ctrl-C during a trial reaches the caller without Optuna's traceback of it."""
+    logger = logging.getLogger(OPTIMIZE_LOGGER)
+    quiet = _InterruptFilter()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def finished_states() -> tuple[Any, ...]:
