@@ -432,3 +432,101 @@ def test_a_storage_that_fails_during_the_search_is_one_line_saying_how_to_resume
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert "the storage failed during the search (" in line and "server closed the connection" in line, line
     assert line.endswith("run the same command to resume"), line
+
+
+# ------------------------------------------------------------------- records of workers on one study
+def test_pull_keeps_per_study_the_record_decided_from_most_trials(tmp_path: Path) -> None:
+    """Workers sharing one study each record what they decided: the one that decided from 30 trials
+    records first, one that read the study before those trials were stored (5) records later. Pull
+    keeps the rows from 30 trials (the later record replaced the study's only record); among records
+    from equally many trials the latest wins; a record under the single key ``ROWS_ATTR`` (no trial
+    count, as one key per study held it) is read, as decided from none."""
+    import dataclasses
+    import datetime as dt
+
+    import optuna
+
+    from fo_kernels.schedule import Problem
+    from fo_tune.search.storage import close_storage, open_storage
+    from fo_tune.tables.stored import ROWS_ATTR, record_rows
+
+    packaged = load_table(ROOT / "results" / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml")
+    row = next(r for r in packaged.rows if not r.problem.is_range)
+    fp = packaged.fingerprint
+
+    def decided(m: int, mark: str) -> list:
+        problem = Problem(m=m, n=row.problem.n, k=row.problem.k)
+        return [dataclasses.replace(row, problem=problem, provenance={**row.provenance, "decided": mark})]
+
+    def single_key(m: int, mark: str) -> dict:
+        header = ("collective", "dtype", "world_size")
+        return {
+            "kind": "fo-tune-table-rows",
+            "schema_version": 1,
+            "fingerprint": fp.to_dict(),
+            "collective": row.collective,
+            "world_size": row.world_size,
+            "dtype": row.dtype,
+            "rows": [{k: v for k, v in r.to_dict().items() if k not in header} for r in decided(m, mark)],
+            "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds"),
+            "host": "h",
+        }
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    storage = open_storage(url, create_folder=True)
+    shared = "all_reduce-w2-bfloat16-shared"
+    record_rows(storage, shared, fp, decided(1000, "from 30"), trials=30)
+    record_rows(storage, shared, fp, decided(1000, "from 5, later"), trials=5)
+    optuna.load_study(study_name=shared, storage=storage).set_user_attr(ROWS_ATTR, single_key(1000, "none"))
+    optuna.create_study(study_name="single", storage=storage).set_user_attr(
+        ROWS_ATTR, single_key(2000, "one")
+    )
+    close_storage(storage)
+
+    def pulled() -> dict[int | None, str]:
+        result = pull(url, tmp_path / "t")
+        assert result.exit_code == 0 and "2 row(s) from 2 studies" in result.stdout, result.output
+        table = load_table(tmp_path / "t" / H200_KEY / "all_reduce-w2-bfloat16.yaml")
+        return {r.problem.m: r.provenance["decided"] for r in table.rows}
+
+    assert pulled() == {1000: "from 30", 2000: "one"}
+    storage = open_storage(url)  # a record from as many trials, later: it replaces the row
+    record_rows(storage, shared, fp, decided(1000, "from 30, later"), trials=30)
+    close_storage(storage)
+    assert pulled() == {1000: "from 30, later", 2000: "one"}
+
+
+def test_a_worker_that_decided_from_fewer_trials_but_records_later_leaves_the_better_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two predicted TPE workers on one study: the first decides from its one trial, then, before it
+    records, the second runs 30 trials (the first's included) and records. The first records last;
+    pull takes the second's row (it took the first's, which replaced the study's only record)."""
+    import fo_tune.tables.stored as stored
+
+    storage = f"sqlite:///{tmp_path / 'fleet.db'}"
+    runner = CliRunner()
+    search = ["search", "-s", "4096x8192x4096", "--storage", storage, "--trials"]
+    real = stored.record_rows
+    second: list = []
+
+    def let_another_worker_finish_first(*args: object, **kwargs: object) -> object:
+        if not second:  # the first worker decided; the second runs all of its trials and records
+            second.append(None)
+            second[0] = runner.invoke(app, [*search, "30", "--table-dir", str(tmp_path / "second")])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stored, "record_rows", let_another_worker_finish_first)
+    first = runner.invoke(app, [*search, "1", "--table-dir", str(tmp_path / "first")])
+    assert first.exit_code == 0 and second[0].exit_code == 0, (first.output, second[0].output)
+    monkeypatch.undo()
+    name = f"{H200_KEY}/all_reduce-w2-bfloat16.yaml"
+    (mine,), (best,) = (load_table(tmp_path / who / name).rows for who in ("first", "second"))
+    assert not mine.overlap and best.overlap, (mine, best)  # one trial found no gain, 30 found one
+    assert pull(storage, tmp_path / "pulled").exit_code == 0
+    (pulled,) = load_table(tmp_path / "pulled" / name).rows
+    assert (pulled.engine, pulled.settings, pulled.provenance) == (
+        best.engine,
+        best.settings,
+        best.provenance,
+    )
