@@ -530,3 +530,102 @@ def test_a_worker_that_decided_from_fewer_trials_but_records_later_leaves_the_be
         best.settings,
         best.provenance,
     )
+
+
+# ------------------------------------------------------------------------------ pull's refusals
+def record_packaged(url: str, *collectives: str) -> None:
+    """A storage at ``url`` whose studies record the first exact row of each packaged table named
+    (``collectives``), one study each, in that order: the records a fleet's workers leave."""
+    from fo_tune.search.storage import close_storage, open_storage
+    from fo_tune.tables.stored import record_rows
+
+    storage = open_storage(url, create_folder=True)
+    for collective in collectives:
+        table = load_table(ROOT / "results" / "tables" / H200_KEY / f"{collective}-w2-bfloat16.yaml")
+        row = next(r for r in table.rows if not r.problem.is_range)
+        record_rows(storage, f"{collective}-study", table.fingerprint, [row], trials=1)
+    close_storage(storage)
+
+
+@pytest.mark.parametrize("kind", ["sqlite-raw", "sqlite-optuna", "journal"])
+def test_a_storage_that_fails_during_the_pull_is_one_line_and_writes_no_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The storage opens, then fails as pull reads its studies (its server stopped, the connection
+    dropped, the journal file's disk went away): exit 2, one line saying to pull again, and no table
+    file written or changed (it was "internal error: OperationalError ..." or "... StorageInternalError",
+    exit 1)."""
+    import optuna
+    import sqlalchemy.exc
+
+    url = f"journal:{tmp_path / 's.log'}" if kind == "journal" else f"sqlite:///{tmp_path / 's.db'}"
+    record_packaged(url, "all_reduce", "reduce_scatter")
+    existing = tmp_path / "t" / H200_KEY / "all_reduce-w2-bfloat16.yaml"
+    existing.parent.mkdir(parents=True)
+    existing.write_bytes((ROOT / "results" / "tables" / H200_KEY / existing.name).read_bytes())
+    before = existing.read_bytes()
+
+    def gone(*_a: object) -> None:
+        if kind == "journal":
+            raise OSError(5, "Input/output error")
+        closed = sqlalchemy.exc.OperationalError("SELECT", {}, Exception("server closed the connection"))
+        if kind == "sqlite-raw":
+            raise closed
+        try:
+            raise closed
+        except sqlalchemy.exc.OperationalError as exc:
+            raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from exc
+
+    storages = {"journal": optuna.storages.JournalStorage}
+    monkeypatch.setattr(storages.get(kind, optuna.storages.RDBStorage), "get_all_studies", gone)
+    line = assert_one_line_error(pull(url, tmp_path / "t"))
+    assert "the storage failed during the pull (" in line, line
+    assert "server closed the connection" in line or "Input/output error" in line, line
+    assert line.endswith("no table was written: once it answers again, run the pull again"), line
+    assert sorted(p.name for p in (tmp_path / "t" / H200_KEY).iterdir()) == [existing.name]
+    assert existing.read_bytes() == before
+
+
+def test_a_storage_server_that_never_answers_is_one_line_before_pull_writes_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PostgreSQL URL whose port takes the connection and never answers (a server hung, a
+    firewall that drops packets): exit 2, one line, after the connect timeout (libpq's shortest, 2 s)."""
+    import socket
+
+    import fo_tune.search.storage as storage
+
+    monkeypatch.setattr(storage, "CONNECT_TIMEOUT_S", 1)
+    with socket.socket() as s:  # listens, never accepts: the handshake completes, no answer comes
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        start = time.monotonic()
+        line = assert_one_line_error(pull(f"postgresql://u@127.0.0.1:{s.getsockname()[1]}/x", tmp_path / "t"))
+    assert "cannot open it" in line and time.monotonic() - start < 30, line
+    assert not (tmp_path / "t").exists()
+
+
+def test_pull_refuses_its_table_dir_or_a_table_of_others_rows_before_it_reads_or_writes(
+    tmp_path: Path,
+) -> None:
+    """A --table-dir that is a file is exit 2 before the storage is read, even one whose studies
+    record nothing (it said "nothing written", exit 0); a table file holding another table's rows
+    stops the pull before any table is written (it wrote the tables merged before that one)."""
+    import optuna
+
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    optuna.create_study(study_name="no-record", storage=empty)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    line = assert_one_line_error(pull(empty, blocker))
+    assert f"{blocker} is a file, not a folder" in line, line
+    said = pull(empty, tmp_path / "t")
+    assert said.exit_code == 0 and "holds 1 study, none records table rows yet" in said.stdout, said.output
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    record_packaged(url, "all_reduce", "reduce_scatter")  # all_reduce's table is merged first
+    wrong = tmp_path / "t" / H200_KEY / "reduce_scatter-w2-bfloat16.yaml"
+    wrong.parent.mkdir(parents=True)
+    wrong.write_bytes((ROOT / "results" / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml").read_bytes())
+    line = assert_one_line_error(pull(url, tmp_path / "t"))
+    assert str(wrong) in line and "holds all_reduce world size 2 bfloat16 rows" in line, line
+    assert [p.name for p in wrong.parent.glob("*.yaml")] == [wrong.name]
