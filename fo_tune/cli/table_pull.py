@@ -34,9 +34,9 @@ PULL_HELP = "\n\n".join(
         "holds no study at all: a storage the workers have not used). Exit code 2, with one line "
         "and no table written, when --table-dir or a table file under it cannot be written (a "
         "file in its place, a read-only folder), the storage cannot be opened (a missing driver, "
-        "a server that does not answer within 10 s, no such file) or fails during the read (pull "
-        "again once it answers), a record is malformed, or a table file is malformed, for other "
-        "hardware or holds another table's rows.",
+        "a server that does not answer, no such file) or fails "
+        "during the read (pull again once it answers), a record is malformed, or a table file is "
+        "malformed, for other hardware or holds another table's rows.",
     ]
 )
 
