@@ -129,7 +129,7 @@ def _parse(study: str, key: str, record: Any) -> StoredRows:
         )
     try:
         fingerprint = Fingerprint.from_dict(record.get("fingerprint"))
-        header = {key: record.get(key) for key in _HEADER_KEYS}
+        header = {name: record.get(name) for name in _HEADER_KEYS}
         rows = record.get("rows")
         if not isinstance(rows, list) or not rows:
             raise ScheduleError(f"rows: expected a non-empty list, got {rows!r}")
