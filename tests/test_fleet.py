@@ -432,3 +432,200 @@ def test_a_storage_that_fails_during_the_search_is_one_line_saying_how_to_resume
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert "the storage failed during the search (" in line and "server closed the connection" in line, line
     assert line.endswith("run the same command to resume"), line
+
+
+# ------------------------------------------------------------------- records of workers on one study
+def test_pull_keeps_per_study_the_record_decided_from_most_trials(tmp_path: Path) -> None:
+    """Workers sharing one study each record what they decided: the one that decided from 30 trials
+    records first, one that read the study before those trials were stored (5) records later. Pull
+    keeps the rows from 30 trials (the later record replaced the study's only record); among records
+    from equally many trials the latest wins; a record under the single key ``ROWS_ATTR`` (no trial
+    count, as one key per study held it) is read, as decided from none."""
+    import dataclasses
+    import datetime as dt
+
+    import optuna
+
+    from fo_kernels.schedule import Problem
+    from fo_tune.search.storage import close_storage, open_storage
+    from fo_tune.tables.stored import ROWS_ATTR, record_rows
+
+    packaged = load_table(ROOT / "results" / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml")
+    row = next(r for r in packaged.rows if not r.problem.is_range)
+    fp = packaged.fingerprint
+
+    def decided(m: int, mark: str) -> list:
+        problem = Problem(m=m, n=row.problem.n, k=row.problem.k)
+        return [dataclasses.replace(row, problem=problem, provenance={**row.provenance, "decided": mark})]
+
+    def single_key(m: int, mark: str) -> dict:
+        header = ("collective", "dtype", "world_size")
+        return {
+            "kind": "fo-tune-table-rows",
+            "schema_version": 1,
+            "fingerprint": fp.to_dict(),
+            "collective": row.collective,
+            "world_size": row.world_size,
+            "dtype": row.dtype,
+            "rows": [{k: v for k, v in r.to_dict().items() if k not in header} for r in decided(m, mark)],
+            "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds"),
+            "host": "h",
+        }
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    storage = open_storage(url, create_folder=True)
+    shared = "all_reduce-w2-bfloat16-shared"
+    record_rows(storage, shared, fp, decided(1000, "from 30"), trials=30)
+    record_rows(storage, shared, fp, decided(1000, "from 5, later"), trials=5)
+    optuna.load_study(study_name=shared, storage=storage).set_user_attr(ROWS_ATTR, single_key(1000, "none"))
+    optuna.create_study(study_name="single", storage=storage).set_user_attr(
+        ROWS_ATTR, single_key(2000, "one")
+    )
+    close_storage(storage)
+
+    def pulled() -> dict[int | None, str]:
+        result = pull(url, tmp_path / "t")
+        assert result.exit_code == 0 and "2 row(s) from 2 studies" in result.stdout, result.output
+        table = load_table(tmp_path / "t" / H200_KEY / "all_reduce-w2-bfloat16.yaml")
+        return {r.problem.m: r.provenance["decided"] for r in table.rows}
+
+    assert pulled() == {1000: "from 30", 2000: "one"}
+    storage = open_storage(url)  # a record from as many trials, later: it replaces the row
+    record_rows(storage, shared, fp, decided(1000, "from 30, later"), trials=30)
+    close_storage(storage)
+    assert pulled() == {1000: "from 30, later", 2000: "one"}
+
+
+def test_a_worker_that_decided_from_fewer_trials_but_records_later_leaves_the_better_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two predicted TPE workers on one study: the first decides from its one trial, then, before it
+    records, the second runs 30 trials (the first's included) and records. The first records last;
+    pull takes the second's row (it took the first's, which replaced the study's only record)."""
+    import fo_tune.tables.stored as stored
+
+    storage = f"sqlite:///{tmp_path / 'fleet.db'}"
+    runner = CliRunner()
+    search = ["search", "-s", "4096x8192x4096", "--storage", storage, "--trials"]
+    real = stored.record_rows
+    second: list = []
+
+    def let_another_worker_finish_first(*args: object, **kwargs: object) -> object:
+        if not second:  # the first worker decided; the second runs all of its trials and records
+            second.append(None)
+            second[0] = runner.invoke(app, [*search, "30", "--table-dir", str(tmp_path / "second")])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stored, "record_rows", let_another_worker_finish_first)
+    first = runner.invoke(app, [*search, "1", "--table-dir", str(tmp_path / "first")])
+    assert first.exit_code == 0 and second[0].exit_code == 0, (first.output, second[0].output)
+    monkeypatch.undo()
+    name = f"{H200_KEY}/all_reduce-w2-bfloat16.yaml"
+    (mine,), (best,) = (load_table(tmp_path / who / name).rows for who in ("first", "second"))
+    assert not mine.overlap and best.overlap, (mine, best)  # one trial found no gain, 30 found one
+    assert pull(storage, tmp_path / "pulled").exit_code == 0
+    (pulled,) = load_table(tmp_path / "pulled" / name).rows
+    assert (pulled.engine, pulled.settings, pulled.provenance) == (
+        best.engine,
+        best.settings,
+        best.provenance,
+    )
+
+
+# ------------------------------------------------------------------------------ pull's refusals
+def record_packaged(url: str, *collectives: str) -> None:
+    """A storage at ``url`` whose studies record the first exact row of each packaged table named
+    (``collectives``), one study each, in that order: the records a fleet's workers leave."""
+    from fo_tune.search.storage import close_storage, open_storage
+    from fo_tune.tables.stored import record_rows
+
+    storage = open_storage(url, create_folder=True)
+    for collective in collectives:
+        table = load_table(ROOT / "results" / "tables" / H200_KEY / f"{collective}-w2-bfloat16.yaml")
+        row = next(r for r in table.rows if not r.problem.is_range)
+        record_rows(storage, f"{collective}-study", table.fingerprint, [row], trials=1)
+    close_storage(storage)
+
+
+@pytest.mark.parametrize("kind", ["sqlite-raw", "sqlite-optuna", "journal"])
+def test_a_storage_that_fails_during_the_pull_is_one_line_and_writes_no_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The storage opens, then fails as pull reads its studies (its server stopped, the connection
+    dropped, the journal file's disk went away): exit 2, one line saying to pull again, and no table
+    file written or changed (it was "internal error: OperationalError ..." or "... StorageInternalError",
+    exit 1)."""
+    import optuna
+    import sqlalchemy.exc
+
+    url = f"journal:{tmp_path / 's.log'}" if kind == "journal" else f"sqlite:///{tmp_path / 's.db'}"
+    record_packaged(url, "all_reduce", "reduce_scatter")
+    existing = tmp_path / "t" / H200_KEY / "all_reduce-w2-bfloat16.yaml"
+    existing.parent.mkdir(parents=True)
+    existing.write_bytes((ROOT / "results" / "tables" / H200_KEY / existing.name).read_bytes())
+    before = existing.read_bytes()
+
+    def gone(*_a: object) -> None:
+        if kind == "journal":
+            raise OSError(5, "Input/output error")
+        closed = sqlalchemy.exc.OperationalError("SELECT", {}, Exception("server closed the connection"))
+        if kind == "sqlite-raw":
+            raise closed
+        try:
+            raise closed
+        except sqlalchemy.exc.OperationalError as exc:
+            raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from exc
+
+    storages = {"journal": optuna.storages.JournalStorage}
+    monkeypatch.setattr(storages.get(kind, optuna.storages.RDBStorage), "get_all_studies", gone)
+    line = assert_one_line_error(pull(url, tmp_path / "t"))
+    assert "the storage failed during the pull (" in line, line
+    assert "server closed the connection" in line or "Input/output error" in line, line
+    assert line.endswith("no table was written: once it answers again, run the pull again"), line
+    assert sorted(p.name for p in (tmp_path / "t" / H200_KEY).iterdir()) == [existing.name]
+    assert existing.read_bytes() == before
+
+
+def test_a_storage_server_that_never_answers_is_one_line_before_pull_writes_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PostgreSQL URL whose port takes the connection and never answers (a server hung, a
+    firewall that drops packets): exit 2, one line, after the connect timeout (libpq's shortest, 2 s)."""
+    import socket
+
+    import fo_tune.search.storage as storage
+
+    monkeypatch.setattr(storage, "CONNECT_TIMEOUT_S", 1)
+    with socket.socket() as s:  # listens, never accepts: the handshake completes, no answer comes
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        start = time.monotonic()
+        line = assert_one_line_error(pull(f"postgresql://u@127.0.0.1:{s.getsockname()[1]}/x", tmp_path / "t"))
+    assert "cannot open it" in line and time.monotonic() - start < 30, line
+    assert not (tmp_path / "t").exists()
+
+
+def test_pull_refuses_its_table_dir_or_a_table_of_others_rows_before_it_reads_or_writes(
+    tmp_path: Path,
+) -> None:
+    """A --table-dir that is a file is exit 2 before the storage is read, even one whose studies
+    record nothing (it said "nothing written", exit 0); a table file holding another table's rows
+    stops the pull before any table is written (it wrote the tables merged before that one)."""
+    import optuna
+
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    optuna.create_study(study_name="no-record", storage=empty)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    line = assert_one_line_error(pull(empty, blocker))
+    assert f"{blocker} is a file, not a folder" in line, line
+    said = pull(empty, tmp_path / "t")
+    assert said.exit_code == 0 and "holds 1 study, none records table rows yet" in said.stdout, said.output
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    record_packaged(url, "all_reduce", "reduce_scatter")  # all_reduce's table is merged first
+    wrong = tmp_path / "t" / H200_KEY / "reduce_scatter-w2-bfloat16.yaml"
+    wrong.parent.mkdir(parents=True)
+    wrong.write_bytes((ROOT / "results" / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml").read_bytes())
+    line = assert_one_line_error(pull(url, tmp_path / "t"))
+    assert str(wrong) in line and "holds all_reduce world size 2 bfloat16 rows" in line, line
+    assert [p.name for p in wrong.parent.glob("*.yaml")] == [wrong.name]

@@ -15,7 +15,9 @@ PULL_HELP = "\n\n".join(
     [
         "Write the tables of every study in a study storage: what a fleet of `fo-tune search` "
         "workers sharing one --storage decided. Each worker records every row it decides in its "
-        "study (measured, predicted, M ranges; every mode); pull reads them all, groups them by "
+        "study (measured, predicted, M ranges; every mode); where several workers share a study, "
+        "pull takes the rows decided from the most trials (among equals, the latest). It reads "
+        "every study before it writes anything, groups the rows by "
         "table (device key, collective, world size, dtype) and merges each group, oldest first, "
         "into <table-dir>/<device-key>/<collective>-w<world>-<dtype>.yaml with the rules of every "
         "merge: a row replaces the row for its problem, an M range every range it overlaps, and a "
@@ -27,10 +29,14 @@ PULL_HELP = "\n\n".join(
         "--storage takes the URL the workers used: postgresql://USER@HOST:PORT/DB, sqlite:///FILE "
         "or journal:FILE (a SQLite or journal file must exist). --table-dir defaults to "
         "$FO_TUNE_TABLE_DIR, else ~/.local/share/fo-tune/tables, where the runtime finds them.",
-        "Prints one line per table written (--json: JSON). Exit code 0 when written (or when no "
-        "study records rows yet), 2 when the storage cannot be opened (a missing driver, a server "
-        "that does not answer, no such file), a record is malformed or a table file is for other "
-        "hardware.",
+        "Prints one line per table written (--json: JSON, with the number of studies read). Exit "
+        "code 0 when written, or when no study records rows yet (the line says whether the storage "
+        "holds no study at all: a storage the workers have not used). Exit code 2, with one line "
+        "and no table written, when --table-dir or a table file under it cannot be written (a "
+        "file in its place, a read-only folder), the storage cannot be opened (a missing driver, "
+        "a server that does not answer, no such file) or fails "
+        "during the read (pull again once it answers), a record is malformed, or a table file is "
+        "malformed, for other hardware or holds another table's rows.",
     ]
 )
 
@@ -60,26 +66,36 @@ def pull(storage: StorageArg = None, table_dir: PullTableDirOpt = None, json_out
     if not storage:
         raise typer.BadParameter("--storage URL: the storage the workers share is missing")
     from fo_tune.search.setup import default_table_dir
-    from fo_tune.search.storage import close_storage, open_storage, shown
-    from fo_tune.tables.pull import pull_tables
+    from fo_tune.search.storage import check_storage_url, close_storage, open_storage, shown
+    from fo_tune.tables.pull import check_table_dir, read_pull, write_pulled
 
     root = table_dir or default_table_dir()
+    check_storage_url(storage)  # (its form: no file touched, no server asked)
+    check_table_dir(root)
     opened = open_storage(storage, must_exist=True)
     try:
-        pulled = pull_tables(opened, root)
+        read = read_pull(opened, storage)  # every study read before any table is written
     finally:
         close_storage(opened)
+    pulled = write_pulled(read.records, root)
     if json_out:
         tables = [{**dataclasses.asdict(p), "path": str(p.path)} for p in pulled]
-        typer.echo(json_text({"kind": "fo-tune-table-pull", "storage": shown(storage), "tables": tables}))
+        data = {
+            "kind": "fo-tune-table-pull",
+            "storage": shown(storage),
+            "studies": read.studies,
+            "tables": tables,
+        }
+        typer.echo(json_text(data))
         return
     if not pulled:
-        console.print(
-            f"no study in {shown(storage)} records table rows yet (workers record each row as they "
-            "decide it); nothing written",
-            markup=False,
-            highlight=False,
+        held = (
+            f"holds {read.studies} stud{'y' if read.studies == 1 else 'ies'}, none records table rows yet "
+            "(workers record each row as they decide it)"
+            if read.studies
+            else "holds no study: check that it is the --storage the workers use"
         )
+        console.print(f"{shown(storage)} {held}; nothing written", markup=False, highlight=False)
         return
     for p in pulled:
         kept = f"; kept {p.kept_measured} measured row(s) over predicted ones" if p.kept_measured else ""

@@ -249,7 +249,7 @@ def _run(
                 budget = max(1.0, left / (len(shapes) - i))
             result = _search_shape(request, enc, fp, model, measurer, storage, table, budget, rep)
             if request.m_range is None:  # (an --m-range search's exact rows never reach a table)
-                record_rows(storage, result.study, fp, [result.row])
+                record_rows(storage, result.study, fp, [result.row], trials=result.decided_from)
                 if target is not None:  # merged as soon as decided: a Ctrl-C or a failing rank later keeps it
                     merge([result.row])
             results.append(result)  # (done once recorded and merged)
@@ -266,16 +266,17 @@ def _run(
 
 def _record_ranges(storage: Any, fp: Fingerprint, results: list[ShapeResult], ranges: list[Schedule]) -> None:
     """Record an ``--m-range`` search's rows, each (N, K)'s in a study of their own
-    (``fo_tune.tables.stored.range_study_name``)."""
+    (``fo_tune.tables.stored.range_study_name``), decided from the trials of that (N, K)'s shapes."""
     from fo_tune.tables.stored import range_study_name, record_rows
 
     by_nk: dict[tuple[int, int], list[Schedule]] = {}
     for row in ranges:
         by_nk.setdefault((row.problem.n, row.problem.k), []).append(row)
     for (n, k), rows in by_nk.items():
-        first = next(r for r in results if r.shape[1:] == (n, k))
+        shapes = [r for r in results if r.shape[1:] == (n, k)]
         lo, hi = rows[0].problem.m_min, rows[-1].problem.m_max
-        record_rows(storage, range_study_name(first.study, f"[{lo},{hi}]x{n}x{k}"), fp, rows)
+        study = range_study_name(shapes[0].study, f"[{lo},{hi}]x{n}x{k}")
+        record_rows(storage, study, fp, rows, trials=sum(r.decided_from for r in shapes))
 
 
 def _encoding(

@@ -90,6 +90,12 @@ class ShapeResult:
     worst_ape: float
     engines: tuple[str, ...] = ()  # the engines searched
 
+    @property
+    def decided_from(self) -> int:
+        """The finished trials (or priced points) the row was decided from, which its stored record
+        carries (``fo_tune.tables.stored``: of a study's records, pull takes the one from most)."""
+        return sum(1 for t in self.trials if t.state in ("COMPLETE", "PRUNED"))
+
 
 @dataclass(slots=True)
 class SearchResult:

@@ -276,12 +276,35 @@ def _first_line(exc: BaseException) -> str:
     return " ".join(str(exc).split("\n")[0].split()).rstrip(". ")
 
 
+# What a search that lost its storage says to do (``storage_lost``).
+RESUME_SEARCH = "the trials stored before are kept: once it answers again, run the same command to resume"
+# The driver errors of a connection that failed (SQLAlchemy's and psycopg's classes of these names).
+CONNECTION_ERRORS = ("OperationalError", "InterfaceError")
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """``exc`` is a SQLAlchemy or psycopg error of a connection that failed (a server that
+    stopped, a dropped connection), not one of a statement."""
+    return any(
+        cls.__name__ in CONNECTION_ERRORS and cls.__module__.startswith(("sqlalchemy", "psycopg"))
+        for cls in type(exc).__mro__
+    )
+
+
 @contextlib.contextmanager
-def storage_lost(url: str) -> Iterator[None]:
+def storage_lost(
+    url: str,
+    *,
+    during: str = "the search",
+    then: str = RESUME_SEARCH,
+    lost_on: tuple[type[BaseException], ...] = (),
+) -> Iterator[None]:
     """Turn a storage that stops answering inside the block (its server stopped, the connection
-    dropped) into one ``StorageError`` line saying how to resume: Optuna raises its
-    ``StorageInternalError``, or, from inside a trial, an ``UnboundLocalError`` of its own whose
-    context is that error, neither of which says what happened."""
+    dropped) into one ``StorageError`` line: the storage failed ``during`` what, and ``then`` what
+    to do. Optuna raises its ``StorageInternalError`` (or, from inside a trial, an
+    ``UnboundLocalError`` of its own whose context is that error), a read may raise the driver's
+    connection error itself; none of them says what happened. ``lost_on``: more exceptions that
+    mean the storage failed, for a block that does nothing else (a journal file's ``OSError``)."""
     import optuna
 
     try:
@@ -293,14 +316,17 @@ def storage_lost(url: str) -> Iterator[None]:
         while seen is not None and len(chain) < 8:
             chain.append(seen)
             seen = seen.__cause__ or seen.__context__
-        lost = [e for e in chain if isinstance(e, optuna.exceptions.StorageInternalError)]
+        lost = [
+            e
+            for e in chain
+            if isinstance(e, (optuna.exceptions.StorageInternalError, *lost_on)) or _connection_lost(e)
+        ]
         if not lost:
             raise
         driver = [e for e in chain if type(e).__module__.startswith(("sqlalchemy", "psycopg"))]
         why = _first_line((driver or lost)[0])
         raise StorageError(
-            f"--storage {shown(storage_url(url))}: the storage failed during the search ({why}); the "
-            "trials stored before are kept: once it answers again, run the same command to resume"
+            f"--storage {shown(storage_url(url))}: the storage failed during {during} ({why}); {then}"
         ) from None
 
 

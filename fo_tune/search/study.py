@@ -83,8 +83,11 @@ def run_tpe(job: ShapeJob, *, predicted: bool) -> Outcome:
     close_study(stored, study, resumed)
     measured = measurer.count - before if measurer is not None else 0
     # Decide from the stored study: it also holds the trials other workers sharing it stored while
-    # this one ran in memory, so the row recorded last is the best of every trial, not of this run's.
-    return Outcome(candidates(stored, job), records(stored, job), measured)
+    # this one ran in memory. One read of its trials gives both the candidates and the records, so
+    # the records count exactly the finished trials the row is decided from (what its stored record
+    # says: ``fo_tune.tables.stored``).
+    trials = stored.get_trials(deepcopy=False)
+    return Outcome(candidates(trials, job), records(trials, job), measured)
 
 
 def run_queued(job: ShapeJob, opened: tuple[Any, Any, int], points: Iterable[dict[str, Any]]) -> Outcome:
@@ -102,7 +105,8 @@ def run_queued(job: ShapeJob, opened: tuple[Any, Any, int], points: Iterable[dic
         with quiet_interrupt():
             study.optimize(objective, n_trials=waiting, timeout=job.budget_s)
     close_study(stored, study, resumed)
-    return Outcome(candidates(study, job), records(study, job), job.measurer.count - before)
+    trials = study.get_trials(deepcopy=False)  # (one read for both: see run_tpe)
+    return Outcome(candidates(trials, job), records(trials, job), job.measurer.count - before)
 
 
 # The logger Optuna's ``study.optimize`` reports a failed trial on.
@@ -201,10 +205,11 @@ def regroup(schedule: Schedule) -> Schedule:
     return dataclasses.replace(schedule, settings=dataclasses.replace(st, groups=groups))
 
 
-def records(study: Any, job: ShapeJob) -> list[TrialRecord]:
-    """Every trial of ``study`` as a record (speedups against ``job.baseline_ms``)."""
+def records(trials: Iterable[Any], job: ShapeJob) -> list[TrialRecord]:
+    """Every trial of a study (``trials``: Optuna's ``FrozenTrial``) as a record (speedups against
+    ``job.baseline_ms``)."""
     out = []
-    for t in study.get_trials(deepcopy=False):
+    for t in trials:
         ua = t.user_attrs
         value = float(t.value) if t.value is not None else math.nan
         out.append(
@@ -229,13 +234,15 @@ def records(study: Any, job: ShapeJob) -> list[TrialRecord]:
     return out
 
 
-def candidates(study: Any, job: ShapeJob) -> list[Candidate]:
-    """The distinct completed schedules of ``study``, best value first (a schedule timed twice
-    keeps its better value)."""
+def candidates(trials: Iterable[Any], job: ShapeJob) -> list[Candidate]:
+    """The distinct completed schedules among a study's ``trials``, best value first (a schedule
+    timed twice keeps its better value)."""
     import optuna
 
     best: dict[str, Candidate] = {}
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+    for t in trials:
+        if t.state != optuna.trial.TrialState.COMPLETE:
+            continue
         schedule = _schedule_of(t, job)
         if schedule is None:
             continue

@@ -2,21 +2,27 @@
 the rows it decides in the study they came from (``record_rows``), and ``stored_rows`` reads back
 every study's, for ``fo-tune table pull`` (``fo_tune.tables.pull``).
 
-A record is the study's user attribute ``ROWS_ATTR``: the table header the rows belong to
-(fingerprint, collective, world size, dtype), the rows as a table file holds them, and when they
-were recorded. A shape's study holds that shape's row; the M-range rows of an ``--m-range``
-search go to a study of their own (``range_study_name``), since they come from several shapes'
-searches. Recording again (a resumed or re-run search, or another worker on the same study)
-replaces the study's record: the latest decision from those trials. Setting one study attribute
-is one row's upsert in an RDB storage and one appended line in a journal, so workers on many
-hosts record at once without a lock.
+A record is a study user attribute: the table header the rows belong to (fingerprint, collective,
+world size, dtype), the rows as a table file holds them, how many finished trials (or priced
+points) the decision compared (``trials``), and when and where it was recorded. A shape's study
+holds that shape's rows; the M-range rows of an ``--m-range`` search go to a study of their own
+(``range_study_name``), since they come from several shapes' searches.
+
+Several workers record in one study: a resumed or re-run search, or workers sharing one TPE study.
+Optuna storages have no compare-and-set, so a worker that decided from fewer trials but records
+later must not replace a better decision: each record is an attribute of its own,
+``ROWS_ATTR:<random id>`` (setting one is one row's upsert in an RDB storage and one appended line
+in a journal, so workers on many hosts record at once without a lock), and ``stored_rows`` takes,
+per study, the record decided from the most trials, the latest recorded among equals. A record
+under ``ROWS_ATTR`` itself (one key per study, no ``trials``) is read too, as decided from none.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import socket
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +30,8 @@ from fo_kernels.errors import ScheduleError, TableError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
 
-# The study user attribute that holds a record, and the record's kind and schema version.
+# The study user attribute a record is kept under (each with its own ":<random id>" suffix: see the
+# module docstring), and the record's kind and schema version.
 ROWS_ATTR = "fo_tune_table_rows"
 RECORD_KIND = "fo-tune-table-rows"
 RECORD_SCHEMA_VERSION = 1
@@ -44,6 +51,8 @@ class StoredRows:
     rows: tuple[Schedule, ...]
     recorded: str  # ISO 8601, UTC
     host: str
+    trials: int = 0  # the finished trials (or priced points) the rows were decided from
+    key: str = ROWS_ATTR  # the study user attribute that holds the record
 
     @property
     def table_key(self) -> tuple[str, str, int, str]:
@@ -65,13 +74,17 @@ def record_rows(
     study_name: str,
     fingerprint: Fingerprint,
     rows: Sequence[Schedule],
-) -> None:
-    """Record ``rows`` (one table's: same collective, world size, dtype) as study ``study_name``'s
-    record in ``storage``, creating the study when the search made none (an enumerated one)."""
+    *,
+    trials: int,
+) -> str | None:
+    """Record ``rows`` (one table's: same collective, world size, dtype), decided from ``trials``
+    finished trials (or priced points), in study ``study_name`` of ``storage``, creating the study
+    when the search made none (an enumerated one). Returns the attribute that holds the record
+    (a new one each call: see the module docstring), None when there are no rows."""
     import optuna
 
     if not rows:
-        return
+        return None
     first = rows[0]
     record = {
         "kind": RECORD_KIND,
@@ -81,19 +94,27 @@ def record_rows(
         "world_size": first.world_size,
         "dtype": first.dtype,
         "rows": [{k: v for k, v in row.to_dict().items() if k not in _HEADER_KEYS} for row in rows],
+        "trials": trials,
         "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds"),
         "host": socket.gethostname(),
     }
+    key = f"{ROWS_ATTR}:{uuid.uuid4().hex[:16]}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
         study_name=study_name, storage=storage, direction="minimize", load_if_exists=True
     )
-    study.set_user_attr(ROWS_ATTR, record)
+    study.set_user_attr(key, record)
+    return key
 
 
-def _parse(study: str, record: Any) -> StoredRows:
-    """A record read back; ``TableError`` naming the study when it is malformed."""
-    where = f"study {study!r}: {ROWS_ATTR}"
+def is_record_key(key: str) -> bool:
+    """Whether a study user attribute named ``key`` holds a record."""
+    return key == ROWS_ATTR or key.startswith(f"{ROWS_ATTR}:")
+
+
+def _parse(study: str, key: str, record: Any) -> StoredRows:
+    """A record read back; ``TableError`` naming the study and the attribute when it is malformed."""
+    where = f"study {study!r}: {key}"
     if not isinstance(record, Mapping) or record.get("kind") != RECORD_KIND:
         raise TableError(f"{where}: not a fo-tune rows record; delete the attribute or the study")
     if record.get("schema_version") != RECORD_SCHEMA_VERSION:
@@ -101,9 +122,14 @@ def _parse(study: str, record: Any) -> StoredRows:
             f"{where}: schema_version {record.get('schema_version')!r} is not {RECORD_SCHEMA_VERSION}; "
             "pull with the fo-tune version that recorded it, or re-run that search"
         )
+    trials = record.get("trials", 0)
+    if type(trials) is not int or trials < 0:
+        raise TableError(
+            f"{where}: trials {trials!r} is not a count; delete the attribute, or re-run that search"
+        )
     try:
         fingerprint = Fingerprint.from_dict(record.get("fingerprint"))
-        header = {key: record.get(key) for key in _HEADER_KEYS}
+        header = {name: record.get(name) for name in _HEADER_KEYS}
         rows = record.get("rows")
         if not isinstance(rows, list) or not rows:
             raise ScheduleError(f"rows: expected a non-empty list, got {rows!r}")
@@ -119,15 +145,27 @@ def _parse(study: str, record: Any) -> StoredRows:
         rows=schedules,
         recorded=str(record.get("recorded", "")),
         host=str(record.get("host", "")),
+        trials=trials,
+        key=key,
     )
 
 
+def best_records(studies: Iterable[Any]) -> list[StoredRows]:
+    """Per study (Optuna's ``FrozenStudy``, as ``get_all_studies`` lists them) the record decided
+    from the most trials, the latest recorded among equals; oldest recorded first, studies without
+    a record skipped. ``TableError`` naming the study and attribute for a malformed record."""
+    best = []
+    for study in studies:
+        found = [
+            _parse(study.study_name, key, value)
+            for key, value in study.user_attrs.items()
+            if is_record_key(key)
+        ]
+        if found:
+            best.append(max(found, key=lambda r: (r.trials, r.recorded, r.key)))
+    return sorted(best, key=lambda r: (r.recorded, r.study))
+
+
 def stored_rows(storage: Any) -> list[StoredRows]:
-    """Every study's record in ``storage``, oldest recorded first (studies without one are
-    skipped); ``TableError`` naming the study for a malformed record."""
-    records = [
-        _parse(study.study_name, study.user_attrs[ROWS_ATTR])
-        for study in storage.get_all_studies()
-        if ROWS_ATTR in study.user_attrs
-    ]
-    return sorted(records, key=lambda r: (r.recorded, r.study))
+    """Every study's record in ``storage`` that ``best_records`` keeps, oldest recorded first."""
+    return best_records(storage.get_all_studies())
