@@ -24,6 +24,19 @@ class RankAndSum:
 
 
 @dataclass(frozen=True)
+class CtrlC:
+    """A terminal's Ctrl-C as a rank sees it (SIGINT to its own process), then this rank's number:
+    the rank is alive to answer only where it leaves SIGINT to the driver."""
+
+    def run(self, ctx: RankContext) -> int:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # (a handler that raises does so here)
+        return ctx.rank
+
+
+@dataclass(frozen=True)
 class WhereAmI:
     """(working folder, the environment variable ``name``, whether ``sys.path`` holds ``entry``)."""
 

@@ -20,7 +20,7 @@ from fo_kernels.fingerprint import current_fingerprint
 from fo_tune.ranks import launch
 from fo_tune.ranks.launch import LaunchError, SpawnedPool, agreed_fingerprint, choose_backend, open_pool
 from fo_tune.ranks.timing import Timing
-from rank_tasks import ExitOn, FailOn, RankAndSum, SleepOn, TimeSleep, WhereAmI
+from rank_tasks import CtrlC, ExitOn, FailOn, RankAndSum, SleepOn, TimeSleep, WhereAmI
 
 TESTS = Path(__file__).resolve().parent
 
@@ -67,6 +67,16 @@ def test_a_dead_rank_ends_the_task():
         assert time.monotonic() - start < 30
     finally:
         pool.close()
+
+
+def test_a_ctrl_c_is_the_drivers_to_handle_not_the_ranks():
+    """A terminal's Ctrl-C reaches the driver and every rank (one process group): a rank that
+    raised KeyboardInterrupt could report its failure before the driver its interrupt, ending the
+    command as a failed rank (exit 1) instead of interrupted (130). The ranks leave it to the
+    driver, which closes them; they still run tasks afterwards."""
+    with open_pool(2, backend="gloo") as pool:
+        assert pool.run(CtrlC(), timeout_s=60) == [0, 1]
+        assert [r[0] for r in pool.run(RankAndSum())] == [0, 1]
 
 
 def test_a_hung_rank_ends_the_task_at_the_timeout():

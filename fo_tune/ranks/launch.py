@@ -19,6 +19,7 @@ hardware fingerprint the ranks agree on.
 - A rank that raises, dies or hangs ends the command within ``timeout_s`` with ``LaunchError``
   naming the rank (its traceback attached); the pool is then closed and every process stopped.
   Spawned ranks also exit on their own when the driver dies without closing the pool (SIGKILL).
+  They ignore SIGINT: a terminal's Ctrl-C is the driver's (``interrupted``), which closes them.
 
 Tasks are picklable objects with ``run(ctx) -> result`` (``Task``); they run on every rank at
 once, so any collective inside them is matched. ``run_ranks(fn, world_size, payload)`` is a
@@ -31,6 +32,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import tempfile
 import time
@@ -214,6 +216,9 @@ class _Driver:
 
 
 def _serve(rank: int, world: int, backend: str, init_file: str, inbox, outbox, driver: _Driver) -> None:
+    # A terminal's Ctrl-C reaches the whole process group: the driver handles it (one `interrupted`
+    # line, exit 130) and closes the ranks; a rank raising it too would report a failed rank first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     driver.apply()
     for key, value in SAFE_ENV.items():
         os.environ.setdefault(key, value)
