@@ -547,6 +547,18 @@ def test_search_moe_suite_with_a_zero_size_names_the_file_and_model(runner, tmp_
     )
 
 
+@pytest.mark.parametrize("size, shown", [("64.7", "64.7"), ("'64'", "'64'"), ("true", "True")])
+def test_search_moe_suite_size_that_is_not_a_whole_number_is_refused(
+    runner, tmp_path, monkeypatch, size, shown
+):
+    """A suite size of 64.7 planned the model of hidden 64 (int() truncated it), "64" and true too."""
+    isolate_tables(monkeypatch, tmp_path)
+    suite = tmp_path / "experts.yaml"
+    suite.write_text(f"models:\n  - {{hidden: {size}, intermediate: 64, experts: 2, top_k: 1}}\n")
+    line = assert_one_line_error(runner.invoke(app, ["search", "-c", "moe", "--shapes", str(suite)]))
+    assert f"{suite}: models[0]: hidden {shown}: sizes are whole numbers" in line, line
+
+
 def test_model_check_counts_moe_rows_beside_the_dense_ones(runner, tmp_path, monkeypatch):
     """The README's `fo-tune model check <tables>/<key>/*.yaml` after dense and MoE plans at one
     world size: the glob takes the MoE table too, whose predicted rows are counted with their

@@ -90,6 +90,10 @@ class ExpertsShape:
         )
 
 
+# An MoE suite model's sizes (suites/moe/experts.yaml), in ExpertsShape's order.
+_SUITE_SIZES = ("hidden", "intermediate", "experts", "top_k")
+
+
 def experts_from_suite(path: Path, world_size: int) -> list[ExpertsShape]:
     """The experts' shapes of an MoE suite's ``models`` (``suites/moe/experts.yaml``: hidden,
     intermediate, experts E, top_k) at EP = ``world_size``: E / w local experts, the models whose
@@ -103,9 +107,16 @@ def experts_from_suite(path: Path, world_size: int) -> list[ExpertsShape]:
     out, counts = [], []
     for i, m in enumerate(models):
         try:
-            h, inter, e, k = (int(m[key]) for key in ("hidden", "intermediate", "experts", "top_k"))
-        except (KeyError, TypeError, ValueError):
+            h, inter, e, k = (m[key] for key in _SUITE_SIZES)
+        except (KeyError, TypeError):
             raise MoeSearchError(f"{path}: models[{i}]: needs hidden, intermediate, experts, top_k") from None
+        wrong = [
+            f"{key} {v!r}"
+            for key, v in zip(_SUITE_SIZES, (h, inter, e, k), strict=True)
+            if type(v) is not int
+        ]
+        if wrong:  # (int() took 64.7 as 64, "64" as 64 and true as 1)
+            raise MoeSearchError(f"{path}: models[{i}]: {', '.join(wrong)}: sizes are whole numbers")
         if min(h, inter, e, k) < 1:
             raise MoeSearchError(
                 f"{path}: models[{i}]: hidden, intermediate, experts and top_k must be >= 1, got "
