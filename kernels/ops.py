@@ -24,7 +24,11 @@ gradient of the output:
     y = reduce_scatter(a @ b)        (da, dY) = all_gather_gemm(dy, b.T)   db = a.T @ dY
     (y, A) = all_gather_gemm(a, b)   da = gemm_reduce_scatter(dy, b.T)     db = A.T @ dy
 
-(the first is two local GEMMs: every rank holds the same ``dy``). A backward whose op cannot run
+(the first is two local GEMMs: every rank holds the same ``dy``). A backward taken with
+``create_graph=True`` (a gradient of a gradient) gathers with torch's differentiable
+``all_gather_into_tensor`` instead (``_gathered``), then runs plain GEMMs: the gathered ``dY`` and
+``A`` are the ops' non-differentiable outputs, which would drop their terms of the second
+gradient. A backward whose op cannot run
 (its schedule names an engine without that collective in this build) raises ``ScheduleError``
 before its collective starts, on every rank alike. A traced call whose shapes the op refuses
 (``_refused``) gets zero gradients in its traced backward, so the trace completes and the op
@@ -42,6 +46,7 @@ import functools
 import json
 
 import torch
+import torch.distributed as dist
 
 from fo_kernels.errors import FoTuneError, Fp8TrainingError, ScheduleError
 from fo_kernels.groups import group_size, resolve_group
@@ -334,6 +339,16 @@ def _save_meta(ctx, collective: str, inputs) -> None:
     ctx.input_meta = fp8_input_meta(inputs) if ctx.fp8 or ctx.refused else None
 
 
+def _gathered(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` of every rank of group ``name`` stacked on dim 0, differentiable (torch's functional
+    ``all_gather_into_tensor`` with autograd: its backward is a ReduceScatter); what a backward
+    taken with ``create_graph=True`` gathers."""
+    group = resolve_group(name)
+    pg = group if group is not None else dist.group.WORLD
+    out = torch.ops._c10d_functional_autograd.all_gather_into_tensor(t.contiguous(), pg.size(), pg.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
 def _save_ab(ctx, inputs, output, collective: str) -> None:
     a, b, *_ = inputs
     _save_meta(ctx, collective, inputs)
@@ -357,20 +372,25 @@ def _reduce_scatter_backward(ctx, dy: torch.Tensor):
     if ctx.fp8:
         return _fp8_grads(ctx, dy)
     a, b = ctx.saved_tensors
-    da, gathered_dy = call_op("all_gather", dy.contiguous(), b.t(), ctx.group_name)
+    if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (module docstring)
+        gathered_dy = _gathered(dy, ctx.group_name)
+        da = gathered_dy @ b.t()
+    else:
+        da, gathered_dy = call_op("all_gather", dy.contiguous(), b.t(), ctx.group_name)
     db = a.t() @ gathered_dy if ctx.needs_input_grad[1] else None
     return (da if ctx.needs_input_grad[0] else None), db, *_NO_GRADS
 
 
 def _save_gathered(ctx, inputs, output) -> None:
-    _a, b, *_ = inputs
+    a, b, *_ = inputs
     _out, gathered = output
     _save_meta(ctx, "all_gather", inputs)
     ctx.mark_non_differentiable(gathered)
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if ctx.fp8 or ctx.refused:
         need_a = need_b = False
-    ctx.save_for_backward(gathered if need_b else None, b if need_a else None)
+    # (the shard too, an input: a backward with create_graph=True gathers it differentiably)
+    ctx.save_for_backward(gathered if need_b else None, b if need_a else None, a if need_b else None)
 
 
 def _all_gather_backward(ctx, dy: torch.Tensor, _d_gathered: torch.Tensor | None):
@@ -378,11 +398,13 @@ def _all_gather_backward(ctx, dy: torch.Tensor, _d_gathered: torch.Tensor | None
         return _placeholder_grads(ctx, dy)
     if ctx.fp8:
         return _fp8_grads(ctx, dy)
-    gathered, b = ctx.saved_tensors
+    gathered, b, a = ctx.saved_tensors
     da = db = None
     if ctx.needs_input_grad[0]:
         da = call_op("reduce_scatter", dy.contiguous(), b.t(), ctx.group_name)
     if ctx.needs_input_grad[1]:
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (module docstring)
+            gathered = _gathered(a, ctx.group_name)
         db = gathered.t() @ dy
     return da, db, *_NO_GRADS
 
