@@ -343,3 +343,18 @@ def test_every_collective_entry_point_before_init_process_group_raises_one_error
         assert all(isinstance(info.value, t) for t in (ArgumentError, ScheduleError, GroupError)), name
     (message,) = messages
     assert "torch.distributed.init_process_group" in message and "group" in message
+
+
+@pytest.mark.parametrize("gather_dim", [0, 1])
+def test_fused_all_gather_matmul_gathered_a_is_differentiable(one_rank, gather_dim):
+    """The gathered A that ``return_A`` gives carries its gradient back to the shard (an
+    AllGather's backward, a ReduceScatter), beside the products'; the reference path's does too."""
+    from fo_kernels import symm_mem
+
+    shard, b = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    want = 2 * shard + torch.ones(2, 3, 5, dtype=torch.float64) @ b.t()
+    for dtype in (torch.float32, torch.float64):  # the ops' path, torch's reference path
+        a = shard.to(dtype).requires_grad_()
+        gathered, (y,) = symm_mem.fused_all_gather_matmul(a, [b.to(dtype)], gather_dim, "")
+        ((gathered**2).sum() + y.sum()).backward()
+        torch.testing.assert_close(a.grad.double(), want, rtol=1e-5, atol=1e-5)
