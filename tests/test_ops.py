@@ -294,6 +294,7 @@ def test_ops_on_gloo_ranks(world, tmp_path):
         msgs = r["bad"]
         assert msgs["ag_k_mismatch"].startswith("ShapeError: K mismatch"), msgs
         assert msgs["ag_shard_problem"].startswith("ScheduleError: problem:"), msgs
+        assert f"the gathered rows: 6 per rank x {world} ranks" in msgs["ag_shard_problem"], msgs
         for name in ("ag_copy_engine", "rs_backward_engine"):  # before any collective, on every rank
             assert msgs[name].startswith("EnvironmentMismatchError: engine copy_engine needs CUDA"), msgs
         assert msgs["ag_tile_major"].startswith("ScheduleError: layout: all_gather"), msgs
