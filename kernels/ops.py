@@ -10,8 +10,8 @@
 inside the op with torch.distributed's ``_resolve_process_group``; ``schedule`` is a ``Schedule``
 as JSON (``schedule_text``; "" looks one up per call, ``lookup_schedule``). torch.compile passes
 both strings into its graph as constants, so a block that calls the ops compiles without a graph
-break; the op itself is opaque to it. ``all_gather_gemm`` returns ``(gathered @ b, gathered)``;
-the gathered A is not differentiable (it is what the backward keeps for the weight gradient).
+break; the op itself is opaque to it. ``all_gather_gemm`` returns ``(gathered @ b, gathered)``,
+both differentiable (the gathered A is also what the backward keeps for the weight gradient).
 ``scale_a``, ``scale_b`` and ``out_dtype`` are an fp8 call's (``fo_kernels.scaling``); the fake
 implementations give its output ``out_dtype`` (bfloat16 by default) and the gathered A fp8.
 The fake implementations check nothing (``_fake_output``): the op checks its input when it runs,
@@ -24,11 +24,11 @@ gradient of the output:
     y = reduce_scatter(a @ b)        (da, dY) = all_gather_gemm(dy, b.T)   db = a.T @ dY
     (y, A) = all_gather_gemm(a, b)   da = gemm_reduce_scatter(dy, b.T)     db = A.T @ dy
 
-(the first is two local GEMMs: every rank holds the same ``dy``). A backward taken with
-``create_graph=True`` (a gradient of a gradient) gathers with torch's differentiable
-``all_gather_into_tensor`` instead (``_gathered``), then runs plain GEMMs: the gathered ``dY`` and
-``A`` are the ops' non-differentiable outputs, which would drop their terms of the second
-gradient. A backward whose op cannot run
+(the first is two local GEMMs: every rank holds the same ``dy``). The gathered A's own gradient
+``dA``, where a caller uses it, adds ``reduce_scatter(dA)`` to ``da`` (``_scattered``); an unused
+one is None, so a plain backward runs no collective for it. With that, a gradient of a gradient
+(``create_graph=True``) is the GEMM's: the gathered ``dY`` and ``A`` in the formulas above carry
+their dependence on ``dy`` and ``a``. A backward whose op cannot run
 (its schedule names an engine without that collective in this build) raises ``ScheduleError``
 before its collective starts, on every rank alike. A traced call whose shapes the op refuses
 (``_refused``) gets zero gradients in its traced backward, so the trace completes and the op
@@ -339,16 +339,6 @@ def _save_meta(ctx, collective: str, inputs) -> None:
     ctx.input_meta = fp8_input_meta(inputs) if ctx.fp8 or ctx.refused else None
 
 
-def _gathered(t: torch.Tensor, name: str) -> torch.Tensor:
-    """``t`` of every rank of group ``name`` stacked on dim 0, differentiable (torch's functional
-    ``all_gather_into_tensor`` with autograd: its backward is a ReduceScatter); what a backward
-    taken with ``create_graph=True`` gathers."""
-    group = resolve_group(name)
-    pg = group if group is not None else dist.group.WORLD
-    out = torch.ops._c10d_functional_autograd.all_gather_into_tensor(t.contiguous(), pg.size(), pg.group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
-
-
 def _save_ab(ctx, inputs, output, collective: str) -> None:
     a, b, *_ = inputs
     _save_meta(ctx, collective, inputs)
@@ -372,41 +362,51 @@ def _reduce_scatter_backward(ctx, dy: torch.Tensor):
     if ctx.fp8:
         return _fp8_grads(ctx, dy)
     a, b = ctx.saved_tensors
-    if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (module docstring)
-        gathered_dy = _gathered(dy, ctx.group_name)
-        da = gathered_dy @ b.t()
-    else:
-        da, gathered_dy = call_op("all_gather", dy.contiguous(), b.t(), ctx.group_name)
+    da, gathered_dy = call_op("all_gather", dy.contiguous(), b.t(), ctx.group_name)
     db = a.t() @ gathered_dy if ctx.needs_input_grad[1] else None
     return (da if ctx.needs_input_grad[0] else None), db, *_NO_GRADS
 
 
 def _save_gathered(ctx, inputs, output) -> None:
-    a, b, *_ = inputs
+    _a, b, *_ = inputs
     _out, gathered = output
     _save_meta(ctx, "all_gather", inputs)
-    ctx.mark_non_differentiable(gathered)
+    # (an output no one differentiates gets None, not zeros: no ReduceScatter of zeros)
+    ctx.set_materialize_grads(False)
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if ctx.fp8 or ctx.refused:
+        ctx.mark_non_differentiable(gathered)
         need_a = need_b = False
-    # (the shard too, an input: a backward with create_graph=True gathers it differentiably)
-    ctx.save_for_backward(gathered if need_b else None, b if need_a else None, a if need_b else None)
+    ctx.save_for_backward(gathered if need_b else None, b if need_a else None)
 
 
-def _all_gather_backward(ctx, dy: torch.Tensor, _d_gathered: torch.Tensor | None):
-    if ctx.refused:
+def _all_gather_backward(ctx, dy: torch.Tensor | None, d_gathered: torch.Tensor | None):
+    if dy is not None and ctx.refused:
         return _placeholder_grads(ctx, dy)
-    if ctx.fp8:
+    if dy is not None and ctx.fp8:
         return _fp8_grads(ctx, dy)
-    gathered, b, a = ctx.saved_tensors
+    gathered, b = ctx.saved_tensors
     da = db = None
     if ctx.needs_input_grad[0]:
-        da = call_op("reduce_scatter", dy.contiguous(), b.t(), ctx.group_name)
-    if ctx.needs_input_grad[1]:
-        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (module docstring)
-            gathered = _gathered(a, ctx.group_name)
+        if dy is not None:
+            da = call_op("reduce_scatter", dy.contiguous(), b.t(), ctx.group_name)
+        if d_gathered is not None:  # the gathered A's own gradient: an AllGather's backward
+            scattered = _scattered(d_gathered, ctx.group_name)
+            da = scattered if da is None else da + scattered
+    if ctx.needs_input_grad[1] and dy is not None:
         db = gathered.t() @ dy
     return da, db, *_NO_GRADS
+
+
+def _scattered(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``reduce_scatter_tensor(t)`` on dim 0 over group ``name`` (torch's functional collective
+    with autograd): the gradient a shard gets of its gathered rows."""
+    group = resolve_group(name)
+    pg = group if group is not None else dist.group.WORLD
+    out = torch.ops._c10d_functional_autograd.reduce_scatter_tensor(
+        t.contiguous(), "sum", pg.size(), pg.group_name
+    )
+    return torch.ops._c10d_functional.wait_tensor(out)
 
 
 _gemm_all_reduce.register_autograd(

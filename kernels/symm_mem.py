@@ -178,8 +178,7 @@ def fused_all_gather_matmul(
     moved = A_shard.movedim(d, 0)
     lead = moved.shape[:-1]
     b = _operand(Bs[0] if len(Bs) == 1 else torch.cat(list(Bs), dim=1))
-    rows = moved.reshape(-1, moved.shape[-1])
-    out, gathered = call_op("all_gather", rows, b, name)
+    out, gathered = call_op("all_gather", moved.reshape(-1, moved.shape[-1]), b, name)
     out = out.view(lead[0] * world, *lead[1:], -1)
     # several Bs: each product in its own storage, as torch's op allocates them (a column slice of
     # the one GEMM's output would not take a caller's .view)
@@ -187,8 +186,6 @@ def fused_all_gather_matmul(
         [p.contiguous() for p in out.split([each.shape[1] for each in Bs], dim=-1)] if len(Bs) > 1 else [out]
     )
     outs = [p.movedim(0, d) for p in pieces]
-    if return_A and torch.is_grad_enabled() and rows.requires_grad:
-        gathered = _GatheredRows.apply(rows, gathered, name, world)
     a_full = gathered.view(lead[0] * world, *lead[1:], -1).movedim(0, d) if return_A else None
     return a_full, outs
 
@@ -224,25 +221,6 @@ def fused_matmul_reduce_scatter(
     if reduce_op == "avg":
         out = out / world
     return _scattered(out.view(lead[0] // world, *lead[1:], -1), d)
-
-
-class _GatheredRows(torch.autograd.Function):
-    """The gathered rows ``all_gather_gemm`` returns beside its product (not differentiable
-    there), as a function of this rank's ``rows``: its backward is the ReduceScatter of their
-    gradient, an AllGather's, so a caller's use of the gathered A trains the shard as torch's
-    reference's does."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, gathered: torch.Tensor, name: str, world: int) -> torch.Tensor:
-        ctx.name, ctx.world = _torch_name(name), world
-        return gathered.view_as(gathered)
-
-    @staticmethod
-    def backward(ctx, d_gathered: torch.Tensor):
-        summed = torch.ops._c10d_functional.reduce_scatter_tensor(
-            d_gathered.contiguous(), "sum", ctx.world, ctx.name
-        )
-        return _wait(summed), None, None, None
 
 
 # ------------------------------------------------------------------------- torch's reference
