@@ -95,8 +95,11 @@ def _resolve_schedule(
                 f"{name}: the schedule says {getattr(schedule, name)!r}, this call needs {want!r}"
             )
     if not schedule.problem.covers(m, n, k):
+        gathered = ""
+        if collective == "all_gather":  # (a caller may have given the shard's rows as M)
+            gathered = f" (an all_gather's M is the gathered rows: {a.shape[0]} per rank x {world} ranks)"
         raise ScheduleError(
-            f"problem: the schedule is for {schedule.problem.describe()}, called with {m}x{n}x{k}"
+            f"problem: the schedule is for {schedule.problem.describe()}, called with {m}x{n}x{k}{gathered}"
         )
     return schedule
 

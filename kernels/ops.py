@@ -10,8 +10,8 @@
 inside the op with torch.distributed's ``_resolve_process_group``; ``schedule`` is a ``Schedule``
 as JSON (``schedule_text``; "" looks one up per call, ``lookup_schedule``). torch.compile passes
 both strings into its graph as constants, so a block that calls the ops compiles without a graph
-break; the op itself is opaque to it. ``all_gather_gemm`` returns ``(gathered @ b, gathered)``;
-the gathered A is not differentiable (it is what the backward keeps for the weight gradient).
+break; the op itself is opaque to it. ``all_gather_gemm`` returns ``(gathered @ b, gathered)``,
+both differentiable (the gathered A is also what the backward keeps for the weight gradient).
 ``scale_a``, ``scale_b`` and ``out_dtype`` are an fp8 call's (``fo_kernels.scaling``); the fake
 implementations give its output ``out_dtype`` (bfloat16 by default) and the gathered A fp8.
 The fake implementations check nothing (``_fake_output``): the op checks its input when it runs,
@@ -24,7 +24,11 @@ gradient of the output:
     y = reduce_scatter(a @ b)        (da, dY) = all_gather_gemm(dy, b.T)   db = a.T @ dY
     (y, A) = all_gather_gemm(a, b)   da = gemm_reduce_scatter(dy, b.T)     db = A.T @ dy
 
-(the first is two local GEMMs: every rank holds the same ``dy``). A backward whose op cannot run
+(the first is two local GEMMs: every rank holds the same ``dy``). The gathered A's own gradient
+``dA``, where a caller uses it, adds ``reduce_scatter(dA)`` to ``da`` (``_scattered``); an unused
+one is None, so a plain backward runs no collective for it. With that, a gradient of a gradient
+(``create_graph=True``) is the GEMM's: the gathered ``dY`` and ``A`` in the formulas above carry
+their dependence on ``dy`` and ``a``. A backward whose op cannot run
 (its schedule names an engine without that collective in this build) raises ``ScheduleError``
 before its collective starts, on every rank alike. A traced call whose shapes the op refuses
 (``_refused``) gets zero gradients in its traced backward, so the trace completes and the op
@@ -42,6 +46,7 @@ import functools
 import json
 
 import torch
+import torch.distributed as dist
 
 from fo_kernels.errors import FoTuneError, Fp8TrainingError, ScheduleError
 from fo_kernels.groups import group_size, resolve_group
@@ -366,25 +371,42 @@ def _save_gathered(ctx, inputs, output) -> None:
     _a, b, *_ = inputs
     _out, gathered = output
     _save_meta(ctx, "all_gather", inputs)
-    ctx.mark_non_differentiable(gathered)
+    # (an output no one differentiates gets None, not zeros: no ReduceScatter of zeros)
+    ctx.set_materialize_grads(False)
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if ctx.fp8 or ctx.refused:
+        ctx.mark_non_differentiable(gathered)
         need_a = need_b = False
     ctx.save_for_backward(gathered if need_b else None, b if need_a else None)
 
 
-def _all_gather_backward(ctx, dy: torch.Tensor, _d_gathered: torch.Tensor | None):
-    if ctx.refused:
+def _all_gather_backward(ctx, dy: torch.Tensor | None, d_gathered: torch.Tensor | None):
+    if dy is not None and ctx.refused:
         return _placeholder_grads(ctx, dy)
-    if ctx.fp8:
+    if dy is not None and ctx.fp8:
         return _fp8_grads(ctx, dy)
     gathered, b = ctx.saved_tensors
     da = db = None
     if ctx.needs_input_grad[0]:
-        da = call_op("reduce_scatter", dy.contiguous(), b.t(), ctx.group_name)
-    if ctx.needs_input_grad[1]:
+        if dy is not None:
+            da = call_op("reduce_scatter", dy.contiguous(), b.t(), ctx.group_name)
+        if d_gathered is not None:  # the gathered A's own gradient: an AllGather's backward
+            scattered = _scattered(d_gathered, ctx.group_name)
+            da = scattered if da is None else da + scattered
+    if ctx.needs_input_grad[1] and dy is not None:
         db = gathered.t() @ dy
     return da, db, *_NO_GRADS
+
+
+def _scattered(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``reduce_scatter_tensor(t)`` on dim 0 over group ``name`` (torch's functional collective
+    with autograd): the gradient a shard gets of its gathered rows."""
+    group = resolve_group(name)
+    pg = group if group is not None else dist.group.WORLD
+    out = torch.ops._c10d_functional_autograd.reduce_scatter_tensor(
+        t.contiguous(), "sum", pg.size(), pg.group_name
+    )
+    return torch.ops._c10d_functional.wait_tensor(out)
 
 
 _gemm_all_reduce.register_autograd(

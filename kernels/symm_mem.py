@@ -18,7 +18,8 @@ rows run through ``all_gather_gemm`` / ``gemm_reduce_scatter`` (several ``Bs`` a
 their concatenation, whose output is split); the last dim (the features), dtypes the ops do not
 take, empty operands (no rows, features or outputs) and an empty ``Bs`` run as torch's reference
 runs them, with a ``NotOverlappedWarning``. Unlike torch's ops these are differentiable in ``A``
-and ``Bs`` (the gathered A that ``return_A`` gives is not). Bad arguments raise a ``ValueError``
+and ``Bs``, the gathered A that ``return_A`` gives too (its gradient reaches the shard by a
+ReduceScatter, as through torch's reference). Bad arguments raise a ``ValueError``
 subclass naming the problem before any collective; fp8 operands are one (``ScaleError``: these
 signatures take no scales; ``all_gather_gemm`` / ``gemm_reduce_scatter`` take them).
 """

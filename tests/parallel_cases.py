@@ -587,12 +587,14 @@ def _fused_grads(rank: int, world: int, name: str) -> dict[str, float]:
     a = torch.randn(2, 2 * world, 6, generator=gen)
     b1, b2 = torch.randn(6, 4, generator=gen), torch.randn(6, 3, generator=gen)
     dy = [torch.randn(2 * world, 2 * world, n, generator=gen) for n in (4, 3)]
+    da_full = torch.randn(2 * world, 2 * world, 6, generator=gen)  # the gathered A's, used too
     out = {}
     grads = []
     for fn in (symm_mem.fused_all_gather_matmul, _torch_gather):
         leaves = [t.clone().requires_grad_(True) for t in (a, b1, b2)]
-        _, ys = fn(leaves[0], leaves[1:], 0, name)
-        sum((y * g).sum() for y, g in zip(ys, dy, strict=True)).backward()
+        a_full, ys = fn(leaves[0], leaves[1:], 0, name)
+        loss = sum((y * g).sum() for y, g in zip(ys, dy, strict=True)) + (a_full * da_full).sum()
+        loss.backward()
         grads.append([t.grad for t in leaves])
     out.update({f"ag grad {i}": rel(g, w) for i, (g, w) in enumerate(zip(*grads, strict=True))})
     grads = []

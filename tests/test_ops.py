@@ -154,6 +154,26 @@ def test_compiled_block_at_world_size_one(one_rank):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def second_order_grads(op, a0: torch.Tensor, b0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``|da|^2 + |db|^2`` in a and b, where (da, db) are the gradients of
+    ``sum(y^3)``, ``y = op(a, b)``, taken with ``create_graph=True`` (a gradient penalty)."""
+    a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+    da, db = torch.autograd.grad((op(a, b) ** 3).sum(), (a, b), create_graph=True)
+    ((da**2).sum() + (db**2).sum()).backward()
+    return a.grad, b.grad
+
+
+def test_double_backward_matches_matmul(one_rank):
+    """A gradient of a gradient through each op (``create_graph=True``) is the plain GEMM's: the
+    gathered operands a backward uses are differentiable there, not the forward's saved copies."""
+    a0, b0 = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    want = second_order_grads(torch.matmul, a0, b0)
+    for op in (gemm_all_reduce, fo_kernels.gemm_reduce_scatter, all_gather_gemm):
+        got = second_order_grads(lambda a, b, op=op: op(a.float(), b.float()).double(), a0, b0)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, op=op: f"{op.__name__}: {m}")
+
+
 def _bad_inputs() -> dict[str, tuple[dict, type[Exception]]]:
     """name -> (a public op's arguments, the error an eager call raises): each a ValueError
     subclass raised before any collective."""
@@ -274,6 +294,7 @@ def test_ops_on_gloo_ranks(world, tmp_path):
         msgs = r["bad"]
         assert msgs["ag_k_mismatch"].startswith("ShapeError: K mismatch"), msgs
         assert msgs["ag_shard_problem"].startswith("ScheduleError: problem:"), msgs
+        assert f"the gathered rows: 6 per rank x {world} ranks" in msgs["ag_shard_problem"], msgs
         for name in ("ag_copy_engine", "rs_backward_engine"):  # before any collective, on every rank
             assert msgs[name].startswith("EnvironmentMismatchError: engine copy_engine needs CUDA"), msgs
         assert msgs["ag_tile_major"].startswith("ScheduleError: layout: all_gather"), msgs
@@ -323,3 +344,18 @@ def test_every_collective_entry_point_before_init_process_group_raises_one_error
         assert all(isinstance(info.value, t) for t in (ArgumentError, ScheduleError, GroupError)), name
     (message,) = messages
     assert "torch.distributed.init_process_group" in message and "group" in message
+
+
+@pytest.mark.parametrize("gather_dim", [0, 1])
+def test_fused_all_gather_matmul_gathered_a_is_differentiable(one_rank, gather_dim):
+    """The gathered A that ``return_A`` gives carries its gradient back to the shard (an
+    AllGather's backward, a ReduceScatter), beside the products'; the reference path's does too."""
+    from fo_kernels import symm_mem
+
+    shard, b = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    want = 2 * shard + torch.ones(2, 3, 5, dtype=torch.float64) @ b.t()
+    for dtype in (torch.float32, torch.float64):  # the ops' path, torch's reference path
+        a = shard.to(dtype).requires_grad_()
+        gathered, (y,) = symm_mem.fused_all_gather_matmul(a, [b.to(dtype)], gather_dim, "")
+        ((gathered**2).sum() + y.sum()).backward()
+        torch.testing.assert_close(a.grad.double(), want, rtol=1e-5, atol=1e-5)
