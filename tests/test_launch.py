@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from fo_kernels.fingerprint import current_fingerprint
 from fo_tune.ranks import launch
 from fo_tune.ranks.launch import LaunchError, SpawnedPool, agreed_fingerprint, choose_backend, open_pool
 from fo_tune.ranks.timing import Timing
-from rank_tasks import ExitOn, FailOn, RankAndSum, SleepOn, TimeSleep, WhereAmI
+from rank_tasks import ExitOn, FailOn, RankAndSum, SigintBlocked, SleepOn, TimeSleep, WhereAmI
 
 TESTS = Path(__file__).resolve().parent
 
@@ -30,6 +31,10 @@ def test_pool_results_by_rank_then_a_failing_rank_closes_it():
         assert pool.is_driver and pool.world_size == 2 and pool.backend == "gloo"
         assert pool.run(RankAndSum()) == [(0, 2, "gloo", 2.0), (1, 2, "gloo", 2.0)]
         assert pool.run(RankAndSum()) == [(0, 2, "gloo", 2.0), (1, 2, "gloo", 2.0)]  # the same ranks serve
+        # A terminal's Ctrl-C goes to the whole process group: the ranks (and the forkserver they
+        # fork from) started with SIGINT blocked, the driver takes it and closes them.
+        assert pool.run(SigintBlocked()) == [True, True]
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
         per_rank = pool.run(TimeSleep(ms_per_rank=2.0))
         assert [t.samples for t in per_rank] == [3, 3]
         slowest = Timing.max_over(per_rank)

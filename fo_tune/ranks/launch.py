@@ -19,6 +19,8 @@ hardware fingerprint the ranks agree on.
 - A rank that raises, dies or hangs ends the command within ``timeout_s`` with ``LaunchError``
   naming the rank (its traceback attached); the pool is then closed and every process stopped.
   Spawned ranks also exit on their own when the driver dies without closing the pool (SIGKILL).
+- Spawned ranks start with SIGINT blocked (``sigint_blocked``): a terminal's Ctrl-C, sent to the
+  whole process group, stops the driver alone, which closes the pool.
 
 Tasks are picklable objects with ``run(ctx) -> result`` (``Task``); they run on every rank at
 once, so any collective inside them is matched. ``run_ranks(fn, world_size, payload)`` is a
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.errors import ArgumentError, EnvironmentMismatchError, FoTuneError
+from fo_tune.ranks.interrupt import sigint_blocked
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
@@ -275,8 +278,9 @@ class SpawnedPool:
         ]
         self._seq = 0
         self._closed = False
-        for p in self._procs:
-            p.start()
+        with sigint_blocked():
+            for p in self._procs:
+                p.start()
         try:
             self._gather(-1, STARTUP_TIMEOUT_S, "start")
         except BaseException:
