@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from fo_kernels.errors import ArgumentError, EnvironmentMismatchError
 from fo_kernels.fingerprint import current_fingerprint
 from fo_tune.ranks import launch
+from fo_tune.ranks.interrupt import sigint_deferred
 from fo_tune.ranks.launch import LaunchError, SpawnedPool, agreed_fingerprint, choose_backend, open_pool
 from fo_tune.ranks.timing import Timing
 from rank_tasks import ExitOn, FailOn, RankAndSum, SigintBlocked, SleepOn, TimeSleep, WhereAmI
@@ -44,6 +46,29 @@ def test_pool_results_by_rank_then_a_failing_rank_closes_it():
         assert "ValueError: boom on rank 1" in str(info.value)
         with pytest.raises(LaunchError, match="closed"):
             pool.run(RankAndSum())
+
+
+def test_a_ctrl_c_while_ranks_start_is_raised_once_they_are_started():
+    """A Ctrl-C that comes while the driver starts processes (another thread of it may take the
+    signal) is raised after the last one started, so the pool closes every rank: one left half
+    started, its queues gone, printed a traceback."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)  # a thread that does not block SIGINT (a feeder's)
+    other.start()
+    started = []
+    try:
+        with pytest.raises(KeyboardInterrupt), sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # (where the interrupt would land without the deferral)
+            started.append("rank 1")
+        assert started == ["rank 1"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    finally:
+        done.set()
+        other.join()
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_each_pool_s_ranks_start_where_the_driver_is_then(tmp_path, monkeypatch):

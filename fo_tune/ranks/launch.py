@@ -19,8 +19,9 @@ hardware fingerprint the ranks agree on.
 - A rank that raises, dies or hangs ends the command within ``timeout_s`` with ``LaunchError``
   naming the rank (its traceback attached); the pool is then closed and every process stopped.
   Spawned ranks also exit on their own when the driver dies without closing the pool (SIGKILL).
-- Spawned ranks start with SIGINT blocked (``sigint_blocked``): a terminal's Ctrl-C, sent to the
-  whole process group, stops the driver alone, which closes the pool.
+- Spawned ranks start with SIGINT blocked (``sigint_deferred``): a terminal's Ctrl-C, sent to the
+  whole process group, stops the driver alone, which closes the pool (during the start: once every
+  rank is started).
 
 Tasks are picklable objects with ``run(ctx) -> result`` (``Task``); they run on every rank at
 once, so any collective inside them is matched. ``run_ranks(fn, world_size, payload)`` is a
@@ -46,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.errors import ArgumentError, EnvironmentMismatchError, FoTuneError
-from fo_tune.ranks.interrupt import sigint_blocked
+from fo_tune.ranks.interrupt import sigint_deferred
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
@@ -278,10 +279,10 @@ class SpawnedPool:
         ]
         self._seq = 0
         self._closed = False
-        with sigint_blocked():
-            for p in self._procs:
-                p.start()
         try:
+            with sigint_deferred():  # (a Ctrl-C meanwhile is raised after: closes them)
+                for p in self._procs:
+                    p.start()
             self._gather(-1, STARTUP_TIMEOUT_S, "start")
         except BaseException:
             self.close()
@@ -333,9 +334,10 @@ class SpawnedPool:
             with contextlib.suppress(Exception):
                 inbox.put(None)
         deadline = time.monotonic() + 10
-        for p in self._procs:
+        started = [p for p in self._procs if p.pid is not None]
+        for p in started:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
-        for p in self._procs:
+        for p in started:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
