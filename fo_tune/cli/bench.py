@@ -19,6 +19,7 @@ from fo_tune.cli.common import (
     console,
     err_console,
     expected_device_key,
+    finishing,
     fmt,
     handle_errors,
     is_driver_process,
@@ -353,7 +354,9 @@ def bench(
             result = run_bench(request, ProgressReporter(progress, starting), keep=_keep(out, world_size))
         if result is None:  # a serving torchrun rank: rank 0 writes and reports
             return
-        written = write_bench_dir(result, out or default_bench_dir(result.fingerprint.device_key, world_size))
+        where = out or default_bench_dir(result.fingerprint.device_key, world_size)
+        with finishing(f"kept every case in {where}"):
+            written = write_bench_dir(result, where)
     _print_summary(result, written)
     failed = result.failed
     if failed:

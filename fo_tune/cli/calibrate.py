@@ -19,6 +19,7 @@ from fo_tune.cli.common import (
     check_dtype,
     console,
     expected_device_key,
+    finishing,
     fmt,
     handle_errors,
     is_driver_process,
@@ -345,14 +346,17 @@ def calibrate(
             from fo_tune.calibrate.run import merge_into
 
             assert into is not None
-            save_calibration(merge_into(target, cal, request.selected(), sibling=into_sibling), into)
+            with finishing(f"kept the measurements, merged into {into}"):
+                save_calibration(merge_into(target, cal, request.selected(), sibling=into_sibling), into)
             console.print(f"[green]merged[/] {', '.join(request.selected())} into {into}", highlight=False)
             return
         if earlier is not None:  # the parts not measured keep their numbers and files
             from fo_tune.calibrate.run import merge_into
 
             cal = merge_into(earlier, cal, request.selected())
-        written = write_calibration_dir(cal, out or default_out_dir(cal), request.selected())
+        where = out or default_out_dir(cal)
+        with finishing(f"kept the calibration in {where}"):
+            written = write_calibration_dir(cal, where, request.selected())
     _print_summary(cal, written, request.selected())
 
 

@@ -1,7 +1,8 @@
 """Ctrl-C in a command with rank processes: a terminal sends SIGINT to the whole foreground
 process group, the driver and its ranks alike. Only the driver should take it (it closes the pool,
 keeps what the command keeps and says ``error: interrupted``); a rank, or gloo's forkserver while
-it imports torch, stopped by it prints a traceback and dies mid-task."""
+it imports torch, stopped by it prints a traceback and dies mid-task. The same hold keeps a
+finished run's files whole while they are written (``fo_tune.cli.common.finishing``)."""
 
 from __future__ import annotations
 

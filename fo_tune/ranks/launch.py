@@ -19,9 +19,8 @@ hardware fingerprint the ranks agree on.
 - A rank that raises, dies or hangs ends the command within ``timeout_s`` with ``LaunchError``
   naming the rank (its traceback attached); the pool is then closed and every process stopped.
   Spawned ranks also exit on their own when the driver dies without closing the pool (SIGKILL).
-- Spawned ranks start with SIGINT blocked (``sigint_deferred``): a terminal's Ctrl-C, sent to the
-  whole process group, stops the driver alone, which closes the pool (during the start: once every
-  rank is started).
+- Spawned ranks start with SIGINT blocked (``sigint_deferred``): a terminal's Ctrl-C to the process
+  group stops the driver alone, which closes the pool (once every rank is started).
 
 Tasks are picklable objects with ``run(ctx) -> result`` (``Task``); they run on every rank at
 once, so any collective inside them is matched. ``run_ranks(fn, world_size, payload)`` is a
