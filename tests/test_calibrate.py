@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import os
 import signal
 import threading
 import time
+import types
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -809,3 +811,28 @@ def test_a_ctrl_c_while_a_finished_calibration_is_written_keeps_it(tmp_path, mon
     assert result.exit_code == 130, result.output
     assert result.stderr.splitlines()[-2:] == [f"kept the calibration in {out}", "error: interrupted"]
     assert load_calibration(out / "calibration.yaml").bandwidth == _calibration().bandwidth
+
+
+def test_a_ctrl_c_while_the_grids_are_timed_keeps_the_profile(runner, tmp_path, monkeypatch):
+    """A Ctrl-C after the profile is written (while its grids are timed side by side): the profile
+    stays, the line before ``error: interrupted`` says so, no grids CSV is left beside it."""
+    from fo_tune.calibrate import profile as cal_profile
+    from fo_tune.ranks import launch
+
+    @contextlib.contextmanager
+    def no_ranks(world_size, *, backend=None, purpose):  # (the profile itself is not the point)
+        yield types.SimpleNamespace(backend="gloo"), current_fingerprint("cpu", 1)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "fingerprinted_pool", no_ranks)
+    monkeypatch.setattr(cal_profile, "profile_shape", lambda *args, **kwargs: [_gemm_point(1.0)])
+    monkeypatch.setattr(cal_profile, "confirm_grids", interrupted)
+    out = tmp_path / "p.csv"
+    result = runner.invoke(app, ["profile", "--shape", "32x48x40", "--out", str(out)])
+    assert result.exit_code == 130, result.output
+    lines = [line for line in result.stderr.splitlines() if not line.startswith(("timing", "profiling"))]
+    assert lines[-2:] == [f"kept the profile in {out}; its grids were not timed", "error: interrupted"]
+    assert [float(r["time_ms"]) for r in read_csv(out)[1]] == [1.0]
+    assert not (tmp_path / "p-grids.csv").exists()

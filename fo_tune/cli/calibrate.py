@@ -64,7 +64,10 @@ HELP = "\n\n".join(
         "gives tiny sizes: the pipeline is exercised, the numbers describe the CPU.",
         "--from-profiles DIR --into FILE --only gemm --dtype D merges the GEMM profile in D (fp8) "
         "from `fo-tune profile` CSVs instead of measuring: no GPU needed.",
-        "Exit code 0 when the files are written, 1 when a measurement fails, 2 for bad options.",
+        "Ctrl-C stops the ranks and writes nothing: --out (or --into) is left as it was. One while "
+        "the files of a finished run are written stops once they are, the folder named on stderr.",
+        "Exit code 0 when the files are written, 1 when a measurement fails, 2 for bad options, 130 "
+        "when interrupted.",
     ]
 )
 
