@@ -82,8 +82,8 @@ HELP = "\n\n".join(
         "results/bench/<device-key>/tp<N>/), all at once, then prints a summary. A Ctrl-C or a "
         "failing rank writes the cases finished before it there (bench.yaml's settings.stopped says "
         "after which case and why; they replace an earlier run there, as a finished run does; before "
-        "the first case ends nothing is written), says where on stderr and exits 130 or 1; a Ctrl-C while the finished run's files are written stops "
-        "once they are, every case kept.",
+        "the first case ends nothing is written), says where on stderr and exits 130 or 1; a "
+        "Ctrl-C while the finished run's files are written stops once they are, every case kept.",
         "Without GPUs the ranks use gloo and fo_tune's GEMM runs in Triton's CPU interpreter; there "
         "is no second stream, so the chunks run one after the other: the pipeline is checked, the "
         "numbers describe the CPU.",
