@@ -71,6 +71,27 @@ def test_a_ctrl_c_while_ranks_start_is_raised_once_they_are_started():
         signal.signal(signal.SIGINT, previous)
 
 
+def test_a_ctrl_c_during_a_task_stops_its_busy_ranks_within_seconds():
+    """The ranks do not take a Ctrl-C (the driver does) and would finish their task before they
+    read the close: the driver stops them after ``INTERRUPTED_WAIT_S``, not the 10 s a closing
+    pool gives them, so the command ends about a second after the Ctrl-C."""
+    pool = SpawnedPool(1, backend="gloo")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctrl_c = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    try:
+        start = time.monotonic()
+        ctrl_c.start()
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(SleepOn(rank=0, seconds=30.0))
+        assert time.monotonic() - start < 5  # (a closing pool waits 10 s)
+        with pytest.raises(LaunchError, match="closed"):
+            pool.run(RankAndSum())
+    finally:
+        ctrl_c.cancel()
+        signal.signal(signal.SIGINT, previous)
+        pool.close()
+
+
 def test_each_pool_s_ranks_start_where_the_driver_is_then(tmp_path, monkeypatch):
     """gloo ranks fork from a server started with the first pool: a later pool's ranks still
     take the driver's working folder, environment and sys.path as they are when it starts."""

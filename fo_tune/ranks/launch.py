@@ -19,8 +19,6 @@ hardware fingerprint the ranks agree on.
 - A rank that raises, dies or hangs ends the command within ``timeout_s`` with ``LaunchError``
   naming the rank (its traceback attached); the pool is then closed and every process stopped.
   Spawned ranks also exit on their own when the driver dies without closing the pool (SIGKILL).
-- Spawned ranks start with SIGINT blocked (``sigint_deferred``): a terminal's Ctrl-C to the process
-  group stops the driver alone, which closes the pool (once every rank is started).
 
 Tasks are picklable objects with ``run(ctx) -> result`` (``Task``); they run on every rank at
 once, so any collective inside them is matched. ``run_ranks(fn, world_size, payload)`` is a
@@ -64,6 +62,8 @@ POLL_S = 0.5
 STARTUP_TIMEOUT_S = 300.0
 # Default per-task limit; a measurement sweep is split into tasks well under it.
 TASK_TIMEOUT_S = 600.0
+# Ctrl-C: how long busy ranks get to leave on their own before they are stopped (not a task's time).
+INTERRUPTED_WAIT_S = 1.0
 # The most ranks this machine starts without GPUs (gloo processes, or the copy engine's
 # thread-ranks). A gloo rank is a process holding torch and Triton's interpreter (~0.4 GB
 # resident); CPU worlds stand in for GPU worlds, the largest of which the tuner plans is one
@@ -283,8 +283,8 @@ class SpawnedPool:
                 for p in self._procs:
                     p.start()
             self._gather(-1, STARTUP_TIMEOUT_S, "start")
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            self.close(INTERRUPTED_WAIT_S if isinstance(exc, KeyboardInterrupt) else 10.0)
             raise
 
     def run(self, task: Task, *, timeout_s: float = TASK_TIMEOUT_S) -> list[Any]:
@@ -295,8 +295,8 @@ class SpawnedPool:
             inbox.put((self._seq, task))
         try:
             return self._gather(self._seq, timeout_s, type(task).__name__)
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            self.close(INTERRUPTED_WAIT_S if isinstance(exc, KeyboardInterrupt) else 10.0)
             raise
 
     def _gather(self, seq: int, timeout_s: float, what: str) -> list[Any]:
@@ -325,14 +325,14 @@ class SpawnedPool:
                 got[rank] = value
         return [got[r] for r in range(self.world_size)]
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 10.0) -> None:
         if self._closed:
             return
         self._closed = True
         for inbox in self._inboxes:
             with contextlib.suppress(Exception):
                 inbox.put(None)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + wait_s
         started = [p for p in self._procs if p.pid is not None]
         for p in started:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
