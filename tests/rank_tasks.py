@@ -50,6 +50,17 @@ class WhereAmI:
 
 
 @dataclass(frozen=True)
+class SigintBlocked:
+    """Whether SIGINT is blocked in the rank (a terminal's Ctrl-C to the process group must reach
+    only the driver)."""
+
+    def run(self, ctx: RankContext) -> bool:
+        import signal
+
+        return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+@dataclass(frozen=True)
 class TimeSleep:
     """A ``time_region`` of a sleep that is longer on higher ranks."""
 

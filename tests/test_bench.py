@@ -8,7 +8,10 @@ import dataclasses
 import itertools
 import math
 import os
+import signal
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -384,6 +387,31 @@ def test_a_failed_variant_is_exit_1_with_the_files_written(tmp_path, monkeypatch
     assert sorted(p.name for p in out.iterdir()) == sorted(BENCH_FILES)
     _, rows = read_csv(out / "bench.csv")
     assert [r["status"] for r in rows if r["variant"] == "fo_tune"] == ["FAIL"]
+
+
+def test_a_ctrl_c_while_a_finished_bench_is_written_keeps_it(tmp_path, monkeypatch):
+    """A Ctrl-C while the files of a finished run are written (the plot's matplotlib import takes
+    a second or two) is held until they are: every case is kept, said on stderr, and the exit is 130."""
+    from fo_tune.bench import output as bench_output
+
+    plot = bench_output._plot
+
+    def interrupted_plot(result, path):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a terminal's Ctrl-C
+        time.sleep(0.05)  # (where it lands without the hold: the write is given up)
+        plot(result, path)
+
+    monkeypatch.setattr(bench, "run_bench", lambda request, reporter=None, keep=None: _result())
+    monkeypatch.setattr(bench_output, "_plot", interrupted_plot)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        out = tmp_path / "out"
+        result = run_bench_cli("--shape", "8x8x8", "--out", str(out))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert result.exit_code == 130, result.output
+    assert result.stderr.splitlines()[-2:] == [f"kept every case in {out}", "error: interrupted"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(BENCH_FILES)
 
 
 def test_the_summary_sets_fo_tune_beside_torch_fused(tmp_path, monkeypatch):

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import os
+import signal
+import threading
+import time
+import types
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -780,3 +785,54 @@ def test_all_to_all_is_calibrated_with_uneven_splits():
         for r, (send, recv) in enumerate(splits):
             assert sum(send) == 4096 and recv == [splits[s][0][r] for s in range(world)]
             assert len(set(send)) == world
+
+
+def test_a_ctrl_c_while_a_finished_calibration_is_written_keeps_it(tmp_path, monkeypatch):
+    """A Ctrl-C while the files of a finished calibration are written (its plots take a second or
+    two) is held until they are: the calibration is kept, said on stderr, and the exit is 130."""
+    from fo_tune.calibrate import files as cal_files
+    from fo_tune.calibrate import run as cal_run
+
+    plot = cal_files._plot_bandwidth
+
+    def interrupted_plot(cal, path):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a terminal's Ctrl-C
+        time.sleep(0.05)  # (where it lands without the hold: the write is given up)
+        plot(cal, path)
+
+    monkeypatch.setattr(cal_run, "run_calibration", lambda request, reporter=None: _calibration())
+    monkeypatch.setattr(cal_files, "_plot_bandwidth", interrupted_plot)
+    out = tmp_path / "cal"
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        result = calibrate("--quick", "--dtype", "float32", "--out", str(out))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert result.exit_code == 130, result.output
+    assert result.stderr.splitlines()[-2:] == [f"kept the calibration in {out}", "error: interrupted"]
+    assert load_calibration(out / "calibration.yaml").bandwidth == _calibration().bandwidth
+
+
+def test_a_ctrl_c_while_the_grids_are_timed_keeps_the_profile(runner, tmp_path, monkeypatch):
+    """A Ctrl-C after the profile is written (while its grids are timed side by side): the profile
+    stays, the line before ``error: interrupted`` says so, no grids CSV is left beside it."""
+    from fo_tune.calibrate import profile as cal_profile
+    from fo_tune.ranks import launch
+
+    @contextlib.contextmanager
+    def no_ranks(world_size, *, backend=None, purpose):  # (the profile itself is not the point)
+        yield types.SimpleNamespace(backend="gloo"), current_fingerprint("cpu", 1)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "fingerprinted_pool", no_ranks)
+    monkeypatch.setattr(cal_profile, "profile_shape", lambda *args, **kwargs: [_gemm_point(1.0)])
+    monkeypatch.setattr(cal_profile, "confirm_grids", interrupted)
+    out = tmp_path / "p.csv"
+    result = runner.invoke(app, ["profile", "--shape", "32x48x40", "--out", str(out)])
+    assert result.exit_code == 130, result.output
+    lines = [line for line in result.stderr.splitlines() if not line.startswith(("timing", "profiling"))]
+    assert lines[-2:] == [f"kept the profile in {out}; its grids were not timed", "error: interrupted"]
+    assert [float(r["time_ms"]) for r in read_csv(out)[1]] == [1.0]
+    assert not (tmp_path / "p-grids.csv").exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import signal
 import threading
 import time
 
@@ -325,3 +326,25 @@ def test_a_stream_left_unjoined_is_caught():
     with pytest.raises(ProtocolError, match=r"stream\(s\) side still had work.*does not join"):
         _run_plans(plans, dataclasses.replace(FAST, timeout_s=5.0))
     assert time.monotonic() - start < 4.0
+
+
+def test_a_ctrl_c_stops_the_thread_ranks_before_it_goes_on():
+    """A Ctrl-C in the caller (``fo-tune demo --engine copy_engine``) while the thread-ranks run:
+    they stop before the ``KeyboardInterrupt`` goes on; a thread still inside a torch op when the
+    interpreter exits aborted the process ("terminate called without an active exception")."""
+    main = threading.main_thread().ident
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def body(rank: CpuRank) -> None:
+        if rank.rank == 0:
+            signal.pthread_kill(main, signal.SIGINT)
+        rank.world.wait_until(rank.rank, lambda: False, lambda: "a flag that never comes", 30.0)
+
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            run_ranks(2, body, region_bytes=64)
+        assert time.monotonic() - t0 < 10
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("rank")]
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -18,9 +20,10 @@ import pytest
 from fo_kernels.errors import ArgumentError, EnvironmentMismatchError
 from fo_kernels.fingerprint import current_fingerprint
 from fo_tune.ranks import launch
+from fo_tune.ranks.interrupt import sigint_deferred
 from fo_tune.ranks.launch import LaunchError, SpawnedPool, agreed_fingerprint, choose_backend, open_pool
 from fo_tune.ranks.timing import Timing
-from rank_tasks import CtrlC, ExitOn, FailOn, RankAndSum, SleepOn, TimeSleep, WhereAmI
+from rank_tasks import CtrlC, ExitOn, FailOn, RankAndSum, SigintBlocked, SleepOn, TimeSleep, WhereAmI
 
 TESTS = Path(__file__).resolve().parent
 
@@ -30,6 +33,10 @@ def test_pool_results_by_rank_then_a_failing_rank_closes_it():
         assert pool.is_driver and pool.world_size == 2 and pool.backend == "gloo"
         assert pool.run(RankAndSum()) == [(0, 2, "gloo", 2.0), (1, 2, "gloo", 2.0)]
         assert pool.run(RankAndSum()) == [(0, 2, "gloo", 2.0), (1, 2, "gloo", 2.0)]  # the same ranks serve
+        # A terminal's Ctrl-C goes to the whole process group: the ranks (and the forkserver they
+        # fork from) started with SIGINT blocked, the driver takes it and closes them.
+        assert pool.run(SigintBlocked()) == [True, True]
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
         per_rank = pool.run(TimeSleep(ms_per_rank=2.0))
         assert [t.samples for t in per_rank] == [3, 3]
         slowest = Timing.max_over(per_rank)
@@ -39,6 +46,50 @@ def test_pool_results_by_rank_then_a_failing_rank_closes_it():
         assert "ValueError: boom on rank 1" in str(info.value)
         with pytest.raises(LaunchError, match="closed"):
             pool.run(RankAndSum())
+
+
+def test_a_ctrl_c_while_ranks_start_is_raised_once_they_are_started():
+    """A Ctrl-C that comes while the driver starts processes (another thread of it may take the
+    signal) is raised after the last one started, so the pool closes every rank: one left half
+    started, its queues gone, printed a traceback."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)  # a thread that does not block SIGINT (a feeder's)
+    other.start()
+    started = []
+    try:
+        with pytest.raises(KeyboardInterrupt), sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # (where the interrupt would land without the deferral)
+            started.append("rank 1")
+        assert started == ["rank 1"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    finally:
+        done.set()
+        other.join()
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_during_a_task_stops_its_busy_ranks_within_seconds():
+    """The ranks do not take a Ctrl-C (the driver does) and would finish their task before they
+    read the close: the driver stops them after ``INTERRUPTED_WAIT_S``, not the 10 s a closing
+    pool gives them, so the command ends about a second after the Ctrl-C."""
+    pool = SpawnedPool(1, backend="gloo")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctrl_c = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    try:
+        start = time.monotonic()
+        ctrl_c.start()
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(SleepOn(rank=0, seconds=30.0))
+        assert time.monotonic() - start < 5  # (a closing pool waits 10 s)
+        with pytest.raises(LaunchError, match="closed"):
+            pool.run(RankAndSum())
+    finally:
+        ctrl_c.cancel()
+        signal.signal(signal.SIGINT, previous)
+        pool.close()
 
 
 def test_each_pool_s_ranks_start_where_the_driver_is_then(tmp_path, monkeypatch):

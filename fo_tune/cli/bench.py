@@ -19,6 +19,7 @@ from fo_tune.cli.common import (
     console,
     err_console,
     expected_device_key,
+    finishing,
     fmt,
     handle_errors,
     is_driver_process,
@@ -80,12 +81,14 @@ HELP = "\n\n".join(
         "per shape, one panel per collective) into --out (default "
         "results/bench/<device-key>/tp<N>/), all at once, then prints a summary. A Ctrl-C or a "
         "failing rank writes the cases finished before it there (bench.yaml's settings.stopped says "
-        "after which case and why), then exits 130 or 1.",
+        "after which case and why; they replace an earlier run there, as a finished run does; before "
+        "the first case ends nothing is written), says where on stderr and exits 130 or 1; a "
+        "Ctrl-C while the finished run's files are written stops once they are, every case kept.",
         "Without GPUs the ranks use gloo and fo_tune's GEMM runs in Triton's CPU interpreter; there "
         "is no second stream, so the chunks run one after the other: the pipeline is checked, the "
         "numbers describe the CPU.",
         "Exit code 0 when every checked variant passes, 1 when one fails (the files are still "
-        "written) or a rank fails, 2 for bad options (nothing is run or written).",
+        "written) or a rank fails, 2 for bad options (nothing is run or written), 130 when interrupted.",
     ]
 )
 
@@ -353,7 +356,9 @@ def bench(
             result = run_bench(request, ProgressReporter(progress, starting), keep=_keep(out, world_size))
         if result is None:  # a serving torchrun rank: rank 0 writes and reports
             return
-        written = write_bench_dir(result, out or default_bench_dir(result.fingerprint.device_key, world_size))
+        where = out or default_bench_dir(result.fingerprint.device_key, world_size)
+        with finishing(f"kept every case in {where}"):
+            written = write_bench_dir(result, where)
     _print_summary(result, written)
     failed = result.failed
     if failed:

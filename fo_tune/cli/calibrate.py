@@ -19,6 +19,7 @@ from fo_tune.cli.common import (
     check_dtype,
     console,
     expected_device_key,
+    finishing,
     fmt,
     handle_errors,
     is_driver_process,
@@ -63,7 +64,10 @@ HELP = "\n\n".join(
         "gives tiny sizes: the pipeline is exercised, the numbers describe the CPU.",
         "--from-profiles DIR --into FILE --only gemm --dtype D merges the GEMM profile in D (fp8) "
         "from `fo-tune profile` CSVs instead of measuring: no GPU needed.",
-        "Exit code 0 when the files are written, 1 when a measurement fails, 2 for bad options.",
+        "Ctrl-C stops the ranks and writes nothing: --out (or --into) is left as it was. One while "
+        "the files of a finished run are written stops once they are, the folder named on stderr.",
+        "Exit code 0 when the files are written, 1 when a measurement fails, 2 for bad options, 130 "
+        "when interrupted.",
     ]
 )
 
@@ -345,14 +349,17 @@ def calibrate(
             from fo_tune.calibrate.run import merge_into
 
             assert into is not None
-            save_calibration(merge_into(target, cal, request.selected(), sibling=into_sibling), into)
+            with finishing(f"kept the measurements, merged into {into}"):
+                save_calibration(merge_into(target, cal, request.selected(), sibling=into_sibling), into)
             console.print(f"[green]merged[/] {', '.join(request.selected())} into {into}", highlight=False)
             return
         if earlier is not None:  # the parts not measured keep their numbers and files
             from fo_tune.calibrate.run import merge_into
 
             cal = merge_into(earlier, cal, request.selected())
-        written = write_calibration_dir(cal, out or default_out_dir(cal), request.selected())
+        where = out or default_out_dir(cal)
+        with finishing(f"kept the calibration in {where}"):
+            written = write_calibration_dir(cal, where, request.selected())
     _print_summary(cal, written, request.selected())
 
 

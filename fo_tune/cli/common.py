@@ -434,6 +434,22 @@ class OneLineErrorsGroup(TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+@contextlib.contextmanager
+def finishing(kept: str) -> Iterator[None]:
+    """The write of what a finished run measured, out of a Ctrl-C's reach: a Ctrl-C meanwhile is
+    held until the files are written, then stops the command (``error: interrupted``, exit 130)
+    after the line ``kept`` (where they are) on stderr. Cut short, the write would leave nothing
+    of a run that had finished (it writes all or nothing)."""
+    from fo_tune.ranks.interrupt import sigint_deferred
+
+    try:
+        with sigint_deferred():
+            yield
+    except KeyboardInterrupt:
+        err_console.print(kept, markup=False, highlight=False)
+        raise
+
+
 def handle_errors(fn: Callable[..., T]) -> Callable[..., T]:
     """Decorator form of ``run_cli`` for a typer command function (keeps its signature)."""
 

@@ -51,7 +51,9 @@ HELP = "\n\n".join(
         "checked against float64. The times are all ranks' work on one GPU, or the executor's.",
         "Without GPUs a shape above 1024x1024x1024 (M*N*K) is refused (hours in the interpreter) "
         "unless --allow-slow.",
-        "Exit code 0 when every row passes, 1 when one fails, 2 for bad options.",
+        "It writes no file: Ctrl-C stops the ranks (processes or threads) and prints nothing of "
+        "the rows checked so far.",
+        "Exit code 0 when every row passes, 1 when one fails, 2 for bad options, 130 when interrupted.",
     ]
 )
 ENGINES = ("auto", "copy_engine")

@@ -66,7 +66,8 @@ FIT_HELP = "\n\n".join(
         "trials. The other parameters are measured (`fo-tune calibrate`) and left alone.",
         "--hold-out NxK keeps every row and trial of that (N, K) out of the fit, --hold-out-file "
         "every one of that file; their error is printed apart.",
-        "Writes --out (default: the calibration file itself).",
+        "Writes --out (default: the calibration file itself) once the fit is done, as a whole: "
+        "Ctrl-C before that leaves it as it was.",
     ]
 )
 

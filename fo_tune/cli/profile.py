@@ -20,7 +20,9 @@ from fo_tune.cli.common import (
     WorldSizeOpt,
     check_dtype,
     console,
+    err_console,
     expected_device_key,
+    finishing,
     fmt,
     handle_errors,
     is_driver_process,
@@ -65,7 +67,11 @@ HELP = "\n\n".join(
         "Without GPUs the GEMM runs in Triton's CPU interpreter with the space's cpu tiles, timed "
         "eager: use tiny shapes (e.g. 32x48x40); a shape above 1024x1024x1024 (M*N*K) is refused "
         "there (hours in the interpreter) unless --allow-slow.",
-        "Exit code 0 when the CSV is written, 1 when a measurement fails, 2 for bad options.",
+        "Ctrl-C while the configs are timed writes nothing (a profile at --out and its grids CSV "
+        "are left as they were); once the profile is written (and a grids CSV beside it removed), "
+        "it is kept without grids, said on stderr.",
+        "Exit code 0 when the CSV is written, 1 when a measurement fails, 2 for bad options, 130 "
+        "when interrupted.",
     ]
 )
 
@@ -254,7 +260,8 @@ def profile(
             from fo_tune.calibrate.files import write_grids_csv, write_profile_csv
 
             target = out or default_profile_path(device_key, (m, n, k), dtype, scaling=scaling)
-            path = write_profile_csv(points, target, device_key, timing_name(graphs))
+            with finishing(f"kept the profile in {target}; its grids were not timed"):
+                path = write_profile_csv(points, target, device_key, timing_name(graphs))
             # A grids CSV beside it belongs to the profile just replaced: removed before this one's
             # grids are timed, so a failure or a profile without grids leaves no mismatched pair.
             stale = grids_path(path).exists()
@@ -263,8 +270,12 @@ def profile(
             from fo_tune.calibrate.profile import confirm_grids
 
             side_by_side = f"timing the best of each grid side by side ({m}x{n}x{k})"
-            with status(side_by_side):
-                grids = confirm_grids(pool, points, dtype, graphs=graphs, scaling=scaling)
+            try:
+                with status(side_by_side):
+                    grids = confirm_grids(pool, points, dtype, graphs=graphs, scaling=scaling)
+            except KeyboardInterrupt:  # the profile is whole: say so before "error: interrupted"
+                err_console.print(f"kept the profile in {path}; its grids were not timed", markup=False)
+                raise
             if grids:
                 grids_file = write_grids_csv(grids, grids_path(path), device_key)
                 _print_grids(grids, f"{problem}, {timing_name(graphs)}", grids_file)

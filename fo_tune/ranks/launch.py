@@ -19,7 +19,7 @@ hardware fingerprint the ranks agree on.
 - A rank that raises, dies or hangs ends the command within ``timeout_s`` with ``LaunchError``
   naming the rank (its traceback attached); the pool is then closed and every process stopped.
   Spawned ranks also exit on their own when the driver dies without closing the pool (SIGKILL).
-  They ignore SIGINT: a terminal's Ctrl-C is the driver's (``interrupted``), which closes them.
+  They start with SIGINT blocked (``fo_tune.ranks.interrupt``): a terminal's Ctrl-C is the driver's.
 
 Tasks are picklable objects with ``run(ctx) -> result`` (``Task``); they run on every rank at
 once, so any collective inside them is matched. ``run_ranks(fn, world_size, payload)`` is a
@@ -32,7 +32,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
-import signal
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.errors import ArgumentError, EnvironmentMismatchError, FoTuneError
+from fo_tune.ranks.interrupt import sigint_deferred
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
@@ -63,11 +63,12 @@ POLL_S = 0.5
 STARTUP_TIMEOUT_S = 300.0
 # Default per-task limit; a measurement sweep is split into tasks well under it.
 TASK_TIMEOUT_S = 600.0
-# The most ranks this machine starts without GPUs (gloo processes, or the copy engine's
-# thread-ranks). A gloo rank is a process holding torch and Triton's interpreter (~0.4 GB
-# resident); CPU worlds stand in for GPU worlds, the largest of which the tuner plans is one
-# 8-GPU NVSwitch board, so twice that leaves room beyond it while a mistyped --world-size (1000)
-# is refused before anything starts instead of exhausting the machine's memory.
+# How long closed ranks get to leave before they are stopped; after a Ctrl-C, busy ones are not waited for.
+CLOSE_WAIT_S, INTERRUPTED_WAIT_S = 10.0, 1.0
+# The most ranks this machine starts without GPUs (gloo processes, or the copy engine's thread-ranks;
+# a gloo rank holds torch and Triton's interpreter, ~0.4 GB resident): twice the largest world the
+# tuner plans (one 8-GPU NVSwitch board), while a mistyped --world-size (1000) is refused before
+# anything starts instead of exhausting the machine's memory.
 MAX_CPU_WORLD_SIZE = 16
 
 
@@ -216,9 +217,6 @@ class _Driver:
 
 
 def _serve(rank: int, world: int, backend: str, init_file: str, inbox, outbox, driver: _Driver) -> None:
-    # A terminal's Ctrl-C reaches the whole process group: the driver handles it (one `interrupted`
-    # line, exit 130) and closes the ranks; a rank raising it too would report a failed rank first.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     driver.apply()
     for key, value in SAFE_ENV.items():
         os.environ.setdefault(key, value)
@@ -280,12 +278,13 @@ class SpawnedPool:
         ]
         self._seq = 0
         self._closed = False
-        for p in self._procs:
-            p.start()
         try:
+            with sigint_deferred():  # (a Ctrl-C meanwhile is raised after: closes them)
+                for p in self._procs:
+                    p.start()
             self._gather(-1, STARTUP_TIMEOUT_S, "start")
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            self.close(INTERRUPTED_WAIT_S if isinstance(exc, KeyboardInterrupt) else CLOSE_WAIT_S)
             raise
 
     def run(self, task: Task, *, timeout_s: float = TASK_TIMEOUT_S) -> list[Any]:
@@ -296,8 +295,8 @@ class SpawnedPool:
             inbox.put((self._seq, task))
         try:
             return self._gather(self._seq, timeout_s, type(task).__name__)
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            self.close(INTERRUPTED_WAIT_S if isinstance(exc, KeyboardInterrupt) else CLOSE_WAIT_S)
             raise
 
     def _gather(self, seq: int, timeout_s: float, what: str) -> list[Any]:
@@ -326,17 +325,18 @@ class SpawnedPool:
                 got[rank] = value
         return [got[r] for r in range(self.world_size)]
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         if self._closed:
             return
         self._closed = True
         for inbox in self._inboxes:
             with contextlib.suppress(Exception):
                 inbox.put(None)
-        deadline = time.monotonic() + 10
-        for p in self._procs:
+        deadline = time.monotonic() + wait_s
+        started = [p for p in self._procs if p.pid is not None]
+        for p in started:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
-        for p in self._procs:
+        for p in started:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)

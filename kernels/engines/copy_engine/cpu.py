@@ -344,7 +344,7 @@ def run_ranks(
     """Run ``body(rank)`` on ``world`` thread-ranks that share regions of ``region_bytes`` each
     (``buffers.region_bytes_for``) and a scales region of ``scale_bytes``; their results in rank
     order. The first failure of any thread (a ``ProtocolError``, or what ``body`` raised) is raised
-    once every thread has stopped."""
+    once every thread has stopped; so is a ``KeyboardInterrupt`` of the caller."""
     options = options or CpuOptions()
     beyond = sorted(r for r in options.slow or {} if r >= world)
     if beyond:
@@ -362,12 +362,20 @@ def run_ranks(
     threads = [
         threading.Thread(target=host, args=(r,), name=f"rank{r}:host", daemon=True) for r in range(world)
     ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for rank in ranks:
-        rank.close()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except BaseException as exc:  # a Ctrl-C: the ranks stop too, or a thread left inside a torch op
+        shared.fail(exc)  # when the interpreter exits aborts it (C++ terminate)
+        for t in threads:
+            if t.ident is not None:
+                t.join(options.timeout_s)
+        raise
+    finally:
+        for rank in ranks:
+            rank.close()
     if shared.failure is not None:
         raise shared.failure
     return results
