@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def sigint_deferred() -> Iterator[None]:
-    """Start processes in the body (the ranks and, on the first start, gloo's forkserver) out of
-    SIGINT's reach.
+    """Run the body out of SIGINT's reach: the start of processes (the ranks and, on the first
+    start, gloo's forkserver), or a write that must not stop halfway (``cli.common.finishing``).
 
     SIGINT is blocked in this thread: the processes inherit the mask across fork and exec and keep
     it, so a Ctrl-C to the process group reaches only the driver. In the driver a Ctrl-C during
