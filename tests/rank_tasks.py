@@ -37,6 +37,14 @@ class CtrlC:
 
 
 @dataclass(frozen=True)
+class Pid:
+    """This rank's process id."""
+
+    def run(self, ctx: RankContext) -> int:
+        return os.getpid()
+
+
+@dataclass(frozen=True)
 class WhereAmI:
     """(working folder, the environment variable ``name``, whether ``sys.path`` holds ``entry``)."""
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -144,6 +146,54 @@ def test_a_hung_rank_ends_the_task_at_the_timeout():
             pool.run(RankAndSum())
     finally:
         pool.close()
+
+
+KILLED_DRIVER = """
+import sys, time
+
+from fo_tune.ranks.launch import SpawnedPool
+from rank_tasks import Pid
+
+if __name__ == "__main__":
+    pool = SpawnedPool(2, "gloo")
+    print(*pool.run(Pid()), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_ranks_leave_and_remove_the_pool_s_files_when_the_driver_is_killed(tmp_path, request):
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(KILLED_DRIVER))
+    # (the driver's temporary folder, short: the forkserver's socket path there has ~100 bytes)
+    tmp = Path(tempfile.mkdtemp(prefix="fo-killed-"))
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    env = {
+        **os.environ,
+        "TMPDIR": str(tmp),
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    try:
+        ranks = [int(pid) for pid in proc.stdout.readline().split()]
+        assert len(ranks) == 2 and any(p.name.startswith("fo-tune-pool-") for p in tmp.iterdir())
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (any(map(_running, ranks)) or any(tmp.iterdir())):
+        time.sleep(0.2)
+    assert not [pid for pid in ranks if _running(pid)], "a rank outlived its killed driver"
+    assert not list(tmp.iterdir()), "the pool's files outlived its killed driver"
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def _free_port() -> int:

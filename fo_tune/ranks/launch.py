@@ -18,7 +18,8 @@ hardware fingerprint the ranks agree on.
   process group when the pool closes.
 - A rank that raises, dies or hangs ends the command within ``timeout_s`` with ``LaunchError``
   naming the rank (its traceback attached); the pool is then closed and every process stopped.
-  Spawned ranks also exit on their own when the driver dies without closing the pool (SIGKILL).
+  Spawned ranks also exit on their own, removing the pool's files, when the driver dies without
+  closing the pool (SIGKILL: ``fo_tune.ranks.orphan``).
   They start with SIGINT blocked (``fo_tune.ranks.interrupt``): a terminal's Ctrl-C is the driver's.
 
 Tasks are picklable objects with ``run(ctx) -> result`` (``Task``); they run on every rank at
@@ -46,6 +47,7 @@ import torch.distributed as dist
 
 from fo_kernels.errors import ArgumentError, EnvironmentMismatchError, FoTuneError
 from fo_tune.ranks.interrupt import sigint_deferred
+from fo_tune.ranks.orphan import orphaned, remove_pool_files
 
 if TYPE_CHECKING:
     from fo_kernels.fingerprint import Fingerprint
@@ -180,10 +182,10 @@ class Pool(Protocol):
 
 
 # ----------------------------------------------------------------------------- spawned ranks
-# What a gloo rank's server process imports before it forks the ranks: torch is ~1.6 s of CPU a
-# process (its import), the most of a rank's start on the CPU; "__main__" as spawn re-imports it,
-# so a task defined in the driver's script unpickles. (Nothing that reads TRITON_INTERPRET: the
-# ranks import fo_kernels themselves, after they take the driver's environment.)
+# What a gloo rank's server process imports before it forks the ranks: torch (~1.6 s of CPU a
+# process, the most of a rank's start on the CPU) and "__main__" as spawn re-imports it, so a task
+# defined in the driver's script unpickles. (Nothing that reads TRITON_INTERPRET: the ranks import
+# fo_kernels after they take the driver's environment.)
 FORKSERVER_PRELOAD = ["__main__", "torch"]
 
 
@@ -204,10 +206,11 @@ class _Driver:
     cwd: str
     env: dict[str, str]
     path: list[str]
+    pid: int
 
     @staticmethod
     def now() -> _Driver:
-        return _Driver(os.getcwd(), dict(os.environ), list(sys.path))
+        return _Driver(os.getcwd(), dict(os.environ), list(sys.path), os.getpid())
 
     def apply(self) -> None:
         os.chdir(self.cwd)
@@ -237,7 +240,8 @@ def _serve(rank: int, world: int, backend: str, init_file: str, inbox, outbox, d
             try:
                 item = inbox.get(timeout=POLL_S)
             except queue.Empty:
-                if os.getppid() != parent:  # the driver was killed (SIGKILL skips its clean-up)
+                if orphaned(driver.pid, parent):  # (SIGKILL skips the driver's clean-up)
+                    remove_pool_files(Path(init_file).parent)
                     raise SystemExit(1) from None
                 continue
             if item is None:
@@ -403,10 +407,8 @@ def _serve_torchrun(pool: TorchrunPool) -> None:
 @contextlib.contextmanager
 def open_pool(world_size: int, *, backend: str | None = None) -> Iterator[Pool]:
     """The pool for one command: torchrun's ranks when started by torchrun, else spawned ones.
-
     On a serving torchrun rank the body runs with ``pool.is_driver`` False after the driver has
-    closed the pool; commands skip their work there.
-    """
+    closed the pool; commands skip their work there."""
     if in_torchrun():
         pool = TorchrunPool(backend)
         try:
@@ -487,10 +489,8 @@ def run_ranks(
     backend: str | None = None,
     timeout_s: float = 900.0,
 ) -> list[T]:
-    """Run ``fn(ctx, payload)`` once on ``world_size`` spawned ranks; results in rank order.
-
-    A one-task ``SpawnedPool``: the same start-up, failure and timeout handling.
-    """
+    """Run ``fn(ctx, payload)`` once on ``world_size`` spawned ranks (a one-task ``SpawnedPool``:
+    the same start-up, failure and timeout handling); results in rank order."""
     if world_size < 1:
         raise EnvironmentMismatchError(f"world size must be >= 1, got {world_size}")
     pool = SpawnedPool(world_size, backend)
