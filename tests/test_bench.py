@@ -974,10 +974,12 @@ def test_moe_and_hybrid_bench_help_explains_every_option(capsys, script, says):
 
 def test_a_bench_stopped_after_a_case_keeps_the_cases_it_finished(tmp_path, monkeypatch):
     """A Ctrl-C (or a failing rank) after the first case wrote nothing: the finished cases' rows
-    go to --out, bench.yaml saying after which case and why, and the exit is still 130."""
+    go to --out, bench.yaml saying after which case and why, and the exit is still 130. A finished
+    run in --out is never replaced by a stopped one: that goes to <out>-stopped."""
     from fo_tune.bench import run as bench_run
 
-    monkeypatch.setattr(bench_run, "case_rows", interrupted_at_second_call(bench_run.case_rows))
+    case_rows = bench_run.case_rows
+    monkeypatch.setattr(bench_run, "case_rows", interrupted_at_second_call(case_rows))
     out = tmp_path / "out"
     args = [
         "-w",
@@ -1000,3 +1002,13 @@ def test_a_bench_stopped_after_a_case_keeps_the_cases_it_finished(tmp_path, monk
     assert rows and {(r["m"], r["collective"]) for r in rows} == {("8", "all_reduce")}
     settings = yaml.safe_load((out / "bench.yaml").read_text())["settings"]
     assert settings["stopped"] == "after 1 of 2 cases: interrupted"
+
+    monkeypatch.setattr(bench_run, "case_rows", case_rows)
+    assert run_bench_cli(*args, "--out", str(out)).exit_code == 0  # a finished run replaces the stopped one
+    finished = (out / "bench.csv").read_bytes()
+    monkeypatch.setattr(bench_run, "case_rows", interrupted_at_second_call(case_rows))
+    result = run_bench_cli(*args, "--out", str(out))
+    assert result.exit_code == 130, result.output
+    assert f"in {tmp_path / 'out-stopped'}" in result.stderr, result.stderr
+    assert (out / "bench.csv").read_bytes() == finished
+    assert yaml.safe_load((tmp_path / "out-stopped" / "bench.yaml").read_text())["settings"]["stopped"]

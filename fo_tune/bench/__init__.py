@@ -18,7 +18,14 @@ after the other (said in the detail column) and the numbers describe the CPU, no
 CLI is ``fo_tune.cli.bench``.
 """
 
-from fo_tune.bench.output import BENCH_FILES, BENCH_ROOT, check_bench_out, default_bench_dir, write_bench_dir
+from fo_tune.bench.output import (
+    BENCH_FILES,
+    BENCH_ROOT,
+    check_bench_out,
+    default_bench_dir,
+    stopped_bench_dir,
+    write_bench_dir,
+)
 from fo_tune.bench.request import (
     CHUNK_COUNTS,
     CPU_SHAPES,
@@ -67,5 +74,6 @@ __all__ = [
     "load_suite",
     "packaged_suite",
     "run_bench",
+    "stopped_bench_dir",
     "write_bench_dir",
 ]

@@ -25,6 +25,28 @@ def default_bench_dir(device_key: str, world_size: int) -> Path:
     return BENCH_ROOT / device_key / f"tp{world_size}"
 
 
+# The sibling folder a stopped bench keeps its finished cases in when --out holds a finished run.
+STOPPED_SUFFIX = "-stopped"
+
+
+def finished_bench_in(out_dir: str | Path) -> bool:
+    """Whether ``out_dir`` holds a finished bench: a bench.yaml that reads, without
+    ``settings.stopped`` (what a bench stopped by Ctrl-C or a failing rank writes)."""
+    try:
+        data = yaml.safe_load((Path(out_dir) / "bench.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    settings = data.get("settings") if isinstance(data, dict) else None
+    return isinstance(settings, dict) and "stopped" not in settings
+
+
+def stopped_bench_dir(out_dir: str | Path) -> Path:
+    """Where a stopped bench keeps its finished cases: ``out_dir``, unless that holds a finished
+    run, which a partial one never replaces: then its sibling ``<out_dir>-stopped``."""
+    out = Path(out_dir)
+    return out.with_name(out.name + STOPPED_SUFFIX) if finished_bench_in(out) else out
+
+
 def check_bench_out(out_dir: str | Path) -> None:
     """Raise ``OutputError`` unless ``write_bench_dir`` can create or replace ``out_dir``: a new
     folder, or one holding only ``BENCH_FILES`` (``fo_tune.output.check_writable``'s rules)."""

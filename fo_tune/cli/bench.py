@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
+from fo_kernels.errors import FoTuneError
 from fo_tune.cli.common import (
     DTYPE_NAMES,
     RUNTIME_COLLECTIVE_NAMES,
@@ -81,8 +82,9 @@ HELP = "\n\n".join(
         "per shape, one panel per collective) into --out (default "
         "results/bench/<device-key>/tp<N>/), all at once, then prints a summary. A Ctrl-C or a "
         "failing rank writes the cases finished before it there (bench.yaml's settings.stopped says "
-        "after which case and why; they replace an earlier run there, as a finished run does; before "
-        "the first case ends nothing is written), says where on stderr and exits 130 or 1; a "
+        "after which case and why; they replace an earlier stopped run there, never a finished one: "
+        "with a finished run in --out they go to the sibling folder <out>-stopped/; before the first "
+        "case ends nothing is written), says where on stderr and exits 130 or 1; a "
         "Ctrl-C while the finished run's files are written stops once they are, every case kept.",
         "Without GPUs the ranks use gloo and fo_tune's GEMM runs in Triton's CPU interpreter; there "
         "is no second stream, so the chunks run one after the other: the pipeline is checked, the "
@@ -368,14 +370,20 @@ def bench(
 
 def _keep(out: Path | None, world_size: int) -> Callable[[BenchResult], None]:
     """What a bench stopped by Ctrl-C or a failing rank does with the cases it finished: writes
-    them (bench.yaml's settings.stopped says after which case and why) and says where, on stderr."""
+    them (bench.yaml's settings.stopped says after which case and why) where a finished run is
+    not replaced (``stopped_bench_dir``) and says where, on stderr; one that cannot be written
+    there is said and the stop goes on."""
 
     def keep(result: BenchResult) -> None:
-        from fo_tune.bench import default_bench_dir, write_bench_dir
+        from fo_tune.bench import default_bench_dir, stopped_bench_dir, write_bench_dir
 
-        where = out or default_bench_dir(result.fingerprint.device_key, world_size)
-        written = write_bench_dir(result, where)
+        where = stopped_bench_dir(out or default_bench_dir(result.fingerprint.device_key, world_size))
         stopped = result.settings["stopped"]
+        try:
+            written = write_bench_dir(result, where)
+        except FoTuneError as exc:
+            err_console.print(f"the finished cases ({stopped}) were not kept: {exc}", markup=False)
+            return
         err_console.print(f"kept the finished cases ({stopped}) in {written[0].parent}", markup=False)
 
     return keep
