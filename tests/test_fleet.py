@@ -5,8 +5,10 @@ before any work."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -149,6 +151,22 @@ def test_pull_from_an_empty_or_missing_storage(tmp_path: Path) -> None:
     result = pull(f"journal:{journal}", tmp_path / "t")
     assert result.exit_code == 0 and "nothing written" in result.stdout
     assert "--storage" in assert_one_line_error(CliRunner().invoke(app, ["table", "pull"]))
+    # a SQLite file Optuna never opened (it creates its tables on every open) is left as it is
+    empty, foreign, junk = tmp_path / "empty.db", tmp_path / "other.db", tmp_path / "junk.db"
+    empty.write_bytes(b"")
+    with contextlib.closing(sqlite3.connect(foreign)) as db:
+        db.execute("CREATE TABLE notes (text)")
+        db.commit()
+    junk.write_text("not a database\n" * 100)
+    before = {p: p.read_bytes() for p in (empty, foreign, junk)}
+    for file, says in (
+        (empty, "is an empty file"),
+        (foreign, "without Optuna's tables"),
+        (junk, "not a SQLite"),
+    ):
+        line = assert_one_line_error(pull(f"sqlite:///{file}", tmp_path / "t"))
+        assert says in line and "give the storage the workers used" in line, line
+    assert {p: p.read_bytes() for p in before} == before and not (tmp_path / "t").exists()
 
 
 @pytest.mark.skipif(not Path("/proc/version").is_file(), reason="needs /proc (Linux)")
@@ -176,6 +194,7 @@ def test_pull_from_a_journal_file_that_cannot_be_opened_is_one_line(tmp_path: Pa
         # a file that is not Optuna's journal (not JSON, and JSON records of no study)
         ("journal:{tmp}/notes.log", "not an Optuna journal file"),
         ("journal:{tmp}/records.log", "not an Optuna journal file"),
+        ("sqlite:///{tmp}/notes.log", "give a SQLite file Optuna wrote, or a new one"),
     ],
 )
 def test_a_storage_that_cannot_be_opened_is_exit_2_before_any_work(

@@ -12,10 +12,11 @@
 its driver, that the server answers (within ``CONNECT_TIMEOUT_S``), that a SQLite or journal URL
 names a file (not a folder, not SQLite's in-memory database, which the study would not outlive),
 that the folder of an explicit one exists (an explicit path's folder is never created: a typo would
-start an empty storage beside the real one; the default's folder is) and that a journal file holds
-Optuna's records. Every failure is one ``StorageError`` line with the password left out. RDB
-storages get heartbeats, so a trial whose process was killed is failed after ``GRACE_S`` instead
-of staying RUNNING forever.
+start an empty storage beside the real one; the default's folder is), that a journal file holds
+Optuna's records and that a SQLite file to read holds Optuna's tables (it is left unchanged).
+Every failure is one ``StorageError`` line with the password left out. RDB storages get
+heartbeats, so a trial whose process was killed is failed after ``GRACE_S`` instead of staying
+RUNNING forever.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ POSTGRES_SCHEMES = ("postgresql", "postgres")
 # it in memory, so the studies, and the rows recorded in them, are gone when the process ends.
 IN_MEMORY = ("", ":memory:")
 NO_FILE = "names no file (an in-memory database would lose the study); give sqlite:///FILE"
+# The table every Optuna RDB storage has (its studies), which a SQLite file to read must hold.
+OPTUNA_STUDIES_TABLE = "studies"
 # What to install for a PostgreSQL storage (pyproject's extra).
 POSTGRES_EXTRA = "pip install 'fo-tune[postgres]' (psycopg)"
 
@@ -154,6 +157,31 @@ def _check_folder(path: str, url: str, *, create_folder: bool, must_exist: bool)
         )
 
 
+def _check_sqlite_storage(path: str, url: str) -> None:
+    """A SQLite file to read (``must_exist``) holds Optuna's tables, looked at read-only: opening
+    one without them would create them in it, in an empty file or another program's database.
+    (Optuna creates its tables whenever it opens a file, so a file without them held no study.)"""
+    import sqlite3
+
+    file = Path(path).expanduser().resolve()
+    try:
+        with contextlib.closing(sqlite3.connect(f"{file.as_uri()}?mode=ro", uri=True)) as db:
+            tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as exc:
+        raise StorageError(
+            f"--storage {url}: {file} is not a SQLite database ({exc}); give the storage the workers used"
+        ) from None
+    if OPTUNA_STUDIES_TABLE not in tables:
+        what = (
+            "an empty file"
+            if not tables
+            else f"a SQLite database without Optuna's tables ({len(tables)} others)"
+        )
+        raise StorageError(
+            f"--storage {url}: {file} is {what}, no study storage; give the storage the workers used"
+        )
+
+
 def _rdb(url: str) -> Any:
     """An ``RDBStorage`` for ``url`` with heartbeats (and a connect timeout for PostgreSQL),
     retried while workers race to create its tables (``OPEN_ATTEMPTS``)."""
@@ -240,6 +268,8 @@ def open_storage(url: str, *, create_folder: bool = False, must_exist: bool = Fa
         sqlite = sqlite_path(url)
         if sqlite is not None:
             _check_folder(sqlite, url, create_folder=create_folder, must_exist=must_exist)
+            if must_exist:
+                _check_sqlite_storage(sqlite, url)
         return _rdb(_resolve_driver(url))
     except StorageError:
         raise
@@ -250,9 +280,12 @@ def open_storage(url: str, *, create_folder: bool = False, must_exist: bool = Fa
     except Exception as exc:  # SQLAlchemy's ArgumentError / OperationalError: a bad URL, no server
         if type(exc).__module__.startswith("sqlalchemy"):
             why = " ".join(str(exc).split("\n")[0].split())
-            raise StorageError(
-                f"--storage {shown(url)}: cannot open it ({why}); check that the server runs and the URL"
-            ) from None
+            fix = (
+                "give a SQLite file Optuna wrote, or a new one"
+                if sqlite_path(url)
+                else "check that the server runs and the URL"
+            )
+            raise StorageError(f"--storage {shown(url)}: cannot open it ({why}); {fix}") from None
         raise
 
 
