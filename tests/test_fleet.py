@@ -194,7 +194,7 @@ def test_pull_from_a_journal_file_that_cannot_be_opened_is_one_line(tmp_path: Pa
         # a file that is not Optuna's journal (not JSON, and JSON records of no study)
         ("journal:{tmp}/notes.log", "not an Optuna journal file"),
         ("journal:{tmp}/records.log", "not an Optuna journal file"),
-        ("sqlite:///{tmp}/notes.log", "give a SQLite file Optuna wrote, or a new one"),
+        ("sqlite:///{tmp}/notes.log", "file is not a database"),
     ],
 )
 def test_a_storage_that_cannot_be_opened_is_exit_2_before_any_work(
