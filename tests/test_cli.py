@@ -612,3 +612,34 @@ def test_cli_output_through_a_pipe_keeps_every_number():
     lines = done.stdout.splitlines()  # a narrow table's title and caption each stay on one line
     assert "a title much wider than its narrow table" in lines, done.stdout
     assert "a caption much wider than its narrow table" in lines, done.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "--suite"],
+        ["bench", "--out"],
+        ["calibrate", "--out"],
+        ["calibrate", "--into"],
+        ["calibrate", "--from-profiles"],
+        ["calibrate", "--space"],
+        ["model", "fit", "--calibration"],
+        ["model", "fit", "--out"],
+        ["model", "check", "--calibration"],
+        ["profile", "--out"],
+        ["search", "--shapes"],
+        ["search", "--calibration"],
+        ["search", "--table-dir"],
+        ["search", "--out"],
+        ["search", "--space"],
+        ["table", "pull", "--table-dir"],
+    ],
+    ids=" ".join,
+)
+def test_an_empty_path_option_is_refused_not_taken_for_the_working_folder(tmp_path, monkeypatch, args):
+    """``--out ""`` (an unset shell variable) is exit 2 and one line, nothing written; "." still
+    names the working folder."""
+    monkeypatch.chdir(tmp_path)
+    line = assert_one_line_error(CliRunner().invoke(app, [*args, ""]))
+    assert f"'{args[-1]}'" in line and "is empty" in line, line
+    assert not list(tmp_path.iterdir())

@@ -24,6 +24,7 @@ from fo_tune.cli.common import (
     fmt,
     handle_errors,
     is_driver_process,
+    nonempty_path,
     parse_collectives,
     parse_shape,
     resolve_backend,
@@ -98,6 +99,7 @@ SuiteOpt = Annotated[
     Path | None,
     typer.Option(
         "--suite",
+        parser=nonempty_path,
         metavar="FILE",
         help="Suite YAML (name, dtype, shapes: [[M, N, K], ...]); instead of --shape. "
         "Its dtype is the default for --dtype.",
@@ -151,6 +153,7 @@ BenchOutOpt = Annotated[
     typer.Option(
         "--out",
         "-o",
+        parser=nonempty_path,
         metavar="DIR",
         help="Folder to write (created, or replaced when it holds an earlier bench run). "
         "Default: results/bench/<device-key>/tp<N>.",

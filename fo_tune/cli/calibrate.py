@@ -24,6 +24,7 @@ from fo_tune.cli.common import (
     handle_errors,
     is_driver_process,
     local_device,
+    nonempty_path,
     parse_collectives,
     parse_names,
     resolve_backend,
@@ -89,6 +90,7 @@ OutDirOpt = Annotated[
     typer.Option(
         "--out",
         "-o",
+        parser=nonempty_path,
         metavar="DIR",
         help="Folder to write (created, or replaced when it holds an earlier calibration of this "
         "machine's device key; another machine's is refused). "
@@ -111,6 +113,7 @@ IntoOpt = Annotated[
     Path | None,
     typer.Option(
         "--into",
+        parser=nonempty_path,
         metavar="FILE",
         help="Merge what this run measures into an existing calibration.yaml (of the same GPU model, "
         "or of the same die with --into-sibling; e.g. one GPU's copy-engine measurements into the "
@@ -132,6 +135,7 @@ FromProfilesOpt = Annotated[
     Path | None,
     typer.Option(
         "--from-profiles",
+        parser=nonempty_path,
         metavar="DIR",
         help="With --into, --only gemm and --dtype D (another dtype than the calibration's, e.g. "
         "float8_e4m3fn): measure nothing, read the GEMM profile from DIR's <M>x<N>x<K>-<D>.csv "

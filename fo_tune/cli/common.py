@@ -149,11 +149,22 @@ TimeoutOpt = Annotated[
         "executor's bound (CpuOptions.timeout_s, 10 s), and its virtual ranks on one GPU run unbounded.",
     ),
 ]
+
+
+def nonempty_path(text: str | Path) -> Path:
+    """A path option's parser refusing an empty one: ``Path("")`` is the working folder, which an
+    unset shell variable (``--out "$DIR"``) would otherwise read or write."""
+    if not str(text).strip():
+        raise typer.BadParameter("is empty; give a path (. for the working folder)")
+    return Path(text)
+
+
 SpaceOpt = Annotated[
     Path | None,
     typer.Option(
         "--space",
         metavar="FILE",
+        parser=nonempty_path,
         help="Search space YAML. Default: the file of search_spaces/ for this GPU's compute "
         "capability (default.yaml's cpu section on the CPU).",
     ),

@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 
 from fo_tune.cli.calibrate import fmt, summary_table
-from fo_tune.cli.common import console, handle_errors
+from fo_tune.cli.common import console, handle_errors, nonempty_path
 from fo_tune.cli.search_moe import MOE_REPORT_KIND
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ CalibrationOpt = Annotated[
     Path | None,
     typer.Option(
         "--calibration",
+        parser=nonempty_path,
         metavar="FILE",
         help="calibration.yaml whose model to check. Default: the packaged calibration (world size 2).",
     ),
@@ -89,7 +90,7 @@ FilesArg = Annotated[
     ),
 ]
 FitCalibrationOpt = Annotated[
-    Path, typer.Option("--calibration", metavar="FILE", help="calibration.yaml to fit.")
+    Path, typer.Option("--calibration", parser=nonempty_path, metavar="FILE", help="calibration.yaml to fit.")
 ]
 HoldOutOpt = Annotated[
     list[str] | None,
@@ -106,6 +107,7 @@ OutOpt = Annotated[
     typer.Option(
         "--out",
         "-o",
+        parser=nonempty_path,
         metavar="FILE",
         help="Where to write the fit: a new .yaml file, or a calibration to replace.",
     ),

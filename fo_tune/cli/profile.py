@@ -26,6 +26,7 @@ from fo_tune.cli.common import (
     fmt,
     handle_errors,
     is_driver_process,
+    nonempty_path,
     parse_shape,
     resolve_backend,
     resolve_space,
@@ -97,6 +98,7 @@ OutFileOpt = Annotated[
     typer.Option(
         "--out",
         "-o",
+        parser=nonempty_path,
         metavar="FILE",
         help="CSV to write (a profile there is replaced atomically; any other file is refused). "
         "Default: results/profiles/<device-key>/<M>x<N>x<K>-<dtype>.csv, "

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from fo_tune.cli.common import COLLECTIVE_NAMES
+from fo_tune.cli.common import COLLECTIVE_NAMES, nonempty_path
 
 MODE_NAMES = ("measure", "predict", "hybrid")
 
@@ -94,6 +94,7 @@ ShapesFileOpt = Annotated[
     Path | None,
     typer.Option(
         "--shapes",
+        parser=nonempty_path,
         metavar="FILE",
         help="YAML with a `shapes:` list of [M, N, K] (e.g. suites/h200_tp.yaml); -c moe: an MoE suite's "
         "`models:` (suites/moe/experts.yaml), E / world size local experts each.",
@@ -143,6 +144,7 @@ CalibrationOpt = Annotated[
     Path | None,
     typer.Option(
         "--calibration",
+        parser=nonempty_path,
         metavar="FILE",
         help="calibration.yaml of `fo-tune calibrate` for the model. Default: results/calibration/"
         "<device-key>/tp<N>/calibration.yaml here, else the packaged one (predict: the packaged H200 "
@@ -196,6 +198,7 @@ TableDirOpt = Annotated[
     Path | None,
     typer.Option(
         "--table-dir",
+        parser=nonempty_path,
         metavar="DIR",
         help="Root of the tables to merge rows into (see above for the default).",
     ),
@@ -205,6 +208,7 @@ OutOpt = Annotated[
     typer.Option(
         "--out",
         "-o",
+        parser=nonempty_path,
         metavar="DIR",
         help="Put tables (DIR/tables), studies and the report (DIR/report) here.",
     ),

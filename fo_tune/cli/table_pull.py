@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from fo_tune.cli.common import console, handle_errors, json_text
+from fo_tune.cli.common import console, handle_errors, json_text, nonempty_path
 
 PULL_HELP = "\n\n".join(
     [
@@ -53,6 +53,7 @@ PullTableDirOpt = Annotated[
     Path | None,
     typer.Option(
         "--table-dir",
+        parser=nonempty_path,
         metavar="DIR",
         help="Root of the tables to write. Default: $FO_TUNE_TABLE_DIR, else ~/.local/share/fo-tune/tables.",
         show_default=False,
