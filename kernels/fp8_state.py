@@ -11,8 +11,8 @@ the module holds, in both strict modes:
                     (its scale of another shape than the         module scales (a fresh scale)
                     module's)
     module not fp8, checkpoint fp8 weight with its scale         dequantized on load (codes * scale)
-    an fp8 weight without its scale, or a high-precision one with a scale: ``ScaleError`` naming
-    the key (a stale scale would give wrong results, silently)
+    an fp8 weight without its scale, a high-precision one with a scale, or a scale of neither
+    scaling's shape: ``ScaleError`` naming the key (a stale scale would give wrong results, silently)
 
 A weight of another shape than the module's, or none, is left to torch's own report.
 """
@@ -58,6 +58,8 @@ def prepare_weight_state(
             f"{w_key} is {loaded.dtype} codes but the checkpoint has no {s_key}: save and load the fp8 "
             "module's whole state_dict, or load its high-precision weight (quantized on load)"
         )
+    if is_fp8(loaded.dtype):
+        _check_scale_shape(s_key, state_dict[s_key], rows=loaded.shape[0])
     if is_fp8(weight.dtype):
         if not is_fp8(loaded.dtype):
             if has_scale:
@@ -71,3 +73,16 @@ def prepare_weight_state(
             state_dict[w_key], state_dict[s_key] = quantize(high)
     elif is_fp8(loaded.dtype):
         state_dict[w_key] = dequantize(loaded, state_dict.pop(s_key), weight.dtype)
+
+
+def _check_scale_shape(key: str, scale: torch.Tensor, *, rows: int) -> None:
+    """``ScaleError`` unless the checkpoint's ``scale`` fits fp8 codes of ``rows`` output rows: one
+    element (tensorwise) or one per row ((1, N), (N, 1) or (N,): rowwise), the shapes
+    ``dequantize_weight`` reads; another, broadcast, would scale the wrong rows or fail in torch."""
+    shape = tuple(scale.shape)
+    if scale.numel() == 1 or shape in ((1, rows), (rows, 1), (rows,)):
+        return
+    raise ScaleError(
+        f"{key} has shape {shape}: fp8 codes of {rows} rows take a scale of one element (tensorwise) "
+        f"or one per row ((1, {rows}), ({rows}, 1) or ({rows},): rowwise); load the scale saved with them"
+    )

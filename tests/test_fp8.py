@@ -280,6 +280,13 @@ def test_fp8_layers_load_high_precision_and_fp8_checkpoints(tmp_path):
                 codes_only = {k: v for k, v in want.state_dict().items() if k != "weight_scale"}
                 with pytest.raises(ScaleError, match=r"weight is torch\.float8_e4m3fn codes but"):
                     cls(32, 48, fp8=scaling).load_state_dict(codes_only, strict=False)
+                for target in (cls(32, 48, fp8=scaling), cls(32, 48)):  # fp8 codes, a scale of 5 for 48 rows
+                    with pytest.raises(
+                        ScaleError, match=r"weight_scale has shape \(5,\): fp8 codes of 48 rows"
+                    ):
+                        target.load_state_dict(
+                            {**want.state_dict(), "weight_scale": torch.ones(5)}, strict=False
+                        )
                 high = {k: v.float() for k, v in high.items()}
                 with pytest.raises(ScaleError, match=r"weight is torch\.float32, not fp8 codes, but .* also"):
                     cls(32, 48, fp8=scaling).load_state_dict({**high, "weight_scale": want.weight_scale})
