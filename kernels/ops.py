@@ -48,7 +48,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from fo_kernels.errors import FoTuneError, Fp8TrainingError, ScheduleError
+from fo_kernels.errors import FoTuneError, Fp8TrainingError, ScaleError, ScheduleError
 from fo_kernels.groups import group_size, resolve_group
 from fo_kernels.scaling import DEFAULT_OUT_DTYPE, is_fp8
 from fo_kernels.schedule import Schedule
@@ -70,6 +70,10 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # op, before any collective, as an eager call raises it (``fo_kernels.groups.REFUSED_GROUP`` does
 # the same for the group). No schedule's JSON text starts so.
 REFUSED_SCHEDULE = "<refused schedule> "
+# The same for a traced call's scales or out_dtype that ``fo_kernels.scaling.scale_type_problem``
+# refuses (a Python number as a scale, a string as out_dtype, which the op's schema cannot take):
+# the op is called without them and with this text as its schedule, and raises the ``ScaleError``.
+REFUSED_SCALES = "<refused scales> "
 
 
 # ------------------------------------------------------------------------------ op arguments
@@ -93,9 +97,17 @@ def refuse_schedule(message: str) -> str:
 
 
 def check_schedule_text(text: str) -> None:
-    """Raise the ``ScheduleError`` a ``REFUSED_SCHEDULE`` text carries."""
+    """Raise the ``ScheduleError`` a ``REFUSED_SCHEDULE`` text carries, or the ``ScaleError`` of a
+    ``REFUSED_SCALES`` one."""
     if text.startswith(REFUSED_SCHEDULE):
         raise ScheduleError(text[len(REFUSED_SCHEDULE) :])
+    if text.startswith(REFUSED_SCALES):
+        raise ScaleError(text[len(REFUSED_SCALES) :])
+
+
+def is_refusal(text: str) -> bool:
+    """True for an op's ``schedule`` text that only carries a refusal (the op raises it)."""
+    return text.startswith((REFUSED_SCHEDULE, REFUSED_SCALES))
 
 
 @functools.lru_cache(maxsize=SCHEDULE_CACHE_SIZE)
@@ -331,11 +343,12 @@ def _placeholder_grads(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]
 def _save_meta(ctx, collective: str, inputs) -> None:
     """What every backward needs: the group, whether the call is fp8 or refused, and (for those)
     the inputs' shapes and dtypes."""
-    a, b, name, _schedule, scale_a, *_ = inputs
+    a, b, name, schedule, scale_a, *_ = inputs
     ctx.group_name = name
     ctx.fp8 = scale_a is not None
-    # (eager, the op's forward has already refused such shapes: only a trace asks, off the hot path)
-    ctx.refused = torch.compiler.is_compiling() and _refused(collective, a, b, name)
+    # (eager, the op's forward has already refused such shapes: only a trace asks, off the hot path;
+    # a refused-scales call comes without its scales, so its fp8 operands would fail the formulas)
+    ctx.refused = torch.compiler.is_compiling() and (is_refusal(schedule) or _refused(collective, a, b, name))
     ctx.input_meta = fp8_input_meta(inputs) if ctx.fp8 or ctx.refused else None
 
 

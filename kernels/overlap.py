@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from fo_kernels import ops
 from fo_kernels.engines import EngineResult
+from fo_kernels.errors import ScaleError
 from fo_kernels.execute import check_tensors, execute
 from fo_kernels.groups import group_name
-from fo_kernels.scaling import check_scale_types
+from fo_kernels.scaling import scale_type_problem
 from fo_kernels.schedule import Schedule
 
 
@@ -35,13 +36,19 @@ def _call(
     out_dtype: torch.dtype | None,
 ) -> EngineResult:
     check_tensors(a, b)  # (the ops' schema would refuse them with a RuntimeError)
-    check_scale_types(scale_a, scale_b, out_dtype, a)  # (the ops' schema would refuse a number first)
+    # (the ops' schema would refuse a number as a scale first)
+    problem = scale_type_problem(scale_a, scale_b, out_dtype, a)
+    if problem and not torch.compiler.is_compiling():
+        raise ScaleError(problem)
     if ops.direct_call(a, b, scale_a, scale_b):
         return execute(
             collective, a, b, schedule, group, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
         )
-    # (a refused group or schedule, traced: the op raises its ValueError when the graph runs it)
+    # (a refused group, schedule or scales, traced: the op raises its ValueError when the graph
+    # runs it; Dynamo would make a RuntimeError of a raise here)
     name = group_name(group)
+    if problem:
+        return ops.op(collective)(a, b, name, ops.REFUSED_SCALES + problem, None, None, None)
     return ops.op(collective)(a, b, name, ops.schedule_text(schedule), scale_a, scale_b, out_dtype)
 
 

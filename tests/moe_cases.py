@@ -314,6 +314,7 @@ def bad_inputs(group, rank: int, world: int) -> dict[str, str]:
         "w13_hidden": dict(w13=torch.randn(2, 9, 6)),
         "w13_odd": dict(w13=torch.randn(2, 8, 5)),
         "w2_shape": dict(w2=torch.randn(2, 4, 8)),
+        "no_experts": dict(w13=torch.randn(0, 8, 6), w2=torch.randn(0, 3, 8)),
         "dtype_mixed": dict(w13=torch.randn(2, 8, 6, dtype=torch.float64)),
         "x_int": dict(x=torch.zeros(3, 8, dtype=torch.int32)),
         "x_3d": dict(x=torch.randn(3, 8, 1)),

@@ -83,7 +83,8 @@ def test_check_scales_tells_tensorwise_from_rowwise():
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_python_number_as_a_scale_is_a_scale_error(op, grad):
     """A Python float as a scale, or a string as out_dtype, is a ScaleError naming it (no process
-    group needed: it is refused before any collective), not the custom op schema's RuntimeError;
+    group needed: it is refused before any collective), eagerly and compiled, not the custom op
+    schema's RuntimeError nor Dynamo's;
     with a scale that requires a gradient the call goes through the dispatcher, which would refuse
     it first (and would run a meta scale's fake implementation: a scale on another device is a
     ScaleError too)."""
@@ -98,6 +99,14 @@ def test_a_python_number_as_a_scale_is_a_scale_error(op, grad):
     # a meta scale beside CPU operands: through the dispatcher it ran the fake implementation
     with pytest.raises(ScaleError, match="scale_b is on meta but the operands are on cpu"):
         op(a, b, scale_a=other, scale_b=torch.ones((), device="meta"))
+    # traced (torch.compile, fullgraph): the same ScaleError when the graph runs, not Dynamo's
+    # RuntimeError of a raise inside its trace (with a gradient, its backward is traced too)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda a, b, s: op(a, b, scale_a=1.0, scale_b=s), fullgraph=True, backend="aot_eager"
+    )
+    with pytest.raises(ScaleError, match="scale_a is a float; scales are float32 tensors"):
+        compiled(a, b, other)
 
 
 def test_ops_at_world_size_one_and_their_fake_implementations(tmp_path):

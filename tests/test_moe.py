@@ -134,6 +134,7 @@ def _check_bad(msgs: dict, where: str) -> None:
     assert "must agree" in msgs["dtype_mixed"] and "bfloat16" in msgs["x_int"]
     assert "(T, H)" in msgs["x_3d"] and "MoeSchedule" in msgs["schedule_type"]
     assert "H >= 1" in msgs["x_no_width"], msgs["x_no_width"]
+    assert "holds no experts" in msgs["no_experts"], msgs["no_experts"]
     assert msgs["x_fp8"].startswith("ShapeError: x is torch.float8_e4m3fn"), msgs["x_fp8"]
     assert msgs["schedule_tokens"].startswith("ScheduleError: problem:")
     assert "the ranks' calls disagree" in msgs["ranks_disagree"], msgs["ranks_disagree"]

@@ -93,10 +93,15 @@ def check_call(
             f"{tuple(w13.shape)}"
         )
     inter = i2 // 2
-    if experts == 0 or tuple(w2.shape) != (experts, inter, hidden):
+    if experts == 0:
+        raise ShapeError(
+            f"w13 {tuple(w13.shape)} holds no experts: every rank holds E_local >= 1 of them (its "
+            "experts [rank x E_local, (rank + 1) x E_local) of the E = world size x E_local)"
+        )
+    if tuple(w2.shape) != (experts, inter, hidden):
         raise ShapeError(
             f"w2 must be (E_local, I, H) = ({experts}, {inter}, {hidden}) to match w13 {tuple(w13.shape)}"
-            f" and x; got {tuple(w2.shape)} (and E_local >= 1)"
+            f" and x; got {tuple(w2.shape)}"
         )
     if x.dtype not in FFN_DTYPES:
         raise ShapeError(f"x is {x.dtype}; use bfloat16, float16 or float32 (float64 without a schedule)")
