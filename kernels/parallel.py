@@ -45,6 +45,7 @@ async-TP switches with them.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import warnings
 from collections.abc import Mapping
 
@@ -155,11 +156,27 @@ class _Fp8Option:
         return super()._apply(module, device_mesh)
 
 
+def _signature(torch_style: type) -> inspect.Signature:
+    """``torch_style.__init__``'s signature (this torch's: its keyword arguments, their defaults and
+    annotations) with the ``fp8`` keyword added, for a style's ``__init__``: ``inspect.signature``,
+    ``help()`` and editors show torch's arguments rather than ``**torch_args``."""
+    sig = inspect.signature(torch_style.__init__)
+    params = list(sig.parameters.values())
+    fp8 = inspect.Parameter("fp8", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="str | None")
+    at = next((i for i, q in enumerate(params) if q.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    return sig.replace(parameters=[*params[:at], fp8, *params[at:]])
+
+
 class ColwiseParallel(_Fp8Option, TorchColwiseParallel):
     """torch's ``ColwiseParallel`` (same arguments, same parameters) on fo-tune's ops, with an
     ``fp8`` option for inference; see the module docstring for what runs where."""
 
     kind = COLWISE
+
+    def __init__(self, *, fp8: str | None = None, **torch_args: object) -> None:
+        super().__init__(fp8=fp8, **torch_args)
+
+    __init__.__signature__ = _signature(TorchColwiseParallel)
 
     def _layout_blocker(self) -> str:
         """Why fo-tune cannot run this style's layouts ("" when it can)."""
@@ -185,6 +202,11 @@ class RowwiseParallel(_Fp8Option, TorchRowwiseParallel):
     ``fp8`` option for inference; see the module docstring for what runs where."""
 
     kind = ROWWISE
+
+    def __init__(self, *, fp8: str | None = None, **torch_args: object) -> None:
+        super().__init__(fp8=fp8, **torch_args)
+
+    __init__.__signature__ = _signature(TorchRowwiseParallel)
 
     def _layout_blocker(self) -> str:
         """Why fo-tune cannot run this style's layouts ("" when it can)."""

@@ -115,6 +115,31 @@ def test_fused_ops_are_importable_beside_the_styles():
         assert name in parallel.__all__, name
 
 
+def test_styles_show_torchs_constructor_arguments_and_fp8():
+    """``inspect.signature`` (``help()``, editors, a checker of the drop-in API) shows torch's own
+    keyword arguments, kinds, defaults and annotations, then ``fp8``: not ``**torch_args``."""
+    import inspect
+
+    from torch.distributed.tensor import parallel as torch_tp
+
+    from fo_kernels import parallel as fo_tp
+
+    for ours, theirs in (
+        (fo_tp.ColwiseParallel, torch_tp.ColwiseParallel),
+        (fo_tp.RowwiseParallel, torch_tp.RowwiseParallel),
+    ):
+        want = list(inspect.signature(theirs).parameters.values())
+        got = list(inspect.signature(ours).parameters.values())
+        assert got[: len(want)] == want, (ours, got)
+        assert [(p.name, p.kind, p.default) for p in got[len(want) :]] == [
+            ("fp8", inspect.Parameter.KEYWORD_ONLY, None)
+        ], got
+        defaults = {p.name: p.default for p in want}
+        assert repr(ours(**defaults)) == repr(theirs(**defaults)), ours
+        with pytest.raises(TypeError, match="input_layout"):
+            ours(input_layout=None)
+
+
 def test_parallelize_linears_refuses_a_module_two_patterns_give_other_kinds():
     """A module matched by a "column" and a "row" pattern is a PlanError naming both patterns,
     raised before any module is sharded (no process group needed to see it)."""
