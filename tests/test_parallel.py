@@ -115,6 +115,34 @@ def test_fused_ops_are_importable_beside_the_styles():
         assert name in parallel.__all__, name
 
 
+def test_fused_ops_take_the_arguments_torchs_op_schemas_name():
+    """Each fused function's parameters are its torch op's schema arguments (names, order,
+    keyword-only ``return_A`` and its default), so a call by keyword switches by import too."""
+    import inspect
+
+    import torch
+    from torch.distributed import _symmetric_memory  # noqa: F401 (defines torch.ops.symm_mem)
+
+    from fo_kernels import symm_mem
+
+    for name in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"):
+        schema = getattr(torch.ops.symm_mem, name).default._schema
+        want = [
+            (a.name, a.kwarg_only, a.default_value if a.has_default_value() else None)
+            for a in schema.arguments
+        ]
+        params = inspect.signature(getattr(symm_mem, name)).parameters.values()
+        got = [
+            (
+                p.name,
+                p.kind is inspect.Parameter.KEYWORD_ONLY,
+                None if p.default is inspect.Parameter.empty else p.default,
+            )
+            for p in params
+        ]
+        assert got == want, (name, got, want)
+
+
 def test_styles_show_torchs_constructor_arguments_and_fp8():
     """``inspect.signature`` (``help()``, editors, a checker of the drop-in API) shows torch's own
     keyword arguments, kinds, defaults and annotations, then ``fp8``: not ``**torch_args``."""
