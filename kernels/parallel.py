@@ -148,12 +148,15 @@ class _Fp8Option:
             )
 
     def _torch_or_refuse(self, module: nn.Module, device_mesh: DeviceMesh, reason: str) -> nn.Module:
-        """torch's style for a module fo-tune cannot run, with a warning; an fp8 style raises
-        ``PlanError`` instead (torch's style has no fp8 GEMM: it would run unquantized)."""
+        """torch's style for a module fo-tune cannot run, with a warning once torch's style took it
+        (a module torch's styles refuse, neither an ``nn.Linear`` nor an ``nn.Embedding``, raises
+        torch's ``NotImplementedError`` alone); an fp8 style raises ``PlanError`` instead (torch's
+        style has no fp8 GEMM: it would run unquantized)."""
         if self.fp8 is not None:
             raise PlanError(f"{self!r} cannot run on {type(module).__name__}: {reason}")
+        module = super()._apply(module, device_mesh)
         _warn(self, module, f"{reason}; it runs as torch's style")
-        return super()._apply(module, device_mesh)
+        return module
 
 
 def _signature(torch_style: type) -> inspect.Signature:

@@ -168,6 +168,37 @@ def test_styles_show_torchs_constructor_arguments_and_fp8():
             ours(input_layout=None)
 
 
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_module_torchs_styles_refuse_raises_torchs_error_without_a_fallback_warning(one_rank):
+    """A style on a module neither nn.Linear nor nn.Embedding (a plan's wildcard that reaches a
+    norm) raises torch's NotImplementedError, as torch's style does, with no warning that it
+    "runs as torch's style" (under -W error that warning replaced torch's error)."""
+    import warnings
+
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fo_kernels import parallel as fo_tp
+
+    mesh = init_device_mesh("cpu", (1,))
+    for style in (fo_tp.ColwiseParallel(), fo_tp.RowwiseParallel()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(NotImplementedError, match=r"only support nn\.Linear and nn\.Embedding"):
+                parallelize_module(nn.LayerNorm(4), mesh, style)
+
+
 def test_parallelize_linears_refuses_a_module_two_patterns_give_other_kinds():
     """A module matched by a "column" and a "row" pattern is a PlanError naming both patterns,
     raised before any module is sharded (no process group needed to see it)."""
