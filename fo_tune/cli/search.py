@@ -199,7 +199,10 @@ def _print_summary(result: SearchResult, written: list[Path]) -> None:
             markup=False,
             highlight=False,
         )
+    from fo_tune.calibrate.extrapolate import basis_for
+
     basis = r.calibration.basis if r.calibration is not None and r.mode == "predict" else ""
+    basis = basis_for(basis, r.collective)
     if basis:
         note = f"basis: {basis} (predicted rows; no measured error yet)"
         console.print(note, markup=False, highlight=False)
