@@ -199,6 +199,40 @@ def test_a_module_torchs_styles_refuse_raises_torchs_error_without_a_fallback_wa
                 parallelize_module(nn.LayerNorm(4), mesh, style)
 
 
+def test_a_module_first_called_compiled_warns_once_where_it_runs_as_torchs_style(one_rank):
+    """A module whose first call is compiled (fullgraph) and runs as torch's style (an empty
+    input) gives its one NotOverlappedWarning as torch.compile traces it, none after; the
+    output is torch's style's. (It gave none: Dynamo traces no warnings.warn.)"""
+    import warnings
+
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import parallel as torch_tp
+
+    from fo_kernels import NotOverlappedWarning
+    from fo_kernels import parallel as fo_tp
+
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    ours, theirs = nn.Linear(4, 6), nn.Linear(4, 6)
+    theirs.load_state_dict(ours.state_dict())
+    torch_tp.parallelize_module(ours, mesh, fo_tp.ColwiseParallel())
+    torch_tp.parallelize_module(theirs, mesh, torch_tp.ColwiseParallel())
+    x = torch.randn(0, 4)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    got, texts = [], []
+    for call in (compiled, compiled, ours):  # (the eager call after: no second warning)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got.append(call(x))
+        texts.append([str(w.message) for w in seen if issubclass(w.category, NotOverlappedWarning)])
+    assert [len(t) for t in texts] == [1, 0, 0] and "runs as torch's style does" in texts[0][0], texts
+    want = theirs(x)
+    assert all(g.shape == want.shape == (0, 6) for g in got)
+
+
 def test_parallelize_linears_refuses_a_module_two_patterns_give_other_kinds():
     """A module matched by a "column" and a "row" pattern is a PlanError naming both patterns,
     raised before any module is sharded (no process group needed to see it)."""
