@@ -141,9 +141,23 @@ def _reference_why(a: torch.Tensor, bs: list[torch.Tensor], d: int) -> Callable[
 
 
 def _not_overlapped(why: Callable[[], str]) -> None:
-    """Warn that a call runs as torch's reference, saying ``why()`` (not traced by torch.compile)."""
-    if not torch.compiler.is_compiling():
-        warnings.warn(f"fo_kernels.symm_mem: {why()}; it runs as torch's reference", NotOverlappedWarning, 3)
+    """Warn that a call runs as torch's reference, saying ``why()`` (a callable: it may format
+    shapes); once per trace where torch.compile traces the call, with a constant text."""
+    if torch.compiler.is_compiling():
+        _warn_while_tracing(
+            "fo_kernels.symm_mem: a call runs as torch's reference (seen as torch.compile traced it)"
+        )
+        return
+    warnings.warn(f"fo_kernels.symm_mem: {why()}; it runs as torch's reference", NotOverlappedWarning, 3)
+
+
+@torch.compiler.assume_constant_result
+def _warn_while_tracing(text: str) -> bool:
+    """Warn ``text`` as torch.compile traces the call (Dynamo runs a function marked
+    ``assume_constant_result`` at trace time and keeps its result as a constant: it traces no
+    ``warnings.warn``, which would break the graph)."""
+    warnings.warn(text, NotOverlappedWarning, stacklevel=2)
+    return True
 
 
 def _operand(b: torch.Tensor) -> torch.Tensor:

@@ -233,6 +233,35 @@ def test_a_module_first_called_compiled_warns_once_where_it_runs_as_torchs_style
     assert all(g.shape == want.shape == (0, 6) for g in got)
 
 
+def test_a_compiled_fused_call_that_runs_as_torchs_reference_warns(one_rank):
+    """A fused call torch.compile traces (fullgraph) that runs as torch's reference (a gather of
+    the features) warns as it is traced, where it gave no warning at all; its result is the
+    reference's."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import _symmetric_memory as torch_symm
+
+    from fo_kernels import NotOverlappedWarning, symm_mem
+
+    name = dist.group.WORLD.group_name
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda a, b: symm_mem.fused_all_gather_matmul(a, [b], -1, name)[1][0],
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = compiled(a, b)
+    texts = [str(w.message) for w in seen if issubclass(w.category, NotOverlappedWarning)]
+    assert len(texts) == 1 and "runs as torch's reference" in texts[0], texts
+    want = torch_symm._fused_all_gather_matmul_fallback(a, [b], -1, name)[1][0]
+    torch.testing.assert_close(got, want)
+
+
 def test_parallelize_linears_refuses_a_module_two_patterns_give_other_kinds():
     """A module matched by a "column" and a "row" pattern is a PlanError naming both patterns,
     raised before any module is sharded (no process group needed to see it)."""
