@@ -166,6 +166,13 @@ def test_demo_fp8_shape_off_16_is_one_line_exit_2(runner, engine, shape):
     assert result.stdout == "", result.stdout
 
 
+def test_an_echoed_argument_is_printed_as_given_not_as_an_emoji(runner):
+    """A refused --m-range of 100:100 is echoed as typed: Rich printed its ":100:" as an emoji."""
+    args = ["search", "--mode", "predict", "-w", "8", "--shape", "8192x8192x3584", "-c", "reduce_scatter"]
+    line = assert_one_line_error(runner.invoke(app, [*args, "--m-range", "100:100"]))
+    assert "--m-range 100:100: reduce_scatter needs LO and HI divisible by the world size 8" in line, line
+
+
 @pytest.mark.parametrize("shape", ["12x0x5", "abc", "12x5", "-1x2x3"])
 def test_demo_bad_shape_is_one_line_exit_2(runner, shape):
     line = assert_one_line_error(runner.invoke(app, ["demo", "--shape", shape]))
