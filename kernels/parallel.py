@@ -45,6 +45,7 @@ async-TP switches with them.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import warnings
 from collections.abc import Mapping
 
@@ -147,12 +148,26 @@ class _Fp8Option:
             )
 
     def _torch_or_refuse(self, module: nn.Module, device_mesh: DeviceMesh, reason: str) -> nn.Module:
-        """torch's style for a module fo-tune cannot run, with a warning; an fp8 style raises
-        ``PlanError`` instead (torch's style has no fp8 GEMM: it would run unquantized)."""
+        """torch's style for a module fo-tune cannot run, with a warning once torch's style took it
+        (a module torch's styles refuse, neither an ``nn.Linear`` nor an ``nn.Embedding``, raises
+        torch's ``NotImplementedError`` alone); an fp8 style raises ``PlanError`` instead (torch's
+        style has no fp8 GEMM: it would run unquantized)."""
         if self.fp8 is not None:
             raise PlanError(f"{self!r} cannot run on {type(module).__name__}: {reason}")
+        module = super()._apply(module, device_mesh)
         _warn(self, module, f"{reason}; it runs as torch's style")
-        return super()._apply(module, device_mesh)
+        return module
+
+
+def _signature(torch_style: type) -> inspect.Signature:
+    """``torch_style.__init__``'s signature (this torch's: its keyword arguments, their defaults and
+    annotations) with the ``fp8`` keyword added, for a style's ``__init__``: ``inspect.signature``,
+    ``help()`` and editors show torch's arguments rather than ``**torch_args``."""
+    sig = inspect.signature(torch_style.__init__)
+    params = list(sig.parameters.values())
+    fp8 = inspect.Parameter("fp8", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="str | None")
+    at = next((i for i, q in enumerate(params) if q.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    return sig.replace(parameters=[*params[:at], fp8, *params[at:]])
 
 
 class ColwiseParallel(_Fp8Option, TorchColwiseParallel):
@@ -160,6 +175,11 @@ class ColwiseParallel(_Fp8Option, TorchColwiseParallel):
     ``fp8`` option for inference; see the module docstring for what runs where."""
 
     kind = COLWISE
+
+    def __init__(self, *, fp8: str | None = None, **torch_args: object) -> None:
+        super().__init__(fp8=fp8, **torch_args)
+
+    __init__.__signature__ = _signature(TorchColwiseParallel)
 
     def _layout_blocker(self) -> str:
         """Why fo-tune cannot run this style's layouts ("" when it can)."""
@@ -185,6 +205,11 @@ class RowwiseParallel(_Fp8Option, TorchRowwiseParallel):
     ``fp8`` option for inference; see the module docstring for what runs where."""
 
     kind = ROWWISE
+
+    def __init__(self, *, fp8: str | None = None, **torch_args: object) -> None:
+        super().__init__(fp8=fp8, **torch_args)
+
+    __init__.__signature__ = _signature(TorchRowwiseParallel)
 
     def _layout_blocker(self) -> str:
         """Why fo-tune cannot run this style's layouts ("" when it can)."""

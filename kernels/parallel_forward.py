@@ -261,14 +261,27 @@ def _input_why(x: torch.Tensor, weight: torch.Tensor) -> str:
     return f"input {x.dtype}, weight {weight.dtype} (the ops take one of bfloat16, float16, float32)"
 
 
-def _warn_once(module: nn.Linear, attr: str, message: Callable[[], str]) -> None:
-    """One ``NotOverlappedWarning`` per module and ``attr`` (the module's flag that it was given),
-    from an eager call: torch.compile traces no warning, so ``message`` is a callable, called once."""
-    if torch.compiler.is_compiling() or getattr(module, attr, False):
+def _warn_once(module: nn.Linear, attr: str, message: Callable[[], str], traced: str) -> None:
+    """One ``NotOverlappedWarning`` per module and ``attr`` (the module's flag that it was given):
+    ``message()`` from an eager call (a callable, called once: it may format shapes), ``traced``
+    (a constant text) from torch.compile's trace of a module whose first call is compiled."""
+    if getattr(module, attr, False):
         return
     setattr(module, attr, True)
+    if torch.compiler.is_compiling():
+        _warn_while_tracing(f"fo_kernels.parallel: {traced} (seen as torch.compile traced it)")
+        return
     # (the frame that called the forward: past this function, its caller and the forward)
     warnings.warn(f"fo_kernels.parallel: {message()}", NotOverlappedWarning, stacklevel=4)
+
+
+@torch.compiler.assume_constant_result
+def _warn_while_tracing(text: str) -> bool:
+    """Warn ``text`` once as torch.compile traces the call (Dynamo runs a function marked
+    ``assume_constant_result`` at trace time and keeps its result as a constant: it traces no
+    ``warnings.warn``, which would break the graph)."""
+    warnings.warn(text, NotOverlappedWarning, stacklevel=2)
+    return True
 
 
 def torch_forward(
@@ -283,11 +296,8 @@ def torch_forward(
             f"an fp8 {plan.kind} {type(module).__name__} runs on fo-tune's ops only (torch's style has "
             f"no fp8 GEMM), which cannot take {why()}"
         )
-    _warn_once(
-        module,
-        WARNED_ATTR,
-        lambda: f"a {plan.kind} {type(module).__name__} runs as torch's style does, not overlapped: {why()}",
-    )
+    runs = f"a {plan.kind} {type(module).__name__} runs as torch's style does, not overlapped"
+    _warn_once(module, WARNED_ATTR, lambda: f"{runs}: {why()}", runs)
     style = TORCH_STYLES[plan.kind]
     x = style._prepare_input_fn(plan.input_layouts, DESIRED_INPUT[plan.kind], module, (x,), plan.mesh)
     y = F.linear(x, module.weight, module.bias)
@@ -381,6 +391,8 @@ def _colwise_output(module: nn.Linear, y: torch.Tensor, plan: LinearPlan) -> tor
                 f"a colwise {type(module).__name__}'s output_layouts={want!r} of a {y.dim()}-dim output "
                 "is made from its features (Shard(-1)) by DTensor, as torch's style does"
             ),
+            f"a colwise {type(module).__name__}'s output is made from its features (Shard(-1)) by DTensor, "
+            "as torch's style does",
         )
     shape = (*y.shape[:-1], module.out_features)
     out = DTensor.from_local(

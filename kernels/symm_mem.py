@@ -5,8 +5,8 @@ A caller of torch's async-TP ops switches by import:
     torch.ops.symm_mem.fused_all_gather_matmul(A, Bs, gather_dim, group_name, return_A=True)
     fo_kernels.symm_mem.fused_all_gather_matmul(A, Bs, gather_dim, group_name, return_A=True)
 
-    fused_all_gather_matmul(A_shard, Bs, gather_dim, group_name, *, return_A=True)
-        -> (A or None, [A @ B for B in Bs]), A = all_gather(A_shard) on gather_dim
+    fused_all_gather_matmul(A, Bs, gather_dim, group_name, *, return_A=True)
+        -> (A_full or None, [A_full @ B for B in Bs]), A_full = all_gather(A) on gather_dim
     fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name)
         -> reduce_scatter(A @ B) on scatter_dim, reduce_op "sum" or "avg"
 
@@ -141,9 +141,23 @@ def _reference_why(a: torch.Tensor, bs: list[torch.Tensor], d: int) -> Callable[
 
 
 def _not_overlapped(why: Callable[[], str]) -> None:
-    """Warn that a call runs as torch's reference, saying ``why()`` (not traced by torch.compile)."""
-    if not torch.compiler.is_compiling():
-        warnings.warn(f"fo_kernels.symm_mem: {why()}; it runs as torch's reference", NotOverlappedWarning, 3)
+    """Warn that a call runs as torch's reference, saying ``why()`` (a callable: it may format
+    shapes); once per trace where torch.compile traces the call, with a constant text."""
+    if torch.compiler.is_compiling():
+        _warn_while_tracing(
+            "fo_kernels.symm_mem: a call runs as torch's reference (seen as torch.compile traced it)"
+        )
+        return
+    warnings.warn(f"fo_kernels.symm_mem: {why()}; it runs as torch's reference", NotOverlappedWarning, 3)
+
+
+@torch.compiler.assume_constant_result
+def _warn_while_tracing(text: str) -> bool:
+    """Warn ``text`` as torch.compile traces the call (Dynamo runs a function marked
+    ``assume_constant_result`` at trace time and keeps its result as a constant: it traces no
+    ``warnings.warn``, which would break the graph)."""
+    warnings.warn(text, NotOverlappedWarning, stacklevel=2)
+    return True
 
 
 def _operand(b: torch.Tensor) -> torch.Tensor:
@@ -152,30 +166,31 @@ def _operand(b: torch.Tensor) -> torch.Tensor:
 
 
 def fused_all_gather_matmul(
-    A_shard: torch.Tensor,
+    A: torch.Tensor,
     Bs: list[torch.Tensor],
     gather_dim: int,
     group_name: str | dist.ProcessGroup,
     *,
     return_A: bool = True,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-    """``all_gather(A_shard, gather_dim) @ B`` for each B of ``Bs``, with the gather overlapped
+    """``all_gather(A, gather_dim) @ B`` for each B of ``Bs`` (``A`` this rank's shard, named as
+    torch's op schema names it, so a call by keyword switches too), with the gather overlapped
     with the GEMM (``all_gather_gemm``); returns (the gathered A if ``return_A`` else None, the
     products). See the module docstring."""
-    _check_a(A_shard)
+    _check_a(A)
     if isinstance(Bs, torch.Tensor) or not isinstance(Bs, list | tuple):
         raise ShapeError(f"Bs must be a list of (K, N) matrices, got {type(Bs).__name__}")
-    d = _dim(gather_dim, A_shard.dim(), "gather_dim")
+    d = _dim(gather_dim, A.dim(), "gather_dim")
     name, world = _world(group_name)
-    k = A_shard.shape[-1] * (world if d == A_shard.dim() - 1 else 1)
+    k = A.shape[-1] * (world if d == A.dim() - 1 else 1)
     for i, b in enumerate(Bs):
-        _check_b(A_shard, b, f"Bs[{i}]", k)
-    _check_not_fp8("fused_all_gather_matmul", A_shard, Bs)
-    why = _reference_why(A_shard, Bs, d)
+        _check_b(A, b, f"Bs[{i}]", k)
+    _check_not_fp8("fused_all_gather_matmul", A, Bs)
+    why = _reference_why(A, Bs, d)
     if why is not None:
         _not_overlapped(why)
-        return _gather_then_matmul(A_shard, Bs, d, name, world, return_A)
-    moved = A_shard.movedim(d, 0)
+        return _gather_then_matmul(A, Bs, d, name, world, return_A)
+    moved = A.movedim(d, 0)
     lead = moved.shape[:-1]
     b = _operand(Bs[0] if len(Bs) == 1 else torch.cat(list(Bs), dim=1))
     out, gathered = call_op("all_gather", moved.reshape(-1, moved.shape[-1]), b, name)

@@ -552,7 +552,8 @@ def _fused_edges(gen: torch.Generator, world: int, name: str) -> dict[str, float
     want_a, want = torch_symm._fused_all_gather_matmul_fallback(a, [], 0, name)
     errs["ag no Bs"] = err(got_a, want_a) if got == want == [] else float("inf")
     a, b = torch.randn(2 * world, 3, 8, generator=gen), torch.randn(8, 4, generator=gen)
-    got = symm_mem.fused_all_gather_matmul(a, [b], 1, group)[1][0]
+    # (by keyword, as torch's op schema names the arguments)
+    got = symm_mem.fused_all_gather_matmul(A=a, Bs=[b], gather_dim=1, group_name=group, return_A=False)[1][0]
     errs["ag group"] = err(got, torch_symm._fused_all_gather_matmul_fallback(a, [b], 1, name)[1][0])
     got = symm_mem.fused_matmul_reduce_scatter(a, b, "avg", 0, group)
     errs["rs group"] = err(got, torch_symm._fused_matmul_reduce_scatter_fallback(a, b, "avg", 0, name))

@@ -166,6 +166,26 @@ def test_demo_fp8_shape_off_16_is_one_line_exit_2(runner, engine, shape):
     assert result.stdout == "", result.stdout
 
 
+def test_an_echoed_argument_is_printed_as_given_not_as_an_emoji(runner):
+    """A refused --m-range of 100:100 is echoed as typed: Rich printed its ":100:" as an emoji."""
+    args = ["search", "--mode", "predict", "-w", "8", "--shape", "8192x8192x3584", "-c", "reduce_scatter"]
+    line = assert_one_line_error(runner.invoke(app, [*args, "--m-range", "100:100"]))
+    assert "--m-range 100:100: reduce_scatter needs LO and HI divisible by the world size 8" in line, line
+
+
+def test_paths_with_brackets_are_printed_as_they_are(runner, tmp_path):
+    """An --out folder whose name holds Rich's markup ("[red]", "[/]") is printed as it is: "[red]"
+    was dropped from the table and report paths, and "[/]" ended the search in an internal error
+    (exit 1) after its tables were written."""
+    for name in ("x[red]y", "q[/]z"):
+        out = tmp_path / name
+        args = ["search", "--mode", "predict", "-w", "8", "--shape", "8192x8192x3584", "-c", "reduce_scatter"]
+        result = runner.invoke(app, [*args, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        lines = [line for line in result.stdout.splitlines() if line.startswith(("table ", "report "))]
+        assert len(lines) == 2 and all(f"{out}/" in line for line in lines), result.stdout
+
+
 @pytest.mark.parametrize("shape", ["12x0x5", "abc", "12x5", "-1x2x3"])
 def test_demo_bad_shape_is_one_line_exit_2(runner, shape):
     line = assert_one_line_error(runner.invoke(app, ["demo", "--shape", shape]))

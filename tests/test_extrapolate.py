@@ -173,10 +173,15 @@ def test_tp4_plans_every_collective_with_both_engines(tmp_path):
 
     runs = json.loads(r.stdout)["runs"]
     assert [run["request"]["collective"] for run in runs] == ["all_reduce", "reduce_scatter", "all_gather"]
+    derived = "all_gather from reduce_scatter's curve"
     for run in runs:
         (shape,) = run["shapes"]
-        assert shape["engines"] == ["triton", "copy_engine"], run["request"]["collective"]
+        collective = run["request"]["collective"]
+        assert shape["engines"] == ["triton", "copy_engine"], collective
         assert shape["row"]["basis"].startswith(BASIS) and shape["baseline"]["source"] == "predicted"
+        # the all_gather curve taken from reduce_scatter's is what the all_gather plan alone rests on
+        for basis in (shape["row"]["basis"], run["request"]["basis"]):
+            assert (derived in basis) == (collective == "all_gather"), (collective, basis)
 
 
 def test_a_given_tp2_calibration_is_extrapolated_too(tmp_path, h200):

@@ -115,6 +115,153 @@ def test_fused_ops_are_importable_beside_the_styles():
         assert name in parallel.__all__, name
 
 
+def test_fused_ops_take_the_arguments_torchs_op_schemas_name():
+    """Each fused function's parameters are its torch op's schema arguments (names, order,
+    keyword-only ``return_A`` and its default), so a call by keyword switches by import too."""
+    import inspect
+
+    import torch
+    from torch.distributed import _symmetric_memory  # noqa: F401 (defines torch.ops.symm_mem)
+
+    from fo_kernels import symm_mem
+
+    for name in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"):
+        schema = getattr(torch.ops.symm_mem, name).default._schema
+        want = [
+            (a.name, a.kwarg_only, a.default_value if a.has_default_value() else None)
+            for a in schema.arguments
+        ]
+        params = inspect.signature(getattr(symm_mem, name)).parameters.values()
+        got = [
+            (
+                p.name,
+                p.kind is inspect.Parameter.KEYWORD_ONLY,
+                None if p.default is inspect.Parameter.empty else p.default,
+            )
+            for p in params
+        ]
+        assert got == want, (name, got, want)
+
+
+def test_styles_show_torchs_constructor_arguments_and_fp8():
+    """``inspect.signature`` (``help()``, editors, a checker of the drop-in API) shows torch's own
+    keyword arguments, kinds, defaults and annotations, then ``fp8``: not ``**torch_args``."""
+    import inspect
+
+    from torch.distributed.tensor import parallel as torch_tp
+
+    from fo_kernels import parallel as fo_tp
+
+    for ours, theirs in (
+        (fo_tp.ColwiseParallel, torch_tp.ColwiseParallel),
+        (fo_tp.RowwiseParallel, torch_tp.RowwiseParallel),
+    ):
+        want = list(inspect.signature(theirs).parameters.values())
+        got = list(inspect.signature(ours).parameters.values())
+        assert got[: len(want)] == want, (ours, got)
+        assert [(p.name, p.kind, p.default) for p in got[len(want) :]] == [
+            ("fp8", inspect.Parameter.KEYWORD_ONLY, None)
+        ], got
+        defaults = {p.name: p.default for p in want}
+        assert repr(ours(**defaults)) == repr(theirs(**defaults)), ours
+        with pytest.raises(TypeError, match="input_layout"):
+            ours(input_layout=None)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_module_torchs_styles_refuse_raises_torchs_error_without_a_fallback_warning(one_rank):
+    """A style on a module neither nn.Linear nor nn.Embedding (a plan's wildcard that reaches a
+    norm) raises torch's NotImplementedError, as torch's style does, with no warning that it
+    "runs as torch's style" (under -W error that warning replaced torch's error)."""
+    import warnings
+
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fo_kernels import parallel as fo_tp
+
+    mesh = init_device_mesh("cpu", (1,))
+    for style in (fo_tp.ColwiseParallel(), fo_tp.RowwiseParallel()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(NotImplementedError, match=r"only support nn\.Linear and nn\.Embedding"):
+                parallelize_module(nn.LayerNorm(4), mesh, style)
+
+
+def test_a_module_first_called_compiled_warns_once_where_it_runs_as_torchs_style(one_rank):
+    """A module whose first call is compiled (fullgraph) and runs as torch's style (an empty
+    input) gives its one NotOverlappedWarning as torch.compile traces it, none after; the
+    output is torch's style's. (It gave none: Dynamo traces no warnings.warn.)"""
+    import warnings
+
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import parallel as torch_tp
+
+    from fo_kernels import NotOverlappedWarning
+    from fo_kernels import parallel as fo_tp
+
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    ours, theirs = nn.Linear(4, 6), nn.Linear(4, 6)
+    theirs.load_state_dict(ours.state_dict())
+    torch_tp.parallelize_module(ours, mesh, fo_tp.ColwiseParallel())
+    torch_tp.parallelize_module(theirs, mesh, torch_tp.ColwiseParallel())
+    x = torch.randn(0, 4)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    got, texts = [], []
+    for call in (compiled, compiled, ours):  # (the eager call after: no second warning)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got.append(call(x))
+        texts.append([str(w.message) for w in seen if issubclass(w.category, NotOverlappedWarning)])
+    assert [len(t) for t in texts] == [1, 0, 0] and "runs as torch's style does" in texts[0][0], texts
+    want = theirs(x)
+    assert all(g.shape == want.shape == (0, 6) for g in got)
+
+
+def test_a_compiled_fused_call_that_runs_as_torchs_reference_warns(one_rank):
+    """A fused call torch.compile traces (fullgraph) that runs as torch's reference (a gather of
+    the features) warns as it is traced, where it gave no warning at all; its result is the
+    reference's."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import _symmetric_memory as torch_symm
+
+    from fo_kernels import NotOverlappedWarning, symm_mem
+
+    name = dist.group.WORLD.group_name
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda a, b: symm_mem.fused_all_gather_matmul(a, [b], -1, name)[1][0],
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = compiled(a, b)
+    texts = [str(w.message) for w in seen if issubclass(w.category, NotOverlappedWarning)]
+    assert len(texts) == 1 and "runs as torch's reference" in texts[0], texts
+    want = torch_symm._fused_all_gather_matmul_fallback(a, [b], -1, name)[1][0]
+    torch.testing.assert_close(got, want)
+
+
 def test_parallelize_linears_refuses_a_module_two_patterns_give_other_kinds():
     """A module matched by a "column" and a "row" pattern is a PlanError naming both patterns,
     raised before any module is sharded (no process group needed to see it)."""

@@ -57,6 +57,8 @@ NVSWITCH_BOARD_GPUS = 8
 # LL 0.6, 0.47 in older ones; LL128 1.9): the protocol of the MiB-sized buffers a layer's collective
 # moves. For buffers small enough for LL it over-counts by at most 2.8 us a step.
 RING_HOP_LATENCY_MS = 0.0034
+# How a basis names a collective's curve taken from reduce_scatter's ("all_gather" + this).
+DERIVED_CLAUSE = " from reduce_scatter's curve"
 # The ``interconnect`` of a fingerprint with NVLink: ``nvlink<active links>``.
 _NVLINK = re.compile(r"^nvlink(\d+)$")
 
@@ -92,11 +94,20 @@ def basis_text(cal: Calibration, derived: tuple[str, ...] = ()) -> str:
     ``measured_on``, merged with ``--into-sibling``)."""
     text = f"extrapolated from world size {cal.world_size} ({cal.fingerprint.device_key}) and NVLink facts"
     for name in derived:
-        text += f"; {name} from reduce_scatter's curve"
+        text += f"; {name}{DERIVED_CLAUSE}"
     siblings = sibling_devices(cal)
     if siblings:
         text += f"; copy-engine host and chunk-GEMM terms at N peers measured on {', '.join(siblings)}"
     return text
+
+
+def basis_for(basis: str, collective: str) -> str:
+    """``basis`` (a calibration's) as a row or report of ``collective`` states it: without the
+    clause of a curve derived for another collective ("all_gather from reduce_scatter's curve"
+    is what an all_gather plan rests on, not an all_reduce or reduce_scatter one)."""
+    clauses = basis.split("; ") if basis else []
+    derived = {c: c.removesuffix(DERIVED_CLAUSE) for c in clauses if c.endswith(DERIVED_CLAUSE)}
+    return "; ".join(c for c in clauses if derived.get(c, collective) == collective)
 
 
 def sibling_devices(cal: Calibration) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from fo_kernels.errors import FoTuneError
@@ -285,12 +286,15 @@ def _print_summary(result: BenchResult, written: list[Path]) -> None:
         line = f"  {r.collective} {r.shape}: {r.schedule_source or 'no schedule'}: {what}"
         console.print(line, style="dim", markup=False, highlight=False)
     for line in skipped:
-        console.print(f"[yellow]skipped[/] {line}", highlight=False)
+        console.print(f"[yellow]skipped[/] {escape(line)}", highlight=False)
     for line in dict.fromkeys(f"{r.variant}: {r.detail}" for r in result.rows if r.status == "UNAVAILABLE"):
-        console.print(f"[yellow]unavailable[/] {line}", highlight=False)
+        console.print(f"[yellow]unavailable[/] {escape(line)}", highlight=False)
     for r in result.failed:
-        console.print(f"[bold red]FAIL[/] {r.collective} {r.shape} {r.variant}: {r.detail}", highlight=False)
-    console.print(f"[green]wrote[/] {len(written)} files to {written[0].parent}:")
+        console.print(
+            f"[bold red]FAIL[/] {escape(f'{r.collective} {r.shape} {r.variant}: {r.detail}')}",
+            highlight=False,
+        )
+    console.print(f"[green]wrote[/] {len(written)} files to {escape(str(written[0].parent))}:")
     for path in written:
         console.print(f"  {path}", markup=False, highlight=False)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from fo_tune.cli.common import (
@@ -172,7 +173,9 @@ def _print_summary(cal: Calibration, written: list[Path], parts: tuple[str, ...]
         _print_interference(cal, interference_summary(cal))
     if "gemm" in parts:
         console.print(gemm_table(cal.gemm, "GEMM: best tile per shape"))
-    console.print(f"[green]wrote[/] {len(written)} files to {written[0].parent if written else '-'}:")
+    console.print(
+        f"[green]wrote[/] {len(written)} files to {escape(str(written[0].parent)) if written else '-'}:"
+    )
     for path in written:
         console.print(f"  {path}", markup=False, highlight=False)
     kept = sorted(p.name for p in written[0].parent.iterdir() if p not in written) if written else []
@@ -355,7 +358,9 @@ def calibrate(
             assert into is not None
             with finishing(f"kept the measurements, merged into {into}"):
                 save_calibration(merge_into(target, cal, request.selected(), sibling=into_sibling), into)
-            console.print(f"[green]merged[/] {', '.join(request.selected())} into {into}", highlight=False)
+            console.print(
+                f"[green]merged[/] {', '.join(request.selected())} into {escape(str(into))}", highlight=False
+            )
             return
         if earlier is not None:  # the parts not measured keep their numbers and files
             from fo_tune.calibrate.run import merge_into
@@ -423,9 +428,12 @@ def _merge_profiles(
     save_calibration(merged, into)
     points = merged.gemm_dtypes[dtype]
     on = sorted({p.measured_on for p in points if p.measured_on})
-    console.print(gemm_table(points, f"{dtype} GEMM from {folder.name}: best tile per shape"))
+    console.print(gemm_table(points, f"{dtype} GEMM from {escape(folder.name)}: best tile per shape"))
     where = f" (measured on {', '.join(on)}, a sibling GPU)" if on else ""
-    console.print(f"[green]merged[/] {len(points)} {dtype} GEMM points{where} into {into}", highlight=False)
+    console.print(
+        f"[green]merged[/] {len(points)} {dtype} GEMM points{escape(where)} into {escape(str(into))}",
+        highlight=False,
+    )
 
 
 def register(app: typer.Typer) -> None:

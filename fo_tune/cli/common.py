@@ -67,8 +67,9 @@ class _Console(Console):
         Console.size.fset(self, new_size)  # type: ignore[attr-defined]
 
 
-console = _Console()
-err_console = _Console(stderr=True, highlight=False, soft_wrap=True)
+# emoji=False: Rich would print an echoed ":100:" (--m-range 100:100) or any ":name:" as an emoji
+console = _Console(emoji=False)
+err_console = _Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 DEBUG_ENV = "FO_TUNE_DEBUG"
 EXIT_BAD_INPUT = 2

@@ -383,7 +383,7 @@ def fit(
                 for line in unpriced_lines(rows):
                     console.print(f"  {line}", markup=False, highlight=False)
                 console.print(f"  {label}: {error_line(rows)}", markup=False, highlight=False)
-    console.print(f"[green]wrote[/] {target}", highlight=False)
+    console.print(f"[green]wrote[/] {escape(str(target))}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from fo_tune.cli.common import (
     DTYPE_NAMES,
@@ -181,7 +182,7 @@ def _print_ranking(points, shape: str, device_key: str, path: Path) -> None:
         console.print(f"[yellow]skipped[/] {len(skipped)}:")
         for p in skipped:
             console.print(f"  {p.tile} r={p.sms_free}: {p.status}", markup=False, highlight=False)
-    console.print(f"[green]wrote[/] {path}")
+    console.print(f"[green]wrote[/] {escape(str(path))}")
 
 
 def _print_grids(rows, shape: str, path: Path) -> None:
@@ -201,7 +202,7 @@ def _print_grids(rows, shape: str, path: Path) -> None:
             fmt(g.over_share, ".3f"),
         )
     console.print(table)
-    console.print(f"[green]wrote[/] {path}")
+    console.print(f"[green]wrote[/] {escape(str(path))}")
 
 
 @handle_errors

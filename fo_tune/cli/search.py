@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
+from rich.markup import escape
 
 from fo_tune.cli.common import (
     COLLECTIVE_NAMES,
@@ -199,14 +200,18 @@ def _print_summary(result: SearchResult, written: list[Path]) -> None:
             markup=False,
             highlight=False,
         )
+    from fo_tune.calibrate.extrapolate import basis_for
+
     basis = r.calibration.basis if r.calibration is not None and r.mode == "predict" else ""
+    basis = basis_for(basis, r.collective)
     if basis:
         note = f"basis: {basis} (predicted rows; no measured error yet)"
         console.print(note, markup=False, highlight=False)
     if result.table is not None:
-        console.print(f"[green]table[/] {result.table}", highlight=False)
+        console.print(f"[green]table[/] {escape(str(result.table))}", highlight=False)
     console.print(
-        f"[green]report[/] {written[0].parent if written else '-'} ({result.wall_s:.1f} s)", highlight=False
+        f"[green]report[/] {escape(str(written[0].parent)) if written else '-'} ({result.wall_s:.1f} s)",
+        highlight=False,
     )
 
 

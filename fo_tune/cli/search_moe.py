@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
+from rich.markup import escape
 
 from fo_tune.cli.common import console, fmt, json_text, summary_table
 
@@ -112,7 +113,7 @@ def run_moe_search(
         typer.echo(json_text(summary))
         return
     _print(plan, model.basis, path, cal.fingerprint.device_key, world_size, dtype)
-    console.print(f"[green]report[/] {report}", highlight=False)
+    console.print(f"[green]report[/] {escape(str(report))}", highlight=False)
 
 
 def _write_summary(summary: dict, report: Path) -> None:
@@ -152,4 +153,4 @@ def _print(plan: MoePlan, basis: str, path: Path, device_key: str, world_size: i
     for name, why in plan.skipped.items():
         console.print(f"engine {name} not searched: {why}", highlight=False, markup=False)
     console.print(f"basis: {basis}", highlight=False, markup=False)
-    console.print(f"[green]table[/] {path}", highlight=False)
+    console.print(f"[green]table[/] {escape(str(path))}", highlight=False)

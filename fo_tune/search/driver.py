@@ -37,6 +37,7 @@ from fo_kernels.errors import FoTuneError, TableError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
 from fo_kernels.table import ScheduleTable, load_table, table_path
+from fo_tune.calibrate.extrapolate import basis_for
 from fo_tune.engines import ShapeTask, cost_model, get_tuner
 from fo_tune.model import CostModel
 from fo_tune.output import Reporter, SilentReporter
@@ -404,6 +405,7 @@ def make_row(
     }
     # a predicted row says what its model rests on where that is not this machine's measurements
     basis = request.calibration.basis if request.mode == "predict" and request.calibration else ""
+    basis = basis_for(basis, request.collective)
     chosen = verdict.chosen
     if chosen is None:
         from fo_kernels.schedule import Problem

@@ -39,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from fo_tune.calibrate.extrapolate import basis_for
 from fo_tune.output import OutputError, check_ancestor, data_dir, replacing_folder
 from fo_tune.search import SearchResult, ShapeResult, TrialRecord
 
@@ -211,7 +212,7 @@ def summary(result: SearchResult) -> dict[str, Any]:
             "storage": result.storage,
             "calibration": cal.fingerprint.device_key if cal else None,
             "calibration_created": cal.created if cal else None,
-            "basis": (cal.basis or None) if cal else None,
+            "basis": (basis_for(cal.basis, r.collective) or None) if cal else None,
         },
         "table": str(result.table) if result.table else None,
         "range_rows": [row.to_dict() for row in result.range_rows],
