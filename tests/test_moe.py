@@ -620,6 +620,24 @@ def test_module_refuses_what_the_op_does_not_compute(one_rank):
         ExpertParallelExperts.from_experts(Llama4TextExperts(Llama4TextConfig(**tiny)))
     with pytest.raises(PlanError, match="no fused experts block"):
         parallelize_experts(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    # a model whose experts blocks are all in another layout is refused naming the block and what
+    # it holds: an ungated block (NemotronH's, Ergo's: up_proj, down_proj), a ModuleList of MLPs
+    ungated = torch.nn.Module()
+    ungated.up_proj = torch.nn.Parameter(torch.zeros(4, 16, 8))
+    ungated.down_proj = torch.nn.Parameter(torch.zeros(4, 8, 16))
+    model = torch.nn.ModuleDict({"mixer": torch.nn.Module()})
+    model.mixer.experts = ungated
+    with pytest.raises(
+        PlanError, match=r"^mixer\.experts: experts: a Module holds up_proj and down_proj without a gate"
+    ):
+        parallelize_experts(model)
+    with pytest.raises(PlanError, match=r"has_gate=False: act\(x @ up\) @ down\), not the SwiGLU"):
+        ExpertParallelExperts.from_experts(ungated)
+    model.mixer.experts = torch.nn.ModuleList(_Mlp(torch.nn.SiLU()) for _ in range(2))
+    with pytest.raises(PlanError, match=r"^mixer\.experts: a ModuleList of expert MLPs.*from_experts"):
+        parallelize_experts(model)
+    with pytest.raises(PlanError, match=r"neither a fused .* it holds weight, bias"):
+        ExpertParallelExperts.from_experts(torch.nn.Linear(2, 2))
     # an empty ModuleList, and an experts block passed as the model (nothing can hold its replacement)
     with pytest.raises(PlanError, match="an empty ModuleList"):
         ExpertParallelExperts.from_experts(torch.nn.ModuleList())
