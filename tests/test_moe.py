@@ -231,6 +231,29 @@ def test_compiled_with_routing_inside_matches_eager(one_rank):
     assert graphs and all([n.target for n in gm.graph.nodes].count(op) == 1 for gm in graphs), graphs
 
 
+def test_compiled_call_whose_output_is_unused_still_runs(one_rank, monkeypatch):
+    """Every rank must enter the op's collectives: a compiled call whose output nothing reads
+    (inductor's view of a rank with no tokens, whose output has no element) still runs, forward
+    and backward, rather than being dropped as dead code while the other ranks wait in it."""
+    import fo_kernels.moe.ops as moe_ops
+
+    runs = []
+    execute = moe_ops._execute
+    monkeypatch.setattr(moe_ops, "_execute", lambda *a, **k: runs.append(1) or execute(*a, **k))
+    w13 = torch.randn(2, 8, 6, requires_grad=True)
+    w2 = torch.randn(2, 3, 8, requires_grad=True)
+
+    def block(x, ids, w):
+        expert_parallel_ffn(x, ids, w, w13, w2)  # (its output dropped)
+        return x * 2
+
+    x, ids, w = torch.randn(3, 8), torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1)
+    torch.compile(block, fullgraph=True, backend="aot_eager")(x, ids, w)
+    assert runs == [1], runs
+    for op in (torch.ops.fo_kernels.expert_parallel_ffn, torch.ops.fo_kernels.expert_parallel_ffn_backward):
+        assert torch.fx.Node(torch.fx.Graph(), "n", "call_function", op.default, (), {}).is_impure()
+
+
 def test_compiled_bad_input_raises_the_ops_value_errors(one_rank):
     """Under torch.compile(fullgraph=True), bad input raises the eager call's ShapeError (a
     ValueError), not the RuntimeError Dynamo makes of an exception in fake propagation; a good
@@ -620,6 +643,24 @@ def test_module_refuses_what_the_op_does_not_compute(one_rank):
         ExpertParallelExperts.from_experts(Llama4TextExperts(Llama4TextConfig(**tiny)))
     with pytest.raises(PlanError, match="no fused experts block"):
         parallelize_experts(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    # a model whose experts blocks are all in another layout is refused naming the block and what
+    # it holds: an ungated block (NemotronH's, Ergo's: up_proj, down_proj), a ModuleList of MLPs
+    ungated = torch.nn.Module()
+    ungated.up_proj = torch.nn.Parameter(torch.zeros(4, 16, 8))
+    ungated.down_proj = torch.nn.Parameter(torch.zeros(4, 8, 16))
+    model = torch.nn.ModuleDict({"mixer": torch.nn.Module()})
+    model.mixer.experts = ungated
+    with pytest.raises(
+        PlanError, match=r"^mixer\.experts: experts: a Module holds up_proj and down_proj without a gate"
+    ):
+        parallelize_experts(model)
+    with pytest.raises(PlanError, match=r"has_gate=False: act\(x @ up\) @ down\), not the SwiGLU"):
+        ExpertParallelExperts.from_experts(ungated)
+    model.mixer.experts = torch.nn.ModuleList(_Mlp(torch.nn.SiLU()) for _ in range(2))
+    with pytest.raises(PlanError, match=r"^mixer\.experts: a ModuleList of expert MLPs.*from_experts"):
+        parallelize_experts(model)
+    with pytest.raises(PlanError, match=r"neither a fused .* it holds weight, bias"):
+        ExpertParallelExperts.from_experts(torch.nn.Linear(2, 2))
     # an empty ModuleList, and an experts block passed as the model (nothing can hold its replacement)
     with pytest.raises(PlanError, match="an empty ModuleList"):
         ExpertParallelExperts.from_experts(torch.nn.ModuleList())

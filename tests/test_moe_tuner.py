@@ -507,6 +507,8 @@ def test_search_moe_plans_an_experts_shape_given_twice_once(runner, tmp_path, mo
         # -w 0 divided by zero (an internal error); --mode bogus was called a measured MoE search
         (["-w", "0"], "--world-size must be >= 1, got 0"),
         (["-w", "-2"], "--world-size must be >= 1, got -2"),
+        # (-w 1 was the dense search's message: "every call runs the GEMM alone (overlap: false)")
+        (["-w", "1"], "-c moe --world-size 1 has no All-to-All to overlap: every call runs its grouped"),
         (["--mode", "bogus"], "--mode 'bogus' is not one of measure, predict, hybrid"),
     ],
 )

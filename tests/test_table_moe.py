@@ -157,6 +157,17 @@ def test_validate_reports_moe_rows_the_runtime_cannot_run(runner: CliRunner, tmp
     assert runner.invoke(app, ["table", "validate", str(bad), "--sm-count", "256"]).exit_code == 0
 
 
+def test_validate_reports_a_row_of_more_slots_than_experts(runner: CliRunner, tmp_path: Path) -> None:
+    """A row whose k exceeds its E = world x E_local experts (a shape the search and lookup
+    refuse: a token picks k distinct experts) is a problem, whatever its engine."""
+    problem = MoeProblem(hidden=64, intermediate=32, experts=2, top_k=5, tokens_min=0, tokens_max=64)
+    odd = MoeRow(schedule=MoeSchedule(dtype="float32", world_size=2, problem=problem))
+    path = write(tmp_path / "k.yaml", [row(0, 512), odd])
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert "row H 64, I 32, E_local 2, k 5, tokens [0, 64]: top_k: k = 5 is above the 4 experts" in line
+    assert runner.invoke(app, ["table", "validate", str(write(path, [row(0, 512)]))]).exit_code == 0
+
+
 def test_validate_reports_overlapping_buckets_as_one_line(runner: CliRunner, tmp_path: Path) -> None:
     path = write(
         moe_table_path(tmp_path / "tables", cpu_fp().device_key, 2, "float32"), [row(0, 512), row(513, 900)]

@@ -54,6 +54,12 @@ def run_moe_search(
             "-c moe needs the experts' shape: --experts H,I,E_local,k (repeatable) or --shapes "
             "suites/moe/experts.yaml"
         )
+    if world_size == 1:  # (-w 0 and below are refused with the dense search's message)
+        raise MoeSearchError(
+            "-c moe --world-size 1 has no All-to-All to overlap: every call runs its grouped GEMMs "
+            "alone (the no-overlap path), with no table row to plan; plan the expert-parallel size "
+            "you deploy (--world-size 2-8 offline)"
+        )
     shapes = [ExpertsShape.parse(text) for text in experts or []]
     if suite is not None:
         shapes += experts_from_suite(suite, world_size)

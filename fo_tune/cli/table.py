@@ -127,7 +127,8 @@ VALIDATE_HELP = "\n\n".join(
         "reduce_scatter and all_gather); M ranges for the same N, K must not overlap.",
         "An MoE table (moe-w<world>-<dtype>.yaml, or a file whose kind says so): its format (what "
         "loading checks: every field, the tile, chunks, token buckets of one experts' shape not "
-        "overlapping), then every overlapped row: a triton row's sms_free must leave its grouped "
+        "overlapping), every row's k at most its E = world size x E_local experts (a token picks k "
+        "distinct experts), then every overlapped row: a triton row's sms_free must leave its grouped "
         "GEMMs a grid of the fingerprint's SM count, and the row's engine must run on the "
         "fingerprint's machine (the copy engine needs peer access between the GPUs).",
         "Prints OK per good file on stdout and one line per problem on stderr. A note says when a "

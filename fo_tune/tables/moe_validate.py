@@ -1,6 +1,7 @@
 """The MoE table checks beyond what loading checks (every field, the tile, ``chunks`` in
 [1, ``MAX_CHUNKS``], no two token buckets of one experts' shape overlapping): whether every
-overlapped row's engine can run its bucket on the table's machine.
+overlapped row's engine can run its bucket on the table's machine, and whether a router's call
+can have every row's experts' shape.
 """
 
 from __future__ import annotations
@@ -26,6 +27,20 @@ def _row_issue(row: MoeRow, table: MoeTable, sm_count: int) -> str | None:
     return None
 
 
+def _shape_issue(row: MoeRow, world: int) -> str | None:
+    """Why no router's call has ``row``'s experts' shape (None when one can): ``MoeExperts.check_world``,
+    the rule the search and lookup refuse such a shape by."""
+    p = row.schedule.problem
+    total = p.experts * world
+    if p.top_k <= total:
+        return None
+    return (
+        f"row {p.describe()}: top_k: k = {p.top_k} is above the {total} experts at world size {world} "
+        f"(E = {world} x E_local {p.experts}), and a router's top-k picks k distinct experts; "
+        "`fo-tune search -c moe` writes no such row: remove it"
+    )
+
+
 def validate_moe_table(table: MoeTable, *, sm_count: int | None = None) -> list[str]:
     """Problems the runtime would hit with ``table`` that loading does not catch; [] when none.
 
@@ -33,7 +48,9 @@ def validate_moe_table(table: MoeTable, *, sm_count: int | None = None) -> list[
       count (the Triton path launches ``sm_count - sms_free`` programs);
     - an overlapped row's engine must be able to run on the table's fingerprint (the engine's MoE
       term ``blocker``, what the planner checks: the copy engine needs peer access between the
-      GPUs); the runtime skips a row it cannot run and runs the no-overlap path.
+      GPUs); the runtime skips a row it cannot run and runs the no-overlap path;
+    - a row's k must not exceed its E = world size x E_local experts (a token picks k distinct
+      experts: the search and lookup refuse such a shape).
 
     The grouped GEMMs mask partial tiles, so any tile that loads runs any bucket. ``sm_count``
     defaults to the table fingerprint's. Each issue is one line naming the row
@@ -42,9 +59,9 @@ def validate_moe_table(table: MoeTable, *, sm_count: int | None = None) -> list[
     sms = sm_count if sm_count is not None else table.fingerprint.sm_count
     issues: list[str] = []
     for row in table.rows:
-        if row.schedule.engine is None:
-            continue
-        issue = _row_issue(row, table, sms)
+        issue = _shape_issue(row, table.world_size)
+        if issue is None and row.schedule.engine is not None:
+            issue = _row_issue(row, table, sms)
         if issue is not None:
             issues.append(issue)
     return issues

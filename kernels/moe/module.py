@@ -19,8 +19,8 @@ as this rank's experts: ``model.load_state_dict(full_state_dict)`` after ``paral
 Its own state_dict holds this rank's ``w13`` and ``w2``. It refuses (``PlanError``) what the op does
 not compute: an activation other than SiLU (the fused block's ``_apply_gate`` is probed, so a
 clamped SwiGLU such as DeepSeek-V4's or gpt-oss's is refused), biases, a norm after each expert,
-experts without a gate, weights in neither layout (Llama 4's experts, which take pre-weighted rows
-and no routing), E not divisible by the world size.
+experts without a gate (NemotronH's and Ergo's up_proj / down_proj), weights in neither layout
+(Llama 4's experts, which take pre-weighted rows and no routing), E not divisible by the world size.
 """
 
 from __future__ import annotations
@@ -183,6 +183,24 @@ def _per_expert(experts: nn.ModuleList) -> Weights:
     return w13, w2, (trains[0], trains[1]), source
 
 
+def _other_layout(experts: nn.Module) -> str:
+    """What a block in neither layout holds instead, for the ``PlanError`` that refuses it."""
+    kind = type(experts).__name__
+    if hasattr(experts, "up_proj") and hasattr(experts, "down_proj"):
+        # (transformers' has_gate=False blocks: NemotronH's and Ergo's relu2 experts)
+        return (
+            f"a {kind} holds up_proj and down_proj without a gate (has_gate=False: act(x @ up) @ down), "
+            "not the SwiGLU expert silu(x @ gate) * (x @ up) that expert_parallel_ffn computes"
+        )
+    held = [name for name, _ in experts.named_parameters()]
+    more = f" (and {len(held) - 3} more)" if len(held) > 3 else ""
+    holds = f"; it holds {', '.join(held[:3])}{more}" if held else ""
+    return (
+        f"a {kind} is neither a fused experts block (gate_up_proj, down_proj) nor a ModuleList of "
+        f"expert MLPs{holds}"
+    )
+
+
 def _rank_experts(local: int, group: dist.ProcessGroup | None) -> slice:
     """This rank's ``local`` experts among all of them: [rank x E_local, (rank + 1) x E_local)."""
     rank = dist.get_rank(group)
@@ -283,10 +301,7 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
         elif hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"):
             w13, w2, trains, source = _fused(experts)
         else:
-            raise PlanError(
-                f"experts: a {type(experts).__name__} is neither a fused experts block (gate_up_proj, "
-                "down_proj) nor a ModuleList of expert MLPs"
-            )
+            raise PlanError(f"experts: {_other_layout(experts)}")
         world = dist.get_world_size(group)
         total = w13.shape[0]
         if total % world:
@@ -367,16 +382,20 @@ def parallelize_experts(
     ``down_proj``, as transformers >= 5 builds them) by its ``ExpertParallelExperts``; the names
     replaced. A ModuleList of experts is left alone: its MoE block calls each expert itself. Every
     block is built before any is replaced, so a block it refuses (``PlanError``, naming the block)
-    leaves the model as it was."""
-    built = []
+    leaves the model as it was; a model whose ``experts`` modules are all in another layout (an
+    ungated block, DBRX's, Switch Transformers') is refused naming the first and what it holds."""
+    built, others = [], []
     for name, module in list(model.named_modules()):
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "experts" and hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
-            try:
-                sharded = ExpertParallelExperts.from_experts(module, group=group, schedule=schedule)
-            except PlanError as exc:
-                raise PlanError(f"{name}: {exc}") from None
-            built.append((name, sharded))
+        if name.rsplit(".", 1)[-1] != "experts":
+            continue
+        if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
+            others.append((name, module))
+            continue
+        try:
+            sharded = ExpertParallelExperts.from_experts(module, group=group, schedule=schedule)
+        except PlanError as exc:
+            raise PlanError(f"{name}: {exc}") from None
+        built.append((name, sharded))
     for name, sharded in built:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         parent.experts = sharded
@@ -388,6 +407,16 @@ def parallelize_experts(
             "pass the module that holds it, or build its replacement with "
             "ExpertParallelExperts.from_experts"
         )
+    if not done and others:
+        # a model whose experts blocks are all in another layout: name the first and what differs
+        name, module = others[0]
+        if isinstance(module, nn.ModuleList):
+            raise PlanError(
+                f"{name}: a ModuleList of expert MLPs, which its MoE block calls one by one: "
+                "parallelize_experts replaces fused blocks (gate_up_proj, down_proj); build "
+                "ExpertParallelExperts.from_experts(...) and call it from the MoE block"
+            )
+        raise PlanError(f"{name}: experts: {_other_layout(module)}")
     if not done:
         raise PlanError("parallelize_experts: the model has no fused experts block (a module named experts)")
     return done

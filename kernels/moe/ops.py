@@ -143,3 +143,10 @@ def _double_backward(ctx, *grads: torch.Tensor):
 
 
 _ffn_backward.register_autograd(_double_backward)
+
+# Every rank must enter the ops' collectives whatever its tokens: both are marked side-effectful,
+# so that no compiler pass drops a call whose output is unused or has no element (inductor drops
+# the call of a rank of no tokens in DeepSeek-V3's MoE block, whose output it never reads), which
+# would leave the other ranks waiting in the call's first collective.
+for _op in (_ffn, _ffn_backward):
+    torch.fx.node.has_side_effect(_op._opoverload)
