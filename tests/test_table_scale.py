@@ -4,6 +4,7 @@ a line) reads the same as YAML."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -215,3 +216,18 @@ def test_a_range_over_thousands_of_rows_it_yields_to_merges_in_linear_time() -> 
     gaps = [(2 * i + 1, 2 * i + 1, False) for i in range(count - 1)] + [(2 * count - 1, 2 * count, False)]
     assert placed == gaps and ranges.rows == gaps and len(exact.rows) == count
     assert len(reads) <= 40 * count, f"{len(reads)} span reads for {count} rows"
+
+
+def test_reading_a_table_imports_every_engines_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row is built when a lookup first takes it, and building the first row of an engine imports
+    that engine's settings (3 ms for the Triton engine's): reading the table (the first lookup's
+    work) imports them all, so no later lookup pays for an import."""
+    from fo_kernels import engines
+
+    fp = current_fingerprint("cpu", world_size=2)
+    path = write_big_table(tmp_path / "t.yaml", fp, 4)  # no Triton row among them is built
+    monkeypatch.setattr(engines, "_settings_of", functools.cache(engines._settings_of.__wrapped__))
+    read_table(path)
+    assert engines._settings_of.cache_info().currsize == len(engines.engine_names())

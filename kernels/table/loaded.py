@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from fo_kernels.engines import engine_names, engine_settings
 from fo_kernels.errors import TableError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
@@ -57,6 +58,10 @@ class LoadedTable:
             raise TableError(f"{source}: {exc}") from None
         self._built: dict[int, Schedule] = {}
         self._lock = threading.Lock()
+        # Each engine's settings type is imported with the first row of that engine built; import
+        # them here, in the first lookup (a few ms), so no later lookup pays for an import.
+        for name in engine_names():
+            engine_settings(name)
 
     def _key(self, i: int) -> ProblemKey:
         """Row i's problem: read from the start of its line, else from the row decoded."""
