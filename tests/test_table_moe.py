@@ -406,3 +406,31 @@ def test_the_runtime_refuses_overlapping_moe_rows_naming_both(tmp_path: Path) ->
     assert cache.lookup(EXPERTS, 3, dtype="float32", world_size=2, device="cpu") is not None
     with pytest.raises(TableError, match=r"rows\[1\]: engine: 'nonsense'"):
         cache.lookup(EXPERTS, 20, dtype="float32", world_size=2, device="cpu")
+
+
+def test_merging_many_moe_rows_reads_each_row_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A search's rows merged into a large MoE table are grouped once (an upsert per row read every
+    row of the table each time: 9 s for 64 rows into 100,000), with the result an upsert per row gives."""
+    from fo_kernels.moe import table as moe_table
+    from fo_tune.tables.merge import merge_moe_into
+
+    table = _wide_table(1024)  # 64 rows of 16 tokens per experts' shape
+    new = []
+    for i in range(100):  # each over parts of three rows of one shape
+        problem = MoeProblem(
+            **{**SHAPE, "hidden": 1024 + 64 * (i % 16)}, tokens_min=8 * i, tokens_max=8 * i + 40
+        )
+        schedule = MoeSchedule(dtype="float32", world_size=2, problem=problem)
+        new.append(MoeRow(schedule=schedule, provenance={"mode": "predict"}))
+    expected = _wide_table(1024)
+    for one in new:
+        expected.upsert(one, measured_first=True)
+    reads = []
+    experts_key = moe_table.experts_key
+    monkeypatch.setattr(moe_table, "experts_key", lambda p: reads.append(1) or experts_key(p))
+    merged = merge_moe_into(table, new)
+    assert merged.rows == expected.rows
+    assert merged.rows != _wide_table(1024).rows
+    assert len(reads) <= 10 * (1024 + 100), f"{len(reads)} experts' shapes read"
