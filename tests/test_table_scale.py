@@ -4,6 +4,7 @@ a line) reads the same as YAML."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -21,6 +22,7 @@ from fo_kernels.fingerprint import Fingerprint, current_fingerprint
 from fo_kernels.table import TABLE_DIR_ENV, load_table, lookup_schedule, read_table, table_path
 from fo_kernels.table import lookup as table_lookup
 from fo_kernels.table import paths as table_paths
+from fo_kernels.table.spans import SpanRows, put_row
 from fo_kernels.table.text import dump_table_text, parse_table_text, row_line
 
 # The table a merged M-range campaign grows to, and the budgets it must meet (issue 40): `fo-tune
@@ -187,3 +189,69 @@ def test_written_text_parses_as_yaml_does(tmp_path: Path) -> None:
     with_comment = path.read_text().replace("rows:\n", "rows:\n# a comment the fast path does not take\n")
     (tmp_path / "c.yaml").write_text(with_comment)
     assert load_table(tmp_path / "c.yaml") == load_table(path)
+
+
+# ------------------------------------------------------------------------------------ merging
+def test_a_range_over_thousands_of_rows_it_yields_to_merges_in_linear_time() -> None:
+    """A predicted M range merged over a measured campaign's exact rows of its (N, K) goes in over
+    the gaps between them, reading each row's span a bounded number of times (cutting the range by
+    one row at a time read them quadratically: 38 s for a 10,000-row (N, K))."""
+    count = 3000
+    reads = []
+
+    def span(row: tuple[int, int, bool]) -> tuple[int, int]:
+        reads.append(1)
+        return row[0], row[1]
+
+    exact = SpanRows([(2 * i, 2 * i, True) for i in range(count)], span)  # measured: kept
+    ranges: SpanRows[tuple[int, int, bool]] = SpanRows([], span)
+    reads.clear()
+    placed = put_row(
+        (0, 2 * count, False),
+        ranges,
+        [exact],
+        respan=lambda row, ms: (ms[0], ms[1], row[2]),
+        yields_to=lambda old: old[2],
+    )
+    gaps = [(2 * i + 1, 2 * i + 1, False) for i in range(count - 1)] + [(2 * count - 1, 2 * count, False)]
+    assert placed == gaps and ranges.rows == gaps and len(exact.rows) == count
+    assert len(reads) <= 40 * count, f"{len(reads)} span reads for {count} rows"
+
+
+def test_reading_a_table_imports_every_engines_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row is built when a lookup first takes it, and building the first row of an engine imports
+    that engine's settings (3 ms for the Triton engine's): reading the table (the first lookup's
+    work) imports them all, so no later lookup pays for an import."""
+    from fo_kernels import engines
+
+    fp = current_fingerprint("cpu", world_size=2)
+    path = write_big_table(tmp_path / "t.yaml", fp, 4)  # no Triton row among them is built
+    monkeypatch.setattr(engines, "_settings_of", functools.cache(engines._settings_of.__wrapped__))
+    read_table(path)
+    assert engines._settings_of.cache_info().currsize == len(engines.engine_names())
+
+
+def test_row_lines_a_script_wrote_in_another_key_order_are_decoded_in_one_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table whose row lines are JSON but not as `fo-tune search` writes them (compact, the
+    problem last) is read with one ``json`` call for its rows, not one per row (twice as slow for
+    100,000 rows), and looks up the same rows."""
+    fp = current_fingerprint("cpu", world_size=2)
+    rows = big_table_rows(100, fp.sm_count)
+    text = yaml.safe_dump(big_table_header(fp), sort_keys=False) + "rows:\n"
+    text += "".join(
+        "- " + json.dumps(dict(reversed(row.items())), separators=(",", ":")) + "\n" for row in rows
+    )
+    (tmp_path / "t.yaml").write_text(text)
+    calls = []
+    loads = json.loads
+    monkeypatch.setattr(json, "loads", lambda s, **kw: calls.append(1) or loads(s, **kw))
+    table = read_table(tmp_path / "t.yaml")
+    assert len(calls) <= 2, f"{len(calls)} json calls for 100 rows"
+    monkeypatch.undo()
+    assert table.find(M_STEP, 1024, 1024) == load_table(write_big_table(tmp_path / "w.yaml", fp, 100)).find(
+        M_STEP, 1024, 1024
+    )

@@ -18,7 +18,9 @@ line: ``fo_kernels.table.text``)::
 A row is a ``MoeSchedule`` (its ``dtype`` and ``world_size`` from the header) and its provenance
 (``mode: predict`` for a row the cost model alone chose). Rows are keyed by the experts' shape
 (H, I, E_local, k) and a range of tokens per rank (the M bucket); two rows of one experts' shape
-whose token ranges overlap are refused.
+whose token ranges overlap are refused, naming both rows by their index. Loading sorts the rows
+(O(n log n)) and a lookup bisects them; the runtime reads a file as a ``LoadedMoeTable`` (every
+row's problem indexed, a row built when a lookup first takes it), as it reads a dense table.
 
 The lookup key is the largest tokens per rank of the call over every rank (the counts exchange
 carries each rank's tokens), so every rank of a call finds the same row. Across the folders a
@@ -29,27 +31,37 @@ its default, the no-overlap path).
 from __future__ import annotations
 
 import itertools
+import math
 import os
+import re
 import threading
 import time
+from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
 from fo_kernels.errors import ScheduleError, TableError
+from fo_kernels.fields import from_mapping
 from fo_kernels.files import atomic_write
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint
 from fo_kernels.moe.routing import MOE_DTYPES
 from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
-from fo_kernels.table.format import check_fingerprint, not_a_mapping, read_table_data
+from fo_kernels.table.format import check_fingerprint, not_a_mapping, read_table_data, read_table_text
 from fo_kernels.table.paths import TABLE_DIR_ENV, check_name, table_search_path
 from fo_kernels.table.spans import Span, SpanRows, put_row
-from fo_kernels.table.text import dump_table_text
+from fo_kernels.table.text import (
+    decode_row_line,
+    dump_table_text,
+    load_document,
+    split_table_text,
+    unreadable,
+)
 
 MOE_TABLE_SCHEMA_VERSION = 1
 MOE_TABLE_KIND = "fo-tune-moe-schedule-table"
@@ -130,21 +142,30 @@ class MoeTable:
         measured one, nor an extrapolated one (provenance ``basis``) from a predicted one of its
         machine's own calibration: it goes in over the tokens no such row covers, or not at all. Returns
         the rows put in (``row`` or its parts)."""
-        key = experts_key(row.schedule.problem)
-        same = SpanRows([r for r in self.rows if experts_key(r.schedule.problem) == key], _tokens)
-        yields = partial(_outranks, _rank(row)) if measured_first else None
-        placed = put_row(row, same, respan=_with_tokens, yields_to=yields)
-        others = [r for r in self.rows if experts_key(r.schedule.problem) != key]
-        self.rows = _sorted_rows([*others, *same.rows])
+        return self.upsert_all([row], measured_first=measured_first)
+
+    def upsert_all(self, rows: Sequence[MoeRow], *, measured_first: bool = False) -> list[MoeRow]:
+        """``upsert`` of each of ``rows`` in turn, in O((n + m) log(n + m)) for n rows and m new
+        ones (plus the moves within one experts' shape), where m upserts cost O(n m). Returns the
+        rows put in."""
+        groups: dict[ExpertsKey, list[MoeRow]] = {}
+        for old in self.rows:
+            groups.setdefault(experts_key(old.schedule.problem), []).append(old)
+        spans = {key: SpanRows(same, _tokens) for key, same in groups.items()}
+        placed: list[MoeRow] = []
+        for row in rows:
+            same = spans.setdefault(experts_key(row.schedule.problem), SpanRows([], _tokens))
+            yields = partial(_outranks, _rank(row)) if measured_first else None
+            placed += put_row(row, same, respan=_with_tokens, yields_to=yields)
+        self.rows = _sorted_rows([r for same in spans.values() for r in same.rows])
         return placed
 
     def find_row(self, key: ExpertsKey, tokens: int, *, kind: str | None = None) -> MoeRow | None:
-        """The row of ``key`` whose token range holds ``tokens`` (of ``kind`` when given)."""
-        for row in self.rows:
-            p = row.schedule.problem
-            if experts_key(p) == key and p.tokens_min <= tokens <= p.tokens_max:
-                return row if kind in (None, row.kind) else None
-        return None
+        """The row of ``key`` whose token range holds ``tokens`` (of ``kind`` when given); a
+        bisection of the sorted rows."""
+        i = _covering(self.rows, key, tokens, by=lambda row: _row_key(row.schedule.problem))
+        row = self.rows[i] if i is not None else None
+        return row if row is not None and kind in (None, row.kind) else None
 
     def find(self, key: ExpertsKey, tokens: int, *, kind: str | None = None) -> MoeSchedule | None:
         """The schedule of ``find_row``'s row (None without one)."""
@@ -164,43 +185,51 @@ class MoeTable:
     @classmethod
     def from_dict(cls, data: Any, source: str = "<where>") -> MoeTable:
         """Validate and build; every error is a ``TableError`` naming ``source`` (and the row)."""
-        if not isinstance(data, Mapping):
-            raise not_a_mapping(data, source)
-        if data.get("kind") != MOE_TABLE_KIND or data.get("schema_version") != MOE_TABLE_SCHEMA_VERSION:
-            raise TableError(
-                f"{source}: expected kind {MOE_TABLE_KIND!r} schema_version {MOE_TABLE_SCHEMA_VERSION}, got "
-                f"{data.get('kind')!r} {data.get('schema_version')!r}"
-            )
-        unknown = sorted(str(k) for k in set(data) - set(_TOP_KEYS))
-        if unknown:
-            raise TableError(f"{source}: unknown key(s) {', '.join(unknown)}; valid: {list(_TOP_KEYS)}")
-        try:
-            fingerprint = Fingerprint.from_dict(data.get("fingerprint"))
-            world, dtype = data.get("world_size"), data.get("dtype")
-            check_name("dtype", dtype, MOE_DTYPES)
-            if isinstance(world, bool) or not isinstance(world, int) or world != fingerprint.world_size:
-                raise TableError(f"world_size: {world!r} is not the fingerprint's {fingerprint.world_size}")
-        except (ScheduleError, TableError) as exc:
-            raise TableError(f"{source}: {exc}") from None
-        rows = []
-        for i, row in enumerate(data.get("rows") or []):
-            if not isinstance(row, Mapping):
-                raise TableError(f"{source}: rows[{i}]: expected a mapping, got {type(row).__name__}")
-            body = {k: v for k, v in row.items() if k != "provenance"}
-            try:
-                schedule = MoeSchedule.from_dict({**body, "dtype": dtype, "world_size": world})
-            except ScheduleError as exc:
-                raise TableError(f"{source}: rows[{i}]: {exc}") from None
-            rows.append(MoeRow(schedule=schedule, provenance=dict(row.get("provenance") or {})))
+        fingerprint, world, dtype, raw = _moe_header(data, source)
+        rows = [_build_row(row, i, dtype, world, source) for i, row in enumerate(raw)]
         try:
             return cls(fingerprint=fingerprint, world_size=world, dtype=dtype, rows=rows)
         except TableError as exc:
             raise TableError(f"{source}: {exc}") from None
 
 
-def _overlap(a: MoeProblem, b: MoeProblem) -> bool:
-    same = experts_key(a) == experts_key(b)
-    return same and a.tokens_min <= b.tokens_max and b.tokens_min <= a.tokens_max
+def _moe_header(data: Any, source: str) -> tuple[Fingerprint, int, str, list[Any]]:
+    """(fingerprint, world size, dtype, the rows as read) of an MoE table file's data, the header
+    checked; every error is a ``TableError`` naming ``source``."""
+    if not isinstance(data, Mapping):
+        raise not_a_mapping(data, source)
+    if data.get("kind") != MOE_TABLE_KIND or data.get("schema_version") != MOE_TABLE_SCHEMA_VERSION:
+        raise TableError(
+            f"{source}: expected kind {MOE_TABLE_KIND!r} schema_version {MOE_TABLE_SCHEMA_VERSION}, got "
+            f"{data.get('kind')!r} {data.get('schema_version')!r}"
+        )
+    unknown = sorted(str(k) for k in set(data) - set(_TOP_KEYS))
+    if unknown:
+        raise TableError(f"{source}: unknown key(s) {', '.join(unknown)}; valid: {list(_TOP_KEYS)}")
+    try:
+        fingerprint = Fingerprint.from_dict(data.get("fingerprint"))
+        world, dtype = data.get("world_size"), data.get("dtype")
+        check_name("dtype", dtype, MOE_DTYPES)
+        if isinstance(world, bool) or not isinstance(world, int) or world != fingerprint.world_size:
+            raise TableError(f"world_size: {world!r} is not the fingerprint's {fingerprint.world_size}")
+    except (ScheduleError, TableError) as exc:
+        raise TableError(f"{source}: {exc}") from None
+    rows = data.get("rows") or []
+    if not isinstance(rows, list):
+        raise TableError(f"{source}: rows: expected a list, got {type(rows).__name__}")
+    return fingerprint, world, dtype, rows
+
+
+def _build_row(row: Any, i: int, dtype: str, world: int, source: str) -> MoeRow:
+    """Row ``i`` of a file as a ``MoeRow``; errors name ``source`` and the row."""
+    if not isinstance(row, Mapping):
+        raise TableError(f"{source}: rows[{i}]: expected a mapping, got {type(row).__name__}")
+    body = {k: v for k, v in row.items() if k != "provenance"}
+    try:
+        schedule = MoeSchedule.from_dict({**body, "dtype": dtype, "world_size": world})
+    except ScheduleError as exc:
+        raise TableError(f"{source}: rows[{i}]: {exc}") from None
+    return MoeRow(schedule=schedule, provenance=dict(row.get("provenance") or {}))
 
 
 def _tokens(row: MoeRow) -> Span:
@@ -229,25 +258,56 @@ def _outranks(rank: tuple[bool, bool], old: MoeRow) -> bool:
     return _rank(old) < rank
 
 
-def _sorted_rows(rows: Sequence[MoeRow]) -> list[MoeRow]:
-    """``rows`` sorted by (experts' shape, tokens_min); ``TableError`` naming two rows that overlap
-    by their index in ``rows`` (a file's order). Sorted by tokens_min, any overlap within an
-    experts' shape shows between neighbours."""
-    order = sorted(
-        range(len(rows)),
-        key=lambda i: (experts_key(rows[i].schedule.problem), rows[i].schedule.problem.tokens_min),
+# A row's problem as the tables sort it: (experts' shape, tokens_min, tokens_max).
+RowKey = tuple[ExpertsKey, int, int]
+
+
+def _row_key(problem: MoeProblem) -> RowKey:
+    return (experts_key(problem), problem.tokens_min, problem.tokens_max)
+
+
+def _key_problem(key: RowKey) -> MoeProblem:
+    (hidden, intermediate, experts, top_k), lo, hi = key
+    return MoeProblem(
+        hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tokens_min=lo, tokens_max=hi
     )
+
+
+def _key_order(keys: Sequence[RowKey]) -> list[int]:
+    """The positions of ``keys`` in sorted order (O(n log n)); ``TableError`` naming two rows whose
+    token ranges of one experts' shape overlap, by their index in ``keys`` (a file's order). Sorted
+    by tokens_min, any overlap within an experts' shape shows between neighbours."""
+    order = sorted(range(len(keys)), key=keys.__getitem__)
     for i, j in itertools.pairwise(order):
-        a, b = rows[i].schedule.problem, rows[j].schedule.problem
-        if _overlap(a, b):
+        (key_a, _, hi_a), (key_b, lo_b, _) = keys[i], keys[j]
+        if key_a == key_b and lo_b <= hi_a:
             first, second = sorted((i, j))
-            what = "are both for" if a == b else "overlap:"
+            same = keys[i] == keys[j]
+            what = "are both for" if same else "overlap:"
             raise TableError(
-                f"rows[{first}] and rows[{second}] {what} {rows[first].schedule.problem.describe()}"
-                + ("" if a == b else f" and {rows[second].schedule.problem.describe()}")
+                f"rows[{first}] and rows[{second}] {what} {_key_problem(keys[first]).describe()}"
+                + ("" if same else f" and {_key_problem(keys[second]).describe()}")
                 + "; keep one row per tokens of an experts' shape (lookup could take either)"
             )
-    return [rows[i] for i in order]
+    return order
+
+
+def _sorted_rows(rows: Sequence[MoeRow]) -> list[MoeRow]:
+    """``rows`` sorted by (experts' shape, tokens_min); ``TableError`` naming two rows that overlap
+    (``_key_order``)."""
+    return [rows[i] for i in _key_order([_row_key(row.schedule.problem) for row in rows])]
+
+
+def _covering(
+    items: Sequence[Any], key: ExpertsKey, tokens: int, by: Callable[[Any], RowKey] | None = None
+) -> int | None:
+    """The position in ``items`` (sorted by their ``RowKey``, ``by(item)`` or the item itself, no
+    two overlapping) whose tokens of ``key`` hold ``tokens``: one bisection."""
+    i = bisect_right(items, (key, tokens, math.inf), key=by) - 1
+    if i < 0:
+        return None
+    (found, lo, hi) = by(items[i]) if by is not None else items[i]
+    return i if found == key and lo <= tokens <= hi else None
 
 
 def load_moe_table(path: str | os.PathLike[str]) -> MoeTable:
@@ -263,8 +323,96 @@ def save_moe_table(table: MoeTable, path: str | os.PathLike[str]) -> None:
     atomic_write(path, lambda f: f.write(dump_table_text(header, rows)))
 
 
+# ------------------------------------------------------------------------------- runtime view
+# The problem at the start of a written row line (``MoeRow.to_dict`` puts ``problem`` first, in
+# ``MoeProblem.to_dict``'s order, and ``row_line`` writes it with these separators).
+_PROBLEM_PREFIX = re.compile(
+    r'\{"problem": \{"hidden": ([1-9][0-9]*), "intermediate": ([1-9][0-9]*), "experts": ([1-9][0-9]*), '
+    r'"top_k": ([1-9][0-9]*), "tokens_min": (0|[1-9][0-9]*), "tokens_max": ([1-9][0-9]*)\}'
+)
+
+
+class LoadedMoeTable:
+    """An MoE table file as the runtime reads it: the header checked, every row's problem read
+    (from the start of its line in the written form) and indexed, two overlapping rows refused as
+    ``load_moe_table`` refuses them, and a row built (every field checked) when a lookup first
+    takes it, as the dense tables' ``fo_kernels.table.LoadedTable``: a 100,000-row file costs the
+    first lookup a fraction of building every row. ``find_row`` answers as ``MoeTable``'s does."""
+
+    __slots__ = ("_built", "_keys", "_lock", "_order", "_raw", "dtype", "fingerprint", "source", "world_size")
+
+    def __init__(self, text: str, source: str) -> None:
+        self.source = source
+        split = None
+        try:
+            split = split_table_text(text)
+            data = split[0] if split is not None else load_document(text)
+        except yaml.YAMLError as exc:
+            raise TableError(unreadable(source, exc)) from None
+        if split is not None:  # the rows stay text until a lookup takes one
+            data = {**data, "rows": split[1]}
+        self.fingerprint, self.world_size, self.dtype, self._raw = _moe_header(data, source)
+        keys = [self._key(i) for i in range(len(self._raw))]
+        try:
+            self._order = _key_order(keys)
+        except TableError as exc:
+            raise TableError(f"{source}: {exc}") from None
+        self._keys = [keys[i] for i in self._order]
+        self._built: dict[int, MoeRow] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def _decode(self, i: int) -> Any:
+        try:
+            return decode_row_line(self._raw[i])
+        except yaml.YAMLError as exc:
+            raise TableError(unreadable(f"{self.source}: rows[{i}]", exc)) from None
+
+    def _key(self, i: int) -> RowKey:
+        """Row i's key: read from the start of its line, else from the row decoded."""
+        raw = self._raw[i]
+        if isinstance(raw, str):
+            match = _PROBLEM_PREFIX.match(raw)
+            if match is not None:
+                hidden, inter, experts, top_k, lo, hi = map(int, match.groups())
+                if lo <= hi:  # (else decoding names the error)
+                    return ((hidden, inter, experts, top_k), lo, hi)
+            raw = self._raw[i] = self._decode(i)
+        if not isinstance(raw, Mapping):
+            raise TableError(f"{self.source}: rows[{i}]: expected a mapping, got {type(raw).__name__}")
+        try:
+            return _row_key(from_mapping(MoeProblem, raw.get("problem"), "problem"))
+        except ScheduleError as exc:
+            raise TableError(f"{self.source}: rows[{i}]: {exc}") from None
+
+    def row(self, i: int) -> MoeRow:
+        """Row ``i`` (file order) as a ``MoeRow``; ``TableError`` naming the row when malformed."""
+        with self._lock:
+            built = self._built.get(i)
+            if built is None:
+                raw = self._raw[i]
+                if isinstance(raw, str):
+                    raw = self._decode(i)
+                built = self._built[i] = _build_row(raw, i, self.dtype, self.world_size, self.source)
+            return built
+
+    def find_row(self, key: ExpertsKey, tokens: int, *, kind: str | None = None) -> MoeRow | None:
+        """The row of ``key`` whose token range holds ``tokens`` (of ``kind`` when given)."""
+        i = _covering(self._keys, key, tokens)
+        row = self.row(self._order[i]) if i is not None else None
+        return row if row is not None and kind in (None, row.kind) else None
+
+
+class FindsMoeRows(Protocol):
+    """An MoE table's finder (``MoeTable``, ``LoadedMoeTable``), what ``best_moe_row`` reads."""
+
+    def find_row(self, key: ExpertsKey, tokens: int, *, kind: str | None = None) -> MoeRow | None: ...
+
+
 # ----------------------------------------------------------------------------------- lookup
-def best_moe_row(tables: Sequence[MoeTable], key: ExpertsKey, tokens: int) -> tuple[int, MoeRow] | None:
+def best_moe_row(tables: Sequence[FindsMoeRows], key: ExpertsKey, tokens: int) -> tuple[int, MoeRow] | None:
     """(index in ``tables``, row) of the row a call of the experts' shape ``key`` whose ranks hold
     at most ``tokens`` tokens each takes from ``tables`` (in search path order): a measured row of
     any table first, then a predicted one; between rows of one kind the first table's. None
@@ -284,10 +432,10 @@ class MoeTableCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tables: dict[Path, tuple[tuple[int, int, int], MoeTable]] = {}
+        self._tables: dict[Path, tuple[tuple[int, int, int], LoadedMoeTable]] = {}
         self._answers: OrderedDict[tuple, tuple[float, MoeSchedule | None]] = OrderedDict()
 
-    def _load(self, path: Path) -> MoeTable | None:
+    def _load(self, path: Path) -> LoadedMoeTable | None:
         try:
             st = path.stat()
         except FileNotFoundError:
@@ -296,7 +444,7 @@ class MoeTableCache:
         hit = self._tables.get(path)
         if hit is not None and hit[0] == stamp:
             return hit[1]
-        table = load_moe_table(path)
+        table = LoadedMoeTable(read_table_text(path), str(path))
         self._tables[path] = (stamp, table)
         return table
 

@@ -66,10 +66,15 @@ class ScheduleTable:
         self._set_rows(rows)
 
     def _set_rows(self, rows: list[Schedule]) -> None:
-        """Sort ``rows`` and index them (O(n log n)); refuse duplicates and overlapping ranges."""
-        index = RowIndex([problem_key(row.problem) for row in rows])
-        self.rows = [rows[i] for i in index.order]
-        self._index = RowIndex([problem_key(row.problem) for row in self.rows])
+        """Sort ``rows`` and index them (O(n log n)); refuse duplicates and overlapping ranges. Rows
+        already sorted (a saved table, a merge's result) are indexed once."""
+        keys = [problem_key(row.problem) for row in rows]
+        index = RowIndex(keys)
+        if index.order != list(range(len(keys))):  # index the sorted rows' positions
+            rows = [rows[i] for i in index.order]
+            index = RowIndex([keys[i] for i in index.order])
+        self.rows = rows
+        self._index = index
 
     def upsert(self, schedule: Schedule) -> None:
         """Replace the row for the same problem (exact M, or the identical range), else add it; keep
