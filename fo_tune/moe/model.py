@@ -27,7 +27,9 @@ Each engine's overlapped schedule is its term's (``fo_tune.engines.<engine>.moe`
   itself was not timed: the measured torch._grouped_mm overhead stands in for it).
 
 Not modelled: the routing's sort and the row permutations, the weighted sum at the source, the
-SwiGLU pass of the no-overlap path (the Triton path fuses it into its epilogue), skewed routing.
+SwiGLU pass of the no-overlap path (the Triton path fuses it into its epilogue), skewed routing,
+the read of every local expert's weights (a grouped GEMM is priced by its rows, as one dense GEMM
+that reads one weight: with many experts of few rows each it is memory-bound, and predicted fast).
 Host time: eager calls; each path's launches at ``HOST_*`` (see there).
 """
 
