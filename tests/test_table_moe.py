@@ -271,6 +271,10 @@ def test_lookup_miss_suggests_a_key_of_the_world_size_first(runner: CliRunner, t
         (["--experts", "4096,1536,0,2", "--tokens", "5"], "four integers >= 1"),
         (["--experts", "0,1536,32,2", "--tokens", "5"], "four integers >= 1"),
         (["--experts", "4096,-1536,32,2", "--tokens", "5"], "four integers >= 1"),
+        (
+            ["--experts", "4096,1536,32,2", "--tokens", "5", "--dtype", "float8_e4m3fn"],
+            "-c moe --dtype float8_e4m3fn: the MoE FFN runs bfloat16, float16, float32",
+        ),
     ],
 )
 def test_moe_lookup_bad_input_is_one_line(runner: CliRunner, args: list[str], needle: str) -> None:

@@ -258,6 +258,10 @@ def _moe_lookup(
     shape = ExpertsShape.parse(experts)
     key = (shape.hidden, shape.intermediate, shape.experts, shape.top_k)
     dtype = check_choice("--dtype", DEFAULT_DTYPE if dtype is None else dtype, DTYPE_NAMES)
+    from fo_kernels.moe.routing import MOE_DTYPES
+
+    if dtype not in MOE_DTYPES:
+        raise typer.BadParameter(f"-c moe --dtype {dtype}: the MoE FFN runs {', '.join(MOE_DTYPES)}")
     world = world_of(world_size, device_key)
     named = "--world-size" if world_size is not None else "-k's world size" if device_key else ""
     shape.check_world(world, named or "the default --world-size")
