@@ -44,11 +44,12 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 
 import torch
 import torch.distributed as dist
 
-from fo_kernels.errors import FoTuneError, Fp8TrainingError, ScaleError, ScheduleError
+from fo_kernels.errors import FoTuneError, Fp8TrainingError, NotOverlappedWarning, ScaleError, ScheduleError
 from fo_kernels.groups import group_size, resolve_group
 from fo_kernels.scaling import DEFAULT_OUT_DTYPE, is_fp8
 from fo_kernels.schedule import Schedule
@@ -108,6 +109,16 @@ def check_schedule_text(text: str) -> None:
 def is_refusal(text: str) -> bool:
     """True for an op's ``schedule`` text that only carries a refusal (the op raises it)."""
     return text.startswith((REFUSED_SCHEDULE, REFUSED_SCALES))
+
+
+@torch.compiler.assume_constant_result
+def warn_while_tracing(text: str) -> bool:
+    """A ``NotOverlappedWarning`` of ``text`` as torch.compile traces a call that runs without
+    overlap (``fo_kernels.symm_mem``, ``fo_kernels.parallel``): Dynamo runs a function marked
+    ``assume_constant_result`` at trace time and keeps its result as a constant, so it traces no
+    ``warnings.warn``, which would break the graph."""
+    warnings.warn(text, NotOverlappedWarning, stacklevel=2)
+    return True
 
 
 @functools.lru_cache(maxsize=SCHEDULE_CACHE_SIZE)

@@ -62,6 +62,7 @@ from fo_kernels.layers import (
     _needs_grad,
     _ReplicatedInputMatmul,
 )
+from fo_kernels.ops import warn_while_tracing
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.quantize import (
     dequantize_weight,
@@ -269,19 +270,10 @@ def _warn_once(module: nn.Linear, attr: str, message: Callable[[], str], traced:
         return
     setattr(module, attr, True)
     if torch.compiler.is_compiling():
-        _warn_while_tracing(f"fo_kernels.parallel: {traced} (seen as torch.compile traced it)")
+        warn_while_tracing(f"fo_kernels.parallel: {traced} (seen as torch.compile traced it)")
         return
     # (the frame that called the forward: past this function, its caller and the forward)
     warnings.warn(f"fo_kernels.parallel: {message()}", NotOverlappedWarning, stacklevel=4)
-
-
-@torch.compiler.assume_constant_result
-def _warn_while_tracing(text: str) -> bool:
-    """Warn ``text`` once as torch.compile traces the call (Dynamo runs a function marked
-    ``assume_constant_result`` at trace time and keeps its result as a constant: it traces no
-    ``warnings.warn``, which would break the graph)."""
-    warnings.warn(text, NotOverlappedWarning, stacklevel=2)
-    return True
 
 
 def torch_forward(

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from fo_kernels.errors import ArgumentError, GroupError, NotOverlappedWarning, ScaleError, ShapeError
 from fo_kernels.gemm import BOperand
 from fo_kernels.groups import check_group, require_initialized, resolve_group
-from fo_kernels.ops import call_op
+from fo_kernels.ops import call_op, warn_while_tracing
 from fo_kernels.scaling import is_fp8
 from fo_kernels.schedule import TORCH_DTYPES
 
@@ -144,20 +144,11 @@ def _not_overlapped(why: Callable[[], str]) -> None:
     """Warn that a call runs as torch's reference, saying ``why()`` (a callable: it may format
     shapes); once per trace where torch.compile traces the call, with a constant text."""
     if torch.compiler.is_compiling():
-        _warn_while_tracing(
+        warn_while_tracing(
             "fo_kernels.symm_mem: a call runs as torch's reference (seen as torch.compile traced it)"
         )
         return
     warnings.warn(f"fo_kernels.symm_mem: {why()}; it runs as torch's reference", NotOverlappedWarning, 3)
-
-
-@torch.compiler.assume_constant_result
-def _warn_while_tracing(text: str) -> bool:
-    """Warn ``text`` as torch.compile traces the call (Dynamo runs a function marked
-    ``assume_constant_result`` at trace time and keeps its result as a constant: it traces no
-    ``warnings.warn``, which would break the graph)."""
-    warnings.warn(text, NotOverlappedWarning, stacklevel=2)
-    return True
 
 
 def _operand(b: torch.Tensor) -> torch.Tensor:
