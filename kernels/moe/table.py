@@ -56,11 +56,9 @@ from fo_kernels.table.format import check_fingerprint, not_a_mapping, read_table
 from fo_kernels.table.paths import TABLE_DIR_ENV, check_name, table_search_path
 from fo_kernels.table.spans import Span, SpanRows, put_row
 from fo_kernels.table.text import (
-    decode_row_line,
+    decode_row_at,
     dump_table_text,
-    load_document,
-    split_table_text,
-    unreadable,
+    lazy_table_data,
 )
 
 MOE_TABLE_SCHEMA_VERSION = 1
@@ -343,14 +341,7 @@ class LoadedMoeTable:
 
     def __init__(self, text: str, source: str) -> None:
         self.source = source
-        split = None
-        try:
-            split = split_table_text(text)
-            data = split[0] if split is not None else load_document(text)
-        except yaml.YAMLError as exc:
-            raise TableError(unreadable(source, exc)) from None
-        if split is not None:  # the rows stay text until a lookup takes one
-            data = {**data, "rows": split[1]}
+        data = lazy_table_data(text, source)  # (the rows stay text until a lookup takes one)
         self.fingerprint, self.world_size, self.dtype, self._raw = _moe_header(data, source)
         keys = [self._key(i) for i in range(len(self._raw))]
         try:
@@ -364,12 +355,6 @@ class LoadedMoeTable:
     def __len__(self) -> int:
         return len(self._raw)
 
-    def _decode(self, i: int) -> Any:
-        try:
-            return decode_row_line(self._raw[i])
-        except yaml.YAMLError as exc:
-            raise TableError(unreadable(f"{self.source}: rows[{i}]", exc)) from None
-
     def _key(self, i: int) -> RowKey:
         """Row i's key: read from the start of its line, else from the row decoded."""
         raw = self._raw[i]
@@ -379,7 +364,7 @@ class LoadedMoeTable:
                 hidden, inter, experts, top_k, lo, hi = map(int, match.groups())
                 if lo <= hi:  # (else decoding names the error)
                     return ((hidden, inter, experts, top_k), lo, hi)
-            raw = self._raw[i] = self._decode(i)
+            raw = self._raw[i] = decode_row_at(self._raw, i, self.source)
         if not isinstance(raw, Mapping):
             raise TableError(f"{self.source}: rows[{i}]: expected a mapping, got {type(raw).__name__}")
         try:
@@ -394,7 +379,7 @@ class LoadedMoeTable:
             if built is None:
                 raw = self._raw[i]
                 if isinstance(raw, str):
-                    raw = self._decode(i)
+                    raw = decode_row_at(self._raw, i, self.source)
                 built = self._built[i] = _build_row(raw, i, self.dtype, self.world_size, self.source)
             return built
 

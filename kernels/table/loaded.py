@@ -14,9 +14,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Any
-
-import yaml
 
 from fo_kernels.engines import engine_names, engine_settings
 from fo_kernels.errors import TableError
@@ -31,7 +28,7 @@ from fo_kernels.table.format import (
     row_problem_key,
 )
 from fo_kernels.table.index import ProblemKey, RowIndex
-from fo_kernels.table.text import decode_row_line, line_problem, load_document, split_table_text, unreadable
+from fo_kernels.table.text import decode_row_at, lazy_table_data, line_problem
 
 
 class LoadedTable:
@@ -42,14 +39,7 @@ class LoadedTable:
 
     def __init__(self, text: str, source: str) -> None:
         self.source = source
-        split = None
-        try:
-            split = split_table_text(text)
-            data = split[0] if split is not None else load_document(text)
-        except yaml.YAMLError as exc:
-            raise TableError(unreadable(source, exc)) from None
-        if split is not None:  # the rows stay text until a lookup takes one
-            data = {**data, "rows": split[1]}
+        data = lazy_table_data(text, source)  # (the rows stay text until a lookup takes one)
         self.header: TableHeader
         self.header, self._raw = parse_header(data, source)
         self._decode_unkeyed()
@@ -85,14 +75,8 @@ class LoadedTable:
             key = line_problem(raw)
             if key is not None:
                 return key
-            raw = self._raw[i] = self._decode(i)
+            raw = self._raw[i] = decode_row_at(self._raw, i, self.source)
         return row_problem_key(raw, i, self.header, self.source)
-
-    def _decode(self, i: int) -> Any:
-        try:
-            return decode_row_line(self._raw[i])
-        except yaml.YAMLError as exc:
-            raise TableError(unreadable(f"{self.source}: rows[{i}]", exc)) from None
 
     @property
     def fingerprint(self) -> Fingerprint:
@@ -120,7 +104,7 @@ class LoadedTable:
             if built is None:
                 raw = self._raw[i]
                 if isinstance(raw, str):
-                    raw = self._decode(i)
+                    raw = decode_row_at(self._raw, i, self.source)
                 built = self._built[i] = build_row(raw, i, self.header, self.source)
             return built
 

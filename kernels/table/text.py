@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from fo_kernels.errors import TableError
 from fo_kernels.files import SAFE_LOADER
 from fo_kernels.table.index import EXACT, RANGE, ProblemKey
 
@@ -157,6 +158,30 @@ def parse_table_text(text: str) -> Any:
     except ValueError:
         data["rows"] = [decode_row_line(line) for line in lines]
     return data
+
+
+def lazy_table_data(text: str, source: str) -> Any:
+    """The data of a table file's ``text`` for a reader that builds rows on first use: in the
+    written form the header's data with ``rows`` the row lines undecoded (``decode_row_at`` reads
+    one), else the whole document (``load_document``). ``TableError`` naming ``source`` for text
+    that is not YAML."""
+    try:
+        split = split_table_text(text)
+        if split is None:
+            return load_document(text)
+    except yaml.YAMLError as exc:
+        raise TableError(unreadable(source, exc)) from None
+    header, lines = split
+    return {**header, "rows": lines}
+
+
+def decode_row_at(rows: list[Any], i: int, source: str) -> Any:
+    """Row line ``rows[i]`` of the table at ``source`` decoded (``decode_row_line``);
+    ``TableError`` naming the row when it is not YAML."""
+    try:
+        return decode_row_line(rows[i])
+    except yaml.YAMLError as exc:
+        raise TableError(unreadable(f"{source}: rows[{i}]", exc)) from None
 
 
 # The problem at the start of a written row line (``row_line`` writes ``problem`` first, with
