@@ -47,6 +47,19 @@ def _grad_mode_restored():
         pytest.fail("the test left grad mode off (torch.is_grad_enabled() is False)")
 
 
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-rank gloo process group in this process, for the runtime's collectives (a test
+    module that needs more around it, warnings or Dynamo's reset, defines its own)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def h200():
     """The packaged H200 x2 calibration (``cli_checks.H200_KEY``, world size 2)."""

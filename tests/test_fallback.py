@@ -74,16 +74,6 @@ def test_own_graphs_failed_capture_runs_eagerly_from_then_on(monkeypatch: pytest
     assert log == ["eager"] * 3 and own.replays == 0
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    """A one-rank gloo group in this process (the fallback's collectives need one)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class _FakeCuda:
     """The CUDA calls ``Fallback.run`` makes, on the CPU: the current stream, whether it captures,
     and an output pool that hands a dropped output's block back (one block per shape)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fo_kernels import ColumnParallelLinear, RowParallelLinear, parallelize_linears
@@ -25,15 +24,6 @@ AUTOCAST_TOL = 2e-2
 def _isolated_tables(tmp_path, monkeypatch):
     monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_plan_shards_linears_with_the_styles(one_rank):

@@ -168,17 +168,6 @@ def test_styles_show_torchs_constructor_arguments_and_fp8():
             ours(input_layout=None)
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_module_torchs_styles_refuse_raises_torchs_error_without_a_fallback_warning(one_rank):
     """A style on a module neither nn.Linear nor nn.Embedding (a plan's wildcard that reaches a
     norm) raises torch's NotImplementedError, as torch's style does, with no warning that it
