@@ -44,10 +44,15 @@ def run_moe_search(
     """Check the options, plan the rows, merge them into the MoE table, print the summary."""
     import torch
 
-    from fo_kernels.moe.routing import MOE_DTYPES
     from fo_tune.cli.common import parse_names
     from fo_tune.engines import moe_engine_names
-    from fo_tune.moe.plan import ExpertsShape, MoeSearchError, experts_from_suite, parse_tokens
+    from fo_tune.moe.plan import (
+        ExpertsShape,
+        MoeSearchError,
+        check_moe_dtype,
+        experts_from_suite,
+        parse_tokens,
+    )
 
     if not experts and suite is None:
         raise MoeSearchError(
@@ -67,8 +72,7 @@ def run_moe_search(
     for shape in shapes:
         shape.check_world(world_size)
     wanted = parse_tokens(tokens) if tokens is not None else None  # "" is refused, not the default
-    if dtype not in MOE_DTYPES:
-        raise MoeSearchError(f"-c moe --dtype {dtype}: the MoE FFN runs {', '.join(MOE_DTYPES)}")
+    check_moe_dtype(dtype)
     names = parse_names(engine, valid=moe_engine_names(), option="--engine") or moe_engine_names()
     mode = mode or "predict"
     if mode != "predict":

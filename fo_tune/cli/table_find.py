@@ -253,15 +253,12 @@ def _moe_lookup(
         raise typer.BadParameter(f"{missing}: an MoE lookup needs the experts' shape and the tokens per rank")
     if tokens < 0:
         raise typer.BadParameter(f"--tokens must be >= 0, got {tokens}")
-    from fo_tune.moe.plan import ExpertsShape
+    from fo_tune.moe.plan import ExpertsShape, check_moe_dtype
 
     shape = ExpertsShape.parse(experts)
     key = (shape.hidden, shape.intermediate, shape.experts, shape.top_k)
     dtype = check_choice("--dtype", DEFAULT_DTYPE if dtype is None else dtype, DTYPE_NAMES)
-    from fo_kernels.moe.routing import MOE_DTYPES
-
-    if dtype not in MOE_DTYPES:
-        raise typer.BadParameter(f"-c moe --dtype {dtype}: the MoE FFN runs {', '.join(MOE_DTYPES)}")
+    check_moe_dtype(dtype)
     world = world_of(world_size, device_key)
     named = "--world-size" if world_size is not None else "-k's world size" if device_key else ""
     shape.check_world(world, named or "the default --world-size")

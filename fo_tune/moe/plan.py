@@ -21,6 +21,7 @@ from typing import Any
 
 from fo_kernels.errors import FoTuneError, ScheduleError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
+from fo_kernels.moe.routing import MOE_DTYPES
 from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
 from fo_kernels.moe.table import (
     MoeRow,
@@ -92,6 +93,12 @@ class ExpertsShape:
 
 # An MoE suite model's sizes (suites/moe/experts.yaml), in ExpertsShape's order.
 _SUITE_SIZES = ("hidden", "intermediate", "experts", "top_k")
+
+
+def check_moe_dtype(dtype: str) -> None:
+    """``MoeSearchError`` unless the MoE FFN runs ``dtype`` (the --dtype of an -c moe command)."""
+    if dtype not in MOE_DTYPES:
+        raise MoeSearchError(f"-c moe --dtype {dtype}: the MoE FFN runs {', '.join(MOE_DTYPES)}")
 
 
 def experts_from_suite(path: Path, world_size: int) -> list[ExpertsShape]:
