@@ -44,6 +44,7 @@ alignment, divisibility) are checked by ``fo_kernels.plan.make_plan``. Every err
 
 from __future__ import annotations
 
+import functools
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -188,7 +189,72 @@ def settings_from_mapping(cls: type, data: Any) -> Any:
 # The encoder of a schedule's ``op_text`` (json.dumps(..., sort_keys=True, separators=(",", ":"))
 # makes an encoder per call, a tenth of building a table's row; a 100,000-row table builds each).
 OP_TEXT_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+# The key of a row's ``settings`` mapping among those already built: JSON tells ``true`` from
+# ``1`` and ``1.0`` (equal, and hashed alike, as Python values), so a row whose fields differ in
+# type from a built one's is built and checked on its own.
+_SETTINGS_KEY_ENCODER = json.JSONEncoder(separators=(",", ":"))
+# Distinct settings remembered while rows are built. A table's rows share few of them (a tile,
+# groups and weights chosen from a small space: the 100,000-row test table has under 1,000), and
+# building one is most of building a row; the settings are frozen, so rows share them safely.
+SETTINGS_CACHE_SIZE = 8192
 
+
+@functools.lru_cache(maxsize=SETTINGS_CACHE_SIZE)
+def _settings_from_key(engine: str, key: str) -> EngineSettings:
+    """The settings of ``engine`` from their mapping's JSON ``key`` (``_SETTINGS_KEY_ENCODER``)."""
+    return settings_type(engine).from_dict(json.loads(key))
+
+
+def settings_for_row(engine: Any, data: Any) -> EngineSettings:
+    """``engine``'s settings from a row's ``settings`` mapping, shared with the rows before it that
+    have the same mapping; errors as ``settings_type(engine).from_dict``'s."""
+    if isinstance(engine, str) and isinstance(data, Mapping):
+        try:
+            key = _SETTINGS_KEY_ENCODER.encode(data)
+        except (TypeError, ValueError):  # a value JSON cannot hold (from YAML): built on its own
+            pass
+        else:
+            return _settings_from_key(engine, key)
+    return settings_type(engine).from_dict(data)
+
+
+@functools.lru_cache(maxsize=SETTINGS_CACHE_SIZE)
+def _settings_text(settings: EngineSettings) -> str:
+    """``settings.to_dict()`` as ``OP_TEXT_ENCODER`` writes it (settings equal as dataclasses write
+    the same text: their fields' types are checked)."""
+    return OP_TEXT_ENCODER.encode(settings.to_dict())
+
+
+@functools.cache
+def _json_str(name: str) -> str:
+    """A checked name (collective, dtype, engine) as JSON writes it."""
+    return OP_TEXT_ENCODER.encode(name)
+
+
+def _op_text(schedule: Schedule) -> str:
+    """``OP_TEXT_ENCODER.encode`` of the schedule's dict without provenance and basis, assembled
+    from its parts in the encoder's key order (the settings' text shared by equal settings)."""
+    head = f'{{"collective":{_json_str(schedule.collective)},"dtype":{_json_str(schedule.dtype)},'
+    p = schedule.problem
+    if p.m is not None:
+        problem = f'{{"k":{int(p.k)},"m":{int(p.m)},"n":{int(p.n)}}}'
+    else:
+        problem = f'{{"k":{int(p.k)},"m_max":{int(p.m_max)},"m_min":{int(p.m_min)},"n":{int(p.n)}}}'  # type: ignore[arg-type]
+    tail = f'"problem":{problem},'
+    if schedule.settings is None:
+        return f'{head}"overlap":false,{tail}"world_size":{int(schedule.world_size)}}}'
+    engine = _json_str(schedule.settings.ENGINE)
+    try:
+        settings = _settings_text(schedule.settings)
+    except TypeError:  # settings of a plug-in that are not hashable: written each time
+        settings = OP_TEXT_ENCODER.encode(schedule.settings.to_dict())
+    return f'{head}"engine":{engine},{tail}"settings":{settings},"world_size":{int(schedule.world_size)}}}'
+
+
+# The keys of a schedule's mapping.
+_SCHEDULE_KEYS = frozenset(
+    ("collective", "dtype", "world_size", "problem", "overlap", "engine", "settings", "provenance", "basis")
+)
 # The keys of a table row (the header gives collective, dtype and world_size).
 _ROW_KEYS = ("problem", "overlap", "engine", "settings", "provenance", "basis")
 
@@ -238,10 +304,7 @@ class Schedule:
             raise ScheduleError(f"provenance: expected a mapping, got {type(self.provenance).__name__}")
         if not isinstance(self.basis, str):
             raise ScheduleError(f"basis: expected a string, got {type(self.basis).__name__}")
-        data = self.to_dict()
-        data.pop("provenance", None)
-        data.pop("basis", None)
-        object.__setattr__(self, "op_text", OP_TEXT_ENCODER.encode(data))
+        object.__setattr__(self, "op_text", _op_text(self))
 
     @property
     def overlap(self) -> bool:
@@ -277,20 +340,10 @@ class Schedule:
         if not isinstance(data, Mapping):
             raise ScheduleError(f"schedule: expected a mapping, got {type(data).__name__}")
         merged = {**(defaults or {}), **data}
-        known = (
-            "collective",
-            "dtype",
-            "world_size",
-            "problem",
-            "overlap",
-            "engine",
-            "settings",
-            "provenance",
-            "basis",
-        )
-        unknown = sorted(str(key) for key in set(merged) - set(known))
-        if unknown:
-            raise ScheduleError(f"schedule: unknown key(s) {', '.join(unknown)}; valid: {sorted(known)}")
+        extra = merged.keys() - _SCHEDULE_KEYS
+        if extra:
+            unknown = ", ".join(sorted(map(str, extra)))
+            raise ScheduleError(f"schedule: unknown key(s) {unknown}; valid: {sorted(_SCHEDULE_KEYS)}")
         for key in ("collective", "dtype", "world_size", "problem"):
             if key not in merged:
                 raise ScheduleError(f"{key}: missing")
@@ -301,7 +354,7 @@ class Schedule:
         if overlap:
             if "engine" not in merged:
                 raise ScheduleError("engine: missing (an overlapped row names its engine; or overlap: false)")
-            settings = settings_type(merged["engine"]).from_dict(merged.get("settings"))
+            settings = settings_for_row(merged["engine"], merged.get("settings"))
         elif "engine" in merged or "settings" in merged:
             raise ScheduleError("engine: an overlap: false row runs GEMM then the collective; leave it out")
         return cls(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import re
 
 import pytest
@@ -396,3 +397,59 @@ def test_copy_engine_settings_agree_with_the_engines_modes():
         except ScheduleError as exc:
             schedule_says = str(exc)
         assert bool(engine_says) == bool(schedule_says), (mode, collective, world, engine_says, schedule_says)
+
+
+def test_op_text_is_the_schedule_json_without_provenance_whatever_the_engine():
+    # op_text is assembled from parts for speed: it must read as the whole dict's sorted JSON
+    tiled = CopyEngineSettings(
+        mode="tiled", weights=(2, 1), tile=dataclasses.replace(TILE, warp_specialize=True)
+    )
+    schedules = [
+        sched(provenance={"source": "test", "measured_ms": 0.1}),
+        sched(problem=Problem(m_min=8, m_max=4096, n=64, k=32), groups=(3, 1)),
+        Schedule(
+            collective="all_gather", dtype="float8_e4m3fn", world_size=3, problem=Problem(m=96, n=16, k=16)
+        ),
+        Schedule(
+            collective="reduce_scatter",
+            dtype="bfloat16",
+            world_size=2,
+            problem=Problem(m_min=8, m_max=64, n=16, k=16),
+            settings=tiled,
+            basis="extrapolated from world size 2",
+        ),
+        Schedule(
+            collective="all_reduce",
+            dtype="float16",
+            world_size=8,
+            problem=Problem(m=5, n=16, k=16),
+            settings=CopyEngineSettings(weights=(1, 1, 1)),
+        ),
+    ]
+    for s in schedules:
+        data = s.to_dict()
+        data.pop("provenance", None)
+        data.pop("basis", None)
+        assert s.op_text == json.dumps(data, sort_keys=True, separators=(",", ":")), s
+        assert Schedule.from_dict(json.loads(s.op_text)) == dataclasses.replace(s, provenance={}, basis="")
+
+
+def test_rows_with_equal_settings_of_other_types_are_each_checked():
+    # rows share settings built before; a field equal in value but not in type (1 for true, 1.0
+    # for 1) is still refused, whichever row comes first
+    good = sched().to_dict()
+    for field, value in (("warp_specialize", 1), ("num_stages", 1.0)):
+        bad = json.loads(json.dumps(good))
+        bad["settings"]["tile"][field] = value
+        if field == "warp_specialize":
+            good_ws = json.loads(json.dumps(good))
+            good_ws["settings"]["tile"][field] = True
+            Schedule.from_dict(good_ws)
+        else:
+            Schedule.from_dict(good)
+        with pytest.raises(ScheduleError, match=rf"^tile\.{field}: expected"):
+            Schedule.from_dict(bad)
+    row = sched().to_dict()
+    first = Schedule.from_dict(row)
+    again = Schedule.from_dict(json.loads(json.dumps(row)))
+    assert again == first and again.settings is first.settings
