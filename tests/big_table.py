@@ -9,6 +9,7 @@ Every row is valid and plans for its shapes, so `fo-tune table validate` passes 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ RANGES_PER_NK = 10
 # M step of the exact rows and width of each range (multiples of the world size, 2).
 M_STEP = 64
 RANGE_WIDTH = 1024
+# The tag of a YAML string.
+STR_TAG = "tag:yaml.org,2002:str"
 TRITON_TILE = {"block_m": 128, "block_n": 256, "block_k": 64, "group_m": 8, "num_warps": 8, "num_stages": 3}
 COPY_TILE = {**TRITON_TILE, "warp_specialize": True}
 
@@ -105,3 +108,67 @@ def write_big_table(path: Path, fingerprint: Fingerprint, count: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def block_style_text(data: dict[str, Any]) -> str:
+    """``data`` (a table: the rows last) in YAML's block style as ``yaml.safe_dump(data,
+    sort_keys=False)`` writes it, an object met twice written once with an anchor and then as its
+    alias, in seconds for 100,000 rows where PyYAML's emitter takes minutes; for the rows
+    ``big_table_rows`` makes (mappings, lists and scalars, no string that needs double quotes or
+    wrapping)."""
+    seen: dict[int, int] = {}
+
+    def count(node: Any) -> None:
+        if isinstance(node, (dict, list)):
+            seen[id(node)] = seen.get(id(node), 0) + 1
+            if seen[id(node)] == 1:
+                for item in node.values() if isinstance(node, dict) else node:
+                    count(item)
+
+    count(data)
+    anchors: dict[int, str] = {}
+    texts: dict[tuple[type, Any], str] = {}
+    resolver = yaml.resolver.Resolver()  # how YAML reads a plain scalar: quoted unless a string
+
+    def scalar(value: Any) -> str:
+        key = (type(value), value)
+        if key not in texts:
+            if isinstance(value, str):
+                tag = resolver.resolve(yaml.ScalarNode, value, (True, False))
+                quoted = tag != STR_TAG or value.strip() != value or ": " in value or " #" in value
+                texts[key] = "'" + value.replace("'", "''") + "'" if quoted else value
+            elif isinstance(value, float):
+                texts[key] = yaml.safe_dump(value).removesuffix("\n...\n")
+            else:
+                texts[key] = json.dumps(value)
+        return texts[key]
+
+    def node(value: Any, indent: int, out: list[str], lead: str) -> None:
+        """``value`` after ``lead`` (``key:`` or ``-``) at ``indent``, in ``out``'s lines."""
+        if isinstance(value, (dict, list)) and value:
+            if id(value) in anchors:
+                out.append(f"{lead} *{anchors[id(value)]}")
+                return
+            anchor = ""
+            if seen[id(value)] > 1:
+                anchors[id(value)] = f"id{len(anchors) + 1:03d}"
+                anchor = f" &{anchors[id(value)]}"
+            out.append(f"{lead}{anchor}")
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    node(item, indent + 2, out, f"{' ' * (indent + 2)}{key}:")
+            else:  # a sequence in a mapping sits at the key's indentation, as PyYAML writes it
+                for item in value:
+                    node(item, indent, out, f"{' ' * indent}-")
+            return
+        empty = "{}" if isinstance(value, dict) else "[]" if isinstance(value, list) else scalar(value)
+        out.append(f"{lead} {empty}")
+
+    header = yaml.safe_dump({key: item for key, item in data.items() if key != "rows"}, sort_keys=False)
+    lines = [header.rstrip("\n"), "rows:"]
+    for row in data["rows"]:
+        first = len(lines)
+        node(row, 0, lines, "-")
+        lines[first] = "- " + lines[first + 1].lstrip(" ") if lines[first] == "-" else lines[first]
+        del lines[first + 1]
+    return "\n".join(lines) + "\n"

@@ -16,7 +16,14 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from big_table import EXACT_PER_NK, M_STEP, big_table_header, big_table_rows, write_big_table
+from big_table import (
+    EXACT_PER_NK,
+    M_STEP,
+    big_table_header,
+    big_table_rows,
+    block_style_text,
+    write_big_table,
+)
 from cli import app
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint
 from fo_kernels.table import TABLE_DIR_ENV, load_table, lookup_schedule, read_table, table_path
@@ -102,6 +109,36 @@ def test_a_100k_row_table_written_as_one_json_document_validates_within_budget(t
     _validates_within_budget(path)
     small = json.dumps({**big_table_header(fp), "rows": big_table_rows(40, fp.sm_count)})
     assert parse_table_text(small) == yaml.safe_load(small)
+
+
+def test_a_100k_row_table_in_yaml_block_style_validates_and_looks_up_within_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a table a script wrote with yaml.safe_dump (block style, anchors for the shared tiles), as
+    # fo-tune wrote them before one JSON row a line: PyYAML's loader took minutes for it
+    fp = current_fingerprint("cpu", world_size=2)
+    small = {**big_table_header(fp), "rows": big_table_rows(300, fp.sm_count)}
+    assert block_style_text(small) == yaml.safe_dump(small, sort_keys=False)  # the generator is PyYAML's form
+    path = table_path(tmp_path, fp.device_key, "all_reduce", 2, "bfloat16")
+    path.parent.mkdir(parents=True)
+    path.write_text(block_style_text({**big_table_header(fp), "rows": big_table_rows(BIG_ROWS, fp.sm_count)}))
+    _validates_within_budget(path)
+    monkeypatch.setenv(TABLE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(table_paths, "_packaged_table_dir", lambda: None)
+    table_lookup._CACHE.clear()
+    start = time.process_time()
+    row = lookup_schedule(
+        "all_reduce", 3 * M_STEP, 1024, 1024, dtype=torch.bfloat16, world_size=2, device="cpu"
+    )
+    took = time.process_time() - start
+    assert row.engine == "triton" and row.problem.m == 3 * M_STEP
+    assert took <= FIRST_LOOKUP_BUDGET_S, f"the first lookup took {took:.2f} s"
+    start = time.process_time()
+    later = lookup_schedule(
+        "all_reduce", 2 * M_STEP, 1024, 1152, dtype=torch.bfloat16, world_size=2, device="cpu"
+    )
+    assert time.process_time() - start <= LATER_LOOKUP_BUDGET_S * 5 and later.problem.m == 2 * M_STEP
+    table_lookup._CACHE.clear()
 
 
 def test_a_duplicate_row_is_refused_by_validate_with_exit_2(tmp_path: Path) -> None:

@@ -6,9 +6,10 @@ YAML parser.
 That is what makes a large table cheap: on the 2-core CPU machine, PyYAML's libyaml loader took
 167 s for a 100,000-row table in block style (50 MB); ``json`` reads the same rows in about a
 second (docs/perf-notes.md#tables-and-lookup). A file that is not in this form (a
-hand-written table, a schema-1 file, a comment between rows) is read by the YAML parser, as
-before, unless it is one JSON document (``json.dump`` of a table), which ``json`` reads; a row
-line that is not JSON is read by the YAML parser alone.
+hand-written table, a schema-1 file, a comment between rows) is read as one JSON document by
+``json`` (``json.dump`` of a table), or with its rows in YAML's block style by
+``fo_kernels.table.block_rows`` (``yaml.safe_dump`` of a table), else by the YAML parser; a row line
+that is not JSON is read by the YAML parser alone.
 
 A row's numbers read the same in both parsers: a float whose JSON form has no ``.`` (``1e-05``)
 is written ``1.0e-05`` (PyYAML, a YAML 1.1 reader, takes ``1e-05`` for a string); a row holding a
@@ -27,6 +28,7 @@ import yaml
 
 from fo_kernels.errors import TableError
 from fo_kernels.files import SAFE_LOADER
+from fo_kernels.table.block_rows import read_block_rows
 from fo_kernels.table.index import EXACT, RANGE, ProblemKey
 
 # What a table file that does not parse (cut short by a full disk or an interrupted copy, or edited
@@ -110,15 +112,55 @@ def load_yaml_text(text: str) -> Any:
     return yaml.load(text, Loader=SAFE_LOADER)  # a safe loader, C or Python
 
 
-def load_document(text: str) -> Any:
+# Where a block sequence of rows ends: the first line at column 0 that is not one of its items
+# (the next key of a file whose keys are sorted, as ``yaml.safe_dump`` writes them by default).
+_ROWS_END = re.compile(r"\n(?=[^ \n-]|-[^ \n])")
+
+
+def _block_document(text: str, lazy: bool) -> dict[str, Any] | None:
+    """The data of a file whose ``rows`` are a block sequence ``fo_kernels.table.block_rows``
+    reads (the keys before and after them by the YAML parser, in their order); None for any
+    other text."""
+    if text.startswith(f"{ROWS_LINE}\n"):
+        head, body = "", text[len(ROWS_LINE) + 1 :]
+    else:
+        head, found, body = text.partition(f"\n{ROWS_LINE}\n")
+        if not found:
+            return None
+    if body[:1] not in (" ", "-"):
+        return None
+    end = _ROWS_END.search(body)
+    rows_text, tail = (body[: end.start() + 1], body[end.start() + 1 :]) if end else (body, "")
+    rows = read_block_rows(rows_text, as_text=lazy)
+    if rows is None:
+        return None
+    try:
+        before = load_yaml_text(head + "\n") if head.strip() else {}
+        after = load_yaml_text(tail) if tail.strip() else {}
+    except yaml.YAMLError:  # an alias to an anchor in the rows, say: the parser reads it all
+        return None
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        return None
+    if "rows" in before or "rows" in after or before.keys() & after.keys():
+        return None
+    return {**before, "rows": rows, **after}
+
+
+def load_document(text: str, *, lazy: bool = False) -> Any:
     """A whole file that is not in the written form: by ``json`` when it is one JSON document (a
     table a script wrote with ``json.dump``; JSON is YAML, and ``json`` reads a 100,000-row one in
-    about a second where the YAML parser took a minute), else by the YAML parser."""
+    about a second where the YAML parser took a minute); the header by the YAML parser and the
+    rows by ``fo_kernels.table.block_rows`` when the rows are in the block style ``yaml.safe_dump``
+    writes (``lazy``: rows it reads by template stay JSON text, as a written file's lines); else
+    all of it by the YAML parser."""
     if text.lstrip().startswith("{"):
         try:
             return json.loads(text)
         except ValueError:  # a YAML flow mapping that is not JSON
             pass
+    data = _block_document(text, lazy)
+    if data is not None:
+        return data
     return load_yaml_text(text)
 
 
@@ -163,12 +205,12 @@ def parse_table_text(text: str) -> Any:
 def lazy_table_data(text: str, source: str) -> Any:
     """The data of a table file's ``text`` for a reader that builds rows on first use: in the
     written form the header's data with ``rows`` the row lines undecoded (``decode_row_at`` reads
-    one), else the whole document (``load_document``). ``TableError`` naming ``source`` for text
-    that is not YAML."""
+    one), else the whole document (``load_document``, its block-style rows that templates read
+    left as JSON text too). ``TableError`` naming ``source`` for text that is not YAML."""
     try:
         split = split_table_text(text)
         if split is None:
-            return load_document(text)
+            return load_document(text, lazy=True)
     except yaml.YAMLError as exc:
         raise TableError(unreadable(source, exc)) from None
     header, lines = split

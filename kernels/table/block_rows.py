@@ -1,0 +1,243 @@
+"""A table's rows in YAML's block style read through templates, for a table a script wrote with
+``yaml.safe_dump`` or an older fo-tune wrote to load in seconds: PyYAML's libyaml loader builds a
+Python object per node and took 167 s for a 100,000-row table in this style (50 MB) on the 2-core
+CPU machine; this module reads it in about 3 s (docs/perf-notes.md#tables-and-lookup).
+
+The rows of a table have few shapes (the same keys at the same indentation, values aside). For
+each shape a row's JSON is made once with a ``%s`` where each value goes, by reading a row of that
+shape line by line (``fo_kernels.table.block``) with a marker in each value; a row of that shape is
+then its template filled with its values' JSON, and ``json`` reads every row in one call. A row no
+template fits is read line by line, and text outside the subset that reader takes goes to the YAML
+parser (``read_block_rows`` returns None).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from fo_kernels.table.block import (
+    NOT_PLAIN,
+    Reader,
+    Unsupported,
+    by_parser,
+    check_plain,
+    closing_quote,
+    fold,
+    lines_of,
+    read_lines,
+)
+
+# A row's line: the part that gives the row's shape (indentation, ``- ``, the key and ``: ``) and
+# the value after it. Rows whose lines have the same shapes are read by one template
+# (``_Templates``); a row with other keys or values than these is read line by line.
+_LINE_PARTS = re.compile(r"^( *+(?:- )?+(?:[A-Za-z_][A-Za-z0-9_]*:(?: |$))?+)(.*)$", re.M)
+# The text a template puts where each value goes while it is made, and finds again in its JSON.
+_SLOT = "zfotuneslot{}"
+_SLOT_JSON = re.compile(r'"zfotuneslot([0-9]+)"')
+# A number whose text is its own JSON and reads as YAML reads it: an integer, or a float with a
+# ``.`` (YAML 1.1 reads ``1e+05``, without one, as a string).
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+(?:[eE][-+][0-9]+)?)?")
+# What an alias to no anchor reads (None is a node's value).
+_NO_NODE = object()
+# JSON's own types: a value of any other (a YAML timestamp, a set) is read line by line.
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _json_exact(value: Any) -> bool:
+    """True when ``json`` reads ``value`` back as it is (string keys, JSON's types)."""
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _json_exact(item) for key, item in value.items())
+    if isinstance(value, list):
+        return all(_json_exact(item) for item in value)
+    return isinstance(value, _JSON_SCALARS)
+
+
+class _ValueJson(dict[str, "str | None"]):
+    """Each value's JSON (``_Templates.value_json``), made the first time the value is met."""
+
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, value: str) -> str | None:
+        text = self.make(value)
+        if value[:1] != "*":  # an alias reads its anchor's node as it stands when it is met
+            self[value] = text
+        return text
+
+
+def _key_column(prefix: str) -> int:
+    """The column of a line's key (after ``- `` where the line opens an item with a key), or of
+    its ``-``: a continuation of its value sits deeper."""
+    column = len(prefix) - len(prefix.lstrip(" "))
+    rest = prefix[column:]
+    return column + 2 if rest.startswith("- ") and rest != "- " else column
+
+
+def _joined(parts: list[tuple[str, str]]) -> list[tuple[str, str, list[str]]]:
+    """``_LINE_PARTS`` of a row's lines with each continuation line (indentation alone before its
+    text, deeper than the line before: a wrapped scalar's next line) joined to the value it goes
+    on: (prefix, value with its lines, the continuation lines' prefixes)."""
+    out: list[tuple[str, str, list[str]]] = []
+    for prefix, value in parts:
+        if out and value and out[-1][1] and not prefix.strip(" "):
+            before, text, more = out[-1]
+            if len(prefix) > _key_column(before):
+                out[-1] = (before, f"{text}\n{prefix}{value}", [*more, prefix])
+                continue
+        out.append((prefix, value, []))
+    return out
+
+
+def _row_pattern(parts: list[tuple[str, str, list[str]]]) -> re.Pattern[str]:
+    """The pattern of the rows shaped as ``parts`` (``_joined``): each prefix as it stands, each
+    value (with its continuation lines' prefixes as they stand) a group."""
+    lines = []
+    for prefix, value, more in parts:
+        if not value:
+            lines.append(re.escape(prefix))
+            continue
+        rest = "".join(f"\\n{re.escape(line)}[^\\n]+" for line in more)
+        lines.append(f"{re.escape(prefix)}([^\\n]+{rest})")
+    return re.compile("\\n".join(lines))
+
+
+class _Templates:
+    """Rows read through templates: for each row shape (its lines' ``_LINE_PARTS`` prefixes) the
+    row's JSON with a ``%s`` for each value, made once by reading a row of that shape line by line
+    with a marker in each value, and a pattern that matches the rows of that shape and takes their
+    values; a row is its template filled with its values' JSON. A row no template reads is read
+    line by line. ``json`` then reads every row in one call."""
+
+    def __init__(self, reader: Reader) -> None:
+        self.reader = reader
+        # The shapes met, by their rows' line count: (the pattern of the rows, their template).
+        self.shapes: dict[int, list[tuple[re.Pattern[str], str]]] = {}
+        # The shapes no template reads (their rows are read line by line).
+        self.unreadable: set[str] = set()
+        self.values = _ValueJson(self.value_json)
+
+    def line_row_json(self, chunk: str) -> str | None:
+        """The JSON of the row whose text is ``chunk``, read line by line (anchors it defines kept
+        for the rows after it); None when it leaves the subset or JSON."""
+        lines = lines_of(chunk)
+        rows = read_lines(lines, self.reader) if lines is not None else None
+        if rows is None or len(rows) != 1 or not _json_exact(rows[0]):
+            return None
+        return json.dumps(rows[0])
+
+    def row_json(self, chunk: str) -> str | None:
+        """The JSON of the row whose text (``- `` and its lines) is ``chunk``, by its shape's
+        template, else line by line; None when it leaves the subset or JSON."""
+        if "&" in chunk:  # an anchor (or a ``&`` in a value): line by line
+            return self.line_row_json(chunk)
+        shapes = self.shapes.setdefault(chunk.count("\n"), [])
+        for j, (pattern, made) in enumerate(shapes):
+            match = pattern.fullmatch(chunk)
+            if match is not None:
+                template = made
+                if j:
+                    shapes.insert(0, shapes.pop(j))  # the most recent shape is tried first
+                break
+        else:
+            parts = _joined(_LINE_PARTS.findall(chunk))
+            shape = "\n".join(prefix + "\n".join(more) for prefix, _value, more in parts)
+            made = None if shape in self.unreadable else self._template(parts)
+            if made is None:
+                self.unreadable.add(shape)
+                return self.line_row_json(chunk)
+            pattern = _row_pattern(parts)
+            template = made
+            shapes.insert(0, (pattern, template))
+            match = pattern.fullmatch(chunk)
+            if match is None:
+                return self.line_row_json(chunk)
+        texts = tuple(map(self.values.__getitem__, match.groups()))
+        if None in texts:
+            return self.line_row_json(chunk)
+        return template % texts
+
+    def _template(self, parts: list[tuple[str, str, list[str]]]) -> str | None:
+        """The template of rows shaped as ``parts``, or None when a template cannot read them."""
+        filled = []
+        slots = 0
+        for prefix, value, _more in parts:
+            if value:
+                value = _SLOT.format(slots)
+                slots += 1
+            filled.append(prefix + value)
+        lines = lines_of("\n".join(filled))
+        rows = read_lines(lines, Reader([])) if lines is not None else None
+        if rows is None or len(rows) != 1 or not _json_exact(rows[0]):
+            return None
+        text = json.dumps(rows[0]).replace("%", "%%")
+        found = [int(slot) for slot in _SLOT_JSON.findall(text)]
+        if found != list(range(slots)) or text.count("zfotuneslot") != slots:
+            return None
+        return _SLOT_JSON.sub("%s", text)
+
+    def value_json(self, value: str) -> str | None:
+        """One value's JSON (its continuation lines folded), as the line-by-line reader reads it;
+        None where a template cannot hold it (a structure, a value ``json`` does not read back as
+        it is)."""
+        value = value.rstrip(" ")
+        if _JSON_NUMBER.fullmatch(value):
+            return value
+        first = value[:1]
+        lines = value.split("\n")
+        try:
+            if first == "*":
+                node = self.reader.anchors.get(value[1:], _NO_NODE)
+                if node is _NO_NODE or len(lines) > 1:
+                    return None
+                read: Any = node
+            elif first == "'":
+                body = "\n".join([lines[0][1:], *(line.strip(" ") for line in lines[1:])])
+                if closing_quote(body) != len(body) - 1:
+                    return None
+                read = fold(body[:-1].split("\n"), quoted=True).replace("''", "'")
+            elif first in "{[":
+                read = self.reader.flow(value)
+            elif len(lines) > 1:  # a plain scalar over lines
+                if first in NOT_PLAIN:
+                    return None
+                text = fold(lines, quoted=False)
+                check_plain(text)
+                read = self.reader.plain(text)
+            elif first == '"':
+                if len(value) < 2 or value[-1] != '"':
+                    return None
+                read = by_parser(value)
+            elif first in NOT_PLAIN:
+                return None
+            else:
+                check_plain(value)
+                read = self.reader.plain(value)
+        except Unsupported:
+            return None
+        return json.dumps(read) if _json_exact(read) else None
+
+
+def read_block_rows(body: str, *, as_text: bool = False) -> list[Any] | None:
+    """The rows in ``body`` (the text after a table's ``rows:`` line): a block sequence as
+    ``yaml.safe_dump`` writes it; None when the text leaves the subset this module reads (the
+    caller then reads the whole file with the YAML parser). With ``as_text``, rows that templates
+    read stay their JSON text (``json.loads`` reads each), for a reader that decodes the rows it
+    takes."""
+    if "\t" in body or "\r" in body:
+        return None
+    reader = Reader([])
+    if body.startswith("- "):
+        templates = _Templates(reader)
+        texts = []
+        for i, row in enumerate(body.rstrip("\n").split("\n- ")):
+            text = templates.row_json(row if i == 0 else "- " + row)
+            if text is None:
+                break
+            texts.append(text)
+        else:
+            return texts if as_text else json.loads("[" + ",".join(texts) + "]")
+    lines = lines_of(body)
+    return read_lines(lines, reader) if lines is not None else None
