@@ -85,8 +85,9 @@ class CopyEngineMoeTerm:
         segments = cdiv(call.experts, chunks)
         slow, extra = p["copy_contention"], p["chunk_overhead_ms"]
         hidden, inter = call.hidden, call.intermediate
-        up = m.grouped_library_ms(rows, 2 * inter, hidden, segments, up=True) * slow + extra
-        down = m.grouped_library_ms(rows, hidden, inter, segments, up=False) * slow + extra
+        size = call.itemsize
+        up = m.grouped_library_ms(rows, 2 * inter, hidden, segments, up=True, itemsize=size) * slow + extra
+        down = m.grouped_library_ms(rows, hidden, inter, segments, up=False, itemsize=size) * slow + extra
         push = self._copy(rows * call.row_bytes, "peer") + p["flag_ms"]
         counts = m.counts_ms(call)
         t_side, landed = counts, []

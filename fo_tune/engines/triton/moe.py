@@ -94,8 +94,9 @@ class TritonMoeTerm:
         w, s, cap = call.world, call.source_rows, schedule.nccl_max_ctas
         hidden, inter, experts = call.hidden, call.intermediate, call.experts
         step = m.comm.step_ms(s * call.row_bytes, cap)
-        g1 = m.grouped_triton_ms(tile, s, 2 * inter, hidden, experts, grid, up=True)
-        g2 = m.grouped_triton_ms(tile, call.rows, hidden, inter, w * experts, grid, up=False)
+        size = call.itemsize
+        g1 = m.grouped_triton_ms(tile, s, 2 * inter, hidden, experts, grid, up=True, itemsize=size)
+        g2 = m.grouped_triton_ms(tile, call.rows, hidden, inter, w * experts, grid, up=False, itemsize=size)
         counts = m.counts_ms(call)
         noted = m.dense.interference("all_to_all", schedule.sms_free, cap)
         overlap = noted.concurrent and w > 1
