@@ -719,3 +719,53 @@ def test_search_moe_refuses_a_calibration_that_cannot_price_the_no_overlap_path(
     line = assert_one_line_error(runner.invoke(app, [*args, "--out", str(tmp_path / "out")]))
     assert "cannot price the no-overlap path" in line and "--only gemm --dtype bfloat16 --into" in line, line
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- the bench
+def test_grouped_gemm_bench_plans_each_tokens_count_and_refuses_bad_ones(tmp_path, capsys):
+    """bench/moe_grouped_gemm.py --tokens: every model and EP at each count, in order (what the
+    model's decode predictions are checked against); a count < 1, a word or --tiles outside 1..4
+    is exit 2 with one line before any GPU work or file."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "moe_grouped_gemm.py"
+    spec = importlib.util.spec_from_file_location("bench_moe_grouped_gemm_tokens", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    suite = yaml.safe_load(bench.SUITE.read_text())
+    planned = bench.planned_shapes(suite, ["DeepSeek-V3", "Mixtral-8x7B"], [4, 8], [1, 16])
+    got = [(m["name"], ep, t) for _, m, ep, t in planned]
+    assert got == [
+        (name, ep, t) for name in ("DeepSeek-V3", "Mixtral-8x7B") for ep in (4, 8) for t in (1, 16)
+    ]
+    assert [i for i, *_ in planned][::4] == [0, 3]  # each model's seed: its place in the suite
+    assert len(bench.planned_shapes(suite, [], [4, 8], [suite["tokens"]])) == 12
+    for args, says in (
+        (["--tokens", "16,0"], "every count of tokens a rank must be >= 1"),
+        (["--tokens", "16,x"], "is not a comma-separated list of whole numbers"),
+        (["--tiles", "5"], "--tiles must be 1..4, got 5"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            bench.main([*args, "--out", str(tmp_path / "o")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stopped.value.code == 2 and says in err[-1], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_search_moe_predicts_decode_buckets_at_least_their_weight_reads(runner, tmp_path, monkeypatch):
+    """`fo-tune search -c moe --mode predict` at EP 8 for DeepSeek-V3's 32 local experts: the
+    no-overlap path at 16 tokens a rank reads ~31.4 experts' W13 and W2 (88 MB each); before, it
+    was priced as one weight's read (0.59 ms of GEMMs against ~1.4 of reads)."""
+    isolate_tables(monkeypatch, tmp_path)
+    args = ["search", "-c", "moe", "--experts", "7168,2048,32,8", "--tokens", "1,16", "-w", "8", "--json"]
+    result = runner.invoke(app, [*args, "--table-dir", str(tmp_path / "t")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert "weights read at" in summary["basis"]
+    rate = moe_cost_model(load_calibration(packaged_calibration(H200_KEY, 2))).stream.bytes_per_ms
+    for row, tokens in zip(summary["rows"], (1, 16), strict=True):
+        reads = filled_segments(tokens * 8, 32) * 3 * 7168 * 2048 * 2 / rate
+        assert row["fallback_ms"] >= reads and row["provenance"]["fallback_ms"] >= round(reads, 6)
+        assert row["prediction"]["total_ms"] >= reads
