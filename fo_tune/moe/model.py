@@ -33,24 +33,25 @@ Each engine's overlapped schedule is its term's (``fo_tune.engines.<engine>.moe`
 Filled segments (``filled_segments``): routing balanced in expectation, each of a GEMM's rows lands
 on one of its S segments uniformly, so S (1 - (1 - 1/S)^rows) of them get a row. Each rank
 receives exactly R rows (the balance above), so this is the draw over its own E_local experts
-that ``bench/moe_grouped_gemm.py`` makes; it differs from the global form (every rank's T x k rows
-over all E = w E_local experts, E_local (1 - (1 - 1/E)^(w T k))) by about 1% at one token a rank,
-and from the exact split (min(R, S) segments) where that cannot be even: R < S, where it leaves
-fewer experts read (7.2 of 32 at DeepSeek-V3 EP 8, one token, 8 rows) than the split's 8.
+that ``bench/moe_grouped_gemm.py`` makes. The global form (every rank's T x k rows over all
+E = w E_local experts, E_local (1 - (1 - 1/E)^(w T k))) gives 0-3% fewer on the suite from one
+token a rank up (14% for Mixtral's 1-2 local experts at one token: it lets a rank receive no row,
+which the balance above does not); an exact even split (min(R, S) segments) cannot be even where
+R < S, and reads more (8 of 32 experts at DeepSeek-V3 EP 8, one token, 8 rows, against 7.2).
 
 Weight stream rate (``weight_stream``): the fastest rate at which the calibration's own library
 GEMM moved its bytes (A, B and C once) among its measured points of at most ``STREAM_MAX_ROWS``
-rows, where the weights are most of the bytes: on the packaged calibration 256x8192x3584, ~1.9 TB/s,
-measured on an H100 (a sibling: ``basis`` says so). It is a lower bound of the memory's rate, and
-the rate torch._grouped_mm reached where its weights bound it on one H100 (Llama-4-Maverick EP 4,
-4096 tokens, 128 rows an expert: up 5.4 GB in 2.69 ms, down 2.7 GB in 1.37 ms, ~2.0 TB/s). A
-calibration without such a point prices no reads (its ``basis`` says so).
+rows, where the weights are most of the bytes: on the packaged calibration 256x8192x3584, 1.93
+TB/s, measured on an H100 (a sibling: ``basis`` says so). It is a lower bound of the memory's
+rate, and the rate torch._grouped_mm reached where its weights bound it on one H100
+(Llama-4-Maverick EP 4, 4096 tokens, 128 rows an expert: up 5.4 GB in 2.69 ms, down 2.7 GB in
+1.37 ms, ~2.0 TB/s). A calibration without such a point prices no reads (its ``basis`` says so).
 
 Not modelled: the routing's sort and the row permutations, the weighted sum at the source, the
 SwiGLU pass of the no-overlap path (the Triton path fuses it into its epilogue), skewed routing
 (it fills fewer experts with more rows), weights reused from L2 (none of the suite's fit in it),
-compute and reads in part overlapped (the larger of the two, never a blend: near the ridge, e.g.
-Llama-4-Maverick EP 8 at 4096 tokens, the call takes longer than either), fewer SMs streaming
+compute and reads that do not fully overlap (the model takes the larger: near the ridge, e.g.
+Llama-4-Maverick EP 8 at 4096 tokens, the GEMM takes longer than either), fewer SMs streaming
 slower (the Triton path's programs on SMs - sms_free read at the full rate), and the Triton
 kernels' own read rate: on one H100 they streamed their weights at 2.5-2.9 TB/s where
 torch._grouped_mm took ~2.0 (``docs/perf-notes.md``, "MoE grouped GEMMs' weight reads").

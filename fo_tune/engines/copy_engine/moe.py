@@ -3,8 +3,9 @@
 Rank r of w, s = R / w rows a source cut into C pieces (``chunks``: ranges of ceil(E_local / C)
 experts, s / C rows each); ``push`` a copy-engine copy of one piece into a peer
 (``peer_copy_latency_ms + bytes / peer_copy_gbs``) and its flag (``flag_ms``); ``up`` / ``down``
-torch._grouped_mm of one piece (``MoeCostModel.grouped_library_ms``) times ``copy_contention``
-plus ``chunk_overhead_ms``::
+torch._grouped_mm of one piece (``MoeCostModel.grouped_library_ms``: each piece reads the weights
+of its experts that its rows reach, w C pieces in all) times ``copy_contention`` plus
+``chunk_overhead_ms``::
 
     side:  counts; for j = 1 .. w-1: for c: push piece c of my rows for r + j    (back to back)
     main:  up of my own C pieces; for j: for c: up of piece (r - j, c) once it has landed
