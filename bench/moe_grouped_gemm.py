@@ -1,11 +1,12 @@
 """The MoE grouped GEMMs on one GPU: fo_kernels' Triton kernels beside ``torch._grouped_mm``.
 
     python bench/moe_grouped_gemm.py --out DIR [--suite suites/moe/experts.yaml] [--rounds 20]
-        [--models DeepSeek-V3,Mixtral-8x7B] [--ep 4,8]
+        [--models DeepSeek-V3,Mixtral-8x7B] [--ep 4,8] [--tokens 1,16,64,256] [--tiles 1]
 
-For every model and EP of the suite (``suites/moe/experts.yaml``) one rank's expert GEMMs at a
-balanced load: E / EP local experts, tokens x k rows split over them by a seeded multinomial draw
-(uneven, as routing is). Variants, bf16, timed side by side:
+For every model, EP and tokens a rank (the suite's ``suites/moe/experts.yaml``, or ``--tokens``)
+one rank's expert GEMMs at a balanced load: E / EP local experts, tokens x k rows split over them
+by a seeded multinomial draw (uneven, as routing is; at few tokens some experts get no row, as
+``fo_tune.moe.model``'s filled segments assume). Variants, bf16, timed side by side:
 
     up      lib: torch._grouped_mm(x, W13)               fo: swiglu_gemm (the SwiGLU in its epilogue)
     up_act  lib: torch._grouped_mm(x, W13) + silu * up   (what the no-overlap path runs)
@@ -16,11 +17,12 @@ balanced load: E / EP local experts, tokens x k rows split over them by a seeded
                                                             per slot (what the combine waits on)
 
 Every variant is checked against ``torch._grouped_mm`` first (relative error < 2e-2). fo's tile
-is the fastest of ``TILES`` per shape (each timed alone, then the pick side by side). A sample is
-one CUDA graph replay of ``--calls`` calls; rounds alternate the variants' order; the median of
-the rounds is reported. Writes DIR/moe_grouped_gemm.csv (one row per model, EP and variant, with
-the GPU, torch, Triton and time of the run) and prints a summary: fo's time over lib's (x lib > 1:
-fo is faster). Needs a CUDA GPU with ``torch._grouped_mm`` (torch >= 2.8, Hopper for bf16).
+is the fastest of ``TILES`` (the first ``--tiles`` of them) per shape (each timed alone, then the
+pick side by side). A sample is one CUDA graph replay of ``--calls`` calls; rounds alternate the
+variants' order; the median of the rounds is reported. Writes DIR/moe_grouped_gemm.csv (one row
+per model, EP, tokens and variant, with the GPU, torch, Triton and time of the run) and prints a
+summary: fo's time over lib's (x lib > 1: fo is faster). Needs a CUDA GPU with
+``torch._grouped_mm`` (torch >= 2.8, Hopper for bf16).
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ SUITE = Path(__file__).resolve().parents[1] / "suites" / "moe" / "experts.yaml"
 TILE_SAMPLES = 3  # samples of each tile alone, to pick one
 CHECK_TOL = 2e-2  # bf16 against torch._grouped_mm (the dense ops' bf16 tolerance)
 COLUMNS = (
-    "model", "ep", "experts_local", "rows", "hidden", "intermediate", "variant", "tile", "lib_ms",
-    "fo_ms", "x_lib", "gpu", "torch", "triton", "time",
+    "model", "ep", "tokens", "experts_local", "rows", "hidden", "intermediate", "variant", "tile",
+    "lib_ms", "fo_ms", "x_lib", "gpu", "torch", "triton", "time",
 )  # fmt: skip
 
 
@@ -106,8 +108,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def bench_shape(model: dict, ep: int, tokens: int, rounds: int, calls: int, seed: int) -> list[dict]:
-    """The rows of one model at one EP (see the module docstring)."""
+def planned_shapes(suite: dict, models: list[str], eps: list[int], tokens: list[int]) -> list[tuple]:
+    """(suite index, model, EP, tokens a rank) of every shape the run times, in its order: the
+    suite's models (those of ``models``, all when empty), each at every EP and tokens."""
+    return [
+        (i, model, ep, t)
+        for i, model in enumerate(suite["models"])
+        if not models or model["name"] in models
+        for ep in eps
+        for t in tokens
+    ]
+
+
+def bench_shape(
+    model: dict, ep: int, tokens: int, rounds: int, calls: int, seed: int, tiles: tuple[Tile, ...] = TILES
+) -> list[dict]:
+    """The rows of one model at one EP and tokens a rank (see the module docstring)."""
     dev = torch.device("cuda")
     local, k = model["experts"] // ep, model["top_k"]
     h, inter, rows = model["hidden"], model["intermediate"], tokens * k
@@ -155,10 +171,10 @@ def bench_shape(model: dict, ep: int, tokens: int, rounds: int, calls: int, seed
         return lambda: grouped_gemm(hh, w2, down_out, tables, tile, grid=sms, counters=ctr)
 
     # correctness first: fo against the library, every tile
-    print(f"  {model['name']} EP{ep}: checking", file=sys.stderr, flush=True)
+    print(f"  {model['name']} EP{ep} T{tokens}: checking", file=sys.stderr, flush=True)
     ref_up = lib_up_act()
     ref_down = lib_down()
-    for tile in TILES:
+    for tile in tiles:
         for kind in ("up", "up_slotted"):
             up_out.fill_(float("nan"))
             fo(kind, tile)()
@@ -171,9 +187,9 @@ def bench_shape(model: dict, ep: int, tokens: int, rounds: int, calls: int, seed
     lib_of = {"up": lib_up, "up_slotted": lib_up_act, "down": lib_down, "down_signalled": lib_down}
     for kind in ("up", "up_slotted", "down", "down_signalled"):
         # (on stderr: an asynchronous CUDA error then names the variant it came from)
-        print(f"  {model['name']} EP{ep}: timing {kind}", file=sys.stderr, flush=True)
+        print(f"  {model['name']} EP{ep} T{tokens}: timing {kind}", file=sys.stderr, flush=True)
         alone = {}
-        for t in TILES:
+        for t in tiles:
             sample = _timed(fo(kind, t), calls)
             alone[t] = statistics.median(sample() for _ in range(TILE_SAMPLES))
         best = min(alone, key=alone.get)
@@ -185,8 +201,9 @@ def bench_shape(model: dict, ep: int, tokens: int, rounds: int, calls: int, seed
         for name, lib_ms in pairs:
             tile = f"{best.block_m}x{best.block_n}x{best.block_k}/w{best.num_warps}/s{best.num_stages}"
             shape = dict(
-                model=model["name"], ep=ep, experts_local=local, rows=rows, hidden=h, intermediate=inter
-            )
+                model=model["name"], ep=ep, tokens=tokens, experts_local=local, rows=rows, hidden=h,
+                intermediate=inter,
+            )  # fmt: skip
             fo_ms = med["fo"]
             times = {"lib_ms": lib_ms, "fo_ms": fo_ms, "x_lib": lib_ms / fo_ms}  # unrounded in the CSV
             out.append({**shape, "variant": name, "tile": tile, **times})
@@ -209,7 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--models", default="", help="comma-separated model names (default: all)")
     parser.add_argument("--ep", default="", help="comma-separated EP sizes (default: the suite's)")
+    parser.add_argument(
+        "--tokens", default="", help="comma-separated tokens a rank, each >= 1 (default: the suite's tokens)"
+    )
+    parser.add_argument(
+        "--tiles",
+        type=int,
+        default=len(TILES),
+        help=f"try the first N of fo's {len(TILES)} tiles, 128x256x64 first (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
+    if not 1 <= args.tiles <= len(TILES):
+        parser.error(f"--tiles must be 1..{len(TILES)}, got {args.tiles}")
     for name in ("rounds", "calls"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -226,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         eps = [int(e) for e in args.ep.split(",") if e] or suite["ep"]
     except ValueError:
         parser.error(f"--ep: {args.ep!r} is not a comma-separated list of whole numbers")
+    try:
+        tokens = [int(t) for t in args.tokens.split(",") if t] or [suite["tokens"]]
+    except ValueError:
+        parser.error(f"--tokens: {args.tokens!r} is not a comma-separated list of whole numbers")
+    if min(tokens) < 1:
+        parser.error(f"--tokens: {args.tokens!r}: every count of tokens a rank must be >= 1")
     for model in (m for m in suite["models"] if m["name"] in (wanted or names)):
         for ep in eps:
             if ep < 1 or model["experts"] % ep:  # E / EP experts a rank
@@ -243,16 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     rows = []
     path = out_dir / "moe_grouped_gemm.csv"
-    for i, model in enumerate(suite["models"]):
-        if wanted and model["name"] not in wanted:
-            continue
-        for ep in eps:
-            for r in bench_shape(model, ep, suite["tokens"], args.rounds, args.calls, seed=i):
-                rows.append({**r, **run})
-                where = f"{r['model']:<18} EP{ep} {r['experts_local']:>3} experts {r['rows']:>6} rows"
-                times = f"lib {r['lib_ms']:.3f} ms  fo {r['fo_ms']:.3f} ms  x lib {r['x_lib']:.3f}"
-                print(f"{where}  {r['variant']:<15} {times}  ({r['tile']})", flush=True)
-            _write(rows, path)  # after every shape: a run cut short keeps what it measured
+    for i, model, ep, t in planned_shapes(suite, wanted, eps, tokens):
+        for r in bench_shape(model, ep, t, args.rounds, args.calls, seed=i, tiles=TILES[: args.tiles]):
+            rows.append({**r, **run})
+            where = f"{r['model']:<18} EP{ep} T{t:<5} {r['experts_local']:>3} experts {r['rows']:>6} rows"
+            times = f"lib {r['lib_ms']:.3f} ms  fo {r['fo_ms']:.3f} ms  x lib {r['x_lib']:.3f}"
+            print(f"{where}  {r['variant']:<15} {times}  ({r['tile']})", flush=True)
+        _write(rows, path)  # after every shape: a run cut short keeps what it measured
     print(f"wrote {path}")
     return 0
 

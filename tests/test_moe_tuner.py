@@ -38,7 +38,13 @@ from fo_tune.calibrate.calibration import BandwidthPoint, load_calibration
 from fo_tune.calibrate.find import packaged_calibration
 from fo_tune.engines import moe_cost_model
 from fo_tune.model.profiles import Curves
-from fo_tune.moe.model import GROUPED_DOWN_OVERHEAD, GROUPED_UP_OVERHEAD, MoeCall, padded_rows
+from fo_tune.moe.model import (
+    GROUPED_DOWN_OVERHEAD,
+    GROUPED_UP_OVERHEAD,
+    MoeCall,
+    filled_segments,
+    padded_rows,
+)
 from fo_tune.moe.plan import write_moe_rows
 
 DEEPSEEK = dict(hidden=7168, intermediate=2048, experts=16, top_k=8)
@@ -75,11 +81,19 @@ def test_every_moe_path_has_a_term_under_its_name():
         assert term.name == name and term.SPACE_KEYS
 
 
-def test_padded_rows_round_each_segment_up_to_whole_tiles():
+def test_padded_rows_round_each_filled_segment_up_to_whole_tiles():
     assert padded_rows(100, 4, 128) == 4 * 128
     assert padded_rows(1024, 4, 128) == 1024
     assert padded_rows(1025, 1, 64) == 17 * 64
     assert padded_rows(0, 8, 128) == 0
+    # 16 rows, each on one of 16 segments: 16 (1 - (15/16)^16) = 10.3 of them get a row, 11 tiles
+    assert filled_segments(16, 16) == pytest.approx(16 * (1 - (15 / 16) ** 16))
+    assert padded_rows(16, 16, 128) == 11 * 128
+    # DeepSeek-V3 at EP 8, one token a rank: 8 rows over 32 experts fill ~7.2, not 32
+    assert filled_segments(8, 32) == pytest.approx(7.17, abs=0.01)
+    assert padded_rows(8, 32, 128) == 8 * 128
+    assert filled_segments(5, 1) == 1.0 and filled_segments(0, 32) == 0.0
+    assert filled_segments(1 << 20, 32) == 32.0 and padded_rows(1 << 20, 32, 128) == 1 << 20
 
 
 def test_all_to_all_is_derived_from_reduce_scatter_with_its_basis(cal):
@@ -98,7 +112,7 @@ def test_all_to_all_curve_of_its_own_and_from_all_reduce(cal):
     ]
     with_own = dataclasses.replace(cal, bandwidth=[*cal.bandwidth, *own])
     model = moe_cost_model(with_own)
-    assert model.basis == "all_to_all: the calibration's curve"
+    assert model.basis.split("; ")[0] == "all_to_all: the calibration's curve"
     assert model.comm.time(3 << 19) == pytest.approx(0.06)  # halfway between the two points
     only_ar = dataclasses.replace(cal, bandwidth=[b for b in cal.bandwidth if b.collective == "all_reduce"])
     model = moe_cost_model(only_ar)
@@ -109,15 +123,82 @@ def test_all_to_all_curve_of_its_own_and_from_all_reduce(cal):
 def test_grouped_gemm_is_the_library_gemm_times_the_measured_overhead(cal):
     model = moe_cost_model(cal)
     dense = model.dense.library.time(32768, 4096, 7168)
-    assert model.grouped_library_ms(32768, 4096, 7168, 32, up=True) == pytest.approx(dense * 3.20 / 2.89)
-    assert model.grouped_library_ms(32768, 7168, 2048, 32, up=False) == pytest.approx(
+    up = model.grouped_library_ms(32768, 4096, 7168, 32, up=True, itemsize=2)
+    assert up == pytest.approx(dense * 3.20 / 2.89)
+    assert model.grouped_library_ms(32768, 7168, 2048, 32, up=False, itemsize=2) == pytest.approx(
         model.dense.library.time(32768, 7168, 2048) * GROUPED_DOWN_OVERHEAD
     )
     assert 1.08 <= GROUPED_UP_OVERHEAD <= 1.18 and 1.08 <= GROUPED_DOWN_OVERHEAD <= 1.18
-    # 16 rows over 16 experts: each expert's one row is a whole 128-row tile
-    assert model.grouped_library_ms(16, 4096, 7168, 16, up=True) == pytest.approx(
-        model.dense.library.time(16 * 128, 4096, 7168) * GROUPED_UP_OVERHEAD
+    # 1000 rows over 2 experts: each expert's 500 rows are 4 whole 128-row tiles, compute-bound
+    assert model.grouped_library_ms(1000, 4096, 7168, 2, up=True, itemsize=2) == pytest.approx(
+        model.dense.library.time(2 * 512, 4096, 7168) * GROUPED_UP_OVERHEAD
     )
+
+
+def _weights_ms(model, experts: float, rows: int, n: int, k: int) -> float:
+    """``experts`` weights of K x N and ``rows`` rows in and out, bf16, at the model's read rate."""
+    return (experts * n * k + rows * (n + k)) * 2 / model.stream.bytes_per_ms
+
+
+def test_weight_read_rate_is_the_library_gemms_fastest_small_point(cal):
+    """The packaged calibration's fastest library GEMM of <= 256 rows is 256x8192x3584 (measured
+    on the sibling H100): its bytes over its time, ~1.9 TB/s; the basis names it."""
+    model = moe_cost_model(cal)
+    nbytes = (256 * 3584 + 3584 * 8192 + 256 * 8192) * 2
+    assert model.stream.bytes_per_ms == pytest.approx(nbytes / model.dense.library.time(256, 8192, 3584))
+    assert 1500 < model.stream.gbs < 3350  # below an H100's 3.35 TB/s
+    assert "weights read at 1929 GB/s, the library GEMM 256x8192x3584 measured on" in model.basis
+    # without a library GEMM of <= 256 rows (the tile profile's cuBLAS times start at 2048): no
+    # read is priced, and the basis says so and what measures one
+    bare = moe_cost_model(dataclasses.replace(cal, copy_engine=None))
+    assert bare.stream.bytes_per_ms == float("inf") and "weight reads not priced" in bare.basis
+    assert "--only copy_engine_n" in bare.basis
+    assert bare.grouped_library_ms(128, 4096, 7168, 32, up=True, itemsize=2) == pytest.approx(
+        bare.dense.library.time(32 * 128, 4096, 7168) * GROUPED_UP_OVERHEAD
+    )
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 64, 256])
+def test_decode_sizes_read_every_filled_experts_weights(cal, tokens):
+    """DeepSeek-V3 at EP 8 (32 experts of W13 7168 x 4096 and W2 2048 x 7168 a rank, 2.8 GB): a
+    call of few tokens reads the weights of every expert that gets a row, at least their bytes
+    over the read rate (before, one weight's read: 0.59 ms at 16 tokens against ~1.5)."""
+    model = moe_cost_model(cal)
+    call = _call(tokens, world=8, experts=32)
+    got = model.fallback(call)
+    filled = filled_segments(tokens * 8, 32)
+    up = _weights_ms(model, filled, tokens * 8, 4096, 7168)
+    down = _weights_ms(model, filled, tokens * 8, 7168, 2048)
+    assert got.up_ms >= up * (1 - 1e-9) and got.down_ms >= down * (1 - 1e-9)
+    if tokens >= 16:  # 128 rows or more fill all but ~2% of the 32 experts
+        assert got.up_ms + got.down_ms >= 0.98 * 32 * 3 * 7168 * 2048 * 2 / model.stream.bytes_per_ms
+    # the Triton ring's second GEMM: a segment per (source, expert) pair, each reads its W2
+    ring = model.predict(_schedule(world=8, engine="triton", tile=TILE, sms_free=0, nccl_max_ctas=8), call)
+    assert ring.down_ms >= _weights_ms(model, filled_segments(tokens * 8, 8 * 32), tokens * 8, 7168, 2048)
+    assert ring.down_ms > got.down_ms
+
+
+def test_suite_at_4096_tokens_is_priced_as_before_where_compute_bound(cal):
+    """At the suite's 4096 tokens a rank the grouped GEMMs of DeepSeek-V3, Qwen3, Mixtral and
+    gpt-oss at EP 4 and 8 (>= 512 rows an expert) keep their compute price; Llama-4-Maverick (top
+    1, 128-256 rows an expert) is priced by its weights' reads: within 11% of torch._grouped_mm on
+    one H100 (results/bench/.../moe_grouped_gemm.csv: EP 4 up 2.69, down 1.37 ms; EP 8 up 1.57,
+    down 0.84), where the compute alone said 1.11 and 0.58 ms."""
+    model = moe_cost_model(cal)
+    suite = yaml.safe_load((Path(__file__).parents[1] / "suites" / "moe" / "experts.yaml").read_text())
+    measured = {("Llama-4-Maverick", 4): (2.6932, 1.3717), ("Llama-4-Maverick", 8): (1.5657, 0.8378)}
+    for m in suite["models"]:
+        for ep in (4, 8):
+            h, i, rows, experts = m["hidden"], m["intermediate"], 4096 * m["top_k"], m["experts"] // ep
+            up = model.grouped_library_ms(rows, 2 * i, h, experts, up=True, itemsize=2)
+            down = model.grouped_library_ms(rows, h, i, experts, up=False, itemsize=2)
+            if (m["name"], ep) in measured:
+                for got, want in zip((up, down), measured[m["name"], ep], strict=True):
+                    assert got == pytest.approx(want, rel=0.11), (m["name"], ep)
+                continue
+            lib = model.dense.library
+            assert up == pytest.approx(lib.time(rows, 2 * i, h) * GROUPED_UP_OVERHEAD), (m["name"], ep)
+            assert down == pytest.approx(lib.time(rows, h, i) * GROUPED_DOWN_OVERHEAD), (m["name"], ep)
 
 
 def test_fallback_is_the_sum_of_its_parts(cal):
@@ -141,8 +222,8 @@ def test_triton_without_concurrency_adds_its_parts(cal):
     assert not model.dense.interference("all_to_all", 0, 8).concurrent
     call = _call(1024)
     pred = model.predict(_schedule(engine="triton", tile=TILE, sms_free=0, nccl_max_ctas=8), call)
-    g1 = model.grouped_triton_ms(TILE, 4096, 4096, 7168, 16, 132, up=True)
-    g2 = model.grouped_triton_ms(TILE, 8192, 7168, 2048, 32, 132, up=False)
+    g1 = model.grouped_triton_ms(TILE, 4096, 4096, 7168, 16, 132, up=True, itemsize=2)
+    g2 = model.grouped_triton_ms(TILE, 8192, 7168, 2048, 32, 132, up=False, itemsize=2)
     step = model.comm.step_ms(4096 * 7168 * 2, 8)
     assert pred.device_ms == pytest.approx(model.counts_ms(call) + 2 * step + 2 * g1 + g2)
     assert "no overlap at this point" in pred.basis
@@ -159,8 +240,8 @@ def test_triton_ring_overlaps_where_the_calibration_says_nccl_runs_beside_the_ge
     model = moe_cost_model(dataclasses.replace(cal, interference=free))
     call = _call(4096)
     pred = model.predict(_schedule(engine="triton", tile=TILE, sms_free=16, nccl_max_ctas=16), call)
-    g1 = model.grouped_triton_ms(TILE, 16384, 4096, 7168, 16, 116, up=True)
-    g2 = model.grouped_triton_ms(TILE, 32768, 7168, 2048, 32, 116, up=False)
+    g1 = model.grouped_triton_ms(TILE, 16384, 4096, 7168, 16, 116, up=True, itemsize=2)
+    g2 = model.grouped_triton_ms(TILE, 32768, 7168, 2048, 32, 116, up=False, itemsize=2)
     step, counts = model.comm.step_ms(16384 * 7168 * 2, 16), model.counts_ms(call)
     start = max(counts + g1, counts + step) + g1
     want = max(max(start, start + g2 / 2) + step, start + g2)
@@ -189,8 +270,11 @@ def test_copy_engine_hides_the_pushes_behind_the_gemms(cal):
     ],
 )
 def test_every_path_grows_with_tokens(cal, fields):
+    """From one token a rank (8 rows over 16 experts, ~6 of them read) up: never faster with more
+    tokens (the filled experts' reads, then their compute)."""
     model = moe_cost_model(cal)
-    times = [model.predict(_schedule(**fields), _call(t)).device_ms for t in (64, 256, 1024, 4096, 16384)]
+    tokens = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 4096, 16384)
+    times = [model.predict(_schedule(**fields), _call(t)).device_ms for t in tokens]
     assert times == sorted(times) and times[0] < times[-1]
 
 
@@ -635,3 +719,53 @@ def test_search_moe_refuses_a_calibration_that_cannot_price_the_no_overlap_path(
     line = assert_one_line_error(runner.invoke(app, [*args, "--out", str(tmp_path / "out")]))
     assert "cannot price the no-overlap path" in line and "--only gemm --dtype bfloat16 --into" in line, line
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- the bench
+def test_grouped_gemm_bench_plans_each_tokens_count_and_refuses_bad_ones(tmp_path, capsys):
+    """bench/moe_grouped_gemm.py --tokens: every model and EP at each count, in order (what the
+    model's decode predictions are checked against); a count < 1, a word or --tiles outside 1..4
+    is exit 2 with one line before any GPU work or file."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "moe_grouped_gemm.py"
+    spec = importlib.util.spec_from_file_location("bench_moe_grouped_gemm_tokens", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    suite = yaml.safe_load(bench.SUITE.read_text())
+    planned = bench.planned_shapes(suite, ["DeepSeek-V3", "Mixtral-8x7B"], [4, 8], [1, 16])
+    got = [(m["name"], ep, t) for _, m, ep, t in planned]
+    assert got == [
+        (name, ep, t) for name in ("DeepSeek-V3", "Mixtral-8x7B") for ep in (4, 8) for t in (1, 16)
+    ]
+    assert [i for i, *_ in planned][::4] == [0, 3]  # each model's seed: its place in the suite
+    assert len(bench.planned_shapes(suite, [], [4, 8], [suite["tokens"]])) == 12
+    for args, says in (
+        (["--tokens", "16,0"], "every count of tokens a rank must be >= 1"),
+        (["--tokens", "16,x"], "is not a comma-separated list of whole numbers"),
+        (["--tiles", "5"], "--tiles must be 1..4, got 5"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            bench.main([*args, "--out", str(tmp_path / "o")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stopped.value.code == 2 and says in err[-1], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_search_moe_predicts_decode_buckets_at_least_their_weight_reads(runner, tmp_path, monkeypatch):
+    """`fo-tune search -c moe --mode predict` at EP 8 for DeepSeek-V3's 32 local experts: the
+    no-overlap path at 16 tokens a rank reads ~31.4 experts' W13 and W2 (88 MB each); before, it
+    was priced as one weight's read (0.59 ms of GEMMs against ~1.4 of reads)."""
+    isolate_tables(monkeypatch, tmp_path)
+    args = ["search", "-c", "moe", "--experts", "7168,2048,32,8", "--tokens", "1,16", "-w", "8", "--json"]
+    result = runner.invoke(app, [*args, "--table-dir", str(tmp_path / "t")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert "weights read at" in summary["basis"]
+    rate = moe_cost_model(load_calibration(packaged_calibration(H200_KEY, 2))).stream.bytes_per_ms
+    for row, tokens in zip(summary["rows"], (1, 16), strict=True):
+        reads = filled_segments(tokens * 8, 32) * 3 * 7168 * 2048 * 2 / rate
+        assert row["fallback_ms"] >= reads and row["provenance"]["fallback_ms"] >= round(reads, 6)
+        assert row["prediction"]["total_ms"] >= reads

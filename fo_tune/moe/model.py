@@ -19,22 +19,48 @@ Each engine's overlapped schedule is its term's (``fo_tune.engines.<engine>.moe`
 
 - ``comm``: the calibration's All-to-All, or one derived from another curve
   (``fo_tune.moe.alltoall``; its ``basis`` goes into every prediction);
-- ``grouped_library_ms``: torch._grouped_mm as the dense library GEMM (``fo_tune.model.library``)
-  of its rows, each expert's rows rounded up to whole 128-row tiles (a segment's last tile is
-  computed whole), times ``GROUPED_UP_OVERHEAD`` / ``GROUPED_DOWN_OVERHEAD``;
+- ``grouped_library_ms``: torch._grouped_mm as the larger of its compute and its reads. Compute:
+  the dense library GEMM (``fo_tune.model.library``) of its rows, each filled expert's rows
+  rounded up to whole 128-row tiles (a segment's last tile is computed whole), times
+  ``GROUPED_UP_OVERHEAD`` / ``GROUPED_DOWN_OVERHEAD``. Reads: every filled expert's K x N weight
+  once, the rows in (K) and out (N), at the weight stream rate (``WeightStream``);
 - ``grouped_triton_ms``: the signalled Triton GEMM's tile profile (``TileProfile``) on the rows
-  rounded per segment to the tile's BLOCK_M, times the same overheads (the Triton grouped kernel
-  itself was not timed: the measured torch._grouped_mm overhead stands in for it).
+  rounded per filled segment to the tile's BLOCK_M, times the same overheads (the Triton grouped
+  kernel itself was not timed: the measured torch._grouped_mm overhead stands in for it), or its
+  reads at the same rate where slower: a segment is one (source, expert) pair there, and each
+  reads its expert's weight.
+
+Filled segments (``filled_segments``): routing balanced in expectation, each of a GEMM's rows lands
+on one of its S segments uniformly, so S (1 - (1 - 1/S)^rows) of them get a row. Each rank
+receives exactly R rows (the balance above), so this is the draw over its own E_local experts
+that ``bench/moe_grouped_gemm.py`` makes. The global form (every rank's T x k rows over all
+E = w E_local experts, E_local (1 - (1 - 1/E)^(w T k))) gives 0-3% fewer on the suite from one
+token a rank up (14% for Mixtral's 1-2 local experts at one token: it lets a rank receive no row,
+which the balance above does not); an exact even split (min(R, S) segments) cannot be even where
+R < S, and reads more (8 of 32 experts at DeepSeek-V3 EP 8, one token, 8 rows, against 7.2).
+
+Weight stream rate (``weight_stream``): the fastest rate at which the calibration's own library
+GEMM moved its bytes (A, B and C once) among its measured points of at most ``STREAM_MAX_ROWS``
+rows, where the weights are most of the bytes: on the packaged calibration 256x8192x3584, 1.93
+TB/s, measured on an H100 (a sibling: ``basis`` says so). It is a lower bound of the memory's
+rate, and the rate torch._grouped_mm reached where its weights bound it on one H100
+(Llama-4-Maverick EP 4, 4096 tokens, 128 rows an expert: up 5.4 GB in 2.69 ms, down 2.7 GB in
+1.37 ms, ~2.0 TB/s). A calibration without such a point prices no reads (its ``basis`` says so).
 
 Not modelled: the routing's sort and the row permutations, the weighted sum at the source, the
-SwiGLU pass of the no-overlap path (the Triton path fuses it into its epilogue), skewed routing,
-the read of every local expert's weights (a grouped GEMM is priced by its rows, as one dense GEMM
-that reads one weight: with many experts of few rows each it is memory-bound, and predicted fast).
+SwiGLU pass of the no-overlap path (the Triton path fuses it into its epilogue), skewed routing
+(it fills fewer experts with more rows), weights reused from L2 (none of the suite's fit in it),
+compute and reads that do not fully overlap (the model takes the larger: near the ridge, e.g.
+Llama-4-Maverick EP 8 at 4096 tokens, the GEMM takes longer than either), fewer SMs streaming
+slower (the Triton path's programs on SMs - sms_free read at the full rate), and the Triton
+kernels' own read rate: on one H100 they streamed their weights at 2.5-2.9 TB/s where
+torch._grouped_mm took ~2.0 (``docs/perf-notes.md``, "MoE grouped GEMMs' weight reads").
 Host time: eager calls; each path's launches at ``HOST_*`` (see there).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +94,12 @@ COUNTS_FIELDS = 7
 # The counts exchange's All-to-Alls: the signature rows, then the counts rows.
 COUNTS_EXCHANGES = 2
 COUNT_BYTES = 8
+# The library GEMM points whose rate stands for the weights' (``weight_stream``): at most this many
+# rows, where a bf16 GEMM does <= 256 flops per byte it moves, about an H100's ridge (989 TFLOP/s
+# over 3.35 TB/s: 295) and above an H200's (206).
+STREAM_MAX_ROWS = 256
+# A filled segment count within this of a whole one is that whole one (float rounding).
+_FILL_SLACK = 1e-9
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,8 +121,13 @@ class MoeCall:
         return self.tokens * self.top_k
 
     @property
+    def itemsize(self) -> int:
+        """Bytes per element of the rows and the weights."""
+        return element_bytes(self.dtype)
+
+    @property
     def row_bytes(self) -> int:
-        return self.hidden * element_bytes(self.dtype)
+        return self.hidden * self.itemsize
 
     @property
     def source_rows(self) -> int:
@@ -116,11 +153,75 @@ class MoePrediction:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
+def filled_segments(rows: int, segments: int) -> float:
+    """The expected segments of ``segments`` that get at least one of ``rows`` rows, each row on
+    one of them uniformly (see the module docstring)."""
+    if rows <= 0 or segments <= 0:
+        return 0.0
+    return segments * -math.expm1(rows * math.log1p(-1.0 / segments)) if segments > 1 else 1.0
+
+
 def padded_rows(rows: int, segments: int, block_m: int) -> int:
-    """``rows`` split evenly over ``segments`` segments, each rounded up to whole ``block_m`` tiles."""
+    """``rows`` split evenly over the filled ones of ``segments`` segments (``filled_segments``,
+    rounded up), each rounded up to whole ``block_m`` tiles."""
     if rows <= 0 or segments <= 0:
         return 0
-    return segments * cdiv(cdiv(rows, segments), block_m) * block_m
+    filled = min(segments, math.ceil(filled_segments(rows, segments) - _FILL_SLACK))
+    return filled * cdiv(cdiv(rows, filled), block_m) * block_m
+
+
+@dataclass(frozen=True, slots=True)
+class WeightStream:
+    """The rate a grouped GEMM's reads are priced at (bytes per ms; inf: reads not priced) and the
+    clause a prediction's ``basis`` gains from it ("": nothing to say: measured on this GPU)."""
+
+    bytes_per_ms: float
+    clause: str
+
+    @property
+    def gbs(self) -> float:
+        return self.bytes_per_ms / 1e6
+
+
+def weight_stream(cal: Calibration, dense: CostModel) -> WeightStream:
+    """The fastest bytes per ms (A, B, C once each, beta 0) over ``dense``'s library time among
+    its measured points of at most ``STREAM_MAX_ROWS`` rows (see the module docstring)."""
+    library = dense.library
+    itemsize = element_bytes(cal.base_dtype or cal.dtype)  # the points' dtype
+    best, shape = math.inf, None
+    for m, n, k, beta in library.points:
+        if beta or m > STREAM_MAX_ROWS:
+            continue
+        t = library.time(m, n, k)
+        if not 0 < t < math.inf:
+            continue
+        per_byte = t / ((m * k + k * n + m * n) * itemsize)
+        if per_byte < best:
+            best, shape = per_byte, (m, n, k)
+    if shape is None:
+        return WeightStream(
+            math.inf,
+            f"grouped GEMMs' weight reads not priced (the calibration has no library GEMM of <= "
+            f"{STREAM_MAX_ROWS} rows; fo-tune calibrate --world-size 1 --only copy_engine_n measures some)",
+        )
+    rate = 1.0 / best
+    section = cal.copy_engine
+    where = next(
+        (
+            p.measured_on
+            for p in (section.library_gemm if section else ())
+            if (p.m, p.n, p.k, p.beta) == (*shape, 0)
+        ),
+        "",
+    )
+    clause = ""
+    if where:
+        label = "x".join(map(str, shape))
+        clause = (
+            f"weights read at {rate / 1e6:.0f} GB/s, the library GEMM {label} measured on {where}, "
+            "a sibling GPU"
+        )
+    return WeightStream(rate, clause)
 
 
 # Makes an engine's MoE term from the model.
@@ -136,14 +237,16 @@ class MoeCostModel:
         self.world_size = cal.world_size
         self.sm_count = cal.fingerprint.sm_count
         self.comm: AllToAllCurve = all_to_all_curve(cal)
+        self.stream = weight_stream(cal, dense)
         self._factories = dict(terms)
         self._terms: dict[str, Any] = {}
 
     @property
     def basis(self) -> str:
         """What the predictions rest on: the All-to-All's source, and the calibration's own basis
-        where it was extrapolated (``fo_tune.calibrate.extrapolate``)."""
-        return f"{self.comm.basis}; {self.cal.basis}" if self.cal.basis else self.comm.basis
+        where it was extrapolated (``fo_tune.calibrate.extrapolate``), and the weight stream
+        rate's where it was measured on a sibling GPU or is missing."""
+        return "; ".join(b for b in (self.comm.basis, self.cal.basis, self.stream.clause) if b)
 
     def engines(self) -> tuple[str, ...]:
         return tuple(self._factories)
@@ -169,31 +272,52 @@ class MoeCostModel:
         """The dispatch (and the combine): an All-to-All of the call's rows."""
         return self.comm.time(call.rows * call.row_bytes)
 
-    def grouped_library_ms(self, rows: int, n: int, k: int, segments: int, *, up: bool) -> float:
-        """torch._grouped_mm of ``rows`` over ``segments`` experts' weights (K x N each)."""
+    def weight_read_ms(self, rows: int, n: int, k: int, segments: int, itemsize: int) -> float:
+        """A grouped GEMM's reads at the weight stream rate: each filled segment's K x N weight,
+        the ``rows`` rows in (K) and out (N), ``itemsize`` bytes an element."""
+        if rows <= 0 or segments <= 0:
+            return 0.0
+        weights = filled_segments(rows, segments) * k * n
+        return (weights + rows * (k + n)) * itemsize / self.stream.bytes_per_ms
+
+    def grouped_library_ms(
+        self, rows: int, n: int, k: int, segments: int, *, up: bool, itemsize: int
+    ) -> float:
+        """torch._grouped_mm of ``rows`` over ``segments`` experts' weights (K x N each): the
+        larger of its compute and its reads."""
         padded = padded_rows(rows, segments, LIBRARY_BLOCK_M)
         if padded == 0:
             return 0.0
         factor = GROUPED_UP_OVERHEAD if up else GROUPED_DOWN_OVERHEAD
-        return self.dense.library.time(padded, n, k) * factor
+        compute = self.dense.library.time(padded, n, k) * factor
+        return max(compute, self.weight_read_ms(rows, n, k, segments, itemsize))
 
     def grouped_triton_ms(
-        self, tile: Tile, rows: int, n: int, k: int, segments: int, grid: int, *, up: bool
+        self, tile: Tile, rows: int, n: int, k: int, segments: int, grid: int, *, up: bool, itemsize: int
     ) -> float:
-        """The Triton grouped GEMM of ``rows`` over ``segments`` segments on ``grid`` programs;
-        ``CalibrationError`` for a tile the calibration did not profile."""
+        """The Triton grouped GEMM of ``rows`` over ``segments`` segments on ``grid`` programs, the
+        larger of its compute and its reads; ``CalibrationError`` for a tile the calibration did
+        not profile."""
         padded = padded_rows(rows, segments, tile.block_m)
         if padded == 0:
             return 0.0
         factor = GROUPED_UP_OVERHEAD if up else GROUPED_DOWN_OVERHEAD
-        return self.dense.gemm_time(tile, padded, n, k, grid)[0] * factor
+        compute = self.dense.gemm_time(tile, padded, n, k, grid)[0] * factor
+        return max(compute, self.weight_read_ms(rows, n, k, segments, itemsize))
 
     # ------------------------------------------------------------------------------ predictions
     def fallback(self, call: MoeCall) -> MoePrediction:
         """The no-overlap path (``engine: null``): every part one after the other."""
         a2a = self.all_to_all_ms(call)
-        up = self.grouped_library_ms(call.rows, 2 * call.intermediate, call.hidden, call.experts, up=True)
-        down = self.grouped_library_ms(call.rows, call.hidden, call.intermediate, call.experts, up=False)
+        rows, inter, hidden, experts, size = (
+            call.rows,
+            call.intermediate,
+            call.hidden,
+            call.experts,
+            call.itemsize,
+        )
+        up = self.grouped_library_ms(rows, 2 * inter, hidden, experts, up=True, itemsize=size)
+        down = self.grouped_library_ms(rows, hidden, inter, experts, up=False, itemsize=size)
         counts = self.counts_ms(call)
         device = counts + a2a + up + down + a2a
         # the counts exchange, the dispatch and the combine, two grouped GEMMs

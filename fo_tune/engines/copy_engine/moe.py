@@ -3,8 +3,9 @@
 Rank r of w, s = R / w rows a source cut into C pieces (``chunks``: ranges of ceil(E_local / C)
 experts, s / C rows each); ``push`` a copy-engine copy of one piece into a peer
 (``peer_copy_latency_ms + bytes / peer_copy_gbs``) and its flag (``flag_ms``); ``up`` / ``down``
-torch._grouped_mm of one piece (``MoeCostModel.grouped_library_ms``) times ``copy_contention``
-plus ``chunk_overhead_ms``::
+torch._grouped_mm of one piece (``MoeCostModel.grouped_library_ms``: each piece reads the weights
+of its experts that its rows reach, w C pieces in all) times ``copy_contention`` plus
+``chunk_overhead_ms``::
 
     side:  counts; for j = 1 .. w-1: for c: push piece c of my rows for r + j    (back to back)
     main:  up of my own C pieces; for j: for c: up of piece (r - j, c) once it has landed
@@ -85,8 +86,9 @@ class CopyEngineMoeTerm:
         segments = cdiv(call.experts, chunks)
         slow, extra = p["copy_contention"], p["chunk_overhead_ms"]
         hidden, inter = call.hidden, call.intermediate
-        up = m.grouped_library_ms(rows, 2 * inter, hidden, segments, up=True) * slow + extra
-        down = m.grouped_library_ms(rows, hidden, inter, segments, up=False) * slow + extra
+        size = call.itemsize
+        up = m.grouped_library_ms(rows, 2 * inter, hidden, segments, up=True, itemsize=size) * slow + extra
+        down = m.grouped_library_ms(rows, hidden, inter, segments, up=False, itemsize=size) * slow + extra
         push = self._copy(rows * call.row_bytes, "peer") + p["flag_ms"]
         counts = m.counts_ms(call)
         t_side, landed = counts, []

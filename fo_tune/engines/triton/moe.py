@@ -3,7 +3,9 @@
 Rank r of w, s = R / w rows a source, ``step`` one ring step of s rows to one peer
 (``AllToAllCurve.step_ms``), ``g1`` the SwiGLU grouped GEMM of one source's rows (E_local
 segments), ``g2`` the persistent grouped GEMM over every source's rows (w x E_local segments),
-both on SMs - sms_free programs (``MoeCostModel.grouped_triton_ms``)::
+both on SMs - sms_free programs (``MoeCostModel.grouped_triton_ms``; each segment with a row reads
+its expert's weight, so g1 w times and g2's (source, expert) pairs read up to w times the
+no-overlap path's weights)::
 
     comm: counts; steps j = 1 .. w-1 back to back        (step j lands source r - j)
     gemm: g1 of my own rows; for j: g1 of source r - j once it has landed
@@ -94,8 +96,9 @@ class TritonMoeTerm:
         w, s, cap = call.world, call.source_rows, schedule.nccl_max_ctas
         hidden, inter, experts = call.hidden, call.intermediate, call.experts
         step = m.comm.step_ms(s * call.row_bytes, cap)
-        g1 = m.grouped_triton_ms(tile, s, 2 * inter, hidden, experts, grid, up=True)
-        g2 = m.grouped_triton_ms(tile, call.rows, hidden, inter, w * experts, grid, up=False)
+        size = call.itemsize
+        g1 = m.grouped_triton_ms(tile, s, 2 * inter, hidden, experts, grid, up=True, itemsize=size)
+        g2 = m.grouped_triton_ms(tile, call.rows, hidden, inter, w * experts, grid, up=False, itemsize=size)
         counts = m.counts_ms(call)
         noted = m.dense.interference("all_to_all", schedule.sms_free, cap)
         overlap = noted.concurrent and w > 1
