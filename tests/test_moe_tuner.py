@@ -3,6 +3,7 @@ table's round trip and the runtime's lookup of it, and ``fo-tune search -c moe``
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import os
@@ -40,6 +41,7 @@ from fo_tune.engines import moe_cost_model
 from fo_tune.model.profiles import Curves
 from fo_tune.moe.model import (
     GROUPED_DOWN_OVERHEAD,
+    GROUPED_STREAM_SPEEDUP,
     GROUPED_UP_OVERHEAD,
     MoeCall,
     filled_segments,
@@ -142,12 +144,14 @@ def _weights_ms(model, experts: float, rows: int, n: int, k: int) -> float:
 
 def test_weight_read_rate_is_the_library_gemms_fastest_small_point(cal):
     """The packaged calibration's fastest library GEMM of <= 256 rows is 256x8192x3584 (measured
-    on the sibling H100): its bytes over its time, ~1.9 TB/s; the basis names it."""
+    on the sibling H100): its bytes over its time, ~1.9 TB/s, times the grouped GEMM's measured
+    speedup over it; the basis names it."""
     model = moe_cost_model(cal)
     nbytes = (256 * 3584 + 3584 * 8192 + 256 * 8192) * 2
-    assert model.stream.bytes_per_ms == pytest.approx(nbytes / model.dense.library.time(256, 8192, 3584))
+    dense_rate = nbytes / model.dense.library.time(256, 8192, 3584)
+    assert model.stream.bytes_per_ms == pytest.approx(dense_rate * GROUPED_STREAM_SPEEDUP)
     assert 1500 < model.stream.gbs < 3350  # below an H100's 3.35 TB/s
-    assert "weights read at 1929 GB/s, the library GEMM 256x8192x3584 measured on" in model.basis
+    assert "weights read at 2412 GB/s, the library GEMM 256x8192x3584 measured on" in model.basis
     # without a library GEMM of <= 256 rows (the tile profile's cuBLAS times start at 2048): no
     # read is priced, and the basis says so and what measures one
     bare = moe_cost_model(dataclasses.replace(cal, copy_engine=None))
@@ -181,7 +185,7 @@ def test_decode_sizes_read_every_filled_experts_weights(cal, tokens):
 def test_suite_at_4096_tokens_is_priced_as_before_where_compute_bound(cal):
     """At the suite's 4096 tokens a rank the grouped GEMMs of DeepSeek-V3, Qwen3, Mixtral and
     gpt-oss at EP 4 and 8 (>= 512 rows an expert) keep their compute price; Llama-4-Maverick (top
-    1, 128-256 rows an expert) is priced by its weights' reads: within 11% of torch._grouped_mm on
+    1, 128-256 rows an expert) is priced by its weights' reads: within 30% of torch._grouped_mm on
     one H100 (results/bench/.../moe_grouped_gemm.csv: EP 4 up 2.69, down 1.37 ms; EP 8 up 1.57,
     down 0.84), where the compute alone said 1.11 and 0.58 ms."""
     model = moe_cost_model(cal)
@@ -194,11 +198,43 @@ def test_suite_at_4096_tokens_is_priced_as_before_where_compute_bound(cal):
             down = model.grouped_library_ms(rows, h, i, experts, up=False, itemsize=2)
             if (m["name"], ep) in measured:
                 for got, want in zip((up, down), measured[m["name"], ep], strict=True):
-                    assert got == pytest.approx(want, rel=0.11), (m["name"], ep)
+                    assert got == pytest.approx(want, rel=NEAR_RIDGE_ERROR), (m["name"], ep)
                 continue
             lib = model.dense.library
             assert up == pytest.approx(lib.time(rows, 2 * i, h) * GROUPED_UP_OVERHEAD), (m["name"], ep)
             assert down == pytest.approx(lib.time(rows, h, i) * GROUPED_DOWN_OVERHEAD), (m["name"], ep)
+
+
+# torch._grouped_mm measured on one H100 (bench/moe_grouped_gemm.py): the suite's six models at
+# EP 4 and 8, at 4096 tokens a rank and at 1-256 (--tokens 1,16,64,256).
+H100_BENCH = Path(__file__).parents[1] / "results" / "bench" / "nvidia-h100-80gb-hbm3-cc90-132sm-w1-single"
+# The model's mean error against them (GROUPED_STREAM_SPEEDUP's comment; the reads priced at the
+# dense rate alone: 28.5% at decode sizes).
+DECODE_MAPE = 0.18
+SUITE_MAPE = 0.12
+# Near the ridge (Llama-4-Maverick at 4096 tokens: 128-256 rows an expert) compute and reads
+# overlap less than the larger of the two says: the model is 15-28% fast there.
+NEAR_RIDGE_ERROR = 0.3
+
+
+def _library_mape(model, path: Path) -> float:
+    errors = []
+    for r in csv.DictReader(path.open()):
+        if r["variant"] not in ("up", "down"):
+            continue
+        up = r["variant"] == "up"
+        h, i = int(r["hidden"]), int(r["intermediate"])
+        n, k = (2 * i, h) if up else (h, i)
+        got = model.grouped_library_ms(int(r["rows"]), n, k, int(r["experts_local"]), up=up, itemsize=2)
+        errors.append(abs(got - float(r["lib_ms"])) / float(r["lib_ms"]))
+    assert len(errors) >= 24, path
+    return sum(errors) / len(errors)
+
+
+def test_grouped_gemm_prices_track_the_h100_measurements_at_decode_and_suite_sizes(cal):
+    model = moe_cost_model(cal)
+    assert _library_mape(model, H100_BENCH / "moe_grouped_gemm_decode.csv") <= DECODE_MAPE
+    assert _library_mape(model, H100_BENCH / "moe_grouped_gemm.csv") <= SUITE_MAPE
 
 
 def test_fallback_is_the_sum_of_its_parts(cal):

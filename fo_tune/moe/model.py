@@ -42,10 +42,12 @@ R < S, and reads more (8 of 32 experts at DeepSeek-V3 EP 8, one token, 8 rows, a
 Weight stream rate (``weight_stream``): the fastest rate at which the calibration's own library
 GEMM moved its bytes (A, B and C once) among its measured points of at most ``STREAM_MAX_ROWS``
 rows, where the weights are most of the bytes: on the packaged calibration 256x8192x3584, 1.93
-TB/s, measured on an H100 (a sibling: ``basis`` says so). It is a lower bound of the memory's
-rate, and the rate torch._grouped_mm reached where its weights bound it on one H100
-(Llama-4-Maverick EP 4, 4096 tokens, 128 rows an expert: up 5.4 GB in 2.69 ms, down 2.7 GB in
-1.37 ms, ~2.0 TB/s). A calibration without such a point prices no reads (its ``basis`` says so).
+TB/s, measured on an H100 (a sibling: ``basis`` says so), times ``GROUPED_STREAM_SPEEDUP``. The
+dense rate is a lower bound of the memory's: at 1-256 tokens a rank (``bench/moe_grouped_gemm.py
+--tokens``, one H100) torch._grouped_mm read its filled experts' weights at a median 2.5 TB/s,
+1.32x it, where near the ridge (Llama-4-Maverick EP 4 at 4096 tokens, 128 rows an expert: up 5.4
+GB in 2.69 ms) it reached ~2.0 TB/s, its compute and reads overlapping less than the larger of
+the two says. A calibration without such a point prices no reads (its ``basis`` says so).
 
 Not modelled: the routing's sort and the row permutations, the weighted sum at the source, the
 SwiGLU pass of the no-overlap path (the Triton path fuses it into its epilogue), skewed routing
@@ -98,6 +100,14 @@ COUNT_BYTES = 8
 # rows, where a bf16 GEMM does <= 256 flops per byte it moves, about an H100's ridge (989 TFLOP/s
 # over 3.35 TB/s: 295) and above an H200's (206).
 STREAM_MAX_ROWS = 256
+# How much faster a grouped GEMM reads its weights than the dense library GEMM's best small-M rate
+# (``weight_stream``), between the two regimes measured on one H100 against that rate (1.93 TB/s):
+# 1.32x at decode sizes (1-256 tokens a rank, six models at EP 4 and 8, median 2.54 TB/s), 1.04x
+# near the ridge (Llama-4-Maverick at 4096 tokens). 1.25 takes the model's error against both
+# (results/bench/nvidia-h100-80gb-hbm3-cc90-132sm-w1-single/moe_grouped_gemm{,_decode}.csv) from a
+# mean 28.5% at decode and 8.6% at 4096 tokens to 16.8% and 10.9% (docs/perf-notes.md, "MoE
+# grouped GEMMs' weight reads").
+GROUPED_STREAM_SPEEDUP = 1.25
 # A filled segment count within this of a whole one is that whole one (float rounding).
 _FILL_SLACK = 1e-9
 
@@ -204,7 +214,7 @@ def weight_stream(cal: Calibration, dense: CostModel) -> WeightStream:
             f"grouped GEMMs' weight reads not priced (the calibration has no library GEMM of <= "
             f"{STREAM_MAX_ROWS} rows; fo-tune calibrate --world-size 1 --only copy_engine_n measures some)",
         )
-    rate = 1.0 / best
+    rate = GROUPED_STREAM_SPEEDUP / best
     section = cal.copy_engine
     where = next(
         (
