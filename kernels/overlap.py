@@ -96,14 +96,15 @@ def gemm_reduce_scatter(
 
 
 def all_gather_gemm(
-    a_shard: torch.Tensor,
-    b: torch.Tensor,
+    a_shard: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
     *,
     group: dist.ProcessGroup | None = None,
     schedule: Schedule | None = None,
     scale_a: torch.Tensor | None = None,
     scale_b: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    a: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``all_gather(a_shard) @ b``: every rank's (M/w, K) ``a_shard`` gathered on dim 0 (rank r's
     at rows [r*M/w, (r+1)*M/w)), then multiplied by ``b`` (K, N), the gathers overlapped with the
@@ -113,5 +114,12 @@ def all_gather_gemm(
     fp8: ``a_shard`` and ``b`` in ``torch.float8_e4m3fn`` with ``scale_a`` (0-dim, the same on
     every rank; or rowwise this rank's (M/w, 1) rows) and ``scale_b`` (0-dim or (1, N)): the fp8
     shard and its scale rows are gathered (fp8 bytes on the wire), the product is in ``out_dtype``.
+
+    ``a=`` names the shard too, as the other two ops name their first operand (give one of the two).
     """
-    return _call("all_gather", a_shard, b, schedule, group, scale_a, scale_b, out_dtype)[0]
+    if (a_shard is None) == (a is None):
+        raise TypeError("all_gather_gemm() takes this rank's shard once: as a_shard (first) or as a=")
+    if b is None:
+        raise TypeError("all_gather_gemm() missing its second operand b (K, N)")
+    shard = a_shard if a_shard is not None else a
+    return _call("all_gather", shard, b, schedule, group, scale_a, scale_b, out_dtype)[0]

@@ -359,3 +359,18 @@ def test_fused_all_gather_matmul_gathered_a_is_differentiable(one_rank, gather_d
         gathered, (y,) = symm_mem.fused_all_gather_matmul(a, [b.to(dtype)], gather_dim, "")
         ((gathered**2).sum() + y.sum()).backward()
         torch.testing.assert_close(a.grad.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_all_gather_gemm_takes_its_shard_as_a_shard_or_as_a(one_rank):
+    # the fp8 API names the first operand a in all three ops: all_gather_gemm takes a= as well
+    a, b = torch.randn(64, 32), torch.randn(32, 48)
+    want = all_gather_gemm(a, b)
+    assert torch.equal(all_gather_gemm(a=a, b=b), want)
+    assert torch.equal(all_gather_gemm(a_shard=a, b=b), want)
+    torch.testing.assert_close(want, a @ b)
+    with pytest.raises(TypeError, match=r"as a_shard \(first\) or as a="):
+        all_gather_gemm(a, b, a=a)
+    with pytest.raises(TypeError, match=r"as a_shard \(first\) or as a="):
+        all_gather_gemm(b=b)
+    with pytest.raises(TypeError, match="missing its second operand b"):
+        all_gather_gemm(a)
