@@ -257,3 +257,18 @@ def test_mutated_tables_read_as_the_yaml_parser_reads_them_or_are_refused_alike(
                 load_document(text)
             continue
         assert repr(load_document(text)) == repr(expected), text
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "- a:\n  - 1.0e+20\n\n    - 0\n",  # a plain scalar over lines with an empty line: a string
+        "- a: 1\n#  b: 2\n  c: 3\nschema: 2\n",  # a comment at column 0 inside a row, a key after
+        "- a: 1\n    ? complex\n",  # a plain scalar's next line that starts as a complex key
+        "- a: x\n   y\n  b: 2\n",
+        "- - 1\n  - 2\n- 3\n",
+        "- a:\n  - 1\n  -\n    b: 2\n",
+    ],
+)
+def test_texts_the_fuzz_found_read_as_the_yaml_parser_reads_them(body: str) -> None:
+    _same("collective: all_reduce\nrows:\n" + body)

@@ -72,7 +72,7 @@ class Reader:
             pass
         if text in _WORDS:
             value = _WORDS[text]
-        elif text[:1].isalpha():
+        elif text[:1].isalpha() or "\n" in text:  # (no YAML 1.1 type but a string spans lines)
             value = text
         elif _INT.fullmatch(text):
             value = int(text)

@@ -33,6 +33,12 @@ from fo_kernels.table.block import (
 # the value after it. Rows whose lines have the same shapes are read by one template
 # (``_Templates``); a row with other keys or values than these is read line by line.
 _LINE_PARTS = re.compile(r"^( *+(?:- )?+(?:[A-Za-z_][A-Za-z0-9_]*:(?: |$))?+)(.*)$", re.M)
+# The row shapes a row is first matched against (the most recent first): a table's rows take turns
+# among a few; a row of none of them costs a findall of its lines and a dict lookup instead.
+RECENT_SHAPES = 8
+# A shape not met yet, and one met once (``_Templates.known``): a template is made the second time.
+_UNSEEN = object()
+_SEEN_ONCE = object()
 # The text a template puts where each value goes while it is made, and finds again in its JSON.
 _SLOT = "zfotuneslot{}"
 _SLOT_JSON = re.compile(r'"zfotuneslot([0-9]+)"')
@@ -113,10 +119,11 @@ class _Templates:
 
     def __init__(self, reader: Reader) -> None:
         self.reader = reader
-        # The shapes met, by their rows' line count: (the pattern of the rows, their template).
-        self.shapes: dict[int, list[tuple[re.Pattern[str], str]]] = {}
-        # The shapes no template reads (their rows are read line by line).
-        self.unreadable: set[str] = set()
+        # Each shape met: (the pattern of its rows, their template), None where no template reads
+        # them (their rows are read line by line), ``_SEEN_ONCE`` before a second row of it; the
+        # shapes met last, tried first by pattern.
+        self.known: dict[tuple[Any, ...], Any] = {}
+        self.recent: list[tuple[re.Pattern[str], str]] = []
         self.values = _ValueJson(self.value_json)
 
     def line_row_json(self, chunk: str) -> str | None:
@@ -133,27 +140,34 @@ class _Templates:
         template, else line by line; None when it leaves the subset or JSON."""
         if "&" in chunk:  # an anchor (or a ``&`` in a value): line by line
             return self.line_row_json(chunk)
-        shapes = self.shapes.setdefault(chunk.count("\n"), [])
-        for j, (pattern, made) in enumerate(shapes):
+        recent = self.recent
+        for j, (pattern, made) in enumerate(recent):
             match = pattern.fullmatch(chunk)
             if match is not None:
                 template = made
                 if j:
-                    shapes.insert(0, shapes.pop(j))  # the most recent shape is tried first
+                    recent.insert(0, recent.pop(j))  # the most recent shape is tried first
                 break
         else:
             parts = _joined(_LINE_PARTS.findall(chunk))
-            shape = "\n".join(prefix + "\n".join(more) for prefix, _value, more in parts)
-            made = None if shape in self.unreadable else self._template(parts)
-            if made is None:
-                self.unreadable.add(shape)
+            shape = tuple((prefix, bool(value), tuple(more)) for prefix, value, more in parts)
+            entry = self.known.get(shape, _UNSEEN)
+            if entry is _UNSEEN:  # a shape met once is read line by line: most are met again
+                self.known[shape] = _SEEN_ONCE
                 return self.line_row_json(chunk)
-            pattern = _row_pattern(parts)
-            template = made
-            shapes.insert(0, (pattern, template))
+            if entry is _SEEN_ONCE:
+                made = self._template(parts)
+                entry = self.known[shape] = None if made is None else (_row_pattern(parts), made)
+            if entry is None:
+                return self.line_row_json(chunk)
+            pattern, template = entry
             match = pattern.fullmatch(chunk)
             if match is None:
                 return self.line_row_json(chunk)
+            if entry in recent:
+                recent.remove(entry)
+            recent.insert(0, entry)
+            del recent[RECENT_SHAPES:]
         texts = tuple(map(self.values.__getitem__, match.groups()))
         if None in texts:
             return self.line_row_json(chunk)

@@ -114,7 +114,7 @@ def load_yaml_text(text: str) -> Any:
 
 # Where a block sequence of rows ends: the first line at column 0 that is not one of its items
 # (the next key of a file whose keys are sorted, as ``yaml.safe_dump`` writes them by default).
-_ROWS_END = re.compile(r"\n(?=[^ \n-]|-[^ \n])")
+_ROWS_END = re.compile(r"\n(?=[^ \n#-]|-[^ \n])")
 
 
 def _block_document(text: str, lazy: bool) -> dict[str, Any] | None:
