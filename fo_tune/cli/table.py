@@ -27,7 +27,7 @@ from fo_tune.cli.common import (
 )
 from fo_tune.cli.table_diff import DIFF_HELP, diff
 from fo_tune.cli.table_find import LIST_HELP, LOOKUP_HELP, list_tables, lookup
-from fo_tune.cli.table_json import FileCheck, show_document, validate_document
+from fo_tune.cli.table_json import FileCheck, document_text, show_document, validate_document
 from fo_tune.cli.table_moe import moe_csv_rows, moe_table_yaml, show_moe_rich
 from fo_tune.cli.table_options import (
     DEFAULT_COLLECTIVE,
@@ -235,7 +235,7 @@ def show(
     moe = [(p, t) for p, t in found if isinstance(t, MoeTable)]
     dense = [(p, t) for p, t in found if not isinstance(t, MoeTable)]
     if json_out:
-        typer.echo(json_text(show_document(found)))
+        typer.echo(document_text(show_document(found)))
         return
     if format_ == "csv":  # (the files of one header are of one kind)
         typer.echo(moe_csv_rows(moe) if moe else csv_rows(dense), nl=False)

@@ -1,6 +1,7 @@
 """The JSON documents ``fo-tune table show --json`` and ``fo-tune table validate --json`` print
 (one document on stdout, strict JSON through ``fo_tune.cli.common.json_text``), dense and MoE tables
-alike.
+alike; ``document_text`` writes a document of every row of a fleet-scale table as ``json_text``
+does, in a fraction of its time.
 
 show:     {"kind": "fo-tune-table-show", "tables": [{"path", "table_kind", "schema_version",
            "fingerprint", "collective" (dense), "world_size", "dtype", "bases", "rows"}]}
@@ -12,16 +13,24 @@ validate: {"kind": "fo-tune-table-validate", "ok", "files": [{"path", "ok", "row
 
 from __future__ import annotations
 
+import functools
+import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from fo_tune.cli.common import json_text
 
 if TYPE_CHECKING:
     from fo_kernels.moe.table import MoeTable
     from fo_kernels.table import ScheduleTable
 
 SHOW_KIND = "fo-tune-table-show"
+# The indent of ``json_text``'s documents, per level.
+INDENT = "  "
 VALIDATE_KIND = "fo-tune-table-validate"
 
 
@@ -50,6 +59,67 @@ def table_entry(path: Path, table: ScheduleTable | MoeTable) -> dict[str, Any]:
         "bases": [{"basis": basis, "rows": count} for basis, count in bases.items()],
         "rows": rows,
     }
+
+
+@functools.cache
+def _flat_encoder(level: int) -> Callable[[Any], str]:
+    """``json``'s C encoder for a value at nesting ``level`` that holds no list or mapping: the
+    items of a list or mapping one a line, each indented for ``level + 1``."""
+    return json.JSONEncoder(
+        separators=(",\n" + INDENT * (level + 1), ": "), allow_nan=False, default=str
+    ).encode
+
+
+def _flat_text(value: Any, level: int) -> str:
+    """``value`` (no list or mapping inside) as ``json_text`` writes it at nesting ``level``."""
+    try:
+        text = _flat_encoder(level)(value)
+    except ValueError:  # a NaN or infinity (null in json_text): its text, each line indented for level
+        return json_text(value).replace("\n", "\n" + INDENT * level)
+    if isinstance(value, (dict, list, tuple)):  # (not empty: "{" + items + "}" on lines of their own)
+        return f"{text[0]}\n{INDENT * (level + 1)}{text[1:-1]}\n{INDENT * level}{text[-1]}"
+    return text
+
+
+def _write(value: Any, level: int, out: list[str]) -> None:
+    """Append ``value`` as ``json_text`` writes it at nesting ``level`` to ``out``: a list or mapping
+    that holds no other in one call of ``json``'s C encoder, the levels above it item by item (the
+    pure-Python encoder that ``indent`` takes went item by item all the way down: 5 s for the 85 MB
+    of a 100,000-row table on the 2-core CPU machine)."""
+    if isinstance(value, dict):
+        if any(type(key) is not str for key in value):
+            value = {str(key): item for key, item in value.items()}  # (json_safe's keys)
+        items: Any = value.items()
+        values: Any = value.values()
+    elif isinstance(value, (list, tuple)):
+        items, values = None, value
+    else:
+        out.append(_flat_text(value, level))
+        return
+    if not value or not any(isinstance(item, (dict, list, tuple)) for item in values):
+        out.append(_flat_text(value, level) if value else "{}" if items is not None else "[]")
+        return
+    line = "\n" + INDENT * (level + 1)
+    sep = "{" if items is not None else "["
+    if items is not None:
+        for key, item in items:
+            out.append(f"{sep}{line}{encode_basestring_ascii(key)}: ")
+            _write(item, level + 1, out)
+            sep = ","
+    else:
+        for item in values:
+            out.append(sep + line)
+            _write(item, level + 1, out)
+            sep = ","
+    out.append("\n" + INDENT * level + ("}" if items is not None else "]"))
+
+
+def document_text(data: Any) -> str:
+    """``fo_tune.cli.common.json_text(data)``: the same text (strict JSON indented by two spaces,
+    NaN as null, keys as ``str`` makes them, other values as ``str`` writes them)."""
+    out: list[str] = []
+    _write(data, 0, out)
+    return "".join(out)
 
 
 def show_document(found: list[tuple[Path, ScheduleTable | MoeTable]]) -> dict[str, Any]:
