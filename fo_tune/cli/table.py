@@ -40,6 +40,7 @@ from fo_tune.cli.table_options import (
     TableWorldSizeOpt,
     check_choice,
     find_paths,
+    gc_paused,
     limit_option,
     row_cap,
     world_of,
@@ -194,6 +195,7 @@ ValidateJsonOpt = Annotated[
 
 # ------------------------------------------------------------------------------ show
 @handle_errors
+@gc_paused
 def show(
     path: PathArg = None,
     device_key: DeviceKeyOpt = None,
@@ -293,6 +295,7 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
 
 
 @handle_errors
+@gc_paused
 def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJsonOpt = False) -> None:
     from fo_kernels.errors import TableError, TableNotFoundError
     from fo_kernels.moe.table import MoeTable

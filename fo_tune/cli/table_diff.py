@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from fo_tune.cli.common import console, fmt, handle_errors, summary_table
 from fo_tune.cli.table_moe import moe_changes_cell
-from fo_tune.cli.table_options import AllRowsOpt, limit_option, row_cap
+from fo_tune.cli.table_options import AllRowsOpt, gc_paused, limit_option, row_cap
 from fo_tune.cli.table_rows import (
     SHOW_ROWS,
     copy_engine_label,
@@ -122,6 +122,7 @@ def _print_diff(
 
 
 @handle_errors
+@gc_paused
 def diff(
     a: TableAArg,
     b: TableBArg,

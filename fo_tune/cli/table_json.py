@@ -14,6 +14,7 @@ validate: {"kind": "fo-tune-table-validate", "ok", "files": [{"path", "ok", "row
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -61,6 +62,12 @@ def table_entry(path: Path, table: ScheduleTable | MoeTable) -> dict[str, Any]:
     }
 
 
+# The types json writes as a scalar of its own: a list or mapping holding only these is written in
+# one call of its C encoder (a subclass goes item by item, as ``json_text`` may write it otherwise).
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_STR = frozenset({str})
+
+
 @functools.cache
 def _flat_encoder(level: int) -> Callable[[Any], str]:
     """``json``'s C encoder for a value at nesting ``level`` that holds no list or mapping: the
@@ -71,47 +78,49 @@ def _flat_encoder(level: int) -> Callable[[Any], str]:
 
 
 def _flat_text(value: Any, level: int) -> str:
-    """``value`` (no list or mapping inside) as ``json_text`` writes it at nesting ``level``."""
+    """``value`` (a scalar, or a list or mapping of ``_SCALARS``) as ``json_text`` writes it at
+    nesting ``level``."""
+    if type(value) is str:
+        return encode_basestring_ascii(value)
     try:
         text = _flat_encoder(level)(value)
     except ValueError:  # a NaN or infinity (null in json_text): its text, each line indented for level
         return json_text(value).replace("\n", "\n" + INDENT * level)
-    if isinstance(value, (dict, list, tuple)):  # (not empty: "{" + items + "}" on lines of their own)
+    if isinstance(value, (dict, list, tuple)) and value:  # "{" + items + "}" on lines of their own
         return f"{text[0]}\n{INDENT * (level + 1)}{text[1:-1]}\n{INDENT * level}{text[-1]}"
     return text
 
 
 def _write(value: Any, level: int, out: list[str]) -> None:
     """Append ``value`` as ``json_text`` writes it at nesting ``level`` to ``out``: a list or mapping
-    that holds no other in one call of ``json``'s C encoder, the levels above it item by item (the
+    of scalars in one call of ``json``'s C encoder, the levels above it item by item (the
     pure-Python encoder that ``indent`` takes went item by item all the way down: 5 s for the 85 MB
     of a 100,000-row table on the 2-core CPU machine)."""
     if isinstance(value, dict):
-        if any(type(key) is not str for key in value):
-            value = {str(key): item for key, item in value.items()}  # (json_safe's keys)
-        items: Any = value.items()
+        if not _STR.issuperset(map(type, value)):
+            value = {str(key): item for key, item in value.items()}  # (json_text's keys)
         values: Any = value.values()
     elif isinstance(value, (list, tuple)):
-        items, values = None, value
+        values = value
     else:
         out.append(_flat_text(value, level))
         return
-    if not value or not any(isinstance(item, (dict, list, tuple)) for item in values):
-        out.append(_flat_text(value, level) if value else "{}" if items is not None else "[]")
+    if not value or _SCALARS.issuperset(map(type, values)):
+        out.append(_flat_text(value, level))
         return
     line = "\n" + INDENT * (level + 1)
-    sep = "{" if items is not None else "["
-    if items is not None:
-        for key, item in items:
-            out.append(f"{sep}{line}{encode_basestring_ascii(key)}: ")
+    is_map = isinstance(value, dict)
+    sep, end = ("{", "}") if is_map else ("[", "]")
+    pairs = value.items() if is_map else zip(itertools.repeat(None), value)
+    for key, item in pairs:
+        head = f"{sep}{line}" if key is None else f"{sep}{line}{encode_basestring_ascii(key)}: "
+        if type(item) in _SCALARS:
+            out.append(head + _flat_text(item, level + 1))
+        else:
+            out.append(head)
             _write(item, level + 1, out)
-            sep = ","
-    else:
-        for item in values:
-            out.append(sep + line)
-            _write(item, level + 1, out)
-            sep = ","
-    out.append("\n" + INDENT * level + ("}" if items is not None else "]"))
+        sep = ","
+    out.append(f"\n{INDENT * level}{end}")
 
 
 def document_text(data: Any) -> str:
