@@ -134,11 +134,11 @@ def diff(
     from fo_kernels.errors import TableError
     from fo_kernels.moe.table import MoeTable
     from fo_tune.tables.diff import DIFF_STATUSES, diff_tables, header_differences
-    from fo_tune.tables.kinds import load_any_table
+    from fo_tune.tables.kinds import load_any_tables
     from fo_tune.tables.moe_diff import diff_moe_tables, moe_header_differences
 
     rows = row_cap(limit, all_rows)
-    table_a, table_b = load_any_table(a), load_any_table(b)
+    table_a, table_b = load_any_tables([a, b])
     moe_a, moe_b = isinstance(table_a, MoeTable), isinstance(table_b, MoeTable)
     if moe_a != moe_b:
         moe_path, dense_path = (a, b) if moe_a else (b, a)
