@@ -53,6 +53,13 @@ def table_entry(path: Path, table: ScheduleTable | MoeTable) -> dict[str, Any]:
     described = [_row_kind_and_basis(row) for row in table.rows]
     bases = Counter(basis for _kind, basis in described if basis)
     rows = [{"kind": kind, **row} for (kind, _basis), row in zip(described, data.pop("rows"), strict=True)]
+    # the rows of one schedule share its settings (fo_tune.tables.kinds): one mapping of them, so
+    # the document's writer writes it once (document_text)
+    shared: dict[int, Any] = {}
+    for schedule, row in zip(table.rows, rows, strict=True):
+        settings = getattr(schedule, "settings", None)  # (a dense row's; an MoE row has none)
+        if settings is not None and "settings" in row:
+            row["settings"] = shared.setdefault(id(settings), row["settings"])
     return {
         "path": str(path),
         "table_kind": file_kind,
@@ -91,14 +98,17 @@ def _flat_text(value: Any, level: int) -> str:
     return text
 
 
-def _write(value: Any, level: int, out: list[str]) -> None:
+def _write(value: Any, level: int, out: list[str], seen: dict[tuple[int, int], str]) -> None:
     """Append ``value`` as ``json_text`` writes it at nesting ``level`` to ``out``: a list or mapping
     of scalars in one call of ``json``'s C encoder, the levels above it item by item (the
     pure-Python encoder that ``indent`` takes went item by item all the way down: 5 s for the 85 MB
-    of a 100,000-row table on the 2-core CPU machine)."""
+    of a 100,000-row table on the 2-core CPU machine). A mapping of lists or mappings is written
+    once per level and kept in ``seen`` by its id (every object of the document lives as long as
+    it): the rows of one schedule share its settings' mapping (``table_entry``)."""
     if isinstance(value, dict):
         if not _STR.issuperset(map(type, value)):
-            value = {str(key): item for key, item in value.items()}  # (json_text's keys)
+            value = {str(key): item for key, item in value.items()}  # (json_text's keys; not kept)
+            seen = {}
         values: Any = value.values()
     elif isinstance(value, (list, tuple)):
         values = value
@@ -108,26 +118,35 @@ def _write(value: Any, level: int, out: list[str]) -> None:
     if not value or _SCALARS.issuperset(map(type, values)):
         out.append(_flat_text(value, level))
         return
-    line = "\n" + INDENT * (level + 1)
     is_map = isinstance(value, dict)
+    known = seen.get((id(value), level)) if is_map else None
+    if known is not None:
+        out.append(known)
+        return
+    parts: list[str] = []
+    line = "\n" + INDENT * (level + 1)
     sep, end = ("{", "}") if is_map else ("[", "]")
     pairs = value.items() if is_map else zip(itertools.repeat(None), value)
     for key, item in pairs:
         head = f"{sep}{line}" if key is None else f"{sep}{line}{encode_basestring_ascii(key)}: "
         if type(item) in _SCALARS:
-            out.append(head + _flat_text(item, level + 1))
+            parts.append(head + _flat_text(item, level + 1))
         else:
-            out.append(head)
-            _write(item, level + 1, out)
+            parts.append(head)
+            _write(item, level + 1, parts, seen)
         sep = ","
-    out.append(f"\n{INDENT * level}{end}")
+    parts.append(f"\n{INDENT * level}{end}")
+    text = "".join(parts)
+    if is_map:
+        seen[id(value), level] = text
+    out.append(text)
 
 
 def document_text(data: Any) -> str:
     """``fo_tune.cli.common.json_text(data)``: the same text (strict JSON indented by two spaces,
     NaN as null, keys as ``str`` makes them, other values as ``str`` writes them)."""
     out: list[str] = []
-    _write(data, 0, out)
+    _write(data, 0, out, {})
     return "".join(out)
 
 

@@ -271,32 +271,48 @@ def provenance_columns(keys: Sequence[str]) -> list[str]:
     return [PROVENANCE_PREFIX + key if key in CSV_COLUMNS else key for key in keys]
 
 
+def _settings_values(row: Schedule) -> dict[str, Any]:
+    """The CSV values of a row's engine and settings (none for a row without overlap)."""
+    st = row.settings
+    if st is None:
+        return {}
+    values: dict[str, Any] = {"engine": row.engine}
+    groups = getattr(st, "groups", None) or getattr(st, "weights", ())
+    values["groups"] = " ".join(map(str, groups))
+    tile = getattr(st, "tile", None)
+    if tile is not None:  # every Triton row; a copy-engine row in its tiled mode
+        values.update(tile.to_dict())
+        values["warp_specialize"] = tile.warp_specialize
+        values["pingpong"] = tile.pingpong
+    for name in ("sms_free", "nccl_max_ctas", "signal_tiles", "layout", "wait_mode", "mode"):
+        if hasattr(st, name):
+            values[name] = getattr(st, name)
+    return values
+
+
 def csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
     """One CSV line per row of every table; groups space-separated, provenance keys as columns
-    (``provenance_columns``: each column name once)."""
+    (``provenance_columns``: each column name once). A loaded table's rows of one schedule share
+    its settings (``fo_tune.tables.kinds``): their values are made once, for the first of them."""
+    from fo_kernels.table import row_kind
+
     prov = provenance_keys([row for _path, table in found for row in table.rows])
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow([*CSV_COLUMNS, *provenance_columns(prov)])
+    blank = dict.fromkeys(CSV_COLUMNS, "")
+    shared: dict[int, dict[str, Any]] = {}  # per settings (by id: the tables keep them alive)
     for path, table in found:
+        file = str(path)
         for row in table.rows:
-            values: dict[str, Any] = {"file": str(path), **row.problem.to_dict(), "overlap": row.overlap}
-            values["kind"] = kind_label(row)
+            settings = shared.get(id(row.settings))
+            if settings is None:
+                settings = shared[id(row.settings)] = {**blank, **_settings_values(row)}
+            values = {**settings, "file": file, **row.problem.to_dict(), "overlap": row.overlap}
+            values["kind"] = row_kind(row)
             values["basis"] = row.basis
-            st = row.settings
-            if st is not None:
-                values["engine"] = row.engine
-                groups = getattr(st, "groups", None) or getattr(st, "weights", ())
-                values["groups"] = " ".join(map(str, groups))
-                tile = getattr(st, "tile", None)
-                if tile is not None:  # every Triton row; a copy-engine row in its tiled mode
-                    values.update(tile.to_dict())
-                    values["warp_specialize"] = tile.warp_specialize
-                    values["pingpong"] = tile.pingpong
-                for name in ("sms_free", "nccl_max_ctas", "signal_tiles", "layout", "wait_mode", "mode"):
-                    if hasattr(st, name):
-                        values[name] = getattr(st, name)
-            cells = [values.get(column, "") for column in CSV_COLUMNS]
-            cells += [row.provenance.get(key, "") for key in prov]
-            writer.writerow(cells)
+            provenance = row.provenance
+            writer.writerow(
+                [*map(values.__getitem__, CSV_COLUMNS), *(provenance.get(key, "") for key in prov)]
+            )
     return buf.getvalue()
