@@ -11,7 +11,9 @@ Loading builds and checks every row, as ``load_table`` does, in a fraction of it
 scale (``build_table``): the garbage collector is paused while the rows are read and built (the
 objects of 100,000 rows made it walk the heap again and again: half the parse time, a quarter of
 the build), and the rows of one schedule (the same engine and settings, another M or provenance)
-share the engine settings their first row built (docs/perf-notes.md#tables-and-lookup).
+share the engine settings their first row built; ``load_any_tables`` (``fo-tune table diff``)
+takes a row line an earlier file of the same header held as that file's row
+(docs/perf-notes.md#tables-and-lookup).
 """
 
 from __future__ import annotations
