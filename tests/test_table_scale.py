@@ -1,9 +1,11 @@
 """Tables at fleet scale: a generated 100,000-row table validates, and the runtime looks rows up in
-it, within the budgets of issue 40 on the 2-core CPU machine; the table file's text (one JSON row
-a line) reads the same as YAML."""
+it, within the budgets of issue 40 on the 2-core CPU machine, as do `fo-tune table show --json`
+and `fo-tune table diff` of two versions of it; the table file's text (one JSON row a line) reads
+the same as YAML."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -25,6 +27,7 @@ from big_table import (
     write_big_table,
 )
 from cli import app
+from fo_kernels.errors import TableError
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint
 from fo_kernels.table import TABLE_DIR_ENV, load_table, lookup_schedule, read_table, table_path
 from fo_kernels.table import lookup as table_lookup
@@ -42,6 +45,12 @@ FIRST_LOOKUP_BUDGET_S = 3.0
 LATER_LOOKUP_BUDGET_S = 1e-3
 # Later lookups timed: each a shape not looked up before (its row built from its line).
 LATER_LOOKUPS = 50
+# `fo-tune table show --json` of the 100,000-row table (85 MB of JSON: 11.6 s of CPU here before
+# its rows shared their schedules and the document was written with json's C encoder) and `fo-tune
+# table diff` of it and a version with some rows changed and some gone (15.2 s before B's rows
+# that A holds were taken from A), in CPU seconds, imports aside (docs/perf-notes.md).
+SHOW_JSON_BUDGET_S = 9.0
+DIFF_BUDGET_S = 9.0
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +148,42 @@ def test_a_100k_row_table_in_yaml_block_style_validates_and_looks_up_within_budg
     )
     assert time.process_time() - start <= LATER_LOOKUP_BUDGET_S * 5 and later.problem.m == 2 * M_STEP
     table_lookup._CACHE.clear()
+
+
+def test_a_100k_row_table_shows_as_json_within_budget(big: tuple[Path, Fingerprint]) -> None:
+    path, _fp = big
+    start = time.process_time()
+    result = CliRunner().invoke(app, ["table", "show", "--json", str(path)])
+    took = time.process_time() - start
+    assert result.exit_code == 0, result.output
+    (table,) = json.loads(result.stdout)["tables"]
+    assert len(table["rows"]) == BIG_ROWS and table["rows"][-1]["problem"]["m_max"] > 0
+    assert took <= SHOW_JSON_BUDGET_S, f"show --json took {took:.1f} s of CPU"
+
+
+def test_two_versions_of_a_100k_row_table_diff_within_budget(
+    big: tuple[Path, Fingerprint], tmp_path: Path
+) -> None:
+    """B is A with every 97th row's weights changed and every 1000th row gone: diff counts them
+    (and says so by its exit code) within its CPU budget."""
+    path, _fp = big
+    head, rows = path.read_text().split("rows:\n")
+    lines = rows.splitlines()
+    changed = gone = 0
+    for i in range(len(lines)):
+        if i % 1000 == 999:
+            lines[i], gone = "", gone + 1
+        elif i % 97 == 0 and '"weights": [' in lines[i]:
+            lines[i], changed = lines[i].replace('"weights": [', '"weights": [5, ', 1), changed + 1
+    other = tmp_path / "b.yaml"
+    other.write_text(head + "rows:\n" + "".join(line + "\n" for line in lines if line))
+    start = time.process_time()
+    result = CliRunner().invoke(app, ["table", "diff", "--exit-code", str(path), str(other)])
+    took = time.process_time() - start
+    assert result.exit_code == 1, result.output
+    same = BIG_ROWS - changed - gone
+    assert f"{changed} changed, {gone} only in A, 0 only in B, {same} same" in result.stdout
+    assert took <= DIFF_BUDGET_S, f"diff took {took:.1f} s of CPU"
 
 
 def test_a_duplicate_row_is_refused_by_validate_with_exit_2(tmp_path: Path) -> None:
@@ -292,3 +337,51 @@ def test_row_lines_a_script_wrote_in_another_key_order_are_decoded_in_one_call(
     assert table.find(M_STEP, 1024, 1024) == load_table(write_big_table(tmp_path / "w.yaml", fp, 100)).find(
         M_STEP, 1024, 1024
     )
+
+
+# ------------------------------------------------------------------ the commands' fast paths
+@pytest.mark.parametrize("bad", ['"block_m": 128.0', '"block_m": true'])
+def test_a_row_whose_settings_read_equal_to_an_earlier_rows_is_checked_as_loading_checks_it(
+    tmp_path: Path, bad: str
+) -> None:
+    """Loading builds a schedule once for the rows that share it; 128.0 and true equal 128 in
+    Python, yet a row with them is refused, by show and by diff (whose B shares A's rows), as
+    ``load_table`` refuses it: exit 2, one line naming the file and the row."""
+    fp = current_fingerprint("cpu", world_size=2)
+    good = write_big_table(tmp_path / "a.yaml", fp, 40)
+    lines = good.read_text().splitlines(keepends=True)
+    last = max(i for i, line in enumerate(lines) if '"mode": "tiled"' in line)  # a shared schedule's
+    lines[last] = lines[last].replace('"block_m": 128', bad, 1)
+    path = tmp_path / "b.yaml"
+    path.write_text("".join(lines))
+    with pytest.raises(TableError) as refused:
+        load_table(path)
+    assert "rows[" in str(refused.value)
+    for args in (["show", str(path)], ["diff", str(good), str(path)]):
+        result = CliRunner().invoke(app, ["table", *args])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip() == f"error: {refused.value}", result.stderr
+
+
+def test_show_writes_what_its_slower_writers_wrote(tmp_path: Path) -> None:
+    """``show --json`` writes its document as ``json_text`` does and ``show --format yaml`` its rows
+    as ``table_text`` does, rows whose provenance they cannot take the fast way included (NaN,
+    1e-05, a key that is not text, a nested value, a string that reads like an exponent)."""
+    from fo_kernels.table.format import table_text
+    from fo_tune.cli.common import json_text
+    from fo_tune.cli.table_json import document_text, show_document
+    from fo_tune.cli.table_rows import table_yaml
+
+    fp = current_fingerprint("cpu", world_size=2)
+    table = load_table(write_big_table(tmp_path / "t.yaml", fp, 40))
+    odd = [{"x": math.nan}, {"x": 1e-05}, {1: "key"}, {"x": {"y": [1e16, -math.inf]}}, {"s": "1e-5"}, {}]
+    rows = [
+        dataclasses.replace(row, provenance=odd[i // 3]) if i % 3 == 0 and i < 3 * len(odd) else row
+        for i, row in enumerate(table.rows)
+    ]
+    table = dataclasses.replace(table, rows=rows)
+    assert table_yaml(table) == table_text(table)
+    document = show_document([(tmp_path / "t.yaml", table)])
+    assert document_text(document) == json_text(document)
+    for value in ({}, [], [[]], {"a": ()}, (1, [2, {"b": math.nan}]), {None: 1, True: 2}, "ü", 3.5):
+        assert document_text(value) == json_text(value), value

@@ -27,7 +27,7 @@ from fo_tune.cli.common import (
 )
 from fo_tune.cli.table_diff import DIFF_HELP, diff
 from fo_tune.cli.table_find import LIST_HELP, LOOKUP_HELP, list_tables, lookup
-from fo_tune.cli.table_json import FileCheck, show_document, validate_document
+from fo_tune.cli.table_json import FileCheck, document_text, show_document, validate_document
 from fo_tune.cli.table_moe import moe_csv_rows, moe_table_yaml, show_moe_rich
 from fo_tune.cli.table_options import (
     DEFAULT_COLLECTIVE,
@@ -40,6 +40,7 @@ from fo_tune.cli.table_options import (
     TableWorldSizeOpt,
     check_choice,
     find_paths,
+    gc_paused,
     limit_option,
     row_cap,
     world_of,
@@ -194,6 +195,7 @@ ValidateJsonOpt = Annotated[
 
 # ------------------------------------------------------------------------------ show
 @handle_errors
+@gc_paused
 def show(
     path: PathArg = None,
     device_key: DeviceKeyOpt = None,
@@ -235,7 +237,7 @@ def show(
     moe = [(p, t) for p, t in found if isinstance(t, MoeTable)]
     dense = [(p, t) for p, t in found if not isinstance(t, MoeTable)]
     if json_out:
-        typer.echo(json_text(show_document(found)))
+        typer.echo(document_text(show_document(found)))
         return
     if format_ == "csv":  # (the files of one header are of one kind)
         typer.echo(moe_csv_rows(moe) if moe else csv_rows(dense), nl=False)
@@ -293,6 +295,7 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
 
 
 @handle_errors
+@gc_paused
 def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJsonOpt = False) -> None:
     from fo_kernels.errors import TableError, TableNotFoundError
     from fo_kernels.moe.table import MoeTable

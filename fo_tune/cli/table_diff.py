@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from fo_tune.cli.common import console, fmt, handle_errors, summary_table
 from fo_tune.cli.table_moe import moe_changes_cell
-from fo_tune.cli.table_options import AllRowsOpt, limit_option, row_cap
+from fo_tune.cli.table_options import AllRowsOpt, gc_paused, limit_option, row_cap
 from fo_tune.cli.table_rows import (
     SHOW_ROWS,
     copy_engine_label,
@@ -122,6 +122,7 @@ def _print_diff(
 
 
 @handle_errors
+@gc_paused
 def diff(
     a: TableAArg,
     b: TableBArg,
@@ -133,11 +134,11 @@ def diff(
     from fo_kernels.errors import TableError
     from fo_kernels.moe.table import MoeTable
     from fo_tune.tables.diff import DIFF_STATUSES, diff_tables, header_differences
-    from fo_tune.tables.kinds import load_any_table
+    from fo_tune.tables.kinds import load_any_tables
     from fo_tune.tables.moe_diff import diff_moe_tables, moe_header_differences
 
     rows = row_cap(limit, all_rows)
-    table_a, table_b = load_any_table(a), load_any_table(b)
+    table_a, table_b = load_any_tables([a, b])
     moe_a, moe_b = isinstance(table_a, MoeTable), isinstance(table_b, MoeTable)
     if moe_a != moe_b:
         moe_path, dense_path = (a, b) if moe_a else (b, a)

@@ -37,6 +37,7 @@ from fo_tune.cli.table_options import (
     TableDtypeOpt,
     check_choice,
     check_device_key,
+    gc_paused,
     world_of,
 )
 from fo_tune.cli.table_rows import kind_label
@@ -168,6 +169,7 @@ def _miss_hint(device_key: str, read: list[Path], given: bool) -> dict[str, Any]
 
 
 @handle_errors
+@gc_paused
 def lookup(
     shape: ShapeOpt = None,
     collective: CollectiveOpt = None,
@@ -341,6 +343,7 @@ def table_files(device_key: str | None = None) -> tuple[list[dict[str, Any]], li
 
 
 @handle_errors
+@gc_paused
 def list_tables(device_key: ListDeviceKeyOpt = None, json_out: ListJsonOpt = False) -> None:
     check_device_key(device_key)
     files, problems = table_files(device_key)

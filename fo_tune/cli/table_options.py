@@ -1,13 +1,15 @@
 """What the ``fo-tune table`` commands share: the header options that find a table (device key,
 collective or ``moe``, world size, dtype) with their defaults, the choice check, the row cap of
-the terminal views (``show``, ``diff``: --limit N or --all), and finding the table files of a
-header in the runtime's search path (an error names the device keys that have tables)."""
+the terminal views (``show``, ``diff``: --limit N or --all), finding the table files of a
+header in the runtime's search path (an error names the device keys that have tables), and
+``gc_paused``, which runs a command with the garbage collector off."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -22,6 +24,24 @@ DEFAULT_COLLECTIVE = "all_reduce"
 TABLE_COLLECTIVES = (*COLLECTIVE_NAMES, MOE_COLLECTIVE)
 DEFAULT_WORLD_SIZE = 2
 DEFAULT_DTYPE = "bfloat16"
+
+T = TypeVar("T")
+
+
+def gc_paused(fn: Callable[..., T]) -> Callable[..., T]:
+    """A command run with the garbage collector paused (``fo_tune.tables.kinds.paused_gc``; keeps
+    its signature): a fleet-scale table's rows, and what a command makes of each, are many
+    objects and no cycles, and each batch of them made the collector walk them all again."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        from fo_tune.tables.kinds import paused_gc
+
+        with paused_gc():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
 
 DeviceKeyOpt = Annotated[
     str | None,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -184,11 +186,49 @@ def show_rich(path: Path, table: ScheduleTable, limit: int | None = SHOW_ROWS) -
         print_plain(f"basis ({count} row(s)): {basis}")
 
 
-def table_yaml(table: ScheduleTable) -> str:
-    """``table`` as YAML, as its file holds it (the header, then one row a line)."""
-    from fo_kernels.table.format import table_text
+# A number ``json`` writes with an exponent and no point (1e-05), which a row line writes as 1.0e-05
+# (``fo_kernels.table.text.row_line``): the exponent of a float's text always has its sign, so
+# every such number matches (a string holding such text only sends its row to row_line as well).
+_BARE_EXPONENT = re.compile(r"[0-9]e[-+]")
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_STR = frozenset({str})
+# A row line's JSON (``fo_kernels.table.text``'s separators), one encoder for every row.
+_LINE_ENCODER = json.JSONEncoder(separators=(", ", ": "), ensure_ascii=False, allow_nan=False).encode
 
-    return table_text(table)
+
+def _row_line(row: dict[str, Any]) -> str:
+    """``fo_kernels.table.text.row_line(row)`` of a row ``Schedule.to_dict`` made: one call of
+    ``json``'s C encoder where its provenance is a mapping of scalars under text keys (its only
+    part read from a file as it is) and no number needs YAML's form, else row_line, which walks
+    every value in Python (5 s for 100,000 rows on the 2-core CPU machine)."""
+    from fo_kernels.table.text import row_line
+
+    prov = row.get("provenance", {})
+    if (
+        type(prov) is dict
+        and _STR.issuperset(map(type, prov))
+        and _SCALARS.issuperset(map(type, prov.values()))
+    ):
+        try:
+            text = _LINE_ENCODER(row)
+        except (TypeError, ValueError):  # (a non-finite number: row_line writes a YAML flow mapping)
+            return row_line(row)
+        if _BARE_EXPONENT.search(text) is None:
+            return text
+    return row_line(row)
+
+
+def table_yaml(table: ScheduleTable) -> str:
+    """``table`` as YAML, as its file holds it (the header, then one row a line):
+    ``fo_kernels.table.format.table_text(table)``, each row's line written by ``_row_line``."""
+    import yaml
+
+    data = table.to_dict()
+    rows = data.pop("rows")
+    header = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=110)
+    if not rows:
+        return f"{header}rows: []\n"
+    return f"{header}rows:\n" + "".join(f"- {_row_line(row)}\n" for row in rows)
 
 
 CSV_COLUMNS = (
@@ -231,32 +271,48 @@ def provenance_columns(keys: Sequence[str]) -> list[str]:
     return [PROVENANCE_PREFIX + key if key in CSV_COLUMNS else key for key in keys]
 
 
+def _settings_values(row: Schedule) -> dict[str, Any]:
+    """The CSV values of a row's engine and settings (none for a row without overlap)."""
+    st = row.settings
+    if st is None:
+        return {}
+    values: dict[str, Any] = {"engine": row.engine}
+    groups = getattr(st, "groups", None) or getattr(st, "weights", ())
+    values["groups"] = " ".join(map(str, groups))
+    tile = getattr(st, "tile", None)
+    if tile is not None:  # every Triton row; a copy-engine row in its tiled mode
+        values.update(tile.to_dict())
+        values["warp_specialize"] = tile.warp_specialize
+        values["pingpong"] = tile.pingpong
+    for name in ("sms_free", "nccl_max_ctas", "signal_tiles", "layout", "wait_mode", "mode"):
+        if hasattr(st, name):
+            values[name] = getattr(st, name)
+    return values
+
+
 def csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
     """One CSV line per row of every table; groups space-separated, provenance keys as columns
-    (``provenance_columns``: each column name once)."""
+    (``provenance_columns``: each column name once). A loaded table's rows of one schedule share
+    its settings (``fo_tune.tables.kinds``): their values are made once, for the first of them."""
+    from fo_kernels.table import row_kind
+
     prov = provenance_keys([row for _path, table in found for row in table.rows])
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow([*CSV_COLUMNS, *provenance_columns(prov)])
+    blank = dict.fromkeys(CSV_COLUMNS, "")
+    shared: dict[int, dict[str, Any]] = {}  # per settings (by id: the tables keep them alive)
     for path, table in found:
+        file = str(path)
         for row in table.rows:
-            values: dict[str, Any] = {"file": str(path), **row.problem.to_dict(), "overlap": row.overlap}
-            values["kind"] = kind_label(row)
+            settings = shared.get(id(row.settings))
+            if settings is None:
+                settings = shared[id(row.settings)] = {**blank, **_settings_values(row)}
+            values = {**settings, "file": file, **row.problem.to_dict(), "overlap": row.overlap}
+            values["kind"] = row_kind(row)
             values["basis"] = row.basis
-            st = row.settings
-            if st is not None:
-                values["engine"] = row.engine
-                groups = getattr(st, "groups", None) or getattr(st, "weights", ())
-                values["groups"] = " ".join(map(str, groups))
-                tile = getattr(st, "tile", None)
-                if tile is not None:  # every Triton row; a copy-engine row in its tiled mode
-                    values.update(tile.to_dict())
-                    values["warp_specialize"] = tile.warp_specialize
-                    values["pingpong"] = tile.pingpong
-                for name in ("sms_free", "nccl_max_ctas", "signal_tiles", "layout", "wait_mode", "mode"):
-                    if hasattr(st, name):
-                        values[name] = getattr(st, name)
-            cells = [values.get(column, "") for column in CSV_COLUMNS]
-            cells += [row.provenance.get(key, "") for key in prov]
-            writer.writerow(cells)
+            provenance = row.provenance
+            writer.writerow(
+                [*map(values.__getitem__, CSV_COLUMNS), *(provenance.get(key, "") for key in prov)]
+            )
     return buf.getvalue()

@@ -89,6 +89,8 @@ def changed_fields(a: Schedule, b: Schedule) -> tuple[str, ...]:
 
 def changed_provenance(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, ...]:
     """The provenance keys whose values differ between ``a`` and ``b``, in first-seen order."""
+    if a == b and all(value == value for value in a.values()):  # (a NaN differs from itself)
+        return ()
     keys = list(dict.fromkeys([*a, *b]))
     return tuple(str(key) for key in keys if a.get(key) != b.get(key))
 
@@ -132,7 +134,20 @@ def diff_tables(a: ScheduleTable, b: ScheduleTable) -> list[RowDiff[Problem, Sch
     """
     rows_a = {row.problem: row for row in a.rows}
     rows_b = {row.problem: row for row in b.rows}
-    pairs = compare_rows(rows_a, rows_b, sort_key=_problem_key, changed=changed_fields)
+    # changed_fields reads a row's header fields and settings alone, and a loaded table's rows of
+    # one schedule share their settings (fo_tune.tables.kinds): each pair of schedules is compared
+    # once (the rows, and so the settings each id names, live as long as the tables).
+    known: dict[tuple[Any, ...], tuple[str, ...]] = {}
+
+    def changed(ra: Schedule, rb: Schedule) -> tuple[str, ...]:
+        key = (ra.collective, ra.dtype, ra.world_size, id(ra.settings))
+        key += (rb.collective, rb.dtype, rb.world_size, id(rb.settings))
+        fields_ = known.get(key)
+        if fields_ is None:
+            fields_ = known[key] = changed_fields(ra, rb)
+        return fields_
+
+    pairs = compare_rows(rows_a, rows_b, sort_key=_problem_key, changed=changed)
     return [RowDiff(**pair) for pair in pairs]
 
 

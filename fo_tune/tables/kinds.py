@@ -6,20 +6,41 @@ only name the runtime reads MoE rows from) or its ``kind`` says so (``MOE_TABLE_
 file is a dense table. Either marker is the format's own, so a file is never loaded by trying one
 format and falling back to the other: a ``moe-`` file holding a dense table is an MoE table with
 the wrong ``kind`` (loading names it).
+
+Loading builds and checks every row, as ``load_table`` does, in a fraction of its time at fleet
+scale (``build_table``): the garbage collector is paused while the rows are read and built (the
+objects of 100,000 rows made it walk the heap again and again: half the parse time, a quarter of
+the build), and the rows of one schedule (the same engine and settings, another M or provenance)
+share the engine settings their first row built; ``load_any_tables`` (``fo-tune table diff``)
+takes a row line an earlier file of the same header held as that file's row
+(docs/perf-notes.md#tables-and-lookup).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
+
+from fo_kernels.errors import ScheduleError, TableError
 from fo_kernels.moe.table import MOE_TABLE_KIND, MOE_TABLE_PREFIX, MoeTable
-from fo_kernels.table import ScheduleTable
-from fo_kernels.table.format import read_table_data
+from fo_kernels.schedule import Problem, Schedule
+from fo_kernels.table import TABLE_SCHEMA_VERSION, ScheduleTable
+from fo_kernels.table.format import TableHeader, build_row, parse_header, read_table_text
+from fo_kernels.table.text import decode_row_line, load_document, split_table_text, unreadable
 
 TableKind = Literal["dense", "moe"]
+
+# The row keys that differ between rows sharing one schedule: a row is its schedule's first row
+# (built in full) with these replaced.
+_PER_ROW_KEYS = ("problem", "provenance", "basis")
 
 
 def is_moe_name(path: str | os.PathLike[str]) -> bool:
@@ -37,11 +58,140 @@ def table_kind(path: str | os.PathLike[str], data: Any) -> TableKind:
     return "dense"
 
 
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """The garbage collector off for the block (back to its state after it): reading a table makes
+    no reference cycles, only many objects, each batch of which triggered a walk of all of them."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def _rows_of(
+    header: TableHeader, rows: list[Any], source: str, given: Mapping[int, Schedule] | None = None
+) -> list[Schedule]:
+    """Every row of a table file built (``build_row``'s checks and errors), but those ``given``
+    (by index: rows an earlier table of the same header held). A schema-2 row whose keys and
+    values other than ``_PER_ROW_KEYS`` are an earlier row's is that row with its own problem,
+    provenance and basis (``dataclasses.replace``: the ``Schedule`` checks run again); any error
+    is raised by ``build_row`` on the row itself, so it reads as loading's own."""
+    given = given or {}
+    if header.schema_version != TABLE_SCHEMA_VERSION:
+        return [given[i] if i in given else build_row(row, i, header, source) for i, row in enumerate(rows)]
+    first: dict[tuple[tuple[str, ...], str], Schedule] = {}
+    out: list[Schedule] = []
+    for i, row in enumerate(rows):
+        if i in given:
+            out.append(given[i])
+            continue
+        try:
+            # the rest of the row as text (repr: 1, 1.0 and True differ), with the row's keys in order
+            key = (tuple(row), repr({k: v for k, v in row.items() if k not in _PER_ROW_KEYS}))
+            shared = first.get(key)
+            if shared is None:
+                shared = first[key] = build_row(row, i, header, source)
+                out.append(shared)
+                continue
+            built = replace(
+                shared,
+                problem=Problem.from_dict(row["problem"]),
+                provenance=row.get("provenance") or {},
+                basis=row.get("basis") or "",
+            )
+        except (AttributeError, TypeError, ValueError, KeyError, ScheduleError):
+            built = build_row(row, i, header, source)  # (raises loading's own error for the row)
+        out.append(built)
+    return out
+
+
+def _table(header: TableHeader, rows: list[Schedule], source: str) -> ScheduleTable:
+    """The ``ScheduleTable`` of a file's header and built rows (``TableError`` naming ``source``
+    for two rows of one problem, or M ranges that overlap)."""
+    try:
+        return ScheduleTable(
+            fingerprint=header.fingerprint,
+            collective=header.collective,
+            world_size=header.world_size,
+            dtype=header.dtype,
+            rows=rows,
+        )
+    except TableError as exc:
+        raise TableError(f"{source}: {exc}") from None
+
+
+def build_table(data: Any, source: str) -> ScheduleTable:
+    """``ScheduleTable.from_dict(data, source)``: the same table, or the same ``TableError``
+    naming ``source``, the row and the field; faster for many rows of few schedules (``_rows_of``)."""
+    header, rows = parse_header(data, source)
+    return _table(header, _rows_of(header, rows, source), source)
+
+
+def _decoded(lines: list[str], source: str) -> list[Any]:
+    """Row lines decoded as ``parse_table_text`` decodes them (one ``json`` call, else line by line)."""
+    try:
+        return json.loads("[" + ",".join(lines) + "]")
+    except ValueError:
+        try:
+            return [decode_row_line(line) for line in lines]
+        except yaml.YAMLError as exc:
+            raise TableError(unreadable(source, exc)) from None
+
+
+# Per header that building a row depends on (schema version, collective, dtype, world size; as
+# text), each row line of the tables read so far and the row it was built into.
+_KnownRows = dict[str, dict[str, Schedule]]
+
+
+def _load(path: str | os.PathLike[str], known: _KnownRows) -> ScheduleTable | MoeTable:
+    """``load_any_table(path)``; a row line that a table in ``known`` of the same header held
+    (two versions of one table) is that table's row, neither decoded nor built again."""
+    source = str(path)
+    text = read_table_text(path)
+    try:
+        split = split_table_text(text)
+        if split is None:
+            return _of_kind(path, load_document(text), source)
+    except yaml.YAMLError as exc:
+        raise TableError(unreadable(source, exc)) from None
+    head, lines = split
+    if table_kind(path, head) == "moe":
+        return _of_kind(path, {**head, "rows": _decoded(lines, source)}, source)
+    header_text = repr(
+        tuple(head.get(key) for key in ("schema_version", "collective", "dtype", "world_size"))
+    )
+    seen = known.setdefault(header_text, {})
+    given = {i: seen[line] for i, line in enumerate(lines) if line in seen}
+    decoded = iter(_decoded([line for i, line in enumerate(lines) if i not in given], source))
+    rows = [None if i in given else next(decoded) for i in range(len(lines))]
+    header, _ = parse_header({**head, "rows": rows}, source)
+    schedules = _rows_of(header, rows, source, given)
+    table = _table(header, schedules, source)
+    seen.update(zip(lines, schedules, strict=True))
+    return table
+
+
+def _of_kind(path: str | os.PathLike[str], data: Any, source: str) -> ScheduleTable | MoeTable:
+    """A table file's parsed ``data`` checked and built as its kind."""
+    if table_kind(path, data) == "moe":
+        return MoeTable.from_dict(data, source=source)
+    return build_table(data, source)
+
+
+def load_any_tables(paths: Sequence[str | os.PathLike[str]]) -> list[ScheduleTable | MoeTable]:
+    """``load_any_table`` of each path, in order (the first error raised, as there): a row line
+    that an earlier file of the same header held is built once (``diff`` of two versions of a
+    fleet-scale table reads the second at the cost of its new rows)."""
+    known: _KnownRows = {}
+    with paused_gc():
+        return [_load(path, known) for path in paths]
+
+
 def load_any_table(path: str | os.PathLike[str]) -> ScheduleTable | MoeTable:
     """The table file at ``path`` read once and checked as its kind: what ``load_moe_table`` or
     ``load_table`` checks (``TableNotFoundError`` when there is none, ``TableError`` naming the
     path when it is malformed)."""
-    data = read_table_data(path)
-    if table_kind(path, data) == "moe":
-        return MoeTable.from_dict(data, source=str(path))
-    return ScheduleTable.from_dict(data, source=str(path))
+    return load_any_tables([path])[0]
