@@ -255,6 +255,13 @@ def test_row_lines_read_the_same_as_json_and_as_yaml() -> None:
     odd = {"problem": {"m": 8, "n": 64, "k": 32}, "overlap": False, "provenance": {"x": math.inf}}
     odd_line = row_line(odd)  # not JSON: a YAML flow mapping on one line
     assert "\n" not in odd_line and yaml.safe_load(odd_line) == odd
+    # rows json writes in one call, and those it would change (a key that is not a string, a
+    # float YAML reads otherwise, a tuple) read back as they are, by json and by YAML
+    plain = {"problem": {"m": 8, "n": 64, "k": 32}, "provenance": {"ms": 0.05, "text": "1e-05 of NaN"}}
+    for provenance in ({1: "int key"}, {"k": {2.5: 1}}, {"t": (1, 2)}, {"e": 3e-20}, {"b": True, "n": None}):
+        for case in (plain, {**plain, "provenance": provenance}):
+            want = json.loads(json.dumps(case)) if "t" in provenance else case  # (a tuple reads as a list)
+            assert repr(yaml.safe_load(row_line(case))) == repr(want)
 
 
 def test_written_text_parses_as_yaml_does(tmp_path: Path) -> None:

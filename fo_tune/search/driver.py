@@ -36,7 +36,7 @@ from typing import Any
 from fo_kernels.errors import FoTuneError, TableError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
-from fo_kernels.table import ScheduleTable, load_table, table_path
+from fo_kernels.table import ScheduleTable, table_path
 from fo_tune.calibrate.extrapolate import basis_for
 from fo_tune.engines import ShapeTask, cost_model, get_tuner
 from fo_tune.model import CostModel
@@ -56,6 +56,7 @@ from fo_tune.search.results import BaselineResult, SearchInterrupted, SearchResu
 from fo_tune.search.storage import open_storage, shown, storage_lost, storage_url
 from fo_tune.search.strategies import ShapeJob, get_strategy
 from fo_tune.space import SearchSpace, space_for
+from fo_tune.tables.kinds import load_dense_table
 
 
 def read_target(
@@ -73,7 +74,7 @@ def read_target(
     )
     table = None
     with contextlib.suppress(TableNotFoundError):  # (a malformed file raises its TableError)
-        table = load_table(target)
+        table = load_dense_table(target)
     if table is not None and check_machine:
         check_table_target(table, target, fp)
     return target, table

@@ -33,7 +33,7 @@ from fo_kernels.errors import ScheduleError, TableError
 from fo_kernels.moe.table import MOE_TABLE_KIND, MOE_TABLE_PREFIX, MoeTable
 from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import TABLE_SCHEMA_VERSION, ScheduleTable
-from fo_kernels.table.format import TableHeader, build_row, parse_header, read_table_text
+from fo_kernels.table.format import TableHeader, build_row, parse_header, read_table_data, read_table_text
 from fo_kernels.table.text import decode_row_line, load_document, split_table_text, unreadable
 
 TableKind = Literal["dense", "moe"]
@@ -128,6 +128,14 @@ def build_table(data: Any, source: str) -> ScheduleTable:
     naming ``source``, the row and the field; faster for many rows of few schedules (``_rows_of``)."""
     header, rows = parse_header(data, source)
     return _table(header, _rows_of(header, rows, source), source)
+
+
+def load_dense_table(path: str | os.PathLike[str]) -> ScheduleTable:
+    """``fo_kernels.table.load_table(path)``: the same table, or the same error, built as
+    ``build_table`` builds it (the collector paused), for the tuner's reads of a table it merges
+    into."""
+    with paused_gc():
+        return build_table(read_table_data(path), str(path))
 
 
 def _decoded(lines: list[str], source: str) -> list[Any]:

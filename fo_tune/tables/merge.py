@@ -24,13 +24,13 @@ from fo_kernels.moe.table import MoeRow, MoeTable
 from fo_kernels.schedule import SHARDED_COLLECTIVES, Schedule
 from fo_kernels.table import (
     ScheduleTable,
-    load_table,
     row_kind,
     row_rank,
     save_table,
     table_filename,
 )
 from fo_kernels.table.spans import Span, SpanRows, put_row
+from fo_tune.tables.kinds import load_dense_table, paused_gc
 
 # The lock file beside a table: ``<table>.yaml.lock``.
 LOCK_SUFFIX = ".lock"
@@ -108,9 +108,9 @@ def merge_rows(
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(lock_path(path)), timeout=lock_timeout_s)
     try:
-        with lock:
+        with lock, paused_gc():  # (100,000 rows' objects made the collector walk them again and again)
             try:
-                table = load_table(path)
+                table = load_dense_table(path)
             except TableNotFoundError:
                 table = ScheduleTable(
                     fingerprint=fingerprint, collective=collective, world_size=world_size, dtype=dtype

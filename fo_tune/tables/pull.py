@@ -26,8 +26,9 @@ from typing import Any
 from fo_kernels.errors import TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
-from fo_kernels.table import load_table, table_path
+from fo_kernels.table import table_path
 from fo_tune.search.storage import storage_lost
+from fo_tune.tables.kinds import load_dense_table
 from fo_tune.tables.merge import check_target, kept_measured, merge_rows
 from fo_tune.tables.stored import StoredRows, best_records
 
@@ -103,7 +104,7 @@ def write_pulled(records: list[StoredRows], table_dir: Path) -> list[PulledTable
         path = table_path(table_dir, device_key, collective, world_size, dtype)
         check_writable_file(path, what="table file")
         with contextlib.suppress(TableNotFoundError):  # (a malformed file raises its TableError)
-            table = load_table(path)
+            table = load_dense_table(path)
             check_target(
                 table, path, group[-1].fingerprint, collective=collective, world_size=world_size, dtype=dtype
             )

@@ -26,7 +26,7 @@ from fo_kernels.files import SAFE_LOADER
 
 # YAML 1.1's null and boolean words (PyYAML's resolver); any other plain scalar that starts with a
 # letter is a string.
-_WORDS: dict[str, Any] = {
+WORDS: dict[str, Any] = {
     **dict.fromkeys(("null", "Null", "NULL", "~", ""), None),
     **dict.fromkeys(("yes", "Yes", "YES", "true", "True", "TRUE", "on", "On", "ON"), True),
     **dict.fromkeys(("no", "No", "NO", "false", "False", "FALSE", "off", "Off", "OFF"), False),
@@ -70,8 +70,8 @@ class Reader:
             return self.resolved[text]
         except KeyError:
             pass
-        if text in _WORDS:
-            value = _WORDS[text]
+        if text in WORDS:
+            value = WORDS[text]
         elif text[:1].isalpha() or "\n" in text:  # (no YAML 1.1 type but a string spans lines)
             value = text
         elif _INT.fullmatch(text):

@@ -19,6 +19,7 @@ from typing import Any
 
 from fo_kernels.table.block import (
     NOT_PLAIN,
+    WORDS,
     Reader,
     Unsupported,
     by_parser,
@@ -45,6 +46,10 @@ _SLOT_JSON = re.compile(r'"zfotuneslot([0-9]+)"')
 # A number whose text is its own JSON and reads as YAML reads it: an integer, or a float with a
 # ``.`` (YAML 1.1 reads ``1e+05``, without one, as a string).
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+(?:[eE][-+][0-9]+)?)?")
+# Plain scalars that are strings whose JSON is the text in quotes: a letter first, then letters,
+# digits and ``_.-/+``, single spaces between (no indicator, no ``: ``, no `` #``; a null or boolean
+# word is excluded by name).
+_PLAIN_WORDS = re.compile(r"[A-Za-z][A-Za-z0-9_./+-]*(?: [A-Za-z0-9_./+-]+)*")
 # What an alias to no anchor reads (None is a node's value).
 _NO_NODE = object()
 # JSON's own types: a value of any other (a YAML timestamp, a set) is read line by line.
@@ -123,13 +128,17 @@ class _Templates:
         # them (their rows are read line by line), ``_SEEN_ONCE`` before a second row of it; the
         # shapes met last, tried first by pattern.
         self.known: dict[tuple[Any, ...], Any] = {}
-        self.recent: list[tuple[re.Pattern[str], str]] = []
+        # The shapes met last, by their rows' line count (a table's shapes mostly differ in it).
+        self.recent: dict[int, list[tuple[re.Pattern[str], str]]] = {}
         self.values = _ValueJson(self.value_json)
+        # Each anchor's node as JSON, made at its first alias after the row that defines it.
+        self.alias_json: dict[str, str | None] = {}
 
     def line_row_json(self, chunk: str) -> str | None:
         """The JSON of the row whose text is ``chunk``, read line by line (anchors it defines kept
         for the rows after it); None when it leaves the subset or JSON."""
         lines = lines_of(chunk)
+        self.alias_json.clear()  # the row may define an anchor again
         rows = read_lines(lines, self.reader) if lines is not None else None
         if rows is None or len(rows) != 1 or not _json_exact(rows[0]):
             return None
@@ -140,7 +149,7 @@ class _Templates:
         template, else line by line; None when it leaves the subset or JSON."""
         if "&" in chunk:  # an anchor (or a ``&`` in a value): line by line
             return self.line_row_json(chunk)
-        recent = self.recent
+        recent = self.recent.setdefault(chunk.count("\n"), [])
         for j, (pattern, made) in enumerate(recent):
             match = pattern.fullmatch(chunk)
             if match is not None:
@@ -199,14 +208,19 @@ class _Templates:
         value = value.rstrip(" ")
         if _JSON_NUMBER.fullmatch(value):
             return value
+        if _PLAIN_WORDS.fullmatch(value) and value not in WORDS:
+            return f'"{value}"'  # a string: nothing in it to escape
         first = value[:1]
         lines = value.split("\n")
         try:
             if first == "*":
-                node = self.reader.anchors.get(value[1:], _NO_NODE)
-                if node is _NO_NODE or len(lines) > 1:
+                if len(lines) > 1:
                     return None
-                read: Any = node
+                if value[1:] not in self.alias_json:
+                    node = self.reader.anchors.get(value[1:], _NO_NODE)
+                    exact = node is not _NO_NODE and _json_exact(node)
+                    self.alias_json[value[1:]] = json.dumps(node) if exact else None
+                return self.alias_json[value[1:]]
             elif first == "'":
                 body = "\n".join([lines[0][1:], *(line.strip(" ") for line in lines[1:])])
                 if closing_quote(body) != len(body) - 1:

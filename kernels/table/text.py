@@ -73,8 +73,40 @@ def _yaml_safe_floats(value: Any, floats: list[str]) -> Any:
     return value
 
 
+# What in a row's JSON text the YAML parser would not read back as JSON does: a float written
+# with an exponent and no ``.`` (``1e-05``), a non-finite one (``NaN``, ``Infinity``). A string
+# that holds such text sends its row the long way, which writes the same line.
+_NOT_YAML_SAFE = re.compile(r"[0-9]e[-+][0-9]|NaN|Infinity")
+
+
+_JSON_SCALARS = frozenset((str, int, float, bool, type(None)))
+
+
+def _string_keys(value: Any) -> bool:
+    """True when ``value`` is dicts and lists of JSON's scalars whose dicts have string keys only
+    (``json`` writes other keys as strings, and reads them back so); anything else (a tuple, a
+    ``Mapping`` of another type) is False: its row goes the long way, which writes the same."""
+    kind = type(value)
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                return False
+            if type(item) not in _JSON_SCALARS and not _string_keys(item):
+                return False
+        return True
+    if kind is list:
+        return all(type(item) in _JSON_SCALARS or _string_keys(item) for item in value)
+    return kind in _JSON_SCALARS
+
+
 def row_line(row: Mapping[str, Any]) -> str:
     """One row as its line's text (without ``- ``): JSON, else a one-line YAML flow mapping."""
+    try:
+        text = json.dumps(row, separators=_SEPARATORS, ensure_ascii=False)
+    except (TypeError, ValueError):  # a value JSON cannot hold: the long way says what to do
+        text = None
+    if text is not None and _NOT_YAML_SAFE.search(text) is None and _string_keys(row):
+        return text  # what the walk below writes, in one C call
     floats: list[str] = []
     try:
         safe = _yaml_safe_floats(row, floats)
