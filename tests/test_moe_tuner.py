@@ -43,6 +43,7 @@ from fo_tune.moe.model import (
     GROUPED_DOWN_OVERHEAD,
     GROUPED_STREAM_SPEEDUP,
     GROUPED_UP_OVERHEAD,
+    TRITON_STREAM_SPEEDUP,
     MoeCall,
     filled_segments,
     padded_rows,
@@ -176,10 +177,13 @@ def test_decode_sizes_read_every_filled_experts_weights(cal, tokens):
     assert got.up_ms >= up * (1 - 1e-9) and got.down_ms >= down * (1 - 1e-9)
     if tokens >= 16:  # 128 rows or more fill all but ~2% of the 32 experts
         assert got.up_ms + got.down_ms >= 0.98 * 32 * 3 * 7168 * 2048 * 2 / model.stream.bytes_per_ms
-    # the Triton ring's second GEMM: a segment per (source, expert) pair, each reads its W2
+    # the Triton ring's second GEMM: a segment per (source, expert) pair, each reads its W2 (at the
+    # Triton kernel's own rate)
     ring = model.predict(_schedule(world=8, engine="triton", tile=TILE, sms_free=0, nccl_max_ctas=8), call)
-    assert ring.down_ms >= _weights_ms(model, filled_segments(tokens * 8, 8 * 32), tokens * 8, 7168, 2048)
-    assert ring.down_ms > got.down_ms
+    reads = _weights_ms(model, filled_segments(tokens * 8, 8 * 32), tokens * 8, 7168, 2048)
+    assert ring.down_ms >= reads / TRITON_STREAM_SPEEDUP
+    if tokens >= 16:  # it fills 3x the segments; at one token ~8 either way, read faster by Triton
+        assert ring.down_ms > got.down_ms
 
 
 def test_suite_at_4096_tokens_is_priced_as_before_where_compute_bound(cal):
@@ -217,7 +221,16 @@ SUITE_MAPE = 0.12
 NEAR_RIDGE_ERROR = 0.3
 
 
-def _library_mape(model, path: Path) -> float:
+# The Triton grouped kernel's price against its own times there (fo_ms; TRITON_STREAM_SPEEDUP's
+# comment): 13.1% at decode sizes and 7.6% at 4096 tokens (48% and 8.5% with the dense tile
+# profile's time at the padded rows, its fixed cost and split tail included, and the grouped rate).
+TRITON_DECODE_MAPE = 0.16
+TRITON_SUITE_MAPE = 0.10
+
+
+def _mape(path: Path, price, column: str) -> float:
+    """The mean relative error of ``price(rows, n, k, experts, up)`` against ``column`` over the
+    CSV's up and down rows."""
     errors = []
     for r in csv.DictReader(path.open()):
         if r["variant"] not in ("up", "down"):
@@ -225,16 +238,42 @@ def _library_mape(model, path: Path) -> float:
         up = r["variant"] == "up"
         h, i = int(r["hidden"]), int(r["intermediate"])
         n, k = (2 * i, h) if up else (h, i)
-        got = model.grouped_library_ms(int(r["rows"]), n, k, int(r["experts_local"]), up=up, itemsize=2)
-        errors.append(abs(got - float(r["lib_ms"])) / float(r["lib_ms"]))
+        got = price(int(r["rows"]), n, k, int(r["experts_local"]), up)
+        errors.append(abs(got - float(r[column])) / float(r[column]))
     assert len(errors) >= 24, path
     return sum(errors) / len(errors)
+
+
+def _library_mape(model, path: Path) -> float:
+    def price(rows, n, k, experts, up):
+        return model.grouped_library_ms(rows, n, k, experts, up=up, itemsize=2)
+
+    return _mape(path, price, "lib_ms")
+
+
+def _triton_mape(model, path: Path) -> float:
+    """The measured kernel's tile (every up and down row's ``tile``) on all 132 SMs."""
+
+    def price(rows, n, k, experts, up):
+        return model.grouped_triton_ms(TILE, rows, n, k, experts, 132, up=up, itemsize=2)
+
+    tiles = {r["tile"] for r in csv.DictReader(path.open()) if r["variant"] in ("up", "down")}
+    assert tiles == {"128x256x64/w8/s3"}, tiles
+    return _mape(path, price, "fo_ms")
 
 
 def test_grouped_gemm_prices_track_the_h100_measurements_at_decode_and_suite_sizes(cal):
     model = moe_cost_model(cal)
     assert _library_mape(model, H100_BENCH / "moe_grouped_gemm_decode.csv") <= DECODE_MAPE
     assert _library_mape(model, H100_BENCH / "moe_grouped_gemm.csv") <= SUITE_MAPE
+
+
+def test_triton_grouped_gemm_prices_track_the_h100_measurements_at_decode_and_suite_sizes(cal):
+    """One wave per 132 of the kernel's own tiles at the wave model's slope, and its reads at its
+    own stream rate: within the bounds at 1-256 tokens a rank and at 4096."""
+    model = moe_cost_model(cal)
+    assert _triton_mape(model, H100_BENCH / "moe_grouped_gemm_decode.csv") <= TRITON_DECODE_MAPE
+    assert _triton_mape(model, H100_BENCH / "moe_grouped_gemm.csv") <= TRITON_SUITE_MAPE
 
 
 def test_fallback_is_the_sum_of_its_parts(cal):

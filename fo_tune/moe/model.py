@@ -24,11 +24,15 @@ Each engine's overlapped schedule is its term's (``fo_tune.engines.<engine>.moe`
   rounded up to whole 128-row tiles (a segment's last tile is computed whole), times
   ``GROUPED_UP_OVERHEAD`` / ``GROUPED_DOWN_OVERHEAD``. Reads: every filled expert's K x N weight
   once, the rows in (K) and out (N), at the weight stream rate (``WeightStream``);
-- ``grouped_triton_ms``: the signalled Triton GEMM's tile profile (``TileProfile``) on the rows
-  rounded per filled segment to the tile's BLOCK_M, times the same overheads (the Triton grouped
-  kernel itself was not timed: the measured torch._grouped_mm overhead stands in for it), or its
-  reads at the same rate where slower: a segment is one (source, expert) pair there, and each
-  reads its expert's weight.
+- ``grouped_triton_ms``: the persistent Triton kernel's waves over its own tiles (each filled
+  segment's rows rounded up to the tile's BLOCK_M, times ceil(N / BLOCK_N), over the grid, no split
+  tail) at the tile's wave model slope (``TileProfile``: a wave per K without the fixed cost that
+  the model fits over 2-32 waves, 38 us on the packaged profile, most of a decode call's time),
+  times the same overheads, or its reads at ``TRITON_STREAM_SPEEDUP`` times the weight stream rate
+  where slower: a segment is one (source, expert) pair there, and each reads its expert's weight.
+  Against the kernel's times on one H100 (``bench/moe_grouped_gemm.py``, 128x256x64 on 132
+  programs) its mean error is 13% at 1-256 tokens a rank and 8% at 4096 (the dense profile's time
+  at the padded rows, read at the grouped rate: 48% and 8.5%, +19..+78% median by token count).
 
 Filled segments (``filled_segments``): routing balanced in expectation, each of a GEMM's rows lands
 on one of its S segments uniformly, so S (1 - (1 - 1/S)^rows) of them get a row. Each rank
@@ -54,9 +58,9 @@ SwiGLU pass of the no-overlap path (the Triton path fuses it into its epilogue),
 (it fills fewer experts with more rows), weights reused from L2 (none of the suite's fit in it),
 compute and reads that do not fully overlap (the model takes the larger: near the ridge, e.g.
 Llama-4-Maverick EP 8 at 4096 tokens, the GEMM takes longer than either), fewer SMs streaming
-slower (the Triton path's programs on SMs - sms_free read at the full rate), and the Triton
-kernels' own read rate: on one H100 they streamed their weights at 2.5-2.9 TB/s where
-torch._grouped_mm took ~2.0 (``docs/perf-notes.md``, "MoE grouped GEMMs' weight reads").
+slower (the Triton path's programs on SMs - sms_free read at the full rate), and a partial wave
+of few long-K tiles running faster than a full wave's share (Mixtral's down: 16-32 tiles of K 14336
+on 132 programs, priced +42..+53% slow; Llama-4-Maverick's down at one token +39..+46%).
 Host time: eager calls; each path's launches at ``HOST_*`` (see there).
 """
 
@@ -108,6 +112,13 @@ STREAM_MAX_ROWS = 256
 # mean 28.5% at decode and 8.6% at 4096 tokens to 16.8% and 10.9% (docs/perf-notes.md, "MoE
 # grouped GEMMs' weight reads").
 GROUPED_STREAM_SPEEDUP = 1.25
+# How much faster the Triton grouped kernel (one tile, 128x256x64 w8 s3, 132 programs) reads its
+# weights than the grouped stream rate (``weight_stream``, fitted to torch._grouped_mm): on one H100
+# it streamed its filled experts' weights at 2.8-3.1 TB/s where they are most of the time (16-256
+# tokens a rank; results/bench/nvidia-h100-80gb-hbm3-cc90-132sm-w1-single/moe_grouped_gemm_decode.csv,
+# fo_ms), 1.15-1.2x the grouped rate (2.41 TB/s on the packaged calibration); 1.15 and 1.2 give the
+# same mean error there, 1.15 the lower at 4096 tokens (moe_grouped_gemm.csv).
+TRITON_STREAM_SPEEDUP = 1.15
 # A filled segment count within this of a whole one is that whole one (float rounding).
 _FILL_SLACK = 1e-9
 
@@ -312,8 +323,23 @@ class MoeCostModel:
         if padded == 0:
             return 0.0
         factor = GROUPED_UP_OVERHEAD if up else GROUPED_DOWN_OVERHEAD
-        compute = self.dense.gemm_time(tile, padded, n, k, grid)[0] * factor
-        return max(compute, self.weight_read_ms(rows, n, k, segments, itemsize))
+        # the persistent kernel's waves over its own tiles, no split tail (it splits none)
+        waves = cdiv((padded // tile.block_m) * cdiv(n, tile.block_n), max(1, grid))
+        compute = waves * self.triton_wave_ms(tile, k) * factor
+        reads = self.weight_read_ms(rows, n, k, segments, itemsize) / TRITON_STREAM_SPEEDUP
+        return max(compute, reads)
+
+    def triton_wave_ms(self, tile: Tile, k: int) -> float:
+        """One wave of ``tile`` over K ``k`` without the wave model's fixed cost: the model's time
+        at two tiles on one program less its time at one (``CalibrationError`` for a tile the
+        calibration did not profile)."""
+        if not self.dense.knows_tile(tile):
+            raise CalibrationError(
+                f"the calibration has no GEMM profile for tile {tile.label()}; profile it with "
+                "`fo-tune calibrate` (or `fo-tune profile`), or search in --mode measure"
+            )
+        one = self.dense.wave_model_time(tile, tile.block_m, tile.block_n, k, 1)
+        return self.dense.wave_model_time(tile, 2 * tile.block_m, tile.block_n, k, 1) - one
 
     # ------------------------------------------------------------------------------ predictions
     def fallback(self, call: MoeCall) -> MoePrediction:
