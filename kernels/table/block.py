@@ -264,6 +264,27 @@ class Reader:
         return out, i
 
 
+# JSON's own scalar types (exactly: a subclass may write otherwise).
+_JSON_SCALARS = frozenset((str, int, float, bool, type(None)))
+
+
+def json_exact(value: Any) -> bool:
+    """True when ``value`` is dicts and lists of JSON's scalars whose dicts have string keys only:
+    ``json`` reads its text back as it is (it writes other keys as strings, and reads them back
+    so); anything else (a tuple, a ``Mapping`` of another type, a YAML timestamp) is False."""
+    kind = type(value)
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                return False
+            if type(item) not in _JSON_SCALARS and not json_exact(item):
+                return False
+        return True
+    if kind is list:
+        return all(type(item) in _JSON_SCALARS or json_exact(item) for item in value)
+    return kind in _JSON_SCALARS
+
+
 def by_parser(text: str) -> Any:
     """A scalar this module does not resolve itself, by the YAML parser."""
     try:

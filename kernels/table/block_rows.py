@@ -26,6 +26,7 @@ from fo_kernels.table.block import (
     check_plain,
     closing_quote,
     fold,
+    json_exact,
     lines_of,
     read_lines,
 )
@@ -52,17 +53,6 @@ _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+(?:[eE][-+][0-9]+)?)?"
 _PLAIN_WORDS = re.compile(r"[A-Za-z][A-Za-z0-9_./+-]*(?: [A-Za-z0-9_./+-]+)*")
 # What an alias to no anchor reads (None is a node's value).
 _NO_NODE = object()
-# JSON's own types: a value of any other (a YAML timestamp, a set) is read line by line.
-_JSON_SCALARS = (str, int, float, bool, type(None))
-
-
-def _json_exact(value: Any) -> bool:
-    """True when ``json`` reads ``value`` back as it is (string keys, JSON's types)."""
-    if isinstance(value, dict):
-        return all(isinstance(key, str) and _json_exact(item) for key, item in value.items())
-    if isinstance(value, list):
-        return all(_json_exact(item) for item in value)
-    return isinstance(value, _JSON_SCALARS)
 
 
 class _ValueJson(dict[str, "str | None"]):
@@ -140,7 +130,7 @@ class _Templates:
         lines = lines_of(chunk)
         self.alias_json.clear()  # the row may define an anchor again
         rows = read_lines(lines, self.reader) if lines is not None else None
-        if rows is None or len(rows) != 1 or not _json_exact(rows[0]):
+        if rows is None or len(rows) != 1 or not json_exact(rows[0]):
             return None
         return json.dumps(rows[0])
 
@@ -193,7 +183,7 @@ class _Templates:
             filled.append(prefix + value)
         lines = lines_of("\n".join(filled))
         rows = read_lines(lines, Reader([])) if lines is not None else None
-        if rows is None or len(rows) != 1 or not _json_exact(rows[0]):
+        if rows is None or len(rows) != 1 or not json_exact(rows[0]):
             return None
         text = json.dumps(rows[0]).replace("%", "%%")
         found = [int(slot) for slot in _SLOT_JSON.findall(text)]
@@ -218,7 +208,7 @@ class _Templates:
                     return None
                 if value[1:] not in self.alias_json:
                     node = self.reader.anchors.get(value[1:], _NO_NODE)
-                    exact = node is not _NO_NODE and _json_exact(node)
+                    exact = node is not _NO_NODE and json_exact(node)
                     self.alias_json[value[1:]] = json.dumps(node) if exact else None
                 return self.alias_json[value[1:]]
             elif first == "'":
@@ -245,7 +235,7 @@ class _Templates:
                 read = self.reader.plain(value)
         except Unsupported:
             return None
-        return json.dumps(read) if _json_exact(read) else None
+        return json.dumps(read) if json_exact(read) else None
 
 
 def read_block_rows(body: str, *, as_text: bool = False) -> list[Any] | None:

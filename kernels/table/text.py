@@ -28,6 +28,7 @@ import yaml
 
 from fo_kernels.errors import TableError
 from fo_kernels.files import SAFE_LOADER
+from fo_kernels.table.block import json_exact
 from fo_kernels.table.block_rows import read_block_rows
 from fo_kernels.table.index import EXACT, RANGE, ProblemKey
 
@@ -79,33 +80,13 @@ def _yaml_safe_floats(value: Any, floats: list[str]) -> Any:
 _NOT_YAML_SAFE = re.compile(r"[0-9]e[-+][0-9]|NaN|Infinity")
 
 
-_JSON_SCALARS = frozenset((str, int, float, bool, type(None)))
-
-
-def _string_keys(value: Any) -> bool:
-    """True when ``value`` is dicts and lists of JSON's scalars whose dicts have string keys only
-    (``json`` writes other keys as strings, and reads them back so); anything else (a tuple, a
-    ``Mapping`` of another type) is False: its row goes the long way, which writes the same."""
-    kind = type(value)
-    if kind is dict:
-        for key, item in value.items():
-            if type(key) is not str:
-                return False
-            if type(item) not in _JSON_SCALARS and not _string_keys(item):
-                return False
-        return True
-    if kind is list:
-        return all(type(item) in _JSON_SCALARS or _string_keys(item) for item in value)
-    return kind in _JSON_SCALARS
-
-
 def row_line(row: Mapping[str, Any]) -> str:
     """One row as its line's text (without ``- ``): JSON, else a one-line YAML flow mapping."""
     try:
         text = json.dumps(row, separators=_SEPARATORS, ensure_ascii=False)
     except (TypeError, ValueError):  # a value JSON cannot hold: the long way says what to do
         text = None
-    if text is not None and _NOT_YAML_SAFE.search(text) is None and _string_keys(row):
+    if text is not None and _NOT_YAML_SAFE.search(text) is None and json_exact(row):
         return text  # what the walk below writes, in one C call
     floats: list[str] = []
     try:
