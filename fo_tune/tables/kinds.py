@@ -108,26 +108,11 @@ def _rows_of(
     return out
 
 
-def _table(header: TableHeader, rows: list[Schedule], source: str) -> ScheduleTable:
-    """The ``ScheduleTable`` of a file's header and built rows (``TableError`` naming ``source``
-    for two rows of one problem, or M ranges that overlap)."""
-    try:
-        return ScheduleTable(
-            fingerprint=header.fingerprint,
-            collective=header.collective,
-            world_size=header.world_size,
-            dtype=header.dtype,
-            rows=rows,
-        )
-    except TableError as exc:
-        raise TableError(f"{source}: {exc}") from None
-
-
 def build_table(data: Any, source: str) -> ScheduleTable:
     """``ScheduleTable.from_dict(data, source)``: the same table, or the same ``TableError``
     naming ``source``, the row and the field; faster for many rows of few schedules (``_rows_of``)."""
     header, rows = parse_header(data, source)
-    return _table(header, _rows_of(header, rows, source), source)
+    return ScheduleTable.of_rows(header, _rows_of(header, rows, source), source)
 
 
 def load_dense_table(path: str | os.PathLike[str]) -> ScheduleTable:
@@ -177,7 +162,7 @@ def _load(path: str | os.PathLike[str], known: _KnownRows) -> ScheduleTable | Mo
     rows = [None if i in given else next(decoded) for i in range(len(lines))]
     header, _ = parse_header({**head, "rows": rows}, source)
     schedules = _rows_of(header, rows, source, given)
-    table = _table(header, schedules, source)
+    table = ScheduleTable.of_rows(header, schedules, source)
     seen.update(zip(lines, schedules, strict=True))
     return table
 

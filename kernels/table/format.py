@@ -120,14 +120,19 @@ class ScheduleTable:
     def from_dict(cls, data: Any, source: str = "<where>") -> ScheduleTable:
         """Validate and build; every error is a ``TableError`` naming ``source``, the row and the field."""
         header, rows = parse_header(data, source)
-        schedules = [build_row(row, i, header, source) for i, row in enumerate(rows)]
+        return cls.of_rows(header, [build_row(row, i, header, source) for i, row in enumerate(rows)], source)
+
+    @classmethod
+    def of_rows(cls, header: TableHeader, rows: list[Schedule], source: str) -> ScheduleTable:
+        """The table of a file's checked ``header`` and its built ``rows`` (``TableError`` naming
+        ``source`` for two rows of one problem, or M ranges that overlap)."""
         try:
             return cls(
                 fingerprint=header.fingerprint,
                 collective=header.collective,
                 world_size=header.world_size,
                 dtype=header.dtype,
-                rows=schedules,
+                rows=rows,
             )  # (saving it writes the rows in today's form: schema_version is today's)
         except TableError as exc:
             raise TableError(f"{source}: {exc}") from None
