@@ -59,6 +59,7 @@ from fo_kernels.table.text import (
     decode_row_at,
     dump_table_text,
     lazy_table_data,
+    row_built_once,
 )
 
 MOE_TABLE_SCHEMA_VERSION = 1
@@ -375,13 +376,13 @@ class LoadedMoeTable:
     def row(self, i: int) -> MoeRow:
         """Row ``i`` (file order) as a ``MoeRow``; ``TableError`` naming the row when malformed."""
         with self._lock:
-            built = self._built.get(i)
-            if built is None:
-                raw = self._raw[i]
-                if isinstance(raw, str):
-                    raw = decode_row_at(self._raw, i, self.source)
-                built = self._built[i] = _build_row(raw, i, self.dtype, self.world_size, self.source)
-            return built
+            return row_built_once(
+                self._built,
+                self._raw,
+                i,
+                self.source,
+                lambda raw: _build_row(raw, i, self.dtype, self.world_size, self.source),
+            )
 
     def find_row(self, key: ExpertsKey, tokens: int, *, kind: str | None = None) -> MoeRow | None:
         """The row of ``key`` whose token range holds ``tokens`` (of ``kind`` when given)."""

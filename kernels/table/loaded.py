@@ -28,7 +28,7 @@ from fo_kernels.table.format import (
     row_problem_key,
 )
 from fo_kernels.table.index import ProblemKey, RowIndex
-from fo_kernels.table.text import decode_row_at, lazy_table_data, line_problem
+from fo_kernels.table.text import decode_row_at, lazy_table_data, line_problem, row_built_once
 
 
 class LoadedTable:
@@ -100,13 +100,13 @@ class LoadedTable:
     def row(self, i: int) -> Schedule:
         """Row ``i`` (file order) as a ``Schedule``; ``TableError`` naming the row when malformed."""
         with self._lock:
-            built = self._built.get(i)
-            if built is None:
-                raw = self._raw[i]
-                if isinstance(raw, str):
-                    raw = decode_row_at(self._raw, i, self.source)
-                built = self._built[i] = build_row(raw, i, self.header, self.source)
-            return built
+            return row_built_once(
+                self._built,
+                self._raw,
+                i,
+                self.source,
+                lambda raw: build_row(raw, i, self.header, self.source),
+            )
 
     def find_exact(self, m: int, n: int, k: int, *, kind: str | None = None) -> Schedule | None:
         """The exact-shape row for (m, n, k) (of ``row_kind`` ``kind`` when given)."""

@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import yaml
 
@@ -237,6 +237,22 @@ def decode_row_at(rows: list[Any], i: int, source: str) -> Any:
         return decode_row_line(rows[i])
     except yaml.YAMLError as exc:
         raise TableError(unreadable(f"{source}: rows[{i}]", exc)) from None
+
+
+# What a lazily read table builds from a row.
+T = TypeVar("T")
+
+
+def row_built_once(built: dict[int, T], rows: list[Any], i: int, source: str, build: Callable[[Any], T]) -> T:
+    """Row ``i`` of a lazily read table: ``built[i]``, else ``build`` of its data (its line decoded
+    first, ``decode_row_at``) kept in ``built``; the caller holds its table's lock."""
+    found = built.get(i)
+    if found is None:
+        raw = rows[i]
+        if isinstance(raw, str):
+            raw = decode_row_at(rows, i, source)
+        found = built[i] = build(raw)
+    return found
 
 
 # The problem at the start of a written row line (``row_line`` writes ``problem`` first, with
