@@ -320,6 +320,11 @@ def test_world_size_one_duplicates_and_direct_call(one_rank):
     meta = [t.float().to("meta") for t in (x, w, w13, w2)]
     with pytest.raises(ShapeError, match="on the meta device"):
         expert_parallel_ffn(meta[0], ids.to("meta"), *meta[1:])
+    # the same where they need gradients (a model made on meta: its parameters do), which the
+    # dispatcher would otherwise answer with the fake implementation's empty output
+    meta[2].requires_grad_()
+    with pytest.raises(ShapeError, match="on the meta device"):
+        expert_parallel_ffn(meta[0], ids.to("meta"), *meta[1:])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
