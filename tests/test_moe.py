@@ -760,3 +760,16 @@ def test_module_refuses_a_malformed_checkpoint_and_a_second_sharding(one_rank):
         PlanError, match=r"^parallelize_experts: expected a model \(an nn.Module\), got NoneType"
     ):
         parallelize_experts(None)
+
+
+def test_module_from_a_whole_moe_block_says_to_pass_its_experts(one_rank):
+    """from_experts of the sparse MoE block (router and experts) rather than its experts block
+    says to pass ``block.experts`` or to call parallelize_experts on the block."""
+    from fo_kernels import ExpertParallelExperts, PlanError
+
+    block = torch.nn.Module()
+    block.gate, block.experts = torch.nn.Linear(16, 4, bias=False), _fused_block()
+    with pytest.raises(
+        PlanError, match=r"holds its experts block as \.experts: pass that \(from_experts\(blo"
+    ):
+        ExpertParallelExperts.from_experts(block)

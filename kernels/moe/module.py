@@ -209,6 +209,13 @@ def _per_expert(experts: nn.ModuleList) -> Weights:
 def _other_layout(experts: nn.Module) -> str:
     """What a block in neither layout holds instead, for the ``PlanError`` that refuses it."""
     kind = type(experts).__name__
+    inner = getattr(experts, "experts", None)
+    if isinstance(inner, nn.ModuleList) or (hasattr(inner, "gate_up_proj") and hasattr(inner, "down_proj")):
+        # (the sparse MoE block around an experts block: its router and its experts)
+        return (
+            f"a {kind} holds its experts block as .experts: pass that (from_experts(block.experts)), or "
+            "replace it in place with parallelize_experts(block); the router stays as it is"
+        )
     if hasattr(experts, "up_proj") and hasattr(experts, "down_proj"):
         # (transformers' has_gate=False blocks: NemotronH's and Ergo's relu2 experts)
         return (
