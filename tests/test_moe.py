@@ -320,6 +320,11 @@ def test_world_size_one_duplicates_and_direct_call(one_rank):
     meta = [t.float().to("meta") for t in (x, w, w13, w2)]
     with pytest.raises(ShapeError, match="on the meta device"):
         expert_parallel_ffn(meta[0], ids.to("meta"), *meta[1:])
+    # the same where they need gradients (a model made on meta: its parameters do), which the
+    # dispatcher would otherwise answer with the fake implementation's empty output
+    meta[2].requires_grad_()
+    with pytest.raises(ShapeError, match="on the meta device"):
+        expert_parallel_ffn(meta[0], ids.to("meta"), *meta[1:])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -673,3 +678,98 @@ def test_module_refuses_what_the_op_does_not_compute(one_rank):
     with pytest.raises(PlanError, match=r"^b\.experts: experts: has_bias=True"):
         parallelize_experts(model)
     assert type(model.a.experts).__name__ == "MixtralExperts"
+
+
+def _fused_block(gate_up: tuple[int, ...] = (4, 16, 16), down: tuple[int, ...] = (4, 16, 8)):
+    """A transformers-layout fused experts block of these gate_up_proj / down_proj shapes."""
+    block = torch.nn.Module()
+    block.gate_up_proj = torch.nn.Parameter(torch.randn(gate_up))
+    block.down_proj = torch.nn.Parameter(torch.randn(down))
+    block.act_fn = torch.nn.SiLU()
+    return block
+
+
+def _mixed_dtypes_block():
+    block = _fused_block()
+    block.gate_up_proj.data = block.gate_up_proj.data.double()
+    return block
+
+
+def _mlps(*inters: int, weightless: bool = False) -> torch.nn.ModuleList:
+    """Mixtral-style expert MLPs (w1 / w3 / w2, H 16) of these intermediate sizes; ``weightless``:
+    the last one's w3 an ``nn.Identity``."""
+    mlps = torch.nn.ModuleList(_Mlp(torch.nn.SiLU()) for _ in inters)
+    for mlp, inter in zip(mlps, inters, strict=True):
+        mlp.w1, mlp.w3 = torch.nn.Linear(16, inter, bias=False), torch.nn.Linear(16, inter, bias=False)
+        mlp.w2 = torch.nn.Linear(inter, 16, bias=False)
+    if weightless:
+        mlps[-1].w3 = torch.nn.Identity()
+    return mlps
+
+
+@pytest.mark.parametrize(
+    "build, error, match",
+    [
+        (lambda: None, "PlanError", r"^experts: expected an experts block \(an nn.Module\), got NoneType"),
+        (lambda: torch.zeros(4, 16, 16), "PlanError", r"an nn.Module\), got Tensor"),
+        (lambda: _fused_block(down=(4, 16)), "PlanError", r"down_proj \(4, 16\) are not the \(E, 2I, H\)"),
+        (lambda: _fused_block(gate_up=(4, 16)), "PlanError", r"gate_up_proj \(4, 16\) and down_proj"),
+        (lambda: _mlps(8, 4), "PlanError", r"^experts\[1\]: its w1 / w3 / w2 weights are \(4, 16\)"),
+        (
+            lambda: _mlps(8, 8, weightless=True),
+            "PlanError",
+            r"^experts\[1\]\.w3: expected an nn.Linear, got a layer without a weight \(Identity\)",
+        ),
+        (
+            _mixed_dtypes_block,
+            "ShapeError",
+            r"^w13 is torch.float64 but w2 is torch.float32: the experts' weights must share one dtype",
+        ),
+    ],
+)
+def test_module_refuses_malformed_blocks_naming_them(one_rank, build, error, match):
+    """A block that is no module, fused weights that are not 3-dim, expert MLPs of different shapes
+    or without weights, and weights of two dtypes raise a ValueError naming what is wrong (not an
+    AttributeError, an IndexError, torch.stack's RuntimeError or a message about an x never given)."""
+    import fo_kernels
+    from fo_kernels import ExpertParallelExperts
+
+    with pytest.raises(getattr(fo_kernels, error), match=match):
+        ExpertParallelExperts.from_experts(build())
+
+
+def test_module_refuses_a_malformed_checkpoint_and_a_second_sharding(one_rank):
+    """A checkpoint whose gate_up_proj is not 3-dim raises PlanError (not an IndexError); a model
+    whose experts are sharded already, sharded again, raises AlreadyParallelizedError naming the
+    block, as does from_experts of a shard; a model that is no module raises PlanError."""
+    from fo_kernels import AlreadyParallelizedError, ExpertParallelExperts, PlanError, parallelize_experts
+
+    sharded = ExpertParallelExperts.from_experts(_fused_block())
+    with pytest.raises(PlanError, match=r"checkpoint's gate_up_proj \(16, 16\) and down_proj"):
+        sharded.load_state_dict({"gate_up_proj": torch.zeros(16, 16), "down_proj": torch.zeros(4, 16, 8)})
+    model = torch.nn.ModuleDict({"layer": torch.nn.Module()})
+    model.layer.experts = _fused_block()
+    assert parallelize_experts(model) == ["layer.experts"]
+    with pytest.raises(
+        AlreadyParallelizedError, match=r"^layer\.experts: .*already an ExpertParallelExperts"
+    ):
+        parallelize_experts(model)
+    with pytest.raises(AlreadyParallelizedError, match=r"^experts: .*already an ExpertParallelExperts"):
+        ExpertParallelExperts.from_experts(model.layer.experts)
+    with pytest.raises(
+        PlanError, match=r"^parallelize_experts: expected a model \(an nn.Module\), got NoneType"
+    ):
+        parallelize_experts(None)
+
+
+def test_module_from_a_whole_moe_block_says_to_pass_its_experts(one_rank):
+    """from_experts of the sparse MoE block (router and experts) rather than its experts block
+    says to pass ``block.experts`` or to call parallelize_experts on the block."""
+    from fo_kernels import ExpertParallelExperts, PlanError
+
+    block = torch.nn.Module()
+    block.gate, block.experts = torch.nn.Linear(16, 4, bias=False), _fused_block()
+    with pytest.raises(
+        PlanError, match=r"holds its experts block as \.experts: pass that \(from_experts\(blo"
+    ):
+        ExpertParallelExperts.from_experts(block)

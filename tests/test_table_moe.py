@@ -454,3 +454,19 @@ def test_merging_many_moe_rows_reads_each_row_a_bounded_number_of_times(
     assert merged.rows == expected.rows
     assert merged.rows != _wide_table(1024).rows
     assert len(reads) <= 10 * (1024 + 100), f"{len(reads)} experts' shapes read"
+
+
+def test_moe_rows_and_tables_refuse_what_is_not_a_schedule_or_a_row() -> None:
+    """A row of no MoeSchedule (None, its dict) and a table given schedules for rows raise
+    TableError naming what they got, when made (not an AttributeError at the first use)."""
+    problem = MoeProblem(hidden=8, intermediate=4, experts=2, top_k=2, tokens_max=16)
+    schedule = MoeSchedule(dtype="float32", world_size=2, problem=problem)
+    for bad, got in ((None, "NoneType"), (schedule.to_dict(), "dict")):
+        with pytest.raises(TableError, match=rf"^schedule: expected a fo_kernels.MoeSchedule, got {got}"):
+            MoeRow(schedule=bad)
+    fp = current_fingerprint("cpu", 2)
+    with pytest.raises(
+        TableError, match=r"^rows\[0\]: expected a fo_kernels.MoeRow\(schedule=\.\.\.\), got Moe"
+    ):
+        MoeTable(fingerprint=fp, world_size=2, dtype="float32", rows=[schedule])
+    assert MoeTable(fingerprint=fp, world_size=2, dtype="float32", rows=[MoeRow(schedule=schedule)]).rows

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from fo_kernels.errors import ShapeError
 from fo_kernels.groups import group_name
 from fo_kernels.moe import ops
+from fo_kernels.moe.routing import check_call
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.ops import direct_call
 
@@ -67,6 +68,11 @@ def expert_parallel_ffn(
         if not isinstance(t, torch.Tensor):
             raise ShapeError(f"{arg} must be a torch tensor, got {type(t).__name__}")
     x, w13, w2 = autocast_operands(x, w13, w2)
+    tensors = (x, topk_ids, topk_weights, w13, w2)
+    if not torch.compiler.is_compiling() and any(t.device.type == "meta" for t in tensors):
+        # meta tensors hold no ids to route: check_call refuses them (or their mix with a real
+        # device); the dispatcher would answer those that need gradients with the fake output
+        check_call(*tensors, 1)
     # (a refused group or schedule, traced: the op raises its ValueError when the graph runs it)
     name = group_name(group)
     text = ops.schedule_text(schedule)

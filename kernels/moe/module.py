@@ -20,7 +20,8 @@ Its own state_dict holds this rank's ``w13`` and ``w2``. It refuses (``PlanError
 not compute: an activation other than SiLU (the fused block's ``_apply_gate`` is probed, so a
 clamped SwiGLU such as DeepSeek-V4's or gpt-oss's is refused), biases, a norm after each expert,
 experts without a gate (NemotronH's and Ergo's up_proj / down_proj), weights in neither layout
-(Llama 4's experts, which take pre-weighted rows and no routing), E not divisible by the world size.
+(Llama 4's experts, which take pre-weighted rows and no routing), E not divisible by the world size,
+expert MLPs of different shapes; a block or model sharded already raises ``AlreadyParallelizedError``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fo_kernels.errors import PlanError, ScheduleError, ShapeError
+from fo_kernels.errors import AlreadyParallelizedError, PlanError, ScheduleError, ShapeError
 from fo_kernels.fields import check_int
 from fo_kernels.groups import SharesGroupWhenCopied, check_group, require_initialized
 from fo_kernels.moe.ffn import expert_parallel_ffn
@@ -48,6 +49,11 @@ _PROBE = (-1e3, -3.0, -0.5, 0.25, 2.0, 9.0, 1e3)
 _PROBE_TOL = 1e-6
 # Per-expert MLP attribute names: (gate, up, down), Mixtral's then Qwen's (transformers 4).
 _MLP_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+# What ``from_experts`` and ``parallelize_experts`` say of a block that is a shard already.
+_SHARDED = (
+    "experts: already an ExpertParallelExperts (sharded by from_experts or parallelize_experts); build "
+    "one from the unsharded experts block, or use this one as it is"
+)
 
 
 def _check_silu(act: object, where: str) -> None:
@@ -103,16 +109,21 @@ class Source:
 
     def fused_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) as (E, H, 2I) and (E, I, H) from a fused block's gate_up_proj and down_proj;
-        ``PlanError`` for shapes that are not a fused block's."""
-        if not self.transposed:
-            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-        experts_n, hidden, i2 = gate_up.shape if gate_up.dim() == 3 else (0, 0, 0)
-        if i2 % 2 or i2 == 0 or tuple(down.shape) != (experts_n, i2 // 2, hidden):
+        ``PlanError`` for what is not a fused block's (shapes, or tensors of another number of dims,
+        named as the block holds them)."""
+        held = (gate_up, down)
+        fits = all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in held)
+        if fits:
+            if not self.transposed:
+                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+            experts_n, hidden, i2 = gate_up.shape
+            fits = i2 % 2 == 0 and i2 > 0 and tuple(down.shape) == (experts_n, i2 // 2, hidden)
+        if not fits:
             want = "(E, H, 2I) and (E, I, H)" if self.transposed else "(E, 2I, H) and (E, H, I)"
+            shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in held]
             raise PlanError(
-                f"gate_up_proj {_shape_of(gate_up, self.transposed)} and down_proj "
-                f"{_shape_of(down, self.transposed)} are not the {want} of a transformers experts "
-                f"block (is_transposed={self.transposed})"
+                f"gate_up_proj {shapes[0]} and down_proj {shapes[1]} are not the {want} of a "
+                f"transformers experts block (is_transposed={self.transposed})"
             )
         if not self.concatenated:  # [g0, u0, g1, u1, ...] -> [gate | up]
             gate_up = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1)
@@ -136,11 +147,6 @@ class Source:
         return torch.stack(w13), torch.stack([entries[f"{e}.{down}.weight"].t() for e in range(experts)])
 
 
-def _shape_of(t: torch.Tensor, transposed: bool) -> tuple[int, ...]:
-    """``t``'s shape as the block holds it (undoing ``fused_weights``' transpose)."""
-    return tuple(t.shape) if transposed or t.dim() != 3 else (t.shape[0], t.shape[2], t.shape[1])
-
-
 def _fused(experts: nn.Module) -> Weights:
     """(w13, w2) of every expert from the fused layout, as (E, H, 2I) and (E, I, H)."""
     for flag, bad in (("has_bias", True), ("has_post_expert_norm", True), ("has_gate", False)):
@@ -152,11 +158,14 @@ def _fused(experts: nn.Module) -> Weights:
         transposed=bool(getattr(experts, "is_transposed", False)),
         concatenated=bool(getattr(experts, "is_concatenated", True)),
     )
+    gate_up, down = experts.gate_up_proj, experts.down_proj
     try:
-        w13, w2 = source.fused_weights(experts.gate_up_proj.detach(), experts.down_proj.detach())
+        w13, w2 = source.fused_weights(
+            *(t.detach() if isinstance(t, torch.Tensor) else t for t in (gate_up, down))
+        )
     except PlanError as exc:
         raise PlanError(f"experts: a {type(experts).__name__}'s {exc}") from None
-    return w13, w2, (experts.gate_up_proj.requires_grad, experts.down_proj.requires_grad), source
+    return w13, w2, (gate_up.requires_grad, down.requires_grad), source
 
 
 def _per_expert(experts: nn.ModuleList) -> Weights:
@@ -168,8 +177,22 @@ def _per_expert(experts: nn.ModuleList) -> Weights:
     if names is None:
         raise PlanError(f"experts: an MLP without {' / '.join('/'.join(n) for n in _MLP_NAMES)} layers")
     entries, trains = {}, [False, False]  # (entries: the block's state_dict, as Source reads it)
+    first = None  # experts[0]'s weight shapes, which every expert's must equal
     for i, mlp in enumerate(experts):
         gate, up, down = (getattr(mlp, a) for a in names)
+        for name, layer in zip(names, (gate, up, down), strict=True):
+            if not isinstance(getattr(layer, "weight", None), torch.Tensor):
+                raise PlanError(
+                    f"experts[{i}].{name}: expected an nn.Linear, got a layer without a weight "
+                    f"({type(layer).__name__}); each expert's {' / '.join(names)} are its Linears"
+                )
+        shapes = tuple(tuple(layer.weight.shape) for layer in (gate, up, down))
+        first = first or shapes
+        if shapes != first or len(shapes[0]) != 2 or shapes[1] != shapes[0] or shapes[2] != shapes[0][::-1]:
+            raise PlanError(
+                f"experts[{i}]: its {' / '.join(names)} weights are {', '.join(map(str, shapes))}; every "
+                f"expert's must be (I, H), (I, H) and (H, I), as experts[0]'s {', '.join(map(str, first))}"
+            )
         if any(getattr(layer, "bias", None) is not None for layer in (gate, up, down)):
             raise PlanError(
                 f"experts[{i}]: biases are not part of the SwiGLU expert expert_parallel_ffn computes"
@@ -186,6 +209,13 @@ def _per_expert(experts: nn.ModuleList) -> Weights:
 def _other_layout(experts: nn.Module) -> str:
     """What a block in neither layout holds instead, for the ``PlanError`` that refuses it."""
     kind = type(experts).__name__
+    inner = getattr(experts, "experts", None)
+    if isinstance(inner, nn.ModuleList) or (hasattr(inner, "gate_up_proj") and hasattr(inner, "down_proj")):
+        # (the sparse MoE block around an experts block: its router and its experts)
+        return (
+            f"a {kind} holds its experts block as .experts: pass that (from_experts(block.experts)), or "
+            "replace it in place with parallelize_experts(block); the router stays as it is"
+        )
     if hasattr(experts, "up_proj") and hasattr(experts, "down_proj"):
         # (transformers' has_gate=False blocks: NemotronH's and Ergo's relu2 experts)
         return (
@@ -218,6 +248,11 @@ def _check_experts(w13: object, w2: object, num_experts: object, schedule: objec
                 f"{name}: expected a 3-dim tensor ({'E_local, H, 2I' if name == 'w13' else 'E_local, I, H'}) "
                 f"of bfloat16, float16, float32 or float64, got {_described(t)}"
             )
+    if w13.dtype != w2.dtype:
+        raise ShapeError(
+            f"w13 is {w13.dtype} but w2 is {w2.dtype}: the experts' weights must share one dtype (cast "
+            "one of them)"
+        )
     # a call of no token checks the weights against each other as every call does
     none = w13.new_empty(0, w13.shape[1])
     # (no ids to read: a module made on the meta device, to be loaded later, is taken)
@@ -296,6 +331,12 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
         block itself is left as it is."""
         require_initialized()
         check_group(group)
+        if isinstance(experts, ExpertParallelExperts):
+            raise AlreadyParallelizedError(_SHARDED)
+        if not isinstance(experts, nn.Module):
+            raise PlanError(
+                f"experts: expected an experts block (an nn.Module), got {type(experts).__name__}"
+            )
         if isinstance(experts, nn.ModuleList):
             w13, w2, trains, source = _per_expert(experts)
         elif hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"):
@@ -384,9 +425,14 @@ def parallelize_experts(
     block is built before any is replaced, so a block it refuses (``PlanError``, naming the block)
     leaves the model as it was; a model whose ``experts`` modules are all in another layout (an
     ungated block, DBRX's, Switch Transformers') is refused naming the first and what it holds."""
-    built, others = [], []
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"parallelize_experts: expected a model (an nn.Module), got {type(model).__name__}")
+    built, others, sharded_before = [], [], []
     for name, module in list(model.named_modules()):
         if name.rsplit(".", 1)[-1] != "experts":
+            continue
+        if isinstance(module, ExpertParallelExperts):
+            sharded_before.append(name)
             continue
         if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
             others.append((name, module))
@@ -400,6 +446,8 @@ def parallelize_experts(
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         parent.experts = sharded
     done = [name for name, _ in built]
+    if not done and sharded_before:
+        raise AlreadyParallelizedError(f"{sharded_before[0]}: {_SHARDED}")
     if not done and hasattr(model, "gate_up_proj") and hasattr(model, "down_proj"):
         # (the root cannot be replaced in place: there is no parent to hold its replacement)
         raise PlanError(

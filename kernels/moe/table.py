@@ -102,6 +102,13 @@ class MoeRow:
     schedule: MoeSchedule
     provenance: dict[str, Any] = field(default_factory=dict, hash=False)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.schedule, MoeSchedule):
+            raise TableError(
+                f"schedule: expected a fo_kernels.MoeSchedule, got {type(self.schedule).__name__} (a "
+                "mapping becomes one through MoeSchedule.from_dict)"
+            )
+
     @property
     def kind(self) -> str:
         """``predicted`` for a row of the cost model alone (``mode: predict``), else ``measured``."""
@@ -125,7 +132,11 @@ class MoeTable:
 
     def __post_init__(self) -> None:
         check_name("dtype", self.dtype, MOE_DTYPES)
-        for row in self.rows:
+        for i, row in enumerate(self.rows):
+            if not isinstance(row, MoeRow):
+                raise TableError(
+                    f"rows[{i}]: expected a fo_kernels.MoeRow(schedule=...), got {type(row).__name__}"
+                )
             s = row.schedule
             if (s.dtype, s.world_size) != (self.dtype, self.world_size):
                 raise TableError(
