@@ -123,7 +123,7 @@ def refuse_foreign(path: Path, is_ours: Callable[[Path], bool], *, ours: str, na
 
 
 @contextlib.contextmanager
-def made_parents(folder: Path):
+def made_parents(folder: Path) -> Iterator[None]:
     """Create ``folder`` and its missing ancestors; remove the ones created (if still empty) on error."""
     missing = []
     probe = Path(os.path.abspath(folder))

@@ -156,6 +156,7 @@ class OverlapRuntime:
         return self._fallback
 
     def made_fallback(self) -> Fallback | None:
+        """This runtime's fallback if a call has made it, else None (``fallback`` makes it)."""
         return self._fallback
 
     def plan_tables(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:

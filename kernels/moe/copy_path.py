@@ -69,7 +69,7 @@ def blocker(device: torch.device, world: int) -> str:
     return copy_engine_blocker(device, world)
 
 
-def run(stage: Stage, schedule: MoeSchedule, group: dist.ProcessGroup | None):
+def run(stage: Stage, schedule: MoeSchedule, group: dist.ProcessGroup | None) -> torch.Tensor | None:
     """One call of ``stage`` through the copy engine (see the module docstring)."""
     runtime = runtime_for(stage.w13.device, group)
     peers = runtime.engine_state.get(STATE)
@@ -125,7 +125,7 @@ class MoePeers:
             )
         self.capacity = need
 
-    def run(self, stage: Stage, schedule: MoeSchedule):
+    def run(self, stage: Stage, schedule: MoeSchedule) -> torch.Tensor | None:
         """``stage`` over the group (the caller checked the call against ``schedule``)."""
         shape = stage.shape
         self._reserve(schedule.problem.tokens_max * shape.top_k, shape.hidden, stage.dtype)
