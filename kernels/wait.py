@@ -25,6 +25,7 @@ import triton.language as tl
 from fo_kernels.engines.triton.settings import WAIT_MODES
 from fo_kernels.errors import EnvironmentMismatchError, ScheduleError
 
+# The low 32 bits: the counters and cuStreamWaitValue32's targets are 32-bit words.
 _U32 = 0xFFFFFFFF
 
 

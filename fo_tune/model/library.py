@@ -38,6 +38,7 @@ from fo_kernels.plan import cdiv
 LIBRARY_TILES = ((128, 256, None), (128, 128, "library_small_tile_efficiency"))
 # The wave model's unit of K (library_wave_ms is per wave per this many K).
 K_UNIT = 1024
+# The tile area library_wave_ms is per (LIBRARY_TILES' 128x256): another tile's wave costs its share.
 REFERENCE_AREA = 128 * 256
 # The parameters the library model reads, and what they are.
 PARAMS = {

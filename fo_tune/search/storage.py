@@ -44,6 +44,7 @@ CONNECT_TIMEOUT_S = 10
 # Attempts at opening a new RDB storage: workers starting together on an empty database race to
 # create Optuna's tables, and the losers' CREATE fails once (they then find the tables made).
 OPEN_ATTEMPTS = 3
+# Seconds between those attempts.
 OPEN_RETRY_S = 0.5
 # Bytes read from the end of a journal file to check its last record (a record is one line of
 # a few hundred bytes; a longer last line is left to Optuna's reader).

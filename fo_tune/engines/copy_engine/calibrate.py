@@ -66,6 +66,7 @@ LARGE_GEMM_MS = 0.5
 # Copy sizes of PeerCopyTask, MiB (the probe of docs/design.md#copy-engine: 2 MiB to 128 MiB
 # spans the latency floor to the bandwidth plateau of a copy-engine copy).
 COPY_SIZES_MIB = (2, 8, 32, 128)
+# Timed copies per size (a median over them).
 COPY_REPS = 20
 # Flag round trips per timed sample of FlagTask (the probe of docs/design.md#copy-engine used 200).
 ROUND_TRIPS = 200
