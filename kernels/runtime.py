@@ -45,6 +45,7 @@ HIGH_PRIORITY = -1
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """The global ranks of ``group`` (the default group for None)."""
     return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 

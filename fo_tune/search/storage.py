@@ -378,6 +378,7 @@ def check_storage(url: str, *, create_folder: bool = False, must_exist: bool = F
 
 
 def is_rdb(storage: Any) -> bool:
+    """Whether ``storage`` is an Optuna RDB (SQL) storage."""
     from optuna.storages import RDBStorage
 
     return isinstance(storage, RDBStorage)

@@ -45,6 +45,8 @@ def schedule_text(schedule: MoeSchedule | None) -> str:
 
 @functools.lru_cache(maxsize=SCHEDULE_CACHE_SIZE)
 def parse_schedule(text: str) -> MoeSchedule | None:
+    """The ``MoeSchedule`` of an op's schedule argument, its JSON text (None for ""); ``ScheduleError`` for
+    text that is not a schedule."""
     if not text:
         return None
     check_schedule_text(text)
