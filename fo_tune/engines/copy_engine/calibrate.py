@@ -15,7 +15,7 @@ One GPU (``--world-size 1`` measures these alone):
 Two GPUs (every rank runs the same task; CUDA only, each says why not elsewhere):
 
 - ``PeerCopyTask``: copy-engine copies of the peer's memory (torch symmetric memory) and of local
-  memory at ``COPY_SIZES`` -> ``peer_copy_latency_ms`` / ``peer_copy_gbs``, ``local_copy_*``
+  memory at ``COPY_SIZES_MIB`` -> ``peer_copy_latency_ms`` / ``peer_copy_gbs``, ``local_copy_*``
   (least squares of latency + bytes / bandwidth);
 - ``FlagTask``: a flag ping-pong between the GPUs (``cuStreamWriteValue32`` into the peer's
   memory, ``cuStreamWaitValue32`` for the answer) -> ``flag_ms`` (half a round trip);
