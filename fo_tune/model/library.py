@@ -51,6 +51,14 @@ PARAMS = {
 }
 
 
+def large_tile_waves(m: int, n: int, k: int, sm_count: int) -> float:
+    """Whole waves of the large library tile (``LIBRARY_TILES[0]``, 128x256) on ``sm_count`` SMs,
+    times K in ``K_UNIT``s: the x against which a fit to whole-GEMM cuBLAS times reads
+    ``library_wave_ms``."""
+    bm, bn, _ = LIBRARY_TILES[0]
+    return cdiv(cdiv(m, bm) * cdiv(n, bn), sm_count) * k / K_UNIT
+
+
 @dataclass(frozen=True, slots=True)
 class LibraryPoint:
     """A measured library GEMM: paced (with pauses) and sustained (back to back) times."""
@@ -79,7 +87,7 @@ class LibraryGemm:
         section offers the baseline."""
         xs, ys = [], []
         for (m, n, k), t in cublas.items():
-            xs.append(cdiv(cdiv(m, 128) * cdiv(n, 256), sm_count) * k / K_UNIT)
+            xs.append(large_tile_waves(m, n, k, sm_count))
             ys.append(t)
         wave = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs) if xs else math.nan
         params = {
