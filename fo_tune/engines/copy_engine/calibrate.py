@@ -327,10 +327,10 @@ class FlagTask:
     """The flag ping-pong (module docstring): {"why", "flag_ms"}."""
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
-        from fo_kernels.wait import _driver_module
+        from fo_kernels.wait import driver_module
 
         why = peer_blocker(ctx)
-        driver = _driver_module() if not why else None
+        driver = driver_module() if not why else None
         if not why and driver is None:
             why = "needs cuda-bindings (pip install 'fo-tune[cuda]')"
         bad = torch.tensor([1 if why else 0], device=ctx.device)
