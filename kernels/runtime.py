@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fo_kernels.collectives import all_reduce_now, reduce_scatter_now, reduce_scatter_tensor  # noqa: F401 - callers import them from here
 from fo_kernels.engines.copy_engine import CopyEnginePeers
 from fo_kernels.errors import ScheduleError
 from fo_kernels.fallback import Fallback

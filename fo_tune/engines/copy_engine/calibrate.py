@@ -368,9 +368,9 @@ class HostTask:
     dtype: str
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
+        from fo_kernels.collectives import reduce_scatter_tensor
         from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
         from fo_kernels.overlap import gemm_all_reduce, gemm_reduce_scatter
-        from fo_kernels.runtime import reduce_scatter_tensor
         from fo_kernels.schedule import Problem, Schedule
 
         op = gemm_all_reduce if self.collective == "all_reduce" else gemm_reduce_scatter
