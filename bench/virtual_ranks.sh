@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The copy engine at N peers on one GPU (docs/design.md#virtual-ranks), in one call of a few minutes:
+# The copy engine at N peers on one GPU (docs/design.md#virtual-ranks), in a few minutes:
 #
 #   bash bench/virtual_ranks.sh OUT_DIR
 #
@@ -29,7 +29,8 @@ out_dir="$(fo_out_dir "$1")"
 cd "$FO_REPO" || exit 2
 unset CUDA_MODULE_LOADING
 
-# Time limits per step (s): the whole script stays under ~8.5 minutes.
+# Time limits per step (s), so a hung step cannot hold the GPU: the whole script ends within ~8.5
+# minutes.
 TESTS_S=270
 CALIBRATE_S=180
 DEMO_S=60

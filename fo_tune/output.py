@@ -123,7 +123,7 @@ def refuse_foreign(path: Path, is_ours: Callable[[Path], bool], *, ours: str, na
 
 
 @contextlib.contextmanager
-def made_parents(folder: Path):
+def made_parents(folder: Path) -> Iterator[None]:
     """Create ``folder`` and its missing ancestors; remove the ones created (if still empty) on error."""
     missing = []
     probe = Path(os.path.abspath(folder))
@@ -171,12 +171,15 @@ def _cell(value: Any) -> Any:
 
 
 def write_rows(f: Any, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    """``header`` then ``rows`` as CSV lines to the open file ``f`` (floats in 6 significant digits,
+    NaN as ``nan``, None empty)."""
     writer = csv.writer(f, lineterminator="\n")
     writer.writerow(header)
     writer.writerows([_cell(v) for v in row] for row in rows)
 
 
 def write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    """``write_rows`` into a new file at ``path``."""
     with path.open("w", newline="", encoding="utf-8") as f:
         write_rows(f, header, rows)
 
@@ -197,6 +200,8 @@ def size_label(size: float, _pos: Any = None) -> str:
 
 
 def figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Any, Any]:
+    """A matplotlib figure (Agg, no display needed) and its ``nrows`` x ``ncols`` axes, each ``width`` x
+    ``height`` inches."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -207,6 +212,8 @@ def figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Any, An
 
 
 def swap_in(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``out_dir``; an ``out_dir`` there is moved aside first, put back
+    if the rename fails, and deleted after."""
     if not out_dir.exists():
         os.rename(tmp, out_dir)
         return

@@ -42,6 +42,7 @@ _EXPORTS = {
     "parallelize_linears": "parallel",
     "NotOverlappedWarning": "errors",
     "ArgumentError": "errors",
+    "SignatureError": "errors",
     "NotInitializedError": "errors",
     "all_gather_gemm": "overlap",
     "gemm_all_reduce": "overlap",

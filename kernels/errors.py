@@ -43,6 +43,11 @@ class ArgumentError(FoTuneError, ValueError):
     """An argument a call does not take (an unknown ``reduce_op``, a flag that is not a bool)."""
 
 
+class SignatureError(FoTuneError, TypeError):
+    """A call whose arguments do not fit its function's signature (an operand given twice, or
+    missing): a ``TypeError``, as Python raises for such a call."""
+
+
 class NotInitializedError(GroupError, ArgumentError, ScheduleError):
     """A collective call (an op, a fused op, a layer or a style) before
     ``torch.distributed.init_process_group``: every such entry point raises this one type, with one

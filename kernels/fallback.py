@@ -55,7 +55,12 @@ def one_rank(
 
 
 def sequential(
-    collective: str, a: torch.Tensor, b: torch.Tensor, group, world: int, scales: Scales | None = None
+    collective: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    world: int,
+    scales: Scales | None = None,
 ) -> torch.Tensor:
     """GEMM then the collective, issued eagerly: ``collective(a @ b)`` (fp8: the scaled GEMM)."""
     full = matmul(a, b, scales)
@@ -68,7 +73,11 @@ def sequential(
 
 
 def sequential_all_gather(
-    a: torch.Tensor, b: torch.Tensor, group, world: int, scales: Scales | None = None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    world: int,
+    scales: Scales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather then GEMM, issued eagerly: ``(gathered @ b, gathered)`` where ``gathered`` holds
     rank r's rows of ``a`` at rows [r*M/w, (r+1)*M/w) (fp8: as bytes, and rowwise the rows' scales

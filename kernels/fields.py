@@ -13,10 +13,12 @@ from fo_kernels.errors import ArgumentError, FoTuneError, ScheduleError
 
 
 def is_pow2(x: int) -> bool:
+    """Whether ``x`` is a positive power of two."""
     return x > 0 and (x & (x - 1)) == 0
 
 
 def check_int(name: str, value: Any, *, minimum: int, error: type[FoTuneError] = ScheduleError) -> int:
+    """``value`` when it is an int (not a bool) >= ``minimum``, else ``error`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise error(f"{name}: expected an integer, got {value!r}")
     if value < minimum:
@@ -33,6 +35,7 @@ def check_bool(name: str, value: Any, *, error: type[FoTuneError] = ArgumentErro
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """``value`` when it is one of ``choices``, else ``ScheduleError`` naming ``name`` and listing them."""
     if value not in choices:
         raise ScheduleError(f"{name}: {value!r} is not one of {', '.join(choices)}")
     return value
@@ -46,6 +49,8 @@ def field_names(cls: type) -> tuple[str, ...]:
 
 
 def from_mapping(cls: type, data: Any, where: str) -> Any:
+    """``cls(**data)`` for a mapping of ``cls``'s field names; ``ScheduleError`` at ``where`` for another
+    type, an unknown key (listing the valid ones) or a missing one."""
     if not isinstance(data, Mapping):
         raise ScheduleError(f"{where}: expected a mapping, got {type(data).__name__}")
     known = field_names(cls)
@@ -59,6 +64,8 @@ def from_mapping(cls: type, data: Any, where: str) -> Any:
 
 
 def check_weights(name: str, value: Any) -> tuple[int, ...]:
+    """``value`` (a non-empty list or tuple of ints >= 1) as a tuple, else ``ScheduleError`` naming
+    ``name``."""
     if not isinstance(value, (list, tuple)):
         raise ScheduleError(f"{name}: expected a list of integers, got {value!r}")
     out = tuple(value)

@@ -379,6 +379,8 @@ class ColumnParallelLinear(_ParallelLinear):
     collectives: ClassVar[tuple[str | None, str]] = (None, "all_gather")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias`` for this rank's output columns; with sequence parallelism ``x``
+        is this rank's rows, all-gathered first (``all_gather_gemm``)."""
         # (inside torch.autocast, the operands in its dtype, as F.linear takes them)
         rows, weight, bias = _autocast_operands(self._rows(x, self.in_features), self.weight, self.bias)
         self._check_dtype(rows, weight)
@@ -414,6 +416,9 @@ class RowParallelLinear(_ParallelLinear):
     collectives: ClassVar[tuple[str | None, str]] = ("all_reduce", "reduce_scatter")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of ``x @ weight.T`` (``x`` this rank's input columns) plus the bias
+        (``gemm_all_reduce``); with sequence parallelism this rank's rows of it
+        (``gemm_reduce_scatter``)."""
         # (inside torch.autocast, the operands in its dtype, as F.linear takes them)
         rows, weight, bias = _autocast_operands(self._rows(x, self.weight.shape[1]), self.weight, self.bias)
         self._check_dtype(rows, weight)

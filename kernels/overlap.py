@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from fo_kernels import ops
 from fo_kernels.engines import EngineResult
-from fo_kernels.errors import ScaleError
+from fo_kernels.errors import ScaleError, SignatureError
 from fo_kernels.execute import check_tensors, execute
 from fo_kernels.groups import group_name
 from fo_kernels.scaling import scale_type_problem
@@ -118,8 +118,8 @@ def all_gather_gemm(
     ``a=`` names the shard too, as the other two ops name their first operand (give one of the two).
     """
     if (a_shard is None) == (a is None):
-        raise TypeError("all_gather_gemm() takes this rank's shard once: as a_shard (first) or as a=")
+        raise SignatureError("all_gather_gemm() takes this rank's shard once: as a_shard (first) or as a=")
     if b is None:
-        raise TypeError("all_gather_gemm() missing its second operand b (K, N)")
+        raise SignatureError("all_gather_gemm() missing its second operand b (K, N)")
     shard = a_shard if a_shard is not None else a
     return _call("all_gather", shard, b, schedule, group, scale_a, scale_b, out_dtype)[0]

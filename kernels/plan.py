@@ -38,6 +38,7 @@ from fo_kernels.tile import MIN_BLOCK, Tile
 
 
 def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers."""
     return -(-a // b)
 
 

@@ -115,7 +115,7 @@ class LocalScaledMatmul(torch.autograd.Function):
         return scaled_mm(a, b, scales)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # (raises Fp8TrainingError when it runs; an op, so torch.compile can trace it: fo_kernels.ops)
         return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
 
@@ -131,7 +131,7 @@ class Fp8Refused(torch.autograd.Function):
         return a + b if add else a @ b
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return fp8_refused_grads(dy, ctx.input_meta, ctx.needs_input_grad)
 
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fo_kernels.collectives import all_reduce_now, reduce_scatter_now, reduce_scatter_tensor  # noqa: F401 - callers import them from here
 from fo_kernels.engines.copy_engine import CopyEnginePeers
 from fo_kernels.errors import ScheduleError
 from fo_kernels.fallback import Fallback
@@ -45,6 +44,7 @@ HIGH_PRIORITY = -1
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """The global ranks of ``group`` (the default group for None)."""
     return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
@@ -156,6 +156,7 @@ class OverlapRuntime:
         return self._fallback
 
     def made_fallback(self) -> Fallback | None:
+        """This runtime's fallback if a call has made it, else None (``fallback`` makes it)."""
         return self._fallback
 
     def plan_tables(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:

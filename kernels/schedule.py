@@ -140,6 +140,7 @@ class Problem:
         return from_mapping(cls, data, "problem")
 
     def describe(self) -> str:
+        """``MxNxK``, the M a range ``[lo,hi]`` for an M-range row."""
         m = str(self.m) if self.m is not None else f"[{self.m_min},{self.m_max}]"
         return f"{m}x{self.n}x{self.k}"
 

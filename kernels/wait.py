@@ -16,6 +16,7 @@ is missing or the tensors are not on a GPU.
 from __future__ import annotations
 
 import warnings
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -25,6 +26,7 @@ import triton.language as tl
 from fo_kernels.engines.triton.settings import WAIT_MODES
 from fo_kernels.errors import EnvironmentMismatchError, ScheduleError
 
+# The low 32 bits: the counters and cuStreamWaitValue32's targets are 32-bit words.
 _U32 = 0xFFFFFFFF
 
 
@@ -56,7 +58,7 @@ class SpinWaiter:
         _spin_wait_kernel[(1,)](counters[index:], to_int32(target), num_warps=1)
 
 
-def _driver_module():
+def driver_module() -> ModuleType | None:
     """cuda-bindings' driver module (new and old import paths), or None if it is not installed."""
     try:
         from cuda.bindings import driver  # cuda-bindings >= 12.6
@@ -98,7 +100,7 @@ def make_waiter(mode: str, device: torch.device) -> Waiter:
         return SpinWaiter()
     if device.type != "cuda":
         return SpinWaiter()  # no streams to block on the CPU: the interpreter's GEMM is already done
-    driver = _driver_module()
+    driver = driver_module()
     if driver is None:
         warnings.warn(
             "wait_mode stream_wait needs cuda-bindings (pip install 'fo-tune[cuda]'); using the spin kernel",

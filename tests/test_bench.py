@@ -752,8 +752,8 @@ def test_scripts_at_a_world_size_without_its_gpus_stop_in_one_line(tmp_path, scr
 )
 def test_one_gpu_scripts_and_stages_without_a_gpu_stop_in_one_line(tmp_path, script, what):
     """The one-GPU scripts and stages on a machine without a GPU: exit 2 and one line naming what
-    they need, before any work (they ran minutes of steps bound to fail, or ended in a
-    traceback); the scripts write nothing."""
+    they need, before any work (not minutes of steps bound to fail, nor a traceback); the scripts
+    write nothing."""
     import shutil
     import subprocess
 

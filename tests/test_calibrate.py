@@ -516,7 +516,7 @@ def test_a_failed_write_leaves_the_old_folder_untouched(tmp_path, monkeypatch):
     def broken(cal, path):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(report, "_plot_interference", broken)
+    monkeypatch.setattr(report, "plot_interference", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         write_calibration_dir(_calibration(), out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -793,7 +793,7 @@ def test_a_ctrl_c_while_a_finished_calibration_is_written_keeps_it(tmp_path, mon
     from fo_tune.calibrate import files as cal_files
     from fo_tune.calibrate import run as cal_run
 
-    plot = cal_files._plot_bandwidth
+    plot = cal_files.plot_bandwidth
 
     def interrupted_plot(cal, path):
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a terminal's Ctrl-C
@@ -801,7 +801,7 @@ def test_a_ctrl_c_while_a_finished_calibration_is_written_keeps_it(tmp_path, mon
         plot(cal, path)
 
     monkeypatch.setattr(cal_run, "run_calibration", lambda request, reporter=None: _calibration())
-    monkeypatch.setattr(cal_files, "_plot_bandwidth", interrupted_plot)
+    monkeypatch.setattr(cal_files, "plot_bandwidth", interrupted_plot)
     out = tmp_path / "cal"
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:

@@ -345,8 +345,8 @@ def test_lookup_takes_the_world_size_of_the_device_key(tmp_path: Path) -> None:
 
 def test_pull_and_moe_search_refuse_a_table_dir_they_cannot_write(tmp_path: Path) -> None:
     """A --table-dir that is a file: `table pull` and `search -c moe` are exit 2 with one line naming
-    the path (they ended with an internal error, NotADirectoryError, exit 1), and pull writes none
-    of its tables."""
+    the path (not an internal error, NotADirectoryError, exit 1), and pull writes none of its
+    tables."""
     runner = CliRunner()
     db = f"sqlite:///{tmp_path / 'fleet.db'}"
     plan = ["search", "--mode", "predict", "-s", "4096x8192x4096", "--storage", db]
@@ -373,7 +373,7 @@ def test_pull_and_moe_search_refuse_a_table_dir_they_cannot_write(tmp_path: Path
 
 def test_pull_refuses_a_malformed_table_before_it_writes_any(tmp_path: Path) -> None:
     """A table under --table-dir with a duplicate row: `table pull` is one line naming it and
-    writes none of the storage's tables (it wrote every table merged before that one)."""
+    writes none of the storage's tables (not even those merged before that one)."""
     runner = CliRunner()
     db = f"sqlite:///{tmp_path / 'fleet.db'}"
     plan = ["search", "--mode", "predict", "-s", "4096x8192x4096", "--storage", db, "--table-dir"]
@@ -430,8 +430,8 @@ def test_a_storage_that_fails_during_the_search_is_one_line_saying_how_to_resume
 ) -> None:
     """The storage stops answering mid-search (its server stopped): Optuna's StorageInternalError,
     chained from the driver's error as a dropped PostgreSQL connection raises it, is exit 2 and one
-    line naming the driver's reason (it was "internal error: UnboundLocalError ... please report
-    it", Optuna's own error inside a trial, or "internal error: StorageInternalError" as a row was
+    line naming the driver's reason (not "internal error: UnboundLocalError ... please report it",
+    Optuna's own error inside a trial, nor "internal error: StorageInternalError" as a row is
     recorded); the progress shown before it stays on stderr."""
     import optuna
     import sqlalchemy.exc
@@ -520,7 +520,8 @@ def test_a_worker_that_decided_from_fewer_trials_but_records_later_leaves_the_be
 ) -> None:
     """Two predicted TPE workers on one study: the first decides from its one trial, then, before it
     records, the second runs 30 trials (the first's included) and records. The first records last;
-    pull takes the second's row (it took the first's, which replaced the study's only record)."""
+    pull takes the second's row (not the first's, as it would if a record replaced the study's only
+    one)."""
     import fo_tune.tables.stored as stored
 
     storage = f"sqlite:///{tmp_path / 'fleet.db'}"
@@ -572,7 +573,7 @@ def test_a_storage_that_fails_during_the_pull_is_one_line_and_writes_no_table(
 ) -> None:
     """The storage opens, then fails as pull reads its studies (its server stopped, the connection
     dropped, the journal file's disk went away): exit 2, one line saying to pull again, and no table
-    file written or changed (it was "internal error: OperationalError ..." or "... StorageInternalError",
+    file written or changed (not "internal error: OperationalError ..." nor "... StorageInternalError",
     exit 1)."""
     import optuna
     import sqlalchemy.exc
@@ -628,8 +629,8 @@ def test_pull_refuses_its_table_dir_or_a_table_of_others_rows_before_it_reads_or
     tmp_path: Path,
 ) -> None:
     """A --table-dir that is a file is exit 2 before the storage is read, even one whose studies
-    record nothing (it said "nothing written", exit 0); a table file holding another table's rows
-    stops the pull before any table is written (it wrote the tables merged before that one)."""
+    record nothing (not "nothing written", exit 0); a table file holding another table's rows
+    stops the pull before any table is written (not even those merged before that one)."""
     import optuna
 
     empty = f"sqlite:///{tmp_path / 'empty.db'}"

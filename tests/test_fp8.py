@@ -96,7 +96,7 @@ def test_a_python_number_as_a_scale_is_a_scale_error(op, grad):
         op(a, b, scale_a=other, scale_b=2)
     with pytest.raises(ScaleError, match=r"out_dtype is a str \('bfloat16'\); pass a torch.dtype"):
         op(a, b, scale_a=other, scale_b=other, out_dtype="bfloat16")
-    # a meta scale beside CPU operands: through the dispatcher it ran the fake implementation
+    # a meta scale beside CPU operands: refused before the dispatcher could pick the fake implementation
     with pytest.raises(ScaleError, match="scale_b is on meta but the operands are on cpu"):
         op(a, b, scale_a=other, scale_b=torch.ones((), device="meta"))
     # traced (torch.compile, fullgraph): the same ScaleError when the graph runs, not Dynamo's

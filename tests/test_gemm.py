@@ -387,7 +387,7 @@ def test_rows_gemm_signals_accumulates_and_copies(dtype, kmajor):
     """``_rows_gemm_check`` in a Python process of its own, under the interpreter. Run inside the
     test process, these launches left its memory corrupted: fresh-clone CI died with a segfault in
     Python's garbage collector a few test files later (seen in three CI runs; the root cause, in the
-    interpreter, was not found). A corruption here now fails this test or nothing."""
+    interpreter, was not found). Run apart, a corruption here fails this test or nothing."""
     import os
     import subprocess
     import sys

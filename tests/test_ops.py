@@ -15,7 +15,7 @@ import fo_kernels
 from fo_kernels import GroupError, Problem, Schedule, ScheduleError, all_gather_gemm, gemm_all_reduce
 from fo_kernels import groups as groups_mod
 from fo_kernels import ops as ops_mod
-from fo_kernels.errors import ScaleError, ShapeError
+from fo_kernels.errors import FoTuneError, ScaleError, ShapeError, SignatureError
 from fo_tune.ranks.launch import run_ranks
 from tp_cases import TOL, OpCase, gather_schedule, suite
 
@@ -368,9 +368,11 @@ def test_all_gather_gemm_takes_its_shard_as_a_shard_or_as_a(one_rank):
     assert torch.equal(all_gather_gemm(a=a, b=b), want)
     assert torch.equal(all_gather_gemm(a_shard=a, b=b), want)
     torch.testing.assert_close(want, a @ b)
-    with pytest.raises(TypeError, match=r"as a_shard \(first\) or as a="):
+    # a fo-tune error (one ``except FoTuneError`` catches every refusal) and a TypeError, as Python's
+    with pytest.raises(SignatureError, match=r"as a_shard \(first\) or as a=") as raised:
         all_gather_gemm(a, b, a=a)
-    with pytest.raises(TypeError, match=r"as a_shard \(first\) or as a="):
+    assert isinstance(raised.value, FoTuneError) and isinstance(raised.value, TypeError)
+    with pytest.raises(SignatureError, match=r"as a_shard \(first\) or as a="):
         all_gather_gemm(b=b)
-    with pytest.raises(TypeError, match="missing its second operand b"):
+    with pytest.raises(SignatureError, match="missing its second operand b"):
         all_gather_gemm(a)

@@ -267,7 +267,7 @@ def test_parallelize_linears_refuses_a_module_two_patterns_give_other_kinds():
 
 def test_a_plan_key_that_is_no_name_and_from_linear_of_no_linear_are_plan_errors():
     """A plan keyed by something other than a name says which key; ``from_linear`` of a module
-    that is no nn.Linear is a PlanError naming its type (it raised an AttributeError)."""
+    that is no nn.Linear is a PlanError naming its type (not an AttributeError)."""
     from torch import nn
 
     from fo_kernels import ColumnParallelLinear, PlanError, RowParallelLinear

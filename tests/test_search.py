@@ -129,8 +129,8 @@ def test_model_gemm_uses_profiled_points_and_the_wave_fit(model, h200):
         errors.append(abs(model.wave_model_time(tile, p.m, p.n, p.k, p.grid) - p.time_ms) / p.time_ms)
     # the wave model stands in for shapes the calibration did not profile. On the shipped H200 x2
     # profile (360 points): median error 3%, worst 27% (128x256 tiles at 2048x4096x4096). That
-    # calibration predates SPLIT_MIN_MACS = 2^35: its points of 2^35-2^37 multiply-adds ran their
-    # short tails as whole waves, which the fit now counts as split (worst 23% before).
+    # calibration was profiled without SPLIT_MIN_MACS = 2^35: its points of 2^35-2^37 multiply-adds
+    # ran their short tails as whole waves, which the fit counts as split.
     errors.sort()
     assert errors[len(errors) // 2] < 0.05 and errors[-1] < 0.28, (errors[len(errors) // 2], errors[-1])
     assert model.gemm_time(_tile_of(ok[0]), 1000, 1000, 1000, 132)[1] == "wave-model"

@@ -964,9 +964,9 @@ def test_a_table_under_another_tables_name_is_refused_as_the_runtime_refuses_it(
     runner: CliRunner, tmp_path: Path
 ) -> None:
     """A world-size-4 table copied to the world-size-2 table's name: the runtime reads it for w2
-    calls and raises; `table lookup` says the same (it printed a row from the other folders as
-    if the file were not there) and `table validate` is exit 2 saying how to rename it (it passed
-    with a note). The same for a file holding another collective's rows."""
+    calls and raises; `table lookup` says the same (rather than print a row from the other folders
+    as if the file were not there) and `table validate` is exit 2 saying how to rename it (not a
+    pass with a note). The same for a file holding another collective's rows."""
     w2 = cpu_fp().device_key
     fp4 = cpu_fp(4)
     row4 = dataclasses.replace(cpu_row(64), world_size=4)
@@ -989,8 +989,8 @@ def test_a_table_under_another_tables_name_is_refused_as_the_runtime_refuses_it(
 
 
 def test_list_shows_every_good_table_and_one_line_per_bad_file(runner: CliRunner, tmp_path: Path) -> None:
-    """One malformed file among a fleet's tables: `table list` listed nothing (exit 2 on the first
-    bad file); now it lists the others and says per bad file its path and why, exit 1. A table
+    """One malformed file among a fleet's tables: `table list` lists the others and says per bad
+    file its path and why, exit 1 (not exit 2 with nothing listed at the first bad file). A table
     lookup refuses where it sits (a CPU table in the H200's folder) is listed and said too."""
     key, gpu = cpu_fp().device_key, H200["device_key"]
     user = tmp_path / "xdg" / "fo-tune" / "tables"

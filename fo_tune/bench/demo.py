@@ -137,12 +137,15 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
 
 
 def default_shapes(on_gpu: bool, dtype: str | None = None) -> list[tuple[int, int, int]]:
+    """The demo's shapes when none are given: ``GPU_SHAPES`` on a GPU, else the CPU's small ones (fp8's for
+    ``dtype`` float8_e4m3fn)."""
     if on_gpu:
         return list(GPU_SHAPES)
     return list(FP8_CPU_SHAPES if dtype == FP8_NAME else CPU_SHAPES)
 
 
 def default_dtype(on_gpu: bool) -> str:
+    """The demo's dtype when none is given, on a GPU or on the CPU."""
     return GPU_DTYPE if on_gpu else CPU_DTYPE
 
 

@@ -158,6 +158,8 @@ def rank_main(ctx: Any, job: Job) -> list[dict[str, Any] | None]:
 
 # ------------------------------------------------------------------------------------ the parent
 def merge_ranks(per_rank: list[dict[str, Any]], tol: float) -> dict[str, Any]:
+    """One demo row's results from every rank's: the worst error and time over the ranks, passed when no rank
+    has a NaN and the error is under ``tol``."""
     err = max(r["rel_err"] for r in per_rank)
     nan = any(r["has_nan"] for r in per_rank)
     over = max(r["overlapped_ms"] for r in per_rank)

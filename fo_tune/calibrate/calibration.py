@@ -241,6 +241,7 @@ def fit_curve(points: Iterable[BandwidthPoint]) -> CurveFit:
 
 
 def fit_all(points: Iterable[BandwidthPoint]) -> list[CurveFit]:
+    """One ``fit_curve`` per (collective, NCCL CTA cap) of ``points``, in that order."""
     by_key: dict[tuple[str, int], list[BandwidthPoint]] = {}
     for p in points:
         by_key.setdefault((p.collective, p.nccl_max_ctas), []).append(p)

@@ -46,7 +46,7 @@ from fo_tune.calibrate.calibration import (
     InterferencePoint,
     save_calibration,
 )
-from fo_tune.calibrate.plots import _plot_bandwidth, _plot_interference
+from fo_tune.calibrate.plots import plot_bandwidth, plot_interference
 from fo_tune.output import (
     OutputError,
     check_writable,
@@ -276,9 +276,9 @@ def write_calibration_dir(
         _write_tables(cal, tmp, names)
         save_calibration(cal, tmp / CALIBRATION_FILE)
         if "bandwidth.png" in names:
-            _plot_bandwidth(cal, tmp / "bandwidth.png")
+            plot_bandwidth(cal, tmp / "bandwidth.png")
         if "interference.png" in names:
-            _plot_interference(cal, tmp / "interference.png")
+            plot_interference(cal, tmp / "interference.png")
         for name in CALIBRATION_FILES:
             if name not in names and (earlier / name).is_file():
                 shutil.copy2(earlier / name, tmp / name)

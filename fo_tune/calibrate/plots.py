@@ -18,7 +18,7 @@ def _cap_label(cap: int) -> str:
     return "default" if cap == 0 else f"{cap} CTAs"
 
 
-def _plot_bandwidth(cal: Calibration, path: Path) -> None:
+def plot_bandwidth(cal: Calibration, path: Path) -> None:
     from matplotlib.ticker import FuncFormatter
 
     collectives = list(dict.fromkeys(p.collective for p in cal.bandwidth))
@@ -73,7 +73,7 @@ def _heat(
     return image
 
 
-def _plot_interference(cal: Calibration, path: Path) -> None:
+def plot_interference(cal: Calibration, path: Path) -> None:
     groups = list(dict.fromkeys((p.collective, p.size_bytes) for p in cal.interference))
     fig, axes = figure(max(1, len(groups)), 2, 4.8, 3.4)
     concurrent = all(p.concurrent for p in cal.interference)

@@ -315,6 +315,7 @@ def bench(
     timeout: BenchTimeoutOpt = 600.0,
     allow_slow: AllowSlowOpt = False,
 ) -> None:
+    """``fo-tune bench`` (its help: ``HELP``)."""
     from fo_tune.output import count
 
     shapes = [parse_shape(s) for s in shape or []]

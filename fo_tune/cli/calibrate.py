@@ -284,6 +284,7 @@ def calibrate(
     into_sibling: IntoSiblingOpt = False,
     from_profiles: FromProfilesOpt = None,
 ) -> None:
+    """``fo-tune calibrate`` (its help: ``HELP``)."""
     from fo_tune.output import count
 
     if into_sibling and into is None:

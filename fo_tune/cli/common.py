@@ -72,6 +72,8 @@ console = _Console(emoji=False)
 err_console = _Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 DEBUG_ENV = "FO_TUNE_DEBUG"
+# Exit codes: 2 for input the user can fix (click's own usage errors use it too), 1 for a failure
+# at run time, 130 (128 + SIGINT, the shells' convention) for a run Ctrl-C stopped.
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130

@@ -143,6 +143,7 @@ def demo(
     engine: EngineOpt = "auto",
     allow_slow: AllowSlowOpt = False,
 ) -> None:
+    """``fo-tune demo`` (its help: ``HELP``)."""
     from fo_tune.output import count
 
     shapes = [parse_shape(s) for s in shape or []]

@@ -254,6 +254,7 @@ def unpriced_lines(rows: list[Checked]) -> list[str]:
 
 @handle_errors
 def check(files: FilesArg = None, calibration: CalibrationOpt = None) -> None:
+    """``fo-tune model check`` (its help: ``CHECK_HELP``)."""
     from fo_tune.calibrate.missing import measured_rows
     from fo_tune.engines import cost_models_by_dtype
     from fo_tune.model.check import CheckError, check_machines, measured_in, unmeasured_in
@@ -348,6 +349,7 @@ def fit(
     hold_out_file: HoldOutFileOpt = None,
     out: OutOpt = None,
 ) -> None:
+    """``fo-tune model fit`` (its help: ``FIT_HELP``)."""
     from fo_tune.calibrate.calibration import load_calibration, save_calibration
     from fo_tune.engines.copy_engine.fit import fit_calibration
     from fo_tune.model.check import CheckError

@@ -217,6 +217,7 @@ def profile(
     scaling: ScalingOpt = SCALING_NAMES[0],
     allow_slow: AllowSlowOpt = False,
 ) -> None:
+    """``fo-tune profile`` (its help: ``HELP``)."""
     m, n, k = parse_shape(shape)
     check_dtype(dtype)
     check_scaling(scaling, dtype)

@@ -118,6 +118,7 @@ def _refuse_unread(ctx: typer.Context, mode: str, mode_given: bool, exhaustive: 
 
 
 def parse_m_range(text: str | None) -> tuple[int, int] | None:
+    """``--m-range LO:HI`` as ``(LO, HI)`` (None when not given); ``typer.BadParameter`` otherwise."""
     if text is None:
         return None
     match = _RANGE.match(text)
@@ -244,6 +245,7 @@ def search(
     tokens: TokensOpt = None,
     allow_slow: AllowSlowOpt = False,
 ) -> None:
+    """``fo-tune search`` (its help: ``fo_tune.cli.search_options.HELP``)."""
     from fo_tune.cli.search_moe import MOE_COLLECTIVE, run_moe_search
 
     picked = parse_collectives(

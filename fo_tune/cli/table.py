@@ -207,6 +207,7 @@ def show(
     limit: LimitOpt = None,
     all_rows: AllRowsOpt = False,
 ) -> None:
+    """``fo-tune table show`` (its help: ``SHOW_HELP``)."""
     check_choice("--format", format_, FORMATS)
     if json_out and format_ != FORMATS[0]:
         raise typer.BadParameter(f"--json and --format {format_}: give one of them")
@@ -297,6 +298,7 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
 @handle_errors
 @gc_paused
 def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJsonOpt = False) -> None:
+    """``fo-tune table validate`` (its help: ``VALIDATE_HELP``)."""
     from fo_kernels.errors import TableError, TableNotFoundError
     from fo_kernels.moe.table import MoeTable
     from fo_tune.cli.search_moe import MOE_COLLECTIVE

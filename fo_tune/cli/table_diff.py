@@ -131,6 +131,7 @@ def diff(
     limit: DiffLimitOpt = None,
     all_rows: AllRowsOpt = False,
 ) -> None:
+    """``fo-tune table diff`` (its help: ``DIFF_HELP``)."""
     from fo_kernels.errors import TableError
     from fo_kernels.moe.table import MoeTable
     from fo_tune.tables.diff import DIFF_STATUSES, diff_tables, header_differences

@@ -180,6 +180,7 @@ def lookup(
     experts: ExpertsOpt = None,
     tokens: TokensOpt = None,
 ) -> None:
+    """``fo-tune table lookup`` (its help: ``LOOKUP_HELP``)."""
     from fo_tune.cli.common import parse_shape
 
     if world_size is not None and world_size < 1:
@@ -345,6 +346,7 @@ def table_files(device_key: str | None = None) -> tuple[list[dict[str, Any]], li
 @handle_errors
 @gc_paused
 def list_tables(device_key: ListDeviceKeyOpt = None, json_out: ListJsonOpt = False) -> None:
+    """``fo-tune table list`` (its help: ``LIST_HELP``)."""
     check_device_key(device_key)
     files, problems = table_files(device_key)
     if json_out:

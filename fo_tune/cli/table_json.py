@@ -151,6 +151,7 @@ def document_text(data: Any) -> str:
 
 
 def show_document(found: list[tuple[Path, ScheduleTable | MoeTable]]) -> dict[str, Any]:
+    """The ``table show --json`` document of the tables ``found`` (path, table)."""
     return {"kind": SHOW_KIND, "tables": [table_entry(path, table) for path, table in found]}
 
 
@@ -175,6 +176,7 @@ class FileCheck:
 
 
 def validate_document(checks: list[FileCheck]) -> dict[str, Any]:
+    """The ``table validate --json`` document of ``checks``: ok, per file what it found, the problem count."""
     problems = [problem for check in checks for problem in check.problems]
     return {
         "kind": VALIDATE_KIND,

@@ -100,6 +100,7 @@ def moe_settings_cells(schedule: MoeSchedule) -> list[str]:
 
 
 def moe_fingerprint_lines(table: MoeTable) -> list[str]:
+    """The header lines ``table show`` prints for a MoE table: its device, then dtype, world size, rows."""
     return [
         *device_lines(table.fingerprint),
         f"moe {table.dtype}, world size {table.world_size}, {len(table.rows)} row(s)",
@@ -140,6 +141,7 @@ def show_moe_rich(path: Path, table: MoeTable, limit: int | None = SHOW_ROWS) ->
 
 
 def moe_table_yaml(table: MoeTable) -> str:
+    """The MoE table as ``table show --format yaml`` prints it: its file's dict as YAML."""
     import yaml
 
     return yaml.safe_dump(table.to_dict(), sort_keys=False, default_flow_style=None, width=110)

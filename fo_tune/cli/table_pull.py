@@ -64,6 +64,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print what was written as
 
 @handle_errors
 def pull(storage: StorageArg = None, table_dir: PullTableDirOpt = None, json_out: JsonOpt = False) -> None:
+    """``fo-tune table pull`` (its help: ``PULL_HELP``)."""
     if not storage:
         raise typer.BadParameter("--storage URL: the storage the workers share is missing")
     from fo_tune.search.setup import default_table_dir

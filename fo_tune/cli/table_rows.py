@@ -93,6 +93,8 @@ def device_lines(fp: Fingerprint) -> list[str]:
 
 
 def fingerprint_lines(table: ScheduleTable) -> list[str]:
+    """The header lines ``table show`` prints for a table: its device, then collective, dtype, world size,
+    schema, rows."""
     return [
         *device_lines(table.fingerprint),
         f"{table.collective} {table.dtype}, world size {table.world_size}, schema "
@@ -101,6 +103,7 @@ def fingerprint_lines(table: ScheduleTable) -> list[str]:
 
 
 def print_plain(text: str) -> None:
+    """Print ``text`` on the console as it is (no markup, no highlighting)."""
     console.print(escape(text), highlight=False)
 
 

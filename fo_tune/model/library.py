@@ -38,6 +38,7 @@ from fo_kernels.plan import cdiv
 LIBRARY_TILES = ((128, 256, None), (128, 128, "library_small_tile_efficiency"))
 # The wave model's unit of K (library_wave_ms is per wave per this many K).
 K_UNIT = 1024
+# The tile area library_wave_ms is per (LIBRARY_TILES' 128x256): another tile's wave costs its share.
 REFERENCE_AREA = 128 * 256
 # The parameters the library model reads, and what they are.
 PARAMS = {
@@ -48,6 +49,14 @@ PARAMS = {
     "clock_sustained_factor": "a GEMM run back to back over the same GEMM with pauses",
     "clock_context": "the fraction of that slowdown the deciding measurements see",
 }
+
+
+def large_tile_waves(m: int, n: int, k: int, sm_count: int) -> float:
+    """Whole waves of the large library tile (``LIBRARY_TILES[0]``, 128x256) on ``sm_count`` SMs,
+    times K in ``K_UNIT``s: the x against which a fit to whole-GEMM cuBLAS times reads
+    ``library_wave_ms``."""
+    bm, bn, _ = LIBRARY_TILES[0]
+    return cdiv(cdiv(m, bm) * cdiv(n, bn), sm_count) * k / K_UNIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +87,7 @@ class LibraryGemm:
         section offers the baseline."""
         xs, ys = [], []
         for (m, n, k), t in cublas.items():
-            xs.append(cdiv(cdiv(m, 128) * cdiv(n, 256), sm_count) * k / K_UNIT)
+            xs.append(large_tile_waves(m, n, k, sm_count))
             ys.append(t)
         wave = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs) if xs else math.nan
         params = {

@@ -119,6 +119,8 @@ def parse_moe_space(data: Any, source: str, space_keys: Mapping[str, tuple[str, 
 
 
 def load_moe_space(path: str | Path, space_keys: Mapping[str, tuple[str, ...]]) -> MoeSpace:
+    """The MoE search space of the YAML file at ``path`` (``parse_moe_space``); ``SpaceNotFoundError`` when
+    there is none."""
     data = read_yaml(
         path, error=SpaceError, missing=SpaceNotFoundError, missing_hint="no such MoE space file"
     )

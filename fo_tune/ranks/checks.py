@@ -22,10 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fo_kernels.runtime import reduce_scatter_tensor
+from fo_kernels.collectives import all_gather_tensor, reduce_scatter_tensor
 from fo_kernels.scaling import wire
 from fo_kernels.schedule import Schedule
-from fo_tune.ranks.collectives import _all_gather
 from fo_tune.ranks.gemm import gemm_operands, operand_seed, rel_err
 from fo_tune.ranks.launch import RankContext
 from fo_tune.ranks.scaled import dequantized, library_mm, scale_kwargs
@@ -41,11 +40,11 @@ def _collective_fp32(collective: str, full: torch.Tensor, world: int) -> torch.T
     return out
 
 
-def _gathered(shard: torch.Tensor, world: int) -> torch.Tensor:
+def gathered_rows(shard: torch.Tensor, world: int) -> torch.Tensor:
     """Every rank's (rows, K) ``shard`` gathered on dim 0, rank r's at rows [r*rows, (r+1)*rows)
     (fp8 as its bytes, as the runtime gathers it)."""
     out = torch.empty((shard.shape[0] * world, shard.shape[1]), dtype=shard.dtype, device=shard.device)
-    _all_gather(wire(out), wire(shard.contiguous()))
+    all_gather_tensor(wire(out), wire(shard.contiguous()))
     return out
 
 
@@ -62,7 +61,7 @@ def reference(collective: str, a: torch.Tensor, b: torch.Tensor, world: int) -> 
     rank calls it at once."""
     a32, b32 = dequantized(a, b, scale_kwargs(a, b))
     if collective == "all_gather":
-        return _gathered(a32, world) @ b32
+        return gathered_rows(a32, world) @ b32
     return _collective_fp32(collective, a32 @ b32, world)
 
 
@@ -72,7 +71,9 @@ def reference(collective: str, a: torch.Tensor, b: torch.Tensor, world: int) -> 
 CHECK_INPUT_SETS = 2
 
 
-def _op(collective: str) -> Callable[..., torch.Tensor]:
+def op_of(collective: str) -> Callable[..., torch.Tensor]:
+    """The fo_kernels op of ``collective``: ``gemm_all_reduce``, ``gemm_reduce_scatter`` or
+    ``all_gather_gemm``."""
     from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 
     ops = {
@@ -83,11 +84,11 @@ def _op(collective: str) -> Callable[..., torch.Tensor]:
     return ops[collective]
 
 
-def _check_schedule(ctx: RankContext, s: Schedule, m: int, n: int, k: int, seed: int) -> float:
+def check_schedule(ctx: RankContext, s: Schedule, m: int, n: int, k: int, seed: int) -> float:
     """The worst relative error of ``s`` over ``CHECK_INPUT_SETS`` fresh inputs (inf on NaN),
     the max over ranks (every rank learns whether to time it). Each output is poisoned with NaN
     once checked: a later call handed the same block that writes nothing then reads NaN."""
-    op = _op(s.collective)
+    op = op_of(s.collective)
     worst = 0.0
     for i in range(CHECK_INPUT_SETS):
         a, b = call_operands(
@@ -103,7 +104,7 @@ def _check_schedule(ctx: RankContext, s: Schedule, m: int, n: int, k: int, seed:
     return float(flag.item())
 
 
-def _sequential_call(
+def sequential_call(
     collective: str, a: torch.Tensor, b: torch.Tensor, world: int
 ) -> Callable[[], torch.Tensor]:
     """cuBLAS GEMM (fp8: ``torch._scaled_mm``), then the collective on NCCL's default communicator
@@ -112,7 +113,7 @@ def _sequential_call(
     kw = scale_kwargs(a, b)
     if collective == "all_gather":
         gathered_kw = {**kw, "scale_a": kw["scale_a"].repeat(world, 1)} if kw else kw
-        return lambda: library_mm(_gathered(a, world), b, gathered_kw)
+        return lambda: library_mm(gathered_rows(a, world), b, gathered_kw)
 
     def run() -> torch.Tensor:
         out = library_mm(a, b, kw)

@@ -16,16 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fo_kernels.runtime import reduce_scatter_tensor, runtime_for
+from fo_kernels.collectives import all_gather_tensor, reduce_scatter_tensor
+from fo_kernels.runtime import runtime_for
 from fo_kernels.scaling import DEFAULT_OUT_DTYPE, is_fp8
 from fo_kernels.schedule import torch_dtype
 from fo_kernels.tile import Tile
 from fo_tune.ranks.gemm import GEMM_TOL, gemm_operands, gemm_runner, rel_err
 from fo_tune.ranks.launch import RankContext
 from fo_tune.ranks.timing import Timing, time_region
-
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has the old.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def collective_call(
@@ -49,7 +47,7 @@ def collective_call(
     if collective == "reduce_scatter":
         return lambda: reduce_scatter_tensor(part, full, group=group)
     if collective == "all_gather":
-        return lambda: _all_gather(full, part, group=group)
+        return lambda: all_gather_tensor(full, part, group=group)
     if collective == "all_to_all":
         send, recv = uneven_splits(count, world, dist.get_rank(group))
         out = torch.empty(sum(recv), device=device, dtype=dtype)

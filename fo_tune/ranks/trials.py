@@ -13,7 +13,14 @@ from typing import Any
 
 from fo_kernels.schedule import Problem, Schedule
 from fo_tune.ranks import CONFIRM_ROUNDS
-from fo_tune.ranks.checks import _check_schedule, _gathered, _op, _sequential_call, call_operands, reference
+from fo_tune.ranks.checks import (
+    call_operands,
+    check_schedule,
+    gathered_rows,
+    op_of,
+    reference,
+    sequential_call,
+)
 from fo_tune.ranks.collectives import collective_call
 from fo_tune.ranks.gemm import GEMM_TOL, operand_seed, rel_err
 from fo_tune.ranks.launch import RankContext
@@ -39,7 +46,7 @@ class ConfirmTask:
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
         s0 = self.schedules[0]
-        errs = [_check_schedule(ctx, s, self.m, self.n, self.k, self.seed) for s in self.schedules]
+        errs = [check_schedule(ctx, s, self.m, self.n, self.k, self.seed) for s in self.schedules]
         ok = [e < GEMM_TOL[s0.dtype] for e in errs]
         fallback = Schedule(
             collective=s0.collective,
@@ -47,7 +54,7 @@ class ConfirmTask:
             world_size=ctx.world_size,
             problem=Problem(m=self.m, n=self.n, k=self.k),
         )
-        fallback_ok = _check_schedule(ctx, fallback, self.m, self.n, self.k, self.seed) < GEMM_TOL[s0.dtype]
+        fallback_ok = check_schedule(ctx, fallback, self.m, self.n, self.k, self.seed) < GEMM_TOL[s0.dtype]
         a, b = call_operands(
             s0.collective,
             self.m,
@@ -59,14 +66,14 @@ class ConfirmTask:
             ctx.world_size,
         )
         fns: dict[str, Callable[[], Any]] = {
-            "sequential": _sequential_call(s0.collective, a, b, ctx.world_size)
+            "sequential": sequential_call(s0.collective, a, b, ctx.world_size)
         }
         kw = scale_kwargs(a, b)  # (fp8: made once, outside the timed calls)
         if fallback_ok:
-            fns["fallback"] = lambda: _op(fallback.collective)(a, b, schedule=fallback, **kw)
+            fns["fallback"] = lambda: op_of(fallback.collective)(a, b, schedule=fallback, **kw)
         for i, s in enumerate(self.schedules):
             if ok[i]:
-                fns[str(i)] = lambda s=s: _op(s.collective)(a, b, schedule=s, **kw)
+                fns[str(i)] = lambda s=s: op_of(s.collective)(a, b, schedule=s, **kw)
         # the bench's sample length, so a row is decided as the bench will time it
         sample_ms = comparison_sample_ms(ctx.device.type == "cuda")
         timings = time_interleaved(
@@ -96,7 +103,7 @@ class OverlapTrialTask:
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
         s = self.schedule
-        worst = _check_schedule(ctx, s, self.m, self.n, self.k, self.seed)
+        worst = check_schedule(ctx, s, self.m, self.n, self.k, self.seed)
         ok = worst < GEMM_TOL[s.dtype]  # the same on every rank: none is left waiting in a collective
         timing = None
         if ok:
@@ -110,7 +117,7 @@ class OverlapTrialTask:
                 operand_seed(self.seed, ctx.rank),
                 ctx.world_size,
             )
-            op, kw = _op(s.collective), scale_kwargs(a, b)
+            op, kw = op_of(s.collective), scale_kwargs(a, b)
             timing = time_region(
                 lambda: op(a, b, schedule=s, **kw), ctx.device, warmup=self.warmup, reps=self.reps, agree=True
             )
@@ -146,7 +153,7 @@ class SequentialTask:
         )
         kw = scale_kwargs(a, b)
         if self.collective == "all_gather":
-            gemm_a = _gathered(a, world)
+            gemm_a = gathered_rows(a, world)
             kw = {**kw, "scale_a": kw["scale_a"].repeat(world, 1)} if kw else kw
         else:
             gemm_a = a
@@ -156,7 +163,7 @@ class SequentialTask:
             self.collective, moved.numel() * moved.element_size(), moved.dtype, ctx.device, world, None
         )
 
-        sequential = _sequential_call(self.collective, a, b, world)
+        sequential = sequential_call(self.collective, a, b, world)
         got = sequential()
         err = rel_err(got, reference(self.collective, a, b, world))
         timing = dict(warmup=self.warmup, reps=self.reps)

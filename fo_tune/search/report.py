@@ -1,5 +1,5 @@
 """The report of one ``fo-tune search``: every trial, the summary and the plots, in one folder per
-run (``default_report_dir``): ``<root>/<collective>-w<W>-<dtype>-<mode>[-mrange]/<run id>``, the
+run: ``<root>/<collective>-w<W>-<dtype>-<mode>[-mrange]/<run id>`` (``report_name``, ``new_run``), the
 root ``<fo-tune data folder>/search/<device key>`` (or ``--out DIR/report``), the run id the UTC
 time, host and process (``run_id``), so no run's report replaces another's, concurrent runs'
 included.
@@ -100,21 +100,6 @@ def new_run(root: Path, names: Sequence[str]) -> str:
             return run
         run = f"{run_id()}-{suffix}"
     raise AssertionError("unreachable")  # itertools.count never ends
-
-
-def default_report_dir(
-    device_key: str,
-    collective: str,
-    world_size: int,
-    dtype: str,
-    mode: str,
-    *,
-    m_range: bool = False,
-    run: str | None = None,
-) -> Path:
-    """``<report_root()>/<device-key>/<report_name>/<run>`` (``run`` defaults to ``run_id()``)."""
-    name = report_name(collective, world_size, dtype, mode, m_range=m_range)
-    return report_root() / device_key / name / (run or run_id())
 
 
 def _cell(value: Any) -> Any:

@@ -72,6 +72,8 @@ def check_cpu_sized(
 
 
 def read_shapes_file(path: Path) -> list[tuple[int, int, int]]:
+    """The [M, N, K] shapes of the YAML file at ``path`` (its ``shapes:`` list); ``SearchError`` naming the
+    file otherwise."""
     from fo_kernels.files import read_yaml
     from fo_tune.search import SearchError
 

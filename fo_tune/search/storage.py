@@ -44,6 +44,7 @@ CONNECT_TIMEOUT_S = 10
 # Attempts at opening a new RDB storage: workers starting together on an empty database race to
 # create Optuna's tables, and the losers' CREATE fails once (they then find the tables made).
 OPEN_ATTEMPTS = 3
+# Seconds between those attempts.
 OPEN_RETRY_S = 0.5
 # Bytes read from the end of a journal file to check its last record (a record is one line of
 # a few hundred bytes; a longer last line is left to Optuna's reader).
@@ -377,6 +378,7 @@ def check_storage(url: str, *, create_folder: bool = False, must_exist: bool = F
 
 
 def is_rdb(storage: Any) -> bool:
+    """Whether ``storage`` is an Optuna RDB (SQL) storage."""
     from optuna.storages import RDBStorage
 
     return isinstance(storage, RDBStorage)

@@ -144,6 +144,7 @@ def quiet_interrupt() -> Iterator[None]:
 
 
 def finished_states() -> tuple[Any, ...]:
+    """The Optuna trial states that count as finished: complete and pruned."""
     import optuna
 
     return (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)

@@ -1,6 +1,6 @@
 """Table rows kept in an Optuna study storage, so a fleet's workers share them: each search records
-the rows it decides in the study they came from (``record_rows``), and ``stored_rows`` reads back
-every study's, for ``fo-tune table pull`` (``fo_tune.tables.pull``).
+the rows it decides in the study they came from (``record_rows``), and ``best_records`` keeps
+every study's best, for ``fo-tune table pull`` (``fo_tune.tables.pull``).
 
 A record is a study user attribute: the table header the rows belong to (fingerprint, collective,
 world size, dtype), the rows as a table file holds them, how many finished trials (or priced
@@ -12,7 +12,7 @@ Several workers record in one study: a resumed or re-run search, or workers shar
 Optuna storages have no compare-and-set, so a worker that decided from fewer trials but records
 later must not replace a better decision: each record is an attribute of its own,
 ``ROWS_ATTR:<random id>`` (setting one is one row's upsert in an RDB storage and one appended line
-in a journal, so workers on many hosts record at once without a lock), and ``stored_rows`` takes,
+in a journal, so workers on many hosts record at once without a lock), and ``best_records`` takes,
 per study, the record decided from the most trials, the latest recorded among equals. A record
 under ``ROWS_ATTR`` itself (one key per study, no ``trials``) is read too, as decided from none.
 """
@@ -164,8 +164,3 @@ def best_records(studies: Iterable[Any]) -> list[StoredRows]:
         if found:
             best.append(max(found, key=lambda r: (r.trials, r.recorded, r.key)))
     return sorted(best, key=lambda r: (r.recorded, r.study))
-
-
-def stored_rows(storage: Any) -> list[StoredRows]:
-    """Every study's record in ``storage`` that ``best_records`` keeps, oldest recorded first."""
-    return best_records(storage.get_all_studies())

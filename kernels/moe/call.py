@@ -59,7 +59,7 @@ def execute_ffn(
     group: dist.ProcessGroup | None,
     *,
     dy: torch.Tensor | None = None,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward ``y`` (``dy`` None), or the backward's ``(dx, d topk_weights, dw13, dw2)`` for
     the output gradient ``dy``; see ``fo_kernels.moe.ffn.expert_parallel_ffn``."""
     require_initialized()

@@ -57,7 +57,7 @@ from fo_kernels.moe.protocol import (
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.moe.stages import Stage
 from fo_kernels.runtime import runtime_for
-from fo_kernels.wait import _driver_module
+from fo_kernels.wait import driver_module
 
 STATE = "moe.copy_engine"  # the runtime's engine_state key
 # The widest float32 part a row carries (the backward's routing weight, and its gradient back).
@@ -69,7 +69,7 @@ def blocker(device: torch.device, world: int) -> str:
     return copy_engine_blocker(device, world)
 
 
-def run(stage: Stage, schedule: MoeSchedule, group: dist.ProcessGroup | None):
+def run(stage: Stage, schedule: MoeSchedule, group: dist.ProcessGroup | None) -> torch.Tensor | None:
     """One call of ``stage`` through the copy engine (see the module docstring)."""
     runtime = runtime_for(stage.w13.device, group)
     peers = runtime.engine_state.get(STATE)
@@ -87,7 +87,7 @@ class MoePeers:
         why = copy_engine_blocker(device, self.world)
         if why:
             raise EnvironmentMismatchError(f"engine copy_engine {why}")
-        self.driver = _driver_module()
+        self.driver = driver_module()
         self.layout = MoeFlags(self.world)
         self.flags = symmetric(self.layout.slots, torch.int32, device, group, self.rank, self.world)
         mine = self.flags[self.rank]
@@ -125,7 +125,7 @@ class MoePeers:
             )
         self.capacity = need
 
-    def run(self, stage: Stage, schedule: MoeSchedule):
+    def run(self, stage: Stage, schedule: MoeSchedule) -> torch.Tensor | None:
         """``stage`` over the group (the caller checked the call against ``schedule``)."""
         shape = stage.shape
         self._reserve(schedule.problem.tokens_max * shape.top_k, shape.hidden, stage.dtype)

@@ -63,7 +63,7 @@ class MoeRank:
             for cell in guard_cells(rank.rank, world.size):
                 world.cells[cell] = 1
 
-    def call(self, plan: MoePlan, stage: Stage):
+    def call(self, plan: MoePlan, stage: Stage) -> torch.Tensor | None:
         """Run ``plan`` for ``stage`` and return ``stage.finish``'s result."""
         r = self.rank.rank
         if plan.call.rank != r or plan.call.world != self.rank.world.size:

@@ -176,6 +176,7 @@ def unpack(rows: torch.Tensor, parts: Sequence[tuple[torch.dtype, int]]) -> list
 
 
 def row_bytes(parts: Sequence[tuple[torch.dtype, int]]) -> int:
+    """Bytes of one row of ``parts`` (dtype, width) side by side, as ``pack`` lays them out."""
     return sum(width * dtype.itemsize for dtype, width in parts)
 
 

@@ -14,13 +14,14 @@ a schedule, or with ``engine: null``, runs, and the baseline the engines are tim
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from fo_kernels.moe.exchange import all_to_all_rows
 from fo_kernels.moe.stages import Stage
 
 
-def run(stage: Stage, group: dist.ProcessGroup | None):
+def run(stage: Stage, group: dist.ProcessGroup | None) -> torch.Tensor | None:
     """One call of ``stage`` without overlap (see the module docstring)."""
     layout = stage.layout
     pieces = [stage.whole(s) for s in range(layout.world)]

@@ -56,7 +56,9 @@ def _ranges(counts: Sequence[int]):
         at += c
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: Sequence[int], *, library: bool | None = None):
+def grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, counts: Sequence[int], *, library: bool | None = None
+) -> torch.Tensor:
     """``a[rows of e] @ b[e]`` for every expert e: (R, K) x (E, K, N) -> (R, N)."""
     out = a.new_empty((a.shape[0], b.shape[2]))
     if not a.shape[0]:
@@ -68,12 +70,16 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: Sequence[int], *, libra
     return out
 
 
-def grouped_mm_t(a: torch.Tensor, b: torch.Tensor, counts: Sequence[int], *, library: bool | None = None):
+def grouped_mm_t(
+    a: torch.Tensor, b: torch.Tensor, counts: Sequence[int], *, library: bool | None = None
+) -> torch.Tensor:
     """``a[rows of e] @ b[e].T`` for every expert e: (R, N) x (E, K, N) -> (R, K)."""
     return grouped_mm(a, b.transpose(1, 2), counts, library=library)
 
 
-def weight_grad(a: torch.Tensor, g: torch.Tensor, counts: Sequence[int], *, library: bool | None = None):
+def weight_grad(
+    a: torch.Tensor, g: torch.Tensor, counts: Sequence[int], *, library: bool | None = None
+) -> torch.Tensor:
     """``a[rows of e].T @ g[rows of e]`` for every expert e, in ``acc_dtype``: (E, K, N); zero for
     an expert without rows."""
     experts, acc = len(counts), acc_dtype(a.dtype)

@@ -45,6 +45,8 @@ def schedule_text(schedule: MoeSchedule | None) -> str:
 
 @functools.lru_cache(maxsize=SCHEDULE_CACHE_SIZE)
 def parse_schedule(text: str) -> MoeSchedule | None:
+    """The ``MoeSchedule`` of an op's schedule argument, its JSON text (None for ""); ``ScheduleError`` for
+    text that is not a schedule."""
     if not text:
         return None
     check_schedule_text(text)
@@ -103,7 +105,14 @@ def _(dy, x, topk_ids, topk_weights, w13, w2, group_name, schedule):
 
 
 def call_backward(
-    dy: torch.Tensor, x, topk_ids, topk_weights, w13, w2, group_name: str, schedule: str
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    group_name: str,
+    schedule: str,
 ) -> Grads:
     """The backward op, directly where ``direct_call`` allows, else through the dispatcher."""
     if direct_call(dy, x, topk_ids, topk_weights, w13, w2):

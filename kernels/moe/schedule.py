@@ -74,6 +74,7 @@ class MoeProblem:
         return self.same_experts(shape) and self.tokens_min <= shape.tokens <= self.tokens_max
 
     def describe(self) -> str:
+        """The shape and token range in a few words, for logs and reports."""
         return (
             f"H {self.hidden}, I {self.intermediate}, E_local {self.experts}, k {self.top_k}, "
             f"tokens [{self.tokens_min}, {self.tokens_max}]"

@@ -78,7 +78,7 @@ class Stage(ABC):
     def _second(self, kept: tuple, counts: list[int]) -> torch.Tensor: ...
 
     @abstractmethod
-    def finish(self, back: torch.Tensor):
+    def finish(self, back: torch.Tensor) -> torch.Tensor | None:
         """The call's result from the rows sent back (bytes, sorted order)."""
 
     # ------------------------------------------------------------------ pieces
@@ -140,11 +140,11 @@ class ForwardStage(Stage):
         self.x, self.weights = x, weights
 
     @property
-    def out_parts(self):
+    def out_parts(self) -> tuple[tuple[torch.dtype, int], ...]:
         return ((self.dtype, self.shape.hidden),)
 
     @property
-    def back_parts(self):
+    def back_parts(self) -> tuple[tuple[torch.dtype, int], ...]:
         return ((self.dtype, self.shape.hidden),)
 
     def outgoing(self) -> torch.Tensor:
@@ -177,12 +177,12 @@ class BackwardStage(Stage):
         self.dw2 = torch.zeros((e, i, h), dtype=self.acc, device=x.device)
 
     @property
-    def out_parts(self):
+    def out_parts(self) -> tuple[tuple[torch.dtype, int], ...]:
         h = self.shape.hidden
         return ((self.dtype, h), (self.dtype, h), (self.acc, 1))
 
     @property
-    def back_parts(self):
+    def back_parts(self) -> tuple[tuple[torch.dtype, int], ...]:
         return ((self.dtype, self.shape.hidden), (self.acc, 1))
 
     def outgoing(self) -> torch.Tensor:

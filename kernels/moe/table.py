@@ -81,6 +81,8 @@ ExpertsKey = tuple[int, int, int, int]  # (hidden, intermediate, experts, top_k)
 
 
 def experts_key(problem: MoeProblem) -> ExpertsKey:
+    """The experts' shape of ``problem`` (hidden, intermediate, experts, top_k): the table's key for its
+    token buckets."""
     return (problem.hidden, problem.intermediate, problem.experts, problem.top_k)
 
 

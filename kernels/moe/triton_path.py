@@ -111,20 +111,20 @@ class _Ring:
         off = self.layout.send_offsets
         return rows[off[self.rank] : off[self.rank + 1]]
 
-    def finish(self, ret: torch.Tensor):
+    def finish(self, ret: torch.Tensor) -> torch.Tensor | None:
         if self.comm is not None:
             self.main.wait_stream(self.comm)
         return self.stage.finish(ret)
 
 
-def run(stage: Stage, schedule: MoeSchedule, group: dist.ProcessGroup | None):
+def run(stage: Stage, schedule: MoeSchedule, group: dist.ProcessGroup | None) -> torch.Tensor | None:
     """One call of ``stage`` on the Triton engine (see the module docstring)."""
     if isinstance(stage, ForwardStage):
         return _forward(stage, schedule, group)
     return pipelined(stage, schedule, group)
 
 
-def pipelined(stage: Stage, schedule: MoeSchedule, group: dist.ProcessGroup | None):
+def pipelined(stage: Stage, schedule: MoeSchedule, group: dist.ProcessGroup | None) -> torch.Tensor | None:
     """Any stage, its torch GEMMs per slot, each slot sent back as its phase 2 ends."""
     ring = _Ring(stage, schedule, group)
     rows = stage.outgoing()

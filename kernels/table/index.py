@@ -17,6 +17,7 @@ EXACT, RANGE = 0, 1
 
 
 def problem_key(problem: Problem) -> ProblemKey:
+    """The sort key (``ProblemKey``) of a row's ``problem``: an exact row's M, or its M range."""
     if problem.m is not None:
         return (problem.n, problem.k, problem.m, EXACT, problem.m)
     assert problem.m_min is not None and problem.m_max is not None

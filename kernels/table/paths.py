@@ -19,16 +19,20 @@ TABLE_DIR_ENV = "FO_TUNE_TABLE_DIR"
 
 
 def check_name(name: str, value: Any, valid: tuple[str, ...]) -> str:
+    """``value`` when it is one of the names ``valid``, else ``ScheduleError`` naming ``name`` and listing
+    them."""
     if not isinstance(value, str) or value not in valid:
         raise ScheduleError(f"{name}: {value!r} is not one of {', '.join(valid)}")
     return value
 
 
 def table_dtype(dtype: torch.dtype | str) -> str:
+    """The dtype's name as table files spell it (``dtype_name``)."""
     return dtype_name(dtype)
 
 
 def check_positive(name: str, value: Any) -> int:
+    """``value`` when it is an int (not a bool) >= 1, else ``ShapeError`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ShapeError(f"{name}: expected an integer >= 1, got {value!r}")
     return value
@@ -50,6 +54,8 @@ def table_path(
 
 
 def user_table_dir() -> Path:
+    """The user's table folder: ``$XDG_DATA_HOME/fo-tune/tables``, by default
+    ``~/.local/share/fo-tune/tables``."""
     data_home = os.environ.get("XDG_DATA_HOME")
     base = Path(data_home).expanduser() if data_home else Path.home() / ".local" / "share"
     return base / "fo-tune" / "tables"

@@ -15,7 +15,7 @@ One GPU (``--world-size 1`` measures these alone):
 Two GPUs (every rank runs the same task; CUDA only, each says why not elsewhere):
 
 - ``PeerCopyTask``: copy-engine copies of the peer's memory (torch symmetric memory) and of local
-  memory at ``COPY_SIZES`` -> ``peer_copy_latency_ms`` / ``peer_copy_gbs``, ``local_copy_*``
+  memory at ``COPY_SIZES_MIB`` -> ``peer_copy_latency_ms`` / ``peer_copy_gbs``, ``local_copy_*``
   (least squares of latency + bytes / bandwidth);
 - ``FlagTask``: a flag ping-pong between the GPUs (``cuStreamWriteValue32`` into the peer's
   memory, ``cuStreamWaitValue32`` for the answer) -> ``flag_ms`` (half a round trip);
@@ -66,6 +66,7 @@ LARGE_GEMM_MS = 0.5
 # Copy sizes of PeerCopyTask, MiB (the probe of docs/design.md#copy-engine: 2 MiB to 128 MiB
 # spans the latency floor to the bandwidth plateau of a copy-engine copy).
 COPY_SIZES_MIB = (2, 8, 32, 128)
+# Timed copies per size (a median over them).
 COPY_REPS = 20
 # Flag round trips per timed sample of FlagTask (the probe of docs/design.md#copy-engine used 200).
 ROUND_TRIPS = 200
@@ -326,10 +327,10 @@ class FlagTask:
     """The flag ping-pong (module docstring): {"why", "flag_ms"}."""
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
-        from fo_kernels.wait import _driver_module
+        from fo_kernels.wait import driver_module
 
         why = peer_blocker(ctx)
-        driver = _driver_module() if not why else None
+        driver = driver_module() if not why else None
         if not why and driver is None:
             why = "needs cuda-bindings (pip install 'fo-tune[cuda]')"
         bad = torch.tensor([1 if why else 0], device=ctx.device)
@@ -367,9 +368,9 @@ class HostTask:
     dtype: str
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
+        from fo_kernels.collectives import reduce_scatter_tensor
         from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
         from fo_kernels.overlap import gemm_all_reduce, gemm_reduce_scatter
-        from fo_kernels.runtime import reduce_scatter_tensor
         from fo_kernels.schedule import Problem, Schedule
 
         op = gemm_all_reduce if self.collective == "all_reduce" else gemm_reduce_scatter

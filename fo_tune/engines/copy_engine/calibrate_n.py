@@ -167,11 +167,11 @@ class HostNTask:
     graphs: bool = False
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
-        from fo_kernels.wait import _driver_module
+        from fo_kernels.wait import driver_module
 
         if ctx.device.type != "cuda":
             return {"why": f"needs a CUDA GPU; this rank runs on {ctx.device.type}", "points": []}
-        if _driver_module() is None:
+        if driver_module() is None:
             return {"why": "needs cuda-bindings (pip install 'fo-tune[cuda]')", "points": []}
         measure = graph_host if self.graphs else eager_host
         points = [measure(w, c, ctx.device, self.dtype) for w in self.worlds for c in self.collectives]

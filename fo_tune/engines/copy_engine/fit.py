@@ -20,12 +20,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fo_kernels.plan import cdiv
 from fo_tune.calibrate.calibration import Calibration, EngineCalibration, Quantity
 from fo_tune.engines import cost_models_by_dtype
 from fo_tune.model.check import Checked, CheckError, Measured, mape
 from fo_tune.model.core import CostModel
-from fo_tune.model.library import K_UNIT
+from fo_tune.model.library import large_tile_waves
 
 # Parameters fit_free may move, and the range it searches each in.
 FREE_BOUNDS = {
@@ -59,7 +58,7 @@ def fit_lines(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 def fit_library(cublas: Mapping[tuple[int, int, int], float], sm_count: int) -> tuple[float, float]:
     """(library_latency_ms, library_wave_ms) through measured whole-GEMM cuBLAS times (128x256
     tiles, whole waves; least squares)."""
-    pts = [(cdiv(cdiv(m, 128) * cdiv(n, 256), sm_count) * k / K_UNIT, t) for (m, n, k), t in cublas.items()]
+    pts = [(large_tile_waves(m, n, k, sm_count), t) for (m, n, k), t in cublas.items()]
     n = len(pts)
     mx = sum(x for x, _ in pts) / n
     my = sum(y for _, y in pts) / n

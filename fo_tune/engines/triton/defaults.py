@@ -29,6 +29,8 @@ from fo_kernels.plan import cdiv
 from fo_kernels.schedule import SHARDED_COLLECTIVES, Problem, Schedule
 from fo_kernels.tile import FP8_TILE, Tile
 
+# Rule 1's tiles: on a GPU (0.96-1.09x cuBLAS on three H200 suite shapes, docs/design.md#default-schedule)
+# and its smaller tile for outputs with fewer tiles than SMs; on the CPU, the interpreter's short runs.
 GPU_TILE = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 GPU_SMALL_TILE = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
 FP8 = "float8_e4m3fn"
@@ -40,6 +42,8 @@ NCCL_SM_MARGIN = 4
 # H200 x2 (docs/design.md#triton-engine): with a 16 MiB output the overlapped op lost 2x to sequential
 # (host-bound, and each chunk on NCCL's ~70 us floor); with 64 MiB it gained 1.06x.
 MIN_OVERLAP_BYTES = 64 * 2**20
+# Rule 4's most groups (docs/design.md#default-schedule): the last group's collective never
+# overlaps, so a few groups keep it small; a search space sets its own ``grouping.max_groups``.
 DEFAULT_MAX_GROUPS = 4
 
 

@@ -33,6 +33,7 @@ STRATEGIES = Registry(
 
 
 def strategy_names() -> tuple[str, ...]:
+    """The search strategies' registered names."""
     return STRATEGIES.names()
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -111,7 +112,7 @@ class GpuExecutor:
         # step runs: its stream waited for the copy that brought it).
         self._ready = torch.ones(1, dtype=torch.int32, device=counters.device)
 
-    def handle(self, stream: torch.cuda.Stream):
+    def handle(self, stream: torch.cuda.Stream) -> object:
         """The driver's handle object of a CUDA stream (made once per stream)."""
         wrapped = self._handles.get(stream.cuda_stream)
         if wrapped is None:
@@ -218,7 +219,7 @@ class GpuExecutor:
             tensors["scale_a"] = scales.a.view(-1, 1)
         return _Call(a, b, operand, scales, tensors, streams, handles, main_current)
 
-    def issue(self, steps: tuple[tuple, ...], *args, **kwargs) -> None:
+    def issue(self, steps: tuple[tuple, ...], *args: Any, **kwargs: Any) -> None:
         """Issue ``steps`` (``Compiled.eager`` or ``.captured``) for one call (``bind``'s
         arguments)."""
         call = self.bind(*args, **kwargs)

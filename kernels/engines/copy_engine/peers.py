@@ -56,7 +56,7 @@ from fo_kernels.gemm import BOperand
 from fo_kernels.graphs import OutputPool, OwnGraphs
 from fo_kernels.scaling import Scales, out_dtype_of
 from fo_kernels.tile import Tile
-from fo_kernels.wait import _driver_module
+from fo_kernels.wait import driver_module
 
 # Plans kept (LRU), one per (collective, mode, M, N, K, dtype, weights, tile): serving sees many M.
 PLAN_CACHE_SIZE = 256
@@ -70,7 +70,7 @@ def copy_engine_blocker(device: torch.device, world_size: int) -> str:
         return f"needs CUDA GPUs with peer access; this call runs on {device.type}"
     if world_size < 2:
         return f"runs between at least 2 ranks, this group has {world_size}"
-    if _driver_module() is None:
+    if driver_module() is None:
         return "needs cuda-bindings (pip install 'fo-tune[cuda]')"
     if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
         return "needs torch.distributed._symmetric_memory, which this torch lacks"
@@ -122,7 +122,7 @@ class CopyEnginePeers:
         if why:
             raise EnvironmentMismatchError(f"engine copy_engine {why}; {_ADVICE}")
         self._init_state(device, group, dist.get_rank(group), world)
-        drv = self._driver = _driver_module()
+        drv = self._driver = driver_module()
         self._ok = drv.CUresult.CUDA_SUCCESS
         flags = self._symmetric(self.layout.slots, torch.int32)
         mine = flags[self.rank]

@@ -86,12 +86,12 @@ class VirtualDevice:
 def cuda_device(device: torch.device | int | str = "cuda") -> VirtualDevice:
     """``device``'s ``VirtualDevice``; ``ArgumentError`` for what is not a device,
     ``EnvironmentMismatchError`` without a CUDA GPU or cuda-bindings (``resolve_device``)."""
-    from fo_kernels.wait import _driver_module
+    from fo_kernels.wait import driver_module
 
     device = resolve_device(device)
     if device.type != "cuda":
         raise EnvironmentMismatchError(f"virtual ranks run on a CUDA GPU; got {device}")
-    driver = _driver_module()
+    driver = driver_module()
     if driver is None:
         raise EnvironmentMismatchError("virtual ranks need cuda-bindings (pip install 'fo-tune[cuda]')")
     return VirtualDevice(

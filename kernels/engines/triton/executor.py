@@ -33,6 +33,9 @@ def overlapped(
     runtime: OverlapRuntime,
     scales: Scales | None = None,
 ) -> torch.Tensor:
+    """GEMM + AllReduce or ReduceScatter (``schedule.collective``): the signalled GEMM writes each group's
+    chunk, and the comm stream runs the collective on a chunk as soon as its counter is complete; returns
+    the (M, N) sum, or this rank's rows of it."""
     st = schedule.settings
     assert isinstance(st, TritonSettings)
     collective = schedule.collective
