@@ -52,7 +52,7 @@ COLUMNS = (*SHAPE_COLUMNS, "backward", "variant", "median_ms", "iqr_ms", "x_sequ
 
 def _schedules(model: dict, world: int, tokens_max: int, dtype: str, device: torch.device) -> dict:
     from fo_kernels import MoeProblem, MoeSchedule
-    from fo_kernels.moe.copy_path import blocker
+    from fo_kernels.engines.copy_engine.moe_gpu import blocker
     from fo_kernels.tile import Tile
 
     problem = MoeProblem(

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from fo_kernels.engines.copy_engine.cpu import CpuOptions, ProtocolError, ProtocolTimeout
 from fo_kernels.engines.copy_engine.layout import Rows
+from fo_kernels.engines.copy_engine.moe_cpu import Slots, run_moe_ranks
+from fo_kernels.engines.copy_engine.moe_protocol import MoeCall, build, expert_ranges, slot_span
 from fo_kernels.engines.copy_engine.ops import Signal
-from fo_kernels.moe.cpu import Slots, run_moe_ranks
 from fo_kernels.moe.exchange import row_bytes
 from fo_kernels.moe.grouped import grouped_mm, grouped_mm_t, weight_grad
 from fo_kernels.moe.kernels import grouped_gemm, swiglu_gemm
-from fo_kernels.moe.protocol import MoeCall, build, expert_ranges, slot_span
 from fo_kernels.tile import Tile
 from moe_cases import TOL, MoeCase, reference, rel_err, thread_stage
 

@@ -29,10 +29,10 @@ from fo_kernels import (
     load_moe_table,
     save_moe_table,
 )
+from fo_kernels.engines.triton.moe import READY as TRITON_READY
 from fo_kernels.errors import TableError
 from fo_kernels.fingerprint import current_fingerprint
 from fo_kernels.moe.table import MoeTableCache, moe_table_path
-from fo_kernels.moe.triton_path import READY as TRITON_READY
 from fo_kernels.runtime import runtime_for
 from fo_kernels.tile import Tile
 from fo_tune.calibrate.calibration import BandwidthPoint, load_calibration

@@ -44,7 +44,7 @@ TABLE_FAILED = -1
 # ``run(stage, schedule, group)``, in the module registered under the engine's name.
 MOE_PATHS = Registry(
     "engine:",
-    {"triton": "fo_kernels.moe.triton_path", "copy_engine": "fo_kernels.moe.copy_path"},
+    {"triton": "fo_kernels.engines.triton.moe", "copy_engine": "fo_kernels.engines.copy_engine.moe_gpu"},
     error=ScheduleError,
 )
 

@@ -1,4 +1,5 @@
-"""The copy engine's MoE term: the protocol of ``fo_kernels.moe.protocol`` priced on a calibration.
+"""The copy engine's MoE term: the protocol of ``fo_kernels.engines.copy_engine.moe_protocol``
+priced on a calibration.
 
 Rank r of w, s = R / w rows a source cut into C pieces (``chunks``: ranges of ceil(E_local / C)
 experts, s / C rows each); ``push`` a copy-engine copy of one piece into a peer

@@ -1,4 +1,4 @@
-"""The Triton engine's MoE term: the ring of ``fo_kernels.moe.triton_path`` priced on a calibration.
+"""The Triton engine's MoE term: the ring of ``fo_kernels.engines.triton.moe`` priced on a calibration.
 
 Rank r of w, s = R / w rows a source, ``step`` one ring step of s rows to one peer
 (``AllToAllCurve.step_ms``), ``g1`` the SwiGLU grouped GEMM of one source's rows (E_local

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # (annotations only: the executor makes the runners)
 
 class CpuRun:
     """Runs one operation of a call on a FIFO worker (``CpuRank.call``); another protocol's runner
-    (``fo_kernels.moe.cpu``) extends it."""
+    (``fo_kernels.engines.copy_engine.moe_cpu``) extends it."""
 
     def __init__(
         self, world: World, rank: int, plan: CallPlan, tensors: dict, b: torch.Tensor, where: str

@@ -20,7 +20,7 @@ change with the routing.
 
 Needs two or more GPUs with peer access (NVLink), cuda-bindings and torch's symmetric memory
 (``fo_kernels.engines.copy_engine.peers.copy_engine_blocker``). Not run on GPUs yet: its list is
-what the CPU executor runs in CI (``fo_kernels.moe.cpu``) on 2 .. 8 thread-ranks.
+what the CPU executor runs in CI (``fo_kernels.engines.copy_engine.moe_cpu``) on 2 .. 8 thread-ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +29,17 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.engines.copy_engine.layout import Cell, Rows
+from fo_kernels.engines.copy_engine.moe_protocol import (
+    CALLER,
+    OUTGOING,
+    MoeCall,
+    MoeFlags,
+    MoePlan,
+    Phase,
+    build,
+    guard_cells,
+    slot_span,
+)
 from fo_kernels.engines.copy_engine.ops import (
     LOCAL,
     SIDE,
@@ -43,17 +54,6 @@ from fo_kernels.engines.copy_engine.ops import (
 from fo_kernels.engines.copy_engine.peers import copy_engine_blocker, symmetric
 from fo_kernels.errors import EnvironmentMismatchError
 from fo_kernels.moe.exchange import row_bytes
-from fo_kernels.moe.protocol import (
-    CALLER,
-    OUTGOING,
-    MoeCall,
-    MoeFlags,
-    MoePlan,
-    Phase,
-    build,
-    guard_cells,
-    slot_span,
-)
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.moe.stages import Stage
 from fo_kernels.runtime import runtime_for

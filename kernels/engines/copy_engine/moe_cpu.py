@@ -18,8 +18,15 @@ import torch
 
 from fo_kernels.engines.copy_engine.cpu import CpuOptions, CpuRank, ProtocolError, run_ranks
 from fo_kernels.engines.copy_engine.cpu_run import CpuRun
+from fo_kernels.engines.copy_engine.moe_protocol import (
+    CALLER,
+    OUTGOING,
+    MoePlan,
+    Phase,
+    guard_cells,
+    slot_span,
+)
 from fo_kernels.moe.exchange import row_bytes
-from fo_kernels.moe.protocol import CALLER, OUTGOING, MoePlan, Phase, guard_cells, slot_span
 from fo_kernels.moe.stages import Stage
 
 T = TypeVar("T")
