@@ -212,13 +212,14 @@ CASES: dict[str, StyleCase] = {
         ops=AR,
         warnings=1,
     ),
+    # (a hidden size of 6: the second colwise layer's output features divide by 2 and 3 ranks)
     "gather_out": StyleCase(
-        model=lambda w: MLP(8, 2 * w, bias=False),
+        model=lambda w: MLP(6, 2 * w, bias=False),
         plan=lambda s: {
             "up": s[0](input_layouts=Shard(0), output_layouts=Replicate()),
             "down": s[0](),
         },
-        x_shape=lambda w: (1, 3, 8),
+        x_shape=lambda w: (1, 3, 6),
         x_shard=True,
         y_shard=True,
         ops=AG_RS | AR,
@@ -322,14 +323,26 @@ CASES: dict[str, StyleCase] = {
         y_shard=True,
         warnings=1,
     ),
-    # features that do not divide by the world size, the output a DTensor
+    # features that do not divide by the world size, the output a DTensor: the replicated input's
+    # gradient is all-reduced as torch's style does (each rank's GEMM of dy would have another K)
     "uneven_features": StyleCase(
         model=lambda w: nn.Sequential(nn.Linear(6, 2 * w + 1)),
         plan=lambda s: {"0": s[0](use_local_output=False)},
         x_shape=lambda w: (2, 6),
         x_shard=False,
         y_shard=True,
-        ops=AR,
+        warnings=1,
+    ),
+    # fewer output features than ranks (a one-logit head): a rank holds no feature, and the
+    # replicated input's gradient is all-reduced as torch's style does it (it raised on that rank
+    # while the others waited in the all-reduce)
+    "head": StyleCase(
+        model=lambda w: nn.Sequential(nn.Linear(8, 1)),
+        plan=lambda s: {"0": s[0]()},
+        x_shape=lambda w: (3, 8),
+        x_shard=False,
+        y_shard=True,
+        warnings=1,
     ),
     # the inner features do not divide by the world size (the colwise output a DTensor, as torch's
     # styles need then): the sequence-parallel gather and the row-parallel GEMMs run as torch's
@@ -352,8 +365,7 @@ CASES: dict[str, StyleCase] = {
         x_shape=lambda w: (3, 8),
         x_shard=False,
         y_shard=False,
-        warnings=1,
-        ops=AR,
+        warnings=2,
     ),
 }
 
