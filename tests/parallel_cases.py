@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import parallel as torch_tp
 
 from fo_kernels import execute as execute_mod
@@ -660,6 +660,42 @@ def copies(ctx, _payload) -> dict[str, object]:
             "own_params": copied.up.weight is not model.up.weight,
             "ops": sorted(set(ops)),
         }
+    return out
+
+
+def meta_linears(ctx, _payload) -> dict[str, float]:
+    """An MLP built on the meta device, sharded by ``parallelize_linears`` (with and without sequence
+    parallelism), materialized by ``to_empty`` and given the weights of a model built on the CPU,
+    against that model: per plan, relative errors of the output and of the input's gradient (the
+    backward raised where the mesh was the meta device's)."""
+    rank, world = ctx.rank, ctx.world_size
+    out = {}
+    for sp in (False, True):
+        torch.manual_seed(8)
+        full = MLP(8, 4 * world)
+        with torch.device("meta"):
+            model = MLP(8, 4 * world)
+        fo_tp.parallelize_linears(model, {"up": "column", "down": "row"}, sequence_parallel=sp)
+        model.to_empty(device=ctx.device)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.to_local().copy_(
+                    distribute_tensor(full.get_parameter(n), p.device_mesh, p.placements).to_local()
+                )
+        x = torch.randn(2 * world, 3, 8, generator=torch.Generator().manual_seed(21))
+        want = x.clone().requires_grad_(True)
+        y_full = full(want)
+        y_full.sum().backward()
+        mine = (x.chunk(world)[rank] if sp else x).clone().requires_grad_(True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y = model(mine)
+        y.sum().backward()
+        key = "sequence" if sp else "replicated"
+        y_want = y_full.chunk(world)[rank] if sp else y_full
+        dx_want = want.grad.chunk(world)[rank] if sp else want.grad
+        out[key] = rel(y, y_want)
+        out[key + " dx"] = rel(mine.grad, dx_want)
     return out
 
 
