@@ -272,10 +272,14 @@ def plan_of(module: nn.Module) -> LinearPlan | None:
 
 def _device_type(module: nn.Module, group: dist.ProcessGroup) -> str:
     """The mesh's device type: the weights', or where they are on the meta device (a model built
-    there, sharded, then materialized by ``to_empty``) the device of the group's backend (cpu for
-    gloo, cuda for nccl): a mesh of "meta" gives DTensors whose gradients cannot be made."""
+    there, sharded, then materialized by ``to_empty``) the device of the group's backend: the
+    first of its ``device:backend`` pairs not served by gloo (cuda of nccl, beside gloo's cpu
+    too), else cpu. A mesh of "meta" gives DTensors whose gradients cannot be made."""
     device = module.weight.device.type
-    return dist.distributed_c10d._get_object_coll_device(group) if device == "meta" else device
+    if device != "meta":
+        return device
+    pairs = [pair.split(":", 1) for pair in dist.get_backend_config(group).split(",") if ":" in pair]
+    return next((d for d, backend in pairs if backend != "gloo"), "cpu")
 
 
 def parallelize_linears(
@@ -296,7 +300,7 @@ def parallelize_linears(
     one-dim mesh of ``group`` (rank 0's weights are the ones scattered). A pattern that matches no
     ``nn.Linear``, a name that is not one, or a module that two patterns give other kinds raises
     ``PlanError`` before any module is sharded. A model on the meta device (to be materialized by
-    ``to_empty`` once sharded) gets a mesh of the group's device: cpu for gloo, cuda for nccl.
+    ``to_empty`` once sharded) gets a mesh of its group's device: cpu for gloo, cuda for nccl.
     ``fp8``: every chosen module in fp8 for inference (the styles' ``fp8`` option). An empty
     ``plan`` shards nothing and returns ``model`` as it is, as ``parallelize_module`` does.
     """
