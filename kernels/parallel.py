@@ -270,6 +270,18 @@ def plan_of(module: nn.Module) -> LinearPlan | None:
     return getattr(module, PLAN_ATTR, None)
 
 
+def _device_type(module: nn.Module, group: dist.ProcessGroup) -> str:
+    """The mesh's device type: the weights', or where they are on the meta device (a model built
+    there, sharded, then materialized by ``to_empty``) the device of the group's backend: the
+    first of its ``device:backend`` pairs not served by gloo (cuda of nccl, beside gloo's cpu
+    too), else cpu. A mesh of "meta" gives DTensors whose gradients cannot be made."""
+    device = module.weight.device.type
+    if device != "meta":
+        return device
+    pairs = [pair.split(":", 1) for pair in dist.get_backend_config(group).split(",") if ":" in pair]
+    return next((d for d, backend in pairs if backend != "gloo"), "cpu")
+
+
 def parallelize_linears(
     model: nn.Module,
     plan: Mapping[str, str],
@@ -287,7 +299,8 @@ def parallelize_linears(
     (``Shard(0)``), else the full activation (``Replicate()``). The parameters become DTensors on a
     one-dim mesh of ``group`` (rank 0's weights are the ones scattered). A pattern that matches no
     ``nn.Linear``, a name that is not one, or a module that two patterns give other kinds raises
-    ``PlanError`` before any module is sharded.
+    ``PlanError`` before any module is sharded. A model on the meta device (to be materialized by
+    ``to_empty`` once sharded) gets a mesh of its group's device: cpu for gloo, cuda for nccl.
     ``fp8``: every chosen module in fp8 for inference (the styles' ``fp8`` option). An empty
     ``plan`` shards nothing and returns ``model`` as it is, as ``parallelize_module`` does.
     """
@@ -324,8 +337,7 @@ def parallelize_linears(
         return model
     require_initialized()
     group = group if group is not None else dist.group.WORLD
-    first = model.get_submodule(next(iter(chosen)))
-    mesh = DeviceMesh.from_group(group, first.weight.device.type)
+    mesh = DeviceMesh.from_group(group, _device_type(model.get_submodule(next(iter(chosen))), group))
     activation = Shard(0) if sequence_parallel else Replicate()
     styles = {
         name: ColwiseParallel(input_layouts=activation, fp8=fp8)

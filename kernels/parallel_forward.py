@@ -20,9 +20,10 @@ Inside ``torch.autocast`` the operands are cast to its dtype first, as ``F.linea
 
 What these paths do not cover at run time (a DTensor input of another placement, an input dtype
 the ops do not take or other than the weight's, a sharded dim that does not divide by the world
-size) runs as torch's style runs it (``torch_forward``), with one ``NotOverlappedWarning`` per
-module. The gradient helpers are the layers' (``fo_kernels.layers``): the fused all-reduce of a
-replicated input's gradient and the bias of a dim-0 shard.
+size, a plain replicated input that needs a gradient where a colwise weight's shards are uneven)
+runs as torch's style runs it (``torch_forward``), with one ``NotOverlappedWarning`` per module.
+The gradient helpers are the layers' (``fo_kernels.layers``): the fused all-reduce of a replicated
+input's gradient and the bias of a dim-0 shard.
 
 fp8 for inference (a style's ``fp8="tensorwise"`` or ``"rowwise"``, ``LinearPlan.fp8``): as the
 layers' (``fo_kernels.layers``), the local weight shard is stored once as float8_e4m3fn codes (a
@@ -342,6 +343,11 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             x = x.to_local(grad_placements=[Partial()])
             y = x @ weight.t()
         elif _needs_grad(x, weight):
+            if _needs_grad(x) and module.out_features % plan.world_size:
+                # (the input's gradient, gemm_all_reduce(dy, W_r), would be a GEMM of another K on
+                # each rank, an empty one where a rank holds no feature)
+                why = functools.partial(_uneven_why, module.out_features, "output", plan)
+                return torch_forward(module, x, plan, why)
             rows = x.reshape(-1, x.shape[-1])
             y = _ReplicatedInputMatmul.apply(rows, weight.t(), plan.group_name)
             y = y.view(*x.shape[:-1], weight.shape[0])

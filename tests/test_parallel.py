@@ -48,6 +48,7 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
         "bad": ("bad_inputs", None),
         "copies": ("copies", None),
         "autocast": ("autocast", None),
+        "meta": ("meta_linears", None),
     }
     results = run_ranks(suite, world, parts, backend="gloo")
     for rank, r in enumerate(results):
@@ -67,6 +68,8 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
         edges = {"ag empty rows", "rs empty features", "ag no Bs", "ag group", "rs group"}
         assert edges <= r["fused"].keys(), r["fused"]
         assert ("compiled" in r["fused"]) == (world == 2), r["fused"]
+        bad = {k: v for k, v in r["meta"].items() if not v < TOL}
+        assert not bad and len(r["meta"]) == 4, (rank, r["meta"])
         for copied in r["copies"].values():
             assert copied["err"] < TOL and copied["planned"] and copied["own_params"], copied
             assert copied["ops"] == ["all_reduce"], copied
