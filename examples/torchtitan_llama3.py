@@ -15,7 +15,8 @@ Then every block's ``wo`` and ``w2`` run GEMM + ReduceScatter (the plan's ``outp
 sequence parallelism) and the output layer AllGather + GEMM (its ``input_layouts=Shard(1)``) as
 fo-tune's overlapped ops; q/k/v, w1 and w3 take the replicated activation that torchtitan's
 ``PrepareModuleInput`` gathers. The embedding (an ``nn.Embedding``) and the output layer's gather of
-its logits run as torch's styles run them, and say so once (``NotOverlappedWarning``).
+its logits run as torch's styles run them, and say so once (``NotOverlappedWarning``; this script
+silences warnings, so it prints none).
 
 This script swaps those two names on torchtitan's module (what the edited import does), builds a
 tiny Llama-3 with random weights on every rank (no download), parallelizes one copy with
