@@ -283,6 +283,26 @@ def test_no_plan_beyond_one_nvswitch_board(tmp_path, h200):
 
 
 # ------------------------------------------------------------------------------ measuring searches
+def test_offline_plans_take_the_packaged_h200_beside_this_machines_calibration(tmp_path, monkeypatch, h200):
+    """In a checkout installed in place the packaged calibrations' folder is results/calibration,
+    where `fo-tune calibrate` writes this machine's: one there whose key sorts first (a CPU's) leaves
+    the offline plans (TP=2 and extrapolated) and `fo-tune model check` on the packaged H200 x2 one."""
+    root = tmp_path / "calibration"
+    save_calibration(h200, root / H200_KEY / "tp2" / "calibration.yaml")
+    for world in (2, 4):
+        mine = root / "cpu-x86_64-cccpu-8sm-w2-gloo" / f"tp{world}"
+        mine.mkdir(parents=True)
+        (mine / "calibration.yaml").write_text("this machine's calibration, not a deployment's\n")
+    monkeypatch.setattr("fo_tune.calibrate.find.packaged_root", lambda: root)
+    for world in ("2", "4"):
+        r = search("--mode", "predict", "-w", world, "--shape", "4096x8192x3584", "--out", str(tmp_path))
+        assert r.exit_code == 0, r.output
+        assert f"nvidia-h200-cc90-132sm-w{world}-nvlink18" in r.stdout
+    r = CliRunner().invoke(app, ["model", "check"])
+    assert r.exit_code == 0, r.output
+    assert "MAPE" in r.stdout
+
+
 @pytest.mark.parametrize("mode", ["measure", "hybrid"])
 def test_measuring_without_the_gpus_is_refused(monkeypatch, mode):
     monkeypatch.setattr("fo_tune.ranks.launch.visible_gpus", lambda: 2)

@@ -16,20 +16,20 @@ from fo_tune.calibrate.missing import missing_profile, packaged_root
 
 # The packaged calibration an offline plan at a world size without one is extrapolated from.
 EXTRAPOLATED_FROM_WORLD = 2
+# The deployment an offline plan prices unless given a calibration: the packaged H200 x2 one. Named,
+# not the first folder found: in a checkout installed in place (scripts/venv.sh, scripts/test.sh)
+# the packaged folder is results/calibration, where `fo-tune calibrate` writes this machine's.
+OFFLINE_DEVICE_KEY = "nvidia-h200-cc90-132sm-w2-nvlink18"
 
 
 def packaged_calibration(device_key: str | None, world_size: int) -> Path | None:
-    """The packaged calibration for ``device_key`` (any device when None) and world size."""
+    """The packaged calibration for ``device_key`` (``OFFLINE_DEVICE_KEY`` when None) and world
+    size, None without one."""
     root = packaged_root()
     if root is None:
         return None
-    for folder in sorted(root.iterdir()):
-        if device_key is not None and folder.name != device_key:
-            continue
-        path = folder / f"tp{world_size}" / CALIBRATION_FILE
-        if path.is_file():
-            return path
-    return None
+    path = root / (device_key or OFFLINE_DEVICE_KEY) / f"tp{world_size}" / CALIBRATION_FILE
+    return path if path.is_file() else None
 
 
 def find_calibration(device_key: str, world_size: int) -> Path | None:
