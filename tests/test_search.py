@@ -606,6 +606,25 @@ def test_table_for_another_gpu_is_exit_2_and_left_alone(tmp_path, h200):
     assert not (out / "report").exists()
 
 
+def test_another_tables_rows_under_the_tables_name_are_exit_2_before_any_work(tmp_path, h200):
+    """An all_reduce table copied to the reduce_scatter table's name: a reduce_scatter search is
+    exit 2 with one line saying how to rename it, before it searches (it was refused only when
+    the first row merged, after the shape's search, its progress lines and its study)."""
+    out = tmp_path / "o"
+    path = out / "tables" / H200_KEY / "reduce_scatter-w2-bfloat16.yaml"
+    save_table(
+        ScheduleTable(fingerprint=h200.fingerprint, collective="all_reduce", world_size=2, dtype="bfloat16"),
+        path,
+    )
+    before = path.read_bytes()
+    r = search("--shape", "4096x8192x4096", "-c", "reduce_scatter", "--out", str(out))
+    line = assert_one_line_error(r)
+    assert str(path) in line and "rename it to all_reduce-w2-bfloat16.yaml" in line, line
+    assert "then search again" in line, line
+    assert path.read_bytes() == before
+    assert not (out / "report").exists() and not (out / "studies").exists()
+
+
 def test_two_workers_share_one_journal_study(tmp_path):
     journal = tmp_path / "study.log"
     cmd = [
