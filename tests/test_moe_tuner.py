@@ -778,6 +778,27 @@ def test_search_moe_reads_a_space_file_and_names_its_errors(runner, tmp_path, mo
     assert "tokens_per_rank: expected ascending" in line, line
 
 
+def test_a_space_of_the_other_search_is_named_as_one(runner, tmp_path, monkeypatch):
+    """The dense space given to -c moe, and the MoE space to a dense search: exit 2 naming the
+    space each takes, where one said only the kinds and the other listed unknown keys."""
+    isolate_tables(monkeypatch, tmp_path)
+    spaces = Path(__file__).resolve().parents[1] / "search_spaces"
+    moe = ["search", "-c", "moe", "--experts", "4096,1536,64,8", "--space", str(spaces / "hopper.yaml")]
+    line = assert_one_line_error(runner.invoke(app, moe))
+    assert "a dense search space" in line and "give an MoE search space" in line, line
+    dense = [
+        "search",
+        "--mode",
+        "predict",
+        "--shape",
+        "4096x8192x4096",
+        "--space",
+        str(spaces / "moe" / "hopper.yaml"),
+    ]
+    line = assert_one_line_error(runner.invoke(app, [*dense, "--out", str(tmp_path / "o")]))
+    assert "an MoE search space, which -c moe reads" in line and "search_spaces/hopper.yaml" in line, line
+
+
 def test_search_moe_refuses_a_calibration_that_cannot_price_the_no_overlap_path(
     runner, tmp_path, monkeypatch
 ):
