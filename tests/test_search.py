@@ -547,6 +547,8 @@ def test_time_budget_stops_early(tmp_path):
         (["--shape", "64x64x64", "--backend", "gloo"], "leave --backend out"),
         (["--shape", "64x64x64", "--allow-slow"], "leave --allow-slow out"),
         (["--shape", "64x64x64", "--confirm-rounds", "3"], "leave --confirm-rounds out"),
+        # an M too large that --m-range made names --m-range, not only the shape the user gave
+        (["--shape", "4096x8192x4096", "--m-range", "1:2147483647"], "--m-range 1:2147483647 a smaller HI"),
     ],
 )
 def test_bad_input_is_exit_2_and_writes_nothing(tmp_path, args, needle):
