@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import itertools
+import json
 import math
 import os
 import random
@@ -625,6 +626,25 @@ def test_another_tables_rows_under_the_tables_name_are_exit_2_before_any_work(tm
     assert "then search again" in line, line
     assert path.read_bytes() == before
     assert not (out / "report").exists() and not (out / "studies").exists()
+
+
+def test_a_suites_dtype_is_the_default_for_dtype(tmp_path):
+    """A --shapes suite's `dtype:` is the search's default dtype, as bench --suite's (--dtype
+    overrides it; a dtype that is none is exit 2 naming the file): the search ignored it, so an
+    fp8 suite silently wrote bfloat16 rows and a misspelt dtype passed."""
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("name: fp8\ndtype: float8_e4m3fn\nshapes:\n  - [64, 64, 64]\n")
+    runs = {}
+    for extra in ([], ["-d", "bfloat16"]):
+        r = search("--shapes", str(suite), *extra, "--out", str(tmp_path / "o"), "--json")
+        assert r.exit_code == 0, r.output
+        (run,) = json.loads(r.stdout)["runs"]
+        runs[bool(extra)] = run["request"]["dtype"]
+    assert runs == {False: "float8_e4m3fn", True: "bfloat16"}
+    suite.write_text("name: typo\ndtype: bf16\nshapes:\n  - [64, 64, 64]\n")
+    line = assert_one_line_error(search("--shapes", str(suite), "--out", str(tmp_path / "p")))
+    assert f"{suite}: dtype: 'bf16' is not one of" in line, line
+    assert not (tmp_path / "p").exists()
 
 
 def test_two_workers_share_one_journal_study(tmp_path):

@@ -223,7 +223,7 @@ def search(
     shapes: ShapesFileOpt = None,
     collective: CollectiveOpt = None,
     world_size: WorldSizeOpt = 2,
-    dtype: SearchDtypeOpt = "bfloat16",
+    dtype: SearchDtypeOpt = None,
     mode: ModeOpt = None,
     calibration: CalibrationOpt = None,
     trials: TrialsOpt = None,
@@ -261,6 +261,10 @@ def search(
             "--storage '': no URL given; give sqlite:///FILE, journal:FILE or postgresql://..., or "
             "leave --storage out for the default"
         )
+    if dtype is None:  # a suite's dtype, as `fo-tune bench --suite` takes it
+        from fo_tune.search.setup import shapes_file_dtype
+
+        dtype = (shapes_file_dtype(shapes) if shapes is not None else None) or "bfloat16"
     if MOE_COLLECTIVE in picked:
         if len(picked) > 1:
             raise typer.BadParameter(f"-c {MOE_COLLECTIVE} is searched alone, not with {', '.join(picked)}")

@@ -97,7 +97,8 @@ ShapesFileOpt = Annotated[
         parser=nonempty_path,
         metavar="FILE",
         help="YAML with a `shapes:` list of [M, N, K] (e.g. suites/h200_tp.yaml); -c moe: an MoE suite's "
-        "`models:` (suites/moe/experts.yaml), E / world size local experts each.",
+        "`models:` (suites/moe/experts.yaml), E / world size local experts each. Its dtype is the "
+        "default for --dtype.",
     ),
 ]
 CollectiveOpt = Annotated[
@@ -129,7 +130,13 @@ TokensOpt = Annotated[
     ),
 ]
 SearchDtypeOpt = Annotated[
-    str, typer.Option("--dtype", "-d", help="Operand dtype: bfloat16, float16, float32, float8_e4m3fn.")
+    str | None,
+    typer.Option(
+        "--dtype",
+        "-d",
+        help="Operand dtype: bfloat16, float16, float32, float8_e4m3fn. Default: the --shapes file's "
+        "dtype where it has one (a suite's), else bfloat16.",
+    ),
 ]
 ModeOpt = Annotated[
     str | None,
