@@ -799,6 +799,41 @@ def test_a_space_of_the_other_search_is_named_as_one(runner, tmp_path, monkeypat
     assert "an MoE search space, which -c moe reads" in line and "search_spaces/hopper.yaml" in line, line
 
 
+def test_a_ctrl_c_while_the_moe_plan_is_written_keeps_table_and_report(runner, tmp_path, monkeypatch):
+    """A Ctrl-C as the MoE table is written is held until its report is written too, then says
+    where both are and exits 130: it left the table without its report, and said nothing of it."""
+    import signal
+    import threading
+    import time
+
+    from fo_tune.moe import plan as moe_plan
+
+    isolate_tables(monkeypatch, tmp_path)
+    write = moe_plan.write_moe_rows
+
+    def interrupted_write(*args, **kwargs):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a terminal's Ctrl-C
+        time.sleep(0.05)  # (where it lands without the hold: the report is never written)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(moe_plan, "write_moe_rows", interrupted_write)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    out = tmp_path / "o"
+    try:
+        args = ["search", "-c", "moe", "--experts", "4096,1536,64,8", "--tokens", "4096", "--out", str(out)]
+        result = runner.invoke(app, args)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert result.exit_code == 130, result.output
+    kept, last = result.stderr.splitlines()[-2:]
+    assert last == "error: interrupted" and kept.startswith(
+        f"kept the plan: its rows in the table under {out}"
+    )
+    assert moe_table_path(out / "tables", H200_KEY, 2, "bfloat16").is_file()
+    (summary,) = (out / "report").rglob("summary.yaml")
+    assert f"its report in {summary.parent}" in kept, kept
+
+
 def test_search_moe_refuses_a_calibration_that_cannot_price_the_no_overlap_path(
     runner, tmp_path, monkeypatch
 ):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.markup import escape
 
-from fo_tune.cli.common import console, fmt, json_text, summary_table
+from fo_tune.cli.common import console, finishing, fmt, json_text, summary_table
 
 if TYPE_CHECKING:
     from fo_tune.moe.plan import MoePlan
@@ -103,22 +103,24 @@ def run_moe_search(
     name = report_name(MOE_COLLECTIVE, world_size, dtype, mode)
     report = reports / name / new_run(reports, [name])
     check_report_dir(report)  # before the table is written: OutputError (exit 2) naming it
-    path = write_moe_rows(
-        root, cal.fingerprint, [p.row for p in plan.rows], world_size=world_size, dtype=dtype
-    )
-    rows = [
-        {**p.row.to_dict(), "prediction": p.prediction.to_dict(), "fallback_ms": p.fallback.total_ms}
-        for p in plan.rows
-    ]
-    summary = {
-        "kind": MOE_REPORT_KIND,
-        "table": str(path),
-        "report": str(report),
-        "basis": model.basis,
-        "skipped": plan.skipped,
-        "rows": rows,
-    }
-    _write_summary(summary, report)
+    # a Ctrl-C is held until both are written: a table without its report, and no word of either
+    with finishing(f"kept the plan: its rows in the table under {root}, its report in {report}"):
+        path = write_moe_rows(
+            root, cal.fingerprint, [p.row for p in plan.rows], world_size=world_size, dtype=dtype
+        )
+        rows = [
+            {**p.row.to_dict(), "prediction": p.prediction.to_dict(), "fallback_ms": p.fallback.total_ms}
+            for p in plan.rows
+        ]
+        summary = {
+            "kind": MOE_REPORT_KIND,
+            "table": str(path),
+            "report": str(report),
+            "basis": model.basis,
+            "skipped": plan.skipped,
+            "rows": rows,
+        }
+        _write_summary(summary, report)
     if json_out:
         typer.echo(json_text(summary))
         return

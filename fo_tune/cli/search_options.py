@@ -40,7 +40,8 @@ HELP = "\n\n".join(
         "--backend, --reps, --seed, --allow-slow) are refused with it: the table "
         "goes to <table dir>/<device key>/moe-w<W>-<dtype>.yaml, which every `fo-tune table` "
         "command reads, and the run's summary.yaml (what --json prints) to its own report folder, "
-        "<report root>/moe-w<W>-<dtype>-predict/<run>/ as below.",
+        "<report root>/moe-w<W>-<dtype>-predict/<run>/ as below; a Ctrl-C while they are written "
+        "stops once both are.",
         "Modes: predict (the cost model of a calibration prices every enumerated point, "
         "bounded, no GPU: the default without GPUs, with the packaged calibration for "
         "--world-size, at 3-8 the packaged TP=2 one extrapolated to that many GPUs of one NVSwitch "
