@@ -14,6 +14,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -645,6 +646,33 @@ def test_a_suites_dtype_is_the_default_for_dtype(tmp_path):
     line = assert_one_line_error(search("--shapes", str(suite), "--out", str(tmp_path / "p")))
     assert f"{suite}: dtype: 'bf16' is not one of" in line, line
     assert not (tmp_path / "p").exists()
+
+
+def test_a_ctrl_c_while_a_report_is_written_keeps_it(tmp_path, monkeypatch):
+    """A Ctrl-C while a finished collective's report is written (a measured one's plots take
+    seconds) is held until it is, then says where it is and exits 130: the rows were in the table,
+    the report lost, and nothing said so."""
+    from fo_tune.search import report as search_report
+
+    write = search_report.write_report
+
+    def interrupted_write(*args, **kwargs):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a terminal's Ctrl-C
+        time.sleep(0.05)  # (where it lands without the hold: the report is never written)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(search_report, "write_report", interrupted_write)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    out = tmp_path / "o"
+    try:
+        r = search("--shape", "4096x8192x4096", "-c", "all_reduce,reduce_scatter", "--out", str(out))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert r.exit_code == 130, r.output
+    lines = r.stderr.splitlines()
+    assert lines[-1] == "error: interrupted", r.stderr
+    (summary,) = (out / "report").rglob("summary.yaml")  # (reduce_scatter was not searched)
+    assert f"all_reduce: kept its rows in the table and their report in {summary.parent}" in lines, lines
 
 
 def test_two_workers_share_one_journal_study(tmp_path):

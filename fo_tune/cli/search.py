@@ -23,6 +23,7 @@ from fo_tune.cli.common import (
     check_dtype,
     console,
     err_console,
+    finishing,
     fmt,
     handle_errors,
     is_driver_process,
@@ -387,7 +388,11 @@ def search(
                     break
                 if result is None:  # a serving torchrun rank
                     return
-                results.append((result, write_report(result, report_dir)))
+                # a Ctrl-C is held until the report is written (its rows are in the table already)
+                with finishing(
+                    f"{request.collective}: kept its rows in the table and their report in {report_dir}"
+                ):
+                    results.append((result, write_report(result, report_dir)))
         if stop is not None:
             if driver:
                 for result, written in [] if json_out else results:  # the collectives it finished

@@ -79,7 +79,8 @@ HELP = "\n\n".join(
         "Ctrl-C keeps the rows of the shapes decided before it (each is merged as soon as decided; "
         "an --m-range search places its rows at its end) "
         "and writes their report, whose summary.yaml names the shapes not searched (stopped, "
-        "not_done); the same command searches the rest.",
+        "not_done); the same command searches the rest. A Ctrl-C while a finished collective's "
+        "report is written stops once it is.",
         "Exit code 0 when the rows are written, 1 when a measurement fails, 2 for bad input, 130 "
         "when interrupted.",
     ]
