@@ -52,6 +52,7 @@ from fo_kernels.files import atomic_write
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint
 from fo_kernels.moe.routing import MOE_DTYPES
 from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
+from fo_kernels.schedule import COLLECTIVES
 from fo_kernels.table.format import (
     MOE_TABLE_KIND,
     TABLE_KIND,
@@ -216,7 +217,7 @@ def _moe_header(data: Any, source: str) -> tuple[Fingerprint, int, str, list[Any
     checked; every error is a ``TableError`` naming ``source``."""
     if not isinstance(data, Mapping):
         raise not_a_mapping(data, source)
-    if data.get("kind") == TABLE_KIND:  # a dense table under the MoE table's name
+    if data.get("kind") == TABLE_KIND and data.get("collective") in COLLECTIVES:  # under the MoE name
         name = f"{data.get('collective')}-w{data.get('world_size')}-{data.get('dtype')}.yaml"
         raise TableError(
             f"{source}: a dense schedule table (kind {TABLE_KIND!r}), not an MoE table; rename it "

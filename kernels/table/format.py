@@ -171,7 +171,7 @@ def parse_header(data: Any, source: str) -> tuple[TableHeader, list[Any]]:
     ``TableError`` naming ``source`` and the key (the rows are checked by ``build_row``)."""
     if not isinstance(data, Mapping):
         raise not_a_mapping(data, source)
-    if data.get("kind") == MOE_TABLE_KIND:  # an MoE table under a dense table's name
+    if data.get("kind") == MOE_TABLE_KIND and data.get("dtype") in DTYPES:  # under a dense name
         name = f"moe-w{data.get('world_size')}-{data.get('dtype')}.yaml"
         raise TableError(
             f"{source}: an MoE table (kind {MOE_TABLE_KIND!r}), not a dense schedule table; rename "
