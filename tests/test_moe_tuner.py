@@ -834,6 +834,18 @@ def test_a_ctrl_c_while_the_moe_plan_is_written_keeps_table_and_report(runner, t
     assert f"its report in {summary.parent}" in kept, kept
 
 
+def test_search_moe_shows_its_progress_on_stderr(runner, tmp_path, monkeypatch):
+    """The plan advances a bar per row on stderr (a line per experts' shape in a log), stdout
+    keeping the JSON alone: a suite's many buckets planned for seconds in silence."""
+    isolate_tables(monkeypatch, tmp_path)
+    args = ["search", "-c", "moe", "--experts", "4096,1536,64,8", "--experts", "2048,768,16,8"]
+    result = runner.invoke(app, [*args, "--tokens", "256,1024", "--json"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)["rows"]) == 4
+    assert "plan (moe): 4 steps" in result.stderr, result.stderr
+    assert "plan (moe): 2048,768,16,8 tokens 257..1024 done" in result.stderr, result.stderr
+
+
 def test_search_moe_refuses_a_calibration_that_cannot_price_the_no_overlap_path(
     runner, tmp_path, monkeypatch
 ):

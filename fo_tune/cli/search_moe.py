@@ -8,8 +8,9 @@ search would time the engines on two or more GPUs (``bench/moe_ep.py`` times the
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
@@ -94,7 +95,16 @@ def run_moe_search(
         )
     from fo_tune.moe.plan import plan_moe_search, write_moe_rows
 
-    plan, model = plan_moe_search(cal, shapes, wanted, dtype=dtype, engines=names, space_file=space)
+    with contextlib.ExitStack() as bars:  # (on stderr, once the input is checked: a bad one is one line)
+        plan, model = plan_moe_search(
+            cal,
+            shapes,
+            wanted,
+            dtype=dtype,
+            engines=names,
+            space_file=space,
+            reporter=_BarsOnFirstStage(bars),
+        )
     from fo_tune.search.report import check_report_dir, new_run, report_name, report_root
     from fo_tune.search.setup import default_table_dir
 
@@ -126,6 +136,25 @@ def run_moe_search(
         return
     _print(plan, model.basis, path, cal.fingerprint.device_key, world_size, dtype)
     console.print(f"[green]report[/] {escape(str(report))}", highlight=False)
+
+
+class _BarsOnFirstStage:
+    """A ``Reporter`` whose progress bars (stderr) start with its first stage, entered on
+    ``stack``: the plan's checks come before it, so a bad input stays one line on stderr."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+        self._bars: Any = None
+
+    def stage(self, name: str, total: int) -> None:
+        if self._bars is None:
+            from fo_tune.cli.progress import ProgressReporter, progress_bars
+
+            self._bars = ProgressReporter(self._stack.enter_context(progress_bars()), "search (predict)")
+        self._bars.stage(name, total)
+
+    def step(self, name: str, detail: str = "", *, log: bool = True) -> None:
+        self._bars.step(name, detail, log=log)
 
 
 def _write_summary(summary: dict, report: Path) -> None:
