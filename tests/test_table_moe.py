@@ -220,6 +220,13 @@ def test_a_table_under_the_other_kinds_name_says_the_name_to_give_it(
     args = ["table", "lookup", "--experts", ",".join(map(str, EXPERTS)), "--tokens", "64", "-d", "float32"]
     line = assert_one_line_error(runner.invoke(app, [*args, "-k", key]))
     assert str(dense) in line and "rename it to all_reduce-w2-float32.yaml" in line, line
+    # a search into it says so before it plans (one line, no progress first)
+    target = tmp_path / "tables" / H200_KEY / "moe-w2-bfloat16.yaml"
+    target.parent.mkdir(parents=True)
+    dense.rename(target)
+    search = ["search", "-c", "moe", "--experts", ",".join(map(str, EXPERTS)), "--tokens", "64"]
+    line = assert_one_line_error(runner.invoke(app, [*search, "--table-dir", str(tmp_path / "tables")]))
+    assert str(target) in line and "rename it to all_reduce-w2-float32.yaml" in line, line
 
 
 # ------------------------------------------------------------------------------------ lookup

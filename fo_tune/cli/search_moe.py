@@ -93,6 +93,23 @@ def run_moe_search(
         raise MoeSearchError(
             f"{calibration} is for world size {cal.world_size}, not --world-size {world_size}"
         )
+    from fo_kernels.errors import TableNotFoundError
+    from fo_kernels.moe.table import load_moe_table, moe_table_path
+    from fo_tune.output import check_writable_file
+    from fo_tune.search.report import check_report_dir, new_run, report_name, report_root
+    from fo_tune.search.setup import default_table_dir
+
+    root = table_dir or (out / "tables" if out is not None else default_table_dir())
+    reports = out / "report" if out is not None else report_root() / cal.fingerprint.device_key
+    name = report_name(MOE_COLLECTIVE, world_size, dtype, mode)
+    report = reports / name / new_run(reports, [name])
+    # before the plan: an unwritable report or table, or a table that does not read, is one line
+    check_report_dir(report)
+    target = moe_table_path(root, cal.fingerprint.device_key, world_size, dtype)
+    check_writable_file(target, what="table file")
+    with contextlib.suppress(TableNotFoundError):
+        load_moe_table(target)
+
     from fo_tune.moe.plan import plan_moe_search, write_moe_rows
 
     with contextlib.ExitStack() as bars:  # (on stderr, once the input is checked: a bad one is one line)
@@ -105,14 +122,6 @@ def run_moe_search(
             space_file=space,
             reporter=_BarsOnFirstStage(bars),
         )
-    from fo_tune.search.report import check_report_dir, new_run, report_name, report_root
-    from fo_tune.search.setup import default_table_dir
-
-    root = table_dir or (out / "tables" if out is not None else default_table_dir())
-    reports = out / "report" if out is not None else report_root() / cal.fingerprint.device_key
-    name = report_name(MOE_COLLECTIVE, world_size, dtype, mode)
-    report = reports / name / new_run(reports, [name])
-    check_report_dir(report)  # before the table is written: OutputError (exit 2) naming it
     # a Ctrl-C is held until both are written: a table without its report, and no word of either
     with finishing(f"kept the plan: its rows in the table under {root}, its report in {report}"):
         path = write_moe_rows(
