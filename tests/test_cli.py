@@ -613,6 +613,22 @@ def test_a_list_argument_shows_its_metavar_once(runner, command: list[str], usag
     assert line.split()[-1] == usage, line
 
 
+def test_every_help_keeps_its_words_whole_at_80_columns(runner):
+    """An option's help folds a word longer than its column (a default output path) onto the next
+    line at 80 columns; it was cut with "…", losing where the output goes."""
+    commands = [[], ["search"], ["calibrate"], ["bench"], ["profile"], ["demo"], ["model", "check"]]
+    commands += [
+        ["model", "fit"],
+        *(["table", sub] for sub in ("list", "show", "lookup", "validate", "pull")),
+    ]
+    for command in commands:
+        result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "80"})
+        assert result.exit_code == 0, (command, result.output)
+        assert "…" not in result.output, (command, result.output)
+    out = runner.invoke(app, ["calibrate", "--help"], env={"COLUMNS": "80"}).output
+    assert "calibration.yaml" in "".join(line.strip(" │") for line in out.splitlines()), out
+
+
 def test_cli_output_through_a_pipe_keeps_every_number():
     """The real console, its stdout a pipe (COLUMNS=80 as CI systems set it): nothing is cut."""
     code = (

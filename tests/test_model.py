@@ -538,3 +538,13 @@ def test_model_check_and_fit_price_fp8_trials_on_the_fp8_gemm_profile(tmp_path):
     assert dict(model.term("triton").host) == host
     mean, worst = mape(check_files([trials], model))
     assert fit[0].strip() == f"fit: MAPE {mean:.1%} (worst {worst:.1%}) over {len(fp8)} measured rows", fit
+
+
+@pytest.mark.parametrize("text", ["", "- 1\n"])
+def test_a_calibration_that_is_no_mapping_says_what_to_give(tmp_path, text):
+    """An empty calibration file or a list: one line naming what to give, as every other broken
+    calibration's does (it said only "expected a mapping at the top level")."""
+    bad = tmp_path / "cal.yaml"
+    bad.write_text(text)
+    line = assert_one_line_error(model_check("--calibration", str(bad)))
+    assert "give a calibration.yaml `fo-tune calibrate` wrote" in line, line

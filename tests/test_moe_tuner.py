@@ -778,6 +778,74 @@ def test_search_moe_reads_a_space_file_and_names_its_errors(runner, tmp_path, mo
     assert "tokens_per_rank: expected ascending" in line, line
 
 
+def test_a_space_of_the_other_search_is_named_as_one(runner, tmp_path, monkeypatch):
+    """The dense space given to -c moe, and the MoE space to a dense search: exit 2 naming the
+    space each takes, where one said only the kinds and the other listed unknown keys."""
+    isolate_tables(monkeypatch, tmp_path)
+    spaces = Path(__file__).resolve().parents[1] / "search_spaces"
+    moe = ["search", "-c", "moe", "--experts", "4096,1536,64,8", "--space", str(spaces / "hopper.yaml")]
+    line = assert_one_line_error(runner.invoke(app, moe))
+    assert "a dense search space" in line and "give an MoE search space" in line, line
+    dense = [
+        "search",
+        "--mode",
+        "predict",
+        "--shape",
+        "4096x8192x4096",
+        "--space",
+        str(spaces / "moe" / "hopper.yaml"),
+    ]
+    line = assert_one_line_error(runner.invoke(app, [*dense, "--out", str(tmp_path / "o")]))
+    assert "an MoE search space, which -c moe reads" in line and "search_spaces/hopper.yaml" in line, line
+
+
+def test_a_ctrl_c_while_the_moe_plan_is_written_keeps_table_and_report(runner, tmp_path, monkeypatch):
+    """A Ctrl-C as the MoE table is written is held until its report is written too, then says
+    where both are and exits 130: it left the table without its report, and said nothing of it."""
+    import signal
+    import threading
+    import time
+
+    from fo_tune.moe import plan as moe_plan
+
+    isolate_tables(monkeypatch, tmp_path)
+    write = moe_plan.write_moe_rows
+
+    def interrupted_write(*args, **kwargs):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a terminal's Ctrl-C
+        time.sleep(0.05)  # (where it lands without the hold: the report is never written)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(moe_plan, "write_moe_rows", interrupted_write)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    out = tmp_path / "o"
+    try:
+        args = ["search", "-c", "moe", "--experts", "4096,1536,64,8", "--tokens", "4096", "--out", str(out)]
+        result = runner.invoke(app, args)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert result.exit_code == 130, result.output
+    kept, last = result.stderr.splitlines()[-2:]
+    assert last == "error: interrupted" and kept.startswith(
+        f"kept the plan: its rows in the table under {out}"
+    )
+    assert moe_table_path(out / "tables", H200_KEY, 2, "bfloat16").is_file()
+    (summary,) = (out / "report").rglob("summary.yaml")
+    assert f"its report in {summary.parent}" in kept, kept
+
+
+def test_search_moe_shows_its_progress_on_stderr(runner, tmp_path, monkeypatch):
+    """The plan advances a bar per row on stderr (a line per experts' shape in a log), stdout
+    keeping the JSON alone: a suite's many buckets planned for seconds in silence."""
+    isolate_tables(monkeypatch, tmp_path)
+    args = ["search", "-c", "moe", "--experts", "4096,1536,64,8", "--experts", "2048,768,16,8"]
+    result = runner.invoke(app, [*args, "--tokens", "256,1024", "--json"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)["rows"]) == 4
+    assert "plan (moe): 4 steps" in result.stderr, result.stderr
+    assert "plan (moe): 2048,768,16,8 tokens 257..1024 done" in result.stderr, result.stderr
+
+
 def test_search_moe_refuses_a_calibration_that_cannot_price_the_no_overlap_path(
     runner, tmp_path, monkeypatch
 ):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import itertools
+import json
 import math
 import os
 import random
@@ -13,6 +14,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -547,6 +549,8 @@ def test_time_budget_stops_early(tmp_path):
         (["--shape", "64x64x64", "--backend", "gloo"], "leave --backend out"),
         (["--shape", "64x64x64", "--allow-slow"], "leave --allow-slow out"),
         (["--shape", "64x64x64", "--confirm-rounds", "3"], "leave --confirm-rounds out"),
+        # an M too large that --m-range made names --m-range, not only the shape the user gave
+        (["--shape", "4096x8192x4096", "--m-range", "1:2147483647"], "--m-range 1:2147483647 a smaller HI"),
     ],
 )
 def test_bad_input_is_exit_2_and_writes_nothing(tmp_path, args, needle):
@@ -604,6 +608,71 @@ def test_table_for_another_gpu_is_exit_2_and_left_alone(tmp_path, h200):
     assert "h100" in assert_one_line_error(r)
     assert path.read_bytes() == before
     assert not (out / "report").exists()
+
+
+def test_another_tables_rows_under_the_tables_name_are_exit_2_before_any_work(tmp_path, h200):
+    """An all_reduce table copied to the reduce_scatter table's name: a reduce_scatter search is
+    exit 2 with one line saying how to rename it, before it searches (it was refused only when
+    the first row merged, after the shape's search, its progress lines and its study)."""
+    out = tmp_path / "o"
+    path = out / "tables" / H200_KEY / "reduce_scatter-w2-bfloat16.yaml"
+    save_table(
+        ScheduleTable(fingerprint=h200.fingerprint, collective="all_reduce", world_size=2, dtype="bfloat16"),
+        path,
+    )
+    before = path.read_bytes()
+    r = search("--shape", "4096x8192x4096", "-c", "reduce_scatter", "--out", str(out))
+    line = assert_one_line_error(r)
+    assert str(path) in line and "rename it to all_reduce-w2-bfloat16.yaml" in line, line
+    assert "then search again" in line, line
+    assert path.read_bytes() == before
+    assert not (out / "report").exists() and not (out / "studies").exists()
+
+
+def test_a_suites_dtype_is_the_default_for_dtype(tmp_path):
+    """A --shapes suite's `dtype:` is the search's default dtype, as bench --suite's (--dtype
+    overrides it; a dtype that is none is exit 2 naming the file): the search ignored it, so an
+    fp8 suite silently wrote bfloat16 rows and a misspelt dtype passed."""
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("name: fp8\ndtype: float8_e4m3fn\nshapes:\n  - [64, 64, 64]\n")
+    runs = {}
+    for extra in ([], ["-d", "bfloat16"]):
+        r = search("--shapes", str(suite), *extra, "--out", str(tmp_path / "o"), "--json")
+        assert r.exit_code == 0, r.output
+        (run,) = json.loads(r.stdout)["runs"]
+        runs[bool(extra)] = run["request"]["dtype"]
+    assert runs == {False: "float8_e4m3fn", True: "bfloat16"}
+    suite.write_text("name: typo\ndtype: bf16\nshapes:\n  - [64, 64, 64]\n")
+    line = assert_one_line_error(search("--shapes", str(suite), "--out", str(tmp_path / "p")))
+    assert f"{suite}: dtype: 'bf16' is not one of" in line, line
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_ctrl_c_while_a_report_is_written_keeps_it(tmp_path, monkeypatch):
+    """A Ctrl-C while a finished collective's report is written (a measured one's plots take
+    seconds) is held until it is, then says where it is and exits 130: the rows were in the table,
+    the report lost, and nothing said so."""
+    from fo_tune.search import report as search_report
+
+    write = search_report.write_report
+
+    def interrupted_write(*args, **kwargs):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a terminal's Ctrl-C
+        time.sleep(0.05)  # (where it lands without the hold: the report is never written)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(search_report, "write_report", interrupted_write)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    out = tmp_path / "o"
+    try:
+        r = search("--shape", "4096x8192x4096", "-c", "all_reduce,reduce_scatter", "--out", str(out))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert r.exit_code == 130, r.output
+    lines = r.stderr.splitlines()
+    assert lines[-1] == "error: interrupted", r.stderr
+    (summary,) = (out / "report").rglob("summary.yaml")  # (reduce_scatter was not searched)
+    assert f"all_reduce: kept its rows in the table and their report in {summary.parent}" in lines, lines
 
 
 def test_two_workers_share_one_journal_study(tmp_path):

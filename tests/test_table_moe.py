@@ -195,7 +195,38 @@ def test_validate_reports_overlapping_buckets_as_one_line(runner: CliRunner, tmp
     )
     save_table(dense, path)
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
-    assert "expected kind 'fo-tune-moe-schedule-table'" in line
+    assert "a dense schedule table (kind 'fo-tune-schedule-table'), not an MoE table" in line, line
+
+
+def test_a_table_under_the_other_kinds_name_says_the_name_to_give_it(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """An MoE table copied to a dense table's name, and a dense one to the MoE table's: every
+    command that reads it (lookup, list, a search into it) is exit 2 naming the file it belongs
+    under; the dense read said "collective: missing", the MoE read the kinds, neither what to do."""
+    key = cpu_fp().device_key
+    folder = tmp_path / "tables" / key
+    moe = write(folder / "all_reduce-w2-float32.yaml", [row(0, 64)])
+    for args in (["table", "lookup", "-s", "64x96x48", "-d", "float32", "-k", key], ["table", "list"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code in (1, 2), result.output
+        line = next(line for line in result.stderr.splitlines() if str(moe) in line)
+        assert "an MoE table" in line and "rename it to moe-w2-float32.yaml" in line, line
+    moe.unlink()
+    dense = folder / "moe-w2-float32.yaml"
+    save_table(
+        ScheduleTable(fingerprint=cpu_fp(), collective="all_reduce", world_size=2, dtype="float32"), dense
+    )
+    args = ["table", "lookup", "--experts", ",".join(map(str, EXPERTS)), "--tokens", "64", "-d", "float32"]
+    line = assert_one_line_error(runner.invoke(app, [*args, "-k", key]))
+    assert str(dense) in line and "rename it to all_reduce-w2-float32.yaml" in line, line
+    # a search into it says so before it plans (one line, no progress first)
+    target = tmp_path / "tables" / H200_KEY / "moe-w2-bfloat16.yaml"
+    target.parent.mkdir(parents=True)
+    dense.rename(target)
+    search = ["search", "-c", "moe", "--experts", ",".join(map(str, EXPERTS)), "--tokens", "64"]
+    line = assert_one_line_error(runner.invoke(app, [*search, "--table-dir", str(tmp_path / "tables")]))
+    assert str(target) in line and "rename it to all_reduce-w2-float32.yaml" in line, line
 
 
 # ------------------------------------------------------------------------------------ lookup

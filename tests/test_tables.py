@@ -1075,3 +1075,18 @@ def test_a_table_dir_variable_naming_a_file_is_refused_by_every_command_that_rea
     line = assert_one_line_error(runner.invoke(app, args))
     assert f"FO_TUNE_TABLE_DIR={not_a_folder} is a file, not a folder" in line, line
     assert "unset it" in line, line
+
+
+def test_a_relative_xdg_data_home_is_ignored(runner: CliRunner, tmp_path: Path, monkeypatch) -> None:
+    """A relative $XDG_DATA_HOME stands for ~/.local/share, as the XDG spec says: taken as it
+    stood, a search wrote its table under the working folder, where the runtime of another
+    working folder never looks."""
+    monkeypatch.delenv("FO_TUNE_TABLE_DIR")
+    monkeypatch.setenv("XDG_DATA_HOME", "rel")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["search", "--mode", "predict", "--shape", "64x64x64", "--json"])
+    assert result.exit_code == 0, result.output
+    (run,) = json.loads(result.stdout)["runs"]
+    assert Path(run["table"]).is_relative_to(tmp_path / "home" / ".local" / "share" / "fo-tune" / "tables")
+    assert not (tmp_path / "rel").exists()

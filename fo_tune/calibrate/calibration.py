@@ -336,7 +336,10 @@ class Calibration:
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "<calibration>") -> Calibration:
         if not isinstance(data, dict):
-            raise CalibrationError(f"{source}: expected a mapping at the top level")
+            raise CalibrationError(
+                f"{source}: expected a mapping at the top level; give a calibration.yaml `fo-tune "
+                "calibrate` wrote"
+            )
         version = data.get("schema_version")
         if version not in SUPPORTED_SCHEMA_VERSIONS or isinstance(version, bool):
             raise CalibrationError(

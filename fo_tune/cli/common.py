@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+import typer.rich_utils
 from rich import box
 from rich.console import Console, ConsoleDimensions
 from rich.table import Table
@@ -421,6 +422,25 @@ def run_cli(fn: Callable[[], T]) -> T:
             raise typer.Exit(EXIT_FAILED) from None
         _report(exc, one_line(exc))
         raise typer.Exit(code) from None
+
+
+def _folding(make_text: Callable[..., Any]) -> Callable[..., Any]:
+    """typer's maker of an option's help text, its words longer than the help column folded onto
+    the next line: cut to the column with "…" (rich's table default), a default path in --help
+    at 80 columns lost its end (results/calibration/<device-key>/t…), where the output goes."""
+
+    @functools.wraps(make_text)
+    def make(*args: Any, **kwargs: Any) -> Any:
+        text = make_text(*args, **kwargs)
+        if isinstance(text, Text):
+            text.overflow = "fold"
+        return text
+
+    return make
+
+
+if hasattr(typer.rich_utils, "_make_rich_text"):  # (a private name: a typer without it keeps its own)
+    typer.rich_utils._make_rich_text = _folding(typer.rich_utils._make_rich_text)
 
 
 class OneLineErrorsGroup(TyperGroup):

@@ -23,6 +23,7 @@ from fo_tune.cli.common import (
     check_dtype,
     console,
     err_console,
+    finishing,
     fmt,
     handle_errors,
     is_driver_process,
@@ -223,7 +224,7 @@ def search(
     shapes: ShapesFileOpt = None,
     collective: CollectiveOpt = None,
     world_size: WorldSizeOpt = 2,
-    dtype: SearchDtypeOpt = "bfloat16",
+    dtype: SearchDtypeOpt = None,
     mode: ModeOpt = None,
     calibration: CalibrationOpt = None,
     trials: TrialsOpt = None,
@@ -261,6 +262,10 @@ def search(
             "--storage '': no URL given; give sqlite:///FILE, journal:FILE or postgresql://..., or "
             "leave --storage out for the default"
         )
+    if dtype is None:  # a suite's dtype, as `fo-tune bench --suite` takes it
+        from fo_tune.search.setup import shapes_file_dtype
+
+        dtype = (shapes_file_dtype(shapes) if shapes is not None else None) or "bfloat16"
     if MOE_COLLECTIVE in picked:
         if len(picked) > 1:
             raise typer.BadParameter(f"-c {MOE_COLLECTIVE} is searched alone, not with {', '.join(picked)}")
@@ -383,7 +388,11 @@ def search(
                     break
                 if result is None:  # a serving torchrun rank
                     return
-                results.append((result, write_report(result, report_dir)))
+                # a Ctrl-C is held until the report is written (its rows are in the table already)
+                with finishing(
+                    f"{request.collective}: kept its rows in the table and their report in {report_dir}"
+                ):
+                    results.append((result, write_report(result, report_dir)))
         if stop is not None:
             if driver:
                 for result, written in [] if json_out else results:  # the collectives it finished

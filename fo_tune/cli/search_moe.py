@@ -8,13 +8,14 @@ search would time the engines on two or more GPUs (``bench/moe_ep.py`` times the
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
 
-from fo_tune.cli.common import console, fmt, json_text, summary_table
+from fo_tune.cli.common import console, finishing, fmt, json_text, summary_table
 
 if TYPE_CHECKING:
     from fo_tune.moe.plan import MoePlan
@@ -92,9 +93,9 @@ def run_moe_search(
         raise MoeSearchError(
             f"{calibration} is for world size {cal.world_size}, not --world-size {world_size}"
         )
-    from fo_tune.moe.plan import plan_moe_search, write_moe_rows
-
-    plan, model = plan_moe_search(cal, shapes, wanted, dtype=dtype, engines=names, space_file=space)
+    from fo_kernels.errors import TableNotFoundError
+    from fo_kernels.moe.table import load_moe_table, moe_table_path
+    from fo_tune.output import check_writable_file
     from fo_tune.search.report import check_report_dir, new_run, report_name, report_root
     from fo_tune.search.setup import default_table_dir
 
@@ -102,28 +103,67 @@ def run_moe_search(
     reports = out / "report" if out is not None else report_root() / cal.fingerprint.device_key
     name = report_name(MOE_COLLECTIVE, world_size, dtype, mode)
     report = reports / name / new_run(reports, [name])
-    check_report_dir(report)  # before the table is written: OutputError (exit 2) naming it
-    path = write_moe_rows(
-        root, cal.fingerprint, [p.row for p in plan.rows], world_size=world_size, dtype=dtype
-    )
-    rows = [
-        {**p.row.to_dict(), "prediction": p.prediction.to_dict(), "fallback_ms": p.fallback.total_ms}
-        for p in plan.rows
-    ]
-    summary = {
-        "kind": MOE_REPORT_KIND,
-        "table": str(path),
-        "report": str(report),
-        "basis": model.basis,
-        "skipped": plan.skipped,
-        "rows": rows,
-    }
-    _write_summary(summary, report)
+    # before the plan: an unwritable report or table, or a table that does not read, is one line
+    check_report_dir(report)
+    target = moe_table_path(root, cal.fingerprint.device_key, world_size, dtype)
+    check_writable_file(target, what="table file")
+    with contextlib.suppress(TableNotFoundError):
+        load_moe_table(target)
+
+    from fo_tune.moe.plan import plan_moe_search, write_moe_rows
+
+    with contextlib.ExitStack() as bars:  # (on stderr, once the input is checked: a bad one is one line)
+        plan, model = plan_moe_search(
+            cal,
+            shapes,
+            wanted,
+            dtype=dtype,
+            engines=names,
+            space_file=space,
+            reporter=_BarsOnFirstStage(bars),
+        )
+    # a Ctrl-C is held until both are written: a table without its report, and no word of either
+    with finishing(f"kept the plan: its rows in the table under {root}, its report in {report}"):
+        path = write_moe_rows(
+            root, cal.fingerprint, [p.row for p in plan.rows], world_size=world_size, dtype=dtype
+        )
+        rows = [
+            {**p.row.to_dict(), "prediction": p.prediction.to_dict(), "fallback_ms": p.fallback.total_ms}
+            for p in plan.rows
+        ]
+        summary = {
+            "kind": MOE_REPORT_KIND,
+            "table": str(path),
+            "report": str(report),
+            "basis": model.basis,
+            "skipped": plan.skipped,
+            "rows": rows,
+        }
+        _write_summary(summary, report)
     if json_out:
         typer.echo(json_text(summary))
         return
     _print(plan, model.basis, path, cal.fingerprint.device_key, world_size, dtype)
     console.print(f"[green]report[/] {escape(str(report))}", highlight=False)
+
+
+class _BarsOnFirstStage:
+    """A ``Reporter`` whose progress bars (stderr) start with its first stage, entered on
+    ``stack``: the plan's checks come before it, so a bad input stays one line on stderr."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+        self._bars: Any = None
+
+    def stage(self, name: str, total: int) -> None:
+        if self._bars is None:
+            from fo_tune.cli.progress import ProgressReporter, progress_bars
+
+            self._bars = ProgressReporter(self._stack.enter_context(progress_bars()), "search (predict)")
+        self._bars.stage(name, total)
+
+    def step(self, name: str, detail: str = "", *, log: bool = True) -> None:
+        self._bars.step(name, detail, log=log)
 
 
 def _write_summary(summary: dict, report: Path) -> None:

@@ -40,7 +40,8 @@ HELP = "\n\n".join(
         "--backend, --reps, --seed, --allow-slow) are refused with it: the table "
         "goes to <table dir>/<device key>/moe-w<W>-<dtype>.yaml, which every `fo-tune table` "
         "command reads, and the run's summary.yaml (what --json prints) to its own report folder, "
-        "<report root>/moe-w<W>-<dtype>-predict/<run>/ as below.",
+        "<report root>/moe-w<W>-<dtype>-predict/<run>/ as below; a Ctrl-C while they are written "
+        "stops once both are.",
         "Modes: predict (the cost model of a calibration prices every enumerated point, "
         "bounded, no GPU: the default without GPUs, with the packaged calibration for "
         "--world-size, at 3-8 the packaged TP=2 one extrapolated to that many GPUs of one NVSwitch "
@@ -78,7 +79,8 @@ HELP = "\n\n".join(
         "Ctrl-C keeps the rows of the shapes decided before it (each is merged as soon as decided; "
         "an --m-range search places its rows at its end) "
         "and writes their report, whose summary.yaml names the shapes not searched (stopped, "
-        "not_done); the same command searches the rest.",
+        "not_done); the same command searches the rest. A Ctrl-C while a finished collective's "
+        "report is written stops once it is.",
         "Exit code 0 when the rows are written, 1 when a measurement fails, 2 for bad input, 130 "
         "when interrupted.",
     ]
@@ -97,7 +99,8 @@ ShapesFileOpt = Annotated[
         parser=nonempty_path,
         metavar="FILE",
         help="YAML with a `shapes:` list of [M, N, K] (e.g. suites/h200_tp.yaml); -c moe: an MoE suite's "
-        "`models:` (suites/moe/experts.yaml), E / world size local experts each.",
+        "`models:` (suites/moe/experts.yaml), E / world size local experts each. Its dtype is the "
+        "default for --dtype.",
     ),
 ]
 CollectiveOpt = Annotated[
@@ -129,7 +132,13 @@ TokensOpt = Annotated[
     ),
 ]
 SearchDtypeOpt = Annotated[
-    str, typer.Option("--dtype", "-d", help="Operand dtype: bfloat16, float16, float32, float8_e4m3fn.")
+    str | None,
+    typer.Option(
+        "--dtype",
+        "-d",
+        help="Operand dtype: bfloat16, float16, float32, float8_e4m3fn. Default: the --shapes file's "
+        "dtype where it has one (a suite's), else bfloat16.",
+    ),
 ]
 ModeOpt = Annotated[
     str | None,

@@ -33,6 +33,7 @@ from fo_kernels.moe.table import (
 from fo_tune.calibrate.calibration import Calibration, CalibrationError
 from fo_tune.moe.model import MoeCall, MoeCostModel, MoePrediction
 from fo_tune.moe.space import MoeSpace, load_moe_space, moe_space_for
+from fo_tune.output import Reporter, SilentReporter
 from fo_tune.ranks.limits import GB, INT32_MAX, Target, fingerprint_target
 from fo_tune.search.decide import MIN_GAIN
 from fo_tune.tables.merge import LOCK_TIMEOUT_S, lock_path, merge_moe_into
@@ -227,13 +228,18 @@ def plan_moe(
     dtype: str,
     engines: Mapping[str, str],
     provenance: Mapping[str, Any] | None = None,
+    reporter: Reporter | None = None,
 ) -> MoePlan:
     """The planned rows. ``engines``: each MoE engine's reason it cannot be searched ("" when it
-    can); the space's section of every searchable one is priced point by point."""
+    can); the space's section of every searchable one is priced point by point. ``reporter``
+    advances a step per row (a line per experts' shape where the output is a log)."""
     plan = MoePlan(skipped={name: why for name, why in engines.items() if why})
     ranges = buckets(tokens)
+    rep, stage = reporter or SilentReporter(), "plan (moe)"
+    rep.stage(stage, len(experts) * len(ranges))
     for shape in experts:
-        for lo, hi in ranges:
+        what = f"{shape.hidden},{shape.intermediate},{shape.experts},{shape.top_k}"
+        for i, (lo, hi) in enumerate(ranges):
             call = shape.call(hi, model.world_size, dtype)
             problem = MoeProblem(
                 hidden=shape.hidden,
@@ -244,6 +250,7 @@ def plan_moe(
                 tokens_max=hi,
             )
             plan.rows.append(_plan_bucket(model, space, call, problem, dtype, engines, provenance or {}))
+            rep.step(stage, f"{what} tokens {lo}..{hi}", log=i == len(ranges) - 1)
     return plan
 
 
@@ -255,6 +262,7 @@ def plan_moe_search(
     dtype: str,
     engines: Sequence[str],
     space_file: Path | None = None,
+    reporter: Reporter | None = None,
 ) -> tuple[MoePlan, MoeCostModel]:
     """What ``fo-tune search -c moe --mode predict`` plans: the MoE space (``space_file``, else the
     packaged one of the calibration's GPU), the model of ``cal`` and ``plan_moe`` over ``engines``
@@ -284,6 +292,7 @@ def plan_moe_search(
         dtype=dtype,
         engines=reasons,
         provenance=provenance,
+        reporter=reporter,
     )
     return plan, model
 

@@ -24,9 +24,11 @@ from typing import Any
 from fo_kernels.errors import ScheduleError
 from fo_kernels.files import read_yaml
 from fo_kernels.tile import Tile
-from fo_tune.space import ANY_DEVICE, SpaceError, SpaceNotFoundError, packaged_spaces_dir
+from fo_tune.space import ANY_DEVICE, SPACE_KIND, SpaceError, SpaceNotFoundError, packaged_spaces_dir
 
 MOE_SPACE_KIND = "fo-tune-moe-search-space"
+# What to do with a file that is not an MoE search space.
+_GIVE_MOE_SPACE = "give an MoE search space (search_spaces/moe/hopper.yaml)"
 MOE_SPACE_SCHEMA_VERSION = 1
 # The folder of the MoE spaces under the search spaces' folder.
 MOE_SPACE_FOLDER = "moe"
@@ -86,7 +88,11 @@ def _section(source: str, engine: str, node: Any, keys: tuple[str, ...]) -> dict
 def parse_moe_space(data: Any, source: str, space_keys: Mapping[str, tuple[str, ...]]) -> MoeSpace:
     """The space of a file's ``data``; ``space_keys``: every MoE engine's section keys, by name."""
     if not isinstance(data, Mapping):
-        raise SpaceError(f"{source}: expected a mapping at the top level")
+        raise SpaceError(f"{source}: expected a mapping at the top level; {_GIVE_MOE_SPACE}")
+    if data.get("kind") == SPACE_KIND:
+        raise SpaceError(
+            f"{source}: a dense search space (kind {SPACE_KIND!r}), not an MoE one; {_GIVE_MOE_SPACE}"
+        )
     if data.get("kind") != MOE_SPACE_KIND or data.get("schema_version") != MOE_SPACE_SCHEMA_VERSION:
         raise SpaceError(
             f"{source}: expected kind {MOE_SPACE_KIND!r} schema_version {MOE_SPACE_SCHEMA_VERSION}, got "

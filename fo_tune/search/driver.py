@@ -66,7 +66,8 @@ def read_target(
     one is there). A malformed file (not YAML, a bad or duplicate row) raises its ``TableError``,
     and with ``check_machine`` one for other hardware too: ``fo-tune search`` reads every
     collective's table this way before the first search starts, so a bad one is refused before
-    any work rather than after the collectives searched before it."""
+    any work rather than after the collectives searched before it; so is a file holding another
+    collective's, world size's or dtype's rows under this table's name."""
     if request.table_dir is None:
         return None, None
     target = table_path(
@@ -75,6 +76,18 @@ def read_target(
     table = None
     with contextlib.suppress(TableNotFoundError):  # (a malformed file raises its TableError)
         table = load_dense_table(target)
+    if table is not None:  # another table's rows under this one's name: refused before any work
+        from fo_tune.tables.merge import check_header
+
+        check_header(
+            table,
+            target,
+            fp,
+            collective=request.collective,
+            world_size=request.world_size,
+            dtype=request.dtype,
+            then="search again",
+        )
     if table is not None and check_machine:
         check_table_target(table, target, fp)
     return target, table

@@ -14,6 +14,7 @@ from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
 from fo_tune.engines import engine_names, get_tuner
 from fo_tune.ranks import CONFIRM_ROUNDS
 from fo_tune.ranks.limits import (
+    ProblemSizeError,
     Target,
     check_fp8_shapes,
     check_problem_size,
@@ -208,7 +209,13 @@ def check_request(request: SearchRequest) -> None:
         raise SearchError("--exhaustive enumerates the space in --mode measure or predict, not hybrid")
     _check_shapes(request)
     _check_calibration(request)
-    check_problem_size(expand_shapes(request), request.dtype, _target(request))
+    try:
+        check_problem_size(expand_shapes(request), request.dtype, _target(request))
+    except ProblemSizeError as exc:  # an M of --m-range's, not of a shape the user gave
+        if request.m_range is None:
+            raise
+        lo, hi = request.m_range
+        raise ProblemSizeError(f"{exc}, or with --m-range {lo}:{hi} a smaller HI (its M)") from None
     if request.mode in ("predict", "hybrid"):
         assert request.calibration is not None
         select_engines(request, request.calibration.fingerprint, request.space)

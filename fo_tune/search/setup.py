@@ -93,6 +93,26 @@ def read_shapes_file(path: Path) -> list[tuple[int, int, int]]:
     return out
 
 
+def shapes_file_dtype(path: Path) -> str | None:
+    """The ``dtype:`` of the shapes file at ``path`` (a suite's, as ``fo-tune bench --suite`` reads
+    it), None where it has none or does not read (``read_shapes_file`` names that); ``SearchError``
+    naming the file for a dtype that is not one."""
+    from fo_kernels.files import read_yaml
+    from fo_kernels.schedule import DTYPES
+    from fo_tune.search import SearchError
+
+    try:
+        data = read_yaml(path, error=SearchError, missing=SearchError, missing_hint="no such shapes file")
+    except SearchError:
+        return None
+    dtype = data.get("dtype") if isinstance(data, dict) else None
+    if dtype is not None and dtype not in DTYPES:
+        raise SearchError(
+            f"{path}: dtype: {dtype!r} is not one of {', '.join(DTYPES)}; fix the file, or give --dtype"
+        )
+    return dtype
+
+
 def default_table_dir() -> Path:
     """Where tables go without --table-dir or --out: ``$FO_TUNE_TABLE_DIR``, else the user folder."""
     from fo_kernels.table import TABLE_DIR_ENV, user_table_dir

@@ -35,6 +35,9 @@ __all__ = [
 SPACE_SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 SPACE_KIND = "fo-tune-search-space"
+# fo_tune.moe.space's kind (that module imports this package), so an MoE space given to a dense
+# search is named as one, not refused key by key.
+_MOE_SPACE_KIND = "fo-tune-moe-search-space"
 ANY_DEVICE = "*"
 _CAPABILITY = re.compile(r"^(\d+\.\d+|cpu|\*)$")
 _TILE_REQUIRED = ("block_m", "block_n", "block_k")
@@ -428,6 +431,10 @@ def _v1_keys() -> tuple[tuple[str, ...], tuple[str, ...]]:
 def _read_space(r: SpaceReader, data: Any) -> SearchSpace:
     if not isinstance(data, Mapping):
         r.fail("(top level)", f"expected a mapping, got {_what(data)}")
+    if data.get("kind") == _MOE_SPACE_KIND:
+        r.fail(
+            "kind", "an MoE search space, which -c moe reads; give a dense one (search_spaces/hopper.yaml)"
+        )
     if "schema_version" not in data:
         r.fail("schema_version", f"missing; expected {SPACE_SCHEMA_VERSION}")
     version = data["schema_version"]

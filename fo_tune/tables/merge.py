@@ -141,22 +141,38 @@ def check_target(
     and ``dtype`` measured on ``fingerprint`` merge into ``table`` (the file at ``path``): its header
     is theirs and its fingerprint is for the same hardware. ``merge_rows`` checks it under the lock;
     a caller merging into several files checks each first, so a bad one stops it before any write."""
-    header = (table.collective, table.world_size, table.dtype)
-    if header != (collective, world_size, dtype):
-        own = table_filename(collective, world_size, dtype)
-        if path.name == own:  # the file, not the rows, is under another table's name
-            fix = f"rename it to {table_filename(*header)} (lookup refuses it here), then merge again"
-        else:
-            fix = f"merge them into their own table, {fingerprint.device_key}/{own}"
-        raise TableError(
-            f"{path}: holds {header[0]} world size {header[1]} {header[2]} rows, these are "
-            f"{collective} world size {world_size} {dtype}; {fix}"
-        )
+    check_header(table, path, fingerprint, collective=collective, world_size=world_size, dtype=dtype)
     mismatch = _hardware_mismatch(table.fingerprint, fingerprint)
     if mismatch is not None:
         raise TableError(
             f"{path}: the table is for other hardware ({mismatch}); merge the rows into the "
             f"table of {fingerprint.device_key}, or move this file away to start a new one"
+        )
+
+
+def check_header(
+    table: ScheduleTable,
+    path: Path,
+    fingerprint: Fingerprint,
+    *,
+    collective: str,
+    world_size: int,
+    dtype: str,
+    then: str = "merge again",
+) -> None:
+    """``TableError`` (one line, saying what to do) unless ``table``'s header is that of rows of
+    ``collective``, ``world_size`` and ``dtype`` (of ``fingerprint``'s machine): the part of
+    ``check_target`` a search checks before it starts, when the ranks' hardware is not known yet."""
+    header = (table.collective, table.world_size, table.dtype)
+    if header != (collective, world_size, dtype):
+        own = table_filename(collective, world_size, dtype)
+        if path.name == own:  # the file, not the rows, is under another table's name
+            fix = f"rename it to {table_filename(*header)} (lookup refuses it here), then {then}"
+        else:
+            fix = f"merge them into their own table, {fingerprint.device_key}/{own}"
+        raise TableError(
+            f"{path}: holds {header[0]} world size {header[1]} {header[2]} rows, these are "
+            f"{collective} world size {world_size} {dtype}; {fix}"
         )
 
 

@@ -52,7 +52,15 @@ from fo_kernels.files import atomic_write
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint
 from fo_kernels.moe.routing import MOE_DTYPES
 from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
-from fo_kernels.table.format import check_fingerprint, not_a_mapping, read_table_data, read_table_text
+from fo_kernels.schedule import COLLECTIVES
+from fo_kernels.table.format import (
+    MOE_TABLE_KIND,
+    TABLE_KIND,
+    check_fingerprint,
+    not_a_mapping,
+    read_table_data,
+    read_table_text,
+)
 from fo_kernels.table.paths import TABLE_DIR_ENV, check_name, table_search_path
 from fo_kernels.table.spans import Span, SpanRows, put_row
 from fo_kernels.table.text import (
@@ -63,7 +71,6 @@ from fo_kernels.table.text import (
 )
 
 MOE_TABLE_SCHEMA_VERSION = 1
-MOE_TABLE_KIND = "fo-tune-moe-schedule-table"
 # The name a MoE table file starts with (the dense files start with their collective's name).
 MOE_TABLE_PREFIX = "moe"
 _TOP_KEYS = ("schema_version", "kind", "fingerprint", "world_size", "dtype", "rows")
@@ -210,6 +217,12 @@ def _moe_header(data: Any, source: str) -> tuple[Fingerprint, int, str, list[Any
     checked; every error is a ``TableError`` naming ``source``."""
     if not isinstance(data, Mapping):
         raise not_a_mapping(data, source)
+    if data.get("kind") == TABLE_KIND and data.get("collective") in COLLECTIVES:  # under the MoE name
+        name = f"{data.get('collective')}-w{data.get('world_size')}-{data.get('dtype')}.yaml"
+        raise TableError(
+            f"{source}: a dense schedule table (kind {TABLE_KIND!r}), not an MoE table; rename it "
+            f"to {name}, the only name the dense lookup reads it under"
+        )
     if data.get("kind") != MOE_TABLE_KIND or data.get("schema_version") != MOE_TABLE_SCHEMA_VERSION:
         raise TableError(
             f"{source}: expected kind {MOE_TABLE_KIND!r} schema_version {MOE_TABLE_SCHEMA_VERSION}, got "

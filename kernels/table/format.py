@@ -24,6 +24,9 @@ from fo_kernels.table.text import dump_table_text, parse_table_text, unreadable
 TABLE_SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 TABLE_KIND = "fo-tune-schedule-table"
+# The MoE table's kind (``fo_kernels.moe.table`` reads those files; it imports this module), named
+# here so a dense read of an MoE file says which file name it belongs under.
+MOE_TABLE_KIND = "fo-tune-moe-schedule-table"
 # Row keys that the header owns.
 _HEADER_KEYS = ("collective", "dtype", "world_size")
 _TOP_KEYS = ("schema_version", "kind", "fingerprint", "collective", "world_size", "dtype", "rows")
@@ -168,6 +171,12 @@ def parse_header(data: Any, source: str) -> tuple[TableHeader, list[Any]]:
     ``TableError`` naming ``source`` and the key (the rows are checked by ``build_row``)."""
     if not isinstance(data, Mapping):
         raise not_a_mapping(data, source)
+    if data.get("kind") == MOE_TABLE_KIND and data.get("dtype") in DTYPES:  # under a dense name
+        name = f"moe-w{data.get('world_size')}-{data.get('dtype')}.yaml"
+        raise TableError(
+            f"{source}: an MoE table (kind {MOE_TABLE_KIND!r}), not a dense schedule table; rename "
+            f"it to {name}, the only name the MoE lookup reads it under"
+        )
     version = data.get("schema_version")
     if version not in SUPPORTED_SCHEMA_VERSIONS or isinstance(version, bool):
         raise TableError(

@@ -55,9 +55,11 @@ def table_path(
 
 def user_table_dir() -> Path:
     """The user's table folder: ``$XDG_DATA_HOME/fo-tune/tables``, by default
-    ``~/.local/share/fo-tune/tables``."""
-    data_home = os.environ.get("XDG_DATA_HOME")
-    base = Path(data_home).expanduser() if data_home else Path.home() / ".local" / "share"
+    ``~/.local/share/fo-tune/tables``. A relative ``$XDG_DATA_HOME`` is ignored, as the XDG base
+    directory spec says: read as it stands, the folder the runtime finds would follow the working
+    folder of each process."""
+    data_home = Path(os.environ.get("XDG_DATA_HOME") or "").expanduser()
+    base = data_home if data_home.is_absolute() else Path.home() / ".local" / "share"
     return base / "fo-tune" / "tables"
 
 
