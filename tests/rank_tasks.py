@@ -89,6 +89,11 @@ class FailOn:
         return ctx.rank
 
 
+def fail_on(ctx: RankContext, rank: int) -> int:
+    """``run_ranks``' form of ``FailOn``: a function and its payload."""
+    return FailOn(rank).run(ctx)
+
+
 @dataclass(frozen=True)
 class ExitOn:
     rank: int

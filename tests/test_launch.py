@@ -25,7 +25,7 @@ from fo_tune.ranks import launch
 from fo_tune.ranks.interrupt import sigint_deferred
 from fo_tune.ranks.launch import LaunchError, SpawnedPool, agreed_fingerprint, choose_backend, open_pool
 from fo_tune.ranks.timing import Timing
-from rank_tasks import CtrlC, ExitOn, FailOn, RankAndSum, SigintBlocked, SleepOn, TimeSleep, WhereAmI
+from rank_tasks import CtrlC, ExitOn, FailOn, RankAndSum, SigintBlocked, SleepOn, TimeSleep, WhereAmI, fail_on
 
 TESTS = Path(__file__).resolve().parent
 
@@ -48,6 +48,14 @@ def test_pool_results_by_rank_then_a_failing_rank_closes_it():
         assert "ValueError: boom on rank 1" in str(info.value)
         with pytest.raises(LaunchError, match="closed"):
             pool.run(RankAndSum())
+
+
+def test_run_ranks_names_the_function_a_rank_failed_in():
+    """A ``run_ranks`` failure says what the ranks were doing: the function's name, not the
+    internal task type that carries it."""
+    with pytest.raises(LaunchError, match=r"rank 0 failed during fail_on:") as info:
+        launch.run_ranks(fail_on, 2, 0, backend="gloo")
+    assert "ValueError: boom on rank 0" in str(info.value)
 
 
 def test_a_ctrl_c_while_ranks_start_is_raised_once_they_are_started():

@@ -22,7 +22,14 @@ from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.errors import FoTuneError, TableError
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint, make_device_key
 from fo_kernels.schedule import Problem, Schedule
-from fo_kernels.table import ScheduleTable, load_table, lookup_schedule, save_table, table_path
+from fo_kernels.table import (
+    ScheduleTable,
+    load_table,
+    lookup_schedule,
+    save_table,
+    table_path,
+    table_search_path,
+)
 from fo_kernels.table import paths as table_paths
 from fo_kernels.tile import Tile
 from fo_tune.cli.table_rows import SHOW_ROWS
@@ -1090,3 +1097,30 @@ def test_a_relative_xdg_data_home_is_ignored(runner: CliRunner, tmp_path: Path, 
     (run,) = json.loads(result.stdout)["runs"]
     assert Path(run["table"]).is_relative_to(tmp_path / "home" / ".local" / "share" / "fo-tune" / "tables")
     assert not (tmp_path / "rel").exists()
+
+
+def test_table_dir_env_is_read_by_search_as_by_the_runtime(
+    runner: CliRunner, tmp_path: Path, monkeypatch
+) -> None:
+    """A search writes where the runtime reads: ``~`` in $FO_TUNE_TABLE_DIR (as a service's
+    environment file gives it, unexpanded) is the home folder, not a folder named ``~`` under the
+    working folder; a variable naming a file is exit 2 naming it, before any work."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", "~/tables")
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["search", "--mode", "predict", "--shape", "64x64x64", "--json"])
+    assert result.exit_code == 0, result.output
+    (run,) = json.loads(result.stdout)["runs"]
+    assert Path(run["table"]).is_relative_to(tmp_path / "home" / "tables")
+    assert Path(run["table"]).parent.parent in table_search_path()
+    assert not (tmp_path / "~").exists()
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "afile"))
+    dense = ["search", "--mode", "predict", "--shape", "64x64x64"]
+    for args in (dense, ["search", "-c", "moe", "--experts", "64,32,2,2"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip().splitlines() == [
+            f"error: FO_TUNE_TABLE_DIR={tmp_path / 'afile'} is a file, not a folder of tables; point "
+            "FO_TUNE_TABLE_DIR at a folder, unset it, or give --table-dir"
+        ]

@@ -294,7 +294,9 @@ def _print_summary(result: BenchResult, written: list[Path]) -> None:
             f"[bold red]FAIL[/] {escape(f'{r.collective} {r.shape} {r.variant}: {r.detail}')}",
             highlight=False,
         )
-    console.print(f"[green]wrote[/] {len(written)} files to {escape(str(written[0].parent))}:")
+    console.print(
+        f"[green]wrote[/] {len(written)} file{'s' * (len(written) != 1)} to {escape(str(written[0].parent))}:"
+    )
     for path in written:
         console.print(f"  {path}", markup=False, highlight=False)
 

@@ -173,9 +173,8 @@ def _print_summary(cal: Calibration, written: list[Path], parts: tuple[str, ...]
         _print_interference(cal, interference_summary(cal))
     if "gemm" in parts:
         console.print(gemm_table(cal.gemm, "GEMM: best tile per shape"))
-    console.print(
-        f"[green]wrote[/] {len(written)} files to {escape(str(written[0].parent)) if written else '-'}:"
-    )
+    folder = escape(str(written[0].parent)) if written else "-"
+    console.print(f"[green]wrote[/] {len(written)} file{'s' * (len(written) != 1)} to {folder}:")
     for path in written:
         console.print(f"  {path}", markup=False, highlight=False)
     kept = sorted(p.name for p in written[0].parent.iterdir() if p not in written) if written else []

@@ -16,15 +16,13 @@ hardware fingerprint the ranks agree on.
 - Under torchrun: rank 0 drives; the other ranks serve tasks it broadcasts until it closes the pool
   (``pool.is_driver`` is False there, and the command body is skipped). Every rank leaves the
   process group when the pool closes.
-- A rank that raises, dies or hangs ends the command within ``timeout_s`` with ``LaunchError``
-  naming the rank (its traceback attached); the pool is then closed and every process stopped.
-  Spawned ranks also exit on their own, removing the pool's files, when the driver dies without
-  closing the pool (SIGKILL: ``fo_tune.ranks.orphan``).
-  They start with SIGINT blocked (``fo_tune.ranks.interrupt``): a terminal's Ctrl-C is the driver's.
+- A rank that raises, dies or hangs ends the command within ``timeout_s`` with ``LaunchError`` naming
+  the rank (its traceback attached); the pool is then closed and every process stopped. Spawned ranks
+  exit on their own, removing the pool's files, when the driver dies without closing the pool
+  (SIGKILL: ``fo_tune.ranks.orphan``); they start with SIGINT blocked (``fo_tune.ranks.interrupt``).
 
-Tasks are picklable objects with ``run(ctx) -> result`` (``Task``); they run on every rank at
-once, so any collective inside them is matched. ``run_ranks(fn, world_size, payload)`` is a
-one-task pool: ``fn(ctx, payload)`` on every rank, the results in rank order.
+Tasks are picklable objects with ``run(ctx) -> result`` (``Task``), run on every rank at once, so any
+collective inside them is matched. ``run_ranks(fn, world_size, payload)`` is a one-task pool.
 """
 
 from __future__ import annotations
@@ -94,6 +92,11 @@ class Task(Protocol):
     def run(self, ctx: RankContext) -> Any: ...
 
 
+def task_label(task: Task) -> str:
+    """What a task's ranks do, for its errors: a ``run_ranks`` call's function, else the task's type."""
+    return getattr(getattr(task, "fn", None), "__name__", None) or type(task).__name__
+
+
 # ----------------------------------------------------------------------------- backend
 def visible_gpus() -> int:
     """CUDA GPUs this process sees (0 without CUDA)."""
@@ -124,12 +127,10 @@ def check_cpu_world_size(world_size: int) -> None:
 def choose_backend(world_size: int, backend: str | None = None) -> str:
     """``nccl`` or ``gloo`` for ``world_size`` ranks: the one rule of every command and pool.
 
-    None or ``"auto"``: gloo when no GPU is visible, NCCL with one GPU per rank; GPUs visible but
-    fewer than the ranks is an error (gloo ranks beside visible GPUs are rarely what was meant:
-    ask for ``"gloo"``). ``"nccl"`` needs one GPU per rank. Under torchrun the ranks may span
-    hosts, so the local GPU count is not checked there (``auto``: NCCL when any GPU is visible).
-    Spawned gloo ranks are at most ``MAX_CPU_WORLD_SIZE`` (``check_cpu_world_size``).
-    """
+    None or ``"auto"``: gloo when no GPU is visible, NCCL with one GPU per rank; GPUs visible but fewer
+    than the ranks is an error (gloo beside visible GPUs is rarely what was meant: ask for ``"gloo"``).
+    ``"nccl"`` needs one GPU per rank. Under torchrun the ranks may span hosts, so the local GPU count
+    is not checked (``auto``: NCCL when any GPU is visible). Spawned gloo ranks: ``check_cpu_world_size``."""
     check_world_size(world_size)
     if backend not in (None, "auto", *BACKENDS):
         raise ArgumentError(f"--backend {backend!r} is not one of auto, {', '.join(BACKENDS)}")
@@ -224,11 +225,9 @@ def _serve(rank: int, world: int, backend: str, init_file: str, inbox, outbox, d
     for key, value in SAFE_ENV.items():
         os.environ.setdefault(key, value)
     try:
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-        else:
-            device = torch.device("cpu")
+            torch.cuda.set_device(device)
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs
@@ -298,7 +297,7 @@ class SpawnedPool:
         for inbox in self._inboxes:
             inbox.put((self._seq, task))
         try:
-            return self._gather(self._seq, timeout_s, type(task).__name__)
+            return self._gather(self._seq, timeout_s, task_label(task))
         except BaseException as exc:
             self.close(INTERRUPTED_WAIT_S if isinstance(exc, KeyboardInterrupt) else CLOSE_WAIT_S)
             raise
@@ -379,7 +378,7 @@ class TorchrunPool:
         dist.all_gather_object(gathered, mine, group=self._group)
         for rank, (ok, value) in enumerate(gathered):
             if not ok:
-                raise LaunchError(f"rank {rank} failed during {type(box[0]).__name__}:\n{value}")
+                raise LaunchError(f"rank {rank} failed during {task_label(box[0])}:\n{value}")
         return [value for _, value in gathered]
 
     def close(self) -> None:

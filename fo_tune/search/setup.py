@@ -114,11 +114,18 @@ def shapes_file_dtype(path: Path) -> str | None:
 
 
 def default_table_dir() -> Path:
-    """Where tables go without --table-dir or --out: ``$FO_TUNE_TABLE_DIR``, else the user folder."""
-    from fo_kernels.table import TABLE_DIR_ENV, user_table_dir
+    """Where tables go without --table-dir or --out: ``$FO_TUNE_TABLE_DIR`` (``~`` expanded, as the
+    runtime reads it), else the user folder. ``SearchError`` where the variable names a file."""
+    from fo_kernels.table import TABLE_DIR_ENV, table_dir_env_not_a_folder, user_table_dir
+    from fo_tune.search import SearchError
 
+    if (env := table_dir_env_not_a_folder()) is not None:
+        raise SearchError(
+            f"{TABLE_DIR_ENV}={env} is a file, not a folder of tables; point {TABLE_DIR_ENV} at a "
+            "folder, unset it, or give --table-dir"
+        )
     env = os.environ.get(TABLE_DIR_ENV)
-    return Path(env) if env else user_table_dir()
+    return Path(env).expanduser() if env else user_table_dir()
 
 
 def output_places(out: Path | None, table_dir: Path | None, storage: str | None) -> tuple[Path, str]:
