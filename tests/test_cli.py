@@ -87,6 +87,7 @@ def test_search_help_keeps_the_postgres_extra(runner):
         (["table", "validate"], "Missing argument 'PATH'"),
         (["table", "diff", "a.yaml"], "Missing argument 'B'"),
         (["no-such-command"], "No such command 'no-such-command'"),
+        (["search", "--shape"], "Option '--shape' requires an argument"),
     ],
 )
 def test_usage_errors_are_one_line(runner, args, says):

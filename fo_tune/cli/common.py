@@ -459,7 +459,9 @@ class OneLineErrorsGroup(TyperGroup):
             if type(exc).__name__ == NO_ARGS_IS_HELP:  # the help was printed as it was raised
                 sys.exit(exc.exit_code)
             ctx = getattr(exc, "ctx", None)
-            where = f" (`{ctx.command_path} --help` explains the options)" if ctx is not None else ""
+            # (no context: an option missing its value; the command is not known here)
+            path = ctx.command_path if ctx is not None else "fo-tune COMMAND"
+            where = f" (`{path} --help` explains the options)"
             _report(exc, f"{one_line_text(exc.format_message())}{where}")
             sys.exit(exc.exit_code)
         except typer.Abort:
