@@ -1,10 +1,15 @@
 """Helpers shared by the CLI tests: the one-line error assertion, the isolated table paths, the
-stand-in all_gather curve of the shipped calibration and a Ctrl-C at a function's second call."""
+stand-in all_gather curve of the shipped calibration and a Ctrl-C at a function's second call or
+as a function starts."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +90,23 @@ def interrupted_at_second_call(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(*args, **kwargs)
 
     return wrapped
+
+
+@contextlib.contextmanager
+def ctrl_c_as_it_starts(mp: pytest.MonkeyPatch, module: Any, name: str) -> Iterator[None]:
+    """``module.name`` patched so that a terminal's Ctrl-C (a real SIGINT to the main thread) comes
+    as it starts, with time for it to land there unless the caller holds it; SIGINT raises
+    ``KeyboardInterrupt`` inside the block, as in a terminal."""
+    fn = getattr(module, name)
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.05)  # (where it lands without a hold: the call never runs)
+        return fn(*args, **kwargs)
+
+    mp.setattr(module, name, interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -19,7 +19,7 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import H200_KEY, assert_one_line_error, isolate_tables
+from cli_checks import H200_KEY, assert_one_line_error, ctrl_c_as_it_starts, isolate_tables
 from fo_kernels import (
     MoeProblem,
     MoeRow,
@@ -802,28 +802,13 @@ def test_a_space_of_the_other_search_is_named_as_one(runner, tmp_path, monkeypat
 def test_a_ctrl_c_while_the_moe_plan_is_written_keeps_table_and_report(runner, tmp_path, monkeypatch):
     """A Ctrl-C as the MoE table is written is held until its report is written too, then says
     where both are and exits 130: it left the table without its report, and said nothing of it."""
-    import signal
-    import threading
-    import time
-
     from fo_tune.moe import plan as moe_plan
 
     isolate_tables(monkeypatch, tmp_path)
-    write = moe_plan.write_moe_rows
-
-    def interrupted_write(*args, **kwargs):
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a terminal's Ctrl-C
-        time.sleep(0.05)  # (where it lands without the hold: the report is never written)
-        return write(*args, **kwargs)
-
-    monkeypatch.setattr(moe_plan, "write_moe_rows", interrupted_write)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     out = tmp_path / "o"
-    try:
+    with ctrl_c_as_it_starts(monkeypatch, moe_plan, "write_moe_rows"):
         args = ["search", "-c", "moe", "--experts", "4096,1536,64,8", "--tokens", "4096", "--out", str(out)]
         result = runner.invoke(app, args)
-    finally:
-        signal.signal(signal.SIGINT, previous)
     assert result.exit_code == 130, result.output
     kept, last = result.stderr.splitlines()[-2:]
     assert last == "error: interrupted" and kept.startswith(

@@ -14,7 +14,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -27,6 +26,7 @@ from cli import app
 from cli_checks import (
     H200_KEY,
     assert_one_line_error,
+    ctrl_c_as_it_starts,
     interrupted_at_second_call,
     isolate_tables,
     run_report,
@@ -654,20 +654,9 @@ def test_a_ctrl_c_while_a_report_is_written_keeps_it(tmp_path, monkeypatch):
     the report lost, and nothing said so."""
     from fo_tune.search import report as search_report
 
-    write = search_report.write_report
-
-    def interrupted_write(*args, **kwargs):
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a terminal's Ctrl-C
-        time.sleep(0.05)  # (where it lands without the hold: the report is never written)
-        return write(*args, **kwargs)
-
-    monkeypatch.setattr(search_report, "write_report", interrupted_write)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     out = tmp_path / "o"
-    try:
+    with ctrl_c_as_it_starts(monkeypatch, search_report, "write_report"):
         r = search("--shape", "4096x8192x4096", "-c", "all_reduce,reduce_scatter", "--out", str(out))
-    finally:
-        signal.signal(signal.SIGINT, previous)
     assert r.exit_code == 130, r.output
     lines = r.stderr.splitlines()
     assert lines[-1] == "error: interrupted", r.stderr
