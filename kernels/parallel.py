@@ -271,14 +271,16 @@ def plan_of(module: nn.Module) -> LinearPlan | None:
 
 
 def _device_type(module: nn.Module, group: dist.ProcessGroup) -> str:
-    """The mesh's device type: the weights', or where they are on the meta device (a model built
-    there, sharded, then materialized by ``to_empty``) the device of the group's backend: the
-    first of its ``device:backend`` pairs not served by gloo (cuda of nccl, beside gloo's cpu
-    too), else cpu. A mesh of "meta" gives DTensors whose gradients cannot be made."""
+    """The mesh's device type: the weights' where the group's backend serves that device, else
+    (weights on the meta device, built there to be materialized by ``to_empty``, or on the cpu
+    beside an nccl-only group) the device of the group's backend: the first of its
+    ``device:backend`` pairs not served by gloo (cuda of nccl, beside gloo's cpu too), else cpu.
+    The weights then move to that device as they are sharded, as torch's styles move them to
+    their mesh's device. A mesh of "meta" gives DTensors whose gradients cannot be made."""
     device = module.weight.device.type
-    if device != "meta":
-        return device
     pairs = [pair.split(":", 1) for pair in dist.get_backend_config(group).split(",") if ":" in pair]
+    if device != "meta" and (not pairs or device in {d for d, _ in pairs}):
+        return device
     return next((d for d, backend in pairs if backend != "gloo"), "cpu")
 
 

@@ -8,6 +8,7 @@ Run on a GPU machine with: TRITON_INTERPRET=0 python -m pytest -m gpu tests/test
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -24,6 +25,8 @@ M, K, N = 512, 384, 640
 TILE = Tile(block_m=64, block_n=64, block_k=32, group_m=2, num_warps=4, num_stages=3)
 # bf16 against a float32 reference of the same math (three chained GEMMs)
 BF16_TOL = 2e-2
+# float32 with TF32 tensor-core products (10-bit mantissa) at K of a few hundred
+FP32_TF32_TOL = 1e-2
 
 
 @pytest.fixture(autouse=True)
@@ -184,3 +187,27 @@ def test_compiled_ops_in_reduce_overhead_mode(nccl_one_rank, variant):
             got = compiled(*ops).clone()  # the graph's output memory is reused by the next replay
             torch.cuda.synchronize()
             assert _rel(got, _reference(*ops)) < BF16_TOL, f"{variant} step {step}"
+
+
+@pytest.mark.gpu
+def test_parallelize_linears_moves_cpu_weights_to_an_nccl_groups_device(nccl_one_rank):
+    """A model built on the cpu and sharded over an nccl group lands on cuda, as torch's styles move
+    weights to their mesh's device; its forward and backward there match the unsharded model."""
+    from torch.distributed.tensor import DTensor
+
+    from fo_kernels import parallelize_linears
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(K, N), torch.nn.GELU(), torch.nn.Linear(N, K))
+    reference = copy.deepcopy(model).cuda()
+    parallelize_linears(model, {"0": "column", "2": "row"})
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and param.device.type == "cuda", name
+    x = torch.randn(M, K, device="cuda", requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out, want = model(x), reference(x_ref)
+    out.sum().backward()
+    want.sum().backward()
+    # float32 GEMMs on tensor cores (TF32 where Triton or cuBLAS choose it) against cuBLAS
+    assert _rel(out, want) < FP32_TF32_TOL
+    assert _rel(x.grad, x_ref.grad) < FP32_TF32_TOL
