@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.errors import ArgumentError, GroupError, NotOverlappedWarning, ScaleError, ShapeError
+from fo_kernels.fields import check_bool
 from fo_kernels.gemm import BOperand
 from fo_kernels.groups import check_group, require_initialized, resolve_group
 from fo_kernels.ops import call_op, warn_while_tracing
@@ -169,6 +170,8 @@ def fused_all_gather_matmul(
     with the GEMM (``all_gather_gemm``); returns (the gathered A if ``return_A`` else None, the
     products). See the module docstring."""
     _check_a(A)
+    # (torch's op schema takes a bool only; a truthy "no" would return the gathered A)
+    return_A = check_bool("return_A", return_A)
     if isinstance(Bs, torch.Tensor) or not isinstance(Bs, list | tuple):
         raise ShapeError(f"Bs must be a list of (K, N) matrices, got {type(Bs).__name__}")
     d = _dim(gather_dim, A.dim(), "gather_dim")

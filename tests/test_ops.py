@@ -376,3 +376,16 @@ def test_all_gather_gemm_takes_its_shard_as_a_shard_or_as_a(one_rank):
         all_gather_gemm(b=b)
     with pytest.raises(SignatureError, match="missing its second operand b"):
         all_gather_gemm(a)
+
+
+def test_fused_all_gather_matmul_refuses_a_return_a_that_is_not_a_bool(one_rank):
+    """torch's op schema takes ``return_A`` as a bool; a string such as "no", which Python reads as
+    true, is an ``ArgumentError`` naming it, before any collective."""
+    from fo_kernels import symm_mem
+    from fo_kernels.errors import ArgumentError
+
+    a, b = torch.randn(2, 3, 4), torch.randn(4, 5)
+    for flag in ("no", 0, None):
+        with pytest.raises(ArgumentError, match="return_A: expected True or False"):
+            symm_mem.fused_all_gather_matmul(a, [b], 0, "", return_A=flag)
+    assert symm_mem.fused_all_gather_matmul(a, [b], 0, "", return_A=False)[0] is None
