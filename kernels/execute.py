@@ -104,6 +104,27 @@ def _resolve_schedule(
     return schedule
 
 
+def check_meta_call(
+    collective: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    schedule: Schedule | None,
+    group: dist.ProcessGroup | None,
+    scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+) -> None:
+    """``execute``'s checks, for an eager call on meta tensors (a model built on the meta device,
+    run for its shapes), which runs the op's fake implementation: no runtime, no collective."""
+    _check_operands(collective, a, b, scale_a, scale_b, out_dtype)
+    require_initialized()
+    check_group(group)
+    world = dist.get_world_size(group)
+    check_rows(collective, a.shape[0], world)
+    if schedule is not None:
+        _resolve_schedule(collective, a, b.shape[1], schedule, world)
+
+
 def execute(
     collective: str,
     a: torch.Tensor,

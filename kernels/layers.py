@@ -133,7 +133,8 @@ def _autocast_operands(
     output's dtype is torch's style's (autocast does not cast the arguments of the custom ops);
     outside autocast, as they are."""
     device = weight.device.type
-    if not torch.is_autocast_enabled(device):
+    # (torch has no autocast of the meta device: it raises for one asked about)
+    if device == "meta" or not torch.is_autocast_enabled(device):
         return x, weight, bias
     dtype = torch.get_autocast_dtype(device)
 

@@ -389,3 +389,37 @@ def test_fused_all_gather_matmul_refuses_a_return_a_that_is_not_a_bool(one_rank)
         with pytest.raises(ArgumentError, match="return_A: expected True or False"):
             symm_mem.fused_all_gather_matmul(a, [b], 0, "", return_A=flag)
     assert symm_mem.fused_all_gather_matmul(a, [b], 0, "", return_A=False)[0] is None
+
+
+def test_meta_tensors_give_the_output_shapes_and_the_eager_calls_errors(one_rank):
+    """A model built on the meta device runs for its shapes, as ``nn.Linear`` and torch's fused
+    ops do: every op, the fused signatures and both layers give meta outputs (the backward too),
+    with the eager call's ``ShapeError`` for operands an eager call refuses, a meta and a CPU one
+    mixed included."""
+    from fo_kernels import ColumnParallelLinear, RowParallelLinear, symm_mem
+
+    def meta(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, device="meta")
+
+    for op in (gemm_all_reduce, fo_kernels.gemm_reduce_scatter, all_gather_gemm):
+        a = meta(4, 8).requires_grad_()
+        y = op(a, meta(6, 8).t())
+        assert y.shape == (4, 6) and y.is_meta, op.__name__
+        y.sum().backward()
+        assert a.grad.shape == (4, 8) and a.grad.is_meta, op.__name__
+        with pytest.raises(ShapeError, match="K mismatch"):
+            op(meta(4, 8), meta(7, 6))
+        for a, b in ((torch.randn(4, 8), meta(8, 6)), (meta(4, 8), torch.randn(8, 6))):
+            with pytest.raises(ShapeError, match="a is on"):
+                op(a, b)
+    gathered, (y,) = symm_mem.fused_all_gather_matmul(meta(2, 4, 8), [meta(8, 6)], 1, "")
+    assert gathered.shape == (2, 4, 8) and y.shape == (2, 4, 6) and y.is_meta
+    assert symm_mem.fused_matmul_reduce_scatter(meta(2, 4, 8), meta(8, 6), "avg", 1, "").is_meta
+    with torch.device("meta"):
+        col = ColumnParallelLinear(8, 6, sequence_parallel=True)
+        row = RowParallelLinear(6, 8)
+    x = meta(3, 5, 8).requires_grad_()
+    y = row(col(x))
+    assert y.shape == (3, 5, 8) and y.is_meta
+    y.sum().backward()
+    assert x.grad.is_meta and col.weight.grad.shape == (6, 8)
