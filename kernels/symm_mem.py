@@ -20,7 +20,8 @@ take, empty operands (no rows, features or outputs) and an empty ``Bs`` run as t
 runs them, with a ``NotOverlappedWarning``. Unlike torch's ops these are differentiable in ``A``
 and ``Bs``, the gathered A that ``return_A`` gives too (its gradient reaches the shard by a
 ReduceScatter, as through torch's reference). Bad arguments raise a ``ValueError``
-subclass naming the problem before any collective; fp8 operands are one (``ScaleError``: these
+subclass naming the problem before any collective (traced by torch.compile, when the graph runs:
+``fo_kernels.refusal``); fp8 operands are one (``ScaleError``: these
 signatures take no scales; ``all_gather_gemm`` / ``gemm_reduce_scatter`` take them).
 """
 
@@ -37,6 +38,7 @@ from fo_kernels.fields import check_bool
 from fo_kernels.gemm import BOperand
 from fo_kernels.groups import check_group, require_initialized, resolve_group
 from fo_kernels.ops import call_op, warn_while_tracing
+from fo_kernels.refusal import refusal, refused
 from fo_kernels.scaling import is_fp8
 from fo_kernels.schedule import TORCH_DTYPES
 
@@ -170,16 +172,11 @@ def fused_all_gather_matmul(
     with the GEMM (``all_gather_gemm``); returns (the gathered A if ``return_A`` else None, the
     products). See the module docstring."""
     _check_a(A)
-    # (torch's op schema takes a bool only; a truthy "no" would return the gathered A)
-    return_A = check_bool("return_A", return_A)
-    if isinstance(Bs, torch.Tensor) or not isinstance(Bs, list | tuple):
-        raise ShapeError(f"Bs must be a list of (K, N) matrices, got {type(Bs).__name__}")
-    d = _dim(gather_dim, A.dim(), "gather_dim")
-    name, world = _world(group_name)
-    k = A.shape[-1] * (world if d == A.dim() - 1 else 1)
-    for i, b in enumerate(Bs):
-        _check_b(A, b, f"Bs[{i}]", k)
-    _check_not_fp8("fused_all_gather_matmul", A, Bs)
+    checked, why_refused = refusal(lambda: _gather_checks(A, Bs, gather_dim, group_name, return_A))
+    if why_refused is not None:  # (traced: raised when the graph runs)
+        outs = [refused(why_refused, A, (*A.shape[:-1], _columns(b, A))) for b in _listed(Bs)]
+        return (None if return_A is False else refused(why_refused, A, tuple(A.shape))), outs
+    d, name, world = checked
     why = _reference_why(A, Bs, d)
     if why is not None:
         _not_overlapped(why)
@@ -209,6 +206,45 @@ def fused_matmul_reduce_scatter(
     """``reduce_scatter(A @ B, reduce_op, scatter_dim)``, the GEMM overlapped with the
     ReduceScatter (``gemm_reduce_scatter``). See the module docstring."""
     _check_a(A)
+    checked, why_refused = refusal(lambda: _scatter_checks(A, B, reduce_op, scatter_dim, group_name))
+    if why_refused is not None:  # (traced: raised when the graph runs)
+        return refused(why_refused, A, (*A.shape[:-1], _columns(B, A)))
+    d, name, world = checked
+    why = _reference_why(A, [B], d)
+    if why is not None:
+        _not_overlapped(why)
+        return _matmul_then_reduce_scatter(A, B, reduce_op, d, name, world)
+    moved = A.movedim(d, 0)
+    lead = moved.shape[:-1]
+    out = call_op("reduce_scatter", moved.reshape(-1, moved.shape[-1]), _operand(B), name)
+    if reduce_op == "avg":
+        out = out / world
+    return _scattered(out.view(lead[0] // world, *lead[1:], -1), d)
+
+
+# ------------------------------------------------------------------------- checks
+def _gather_checks(
+    A: torch.Tensor, Bs: object, gather_dim: object, group_name: object, return_A: object
+) -> tuple[int, str, int]:
+    """(gather dim, group name, world size) of a ``fused_all_gather_matmul`` call, or the
+    ``FoTuneError`` of an argument it refuses."""
+    check_bool("return_A", return_A)  # (torch's schema takes a bool; "no" would read as true)
+    if isinstance(Bs, torch.Tensor) or not isinstance(Bs, list | tuple):
+        raise ShapeError(f"Bs must be a list of (K, N) matrices, got {type(Bs).__name__}")
+    d = _dim(gather_dim, A.dim(), "gather_dim")
+    name, world = _world(group_name)
+    k = A.shape[-1] * (world if d == A.dim() - 1 else 1)
+    for i, b in enumerate(Bs):
+        _check_b(A, b, f"Bs[{i}]", k)
+    _check_not_fp8("fused_all_gather_matmul", A, list(Bs))
+    return d, name, world
+
+
+def _scatter_checks(
+    A: torch.Tensor, B: object, reduce_op: object, scatter_dim: object, group_name: object
+) -> tuple[int, str, int]:
+    """(scatter dim, group name, world size) of a ``fused_matmul_reduce_scatter`` call, or the
+    ``FoTuneError`` of an argument it refuses."""
     _check_b(A, B, "B", A.shape[-1])
     _check_not_fp8("fused_matmul_reduce_scatter", A, [B])
     if reduce_op not in REDUCE_OPS:
@@ -220,16 +256,17 @@ def fused_matmul_reduce_scatter(
         raise ShapeError(
             f"scatter_dim {scatter_dim} has {size} entries, not divisible by the world size {world}"
         )
-    why = _reference_why(A, [B], d)
-    if why is not None:
-        _not_overlapped(why)
-        return _matmul_then_reduce_scatter(A, B, reduce_op, d, name, world)
-    moved = A.movedim(d, 0)
-    lead = moved.shape[:-1]
-    out = call_op("reduce_scatter", moved.reshape(-1, moved.shape[-1]), _operand(B), name)
-    if reduce_op == "avg":
-        out = out / world
-    return _scattered(out.view(lead[0] // world, *lead[1:], -1), d)
+    return d, name, world
+
+
+def _listed(bs: object) -> list:
+    """A refused call's ``Bs`` as a list (none where it is no list of them)."""
+    return list(bs) if isinstance(bs, list | tuple) else []
+
+
+def _columns(b: object, a: torch.Tensor) -> int:
+    """A refused call's output columns: ``b``'s where it is a matrix, else ``a``'s features."""
+    return b.shape[-1] if isinstance(b, torch.Tensor) and b.dim() == 2 else a.shape[-1]
 
 
 # ------------------------------------------------------------------------- torch's reference

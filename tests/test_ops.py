@@ -423,3 +423,48 @@ def test_meta_tensors_give_the_output_shapes_and_the_eager_calls_errors(one_rank
     assert y.shape == (3, 5, 8) and y.is_meta
     y.sum().backward()
     assert x.grad.is_meta and col.weight.grad.shape == (6, 8)
+
+
+def test_compiled_fused_ops_and_layers_raise_the_eager_calls_value_errors(one_rank):
+    """Under torch.compile(fullgraph=True) bad arguments of torch's fused-op signatures and of
+    the layers raise the eager call's ``ValueError`` subclass and message when the graph runs
+    (``fo_kernels.refusal``), not Dynamo's ``Unsupported``; the good calls still trace whole."""
+    from fo_kernels import ColumnParallelLinear, RowParallelLinear, symm_mem
+    from fo_kernels.errors import ArgumentError
+
+    a, b = torch.randn(2, 4, 8), torch.randn(8, 6)
+    col, row = ColumnParallelLinear(8, 6), RowParallelLinear(8, 6, sequence_parallel=True)
+
+    def gather(a, b, gather_dim=0, return_a=True):
+        gathered, (y,) = symm_mem.fused_all_gather_matmul(a, [b], gather_dim, "", return_A=return_a)
+        return y if gathered is None else y.sum() + gathered.sum()
+
+    def scatter(a, b, reduce_op="sum", scatter_dim=0):
+        return symm_mem.fused_matmul_reduce_scatter(a, b, reduce_op, scatter_dim, "") * 2
+
+    cases = {
+        "ag K": (gather, (a, torch.randn(7, 6)), ShapeError),
+        "ag dim": (gather, (a, b, 3), ShapeError),
+        "ag return_A": (gather, (a, b, 0, "no"), ArgumentError),
+        "rs op": (scatter, (a, b, "max"), ArgumentError),
+        "rs dim": (scatter, (a, b, "sum", -4), ShapeError),
+        "col features": (col, (torch.randn(3, 7),), ShapeError),
+        "row features": (row, (torch.randn(3, 7).requires_grad_(),), ShapeError),
+    }
+    for name, (fn, args, error) in cases.items():
+        eager = _raised_by(fn, args)
+        assert type(eager) is error, (name, eager)
+        torch._dynamo.reset()
+        compiled = _raised_by(torch.compile(fn, fullgraph=True, backend="aot_eager"), args)
+        assert type(compiled) is error and str(compiled) == str(eager), (name, compiled)
+    for fn, args in ((gather, (a, b, 1)), (row, (a,))):  # (test_parallel.py and test_layers.py: the rest)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend="aot_eager")(*args), fn(*args))
+
+
+def _raised_by(fn, args: tuple) -> BaseException | None:
+    try:
+        fn(*args)
+    except Exception as exc:  # the test compares what each call raises
+        return exc
+    return None
