@@ -343,7 +343,7 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
         self._check_dtype(rows, weight)
         if self.split_dim == 1 and self.sequence_parallel and rows.shape[0] % self.world_size:
             raise ShapeError(
-                f"sequence parallelism splits the input's {rows.shape[0]} rows over the world size "
+                f"sequence parallelism splits the input's {int(rows.shape[0])} rows over the world size "
                 f"{self.world_size}: they must divide by it"
             )
         return rows, weight, bias
@@ -351,7 +351,7 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
     def _rows(self, x: torch.Tensor, features: int) -> torch.Tensor:
         if x.dim() < 1 or x.shape[-1] != features:
             raise ShapeError(
-                f"input has {x.shape[-1] if x.dim() else 0} features, this rank's shard of "
+                f"input has {int(x.shape[-1]) if x.dim() else 0} features, this rank's shard of "
                 f"{type(self).__name__} takes {features}"
             )
         return x.reshape(-1, features)

@@ -50,6 +50,17 @@ def refusal(check: Callable[[], T]) -> tuple[T | None, tuple[str, str] | None]:
         return None, (type(exc).__name__, str(exc))
 
 
+def shape_text(t: torch.Tensor) -> str:
+    """``t``'s shape as a tuple prints, for a refusal's message. Traced with dynamic shapes, a
+    message that formats a symbolic size (or a tuple) is no constant the refused op can take; one
+    built of ``int`` sizes is (the refused call's graph is specialized to them, a good call's is
+    not)."""
+    parts = []
+    for size in t.shape:
+        parts.append(f"{int(size)}")
+    return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+
 def refused(why: tuple[str, str], like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor of ``shape`` in ``like``'s dtype and device (a traced call's output) whose op raises
     the refusal ``why`` (from ``refusal``) when the graph runs. No gradient flows through it."""

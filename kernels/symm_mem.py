@@ -38,7 +38,7 @@ from fo_kernels.fields import check_bool
 from fo_kernels.gemm import BOperand
 from fo_kernels.groups import check_group, require_initialized, resolve_group
 from fo_kernels.ops import call_op, warn_while_tracing
-from fo_kernels.refusal import refusal, refused
+from fo_kernels.refusal import refusal, refused, shape_text
 from fo_kernels.scaling import is_fp8
 from fo_kernels.schedule import TORCH_DTYPES
 
@@ -63,7 +63,9 @@ def _check_b(a: torch.Tensor, b: torch.Tensor, what: str, k: int) -> None:
     if not isinstance(b, torch.Tensor) or b.dim() != 2:
         raise ShapeError(f"{what} must be a (K, N) matrix, got {_described(b)}")
     if b.shape[0] != k:
-        raise ShapeError(f"K mismatch: A is {tuple(a.shape)} ({k} features) and {what} is {tuple(b.shape)}")
+        raise ShapeError(
+            f"K mismatch: A is {shape_text(a)} ({int(k)} features) and {what} is {shape_text(b)}"
+        )
     if b.dtype != a.dtype or b.device != a.device:
         raise ShapeError(
             f"A is {a.dtype} on {a.device} and {what} is {b.dtype} on {b.device}: give the operands "
@@ -97,7 +99,7 @@ def _check_not_fp8(what: str, a: torch.Tensor, bs: list[torch.Tensor]) -> None:
 
 
 def _described(t: object) -> str:
-    return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+    return f"shape {shape_text(t)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
 
 
 def _named(group_name: str | dist.ProcessGroup) -> str:
@@ -254,7 +256,7 @@ def _scatter_checks(
     size = A.shape[d] if d < A.dim() - 1 else B.shape[1]
     if size % world:
         raise ShapeError(
-            f"scatter_dim {scatter_dim} has {size} entries, not divisible by the world size {world}"
+            f"scatter_dim {scatter_dim} has {int(size)} entries, not divisible by the world size {world}"
         )
     return d, name, world
 
