@@ -58,7 +58,11 @@ def _check_operands(
     check_tensors(a, b)
     check_shapes(a, b)
     if 0 in a.shape or b.shape[1] == 0:
-        raise ShapeError(f"empty operand: a {tuple(a.shape)}, b {tuple(b.shape)}")
+        raise ShapeError(
+            f"empty operand: a {tuple(a.shape)}, b {tuple(b.shape)}; the ops run no empty GEMM: skip "
+            "the call (no rows or outputs give an empty result, no features zeros), or call the layers "
+            "or fo_kernels.symm_mem, which give torch's result for it"
+        )
     scales = check_scales(collective, a, b, scale_a, scale_b, out_dtype)
     if a.dtype not in TORCH_DTYPES.values():
         raise ShapeError(

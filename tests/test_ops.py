@@ -230,6 +230,8 @@ def test_compiled_bad_input_raises_the_eager_calls_value_errors(one_rank):
         for op in public:
             eager = _raised(op, args)
             assert type(eager) is error and isinstance(eager, ValueError), (name, op.__name__, eager)
+            if name == "empty":  # (what to do instead)
+                assert "skip the call" in str(eager) and "fo_kernels.symm_mem" in str(eager), eager
             for backend in ("aot_eager", "inductor") if name in INDUCTOR_TOO else ("aot_eager",):
                 torch._dynamo.reset()  # a case's recompilation is not the test's (recompile_limit)
                 compiled = _raised(torch.compile(op, fullgraph=True, backend=backend), args)
