@@ -119,14 +119,29 @@ def _named(group_name: str | dist.ProcessGroup) -> str:
 
 def _world(group_name: str | dist.ProcessGroup) -> tuple[str, int]:
     """(the group's name as the ops take it, its size); an unknown name raises ``GroupError``.
-    Traced by torch.compile, the size is read by name (a function Dynamo folds to a constant)."""
+    Traced by torch.compile, the size is read by name (a function Dynamo folds to a constant),
+    after the name is checked by a function whose result Dynamo keeps (its raise would be Dynamo's
+    internal error)."""
     group_name = _named(group_name)
     if torch.compiler.is_compiling():
         name = group_name or dist.group.WORLD.group_name
+        problem = _name_problem(name)
+        if problem:
+            raise GroupError(problem)
         return name, dist.distributed_c10d._get_group_size_by_name(name)
     require_initialized()
     group = resolve_group(group_name)
     return ("" if group is None else group.group_name), dist.get_world_size(group)
+
+
+@torch.compiler.assume_constant_result
+def _name_problem(name: str) -> str:
+    """The ``GroupError`` message of a group name no process group has ("" for a known name)."""
+    try:
+        resolve_group(name)
+    except GroupError as exc:
+        return str(exc)
+    return ""
 
 
 def _reference_why(a: torch.Tensor, bs: list[torch.Tensor], d: int) -> Callable[[], str] | None:

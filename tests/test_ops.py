@@ -450,6 +450,11 @@ def test_compiled_fused_ops_and_layers_raise_the_eager_calls_value_errors(one_ra
         "ag return_A": (gather, (a, b, 0, "no"), ArgumentError),
         "rs op": (scatter, (a, b, "max"), ArgumentError),
         "rs dim": (scatter, (a, b, "sum", -4), ShapeError),
+        "rs group": (
+            lambda a, b: symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, "nope"),
+            (a, b),
+            GroupError,
+        ),
         "col features": (col, (torch.randn(3, 7),), ShapeError),
         "row features": (row, (torch.randn(3, 7).requires_grad_(),), ShapeError),
     }
