@@ -31,6 +31,19 @@ def check_tensors(a: object, b: object) -> None:
             raise ShapeError(f"{what} must be a torch.Tensor (a 2-D matrix), got a {type(t).__name__}")
 
 
+def check_local(**tensors: torch.Tensor) -> None:
+    """``ShapeError`` naming an operand that is a DTensor: the ops take this rank's local tensors
+    (torch's DTensor dispatch has no rule for them and raises its own error)."""
+    from torch.distributed.tensor import DTensor
+
+    for what, t in tensors.items():
+        if isinstance(t, DTensor):
+            raise ShapeError(
+                f"{what} is a DTensor ({t.placements}); the op takes this rank's local tensors: pass "
+                f"{what}.to_local(), or shard the module with fo_kernels.parallel's styles (DTensors)"
+            )
+
+
 def check_shapes(a: torch.Tensor, b: torch.Tensor) -> None:
     """``ShapeError`` unless ``a`` is (M, K) and ``b`` (K, N)."""
     if a.dim() != 2 or b.dim() != 2:

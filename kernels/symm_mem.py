@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.errors import ArgumentError, GroupError, NotOverlappedWarning, ScaleError, ShapeError
+from fo_kernels.execute import check_local
 from fo_kernels.fields import check_bool
 from fo_kernels.gemm import BOperand
 from fo_kernels.groups import check_group, require_initialized, resolve_group
@@ -73,9 +74,10 @@ def _check_b(a: torch.Tensor, b: torch.Tensor, what: str, k: int) -> None:
         )
 
 
-def _check_a(a: torch.Tensor) -> None:
+def _check_a(a: torch.Tensor, bs: list[torch.Tensor]) -> None:
     if not isinstance(a, torch.Tensor) or a.dim() < 2:
         raise ShapeError(f"A must be a tensor of at least 2 dims, got {_described(a)}")
+    check_local(A=a, **{f"Bs[{i}]": b for i, b in enumerate(bs)})
 
 
 # The op that takes scales, named by each fused function's fp8 refusal (``_check_not_fp8``).
@@ -188,7 +190,7 @@ def fused_all_gather_matmul(
     torch's op schema names it, so a call by keyword switches too), with the gather overlapped
     with the GEMM (``all_gather_gemm``); returns (the gathered A if ``return_A`` else None, the
     products). See the module docstring."""
-    _check_a(A)
+    _check_a(A, _listed(Bs))
     checked, why_refused = refusal(lambda: _gather_checks(A, Bs, gather_dim, group_name, return_A))
     if why_refused is not None:  # (traced: raised when the graph runs)
         outs = [refused(why_refused, A, (*A.shape[:-1], _columns(b, A))) for b in _listed(Bs)]
@@ -222,7 +224,7 @@ def fused_matmul_reduce_scatter(
 ) -> torch.Tensor:
     """``reduce_scatter(A @ B, reduce_op, scatter_dim)``, the GEMM overlapped with the
     ReduceScatter (``gemm_reduce_scatter``). See the module docstring."""
-    _check_a(A)
+    _check_a(A, [B])
     checked, why_refused = refusal(lambda: _scatter_checks(A, B, reduce_op, scatter_dim, group_name))
     if why_refused is not None:  # (traced: raised when the graph runs)
         return refused(why_refused, A, (*A.shape[:-1], _columns(B, A)))

@@ -479,3 +479,29 @@ def _raised_by(fn, args: tuple) -> BaseException | None:
     except Exception as exc:  # the test compares what each call raises
         return exc
     return None
+
+
+def test_dtensor_operands_are_a_shape_error_naming_to_local(one_rank):
+    """The ops and torch's fused signatures take this rank's local tensors: a DTensor operand (a
+    parallelized module's weight) is a ``ShapeError`` saying to pass ``.to_local()``, not the
+    RuntimeError or NotImplementedError of torch's DTensor dispatch."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fo_kernels import symm_mem
+
+    mesh = init_device_mesh("cpu", (1,))
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    da, db = (distribute_tensor(t, mesh, [Replicate()]) for t in (a, b))
+    calls = [
+        lambda op=op, x=x, y=y: op(x, y)
+        for op in (gemm_all_reduce, all_gather_gemm)
+        for x, y in ((da, b), (a, db))
+    ]
+    calls += [
+        lambda: fo_kernels.gemm_reduce_scatter(da, db),
+        lambda: symm_mem.fused_all_gather_matmul(a, [b, db], 0, ""),
+        lambda: symm_mem.fused_matmul_reduce_scatter(da, b, "sum", 0, ""),
+    ]
+    for call in calls:
+        with pytest.raises(ShapeError, match=r"is a DTensor .*\.to_local\(\)"):
+            call()
