@@ -31,6 +31,19 @@ def check_tensors(a: object, b: object) -> None:
             raise ShapeError(f"{what} must be a torch.Tensor (a 2-D matrix), got a {type(t).__name__}")
 
 
+def check_local(**tensors: torch.Tensor) -> None:
+    """``ShapeError`` naming an operand that is a DTensor: the ops take this rank's local tensors
+    (torch's DTensor dispatch has no rule for them and raises its own error)."""
+    from torch.distributed.tensor import DTensor
+
+    for what, t in tensors.items():
+        if isinstance(t, DTensor):
+            raise ShapeError(
+                f"{what} is a DTensor ({t.placements}); the op takes this rank's local tensors: pass "
+                f"{what}.to_local(), or shard the module with fo_kernels.parallel's styles (DTensors)"
+            )
+
+
 def check_shapes(a: torch.Tensor, b: torch.Tensor) -> None:
     """``ShapeError`` unless ``a`` is (M, K) and ``b`` (K, N)."""
     if a.dim() != 2 or b.dim() != 2:
@@ -58,7 +71,11 @@ def _check_operands(
     check_tensors(a, b)
     check_shapes(a, b)
     if 0 in a.shape or b.shape[1] == 0:
-        raise ShapeError(f"empty operand: a {tuple(a.shape)}, b {tuple(b.shape)}")
+        raise ShapeError(
+            f"empty operand: a {tuple(a.shape)}, b {tuple(b.shape)}; the ops run no empty GEMM: skip "
+            "the call (no rows or outputs give an empty result, no features zeros), or call the layers "
+            "or fo_kernels.symm_mem, which give torch's result for it"
+        )
     scales = check_scales(collective, a, b, scale_a, scale_b, out_dtype)
     if a.dtype not in TORCH_DTYPES.values():
         raise ShapeError(
@@ -102,6 +119,27 @@ def _resolve_schedule(
             f"problem: the schedule is for {schedule.problem.describe()}, called with {m}x{n}x{k}{gathered}"
         )
     return schedule
+
+
+def check_meta_call(
+    collective: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    schedule: Schedule | None,
+    group: dist.ProcessGroup | None,
+    scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+) -> None:
+    """``execute``'s checks, for an eager call on meta tensors (a model built on the meta device,
+    run for its shapes), which runs the op's fake implementation: no runtime, no collective."""
+    _check_operands(collective, a, b, scale_a, scale_b, out_dtype)
+    require_initialized()
+    check_group(group)
+    world = dist.get_world_size(group)
+    check_rows(collective, a.shape[0], world)
+    if schedule is not None:
+        _resolve_schedule(collective, a, b.shape[1], schedule, world)
 
 
 def execute(

@@ -36,7 +36,8 @@ A leading-dimension input (batch, seq, features) is flattened to rows; with sequ
 dim 0 is the sharded one (rank r's rows come r-th), and a row-parallel output whose dim 0 does not
 divide by w comes back as the flat (M/w, out) shard of the rows. An input with no rows gives
 ``nn.Linear``'s empty output, with no collective. Inside ``torch.autocast`` the input, weight and
-bias are cast to its dtype, as ``F.linear``'s are.
+bias are cast to its dtype, as ``F.linear``'s are. An input a layer refuses raises ``ShapeError``;
+in a compiled call, when the graph runs (``fo_kernels.refusal``).
 
 These layers hold plain tensors; ``fo_kernels.parallel`` has the same split as torch's
 ``parallelize_module`` styles on the same ops, with DTensor parameters, and ``parallelize_linears``
@@ -66,6 +67,7 @@ from fo_kernels.quantize import (
     local_fp8_matmul,
     quantize_weight,
 )
+from fo_kernels.refusal import refusal, refused
 from fo_kernels.scaling import FP8_VARIANTS, OUT_DTYPES, is_fp8
 from fo_kernels.schedule import Schedule
 
@@ -133,7 +135,8 @@ def _autocast_operands(
     output's dtype is torch's style's (autocast does not cast the arguments of the custom ops);
     outside autocast, as they are."""
     device = weight.device.type
-    if not torch.is_autocast_enabled(device):
+    # (torch has no autocast of the meta device: it raises for one asked about)
+    if device == "meta" or not torch.is_autocast_enabled(device):
         return x, weight, bias
     dtype = torch.get_autocast_dtype(device)
 
@@ -333,10 +336,22 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
                 "the input or the layer, or run it inside torch.autocast"
             )
 
+    def _operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(rows, weight, bias) of a call on ``x``, checked (``ShapeError``; a traced call's through
+        ``fo_kernels.refusal``); inside torch.autocast in its dtype, as ``F.linear`` takes them."""
+        rows, weight, bias = _autocast_operands(self._rows(x, self.weight.shape[1]), self.weight, self.bias)
+        self._check_dtype(rows, weight)
+        if self.split_dim == 1 and self.sequence_parallel and rows.shape[0] % self.world_size:
+            raise ShapeError(
+                f"sequence parallelism splits the input's {int(rows.shape[0])} rows over the world size "
+                f"{self.world_size}: they must divide by it"
+            )
+        return rows, weight, bias
+
     def _rows(self, x: torch.Tensor, features: int) -> torch.Tensor:
         if x.dim() < 1 or x.shape[-1] != features:
             raise ShapeError(
-                f"input has {x.shape[-1] if x.dim() else 0} features, this rank's shard of "
+                f"input has {int(x.shape[-1]) if x.dim() else 0} features, this rank's shard of "
                 f"{type(self).__name__} takes {features}"
             )
         return x.reshape(-1, features)
@@ -381,9 +396,10 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T + bias`` for this rank's output columns; with sequence parallelism ``x``
         is this rank's rows, all-gathered first (``all_gather_gemm``)."""
-        # (inside torch.autocast, the operands in its dtype, as F.linear takes them)
-        rows, weight, bias = _autocast_operands(self._rows(x, self.in_features), self.weight, self.bias)
-        self._check_dtype(rows, weight)
+        checked, why_refused = refusal(lambda: self._operands(x))
+        if why_refused is not None:  # (traced: raised when the graph runs)
+            return refused(why_refused, x, (*x.shape[:-1], self.weight.shape[0]))
+        rows, weight, bias = checked
         w = weight.t()
         n = weight.shape[0]
         if self.sequence_parallel:  # the gathered rows: dim 0 times the world size
@@ -419,11 +435,11 @@ class RowParallelLinear(_ParallelLinear):
         """The sum over ranks of ``x @ weight.T`` (``x`` this rank's input columns) plus the bias
         (``gemm_all_reduce``); with sequence parallelism this rank's rows of it
         (``gemm_reduce_scatter``)."""
-        # (inside torch.autocast, the operands in its dtype, as F.linear takes them)
-        rows, weight, bias = _autocast_operands(self._rows(x, self.weight.shape[1]), self.weight, self.bias)
-        self._check_dtype(rows, weight)
+        checked, why_refused = refusal(lambda: self._operands(x))
+        if why_refused is not None:  # (traced: raised when the graph runs)
+            return refused(why_refused, x, (*x.shape[:-1], self.weight.shape[0]))
+        rows, weight, bias = checked
         lead = x.shape[:-1]
-        world = self.world_size
         if rows.shape[0] == 0:
             return self._empty_forward(rows, weight, bias, self._out_shape(lead))
         fp8: dict = {}
@@ -432,11 +448,6 @@ class RowParallelLinear(_ParallelLinear):
         if not self.sequence_parallel:
             y = gemm_all_reduce(rows, weight.t(), schedule=self.schedule, group=self.group, **fp8)
             return _add_bias(y, bias, self.fp8 is not None).reshape(self._out_shape(lead))
-        if rows.shape[0] % world:
-            raise ShapeError(
-                f"sequence parallelism splits the input's {rows.shape[0]} rows over the world size "
-                f"{world}: they must divide by it"
-            )
         y = gemm_reduce_scatter(rows, weight.t(), schedule=self.schedule, group=self.group, **fp8)
         return _add_bias_to_shard(y, bias, self.fp8 is not None, self.group_name).reshape(
             self._out_shape(lead)

@@ -15,7 +15,9 @@ both differentiable (the gathered A is also what the backward keeps for the weig
 ``scale_a``, ``scale_b`` and ``out_dtype`` are an fp8 call's (``fo_kernels.scaling``); the fake
 implementations give its output ``out_dtype`` (bfloat16 by default) and the gathered A fp8.
 The fake implementations check nothing (``_fake_output``): the op checks its input when it runs,
-in a compiled graph as in an eager call, and raises the eager call's ``ValueError`` subclass.
+in a compiled graph as in an eager call, and raises the eager call's ``ValueError`` subclass. An
+eager call on meta tensors (a model built on the meta device, run for its shapes) runs the fake
+implementation, which then checks as the op does (``check_meta_call``).
 
 Autograd, every backward through the ops (so their own schedule lookup applies), with ``dy`` the
 gradient of the output:
@@ -48,6 +50,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fo_kernels.errors import FoTuneError, Fp8TrainingError, NotOverlappedWarning, ScaleError, ScheduleError
 from fo_kernels.groups import group_size, resolve_group
@@ -144,7 +147,8 @@ def direct_call(*tensors: torch.Tensor | None) -> bool:
         return False
     tensors = tuple(t for t in tensors if t is not None)
     for t in tensors:
-        if type(t) not in _PLAIN_TYPES:
+        # (meta tensors have no runtime: the op's fake implementation gives their output)
+        if type(t) not in _PLAIN_TYPES or t.is_meta:
             return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
@@ -190,15 +194,29 @@ def _impl(
 
 
 def _fake_output(
-    collective: str, a: torch.Tensor, b: torch.Tensor, name: str, out_dtype: torch.dtype | None
+    collective: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    name: str,
+    schedule: str,
+    scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
 ) -> tuple[int, int, torch.dtype]:
-    """(M, N, dtype) of a traced call's output, from its inputs whatever they are.
+    """(M, N, dtype) of a traced call's output, from its inputs whatever they are; an eager call
+    on meta tensors (plain ones, not a trace's fake tensors) is checked as ``execute`` checks.
 
     The fake implementations check nothing: Dynamo turns any exception raised while it propagates
     fake tensors into a RuntimeError (torch._dynamo.exc.TorchRuntimeError), so a check here would
     give bad input under torch.compile a RuntimeError instead of the op's ValueError. The op itself
     checks when it runs (``execute``), before any collective, in eager calls and compiled graphs
     alike; for input it refuses, the shapes here are never used."""
+    if (a.is_meta or b.is_meta) and not isinstance(a, FakeTensor) and not isinstance(b, FakeTensor):
+        from fo_kernels.execute import check_meta_call
+
+        check_meta_call(
+            collective, a, b, parse_schedule(schedule), resolve_group(name), scale_a, scale_b, out_dtype
+        )
     try:
         world = group_size(name)
     except FoTuneError:  # torch.distributed not initialized, or a refused group: the op raises it
@@ -255,13 +273,13 @@ def _all_gather_gemm(
 
 @_gemm_all_reduce.register_fake
 def _(a, b, group_name: str, schedule: str, scale_a=None, scale_b=None, out_dtype=None) -> torch.Tensor:
-    m, n, dtype = _fake_output("all_reduce", a, b, group_name, out_dtype)
+    m, n, dtype = _fake_output("all_reduce", a, b, group_name, schedule, scale_a, scale_b, out_dtype)
     return a.new_empty((m, n), dtype=dtype)
 
 
 @_gemm_reduce_scatter.register_fake
 def _(a, b, group_name: str, schedule: str, scale_a=None, scale_b=None, out_dtype=None) -> torch.Tensor:
-    m, n, dtype = _fake_output("reduce_scatter", a, b, group_name, out_dtype)
+    m, n, dtype = _fake_output("reduce_scatter", a, b, group_name, schedule, scale_a, scale_b, out_dtype)
     return a.new_empty((m, n), dtype=dtype)
 
 
@@ -269,7 +287,7 @@ def _(a, b, group_name: str, schedule: str, scale_a=None, scale_b=None, out_dtyp
 def _(
     a, b, group_name: str, schedule: str, scale_a=None, scale_b=None, out_dtype=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    m, n, dtype = _fake_output("all_gather", a, b, group_name, out_dtype)
+    m, n, dtype = _fake_output("all_gather", a, b, group_name, schedule, scale_a, scale_b, out_dtype)
     return a.new_empty((m, n), dtype=dtype), a.new_empty((m, a.shape[-1] if a.dim() else 1))
 
 

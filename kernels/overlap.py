@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fo_kernels import ops
 from fo_kernels.engines import EngineResult
 from fo_kernels.errors import ScaleError, SignatureError
-from fo_kernels.execute import check_tensors, execute
+from fo_kernels.execute import check_local, check_tensors, execute
 from fo_kernels.groups import group_name
 from fo_kernels.scaling import scale_type_problem
 from fo_kernels.schedule import Schedule
@@ -44,6 +44,7 @@ def _call(
         return execute(
             collective, a, b, schedule, group, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
         )
+    check_local(a=a, b=b)  # (off the direct path: a DTensor never takes it)
     # (a refused group, schedule or scales, traced: the op raises its ValueError when the graph
     # runs it; Dynamo would make a RuntimeError of a raise here)
     name = group_name(group)

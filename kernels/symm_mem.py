@@ -20,7 +20,8 @@ take, empty operands (no rows, features or outputs) and an empty ``Bs`` run as t
 runs them, with a ``NotOverlappedWarning``. Unlike torch's ops these are differentiable in ``A``
 and ``Bs``, the gathered A that ``return_A`` gives too (its gradient reaches the shard by a
 ReduceScatter, as through torch's reference). Bad arguments raise a ``ValueError``
-subclass naming the problem before any collective; fp8 operands are one (``ScaleError``: these
+subclass naming the problem before any collective (traced by torch.compile, when the graph runs:
+``fo_kernels.refusal``); fp8 operands are one (``ScaleError``: these
 signatures take no scales; ``all_gather_gemm`` / ``gemm_reduce_scatter`` take them).
 """
 
@@ -33,9 +34,12 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.errors import ArgumentError, GroupError, NotOverlappedWarning, ScaleError, ShapeError
+from fo_kernels.execute import check_local
+from fo_kernels.fields import check_bool
 from fo_kernels.gemm import BOperand
 from fo_kernels.groups import check_group, require_initialized, resolve_group
 from fo_kernels.ops import call_op, warn_while_tracing
+from fo_kernels.refusal import refusal, refused, shape_text
 from fo_kernels.scaling import is_fp8
 from fo_kernels.schedule import TORCH_DTYPES
 
@@ -60,7 +64,9 @@ def _check_b(a: torch.Tensor, b: torch.Tensor, what: str, k: int) -> None:
     if not isinstance(b, torch.Tensor) or b.dim() != 2:
         raise ShapeError(f"{what} must be a (K, N) matrix, got {_described(b)}")
     if b.shape[0] != k:
-        raise ShapeError(f"K mismatch: A is {tuple(a.shape)} ({k} features) and {what} is {tuple(b.shape)}")
+        raise ShapeError(
+            f"K mismatch: A is {shape_text(a)} ({int(k)} features) and {what} is {shape_text(b)}"
+        )
     if b.dtype != a.dtype or b.device != a.device:
         raise ShapeError(
             f"A is {a.dtype} on {a.device} and {what} is {b.dtype} on {b.device}: give the operands "
@@ -68,9 +74,10 @@ def _check_b(a: torch.Tensor, b: torch.Tensor, what: str, k: int) -> None:
         )
 
 
-def _check_a(a: torch.Tensor) -> None:
+def _check_a(a: torch.Tensor, bs: list[torch.Tensor]) -> None:
     if not isinstance(a, torch.Tensor) or a.dim() < 2:
         raise ShapeError(f"A must be a tensor of at least 2 dims, got {_described(a)}")
+    check_local(A=a, **{f"Bs[{i}]": b for i, b in enumerate(bs)})
 
 
 # The op that takes scales, named by each fused function's fp8 refusal (``_check_not_fp8``).
@@ -94,7 +101,7 @@ def _check_not_fp8(what: str, a: torch.Tensor, bs: list[torch.Tensor]) -> None:
 
 
 def _described(t: object) -> str:
-    return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+    return f"shape {shape_text(t)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
 
 
 def _named(group_name: str | dist.ProcessGroup) -> str:
@@ -114,14 +121,29 @@ def _named(group_name: str | dist.ProcessGroup) -> str:
 
 def _world(group_name: str | dist.ProcessGroup) -> tuple[str, int]:
     """(the group's name as the ops take it, its size); an unknown name raises ``GroupError``.
-    Traced by torch.compile, the size is read by name (a function Dynamo folds to a constant)."""
+    Traced by torch.compile, the size is read by name (a function Dynamo folds to a constant),
+    after the name is checked by a function whose result Dynamo keeps (its raise would be Dynamo's
+    internal error)."""
     group_name = _named(group_name)
     if torch.compiler.is_compiling():
         name = group_name or dist.group.WORLD.group_name
+        problem = _name_problem(name)
+        if problem:
+            raise GroupError(problem)
         return name, dist.distributed_c10d._get_group_size_by_name(name)
     require_initialized()
     group = resolve_group(group_name)
     return ("" if group is None else group.group_name), dist.get_world_size(group)
+
+
+@torch.compiler.assume_constant_result
+def _name_problem(name: str) -> str:
+    """The ``GroupError`` message of a group name no process group has ("" for a known name)."""
+    try:
+        resolve_group(name)
+    except GroupError as exc:
+        return str(exc)
+    return ""
 
 
 def _reference_why(a: torch.Tensor, bs: list[torch.Tensor], d: int) -> Callable[[], str] | None:
@@ -168,15 +190,12 @@ def fused_all_gather_matmul(
     torch's op schema names it, so a call by keyword switches too), with the gather overlapped
     with the GEMM (``all_gather_gemm``); returns (the gathered A if ``return_A`` else None, the
     products). See the module docstring."""
-    _check_a(A)
-    if isinstance(Bs, torch.Tensor) or not isinstance(Bs, list | tuple):
-        raise ShapeError(f"Bs must be a list of (K, N) matrices, got {type(Bs).__name__}")
-    d = _dim(gather_dim, A.dim(), "gather_dim")
-    name, world = _world(group_name)
-    k = A.shape[-1] * (world if d == A.dim() - 1 else 1)
-    for i, b in enumerate(Bs):
-        _check_b(A, b, f"Bs[{i}]", k)
-    _check_not_fp8("fused_all_gather_matmul", A, Bs)
+    _check_a(A, _listed(Bs))
+    checked, why_refused = refusal(lambda: _gather_checks(A, Bs, gather_dim, group_name, return_A))
+    if why_refused is not None:  # (traced: raised when the graph runs)
+        outs = [refused(why_refused, A, (*A.shape[:-1], _columns(b, A))) for b in _listed(Bs)]
+        return (None if return_A is False else refused(why_refused, A, tuple(A.shape))), outs
+    d, name, world = checked
     why = _reference_why(A, Bs, d)
     if why is not None:
         _not_overlapped(why)
@@ -205,18 +224,11 @@ def fused_matmul_reduce_scatter(
 ) -> torch.Tensor:
     """``reduce_scatter(A @ B, reduce_op, scatter_dim)``, the GEMM overlapped with the
     ReduceScatter (``gemm_reduce_scatter``). See the module docstring."""
-    _check_a(A)
-    _check_b(A, B, "B", A.shape[-1])
-    _check_not_fp8("fused_matmul_reduce_scatter", A, [B])
-    if reduce_op not in REDUCE_OPS:
-        raise ArgumentError(f"reduce_op {reduce_op!r} is not one of {', '.join(REDUCE_OPS)}")
-    d = _dim(scatter_dim, A.dim(), "scatter_dim")
-    name, world = _world(group_name)
-    size = A.shape[d] if d < A.dim() - 1 else B.shape[1]
-    if size % world:
-        raise ShapeError(
-            f"scatter_dim {scatter_dim} has {size} entries, not divisible by the world size {world}"
-        )
+    _check_a(A, [B])
+    checked, why_refused = refusal(lambda: _scatter_checks(A, B, reduce_op, scatter_dim, group_name))
+    if why_refused is not None:  # (traced: raised when the graph runs)
+        return refused(why_refused, A, (*A.shape[:-1], _columns(B, A)))
+    d, name, world = checked
     why = _reference_why(A, [B], d)
     if why is not None:
         _not_overlapped(why)
@@ -227,6 +239,53 @@ def fused_matmul_reduce_scatter(
     if reduce_op == "avg":
         out = out / world
     return _scattered(out.view(lead[0] // world, *lead[1:], -1), d)
+
+
+# ------------------------------------------------------------------------- checks
+def _gather_checks(
+    A: torch.Tensor, Bs: object, gather_dim: object, group_name: object, return_A: object
+) -> tuple[int, str, int]:
+    """(gather dim, group name, world size) of a ``fused_all_gather_matmul`` call, or the
+    ``FoTuneError`` of an argument it refuses."""
+    check_bool("return_A", return_A)  # (torch's schema takes a bool; "no" would read as true)
+    if isinstance(Bs, torch.Tensor) or not isinstance(Bs, list | tuple):
+        raise ShapeError(f"Bs must be a list of (K, N) matrices, got {type(Bs).__name__}")
+    d = _dim(gather_dim, A.dim(), "gather_dim")
+    name, world = _world(group_name)
+    k = A.shape[-1] * (world if d == A.dim() - 1 else 1)
+    for i, b in enumerate(Bs):
+        _check_b(A, b, f"Bs[{i}]", k)
+    _check_not_fp8("fused_all_gather_matmul", A, list(Bs))
+    return d, name, world
+
+
+def _scatter_checks(
+    A: torch.Tensor, B: object, reduce_op: object, scatter_dim: object, group_name: object
+) -> tuple[int, str, int]:
+    """(scatter dim, group name, world size) of a ``fused_matmul_reduce_scatter`` call, or the
+    ``FoTuneError`` of an argument it refuses."""
+    _check_b(A, B, "B", A.shape[-1])
+    _check_not_fp8("fused_matmul_reduce_scatter", A, [B])
+    if reduce_op not in REDUCE_OPS:
+        raise ArgumentError(f"reduce_op {reduce_op!r} is not one of {', '.join(REDUCE_OPS)}")
+    d = _dim(scatter_dim, A.dim(), "scatter_dim")
+    name, world = _world(group_name)
+    size = A.shape[d] if d < A.dim() - 1 else B.shape[1]
+    if size % world:
+        raise ShapeError(
+            f"scatter_dim {scatter_dim} has {int(size)} entries, not divisible by the world size {world}"
+        )
+    return d, name, world
+
+
+def _listed(bs: object) -> list:
+    """A refused call's ``Bs`` as a list (none where it is no list of them)."""
+    return list(bs) if isinstance(bs, list | tuple) else []
+
+
+def _columns(b: object, a: torch.Tensor) -> int:
+    """A refused call's output columns: ``b``'s where it is a matrix, else ``a``'s features."""
+    return b.shape[-1] if isinstance(b, torch.Tensor) and b.dim() == 2 else a.shape[-1]
 
 
 # ------------------------------------------------------------------------- torch's reference
