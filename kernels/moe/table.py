@@ -352,8 +352,8 @@ def save_moe_table(table: MoeTable, path: str | os.PathLike[str]) -> None:
 # The problem at the start of a written row line (``MoeRow.to_dict`` puts ``problem`` first, in
 # ``MoeProblem.to_dict``'s order, and ``row_line`` writes it with these separators).
 _PROBLEM_PREFIX = re.compile(
-    r'\{"problem": \{"hidden": ([1-9][0-9]*), "intermediate": ([1-9][0-9]*), "experts": ([1-9][0-9]*), '
-    r'"top_k": ([1-9][0-9]*), "tokens_min": (0|[1-9][0-9]*), "tokens_max": ([1-9][0-9]*)\}'
+    r'\{"problem": \{"hidden": (D), "intermediate": (D), "experts": (D), "top_k": (D), "tokens_min": '
+    r'(0|D), "tokens_max": (D)\}'.replace("D", "[1-9][0-9]{0,18}")  # (int() takes 19 digits)
 )
 
 

@@ -28,7 +28,7 @@ import yaml
 
 from fo_kernels.errors import TableError
 from fo_kernels.files import SAFE_LOADER
-from fo_kernels.table.block import json_exact
+from fo_kernels.table.block import TOO_BIG, json_exact
 from fo_kernels.table.block_rows import read_block_rows
 from fo_kernels.table.index import EXACT, RANGE, ProblemKey
 
@@ -121,8 +121,15 @@ def _row_lines(body: str) -> list[str] | None:
 
 
 def load_yaml_text(text: str) -> Any:
-    """A safe YAML load (libyaml's parser where PyYAML has it)."""
-    return yaml.load(text, Loader=SAFE_LOADER)  # a safe loader, C or Python
+    """A safe YAML load (libyaml's parser where PyYAML has it); ``yaml.YAMLError`` also for an
+    integer too long to convert or nesting too deep to build (``TOO_BIG``), which PyYAML lets out
+    as Python's own errors."""
+    try:
+        return yaml.load(text, Loader=SAFE_LOADER)  # a safe loader, C or Python
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply to read (past Python's recursion limit)") from None
+    except ValueError as exc:  # (its advice, to raise Python's limit, is not the reader's to take)
+        raise yaml.YAMLError(str(exc).split(";")[0]) from None
 
 
 # Where a block sequence of rows ends: the first line at column 0 that is not one of its items
@@ -169,7 +176,7 @@ def load_document(text: str, *, lazy: bool = False) -> Any:
     if text.lstrip().startswith("{"):
         try:
             return json.loads(text)
-        except ValueError:  # a YAML flow mapping that is not JSON
+        except TOO_BIG:  # a YAML flow mapping that is not JSON (or JSON json will not read)
             pass
     data = _block_document(text, lazy)
     if data is not None:
@@ -181,7 +188,7 @@ def decode_row_line(line: str) -> Any:
     """One row line (without ``- ``): by ``json``, else by the YAML parser."""
     try:
         return json.loads(line)
-    except ValueError:
+    except TOO_BIG:
         return load_yaml_text(line)
 
 
@@ -210,7 +217,7 @@ def parse_table_text(text: str) -> Any:
     data, lines = split
     try:
         data["rows"] = json.loads("[" + ",".join(lines) + "]")
-    except ValueError:
+    except TOO_BIG:
         data["rows"] = [decode_row_line(line) for line in lines]
     return data
 
@@ -258,8 +265,8 @@ def row_built_once(built: dict[int, T], rows: list[Any], i: int, source: str, bu
 # The problem at the start of a written row line (``row_line`` writes ``problem`` first, with
 # these separators): exact ``m``, or ``m_min`` and ``m_max``; then ``n`` and ``k``.
 _PROBLEM_PREFIX = re.compile(
-    r'\{"problem": \{(?:"m": ([1-9][0-9]*)|"m_min": ([1-9][0-9]*), "m_max": ([1-9][0-9]*)), '
-    r'"n": ([1-9][0-9]*), "k": ([1-9][0-9]*)\}'
+    r'\{"problem": \{(?:"m": ([1-9][0-9]{0,18})|"m_min": ([1-9][0-9]{0,18}), "m_max": ([1-9][0-9]{0,18})), '
+    r'"n": ([1-9][0-9]{0,18}), "k": ([1-9][0-9]{0,18})\}'
 )
 
 
