@@ -263,13 +263,10 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
     folder or name); a problem when its name is another table's (``<collective>-w<N>-<dtype>.yaml``
     or the MoE table's for another header), or its folder another GPU's device key, since lookup
     then reads it for those calls and refuses it (another world size, collective, dtype or GPU)."""
-    import re
-
     from fo_kernels.errors import TableError
-    from fo_kernels.moe.table import MOE_TABLE_PREFIX, MoeTable, moe_table_filename
-    from fo_kernels.schedule import COLLECTIVES, DTYPES
+    from fo_kernels.moe.table import MoeTable, moe_table_filename
     from fo_kernels.table import table_filename
-    from fo_tune.tables.find import check_machine
+    from fo_tune.tables.find import check_machine, misnamed
 
     if isinstance(table, MoeTable):
         name = moe_table_filename(table.world_size, table.dtype)
@@ -286,8 +283,7 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
                 f"lookup reads this file for device key {path.parent.name}'s calls and refuses it (its "
                 f"fingerprint is device key {expected.parts[0]}); move it to {path.parent.parent / expected}"
             )
-    kinds = "|".join((*COLLECTIVES, MOE_TABLE_PREFIX))
-    if path.name != name and re.fullmatch(rf"({kinds})-w\d+-({'|'.join(DTYPES)})\.yaml", path.name):
+    if misnamed(path, name):
         return None, (
             f"lookup reads this file for the calls its name says and refuses it (it holds "
             f"{name.removesuffix('.yaml')}'s rows); rename it to {name}"

@@ -5,12 +5,20 @@ files in the runtime's search path; for a dense call (``lookup_schedule``) and f
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from fo_kernels.errors import TableError
 from fo_kernels.fingerprint import Fingerprint, read_device_key
-from fo_kernels.moe.table import ExpertsKey, MoeRow, best_moe_row, load_moe_table, moe_table_path
-from fo_kernels.schedule import Schedule
+from fo_kernels.moe.table import (
+    MOE_TABLE_PREFIX,
+    ExpertsKey,
+    MoeRow,
+    best_moe_row,
+    load_moe_table,
+    moe_table_path,
+)
+from fo_kernels.schedule import COLLECTIVES, DTYPES, Schedule
 from fo_kernels.table import (
     TABLE_DIR_ENV,
     best_match,
@@ -74,6 +82,28 @@ def check_machine(path: Path, fp: Fingerprint, device_key: str) -> None:
         f"runtime, refuses it here; move it to {home} (then look it up with -k {fp.device_key}), "
         f"or tune a table for {device_key} with `fo-tune search`"
     )
+
+
+# The names lookup reads a table file under: a dense call's and the MoE table's.
+_KINDS = "|".join((*COLLECTIVES, MOE_TABLE_PREFIX))
+_LOOKUP_NAME = re.compile(rf"({_KINDS})-w[0-9]+-({'|'.join(DTYPES)})\.yaml")
+
+
+def misnamed(path: Path, name: str) -> bool:
+    """Whether the table at ``path``, whose header belongs under the file name ``name``, sits under
+    a name lookup reads for other calls (another collective, world size or dtype): lookup then
+    reads it for those calls and refuses it, naming the file."""
+    return path.name != name and _LOOKUP_NAME.fullmatch(path.name) is not None
+
+
+def check_file_name(path: Path, name: str) -> None:
+    """Refuse, as lookup does, the table at ``path`` that is ``misnamed`` (its header's file name
+    ``name``): a ``TableError`` saying to rename it."""
+    if misnamed(path, name):
+        raise TableError(
+            f"table {path} holds {name.removesuffix('.yaml')}'s rows under another call's name: "
+            f"lookup reads it for the calls its name says and refuses it; rename it to {name}"
+        )
 
 
 def find_tables(device_key: str, collective: str, world_size: int, dtype: str) -> list[Path]:
