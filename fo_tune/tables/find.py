@@ -28,6 +28,7 @@ from fo_kernels.table import (
     table_path,
     table_search_path,
 )
+from fo_kernels.table.format import file_stamp
 
 
 # ------------------------------------------------------------------------------------- find
@@ -110,14 +111,23 @@ def find_tables(device_key: str, collective: str, world_size: int, dtype: str) -
     """The existing table files for this header in ``table_search_path()`` order (the order
     ``lookup_schedule`` reads them in: an exact-shape row in any of them beats an M-range row)."""
     paths = (table_path(root, device_key, collective, world_size, dtype) for root in search_folders())
-    return [path for path in paths if path.is_file()]
+    return [path for path in paths if _there(path)]
 
 
 def find_moe_tables(device_key: str, world_size: int, dtype: str) -> list[Path]:
     """The existing MoE table files of this (device key, world size, dtype) in
     ``table_search_path()`` order (the order the runtime's MoE lookup reads them in)."""
     paths = (moe_table_path(root, device_key, world_size, dtype) for root in search_folders())
-    return [path for path in paths if path.is_file()]
+    return [path for path in paths if _there(path)]
+
+
+def _there(path: Path) -> bool:
+    """Whether the runtime's lookup reads ``path``: anything but nothing there (a folder or a
+    symlink loop under a table's name it refuses, and so does reading it here)."""
+    try:
+        return file_stamp(path) is not None
+    except TableError:
+        return True
 
 
 def find_moe_row(

@@ -303,6 +303,19 @@ def read_table_text(path: str | os.PathLike[str]) -> str:
         raise TableError(f"{path}: cannot read: {exc}; {GIVE_A_TABLE}") from None
 
 
+def file_stamp(path: Path) -> tuple[int, int, int] | None:
+    """(inode, mtime_ns, size) of the table file at ``path``, what a cache keeps its read under;
+    None where there is no file; ``TableError`` naming the path where it cannot be looked at (a
+    folder it may not search, a symlink loop), as for a file it cannot read."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise TableError(f"{path}: cannot read: {exc}; {GIVE_A_TABLE}") from None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
 def read_table_data(path: str | os.PathLike[str]) -> Any:
     """The data of the table file at ``path`` (``fo_kernels.table.text``; errors as
     ``read_table_text``'s, and ``TableError`` naming the path when it is not YAML)."""
