@@ -11,6 +11,30 @@ from typing import Any
 
 from fo_kernels.errors import ArgumentError, FoTuneError, ScheduleError
 
+# The most values (scalars and containers, nested) a free-form record, a row's provenance, may hold
+# written out: a search records about a dozen, while a YAML anchor whose aliases nest inside one
+# another (an "anchor bomb") reads as a few lines and expands to billions when a reader prints or
+# writes the row (`fo-tune table show` took minutes on one of 43 million values).
+RECORD_MAX_VALUES = 10_000
+
+
+def check_record(name: str, value: Mapping[str, Any]) -> None:
+    """Refuse the mapping ``value`` when it holds more than ``RECORD_MAX_VALUES`` values written
+    out (YAML aliases expanded; counting stops there), with a ``ScheduleError`` naming ``name``."""
+    stack = list(value.values())
+    count = len(stack)
+    while stack and count <= RECORD_MAX_VALUES:
+        item = stack.pop()
+        if isinstance(item, (Mapping, list, tuple)):
+            items = item.values() if isinstance(item, Mapping) else item
+            count += len(items)
+            stack.extend(items)
+    if count > RECORD_MAX_VALUES:
+        raise ScheduleError(
+            f"{name}: holds more than {RECORD_MAX_VALUES} values written out (YAML aliases expanded); "
+            "keep it to what the search recorded, without anchors repeated inside one another"
+        )
+
 
 def is_pow2(x: int) -> bool:
     """Whether ``x`` is a positive power of two."""

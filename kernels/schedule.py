@@ -54,7 +54,7 @@ from typing import Any, ClassVar
 import torch
 
 from fo_kernels.errors import ScheduleError
-from fo_kernels.fields import check_choice, check_int, from_mapping
+from fo_kernels.fields import check_choice, check_int, check_record, from_mapping
 from fo_kernels.tile import Tile
 
 # all_gather is the column-parallel direction, AllGather + GEMM: rank r's (M/w, K) shard of A is
@@ -303,6 +303,7 @@ class Schedule:
             self.settings.check(self.collective, self.world_size)
         if not isinstance(self.provenance, Mapping):
             raise ScheduleError(f"provenance: expected a mapping, got {type(self.provenance).__name__}")
+        check_record("provenance", self.provenance)
         if not isinstance(self.basis, str):
             raise ScheduleError(f"basis: expected a string, got {type(self.basis).__name__}")
         object.__setattr__(self, "op_text", _op_text(self))

@@ -15,12 +15,17 @@ from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
 from fo_kernels.errors import TableError
 from fo_kernels.fingerprint import current_fingerprint
+from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
+from fo_kernels.moe.table import MoeRow, MoeTable, MoeTableCache, moe_table_path, save_moe_table
 from fo_kernels.table import lookup as table_lookup
 from fo_kernels.table import lookup_schedule, table_path
 from fo_kernels.table import paths as table_paths
 
 # The first row big_table writes: 64x1024x1024, a copy-engine row.
 FIRST_ROW = '{"problem": {"m": 64, "n": 1024, "k": 1024}'
+# The experts' shape of the MoE tables here (H, I, E_local, k).
+MOE_KEY = (1024, 512, 4, 2)
+MOE_SHAPE = dict(zip(("hidden", "intermediate", "experts", "top_k"), MOE_KEY, strict=True))
 
 
 @pytest.fixture(autouse=True)
@@ -107,3 +112,119 @@ def test_list_names_a_table_that_holds_another_calls_rows_as_lookup_refuses_it(
     good = _table(tmp_path / "good")  # another folder's good table: listed, not refused
     listed = runner.invoke(app, ["table", "list"], env={"FO_TUNE_TABLE_DIR": str(good.parents[1])})
     assert listed.exit_code == 0, listed.output
+
+
+def _moe_table(tmp_path: Path) -> Path:
+    """An MoE table of this machine (world size 2, bfloat16) of two no-overlap rows, tokens [0, 512]
+    and [513, 4096], written where the runtime's MoE lookup reads it."""
+    fp = current_fingerprint("cpu", world_size=2)
+    rows = [
+        MoeRow(
+            schedule=MoeSchedule(
+                dtype="bfloat16", world_size=2, problem=MoeProblem(**MOE_SHAPE, tokens_min=lo, tokens_max=hi)
+            ),
+            provenance={"mode": "predict"},
+        )
+        for lo, hi in ((0, 512), (513, 4096))
+    ]
+    path = moe_table_path(tmp_path / "tables", fp.device_key, 2, "bfloat16")
+    save_moe_table(MoeTable(fingerprint=fp, world_size=2, dtype="bfloat16", rows=rows), path)
+    return path
+
+
+def _moe_lookup_error(path: Path) -> str:
+    """The ``TableError`` the runtime's MoE lookup raises for a call of the table's second row."""
+    with pytest.raises(TableError) as info:
+        MoeTableCache().lookup(MOE_KEY, 1000, dtype="bfloat16", world_size=2, device="cpu")
+    assert str(path) in str(info.value)
+    return str(info.value)
+
+
+# A YAML anchor bomb: nine aliases of the anchor before, six deep (9^6 values written out).
+BOMB = ", ".join(
+    ['"a0": &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]']
+    + [f'"a{i}": &a{i} [{", ".join([f"*a{i - 1}"] * 9)}]' for i in range(1, 6)]
+)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_an_anchor_bomb_in_a_rows_provenance_is_refused_before_anything_writes_it_out(
+    runner: CliRunner, tmp_path: Path, kind: str
+) -> None:
+    """A provenance of a few lines whose aliases expand to 531,441 values (`table show` printed one of
+    43 million for minutes): the row is refused where it is built, as any malformed row."""
+    path = _table(tmp_path) if kind == "dense" else _moe_table(tmp_path)
+    lines = path.read_text(encoding="utf-8").split("\n")
+    row = next(i for i, line in enumerate(lines) if line.startswith("- {")) + (kind == "moe")
+    lines[row] = lines[row].replace('"provenance": {', '"provenance": {' + BOMB + ", ", 1)
+    path.write_text("\n".join(lines), encoding="utf-8")
+    message = _lookup_error(path) if kind == "dense" else _moe_lookup_error(path)
+    assert "rows[" in message and "provenance: holds more than" in message, message
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert "provenance: holds more than" in line
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (
+            ('"provenance": {"mode": "predict"}', '"provenance": [1, 2]'),
+            "rows[1]: provenance: expected a mapping",
+        ),
+        (
+            ('"provenance": {"mode": "predict"}', '"provenance": [["mode", "x"]]'),
+            "rows[1]: provenance: expected a mapping",
+        ),
+        (
+            ('"provenance": {"mode": "predict"}', '"provenance": "abc"'),
+            "rows[1]: provenance: expected a mapping",
+        ),
+        (('"engine": null', '"engine": null, "dtype": "float32"'), "rows[1]: dtype: the row says 'float32'"),
+        (('"engine": null', '"engine": null, "world_size": 4'), "rows[1]: world_size: the row says 4"),
+        (("rows:\n", ""), "rows: missing"),
+    ],
+    ids=[
+        "provenance-list",
+        "provenance-pairs",
+        "provenance-string",
+        "row-dtype",
+        "row-world-size",
+        "no-rows",
+    ],
+)
+def test_a_damaged_moe_table_is_a_table_error_naming_the_file_and_row(
+    runner: CliRunner, tmp_path: Path, edit: tuple[str, str], says: str
+) -> None:
+    """Rows the MoE table read as a Python error (a provenance that is no mapping: TypeError), took
+    silently (a list of pairs as a mapping; a row's other dtype or world size overridden by the
+    header's), or a file cut short before its rows, read as an empty table."""
+    path = _moe_table(tmp_path)
+    text = path.read_text(encoding="utf-8")
+    if edit[0] == "rows:\n":  # the file cut short after its header
+        text = text[: text.index("rows:\n")]
+    else:
+        first, second = text.rsplit(edit[0], 1)
+        text = first + edit[1] + second  # (the second row's)
+    path.write_text(text, encoding="utf-8")
+    assert says in _moe_lookup_error(path)
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert says in line and str(path) in line
+
+
+@pytest.mark.parametrize("kind", ["folder", "symlink-loop"])
+def test_a_table_name_that_is_no_file_is_a_table_error_in_lookup_and_the_cli(
+    runner: CliRunner, tmp_path: Path, kind: str
+) -> None:
+    """A folder or a symlink loop under a table's name: the runtime raised OSError for the loop, and
+    `table lookup` skipped both (exit 0) where the runtime refuses them."""
+    path = _table(tmp_path)
+    path.unlink()
+    if kind == "folder":
+        path.mkdir()
+    else:
+        path.symlink_to(path)
+    _lookup_error(path)
+    line = assert_one_line_error(
+        runner.invoke(app, ["table", "lookup", "--shape", "64x1024x1024", "-c", "all_reduce"])
+    )
+    assert str(path) in line
