@@ -4,6 +4,8 @@ with one line on stderr, never a Python error from the parsers underneath."""
 
 from __future__ import annotations
 
+import csv
+import io
 import warnings
 from pathlib import Path
 
@@ -228,3 +230,21 @@ def test_a_table_name_that_is_no_file_is_a_table_error_in_lookup_and_the_cli(
         runner.invoke(app, ["table", "lookup", "--shape", "64x1024x1024", "-c", "all_reduce"])
     )
     assert str(path) in line
+
+
+@pytest.mark.parametrize("kind, column", [("dense", "layout"), ("moe", "engine")])
+def test_show_csv_gives_every_provenance_key_a_column_of_its_own(
+    runner: CliRunner, tmp_path: Path, kind: str, column: str
+) -> None:
+    """A hand-edited provenance holding a schedule column's name and ``provenance_<it>`` (the
+    column the first gets): two columns of one name, of which a CSV reader keeps one value."""
+    path = _table(tmp_path) if kind == "dense" else _moe_table(tmp_path)
+    text = path.read_text(encoding="utf-8")
+    edited = f'"provenance": {{"{column}": "edited-a", "provenance_{column}": "edited-b", '
+    path.write_text(text.replace('"provenance": {', edited, 1), encoding="utf-8")
+    result = runner.invoke(app, ["table", "show", str(path), "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    header, first = list(csv.reader(io.StringIO(result.stdout)))[:2]
+    assert len(header) == len(set(header)), header
+    row = dict(zip(header, first, strict=True))
+    assert "edited-a" in row.values() and "edited-b" in row.values(), row

@@ -268,10 +268,19 @@ CSV_COLUMNS = (
 PROVENANCE_PREFIX = "provenance_"
 
 
-def provenance_columns(keys: Sequence[str]) -> list[str]:
-    """The CSV column of each provenance key: the key, or ``provenance_<key>`` where the key is a
-    schedule column."""
-    return [PROVENANCE_PREFIX + key if key in CSV_COLUMNS else key for key in keys]
+def provenance_columns(keys: Sequence[str], columns: Sequence[str] = CSV_COLUMNS) -> list[str]:
+    """The CSV column of each provenance key: the key, or ``provenance_<key>`` where the key is one
+    of the schedule's ``columns`` or an earlier key's column (prefixed again until it is none: a
+    provenance holding both ``mode`` and ``provenance_mode`` gets two columns)."""
+    taken = set(columns)
+    names = []
+    for key in keys:
+        name = key
+        while name in taken:
+            name = PROVENANCE_PREFIX + name
+        taken.add(name)
+        names.append(name)
+    return names
 
 
 def _settings_values(row: Schedule) -> dict[str, Any]:
