@@ -5,6 +5,7 @@ with one line on stderr, never a Python error from the parsers underneath."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import warnings
 from pathlib import Path
@@ -15,8 +16,8 @@ from typer.testing import CliRunner
 from big_table import write_big_table
 from cli import app
 from cli_checks import assert_one_line_error, isolate_tables
-from fo_kernels.errors import TableError
-from fo_kernels.fingerprint import current_fingerprint
+from fo_kernels.errors import TableError, VersionDriftWarning
+from fo_kernels.fingerprint import current_fingerprint, make_device_key
 from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
 from fo_kernels.moe.table import MoeRow, MoeTable, MoeTableCache, moe_table_path, save_moe_table
 from fo_kernels.table import lookup as table_lookup
@@ -248,3 +249,28 @@ def test_show_csv_gives_every_provenance_key_a_column_of_its_own(
     assert len(header) == len(set(header)), header
     row = dict(zip(header, first, strict=True))
     assert "edited-a" in row.values() and "edited-b" in row.values(), row
+
+
+def test_a_table_tuned_on_another_device_key_of_this_capability_is_used_with_a_warning(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """A table another machine of this compute capability tuned (here twice the SMs), copied into
+    this device key's folder: lookup uses it, as the README says, but no longer silently; validate
+    says so instead of claiming lookup never reads it there."""
+    ours = current_fingerprint("cpu", world_size=2)
+    fields = dict(gpu_name=ours.gpu_name, sm_count=2 * ours.sm_count, interconnect=ours.interconnect)
+    key = make_device_key(compute_capability=ours.compute_capability, world_size=2, **fields)
+    theirs = dataclasses.replace(ours, device_key=key, sm_count=fields["sm_count"])
+    path = table_path(tmp_path / "tables", ours.device_key, "all_reduce", 2, "bfloat16")
+    write_big_table(path, theirs, 4)
+    with pytest.warns(
+        VersionDriftWarning, match=f"tuned on device key {key}, this device is {ours.device_key}"
+    ):
+        row = lookup_schedule("all_reduce", 64, 1024, 1024, dtype="bfloat16", world_size=2, device="cpu")
+    assert row.engine == "copy_engine"
+    result = runner.invoke(app, ["table", "validate", str(path)])
+    assert result.exit_code == 0, result.output
+    assert (
+        f"note: {path}: lookup on device key {ours.device_key} reads this table, tuned on {key}"
+        in result.stdout
+    )

@@ -264,6 +264,7 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
     or the MoE table's for another header), or its folder another GPU's device key, since lookup
     then reads it for those calls and refuses it (another world size, collective, dtype or GPU)."""
     from fo_kernels.errors import TableError
+    from fo_kernels.fingerprint import read_device_key
     from fo_kernels.moe.table import MoeTable, moe_table_filename
     from fo_kernels.table import table_filename
     from fo_tune.tables.find import check_machine, misnamed
@@ -283,6 +284,12 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
                 f"lookup reads this file for device key {path.parent.name}'s calls and refuses it (its "
                 f"fingerprint is device key {expected.parts[0]}); move it to {path.parent.parent / expected}"
             )
+        if read_device_key(path.parent.name) is not None:  # another key of the same capability
+            return (
+                f"{path}: lookup on device key {path.parent.name} reads this table, tuned on "
+                f"{expected.parts[0]}, and warns (VersionDriftWarning) that its schedules may not be "
+                "the fastest there"
+            ), None
     if misnamed(path, name):
         return None, (
             f"lookup reads this file for the calls its name says and refuses it (it holds "

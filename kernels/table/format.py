@@ -363,7 +363,8 @@ def check_header_for(
 
 
 def check_fingerprint(table: ScheduleTable | TableHeader, current: Fingerprint, *, source: str) -> None:
-    """Refuse a table for other hardware or another world size; warn once on library version drift."""
+    """Refuse a table for another compute capability or another world size; warn once where it was
+    tuned on another device key (the same capability) and once on library version drift."""
     theirs = table.fingerprint
     if theirs.compute_capability != current.compute_capability:
         raise TableError(
@@ -375,6 +376,14 @@ def check_fingerprint(table: ScheduleTable | TableHeader, current: Fingerprint, 
         raise TableError(
             f"table {source} is for world size {table.world_size}, this job has {current.world_size}; "
             f"tune one for world size {current.world_size} with `fo-tune search`"
+        )
+    if theirs.device_key != current.device_key:  # another GPU model, SM count or interconnect
+        warnings.warn(
+            f"table {source} was tuned on device key {theirs.device_key}, this device is "
+            f"{current.device_key}: of the same compute capability, so lookup uses it, but its "
+            "schedules may not be the fastest here; tune this device's with `fo-tune search`",
+            VersionDriftWarning,
+            stacklevel=2,
         )
     ours = current.versions()
     drift = [
