@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Any
 
 from fo_kernels.errors import ArgumentError, FoTuneError, ScheduleError
@@ -81,6 +81,8 @@ def field_names(cls: type) -> tuple[str, ...]:
 def from_mapping(cls: type, data: Any, where: str) -> Any:
     """``cls(**data)`` for a mapping of ``cls``'s field names; ``ScheduleError`` at ``where`` for another
     type, an unknown key (listing the valid ones) or a missing one."""
+    if data is None:  # (a key left out, or left empty, in a hand-edited file)
+        raise ScheduleError(f"{where}: missing; give a mapping of {', '.join(field_names(cls))}")
     if not isinstance(data, Mapping):
         raise ScheduleError(f"{where}: expected a mapping, got {type(data).__name__}")
     known = field_names(cls)
@@ -89,8 +91,17 @@ def from_mapping(cls: type, data: Any, where: str) -> Any:
         raise ScheduleError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}; valid: {sorted(known)}")
     try:
         return cls(**data)
-    except TypeError as exc:  # a missing required key
-        raise ScheduleError(f"{where}: {exc}") from None
+    except TypeError:  # a missing required key: say which, as a field, not as Python's argument
+        missing = [name for name in required_names(cls) if name not in data]
+        raise ScheduleError(f"{where}: missing key(s) {', '.join(missing)}") from None
+
+
+@functools.cache
+def required_names(cls: type) -> tuple[str, ...]:
+    """The fields of dataclass ``cls`` that its constructor needs (no default)."""
+    return tuple(
+        f.name for f in fields(cls) if f.init and f.default is MISSING and f.default_factory is MISSING
+    )
 
 
 def check_weights(name: str, value: Any) -> tuple[int, ...]:

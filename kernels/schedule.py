@@ -179,6 +179,8 @@ def settings_type(engine: Any) -> type[EngineSettings]:
 
 def settings_from_mapping(cls: type, data: Any) -> Any:
     """An engine's settings dataclass ``cls`` from a row's ``settings`` mapping (its ``tile`` parsed)."""
+    if data is None:  # (left out, or left empty, in a hand-edited row)
+        raise ScheduleError(f"settings: missing; an overlapped row gives its {cls.ENGINE} engine's settings")
     if not isinstance(data, Mapping):
         raise ScheduleError(f"settings: expected a mapping, got {type(data).__name__}")
     merged = dict(data)

@@ -274,3 +274,29 @@ def test_a_table_tuned_on_another_device_key_of_this_capability_is_used_with_a_w
         f"note: {path}: lookup on device key {ours.device_key} reads this table, tuned on {key}"
         in result.stdout
     )
+
+
+@pytest.mark.parametrize(
+    "old, new, says",
+    [
+        ('"settings": {"mode": "ring", "weights": [2, 2, 1, 1]}, ', "", "rows[0]: settings: missing"),
+        ('"block_k": 64, ', "", "rows[2]: tile: missing key(s) block_k"),
+        ('"groups": [1], ', "", "rows[2]: settings (triton): missing key(s) groups"),
+    ],
+    ids=["settings", "tile-field", "settings-field"],
+)
+def test_a_row_missing_a_field_says_which_field_in_the_tables_words(
+    runner: CliRunner, tmp_path: Path, old: str, new: str, says: str
+) -> None:
+    """A hand edit that drops a row's settings or one of its fields: the message named Python's
+    constructor (``Tile.__init__() missing 1 required keyword-only argument``) or ``NoneType``."""
+    path = _table(tmp_path)
+    text = path.read_text(encoding="utf-8")
+    row = 2 if "rows[2]" in says else 0
+    lines = text.split("\n")
+    first = next(i for i, line in enumerate(lines) if line.startswith("- {"))
+    assert old in lines[first + row]
+    lines[first + row] = lines[first + row].replace(old, new, 1)
+    path.write_text("\n".join(lines), encoding="utf-8")
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert says in line and "__init__" not in line and "NoneType" not in line, line
