@@ -91,9 +91,11 @@ def from_mapping(cls: type, data: Any, where: str) -> Any:
         raise ScheduleError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}; valid: {sorted(known)}")
     try:
         return cls(**data)
-    except TypeError:  # a missing required key: say which, as a field, not as Python's argument
+    except TypeError as exc:  # a missing required key: say which, as a field, not as Python's argument
         missing = [name for name in required_names(cls) if name not in data]
-        raise ScheduleError(f"{where}: missing key(s) {', '.join(missing)}") from None
+        raise ScheduleError(
+            f"{where}: missing key(s) {', '.join(missing)}" if missing else f"{where}: {exc}"
+        ) from None
 
 
 @functools.cache
