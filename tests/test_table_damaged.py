@@ -300,3 +300,20 @@ def test_a_row_missing_a_field_says_which_field_in_the_tables_words(
     path.write_text("\n".join(lines), encoding="utf-8")
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
     assert says in line and "__init__" not in line and "NoneType" not in line, line
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_show_csv_keeps_the_value_of_a_provenance_key_yaml_reads_as_a_number(
+    runner: CliRunner, tmp_path: Path, kind: str
+) -> None:
+    """A hand-written ``7: ...`` in a provenance (YAML reads the key as an int): its column ``7``
+    was empty, while --json printed the value."""
+    path = _table(tmp_path) if kind == "dense" else _moe_table(tmp_path)
+    text = path.read_text(encoding="utf-8")
+    path.write_text(
+        text.replace('"provenance": {', '"provenance": {7: "hand-written", ', 1), encoding="utf-8"
+    )
+    result = runner.invoke(app, ["table", "show", str(path), "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    header, first = list(csv.reader(io.StringIO(result.stdout)))[:2]
+    assert dict(zip(header, first, strict=True))["7"] == "hand-written"

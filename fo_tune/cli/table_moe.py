@@ -19,6 +19,7 @@ from fo_tune.cli.table_rows import (
     SHOW_ROWS,
     device_lines,
     left_out_line,
+    named,
     print_plain,
     provenance_columns,
     provenance_keys,
@@ -164,7 +165,8 @@ def moe_csv_rows(found: Sequence[tuple[Path, MoeTable]]) -> str:
             elif s.engine == "copy_engine":
                 values["chunks"] = s.chunks
             cells = [values.get(column, "") for column in CSV_COLUMNS]
-            cells += [row.provenance.get(key, "") for key in prov]
+            provenance = named(row.provenance)
+            cells += [provenance.get(key, "") for key in prov]
             writer.writerow(cells)
     return buf.getvalue()
 
