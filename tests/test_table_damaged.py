@@ -317,3 +317,27 @@ def test_show_csv_keeps_the_value_of_a_provenance_key_yaml_reads_as_a_number(
     assert result.exit_code == 0, result.output
     header, first = list(csv.reader(io.StringIO(result.stdout)))[:2]
     assert dict(zip(header, first, strict=True))["7"] == "hand-written"
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("how", ["two-files-joined", "rows-twice", "header-key-twice"])
+def test_a_key_a_table_file_gives_twice_is_refused_not_read_as_the_last(
+    runner: CliRunner, tmp_path: Path, kind: str, how: str
+) -> None:
+    """YAML's readers keep the last of a repeated key: two tables joined into one file (``cat a b``)
+    read as the second alone, a second ``rows:`` block as its rows alone, and a header key added
+    below the one there as the addition, every other row silently gone or the header changed."""
+    path = _table(tmp_path) if kind == "dense" else _moe_table(tmp_path)
+    text = path.read_text(encoding="utf-8")
+    header, rows = text.split("rows:\n")
+    if how == "two-files-joined":
+        text = text + text
+    elif how == "rows-twice":
+        text = f"{header}rows:\n{rows}rows:\n{rows.split(chr(10))[0]}\n"
+    else:
+        text = text.replace("dtype: bfloat16\n", "dtype: bfloat16\ndtype: bfloat16\n", 1)
+    path.write_text(text, encoding="utf-8")
+    message = _lookup_error(path) if kind == "dense" else _moe_lookup_error(path)
+    assert "is given twice" in message and "YAML keeps the last alone" in message, message
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert "is given twice" in line

@@ -121,15 +121,37 @@ def _row_lines(body: str) -> list[str] | None:
 
 
 def load_yaml_text(text: str) -> Any:
-    """A safe YAML load (libyaml's parser where PyYAML has it); ``yaml.YAMLError`` also for an
-    integer too long to convert or nesting too deep to build (``TOO_BIG``), which PyYAML lets out
-    as Python's own errors."""
+    """A safe YAML load (libyaml's parser where PyYAML has it); ``yaml.YAMLError`` also for a key the
+    top-level mapping repeats (``_refuse_repeated_keys``) and for an integer too long to convert or
+    nesting too deep to build (``TOO_BIG``), which PyYAML lets out as Python's own errors."""
+    loader = SAFE_LOADER(text)  # a safe loader, C or Python
     try:
-        return yaml.load(text, Loader=SAFE_LOADER)  # a safe loader, C or Python
+        node = loader.get_single_node()
+        if isinstance(node, yaml.MappingNode):
+            _refuse_repeated_keys(node)
+        return None if node is None else loader.construct_document(node)
     except RecursionError:
         raise yaml.YAMLError("nested too deeply to read (past Python's recursion limit)") from None
     except ValueError as exc:  # (its advice, to raise Python's limit, is not the reader's to take)
         raise yaml.YAMLError(str(exc).split(";")[0]) from None
+    finally:
+        loader.dispose()
+
+
+def _refuse_repeated_keys(node: yaml.MappingNode) -> None:
+    """``yaml.YAMLError`` for a key the top-level mapping ``node`` holds twice: YAML's readers keep
+    the last one alone, so two tables in one file (``cat a.yaml b.yaml``), or a header key added
+    by hand below the one there, would read as the second alone, the first's rows silently gone."""
+    seen: dict[tuple[str, str], int] = {}
+    for key, _value in node.value:
+        if isinstance(key, yaml.ScalarNode):
+            line = seen.setdefault((key.tag, key.value), key.start_mark.line + 1)
+            if line != key.start_mark.line + 1:
+                raise yaml.YAMLError(
+                    f"the key {key.value!r} is given twice (lines {line} and {key.start_mark.line + 1}), "
+                    "and YAML keeps the last alone, the first's content dropped; keep one (a file "
+                    "holds one table: two joined into one file read as the second alone)"
+                )
 
 
 # Where a block sequence of rows ends: the first line at column 0 that is not one of its items
