@@ -274,6 +274,14 @@ def test_a_table_tuned_on_another_device_key_of_this_capability_is_used_with_a_w
         f"note: {path}: lookup on device key {ours.device_key} reads this table, tuned on {key}"
         in result.stdout
     )
+    # under a key of another world size, where no lookup reads it: the note says where one would
+    w4 = make_device_key(compute_capability=ours.compute_capability, world_size=4, **fields)
+    moved = path.parents[1] / w4 / path.name
+    moved.parent.mkdir()
+    path.rename(moved)
+    result = runner.invoke(app, ["table", "validate", str(moved)])
+    assert result.exit_code == 0, result.output
+    assert f"note: {moved}: lookup reads this table only as <table folder>/{key}/{path.name}" in result.stdout
 
 
 @pytest.mark.parametrize(

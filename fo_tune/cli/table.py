@@ -284,7 +284,8 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
                 f"lookup reads this file for device key {path.parent.name}'s calls and refuses it (its "
                 f"fingerprint is device key {expected.parts[0]}); move it to {path.parent.parent / expected}"
             )
-        if read_device_key(path.parent.name) is not None:  # another key of the same capability
+        folder_key = read_device_key(path.parent.name)
+        if folder_key is not None and folder_key["world_size"] == table.world_size:  # (the same capability)
             return (
                 f"{path}: lookup on device key {path.parent.name} reads this table, tuned on "
                 f"{expected.parts[0]}, and warns (VersionDriftWarning) that its schedules may not be "
