@@ -87,7 +87,8 @@ class EnvironmentMismatchError(FoTuneError, RuntimeError):
 
 
 class VersionDriftWarning(UserWarning):
-    """A table was measured with other library versions than the ones running now."""
+    """A table was measured with other library versions than the ones running now, or on another
+    device key of this device's compute capability (another GPU model, SM count or interconnect)."""
 
 
 class HeuristicScheduleWarning(UserWarning):

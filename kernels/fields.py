@@ -6,10 +6,40 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Any
 
 from fo_kernels.errors import ArgumentError, FoTuneError, ScheduleError
+
+# The most values (scalars and containers, nested) a free-form record, a row's provenance, may hold
+# written out: a search records about a dozen, while a YAML anchor whose aliases nest inside one
+# another (an "anchor bomb") reads as a few lines and expands to billions when a reader prints or
+# writes the row (`fo-tune table show` took minutes on one of 43 million values).
+RECORD_MAX_VALUES = 10_000
+# The types of a record's values that hold no others.
+_SCALARS = frozenset((str, int, float, bool, type(None)))
+
+
+def check_record(name: str, value: Mapping[str, Any]) -> None:
+    """Refuse the mapping ``value`` when it holds more than ``RECORD_MAX_VALUES`` values written
+    out (YAML aliases expanded; counting stops there), with a ``ScheduleError`` naming ``name``.
+    A record of scalars (a search's) is passed in one look at its values' types: validating a
+    100,000-row table checks 100,000 of them."""
+    if len(value) <= RECORD_MAX_VALUES and _SCALARS.issuperset(map(type, value.values())):
+        return
+    stack = list(value.values())
+    count = len(stack)
+    while stack and count <= RECORD_MAX_VALUES:
+        item = stack.pop()
+        if isinstance(item, (Mapping, list, tuple)):
+            items = item.values() if isinstance(item, Mapping) else item
+            count += len(items)
+            stack.extend(items)
+    if count > RECORD_MAX_VALUES:
+        raise ScheduleError(
+            f"{name}: holds more than {RECORD_MAX_VALUES} values written out (YAML aliases expanded); "
+            "keep it to what the search recorded, without anchors repeated inside one another"
+        )
 
 
 def is_pow2(x: int) -> bool:
@@ -51,6 +81,8 @@ def field_names(cls: type) -> tuple[str, ...]:
 def from_mapping(cls: type, data: Any, where: str) -> Any:
     """``cls(**data)`` for a mapping of ``cls``'s field names; ``ScheduleError`` at ``where`` for another
     type, an unknown key (listing the valid ones) or a missing one."""
+    if data is None:  # (a key left out, or left empty, in a hand-edited file)
+        raise ScheduleError(f"{where}: missing; give a mapping of {', '.join(field_names(cls))}")
     if not isinstance(data, Mapping):
         raise ScheduleError(f"{where}: expected a mapping, got {type(data).__name__}")
     known = field_names(cls)
@@ -59,8 +91,19 @@ def from_mapping(cls: type, data: Any, where: str) -> Any:
         raise ScheduleError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}; valid: {sorted(known)}")
     try:
         return cls(**data)
-    except TypeError as exc:  # a missing required key
-        raise ScheduleError(f"{where}: {exc}") from None
+    except TypeError as exc:  # a missing required key: say which, as a field, not as Python's argument
+        missing = [name for name in required_names(cls) if name not in data]
+        raise ScheduleError(
+            f"{where}: missing key(s) {', '.join(missing)}" if missing else f"{where}: {exc}"
+        ) from None
+
+
+@functools.cache
+def required_names(cls: type) -> tuple[str, ...]:
+    """The fields of dataclass ``cls`` that its constructor needs (no default)."""
+    return tuple(
+        f.name for f in fields(cls) if f.init and f.default is MISSING and f.default_factory is MISSING
+    )
 
 
 def check_weights(name: str, value: Any) -> tuple[int, ...]:

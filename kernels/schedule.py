@@ -54,7 +54,7 @@ from typing import Any, ClassVar
 import torch
 
 from fo_kernels.errors import ScheduleError
-from fo_kernels.fields import check_choice, check_int, from_mapping
+from fo_kernels.fields import check_choice, check_int, check_record, from_mapping
 from fo_kernels.tile import Tile
 
 # all_gather is the column-parallel direction, AllGather + GEMM: rank r's (M/w, K) shard of A is
@@ -179,6 +179,8 @@ def settings_type(engine: Any) -> type[EngineSettings]:
 
 def settings_from_mapping(cls: type, data: Any) -> Any:
     """An engine's settings dataclass ``cls`` from a row's ``settings`` mapping (its ``tile`` parsed)."""
+    if data is None:  # (left out, or left empty, in a hand-edited row)
+        raise ScheduleError(f"settings: missing; an overlapped row gives its {cls.ENGINE} engine's settings")
     if not isinstance(data, Mapping):
         raise ScheduleError(f"settings: expected a mapping, got {type(data).__name__}")
     merged = dict(data)
@@ -303,6 +305,7 @@ class Schedule:
             self.settings.check(self.collective, self.world_size)
         if not isinstance(self.provenance, Mapping):
             raise ScheduleError(f"provenance: expected a mapping, got {type(self.provenance).__name__}")
+        check_record("provenance", self.provenance)
         if not isinstance(self.basis, str):
             raise ScheduleError(f"basis: expected a string, got {type(self.basis).__name__}")
         object.__setattr__(self, "op_text", _op_text(self))

@@ -263,13 +263,11 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
     folder or name); a problem when its name is another table's (``<collective>-w<N>-<dtype>.yaml``
     or the MoE table's for another header), or its folder another GPU's device key, since lookup
     then reads it for those calls and refuses it (another world size, collective, dtype or GPU)."""
-    import re
-
     from fo_kernels.errors import TableError
-    from fo_kernels.moe.table import MOE_TABLE_PREFIX, MoeTable, moe_table_filename
-    from fo_kernels.schedule import COLLECTIVES, DTYPES
+    from fo_kernels.fingerprint import read_device_key
+    from fo_kernels.moe.table import MoeTable, moe_table_filename
     from fo_kernels.table import table_filename
-    from fo_tune.tables.find import check_machine
+    from fo_tune.tables.find import check_machine, misnamed
 
     if isinstance(table, MoeTable):
         name = moe_table_filename(table.world_size, table.dtype)
@@ -286,8 +284,14 @@ def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | N
                 f"lookup reads this file for device key {path.parent.name}'s calls and refuses it (its "
                 f"fingerprint is device key {expected.parts[0]}); move it to {path.parent.parent / expected}"
             )
-    kinds = "|".join((*COLLECTIVES, MOE_TABLE_PREFIX))
-    if path.name != name and re.fullmatch(rf"({kinds})-w\d+-({'|'.join(DTYPES)})\.yaml", path.name):
+        folder_key = read_device_key(path.parent.name)
+        if folder_key is not None and folder_key["world_size"] == table.world_size:  # (the same capability)
+            return (
+                f"{path}: lookup on device key {path.parent.name} reads this table, tuned on "
+                f"{expected.parts[0]}, and warns (VersionDriftWarning) that its schedules may not be "
+                "the fastest there"
+            ), None
+    if misnamed(path, name):
         return None, (
             f"lookup reads this file for the calls its name says and refuses it (it holds "
             f"{name.removesuffix('.yaml')}'s rows); rename it to {name}"

@@ -290,17 +290,22 @@ def _moe_lookup(
 
 def _file_entry(path: Path, root: Path) -> tuple[dict[str, Any], Fingerprint]:
     """The ``list`` entry of the table file at ``path`` (in the search path folder ``root``): its
-    header and row count, and its fingerprint; ``TableError`` when it does not read."""
-    from fo_kernels.moe.table import load_moe_table
-    from fo_kernels.table import read_table
+    header and row count, and its fingerprint; ``TableError`` when it does not read, or when it
+    holds another call's rows under a name lookup reads (``check_file_name``)."""
+    from fo_kernels.moe.table import load_moe_table, moe_table_filename
+    from fo_kernels.table import read_table, table_filename
+    from fo_tune.tables.find import check_file_name
     from fo_tune.tables.kinds import is_moe_name
 
     if is_moe_name(path):  # the MoE table (fo-tune search -c moe)
         moe = load_moe_table(path)
         fp, header = moe.fingerprint, (MOE_COLLECTIVE, moe.world_size, moe.dtype, len(moe.rows))
+        name = moe_table_filename(moe.world_size, moe.dtype)
     else:
         table = read_table(path)
         fp, header = table.fingerprint, (table.collective, table.world_size, table.dtype, len(table))
+        name = table_filename(table.collective, table.world_size, table.dtype)
+    check_file_name(path, name)  # (another call's header under this call's name: lookup refuses it)
     names = ("collective", "world_size", "dtype", "rows")
     entry = {"device_key": fp.device_key, **dict(zip(names, header, strict=True))}
     return {**entry, "folder": str(root), "path": str(path)}, fp

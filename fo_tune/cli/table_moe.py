@@ -19,7 +19,9 @@ from fo_tune.cli.table_rows import (
     SHOW_ROWS,
     device_lines,
     left_out_line,
+    named,
     print_plain,
+    provenance_columns,
     provenance_keys,
     tile_label,
     value_label,
@@ -63,8 +65,6 @@ CSV_COLUMNS = (
     "wait_mode",
     "chunks",
 )
-# The prefix of a provenance key's CSV column where the key is also a schedule column.
-PROVENANCE_PREFIX = "provenance_"
 
 
 def experts_label(schedule: MoeSchedule) -> str:
@@ -148,13 +148,12 @@ def moe_table_yaml(table: MoeTable) -> str:
 
 
 def moe_csv_rows(found: Sequence[tuple[Path, MoeTable]]) -> str:
-    """One CSV line per row of every MoE table; provenance keys as columns (``provenance_<key>``
-    where the key is also a schedule column)."""
+    """One CSV line per row of every MoE table; provenance keys as columns (``provenance_columns``:
+    each column name once)."""
     prov = provenance_keys([row for _path, table in found for row in table.rows], MOE_PROVENANCE_ORDER)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    names = [PROVENANCE_PREFIX + key if key in CSV_COLUMNS else key for key in prov]
-    writer.writerow([*CSV_COLUMNS, *names])
+    writer.writerow([*CSV_COLUMNS, *provenance_columns(prov, CSV_COLUMNS)])
     for path, table in found:
         for row in table.rows:
             s = row.schedule
@@ -166,7 +165,8 @@ def moe_csv_rows(found: Sequence[tuple[Path, MoeTable]]) -> str:
             elif s.engine == "copy_engine":
                 values["chunks"] = s.chunks
             cells = [values.get(column, "") for column in CSV_COLUMNS]
-            cells += [row.provenance.get(key, "") for key in prov]
+            provenance = named(row.provenance)
+            cells += [provenance.get(key, "") for key in prov]
             writer.writerow(cells)
     return buf.getvalue()
 

@@ -8,7 +8,7 @@ import io
 import json
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +81,14 @@ def provenance_keys(rows: Sequence[Any], order: Sequence[str] = PROVENANCE_ORDER
     mapping): ``order``'s first, the rest sorted."""
     present = {str(key) for row in rows for key in row.provenance}
     return [key for key in order if key in present] + sorted(present - set(order))
+
+
+def named(provenance: Mapping[Any, Any]) -> Mapping[str, Any]:
+    """``provenance`` by the names ``provenance_keys`` gives its keys (``str``): a hand-written key
+    YAML reads as another type (``7:``) keeps its value in the CSV's column ``7``."""
+    if all(type(key) is str for key in provenance):
+        return provenance
+    return {str(key): value for key, value in provenance.items()}
 
 
 def device_lines(fp: Fingerprint) -> list[str]:
@@ -268,10 +276,19 @@ CSV_COLUMNS = (
 PROVENANCE_PREFIX = "provenance_"
 
 
-def provenance_columns(keys: Sequence[str]) -> list[str]:
-    """The CSV column of each provenance key: the key, or ``provenance_<key>`` where the key is a
-    schedule column."""
-    return [PROVENANCE_PREFIX + key if key in CSV_COLUMNS else key for key in keys]
+def provenance_columns(keys: Sequence[str], columns: Sequence[str] = CSV_COLUMNS) -> list[str]:
+    """The CSV column of each provenance key: the key, or ``provenance_<key>`` where the key is one
+    of the schedule's ``columns`` or an earlier key's column (prefixed again until it is none: a
+    provenance holding both ``mode`` and ``provenance_mode`` gets two columns)."""
+    taken = set(columns)
+    names = []
+    for key in keys:
+        name = key
+        while name in taken:
+            name = PROVENANCE_PREFIX + name
+        taken.add(name)
+        names.append(name)
+    return names
 
 
 def _settings_values(row: Schedule) -> dict[str, Any]:
@@ -314,7 +331,7 @@ def csv_rows(found: Sequence[tuple[Path, ScheduleTable]]) -> str:
             values = {**settings, "file": file, **row.problem.to_dict(), "overlap": row.overlap}
             values["kind"] = row_kind(row)
             values["basis"] = row.basis
-            provenance = row.provenance
+            provenance = named(row.provenance)
             writer.writerow(
                 [*map(values.__getitem__, CSV_COLUMNS), *(provenance.get(key, "") for key in prov)]
             )

@@ -5,12 +5,20 @@ files in the runtime's search path; for a dense call (``lookup_schedule``) and f
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from fo_kernels.errors import TableError
 from fo_kernels.fingerprint import Fingerprint, read_device_key
-from fo_kernels.moe.table import ExpertsKey, MoeRow, best_moe_row, load_moe_table, moe_table_path
-from fo_kernels.schedule import Schedule
+from fo_kernels.moe.table import (
+    MOE_TABLE_PREFIX,
+    ExpertsKey,
+    MoeRow,
+    best_moe_row,
+    load_moe_table,
+    moe_table_path,
+)
+from fo_kernels.schedule import COLLECTIVES, DTYPES, Schedule
 from fo_kernels.table import (
     TABLE_DIR_ENV,
     best_match,
@@ -20,6 +28,7 @@ from fo_kernels.table import (
     table_path,
     table_search_path,
 )
+from fo_kernels.table.format import file_stamp
 
 
 # ------------------------------------------------------------------------------------- find
@@ -76,18 +85,49 @@ def check_machine(path: Path, fp: Fingerprint, device_key: str) -> None:
     )
 
 
+# The names lookup reads a table file under: a dense call's and the MoE table's.
+_KINDS = "|".join((*COLLECTIVES, MOE_TABLE_PREFIX))
+_LOOKUP_NAME = re.compile(rf"({_KINDS})-w[0-9]+-({'|'.join(DTYPES)})\.yaml")
+
+
+def misnamed(path: Path, name: str) -> bool:
+    """Whether the table at ``path``, whose header belongs under the file name ``name``, sits under
+    a name lookup reads for other calls (another collective, world size or dtype): lookup then
+    reads it for those calls and refuses it, naming the file."""
+    return path.name != name and _LOOKUP_NAME.fullmatch(path.name) is not None
+
+
+def check_file_name(path: Path, name: str) -> None:
+    """Refuse, as lookup does, the table at ``path`` that is ``misnamed`` (its header's file name
+    ``name``): a ``TableError`` saying to rename it."""
+    if misnamed(path, name):
+        raise TableError(
+            f"table {path} holds {name.removesuffix('.yaml')}'s rows under another call's name: "
+            f"lookup reads it for the calls its name says and refuses it; rename it to {name}"
+        )
+
+
 def find_tables(device_key: str, collective: str, world_size: int, dtype: str) -> list[Path]:
     """The existing table files for this header in ``table_search_path()`` order (the order
     ``lookup_schedule`` reads them in: an exact-shape row in any of them beats an M-range row)."""
     paths = (table_path(root, device_key, collective, world_size, dtype) for root in search_folders())
-    return [path for path in paths if path.is_file()]
+    return [path for path in paths if _there(path)]
 
 
 def find_moe_tables(device_key: str, world_size: int, dtype: str) -> list[Path]:
     """The existing MoE table files of this (device key, world size, dtype) in
     ``table_search_path()`` order (the order the runtime's MoE lookup reads them in)."""
     paths = (moe_table_path(root, device_key, world_size, dtype) for root in search_folders())
-    return [path for path in paths if path.is_file()]
+    return [path for path in paths if _there(path)]
+
+
+def _there(path: Path) -> bool:
+    """Whether the runtime's lookup reads ``path``: anything but nothing there (a folder or a
+    symlink loop under a table's name it refuses, and so does reading it here)."""
+    try:
+        return file_stamp(path) is not None
+    except TableError:
+        return True
 
 
 def find_moe_row(

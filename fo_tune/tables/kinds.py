@@ -33,6 +33,7 @@ from fo_kernels.errors import ScheduleError, TableError
 from fo_kernels.moe.table import MOE_TABLE_KIND, MOE_TABLE_PREFIX, MoeTable
 from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import TABLE_SCHEMA_VERSION, ScheduleTable
+from fo_kernels.table.block import TOO_BIG
 from fo_kernels.table.format import TableHeader, build_row, parse_header, read_table_data, read_table_text
 from fo_kernels.table.text import decode_row_line, load_document, split_table_text, unreadable
 
@@ -127,7 +128,7 @@ def _decoded(lines: list[str], source: str) -> list[Any]:
     """Row lines decoded as ``parse_table_text`` decodes them (one ``json`` call, else line by line)."""
     try:
         return json.loads("[" + ",".join(lines) + "]")
-    except ValueError:
+    except TOO_BIG:
         try:
             return [decode_row_line(line) for line in lines]
         except yaml.YAMLError as exc:

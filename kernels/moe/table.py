@@ -16,7 +16,8 @@ line: ``fo_kernels.table.text``)::
        "tokens_min": 0, "tokens_max": 512}, "engine": "triton", "tile": {...}, ..., "provenance": {...}}
 
 A row is a ``MoeSchedule`` (its ``dtype`` and ``world_size`` from the header) and its provenance
-(``mode: predict`` for a row the cost model alone chose). Rows are keyed by the experts' shape
+(``mode: predict`` for a row the cost model alone chose): a ``MoeRow``, read with the header by
+``fo_kernels.moe.table_rows``. Rows are keyed by the experts' shape
 (H, I, E_local, k) and a range of tokens per rank (the M bucket); two rows of one experts' shape
 whose token ranges overlap are refused, naming both rows by their index. Loading sorts the rows
 (O(n log n)) and a lookup bisects them; the runtime reads a file as a ``LoadedMoeTable`` (every
@@ -52,12 +53,11 @@ from fo_kernels.files import atomic_write
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint
 from fo_kernels.moe.routing import MOE_DTYPES
 from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
-from fo_kernels.schedule import COLLECTIVES
+from fo_kernels.moe.table_rows import MOE_TABLE_SCHEMA_VERSION, MoeRow, build_moe_row, moe_header
 from fo_kernels.table.format import (
     MOE_TABLE_KIND,
-    TABLE_KIND,
     check_fingerprint,
-    not_a_mapping,
+    file_stamp,
     read_table_data,
     read_table_text,
 )
@@ -70,10 +70,8 @@ from fo_kernels.table.text import (
     row_built_once,
 )
 
-MOE_TABLE_SCHEMA_VERSION = 1
 # The name a MoE table file starts with (the dense files start with their collective's name).
 MOE_TABLE_PREFIX = "moe"
-_TOP_KEYS = ("schema_version", "kind", "fingerprint", "world_size", "dtype", "rows")
 # Seconds a cache answers a repeated lookup from memory before it looks at the files again (the
 # dense lookup's ``TABLE_RECHECK_S``, for the same reason: a filesystem round trip per call).
 MOE_TABLE_RECHECK_S = 1.0
@@ -102,31 +100,6 @@ def moe_table_filename(world_size: int, dtype: str) -> str:
 def moe_table_path(root: str | os.PathLike[str], device_key: str, world_size: int, dtype: str) -> Path:
     """``<root>/<device_key>/moe-w<world_size>-<dtype>.yaml``."""
     return Path(root) / device_key / moe_table_filename(world_size, dtype)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MoeRow:
-    """One row: the schedule and where it comes from (``provenance``)."""
-
-    schedule: MoeSchedule
-    provenance: dict[str, Any] = field(default_factory=dict, hash=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.schedule, MoeSchedule):
-            raise TableError(
-                f"schedule: expected a fo_kernels.MoeSchedule, got {type(self.schedule).__name__} (a "
-                "mapping becomes one through MoeSchedule.from_dict)"
-            )
-
-    @property
-    def kind(self) -> str:
-        """``predicted`` for a row of the cost model alone (``mode: predict``), else ``measured``."""
-        return "predicted" if self.provenance.get("mode") == "predict" else "measured"
-
-    def to_dict(self) -> dict[str, Any]:
-        data = self.schedule.to_dict()
-        del data["dtype"], data["world_size"]
-        return {**data, "provenance": dict(self.provenance)} if self.provenance else data
 
 
 @dataclass(kw_only=True, slots=True)
@@ -204,57 +177,12 @@ class MoeTable:
     @classmethod
     def from_dict(cls, data: Any, source: str = "<where>") -> MoeTable:
         """Validate and build; every error is a ``TableError`` naming ``source`` (and the row)."""
-        fingerprint, world, dtype, raw = _moe_header(data, source)
-        rows = [_build_row(row, i, dtype, world, source) for i, row in enumerate(raw)]
+        fingerprint, world, dtype, raw = moe_header(data, source)
+        rows = [build_moe_row(row, i, dtype, world, source) for i, row in enumerate(raw)]
         try:
             return cls(fingerprint=fingerprint, world_size=world, dtype=dtype, rows=rows)
         except TableError as exc:
             raise TableError(f"{source}: {exc}") from None
-
-
-def _moe_header(data: Any, source: str) -> tuple[Fingerprint, int, str, list[Any]]:
-    """(fingerprint, world size, dtype, the rows as read) of an MoE table file's data, the header
-    checked; every error is a ``TableError`` naming ``source``."""
-    if not isinstance(data, Mapping):
-        raise not_a_mapping(data, source)
-    if data.get("kind") == TABLE_KIND and data.get("collective") in COLLECTIVES:  # under the MoE name
-        name = f"{data.get('collective')}-w{data.get('world_size')}-{data.get('dtype')}.yaml"
-        raise TableError(
-            f"{source}: a dense schedule table (kind {TABLE_KIND!r}), not an MoE table; rename it "
-            f"to {name}, the only name the dense lookup reads it under"
-        )
-    if data.get("kind") != MOE_TABLE_KIND or data.get("schema_version") != MOE_TABLE_SCHEMA_VERSION:
-        raise TableError(
-            f"{source}: expected kind {MOE_TABLE_KIND!r} schema_version {MOE_TABLE_SCHEMA_VERSION}, got "
-            f"{data.get('kind')!r} {data.get('schema_version')!r}"
-        )
-    unknown = sorted(str(k) for k in set(data) - set(_TOP_KEYS))
-    if unknown:
-        raise TableError(f"{source}: unknown key(s) {', '.join(unknown)}; valid: {list(_TOP_KEYS)}")
-    try:
-        fingerprint = Fingerprint.from_dict(data.get("fingerprint"))
-        world, dtype = data.get("world_size"), data.get("dtype")
-        check_name("dtype", dtype, MOE_DTYPES)
-        if isinstance(world, bool) or not isinstance(world, int) or world != fingerprint.world_size:
-            raise TableError(f"world_size: {world!r} is not the fingerprint's {fingerprint.world_size}")
-    except (ScheduleError, TableError) as exc:
-        raise TableError(f"{source}: {exc}") from None
-    rows = data.get("rows") or []
-    if not isinstance(rows, list):
-        raise TableError(f"{source}: rows: expected a list, got {type(rows).__name__}")
-    return fingerprint, world, dtype, rows
-
-
-def _build_row(row: Any, i: int, dtype: str, world: int, source: str) -> MoeRow:
-    """Row ``i`` of a file as a ``MoeRow``; errors name ``source`` and the row."""
-    if not isinstance(row, Mapping):
-        raise TableError(f"{source}: rows[{i}]: expected a mapping, got {type(row).__name__}")
-    body = {k: v for k, v in row.items() if k != "provenance"}
-    try:
-        schedule = MoeSchedule.from_dict({**body, "dtype": dtype, "world_size": world})
-    except ScheduleError as exc:
-        raise TableError(f"{source}: rows[{i}]: {exc}") from None
-    return MoeRow(schedule=schedule, provenance=dict(row.get("provenance") or {}))
 
 
 def _tokens(row: MoeRow) -> Span:
@@ -352,8 +280,8 @@ def save_moe_table(table: MoeTable, path: str | os.PathLike[str]) -> None:
 # The problem at the start of a written row line (``MoeRow.to_dict`` puts ``problem`` first, in
 # ``MoeProblem.to_dict``'s order, and ``row_line`` writes it with these separators).
 _PROBLEM_PREFIX = re.compile(
-    r'\{"problem": \{"hidden": ([1-9][0-9]*), "intermediate": ([1-9][0-9]*), "experts": ([1-9][0-9]*), '
-    r'"top_k": ([1-9][0-9]*), "tokens_min": (0|[1-9][0-9]*), "tokens_max": ([1-9][0-9]*)\}'
+    r'\{"problem": \{"hidden": (D), "intermediate": (D), "experts": (D), "top_k": (D), "tokens_min": '
+    r'(0|D), "tokens_max": (D)\}'.replace("D", "[1-9][0-9]{0,18}")  # (int() takes 19 digits)
 )
 
 
@@ -369,7 +297,7 @@ class LoadedMoeTable:
     def __init__(self, text: str, source: str) -> None:
         self.source = source
         data = lazy_table_data(text, source)  # (the rows stay text until a lookup takes one)
-        self.fingerprint, self.world_size, self.dtype, self._raw = _moe_header(data, source)
+        self.fingerprint, self.world_size, self.dtype, self._raw = moe_header(data, source)
         keys = [self._key(i) for i in range(len(self._raw))]
         try:
             self._order = _key_order(keys)
@@ -407,7 +335,7 @@ class LoadedMoeTable:
                 self._raw,
                 i,
                 self.source,
-                lambda raw: _build_row(raw, i, self.dtype, self.world_size, self.source),
+                lambda raw: build_moe_row(raw, i, self.dtype, self.world_size, self.source),
             )
 
     def find_row(self, key: ExpertsKey, tokens: int, *, kind: str | None = None) -> MoeRow | None:
@@ -448,11 +376,9 @@ class MoeTableCache:
         self._answers: OrderedDict[tuple, tuple[float, MoeSchedule | None]] = OrderedDict()
 
     def _load(self, path: Path) -> LoadedMoeTable | None:
-        try:
-            st = path.stat()
-        except FileNotFoundError:
+        stamp = file_stamp(path)  # (None: no file; a path it cannot look at: TableError)
+        if stamp is None:
             return None
-        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
         hit = self._tables.get(path)
         if hit is not None and hit[0] == stamp:
             return hit[1]

@@ -285,11 +285,17 @@ def json_exact(value: Any) -> bool:
     return kind in _JSON_SCALARS
 
 
+# What ``json`` and the YAML parser raise, besides their own errors, for text they will not read:
+# an integer of more digits than Python converts (4300, ``ValueError``) or nesting past the
+# interpreter's recursion limit (``RecursionError``); a hand-edited or damaged file holds either.
+TOO_BIG = (ValueError, RecursionError)
+
+
 def by_parser(text: str) -> Any:
     """A scalar this module does not resolve itself, by the YAML parser."""
     try:
         return yaml.load(text, Loader=SAFE_LOADER)  # a safe loader, C or Python
-    except yaml.YAMLError:
+    except (yaml.YAMLError, *TOO_BIG):
         raise Unsupported from None
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from fo_kernels.table.block import (
     NOT_PLAIN,
+    TOO_BIG,
     WORDS,
     Reader,
     Unsupported,
@@ -256,6 +257,11 @@ def read_block_rows(body: str, *, as_text: bool = False) -> list[Any] | None:
                 break
             texts.append(text)
         else:
-            return texts if as_text else json.loads("[" + ",".join(texts) + "]")
+            if as_text:
+                return texts
+            try:
+                return json.loads("[" + ",".join(texts) + "]")
+            except TOO_BIG:  # (``TOO_BIG``'s ValueError is json's): the YAML parser reads it all
+                return None
     lines = lines_of(body)
     return read_lines(lines, reader) if lines is not None else None

@@ -303,6 +303,19 @@ def read_table_text(path: str | os.PathLike[str]) -> str:
         raise TableError(f"{path}: cannot read: {exc}; {GIVE_A_TABLE}") from None
 
 
+def file_stamp(path: Path) -> tuple[int, int, int] | None:
+    """(inode, mtime_ns, size) of the table file at ``path``, what a cache keeps its read under;
+    None where there is no file; ``TableError`` naming the path where it cannot be looked at (a
+    folder it may not search, a symlink loop), as for a file it cannot read."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise TableError(f"{path}: cannot read: {exc}; {GIVE_A_TABLE}") from None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
 def read_table_data(path: str | os.PathLike[str]) -> Any:
     """The data of the table file at ``path`` (``fo_kernels.table.text``; errors as
     ``read_table_text``'s, and ``TableError`` naming the path when it is not YAML)."""
@@ -350,7 +363,8 @@ def check_header_for(
 
 
 def check_fingerprint(table: ScheduleTable | TableHeader, current: Fingerprint, *, source: str) -> None:
-    """Refuse a table for other hardware or another world size; warn once on library version drift."""
+    """Refuse a table for another compute capability or another world size; warn once where it was
+    tuned on another device key (the same capability) and once on library version drift."""
     theirs = table.fingerprint
     if theirs.compute_capability != current.compute_capability:
         raise TableError(
@@ -362,6 +376,14 @@ def check_fingerprint(table: ScheduleTable | TableHeader, current: Fingerprint, 
         raise TableError(
             f"table {source} is for world size {table.world_size}, this job has {current.world_size}; "
             f"tune one for world size {current.world_size} with `fo-tune search`"
+        )
+    if theirs.device_key != current.device_key:  # another GPU model, SM count or interconnect
+        warnings.warn(
+            f"table {source} was tuned on device key {theirs.device_key}, this device is "
+            f"{current.device_key}: of the same compute capability, so lookup uses it, but its "
+            "schedules may not be the fastest here; tune this device's with `fo-tune search`",
+            VersionDriftWarning,
+            stacklevel=2,
         )
     ours = current.versions()
     drift = [

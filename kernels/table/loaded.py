@@ -19,6 +19,7 @@ from fo_kernels.engines import engine_names, engine_settings
 from fo_kernels.errors import TableError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
+from fo_kernels.table.block import TOO_BIG
 from fo_kernels.table.format import (
     TableHeader,
     build_row,
@@ -63,7 +64,7 @@ class LoadedTable:
             return
         try:
             rows = json.loads("[" + ",".join(self._raw[i] for i in lines) + "]")
-        except ValueError:  # a line that is not JSON: each is decoded by ``_key``
+        except TOO_BIG:  # a line that is not JSON (or too big for json): each is decoded by ``_key``
             return
         for i, row in zip(lines, rows, strict=True):
             self._raw[i] = row

@@ -17,7 +17,7 @@ import torch
 from fo_kernels.errors import HeuristicScheduleWarning, ShapeError, TableNotFoundError
 from fo_kernels.fingerprint import CPU_MAX_MACS, current_fingerprint, resolve_device
 from fo_kernels.schedule import COLLECTIVES, SHARDED_COLLECTIVES, Problem, Schedule
-from fo_kernels.table.format import check_fingerprint, check_header_for
+from fo_kernels.table.format import check_fingerprint, check_header_for, file_stamp
 from fo_kernels.table.loaded import LoadedTable, read_table
 from fo_kernels.table.paths import (
     TABLE_DIR_ENV,
@@ -61,11 +61,12 @@ class _TableCache:
         """The table at ``path``, or None when there is no file."""
         with self._lock:
             try:
-                st = path.stat()
-                stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+                stamp = file_stamp(path)  # (a path it cannot look at: TableError, as a bad file)
+                if stamp is None:
+                    return None
                 hit = self._entries.pop(path, None)
                 table = hit[1] if hit is not None and hit[0] == stamp else read_table(path)
-            except (FileNotFoundError, TableNotFoundError):  # no file (or removed after the stat)
+            except TableNotFoundError:  # removed after the stat
                 return None
             self._entries[path] = (stamp, table)
             while len(self._entries) > self._size:

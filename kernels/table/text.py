@@ -28,7 +28,7 @@ import yaml
 
 from fo_kernels.errors import TableError
 from fo_kernels.files import SAFE_LOADER
-from fo_kernels.table.block import json_exact
+from fo_kernels.table.block import TOO_BIG, json_exact
 from fo_kernels.table.block_rows import read_block_rows
 from fo_kernels.table.index import EXACT, RANGE, ProblemKey
 
@@ -121,8 +121,37 @@ def _row_lines(body: str) -> list[str] | None:
 
 
 def load_yaml_text(text: str) -> Any:
-    """A safe YAML load (libyaml's parser where PyYAML has it)."""
-    return yaml.load(text, Loader=SAFE_LOADER)  # a safe loader, C or Python
+    """A safe YAML load (libyaml's parser where PyYAML has it); ``yaml.YAMLError`` also for a key the
+    top-level mapping repeats (``_refuse_repeated_keys``) and for an integer too long to convert or
+    nesting too deep to build (``TOO_BIG``), which PyYAML lets out as Python's own errors."""
+    loader = SAFE_LOADER(text)  # a safe loader, C or Python
+    try:
+        node = loader.get_single_node()
+        if isinstance(node, yaml.MappingNode):
+            _refuse_repeated_keys(node)
+        return None if node is None else loader.construct_document(node)
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply to read (past Python's recursion limit)") from None
+    except ValueError as exc:  # (its advice, to raise Python's limit, is not the reader's to take)
+        raise yaml.YAMLError(str(exc).split(";")[0]) from None
+    finally:
+        loader.dispose()
+
+
+def _refuse_repeated_keys(node: yaml.MappingNode) -> None:
+    """``yaml.YAMLError`` for a key the top-level mapping ``node`` holds twice: YAML's readers keep
+    the last one alone, so two tables in one file (``cat a.yaml b.yaml``), or a header key added
+    by hand below the one there, would read as the second alone, the first's rows silently gone."""
+    seen: dict[tuple[str, str], int] = {}
+    for key, _value in node.value:
+        if isinstance(key, yaml.ScalarNode):
+            line = seen.setdefault((key.tag, key.value), key.start_mark.line + 1)
+            if line != key.start_mark.line + 1:
+                raise yaml.YAMLError(
+                    f"the key {key.value!r} is given twice (lines {line} and {key.start_mark.line + 1}), "
+                    "and YAML keeps the last alone, the first's content dropped; keep one (a file "
+                    "holds one table: two joined into one file read as the second alone)"
+                )
 
 
 # Where a block sequence of rows ends: the first line at column 0 that is not one of its items
@@ -169,7 +198,7 @@ def load_document(text: str, *, lazy: bool = False) -> Any:
     if text.lstrip().startswith("{"):
         try:
             return json.loads(text)
-        except ValueError:  # a YAML flow mapping that is not JSON
+        except TOO_BIG:  # a YAML flow mapping that is not JSON (or JSON json will not read)
             pass
     data = _block_document(text, lazy)
     if data is not None:
@@ -181,7 +210,7 @@ def decode_row_line(line: str) -> Any:
     """One row line (without ``- ``): by ``json``, else by the YAML parser."""
     try:
         return json.loads(line)
-    except ValueError:
+    except TOO_BIG:
         return load_yaml_text(line)
 
 
@@ -210,7 +239,7 @@ def parse_table_text(text: str) -> Any:
     data, lines = split
     try:
         data["rows"] = json.loads("[" + ",".join(lines) + "]")
-    except ValueError:
+    except TOO_BIG:
         data["rows"] = [decode_row_line(line) for line in lines]
     return data
 
@@ -258,8 +287,8 @@ def row_built_once(built: dict[int, T], rows: list[Any], i: int, source: str, bu
 # The problem at the start of a written row line (``row_line`` writes ``problem`` first, with
 # these separators): exact ``m``, or ``m_min`` and ``m_max``; then ``n`` and ``k``.
 _PROBLEM_PREFIX = re.compile(
-    r'\{"problem": \{(?:"m": ([1-9][0-9]*)|"m_min": ([1-9][0-9]*), "m_max": ([1-9][0-9]*)), '
-    r'"n": ([1-9][0-9]*), "k": ([1-9][0-9]*)\}'
+    r'\{"problem": \{(?:"m": ([1-9][0-9]{0,18})|"m_min": ([1-9][0-9]{0,18}), "m_max": ([1-9][0-9]{0,18})), '
+    r'"n": ([1-9][0-9]{0,18}), "k": ([1-9][0-9]{0,18})\}'
 )
 
 
