@@ -1,0 +1,74 @@
+"""The cost model's predictions as properties over many seeded random shapes, on the calibrations
+an offline plan reads (the packaged H200 x2 one, extrapolated to 4 and 8): finite and positive,
+never less for more work or more bytes. In-process, no search: each check prices a few hundred
+shapes in well under a second."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from fo_tune.calibrate.find import choose_calibration
+from fo_tune.engines import cost_model
+
+# Random shapes priced per (world size, dtype, collective).
+SHAPES = 400
+# The relative slack of a "never less" comparison (float rounding only).
+ROUNDING = 1e-9
+
+
+@pytest.fixture(scope="module", params=[(2, "bfloat16"), (4, "bfloat16"), (8, "float8_e4m3fn")])
+def offline(request):
+    """(world size, dtype, the cost model an offline plan of them reads)."""
+    import torch
+
+    world, dtype = request.param
+    cal, _mode = choose_calibration(None, "predict", world, "gloo", torch.device("cpu"), dtype)
+    return world, dtype, cost_model(cal)
+
+
+def _dims(rng: random.Random, fp8: bool) -> list[int]:
+    m = rng.randint(1, 1 << 17)
+    n, k = (rng.choice([rng.randint(1, 32768), 16 * rng.randint(1, 2048)]) for _ in range(2))
+    if fp8:  # torch._scaled_mm's rule
+        n, k = 16 * max(1, n // 16), 16 * max(1, k // 16)
+    return [m, n, k]
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_a_collective_never_takes_less_for_more_bytes(offline, collective):
+    """Over every CTA cap's curve: the measured points dip by a few microseconds as the size grows at
+    NCCL's latency floor (the packaged TP=2 all_reduce curve at 256 KB-2 MB), and a plan read
+    through them priced a bigger output's GEMM then collective below a smaller one's."""
+    world, _dtype, model = offline
+    curves = model.curves
+    caps = sorted({b.nccl_max_ctas for b in model.cal.bandwidth if b.collective == collective})
+    sizes = sorted({b.size_bytes for b in model.cal.bandwidth} | {1, 1 << 33})
+    # every measured size, the points around it, and sizes between and beyond them
+    probe = sorted({max(1, s + d) for s in sizes for d in (-1, 0, 1, s // 3)})
+    for cap in caps:
+        times = [curves.time(collective, cap, nbytes) for nbytes in probe]
+        assert all(math.isfinite(t) and t > 0 for t in times), (world, cap, times)
+        for (a, ta), (b, tb) in itertools.pairwise(zip(probe, times, strict=True)):
+            assert tb >= ta * (1 - ROUNDING), (world, collective, cap, a, ta, b, tb)
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_the_sequential_time_grows_with_m_n_and_k(offline, collective):
+    world, dtype, model = offline
+    rng = random.Random(world)
+    for _ in range(SHAPES):
+        a = _dims(rng, dtype == "float8_e4m3fn")
+        b = list(a)
+        dim = rng.randrange(3)
+        b[dim] += rng.choice([1, 16, world, rng.randint(1, 4096)])
+        if dtype == "float8_e4m3fn" and dim > 0:
+            b[dim] = 16 * -(-b[dim] // 16)
+        before = model.baseline(collective, *a, dtype)
+        after = model.baseline(collective, *b, dtype)
+        for t in (before.gemm_ms, before.comm_ms, before.sequential_ms, before.fallback_ms):
+            assert math.isfinite(t) and t > 0, (a, before)
+        assert after.sequential_ms >= before.sequential_ms * (1 - ROUNDING), (world, a, b, before, after)
