@@ -92,3 +92,33 @@ def test_a_siblings_chunk_gemms_do_not_price_the_baseline(offline):
             at = model.baseline(collective, m, n, k, dtype).sequential_ms
             assert at <= model.baseline(collective, m + 1, n, k, dtype).sequential_ms, (world, m, n, k)
         assert library.time(m, n, k) == library.paced_ms(m, n, k) * library.clock
+
+
+def test_the_grouping_dp_prices_each_groups_collective_once(offline):
+    """The Triton term's dynamic program over a large M's signal units (thinned to
+    ``DP_MAX_UNITS + 1`` cuts) prices each candidate group's collective once, not once per group
+    count: it priced it for each of the search space's 8 counts, and a predict search of
+    1048576x8192x4096 spent minutes there (over 3 at -w 8 -d float8_e4m3fn)."""
+    from fo_tune.engines.triton.defaults import default_schedule
+    from fo_tune.engines.triton.model import DP_MAX_UNITS
+
+    world, dtype, model = offline
+    shape = (1 << 20, 8192, 4096)
+    schedule = default_schedule(
+        "all_reduce", *shape, dtype=dtype, world_size=world, sm_count=model.sm_count, on_gpu=True
+    )
+    term = model.term("triton")
+    calls = []
+    priced = term.comm_time
+
+    def counted(*args):
+        calls.append(args)
+        return priced(*args)
+
+    term.comm_time = counted
+    try:
+        groups = term.best_grouping(schedule, *shape, max_groups=8)
+    finally:
+        del term.comm_time
+    pairs = (DP_MAX_UNITS + 2) * (DP_MAX_UNITS + 1) // 2
+    assert 1 <= len(groups) <= 8 and len(calls) <= pairs + 8 * 8, (world, len(calls))

@@ -97,28 +97,30 @@ def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
     wave ends, and the tail lasts its share of a wave (``last_wave_share``). The ping-pong
     kernel's K-split tail runs first instead: its tiles are ready after their share, and the whole
     tiles of the programs that ran a part end that share later."""
-    waves = cdiv(plan.num_tiles, plan.grid)
-    tail = tail_plan(plan.num_tiles, plan.grid, tile, plan.k, plan.m * plan.n * plan.k)
+    # read once: a large M's plan has thousands of units, and its properties compute on each read
+    num_tiles, grid, unit_tiles = plan.num_tiles, plan.grid, plan.unit_tiles
+    waves = cdiv(num_tiles, grid)
+    tail = tail_plan(num_tiles, grid, tile, plan.k, plan.m * plan.n * plan.k)
     main_tiles = tail.main_tiles
     share = last_wave_share(tail, cdiv(plan.k, tile.block_k))
     duration = waves - 1 + share
-    part_programs = (plan.num_tiles - main_tiles) * tail.parts  # programs [0, this) ran a part
+    part_programs = (num_tiles - main_tiles) * tail.parts  # programs [0, this) ran a part
     out = []
     for u in range(plan.num_units):
-        first = u * plan.unit_tiles
-        final = min(first + plan.unit_tiles, plan.num_tiles) - 1
+        first = u * unit_tiles
+        final = min(first + unit_tiles, num_tiles) - 1
         if tail.parts:  # the K-split tail first, then the whole waves
             last_whole = min(final, main_tiles - 1)
             if last_whole < first:  # every tile of the unit is a tail tile
                 out.append(share / duration)
                 continue
-            wave = last_whole // plan.grid
-            lowest = max(first, wave * plan.grid) - wave * plan.grid  # its first program in that wave
+            wave = last_whole // grid
+            lowest = max(first, wave * grid) - wave * grid  # its first program in that wave
             out.append((wave + 1 + (share if lowest < part_programs else 0.0)) / duration)
             continue
-        wave = final // plan.grid
+        wave = final // grid
         # the unit's earliest tile in that wave: if it has a next tile, so do the later programs
-        deferred = not tile.pingpong and max(first, wave * plan.grid) + plan.grid < main_tiles
+        deferred = not tile.pingpong and max(first, wave * grid) + grid < main_tiles
         done = wave + deferred  # the wave whose end completes the unit
         out.append((done + 1 if done < waves - 1 else duration) / duration)
     return out
@@ -251,17 +253,23 @@ class TritonTerm:
         best = [[inf] * len(cuts) for _ in range(max_groups + 1)]
         back = [[-1] * len(cuts) for _ in range(max_groups + 1)]
         best[0][0] = 0.0
+        # each group's ready time and collective, priced once for every group count
+        ready = [fractions[c - 1] * gemm_ms if c else 0.0 for c in cuts]
+        dur = [
+            [self.comm_time(schedule.collective, st.nccl_max_ctas, chunk_bytes(cuts[i], c)) for i in range(j)]
+            for j, c in enumerate(cuts)
+        ]
         for g in range(1, max_groups + 1):
+            before, row, row_back = best[g - 1], best[g], back[g]
             for j in range(1, len(cuts)):
-                ready = fractions[cuts[j] - 1] * gemm_ms
+                ready_j, dur_j = ready[j], dur[j]
                 for i in range(j):
-                    prev = best[g - 1][i]
+                    prev = before[i]
                     if prev == inf:
                         continue
-                    dur = self.comm_time(schedule.collective, st.nccl_max_ctas, chunk_bytes(cuts[i], cuts[j]))
-                    end = _group_end(max(ready, prev), dur, gemm_ms, inter)
-                    if end < best[g][j]:
-                        best[g][j], back[g][j] = end, i
+                    end = _group_end(max(ready_j, prev), dur_j[i], gemm_ms, inter)
+                    if end < row[j]:
+                        row[j], row_back[j] = end, i
         last = len(cuts) - 1
 
         def sizes_for(g: int) -> tuple[int, ...]:
