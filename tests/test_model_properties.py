@@ -38,7 +38,7 @@ def _dims(rng: random.Random, fp8: bool) -> list[int]:
     return [m, n, k]
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
 def test_a_collective_never_takes_less_for_more_bytes(offline, collective):
     """Over every CTA cap's curve: the measured points dip by a few microseconds as the size grows at
     NCCL's latency floor (the packaged TP=2 all_reduce curve at 256 KB-2 MB), and a plan read
@@ -74,6 +74,32 @@ def test_the_sequential_time_grows_with_m_n_and_k(offline, collective):
         for t in (before.gemm_ms, before.comm_ms, before.sequential_ms, before.fallback_ms):
             assert math.isfinite(t) and t > 0, (a, before)
         assert after.sequential_ms >= before.sequential_ms * (1 - ROUNDING), (world, a, b, before, after)
+        assert before.fallback_ms <= before.sequential_ms  # (its graph replay costs less host time)
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_a_triton_schedule_is_never_below_its_collective_alone(offline, collective):
+    """The heuristic Triton schedule of random shapes (its groups' collectives run on NCCL, after
+    their tiles): predicted at least the whole collective alone, finite. The copy engine has no such
+    bound (docs/design.md#cost-model)."""
+    from fo_tune.engines.triton.defaults import default_schedule
+
+    world, dtype, model = offline
+    rng = random.Random(world + 1)
+    priced = 0
+    for _ in range(SHAPES // 4):
+        m, n, k = _dims(rng, dtype == "float8_e4m3fn")
+        m = world * max(1, m // world)
+        schedule = default_schedule(
+            collective, m, n, k, dtype=dtype, world_size=world, sm_count=model.sm_count, on_gpu=True
+        )
+        if schedule.settings is None:  # too small to overlap
+            continue
+        got = model.predict(schedule, m, n, k).total_ms
+        base = model.baseline(collective, m, n, k, dtype)
+        assert math.isfinite(got) and got >= base.comm_ms * (1 - ROUNDING), (world, m, n, k, got, base)
+        priced += 1
+    assert priced > SHAPES // 8
 
 
 def test_a_siblings_chunk_gemms_do_not_price_the_baseline(offline):
