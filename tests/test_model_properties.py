@@ -148,3 +148,27 @@ def test_the_grouping_dp_prices_each_groups_collective_once(offline):
         del term.comm_time
     pairs = (DP_MAX_UNITS + 2) * (DP_MAX_UNITS + 1) // 2
     assert 1 <= len(groups) <= 8 and len(calls) <= pairs + 8 * 8, (world, len(calls))
+
+
+def test_a_prediction_reads_only_its_groups_last_units(offline):
+    """A Triton schedule of 16M signal units (one tile a unit, 1<<26 rows) is predicted in well
+    under a second: the term computed every unit's ready time to read its groups' last ones (~11 s
+    a prediction here, and a predict search of -w 7 -s 1x2147483647x1 ran for minutes)."""
+    import dataclasses
+    import time
+
+    from fo_tune.engines.triton.defaults import default_schedule
+    from fo_tune.engines.triton.model import num_units
+
+    world, dtype, model = offline
+    shape = (1 << 26, 8192, 64)
+    schedule = default_schedule(
+        "all_reduce", *shape, dtype=dtype, world_size=world, sm_count=model.sm_count, on_gpu=True
+    )
+    schedule = dataclasses.replace(schedule, settings=dataclasses.replace(schedule.settings, signal_tiles=1))
+    units = num_units(schedule, *shape[:2])
+    schedule = dataclasses.replace(schedule, settings=dataclasses.replace(schedule.settings, groups=(units,)))
+    assert units >= 1 << 24
+    t0 = time.perf_counter()
+    got = model.predict(schedule, *shape).total_ms
+    assert time.perf_counter() - t0 < 1.0 and math.isfinite(got) and got > 0

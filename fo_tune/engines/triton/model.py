@@ -34,6 +34,7 @@ all_gather schedule runs the reverse pipeline (each group's gather, then its chu
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -86,7 +87,7 @@ def with_groups(schedule: Schedule, groups: Sequence[int]) -> Schedule:
     return dataclasses.replace(schedule, settings=dataclasses.replace(st, groups=tuple(groups)))
 
 
-def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
+def unit_ready_fractions(plan: Plan, tile: Tile, units: Sequence[int] | None = None) -> list[float]:
     """Per signal unit: when it is complete, as a fraction of the GEMM's duration. The plain
     kernel signals a tile at its program's next tile's epilogue (``fo_kernels.gemm.waves``),
     so a unit whose last wave's tiles have a next tile in the whole waves' loop is complete one
@@ -96,7 +97,8 @@ def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
     its own), the whole waves' last tiles have no next tile there and are signalled when their
     wave ends, and the tail lasts its share of a wave (``last_wave_share``). The ping-pong
     kernel's K-split tail runs first instead: its tiles are ready after their share, and the whole
-    tiles of the programs that ran a part end that share later."""
+    tiles of the programs that ran a part end that share later. ``units``: only these units' (in
+    their order; a GPU-sized M has millions of units, and a prediction reads its groups' last)."""
     # read once: a large M's plan has thousands of units, and its properties compute on each read
     num_tiles, grid, unit_tiles = plan.num_tiles, plan.grid, plan.unit_tiles
     waves = cdiv(num_tiles, grid)
@@ -106,7 +108,7 @@ def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
     duration = waves - 1 + share
     part_programs = (num_tiles - main_tiles) * tail.parts  # programs [0, this) ran a part
     out = []
-    for u in range(plan.num_units):
+    for u in range(plan.num_units) if units is None else units:
         first = u * unit_tiles
         final = min(first + unit_tiles, num_tiles) - 1
         if tail.parts:  # the K-split tail first, then the whole waves
@@ -160,12 +162,9 @@ class TritonTerm:
             self.comm_time(schedule.collective, st.nccl_max_ctas, (c1 - c0) * elem)
             for c0, c1 in (plan.chunk_range(g) for g in range(plan.num_groups))
         ]
-        fractions = unit_ready_fractions(plan, st.tile)
-        ends_of_groups = []
-        u = 0
-        for size in plan.group_units:
-            u += size
-            ends_of_groups.append(fractions[u - 1])
+        ends_of_groups = unit_ready_fractions(
+            plan, st.tile, [u - 1 for u in itertools.accumulate(plan.group_units)]
+        )
         inter = self.model.interference(schedule.collective, st.sms_free, st.nccl_max_ctas)
         gemm_ms = t0
         for _ in range(FIXED_POINT_ROUNDS):
@@ -245,7 +244,6 @@ class TritonTerm:
         t0, _ = self.model.tile_profile.time(st.tile, m, n, k, plan.grid)
         inter = self.model.interference(schedule.collective, st.sms_free, st.nccl_max_ctas)
         gemm_ms = t0 * (inter.gemm_slowdown if inter.concurrent else 1.0)
-        fractions = unit_ready_fractions(plan, st.tile)
         cuts = _allowed_cuts(plan, st, units)
         chunk_bytes = _chunk_bytes(plan, output_bytes(schedule.dtype), n)
         inf = math.inf
@@ -254,7 +252,7 @@ class TritonTerm:
         back = [[-1] * len(cuts) for _ in range(max_groups + 1)]
         best[0][0] = 0.0
         # each group's ready time and collective, priced once for every group count
-        ready = [fractions[c - 1] * gemm_ms if c else 0.0 for c in cuts]
+        ready = [0.0, *(f * gemm_ms for f in unit_ready_fractions(plan, st.tile, [c - 1 for c in cuts[1:]]))]
         dur = [
             [self.comm_time(schedule.collective, st.nccl_max_ctas, chunk_bytes(cuts[i], c)) for i in range(j)]
             for j, c in enumerate(cuts)
