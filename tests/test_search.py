@@ -139,12 +139,17 @@ def test_model_gemm_uses_profiled_points_and_the_wave_fit(model, h200):
 
 
 def test_model_comm_time_is_monotone_and_interpolates(model, h200):
-    pts = [b for b in h200.bandwidth if b.collective == "all_reduce" and b.nccl_max_ctas == 16]
-    for b in pts:
-        assert model.comm_time("all_reduce", 16, b.size_bytes) == pytest.approx(b.time_ms)
+    pts = sorted(
+        (b for b in h200.bandwidth if b.collective == "all_reduce" and b.nccl_max_ctas == 16),
+        key=lambda b: b.size_bytes,
+    )
+    for i, b in enumerate(pts):  # each measured point, raised to the smaller sizes' largest time
+        assert model.comm_time("all_reduce", 16, b.size_bytes) == pytest.approx(
+            max(p.time_ms for p in pts[: i + 1])
+        )
     sizes = [2**i for i in range(16, 31)]
     times = [model.comm_time("all_reduce", 16, s) for s in sizes]
-    assert times[-1] > times[0]
+    assert times == sorted(times) and times[-1] > times[0]
 
 
 def test_interference_without_free_sms_serialises(model):

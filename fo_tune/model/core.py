@@ -57,14 +57,13 @@ class CostModel:
         self.interference_table = InterferenceTable(cal)
         ce = cal.copy_engine.values() if cal.copy_engine is not None else {}
         if all(name in ce for name in LIBRARY_PARAMS):
-            points = {
-                (p.m, p.n, p.k, p.beta): LibraryPoint(p.paced_ms, p.sustained_ms)
-                for p in (cal.copy_engine.library_gemm if cal.copy_engine else [])
-            }
+            measured = cal.copy_engine.library_gemm if cal.copy_engine else []
+            points = {(p.m, p.n, p.k, p.beta): LibraryPoint(p.paced_ms, p.sustained_ms) for p in measured}
+            sibling = frozenset((p.m, p.n, p.k, p.beta) for p in measured if p.measured_on)
             if cal.library_ratio != 1.0:  # another dtype's GEMM (Calibration.for_dtype): its waves
                 ce = {**ce, "library_wave_ms": ce["library_wave_ms"] * cal.library_ratio}
                 points = {}  # (measured in the copy-engine section's dtype)
-            self.library = LibraryGemm(ce, self.sm_count, points)
+            self.library = LibraryGemm(ce, self.sm_count, points, sibling)
         else:
             self.library = LibraryGemm.from_cublas(self.tile_profile.cublas, self.sm_count)
         self.baseline_host = {key: ce.get(key, value) for key, value in DEFAULT_BASELINE_HOST.items()}

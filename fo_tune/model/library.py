@@ -18,7 +18,11 @@ of that slowdown the measurement that decides a row sees (its 16 ms samples of b
 alternate with other variants). A measured point of the calibration (``copy_engine.library_gemm``:
 its paced and sustained times) replaces the wave model for its exact shape; for chunks whose
 partial last wave the next chunk fills, only where asked (``measured_fill``: the copy engine at
-N > 2 peers), scaled by the wave model's filled over whole waves.
+N > 2 peers), scaled by the wave model's filled over whole waves. A point a sibling GPU measured
+(``measured_on``: the N-peer chunk GEMMs of ``fo-tune calibrate --only copy_engine_n
+--into-sibling``) serves only there: the baseline GEMM and every GEMM at N = 2 keep the wave model
+of the calibration's own GPU (the sibling's times lack its memory and power edge, and one such
+point, 256x8192x1024 on the packaged H100 profile, reads 15x its neighbours').
 
 Without a copy-engine section the model is fitted through the cuBLAS times of the calibration's
 tile profile (every profiled shape's ``cublas_ms``), at clock factor 1.
@@ -75,10 +79,12 @@ class LibraryGemm:
         params: Mapping[str, float],
         sm_count: int,
         points: Mapping[tuple[int, int, int, int], LibraryPoint] | None = None,
+        sibling: frozenset[tuple[int, int, int, int]] = frozenset(),
     ) -> None:
         self.p = dict(params)
         self.sm_count = sm_count
         self.points = dict(points or {})
+        self.sibling = sibling  # keys of ``points`` a sibling GPU measured (see the module docstring)
 
     @classmethod
     def from_cublas(cls, cublas: Mapping[tuple[int, int, int], float], sm_count: int) -> LibraryGemm:
@@ -121,13 +127,26 @@ class LibraryGemm:
         return t * (self.p["library_beta1_factor"] if beta else 1.0)
 
     def time(
-        self, rows: int, n: int, k: int, *, beta: int = 0, fill: bool = False, measured_fill: bool = False
+        self,
+        rows: int,
+        n: int,
+        k: int,
+        *,
+        beta: int = 0,
+        fill: bool = False,
+        measured_fill: bool = False,
+        sibling: bool = False,
     ) -> float:
         """The GEMM as the deciding measurements run it: a measured point's sustained-context time
         for this exact (rows, N, K, beta), else the wave model at the context clock. With ``fill``
         the wave model's, unless ``measured_fill``: then the measured point scaled by the wave
-        model's filled over whole waves (the copy engine at N > 2 peers)."""
-        point = self.points.get((rows, n, k, beta))
+        model's filled over whole waves (the copy engine at N > 2 peers). A sibling's point is read
+        only with ``measured_fill`` or ``sibling`` (the MoE model's weight read rate, which names
+        the sibling in its basis)."""
+        key = (rows, n, k, beta)
+        point = self.points.get(key)
+        if point is not None and key in self.sibling and not (measured_fill or sibling):
+            point = None
         if point is not None and (not fill or measured_fill):
             p = self.p
             t = point.paced_ms + p["clock_context"] * (point.sustained_ms - point.paced_ms)

@@ -5,7 +5,10 @@
   every profiled point of that tile; ``waves = ceil(tiles / grid)``, a split last wave counted as
   its pieces' share), which fits the H200 profile within ~10%;
 - ``Curves``: each collective alone on a buffer, interpolated on the bandwidth curve of its NCCL
-  CTA cap (the latency floor below the smallest size, the latency/bandwidth fit beyond the largest);
+  CTA cap (the latency floor below the smallest size, the latency/bandwidth fit beyond the largest),
+  read as its running maximum over sizes: at the latency floor (below ~8 MB) the measured times dip
+  by up to 3 us as the size grows (noise of a few percent), and a buffer priced faster than a
+  smaller one would let a plan gain by moving more bytes;
 - ``InterferenceTable``: the nearest calibrated (SMs left free, cap) pair's slowdowns (of the
   collective asked for; of every calibrated collective where it has none, which its ``matched``
   says: all_gather beside the GEMM was never measured on GPUs).
@@ -17,6 +20,7 @@ says: the commands that measure it.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -175,35 +179,40 @@ class Curves:
         self._curves: dict[tuple[str, int], list[BandwidthPoint]] = {}
         for b in cal.bandwidth:
             self._curves.setdefault((b.collective, b.nccl_max_ctas), []).append(b)
-        for pts in self._curves.values():
+        # per curve, each point's time raised to the largest of the smaller sizes' (see above)
+        self._times: dict[tuple[str, int], list[float]] = {}
+        for key, pts in self._curves.items():
             pts.sort(key=lambda b: b.size_bytes)
+            self._times[key] = list(itertools.accumulate((p.time_ms for p in pts), max))
 
     def knows(self, collective: str) -> bool:
         """The calibration has a bandwidth curve for ``collective``."""
         return any(name == collective for name, _ in self._curves)
 
-    def _curve(self, collective: str, cap: int) -> list[BandwidthPoint]:
+    def _curve(self, collective: str, cap: int) -> tuple[str, int]:
         caps = sorted(c for (name, c) in self._curves if name == collective)
         if not caps:
             raise CalibrationError(missing_curves(self.cal, [collective]))
         use = cap if cap in caps else min(caps, key=lambda c: (abs(c - cap), c))
-        return self._curves[(collective, use)]
+        return (collective, use)
 
     def time(self, collective: str, cap: int, nbytes: int) -> float:
-        """The collective alone on ``nbytes`` (nccl-tests sizing), interpolated on the curve."""
-        pts = self._curve(collective, cap)
+        """The collective alone on ``nbytes`` (nccl-tests sizing), interpolated on the curve's
+        running maximum; never less for more bytes."""
+        key = self._curve(collective, cap)
+        pts, times = self._curves[key], self._times[key]
         sizes = [p.size_bytes for p in pts]
         if nbytes <= sizes[0]:
-            return pts[0].time_ms
+            return times[0]
         i = bisect.bisect_left(sizes, nbytes)
         if i < len(pts):
             lo, hi = pts[i - 1], pts[i]
             frac = (nbytes - lo.size_bytes) / (hi.size_bytes - lo.size_bytes)
-            return lo.time_ms + frac * (hi.time_ms - lo.time_ms)
+            return times[i - 1] + frac * (times[i] - times[i - 1])
         last = pts[-1]
         fit = self.cal.fit_for(collective, last.nccl_max_ctas)
         bw = fit.bandwidth_gbs if fit is not None and fit.bandwidth_gbs > 0 else last.algbw_gbs
-        return last.time_ms + (nbytes - last.size_bytes) / (bw * 1e6)
+        return times[-1] + (nbytes - last.size_bytes) / (bw * 1e6)
 
 
 class InterferenceTable:

@@ -213,7 +213,7 @@ def weight_stream(cal: Calibration, dense: CostModel) -> WeightStream:
     for m, n, k, beta in library.points:
         if beta or m > STREAM_MAX_ROWS:
             continue
-        t = library.time(m, n, k)
+        t = library.time(m, n, k, sibling=True)
         if not 0 < t < math.inf:
             continue
         per_byte = t / ((m * k + k * n + m * n) * itemsize)

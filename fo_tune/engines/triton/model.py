@@ -34,6 +34,7 @@ all_gather schedule runs the reverse pipeline (each group's gather, then its chu
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -86,7 +87,7 @@ def with_groups(schedule: Schedule, groups: Sequence[int]) -> Schedule:
     return dataclasses.replace(schedule, settings=dataclasses.replace(st, groups=tuple(groups)))
 
 
-def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
+def unit_ready_fractions(plan: Plan, tile: Tile, units: Sequence[int] | None = None) -> list[float]:
     """Per signal unit: when it is complete, as a fraction of the GEMM's duration. The plain
     kernel signals a tile at its program's next tile's epilogue (``fo_kernels.gemm.waves``),
     so a unit whose last wave's tiles have a next tile in the whole waves' loop is complete one
@@ -96,29 +97,32 @@ def unit_ready_fractions(plan: Plan, tile: Tile) -> list[float]:
     its own), the whole waves' last tiles have no next tile there and are signalled when their
     wave ends, and the tail lasts its share of a wave (``last_wave_share``). The ping-pong
     kernel's K-split tail runs first instead: its tiles are ready after their share, and the whole
-    tiles of the programs that ran a part end that share later."""
-    waves = cdiv(plan.num_tiles, plan.grid)
-    tail = tail_plan(plan.num_tiles, plan.grid, tile, plan.k, plan.m * plan.n * plan.k)
+    tiles of the programs that ran a part end that share later. ``units``: only these units' (in
+    their order; a GPU-sized M has millions of units, and a prediction reads its groups' last)."""
+    # read once: a large M's plan has thousands of units, and its properties compute on each read
+    num_tiles, grid, unit_tiles = plan.num_tiles, plan.grid, plan.unit_tiles
+    waves = cdiv(num_tiles, grid)
+    tail = tail_plan(num_tiles, grid, tile, plan.k, plan.m * plan.n * plan.k)
     main_tiles = tail.main_tiles
     share = last_wave_share(tail, cdiv(plan.k, tile.block_k))
     duration = waves - 1 + share
-    part_programs = (plan.num_tiles - main_tiles) * tail.parts  # programs [0, this) ran a part
+    part_programs = (num_tiles - main_tiles) * tail.parts  # programs [0, this) ran a part
     out = []
-    for u in range(plan.num_units):
-        first = u * plan.unit_tiles
-        final = min(first + plan.unit_tiles, plan.num_tiles) - 1
+    for u in range(plan.num_units) if units is None else units:
+        first = u * unit_tiles
+        final = min(first + unit_tiles, num_tiles) - 1
         if tail.parts:  # the K-split tail first, then the whole waves
             last_whole = min(final, main_tiles - 1)
             if last_whole < first:  # every tile of the unit is a tail tile
                 out.append(share / duration)
                 continue
-            wave = last_whole // plan.grid
-            lowest = max(first, wave * plan.grid) - wave * plan.grid  # its first program in that wave
+            wave = last_whole // grid
+            lowest = max(first, wave * grid) - wave * grid  # its first program in that wave
             out.append((wave + 1 + (share if lowest < part_programs else 0.0)) / duration)
             continue
-        wave = final // plan.grid
+        wave = final // grid
         # the unit's earliest tile in that wave: if it has a next tile, so do the later programs
-        deferred = not tile.pingpong and max(first, wave * plan.grid) + plan.grid < main_tiles
+        deferred = not tile.pingpong and max(first, wave * grid) + grid < main_tiles
         done = wave + deferred  # the wave whose end completes the unit
         out.append((done + 1 if done < waves - 1 else duration) / duration)
     return out
@@ -158,12 +162,9 @@ class TritonTerm:
             self.comm_time(schedule.collective, st.nccl_max_ctas, (c1 - c0) * elem)
             for c0, c1 in (plan.chunk_range(g) for g in range(plan.num_groups))
         ]
-        fractions = unit_ready_fractions(plan, st.tile)
-        ends_of_groups = []
-        u = 0
-        for size in plan.group_units:
-            u += size
-            ends_of_groups.append(fractions[u - 1])
+        ends_of_groups = unit_ready_fractions(
+            plan, st.tile, [u - 1 for u in itertools.accumulate(plan.group_units)]
+        )
         inter = self.model.interference(schedule.collective, st.sms_free, st.nccl_max_ctas)
         gemm_ms = t0
         for _ in range(FIXED_POINT_ROUNDS):
@@ -243,7 +244,6 @@ class TritonTerm:
         t0, _ = self.model.tile_profile.time(st.tile, m, n, k, plan.grid)
         inter = self.model.interference(schedule.collective, st.sms_free, st.nccl_max_ctas)
         gemm_ms = t0 * (inter.gemm_slowdown if inter.concurrent else 1.0)
-        fractions = unit_ready_fractions(plan, st.tile)
         cuts = _allowed_cuts(plan, st, units)
         chunk_bytes = _chunk_bytes(plan, output_bytes(schedule.dtype), n)
         inf = math.inf
@@ -251,17 +251,23 @@ class TritonTerm:
         best = [[inf] * len(cuts) for _ in range(max_groups + 1)]
         back = [[-1] * len(cuts) for _ in range(max_groups + 1)]
         best[0][0] = 0.0
+        # each group's ready time and collective, priced once for every group count
+        ready = [0.0, *(f * gemm_ms for f in unit_ready_fractions(plan, st.tile, [c - 1 for c in cuts[1:]]))]
+        dur = [
+            [self.comm_time(schedule.collective, st.nccl_max_ctas, chunk_bytes(cuts[i], c)) for i in range(j)]
+            for j, c in enumerate(cuts)
+        ]
         for g in range(1, max_groups + 1):
+            before, row, row_back = best[g - 1], best[g], back[g]
             for j in range(1, len(cuts)):
-                ready = fractions[cuts[j] - 1] * gemm_ms
+                ready_j, dur_j = ready[j], dur[j]
                 for i in range(j):
-                    prev = best[g - 1][i]
+                    prev = before[i]
                     if prev == inf:
                         continue
-                    dur = self.comm_time(schedule.collective, st.nccl_max_ctas, chunk_bytes(cuts[i], cuts[j]))
-                    end = _group_end(max(ready, prev), dur, gemm_ms, inter)
-                    if end < best[g][j]:
-                        best[g][j], back[g][j] = end, i
+                    end = _group_end(max(ready_j, prev), dur_j[i], gemm_ms, inter)
+                    if end < row[j]:
+                        row[j], row_back[j] = end, i
         last = len(cuts) - 1
 
         def sizes_for(g: int) -> tuple[int, ...]:
