@@ -1192,3 +1192,30 @@ def test_a_ctrl_c_during_a_trial_shows_no_optuna_traceback(tmp_path, monkeypatch
         "all_reduce: no shape decided (after 0 of 1 shapes: interrupted; not searched: 4096x8192x4096)"
         in said
     )
+
+
+def test_an_interrupted_search_with_json_prints_what_it_kept(tmp_path, h200, monkeypatch):
+    """--json on a search a Ctrl-C stopped printed nothing on stdout, though the decided rows and
+    their report were kept: a script now reads the stopped run, what it left and where it is."""
+    from fo_tune.search import driver
+
+    monkeypatch.setattr(driver, "_search_shape", interrupted_at_second_call(driver._search_shape))
+    shapes = ("--shape", "16384x8192x4096", "--shape", "8192x8192x4096")
+    result = search(*shapes, "--out", str(tmp_path / "o"), "--json")
+    assert result.exit_code == 130, result.output
+    (run,) = json.loads(result.stdout)["runs"]
+    assert [s["shape"] for s in run["shapes"]] == ["16384x8192x4096"]
+    assert run["stopped"] == "after 1 of 2 shapes: interrupted" and run["not_done"] == ["8192x8192x4096"]
+    assert run["report"] == str(run_report(tmp_path / "o" / "report" / "all_reduce-w2-bfloat16-predict"))
+    assert result.stderr.strip().endswith("error: interrupted")
+
+    # stopped before any shape was decided: the run, with no report folder
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver, "_search_shape", ctrl_c)
+    result = search(*shapes, "--out", str(tmp_path / "none"), "--json")
+    assert result.exit_code == 130, result.output
+    (run,) = json.loads(result.stdout)["runs"]
+    assert run["shapes"] == [] and run["report"] is None
+    assert run["not_done"] == ["16384x8192x4096", "8192x8192x4096"]

@@ -397,29 +397,39 @@ def search(
             if driver:
                 for result, written in [] if json_out else results:  # the collectives it finished
                     _print_summary(result, written)
-                _keep_interrupted(stop[0].result, stop[1], stop[2])
+                kept = _keep_interrupted(stop[0].result, stop[1], stop[2])
+                if json_out:  # a script reads what finished and where the stopped run is kept
+                    _echo_json([*((r, w[0].parent) for r, w in results), (stop[0].result, kept)])
             raise stop[0]
     if json_out:
-        from fo_tune.search.report import summary
-
-        runs = [{**summary(result), "report": str(written[0].parent)} for result, written in results]
-        typer.echo(json_text({"kind": "fo-tune-search-summary", "runs": runs}))
+        _echo_json([(result, written[0].parent) for result, written in results])
         return
     for result, written in results:
         _print_summary(result, written)
 
 
-def _keep_interrupted(result: SearchResult, report_dir: Path, not_started: list[str]) -> None:
+def _echo_json(runs: list[tuple[SearchResult, Path | None]]) -> None:
+    """``--json``'s output: each run's summary and the folder of its report (null: none written,
+    a run a Ctrl-C stopped before it decided a shape; its ``stopped`` and ``not_done`` say so)."""
+    from fo_tune.search.report import summary
+
+    data = [{**summary(result), "report": str(folder) if folder else None} for result, folder in runs]
+    typer.echo(json_text({"kind": "fo-tune-search-summary", "runs": data}))
+
+
+def _keep_interrupted(result: SearchResult, report_dir: Path, not_started: list[str]) -> Path | None:
     """What a search stopped by Ctrl-C does before ``error: interrupted``: writes the report of the
     shapes it decided, if any (their rows are already in the table; summary.yaml's ``stopped`` and
-    ``not_done`` say which were not searched), and says on stderr where, and how to resume."""
+    ``not_done`` say which were not searched), says on stderr where, and how to resume, and returns
+    the report's folder (None: no shape decided, no report)."""
     from fo_tune.search.report import stopped, write_report
 
     left = ", ".join("x".join(map(str, shape)) for shape in result.not_done)
     later = f"; {', '.join(not_started)} not started" if not_started else ""
-    kept = "no shape decided"
+    kept, folder = "no shape decided", None
     if result.shapes:
-        kept = f"kept the decided shapes in {write_report(result, report_dir)[0].parent}"
+        folder = write_report(result, report_dir)[0].parent
+        kept = f"kept the decided shapes in {folder}"
     err_console.print(
         f"{result.request.collective}: {kept} ({stopped(result)}; not searched: {left}{later}); run the "
         f"same command again to search the rest (the study storage {result.storage or '-'} keeps the "
@@ -427,6 +437,7 @@ def _keep_interrupted(result: SearchResult, report_dir: Path, not_started: list[
         markup=False,
         highlight=False,
     )
+    return folder
 
 
 def _read_tables(

@@ -231,7 +231,12 @@ AllowSlowOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print the summary as JSON on stdout (progress goes to stderr).")
+    bool,
+    typer.Option(
+        "--json",
+        help="Print the summary as JSON on stdout (progress goes to stderr); stopped by Ctrl-C, "
+        "the runs it finished and the stopped one (its stopped, not_done and report folder).",
+    ),
 ]
 RepsOpt = Annotated[int, typer.Option("--reps", "-r", help="Timed samples per measured trial (median).")]
 ConfirmRoundsOpt = Annotated[
