@@ -20,11 +20,13 @@ RECORD_MAX_VALUES = 10_000
 _SCALARS = frozenset((str, int, float, bool, type(None)))
 
 
-def check_record(name: str, value: Mapping[str, Any]) -> None:
-    """Refuse the mapping ``value`` when it holds more than ``RECORD_MAX_VALUES`` values written
-    out (YAML aliases expanded; counting stops there), with a ``ScheduleError`` naming ``name``.
+def check_record(name: str, value: Any) -> None:
+    """Refuse ``value`` unless it is a mapping of at most ``RECORD_MAX_VALUES`` values written out
+    (YAML aliases expanded; counting stops there), with a ``ScheduleError`` naming ``name``.
     A record of scalars (a search's) is passed in one look at its values' types: validating a
     100,000-row table checks 100,000 of them."""
+    if not isinstance(value, Mapping):
+        raise ScheduleError(f"{name}: expected a mapping, got {type(value).__name__}")
     if len(value) <= RECORD_MAX_VALUES and _SCALARS.issuperset(map(type, value.values())):
         return
     stack = list(value.values())

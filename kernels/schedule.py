@@ -303,8 +303,6 @@ class Schedule:
                     f"settings: expected an engine's settings, got {type(self.settings).__name__}"
                 )
             self.settings.check(self.collective, self.world_size)
-        if not isinstance(self.provenance, Mapping):
-            raise ScheduleError(f"provenance: expected a mapping, got {type(self.provenance).__name__}")
         check_record("provenance", self.provenance)
         if not isinstance(self.basis, str):
             raise ScheduleError(f"basis: expected a string, got {type(self.basis).__name__}")

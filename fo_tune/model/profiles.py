@@ -179,10 +179,13 @@ class Curves:
         self._curves: dict[tuple[str, int], list[BandwidthPoint]] = {}
         for b in cal.bandwidth:
             self._curves.setdefault((b.collective, b.nccl_max_ctas), []).append(b)
-        # per curve, each point's time raised to the largest of the smaller sizes' (see above)
+        # per curve, its sizes and each point's time raised to the largest of the smaller sizes'
+        # (see above), read by every ``time``
+        self._sizes: dict[tuple[str, int], list[int]] = {}
         self._times: dict[tuple[str, int], list[float]] = {}
         for key, pts in self._curves.items():
             pts.sort(key=lambda b: b.size_bytes)
+            self._sizes[key] = [p.size_bytes for p in pts]
             self._times[key] = list(itertools.accumulate((p.time_ms for p in pts), max))
 
     def knows(self, collective: str) -> bool:
@@ -200,8 +203,7 @@ class Curves:
         """The collective alone on ``nbytes`` (nccl-tests sizing), interpolated on the curve's
         running maximum; never less for more bytes."""
         key = self._curve(collective, cap)
-        pts, times = self._curves[key], self._times[key]
-        sizes = [p.size_bytes for p in pts]
+        pts, sizes, times = self._curves[key], self._sizes[key], self._times[key]
         if nbytes <= sizes[0]:
             return times[0]
         i = bisect.bisect_left(sizes, nbytes)

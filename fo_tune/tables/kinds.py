@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -33,9 +32,8 @@ from fo_kernels.errors import ScheduleError, TableError
 from fo_kernels.moe.table import MOE_TABLE_KIND, MOE_TABLE_PREFIX, MoeTable
 from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import TABLE_SCHEMA_VERSION, ScheduleTable
-from fo_kernels.table.block import TOO_BIG
 from fo_kernels.table.format import TableHeader, build_row, parse_header, read_table_data, read_table_text
-from fo_kernels.table.text import decode_row_line, load_document, split_table_text, unreadable
+from fo_kernels.table.text import decode_row_lines, load_document, split_table_text, unreadable
 
 TableKind = Literal["dense", "moe"]
 
@@ -125,14 +123,11 @@ def load_dense_table(path: str | os.PathLike[str]) -> ScheduleTable:
 
 
 def _decoded(lines: list[str], source: str) -> list[Any]:
-    """Row lines decoded as ``parse_table_text`` decodes them (one ``json`` call, else line by line)."""
+    """Row lines decoded as ``parse_table_text`` decodes them; ``TableError`` naming ``source``."""
     try:
-        return json.loads("[" + ",".join(lines) + "]")
-    except TOO_BIG:
-        try:
-            return [decode_row_line(line) for line in lines]
-        except yaml.YAMLError as exc:
-            raise TableError(unreadable(source, exc)) from None
+        return decode_row_lines(lines)
+    except yaml.YAMLError as exc:
+        raise TableError(unreadable(source, exc)) from None
 
 
 # Per header that building a row depends on (schema version, collective, dtype, world size; as

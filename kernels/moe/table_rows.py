@@ -37,8 +37,6 @@ class MoeRow:
                 f"schedule: expected a fo_kernels.MoeSchedule, got {type(self.schedule).__name__} (a "
                 "mapping becomes one through MoeSchedule.from_dict)"
             )
-        if not isinstance(self.provenance, Mapping):
-            raise TableError(f"provenance: expected a mapping, got {type(self.provenance).__name__}")
         try:
             check_record("provenance", self.provenance)
         except ScheduleError as exc:

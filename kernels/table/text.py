@@ -237,11 +237,16 @@ def parse_table_text(text: str) -> Any:
     if split is None:
         return load_document(text)
     data, lines = split
-    try:
-        data["rows"] = json.loads("[" + ",".join(lines) + "]")
-    except TOO_BIG:
-        data["rows"] = [decode_row_line(line) for line in lines]
+    data["rows"] = decode_row_lines(lines)
     return data
+
+
+def decode_row_lines(lines: list[str]) -> list[Any]:
+    """Row lines (without ``- ``) by ``json`` in one call, else each by ``decode_row_line``."""
+    try:
+        return json.loads("[" + ",".join(lines) + "]")
+    except TOO_BIG:
+        return [decode_row_line(line) for line in lines]
 
 
 def lazy_table_data(text: str, source: str) -> Any:
