@@ -9,10 +9,15 @@ VENV="${FO_TUNE_TEST_VENV:-.ci-venv}"
 rm -rf "$VENV"
 python3 -m venv "$VENV"
 PY="$VENV/bin/python"
+# Byte-code is written where Python imports a module (an environment that sets
+# PYTHONDONTWRITEBYTECODE would recompile the package's modules in each of the hundreds of
+# processes the tests start), so pip skips compiling every installed file up front: the tests
+# import a fraction of torch, transformers and the rest, once each.
+unset PYTHONDONTWRITEBYTECODE
 "$PY" -m pip install --quiet --upgrade pip
 # The CPU wheel of torch (the package itself does not pin torch) and the Triton that matches it.
-"$PY" -m pip install --quiet "torch==2.13.0" "triton==3.7.1"
-"$PY" -m pip install --quiet -e ".[dev]"
+"$PY" -m pip install --quiet --no-compile "torch==2.13.0" "triton==3.7.1"
+"$PY" -m pip install --quiet --no-compile -e ".[dev]"
 # A PostgreSQL server for tests/test_fleet.py (it starts a throwaway cluster): Debian's package,
 # installed only when missing; where it cannot be installed those tests skip and say why.
 if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then
