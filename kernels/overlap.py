@@ -36,31 +36,27 @@ def _call(
     scale_b: torch.Tensor | None,
     out_dtype: torch.dtype | None,
 ) -> EngineResult:
-    if torch.compiler.is_compiling():
-        # (a refused operand, traced: the refused op raises its ValueError when the graph runs it;
-        # Dynamo would make its own error of a raise here. A refused group or schedule: the op's.)
-        _, why = refusal(lambda: _operand_checks(a, b, scale_a, scale_b, out_dtype))
-        if why is not None:
-            return _refused_call(collective, why, a, b, group, out_dtype)
-        name = group_name(group)
-        return ops.op(collective)(a, b, name, ops.schedule_text(schedule), scale_a, scale_b, out_dtype)
-    check_tensors(a, b)  # (the ops' schema would refuse them with a RuntimeError)
-    # (the ops' schema would refuse a number as a scale first)
-    problem = scale_type_problem(scale_a, scale_b, out_dtype, a)
-    if problem:
-        raise ScaleError(problem)
-    if ops.direct_call(a, b, scale_a, scale_b):
+    if ops.direct_call(a, b, scale_a, scale_b):  # (plain tensors: the checks below are the scales')
+        problem = scale_type_problem(scale_a, scale_b, out_dtype, a)
+        if problem:
+            raise ScaleError(problem)
         return execute(
             collective, a, b, schedule, group, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
         )
-    # (off the direct path: a DTensor never takes it)
-    check_local(a=a, b=b, scale_a=scale_a, scale_b=scale_b)
+    # Off the direct path (a trace, autograd, a DTensor, no tensor): a refused operand, traced, is the
+    # refused op's output, which raises the eager call's error when the graph runs (Dynamo would
+    # make its own error of a raise here); a refused group or schedule is the op's to raise.
+    _, why = refusal(lambda: _operand_checks(a, b, scale_a, scale_b, out_dtype))
+    if why is not None:
+        return _refused_call(collective, why, a, b, group, out_dtype)
     name = group_name(group)
     return ops.op(collective)(a, b, name, ops.schedule_text(schedule), scale_a, scale_b, out_dtype)
 
 
 def _operand_checks(a: object, b: object, scale_a: object, scale_b: object, out_dtype: object) -> None:
-    """``_call``'s checks of its operands, scales and out_dtype, in the eager call's order."""
+    """``_call``'s checks of its operands, scales and out_dtype, in this order: an operand that is no
+    tensor (the ops' schema would refuse it with a RuntimeError), a scale or out_dtype the schema
+    cannot take, a DTensor (torch's DTensor dispatch has no rule for the ops)."""
     check_tensors(a, b)
     problem = scale_type_problem(scale_a, scale_b, out_dtype, a)
     if problem:
@@ -151,17 +147,17 @@ def all_gather_gemm(
 
     ``a=`` names the shard too, as the other two ops name their first operand (give one of the two).
     """
-    shard, why = refusal(lambda: _shard_of(a_shard, a, b))
-    if why is not None:  # (traced: raised when the graph runs)
+    if (a_shard is None) == (a is None) or b is None:  # (traced: raised when the graph runs)
+        _, why = refusal(lambda: _shard_of(a_shard, a, b))
         return _refused_call("all_gather", why, a_shard if a is None else a, b, group, out_dtype)[0]
+    shard = a_shard if a_shard is not None else a
     return _call("all_gather", shard, b, schedule, group, scale_a, scale_b, out_dtype)[0]
 
 
-def _shard_of(a_shard: object, a: object, b: object) -> object:
-    """The shard ``all_gather_gemm`` was given, once, as ``a_shard`` or ``a=``, beside ``b``; else
-    ``SignatureError``."""
+def _shard_of(a_shard: object, a: object, b: object) -> None:
+    """The ``SignatureError`` of an ``all_gather_gemm`` call not given its shard once (as
+    ``a_shard`` or ``a=``) and ``b``."""
     if (a_shard is None) == (a is None):
         raise SignatureError("all_gather_gemm() takes this rank's shard once: as a_shard (first) or as a=")
     if b is None:
         raise SignatureError("all_gather_gemm() missing its second operand b (K, N)")
-    return a_shard if a_shard is not None else a

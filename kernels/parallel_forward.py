@@ -307,13 +307,11 @@ def _refuse_fp8(module: nn.Linear, plan: LinearPlan, why: Callable[[], str]) -> 
 
 
 def _refused_input(
-    module: nn.Linear, x: torch.Tensor, plan: LinearPlan, check: Callable[[], None]
-) -> torch.Tensor | None:
-    """None where ``check()`` takes the input; where it raises its ``ShapeError``: eagerly that,
-    traced the local output's shape whose op raises it when the graph runs (``fo_kernels.refusal``)."""
-    _, why = refusal(check)
-    if why is None:
-        return None
+    module: nn.Linear, x: torch.Tensor, plan: LinearPlan, refuse: Callable[[], None]
+) -> torch.Tensor:
+    """The ``ShapeError`` ``refuse()`` raises for the input: eagerly raised, traced the local
+    output's shape whose op raises it when the graph runs (``fo_kernels.refusal``)."""
+    _, why = refusal(refuse)
     features = module.weight.to_local().shape[0] if plan.kind == COLWISE else module.out_features
     return refused(why, x, (*shape_of(x)[:-1], features))
 
@@ -334,15 +332,19 @@ def _local_input(x: torch.Tensor, plan: LinearPlan) -> tuple[torch.Tensor, Place
     return x, plan.input_layouts[0], False
 
 
-def _check_features(module: nn.Linear, x: torch.Tensor, weight: torch.Tensor, plan: LinearPlan) -> None:
-    """Raise ``ShapeError`` unless ``x``'s last dim (the local one) is what this rank's weight takes."""
+def _features(x: torch.Tensor) -> int:
+    """``x``'s last dim (the local one of a DTensor), 0 for a 0-dim input."""
     local = x.to_local() if isinstance(x, DTensor) else x
-    features = local.shape[-1] if local.dim() else 0
-    if features != weight.shape[1]:
-        raise ShapeError(
-            f"a {plan.kind} nn.Linear({module.in_features}, {module.out_features}) takes "
-            f"{int(weight.shape[1])} input features on this rank, got an input of {shape_text(local)}"
-        )
+    return local.shape[-1] if local.dim() else 0
+
+
+def _refuse_features(module: nn.Linear, x: torch.Tensor, weight: torch.Tensor, plan: LinearPlan) -> None:
+    """Raise the ``ShapeError`` of an input whose features this rank's weight does not take."""
+    local = x.to_local() if isinstance(x, DTensor) else x
+    raise ShapeError(
+        f"a {plan.kind} nn.Linear({module.in_features}, {module.out_features}) takes "
+        f"{int(weight.shape[1])} input features on this rank, got an input of {shape_text(local)}"
+    )
 
 
 def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -356,9 +358,8 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     d = _leading_dim(layout, x.dim())
     if isinstance(layout, Shard) and d is None:  # (Shard(2) of a 3-dim input: its features)
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, its features")
-    out = _refused_input(module, x, plan, lambda: _check_features(module, x, weight, plan))
-    if out is not None:
-        return out
+    if _features(x) != weight.shape[1]:  # (traced: raised when the graph runs)
+        return _refused_input(module, x, plan, lambda: _refuse_features(module, x, weight, plan))
     if not _op_dtype_ok(x, weight, plan) or x.numel() == 0:
         return torch_forward(module, x, plan, lambda: _input_why(x, weight))
     if isinstance(layout, Replicate):
@@ -466,10 +467,9 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     x, layout, is_dtensor = _local_input(x, plan)
     x, weight, bias = _autocast_operands(x, weight, bias)
     sharded = isinstance(layout, Shard) and x.dim() >= 1 and layout.dim % x.dim() == x.dim() - 1
-    if sharded or x.dim() == 0:  # (a 0-dim input has no features: refused, as a colwise one is)
-        out = _refused_input(module, x, plan, lambda: _check_features(module, x, weight, plan))
-        if out is not None:
-            return out
+    # (a 0-dim input has no features: refused, as a colwise one is; traced, when the graph runs)
+    if (sharded or x.dim() == 0) and _features(x) != weight.shape[1]:
+        return _refused_input(module, x, plan, lambda: _refuse_features(module, x, weight, plan))
     if not sharded:
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, not Shard(-1)")
     if not _op_dtype_ok(x, weight, plan) or x.numel() == 0:
