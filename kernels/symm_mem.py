@@ -127,6 +127,7 @@ def _world(group_name: str | dist.ProcessGroup) -> tuple[str, int]:
     internal error)."""
     group_name = _named(group_name)
     if torch.compiler.is_compiling():
+        require_initialized()  # (before the default group's name, which is None until then)
         name = group_name or dist.group.WORLD.group_name
         problem = _name_problem(name)
         if problem:

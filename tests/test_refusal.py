@@ -30,6 +30,7 @@ from fo_kernels.errors import (
     ArgumentError,
     FoTuneError,
     GroupError,
+    NotInitializedError,
     ScaleError,
     ShapeError,
     SignatureError,
@@ -302,3 +303,26 @@ def test_compiled_bad_arguments_raise_the_eager_calls_error(one_rank, name, dyna
     torch._dynamo.reset()  # (each case a compile of its own: the recompile limit is not the test's)
     compiled = _raised(torch.compile(fn, fullgraph=True, backend="eager", dynamic=dynamic), args)
     assert type(compiled) is error and str(compiled) == str(eager), (name, repr(compiled)[:2000])
+
+
+def test_compiled_calls_before_init_process_group_raise_the_eager_calls_error():
+    """Before torch.distributed.init_process_group every entry point that takes only tensors and a
+    group name raises ``NotInitializedError``, compiled as eagerly (the fused ops read the default
+    group's name as they are traced, which is None until then)."""
+    assert not dist.is_initialized()
+    a, b = _ab()
+    calls: dict[str, tuple[Callable[..., object], tuple]] = {
+        **{short: (op, (a, b)) for short, op in DENSE_OPS.items()},
+        "fag": (lambda A, B: _gather(A, [B]), (_a3(), _b())),
+        "fmrs": (lambda A, B: _scatter(A, B), (_a3(), _b())),
+        "ffn": (expert_parallel_ffn, _ffn_args()),
+    }
+    try:
+        for name, (fn, args) in calls.items():
+            eager = _raised(fn, args)
+            assert type(eager) is NotInitializedError, (name, eager)
+            torch._dynamo.reset()
+            compiled = _raised(torch.compile(fn, fullgraph=True, backend="eager"), args)
+            assert type(compiled) is NotInitializedError and str(compiled) == str(eager), (name, compiled)
+    finally:
+        torch._dynamo.reset()
