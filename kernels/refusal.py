@@ -1,16 +1,17 @@
 """A bad argument of a compiled call, refused when the graph runs, as the eager call refuses it.
 
 Dynamo makes its own ``Unsupported`` error (a RuntimeError) of an exception that a traced function
-raises and does not catch, so under torch.compile(fullgraph=True) the ``ValueError`` subclasses
-of the public ops' operand checks (``fo_kernels.overlap``), torch's fused-op signatures
+raises and does not catch, so under torch.compile(fullgraph=True) the ``ValueError`` subclasses of
+the public ops' operand checks (``fo_kernels.overlap``), torch's fused-op signatures
 (``fo_kernels.symm_mem``), the layers (``fo_kernels.layers``), the styles' forward
-(``fo_kernels.parallel_forward``) and the MoE FFN (``fo_kernels.moe.ffn``) would not reach the
-caller. ``refusal`` runs a call's checks: eagerly they raise as they are;
-traced, Dynamo traces the raise and the ``except`` here, and the refusal comes back as (error
-type's name, message). ``refused`` gives the call's output as the output of the ``fo_kernels::refused``
-op, which raises that error when the graph runs it, before the call's own work (which the graph
-then does not hold); the graph traces without a break. The custom ops themselves defer their
-refusals of a group or schedule through their string arguments instead (``fo_kernels.ops``).
+(``fo_kernels.parallel_forward``) and the MoE FFN and its module (``fo_kernels.moe.ffn``,
+``fo_kernels.moe.module``) would not reach the caller. ``refusal`` runs a call's checks: eagerly
+they raise as they are; traced, Dynamo traces the raise and the ``except`` here, and the refusal
+comes back as (error type's name, message). ``refused`` gives the call's output as the output of the
+``fo_kernels::refused`` op, which raises that error when the graph runs it, before the call's own
+work (which the graph then does not hold); the graph traces without a break. The custom ops
+themselves defer their refusals of a group or schedule through their string arguments instead
+(``fo_kernels.ops``).
 """
 
 from __future__ import annotations

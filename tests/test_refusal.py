@@ -32,10 +32,12 @@ from fo_kernels.errors import (
     GroupError,
     NotInitializedError,
     ScaleError,
+    ScheduleError,
     ShapeError,
     SignatureError,
 )
 from fo_kernels.moe.ffn import expert_parallel_ffn
+from fo_kernels.moe.module import ExpertParallelExperts
 from fo_kernels.parallel import ColwiseParallel, RowwiseParallel
 
 FP8 = torch.float8_e4m3fn
@@ -200,6 +202,10 @@ def _layer_cases() -> dict[str, tuple[Build, type[FoTuneError]]]:
             lambda: (RowParallelLinear(8, 6, sequence_parallel=True), (_dtensor(torch.randn(4, 8)),)),
             ShapeError,
         ),
+        "fp8 column layer: float64": (
+            lambda: (ColumnParallelLinear(16, 32, fp8="rowwise"), (torch.randn(3, 16).double(),)),
+            ShapeError,
+        ),
         "colwise: features": (lambda: (_styled(ColwiseParallel()), (x7(),)), ShapeError),
         "colwise Shard(0) input: features": (
             lambda: (_styled(ColwiseParallel(input_layouts=Shard(0))), (x7(),)),
@@ -274,13 +280,55 @@ def _moe_cases() -> dict[str, tuple[Build, type[FoTuneError]]]:
         "ffn: ids of other tokens": (lambda: _ffn_with(topk_ids=lambda t: t[:2]), ShapeError),
         "ffn: int weights": (lambda: _ffn_with(topk_weights=lambda t: t.int()), ShapeError),
         "ffn: float64 w2": (lambda: _ffn_with(w2=lambda t: t.double()), ShapeError),
+        "ffn: an int group": (
+            lambda: (lambda *ts: expert_parallel_ffn(*ts, group=3), _ffn_args()),
+            GroupError,
+        ),
+        "ffn: a str schedule": (
+            lambda: (lambda *ts: expert_parallel_ffn(*ts, schedule="{}"), _ffn_args()),
+            ScheduleError,
+        ),
+        "experts module: hidden_states a list": (
+            lambda: _hidden_list(_experts()),
+            ShapeError,
+        ),
+        "experts module: 0-dim hidden_states": (
+            lambda: (_experts(), (torch.tensor(1.0), *_routing())),
+            ShapeError,
+        ),
+        "experts module: a routing of other tokens": (
+            lambda: (_experts(), (torch.randn(2, 3, 8), *(t[:1] for t in _routing()))),
+            ShapeError,
+        ),
     }
+
+
+def _experts() -> ExpertParallelExperts:
+    """Both experts of ``_ffn_args`` on the one rank."""
+    _, _, _, w13, w2 = _ffn_args()
+    return ExpertParallelExperts(w13, w2, num_experts=2)
+
+
+def _hidden_list(ep: ExpertParallelExperts) -> tuple[Callable[..., object], tuple]:
+    """``ep`` called with a list as its hidden states."""
+    return (lambda ids, w: ep([1.0], ids, w)), _routing()
+
+
+def _routing() -> tuple[torch.Tensor, torch.Tensor]:
+    """top_k_index and top_k_weights (2, 3, 2) of (2, 3, 8) hidden states."""
+    return torch.zeros(2, 3, 2, dtype=torch.int64), torch.rand(2, 3, 2)
 
 
 CASES = _dense_cases() | _fused_cases() | _layer_cases() | _moe_cases()
 # Cases whose messages name sizes, compiled with dynamic shapes too: a message that formats a
 # symbolic size is no constant the refused op can take (``fo_kernels.refusal.shape_text``).
-DYNAMIC = ("fag: A 1-D", "fmrs: A 1-D", "colwise: features", "rowwise Shard(0) output: features")
+DYNAMIC = (
+    "fag: A 1-D",
+    "fmrs: A 1-D",
+    "colwise: features",
+    "rowwise Shard(0) output: features",
+    "experts module: a routing of other tokens",
+)
 
 
 def _raised(fn: Callable[..., object], args: tuple) -> BaseException | None:
