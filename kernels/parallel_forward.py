@@ -309,11 +309,12 @@ def _refuse_fp8(module: nn.Linear, plan: LinearPlan, why: Callable[[], str]) -> 
 def _refused_input(
     module: nn.Linear, x: torch.Tensor, plan: LinearPlan, refuse: Callable[[], None]
 ) -> torch.Tensor:
-    """The ``ShapeError`` ``refuse()`` raises for the input: eagerly raised, traced the local
-    output's shape whose op raises it when the graph runs (``fo_kernels.refusal``)."""
+    """The ``ShapeError`` ``refuse()`` raises for the input: eagerly raised; traced, an output of
+    the local shape (a DTensor where the style gives one) whose op raises it as the graph runs."""
     _, why = refusal(refuse)
     features = module.weight.to_local().shape[0] if plan.kind == COLWISE else module.out_features
-    return refused(why, x, (*shape_of(x)[:-1], features))
+    y = refused(why, x, (*shape_of(x)[:-1], features))
+    return y if plan.use_local_output else DTensor.from_local(y, plan.mesh, plan.output_layouts)
 
 
 def _moved(x: torch.Tensor, d: int) -> torch.Tensor:

@@ -187,6 +187,11 @@ def _styled(style: object, features: tuple[int, int] = (8, 6)) -> nn.Linear:
     return module
 
 
+def _then(module: nn.Module, after: Callable[[object], object]) -> tuple[Callable[..., object], tuple]:
+    """``module`` on an input of 7 features, its output then given to ``after``."""
+    return (lambda x: after(module(x))), (torch.randn(3, 7),)
+
+
 def _layer_cases() -> dict[str, tuple[Build, type[FoTuneError]]]:
     """The layers' and the parallel styles' inputs: features that do not match the weight, a
     0-dim input, a list or a DTensor where the layer takes its plain rows, an fp8 module's input
@@ -213,6 +218,15 @@ def _layer_cases() -> dict[str, tuple[Build, type[FoTuneError]]]:
         ),
         "colwise: a DTensor's features": (
             lambda: (_styled(ColwiseParallel()), (_dtensor(x7()),)),
+            ShapeError,
+        ),
+        # (a style whose output is a DTensor: what follows the call traces on the refused output)
+        "colwise DTensor output: features": (
+            lambda: _then(_styled(ColwiseParallel(use_local_output=False)), lambda y: y.to_local() * 2),
+            ShapeError,
+        ),
+        "rowwise DTensor output: features": (
+            lambda: _then(_styled(RowwiseParallel(use_local_output=False)), lambda y: y.full_tensor()),
             ShapeError,
         ),
         "colwise: a list": (lambda: (_styled(ColwiseParallel()), ([[1.0] * 8],)), ShapeError),
