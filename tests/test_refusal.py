@@ -1,9 +1,10 @@
 """Bad arguments under torch.compile (``fo_kernels.refusal``): every public entry point that takes
-tensors (the three ops, torch's fused-op signatures, the layers, the parallel styles' forward and
-the expert-parallel FFN), called with an argument its eager call refuses, raises under
+tensors (the three ops, torch's fused-op signatures, the layers, the parallel styles' forward, the
+expert-parallel FFN and its module), called with an argument its eager call refuses, raises under
 ``torch.compile(fullgraph=True)`` the eager call's error type with its message, not Dynamo's
-``Unsupported`` or another torch error. One table, one gloo rank in this process; each case
-compiled with the "eager" backend (the refusal is Dynamo's trace, not a backend's)."""
+``Unsupported`` or another torch error; so does each call before ``init_process_group``. One
+table, one gloo rank in this process; each case compiled with the "eager" backend (the refusal is
+Dynamo's trace, not a backend's)."""
 
 from __future__ import annotations
 
