@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fo_kernels.errors import PlanError, ScaleError, ScheduleError, ShapeError
+from fo_kernels.execute import check_local
 from fo_kernels.fields import check_bool, check_int
 from fo_kernels.fp8_state import prepare_weight_state
 from fo_kernels.groups import SharesGroupWhenCopied, check_group, require_initialized
@@ -67,7 +68,7 @@ from fo_kernels.quantize import (
     local_fp8_matmul,
     quantize_weight,
 )
-from fo_kernels.refusal import refusal, refused
+from fo_kernels.refusal import refusal, refused, shape_of
 from fo_kernels.scaling import FP8_VARIANTS, OUT_DTYPES, is_fp8
 from fo_kernels.schedule import Schedule
 
@@ -349,6 +350,10 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
         return rows, weight, bias
 
     def _rows(self, x: torch.Tensor, features: int) -> torch.Tensor:
+        if type(x) is not torch.Tensor:  # (a plain tensor skips the type checks)
+            if not isinstance(x, torch.Tensor):
+                raise ShapeError(f"input must be a torch.Tensor, got a {type(x).__name__}")
+            check_local(input=x)  # (a DTensor: the layers hold this rank's plain shards)
         if x.dim() < 1 or x.shape[-1] != features:
             raise ShapeError(
                 f"input has {int(x.shape[-1]) if x.dim() else 0} features, this rank's shard of "
@@ -398,7 +403,7 @@ class ColumnParallelLinear(_ParallelLinear):
         is this rank's rows, all-gathered first (``all_gather_gemm``)."""
         checked, why_refused = refusal(lambda: self._operands(x))
         if why_refused is not None:  # (traced: raised when the graph runs)
-            return refused(why_refused, x, (*x.shape[:-1], self.weight.shape[0]))
+            return refused(why_refused, x, (*shape_of(x)[:-1], self.weight.shape[0]))
         rows, weight, bias = checked
         w = weight.t()
         n = weight.shape[0]
@@ -437,7 +442,7 @@ class RowParallelLinear(_ParallelLinear):
         (``gemm_reduce_scatter``)."""
         checked, why_refused = refusal(lambda: self._operands(x))
         if why_refused is not None:  # (traced: raised when the graph runs)
-            return refused(why_refused, x, (*x.shape[:-1], self.weight.shape[0]))
+            return refused(why_refused, x, (*shape_of(x)[:-1], self.weight.shape[0]))
         rows, weight, bias = checked
         lead = x.shape[:-1]
         if rows.shape[0] == 0:

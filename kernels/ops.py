@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fo_kernels.errors import FoTuneError, Fp8TrainingError, NotOverlappedWarning, ScaleError, ScheduleError
+from fo_kernels.errors import FoTuneError, Fp8TrainingError, NotOverlappedWarning, ScheduleError
 from fo_kernels.groups import group_size, resolve_group
 from fo_kernels.scaling import DEFAULT_OUT_DTYPE, is_fp8
 from fo_kernels.schedule import Schedule
@@ -74,10 +74,6 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # op, before any collective, as an eager call raises it (``fo_kernels.groups.REFUSED_GROUP`` does
 # the same for the group). No schedule's JSON text starts so.
 REFUSED_SCHEDULE = "<refused schedule> "
-# The same for a traced call's scales or out_dtype that ``fo_kernels.scaling.scale_type_problem``
-# refuses (a Python number as a scale, a string as out_dtype, which the op's schema cannot take):
-# the op is called without them and with this text as its schedule, and raises the ``ScaleError``.
-REFUSED_SCALES = "<refused scales> "
 
 
 # ------------------------------------------------------------------------------ op arguments
@@ -101,17 +97,24 @@ def refuse_schedule(message: str) -> str:
 
 
 def check_schedule_text(text: str) -> None:
-    """Raise the ``ScheduleError`` a ``REFUSED_SCHEDULE`` text carries, or the ``ScaleError`` of a
-    ``REFUSED_SCALES`` one."""
+    """Raise the ``ScheduleError`` a ``REFUSED_SCHEDULE`` text carries."""
     if text.startswith(REFUSED_SCHEDULE):
         raise ScheduleError(text[len(REFUSED_SCHEDULE) :])
-    if text.startswith(REFUSED_SCALES):
-        raise ScaleError(text[len(REFUSED_SCALES) :])
 
 
 def is_refusal(text: str) -> bool:
     """True for an op's ``schedule`` text that only carries a refusal (the op raises it)."""
-    return text.startswith((REFUSED_SCHEDULE, REFUSED_SCALES))
+    return text.startswith(REFUSED_SCHEDULE)
+
+
+@torch.compiler.assume_constant_result
+def traced_world_size(name: str) -> int:
+    """The world size of an op's ``group_name`` for a traced call's refused output (a constant to
+    Dynamo); 1 where torch.distributed or the group is refused (the refused call raises first)."""
+    try:
+        return group_size(name)
+    except FoTuneError:
+        return 1
 
 
 @torch.compiler.assume_constant_result
@@ -375,8 +378,7 @@ def _save_meta(ctx, collective: str, inputs) -> None:
     a, b, name, schedule, scale_a, *_ = inputs
     ctx.group_name = name
     ctx.fp8 = scale_a is not None
-    # (eager, the op's forward has already refused such shapes: only a trace asks, off the hot path;
-    # a refused-scales call comes without its scales, so its fp8 operands would fail the formulas)
+    # (eager, the op's forward has already refused such shapes: only a trace asks, off the hot path)
     ctx.refused = torch.compiler.is_compiling() and (is_refusal(schedule) or _refused(collective, a, b, name))
     ctx.input_meta = fp8_input_meta(inputs) if ctx.fp8 or ctx.refused else None
 

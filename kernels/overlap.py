@@ -21,7 +21,8 @@ from fo_kernels.engines import EngineResult
 from fo_kernels.errors import ScaleError, SignatureError
 from fo_kernels.execute import check_local, check_tensors, execute
 from fo_kernels.groups import group_name
-from fo_kernels.scaling import scale_type_problem
+from fo_kernels.refusal import refusal, refused, shape_of
+from fo_kernels.scaling import DEFAULT_OUT_DTYPE, is_fp8, scale_type_problem
 from fo_kernels.schedule import Schedule
 
 
@@ -35,22 +36,50 @@ def _call(
     scale_b: torch.Tensor | None,
     out_dtype: torch.dtype | None,
 ) -> EngineResult:
-    check_tensors(a, b)  # (the ops' schema would refuse them with a RuntimeError)
-    # (the ops' schema would refuse a number as a scale first)
-    problem = scale_type_problem(scale_a, scale_b, out_dtype, a)
-    if problem and not torch.compiler.is_compiling():
-        raise ScaleError(problem)
-    if ops.direct_call(a, b, scale_a, scale_b):
+    if ops.direct_call(a, b, scale_a, scale_b):  # (plain tensors: the checks below are the scales')
+        problem = scale_type_problem(scale_a, scale_b, out_dtype, a)
+        if problem:
+            raise ScaleError(problem)
         return execute(
             collective, a, b, schedule, group, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
         )
-    check_local(a=a, b=b)  # (off the direct path: a DTensor never takes it)
-    # (a refused group, schedule or scales, traced: the op raises its ValueError when the graph
-    # runs it; Dynamo would make a RuntimeError of a raise here)
+    # Off the direct path (a trace, autograd, a DTensor, no tensor): a refused operand, traced, is the
+    # refused op's output, which raises the eager call's error when the graph runs (Dynamo would
+    # make its own error of a raise here); a refused group or schedule is the op's to raise.
+    _, why = refusal(lambda: _operand_checks(a, b, scale_a, scale_b, out_dtype))
+    if why is not None:
+        return _refused_call(collective, why, a, b, group, out_dtype)
     name = group_name(group)
-    if problem:
-        return ops.op(collective)(a, b, name, ops.REFUSED_SCALES + problem, None, None, None)
     return ops.op(collective)(a, b, name, ops.schedule_text(schedule), scale_a, scale_b, out_dtype)
+
+
+def _operand_checks(a: object, b: object, scale_a: object, scale_b: object, out_dtype: object) -> None:
+    """``_call``'s checks of its operands, scales and out_dtype, in this order: an operand that is no
+    tensor (the ops' schema would refuse it with a RuntimeError), a scale or out_dtype the schema
+    cannot take, a DTensor (torch's DTensor dispatch has no rule for the ops)."""
+    check_tensors(a, b)
+    problem = scale_type_problem(scale_a, scale_b, out_dtype, a)
+    if problem:
+        raise ScaleError(problem)
+    check_local(a=a, b=b, scale_a=scale_a, scale_b=scale_b)
+
+
+def _refused_call(
+    collective: str, why: tuple[str, str], a: object, b: object, group: object, out_dtype: object
+) -> EngineResult:
+    """A traced call's output, of the shapes its op would give (1 for a size of an operand that is
+    no matrix), whose op raises ``why`` when the graph runs."""
+    m, k = shape_of(a) if len(shape_of(a)) == 2 else (1, 1)
+    n = shape_of(b)[-1] if len(shape_of(b)) == 2 else 1
+    world = ops.traced_world_size(group_name(group))
+    fp8 = isinstance(a, torch.Tensor) and is_fp8(a.dtype)
+    dtype = (out_dtype if isinstance(out_dtype, torch.dtype) else DEFAULT_OUT_DTYPE) if fp8 else None
+    like = (a, b)
+    if collective == "all_reduce":
+        return refused(why, like, (m, n), dtype)
+    if collective == "reduce_scatter":
+        return refused(why, like, (m // world, n), dtype)
+    return refused(why, like, (m * world, n), dtype), refused(why, like, (m * world, k))
 
 
 def gemm_all_reduce(
@@ -118,9 +147,17 @@ def all_gather_gemm(
 
     ``a=`` names the shard too, as the other two ops name their first operand (give one of the two).
     """
+    if (a_shard is None) == (a is None) or b is None:  # (traced: raised when the graph runs)
+        _, why = refusal(lambda: _shard_of(a_shard, a, b))
+        return _refused_call("all_gather", why, a_shard if a is None else a, b, group, out_dtype)[0]
+    shard = a_shard if a_shard is not None else a
+    return _call("all_gather", shard, b, schedule, group, scale_a, scale_b, out_dtype)[0]
+
+
+def _shard_of(a_shard: object, a: object, b: object) -> None:
+    """The ``SignatureError`` of an ``all_gather_gemm`` call not given its shard once (as
+    ``a_shard`` or ``a=``) and ``b``."""
     if (a_shard is None) == (a is None):
         raise SignatureError("all_gather_gemm() takes this rank's shard once: as a_shard (first) or as a=")
     if b is None:
         raise SignatureError("all_gather_gemm() missing its second operand b (K, N)")
-    shard = a_shard if a_shard is not None else a
-    return _call("all_gather", shard, b, schedule, group, scale_a, scale_b, out_dtype)[0]

@@ -72,6 +72,7 @@ from fo_kernels.quantize import (
     local_fp8_matmul,
     quantize_weight,
 )
+from fo_kernels.refusal import refusal, refused, shape_of, shape_text
 from fo_kernels.scaling import OUT_DTYPES
 from fo_kernels.schedule import TORCH_DTYPES
 
@@ -284,17 +285,36 @@ def torch_forward(
     ``F.linear`` on the DTensor parameters), with one ``NotOverlappedWarning`` per module saying
     ``why()`` (a callable: torch.compile traces no message). An fp8 module raises ``ShapeError``
     instead: torch's style has no fp8 GEMM."""
-    if plan.fp8 is not None:
-        raise ShapeError(
-            f"an fp8 {plan.kind} {type(module).__name__} runs on fo-tune's ops only (torch's style has "
-            f"no fp8 GEMM), which cannot take {why()}"
-        )
+    if plan.fp8 is not None:  # (traced: raised when the graph runs)
+        return _refused_input(module, x, plan, lambda: _refuse_fp8(module, plan, why))
     runs = f"a {plan.kind} {type(module).__name__} runs as torch's style does, not overlapped"
     _warn_once(module, WARNED_ATTR, lambda: f"{runs}: {why()}", runs)
     style = TORCH_STYLES[plan.kind]
     x = style._prepare_input_fn(plan.input_layouts, DESIRED_INPUT[plan.kind], module, (x,), plan.mesh)
     y = F.linear(x, module.weight, module.bias)
     return style._prepare_output_fn(plan.output_layouts, plan.use_local_output, module, y, plan.mesh)
+
+
+def _refuse_type(x: object) -> None:
+    raise ShapeError(f"input must be a torch.Tensor or a DTensor, got a {type(x).__name__}")
+
+
+def _refuse_fp8(module: nn.Linear, plan: LinearPlan, why: Callable[[], str]) -> None:
+    raise ShapeError(
+        f"an fp8 {plan.kind} {type(module).__name__} runs on fo-tune's ops only (torch's style has "
+        f"no fp8 GEMM), which cannot take {why()}"
+    )
+
+
+def _refused_input(
+    module: nn.Linear, x: torch.Tensor, plan: LinearPlan, refuse: Callable[[], None]
+) -> torch.Tensor:
+    """The ``ShapeError`` ``refuse()`` raises for the input: eagerly raised; traced, an output of
+    the local shape (a DTensor where the style gives one) whose op raises it as the graph runs."""
+    _, why = refusal(refuse)
+    features = module.weight.to_local().shape[0] if plan.kind == COLWISE else module.out_features
+    y = refused(why, x, (*shape_of(x)[:-1], features))
+    return y if plan.use_local_output else DTensor.from_local(y, plan.mesh, plan.output_layouts)
 
 
 def _moved(x: torch.Tensor, d: int) -> torch.Tensor:
@@ -313,19 +333,25 @@ def _local_input(x: torch.Tensor, plan: LinearPlan) -> tuple[torch.Tensor, Place
     return x, plan.input_layouts[0], False
 
 
-def _check_features(module: nn.Linear, x: torch.Tensor, weight: torch.Tensor, plan: LinearPlan) -> None:
-    """Raise ``ShapeError`` unless ``x``'s last dim (the local one) is what this rank's weight takes."""
+def _features(x: torch.Tensor) -> int:
+    """``x``'s last dim (the local one of a DTensor), 0 for a 0-dim input."""
     local = x.to_local() if isinstance(x, DTensor) else x
-    features = local.shape[-1] if local.dim() else 0
-    if features != weight.shape[1]:
-        raise ShapeError(
-            f"a {plan.kind} nn.Linear({module.in_features}, {module.out_features}) takes {weight.shape[1]} "
-            f"input features on this rank, got an input of {tuple(local.shape)}"
-        )
+    return local.shape[-1] if local.dim() else 0
+
+
+def _refuse_features(module: nn.Linear, x: torch.Tensor, weight: torch.Tensor, plan: LinearPlan) -> None:
+    """Raise the ``ShapeError`` of an input whose features this rank's weight does not take."""
+    local = x.to_local() if isinstance(x, DTensor) else x
+    raise ShapeError(
+        f"a {plan.kind} nn.Linear({module.in_features}, {module.out_features}) takes "
+        f"{int(weight.shape[1])} input features on this rank, got an input of {shape_text(local)}"
+    )
 
 
 def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan: LinearPlan = getattr(module, PLAN_ATTR)
+    if not isinstance(x, torch.Tensor):  # (traced: raised when the graph runs)
+        return _refused_input(module, x, plan, lambda: _refuse_type(x))
     weight = module.weight.to_local()
     bias = module.bias.to_local() if module.bias is not None else None
     x, layout, is_dtensor = _local_input(x, plan)
@@ -333,7 +359,8 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     d = _leading_dim(layout, x.dim())
     if isinstance(layout, Shard) and d is None:  # (Shard(2) of a 3-dim input: its features)
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, its features")
-    _check_features(module, x, weight, plan)
+    if _features(x) != weight.shape[1]:  # (traced: raised when the graph runs)
+        return _refused_input(module, x, plan, lambda: _refuse_features(module, x, weight, plan))
     if not _op_dtype_ok(x, weight, plan) or x.numel() == 0:
         return torch_forward(module, x, plan, lambda: _input_why(x, weight))
     if isinstance(layout, Replicate):
@@ -434,13 +461,18 @@ def _rows_why(want: Placement, x: torch.Tensor, plan: LinearPlan) -> str:
 
 def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan: LinearPlan = getattr(module, PLAN_ATTR)
+    if not isinstance(x, torch.Tensor):  # (traced: raised when the graph runs)
+        return _refused_input(module, x, plan, lambda: _refuse_type(x))
     weight = module.weight.to_local()
     bias = module.bias.to_local() if module.bias is not None else None
     x, layout, is_dtensor = _local_input(x, plan)
     x, weight, bias = _autocast_operands(x, weight, bias)
-    if not (isinstance(layout, Shard) and x.dim() >= 1 and layout.dim % x.dim() == x.dim() - 1):
+    sharded = isinstance(layout, Shard) and x.dim() >= 1 and layout.dim % x.dim() == x.dim() - 1
+    # (a 0-dim input has no features: refused, as a colwise one is; traced, when the graph runs)
+    if (sharded or x.dim() == 0) and _features(x) != weight.shape[1]:
+        return _refused_input(module, x, plan, lambda: _refuse_features(module, x, weight, plan))
+    if not sharded:
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, not Shard(-1)")
-    _check_features(module, x, weight, plan)
     if not _op_dtype_ok(x, weight, plan) or x.numel() == 0:
         return torch_forward(module, x, plan, lambda: _input_why(x, weight))
     if module.in_features % plan.world_size:

@@ -94,11 +94,10 @@ def scale_type_problem(scale_a: object, scale_b: object, out_dtype: object = Non
     """Why a call's scales or ``out_dtype`` are refused before its op is called ("" when they are
     not): a scale that is neither None nor a tensor (a Python number), or an ``out_dtype`` that is
     neither None nor a torch.dtype (a string), which the custom ops' schema would refuse with a
-    ``RuntimeError`` before ``check_scales`` could name it. With fp8 operand ``a``, eagerly, also a
-    scale on another device: through the dispatcher a meta scale beside real operands would run the
-    op's fake implementation, an output of uninitialized memory. (Traced, the op checks its scales'
-    devices when the graph runs; a traced call refused here raises its ``ScaleError`` when the
-    graph runs too: ``fo_kernels.ops.REFUSED_SCALES``.)"""
+    ``RuntimeError`` before ``check_scales`` could name it. With fp8 operand ``a``, also a scale on
+    another device: through the dispatcher a meta scale beside real operands would run the op's
+    fake implementation, an output of uninitialized memory, in a compiled graph as eagerly. (A
+    traced call refused here raises its ``ScaleError`` when the graph runs: ``fo_kernels.refusal``.)"""
     fp8 = isinstance(a, torch.Tensor) and is_fp8(a.dtype)
     for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
         if scale is not None and not isinstance(scale, torch.Tensor):
@@ -106,7 +105,7 @@ def scale_type_problem(scale_a: object, scale_b: object, out_dtype: object = Non
                 f"{name} is a {type(scale).__name__}; scales are float32 tensors (0-dim tensorwise, "
                 "or rowwise), as torch._scaled_mm's"
             )
-        if fp8 and scale is not None and scale.device != a.device and not torch.compiler.is_compiling():
+        if fp8 and scale is not None and scale.device != a.device:
             return f"{name} is on {scale.device} but the operands are on {a.device}"
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         return (

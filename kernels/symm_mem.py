@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from fo_kernels.errors import ArgumentError, GroupError, NotOverlappedWarning, ScaleError, ShapeError
 from fo_kernels.execute import check_local
@@ -39,7 +40,7 @@ from fo_kernels.fields import check_bool
 from fo_kernels.gemm import BOperand
 from fo_kernels.groups import check_group, require_initialized, resolve_group
 from fo_kernels.ops import call_op, warn_while_tracing
-from fo_kernels.refusal import refusal, refused, shape_text
+from fo_kernels.refusal import refusal, refused, shape_of, shape_text
 from fo_kernels.scaling import is_fp8
 from fo_kernels.schedule import TORCH_DTYPES
 
@@ -113,10 +114,10 @@ def _named(group_name: str | dist.ProcessGroup) -> str:
         return group_name.group_name
     if group_name is dist.GroupMember.NON_GROUP_MEMBER:
         check_group(group_name)  # (what dist.new_group returns outside the group: that message)
-    raise GroupError(
-        f"group_name: expected a process group's group_name (str) or a ProcessGroup, got "
-        f"{type(group_name).__name__}"
-    )
+    expected = "group_name: expected a process group's group_name (str) or a ProcessGroup, got"
+    if isinstance(group_name, DeviceMesh):  # (a traced call sees it as another type: named here)
+        raise GroupError(f"{expected} a DeviceMesh; pass the group of one of its dims, mesh.get_group(dim)")
+    raise GroupError(f"{expected} {type(group_name).__name__}")
 
 
 def _world(group_name: str | dist.ProcessGroup) -> tuple[str, int]:
@@ -126,6 +127,7 @@ def _world(group_name: str | dist.ProcessGroup) -> tuple[str, int]:
     internal error)."""
     group_name = _named(group_name)
     if torch.compiler.is_compiling():
+        require_initialized()  # (before the default group's name, which is None until then)
         name = group_name or dist.group.WORLD.group_name
         problem = _name_problem(name)
         if problem:
@@ -190,11 +192,11 @@ def fused_all_gather_matmul(
     torch's op schema names it, so a call by keyword switches too), with the gather overlapped
     with the GEMM (``all_gather_gemm``); returns (the gathered A if ``return_A`` else None, the
     products). See the module docstring."""
-    _check_a(A, _listed(Bs))
     checked, why_refused = refusal(lambda: _gather_checks(A, Bs, gather_dim, group_name, return_A))
     if why_refused is not None:  # (traced: raised when the graph runs)
-        outs = [refused(why_refused, A, (*A.shape[:-1], _columns(b, A))) for b in _listed(Bs)]
-        return (None if return_A is False else refused(why_refused, A, tuple(A.shape))), outs
+        like = (A, *_listed(Bs))
+        outs = [refused(why_refused, like, (*_lead(A), _columns(b, A))) for b in _listed(Bs)]
+        return (None if return_A is False else refused(why_refused, like, shape_of(A))), outs
     d, name, world = checked
     why = _reference_why(A, Bs, d)
     if why is not None:
@@ -224,10 +226,9 @@ def fused_matmul_reduce_scatter(
 ) -> torch.Tensor:
     """``reduce_scatter(A @ B, reduce_op, scatter_dim)``, the GEMM overlapped with the
     ReduceScatter (``gemm_reduce_scatter``). See the module docstring."""
-    _check_a(A, [B])
     checked, why_refused = refusal(lambda: _scatter_checks(A, B, reduce_op, scatter_dim, group_name))
     if why_refused is not None:  # (traced: raised when the graph runs)
-        return refused(why_refused, A, (*A.shape[:-1], _columns(B, A)))
+        return refused(why_refused, (A, B), (*_lead(A), _columns(B, A)))
     d, name, world = checked
     why = _reference_why(A, [B], d)
     if why is not None:
@@ -247,6 +248,7 @@ def _gather_checks(
 ) -> tuple[int, str, int]:
     """(gather dim, group name, world size) of a ``fused_all_gather_matmul`` call, or the
     ``FoTuneError`` of an argument it refuses."""
+    _check_a(A, _listed(Bs))
     check_bool("return_A", return_A)  # (torch's schema takes a bool; "no" would read as true)
     if isinstance(Bs, torch.Tensor) or not isinstance(Bs, list | tuple):
         raise ShapeError(f"Bs must be a list of (K, N) matrices, got {type(Bs).__name__}")
@@ -264,6 +266,7 @@ def _scatter_checks(
 ) -> tuple[int, str, int]:
     """(scatter dim, group name, world size) of a ``fused_matmul_reduce_scatter`` call, or the
     ``FoTuneError`` of an argument it refuses."""
+    _check_a(A, [B])
     _check_b(A, B, "B", A.shape[-1])
     _check_not_fp8("fused_matmul_reduce_scatter", A, [B])
     if reduce_op not in REDUCE_OPS:
@@ -283,9 +286,18 @@ def _listed(bs: object) -> list:
     return list(bs) if isinstance(bs, list | tuple) else []
 
 
-def _columns(b: object, a: torch.Tensor) -> int:
-    """A refused call's output columns: ``b``'s where it is a matrix, else ``a``'s features."""
-    return b.shape[-1] if isinstance(b, torch.Tensor) and b.dim() == 2 else a.shape[-1]
+def _columns(b: object, a: object) -> int:
+    """A refused call's output columns: ``b``'s where it is a matrix, else ``a``'s features (1
+    where ``a`` has none)."""
+    if isinstance(b, torch.Tensor) and b.dim() == 2:
+        return b.shape[-1]
+    return shape_of(a)[-1] if shape_of(a) else 1
+
+
+def _lead(a: object) -> tuple[int, ...]:
+    """A refused call's output dims before its columns: ``a``'s leading ones (none where ``a`` is
+    no tensor)."""
+    return shape_of(a)[:-1]
 
 
 # ------------------------------------------------------------------------- torch's reference

@@ -6,11 +6,13 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.errors import ShapeError
+from fo_kernels.execute import check_local
 from fo_kernels.groups import group_name
 from fo_kernels.moe import ops
 from fo_kernels.moe.routing import check_call
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.ops import direct_call
+from fo_kernels.refusal import refusal, refused, shape_of
 
 
 def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -58,26 +60,34 @@ def expert_parallel_ffn(
     ``torch.autocast`` x, w13 and w2 are cast to its dtype first, as ``F.linear``'s operands are
     (the output in that dtype); topk_weights, of any floating dtype, stays as it is.
     """
-    for arg, t in (
-        ("x", x),
-        ("topk_ids", topk_ids),
-        ("topk_weights", topk_weights),
-        ("w13", w13),
-        ("w2", w2),
-    ):
-        if not isinstance(t, torch.Tensor):
-            raise ShapeError(f"{arg} must be a torch tensor, got {type(t).__name__}")
+    named = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights, "w13": w13, "w2": w2}
+    if torch.compiler.is_compiling():  # (traced: raised when the graph runs)
+        _, why = refusal(lambda: (_check_tensors(named), check_local(**named)))
+        if why is not None:
+            return refused(why, (x, w13, w2), shape_of(x))
+    else:
+        _check_tensors(named)
     x, w13, w2 = autocast_operands(x, w13, w2)
     tensors = (x, topk_ids, topk_weights, w13, w2)
     if not torch.compiler.is_compiling() and any(t.device.type == "meta" for t in tensors):
         # meta tensors hold no ids to route: check_call refuses them (or their mix with a real
         # device); the dispatcher would answer those that need gradients with the fake output
         check_call(*tensors, 1)
+    direct = direct_call(x, topk_ids, topk_weights, w13, w2)
+    if not direct:  # (a DTensor never takes the direct path; refused before the group, as traced)
+        check_local(**named)
     # (a refused group or schedule, traced: the op raises its ValueError when the graph runs it)
     name = group_name(group)
     text = ops.schedule_text(schedule)
-    if direct_call(x, topk_ids, topk_weights, w13, w2):
+    if direct:
         from fo_kernels.moe.call import execute_ffn
 
         return execute_ffn(x, topk_ids, topk_weights, w13, w2, schedule, group)
     return ops._ffn(x, topk_ids, topk_weights, w13, w2, name, text)
+
+
+def _check_tensors(named: dict[str, object]) -> None:
+    """``ShapeError`` naming an argument that is not a tensor."""
+    for arg, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(f"{arg} must be a torch tensor, got {type(t).__name__}")

@@ -40,6 +40,7 @@ from fo_kernels.groups import SharesGroupWhenCopied, check_group, require_initia
 from fo_kernels.moe.ffn import expert_parallel_ffn
 from fo_kernels.moe.routing import FFN_DTYPES, check_call
 from fo_kernels.moe.schedule import MoeSchedule
+from fo_kernels.refusal import refusal, refused, shape_of, shape_text
 
 # Points where a SiLU is told apart from the other activations transformers' MoE models use
 # (gelu, relu, the clamped SwiGLUs): the largest lie far past every clamp limit transformers'
@@ -282,8 +283,8 @@ def _token_rows(
     tokens, k = math.prod(hidden_states.shape[:-1]), top_k_index.shape[-1]
     if top_k_weights.shape != top_k_index.shape or math.prod(top_k_index.shape[:-1]) != tokens:
         raise ShapeError(
-            f"top_k_index and top_k_weights must both be (..., k) over the {tokens} tokens of "
-            f"hidden_states {tuple(hidden_states.shape)}; got {_described(top_k_index)} and "
+            f"top_k_index and top_k_weights must both be (..., k) over the {int(tokens)} tokens of "
+            f"hidden_states {shape_text(hidden_states)}; got {_described(top_k_index)} and "
             f"{_described(top_k_weights)}"
         )
     x = hidden_states.reshape(tokens, hidden_states.shape[-1])
@@ -291,7 +292,7 @@ def _token_rows(
 
 
 def _described(t: object) -> str:
-    return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+    return f"{shape_text(t)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
@@ -399,7 +400,10 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
     ) -> torch.Tensor:
         """The experts' weighted sum for this rank's tokens ``hidden_states`` (..., H), routed by
         ``top_k_index`` and ``top_k_weights`` (..., k); the same shape as ``hidden_states``."""
-        x, ids, weights = _token_rows(hidden_states, top_k_index, top_k_weights)
+        rows, why = refusal(lambda: _token_rows(hidden_states, top_k_index, top_k_weights))
+        if why is not None:  # (traced: raised when the graph runs)
+            return refused(why, (hidden_states, self.w13), shape_of(hidden_states))
+        x, ids, weights = rows
         y = expert_parallel_ffn(
             x,
             ids,
