@@ -31,16 +31,22 @@ def check_tensors(a: object, b: object) -> None:
             raise ShapeError(f"{what} must be a torch.Tensor (a 2-D matrix), got a {type(t).__name__}")
 
 
-def check_local(**tensors: torch.Tensor) -> None:
+# What check_local suggests beside ``.to_local()`` for the dense ops, the fused ops and the layers:
+# the styles are the way in for a model whose parameters are DTensors.
+STYLES_HINT = ", or shard the module with fo_kernels.parallel's styles (DTensors)"
+
+
+def check_local(hint: str = STYLES_HINT, /, **tensors: torch.Tensor) -> None:
     """``ShapeError`` naming an operand that is a DTensor: the ops take this rank's local tensors
-    (torch's DTensor dispatch has no rule for them and raises its own error)."""
+    (torch's DTensor dispatch has no rule for them and raises its own error). ``hint`` follows the
+    ``.to_local()`` remedy ("" where the styles do not apply, as for the MoE FFN)."""
     from torch.distributed.tensor import DTensor
 
     for what, t in tensors.items():
         if isinstance(t, DTensor):
             raise ShapeError(
                 f"{what} is a DTensor ({t.placements}); the op takes this rank's local tensors: pass "
-                f"{what}.to_local(), or shard the module with fo_kernels.parallel's styles (DTensors)"
+                f"{what}.to_local(){hint}"
             )
 
 

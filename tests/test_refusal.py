@@ -389,3 +389,14 @@ def test_compiled_calls_before_init_process_group_raise_the_eager_calls_error():
             assert type(compiled) is NotInitializedError and str(compiled) == str(eager), (name, compiled)
     finally:
         torch._dynamo.reset()
+
+
+def test_a_dtensor_operand_is_told_to_pass_its_local_tensor_and_where_the_styles_fit(one_rank):
+    """A DTensor operand's message names ``.to_local()``; fo_kernels.parallel's styles only where
+    they are a way in (the dense ops, the fused ops, the layers), not for the MoE FFN's operands."""
+    a, b = _ab()
+    dense = _raised(gemm_all_reduce, (_dtensor(a), b))
+    ffn_call, ffn_args = _ffn_with(x=_dtensor)
+    moe = _raised(ffn_call, ffn_args)
+    assert isinstance(dense, ShapeError) and "a.to_local()" in str(dense) and "styles" in str(dense)
+    assert isinstance(moe, ShapeError) and "x.to_local()" in str(moe) and "styles" not in str(moe), moe

@@ -62,7 +62,7 @@ def expert_parallel_ffn(
     """
     named = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights, "w13": w13, "w2": w2}
     if torch.compiler.is_compiling():  # (traced: raised when the graph runs)
-        _, why = refusal(lambda: (_check_tensors(named), check_local(**named)))
+        _, why = refusal(lambda: (_check_tensors(named), check_local("", **named)))
         if why is not None:
             return refused(why, (x, w13, w2), shape_of(x))
     else:
@@ -75,7 +75,7 @@ def expert_parallel_ffn(
         check_call(*tensors, 1)
     direct = direct_call(x, topk_ids, topk_weights, w13, w2)
     if not direct:  # (a DTensor never takes the direct path; refused before the group, as traced)
-        check_local(**named)
+        check_local("", **named)
     # (a refused group or schedule, traced: the op raises its ValueError when the graph runs it)
     name = group_name(group)
     text = ops.schedule_text(schedule)
