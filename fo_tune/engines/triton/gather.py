@@ -220,10 +220,12 @@ def best_grouping(
     pieces = GatherPieces(term, schedule, plan, n, k)
     inter = term.model.interference(COLLECTIVE, st.sms_free, st.nccl_max_ctas)
     slow = inter.gemm_slowdown if inter.concurrent else 1.0
-    cuts = list(range(units + 1))
-    if len(cuts) > DP_MAX_CUTS:
-        step = len(cuts) / DP_MAX_CUTS
-        cuts = sorted({cuts[int(i * step)] for i in range(DP_MAX_CUTS)} | {0, units})
+    # every unit is a cut, thinned evenly past DP_MAX_CUTS without listing them (a huge M has millions)
+    if units + 1 > DP_MAX_CUTS:
+        step = (units + 1) / DP_MAX_CUTS
+        cuts = sorted({int(i * step) for i in range(DP_MAX_CUTS)} | {0, units})
+    else:
+        cuts = list(range(units + 1))
     rows_at = [_row_of(plan, u) for u in cuts]
     # fronts[g][j]: (comm free, GEMMs end, previous cut, index in the previous front)
     fronts: list[list[list[tuple[float, float, int, int]]]] = [
