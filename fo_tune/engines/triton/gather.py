@@ -232,13 +232,23 @@ def best_grouping(
         [[] for _ in cuts] for _ in range(max_groups + 1)
     ]
     fronts[0][0] = [(0.0, 0.0, -1, -1)]
+    # a group's (gather, copy, GEMMs x slowdown) by its rows, priced once for every state (_step's)
+    priced: dict[int, tuple[float, float, float]] = {}
     for g in range(1, max_groups + 1):
         for j in range(1, len(cuts)):
             found = []
             for i in range(j):
-                for idx, (cf, ge, _, _) in enumerate(fronts[g - 1][i]):
-                    _, cf2, ge2, _ = _step(cf, ge, rows_at[j] - rows_at[i], pieces, slow, inter)
-                    found.append((cf2, ge2, i, idx))
+                rows = rows_at[j] - rows_at[i]
+                front = fronts[g - 1][i]
+                if not rows:  # the runtime issues nothing for an empty group
+                    found.extend((cf, ge, i, idx) for idx, (cf, ge, _, _) in enumerate(front))
+                    continue
+                if front and rows not in priced:
+                    priced[rows] = (pieces.gather(rows), pieces.copy(rows), pieces.gemm(rows) * slow)
+                for idx, (cf, ge, _, _) in enumerate(front):
+                    gather, copy, gemm = priced[rows]
+                    end = _group_end(cf, gather, ge, inter)
+                    found.append((end + copy, max(ge, end) + gemm, i, idx))
             fronts[g][j] = _pareto(found)
     last = len(cuts) - 1
 
