@@ -352,30 +352,33 @@ def _grouping_dp(
     import numpy as np
 
     count = len(ready)
-    later = np.triu(np.ones((count, count), dtype=bool), k=1)  # i < j
-    dur = np.where(later, dur, 0.0)
-    ready_j = np.asarray(ready, dtype=np.float64)[None, :]
+    # a pair i >= j is no group: an infinite collective ends at inf in every branch below
+    dur = np.where(np.triu(np.ones((count, count), dtype=bool), k=1), dur, np.inf)
     stretched = dur * inter.comm_slowdown
-    columns = np.arange(count)
+    ready_j = np.asarray(ready, dtype=np.float64)
     before = np.full(count, np.inf)
     before[0] = 0.0
     ends = [math.inf] * (max_groups + 1)
     back = [[-1] * count for _ in range(max_groups + 1)]
     for g in range(1, max_groups + 1):
-        rows = np.flatnonzero(np.isfinite(before))  # the cuts g - 1 groups reach
-        if not rows.size:
+        # the cuts g - 1 groups reach are a run [lo, hi) (any cut after a reached one is reached
+        # next), and only the cuts after lo can end a group
+        reached = np.flatnonzero(np.isfinite(before))
+        if not reached.size or reached[0] + 1 >= count:
             break
-        start = np.maximum(ready_j, before[rows][:, None]) + COMM_ISSUE_GAP_MS
-        d = dur[rows]
+        lo, hi = int(reached[0]), int(reached[-1]) + 1
+        start = np.maximum(ready_j[None, lo + 1 :], before[lo:hi, None]) + COMM_ISSUE_GAP_MS
+        d = dur[lo:hi, lo + 1 :]
         if inter.concurrent:
             progress = (gemm_ms - start) / inter.comm_slowdown
-            during = np.where(progress >= d, start + stretched[rows], gemm_ms + (d - progress))
+            during = np.where(progress >= d, start + stretched[lo:hi, lo + 1 :], gemm_ms + (d - progress))
         else:
             during = gemm_ms + d
-        end = np.where(later[rows], np.where(start >= gemm_ms, start + d, during), np.inf)
+        end = np.where(start >= gemm_ms, start + d, during)
         arg = end.argmin(axis=0)
-        before = end[arg, columns]
-        back[g] = np.where(np.isfinite(before), rows[arg], -1).tolist()
+        before = np.full(count, np.inf)
+        before[lo + 1 :] = end[arg, np.arange(count - lo - 1)]
+        back[g][lo + 1 :] = np.where(np.isfinite(before[lo + 1 :]), arg + lo, -1).tolist()
         ends[g] = float(before[-1])
     return ends, back
 
