@@ -275,6 +275,76 @@ def test_the_grouping_dp_matches_its_exhaustive_loop(offline):
     assert checked == 20
 
 
+def test_the_all_gather_dp_matches_its_loop(offline):
+    """The all_gather term's DP (each group's pieces priced once per row count, the cuts thinned
+    without listing every unit) gives the grouping of the loop over every unit and over each
+    front state through ``_step``, on random M, N, tiles, SMs left free and CTA caps."""
+    import dataclasses
+
+    from fo_tune.engines.triton import gather
+    from fo_tune.engines.triton.defaults import default_schedule
+    from fo_tune.engines.triton.model import num_units, with_groups
+
+    world, dtype, model = offline
+    if not model.curves.knows("all_gather"):
+        pytest.skip("no all_gather curve (the packaged TP=2 calibration)")
+    term = model.term("triton")
+    rng = random.Random(world + 3)
+    for _ in range(8):
+        tile = rng.choice(model.tiles())
+        m, n, k = (
+            world * rng.randint(1, rng.choice([40, 400, 1200]) * tile.block_m),
+            rng.choice([4096, 5120]),
+            4096,
+        )
+        base = default_schedule(
+            "all_gather", m, n, k, dtype=dtype, world_size=world, sm_count=model.sm_count, on_gpu=False
+        )
+        unit = world * tile.group_m * -(-n // tile.block_n) * rng.choice([1, 2])
+        settings = dataclasses.replace(
+            base.settings,
+            tile=tile,
+            signal_tiles=unit,
+            sms_free=rng.choice([0, 24]),
+            nccl_max_ctas=rng.choice([0, 16]),
+        )
+        schedule = dataclasses.replace(base, settings=settings)
+        units = num_units(schedule, m, n)
+        plan = term.plan(with_groups(schedule, (units,)), m, n, k)
+        pieces = gather.GatherPieces(term, schedule, plan, n, k)
+        inter = model.interference("all_gather", settings.sms_free, settings.nccl_max_ctas)
+        slow = inter.gemm_slowdown if inter.concurrent else 1.0
+        cuts = list(range(units + 1))
+        if len(cuts) > gather.DP_MAX_CUTS:
+            step = len(cuts) / gather.DP_MAX_CUTS
+            cuts = sorted({cuts[int(i * step)] for i in range(gather.DP_MAX_CUTS)} | {0, units})
+        rows_at = [gather._row_of(plan, u) for u in cuts]
+        fronts = [[[] for _ in cuts] for _ in range(9)]
+        fronts[0][0] = [(0.0, 0.0, -1, -1)]
+        for g in range(1, 9):
+            for j in range(1, len(cuts)):
+                found = []
+                for i in range(j):
+                    for idx, (cf, ge, _, _) in enumerate(fronts[g - 1][i]):
+                        _, cf2, ge2, _ = gather._step(cf, ge, rows_at[j] - rows_at[i], pieces, slow, inter)
+                        found.append((cf2, ge2, i, idx))
+                fronts[g][j] = gather._pareto(found)
+        options = []
+        for g in range(1, 9):
+            if fronts[g][-1]:
+                _, _, i, idx = min(fronts[g][-1], key=lambda s: (max(s[0], s[1]), s[1]))
+                sizes, j, h = [], len(cuts) - 1, g
+                while h > 0:
+                    sizes.append(cuts[j] - cuts[i])
+                    j, h = i, h - 1
+                    _, _, i, idx = fronts[h][j][idx]
+                options.append(tuple(reversed(sizes)))
+        priced = [
+            (gather.predict(term, with_groups(schedule, s), m, n, k).total_ms, len(s), s) for s in options
+        ]
+        assert term.best_grouping(schedule, m, n, k, max_groups=8) == min(priced)[2], (world, settings, m, n)
+
+
 def test_a_huge_m_is_grouped_in_seconds(offline):
     """The grouping DP and the prediction of its grouping for M = 2^31 - 1 (1M-16M signal units of
     one tile a rank, row_band and tile_major) take well under 5 s each: listing every unit to find the
