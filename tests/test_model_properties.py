@@ -120,11 +120,12 @@ def test_a_siblings_chunk_gemms_do_not_price_the_baseline(offline):
         assert library.time(m, n, k) == library.paced_ms(m, n, k) * library.clock
 
 
-def test_the_grouping_dp_prices_each_groups_collective_once(offline):
+def test_the_grouping_dp_reads_the_curve_once(offline):
     """The Triton term's dynamic program over a large M's signal units (thinned to
-    ``DP_MAX_UNITS + 1`` cuts) prices each candidate group's collective once, not once per group
-    count: it priced it for each of the search space's 8 counts, and a predict search of
-    1048576x8192x4096 spent minutes there (over 3 at -w 8 -d float8_e4m3fn)."""
+    ``DP_MAX_UNITS + 1`` cuts) reads every candidate group's collective from the curve in one
+    array read, not once per group count (a predict search of 1048576x8192x4096 spent minutes
+    there, over 3 at -w 8 -d float8_e4m3fn) nor once per pair (53 s for -w 8 -d float8_e4m3fn -s
+    1048576x8192x8192); only the pricing of each count's grouping reads it per group."""
     from fo_tune.engines.triton.defaults import default_schedule
     from fo_tune.engines.triton.model import DP_MAX_UNITS
 
@@ -134,20 +135,244 @@ def test_the_grouping_dp_prices_each_groups_collective_once(offline):
         "all_reduce", *shape, dtype=dtype, world_size=world, sm_count=model.sm_count, on_gpu=True
     )
     term = model.term("triton")
-    calls = []
-    priced = term.comm_time
+    reads, calls = [], []
+    times, priced = model.curves.times, term.comm_time
+
+    def read(collective, cap, nbytes):
+        reads.append(nbytes.shape)
+        return times(collective, cap, nbytes)
 
     def counted(*args):
         calls.append(args)
         return priced(*args)
 
-    term.comm_time = counted
+    model.curves.times, term.comm_time = read, counted
     try:
         groups = term.best_grouping(schedule, *shape, max_groups=8)
     finally:
-        del term.comm_time
-    pairs = (DP_MAX_UNITS + 2) * (DP_MAX_UNITS + 1) // 2
-    assert 1 <= len(groups) <= 8 and len(calls) <= pairs + 8 * 8, (world, len(calls))
+        del model.curves.times, term.comm_time
+    cuts = DP_MAX_UNITS + 1
+    assert reads == [(cuts, cuts)] and 1 <= len(groups) <= 8 and len(calls) <= 8 * 8, (world, reads, calls)
+
+
+def _exhaustive_grouping(model, schedule, m, n, k, max_groups):
+    """``TritonTerm.best_grouping`` as a loop: every unit scanned for a band start, every (cut,
+    cut) pair's collective read from the curve alone, the DP's pairs one at a time."""
+    from fo_kernels.plan import make_plan
+    from fo_tune.engines.triton.model import (
+        COMM_ISSUE_GAP_MS,
+        DP_MAX_UNITS,
+        num_units,
+        unit_ready_fractions,
+        with_groups,
+    )
+    from fo_tune.model.types import output_bytes
+
+    st, term = schedule.settings, model.term("triton")
+    units = num_units(schedule, m, n)
+    plan = make_plan(with_groups(schedule, (units,)), m, n, k, sm_count=model.sm_count)
+
+    def local(u):
+        return min(u * plan.unit_tiles, plan.num_tiles) // plan.shards
+
+    band = st.tile.group_m * plan.tiles_n
+    cuts = [
+        u for u in range(units + 1) if u in (0, units) or st.layout == "tile_major" or local(u) % band == 0
+    ]
+    if len(cuts) > DP_MAX_UNITS:
+        step = len(cuts) / DP_MAX_UNITS
+        cuts = sorted({cuts[int(i * step)] for i in range(DP_MAX_UNITS)} | {0, units})
+
+    def chunk_bytes(u0, u1):
+        if st.layout == "tile_major":
+            return (
+                plan.shards
+                * (local(u1) - local(u0))
+                * plan.block_m
+                * plan.block_n
+                * output_bytes(schedule.dtype)
+            )
+        rows = [min((local(u) // plan.tiles_n) * plan.block_m, plan.rows_per_shard) for u in (u0, u1)]
+        return plan.shards * (rows[1] - rows[0]) * n * output_bytes(schedule.dtype)
+
+    t0, _ = model.tile_profile.time(st.tile, m, n, k, plan.grid)
+    inter = model.interference(schedule.collective, st.sms_free, st.nccl_max_ctas)
+    gemm = t0 * (inter.gemm_slowdown if inter.concurrent else 1.0)
+
+    def curve(nbytes):
+        return model.curves.time(schedule.collective, st.nccl_max_ctas, nbytes)
+
+    def end_of(start, dur):
+        start += COMM_ISSUE_GAP_MS
+        if start >= gemm:
+            return start + dur
+        if not inter.concurrent:
+            return gemm + dur
+        progress = (gemm - start) / inter.comm_slowdown
+        return start + dur * inter.comm_slowdown if progress >= dur else gemm + (dur - progress)
+
+    ready = [0.0, *(f * gemm for f in unit_ready_fractions(plan, st.tile, [c - 1 for c in cuts[1:]]))]
+    dur = [[curve(chunk_bytes(cuts[i], c)) for i in range(j)] for j, c in enumerate(cuts)]
+    best = [[math.inf] * len(cuts) for _ in range(max_groups + 1)]
+    back = [[-1] * len(cuts) for _ in range(max_groups + 1)]
+    best[0][0] = 0.0
+    for g in range(1, max_groups + 1):
+        for j in range(1, len(cuts)):
+            for i in range(j):
+                if best[g - 1][i] < math.inf:
+                    end = end_of(max(ready[j], best[g - 1][i]), dur[j][i])
+                    if end < best[g][j]:
+                        best[g][j], back[g][j] = end, i
+    options = []
+    for g in range(1, max_groups + 1):
+        if best[g][-1] < math.inf:
+            sizes, j = [], len(cuts) - 1
+            for h in range(g, 0, -1):
+                sizes.append(cuts[j] - cuts[back[h][j]])
+                j = back[h][j]
+            options.append(tuple(reversed(sizes)))
+    priced = [(term.predict(with_groups(schedule, s), m, n, k).total_ms, len(s), s) for s in options]
+    return min(priced)[2]
+
+
+def test_the_grouping_dp_matches_its_exhaustive_loop(offline):
+    """``best_grouping`` (closed-form band starts, one curve read, one array step per group count)
+    gives the grouping of the loop over every unit and every pair, on random small M (up to a few
+    hundred cuts, so the thinning too), N, layouts, signal units, SMs left free and CTA caps."""
+    import dataclasses
+
+    from fo_tune.engines.triton.defaults import default_schedule
+
+    world, dtype, model = offline
+    term = model.term("triton")
+    rng = random.Random(world + 2)
+    tiles = model.tiles()
+    checked = 0
+    for _ in range(20):
+        collective = rng.choice(["all_reduce", "reduce_scatter"])
+        shards = world if collective == "reduce_scatter" else 1
+        tile = rng.choice(tiles)
+        n = rng.choice([tile.block_n, 3 * tile.block_n - 16, 4096, 5120])
+        # tile rows: a few (a few cuts), dozens (tile_major past DP_MAX_UNITS cuts), a thousand (row_band too)
+        m = shards * rng.randint(1, rng.choice([4, 4, 4, 40, 1200]) * tile.block_m)
+        k = 16 * rng.randint(1, 256)
+        base = default_schedule(
+            collective, m, n, k, dtype=dtype, world_size=world, sm_count=model.sm_count, on_gpu=False
+        )
+        settings = dataclasses.replace(
+            base.settings,
+            tile=tile,
+            signal_tiles=shards * rng.choice([1, 2, 3, 5]),
+            layout=rng.choice(["row_band", "tile_major"]),
+            sms_free=rng.choice([0, 16, 24]),
+            nccl_max_ctas=rng.choice([0, 16]),
+        )
+        schedule = dataclasses.replace(base, settings=settings)
+        max_groups = rng.choice([1, 3, 8])
+        got = term.best_grouping(schedule, m, n, k, max_groups=max_groups)
+        assert got == _exhaustive_grouping(model, schedule, m, n, k, max_groups), (world, schedule, m, n, k)
+        checked += 1
+    assert checked == 20
+
+
+def test_the_all_gather_dp_matches_its_loop(offline):
+    """The all_gather term's DP (each group's pieces priced once per row count, the cuts thinned
+    without listing every unit) gives the grouping of the loop over every unit and over each
+    front state through ``_step``, on random M, N, tiles, SMs left free and CTA caps."""
+    import dataclasses
+
+    from fo_tune.engines.triton import gather
+    from fo_tune.engines.triton.defaults import default_schedule
+    from fo_tune.engines.triton.model import num_units, with_groups
+
+    world, dtype, model = offline
+    if not model.curves.knows("all_gather"):
+        pytest.skip("no all_gather curve (the packaged TP=2 calibration)")
+    term = model.term("triton")
+    rng = random.Random(world + 3)
+    for _ in range(8):
+        tile = rng.choice(model.tiles())
+        m, n, k = (
+            world * rng.randint(1, rng.choice([40, 400, 1200]) * tile.block_m),
+            rng.choice([4096, 5120]),
+            4096,
+        )
+        base = default_schedule(
+            "all_gather", m, n, k, dtype=dtype, world_size=world, sm_count=model.sm_count, on_gpu=False
+        )
+        unit = world * tile.group_m * -(-n // tile.block_n) * rng.choice([1, 2])
+        settings = dataclasses.replace(
+            base.settings,
+            tile=tile,
+            signal_tiles=unit,
+            sms_free=rng.choice([0, 24]),
+            nccl_max_ctas=rng.choice([0, 16]),
+        )
+        schedule = dataclasses.replace(base, settings=settings)
+        units = num_units(schedule, m, n)
+        plan = term.plan(with_groups(schedule, (units,)), m, n, k)
+        pieces = gather.GatherPieces(term, schedule, plan, n, k)
+        inter = model.interference("all_gather", settings.sms_free, settings.nccl_max_ctas)
+        slow = inter.gemm_slowdown if inter.concurrent else 1.0
+        cuts = list(range(units + 1))
+        if len(cuts) > gather.DP_MAX_CUTS:
+            step = len(cuts) / gather.DP_MAX_CUTS
+            cuts = sorted({cuts[int(i * step)] for i in range(gather.DP_MAX_CUTS)} | {0, units})
+        rows_at = [gather._row_of(plan, u) for u in cuts]
+        fronts = [[[] for _ in cuts] for _ in range(9)]
+        fronts[0][0] = [(0.0, 0.0, -1, -1)]
+        for g in range(1, 9):
+            for j in range(1, len(cuts)):
+                found = []
+                for i in range(j):
+                    for idx, (cf, ge, _, _) in enumerate(fronts[g - 1][i]):
+                        _, cf2, ge2, _ = gather._step(cf, ge, rows_at[j] - rows_at[i], pieces, slow, inter)
+                        found.append((cf2, ge2, i, idx))
+                fronts[g][j] = gather._pareto(found)
+        options = []
+        for g in range(1, 9):
+            if fronts[g][-1]:
+                _, _, i, idx = min(fronts[g][-1], key=lambda s: (max(s[0], s[1]), s[1]))
+                sizes, j, h = [], len(cuts) - 1, g
+                while h > 0:
+                    sizes.append(cuts[j] - cuts[i])
+                    j, h = i, h - 1
+                    _, _, i, idx = fronts[h][j][idx]
+                options.append(tuple(reversed(sizes)))
+        priced = [
+            (gather.predict(term, with_groups(schedule, s), m, n, k).total_ms, len(s), s) for s in options
+        ]
+        assert term.best_grouping(schedule, m, n, k, max_groups=8) == min(priced)[2], (world, settings, m, n)
+
+
+def test_a_huge_m_is_grouped_in_seconds(offline):
+    """The grouping DP and the prediction of its grouping for M = 2^31 - 1 (1M-16M signal units of
+    one tile a rank, row_band and tile_major) take well under 5 s each: listing every unit to find the
+    bands' starts took minutes for -w 7 -s 2147483647x16x16."""
+    import dataclasses
+    import time
+
+    from fo_tune.engines.triton.defaults import default_schedule
+    from fo_tune.engines.triton.model import num_units, with_groups
+
+    world, dtype, model = offline
+    term = model.term("triton")
+    for collective in ("all_reduce", "reduce_scatter"):
+        shards = world if collective == "reduce_scatter" else 1
+        m, n, k = (2**31 - 1) // shards * shards, 64, 64
+        base = default_schedule(
+            collective, m, n, k, dtype=dtype, world_size=world, sm_count=model.sm_count, on_gpu=True
+        )
+        for layout in ("row_band", "tile_major"):
+            settings = dataclasses.replace(
+                base.settings, tile=model.tiles()[0], signal_tiles=shards, layout=layout, groups=(1,)
+            )
+            schedule = dataclasses.replace(base, settings=settings)
+            assert num_units(schedule, m, n) >= 1 << 20
+            t0 = time.perf_counter()
+            groups = term.best_grouping(schedule, m, n, k, max_groups=8)
+            got = model.predict(with_groups(schedule, groups), m, n, k).total_ms
+            assert time.perf_counter() - t0 < 5.0 and math.isfinite(got) and got > 0, (collective, layout)
 
 
 def test_a_prediction_reads_only_its_groups_last_units(offline):

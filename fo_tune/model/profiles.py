@@ -24,6 +24,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fo_kernels.plan import TailPlan, cdiv, tail_plan
 from fo_kernels.tile import Tile
@@ -216,6 +217,33 @@ class Curves:
         bw = fit.bandwidth_gbs if fit is not None and fit.bandwidth_gbs > 0 else last.algbw_gbs
         return times[-1] + (nbytes - last.size_bytes) / (bw * 1e6)
 
+    def times(self, collective: str, cap: int, nbytes: Any) -> Any:
+        """``time`` of every element of the integer array ``nbytes`` (a numpy array of the same
+        shape): the same arithmetic element by element, so the same floats, for the grouping DP's
+        every (cut, cut) pair at once."""
+        import numpy as np
+
+        key = self._curve(collective, cap)
+        pts, sizes, times = self._curves[key], self._sizes[key], self._times[key]
+        nbytes = np.asarray(nbytes, dtype=np.int64)
+        out = np.full(nbytes.shape, times[0], dtype=np.float64)
+        at = np.searchsorted(np.asarray(sizes, dtype=np.int64), nbytes, side="left")
+        inside = (nbytes > sizes[0]) & (at < len(pts))
+        if inside.any():
+            i = at[inside]
+            lo = np.asarray(sizes, dtype=np.int64)[i - 1]
+            hi = np.asarray(sizes, dtype=np.int64)[i]
+            t = np.asarray(times, dtype=np.float64)
+            frac = (nbytes[inside] - lo) / (hi - lo)
+            out[inside] = t[i - 1] + frac * (t[i] - t[i - 1])
+        beyond = (nbytes > sizes[0]) & (at >= len(pts))
+        if beyond.any():
+            last = pts[-1]
+            fit = self.cal.fit_for(collective, last.nccl_max_ctas)
+            bw = fit.bandwidth_gbs if fit is not None and fit.bandwidth_gbs > 0 else last.algbw_gbs
+            out[beyond] = times[-1] + (nbytes[beyond] - last.size_bytes) / (bw * 1e6)
+        return out
+
 
 class InterferenceTable:
     """The calibration's interference points (see the module docstring)."""
@@ -224,10 +252,19 @@ class InterferenceTable:
         self._points: dict[str, list[InterferencePoint]] = {}
         for q in cal.interference:
             self._points.setdefault(q.collective, []).append(q)
+        # each (collective, sms_free, cap) looked up once: a predict search asks for the same few
+        # thousands of times, and a lookup scans every point
+        self._found: dict[tuple[str, int, int], Interference] = {}
 
     def lookup(self, collective: str, sms_free: int, cap: int) -> Interference:
         """Nearest calibrated (sms_free - cap, cap); cap 0 (NCCL's default) counts as the largest
         calibrated cap. No interference data at all: the two never ran together (CPU calibration)."""
+        key = (collective, sms_free, cap)
+        if key not in self._found:
+            self._found[key] = self._lookup(collective, sms_free, cap)
+        return self._found[key]
+
+    def _lookup(self, collective: str, sms_free: int, cap: int) -> Interference:
         pts = self._points.get(collective)
         of = ""
         if not pts:  # (all_gather beside the GEMM: never measured on GPUs)

@@ -220,23 +220,35 @@ def best_grouping(
     pieces = GatherPieces(term, schedule, plan, n, k)
     inter = term.model.interference(COLLECTIVE, st.sms_free, st.nccl_max_ctas)
     slow = inter.gemm_slowdown if inter.concurrent else 1.0
-    cuts = list(range(units + 1))
-    if len(cuts) > DP_MAX_CUTS:
-        step = len(cuts) / DP_MAX_CUTS
-        cuts = sorted({cuts[int(i * step)] for i in range(DP_MAX_CUTS)} | {0, units})
+    # every unit is a cut, thinned evenly past DP_MAX_CUTS without listing them (a huge M has millions)
+    if units + 1 > DP_MAX_CUTS:
+        step = (units + 1) / DP_MAX_CUTS
+        cuts = sorted({int(i * step) for i in range(DP_MAX_CUTS)} | {0, units})
+    else:
+        cuts = list(range(units + 1))
     rows_at = [_row_of(plan, u) for u in cuts]
     # fronts[g][j]: (comm free, GEMMs end, previous cut, index in the previous front)
     fronts: list[list[list[tuple[float, float, int, int]]]] = [
         [[] for _ in cuts] for _ in range(max_groups + 1)
     ]
     fronts[0][0] = [(0.0, 0.0, -1, -1)]
+    # a group's (gather, copy, GEMMs x slowdown) by its rows, priced once for every state (_step's)
+    priced: dict[int, tuple[float, float, float]] = {}
     for g in range(1, max_groups + 1):
         for j in range(1, len(cuts)):
             found = []
             for i in range(j):
-                for idx, (cf, ge, _, _) in enumerate(fronts[g - 1][i]):
-                    _, cf2, ge2, _ = _step(cf, ge, rows_at[j] - rows_at[i], pieces, slow, inter)
-                    found.append((cf2, ge2, i, idx))
+                rows = rows_at[j] - rows_at[i]
+                front = fronts[g - 1][i]
+                if not rows:  # the runtime issues nothing for an empty group
+                    found.extend((cf, ge, i, idx) for idx, (cf, ge, _, _) in enumerate(front))
+                    continue
+                if front and rows not in priced:
+                    priced[rows] = (pieces.gather(rows), pieces.copy(rows), pieces.gemm(rows) * slow)
+                for idx, (cf, ge, _, _) in enumerate(front):
+                    gather, copy, gemm = priced[rows]
+                    end = _group_end(cf, gather, ge, inter)
+                    found.append((end + copy, max(ge, end) + gemm, i, idx))
             fronts[g][j] = _pareto(found)
     last = len(cuts) - 1
 

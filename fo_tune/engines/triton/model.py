@@ -198,6 +198,19 @@ class TritonTerm:
             gemm_source=source,
         )
 
+    def _cut_durations(self, schedule: Schedule, plan: Plan, cuts: Sequence[int], n: int) -> Any:
+        """The (cuts x cuts) array of each group's collective alone, ``[i, j]`` for the units
+        [cut i, cut j) (i < j; the rest unread), the curve read once for all of them."""
+        import numpy as np
+
+        st = schedule.settings
+        assert isinstance(st, TritonSettings)
+        per = plan.shards * output_bytes(schedule.dtype)
+        per *= plan.block_m * plan.block_n if plan.layout == "tile_major" else n
+        pos = np.asarray(_cut_positions(plan, cuts), dtype=np.int64)
+        spans = np.maximum(pos[None, :] - pos[:, None], 0)
+        return self.model.curves.times(schedule.collective, st.nccl_max_ctas, spans * per)
+
     def lower_bound(
         self, task: Any, tile: Tile, sms_free: int, cap: int, unit_tiles: int, layout: str, wait_mode: str
     ) -> float:
@@ -245,29 +258,10 @@ class TritonTerm:
         inter = self.model.interference(schedule.collective, st.sms_free, st.nccl_max_ctas)
         gemm_ms = t0 * (inter.gemm_slowdown if inter.concurrent else 1.0)
         cuts = _allowed_cuts(plan, st, units)
-        chunk_bytes = _chunk_bytes(plan, output_bytes(schedule.dtype), n)
-        inf = math.inf
-        # best[g][j]: earliest end of g groups covering units [0, cuts[j]); back[g][j]: previous cut
-        best = [[inf] * len(cuts) for _ in range(max_groups + 1)]
-        back = [[-1] * len(cuts) for _ in range(max_groups + 1)]
-        best[0][0] = 0.0
         # each group's ready time and collective, priced once for every group count
         ready = [0.0, *(f * gemm_ms for f in unit_ready_fractions(plan, st.tile, [c - 1 for c in cuts[1:]]))]
-        dur = [
-            [self.comm_time(schedule.collective, st.nccl_max_ctas, chunk_bytes(cuts[i], c)) for i in range(j)]
-            for j, c in enumerate(cuts)
-        ]
-        for g in range(1, max_groups + 1):
-            before, row, row_back = best[g - 1], best[g], back[g]
-            for j in range(1, len(cuts)):
-                ready_j, dur_j = ready[j], dur[j]
-                for i in range(j):
-                    prev = before[i]
-                    if prev == inf:
-                        continue
-                    end = _group_end(max(ready_j, prev), dur_j[i], gemm_ms, inter)
-                    if end < row[j]:
-                        row[j], row_back[j] = end, i
+        dur = self._cut_durations(schedule, plan, cuts, n)
+        ends, back = _grouping_dp(ready, dur, gemm_ms, inter, max_groups)
         last = len(cuts) - 1
 
         def sizes_for(g: int) -> tuple[int, ...]:
@@ -281,7 +275,7 @@ class TritonTerm:
 
         # the DP's best grouping per group count, priced by predict() itself (which also scales the
         # GEMM's slowdown by how much of it overlaps and adds the host cost per group)
-        options = [sizes_for(g) for g in range(1, max_groups + 1) if best[g][last] < inf]
+        options = [sizes_for(g) for g in range(1, max_groups + 1) if ends[g] < math.inf]
         priced = [
             (self.predict(with_groups(schedule, sizes), m, n, k).total_ms, len(sizes), sizes)
             for sizes in options
@@ -289,38 +283,104 @@ class TritonTerm:
         return min(priced)[2]
 
 
+class _BandStarts(Sequence[int]):
+    """The signal units a ``row_band`` group may start at, in order, without listing them: ``u``
+    in [0, units) whose first local tile ``(u * U) // S`` starts a band of ``band`` local tiles,
+    then ``units`` itself. That holds when ``u * U mod (S * band) < S``, which repeats every
+    ``period`` units at a few residues (the ``u * U = c * gcd(U, S * band)`` with ``c * gcd < S``,
+    at most S of them), so the i-th start and the count are closed forms: a huge M's plan has
+    millions of units."""
+
+    def __init__(self, units: int, unit_tiles: int, shards: int, band: int) -> None:
+        span = shards * band
+        common = math.gcd(unit_tiles, span)
+        self.period = span // common
+        inverse = pow(unit_tiles // common, -1, self.period)
+        counts = min(self.period, cdiv(shards, common))
+        self.residues = sorted({c * inverse % self.period for c in range(counts)})
+        self.units = units
+        whole, rest = divmod(units, self.period)
+        self.starts = whole * len(self.residues) + sum(1 for r in self.residues if r < rest)
+
+    def __len__(self) -> int:
+        return self.starts + 1
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]
+        if not 0 <= i <= self.starts:
+            raise IndexError(i)
+        if i == self.starts:
+            return self.units
+        period, at = divmod(i, len(self.residues))
+        return period * self.period + self.residues[at]
+
+
 def _allowed_cuts(plan: Plan, st: TritonSettings, units: int) -> list[int]:
-    """Unit indices a group may start at (row_band: a band's first unit), thinned to DP_MAX_UNITS."""
-    band = st.tile.group_m * plan.tiles_n
-
-    def allowed(u: int) -> bool:
-        if u in (0, units) or plan.layout == "tile_major":
-            return True
-        local = min(u * plan.unit_tiles, plan.num_tiles) // plan.shards
-        return local % band == 0
-
-    cuts = [u for u in range(units + 1) if allowed(u)]
+    """Unit indices a group may start at (row_band: a band's first unit), thinned to DP_MAX_UNITS
+    evenly by index. The positions are closed forms (``_BandStarts``; tile_major: every unit), so
+    this costs the same for any M."""
+    cuts: Sequence[int] = range(units + 1)
+    if plan.layout != "tile_major":
+        cuts = _BandStarts(units, plan.unit_tiles, plan.shards, st.tile.group_m * plan.tiles_n)
     if len(cuts) > DP_MAX_UNITS:
         step = len(cuts) / DP_MAX_UNITS
-        cuts = sorted({cuts[int(i * step)] for i in range(DP_MAX_UNITS)} | {0, units})
-    return cuts
+        return sorted({cuts[int(i * step)] for i in range(DP_MAX_UNITS)} | {0, units})
+    return list(cuts)
 
 
-def _chunk_bytes(plan: Plan, elem: int, n: int):
-    """Bytes of the group chunk covering units [u0, u1)."""
-    shards = plan.shards
-    span = plan.block_m * plan.block_n if plan.layout == "tile_major" else 0
+def _cut_positions(plan: Plan, cuts: Sequence[int]) -> list[int]:
+    """Where each cut falls in the group chunks' layout units (local tiles for tile_major, shard
+    rows for row_band): the chunk of units [cuts[i], cuts[j]) is ``shards * (pos[j] - pos[i])``
+    of them."""
+    out = []
+    for u in cuts:
+        local = min(u * plan.unit_tiles, plan.num_tiles) // plan.shards
+        if plan.layout != "tile_major":
+            local = min((local // plan.tiles_n) * plan.block_m, plan.rows_per_shard)
+        out.append(local)
+    return out
 
-    def chunk(u0: int, u1: int) -> int:
-        l0 = min(u0 * plan.unit_tiles, plan.num_tiles) // shards
-        l1 = min(u1 * plan.unit_tiles, plan.num_tiles) // shards
-        if plan.layout == "tile_major":
-            return shards * (l1 - l0) * span * elem
-        rows0 = min((l0 // plan.tiles_n) * plan.block_m, plan.rows_per_shard)
-        rows1 = min((l1 // plan.tiles_n) * plan.block_m, plan.rows_per_shard)
-        return shards * (rows1 - rows0) * n * elem
 
-    return chunk
+def _grouping_dp(
+    ready: Sequence[float], dur: Any, gemm_ms: float, inter: Interference, max_groups: int
+) -> tuple[list[float], list[list[int]]]:
+    """(ends, back): ``ends[g]`` the earliest end of ``g`` groups covering every unit (inf: none),
+    ``back[g][j]`` the cut before the last of ``g`` groups ending at cut ``j`` (-1: none). One
+    array step per group count over every (previous cut i, cut j) pair, ``dur[i, j]`` the
+    collective of units [cut i, cut j); the same arithmetic as ``_group_end`` element by element,
+    and the earliest i wins a tie, as a loop over i in order that keeps only a strictly earlier
+    end."""
+    import numpy as np
+
+    count = len(ready)
+    # a pair i >= j is no group: an infinite collective ends at inf in every branch below
+    dur = np.where(np.triu(np.ones((count, count), dtype=bool), k=1), dur, np.inf)
+    stretched = dur * inter.comm_slowdown
+    ready_j = np.asarray(ready, dtype=np.float64)
+    before = np.full(count, np.inf)
+    before[0] = 0.0
+    ends = [math.inf] * (max_groups + 1)
+    back = [[-1] * count for _ in range(max_groups + 1)]
+    for g in range(1, max_groups + 1):
+        # the cuts g - 1 groups reach are a run [lo, hi) (any cut after a reached one is reached
+        # next), and only the cuts after lo can end a group
+        reached = np.flatnonzero(np.isfinite(before))
+        if not reached.size or reached[0] + 1 >= count:
+            break
+        lo, hi = int(reached[0]), int(reached[-1]) + 1
+        start = np.maximum(ready_j[None, lo + 1 :], before[lo:hi, None]) + COMM_ISSUE_GAP_MS
+        d = dur[lo:hi, lo + 1 :]
+        if inter.concurrent:
+            progress = (gemm_ms - start) / inter.comm_slowdown
+            during = np.where(progress >= d, start + stretched[lo:hi, lo + 1 :], gemm_ms + (d - progress))
+        else:
+            during = gemm_ms + d
+        end = np.where(start >= gemm_ms, start + d, during)
+        arg = end.argmin(axis=0)
+        before = np.full(count, np.inf)
+        before[lo + 1 :] = end[arg, np.arange(count - lo - 1)]
+        back[g][lo + 1 :] = np.where(np.isfinite(before[lo + 1 :]), arg + lo, -1).tolist()
+        ends[g] = float(before[-1])
+    return ends, back
 
 
 def _group_end(start: float, dur: float, gemm_end: float, inter: Interference) -> float:
