@@ -349,3 +349,32 @@ def test_a_key_a_table_file_gives_twice_is_refused_not_read_as_the_last(
     assert "is given twice" in message and "YAML keeps the last alone" in message, message
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
     assert "is given twice" in line
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ('"provenance": {', '"provenance": {"mode": "hand", '),  # a row's own key, in JSON
+        ('"problem": {', '"problem": {"{key}": 1, '),  # a nested one, in JSON
+        ('"problem": {', '"problem": {{key}: 1, '),  # in a YAML flow mapping
+    ],
+    ids=["json", "json-nested", "yaml-flow"],
+)
+def test_a_key_a_row_line_gives_twice_is_refused_naming_its_row_and_line(
+    runner: CliRunner, tmp_path: Path, kind: str, old: str, new: str
+) -> None:
+    """json and YAML keep the last of a repeated key: a row edited by hand to ``{"m": 1, "m": 2}``
+    read as ``m: 2``; every reader refuses it, naming the row (and, loading it whole, its line)."""
+    path = _table(tmp_path) if kind == "dense" else _moe_table(tmp_path)
+    lines = path.read_text(encoding="utf-8").split("\n")
+    row = 0 if kind == "dense" else 1  # the row lookup takes (``_lookup_error``, ``_moe_lookup_error``)
+    at = next(i for i, line in enumerate(lines) if line.startswith("- {")) + row
+    new = new.replace("{key}", "m" if kind == "dense" else "tokens_max")
+    assert old in lines[at] and '"mode": ' in lines[at]
+    lines[at] = lines[at].replace(old, new, 1)
+    path.write_text("\n".join(lines), encoding="utf-8")
+    message = _lookup_error(path) if kind == "dense" else _moe_lookup_error(path)
+    assert f"rows[{row}]" in message and "is given twice" in message, message
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert f"rows[{row}] (line {at + 1})" in line and "is given twice" in line, line

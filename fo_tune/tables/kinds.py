@@ -33,7 +33,13 @@ from fo_kernels.moe.table import MOE_TABLE_KIND, MOE_TABLE_PREFIX, MoeTable
 from fo_kernels.schedule import Problem, Schedule
 from fo_kernels.table import TABLE_SCHEMA_VERSION, ScheduleTable
 from fo_kernels.table.format import TableHeader, build_row, parse_header, read_table_data, read_table_text
-from fo_kernels.table.text import decode_row_lines, load_document, split_table_text, unreadable
+from fo_kernels.table.text import (
+    decode_row_lines,
+    load_document,
+    rows_first_line,
+    split_table_text,
+    unreadable,
+)
 
 TableKind = Literal["dense", "moe"]
 
@@ -122,12 +128,19 @@ def load_dense_table(path: str | os.PathLike[str]) -> ScheduleTable:
         return build_table(read_table_data(path), str(path))
 
 
-def _decoded(lines: list[str], source: str) -> list[Any]:
-    """Row lines decoded as ``parse_table_text`` decodes them; ``TableError`` naming ``source``."""
+def _decoded(lines: list[str], source: str, text: str, todo: list[int] | None = None) -> list[Any]:
+    """The row ``lines`` of the file ``text`` (those at the indices ``todo``, default all) decoded as
+    ``parse_table_text`` decodes them; ``TableError`` naming ``source`` and the row and line that
+    does not read."""
     try:
-        return decode_row_lines(lines)
+        return decode_row_lines(lines if todo is None else [lines[i] for i in todo])
     except yaml.YAMLError as exc:
-        raise TableError(unreadable(source, exc)) from None
+        error = exc
+    try:  # again, every line, for the row's index and line in the file
+        decode_row_lines(lines, first_line=rows_first_line(text))
+    except yaml.YAMLError as exc:
+        error = exc
+    raise TableError(unreadable(source, error)) from None
 
 
 # Per header that building a row depends on (schema version, collective, dtype, world size; as
@@ -148,13 +161,13 @@ def _load(path: str | os.PathLike[str], known: _KnownRows) -> ScheduleTable | Mo
         raise TableError(unreadable(source, exc)) from None
     head, lines = split
     if table_kind(path, head) == "moe":
-        return _of_kind(path, {**head, "rows": _decoded(lines, source)}, source)
+        return _of_kind(path, {**head, "rows": _decoded(lines, source, text)}, source)
     header_text = repr(
         tuple(head.get(key) for key in ("schema_version", "collective", "dtype", "world_size"))
     )
     seen = known.setdefault(header_text, {})
     given = {i: seen[line] for i, line in enumerate(lines) if line in seen}
-    decoded = iter(_decoded([line for i, line in enumerate(lines) if i not in given], source))
+    decoded = iter(_decoded(lines, source, text, [i for i in range(len(lines)) if i not in given]))
     rows = [None if i in given else next(decoded) for i in range(len(lines))]
     header, _ = parse_header({**head, "rows": rows}, source)
     schedules = _rows_of(header, rows, source, given)
