@@ -18,6 +18,8 @@ from fo_kernels.errors import ArgumentError, FoTuneError, ScheduleError
 RECORD_MAX_VALUES = 10_000
 # The types of a record's values that hold no others.
 _SCALARS = frozenset((str, int, float, bool, type(None)))
+# The type of a record's keys that needs no look at their names: text, as in JSON and CSV.
+_TEXT_KEYS = frozenset((str,))
 
 
 def check_record(name: str, value: Any) -> None:
@@ -27,8 +29,11 @@ def check_record(name: str, value: Any) -> None:
     100,000-row table checks 100,000 of them."""
     if not isinstance(value, Mapping):
         raise ScheduleError(f"{name}: expected a mapping, got {type(value).__name__}")
-    if len(value) <= RECORD_MAX_VALUES and _SCALARS.issuperset(map(type, value.values())):
+    text_keys = _TEXT_KEYS.issuperset(map(type, value))
+    if len(value) <= RECORD_MAX_VALUES and text_keys and _SCALARS.issuperset(map(type, value.values())):
         return
+    if not text_keys:
+        _check_record_keys(name, value)
     stack = list(value.values())
     count = len(stack)
     while stack and count <= RECORD_MAX_VALUES:
@@ -42,6 +47,22 @@ def check_record(name: str, value: Any) -> None:
             f"{name}: holds more than {RECORD_MAX_VALUES} values written out (YAML aliases expanded); "
             "keep it to what the search recorded, without anchors repeated inside one another"
         )
+
+
+def _check_record_keys(name: str, value: Mapping[Any, Any]) -> None:
+    """Refuse two keys of the record ``value`` that are one text (``7`` and ``"7"``, ``true`` and
+    ``"True"``, as YAML reads a hand-written key): every place a record is shown names its keys by
+    their text (a CSV column, a JSON key, ``fo-tune table show``'s lines), where one of the two
+    would silently take the other's place. Renaming one column instead would leave a reader
+    guessing which of two keys spelled alike is which; the record's writer knows."""
+    names: dict[str, Any] = {}
+    for key in value:
+        first = names.setdefault(str(key), key)
+        if first is not key:
+            raise ScheduleError(
+                f"{name}: the keys {first!r} and {key!r} read as one name, {str(key)!r}, in every file "
+                "and column a record is shown in; keep one of them, or rename one"
+            )
 
 
 def is_pow2(x: int) -> bool:

@@ -378,3 +378,24 @@ def test_a_key_a_row_line_gives_twice_is_refused_naming_its_row_and_line(
     assert f"rows[{row}]" in message and "is given twice" in message, message
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
     assert f"rows[{row}] (line {at + 1})" in line and "is given twice" in line, line
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_provenance_whose_keys_read_as_one_name_is_refused(
+    runner: CliRunner, tmp_path: Path, kind: str
+) -> None:
+    """``7:`` and ``"7":`` in one provenance (YAML reads the first as an int): the CSV's column
+    ``7``, --json's key ``"7"`` held one of the two values, the other silently gone. Loading
+    refuses it, as building a row with it does (``check_record``)."""
+    path = _table(tmp_path) if kind == "dense" else _moe_table(tmp_path)
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace('"provenance": {', '"provenance": {7: "a", "7": "b", ', 1), encoding="utf-8")
+    for command in (["validate", str(path)], ["show", str(path), "--format", "csv"]):
+        line = assert_one_line_error(runner.invoke(app, ["table", *command]))
+        assert "rows[0]: provenance: the keys 7 and '7' read as one name" in line, line
+    problem = MoeProblem(**MOE_SHAPE, tokens_min=0, tokens_max=8)
+    with pytest.raises(TableError, match="the keys True and 'True' read as one name"):
+        MoeRow(
+            schedule=MoeSchedule(dtype="bfloat16", world_size=2, problem=problem),
+            provenance={True: 1, "True": 2},
+        )
