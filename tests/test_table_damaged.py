@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import json
+import re
 import warnings
 from pathlib import Path
 
@@ -23,6 +25,8 @@ from fo_kernels.moe.table import MoeRow, MoeTable, MoeTableCache, moe_table_path
 from fo_kernels.table import lookup as table_lookup
 from fo_kernels.table import lookup_schedule, table_path
 from fo_kernels.table import paths as table_paths
+from fo_kernels.table.format import read_table_text
+from fo_tune.tables.kinds import load_any_table
 
 # The first row big_table writes: 64x1024x1024, a copy-engine row.
 FIRST_ROW = '{"problem": {"m": 64, "n": 1024, "k": 1024}'
@@ -399,3 +403,51 @@ def test_a_provenance_whose_keys_read_as_one_name_is_refused(
             schedule=MoeSchedule(dtype="bfloat16", world_size=2, problem=problem),
             provenance={True: 1, "True": 2},
         )
+
+
+def test_a_table_name_that_links_to_nothing_is_refused_not_read_as_no_table(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """A table's name a symbolic link to a file that is not there (a share not mounted): lookup
+    read it as no table, the calls silently without overlap, and `table show -k` said there was
+    no such table while listing its name in the folder."""
+    path = _table(tmp_path)
+    path.unlink()
+    path.symlink_to(tmp_path / "share" / path.name)
+    message = _lookup_error(path)
+    assert f"a symbolic link to {tmp_path / 'share' / path.name}, which does not exist" in message
+    for args in (["validate", str(path)], ["show", "-k", path.parent.name], ["lookup", "-s", "64x1024x1024"]):
+        line = assert_one_line_error(runner.invoke(app, ["table", *args]))
+        assert str(path) in line and "which does not exist; mount or restore" in line, line
+
+
+@pytest.mark.parametrize(
+    "old, new, says",
+    [
+        (r"sm_count: [0-9]+\n", "sm_count: 0\n", "fingerprint.sm_count: must be >= 1, got 0"),
+        (None, "hello: 1\n", "not a table: no kind and no schema_version (its keys: hello)"),
+    ],
+    ids=["no-sms", "not-a-table"],
+)
+def test_a_header_no_table_can_have_is_refused_saying_so(
+    runner: CliRunner, tmp_path: Path, old: str | None, new: str, says: str
+) -> None:
+    """A fingerprint of 0 SMs validated (each plan made for no SMs); a file of other YAML beside the
+    tables (notes) was "schema_version None is not supported; re-run `fo-tune search`"."""
+    path = _table(tmp_path)
+    text = path.read_text(encoding="utf-8")
+    assert old is None or re.search(old, text)
+    path.write_text(new if old is None else re.sub(old, new, text, count=1), encoding="utf-8")
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert says in line, line
+
+
+def test_a_table_with_a_byte_order_mark_reads_as_without_it(runner: CliRunner, tmp_path: Path) -> None:
+    """An editor's byte order mark before a table written as one JSON document sent it to the YAML
+    parser (60 times slower than json); the text is read without it."""
+    path = _table(tmp_path)
+    table = load_any_table(path)
+    path.write_text("\ufeff" + json.dumps(table.to_dict()), encoding="utf-8")
+    assert read_table_text(path).startswith("{")
+    assert runner.invoke(app, ["table", "validate", str(path)]).exit_code == 0
+    assert load_any_table(path) == table
