@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from big_table import write_big_table
@@ -451,3 +452,20 @@ def test_a_table_with_a_byte_order_mark_reads_as_without_it(runner: CliRunner, t
     assert read_table_text(path).startswith("{")
     assert runner.invoke(app, ["table", "validate", str(path)]).exit_code == 0
     assert load_any_table(path) == table
+
+
+@pytest.mark.parametrize("reader", ["block-rows", "yaml-parser"])
+def test_a_key_a_block_style_row_gives_twice_is_refused(
+    runner: CliRunner, tmp_path: Path, reader: str
+) -> None:
+    """A table in ``yaml.safe_dump``'s block style with a row's key given twice: its line reader and
+    the YAML parser (which reads a file with a comment in its rows) kept the last value."""
+    path = _table(tmp_path)
+    text = yaml.safe_dump(load_any_table(path).to_dict(), sort_keys=False)
+    assert "\n    m: 64\n" in text
+    text = text.replace("\n    m: 64\n", "\n    m: 64\n    m: 128\n", 1)
+    if reader == "yaml-parser":
+        text = text.replace("\nrows:\n", "\nrows: # hand-edited\n", 1)
+    path.write_text(text, encoding="utf-8")
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert "the key 'm' is given twice" in line, line

@@ -162,17 +162,17 @@ def _row_lines(body: str) -> list[str] | None:
     return [line[len(ROW_PREFIX) :] for line in lines]
 
 
-def load_yaml_text(text: str, *, every_level: bool = False) -> Any:
-    """A safe YAML load (libyaml's parser where PyYAML has it); ``yaml.YAMLError`` also for a key the
-    top-level mapping repeats (``_refuse_repeated_keys``; with ``every_level``, any mapping: a row
-    line, as ``loads`` refuses it in JSON) and for an integer too long to convert or nesting too
-    deep to build (``TOO_BIG``), which PyYAML lets out as Python's own errors."""
+def load_yaml_text(text: str, *, row: bool = False) -> Any:
+    """A safe YAML load (libyaml's parser where PyYAML has it) of a file's text, or of one ``row``
+    line; ``yaml.YAMLError`` also for a key any mapping repeats (``_refuse_repeated_keys``: YAML's
+    readers keep the last, as ``loads`` refuses it in JSON) and for an integer too long to convert
+    or nesting too deep to build (``TOO_BIG``), which PyYAML lets out as Python's own errors."""
     loader = SAFE_LOADER(text)  # a safe loader, C or Python
     try:
         node = loader.get_single_node()
-        for mapping in _mappings(node) if every_level else [node]:
+        for mapping in _mappings(node):
             if isinstance(mapping, yaml.MappingNode):
-                _refuse_repeated_keys(mapping, top=not every_level)
+                _refuse_repeated_keys(mapping, top=mapping is node and not row, lines=not row)
         return None if node is None else loader.construct_document(node)
     except RecursionError:
         raise yaml.YAMLError("nested too deeply to read (past Python's recursion limit)") from None
@@ -183,10 +183,13 @@ def load_yaml_text(text: str, *, every_level: bool = False) -> Any:
 
 
 def _mappings(node: yaml.Node | None) -> list[yaml.Node]:
-    """``node`` and every node under it (a row line's: a few dozen)."""
-    found, stack = [], [node] if node is not None else []
+    """``node`` and every node under it, each once (an alias's node is its anchor's)."""
+    found, seen, stack = [], set(), [node] if node is not None else []
     while stack:
         item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
         found.append(item)
         if isinstance(item, yaml.MappingNode):
             stack.extend(part for pair in item.value for part in pair)
@@ -195,11 +198,12 @@ def _mappings(node: yaml.Node | None) -> list[yaml.Node]:
     return found
 
 
-def _refuse_repeated_keys(node: yaml.MappingNode, *, top: bool = True) -> None:
-    """``yaml.YAMLError`` for a key the mapping ``node`` (``top``: a file's top level; else a row's) holds
-    twice: YAML's readers keep the last one alone, so two tables in one file (``cat a.yaml
-    b.yaml``), or a header key added by hand below the one there, would read as the second alone,
-    the first's rows silently gone; a row's key given twice, its first value."""
+def _refuse_repeated_keys(node: yaml.MappingNode, *, top: bool, lines: bool) -> None:
+    """``yaml.YAMLError`` for a key the mapping ``node`` holds twice, naming the key and (with
+    ``lines``: the text is a file's) both lines: YAML's readers keep the last one alone, so a row's
+    key given twice reads as its second value, and at the file's ``top`` level two tables in one
+    file (``cat a.yaml b.yaml``), or a header key added by hand below the one there, read as the
+    second alone, the first's rows silently gone."""
     seen: dict[tuple[str, str], int] = {}
     for key, _value in node.value:
         if not isinstance(key, yaml.ScalarNode):
@@ -210,8 +214,8 @@ def _refuse_repeated_keys(node: yaml.MappingNode, *, top: bool = True) -> None:
             where = f"lines {first} and {line}" if first != line else f"both on line {line}"
             why = " (a file holds one table: two joined into one file read as the second alone)"
             raise yaml.YAMLError(
-                f"the key {key.value!r} is given twice ({where if top else 'in one mapping'}), and YAML "
-                f"keeps the last alone, the first's content dropped; keep one{why if top else ''}"
+                f"the key {key.value!r} is given twice ({where if lines else 'in one mapping'}), and "
+                f"YAML keeps the last alone, the first's content dropped; keep one{why if top else ''}"
             )
 
 
@@ -277,7 +281,7 @@ def decode_row_line(line: str) -> Any:
     except RepeatedKey as exc:
         raise yaml.YAMLError(str(exc)) from None
     except TOO_BIG:
-        return load_yaml_text(line, every_level=True)
+        return load_yaml_text(line, row=True)
 
 
 def split_table_text(text: str) -> tuple[dict[str, Any], list[str]] | None:
