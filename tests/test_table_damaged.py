@@ -469,3 +469,18 @@ def test_a_key_a_block_style_row_gives_twice_is_refused(
     path.write_text(text, encoding="utf-8")
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
     assert "the key 'm' is given twice" in line, line
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_table_cut_short_after_its_rows_line_is_refused_not_read_as_empty(
+    runner: CliRunner, tmp_path: Path, kind: str
+) -> None:
+    """A file that ends at ``rows:`` (a copy cut short there) read as a table without rows: lookup
+    silently ran every call without overlap and validate said OK."""
+    path = _table(tmp_path) if kind == "dense" else _moe_table(tmp_path)
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text[: text.index("rows:\n") + len("rows:\n")], encoding="utf-8")
+    message = _lookup_error(path) if kind == "dense" else _moe_lookup_error(path)
+    assert "rows: holds nothing (a file cut short after `rows:` reads so)" in message, message
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert "write `rows: []` for a table without rows" in line, line

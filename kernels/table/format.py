@@ -166,6 +166,15 @@ def not_a_mapping(data: Any, source: str) -> TableError:
     return TableError(f"{source}: expected a mapping at the top level, got {got}; {GIVE_A_TABLE}")
 
 
+def empty_rows(source: str) -> TableError:
+    """The error for a table file whose ``rows:`` holds nothing (not ``[]``): what a file cut short
+    right after that line reads as, every row gone; a table without rows is written ``rows: []``."""
+    return TableError(
+        f"{source}: rows: holds nothing (a file cut short after `rows:` reads so); restore the file "
+        "from its copy, or write `rows: []` for a table without rows"
+    )
+
+
 def parse_header(data: Any, source: str) -> tuple[TableHeader, list[Any]]:
     """(the checked header, the rows as read) of a table file's data; every error is a
     ``TableError`` naming ``source`` and the key (the rows are checked by ``build_row``)."""
@@ -212,7 +221,7 @@ def parse_header(data: Any, source: str) -> tuple[TableHeader, list[Any]]:
         )
     rows = data["rows"]
     if rows is None:
-        rows = []
+        raise empty_rows(source)
     if not isinstance(rows, list):
         raise TableError(f"{source}: rows: expected a list, got {type(rows).__name__}")
     header = TableHeader(

@@ -153,11 +153,12 @@ def dump_table_text(header_text: str, rows: list[Mapping[str, Any]]) -> str:
 
 def _row_lines(body: str) -> list[str] | None:
     """The row lines of ``body`` (the text after ``rows:``), each without ``- ``; None unless every
-    non-empty line is one flow-mapping row."""
+    non-empty line is one flow-mapping row, and for none (``rows:`` holds nothing, which the
+    header's reader refuses: a file cut short there)."""
     lines = body.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    if not all(line.startswith("- {") and line.endswith("}") for line in lines):
+    if not lines or not all(line.startswith("- {") and line.endswith("}") for line in lines):
         return None
     return [line[len(ROW_PREFIX) :] for line in lines]
 
