@@ -101,14 +101,21 @@ def field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
+@functools.cache
+def init_names(cls: type) -> tuple[str, ...]:
+    """The field names of dataclass ``cls`` its constructor takes, in order (not those it derives,
+    ``MoeSchedule.op_text``)."""
+    return tuple(f.name for f in fields(cls) if f.init)
+
+
 def from_mapping(cls: type, data: Any, where: str) -> Any:
     """``cls(**data)`` for a mapping of ``cls``'s field names; ``ScheduleError`` at ``where`` for another
     type, an unknown key (listing the valid ones) or a missing one."""
     if data is None:  # (a key left out, or left empty, in a hand-edited file)
-        raise ScheduleError(f"{where}: missing; give a mapping of {', '.join(field_names(cls))}")
+        raise ScheduleError(f"{where}: missing; give a mapping of {', '.join(init_names(cls))}")
     if not isinstance(data, Mapping):
         raise ScheduleError(f"{where}: expected a mapping, got {type(data).__name__}")
-    known = field_names(cls)
+    known = init_names(cls)
     unknown = sorted(key for key in data if key not in known)
     if unknown:
         raise ScheduleError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}; valid: {sorted(known)}")

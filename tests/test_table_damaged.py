@@ -190,6 +190,9 @@ def test_an_anchor_bomb_in_a_rows_provenance_is_refused_before_anything_writes_i
         (('"engine": null', '"engine": null, "dtype": "float32"'), "rows[1]: dtype: the row says 'float32'"),
         (('"engine": null', '"engine": null, "world_size": 4'), "rows[1]: world_size: the row says 4"),
         (("rows:\n", ""), "rows: missing"),
+        # a key the schedule derives: refused as unknown (it was Python's "unexpected keyword
+        # argument 'op_text'", and the list of valid keys named it)
+        (('"engine": null', '"engine": null, "op_text": "x"'), "rows[1]: schedule: unknown key(s) op_text"),
     ],
     ids=[
         "provenance-list",
@@ -198,6 +201,7 @@ def test_an_anchor_bomb_in_a_rows_provenance_is_refused_before_anything_writes_i
         "row-dtype",
         "row-world-size",
         "no-rows",
+        "derived-key",
     ],
 )
 def test_a_damaged_moe_table_is_a_table_error_naming_the_file_and_row(
@@ -216,7 +220,7 @@ def test_a_damaged_moe_table_is_a_table_error_naming_the_file_and_row(
     path.write_text(text, encoding="utf-8")
     assert says in _moe_lookup_error(path)
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
-    assert says in line and str(path) in line
+    assert says in line and str(path) in line and "op_text" not in line.partition("valid:")[2]
 
 
 @pytest.mark.parametrize("kind", ["folder", "symlink-loop"])
