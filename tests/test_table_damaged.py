@@ -488,3 +488,14 @@ def test_a_table_cut_short_after_its_rows_line_is_refused_not_read_as_empty(
     assert "rows: holds nothing (a file cut short after `rows:` reads so)" in message, message
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
     assert "write `rows: []` for a table without rows" in line, line
+
+
+def test_validate_of_a_bare_file_name_in_its_device_keys_folder_knows_where_it_sits(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cd <device key>; fo-tune table validate <name>.yaml`: the file's folder was taken from the
+    path as given (none), and the note said lookup reads the table only where it already was."""
+    path = _table(tmp_path)
+    monkeypatch.chdir(path.parent)
+    result = runner.invoke(app, ["table", "validate", path.name])
+    assert result.exit_code == 0 and "note:" not in result.stdout, result.output

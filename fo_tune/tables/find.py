@@ -142,12 +142,13 @@ def placement(path: Path, fp: Fingerprint, name: str) -> tuple[str | None, str |
     - a note where lookup never reads it (another name, or a folder of another world size), or
       reads it on another device key of the same capability (with a ``VersionDriftWarning``).
 
-    ``None, None`` where it sits at ``<table folder>/<its device key>/<name>``."""
-    folder = path.parent.name
+    ``None, None`` where it sits at ``<table folder>/<its device key>/<name>`` (the folder is the
+    absolute path's: a bare file name given in its device key's folder sits there too)."""
+    folder = path.absolute().parent.name
     if (folder, path.name) == (fp.device_key, name):
         return None, None
     refused = _folder_refuses(fp, folder)
-    home = path.parent.parent / fp.device_key / name if refused else path.with_name(name)
+    home = path.absolute().parent.parent / fp.device_key / name if refused else path.with_name(name)
     fix = f"move it to {home}" if refused else f"rename it to {name}"
     if misnamed(path, name):
         also = f"; {refused}" if refused else ""
