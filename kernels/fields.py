@@ -18,6 +18,8 @@ from fo_kernels.errors import ArgumentError, FoTuneError, ScheduleError
 RECORD_MAX_VALUES = 10_000
 # The types of a record's values that hold no others.
 _SCALARS = frozenset((str, int, float, bool, type(None)))
+# The type of a record's keys that needs no look at their names: text, as in JSON and CSV.
+_TEXT_KEYS = frozenset((str,))
 
 
 def check_record(name: str, value: Any) -> None:
@@ -27,8 +29,11 @@ def check_record(name: str, value: Any) -> None:
     100,000-row table checks 100,000 of them."""
     if not isinstance(value, Mapping):
         raise ScheduleError(f"{name}: expected a mapping, got {type(value).__name__}")
-    if len(value) <= RECORD_MAX_VALUES and _SCALARS.issuperset(map(type, value.values())):
+    text_keys = _TEXT_KEYS.issuperset(map(type, value))
+    if len(value) <= RECORD_MAX_VALUES and text_keys and _SCALARS.issuperset(map(type, value.values())):
         return
+    if not text_keys:
+        _check_record_keys(name, value)
     stack = list(value.values())
     count = len(stack)
     while stack and count <= RECORD_MAX_VALUES:
@@ -42,6 +47,22 @@ def check_record(name: str, value: Any) -> None:
             f"{name}: holds more than {RECORD_MAX_VALUES} values written out (YAML aliases expanded); "
             "keep it to what the search recorded, without anchors repeated inside one another"
         )
+
+
+def _check_record_keys(name: str, value: Mapping[Any, Any]) -> None:
+    """Refuse two keys of the record ``value`` that are one text (``7`` and ``"7"``, ``true`` and
+    ``"True"``, as YAML reads a hand-written key): every place a record is shown names its keys by
+    their text (a CSV column, a JSON key, ``fo-tune table show``'s lines), where one of the two
+    would silently take the other's place. Renaming one column instead would leave a reader
+    guessing which of two keys spelled alike is which; the record's writer knows."""
+    names: dict[str, Any] = {}
+    for key in value:
+        first = names.setdefault(str(key), key)
+        if first is not key:
+            raise ScheduleError(
+                f"{name}: the keys {first!r} and {key!r} read as one name, {str(key)!r}, in every file "
+                "and column a record is shown in; keep one of them, or rename one"
+            )
 
 
 def is_pow2(x: int) -> bool:
@@ -80,14 +101,21 @@ def field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
+@functools.cache
+def init_names(cls: type) -> tuple[str, ...]:
+    """The field names of dataclass ``cls`` its constructor takes, in order (not those it derives,
+    ``MoeSchedule.op_text``)."""
+    return tuple(f.name for f in fields(cls) if f.init)
+
+
 def from_mapping(cls: type, data: Any, where: str) -> Any:
     """``cls(**data)`` for a mapping of ``cls``'s field names; ``ScheduleError`` at ``where`` for another
     type, an unknown key (listing the valid ones) or a missing one."""
     if data is None:  # (a key left out, or left empty, in a hand-edited file)
-        raise ScheduleError(f"{where}: missing; give a mapping of {', '.join(field_names(cls))}")
+        raise ScheduleError(f"{where}: missing; give a mapping of {', '.join(init_names(cls))}")
     if not isinstance(data, Mapping):
         raise ScheduleError(f"{where}: expected a mapping, got {type(data).__name__}")
-    known = field_names(cls)
+    known = init_names(cls)
     unknown = sorted(key for key in data if key not in known)
     if unknown:
         raise ScheduleError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}; valid: {sorted(known)}")

@@ -99,9 +99,11 @@ class Fingerprint:
             raise TableError(f"fingerprint.{missing[0]}: missing")
         for name, kind in spec.items():
             value = data[name]
-            if kind == "int":
+            if kind == "int":  # (sm_count, world_size: counts, so a 0 or a negative is a hand edit)
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise TableError(f"fingerprint.{name}: expected an integer, got {value!r}")
+                if value < 1:
+                    raise TableError(f"fingerprint.{name}: must be >= 1, got {value}")
             elif not isinstance(value, str):
                 raise TableError(f"fingerprint.{name}: expected a string (quote it in YAML), got {value!r}")
         return cls(**{name: data[name] for name in spec})

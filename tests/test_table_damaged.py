@@ -7,10 +7,13 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import json
+import re
 import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from big_table import write_big_table
@@ -23,6 +26,8 @@ from fo_kernels.moe.table import MoeRow, MoeTable, MoeTableCache, moe_table_path
 from fo_kernels.table import lookup as table_lookup
 from fo_kernels.table import lookup_schedule, table_path
 from fo_kernels.table import paths as table_paths
+from fo_kernels.table.format import read_table_text
+from fo_tune.tables.kinds import load_any_table
 
 # The first row big_table writes: 64x1024x1024, a copy-engine row.
 FIRST_ROW = '{"problem": {"m": 64, "n": 1024, "k": 1024}'
@@ -185,6 +190,9 @@ def test_an_anchor_bomb_in_a_rows_provenance_is_refused_before_anything_writes_i
         (('"engine": null', '"engine": null, "dtype": "float32"'), "rows[1]: dtype: the row says 'float32'"),
         (('"engine": null', '"engine": null, "world_size": 4'), "rows[1]: world_size: the row says 4"),
         (("rows:\n", ""), "rows: missing"),
+        # a key the schedule derives: refused as unknown (it was Python's "unexpected keyword
+        # argument 'op_text'", and the list of valid keys named it)
+        (('"engine": null', '"engine": null, "op_text": "x"'), "rows[1]: schedule: unknown key(s) op_text"),
     ],
     ids=[
         "provenance-list",
@@ -193,6 +201,7 @@ def test_an_anchor_bomb_in_a_rows_provenance_is_refused_before_anything_writes_i
         "row-dtype",
         "row-world-size",
         "no-rows",
+        "derived-key",
     ],
 )
 def test_a_damaged_moe_table_is_a_table_error_naming_the_file_and_row(
@@ -211,7 +220,7 @@ def test_a_damaged_moe_table_is_a_table_error_naming_the_file_and_row(
     path.write_text(text, encoding="utf-8")
     assert says in _moe_lookup_error(path)
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
-    assert says in line and str(path) in line
+    assert says in line and str(path) in line and "op_text" not in line.partition("valid:")[2]
 
 
 @pytest.mark.parametrize("kind", ["folder", "symlink-loop"])
@@ -349,3 +358,144 @@ def test_a_key_a_table_file_gives_twice_is_refused_not_read_as_the_last(
     assert "is given twice" in message and "YAML keeps the last alone" in message, message
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
     assert "is given twice" in line
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ('"provenance": {', '"provenance": {"mode": "hand", '),  # a row's own key, in JSON
+        ('"problem": {', '"problem": {"{key}": 1, '),  # a nested one, in JSON
+        ('"problem": {', '"problem": {{key}: 1, '),  # in a YAML flow mapping
+    ],
+    ids=["json", "json-nested", "yaml-flow"],
+)
+def test_a_key_a_row_line_gives_twice_is_refused_naming_its_row_and_line(
+    runner: CliRunner, tmp_path: Path, kind: str, old: str, new: str
+) -> None:
+    """json and YAML keep the last of a repeated key: a row edited by hand to ``{"m": 1, "m": 2}``
+    read as ``m: 2``; every reader refuses it, naming the row (and, loading it whole, its line)."""
+    path = _table(tmp_path) if kind == "dense" else _moe_table(tmp_path)
+    lines = path.read_text(encoding="utf-8").split("\n")
+    row = 0 if kind == "dense" else 1  # the row lookup takes (``_lookup_error``, ``_moe_lookup_error``)
+    at = next(i for i, line in enumerate(lines) if line.startswith("- {")) + row
+    new = new.replace("{key}", "m" if kind == "dense" else "tokens_max")
+    assert old in lines[at] and '"mode": ' in lines[at]
+    lines[at] = lines[at].replace(old, new, 1)
+    path.write_text("\n".join(lines), encoding="utf-8")
+    message = _lookup_error(path) if kind == "dense" else _moe_lookup_error(path)
+    assert f"rows[{row}]" in message and "is given twice" in message, message
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert f"rows[{row}] (line {at + 1})" in line and "is given twice" in line, line
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_provenance_whose_keys_read_as_one_name_is_refused(
+    runner: CliRunner, tmp_path: Path, kind: str
+) -> None:
+    """``7:`` and ``"7":`` in one provenance (YAML reads the first as an int): the CSV's column
+    ``7``, --json's key ``"7"`` held one of the two values, the other silently gone. Loading
+    refuses it, as building a row with it does (``check_record``)."""
+    path = _table(tmp_path) if kind == "dense" else _moe_table(tmp_path)
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace('"provenance": {', '"provenance": {7: "a", "7": "b", ', 1), encoding="utf-8")
+    for command in (["validate", str(path)], ["show", str(path), "--format", "csv"]):
+        line = assert_one_line_error(runner.invoke(app, ["table", *command]))
+        assert "rows[0]: provenance: the keys 7 and '7' read as one name" in line, line
+    problem = MoeProblem(**MOE_SHAPE, tokens_min=0, tokens_max=8)
+    with pytest.raises(TableError, match="the keys True and 'True' read as one name"):
+        MoeRow(
+            schedule=MoeSchedule(dtype="bfloat16", world_size=2, problem=problem),
+            provenance={True: 1, "True": 2},
+        )
+
+
+def test_a_table_name_that_links_to_nothing_is_refused_not_read_as_no_table(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """A table's name a symbolic link to a file that is not there (a share not mounted): lookup
+    read it as no table, the calls silently without overlap, and `table show -k` said there was
+    no such table while listing its name in the folder."""
+    path = _table(tmp_path)
+    path.unlink()
+    path.symlink_to(tmp_path / "share" / path.name)
+    message = _lookup_error(path)
+    assert f"a symbolic link to {tmp_path / 'share' / path.name}, which does not exist" in message
+    for args in (["validate", str(path)], ["show", "-k", path.parent.name], ["lookup", "-s", "64x1024x1024"]):
+        line = assert_one_line_error(runner.invoke(app, ["table", *args]))
+        assert str(path) in line and "which does not exist; mount or restore" in line, line
+
+
+@pytest.mark.parametrize(
+    "old, new, says",
+    [
+        (r"sm_count: [0-9]+\n", "sm_count: 0\n", "fingerprint.sm_count: must be >= 1, got 0"),
+        (None, "hello: 1\n", "not a table: no kind and no schema_version (its keys: hello)"),
+    ],
+    ids=["no-sms", "not-a-table"],
+)
+def test_a_header_no_table_can_have_is_refused_saying_so(
+    runner: CliRunner, tmp_path: Path, old: str | None, new: str, says: str
+) -> None:
+    """A fingerprint of 0 SMs validated (each plan made for no SMs); a file of other YAML beside the
+    tables (notes) was "schema_version None is not supported; re-run `fo-tune search`"."""
+    path = _table(tmp_path)
+    text = path.read_text(encoding="utf-8")
+    assert old is None or re.search(old, text)
+    path.write_text(new if old is None else re.sub(old, new, text, count=1), encoding="utf-8")
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert says in line, line
+
+
+def test_a_table_with_a_byte_order_mark_reads_as_without_it(runner: CliRunner, tmp_path: Path) -> None:
+    """An editor's byte order mark before a table written as one JSON document sent it to the YAML
+    parser (60 times slower than json); the text is read without it."""
+    path = _table(tmp_path)
+    table = load_any_table(path)
+    path.write_text("\ufeff" + json.dumps(table.to_dict()), encoding="utf-8")
+    assert read_table_text(path).startswith("{")
+    assert runner.invoke(app, ["table", "validate", str(path)]).exit_code == 0
+    assert load_any_table(path) == table
+
+
+@pytest.mark.parametrize("reader", ["block-rows", "yaml-parser"])
+def test_a_key_a_block_style_row_gives_twice_is_refused(
+    runner: CliRunner, tmp_path: Path, reader: str
+) -> None:
+    """A table in ``yaml.safe_dump``'s block style with a row's key given twice: its line reader and
+    the YAML parser (which reads a file with a comment in its rows) kept the last value."""
+    path = _table(tmp_path)
+    text = yaml.safe_dump(load_any_table(path).to_dict(), sort_keys=False)
+    assert "\n    m: 64\n" in text
+    text = text.replace("\n    m: 64\n", "\n    m: 64\n    m: 128\n", 1)
+    if reader == "yaml-parser":
+        text = text.replace("\nrows:\n", "\nrows: # hand-edited\n", 1)
+    path.write_text(text, encoding="utf-8")
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert "the key 'm' is given twice" in line, line
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_table_cut_short_after_its_rows_line_is_refused_not_read_as_empty(
+    runner: CliRunner, tmp_path: Path, kind: str
+) -> None:
+    """A file that ends at ``rows:`` (a copy cut short there) read as a table without rows: lookup
+    silently ran every call without overlap and validate said OK."""
+    path = _table(tmp_path) if kind == "dense" else _moe_table(tmp_path)
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text[: text.index("rows:\n") + len("rows:\n")], encoding="utf-8")
+    message = _lookup_error(path) if kind == "dense" else _moe_lookup_error(path)
+    assert "rows: holds nothing (a file cut short after `rows:` reads so)" in message, message
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert "write `rows: []` for a table without rows" in line, line
+
+
+def test_validate_of_a_bare_file_name_in_its_device_keys_folder_knows_where_it_sits(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cd <device key>; fo-tune table validate <name>.yaml`: the file's folder was taken from the
+    path as given (none), and the note said lookup reads the table only where it already was."""
+    path = _table(tmp_path)
+    monkeypatch.chdir(path.parent)
+    result = runner.invoke(app, ["table", "validate", path.name])
+    assert result.exit_code == 0 and "note:" not in result.stdout, result.output

@@ -189,13 +189,16 @@ def test_validate_reports_overlapping_buckets_as_one_line(runner: CliRunner, tmp
     path.write_text(path.read_text().replace('"tokens_min": 500', '"tokens_min": 513') + first + "\n")
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
     assert "rows[0] and rows[2] are both for" in line and "tokens [0, 512]" in line, line
-    # a moe- file is an MoE table whatever it holds: a dense one there is named, not guessed at
+    # a dense table under the MoE table's name is read as what its kind says, its name the problem
     dense = ScheduleTable(
         fingerprint=cpu_fp(), collective="all_reduce", world_size=2, dtype="float32", rows=[]
     )
     save_table(dense, path)
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
-    assert "a dense schedule table (kind 'fo-tune-schedule-table'), not an MoE table" in line, line
+    assert "a dense schedule table (kind 'fo-tune-schedule-table') under the MoE table's name" in line, line
+    assert line.endswith(
+        "lookup reads it for the calls its name says and refuses it; rename it to all_reduce-w2-float32.yaml"
+    ), line
 
 
 def test_a_table_under_the_other_kinds_name_says_the_name_to_give_it(
@@ -212,6 +215,11 @@ def test_a_table_under_the_other_kinds_name_says_the_name_to_give_it(
         assert result.exit_code in (1, 2), result.output
         line = next(line for line in result.stderr.splitlines() if str(moe) in line)
         assert "an MoE table" in line and "rename it to moe-w2-float32.yaml" in line, line
+    result = runner.invoke(app, ["table", "validate", str(moe)])  # its rows checked, its name the problem
+    line = assert_one_line_error(result)
+    assert "an MoE table (kind 'fo-tune-moe-schedule-table') under a dense table's name" in line, line
+    assert line.endswith("refuses it; rename it to moe-w2-float32.yaml"), line
+    assert "move or rename the files named" in result.stdout and "fix the rows" not in result.stdout
     moe.unlink()
     dense = folder / "moe-w2-float32.yaml"
     save_table(
@@ -227,6 +235,10 @@ def test_a_table_under_the_other_kinds_name_says_the_name_to_give_it(
     search = ["search", "-c", "moe", "--experts", ",".join(map(str, EXPERTS)), "--tokens", "64"]
     line = assert_one_line_error(runner.invoke(app, [*search, "--table-dir", str(tmp_path / "tables")]))
     assert str(target) in line and "rename it to all_reduce-w2-float32.yaml" in line, line
+    # validate says where it belongs: the name, and the folder of its own device key
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(target)]))
+    assert "under the MoE table's name; its fingerprint is device key " in line, line
+    assert line.endswith(f"move it to {folder / 'all_reduce-w2-float32.yaml'}"), line
 
 
 # ------------------------------------------------------------------------------------ lookup

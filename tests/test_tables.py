@@ -972,8 +972,9 @@ def test_a_table_under_another_tables_name_is_refused_as_the_runtime_refuses_it(
 ) -> None:
     """A world-size-4 table copied to the world-size-2 table's name: the runtime reads it for w2
     calls and raises; `table lookup` says the same (rather than print a row from the other folders
-    as if the file were not there) and `table validate` is exit 2 saying how to rename it (not a
-    pass with a note). The same for a file holding another collective's rows."""
+    as if the file were not there) and `table validate` is exit 2 saying where it belongs (not a
+    pass with a note): its own device key's folder, since a rename in the w2 folder left it where
+    no lookup reads it. A file holding another collective's rows is renamed in its folder."""
     w2 = cpu_fp().device_key
     fp4 = cpu_fp(4)
     row4 = dataclasses.replace(cpu_row(64), world_size=4)
@@ -982,7 +983,11 @@ def test_a_table_under_another_tables_name_is_refused_as_the_runtime_refuses_it(
     assert str(misplaced) in line and "is for world size 4" in line, line
     result = runner.invoke(app, ["table", "validate", str(misplaced)])
     assert result.exit_code == 2, result.output
-    assert "rename it to all_reduce-w4-bfloat16.yaml" in result.stderr, result.stderr
+    home = table_path(tmp_path / "tables", fp4.device_key, "all_reduce", 4, "bfloat16")
+    line = assert_one_line_error(result)
+    assert "a table of all_reduce-w4-bfloat16's rows under another call's name" in line, line
+    assert "(world size 4, the folder's 2)" in line and line.endswith(f"move it to {home}"), line
+    assert "move or rename the files named" in result.stdout
     scatter = dataclasses.replace(cpu_row(64), collective="reduce_scatter")
     write(misplaced, [scatter], collective="reduce_scatter")
     line = assert_one_line_error(runner.invoke(app, ["table", "lookup", "-s", "64x96x48", "-k", w2]))
@@ -1055,7 +1060,12 @@ def test_lookup_of_a_table_in_another_machines_folder_says_so_and_what_to_do(
     # validate passed it with a note; lookup refuses it there, so it is a problem saying where it goes
     result = runner.invoke(app, ["table", "validate", str(copied)])
     assert result.exit_code == 2, result.output
-    assert f"refuses it (its fingerprint is device key {cpu}); move it to {home}" in result.stderr
+    line = assert_one_line_error(result)
+    for text in (
+        f"its fingerprint is device key {cpu} (compute capability cpu, the folder's 9.0)",
+        f"lookup on device key {gpu} reads this file for its calls and refuses it; move it to {home}",
+    ):
+        assert text in line, line
 
 
 @pytest.mark.parametrize(

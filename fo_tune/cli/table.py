@@ -135,10 +135,11 @@ VALIDATE_HELP = "\n\n".join(
         "Prints OK per good file on stdout and one line per problem on stderr. A note says when a "
         "file is not where lookup looks for it (<device-key>/<collective>-w<world>-<dtype>.yaml, "
         "<device-key>/moe-w<world>-<dtype>.yaml); a file lookup reads and refuses (under another "
-        "table's name, or in another GPU's device key folder) is a problem. --json prints one JSON "
+        "call's name or the other kind of table's, or in the device key folder of another compute "
+        "capability or world size) is a problem whose line says where to move it. --json prints one JSON "
         "document instead (ok; per file ok, rows, problems and note).",
         "Exit code 0 when every file is fine, 2 when any has a problem (fix the row named, or "
-        "re-tune it with `fo-tune search`).",
+        "re-tune it with `fo-tune search`; move or rename the file named).",
     ]
 )
 
@@ -259,44 +260,17 @@ def show(
 
 # ------------------------------------------------------------------------------ validate
 def _location_note(path: Path, table: ScheduleTable | MoeTable) -> tuple[str | None, str | None]:
-    """(note, problem) about where ``path`` sits: a note when lookup never reads it (another
-    folder or name); a problem when its name is another table's (``<collective>-w<N>-<dtype>.yaml``
-    or the MoE table's for another header), or its folder another GPU's device key, since lookup
-    then reads it for those calls and refuses it (another world size, collective, dtype or GPU)."""
-    from fo_kernels.errors import TableError
-    from fo_kernels.fingerprint import read_device_key
+    """(note, problem) about where ``path`` sits (``fo_tune.tables.find.placement``): a problem
+    where lookup reads the file and refuses it, a note where it never reads it or warns."""
     from fo_kernels.moe.table import MoeTable, moe_table_filename
     from fo_kernels.table import table_filename
-    from fo_tune.tables.find import check_machine, misnamed
+    from fo_tune.tables.find import placement
 
     if isinstance(table, MoeTable):
         name = moe_table_filename(table.world_size, table.dtype)
     else:
         name = table_filename(table.collective, table.world_size, table.dtype)
-    expected = Path(table.fingerprint.device_key) / name
-    if (path.parent.name, path.name) == expected.parts:
-        return None, None
-    if path.name == name:
-        try:
-            check_machine(path, table.fingerprint, path.parent.name)
-        except TableError:
-            return None, (
-                f"lookup reads this file for device key {path.parent.name}'s calls and refuses it (its "
-                f"fingerprint is device key {expected.parts[0]}); move it to {path.parent.parent / expected}"
-            )
-        folder_key = read_device_key(path.parent.name)
-        if folder_key is not None and folder_key["world_size"] == table.world_size:  # (the same capability)
-            return (
-                f"{path}: lookup on device key {path.parent.name} reads this table, tuned on "
-                f"{expected.parts[0]}, and warns (VersionDriftWarning) that its schedules may not be "
-                "the fastest there"
-            ), None
-    if misnamed(path, name):
-        return None, (
-            f"lookup reads this file for the calls its name says and refuses it (it holds "
-            f"{name.removesuffix('.yaml')}'s rows); rename it to {name}"
-        )
-    return f"{path}: lookup reads this table only as <table folder>/{expected}", None
+    return placement(path, table.fingerprint, name)
 
 
 @handle_errors
@@ -325,7 +299,8 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJso
             what = table.collective
         note, misnamed = _location_note(path, table)
         issues = [*issues, misnamed] if misnamed is not None else issues
-        checks.append(FileCheck(path, len(table.rows), [f"{path}: {issue}" for issue in issues], note))
+        problems = [f"{path}: {issue}" for issue in issues]
+        checks.append(FileCheck(path, len(table.rows), problems, note, misplaced=misnamed is not None))
         if json_out:
             continue
         if not issues:
@@ -353,13 +328,16 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJso
 
 def _validate_summary(checks: list[FileCheck]) -> str:
     """``validate``'s last line: how many problems in how many files, and the remedy of each kind
-    found (a file that does not read is fixed or replaced; a bad row is fixed or re-tuned)."""
+    found (a file that does not read is fixed or replaced; a file lookup refuses where it sits is
+    moved or renamed; a bad row is fixed or re-tuned)."""
     bad = [check for check in checks if check.problems]
     count = sum(len(check.problems) for check in bad)
     remedies = []
     if any(check.rows is None for check in bad):
         remedies.append("name table files that exist and read (each line says what to do)")
-    if any(check.rows is not None for check in bad):
+    if any(check.misplaced for check in bad):
+        remedies.append("move or rename the files named (each line says where)")
+    if any(len(check.problems) > check.misplaced for check in bad if check.rows is not None):
         remedies.append("fix the rows named, or re-tune them with `fo-tune search`")
     return f"{count} problem(s) in {len(bad)} of {len(checks)} file(s); {'; '.join(remedies)}"
 

@@ -164,6 +164,8 @@ class FileCheck:
     rows: int | None
     problems: list[str] = field(default_factory=list)
     note: str | None = None
+    # Whether one of the problems is where the file sits (its name or folder), not its rows.
+    misplaced: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {

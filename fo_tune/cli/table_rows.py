@@ -85,7 +85,8 @@ def provenance_keys(rows: Sequence[Any], order: Sequence[str] = PROVENANCE_ORDER
 
 def named(provenance: Mapping[Any, Any]) -> Mapping[str, Any]:
     """``provenance`` by the names ``provenance_keys`` gives its keys (``str``): a hand-written key
-    YAML reads as another type (``7:``) keeps its value in the CSV's column ``7``."""
+    YAML reads as another type (``7:``) keeps its value in the CSV's column ``7`` (a row whose
+    provenance also holds ``"7"`` does not load: ``fo_kernels.fields.check_record``)."""
     if all(type(key) is str for key in provenance):
         return provenance
     return {str(key): value for key, value in provenance.items()}

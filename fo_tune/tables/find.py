@@ -1,6 +1,7 @@
 """Finding tables: the row the runtime would use for a call and the file it comes from, and table
 files in the runtime's search path; for a dense call (``lookup_schedule``) and for an MoE call
-(``expert_parallel_ffn``'s table lookup).
+(``expert_parallel_ffn``'s table lookup); and what lookup makes of a table file where it sits
+(``placement``: its name and its device key folder).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from fo_kernels.table import (
     table_path,
     table_search_path,
 )
-from fo_kernels.table.format import file_stamp
+from fo_kernels.table.format import MOE_TABLE_KIND, TABLE_KIND, file_stamp
 
 
 # ------------------------------------------------------------------------------------- find
@@ -95,6 +96,79 @@ def misnamed(path: Path, name: str) -> bool:
     a name lookup reads for other calls (another collective, world size or dtype): lookup then
     reads it for those calls and refuses it, naming the file."""
     return path.name != name and _LOOKUP_NAME.fullmatch(path.name) is not None
+
+
+def _what_is_misnamed(path: Path, name: str) -> str:
+    """What is wrong with the name of the table at ``path`` whose header's file name is ``name``:
+    the other kind of table's name, or another call's."""
+    prefix = f"{MOE_TABLE_PREFIX}-"
+    moe, under_moe = name.startswith(prefix), path.name.startswith(prefix)
+    if moe and not under_moe:
+        return f"an MoE table (kind {MOE_TABLE_KIND!r}) under a dense table's name"
+    if under_moe and not moe:
+        return f"a dense schedule table (kind {TABLE_KIND!r}) under the MoE table's name"
+    return f"a table of {name.removesuffix('.yaml')}'s rows under another call's name"
+
+
+def _spelled(value: str | int) -> str:
+    """A device key's field as a reader spells it: a capability with its dot (``90``: ``9.0``)."""
+    text = str(value)
+    return f"{text[:-1]}.{text[-1]}" if isinstance(value, str) and len(text) > 1 and text.isdigit() else text
+
+
+def _folder_refuses(fp: Fingerprint, folder: str) -> str | None:
+    """Why lookup on the device key ``folder`` refuses a table of fingerprint ``fp`` (another
+    compute capability or world size, as the runtime refuses it), None where it takes it (or
+    ``folder`` is no device key)."""
+    want, have = read_device_key(folder), read_device_key(fp.device_key)
+    if not want or not have:
+        return None
+    whys = [
+        f"{what} {_spelled(have[field])}, the folder's {_spelled(want[field])}"
+        for field, what in (("compute_capability", "compute capability"), ("world_size", "world size"))
+        if want[field] != have[field]
+    ]
+    return f"its fingerprint is device key {fp.device_key} ({'; '.join(whys)})" if whys else None
+
+
+def placement(path: Path, fp: Fingerprint, name: str) -> tuple[str | None, str | None]:
+    """(note, problem) about where the table at ``path`` (fingerprint ``fp``, header's file name
+    ``name``) sits, each one line saying what is wrong and where the file belongs:
+
+    - a problem where lookup reads the file and refuses it: under a name lookup reads for other
+      calls (another collective, world size or dtype, or the other kind of table: an MoE table
+      under a dense table's name, a dense one under the MoE table's), or, under its own name, in
+      the folder of a device key of another compute capability or world size;
+    - a note where lookup never reads it (another name, or a folder of another world size), or
+      reads it on another device key of the same capability (with a ``VersionDriftWarning``).
+
+    ``None, None`` where it sits at ``<table folder>/<its device key>/<name>`` (the folder is the
+    absolute path's: a bare file name given in its device key's folder sits there too)."""
+    folder = path.absolute().parent.name
+    if (folder, path.name) == (fp.device_key, name):
+        return None, None
+    refused = _folder_refuses(fp, folder)
+    home = path.absolute().parent.parent / fp.device_key / name if refused else path.with_name(name)
+    fix = f"move it to {home}" if refused else f"rename it to {name}"
+    if misnamed(path, name):
+        also = f"; {refused}" if refused else ""
+        return None, (
+            f"{_what_is_misnamed(path, name)}{also}: lookup reads it for the calls its name says and "
+            f"refuses it; {fix}"
+        )
+    folder_key = read_device_key(folder)
+    if path.name == name and refused is not None and folder_key and folder_key["world_size"] == fp.world_size:
+        return None, (
+            f"{refused}: lookup on device key {folder} reads this file for its calls and refuses it; "
+            f"{fix} (then look it up with -k {fp.device_key})"
+        )
+    if path.name == name and refused is None and folder_key is not None:
+        return (
+            f"{path}: lookup on device key {folder} reads this table, tuned on {fp.device_key}, and "
+            "warns (VersionDriftWarning) that its schedules may not be the fastest there"
+        ), None
+    where = f"; {refused}, and lookup never reads it there" if refused else ""
+    return f"{path}: lookup reads this table only as <table folder>/{fp.device_key}/{name}{where}", None
 
 
 def check_file_name(path: Path, name: str) -> None:

@@ -1,11 +1,12 @@
 """Which kind of table a file holds, and loading it as that kind: a dense schedule table
 (``fo_kernels.table``) or an MoE table (``fo_kernels.moe.table``).
 
-A file is an MoE table when its name starts with the MoE prefix (``moe-w<W>-<dtype>.yaml``, the
-only name the runtime reads MoE rows from) or its ``kind`` says so (``MOE_TABLE_KIND``); any other
-file is a dense table. Either marker is the format's own, so a file is never loaded by trying one
-format and falling back to the other: a ``moe-`` file holding a dense table is an MoE table with
-the wrong ``kind`` (loading names it).
+A file is the kind its ``kind`` says (``TABLE_KIND`` or ``MOE_TABLE_KIND``); a file whose ``kind``
+is neither is an MoE table when its name starts with the MoE prefix (``moe-w<W>-<dtype>.yaml``,
+the only name the runtime reads MoE rows from), else a dense table. Each marker is the format's
+own, so a file is never loaded by trying one format and falling back to the other: a table under
+the other kind's name is read as what it says it is, and ``fo-tune table validate`` names its
+name as the problem (``fo_tune.tables.find.placement``), where the runtime's lookup refuses it.
 
 Loading builds and checks every row, as ``load_table`` does, in a fraction of its time at fleet
 scale (``build_table``): the garbage collector is paused while the rows are read and built (the
@@ -31,9 +32,15 @@ import yaml
 from fo_kernels.errors import ScheduleError, TableError
 from fo_kernels.moe.table import MOE_TABLE_KIND, MOE_TABLE_PREFIX, MoeTable
 from fo_kernels.schedule import Problem, Schedule
-from fo_kernels.table import TABLE_SCHEMA_VERSION, ScheduleTable
+from fo_kernels.table import TABLE_KIND, TABLE_SCHEMA_VERSION, ScheduleTable
 from fo_kernels.table.format import TableHeader, build_row, parse_header, read_table_data, read_table_text
-from fo_kernels.table.text import decode_row_lines, load_document, split_table_text, unreadable
+from fo_kernels.table.text import (
+    decode_row_lines,
+    load_document,
+    rows_first_line,
+    split_table_text,
+    unreadable,
+)
 
 TableKind = Literal["dense", "moe"]
 
@@ -48,13 +55,12 @@ def is_moe_name(path: str | os.PathLike[str]) -> bool:
 
 
 def table_kind(path: str | os.PathLike[str], data: Any) -> TableKind:
-    """``moe`` for an MoE table (by its name or its ``kind``), else ``dense``; ``data``: the file's
-    parsed content."""
-    if is_moe_name(path):
-        return "moe"
-    if isinstance(data, Mapping) and data.get("kind") == MOE_TABLE_KIND:
-        return "moe"
-    return "dense"
+    """``moe`` for an MoE table (by its ``kind``, else by its name), else ``dense``; ``data``: the
+    file's parsed content."""
+    kind = data.get("kind") if isinstance(data, Mapping) else None
+    if kind in (MOE_TABLE_KIND, TABLE_KIND):
+        return "moe" if kind == MOE_TABLE_KIND else "dense"
+    return "moe" if is_moe_name(path) else "dense"
 
 
 @contextlib.contextmanager
@@ -122,12 +128,19 @@ def load_dense_table(path: str | os.PathLike[str]) -> ScheduleTable:
         return build_table(read_table_data(path), str(path))
 
 
-def _decoded(lines: list[str], source: str) -> list[Any]:
-    """Row lines decoded as ``parse_table_text`` decodes them; ``TableError`` naming ``source``."""
+def _decoded(lines: list[str], source: str, text: str, todo: list[int] | None = None) -> list[Any]:
+    """The row ``lines`` of the file ``text`` (those at the indices ``todo``, default all) decoded as
+    ``parse_table_text`` decodes them; ``TableError`` naming ``source`` and the row and line that
+    does not read."""
     try:
-        return decode_row_lines(lines)
+        return decode_row_lines(lines if todo is None else [lines[i] for i in todo])
     except yaml.YAMLError as exc:
-        raise TableError(unreadable(source, exc)) from None
+        error = exc
+    try:  # again, every line, for the row's index and line in the file
+        decode_row_lines(lines, first_line=rows_first_line(text))
+    except yaml.YAMLError as exc:
+        error = exc
+    raise TableError(unreadable(source, error)) from None
 
 
 # Per header that building a row depends on (schema version, collective, dtype, world size; as
@@ -148,13 +161,13 @@ def _load(path: str | os.PathLike[str], known: _KnownRows) -> ScheduleTable | Mo
         raise TableError(unreadable(source, exc)) from None
     head, lines = split
     if table_kind(path, head) == "moe":
-        return _of_kind(path, {**head, "rows": _decoded(lines, source)}, source)
+        return _of_kind(path, {**head, "rows": _decoded(lines, source, text)}, source)
     header_text = repr(
         tuple(head.get(key) for key in ("schema_version", "collective", "dtype", "world_size"))
     )
     seen = known.setdefault(header_text, {})
     given = {i: seen[line] for i, line in enumerate(lines) if line in seen}
-    decoded = iter(_decoded([line for i, line in enumerate(lines) if i not in given], source))
+    decoded = iter(_decoded(lines, source, text, [i for i in range(len(lines)) if i not in given]))
     rows = [None if i in given else next(decoded) for i in range(len(lines))]
     header, _ = parse_header({**head, "rows": rows}, source)
     schedules = _rows_of(header, rows, source, given)

@@ -15,7 +15,7 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.moe.routing import MOE_DTYPES
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.schedule import COLLECTIVES
-from fo_kernels.table.format import MOE_TABLE_KIND, TABLE_KIND, not_a_mapping
+from fo_kernels.table.format import MOE_TABLE_KIND, TABLE_KIND, empty_rows, not_a_mapping
 from fo_kernels.table.paths import check_name
 
 MOE_TABLE_SCHEMA_VERSION = 1
@@ -85,7 +85,9 @@ def moe_header(data: Any, source: str) -> tuple[Fingerprint, int, str, list[Any]
             f"{source}: rows: missing; write `rows: []` for a table without rows, or restore the file "
             "from its copy"
         )
-    rows = [] if data["rows"] is None else data["rows"]
+    rows = data["rows"]
+    if rows is None:
+        raise empty_rows(source)
     if not isinstance(rows, list):
         raise TableError(f"{source}: rows: expected a list, got {type(rows).__name__}")
     return fingerprint, world, dtype, rows

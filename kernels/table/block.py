@@ -260,6 +260,11 @@ class Reader:
                 raise Unsupported
             key_text, rest = _entry(text)
             key = key_text[1:-1].replace("''", "'") if key_text[:1] == "'" else self.plain(key_text)
+            if key in out:  # (YAML's readers keep the last: ``fo_kernels.table.text.unique_keys``)
+                raise yaml.YAMLError(
+                    f"the key {key!r} is given twice in one mapping (at {text!r}), and YAML keeps the "
+                    "last alone, the first's content dropped; keep one"
+                )
             out[key], i = self.value(rest, i + 1, indent)
         return out, i
 

@@ -166,11 +166,25 @@ def not_a_mapping(data: Any, source: str) -> TableError:
     return TableError(f"{source}: expected a mapping at the top level, got {got}; {GIVE_A_TABLE}")
 
 
+def empty_rows(source: str) -> TableError:
+    """The error for a table file whose ``rows:`` holds nothing (not ``[]``): what a file cut short
+    right after that line reads as, every row gone; a table without rows is written ``rows: []``."""
+    return TableError(
+        f"{source}: rows: holds nothing (a file cut short after `rows:` reads so); restore the file "
+        "from its copy, or write `rows: []` for a table without rows"
+    )
+
+
 def parse_header(data: Any, source: str) -> tuple[TableHeader, list[Any]]:
     """(the checked header, the rows as read) of a table file's data; every error is a
     ``TableError`` naming ``source`` and the key (the rows are checked by ``build_row``)."""
     if not isinstance(data, Mapping):
         raise not_a_mapping(data, source)
+    if "kind" not in data and "schema_version" not in data:  # (a notes file beside the tables, say)
+        keys = ", ".join(sorted(map(str, data))[:5]) or "none"
+        raise TableError(
+            f"{source}: not a table: no kind and no schema_version (its keys: {keys}); {GIVE_A_TABLE}"
+        )
     if data.get("kind") == MOE_TABLE_KIND and data.get("dtype") in DTYPES:  # under a dense name
         name = f"moe-w{data.get('world_size')}-{data.get('dtype')}.yaml"
         raise TableError(
@@ -207,7 +221,7 @@ def parse_header(data: Any, source: str) -> tuple[TableHeader, list[Any]]:
         )
     rows = data["rows"]
     if rows is None:
-        rows = []
+        raise empty_rows(source)
     if not isinstance(rows, list):
         raise TableError(f"{source}: rows: expected a list, got {type(rows).__name__}")
     header = TableHeader(
@@ -283,13 +297,21 @@ def upgrade_v1_row(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- load and save
+# The byte order mark a file's text may start with (UTF-8's, read as text).
+BOM = "\ufeff"
+
+
 def read_table_text(path: str | os.PathLike[str]) -> str:
     """The text of the table file at ``path``: ``TableNotFoundError`` when there is none,
     ``TableError`` naming the path when it cannot be read."""
     path = Path(path)
     try:
-        return path.read_text(encoding="utf-8")
+        # (a byte order mark, as some editors write, dropped: with it, a table that is one JSON
+        # document would go to the YAML parser, 60 times slower than json on 5,000 rows)
+        return path.read_text(encoding="utf-8").removeprefix(BOM)
     except FileNotFoundError:
+        if path.is_symlink():
+            raise _dangling(path) from None
         raise TableNotFoundError(
             f"{path}: no schedule table here; write one with `fo-tune search`, or set {TABLE_DIR_ENV} "
             "to a folder that has one"
@@ -303,13 +325,25 @@ def read_table_text(path: str | os.PathLike[str]) -> str:
         raise TableError(f"{path}: cannot read: {exc}; {GIVE_A_TABLE}") from None
 
 
+def _dangling(path: Path) -> TableError:
+    """The error for a table file name that is a symbolic link to nothing."""
+    return TableError(
+        f"{path}: a symbolic link to {os.readlink(path)}, which does not exist; mount or restore what "
+        "it points to, or remove the link"
+    )
+
+
 def file_stamp(path: Path) -> tuple[int, int, int] | None:
     """(inode, mtime_ns, size) of the table file at ``path``, what a cache keeps its read under;
     None where there is no file; ``TableError`` naming the path where it cannot be looked at (a
-    folder it may not search, a symlink loop), as for a file it cannot read."""
+    folder it may not search, a symlink loop, a symlink to nothing: a table on a share not mounted
+    would otherwise read as no table, its calls silently without overlap), as for a file it cannot
+    read."""
     try:
         st = path.stat()
     except FileNotFoundError:
+        if path.is_symlink():
+            raise _dangling(path) from None
         return None
     except OSError as exc:
         raise TableError(f"{path}: cannot read: {exc}; {GIVE_A_TABLE}") from None

@@ -11,7 +11,6 @@ training or serving process well under a second (docs/perf-notes.md#tables-and-l
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 
@@ -29,7 +28,7 @@ from fo_kernels.table.format import (
     row_problem_key,
 )
 from fo_kernels.table.index import ProblemKey, RowIndex
-from fo_kernels.table.text import decode_row_at, lazy_table_data, line_problem, row_built_once
+from fo_kernels.table.text import decode_row_at, lazy_table_data, line_problem, loads, row_built_once
 
 
 class LoadedTable:
@@ -63,8 +62,8 @@ class LoadedTable:
         if not lines:
             return
         try:
-            rows = json.loads("[" + ",".join(self._raw[i] for i in lines) + "]")
-        except TOO_BIG:  # a line that is not JSON (or too big for json): each is decoded by ``_key``
+            rows = loads("[" + ",".join(self._raw[i] for i in lines) + "]")
+        except TOO_BIG:  # a line that is not JSON, too big or with a key repeated: ``_key`` decodes each
             return
         for i, row in zip(lines, rows, strict=True):
             self._raw[i] = row

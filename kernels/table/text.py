@@ -37,6 +37,48 @@ from fo_kernels.table.index import EXACT, RANGE, ProblemKey
 UNREADABLE_HINT = "restore the file from its copy, or move it away and re-tune its rows with `fo-tune search`"
 
 
+class RepeatedKey(ValueError):
+    """A JSON object holding one key twice (``unique_keys``); a ``ValueError``, as ``json``'s own."""
+
+
+# How many keys of a mapping with a repeated key its message lists (a row holds about 6, its
+# settings about 10), enough to find it in the file.
+_QUOTED_KEYS = 10
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict (``json``'s ``object_pairs_hook``); ``RepeatedKey`` for a key
+    given twice: ``json`` keeps the last alone, so a row edited by hand to ``{"m": 1, "m": 2}``
+    would read as ``m: 2``, the first value silently gone. One ``dict`` and one ``len`` an object:
+    on the 2-core CPU machine, ``tests/big_table.py``'s 100,000 row lines decode in one call in
+    0.82 s of CPU (0.69 without it; 0.59 and 0.43 with the collector paused, as validate reads),
+    and ``fo-tune table validate`` of them takes 1.89-1.95 s of CPU in-process (1.76-1.81 without;
+    the two alternating, three runs each); the runtime's first lookup decodes no row."""
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        for key, _value in pairs:
+            if key in seen:
+                break
+            seen.add(key)
+        keys = ", ".join(str(name) for name, _value in pairs[:_QUOTED_KEYS])
+        more = ", ..." if len(pairs) > _QUOTED_KEYS else ""
+        raise RepeatedKey(
+            f"the key {key!r} is given twice in one mapping (keys {keys}{more}), and a reader keeps "
+            "the last alone, the first's value dropped; keep one"
+        )
+    return found
+
+
+# The JSON reader of table text: ``json``'s, refusing a repeated key (``unique_keys``).
+_JSON = json.JSONDecoder(object_pairs_hook=unique_keys)
+
+
+def loads(text: str) -> Any:
+    """``json.loads(text)``, refusing a key an object repeats (``RepeatedKey``)."""
+    return _JSON.decode(text)
+
+
 def unreadable(source: str, exc: Exception) -> str:
     """The one-line message of a table file at ``source`` that the parser refused with ``exc``."""
     return f"{source}: not valid YAML: {' '.join(str(exc).split())}; {UNREADABLE_HINT}"
@@ -111,24 +153,27 @@ def dump_table_text(header_text: str, rows: list[Mapping[str, Any]]) -> str:
 
 def _row_lines(body: str) -> list[str] | None:
     """The row lines of ``body`` (the text after ``rows:``), each without ``- ``; None unless every
-    non-empty line is one flow-mapping row."""
+    non-empty line is one flow-mapping row, and for none (``rows:`` holds nothing, which the
+    header's reader refuses: a file cut short there)."""
     lines = body.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    if not all(line.startswith("- {") and line.endswith("}") for line in lines):
+    if not lines or not all(line.startswith("- {") and line.endswith("}") for line in lines):
         return None
     return [line[len(ROW_PREFIX) :] for line in lines]
 
 
-def load_yaml_text(text: str) -> Any:
-    """A safe YAML load (libyaml's parser where PyYAML has it); ``yaml.YAMLError`` also for a key the
-    top-level mapping repeats (``_refuse_repeated_keys``) and for an integer too long to convert or
-    nesting too deep to build (``TOO_BIG``), which PyYAML lets out as Python's own errors."""
+def load_yaml_text(text: str, *, row: bool = False) -> Any:
+    """A safe YAML load (libyaml's parser where PyYAML has it) of a file's text, or of one ``row``
+    line; ``yaml.YAMLError`` also for a key any mapping repeats (``_refuse_repeated_keys``: YAML's
+    readers keep the last, as ``loads`` refuses it in JSON) and for an integer too long to convert
+    or nesting too deep to build (``TOO_BIG``), which PyYAML lets out as Python's own errors."""
     loader = SAFE_LOADER(text)  # a safe loader, C or Python
     try:
         node = loader.get_single_node()
-        if isinstance(node, yaml.MappingNode):
-            _refuse_repeated_keys(node)
+        for mapping in _mappings(node):
+            if isinstance(mapping, yaml.MappingNode):
+                _refuse_repeated_keys(mapping, top=mapping is node and not row, lines=not row)
         return None if node is None else loader.construct_document(node)
     except RecursionError:
         raise yaml.YAMLError("nested too deeply to read (past Python's recursion limit)") from None
@@ -138,20 +183,41 @@ def load_yaml_text(text: str) -> Any:
         loader.dispose()
 
 
-def _refuse_repeated_keys(node: yaml.MappingNode) -> None:
-    """``yaml.YAMLError`` for a key the top-level mapping ``node`` holds twice: YAML's readers keep
-    the last one alone, so two tables in one file (``cat a.yaml b.yaml``), or a header key added
-    by hand below the one there, would read as the second alone, the first's rows silently gone."""
+def _mappings(node: yaml.Node | None) -> list[yaml.Node]:
+    """``node`` and every node under it, each once (an alias's node is its anchor's)."""
+    found, seen, stack = [], set(), [node] if node is not None else []
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        found.append(item)
+        if isinstance(item, yaml.MappingNode):
+            stack.extend(part for pair in item.value for part in pair)
+        elif isinstance(item, yaml.SequenceNode):
+            stack.extend(item.value)
+    return found
+
+
+def _refuse_repeated_keys(node: yaml.MappingNode, *, top: bool, lines: bool) -> None:
+    """``yaml.YAMLError`` for a key the mapping ``node`` holds twice, naming the key and (with
+    ``lines``: the text is a file's) both lines: YAML's readers keep the last one alone, so a row's
+    key given twice reads as its second value, and at the file's ``top`` level two tables in one
+    file (``cat a.yaml b.yaml``), or a header key added by hand below the one there, read as the
+    second alone, the first's rows silently gone."""
     seen: dict[tuple[str, str], int] = {}
     for key, _value in node.value:
-        if isinstance(key, yaml.ScalarNode):
-            line = seen.setdefault((key.tag, key.value), key.start_mark.line + 1)
-            if line != key.start_mark.line + 1:
-                raise yaml.YAMLError(
-                    f"the key {key.value!r} is given twice (lines {line} and {key.start_mark.line + 1}), "
-                    "and YAML keeps the last alone, the first's content dropped; keep one (a file "
-                    "holds one table: two joined into one file read as the second alone)"
-                )
+        if not isinstance(key, yaml.ScalarNode):
+            continue
+        line, first = key.start_mark.line + 1, seen.get((key.tag, key.value))
+        seen[(key.tag, key.value)] = line
+        if first is not None:
+            where = f"lines {first} and {line}" if first != line else f"both on line {line}"
+            why = " (a file holds one table: two joined into one file read as the second alone)"
+            raise yaml.YAMLError(
+                f"the key {key.value!r} is given twice ({where if lines else 'in one mapping'}), and "
+                f"YAML keeps the last alone, the first's content dropped; keep one{why if top else ''}"
+            )
 
 
 # Where a block sequence of rows ends: the first line at column 0 that is not one of its items
@@ -197,7 +263,9 @@ def load_document(text: str, *, lazy: bool = False) -> Any:
     all of it by the YAML parser."""
     if text.lstrip().startswith("{"):
         try:
-            return json.loads(text)
+            return loads(text)
+        except RepeatedKey as exc:
+            raise yaml.YAMLError(str(exc)) from None
         except TOO_BIG:  # a YAML flow mapping that is not JSON (or JSON json will not read)
             pass
     data = _block_document(text, lazy)
@@ -207,11 +275,14 @@ def load_document(text: str, *, lazy: bool = False) -> Any:
 
 
 def decode_row_line(line: str) -> Any:
-    """One row line (without ``- ``): by ``json``, else by the YAML parser."""
+    """One row line (without ``- ``): by ``json``, else by the YAML parser; ``yaml.YAMLError`` for
+    a key a mapping of it repeats, in either."""
     try:
-        return json.loads(line)
+        return loads(line)
+    except RepeatedKey as exc:
+        raise yaml.YAMLError(str(exc)) from None
     except TOO_BIG:
-        return load_yaml_text(line)
+        return load_yaml_text(line, row=True)
 
 
 def split_table_text(text: str) -> tuple[dict[str, Any], list[str]] | None:
@@ -237,16 +308,31 @@ def parse_table_text(text: str) -> Any:
     if split is None:
         return load_document(text)
     data, lines = split
-    data["rows"] = decode_row_lines(lines)
+    data["rows"] = decode_row_lines(lines, first_line=rows_first_line(text))
     return data
 
 
-def decode_row_lines(lines: list[str]) -> list[Any]:
-    """Row lines (without ``- ``) by ``json`` in one call, else each by ``decode_row_line``."""
+def rows_first_line(text: str) -> int:
+    """The line number (from 1) of the first row line of ``text``, a file in the written form."""
+    return text.partition(f"\n{ROWS_LINE}\n")[0].count("\n") + 3
+
+
+def decode_row_lines(lines: list[str], *, first_line: int | None = None) -> list[Any]:
+    """Row lines (without ``- ``) by ``json`` in one call, else each by ``decode_row_line``;
+    ``yaml.YAMLError`` naming the row (``rows[i]``, and its line in the file where ``first_line``,
+    that of ``lines[0]``, is given) that does not read."""
     try:
-        return json.loads("[" + ",".join(lines) + "]")
-    except TOO_BIG:
-        return [decode_row_line(line) for line in lines]
+        return loads("[" + ",".join(lines) + "]")
+    except TOO_BIG:  # (``RepeatedKey`` too: the line that holds it is named below)
+        pass
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(decode_row_line(line))
+        except yaml.YAMLError as exc:
+            where = f"rows[{i}]" if first_line is None else f"rows[{i}] (line {first_line + i})"
+            raise yaml.YAMLError(f"{where}: {' '.join(str(exc).split())}") from None
+    return rows
 
 
 def lazy_table_data(text: str, source: str) -> Any:
