@@ -46,6 +46,7 @@ over them.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, TypeVar
 
 import torch
@@ -403,14 +404,11 @@ class ColumnParallelLinear(_ParallelLinear):
         is this rank's rows, all-gathered first (``all_gather_gemm``)."""
         checked, why_refused = refusal(lambda: self._operands(x))
         if why_refused is not None:  # (traced: raised when the graph runs)
-            return refused(why_refused, x, (*shape_of(x)[:-1], self.weight.shape[0]))
+            shape = self._out_shape(shape_of(x)) if shape_of(x) else (self.weight.shape[0],)
+            return refused(why_refused, x, shape)
         rows, weight, bias = checked
         w = weight.t()
-        n = weight.shape[0]
-        if self.sequence_parallel:  # the gathered rows: dim 0 times the world size
-            shape = (x.shape[0] * self.world_size, *x.shape[1:-1], n) if x.dim() > 1 else (self.world_size, n)
-        else:
-            shape = (*x.shape[:-1], n)
+        shape = self._out_shape(x.shape)
         if rows.shape[0] == 0:
             return self._empty_forward(rows, weight, bias, shape)
         if self.sequence_parallel:
@@ -429,6 +427,17 @@ class ColumnParallelLinear(_ParallelLinear):
                 y = rows @ w
         return _add_bias(y, bias, self.fp8 is not None).reshape(shape)
 
+    def _out_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The output's shape for an input of shape ``x_shape`` (at least 1-D): its leading dims
+        and this rank's columns, with sequence parallelism the gathered rows (dim 0 times the world
+        size)."""
+        n = self.weight.shape[0]
+        if not self.sequence_parallel:
+            return (*x_shape[:-1], n)
+        if len(x_shape) > 1:
+            return (x_shape[0] * self.world_size, *x_shape[1:-1], n)
+        return (self.world_size, n)
+
 
 class RowParallelLinear(_ParallelLinear):
     """Row-parallel ``nn.Linear`` (see the module docstring); the schedule is looked up per shape."""
@@ -442,7 +451,7 @@ class RowParallelLinear(_ParallelLinear):
         (``gemm_reduce_scatter``)."""
         checked, why_refused = refusal(lambda: self._operands(x))
         if why_refused is not None:  # (traced: raised when the graph runs)
-            return refused(why_refused, x, (*shape_of(x)[:-1], self.weight.shape[0]))
+            return refused(why_refused, x, self._refused_shape(shape_of(x)[:-1]))
         rows, weight, bias = checked
         lead = x.shape[:-1]
         if rows.shape[0] == 0:
@@ -468,3 +477,15 @@ class RowParallelLinear(_ParallelLinear):
         if len(lead) == 0 or lead[0] % world:
             return (-1, self.out_features)  # the shard of the flattened rows
         return (lead[0] // world, *lead[1:], self.out_features)
+
+    def _refused_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
+        """A refused call's output for an input of leading dims ``lead``: ``_out_shape``'s, with the
+        flat shard's rows counted; the unsharded shape where they do not divide by the world size
+        (which the call refuses) or the input is no tensor."""
+        shape = self._out_shape(torch.Size(lead))
+        if shape[0] != -1:
+            return shape
+        rows = math.prod(lead)
+        if len(lead) == 0 or rows % self.world_size:
+            return (*lead, self.out_features)
+        return (rows // self.world_size, self.out_features)

@@ -34,7 +34,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fo_kernels.errors import ArgumentError, GroupError, NotOverlappedWarning, ScaleError, ShapeError
+from fo_kernels import ops
+from fo_kernels.errors import (
+    ArgumentError,
+    FoTuneError,
+    GroupError,
+    NotOverlappedWarning,
+    ScaleError,
+    ShapeError,
+)
 from fo_kernels.execute import check_local
 from fo_kernels.fields import check_bool
 from fo_kernels.gemm import BOperand
@@ -195,8 +203,11 @@ def fused_all_gather_matmul(
     checked, why_refused = refusal(lambda: _gather_checks(A, Bs, gather_dim, group_name, return_A))
     if why_refused is not None:  # (traced: raised when the graph runs)
         like = (A, *_listed(Bs))
-        outs = [refused(why_refused, like, (*_lead(A), _columns(b, A))) for b in _listed(Bs)]
-        return (None if return_A is False else refused(why_refused, like, shape_of(A))), outs
+        d, world = _refused_dim(A, gather_dim), _refused_world(group_name)
+        rows = None if d == len(shape_of(A)) - 1 else d  # (a gather of the features: K grows, not M)
+        outs = [refused(why_refused, like, _times(_out_of(A, b), rows, world)) for b in _listed(Bs)]
+        a_full = None if return_A is False else refused(why_refused, like, _times(shape_of(A), d, world))
+        return a_full, outs
     d, name, world = checked
     why = _reference_why(A, Bs, d)
     if why is not None:
@@ -228,7 +239,8 @@ def fused_matmul_reduce_scatter(
     ReduceScatter (``gemm_reduce_scatter``). See the module docstring."""
     checked, why_refused = refusal(lambda: _scatter_checks(A, B, reduce_op, scatter_dim, group_name))
     if why_refused is not None:  # (traced: raised when the graph runs)
-        return refused(why_refused, (A, B), (*_lead(A), _columns(B, A)))
+        d, world = _refused_dim(A, scatter_dim), _refused_world(group_name)
+        return refused(why_refused, (A, B), _shard_of(_out_of(A, B), d, world))
     d, name, world = checked
     why = _reference_why(A, [B], d)
     if why is not None:
@@ -298,6 +310,45 @@ def _lead(a: object) -> tuple[int, ...]:
     """A refused call's output dims before its columns: ``a``'s leading ones (none where ``a`` is
     no tensor)."""
     return shape_of(a)[:-1]
+
+
+def _out_of(a: object, b: object) -> tuple[int, ...]:
+    """A refused call's product of ``a`` and ``b``, before its gather or scatter."""
+    return (*_lead(a), _columns(b, a))
+
+
+def _refused_dim(a: object, dim: object) -> int | None:
+    """A refused call's gather or scatter dim of ``a``, or None where ``a`` or the dim itself is
+    refused."""
+    if len(shape_of(a)) < 2:
+        return None
+    try:
+        return _dim(dim, len(shape_of(a)), "dim")  # type: ignore[arg-type]
+    except FoTuneError:
+        return None
+
+
+def _refused_world(group_name: object) -> int:
+    """A refused call's world size (a constant to Dynamo: ``ops.traced_world_size``); 1 where the
+    group itself is refused."""
+    if isinstance(group_name, dist.ProcessGroup):
+        group_name = group_name.group_name
+    return ops.traced_world_size(group_name) if isinstance(group_name, str) else 1
+
+
+def _times(shape: tuple[int, ...], d: int | None, world: int) -> tuple[int, ...]:
+    """A gather's ``shape``: dim ``d`` times ``world`` (as it is where ``d`` is None)."""
+    if d is None:
+        return shape
+    return (*shape[:d], shape[d] * world, *shape[d + 1 :])
+
+
+def _shard_of(shape: tuple[int, ...], d: int | None, world: int) -> tuple[int, ...]:
+    """A scatter's ``shape``: dim ``d`` divided by ``world`` (as it is where ``d`` is None or its
+    size does not divide, which the call refuses)."""
+    if d is None or shape[d] % world:
+        return shape
+    return (*shape[:d], shape[d] // world, *shape[d + 1 :])
 
 
 # ------------------------------------------------------------------------- torch's reference

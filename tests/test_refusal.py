@@ -400,3 +400,53 @@ def test_a_dtensor_operand_is_told_to_pass_its_local_tensor_and_where_the_styles
     moe = _raised(ffn_call, ffn_args)
     assert isinstance(dense, ShapeError) and "a.to_local()" in str(dense) and "styles" in str(dense)
     assert isinstance(moe, ShapeError) and "x.to_local()" in str(moe) and "styles" not in str(moe), moe
+
+
+def _traced_output_shapes(fn: Callable[..., object], args: tuple) -> list[tuple[int, ...]]:
+    """The shapes of the outputs of ``fn``'s graph as torch.compile(fullgraph=True) traces it; the
+    graph's run then raises the call's refusal."""
+    shapes: list[tuple[int, ...]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., object]:
+        (out,) = (node for node in gm.graph.nodes if node.op == "output")
+        nodes = torch.utils._pytree.tree_leaves(out.args[0])
+        shapes.extend(tuple(node.meta["example_value"].shape) for node in nodes)
+        return gm.forward
+
+    with pytest.raises(FoTuneError):
+        torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    torch._dynamo.reset()
+    return shapes
+
+
+def test_compiled_refused_outputs_have_the_eager_calls_shapes_on_two_ranks(one_rank, monkeypatch):
+    """A refused call's output has the shape its eager call gives on 2 ranks (the gathered or
+    scattered dim times or over 2), so code after it traces: one rank's group read as 2 ranks
+    through the world size a refused call reads (``ops.traced_world_size``, a layer's
+    ``world_size``)."""
+    from fo_kernels import ops
+
+    monkeypatch.setattr(ops, "traced_world_size", lambda name: 2)
+    a, bad_b = torch.randn(2, 4, 8), torch.randn(7, 6)  # bad_b: 7 rows, not A's 8 features
+    column = ColumnParallelLinear(8, 6, sequence_parallel=True)
+    row = RowParallelLinear(8, 6, sequence_parallel=True)
+    monkeypatch.setattr(column, "world_size", 2)
+    monkeypatch.setattr(row, "world_size", 2)
+    x7, x7_flat = torch.randn(4, 3, 7), torch.randn(3, 2, 7)  # 7 features of 8: refused
+    fp8_ab, list_scale = (
+        (a[0].to(FP8), torch.randn(8, 6).to(FP8)),
+        {"scale_a": [1.0], "scale_b": torch.tensor(1.0)},
+    )
+    cases = {
+        "fag dim 1": (lambda A, B: _gather(A, [B], 1), (a, bad_b), [(2, 8, 8), (2, 8, 6)]),
+        "fag features": (lambda A, B: _gather(A, [B], 2), (a, bad_b), [(2, 4, 16), (2, 4, 6)]),
+        "fmrs dim 1": (lambda A, B: _scatter(A, B, "sum", 1), (a, bad_b), [(2, 2, 6)]),
+        "fmrs features": (lambda A, B: _scatter(A, B, "sum", 2), (a, bad_b), [(2, 4, 3)]),
+        "ag: a list as a scale": (lambda A, B: all_gather_gemm(A, B, **list_scale), fp8_ab, [(8, 6)]),
+        "rs: a list as a scale": (lambda A, B: gemm_reduce_scatter(A, B, **list_scale), fp8_ab, [(2, 6)]),
+        "column layer": (column, (x7,), [(8, 3, 6)]),
+        "row layer": (row, (x7,), [(2, 3, 6)]),
+        "row layer, the flat shard": (row, (x7_flat,), [(3, 6)]),
+    }
+    for name, (fn, args, want) in cases.items():
+        assert _traced_output_shapes(fn, args) == want, name
