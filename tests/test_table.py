@@ -380,6 +380,19 @@ def test_lookup_refuses_table_for_other_gpu(roots: dict[str, Path]) -> None:
     assert str(path) in str(info.value)
 
 
+def test_lookup_says_where_a_table_of_another_world_size_belongs(roots: dict[str, Path]) -> None:
+    """A world-size-4 table copied to the world-size-2 table's path: the runtime's refusal says where
+    it belongs, as `fo-tune table validate` does (its own device key's folder, under its own name),
+    not only to tune another."""
+    fp4 = current_fingerprint("cpu", 4)
+    path = table_path(roots["env"], cpu_fp().device_key, "all_reduce", 2, "bfloat16")
+    save_table(ScheduleTable(fingerprint=fp4, **{**HEADER, "world_size": 4}, rows=[]), path)
+    home = roots["env"] / fp4.device_key / "all_reduce-w4-bfloat16.yaml"
+    with pytest.raises(TableError, match="is for world size 4") as info:
+        lookup_schedule("all_reduce", 64, 64, 32, dtype="bfloat16", world_size=2, device="cpu")
+    assert f"move it to {home}, and tune one for world size 2" in str(info.value), info.value
+
+
 def test_lookup_warns_on_version_drift(roots: dict[str, Path]) -> None:
     write(roots["env"], [exact_row()], cpu_fp(torch="0.0.1"))
     with pytest.warns(VersionDriftWarning, match=r"torch 0\.0\.1"):

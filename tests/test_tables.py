@@ -979,11 +979,11 @@ def test_a_table_under_another_tables_name_is_refused_as_the_runtime_refuses_it(
     fp4 = cpu_fp(4)
     row4 = dataclasses.replace(cpu_row(64), world_size=4)
     misplaced = write(table_path(tmp_path / "tables", w2, **HEADER), [row4], fp4, world_size=4)
+    home = table_path(tmp_path / "tables", fp4.device_key, "all_reduce", 4, "bfloat16")
     line = assert_one_line_error(runner.invoke(app, ["table", "lookup", "-s", "64x96x48", "-k", w2]))
-    assert str(misplaced) in line and "is for world size 4" in line, line
+    assert str(misplaced) in line and "is for world size 4" in line and f"move it to {home}" in line, line
     result = runner.invoke(app, ["table", "validate", str(misplaced)])
     assert result.exit_code == 2, result.output
-    home = table_path(tmp_path / "tables", fp4.device_key, "all_reduce", 4, "bfloat16")
     line = assert_one_line_error(result)
     assert "a table of all_reduce-w4-bfloat16's rows under another call's name" in line, line
     assert "(world size 4, the folder's 2)" in line and line.endswith(f"move it to {home}"), line
@@ -992,6 +992,7 @@ def test_a_table_under_another_tables_name_is_refused_as_the_runtime_refuses_it(
     write(misplaced, [scatter], collective="reduce_scatter")
     line = assert_one_line_error(runner.invoke(app, ["table", "lookup", "-s", "64x96x48", "-k", w2]))
     assert "holds reduce_scatter bfloat16 rows, expected all_reduce bfloat16" in line, line
+    assert line.endswith("rename it to reduce_scatter-w2-bfloat16.yaml"), line
     result = runner.invoke(app, ["table", "validate", str(misplaced)])
     assert result.exit_code == 2 and "rename it to reduce_scatter-w2-bfloat16.yaml" in result.stderr
     # a file of any other name is never read by lookup: still a note only

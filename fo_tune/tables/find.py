@@ -30,6 +30,7 @@ from fo_kernels.table import (
     table_search_path,
 )
 from fo_kernels.table.format import MOE_TABLE_KIND, TABLE_KIND, file_stamp
+from fo_kernels.table.paths import folder_refuses, where_it_belongs
 
 
 # ------------------------------------------------------------------------------------- find
@@ -120,13 +121,9 @@ def _folder_refuses(fp: Fingerprint, folder: str) -> str | None:
     """Why lookup on the device key ``folder`` refuses a table of fingerprint ``fp`` (another
     compute capability or world size, as the runtime refuses it), None where it takes it (or
     ``folder`` is no device key)."""
-    want, have = read_device_key(folder), read_device_key(fp.device_key)
-    if not want or not have:
-        return None
     whys = [
-        f"{what} {_spelled(have[field])}, the folder's {_spelled(want[field])}"
-        for field, what in (("compute_capability", "compute capability"), ("world_size", "world size"))
-        if want[field] != have[field]
+        f"{field.replace('_', ' ')} {_spelled(have)}, the folder's {_spelled(want)}"
+        for field, have, want in folder_refuses(fp.device_key, folder)
     ]
     return f"its fingerprint is device key {fp.device_key} ({'; '.join(whys)})" if whys else None
 
@@ -148,8 +145,7 @@ def placement(path: Path, fp: Fingerprint, name: str) -> tuple[str | None, str |
     if (folder, path.name) == (fp.device_key, name):
         return None, None
     refused = _folder_refuses(fp, folder)
-    home = path.absolute().parent.parent / fp.device_key / name if refused else path.with_name(name)
-    fix = f"move it to {home}" if refused else f"rename it to {name}"
+    fix = where_it_belongs(path, fp.device_key, name)
     if misnamed(path, name):
         also = f"; {refused}" if refused else ""
         return None, (

@@ -29,6 +29,7 @@ from fo_kernels.table import (
     save_table,
     table_filename,
 )
+from fo_kernels.table.paths import where_it_belongs
 from fo_kernels.table.spans import Span, SpanRows, put_row
 from fo_tune.tables.kinds import load_dense_table, paused_gc
 
@@ -167,7 +168,8 @@ def check_header(
     if header != (collective, world_size, dtype):
         own = table_filename(collective, world_size, dtype)
         if path.name == own:  # the file, not the rows, is under another table's name
-            fix = f"rename it to {table_filename(*header)} (lookup refuses it here), then {then}"
+            home = where_it_belongs(path, table.fingerprint.device_key, table_filename(*header))
+            fix = f"{home} (lookup refuses it here), then {then}"
         else:
             fix = f"merge them into their own table, {fingerprint.device_key}/{own}"
         raise TableError(

@@ -15,8 +15,8 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.moe.routing import MOE_DTYPES
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.schedule import COLLECTIVES
-from fo_kernels.table.format import MOE_TABLE_KIND, TABLE_KIND, empty_rows, not_a_mapping
-from fo_kernels.table.paths import check_name
+from fo_kernels.table.format import MOE_TABLE_KIND, TABLE_KIND, empty_rows, not_a_mapping, written_key
+from fo_kernels.table.paths import check_name, where_it_belongs
 
 MOE_TABLE_SCHEMA_VERSION = 1
 _TOP_KEYS = ("schema_version", "kind", "fingerprint", "world_size", "dtype", "rows")
@@ -61,8 +61,8 @@ def moe_header(data: Any, source: str) -> tuple[Fingerprint, int, str, list[Any]
     if data.get("kind") == TABLE_KIND and data.get("collective") in COLLECTIVES:  # under the MoE name
         name = f"{data.get('collective')}-w{data.get('world_size')}-{data.get('dtype')}.yaml"
         raise TableError(
-            f"{source}: a dense schedule table (kind {TABLE_KIND!r}), not an MoE table; rename it "
-            f"to {name}, the only name the dense lookup reads it under"
+            f"{source}: a dense schedule table (kind {TABLE_KIND!r}), not an MoE table, and the dense "
+            f"lookup reads it only as {name}; {where_it_belongs(source, written_key(data), name)}"
         )
     if data.get("kind") != MOE_TABLE_KIND or data.get("schema_version") != MOE_TABLE_SCHEMA_VERSION:
         raise TableError(

@@ -18,7 +18,7 @@ from fo_kernels.files import atomic_write
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import COLLECTIVES, DTYPES, Problem, Schedule
 from fo_kernels.table.index import ProblemKey, RowIndex, problem_key
-from fo_kernels.table.paths import TABLE_DIR_ENV, check_name
+from fo_kernels.table.paths import TABLE_DIR_ENV, check_name, table_filename, where_it_belongs
 from fo_kernels.table.text import dump_table_text, parse_table_text, unreadable
 
 TABLE_SCHEMA_VERSION = 2
@@ -160,6 +160,14 @@ class TableHeader:
 GIVE_A_TABLE = "give a schedule table file (the YAML `fo-tune search` writes)"
 
 
+def written_key(data: Mapping) -> str:
+    """The device key a table file's data says its fingerprint is ("" where it says none: the file
+    is then taken to sit where it belongs)."""
+    fingerprint = data.get("fingerprint")
+    key = fingerprint.get("device_key") if isinstance(fingerprint, Mapping) else None
+    return key if isinstance(key, str) else ""
+
+
 def not_a_mapping(data: Any, source: str) -> TableError:
     """The error for a table file whose top level is not a mapping (an empty file, a list)."""
     got = "an empty file" if data is None else f"a {type(data).__name__}"
@@ -188,8 +196,8 @@ def parse_header(data: Any, source: str) -> tuple[TableHeader, list[Any]]:
     if data.get("kind") == MOE_TABLE_KIND and data.get("dtype") in DTYPES:  # under a dense name
         name = f"moe-w{data.get('world_size')}-{data.get('dtype')}.yaml"
         raise TableError(
-            f"{source}: an MoE table (kind {MOE_TABLE_KIND!r}), not a dense schedule table; rename "
-            f"it to {name}, the only name the MoE lookup reads it under"
+            f"{source}: an MoE table (kind {MOE_TABLE_KIND!r}), not a dense schedule table, and the MoE "
+            f"lookup reads it only as {name}; {where_it_belongs(source, written_key(data), name)}"
         )
     version = data.get("schema_version")
     if version not in SUPPORTED_SCHEMA_VERSIONS or isinstance(version, bool):
@@ -385,14 +393,17 @@ def check_header_for(
     """Refuse a table whose header is not for a call of ``collective``, ``dtype`` and
     ``world_size`` (a file copied under another table's name): what ``lookup_schedule`` and
     ``fo-tune table lookup`` check of every file they read (``TableError`` naming ``source``)."""
+    name = table_filename(header.collective, header.world_size, header.dtype)
+    fix = where_it_belongs(source, header.fingerprint.device_key, name)
     if (header.collective, header.dtype) != (collective, dtype):
         raise TableError(
-            f"{source}: holds {header.collective} {header.dtype} rows, expected {collective} {dtype}"
+            f"{source}: holds {header.collective} {header.dtype} rows, expected {collective} {dtype}; "
+            f"lookup reads it for the calls its name says and refuses it; {fix}"
         )
     if header.world_size != world_size or header.fingerprint.world_size != world_size:
         raise TableError(
-            f"table {source} is for world size {header.world_size}, this job has {world_size}; "
-            f"tune one for world size {world_size} with `fo-tune search`"
+            f"table {source} is for world size {header.world_size}, this job has {world_size}; {fix}, "
+            f"and tune one for world size {world_size} with `fo-tune search`"
         )
 
 
@@ -400,16 +411,24 @@ def check_fingerprint(table: ScheduleTable | TableHeader, current: Fingerprint, 
     """Refuse a table for another compute capability or another world size; warn once where it was
     tuned on another device key (the same capability) and once on library version drift."""
     theirs = table.fingerprint
+    collective = getattr(table, "collective", None)  # (None: an MoE table)
+    name = (
+        f"moe-w{table.world_size}-{table.dtype}.yaml"
+        if collective is None
+        else table_filename(collective, table.world_size, table.dtype)
+    )
+    fix = where_it_belongs(source, theirs.device_key, name)
+    fix += ", and " if fix else ""  # (none where it sits where its fingerprint says it belongs)
     if theirs.compute_capability != current.compute_capability:
         raise TableError(
             f"table {source} is for compute capability {theirs.compute_capability} ({theirs.gpu_name}), "
-            f"this device is {current.compute_capability} ({current.gpu_name}); tune one for this GPU "
-            "with `fo-tune search`"
+            f"this device is {current.compute_capability} ({current.gpu_name}); {fix}tune one for this "
+            "GPU with `fo-tune search`"
         )
     if table.world_size != current.world_size or theirs.world_size != current.world_size:
         raise TableError(
             f"table {source} is for world size {table.world_size}, this job has {current.world_size}; "
-            f"tune one for world size {current.world_size} with `fo-tune search`"
+            f"{fix}tune one for world size {current.world_size} with `fo-tune search`"
         )
     if theirs.device_key != current.device_key:  # another GPU model, SM count or interconnect
         warnings.warn(

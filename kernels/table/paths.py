@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fo_kernels.errors import ScheduleError, ShapeError, TableDirWarning
+from fo_kernels.fingerprint import read_device_key
 from fo_kernels.schedule import COLLECTIVES, DTYPES, dtype_name
 
 TABLE_DIR_ENV = "FO_TUNE_TABLE_DIR"
@@ -51,6 +52,29 @@ def table_path(
 ) -> Path:
     """``<root>/<device_key>/<collective>-w<world_size>-<dtype>.yaml``."""
     return Path(root) / device_key / table_filename(collective, world_size, dtype)
+
+
+def folder_refuses(device_key: str, folder: str) -> list[tuple[str, str | int, str | int]]:
+    """Why lookup on the device key ``folder`` refuses a table whose fingerprint is ``device_key``:
+    (field, the table's value, the folder's) of each of compute capability and world size that
+    differ, as ``read_device_key`` spells them; none where they agree or either is no device key."""
+    want, have = read_device_key(folder), read_device_key(device_key)
+    if not want or not have:
+        return []
+    fields = ("compute_capability", "world_size")
+    return [(field, have[field], want[field]) for field in fields if want[field] != have[field]]
+
+
+def where_it_belongs(path: str | os.PathLike[str], device_key: str, name: str) -> str:
+    """What to do with the table file at ``path`` whose fingerprint is ``device_key`` and whose
+    header's file name is ``name``: "move it to <table folder>/<device_key>/<name>" where it sits in
+    the folder of a device key that lookup refuses it on (``folder_refuses``), else "rename it to
+    <name>"; "" where it sits there already. ``fo-tune table validate`` and every refusal of a
+    misnamed or misplaced table say it."""
+    here = Path(path).absolute().parent
+    if folder_refuses(device_key, here.name):
+        return f"move it to {here.parent / device_key / name}"
+    return "" if Path(path).name == name else f"rename it to {name}"
 
 
 def user_table_dir() -> Path:
