@@ -1041,6 +1041,29 @@ def test_list_shows_every_good_table_and_one_line_per_bad_file(runner: CliRunner
     assert result.exit_code == 0 and result.stderr == "", result.output
 
 
+def test_list_leaves_out_a_file_that_is_no_table_under_a_name_lookup_never_reads(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """Notes kept beside the tables (YAML that is no table, under a name lookup never reads): `table
+    list` lists the tables, says on stderr the file is left out, and exits 0 (it was an error, exit
+    1, for a file lookup skips); the same YAML under a table's name is still an error."""
+    key = cpu_fp().device_key
+    good = write(table_path(tmp_path / "tables", key, **HEADER), [cpu_row(64)])
+    notes = good.with_name("notes.yaml")
+    notes.write_text("hello: 1\n")
+    result = runner.invoke(app, ["table", "list"])
+    assert result.exit_code == 0 and key in result.stdout and "all_reduce" in result.stdout, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"note: {notes}: not listed, and lookup never reads it under this name"), line
+    assert "(not a table: no kind and no schema_version (its keys: hello))" in line, line
+    doc = json.loads(runner.invoke(app, ["table", "list", "--json"]).stdout)
+    assert [t["path"] for t in doc["tables"]] == [str(good)] and doc["problems"] == []
+    assert [n["path"] for n in doc["notes"]] == [str(notes)]
+    notes.rename(good.with_name("reduce_scatter-w2-bfloat16.yaml"))
+    result = runner.invoke(app, ["table", "list"])
+    assert result.exit_code == 1 and result.stderr.startswith("error: "), result.output
+
+
 def test_lookup_of_a_table_in_another_machines_folder_says_so_and_what_to_do(
     runner: CliRunner, tmp_path: Path
 ) -> None:

@@ -9,6 +9,7 @@ deployment) names the device keys that have tables and the ``-k`` that picks one
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -82,15 +83,17 @@ LIST_HELP = "\n\n".join(
         "in the order lookup reads them): per "
         "file its device key, collective (moe for the MoE table, moe-w<world>-<dtype>.yaml), world "
         "size, dtype, rows and folder. --device-key keeps "
-        "one device key's folder; --json prints them as JSON (tables, and problems: per bad file "
-        "its path, folder and error).",
+        "one device key's folder; --json prints them as JSON (tables; problems: per bad file "
+        "its path, folder and error; notes: per file left out, its path, folder and note).",
         "A file that does not read (not valid YAML, a bad row or header), or that lookup refuses "
         "where it sits (another GPU's table in this device key's folder, listed under its own key), "
         "is one line on stderr with its path, why and what to do; every other file is still listed. "
         "Lookup refuses every call of such a file's table until it is fixed or moved (`fo-tune "
-        "table validate PATH` says more).",
-        "Exit code 0 when every file is good (also when there is no table), 1 when some file is not, "
-        "2 for bad options.",
+        "table validate PATH` says more). A file that is no table under a name lookup never reads "
+        "(notes beside the tables: not <collective>-w<world>-<dtype>.yaml or "
+        "moe-w<world>-<dtype>.yaml) is left out with a note on stderr; lookup skips it too.",
+        "Exit code 0 when every file is good or left out (also when there is no table), 1 when some "
+        "file is not, 2 for bad options.",
     ]
 )
 
@@ -311,22 +314,32 @@ def _file_entry(path: Path, root: Path) -> tuple[dict[str, Any], Fingerprint]:
     return {**entry, "folder": str(root), "path": str(path)}, fp
 
 
-def table_files(device_key: str | None = None) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """What ``table list`` finds: per file that reads its path, folder, header and row count
+    (``files``); per file that does not read, or that lookup refuses where it sits (another GPU's
+    table in a device key's folder), its path, folder and why, in one line (``problems``); per file
+    that is no table under a name lookup never reads, its path, folder and a note (``notes``)."""
+
+    files: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[dict[str, str]] = field(default_factory=list)
+    notes: list[dict[str, str]] = field(default_factory=list)
+
+
+def table_files(device_key: str | None = None) -> Listing:
     """Every table file in the runtime's search path (``device_key``'s folder only, when given), in
-    the order lookup reads the folders: (per file that reads its path, folder, header and row
-    count; per file that does not read, or that lookup refuses where it sits (another GPU's table
-    in a device key's folder), its path, folder and why, in one line). One bad file never hides
-    the others: a fleet's folders gather files from many hosts."""
+    the order lookup reads the folders (``Listing``). One bad file never hides the others: a
+    fleet's folders gather files from many hosts."""
     from fo_kernels.errors import TableError, TableNotFoundError
-    from fo_tune.tables.find import check_machine, search_folders
+    from fo_tune.tables.find import check_machine, lookup_reads, search_folders
 
     def problem(path: Path, root: Path, exc: TableError) -> dict[str, str]:
         reason = one_line(exc)
         reason = reason if str(path) in reason else f"{path}: {reason}"
         return {"path": str(path), "folder": str(root), "error": reason}
 
-    files: list[dict[str, Any]] = []
-    problems: list[dict[str, str]] = []
+    found = Listing()
+    files, problems = found.files, found.problems
     for root in search_folders():
         if not root.is_dir():
             continue
@@ -338,14 +351,27 @@ def table_files(device_key: str | None = None) -> tuple[list[dict[str, Any]], li
             except TableNotFoundError:  # removed since the folder was read
                 continue
             except TableError as exc:
-                problems.append(problem(path, root, exc))
+                if lookup_reads(path):
+                    problems.append(problem(path, root, exc))
+                else:  # (notes beside the tables, say: lookup never reads the file)
+                    found.notes.append(_left_out(problem(path, root, exc)))
                 continue
             files.append(entry)
             try:
                 check_machine(path, fp, path.parent.name)
             except TableError as exc:
                 problems.append(problem(path, root, exc))
-    return files, problems
+    return found
+
+
+def _left_out(problem: dict[str, str]) -> dict[str, str]:
+    """The note of a file that is no table under a name lookup never reads (``problem``: why it
+    does not read as a table)."""
+    from fo_kernels.table.format import GIVE_A_TABLE
+
+    why = problem["error"].removeprefix(f"{problem['path']}: ").removesuffix(f"; {GIVE_A_TABLE}")
+    note = f"{problem['path']}: not listed, and lookup never reads it under this name ({why})"
+    return {"path": problem["path"], "folder": problem["folder"], "note": note}
 
 
 @handle_errors
@@ -353,12 +379,16 @@ def table_files(device_key: str | None = None) -> tuple[list[dict[str, Any]], li
 def list_tables(device_key: ListDeviceKeyOpt = None, json_out: ListJsonOpt = False) -> None:
     """``fo-tune table list`` (its help: ``LIST_HELP``)."""
     check_device_key(device_key)
-    files, problems = table_files(device_key)
+    found = table_files(device_key)
+    files, problems = found.files, found.problems
     if json_out:
-        typer.echo(json_text({"kind": "fo-tune-table-list", "tables": files, "problems": problems}))
+        doc = {"kind": "fo-tune-table-list", "tables": files, "problems": problems, "notes": found.notes}
+        typer.echo(json_text(doc))
     elif files or not problems:  # (with bad files only, their lines below say what is there)
         _print_list(files, device_key)
-    for bad in problems:  # one line each, after the list (stdout and stderr may share a terminal)
+    for left in found.notes:  # one line each, after the list (stdout and stderr may share a terminal)
+        err_console.print(f"note: {left['note']}", markup=False)
+    for bad in problems:
         err_console.print(f"error: {bad['error']}", markup=False)
     if problems:
         raise typer.Exit(EXIT_FAILED)

@@ -92,11 +92,16 @@ _KINDS = "|".join((*COLLECTIVES, MOE_TABLE_PREFIX))
 _LOOKUP_NAME = re.compile(rf"({_KINDS})-w[0-9]+-({'|'.join(DTYPES)})\.yaml")
 
 
+def lookup_reads(path: Path) -> bool:
+    """Whether lookup reads a file of ``path``'s name: a dense call's table or the MoE table's."""
+    return _LOOKUP_NAME.fullmatch(path.name) is not None
+
+
 def misnamed(path: Path, name: str) -> bool:
     """Whether the table at ``path``, whose header belongs under the file name ``name``, sits under
     a name lookup reads for other calls (another collective, world size or dtype): lookup then
     reads it for those calls and refuses it, naming the file."""
-    return path.name != name and _LOOKUP_NAME.fullmatch(path.name) is not None
+    return path.name != name and lookup_reads(path)
 
 
 def _what_is_misnamed(path: Path, name: str) -> str:
