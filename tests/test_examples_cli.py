@@ -1,7 +1,8 @@
 """The examples' command lines: ``--help`` describes each in a whole sentence, and ``--backend nccl``
-on a machine with fewer GPUs than ranks is one usage error (exit 2) before any rank starts (under
-torchrun: on each rank, before it joins the group), not a traceback from every spawned rank. Fast:
-nothing here spawns a rank."""
+on a machine with fewer GPUs than ranks is one usage error (exit 2) before the example imports its
+client library (transformers, torchtitan) and before any rank starts (under torchrun: on each rank,
+before it joins the group), not a traceback from every spawned rank. Fast: nothing here spawns a
+rank."""
 
 from __future__ import annotations
 
