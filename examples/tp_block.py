@@ -173,19 +173,27 @@ def main(argv: list[str] | None = None) -> int:
         "--backend", choices=["nccl", "gloo"], help="default: nccl with a GPU per rank, else gloo"
     )
     args = parser.parse_args(argv)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
+    if not under_torchrun and world < 1:
+        parser.error("--world-size must be >= 1")
+    # the backend before the imports of the client library: a usage error, at once
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = args.backend or ("nccl" if gpus >= world else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) if under_torchrun else 0
+    if backend == "nccl" and under_torchrun and local >= gpus:
+        parser.error(f"--backend nccl needs a GPU per rank; local rank {local} has none: use --backend gloo")
+    if backend == "nccl" and not under_torchrun and gpus < world:
+        parser.error(
+            f"--backend nccl needs a GPU per rank ({world} ranks, {gpus} visible): use --backend gloo"
+        )
     try:
         import transformers  # noqa: F401
     except ImportError:
         print("this example needs transformers: pip install transformers", file=sys.stderr)
         return 2
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-        backend = args.backend or ("nccl" if torch.cuda.device_count() >= world else "gloo")
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        if backend == "nccl" and local >= torch.cuda.device_count():
-            parser.error(
-                f"--backend nccl needs a GPU per rank; local rank {local} has none: use --backend gloo"
-            )
+    if under_torchrun:
+        rank = int(os.environ["RANK"])
         os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
         results: dict[str, float] = {}
         if backend == "nccl":
@@ -193,15 +201,6 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group(backend)
         rank_main(rank, world, backend, "", results)
         return 0 if all(err <= TOLERANCE for err in results.values()) else 1
-    world = args.world_size
-    if world < 1:
-        parser.error("--world-size must be >= 1")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = args.backend or ("nccl" if gpus >= world else "gloo")
-    if backend == "nccl" and gpus < world:
-        parser.error(
-            f"--backend nccl needs a GPU per rank ({world} ranks, {gpus} visible): use --backend gloo"
-        )
     # Triton's interpreter on the CPU; set before the ranks import fo_kernels (they inherit it)
     os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off

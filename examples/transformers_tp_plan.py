@@ -230,6 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     if world < MIN_WORLD:  # before the imports and any rank: a usage error, at once
         which = f"torchrun's {world} rank" if under_torchrun else f"--world-size {world}"
         parser.error(f"{which}: {TOO_FEW}")
+    # the backend before the imports of the client library: a usage error, at once
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = args.backend or ("nccl" if gpus >= world else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) if under_torchrun else 0
+    if backend == "nccl" and under_torchrun and local >= gpus:
+        parser.error(f"--backend nccl needs a GPU per rank; local rank {local} has none: use --backend gloo")
+    if backend == "nccl" and not under_torchrun and gpus < world:
+        parser.error(
+            f"--backend nccl needs a GPU per rank ({world} ranks, {gpus} visible): use --backend gloo"
+        )
     try:
         import accelerate  # noqa: F401
         import transformers  # noqa: F401
@@ -239,16 +249,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with tempfile.TemporaryDirectory() as tmp:
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: every rank saves its own copy
-            world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-            backend = args.backend or ("nccl" if gpus >= world else "gloo")
-            local = int(os.environ.get("LOCAL_RANK", rank))
-            if backend == "nccl" and local >= torch.cuda.device_count():
-                parser.error(
-                    f"--backend nccl needs a GPU per rank; local rank {local} has none: use --backend gloo"
-                )
+        if under_torchrun:  # every rank saves its own copy
+            rank = int(os.environ["RANK"])
             os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
             save_tiny_llama(tmp, world)
             if backend == "nccl":
@@ -257,11 +260,6 @@ def main(argv: list[str] | None = None) -> int:
             results: dict[str, float] = {}
             rank_main(rank, world, backend, "", tmp, results)
             return 0 if all(err <= TOLERANCE for err in results.values()) else 1
-        backend = args.backend or ("nccl" if gpus >= world else "gloo")
-        if backend == "nccl" and gpus < world:
-            parser.error(
-                f"--backend nccl needs a GPU per rank ({world} ranks, {gpus} visible): use --backend gloo"
-            )
         # Triton's interpreter on the CPU; set before the ranks import fo_kernels (they inherit it)
         os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off

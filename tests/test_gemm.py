@@ -381,22 +381,35 @@ def _rows_gemm_check(dtype_name: str, kmajor: bool) -> None:
     assert torch.equal(dst, copy)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kmajor", [False, True])
-def test_rows_gemm_signals_accumulates_and_copies(dtype, kmajor):
-    """``_rows_gemm_check`` in a Python process of its own, under the interpreter. Run inside the
-    test process, these launches left its memory corrupted: fresh-clone CI died with a segfault in
+# (dtype, B is a weight's transpose) of ``_rows_gemm_check``: both dtypes, both B layouts
+ROWS_GEMM_CASES = [(dtype, kmajor) for dtype in ("float32", "bfloat16") for kmajor in (False, True)]
+
+
+def test_rows_gemm_signals_accumulates_and_copies():
+    """``_rows_gemm_check`` for each of ``ROWS_GEMM_CASES``, in one Python process of its own (its
+    import of torch and Triton is most of the time), under the interpreter. Run inside the test
+    process, these launches left its memory corrupted: fresh-clone CI died with a segfault in
     Python's garbage collector a few test files later (seen in three CI runs; the root cause, in the
-    interpreter, was not found). Run apart, a corruption here fails this test or nothing."""
+    interpreter, was not found). Run apart, a corruption here fails this test or nothing. Each case
+    runs even when an earlier one fails; the process prints one line per case."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    code = f"import test_gemm; test_gemm._rows_gemm_check({dtype!r}, {kmajor!r}); print('ok')"
+    code = (
+        "import test_gemm\n"
+        f"for dtype, kmajor in {ROWS_GEMM_CASES!r}:\n"
+        "    try:\n"
+        "        test_gemm._rows_gemm_check(dtype, kmajor)\n"
+        "        print(dtype, kmajor, 'ok')\n"
+        "    except Exception as exc:\n"
+        "        print(dtype, kmajor, repr(exc))\n"
+    )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=300
     )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+    want = [f"{dtype} {kmajor} ok" for dtype, kmajor in ROWS_GEMM_CASES]
+    assert done.returncode == 0 and done.stdout.splitlines() == want, done.stdout + done.stderr

@@ -501,7 +501,7 @@ def test_an_m_range_at_world_size_3_tunes_multiples_of_3(tmp_path):
 def test_time_budget_stops_early(tmp_path):
     t0 = time.monotonic()
     r = search(
-        "--shape", "8192x8192x8192", "--trials", "100000", "--time-budget", "2", "--out", str(tmp_path)
+        "--shape", "8192x8192x8192", "--trials", "100000", "--time-budget", "1", "--out", str(tmp_path)
     )
     assert r.exit_code == 0, r.output
     assert time.monotonic() - t0 < 30
@@ -718,9 +718,9 @@ def test_measure_mode_end_to_end_on_gloo(tmp_path, monkeypatch):
         "--trials",
         "4",
         "--reps",
-        "2",
+        "1",
         "--confirm-rounds",
-        "2",
+        "1",
         "-c",
         "all_reduce,reduce_scatter",
         "--out",
@@ -755,7 +755,7 @@ def test_measure_mode_all_gather_on_gloo(tmp_path, monkeypatch):
     out = tmp_path / "o"
     r = search(
         "--mode", "measure", "--shape", "256x64x32", "-c", "all_gather", "--world-size", "2",
-        "--backend", "gloo", "--trials", "3", "--reps", "2", "--confirm-rounds", "2", "--dtype", "float32",
+        "--backend", "gloo", "--trials", "3", "--reps", "1", "--confirm-rounds", "1", "--dtype", "float32",
         "--out", str(out),
     )  # fmt: skip
     assert r.exit_code == 0, r.output
@@ -811,7 +811,7 @@ def test_sigkill_then_rerun_loses_no_completed_trial(tmp_path):
         "--reps",
         "2",
         "--confirm-rounds",
-        "2",
+        "1",
         "--storage",
         f"sqlite:///{db}",
         "--table-dir",
@@ -877,9 +877,9 @@ def test_hybrid_measures_only_the_models_top_k(tmp_path, cpu_calibration):
         "--top-k",
         "2",
         "--reps",
-        "2",
+        "1",
         "--confirm-rounds",
-        "2",
+        "1",
         "--out",
         str(out),
     )
@@ -909,7 +909,7 @@ def test_hybrid_all_gather_on_gloo(tmp_path):
     r = search(
         "--mode", "hybrid", "--calibration", str(cal / "calibration.yaml"), "--shape", "256x64x32",
         "-c", "all_gather", "--dtype", "float32", "--world-size", "2", "--backend", "gloo", "--top-k", "2",
-        "--reps", "2", "--confirm-rounds", "2", "--out", str(out),
+        "--reps", "1", "--confirm-rounds", "1", "--out", str(out),
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     report = run_report(out / "report" / "all_gather-w2-float32-hybrid")
@@ -974,9 +974,9 @@ def test_three_ranks_search_and_bench(tmp_path):
         "--trials",
         "3",
         "--reps",
-        "2",
+        "1",
         "--confirm-rounds",
-        "2",
+        "1",
         "-c",
         "reduce_scatter",
         "--dtype",
@@ -1001,7 +1001,7 @@ def test_three_ranks_search_and_bench(tmp_path):
             "--shape",
             "96x64x48",
             "--reps",
-            "2",
+            "1",
             "--out",
             str(tmp_path / "bench"),
         ],
