@@ -708,6 +708,19 @@ def test_search_moe_suite_with_a_zero_size_names_the_file_and_model(runner, tmp_
     )
 
 
+def test_search_moe_suite_with_top_k_above_its_experts_names_the_file_and_model(
+    runner, tmp_path, monkeypatch
+):
+    """A suite model of top_k 7 over 6 experts was refused as "--experts 24,40,3,7: ... give k <= 6,
+    or E_local >= 4", naming an option and a size the suite's user never gave."""
+    isolate_tables(monkeypatch, tmp_path)
+    suite = tmp_path / "experts.yaml"
+    suite.write_text("models:\n  - {hidden: 24, intermediate: 40, experts: 6, top_k: 7}\n")
+    line = assert_one_line_error(runner.invoke(app, ["search", "-c", "moe", "--shapes", str(suite)]))
+    assert f"{suite}: models[0]: top_k 7 is above its 6 experts" in line, line
+    assert "--experts" not in line, line
+
+
 @pytest.mark.parametrize("size, shown", [("64.7", "64.7"), ("'64'", "'64'"), ("true", "True")])
 def test_search_moe_suite_size_that_is_not_a_whole_number_is_refused(
     runner, tmp_path, monkeypatch, size, shown

@@ -130,6 +130,11 @@ def experts_from_suite(path: Path, world_size: int) -> list[ExpertsShape]:
                 f"{path}: models[{i}]: hidden, intermediate, experts and top_k must be >= 1, got "
                 f"{h}, {inter}, {e}, {k}"
             )
+        if k > e:  # (checked here: the shape's own check names --experts and E_local, not the file)
+            raise MoeSearchError(
+                f"{path}: models[{i}]: top_k {k} is above its {e} experts, and a token picks top_k "
+                f"distinct experts; give top_k <= {e}"
+            )
         counts.append(e)
         if e % world_size == 0:
             out.append(ExpertsShape(hidden=h, intermediate=inter, experts=e // world_size, top_k=k))
