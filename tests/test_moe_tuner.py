@@ -721,6 +721,15 @@ def test_search_moe_suite_with_top_k_above_its_experts_names_the_file_and_model(
     assert "--experts" not in line, line
 
 
+def test_search_moe_suite_entry_with_an_unknown_key_is_refused(runner, tmp_path, monkeypatch):
+    """A misspelt key beside the four sizes (top_K: 4 under top_k: 2) was planned as if absent."""
+    isolate_tables(monkeypatch, tmp_path)
+    suite = tmp_path / "experts.yaml"
+    suite.write_text("models:\n  - {name: m, hidden: 24, intermediate: 40, experts: 6, top_k: 2, top_K: 4}\n")
+    line = assert_one_line_error(runner.invoke(app, ["search", "-c", "moe", "--shapes", str(suite)]))
+    assert f"{suite}: models[0]: unknown key(s) top_K" in line, line
+
+
 @pytest.mark.parametrize("size, shown", [("64.7", "64.7"), ("'64'", "'64'"), ("true", "True")])
 def test_search_moe_suite_size_that_is_not_a_whole_number_is_refused(
     runner, tmp_path, monkeypatch, size, shown

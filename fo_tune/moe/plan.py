@@ -92,8 +92,10 @@ class ExpertsShape:
         )
 
 
-# An MoE suite model's sizes (suites/moe/experts.yaml), in ExpertsShape's order.
+# An MoE suite model's sizes (suites/moe/experts.yaml), in ExpertsShape's order, and the keys an
+# entry may hold (its name besides; the bench scripts read the same entries).
 _SUITE_SIZES = ("hidden", "intermediate", "experts", "top_k")
+_SUITE_KEYS = ("name", *_SUITE_SIZES)
 
 
 def check_moe_dtype(dtype: str) -> None:
@@ -118,6 +120,12 @@ def experts_from_suite(path: Path, world_size: int) -> list[ExpertsShape]:
             h, inter, e, k = (m[key] for key in _SUITE_SIZES)
         except (KeyError, TypeError):
             raise MoeSearchError(f"{path}: models[{i}]: needs hidden, intermediate, experts, top_k") from None
+        unknown = [str(key) for key in m if key not in _SUITE_KEYS]
+        if unknown:  # (a misspelt optional key would otherwise pass unread)
+            raise MoeSearchError(
+                f"{path}: models[{i}]: unknown key(s) {', '.join(unknown)}; an entry holds "
+                f"{', '.join(_SUITE_KEYS)}"
+            )
         wrong = [
             f"{key} {v!r}"
             for key, v in zip(_SUITE_SIZES, (h, inter, e, k), strict=True)
