@@ -60,6 +60,27 @@ def one_rank(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def quiet_one_rank(tmp_path, monkeypatch):
+    """``one_rank`` for calls that look up tables and may be compiled: no user table anywhere
+    (``FO_TUNE_TABLE_DIR`` and ``XDG_DATA_HOME`` under ``tmp_path``), no warnings kept (heuristic
+    schedules, torch's paths), Dynamo reset after."""
+    import warnings
+
+    import torch.distributed as dist
+
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def h200():
     """The packaged H200 x2 calibration (``cli_checks.H200_KEY``, world size 2)."""

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import random
-import tempfile
-import warnings
 
 import pytest
 import torch
@@ -163,20 +161,7 @@ def test_ranks_that_disagree_raise_alike():
 
 
 # ----------------------------------------------------------------------------- one process
-@pytest.fixture
-def one_rank():
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                yield
-        finally:
-            torch._dynamo.reset()
-            dist.destroy_process_group()
-
-
-def test_op_schema_fake_and_autograd_registration(one_rank):
+def test_op_schema_fake_and_autograd_registration(quiet_one_rank):
     """torch.library's own check of both ops (schema, fake against real, autograd registration)."""
     x = torch.randn(5, 8, requires_grad=True)
     ids = torch.tensor([[0, 1], [1, 1], [0, 0], [1, 0], [0, 1]])
@@ -196,7 +181,7 @@ def test_op_schema_fake_and_autograd_registration(one_rank):
     assert set(result.values()) == {"SUCCESS"}, result
 
 
-def test_compiled_with_routing_inside_matches_eager(one_rank):
+def test_compiled_with_routing_inside_matches_eager(quiet_one_rank):
     """torch.compile(fullgraph=True) of a router + the op (dynamic token count): the op is one
     node, and compiled equals eager, forward and backward; the schedule goes in as its text."""
     gen = torch.Generator().manual_seed(3)
@@ -231,7 +216,7 @@ def test_compiled_with_routing_inside_matches_eager(one_rank):
     assert graphs and all([n.target for n in gm.graph.nodes].count(op) == 1 for gm in graphs), graphs
 
 
-def test_compiled_call_whose_output_is_unused_still_runs(one_rank, monkeypatch):
+def test_compiled_call_whose_output_is_unused_still_runs(quiet_one_rank, monkeypatch):
     """Every rank must enter the op's collectives: a compiled call whose output nothing reads
     (inductor's view of a rank with no tokens, whose output has no element) still runs, forward
     and backward, rather than being dropped as dead code while the other ranks wait in it."""
@@ -254,7 +239,7 @@ def test_compiled_call_whose_output_is_unused_still_runs(one_rank, monkeypatch):
         assert torch.fx.Node(torch.fx.Graph(), "n", "call_function", op.default, (), {}).is_impure()
 
 
-def test_compiled_bad_input_raises_the_ops_value_errors(one_rank):
+def test_compiled_bad_input_raises_the_ops_value_errors(quiet_one_rank):
     """Under torch.compile(fullgraph=True), bad input raises the eager call's ShapeError (a
     ValueError), not the RuntimeError Dynamo makes of an exception in fake propagation; a good
     call then runs."""
@@ -297,7 +282,7 @@ def test_compiled_bad_input_raises_the_ops_value_errors(one_rank):
     torch.testing.assert_close(compiled(x, ids, w, w13, w2), want)
 
 
-def test_world_size_one_duplicates_and_direct_call(one_rank):
+def test_world_size_one_duplicates_and_direct_call(quiet_one_rank):
     """At world size 1 nothing moves; a token naming one expert twice counts twice; a call without
     gradients skips the dispatcher and equals the op's; int32 ids are taken; meta tensors are
     refused."""
@@ -329,7 +314,7 @@ def test_world_size_one_duplicates_and_direct_call(one_rank):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize(("tokens", "top_k"), [(1, 1), (0, 2)])
-def test_backward_of_an_odd_width_with_one_row_or_none(one_rank, dtype, tokens, top_k):
+def test_backward_of_an_odd_width_with_one_row_or_none(quiet_one_rank, dtype, tokens, top_k):
     """An odd H in a 2-byte dtype puts the float32 routing weight of a row sent back at a byte
     offset that is not a multiple of 4: a call of one row (T = 1, k = 1) or none still unpacks it
     (gradients within the dtype's tolerance of the float64 reference)."""
@@ -350,7 +335,7 @@ def test_backward_of_an_odd_width_with_one_row_or_none(one_rank, dtype, tokens, 
         assert rel_err(g.grad, r.grad) < TOL[dtype]
 
 
-def test_gradcheck_in_float64(one_rank):
+def test_gradcheck_in_float64(quiet_one_rank):
     """Every gradient (x, topk_weights, w13, w2) against finite differences, in float64 (which the
     no-overlap path takes, for references like this one); a token naming one expert twice."""
     gen = torch.Generator().manual_seed(8)
@@ -362,7 +347,7 @@ def test_gradcheck_in_float64(one_rank):
     assert torch.autograd.gradcheck(lambda x, w, w13, w2: expert_parallel_ffn(x, ids, w, w13, w2), leaves)
 
 
-def test_autocast_casts_x_and_the_experts_as_f_linear(one_rank):
+def test_autocast_casts_x_and_the_experts_as_f_linear(quiet_one_rank):
     """Inside torch.autocast the op takes x, w13 and w2 in its dtype, as F.linear takes its
     operands (mixed float32 and bfloat16 operands included), eager and compiled: the output in that
     dtype, equal to a call with the operands cast by hand; the float32 leaves get float32 gradients."""
@@ -384,7 +369,7 @@ def test_autocast_casts_x_and_the_experts_as_f_linear(one_rank):
     assert [t.grad.dtype for t in leaves] == [torch.float32] * 4
 
 
-def test_double_backward_raises_a_clear_error(one_rank):
+def test_double_backward_raises_a_clear_error(quiet_one_rank):
     """Gradients taken with create_graph=True are the plain backward's; a backward through them
     raises DoubleBackwardError (a NotImplementedError) naming the limitation, not torch's error of
     an op without an autograd formula."""
@@ -465,7 +450,7 @@ class _Mlp(torch.nn.Module):
         return self.w2(self.act_fn(self.w1(x)) * self.w3(x))
 
 
-def test_module_from_both_hf_layouts_matches_the_block(one_rank):
+def test_module_from_both_hf_layouts_matches_the_block(quiet_one_rank):
     """``ExpertParallelExperts.from_experts`` of transformers' fused block (and its transposed and
     interleaved variants) and of a ModuleList of MLPs computes what the block computes, its
     weight gradients are the block's, and its weights train where the block's do."""
@@ -511,7 +496,7 @@ def test_module_from_both_hf_layouts_matches_the_block(one_rank):
     assert (frozen.w13.requires_grad, frozen.w2.requires_grad) == (False, False)
 
 
-def test_module_loads_a_state_dict_of_the_block_it_was_built_from(one_rank):
+def test_module_loads_a_state_dict_of_the_block_it_was_built_from(quiet_one_rank):
     """A state_dict of the experts block (a Hugging Face checkpoint's keys: fused, transposed,
     interleaved, or per-expert Linears) loads into the module built from such a block as the
     module built from the checkpoint's block; its own state_dict round-trips; a block of another
@@ -575,7 +560,7 @@ def test_module_loads_a_state_dict_of_the_block_it_was_built_from(one_rank):
         (dict(schedule="auto"), "ScheduleError", "schedule: expected a fo_kernels.MoeSchedule or None"),
     ],
 )
-def test_module_refuses_bad_arguments_on_construction(one_rank, change, error, match):
+def test_module_refuses_bad_arguments_on_construction(quiet_one_rank, change, error, match):
     """What the op would refuse at the first call (or never check: num_experts) is refused when
     the module is made, naming the argument."""
     import fo_kernels
@@ -590,7 +575,7 @@ def test_module_refuses_bad_arguments_on_construction(one_rank, change, error, m
     "ids_shape, weights_shape",
     [((2, 1), (2, 1)), ((8, 1), (8, 1)), ((4, 2), (4, 1)), ((3, 2, 1), (3, 2, 1))],
 )
-def test_module_forward_refuses_a_routing_of_other_tokens(one_rank, ids_shape, weights_shape):
+def test_module_forward_refuses_a_routing_of_other_tokens(quiet_one_rank, ids_shape, weights_shape):
     """top_k_index / top_k_weights that do not route hidden_states' tokens (another number of
     rows, shapes that differ) raise a ShapeError naming them, not a reshape's RuntimeError; leading
     dims that hold the same tokens are taken."""
@@ -605,7 +590,7 @@ def test_module_forward_refuses_a_routing_of_other_tokens(one_rank, ids_shape, w
     assert ep(x.view(2, 2, 8), ids, w).shape == (2, 2, 8)
 
 
-def test_module_takes_experts_whose_silu_works_in_place(one_rank):
+def test_module_takes_experts_whose_silu_works_in_place(quiet_one_rank):
     """An expert MLP's ``nn.SiLU(inplace=True)`` is a SiLU: the module is built, and computes what
     the experts compute."""
     from fo_kernels import ExpertParallelExperts
@@ -617,7 +602,7 @@ def test_module_takes_experts_whose_silu_works_in_place(one_rank):
     torch.testing.assert_close(ExpertParallelExperts.from_experts(mlps)(x, ids, w), want)
 
 
-def test_module_refuses_what_the_op_does_not_compute(one_rank):
+def test_module_refuses_what_the_op_does_not_compute(quiet_one_rank):
     pytest.importorskip("transformers")
     from fo_kernels import ExpertParallelExperts, PlanError, parallelize_experts
 
@@ -727,7 +712,7 @@ def _mlps(*inters: int, weightless: bool = False) -> torch.nn.ModuleList:
         ),
     ],
 )
-def test_module_refuses_malformed_blocks_naming_them(one_rank, build, error, match):
+def test_module_refuses_malformed_blocks_naming_them(quiet_one_rank, build, error, match):
     """A block that is no module, fused weights that are not 3-dim, expert MLPs of different shapes
     or without weights, and weights of two dtypes raise a ValueError naming what is wrong (not an
     AttributeError, an IndexError, torch.stack's RuntimeError or a message about an x never given)."""
@@ -738,7 +723,7 @@ def test_module_refuses_malformed_blocks_naming_them(one_rank, build, error, mat
         ExpertParallelExperts.from_experts(build())
 
 
-def test_module_refuses_a_malformed_checkpoint_and_a_second_sharding(one_rank):
+def test_module_refuses_a_malformed_checkpoint_and_a_second_sharding(quiet_one_rank):
     """A checkpoint whose gate_up_proj is not 3-dim raises PlanError (not an IndexError); a model
     whose experts are sharded already, sharded again, raises AlreadyParallelizedError naming the
     block, as does from_experts of a shard; a model that is no module raises PlanError."""
@@ -762,7 +747,7 @@ def test_module_refuses_a_malformed_checkpoint_and_a_second_sharding(one_rank):
         parallelize_experts(None)
 
 
-def test_module_from_a_whole_moe_block_says_to_pass_its_experts(one_rank):
+def test_module_from_a_whole_moe_block_says_to_pass_its_experts(quiet_one_rank):
     """from_experts of the sparse MoE block (router and experts) rather than its experts block
     says to pass ``block.experts`` or to call parallelize_experts on the block."""
     from fo_kernels import ExpertParallelExperts, PlanError

@@ -8,7 +8,6 @@ Dynamo's trace, not a backend's)."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import pytest
@@ -45,22 +44,6 @@ FP8 = torch.float8_e4m3fn
 DENSE_OPS = {"ar": gemm_all_reduce, "rs": gemm_reduce_scatter, "ag": all_gather_gemm}
 # A case: (the call, its arguments), made once the one-rank group exists (DTensors, styles).
 Build = Callable[[], tuple[Callable[..., object], tuple]]
-
-
-@pytest.fixture
-def one_rank(tmp_path, monkeypatch):
-    """One gloo rank in this process, no table anywhere, no warnings kept (heuristic schedules,
-    torch's paths), Dynamo reset after."""
-    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        torch._dynamo.reset()
-        dist.destroy_process_group()
 
 
 def _mesh():
@@ -357,7 +340,7 @@ def _raised(fn: Callable[..., object], args: tuple) -> BaseException | None:
 @pytest.mark.parametrize(
     ("name", "dynamic"), [(name, False) for name in CASES] + [(name, True) for name in DYNAMIC]
 )
-def test_compiled_bad_arguments_raise_the_eager_calls_error(one_rank, name, dynamic):
+def test_compiled_bad_arguments_raise_the_eager_calls_error(quiet_one_rank, name, dynamic):
     """The eager call raises the case's error; compiled (fullgraph), the same type and message."""
     build, error = CASES[name]
     fn, args = build()
@@ -391,7 +374,7 @@ def test_compiled_calls_before_init_process_group_raise_the_eager_calls_error():
         torch._dynamo.reset()
 
 
-def test_a_dtensor_operand_is_told_to_pass_its_local_tensor_and_where_the_styles_fit(one_rank):
+def test_a_dtensor_operand_is_told_to_pass_its_local_tensor_and_where_the_styles_fit(quiet_one_rank):
     """A DTensor operand's message names ``.to_local()``; fo_kernels.parallel's styles only where
     they are a way in (the dense ops, the fused ops, the layers), not for the MoE FFN's operands."""
     a, b = _ab()
@@ -419,7 +402,7 @@ def _traced_output_shapes(fn: Callable[..., object], args: tuple) -> list[tuple[
     return shapes
 
 
-def test_compiled_refused_outputs_have_the_eager_calls_shapes_on_two_ranks(one_rank, monkeypatch):
+def test_compiled_refused_outputs_have_the_eager_calls_shapes_on_two_ranks(quiet_one_rank, monkeypatch):
     """A refused call's output has the shape its eager call gives on 2 ranks (the gathered or
     scattered dim times or over 2), so code after it traces: one rank's group read as 2 ranks
     through the world size a refused call reads (``ops.traced_world_size``, a layer's
