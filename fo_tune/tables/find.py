@@ -75,8 +75,7 @@ def check_machine(path: Path, fp: Fingerprint, device_key: str) -> None:
     of another compute capability, as the runtime refuses it on ``device_key``'s machine: a
     ``TableError`` saying the table's device key is not its folder's, and what to do (move it to
     its own device key's folder, or tune one for ``device_key``)."""
-    want, have = read_device_key(device_key), read_device_key(fp.device_key)
-    if not want or not have or want["compute_capability"] == have["compute_capability"]:
+    if not any(field == "compute_capability" for field, _, _ in folder_refuses(fp.device_key, device_key)):
         return
     home = path.parent.parent / fp.device_key / path.name
     raise TableError(
