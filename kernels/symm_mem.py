@@ -306,15 +306,10 @@ def _columns(b: object, a: object) -> int:
     return shape_of(a)[-1] if shape_of(a) else 1
 
 
-def _lead(a: object) -> tuple[int, ...]:
-    """A refused call's output dims before its columns: ``a``'s leading ones (none where ``a`` is
-    no tensor)."""
-    return shape_of(a)[:-1]
-
-
 def _out_of(a: object, b: object) -> tuple[int, ...]:
-    """A refused call's product of ``a`` and ``b``, before its gather or scatter."""
-    return (*_lead(a), _columns(b, a))
+    """A refused call's product of ``a`` and ``b``, before its gather or scatter: ``a``'s leading
+    dims (none where ``a`` is no tensor) and the columns."""
+    return (*shape_of(a)[:-1], _columns(b, a))
 
 
 def _refused_dim(a: object, dim: object) -> int | None:

@@ -212,10 +212,13 @@ class Curves:
             lo, hi = pts[i - 1], pts[i]
             frac = (nbytes - lo.size_bytes) / (hi.size_bytes - lo.size_bytes)
             return times[i - 1] + frac * (times[i] - times[i - 1])
-        last = pts[-1]
+        return times[-1] + (nbytes - pts[-1].size_bytes) / (self._tail_gbs(collective, pts[-1]) * 1e6)
+
+    def _tail_gbs(self, collective: str, last: BandwidthPoint) -> float:
+        """The bandwidth a curve runs on past its largest point ``last``: its fit's, else that
+        point's own."""
         fit = self.cal.fit_for(collective, last.nccl_max_ctas)
-        bw = fit.bandwidth_gbs if fit is not None and fit.bandwidth_gbs > 0 else last.algbw_gbs
-        return times[-1] + (nbytes - last.size_bytes) / (bw * 1e6)
+        return fit.bandwidth_gbs if fit is not None and fit.bandwidth_gbs > 0 else last.algbw_gbs
 
     def times(self, collective: str, cap: int, nbytes: Any) -> Any:
         """``time`` of every element of the integer array ``nbytes`` (a numpy array of the same
@@ -227,21 +230,20 @@ class Curves:
         pts, sizes, times = self._curves[key], self._sizes[key], self._times[key]
         nbytes = np.asarray(nbytes, dtype=np.int64)
         out = np.full(nbytes.shape, times[0], dtype=np.float64)
-        at = np.searchsorted(np.asarray(sizes, dtype=np.int64), nbytes, side="left")
+        size = np.asarray(sizes, dtype=np.int64)
+        at = np.searchsorted(size, nbytes, side="left")
         inside = (nbytes > sizes[0]) & (at < len(pts))
         if inside.any():
             i = at[inside]
-            lo = np.asarray(sizes, dtype=np.int64)[i - 1]
-            hi = np.asarray(sizes, dtype=np.int64)[i]
             t = np.asarray(times, dtype=np.float64)
-            frac = (nbytes[inside] - lo) / (hi - lo)
+            frac = (nbytes[inside] - size[i - 1]) / (size[i] - size[i - 1])
             out[inside] = t[i - 1] + frac * (t[i] - t[i - 1])
         beyond = (nbytes > sizes[0]) & (at >= len(pts))
         if beyond.any():
             last = pts[-1]
-            fit = self.cal.fit_for(collective, last.nccl_max_ctas)
-            bw = fit.bandwidth_gbs if fit is not None and fit.bandwidth_gbs > 0 else last.algbw_gbs
-            out[beyond] = times[-1] + (nbytes[beyond] - last.size_bytes) / (bw * 1e6)
+            out[beyond] = times[-1] + (nbytes[beyond] - last.size_bytes) / (
+                self._tail_gbs(collective, last) * 1e6
+            )
         return out
 
 
