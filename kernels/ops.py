@@ -14,7 +14,7 @@ break; the op itself is opaque to it. ``all_gather_gemm`` returns ``(gathered @ 
 both differentiable (the gathered A is also what the backward keeps for the weight gradient).
 ``scale_a``, ``scale_b`` and ``out_dtype`` are an fp8 call's (``fo_kernels.scaling``); the fake
 implementations give its output ``out_dtype`` (bfloat16 by default) and the gathered A fp8.
-The fake implementations check nothing (``_fake_output``): the op checks its input when it runs,
+The fake implementations check nothing (``_fake``): the op checks its input when it runs,
 in a compiled graph as in an eager call, and raises the eager call's ``ValueError`` subclass. An
 eager call on meta tensors (a model built on the meta device, run for its shapes) runs the fake
 implementation, which then checks as the op does (``check_meta_call``).
@@ -175,15 +175,24 @@ def call_op(
 
 
 # ------------------------------------------------------------------------------ the ops
+# The three ops' schema (the module docstring): the same arguments; all_gather_gemm also returns
+# the gathered A.
+_ARGUMENTS = (
+    "(Tensor a, Tensor b, str group_name, str schedule, Tensor? scale_a=None, Tensor? scale_b=None, "
+    "ScalarType? out_dtype=None)"
+)
+_RETURNS = {"all_reduce": "Tensor", "reduce_scatter": "Tensor", "all_gather": "(Tensor, Tensor)"}
+
+
 def _impl(
     collective: str,
     a: torch.Tensor,
     b: torch.Tensor,
     name: str,
     schedule: str,
-    scale_a: torch.Tensor | None,
-    scale_b: torch.Tensor | None,
-    out_dtype: torch.dtype | None,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     from fo_kernels.execute import execute
 
@@ -196,18 +205,18 @@ def _impl(
     )  # fmt: skip
 
 
-def _fake_output(
+def _fake(
     collective: str,
     a: torch.Tensor,
     b: torch.Tensor,
     name: str,
     schedule: str,
-    scale_a: torch.Tensor | None,
-    scale_b: torch.Tensor | None,
-    out_dtype: torch.dtype | None,
-) -> tuple[int, int, torch.dtype]:
-    """(M, N, dtype) of a traced call's output, from its inputs whatever they are; an eager call
-    on meta tensors (plain ones, not a trace's fake tensors) is checked as ``execute`` checks.
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A traced call's output, shaped from its inputs whatever they are; an eager call on meta
+    tensors (plain ones, not a trace's fake tensors) is checked as ``execute`` checks.
 
     The fake implementations check nothing: Dynamo turns any exception raised while it propagates
     fake tensors into a RuntimeError (torch._dynamo.exc.TorchRuntimeError), so a check here would
@@ -231,67 +240,27 @@ def _fake_output(
     else:
         dtype = a.dtype
     if collective == "reduce_scatter":
-        return m // world, n, dtype
-    return (m * world if collective == "all_gather" else m), n, dtype
+        return a.new_empty((m // world, n), dtype=dtype)
+    if collective == "all_reduce":
+        return a.new_empty((m, n), dtype=dtype)
+    return a.new_empty((m * world, n), dtype=dtype), a.new_empty((m * world, a.shape[-1] if a.dim() else 1))
 
 
-@torch.library.custom_op(f"{LIBRARY}::gemm_all_reduce", mutates_args=())
-def _gemm_all_reduce(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    group_name: str,
-    schedule: str,
-    scale_a: torch.Tensor | None = None,
-    scale_b: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    return _impl("all_reduce", a, b, group_name, schedule, scale_a, scale_b, out_dtype)
+def _define(collective: str) -> torch.library.CustomOpDef:
+    """The custom op of ``collective``: ``_impl`` when it runs, ``_fake`` when it is traced."""
+    op = torch.library.custom_op(
+        f"{LIBRARY}::{OP_NAMES[collective]}",
+        functools.partial(_impl, collective),
+        mutates_args=(),
+        schema=f"{_ARGUMENTS} -> {_RETURNS[collective]}",
+    )
+    op.register_fake(functools.partial(_fake, collective))
+    return op
 
 
-@torch.library.custom_op(f"{LIBRARY}::gemm_reduce_scatter", mutates_args=())
-def _gemm_reduce_scatter(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    group_name: str,
-    schedule: str,
-    scale_a: torch.Tensor | None = None,
-    scale_b: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    return _impl("reduce_scatter", a, b, group_name, schedule, scale_a, scale_b, out_dtype)
-
-
-@torch.library.custom_op(f"{LIBRARY}::all_gather_gemm", mutates_args=())
-def _all_gather_gemm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    group_name: str,
-    schedule: str,
-    scale_a: torch.Tensor | None = None,
-    scale_b: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl("all_gather", a, b, group_name, schedule, scale_a, scale_b, out_dtype)
-
-
-@_gemm_all_reduce.register_fake
-def _(a, b, group_name: str, schedule: str, scale_a=None, scale_b=None, out_dtype=None) -> torch.Tensor:
-    m, n, dtype = _fake_output("all_reduce", a, b, group_name, schedule, scale_a, scale_b, out_dtype)
-    return a.new_empty((m, n), dtype=dtype)
-
-
-@_gemm_reduce_scatter.register_fake
-def _(a, b, group_name: str, schedule: str, scale_a=None, scale_b=None, out_dtype=None) -> torch.Tensor:
-    m, n, dtype = _fake_output("reduce_scatter", a, b, group_name, schedule, scale_a, scale_b, out_dtype)
-    return a.new_empty((m, n), dtype=dtype)
-
-
-@_all_gather_gemm.register_fake
-def _(
-    a, b, group_name: str, schedule: str, scale_a=None, scale_b=None, out_dtype=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    m, n, dtype = _fake_output("all_gather", a, b, group_name, schedule, scale_a, scale_b, out_dtype)
-    return a.new_empty((m, n), dtype=dtype), a.new_empty((m, a.shape[-1] if a.dim() else 1))
+_gemm_all_reduce = _define("all_reduce")
+_gemm_reduce_scatter = _define("reduce_scatter")
+_all_gather_gemm = _define("all_gather")
 
 
 # ------------------------------------------------------------------------------ autograd
