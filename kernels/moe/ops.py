@@ -104,22 +104,6 @@ def _(dy, x, topk_ids, topk_weights, w13, w2, group_name, schedule):
     return tuple(t.new_empty(t.shape) for t in (x, topk_weights, w13, w2))
 
 
-def call_backward(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    group_name: str,
-    schedule: str,
-) -> Grads:
-    """The backward op, directly where ``direct_call`` allows, else through the dispatcher."""
-    if direct_call(dy, x, topk_ids, topk_weights, w13, w2):
-        return _execute(x, topk_ids, topk_weights, w13, w2, group_name=group_name, schedule=schedule, dy=dy)
-    return _ffn_backward(dy, x, topk_ids, topk_weights, w13, w2, group_name, schedule)
-
-
 def _setup(ctx, inputs, output) -> None:
     x, topk_ids, topk_weights, w13, w2, group_name, schedule = inputs
     ctx.group_name, ctx.schedule = group_name, schedule
@@ -127,8 +111,12 @@ def _setup(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dy: torch.Tensor):
-    x, topk_ids, topk_weights, w13, w2 = ctx.saved_tensors
-    dx, dw, dw13, dw2 = call_backward(dy, x, topk_ids, topk_weights, w13, w2, ctx.group_name, ctx.schedule)
+    inputs = ctx.saved_tensors  # x, topk_ids, topk_weights, w13, w2
+    # the backward op, directly where ``direct_call`` allows, else through the dispatcher
+    if direct_call(dy, *inputs):
+        dx, dw, dw13, dw2 = _execute(*inputs, group_name=ctx.group_name, schedule=ctx.schedule, dy=dy)
+    else:
+        dx, dw, dw13, dw2 = _ffn_backward(dy, *inputs, ctx.group_name, ctx.schedule)
     need = ctx.needs_input_grad
     return (
         dx if need[0] else None,
