@@ -326,11 +326,18 @@ def _moved_back(y: torch.Tensor, d: int) -> torch.Tensor:
     return y if d == 0 else y.movedim(0, d).contiguous()
 
 
-def _local_input(x: torch.Tensor, plan: LinearPlan) -> tuple[torch.Tensor, Placement, bool]:
-    """(local tensor, its layout, whether it came from a DTensor)."""
-    if isinstance(x, DTensor):
-        return x, x.placements[0], True
-    return x, plan.input_layouts[0], False
+def _operands(
+    module: nn.Linear, x: torch.Tensor, plan: LinearPlan
+) -> tuple[torch.Tensor, Placement, bool, torch.Tensor, torch.Tensor | None]:
+    """(input, its layout, whether it is a DTensor, this rank's weight, its bias or None): the
+    input as it came, the parameters' local tensors, all three as ``F.linear`` takes them inside
+    ``torch.autocast``."""
+    weight = module.weight.to_local()
+    bias = module.bias.to_local() if module.bias is not None else None
+    is_dtensor = isinstance(x, DTensor)
+    layout = x.placements[0] if is_dtensor else plan.input_layouts[0]
+    x, weight, bias = _autocast_operands(x, weight, bias)
+    return x, layout, is_dtensor, weight, bias
 
 
 def _features(x: torch.Tensor) -> int:
@@ -352,10 +359,7 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan: LinearPlan = getattr(module, PLAN_ATTR)
     if not isinstance(x, torch.Tensor):  # (traced: raised when the graph runs)
         return _refused_input(module, x, plan, lambda: _refuse_type(x))
-    weight = module.weight.to_local()
-    bias = module.bias.to_local() if module.bias is not None else None
-    x, layout, is_dtensor = _local_input(x, plan)
-    x, weight, bias = _autocast_operands(x, weight, bias)
+    x, layout, is_dtensor, weight, bias = _operands(module, x, plan)
     d = _leading_dim(layout, x.dim())
     if isinstance(layout, Shard) and d is None:  # (Shard(2) of a 3-dim input: its features)
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, its features")
@@ -463,10 +467,7 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan: LinearPlan = getattr(module, PLAN_ATTR)
     if not isinstance(x, torch.Tensor):  # (traced: raised when the graph runs)
         return _refused_input(module, x, plan, lambda: _refuse_type(x))
-    weight = module.weight.to_local()
-    bias = module.bias.to_local() if module.bias is not None else None
-    x, layout, is_dtensor = _local_input(x, plan)
-    x, weight, bias = _autocast_operands(x, weight, bias)
+    x, layout, is_dtensor, weight, bias = _operands(module, x, plan)
     sharded = isinstance(layout, Shard) and x.dim() >= 1 and layout.dim % x.dim() == x.dim() - 1
     # (a 0-dim input has no features: refused, as a colwise one is; traced, when the graph runs)
     if (sharded or x.dim() == 0) and _features(x) != weight.shape[1]:
