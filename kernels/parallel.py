@@ -125,7 +125,8 @@ def _warn(style: object, module: nn.Module, what: str) -> None:
 
 
 class _Fp8Option:
-    """The styles' ``fp8`` keyword (None, ``"tensorwise"`` or ``"rowwise"``) beside torch's arguments."""
+    """What both styles share: the ``fp8`` keyword (None, ``"tensorwise"`` or ``"rowwise"``) beside
+    torch's arguments, and ``_apply``, which asks each style's ``_layout_blocker``."""
 
     fp8: str | None
 
@@ -146,6 +147,21 @@ class _Fp8Option:
                 "tensor-parallel style (parallelize_module ran on it before); apply one style to a fresh "
                 "module, or keep the one it has"
             )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        """The style on ``module``: fo-tune's forward where fo-tune runs the module and the style's
+        layouts (``_layout_blocker``, each style's), else torch's style (``_torch_or_refuse``)."""
+        self._refuse_distributed(module)
+        reason = _blocker(module, device_mesh) or self._layout_blocker()
+        if reason:
+            return self._torch_or_refuse(module, device_mesh, reason)
+        self._before_distribute()
+        distribute_module(module, device_mesh, self._partition_linear_fn)
+        install_forward(module, _plan(self, device_mesh))
+        return module
+
+    def _before_distribute(self) -> None:
+        """What a style sets before its parameters are distributed (nothing, unless it says)."""
 
     def _torch_or_refuse(self, module: nn.Module, device_mesh: DeviceMesh, reason: str) -> nn.Module:
         """torch's style for a module fo-tune cannot run, with a warning once torch's style took it
@@ -183,21 +199,12 @@ class ColwiseParallel(_Fp8Option, TorchColwiseParallel):
 
     def _layout_blocker(self) -> str:
         """Why fo-tune cannot run this style's layouts ("" when it can)."""
+        # (an output layout other than the features is redistributed by DTensor: the forward warns,
+        # since whether Shard(2) is the features depends on the output's dims)
         (layout,) = self.input_layouts
         if isinstance(layout, Partial) or _is_last(layout):
             return f"input_layouts={layout!r} is gathered on its features by DTensor"
         return ""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self._refuse_distributed(module)
-        reason = _blocker(module, device_mesh) or self._layout_blocker()
-        if reason:
-            return self._torch_or_refuse(module, device_mesh, reason)
-        # (an output layout other than the features is redistributed by DTensor: the forward warns,
-        # since whether Shard(2) is the features depends on the output's dims)
-        distribute_module(module, device_mesh, self._partition_linear_fn)
-        install_forward(module, _plan(self, device_mesh))
-        return module
 
 
 class RowwiseParallel(_Fp8Option, TorchRowwiseParallel):
@@ -222,15 +229,8 @@ class RowwiseParallel(_Fp8Option, TorchRowwiseParallel):
             return f"output_layouts={out!r} is neither an all-reduce nor a reduce-scatter of a leading dim"
         return ""
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self._refuse_distributed(module)
-        reason = _blocker(module, device_mesh) or self._layout_blocker()
-        if reason:
-            return self._torch_or_refuse(module, device_mesh, reason)
+    def _before_distribute(self) -> None:
         self.desired_input_layouts = (Shard(-1),)  # what torch's _apply sets for a linear
-        distribute_module(module, device_mesh, self._partition_linear_fn)
-        install_forward(module, _plan(self, device_mesh))
-        return module
 
 
 # The dim of its weight each style shards (torch's placements: colwise Shard(0), rowwise Shard(1)).
