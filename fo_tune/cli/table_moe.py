@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 
-from fo_tune.cli.common import console, summary_table
+from fo_tune.cli.common import summary_table
 from fo_tune.cli.table_rows import (
     PROVENANCE_LONG,
     SHOW_ROWS,
     device_lines,
-    left_out_line,
     named,
     print_plain,
+    print_shown,
     provenance_columns,
     provenance_keys,
     tile_label,
@@ -112,9 +112,6 @@ def show_moe_rich(path: Path, table: MoeTable, limit: int | None = SHOW_ROWS) ->
     shape, bucket, measured or predicted, engine and its settings, provenance) for its first
     ``limit`` rows (every row when None) with a line on the rows left out, then the long
     provenance values (calibration, basis) once each."""
-    console.print(f"[bold]{escape(str(path))}[/]", highlight=False)
-    for line in moe_fingerprint_lines(table):
-        print_plain(f"  {line}")
     hidden = {*PROVENANCE_LONG, *MOE_PROVENANCE_NOTES}
     prov = [key for key in provenance_keys(table.rows, MOE_PROVENANCE_ORDER) if key not in hidden]
     columns = ["experts (H, I, E_local, k)", "tokens", "row", *MOE_SETTINGS_COLUMNS, *prov]
@@ -125,15 +122,7 @@ def show_moe_rich(path: Path, table: MoeTable, limit: int | None = SHOW_ROWS) ->
         cells += [value_label(row.provenance[key]) if key in row.provenance else "-" for key in prov]
         out.add_row(*(escape(cell) for cell in cells))
     predicted = sum(row.kind == "predicted" for row in table.rows)
-    if predicted:
-        out.caption = (
-            f"{predicted} predicted row(s) (an offline search's; the runtime uses them only where no "
-            "measured row covers the call)"
-        )
-    console.print(out)
-    left_out = left_out_line(out.row_count, len(table.rows))
-    if left_out is not None:
-        print_plain(left_out)
+    print_shown(path, moe_fingerprint_lines(table), out, len(table.rows), predicted, "covers the call")
     for key in MOE_PROVENANCE_NOTES:
         values = Counter(str(row.provenance[key]) for row in table.rows if key in row.provenance)
         for value, count in values.items():

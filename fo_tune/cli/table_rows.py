@@ -17,6 +17,8 @@ from rich.markup import escape
 from fo_tune.cli.common import console, fmt, summary_table
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from fo_kernels.fingerprint import Fingerprint
     from fo_kernels.schedule import Schedule
     from fo_kernels.table import ScheduleTable
@@ -150,12 +152,30 @@ def left_out_line(shown: int, total: int, scripts: bool = True) -> str | None:
     return line + (", --format csv or yaml or --json prints them all for scripts" if scripts else "")
 
 
+def print_shown(
+    path: Path, header: Sequence[str], out: Table, total: int, predicted: int, unless: str
+) -> None:
+    """What ``table show`` prints of a table of either kind: its path and ``header`` lines, then
+    ``out`` (its first rows of ``total``), captioned with the count of its ``predicted`` rows, which
+    the runtime uses only where no measured row ``unless`` says so ("matches", "covers the call"),
+    then the line on the rows left out."""
+    console.print(f"[bold]{escape(str(path))}[/]", highlight=False)
+    for line in header:
+        print_plain(f"  {line}")
+    if predicted:
+        out.caption = (
+            f"{predicted} predicted row(s) (an offline search's; the runtime uses them only where no "
+            f"measured row {unless})"
+        )
+    console.print(out)
+    left_out = left_out_line(out.row_count, total)
+    if left_out is not None:
+        print_plain(left_out)
+
+
 def show_rich(path: Path, table: ScheduleTable, limit: int | None = SHOW_ROWS) -> None:
     """The table as ``fo-tune table show`` prints it: the header, its first ``limit`` rows (every
     row when None) with a line on the rows left out, then the bases of its predicted rows."""
-    console.print(f"[bold]{escape(str(path))}[/]", highlight=False)
-    for line in fingerprint_lines(table):
-        print_plain(f"  {line}")
     prov = [key for key in provenance_keys(table.rows) if key not in PROVENANCE_LONG]
     columns = [
         "problem",
@@ -184,15 +204,7 @@ def show_rich(path: Path, table: ScheduleTable, limit: int | None = SHOW_ROWS) -
         cells += [value_label(row.provenance[key]) if key in row.provenance else "-" for key in prov]
         out.add_row(*(escape(cell) for cell in cells))
     predicted = sum(kind_label(row) == "predicted" for row in table.rows)
-    if predicted:
-        out.caption = (
-            f"{predicted} predicted row(s) (an offline search's; the runtime uses them only where no "
-            "measured row matches)"
-        )
-    console.print(out)
-    left_out = left_out_line(out.row_count, len(table.rows))
-    if left_out is not None:
-        print_plain(left_out)
+    print_shown(path, fingerprint_lines(table), out, len(table.rows), predicted, "matches")
     # what the rows rest on (an extrapolated calibration's sentence), once per distinct text
     for basis, count in Counter(row.basis for row in table.rows if row.basis).items():
         print_plain(f"basis ({count} row(s)): {basis}")
