@@ -295,22 +295,15 @@ def grouped_gemm(
     ``segments``: the list, or its ``SegmentTables`` for tiles of this tile's size.
     ``a`` (R, K) row-major, ``w`` (E, K, N) contiguous, ``out`` (R, N) with unit column stride."""
     _, k, n = w.shape
-    tables = _tables(segments, tile.block_m, -(-n // tile.block_n), a.device)
-    info, prefix, count, tiles, tiles_n = (
-        tables.info,
-        tables.prefix,
-        tables.count,
-        tables.tiles,
-        tables.tiles_n,
-    )
-    if not tiles:
+    t = _tables(segments, tile.block_m, -(-n // tile.block_n), a.device)  # the segment tables
+    if not t.tiles:
         return
     a_arg, b_arg, use_tma, meta = _operands(a, w, tile.block_k, tile.block_n, tile, use_tma, tile.block_n)
-    _grouped_kernel[(max(1, min(grid, tiles)),)](
-        a_arg, b_arg, w, out, counters if counters is not None else info, info, prefix,
-        count, tiles, tiles_n, n, k,
+    _grouped_kernel[(max(1, min(grid, t.tiles)),)](
+        a_arg, b_arg, w, out, counters if counters is not None else t.info, t.info, t.prefix,
+        t.count, t.tiles, t.tiles_n, n, k,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        BLOCK_N=tile.block_n, LOG_SEGMENTS=_log2(count), USE_TMA=use_tma, SIGNAL=counters is not None,
+        BLOCK_N=tile.block_n, LOG_SEGMENTS=_log2(t.count), USE_TMA=use_tma, SIGNAL=counters is not None,
         OUT_DTYPE=_out_dtype(out), **meta,
     )  # fmt: skip
 
@@ -335,21 +328,14 @@ def swiglu_gemm(
     _, k, n2 = w13.shape
     inter = n2 // 2
     block_h = swiglu_block(tile)
-    tables = _tables(segments, tile.block_m, -(-inter // block_h), a.device)
-    info, prefix, count, tiles, tiles_n = (
-        tables.info,
-        tables.prefix,
-        tables.count,
-        tables.tiles,
-        tables.tiles_n,
-    )
-    if not tiles:
+    t = _tables(segments, tile.block_m, -(-inter // block_h), a.device)  # the segment tables
+    if not t.tiles:
         return
     # (the up projection's blocks start at column I)
     a_arg, b_arg, use_tma, meta = _operands(a, w13, tile.block_k, block_h, tile, use_tma, inter)
     meta.pop("PTX")
-    _swiglu_kernel[(max(1, min(grid, tiles)),)](
-        a_arg, b_arg, w13, out, info, prefix, count, tiles, tiles_n, inter, k,
+    _swiglu_kernel[(max(1, min(grid, t.tiles)),)](
+        a_arg, b_arg, w13, out, t.info, t.prefix, t.count, t.tiles, t.tiles_n, inter, k,
         a.stride(0), a.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
-        BLOCK_H=block_h, LOG_SEGMENTS=_log2(count), USE_TMA=use_tma, OUT_DTYPE=_out_dtype(out), **meta,
+        BLOCK_H=block_h, LOG_SEGMENTS=_log2(t.count), USE_TMA=use_tma, OUT_DTYPE=_out_dtype(out), **meta,
     )  # fmt: skip
