@@ -44,12 +44,37 @@ DEFAULT_BASELINE_HOST = {"sequential_host_ms": 0.06, "fallback_host_ms": 0.05}
 TermFactory = Callable[["CostModel"], Any]
 
 
+class Terms:
+    """A model's engine terms (the dense model's and the MoE model's alike): each made on first
+    use by the factory handed for its engine, then kept."""
+
+    def __init__(self, factories: Mapping[str, Callable[[Any], Any]], model_name: str) -> None:
+        self._factories = dict(factories)
+        self._made: dict[str, Any] = {}
+        self._what = model_name  # what the error calls the model ("the cost model")
+
+    def names(self) -> tuple[str, ...]:
+        """The engines that have a term, in the order the factories were handed."""
+        return tuple(self._factories)
+
+    def get(self, engine: str, model: Any) -> Any:
+        """``engine``'s term of ``model``; ``CalibrationError`` naming the engines that have one."""
+        if engine not in self._made:
+            factory = self._factories.get(engine)
+            if factory is None:
+                raise CalibrationError(
+                    f"{self._what} has no term for engine {engine!r} (it has {', '.join(self._factories)})"
+                )
+            self._made[engine] = factory(model)
+        return self._made[engine]
+
+
 class CostModel:
     """Predictions for one calibration (see the module docstring)."""
 
     def __init__(self, cal: Calibration, terms: Mapping[str, TermFactory]) -> None:
         self.cal = cal
-        self._factories = dict(terms)
+        self._terms = Terms(terms, "the cost model")
         self.sm_count = cal.fingerprint.sm_count
         self.world_size = cal.world_size
         self.tile_profile = TileProfile(cal)
@@ -67,19 +92,11 @@ class CostModel:
         else:
             self.library = LibraryGemm.from_cublas(self.tile_profile.cublas, self.sm_count)
         self.baseline_host = {key: ce.get(key, value) for key, value in DEFAULT_BASELINE_HOST.items()}
-        self._terms: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------ the terms
     def term(self, engine: str) -> Any:
         """The cost-model term of ``engine`` (made by its factory on first use)."""
-        if engine not in self._terms:
-            factory = self._factories.get(engine)
-            if factory is None:
-                raise CalibrationError(
-                    f"the cost model has no term for engine {engine!r} (it has {', '.join(self._factories)})"
-                )
-            self._terms[engine] = factory(self)
-        return self._terms[engine]
+        return self._terms.get(engine, self)
 
     def predict(self, schedule: Schedule, m: int, n: int, k: int) -> Prediction:
         """Predicted latency of ``schedule`` on (m, n, k): its engine's term, or the fallback for

@@ -75,7 +75,7 @@ from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.plan import cdiv
 from fo_kernels.tile import Tile
 from fo_tune.calibrate.calibration import Calibration, CalibrationError
-from fo_tune.model.core import CostModel
+from fo_tune.model.core import CostModel, Terms
 from fo_tune.model.types import element_bytes
 from fo_tune.moe.alltoall import AllToAllCurve, all_to_all_curve
 
@@ -259,8 +259,7 @@ class MoeCostModel:
         self.sm_count = cal.fingerprint.sm_count
         self.comm: AllToAllCurve = all_to_all_curve(cal)
         self.stream = weight_stream(cal, dense)
-        self._factories = dict(terms)
-        self._terms: dict[str, Any] = {}
+        self._terms = Terms(terms, "the MoE model")
 
     @property
     def basis(self) -> str:
@@ -270,18 +269,11 @@ class MoeCostModel:
         return "; ".join(b for b in (self.comm.basis, self.cal.basis, self.stream.clause) if b)
 
     def engines(self) -> tuple[str, ...]:
-        return tuple(self._factories)
+        return self._terms.names()
 
     def term(self, engine: str) -> Any:
         """The MoE term of ``engine`` (made on first use)."""
-        if engine not in self._terms:
-            factory = self._factories.get(engine)
-            if factory is None:
-                raise CalibrationError(
-                    f"the MoE model has no term for engine {engine!r} (it has {', '.join(self._factories)})"
-                )
-            self._terms[engine] = factory(self)
-        return self._terms[engine]
+        return self._terms.get(engine, self)
 
     # ------------------------------------------------------------------------------ parts
     def counts_ms(self, call: MoeCall) -> float:
