@@ -205,21 +205,31 @@ def test_a_ring_timeline_is_ordered(model, h200):
     assert eager_ops("all_reduce", 2, 2) > eager_ops("reduce_scatter", 2, 2) > 0
 
 
-def test_chunk_rows_cut_as_the_runtime_does():
-    """The model's chunk rows are the runtime's chunk bounds (the same rule, kept apart so that an
-    offline plan does not import the copy engine's executors)."""
+def test_the_tiled_prediction_pulls_the_chunks_the_runtime_cuts(model):
+    """The tiled mode's pulls are of the rows the runtime's plan cuts (``tile_row_bounds``), at a
+    half of more than ROW_ALIGN tile rows per chunk, where whole-row rounding and tile-row cuts part."""
     import itertools
 
-    from fo_kernels.engines.copy_engine import ROW_ALIGN as RUNTIME_ROW_ALIGN
-    from fo_kernels.engines.copy_engine import chunk_bounds
-    from fo_tune.engines.copy_engine.model import ROW_ALIGN
+    from fo_kernels.engines.copy_engine import tile_row_bounds
+    from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
+    from fo_kernels.schedule import Problem, Schedule
+    from fo_kernels.tile import Tile
 
-    assert ROW_ALIGN == RUNTIME_ROW_ALIGN
-    weightings = [(1,), (1, 1), (2, 1), (1, 1, 1, 1), (3, 2, 2, 1), (1,) * 6]
-    for rows in [0, 1, 5, 127, 128, 255, 256, 511, 512, 1000, 1448, 4096, 8191]:
-        for weights in weightings:
-            want = [b - a for a, b in itertools.pairwise(chunk_bounds(rows, weights))]
-            assert chunk_rows(rows, weights) == want, (rows, weights)
+    tile = Tile(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)  # (profiled)
+    m, n, k, weights = 262144, 1024, 1024, (2, 1)
+    s = Schedule(
+        collective="reduce_scatter",
+        dtype="bfloat16",
+        world_size=2,
+        problem=Problem(m=m, n=n, k=k),
+        settings=CopyEngineSettings(mode="tiled", weights=weights, tile=tile),
+    )
+    p = model.predict(s, m, n, k)
+    rows = [b - a for a, b in itertools.pairwise(tile_row_bounds(m // 2, weights, tile.block_m))]
+    assert rows == [87424, 43648]  # (683 and 341 tile rows)
+    term = model.term("copy_engine")
+    want = [term.copy_ms(r * n * 2) for r in rows]
+    assert p.group_comm_ms == pytest.approx(want, rel=1e-9)
 
 
 def test_all_gather_terms_follow_their_pipelines(h200):

@@ -69,6 +69,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fo_kernels.engines.copy_engine.layout import chunk_bounds, tile_row_bounds
 from fo_kernels.engines.copy_engine.settings import CopyEngineSettings
 from fo_kernels.plan import cdiv
 from fo_kernels.schedule import Schedule
@@ -101,26 +102,11 @@ PARAMS = {
 EAGER_OPS_PER_CALL = 8
 EAGER_OPS_PER_CHUNK_STEP = 5
 EAGER_OPS_PER_CHUNK_GATHER = 4
-# The runtime cuts inner chunk bounds on multiples of this many rows once every chunk can get that
-# many (fo_kernels.engines.copy_engine.ROW_ALIGN: the tallest cuBLAS tile on Hopper). ``chunk_rows`` repeats
-# the runtime's ``chunk_bounds`` rule instead of calling it: importing fo_kernels.engines.copy_engine costs
-# an offline plan ~0.3 s (its executors), and a test checks that the two agree.
-ROW_ALIGN = 128
 
 
 def chunk_rows(rows: int, weights: tuple[int, ...]) -> list[int]:
-    """Rows of each chunk of a shard (the runtime's ``chunk_bounds`` cut rule)."""
-    if rows <= 0:
-        return []
-    align = ROW_ALIGN if rows >= ROW_ALIGN * len(weights) else 1
-    total, bounds, acc = sum(weights), [0], 0
-    for w in weights[:-1]:
-        acc += w
-        cut = round(rows * acc / total / align) * align
-        if bounds[-1] < cut < rows:
-            bounds.append(cut)
-    bounds.append(rows)
-    return [b - a for a, b in itertools.pairwise(bounds)]
+    """Rows of each chunk of a shard, cut as the runtime cuts them (``chunk_bounds``)."""
+    return [b - a for a, b in itertools.pairwise(chunk_bounds(rows, weights))]
 
 
 @dataclass
@@ -324,9 +310,7 @@ class CopyEngineTerm:
         t1 = t0 * p["tiled_gemm_factor"] * model.library.clock
         remote = p["tiled_remote_store_factor"] if schedule.collective == "all_reduce" else 1.0
         t2 = t1 * remote
-        tile_rows = cdiv(half, st.tile.block_m)
-        rows = [min(x * st.tile.block_m, half) for x in chunk_rows(tile_rows, st.weights)]
-        rows[-1] = half - sum(rows[:-1])
+        rows = [b - a for a, b in itertools.pairwise(tile_row_bounds(half, st.weights, st.tile.block_m))]
         side, done = 0.0, 0
         pulls = _Pulls()
         # phase 2 runs its chunks in order; a tile computes its K loop, then waits for its chunk's
