@@ -113,20 +113,70 @@ def _module_map() -> str:
     return text.split("## Module map", 1)[1].split("\n## ", 1)[0]
 
 
-def test_module_map_names_every_module():
-    """Every module of the runtime and the tuner is in docs/design.md's module map (by its file name,
-    or its name in its package's list) and opens with a docstring saying what it owns."""
-    named = set(re.findall(r"\w+", _module_map()))
+def _map_entries() -> dict[tuple[str, str], str]:
+    """The module map's entries: (package, head) -> the entry's text. A package line starts at column
+    0 (``kernels/``), an entry at column 2 with its head before the first run of spaces (``table/``,
+    ``errors.py``, ``__init__.py, output.py``); deeper lines continue the entry above."""
+    block = _module_map().split("```", 2)[1]
+    entries: dict[tuple[str, str], str] = {}
+    package, key = "", None
+    for line in block.splitlines()[1:]:
+        if not line.strip():
+            continue
+        if not line.startswith(" "):
+            package, key = line.split()[0].rstrip("/"), None
+        elif not line.startswith("   "):
+            key = (package, re.split(r"\s{2,}", line.strip(), maxsplit=1)[0])
+            entries[key] = line
+        elif key is not None:
+            entries[key] += " " + line.strip()
+    return entries
+
+
+def _heads(head: str) -> list[str]:
+    return [part.strip() for part in head.split(",")]
+
+
+def test_module_map_names_every_module_in_its_entry():
+    """Every module of the runtime and the tuner is named in the module map's entry for its file or
+    folder (``kernels/table/spans.py`` in the ``table/`` entry), and opens with a docstring saying what
+    it owns."""
+    entries = _map_entries()
     unnamed, bare = [], []
     for package in MAPPED_PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
-            rel = path.relative_to(ROOT).as_posix()
-            if path.stem != "__init__" and path.stem not in named:
-                unnamed.append(rel)
+            rel = path.relative_to(ROOT / package).as_posix()
+            texts = [
+                text
+                for (owner, head), text in entries.items()
+                if owner == package
+                and any(rel == part or (part.endswith("/") and rel.startswith(part)) for part in _heads(head))
+            ]
+            named = any(path.stem in re.findall(r"\w+", text) for text in texts)
+            if not texts or (path.stem != "__init__" and not named):
+                unnamed.append(f"{package}/{rel}")
             if not ast.get_docstring(ast.parse(path.read_text())):
-                bare.append(rel)
-    assert not unnamed, f"not in docs/design.md's module map: {unnamed}"
+                bare.append(f"{package}/{rel}")
+    assert not unnamed, f"not named in its entry of docs/design.md's module map: {unnamed}"
     assert not bare, f"modules without a docstring: {bare}"
+
+
+def test_module_map_names_only_what_exists():
+    """Each entry's head and every ``name.py`` its text names is a file or folder of its package."""
+    entries = _map_entries()
+    assert {package for package, _ in entries} >= set(MAPPED_PACKAGES), "the module map's packages moved"
+    gone = []
+    for (package, head), text in entries.items():
+        if package not in MAPPED_PACKAGES:
+            continue
+        for part in _heads(head):
+            if not (ROOT / package / part).exists():
+                gone.append(f"{package}/{part}")
+        folder = ROOT / package / (head if head.endswith("/") else posixpath.dirname(head))
+        for name in re.findall(r"\b(\w+\.py)\b", text.strip().split(None, 1)[-1]):
+            if not (folder / name).exists():
+                gone.append(f"{package}/{head}: {name}")
+    assert not gone, f"docs/design.md's module map names what does not exist: {gone}"
 
 
 @pytest.mark.parametrize("package", [*MAPPED_PACKAGES, "bench"])
