@@ -1,12 +1,16 @@
 """Helpers shared by the CLI tests: the one-line error assertion, the isolated table paths, the
-stand-in all_gather curve of the shipped calibration and a Ctrl-C at a function's second call or
-as a function starts."""
+stand-in all_gather curve of the shipped calibration, a Ctrl-C at a function's second call or
+as a function starts, and an example script's run on two gloo ranks with its RESULT line read."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +21,35 @@ import pytest
 
 # The device key of the packaged H200 x2 tables and calibration (results/).
 H200_KEY = "nvidia-h200-cc90-132sm-w2-nvlink18"
+
+
+# How long an example on two gloo ranks may run before its test fails: far above what a small
+# transformers model takes on a loaded 2-core CPU.
+EXAMPLE_TIMEOUT_S = 600
+
+
+def run_example_on_gloo(example: Path, tmp_path: Path) -> tuple[dict[str, Any], subprocess.CompletedProcess]:
+    """Run an example script on 2 gloo ranks with no table (the heuristic schedules) and return its
+    one ``RESULT {json}`` line, checked to say ok at world size 2, with the finished process."""
+    env = {
+        **os.environ,
+        "FO_TUNE_TABLE_DIR": str(tmp_path / "tables"),
+        "XDG_DATA_HOME": str(tmp_path / "xdg"),
+        "TRITON_INTERPRET": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, str(example), "--world-size", "2", "--backend", "gloo"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=EXAMPLE_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, done.stdout
+    result = json.loads(lines[0].removeprefix("RESULT "))
+    assert result["ok"] and result["world_size"] == 2, result
+    return result, done
 
 
 def assert_one_line_error(result, code: int = 2) -> str:

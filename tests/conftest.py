@@ -81,6 +81,34 @@ def quiet_one_rank(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def nccl_one_rank(tmp_path, monkeypatch):
+    """One NCCL rank on GPU 0 in this process, for the GPU tests: no user table anywhere
+    (``FO_TUNE_TABLE_DIR`` and ``XDG_DATA_HOME`` under ``tmp_path``), no warnings kept (the heuristic
+    schedules'), Dynamo reset after."""
+    import warnings
+
+    import torch.distributed as dist
+
+    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{tmp_path / 'store'}",
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", 0),
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def h200():
     """The packaged H200 x2 calibration (``cli_checks.H200_KEY``, world size 2)."""

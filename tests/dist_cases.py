@@ -7,6 +7,7 @@ ReduceScatter) without any extra collective.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import warnings
@@ -85,6 +86,25 @@ def error(case: Case, got: torch.Tensor, ctx) -> tuple[float, torch.Tensor]:
     """(relative error against the float64 reference, the reference) of ``got`` on this rank."""
     ref = reference(case, ctx.rank, ctx.world_size)
     return ((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item(), ref
+
+
+def refill(case: Case, seed: int, a: torch.Tensor, b: torch.Tensor, ctx) -> Case:
+    """``case`` at another seed, its operands on this rank copied into a and b in place (the
+    addresses a graph captured, or the runtime's graph keys on, stay the same)."""
+    fresh = dataclasses.replace(case, seed=seed)
+    new_a, new_b = operands(fresh, ctx.rank, ctx.device)
+    a.copy_(new_a)
+    b.copy_(new_b)
+    return fresh
+
+
+def check_then_poison(case: Case, got: torch.Tensor, ctx) -> tuple[float, bool]:
+    """(relative error, whether it holds NaN) of ``got``, then ``got`` filled with NaN: the next
+    call's output reuses its block, so a replay that wrote nothing would leave NaN there."""
+    err, _ = error(case, got, ctx)
+    nan = bool(got.isnan().any())
+    got.fill_(float("nan"))
+    return err, nan
 
 
 def run_cases(ctx, cases: list[Case]) -> list[dict]:
@@ -258,8 +278,6 @@ def copy_engine_graph(ctx, cases: list[Case]) -> list[dict]:
     replayed on new operands copied into the captured inputs, with an eager call of other operands
     between replays (the flags must come back to the same state after every call). Every replay's
     output is poisoned first and checked."""
-    import dataclasses
-
     out = []
     for case in cases:
         a, b, op = prepared(case, ctx)
@@ -269,10 +287,7 @@ def copy_engine_graph(ctx, cases: list[Case]) -> list[dict]:
         with torch.cuda.graph(graph):
             captured = op(a, b)
         for step in range(3):
-            fresh = dataclasses.replace(case, seed=case.seed + 101 * (step + 1))
-            new_a, new_b = operands(fresh, ctx.rank, ctx.device)
-            a.copy_(new_a)
-            b.copy_(new_b)
+            fresh = refill(case, case.seed + 101 * (step + 1), a, b, ctx)
             captured.fill_(float("nan"))
             graph.replay()
             other = dataclasses.replace(case, seed=case.seed + 7919 * (step + 1))
@@ -293,8 +308,6 @@ def copy_engine_auto_graph(ctx, cases: list[Case]) -> list[dict]:
     both ranks graphing, pass 1 with rank 1 issuing every call eagerly while rank 0 replays (the
     two ways must stay in step), then a larger shape grows the buffers (dropping the graphs) and
     the first case runs again. Returns one row per call, with the rank's replays during it."""
-    import dataclasses
-
     from fo_kernels.engines.copy_engine import GRAPH_AFTER_CALLS
     from fo_kernels.runtime import runtime_for
 
@@ -309,15 +322,10 @@ def copy_engine_auto_graph(ctx, cases: list[Case]) -> list[dict]:
         peers.graph_after = 0 if (phase == 1 and ctx.rank == 1) else GRAPH_AFTER_CALLS
         a, b, op = prepared(case, ctx)
         for step in range(calls):
-            fresh = dataclasses.replace(case, seed=case.seed + 31 * (step + 1))
-            new_a, new_b = operands(fresh, ctx.rank, ctx.device)
-            a.copy_(new_a)
-            b.copy_(new_b)
+            fresh = refill(case, case.seed + 31 * (step + 1), a, b, ctx)
             before = peers.call_counts()[1]
             got = op(a, b)
-            err, _ = error(fresh, got, ctx)
-            nan = bool(got.isnan().any())
-            got.fill_(float("nan"))  # a replay that wrote nothing would leave NaN in the next output
+            err, nan = check_then_poison(fresh, got, ctx)
             del got
             replayed = peers.call_counts()[1] - before
             out.append(dict(case=case, phase=phase, step=step, err=err, nan=nan, replayed=replayed))
@@ -373,7 +381,6 @@ def fallback_auto_graph(ctx, cases: list[Case]) -> list[dict]:
     first case again; 5 the first case inside the caller's own CUDA graph, replayed on new operands.
     Returns one row per call, with the rank's replays during it."""
     import contextlib
-    import dataclasses
 
     from fo_kernels.graphs import GRAPH_AFTER_CALLS
     from fo_kernels.runtime import runtime_for
@@ -393,16 +400,11 @@ def fallback_auto_graph(ctx, cases: list[Case]) -> list[dict]:
         a, b, op = prepared(case, ctx)
         stream = torch.cuda.stream(side) if phase == 2 and on_gpu else contextlib.nullcontext()
         for step in range(calls):
-            fresh = dataclasses.replace(case, seed=case.seed + 31 * (step + 1))
-            new_a, new_b = operands(fresh, ctx.rank, ctx.device)
             with stream:
-                a.copy_(new_a)
-                b.copy_(new_b)
+                fresh = refill(case, case.seed + 31 * (step + 1), a, b, ctx)
                 before = graphs.replays if on_gpu else 0
                 got = op(a, b)
-                err, _ = error(fresh, got, ctx)
-                nan = bool(got.isnan().any())
-                got.fill_(float("nan"))  # a replay that wrote nothing would leave NaN in the next output
+                err, nan = check_then_poison(fresh, got, ctx)
                 del got
             replayed = (graphs.replays - before) if on_gpu else 0
             out.append(dict(case=case, phase=phase, step=step, err=err, nan=nan, replayed=replayed))
@@ -412,10 +414,7 @@ def fallback_auto_graph(ctx, cases: list[Case]) -> list[dict]:
         with torch.cuda.graph(graph):
             got = op(a, b)
         for step in range(2):
-            fresh = dataclasses.replace(first, seed=first.seed + 97 * (step + 1))
-            new_a, new_b = operands(fresh, ctx.rank, ctx.device)
-            a.copy_(new_a)
-            b.copy_(new_b)
+            fresh = refill(first, first.seed + 97 * (step + 1), a, b, ctx)
             got.fill_(float("nan"))
             graph.replay()
             err, _ = error(fresh, got, ctx)

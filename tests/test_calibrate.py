@@ -171,6 +171,7 @@ def test_three_ranks_two_collectives(tmp_path):
     assert cal.world_size == 3 and cal.fingerprint.world_size == 3
     assert {p.collective for p in cal.bandwidth} == {"all_reduce", "reduce_scatter"}
     _, rows = read_csv(out / "bandwidth.csv")
+    assert {r["collective"] for r in rows} == {"all_reduce", "reduce_scatter"}
     for r in rows:  # nccl-tests: busbw = algbw * 2(n-1)/n for all_reduce, (n-1)/n otherwise
         factor = 4 / 3 if r["collective"] == "all_reduce" else 2 / 3
         assert math.isclose(float(r["busbw_GBs"]), float(r["algbw_GBs"]) * factor, rel_tol=1e-4)
@@ -521,7 +522,8 @@ def test_a_failed_write_leaves_the_old_folder_untouched(tmp_path, monkeypatch):
         write_calibration_dir(_calibration(), out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["cal"]
-    with pytest.raises(RuntimeError):  # a new folder, and the folders made for it, disappear
+    # a new folder, and the folders made for it, disappear
+    with pytest.raises(RuntimeError, match="disk full"):
         write_calibration_dir(_calibration(), tmp_path / "new" / "deeper" / "cal")
     assert [p.name for p in tmp_path.iterdir()] == ["cal"]
 

@@ -50,8 +50,16 @@ def test_host_points_round_trip_and_older_sections_load():
         EngineCalibration.from_dict(bad, "copy_engine")
 
 
-def test_the_packaged_calibration_still_loads(h200: Calibration):
-    assert h200.copy_engine is not None and h200.copy_engine.library_gemm
+def test_the_packaged_calibration_holds_the_host_term_at_every_n(h200: Calibration):
+    """The packaged calibration's copy-engine section has a host point for every world size 2..8
+    and collective (what the model reads at N peers), each naming the GPU that measured it."""
+    host = h200.copy_engine.host
+    assert {(h.world, h.collective) for h in host} == {
+        (world, collective)
+        for world in range(2, 9)
+        for collective in ("all_reduce", "reduce_scatter", "all_gather")
+    }
+    assert all(h.measured_on for h in host), [h for h in host if not h.measured_on]
 
 
 def test_merge_points_adds_to_the_tp2_section(h200: Calibration):

@@ -10,12 +10,11 @@ code is ``tests/test_gpu_virtual_ranks.py``.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 import torch
+from copy_engine_fakes import FakeLog, FakeStream, fake_driver, install_torch_fakes
 
 import fo_kernels.engines.copy_engine.gpu as gpu
 from fo_kernels.engines.copy_engine import plan_call
@@ -29,58 +28,21 @@ from fo_kernels.errors import ScheduleError, ShapeError
 from fo_kernels.tile import Tile
 
 TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=1, num_warps=4, num_stages=1)
+# The fake streams' driver handles, counted from here (any values the executor never sees otherwise).
+FIRST_HANDLE = 1000
 FLAG_CALLS = ("wait", "write", "memset")
 
 
-class Log:
+class Log(FakeLog):
     """What the fakes saw, in order; streams named by the test."""
 
     def __init__(self) -> None:
-        self.ops: list[tuple] = []
-        self.current = "caller"
-        self.names: dict[int, str] = {}  # stream handle -> name
-        self.events = 0
+        super().__init__("caller")
 
 
-class FakeStream:
-    def __init__(self, log: Log, name: str) -> None:
-        self.log, self.name = log, name
-        self.cuda_stream = 1000 + len(log.names)
-        log.names[self.cuda_stream] = name
-
-    def wait_stream(self, other: FakeStream) -> None:
-        self.log.ops.append(("join", self.name, other.name))
-
-    def wait_event(self, event: FakeEvent) -> None:
-        self.log.ops.append(("wait_event", self.name, event.id))
-
-
-class FakeEvent:
-    def __init__(self, log: Log) -> None:
-        self.log, self.id = log, log.events
-        log.events += 1
-
-    def record(self, stream: FakeStream | None = None) -> None:
-        self.log.ops.append(("record", stream.name, self.id))
-
-
-def _driver(log: Log) -> SimpleNamespace:
-    def add(*op):
-        log.ops.append(op)
-        return (0,)
-
-    name = log.names.__getitem__
-    return SimpleNamespace(
-        CUresult=SimpleNamespace(CUDA_SUCCESS=0),
-        CUstreamWaitValue_flags=SimpleNamespace(CU_STREAM_WAIT_VALUE_GEQ="geq"),
-        CUstreamWriteValue_flags=SimpleNamespace(CU_STREAM_WRITE_VALUE_DEFAULT="fence"),
-        CUstream=lambda handle: handle,
-        CUdeviceptr=int,
-        cuStreamWaitValue32=lambda s, a, v, f: add("wait", name(s), a, v),
-        cuStreamWriteValue32=lambda s, a, v, f: add("write", name(s), a, v),
-        cuMemcpyDtoDAsync=lambda d, s, nbytes, st: add("copy", name(st), d, s, nbytes),
-        cuMemsetD32Async=lambda a, v, count, st: add("memset", name(st), a, v, count),
-    )
+def new_stream(log: Log, name: str) -> FakeStream:
+    """A fake stream with the next free driver handle."""
+    return FakeStream(log, name, FIRST_HANDLE + len(log.names))
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -92,33 +54,16 @@ def log(monkeypatch: pytest.MonkeyPatch) -> Log:
     """A log the fakes write to, with cuBLAS, rows_gemm, torch.cuda.stream and events faked."""
     log = Log()
 
-    def mm(x, y, *, out):
-        log.ops.append(("gemm", log.current, _key(x), _key(out), 0, out.data_ptr()))
+    def gemm(x: torch.Tensor, out: torch.Tensor, beta: int) -> tuple:
+        return _key(x), _key(out), beta, out.data_ptr()
 
-    def addmm_(self, x, y):
-        log.ops.append(("gemm", log.current, _key(x), _key(self), 1, self.data_ptr()))
-        return self
-
-    def rows_gemm(a, b, out, tile, *, grid, row_group, counters=None, ready=None, out2=None, **kw):
+    def rows_gemm(a, b, out, tile, *, grid, row_group, counters=None, ready=None, out2=None, **kw) -> tuple:
         keys = tuple(None if t is None else _key(t) for t in (counters, ready, out2))
         # (whether the ready cells the kernel's tiles wait for are set)
         ready_set = ready is None or bool((ready[: int(row_group.max()) + 1] != 0).all())
-        op = ("kernel", log.current, _key(a), _key(out), grid, keys, kw.get("remote_counters"), ready_set)
-        log.ops.append(op)
+        return _key(a), _key(out), grid, keys, kw.get("remote_counters"), ready_set
 
-    @contextlib.contextmanager
-    def stream(s: FakeStream):
-        before, log.current = log.current, s.name
-        try:
-            yield
-        finally:
-            log.current = before
-
-    monkeypatch.setattr(gpu, "rows_gemm", rows_gemm)
-    monkeypatch.setattr(torch.cuda, "stream", stream)
-    monkeypatch.setattr(torch.cuda, "Event", lambda *args, **kw: FakeEvent(log))
-    monkeypatch.setattr(torch, "mm", mm)
-    monkeypatch.setattr(torch.Tensor, "addmm_", addmm_)
+    install_torch_fakes(monkeypatch, log, gemm, rows_gemm)
     return log
 
 
@@ -126,8 +71,8 @@ def _device(log: Log, sms: int = 132) -> VirtualDevice:
     made = iter(range(10_000))
     return VirtualDevice(
         device=torch.device("cpu"),
-        driver=_driver(log),
-        new_stream=lambda priority: FakeStream(log, f"s{next(made)}"),
+        driver=fake_driver(log),
+        new_stream=lambda priority: new_stream(log, f"s{next(made)}"),
         current_stream=lambda: caller,
         capturing=lambda: False,
         synchronize=lambda: log.ops.append(("sync",)),
@@ -177,7 +122,7 @@ def test_virtual_ranks_issue_each_ranks_list_as_a_lone_rank_does(case, log: Log)
     mode, collective, world, m, weights = case
     n, k = 40, 24
     tile = TILE if mode == "tiled" else None
-    caller = FakeStream(log, "caller")
+    caller = new_stream(log, "caller")
     ranks = VirtualRanks(world, _device(log))
     a, b = _operands(world, collective, m, n, k)
     dtypes = Dtypes(torch.float32, torch.float32)
@@ -196,7 +141,7 @@ def test_virtual_ranks_issue_each_ranks_list_as_a_lone_rank_does(case, log: Log)
         ex = ranks._executors[r]
         mine = {s.name for s in ex._streams.values()} | {ranks._mains[r].name}
         projected = [op for op in call if op[0] != "sync" and op[1] in mine]
-        lone = gpu.GpuExecutor(_driver(log), r, ex.layout, ex._streams, ex.flags, ex.counters, share, _ok)
+        lone = gpu.GpuExecutor(fake_driver(log), r, ex.layout, ex._streams, ex.flags, ex.counters, share, _ok)
         lone.regions = ex.regions
         before = len(log.ops)
         compiled = lone.compile(plan, dtypes)
@@ -228,7 +173,7 @@ def test_the_warm_up_launches_every_kernel_before_the_first_wait(case, log: Log)
     global caller
     mode, collective, world, m, weights = case
     tile = TILE if mode == "tiled" else None
-    caller = FakeStream(log, "caller")
+    caller = new_stream(log, "caller")
     ranks = VirtualRanks(world, _device(log))
     a, b = _operands(world, collective, m, 40, 24)
     rows = a[0].shape[0]
@@ -266,15 +211,15 @@ def test_the_warm_up_covers_a_lone_ranks_kernels(world: int, collective: str, lo
     flags = {q: torch.zeros(layout.slots, dtype=torch.int32) for q in range(world)}
     rb = region_bytes_for(plan, torch.float32)
     data = {q: torch.zeros(data_bytes(world, rb, 0), dtype=torch.uint8) for q in range(world)}
-    streams = {name: FakeStream(log, name) for name in ("side", "local", "notify", "alt")}
+    streams = {name: new_stream(log, name) for name in ("side", "local", "notify", "alt")}
     counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int32)
-    ex = gpu.GpuExecutor(_driver(log), 1, layout, streams, flags, counters, 132, _ok)
+    ex = gpu.GpuExecutor(fake_driver(log), 1, layout, streams, flags, counters, 132, _ok)
     ex.regions = Regions(world, rb, data)
     compiled = ex.compile(plan, torch.float32)
     a, b = torch.randn(m // world if collective == "all_gather" else m, k), torch.randn(k, n)
     out = torch.empty(plan.out_rows, n)
     gathered = torch.empty(m, k) if collective == "all_gather" else None
-    main = FakeStream(log, "main")
+    main = new_stream(log, "main")
     ran = ex.warm_up(compiled.eager, ex.bind(a, b, out, main, gathered))
     warm = list(log.ops)
     log.ops.clear()
@@ -330,7 +275,7 @@ def test_issue_order_refuses_lists_that_would_hang():
 
 def test_virtual_ranks_refuse_bad_input(log: Log):
     global caller
-    caller = FakeStream(log, "caller")
+    caller = new_stream(log, "caller")
     with pytest.raises(ShapeError, match="at least 2"):
         VirtualRanks(1, _device(log))
     ranks = VirtualRanks(2, _device(log))
@@ -348,7 +293,7 @@ def test_virtual_ranks_refuse_bad_input(log: Log):
 def test_tiled_kernels_get_a_share_of_the_sms(log: Log):
     """Each rank's persistent kernel takes sms // N SMs, so all of them are resident at once."""
     global caller
-    caller = FakeStream(log, "caller")
+    caller = new_stream(log, "caller")
     ranks = VirtualRanks(2, _device(log, sms=132))
     a, b = _operands(2, "reduce_scatter", 64, 40, 24)
     ranks.run("reduce_scatter", a, b, mode="tiled", weights=(1, 1), tile=TILE)

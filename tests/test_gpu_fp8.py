@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 
 import pytest
 import torch
@@ -173,27 +172,6 @@ def test_signalled_fp8_gemm_matches_float64(shape, rowwise):
             )
         library = scaled_mm(a, b, scales)  # torch._scaled_mm, the same math
         assert _rel(library, want) < TOL[out_name]
-
-
-@pytest.fixture
-def nccl_one_rank(tmp_path, monkeypatch):
-    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    torch.cuda.set_device(0)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"file://{tmp_path / 'store'}",
-        rank=0,
-        world_size=1,
-        device_id=torch.device("cuda", 0),
-    )
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the heuristic schedules' warnings
-            yield
-    finally:
-        torch._dynamo.reset()
-        dist.destroy_process_group()
 
 
 OPS = {"all_reduce": gemm_all_reduce, "reduce_scatter": gemm_reduce_scatter, "all_gather": all_gather_gemm}

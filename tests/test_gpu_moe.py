@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import triton
 import triton.language as tl
@@ -30,23 +29,6 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 H, I, E, K_TOP = 512, 384, 8, 4
 # Repetitions of the visibility check (poisoned output each time)
 VISIBILITY_REPS = 100
-
-
-@pytest.fixture
-def nccl_one_rank(tmp_path):
-    torch.cuda.set_device(0)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"file://{tmp_path / 'store'}",
-        rank=0,
-        world_size=1,
-        device_id=torch.device("cuda", 0),
-    )
-    try:
-        yield
-    finally:
-        torch._dynamo.reset()
-        dist.destroy_process_group()
 
 
 def _schedule(engine: str | None, dtype: torch.dtype, tokens: int, tile: Tile | None = None) -> MoeSchedule:

@@ -9,11 +9,9 @@ Run on a GPU machine with: TRITON_INTERPRET=0 python -m pytest -m gpu tests/test
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fo_kernels import Problem, Schedule, all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.engines.triton.settings import TritonSettings
@@ -33,25 +31,6 @@ FP32_TF32_TOL = 1e-2
 def _isolated_tables(tmp_path, monkeypatch):
     monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-
-
-@pytest.fixture
-def nccl_one_rank(tmp_path):
-    torch.cuda.set_device(0)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"file://{tmp_path / 'store'}",
-        rank=0,
-        world_size=1,
-        device_id=torch.device("cuda", 0),
-    )
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the heuristic schedules' warnings
-            yield
-    finally:
-        torch._dynamo.reset()
-        dist.destroy_process_group()
 
 
 def _triton(collective: str, m: int, n: int, k: int) -> Schedule:

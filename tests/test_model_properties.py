@@ -45,7 +45,10 @@ def test_a_collective_never_takes_less_for_more_bytes(offline, collective):
     through them priced a bigger output's GEMM then collective below a smaller one's."""
     world, _dtype, model = offline
     curves = model.curves
+    if not curves.knows(collective):
+        pytest.skip(f"no {collective} curve at world size {world} (the packaged TP=2 calibration)")
     caps = sorted({b.nccl_max_ctas for b in model.cal.bandwidth if b.collective == collective})
+    assert caps, (world, collective)
     sizes = sorted({b.size_bytes for b in model.cal.bandwidth} | {1, 1 << 33})
     # every measured size, the points around it, and sizes between and beyond them
     probe = sorted({max(1, s + d) for s in sizes for d in (-1, 0, 1, s // 3)})
@@ -109,8 +112,7 @@ def test_a_siblings_chunk_gemms_do_not_price_the_baseline(offline):
     next to it did not overlap. Only the copy engine's chunks at N > 2 read them."""
     world, dtype, model = offline
     library = model.library
-    if dtype == "bfloat16":  # (another dtype's GEMM reads no measured point)
-        assert library.sibling
+    checked = 0
     for m, n, k, beta in library.sibling:
         if beta:
             continue
@@ -118,6 +120,8 @@ def test_a_siblings_chunk_gemms_do_not_price_the_baseline(offline):
             at = model.baseline(collective, m, n, k, dtype).sequential_ms
             assert at <= model.baseline(collective, m + 1, n, k, dtype).sequential_ms, (world, m, n, k)
         assert library.time(m, n, k) == library.paced_ms(m, n, k) * library.clock
+        checked += 1
+    assert checked, f"the packaged calibration's sibling holds no beta-0 chunk GEMM ({world}, {dtype})"
 
 
 def test_the_grouping_dp_reads_the_curve_once(offline):

@@ -387,7 +387,7 @@ def test_a_dtensor_operand_is_told_to_pass_its_local_tensor_and_where_the_styles
 
 def _traced_output_shapes(fn: Callable[..., object], args: tuple) -> list[tuple[int, ...]]:
     """The shapes of the outputs of ``fn``'s graph as torch.compile(fullgraph=True) traces it; the
-    graph's run then raises the call's refusal."""
+    graph's run then raises the call's refusal, a ValueError subclass (the input is bad)."""
     shapes: list[tuple[int, ...]] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., object]:
@@ -396,9 +396,10 @@ def _traced_output_shapes(fn: Callable[..., object], args: tuple) -> list[tuple[
         shapes.extend(tuple(node.meta["example_value"].shape) for node in nodes)
         return gm.forward
 
-    with pytest.raises(FoTuneError):
+    with pytest.raises(FoTuneError) as refused:
         torch.compile(fn, fullgraph=True, backend=backend)(*args)
     torch._dynamo.reset()
+    assert isinstance(refused.value, ValueError), refused.value  # bad input: a ValueError subclass
     return shapes
 
 

@@ -66,6 +66,19 @@ def search(*args: str):
     return CliRunner().invoke(app, ["search", *args])
 
 
+def gloo_search(mode: str, shape: str, out: Path, *more: str, world: int = 2):
+    """``fo-tune search`` of one shape on gloo ranks, one sample and one confirmation round, its
+    tables, studies and reports under out."""
+    ranks = ("--world-size", str(world), "--backend", "gloo", "--reps", "1", "--confirm-rounds", "1")
+    return search("--mode", mode, "--shape", shape, *ranks, "--out", str(out), *more)
+
+
+def completed_trials(report: Path) -> list[dict[str, str]]:
+    """The rows of a search report's trials.csv whose trial completed."""
+    with (report / "trials.csv").open() as f:
+        return [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
+
+
 def enc_for(model, collective, shape, space=None, engines=("triton",)):
     m, n, k = shape
     task = ShapeTask(
@@ -143,6 +156,7 @@ def test_model_comm_time_is_monotone_and_interpolates(model, h200):
         (b for b in h200.bandwidth if b.collective == "all_reduce" and b.nccl_max_ctas == 16),
         key=lambda b: b.size_bytes,
     )
+    assert len(pts) > 2, "the packaged calibration's all_reduce curve at cap 16 has too few points"
     for i, b in enumerate(pts):  # each measured point, raised to the smaller sizes' largest time
         assert model.comm_time("all_reduce", 16, b.size_bytes) == pytest.approx(
             max(p.time_ms for p in pts[: i + 1])
@@ -706,26 +720,7 @@ def test_two_workers_share_one_journal_study(tmp_path):
 @pytest.mark.slow
 def test_measure_mode_end_to_end_on_gloo(tmp_path, monkeypatch):
     out = tmp_path / "o"
-    r = search(
-        "--mode",
-        "measure",
-        "--shape",
-        "64x96x64",
-        "--world-size",
-        "2",
-        "--backend",
-        "gloo",
-        "--trials",
-        "4",
-        "--reps",
-        "1",
-        "--confirm-rounds",
-        "1",
-        "-c",
-        "all_reduce,reduce_scatter",
-        "--out",
-        str(out),
-    )
+    r = gloo_search("measure", "64x96x64", out, "--trials", "4", "-c", "all_reduce,reduce_scatter")
     assert r.exit_code == 0, r.output
     import torch
 
@@ -734,9 +729,7 @@ def test_measure_mode_end_to_end_on_gloo(tmp_path, monkeypatch):
     key = current_fingerprint(torch.device("cpu"), 2).device_key
     for name in ("all_reduce", "reduce_scatter"):
         report = run_report(out / "report" / f"{name}-w2-bfloat16-measure")
-        with (report / "trials.csv").open() as f:
-            trials = list(csv.DictReader(f))
-        done = [t for t in trials if t["state"] == "COMPLETE"]
+        done = completed_trials(report)
         assert done and all(float(t["measured_ms"]) > 0 and float(t["rel_err"]) < 1e-2 for t in done)
         summary = yaml.safe_load((report / "summary.yaml").read_text())
         assert summary["shapes"][0]["baseline"]["source"] == "measured"
@@ -753,19 +746,14 @@ def test_measure_mode_all_gather_on_gloo(tmp_path, monkeypatch):
     """AllGather + GEMM measured on 2 gloo ranks: every trial checked against all_gather(a) @ b,
     the baseline (the gather, then the GEMM) measured and checked, a row the runtime returns."""
     out = tmp_path / "o"
-    r = search(
-        "--mode", "measure", "--shape", "256x64x32", "-c", "all_gather", "--world-size", "2",
-        "--backend", "gloo", "--trials", "3", "--reps", "1", "--confirm-rounds", "1", "--dtype", "float32",
-        "--out", str(out),
-    )  # fmt: skip
+    r = gloo_search("measure", "256x64x32", out, "-c", "all_gather", "--trials", "3", "--dtype", "float32")
     assert r.exit_code == 0, r.output
     import torch
 
     from fo_kernels.fingerprint import current_fingerprint
 
     report = run_report(out / "report" / "all_gather-w2-float32-measure")
-    with (report / "trials.csv").open() as f:
-        done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
+    done = completed_trials(report)
     assert done and all(float(t["measured_ms"]) > 0 and float(t["rel_err"]) < 1e-4 for t in done)
     assert {t["engine"] for t in done} == {"triton"}  # (the copy engine needs peers: none on gloo)
     summary = yaml.safe_load((report / "summary.yaml").read_text())
@@ -863,26 +851,7 @@ def cpu_calibration(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_hybrid_measures_only_the_models_top_k(tmp_path, cpu_calibration):
     out = tmp_path / "o"
-    r = search(
-        "--mode",
-        "hybrid",
-        "--calibration",
-        str(cpu_calibration),
-        "--shape",
-        "64x96x64",
-        "--world-size",
-        "2",
-        "--backend",
-        "gloo",
-        "--top-k",
-        "2",
-        "--reps",
-        "1",
-        "--confirm-rounds",
-        "1",
-        "--out",
-        str(out),
-    )
+    r = gloo_search("hybrid", "64x96x64", out, "--calibration", str(cpu_calibration), "--top-k", "2")
     assert r.exit_code == 0, r.output
     report = run_report(out / "report" / "all_reduce-w2-bfloat16-hybrid")
     whole = yaml.safe_load((report / "summary.yaml").read_text())
@@ -891,8 +860,7 @@ def test_hybrid_measures_only_the_models_top_k(tmp_path, cpu_calibration):
     # the top 2 of the model's ranking, plus the warm start (heuristic default, its DP grouping)
     assert 1 <= summary["measured_this_run"] <= 2 + 2
     assert summary["model_error"]["mape"] is not None
-    with (report / "trials.csv").open() as f:
-        done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
+    done = completed_trials(report)
     assert done and all(t["predicted_ms"] and t["measured_ms"] for t in done)
 
 
@@ -906,17 +874,25 @@ def test_hybrid_all_gather_on_gloo(tmp_path):
     r = CliRunner().invoke(app, ["calibrate", *args, "--out", str(cal)])
     assert r.exit_code == 0, r.output
     out = tmp_path / "o"
-    r = search(
-        "--mode", "hybrid", "--calibration", str(cal / "calibration.yaml"), "--shape", "256x64x32",
-        "-c", "all_gather", "--dtype", "float32", "--world-size", "2", "--backend", "gloo", "--top-k", "2",
-        "--reps", "1", "--confirm-rounds", "1", "--out", str(out),
-    )  # fmt: skip
+    cal_file = str(cal / "calibration.yaml")
+    r = gloo_search(
+        "hybrid",
+        "256x64x32",
+        out,
+        "--calibration",
+        cal_file,
+        "-c",
+        "all_gather",
+        "--dtype",
+        "float32",
+        "--top-k",
+        "2",
+    )
     assert r.exit_code == 0, r.output
     report = run_report(out / "report" / "all_gather-w2-float32-hybrid")
     summary = yaml.safe_load((report / "summary.yaml").read_text())["shapes"][0]
     assert 1 <= summary["measured_this_run"] <= 2 + 2
-    with (report / "trials.csv").open() as f:
-        done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE" and t["measured_ms"]]
+    done = [t for t in completed_trials(report) if t["measured_ms"]]
     assert done and all(t["predicted_ms"] and float(t["rel_err"]) < 1e-4 for t in done)
 
 
@@ -941,9 +917,7 @@ def test_measure_and_hybrid_on_two_gpus(tmp_path):
     )
     assert r.exit_code == 0, r.output
     for name in ("all_reduce", "reduce_scatter"):
-        report = run_report(out / "report" / f"{name}-w2-bfloat16-measure")
-        with (report / "trials.csv").open() as f:
-            done = [t for t in csv.DictReader(f) if t["state"] == "COMPLETE"]
+        done = completed_trials(run_report(out / "report" / f"{name}-w2-bfloat16-measure"))
         assert done and all(float(t["rel_err"]) < 1e-2 and float(t["measured_ms"]) > 0 for t in done)
 
 
@@ -962,27 +936,8 @@ def test_three_ranks_search_and_bench(tmp_path):
     """Nothing is hard-wired to 2 ranks: a measured search and the bench on 3 gloo ranks, with a
     ReduceScatter whose M splits into 3 shards."""
     out = tmp_path / "o"
-    r = search(
-        "--mode",
-        "measure",
-        "--shape",
-        "96x64x48",
-        "--world-size",
-        "3",
-        "--backend",
-        "gloo",
-        "--trials",
-        "3",
-        "--reps",
-        "1",
-        "--confirm-rounds",
-        "1",
-        "-c",
-        "reduce_scatter",
-        "--dtype",
-        "float32",
-        "--out",
-        str(out),
+    r = gloo_search(
+        "measure", "96x64x48", out, "--trials", "3", "-c", "reduce_scatter", "--dtype", "float32", world=3
     )
     assert r.exit_code == 0, r.output
     summary = yaml.safe_load(

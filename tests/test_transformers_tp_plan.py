@@ -6,10 +6,9 @@ weights' gradients with the unsharded model; this runs it and checks what it rep
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from cli_checks import run_example_on_gloo
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "transformers_tp_plan.py"
 CHECKS = {"logits", "loss", "colwise weights", "rowwise weights"}
@@ -18,24 +17,7 @@ FO_TUNE_MODULES = 2 * 7
 
 
 def test_tp_plan_names_run_on_fo_tune(tmp_path):
-    env = {
-        **os.environ,
-        "FO_TUNE_TABLE_DIR": str(tmp_path / "tables"),  # no table: the heuristic schedules
-        "XDG_DATA_HOME": str(tmp_path / "xdg"),
-        "TRITON_INTERPRET": "1",
-    }
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--world-size", "2", "--backend", "gloo"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, done.stdout
-    result = json.loads(lines[0].removeprefix("RESULT "))
-    assert result["ok"] and result["world_size"] == 2, result
+    result, done = run_example_on_gloo(EXAMPLE, tmp_path)
     assert set(result["errors"]) == CHECKS, result
     assert all(err < 1e-5 for err in result["errors"].values()), result
     assert result["fo_tune_modules"] == FO_TUNE_MODULES, result
