@@ -517,6 +517,13 @@ def test_a_shape_that_cannot_exist_is_refused_at_once(runner, tmp_path):
     ):
         line = assert_one_line_error(_timed(runner, [*command, "--shape", "99999999999x1x1"]))
         assert str(INT32_MAX) in line, (command, line)
+    # a lookup of such a call: no call of that shape runs (it answered overlap: false, exit 0)
+    line = assert_one_line_error(runner.invoke(app, ["table", "lookup", "--shape", "99999999999x8x8"]))
+    assert str(INT32_MAX) in line, line
+    line = assert_one_line_error(
+        runner.invoke(app, ["table", "lookup", "-s", "64x24x32", "-d", "float8_e4m3fn"])
+    )
+    assert "multiples of 16" in line, line
     assert not Path(out).exists()
 
 

@@ -128,12 +128,13 @@ ExpertsOpt = Annotated[
     ),
 ]
 TokensOpt = Annotated[
-    int | None,
+    str | None,
     typer.Option(
         "--tokens",
         "-t",
         metavar="T",
-        help="An MoE call's tokens per rank: the most any rank of the call holds (with --experts).",
+        help="An MoE call's tokens per rank: one integer >= 0, the most any rank of the call holds "
+        "(with --experts).",
         show_default=False,
     ),
 ]
@@ -209,6 +210,10 @@ def lookup(
         "--collective", DEFAULT_COLLECTIVE if collective is None else collective, COLLECTIVE_NAMES
     )
     dtype = check_choice("--dtype", DEFAULT_DTYPE if dtype is None else dtype, DTYPE_NAMES)
+    from fo_tune.ranks.limits import Target, check_problem_size
+
+    # a size above int32 or an fp8 N, K the ops refuse: no call of that shape runs, so no row answers
+    check_problem_size([(m, n, k)], dtype, Target(None, "the call"))
     world = world_of(world_size, device_key)
     if collective in SHARDED_COLLECTIVE_NAMES and m % world:
         gathered = " (all_gather's M is the gathered M)" if collective == "all_gather" else ""
@@ -249,16 +254,30 @@ def _print_answer(out: dict[str, Any], json_out: bool) -> None:
         typer.echo(yaml.safe_dump(out, sort_keys=False, width=110), nl=False)
 
 
+def _parse_call_tokens(text: str) -> int:
+    """``--tokens T`` of one MoE call: an integer >= 0, else ``typer.BadParameter`` saying what to
+    give (a list, what ``fo-tune search -c moe --tokens`` takes, names the search's option)."""
+    try:
+        tokens = int(text.strip())
+    except ValueError:
+        raise typer.BadParameter(
+            f"--tokens {text!r}: expected one integer >= 0, the most tokens any rank of the call holds "
+            "(a lookup answers one call; `fo-tune search -c moe --tokens T,...` takes a list of buckets)"
+        ) from None
+    if tokens < 0:
+        raise typer.BadParameter(f"--tokens must be >= 0, got {tokens}")
+    return tokens
+
+
 def _moe_lookup(
-    experts: str | None, tokens: int | None, world_size: int | None, dtype: str | None, device_key: str | None
+    experts: str | None, text: str | None, world_size: int | None, dtype: str | None, device_key: str | None
 ) -> dict[str, Any]:
     """The answer of an MoE lookup: the row ``expert_parallel_ffn`` takes for the call (with its
     file and kind), or the no-overlap path and the files read."""
-    if experts is None or tokens is None:
+    if experts is None or text is None:
         missing = "--experts H,I,E_LOCAL,K" if experts is None else "--tokens T"
         raise typer.BadParameter(f"{missing}: an MoE lookup needs the experts' shape and the tokens per rank")
-    if tokens < 0:
-        raise typer.BadParameter(f"--tokens must be >= 0, got {tokens}")
+    tokens = _parse_call_tokens(text)
     from fo_tune.moe.plan import ExpertsShape, check_moe_dtype
 
     shape = ExpertsShape.parse(experts)
