@@ -957,6 +957,28 @@ def test_no_gain_rule():
     assert overlap and speedup == pytest.approx(1.25) and "1.250x" in text
 
 
+def test_a_number_not_measured_stays_out_of_the_row(tmp_path):
+    """A measured search of one sample a schedule has no interquartile range (NaN): its row leaves
+    the key out, since a table refuses a non-finite provenance number (it wrote ``iqr_ms: .nan``)."""
+    from fo_kernels.fingerprint import current_fingerprint
+    from fo_tune.search import SearchRequest
+    from fo_tune.search.decide import Verdict
+    from fo_tune.search.driver import make_row
+
+    request = SearchRequest(shapes=((64, 64, 64),), mode="measure")
+    verdict = Verdict(False, 1.0, "no gain", None, None, 0.1)
+    numbers = {"iqr_ms": math.nan, "sequential_ms": 0.1, "fallback_ms": math.inf}
+    row = make_row(request, (64, 64, 64), verdict, numbers)
+    assert "iqr_ms" not in row.provenance and "fallback_ms" not in row.provenance
+    assert row.provenance["sequential_ms"] == 0.1
+    table = ScheduleTable(
+        fingerprint=current_fingerprint("cpu", 2), collective="all_reduce", world_size=2, dtype="bfloat16"
+    )
+    table.upsert(row)
+    save_table(table, tmp_path / "t.yaml")
+    assert load_table(tmp_path / "t.yaml").rows == [row]
+
+
 @pytest.mark.slow
 def test_three_ranks_search_and_bench(tmp_path):
     """Nothing is hard-wired to 2 ranks: a measured search and the bench on 3 gloo ranks, with a

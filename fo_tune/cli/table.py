@@ -120,7 +120,8 @@ VALIDATE_HELP = "\n\n".join(
     [
         "Check schedule table files: their format, then that every row gives the runtime a plan "
         "for the shapes it covers.",
-        "Format: schema version, header, fingerprint, every row's fields (what loading checks).",
+        "Format: schema version, header, fingerprint, every row's fields (what loading checks; a "
+        "NaN or infinite number in a row's provenance is refused).",
         "Plans: every overlapped exact-shape row must give a plan for its shape (groups summing to "
         "the signal units of the shape, row_band groups starting on whole bands of group_m tile "
         "rows, sms_free leaving a grid of the fingerprint's SM count); every overlapped M-range row "
@@ -129,9 +130,10 @@ VALIDATE_HELP = "\n\n".join(
         "An MoE table (moe-w<world>-<dtype>.yaml, or a file whose kind says so): its format (what "
         "loading checks: every field, the tile, chunks, token buckets of one experts' shape not "
         "overlapping), every row's k at most its E = world size x E_local experts (a token picks k "
-        "distinct experts), then every overlapped row: a triton row's sms_free must leave its grouped "
-        "GEMMs a grid of the fingerprint's SM count, and the row's engine must run on the "
-        "fingerprint's machine (the copy engine needs peer access between the GPUs).",
+        "distinct experts) and every number of its provenance finite, then every overlapped row: a "
+        "triton row's sms_free must leave its grouped GEMMs a grid of the fingerprint's SM count, "
+        "and the row's engine must run on the fingerprint's machine (the copy engine needs peer "
+        "access between the GPUs).",
         "Prints OK per good file on stdout and one line per problem on stderr. A note says when a "
         "file is not where lookup looks for it (<device-key>/<collective>-w<world>-<dtype>.yaml, "
         "<device-key>/moe-w<world>-<dtype>.yaml); a file lookup reads and refuses (under another "

@@ -4,6 +4,7 @@ and saving, and the fingerprint check."""
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -38,6 +39,39 @@ def _check_header_keys(schedule: Schedule, table: Any) -> None:
         if getattr(schedule, key) != getattr(table, key):
             theirs, ours = getattr(schedule, key), getattr(table, key)
             raise TableError(f"{key}: the schedule says {theirs!r}, the table is for {ours!r}")
+    check_finite_provenance(schedule.provenance)
+
+
+def _non_finite(value: Any, path: str) -> str | None:
+    """The path of the first NaN or infinite float in ``value`` (nested mappings and lists)."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    if isinstance(value, Mapping):
+        items = [(f"{path}.{key}", item) for key, item in value.items()]
+    else:
+        items = (
+            [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+            if isinstance(value, (list, tuple))
+            else []
+        )
+    return next((found for where, item in items if (found := _non_finite(item, where))), None)
+
+
+# The types of a provenance value that hold no float (a search's record is these and floats).
+_NO_FLOAT = frozenset((str, int, bool, type(None)))
+
+
+def check_finite_provenance(provenance: Mapping[str, Any]) -> None:
+    """Refuse a NaN or infinite number in a row's provenance (``ScheduleError`` naming it): what a
+    search records there is finite, and a NaN read back spoils every sum and ranking (``MAPE
+    nan%``). One look at each scalar (``x - x`` is 0.0 for a finite float, else NaN)."""
+    for value in provenance.values():
+        kind = value.__class__
+        if (kind is float and value - value) or (kind is not float and kind not in _NO_FLOAT):
+            where = _non_finite(provenance, "provenance")
+            if where is not None:
+                raise ScheduleError(f"{where}: not a finite number; write the number, or remove the key")
+            return
 
 
 @dataclass(kw_only=True, slots=True)
@@ -258,7 +292,9 @@ def build_row(row: Any, i: int, header: TableHeader, source: str) -> Schedule:
     try:
         if header.schema_version == 1:
             row = upgrade_v1_row(row)
-        return Schedule.from_dict(row, defaults=header.defaults())
+        schedule = Schedule.from_dict(row, defaults=header.defaults())
+        check_finite_provenance(schedule.provenance)
+        return schedule
     except ScheduleError as exc:
         raise TableError(f"{source}: rows[{i}]: {exc}") from None
 
