@@ -25,6 +25,7 @@ from fo_tune.cli.common import (
     json_text,
     one_line,
 )
+from fo_tune.cli.search_moe import MOE_COLLECTIVE
 from fo_tune.cli.table_diff import DIFF_HELP, diff
 from fo_tune.cli.table_find import LIST_HELP, LOOKUP_HELP, list_tables, lookup
 from fo_tune.cli.table_json import FileCheck, document_text, show_document, validate_document
@@ -236,6 +237,10 @@ def show(
             "--collective", DEFAULT_COLLECTIVE if collective is None else collective, TABLE_COLLECTIVES
         )
         dtype = check_choice("--dtype", DEFAULT_DTYPE if dtype is None else dtype, DTYPE_NAMES)
+        if collective == MOE_COLLECTIVE:
+            from fo_tune.moe.plan import check_moe_dtype
+
+            check_moe_dtype(dtype)  # (an fp8 MoE table has no file name: the name's check said "dtype:")
         paths = find_paths(device_key, collective, world_of(world_size, device_key), dtype)
     found = [(p, load_any_table(p)) for p in paths]
     moe = [(p, t) for p, t in found if isinstance(t, MoeTable)]
@@ -281,7 +286,6 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJso
     """``fo-tune table validate`` (its help: ``VALIDATE_HELP``)."""
     from fo_kernels.errors import TableError, TableNotFoundError
     from fo_kernels.moe.table import MoeTable
-    from fo_tune.cli.search_moe import MOE_COLLECTIVE
     from fo_tune.tables.kinds import load_any_table
     from fo_tune.tables.moe_validate import validate_moe_table
     from fo_tune.tables.validate import validate_table
