@@ -621,6 +621,18 @@ def test_a_list_argument_shows_its_metavar_once(runner, command: list[str], usag
     assert line.split()[-1] == usage, line
 
 
+def test_every_command_help_says_its_exit_codes(runner):
+    """Each command's --help says what its exit codes mean (model fit's said nothing of them)."""
+    commands = [["search"], ["calibrate"], ["bench"], ["profile"], ["demo"], ["model", "check"]]
+    commands += [
+        ["model", "fit"],
+        *(["table", sub] for sub in ("list", "show", "lookup", "validate", "diff", "pull")),
+    ]
+    for command in commands:
+        result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "400"})
+        assert "Exit code 0 " in " ".join(result.output.split()), command
+
+
 def test_every_help_keeps_its_words_whole_at_80_columns(runner):
     """An option's help folds a word longer than its column (a default output path) onto the next
     line at 80 columns; it was cut with "…", losing where the output goes."""

@@ -647,6 +647,11 @@ def test_a_suites_dtype_is_the_default_for_dtype(tmp_path):
         (run,) = json.loads(r.stdout)["runs"]
         runs[bool(extra)] = run["request"]["dtype"]
     assert runs == {False: "float8_e4m3fn", True: "bfloat16"}
+    # --shape and --shapes together: both searched, the suite's dtype the default (--help says so)
+    r = search("--shapes", str(suite), "--shape", "128x64x64", "--out", str(tmp_path / "o"), "--json")
+    (run,) = json.loads(r.stdout)["runs"]
+    assert [s["shape"] for s in run["shapes"]] == ["128x64x64", "64x64x64"], run["shapes"]
+    assert run["request"]["dtype"] == "float8_e4m3fn"
     suite.write_text("name: typo\ndtype: bf16\nshapes:\n  - [64, 64, 64]\n")
     line = assert_one_line_error(search("--shapes", str(suite), "--out", str(tmp_path / "p")))
     assert f"{suite}: dtype: 'bf16' is not one of" in line, line

@@ -100,7 +100,7 @@ ShapesFileOpt = Annotated[
         metavar="FILE",
         help="YAML with a `shapes:` list of [M, N, K] (e.g. suites/h200_tp.yaml); -c moe: an MoE suite's "
         "`models:` (suites/moe/experts.yaml), E / world size local experts each. Its dtype is the "
-        "default for --dtype.",
+        "default for --dtype. Searched together with any --shape (-c moe: --experts) given.",
     ),
 ]
 CollectiveOpt = Annotated[
