@@ -271,7 +271,7 @@ def test_run_cli_maps_errors_to_one_line(capsys, exc, code):
 def test_parse_shape():
     assert parse_shape("4096x8192x4096") == (4096, 8192, 4096)
     assert parse_shape(" 3X4x5 ") == (3, 4, 5)
-    for bad in ("", "1x2", "1x2x3x4", "0x1x1", "axbxc", "1.5x2x3"):
+    for bad in ("", "1x2", "1x2x3x4", "0x1x1", "axbxc", "1.5x2x3", "\u0664x8x8"):  # (an Arabic-Indic 4)
         with pytest.raises(typer.BadParameter):
             parse_shape(bad)
 

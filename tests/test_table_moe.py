@@ -312,6 +312,8 @@ def test_lookup_miss_suggests_a_key_of_the_world_size_first(runner: CliRunner, t
         (["--experts", "4096,1536,32,8", "--tokens", "-1"], "--tokens must be >= 0"),
         # a list (what search -c moe takes) was typer's raw "Input should be a valid integer"
         (["--experts", "4096,1536,32,8", "--tokens", "4,5"], "--tokens '4,5': expected one integer >= 0"),
+        # a call whose rows T x k pass int32 cannot run (it answered the no-overlap path, exit 0)
+        (["--experts", "4096,1536,32,8", "--tokens", "99999999999"], "is above 2147483647"),
         # k distinct experts of E = world x E_local: a k above E was looked up (a call no router makes)
         (["--experts", "4096,1536,4,9", "--tokens", "5"], "k = 9 is above the 8 experts at the default"),
         (

@@ -174,7 +174,8 @@ SpaceOpt = Annotated[
     ),
 ]
 
-_SHAPE = re.compile(r"^\s*(\d+)\s*[xX*,]\s*(\d+)\s*[xX*,]\s*(\d+)\s*$")
+# (re.ASCII: digits 0-9 only; int() would read another script's digits, "٤x8x8", as 4x8x8)
+_SHAPE = re.compile(r"^\s*(\d+)\s*[xX*,]\s*(\d+)\s*[xX*,]\s*(\d+)\s*$", re.ASCII)
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:

@@ -278,12 +278,14 @@ def _moe_lookup(
         missing = "--experts H,I,E_LOCAL,K" if experts is None else "--tokens T"
         raise typer.BadParameter(f"{missing}: an MoE lookup needs the experts' shape and the tokens per rank")
     tokens = _parse_call_tokens(text)
-    from fo_tune.moe.plan import ExpertsShape, check_moe_dtype
+    from fo_tune.moe.plan import ExpertsShape, check_moe_dtype, check_moe_size
+    from fo_tune.ranks.limits import Target
 
     shape = ExpertsShape.parse(experts)
     key = (shape.hidden, shape.intermediate, shape.experts, shape.top_k)
     dtype = check_choice("--dtype", DEFAULT_DTYPE if dtype is None else dtype, DTYPE_NAMES)
     check_moe_dtype(dtype)
+    check_moe_size([shape], [tokens], dtype, Target(None, "the call"))  # (int32 sizes, as the search's)
     world = world_of(world_size, device_key)
     named = "--world-size" if world_size is not None else "-k's world size" if device_key else ""
     shape.check_world(world, named or "the default --world-size")
