@@ -522,6 +522,7 @@ def test_time_budget_stops_early(tmp_path):
         ),
         (["--shape", "64x64x64", "--mode", "fast"], "--mode"),
         (["--shape", "64x64x64", "--m-range", "9:3"], "LO <= HI"),
+        (["--shape", "64x64x64", "--m-range", "1:\u0669"], "expected LO:HI"),  # (an Arabic-Indic 9)
         (["--shape", "64x64x64", "--trials", "0"], "--trials"),
         (["--shape", "64x64x64", "--mode", "measure", "--confirm-rounds", "0"], "--confirm-rounds"),
         (["--shape", "64x64x64", "--calibration", "missing.yaml"], "missing.yaml"),

@@ -117,7 +117,7 @@ OutOpt = Annotated[
     ),
 ]
 
-_NK = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_NK = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$", re.ASCII)  # (0-9 only, as a shape's)
 # How much of a YAML file is read to tell a calibration given as a table (its kind is on its second
 # line as fo_tune.calibrate.calibration.save_calibration writes it) from a table.
 KIND_PEEK_CHARS = 4096
