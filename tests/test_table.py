@@ -338,6 +338,16 @@ def test_a_non_finite_provenance_number_is_refused(tmp_path: Path, value: str) -
         table.upsert(dataclasses.replace(exact_row(), provenance={"tag": float("nan")}))
 
 
+def test_a_pipe_or_device_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """A table path that is a named pipe (or a device: /dev/zero) is refused, not read: the read
+    of a pipe waited for a writer forever, /dev/zero's filled the memory until the process died."""
+    pipe = tmp_path / "all_reduce-w2-bfloat16.yaml"
+    os.mkfifo(pipe)
+    for read in (load_table, table_lookup.read_table):
+        with pytest.raises(TableError, match="not a file \\(a device, a pipe or a socket\\)"):
+            read(pipe)
+
+
 def test_row_header_mismatch(tmp_path: Path) -> None:
     data = valid_dict()
     data["rows"][0]["dtype"] = "float16"

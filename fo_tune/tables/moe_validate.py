@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fo_kernels.errors import ScheduleError
 from fo_kernels.moe.table import MoeRow, MoeTable
-from fo_kernels.table.format import check_finite_provenance
+from fo_kernels.table.provenance import check_finite_provenance
 
 
 def _row_issue(row: MoeRow, table: MoeTable, sm_count: int) -> str | None:

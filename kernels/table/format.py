@@ -4,8 +4,8 @@ and saving, and the fingerprint check."""
 
 from __future__ import annotations
 
-import math
 import os
+import stat
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +20,7 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import COLLECTIVES, DTYPES, Problem, Schedule
 from fo_kernels.table.index import ProblemKey, RowIndex, problem_key
 from fo_kernels.table.paths import TABLE_DIR_ENV, check_name, table_filename, where_it_belongs
+from fo_kernels.table.provenance import check_finite_provenance
 from fo_kernels.table.text import dump_table_text, parse_table_text, unreadable
 
 TABLE_SCHEMA_VERSION = 2
@@ -40,38 +41,6 @@ def _check_header_keys(schedule: Schedule, table: Any) -> None:
             theirs, ours = getattr(schedule, key), getattr(table, key)
             raise TableError(f"{key}: the schedule says {theirs!r}, the table is for {ours!r}")
     check_finite_provenance(schedule.provenance)
-
-
-def _non_finite(value: Any, path: str) -> str | None:
-    """The path of the first NaN or infinite float in ``value`` (nested mappings and lists)."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else path
-    if isinstance(value, Mapping):
-        items = [(f"{path}.{key}", item) for key, item in value.items()]
-    else:
-        items = (
-            [(f"{path}[{i}]", item) for i, item in enumerate(value)]
-            if isinstance(value, (list, tuple))
-            else []
-        )
-    return next((found for where, item in items if (found := _non_finite(item, where))), None)
-
-
-# The types of a provenance value that hold no float (a search's record is these and floats).
-_NO_FLOAT = frozenset((str, int, bool, type(None)))
-
-
-def check_finite_provenance(provenance: Mapping[str, Any]) -> None:
-    """Refuse a NaN or infinite number in a row's provenance (``ScheduleError`` naming it): what a
-    search records there is finite, and a NaN read back spoils every sum and ranking (``MAPE
-    nan%``). One look at each scalar (``x - x`` is 0.0 for a finite float, else NaN)."""
-    for value in provenance.values():
-        kind = value.__class__
-        if (kind is float and value - value) or (kind is not float and kind not in _NO_FLOAT):
-            where = _non_finite(provenance, "provenance")
-            if where is not None:
-                raise ScheduleError(f"{where}: not a finite number; write the number, or remove the key")
-            return
 
 
 @dataclass(kw_only=True, slots=True)
@@ -350,6 +319,9 @@ def read_table_text(path: str | os.PathLike[str]) -> str:
     ``TableError`` naming the path when it cannot be read."""
     path = Path(path)
     try:
+        if stat.S_ISCHR(mode := path.stat().st_mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            # (read, /dev/zero fills the memory until the kernel kills the process; a pipe waits)
+            raise TableError(f"{path}: not a file (a device, a pipe or a socket); {GIVE_A_TABLE}")
         # (a byte order mark, as some editors write, dropped: with it, a table that is one JSON
         # document would go to the YAML parser, 60 times slower than json on 5,000 rows)
         return path.read_text(encoding="utf-8").removeprefix(BOM)
