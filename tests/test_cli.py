@@ -699,3 +699,7 @@ def test_an_empty_path_option_is_refused_not_taken_for_the_working_folder(tmp_pa
     line = assert_one_line_error(CliRunner().invoke(app, [*args, ""]))
     assert f"'{args[-1]}'" in line and "is empty" in line, line
     assert not list(tmp_path.iterdir())
+    # a named pipe (or a device, /dev/zero) is refused as it is parsed: its read waited forever
+    os.mkfifo(tmp_path / "pipe")
+    line = assert_one_line_error(CliRunner().invoke(app, [*args, "pipe"]))
+    assert "pipe is a device, a pipe or a socket; give a file or a folder" in line, line
