@@ -85,11 +85,13 @@ LIST_HELP = "\n\n".join(
         "size, dtype, rows and folder. --device-key keeps "
         "one device key's folder; --json prints them as JSON (tables; problems: per bad file "
         "its path, folder and error; notes: per file left out, its path, folder and note).",
-        "A file that does not read (not valid YAML, a bad row or header), or that lookup refuses "
-        "where it sits (another GPU's table in this device key's folder, listed under its own key), "
-        "is one line on stderr with its path, why and what to do; every other file is still listed. "
-        "Lookup refuses every call of such a file's table until it is fixed or moved (`fo-tune "
-        "table validate PATH` says more). A file that is no table under a name lookup never reads "
+        "A file that does not read (not valid YAML, a bad header, a row's bad problem; a dense "
+        "table's other row fields are read when lookup takes the row, and `fo-tune table validate "
+        "PATH` checks them all), or that lookup refuses where it sits (another GPU's table in this "
+        "device key's folder, listed under its own key), is one line on stderr with its path, why "
+        "and what to do; every other file is still listed. Lookup refuses every call of such a "
+        "file's table until it is fixed or moved (`fo-tune table validate PATH` says more). A file "
+        "that is no table under a name lookup never reads "
         "(notes beside the tables: not <collective>-w<world>-<dtype>.yaml or "
         "moe-w<world>-<dtype>.yaml) is left out with a note on stderr; lookup skips it too.",
         "Exit code 0 when every file is good or left out (also when there is no table), 1 when some "
