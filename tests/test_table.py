@@ -324,15 +324,22 @@ def test_row_field_error_names_field(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "[1.0, .nan]", "{ms: .nan}"])
 def test_a_non_finite_provenance_number_is_refused(tmp_path: Path, value: str) -> None:
-    """A NaN or infinity in a row's provenance (hand-edited, YAML's .nan) is refused where the row
-    is read, by the tuner and the runtime alike, naming the key; a row built with one cannot join a
-    table to be written. Accepted, it made `fo-tune model check` print "MAPE nan%"."""
+    """A NaN or infinity in a row's provenance (hand-edited, YAML's .nan) is refused where a table
+    is read whole (the tuner's commands: validate, show, model check, merges), naming the file, the
+    row and the key, also for a row that shares an earlier row's settings (read by their shortcut);
+    a row built with one cannot join a table to be written. Accepted, it made `fo-tune model check`
+    print "MAPE nan%". The runtime's lookup, which ignores provenance, still takes the row."""
+    from fo_tune.tables.kinds import load_any_table
+
     data = valid_dict()
-    data["rows"][0]["provenance"]["x"] = "VALUE"
+    same = dict(data["rows"][0], problem={"m": 128, "n": 64, "k": 32}, provenance={"tag": "same"})
+    data["rows"] = [data["rows"][0], same, *data["rows"][1:]]
+    data["rows"][1]["provenance"]["x"] = "VALUE"
     path = write_raw(tmp_path, yaml.safe_dump(data, sort_keys=False).replace("VALUE", value))
-    for read in (load_table, lambda p: table_lookup.read_table(p).row(0)):
-        with pytest.raises(TableError, match=r"rows\[0\]: provenance\.x.*: not a finite number"):
+    for read in (load_table, load_any_table):
+        with pytest.raises(TableError, match=rf"{path}: rows\[1\]: provenance\.x.*: not a finite number"):
             read(path)
+    assert table_lookup.read_table(path).row(1).problem.m == 128
     table = make_table([range_row()])
     with pytest.raises(ScheduleError, match=r"provenance\.tag: not a finite number"):
         table.upsert(dataclasses.replace(exact_row(), provenance={"tag": float("nan")}))

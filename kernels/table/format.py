@@ -131,7 +131,13 @@ class ScheduleTable:
     @classmethod
     def of_rows(cls, header: TableHeader, rows: list[Schedule], source: str) -> ScheduleTable:
         """The table of a file's checked ``header`` and its built ``rows`` (``TableError`` naming
-        ``source`` for two rows of one problem, or M ranges that overlap)."""
+        ``source`` for two rows of one problem, or M ranges that overlap, or a row's provenance
+        that holds a NaN or an infinity: the tuner's reads, not the runtime's, which ignores it)."""
+        for i, row in enumerate(rows):
+            try:
+                check_finite_provenance(row.provenance)
+            except ScheduleError as exc:
+                raise TableError(f"{source}: rows[{i}]: {exc}") from None
         try:
             return cls(
                 fingerprint=header.fingerprint,
@@ -261,9 +267,7 @@ def build_row(row: Any, i: int, header: TableHeader, source: str) -> Schedule:
     try:
         if header.schema_version == 1:
             row = upgrade_v1_row(row)
-        schedule = Schedule.from_dict(row, defaults=header.defaults())
-        check_finite_provenance(schedule.provenance)
-        return schedule
+        return Schedule.from_dict(row, defaults=header.defaults())
     except ScheduleError as exc:
         raise TableError(f"{source}: rows[{i}]: {exc}") from None
 

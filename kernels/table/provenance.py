@@ -1,5 +1,6 @@
 """A row's provenance checked for what no search records: a NaN or infinite number
-(``check_finite_provenance``, called where a table row is built and where one joins a table)."""
+(``check_finite_provenance``, called where a table is read whole, as the tuner reads it, and where
+a row joins one; the runtime's lookup builds only the rows it takes and ignores their provenance)."""
 
 from __future__ import annotations
 
