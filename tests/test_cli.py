@@ -271,7 +271,7 @@ def test_run_cli_maps_errors_to_one_line(capsys, exc, code):
 def test_parse_shape():
     assert parse_shape("4096x8192x4096") == (4096, 8192, 4096)
     assert parse_shape(" 3X4x5 ") == (3, 4, 5)
-    for bad in ("", "1x2", "1x2x3x4", "0x1x1", "axbxc", "1.5x2x3"):
+    for bad in ("", "1x2", "1x2x3x4", "0x1x1", "axbxc", "1.5x2x3", "\u0664x8x8"):  # (an Arabic-Indic 4)
         with pytest.raises(typer.BadParameter):
             parse_shape(bad)
 
@@ -517,6 +517,13 @@ def test_a_shape_that_cannot_exist_is_refused_at_once(runner, tmp_path):
     ):
         line = assert_one_line_error(_timed(runner, [*command, "--shape", "99999999999x1x1"]))
         assert str(INT32_MAX) in line, (command, line)
+    # a lookup of such a call: no call of that shape runs (it answered overlap: false, exit 0)
+    line = assert_one_line_error(runner.invoke(app, ["table", "lookup", "--shape", "99999999999x8x8"]))
+    assert str(INT32_MAX) in line, line
+    line = assert_one_line_error(
+        runner.invoke(app, ["table", "lookup", "-s", "64x24x32", "-d", "float8_e4m3fn"])
+    )
+    assert "multiples of 16" in line, line
     assert not Path(out).exists()
 
 
@@ -614,6 +621,18 @@ def test_a_list_argument_shows_its_metavar_once(runner, command: list[str], usag
     assert line.split()[-1] == usage, line
 
 
+def test_every_command_help_says_its_exit_codes(runner):
+    """Each command's --help says what its exit codes mean (model fit's said nothing of them)."""
+    commands = [["search"], ["calibrate"], ["bench"], ["profile"], ["demo"], ["model", "check"]]
+    commands += [
+        ["model", "fit"],
+        *(["table", sub] for sub in ("list", "show", "lookup", "validate", "diff", "pull")),
+    ]
+    for command in commands:
+        result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "400"})
+        assert "Exit code 0 " in " ".join(result.output.split()), command
+
+
 def test_every_help_keeps_its_words_whole_at_80_columns(runner):
     """An option's help folds a word longer than its column (a default output path) onto the next
     line at 80 columns; it was cut with "…", losing where the output goes."""
@@ -680,3 +699,7 @@ def test_an_empty_path_option_is_refused_not_taken_for_the_working_folder(tmp_pa
     line = assert_one_line_error(CliRunner().invoke(app, [*args, ""]))
     assert f"'{args[-1]}'" in line and "is empty" in line, line
     assert not list(tmp_path.iterdir())
+    # a named pipe (or a device, /dev/zero) is refused as it is parsed: its read waited forever
+    os.mkfifo(tmp_path / "pipe")
+    line = assert_one_line_error(CliRunner().invoke(app, [*args, "pipe"]))
+    assert "pipe is a device, a pipe or a socket; give a file or a folder" in line, line

@@ -513,6 +513,17 @@ def test_pull_keeps_per_study_the_record_decided_from_most_trials(tmp_path: Path
     record_rows(storage, shared, fp, decided(1000, "from 30, later"), trials=30)
     close_storage(storage)
     assert pulled() == {1000: "from 30, later", 2000: "one"}
+    # a record's NaN (an interquartile range of one sample) is left out of the row pulled, as the
+    # search leaves it out of the rows it writes: the table refuses one (pull was exit 2)
+    storage = open_storage(url)
+    unmeasured = {**row.provenance, "decided": "nan", "iqr_ms": float("nan")}
+    record_rows(
+        storage, shared, fp, [dataclasses.replace(decided(1000, "nan")[0], provenance=unmeasured)], trials=40
+    )
+    close_storage(storage)
+    assert pulled() == {1000: "nan", 2000: "one"}
+    table = load_table(tmp_path / "t" / H200_KEY / "all_reduce-w2-bfloat16.yaml")
+    assert "iqr_ms" not in table.find(1000, row.problem.n, row.problem.k).provenance
 
 
 def test_a_worker_that_decided_from_fewer_trials_but_records_later_leaves_the_better_row(

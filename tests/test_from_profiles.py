@@ -128,6 +128,8 @@ FP8_GEMM = ["--dtype", FP8, "--only", "gemm"]
         ([*FP8_GEMM, "--from-profiles", "{cal}", "--into", "{cal}"], "a file, not a folder; pass the folder"),
         ([*FP8_GEMM, "--from-profiles", "{dir}", "--into", "{missing}"],
          "no such calibration file to merge into"),
+        ([*FP8_GEMM, "--from-profiles", "{dir}", "--into", "{dir}"],
+         "a folder, not a calibration file to merge into"),
         ([*FP8_GEMM, "--from-profiles", "{dir}"], "pass --into CALIBRATION.yaml"),
         (["--dtype", FP8, "--from-profiles", "{dir}", "--into", "{cal}"], "pass --only gemm"),
         ([*FP8_GEMM, "--only", "copy_engine", "--from-profiles", "{dir}", "--into", "{cal}"],

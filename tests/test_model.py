@@ -432,6 +432,8 @@ def test_model_fit_writes_fitted_values_with_sources(tmp_path, h200):
     assert fitted["peer_copy_gbs"] == h200.copy_engine.params["peer_copy_gbs"]  # measured: left alone
     bad = CliRunner().invoke(app, ["model", "fit", "--calibration", str(cal), "--hold-out", "8192-14336"])
     assert "--hold-out '8192-14336': expected NxK" in assert_one_line_error(bad)
+    bad = CliRunner().invoke(app, ["model", "fit", "--calibration", str(cal), "--hold-out", "\u0668x8"])
+    assert "expected NxK" in assert_one_line_error(bad)  # (an Arabic-Indic 8: digits are 0-9)
     summary = yaml.safe_load((tmp_path / "o.yaml").read_text())
     assert summary["schema_version"] == 2
 

@@ -536,6 +536,7 @@ def test_time_budget_stops_early(tmp_path):
         ),
         (["--shape", "64x64x64", "--mode", "fast"], "--mode"),
         (["--shape", "64x64x64", "--m-range", "9:3"], "LO <= HI"),
+        (["--shape", "64x64x64", "--m-range", "1:\u0669"], "expected LO:HI"),  # (an Arabic-Indic 9)
         (["--shape", "64x64x64", "--trials", "0"], "--trials"),
         (["--shape", "64x64x64", "--mode", "measure", "--confirm-rounds", "0"], "--confirm-rounds"),
         (["--shape", "64x64x64", "--calibration", "missing.yaml"], "missing.yaml"),
@@ -661,6 +662,11 @@ def test_a_suites_dtype_is_the_default_for_dtype(tmp_path):
         (run,) = json.loads(r.stdout)["runs"]
         runs[bool(extra)] = run["request"]["dtype"]
     assert runs == {False: "float8_e4m3fn", True: "bfloat16"}
+    # --shape and --shapes together: both searched, the suite's dtype the default (--help says so)
+    r = search("--shapes", str(suite), "--shape", "128x64x64", "--out", str(tmp_path / "o"), "--json")
+    (run,) = json.loads(r.stdout)["runs"]
+    assert [s["shape"] for s in run["shapes"]] == ["128x64x64", "64x64x64"], run["shapes"]
+    assert run["request"]["dtype"] == "float8_e4m3fn"
     suite.write_text("name: typo\ndtype: bf16\nshapes:\n  - [64, 64, 64]\n")
     line = assert_one_line_error(search("--shapes", str(suite), "--out", str(tmp_path / "p")))
     assert f"{suite}: dtype: 'bf16' is not one of" in line, line
@@ -929,6 +935,28 @@ def test_no_gain_rule():
     assert not decide(0.95, 0.08, 1.0, 0.01)[0]  # the gain is within the noise
     overlap, speedup, text = decide(0.8, math.nan, 1.0, math.nan)
     assert overlap and speedup == pytest.approx(1.25) and "1.250x" in text
+
+
+def test_a_number_not_measured_stays_out_of_the_row(tmp_path):
+    """A measured search of one sample a schedule has no interquartile range (NaN): its row leaves
+    the key out, since a table refuses a non-finite provenance number (it wrote ``iqr_ms: .nan``)."""
+    from fo_kernels.fingerprint import current_fingerprint
+    from fo_tune.search import SearchRequest
+    from fo_tune.search.decide import Verdict
+    from fo_tune.search.driver import make_row
+
+    request = SearchRequest(shapes=((64, 64, 64),), mode="measure")
+    verdict = Verdict(False, 1.0, "no gain", None, None, 0.1)
+    numbers = {"iqr_ms": math.nan, "sequential_ms": 0.1, "fallback_ms": math.inf}
+    row = make_row(request, (64, 64, 64), verdict, numbers)
+    assert "iqr_ms" not in row.provenance and "fallback_ms" not in row.provenance
+    assert row.provenance["sequential_ms"] == 0.1
+    table = ScheduleTable(
+        fingerprint=current_fingerprint("cpu", 2), collective="all_reduce", world_size=2, dtype="bfloat16"
+    )
+    table.upsert(row)
+    save_table(table, tmp_path / "t.yaml")
+    assert load_table(tmp_path / "t.yaml").rows == [row]
 
 
 @pytest.mark.slow

@@ -172,6 +172,10 @@ def test_validate_reports_a_row_of_more_slots_than_experts(runner: CliRunner, tm
     line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
     assert "row H 64, I 32, E_local 2, k 5, tokens [0, 64]: top_k: k = 5 is above the 4 experts" in line
     assert runner.invoke(app, ["table", "validate", str(write(path, [row(0, 512)]))]).exit_code == 0
+    # a NaN in a row's provenance (the dense tables refuse it as they load): validated to pass
+    write(path, [row(0, 512, provenance={"predicted_ms": float("nan")})])
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert "tokens [0, 512]: provenance.predicted_ms: not a finite number" in line, line
 
 
 def test_validate_reports_overlapping_buckets_as_one_line(runner: CliRunner, tmp_path: Path) -> None:
@@ -306,6 +310,10 @@ def test_lookup_miss_suggests_a_key_of_the_world_size_first(runner: CliRunner, t
         # a dense call with a stray MoE option: the option is named, not the dense call's --shape
         (["--tokens", "5", "-c", "all_reduce", "-s", "64x64x64"], "--tokens looks an MoE call up (-c moe)"),
         (["--experts", "4096,1536,32,8", "--tokens", "-1"], "--tokens must be >= 0"),
+        # a list (what search -c moe takes) was typer's raw "Input should be a valid integer"
+        (["--experts", "4096,1536,32,8", "--tokens", "4,5"], "--tokens '4,5': expected one integer >= 0"),
+        # a call whose rows T x k pass int32 cannot run (it answered the no-overlap path, exit 0)
+        (["--experts", "4096,1536,32,8", "--tokens", "99999999999"], "is above 2147483647"),
         # k distinct experts of E = world x E_local: a k above E was looked up (a call no router makes)
         (["--experts", "4096,1536,4,9", "--tokens", "5"], "k = 9 is above the 8 experts at the default"),
         (

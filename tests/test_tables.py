@@ -459,6 +459,9 @@ def test_show_not_found_and_bad_options_are_one_line(runner: CliRunner, tmp_path
     assert "--dtype" in line
     assert "--format" in assert_one_line_error(runner.invoke(app, ["table", "show", "-f", "json"]))
     assert "--collective" in assert_one_line_error(runner.invoke(app, ["table", "show", "-c", "all_to_all"]))
+    # an fp8 MoE table: the option and the dtypes the MoE FFN runs (it said "dtype: ... is not one of")
+    line = assert_one_line_error(runner.invoke(app, ["table", "show", "-c", "moe", "-d", "float8_e4m3fn"]))
+    assert line.endswith("-c moe --dtype float8_e4m3fn: the MoE FFN runs bfloat16, float16, float32"), line
     # an empty value (an unset shell variable) showed the default table
     for option, name in (("-c", "--collective"), ("-d", "--dtype")):
         line = assert_one_line_error(

@@ -292,9 +292,10 @@ def calibrate(
             "it, or drop it"
         )
     if into is not None and not into.is_file():  # the loader's hint names --calibration, not --into
+        what = "a folder, not a calibration file" if into.is_dir() else "no such calibration file"
         raise typer.BadParameter(
-            f"--into {into}: no such calibration file to merge into; give an existing "
-            "calibration.yaml (`fo-tune calibrate --out DIR` writes one)"
+            f"--into {into}: {what} to merge into; give an existing calibration.yaml (`fo-tune "
+            "calibrate --out DIR` writes one)"
         )
     names = parse_collectives(
         collectives, valid=CALIBRATED_NAMES, default=CALIBRATED_NAMES, option="--collectives"

@@ -27,6 +27,7 @@ import functools
 import math
 import os
 import re
+import stat
 import sys
 import traceback
 from collections.abc import Callable, Collection, Iterator
@@ -156,10 +157,13 @@ TimeoutOpt = Annotated[
 
 
 def nonempty_path(text: str | Path) -> Path:
-    """A path option's parser refusing an empty one: ``Path("")`` is the working folder, which an
-    unset shell variable (``--out "$DIR"``) would otherwise read or write."""
+    """A path option's parser refusing an empty one (the working folder, which an unset ``--out
+    "$DIR"`` would use) and a device, pipe or socket (/dev/zero read until killed; a pipe hangs)."""
     if not str(text).strip():
         raise typer.BadParameter("is empty; give a path (. for the working folder)")
+    with contextlib.suppress(OSError):  # (a path that does not exist yet: the command says)
+        if not stat.S_ISREG(mode := Path(text).stat().st_mode) and not stat.S_ISDIR(mode):
+            raise typer.BadParameter(f"{text} is a device, a pipe or a socket; give a file or a folder")
     return Path(text)
 
 
@@ -174,7 +178,7 @@ SpaceOpt = Annotated[
     ),
 ]
 
-_SHAPE = re.compile(r"^\s*(\d+)\s*[xX*,]\s*(\d+)\s*[xX*,]\s*(\d+)\s*$")
+_SHAPE = re.compile(r"^\s*(\d+)\s*[xX*,]\s*(\d+)\s*[xX*,]\s*(\d+)\s*$", re.ASCII)  # (0-9, not "٤")
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:

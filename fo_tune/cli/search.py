@@ -76,7 +76,7 @@ if TYPE_CHECKING:
     from fo_tune.search import SearchRequest, SearchResult
 
 
-_RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+_RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$", re.ASCII)  # (0-9 only, as a shape's)
 
 # The dense search's options an MoE plan has no use for (parameter name -> flag): -c moe refuses
 # them when given rather than leaving them out silently (a --shape or --m-range would otherwise

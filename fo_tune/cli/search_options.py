@@ -33,15 +33,15 @@ HELP = "\n\n".join(
         "--world-size 2 the error names the command that measures it; at 3-8 its extrapolation "
         "takes reduce_scatter's curve and its basis says so).",
         "-c moe plans the expert-parallel MoE FFN's table (its dispatch and combine All-to-All around "
-        "the grouped GEMMs) for --experts H,I,E_local,k (or --shapes suites/moe/experts.yaml) and --tokens "
-        "buckets, from a calibration's model only (--mode predict; the measured modes need two or more "
-        "GPUs and are not built for it). It records no study, so it takes no --storage, and the dense "
-        "search's options (--shape, --m-range, --trials, --top-k, --time-budget, --exhaustive, "
-        "--backend, --reps, --seed, --allow-slow) are refused with it: the table "
-        "goes to <table dir>/<device key>/moe-w<W>-<dtype>.yaml, which every `fo-tune table` "
-        "command reads, and the run's summary.yaml (what --json prints) to its own report folder, "
-        "<report root>/moe-w<W>-<dtype>-predict/<run>/ as below; a Ctrl-C while they are written "
-        "stops once both are.",
+        "the grouped GEMMs) for --experts H,I,E_local,k and/or --shapes suites/moe/experts.yaml, and "
+        "--tokens buckets, from a calibration's model only (--mode predict; the measured modes need two"
+        " or more GPUs and are not built for it). It records no study, so it takes no --storage, and "
+        "the dense search's options (--shape, --m-range, --trials, --top-k, --time-budget, "
+        "--exhaustive, --backend, --reps, --seed, --allow-slow) are refused with it: the table goes to "
+        "<table dir>/<device key>/moe-w<W>-<dtype>.yaml, which every `fo-tune table` command reads, and"
+        " the run's summary.yaml (what --json prints) to its own report folder, <report "
+        "root>/moe-w<W>-<dtype>-predict/<run>/ as below; a Ctrl-C while they are written stops once "
+        "both are.",
         "Modes: predict (the cost model of a calibration prices every enumerated point, "
         "bounded, no GPU: the default without GPUs, with the packaged calibration for "
         "--world-size, at 3-8 the packaged TP=2 one extrapolated to that many GPUs of one NVSwitch "
@@ -100,7 +100,7 @@ ShapesFileOpt = Annotated[
         metavar="FILE",
         help="YAML with a `shapes:` list of [M, N, K] (e.g. suites/h200_tp.yaml); -c moe: an MoE suite's "
         "`models:` (suites/moe/experts.yaml), E / world size local experts each. Its dtype is the "
-        "default for --dtype.",
+        "default for --dtype. Searched together with any --shape (-c moe: --experts) given.",
     ),
 ]
 CollectiveOpt = Annotated[

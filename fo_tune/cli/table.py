@@ -25,6 +25,7 @@ from fo_tune.cli.common import (
     json_text,
     one_line,
 )
+from fo_tune.cli.search_moe import MOE_COLLECTIVE
 from fo_tune.cli.table_diff import DIFF_HELP, diff
 from fo_tune.cli.table_find import LIST_HELP, LOOKUP_HELP, list_tables, lookup
 from fo_tune.cli.table_json import FileCheck, document_text, show_document, validate_document
@@ -120,7 +121,8 @@ VALIDATE_HELP = "\n\n".join(
     [
         "Check schedule table files: their format, then that every row gives the runtime a plan "
         "for the shapes it covers.",
-        "Format: schema version, header, fingerprint, every row's fields (what loading checks).",
+        "Format: schema version, header, fingerprint, every row's fields (what loading checks; a "
+        "NaN or infinite number in a row's provenance is refused).",
         "Plans: every overlapped exact-shape row must give a plan for its shape (groups summing to "
         "the signal units of the shape, row_band groups starting on whole bands of group_m tile "
         "rows, sms_free leaving a grid of the fingerprint's SM count); every overlapped M-range row "
@@ -129,9 +131,10 @@ VALIDATE_HELP = "\n\n".join(
         "An MoE table (moe-w<world>-<dtype>.yaml, or a file whose kind says so): its format (what "
         "loading checks: every field, the tile, chunks, token buckets of one experts' shape not "
         "overlapping), every row's k at most its E = world size x E_local experts (a token picks k "
-        "distinct experts), then every overlapped row: a triton row's sms_free must leave its grouped "
-        "GEMMs a grid of the fingerprint's SM count, and the row's engine must run on the "
-        "fingerprint's machine (the copy engine needs peer access between the GPUs).",
+        "distinct experts) and every number of its provenance finite, then every overlapped row: a "
+        "triton row's sms_free must leave its grouped GEMMs a grid of the fingerprint's SM count, "
+        "and the row's engine must run on the fingerprint's machine (the copy engine needs peer "
+        "access between the GPUs).",
         "Prints OK per good file on stdout and one line per problem on stderr. A note says when a "
         "file is not where lookup looks for it (<device-key>/<collective>-w<world>-<dtype>.yaml, "
         "<device-key>/moe-w<world>-<dtype>.yaml); a file lookup reads and refuses (under another "
@@ -234,6 +237,10 @@ def show(
             "--collective", DEFAULT_COLLECTIVE if collective is None else collective, TABLE_COLLECTIVES
         )
         dtype = check_choice("--dtype", DEFAULT_DTYPE if dtype is None else dtype, DTYPE_NAMES)
+        if collective == MOE_COLLECTIVE:
+            from fo_tune.moe.plan import check_moe_dtype
+
+            check_moe_dtype(dtype)  # (an fp8 MoE table has no file name: the name's check said "dtype:")
         paths = find_paths(device_key, collective, world_of(world_size, device_key), dtype)
     found = [(p, load_any_table(p)) for p in paths]
     moe = [(p, t) for p, t in found if isinstance(t, MoeTable)]
@@ -279,7 +286,6 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJso
     """``fo-tune table validate`` (its help: ``VALIDATE_HELP``)."""
     from fo_kernels.errors import TableError, TableNotFoundError
     from fo_kernels.moe.table import MoeTable
-    from fo_tune.cli.search_moe import MOE_COLLECTIVE
     from fo_tune.tables.kinds import load_any_table
     from fo_tune.tables.moe_validate import validate_moe_table
     from fo_tune.tables.validate import validate_table

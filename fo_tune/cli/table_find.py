@@ -85,11 +85,13 @@ LIST_HELP = "\n\n".join(
         "size, dtype, rows and folder. --device-key keeps "
         "one device key's folder; --json prints them as JSON (tables; problems: per bad file "
         "its path, folder and error; notes: per file left out, its path, folder and note).",
-        "A file that does not read (not valid YAML, a bad row or header), or that lookup refuses "
-        "where it sits (another GPU's table in this device key's folder, listed under its own key), "
-        "is one line on stderr with its path, why and what to do; every other file is still listed. "
-        "Lookup refuses every call of such a file's table until it is fixed or moved (`fo-tune "
-        "table validate PATH` says more). A file that is no table under a name lookup never reads "
+        "A file that does not read (not valid YAML, a bad header, a row's bad problem; a dense "
+        "table's other row fields are read when lookup takes the row, and `fo-tune table validate "
+        "PATH` checks them all), or that lookup refuses where it sits (another GPU's table in this "
+        "device key's folder, listed under its own key), is one line on stderr with its path, why "
+        "and what to do; every other file is still listed. Lookup refuses every call of such a "
+        "file's table until it is fixed or moved (`fo-tune table validate PATH` says more). A file "
+        "that is no table under a name lookup never reads "
         "(notes beside the tables: not <collective>-w<world>-<dtype>.yaml or "
         "moe-w<world>-<dtype>.yaml) is left out with a note on stderr; lookup skips it too.",
         "Exit code 0 when every file is good or left out (also when there is no table), 1 when some "
@@ -128,12 +130,13 @@ ExpertsOpt = Annotated[
     ),
 ]
 TokensOpt = Annotated[
-    int | None,
+    str | None,
     typer.Option(
         "--tokens",
         "-t",
         metavar="T",
-        help="An MoE call's tokens per rank: the most any rank of the call holds (with --experts).",
+        help="An MoE call's tokens per rank: one integer >= 0, the most any rank of the call holds "
+        "(with --experts).",
         show_default=False,
     ),
 ]
@@ -209,6 +212,10 @@ def lookup(
         "--collective", DEFAULT_COLLECTIVE if collective is None else collective, COLLECTIVE_NAMES
     )
     dtype = check_choice("--dtype", DEFAULT_DTYPE if dtype is None else dtype, DTYPE_NAMES)
+    from fo_tune.ranks.limits import Target, check_problem_size
+
+    # a size above int32 or an fp8 N, K the ops refuse: no call of that shape runs, so no row answers
+    check_problem_size([(m, n, k)], dtype, Target(None, "the call"))
     world = world_of(world_size, device_key)
     if collective in SHARDED_COLLECTIVE_NAMES and m % world:
         gathered = " (all_gather's M is the gathered M)" if collective == "all_gather" else ""
@@ -249,22 +256,38 @@ def _print_answer(out: dict[str, Any], json_out: bool) -> None:
         typer.echo(yaml.safe_dump(out, sort_keys=False, width=110), nl=False)
 
 
+def _parse_call_tokens(text: str) -> int:
+    """``--tokens T`` of one MoE call: an integer >= 0, else ``typer.BadParameter`` saying what to
+    give (a list, what ``fo-tune search -c moe --tokens`` takes, names the search's option)."""
+    try:
+        tokens = int(text.strip())
+    except ValueError:
+        raise typer.BadParameter(
+            f"--tokens {text!r}: expected one integer >= 0, the most tokens any rank of the call holds "
+            "(a lookup answers one call; `fo-tune search -c moe --tokens T,...` takes a list of buckets)"
+        ) from None
+    if tokens < 0:
+        raise typer.BadParameter(f"--tokens must be >= 0, got {tokens}")
+    return tokens
+
+
 def _moe_lookup(
-    experts: str | None, tokens: int | None, world_size: int | None, dtype: str | None, device_key: str | None
+    experts: str | None, text: str | None, world_size: int | None, dtype: str | None, device_key: str | None
 ) -> dict[str, Any]:
     """The answer of an MoE lookup: the row ``expert_parallel_ffn`` takes for the call (with its
     file and kind), or the no-overlap path and the files read."""
-    if experts is None or tokens is None:
+    if experts is None or text is None:
         missing = "--experts H,I,E_LOCAL,K" if experts is None else "--tokens T"
         raise typer.BadParameter(f"{missing}: an MoE lookup needs the experts' shape and the tokens per rank")
-    if tokens < 0:
-        raise typer.BadParameter(f"--tokens must be >= 0, got {tokens}")
-    from fo_tune.moe.plan import ExpertsShape, check_moe_dtype
+    tokens = _parse_call_tokens(text)
+    from fo_tune.moe.plan import ExpertsShape, check_moe_dtype, check_moe_size
+    from fo_tune.ranks.limits import Target
 
     shape = ExpertsShape.parse(experts)
     key = (shape.hidden, shape.intermediate, shape.experts, shape.top_k)
     dtype = check_choice("--dtype", DEFAULT_DTYPE if dtype is None else dtype, DTYPE_NAMES)
     check_moe_dtype(dtype)
+    check_moe_size([shape], [tokens], dtype, Target(None, "the call"))  # (int32 sizes, as the search's)
     world = world_of(world_size, device_key)
     named = "--world-size" if world_size is not None else "-k's world size" if device_key else ""
     shape.check_world(world, named or "the default --world-size")

@@ -415,7 +415,13 @@ def make_row(
         "source": "fo-tune search",
         "mode": request.mode,
         "date": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
-        **{key: round(v, 5) if isinstance(v, float) else v for key, v in numbers.items()},
+        # (a NaN is a number not measured, e.g. the interquartile range of one sample: left out,
+        # since a table refuses a non-finite provenance number)
+        **{
+            key: round(v, 5) if isinstance(v, float) else v
+            for key, v in numbers.items()
+            if not (isinstance(v, float) and not math.isfinite(v))
+        },
     }
     # a predicted row says what its model rests on where that is not this machine's measurements
     basis = request.calibration.basis if request.mode == "predict" and request.calibration else ""

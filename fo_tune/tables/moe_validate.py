@@ -1,12 +1,14 @@
 """The MoE table checks beyond what loading checks (every field, the tile, ``chunks`` in
 [1, ``MAX_CHUNKS``], no two token buckets of one experts' shape overlapping): whether every
 overlapped row's engine can run its bucket on the table's machine, and whether a router's call
-can have every row's experts' shape.
+can have every row's experts' shape, and whether every number of its provenance is finite.
 """
 
 from __future__ import annotations
 
+from fo_kernels.errors import ScheduleError
 from fo_kernels.moe.table import MoeRow, MoeTable
+from fo_kernels.table.provenance import check_finite_provenance
 
 
 def _row_issue(row: MoeRow, table: MoeTable, sm_count: int) -> str | None:
@@ -41,6 +43,16 @@ def _shape_issue(row: MoeRow, world: int) -> str | None:
     )
 
 
+def _provenance_issue(row: MoeRow) -> str | None:
+    """A NaN or infinite number in ``row``'s provenance (the dense tables' rule,
+    ``check_finite_provenance``), None when there is none."""
+    try:
+        check_finite_provenance(row.provenance)
+    except ScheduleError as exc:
+        return f"row {row.schedule.problem.describe()}: {exc}"
+    return None
+
+
 def validate_moe_table(table: MoeTable, *, sm_count: int | None = None) -> list[str]:
     """Problems the runtime would hit with ``table`` that loading does not catch; [] when none.
 
@@ -50,7 +62,8 @@ def validate_moe_table(table: MoeTable, *, sm_count: int | None = None) -> list[
       term ``blocker``, what the planner checks: the copy engine needs peer access between the
       GPUs); the runtime skips a row it cannot run and runs the no-overlap path;
     - a row's k must not exceed its E = world size x E_local experts (a token picks k distinct
-      experts: the search and lookup refuse such a shape).
+      experts: the search and lookup refuse such a shape);
+    - a row's provenance holds no NaN or infinite number (what the planner records is finite).
 
     The grouped GEMMs mask partial tiles, so any tile that loads runs any bucket. ``sm_count``
     defaults to the table fingerprint's. Each issue is one line naming the row
@@ -59,7 +72,7 @@ def validate_moe_table(table: MoeTable, *, sm_count: int | None = None) -> list[
     sms = sm_count if sm_count is not None else table.fingerprint.sm_count
     issues: list[str] = []
     for row in table.rows:
-        issue = _shape_issue(row, table.world_size)
+        issue = _shape_issue(row, table.world_size) or _provenance_issue(row)
         if issue is None and row.schedule.engine is not None:
             issue = _row_issue(row, table, sms)
         if issue is not None:

@@ -20,10 +20,11 @@ under ``ROWS_ATTR`` itself (one key per study, no ``trials``) is read too, as de
 from __future__ import annotations
 
 import datetime as dt
+import math
 import socket
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fo_kernels.errors import ScheduleError, TableError
@@ -112,6 +113,14 @@ def is_record_key(key: str) -> bool:
     return key == ROWS_ATTR or key.startswith(f"{ROWS_ATTR}:")
 
 
+def _measured_only(row: Schedule) -> Schedule:
+    """``row`` with the NaN and infinite numbers of its provenance left out: a record may hold one
+    where its search measured nothing (the interquartile range of one sample), and no table takes
+    one (``fo_kernels.table.provenance``), as the search leaves it out of the rows it writes."""
+    kept = {k: v for k, v in row.provenance.items() if not (isinstance(v, float) and not math.isfinite(v))}
+    return row if len(kept) == len(row.provenance) else replace(row, provenance=kept)
+
+
 def _parse(study: str, key: str, record: Any) -> StoredRows:
     """A record read back; ``TableError`` naming the study and the attribute when it is malformed."""
     where = f"study {study!r}: {key}"
@@ -133,7 +142,7 @@ def _parse(study: str, key: str, record: Any) -> StoredRows:
         rows = record.get("rows")
         if not isinstance(rows, list) or not rows:
             raise ScheduleError(f"rows: expected a non-empty list, got {rows!r}")
-        schedules = tuple(Schedule.from_dict(row, defaults=header) for row in rows)
+        schedules = tuple(_measured_only(Schedule.from_dict(row, defaults=header)) for row in rows)
     except (TableError, ScheduleError) as exc:
         raise TableError(f"{where}: {exc}") from None
     return StoredRows(

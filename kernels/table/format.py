@@ -5,6 +5,7 @@ and saving, and the fingerprint check."""
 from __future__ import annotations
 
 import os
+import stat
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import COLLECTIVES, DTYPES, Problem, Schedule
 from fo_kernels.table.index import ProblemKey, RowIndex, problem_key
 from fo_kernels.table.paths import TABLE_DIR_ENV, check_name, table_filename, where_it_belongs
+from fo_kernels.table.provenance import check_finite_provenance
 from fo_kernels.table.text import dump_table_text, parse_table_text, unreadable
 
 TABLE_SCHEMA_VERSION = 2
@@ -38,6 +40,7 @@ def _check_header_keys(schedule: Schedule, table: Any) -> None:
         if getattr(schedule, key) != getattr(table, key):
             theirs, ours = getattr(schedule, key), getattr(table, key)
             raise TableError(f"{key}: the schedule says {theirs!r}, the table is for {ours!r}")
+    check_finite_provenance(schedule.provenance)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -128,7 +131,13 @@ class ScheduleTable:
     @classmethod
     def of_rows(cls, header: TableHeader, rows: list[Schedule], source: str) -> ScheduleTable:
         """The table of a file's checked ``header`` and its built ``rows`` (``TableError`` naming
-        ``source`` for two rows of one problem, or M ranges that overlap)."""
+        ``source`` for two rows of one problem, or M ranges that overlap, or a row's provenance
+        that holds a NaN or an infinity: the tuner's reads, not the runtime's, which ignores it)."""
+        for i, row in enumerate(rows):
+            try:
+                check_finite_provenance(row.provenance)
+            except ScheduleError as exc:
+                raise TableError(f"{source}: rows[{i}]: {exc}") from None
         try:
             return cls(
                 fingerprint=header.fingerprint,
@@ -314,6 +323,9 @@ def read_table_text(path: str | os.PathLike[str]) -> str:
     ``TableError`` naming the path when it cannot be read."""
     path = Path(path)
     try:
+        if stat.S_ISCHR(mode := path.stat().st_mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            # (read, /dev/zero fills the memory until the kernel kills the process; a pipe waits)
+            raise TableError(f"{path}: not a file (a device, a pipe or a socket); {GIVE_A_TABLE}")
         # (a byte order mark, as some editors write, dropped: with it, a table that is one JSON
         # document would go to the YAML parser, 60 times slower than json on 5,000 rows)
         return path.read_text(encoding="utf-8").removeprefix(BOM)
