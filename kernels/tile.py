@@ -3,6 +3,8 @@ against; the ``triton`` engine's settings and the copy engine's tiled mode carry
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -116,3 +118,21 @@ TILE_FLAGS = tuple(f.name for f in fields(Tile) if f.type == "bool")
 # of the H100 fp8 profiles (search_spaces/hopper.yaml dtype_tiles; docs/perf-notes.md, "fp8 tiles"):
 # the tuner's fp8 default and the copy engine's fp8 sums.
 FP8_TILE = Tile(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3)
+
+
+@contextlib.contextmanager
+def within_device_limits(tile: Tile, what: str) -> Iterator[None]:
+    """Kernel launches of ``tile`` under it that need more of a resource (shared memory, registers)
+    than this GPU has raise ``ScheduleError`` naming the tile and ``what`` it ran on, instead of
+    Triton's ``OutOfResources``. Triton finds it when it loads the compiled kernel, before the
+    kernel runs: a tile's shared memory grows with its operands' element size (a tile that fits in
+    bfloat16 can need twice Hopper's 227 KiB in float32), which the tile's own checks cannot know."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        yield
+    except OutOfResources as exc:
+        raise ScheduleError(
+            f"tile {tile.label()}: on {what} it needs {exc.required} bytes of {exc.name}, over this GPU's "
+            f"{exc.limit}; give a smaller block_k or block_n, or fewer num_stages"
+        ) from None

@@ -190,3 +190,41 @@ def test_parallelize_linears_moves_cpu_weights_to_an_nccl_groups_device(nccl_one
     # float32 GEMMs on tensor cores (TF32 where Triton or cuBLAS choose it) against cuBLAS
     assert _rel(out, want) < FP32_TF32_TOL
     assert _rel(x.grad, x_ref.grad) < FP32_TF32_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)  # (a call that waits for a refused call's tiles never returns)
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_a_tile_over_the_gpus_shared_memory_is_a_schedule_error(nccl_one_rank, collective):
+    """A 256x128x64 4-stage tile fits Hopper's shared memory in bfloat16 but not in float32: the
+    float32 call is a ScheduleError naming the tile and the bytes, and the same call with a tile
+    that fits then runs and is right (nothing of the refused call is waited for)."""
+    from fo_kernels.errors import ScheduleError
+
+    big = Tile(block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
+    m, n, k = 1024, 512, 256
+    a = torch.randn(m, k, device="cuda", dtype=torch.float32)
+    b = torch.randn(k, n, device="cuda", dtype=torch.float32)
+    op = {"all_reduce": gemm_all_reduce, "reduce_scatter": gemm_reduce_scatter, "all_gather": all_gather_gemm}
+    for tile, refused in ((big, True), (TILE, False)):
+        tiles_n = cdiv(n, tile.block_n)
+        unit = tile.group_m * tiles_n
+        units = cdiv(cdiv(m, tile.block_m) * tiles_n, unit)
+        settings = TritonSettings(
+            tile=tile, sms_free=8, signal_tiles=unit, groups=split_decreasing(units, 2), layout="row_band"
+        )
+        schedule = Schedule(
+            collective=collective,
+            dtype="float32",
+            world_size=1,
+            problem=Problem(m=m, n=n, k=k),
+            settings=settings,
+        )
+        if refused:
+            with pytest.raises(ScheduleError, match=r"tile 256x128x64 .* bytes of shared memory"):
+                op[collective](a, b, schedule=schedule)
+            continue
+        got = op[collective](a, b, schedule=schedule)
+        got = got[0] if collective == "all_gather" else got
+        torch.cuda.synchronize()
+        assert _rel(got, a.double() @ b.double()) < FP32_TF32_TOL

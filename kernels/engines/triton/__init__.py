@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from fo_kernels.engines import Engine, EngineResult
+from fo_kernels.tile import within_device_limits
 
 if TYPE_CHECKING:
     from fo_kernels.gemm import BOperand
@@ -75,9 +76,10 @@ class TritonEngine(Engine):
             a = a.contiguous()
         if scales is not None:
             b = kmajor_fp8(b)
-        if schedule.collective == "all_gather":
-            return gathered(schedule, a, b, runtime, scales)
-        return overlapped(schedule, a, b, runtime, scales)
+        with within_device_limits(schedule.settings.tile, f"{a.dtype} operands"):
+            if schedule.collective == "all_gather":
+                return gathered(schedule, a, b, runtime, scales)
+            return overlapped(schedule, a, b, runtime, scales)
 
 
 ENGINE = TritonEngine

@@ -64,11 +64,13 @@ def overlapped(
     if comm is not None:
         main.wait_stream(comm)  # the previous call's collectives are done before this GEMM signals
         comm.wait_stream(main)  # and everything before the GEMM (inputs, buffers) precedes ours
-    targets = runtime.reserve_targets(plan)
     signalled_gemm(
         a, b, buf, plan, tile, counters=runtime.counters, unit_group=unit_group, group_info=group_info,
         scales=scales,
     )  # fmt: skip
+    # (after the launch: a launch that raises, a tile too large for the GPU, leaves the totals as
+    # the counters are)
+    targets = runtime.reserve_targets(plan)
     with torch.cuda.stream(comm) if comm is not None else contextlib.nullcontext():
         for g in range(plan.num_groups):
             waiter.wait(runtime.counters, g, targets[g])

@@ -34,6 +34,7 @@ from fo_kernels.moe.kernels import grouped_gemm, swiglu_gemm
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.moe.stages import ForwardStage, Stage
 from fo_kernels.runtime import OverlapRuntime, runtime_for
+from fo_kernels.tile import within_device_limits
 
 # The runtime's engine_state key of the CTA caps whose process group has run a collective.
 READY = "moe.triton.groups"
@@ -120,7 +121,8 @@ class _Ring:
 def run(stage: Stage, schedule: MoeSchedule, group: dist.ProcessGroup | None) -> torch.Tensor | None:
     """One call of ``stage`` on the Triton engine (see the module docstring)."""
     if isinstance(stage, ForwardStage):
-        return _forward(stage, schedule, group)
+        with within_device_limits(schedule.tile, f"{stage.dtype} experts"):
+            return _forward(stage, schedule, group)
     return pipelined(stage, schedule, group)
 
 
@@ -185,9 +187,9 @@ def _forward(stage: ForwardStage, schedule: MoeSchedule, group: dist.ProcessGrou
     per_slot = [0] * ring.world
     for _row0, n, _e, s in segs:
         per_slot[s] += -(-n // tile.block_m) * tiles_n
-    targets = ring.runtime.reserve_tiles(per_slot)
     counters = ring.runtime.counters
     grouped_gemm(h, w2, back, segs, tile, grid=grid, counters=counters)
+    targets = ring.runtime.reserve_tiles(per_slot)  # (after the launch, as the dense path does)
     ret = rows.new_empty((rows.shape[0], hidden * dtype.itemsize))
     waiter = ring.runtime.waiter(schedule.wait_mode) if ring.comm is not None else None
     with ring.on_comm():
