@@ -25,6 +25,7 @@ _EXPORTS = {
     "Fp8TrainingError": "errors",
     "DoubleBackwardError": "errors",
     "ScaleError": "errors",
+    "DeviceLimitError": "errors",
     "HeuristicScheduleWarning": "errors",
     "ScheduleError": "errors",
     "ShapeError": "errors",

@@ -21,6 +21,11 @@ class ScheduleError(FoTuneError, ValueError):
     """A schedule that is malformed or does not fit the problem; the message names the field."""
 
 
+class DeviceLimitError(ScheduleError):
+    """A schedule whose tile needs more of this GPU (shared memory, registers) than it has: the
+    kernel cannot load here, whatever the input."""
+
+
 class ScaleError(ShapeError):
     """fp8 operands and their scales that the ops cannot take (``fo_kernels.scaling``): scales on
     other operands, wrong scale shapes or dtypes, mixed operand dtypes, another fp8 variant."""

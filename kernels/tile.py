@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
-from fo_kernels.errors import ScheduleError
+from fo_kernels.errors import DeviceLimitError, ScheduleError
 from fo_kernels.fields import check_int, field_names, from_mapping, is_pow2
 
 # tl.dot needs every block dimension >= 16; 256 is the largest block one Hopper CTA's shared memory
@@ -123,16 +123,18 @@ FP8_TILE = Tile(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, n
 @contextlib.contextmanager
 def within_device_limits(tile: Tile, what: str) -> Iterator[None]:
     """Kernel launches of ``tile`` under it that need more of a resource (shared memory, registers)
-    than this GPU has raise ``ScheduleError`` naming the tile and ``what`` it ran on, instead of
-    Triton's ``OutOfResources``. Triton finds it when it loads the compiled kernel, before the
-    kernel runs: a tile's shared memory grows with its operands' element size (a tile that fits in
-    bfloat16 can need twice Hopper's 227 KiB in float32), which the tile's own checks cannot know."""
+    than this GPU has raise ``DeviceLimitError`` (a ``ScheduleError``) naming the tile and ``what``
+    it ran on, instead of Triton's ``OutOfResources``. Triton finds it when it loads the compiled
+    kernel, before the kernel runs: a tile's shared memory grows with its operands' element size (a
+    tile that fits in bfloat16 can need twice Hopper's 227 KiB in float32), which the tile's own
+    checks cannot know."""
+
     from triton.runtime.errors import OutOfResources
 
     try:
         yield
     except OutOfResources as exc:
-        raise ScheduleError(
+        raise DeviceLimitError(
             f"tile {tile.label()}: on {what} it needs {exc.required} bytes of {exc.name}, over this GPU's "
             f"{exc.limit}; give a smaller block_k or block_n, or fewer num_stages"
         ) from None

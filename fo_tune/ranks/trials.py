@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fo_kernels.errors import DeviceLimitError
 from fo_kernels.schedule import Problem, Schedule
 from fo_tune.ranks import CONFIRM_ROUNDS
 from fo_tune.ranks.checks import (
@@ -103,7 +104,12 @@ class OverlapTrialTask:
 
     def run(self, ctx: RankContext) -> dict[str, Any]:
         s = self.schedule
-        worst = check_schedule(ctx, s, self.m, self.n, self.k, self.seed)
+        try:
+            worst = check_schedule(ctx, s, self.m, self.n, self.k, self.seed)
+        except DeviceLimitError as exc:  # (every rank's GPU refuses the same kernel, none waits)
+            return dict(
+                rel_err=math.inf, has_nan=False, ok=False, timing=None, note=f"does not fit the GPU: {exc}"
+            )
         ok = worst < GEMM_TOL[s.dtype]  # the same on every rank: none is left waiting in a collective
         timing = None
         if ok:

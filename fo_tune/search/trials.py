@@ -52,6 +52,7 @@ class Measurer:
             rel_err=max(r["rel_err"] for r in per_rank),
             has_nan=any(r["has_nan"] for r in per_rank),
             timing=timing,
+            note=next((r["note"] for r in per_rank if r.get("note")), ""),
         )
 
     def confirm(self, schedules: Sequence[Schedule], shape: tuple[int, int, int]) -> dict[str, Any]:
@@ -152,7 +153,9 @@ class Objective:
         got = self.measurer.trial(schedule, self.enc.task.shape)
         trial.set_user_attr("rel_err", got["rel_err"])
         if not got["ok"]:
-            note = "numerical check failed: " + ("NaN" if got["has_nan"] else f"rel err {got['rel_err']:.2e}")
+            note = got.get("note") or "numerical check failed: " + (
+                "NaN" if got["has_nan"] else f"rel err {got['rel_err']:.2e}"
+            )
             trial.set_user_attr("note", note)
             self.on_trial(f"#{trial.number} {note}", True)
             raise optuna.TrialPruned(note)
