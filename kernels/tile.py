@@ -3,8 +3,6 @@ against; the ``triton`` engine's settings and the copy engine's tiled mode carry
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -120,21 +118,30 @@ TILE_FLAGS = tuple(f.name for f in fields(Tile) if f.type == "bool")
 FP8_TILE = Tile(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3)
 
 
-@contextlib.contextmanager
-def within_device_limits(tile: Tile, what: str) -> Iterator[None]:
-    """Kernel launches of ``tile`` under it that need more of a resource (shared memory, registers)
-    than this GPU has raise ``DeviceLimitError`` (a ``ScheduleError``) naming the tile and ``what``
-    it ran on, instead of Triton's ``OutOfResources``. Triton finds it when it loads the compiled
-    kernel, before the kernel runs: a tile's shared memory grows with its operands' element size (a
-    tile that fits in bfloat16 can need twice Hopper's 227 KiB in float32), which the tile's own
-    checks cannot know."""
+@dataclass(frozen=True, slots=True)
+class DeviceLimits:
+    """A context manager: kernel launches of ``tile`` under it that need more of a resource (shared
+    memory, registers) than this GPU has raise ``DeviceLimitError`` (a ``ScheduleError``) naming
+    the tile and ``what`` it ran on, instead of Triton's ``OutOfResources``. Triton finds it when it
+    loads the compiled kernel, before the kernel runs: a tile's shared memory grows with its
+    operands' element size (a tile that fits in bfloat16 can need twice Hopper's 227 KiB in
+    float32), which the tile's own checks cannot know. Entering and leaving cost a call's host
+    time well under a microsecond; Triton's error class is imported only when something failed."""
 
-    from triton.runtime.errors import OutOfResources
+    tile: Tile
+    what: str
 
-    try:
-        yield
-    except OutOfResources as exc:
-        raise DeviceLimitError(
-            f"tile {tile.label()}: on {what} it needs {exc.required} bytes of {exc.name}, over this GPU's "
-            f"{exc.limit}; give a smaller block_k or block_n, or fewer num_stages"
-        ) from None
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None:
+            return False
+        from triton.runtime.errors import OutOfResources
+
+        if isinstance(exc, OutOfResources):
+            raise DeviceLimitError(
+                f"tile {self.tile.label()}: on {self.what} it needs {exc.required} bytes of {exc.name}, "
+                f"over this GPU's {exc.limit}; give a smaller block_k or block_n, or fewer num_stages"
+            ) from None
+        return False

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from fo_kernels.engines import Engine, EngineResult
-from fo_kernels.tile import within_device_limits
+from fo_kernels.tile import DeviceLimits
 
 if TYPE_CHECKING:
     from fo_kernels.gemm import BOperand
@@ -76,7 +76,7 @@ class TritonEngine(Engine):
             a = a.contiguous()
         if scales is not None:
             b = kmajor_fp8(b)
-        with within_device_limits(schedule.settings.tile, f"{a.dtype} operands"):
+        with DeviceLimits(schedule.settings.tile, f"{a.dtype} operands"):
             if schedule.collective == "all_gather":
                 return gathered(schedule, a, b, runtime, scales)
             return overlapped(schedule, a, b, runtime, scales)

@@ -34,7 +34,7 @@ from fo_kernels.moe.kernels import grouped_gemm, swiglu_gemm
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.moe.stages import ForwardStage, Stage
 from fo_kernels.runtime import OverlapRuntime, runtime_for
-from fo_kernels.tile import within_device_limits
+from fo_kernels.tile import DeviceLimits
 
 # The runtime's engine_state key of the CTA caps whose process group has run a collective.
 READY = "moe.triton.groups"
@@ -121,7 +121,7 @@ class _Ring:
 def run(stage: Stage, schedule: MoeSchedule, group: dist.ProcessGroup | None) -> torch.Tensor | None:
     """One call of ``stage`` on the Triton engine (see the module docstring)."""
     if isinstance(stage, ForwardStage):
-        with within_device_limits(schedule.tile, f"{stage.dtype} experts"):
+        with DeviceLimits(schedule.tile, f"{stage.dtype} experts"):
             return _forward(stage, schedule, group)
     return pipelined(stage, schedule, group)
 
