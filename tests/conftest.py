@@ -6,8 +6,10 @@ import fo_kernels. A GPU run sets TRITON_INTERPRET=0 itself and selects ``-m "gp
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+from collections.abc import Iterator
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -60,18 +62,18 @@ def one_rank(tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.fixture
-def quiet_one_rank(tmp_path, monkeypatch):
-    """``one_rank`` for calls that look up tables and may be compiled: no user table anywhere
-    (``FO_TUNE_TABLE_DIR`` and ``XDG_DATA_HOME`` under ``tmp_path``), no warnings kept (heuristic
-    schedules, torch's paths), Dynamo reset after."""
+@contextlib.contextmanager
+def _quiet_rank(tmp_path, monkeypatch, backend: str, **init) -> Iterator[None]:
+    """One rank of ``backend`` in this process: no user table anywhere (``FO_TUNE_TABLE_DIR`` and
+    ``XDG_DATA_HOME`` under ``tmp_path``), no warnings kept (heuristic schedules, torch's paths),
+    Dynamo reset after."""
     import warnings
 
     import torch.distributed as dist
 
     monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, **init)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -79,34 +81,69 @@ def quiet_one_rank(tmp_path, monkeypatch):
     finally:
         torch._dynamo.reset()
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def quiet_one_rank(tmp_path, monkeypatch):
+    """``one_rank`` for calls that look up tables and may be compiled (``_quiet_rank`` on gloo)."""
+    with _quiet_rank(tmp_path, monkeypatch, "gloo"):
+        yield
 
 
 @pytest.fixture
 def nccl_one_rank(tmp_path, monkeypatch):
-    """One NCCL rank on GPU 0 in this process, for the GPU tests: no user table anywhere
-    (``FO_TUNE_TABLE_DIR`` and ``XDG_DATA_HOME`` under ``tmp_path``), no warnings kept (the heuristic
-    schedules'), Dynamo reset after."""
-    import warnings
-
-    import torch.distributed as dist
-
-    monkeypatch.setenv("FO_TUNE_TABLE_DIR", str(tmp_path / "tables"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    """One NCCL rank on GPU 0 in this process, for the GPU tests (``_quiet_rank`` on nccl)."""
     torch.cuda.set_device(0)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"file://{tmp_path / 'store'}",
-        rank=0,
-        world_size=1,
-        device_id=torch.device("cuda", 0),
-    )
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+    with _quiet_rank(tmp_path, monkeypatch, "nccl", device_id=torch.device("cuda", 0)):
+        yield
+
+
+class _OverLimits:
+    """A small float32 Triton-engine call at world size 1 (``shape``, ``schedule(collective)``) and
+    ``failing()``: inside it the engine's GEMM launch fails as a kernel too large for the GPU does
+    (Triton's ``OutOfResources`` as it loads the kernel, with the bytes a 256x128x64 4-stage tile
+    needs in float32 on Hopper); the interpreter has no such limit to meet."""
+
+    shape = (64, 48, 32)  # (M, N, K): 2 x 3 tiles of 32x16, one band row a signal unit
+    required, limit = 327704, 232448
+
+    def __init__(self, monkeypatch) -> None:
+        self._monkeypatch = monkeypatch
+
+    def schedule(self, collective: str):
+        from fo_kernels import Problem, Schedule, Tile, TritonSettings
+
+        m, n, k = self.shape
+        tile = Tile(block_m=32, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=2)
+        settings = TritonSettings(
+            tile=tile, signal_tiles=3, groups=(1, 1), layout="row_band", wait_mode="spin"
+        )
+        return Schedule(
+            collective=collective,
+            dtype="float32",
+            world_size=1,
+            problem=Problem(m=m, n=n, k=k),
+            settings=settings,
+        )
+
+    @contextlib.contextmanager
+    def failing(self) -> Iterator[None]:
+        from triton.runtime.errors import OutOfResources
+
+        from fo_kernels.engines.triton import executor
+
+        def too_large(*args, **kwargs):
+            raise OutOfResources(self.required, self.limit, "shared memory")
+
+        with self._monkeypatch.context() as patch:
+            patch.setattr(executor, "signalled_gemm", too_large)
             yield
-    finally:
-        torch._dynamo.reset()
-        dist.destroy_process_group()
+
+
+@pytest.fixture
+def over_limits(monkeypatch) -> _OverLimits:
+    """``_OverLimits``: a call whose launch fails as a tile too large for the GPU, inside ``failing()``."""
+    return _OverLimits(monkeypatch)
 
 
 @pytest.fixture(scope="module")

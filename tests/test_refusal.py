@@ -439,38 +439,19 @@ def test_compiled_refused_outputs_have_the_eager_calls_shapes_on_two_ranks(quiet
 @pytest.mark.timeout(60)  # (a call that waits for the refused call's tiles spins forever)
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
 def test_a_tile_over_the_gpus_limits_is_a_schedule_error_and_the_next_call_runs(
-    quiet_one_rank, monkeypatch, collective
+    quiet_one_rank, over_limits, collective
 ):
     """A Triton-engine tile whose kernel needs more shared memory than the GPU has (Triton's
     OutOfResources as it loads the kernel; a 256x128x64 4-stage tile in float32 on Hopper) is a
     ScheduleError naming the tile, and the call leaves nothing behind: the next call of the same
     schedule waits for its own GEMM's signals, not for tiles of the refused one (it would spin
     forever), and is right. The load's failure is stood in for here: the interpreter has no limit."""
-    from triton.runtime.errors import OutOfResources
-
-    from fo_kernels import Problem, Schedule, Tile, TritonSettings
-    from fo_kernels.engines.triton import executor
-
-    m, k, n = 64, 32, 48
-    tile = Tile(block_m=32, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=2)
-    settings = TritonSettings(tile=tile, signal_tiles=3, groups=(1, 1), layout="row_band", wait_mode="spin")
-    schedule = Schedule(
-        collective=collective,
-        dtype="float32",
-        world_size=1,
-        problem=Problem(m=m, n=n, k=k),
-        settings=settings,
-    )
+    m, n, k = over_limits.shape
+    schedule = over_limits.schedule(collective)
     op = {"all_reduce": gemm_all_reduce, "reduce_scatter": gemm_reduce_scatter}[collective]
     a, b = torch.randn(m, k, dtype=torch.float64), torch.randn(k, n, dtype=torch.float64)
-    launch = executor.signalled_gemm
-
-    def too_large(*args, **kwargs):
-        raise OutOfResources(327704, 232448, "shared memory")
-
-    monkeypatch.setattr(executor, "signalled_gemm", too_large)
-    with pytest.raises(ScheduleError, match=r"tile 32x16x16 .*327704 bytes of shared memory.*232448"):
+    refused = pytest.raises(ScheduleError, match=r"tile 32x16x16 .*327704 bytes of shared memory.*232448")
+    with over_limits.failing(), refused:
         op(a.float(), b.float(), schedule=schedule)
-    monkeypatch.setattr(executor, "signalled_gemm", launch)
     got = op(a.float(), b.float(), schedule=schedule)
     assert torch.allclose(got.double(), a @ b, rtol=1e-4, atol=1e-4)

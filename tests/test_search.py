@@ -1204,15 +1204,12 @@ def test_an_interrupted_search_with_json_prints_what_it_kept(tmp_path, h200, mon
     assert run["not_done"] == ["16384x8192x4096", "8192x8192x4096"]
 
 
-def test_a_trial_whose_tile_does_not_fit_the_gpu_is_refused_with_why(quiet_one_rank, monkeypatch):
+def test_a_trial_whose_tile_does_not_fit_the_gpu_is_refused_with_why(quiet_one_rank, over_limits):
     """A measured trial whose kernel the GPU cannot load (the runtime's DeviceLimitError; Triton's
     OutOfResources stood in for, the interpreter has no limit) is a failed trial saying why, not a
     rank failure that ends the search; the next trial runs."""
     import torch
-    from triton.runtime.errors import OutOfResources
 
-    from fo_kernels import Problem, Schedule, Tile, TritonSettings
-    from fo_kernels.engines.triton import executor
     from fo_tune.ranks.launch import RankContext
     from fo_tune.search.trials import Measurer
 
@@ -1222,26 +1219,11 @@ def test_a_trial_whose_tile_does_not_fit_the_gpu_is_refused_with_why(quiet_one_r
         def run(self, task):
             return [task.run(ctx)]
 
-    m, n, k = 64, 48, 32
-    tile = Tile(block_m=32, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=2)
-    settings = TritonSettings(tile=tile, signal_tiles=3, groups=(1, 1), layout="row_band", wait_mode="spin")
-    schedule = Schedule(
-        collective="all_reduce",
-        dtype="float32",
-        world_size=1,
-        problem=Problem(m=m, n=n, k=k),
-        settings=settings,
-    )
+    schedule = over_limits.schedule("all_reduce")
     measurer = Measurer(OneRank(), reps=1, seed=0)
-    launch = executor.signalled_gemm
-
-    def too_large(*args, **kwargs):
-        raise OutOfResources(327704, 232448, "shared memory")
-
-    monkeypatch.setattr(executor, "signalled_gemm", too_large)
-    got = measurer.trial(schedule, (m, n, k))
+    with over_limits.failing():
+        got = measurer.trial(schedule, over_limits.shape)
     assert not got["ok"] and got["timing"] is None and not got["has_nan"]
     assert got["note"].startswith("does not fit the GPU: tile 32x16x16") and "327704" in got["note"]
-    monkeypatch.setattr(executor, "signalled_gemm", launch)
-    got = measurer.trial(schedule, (m, n, k))
+    got = measurer.trial(schedule, over_limits.shape)
     assert got["ok"] and got["note"] == "" and got["timing"].median_ms > 0
