@@ -299,3 +299,35 @@ def test_tiled_kernels_get_a_share_of_the_sms(log: Log):
     ranks.run("reduce_scatter", a, b, mode="tiled", weights=(1, 1), tile=TILE)
     grids = {op[4] for op in log.ops if op[0] == "kernel"}
     assert grids == {66}
+
+
+def test_a_tile_over_the_gpus_limits_is_refused_before_any_flag(log: Log, monkeypatch: pytest.MonkeyPatch):
+    """A tiled-mode tile whose rows kernel needs more shared memory than the GPU has (Triton's
+    OutOfResources as it loads the kernel, stood in for: the interpreter has no limit) is a
+    ScheduleError naming the tile, raised by the warm-up before any flag is waited for or written,
+    so no peer is left waiting on a flag this rank never writes."""
+    from triton.runtime.errors import OutOfResources
+
+    global caller
+    caller = new_stream(log, "caller")
+
+    def too_large(*args, **kwargs):
+        raise OutOfResources(327704, 232448, "shared memory")
+
+    monkeypatch.setattr(gpu, "rows_gemm", too_large)
+    ranks = VirtualRanks(2, _device(log))
+    a, b = _operands(2, "all_reduce", 64, 40, 24)
+    vp = ranks.plan(
+        "all_reduce",
+        64,
+        40,
+        24,
+        Dtypes(torch.float32, torch.float32),
+        mode="tiled",
+        weights=(1, 1),
+        tile=TILE,
+    )
+    outs = [torch.empty(p.out_rows, 40) for p in vp.plans]
+    with pytest.raises(ScheduleError, match=r"tile 16x32x16 .*327704 bytes of shared memory.*232448"):
+        ranks.issue(vp, a, b, outs, None)
+    assert not [op for op in log.ops if op[0] in ("wait", "write")]

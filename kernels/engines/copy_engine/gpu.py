@@ -52,7 +52,7 @@ from fo_kernels.engines.copy_engine.warmup import launch_key, scratch_like
 from fo_kernels.gemm import BOperand, rows_gemm
 from fo_kernels.plan import cdiv
 from fo_kernels.scaling import Scales, is_fp8, scaled_mm
-from fo_kernels.tile import FP8_TILE
+from fo_kernels.tile import FP8_TILE, DeviceLimits
 
 # An fp8 chunk GEMM onto a partial sum (beta 1) runs in the persistent rows GEMM with FP8_TILE,
 # which adds the partial in its epilogue: torch._scaled_mm has no beta, and its product then a
@@ -334,11 +334,13 @@ class GpuExecutor:
         if "out2" in kw:
             kw["out2"] = self._rows(call, kw["out2"]) if kw["out2"] is not None else None
         a, out = self._rows(call, a), self._rows(call, out)
-        if s == MAIN and call.main_current:  # (no stream switch: it costs host time)
-            rows_gemm(a, call.operand, out, tile, grid=self.sms, row_group=row_group, **kw)
-            return
-        with torch.cuda.stream(call.streams[s]):
-            rows_gemm(a, call.operand, out, tile, grid=self.sms, row_group=row_group, **kw)
+        # (a tile over the GPU's limits fails here first in the warm-up, before any flag is issued)
+        with DeviceLimits(tile, f"{a.dtype} rows of the copy engine"):
+            if s == MAIN and call.main_current:  # (no stream switch: it costs host time)
+                rows_gemm(a, call.operand, out, tile, grid=self.sms, row_group=row_group, **kw)
+                return
+            with torch.cuda.stream(call.streams[s]):
+                rows_gemm(a, call.operand, out, tile, grid=self.sms, row_group=row_group, **kw)
 
     def _copy(self, call: _Call, s: str, dst: tuple, src: tuple, nbytes: int) -> None:
         drv = self.driver
