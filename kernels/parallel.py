@@ -29,7 +29,7 @@ time) is redistributed as torch's style does, with one warning from its first ea
 fp8 for inference: ``ColwiseParallel(fp8="tensorwise" | "rowwise")`` (and ``RowwiseParallel``)
 stores each weight shard once as float8_e4m3fn codes with the full weight's scale in its
 ``weight_scale`` buffer (a DTensor, so a distributed checkpoint holds it) and quantizes each call's
-input the same way, as ``ColumnParallelLinear(fp8=...)`` does (``fo_kernels.parallel_forward``).
+input the same way, as ``ColumnParallelLinear(fp8=...)`` does (``fo_kernels.parallel_fp8``).
 torch's style has no fp8 GEMM, so an fp8 style that fo-tune cannot run is a ``PlanError`` when
 applied (a ``ShapeError`` at run time), not torch's style; a backward raises ``Fp8TrainingError``. A
 cast of the model's dtype (``model.to(torch.bfloat16)``, ``.half()``) leaves each fp8 weight and its
@@ -61,7 +61,8 @@ from torch.distributed.tensor.placement_types import Placement
 from fo_kernels.errors import AlreadyParallelizedError, NotOverlappedWarning, PlanError
 from fo_kernels.fields import check_bool
 from fo_kernels.groups import check_group, require_initialized
-from fo_kernels.parallel_forward import COLWISE, PLAN_ATTR, ROWWISE, LinearPlan, install_forward
+from fo_kernels.parallel_forward import install_forward
+from fo_kernels.parallel_plan import COLWISE, PLAN_ATTR, ROWWISE, LinearPlan
 from fo_kernels.quantize import check_scaling
 from fo_kernels.scaling import is_fp8
 from fo_kernels.schedule import TORCH_DTYPES

@@ -25,17 +25,10 @@ runs as torch's style runs it (``torch_forward``), with one ``NotOverlappedWarni
 The gradient helpers are the layers' (``fo_kernels.layers``): the fused all-reduce of a replicated
 input's gradient and the bias of a dim-0 shard.
 
-fp8 for inference (a style's ``fp8="tensorwise"`` or ``"rowwise"``, ``LinearPlan.fp8``): as the
-layers' (``fo_kernels.layers``), the local weight shard is stored once as float8_e4m3fn codes (a
-DTensor of the same placements, no gradient) with its scale in the module's ``weight_scale`` buffer
-(a DTensor: the full weight's scale, ``_scale_sharded``), and each call quantizes its input's
-rows the same way (``fo_kernels.quantize``; tensorwise before an AllGather with one scale over the
-group) for the scaled ops, the output in the input's dtype. torch's style has no fp8 GEMM, so what
-would run as torch's style raises ``ShapeError`` for an fp8 module instead; a backward raises
-``Fp8TrainingError``. The module's own ``_apply`` keeps the codes and the float32 scale through a
-cast of its dtype (``model.to(torch.bfloat16)``), as the layers' does; ``load_state_dict``
-quantizes a high-precision weight into it and dequantizes an fp8 one into a plain module
-(``_load_hook``).
+fp8 for inference (a style's ``fp8="tensorwise"`` or ``"rowwise"``, ``LinearPlan.fp8``): the
+weight shard is stored as fp8 codes and each call quantizes its input's rows for the scaled ops
+(``fo_kernels.parallel_fp8``). torch's style has no fp8 GEMM, so what would run as torch's style
+raises ``ShapeError`` for an fp8 module instead; a backward raises ``Fp8TrainingError``.
 """
 
 from __future__ import annotations
@@ -43,19 +36,15 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import style as torch_style
 from torch.distributed.tensor.placement_types import Placement
 
 from fo_kernels.errors import NotOverlappedWarning, ShapeError
-from fo_kernels.fp8_state import prepare_weight_state
-from fo_kernels.groups import resolve_group
 from fo_kernels.layers import (
     _add_bias,
     _add_bias_to_shard,
@@ -65,68 +54,19 @@ from fo_kernels.layers import (
 )
 from fo_kernels.ops import warn_while_tracing
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
-from fo_kernels.quantize import (
-    dequantize_weight,
-    fp8_operands,
-    keeping_dtypes,
-    local_fp8_matmul,
-    quantize_weight,
-)
+from fo_kernels.parallel_fp8 import fp8_rows, load_hook, local_fp8, quantize_module
+from fo_kernels.parallel_plan import COLWISE, PLAN_ATTR, ROWWISE, LinearPlan
 from fo_kernels.refusal import refusal, refused, shape_of, shape_text
 from fo_kernels.scaling import OUT_DTYPES
 from fo_kernels.schedule import TORCH_DTYPES
 
-# The attributes of the module that hold its LinearPlan, whether it has warned of torch's path, and
-# whether it has warned of a colwise output DTensor redistributes.
-PLAN_ATTR = "_fo_parallel_plan"
+# The attributes of the module that say whether it has warned of torch's path, and whether it has
+# warned of a colwise output DTensor redistributes.
 WARNED_ATTR = "_fo_parallel_warned"
 REDISTRIBUTED_ATTR = "_fo_parallel_warned_output"
-COLWISE, ROWWISE = "colwise", "rowwise"
 # The layouts each kind computes in (torch's desired layouts of a linear).
 DESIRED_INPUT = {COLWISE: (Replicate(),), ROWWISE: (Shard(-1),)}
 TORCH_STYLES = {COLWISE: torch_style.ColwiseParallel, ROWWISE: torch_style.RowwiseParallel}
-# The buffer of an fp8 module that holds its weight shard's scale (scale_b), as the layers name it.
-SCALE_ATTR = "weight_scale"
-
-
-@dataclass(frozen=True, slots=True)
-class LinearPlan:
-    """How one parallelized ``nn.Linear`` runs: the style's layouts, its mesh and group."""
-
-    kind: str
-    mesh: DeviceMesh
-    group: torch.distributed.ProcessGroup
-    group_name: str
-    world_size: int
-    input_layouts: tuple[Placement, ...]
-    output_layouts: tuple[Placement, ...]
-    use_local_output: bool
-    fp8: str | None = None  # the scaling of an fp8 module ("tensorwise" or "rowwise"), or None
-
-    def __reduce__(self) -> tuple[Callable[..., LinearPlan], tuple[object, ...]]:
-        """The plan as ``copy.deepcopy`` and pickle take it (a deep copy of a parallelized model):
-        its group by name, found again in this process as ``DeviceMesh`` finds its own, since a
-        ``ProcessGroup`` neither pickles nor deep-copies."""
-        fields = (self.kind, self.mesh, self.group_name, self.world_size)
-        layouts = (self.input_layouts, self.output_layouts, self.use_local_output)
-        return _plan_of_group_name, (*fields, *layouts, self.fp8)
-
-
-def _plan_of_group_name(
-    kind: str,
-    mesh: DeviceMesh,
-    group_name: str,
-    world_size: int,
-    input_layouts: tuple[Placement, ...],
-    output_layouts: tuple[Placement, ...],
-    use_local_output: bool,
-    fp8: str | None = None,
-) -> LinearPlan:
-    """A ``LinearPlan`` whose group is the one named ``group_name`` in this process."""
-    group = resolve_group(group_name) or torch.distributed.group.WORLD
-    return LinearPlan(
-        kind, mesh, group, group_name, world_size, input_layouts, output_layouts, use_local_output, fp8
-    )
 
 
 def install_forward(module: nn.Linear, plan: LinearPlan) -> None:
@@ -141,107 +81,7 @@ def install_forward(module: nn.Linear, plan: LinearPlan) -> None:
     # model loads again) and deep-copies with the module (a copy's forward is the copy's)
     module.forward = functools.partial(forward, module)
     # (a partial of a module-level function for the same reasons; torch keeps the module weakly)
-    module.register_load_state_dict_pre_hook(_load_hook)
-
-
-def _quantize_dtensor(weight: torch.Tensor, plan: LinearPlan, owner: str) -> tuple[DTensor, DTensor]:
-    """(codes, scale) of a DTensor weight of a ``plan`` module, both DTensors on its mesh: the codes
-    of the weight's placements, the scale the full weight's (``_scale_sharded``)."""
-    local = weight.to_local()
-    sharded = _scale_sharded(plan)
-    codes, scale = quantize_weight(local, plan.fp8, owner, shared=not sharded, group=plan.group)
-    codes = DTensor.from_local(
-        codes, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
-        stride=weight.stride(),
-    )  # fmt: skip
-    if sharded:  # (1, N) over the output features, split as the weight's rows are
-        shape = (1, weight.shape[0])
-        scale = DTensor.from_local(
-            scale, weight.device_mesh, [Shard(1)], run_check=False, shape=shape, stride=(shape[1], 1)
-        )
-    else:
-        scale = DTensor.from_local(scale, weight.device_mesh, [Replicate()], run_check=False)
-    return codes, scale
-
-
-def _scale_sharded(plan: LinearPlan) -> bool:
-    """Whether the module's scale is split over the ranks: rowwise scaling of a colwise weight (one
-    scale per output feature, and each rank holds whole rows). Every other scale is the full
-    weight's, the same on every rank (the largest amax over the group), so a checkpoint holds one
-    scale that a load at any world size finds (a distributed checkpoint saves a replicated tensor
-    once)."""
-    return plan.fp8 == "rowwise" and plan.kind == COLWISE
-
-
-def quantize_module(module: nn.Linear, plan: LinearPlan) -> None:
-    """Store ``module``'s weight as float8_e4m3fn codes (a DTensor of the weight's placements, no
-    gradient) and its scale in the ``weight_scale`` buffer (a DTensor: ``_scale_sharded``), for
-    inference, as ``plan.fp8`` scales it (one small all_reduce). The shard's (out, in) must be
-    multiples of 16 (torch._scaled_mm's rule): ``ShapeError`` otherwise."""
-    codes, scale = _quantize_dtensor(module.weight, plan, f"an fp8 {type(module).__name__}")
-    module.weight = nn.Parameter(codes, requires_grad=False)
-    module.register_buffer(SCALE_ATTR, scale)
-    # the module is the user's nn.Linear, whose class's _apply casts every floating tensor: an
-    # instance attribute shadows it for this module alone (model.to(torch.bfloat16) calls each
-    # child's _apply), a partial as the forward is, so it deep-copies and pickles with the module
-    module._apply = functools.partial(_fp8_apply, module)
-
-
-def _load_hook(module: nn.Linear, state_dict: dict, prefix: str, *_args) -> None:
-    """A parallelized module's ``load_state_dict`` pre-hook (``prepare_weight_state``): a
-    high-precision DTensor weight quantized into an fp8 module with the scale ``quantize_module``
-    gives (one small all_reduce: every rank loads alike); an fp8 one (codes and scale DTensors)
-    dequantized into another module. A plain tensor is left to torch, which refuses to copy it into
-    a DTensor parameter as it does for torch's styles."""
-    plan: LinearPlan = getattr(module, PLAN_ATTR)
-    weight = module.weight
-    if not isinstance(state_dict.get(prefix + "weight"), DTensor):
-        return
-
-    def quantize(loaded: torch.Tensor) -> tuple[DTensor, DTensor]:
-        # (laid out as the module's weight first: its scale is split or shared by that layout)
-        loaded = loaded.redistribute(weight.device_mesh, weight.placements)
-        return _quantize_dtensor(loaded, plan, f"an fp8 {type(module).__name__}")
-
-    def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        local = dequantize_weight(codes.to_local(), _local(scale), dtype)
-        return DTensor.from_local(
-            local, codes.device_mesh, codes.placements, run_check=False, shape=codes.shape,
-            stride=codes.stride(),
-        )  # fmt: skip
-
-    prepare_weight_state(state_dict, prefix, weight, quantize, dequantize, getattr(module, SCALE_ATTR, None))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _fp8_apply(
-    module: nn.Linear, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
-) -> nn.Linear:
-    """An fp8 module's ``_apply`` (``to``, ``half``, ``float``...): its class's, but the weight's
-    fp8 codes and its float32 ``weight_scale`` keep their dtypes through a cast of the module's
-    dtype, as the layers' do; a device move still moves them."""
-    kept = (module.weight, getattr(module, SCALE_ATTR))
-    return type(module)._apply(module, keeping_dtypes(fn, kept), recurse)
-
-
-def _fp8_rows(
-    module: nn.Linear, plan: LinearPlan, rows: torch.Tensor, shared: bool = False
-) -> tuple[torch.Tensor, dict]:
-    """(rows, the op's fp8 keyword arguments): an fp8 module's rows quantized (``shared``: one
-    tensorwise scale over the group, before an AllGather) and its scales; else the rows as they are."""
-    if plan.fp8 is None:
-        return rows, {}
-    scale = _local(getattr(module, SCALE_ATTR))
-    return fp8_operands(rows, plan.fp8, scale, shared=shared, group=plan.group)
-
-
-def _local_fp8(module: nn.Linear, plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A colwise fp8 module's local GEMM of a replicated input: its rows quantized, the scaled GEMM."""
-    codes, fp8 = _fp8_rows(module, plan, x.reshape(-1, x.shape[-1]))
-    return local_fp8_matmul(codes, weight.t(), fp8, plan.fp8).view(*x.shape[:-1], weight.shape[0])
+    module.register_load_state_dict_pre_hook(load_hook)
 
 
 def _leading_dim(placement: Placement, ndim: int) -> int | None:
@@ -369,7 +209,7 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return torch_forward(module, x, plan, lambda: _input_why(x, weight))
     if isinstance(layout, Replicate):
         if plan.fp8 is not None:  # (inference only: no gradient for DTensor to reduce)
-            y = _local_fp8(module, plan, x.to_local() if is_dtensor else x, weight)
+            y = local_fp8(module, plan, x.to_local() if is_dtensor else x, weight)
         elif is_dtensor:  # its gradient is a partial sum: DTensor reduces it where x came from
             x = x.to_local(grad_placements=[Partial()])
             y = x @ weight.t()
@@ -394,7 +234,7 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
                 return torch_forward(module, x, plan, lambda: _gather_why(layout, x, plan))
             x = x.to_local()
         xm = _moved(x, d)
-        rows, fp8 = _fp8_rows(module, plan, xm.reshape(-1, xm.shape[-1]), shared=True)
+        rows, fp8 = fp8_rows(module, plan, xm.reshape(-1, xm.shape[-1]), shared=True)
         rows = all_gather_gemm(rows, weight.t(), group=plan.group, **fp8)
         y = _moved_back(rows.view(xm.shape[0] * plan.world_size, *xm.shape[1:-1], weight.shape[0]), d)
     else:
@@ -481,7 +321,7 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     want = plan.output_layouts[0]
     if isinstance(want, Replicate):
         local = x.to_local() if is_dtensor else x
-        rows, fp8 = _fp8_rows(module, plan, local.reshape(-1, local.shape[-1]))
+        rows, fp8 = fp8_rows(module, plan, local.reshape(-1, local.shape[-1]))
         y = gemm_all_reduce(rows, weight.t(), group=plan.group, **fp8)
         y = _add_bias(y.view(*local.shape[:-1], weight.shape[0]), bias, plan.fp8 is not None)
     else:
@@ -489,7 +329,7 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if d is None or x.shape[d] % plan.world_size:
             return torch_forward(module, x, plan, lambda: _rows_why(want, x, plan))
         local = _moved(x.to_local() if is_dtensor else x, d)
-        rows, fp8 = _fp8_rows(module, plan, local.reshape(-1, local.shape[-1]))
+        rows, fp8 = fp8_rows(module, plan, local.reshape(-1, local.shape[-1]))
         y = gemm_reduce_scatter(rows, weight.t(), group=plan.group, **fp8)
         y = y.view(local.shape[0] // plan.world_size, *local.shape[1:-1], weight.shape[0])
         y = _add_bias_to_shard(y, bias, plan.fp8 is not None, plan.group_name)

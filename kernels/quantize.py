@@ -12,7 +12,7 @@ must share one tensorwise scale (an AllGather's shards: ``fo_kernels.scaling``),
 takes the largest amax over ``group`` (one small all_reduce).
 
 Beside them, the fp8 layers' pieces outside the scaled ops, shared by ``fo_kernels.layers`` and
-``fo_kernels.parallel_forward``: the local scaled GEMM of a replicated input, the autograd
+``fo_kernels.parallel_fp8``: the local scaled GEMM of a replicated input, the autograd
 functions whose backward refuses fp8 training, a call's fp8 operands, and the dtype-keeping cast.
 """
 
@@ -106,7 +106,7 @@ def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 
 class LocalScaledMatmul(torch.autograd.Function):
     """A column-parallel fp8 layer's local GEMM (its input is the same on every rank; the layers'
-    and the styles', ``fo_kernels.parallel_forward``): the scaled GEMM forward; training in fp8 is
+    and the styles', ``fo_kernels.parallel_fp8``): the scaled GEMM forward; training in fp8 is
     out of scope, so its backward raises."""
 
     @staticmethod
