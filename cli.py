@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from fo_tune.cli import bench, calibrate, demo, model, profile, search, table
-from fo_tune.cli.common import OneLineErrorsGroup
+from fo_tune.cli.errors import OneLineErrorsGroup
 
 HELP = "\n\n".join(
     [

@@ -41,9 +41,9 @@ from fo_tune.cli.common import (
     _Console,
     fmt,
     parse_shape,
-    run_cli,
     summary_table,
 )
+from fo_tune.cli.errors import run_cli
 from fo_tune.ranks.launch import MAX_CPU_WORLD_SIZE, LaunchError
 from fo_tune.ranks.limits import INT32_MAX
 from fo_tune.ranks.scaled import SCALINGS, TUNE_SCALING

@@ -21,9 +21,7 @@ from fo_tune.cli.common import (
     console,
     err_console,
     expected_device_key,
-    finishing,
     fmt,
-    handle_errors,
     is_driver_process,
     nonempty_path,
     parse_collectives,
@@ -32,6 +30,7 @@ from fo_tune.cli.common import (
     summary_table,
     triton_mode,
 )
+from fo_tune.cli.errors import finishing, handle_errors
 from fo_tune.cli.progress import ProgressReporter, progress_bars
 from fo_tune.cli.search_moe import MOE_COLLECTIVE
 

@@ -20,9 +20,7 @@ from fo_tune.cli.common import (
     check_dtype,
     console,
     expected_device_key,
-    finishing,
     fmt,
-    handle_errors,
     is_driver_process,
     local_device,
     nonempty_path,
@@ -33,6 +31,7 @@ from fo_tune.cli.common import (
     summary_table,
     triton_mode,
 )
+from fo_tune.cli.errors import finishing, handle_errors
 from fo_tune.cli.progress import ProgressReporter, progress_bars
 
 if TYPE_CHECKING:

@@ -16,10 +16,10 @@ from fo_tune.cli.common import (
     ShapesOpt,
     TimeoutOpt,
     console,
-    handle_errors,
     parse_shape,
     summary_table,
 )
+from fo_tune.cli.errors import handle_errors
 
 if TYPE_CHECKING:
     from fo_tune.bench.demo import DemoRow

@@ -13,7 +13,8 @@ import typer
 from rich.markup import escape
 
 from fo_tune.cli.calibrate import fmt, summary_table
-from fo_tune.cli.common import console, handle_errors, nonempty_path
+from fo_tune.cli.common import console, nonempty_path
+from fo_tune.cli.errors import handle_errors
 from fo_tune.cli.search_moe import MOE_REPORT_KIND
 
 if TYPE_CHECKING:

@@ -23,9 +23,7 @@ from fo_tune.cli.common import (
     console,
     err_console,
     expected_device_key,
-    finishing,
     fmt,
-    handle_errors,
     is_driver_process,
     nonempty_path,
     parse_shape,
@@ -34,6 +32,7 @@ from fo_tune.cli.common import (
     summary_table,
     triton_mode,
 )
+from fo_tune.cli.errors import finishing, handle_errors
 from fo_tune.cli.progress import status
 
 HELP = "\n\n".join(

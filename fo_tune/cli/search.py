@@ -23,9 +23,7 @@ from fo_tune.cli.common import (
     check_dtype,
     console,
     err_console,
-    finishing,
     fmt,
-    handle_errors,
     is_driver_process,
     json_text,
     local_device,
@@ -37,6 +35,7 @@ from fo_tune.cli.common import (
     summary_table,
     triton_mode,
 )
+from fo_tune.cli.errors import finishing, handle_errors
 from fo_tune.cli.progress import ProgressReporter, progress_bars
 from fo_tune.cli.search_options import (
     HELP,

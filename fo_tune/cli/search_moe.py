@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.markup import escape
 
-from fo_tune.cli.common import console, finishing, fmt, json_text, summary_table
+from fo_tune.cli.common import console, fmt, json_text, summary_table
+from fo_tune.cli.errors import finishing
 
 if TYPE_CHECKING:
     from fo_tune.moe.plan import MoePlan

@@ -16,15 +16,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from fo_tune.cli.common import (
-    DTYPE_NAMES,
-    EXIT_BAD_INPUT,
-    console,
-    err_console,
-    handle_errors,
-    json_text,
-    one_line,
-)
+from fo_tune.cli.common import DTYPE_NAMES, console, err_console, json_text
+from fo_tune.cli.errors import EXIT_BAD_INPUT, handle_errors, one_line
 from fo_tune.cli.search_moe import MOE_COLLECTIVE
 from fo_tune.cli.table_diff import DIFF_HELP, diff
 from fo_tune.cli.table_find import LIST_HELP, LOOKUP_HELP, list_tables, lookup

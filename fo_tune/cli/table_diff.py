@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from fo_tune.cli.common import console, fmt, handle_errors, summary_table
+from fo_tune.cli.common import console, fmt, summary_table
+from fo_tune.cli.errors import handle_errors
 from fo_tune.cli.table_moe import moe_changes_cell
 from fo_tune.cli.table_options import AllRowsOpt, gc_paused, limit_option, row_cap
 from fo_tune.cli.table_rows import (

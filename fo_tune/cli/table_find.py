@@ -19,15 +19,13 @@ from rich.markup import escape
 from fo_tune.cli.common import (
     COLLECTIVE_NAMES,
     DTYPE_NAMES,
-    EXIT_FAILED,
     SHARDED_COLLECTIVE_NAMES,
     console,
     err_console,
-    handle_errors,
     json_text,
-    one_line,
     summary_table,
 )
+from fo_tune.cli.errors import EXIT_FAILED, handle_errors, one_line
 from fo_tune.cli.search_moe import MOE_COLLECTIVE
 from fo_tune.cli.table_options import (
     DEFAULT_COLLECTIVE,

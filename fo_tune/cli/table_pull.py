@@ -9,7 +9,8 @@ from typing import Annotated
 
 import typer
 
-from fo_tune.cli.common import console, handle_errors, json_text, nonempty_path
+from fo_tune.cli.common import console, json_text, nonempty_path
+from fo_tune.cli.errors import handle_errors
 
 PULL_HELP = "\n\n".join(
     [

@@ -2,7 +2,7 @@
 process group, the driver and its ranks alike. Only the driver should take it (it closes the pool,
 keeps what the command keeps and says ``error: interrupted``); a rank, or gloo's forkserver while
 it imports torch, stopped by it prints a traceback and dies mid-task. The same hold keeps a
-finished run's files whole while they are written (``fo_tune.cli.common.finishing``)."""
+finished run's files whole while they are written (``fo_tune.cli.errors.finishing``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 @contextlib.contextmanager
 def sigint_deferred() -> Iterator[None]:
     """Run the body out of SIGINT's reach: the start of processes (the ranks and, on the first
-    start, gloo's forkserver), or a write that must not stop halfway (``cli.common.finishing``).
+    start, gloo's forkserver), or a write that must not stop halfway (``cli.errors.finishing``).
 
     SIGINT is blocked in this thread: the processes inherit the mask across fork and exec and keep
     it, so a Ctrl-C to the process group reaches only the driver. In the driver a Ctrl-C during
