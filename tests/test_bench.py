@@ -47,7 +47,7 @@ from fo_tune.cli.bench import _request
 from fo_tune.engines.triton.defaults import default_schedule
 from fo_tune.output import OutputError
 from fo_tune.ranks.gemm import GEMM_TOL
-from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.pool import RankContext
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 HEADER = [

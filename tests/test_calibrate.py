@@ -630,7 +630,7 @@ def test_graphed_samples_are_checked_after_the_timed_calls(monkeypatch, task):
     pass both."""
     import fo_tune.ranks.timing as timing
     from fo_tune.ranks.gemm import GemmGridsTask, GemmProfileTask
-    from fo_tune.ranks.launch import RankContext
+    from fo_tune.ranks.pool import RankContext
 
     tile = Tile(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
     ctx = RankContext(rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")

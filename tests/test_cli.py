@@ -44,8 +44,9 @@ from fo_tune.cli.common import (
     summary_table,
 )
 from fo_tune.cli.errors import run_cli
-from fo_tune.ranks.launch import MAX_CPU_WORLD_SIZE, LaunchError
+from fo_tune.ranks.backend import MAX_CPU_WORLD_SIZE
 from fo_tune.ranks.limits import INT32_MAX
+from fo_tune.ranks.pool import LaunchError
 from fo_tune.ranks.scaled import SCALINGS, TUNE_SCALING
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -409,7 +410,7 @@ def test_demo_inputs_refuse_a_timeout_that_is_not_a_number():
 def test_demo_on_one_gpu_runs_world_size_1_on_it(runner, monkeypatch):
     """``fo-tune demo`` on a (faked) one-GPU machine: one NCCL rank on the GPU, said first."""
     from fo_tune.bench import demo as demo_lib
-    from fo_tune.ranks import launch
+    from fo_tune.ranks import backend as rank_backend
 
     calls = []
 
@@ -417,7 +418,7 @@ def test_demo_on_one_gpu_runs_world_size_1_on_it(runner, monkeypatch):
         calls.append((world_size, backend))
         return []
 
-    monkeypatch.setattr(launch, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(rank_backend, "visible_gpus", lambda: 1)
     monkeypatch.setattr(demo_lib, "run_demo", fake_run_demo)
     # (its checks of the GPU's memory need the GPU: the faked machine has none to ask)
     monkeypatch.setattr(demo_lib, "demo_inputs", lambda plan, *args, **kwargs: ([], demo_lib.GPU_DTYPE))

@@ -77,12 +77,12 @@ def test_the_demo_takes_the_virtual_ranks_where_a_gpu_is_visible(monkeypatch: py
 
     import fo_kernels.engines.copy_engine as ce
     import fo_tune.bench.demo as demo
-    import fo_tune.ranks.launch as launch
+    import fo_tune.ranks.backend as rank_backend
 
     assert demo.copy_engine_backend(0) == demo.COPY_ENGINE_BACKEND
     assert demo.copy_engine_backend(1) == demo.copy_engine_backend(8) == demo.VIRTUAL_BACKEND
     seen: list = []
-    monkeypatch.setattr(launch, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(rank_backend, "visible_gpus", lambda: 1)
     monkeypatch.setattr(demo, "_on_gpu", lambda check: seen.append(check) or ce.check_on_threads(check))
     monkeypatch.setattr(demo, "GPU_SHAPES", [(24, 16, 8)])
     result = CliRunner().invoke(app, ["demo", "--engine", "copy_engine", "--world-size", "4", "--reps", "1"])

@@ -305,14 +305,14 @@ def test_offline_plans_take_the_packaged_h200_beside_this_machines_calibration(t
 
 @pytest.mark.parametrize("mode", ["measure", "hybrid"])
 def test_measuring_without_the_gpus_is_refused(monkeypatch, mode):
-    monkeypatch.setattr("fo_tune.ranks.launch.visible_gpus", lambda: 2)
+    monkeypatch.setattr("fo_tune.ranks.backend.visible_gpus", lambda: 2)
     r = search("--mode", mode, "--world-size", "8", "--shape", "8192x8192x3584")
     line = assert_one_line_error(r)
     assert f"--mode {mode} at world size 8" in line and "8-GPU machine" in line and "--mode predict" in line
 
 
 def test_without_a_mode_too_few_gpus_plan_offline(monkeypatch, tmp_path):
-    monkeypatch.setattr("fo_tune.ranks.launch.visible_gpus", lambda: 1)
+    monkeypatch.setattr("fo_tune.ranks.backend.visible_gpus", lambda: 1)
     r = search(
         "--world-size", "4", "--shape", "4096x8192x3584", "--engine", "triton", "--out", str(tmp_path / "o")
     )

@@ -344,7 +344,7 @@ def test_profile_samples_replayed_from_cuda_graphs():
     not above its eager time."""
     from fo_kernels.plan import tail_plan
     from fo_tune.ranks.gemm import GemmGridsTask
-    from fo_tune.ranks.launch import RankContext
+    from fo_tune.ranks.pool import RankContext
 
     tile = Tile(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4)
     ctx = RankContext(rank=0, world_size=1, device=torch.device("cuda"), backend="nccl")

@@ -21,9 +21,13 @@ import pytest
 
 from fo_kernels.errors import ArgumentError, EnvironmentMismatchError
 from fo_kernels.fingerprint import current_fingerprint
-from fo_tune.ranks import launch
+from fo_tune.ranks import backend as rank_backend
+from fo_tune.ranks import launch, spawned
+from fo_tune.ranks.backend import choose_backend
 from fo_tune.ranks.interrupt import sigint_deferred
-from fo_tune.ranks.launch import LaunchError, SpawnedPool, agreed_fingerprint, choose_backend, open_pool
+from fo_tune.ranks.launch import agreed_fingerprint, open_pool
+from fo_tune.ranks.pool import LaunchError
+from fo_tune.ranks.spawned import SpawnedPool
 from fo_tune.ranks.timing import Timing
 from rank_tasks import CtrlC, ExitOn, FailOn, RankAndSum, SigintBlocked, SleepOn, TimeSleep, WhereAmI, fail_on
 
@@ -105,8 +109,8 @@ def test_a_ctrl_c_during_a_task_stops_its_busy_ranks_within_seconds():
 def test_each_pool_s_ranks_start_where_the_driver_is_then(tmp_path, monkeypatch):
     """gloo ranks fork from a server started with the first pool: a later pool's ranks still
     take the driver's working folder, environment and sys.path as they are when it starts."""
-    assert launch.rank_processes("gloo").get_start_method() in ("forkserver", "spawn")
-    assert launch.rank_processes("nccl").get_start_method() == "spawn"
+    assert spawned.rank_processes("gloo").get_start_method() in ("forkserver", "spawn")
+    assert spawned.rank_processes("nccl").get_start_method() == "spawn"
     with open_pool(2, backend="gloo") as pool:
         before = pool.run(WhereAmI("FO_TEST_LAUNCH_MARK", str(tmp_path)))
     assert before == [(os.getcwd(), None, False)] * 2
@@ -159,7 +163,7 @@ def test_a_hung_rank_ends_the_task_at_the_timeout():
 KILLED_DRIVER = """
 import sys, time
 
-from fo_tune.ranks.launch import SpawnedPool
+from fo_tune.ranks.spawned import SpawnedPool
 from rank_tasks import Pid
 
 if __name__ == "__main__":
@@ -261,27 +265,29 @@ def test_torchrun_rank_0_drives_and_rank_1_serves(tmp_path):
     ],
 )
 def test_choose_backend(monkeypatch, gpus, world, backend, want):
-    monkeypatch.setattr(launch, "visible_gpus", lambda: gpus)
-    for key in launch.TORCHRUN_VARS:
+    monkeypatch.setattr(rank_backend, "visible_gpus", lambda: gpus)
+    for key in rank_backend.TORCHRUN_VARS:
         monkeypatch.delenv(key, raising=False)
     assert choose_backend(world, backend) == want
 
 
 @pytest.mark.parametrize(("gpus", "backend"), [(0, None), (0, "auto"), (2, "gloo")])
 def test_choose_backend_refuses_more_cpu_ranks_than_the_bound(monkeypatch, gpus, backend):
-    monkeypatch.setattr(launch, "visible_gpus", lambda: gpus)
-    for key in launch.TORCHRUN_VARS:
+    monkeypatch.setattr(rank_backend, "visible_gpus", lambda: gpus)
+    for key in rank_backend.TORCHRUN_VARS:
         monkeypatch.delenv(key, raising=False)
-    assert choose_backend(launch.MAX_CPU_WORLD_SIZE, backend) == "gloo"
-    with pytest.raises(ArgumentError, match=f"at most {launch.MAX_CPU_WORLD_SIZE} ranks run without GPUs"):
-        choose_backend(launch.MAX_CPU_WORLD_SIZE + 1, backend)
+    assert choose_backend(rank_backend.MAX_CPU_WORLD_SIZE, backend) == "gloo"
+    with pytest.raises(
+        ArgumentError, match=f"at most {rank_backend.MAX_CPU_WORLD_SIZE} ranks run without GPUs"
+    ):
+        choose_backend(rank_backend.MAX_CPU_WORLD_SIZE + 1, backend)
 
 
 @pytest.mark.parametrize(("gpus", "backend"), [(1, None), (1, "auto"), (0, "nccl"), (1, "nccl")])
 def test_choose_backend_refuses_too_few_gpus(monkeypatch, gpus, backend):
     """GPUs present but fewer than the ranks: gloo beside them is asked for, never picked."""
-    monkeypatch.setattr(launch, "visible_gpus", lambda: gpus)
-    for key in launch.TORCHRUN_VARS:
+    monkeypatch.setattr(rank_backend, "visible_gpus", lambda: gpus)
+    for key in rank_backend.TORCHRUN_VARS:
         monkeypatch.delenv(key, raising=False)
     # the fix named fits: no --world-size to lower to without a GPU
     fix = "lower --world-size to 1, or use --backend gloo" if gpus else "; use --backend gloo"
@@ -293,14 +299,14 @@ def test_choose_backend_refuses_too_few_gpus(monkeypatch, gpus, backend):
 
 
 def test_choose_backend_under_torchrun_and_bad_values(monkeypatch):
-    for key, value in zip(launch.TORCHRUN_VARS, ("0", "4", "0", "localhost"), strict=True):
+    for key, value in zip(rank_backend.TORCHRUN_VARS, ("0", "4", "0", "localhost"), strict=True):
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(launch, "visible_gpus", lambda: 1)  # the ranks may span hosts
-    assert launch.in_torchrun() and choose_backend(4) == "nccl"
-    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(rank_backend, "visible_gpus", lambda: 1)  # the ranks may span hosts
+    assert rank_backend.in_torchrun() and choose_backend(4) == "nccl"
+    monkeypatch.setattr(rank_backend, "visible_gpus", lambda: 0)
     assert choose_backend(4) == "gloo"
     # torchrun started its ranks: the bound on the ranks this machine spawns does not apply
-    assert choose_backend(launch.MAX_CPU_WORLD_SIZE + 1, "gloo") == "gloo"
+    assert choose_backend(rank_backend.MAX_CPU_WORLD_SIZE + 1, "gloo") == "gloo"
     with pytest.raises(ArgumentError, match="--backend 'mpi' is not one of auto, nccl, gloo"):
         choose_backend(2, "mpi")
     with pytest.raises(ArgumentError, match="--world-size: expected an integer >= 1, got 0"):

@@ -1210,7 +1210,7 @@ def test_a_trial_whose_tile_does_not_fit_the_gpu_is_refused_with_why(quiet_one_r
     rank failure that ends the search; the next trial runs."""
     import torch
 
-    from fo_tune.ranks.launch import RankContext
+    from fo_tune.ranks.pool import RankContext
     from fo_tune.search.trials import Measurer
 
     ctx = RankContext(rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")

@@ -112,7 +112,7 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
     docstring). Raises ``EnvironmentMismatchError`` when the asked ranks cannot run here."""
     from fo_kernels.errors import ArgumentError
     from fo_tune.output import count
-    from fo_tune.ranks.launch import check_cpu_world_size, check_world_size, too_few_gpus
+    from fo_tune.ranks.backend import check_cpu_world_size, check_world_size, too_few_gpus
 
     asked = check_world_size(DEFAULT_WORLD_SIZE if world_size is None else world_size)
     if backend not in (None, "auto", "gloo", "nccl"):
@@ -228,7 +228,8 @@ def run_demo(
     or hangs.
     """
     from fo_kernels.schedule import COLLECTIVES
-    from fo_tune.ranks.launch import run_ranks, visible_gpus
+    from fo_tune.ranks.backend import visible_gpus
+    from fo_tune.ranks.launch import run_ranks
 
     plan = plan_demo(world_size, backend, visible_gpus())
     on_gpu = plan.backend == "nccl"
@@ -378,7 +379,7 @@ def copy_engine_demo_inputs(
     process sees where None), checked before any rank starts: ``ShapeError`` (also when no shape
     runs at all), ``ArgumentError``."""
     from fo_kernels.errors import ArgumentError, ShapeError
-    from fo_tune.ranks.launch import check_cpu_world_size, check_world_size, visible_gpus
+    from fo_tune.ranks.backend import check_cpu_world_size, check_world_size, visible_gpus
 
     check_world_size(world_size)
     backend = backend or copy_engine_backend(visible_gpus())

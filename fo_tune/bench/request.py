@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from fo_kernels.errors import FoTuneError, ShapeError
 from fo_kernels.schedule import COLLECTIVES, DTYPES, SHARDED_COLLECTIVES
 from fo_tune.bench.suite import Shape
-from fo_tune.ranks.launch import TASK_TIMEOUT_S
 from fo_tune.ranks.limits import CPU_MAX_SIDE, check_problem_size, largest_for_the_interpreter, local_target
+from fo_tune.ranks.pool import TASK_TIMEOUT_S
 
 # Row chunks of the hand-chunked baseline: the design brief's H200 prototype split M into 2, 4 and 8
 # (docs/design.md#triton-engine).

@@ -13,7 +13,9 @@ from fo_tune.bench.request import CPU_REPS, CPU_WARMUP, GPU_REPS, WARMUP, BenchR
 from fo_tune.bench.rows import BenchResult, case_rows, merge, skipped_rows
 from fo_tune.bench.task import BenchCaseTask
 from fo_tune.output import Reporter, SilentReporter, whole
-from fo_tune.ranks.launch import LaunchError, choose_backend, fingerprinted_pool
+from fo_tune.ranks.backend import choose_backend
+from fo_tune.ranks.launch import fingerprinted_pool
+from fo_tune.ranks.pool import LaunchError
 from fo_tune.ranks.timing import comparison_sample_ms
 
 

@@ -33,7 +33,7 @@ from fo_tune.bench.operands import CaseOperands, case_operands
 from fo_tune.bench.request import CHUNK_COUNTS, GPU_REPS, WARMUP
 from fo_tune.bench.rows import FUSED_VARIANT
 from fo_tune.ranks.gemm import GEMM_TOL, operand_seed, rel_err
-from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.pool import RankContext
 from fo_tune.ranks.scaled import library_mm
 from fo_tune.ranks.timing import MIN_SAMPLE_MS, time_interleaved
 

@@ -48,7 +48,7 @@ from fo_kernels.runtime import runtime_for
 from fo_kernels.scaling import wire
 from fo_kernels.table import MISS_SOURCE
 from fo_tune.bench.operands import collective_of
-from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.pool import RankContext
 from fo_tune.ranks.scaled import library_mm, out_dtype
 
 Call = Callable[[], torch.Tensor]

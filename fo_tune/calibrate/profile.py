@@ -16,7 +16,7 @@ from fo_tune.calibrate.calibration import (
     timing_name,
 )
 from fo_tune.ranks.gemm import GemmGridsTask, GemmProfileTask
-from fo_tune.ranks.launch import Pool
+from fo_tune.ranks.pool import Pool
 from fo_tune.ranks.scaled import TUNE_SCALING
 from fo_tune.ranks.timing import Timing
 

@@ -51,7 +51,8 @@ from fo_tune.calibrate.profile import profile_shape
 from fo_tune.engines.triton.defaults import NCCL_SM_MARGIN
 from fo_tune.output import Reporter, SilentReporter, size_label
 from fo_tune.ranks.collectives import CollectiveSweepTask, InterferenceTask
-from fo_tune.ranks.launch import LaunchError, Pool, fingerprinted_pool
+from fo_tune.ranks.launch import fingerprinted_pool
+from fo_tune.ranks.pool import LaunchError, Pool
 from fo_tune.ranks.timing import Timing
 from fo_tune.space import SearchSpace, space_for
 

@@ -75,7 +75,7 @@ COLLECTIVE_NAMES = RUNTIME_COLLECTIVE_NAMES
 # the world size; all_gather's M is the gathered M).
 SHARDED_COLLECTIVE_NAMES = ("reduce_scatter", "all_gather")
 BACKEND_NAMES = ("auto", "gloo", "nccl")
-# fo_tune.ranks.launch.MAX_CPU_WORLD_SIZE, for the help texts: the most ranks a run without GPUs
+# fo_tune.ranks.backend.MAX_CPU_WORLD_SIZE, for the help texts: the most ranks a run without GPUs
 # starts (gloo processes, or the copy engine's thread-ranks).
 CPU_WORLD_SIZE_LIMIT = 16
 
@@ -202,14 +202,14 @@ def check_dtype(dtype: str) -> str:
 # ------------------------------------------------------------------------------ before the ranks
 def resolve_backend(world_size: int, backend: str) -> str:
     """``nccl`` or ``gloo`` for ``world_size`` ranks, checked before anything is spawned: the option
-    values here, then ``fo_tune.ranks.launch.choose_backend`` (``auto``: gloo without GPUs, NCCL with
+    values here, then ``fo_tune.ranks.backend.choose_backend`` (``auto``: gloo without GPUs, NCCL with
     one GPU per rank, too few GPUs an error). Under torchrun the world size must match its ranks.
     """
     if backend not in BACKEND_NAMES:
         raise typer.BadParameter(f"--backend {backend!r} is not one of {', '.join(BACKEND_NAMES)}")
     if world_size < 1:
         raise typer.BadParameter(f"--world-size must be >= 1, got {world_size}")
-    from fo_tune.ranks.launch import choose_backend, in_torchrun
+    from fo_tune.ranks.backend import choose_backend, in_torchrun
 
     if in_torchrun() and int(os.environ["WORLD_SIZE"]) != world_size:
         ranks = os.environ["WORLD_SIZE"]
@@ -221,7 +221,7 @@ def resolve_backend(world_size: int, backend: str) -> str:
 
 def is_driver_process() -> bool:
     """False on a torchrun rank other than 0 (it serves rank 0's tasks and prints nothing)."""
-    from fo_tune.ranks.launch import in_torchrun
+    from fo_tune.ranks.backend import in_torchrun
 
     return not in_torchrun() or os.environ.get("RANK") == "0"
 

@@ -179,7 +179,7 @@ def demo(
         run_demo,
     )
     from fo_tune.cli.progress import ProgressReporter, progress_bars, status
-    from fo_tune.ranks.launch import visible_gpus
+    from fo_tune.ranks.backend import visible_gpus
     from fo_tune.tables.find import search_folders
 
     # every check runs before the first line is printed

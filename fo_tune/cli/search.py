@@ -306,7 +306,7 @@ def search(
         raise typer.BadParameter("no shape to search: give --shape MxNxK (repeatable) or --shapes FILE")
     if reps < 1:
         raise typer.BadParameter(f"--reps must be >= 1, got {reps}")
-    from fo_tune.ranks.launch import in_torchrun, visible_gpus
+    from fo_tune.ranks.backend import in_torchrun, visible_gpus
     from fo_tune.search.setup import check_cpu_sized, check_measuring_machine, default_mode
 
     gpus, torchrun = visible_gpus(), in_torchrun()

@@ -26,7 +26,7 @@ from fo_kernels.collectives import all_gather_tensor, reduce_scatter_tensor
 from fo_kernels.scaling import wire
 from fo_kernels.schedule import Schedule
 from fo_tune.ranks.gemm import gemm_operands, operand_seed, rel_err
-from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.pool import RankContext
 from fo_tune.ranks.scaled import dequantized, library_mm, scale_kwargs
 
 

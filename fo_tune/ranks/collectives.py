@@ -22,7 +22,7 @@ from fo_kernels.scaling import DEFAULT_OUT_DTYPE, is_fp8
 from fo_kernels.schedule import torch_dtype
 from fo_kernels.tile import Tile
 from fo_tune.ranks.gemm import GEMM_TOL, gemm_operands, gemm_runner, rel_err
-from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.pool import RankContext
 from fo_tune.ranks.timing import Timing, time_region
 
 

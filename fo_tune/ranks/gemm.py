@@ -21,7 +21,7 @@ from fo_kernels.plan import cdiv, make_plan
 from fo_kernels.runtime import runtime_for
 from fo_kernels.schedule import Problem, Schedule, torch_dtype
 from fo_kernels.tile import Tile
-from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.pool import RankContext
 from fo_tune.ranks.scaled import TUNE_SCALING, dequantized, library_mm, out_dtype, scale_kwargs, scales_of
 from fo_tune.ranks.timing import comparison_sample_ms, time_interleaved
 

@@ -24,7 +24,7 @@ from fo_tune.ranks.checks import (
 )
 from fo_tune.ranks.collectives import collective_call
 from fo_tune.ranks.gemm import GEMM_TOL, operand_seed, rel_err
-from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.pool import RankContext
 from fo_tune.ranks.scaled import library_mm, scale_kwargs
 from fo_tune.ranks.timing import comparison_sample_ms, time_interleaved, time_region
 

@@ -227,7 +227,7 @@ def _target(request: SearchRequest) -> Target:
     if request.mode == "predict":
         assert request.calibration is not None
         return fingerprint_target(request.calibration.fingerprint)
-    from fo_tune.ranks.launch import visible_gpus
+    from fo_tune.ranks.backend import visible_gpus
 
     backend = request.backend or ("nccl" if visible_gpus() else "gloo")
     return local_target(backend, request.world_size)

@@ -16,7 +16,7 @@ from typing import Any
 from fo_kernels.schedule import Schedule
 from fo_tune.model import CostModel
 from fo_tune.ranks import CONFIRM_ROUNDS
-from fo_tune.ranks.launch import Pool
+from fo_tune.ranks.pool import Pool
 from fo_tune.ranks.timing import Timing
 from fo_tune.ranks.trials import ConfirmTask, OverlapTrialTask, SequentialTask
 from fo_tune.search.encoding import Infeasible, UnionEncoding, describe_attrs, predicted_ms, schedule_key

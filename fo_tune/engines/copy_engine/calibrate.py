@@ -48,7 +48,7 @@ from fo_tune.engines.copy_engine.fit import fit_library, fit_lines
 from fo_tune.engines.copy_engine.model import eager_ops
 from fo_tune.model.library import LibraryGemm
 from fo_tune.ranks.gemm import gemm_operands
-from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.pool import RankContext
 from fo_tune.ranks.timing import Timing, time_region
 
 # Paced samples per shape (each one call, then an idle gap as long as the call).

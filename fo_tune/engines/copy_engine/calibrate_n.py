@@ -39,7 +39,7 @@ import torch
 
 from fo_tune.calibrate.calibration import EngineCalibration, HostPoint, Quantity
 from fo_tune.engines.copy_engine.calibrate import LibraryGemmTask, chunk_shapes
-from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.pool import RankContext
 
 # The world sizes whose host time is measured: TP=2 (the packaged calibration's, the base the model
 # adds the growth to) up to TP=8, one NVLink switch domain's usual maximum.

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.runtime import runtime_for
-from fo_tune.ranks.launch import RankContext
+from fo_tune.ranks.pool import RankContext
 
 
 @dataclass(frozen=True)
