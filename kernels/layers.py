@@ -58,7 +58,13 @@ from fo_kernels.execute import check_local
 from fo_kernels.fields import check_bool, check_int
 from fo_kernels.fp8_state import prepare_weight_state
 from fo_kernels.groups import SharesGroupWhenCopied, check_group, require_initialized
-from fo_kernels.ops import call_op
+from fo_kernels.linear_autograd import (
+    ReplicatedInputMatmul,
+    add_bias,
+    add_bias_to_shard,
+    autocast_operands,
+    needs_grad,
+)
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from fo_kernels.quantize import (
     Fp8Refused,
@@ -70,88 +76,11 @@ from fo_kernels.quantize import (
     quantize_weight,
 )
 from fo_kernels.refusal import refusal, refused, shape_of
-from fo_kernels.scaling import FP8_VARIANTS, OUT_DTYPES, is_fp8
+from fo_kernels.scaling import OUT_DTYPES, is_fp8
 from fo_kernels.schedule import Schedule
 
 # The dtypes of a layer's parameters: the ops' operands other than fp8 (whose weight ``fp8=`` makes).
 PARAM_DTYPES = OUT_DTYPES
-
-
-class _ReplicatedInputMatmul(torch.autograd.Function):
-    """``a @ b`` with ``a`` the same on every rank: the backward sums ``a``'s gradient over the
-    group, fused with its GEMM (``gemm_all_reduce(dy, b.T)``); Megatron-LM's copy to the
-    tensor-parallel region and the column-parallel GEMM in one."""
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
-        ctx.name = name
-        ctx.save_for_backward(a, b)
-        return a @ b
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        a, b = ctx.saved_tensors
-        da = call_op("all_reduce", dy.contiguous(), b.t(), ctx.name) if ctx.needs_input_grad[0] else None
-        db = a.t() @ dy if ctx.needs_input_grad[1] else None
-        return da, db, None
-
-
-class _ShardBias(torch.autograd.Function):
-    """``y + bias`` where ``y`` is this rank's dim-0 shard: the bias gradient is summed over the
-    group, so every rank holds the full model's (Megatron-LM reduces it with the optimizer)."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, name: str) -> torch.Tensor:
-        ctx.name = name
-        return y + bias
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        db = dy.reshape(-1, dy.shape[-1]).sum(0)
-        summed = torch.ops._c10d_functional.all_reduce(db, "sum", ctx.name)
-        return dy, torch.ops._c10d_functional.wait_tensor(summed), None
-
-
-def _add_bias(y: torch.Tensor, bias: torch.Tensor | None, fp8: bool) -> torch.Tensor:
-    """``y + bias`` in ``y``'s dtype (an fp8 layer's output is in its input's, not the bias').
-    ``fp8``: where the bias needs a gradient the sum's backward raises ``Fp8TrainingError`` (the
-    scaled ops' output needs none where the input needs none: the bias alone would train)."""
-    if bias is None:
-        return y
-    bias = bias.to(y.dtype)
-    return Fp8Refused.apply(y, bias, True) if fp8 and _needs_grad(y, bias) else y + bias
-
-
-def _add_bias_to_shard(y: torch.Tensor, bias: torch.Tensor | None, fp8: bool, name: str) -> torch.Tensor:
-    """``_add_bias`` for ``y``, this rank's dim-0 shard of a ReduceScatter's output: a bias that
-    trains (not fp8) goes through ``_ShardBias``, its gradient summed over group ``name``."""
-    if bias is not None and not fp8 and _needs_grad(y, bias):
-        return _ShardBias.apply(y, bias.to(y.dtype), name)
-    return _add_bias(y, bias, fp8)
-
-
-def _autocast_operands(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The operands as ``F.linear`` takes them inside ``torch.autocast``: cast to its dtype, so the
-    output's dtype is torch's style's (autocast does not cast the arguments of the custom ops);
-    outside autocast, as they are."""
-    device = weight.device.type
-    # (torch has no autocast of the meta device: it raises for one asked about)
-    if device == "meta" or not torch.is_autocast_enabled(device):
-        return x, weight, bias
-    dtype = torch.get_autocast_dtype(device)
-
-    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-        # an fp8 module's weight stays fp8 codes: its scaled GEMM takes them with their scale
-        keep = t is None or not t.is_floating_point() or t.dtype in FP8_VARIANTS
-        return t if keep else t.to(dtype)
-
-    return cast(x), cast(weight), cast(bias)
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 _Layer = TypeVar("_Layer", bound="_ParallelLinear")
@@ -297,7 +226,7 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
             y = Fp8Refused.apply(rows.to(out_dtype), dequantized.t(), False)
         else:
             y = rows @ weight.t()
-        return _add_bias(y, bias, self.fp8 is not None).reshape(shape)
+        return add_bias(y, bias, self.fp8 is not None).reshape(shape)
 
     def _check_schedule(self, schedule: Schedule | None, sequence_parallel: bool, world: int) -> None:
         """Refuse (``ScheduleError``) a schedule the forward would not run: one for a layer whose
@@ -341,7 +270,7 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
     def _operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(rows, weight, bias) of a call on ``x``, checked (``ShapeError``; a traced call's through
         ``fo_kernels.refusal``); inside torch.autocast in its dtype, as ``F.linear`` takes them."""
-        rows, weight, bias = _autocast_operands(self._rows(x, self.weight.shape[1]), self.weight, self.bias)
+        rows, weight, bias = autocast_operands(self._rows(x, self.weight.shape[1]), self.weight, self.bias)
         self._check_dtype(rows, weight)
         if self.split_dim == 1 and self.sequence_parallel and rows.shape[0] % self.world_size:
             raise ShapeError(
@@ -421,11 +350,11 @@ class ColumnParallelLinear(_ParallelLinear):
             if self.fp8:
                 codes, fp8 = self._fp8_rows(rows)
                 y = local_fp8_matmul(codes, w, fp8, self.fp8)
-            elif _needs_grad(rows, w):
-                y = _ReplicatedInputMatmul.apply(rows, w, self.group_name)
+            elif needs_grad(rows, w):
+                y = ReplicatedInputMatmul.apply(rows, w, self.group_name)
             else:
                 y = rows @ w
-        return _add_bias(y, bias, self.fp8 is not None).reshape(shape)
+        return add_bias(y, bias, self.fp8 is not None).reshape(shape)
 
     def _out_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The output's shape for an input of shape ``x_shape`` (at least 1-D): its leading dims
@@ -461,9 +390,9 @@ class RowParallelLinear(_ParallelLinear):
             rows, fp8 = self._fp8_rows(rows)
         if not self.sequence_parallel:
             y = gemm_all_reduce(rows, weight.t(), schedule=self.schedule, group=self.group, **fp8)
-            return _add_bias(y, bias, self.fp8 is not None).reshape(self._out_shape(lead))
+            return add_bias(y, bias, self.fp8 is not None).reshape(self._out_shape(lead))
         y = gemm_reduce_scatter(rows, weight.t(), schedule=self.schedule, group=self.group, **fp8)
-        return _add_bias_to_shard(y, bias, self.fp8 is not None, self.group_name).reshape(
+        return add_bias_to_shard(y, bias, self.fp8 is not None, self.group_name).reshape(
             self._out_shape(lead)
         )
 

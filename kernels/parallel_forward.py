@@ -22,8 +22,8 @@ What these paths do not cover at run time (a DTensor input of another placement,
 the ops do not take or other than the weight's, a sharded dim that does not divide by the world
 size, a plain replicated input that needs a gradient where a colwise weight's shards are uneven)
 runs as torch's style runs it (``torch_forward``), with one ``NotOverlappedWarning`` per module.
-The gradient helpers are the layers' (``fo_kernels.layers``): the fused all-reduce of a replicated
-input's gradient and the bias of a dim-0 shard.
+The gradient helpers are the layers' too (``fo_kernels.linear_autograd``): the fused all-reduce of a
+replicated input's gradient and the bias of a dim-0 shard.
 
 fp8 for inference (a style's ``fp8="tensorwise"`` or ``"rowwise"``, ``LinearPlan.fp8``): the
 weight shard is stored as fp8 codes and each call quantizes its input's rows for the scaled ops
@@ -45,12 +45,12 @@ from torch.distributed.tensor.parallel import style as torch_style
 from torch.distributed.tensor.placement_types import Placement
 
 from fo_kernels.errors import NotOverlappedWarning, ShapeError
-from fo_kernels.layers import (
-    _add_bias,
-    _add_bias_to_shard,
-    _autocast_operands,
-    _needs_grad,
-    _ReplicatedInputMatmul,
+from fo_kernels.linear_autograd import (
+    ReplicatedInputMatmul,
+    add_bias,
+    add_bias_to_shard,
+    autocast_operands,
+    needs_grad,
 )
 from fo_kernels.ops import warn_while_tracing
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
@@ -176,7 +176,7 @@ def _operands(
     bias = module.bias.to_local() if module.bias is not None else None
     is_dtensor = isinstance(x, DTensor)
     layout = x.placements[0] if is_dtensor else plan.input_layouts[0]
-    x, weight, bias = _autocast_operands(x, weight, bias)
+    x, weight, bias = autocast_operands(x, weight, bias)
     return x, layout, is_dtensor, weight, bias
 
 
@@ -213,14 +213,14 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         elif is_dtensor:  # its gradient is a partial sum: DTensor reduces it where x came from
             x = x.to_local(grad_placements=[Partial()])
             y = x @ weight.t()
-        elif _needs_grad(x, weight):
-            if _needs_grad(x) and module.out_features % plan.world_size:
+        elif needs_grad(x, weight):
+            if needs_grad(x) and module.out_features % plan.world_size:
                 # (the input's gradient, gemm_all_reduce(dy, W_r), would be a GEMM of another K on
                 # each rank, an empty one where a rank holds no feature)
                 why = functools.partial(_uneven_why, module.out_features, "output", plan)
                 return torch_forward(module, x, plan, why)
             rows = x.reshape(-1, x.shape[-1])
-            y = _ReplicatedInputMatmul.apply(rows, weight.t(), plan.group_name)
+            y = ReplicatedInputMatmul.apply(rows, weight.t(), plan.group_name)
             y = y.view(*x.shape[:-1], weight.shape[0])
         else:
             y = x @ weight.t()
@@ -239,7 +239,7 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         y = _moved_back(rows.view(xm.shape[0] * plan.world_size, *xm.shape[1:-1], weight.shape[0]), d)
     else:
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r} (DTensor gathers it)")
-    y = _add_bias(y, bias, plan.fp8 is not None)
+    y = add_bias(y, bias, plan.fp8 is not None)
     return _colwise_output(module, y, plan)
 
 
@@ -323,7 +323,7 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         local = x.to_local() if is_dtensor else x
         rows, fp8 = fp8_rows(module, plan, local.reshape(-1, local.shape[-1]))
         y = gemm_all_reduce(rows, weight.t(), group=plan.group, **fp8)
-        y = _add_bias(y.view(*local.shape[:-1], weight.shape[0]), bias, plan.fp8 is not None)
+        y = add_bias(y.view(*local.shape[:-1], weight.shape[0]), bias, plan.fp8 is not None)
     else:
         d = _leading_dim(want, x.dim())
         if d is None or x.shape[d] % plan.world_size:
@@ -332,7 +332,7 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         rows, fp8 = fp8_rows(module, plan, local.reshape(-1, local.shape[-1]))
         y = gemm_reduce_scatter(rows, weight.t(), group=plan.group, **fp8)
         y = y.view(local.shape[0] // plan.world_size, *local.shape[1:-1], weight.shape[0])
-        y = _add_bias_to_shard(y, bias, plan.fp8 is not None, plan.group_name)
+        y = add_bias_to_shard(y, bias, plan.fp8 is not None, plan.group_name)
         y = _moved_back(y, d)
     if plan.use_local_output:
         return y

@@ -122,8 +122,9 @@ class LocalScaledMatmul(torch.autograd.Function):
 
 class Fp8Refused(torch.autograd.Function):
     """``a @ b`` (``add``: ``a + b``) of an fp8 layer outside its scaled ops: the GEMM of an input
-    with no rows (``_ParallelLinear._empty_forward``), the bias added to the output (``_add_bias``);
-    training in fp8 is out of scope, so its backward raises as ``LocalScaledMatmul``'s does."""
+    with no rows (``_ParallelLinear._empty_forward``), the bias added to the output
+    (``linear_autograd.add_bias``); training in fp8 is out of scope, so its backward raises as
+    ``LocalScaledMatmul``'s does."""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, add: bool) -> torch.Tensor:
