@@ -54,13 +54,8 @@ from fo_kernels.fingerprint import Fingerprint, current_fingerprint
 from fo_kernels.moe.routing import MOE_DTYPES
 from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
 from fo_kernels.moe.table_rows import MOE_TABLE_SCHEMA_VERSION, MoeRow, build_moe_row, moe_header
-from fo_kernels.table.format import (
-    MOE_TABLE_KIND,
-    check_fingerprint,
-    file_stamp,
-    read_table_data,
-    read_table_text,
-)
+from fo_kernels.table.checks import check_fingerprint
+from fo_kernels.table.format import MOE_TABLE_KIND, file_stamp, read_table_data, read_table_text
 from fo_kernels.table.paths import TABLE_DIR_ENV, check_name, table_search_path
 from fo_kernels.table.spans import Span, SpanRows, put_row
 from fo_kernels.table.text import (

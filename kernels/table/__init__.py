@@ -47,14 +47,13 @@ calling the op every step does not pay a filesystem round trip per GEMM (on H200
 that time.
 """
 
+from fo_kernels.table.checks import check_fingerprint, check_header_for
 from fo_kernels.table.format import (
     SUPPORTED_SCHEMA_VERSIONS,
     TABLE_KIND,
     TABLE_SCHEMA_VERSION,
     ScheduleTable,
     TableHeader,
-    check_fingerprint,
-    check_header_for,
     load_table,
     row_kind,
     row_rank,

@@ -17,7 +17,8 @@ import torch
 from fo_kernels.errors import HeuristicScheduleWarning, ShapeError, TableNotFoundError
 from fo_kernels.fingerprint import CPU_MAX_MACS, current_fingerprint, resolve_device
 from fo_kernels.schedule import COLLECTIVES, SHARDED_COLLECTIVES, Problem, Schedule
-from fo_kernels.table.format import check_fingerprint, check_header_for, file_stamp
+from fo_kernels.table.checks import check_fingerprint, check_header_for
+from fo_kernels.table.format import file_stamp
 from fo_kernels.table.loaded import LoadedTable, read_table
 from fo_kernels.table.paths import (
     TABLE_DIR_ENV,
