@@ -942,8 +942,7 @@ def test_a_number_not_measured_stays_out_of_the_row(tmp_path):
     the key out, since a table refuses a non-finite provenance number (it wrote ``iqr_ms: .nan``)."""
     from fo_kernels.fingerprint import current_fingerprint
     from fo_tune.search import SearchRequest
-    from fo_tune.search.decide import Verdict
-    from fo_tune.search.driver import make_row
+    from fo_tune.search.decide import Verdict, make_row
 
     request = SearchRequest(shapes=((64, 64, 64),), mode="measure")
     verdict = Verdict(False, 1.0, "no gain", None, None, 0.1)

@@ -1,4 +1,5 @@
-"""How a shape's row is decided: the confirmation of a measured search and the no-gain rule.
+"""How a shape's row is decided: its baseline (``measure_baseline``), the confirmation of a measured
+search, the no-gain rule, and the table row of the verdict (``make_row``).
 
 A measured search re-times its ``CONFIRM_TOP`` best distinct schedules, and the best schedule of
 every other engine it timed, beside GEMM-then-collective and the runtime's ``overlap: false``
@@ -13,15 +14,22 @@ to the predicted best and the predicted fallback, without a spread.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fo_tune.search.results import Candidate
+from fo_kernels.errors import FoTuneError
+from fo_kernels.schedule import Schedule
+from fo_tune.calibrate.extrapolate import basis_for
+from fo_tune.search.results import BaselineResult, Candidate
 
 if TYPE_CHECKING:
+    from fo_tune.model import CostModel
     from fo_tune.ranks.timing import Timing
+    from fo_tune.search.request import SearchRequest
     from fo_tune.search.trials import Measurer
 
 # The no-gain fallback: overlap must beat the overlap: false fallback by at least this fraction.
@@ -151,3 +159,74 @@ def row_numbers(verdict: Verdict, extra: dict[str, Any]) -> dict[str, Any]:
             if key in numbers:
                 numbers[f"rejected_{key}"] = numbers.pop(key)
     return numbers
+
+
+def make_row(
+    request: SearchRequest, shape: tuple[int, int, int], verdict: Verdict, numbers: dict[str, Any]
+) -> Schedule:
+    """The table row: the chosen schedule with its provenance, or ``overlap: false``."""
+    m, n, k = shape
+    prov: dict[str, Any] = {
+        "source": "fo-tune search",
+        "mode": request.mode,
+        "date": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
+        # (a NaN is a number not measured, e.g. the interquartile range of one sample: left out,
+        # since a table refuses a non-finite provenance number)
+        **{
+            key: round(v, 5) if isinstance(v, float) else v
+            for key, v in numbers.items()
+            if not (isinstance(v, float) and not math.isfinite(v))
+        },
+    }
+    # a predicted row says what its model rests on where that is not this machine's measurements
+    basis = request.calibration.basis if request.mode == "predict" and request.calibration else ""
+    basis = basis_for(basis, request.collective)
+    chosen = verdict.chosen
+    if chosen is None:
+        from fo_kernels.schedule import Problem
+
+        return Schedule(
+            collective=request.collective,
+            dtype=request.dtype,
+            world_size=request.world_size,
+            problem=Problem(m=m, n=n, k=k),
+            provenance=prov,
+            basis=basis,
+        )
+    if chosen.trial is not None:
+        prov["trial"] = chosen.trial
+    if not math.isnan(chosen.predicted_ms) and request.mode != "predict":
+        prov["predicted_ms"] = round(chosen.predicted_ms, 5)
+    return dataclasses.replace(chosen.schedule, provenance=prov, basis=basis)
+
+
+def measure_baseline(
+    request: SearchRequest, shape: tuple[int, int, int], model: CostModel | None, measurer: Any
+) -> BaselineResult:
+    """cuBLAS then the collective: measured on the ranks, else predicted (with the fallback)."""
+    m, n, k = shape
+    pred = model.baseline(request.collective, m, n, k, request.dtype) if model is not None else None
+    predicted = pred.sequential_ms if pred is not None else math.nan
+    if measurer is None:
+        assert pred is not None
+        return BaselineResult(
+            "predicted", pred.gemm_ms, pred.comm_ms, pred.sequential_ms, 0.0, 0.0, predicted, pred.fallback_ms
+        )
+    got = measurer.baseline(request.collective, shape, request.dtype)
+    from fo_tune.ranks.gemm import GEMM_TOL
+
+    if got["has_nan"] or not got["rel_err"] < GEMM_TOL[request.dtype]:
+        raise FoTuneError(
+            f"the sequential baseline of {m}x{n}x{k} failed its check (rel err {got['rel_err']:.2e}); "
+            "the GPUs or the NCCL setup are broken"
+        )
+    seq = got["sequential"]
+    return BaselineResult(
+        "measured",
+        got["gemm"].median_ms,
+        got["comm"].median_ms,
+        seq.median_ms,
+        seq.spread_ms,
+        seq.iqr_ms,
+        predicted,
+    )

@@ -27,21 +27,18 @@ file lock; a row takes only its own Ms, and a predicted row none of a measured o
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime as dt
 import math
 import time
 from typing import Any
 
-from fo_kernels.errors import FoTuneError, TableError, TableNotFoundError
+from fo_kernels.errors import TableError, TableNotFoundError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
 from fo_kernels.table import ScheduleTable, table_path
-from fo_tune.calibrate.extrapolate import basis_for
 from fo_tune.engines import ShapeTask, cost_model, get_tuner
 from fo_tune.model import CostModel
 from fo_tune.output import Reporter, SilentReporter
-from fo_tune.search.decide import Verdict, confirm, decide_predicted, row_numbers
+from fo_tune.search.decide import Verdict, confirm, decide_predicted, make_row, measure_baseline, row_numbers
 from fo_tune.search.encoding import UnionEncoding
 from fo_tune.search.ranges import range_rows
 from fo_tune.search.request import (
@@ -52,7 +49,7 @@ from fo_tune.search.request import (
     select_engines,
     study_name,
 )
-from fo_tune.search.results import BaselineResult, SearchInterrupted, SearchResult, ShapeResult, model_error
+from fo_tune.search.results import SearchInterrupted, SearchResult, ShapeResult, model_error
 from fo_tune.search.storage import open_storage, shown, storage_lost, storage_url
 from fo_tune.search.strategies import ShapeJob, get_strategy
 from fo_tune.space import SearchSpace, space_for
@@ -403,75 +400,4 @@ def _search_shape(
         mape=mape,
         worst_ape=worst,
         engines=enc.engines,
-    )
-
-
-def make_row(
-    request: SearchRequest, shape: tuple[int, int, int], verdict: Verdict, numbers: dict[str, Any]
-) -> Schedule:
-    """The table row: the chosen schedule with its provenance, or ``overlap: false``."""
-    m, n, k = shape
-    prov: dict[str, Any] = {
-        "source": "fo-tune search",
-        "mode": request.mode,
-        "date": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
-        # (a NaN is a number not measured, e.g. the interquartile range of one sample: left out,
-        # since a table refuses a non-finite provenance number)
-        **{
-            key: round(v, 5) if isinstance(v, float) else v
-            for key, v in numbers.items()
-            if not (isinstance(v, float) and not math.isfinite(v))
-        },
-    }
-    # a predicted row says what its model rests on where that is not this machine's measurements
-    basis = request.calibration.basis if request.mode == "predict" and request.calibration else ""
-    basis = basis_for(basis, request.collective)
-    chosen = verdict.chosen
-    if chosen is None:
-        from fo_kernels.schedule import Problem
-
-        return Schedule(
-            collective=request.collective,
-            dtype=request.dtype,
-            world_size=request.world_size,
-            problem=Problem(m=m, n=n, k=k),
-            provenance=prov,
-            basis=basis,
-        )
-    if chosen.trial is not None:
-        prov["trial"] = chosen.trial
-    if not math.isnan(chosen.predicted_ms) and request.mode != "predict":
-        prov["predicted_ms"] = round(chosen.predicted_ms, 5)
-    return dataclasses.replace(chosen.schedule, provenance=prov, basis=basis)
-
-
-def measure_baseline(
-    request: SearchRequest, shape: tuple[int, int, int], model: CostModel | None, measurer: Any
-) -> BaselineResult:
-    """cuBLAS then the collective: measured on the ranks, else predicted (with the fallback)."""
-    m, n, k = shape
-    pred = model.baseline(request.collective, m, n, k, request.dtype) if model is not None else None
-    predicted = pred.sequential_ms if pred is not None else math.nan
-    if measurer is None:
-        assert pred is not None
-        return BaselineResult(
-            "predicted", pred.gemm_ms, pred.comm_ms, pred.sequential_ms, 0.0, 0.0, predicted, pred.fallback_ms
-        )
-    got = measurer.baseline(request.collective, shape, request.dtype)
-    from fo_tune.ranks.gemm import GEMM_TOL
-
-    if got["has_nan"] or not got["rel_err"] < GEMM_TOL[request.dtype]:
-        raise FoTuneError(
-            f"the sequential baseline of {m}x{n}x{k} failed its check (rel err {got['rel_err']:.2e}); "
-            "the GPUs or the NCCL setup are broken"
-        )
-    seq = got["sequential"]
-    return BaselineResult(
-        "measured",
-        got["gemm"].median_ms,
-        got["comm"].median_ms,
-        seq.median_ms,
-        seq.spread_ms,
-        seq.iqr_ms,
-        predicted,
     )
