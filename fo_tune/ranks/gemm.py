@@ -153,9 +153,7 @@ class GemmProfileTask:
                     if r >= sm_count:
                         raise ValueError(f"sms_free {r} leaves no SM of {sm_count}")
                     run, row["grid"] = gemm_runner(a, b, tile, r, sm_count, kw)
-                    run().fill_(float("nan"))  # poisoned: a tile the check's call does not write fails it
-                    out = run()
-                    row["rel_err"] = _checked(out, ref, self.dtype)
+                    out, row["rel_err"] = _checked_run(run, ref, self.dtype)
                     paired = time_interleaved(
                         {"gemm": run, "cublas": library},
                         ctx.device,
@@ -172,6 +170,16 @@ class GemmProfileTask:
                     row["status"] = f"skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 rows.append(row)
         return {"cublas": cublas, "rows": rows}
+
+
+def _checked_run(
+    run: Callable[[], torch.Tensor], ref: torch.Tensor, dtype: str, what: str = ""
+) -> tuple[torch.Tensor, float]:
+    """(the output of one call of ``run``, its relative error; ``_checked``), the output poisoned by
+    a call before: a tile the checked call does not write fails the check."""
+    run().fill_(float("nan"))
+    out = run()
+    return out, _checked(out, ref, dtype, what)
 
 
 def _checked(out: torch.Tensor, ref: torch.Tensor, dtype: str, what: str = "") -> float:
@@ -210,9 +218,7 @@ class GemmGridsTask:
         rows, outs = [], []
         for i, (tile, r) in enumerate(self.configs):
             run, grid = gemm_runner(a, b, tile, r, sm_count, kw)
-            run().fill_(float("nan"))  # poisoned: a tile the check's call does not write fails it
-            out = run()
-            err = _checked(out, ref, self.dtype, f"{tile.label()} on {grid} programs: ")
+            out, err = _checked_run(run, ref, self.dtype, f"{tile.label()} on {grid} programs: ")
             fns[str(i)] = run
             outs.append(out)
             rows.append(dict(tile=tile, sms_free=r, grid=grid, rel_err=err))
