@@ -135,6 +135,13 @@ def bad_inputs(ctx, _payload) -> dict[str, str]:
     dev, world = ctx.device, ctx.world_size
     a = torch.randn(4 * world, 8, device=dev)
     b = torch.randn(8, 6, device=dev)
+
+    def no_overlap(collective: str, m: int) -> Schedule:  # an overlap: false row for (m, 6, 8)
+        problem = dict(m=m, n=6, k=8)
+        return Schedule.from_dict(
+            dict(collective=collective, dtype="float32", world_size=world, problem=problem, overlap=False)
+        )
+
     calls = {
         "k_mismatch": lambda: gemm_all_reduce(a, torch.randn(7, 6, device=dev)),
         "dtype_int": lambda: gemm_all_reduce(a.to(torch.int32), b.to(torch.int32)),
@@ -142,31 +149,9 @@ def bad_inputs(ctx, _payload) -> dict[str, str]:
         "m_not_divisible": lambda: gemm_reduce_scatter(torch.randn(4 * world + 1, 8, device=dev), b),
         "not_2d": lambda: gemm_all_reduce(a[None], b),
         "b_strided": lambda: gemm_all_reduce(a, torch.randn(8, 12, device=dev)[:, ::2]),
-        "schedule_other_shape": lambda: gemm_all_reduce(
-            a,
-            b,
-            schedule=Schedule.from_dict(
-                dict(
-                    collective="all_reduce",
-                    dtype="float32",
-                    world_size=world,
-                    problem=dict(m=99, n=6, k=8),
-                    overlap=False,
-                )
-            ),
-        ),
+        "schedule_other_shape": lambda: gemm_all_reduce(a, b, schedule=no_overlap("all_reduce", 99)),
         "schedule_other_collective": lambda: gemm_all_reduce(
-            a,
-            b,
-            schedule=Schedule.from_dict(
-                dict(
-                    collective="reduce_scatter",
-                    dtype="float32",
-                    world_size=world,
-                    problem=dict(m=4 * world, n=6, k=8),
-                    overlap=False,
-                )
-            ),
+            a, b, schedule=no_overlap("reduce_scatter", 4 * world)
         ),
     }
     msgs = {}

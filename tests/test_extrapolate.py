@@ -117,22 +117,16 @@ def test_the_basis_names_a_sibling_that_measured_the_copy_engine_at_n_peers(h200
 
 
 # ------------------------------------------------------------------------------ the predict search
+# The issue's TP=8 plan: a predicted reduce_scatter row at world size 8 from the packaged TP=2
+# calibration (the tests add their --out and any other option).
+TP8_PLAN = ("--mode", "predict", "--world-size", "8", "--shape", "8192x8192x3584", "-c", "reduce_scatter")
+
+
 def test_tp8_plan_on_the_cpu_states_its_basis(tmp_path):
     """The issue's command: a TP=8 plan from the packaged TP=2 calibration, exit 0, its row, report
     and summary saying what it rests on."""
     out = tmp_path / "w8"
-    r = search(
-        "--mode",
-        "predict",
-        "--world-size",
-        "8",
-        "--shape",
-        "8192x8192x3584",
-        "-c",
-        "reduce_scatter",
-        "--out",
-        str(out),
-    )
+    r = search(*TP8_PLAN, "--out", str(out))
     assert r.exit_code == 0, r.output
     assert f"basis: {BASIS}" in " ".join(r.stdout.split())
     key = H200_KEY.replace("-w2-", "-w8-")
@@ -332,23 +326,7 @@ def test_search_help_says_what_a_plan_at_3_to_8_rests_on():
 # ------------------------------------------------------------------------------ model check
 def test_model_check_says_extrapolated_rows_have_no_measured_error(tmp_path):
     out = tmp_path / "w8"
-    assert (
-        search(
-            "--mode",
-            "predict",
-            "--world-size",
-            "8",
-            "--shape",
-            "8192x8192x3584",
-            "-c",
-            "reduce_scatter",
-            "--engine",
-            "triton",
-            "--out",
-            str(out),
-        ).exit_code
-        == 0
-    )
+    assert search(*TP8_PLAN, "--engine", "triton", "--out", str(out)).exit_code == 0
     (table,) = (out / "tables").glob("*/*.yaml")
     r = CliRunner().invoke(app, ["model", "check", str(table)])
     assert r.exit_code == 0, r.output
