@@ -150,7 +150,7 @@ class EngineTuner(ABC):
         exhaustive search visits, groupings included)."""
 
     def probe_task(self) -> Any | None:
-        """A task (``fo_tune.ranks.launch``) every rank of a measured search runs once: why the runtime
+        """A task (``fo_tune.ranks.pool.Task``) every rank of a measured search runs once: why the runtime
         there cannot run the engine ("" when it can; None: nothing to probe beyond ``blocker``)."""
         return None
 
