@@ -19,22 +19,20 @@ logits must then be the unsharded model's. It prints what it checked
 with the largest relative error of each, then one ``RESULT`` line of JSON, and exits 1 when an
 error exceeds the tolerance (float32: 1e-4).
 
-Needs ``transformers`` (>= 5: its fused experts blocks). On the CPU, gloo moves the rows.
+Needs ``transformers`` (>= 5: its fused experts blocks), and ``launch.py`` beside it (how the
+examples start their ranks and report). On the CPU, gloo moves the rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import sys
-import tempfile
 import warnings
 
+import launch
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 # float32 against the unsharded float32 model.
 TOLERANCE = 1e-4
@@ -142,101 +140,42 @@ def check(kind: str, rank: int, world: int, device: torch.device) -> dict[str, f
     return errors
 
 
-def rank_main(kind: str, rank: int, world: int, backend: str, store: str, results: dict | None) -> None:
-    """One rank: join the group, run ``check``, report (rank 0 prints)."""
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+def rank_main(rank: int, ranks: launch.Launch, kind: str) -> dict[str, float]:
+    """One rank: join the group, run ``check``, report (rank 0 prints); each check's largest error."""
+    with launch.process_group(rank, ranks) as device:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            errors = check(kind, rank, world, device)
-        everyone: list[dict[str, float]] = [{} for _ in range(world)]
-        dist.all_gather_object(everyone, errors)
-        dist.barrier()  # every rank done with its collectives before any tears the group down
-    finally:
-        dist.destroy_process_group()
-    worst = {name: max(e[name] for e in everyone) for name in errors}
-    if results is not None:
-        results.update(worst)
+            errors = check(kind, rank, ranks.world, device)
+        worst = launch.worst_over_ranks(errors)
     if rank == 0:
-        report(kind, world, backend, worst)
+        report(kind, ranks.world, ranks.backend, worst)
+    return worst
 
 
 def report(kind: str, world: int, backend: str, worst: dict[str, float]) -> None:
     experts = EXPERTS_PER_RANK * world
     print(f"{kind} decoder ({LAYERS} layers, {experts} experts, top-{TOP_K}) over {world} ranks ({backend}):")
     print(f"  experts -> ExpertParallelExperts, {EXPERTS_PER_RANK} a rank; attention and routers replicated")
-    for name, err in worst.items():
-        verdict = "ok" if err <= TOLERANCE else "TOO LARGE"
-        print(f"  {name:<18} max relative error {err:.2e} ({verdict}, tolerance {TOLERANCE:.0e})")
-    ok = all(err <= TOLERANCE for err in worst.values())
-    result = {"model": kind, "world_size": world, "backend": backend, "errors": worst, "ok": ok}
-    print("RESULT " + json.dumps(result))
-
-
-def spawned(rank: int, kind: str, world: int, backend: str, store: str, queue) -> None:
-    results: dict[str, float] = {}
-    rank_main(kind, rank, world, backend, store, results)
-    if rank == 0:
-        queue.put(results)
-    # as examples/tp_block.py: a gloo rank can abort in its interpreter's shutdown after its work
-    # is done and reported, so the shutdown is skipped
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    ok = launch.print_errors(worst, TOLERANCE, width=18)
+    launch.print_result({"model": kind, "world_size": world, "backend": backend, "errors": worst, "ok": ok})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    launch.add_world_size(parser)
     parser.add_argument(
         "--model",
         choices=MODELS,
         default="mixtral",
         help="the decoder's transformers model (default: mixtral)",
     )
-    parser.add_argument(
-        "--backend", choices=["nccl", "gloo"], help="default: nccl with a GPU per rank, else gloo"
-    )
+    launch.add_backend(parser)
     args = parser.parse_args(argv)
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
-    if not under_torchrun and world < 1:
-        parser.error("--world-size must be >= 1")
-    # the backend before the imports of the client library: a usage error, at once
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = args.backend or ("nccl" if gpus >= world else "gloo")
-    local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) if under_torchrun else 0
-    if backend == "nccl" and under_torchrun and local >= gpus:
-        parser.error(f"--backend nccl needs a GPU per rank; local rank {local} has none: use --backend gloo")
-    if backend == "nccl" and not under_torchrun and gpus < world:
-        parser.error(
-            f"--backend nccl needs a GPU per rank ({world} ranks, {gpus} visible): use --backend gloo"
-        )
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        print("this example needs transformers: pip install transformers", file=sys.stderr)
+    ranks = launch.choose(parser, args)
+    if not launch.imports("transformers", install="pip install transformers"):
         return 2
-    if under_torchrun:
-        rank = int(os.environ["RANK"])
-        results: dict[str, float] = {}
-        if backend == "nccl":
-            torch.cuda.set_device(local)
-        dist.init_process_group(backend)
-        rank_main(args.model, rank, world, backend, "", results)
-        return 0 if all(err <= TOLERANCE for err in results.values()) else 1
-    os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
-    with tempfile.TemporaryDirectory() as tmp:
-        queue = mp.get_context("spawn").SimpleQueue()
-        store = os.path.join(tmp, "store")
-        mp.spawn(spawned, args=(args.model, world, backend, store, queue), nprocs=world)
-        results = queue.get()
-    return 0 if all(err <= TOLERANCE for err in results.values()) else 1
+    worst = launch.start(ranks, rank_main, args.model)
+    return 0 if launch.passed(worst, TOLERANCE) else 1
 
 
 if __name__ == "__main__":

@@ -26,27 +26,24 @@ the largest relative error of each, then one ``RESULT`` line of JSON, and exits 
 the tolerance (float32: 1e-5).
 
 Needs ``torchtitan==0.2.2`` (0.3 shards its models with its own ``spmd_types`` instead of
-``parallelize_module``). On the CPU the Triton kernels run in Triton's interpreter
-(``TRITON_INTERPRET=1``, set here); the schedules are fo-tune's heuristic ones unless a table for
-this machine exists (``fo-tune search``).
+``parallelize_module``), and ``launch.py`` beside it (how the examples start their ranks and
+report). On the CPU the Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+``launch.py``); the schedules are fo-tune's heuristic ones unless a table for this machine exists
+(``fo-tune search``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest import mock
 
+import launch
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -145,50 +142,24 @@ def check(world: int, device: torch.device) -> dict[str, float]:
     return errors
 
 
-def rank_main(rank: int, world: int, backend: str, store: str, results: dict | None) -> None:
-    """One rank: join the group, run ``check``, report (rank 0 prints)."""
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+def rank_main(rank: int, ranks: launch.Launch) -> dict[str, float]:
+    """One rank: join the group, run ``check``, report (rank 0 prints); each check's largest error."""
+    with launch.process_group(rank, ranks) as device:
         with warnings.catch_warnings():
             # the heuristic schedules' "no table row" warnings, torchtitan's own
             warnings.simplefilter("ignore")
-            errors = check(world, device)
-        everyone: list[dict[str, float]] = [{} for _ in range(world)]
-        dist.all_gather_object(everyone, errors)
-        dist.barrier()  # every rank done with its collectives before any tears the group down
-    finally:
-        dist.destroy_process_group()
-    worst = {name: max(e[name] for e in everyone) for name in errors}
-    if results is not None:
-        results.update(worst)
+            errors = check(ranks.world, device)
+        worst = launch.worst_over_ranks(errors)
     if rank == 0:
-        report(world, backend, worst)
+        report(ranks.world, ranks.backend, worst)
+    return worst
 
 
 def report(world: int, backend: str, worst: dict[str, float]) -> None:
     print(f"torchtitan Llama-3 ({TINY['n_layers']} layers) on {world} ranks ({backend}), its TP plan:")
     print("  fo_kernels.parallel's ColwiseParallel / RowwiseParallel against torch's")
-    for name, err in worst.items():
-        verdict = "ok" if err <= TOLERANCE else "TOO LARGE"
-        print(f"  {name:<26} max relative error {err:.2e} ({verdict}, tolerance {TOLERANCE:.0e})")
-    ok = all(err <= TOLERANCE for err in worst.values())
-    print("RESULT " + json.dumps({"world_size": world, "backend": backend, "errors": worst, "ok": ok}))
-
-
-def spawned(rank: int, world: int, backend: str, store: str, queue) -> None:
-    results: dict[str, float] = {}
-    rank_main(rank, world, backend, store, results)
-    if rank == 0:
-        queue.put(results)
-    # The rank's work is done, checked and reported; its interpreter's shutdown is skipped (a gloo
-    # rank can abort there after the group is gone, which mp.spawn reports as a failed rank).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    ok = launch.print_errors(worst, TOLERANCE, width=26)
+    launch.print_result({"world_size": world, "backend": backend, "errors": worst, "ok": ok})
 
 
 def unfit_world(world: int) -> str | None:
@@ -207,53 +178,14 @@ def unfit_world(world: int) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--world-size",
-        type=int,
-        default=2,
-        help=f"ranks to spawn, a divisor of {SEQ} and {TINY['n_heads']} (ignored under torchrun)",
-    )
-    parser.add_argument(
-        "--backend", choices=["nccl", "gloo"], help="default: nccl with a GPU per rank, else gloo"
-    )
-    args = parser.parse_args(argv)
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
-    if unfit_world(world):  # before the imports and any rank: a usage error, at once
-        which = f"torchrun's {world} ranks" if under_torchrun else f"--world-size {world}"
-        parser.error(f"{which}: {unfit_world(world)}")
-    # the backend before the imports of the client library: a usage error, at once
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = args.backend or ("nccl" if gpus >= world else "gloo")
-    local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) if under_torchrun else 0
-    if backend == "nccl" and under_torchrun and local >= gpus:
-        parser.error(f"--backend nccl needs a GPU per rank; local rank {local} has none: use --backend gloo")
-    if backend == "nccl" and not under_torchrun and gpus < world:
-        parser.error(
-            f"--backend nccl needs a GPU per rank ({world} ranks, {gpus} visible): use --backend gloo"
-        )
-    try:
-        import torchtitan  # noqa: F401
-    except ImportError:
-        print("this example needs torchtitan: pip install torchtitan==0.2.2", file=sys.stderr)
+    launch.add_world_size(parser, f"a divisor of {SEQ} and {TINY['n_heads']}")
+    launch.add_backend(parser)
+    # a world size the tiny model cannot be sharded over is a usage error, before any import or rank
+    ranks = launch.choose(parser, parser.parse_args(argv), unfit_world)
+    if not launch.imports("torchtitan", install="pip install torchtitan==0.2.2"):
         return 2
-    if under_torchrun:
-        rank = int(os.environ["RANK"])
-        os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
-        results: dict[str, float] = {}
-        if backend == "nccl":
-            torch.cuda.set_device(local)
-        dist.init_process_group(backend)
-        rank_main(rank, world, backend, "", results)
-        return 0 if all(err <= TOLERANCE for err in results.values()) else 1
-    # Triton's interpreter on the CPU; set before the ranks import fo_kernels (they inherit it)
-    os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
-    with tempfile.TemporaryDirectory() as tmp:
-        queue = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(spawned, args=(world, backend, os.path.join(tmp, "store"), queue), nprocs=world)
-        results = queue.get()
-    return 0 if all(err <= TOLERANCE for err in results.values()) else 1
+    worst = launch.start(ranks, rank_main)
+    return 0 if launch.passed(worst, TOLERANCE) else 1
 
 
 if __name__ == "__main__":

@@ -15,24 +15,21 @@ logits, the loss and every parameter's gradient (this rank's shard of it) with t
 model's. It prints what it checked with the largest relative error of each, then one ``RESULT``
 line of JSON, and exits 1 when an error exceeds the tolerance (float32: 1e-4).
 
-Needs ``transformers`` (``pip install transformers``). On the CPU the Triton kernels run in Triton's
-interpreter (``TRITON_INTERPRET=1``, set here), slow but exact; the schedules are fo-tune's
-heuristic ones unless a table for this machine exists (``fo-tune search``).
+Needs ``transformers`` (``pip install transformers``), and ``launch.py`` beside it (how the
+examples start their ranks and report). On the CPU the Triton kernels run in Triton's
+interpreter (``TRITON_INTERPRET=1``, set by ``launch.py``), slow but exact; the schedules are
+fo-tune's heuristic ones unless a table for this machine exists (``fo-tune search``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import sys
-import tempfile
 import warnings
 
+import launch
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 # float32 against the unsharded float32 model.
 TOLERANCE = 1e-4
@@ -116,99 +113,34 @@ def check(rank: int, world: int, device: torch.device) -> dict[str, float]:
     return errors
 
 
-def rank_main(rank: int, world: int, backend: str, store: str, results: dict | None) -> None:
-    """One rank: join the group, run ``check``, report (rank 0 prints)."""
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+def rank_main(rank: int, ranks: launch.Launch) -> dict[str, float]:
+    """One rank: join the group, run ``check``, report (rank 0 prints); each check's largest error."""
+    with launch.process_group(rank, ranks) as device:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the heuristic schedules' "no table row" warnings
-            errors = check(rank, world, device)
-        everyone: list[dict[str, float]] = [{} for _ in range(world)]
-        dist.all_gather_object(everyone, errors)
-        # every rank done with its collectives before any tears the group down: a gloo rank whose
-        # peer has already destroyed its pairs can abort at exit ("terminate called without an
-        # active exception")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    worst = {name: max(e[name] for e in everyone) for name in errors}
-    if results is not None:
-        results.update(worst)
+            errors = check(rank, ranks.world, device)
+        worst = launch.worst_over_ranks(errors)
     if rank == 0:
-        report(world, backend, worst)
+        report(ranks.world, ranks.backend, worst)
+    return worst
 
 
 def report(world: int, backend: str, worst: dict[str, float]) -> None:
     print(f"Llama decoder ({LAYERS} layers, {2 * world} heads) sharded over {world} ranks ({backend}):")
     print("  q/k/v, gate/up -> ColwiseParallel; o_proj, down_proj -> RowwiseParallel (fo_kernels.parallel)")
-    for name, err in worst.items():
-        verdict = "ok" if err <= TOLERANCE else "TOO LARGE"
-        print(f"  {name:<24} max relative error {err:.2e} ({verdict}, tolerance {TOLERANCE:.0e})")
-    ok = all(err <= TOLERANCE for err in worst.values())
-    print("RESULT " + json.dumps({"world_size": world, "backend": backend, "errors": worst, "ok": ok}))
-
-
-def spawned(rank: int, world: int, backend: str, store: str, queue) -> None:
-    results: dict[str, float] = {}
-    rank_main(rank, world, backend, store, results)
-    if rank == 0:
-        queue.put(results)  # a SimpleQueue: written to its pipe before put returns
-    # The rank's work is done, checked and reported. Its interpreter's shutdown is skipped: there a
-    # gloo rank still aborted now and then ("terminate called without an active exception", twice
-    # in CI, after every result was in and with the group destroyed behind a barrier), which
-    # mp.spawn reports as a failed rank.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    ok = launch.print_errors(worst, TOLERANCE, width=24)
+    launch.print_result({"world_size": world, "backend": backend, "errors": worst, "ok": ok})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    parser.add_argument(
-        "--backend", choices=["nccl", "gloo"], help="default: nccl with a GPU per rank, else gloo"
-    )
-    args = parser.parse_args(argv)
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
-    if not under_torchrun and world < 1:
-        parser.error("--world-size must be >= 1")
-    # the backend before the imports of the client library: a usage error, at once
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = args.backend or ("nccl" if gpus >= world else "gloo")
-    local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) if under_torchrun else 0
-    if backend == "nccl" and under_torchrun and local >= gpus:
-        parser.error(f"--backend nccl needs a GPU per rank; local rank {local} has none: use --backend gloo")
-    if backend == "nccl" and not under_torchrun and gpus < world:
-        parser.error(
-            f"--backend nccl needs a GPU per rank ({world} ranks, {gpus} visible): use --backend gloo"
-        )
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        print("this example needs transformers: pip install transformers", file=sys.stderr)
+    launch.add_world_size(parser)
+    launch.add_backend(parser)
+    ranks = launch.choose(parser, parser.parse_args(argv))
+    if not launch.imports("transformers", install="pip install transformers"):
         return 2
-    if under_torchrun:
-        rank = int(os.environ["RANK"])
-        os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
-        results: dict[str, float] = {}
-        if backend == "nccl":
-            torch.cuda.set_device(local)
-        dist.init_process_group(backend)
-        rank_main(rank, world, backend, "", results)
-        return 0 if all(err <= TOLERANCE for err in results.values()) else 1
-    # Triton's interpreter on the CPU; set before the ranks import fo_kernels (they inherit it)
-    os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
-    with tempfile.TemporaryDirectory() as tmp:
-        queue = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(spawned, args=(world, backend, os.path.join(tmp, "store"), queue), nprocs=world)
-        results = queue.get()
-    return 0 if all(err <= TOLERANCE for err in results.values()) else 1
+    worst = launch.start(ranks, rank_main)
+    return 0 if launch.passed(worst, TOLERANCE) else 1
 
 
 if __name__ == "__main__":

@@ -20,21 +20,20 @@ with ``tp_plan="auto"`` on every rank and compares logits, loss and the gradient
 weights (this rank's shard) with the unsharded model. It prints the largest relative error of each,
 then one ``RESULT`` line of JSON, and exits 1 when one exceeds the tolerance (float32: 1e-5).
 
-Needs ``transformers>=5`` and ``accelerate`` (``from_pretrained`` with a ``tp_plan`` asks for it).
+Needs ``transformers>=5`` and ``accelerate`` (``from_pretrained`` with a ``tp_plan`` asks for it),
+and ``launch.py`` beside it (how the examples start their ranks and report).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import warnings
 
+import launch
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
 # float32 against the unsharded float32 model.
@@ -163,111 +162,50 @@ def check(folder: str, world: int, rank: int, device: torch.device) -> tuple[dic
     return errors, len(on_fo_tune)
 
 
-def rank_main(rank: int, world: int, backend: str, store: str, folder: str, results: dict | None) -> None:
-    """One rank: join the group, run ``check``, report (rank 0 prints)."""
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
+def unfit_world(world: int) -> str | None:
+    """Why transformers' tp_plan would check nothing of fo-tune over ``world`` ranks, or None."""
+    return TOO_FEW if world < MIN_WORLD else None
+
+
+def rank_main(rank: int, ranks: launch.Launch, folder: str) -> dict[str, float]:
+    """One rank: join the group, run ``check``, report (rank 0 prints); each check's largest error."""
     # transformers reads the rank and world size from torchrun's variables, and binds the device by LOCAL_RANK
-    for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world)):
+    for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", ranks.world)):
         os.environ.setdefault(key, str(value))
-    if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with launch.process_group(rank, ranks) as device:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the heuristic schedules' "no table row" warnings
-            errors, on_fo_tune = check(folder, world, rank, device)
-        everyone: list[dict[str, float]] = [{} for _ in range(world)]
-        dist.all_gather_object(everyone, errors)
-        dist.barrier()  # every rank done with its collectives before any tears the group down
-    finally:
-        dist.destroy_process_group()
-    worst = {name: max(e[name] for e in everyone) for name in errors}
-    if results is not None:
-        results.update(worst)
+            errors, on_fo_tune = check(folder, ranks.world, rank, device)
+        worst = launch.worst_over_ranks(errors)
     if rank == 0:
-        print(f"transformers Llama, tp_plan='auto' over {world} ranks ({backend}):")
+        print(f"transformers Llama, tp_plan='auto' over {ranks.world} ranks ({ranks.backend}):")
         print(
             f"  'colwise' / 'rowwise' registered to fo-tune's forward: {on_fo_tune} modules on fo-tune's ops"
         )
-        for name, err in worst.items():
-            verdict = "ok" if err <= TOLERANCE else "TOO LARGE"
-            print(f"  {name:<16} max relative error {err:.2e} ({verdict}, tolerance {TOLERANCE:.0e})")
-        ok = all(err <= TOLERANCE for err in worst.values())
+        ok = launch.print_errors(worst, TOLERANCE, width=16)
         result = {
-            "world_size": world,
-            "backend": backend,
+            "world_size": ranks.world,
+            "backend": ranks.backend,
             "errors": worst,
             "fo_tune_modules": on_fo_tune,
             "ok": ok,
         }
-        print("RESULT " + json.dumps(result))
-
-
-def spawned(rank: int, world: int, backend: str, store: str, folder: str, queue) -> None:
-    results: dict[str, float] = {}
-    rank_main(rank, world, backend, store, folder, results)
-    if rank == 0:
-        queue.put(results)
-    # done, checked and reported; the interpreter's shutdown is skipped (a gloo rank can abort
-    # there after the group is gone, which mp.spawn reports as a failed rank)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        launch.print_result(result)
+    return worst
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--world-size", type=int, default=2, help=f"ranks to spawn, >= {MIN_WORLD} (ignored under torchrun)"
-    )
-    parser.add_argument(
-        "--backend", choices=["nccl", "gloo"], help="default: nccl with a GPU per rank, else gloo"
-    )
-    args = parser.parse_args(argv)
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
-    if world < MIN_WORLD:  # before the imports and any rank: a usage error, at once
-        which = f"torchrun's {world} rank" if under_torchrun else f"--world-size {world}"
-        parser.error(f"{which}: {TOO_FEW}")
-    # the backend before the imports of the client library: a usage error, at once
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = args.backend or ("nccl" if gpus >= world else "gloo")
-    local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) if under_torchrun else 0
-    if backend == "nccl" and under_torchrun and local >= gpus:
-        parser.error(f"--backend nccl needs a GPU per rank; local rank {local} has none: use --backend gloo")
-    if backend == "nccl" and not under_torchrun and gpus < world:
-        parser.error(
-            f"--backend nccl needs a GPU per rank ({world} ranks, {gpus} visible): use --backend gloo"
-        )
-    try:
-        import accelerate  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        print(
-            "this example needs transformers and accelerate: pip install transformers accelerate",
-            file=sys.stderr,
-        )
+    launch.add_world_size(parser, f">= {MIN_WORLD}")
+    launch.add_backend(parser)
+    # too few ranks is a usage error, before any import or rank
+    ranks = launch.choose(parser, parser.parse_args(argv), unfit_world)
+    if not launch.imports("transformers", "accelerate", install="pip install transformers accelerate"):
         return 2
-    with tempfile.TemporaryDirectory() as tmp:
-        if under_torchrun:  # every rank saves its own copy
-            rank = int(os.environ["RANK"])
-            os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
-            save_tiny_llama(tmp, world)
-            if backend == "nccl":
-                torch.cuda.set_device(local)
-            dist.init_process_group(backend)
-            results: dict[str, float] = {}
-            rank_main(rank, world, backend, "", tmp, results)
-            return 0 if all(err <= TOLERANCE for err in results.values()) else 1
-        # Triton's interpreter on the CPU; set before the ranks import fo_kernels (they inherit it)
-        os.environ.setdefault("TRITON_INTERPRET", "0" if backend == "nccl" else "1")
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
-        save_tiny_llama(tmp, world)
-        queue = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(spawned, args=(world, backend, os.path.join(tmp, "store"), tmp, queue), nprocs=world)
-        results = queue.get()
-    return 0 if all(err <= TOLERANCE for err in results.values()) else 1
+    with tempfile.TemporaryDirectory() as folder:
+        save_tiny_llama(folder, ranks.world)  # under torchrun every rank saves its own copy
+        worst = launch.start(ranks, rank_main, folder)
+    return 0 if launch.passed(worst, TOLERANCE) else 1
 
 
 if __name__ == "__main__":

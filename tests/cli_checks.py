@@ -1,11 +1,13 @@
 """Helpers shared by the CLI tests: the one-line error assertion, the isolated table paths, the
 stand-in all_gather curve of the shipped calibration, a Ctrl-C at a function's second call or
-as a function starts, and an example script's run on two gloo ranks with its RESULT line read."""
+as a function starts, and the examples: a script's run on two gloo ranks with its RESULT line read,
+and a script loaded as a module."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import signal
@@ -15,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -50,6 +53,22 @@ def run_example_on_gloo(example: Path, tmp_path: Path) -> tuple[dict[str, Any], 
     result = json.loads(lines[0].removeprefix("RESULT "))
     assert result["ok"] and result["world_size"] == 2, result
     return result, done
+
+
+def load_example(path: Path, name: str | None = None) -> ModuleType:
+    """The example script at ``path`` as a module named ``name`` (the file's stem unless given;
+    examples/ is no package), not entered in ``sys.modules``. The script's folder is first on
+    ``sys.path`` while it loads, as when Python runs the script, so its ``import launch`` finds
+    the examples' shared module beside it."""
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    folder = str(path.parent)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+    return module
 
 
 def assert_one_line_error(result, code: int = 2) -> str:

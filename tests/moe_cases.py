@@ -250,14 +250,10 @@ def import_transformers() -> None:
 
 def _example():
     """``examples/moe_block.py`` as a module (transformers imported first, ``import_transformers``)."""
-    import importlib.util
+    from cli_checks import load_example
 
     import_transformers()
-    path = ROOT / "examples" / "moe_block.py"
-    spec = importlib.util.spec_from_file_location("moe_block", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(ROOT / "examples" / "moe_block.py")
 
 
 def _tiny_call(group, **changes):

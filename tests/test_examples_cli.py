@@ -4,11 +4,13 @@ client library (transformers, torchtitan) and before any rank starts (under torc
 before it joins the group), not a traceback from every spawned rank. Fast: nothing here spawns a
 rank. ``--help`` runs each script as a process (its ``sys.exit(main())`` included); the refusals call
 ``main`` in this process, where the exit status is argparse's ``SystemExit`` or ``main``'s return
-(what ``sys.exit(main())`` exits with), so no process imports torch for them."""
+(what ``sys.exit(main())`` exits with), so no process imports torch for them. ``launch.py`` is no
+example: it is the module the examples share (how they start their ranks and report), which each
+imports and says it needs beside it."""
 
 from __future__ import annotations
 
-import importlib.util
+import ast
 import os
 import subprocess
 import sys
@@ -17,7 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.py"))
+from cli_checks import load_example
+
+FOLDER = Path(__file__).resolve().parents[1] / "examples"
+SHARED = FOLDER / "launch.py"
+EXAMPLES = sorted(p for p in FOLDER.glob("*.py") if p != SHARED)
 
 
 def run(example: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -38,9 +44,7 @@ def refusal(example: Path, args: list[str], env: dict[str, str] | None, monkeypa
         monkeypatch.delenv(name, raising=False)
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
-    spec = importlib.util.spec_from_file_location(f"example_{example.stem}", example)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_example(example, f"example_{example.stem}")
     try:
         code = module.main(args)
     except SystemExit as exc:  # argparse's usage error
@@ -57,6 +61,17 @@ def test_every_example_is_covered():
         "torchtitan_llama3.py",
         "transformers_tp_plan.py",
     }
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_imports_the_shared_launch_module_and_says_so(example):
+    """A user copies an example: its docstring says to take launch.py with it, and launch.py's
+    names every example that imports it."""
+    tree = ast.parse(example.read_text())
+    imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    assert "launch" in imported, example.name
+    assert "``launch.py`` beside it" in ast.get_docstring(tree), example.name
+    assert f"``{example.name}``" in ast.get_docstring(ast.parse(SHARED.read_text())), example.name
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cli_checks import run_example_on_gloo
+from cli_checks import load_example, run_example_on_gloo
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "transformers_tp_plan.py"
 CHECKS = {"logits", "loss", "colwise weights", "rowwise weights"}
@@ -28,14 +28,10 @@ def test_tp_plan_names_run_on_fo_tune(tmp_path):
 def test_the_tiny_llama_gives_every_rank_vocabulary_rows(tmp_path):
     """transformers shards the embedding by vocabulary: at any world size the example's model has a
     vocabulary the ranks split evenly (a fixed 64 left rank 8 of 9 no rows, and its lookup failed)."""
-    import importlib.util
-
     from moe_cases import import_transformers
 
     import_transformers()  # before the example's first transformers import: the kernels name clash
-    spec = importlib.util.spec_from_file_location("transformers_tp_plan", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example(EXAMPLE)
     for world in (9,):
         example.save_tiny_llama(str(tmp_path / str(world)), world)
         vocab = json.loads((tmp_path / str(world) / "config.json").read_text())["vocab_size"]

@@ -12,7 +12,6 @@ collectives fo-tune's ops ran are reported.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import sys
 import warnings
 from pathlib import Path
@@ -23,19 +22,17 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from cli_checks import load_example
 from parallel_cases import fsdp2_tp, recorded_collectives, rel
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchtitan_llama3.py"
 
 
 def example() -> ModuleType:
-    """``examples/torchtitan_llama3.py`` as a module (examples/ is no package)."""
+    """``examples/torchtitan_llama3.py`` as a module, loaded once (``load_example``)."""
     name = "torchtitan_llama3"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, EXAMPLE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+        sys.modules[name] = load_example(EXAMPLE, name)
     return sys.modules[name]
 
 
