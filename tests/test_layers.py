@@ -12,7 +12,7 @@ from torch import nn
 from fo_kernels import ColumnParallelLinear, RowParallelLinear, parallelize_linears
 from fo_kernels import ops as ops_mod
 from fo_tune.ranks.launch import run_ranks
-from tp_cases import MLP, suite
+from tp_cases import MLP, SUBGROUP, suite
 
 # float32 against the unsharded float32 model (the issue's bound).
 LAYER_TOL = 1e-4
@@ -78,6 +78,15 @@ def test_no_grad_forward_skips_the_dispatcher(one_rank, monkeypatch):
 # inductor's lowering of the ops, forward and backward, is checked on the GPU
 # (tests/test_gpu_ops.py) and on the CPU by tests/test_ops.py's compiled bad inputs.
 RUNS = [(sp, backend) for backend in (None, "aot_eager") for sp in (False, True)]
+# mlp_cases' payload on a process group of tp_cases.SUBGROUP's 2 ranks of 3: eager, and compiled
+# with Dynamo alone (its backend "eager": the trace without AOTAutograd's, about a second).
+SUBGROUP_MLP = {
+    "batch": 4,
+    "seq": 3,
+    "hidden": 24,
+    "inner": 32,
+    "runs": [(False, None), (True, None), (True, "eager")],
+}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -88,7 +97,9 @@ def test_mlp_matches_unsharded_model(world):
     raises a ValueError subclass before any collective; an input with no rows gives nn.Linear's
     empty output and zero gradients (the ops refuse empty operands, so the layers skip them);
     inside torch.autocast the layers cast their operands as F.linear does (bf16 output, the
-    autocast model's results within 2e-2); a deep copy over an explicit group shares it."""
+    autocast model's results within 2e-2); a deep copy over an explicit group shares it. At 3
+    ranks the MLP also runs over a process group of ranks 0 and 2 (``SUBGROUP``), eager and
+    compiled, the layers built with that group."""
     payload = {"batch": 2 * world, "seq": 3, "hidden": 24, "inner": 16 * world, "runs": RUNS}
     parts = {
         "mlp": ("mlp_cases", payload),
@@ -97,10 +108,16 @@ def test_mlp_matches_unsharded_model(world):
         "autocast": ("autocast_cases", None),
         "copied": ("copied_layers", None),
     }
+    if world == 3:
+        parts["subgroup"] = ("subgroup_mlp", SUBGROUP_MLP)
     results = run_ranks(suite, world, parts, backend="gloo")
     for rank, r in enumerate(results):
         assert [(c["sp"], c["backend"]) for c in r["mlp"]] == payload["runs"]
-        for c in r["mlp"]:
+        on_subgroup = world == 3 and rank in SUBGROUP
+        assert [(c["sp"], c["backend"]) for c in r.get("subgroup", [])] == (
+            SUBGROUP_MLP["runs"] if on_subgroup else []
+        )
+        for c in r["mlp"] + r.get("subgroup", []):
             for name, err in c["errs"].items():
                 assert err < LAYER_TOL, f"rank {rank} sp={c['sp']} {c['backend']}: {name} {err:.2e}"
         copied = r["copied"]

@@ -362,10 +362,11 @@ class ShardedMLP(nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
-def _sharded_mlp(full: MLP, sp: bool, backend: str | None) -> tuple[ShardedMLP, nn.Module]:
-    """(the sharded MLP, what a case calls: it, or it compiled with ``backend``), Dynamo reset."""
+def _sharded_mlp(full: MLP, sp: bool, backend: str | None, group=None) -> tuple[ShardedMLP, nn.Module]:
+    """(the sharded MLP over ``group``, what a case calls: it, or it compiled with ``backend``),
+    Dynamo reset."""
     torch._dynamo.reset()
-    sharded = ShardedMLP(full, sp, None)
+    sharded = ShardedMLP(full, sp, group)
     return sharded, sharded if backend is None else torch.compile(sharded, fullgraph=True, backend=backend)
 
 
@@ -399,7 +400,21 @@ def _grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.
 def mlp_cases(ctx, payload: dict) -> list[dict]:
     """Column- then row-parallel MLP against the unsharded one, forward and backward: for each
     (sequence_parallel, backend) in ``payload["runs"]`` (backend None: eager)."""
-    rank, world = ctx.rank, ctx.world_size
+    return _mlp_runs(payload, ctx.rank, ctx.world_size)
+
+
+def subgroup_mlp(ctx, payload: dict) -> list[dict]:
+    """``mlp_cases`` on a process group of ``SUBGROUP``'s ranks (``payload`` made for its size), by
+    its ranks; a rank outside it gets ``[]``."""
+    group = dist.new_group(list(SUBGROUP))
+    if ctx.rank not in SUBGROUP:
+        return []
+    return _mlp_runs(payload, SUBGROUP.index(ctx.rank), len(SUBGROUP), group)
+
+
+def _mlp_runs(payload: dict, rank: int, world: int, group=None) -> list[dict]:
+    """``mlp_cases``' runs on ``rank`` of ``group`` (of ``world`` ranks; None: the default group),
+    the output also without autograd (``torch.no_grad``, ``torch.inference_mode``)."""
     batch, seq, hidden, inner = payload["batch"], payload["seq"], payload["hidden"], payload["inner"]
     torch.manual_seed(5)  # the same full model, input and output gradient on every rank
     full = MLP(hidden, inner)
@@ -408,7 +423,7 @@ def mlp_cases(ctx, payload: dict) -> list[dict]:
     want = _grads(full, x, dy)
     out = []
     for sp, backend in payload["runs"]:
-        _sharded, model = _sharded_mlp(full, sp, backend)
+        _sharded, model = _sharded_mlp(full, sp, backend, group)
         rows = batch // world
         mine = slice(rank * rows, (rank + 1) * rows) if sp else slice(None)
         with warnings.catch_warnings():
@@ -416,8 +431,10 @@ def mlp_cases(ctx, payload: dict) -> list[dict]:
             got = dict(zip(GRAD_NAMES, _grads(model, x[mine], dy[mine]), strict=True))
             with torch.no_grad():  # the plain (no autograd) path gives the same output
                 got["y_no_grad"] = model(x[mine])
+            with torch.inference_mode():
+                got["y_inference"] = model(x[mine])
         ref = dict(zip(GRAD_NAMES, _shard_of(want, mine, rank, inner // world), strict=True))
-        ref["y_no_grad"] = ref["y"]
+        ref["y_no_grad"] = ref["y_inference"] = ref["y"]
         out.append(dict(sp=sp, backend=backend, errs={k: rel(got[k], ref[k]) for k in ref}))
     return out
 
