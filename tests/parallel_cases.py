@@ -884,6 +884,42 @@ def fsdp2_tp(ctx, checkpoint_dir: str) -> dict[str, object]:
     }
 
 
+def styles_on_mesh_dims(ctx, _payload) -> dict[str, dict[str, object]]:
+    """fo-tune's styles against torch's on each dim of a 2 x 2 (dp, tp) mesh alone (no FSDP): the
+    "dp" dim's groups, ranks (0, 2) and (1, 3), are not contiguous and the two run at once; with
+    and without sequence parallelism, eagerly. Per "dim sp=...": the relative errors of the output
+    and every gradient (this rank's shard), whether the placements are torch's, the ops run."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(ctx.device.type, (2, ctx.world_size // 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for dim, other in (("dp", "tp"), ("tp", "dp")):
+        sub = mesh[dim]
+        torch.manual_seed(4)
+        full = MLP(8, 4 * sub.size())
+        # one input per group (the other dim's coordinate), its rows split for sequence parallelism
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(9 + mesh[other].get_local_rank()))
+        for sp in (False, True):
+            act = Shard(0) if sp else Replicate()
+            xi = x.chunk(sub.size())[sub.get_local_rank()] if sp else x
+            runs = {}
+            for name, styles in (("torch", TORCH), ("fo", FO)):
+                model = copy.deepcopy(full)
+                plan = {"up": styles[0](input_layouts=act), "down": styles[1](output_layouts=act)}
+                torch_tp.parallelize_module(model, sub, plan)
+                leaf = xi.clone().requires_grad_(True)
+                with warnings.catch_warnings(), recorded_collectives() as ops:
+                    warnings.simplefilter("ignore")
+                    y = model(leaf)
+                    y.sum().backward()
+                grads = {n: p.grad for n, p in model.named_parameters()}
+                runs[name] = (y.detach(), leaf.grad, grads, _placements(model), sorted(set(ops)))
+            (y_t, dx_t, g_t, p_t, _), (y_f, dx_f, g_f, p_f, ops_f) = runs["torch"], runs["fo"]
+            errs = {"y": rel(y_f, y_t), "dx": rel(dx_f, dx_t), **{n: rel(g_f[n], g) for n, g in g_t.items()}}
+            out[f"{dim} sp={sp}"] = {"errs": errs, "placements_equal": p_f == p_t, "ops": ops_f}
+    return out
+
+
 def _fsdp2_blocks(styles: tuple[type, type], mesh: DeviceMesh, seed: int) -> nn.Module:
     """Two ``Block``s with torchtitan's sequence-parallel plan on mesh["tp"] (the norm on the
     Shard(1) sequence, the FFN fed the gathered activation, w2 reduce-scattered back to Shard(1)),
