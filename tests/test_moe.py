@@ -91,10 +91,10 @@ def test_gloo_groups_of_two_three_and_four_ranks():
     """Forward and every gradient within the dtype's tolerance on every rank of every group (random
     cases, and ``ODD_CASES`` on the first); the bad calls raise ValueErrors naming the problem and
     leave no collective half done; a rank outside a group gets a GroupError, eagerly and compiled;
-    a deep copy of an ExpertParallelExperts runs over the module's group; examples/moe_block.py's
-    check of a Mixtral and a Qwen3-MoE decoder with their experts over the 4 ranks
-    (``ExpertParallelExperts``) against the unsharded models, and the unsharded model's state_dict
-    loaded into a sharded one (each rank its experts)."""
+    a deep copy of an ExpertParallelExperts, and one saved whole and loaded, run over its group;
+    examples/moe_block.py's check of a Mixtral and a Qwen3-MoE decoder with their experts over the
+    4 ranks (``ExpertParallelExperts``) against the unsharded models, and the unsharded model's
+    state_dict loaded into a sharded one (each rank its experts)."""
     groups = [(ranks, _cases(len(ranks), 12 + i, count)) for i, (ranks, count) in enumerate(GROUPS.items())]
     groups[0][1].extend(ODD_CASES)
     per_rank = run_ranks(run_groups, 4, (groups, EXAMPLE_MODELS), backend="gloo")

@@ -561,19 +561,28 @@ def layer_bad_inputs(ctx, _payload) -> dict[str, str]:
     return msgs
 
 
-def copied_layers(ctx, _payload) -> dict[str, object]:
-    """A deep copy of layers built over an explicit process group (an EMA or a frozen reference
-    model): it shares the group, owns its weights and gives the original's output."""
+def copied_layers(ctx, _payload) -> dict[str, dict[str, object]]:
+    """Layers built over an explicit process group (the default one, passed as
+    ``dist.group.WORLD``), copied: a deep copy (an EMA or a frozen reference model), and the model
+    saved whole with torch.save and loaded again. Per copy: whether it runs on the original's group,
+    owns its weights, and its output's difference from the original's."""
     import copy
+    import io
 
     torch.manual_seed(0)
     sharded = ShardedMLP(MLP(8, 4 * ctx.world_size), False, dist.group.WORLD)
-    copied = copy.deepcopy(sharded)
+    buffer = io.BytesIO()
+    torch.save(sharded, buffer)
+    buffer.seek(0)
+    copies = {"deepcopy": copy.deepcopy(sharded), "saved": torch.load(buffer, weights_only=False)}
     x = torch.randn(3, 8)
     return {
-        "same_group": copied.up.group is sharded.up.group and copied.down.group is sharded.down.group,
-        "own_weights": copied.up.weight.data_ptr() != sharded.up.weight.data_ptr(),
-        "err": rel(copied(x), sharded(x)),
+        name: {
+            "same_group": copied.up.group is sharded.up.group and copied.down.group is sharded.down.group,
+            "own_weights": copied.up.weight.data_ptr() != sharded.up.weight.data_ptr(),
+            "err": rel(copied(x), sharded(x)),
+        }
+        for name, copied in copies.items()
     }
 
 
