@@ -143,7 +143,7 @@ class SharesGroupWhenCopied:
         return new
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
+        state = dict(super().__getstate__())  # type: ignore[misc]  (nn.Module's: drops compiled code)
         if state.get("group") is not None:
             state["group"] = PickledGroup(state["group"].group_name)
         return state

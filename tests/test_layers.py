@@ -59,10 +59,13 @@ def test_empty_plan_leaves_the_model_as_it_is(one_rank):
 def test_a_layer_saved_whole_finds_its_group_by_name(one_rank):
     """A layer over a process group, saved whole (torch.save of the model: a ProcessGroup does
     not pickle), keeps the group by name: torch.load where that group exists runs on it; where it
-    does not, a GroupError says what to make first."""
+    does not, a GroupError says what to make first. A layer compiled in place (``Module.compile``)
+    saves as nn.Module saves it, without its compiled code."""
     group = dist.new_group([0])
+    layer = ColumnParallelLinear(8, 4, group=group)
+    layer.compile(backend="eager")
     buffer = io.BytesIO()
-    torch.save(nn.Sequential(ColumnParallelLinear(8, 4, group=group)), buffer)
+    torch.save(nn.Sequential(layer), buffer)
     buffer.seek(0)
     assert torch.load(buffer, weights_only=False)[0].group is group
     dist.destroy_process_group(group)
