@@ -4,6 +4,7 @@ custom op's arguments, checked and resolved back inside the op."""
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -103,10 +104,33 @@ def group_size(name: str) -> int:
     return dist.get_world_size(resolve_group(name))
 
 
+@dataclass(frozen=True, slots=True)
+class PickledGroup:
+    """A module's process group in its pickle (``torch.save`` of the whole model): the group's
+    ``group_name``, found again in the loading process (a ``ProcessGroup`` does not pickle)."""
+
+    name: str
+
+    def resolve(self) -> dist.ProcessGroup:
+        """The process group of that name in this process; ``GroupError`` where there is none."""
+        try:
+            require_initialized()
+            group = resolve_group(self.name)
+        except (GroupError, NotInitializedError):
+            raise GroupError(
+                f"group: the module was sharded over the process group named {self.name!r}, which this "
+                "process does not have; before loading it, init_process_group and make the groups as "
+                "the saving job did (dist.new_group, in the same order), or load its state_dict instead"
+            ) from None
+        return group if group is not None else dist.group.WORLD
+
+
 class SharesGroupWhenCopied:
     """A module mix-in for modules that keep their process group in ``self.group``: a deep copy
     (a model's EMA or frozen reference copy, ``copy.deepcopy``) shares the group, which cannot be
-    copied, and copies everything else; the copy runs on the group the original was sharded over."""
+    copied, and copies everything else; the copy runs on the group the original was sharded over.
+    A pickle (``torch.save`` of the whole model, as torch's DeviceMesh and fo-tune's styles take
+    one) keeps the group by name (``PickledGroup``), which ``torch.load`` finds again."""
 
     group: dist.ProcessGroup | None
 
@@ -115,5 +139,16 @@ class SharesGroupWhenCopied:
             memo[id(self.group)] = self.group
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__dict__, memo))  # type: ignore[attr-defined]
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
         return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())  # type: ignore[misc]  (nn.Module's: drops compiled code)
+        if state.get("group") is not None:
+            state["group"] = PickledGroup(state["group"].group_name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state.get("group"), PickledGroup):
+            state = {**state, "group": state["group"].resolve()}
+        super().__setstate__(state)  # type: ignore[misc]  (nn.Module's)

@@ -87,8 +87,8 @@ _Layer = TypeVar("_Layer", bound="_ParallelLinear")
 
 
 class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
-    """What both layers share: the shard's parameters, the group (shared by a deep copy), the
-    schedule."""
+    """What both layers share: the shard's parameters, the group (shared by a deep copy, kept by
+    name in a pickle), the schedule."""
 
     # The dim of the (out, in) weight split over the ranks: 0 (output features, and the bias with
     # them) for a column-parallel layer, 1 (input features; the bias stays whole) for a row-parallel one.

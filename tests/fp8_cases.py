@@ -77,9 +77,9 @@ def reference(case: Fp8Case, rank: int, world: int) -> torch.Tensor:
     return total
 
 
-def _call(case: Fp8Case, a, b, sa, sb) -> torch.Tensor:
+def _call(case: Fp8Case, a, b, sa, sb, group=None) -> torch.Tensor:
     schedule = Schedule.from_dict(case.schedule) if case.schedule is not None else None
-    kw = dict(scale_a=sa, scale_b=sb, schedule=schedule)
+    kw = dict(scale_a=sa, scale_b=sb, schedule=schedule, group=group)
     if case.out_dtype is not None:
         kw["out_dtype"] = OUT_DTYPES[case.out_dtype]
     return OPS[case.collective](a, b, **kw)
@@ -87,26 +87,36 @@ def _call(case: Fp8Case, a, b, sa, sb) -> torch.Tensor:
 
 def run_fp8_cases(ctx, cases: list[Fp8Case]) -> list[dict]:
     """Each case called once on poisoned memory; its error against float64, NaN, shape and dtype."""
-    out = []
-    for case in cases:
-        a, b, sa, sb = operands(case, ctx.rank, ctx.world_size, ctx.device)
-        want_dtype = OUT_DTYPES[case.out_dtype or "bfloat16"]
-        junk = torch.full((case.m * case.n * 2,), float("nan"), dtype=torch.float32, device=ctx.device)
-        del junk  # (NaN left in the allocator for the output to reuse)
-        got = _call(case, a, b, sa, sb)
-        ref = reference(case, ctx.rank, ctx.world_size)
-        err = ((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-        out.append(
-            dict(
-                case=case,
-                err=err,
-                nan=bool(got.isnan().any()),
-                shape_ok=tuple(got.shape) == tuple(ref.shape),
-                dtype=str(got.dtype),
-                dtype_ok=got.dtype == want_dtype,
-            )
-        )
-    return out
+    return [fp8_case(case, ctx.rank, ctx.world_size, ctx.device) for case in cases]
+
+
+def fp8_case(case: Fp8Case, rank: int, world: int, device: torch.device, group=None) -> dict:
+    """``case`` on ``rank`` of ``group`` (of ``world`` ranks; None: the default group), called once
+    on poisoned memory: its error against float64, NaN, shape and dtype."""
+    a, b, sa, sb = operands(case, rank, world, device)
+    want_dtype = OUT_DTYPES[case.out_dtype or "bfloat16"]
+    junk = torch.full((case.m * case.n * 2,), float("nan"), dtype=torch.float32, device=device)
+    del junk  # (NaN left in the allocator for the output to reuse)
+    got = _call(case, a, b, sa, sb, group)
+    ref = reference(case, rank, world)
+    err = ((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return dict(
+        case=case,
+        err=err,
+        nan=bool(got.isnan().any()),
+        shape_ok=tuple(got.shape) == tuple(ref.shape),
+        dtype=str(got.dtype),
+        dtype_ok=got.dtype == want_dtype,
+    )
+
+
+def fp8_on_subgroup(ctx, ranks: tuple[int, ...], cases: list[Fp8Case]) -> list[dict]:
+    """``cases`` (made for ``len(ranks)`` ranks) on a process group of ``ranks``, by its ranks
+    (``fp8_case``); a rank outside it gets ``[]``."""
+    group = dist.new_group(list(ranks))
+    if ctx.rank not in ranks:
+        return []
+    return [fp8_case(c, ranks.index(ctx.rank), len(ranks), ctx.device, group) for c in cases]
 
 
 def _copy_engine_row(world: int, *, m: int, n: int, k: int) -> Schedule:

@@ -27,6 +27,7 @@ from fo_kernels import execute as execute_mod
 from fo_kernels import overlap as overlap_mod
 from fo_kernels import parallel as fo_tp
 from fo_kernels.errors import NotOverlappedWarning
+from fo_kernels.groups import group_size
 
 TORCH = (torch_tp.ColwiseParallel, torch_tp.RowwiseParallel)
 FO = (fo_tp.ColwiseParallel, fo_tp.RowwiseParallel)
@@ -623,13 +624,55 @@ def _fused_grads(rank: int, world: int, name: str) -> dict[str, float]:
 def _torch_gather(a, bs, d, name):
     from fo_kernels import symm_mem
 
-    return symm_mem._gather_then_matmul(a, bs, d, name, dist.get_world_size(), True)
+    return symm_mem._gather_then_matmul(a, bs, d, name, group_size(name), True)
 
 
 def _torch_scatter(a, b, op, d, name):
     from fo_kernels import symm_mem
 
-    return symm_mem._matmul_then_reduce_scatter(a, b, op, d, name, dist.get_world_size())
+    return symm_mem._matmul_then_reduce_scatter(a, b, op, d, name, group_size(name))
+
+
+def fused_on_subgroup(ctx, ranks: tuple[int, ...]) -> dict[str, float | str]:
+    """fo_kernels.symm_mem's two functions on a process group of ``ranks``, by its ranks: named by
+    the group's ``group_name`` (and passed as the group, as torch's reference takes it) against
+    torch's reference on the same group, gathered and scattered on dims 0 and 1, and the
+    gradients (``_fused_grads``); name -> relative error. A rank outside the group gets each
+    function's refusal of it ("outside ag" / "outside rs": the error's type and message)."""
+    from torch.distributed import _symmetric_memory as torch_symm
+
+    from fo_kernels import symm_mem
+
+    group = dist.new_group(list(ranks))
+    if ctx.rank not in ranks:
+        a = torch.randn(2, 8)
+        out = {}
+        for key, call in (
+            ("outside ag", lambda: symm_mem.fused_all_gather_matmul(a, [a.t()], 0, group)),
+            ("outside rs", lambda: symm_mem.fused_matmul_reduce_scatter(a, a.t(), "sum", 0, group)),
+        ):
+            try:
+                call()
+                out[key] = "NO ERROR"
+            except ValueError as exc:
+                out[key] = f"{type(exc).__name__}: {exc}"
+        return out
+    rank, world, name = ranks.index(ctx.rank), len(ranks), group.group_name
+    gen = torch.Generator().manual_seed(90 + rank)
+    errs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = torch.randn(2, 2 * world, 8, generator=gen), torch.randn(8, 5, generator=gen)
+        for d in (0, 1):
+            want_a, (want,) = torch_symm._fused_all_gather_matmul_fallback(a, [b], d, name)
+            for key, g in (("name", name), ("group", group)):
+                got_a, (got,) = symm_mem.fused_all_gather_matmul(a, [b], d, g)
+                errs[f"ag@{d} by {key}"] = max(rel(got, want), rel(got_a, want_a))
+            for op in ("sum", "avg"):
+                want = torch_symm._fused_matmul_reduce_scatter_fallback(a, b, op, d, name)
+                errs[f"rs@{d} {op}"] = rel(symm_mem.fused_matmul_reduce_scatter(a, b, op, d, name), want)
+    errs.update(_fused_grads(rank, world, name))
+    return errs
 
 
 # ---------------------------------------------------------------------------------- copies
@@ -839,6 +882,42 @@ def fsdp2_tp(ctx, checkpoint_dir: str) -> dict[str, object]:
         "ops": ops_f,
         "training": _fsdp2_training(mesh, checkpoint_dir),
     }
+
+
+def styles_on_mesh_dims(ctx, _payload) -> dict[str, dict[str, object]]:
+    """fo-tune's styles against torch's on each dim of a 2 x 2 (dp, tp) mesh alone (no FSDP): the
+    "dp" dim's groups, ranks (0, 2) and (1, 3), are not contiguous and the two run at once; with
+    and without sequence parallelism, eagerly. Per "dim sp=...": the relative errors of the output
+    and every gradient (this rank's shard), whether the placements are torch's, the ops run."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(ctx.device.type, (2, ctx.world_size // 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for dim, other in (("dp", "tp"), ("tp", "dp")):
+        sub = mesh[dim]
+        torch.manual_seed(4)
+        full = MLP(8, 4 * sub.size())
+        # one input per group (the other dim's coordinate), its rows split for sequence parallelism
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(9 + mesh[other].get_local_rank()))
+        for sp in (False, True):
+            act = Shard(0) if sp else Replicate()
+            xi = x.chunk(sub.size())[sub.get_local_rank()] if sp else x
+            runs = {}
+            for name, styles in (("torch", TORCH), ("fo", FO)):
+                model = copy.deepcopy(full)
+                plan = {"up": styles[0](input_layouts=act), "down": styles[1](output_layouts=act)}
+                torch_tp.parallelize_module(model, sub, plan)
+                leaf = xi.clone().requires_grad_(True)
+                with warnings.catch_warnings(), recorded_collectives() as ops:
+                    warnings.simplefilter("ignore")
+                    y = model(leaf)
+                    y.sum().backward()
+                grads = {n: p.grad for n, p in model.named_parameters()}
+                runs[name] = (y.detach(), leaf.grad, grads, _placements(model), sorted(set(ops)))
+            (y_t, dx_t, g_t, p_t, _), (y_f, dx_f, g_f, p_f, ops_f) = runs["torch"], runs["fo"]
+            errs = {"y": rel(y_f, y_t), "dx": rel(dx_f, dx_t), **{n: rel(g_f[n], g) for n, g in g_t.items()}}
+            out[f"{dim} sp={sp}"] = {"errs": errs, "placements_equal": p_f == p_t, "ops": ops_f}
+    return out
 
 
 def _fsdp2_blocks(styles: tuple[type, type], mesh: DeviceMesh, seed: int) -> nn.Module:

@@ -14,7 +14,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from fp8_cases import FP8, TOL, Fp8Case, bad_fp8_calls, fp8_backward, fp8_layers, fp8_styles, run_fp8_cases
+from fp8_cases import (
+    FP8,
+    OPS,
+    TOL,
+    Fp8Case,
+    bad_fp8_calls,
+    fp8_backward,
+    fp8_layers,
+    fp8_on_subgroup,
+    fp8_styles,
+    run_fp8_cases,
+)
 from test_overlap_dist import make_schedule
 
 import fo_kernels.engines.copy_engine.gpu as gpu
@@ -337,9 +348,26 @@ def _cases(world: int) -> list[Fp8Case]:
     return cases
 
 
+# The ranks of the 3-rank job's process group for fp8 calls on a group other than the world: not
+# contiguous and not starting at 0 (rank 0 is outside it).
+SUBGROUP = (1, 2)
+
+
+def _subgroup_cases() -> list[Fp8Case]:
+    """Each op in both scalings on ``SUBGROUP`` (looked up: overlap: false), and all_gather on the
+    Triton engine, both B layouts."""
+    world, cases = len(SUBGROUP), []
+    for seed, (collective, rowwise) in enumerate(itertools.product(OPS, (False, True))):
+        cases.append(Fp8Case(collective, 3 * world, 32, 16, rowwise, None, rowwise, None, 400 + seed))
+    schedule = gather_schedule(world, 9 * world, 64, 32, DTYPE, 2).to_dict()
+    cases.append(Fp8Case("all_gather", 9 * world, 64, 32, True, "float32", False, schedule, 410))
+    return cases
+
+
 def _suite(ctx, cases: list[Fp8Case]) -> dict:
     return dict(
         results=run_fp8_cases(ctx, cases),
+        subgroup=fp8_on_subgroup(ctx, SUBGROUP, _subgroup_cases()) if ctx.world_size == 3 else [],
         bad=bad_fp8_calls(ctx, None) if ctx.world_size == 2 else {},
         backward=fp8_backward(ctx, None) if ctx.world_size == 2 else "",
         layers=fp8_layers(ctx, None) if ctx.world_size == 2 else {},
@@ -353,10 +381,13 @@ def test_fp8_ops_on_gloo_ranks(world):
     every bad fp8 call raises a ValueError subclass naming the problem before any collective (the
     next call would hang otherwise); a backward says training in fp8 is out of scope; fp8 column-
     then row-parallel layers (both scalings, with and without sequence parallelism, and cast to
-    bf16 after quantization) are within fp8's quantization error of the full MLP."""
+    bf16 after quantization) are within fp8's quantization error of the full MLP. At 3 ranks the ops
+    also run on a process group of ranks 1 and 2 (``SUBGROUP``), both scalings, against float64."""
     per_rank = run_ranks(_suite, world, _cases(world), backend="gloo")
     for rank, got in enumerate(per_rank):
-        for r in got["results"]:
+        on_subgroup = world == 3 and rank in SUBGROUP
+        assert len(got["subgroup"]) == (len(_subgroup_cases()) if on_subgroup else 0), rank
+        for r in got["results"] + got["subgroup"]:
             c = r["case"]
             where = f"rank {rank}: {c}"
             assert r["shape_ok"] and r["dtype_ok"] and not r["nan"], (where, r)

@@ -5,14 +5,17 @@ helper and bad input at world size 1 and on those ranks."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from fo_kernels import ColumnParallelLinear, RowParallelLinear, parallelize_linears
+from fo_kernels import ColumnParallelLinear, GroupError, RowParallelLinear, parallelize_linears
 from fo_kernels import ops as ops_mod
 from fo_tune.ranks.launch import run_ranks
-from tp_cases import MLP, suite
+from tp_cases import MLP, SUBGROUP, suite
 
 # float32 against the unsharded float32 model (the issue's bound).
 LAYER_TOL = 1e-4
@@ -53,6 +56,24 @@ def test_empty_plan_leaves_the_model_as_it_is(one_rank):
     assert all(type(p) is nn.Parameter for p in model.parameters())
 
 
+def test_a_layer_saved_whole_finds_its_group_by_name(one_rank):
+    """A layer over a process group, saved whole (torch.save of the model: a ProcessGroup does
+    not pickle), keeps the group by name: torch.load where that group exists runs on it; where it
+    does not, a GroupError says what to make first. A layer compiled in place (``Module.compile``)
+    saves as nn.Module saves it, without its compiled code."""
+    group = dist.new_group([0])
+    layer = ColumnParallelLinear(8, 4, group=group)
+    layer.compile(backend="eager")
+    buffer = io.BytesIO()
+    torch.save(nn.Sequential(layer), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=False)[0].group is group
+    dist.destroy_process_group(group)
+    buffer.seek(0)
+    with pytest.raises(GroupError, match=r"which this process does not have; before loading it, init"):
+        torch.load(buffer, weights_only=False)
+
+
 def test_no_grad_forward_skips_the_dispatcher(one_rank, monkeypatch):
     """Inference (no gradient to record) runs the ops' bodies directly, as before the custom ops."""
 
@@ -78,6 +99,15 @@ def test_no_grad_forward_skips_the_dispatcher(one_rank, monkeypatch):
 # inductor's lowering of the ops, forward and backward, is checked on the GPU
 # (tests/test_gpu_ops.py) and on the CPU by tests/test_ops.py's compiled bad inputs.
 RUNS = [(sp, backend) for backend in (None, "aot_eager") for sp in (False, True)]
+# mlp_cases' payload on a process group of tp_cases.SUBGROUP's 2 ranks of 3: eager, and compiled
+# with Dynamo alone (its backend "eager": the trace without AOTAutograd's, about a second).
+SUBGROUP_MLP = {
+    "batch": 4,
+    "seq": 3,
+    "hidden": 24,
+    "inner": 32,
+    "runs": [(False, None), (True, None), (True, "eager")],
+}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -88,7 +118,10 @@ def test_mlp_matches_unsharded_model(world):
     raises a ValueError subclass before any collective; an input with no rows gives nn.Linear's
     empty output and zero gradients (the ops refuse empty operands, so the layers skip them);
     inside torch.autocast the layers cast their operands as F.linear does (bf16 output, the
-    autocast model's results within 2e-2); a deep copy over an explicit group shares it."""
+    autocast model's results within 2e-2); a deep copy over an explicit group, and the model saved
+    whole with torch.save and loaded, run on that group. At 3
+    ranks the MLP also runs over a process group of ranks 0 and 2 (``SUBGROUP``), eager and
+    compiled, the layers built with that group."""
     payload = {"batch": 2 * world, "seq": 3, "hidden": 24, "inner": 16 * world, "runs": RUNS}
     parts = {
         "mlp": ("mlp_cases", payload),
@@ -97,14 +130,21 @@ def test_mlp_matches_unsharded_model(world):
         "autocast": ("autocast_cases", None),
         "copied": ("copied_layers", None),
     }
+    if world == 3:
+        parts["subgroup"] = ("subgroup_mlp", SUBGROUP_MLP)
     results = run_ranks(suite, world, parts, backend="gloo")
     for rank, r in enumerate(results):
         assert [(c["sp"], c["backend"]) for c in r["mlp"]] == payload["runs"]
-        for c in r["mlp"]:
+        on_subgroup = world == 3 and rank in SUBGROUP
+        assert [(c["sp"], c["backend"]) for c in r.get("subgroup", [])] == (
+            SUBGROUP_MLP["runs"] if on_subgroup else []
+        )
+        for c in r["mlp"] + r.get("subgroup", []):
             for name, err in c["errs"].items():
                 assert err < LAYER_TOL, f"rank {rank} sp={c['sp']} {c['backend']}: {name} {err:.2e}"
-        copied = r["copied"]
-        assert copied["same_group"] and copied["own_weights"] and copied["err"] == 0.0, copied
+        assert set(r["copied"]) == {"deepcopy", "saved"}, r["copied"]
+        for copied in r["copied"].values():
+            assert copied["same_group"] and copied["own_weights"] and copied["err"] == 0.0, copied
         msgs = r["bad"]
         assert "NO ERROR" not in msgs.values(), msgs
         assert "takes 8" in msgs["col_features"] and "takes 4" in msgs["row_features"], msgs

@@ -2,8 +2,9 @@
 against the unsharded float64 reference: forward and backward, eager and compiled, the no-overlap
 path and the Triton engine's, random routings and sizes; bad input; the custom op's registration.
 
-One spawned job of 4 ranks runs every world size: groups (0, 1), (1, 2, 3) and (0, 1, 2, 3),
-so rank 0 also calls with a group it is not in.
+One spawned job of 4 ranks runs every world size: groups (0, 2) and (1, 3) (two disjoint pairs
+whose calls run at once, each rank's group rank not its global rank), (1, 2, 3) and (0, 1, 2, 3),
+so every rank also calls with a group it is not in.
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ from moe_cases import (
     run_groups,
 )
 
-GROUPS = ((0, 1), (1, 2, 3), (0, 1, 2, 3))
 TILE = {"block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 4, "num_stages": 1}
 DTYPES = ("float32", "bfloat16", "float32", "float16")
 CASES = 8  # per group
+# The process groups of the 4-rank job and how many random cases each runs: a pair that is not
+# contiguous, the disjoint pair beside it (its ranks run its cases while the first pair runs its
+# own: two groups' calls at once; a few cases, CI time), three ranks from rank 1, and all four.
+GROUPS = {(0, 2): CASES, (1, 3): 3, (1, 2, 3): CASES, (0, 1, 2, 3): CASES}
 # Sizes no random case draws (H 24, I 40, E_local 3), added to the first group's: no rank holds
 # tokens; k = E (every expert once), one rank without tokens; k = 1, every row on few experts.
 ODD = dict(hidden=24, inter=40, experts=3)
@@ -87,11 +91,11 @@ def test_gloo_groups_of_two_three_and_four_ranks():
     """Forward and every gradient within the dtype's tolerance on every rank of every group (random
     cases, and ``ODD_CASES`` on the first); the bad calls raise ValueErrors naming the problem and
     leave no collective half done; a rank outside a group gets a GroupError, eagerly and compiled;
-    a deep copy of an ExpertParallelExperts runs over the module's group; examples/moe_block.py's
-    check of a Mixtral and a Qwen3-MoE decoder with their experts over the 4 ranks
-    (``ExpertParallelExperts``) against the unsharded models, and the unsharded model's state_dict
-    loaded into a sharded one (each rank its experts)."""
-    groups = [(ranks, _cases(len(ranks), 10 + len(ranks), CASES)) for ranks in GROUPS]
+    a deep copy of an ExpertParallelExperts, and one saved whole and loaded, run over its group;
+    examples/moe_block.py's check of a Mixtral and a Qwen3-MoE decoder with their experts over the
+    4 ranks (``ExpertParallelExperts``) against the unsharded models, and the unsharded model's
+    state_dict loaded into a sharded one (each rank its experts)."""
+    groups = [(ranks, _cases(len(ranks), 12 + i, count)) for i, (ranks, count) in enumerate(GROUPS.items())]
     groups[0][1].extend(ODD_CASES)
     per_rank = run_ranks(run_groups, 4, (groups, EXAMPLE_MODELS), backend="gloo")
     checked = 0

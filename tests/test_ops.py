@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from test_overlap_dist import make_schedule
 from torch.distributed.device_mesh import init_device_mesh
 
 import fo_kernels
@@ -17,7 +18,7 @@ from fo_kernels import groups as groups_mod
 from fo_kernels import ops as ops_mod
 from fo_kernels.errors import FoTuneError, ScaleError, ShapeError, SignatureError
 from fo_tune.ranks.launch import run_ranks
-from tp_cases import TOL, OpCase, gather_schedule, suite
+from tp_cases import SUBGROUP, TOL, OpCase, gather_schedule, suite
 
 ARGS = (
     "(Tensor a, Tensor b, str group_name, str schedule, Tensor? scale_a=None, Tensor? scale_b=None, "
@@ -279,18 +280,53 @@ def _cases(world: int) -> list[OpCase]:
     return cases
 
 
+def _subgroup_cases() -> list[OpCase]:
+    """``tp_cases.subgroup_ops``' cases for its group of 2 (M 12, an all_gather's shard 5 rows):
+    each op looked up (overlap: false), then reduce_scatter and all_gather on the Triton engine."""
+    world = len(SUBGROUP)
+    rs = make_schedule("reduce_scatter", world, 12, 33, 20, "float16", "row_band").to_dict()
+    ag = gather_schedule(world, 5 * world, 33, 20, "float32", 2).to_dict()
+    return [
+        OpCase("all_reduce", 12, 33, 20, "float32", False, None, 300),
+        OpCase("reduce_scatter", 12, 33, 20, "float16", True, None, 301),
+        OpCase("all_gather", 5, 33, 20, "float32", True, None, 302),
+        OpCase("reduce_scatter", 12, 33, 20, "float16", False, rs, 303),
+        OpCase("all_gather", 5, 33, 20, "float32", False, ag, 304),
+    ]
+
+
+def _check_subgroup(results: list[dict]) -> None:
+    """``tp_cases.subgroup_ops``' results, in global rank order."""
+    for rank, r in enumerate(results):
+        assert r["world_table"] == (15, 8), (rank, r)
+        if rank not in SUBGROUP:
+            for name, msg in r["outside"].items():
+                assert msg.startswith("GroupError: group: this rank is not a member"), (name, msg)
+            continue
+        _check_cases([r["cases"]], 1)
+        assert len(r["cases"]) == 5, r["cases"]
+        assert all(err < TOL["float32"] for err in r["views"].values()), (rank, r["views"])
+        assert r["group_table"].startswith("EnvironmentMismatchError: engine copy_engine needs CUDA"), r
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ops_on_gloo_ranks(world, tmp_path):
     """On ``world`` gloo ranks (one start of them): every op's forward and gradients against
     float64; a compiled block (fullgraph, aot_eager) equals eager; bad input raises before any
-    collective."""
+    collective. At 3 ranks the ops also run on a group of ranks 0 and 2 (``_check_subgroup``): its
+    ranks' results against float64, a lookup reads the table of the group's size, and rank 1,
+    outside it, gets a GroupError from each op."""
     parts = {
         "cases": ("op_cases", _cases(world)),
         "compiled": ("compiled_ops", {"m": 8, "k": 24, "n": 40, "backend": "aot_eager"}),
         "bad": ("op_bad_inputs", str(tmp_path)),
     }
+    if world == 3:
+        parts["subgroup"] = ("subgroup_ops", {"cases": _subgroup_cases(), "root": str(tmp_path)})
     results = run_ranks(suite, world, parts, backend="gloo")
     _check_cases([r["cases"] for r in results], world)
+    if world == 3:
+        _check_subgroup([r["subgroup"] for r in results])
     for rank, r in enumerate(results):
         assert all(e < 1e-6 for e in r["compiled"].values()), r["compiled"]
         msgs = r["bad"]

@@ -4,7 +4,9 @@
 Every style case parallelizes one model with torch's styles and with fo-tune's (the same plan)
 and compares outputs, input and parameter gradients and placements, eagerly and under
 torch.compile(fullgraph=True); the collectives fo-tune's ops ran are recorded, so a case that
-silently fell back to torch's path fails. One start of the ranks per world size runs every part."""
+silently fell back to torch's path fails. One start of the ranks per world size runs every part;
+at 3 ranks the fused functions also run on a process group of ranks 1 and 2 (``SUBGROUP``, named
+by its ``group_name``) against torch's reference on it, and rank 0, outside it, gets a GroupError."""
 
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ TOL = 1e-5
 # bfloat16 under torch.autocast against torch's styles under it: a few of bfloat16's 2^-8 steps
 # (the partial sums are rounded at other points than DTensor's).
 BF16_TOL = 2e-2
+# The ranks of the 3-rank job's process group for the fused functions on a group other than the
+# world: not starting at 0 (rank 0 is outside it).
+SUBGROUP = (1, 2)
 # The cases also run under torch.compile (aot_eager: Dynamo, AOTAutograd and the ops' fake
 # implementations without inductor's C++ code generation, ~10 s of CPU a graph here; see
 # test_layers.py), per world size: without and with sequence parallelism (dim 0 and 1, DTensor
@@ -50,8 +55,16 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
         "autocast": ("autocast", None),
         "meta": ("meta_linears", None),
     }
+    if world == 3:
+        parts["subgroup"] = ("fused_on_subgroup", SUBGROUP)
     results = run_ranks(suite, world, parts, backend="gloo")
     for rank, r in enumerate(results):
+        if world == 3 and rank not in SUBGROUP:
+            for msg in r["subgroup"].values():
+                assert msg.startswith("GroupError: group: this rank is not a member"), (rank, r["subgroup"])
+        elif world == 3:
+            bad = {k: v for k, v in r["subgroup"].items() if not v < TOL}
+            assert not bad and len(r["subgroup"]) == 13, (rank, r["subgroup"])
         for name, c in r["styles"].items():
             case = CASES[name]
             where = f"rank {rank} {name}"

@@ -3,7 +3,9 @@ sequence-parallel plan (``apply_tp``) with torch's styles, and again with fo-tun
 in, gives the same loss, gradients and placements on 2 and 4 gloo ranks; fo-tune's ops run its
 AllGather + GEMM (the output layer's sequence-parallel input) and GEMM + ReduceScatter (every
 block's ``wo`` and ``w2``). The 4 ranks also run FSDP2 over fo-tune's styles on a 2 x 2 (dp, tp)
-mesh against FSDP2 over torch's (the parameters' placements are torch's, so FSDP2 composes), and
+mesh against FSDP2 over torch's (the parameters' placements are torch's, so FSDP2 composes), the
+styles alone on each dim of that mesh against torch's (the "dp" dim's groups, ranks 0 and 2, 1 and
+3, are not contiguous and run at once), and
 torchtitan's training composition: a sequence-parallel plan, activation checkpointing, resharding
 after forward or not, accumulated gradients clipped over the 2-D DTensors, AdamW steps, a
 distributed checkpoint of torch's model loaded into fo-tune's, and eval-mode calls of changing
@@ -32,6 +34,7 @@ def test_llama3_with_fo_tune_styles_matches_torchtitan(world, tmp_path):
     parts = {"llama3": ("llama3", None)}
     if world == 4:  # the same 4 ranks: FSDP2 over the styles on a 2 x 2 (dp, tp) mesh
         parts["fsdp2"] = ("fsdp2_tp", str(tmp_path / "checkpoint"))
+        parts["mesh_dims"] = ("styles_on_mesh_dims", None)
     results = run_ranks(suite, world, parts, backend="gloo")
     for rank, r in enumerate(results):
         run = r["llama3"]
@@ -50,3 +53,9 @@ def test_llama3_with_fo_tune_styles_matches_torchtitan(world, tmp_path):
             # the losses and norms, 2 blocks' 5 parameters, 3 eval-mode outputs of the loaded model
             assert not bad and len(train["errs"]) == 1 + 10 + 3, (rank, train["errs"])
             assert train["ops"] == ["all_gather", "reduce_scatter"], train
+            assert len(r["mesh_dims"]) == 4, r["mesh_dims"]
+            for key, run in r["mesh_dims"].items():
+                bad = {k: v for k, v in run["errs"].items() if not v < TOL}
+                assert not bad and len(run["errs"]) == 6 and run["placements_equal"], (rank, key, run)
+                sp = key.endswith("True")
+                assert run["ops"] == (["all_gather", "reduce_scatter"] if sp else ["all_reduce"]), (key, run)

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from cli_checks import load_example
-from parallel_cases import fsdp2_tp, recorded_collectives, rel
+from parallel_cases import fsdp2_tp, recorded_collectives, rel, styles_on_mesh_dims
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchtitan_llama3.py"
 
@@ -67,8 +67,9 @@ def llama3(ctx, _payload) -> dict[str, object]:
     )
 
 
-# the rank functions a suite may name (fsdp2_tp reuses the 4 ranks of the world-size-4 job)
-RANK_FUNCTIONS = {"llama3": llama3, "fsdp2_tp": fsdp2_tp}
+# the rank functions a suite may name (fsdp2_tp and styles_on_mesh_dims reuse the 4 ranks of the
+# world-size-4 job)
+RANK_FUNCTIONS = {"llama3": llama3, "fsdp2_tp": fsdp2_tp, "styles_on_mesh_dims": styles_on_mesh_dims}
 
 
 def suite(ctx, parts: dict[str, tuple[str, object]]) -> dict[str, object]:

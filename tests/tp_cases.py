@@ -17,6 +17,7 @@ from dist_cases import Case
 from fo_kernels import (
     ColumnParallelLinear,
     EnvironmentMismatchError,
+    FoTuneError,
     GroupError,
     Problem,
     RowParallelLinear,
@@ -113,33 +114,34 @@ def _reference(case: OpCase, rank: int, world: int):
 
 def op_cases(ctx, cases: list[OpCase]) -> list[dict]:
     """Each case's forward and gradients, eagerly, against the float64 reference."""
-    out = []
-    for case in cases:
-        dtype = DTYPES[case.dtype]
-        a, b, dy = _operands(case, ctx.rank, ctx.world_size, dtype)
-        a.requires_grad_(True)
-        b.requires_grad_(True)
-        sched = Schedule.from_dict(case.schedule) if case.schedule is not None else None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with torch.no_grad():
-                plain = OPS[case.collective](a.detach(), b.detach(), schedule=sched)
-            y = OPS[case.collective](a, b, schedule=sched)
-            (y * dy).sum().backward()
-        ref_y, ref_da, ref_db = _reference(case, ctx.rank, ctx.world_size)
-        out.append(
-            dict(
-                case=case,
-                shape_ok=tuple(y.shape) == tuple(ref_y.shape) == tuple(plain.shape),
-                errs={
-                    "no_grad": rel(plain, ref_y),
-                    "y": rel(y, ref_y),
-                    "da": rel(a.grad, ref_da),
-                    "db": rel(b.grad, ref_db),
-                },
-            )
-        )
-    return out
+    return [op_case(case, ctx.rank, ctx.world_size) for case in cases]
+
+
+def op_case(case: OpCase, rank: int, world: int, group: dist.ProcessGroup | None = None) -> dict:
+    """``case`` on ``rank`` of ``group`` (of ``world`` ranks; None: the default group): the output
+    without autograd, then the output and both gradients, against the float64 reference."""
+    dtype = DTYPES[case.dtype]
+    a, b, dy = _operands(case, rank, world, dtype)
+    a.requires_grad_(True)
+    b.requires_grad_(True)
+    sched = Schedule.from_dict(case.schedule) if case.schedule is not None else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            plain = OPS[case.collective](a.detach(), b.detach(), schedule=sched, group=group)
+        y = OPS[case.collective](a, b, schedule=sched, group=group)
+        (y * dy).sum().backward()
+    ref_y, ref_da, ref_db = _reference(case, rank, world)
+    return dict(
+        case=case,
+        shape_ok=tuple(y.shape) == tuple(ref_y.shape) == tuple(plain.shape),
+        errs={
+            "no_grad": rel(plain, ref_y),
+            "y": rel(y, ref_y),
+            "da": rel(a.grad, ref_da),
+            "db": rel(b.grad, ref_db),
+        },
+    )
 
 
 def compiled_ops(ctx, payload: dict) -> dict[str, float]:
@@ -171,6 +173,75 @@ def compiled_ops(ctx, payload: dict) -> dict[str, float]:
     torch._dynamo.reset()
     compiled = run(torch.compile(block, fullgraph=True, backend=payload["backend"]))
     return {name: rel(c, e) for name, c, e in zip(("y", "da", "dw1", "dw2"), compiled, eager, strict=True)}
+
+
+# The ranks of a 3-rank job that ``subgroup_ops`` groups: not contiguous, so global rank 2 is the
+# group's rank 1, and rank 1 is outside the group.
+SUBGROUP = (0, 2)
+
+
+def _message(call) -> str:
+    """``call``'s fo-tune error as "Type: message", or "NO ERROR" (any other error fails the test)."""
+    try:
+        call()
+    except FoTuneError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "NO ERROR"
+
+
+def _view_operands(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group rank ``rank``'s (a, b) of ``subgroup_ops``' views: a (4, 8) strided slice at a storage
+    offset, b (8, 6) the transposed view of rows 2..7 of an (N, K) weight (a storage offset too)."""
+    gen = torch.Generator().manual_seed(60 + rank)
+    return torch.randn(8, 12, generator=gen)[1:5, 3:11], torch.randn(9, 8, generator=gen)[2:8].t()
+
+
+def _views_on_group(group: dist.ProcessGroup, rank: int, world: int) -> dict[str, float]:
+    """Each op under ``torch.inference_mode()`` on ``_view_operands`` over ``group``; name ->
+    relative error against float64."""
+    per = [[t.double() for t in _view_operands(r)] for r in range(world)]
+    total = sum(a @ b for a, b in per)
+    want = {
+        "all_reduce": total,
+        "reduce_scatter": total.chunk(world)[rank],
+        "all_gather": torch.cat([a for a, _ in per]) @ per[rank][1],
+    }
+    a, b = _view_operands(rank)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {name: rel(op(a, b, group=group), want[name]) for name, op in OPS.items()}
+
+
+def subgroup_ops(ctx, payload: dict) -> dict[str, object]:
+    """The ops on a process group of ``SUBGROUP``'s ranks of 3. On its ranks: each of
+    ``payload["cases"]`` (made for 2 ranks) against float64 as the group's ranks compute it, each op
+    on views (``_views_on_group``), and a lookup that reads the table of the group's size: a world
+    size 2 table (under ``payload["root"]``) whose row names the copy engine, refused on the CPU
+    before any collective. On rank 1 each op's refusal of the group. Then every rank calls the same
+    shape on the default group, whose lookup (world size 3) finds no row and runs."""
+    group = dist.new_group(list(SUBGROUP))
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    out: dict[str, object] = {}
+    mine = os.path.join(payload["root"], f"subgroup-rank{ctx.rank}")
+    _write_table(len(SUBGROUP), _copy_engine_gather(len(SUBGROUP), rows=5, n=8, k=6), mine)
+    shard, weight = torch.randn(5, 6), torch.randn(6, 8)
+    if ctx.rank not in SUBGROUP:
+        out["outside"] = {name: _message(lambda op=op: op(a, b, group=group)) for name, op in OPS.items()}
+    else:
+        rank, world = SUBGROUP.index(ctx.rank), len(SUBGROUP)
+        out["cases"] = [op_case(c, rank, world, group) for c in payload["cases"]]
+        out["views"] = _views_on_group(group, rank, world)
+    before = os.environ.get("FO_TUNE_TABLE_DIR")
+    os.environ["FO_TUNE_TABLE_DIR"] = mine
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if ctx.rank in SUBGROUP:
+                out["group_table"] = _message(lambda: all_gather_gemm(shard, weight, group=group))
+            out["world_table"] = tuple(all_gather_gemm(shard, weight).shape)
+    finally:
+        os.environ["FO_TUNE_TABLE_DIR"] = before or ""
+    return out
 
 
 def _write_table(world: int, row: Schedule, root: str) -> None:
@@ -291,10 +362,11 @@ class ShardedMLP(nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
-def _sharded_mlp(full: MLP, sp: bool, backend: str | None) -> tuple[ShardedMLP, nn.Module]:
-    """(the sharded MLP, what a case calls: it, or it compiled with ``backend``), Dynamo reset."""
+def _sharded_mlp(full: MLP, sp: bool, backend: str | None, group=None) -> tuple[ShardedMLP, nn.Module]:
+    """(the sharded MLP over ``group``, what a case calls: it, or it compiled with ``backend``),
+    Dynamo reset."""
     torch._dynamo.reset()
-    sharded = ShardedMLP(full, sp, None)
+    sharded = ShardedMLP(full, sp, group)
     return sharded, sharded if backend is None else torch.compile(sharded, fullgraph=True, backend=backend)
 
 
@@ -328,7 +400,21 @@ def _grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.
 def mlp_cases(ctx, payload: dict) -> list[dict]:
     """Column- then row-parallel MLP against the unsharded one, forward and backward: for each
     (sequence_parallel, backend) in ``payload["runs"]`` (backend None: eager)."""
-    rank, world = ctx.rank, ctx.world_size
+    return _mlp_runs(payload, ctx.rank, ctx.world_size)
+
+
+def subgroup_mlp(ctx, payload: dict) -> list[dict]:
+    """``mlp_cases`` on a process group of ``SUBGROUP``'s ranks (``payload`` made for its size), by
+    its ranks; a rank outside it gets ``[]``."""
+    group = dist.new_group(list(SUBGROUP))
+    if ctx.rank not in SUBGROUP:
+        return []
+    return _mlp_runs(payload, SUBGROUP.index(ctx.rank), len(SUBGROUP), group)
+
+
+def _mlp_runs(payload: dict, rank: int, world: int, group=None) -> list[dict]:
+    """``mlp_cases``' runs on ``rank`` of ``group`` (of ``world`` ranks; None: the default group),
+    the output also without autograd (``torch.no_grad``, ``torch.inference_mode``)."""
     batch, seq, hidden, inner = payload["batch"], payload["seq"], payload["hidden"], payload["inner"]
     torch.manual_seed(5)  # the same full model, input and output gradient on every rank
     full = MLP(hidden, inner)
@@ -337,7 +423,7 @@ def mlp_cases(ctx, payload: dict) -> list[dict]:
     want = _grads(full, x, dy)
     out = []
     for sp, backend in payload["runs"]:
-        _sharded, model = _sharded_mlp(full, sp, backend)
+        _sharded, model = _sharded_mlp(full, sp, backend, group)
         rows = batch // world
         mine = slice(rank * rows, (rank + 1) * rows) if sp else slice(None)
         with warnings.catch_warnings():
@@ -345,8 +431,10 @@ def mlp_cases(ctx, payload: dict) -> list[dict]:
             got = dict(zip(GRAD_NAMES, _grads(model, x[mine], dy[mine]), strict=True))
             with torch.no_grad():  # the plain (no autograd) path gives the same output
                 got["y_no_grad"] = model(x[mine])
+            with torch.inference_mode():
+                got["y_inference"] = model(x[mine])
         ref = dict(zip(GRAD_NAMES, _shard_of(want, mine, rank, inner // world), strict=True))
-        ref["y_no_grad"] = ref["y"]
+        ref["y_no_grad"] = ref["y_inference"] = ref["y"]
         out.append(dict(sp=sp, backend=backend, errs={k: rel(got[k], ref[k]) for k in ref}))
     return out
 
@@ -473,19 +561,28 @@ def layer_bad_inputs(ctx, _payload) -> dict[str, str]:
     return msgs
 
 
-def copied_layers(ctx, _payload) -> dict[str, object]:
-    """A deep copy of layers built over an explicit process group (an EMA or a frozen reference
-    model): it shares the group, owns its weights and gives the original's output."""
+def copied_layers(ctx, _payload) -> dict[str, dict[str, object]]:
+    """Layers built over an explicit process group (the default one, passed as
+    ``dist.group.WORLD``), copied: a deep copy (an EMA or a frozen reference model), and the model
+    saved whole with torch.save and loaded again. Per copy: whether it runs on the original's group,
+    owns its weights, and its output's difference from the original's."""
     import copy
+    import io
 
     torch.manual_seed(0)
     sharded = ShardedMLP(MLP(8, 4 * ctx.world_size), False, dist.group.WORLD)
-    copied = copy.deepcopy(sharded)
+    buffer = io.BytesIO()
+    torch.save(sharded, buffer)
+    buffer.seek(0)
+    copies = {"deepcopy": copy.deepcopy(sharded), "saved": torch.load(buffer, weights_only=False)}
     x = torch.randn(3, 8)
     return {
-        "same_group": copied.up.group is sharded.up.group and copied.down.group is sharded.down.group,
-        "own_weights": copied.up.weight.data_ptr() != sharded.up.weight.data_ptr(),
-        "err": rel(copied(x), sharded(x)),
+        name: {
+            "same_group": copied.up.group is sharded.up.group and copied.down.group is sharded.down.group,
+            "own_weights": copied.up.weight.data_ptr() != sharded.up.weight.data_ptr(),
+            "err": rel(copied(x), sharded(x)),
+        }
+        for name, copied in copies.items()
     }
 
 

@@ -44,7 +44,9 @@ def expert_parallel_ffn(
     (T, k) int64 global expert ids in [0, E) (int32 taken too; other dtypes raise ``ShapeError``),
     E = world size x E_local; ``topk_weights`` (T, k) floating point; ``w13`` (E_local, H, 2I):
     this rank's experts, experts [rank x E_local, (rank + 1) x E_local), the first I columns the
-    gate and the last I the up projection; ``w2`` (E_local, I, H). Returns (T, H) in x's dtype::
+    gate and the last I the up projection; ``w2`` (E_local, I, H). Rank and world size are the
+    group's (``dist.get_rank(group)``, ``dist.get_world_size(group)``): on a group of ranks 1 and 3,
+    rank 3 holds experts [E_local, 2 x E_local). Returns (T, H) in x's dtype::
 
         y[t] = sum_j topk_weights[t, j] * (silu(x[t] @ W1[e]) * (x[t] @ W3[e])) @ W2[e],
         e = topk_ids[t, j]
