@@ -241,8 +241,9 @@ class _ParallelLinear(SharesGroupWhenCopied, nn.Module):
                 "or give an all_gather schedule with sequence_parallel=True"
             )
         sp = " with sequence_parallel" if sequence_parallel else ""
+        ranks = "1 rank" if world == 1 else f"{world} ranks"
         raise ScheduleError(
-            f"schedule: a {name}{sp} on {world} ranks runs {want} on {world} ranks, the schedule "
+            f"schedule: a {name}{sp} on {ranks} runs {want} on {ranks}, the schedule "
             f"is for {schedule.collective} on {schedule.world_size}"
         )
 
