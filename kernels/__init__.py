@@ -58,6 +58,7 @@ _EXPORTS = {
     "load_moe_table": "moe.table",
     "save_moe_table": "moe.table",
     "OverlapRuntime": "runtime",
+    "release_group": "runtime",
     "CopyEngineSettings": "engines.copy_engine.settings",
     "EngineSettings": "schedule",
     "Problem": "schedule",

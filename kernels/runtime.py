@@ -159,6 +159,22 @@ class OverlapRuntime:
         """This runtime's fallback if a call has made it, else None (``fallback`` makes it)."""
         return self._fallback
 
+    def close(self) -> None:
+        """Let go of what this runtime made: the device's pending work finished first, then its
+        CTA-capped process groups destroyed (their communicators hold GPU memory) and its caches,
+        peers, graphs and streams dropped (freed once nothing else holds them). The runtime is not
+        used afterwards; ``runtime_for`` makes a new one."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for capped in self._capped.values():
+            if capped is not self.group:
+                dist.destroy_process_group(capped)
+        self._capped.clear()
+        self._tables.clear()
+        self._waiters.clear()
+        self.engine_state.clear()
+        self._peers = self._fallback = self._stream = self._counters = None
+
     def plan_tables(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         """(unit_group, group_info) int32 tensors of the plan on the device, cached per plan."""
         hit = self._tables.get(plan)
@@ -189,3 +205,17 @@ def runtime_for(device: torch.device, group: dist.ProcessGroup | None) -> Overla
     if hit is None:
         hit = _RUNTIMES[key] = (pg, OverlapRuntime(device=device, group=group))
     return hit[1]
+
+
+def release_group(group: dist.ProcessGroup | None = None) -> int:
+    """Free what the overlapped ops keep for ``group`` (the default group for None) on every device:
+    its runtimes' counters, streams, CTA-capped communicators, copy-engine buffers and CUDA graphs
+    (``OverlapRuntime.close``). Call it on each rank of the group before
+    ``dist.destroy_process_group(group)``: the ops keep these for as long as the process runs, so a
+    job that makes and destroys groups would otherwise hold each one's. A later op on the group
+    makes them again. Returns how many runtimes were freed (0 when the group ran no op here)."""
+    pg = group if group is not None else dist.group.WORLD
+    keys = [key for key, (held, _) in _RUNTIMES.items() if held is pg]
+    for key in keys:
+        _RUNTIMES.pop(key)[1].close()
+    return len(keys)

@@ -228,3 +228,37 @@ def test_a_tile_over_the_gpus_shared_memory_is_a_schedule_error(nccl_one_rank, c
         got = got[0] if collective == "all_gather" else got
         torch.cuda.synchronize()
         assert _rel(got, a.double() @ b.double()) < FP32_TF32_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_release_group_frees_an_nccl_groups_runtime_and_a_later_op_is_right(nccl_one_rank):
+    """On an NCCL subgroup: the block's ops (Triton engine, then the graphed no-overlap fallback)
+    are right, ``release_group`` frees the group's runtime (its capped communicators destroyed,
+    graphs and buffers dropped), the same ops then run again, right, and the group is destroyed
+    after without a hang."""
+    import torch.distributed as dist
+
+    from fo_kernels import release_group
+
+    group = dist.new_group([0], backend="nccl")
+    x, w1, w2 = _operands(7)
+    want = _reference(x, w1, w2)
+
+    def block(schedules) -> torch.Tensor:
+        s_ag, s_rs, s_ar = schedules
+        h = all_gather_gemm(x, w1.t(), schedule=s_ag, group=group)
+        y = gemm_reduce_scatter(h.relu(), w2.t(), schedule=s_rs, group=group)
+        return gemm_all_reduce(y, w1.t(), schedule=s_ar, group=group)
+
+    try:
+        for round_ in range(2):
+            for name in ("triton", "overlap_false", "overlap_false"):  # (the fallback graphs on its 2nd call)
+                got = block(VARIANTS[name])
+                torch.cuda.synchronize()
+                assert _rel(got, want) < BF16_TOL, (round_, name)
+            assert release_group(group) == 1
+            assert release_group(group) == 0
+    finally:
+        release_group(group)
+        dist.destroy_process_group(group)
