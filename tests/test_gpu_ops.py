@@ -225,7 +225,6 @@ def test_a_tile_over_the_gpus_shared_memory_is_a_schedule_error(nccl_one_rank, c
                 op[collective](a, b, schedule=schedule)
             continue
         got = op[collective](a, b, schedule=schedule)
-        got = got[0] if collective == "all_gather" else got
         torch.cuda.synchronize()
         assert _rel(got, a.double() @ b.double()) < FP32_TF32_TOL
 
