@@ -637,6 +637,14 @@ def test_module_refuses_what_the_op_does_not_compute(quiet_one_rank):
         ExpertParallelExperts.from_experts(Llama4TextExperts(Llama4TextConfig(**tiny)))
     with pytest.raises(PlanError, match="no fused experts block"):
         parallelize_experts(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    # a bad group is a GroupError whatever the model holds (checked before its blocks)
+    from fo_kernels.errors import GroupError
+
+    gone = torch.distributed.new_group([0])
+    torch.distributed.destroy_process_group(gone)
+    for group in (gone, 3):
+        with pytest.raises(GroupError):
+            parallelize_experts(torch.nn.Sequential(torch.nn.Linear(2, 2)), group=group)
     # a model whose experts blocks are all in another layout is refused naming the block and what
     # it holds: an ungated block (NemotronH's, Ergo's: up_proj, down_proj), a ModuleList of MLPs
     ungated = torch.nn.Module()

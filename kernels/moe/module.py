@@ -247,6 +247,8 @@ def parallelize_experts(
     ungated block, DBRX's, Switch Transformers') is refused naming the first and what it holds."""
     if not isinstance(model, nn.Module):
         raise PlanError(f"parallelize_experts: expected a model (an nn.Module), got {type(model).__name__}")
+    require_initialized()
+    check_group(group)  # (a GroupError whatever the model holds, as from_experts gives)
     built, others, sharded_before = [], [], []
     for name, module in list(model.named_modules()):
         if name.rsplit(".", 1)[-1] != "experts":
