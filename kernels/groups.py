@@ -80,7 +80,8 @@ def resolve_group(name: str) -> dist.ProcessGroup | None:
         return dist.distributed_c10d._resolve_process_group(name)
     except (ValueError, RuntimeError, KeyError) as exc:
         raise GroupError(
-            f"group: no process group named {name!r} in this process (destroyed, or made elsewhere?): {exc}"
+            f"group: no process group named {name!r} in this process: destroyed, made in another "
+            f"process, or one this rank is not in (a rank outside a group holds no record of it): {exc}"
         ) from None
 
 
