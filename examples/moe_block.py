@@ -30,7 +30,15 @@ import copy
 import sys
 import warnings
 
-import launch
+try:
+    import launch
+except ModuleNotFoundError as missing:  # this script copied without the module the examples share
+    if missing.name != "launch":
+        raise
+    print(
+        f"{sys.argv[0]} needs launch.py beside it: copy fo-tune's examples/launch.py there", file=sys.stderr
+    )
+    sys.exit(2)
 import torch
 import torch.distributed as dist
 

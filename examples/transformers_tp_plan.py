@@ -32,7 +32,15 @@ import sys
 import tempfile
 import warnings
 
-import launch
+try:
+    import launch
+except ModuleNotFoundError as missing:  # this script copied without the module the examples share
+    if missing.name != "launch":
+        raise
+    print(
+        f"{sys.argv[0]} needs launch.py beside it: copy fo-tune's examples/launch.py there", file=sys.stderr
+    )
+    sys.exit(2)
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 

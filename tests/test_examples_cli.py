@@ -75,6 +75,18 @@ def test_every_example_imports_the_shared_launch_module_and_says_so(example):
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_an_example_copied_without_launch_py_is_one_line_naming_it(example, tmp_path):
+    """A user copies the example alone: one line on stderr names launch.py and where to copy it
+    from, exit 2, before torch is imported (not a traceback ending in ModuleNotFoundError)."""
+    copied = tmp_path / example.name
+    copied.write_text(example.read_text())
+    done = run(copied, "--help")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "needs launch.py beside it" in done.stderr and "examples/launch.py" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 def test_help_describes_the_example(example):
     done = run(example, "--help")
     assert done.returncode == 0, done.stderr
