@@ -1,4 +1,6 @@
-"""The docs stay short and free of run/session history, and every link into them resolves."""
+"""The docs stay short and free of run/session history, and every link into them resolves; no
+tracked file speaks of a remote runner's output folder or device, and bench/'s scripts each take an
+output folder and embed no heredoc (issue 41's layout)."""
 
 from __future__ import annotations
 
@@ -213,6 +215,46 @@ def test_links_into_the_docs_resolve():
                 broken.append(f"{rel}:{number}: {target}#{anchor} names no heading")
     assert checked, "no links into the docs found"
     assert not broken, "\n".join(broken)
+
+
+# What a remote machine's call limits leave in scripts that were written around them: its output
+# folder's variable and its loan of the device (the word spelled apart here so this file is clean).
+REMOTE_RUNNER_WORDS = (re.compile(r"\$\{?OUT\b"), re.compile(r"\bdevice " + "lease", re.IGNORECASE))
+# A heredoc (``<<EOF``, ``<<-'EOF'``); a here-string (``<<<``) is a plain argument.
+HEREDOC = re.compile(r"(?<!<)<<-?(?!<)\s*['\"]?[A-Za-z_]")
+
+
+def test_no_tracked_file_speaks_of_a_remote_runners_folder_or_device():
+    found = []
+    for rel in tracked_files():
+        path = ROOT / rel
+        try:
+            text = path.read_text() if path.is_file() else ""
+        except (UnicodeDecodeError, OSError):
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            found += [f"{rel}:{number}: {m.group(0)}" for p in REMOTE_RUNNER_WORDS for m in p.finditer(line)]
+    assert not found, found
+
+
+def test_bench_scripts_take_an_output_folder_and_embed_no_heredoc():
+    """Each of bench/'s scripts writes under the folder it is given (a shell script's first argument
+    through env.sh's fo_out_dir, a Python one's --out) and carries no heredoc (its Python is a module
+    of the package)."""
+    scripts = sorted((ROOT / "bench").glob("*.sh")) + sorted((ROOT / "bench").glob("*.py"))
+    assert len(scripts) > 5, scripts
+    bad = []
+    for path in scripts:
+        text = path.read_text()
+        if path.suffix == ".sh":  # (Python's << is a shift)
+            lines = enumerate(text.splitlines(), 1)
+            bad += [f"{path.name}:{n}: heredoc" for n, line in lines if HEREDOC.search(line)]
+        if path.name == "env.sh":  # sourced by the others: it defines fo_out_dir
+            continue
+        takes = 'fo_out_dir "$1"' in text if path.suffix == ".sh" else '"--out"' in text
+        if not takes:
+            bad.append(f"{path.name}: takes no output folder")
+    assert not bad, bad
 
 
 # A passage cited by name, as code comments and docs write it: docs/perf-notes.md, "The split tail"
