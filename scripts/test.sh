@@ -15,7 +15,8 @@ PY="$VENV/bin/python"
 # import a fraction of torch, transformers and the rest, once each.
 unset PYTHONDONTWRITEBYTECODE
 "$PY" -m pip install --quiet --upgrade pip
-# The CPU wheel of torch (the package itself does not pin torch) and the Triton that matches it.
+# torch (the package itself does not pin it; the CPU wheel where pip offers it, README "Two
+# commands") and the Triton that matches it.
 "$PY" -m pip install --quiet --no-compile "torch==2.13.0" "triton==3.7.1"
 "$PY" -m pip install --quiet --no-compile -e ".[dev]"
 # A PostgreSQL server for tests/test_fleet.py (it starts a throwaway cluster): Debian's package,
