@@ -150,7 +150,8 @@ def test_pull_from_an_empty_or_missing_storage(tmp_path: Path) -> None:
     journal.write_text("")
     result = pull(f"journal:{journal}", tmp_path / "t")
     assert result.exit_code == 0 and "nothing written" in result.stdout
-    assert "--storage" in assert_one_line_error(CliRunner().invoke(app, ["table", "pull"]))
+    missing = assert_one_line_error(CliRunner().invoke(app, ["table", "pull"]))
+    assert "--storage URL: missing; pass the study storage" in missing and "sqlite:///" in missing
     # a SQLite file Optuna never opened (it creates its tables on every open) is left as it is
     empty, foreign, junk = tmp_path / "empty.db", tmp_path / "other.db", tmp_path / "junk.db"
     empty.write_bytes(b"")

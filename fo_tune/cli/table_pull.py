@@ -67,7 +67,13 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print what was written as
 def pull(storage: StorageArg = None, table_dir: PullTableDirOpt = None, json_out: JsonOpt = False) -> None:
     """``fo-tune table pull`` (its help: ``PULL_HELP``)."""
     if not storage:
-        raise typer.BadParameter("--storage URL: the storage the workers share is missing")
+        from fo_tune.search.storage import default_storage_file
+
+        raise typer.BadParameter(
+            "--storage URL: missing; pass the study storage the workers share, e.g. "
+            f"--storage sqlite:///{default_storage_file()} (a search's default) "
+            "or --storage postgresql://user@host/db"
+        )
     from fo_tune.search.setup import default_table_dir
     from fo_tune.search.storage import check_storage_url, close_storage, open_storage, shown
     from fo_tune.tables.pull import check_table_dir, read_pull, write_pulled
