@@ -1,7 +1,7 @@
 """The copy engine's protocol run on the CPU executor: the operation lists the GPUs run, on N
 thread-ranks whose streams are FIFO workers, with random delays before every operation.
 
-- Results: all three collectives for 2, 3, 4 and 8 ranks, odd shapes (M not a multiple of the
+- Results: all three collectives for every N from 2 to 8 ranks, odd shapes (M not a multiple of the
   chunk count, N and K not multiples of 8), 1 to 6 chunks, ten calls on the same buffers with no
   barrier between them and the outputs poisoned before each, against a float64 reference.
 - Shared hardware queues: the lists complete when a rank's streams share one FIFO, or random
@@ -42,8 +42,10 @@ CALLS = 10
 FAST = CpuOptions(timeout_s=10.0, delay_s=2e-4, seed=1)
 TILE = Tile(block_m=16, block_n=32, block_k=16, group_m=1, num_warps=4, num_stages=1)
 
-# (world, chunks): every chunk count from 1 to 6 at two ranks, and spread over the larger groups
-SIZES = [(2, 1), (2, 2), (2, 3), (2, 4), (2, 5), (2, 6), (3, 2), (3, 5), (4, 3), (4, 6), (8, 2), (8, 4)]
+# (world, chunks): every chunk count from 1 to 6 at two ranks, and spread over every larger group
+# up to 8 ranks (a TP=8 board): the ring's steps and neighbours differ with N, odd N included
+SIZES = [(2, 1), (2, 2), (2, 3), (2, 4), (2, 5), (2, 6), (3, 2), (3, 5), (4, 3), (4, 6)]
+SIZES += [(5, 3), (6, 2), (7, 3), (8, 2), (8, 4)]
 
 
 def _shape(collective: str, world: int, chunks: int) -> tuple[int, int, int]:
