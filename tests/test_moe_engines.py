@@ -176,3 +176,29 @@ def test_a_plan_for_another_rank_is_refused():
 
     with pytest.raises(ProtocolError, match="plan of rank"):
         run_moe_ranks(_slots(case, 2), body, options=CpuOptions(timeout_s=2))
+
+
+class _Stop(Exception):
+    """Raised by a stand-in for the CUDA driver: what MoePeers does before it is all a test reads."""
+
+
+def test_the_moe_copy_engine_asks_for_eager_module_loading(quiet_one_rank, monkeypatch):
+    """The MoE copy engine's GPU path does not load its grouped GEMMs' kernels before its first flag
+    wait, so it warns unless CUDA_MODULE_LOADING=EAGER (the kernel-loading rule); with it, not."""
+    import warnings
+
+    from fo_kernels.engines.copy_engine import moe_gpu
+
+    def stop():
+        raise _Stop
+
+    monkeypatch.setattr(moe_gpu, "copy_engine_blocker", lambda device, world: "")
+    monkeypatch.setattr(moe_gpu, "driver_module", stop)
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    with pytest.warns(RuntimeWarning, match="CUDA_MODULE_LOADING=EAGER"), pytest.raises(_Stop):
+        moe_gpu.MoePeers(torch.device("cpu"), None)
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(_Stop):
+            moe_gpu.MoePeers(torch.device("cpu"), None)

@@ -21,9 +21,16 @@ change with the routing.
 Needs two or more GPUs with peer access (NVLink), cuda-bindings and torch's symmetric memory
 (``fo_kernels.engines.copy_engine.peers.copy_engine_blocker``). Not run on GPUs yet: its list is
 what the CPU executor runs in CI (``fo_kernels.engines.copy_engine.moe_cpu``) on 2 .. 8 thread-ranks.
+Its Phases' kernels (the stage's grouped GEMMs, their shapes set by each call's routing) are not
+loaded before the call's first flag wait, which the dense copy engine's warm-up does
+(docs/design.md#kernel-loading): under CUDA's lazy module loading a first launch behind a pending
+wait can block the host, so ``MoePeers`` warns unless ``CUDA_MODULE_LOADING=EAGER`` is set.
 """
 
 from __future__ import annotations
+
+import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -60,6 +67,8 @@ from fo_kernels.runtime import runtime_for
 from fo_kernels.wait import driver_module
 
 STATE = "moe.copy_engine"  # the runtime's engine_state key
+# What the path needs CUDA's module loading to be (the module docstring says why).
+EAGER_LOADING = "EAGER"
 # The widest float32 part a row carries (the backward's routing weight, and its gradient back).
 _WEIGHT_BYTES = 4
 
@@ -87,6 +96,14 @@ class MoePeers:
         why = copy_engine_blocker(device, self.world)
         if why:
             raise EnvironmentMismatchError(f"engine copy_engine {why}")
+        if os.environ.get("CUDA_MODULE_LOADING", "").upper() != EAGER_LOADING:
+            warnings.warn(
+                "engine copy_engine (MoE): its grouped GEMMs' kernels are not loaded before its first "
+                "flag wait, and under CUDA's lazy module loading such a launch can block the host; "
+                f"set CUDA_MODULE_LOADING={EAGER_LOADING} before the process starts CUDA",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self.driver = driver_module()
         self.layout = MoeFlags(self.world)
         self.flags = symmetric(self.layout.slots, torch.int32, device, group, self.rank, self.world)
