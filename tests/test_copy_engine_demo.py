@@ -11,10 +11,10 @@ from cli_checks import assert_one_line_error
 from fo_tune.bench.demo import COPY_ENGINE_COLLECTIVES, run_copy_engine_demo
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3, 4, 5])
 def test_demo_runs_every_collective_through_the_cpu_executor(world: int):
-    """The default CPU shapes: every collective passes, or is skipped where M is not divisible by
-    the world size; the summary line counts the checked rows."""
+    """The default CPU shapes, their M rounded up to a multiple of the world size: every collective
+    runs and passes at any world size; the summary line counts the checked rows."""
     result = CliRunner().invoke(
         app, ["demo", "--engine", "copy_engine", "--world-size", str(world), "--reps", "2"]
     )
@@ -22,14 +22,10 @@ def test_demo_runs_every_collective_through_the_cpu_executor(world: int):
     lines = result.stdout.splitlines()
     rows = [line for line in lines if line.startswith(("PASS", "FAIL", "SKIP"))]
     assert len(rows) == 2 * len(COPY_ENGINE_COLLECTIVES), result.stdout
-    for line in rows:  # a SKIP exactly where a sharded collective's M is not divisible by the world size
-        status, collective, shape = line.split()[:3]
-        m = int(shape.split("x")[0])
-        sharded_misfit = collective != "all_reduce" and m % world != 0
-        assert status == ("SKIP" if sharded_misfit else "PASS"), (line, result.stdout)
-    skipped = sum(line.startswith("SKIP") for line in rows)
-    checked = len(rows) - skipped
-    assert f"passed: {checked} of {checked} checked rows" in result.stdout
+    for line in rows:
+        status, shape = line.split()[0], line.split()[2]
+        assert status == "PASS" and int(shape.split("x")[0]) % world == 0, (line, result.stdout)
+    assert f"passed: {len(rows)} of {len(rows)} checked rows" in result.stdout
     assert "copy engine's CPU executor" in result.stdout
     # the table's title, wider than the table, stays on one line in output that is not a terminal
     title = f"fo-tune demo: {world} ranks, the copy engine's CPU executor, thread-ranks, float32"

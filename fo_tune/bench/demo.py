@@ -136,12 +136,13 @@ def plan_demo(world_size: int | None, backend: str | None, gpus: int) -> DemoPla
     raise too_few_gpus(asked, gpus, default_fits=True)
 
 
-def default_shapes(on_gpu: bool, dtype: str | None = None) -> list[tuple[int, int, int]]:
+def default_shapes(on_gpu: bool, dtype: str | None = None, world_size: int = 1) -> list[tuple[int, int, int]]:
     """The demo's shapes when none are given: ``GPU_SHAPES`` on a GPU, else the CPU's small ones (fp8's for
-    ``dtype`` float8_e4m3fn)."""
-    if on_gpu:
-        return list(GPU_SHAPES)
-    return list(FP8_CPU_SHAPES if dtype == FP8_NAME else CPU_SHAPES)
+    ``dtype`` float8_e4m3fn), each M rounded up to a multiple of ``world_size`` so that every
+    collective runs at any world size (a shape the user gives is run as given)."""
+    shapes = GPU_SHAPES if on_gpu else (FP8_CPU_SHAPES if dtype == FP8_NAME else CPU_SHAPES)
+    step = max(world_size, 1)
+    return [(-(-m // step) * step, n, k) for m, n, k in shapes]
 
 
 def default_dtype(on_gpu: bool) -> str:
@@ -192,7 +193,7 @@ def demo_inputs(
     )
 
     on_gpu = plan.backend == "nccl"
-    shapes = list(shapes) if shapes else default_shapes(on_gpu, dtype)
+    shapes = list(shapes) if shapes else default_shapes(on_gpu, dtype, plan.world_size)
     dtype = dtype or default_dtype(on_gpu)
     _check_args(plan.world_size, shapes, dtype, reps, timeout_s)
     check_problem_size(shapes, dtype, local_target(plan.backend, plan.world_size))
@@ -386,7 +387,7 @@ def copy_engine_demo_inputs(
     if backend not in (COPY_ENGINE_BACKEND, VIRTUAL_BACKEND):
         raise ArgumentError(f"backend {backend!r} is not one of {COPY_ENGINE_BACKEND}, {VIRTUAL_BACKEND}")
     on_gpu = backend == VIRTUAL_BACKEND
-    shapes = list(shapes) if shapes else default_shapes(on_gpu, dtype)
+    shapes = list(shapes) if shapes else default_shapes(on_gpu, dtype, world_size)
     dtype = dtype or default_dtype(on_gpu)
     _check_args(world_size, shapes, dtype, reps, 1.0)
     if not on_gpu:

@@ -28,7 +28,8 @@ HELP = "\n\n".join(
     [
         "Check the overlapped ops against matmul + collective on local processes, and time them.",
         "Spawns --world-size ranks and, for every shape, runs gemm_all_reduce, gemm_reduce_scatter and "
-        "all_gather_gemm (the latter two when M is divisible by the world size; for all_gather_gemm M is "
+        "all_gather_gemm (the latter two when M is divisible by the world size, as the default shapes' M "
+        "is made; for all_gather_gemm M is "
         "the gathered M, each rank holding M/w rows of A) with the schedule the runtime would pick: a "
         "tuned table row, else overlap: false (GEMM then the collective). Each result is compared on "
         "the ranks with a float64 matmul of the same operands and the same collective in "
