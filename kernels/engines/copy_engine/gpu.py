@@ -25,6 +25,7 @@ a plan once before its first flag wait (``warmup.py``: the kernel-loading rule).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -231,7 +232,9 @@ class GpuExecutor:
         memset on each stream that issues them, with no flag waited for or written
         (``fo_kernels.engines.copy_engine.warmup``); the number of kernels run. On a GPU the device
         is synchronized first (no stream waits on a flag while a module loads), after the scratch
-        tensors are filled, and at the end (they are freed only once nothing uses them)."""
+        tensors are filled, and at the end (they are freed only once nothing uses them). A tiled
+        kernel whose tile the GPU cannot load raises ``DeviceLimitError`` here, the first place it
+        launches: the call's own launches of it come after."""
         self._synchronize()
         scratch = dict.fromkeys(call.tensors)
         # (zeros: a kernel run on uninitialized floats computes on garbage; the interpreter warns)
@@ -248,7 +251,7 @@ class GpuExecutor:
                 s, a, out, beta, groups = args
                 key = (kind, s, launch_key(self._rows(call, a)), launch_key(self._rows(call, out)), beta)
                 if key not in seen:
-                    runs.append((fn, (s, self._scratch(a), self._scratch(out), beta, groups)))
+                    runs.append((fn, (s, self._scratch(a), self._scratch(out), beta, groups), None))
             elif kind is GpuExecutor._tiled:
                 s, (a, out, tile, row_group, kw) = args
                 kw_keys = tuple(
@@ -259,14 +262,18 @@ class GpuExecutor:
                 key = (kind, s, *shapes, tile, kw_keys)
                 if key not in seen:  # (the ready cells set: the kernel's tiles wait for them)
                     kw = {name: self._scratch(v, fill=1 if name == "ready" else 0) for name, v in kw.items()}
-                    runs.append((fn, (s, (self._scratch(a), self._scratch(out), tile, row_group, kw))))
+                    limits = DeviceLimits(tile, f"{self._rows(call, a).dtype} rows of the copy engine")
+                    runs.append(
+                        (fn, (s, (self._scratch(a), self._scratch(out), tile, row_group, kw)), limits)
+                    )
             else:
                 continue
             seen.add(key)
         cell = scratch_like(self.counters[:4], fill=0)
         self._synchronize()  # (the fills above ran on the current stream, the kernels run on theirs)
-        for fn, args in runs:
-            fn(fake, *args)
+        for fn, args, limits in runs:
+            with limits or contextlib.nullcontext():
+                fn(fake, *args)
         for kind, s in sorted(drivers):
             if kind == GpuExecutor._copy.__name__:
                 self._copy(fake, s, (None, cell.data_ptr()), (None, cell.data_ptr() + 8), 8)
@@ -334,13 +341,11 @@ class GpuExecutor:
         if "out2" in kw:
             kw["out2"] = self._rows(call, kw["out2"]) if kw["out2"] is not None else None
         a, out = self._rows(call, a), self._rows(call, out)
-        # (a tile over the GPU's limits fails here first in the warm-up, before any flag is issued)
-        with DeviceLimits(tile, f"{a.dtype} rows of the copy engine"):
-            if s == MAIN and call.main_current:  # (no stream switch: it costs host time)
-                rows_gemm(a, call.operand, out, tile, grid=self.sms, row_group=row_group, **kw)
-                return
-            with torch.cuda.stream(call.streams[s]):
-                rows_gemm(a, call.operand, out, tile, grid=self.sms, row_group=row_group, **kw)
+        if s == MAIN and call.main_current:  # (no stream switch: it costs host time)
+            rows_gemm(a, call.operand, out, tile, grid=self.sms, row_group=row_group, **kw)
+            return
+        with torch.cuda.stream(call.streams[s]):
+            rows_gemm(a, call.operand, out, tile, grid=self.sms, row_group=row_group, **kw)
 
     def _copy(self, call: _Call, s: str, dst: tuple, src: tuple, nbytes: int) -> None:
         drv = self.driver
