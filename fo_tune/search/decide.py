@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from fo_kernels.errors import FoTuneError
 from fo_kernels.schedule import Schedule
+from fo_kernels.table.provenance import finite_only
 from fo_tune.calibrate.extrapolate import basis_for
 from fo_tune.search.results import BaselineResult, Candidate
 
@@ -170,13 +171,7 @@ def make_row(
         "source": "fo-tune search",
         "mode": request.mode,
         "date": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
-        # (a NaN is a number not measured, e.g. the interquartile range of one sample: left out,
-        # since a table refuses a non-finite provenance number)
-        **{
-            key: round(v, 5) if isinstance(v, float) else v
-            for key, v in numbers.items()
-            if not (isinstance(v, float) and not math.isfinite(v))
-        },
+        **{key: round(v, 5) if isinstance(v, float) else v for key, v in finite_only(numbers).items()},
     }
     # a predicted row says what its model rests on where that is not this machine's measurements
     basis = request.calibration.basis if request.mode == "predict" and request.calibration else ""

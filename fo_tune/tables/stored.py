@@ -20,7 +20,6 @@ under ``ROWS_ATTR`` itself (one key per study, no ``trials``) is read too, as de
 from __future__ import annotations
 
 import datetime as dt
-import math
 import socket
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,6 +29,7 @@ from typing import Any
 from fo_kernels.errors import ScheduleError, TableError
 from fo_kernels.fingerprint import Fingerprint
 from fo_kernels.schedule import Schedule
+from fo_kernels.table.provenance import finite_only
 
 # The study user attribute a record is kept under (each with its own ":<random id>" suffix: see the
 # module docstring), and the record's kind and schema version.
@@ -114,10 +114,10 @@ def is_record_key(key: str) -> bool:
 
 
 def _measured_only(row: Schedule) -> Schedule:
-    """``row`` with the NaN and infinite numbers of its provenance left out: a record may hold one
-    where its search measured nothing (the interquartile range of one sample), and no table takes
-    one (``fo_kernels.table.provenance``), as the search leaves it out of the rows it writes."""
-    kept = {k: v for k, v in row.provenance.items() if not (isinstance(v, float) and not math.isfinite(v))}
+    """``row`` with the NaN and infinite numbers of its provenance left out (``finite_only``): a
+    record may hold one where its search measured nothing, as the search leaves it out of the rows
+    it writes."""
+    kept = finite_only(row.provenance)
     return row if len(kept) == len(row.provenance) else replace(row, provenance=kept)
 
 

@@ -1,6 +1,7 @@
 """A row's provenance checked for what no search records: a NaN or infinite number
 (``check_finite_provenance``, called where a table is read whole, as the tuner reads it, and where
-a row joins one; the runtime's lookup builds only the rows it takes and ignores their provenance)."""
+a row joins one; the runtime's lookup builds only the rows it takes and ignores their provenance),
+and such numbers left out of what a search records (``finite_only``)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,9 @@ def check_finite_provenance(provenance: Mapping[str, Any]) -> None:
             if where is not None:
                 raise ScheduleError(f"{where}: not a finite number; write the number, or remove the key")
             return
+
+
+def finite_only(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` without its NaN and infinite floats: a number a search did not measure (the
+    interquartile range of one sample), which no table takes."""
+    return {key: v for key, v in values.items() if not (isinstance(v, float) and not math.isfinite(v))}
