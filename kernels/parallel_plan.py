@@ -13,7 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
-from fo_kernels.groups import resolve_group
+from fo_kernels.groups import PickledGroup
 
 # The attribute of the module that holds its LinearPlan.
 PLAN_ATTR = "_fo_parallel_plan"
@@ -53,8 +53,9 @@ def _plan_of_group_name(
     use_local_output: bool,
     fp8: str | None = None,
 ) -> LinearPlan:
-    """A ``LinearPlan`` whose group is the one named ``group_name`` in this process."""
-    group = resolve_group(group_name) or torch.distributed.group.WORLD
+    """A ``LinearPlan`` whose group is the one named ``group_name`` in this process (``GroupError``
+    where there is none, as for the layers' pickled group: ``PickledGroup``)."""
+    group = PickledGroup(group_name).resolve()
     return LinearPlan(
         kind, mesh, group, group_name, world_size, input_layouts, output_layouts, use_local_output, fp8
     )
