@@ -436,3 +436,69 @@ def thread_stage(case: MoeCase, rank: int, world: int, backward: bool):
     if backward:
         return BackwardStage(g, x, w, shape, routing, layout, w13, w2)
     return ForwardStage(x, w, shape, routing, layout, w13, w2)
+
+
+# ----------------------------------------------------------------------------- virtual ranks
+def _dense_ffn(x, ids, w, w13, w2) -> torch.Tensor:
+    """``reference_ffn`` one expert at a time (its rows gathered), for the larger virtual cases."""
+    inter = w13.shape[2] // 2
+    y = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        t, j = (ids == e).nonzero(as_tuple=True)
+        gu = x[t] @ w13[e]
+        y = y.index_add(0, t, w[t, j].unsqueeze(1) * ((F.silu(gu[:, :inter]) * gu[:, inter:]) @ w2[e]))
+    return y
+
+
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)  # (no rows: no graph)
+
+
+def all_references(case: MoeCase, world: int) -> list[dict[str, torch.Tensor]]:
+    """Every rank's ``reference`` (y, dx, dw, its shard of dw13 and dw2), from one float64 graph."""
+    data = [inputs(case, r, world) for r in range(world)]
+    w13, w2 = data[0]["w13"].requires_grad_(), data[0]["w2"].requires_grad_()
+    mine = []
+    total = 0.0
+    for d in data:
+        x, w = d["x"].requires_grad_(), d["w"].requires_grad_()
+        y = _dense_ffn(x, d["ids"], w, w13, w2)
+        total = total + (y * d["g"]).sum()
+        mine.append((x, w, y.detach()))
+    total.backward()
+    out = []
+    for r, (x, w, y) in enumerate(mine):
+        lo, hi = r * case.experts, (r + 1) * case.experts
+        out.append(dict(y=y, dx=_grad(x), dw=_grad(w), dw13=_grad(w13)[lo:hi], dw2=_grad(w2)[lo:hi]))
+    return out
+
+
+def virtual_errors(ranks, case: MoeCase, device: str | torch.device = "cpu") -> dict[str, float]:
+    """``case`` forward and backward on ``ranks`` (a ``MoeVirtualRanks``): the largest relative
+    error over the ranks of y and of each gradient against float64 (NaN is infinite)."""
+    world = ranks.world
+    dtype = torch_dtype(case.dtype)
+    schedule = MoeSchedule.from_dict(case.schedule)
+    data = [inputs(case, r, world) for r in range(world)]
+
+    def each(name: str, to: torch.dtype, shard: bool = False) -> list[torch.Tensor]:
+        got = []
+        for r, d in enumerate(data):
+            t = d[name][r * case.experts : (r + 1) * case.experts] if shard else d[name]
+            got.append(t.to(device=device, dtype=to))
+        return got
+
+    args = (
+        each("x", dtype),
+        each("ids", torch.int64),
+        each("w", torch.float32),
+        each("w13", dtype, True),
+        each("w2", dtype, True),
+    )
+    refs = all_references(case, world)
+    ys = ranks.forward(*args, schedule)
+    errs = {"y": max(rel_err(y.cpu(), ref["y"]) for y, ref in zip(ys, refs, strict=True))}
+    grads = ranks.backward(each("g", dtype), *args, schedule)
+    for i, name in enumerate(("dx", "dw", "dw13", "dw2")):
+        errs[name] = max(rel_err(g[i].cpu(), ref[name]) for g, ref in zip(grads, refs, strict=True))
+    return errs

@@ -286,6 +286,7 @@ def test_a_bad_check_is_refused_on_construction(changes: dict, error: type, matc
         (dict(fifos={"mian": "q"}), r"fifos: unknown stream\(s\) \['mian'\]; valid: main"),
         (dict(fifos=["main"]), r"fifos: expected a mapping of stream name to FIFO name"),
         (dict(drop=True), r"drop: expected a function"),
+        (dict(host_blocks=1), r"host_blocks: expected a function op -> bool, or None; got 1"),
     ],
 )
 def test_bad_executor_options_are_refused_on_construction(options: dict, match: str):

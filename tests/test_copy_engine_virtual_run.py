@@ -1,9 +1,8 @@
 """The virtual ranks run on the CPU, through the GPU executor's own addresses and byte counts.
 
-A stand-in for the CUDA driver carries out each operation when it is issued, on the CPU tensors'
-memory: a flag write stores the int32, a copy moves the bytes (``ctypes.memmove``), a memset
-zeroes cells, and a flag wait must already hold (raising otherwise). That is a GPU whose streams
-all share one queue and finish each operation at once, so a run checks at the same time that
+A stand-in for the CUDA driver (``copy_engine_fakes``) carries out each operation when it is issued, on the
+CPU tensors' memory, and a flag wait must already hold (raising otherwise). That is a GPU whose
+streams all share one queue and finish each operation at once, so a run checks at the same time that
 ``issue_order`` puts every wait after its writers and that the executor's views, addresses and
 copy sizes move the right rows: every rank's output is compared with float64, over repeated calls
 into the same buffers (the flags must end each call as they began). The chunk GEMMs are torch's
@@ -12,91 +11,21 @@ CPU matmuls. The GPU runs the same code in ``tests/test_gpu_virtual_ranks.py``.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-from types import SimpleNamespace
-
 import pytest
 import torch
+from copy_engine_fakes import DRIVER, cpu_device
 
 import fo_kernels.engines.copy_engine.gpu as gpu
 from fo_kernels.engines.copy_engine.buffers import Dtypes
 from fo_kernels.engines.copy_engine.layout import shard_rows
-from fo_kernels.engines.copy_engine.virtual import VirtualDevice, VirtualRanks
+from fo_kernels.engines.copy_engine.virtual import VirtualRanks
 from fo_kernels.scaling import FP8_DTYPE, Scales
-
-
-class _Stream:
-    def __init__(self, handle: int) -> None:
-        self.cuda_stream = handle
-
-    def wait_stream(self, other: _Stream) -> None:  # (every operation is done when issued)
-        pass
-
-    def wait_event(self, event: object) -> None:
-        pass
-
-
-class _Event:
-    def record(self, stream: object = None) -> None:
-        pass
-
-
-def _cell(address: int) -> ctypes.c_int32:
-    return ctypes.c_int32.from_address(address)
-
-
-def _wait(stream: int, address: int, value: int, flags: object) -> tuple[int]:
-    got = _cell(address).value
-    assert got >= value, f"a wait issued before its writer: the cell holds {got}, the wait needs {value}"
-    return (0,)
-
-
-def _write(stream: int, address: int, value: int, flags: object) -> tuple[int]:
-    _cell(address).value = value
-    return (0,)
-
-
-def _memset(address: int, value: int, count: int, stream: int) -> tuple[int]:
-    for i in range(count):
-        _cell(address + 4 * i).value = value
-    return (0,)
-
-
-def _memcpy(dst: int, src: int, nbytes: int, stream: int) -> tuple[int]:
-    ctypes.memmove(dst, src, nbytes)
-    return (0,)
-
-
-DRIVER = SimpleNamespace(
-    CUresult=SimpleNamespace(CUDA_SUCCESS=0),
-    CUstreamWaitValue_flags=SimpleNamespace(CU_STREAM_WAIT_VALUE_GEQ="geq"),
-    CUstreamWriteValue_flags=SimpleNamespace(CU_STREAM_WRITE_VALUE_DEFAULT="fence"),
-    CUstream=lambda handle: handle,
-    CUdeviceptr=int,
-    cuStreamWaitValue32=_wait,
-    cuStreamWriteValue32=_write,
-    cuMemcpyDtoDAsync=_memcpy,
-    cuMemsetD32Async=_memset,
-)
 
 
 @pytest.fixture
 def ranks_of(monkeypatch: pytest.MonkeyPatch):
     """``ranks_of(world)``: virtual ranks on the CPU, their operations done when issued."""
-    monkeypatch.setattr(torch.cuda, "Event", lambda *args, **kw: _Event())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    handles = iter(range(1, 10_000))
-    caller = _Stream(0)
-    device = VirtualDevice(
-        device=torch.device("cpu"),
-        driver=DRIVER,
-        new_stream=lambda priority: _Stream(next(handles)),
-        current_stream=lambda: caller,
-        capturing=lambda: False,
-        synchronize=lambda: None,
-        sms=132,
-    )
+    device = cpu_device(monkeypatch)
     return lambda world: VirtualRanks(world, device)
 
 

@@ -234,12 +234,10 @@ def test_a_slot_is_visible_to_another_stream_once_its_counter_shows_it():
 
 
 @pytest.mark.multigpu
-def test_two_gpus_every_path_matches_float64(monkeypatch):
+def test_two_gpus_every_path_matches_float64():
     """Two NCCL ranks, one GPU each: the no-overlap path, the Triton engine (NCCL point-to-point
     ring, the signalled grouped GEMM) and the copy engine (pushes into the peers' symmetric
-    slots), uneven tokens and a rank without any, forward and backward, against float64. The
-    ranks load CUDA modules eagerly, as the MoE copy engine asks (``moe_gpu``'s docstring)."""
-    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    slots), uneven tokens and a rank without any, forward and backward, against float64."""
     from fo_tune.ranks.launch import run_ranks
     from moe_cases import TOL as CASE_TOL
     from moe_cases import MoeCase, run_cases

@@ -4,6 +4,9 @@ thread-ranks (random delays, every stream on one FIFO, fault injection) against 
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,8 +14,15 @@ import torch.nn.functional as F
 from fo_kernels.engines.copy_engine.cpu import CpuOptions, ProtocolError, ProtocolTimeout
 from fo_kernels.engines.copy_engine.layout import Rows
 from fo_kernels.engines.copy_engine.moe_cpu import Slots, run_moe_ranks
-from fo_kernels.engines.copy_engine.moe_protocol import MoeCall, build, expert_ranges, slot_span
-from fo_kernels.engines.copy_engine.ops import Signal
+from fo_kernels.engines.copy_engine.moe_protocol import (
+    MoeCall,
+    MoePlan,
+    Phase,
+    build,
+    expert_ranges,
+    slot_span,
+)
+from fo_kernels.engines.copy_engine.ops import SIDE, Signal, WaitEvent
 from fo_kernels.moe.exchange import row_bytes
 from fo_kernels.moe.grouped import grouped_mm, grouped_mm_t, weight_grad
 from fo_kernels.moe.kernels import grouped_gemm, swiglu_gemm
@@ -73,6 +83,31 @@ def test_torch_grouped_gemms_loop_and_library_agree():
     assert weight_grad(a, g, counts, library=False)[1].abs().max() == 0
 
 
+@pytest.mark.parametrize("start", [0, 2])
+def test_the_library_takes_a_row_cut_from_packed_rows(start: int):
+    """One row of x cut from the backward's packed rows (x, dy, a float32 weight: 2H x 2 + 4 bytes
+    a row), as ``unpack`` leaves it: a one-row view whose leading stride is the packed row's, at
+    an offset of ``start`` bytes. torch._grouped_mm refuses that layout ("strides should be
+    multiple of 16 bytes"); the grouped GEMMs copy it first, and agree with the loop."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    gen = torch.Generator().manual_seed(3)
+    h, n = 16, 8
+    width = 2 * h * 2 + 4
+    packed = torch.randn(1, width // 2 + 8, generator=gen).to(torch.bfloat16).view(torch.uint8)
+    x = packed.view(-1)[start : start + width].view(1, width)[:, : 2 * h].view(torch.bfloat16)
+    assert x.shape == (1, h) and x.stride(0) * 2 == width
+    w = torch.randn(2, h, n, generator=gen).to(torch.bfloat16)
+    g = torch.randn(1, n, generator=gen).to(torch.bfloat16)
+    counts = [0, 1]
+    torch.testing.assert_close(
+        grouped_mm(x, w, counts, library=True), grouped_mm(x, w, counts, library=False)
+    )
+    torch.testing.assert_close(
+        weight_grad(x, g, counts, library=True), weight_grad(x, g, counts, library=False)
+    )
+
+
 # ----------------------------------------------------------------------------- the protocol
 def _slots(case: MoeCase, world: int) -> Slots:
     """Slots for the backward's rows (x, dy and a float32 weight out; dx and dw back)."""
@@ -83,8 +118,11 @@ def _slots(case: MoeCase, world: int) -> Slots:
     )
 
 
-def _protocol(case: MoeCase, world: int, chunks: int, options: CpuOptions, calls=(False, True, False)):
-    """Each rank's largest relative error over ``calls`` (forward / backward) made back to back."""
+def _protocol(
+    case: MoeCase, world: int, chunks: int, options: CpuOptions, calls=(False, True, False), edit=None
+):
+    """Each rank's largest relative error over ``calls`` (forward / backward) made back to back;
+    ``edit(plan)`` changes each plan before it runs."""
 
     def body(rank):
         r = rank.rank.rank
@@ -92,7 +130,8 @@ def _protocol(case: MoeCase, world: int, chunks: int, options: CpuOptions, calls
         for backward in calls:
             stage = thread_stage(case, r, world, backward)
             call = MoeCall(r, stage.layout.send, stage.layout.recv, chunks, max(case.tokens) * case.top_k)
-            result = rank.call(build(call), stage)
+            plan = build(call) if edit is None else edit(build(call))
+            result = rank.call(plan, stage)
             out.append(stage.grads() if backward else result)
         ref = reference(case, r, world)
         errs = []
@@ -109,14 +148,17 @@ def _protocol(case: MoeCase, world: int, chunks: int, options: CpuOptions, calls
 @pytest.mark.parametrize("world", range(2, 9))
 def test_protocol_on_thread_ranks(world):
     """Forward, backward, forward back to back (the guards come back to 1), on 2 .. 8 ranks with
-    uneven tokens (one rank without any), experts without rows and 1 or 3 pieces a slot: with
-    random delays, and with every stream of a rank on one FIFO (pushes before waits)."""
+    uneven tokens (one rank without any), experts without rows and 1, 2 or 3 pieces a slot: with
+    random delays; with every stream of a rank on one FIFO (pushes before waits); and with each
+    rank's host blocked before every Phase until its streams are idle (a synchronizing torch op
+    or a kernel's first load there cannot deadlock the ranks)."""
     tokens = tuple(0 if r == world // 2 else (3 * r + 2) % 7 + 1 for r in range(world))
     routing = "skewed" if world % 2 else "random"
     case = MoeCase(tokens=tokens, hidden=8, inter=4, experts=3, top_k=2, routing=routing, seed=world)
     for chunks, options in (
         (1, CpuOptions(timeout_s=10, delay_s=0.002, seed=world)),
         (3, CpuOptions(timeout_s=10, fifos={"main": "q", "side": "q", "local": "q"})),
+        (2, CpuOptions(timeout_s=10, host_blocks=lambda op: isinstance(op, Phase))),
     ):
         errs = _protocol(case, world, chunks, options)
         assert max(errs) < TOL["float32"], (chunks, errs)
@@ -143,6 +185,29 @@ def test_a_lost_flag_fails_in_time_naming_it():
 
     with pytest.raises(ProtocolTimeout, match=r"(landed|returned)\[.*a lost flag or a deadlock"):
         _protocol(case, 2, 1, CpuOptions(timeout_s=0.5, drop=drop), calls=(False,))
+
+
+def _pushes_after_phase_one(plan: MoePlan) -> MoePlan:
+    """The plan with its dispatch pushes (the side stream's operations before the first Phase)
+    issued after its last phase 1 instead."""
+    first = next(i for i, op in enumerate(plan.ops) if isinstance(op, Phase))
+    last = max(i for i, op in enumerate(plan.ops) if isinstance(op, Phase) and op.phase == 1)
+    pushes = [op for op in plan.ops[:first] if op.stream == SIDE and not isinstance(op, WaitEvent)]
+    head = [op for op in plan.ops[: last + 1] if op not in pushes]
+    return dataclasses.replace(plan, ops=(*head, *pushes, *plan.ops[last + 1 :]))
+
+
+def test_a_host_that_blocks_before_the_pushes_deadlocks():
+    """The host-blocking check can fail: with the pushes issued after phase 1, the lists still
+    complete while hosts never block, and deadlock (caught in time) when they block at a Phase."""
+    case = MoeCase(tokens=(4, 5), hidden=8, inter=4, experts=2, top_k=2, seed=3)
+    late = _pushes_after_phase_one
+    assert max(_protocol(case, 2, 1, CpuOptions(timeout_s=5), calls=(False,), edit=late)) < TOL["float32"]
+    blocking = CpuOptions(timeout_s=0.5, host_blocks=lambda op: isinstance(op, Phase))
+    start = time.monotonic()
+    with pytest.raises(ProtocolTimeout, match="a lost flag or a deadlock"):
+        _protocol(case, 2, 1, blocking, calls=(False,), edit=late)
+    assert time.monotonic() - start < 5.0
 
 
 def test_slots_stay_put_between_calls():
@@ -176,29 +241,3 @@ def test_a_plan_for_another_rank_is_refused():
 
     with pytest.raises(ProtocolError, match="plan of rank"):
         run_moe_ranks(_slots(case, 2), body, options=CpuOptions(timeout_s=2))
-
-
-class _Stop(Exception):
-    """Raised by a stand-in for the CUDA driver: what MoePeers does before it is all a test reads."""
-
-
-def test_the_moe_copy_engine_asks_for_eager_module_loading(quiet_one_rank, monkeypatch):
-    """The MoE copy engine's GPU path does not load its grouped GEMMs' kernels before its first flag
-    wait, so it warns unless CUDA_MODULE_LOADING=EAGER (the kernel-loading rule); with it, not."""
-    import warnings
-
-    from fo_kernels.engines.copy_engine import moe_gpu
-
-    def stop():
-        raise _Stop
-
-    monkeypatch.setattr(moe_gpu, "copy_engine_blocker", lambda device, world: "")
-    monkeypatch.setattr(moe_gpu, "driver_module", stop)
-    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
-    with pytest.warns(RuntimeWarning, match="CUDA_MODULE_LOADING=EAGER"), pytest.raises(_Stop):
-        moe_gpu.MoePeers(torch.device("cpu"), None)
-    monkeypatch.setenv("CUDA_MODULE_LOADING", "eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.raises(_Stop):
-            moe_gpu.MoePeers(torch.device("cpu"), None)

@@ -6,7 +6,8 @@ Rows of expert e are ``[offset_e, offset_e + counts[e])`` of the operand (``coun
     grouped_mm_t(a, b, counts)   out[rows of e] = a[rows of e] @ b[e].T         b (E, N, K)
     weight_grad(a, g, counts)    out[e] = a[rows of e].T @ g[rows of e]         (E, K, N), ``acc_dtype``
 
-On CUDA with bfloat16 operands whose strides ``torch._grouped_mm`` takes (16-byte aligned), one
+On CUDA with bfloat16 operands whose layout ``torch._grouped_mm`` takes (a 16-byte aligned start
+and strides; an operand cut from packed rows is copied to one where that is all it lacks), one
 ``torch._grouped_mm`` call runs all experts; elsewhere (the CPU, float32 and float16, odd sizes) a
 loop of ``torch.mm`` per expert with rows. Both give the same math: each expert's product in the
 operands' dtype with float32 accumulation. Sums and activations run in ``acc_dtype``: float32,
@@ -31,17 +32,34 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _layout_ok(t: torch.Tensor) -> bool:
+    """True when ``torch._grouped_mm`` takes ``t``'s layout: a 16-byte aligned start and every
+    stride but the unit one a multiple of 16 bytes (whatever the dimension's size: its check reads
+    the leading stride of a one-row operand too)."""
+    if t.data_ptr() % GROUPED_MM_ALIGN_BYTES:
+        return False
+    return all(
+        stride == 1 or (stride * t.element_size()) % GROUPED_MM_ALIGN_BYTES == 0 for stride in t.stride()
+    )
+
+
+def _library_dtype(*tensors: torch.Tensor) -> bool:
+    """True when ``torch._grouped_mm`` runs these operands' device and dtype."""
+    return hasattr(torch, "_grouped_mm") and all(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors)
+
+
 def _library(*tensors: torch.Tensor) -> bool:
     """True when ``torch._grouped_mm`` takes these operands (see the module docstring)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    for t in tensors:
-        if not t.is_cuda or t.dtype != torch.bfloat16:
-            return False
-        for stride, size in zip(t.stride(), t.shape, strict=True):
-            if size > 1 and stride != 1 and (stride * t.element_size()) % GROUPED_MM_ALIGN_BYTES:
-                return False
-    return True
+    return _library_dtype(*tensors) and all(_layout_ok(t) for t in tensors)
+
+
+def _for_library(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where only ``t``'s layout keeps ``torch._grouped_mm`` from
+    taking it (a row cut from a packed byte row: its stride the packed row's, its start anywhere)."""
+    if _layout_ok(t):
+        return t
+    copy = t.clone(memory_format=torch.contiguous_format)
+    return copy if _layout_ok(copy) else t
 
 
 def _offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -63,6 +81,8 @@ def grouped_mm(
     out = a.new_empty((a.shape[0], b.shape[2]))
     if not a.shape[0]:
         return out
+    if library or (library is None and _library_dtype(a, b)):
+        a = _for_library(a)
     if library if library is not None else _library(a, b):
         return torch._grouped_mm(a, b, offs=_offsets(counts, a.device))
     for e, r0, r1 in _ranges(counts):
@@ -85,7 +105,9 @@ def weight_grad(
     experts, acc = len(counts), acc_dtype(a.dtype)
     if not a.shape[0]:
         return a.new_zeros((experts, a.shape[1], g.shape[1]), dtype=acc)
-    if library if library is not None else _library(a, g):
+    if library or (library is None and _library_dtype(a, g)):
+        a, g = _for_library(a), _for_library(g)
+    if library if library is not None else _library(a.t(), g):
         # (the output in the operands' dtype: each expert's sum is one GEMM, rounded once)
         out = torch._grouped_mm(a.t(), g, offs=_offsets(counts, a.device)).float()
         empty = [e for e, c in enumerate(counts) if not c]

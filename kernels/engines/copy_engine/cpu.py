@@ -1,6 +1,7 @@
 """The CPU executor: the same operation lists as on GPUs, run by thread-ranks with real concurrency.
 
-    host thread of rank r   for op in plan.ops: [random delay]; queue op on its stream's FIFO
+    host thread of rank r   for op in plan.ops: [random delay]; [host_blocks(op): wait until
+                            its streams are idle]; queue op on its stream's FIFO
                             wait until the main stream has run everything queued on it
     FIFO worker (a thread)  for op in its queue: [random delay]; run op
                             (waits block the worker, as a stream waits on the GPU)
@@ -67,7 +68,10 @@ class CpuOptions:
     ``delay_s`` before every operation (host and streams, from ``seed``); ``slow[rank]`` more
     seconds before each operation that rank's host issues (a host that falls behind); ``fifos``
     maps stream names to FIFO names (left out: one FIFO per stream); ``drop(rank, index, op)``
-    True leaves that operation out (fault injection)."""
+    True leaves that operation out (fault injection); ``host_blocks(op)`` True makes the host wait,
+    before it issues ``op``, until every stream of its rank has run everything queued on it (a
+    host that blocks there: a synchronizing torch op, or a kernel's first load under CUDA's lazy
+    module loading, which at worst waits for all of the rank's queued work)."""
 
     timeout_s: float = 10.0
     delay_s: float = 0.0
@@ -75,6 +79,7 @@ class CpuOptions:
     slow: Mapping[int, float] | None = None
     fifos: Mapping[str, str] | None = None
     drop: Callable[[int, int, Op], bool] | None = None
+    host_blocks: Callable[[Op], bool] | None = None
 
     def __post_init__(self) -> None:
         """Every option checked here, before any thread starts: ``ArgumentError`` naming it."""
@@ -104,6 +109,10 @@ class CpuOptions:
         if self.drop is not None and not callable(self.drop):
             raise ArgumentError(
                 f"drop: expected a function (rank, index, op) -> bool, or None; got {self.drop!r}"
+            )
+        if self.host_blocks is not None and not callable(self.host_blocks):
+            raise ArgumentError(
+                f"host_blocks: expected a function op -> bool, or None; got {self.host_blocks!r}"
             )
 
 
@@ -268,6 +277,8 @@ class CpuRank:
                 _pause(self._rng, opts.delay_s / 4)
             if slow:
                 time.sleep(slow)
+            if opts.host_blocks is not None and opts.host_blocks(op):
+                self._drain(f"rank {r}, call {self._calls}: its host, before op {i} {type(op).__name__},")
             self._issue(i, op, len(ops), make_run)
         target = self._issued[MAIN]
         # (each operation's wait is bounded: one of them times out first, and says which)
@@ -285,6 +296,18 @@ class CpuRank:
             raise ProtocolError(
                 f"rank {r}, call {self._calls}: stream(s) {', '.join(left)} still had work when the "
                 "call's main stream was done: the list does not join them back"
+            )
+
+    def _drain(self, who: str) -> None:
+        """Block until every stream of this rank has run everything queued on it."""
+        world, r = self.world, self.rank
+        issued = dict(self._issued)
+        with contextlib.suppress(_Aborted):
+            world.wait_until(
+                r,
+                lambda: all(world.done[r, s] >= n for s, n in issued.items()),
+                lambda: f"{who} waited for its streams",
+                world.options.timeout_s * (sum(issued.values()) + 1),
             )
 
     def close(self) -> None:

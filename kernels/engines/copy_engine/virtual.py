@@ -28,7 +28,7 @@ on one GPU; its time is N ranks' work on one GPU, not a rank's time on N GPUs.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,18 +105,19 @@ def cuda_device(device: torch.device | int | str = "cuda") -> VirtualDevice:
     )
 
 
-def issue_order(plans: Sequence[CallPlan]) -> tuple[tuple[int, int], ...]:
-    """(rank, operation index) of every rank's operations, each rank's in list order, such that
-    running them one after another in that order completes: every ``Wait`` (and every tiled
-    kernel's in-kernel wait on its ``ready`` cells) comes after the writes that satisfy it, the
-    flags starting as a call finds them (the guards set). ``ProtocolError`` when no such order
-    exists (the lists would hang on one shared queue)."""
+def issue_order(plans: Sequence[Any], guards: Iterable[Cell] | None = None) -> tuple[tuple[int, int], ...]:
+    """(rank, operation index) of every rank's operations (``plans[r].ops``), each rank's in list
+    order, such that running them one after another in that order completes: every ``Wait`` (and
+    every tiled kernel's in-kernel wait on its ``ready`` cells) comes after the writes that satisfy
+    it, the flags starting as a call finds them: ``guards`` set (left out: the dense protocol's).
+    ``ProtocolError`` when no such order exists (the lists would hang on one shared queue)."""
     world = len(plans)
     cells: dict[Cell, int] = defaultdict(int)
-    layout = FlagLayout(world)
-    for q in range(world):
-        for cell in layout.guards(q):
-            cells[cell] = 1
+    if guards is None:
+        layout = FlagLayout(world)
+        guards = [cell for q in range(world) for cell in layout.guards(q)]
+    for cell in guards:
+        cells[cell] = 1
     ops = [plan.ops for plan in plans]
     at = [0] * world
     order: list[tuple[int, int]] = []
