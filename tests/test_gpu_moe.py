@@ -186,6 +186,44 @@ def test_grouped_kernels_on_gpu(tile, use_tma):
     assert rel_err(h, act) < TOL[torch.bfloat16]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backward", [False, True])
+def test_phases_issue_no_host_synchronization(backward):
+    """A Phase runs behind waits on the peers' rows: a host synchronization there would hold the
+    host until they land. A stage's phases (two pieces, so its rows are reordered by expert), its
+    finish and the Triton engine's SwiGLU grouped GEMM run under torch's sync debug mode "error"
+    (after a first round that loads the kernels); the result is finite."""
+    from fo_kernels.moe.exchange import Layout
+    from fo_kernels.moe.routing import check_call, route
+    from fo_kernels.moe.stages import BackwardStage, ForwardStage
+
+    x, ids, w, w13, w2, g = _inputs(300, torch.bfloat16, seed=7)
+    x, w13, w2, g, w = x.bfloat16(), w13.bfloat16(), w2.bfloat16(), g.bfloat16(), w.float()
+    shape = check_call(x, ids, w, w13, w2, 1)
+    routing = route(ids, shape)
+    layout = Layout(0, routing.host_counts, routing.host_counts, (shape.tokens,))
+    pieces = [(0, 0, E // 2), (0, E // 2, E)]
+    segs = _segments(list(routing.host_counts[0]), 1)
+    for mode in ("default", "error"):
+        common = (shape, routing, layout, w13, w2)
+        stage = BackwardStage(g, x, w, *common) if backward else ForwardStage(x, w, *common)
+        rows = stage.outgoing()
+        h = torch.empty((rows.shape[0], I), device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            stage.first(pieces, rows)
+            got = stage.finish(stage.second(pieces))
+            swiglu_gemm(x[routing.tokens], w13, h, segs, TILES["64x64"], grid=64)
+            if mode == "error":  # (the mode does catch a host list copied to the GPU)
+                with pytest.raises(RuntimeError, match="synchronizing"):
+                    torch.tensor([1, 2], device="cuda")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    out = stage.grads() if backward else (got,)
+    assert all(t.isfinite().all() for t in (*out, h))
+
+
 @triton.jit
 def _acquire_then_copy(counter, target, src, dst, n, BLOCK: tl.constexpr):
     """Spin until ``counter`` reaches ``target`` (acquire), then copy src[:n] to dst from L2."""

@@ -62,8 +62,19 @@ def _for_library(t: torch.Tensor) -> torch.Tensor:
     return copy if _layout_ok(copy) else t
 
 
+def device_ints(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` (host integers) as a tensor on ``device``, without a host synchronization: on a
+    GPU from pinned memory with a non-blocking copy (torch's pinned-memory cache keeps the host
+    block until the copy has run). ``torch.tensor(values, device=cuda)`` would wait for the current
+    stream, which in an overlapped call holds waits on the peers' rows."""
+    host = torch.tensor(list(values), dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=device)
+    return device_ints(itertools.accumulate(counts), torch.int32, device)
 
 
 def _ranges(counts: Sequence[int]):
@@ -112,7 +123,7 @@ def weight_grad(
         out = torch._grouped_mm(a.t(), g, offs=_offsets(counts, a.device)).float()
         empty = [e for e, c in enumerate(counts) if not c]
         if empty:  # an expert without rows has no gradient, whatever the library leaves there
-            out[empty] = 0
+            out.index_fill_(0, device_ints(empty, torch.int64, out.device), 0)
         return out
     out = a.new_zeros((experts, a.shape[1], g.shape[1]), dtype=acc)
     for e, r0, r1 in _ranges(counts):

@@ -39,6 +39,7 @@ import triton.language as tl
 from fo_kernels.gemm.epilogue import _downcast, _signal
 from fo_kernels.gemm.operands import TMA_ALIGN_BYTES, BOperand, kernel_meta, tma_usable
 from fo_kernels.gemm.tiles import _mma, _tile_coords
+from fo_kernels.moe.grouped import device_ints
 from fo_kernels.tile import MIN_BLOCK, Tile
 
 Segment = tuple[int, int, int, int]  # (row0, rows, expert, group)
@@ -237,8 +238,8 @@ def segment_tables(
     prefix = [0]
     for _, rows, _, _ in kept:
         prefix.append(prefix[-1] + -(-rows // block_m) * tiles_n)
-    info = torch.tensor([x for s in kept for x in s] or [0], dtype=torch.int32, device=device)
-    prefix_t = torch.tensor(prefix, dtype=torch.int32, device=device)
+    info = device_ints([x for s in kept for x in s] or [0], torch.int32, device)
+    prefix_t = device_ints(prefix, torch.int32, device)
     return SegmentTables(info, prefix_t, len(kept), prefix[-1], block_m, tiles_n)
 
 

@@ -36,7 +36,15 @@ from collections.abc import Sequence
 import torch
 
 from fo_kernels.moe.exchange import Layout, pack, unpack
-from fo_kernels.moe.grouped import acc_dtype, grouped_mm, grouped_mm_t, swiglu, swiglu_backward, weight_grad
+from fo_kernels.moe.grouped import (
+    acc_dtype,
+    device_ints,
+    grouped_mm,
+    grouped_mm_t,
+    swiglu,
+    swiglu_backward,
+    weight_grad,
+)
 from fo_kernels.moe.routing import FfnShape, Routing
 
 # A piece of the received rows: (slot, first expert, end expert): the rows source ``slot`` sent
@@ -108,7 +116,9 @@ class Stage(ABC):
         experts = [e for _, e0, e1 in pieces for e in range(e0, e1)]
         rows = [self.layout.recv[s][e] for s, e0, e1 in pieces for e in range(e0, e1)]
         dev = self.w13.device
-        key = torch.repeat_interleave(torch.tensor(experts, device=dev), torch.tensor(rows, device=dev))
+        key = torch.repeat_interleave(
+            device_ints(experts, torch.int64, dev), device_ints(rows, torch.int64, dev), output_size=sum(rows)
+        )  # (output_size: the host knows it, and without it torch reads it back from the GPU)
         return torch.sort(key, stable=True).indices
 
     def first(self, pieces: Sequence[Piece], rows: torch.Tensor) -> None:
