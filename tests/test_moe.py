@@ -606,6 +606,60 @@ def test_module_takes_experts_whose_silu_works_in_place(quiet_one_rank):
     torch.testing.assert_close(ExpertParallelExperts.from_experts(mlps)(x, ids, w), want)
 
 
+class _BareMlp(_Mlp):
+    """A hand-written expert MLP that names no act_fn: its forward calls ``act`` itself."""
+
+    def __init__(self, act) -> None:
+        super().__init__(act)
+        del self.act_fn
+        self.activation = act
+
+    def forward(self, x):
+        return self.w2(self.activation(self.w1(x)) * self.w3(x))
+
+
+class _BareFused(torch.nn.Module):
+    """A hand-written fused experts block (transformers' layout and call, 4 experts, H 16, I 8)
+    that names no act_fn: its forward calls F.silu itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 16, 16) * 0.3)
+        self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 8) * 0.3)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for j in range(top_k_index.shape[1]):
+            e = top_k_index[:, j]
+            gate, up = torch.einsum("th,tih->ti", hidden_states, self.gate_up_proj[e]).chunk(2, dim=-1)
+            down = torch.einsum("ti,thi->th", torch.nn.functional.silu(gate) * up, self.down_proj[e])
+            out = out + top_k_weights[:, j, None] * down
+        return out
+
+
+def test_module_probes_the_forward_of_experts_that_name_no_act_fn(quiet_one_rank):
+    """Hand-written experts whose forward calls F.silu, naming no act_fn (a ModuleList of MLPs, a
+    fused block), are taken and compute what they compute; their forward probed, one with another
+    activation, or one transformers' call cannot run, is refused saying so."""
+    from fo_kernels import ExpertParallelExperts, PlanError
+
+    torch.manual_seed(6)
+    x, ids, w = torch.randn(5, 16), torch.randint(0, 3, (5, 2)), torch.rand(5, 2)
+    mlps = torch.nn.ModuleList(_BareMlp(torch.nn.functional.silu) for _ in range(3))
+    want = torch.stack([sum(w[t, j] * mlps[int(ids[t, j])](x[t]) for j in range(2)) for t in range(5)])
+    torch.testing.assert_close(ExpertParallelExperts.from_experts(mlps)(x, ids, w), want)
+    fused = _BareFused()
+    torch.testing.assert_close(ExpertParallelExperts.from_experts(fused)(x, ids, w), fused(x, ids, w))
+    mlps[2] = _BareMlp(torch.nn.functional.gelu)
+    with pytest.raises(
+        PlanError, match=r"^experts: it names no act_fn, so its forward was probed, and expert 2"
+    ):
+        ExpertParallelExperts.from_experts(mlps)
+    fused.forward = lambda hidden_states: hidden_states
+    with pytest.raises(PlanError, match=r"its forward could not be probed on expert 0's rows \(TypeError"):
+        ExpertParallelExperts.from_experts(fused)
+
+
 def test_module_refuses_what_the_op_does_not_compute(quiet_one_rank):
     pytest.importorskip("transformers")
     from fo_kernels import ExpertParallelExperts, PlanError, parallelize_experts

@@ -18,7 +18,8 @@ and loads a state_dict of such a block (a Hugging Face checkpoint of the whole m
 as this rank's experts: ``model.load_state_dict(full_state_dict)`` after ``parallelize_experts``.
 Its own state_dict holds this rank's ``w13`` and ``w2``. It refuses (``PlanError``) what the op does
 not compute: an activation other than SiLU (the fused block's ``_apply_gate`` is probed, so a
-clamped SwiGLU such as DeepSeek-V4's or gpt-oss's is refused), biases, a norm after each expert,
+clamped SwiGLU such as DeepSeek-V4's or gpt-oss's is refused; a block that names no ``act_fn`` has
+its forward probed), biases, a norm after each expert,
 experts without a gate (NemotronH's and Ergo's up_proj / down_proj), weights in neither layout
 (Llama 4's experts, which take pre-weighted rows and no routing), E not divisible by the world size,
 expert MLPs of different shapes; a block or model sharded already raises ``AlreadyParallelizedError``.

@@ -4,10 +4,16 @@ op's (w13, w2) from either layout (fused: ``fused_block``; a ModuleList of exper
 no bias, no norm after each expert), the refusal of a block in neither layout (``other_layout``),
 and ``Source``: how the block named and laid out its weights, so that a checkpoint of such blocks
 loads into the sharded module (``fo_kernels.moe.module``).
+
+The activation is checked where the block names it (its ``_apply_gate``, else its ``act_fn``); a
+block or expert MLP that names none (its forward calls ``F.silu`` itself) has its own forward
+probed instead: rows through each expert against ``silu(x @ gate) * (x @ up) @ down`` of the
+weights read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +28,16 @@ from fo_kernels.errors import PlanError
 # under ``torch.device("meta")`` would otherwise probe meta tensors, which hold no values).
 _PROBE = (-1e3, -3.0, -0.5, 0.25, 2.0, 9.0, 1e3)
 _PROBE_TOL = 1e-6
+# The probe rows of a block that names no activation (its forward probed, ``_check_forward``): each
+# row scaled so its largest gate pre-activation is one of these, where a SiLU is told from ReLU
+# and GELU (near 1 and 4) and from the clamped SwiGLUs (gpt-oss 7, DeepSeek-V4 10: at 30).
+_FORWARD_REACH = (1.0, 4.0, 30.0)
+# The largest relative error (per row, of its norm) the probed forward may have against the
+# formula in float64: a few roundings in the weights' dtype (machine epsilon: float32 1.2e-7,
+# float16 9.8e-4, bfloat16 7.8e-3); GELU or ReLU in the SiLU's place is off by 0.1 or more at 1.
+_FORWARD_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+# The block's own exceptions from a forward it cannot run on the probe (another signature, ...).
+_FORWARD_ERRORS = (TypeError, RuntimeError, ValueError, AttributeError, IndexError)
 # Per-expert MLP attribute names: (gate, up, down), Mixtral's then Qwen's (transformers 4).
 _MLP_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
@@ -42,10 +58,12 @@ def _check_silu(act: object, where: str) -> None:
 
 def _check_gate(experts: nn.Module) -> None:
     """Raise ``PlanError`` unless the fused block's gating (its ``_apply_gate`` of (R, 2I) rows,
-    which transformers' experts implementations call, else its ``act_fn``) is ``silu(gate) * up``."""
+    which transformers' experts implementations call, else its ``act_fn``) is ``silu(gate) * up``; a
+    block with neither has its forward probed by ``fused_block``."""
     apply_gate = getattr(experts, "_apply_gate", None)
     if apply_gate is None:
-        _check_silu(getattr(experts, "act_fn", None), "experts")
+        if getattr(experts, "act_fn", None) is not None:  # (none: its forward is probed instead)
+            _check_silu(experts.act_fn, "experts")
         return
     probe = torch.tensor(_PROBE, device="cpu")
     gate, up = (t.reshape(-1) for t in torch.meshgrid(probe, probe, indexing="ij"))
@@ -60,6 +78,59 @@ def _check_gate(experts: nn.Module) -> None:
             f"experts: its gating ({type(experts).__name__}._apply_gate) is not silu(gate) * up, which "
             "expert_parallel_ffn computes"
         )
+
+
+def _check_forward(
+    run: Callable[[torch.Tensor, int], torch.Tensor],
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    experts: list[int],
+    where: str,
+) -> None:
+    """``PlanError`` unless ``run(x, e)``, the block's own forward of rows ``x`` through its expert
+    ``e``, is ``silu(x @ gate) * (x @ up) @ down`` of ``w13`` (E, H, 2I) and ``w2`` (E, I, H) for each
+    of ``experts``: the activation check of a block that names none (no ``act_fn``)."""
+    fix = "give it an act_fn (a SiLU), as transformers' experts have"
+    if w13.device.type == "meta":
+        raise PlanError(
+            f"{where}: no act_fn to check, and its weights on the meta device hold no values to probe "
+            f"its forward with; {fix}, or build it on a real device"
+        )
+    tol = _FORWARD_TOL.get(w13.dtype)
+    if tol is None:  # (a dtype the op does not take: the module's dtype check refuses it)
+        return
+    inter = w2.shape[1]
+    base = torch.randn(len(_FORWARD_REACH), w13.shape[1], generator=torch.Generator().manual_seed(0))
+    reach = torch.tensor(_FORWARD_REACH)[:, None]
+    for e in experts:
+        w13e, w2e = w13[e].detach().double().cpu(), w2[e].detach().double().cpu()
+        peak = (base.double() @ w13e[:, :inter]).abs().amax(dim=1, keepdim=True)
+        if not bool((peak > 0).all()):
+            raise PlanError(
+                f"{where}: no act_fn to check, and expert {e}'s gate weights are zero, which leaves no "
+                f"activation to probe its forward with; {fix}"
+            )
+        x = (base.double() * reach / peak).to(w13.dtype)
+        gate_up = x.double() @ w13e
+        want = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2e
+        try:
+            with torch.no_grad():
+                got = run(x.to(w13.device), e)
+        except _FORWARD_ERRORS as exc:
+            raise PlanError(
+                f"{where}: no act_fn to check, and its forward could not be probed on expert {e}'s rows "
+                f"({type(exc).__name__}: {exc}); {fix}"
+            ) from None
+        err = float("inf")
+        if isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(want.shape):
+            diff = (got.detach().double().cpu() - want).norm(dim=1)
+            err = (diff / want.norm(dim=1).clamp_min(torch.finfo(torch.float64).tiny)).max().item()
+        if not err <= tol:  # (NaN too)
+            raise PlanError(
+                f"{where}: it names no act_fn, so its forward was probed, and expert {e}'s is not "
+                f"silu(x @ gate) * (x @ up) @ down (relative error {err:.1e}); expert_parallel_ffn "
+                "computes silu(gate) * up"
+            )
 
 
 # (w13, w2) of every expert, whether the block trains each (its weights' requires_grad), and how
@@ -135,6 +206,13 @@ def fused_block(experts: nn.Module) -> Weights:
         )
     except PlanError as exc:
         raise PlanError(f"experts: a {type(experts).__name__}'s {exc}") from None
+    if getattr(experts, "_apply_gate", None) is None and getattr(experts, "act_fn", None) is None:
+
+        def run(x: torch.Tensor, e: int) -> torch.Tensor:
+            ids = torch.full((x.shape[0], 1), e, dtype=torch.int64, device=x.device)
+            return experts(x, ids, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device))
+
+        _check_forward(run, w13, w2, list(range(w13.shape[0])), "experts")
     return w13, w2, (gate_up.requires_grad, down.requires_grad), source
 
 
@@ -147,6 +225,7 @@ def per_expert_block(experts: nn.ModuleList) -> Weights:
     if names is None:
         raise PlanError(f"experts: an MLP without {' / '.join('/'.join(n) for n in _MLP_NAMES)} layers")
     entries, trains = {}, [False, False]  # (entries: the block's state_dict, as Source reads it)
+    unnamed: list[int] = []  # the experts without an act_fn
     first = None  # experts[0]'s weight shapes, which every expert's must equal
     for i, mlp in enumerate(experts):
         gate, up, down = (getattr(mlp, a) for a in names)
@@ -167,12 +246,17 @@ def per_expert_block(experts: nn.ModuleList) -> Weights:
             raise PlanError(
                 f"experts[{i}]: biases are not part of the SwiGLU expert expert_parallel_ffn computes"
             )
-        _check_silu(getattr(mlp, "act_fn", None), f"experts[{i}]")
+        if getattr(mlp, "act_fn", None) is None:  # (its forward is probed below)
+            unnamed.append(i)
+        else:
+            _check_silu(mlp.act_fn, f"experts[{i}]")
         entries.update({f"{i}.{a}.weight": getattr(mlp, a).weight.detach() for a in names})
         trains[0] |= gate.weight.requires_grad or up.weight.requires_grad
         trains[1] |= down.weight.requires_grad
     source = Source(fused=False, names=names)
     w13, w2 = source.weights(entries, len(experts))
+    if unnamed:
+        _check_forward(lambda x, e: experts[e](x), w13, w2, unnamed, "experts")
     return w13, w2, (trains[0], trains[1]), source
 
 
