@@ -20,7 +20,14 @@ SHAPES = 400
 ROUNDING = 1e-9
 
 
-@pytest.fixture(scope="module", params=[(2, "bfloat16"), (4, "bfloat16"), (8, "float8_e4m3fn")])
+# (world size, dtype) of the offline plans checked; the packaged TP=2 calibration has no
+# all_gather curve (``test_the_tp2_calibration_has_no_all_gather_curve``), so the all_gather checks
+# run on the extrapolated ones.
+PLANS = [(2, "bfloat16"), (4, "bfloat16"), (8, "float8_e4m3fn")]
+GATHER_PLANS = [plan for plan in PLANS if plan[0] != 2]
+
+
+@pytest.fixture(scope="module", params=PLANS)
 def offline(request):
     """(world size, dtype, the cost model an offline plan of them reads)."""
     import torch
@@ -38,15 +45,32 @@ def _dims(rng: random.Random, fp8: bool) -> list[int]:
     return [m, n, k]
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_the_tp2_calibration_has_no_all_gather_curve():
+    """What ``GATHER_PLANS`` leaves out: were a TP=2 all_gather curve packaged, the all_gather
+    checks below would take world size 2 too."""
+    import torch
+
+    cal, _mode = choose_calibration(None, "predict", 2, "gloo", torch.device("cpu"), "bfloat16")
+    curves = cost_model(cal).curves
+    assert curves.knows("all_reduce") and curves.knows("reduce_scatter")
+    assert not curves.knows("all_gather"), "add (2, 'bfloat16') to GATHER_PLANS"
+
+
+@pytest.mark.parametrize(
+    "offline, collective",
+    [
+        *[(plan, c) for plan in PLANS for c in ("all_reduce", "reduce_scatter")],
+        *[(plan, "all_gather") for plan in GATHER_PLANS],
+    ],
+    indirect=["offline"],
+)
 def test_a_collective_never_takes_less_for_more_bytes(offline, collective):
     """Over every CTA cap's curve: the measured points dip by a few microseconds as the size grows at
     NCCL's latency floor (the packaged TP=2 all_reduce curve at 256 KB-2 MB), and a plan read
     through them priced a bigger output's GEMM then collective below a smaller one's."""
     world, _dtype, model = offline
     curves = model.curves
-    if not curves.knows(collective):
-        pytest.skip(f"no {collective} curve at world size {world} (the packaged TP=2 calibration)")
+    assert curves.knows(collective), (world, collective)
     caps = sorted({b.nccl_max_ctas for b in model.cal.bandwidth if b.collective == collective})
     assert caps, (world, collective)
     sizes = sorted({b.size_bytes for b in model.cal.bandwidth} | {1, 1 << 33})
@@ -279,6 +303,7 @@ def test_the_grouping_dp_matches_its_exhaustive_loop(offline):
     assert checked == 20
 
 
+@pytest.mark.parametrize("offline", GATHER_PLANS, indirect=True)
 def test_the_all_gather_dp_matches_its_loop(offline):
     """The all_gather term's DP (each group's pieces priced once per row count, the cuts thinned
     without listing every unit) gives the grouping of the loop over every unit and over each
@@ -290,8 +315,7 @@ def test_the_all_gather_dp_matches_its_loop(offline):
     from fo_tune.engines.triton.model import num_units, with_groups
 
     world, dtype, model = offline
-    if not model.curves.knows("all_gather"):
-        pytest.skip("no all_gather curve (the packaged TP=2 calibration)")
+    assert model.curves.knows("all_gather"), world
     term = model.term("triton")
     rng = random.Random(world + 3)
     for _ in range(8):
