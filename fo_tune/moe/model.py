@@ -61,7 +61,8 @@ Llama-4-Maverick EP 8 at 4096 tokens, the GEMM takes longer than either), fewer 
 slower (the Triton path's programs on SMs - sms_free read at the full rate), and a partial wave
 of few long-K tiles running faster than a full wave's share (Mixtral's down: 16-32 tiles of K 14336
 on 132 programs, priced +42..+53% slow; Llama-4-Maverick's down at one token +39..+46%).
-Host time: eager calls; each path's launches at ``HOST_*`` (see there).
+Host time: eager calls; each path's launches and phases at ``HOST_*`` (see there), measured on one
+H100's host; a host of another speed scales them.
 """
 
 from __future__ import annotations
@@ -94,6 +95,16 @@ HOST_TORCH_OP_MS = 0.03
 # Host time of one eager launch of a signalled Triton GEMM: ~84 us of CPU (docs/design.md, "The
 # signalled GEMM's eager launch costs ~84 us of CPU", one H200).
 HOST_TRITON_LAUNCH_MS = 0.084
+# Host time of a stage's phases (bf16, torch._grouped_mm): phase 1 of a piece (unpack, the up
+# grouped GEMM, SwiGLU) and phase 2 (the down grouped GEMM, pack), and what a call spends besides
+# them (the checks, the routing, the stages, the weighted sum): the medians over six models' experts
+# at EP 4 and 8, 64 and 512 tokens a rank, of `python bench/moe_host.py` on one H100's host
+# (results/bench/nvidia-h100-80gb-hbm3-cc90-132sm-w1-single/moe_host.csv: phase 1 0.125 ms, phase 2
+# 0.086 ms, the whole call at world size 1 0.674 ms, so 0.46 ms besides its two phases). The
+# copy engine issues both phases for every piece of every source: w x chunks of each.
+HOST_PHASE1_MS = 0.125
+HOST_PHASE2_MS = 0.086
+HOST_CALL_MS = 0.674 - HOST_PHASE1_MS - HOST_PHASE2_MS
 # The counts exchange's first row: the signature (6 fields) and the tokens, int64; its second row
 # holds the E_local counts (fo_kernels.moe.exchange).
 COUNTS_FIELDS = 7
@@ -334,6 +345,12 @@ class MoeCostModel:
         return self.dense.wave_model_time(tile, 2 * tile.block_m, tile.block_n, k, 1) - one
 
     # ------------------------------------------------------------------------------ predictions
+    @staticmethod
+    def exchange_host_ms(call: MoeCall, collectives: int) -> float:
+        """Host time of the counts exchange and ``collectives`` more eager collectives between the
+        ranks (none at world size 1)."""
+        return (COUNTS_EXCHANGES + collectives) * HOST_TORCH_OP_MS if call.world > 1 else 0.0
+
     def fallback(self, call: MoeCall) -> MoePrediction:
         """The no-overlap path (``engine: null``): every part one after the other."""
         a2a = self.all_to_all_ms(call)
@@ -348,8 +365,9 @@ class MoeCostModel:
         down = self.grouped_library_ms(rows, hidden, inter, experts, up=False, itemsize=size)
         counts = self.counts_ms(call)
         device = counts + a2a + up + down + a2a
-        # the counts exchange, the dispatch and the combine, two grouped GEMMs
-        host = (COUNTS_EXCHANGES + 4) * HOST_TORCH_OP_MS
+        # the call, its two phases on every row, and (between ranks) the counts exchange, the
+        # dispatch and the combine
+        host = HOST_CALL_MS + HOST_PHASE1_MS + HOST_PHASE2_MS + self.exchange_host_ms(call, 2)
         return MoePrediction(
             total_ms=max(device, host),
             device_ms=device,

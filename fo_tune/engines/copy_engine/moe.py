@@ -16,7 +16,9 @@ of its experts that its rows reach, w C pieces in all) times ``copy_contention``
     device = the later of main and the last copy out
 
 Host: every operation of the list issued eagerly at ``host_eager_op_ms`` (the calibration's fit
-over the dense copy engine's calls). Needs the calibration's copy_engine section.
+over the dense copy engine's calls), each Phase's torch ops besides (``HOST_PHASE1_MS``,
+``HOST_PHASE2_MS``: w x C of each), the call's own (``HOST_CALL_MS``) and the counts exchange.
+Needs the calibration's copy_engine section.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.plan import cdiv
 from fo_tune.calibrate.calibration import Calibration
 from fo_tune.engines.copy_engine.tuner import params_gap, peer_blocker
-from fo_tune.moe.model import MoeCall, MoeCostModel, MoePrediction
+from fo_tune.moe.model import (
+    HOST_CALL_MS,
+    HOST_PHASE1_MS,
+    HOST_PHASE2_MS,
+    MoeCall,
+    MoeCostModel,
+    MoePrediction,
+)
 
 # The calibration's copy_engine parameters this term reads.
 PARAMS = (
@@ -109,7 +118,8 @@ class CopyEngineMoeTerm:
         device = max(t_main, t_local)
         pushes = 2 * peers * chunks
         ops = OPS_PER_PUSH * pushes + 2 * w * chunks + 2 * peers + 1
-        host = ops * p["host_eager_op_ms"]
+        phases = w * chunks * (HOST_PHASE1_MS + HOST_PHASE2_MS)
+        host = HOST_CALL_MS + m.exchange_host_ms(call, 0) + phases + ops * p["host_eager_op_ms"]
         gemm_total = w * chunks * (up + down)
         return MoePrediction(
             total_ms=max(device, host),
