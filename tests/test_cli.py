@@ -269,6 +269,25 @@ def test_run_cli_maps_errors_to_one_line(capsys, exc, code):
         assert "rank 1 failed" in err and "ValueError: boom" in err
 
 
+def test_run_cli_stops_quietly_when_stdout_is_a_closed_pipe(capsys, monkeypatch):
+    """``fo-tune table list --json | head -1``: a write to stdout after its reader has gone is the
+    end of the command (exit 1, nothing on stderr, stdout pointed at /dev/null for the last flush),
+    not an internal error; a BrokenPipeError while stdout's reader is there (another pipe's) still
+    is one."""
+    read, write = os.pipe()
+    with os.fdopen(write, "w") as out:
+        monkeypatch.setattr(sys, "stdout", out)
+        with pytest.raises(typer.Exit) as info:
+            run_cli(_raise(BrokenPipeError(32, "Broken pipe")))
+        assert info.value.exit_code == 1 and "internal error" in capsys.readouterr().err
+        os.close(read)
+        with pytest.raises(typer.Exit) as info:
+            run_cli(_raise(BrokenPipeError(32, "Broken pipe")))
+        assert info.value.exit_code == 1 and capsys.readouterr().err == ""
+        out.write("more output\n")
+        out.flush()  # (to /dev/null now: no second BrokenPipeError)
+
+
 def test_parse_shape():
     assert parse_shape("4096x8192x4096") == (4096, 8192, 4096)
     assert parse_shape(" 3X4x5 ") == (3, 4, 5)

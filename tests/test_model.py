@@ -23,6 +23,7 @@ from fo_tune.engines.copy_engine.fit import fit_free
 from fo_tune.engines.copy_engine.model import chunk_rows, eager_ops
 from fo_tune.model.check import check_files, mape, measured_in
 from fo_tune.search import SearchRequest, run_search
+from fo_tune.tables.merge import lock_path
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = sorted((ROOT / "results" / "tables" / H200_KEY).glob("*.yaml"))
@@ -305,6 +306,13 @@ def test_model_check_defaults_and_reports(tmp_path):
     assert r.exit_code == 0, r.output
     n = len(measured_in([CALIBRATION_DIR / "copy_engine_tiled_probe.csv", REPORTS[0]]))
     assert r.stdout.strip().splitlines()[-1].endswith(f"over {n} measured rows")
+    # TABLES/*/* after a search: each table's lock file (empty) beside it is passed over
+    table = shutil.copy(TABLES[0], tmp_path / TABLES[0].name)
+    lock = lock_path(table)
+    lock.touch()
+    r = model_check(str(table), str(lock))
+    assert r.exit_code == 0 and r.stdout.strip().splitlines()[-1].startswith("MAPE "), r.output
+    assert "lock file" in assert_one_line_error(model_check(str(lock)))
 
 
 def test_model_check_counts_only_the_rows_it_priced_and_says_why_the_others_are_not(tmp_path):

@@ -545,6 +545,24 @@ def test_validate_ok(runner: CliRunner, tmp_path: Path) -> None:
     assert result.stderr == ""
 
 
+def test_validate_skips_a_tables_lock_file_with_a_note(runner: CliRunner, tmp_path: Path) -> None:
+    """``fo-tune table validate TABLES/*/*`` after a search: the merge's lock file beside each table
+    (empty) is skipped with a note, not refused as an empty table file; a non-empty file of that
+    name is still read as a table."""
+    good = gpu_table_file(tmp_path)
+    table = load_table(good)
+    merge_rows(good, table.fingerprint, table.rows, **HEADER)  # (a search's merge: leaves the lock file)
+    lock = lock_path(good)
+    assert lock.is_file() and lock.stat().st_size == 0
+    result = runner.invoke(app, ["table", "validate", str(good), str(lock)])
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    assert f"note: {lock}: a table's lock file" in result.stdout and f"OK {good}" in result.stdout
+    result = runner.invoke(app, ["table", "validate", "--json", str(lock)])
+    assert result.exit_code == 0 and json.loads(result.stdout)["files"][0]["ok"], result.output
+    lock.write_text("rows: []\n")
+    assert "error:" in runner.invoke(app, ["table", "validate", str(lock)]).stderr
+
+
 def test_validate_bad_row_is_one_line_per_problem(runner: CliRunner, tmp_path: Path) -> None:
     bad_row = tweak(cpu_row(64), signal_tiles=1, groups=(2, 1))
     bad = write(tmp_path / "bad.yaml", [cpu_row(200), bad_row])

@@ -9,6 +9,7 @@ expected error into one line on stderr and an exit code:
     a failure at run time (any other FoTuneError, e.g. LaunchError)      -> "error: ...", exit 1
     an unexpected exception (a bug)                                      -> "error: internal ...", exit 1
     Ctrl-C                                                               -> "error: interrupted", exit 130
+    stdout's reader gone (``fo-tune table list --json | head -1``)       -> nothing more, exit 1
 
 With ``FO_TUNE_DEBUG=1`` the traceback is printed instead of the one line (same exit code). The root
 command's group (``OneLineErrorsGroup``) words click's usage errors the same way; ``finishing``
@@ -20,10 +21,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import select
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import typer
 from typer.core import TyperGroup
@@ -85,6 +87,28 @@ def _report(exc: BaseException, message: str) -> None:
         err_console.print(f"error: {message}", markup=False)
 
 
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reading end is closed (``head`` has read its
+    lines): polling its write end reports an error then."""
+    if not hasattr(select, "poll"):  # (Windows: no poll; such a pipe reads as another one's)
+        return False
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # (no file descriptor: a test's buffer)
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout's descriptor at /dev/null, so the interpreter's last flush of what stdout still
+    buffers writes nowhere instead of raising a second BrokenPipeError."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def run_cli(fn: Callable[[], T]) -> T:
     """Call ``fn()``; map an error to one line on stderr and ``typer.Exit`` (see the module docstring)."""
     try:
@@ -94,17 +118,29 @@ def run_cli(fn: Callable[[], T]) -> T:
     except KeyboardInterrupt as exc:
         _report(exc, "interrupted")
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except BrokenPipeError as exc:
+        if not _stdout_reader_gone():  # (another pipe, a rank's: a failure to report)
+            _report_unexpected(exc)
+        # the reader took what it wanted: stop as rich's console stops on a closed stdout (exit 1,
+        # no message), the command's other output (a table, --help) included
+        _stdout_to_devnull()
+        raise typer.Exit(EXIT_FAILED) from None
     except Exception as exc:
         code = _exit_code_for(exc)
         if code is None:
-            _report(
-                exc,
-                f"internal error: {type(exc).__name__}: {one_line(exc)} "
-                f"(set {DEBUG_ENV}=1 for the traceback; please report it)",
-            )
-            raise typer.Exit(EXIT_FAILED) from None
+            _report_unexpected(exc)
         _report(exc, one_line(exc))
         raise typer.Exit(code) from None
+
+
+def _report_unexpected(exc: BaseException) -> NoReturn:
+    """Report ``exc``, a bug, as an internal error and exit 1 (``typer.Exit``)."""
+    _report(
+        exc,
+        f"internal error: {type(exc).__name__}: {one_line(exc)} "
+        f"(set {DEBUG_ENV}=1 for the traceback; please report it)",
+    )
+    raise typer.Exit(EXIT_FAILED) from None
 
 
 class OneLineErrorsGroup(TyperGroup):

@@ -165,8 +165,12 @@ def _files(files: list[Path] | None, cal: Calibration) -> list[Path]:
     from fo_tune.calibrate.calibration import CALIBRATION_KIND
     from fo_tune.model.check import CheckError
     from fo_tune.search.report import REPORT_KIND
+    from fo_tune.tables.merge import is_lock_file
 
-    paths = list(files or []) or _default_tables(cal)
+    # (a glob of a table folder, TABLES/*/*, names each table's lock file too: the table is read)
+    paths = [p for p in files or [] if not is_lock_file(p)] or _default_tables(cal)
+    if files and not any(p in files for p in paths):
+        raise CheckError(f"{files[0]}: a table's lock file, not a table or report; give the table beside it")
     if not paths:
         raise CheckError(f"no packaged table for {cal.fingerprint.device_key}; give tables or reports")
     for p in paths:

@@ -132,7 +132,9 @@ VALIDATE_HELP = "\n\n".join(
         "file is not where lookup looks for it (<device-key>/<collective>-w<world>-<dtype>.yaml, "
         "<device-key>/moe-w<world>-<dtype>.yaml); a file lookup reads and refuses (under another "
         "call's name or the other kind of table's, or in the device key folder of another compute "
-        "capability or world size) is a problem whose line says where to move it. --json prints one JSON "
+        "capability or world size) is a problem whose line says where to move it. A table's lock "
+        "file (<table>.yaml.lock, empty, which a search's merge leaves beside the table: a glob "
+        "TABLES/*/* names it) is skipped with a note. --json prints one JSON "
         "document instead (ok; per file ok, rows, problems and note).",
         "Exit code 0 when every file is fine, 2 when any has a problem (fix the row named, or "
         "re-tune it with `fo-tune search`; move or rename the file named).",
@@ -280,11 +282,18 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJso
     from fo_kernels.errors import TableError, TableNotFoundError
     from fo_kernels.moe.table import MoeTable
     from fo_tune.tables.kinds import load_any_table
+    from fo_tune.tables.merge import is_lock_file
     from fo_tune.tables.moe_validate import validate_moe_table
     from fo_tune.tables.validate import validate_table
 
     checks: list[FileCheck] = []
     for path in paths:
+        if is_lock_file(path):  # (not a table: skipped, with a note, whatever the others hold)
+            note = f"{path}: a table's lock file (`fo-tune search` takes it while it merges rows); skipped"
+            checks.append(FileCheck(path, None, [], note))
+            if not json_out:
+                print_plain(f"note: {note}")
+            continue
         try:
             table = load_any_table(path)
         except (TableError, TableNotFoundError) as exc:

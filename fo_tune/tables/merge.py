@@ -50,6 +50,14 @@ def lock_path(path: str | os.PathLike[str]) -> Path:
     return Path(str(path) + LOCK_SUFFIX)
 
 
+def is_lock_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a table's lock file as a merge leaves it beside the table: named
+    ``<table>.yaml.lock`` and empty (``filelock`` writes nothing into it). A glob of a table folder
+    (``fo-tune table validate TABLES/*/*``) names these too."""
+    path = Path(path)
+    return path.name.endswith(".yaml" + LOCK_SUFFIX) and path.is_file() and path.stat().st_size == 0
+
+
 def _hardware_mismatch(theirs: Fingerprint, ours: Fingerprint) -> str | None:
     """What makes ``theirs`` other hardware than ``ours`` (device key, capability, world size)."""
     for name in ("device_key", "compute_capability", "world_size"):
