@@ -129,26 +129,51 @@ def measure(model: dict, ep: int, tokens: int, reps: int) -> list[dict]:
     return out
 
 
-def main() -> None:
+def _ints(parser: argparse.ArgumentParser, name: str, text: str) -> list[int]:
+    """``text`` as a comma-separated list of whole numbers >= 1 (else the parser's exit 2)."""
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        parser.error(f"--{name}: {text!r} is not a comma-separated list of whole numbers")
+    if not values or min(values) < 1:
+        parser.error(f"--{name}: {text!r}: give one or more whole numbers >= 1")
+    return values
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder to write moe_host.csv into (made if missing)")
-    parser.add_argument("--suite", default=str(SUITE), help="the MoE suite (default: %(default)s)")
+    parser.add_argument(
+        "--suite", default=str(SUITE), help="the models' expert shapes (default: %(default)s)"
+    )
     parser.add_argument("--models", default="", help="comma-separated model names (default: all)")
     parser.add_argument("--ep", default="4,8", help="expert-parallel sizes (default: %(default)s)")
     parser.add_argument("--tokens", default="64,512", help="tokens a rank (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=30, help="calls per median (default: %(default)s)")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("moe_host: needs a CUDA GPU")
-    suite = yaml.safe_load(Path(args.suite).read_text())
-    names = [n for n in args.models.split(",") if n]
-    unknown = sorted(set(names) - {m["name"] for m in suite["models"]})
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps must be >= 1, got {args.reps}")
+    eps, tokens = _ints(parser, "ep", args.ep), _ints(parser, "tokens", args.tokens)
+    try:
+        suite = yaml.safe_load(Path(args.suite).read_text())
+    except OSError as exc:
+        parser.error(f"--suite: {exc.strerror}: {args.suite}")
+    names = [m["name"] for m in suite["models"]]
+    wanted = [n for n in args.models.split(",") if n]
+    unknown = [n for n in wanted if n not in names]
     if unknown:
-        raise SystemExit(
-            f"moe_host: unknown model(s) {unknown}; the suite has {[m['name'] for m in suite['models']]}"
-        )
+        parser.error(f"--models: unknown model {unknown[0]!r}: the suite has {', '.join(names)}")
+    for model in suite["models"]:
+        for ep in eps:
+            if (not wanted or model["name"] in wanted) and model["experts"] % ep:
+                parser.error(f"--ep {ep} does not divide {model['name']}'s {model['experts']} experts")
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out: {exc.strerror}: {args.out}")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (run it on the GPU machine whose host time it measures)")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{PORT}", rank=0, world_size=1)
     meta = dict(
@@ -158,22 +183,24 @@ def main() -> None:
         time=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
     rows = []
-    try:
-        for model in suite["models"]:
-            if names and model["name"] not in names:
-                continue
-            for ep in (int(e) for e in args.ep.split(",")):
-                for tokens in (int(t) for t in args.tokens.split(",")):
-                    for row in measure(model, ep, tokens, args.reps):
-                        rows.append({**row, **meta})
-                        print(", ".join(f"{k} {row[k]}" for k in row), flush=True)
-                    torch.cuda.empty_cache()
-    finally:
-        dist.destroy_process_group()
+    # (each row written as it is measured: a failure keeps the rows before it)
     with open(out_dir / "moe_host.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
-        writer.writerows(rows)
+        try:
+            for model in suite["models"]:
+                if wanted and model["name"] not in wanted:
+                    continue
+                for ep in eps:
+                    for count in tokens:
+                        for row in measure(model, ep, count, args.reps):
+                            rows.append({**row, **meta})
+                            writer.writerow(rows[-1])
+                            f.flush()
+                            print(", ".join(f"{k} {row[k]}" for k in row), flush=True)
+                        torch.cuda.empty_cache()
+        finally:
+            dist.destroy_process_group()
     for name in ("phase1_host_ms", "phase2_host_ms", "call_host_ms"):
         print(f"median {name}: {statistics.median(r[name] for r in rows):.4f}")
 
