@@ -262,12 +262,16 @@ def _recast(model: torch.nn.Module, x: torch.Tensor, before: torch.Tensor) -> fl
     import copy
     import io
 
+    fp8_modules = sum(hasattr(sub, "weight_scale") for sub in model.modules())
+    assert fp8_modules, "the model holds no fp8 module, so no cast of one is checked"
+
     def check(m: torch.nn.Module, device: str = "cpu") -> None:
-        for sub in m.modules():
-            if hasattr(sub, "weight_scale"):
-                scale, local = sub.weight_scale, sub.weight.to_local()
-                assert (local.dtype, scale.dtype) == (FP8, torch.float32), (sub, local.dtype, scale.dtype)
-                assert local.device.type == scale.device.type == device, (sub, local.device, scale.device)
+        scaled = [sub for sub in m.modules() if hasattr(sub, "weight_scale")]
+        assert len(scaled) == fp8_modules, (len(scaled), fp8_modules, m)  # every module keeps its scale
+        for sub in scaled:
+            scale, local = sub.weight_scale, sub.weight.to_local()
+            assert (local.dtype, scale.dtype) == (FP8, torch.float32), (sub, local.dtype, scale.dtype)
+            assert local.device.type == scale.device.type == device, (sub, local.device, scale.device)
 
     cast = copy.deepcopy(model).float().half().to(torch.bfloat16)
     check(cast)

@@ -29,6 +29,10 @@ from fo_tune.cli.calibrate import PART_NAMES
 from fo_tune.engines.copy_engine import calibrate_n as cn
 from fo_tune.engines.copy_engine.model import CopyEngineTerm, chunk_rows
 
+# The CPU stage's GEMMs: 2 layers (cn.CPU_TP_LAYERS) x (the whole GEMM + 3 chunk counts
+# (cn.LAYER_CHUNKS) x beta 0 and 1).
+CPU_LAYER_GEMMS = 2 * (1 + 3 * 2)
+
 
 def _host(world: int, graph_ms: float, eager_ms: float, collective: str = "all_reduce") -> HostPoint:
     return HostPoint(
@@ -127,7 +131,15 @@ def test_the_stage_on_the_cpu_measures_the_chunk_gemms_and_says_why_not_the_host
     assert "interference: not measured (world size 1 has no collective)" in result.stdout, result.stdout
     assert "sms_free > 0" not in result.stdout and "GEMM: best tile" not in result.stdout, result.stdout
     section = load_calibration(out / "calibration.yaml").copy_engine
-    want = set(cn.layer_gemm_shapes(cpu=True))
+    # what the model looks up for the CPU layers (its own chunk cut, not the stage's list): each
+    # whole GEMM and, per chunk count, the chunk GEMM at beta 0 and 1
+    want = set()
+    for m, n, k, world in cn.CPU_TP_LAYERS:
+        want.add((m, n, k, 0))
+        for chunks in cn.LAYER_CHUNKS:
+            rows = chunk_rows(m // world, (1,) * chunks)[0]
+            want |= {(rows, n, k, 0), (rows, n, k, 1)}
+    assert len(want) == CPU_LAYER_GEMMS, want
     assert {(p.m, p.n, p.k, p.beta) for p in section.library_gemm} == want
     assert section.host == [] and not section.params
 

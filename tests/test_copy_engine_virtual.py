@@ -254,14 +254,17 @@ def test_issue_order_puts_every_wait_after_its_writer(world: int, collective: st
     for r in range(world):
         assert [i for q, i in order if q == r] == list(range(len(plans[r].ops)))
     cells: Counter = Counter({c: 1 for q in range(world) for c in FlagLayout(world).guards(q)})
+    waits = 0
     for r, i in order:
         op = plans[r].ops[i]
         if isinstance(op, Signal):
             cells[op.cell] = 1
         elif isinstance(op, Wait):
             assert cells[op.cell] >= op.target, (r, i, op)
+            waits += 1
         elif type(op).__name__ == "Reset":
             cells[op.cell] = 0
+    assert waits, "the lists hold no flag wait, so no wait was checked"
 
 
 def test_issue_order_refuses_lists_that_would_hang():

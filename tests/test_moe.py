@@ -458,7 +458,6 @@ def test_module_from_both_hf_layouts_matches_the_block(quiet_one_rank):
     """``ExpertParallelExperts.from_experts`` of transformers' fused block (and its transposed and
     interleaved variants) and of a ModuleList of MLPs computes what the block computes, its
     weight gradients are the block's, and its weights train where the block's do."""
-    pytest.importorskip("transformers")
     from fo_kernels import ExpertParallelExperts
 
     block = _mixtral_experts()
@@ -505,7 +504,6 @@ def test_module_loads_a_state_dict_of_the_block_it_was_built_from(quiet_one_rank
     interleaved, or per-expert Linears) loads into the module built from such a block as the
     module built from the checkpoint's block; its own state_dict round-trips; a block of another
     size or one missing an expert is refused naming the key."""
-    pytest.importorskip("transformers")
     from fo_kernels import ExpertParallelExperts, PlanError
 
     def variants(block):
@@ -661,7 +659,6 @@ def test_module_probes_the_forward_of_experts_that_name_no_act_fn(quiet_one_rank
 
 
 def test_module_refuses_what_the_op_does_not_compute(quiet_one_rank):
-    pytest.importorskip("transformers")
     from fo_kernels import ExpertParallelExperts, PlanError, parallelize_experts
 
     gelu = torch.nn.ModuleList(_Mlp(torch.nn.GELU()) for _ in range(2))
