@@ -439,8 +439,9 @@ def thread_stage(case: MoeCase, rank: int, world: int, backward: bool):
 
 
 # ----------------------------------------------------------------------------- virtual ranks
-def _dense_ffn(x, ids, w, w13, w2) -> torch.Tensor:
-    """``reference_ffn`` one expert at a time (its rows gathered), for the larger virtual cases."""
+def ffn_by_expert(x, ids, w, w13, w2) -> torch.Tensor:
+    """``reference_ffn``'s formula one expert at a time (its rows gathered): the float64 reference
+    of the larger cases, on the CPU or a GPU (``tests/test_gpu_moe.py`` checks it against the loop)."""
     inter = w13.shape[2] // 2
     y = torch.zeros_like(x)
     for e in ids.unique().tolist():
@@ -462,7 +463,7 @@ def all_references(case: MoeCase, world: int) -> list[dict[str, torch.Tensor]]:
     total = 0.0
     for d in data:
         x, w = d["x"].requires_grad_(), d["w"].requires_grad_()
-        y = _dense_ffn(x, d["ids"], w, w13, w2)
+        y = ffn_by_expert(x, d["ids"], w, w13, w2)
         total = total + (y * d["g"]).sum()
         mine.append((x, w, y.detach()))
     total.backward()

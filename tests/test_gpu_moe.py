@@ -17,7 +17,7 @@ import triton.language as tl
 from fo_kernels import MoeProblem, MoeSchedule, expert_parallel_ffn
 from fo_kernels.moe.kernels import grouped_gemm, swiglu_gemm
 from fo_kernels.tile import Tile
-from moe_cases import reference_ffn, rel_err
+from moe_cases import ffn_by_expert, reference_ffn, rel_err
 
 # A tile the GPU runs well and a small one (masked edges, many tiles)
 TILES = {
@@ -69,7 +69,7 @@ def test_ffn_at_world_size_one_matches_float64(nccl_one_rank, dtype, engine, com
         assert y.dtype == dtype and y.shape == x.shape
         (y.double() * g).sum().backward()
         ref_leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
-        ref = _reference_gpu(ref_leaves, ids)
+        ref = ffn_by_expert(ref_leaves[0], ids, *ref_leaves[1:])
         (ref * g).sum().backward()
         if tokens:
             assert rel_err(y.cpu(), ref.detach().cpu()) < TOL[dtype]
@@ -118,7 +118,7 @@ def test_ffn_other_shapes_match_float64(nccl_one_rank, shape, engine):
     assert y.dtype == dtype and y.shape == x.shape
     (y.double() * g).sum().backward()
     ref_leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
-    ref = _reference_gpu(ref_leaves, ids)
+    ref = ffn_by_expert(ref_leaves[0], ids, *ref_leaves[1:])
     (ref * g).sum().backward()
     assert rel_err(y.cpu(), ref.detach().cpu()) < TOL[torch.bfloat16]
     for name_, got, want in (("dx", leaves[0], ref_leaves[0]), ("dw13", leaves[1], ref_leaves[2])):
@@ -126,24 +126,13 @@ def test_ffn_other_shapes_match_float64(nccl_one_rank, shape, engine):
     assert leaves[1].grad[0].abs().max() == 0  # (the expert no token picked)
 
 
-def _reference_gpu(leaves, ids):
-    """``reference_ffn``'s formula, vectorised per expert (float64 on the GPU)."""
-    x, w, w13, w2 = leaves
-    inter = w13.shape[2] // 2
-    y = torch.zeros_like(x)
-    for e in range(w13.shape[0]):
-        t, j = torch.where(ids == e)
-        gu = x[t] @ w13[e]
-        y = y.index_add(0, t, w[t, j, None] * ((F.silu(gu[:, :inter]) * gu[:, inter:]) @ w2[e]))
-    return y
-
-
 @pytest.mark.gpu
 def test_reference_loop_and_gpu_reference_agree():
-    """The vectorised GPU reference is the CPU tests' term-by-term loop (``reference_ffn``)."""
+    """The per-expert reference (``ffn_by_expert``, float64 on the GPU) is the CPU tests' term-by-term
+    loop (``reference_ffn``)."""
     x, ids, w, w13, w2, _ = _inputs(40, torch.float64, seed=3)
     want = reference_ffn(*(t.cpu() for t in (x, ids, w, w13, w2)))
-    assert rel_err(_reference_gpu([x, w, w13, w2], ids).cpu(), want) < 1e-12
+    assert rel_err(ffn_by_expert(x, ids, w, w13, w2).cpu(), want) < 1e-12
 
 
 # ----------------------------------------------------------------------------- kernels

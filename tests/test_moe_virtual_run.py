@@ -11,7 +11,7 @@ from copy_engine_fakes import DRIVER, cpu_device
 
 from fo_kernels.engines.copy_engine.moe_virtual import MoeVirtualRanks
 from fo_kernels.errors import ScheduleError, ShapeError
-from moe_cases import TOL, MoeCase, virtual_errors
+from moe_cases import TOL, MoeCase, ffn_by_expert, inputs, reference_ffn, rel_err, virtual_errors
 
 
 def _case(world: int, tokens: tuple[int, ...], chunks: int, tokens_max: int, **kw) -> MoeCase:
@@ -55,3 +55,13 @@ def test_virtual_moe_ranks_refuse_bad_calls(monkeypatch: pytest.MonkeyPatch):
         virtual_errors(ranks, MoeCase(**{**case.__dict__, "schedule": {**case.schedule, "engine": None}}))
     with pytest.raises(ShapeError, match="at least 2 ranks"):
         MoeVirtualRanks(1, cpu_device(monkeypatch))
+
+
+def test_the_per_expert_reference_is_the_term_by_term_loop():
+    """``virtual_errors``' reference (``ffn_by_expert``, one expert at a time) is the issue's formula
+    term by term (``reference_ffn``), duplicates and experts without rows included."""
+    case = _case(3, (5, 0, 7), 1, 8, routing="duplicates", seed=4)
+    for r in range(3):
+        d = inputs(case, r, 3)
+        want = reference_ffn(d["x"], d["ids"], d["w"], d["w13"], d["w2"])
+        assert rel_err(ffn_by_expert(d["x"], d["ids"], d["w"], d["w13"], d["w2"]), want) < 1e-12, r
