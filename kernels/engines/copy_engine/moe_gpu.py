@@ -5,7 +5,7 @@ SM, no NCCL).
 ``MoePeers`` (one per device and group, in the runtime's ``engine_state``) owns the symmetric flag
 cells (``protocol.MoeFlags``) and the slots: ``inbox`` and ``outbox``, each world x S rows for S =
 the largest token bound x k a call has needed, of the widest rows either direction sends (the
-backward's: 2H elements + a float32, ``moe_issue.slot_bytes``). Every call's plan numbers the slots
+backward's: 2H elements + a float32, ``moe_issue.grown_capacity``). Every call's plan numbers the slots
 by that S and a call's rows are packed from its slot's first byte (``protocol.slot_span``), so the
 slots never move between calls of other bounds, k or row widths; a schedule with a larger bound
 grows them once, collectively (every rank synchronizes, then all allocate). The plan comes from the
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fo_kernels.engines.copy_engine.moe_issue import MoeIssuer, MoeMemory, call_tensors, slot_bytes
+from fo_kernels.engines.copy_engine.moe_issue import MoeIssuer, MoeMemory, call_tensors, grown_capacity
 from fo_kernels.engines.copy_engine.moe_protocol import MoeCall, MoeFlags, build, guard_cells
 from fo_kernels.engines.copy_engine.ops import LOCAL, SIDE
 from fo_kernels.engines.copy_engine.peers import copy_engine_blocker, symmetric
@@ -70,14 +70,12 @@ class MoePeers:
         self.issuer = MoeIssuer(driver_module(), self.layout, streams, self._check)
         self.memory = MoeMemory(self.flags, {}, (0, 0, 0))
 
-    def _reserve(self, slot_rows: int, hidden: int, dtype: torch.dtype) -> None:
-        """Slots of ``slot_rows`` rows for calls of width ``hidden`` (both directions), grown
-        collectively when a call needs more (every rank asks for the same: one schedule)."""
-        have = self.memory.capacity
-        need = (slot_rows, *slot_bytes(hidden, dtype))
-        if all(n <= h for n, h in zip(need, have, strict=True)):
+    def _reserve(self, schedule: MoeSchedule, stage: Stage) -> None:
+        """Slots for ``stage`` under ``schedule`` (both directions), grown collectively when a call
+        needs more (every rank asks for the same: one schedule)."""
+        need = grown_capacity(self.memory.capacity, schedule, stage)
+        if need is None:
             return
-        need = tuple(max(n, h) for n, h in zip(need, have, strict=True))
         if self.memory.slots:  # every peer is done with the old slots (every call has ended everywhere)
             torch.cuda.synchronize(self.device)
             dist.barrier(group=self.group, device_ids=[self.device.index])
@@ -91,8 +89,7 @@ class MoePeers:
 
     def run(self, stage: Stage, schedule: MoeSchedule) -> torch.Tensor | None:
         """``stage`` over the group (the caller checked the call against ``schedule``)."""
-        shape = stage.shape
-        self._reserve(schedule.problem.tokens_max * shape.top_k, shape.hidden, stage.dtype)
+        self._reserve(schedule, stage)
         lay = stage.layout
         # the slots as made, not this call's bound: they stay put between calls (protocol's S)
         plan = build(MoeCall(self.rank, lay.send, lay.recv, schedule.chunks, self.memory.capacity[0]))

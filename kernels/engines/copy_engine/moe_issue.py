@@ -11,7 +11,7 @@ share.
 
 ``MoeMemory`` is what a rank's list addresses: every rank's flag cells (``protocol.MoeFlags``) and
 slots (``inbox``, ``outbox``: world x S rows each of the widest rows a call sends that way,
-``slot_bytes``), as the real ranks map their peers' symmetric memory or the virtual ranks hold
+``grown_capacity``), as the real ranks map their peers' symmetric memory or the virtual ranks hold
 plain allocations. ``MoeIssuer.steps`` is a generator that issues one operation per step, so the
 virtual ranks can interleave N ranks' lists in an order that completes (``virtual.issue_order``).
 A Phase may block the host (a synchronizing torch op, a kernel's first load under CUDA's lazy
@@ -48,6 +48,7 @@ from fo_kernels.engines.copy_engine.ops import (
 )
 from fo_kernels.errors import ProtocolError
 from fo_kernels.moe.exchange import row_bytes
+from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.moe.stages import Stage
 
 # The widest float32 part a row carries (the backward's routing weight, and its gradient back).
@@ -56,10 +57,23 @@ WEIGHT_BYTES = 4
 CELL_BYTES = 4
 
 
-def slot_bytes(hidden: int, dtype: torch.dtype) -> tuple[int, int]:
-    """The bytes of an (inbox, outbox) slot row for calls of width ``hidden`` in ``dtype``, both
-    directions: the backward's rows are the widest (x, dy and a weight out; dx and dw back)."""
-    return 2 * hidden * dtype.itemsize + WEIGHT_BYTES, hidden * dtype.itemsize + WEIGHT_BYTES
+def grown_capacity(
+    have: tuple[int, int, int], schedule: MoeSchedule, stage: Stage
+) -> tuple[int, int, int] | None:
+    """The slots' capacity (S rows, inbox row bytes, outbox row bytes) a call of ``stage`` under
+    ``schedule`` needs, grown from ``have`` (never shrunk); None when ``have`` holds it. S is the
+    token bound x k; the rows are the widest either direction sends, the backward's (x, dy and a
+    float32 weight out; dx and its weight's gradient back), whichever direction this call is."""
+    item = stage.dtype.itemsize
+    hidden = stage.shape.hidden
+    need = (
+        schedule.problem.tokens_max * stage.shape.top_k,
+        2 * hidden * item + WEIGHT_BYTES,
+        hidden * item + WEIGHT_BYTES,
+    )
+    if all(n <= h for n, h in zip(need, have, strict=True)):
+        return None
+    return tuple(max(n, h) for n, h in zip(need, have, strict=True))
 
 
 @dataclass(frozen=True)

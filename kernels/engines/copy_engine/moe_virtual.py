@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fo_kernels.engines.copy_engine.moe_issue import MoeIssuer, MoeMemory, call_tensors, slot_bytes
+from fo_kernels.engines.copy_engine.moe_issue import MoeIssuer, MoeMemory, call_tensors, grown_capacity
 from fo_kernels.engines.copy_engine.moe_protocol import MoeCall, MoeFlags, build, guard_cells
 from fo_kernels.engines.copy_engine.ops import LOCAL, SIDE
 from fo_kernels.engines.copy_engine.virtual import (
@@ -136,13 +136,11 @@ class MoeVirtualRanks:
                 stages.append(BackwardStage(dy[r], x[r], topk_weights[r], *common))
         return stages
 
-    def _reserve(self, slot_rows: int, hidden: int, dtype: torch.dtype) -> None:
-        """Every rank's slots at least ``slot_rows`` rows of this width (grown, never shrunk)."""
-        have = self.memory.capacity
-        need = (slot_rows, *slot_bytes(hidden, dtype))
-        if all(n <= h for n, h in zip(need, have, strict=True)):
+    def _reserve(self, schedule: MoeSchedule, stage: Stage) -> None:
+        """Every rank's slots for ``stage`` under ``schedule`` (grown, never shrunk)."""
+        need = grown_capacity(self.memory.capacity, schedule, stage)
+        if need is None:
             return
-        need = tuple(max(n, h) for n, h in zip(need, have, strict=True))
         self.dev.synchronize()  # no call still reads the old slots
         self.memory = MoeMemory(self.flags, {}, (0, 0, 0))
         rows, device = need[0] * self.world, self.dev.device
@@ -157,8 +155,7 @@ class MoeVirtualRanks:
             raise EnvironmentMismatchError(
                 f"virtual ranks: an earlier call failed ({self._broken}); the ranks' flags are out of step"
             )
-        shape = stages[0].shape
-        self._reserve(schedule.problem.tokens_max * shape.top_k, shape.hidden, stages[0].dtype)
+        self._reserve(schedule, stages[0])
         plans = [
             build(MoeCall(r, st.layout.send, st.layout.recv, schedule.chunks, self.memory.capacity[0]))
             for r, st in enumerate(stages)
