@@ -210,6 +210,39 @@ def bench_shape(
     return out
 
 
+def read_suite(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[dict, list[str], list[int], list[int]]:
+    """The suite of ``args.suite``, the models ``args.models`` names (empty: all), the EP sizes of
+    ``args.ep`` and the tokens a rank of ``args.tokens`` (comma-separated; empty: the suite's),
+    each checked: a bad one is the parser's one-line error (exit 2), before any work. Shared by
+    bench/'s one-GPU MoE scripts."""
+    try:
+        suite = yaml.safe_load(Path(args.suite).read_text())
+    except OSError as exc:
+        parser.error(f"--suite: {exc.strerror}: {args.suite}")
+    names = [m["name"] for m in suite["models"]]
+    wanted = [n for n in args.models.split(",") if n]
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        parser.error(f"--models: unknown model {unknown[0]!r}: the suite has {', '.join(names)}")
+    try:
+        eps = [int(e) for e in args.ep.split(",") if e] or suite["ep"]
+    except ValueError:
+        parser.error(f"--ep: {args.ep!r} is not a comma-separated list of whole numbers")
+    try:
+        tokens = [int(t) for t in args.tokens.split(",") if t] or [suite["tokens"]]
+    except ValueError:
+        parser.error(f"--tokens: {args.tokens!r} is not a comma-separated list of whole numbers")
+    if min(tokens) < 1:
+        parser.error(f"--tokens: {args.tokens!r}: every count of tokens a rank must be >= 1")
+    for model in (m for m in suite["models"] if m["name"] in (wanted or names)):
+        for ep in eps:
+            if ep < 1 or model["experts"] % ep:  # E / EP experts a rank
+                parser.error(f"--ep {ep} does not divide {model['name']}'s {model['experts']} experts")
+    return suite, wanted, eps, tokens
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0] + " Needs a CUDA GPU with torch._grouped_mm."
@@ -241,29 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("rounds", "calls"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    try:
-        suite = yaml.safe_load(Path(args.suite).read_text())
-    except OSError as exc:
-        parser.error(f"--suite: {exc.strerror}: {args.suite}")
-    names = [m["name"] for m in suite["models"]]
-    wanted = [n for n in args.models.split(",") if n]
-    unknown = [n for n in wanted if n not in names]
-    if unknown:
-        parser.error(f"--models: unknown model {unknown[0]!r}: the suite has {', '.join(names)}")
-    try:
-        eps = [int(e) for e in args.ep.split(",") if e] or suite["ep"]
-    except ValueError:
-        parser.error(f"--ep: {args.ep!r} is not a comma-separated list of whole numbers")
-    try:
-        tokens = [int(t) for t in args.tokens.split(",") if t] or [suite["tokens"]]
-    except ValueError:
-        parser.error(f"--tokens: {args.tokens!r} is not a comma-separated list of whole numbers")
-    if min(tokens) < 1:
-        parser.error(f"--tokens: {args.tokens!r}: every count of tokens a rank must be >= 1")
-    for model in (m for m in suite["models"] if m["name"] in (wanted or names)):
-        for ep in eps:
-            if ep < 1 or model["experts"] % ep:  # E / EP experts a rank
-                parser.error(f"--ep {ep} does not divide {model['name']}'s {model['experts']} experts")
+    suite, wanted, eps, tokens = read_suite(parser, args)
     if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
         print("needs a CUDA GPU and torch._grouped_mm (torch >= 2.8)", file=sys.stderr)
         return 2

@@ -27,14 +27,16 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 
 os.environ.setdefault("TRITON_INTERPRET", "0")
+
+from moe_grouped_gemm import planned_shapes, read_suite  # (bench/: the script's own folder)
 
 from fo_kernels import expert_parallel_ffn
 from fo_kernels.moe.exchange import Layout
@@ -129,51 +131,35 @@ def measure(model: dict, ep: int, tokens: int, reps: int) -> list[dict]:
     return out
 
 
-def _ints(parser: argparse.ArgumentParser, name: str, text: str) -> list[int]:
-    """``text`` as a comma-separated list of whole numbers >= 1 (else the parser's exit 2)."""
-    try:
-        values = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        parser.error(f"--{name}: {text!r} is not a comma-separated list of whole numbers")
-    if not values or min(values) < 1:
-        parser.error(f"--{name}: {text!r}: give one or more whole numbers >= 1")
-    return values
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0] + " Needs a CUDA GPU with torch._grouped_mm and NCCL."
+    )
     parser.add_argument("--out", required=True, help="folder to write moe_host.csv into (made if missing)")
     parser.add_argument(
         "--suite", default=str(SUITE), help="the models' expert shapes (default: %(default)s)"
     )
     parser.add_argument("--models", default="", help="comma-separated model names (default: all)")
-    parser.add_argument("--ep", default="4,8", help="expert-parallel sizes (default: %(default)s)")
-    parser.add_argument("--tokens", default="64,512", help="tokens a rank (default: %(default)s)")
+    parser.add_argument("--ep", default="4,8", help="comma-separated EP sizes (default: %(default)s)")
+    parser.add_argument(
+        "--tokens", default="64,512", help="comma-separated tokens a rank (default: %(default)s)"
+    )
     parser.add_argument("--reps", type=int, default=30, help="calls per median (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be >= 1, got {args.reps}")
-    eps, tokens = _ints(parser, "ep", args.ep), _ints(parser, "tokens", args.tokens)
-    try:
-        suite = yaml.safe_load(Path(args.suite).read_text())
-    except OSError as exc:
-        parser.error(f"--suite: {exc.strerror}: {args.suite}")
-    names = [m["name"] for m in suite["models"]]
-    wanted = [n for n in args.models.split(",") if n]
-    unknown = [n for n in wanted if n not in names]
-    if unknown:
-        parser.error(f"--models: unknown model {unknown[0]!r}: the suite has {', '.join(names)}")
-    for model in suite["models"]:
-        for ep in eps:
-            if (not wanted or model["name"] in wanted) and model["experts"] % ep:
-                parser.error(f"--ep {ep} does not divide {model['name']}'s {model['experts']} experts")
+    suite, wanted, eps, tokens = read_suite(parser, args)
+    if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
+        print(
+            "needs a CUDA GPU and torch._grouped_mm (the host time of the machine it runs on)",
+            file=sys.stderr,
+        )
+        return 2
     out_dir = Path(args.out)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         parser.error(f"--out: {exc.strerror}: {args.out}")
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (run it on the GPU machine whose host time it measures)")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{PORT}", rank=0, world_size=1)
     meta = dict(
@@ -188,22 +174,19 @@ def main(argv: list[str] | None = None) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         try:
-            for model in suite["models"]:
-                if wanted and model["name"] not in wanted:
-                    continue
-                for ep in eps:
-                    for count in tokens:
-                        for row in measure(model, ep, count, args.reps):
-                            rows.append({**row, **meta})
-                            writer.writerow(rows[-1])
-                            f.flush()
-                            print(", ".join(f"{k} {row[k]}" for k in row), flush=True)
-                        torch.cuda.empty_cache()
+            for _, model, ep, count in planned_shapes(suite, wanted, eps, tokens):
+                for row in measure(model, ep, count, args.reps):
+                    rows.append({**row, **meta})
+                    writer.writerow(rows[-1])
+                    f.flush()
+                    print(", ".join(f"{k} {row[k]}" for k in row), flush=True)
+                torch.cuda.empty_cache()
         finally:
             dist.destroy_process_group()
     for name in ("phase1_host_ms", "phase2_host_ms", "call_host_ms"):
         print(f"median {name}: {statistics.median(r[name] for r in rows):.4f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -875,9 +875,9 @@ def test_script_inputs_narrow_a_space(tmp_path, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without GPUs")
-@pytest.mark.parametrize("script", ["moe_grouped_gemm.py"])
+@pytest.mark.parametrize("script", ["moe_grouped_gemm.py", "moe_host.py"])
 def test_gpu_bench_scripts_refuse_a_machine_without_gpus(tmp_path, capsys, script):
-    """bench/'s one-GPU Python script: exit 2 and one line on stderr naming what they need,
+    """bench/'s one-GPU Python scripts: exit 2 and one line on stderr naming what they need,
     nothing written (its main, in this process); --help explains the script (run as a process)."""
     import subprocess
     import sys
@@ -897,10 +897,13 @@ SEARCHES = BENCH.parent / "results" / "search" / "nvidia-h200-cc90-132sm-w2-nvli
 
 
 def _bench_script(name: str):
-    """``bench/<name>.py`` as a module (bench/ is no package)."""
+    """``bench/<name>.py`` as a module (bench/ is no package; its folder on ``sys.path``, as when
+    the script runs, for the scripts that import a sibling)."""
     import importlib.util
     import sys
 
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))
     if f"bench_{name}" not in sys.modules:  # registered first: its dataclasses look their module up
         spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
         sys.modules[spec.name] = importlib.util.module_from_spec(spec)
@@ -925,6 +928,9 @@ def _main_code(module, argv: list[str]) -> int:
         ("moe_ep", ["--scale", "100000"], "--scale 100000 leaves no column"),
         ("moe_grouped_gemm", ["--ep", "3"], "--ep 3 does not divide DeepSeek-V3's 256 experts"),
         ("moe_grouped_gemm", ["--rounds", "0"], "--rounds must be >= 1"),
+        ("moe_host", ["--ep", "3"], "--ep 3 does not divide DeepSeek-V3's 256 experts"),
+        ("moe_host", ["--models", "Foo"], "--models: unknown model 'Foo'"),
+        ("moe_host", ["--reps", "0"], "--reps must be >= 1"),
         ("hybrid_vs_exhaustive", [str(SEARCHES / "exhaustive" / "summary.yaml"), "nope"], "No such file"),
         ("hybrid_vs_exhaustive", [str(SEARCHES / s / "summary.yaml") for s in ("exhaustive", "hybrid-top7")],
          "needs 2 CUDA GPUs (0 visible)"),
@@ -946,6 +952,7 @@ def test_moe_and_hybrid_bench_scripts_stop_in_one_line_before_any_work(tmp_path,
     [
         ("moe_ep", ["moe_ep.csv", "--scale", "--rounds", "--suite", "on the CPU it must be given"]),
         ("moe_grouped_gemm", ["moe_grouped_gemm.csv", "--rounds", "--suite", "Needs a CUDA GPU"]),
+        ("moe_host", ["moe_host.csv", "--reps", "--suite", "Needs a CUDA GPU"]),
         ("hybrid_vs_exhaustive", ["hybrid_vs_exhaustive.csv", "summary.yaml", "Needs 2 CUDA GPUs"]),
     ],
 )
