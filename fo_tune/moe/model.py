@@ -100,8 +100,10 @@ HOST_TRITON_LAUNCH_MS = 0.084
 # them (the checks, the routing, the stages, the weighted sum): the medians over six models' experts
 # at EP 4 and 8, 64 and 512 tokens a rank, of `python bench/moe_host.py` on one H100's host
 # (results/bench/nvidia-h100-80gb-hbm3-cc90-132sm-w1-single/moe_host.csv: phase 1 0.125 ms, phase 2
-# 0.086 ms, the whole call at world size 1 0.674 ms, so 0.46 ms besides its two phases). The
-# copy engine issues both phases for every piece of every source: w x chunks of each.
+# 0.086 ms, the whole call at world size 1 0.674 ms, so 0.46 ms besides its two phases). Two short
+# runs (5 calls a median) on other hosts of that machine kind read 1.2x and 2.5x these: the host's
+# speed sets them, not the GPU's. The copy engine issues both phases for every piece of every
+# source: w x chunks of each.
 HOST_PHASE1_MS = 0.125
 HOST_PHASE2_MS = 0.086
 HOST_CALL_MS = 0.674 - HOST_PHASE1_MS - HOST_PHASE2_MS
