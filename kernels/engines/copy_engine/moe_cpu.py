@@ -18,6 +18,7 @@ import torch
 
 from fo_kernels.engines.copy_engine.cpu import CpuOptions, CpuRank, ProtocolError, run_ranks
 from fo_kernels.engines.copy_engine.cpu_run import CpuRun
+from fo_kernels.engines.copy_engine.moe_issue import call_tensors
 from fo_kernels.engines.copy_engine.moe_protocol import (
     CALLER,
     OUTGOING,
@@ -26,7 +27,6 @@ from fo_kernels.engines.copy_engine.moe_protocol import (
     guard_cells,
     slot_span,
 )
-from fo_kernels.moe.exchange import row_bytes
 from fo_kernels.moe.stages import Stage
 
 T = TypeVar("T")
@@ -75,7 +75,6 @@ class MoeRank:
         r = self.rank.rank
         if plan.call.rank != r or plan.call.world != self.rank.world.size:
             raise ProtocolError(f"rank {r} was given the plan of rank {plan.call.rank} of {plan.call.world}")
-        out_bytes, back_bytes = row_bytes(stage.out_parts), row_bytes(stage.back_parts)
         if plan.call.slot_rows != self.slots.slot_rows:
             # a slot numbered by another S sits elsewhere: a push there could land on another
             # source's rows of the previous call that a peer has not read yet
@@ -83,15 +82,9 @@ class MoeRank:
                 f"rank {r}: the plan numbers slots of {plan.call.slot_rows} rows; the slots hold "
                 f"{self.slots.slot_rows} (a plan takes the slots as made)"
             )
-        if out_bytes > self.slots.out_bytes or back_bytes > self.slots.back_bytes:
+        tensors, widths = call_tensors(stage)
+        if widths["inbox"] > self.slots.out_bytes or widths["outbox"] > self.slots.back_bytes:
             raise ProtocolError(f"rank {r}: the call needs larger slots than {self.slots}")
-        send = stage.outgoing()
-        tensors = {
-            "send": send,
-            "back": send.new_empty((stage.layout.recv_offsets[-1], back_bytes)),
-            "ret": send.new_empty((send.shape[0], back_bytes)),
-        }
-        widths = {"inbox": out_bytes, "outbox": back_bytes}
         world = self.rank.world
         self.rank.run_ops(
             plan.ops,
