@@ -286,6 +286,23 @@ def test_compiled_bad_input_raises_the_ops_value_errors(quiet_one_rank):
     torch.testing.assert_close(compiled(x, ids, w, w13, w2), want)
 
 
+def test_a_float64_call_has_no_schedule(quiet_one_rank):
+    """float64 runs the no-overlap path as a reference; a schedule for it is refused, naming x's
+    dtype, and the same call without one runs."""
+    x, ids, w = (
+        torch.randn(3, 8, dtype=torch.float64),
+        torch.tensor([[0, 1], [1, 1], [0, 0]]),
+        torch.rand(3, 2),
+    )
+    w13, w2 = torch.randn(2, 8, 6, dtype=torch.float64), torch.randn(2, 3, 8, dtype=torch.float64)
+    problem = MoeProblem(hidden=8, intermediate=3, experts=2, top_k=2, tokens_max=4)
+    schedule = MoeSchedule(dtype="float32", world_size=1, problem=problem)
+    with pytest.raises(ScheduleError, match="x is float64"):
+        expert_parallel_ffn(x, ids, w.double(), w13, w2, schedule=schedule)
+    got = expert_parallel_ffn(x, ids, w.double(), w13, w2)
+    assert rel_err(got, reference_ffn(x, ids, w.double(), w13, w2)) < 1e-12
+
+
 def test_world_size_one_duplicates_and_direct_call(quiet_one_rank):
     """At world size 1 nothing moves; a token naming one expert twice counts twice; a call without
     gradients skips the dispatcher and equals the op's; int32 ids are taken; meta tensors are

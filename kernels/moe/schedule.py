@@ -28,10 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from fo_kernels.errors import ScheduleError
 from fo_kernels.fields import check_choice, check_int, from_mapping
 from fo_kernels.moe.routing import MOE_DTYPES, FfnShape
-from fo_kernels.schedule import OP_TEXT_ENCODER
+from fo_kernels.schedule import OP_TEXT_ENCODER, dtype_name
 from fo_kernels.tile import Tile
 
 MOE_ENGINES = ("triton", "copy_engine")
@@ -159,10 +161,13 @@ class MoeSchedule:
             data["tile"] = Tile.from_dict(data["tile"])
         return from_mapping(cls, data, "schedule")
 
-    def check_call(self, shape: FfnShape, dtype: str) -> None:
-        """Raise ``ScheduleError`` unless this schedule is for a call of ``shape`` in ``dtype``,
-        its tokens aside (``check_tokens``: the most any rank holds, known after the counts
-        exchange)."""
+    def check_call(self, shape: FfnShape, dtype: torch.dtype | str) -> None:
+        """Raise ``ScheduleError`` unless this schedule is for a call of ``shape`` in ``dtype`` (x's
+        dtype, or its name), its tokens aside (``check_tokens``: the most any rank holds, known
+        after the counts exchange). A float64 call (a reference) has no schedule."""
+        if dtype == torch.float64:
+            raise ScheduleError("dtype: a schedule is for bfloat16, float16 or float32; x is float64")
+        dtype = dtype_name(dtype)
         for name, want in (("dtype", dtype), ("world_size", shape.world)):
             if getattr(self, name) != want:
                 have = getattr(self, name)

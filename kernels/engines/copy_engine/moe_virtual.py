@@ -40,7 +40,6 @@ from fo_kernels.moe.exchange import Layout
 from fo_kernels.moe.routing import check_call, route
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.moe.stages import BackwardStage, ForwardStage, Stage
-from fo_kernels.schedule import dtype_name
 
 ENGINE = "copy_engine"  # the engine whose MoE lists these ranks run
 
@@ -117,10 +116,8 @@ class MoeVirtualRanks:
                 f"virtual ranks run the MoE copy engine: pass a MoeSchedule with engine: {ENGINE}"
             )
         shapes = [check_call(x[r], topk_ids[r], topk_weights[r], w13[r], w2[r], n) for r in range(n)]
-        if x[0].dtype == torch.float64:
-            raise ScheduleError("dtype: a schedule is for bfloat16, float16 or float32; x is float64")
         for r, shape in enumerate(shapes):
-            schedule.check_call(shape, dtype_name(x[r].dtype))
+            schedule.check_call(shape, x[r].dtype)
             if dy is not None and tuple(dy[r].shape) != tuple(x[r].shape):
                 raise ShapeError(f"dy must have x's shape on every rank; rank {r}: {tuple(dy[r].shape)}")
         tokens = tuple(s.tokens for s in shapes)
