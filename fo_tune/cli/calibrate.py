@@ -52,8 +52,8 @@ HELP = "\n\n".join(
         "signalled GEMM runs on SMs - r, for each r of the space: the collective's and the GEMM's "
         "slowdown, and whether the collective ran during the GEMM at all; (3) GEMM profiles: time per "
         "tile config per grid size for the space's shape set, next to cuBLAS; (4) fits of "
-        "time = latency + bytes / bandwidth; (5) the copy engine's section; (6) moe_host: the "
-        "expert-parallel FFN's host times on rank 0.",
+        "time = latency + bytes / bandwidth; (5) the copy engine's section (see --only); (6) the "
+        "expert-parallel FFN's host times on rank 0 (moe_host), which the MoE model reads.",
         "Writes bandwidth.csv, interference.csv, gemm_profile.csv, fits.csv, calibration.yaml "
         "(fingerprint, schema version, everything) and bandwidth.png / interference.png into --out "
         "(default results/calibration/<device-key>/tp<N>/), all at once: a folder there from an "
@@ -188,12 +188,15 @@ def _print_summary(cal: Calibration, written: list[Path], parts: tuple[str, ...]
 
 def _print_moe_host(cal: Calibration, parts: tuple[str, ...]) -> None:
     """The MoE host times measured (``parts`` holds moe_host), in a line."""
+    from fo_tune.output import count
+
     record = cal.moe_host
     if "moe_host" not in parts or record is None:
         return
     console.print(
         f"MoE host times on one rank: phase 1 {fmt(record.phase1_ms)} ms, phase 2 "
-        f"{fmt(record.phase2_ms)} ms, a call {fmt(record.call_ms)} ms (medians over {record.shapes})",
+        f"{fmt(record.phase2_ms)} ms, a call {fmt(record.call_ms)} ms (medians over "
+        f"{count(len(record.shapes.split('; ')), 'shape')}, {record.reps} calls each)",
         markup=False,
         highlight=False,
     )
