@@ -60,9 +60,10 @@ def _host_cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure(model: dict, ep: int, tokens: int, reps: int) -> list[dict]:
-    """The rows of one model, EP and tokens (one per chunks; ``fo_tune.moe.host.measure_shape``)."""
-    rows = measure_shape(HostShape.of(model, ep, tokens), reps, torch.device("cuda"))
+def measure(model: dict, ep: int, tokens: int, reps: int, device: str = "cuda") -> list[dict]:
+    """The rows of one model, EP and tokens (one per chunks; ``fo_tune.moe.host.measure_shape``),
+    times rounded to 0.1 us."""
+    rows = measure_shape(HostShape.of(model, ep, tokens), reps, torch.device(device))
     times = ("phase1_host_ms", "phase2_host_ms", "call_host_ms")
     return [{**row, **{name: round(row[name], 4) for name in times}} for row in rows]
 
