@@ -351,7 +351,7 @@ def test_the_host_part_measures_public_shapes_of_the_suite():
     ] + [dict(model="b", ep=4, tokens=64, phase1_host_ms=0.2, phase2_host_ms=0.06, call_host_ms=3.0)]
     got = host_record(rows, HOST_SHAPES[:2], 5)
     assert (got.phase1_ms, got.phase2_ms, got.call_ms, got.reps) == (0.2, 0.06, 2.0, 5)
-    assert got.shapes == "DeepSeek-V3 EP 8 at 64 tokens; DeepSeek-V3 EP 8 at 512 tokens"
+    assert got.shapes == "Llama-4-Maverick EP 8 at 64 tokens; Llama-4-Maverick EP 8 at 512 tokens"
 
 
 def test_triton_without_concurrency_adds_its_parts(cal):
