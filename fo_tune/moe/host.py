@@ -89,12 +89,13 @@ class HostShape:
 # moe_host.csv) their medians, phase 1 0.125 ms, phase 2 0.086, a call 0.670, are within 1% of
 # those of all six models at EP 4 and 8 (0.125, 0.086, 0.674), at a quarter of the shapes; the
 # quick ones' (0.126, 0.088, 0.647) within 4%. The largest, Maverick's 16 experts, holds 4 GB.
-_MAVERICK = dict(name="Llama-4-Maverick", hidden=5120, intermediate=8192, experts=128, top_k=1)
-_MIXTRAL = dict(name="Mixtral-8x7B", hidden=4096, intermediate=14336, experts=8, top_k=2)
-_QWEN3_30B = dict(name="Qwen3-30B-A3B", hidden=2048, intermediate=768, experts=128, top_k=8)
 HOST_SHAPES = tuple(
-    HostShape.of(model, ep, tokens)
-    for model, ep in ((_MAVERICK, 8), (_MIXTRAL, 8), (_QWEN3_30B, 4))
+    HostShape(model=name, hidden=h, intermediate=i, experts=e, top_k=k, ep=ep, tokens=tokens)
+    for name, h, i, e, k, ep in (
+        ("Llama-4-Maverick", 5120, 8192, 128, 1, 8),
+        ("Mixtral-8x7B", 4096, 14336, 8, 2, 8),
+        ("Qwen3-30B-A3B", 2048, 768, 128, 8, 4),
+    )
     for tokens in (64, 512)
 )
 # --quick: the decode-like tokens only.
