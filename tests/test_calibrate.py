@@ -697,17 +697,22 @@ def test_one_gpu_parts_merge_into_a_calibration(quick_run, tmp_path):
     target = tmp_path / "cal.yaml"
     target.write_bytes((out / "calibration.yaml").read_bytes())
     before = load_calibration(target)
-    result = calibrate("--world-size", "1", "--quick", "--only", "copy_engine", "--into", str(target))
+    only = "copy_engine,moe_host"
+    result = calibrate("--world-size", "1", "--quick", "--only", only, "--into", str(target))
     assert result.exit_code == 0, result.output
+    assert "MoE host times on one rank: phase 1 " in result.stdout, result.stdout
+    assert "merged copy_engine, moe_host into" in result.stdout, result.stdout
     after = load_calibration(target)
-    assert after.bandwidth == before.bandwidth and after.gemm == before.gemm  # only the section changed
+    # only the section and the MoE host times changed
+    assert after.bandwidth == before.bandwidth and after.gemm == before.gemm
+    assert after.interference == before.interference and after.fits == before.fits
+    assert after.moe_host is not None and after.moe_host.shapes == "cpu EP 1 at 8 tokens"
     assert (
         after.copy_engine.params["library_wave_ms"].source
         != before.copy_engine.params["library_wave_ms"].source
     )
     assert "w1" in after.copy_engine.params["library_wave_ms"].source
     assert after.copy_engine.params["fallback_host_ms"] == before.copy_engine.params["fallback_host_ms"]
-    assert after.moe_host == before.moe_host and after.moe_host is not None  # kept: not measured
 
 
 def test_the_moe_host_record_is_merged_where_measured_and_kept_where_not():

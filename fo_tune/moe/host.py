@@ -36,7 +36,8 @@ from fo_tune.ranks.pool import Pool, RankContext
 # Pieces the copy engine cuts a source's experts into (its search space's first two, as
 # search_spaces/moe/hopper.yaml's copy_engine chunks begin).
 CHUNKS = (1, 2)
-# The MoE tables' dtype (fo_kernels.moe.table), whose grouped GEMMs run torch._grouped_mm on a GPU.
+# The dtype of the suite (suites/moe/experts.yaml) and of the constants the record replaces: the
+# one whose grouped GEMMs run torch._grouped_mm on a GPU (fo_kernels.moe.grouped; others a loop).
 HOST_DTYPE = "bfloat16"
 # Calls per median (the bench's --reps default), fewer with --quick and on the CPU (the CPU's
 # numbers only show the pipeline runs).
