@@ -6,7 +6,8 @@
 For every model, EP and tokens a rank of the suite, one rank's experts (E / EP of them, bf16,
 tokens x k rows routed by a seeded top-k over them) on this GPU, three host times, each the median
 over ``--reps`` calls issued with the device idle before each (``time.perf_counter`` around the
-call; the device's work is not waited for):
+call; the device's work is not waited for), measured by ``fo_tune.moe.host`` (the code ``fo-tune
+calibrate --only moe_host`` measures a calibration's record with, over a few of these shapes):
 
     phase1   Stage.first of one piece: unpack, the up grouped GEMM, SwiGLU (the copy engine's
              Phase 1, as its list issues it for each piece; ``chunks`` pieces of the experts)
@@ -28,7 +29,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,34 +38,15 @@ os.environ.setdefault("TRITON_INTERPRET", "0")
 
 from moe_grouped_gemm import planned_shapes, read_suite  # (bench/: the script's own folder)
 
-from fo_kernels import expert_parallel_ffn
-from fo_kernels.moe.exchange import Layout
-from fo_kernels.moe.routing import check_call, route
-from fo_kernels.moe.stages import ForwardStage
+from fo_tune.moe.host import HostShape, measure_shape
 
 SUITE = Path(__file__).resolve().parents[1] / "suites" / "moe" / "experts.yaml"
-CHUNKS = (1, 2)  # pieces the copy engine cuts a source's experts into (its search space's first)
 # A free local port for the one-rank NCCL group (any unused one works).
 PORT = 29555
 COLUMNS = (
     "model", "ep", "tokens", "experts_local", "chunks", "rows", "phase1_host_ms", "phase2_host_ms",
     "call_host_ms", "gpu", "host_cpu", "torch", "time",
 )  # fmt: skip
-
-
-def _median_host_ms(fn, reps: int, setup=lambda: None) -> float:
-    """Median host ms of ``fn()`` over ``reps`` calls, each after ``setup()`` with the device idle."""
-    setup()
-    fn()  # warm-up: kernels loaded, memory allocated
-    times = []
-    for _ in range(reps):
-        setup()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def _host_cpu() -> str:
@@ -79,56 +60,12 @@ def _host_cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def _rank_inputs(model: dict, ep: int, tokens: int, seed: int):
-    """One rank's tokens, routing over its E / EP experts, and those experts' weights (bf16)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    h, inter, k = model["hidden"], model["intermediate"], model["top_k"]
-    experts = model["experts"] // ep
-    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, generator=gen)
-    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
-    w, ids = logits.softmax(-1).topk(min(k, experts), dim=-1)
-    w13 = torch.randn(experts, h, 2 * inter, device="cuda", dtype=torch.bfloat16, generator=gen) / h**0.5
-    w2 = torch.randn(experts, inter, h, device="cuda", dtype=torch.bfloat16, generator=gen) / inter**0.5
-    return x, ids, w, w13, w2
-
-
-def measure(model: dict, ep: int, tokens: int, reps: int) -> list[dict]:
-    """The rows of one model, EP and tokens (one per chunks)."""
-    x, ids, w, w13, w2 = _rank_inputs(model, ep, tokens, seed=ep * 7919 + tokens)
-    shape = check_call(x, ids, w, w13, w2, 1)
-    routing = route(ids, shape)
-    layout = Layout(0, routing.host_counts, routing.host_counts, (shape.tokens,))
-    call = _median_host_ms(lambda: expert_parallel_ffn(x, ids, w, w13, w2), reps)
-    out = []
-    for chunks in CHUNKS:
-        if chunks > shape.experts:
-            continue
-        bounds = [c * shape.experts // chunks for c in range(chunks + 1)]
-        piece = (0, bounds[0], bounds[1])  # the first of ``chunks`` pieces
-        stage = ForwardStage(x, w, shape, routing, layout, w13, w2)
-        r0, r1 = stage.piece_rows(piece)
-        rows = stage.outgoing()[r0:r1]
-        phase1 = _median_host_ms(lambda s=stage, p=piece, q=rows: s.first([p], q), reps)
-        # (each phase 2 pops what a phase 1 kept: one runs, untimed, before each)
-        phase2 = _median_host_ms(
-            lambda s=stage, p=piece: s.second([p]),
-            reps,
-            setup=lambda s=stage, p=piece, q=rows: s.first([p], q),
-        )
-        out.append(
-            dict(
-                model=model["name"],
-                ep=ep,
-                tokens=tokens,
-                experts_local=shape.experts,
-                chunks=chunks,
-                rows=r1 - r0,
-                phase1_host_ms=round(phase1, 4),
-                phase2_host_ms=round(phase2, 4),
-                call_host_ms=round(call, 4),
-            )
-        )
-    return out
+def measure(model: dict, ep: int, tokens: int, reps: int, device: str = "cuda") -> list[dict]:
+    """The rows of one model, EP and tokens (one per chunks; ``fo_tune.moe.host.measure_shape``),
+    times rounded to 0.1 us."""
+    rows = measure_shape(HostShape.of(model, ep, tokens), reps, torch.device(device))
+    times = ("phase1_host_ms", "phase2_host_ms", "call_host_ms")
+    return [{**row, **{name: round(row[name], 4) for name in times}} for row in rows]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,8 +28,8 @@
 #                 never gained from 3 or 6 chunks or light last chunks by more than noise,
 #                 docs/design.md#search) -> OUT_DIR/tables/, OUT_DIR/mrange/report/
 #                 (results/search/<device-key>/*-hybrid-mrange/)
-#   calibrate-w1  one GPU: fo-tune calibrate --world-size 1 --only copy_engine into a copy of the
-#                 H200 x2 calibration (OUT_DIR/calibration/calibration.yaml when the calibrate stage
+#   calibrate-w1  one GPU: fo-tune calibrate --world-size 1 --only copy_engine,moe_host (the MoE
+#                 path's host times) into a copy of the H200 x2 calibration (OUT_DIR/calibration/calibration.yaml when the calibrate stage
 #                 wrote one, else the shipped one), then fo-tune model check with it
 #                 -> OUT_DIR/calibration-w1ce.yaml, OUT_DIR/model-check.log
 #                 (docs/perf-notes.md#the-copy-engines-one-gpu-calibration)
@@ -129,7 +129,7 @@ calibrate_w1() {
   else
     cp "$shipped_calibration" "$into"
   fi
-  fo_tune calibrate --world-size 1 --only copy_engine --into "$into"
+  fo_tune calibrate --world-size 1 --only copy_engine,moe_host --into "$into"
   fo_tune model check --calibration "$into" 2>&1 | tee "$out_dir/model-check.log"
 }
 

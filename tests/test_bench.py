@@ -918,6 +918,22 @@ def _main_code(module, argv: list[str]) -> int:
         return exc.code
 
 
+def test_moe_host_rows_come_from_the_code_calibrate_measures_with(quiet_one_rank):
+    """bench/moe_host.py's rows are ``fo_tune.moe.host.measure_shape``'s (what ``fo-tune calibrate
+    --only moe_host`` measures with), times rounded: on the CPU, a tiny model's rows fill the CSV's
+    columns but the run's own (GPU, host CPU, torch, time)."""
+    bench = _bench_script("moe_host")
+    model = dict(name="tiny", hidden=32, intermediate=16, experts=8, top_k=2)
+    rows = bench.measure(model, 2, 8, 2, device="cpu")
+    assert [(r["model"], r["ep"], r["experts_local"], r["chunks"]) for r in rows] == [
+        ("tiny", 2, 4, 1),
+        ("tiny", 2, 4, 2),
+    ]
+    assert [*rows[0], "gpu", "host_cpu", "torch", "time"] == list(bench.COLUMNS)
+    times = [r[name] for r in rows for name in ("phase1_host_ms", "phase2_host_ms", "call_host_ms")]
+    assert all(t > 0 and t == round(t, 4) for t in times), times
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without GPUs")
 @pytest.mark.parametrize(
     ("script", "args", "says"),

@@ -31,6 +31,7 @@ from fo_tune.calibrate.calibration import (
     CurveFit,
     GemmPoint,
     InterferencePoint,
+    MoeHost,
     fit_all,
     load_calibration,
     save_calibration,
@@ -148,6 +149,12 @@ def test_quick_calibration_yaml(quick_run):
         assert p.comm_slowdown > 0 and p.gemm_slowdown > 0
         assert not p.concurrent  # the CPU runs the two one after the other
     assert cal.gemm and all(p.status == "ok" and p.cublas_ms > 0 for p in cal.gemm)
+    # moe_host: measured by rank 0 on a group of its own (the other rank made it with it), the
+    # CPU's tiny experts; the summary shows it
+    host = cal.moe_host
+    assert host is not None and host.shapes == "cpu EP 1 at 8 tokens" and not host.measured_on
+    assert 0 < host.phase1_ms < host.call_ms and 0 < host.phase2_ms < host.call_ms
+    assert "MoE host times on one rank: phase 1 " in quick_run[0].stdout, quick_run[0].stdout
 
 
 def test_a_calibration_folder_stands_for_its_yaml_and_another_folder_is_refused(quick_run, tmp_path):
@@ -690,16 +697,64 @@ def test_one_gpu_parts_merge_into_a_calibration(quick_run, tmp_path):
     target = tmp_path / "cal.yaml"
     target.write_bytes((out / "calibration.yaml").read_bytes())
     before = load_calibration(target)
-    result = calibrate("--world-size", "1", "--quick", "--only", "copy_engine", "--into", str(target))
+    only = "copy_engine,moe_host"
+    result = calibrate("--world-size", "1", "--quick", "--only", only, "--into", str(target))
     assert result.exit_code == 0, result.output
+    assert "MoE host times on one rank: phase 1 " in result.stdout, result.stdout
+    assert "merged copy_engine, moe_host into" in result.stdout, result.stdout
     after = load_calibration(target)
-    assert after.bandwidth == before.bandwidth and after.gemm == before.gemm  # only the section changed
+    # only the section and the MoE host times changed
+    assert after.bandwidth == before.bandwidth and after.gemm == before.gemm
+    assert after.interference == before.interference and after.fits == before.fits
+    assert after.moe_host is not None and after.moe_host.shapes == "cpu EP 1 at 8 tokens"
     assert (
         after.copy_engine.params["library_wave_ms"].source
         != before.copy_engine.params["library_wave_ms"].source
     )
     assert "w1" in after.copy_engine.params["library_wave_ms"].source
     assert after.copy_engine.params["fallback_host_ms"] == before.copy_engine.params["fallback_host_ms"]
+
+
+def test_the_moe_host_record_is_merged_where_measured_and_kept_where_not():
+    """``--only moe_host --into``: the record replaces the target's, everything else kept; a merge
+    of other parts keeps the target's record."""
+    from fo_tune.calibrate.run import merge_into
+
+    cal = _calibration()
+    record = MoeHost(phase1_ms=0.2, phase2_ms=0.1, call_ms=0.9, shapes="cpu EP 1 at 8 tokens", reps=3)
+    measured = replace(cal, bandwidth=[], interference=[], fits=[], moe_host=record)
+    done = merge_into(_calibration(), measured, ("moe_host",))
+    assert done == replace(_calibration(), moe_host=record)
+    again = merge_into(done, replace(measured, moe_host=replace(record, call_ms=1.5)), ("moe_host",))
+    assert again.moe_host.call_ms == 1.5
+    kept = merge_into(again, replace(measured, moe_host=None), ("bandwidth", "moe_host"))
+    assert kept.moe_host.call_ms == 1.5 and kept.bandwidth == []  # nothing measured: the record stays
+    assert merge_into(kept, measured, ("bandwidth",)).moe_host.call_ms == 1.5
+    assert report.held(kept) == ["interference", "moe_host"]
+
+
+def test_the_moe_host_record_round_trips_and_a_malformed_one_is_refused(tmp_path):
+    record = MoeHost(phase1_ms=0.2, phase2_ms=0.1, call_ms=0.9, shapes="cpu EP 1 at 8 tokens", reps=3)
+    cal = replace(_calibration(), moe_host=record)
+    save_calibration(cal, tmp_path / "c.yaml")
+    assert load_calibration(tmp_path / "c.yaml").moe_host == record
+    data = cal.to_dict()
+    # (measured_on written only where set: a sibling's device key)
+    assert data["moe_host"] == dict(phase1_ms=0.2, phase2_ms=0.1, call_ms=0.9, shapes=record.shapes, reps=3)
+    older = {k: v for k, v in data.items() if k != "moe_host"}
+    assert Calibration.from_dict(older).moe_host is None
+    row = data["moe_host"]
+    for bad, needle in (
+        ({**row, "call_ms": "0.9"}, r"moe_host\.call_ms: expected float, got '0\.9'"),
+        ({**row, "phase1_ms": -0.1}, r"moe_host\.phase1_ms: expected a positive time in ms, got -0\.1"),
+        ({**row, "phase2_ms": math.nan}, r"moe_host\.phase2_ms: expected a positive time in ms"),
+        ({**row, "reps": 0}, r"moe_host\.reps: expected a count >= 1"),
+        ({**row, "extra": 1}, r"moe_host: missing \[\], unknown \['extra'\]"),
+        ({k: v for k, v in row.items() if k != "call_ms"}, r"moe_host: missing \['call_ms'\]"),
+        ([0.2, 0.1], r"moe_host: expected a mapping"),
+    ):
+        with pytest.raises(CalibrationError, match=needle):
+            Calibration.from_dict({**data, "moe_host": bad}, source="c.yaml")
 
 
 @pytest.mark.parametrize(

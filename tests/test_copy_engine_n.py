@@ -21,11 +21,20 @@ from fo_tune.calibrate.calibration import (
     EngineCalibration,
     HostPoint,
     LibraryGemmPoint,
+    MoeHost,
     Quantity,
     load_calibration,
 )
-from fo_tune.calibrate.run import DEFAULT_PARTS, PARTS, CalibrationRequest, merge_into
+from fo_tune.calibrate.run import (
+    DEFAULT_PARTS,
+    ONE_GPU_PARTS,
+    PARTS,
+    CalibrationRequest,
+    CalibrationRequestError,
+    merge_into,
+)
 from fo_tune.cli.calibrate import PART_NAMES
+from fo_tune.cli.common import fmt
 from fo_tune.engines.copy_engine import calibrate_n as cn
 from fo_tune.engines.copy_engine.model import CopyEngineTerm, chunk_rows
 
@@ -100,6 +109,9 @@ def test_the_stage_is_asked_for_by_name():
     assert PART_NAMES == PARTS and "copy_engine_n" in PARTS and "copy_engine_n" not in DEFAULT_PARTS
     assert CalibrationRequest(world_size=2).selected() == DEFAULT_PARTS
     assert CalibrationRequest(world_size=1, parts=("copy_engine_n",)).selected() == ("copy_engine_n",)
+    # the MoE host times: the host's, measured whatever the world size unless --only leaves them out
+    assert "moe_host" in DEFAULT_PARTS and CalibrationRequest(world_size=1).selected() == ONE_GPU_PARTS
+    assert ONE_GPU_PARTS == ("gemm", "copy_engine", "moe_host")
 
 
 def test_layer_shapes_are_the_engines_chunks_beside_the_whole_gemm():
@@ -118,14 +130,18 @@ def test_layer_shapes_are_the_engines_chunks_beside_the_whole_gemm():
 
 def test_the_stage_on_the_cpu_measures_the_chunk_gemms_and_says_why_not_the_host(tmp_path, monkeypatch):
     """On gloo (no GPU) the stage measures the CPU layers' GEMMs and leaves the host times out
-    (they need virtual ranks on a GPU); the file loads."""
+    (they need virtual ranks on a GPU); the file loads. moe_host beside it (the other one-GPU part
+    --into merges) writes its record: the CPU's tiny experts, shown in the summary."""
     isolate_tables(monkeypatch, tmp_path)
     out = tmp_path / "cal"
+    only = "copy_engine_n,moe_host"
     result = CliRunner().invoke(
-        app,
-        ["calibrate", "--backend", "gloo", "--world-size", "1", "--only", "copy_engine_n", "--out", str(out)],
+        app, ["calibrate", "--backend", "gloo", "--world-size", "1", "--only", only, "--out", str(out)]
     )
     assert result.exit_code == 0, result.output
+    host = load_calibration(out).moe_host
+    assert host is not None and host.shapes == "cpu EP 1 at 8 tokens" and host.reps == 3
+    assert f"a call {fmt(host.call_ms)} ms (medians over 1 shape, 3 calls each)" in result.stdout
     # the summary says why no collective was measured, and shows no table of a part not measured
     assert "bandwidth: not measured (world size 1 has no collective)" in result.stdout, result.stdout
     assert "interference: not measured (world size 1 has no collective)" in result.stdout, result.stdout
@@ -307,8 +323,6 @@ def test_into_sibling_merges_and_records_where_points_were_measured(h200: Calibr
 def test_a_sibling_is_refused_without_the_flag(h200: Calibration):
     """Without --into-sibling another GPU name is refused as before; for copy_engine_n of the same
     die the message names the flag, for other parts it does not."""
-    from fo_tune.calibrate.run import CalibrationRequestError
-
     measured = _sibling_of(h200)
     with pytest.raises(CalibrationRequestError, match=r"gpu_name differs.*--into-sibling"):
         merge_into(_copy(h200), measured, ("copy_engine_n",))
@@ -319,9 +333,7 @@ def test_a_sibling_is_refused_without_the_flag(h200: Calibration):
 
 def test_the_flag_refuses_another_die_and_other_parts(h200: Calibration):
     """--into-sibling needs the same compute capability and SM count, and merges copy_engine_n
-    alone."""
-    from fo_tune.calibrate.run import CalibrationRequestError
-
+    and moe_host only."""
     fewer = _sibling_of(h200, "NVIDIA H100 PCIe", sm_count=114)
     with pytest.raises(CalibrationRequestError, match=r"--into-sibling: .*\(sm_count differs\)"):
         merge_into(_copy(h200), fewer, ("copy_engine_n",), sibling=True)
@@ -329,11 +341,27 @@ def test_the_flag_refuses_another_die_and_other_parts(h200: Calibration):
         merge_into(_copy(h200), _sibling_of(h200), ("copy_engine",), sibling=True)
 
 
+def test_the_flag_merges_a_sibling_moe_host_record(h200: Calibration):
+    """A sibling's MoE host times, alone or beside copy_engine_n: refused without the flag (naming
+    it), merged with it recording the sibling's device key, which the MoE model's basis names."""
+    from fo_tune.engines import moe_cost_model
+
+    record = MoeHost(phase1_ms=0.2, phase2_ms=0.1, call_ms=0.9, shapes="x", reps=3)
+    measured = dataclasses.replace(_sibling_of(h200), moe_host=record)
+    key = measured.fingerprint.device_key
+    with pytest.raises(CalibrationRequestError, match=r"gpu_name differs.*--into-sibling"):
+        merge_into(_copy(h200), measured, ("moe_host",))
+    done = merge_into(_copy(h200), measured, ("moe_host",), sibling=True)
+    assert done.moe_host == dataclasses.replace(record, measured_on=key)
+    assert done.copy_engine == h200.copy_engine and done.gemm == h200.gemm
+    assert moe_cost_model(done).basis.endswith(f"MoE host times measured on {key}")
+    both = merge_into(_copy(h200), measured, ("copy_engine_n", "moe_host"), sibling=True)
+    assert both.moe_host.measured_on == key and "host_growth_test" in both.copy_engine.params
+
+
 def test_the_flag_merges_a_sibling_gemm_profile_of_another_dtype(h200: Calibration):
     """--into-sibling also takes a sibling's GEMM profile in another dtype than the calibration's
     (fp8): kept beside its own, each point recording where; a profile in its own dtype is refused."""
-    from fo_tune.calibrate.run import CalibrationRequestError
-
     measured = dataclasses.replace(
         _sibling_of(h200), dtype="float8_e4m3fn", gemm=h200.gemm[:2], copy_engine=None
     )

@@ -35,14 +35,20 @@ from fo_kernels.fingerprint import current_fingerprint
 from fo_kernels.moe.table import MoeTableCache, moe_table_path
 from fo_kernels.runtime import runtime_for
 from fo_kernels.tile import Tile
-from fo_tune.calibrate.calibration import BandwidthPoint, load_calibration
+from fo_tune.calibrate.calibration import BandwidthPoint, MoeHost, load_calibration
 from fo_tune.calibrate.find import packaged_calibration
 from fo_tune.engines import moe_cost_model
 from fo_tune.model.profiles import Curves
+from fo_tune.moe.host import CPU_SHAPES, HOST_SHAPES, QUICK_SHAPES, HostShape, host_record
 from fo_tune.moe.model import (
+    CONSTANT_HOST_CLAUSE,
     GROUPED_DOWN_OVERHEAD,
     GROUPED_STREAM_SPEEDUP,
     GROUPED_UP_OVERHEAD,
+    HOST_CALL_MS,
+    HOST_PHASE1_MS,
+    HOST_PHASE2_MS,
+    HOST_TORCH_OP_MS,
     TRITON_STREAM_SPEEDUP,
     MoeCall,
     filled_segments,
@@ -288,6 +294,64 @@ def test_fallback_is_the_sum_of_its_parts(cal):
     assert got.device_ms == pytest.approx(counts + 2 * a2a + up + down)
     assert got.total_ms == pytest.approx(max(got.device_ms, got.host_ms))
     assert got.basis == model.basis
+
+
+def test_measured_host_times_drive_the_host_terms(cal):
+    """A calibration's moe_host record (here twice the constants) prices each path's host time:
+    the no-overlap path's grows by exactly the difference, the copy engine's by its phases' w x
+    chunks times and the call's, the Triton ring's by the call's; the device times stay. Without
+    the record (the packaged calibration) the constants price it, and the basis says which."""
+    base = moe_cost_model(cal)
+    call = _call(1)  # one token a rank: the host's time decides the call's
+    before = base.fallback(call)
+    # the counts exchange, dispatch and combine: four eager collectives at world size 2
+    assert before.host_ms == HOST_CALL_MS + HOST_PHASE1_MS + HOST_PHASE2_MS + 4 * HOST_TORCH_OP_MS
+    assert base.basis.endswith(CONSTANT_HOST_CLAUSE)
+    whole = HOST_CALL_MS + HOST_PHASE1_MS + HOST_PHASE2_MS
+    record = MoeHost(
+        phase1_ms=2 * HOST_PHASE1_MS, phase2_ms=2 * HOST_PHASE2_MS, call_ms=2 * whole, shapes="x", reps=3
+    )
+    measured = moe_cost_model(dataclasses.replace(cal, moe_host=record))
+    after = measured.fallback(call)
+    assert after.host_ms - before.host_ms == pytest.approx(whole)
+    assert after.device_ms == before.device_ms < before.host_ms
+    assert after.total_ms - before.total_ms == pytest.approx(whole)
+    assert measured.basis.endswith(f"MoE host times measured on {H200_KEY}")
+    assert CONSTANT_HOST_CLAUSE not in measured.basis
+    # world size 8 extrapolated from it: the same host times, measured on its origin
+    from fo_tune.calibrate.extrapolate import extrapolate
+
+    wide = moe_cost_model(extrapolate(dataclasses.replace(cal, moe_host=record), 8))
+    assert wide.host == measured.host and wide.basis.endswith(f"MoE host times measured on {H200_KEY}")
+    chunks = 2
+    ce = [m.predict(_schedule(engine="copy_engine", chunks=chunks), call) for m in (base, measured)]
+    phases = 2 * chunks * (HOST_PHASE1_MS + HOST_PHASE2_MS)  # w x chunks pieces, each both phases
+    assert ce[1].host_ms - ce[0].host_ms == pytest.approx(HOST_CALL_MS + phases)
+    ring = _schedule(engine="triton", tile=TILE, sms_free=0, nccl_max_ctas=8)
+    tr = [m.predict(ring, call) for m in (base, measured)]
+    assert tr[1].host_ms - tr[0].host_ms == pytest.approx(HOST_CALL_MS)
+    # a sibling's record names where it was measured; a call faster than its phases prices 0 besides
+    sibling = dataclasses.replace(record, call_ms=0.1, measured_on="nvidia-h100-x")
+    fast = moe_cost_model(dataclasses.replace(cal, moe_host=sibling))
+    assert fast.basis.endswith("MoE host times measured on nvidia-h100-x") and fast.host.call_ms == 0.0
+
+
+def test_the_host_part_measures_public_shapes_of_the_suite():
+    """moe_host's shapes are the suite's models at its EPs; --quick a part of them; the record's
+    medians: the phases over every row, the call over the shapes."""
+    suite = yaml.safe_load((Path(__file__).resolve().parents[1] / "suites/moe/experts.yaml").read_text())
+    models = {m["name"]: m for m in suite["models"]}
+    for shape in HOST_SHAPES:
+        assert HostShape.of(models[shape.model], shape.ep, shape.tokens) == shape
+        assert shape.ep in suite["ep"] and shape.experts % shape.ep == 0
+    assert QUICK_SHAPES and set(QUICK_SHAPES) < set(HOST_SHAPES) and CPU_SHAPES[0].local > 1
+    rows = [
+        dict(model="a", ep=4, tokens=64, phase1_host_ms=p1, phase2_host_ms=p2, call_host_ms=c)
+        for p1, p2, c in ((0.1, 0.05, 1.0), (0.3, 0.07, 1.0))
+    ] + [dict(model="b", ep=4, tokens=64, phase1_host_ms=0.2, phase2_host_ms=0.06, call_host_ms=3.0)]
+    got = host_record(rows, HOST_SHAPES[:2], 5)
+    assert (got.phase1_ms, got.phase2_ms, got.call_ms, got.reps) == (0.2, 0.06, 2.0, 5)
+    assert got.shapes == "Llama-4-Maverick EP 8 at 64 tokens; Llama-4-Maverick EP 8 at 512 tokens"
 
 
 def test_triton_without_concurrency_adds_its_parts(cal):

@@ -15,6 +15,9 @@ A ``Calibration`` holds, for one hardware fingerprint and world size:
   1, with pauses and back to back: one GPU) and ``copies`` (copy-engine copies of peer and local
   memory: two GPUs) and ``host`` (a call's host time per rank at N = 2..8 peers, eager and replayed:
   virtual ranks on one GPU);
+- ``moe_host`` (optional): the expert-parallel FFN's host times on one rank (``MoeHost``: a
+  piece's two phases and a whole call, ``fo-tune calibrate --only moe_host``), which the MoE
+  model reads instead of its constants of one H100 host (``fo_tune.moe.model``);
 - ``triton`` (optional): the Triton term's host times (``params``, as above); without it the
   term's measured defaults apply;
 - ``gemm_dtypes`` (optional): GEMM profiles in other operand dtypes than ``dtype`` (fp8: the
@@ -59,8 +62,10 @@ from fo_tune.calibrate.section import (
     EngineCalibration,
     HostPoint,
     LibraryGemmPoint,
+    MoeHost,
     Quantity,
     point_dict,
+    read_moe_host,
     read_point,
 )
 
@@ -78,6 +83,7 @@ __all__ = [
     "HostPoint",
     "InterferencePoint",
     "LibraryGemmPoint",
+    "MoeHost",
     "Quantity",
     "bus_factor",
     "fit_all",
@@ -272,6 +278,7 @@ class Calibration:
     fits: list[CurveFit] = field(default_factory=list)
     copy_engine: EngineCalibration | None = None
     triton: EngineCalibration | None = None
+    moe_host: MoeHost | None = None
     gemm_dtypes: dict[str, list[GemmPoint]] = field(default_factory=dict)
     # The library GEMM's time in this calibration's dtype over its time in the dtype its copy-engine
     # section was measured in (``for_dtype``; not stored: derived from the two profiles).
@@ -305,6 +312,8 @@ class Calibration:
             section = getattr(self, name)
             if section is not None:
                 out[name] = section.to_dict()
+        if self.moe_host is not None:
+            out["moe_host"] = point_dict(self.moe_host)
         if self.gemm_dtypes:
             out["gemm_dtypes"] = {d: [point_dict(p) for p in pts] for d, pts in self.gemm_dtypes.items()}
         if self.basis:
@@ -362,6 +371,9 @@ class Calibration:
                 for name in ENGINE_SECTIONS
                 if data.get(name) is not None
             }
+            moe_host = data.get("moe_host")
+            if moe_host is not None:
+                moe_host = read_moe_host(moe_host, f"{source}: moe_host")
             others = data.get("gemm_dtypes") or {}
             if not isinstance(others, dict):
                 raise CalibrationError(f"{source}: gemm_dtypes: expected a mapping of dtype to points")
@@ -381,6 +393,7 @@ class Calibration:
                 created=str(data["created"]),
                 **parts,
                 **sections,
+                moe_host=moe_host,
                 gemm_dtypes=gemm_dtypes,
                 basis=str(data.get("basis") or ""),
             )

@@ -96,7 +96,8 @@ CALIBRATION_FILES = (
     "interference.png",
 )
 
-# The files of each part a run may measure (the copy engine's sections live in the YAML only).
+# The files of each part a run may measure (the copy engine's sections and the MoE host times live
+# in the YAML only).
 PART_FILES = {
     "bandwidth": ("bandwidth.csv", "fits.csv", "bandwidth.png"),
     "interference": ("interference.csv", "interference.png"),
@@ -325,6 +326,7 @@ def held(cal: Calibration) -> list[str]:
         "gemm": bool(cal.gemm),
         "copy_engine": engine is not None,
         "copy_engine_n": engine is not None and bool(engine.host),  # (the host times at N peers)
+        "moe_host": cal.moe_host is not None,
         "gemm_dtypes": bool(cal.gemm_dtypes),
         "triton": cal.triton is not None,
     }

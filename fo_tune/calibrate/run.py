@@ -15,12 +15,14 @@
          N = 2..8 with virtual ranks, chunk GEMMs at TP=4/8 layer shapes; merged (``merge_into``)
          into a calibration of the same GPU model, or of another model of the same die with
          ``sibling`` (``--into-sibling``), its points then recording where they were measured
+      8. ``moe_host``: the expert-parallel FFN's host times on rank 0 (``fo_tune.moe.host``)
 
 A GEMM profile in another dtype than the calibration's (fp8) may come from a sibling too, measured
 here or read from ``fo-tune profile`` CSVs without a GPU (``fo_tune.calibrate.from_profiles``).
 
 ``parts`` selects stages by name (``PARTS``); world size 1 has no collective, so its default is
-``gemm`` and ``copy_engine`` (the one-GPU measurements: ``fo-tune calibrate --world-size 1``).
+``gemm``, ``copy_engine`` and ``moe_host`` (the one-GPU measurements: ``fo-tune calibrate
+--world-size 1``).
 
 All of it runs in one worker pool (``fo_tune.ranks.launch``); writing the files is
 ``fo_tune.calibrate.files``.
@@ -62,12 +64,13 @@ class CalibrationRequestError(FoTuneError, ValueError):
 
 
 # The stages a calibration can run, by name (--only).
-PARTS = ("bandwidth", "interference", "gemm", "copy_engine", "copy_engine_n")
+PARTS = ("bandwidth", "interference", "gemm", "copy_engine", "copy_engine_n", "moe_host")
 # What a calibration measures unless told (copy_engine_n only when asked for: it adds the N-peer
-# measurements to a calibration measured before, with --into).
-DEFAULT_PARTS = PARTS[:4]
+# measurements to a calibration measured before, with --into). moe_host is measured by rank 0 on
+# a group of its own: the host's times, whatever the world size.
+DEFAULT_PARTS = (*PARTS[:4], "moe_host")
 # Without a collective between ranks, world size 1 measures these.
-ONE_GPU_PARTS = ("gemm", "copy_engine")
+ONE_GPU_PARTS = ("gemm", "copy_engine", "moe_host")
 # What a calibration in another operand dtype than its communication's measures: the GEMM profile
 # (fp8: the signalled GEMM beside torch._scaled_mm), merged into a calibration's ``gemm_dtypes``
 # with --into; the collectives, the interference and the copy engine are measured in bfloat16.
@@ -75,10 +78,11 @@ OTHER_DTYPE_PARTS = ("gemm",)
 GEMM_ONLY_DTYPES = ("float8_e4m3fn",)
 # What a sibling GPU (another model of the same die: the fingerprint fields of SAME_DIE equal, its
 # name not) may merge into a calibration, with --into-sibling: the copy engine at N peers, whose
-# host times and chunk GEMMs the die decides (its memory bandwidth aside), and a GEMM profile in
-# another dtype than the calibration's (OTHER_DTYPE_PARTS: fp8, whose plans then say they rest on
-# it); each point merged records the sibling's device key (``measured_on``).
-SIBLING_PARTS = ("copy_engine_n",)
+# host times and chunk GEMMs the die decides (its memory bandwidth aside), the MoE path's host
+# times (the host's, not the GPU's), and a GEMM profile in another dtype than the calibration's
+# (OTHER_DTYPE_PARTS: fp8, whose plans then say they rest on it); each point merged records the
+# sibling's device key (``measured_on``).
+SIBLING_PARTS = ("copy_engine_n", "moe_host")
 SAME_DIE = ("compute_capability", "sm_count")
 
 
@@ -168,6 +172,10 @@ def run_calibration(request: CalibrationRequest, reporter: Reporter | None = Non
             from fo_tune.engines.copy_engine.calibrate_n import merge_points
 
             cal.copy_engine = merge_points(cal.copy_engine, _copy_engine_n(pool, request, cpu, rep))
+        if "moe_host" in parts:
+            from fo_tune.moe.host import measure_moe_host
+
+            cal.moe_host = measure_moe_host(pool, request.quick, cpu, rep)
         return cal
 
 
@@ -315,7 +323,10 @@ def _copy_engine_n(pool: Pool, req: CalibrationRequest, cpu: bool, rep: Reporter
 def sibling_may_merge(parts: Sequence[str], dtype: str, target_dtype: str) -> bool:
     """Whether ``--into-sibling`` may merge ``parts`` measured in ``dtype`` into a calibration in
     ``target_dtype``: ``SIBLING_PARTS``, or another dtype's GEMM profile (``OTHER_DTYPE_PARTS``)."""
-    return tuple(parts) == SIBLING_PARTS or (tuple(parts) == OTHER_DTYPE_PARTS and dtype != target_dtype)
+    chosen = set(parts)
+    return (bool(chosen) and chosen <= set(SIBLING_PARTS)) or (
+        tuple(parts) == OTHER_DTYPE_PARTS and dtype != target_dtype
+    )
 
 
 def check_mergeable(
@@ -336,8 +347,9 @@ def check_mergeable(
     theirs = target.fingerprint
     if sibling and not sibling_may_merge(parts, dtype, target.dtype):
         raise CalibrationRequestError(
-            f"--into-sibling merges --only {','.join(SIBLING_PARTS)} alone (the copy engine at N "
-            f"peers), or --only {','.join(OTHER_DTYPE_PARTS)} in another dtype than the calibration's "
+            "--into-sibling merges --only copy_engine_n alone (the copy engine at N peers), --only "
+            "moe_host (the MoE path's host times) or the two, or --only "
+            f"{','.join(OTHER_DTYPE_PARTS)} in another dtype than the calibration's "
             f"{target.dtype} (e.g. --dtype {GEMM_ONLY_DTYPES[0]}): what a GPU of the same die "
             "measures alike; pass one of those, or drop --into-sibling"
         )
@@ -372,9 +384,9 @@ def merge_into(
     """``target`` with the ``parts`` of ``measured`` replacing its own (the copy engine's section
     merged: a parameter no measurement gives keeps its value and source). Refused when the two
     were measured on different GPUs (name, compute capability, SM count): the numbers would not
-    describe ``target``'s machine; with ``sibling``, ``copy_engine_n`` or another dtype's GEMM
-    profile of another GPU model of the same die is merged, its points recording ``measured``'s
-    device key (``measured_on``)."""
+    describe ``target``'s machine; with ``sibling``, ``copy_engine_n``, ``moe_host`` or another
+    dtype's GEMM profile of another GPU model of the same die is merged, its points (and the
+    ``moe_host`` record) recording ``measured``'s device key (``measured_on``)."""
     check_mergeable(target, measured.fingerprint, measured.dtype, parts, sibling=sibling)
     from fo_tune.engines.copy_engine.calibrate import merge_section
 
@@ -394,6 +406,8 @@ def merge_into(
         from fo_tune.engines.copy_engine.calibrate_n import merge_points
 
         target.copy_engine = merge_points(target.copy_engine, measured.copy_engine, source)
+    if "moe_host" in parts and measured.moe_host is not None:
+        target.moe_host = dataclasses.replace(measured.moe_host, measured_on=source)
     return target
 
 

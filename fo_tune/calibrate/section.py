@@ -4,12 +4,13 @@
 keys and values of the wrong type (naming where); fields with defaults are newer ones that older
 files lack. ``EngineCalibration`` is an engine's section of a ``Calibration``
 (``fo_tune.calibrate.calibration``): named scalars with their sources and the measured points behind
-them.
+them; ``MoeHost`` the MoE path's host times (``read_moe_host`` checks one).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
@@ -72,6 +73,33 @@ class HostPoint:
     eager_ms: float
     graph_ms: float
     measured_on: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoeHost:
+    """The expert-parallel FFN's host times on one rank (ms; ``fo-tune calibrate --only moe_host``,
+    ``fo_tune.moe.host``): ``phase1_ms`` and ``phase2_ms`` of one piece, ``call_ms`` of a whole
+    call at world size 1 through the no-overlap path, each the median over ``shapes`` (their
+    labels) of medians of ``reps`` calls; ``measured_on`` as a ``HostPoint``'s."""
+
+    phase1_ms: float
+    phase2_ms: float
+    call_ms: float
+    shapes: str
+    reps: int
+    measured_on: str = ""
+
+
+def read_moe_host(row: Any, where: str) -> MoeHost:
+    """``row`` as a ``MoeHost`` (``read_point``), its times positive and finite."""
+    record = read_point(MoeHost, row, where)
+    for name in ("phase1_ms", "phase2_ms", "call_ms"):
+        value = getattr(record, name)
+        if not 0 < value < math.inf:
+            raise CalibrationError(f"{where}.{name}: expected a positive time in ms, got {value!r}")
+    if record.reps < 1:
+        raise CalibrationError(f"{where}.reps: expected a count >= 1, got {record.reps!r}")
+    return record
 
 
 @dataclass(kw_only=True, slots=True)

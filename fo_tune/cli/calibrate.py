@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # fo_tune.calibrate.calibration.CALIBRATED_COLLECTIVES and fo_tune.calibrate.run.PARTS, for the help
 # text (importing them pulls in torch, which --help does not need; a test checks they match).
 CALIBRATED_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
-PART_NAMES = ("bandwidth", "interference", "gemm", "copy_engine", "copy_engine_n")
+PART_NAMES = ("bandwidth", "interference", "gemm", "copy_engine", "copy_engine_n", "moe_host")
 
 HELP = "\n\n".join(
     [
@@ -52,7 +52,8 @@ HELP = "\n\n".join(
         "signalled GEMM runs on SMs - r, for each r of the space: the collective's and the GEMM's "
         "slowdown, and whether the collective ran during the GEMM at all; (3) GEMM profiles: time per "
         "tile config per grid size for the space's shape set, next to cuBLAS; (4) fits of "
-        "time = latency + bytes / bandwidth.",
+        "time = latency + bytes / bandwidth; (5) the copy engine's section (see --only); (6) the "
+        "expert-parallel FFN's host times on rank 0 (moe_host), which the MoE model reads.",
         "Writes bandwidth.csv, interference.csv, gemm_profile.csv, fits.csv, calibration.yaml "
         "(fingerprint, schema version, everything) and bandwidth.png / interference.png into --out "
         "(default results/calibration/<device-key>/tp<N>/), all at once: a folder there from an "
@@ -105,8 +106,11 @@ OnlyOpt = Annotated[
         help="Measure only these parts: bandwidth, interference, gemm, copy_engine (the copy engine's "
         "section: library GEMM chunks and the sustained clock on one GPU; peer copies, flags and host "
         "times on two), copy_engine_n (the copy engine at N peers on one GPU: host times at N = 2..8 "
-        "with virtual ranks, chunk GEMMs at TP=4/8 layer shapes; merge it with --into). Default: the "
-        "first four; with --world-size 1, gemm and copy_engine.",
+        "with virtual ranks, chunk GEMMs at TP=4/8 layer shapes; merge it with --into), moe_host (the "
+        "expert-parallel FFN's host times on one rank: a piece's two phases and a whole call, "
+        "medians over a few public experts' shapes; the MoE model reads them instead of its "
+        "constants of one H100 host). Default: every part but copy_engine_n; with --world-size 1, "
+        "gemm, copy_engine and moe_host.",
     ),
 ]
 IntoOpt = Annotated[
@@ -124,8 +128,8 @@ IntoSiblingOpt = Annotated[
     bool,
     typer.Option(
         "--into-sibling",
-        help="With --into and --only copy_engine_n, or --only gemm in another dtype than the "
-        "calibration's (fp8): merge although this GPU (or --from-profiles' GPU) is another model "
+        help="With --into and --only copy_engine_n and/or moe_host, or --only gemm in another dtype "
+        "than the calibration's (fp8): merge although this GPU (or --from-profiles' GPU) is another model "
         "than the calibration's, where the two share the die (the same compute capability and SM "
         "count, e.g. an H100 into an H200's calibration); each point merged records that GPU's "
         "device key (measured_on), and the plans resting on it name it in their basis.",
@@ -172,6 +176,7 @@ def _print_summary(cal: Calibration, written: list[Path], parts: tuple[str, ...]
         _print_interference(cal, interference_summary(cal))
     if "gemm" in parts:
         console.print(gemm_table(cal.gemm, "GEMM: best tile per shape"))
+    _print_moe_host(cal, parts)
     folder = escape(str(written[0].parent)) if written else "-"
     console.print(f"[green]wrote[/] {len(written)} file{'s' * (len(written) != 1)} to {folder}:")
     for path in written:
@@ -179,6 +184,22 @@ def _print_summary(cal: Calibration, written: list[Path], parts: tuple[str, ...]
     kept = sorted(p.name for p in written[0].parent.iterdir() if p not in written) if written else []
     if kept:  # an earlier calibration's files of the parts not measured
         console.print(f"kept the earlier calibration's {', '.join(kept)} (not measured)", markup=False)
+
+
+def _print_moe_host(cal: Calibration, parts: tuple[str, ...]) -> None:
+    """The MoE host times measured (``parts`` holds moe_host), in a line."""
+    from fo_tune.output import count
+
+    record = cal.moe_host
+    if "moe_host" not in parts or record is None:
+        return
+    console.print(
+        f"MoE host times on one rank: phase 1 {fmt(record.phase1_ms)} ms, phase 2 "
+        f"{fmt(record.phase2_ms)} ms, a call {fmt(record.call_ms)} ms (medians over "
+        f"{count(len(record.shapes.split('; ')), 'shape')}, {record.reps} calls each)",
+        markup=False,
+        highlight=False,
+    )
 
 
 def _print_bandwidth(cal: Calibration, summary: list) -> None:
@@ -358,6 +379,7 @@ def calibrate(
             assert into is not None
             with finishing(f"kept the measurements, merged into {into}"):
                 save_calibration(merge_into(target, cal, request.selected(), sibling=into_sibling), into)
+            _print_moe_host(cal, request.selected())
             console.print(
                 f"[green]merged[/] {', '.join(request.selected())} into {escape(str(into))}", highlight=False
             )

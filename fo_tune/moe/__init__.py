@@ -7,6 +7,8 @@ space and the planner of MoE table rows (``fo-tune search -c moe``).
     space.py      search_spaces/moe/*.yaml: M buckets and each engine's candidates
     plan.py       plan_moe (every point priced per experts' shape and M bucket), write_moe_rows
                   (the MoE table, ``fo_kernels.moe.table``, under the file lock)
+    host.py       the MoE path's host times on one rank: MoeHostTask (``fo-tune calibrate --only
+                  moe_host``) and measure_shape (``bench/moe_host.py``)
 
 The runtime reads the table (``fo_kernels.moe.table``); it never imports this package.
 """

@@ -61,8 +61,12 @@ Llama-4-Maverick EP 8 at 4096 tokens, the GEMM takes longer than either), fewer 
 slower (the Triton path's programs on SMs - sms_free read at the full rate), and a partial wave
 of few long-K tiles running faster than a full wave's share (Mixtral's down: 16-32 tiles of K 14336
 on 132 programs, priced +42..+53% slow; Llama-4-Maverick's down at one token +39..+46%).
-Host time: eager calls; each path's launches and phases at ``HOST_*`` (see there), measured on one
-H100's host; a host of another speed scales them.
+Host time (``host_times``): eager calls; each path's launches at ``HOST_TORCH_OP_MS`` /
+``HOST_TRITON_LAUNCH_MS``; a piece's two phases and what a call spends besides them from the
+calibration's ``moe_host`` record (``fo-tune calibrate --only moe_host``, ``fo_tune.moe.host``: this
+host's, measured on rank 0), else ``HOST_PHASE1_MS``, ``HOST_PHASE2_MS`` and ``HOST_CALL_MS``,
+measured on one H100's host (other hosts read 1.2x-2.5x them). Every prediction's ``basis`` says
+which.
 """
 
 from __future__ import annotations
@@ -104,9 +108,15 @@ HOST_TRITON_LAUNCH_MS = 0.084
 # runs (5 calls a median) on other hosts of that machine kind read 1.2x and 2.5x these: the host's
 # speed sets them, not the GPU's. The copy engine issues both phases for every piece of every
 # source: w x chunks of each.
+# These are the fallback for a calibration without a ``moe_host`` record (``host_times``).
 HOST_PHASE1_MS = 0.125
 HOST_PHASE2_MS = 0.086
 HOST_CALL_MS = 0.674 - HOST_PHASE1_MS - HOST_PHASE2_MS
+# What a prediction's basis says of host times from those constants.
+CONSTANT_HOST_CLAUSE = (
+    "MoE host times: the packaged constants of one H100 host (fo-tune calibrate --world-size 1 "
+    "--only moe_host measures this host's)"
+)
 # The counts exchange's first row: the signature (6 fields) and the tokens, int64; its second row
 # holds the E_local counts (fo_kernels.moe.exchange).
 COUNTS_FIELDS = 7
@@ -258,6 +268,40 @@ def weight_stream(cal: Calibration, dense: CostModel) -> WeightStream:
     return WeightStream(rate, clause)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostTimes:
+    """The host times (ms) the model prices a call's phases with: ``phase1_ms`` and ``phase2_ms``
+    of one piece, ``call_ms`` what a call spends besides its phases; ``clause``: what the
+    prediction's basis says of them."""
+
+    phase1_ms: float
+    phase2_ms: float
+    call_ms: float
+    clause: str
+
+
+def host_times(cal: Calibration) -> HostTimes:
+    """The calibration's measured host times (its ``moe_host`` record: the call less its two
+    phases, never below 0), else the constants of one H100 host (``HOST_PHASE1_MS`` ...). Host
+    times do not depend on the world size: an extrapolated calibration keeps its origin's."""
+    record = cal.moe_host
+    if record is None:
+        return HostTimes(
+            phase1_ms=HOST_PHASE1_MS,
+            phase2_ms=HOST_PHASE2_MS,
+            call_ms=HOST_CALL_MS,
+            clause=CONSTANT_HOST_CLAUSE,
+        )
+    # (an extrapolation's record is its measured origin's)
+    where = record.measured_on or (cal.origin or cal).fingerprint.device_key
+    return HostTimes(
+        phase1_ms=record.phase1_ms,
+        phase2_ms=record.phase2_ms,
+        call_ms=max(0.0, record.call_ms - record.phase1_ms - record.phase2_ms),
+        clause=f"MoE host times measured on {where}",
+    )
+
+
 # Makes an engine's MoE term from the model.
 MoeTermFactory = Callable[["MoeCostModel"], Any]
 
@@ -272,14 +316,17 @@ class MoeCostModel:
         self.sm_count = cal.fingerprint.sm_count
         self.comm: AllToAllCurve = all_to_all_curve(cal)
         self.stream = weight_stream(cal, dense)
+        self.host = host_times(cal)
         self._terms = Terms(terms, "the MoE model")
 
     @property
     def basis(self) -> str:
         """What the predictions rest on: the All-to-All's source, and the calibration's own basis
         where it was extrapolated (``fo_tune.calibrate.extrapolate``), and the weight stream
-        rate's where it was measured on a sibling GPU or is missing."""
-        return "; ".join(b for b in (self.comm.basis, self.cal.basis, self.stream.clause) if b)
+        rate's where it was measured on a sibling GPU or is missing, and where the host times
+        come from (``host_times``)."""
+        parts = (self.comm.basis, self.cal.basis, self.stream.clause, self.host.clause)
+        return "; ".join(b for b in parts if b)
 
     def engines(self) -> tuple[str, ...]:
         return self._terms.names()
@@ -369,7 +416,8 @@ class MoeCostModel:
         device = counts + a2a + up + down + a2a
         # the call, its two phases on every row, and (between ranks) the counts exchange, the
         # dispatch and the combine
-        host = HOST_CALL_MS + HOST_PHASE1_MS + HOST_PHASE2_MS + self.exchange_host_ms(call, 2)
+        times = self.host
+        host = times.call_ms + times.phase1_ms + times.phase2_ms + self.exchange_host_ms(call, 2)
         return MoePrediction(
             total_ms=max(device, host),
             device_ms=device,

@@ -16,8 +16,9 @@ of its experts that its rows reach, w C pieces in all) times ``copy_contention``
     device = the later of main and the last copy out
 
 Host: every operation of the list issued eagerly at ``host_eager_op_ms`` (the calibration's fit
-over the dense copy engine's calls), each Phase's torch ops besides (``HOST_PHASE1_MS``,
-``HOST_PHASE2_MS``: w x C of each), the call's own (``HOST_CALL_MS``) and the counts exchange.
+over the dense copy engine's calls), each Phase's torch ops besides (the model's ``host``
+phase times, ``fo_tune.moe.model.host_times``: w x C of each), the call's own (its ``call_ms``)
+and the counts exchange.
 Needs the calibration's copy_engine section.
 """
 
@@ -32,14 +33,7 @@ from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.plan import cdiv
 from fo_tune.calibrate.calibration import Calibration
 from fo_tune.engines.copy_engine.tuner import params_gap, peer_blocker
-from fo_tune.moe.model import (
-    HOST_CALL_MS,
-    HOST_PHASE1_MS,
-    HOST_PHASE2_MS,
-    MoeCall,
-    MoeCostModel,
-    MoePrediction,
-)
+from fo_tune.moe.model import MoeCall, MoeCostModel, MoePrediction
 
 # The calibration's copy_engine parameters this term reads.
 PARAMS = (
@@ -118,8 +112,8 @@ class CopyEngineMoeTerm:
         device = max(t_main, t_local)
         pushes = 2 * peers * chunks
         ops = OPS_PER_PUSH * pushes + 2 * w * chunks + 2 * peers + 1
-        phases = w * chunks * (HOST_PHASE1_MS + HOST_PHASE2_MS)
-        host = HOST_CALL_MS + m.exchange_host_ms(call, 0) + phases + ops * p["host_eager_op_ms"]
+        phases = w * chunks * (m.host.phase1_ms + m.host.phase2_ms)
+        host = m.host.call_ms + m.exchange_host_ms(call, 0) + phases + ops * p["host_eager_op_ms"]
         gemm_total = w * chunks * (up + down)
         return MoePrediction(
             total_ms=max(device, host),

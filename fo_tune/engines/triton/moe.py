@@ -17,7 +17,8 @@ While both run, the GEMM and the steps slow each other by the calibration's inte
 (sms_free, the NCCL cap) (``CostModel.interference``: All-to-All was never timed beside the GEMM,
 so the nearest calibrated collective's); where it says the collective does not run beside the
 GEMM at that point, nothing overlaps and the parts add up. Host: w + 1 Triton launches, 2 (w - 1)
-ring steps and the counts exchange, eager, and the call's own (``HOST_CALL_MS``).
+ring steps and the counts exchange, eager, and the call's own (the model's ``host.call_ms``,
+``fo_tune.moe.model.host_times``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from fo_kernels.tile import Tile
 from fo_tune.calibrate.calibration import Calibration
 from fo_tune.engines.triton.tuner import CALIBRATE_GEMM
 from fo_tune.moe.model import (
-    HOST_CALL_MS,
     HOST_TORCH_OP_MS,
     HOST_TRITON_LAUNCH_MS,
     MoeCall,
@@ -119,7 +119,7 @@ class TritonMoeTerm:
             gemm_total = w * g1 + g2
             device = counts + 2 * (w - 1) * step + gemm_total
         launches = (w + 1) * HOST_TRITON_LAUNCH_MS + 2 * (w - 1) * HOST_TORCH_OP_MS
-        host = HOST_CALL_MS + m.exchange_host_ms(call, 0) + launches
+        host = m.host.call_ms + m.exchange_host_ms(call, 0) + launches
         basis = m.basis if overlap or w == 1 else f"{m.basis}; no overlap at this point ({noted.matched})"
         return MoePrediction(
             total_ms=max(device, host),
