@@ -755,6 +755,10 @@ def test_the_moe_host_record_round_trips_and_a_malformed_one_is_refused(tmp_path
     ):
         with pytest.raises(CalibrationError, match=needle):
             Calibration.from_dict({**data, "moe_host": bad}, source="c.yaml")
+    # a misspelt top-level key is refused by name, not read as a part the file lacks
+    misspelt = {("moe_hots" if k == "moe_host" else k): v for k, v in data.items()}
+    with pytest.raises(CalibrationError, match=r"c\.yaml: unknown key\(s\) 'moe_hots'; .* moe_host"):
+        Calibration.from_dict(misspelt, source="c.yaml")
 
 
 @pytest.mark.parametrize(

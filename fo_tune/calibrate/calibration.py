@@ -259,6 +259,12 @@ ENGINE_SECTIONS = ("copy_engine", "triton")
 
 
 _PARTS = {"bandwidth": BandwidthPoint, "interference": InterferencePoint, "gemm": GemmPoint, "fits": CurveFit}
+# Every key a calibration.yaml may hold at its top level (``Calibration.to_dict``): another one is
+# a misspelling, refused rather than read as absent.
+_TOP_LEVEL_KEYS = (
+    "schema_version", "kind", "fingerprint", "world_size", "dtype", "space", "quick", "created",
+    *_PARTS, *ENGINE_SECTIONS, "moe_host", "gemm_dtypes", "basis",
+)  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -357,6 +363,12 @@ class Calibration:
             )
         if data.get("kind") != CALIBRATION_KIND:
             raise CalibrationError(f"{source}: kind must be {CALIBRATION_KIND!r}, got {data.get('kind')!r}")
+        unknown = sorted(str(key) for key in data if key not in _TOP_LEVEL_KEYS)
+        if unknown:
+            raise CalibrationError(
+                f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; a calibration.yaml holds "
+                f"{', '.join(_TOP_LEVEL_KEYS)}"
+            )
         try:
             fp = Fingerprint.from_dict(data["fingerprint"])
             parts = {
