@@ -228,6 +228,10 @@ def gather_scales(scales: Scales, world: int, group: dist.ProcessGroup | None) -
 # (CUBLAS_STATUS_NOT_SUPPORTED at 43 rows: a copy-engine chunk, one H100, torch 2.11); such an A
 # (and its scale rows) is padded to the next multiple.
 ROWWISE_ROW_MULTIPLE = 16
+# cuBLASLt's rowwise (outer-vector) scaling refuses a scale vector that does not start on a 16-byte
+# boundary (CUBLAS_STATUS_NOT_SUPPORTED; measured on one H100, torch 2.11): a chunk's rows of a
+# scale buffer start at any row, so such a slice is copied first.
+SCALE_ALIGN_BYTES = 16
 
 
 def scaled_mm(
@@ -253,15 +257,20 @@ def scaled_mm(
         if out is None:
             return y.to(scales.out_dtype)
         return out.copy_(y)
-    scale_a = scales.scale_a()
+    scale_a, scale_b = _aligned(scales.scale_a(), scales), _aligned(scales.scale_b(), scales)
     if pad:
         scale_a = torch.cat([scale_a, scale_a.new_ones(pad, 1)])
-        y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scales.scale_b(), out_dtype=scales.out_dtype)
+        y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=scales.out_dtype)
         return y[:rows] if out is None else out.copy_(y[:rows])
-    kw = dict(scale_a=scale_a, scale_b=scales.scale_b(), out_dtype=scales.out_dtype)
+    kw = dict(scale_a=scale_a, scale_b=scale_b, out_dtype=scales.out_dtype)
     if out is None:
         return torch._scaled_mm(a, b, **kw)
     return torch._scaled_mm(a, b, **kw, out=out)
+
+
+def _aligned(scale: torch.Tensor, scales: Scales) -> torch.Tensor:
+    """``scale``, or its copy where rowwise scaling needs it to start on ``SCALE_ALIGN_BYTES``."""
+    return scale.clone() if scales.rowwise and scale.data_ptr() % SCALE_ALIGN_BYTES else scale
 
 
 def matmul(

@@ -125,6 +125,25 @@ def test_fp8_eager(collective: str, scaling: str):
     assert not got.has_nan and got.rel_err < TOL[torch.bfloat16], got
 
 
+# Rowwise chunks whose rows start anywhere in the scale buffer (an odd shard, uneven weights) while
+# their row counts are multiples of 16: cuBLASLt refuses a scale vector off a 16-byte boundary.
+ROWWISE_ANY_ROW = [
+    ("all_reduce", 4, 3672, 624, 96, (3, 2)),
+    ("reduce_scatter", 3, 2142, 80, 416, (2, 3)),
+    ("all_gather", 8, 8536, 48, 112, (2, 3)),
+]
+
+
+@pytest.mark.parametrize(("collective", "world", "m", "n", "k", "weights"), ROWWISE_ANY_ROW)
+def test_fp8_rowwise_chunks_at_any_row(collective: str, world: int, m: int, n: int, k: int, weights):
+    check = CpuCheck(
+        collective=collective, world=world, m=m, n=n, k=k, weights=weights, scaling="rowwise",
+        out_dtype=torch.bfloat16, calls=2, seed=m,
+    )  # fmt: skip
+    got = check_on_gpu(check, _ranks(world))
+    assert not got.has_nan and got.rel_err < TOL[torch.bfloat16], got
+
+
 # The graphs last: one graph holds every rank's flag waits, and their order is its executor's; a
 # hang there ends the run after the eager tests have reported.
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
