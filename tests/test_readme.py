@@ -1,5 +1,6 @@
-"""What README.md shows a user holds for the code: its example table rows load and validate, and the
-MoE plan summary it quotes is what the planner prints."""
+"""What README.md shows a user holds for the code: its example table rows load and validate, the
+MoE plan summary it quotes is what the planner prints, and the model errors it quotes are what
+`fo-tune model check` computes from the packaged calibration and files."""
 
 from __future__ import annotations
 
@@ -10,14 +11,21 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from cli import app
-from cli_checks import isolate_tables
+from cli_checks import H200_KEY, isolate_tables
 from fo_kernels.table import load_table
+from fo_tune.calibrate.calibration import load_calibration
+from fo_tune.calibrate.find import packaged_calibration
+from fo_tune.engines import cost_model
+from fo_tune.model.check import check_files, mape
 from fo_tune.tables.validate import validate_table
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 # A packaged table whose header (fingerprint, collective, world size, dtype) the example rows take.
 PACKAGED = ROOT / "results/tables/nvidia-h200-cc90-132sm-w2-nvlink18/all_reduce-w2-bfloat16.yaml"
+# The packaged measured tables and the search reports behind them, what `fo-tune model check` reads.
+TABLES = sorted((ROOT / "results" / "tables" / H200_KEY).glob("*.yaml"))
+REPORTS = sorted((ROOT / "results" / "search" / H200_KEY).glob("**/trials.csv"))
 
 
 def test_schedule_rows_example_validates(tmp_path):
@@ -64,3 +72,38 @@ def test_moe_suite_plan_summary_matches_the_plan(tmp_path, monkeypatch):
     )
     assert f"{best:.2f}" == claim.group(1)
     assert (min(kept), max(kept)) == (int(claim.group(2)), int(claim.group(3)))
+
+
+def test_model_check_errors_match_the_readme():
+    """ "Measured on H200 x2"'s `fo-tune model check` numbers: the MAPE and worst error over the
+    packaged measured rows, over the 14 rows every fit held out (N, K = 8192, 8192), and over the
+    shipped search reports' Triton trials and their held-out M-range reports, as the packaged
+    calibration prices them today."""
+    text = " ".join(README.split())
+    claim = re.search(
+        r"MAPE ([\d.]+)% \(worst ([\d.]+)%, (\d+) rows; ([\d.]+)% on the (\d+) held out of every fit\), "
+        r"over the shipped search reports' Triton trials ([\d.]+)% \((\d+) trials; ([\d.]+)% on the "
+        r"(\d+) of the held-out M-range reports\)",
+        text,
+    )
+    assert claim, "the README's model check summary moved; update this test"
+    model = cost_model(load_calibration(packaged_calibration(H200_KEY, 2)))
+    rows = check_files(TABLES, model)
+    held = [c for c in rows if "x8192x8192" in c.item]
+    trials = [c for c in check_files(REPORTS, model) if c.engine == "triton"]
+    mrange = [c for c in trials if "-mrange" in c.source]
+    (mean, worst), (held_mean, _), (trials_mean, _), (mrange_mean, _) = map(
+        mape, (rows, held, trials, mrange)
+    )
+    got = (
+        f"{mean:.1%}",
+        f"{worst:.1%}",
+        str(len(rows)),
+        f"{held_mean:.1%}",
+        str(len(held)),
+        f"{trials_mean:.1%}",
+        str(len(trials)),
+        f"{mrange_mean:.1%}",
+        str(len(mrange)),
+    )
+    assert got == tuple(f"{g}%" if "." in g else g for g in claim.groups())
