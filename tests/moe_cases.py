@@ -441,10 +441,12 @@ def thread_stage(case: MoeCase, rank: int, world: int, backward: bool):
 # ----------------------------------------------------------------------------- virtual ranks
 def ffn_by_expert(x, ids, w, w13, w2) -> torch.Tensor:
     """``reference_ffn``'s formula one expert at a time (its rows gathered): the float64 reference
-    of the larger cases, on the CPU or a GPU (``tests/test_gpu_moe.py`` checks it against the loop)."""
+    of the larger cases, on the CPU or a GPU (``tests/test_gpu_moe.py`` checks it against the loop).
+    Every expert's term is added, empty ones too, so ``y`` is in the weights' graph even at 0 tokens
+    (a backward through it then gives zero gradients rather than failing)."""
     inter = w13.shape[2] // 2
     y = torch.zeros_like(x)
-    for e in ids.unique().tolist():
+    for e in range(w13.shape[0]):
         t, j = (ids == e).nonzero(as_tuple=True)
         gu = x[t] @ w13[e]
         y = y.index_add(0, t, w[t, j].unsqueeze(1) * ((F.silu(gu[:, :inter]) * gu[:, inter:]) @ w2[e]))
