@@ -269,8 +269,12 @@ def scaled_mm(
 
 
 def _aligned(scale: torch.Tensor, scales: Scales) -> torch.Tensor:
-    """``scale``, or its copy where rowwise scaling needs it to start on ``SCALE_ALIGN_BYTES``."""
-    return scale.clone() if scales.rowwise and scale.data_ptr() % SCALE_ALIGN_BYTES else scale
+    """``scale``, or its copy where rowwise scaling on a GPU needs it to start on
+    ``SCALE_ALIGN_BYTES`` (read from its offset into its storage, whose start the allocator
+    aligns, so a traced call decides it too)."""
+    if not (scales.rowwise and scale.is_cuda):
+        return scale
+    return scale.clone() if scale.storage_offset() * scale.element_size() % SCALE_ALIGN_BYTES else scale
 
 
 def matmul(
