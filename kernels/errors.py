@@ -8,6 +8,15 @@ The CLI maps input errors to exit code 2 and one line on stderr.
 
 from __future__ import annotations
 
+# What each of fo-tune's optional extras (pyproject.toml) installs, as one pip command a message can
+# name: it works wherever fo-tune came from (a checkout's ``pip install -e '.[cuda]'`` as well).
+_EXTRA_PACKAGES = {"cuda": "cuda-bindings", "postgres": "'psycopg[binary]'"}
+
+
+def install_hint(extra: str) -> str:
+    """fo-tune's optional ``extra`` (``"cuda"``, ``"postgres"``) and the pip command that adds it."""
+    return f"fo-tune's {extra} extra: pip install {_EXTRA_PACKAGES[extra]}"
+
 
 class FoTuneError(Exception):
     """Base of every error fo-tune raises on purpose."""

@@ -9,6 +9,8 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from fo_kernels.errors import install_hint
+
 
 class Registry:
     """Names mapped to ``"module:attribute"`` (or a module with ``attribute`` given on load).
@@ -54,9 +56,7 @@ class Registry:
             extra = self._extra.get(str(name))
             if extra is None:
                 raise
-            raise ImportError(
-                f"{self.kind} {name!r} needs the {extra!r} extra: pip install 'fo-tune[{extra}]' ({exc})"
-            ) from exc
+            raise ImportError(f"{self.kind} {name!r} needs {install_hint(extra)} ({exc})") from exc
         wanted = attribute or registered
         if not wanted:
             return loaded

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from fo_kernels.engines.triton.settings import WAIT_MODES
-from fo_kernels.errors import EnvironmentMismatchError, ScheduleError
+from fo_kernels.errors import EnvironmentMismatchError, ScheduleError, install_hint
 
 # The low 32 bits: the counters and cuStreamWaitValue32's targets are 32-bit words.
 _U32 = 0xFFFFFFFF
@@ -103,7 +103,7 @@ def make_waiter(mode: str, device: torch.device) -> Waiter:
     driver = driver_module()
     if driver is None:
         warnings.warn(
-            "wait_mode stream_wait needs cuda-bindings (pip install 'fo-tune[cuda]'); using the spin kernel",
+            f"wait_mode stream_wait needs cuda-bindings ({install_hint('cuda')}); using the spin kernel",
             RuntimeWarning,
             stacklevel=3,
         )

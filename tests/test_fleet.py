@@ -236,7 +236,7 @@ def test_a_missing_postgres_driver_is_exit_2_naming_what_to_install(monkeypatch:
             app, ["search", "--shape", "4096x8192x4096", "--storage", "postgresql://u:secret@db/x"]
         )
     )
-    assert "fo-tune[postgres]" in line and "secret" not in line
+    assert "postgres extra: pip install 'psycopg[binary]'" in line and "secret" not in line
 
 
 def test_a_postgres_driver_that_does_not_import_is_one_line_naming_why_and_the_extra(
@@ -262,7 +262,10 @@ def test_a_postgres_driver_that_does_not_import_is_one_line_naming_why_and_the_e
     for cmd in (["search", "--shape", "4096x8192x4096"], ["table", "pull"]):
         line = assert_one_line_error(CliRunner().invoke(app, [*cmd, "--storage", url]))
         assert "the PostgreSQL driver does not import (import of psycopg halted" in line, line
-        assert line.endswith("pip install 'fo-tune[postgres]' (psycopg)") and "secret" not in line, line
+        assert (
+            line.endswith("install fo-tune's postgres extra: pip install 'psycopg[binary]'")
+            and "secret" not in line
+        ), line
 
 
 # ---------------------------------------------------------------------------------- reports, JSON

@@ -11,7 +11,7 @@ from fo_tune.cli.common import COLLECTIVE_NAMES, nonempty_path
 
 MODE_NAMES = ("measure", "predict", "hybrid")
 
-# Typer renders the help with Rich markup: a literal "[" is written "\\[" (else "[postgres]"
+# Typer renders the help with Rich markup: a literal "[" is written "\\[" (else "[binary]"
 # reads as a style tag and vanishes from the help).
 HELP = "\n\n".join(
     [
@@ -64,7 +64,8 @@ HELP = "\n\n".join(
         "under $XDG_DATA_HOME when set): running the same command again resumes them. Every "
         "mode records each decided row in its study there, so the workers of a fleet share one "
         "storage: journal:FILE or sqlite:///FILE on one machine, postgresql://USER@HOST:PORT/DB "
-        "across hosts (pip install 'fo-tune\\[postgres]'), and `fo-tune table pull --storage URL` "
+        "across hosts (fo-tune's postgres extra: pip install 'psycopg\\[binary]'), and "
+        "`fo-tune table pull --storage URL` "
         "writes the tables from every study in it. The storage is opened before any work: a "
         "missing driver, a server that does not answer or the folder of an explicit SQLite or "
         "journal file that does not exist is exit 2.",

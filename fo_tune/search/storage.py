@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fo_kernels.errors import FoTuneError
+from fo_kernels.errors import FoTuneError, install_hint
 from fo_tune.output import data_dir
 
 # Seconds between heartbeats of a running trial in an RDB storage, and after how long without one
@@ -59,7 +59,7 @@ NO_FILE = "names no file (an in-memory database would lose the study); give sqli
 # The table every Optuna RDB storage has (its studies), which a SQLite file to read must hold.
 OPTUNA_STUDIES_TABLE = "studies"
 # What to install for a PostgreSQL storage (pyproject's extra).
-POSTGRES_EXTRA = "pip install 'fo-tune[postgres]' (psycopg)"
+POSTGRES_EXTRA = "install " + install_hint("postgres")
 
 
 class StorageError(FoTuneError, ValueError):

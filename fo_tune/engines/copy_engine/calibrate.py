@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fo_kernels.errors import install_hint
 from fo_kernels.schedule import torch_dtype
 from fo_tune.calibrate.calibration import CopyPoint, EngineCalibration, LibraryGemmPoint, Quantity
 from fo_tune.engines.copy_engine.fit import fit_library, fit_lines
@@ -332,7 +333,7 @@ class FlagTask:
         why = peer_blocker(ctx)
         driver = driver_module() if not why else None
         if not why and driver is None:
-            why = "needs cuda-bindings (pip install 'fo-tune[cuda]')"
+            why = f"needs cuda-bindings ({install_hint('cuda')})"
         bad = torch.tensor([1 if why else 0], device=ctx.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # both ranks ping-pong, or neither does
         if int(bad.item()):

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from fo_kernels.errors import install_hint
 from fo_tune.calibrate.calibration import EngineCalibration, HostPoint, Quantity
 from fo_tune.engines.copy_engine.calibrate import LibraryGemmTask, chunk_shapes
 from fo_tune.ranks.pool import RankContext
@@ -172,7 +173,7 @@ class HostNTask:
         if ctx.device.type != "cuda":
             return {"why": f"needs a CUDA GPU; this rank runs on {ctx.device.type}", "points": []}
         if driver_module() is None:
-            return {"why": "needs cuda-bindings (pip install 'fo-tune[cuda]')", "points": []}
+            return {"why": f"needs cuda-bindings ({install_hint('cuda')})", "points": []}
         measure = graph_host if self.graphs else eager_host
         points = [measure(w, c, ctx.device, self.dtype) for w in self.worlds for c in self.collectives]
         return {"why": "", "points": points}

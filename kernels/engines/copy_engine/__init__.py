@@ -25,7 +25,7 @@ GEMMs scaled (``torch._scaled_mm``; a partial sum added after it), the AllGather
 and, rowwise, their scale rows.
 
 Needs CUDA, GPUs with peer access (NVLink) between all ranks, ``torch.distributed.
-_symmetric_memory`` and cuda-bindings (``pip install 'fo-tune[cuda]'``); ``copy_engine_blocker``
+_symmetric_memory`` and cuda-bindings (``pip install cuda-bindings``, the cuda extra); ``copy_engine_blocker``
 says what is missing. The CPU executor needs only torch.
 """
 

@@ -51,7 +51,7 @@ from fo_kernels.engines.copy_engine.layout import COUNTER_SLOTS, FlagLayout
 from fo_kernels.engines.copy_engine.modes import check_weights, plan_call
 from fo_kernels.engines.copy_engine.ops import ALT, LOCAL, NOTIFY, SIDE, CallPlan
 from fo_kernels.engines.copy_engine.warmup import SCRATCH_ALIGN
-from fo_kernels.errors import EnvironmentMismatchError, ScheduleError, ShapeError
+from fo_kernels.errors import EnvironmentMismatchError, ScheduleError, ShapeError, install_hint
 from fo_kernels.gemm import BOperand
 from fo_kernels.graphs import OutputPool, OwnGraphs
 from fo_kernels.scaling import Scales, out_dtype_of
@@ -71,7 +71,7 @@ def copy_engine_blocker(device: torch.device, world_size: int) -> str:
     if world_size < 2:
         return f"runs between at least 2 ranks, this group has {world_size}"
     if driver_module() is None:
-        return "needs cuda-bindings (pip install 'fo-tune[cuda]')"
+        return f"needs cuda-bindings ({install_hint('cuda')})"
     if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
         return "needs torch.distributed._symmetric_memory, which this torch lacks"
     return ""

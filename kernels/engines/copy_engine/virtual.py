@@ -57,7 +57,7 @@ from fo_kernels.engines.copy_engine.ops import (
     Wait,
 )
 from fo_kernels.engines.copy_engine.warmup import SCRATCH_ALIGN
-from fo_kernels.errors import EnvironmentMismatchError, ProtocolError, ScheduleError, ShapeError
+from fo_kernels.errors import EnvironmentMismatchError, ProtocolError, ScheduleError, ShapeError, install_hint
 from fo_kernels.fingerprint import resolve_device
 from fo_kernels.gemm import BOperand
 from fo_kernels.scaling import Scales
@@ -93,7 +93,7 @@ def cuda_device(device: torch.device | int | str = "cuda") -> VirtualDevice:
         raise EnvironmentMismatchError(f"virtual ranks run on a CUDA GPU; got {device}")
     driver = driver_module()
     if driver is None:
-        raise EnvironmentMismatchError("virtual ranks need cuda-bindings (pip install 'fo-tune[cuda]')")
+        raise EnvironmentMismatchError(f"virtual ranks need cuda-bindings ({install_hint('cuda')})")
     return VirtualDevice(
         device=device,
         driver=driver,
