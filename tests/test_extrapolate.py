@@ -235,13 +235,17 @@ def test_a_missing_measurement_names_commands_that_work(tmp_path, world, args, a
     (refused on the CPU, as the message says: it needs that GPU model), search with the copy."""
     request = ["--mode", "predict", "--world-size", str(world), *args, "--out", str(tmp_path / "o")]
     line = assert_one_line_error(search(*request))
-    copy, measure, again = _commands(line)
+    copy, measure, again, *merged = _commands(line)
     assert copy[0] == "cp" and Path(copy[1]).is_file() and copy[2] == f"{H200_KEY}.yaml", line
     assert "A machine without such" in line and "cannot measure it" in line, line
     subprocess.run(copy, check=True)
     own = Path(copy[2])
-    for argv in (measure, ["fo-tune", "search", *request, *again]):
+    # a profile also comes from `fo-tune profile` CSVs measured elsewhere, merged without a GPU
+    assert len(merged) == (added == "profile"), line
+    for argv in (measure, ["fo-tune", "search", *request, *again], *merged):
         _parse(argv)
+    for argv in merged:
+        assert "--from-profiles" in argv and argv[-2:] == ["--into", str(own)], line
     assert measure[-2:] == ["--into", str(own)] and again == ["--calibration", str(own)], line
     refused = CliRunner().invoke(app, measure[1:])  # this machine is not an H200
     assert "gpu_name differs" in assert_one_line_error(refused)

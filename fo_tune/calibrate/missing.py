@@ -76,7 +76,7 @@ def missing_profile(cal: Calibration, dtype: str) -> str:
     refused, and the commands that add one to a file the user owns (a copy of a packaged
     calibration) and search with it. The profile is measured on one GPU of the calibration's model,
     or of the same die with ``--into-sibling`` (``fo_tune.calibrate.run.check_mergeable``): a
-    machine without one cannot."""
+    machine without one merges ``fo-tune profile`` CSVs measured on one (``--from-profiles``)."""
     t = _target(cal)
     return (
         f"{t.named} has no {dtype} GEMM profile. Measure it on one GPU of its model "
@@ -84,7 +84,9 @@ def missing_profile(cal: Calibration, dtype: str) -> str:
         f"{t.dest}: {t.steps}`fo-tune calibrate --world-size 1 "
         f"--only gemm --dtype {dtype} --into {t.into}`; then run this search again with "
         f"`--calibration {t.into}`. A machine without such a GPU cannot measure it (calibrate refuses "
-        "to merge another GPU's measurements)"
+        "to merge another GPU's measurements); it merges the CSVs of fo-tune profile run on one "
+        f"instead: `fo-tune calibrate --world-size 1 --only gemm --dtype {dtype} --from-profiles DIR "
+        f"--into {t.into}` (with --into-sibling for another GPU of the same die)"
     )
 
 
