@@ -64,11 +64,10 @@ HELP = "\n\n".join(
         "under $XDG_DATA_HOME when set): running the same command again resumes them. Every "
         "mode records each decided row in its study there, so the workers of a fleet share one "
         "storage: journal:FILE or sqlite:///FILE on one machine, postgresql://USER@HOST:PORT/DB "
-        "across hosts (fo-tune's postgres extra: pip install 'psycopg\\[binary]'), and "
-        "`fo-tune table pull --storage URL` "
-        "writes the tables from every study in it. The storage is opened before any work: a "
-        "missing driver, a server that does not answer or the folder of an explicit SQLite or "
-        "journal file that does not exist is exit 2.",
+        "across hosts (fo-tune's postgres extra: pip install 'psycopg\\[binary]'), and `fo-tune "
+        "table pull --storage URL` writes the tables from every study in it. The storage is opened "
+        "before any work: a missing driver, a server that does not answer or the folder of an "
+        "explicit SQLite or journal file that does not exist is exit 2.",
         "Tables go to --table-dir (default $FO_TUNE_TABLE_DIR, else ~/.local/share/fo-tune/tables), "
         "merged under a file lock; a predicted row never replaces a measured one (the runtime "
         "prefers measured rows in any folder anyway). The report (trials.csv, summary.yaml; "
