@@ -42,6 +42,7 @@ _EXPORTS = {
     "RowParallelLinear": "layers",
     "parallelize_linears": "parallel",
     "NotOverlappedWarning": "errors",
+    "TileStagesWarning": "errors",
     "ArgumentError": "errors",
     "SignatureError": "errors",
     "NotInitializedError": "errors",

@@ -113,5 +113,10 @@ class TableDirWarning(UserWarning):
     """``$FO_TUNE_TABLE_DIR`` names something that is not a folder, so no table is read from it."""
 
 
+class TileStagesWarning(UserWarning):
+    """An fp8 call's ``out_dtype`` is wider than the bfloat16 its schedule was tuned for and the
+    schedule's tile does not load with it on this GPU: it runs with fewer pipeline stages."""
+
+
 class NotOverlappedWarning(UserWarning):
     """A tensor-parallel layer, or part of one, runs as torch's style runs it: fo-tune cannot overlap it."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import itertools
 import warnings
 from types import SimpleNamespace
@@ -41,7 +42,7 @@ from fo_kernels.engines.copy_engine.buffers import (
 )
 from fo_kernels.engines.copy_engine.layout import SCALE_REGION, FlagLayout, Rows, shard_rows
 from fo_kernels.engines.copy_engine.ops import STREAMS
-from fo_kernels.errors import Fp8TrainingError, ScaleError, ShapeError
+from fo_kernels.errors import DeviceLimitError, Fp8TrainingError, ScaleError, ShapeError, TileStagesWarning
 from fo_kernels.quantize import SCALINGS
 from fo_kernels.scaling import check_scales
 from fo_kernels.tile import Tile
@@ -217,6 +218,72 @@ def test_triton_engine_fp8_matches_scaled_mm_on_small_views_and_nan(tmp_path):
                         got = op(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32, schedule=s)
                         where = f"{collective} {m}x{n}x{k} engine={s is not None}"
                         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, equal_nan=True, msg=where)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_wide_out_dtype_retries_a_tile_that_does_not_load_with_fewer_stages(tmp_path, monkeypatch):
+    """A GPU where the schedule's 3-stage tile does not load (Triton's OutOfResources, as fp8's
+    128x256x128 tile with 4 stages and a float32 output on an H100): a float32-out call runs with 2
+    stages and a TileStagesWarning, right; a bfloat16-out call (what tables are tuned for) and a tile
+    with no stage to give raise DeviceLimitError, untouched."""
+    from triton.runtime.errors import OutOfResources
+
+    import fo_kernels.engines.triton.executor as executor
+
+    tried: list[int] = []
+
+    def too_big(real):
+        def run(schedule, *args):
+            tried.append(schedule.settings.tile.num_stages)
+            if schedule.settings.tile.num_stages > 2:
+                raise OutOfResources(262176, 232448, "shared memory")
+            return real(schedule, *args)
+
+        return run
+
+    monkeypatch.setattr(executor, "overlapped", too_big(executor.overlapped))
+    monkeypatch.setattr(executor, "gathered", too_big(executor.gathered))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        m, n, k = 40, 48, 32
+        a, b = (torch.randn(m, k) * 3).to(FP8), _fp8(k, n)
+        sa, sb = torch.rand(m, 1) + 0.5, torch.rand(1, n) + 0.5
+        want = torch._scaled_mm(a, b.t().contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        for collective, op in (("all_reduce", gemm_all_reduce), ("all_gather", all_gather_gemm)):
+            if collective == "all_gather":
+                base = gather_schedule(1, m, n, k, DTYPE, 2)
+            else:
+                base = make_schedule(collective, 1, m, n, k, DTYPE, "row_band")
+            for stages in (3, 2):
+                tile = dataclasses.replace(base.settings.tile, num_stages=stages)
+                schedule = dataclasses.replace(base, settings=dataclasses.replace(base.settings, tile=tile))
+                tried.clear()
+                if stages == 3:
+                    with pytest.warns(TileStagesWarning, match="float32: it runs with .* s2"):
+                        got = op(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32, schedule=schedule)
+                    assert tried == [3, 2], collective
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=collective)
+                    tried.clear()
+                    with pytest.raises(DeviceLimitError, match="262176 bytes of shared memory"):
+                        op(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, schedule=schedule)
+                    assert tried == [3], collective
+                else:
+                    # (2 stages load here: the fake fails above 2; MIN_RETRY_STAGES is the floor)
+                    got = op(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32, schedule=schedule)
+                    assert tried == [2], collective
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=collective)
+
+        # a tile that loads at no stage count: retried down to MIN_RETRY_STAGES, then refused
+        def never(schedule, *args):
+            raise OutOfResources(1, 0, "shared memory")
+
+        monkeypatch.setattr(executor, "gathered", never)
+        tile = dataclasses.replace(base.settings.tile, num_stages=3)
+        schedule = dataclasses.replace(base, settings=dataclasses.replace(base.settings, tile=tile))
+        with pytest.raises(DeviceLimitError), warnings.catch_warnings():
+            warnings.simplefilter("ignore", TileStagesWarning)
+            all_gather_gemm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32, schedule=schedule)
     finally:
         dist.destroy_process_group()
 

@@ -36,12 +36,23 @@ and torch._scaled_mm asks for the same layout.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from fo_kernels.engines import Engine, EngineResult
+from fo_kernels.errors import DeviceLimitError, TileStagesWarning
 from fo_kernels.tile import DeviceLimits
+
+# The output bytes an fp8 table row is tuned with (bfloat16: fo_tune/ranks/scaled.py). A wider
+# out_dtype (float32) grows the epilogue's shared memory: on an H100, fp8's 128x256x128 tile with 4
+# stages needs 262,176 bytes with a float32 output, over Hopper's 232,448, and loads with bfloat16.
+TUNED_OUT_BYTES = 2
+# The fewest stages such a call is retried with (a software pipeline of two: a load in flight
+# beside the block the tensor cores read).
+MIN_RETRY_STAGES = 2
 
 if TYPE_CHECKING:
     from fo_kernels.gemm import BOperand
@@ -76,10 +87,35 @@ class TritonEngine(Engine):
             a = a.contiguous()
         if scales is not None:
             b = kmajor_fp8(b)
-        with DeviceLimits(schedule.settings.tile, f"{a.dtype} operands"):
-            if schedule.collective == "all_gather":
-                return gathered(schedule, a, b, runtime, scales)
-            return overlapped(schedule, a, b, runtime, scales)
+        while True:
+            try:
+                with DeviceLimits(schedule.settings.tile, f"{a.dtype} operands"):
+                    if schedule.collective == "all_gather":
+                        return gathered(schedule, a, b, runtime, scales)
+                    return overlapped(schedule, a, b, runtime, scales)
+            except DeviceLimitError as exc:
+                schedule = fewer_stages(schedule, scales, exc)
+
+
+def fewer_stages(schedule: Schedule, scales: Scales | None, exc: DeviceLimitError) -> Schedule:
+    """``schedule`` with one stage fewer, after its tile failed to load (``exc``) on an fp8 call whose
+    ``out_dtype`` is wider than the one the tables are tuned with: a row's tile then runs, with a
+    ``TileStagesWarning``, where it would not load. ``exc`` again otherwise (the tile was the
+    caller's or the tuner's choice for this very output, or has no stage left to give). The kernel
+    fails when Triton loads it; every rank of the call fails alike, so all of them run the retry,
+    and an AllGather's chunks, already gathered, are gathered again into the new call's buffers."""
+    tile = schedule.settings.tile
+    wide = scales is not None and scales.out_dtype.itemsize > TUNED_OUT_BYTES
+    if not wide or tile.num_stages <= MIN_RETRY_STAGES:
+        raise exc
+    fewer = dataclasses.replace(tile, num_stages=tile.num_stages - 1)
+    warnings.warn(
+        f"{exc}; fp8 tables are tuned for a bfloat16 output and this call's is {scales.out_dtype}: "
+        f"it runs with {fewer.label()}",
+        TileStagesWarning,
+        stacklevel=2,
+    )
+    return dataclasses.replace(schedule, settings=dataclasses.replace(schedule.settings, tile=fewer))
 
 
 ENGINE = TritonEngine
