@@ -230,6 +230,7 @@ def test_a_wide_out_dtype_retries_a_tile_that_does_not_load_with_fewer_stages(tm
     from triton.runtime.errors import OutOfResources
 
     import fo_kernels.engines.triton.executor as executor
+    from fo_kernels.engines.triton import with_tile
 
     tried: list[int] = []
 
@@ -256,13 +257,18 @@ def test_a_wide_out_dtype_retries_a_tile_that_does_not_load_with_fewer_stages(tm
             else:
                 base = make_schedule(collective, 1, m, n, k, DTYPE, "row_band")
             for stages in (3, 2):
-                tile = dataclasses.replace(base.settings.tile, num_stages=stages)
-                schedule = dataclasses.replace(base, settings=dataclasses.replace(base.settings, tile=tile))
+                schedule = with_tile(base, dataclasses.replace(base.settings.tile, num_stages=stages))
                 tried.clear()
                 if stages == 3:
                     with pytest.warns(TileStagesWarning, match="float32: it runs with .* s2"):
                         got = op(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32, schedule=schedule)
                     assert tried == [3, 2], collective
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=collective)
+                    tried.clear()  # a later call starts from the tile that loaded, silently
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("error", TileStagesWarning)
+                        got = op(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32, schedule=schedule)
+                    assert tried == [2], collective
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=collective)
                     tried.clear()
                     with pytest.raises(DeviceLimitError, match="262176 bytes of shared memory"):
@@ -279,8 +285,7 @@ def test_a_wide_out_dtype_retries_a_tile_that_does_not_load_with_fewer_stages(tm
             raise OutOfResources(1, 0, "shared memory")
 
         monkeypatch.setattr(executor, "gathered", never)
-        tile = dataclasses.replace(base.settings.tile, num_stages=3)
-        schedule = dataclasses.replace(base, settings=dataclasses.replace(base.settings, tile=tile))
+        schedule = with_tile(base, dataclasses.replace(base.settings.tile, num_stages=3))
         with pytest.raises(DeviceLimitError), warnings.catch_warnings():
             warnings.simplefilter("ignore", TileStagesWarning)
             all_gather_gemm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32, schedule=schedule)

@@ -44,7 +44,7 @@ import torch
 
 from fo_kernels.engines import Engine, EngineResult
 from fo_kernels.errors import DeviceLimitError, TileStagesWarning
-from fo_kernels.tile import DeviceLimits
+from fo_kernels.tile import DeviceLimits, Tile
 
 # The output bytes an fp8 table row is tuned with (bfloat16: fo_tune/ranks/scaled.py). A wider
 # out_dtype (float32) grows the epilogue's shared memory: on an H100, fp8's 128x256x128 tile with 4
@@ -53,6 +53,10 @@ TUNED_OUT_BYTES = 2
 # The fewest stages such a call is retried with (a software pipeline of two: a load in flight
 # beside the block the tensor cores read).
 MIN_RETRY_STAGES = 2
+# The runtime's engine_state key of the tiles that loaded only with fewer stages, by (the
+# schedule's tile, out_dtype): later calls start from the tile that loaded, so the failed load, its
+# warning and an AllGather's gathers before it happen once, not every call.
+FITTED = "triton.fitted_tiles"
 
 if TYPE_CHECKING:
     from fo_kernels.gemm import BOperand
@@ -87,14 +91,28 @@ class TritonEngine(Engine):
             a = a.contiguous()
         if scales is not None:
             b = kmajor_fp8(b)
+        fitted: dict = runtime.engine_state.setdefault(FITTED, {})
+        key = (schedule.settings.tile, None if scales is None else scales.out_dtype)
+        if key in fitted:
+            schedule = with_tile(schedule, fitted[key])
         while True:
             try:
                 with DeviceLimits(schedule.settings.tile, f"{a.dtype} operands"):
                     if schedule.collective == "all_gather":
-                        return gathered(schedule, a, b, runtime, scales)
-                    return overlapped(schedule, a, b, runtime, scales)
+                        result = gathered(schedule, a, b, runtime, scales)
+                    else:
+                        result = overlapped(schedule, a, b, runtime, scales)
             except DeviceLimitError as exc:
                 schedule = fewer_stages(schedule, scales, exc)
+                continue
+            if schedule.settings.tile != key[0]:
+                fitted[key] = schedule.settings.tile
+            return result
+
+
+def with_tile(schedule: Schedule, tile: Tile) -> Schedule:
+    """``schedule`` with its Triton settings' tile replaced by ``tile``."""
+    return dataclasses.replace(schedule, settings=dataclasses.replace(schedule.settings, tile=tile))
 
 
 def fewer_stages(schedule: Schedule, scales: Scales | None, exc: DeviceLimitError) -> Schedule:
@@ -115,7 +133,7 @@ def fewer_stages(schedule: Schedule, scales: Scales | None, exc: DeviceLimitErro
         TileStagesWarning,
         stacklevel=2,
     )
-    return dataclasses.replace(schedule, settings=dataclasses.replace(schedule.settings, tile=fewer))
+    return with_tile(schedule, fewer)
 
 
 ENGINE = TritonEngine
