@@ -257,12 +257,12 @@ def scaled_mm(
         if out is None:
             return y.to(scales.out_dtype)
         return out.copy_(y)
-    scale_a, scale_b = _aligned(scales.scale_a(), scales), _aligned(scales.scale_b(), scales)
-    if pad:
+    scale_a, scale_b = scales.scale_a(), _aligned(scales.scale_b(), scales)
+    if pad:  # (a new tensor, aligned as allocated)
         scale_a = torch.cat([scale_a, scale_a.new_ones(pad, 1)])
         y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=scales.out_dtype)
         return y[:rows] if out is None else out.copy_(y[:rows])
-    kw = dict(scale_a=scale_a, scale_b=scale_b, out_dtype=scales.out_dtype)
+    kw = dict(scale_a=_aligned(scale_a, scales), scale_b=scale_b, out_dtype=scales.out_dtype)
     if out is None:
         return torch._scaled_mm(a, b, **kw)
     return torch._scaled_mm(a, b, **kw, out=out)

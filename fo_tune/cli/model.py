@@ -168,9 +168,10 @@ def _files(files: list[Path] | None, cal: Calibration) -> list[Path]:
     from fo_tune.tables.merge import is_lock_file
 
     # (a glob of a table folder, TABLES/*/*, names each table's lock file too: the table is read)
-    paths = [p for p in files or [] if not is_lock_file(p)] or _default_tables(cal)
-    if files and not any(p in files for p in paths):
+    given = [p for p in files or [] if not is_lock_file(p)]
+    if files and not given:
         raise CheckError(f"{files[0]}: a table's lock file, not a table or report; give the table beside it")
+    paths = given or _default_tables(cal)
     if not paths:
         raise CheckError(f"no packaged table for {cal.fingerprint.device_key}; give tables or reports")
     for p in paths:
