@@ -19,6 +19,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import torch.distributed
+
+if torch.distributed.is_available():
+    # torch.distributed.nn.functional binds ``group.WORLD`` as its functions' default ``group`` when
+    # it is imported, and torch._dynamo imports it (the ops' module imports torch._dynamo): imported
+    # first after init_process_group, it would keep the default group past
+    # dist.destroy_process_group() into the interpreter's teardown (``runtime._release_at_exit``
+    # says what that costs a gloo rank). Imported with fo_kernels, before the caller's group
+    # exists, it binds None.
+    import torch.distributed.nn
+
 _EXPORTS = {
     "EnvironmentMismatchError": "errors",
     "FoTuneError": "errors",

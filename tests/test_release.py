@@ -5,6 +5,11 @@ and a later op on the group makes it again and is right. The NCCL run of the sam
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import textwrap
+
 import torch
 import torch.distributed as dist
 
@@ -35,3 +40,44 @@ def test_release_group_frees_that_groups_runtime_and_a_later_op_runs_again(quiet
     finally:
         release_group(group)
         dist.destroy_process_group(group)
+
+
+# One gloo rank, as a user writes it: fo_kernels imported (its ops load on first use), the group
+# made, one op, the destroy; then what the interpreter runs when it starts to exit.
+SHORT_JOB = """
+import atexit
+import gc
+import weakref
+
+import torch
+import torch.distributed as dist
+
+import fo_kernels
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+group = weakref.ref(dist.group.WORLD)
+y = fo_kernels.gemm_all_reduce(torch.randn(64, 32), torch.randn(32, 96))
+dist.destroy_process_group()
+atexit._run_exitfuncs()
+gc.collect()
+print("HELD" if group() is not None else "FREED", tuple(y.shape), flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_destroyed_group_is_not_kept_into_the_interpreters_teardown(tmp_path):
+    """Nothing fo_kernels made keeps a destroyed process group once the interpreter starts to
+    exit (its runtime, torch's modules the ops import): a gloo group kept into the teardown can
+    abort the rank there (``fo_kernels.runtime._release_at_exit``)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SHORT_JOB).replace("{port}", str(_free_port())))
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "FREED (64, 96)" in done.stdout, done.stdout + done.stderr[-3000:]
