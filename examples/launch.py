@@ -136,10 +136,11 @@ def _spawned(rank: int, rank_main: RankMain, launch: Launch, args: tuple, queue:
     worst = rank_main(rank, launch, *args)
     if rank == 0:
         queue.put(worst)  # a SimpleQueue: written to its pipe before put returns
-    # The rank's work is done, checked and reported. Its interpreter's shutdown is skipped: there a
-    # gloo rank still aborted now and then ("terminate called without an active exception", twice
-    # in CI, after every result was in and with the group destroyed behind a barrier), which
-    # mp.spawn reports as a failed rank.
+    # The rank's work is done, checked and reported. Its interpreter's teardown is skipped: a gloo
+    # group that something other than fo_kernels keeps past its destroy (a model's device mesh,
+    # torch._dynamo imported after the group) can abort the rank there ("terminate called without
+    # an active exception", fo_kernels.runtime's _release_at_exit), which mp.spawn reports as a
+    # failed rank.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
