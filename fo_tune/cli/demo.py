@@ -42,8 +42,10 @@ HELP = "\n\n".join(
         "gather, then the GEMM) are timed.",
         "On GPUs the ranks use NCCL, one GPU each; without --world-size the demo starts 2 ranks, or one "
         "per GPU where there are fewer (world size 1 on a one-GPU machine). Without GPUs, or with "
-        "--backend gloo, they use gloo and the GEMM runs in Triton's CPU interpreter: the check is "
-        "real, the timings are not (they measure the interpreter). The first line says which.",
+        "--backend gloo, they use gloo and an overlapped call's GEMM runs in Triton's CPU interpreter: "
+        "the check is real, the timings are not (they measure the interpreter). The first line says "
+        "which. A call without a table row runs GEMM then the collective, as the baseline does: its "
+        "speedup is shown as -.",
         "--engine copy_engine runs the copy engine's protocol instead, on --world-size ranks (default "
         "2) with no process group: where a GPU is visible, as virtual ranks on one GPU (every rank in "
         "this process, its operation lists issued through the CUDA driver as on N GPUs, eagerly), "
@@ -112,7 +114,7 @@ def _table(rows: "list[DemoRow]", world_size: int, backend: str) -> Table:
         "nccl": "NCCL, one GPU per rank",
         "cpu-threads": "the copy engine's CPU executor, thread-ranks",
         "virtual-ranks": "the copy engine's virtual ranks on one GPU",
-    }.get(backend, "gloo on the CPU, Triton interpreter")
+    }.get(backend, "gloo on the CPU (Triton kernels in its interpreter)")
     dtypes = ", ".join(sorted({r.dtype for r in rows}))
     table = summary_table(
         f"fo-tune demo: {count(world_size, 'rank')}, {where}, {dtypes}",
