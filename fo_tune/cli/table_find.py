@@ -88,10 +88,11 @@ LIST_HELP = "\n\n".join(
         "PATH` checks them all), or that lookup refuses where it sits (another GPU's table in this "
         "device key's folder, listed under its own key), is one line on stderr with its path, why "
         "and what to do; every other file is still listed. Lookup refuses every call of such a "
-        "file's table until it is fixed or moved (`fo-tune table validate PATH` says more). A file "
-        "that is no table under a name lookup never reads "
+        "file's table until it is fixed or moved (`fo-tune table validate PATH` says more). A .yaml "
+        "file that is no table under a name lookup never reads "
         "(notes beside the tables: not <collective>-w<world>-<dtype>.yaml or "
-        "moe-w<world>-<dtype>.yaml) is left out with a note on stderr; lookup skips it too.",
+        "moe-w<world>-<dtype>.yaml) is left out with a note on stderr; lookup skips it too. Other "
+        "files there are not read.",
         "Exit code 0 when every file is good or left out (also when there is no table), 1 when some "
         "file is not, 2 for bad options.",
     ]
