@@ -36,6 +36,11 @@ from fo_kernels.errors import ScheduleError, ShapeError
 from fo_kernels.schedule import SHARDED_COLLECTIVES, Schedule
 from fo_kernels.tile import MIN_BLOCK, Tile
 
+# Most groups one call may use: the runtime keeps this many counters (4 KiB of int32) and the
+# signalled GEMM adds to counter g of every group g, so ``make_plan`` refuses a schedule with more
+# before anything is launched.
+MAX_GROUPS = 1024
+
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for integers."""
@@ -331,6 +336,10 @@ def make_plan(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> P
     # (an M-range row_band row cuts its groups where bands start, whatever the call's M)
     step = group_step(schedule, m, n)
     sizes = resolve_groups(st.groups, num_units, exact=not schedule.problem.is_range, step=step)
+    if len(sizes) > MAX_GROUPS:
+        raise ScheduleError(
+            f"groups: at most {MAX_GROUPS} groups per call (the runtime's counters), got {len(sizes)}"
+        )
 
     local: list[tuple[int, int]] = []
     start = 0

@@ -34,11 +34,9 @@ from fo_kernels.errors import ScheduleError
 from fo_kernels.fallback import Fallback
 from fo_kernels.fingerprint import device_sm_count, resolve_device
 from fo_kernels.groups import require_initialized
-from fo_kernels.plan import Plan
+from fo_kernels.plan import MAX_GROUPS, Plan
 from fo_kernels.wait import Waiter, make_waiter
 
-# Most groups one call may use; a schedule with more is refused. 4 KiB of counters.
-MAX_GROUPS = 1024
 # Plans whose device tables stay cached (one per distinct shape/schedule in use).
 PLAN_CACHE_SIZE = 64
 # Highest CUDA stream priority torch exposes (lower is higher).

@@ -26,6 +26,8 @@ from fo_kernels import (
     gemm_reduce_scatter,
     symm_mem,
 )
+from fo_kernels.engines.triton import executor
+from fo_kernels.engines.triton.settings import TritonSettings
 from fo_kernels.errors import (
     ArgumentError,
     FoTuneError,
@@ -39,6 +41,9 @@ from fo_kernels.errors import (
 from fo_kernels.moe.ffn import expert_parallel_ffn
 from fo_kernels.moe.module import ExpertParallelExperts
 from fo_kernels.parallel import ColwiseParallel, RowwiseParallel
+from fo_kernels.plan import MAX_GROUPS
+from fo_kernels.schedule import Problem, Schedule
+from fo_kernels.tile import Tile
 
 FP8 = torch.float8_e4m3fn
 DENSE_OPS = {"ar": gemm_all_reduce, "rs": gemm_reduce_scatter, "ag": all_gather_gemm}
@@ -455,3 +460,31 @@ def test_a_tile_over_the_gpus_limits_is_a_schedule_error_and_the_next_call_runs(
         op(a.float(), b.float(), schedule=schedule)
     got = op(a.float(), b.float(), schedule=schedule)
     assert torch.allclose(got.double(), a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_schedule_of_more_groups_than_the_counters_is_refused_before_its_gemm(quiet_one_rank, monkeypatch):
+    """A Triton schedule whose plan has more groups than the runtime has counters (MAX_GROUPS) is a
+    ScheduleError before the signalled GEMM launches: the GEMM adds to counter g of every group g,
+    past the counters' end for such a plan."""
+
+    def launched(*args, **kwargs):
+        raise AssertionError("the signalled GEMM was launched")
+
+    monkeypatch.setattr(executor, "signalled_gemm", launched)
+    tiles_m, tiles_n = 33, 32  # 1056 tiles of 16x16, one a signal unit: up to 1056 groups
+    m, n, k = 16 * tiles_m, 16 * tiles_n, 16
+    groups = (1,) * MAX_GROUPS + (tiles_m * tiles_n - MAX_GROUPS,)
+    tile = Tile(block_m=16, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=1)
+    schedule = Schedule(
+        collective="all_reduce",
+        dtype="float32",
+        world_size=1,
+        problem=Problem(m=m, n=n, k=k),
+        settings=TritonSettings(
+            tile=tile, groups=groups, signal_tiles=1, layout="tile_major", wait_mode="spin"
+        ),
+    )
+    with pytest.raises(
+        ScheduleError, match=rf"^groups: at most {MAX_GROUPS} groups per call .*got {MAX_GROUPS + 1}"
+    ):
+        gemm_all_reduce(torch.randn(m, k), torch.randn(k, n), schedule=schedule)
