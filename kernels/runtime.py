@@ -207,8 +207,9 @@ def _release_at_exit() -> None:
     first imported after ``init_process_group`` (``fo_kernels`` imports the module that would pin
     it before any group exists, see its ``__init__``; a caller that imports fo_kernels after its
     group still has it pinned); the collection then runs the main thread long enough to hand the
-    GIL to such a thread before the teardown. Measured on two gloo ranks of the CPU, fo_kernels imported after
-    the group, one op then the destroy: a rank aborted in 7 of 10 runs, 0 of 12 with this."""
+    GIL to such a thread before the teardown. Measured on two gloo ranks of the CPU, fo_kernels
+    imported after the group, one op then the destroy: a rank aborted in 7 of 10 runs, 0 of 12
+    with this."""
     _RUNTIMES.clear()
     gc.collect()
 

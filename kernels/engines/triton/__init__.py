@@ -91,7 +91,7 @@ class TritonEngine(Engine):
             a = a.contiguous()
         if scales is not None:
             b = kmajor_fp8(b)
-        fitted: dict = runtime.engine_state.setdefault(FITTED, {})
+        fitted: dict[tuple[Tile, torch.dtype | None], Tile] = runtime.engine_state.setdefault(FITTED, {})
         key = (schedule.settings.tile, None if scales is None else scales.out_dtype)
         if key in fitted:
             schedule = with_tile(schedule, fitted[key])
