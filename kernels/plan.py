@@ -42,6 +42,14 @@ from fo_kernels.tile import MIN_BLOCK, Tile
 MAX_GROUPS = 1024
 
 
+def check_group_count(count: int) -> None:
+    """Refuse a call of ``count`` groups where the runtime has fewer counters (``MAX_GROUPS``)."""
+    if count > MAX_GROUPS:
+        raise ScheduleError(
+            f"groups: at most {MAX_GROUPS} groups per call (the runtime's counters), got {count}"
+        )
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for integers."""
     return -(-a // b)
@@ -336,10 +344,7 @@ def make_plan(schedule: Schedule, m: int, n: int, k: int, *, sm_count: int) -> P
     # (an M-range row_band row cuts its groups where bands start, whatever the call's M)
     step = group_step(schedule, m, n)
     sizes = resolve_groups(st.groups, num_units, exact=not schedule.problem.is_range, step=step)
-    if len(sizes) > MAX_GROUPS:
-        raise ScheduleError(
-            f"groups: at most {MAX_GROUPS} groups per call (the runtime's counters), got {len(sizes)}"
-        )
+    check_group_count(len(sizes))
 
     local: list[tuple[int, int]] = []
     start = 0

@@ -30,11 +30,10 @@ import torch
 import torch.distributed as dist
 
 from fo_kernels.engines.copy_engine import CopyEnginePeers
-from fo_kernels.errors import ScheduleError
 from fo_kernels.fallback import Fallback
 from fo_kernels.fingerprint import device_sm_count, resolve_device
 from fo_kernels.groups import require_initialized
-from fo_kernels.plan import MAX_GROUPS, Plan
+from fo_kernels.plan import MAX_GROUPS, Plan, check_group_count
 from fo_kernels.wait import Waiter, make_waiter
 
 # Plans whose device tables stay cached (one per distinct shape/schedule in use).
@@ -98,8 +97,7 @@ class OverlapRuntime:
 
     def reserve_tiles(self, tiles: Sequence[int]) -> list[int]:
         """Advance counter g's running total by ``tiles[g]`` for every g; return each target."""
-        if len(tiles) > MAX_GROUPS:
-            raise ScheduleError(f"groups: at most {MAX_GROUPS} groups per call, got {len(tiles)}")
+        check_group_count(len(tiles))
         self.counters  # noqa: B018 - allocates the counters and totals on first use
         targets = []
         for g, count in enumerate(tiles):
