@@ -16,11 +16,12 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from ports import free_port
 
 # The OS user the server runs as when the tests run as root (Debian's package creates it).
 SERVER_USER = "postgres"
@@ -55,12 +56,6 @@ def server_blocker() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def postgres_server() -> Iterator[str]:
     """Start a throwaway server; yields its URL, ``postgresql://USER@127.0.0.1:PORT/postgres``."""
@@ -84,7 +79,7 @@ def postgres_server() -> Iterator[str]:
             check=True, capture_output=True, timeout=INITDB_TIMEOUT_S, env=env, **run_as,
         )  # fmt: skip
         for _attempt in range(3):  # a port taken between the probe and the start: another one
-            port = _free_port()
+            port = free_port()
             options = f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1 -c fsync=off"
             done = subprocess.run(
                 [bindir / "pg_ctl", "-D", data, "-o", options, "-l", root / "server.log", "-w",

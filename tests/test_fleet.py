@@ -22,6 +22,7 @@ from cli import app
 from cli_checks import H200_KEY, assert_one_line_error, isolate_tables, run_reports
 from fo_kernels.table import load_table
 from pg_server import postgres_server, server_blocker
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # The workers of the fleet tests: (collective, what to search), each in its own process.
@@ -201,11 +202,7 @@ def test_pull_from_a_journal_file_that_cannot_be_opened_is_one_line(tmp_path: Pa
 def test_a_storage_that_cannot_be_opened_is_exit_2_before_any_work(
     tmp_path: Path, storage: str, needle: str
 ) -> None:
-    import socket
-
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nothing listens on
     (tmp_path / "notes.log").write_text("not a journal\n")
     (tmp_path / "records.log").write_text('{"op_code": 0, "worker_id": "w"}\n')
     url = storage.format(tmp=tmp_path, port=port)

@@ -8,7 +8,6 @@ import dataclasses
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from fo_tune.ranks.launch import agreed_fingerprint, open_pool
 from fo_tune.ranks.pool import LaunchError
 from fo_tune.ranks.spawned import SpawnedPool
 from fo_tune.ranks.timing import Timing
+from ports import free_port
 from rank_tasks import CtrlC, ExitOn, FailOn, RankAndSum, SigintBlocked, SleepOn, TimeSleep, WhereAmI, fail_on
 
 TESTS = Path(__file__).resolve().parent
@@ -208,12 +208,6 @@ def _running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 DRIVER = """
 import torch.distributed as dist
 
@@ -242,7 +236,7 @@ def test_torchrun_rank_0_drives_and_rank_1_serves(tmp_path):
         "--nproc-per-node",
         "2",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         str(script),
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)

@@ -5,7 +5,6 @@ and a later op on the group makes it again and is right. The NCCL run of the sam
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import torch.distributed as dist
 
 from fo_kernels import gemm_all_reduce, release_group
 from fo_kernels.runtime import runtime_for
+from ports import free_port
 
 CPU = torch.device("cpu")
 
@@ -64,18 +64,12 @@ print("HELD" if group() is not None else "FREED", tuple(y.shape), flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_destroyed_group_is_not_kept_into_the_interpreters_teardown(tmp_path):
     """Nothing fo_kernels made keeps a destroyed process group once the interpreter starts to
     exit (its runtime, torch's modules the ops import): a gloo group kept into the teardown can
     abort the rank there (``fo_kernels.runtime._release_at_exit``)."""
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(SHORT_JOB).replace("{port}", str(_free_port())))
+    script.write_text(textwrap.dedent(SHORT_JOB).replace("{port}", str(free_port())))
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path
     )
