@@ -252,7 +252,7 @@ def scaled_mm(
         a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
     if scales.rowwise and scales.out_dtype != torch.bfloat16 and a.is_cuda:
         one = torch.ones((), dtype=torch.float32, device=a.device)
-        y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)[:rows]
+        y = _library_scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)[:rows]
         y.mul_(scales.scale_a()).mul_(scales.scale_b())
         if out is None:
             return y.to(scales.out_dtype)
@@ -260,12 +260,24 @@ def scaled_mm(
     scale_a, scale_b = scales.scale_a(), _aligned(scales.scale_b(), scales)
     if pad:  # (a new tensor, aligned as allocated)
         scale_a = torch.cat([scale_a, scale_a.new_ones(pad, 1)])
-        y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=scales.out_dtype)
+        y = _library_scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=scales.out_dtype)
         return y[:rows] if out is None else out.copy_(y[:rows])
     kw = dict(scale_a=_aligned(scale_a, scales), scale_b=scale_b, out_dtype=scales.out_dtype)
     if out is None:
+        return _library_scaled_mm(a, b, **kw)
+    return _library_scaled_mm(a, b, **kw, out=out)
+
+
+def _library_scaled_mm(a: torch.Tensor, b: torch.Tensor, **kw: object) -> torch.Tensor:
+    """``torch._scaled_mm(a, b, **kw)`` with autocast off for ``a``'s device: a call's output dtype
+    is its ``out_dtype``, whatever the caller's autocast region. Inside ``torch.autocast("cpu")``
+    torch's CPU rowwise ``_scaled_mm`` runs ops that autocast lowers: a float32-out product would be
+    rounded to bfloat16 (2.6e-3 relative against float64, where float32's is 1e-7)."""
+    device = a.device.type
+    if not torch.is_autocast_enabled(device):
         return torch._scaled_mm(a, b, **kw)
-    return torch._scaled_mm(a, b, **kw, out=out)
+    with torch.autocast(device, enabled=False):
+        return torch._scaled_mm(a, b, **kw)
 
 
 def _aligned(scale: torch.Tensor, scales: Scales) -> torch.Tensor:

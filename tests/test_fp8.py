@@ -179,6 +179,45 @@ def test_rowwise_scales_as_views_at_one_row(tmp_path):
         dist.destroy_process_group()
 
 
+def test_fp8_calls_inside_autocast_keep_their_out_dtype(tmp_path):
+    """Inside ``torch.autocast`` (bfloat16, float16) a float32-out call, rowwise and tensorwise,
+    eager, through the dispatcher (a scale that requires a gradient) and compiled, is within 1e-5
+    of the float64 reference: torch's CPU rowwise ``_scaled_mm`` runs ops that autocast lowers,
+    which would round the product to bfloat16 (2.6e-3 off). One gloo rank in this process."""
+
+    def call(op, a, b, sa, sb):
+        return op(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the lookup's heuristic warning
+            a, b = (torch.randn(9, 48) * 3).to(FP8), _fp8(80, 48).t()
+            scalings = {
+                "rowwise": (torch.rand(9, 1) + 0.5, torch.rand(1, 80) + 0.5),
+                "tensorwise": (torch.tensor(0.75), torch.tensor(1.25)),
+            }
+            for (name, (sa, sb)), op, cast in itertools.product(
+                scalings.items(), OPS.values(), (torch.bfloat16, torch.float16)
+            ):
+                torch._dynamo.reset()  # (a graph per combination: no recompile limit)
+                compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+                want = (a.double() * sa.double()) @ (b.double() * sb.double())
+                for how, fn, scale_a in (
+                    ("eager", call, sa),
+                    ("dispatcher", call, sa.clone().requires_grad_(True)),
+                    ("compiled", compiled, sa),
+                ):
+                    with torch.autocast("cpu", dtype=cast):
+                        got = fn(op, a, b, scale_a, sb)
+                    where = f"{name} {op.__name__} {cast} {how}"
+                    assert got.dtype == torch.float32, where
+                    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=where)
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
 def test_triton_engine_fp8_matches_scaled_mm_on_small_views_and_nan(tmp_path):
     """One gloo rank in this process, each op through a Triton-engine schedule and through the
     lookup (overlap: false), against torch._scaled_mm on the same operands: M = 1 with N = K = 16
