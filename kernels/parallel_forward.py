@@ -84,12 +84,19 @@ def install_forward(module: nn.Linear, plan: LinearPlan) -> None:
     module.register_load_state_dict_pre_hook(load_hook)
 
 
+def _shard_dim(placement: Placement, ndim: int) -> int | None:
+    """The dim (counted from the front) of an ``ndim``-dim tensor that a ``Shard`` placement names,
+    or None for another placement or a dim the tensor does not have (``Shard(2)`` of a 2-dim
+    input), which torch's style refuses: not wrapped around to a dim it has."""
+    if not isinstance(placement, Shard) or not -ndim <= placement.dim < ndim:
+        return None
+    return placement.dim % ndim
+
+
 def _leading_dim(placement: Placement, ndim: int) -> int | None:
     """The dim a ``Shard`` placement names when it is not the last (the features); else None."""
-    if not isinstance(placement, Shard) or ndim < 2:
-        return None
-    d = placement.dim % ndim
-    return d if d < ndim - 1 else None
+    d = _shard_dim(placement, ndim)
+    return d if d is not None and d < ndim - 1 else None
 
 
 def _op_dtype_ok(x: torch.Tensor, weight: torch.Tensor, plan: LinearPlan) -> bool:
@@ -123,16 +130,19 @@ def torch_forward(
 ) -> torch.Tensor:
     """The module's forward as torch's style runs it (its input and output hooks around
     ``F.linear`` on the DTensor parameters), with one ``NotOverlappedWarning`` per module saying
-    ``why()`` (a callable: torch.compile traces no message). An fp8 module raises ``ShapeError``
-    instead: torch's style has no fp8 GEMM."""
+    ``why()`` (a callable: torch.compile traces no message), given once torch's path has run: a
+    call torch's style refuses (a layout naming a dim the input does not have) raises torch's error
+    alone, as the style's apply does. An fp8 module raises ``ShapeError`` instead: torch's style
+    has no fp8 GEMM."""
     if plan.fp8 is not None:  # (traced: raised when the graph runs)
         return _refused_input(module, x, plan, lambda: _refuse_fp8(module, plan, why))
-    runs = f"a {plan.kind} {type(module).__name__} runs as torch's style does, not overlapped"
-    _warn_once(module, WARNED_ATTR, lambda: f"{runs}: {why()}", runs)
     style = TORCH_STYLES[plan.kind]
     x = style._prepare_input_fn(plan.input_layouts, DESIRED_INPUT[plan.kind], module, (x,), plan.mesh)
     y = F.linear(x, module.weight, module.bias)
-    return style._prepare_output_fn(plan.output_layouts, plan.use_local_output, module, y, plan.mesh)
+    y = style._prepare_output_fn(plan.output_layouts, plan.use_local_output, module, y, plan.mesh)
+    runs = f"a {plan.kind} {type(module).__name__} runs as torch's style does, not overlapped"
+    _warn_once(module, WARNED_ATTR, lambda: f"{runs}: {why()}", runs)
+    return y
 
 
 def _refuse_type(x: object) -> None:
@@ -202,7 +212,8 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     x, layout, is_dtensor, weight, bias = _operands(module, x, plan)
     d = _leading_dim(layout, x.dim())
     if isinstance(layout, Shard) and d is None:  # (Shard(2) of a 3-dim input: its features)
-        return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, its features")
+        what = "its features" if _shard_dim(layout, x.dim()) is not None else f"no dim of {x.dim()}"
+        return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, {what}")
     if _features(x) != weight.shape[1]:  # (traced: raised when the graph runs)
         return _refused_input(module, x, plan, lambda: _refuse_features(module, x, weight, plan))
     if not _op_dtype_ok(x, weight, plan) or x.numel() == 0:
@@ -249,10 +260,15 @@ def _colwise_output(module: nn.Linear, y: torch.Tensor, plan: LinearPlan) -> tor
     the features is redistributed by DTensor, with one warning per module; whether a ``Shard(d)``
     counted from the front is the features depends on the output's dims, seen here."""
     want = plan.output_layouts[0]
-    is_features = isinstance(want, Shard) and want.dim % y.dim() == y.dim() - 1
+    is_features = _shard_dim(want, y.dim()) == y.dim() - 1
     if is_features and plan.use_local_output:
         return y
-    if not is_features:
+    shape = (*y.shape[:-1], module.out_features)
+    out = DTensor.from_local(
+        y, plan.mesh, [Shard(y.dim() - 1)], run_check=False, shape=shape, stride=_contiguous_strides(shape)
+    )
+    if not is_features:  # (warned once DTensor took the layout: one it refuses raises its error alone)
+        out = out.redistribute(plan.mesh, plan.output_layouts)
         _warn_once(
             module,
             REDISTRIBUTED_ATTR,
@@ -263,12 +279,6 @@ def _colwise_output(module: nn.Linear, y: torch.Tensor, plan: LinearPlan) -> tor
             f"a colwise {type(module).__name__}'s output is made from its features (Shard(-1)) by DTensor, "
             "as torch's style does",
         )
-    shape = (*y.shape[:-1], module.out_features)
-    out = DTensor.from_local(
-        y, plan.mesh, [Shard(y.dim() - 1)], run_check=False, shape=shape, stride=_contiguous_strides(shape)
-    )
-    if not is_features:
-        out = out.redistribute(plan.mesh, plan.output_layouts)
     return out.to_local() if plan.use_local_output else out
 
 
@@ -308,7 +318,7 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):  # (traced: raised when the graph runs)
         return _refused_input(module, x, plan, lambda: _refuse_type(x))
     x, layout, is_dtensor, weight, bias = _operands(module, x, plan)
-    sharded = isinstance(layout, Shard) and x.dim() >= 1 and layout.dim % x.dim() == x.dim() - 1
+    sharded = x.dim() >= 1 and _shard_dim(layout, x.dim()) == x.dim() - 1
     # (a 0-dim input has no features: refused, as a colwise one is; traced, when the graph runs)
     if (sharded or x.dim() == 0) and _features(x) != weight.shape[1]:
         return _refused_input(module, x, plan, lambda: _refuse_features(module, x, weight, plan))

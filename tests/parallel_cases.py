@@ -845,6 +845,45 @@ def bad_inputs(ctx, _payload) -> dict[str, str]:
     return msgs
 
 
+# A layout naming a dim a 2-dim (tokens, features) activation does not have, per case: (index of
+# the style in TORCH / FO, the style's arguments).
+UNKNOWN_DIMS = {
+    "col input Shard(2)": (0, {"input_layouts": Shard(2)}),
+    "col output Shard(3)": (0, {"output_layouts": Shard(3)}),
+    "row input Shard(3)": (1, {"input_layouts": Shard(3)}),
+    "row output Shard(2)": (1, {"output_layouts": Shard(2)}),
+}
+
+
+def unknown_dims(ctx, _payload) -> dict[str, dict[str, object]]:
+    """Each ``UNKNOWN_DIMS`` style on an ``nn.Linear`` called with a 2-dim input, with torch's style
+    and with fo-tune's: per case and style, the type of the error it raises (or "ran"), and the
+    NotOverlappedWarnings fo-tune's gives. torch's style refuses a dim the input does not have;
+    fo-tune's raises the same error rather than take the dim modulo the input's dims (Shard(2) of
+    2 dims as Shard(0)) and gather or scatter another dim."""
+    mesh, world = _mesh(ctx), ctx.world_size
+    features = 4 * world
+    out = {}
+    for key, (kind, args) in UNKNOWN_DIMS.items():
+        # (a row input of the default layout is this rank's shard of the features)
+        local = features // world if kind == 1 and "input_layouts" not in args else features
+        x = torch.randn(2 * world, local, generator=torch.Generator().manual_seed(ctx.rank))
+        got = {}
+        for which, styles in (("torch", TORCH), ("fo", FO)):
+            model = nn.Linear(features, features)
+            torch_tp.parallelize_module(model, mesh, styles[kind](**args))
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                try:
+                    model(x)
+                    got[which] = "ran"
+                except Exception as exc:  # (torch's error, whichever type it is)
+                    got[which] = type(exc).__name__
+            got[which + " warnings"] = sum(issubclass(w.category, NotOverlappedWarning) for w in seen)
+        out[key] = got
+    return out
+
+
 # ---------------------------------------------------------------------------------- FSDP2
 # The training steps of fsdp2_tp's torchtitan-shaped composition, the micro-batches accumulated
 # before each AdamW step, and a gradient-norm cap it reaches (so clip_grad_norm_ scales).
