@@ -365,6 +365,22 @@ def test_find_tables_in_search_order(tmp_path: Path) -> None:
     assert known_device_keys() == sorted([key, H200["device_key"]])
 
 
+def test_a_folder_without_a_table_is_no_device_key_to_pick(tmp_path: Path, runner: CliRunner) -> None:
+    """A folder of notes or junk YAML beside the tables holds no file lookup reads: a lookup miss
+    names only the keys that have a table, and its example is one of them."""
+    env = tmp_path / "tables"
+    write(table_path(env, H200["device_key"], **HEADER), [gpu_row(8192)], h200_fp())
+    (env / "notes").mkdir()
+    (env / "notes" / "readme.yaml").write_text("todo: re-tune\n", encoding="utf-8")
+    (env / "aaa-scratch").mkdir()
+    (env / "aaa-scratch" / "all_reduce.yaml").write_text("rows: []\n", encoding="utf-8")
+    assert known_device_keys() == [H200["device_key"]]
+    result = runner.invoke(app, ["table", "lookup", "-s", "64x96x48", "--json"])
+    miss = json.loads(result.stdout)
+    assert result.exit_code == 0 and miss["other_device_keys"] == [H200["device_key"]], result.output
+    assert miss["hint"].endswith(f"e.g. -k {H200['device_key']}"), miss
+
+
 # ------------------------------------------------------------------------------------ CLI
 def test_table_help(runner: CliRunner) -> None:
     result = runner.invoke(app, ["--help"])
