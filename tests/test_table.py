@@ -239,6 +239,25 @@ def test_atomic_save_leaves_no_temp_files(tmp_path: Path, monkeypatch: pytest.Mo
     assert path.read_text() == before
 
 
+def test_save_refuses_rows_changed_in_place_into_duplicates_or_overlaps(tmp_path: Path) -> None:
+    """Rows appended to ``table.rows`` (not through ``upsert``) into two for one problem, or M
+    ranges that overlap, are refused by ``save_table`` naming both rows: the file (which every
+    reader would refuse) is not written, and the one there is kept."""
+    path = tmp_path / "t.yaml"
+    save_table(make_table([exact_row(), range_row(1, 32, n=96)]), path)
+    before = path.read_text()
+    dup = make_table([exact_row(), range_row(1, 32, n=96)])
+    dup.rows.append(exact_row(tag="again"))
+    with pytest.raises(TableError, match=r"t\.yaml: not written: rows\[0\] and rows\[2\] are both for"):
+        save_table(dup, path)
+    overlap = make_table([exact_row(), range_row(1, 32, n=96)])
+    overlap.rows.append(range_row(16, 64, n=96))
+    with pytest.raises(TableError, match=r"rows\[1\] \(\[1,32\]x96x32\) and rows\[2\] .* overlap"):
+        save_table(overlap, path)
+    assert path.read_text() == before and os.listdir(tmp_path) == ["t.yaml"]
+    load_table(path)
+
+
 def test_upsert_replaces_and_sorts() -> None:
     table = make_table([range_row(), exact_row(m=128, tag="a"), exact_row(m=64)])
     assert [r.problem.describe() for r in table.rows] == ["[1,4096]x64x32", "64x64x32", "128x64x32"]

@@ -301,6 +301,29 @@ def test_validate_refuses_fp8_rows_no_call_takes() -> None:
     assert validate_table(cpu_table(bf16)) == []
 
 
+def test_validate_refuses_rows_above_the_int32_sizes_no_call_takes(runner: CliRunner, tmp_path: Path) -> None:
+    """A row whose N, K or smallest M is above int32 is never called (lookup and the GEMMs refuse
+    the shape): `fo-tune table validate` names it, exit 2; a range reaching past it still covers
+    the Ms below and passes."""
+    big = 2**31
+    rows = [
+        Schedule(**HEADER, problem=Problem(m=8, n=big, k=48)),
+        Schedule(**HEADER, problem=Problem(m=8, n=96, k=big * 10**20)),
+        Schedule(**HEADER, problem=Problem(m=big, n=96, k=48)),
+        Schedule(**HEADER, problem=Problem(m_min=big, m_max=big + 2, n=64, k=48)),
+        Schedule(**HEADER, problem=Problem(m_min=1, m_max=big, n=32, k=48)),
+    ]
+    path = write(tmp_path / "huge.yaml", rows)
+    result = runner.invoke(app, ["table", "validate", str(path)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    fields = sorted(line.split("problem.")[1].split(":")[0] for line in lines)
+    assert fields == ["k", "m", "m_min", "n"] and all("no call ever takes" in line for line in lines), lines
+    assert "[1,2147483648]x32x48" not in result.stderr
+    help_text = " ".join(runner.invoke(app, ["table", "validate", "--help"]).stdout.split())
+    assert f"smallest M above {big - 1}" in help_text, help_text  # the help states the bound
+
+
 def test_tables_refuse_overlapping_ranges() -> None:
     """Loading refuses what validate_table reported before: ranges of one (N, K) that overlap."""
     with pytest.raises(TableError, match=r"rows\[0\] \(\[1,100\]x96x48\) and rows\[1\] \(\[50,200\]x96x48\)"):
@@ -363,6 +386,22 @@ def test_find_tables_in_search_order(tmp_path: Path) -> None:
     write(table_path(env, H200["device_key"], **HEADER), [gpu_row(8192)], h200_fp())
     assert find_tables(key, **HEADER) == paths[::-1]
     assert known_device_keys() == sorted([key, H200["device_key"]])
+
+
+def test_a_folder_without_a_table_is_no_device_key_to_pick(tmp_path: Path, runner: CliRunner) -> None:
+    """A folder of notes or junk YAML beside the tables holds no file lookup reads: a lookup miss
+    names only the keys that have a table, and its example is one of them."""
+    env = tmp_path / "tables"
+    write(table_path(env, H200["device_key"], **HEADER), [gpu_row(8192)], h200_fp())
+    (env / "notes").mkdir()
+    (env / "notes" / "readme.yaml").write_text("todo: re-tune\n", encoding="utf-8")
+    (env / "aaa-scratch").mkdir()
+    (env / "aaa-scratch" / "all_reduce.yaml").write_text("rows: []\n", encoding="utf-8")
+    assert known_device_keys() == [H200["device_key"]]
+    result = runner.invoke(app, ["table", "lookup", "-s", "64x96x48", "--json"])
+    miss = json.loads(result.stdout)
+    assert result.exit_code == 0 and miss["other_device_keys"] == [H200["device_key"]], result.output
+    assert miss["hint"].endswith(f"e.g. -k {H200['device_key']}"), miss
 
 
 # ------------------------------------------------------------------------------------ CLI

@@ -120,7 +120,9 @@ VALIDATE_HELP = "\n\n".join(
         "the signal units of the shape, row_band groups starting on whole bands of group_m tile "
         "rows, sms_free leaving a grid of the fingerprint's SM count); every overlapped M-range row "
         "must give a plan at m_min, m_max and a middle M (multiples of the world size for "
-        "reduce_scatter and all_gather); M ranges for the same N, K must not overlap.",
+        "reduce_scatter and all_gather); M ranges for the same N, K must not overlap. A row no "
+        "call ever takes is refused: N, K or its smallest M above 2147483647 (the GEMMs take "
+        "int32 sizes), an fp8 row's N or K not a multiple of 16.",
         "An MoE table (moe-w<world>-<dtype>.yaml, or a file whose kind says so): its format (what "
         "loading checks: every field, the tile, chunks, token buckets of one experts' shape not "
         "overlapping), every row's k at most its E = world size x E_local experts (a token picks k "

@@ -228,11 +228,15 @@ def find_moe_row(
 
 
 def known_device_keys() -> list[str]:
-    """Device keys that have a table folder somewhere in the search path, sorted."""
+    """Device keys that have a table folder somewhere in the search path, sorted: folders holding a
+    file under a name lookup reads (``lookup_reads``). A folder of notes or other YAML beside the
+    tables is no device key: lookup with ``-k`` of its name finds nothing there."""
     keys: set[str] = set()
     for root in search_folders():
         if root.is_dir():
             keys.update(
-                child.name for child in root.iterdir() if child.is_dir() and any(child.glob("*.yaml"))
+                child.name
+                for child in root.iterdir()
+                if child.is_dir() and any(lookup_reads(path) for path in child.glob("*.yaml"))
             )
     return sorted(keys)

@@ -12,6 +12,7 @@ from fo_kernels.schedule import SHARDED_COLLECTIVES, Problem, Schedule, dtype_na
 from fo_kernels.table import (
     ScheduleTable,
 )
+from fo_tune.ranks.limits import INT32_MAX
 
 
 # ------------------------------------------------------------------------------------- validate
@@ -24,6 +25,16 @@ def _range_ms(problem: Problem, shards: int) -> list[int]:
         return []
     mid = max(lo, (lo + hi) // 2 // shards * shards)
     return sorted({lo, mid, hi})
+
+
+def _too_big(problem: Problem) -> str | None:
+    """The field of ``problem`` above ``INT32_MAX`` that no call reaches (N, K, an exact M or a
+    range's m_min; a range's m_max above it still covers the Ms up to it), else None."""
+    smallest_m = ("m", problem.m) if problem.m is not None else ("m_min", problem.m_min)
+    for name, size in (("n", problem.n), ("k", problem.k), smallest_m):
+        if size is not None and size > INT32_MAX:
+            return name
+    return None
 
 
 def _plan_issue(row: Schedule, m: int, sm_count: int, where: str) -> str | None:
@@ -46,6 +57,8 @@ def validate_table(table: ScheduleTable, *, sm_count: int | None = None) -> list
 
     - an fp8 row's N and K must be multiples of ``FP8_ALIGN`` (the fp8 ops refuse other shapes, so
       such a row is never called);
+    - a row's N, K and smallest M must be at most ``INT32_MAX`` (the GEMMs take int32 sizes and
+      every call above it is refused, so such a row is never called);
 
     (Two rows for one problem, and M ranges of one (N, K) that overlap, cannot be in a
     ``ScheduleTable``: loading refuses them, naming both rows.)
@@ -64,6 +77,13 @@ def validate_table(table: ScheduleTable, *, sm_count: int | None = None) -> list
                 f"row {problem.describe()}: problem: an fp8 row's N and K must be multiples of "
                 f"{FP8_ALIGN} (torch._scaled_mm's rule), so no call ever takes this row"
             )
+        too_big = _too_big(problem)
+        if too_big is not None:
+            issues.append(
+                f"row {problem.describe()}: problem.{too_big}: above {INT32_MAX}, the largest size the "
+                "GEMMs take (int32), so no call ever takes this row; remove it or fix the size"
+            )
+            continue
         if not row.overlap:
             continue
         if not problem.is_range:

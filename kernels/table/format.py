@@ -393,7 +393,14 @@ def table_text(table: ScheduleTable) -> str:
 
 
 def save_table(table: ScheduleTable, path: str | os.PathLike[str]) -> None:
-    """Write ``table`` (``table_text``): a temporary file in the same folder, then an atomic rename."""
+    """Write ``table`` (``table_text``): a temporary file in the same folder, then an atomic rename.
+    ``TableError`` (naming ``path`` and both rows), the file left as it was, when ``table.rows``
+    was changed in place (not through ``upsert``) into two rows for one problem or M ranges that
+    overlap: every reader refuses such a file, so writing it would lose the table."""
+    try:
+        RowIndex([problem_key(row.problem) for row in table.rows])  # (linear on sorted rows)
+    except TableError as exc:
+        raise TableError(f"{path}: not written: {exc}") from None
     text = table_text(table)
     atomic_write(path, lambda f: f.write(text))
 
