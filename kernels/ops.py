@@ -26,7 +26,9 @@ gradient of the output:
     y = reduce_scatter(a @ b)        (da, dY) = all_gather_gemm(dy, b.T)   db = a.T @ dY
     (y, A) = all_gather_gemm(a, b)   da = gemm_reduce_scatter(dy, b.T)     db = A.T @ dy
 
-(the first is two local GEMMs: every rank holds the same ``dy``). The gathered A's own gradient
+(the first is two local GEMMs: every rank holds the same ``dy``). The local GEMMs run in the
+operands' dtype inside ``torch.autocast`` too (``fo_kernels.scaling.matmul``), as the forward's
+output is: autocast casts no custom op's arguments. The gathered A's own gradient
 ``dA``, where a caller uses it, adds ``reduce_scatter(dA)`` to ``da`` (``_scattered``); an unused
 one is None, so a plain backward runs no collective for it. With that, a gradient of a gradient
 (``create_graph=True``) is the GEMM's: the gathered ``dY`` and ``A`` in the formulas above carry
@@ -54,7 +56,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fo_kernels.errors import FoTuneError, Fp8TrainingError, NotOverlappedWarning, ScheduleError
 from fo_kernels.groups import group_size, resolve_group
-from fo_kernels.scaling import DEFAULT_OUT_DTYPE, is_fp8
+from fo_kernels.scaling import DEFAULT_OUT_DTYPE, is_fp8, matmul
 from fo_kernels.schedule import Schedule
 
 LIBRARY = "fo_kernels"
@@ -364,8 +366,8 @@ def _all_reduce_backward(ctx, dy: torch.Tensor):
     if ctx.fp8:
         return _fp8_grads(ctx, dy)
     a, b = ctx.saved_tensors
-    da = dy @ b.t() if ctx.needs_input_grad[0] else None
-    db = a.t() @ dy if ctx.needs_input_grad[1] else None
+    da = matmul(dy, b.t(), None) if ctx.needs_input_grad[0] else None
+    db = matmul(a.t(), dy, None) if ctx.needs_input_grad[1] else None
     return da, db, *_NO_GRADS
 
 
@@ -376,7 +378,7 @@ def _reduce_scatter_backward(ctx, dy: torch.Tensor):
         return _fp8_grads(ctx, dy)
     a, b = ctx.saved_tensors
     da, gathered_dy = call_op("all_gather", dy.contiguous(), b.t(), ctx.group_name)
-    db = a.t() @ gathered_dy if ctx.needs_input_grad[1] else None
+    db = matmul(a.t(), gathered_dy, None) if ctx.needs_input_grad[1] else None
     return (da if ctx.needs_input_grad[0] else None), db, *_NO_GRADS
 
 
@@ -407,7 +409,7 @@ def _all_gather_backward(ctx, dy: torch.Tensor | None, d_gathered: torch.Tensor 
             scattered = _scattered(d_gathered, ctx.group_name)
             da = scattered if da is None else da + scattered
     if ctx.needs_input_grad[1] and dy is not None:
-        db = gathered.t() @ dy
+        db = matmul(gathered.t(), dy, None)
     return da, db, *_NO_GRADS
 
 

@@ -292,9 +292,24 @@ def _aligned(scale: torch.Tensor, scales: Scales) -> torch.Tensor:
 def matmul(
     a: torch.Tensor, b: torch.Tensor, scales: Scales | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``a @ b`` (into ``out`` when given), scaled as ``scaled_mm`` for an fp8 call."""
+    """``a @ b`` (into ``out`` when given), scaled as ``scaled_mm`` for an fp8 call. The product is
+    in the operands' dtype whatever the caller's ``torch.autocast`` region: autocast does not cast
+    a custom op's arguments, so the op's output is its operands' dtype (its fake implementation's,
+    a compiled call's and a Triton engine call's), and autocast would lower a float32 product to
+    bfloat16 here (3e-3 relative against float64, where float32's is 1e-7)."""
     if scales is not None:
         return scaled_mm(a, b, scales, out)
+    device = a.device.type
+    # (torch has no autocast of the meta device: it raises for one asked about; a backward on meta
+    # tensors, a model built on the meta device, runs these GEMMs for their shapes)
+    if device == "meta" or not torch.is_autocast_enabled(device):
+        return _dense_mm(a, b, out)
+    with torch.autocast(device, enabled=False):
+        return _dense_mm(a, b, out)
+
+
+def _dense_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``a @ b``, into ``out`` when given."""
     if out is None:
         return a @ b
     return torch.matmul(a, b, out=out)

@@ -175,6 +175,27 @@ def test_double_backward_matches_matmul(one_rank):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, op=op: f"{op.__name__}: {m}")
 
 
+def test_float32_calls_inside_autocast_keep_float32(one_rank):
+    """Inside ``torch.autocast("cpu", bfloat16)`` each op's output and both gradients (the forward
+    and backward inside it, as the fake implementation and a compiled call give them) stay float32
+    at float32's precision: autocast casts no custom op's arguments, and the op's local GEMMs do
+    not lower the product either."""
+    a0, b0, dy = torch.randn(5, 24), torch.randn(40, 24).t(), torch.randn(5, 40)
+    want_y = a0.double() @ b0.double()
+    want = (want_y, dy.double() @ b0.double().t(), a0.double().t() @ dy.double())
+    for op in (gemm_all_reduce, fo_kernels.gemm_reduce_scatter, all_gather_gemm):
+        a, b = a0.clone().requires_grad_(), b0.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad():
+                plain = op(a, b)
+            y = op(a, b)
+            (y * dy).sum().backward()
+        got_all = (plain, y, a.grad, b.grad)
+        for name, got, ref in zip(("no_grad", "y", "da", "db"), got_all, (want_y, *want), strict=True):
+            assert got.dtype == torch.float32, (op.__name__, name, got.dtype)
+            torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5, msg=f"{op.__name__} {name}")
+
+
 def _bad_inputs() -> dict[str, tuple[dict, type[Exception]]]:
     """name -> (a public op's arguments, the error an eager call raises): each a ValueError
     subclass raised before any collective."""
