@@ -715,6 +715,27 @@ def test_one_gpu_parts_merge_into_a_calibration(quick_run, tmp_path):
     assert after.copy_engine.params["fallback_host_ms"] == before.copy_engine.params["fallback_host_ms"]
 
 
+def test_collectives_of_another_world_size_are_not_merged_into_a_calibration(quick_run, tmp_path):
+    """Bandwidth curves and interference describe the world size they were timed at: --into a
+    calibration of another is exit 2 before any rank starts, the file left as it was. One-GPU
+    parts (the default at world size 1) still merge into it."""
+    _, out = quick_run
+    target = tmp_path / "cal.yaml"
+    target.write_bytes((out / "calibration.yaml").read_bytes())
+    before = target.read_bytes()
+    for only in (["--only", "bandwidth"], ["--only", "interference,gemm"], []):
+        t0 = time.monotonic()
+        line = assert_one_line_error(calibrate("--world-size", "3", "--quick", *only, "--into", str(target)))
+        assert time.monotonic() - t0 < 10, "refused before the ranks start"
+        assert "the calibration is for world size 2" in line and "measured at world size 3" in line, line
+        assert "--world-size 2" in line, line
+    assert target.read_bytes() == before
+    result = calibrate("--world-size", "1", "--quick", "--into", str(target))
+    assert result.exit_code == 0, result.output
+    assert "merged gemm, copy_engine, moe_host into" in result.stdout, result.stdout
+    assert load_calibration(target).bandwidth == load_calibration(out / "calibration.yaml").bandwidth
+
+
 def test_the_moe_host_record_is_merged_where_measured_and_kept_where_not():
     """``--only moe_host --into``: the record replaces the target's, everything else kept; a merge
     of other parts keeps the target's record."""

@@ -495,6 +495,40 @@ def test_model_fit_refuses_what_would_fit_nothing_or_hold_out_nothing(tmp_path, 
     assert r.exit_code == 0 and "held out" not in r.stdout, r.output
 
 
+def test_model_fit_without_peer_measurements_fits_triton_and_refuses_another_machine(tmp_path, h200):
+    """A calibration whose copy_engine section lacks the peer measurements (a CPU calibration: no
+    peers to time) fits the Triton term's host times to Triton trials beside overlap: false rows,
+    which the copy engine's parameters would fit through a term it cannot build; a file measured
+    on another machine is refused as ``model check`` refuses it, the calibration left alone."""
+    from fo_kernels.table import save_table
+
+    section = h200.copy_engine
+    params = {k: v for k, v in section.params.items() if k != "peer_copy_gbs"}
+    cal = tmp_path / "cal.yaml"
+    save_calibration(dataclasses.replace(h200, copy_engine=dataclasses.replace(section, params=params)), cal)
+    packaged = load_table(next(t for t in TABLES if t.name.startswith("all_reduce")))
+    table = tmp_path / "all_reduce-w2-bfloat16.yaml"
+    save_table(dataclasses.replace(packaged, rows=[r for r in packaged.rows if not r.overlap]), table)
+    report = next(p.parent for p in REPORTS if p.parent.name == "all_reduce-w2-bfloat16-hybrid")
+
+    def fit(*args: str):
+        return CliRunner().invoke(app, ["model", "fit", "--calibration", str(cal), *args])
+
+    r = fit(str(table), str(report), "--out", str(tmp_path / "o.yaml"))
+    assert r.exit_code == 0, r.output
+    assert "triton: host_launch_ms" in r.stdout and "copy_engine:" not in r.stdout, r.stdout
+    line = assert_one_line_error(fit(str(table)))  # overlap: false rows alone: nothing to fit
+    assert "nothing to fit in" in line and "cannot price" in line, line
+    other = tmp_path / "other.yaml"
+    fp = dataclasses.replace(h200.fingerprint, device_key="nvidia-h200-cc90-132sm-w3-nvlink18", world_size=3)
+    save_calibration(dataclasses.replace(h200, fingerprint=fp), other)
+    before = other.read_bytes()
+    r = CliRunner().invoke(app, ["model", "fit", "--calibration", str(other), str(report)])
+    line = assert_one_line_error(r)
+    assert f"was measured on {H200_KEY}" in line and "nvidia-h200-cc90-132sm-w3-nvlink18's" in line, line
+    assert other.read_bytes() == before
+
+
 def test_a_predict_search_into_the_user_folder_leaves_the_measured_rows_in_charge(tmp_path, monkeypatch):
     """The issue's bar: after the README's main job on a CPU-only machine (predicted rows into the
     default user folder), the runtime's row for a suite shape is still the packaged measured one."""

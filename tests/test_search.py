@@ -1078,6 +1078,27 @@ def test_engine_bad_input_is_exit_2_and_writes_nothing(tmp_path, h200):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        # one rank has no collective to overlap, in every mode: nothing to time, no row to write
+        (["--mode", "measure", "--world-size", "1"], "--world-size 1 has no collective to overlap"),
+        (["--mode", "hybrid", "--world-size", "1"], "--world-size 1 has no collective to overlap"),
+        # gloo ranks have no peers: the copy engine is refused before they start
+        (["--mode", "measure", "--engine", "copy_engine"], "--engine copy_engine: engine copy_engine"),
+        (["--mode", "measure", "--engine", "triton,copy_engine", "-w", "3"], "needs peer access"),
+    ],
+)
+def test_a_measured_search_that_cannot_run_here_is_refused_before_the_ranks_start(tmp_path, args, says):
+    out = tmp_path / "o"
+    t0 = time.monotonic()
+    r = search("--shape", "64x64x64", "--backend", "gloo", "--out", str(out), *args)
+    line = assert_one_line_error(r)
+    assert says in line, line
+    assert time.monotonic() - t0 < 10, "refused before any rank starts"
+    assert not out.exists()
+
+
 def test_a_table_of_an_unknown_schema_is_exit_2_and_left_alone(tmp_path):
     out = tmp_path / "o"
     path = out / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml"

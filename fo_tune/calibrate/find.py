@@ -51,19 +51,23 @@ def choose_calibration(
     """(the calibration the search reads, the mode): ``path`` (--calibration), else the packaged one
     for a predict search, else this machine's (``device``, on ranks of ``backend``). A predict
     search at a world size its calibration (given, or packaged: world size 2) did not measure reads
-    it extrapolated to ``world_size`` (``extrapolate``; its ``basis`` says so). No mode given:
-    hybrid with a calibration, else measure. ``dtype``: the search's operands; a calibration in
+    it extrapolated to ``world_size`` (``extrapolate``; its ``basis`` says so); world size 1, with
+    nothing to overlap, is refused in every mode. No mode given: hybrid with a calibration, else
+    measure. ``dtype``: the search's operands; a calibration in
     another dtype is read through its GEMM profile for ``dtype`` (``Calibration.for_dtype``, its
     ``basis`` naming a sibling GPU that measured it): a predicting search without one is refused,
     naming the command; a measured one runs without."""
     from fo_tune.search import SearchError
 
     cal: Calibration | None = None
-    if mode == "predict" and world_size < EXTRAPOLATED_FROM_WORLD:  # (a --calibration file or not)
+    # every mode, a --calibration file or not: a measured search would start ranks to time nothing
+    # (no engine runs on one rank) and write a row the runtime never reads
+    if world_size < EXTRAPOLATED_FROM_WORLD:
         raise SearchError(
             f"--world-size {world_size} has no collective to overlap: every call runs the GEMM "
             "alone (overlap: false), with no table row to plan; plan the world size you deploy "
-            f"(--world-size {EXTRAPOLATED_FROM_WORLD}-{NVSWITCH_BOARD_GPUS} offline)"
+            f"(--world-size {EXTRAPOLATED_FROM_WORLD} or more; "
+            f"{EXTRAPOLATED_FROM_WORLD}-{NVSWITCH_BOARD_GPUS} offline)"
         )
     if path is not None:
         cal = load_calibration(path)

@@ -84,6 +84,10 @@ GEMM_ONLY_DTYPES = ("float8_e4m3fn",)
 # sibling's device key (``measured_on``).
 SIBLING_PARTS = ("copy_engine_n", "moe_host")
 SAME_DIE = ("compute_capability", "sm_count")
+# The parts that time collectives between all the ranks: their curves and slowdowns describe one
+# world size, so --into merges them only into a calibration of that world size (the others are
+# measured on one GPU, or between two peers whatever the world size).
+WORLD_PARTS = ("bandwidth", "interference")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -339,11 +343,12 @@ def check_mergeable(
     measured_by: str = "this machine is",
 ) -> None:
     """Refuse (``CalibrationRequestError``) to merge measurements of ``fingerprint``'s machine in
-    ``dtype`` into ``target``: another GPU model (name, compute capability, SM count), or another
-    dtype than the target's unless only its GEMM profile (``OTHER_DTYPE_PARTS``, kept apart in
-    ``gemm_dtypes``). With ``sibling`` (``--into-sibling``) another GPU name is accepted where the
-    ``SAME_DIE`` fields match, for what ``sibling_may_merge`` allows. The CLI asks this with the
-    local fingerprint before any rank starts; ``measured_by`` names that machine in the messages."""
+    ``dtype`` into ``target``: another GPU model (name, compute capability, SM count), a part of
+    ``WORLD_PARTS`` at another world size than the target's, or another dtype than the target's
+    unless only its GEMM profile (``OTHER_DTYPE_PARTS``, kept apart in ``gemm_dtypes``). With
+    ``sibling`` (``--into-sibling``) another GPU name is accepted where the ``SAME_DIE`` fields
+    match, for what ``sibling_may_merge`` allows. The CLI asks this with the local fingerprint
+    before any rank starts; ``measured_by`` names that machine in the messages."""
     theirs = target.fingerprint
     if sibling and not sibling_may_merge(parts, dtype, target.dtype):
         raise CalibrationRequestError(
@@ -370,6 +375,14 @@ def check_mergeable(
             f"--into: the calibration is for {theirs.device_key}, {measured_by} "
             f"{fingerprint.device_key} ({name} differs); measure on the same GPU model, or write a "
             f"calibration of its own{hint}"
+        )
+    between = [p for p in parts if p in WORLD_PARTS]
+    if between and theirs.world_size != fingerprint.world_size:
+        raise CalibrationRequestError(
+            f"--into: the calibration is for world size {theirs.world_size}, and {', '.join(between)} "
+            f"would be measured at world size {fingerprint.world_size} (collectives between "
+            f"another number of ranks); pass --world-size {theirs.world_size}, or write a "
+            "calibration of its own with --out"
         )
     if dtype != target.dtype and tuple(parts) != OTHER_DTYPE_PARTS:
         raise CalibrationRequestError(

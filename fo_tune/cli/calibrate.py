@@ -121,7 +121,8 @@ IntoOpt = Annotated[
         metavar="FILE",
         help="Merge what this run measures into an existing calibration.yaml (of the same GPU model, "
         "or of the same die with --into-sibling; e.g. one GPU's copy-engine measurements into the "
-        "TP=2 calibration) instead of writing a folder.",
+        "TP=2 calibration; bandwidth and interference only at the calibration's world size) "
+        "instead of writing a folder.",
     ),
 ]
 IntoSiblingOpt = Annotated[
@@ -341,14 +342,6 @@ def calibrate(
             earlier_calibration,
             write_calibration_dir,
         )
-
-        target = load_calibration(into) if into is not None else None  # checked before any rank starts
-        if target is not None:
-            from fo_kernels.fingerprint import current_fingerprint
-            from fo_tune.calibrate.run import check_mergeable
-
-            here = current_fingerprint(local_device(chosen), world_size)
-            check_mergeable(target, here, dtype, parts or PART_NAMES, sibling=into_sibling)
         from fo_tune.calibrate.run import CalibrationRequest, run_calibration
 
         request = CalibrationRequest(
@@ -360,6 +353,13 @@ def calibrate(
             space=search_space,
             parts=parts,
         )
+        target = load_calibration(into) if into is not None else None  # checked before any rank starts
+        if target is not None:
+            from fo_kernels.fingerprint import current_fingerprint
+            from fo_tune.calibrate.run import check_mergeable
+
+            here = current_fingerprint(local_device(chosen), world_size)
+            check_mergeable(target, here, dtype, request.selected(), sibling=into_sibling)
         earlier = None  # the calibration in --out that the parts measured are merged into
         if driver and into is None:  # a bad --out costs nothing: checked before any rank starts
             key = expected_device_key(chosen, world_size)

@@ -362,7 +362,7 @@ def fit(
     """``fo-tune model fit`` (its help: ``FIT_HELP``)."""
     from fo_tune.calibrate.calibration import load_calibration, save_calibration
     from fo_tune.engines.copy_engine.fit import fit_calibration
-    from fo_tune.model.check import CheckError
+    from fo_tune.model.check import CheckError, check_machines, measured_in
     from fo_tune.output import check_writable_file
 
     nks = []
@@ -377,14 +377,17 @@ def fit(
     if out is not None:
         _check_fit_out(out)
     paths = _files(files, cal)
+    # as check refuses them: another machine's rows would fit this machine's parameters to it
+    check_machines(measured_in(paths), cal.fingerprint.device_key, calibration)
     is_held = _held_out(nks, list(hold_out_file or []), paths)
     held = [f"N, K = {n}, {k}" for n, k in nks] + [f"every one of {p}" for p in hold_out_file or []]
     fits = fit_calibration(cal, files=paths, held_out=is_held, held_out_text="; ".join(held))
     if not fits:
         raise CheckError(
             f"nothing to fit in {', '.join(map(str, paths))}: no measured copy-engine, overlap: false "
-            "or Triton row or trial the calibration has a section for; give tables or search reports "
-            "that have them"
+            "or Triton row or trial the calibration has a section for (overlap: false rows fit the "
+            "copy engine's, which a calibration without its peer copies, as on the CPU, cannot "
+            "price); give tables or search reports that have them, e.g. a measured search's report"
         )
     save_calibration(cal, target)
     for f in fits:

@@ -362,6 +362,15 @@ def search(
         check_cpu_sized(mode, chosen, wanted, rng, allow_slow)
         for request in requests:  # every bad input is reported before anything runs or is written
             check_request(request)
+        if mode == "measure" and engines is not None and device.type == "cpu":
+            # on the CPU the ranks' fingerprint is this process's (gloo), so an --engine it blocks
+            # (the copy engine: no peers) is refused before they start; GPU ranks answer themselves
+            from fo_kernels.fingerprint import current_fingerprint
+            from fo_tune.search.request import select_engines
+
+            here = current_fingerprint(device, world_size)
+            for request in requests:
+                select_engines(request, here, request.space)
         if exhaustive:  # a space too large is refused before the ranks start or progress shows
             from fo_kernels.fingerprint import current_fingerprint
             from fo_tune.search import check_exhaustive_size

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fo_tune.calibrate.calibration import Calibration, EngineCalibration, Quantity
-from fo_tune.engines import cost_models_by_dtype
+from fo_tune.engines import cost_models_by_dtype, get_tuner
 from fo_tune.model.check import Checked, CheckError, Measured, mape
 from fo_tune.model.core import CostModel
 from fo_tune.model.library import large_tile_waves
@@ -129,6 +129,18 @@ def _apply(models: Mapping[str, CostModel], term: str, params: Mapping[str, floa
                 model.term("triton").host[name] = value
 
 
+def _fits_copy_engine(cal: Calibration, group: Sequence[Measured]) -> bool:
+    """Whether ``fit_calibration`` fits the copy engine's parameters to ``group`` (its copy-engine
+    and ``overlap: false`` rows): not without a copy_engine section, nor when the section cannot
+    build the copy engine's term (a CPU calibration: no peers to measure) and no row of ``group``
+    ran the copy engine, as the ``overlap: false`` rows are priced without it; a copy-engine row
+    there is priced, and refused with what to measure."""
+    if cal.copy_engine is None:
+        return False
+    gap = get_tuner("copy_engine").calibration_gap(cal, "all_reduce")
+    return not gap or any(m.schedule.engine == "copy_engine" for m in group)
+
+
 def fit_calibration(
     cal: Calibration,
     *,
@@ -156,7 +168,7 @@ def fit_calibration(
         ("triton", TRITON_FREE, [m for m in items if m.schedule.engine == "triton"]),
     )
     for term, free, group in groups:
-        if not group or (term == "copy_engine" and cal.copy_engine is None):
+        if not group or (term == "copy_engine" and not _fits_copy_engine(cal, group)):
             continue
         train = [m for m in group if not held_out(checked(m))]
         if not train:
