@@ -278,7 +278,7 @@ def _print_summary(result: BenchResult, written: list[Path]) -> None:
         skipped += more
     ours = [r for r in result.rows if r.variant == "fo_tune" and r.status != "SKIP"]
     if ours:
-        what = "fo_tune schedules (no table row: overlap: false, GEMM then the collective):"
+        what = "fo_tune schedules (a table row where one covers the shape, else overlap: false):"
         console.print(what, style="dim")
     for r in ours:
         what = r.detail.split(": ", 1)[-1]  # describe() starts with the collective, dtype and shape
