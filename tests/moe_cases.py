@@ -188,6 +188,8 @@ def run_groups(
                 out.append({"ranks": ranks, "case": c, "errs": run_case(c, rank, world, group)})
             out.append({"ranks": ranks, "bad": bad_inputs(group, rank, world)})
             out.append({"ranks": ranks, "copied": copied_module(group, rank)})
+            if world == SHARED_GROUP_SIZE:
+                out.append({"ranks": ranks, "shared": shared_tokens_model(group)})
     example = _example()
     for kind in models:
         with warnings.catch_warnings():
@@ -261,6 +263,57 @@ def _example():
 
     import_transformers()
     return load_example(ROOT / "examples" / "moe_block.py")
+
+
+# The group size whose ranks run the shared-tokens check (one group of the job: CI time).
+SHARED_GROUP_SIZE = 3
+# Token counts every rank of the shared-tokens check holds alike: one that does not divide by its 3
+# ranks (the last rank's slice is shorter), and one below them (a rank holds no slice).
+SHARED_TOKENS = (7, 2)
+
+
+def shared_tokens_model(group) -> dict[str, float]:
+    """``parallelize_experts(..., shared_tokens=True)`` of examples/moe_block.py's Mixtral over
+    ``group``, every rank holding the same tokens as the ranks of a tensor-parallel group do: the
+    largest relative error of the logits, the loss, the replicated parameters' gradients and the
+    experts' (every rank's shard gathered) against the unsharded model's (without the option each
+    expert's gradient is the group's size times the model's)."""
+    import copy
+
+    from fo_kernels import ExpertParallelExperts, parallelize_experts
+
+    example = _example()
+    world = dist.get_world_size(group)
+    full = example.build_model("mixtral", world, seed=0)
+    sharded = copy.deepcopy(full)
+    parallelize_experts(sharded, group=group, shared_tokens=True)
+    worst: dict[str, float] = {}
+
+    def note(name: str, err: float) -> None:
+        worst[name] = max(worst.get(name, 0.0), err)
+
+    full_modules = dict(full.named_modules())
+    for seq in SHARED_TOKENS:
+        tokens = torch.randint(0, example.VOCAB, (1, seq), generator=torch.Generator().manual_seed(seq))
+        outs = {}
+        for name, model in (("full", full), ("sharded", sharded)):
+            model.zero_grad(set_to_none=True)
+            outs[name] = model(input_ids=tokens, labels=tokens)
+            outs[name].loss.backward()
+        note("logits", rel_err(outs["sharded"].logits, outs["full"].logits))
+        note("loss", rel_err(outs["sharded"].loss, outs["full"].loss))
+        for name, module in sharded.named_modules():
+            if isinstance(module, ExpertParallelExperts):
+                ref = full_modules[name]
+                for got, want in ((module.w13, ref.gate_up_proj), (module.w2, ref.down_proj)):
+                    parts = [torch.empty_like(got.grad) for _ in range(world)]
+                    dist.all_gather(parts, got.grad, group=group)
+                    note("expert weights", rel_err(torch.cat(parts), want.grad.transpose(1, 2)))
+            elif not any(True for _ in module.children()) and "experts" not in name:
+                for n, p in module.named_parameters():
+                    want = dict(full_modules[name].named_parameters())[n].grad
+                    note("other parameters", rel_err(p.grad, want))
+    return worst
 
 
 def _tiny_call(group, **changes):

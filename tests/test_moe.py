@@ -23,6 +23,7 @@ from fo_kernels.moe import ops as moe_ops
 from fo_tune.ranks.launch import run_ranks
 from moe_cases import (
     ROUTINGS,
+    SHARED_GROUP_SIZE,
     TOL,
     MoeCase,
     disagreeing_calls,
@@ -49,6 +50,7 @@ ODD_CASES = (
 )
 EXAMPLE_MODELS = ("mixtral", "qwen3_moe")
 EXAMPLE_CHECKS = {"logits", "loss", "other parameters", "expert weights", "checkpoint load"}
+SHARED_CHECKS = EXAMPLE_CHECKS - {"checkpoint load"}
 # opcheck's checks but the dynamic-shape AOT dispatch (18 s on a 2-core CPU), which
 # test_compiled_with_routing_inside_matches_eager covers (aot_eager, dynamic=True) in ~3 s
 FAST_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
@@ -92,13 +94,15 @@ def test_gloo_groups_of_two_three_and_four_ranks():
     cases, and ``ODD_CASES`` on the first); the bad calls raise ValueErrors naming the problem and
     leave no collective half done; a rank outside a group gets a GroupError, eagerly and compiled;
     a deep copy of an ExpertParallelExperts, and one saved whole and loaded, run over its group;
+    on the 3-rank group, a Mixtral's experts sharded with ``shared_tokens=True`` over ranks that
+    hold the same tokens (as a tensor-parallel group does) match the unsharded model's gradients;
     examples/moe_block.py's check of a Mixtral and a Qwen3-MoE decoder with their experts over the
     4 ranks (``ExpertParallelExperts``) against the unsharded models, and the unsharded model's
     state_dict loaded into a sharded one (each rank its experts)."""
     groups = [(ranks, _cases(len(ranks), 12 + i, count)) for i, (ranks, count) in enumerate(GROUPS.items())]
     groups[0][1].extend(ODD_CASES)
     per_rank = run_ranks(run_groups, 4, (groups, EXAMPLE_MODELS), backend="gloo")
-    checked = 0
+    checked = shared = 0
     for rank, results in enumerate(per_rank):
         for r in results:
             where = f"rank {rank} of group {r.get('ranks')}"
@@ -112,6 +116,10 @@ def test_gloo_groups_of_two_three_and_four_ranks():
                 _check_bad(r["bad"], where)
             elif "copied" in r:
                 assert r["copied"] == 0, (where, r["copied"])
+            elif "shared" in r:
+                assert set(r["shared"]) == SHARED_CHECKS, (where, r)
+                assert max(r["shared"].values()) < TOL["float32"], (where, r)
+                shared += 1
             else:
                 c, errs = r["case"], r["errs"]
                 assert errs.pop("y_dtype") == 0, where
@@ -119,6 +127,7 @@ def test_gloo_groups_of_two_three_and_four_ranks():
                     assert err < TOL[c.dtype], f"{where}: {name} relative error {err:.2e} in {c}"
                 checked += 1
     assert checked == sum(len(ranks) * len(cases) for ranks, cases in groups) + 4 * len(EXAMPLE_MODELS)
+    assert shared == SHARED_GROUP_SIZE  # every rank of the one group of that size
 
 
 def _check_bad(msgs: dict, where: str) -> None:

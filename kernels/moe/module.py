@@ -4,7 +4,12 @@ sharded over an expert-parallel group, its forward one ``expert_parallel_ffn``.
 It takes the experts block's place in the model: ``forward(hidden_states, top_k_index,
 top_k_weights)`` as transformers (>= 5) calls ``MixtralExperts`` / ``Qwen3MoeExperts`` from the
 sparse MoE block, after the router, which stays replicated. Every rank keeps the experts
-[rank x E_local, (rank + 1) x E_local), E_local = E / world, and routes its own tokens.
+[rank x E_local, (rank + 1) x E_local), E_local = E / world, and routes its own tokens, as data
+parallelism gives them. Where every rank of the group holds the same tokens (a tensor-parallel
+group: transformers' ``tp_plan`` or ``parallelize_module`` over the same ranks), ``shared_tokens=True``
+makes each rank send only its slice of them (``_shared_rows``) and gather the others' outputs, so
+each token runs through its experts once and counts once in their gradients; without it each token
+would run once per rank and its experts' gradients would be the world size times the model's.
 
 ``from_experts`` reads the two layouts transformers has used:
 
@@ -33,8 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fo_kernels.collectives import all_gather_tensor
 from fo_kernels.errors import AlreadyParallelizedError, PlanError, ScheduleError, ShapeError
-from fo_kernels.fields import check_int
+from fo_kernels.fields import check_bool, check_int
 from fo_kernels.groups import SharesGroupWhenCopied, check_group, require_initialized
 from fo_kernels.moe.ffn import expert_parallel_ffn
 from fo_kernels.moe.routing import FFN_DTYPES, check_call
@@ -108,13 +114,61 @@ def _token_rows(
     return x, top_k_index.reshape(tokens, k), top_k_weights.reshape(tokens, k)
 
 
+def _shared_rows(tokens: int, group: dist.ProcessGroup | None) -> tuple[slice, int]:
+    """This rank's slice of ``tokens`` rows that every rank of ``group`` holds, and the rows of a
+    rank's slice (ceil(T / world): the last ranks hold fewer, none where T < world; an all-gather
+    moves slices of one size, so the short ones are padded to it)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    per = -(-tokens // world)
+    return slice(min(rank * per, tokens), min((rank + 1) * per, tokens)), per
+
+
+def _gather_rows(part: torch.Tensor, tokens: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's slice ``part`` of the ``tokens`` shared rows, concatenated in rank order."""
+    _, per = _shared_rows(tokens, group)
+    padded = part.new_zeros(per, *part.shape[1:])
+    padded[: part.shape[0]] = part
+    out = part.new_empty(dist.get_world_size(group) * per, *part.shape[1:])
+    all_gather_tensor(out, padded, group=group)
+    return out[:tokens]
+
+
+class _RankRows(torch.autograd.Function):
+    """This rank's slice of rows every rank holds; the backward gathers every rank's slice of the
+    gradient (each rank's gradient covers its own rows only)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group, ctx.tokens = group, x.shape[0]
+        return x[_shared_rows(x.shape[0], group)[0]].clone()
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_rows(dy.contiguous(), ctx.tokens, ctx.group), None
+
+
+class _AllRankRows(torch.autograd.Function):
+    """Every rank's slice of the rows, gathered; the backward takes this rank's slice of the
+    gradient, which every rank of a tensor-parallel group holds whole and alike."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, tokens: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.rows = _shared_rows(tokens, group)[0]
+        return _gather_rows(y.contiguous(), tokens, group)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return dy[ctx.rows].contiguous(), None, None
+
+
 def _described(t: object) -> str:
     return f"{shape_text(t)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
     """This rank's experts (``w13`` (E_local, H, 2I), ``w2`` (E_local, I, H)) of ``num_experts``,
-    run by ``expert_parallel_ffn`` over ``group`` (see the module docstring)."""
+    run by ``expert_parallel_ffn`` over ``group`` (see the module docstring); ``shared_tokens``:
+    every rank of ``group`` holds the same tokens (a tensor-parallel group), each sends its slice."""
 
     def __init__(
         self,
@@ -124,6 +178,7 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
         num_experts: int,
         group: dist.ProcessGroup | None = None,
         schedule: MoeSchedule | None = None,
+        shared_tokens: bool = False,
     ) -> None:
         super().__init__()
         require_initialized()
@@ -132,6 +187,7 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
         self.w13 = nn.Parameter(w13.contiguous())
         self.w2 = nn.Parameter(w2.contiguous())
         self.num_experts, self.group, self.schedule = num_experts, group, schedule
+        self.shared_tokens = check_bool("shared_tokens", shared_tokens)
         # the layout of the block ``from_experts`` read, whose state_dicts load too (see
         # ``_load_from_state_dict``); None for a module built from w13 and w2
         self.source: Source | None = None
@@ -143,6 +199,7 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
         *,
         group: dist.ProcessGroup | None = None,
         schedule: MoeSchedule | None = None,
+        shared_tokens: bool = False,
     ) -> ExpertParallelExperts:
         """This rank's share of a Hugging Face experts block (either layout of the module
         docstring), its weights trained where the block's are (frozen experts stay frozen); the
@@ -169,7 +226,14 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
                 f"expert-parallel group whose size divides {total}"
             )
         part = _rank_experts(total // world, group)
-        module = cls(w13[part].clone(), w2[part].clone(), num_experts=total, group=group, schedule=schedule)
+        module = cls(
+            w13[part].clone(),
+            w2[part].clone(),
+            num_experts=total,
+            group=group,
+            schedule=schedule,
+            shared_tokens=shared_tokens,
+        )
         module.w13.requires_grad_(trains[0])
         module.w2.requires_grad_(trains[1])
         module.source = source
@@ -221,6 +285,10 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
         if why is not None:  # (traced: raised when the graph runs)
             return refused(why, (hidden_states, self.w13), shape_of(hidden_states))
         x, ids, weights = rows
+        tokens = x.shape[0]
+        if self.shared_tokens:
+            x, weights = _RankRows.apply(x, self.group), _RankRows.apply(weights, self.group)
+            ids = ids[_shared_rows(tokens, self.group)[0]]
         y = expert_parallel_ffn(
             x,
             ids,
@@ -230,22 +298,32 @@ class ExpertParallelExperts(SharesGroupWhenCopied, nn.Module):
             group=self.group,
             schedule=self.schedule,
         )
+        if self.shared_tokens:
+            y = _AllRankRows.apply(y, tokens, self.group)
         return y.reshape(hidden_states.shape)
 
     def extra_repr(self) -> str:
         e, h, i2 = self.w13.shape
-        return f"experts={e} of {self.num_experts}, hidden={h}, intermediate={i2 // 2}"
+        text = f"experts={e} of {self.num_experts}, hidden={h}, intermediate={i2 // 2}"
+        return f"{text}, shared_tokens=True" if self.shared_tokens else text
 
 
 def parallelize_experts(
-    model: nn.Module, *, group: dist.ProcessGroup | None = None, schedule: MoeSchedule | None = None
+    model: nn.Module,
+    *,
+    group: dist.ProcessGroup | None = None,
+    schedule: MoeSchedule | None = None,
+    shared_tokens: bool = False,
 ) -> list[str]:
     """Replace every fused experts block (a module named ``experts`` with ``gate_up_proj`` and
     ``down_proj``, as transformers >= 5 builds them) by its ``ExpertParallelExperts``; the names
     replaced. A ModuleList of experts is left alone: its MoE block calls each expert itself. Every
     block is built before any is replaced, so a block it refuses (``PlanError``, naming the block)
     leaves the model as it was; a model whose ``experts`` modules are all in another layout (an
-    ungated block, DBRX's, Switch Transformers') is refused naming the first and what it holds."""
+    ungated block, DBRX's, Switch Transformers') is refused naming the first and what it holds.
+    ``shared_tokens=True`` where every rank of ``group`` holds the same tokens, as the ranks of a
+    tensor-parallel group do (the model's attention sharded by transformers' ``tp_plan`` over them):
+    each rank sends its slice of the tokens, so the experts' gradients are the unsharded model's."""
     if not isinstance(model, nn.Module):
         raise PlanError(f"parallelize_experts: expected a model (an nn.Module), got {type(model).__name__}")
     require_initialized()
@@ -261,7 +339,9 @@ def parallelize_experts(
             others.append((name, module))
             continue
         try:
-            sharded = ExpertParallelExperts.from_experts(module, group=group, schedule=schedule)
+            sharded = ExpertParallelExperts.from_experts(
+                module, group=group, schedule=schedule, shared_tokens=shared_tokens
+            )
         except PlanError as exc:
             raise PlanError(f"{name}: {exc}") from None
         built.append((name, sharded))
