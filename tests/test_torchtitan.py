@@ -48,7 +48,8 @@ def test_llama3_with_fo_tune_styles_matches_torchtitan(world, tmp_path):
         ds = r["deepseek_v3"]
         bad = {k: v for k, v in ds["errs"].items() if not v < TOL}
         # the loss and the gradients of the embedding, the final norm, the output layer and each of
-        # the 2 blocks' 12 parameters (attention's wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo)
+        # the 2 blocks' 12 parameters (attention's wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b and wo,
+        # the two norms, the feed-forward's w1, w2 and w3)
         assert not bad and len(ds["errs"]) == 1 + 3 + 2 * 12, (rank, ds["errs"])
         assert ds["same_names"] and ds["placements_equal"] and ds["grad_placements_equal"], ds
         # AllGather + GEMM of the output layer, GEMM + ReduceScatter of each wo and w2; wq_b and
