@@ -27,6 +27,7 @@ and ``launch.py`` beside it (how the examples start their ranks and report).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import tempfile
@@ -133,6 +134,19 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
+def tp_arguments() -> dict[str, object]:
+    """``from_pretrained``'s arguments for sharding by the model's own tp_plan: a
+    ``DistributedConfig(tp_plan="auto")`` where this transformers has one (a standalone ``tp_plan=``
+    is deprecated there, to be removed), else ``tp_plan="auto"`` (the earlier 5.x releases)."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return {"tp_plan": "auto"}
+    if "tp_plan" not in inspect.signature(DistributedConfig).parameters:
+        return {"tp_plan": "auto"}
+    return {"distributed_config": DistributedConfig(tp_plan="auto")}
+
+
 def check(folder: str, world: int, rank: int, device: torch.device) -> tuple[dict[str, float], int]:
     """The tp_plan model (fo-tune's styles registered) against the unsharded one: name -> relative
     error, and how many of its modules run on fo-tune's ops."""
@@ -146,7 +160,7 @@ def check(folder: str, world: int, rank: int, device: torch.device) -> tuple[dic
     register_fo_tune_styles()
     mesh = init_device_mesh(device.type, (world,))
     full = LlamaForCausalLM.from_pretrained(folder).to(device)
-    sharded = LlamaForCausalLM.from_pretrained(folder, tp_plan="auto", device_mesh=mesh)
+    sharded = LlamaForCausalLM.from_pretrained(folder, **tp_arguments(), device_mesh=mesh)
     gen = torch.Generator().manual_seed(1)  # the same tokens on every rank
     tokens = torch.randint(0, VOCAB_PER_RANK * world, (BATCH, SEQ), generator=gen).to(device)
     outs = {}
