@@ -50,6 +50,28 @@ def _placements(model: torch.nn.Module) -> dict[str, tuple]:
     return {n: tuple(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}
 
 
+def _compared(
+    ref: torch.nn.Module,
+    ours: torch.nn.Module,
+    torch_result: tuple[torch.Tensor, dict[str, torch.Tensor]],
+    fo_result: tuple[torch.Tensor, dict[str, torch.Tensor]],
+    ops: list[str],
+) -> dict[str, object]:
+    """torch's model ``ref`` (its loss and gradients, ``torch_result``) against fo-tune's ``ours``
+    (``fo_result``): relative errors of the loss and of every gradient, whether names and
+    placements agree, and the collectives fo-tune's ops ran (``ops``)."""
+    (want_loss, want), (loss, got) = torch_result, fo_result
+    return dict(
+        errs={"loss": rel(loss, want_loss), **{n: rel(got[n], want[n]) for n in want}},
+        ops=sorted(set(ops)),
+        same_names=list(got) == list(want),
+        placements_equal=_placements(ref) == _placements(ours),
+        grad_placements_equal=all(
+            got[n].placements == g.placements for n, g in want.items() if isinstance(g, DTensor)
+        ),
+    )
+
+
 def llama3(ctx, _payload) -> dict[str, object]:
     """fo-tune's styles against torch's in torchtitan's plan: relative errors of the loss and of
     every gradient, whether placements agree, and the collectives fo-tune's ops ran."""
@@ -66,15 +88,7 @@ def llama3(ctx, _payload) -> dict[str, object]:
         ours = ex.apply_torchtitan_tp(copy.deepcopy(full), mesh, fo_tune=True)
         with recorded_collectives() as ops:
             loss, got = ex.loss_and_grads(ours, tokens, labels)
-    return dict(
-        errs={"loss": rel(loss, want_loss), **{n: rel(got[n], want[n]) for n in want}},
-        ops=sorted(set(ops)),
-        same_names=list(got) == list(want),
-        placements_equal=_placements(ref) == _placements(ours),
-        grad_placements_equal=all(
-            got[n].placements == g.placements for n, g in want.items() if isinstance(g, DTensor)
-        ),
-    )
+    return _compared(ref, ours, (want_loss, want), (loss, got), ops)
 
 
 # A tiny DeepSeek-V3: 2 dense layers of 4 heads (every sharded size divides by 2 and 4 ranks),
@@ -157,13 +171,7 @@ def deepseek_v3(ctx, _payload) -> dict[str, object]:
             loss, got = _parallel_loss_and_grads(ours, tokens, labels)
         _parallel_loss_and_grads(ours, tokens, labels)  # a second step warns of nothing new
     return dict(
-        errs={"loss": rel(loss, want_loss), **{n: rel(got[n], want[n]) for n in want}},
-        ops=sorted(set(ops)),
-        same_names=list(got) == list(want),
-        placements_equal=_placements(ref) == _placements(ours),
-        grad_placements_equal=all(
-            got[n].placements == g.placements for n, g in want.items() if isinstance(g, DTensor)
-        ),
+        **_compared(ref, ours, (want_loss, want), (loss, got), ops),
         not_overlapped=[str(w.message) for w in seen if issubclass(w.category, NotOverlappedWarning)],
     )
 
