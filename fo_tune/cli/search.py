@@ -362,21 +362,24 @@ def search(
         check_cpu_sized(mode, chosen, wanted, rng, allow_slow)
         for request in requests:  # every bad input is reported before anything runs or is written
             check_request(request)
-        if mode == "measure" and engines is not None and device.type == "cpu":
-            # on the CPU the ranks' fingerprint is this process's (gloo), so an --engine it blocks
-            # (the copy engine: no peers) is refused before they start; GPU ranks answer themselves
+        # on the CPU the ranks' fingerprint is this process's (gloo), so an --engine it blocks (the
+        # copy engine: no peers) is refused before they start; GPU ranks answer themselves
+        engines_here = mode == "measure" and engines is not None and device.type == "cpu"
+        here = None  # this process's fingerprint, read once for the checks below that need it
+        if engines_here or exhaustive:
             from fo_kernels.fingerprint import current_fingerprint
-            from fo_tune.search.request import select_engines
 
             here = current_fingerprint(device, world_size)
+        if engines_here:
+            from fo_tune.search.request import select_engines
+
             for request in requests:
                 select_engines(request, here, request.space)
         if exhaustive:  # a space too large is refused before the ranks start or progress shows
-            from fo_kernels.fingerprint import current_fingerprint
             from fo_tune.search import check_exhaustive_size
 
             target = cal.fingerprint if mode == "predict" and cal is not None else None
-            target = target or current_fingerprint(device, world_size)
+            target = target or here
             for request in requests:
                 check_exhaustive_size(request, target)
         folders = report_dirs(requests, cal, device, out, tables_root, storage_url)
