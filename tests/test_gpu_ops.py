@@ -25,6 +25,8 @@ TILE = Tile(block_m=64, block_n=64, block_k=32, group_m=2, num_warps=4, num_stag
 BF16_TOL = 2e-2
 # float32 with TF32 tensor-core products (10-bit mantissa) at K of a few hundred
 FP32_TF32_TOL = 1e-2
+# float32 on cuBLAS without TF32 against float64: rounding of sums of a few hundred products
+FP32_EXACT_TOL = 1e-5
 
 
 @pytest.fixture(autouse=True)
@@ -166,6 +168,32 @@ def test_compiled_ops_in_reduce_overhead_mode(nccl_one_rank, variant):
             got = compiled(*ops).clone()  # the graph's output memory is reused by the next replay
             torch.cuda.synchronize()
             assert _rel(got, _reference(*ops)) < BF16_TOL, f"{variant} step {step}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_float32_calls_inside_cuda_autocast_stay_float32(nccl_one_rank, collective):
+    """Inside ``torch.autocast("cuda", bfloat16)`` a float32 call's output and both gradients stay
+    float32 at float32's precision: the no-overlap path's cuBLAS GEMM and the backward GEMMs run with
+    autocast off. (cuBLAS float32 without TF32, torch's default, is within FP32_EXACT_TOL of float64;
+    a bfloat16 product at this K is off by ~3e-3.)"""
+    assert not torch.backends.cuda.matmul.allow_tf32
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    a0 = torch.randn(M, K, device="cuda", generator=gen)
+    b0 = torch.randn(N, K, device="cuda", generator=gen).t()
+    dy = torch.randn(M, N, device="cuda", generator=gen)
+    op = {"all_reduce": gemm_all_reduce, "reduce_scatter": gemm_reduce_scatter, "all_gather": all_gather_gemm}
+    schedule = Schedule(collective=collective, dtype="float32", world_size=1, problem=Problem(m=M, n=N, k=K))
+    a, b = a0.clone().requires_grad_(), b0.detach().clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = op[collective](a, b, schedule=schedule)
+        (y * dy).sum().backward()
+    a64, b64, dy64 = a0.double(), b0.double(), dy.double()
+    wants = {"y": a64 @ b64, "da": dy64 @ b64.t(), "db": a64.t() @ dy64}
+    for name, got in (("y", y), ("da", a.grad), ("db", b.grad)):
+        want = wants[name]
+        assert got.dtype == torch.float32, (name, got.dtype)
+        assert _rel(got, want) < FP32_EXACT_TOL, (name, _rel(got, want))
 
 
 @pytest.mark.gpu
