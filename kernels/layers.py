@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fo_kernels.autocast import autocast_operands
 from fo_kernels.errors import PlanError, ScaleError, ScheduleError, ShapeError
 from fo_kernels.execute import check_local
 from fo_kernels.fields import check_bool, check_int
@@ -62,7 +63,6 @@ from fo_kernels.linear_autograd import (
     ReplicatedInputMatmul,
     add_bias,
     add_bias_to_shard,
-    autocast_operands,
     needs_grad,
 )
 from fo_kernels.overlap import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter

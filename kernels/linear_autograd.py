@@ -1,8 +1,8 @@
 """What a tensor-parallel linear adds around its GEMM, shared by the plain-tensor layers
 (``fo_kernels.layers``) and the styles' forward (``fo_kernels.parallel_forward``): the replicated
 input's GEMM whose backward sums the input's gradient over the group (fused, ``gemm_all_reduce``),
-the bias of a dim-0 shard whose gradient is summed over the group, the bias in the output's dtype
-(fp8: its gradient refused), and the operands as ``F.linear`` takes them inside ``torch.autocast``.
+the bias of a dim-0 shard whose gradient is summed over the group, and the bias in the output's
+dtype (fp8: its gradient refused).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import torch
 
 from fo_kernels.ops import call_op
 from fo_kernels.quantize import Fp8Refused
-from fo_kernels.scaling import FP8_VARIANTS
 
 
 class ReplicatedInputMatmul(torch.autograd.Function):
@@ -65,26 +64,6 @@ def add_bias_to_shard(y: torch.Tensor, bias: torch.Tensor | None, fp8: bool, nam
     if bias is not None and not fp8 and needs_grad(y, bias):
         return ShardBias.apply(y, bias.to(y.dtype), name)
     return add_bias(y, bias, fp8)
-
-
-def autocast_operands(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The operands as ``F.linear`` takes them inside ``torch.autocast``: cast to its dtype, so the
-    output's dtype is torch's style's (autocast does not cast the arguments of the custom ops);
-    outside autocast, as they are."""
-    device = weight.device.type
-    # (torch has no autocast of the meta device: it raises for one asked about)
-    if device == "meta" or not torch.is_autocast_enabled(device):
-        return x, weight, bias
-    dtype = torch.get_autocast_dtype(device)
-
-    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-        # an fp8 module's weight stays fp8 codes: its scaled GEMM takes them with their scale
-        keep = t is None or not t.is_floating_point() or t.dtype in FP8_VARIANTS
-        return t if keep else t.to(dtype)
-
-    return cast(x), cast(weight), cast(bias)
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

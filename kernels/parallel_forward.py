@@ -44,12 +44,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import style as torch_style
 from torch.distributed.tensor.placement_types import Placement
 
+from fo_kernels.autocast import autocast_operands
 from fo_kernels.errors import NotOverlappedWarning, ShapeError
 from fo_kernels.linear_autograd import (
     ReplicatedInputMatmul,
     add_bias,
     add_bias_to_shard,
-    autocast_operands,
     needs_grad,
 )
 from fo_kernels.ops import warn_while_tracing

@@ -24,13 +24,13 @@ chunk GEMMs. Forward only: a backward through an fp8 op raises ``Fp8TrainingErro
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from fo_kernels.autocast import autocast_off
 from fo_kernels.collectives import all_gather_now
 from fo_kernels.errors import ScaleError, ShapeError
 
@@ -270,23 +270,13 @@ def scaled_mm(
 
 
 def _library_scaled_mm(a: torch.Tensor, b: torch.Tensor, **kw: object) -> torch.Tensor:
-    """``torch._scaled_mm(a, b, **kw)`` with autocast off (``_autocast_off``): a call's output
+    """``torch._scaled_mm(a, b, **kw)`` with autocast off (``fo_kernels.autocast``): a call's output
     dtype is its ``out_dtype``, whatever the caller's autocast region. Inside
     ``torch.autocast("cpu")`` torch's CPU rowwise ``_scaled_mm`` runs ops that autocast lowers: a
     float32-out product would be rounded to bfloat16 (2.6e-3 relative against float64, where
     float32's is 1e-7)."""
-    with _autocast_off(a.device.type):
+    with autocast_off(a.device.type):
         return torch._scaled_mm(a, b, **kw)
-
-
-def _autocast_off(device: str) -> contextlib.AbstractContextManager[object]:
-    """A region with the caller's ``torch.autocast`` of ``device`` off, where one is on: the
-    library GEMMs of an op run in its operands' dtype (autocast casts no custom op's arguments)."""
-    # (torch has no autocast of the meta device: it raises for one asked about; a backward on meta
-    # tensors, a model built on the meta device, runs these GEMMs for their shapes)
-    if device == "meta" or not torch.is_autocast_enabled(device):
-        return contextlib.nullcontext()
-    return torch.autocast(device, enabled=False)
 
 
 def _aligned(scale: torch.Tensor, scales: Scales) -> torch.Tensor:
@@ -308,7 +298,7 @@ def matmul(
     bfloat16 here (3e-3 relative against float64, where float32's is 1e-7)."""
     if scales is not None:
         return scaled_mm(a, b, scales, out)
-    with _autocast_off(a.device.type):
+    with autocast_off(a.device.type):
         return _dense_mm(a, b, out)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fo_kernels.autocast import autocast_operands
 from fo_kernels.errors import ShapeError
 from fo_kernels.execute import check_local
 from fo_kernels.groups import group_name
@@ -13,19 +14,6 @@ from fo_kernels.moe.routing import check_call
 from fo_kernels.moe.schedule import MoeSchedule
 from fo_kernels.ops import direct_call
 from fo_kernels.refusal import refusal, refused, shape_of
-
-
-def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``tensors`` as ``F.linear`` takes its operands inside ``torch.autocast`` (of the first
-    tensor's device type): each floating-point tensor but a float64 one cast to its dtype, since
-    autocast does not cast a custom op's arguments; outside autocast, as they are."""
-    device = tensors[0].device.type
-    # (meta has no autocast state: torch raises for it. torch.amp.is_autocast_available would
-    # say so, but Dynamo cannot trace it in torch 2.11, so the one such device is named here.)
-    if device == "meta" or not torch.is_autocast_enabled(device):
-        return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
 
 
 def expert_parallel_ffn(
