@@ -32,7 +32,9 @@ output is: autocast casts no custom op's arguments. The gathered A's own gradien
 ``dA``, where a caller uses it, adds ``reduce_scatter(dA)`` to ``da`` (``_scattered``); an unused
 one is None, so a plain backward runs no collective for it. With that, a gradient of a gradient
 (``create_graph=True``) is the GEMM's: the gathered ``dY`` and ``A`` in the formulas above carry
-their dependence on ``dy`` and ``a``. A backward whose op cannot run
+their dependence on ``dy`` and ``a``, and the gradient of ``gemm_all_reduce``'s ``dy``, one term
+per rank, is summed over the group (``_SummedGradient``), as DTensor sums it for torch's
+``RowwiseParallel``. A backward whose op cannot run
 (its schedule names an engine without that collective in this build) raises ``ScheduleError``
 before its collective starts, on every rank alike. A traced call whose shapes the op refuses
 (``_refused``) gets zero gradients in its traced backward, so the trace completes and the op
@@ -366,9 +368,30 @@ def _all_reduce_backward(ctx, dy: torch.Tensor):
     if ctx.fp8:
         return _fp8_grads(ctx, dy)
     a, b = ctx.saved_tensors
+    if dy.requires_grad and torch.is_grad_enabled():  # (create_graph=True: a gradient of a gradient)
+        dy = _SummedGradient.apply(dy, ctx.group_name)
     da = matmul(dy, b.t(), None) if ctx.needs_input_grad[0] else None
     db = matmul(a.t(), dy, None) if ctx.needs_input_grad[1] else None
     return da, db, *_NO_GRADS
+
+
+class _SummedGradient(torch.autograd.Function):
+    """``dy`` as it is, whose own gradient is summed over the group: the output gradient that
+    ``gemm_all_reduce``'s backward GEMMs take is every rank's alike, while each rank's gradient of
+    it, through its shard's GEMMs, is one term of the sum (DTensor sums it, as a ``Partial()``
+    gradient of a ``Replicate()`` tensor, for torch's ``RowwiseParallel``)."""
+
+    @staticmethod
+    def forward(ctx, dy: torch.Tensor, name: str) -> torch.Tensor:
+        ctx.name = name
+        return dy.view_as(dy)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        group = resolve_group(ctx.name)
+        pg = group if group is not None else dist.group.WORLD
+        summed = torch.ops._c10d_functional.all_reduce(grad.contiguous(), "sum", pg.group_name)
+        return torch.ops._c10d_functional.wait_tensor(summed), None
 
 
 def _reduce_scatter_backward(ctx, dy: torch.Tensor):

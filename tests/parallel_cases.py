@@ -742,6 +742,33 @@ def meta_linears(ctx, _payload) -> dict[str, float]:
     return out
 
 
+# ---------------------------------------------------------------------------------- double backward
+def double_backward(ctx, _payload) -> dict[str, float]:
+    """A gradient of a gradient (``create_graph=True``) through a rowwise ``nn.Linear`` with
+    fo-tune's style against torch's, per output layout ("Replicate", "Shard(0)"): the relative
+    errors of the input's first gradient, then of the input's, weight's and bias' gradients of a
+    loss on it. Each rank's loss is of its own shard of the first gradient, so the gradient of the
+    all-reduced output's gradient is summed over the ranks (it was each rank's term alone)."""
+    rank, world, mesh = ctx.rank, ctx.world_size, _mesh(ctx)
+    torch.manual_seed(7)
+    full = nn.Linear(4 * world, 6)
+    x = torch.randn(2 * world, 4 * world, generator=torch.Generator().manual_seed(31))
+    x = x.chunk(world, -1)[rank]
+    out = {}
+    for layout in (Replicate(), Shard(0)):
+        runs = []
+        for styles in (TORCH, FO):
+            model = copy.deepcopy(full)
+            torch_tp.parallelize_module(model, mesh, styles[1](output_layouts=layout))
+            leaf = x.clone().requires_grad_(True)
+            (dx,) = torch.autograd.grad((model(leaf) ** 2).sum(), leaf, create_graph=True)
+            (dx**2).sum().backward()
+            runs.append((dx.detach(), leaf.grad, model.weight.grad.to_local(), model.bias.grad.to_local()))
+        for key, got, want in zip(("dx", "ddx", "dw", "db"), runs[1], runs[0], strict=True):
+            out[f"{layout} {key}"] = rel(got, want)
+    return out
+
+
 # ---------------------------------------------------------------------------------- autocast
 def autocast(ctx, _payload) -> dict[str, dict[str, object]]:
     """An MLP (replicated and sequence-parallel activations) under torch.autocast(bfloat16) with

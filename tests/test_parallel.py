@@ -55,6 +55,7 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
         "autocast": ("autocast", None),
         "meta": ("meta_linears", None),
         "unknown_dims": ("unknown_dims", None),
+        "double_backward": ("double_backward", None),
     }
     if world == 3:
         parts["subgroup"] = ("fused_on_subgroup", SUBGROUP)
@@ -93,6 +94,8 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
             assert not bad and run["grad_dtypes_equal"], (rank, name, bad, run)
         assert r["autocast"]["replicated"]["ops"] == ["all_reduce"], r["autocast"]
         assert r["autocast"]["sequence"]["ops"] == ["all_gather", "reduce_scatter"], r["autocast"]
+        bad = {k: v for k, v in r["double_backward"].items() if not v < TOL}
+        assert not bad and len(r["double_backward"]) == 8, (rank, r["double_backward"])
         for key, got in r["unknown_dims"].items():  # torch's error alone, not another dim's result
             assert got["torch"] != "ran" and got["fo"] == got["torch"], (rank, key, got)
             assert got["fo warnings"] == 0, (rank, key, got)
