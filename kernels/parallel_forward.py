@@ -19,9 +19,10 @@ gradient (DTensor sums it where the input came from), a leading ``Shard(d)`` as 
 Inside ``torch.autocast`` the operands are cast to its dtype first, as ``F.linear``'s are.
 
 What these paths do not cover at run time (a DTensor input of another placement, an input dtype
-the ops do not take or other than the weight's, a sharded dim that does not divide by the world
-size, a plain replicated input that needs a gradient where a colwise weight's shards are uneven)
-runs as torch's style runs it (``torch_forward``), with one ``NotOverlappedWarning`` per module.
+the ops do not take or other than the weight's, a bias of another dtype (torch's ``F.linear``
+refuses it), a sharded dim that does not divide by the world size, a plain replicated input that
+needs a gradient where a colwise weight's shards are uneven) runs as torch's style runs it
+(``torch_forward``), with one ``NotOverlappedWarning`` per module.
 The gradient helpers are the layers' too (``fo_kernels.linear_autograd``): the fused all-reduce of a
 replicated input's gradient and the bias of a dim-0 shard.
 
@@ -99,16 +100,20 @@ def _leading_dim(placement: Placement, ndim: int) -> int | None:
     return d if d is not None and d < ndim - 1 else None
 
 
-def _op_dtype_ok(x: torch.Tensor, weight: torch.Tensor, plan: LinearPlan) -> bool:
+def _op_dtype_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan) -> bool:
+    """Whether the ops take these operands' dtypes: one of theirs for the input, the weight and the
+    bias alike (``F.linear`` refuses a bias of another dtype, which torch's path then raises)."""
     if plan.fp8 is not None:  # (the input is quantized per call; the output is in its dtype)
         return x.dtype in OUT_DTYPES
-    return x.dtype == weight.dtype and x.dtype in TORCH_DTYPES.values()
+    same = x.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype)
+    return same and x.dtype in TORCH_DTYPES.values()
 
 
-def _input_why(x: torch.Tensor, weight: torch.Tensor) -> str:
+def _input_why(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     if x.numel() == 0:
         return f"an empty input {tuple(x.shape)}"
-    return f"input {x.dtype}, weight {weight.dtype} (the ops take one of bfloat16, float16, float32)"
+    of_bias = "" if bias is None else f", bias {bias.dtype}"
+    return f"input {x.dtype}, weight {weight.dtype}{of_bias} (the ops take one of bfloat16, float16, float32)"
 
 
 def _warn_once(module: nn.Linear, attr: str, message: Callable[[], str], traced: str) -> None:
@@ -216,8 +221,8 @@ def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, {what}")
     if _features(x) != weight.shape[1]:  # (traced: raised when the graph runs)
         return _refused_input(module, x, plan, lambda: _refuse_features(module, x, weight, plan))
-    if not _op_dtype_ok(x, weight, plan) or x.numel() == 0:
-        return torch_forward(module, x, plan, lambda: _input_why(x, weight))
+    if not _op_dtype_ok(x, weight, bias, plan) or x.numel() == 0:
+        return torch_forward(module, x, plan, lambda: _input_why(x, weight, bias))
     if isinstance(layout, Replicate):
         if plan.fp8 is not None:  # (inference only: no gradient for DTensor to reduce)
             y = local_fp8(module, plan, x.to_local() if is_dtensor else x, weight)
@@ -324,8 +329,8 @@ def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return _refused_input(module, x, plan, lambda: _refuse_features(module, x, weight, plan))
     if not sharded:
         return torch_forward(module, x, plan, lambda: f"an input laid out as {layout!r}, not Shard(-1)")
-    if not _op_dtype_ok(x, weight, plan) or x.numel() == 0:
-        return torch_forward(module, x, plan, lambda: _input_why(x, weight))
+    if not _op_dtype_ok(x, weight, bias, plan) or x.numel() == 0:
+        return torch_forward(module, x, plan, lambda: _input_why(x, weight, bias))
     if module.in_features % plan.world_size:
         return torch_forward(module, x, plan, lambda: _uneven_why(module.in_features, "input", plan))
     want = plan.output_layouts[0]

@@ -911,6 +911,34 @@ def unknown_dims(ctx, _payload) -> dict[str, dict[str, object]]:
     return out
 
 
+def bias_of_another_dtype(ctx, _payload) -> dict[str, dict[str, object]]:
+    """A bfloat16 ``nn.Linear`` whose bias is float32, called with a bfloat16 input outside
+    autocast, per kind ("col", "row"), with torch's style and with fo-tune's: the type of the error
+    each raises (``F.linear`` refuses the bias; fo-tune's ops took it, cast to the output's dtype)
+    or "ran", and the NotOverlappedWarnings fo-tune's gives."""
+    mesh, world = _mesh(ctx), ctx.world_size
+    features = 4 * world
+    out = {}
+    for kind, key in enumerate(("col", "row")):
+        local = features // world if kind == 1 else features
+        x = torch.randn(2 * world, local, generator=torch.Generator().manual_seed(ctx.rank)).bfloat16()
+        got = {}
+        for which, styles in (("torch", TORCH), ("fo", FO)):
+            model = nn.Linear(features, features).bfloat16()
+            model.bias.data = model.bias.data.float()
+            torch_tp.parallelize_module(model, mesh, styles[kind]())
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                try:
+                    model(x)
+                    got[which] = "ran"
+                except Exception as exc:  # (torch's error, whichever type it is)
+                    got[which] = type(exc).__name__
+            got[which + " warnings"] = sum(issubclass(w.category, NotOverlappedWarning) for w in seen)
+        out[f"{key} bias float32"] = got
+    return out
+
+
 # ---------------------------------------------------------------------------------- FSDP2
 # The training steps of fsdp2_tp's torchtitan-shaped composition, the micro-batches accumulated
 # before each AdamW step, and a gradient-norm cap it reaches (so clip_grad_norm_ scales).
