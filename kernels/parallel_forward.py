@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import style as torch_style
 from torch.distributed.tensor.placement_types import Placement
 
 from fo_kernels.autocast import autocast_operands
-from fo_kernels.errors import NotOverlappedWarning, ShapeError
+from fo_kernels.errors import NotOverlappedWarning, PlanError, ShapeError
 from fo_kernels.linear_autograd import (
     ReplicatedInputMatmul,
     add_bias,
@@ -150,6 +150,20 @@ def torch_forward(
     return y
 
 
+def _check_parameters(module: nn.Linear, plan: LinearPlan) -> None:
+    """Raise ``PlanError`` where a parameter the style distributed is a plain tensor again (a
+    ``load_state_dict(..., assign=True)`` of an unsharded state dict puts the loaded tensors in
+    their place): torch's style then fails inside ``F.linear`` on mixed tensors."""
+    for name in ("weight", "bias"):
+        param = getattr(module, name)
+        if param is not None and not isinstance(param, DTensor):
+            raise PlanError(
+                f"a {plan.kind} {type(module).__name__}'s {name} is a plain {tuple(param.shape)} tensor, not "
+                "the DTensor its style made (load_state_dict(..., assign=True) of an unsharded state dict "
+                "replaces the parameters): load without assign=True, or parallelize the module again"
+            )
+
+
 def _refuse_type(x: object) -> None:
     raise ShapeError(f"input must be a torch.Tensor or a DTensor, got a {type(x).__name__}")
 
@@ -212,6 +226,7 @@ def _refuse_features(module: nn.Linear, x: torch.Tensor, weight: torch.Tensor, p
 
 def _colwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan: LinearPlan = getattr(module, PLAN_ATTR)
+    _check_parameters(module, plan)
     if not isinstance(x, torch.Tensor):  # (traced: raised when the graph runs)
         return _refused_input(module, x, plan, lambda: _refuse_type(x))
     x, layout, is_dtensor, weight, bias = _operands(module, x, plan)
@@ -320,6 +335,7 @@ def _rows_why(want: Placement, x: torch.Tensor, plan: LinearPlan) -> str:
 
 def _rowwise_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan: LinearPlan = getattr(module, PLAN_ATTR)
+    _check_parameters(module, plan)
     if not isinstance(x, torch.Tensor):  # (traced: raised when the graph runs)
         return _refused_input(module, x, plan, lambda: _refuse_type(x))
     x, layout, is_dtensor, weight, bias = _operands(module, x, plan)

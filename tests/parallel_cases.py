@@ -815,7 +815,17 @@ def bad_inputs(ctx, _payload) -> dict[str, str]:
     a, b = torch.randn(2 * world, 8), torch.randn(8, 4)
     col = torch_tp.parallelize_module(nn.Linear(8, 2 * world), mesh, fo_tp.ColwiseParallel())
     row = torch_tp.parallelize_module(nn.Linear(2 * world, 8), mesh, fo_tp.RowwiseParallel())
+    # an unsharded state dict loaded with assign=True: the parameters are plain tensors again
+    assigned = {}
+    for kind, style, shape in (
+        ("col", fo_tp.ColwiseParallel(), (8, 2 * world)),
+        ("row", fo_tp.RowwiseParallel(), (2 * world, 8)),
+    ):
+        assigned[kind] = torch_tp.parallelize_module(nn.Linear(*shape), mesh, style)
+        assigned[kind].load_state_dict(nn.Linear(*shape).state_dict(), assign=True)
     calls = {
+        "col_assigned": lambda: assigned["col"](torch.randn(3, 8)),
+        "row_assigned": lambda: assigned["row"](torch.randn(3, 2 * world)),
         "col_features": lambda: col(torch.randn(3, 9)),
         "row_features": lambda: row(torch.randn(3, 5)),
         "ag_k": lambda: symm_mem.fused_all_gather_matmul(a, [torch.randn(7, 4)], 0, name),

@@ -114,6 +114,8 @@ def test_styles_match_torch_styles_and_fused_ops_match_torch(world):
             msgs
         )
         assert msgs["rs_group"].startswith("GroupError"), msgs
+        for key in ("col_assigned", "row_assigned"):
+            assert msgs[key].startswith("PlanError") and "assign=True" in msgs[key], msgs
         for key in ("twice", "twice_after_torch"):  # (a RuntimeError too, as torch's styles raise)
             assert msgs[key].startswith("AlreadyParallelizedError") and "already distributed" in msgs[key], (
                 msgs
