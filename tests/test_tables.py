@@ -1101,6 +1101,35 @@ def test_list_shows_every_good_table_and_one_line_per_bad_file(runner: CliRunner
     assert result.exit_code == 0 and result.stderr == "", result.output
 
 
+def test_list_names_a_table_folder_it_cannot_read_as_lookup_refuses_it(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """A device key's folder that cannot be read (a symbolic link loop here; a folder without read
+    permission alike): lookup refuses every call of that key, so `table list` says it, one line
+    naming the folder, exit 1, and still lists the other tables (it listed them alone, exit 0)."""
+    key, gpu = cpu_fp().device_key, H200["device_key"]
+    good = write(table_path(tmp_path / "tables", key, **HEADER), [cpu_row(64)])
+    loop = tmp_path / "tables" / gpu
+    loop.symlink_to(loop)
+    with pytest.raises(TableError, match="cannot read"):  # (as the runtime's lookup on that machine)
+        lookup_table_row(gpu)
+    result = runner.invoke(app, ["table", "list"])
+    assert result.exit_code == 1 and key in result.stdout, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: {loop}: cannot read the folder: "), line
+    doc = json.loads(runner.invoke(app, ["table", "list", "--json"]).stdout)
+    assert [t["path"] for t in doc["tables"]] == [str(good)]
+    assert [bad["path"] for bad in doc["problems"]] == [str(loop)]
+    assert runner.invoke(app, ["table", "list", "-k", key]).exit_code == 0  # (another key's folder)
+
+
+def lookup_table_row(device_key: str) -> Any:
+    """The row ``fo-tune table lookup -k device_key`` finds for one all_reduce call."""
+    from fo_tune.tables.find import find_row
+
+    return find_row(device_key, "all_reduce", 2, "bfloat16", 64, 64, 32)
+
+
 def test_list_leaves_out_a_file_that_is_no_table_under_a_name_lookup_never_reads(
     runner: CliRunner, tmp_path: Path
 ) -> None:
