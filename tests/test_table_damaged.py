@@ -390,6 +390,30 @@ def test_a_key_a_row_line_gives_twice_is_refused_naming_its_row_and_line(
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_row_line_that_gives_its_problem_twice_is_refused_not_filed_under_the_first(
+    runner: CliRunner, tmp_path: Path, kind: str
+) -> None:
+    """A row line edited by hand to start with another problem before its own: the runtime reads a
+    line's problem from its start, so it filed the row under the first and its own call silently
+    missed it (no overlap, or another folder's row); now it refuses the file, naming the row."""
+    path = _table(tmp_path) if kind == "dense" else _moe_table(tmp_path)
+    lines = path.read_text(encoding="utf-8").split("\n")
+    row = 0 if kind == "dense" else 1  # the row lookup takes (``_lookup_error``, ``_moe_lookup_error``)
+    at = next(i for i, line in enumerate(lines) if line.startswith("- {")) + row
+    other = (
+        '{"m": 8, "n": 1024, "k": 1024}'
+        if kind == "dense"
+        else json.dumps({**MOE_SHAPE, "tokens_min": 5000, "tokens_max": 6000}, separators=(", ", ": "))
+    )
+    lines[at] = lines[at].replace('{"problem": ', '{"problem": ' + other + ', "problem": ', 1)
+    path.write_text("\n".join(lines), encoding="utf-8")
+    message = _lookup_error(path) if kind == "dense" else _moe_lookup_error(path)
+    assert f"rows[{row}]" in message and "'problem' is given twice" in message, message
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert f"rows[{row}]" in line and "'problem' is given twice" in line, line
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_a_provenance_whose_keys_read_as_one_name_is_refused(
     runner: CliRunner, tmp_path: Path, kind: str
 ) -> None:
