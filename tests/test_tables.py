@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import datetime as dt
 import io
 import json
 import multiprocessing
@@ -116,6 +117,24 @@ def write(path: Path, rows: list[Schedule], fp: Fingerprint | None = None, **hea
 
 
 # ------------------------------------------------------------------------------------ merge
+def test_a_row_whose_provenance_holds_a_yaml_timestamp_merges_and_shows_as_it_reads(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """A provenance date written by hand without quotes (``date: 2026-11-30``) reads as a YAML
+    timestamp: merging a row into that table (what every search and pull does) and `table show
+    --format yaml` write it back as YAML reads it (they raised "TypeError: Object of type date is
+    not JSON serializable", the search's rows and the pull lost)."""
+    path = write(tmp_path / "t.yaml", [cpu_row(64, date="DATE")])
+    path.write_text(path.read_text().replace('"DATE"', "2026-11-30"))
+    stamped = load_table(path)
+    assert stamped.rows[0].provenance["date"] == dt.date(2026, 11, 30)
+    merged = merge(path, [cpu_row(200)])
+    assert load_table(path) == merged and merged.rows[0] == stamped.rows[0]
+    result = runner.invoke(app, ["table", "show", str(path), "--format", "yaml"])
+    assert result.exit_code == 0, result.output
+    assert ScheduleTable.from_dict(yaml.safe_load(result.stdout)).rows == merged.rows
+
+
 def test_merge_creates_then_updates(tmp_path: Path) -> None:
     path = tmp_path / "new" / "folder" / "t.yaml"
     first = merge(path, [cpu_row(64, tag="a"), cpu_row(200)])

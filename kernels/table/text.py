@@ -97,7 +97,8 @@ _FLOAT_MARK = "\u0000f{}\u0000"
 def _yaml_safe_floats(value: Any, floats: list[str]) -> Any:
     """``value`` with each float that JSON writes without a ``.`` replaced by a placeholder (its
     YAML-safe text appended to ``floats``); raises ``ValueError`` for what JSON cannot carry to
-    YAML unchanged (a non-finite float, a non-string key)."""
+    YAML unchanged (a non-finite float, a non-string key, a value of no JSON type: a timestamp
+    YAML read from a hand-written unquoted date)."""
     if isinstance(value, float):
         if not math.isfinite(value):
             raise ValueError("non-finite float")
@@ -113,6 +114,8 @@ def _yaml_safe_floats(value: Any, floats: list[str]) -> Any:
         return {key: _yaml_safe_floats(item, floats) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_yaml_safe_floats(item, floats) for item in value]
+    if value is not None and not isinstance(value, (str, int)):  # (a bool is an int)
+        raise ValueError(f"{type(value).__name__}: no JSON type")
     return value
 
 
