@@ -605,8 +605,8 @@ def test_validate_ok(runner: CliRunner, tmp_path: Path) -> None:
 
 def test_validate_skips_a_tables_lock_file_with_a_note(runner: CliRunner, tmp_path: Path) -> None:
     """``fo-tune table validate TABLES/*/*`` after a search: the merge's lock file beside each table
-    (empty) is skipped with a note, not refused as an empty table file; a non-empty file of that
-    name is still read as a table."""
+    (empty) is skipped with a note, not refused as an empty table file, nor counted among the files
+    the summary names; a non-empty file of that name is still read as a table."""
     good = gpu_table_file(tmp_path)
     table = load_table(good)
     merge_rows(good, table.fingerprint, table.rows, **HEADER)  # (a search's merge: leaves the lock file)
@@ -617,6 +617,9 @@ def test_validate_skips_a_tables_lock_file_with_a_note(runner: CliRunner, tmp_pa
     assert f"note: {lock}: a table's lock file" in result.stdout and f"OK {good}" in result.stdout
     result = runner.invoke(app, ["table", "validate", "--json", str(lock)])
     assert result.exit_code == 0 and json.loads(result.stdout)["files"][0]["ok"], result.output
+    bad = write(tmp_path / "bad.yaml", [tweak(cpu_row(64), signal_tiles=1, groups=(2, 1))])
+    result = runner.invoke(app, ["table", "validate", str(good), str(lock), str(bad)])
+    assert result.exit_code == 2 and "1 problem(s) in 1 of 2 file(s)" in result.stdout, result.output
     lock.write_text("rows: []\n")
     assert "error:" in runner.invoke(app, ["table", "validate", str(lock)]).stderr
 
