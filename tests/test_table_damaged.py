@@ -455,15 +455,17 @@ def test_a_table_name_that_links_to_nothing_is_refused_not_read_as_no_table(
     [
         (r"sm_count: [0-9]+\n", "sm_count: 0\n", "fingerprint.sm_count: must be >= 1, got 0"),
         (None, "hello: 1\n", "not a table: no kind and no schema_version (its keys: hello)"),
+        ("schema_version: 1\n", "schema_version: true\n", "schema_version 1, got "),
     ],
-    ids=["no-sms", "not-a-table"],
+    ids=["no-sms", "not-a-table", "moe-schema-true"],
 )
 def test_a_header_no_table_can_have_is_refused_saying_so(
     runner: CliRunner, tmp_path: Path, old: str | None, new: str, says: str
 ) -> None:
     """A fingerprint of 0 SMs validated (each plan made for no SMs); a file of other YAML beside the
-    tables (notes) was "schema_version None is not supported; re-run `fo-tune search`"."""
-    path = _table(tmp_path)
+    tables (notes) was "schema_version None is not supported; re-run `fo-tune search`"; an MoE
+    table's ``schema_version: true`` read as version 1 (YAML's true is Python's 1)."""
+    path = _moe_table(tmp_path) if old == "schema_version: 1\n" else _table(tmp_path)
     text = path.read_text(encoding="utf-8")
     assert old is None or re.search(old, text)
     path.write_text(new if old is None else re.sub(old, new, text, count=1), encoding="utf-8")
