@@ -389,6 +389,46 @@ def test_pull_refuses_a_malformed_table_before_it_writes_any(tmp_path: Path) -> 
     assert sorted(p.name for p in (root / H200_KEY).glob("*.yaml")) == [bad.name]
 
 
+@pytest.mark.parametrize("damage", ["row of another table", "fingerprint of another world size"])
+def test_pull_refuses_a_record_of_mixed_tables_before_it_writes_any(tmp_path: Path, damage: str) -> None:
+    """A record whose rows are not one table's (a row stating another collective, or a fingerprint
+    of another world size than its rows'): `table pull` is one line naming the study and writes
+    none of the storage's tables (not even those of records read before it)."""
+    import dataclasses
+
+    import optuna
+
+    from fo_kernels.fingerprint import make_device_key
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    record_packaged(url, "all_reduce")
+    table = load_table(ROOT / "results" / "tables" / H200_KEY / "reduce_scatter-w2-bfloat16.yaml")
+    fp = table.fingerprint
+    header = ("dtype", "world_size")
+    rows = [{k: v for k, v in r.to_dict().items() if k not in header} for r in table.rows[:2]]
+    if damage == "row of another table":
+        rows[1]["collective"] = "all_gather"
+    else:
+        key = make_device_key(fp.gpu_name, fp.compute_capability, fp.sm_count, 4, fp.interconnect)
+        fp = dataclasses.replace(fp, world_size=4, device_key=key)
+    record = {
+        "kind": "fo-tune-table-rows",
+        "schema_version": 1,
+        "fingerprint": fp.to_dict(),
+        "collective": "reduce_scatter",
+        "world_size": 2,
+        "dtype": "bfloat16",
+        "rows": rows,
+        "trials": 1,
+        "recorded": "2999-01-01T00:00:00+00:00",  # (read after the good record)
+        "host": "h",
+    }
+    optuna.create_study(study_name="mixed", storage=url).set_user_attr("fo_tune_table_rows:x", record)
+    line = assert_one_line_error(pull(url, tmp_path / "t"))
+    assert "study 'mixed'" in line, line
+    assert not (tmp_path / "t").exists() or not list((tmp_path / "t").rglob("*.yaml"))
+
+
 def test_a_worker_that_finishes_last_records_the_best_of_every_workers_trials(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

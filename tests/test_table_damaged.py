@@ -390,6 +390,30 @@ def test_a_key_a_row_line_gives_twice_is_refused_naming_its_row_and_line(
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_row_line_that_gives_its_problem_twice_is_refused_not_filed_under_the_first(
+    runner: CliRunner, tmp_path: Path, kind: str
+) -> None:
+    """A row line edited by hand to start with another problem before its own: the runtime reads a
+    line's problem from its start, so it filed the row under the first and its own call silently
+    missed it (no overlap, or another folder's row); now it refuses the file, naming the row."""
+    path = _table(tmp_path) if kind == "dense" else _moe_table(tmp_path)
+    lines = path.read_text(encoding="utf-8").split("\n")
+    row = 0 if kind == "dense" else 1  # the row lookup takes (``_lookup_error``, ``_moe_lookup_error``)
+    at = next(i for i, line in enumerate(lines) if line.startswith("- {")) + row
+    other = (
+        '{"m": 8, "n": 1024, "k": 1024}'
+        if kind == "dense"
+        else json.dumps({**MOE_SHAPE, "tokens_min": 5000, "tokens_max": 6000}, separators=(", ", ": "))
+    )
+    lines[at] = lines[at].replace('{"problem": ', '{"problem": ' + other + ', "problem": ', 1)
+    path.write_text("\n".join(lines), encoding="utf-8")
+    message = _lookup_error(path) if kind == "dense" else _moe_lookup_error(path)
+    assert f"rows[{row}]" in message and "'problem' is given twice" in message, message
+    line = assert_one_line_error(runner.invoke(app, ["table", "validate", str(path)]))
+    assert f"rows[{row}]" in line and "'problem' is given twice" in line, line
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_a_provenance_whose_keys_read_as_one_name_is_refused(
     runner: CliRunner, tmp_path: Path, kind: str
 ) -> None:
@@ -431,15 +455,17 @@ def test_a_table_name_that_links_to_nothing_is_refused_not_read_as_no_table(
     [
         (r"sm_count: [0-9]+\n", "sm_count: 0\n", "fingerprint.sm_count: must be >= 1, got 0"),
         (None, "hello: 1\n", "not a table: no kind and no schema_version (its keys: hello)"),
+        ("schema_version: 1\n", "schema_version: true\n", "schema_version 1, got "),
     ],
-    ids=["no-sms", "not-a-table"],
+    ids=["no-sms", "not-a-table", "moe-schema-true"],
 )
 def test_a_header_no_table_can_have_is_refused_saying_so(
     runner: CliRunner, tmp_path: Path, old: str | None, new: str, says: str
 ) -> None:
     """A fingerprint of 0 SMs validated (each plan made for no SMs); a file of other YAML beside the
-    tables (notes) was "schema_version None is not supported; re-run `fo-tune search`"."""
-    path = _table(tmp_path)
+    tables (notes) was "schema_version None is not supported; re-run `fo-tune search`"; an MoE
+    table's ``schema_version: true`` read as version 1 (YAML's true is Python's 1)."""
+    path = _moe_table(tmp_path) if old == "schema_version: 1\n" else _table(tmp_path)
     text = path.read_text(encoding="utf-8")
     assert old is None or re.search(old, text)
     path.write_text(new if old is None else re.sub(old, new, text, count=1), encoding="utf-8")

@@ -418,6 +418,29 @@ def test_list_and_help_name_the_moe_table(runner: CliRunner, tmp_path: Path) -> 
             assert word in text, (command, word)
 
 
+def test_search_moe_merges_around_a_hand_written_bucket_that_starts_at_one_token(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """A hand-written row (a measured one, to the merge) for tokens [1, 512]: the search's
+    predicted row for [0, 1024] goes in over [513, 1024], the token 0 it would keep alone is no
+    bucket (a bucket holds up to at least 1 token), and an exact row's new bucket [1, 4096] over
+    a row of [0, 1024] leaves that row nothing (both merges raised "problem.tokens_max: must be
+    >= 1, got 0", the search's rows lost)."""
+    h200 = searched_table(runner, tmp_path).parent
+    path = moe_table_path(tmp_path / "tables", H200_KEY, 2, "bfloat16")
+    fp = load_moe_table(path).fingerprint
+    write(path, [row(1, 512, dtype="bfloat16", provenance={"source": "by hand"})], fp, dtype="bfloat16")
+    args = ["search", "-c", "moe", "--experts", ",".join(map(str, EXPERTS)), "--tokens", "1024"]
+    result = runner.invoke(app, [*args, "--table-dir", str(h200.parent)])
+    assert result.exit_code == 0, result.output
+    table = load_moe_table(path)
+    spans = [(r.schedule.problem.tokens_min, r.schedule.problem.tokens_max, r.kind) for r in table.rows]
+    assert spans == [(1, 512, "measured"), (513, 1024, "predicted")], spans
+    wide = MoeTable(fingerprint=fp, world_size=2, dtype="bfloat16", rows=[row(0, 1024, dtype="bfloat16")])
+    wide.upsert(row(1, 4096, dtype="bfloat16"))
+    assert [(r.schedule.problem.tokens_min, r.schedule.problem.tokens_max) for r in wide.rows] == [(1, 4096)]
+
+
 def test_search_moe_refuses_a_storage(runner: CliRunner) -> None:
     """An MoE search records no study, so `table pull` has no MoE rows to write: --storage is refused."""
     args = ["search", "-c", "moe", "--experts", "4096,1536,32,8", "--storage", "sqlite:///nowhere.db"]

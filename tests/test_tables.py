@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import datetime as dt
 import io
 import json
 import multiprocessing
@@ -116,6 +117,24 @@ def write(path: Path, rows: list[Schedule], fp: Fingerprint | None = None, **hea
 
 
 # ------------------------------------------------------------------------------------ merge
+def test_a_row_whose_provenance_holds_a_yaml_timestamp_merges_and_shows_as_it_reads(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """A provenance date written by hand without quotes (``date: 2026-11-30``) reads as a YAML
+    timestamp: merging a row into that table (what every search and pull does) and `table show
+    --format yaml` write it back as YAML reads it (they raised "TypeError: Object of type date is
+    not JSON serializable", the search's rows and the pull lost)."""
+    path = write(tmp_path / "t.yaml", [cpu_row(64, date="DATE")])
+    path.write_text(path.read_text().replace('"DATE"', "2026-11-30"))
+    stamped = load_table(path)
+    assert stamped.rows[0].provenance["date"] == dt.date(2026, 11, 30)
+    merged = merge(path, [cpu_row(200)])
+    assert load_table(path) == merged and merged.rows[0] == stamped.rows[0]
+    result = runner.invoke(app, ["table", "show", str(path), "--format", "yaml"])
+    assert result.exit_code == 0, result.output
+    assert ScheduleTable.from_dict(yaml.safe_load(result.stdout)).rows == merged.rows
+
+
 def test_merge_creates_then_updates(tmp_path: Path) -> None:
     path = tmp_path / "new" / "folder" / "t.yaml"
     first = merge(path, [cpu_row(64, tag="a"), cpu_row(200)])
@@ -586,8 +605,8 @@ def test_validate_ok(runner: CliRunner, tmp_path: Path) -> None:
 
 def test_validate_skips_a_tables_lock_file_with_a_note(runner: CliRunner, tmp_path: Path) -> None:
     """``fo-tune table validate TABLES/*/*`` after a search: the merge's lock file beside each table
-    (empty) is skipped with a note, not refused as an empty table file; a non-empty file of that
-    name is still read as a table."""
+    (empty) is skipped with a note, not refused as an empty table file, nor counted among the files
+    the summary names; a non-empty file of that name is still read as a table."""
     good = gpu_table_file(tmp_path)
     table = load_table(good)
     merge_rows(good, table.fingerprint, table.rows, **HEADER)  # (a search's merge: leaves the lock file)
@@ -598,6 +617,9 @@ def test_validate_skips_a_tables_lock_file_with_a_note(runner: CliRunner, tmp_pa
     assert f"note: {lock}: a table's lock file" in result.stdout and f"OK {good}" in result.stdout
     result = runner.invoke(app, ["table", "validate", "--json", str(lock)])
     assert result.exit_code == 0 and json.loads(result.stdout)["files"][0]["ok"], result.output
+    bad = write(tmp_path / "bad.yaml", [tweak(cpu_row(64), signal_tiles=1, groups=(2, 1))])
+    result = runner.invoke(app, ["table", "validate", str(good), str(lock), str(bad)])
+    assert result.exit_code == 2 and "1 problem(s) in 1 of 2 file(s)" in result.stdout, result.output
     lock.write_text("rows: []\n")
     assert "error:" in runner.invoke(app, ["table", "validate", str(lock)]).stderr
 
@@ -1099,6 +1121,35 @@ def test_list_shows_every_good_table_and_one_line_per_bad_file(runner: CliRunner
     bad_row.unlink()
     result = runner.invoke(app, ["table", "list", "-k", key])
     assert result.exit_code == 0 and result.stderr == "", result.output
+
+
+def test_list_names_a_table_folder_it_cannot_read_as_lookup_refuses_it(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """A device key's folder that cannot be read (a symbolic link loop here; a folder without read
+    permission alike): lookup refuses every call of that key, so `table list` says it, one line
+    naming the folder, exit 1, and still lists the other tables (it listed them alone, exit 0)."""
+    key, gpu = cpu_fp().device_key, H200["device_key"]
+    good = write(table_path(tmp_path / "tables", key, **HEADER), [cpu_row(64)])
+    loop = tmp_path / "tables" / gpu
+    loop.symlink_to(loop)
+    with pytest.raises(TableError, match="cannot read"):  # (as the runtime's lookup on that machine)
+        lookup_table_row(gpu)
+    result = runner.invoke(app, ["table", "list"])
+    assert result.exit_code == 1 and key in result.stdout, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: {loop}: cannot read the folder: "), line
+    doc = json.loads(runner.invoke(app, ["table", "list", "--json"]).stdout)
+    assert [t["path"] for t in doc["tables"]] == [str(good)]
+    assert [bad["path"] for bad in doc["problems"]] == [str(loop)]
+    assert runner.invoke(app, ["table", "list", "-k", key]).exit_code == 0  # (another key's folder)
+
+
+def lookup_table_row(device_key: str) -> Any:
+    """The row ``fo-tune table lookup -k device_key`` finds for one all_reduce call."""
+    from fo_tune.tables.find import find_row
+
+    return find_row(device_key, "all_reduce", 2, "bfloat16", 64, 64, 32)
 
 
 def test_list_leaves_out_a_file_that_is_no_table_under_a_name_lookup_never_reads(

@@ -337,11 +337,13 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJso
 
 
 def _validate_summary(checks: list[FileCheck]) -> str:
-    """``validate``'s last line: how many problems in how many files, and the remedy of each kind
+    """``validate``'s last line: how many problems in how many files (the lock files it skipped
+    not counted), and the remedy of each kind
     found (a file that does not read is fixed or replaced; a file lookup refuses where it sits is
     moved or renamed; a bad row is fixed or re-tuned)."""
     bad = [check for check in checks if check.problems]
     count = sum(len(check.problems) for check in bad)
+    tables = [check for check in checks if check.rows is not None or check.problems]  # (no lock file)
     remedies = []
     if any(check.rows is None for check in bad):
         remedies.append("name table files that exist and read (each line says what to do)")
@@ -349,7 +351,7 @@ def _validate_summary(checks: list[FileCheck]) -> str:
         remedies.append("move or rename the files named (each line says where)")
     if any(len(check.problems) > check.misplaced for check in bad if check.rows is not None):
         remedies.append("fix the rows named, or re-tune them with `fo-tune search`")
-    return f"{count} problem(s) in {len(bad)} of {len(checks)} file(s); {'; '.join(remedies)}"
+    return f"{count} problem(s) in {len(bad)} of {len(tables)} file(s); {'; '.join(remedies)}"
 
 
 def register(app: typer.Typer) -> None:

@@ -87,8 +87,10 @@ LIST_HELP = "\n\n".join(
         "table's other row fields are read when lookup takes the row, and `fo-tune table validate "
         "PATH` checks them all), or that lookup refuses where it sits (another GPU's table in this "
         "device key's folder, listed under its own key), is one line on stderr with its path, why "
-        "and what to do; every other file is still listed. Lookup refuses every call of such a "
-        "file's table until it is fixed or moved (`fo-tune table validate PATH` says more). A .yaml "
+        "and what to do, as is a table folder it cannot read (no permission, a link loop: lookup "
+        "refuses every call whose table it looks for there); every other file is still listed. "
+        "Lookup refuses every call of such a file's table until it is fixed or moved (`fo-tune "
+        "table validate PATH` says more). A .yaml "
         "file that is no table under a name lookup never reads "
         "(notes beside the tables: not <collective>-w<world>-<dtype>.yaml or "
         "moe-w<world>-<dtype>.yaml) is left out with a note on stderr; lookup skips it too. Other "
@@ -363,11 +365,15 @@ def table_files(device_key: str | None = None) -> Listing:
     found = Listing()
     files, problems = found.files, found.problems
     for root in search_folders():
-        if not root.is_dir():
-            continue
-        for path in sorted(root.glob("*/*.yaml")):
-            if device_key is not None and path.parent.name != device_key:
+        paths: list[Path] = []
+        for folder in _device_folders(root, device_key):
+            try:
+                paths += sorted(p for p in folder.iterdir() if p.name.endswith(".yaml"))
+            except FileNotFoundError:  # (removed since, or a link to nothing: lookup finds no table)
                 continue
+            except OSError as exc:  # (lookup of this device key refuses every call: it cannot look)
+                problems.append(_unreadable_folder(folder, root, exc))
+        for path in paths:
             try:
                 entry, fp = _file_entry(path, root)
             except TableNotFoundError:  # removed since the folder was read
@@ -384,6 +390,37 @@ def table_files(device_key: str | None = None) -> Listing:
             except TableError as exc:
                 problems.append(problem(path, root, exc))
     return found
+
+
+def _device_folders(root: Path, device_key: str | None) -> list[Path]:
+    """The folders of ``root`` (a search path folder) a listing reads, sorted: its subfolders and
+    the links among its entries that point at no file, only ``device_key``'s when given; none when
+    ``root`` is not there. A ``root`` that cannot be read is returned itself, so reading it names
+    the error."""
+    try:
+        children = sorted(root.iterdir())
+    except FileNotFoundError:
+        return []
+    except OSError:
+        return [root]
+    return [
+        child
+        for child in children
+        if (device_key is None or child.name == device_key)
+        and (child.is_dir() or (child.is_symlink() and not child.is_file()))
+    ]
+
+
+def _unreadable_folder(folder: Path, root: Path, exc: OSError) -> dict[str, str]:
+    """The ``list`` problem of a table folder it cannot read (no permission, a symbolic link
+    loop): lookup refuses every call whose table it would look for there."""
+    why = exc.strerror or str(exc)
+    return {
+        "path": str(folder),
+        "folder": str(root),
+        "error": f"{folder}: cannot read the folder: {why}; lookup refuses every call whose table it "
+        "looks for there until it can (fix its permissions or the link, or move it away)",
+    }
 
 
 def _left_out(problem: dict[str, str]) -> dict[str, str]:

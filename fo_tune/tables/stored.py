@@ -121,6 +121,27 @@ def _measured_only(row: Schedule) -> Schedule:
     return row if len(kept) == len(row.provenance) else replace(row, provenance=kept)
 
 
+def _check_one_table(where: str, fingerprint: Fingerprint, rows: Sequence[Schedule]) -> None:
+    """``TableError`` (``where`` names the study and the attribute) unless ``rows`` are one table's:
+    the first row's collective, world size and dtype in every row, that world size the
+    fingerprint's. A pull checks it as it reads, so such a record stops it before any table is
+    written (its merge would refuse the rows after the tables of earlier records were)."""
+    first = rows[0]
+    for i, row in enumerate(rows):
+        for name in _HEADER_KEYS:
+            if getattr(row, name) != getattr(first, name):
+                raise TableError(
+                    f"{where}: rows[{i}]: {name} {getattr(row, name)!r}, rows[0]'s is "
+                    f"{getattr(first, name)!r} (a record holds one table's rows); delete the "
+                    "attribute, or re-run that search"
+                )
+    if fingerprint.world_size != first.world_size:
+        raise TableError(
+            f"{where}: fingerprint.world_size {fingerprint.world_size} differs from the rows' world "
+            f"size {first.world_size}; delete the attribute, or re-run that search"
+        )
+
+
 def _parse(study: str, key: str, record: Any) -> StoredRows:
     """A record read back; ``TableError`` naming the study and the attribute when it is malformed."""
     where = f"study {study!r}: {key}"
@@ -145,6 +166,7 @@ def _parse(study: str, key: str, record: Any) -> StoredRows:
         schedules = tuple(_measured_only(Schedule.from_dict(row, defaults=header)) for row in rows)
     except (TableError, ScheduleError) as exc:
         raise TableError(f"{where}: {exc}") from None
+    _check_one_table(where, fingerprint, schedules)
     return StoredRows(
         study=study,
         fingerprint=fingerprint,

@@ -62,6 +62,7 @@ from fo_kernels.table.text import (
     decode_row_at,
     dump_table_text,
     lazy_table_data,
+    problem_again,
     row_built_once,
 )
 
@@ -310,7 +311,7 @@ class LoadedMoeTable:
         raw = self._raw[i]
         if isinstance(raw, str):
             match = _PROBLEM_PREFIX.match(raw)
-            if match is not None:
+            if match is not None and not problem_again(raw, match.end()):
                 hidden, inter, experts, top_k, lo, hi = map(int, match.groups())
                 if lo <= hi:  # (else decoding names the error)
                     return ((hidden, inter, experts, top_k), lo, hi)

@@ -64,10 +64,11 @@ def moe_header(data: Any, source: str) -> tuple[Fingerprint, int, str, list[Any]
             f"{source}: a dense schedule table (kind {TABLE_KIND!r}), not an MoE table, and the dense "
             f"lookup reads it only as {name}; {where_it_belongs(source, written_key(data), name)}"
         )
-    if data.get("kind") != MOE_TABLE_KIND or data.get("schema_version") != MOE_TABLE_SCHEMA_VERSION:
+    version = data.get("schema_version")
+    if data.get("kind") != MOE_TABLE_KIND or version != MOE_TABLE_SCHEMA_VERSION or isinstance(version, bool):
         raise TableError(
             f"{source}: expected kind {MOE_TABLE_KIND!r} schema_version {MOE_TABLE_SCHEMA_VERSION}, got "
-            f"{data.get('kind')!r} {data.get('schema_version')!r}"
+            f"{data.get('kind')!r} {version!r}"
         )
     unknown = sorted(str(k) for k in set(data) - set(_TOP_KEYS))
     if unknown:

@@ -4,8 +4,9 @@ overlaps keeps the rest, with its settings (trimmed, split in two, or gone when 
 covers all of it); where the new row yields to an older one (a predicted row to a measured one),
 the older row keeps all of its span and the new row goes in over what is left. Every part is
 narrowed to the values its rows may hold (multiples of ``step``: a ``reduce_scatter`` or
-``all_gather`` row's M is a multiple of the world size); a part that holds none is dropped. So a
-merge loses no value a table covered, and writes no two rows of one key over the same value.
+``all_gather`` row's M is a multiple of the world size); a part that holds none is dropped, and so
+is a part of 0 alone (``LEAST_HI``). So a merge loses no value a table covered (but 0 tokens where
+only that is left of an MoE row), and writes no two rows of one key over the same value.
 
 A span is ``(lo, hi)``, both ends included.
 """
@@ -18,13 +19,17 @@ from typing import Generic, TypeVar
 
 Span = tuple[int, int]
 R = TypeVar("R")
+# The least upper end a part keeps: an MoE row's bucket holds up to at least 1 token (the copy
+# engine sizes its buffers by it), so a part of 0 tokens alone is dropped (a call whose ranks hold
+# no token then runs the no-overlap path); a dense row's Ms start at 1.
+LEAST_HI = 1
 
 
 def narrowed(lo: int, hi: int, step: int) -> Span | None:
     """``[lo, hi]`` narrowed to the multiples of ``step`` inside it (``step`` 1: as it is); None
-    when it holds none."""
+    when it holds none, or ends below ``LEAST_HI``."""
     lo, hi = -(-lo // step) * step, hi // step * step
-    return (lo, hi) if lo <= hi else None
+    return (lo, hi) if lo <= hi and hi >= LEAST_HI else None
 
 
 def span_outside(span: Span, cut: Span, step: int = 1) -> list[Span]:
