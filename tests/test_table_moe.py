@@ -551,3 +551,27 @@ def test_moe_rows_and_tables_refuse_what_is_not_a_schedule_or_a_row() -> None:
     ):
         MoeTable(fingerprint=fp, world_size=2, dtype="float32", rows=[schedule])
     assert MoeTable(fingerprint=fp, world_size=2, dtype="float32", rows=[MoeRow(schedule=schedule)]).rows
+
+
+def test_a_moe_table_removed_as_the_runtime_reads_it_is_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table removed between the runtime's look at the file and its read (a merge replacing it, a
+    user deleting it) is no table for that call, as in the dense lookup, where the MoE call raised
+    TableNotFoundError inside the user's step; written again, a later call reads it."""
+    from fo_kernels.moe import table as moe_table
+
+    path = write(moe_table_path(tmp_path / "tables", cpu_fp().device_key, 2, "float32"), [row(0, 4096)])
+    text = path.read_text()
+    read = moe_table.read_table_text
+
+    def removed_as_read(p: Path) -> str:
+        p.unlink()
+        return read(p)
+
+    monkeypatch.setattr(moe_table, "read_table_text", removed_as_read)
+    cache = MoeTableCache()
+    assert cache.lookup(EXPERTS, 300, dtype="float32", world_size=2, device="cpu") is None
+    monkeypatch.setattr(moe_table, "read_table_text", read)
+    path.write_text(text)
+    assert cache.lookup(EXPERTS, 301, dtype="float32", world_size=2, device="cpu") is not None

@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from fo_kernels.errors import ScheduleError, TableError
+from fo_kernels.errors import ScheduleError, TableError, TableNotFoundError
 from fo_kernels.fields import from_mapping
 from fo_kernels.files import atomic_write
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint
@@ -74,6 +74,9 @@ MOE_TABLE_RECHECK_S = 1.0
 # Remembered answers (experts' shapes x the tokens calls see: routing changes the most tokens a rank
 # holds every step); the oldest dropped past this many, the dense lookup's bound.
 MOE_ANSWERS_SIZE = 4096
+# Loaded tables a cache keeps (a few folders x dtypes x world sizes), the oldest dropped past this
+# many: the dense lookup's bound.
+MOE_TABLES_SIZE = 64
 
 # Row kinds in the order the lookup prefers them (``MoeRow.kind``).
 MOE_ROW_KINDS = ("measured", "predicted")
@@ -368,18 +371,26 @@ class MoeTableCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tables: dict[Path, tuple[tuple[int, int, int], LoadedMoeTable]] = {}
+        self._tables: OrderedDict[Path, tuple[tuple[int, int, int], LoadedMoeTable]] = OrderedDict()
         self._answers: OrderedDict[tuple, tuple[float, MoeSchedule | None]] = OrderedDict()
 
     def _load(self, path: Path) -> LoadedMoeTable | None:
-        stamp = file_stamp(path)  # (None: no file; a path it cannot look at: TableError)
-        if stamp is None:
+        """The table at ``path``, or None when there is no file (or it is removed as it is read)."""
+        try:
+            stamp = file_stamp(path)  # (None: no file; a path it cannot look at: TableError)
+            if stamp is None:
+                return None
+            hit = self._tables.pop(path, None)
+            table = (
+                hit[1]
+                if hit is not None and hit[0] == stamp
+                else LoadedMoeTable(read_table_text(path), str(path))
+            )
+        except TableNotFoundError:  # removed after the stat
             return None
-        hit = self._tables.get(path)
-        if hit is not None and hit[0] == stamp:
-            return hit[1]
-        table = LoadedMoeTable(read_table_text(path), str(path))
         self._tables[path] = (stamp, table)
+        while len(self._tables) > MOE_TABLES_SIZE:
+            self._tables.popitem(last=False)
         return table
 
     def lookup(
