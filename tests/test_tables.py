@@ -662,13 +662,23 @@ def test_validate_malformed_or_missing_is_one_line(
 
 
 def test_validate_summary_names_the_remedy_of_each_kind_of_problem(runner: CliRunner, tmp_path: Path) -> None:
-    """With a file that does not read among several, the summary says to give readable files, and
-    names rows to fix only where a file that read has a bad row."""
+    """With a missing file among several, the summary says to name files that exist; with one that
+    does not load (rows that overlap), to fix or replace it; rows to fix only where a file that
+    loaded has a bad row."""
     good = write(tmp_path / "good.yaml", [cpu_row(64)])
     result = runner.invoke(app, ["table", "validate", str(good), str(tmp_path / "missing.yaml")])
     assert result.exit_code == 2, result.output
-    assert "1 problem(s) in 1 of 2 file(s); name table files that exist and read" in result.stdout
-    assert "fix the rows named" not in result.stdout
+    assert result.stdout.endswith("1 problem(s) in 1 of 2 file(s); name table files that exist\n"), (
+        result.stdout
+    )
+    # a file that reads but does not load (two rows for one problem): fixed or replaced, not named again
+    lines = good.read_text().splitlines()
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("\n".join([*lines, lines[-1]]) + "\n")
+    result = runner.invoke(app, ["table", "validate", str(good), str(dup)])
+    assert result.exit_code == 2, result.output
+    want = "1 problem(s) in 1 of 2 file(s); fix or replace the files that do not load (each line says "
+    assert result.stdout.endswith(want + "what to do)\n"), result.stdout
 
 
 @pytest.mark.parametrize("command", ["show", "validate", "diff"])

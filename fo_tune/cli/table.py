@@ -299,7 +299,7 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJso
         try:
             table = load_any_table(path)
         except (TableError, TableNotFoundError) as exc:
-            checks.append(FileCheck(path, None, [one_line(exc)]))
+            checks.append(FileCheck(path, None, [one_line(exc)], missing=isinstance(exc, TableNotFoundError)))
             continue
         if isinstance(table, MoeTable):
             issues = validate_moe_table(table, sm_count=sm_count)
@@ -339,14 +339,17 @@ def validate(paths: PathsArg, sm_count: SmCountOpt = None, json_out: ValidateJso
 def _validate_summary(checks: list[FileCheck]) -> str:
     """``validate``'s last line: how many problems in how many files (the lock files it skipped
     not counted), and the remedy of each kind
-    found (a file that does not read is fixed or replaced; a file lookup refuses where it sits is
+    found (a missing file is named again; a file that does not load, malformed or with rows that
+    overlap, is fixed or replaced; a file lookup refuses where it sits is
     moved or renamed; a bad row is fixed or re-tuned)."""
     bad = [check for check in checks if check.problems]
     count = sum(len(check.problems) for check in bad)
     tables = [check for check in checks if check.rows is not None or check.problems]  # (no lock file)
     remedies = []
-    if any(check.rows is None for check in bad):
-        remedies.append("name table files that exist and read (each line says what to do)")
+    if any(check.missing for check in bad):
+        remedies.append("name table files that exist")
+    if any(check.rows is None and not check.missing for check in bad):
+        remedies.append("fix or replace the files that do not load (each line says what to do)")
     if any(check.misplaced for check in bad):
         remedies.append("move or rename the files named (each line says where)")
     if any(len(check.problems) > check.misplaced for check in bad if check.rows is not None):

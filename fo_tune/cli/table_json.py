@@ -166,6 +166,8 @@ class FileCheck:
     note: str | None = None
     # Whether one of the problems is where the file sits (its name or folder), not its rows.
     misplaced: bool = False
+    # Whether the file does not exist (rows None: it does not load for another reason).
+    missing: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
