@@ -287,7 +287,7 @@ def plan_moe_search(
     if space_file is not None:
         space = load_moe_space(space_file, keys)
     else:
-        space = moe_space_for(cal.fingerprint.compute_capability, keys)
+        space = moe_space_for(cal.fingerprint.compute_capability, keys, device_key=cal.fingerprint.device_key)
     check_moe_size(experts, tokens or space.tokens_per_rank, dtype, fingerprint_target(cal.fingerprint))
     model = moe_cost_model(cal)
     reasons = {}
