@@ -673,6 +673,16 @@ def test_a_suites_dtype_is_the_default_for_dtype(tmp_path):
     assert not (tmp_path / "p").exists()
 
 
+def test_a_shapes_file_key_no_suite_has_is_refused(tmp_path):
+    """A misspelt `dtype:` in a --shapes file is exit 2 naming the key, as bench --suite refuses
+    it: the search ignored the key and wrote bfloat16 rows for a float16 suite."""
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("name: typo\ndtpye: float16\nshapes:\n  - [64, 64, 64]\n")
+    line = assert_one_line_error(search("--shapes", str(suite), "--out", str(tmp_path / "p")))
+    assert f"{suite}: unknown key 'dtpye'; known: name, dtype, shapes, odd_shapes" in line, line
+    assert not (tmp_path / "p").exists()
+
+
 def test_a_ctrl_c_while_a_report_is_written_keeps_it(tmp_path, monkeypatch):
     """A Ctrl-C while a finished collective's report is written (a measured one's plots take
     seconds) is held until it is, then says where it is and exits 130: the rows were in the table,

@@ -10,6 +10,8 @@ from fo_kernels.files import read_yaml
 from fo_kernels.schedule import DTYPES
 
 Shape = tuple[int, int, int]
+# The keys of a suite file; `fo-tune search --shapes` reads the same files and refuses any other key.
+SUITE_KEYS = ("name", "dtype", "shapes", "odd_shapes")
 
 
 class SuiteError(FoTuneError, ValueError):
@@ -60,9 +62,9 @@ def load_suite(path: str | Path) -> Suite:
     )
     if not isinstance(data, dict):
         raise SuiteError(f"{source}: expected a mapping with name, dtype and shapes")
-    unknown = sorted(set(data) - {"name", "dtype", "shapes", "odd_shapes"})
+    unknown = sorted(set(data) - set(SUITE_KEYS))
     if unknown:
-        raise SuiteError(f"{source}: unknown key {unknown[0]!r}; known: name, dtype, shapes, odd_shapes")
+        raise SuiteError(f"{source}: unknown key {unknown[0]!r}; known: {', '.join(SUITE_KEYS)}")
     dtype = data.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         raise SuiteError(f"{source}: dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
