@@ -616,6 +616,18 @@ def test_corrupt_calibration_is_exit_2(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("given", ["suites/h200_tp.yaml", "search_spaces/moe/hopper.yaml"])
+def test_another_file_given_as_the_calibration_is_named_as_none(tmp_path, given):
+    """A suite (no kind, no schema_version) or a search space as --calibration: exit 2 saying it is
+    no calibration and what to give, where the suite's said "schema_version None is not
+    supported; re-run `fo-tune calibrate`"."""
+    r = search("--shape", "64x64x64", "--calibration", str(ROOT / given), "--out", str(tmp_path / "o"))
+    line = assert_one_line_error(r)
+    assert f"{ROOT / given}: not a calibration" in line and "give a calibration.yaml" in line, line
+    assert "schema_version" not in line, line
+    assert not (tmp_path / "o").exists()
+
+
 def test_table_for_another_gpu_is_exit_2_and_left_alone(tmp_path, h200):
     out = tmp_path / "o"
     path = out / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml"
