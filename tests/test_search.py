@@ -616,6 +616,23 @@ def test_corrupt_calibration_is_exit_2(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_suite_of_the_other_search_is_named_as_one(tmp_path):
+    """The MoE suite given to the dense search or to bench --suite, and a dense suite to -c moe:
+    exit 2 naming the command that reads it and the suite to give, where they said "unknown key
+    'ep'" and "models: expected a list"."""
+    moe, dense = ROOT / "suites" / "moe" / "experts.yaml", ROOT / "suites" / "h200_tp.yaml"
+    for r in (
+        search("--shapes", str(moe), "--out", str(tmp_path / "o")),
+        CliRunner().invoke(app, ["bench", "--suite", str(moe), "--out", str(tmp_path / "o")]),
+    ):
+        line = assert_one_line_error(r)
+        assert f"{moe}: an MoE suite" in line and "search -c moe --shapes" in line, line
+        assert str(dense) in line, line
+    line = assert_one_line_error(search("-c", "moe", "--shapes", str(dense), "--out", str(tmp_path / "o")))
+    assert f"{dense}: a suite of dense shapes" in line and "suites/moe/experts.yaml" in line, line
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("given", ["suites/h200_tp.yaml", "search_spaces/moe/hopper.yaml"])
 def test_another_file_given_as_the_calibration_is_named_as_none(tmp_path, given):
     """A suite (no kind, no schema_version) or a search space as --calibration: exit 2 saying it is
