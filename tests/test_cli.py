@@ -81,21 +81,23 @@ def test_search_help_keeps_the_postgres_extra(runner):
 
 
 @pytest.mark.parametrize(
-    ("args", "says"),
+    ("args", "says", "command"),
     [
-        (["search", "--world-size", "abc"], "Invalid value for '--world-size'"),
-        (["search", "--no-such-option"], "No such option: --no-such-option"),
-        (["table", "validate"], "Missing argument 'PATH'"),
-        (["table", "diff", "a.yaml"], "Missing argument 'B'"),
-        (["no-such-command"], "No such command 'no-such-command'"),
-        (["search", "--shape"], "Option '--shape' requires an argument"),
+        (["search", "--world-size", "abc"], "Invalid value for '--world-size'", "fo-tune search"),
+        (["search", "--no-such-option"], "No such option: --no-such-option", "fo-tune search"),
+        (["table", "validate"], "Missing argument 'PATH'", "fo-tune table validate"),
+        (["table", "diff", "a.yaml"], "Missing argument 'B'", "fo-tune table diff"),
+        (["no-such-command"], "No such command 'no-such-command'", "fo-tune"),
+        (["search", "--shape"], "Option '--shape' requires an argument", "fo-tune search"),
+        (["table", "lookup", "-s"], "Option '-s' requires an argument", "fo-tune table lookup"),
     ],
 )
-def test_usage_errors_are_one_line(runner, args, says):
-    """An error click finds while parsing is one line on stderr naming the --help that explains,
-    exit 2, as every other user error (not typer's usage line, hint and framed panel)."""
+def test_usage_errors_are_one_line(runner, args, says, command):
+    """An error click finds while parsing is one line on stderr naming the --help of its command
+    that explains, exit 2, as every other user error (not typer's usage line, hint and framed
+    panel); an option missing its value named `fo-tune COMMAND --help`."""
     line = assert_one_line_error(runner.invoke(app, args))
-    assert says in line and "--help` explains the options" in line, line
+    assert says in line and f"(`{command} --help` explains the options)" in line, line
 
 
 def test_a_group_without_a_command_prints_its_help(runner):

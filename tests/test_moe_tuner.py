@@ -917,6 +917,25 @@ def test_search_moe_shows_its_progress_on_stderr(runner, tmp_path, monkeypatch):
     assert "plan (moe): 2048,768,16,8 tokens 257..1024 done" in result.stderr, result.stderr
 
 
+def test_search_moe_from_a_cpu_calibration_names_the_space_to_pass(runner, tmp_path, monkeypatch):
+    """A CPU machine's calibration has no MoE space of its own: exit 2 naming the calibration's
+    machine and the --space argument that plans it (the packaged Hopper space), which then plans;
+    it said only "no MoE search space for compute capability cpu"."""
+    isolate_tables(monkeypatch, tmp_path)
+    data = yaml.safe_load(packaged_calibration(H200_KEY, 2).read_text())
+    fp = current_fingerprint("cpu", 2)
+    data["fingerprint"] = dataclasses.asdict(fp)
+    cpu = tmp_path / "calibration.yaml"
+    cpu.write_text(yaml.safe_dump(data))
+    args = ["search", "-c", "moe", "--experts", "64,32,2,2", "--tokens", "8,16", "--calibration", str(cpu)]
+    line = assert_one_line_error(runner.invoke(app, [*args, "--out", str(tmp_path / "out")]))
+    hopper = Path(__file__).resolve().parents[1] / "search_spaces" / "moe" / "hopper.yaml"
+    assert fp.device_key in line and f"--space {hopper}" in line, line
+    assert not (tmp_path / "out").exists()
+    result = runner.invoke(app, [*args, "--space", str(hopper), "--out", str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 0, result.output
+
+
 def test_search_moe_refuses_a_calibration_that_cannot_price_the_no_overlap_path(
     runner, tmp_path, monkeypatch
 ):

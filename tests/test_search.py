@@ -616,6 +616,35 @@ def test_corrupt_calibration_is_exit_2(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_suite_of_the_other_search_is_named_as_one(tmp_path):
+    """The MoE suite given to the dense search or to bench --suite, and a dense suite to -c moe:
+    exit 2 naming the command that reads it and the suite to give, where they said "unknown key
+    'ep'" and "models: expected a list"."""
+    moe, dense = ROOT / "suites" / "moe" / "experts.yaml", ROOT / "suites" / "h200_tp.yaml"
+    for r in (
+        search("--shapes", str(moe), "--out", str(tmp_path / "o")),
+        CliRunner().invoke(app, ["bench", "--suite", str(moe), "--out", str(tmp_path / "o")]),
+    ):
+        line = assert_one_line_error(r)
+        assert f"{moe}: an MoE suite" in line and "search -c moe --shapes" in line, line
+        assert str(dense) in line, line
+    line = assert_one_line_error(search("-c", "moe", "--shapes", str(dense), "--out", str(tmp_path / "o")))
+    assert f"{dense}: a suite of dense shapes" in line and "suites/moe/experts.yaml" in line, line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("given", ["suites/h200_tp.yaml", "search_spaces/moe/hopper.yaml"])
+def test_another_file_given_as_the_calibration_is_named_as_none(tmp_path, given):
+    """A suite (no kind, no schema_version) or a search space as --calibration: exit 2 saying it is
+    no calibration and what to give, where the suite's said "schema_version None is not
+    supported; re-run `fo-tune calibrate`"."""
+    r = search("--shape", "64x64x64", "--calibration", str(ROOT / given), "--out", str(tmp_path / "o"))
+    line = assert_one_line_error(r)
+    assert f"{ROOT / given}: not a calibration" in line and "give a calibration.yaml" in line, line
+    assert "schema_version" not in line, line
+    assert not (tmp_path / "o").exists()
+
+
 def test_table_for_another_gpu_is_exit_2_and_left_alone(tmp_path, h200):
     out = tmp_path / "o"
     path = out / "tables" / H200_KEY / "all_reduce-w2-bfloat16.yaml"
@@ -670,6 +699,16 @@ def test_a_suites_dtype_is_the_default_for_dtype(tmp_path):
     suite.write_text("name: typo\ndtype: bf16\nshapes:\n  - [64, 64, 64]\n")
     line = assert_one_line_error(search("--shapes", str(suite), "--out", str(tmp_path / "p")))
     assert f"{suite}: dtype: 'bf16' is not one of" in line, line
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_shapes_file_key_no_suite_has_is_refused(tmp_path):
+    """A misspelt `dtype:` in a --shapes file is exit 2 naming the key, as bench --suite refuses
+    it: the search ignored the key and wrote bfloat16 rows for a float16 suite."""
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("name: typo\ndtpye: float16\nshapes:\n  - [64, 64, 64]\n")
+    line = assert_one_line_error(search("--shapes", str(suite), "--out", str(tmp_path / "p")))
+    assert f"{suite}: unknown key 'dtpye'; known: name, dtype, shapes, odd_shapes" in line, line
     assert not (tmp_path / "p").exists()
 
 

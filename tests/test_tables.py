@@ -1162,6 +1162,23 @@ def lookup_table_row(device_key: str) -> Any:
     return find_row(device_key, "all_reduce", 2, "bfloat16", 64, 64, 32)
 
 
+def test_list_labels_a_table_by_the_device_key_lookup_takes(runner: CliRunner, tmp_path: Path) -> None:
+    """An H200 table copied into an H100's folder (the same die: lookup takes it there): `table
+    list` labels it with its folder's key, the one `table lookup -k` and `table list -k` take (it
+    printed the H200's key, which finds nothing of that file); --json keeps the fingerprint's."""
+    sibling = H200["device_key"].replace("nvidia-h200", "nvidia-h100-80gb-hbm3")
+    copied = write(table_path(tmp_path / "tables", sibling, **HEADER), [gpu_row(8192)], h200_fp())
+    result = runner.invoke(app, ["table", "list", "-k", sibling])
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    (line,) = [line for line in result.stdout.splitlines() if "all_reduce" in line]
+    assert line.split()[0] == sibling, result.stdout
+    (entry,) = json.loads(runner.invoke(app, ["table", "list", "--json"]).stdout)["tables"]
+    assert entry["device_key"] == sibling and entry["path"] == str(copied), entry
+    assert entry["fingerprint_device_key"] == H200["device_key"], entry
+    found = _lookup(runner, "-s", "8192x8192x4096", "-k", entry["device_key"])
+    assert found["source"] == str(copied), found
+
+
 def test_list_leaves_out_a_file_that_is_no_table_under_a_name_lookup_never_reads(
     runner: CliRunner, tmp_path: Path
 ) -> None:

@@ -10,6 +10,11 @@ from fo_kernels.files import read_yaml
 from fo_kernels.schedule import DTYPES
 
 Shape = tuple[int, int, int]
+# The keys of a suite file; `fo-tune search --shapes` reads the same files and refuses any other key.
+SUITE_KEYS = ("name", "dtype", "shapes", "odd_shapes")
+# The key of an MoE suite (suites/moe/experts.yaml, which `fo-tune search -c moe` reads) in place of
+# a suite's shapes.
+MOE_SUITE_KEY = "models"
 
 
 class SuiteError(FoTuneError, ValueError):
@@ -48,6 +53,17 @@ def _suite_shapes(data: dict, key: str, source: str) -> tuple[Shape, ...]:
     return tuple(shapes)
 
 
+def moe_suite_refusal(data: object, source: str) -> str | None:
+    """The refusal of the file ``source`` whose YAML is ``data`` where a suite goes, when it is an
+    MoE suite (its models, no shapes), naming the command that reads it; None otherwise."""
+    if not isinstance(data, dict) or MOE_SUITE_KEY not in data or "shapes" in data:
+        return None
+    return (
+        f"{source}: an MoE suite ({MOE_SUITE_KEY}:), which `fo-tune search -c moe --shapes` reads; give "
+        f"a suite of shapes: [M, N, K], e.g. {packaged_suite()}"
+    )
+
+
 def load_suite(path: str | Path) -> Suite:
     """Read and validate a suite file; errors name the file and the key."""
     source = str(path)
@@ -60,9 +76,11 @@ def load_suite(path: str | Path) -> Suite:
     )
     if not isinstance(data, dict):
         raise SuiteError(f"{source}: expected a mapping with name, dtype and shapes")
-    unknown = sorted(set(data) - {"name", "dtype", "shapes", "odd_shapes"})
+    if (refusal := moe_suite_refusal(data, source)) is not None:
+        raise SuiteError(refusal)
+    unknown = sorted(set(data) - set(SUITE_KEYS))
     if unknown:
-        raise SuiteError(f"{source}: unknown key {unknown[0]!r}; known: name, dtype, shapes, odd_shapes")
+        raise SuiteError(f"{source}: unknown key {unknown[0]!r}; known: {', '.join(SUITE_KEYS)}")
     dtype = data.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         raise SuiteError(f"{source}: dtype: {dtype!r} is not one of {', '.join(DTYPES)}")

@@ -96,6 +96,8 @@ __all__ = [
 CALIBRATION_SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 CALIBRATION_KIND = "fo-tune-calibration"
+# What to do with a file that does not read as a calibration.
+GIVE_CALIBRATION = "give a calibration.yaml `fo-tune calibrate` wrote"
 # What a calibration measures: the runtime's collectives and all_to_all, which an expert-parallel
 # layer ends in.
 CALIBRATED_COLLECTIVES = (*COLLECTIVES, "all_to_all")
@@ -351,9 +353,13 @@ class Calibration:
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "<calibration>") -> Calibration:
         if not isinstance(data, dict):
+            raise CalibrationError(f"{source}: expected a mapping at the top level; {GIVE_CALIBRATION}")
+        kind = data.get("kind")
+        if kind != CALIBRATION_KIND:  # (before its schema: another file's version says nothing here)
+            what = f"kind {kind!r}" if kind is not None else "no kind"
             raise CalibrationError(
-                f"{source}: expected a mapping at the top level; give a calibration.yaml `fo-tune "
-                "calibrate` wrote"
+                f"{source}: not a calibration ({what}; a calibration's is {CALIBRATION_KIND!r}); "
+                f"{GIVE_CALIBRATION}"
             )
         version = data.get("schema_version")
         if version not in SUPPORTED_SCHEMA_VERSIONS or isinstance(version, bool):
@@ -361,8 +367,6 @@ class Calibration:
                 f"{source}: schema_version {version!r} is not supported (this fo-tune reads "
                 f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}); re-run `fo-tune calibrate`"
             )
-        if data.get("kind") != CALIBRATION_KIND:
-            raise CalibrationError(f"{source}: kind must be {CALIBRATION_KIND!r}, got {data.get('kind')!r}")
         unknown = sorted(str(key) for key in data if key not in _TOP_LEVEL_KEYS)
         if unknown:
             raise CalibrationError(
@@ -462,6 +466,6 @@ def load_calibration(path: str | Path) -> Calibration:
         error=CalibrationError,
         missing=CalibrationNotFoundError,
         missing_hint="no such calibration file; run `fo-tune calibrate` or pass --calibration",
-        bad_hint="give a calibration.yaml `fo-tune calibrate` wrote",
+        bad_hint=GIVE_CALIBRATION,
     )
     return dataclasses.replace(Calibration.from_dict(data, source=str(path)), file=str(path))

@@ -24,7 +24,7 @@ import os
 import select
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import typer
@@ -159,8 +159,9 @@ class OneLineErrorsGroup(TyperGroup):
             if type(exc).__name__ == NO_ARGS_IS_HELP:  # the help was printed as it was raised
                 sys.exit(exc.exit_code)
             ctx = getattr(exc, "ctx", None)
-            # (no context: an option missing its value; the command is not known here)
-            path = ctx.command_path if ctx is not None else "fo-tune COMMAND"
+            # (no context: an option missing its value, which click raises without one)
+            given = kwargs.get("args", args[0] if args else None)
+            path = ctx.command_path if ctx is not None else self._command_path(given)
             where = f" (`{path} --help` explains the options)"
             _report(exc, f"{one_line_text(exc.format_message())}{where}")
             sys.exit(exc.exit_code)
@@ -168,6 +169,19 @@ class OneLineErrorsGroup(TyperGroup):
             _report(KeyboardInterrupt(), "interrupted")
             sys.exit(EXIT_INTERRUPTED)
         sys.exit(code if isinstance(code, int) else 0)
+
+    def _command_path(self, given: Sequence[str] | None) -> str:
+        """The command the command line (``given``, else this process's) names, read off its
+        leading words (``fo-tune table lookup``): the ``--help`` to name where click's error
+        carries no context; ``fo-tune COMMAND`` where no command is named."""
+        words = given if given is not None else sys.argv[1:]
+        path, command = ["fo-tune"], self
+        for word in words:
+            command = getattr(command, "commands", {}).get(word)
+            if command is None:
+                break
+            path.append(word)
+        return " ".join(path) if len(path) > 1 else "fo-tune COMMAND"
 
 
 @contextlib.contextmanager

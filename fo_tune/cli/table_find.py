@@ -79,14 +79,17 @@ LIST_HELP = "\n\n".join(
         "List the table files the runtime's search path holds ($FO_TUNE_TABLE_DIR, the user folder "
         "$XDG_DATA_HOME/fo-tune/tables (default ~/.local/share/fo-tune/tables), the packaged tables, "
         "in the order lookup reads them): per "
-        "file its device key, collective (moe for the MoE table, moe-w<world>-<dtype>.yaml), world "
+        "file its device key (its folder's name: the key lookup's -k and the runtime read it "
+        "under), collective (moe for the MoE table, moe-w<world>-<dtype>.yaml), world "
         "size, dtype, rows and folder. --device-key keeps "
-        "one device key's folder; --json prints them as JSON (tables; problems: per bad file "
+        "one device key's folder; --json prints them as JSON (tables, each with its "
+        "fingerprint_device_key too: the machine it was tuned on, another GPU of the same die where "
+        "a sibling's table was copied; problems: per bad file "
         "its path, folder and error; notes: per file left out, its path, folder and note).",
         "A file that does not read (not valid YAML, a bad header, a row's bad problem; a dense "
         "table's other row fields are read when lookup takes the row, and `fo-tune table validate "
         "PATH` checks them all), or that lookup refuses where it sits (another GPU's table in this "
-        "device key's folder, listed under its own key), is one line on stderr with its path, why "
+        "device key's folder), is one line on stderr with its path, why "
         "and what to do, as is a table folder it cannot read (no permission, a link loop: lookup "
         "refuses every call whose table it looks for there); every other file is still listed. "
         "Lookup refuses every call of such a file's table until it is fixed or moved (`fo-tune "
@@ -317,8 +320,9 @@ def _moe_lookup(
 
 def _file_entry(path: Path, root: Path) -> tuple[dict[str, Any], Fingerprint]:
     """The ``list`` entry of the table file at ``path`` (in the search path folder ``root``): its
-    header and row count, and its fingerprint; ``TableError`` when it does not read, or when it
-    holds another call's rows under a name lookup reads (``check_file_name``)."""
+    device key (its folder's name, which lookup's -k takes), header and row count, and its
+    fingerprint; ``TableError`` when it does not read, or when it holds another call's rows under a
+    name lookup reads (``check_file_name``)."""
     from fo_kernels.moe.table import load_moe_table, moe_table_filename
     from fo_kernels.table import read_table, table_filename
     from fo_tune.tables.find import check_file_name
@@ -334,8 +338,9 @@ def _file_entry(path: Path, root: Path) -> tuple[dict[str, Any], Fingerprint]:
         name = table_filename(table.collective, table.world_size, table.dtype)
     check_file_name(path, name)  # (another call's header under this call's name: lookup refuses it)
     names = ("collective", "world_size", "dtype", "rows")
-    entry = {"device_key": fp.device_key, **dict(zip(names, header, strict=True))}
-    return {**entry, "folder": str(root), "path": str(path)}, fp
+    entry = {"device_key": path.parent.name, **dict(zip(names, header, strict=True))}
+    entry = {**entry, "folder": str(root), "path": str(path), "fingerprint_device_key": fp.device_key}
+    return entry, fp
 
 
 @dataclass(frozen=True, slots=True)

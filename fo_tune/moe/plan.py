@@ -112,6 +112,11 @@ def experts_from_suite(path: Path, world_size: int) -> list[ExpertsShape]:
 
     data = read_yaml(path, error=MoeSearchError, missing=MoeSearchError, missing_hint="no such MoE suite")
     models = data.get("models") if isinstance(data, Mapping) else None
+    if models is None and isinstance(data, Mapping) and "shapes" in data:
+        raise MoeSearchError(
+            f"{path}: a suite of dense shapes, which `fo-tune search` without -c moe reads; -c moe reads "
+            "an MoE suite's models (suites/moe/experts.yaml), or give --experts H,I,E_local,k"
+        )
     if not isinstance(models, list) or not models:
         raise MoeSearchError(f"{path}: models: expected a list of {{hidden, intermediate, experts, top_k}}")
     out, counts = [], []
@@ -287,7 +292,7 @@ def plan_moe_search(
     if space_file is not None:
         space = load_moe_space(space_file, keys)
     else:
-        space = moe_space_for(cal.fingerprint.compute_capability, keys)
+        space = moe_space_for(cal.fingerprint.compute_capability, keys, device_key=cal.fingerprint.device_key)
     check_moe_size(experts, tokens or space.tokens_per_rank, dtype, fingerprint_target(cal.fingerprint))
     model = moe_cost_model(cal)
     reasons = {}

@@ -134,17 +134,27 @@ def load_moe_space(path: str | Path, space_keys: Mapping[str, tuple[str, ...]]) 
 
 
 def moe_space_for(
-    compute_capability: str, space_keys: Mapping[str, tuple[str, ...]], folder: Path | None = None
+    compute_capability: str,
+    space_keys: Mapping[str, tuple[str, ...]],
+    folder: Path | None = None,
+    *,
+    device_key: str = "",
 ) -> MoeSpace:
     """The MoE space of ``folder`` (default: the packaged ``search_spaces/moe``) naming
-    ``compute_capability``, else its catch-all (``["*"]``); ``SpaceNotFoundError`` when none."""
+    ``compute_capability``, else its catch-all (``["*"]``); ``SpaceNotFoundError`` when none, naming
+    the spaces there as ``--space`` arguments (a CPU calibration's plan runs on Hopper's space) and
+    ``device_key``, the calibration's machine, where given."""
     folder = folder if folder is not None else packaged_spaces_dir() / MOE_SPACE_FOLDER
     spaces = [load_moe_space(p, space_keys) for p in sorted(folder.glob("*.yaml"))]
     for wanted in (compute_capability, ANY_DEVICE):
         for space in spaces:
             if wanted in space.compute_capability:
                 return space
+    whose = f" (the calibration's machine, {device_key})" if device_key else ""
+    listed = "; ".join(f"{s.source} for {', '.join(s.compute_capability)}" for s in spaces) or "none"
+    pick = f"--space {spaces[0].source}" if spaces else "--space FILE"
     raise SpaceNotFoundError(
-        f"{folder}: no MoE search space for compute capability {compute_capability}; add one (see "
-        "search_spaces/moe/hopper.yaml) or pass --space FILE"
+        f"no MoE search space for compute capability {compute_capability}{whose} in {folder} (it "
+        f"holds: {listed}); plan with another GPU's space, e.g. {pick}, or add one whose "
+        f"compute_capability lists {compute_capability!r} (see search_spaces/moe/hopper.yaml)"
     )
