@@ -28,6 +28,7 @@ from fo_kernels.table import (
     load_table,
     lookup_schedule,
     save_table,
+    table_filename,
     table_path,
     table_search_path,
 )
@@ -421,6 +422,25 @@ def test_a_folder_without_a_table_is_no_device_key_to_pick(tmp_path: Path, runne
     miss = json.loads(result.stdout)
     assert result.exit_code == 0 and miss["other_device_keys"] == [H200["device_key"]], result.output
     assert miss["hint"].endswith(f"e.g. -k {H200['device_key']}"), miss
+
+
+def test_a_lookup_miss_hint_gives_a_pick_that_runs(tmp_path: Path, runner: CliRunner) -> None:
+    """A miss under a key whose tables hold other dtypes names the files it holds (it said
+    nothing); a miss of a world size no key has tables of gives an example with that key's -w,
+    which runs (-k alone with the call's -w is refused as another world size's key)."""
+    env, key = tmp_path / "tables", H200["device_key"]
+    write(table_path(env, key, **HEADER), [gpu_row(8192)], h200_fp())
+    lookup = ["table", "lookup", "-s", "8192x8192x4096", "--json"]
+    miss = json.loads(runner.invoke(app, [*lookup, "-k", key, "-d", "float16"]).stdout)
+    assert miss["source"].startswith("no table row"), miss
+    assert f"{key}; it holds {table_filename(**HEADER)}: pick the collective and dtype" in miss["hint"], miss
+    miss = json.loads(runner.invoke(app, [*lookup, "-w", "4"]).stdout)
+    assert "(none of world size 4)" in miss["hint"], miss
+    pick = miss["hint"].split("e.g. ")[1].split()
+    assert pick == ["-k", key, "-w", "2"], miss
+    result = runner.invoke(app, [*lookup, *pick])
+    found = json.loads(result.stdout)
+    assert result.exit_code == 0 and found["source"].endswith(table_filename(**HEADER)), result.output
 
 
 # ------------------------------------------------------------------------------------ CLI

@@ -154,26 +154,37 @@ ListDeviceKeyOpt = Annotated[
 
 def _miss_hint(device_key: str, read: list[Path], given: bool) -> dict[str, Any]:
     """What a miss adds when ``device_key`` (this machine's, or the one -k ``given``) has no table
-    at all: the keys that have one, those of ``device_key``'s world size first (the example it
-    names runs with the same --world-size), and how to pick one (empty when it has a table, or
-    no key has one)."""
+    for the call: where the key holds tables of other collectives or dtypes, their names; where it
+    holds none, the keys that have one, those of ``device_key``'s world size first, and how to pick
+    one (its -w too where no key of the call's world size has one). Empty when a table of the call
+    was read (the miss is its rows') or no key has a table."""
     from fo_kernels.fingerprint import read_device_key
-    from fo_tune.tables.find import known_device_keys
+    from fo_tune.tables.find import held_tables, known_device_keys
 
     def world(key: str) -> int | None:
         fields = read_device_key(key)
         return None if fields is None else int(fields["world_size"])
 
+    if read:
+        return {}
     known = known_device_keys()
+    whose = "the device key" if given else "this machine's device key"
+    if device_key in known:
+        return {
+            "hint": f"no table of this call for {whose} {device_key}; it holds "
+            f"{', '.join(held_tables(device_key))}: pick the collective and dtype with -c and -d"
+        }
     mine = world(device_key)
     others = sorted((key for key in known if key != device_key), key=lambda key: world(key) != mine)
-    if read or device_key in known or not others:  # its tables hold other collectives or dtypes
+    if not others:
         return {}
-    whose = "the device key" if given else "this machine's device key"
     example = others[0]  # (one of the call's world size where one has tables)
+    theirs = world(example)
+    pick = f"-k {example}" if theirs == mine or theirs is None else f"-k {example} -w {theirs}"
+    none_here = "" if theirs == mine else f" (none of world size {mine})"
     return {
         "hint": f"no table for {whose} {device_key}; tables exist for "
-        f"{', '.join(others)}: pick one with -k KEY (--device-key), e.g. -k {example}",
+        f"{', '.join(others)}{none_here}: pick one with -k KEY (--device-key), e.g. {pick}",
         "other_device_keys": others,
     }
 

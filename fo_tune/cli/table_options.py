@@ -160,7 +160,13 @@ def find_paths(device_key: str | None, collective: str, world_size: int, dtype: 
     from fo_kernels.errors import TableNotFoundError
     from fo_kernels.moe.table import moe_table_filename
     from fo_kernels.table import table_filename
-    from fo_tune.tables.find import find_moe_tables, find_tables, known_device_keys, search_folders
+    from fo_tune.tables.find import (
+        find_moe_tables,
+        find_tables,
+        held_tables,
+        known_device_keys,
+        search_folders,
+    )
 
     if device_key is None:
         from fo_kernels.fingerprint import current_fingerprint
@@ -177,8 +183,7 @@ def find_paths(device_key: str | None, collective: str, world_size: int, dtype: 
     keys = known_device_keys()
     known = f"tables exist for device keys {', '.join(keys)}" if keys else "no table folder exists"
     if device_key in keys:  # (the key is right: name what it holds, not the key list again)
-        held = {p.name for root in search_folders() for p in (root / device_key).glob("*.yaml")}
-        known = f"{device_key} holds {', '.join(sorted(held))}: pick one with -c, -w and -d"
+        known = f"{device_key} holds {', '.join(held_tables(device_key))}: pick one with -c, -w and -d"
     folders = ", ".join(map(str, search_folders()))
     raise TableNotFoundError(
         f"no table {device_key}/{filename} in {folders} ({known}); "

@@ -227,6 +227,15 @@ def find_moe_row(
     return match[1], paths[match[0]], paths
 
 
+def held_tables(device_key: str) -> list[str]:
+    """The names of the table files ``device_key``'s folders hold in the search path, sorted: files
+    under a name lookup reads (``lookup_reads``)."""
+    names = {
+        p.name for root in search_folders() for p in (root / device_key).glob("*.yaml") if lookup_reads(p)
+    }
+    return sorted(names)
+
+
 def known_device_keys() -> list[str]:
     """Device keys that have a table folder somewhere in the search path, sorted: folders holding a
     file under a name lookup reads (``lookup_reads``). A folder of notes or other YAML beside the
