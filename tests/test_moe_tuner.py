@@ -865,8 +865,9 @@ def test_search_moe_reads_a_space_file_and_names_its_errors(runner, tmp_path, mo
 
 
 def test_a_space_of_the_other_search_is_named_as_one(runner, tmp_path, monkeypatch):
-    """The dense space given to -c moe, and the MoE space to a dense search: exit 2 naming the
-    space each takes, where one said only the kinds and the other listed unknown keys."""
+    """The dense space given to -c moe, the MoE space to a dense search, and a table to either:
+    exit 2 naming the space each takes, where one said only the kinds and the other listed
+    unknown keys."""
     isolate_tables(monkeypatch, tmp_path)
     spaces = Path(__file__).resolve().parents[1] / "search_spaces"
     moe = ["search", "-c", "moe", "--experts", "4096,1536,64,8", "--space", str(spaces / "hopper.yaml")]
@@ -883,6 +884,12 @@ def test_a_space_of_the_other_search_is_named_as_one(runner, tmp_path, monkeypat
     ]
     line = assert_one_line_error(runner.invoke(app, [*dense, "--out", str(tmp_path / "o")]))
     assert "an MoE search space, which -c moe reads" in line and "search_spaces/hopper.yaml" in line, line
+    # a schedule table given as either search's space: named as no space, with the one to give
+    table = next((spaces.parent / "results" / "tables").glob("*/all_reduce-*.yaml"))
+    line = assert_one_line_error(runner.invoke(app, [*moe[:-1], str(table)]))
+    assert "'fo-tune-schedule-table'" in line and "give an MoE search space" in line, line
+    line = assert_one_line_error(runner.invoke(app, [*dense[:-1], str(table), "--out", str(tmp_path / "o")]))
+    assert "kind: 'fo-tune-schedule-table', not a search space; give one" in line, line
 
 
 def test_a_ctrl_c_while_the_moe_plan_is_written_keeps_table_and_report(runner, tmp_path, monkeypatch):

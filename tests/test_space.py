@@ -205,7 +205,10 @@ MALFORMED = {
         _set(("schema_version",), 7),
         "schema_version: 7 is not supported (supported: 1, 2)",
     ),
-    "wrong kind": (_set(("kind",), "table"), "kind: expected 'fo-tune-search-space'"),
+    "wrong kind": (
+        _set(("kind",), "table"),
+        "kind: 'table', not a search space; give one (search_spaces/hopper.yaml)",
+    ),
     "min > max": (
         _set(("calibration", "message_bytes"), {"min": 1024, "max": 512}),
         "calibration.message_bytes: min 1024 > max 512",

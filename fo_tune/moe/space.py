@@ -96,7 +96,7 @@ def parse_moe_space(data: Any, source: str, space_keys: Mapping[str, tuple[str, 
     if data.get("kind") != MOE_SPACE_KIND or data.get("schema_version") != MOE_SPACE_SCHEMA_VERSION:
         raise SpaceError(
             f"{source}: expected kind {MOE_SPACE_KIND!r} schema_version {MOE_SPACE_SCHEMA_VERSION}, got "
-            f"{data.get('kind')!r} {data.get('schema_version')!r}"
+            f"{data.get('kind')!r} {data.get('schema_version')!r}; {_GIVE_MOE_SPACE}"
         )
     unknown = sorted(str(k) for k in set(data) - set(_TOP_KEYS))
     if unknown:

@@ -435,6 +435,8 @@ def _read_space(r: SpaceReader, data: Any) -> SearchSpace:
         r.fail(
             "kind", "an MoE search space, which -c moe reads; give a dense one (search_spaces/hopper.yaml)"
         )
+    if "kind" in data and data["kind"] != SPACE_KIND:  # (a table, a calibration, a suite: named first)
+        r.fail("kind", f"{data['kind']!r}, not a search space; give one (search_spaces/hopper.yaml)")
     if "schema_version" not in data:
         r.fail("schema_version", f"missing; expected {SPACE_SCHEMA_VERSION}")
     version = data["schema_version"]
@@ -448,8 +450,6 @@ def _read_space(r: SpaceReader, data: Any) -> SearchSpace:
         r.mapping(
             data, "", ("schema_version", "kind", *_COMMON, "engines", *_TAIL), optional=("dtype_tiles",)
         )
-    if data["kind"] != SPACE_KIND:
-        r.fail("kind", f"expected {SPACE_KIND!r}, got {data['kind']!r}")
     common = {key: read(r, data[key], key) for key, read in _COMMON.items()}
     engines = _read_v1_engines(r, data) if version == 1 else _read_engines(r, data["engines"], "engines")
     tail = {key: read(r, data[key], key) for key, read in _TAIL.items()}
