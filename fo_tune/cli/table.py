@@ -1,7 +1,7 @@
 """``fo-tune table``: the command group (list, show, lookup, validate, diff, pull) and the commands
-that read one table file at a time: show, validate (library: ``fo_tune.tables``). ``lookup`` and
-``list`` are ``fo_tune.cli.table_find``'s, ``diff`` is ``fo_tune.cli.table_diff``'s, ``pull`` is
-``fo_tune.cli.table_pull``'s.
+that read one table file at a time: show, validate (library: ``fo_tune.tables``). ``lookup`` is
+``fo_tune.cli.table_lookup``'s, ``list`` is ``fo_tune.cli.table_find``'s, ``diff`` is
+``fo_tune.cli.table_diff``'s, ``pull`` is ``fo_tune.cli.table_pull``'s.
 
 Each command takes dense tables (``fo_kernels.table``) and MoE tables (``fo_kernels.moe.table``):
 a file is read as the kind its name or its ``kind`` says (``fo_tune.tables.kinds``) and handled
@@ -20,8 +20,9 @@ from fo_tune.cli.common import DTYPE_NAMES, console, err_console, json_text
 from fo_tune.cli.errors import EXIT_BAD_INPUT, handle_errors, one_line
 from fo_tune.cli.search_moe import MOE_COLLECTIVE
 from fo_tune.cli.table_diff import DIFF_HELP, diff
-from fo_tune.cli.table_find import LIST_HELP, LOOKUP_HELP, list_tables, lookup
+from fo_tune.cli.table_find import LIST_HELP, list_tables
 from fo_tune.cli.table_json import FileCheck, document_text, show_document, validate_document
+from fo_tune.cli.table_lookup import LOOKUP_HELP, lookup
 from fo_tune.cli.table_moe import moe_csv_rows, moe_table_yaml, show_moe_rich
 from fo_tune.cli.table_options import (
     DEFAULT_COLLECTIVE,
