@@ -80,6 +80,16 @@ def test_search_help_keeps_the_postgres_extra(runner):
     assert "pip install 'psycopg[binary]'" in " ".join(result.output.split()), result.output
 
 
+def test_search_help_puts_tables_and_reports_under_xdg_data_home(runner):
+    """The search writes its tables and reports under $XDG_DATA_HOME when it is set, as it does its
+    studies (kernels/table/paths.py, fo_tune/output.py); the help says so for each of them."""
+    result = runner.invoke(app, ["search", "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "else $XDG_DATA_HOME/fo-tune/tables, by default ~/.local/share/fo-tune/tables" in text
+    assert "<pid>/ (under $XDG_DATA_HOME when set;" in text
+
+
 @pytest.mark.parametrize(
     ("args", "says", "command"),
     [
