@@ -80,6 +80,24 @@ def test_search_help_keeps_the_postgres_extra(runner):
     assert "pip install 'psycopg[binary]'" in " ".join(result.output.split()), result.output
 
 
+def test_search_help_puts_tables_and_reports_under_xdg_data_home(runner):
+    """The search writes its tables and reports under $XDG_DATA_HOME when it is set, as it does its
+    studies (kernels/table/paths.py, fo_tune/output.py); the help says so for each of them."""
+    result = runner.invoke(app, ["search", "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "else $XDG_DATA_HOME/fo-tune/tables, by default ~/.local/share/fo-tune/tables" in text
+    assert "<pid>/ (under $XDG_DATA_HOME when set;" in text
+
+
+def test_table_pull_help_puts_tables_under_xdg_data_home(runner):
+    """table pull writes its tables under $XDG_DATA_HOME when it is set; its help says so."""
+    result = runner.invoke(app, ["table", "pull", "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert text.count("else $XDG_DATA_HOME/fo-tune/tables (by default ~/.local/share/fo-tune/tables)") == 2
+
+
 @pytest.mark.parametrize(
     ("args", "says", "command"),
     [

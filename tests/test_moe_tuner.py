@@ -720,7 +720,8 @@ def test_search_moe_plans_an_experts_shape_given_twice_once(runner, tmp_path, mo
         (["--tokens", "512,x"], "comma-separated integers"),
         (["--tokens", ""], "--tokens '': expected comma-separated integers"),
         (["--dtype", "float8_e4m3fn"], "the MoE FFN runs bfloat16"),
-        (["-c", "all_reduce"], "searched alone"),
+        # (it said "not with moe, all_reduce", naming moe among the others)
+        (["-c", "all_reduce,reduce_scatter"], "alone, not with all_reduce,reduce_scatter: run two searches"),
         (["--shape", "4096x8192x4096"], "--shape: for the dense collectives, not -c moe"),
         (["--m-range", "1:64", "--trials", "3"], "--m-range, --trials: for the dense collectives"),
         (["--exhaustive", "--seed", "1"], "--exhaustive, --seed: for the dense collectives"),

@@ -267,7 +267,11 @@ def search(
         dtype = (shapes_file_dtype(shapes) if shapes is not None else None) or "bfloat16"
     if MOE_COLLECTIVE in picked:
         if len(picked) > 1:
-            raise typer.BadParameter(f"-c {MOE_COLLECTIVE} is searched alone, not with {', '.join(picked)}")
+            others = ",".join(c for c in picked if c != MOE_COLLECTIVE)
+            raise typer.BadParameter(
+                f"-c {MOE_COLLECTIVE} is searched alone, not with {others}: run two searches, "
+                f"`fo-tune search -c {MOE_COLLECTIVE} ...` and `fo-tune search -c {others} ...`"
+            )
         dense = given_options(ctx, DENSE_ONLY_OPTIONS)
         if dense:
             raise typer.BadParameter(

@@ -68,12 +68,14 @@ HELP = "\n\n".join(
         "table pull --storage URL` writes the tables from every study in it. The storage is opened "
         "before any work: a missing driver, a server that does not answer or the folder of an "
         "explicit SQLite or journal file that does not exist is exit 2.",
-        "Tables go to --table-dir (default $FO_TUNE_TABLE_DIR, else ~/.local/share/fo-tune/tables), "
+        "Tables go to --table-dir (default $FO_TUNE_TABLE_DIR, else $XDG_DATA_HOME/fo-tune/tables, "
+        "by default ~/.local/share/fo-tune/tables), "
         "merged under a file lock; a predicted row never replaces a measured one (the runtime "
         "prefers measured rows in any folder anyway). The report (trials.csv, summary.yaml; "
         "measured searches also history.png, predicted_vs_measured.png) goes to a new folder for "
         "every run, ~/.local/share/fo-tune/search/<device-key>/<collective>-w<W>-<dtype>-<mode>/"
-        "<UTC time>-<host>-<pid>/ (no run's report replaces another's). --out DIR puts all three "
+        "<UTC time>-<host>-<pid>/ (under $XDG_DATA_HOME when set; no run's report replaces "
+        "another's). --out DIR puts all three "
         "under DIR (DIR/tables, DIR/studies/fo-tune.db, DIR/report/.../<run>/). --json prints the "
         "summary as JSON on stdout (progress on stderr).",
         "Ctrl-C keeps the rows of the shapes decided before it (each is merged as soon as decided; "

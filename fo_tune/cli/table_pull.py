@@ -29,7 +29,8 @@ PULL_HELP = "\n\n".join(
         "touches it; copy the file to share it.",
         "--storage takes the URL the workers used: postgresql://USER@HOST:PORT/DB, sqlite:///FILE "
         "or journal:FILE (a SQLite or journal file must exist). --table-dir defaults to "
-        "$FO_TUNE_TABLE_DIR, else ~/.local/share/fo-tune/tables, where the runtime finds them.",
+        "$FO_TUNE_TABLE_DIR, else $XDG_DATA_HOME/fo-tune/tables (by default "
+        "~/.local/share/fo-tune/tables), where the runtime finds them.",
         "Prints one line per table written (--json: JSON, with the number of studies read). Exit "
         "code 0 when written, or when no study records rows yet (the line says whether the storage "
         "holds no study at all: a storage the workers have not used). Exit code 2, with one line "
@@ -56,7 +57,8 @@ PullTableDirOpt = Annotated[
         "--table-dir",
         parser=nonempty_path,
         metavar="DIR",
-        help="Root of the tables to write. Default: $FO_TUNE_TABLE_DIR, else ~/.local/share/fo-tune/tables.",
+        help="Root of the tables to write. Default: $FO_TUNE_TABLE_DIR, else "
+        "$XDG_DATA_HOME/fo-tune/tables (by default ~/.local/share/fo-tune/tables).",
         show_default=False,
     ),
 ]
