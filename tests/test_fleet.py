@@ -337,7 +337,8 @@ def test_lookup_takes_the_world_size_of_the_device_key(tmp_path: Path) -> None:
     here = json.loads(runner.invoke(app, [*call, "-w", "8"]).stdout)
     assert here["hint"].endswith(f"e.g. -k {key8}") and H200_KEY in here["other_device_keys"], here
     other = json.loads(runner.invoke(app, [*call, "-k", key8, "-d", "float16"]).stdout)
-    assert "hint" not in other  # the key has tables, of another dtype: no key to suggest
+    # the key has tables, of another dtype: they are named, and no other key is suggested
+    assert "it holds reduce_scatter-w8-bfloat16.yaml" in other["hint"] and "other_device_keys" not in other
     shown = runner.invoke(app, ["table", "show", "-c", "reduce_scatter", "-k", key8])
     assert shown.exit_code == 0 and "reduce_scatter-w8-bfloat16.yaml" in shown.stdout, shown.output
     line = assert_one_line_error(runner.invoke(app, ["table", "show", "-k", key8, "-w", "4"]))
