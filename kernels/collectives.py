@@ -2,7 +2,8 @@
 
 ``all_reduce_now``, ``reduce_scatter_now`` and ``all_gather_now`` skip torch.distributed's Python
 wrappers, whose host time a small GEMM + collective does not hide; ``reduce_scatter_tensor`` and
-``all_gather_tensor`` are torch's wrappers under the names this torch has.
+``all_gather_tensor`` are torch's wrappers under the names this torch has; ``summed`` is the
+traceable sum an autograd formula runs.
 """
 
 from __future__ import annotations
@@ -59,3 +60,11 @@ def all_gather_now(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGr
     work = call(out, shard, _blocking(AllgatherOptions()))
     if work is not None:
         work.wait()
+
+
+def summed(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``tensor`` summed over the group named ``group_name`` ("" for the default group), through
+    torch's functional collectives: a new tensor, traced by torch.compile in an autograd formula."""
+    name = group_name or dist.group.WORLD.group_name
+    out = torch.ops._c10d_functional.all_reduce(tensor.contiguous(), "sum", name)
+    return torch.ops._c10d_functional.wait_tensor(out)

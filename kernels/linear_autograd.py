@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from fo_kernels.collectives import summed
 from fo_kernels.ops import call_op
 from fo_kernels.quantize import Fp8Refused
 
@@ -43,9 +44,7 @@ class ShardBias(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        db = dy.reshape(-1, dy.shape[-1]).sum(0)
-        summed = torch.ops._c10d_functional.all_reduce(db, "sum", ctx.name)
-        return dy, torch.ops._c10d_functional.wait_tensor(summed), None
+        return dy, summed(dy.reshape(-1, dy.shape[-1]).sum(0), ctx.name), None
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor | None, fp8: bool) -> torch.Tensor:

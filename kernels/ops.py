@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
+from fo_kernels.collectives import summed
 from fo_kernels.errors import FoTuneError, Fp8TrainingError, NotOverlappedWarning, ScheduleError
 from fo_kernels.groups import group_size, resolve_group
 from fo_kernels.scaling import DEFAULT_OUT_DTYPE, is_fp8, matmul
@@ -388,10 +389,7 @@ class _SummedGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        group = resolve_group(ctx.name)
-        pg = group if group is not None else dist.group.WORLD
-        summed = torch.ops._c10d_functional.all_reduce(grad.contiguous(), "sum", pg.group_name)
-        return torch.ops._c10d_functional.wait_tensor(summed), None
+        return summed(grad, ctx.name), None
 
 
 def _reduce_scatter_backward(ctx, dy: torch.Tensor):
