@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from fo_kernels.errors import ScheduleError, TableError, TableNotFoundError
+from fo_kernels.errors import ScheduleError, TableError
 from fo_kernels.fields import from_mapping
 from fo_kernels.files import atomic_write
 from fo_kernels.fingerprint import Fingerprint, current_fingerprint
@@ -55,7 +55,7 @@ from fo_kernels.moe.routing import MOE_DTYPES
 from fo_kernels.moe.schedule import MoeProblem, MoeSchedule
 from fo_kernels.moe.table_rows import MOE_TABLE_SCHEMA_VERSION, MoeRow, build_moe_row, moe_header
 from fo_kernels.table.checks import check_fingerprint
-from fo_kernels.table.format import MOE_TABLE_KIND, file_stamp, read_table_data, read_table_text
+from fo_kernels.table.format import MOE_TABLE_KIND, StampedFiles, read_table_data, read_table_text
 from fo_kernels.table.paths import TABLE_DIR_ENV, check_name, table_search_path
 from fo_kernels.table.spans import Span, SpanRows, put_row
 from fo_kernels.table.text import (
@@ -364,6 +364,10 @@ def best_moe_row(tables: Sequence[FindsMoeRows], key: ExpertsKey, tokens: int) -
     return None
 
 
+def _read_moe_table(path: Path) -> LoadedMoeTable:
+    return LoadedMoeTable(read_table_text(path), str(path))
+
+
 class MoeTableCache:
     """The runtime's MoE lookups (one per device and group, kept in the runtime's
     ``engine_state``): tables per path while the file's (inode, mtime, size) is unchanged, answers
@@ -371,27 +375,8 @@ class MoeTableCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tables: OrderedDict[Path, tuple[tuple[int, int, int], LoadedMoeTable]] = OrderedDict()
+        self._tables: StampedFiles[LoadedMoeTable] = StampedFiles(MOE_TABLES_SIZE, _read_moe_table)
         self._answers: OrderedDict[tuple, tuple[float, MoeSchedule | None]] = OrderedDict()
-
-    def _load(self, path: Path) -> LoadedMoeTable | None:
-        """The table at ``path``, or None when there is no file (or it is removed as it is read)."""
-        try:
-            stamp = file_stamp(path)  # (None: no file; a path it cannot look at: TableError)
-            if stamp is None:
-                return None
-            hit = self._tables.pop(path, None)
-            table = (
-                hit[1]
-                if hit is not None and hit[0] == stamp
-                else LoadedMoeTable(read_table_text(path), str(path))
-            )
-        except TableNotFoundError:  # removed after the stat
-            return None
-        self._tables[path] = (stamp, table)
-        while len(self._tables) > MOE_TABLES_SIZE:
-            self._tables.popitem(last=False)
-        return table
 
     def lookup(
         self, key: ExpertsKey, tokens: int, *, dtype: str, world_size: int, device: Any
@@ -416,7 +401,7 @@ class MoeTableCache:
             tables = []
             for folder in table_search_path():
                 path = moe_table_path(folder, fp.device_key, world_size, dtype)
-                table = self._load(path)
+                table = self._tables.get(path)
                 if table is None:
                     continue
                 check_fingerprint(table, fp, source=str(path))

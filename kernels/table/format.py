@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import yaml
 
@@ -21,6 +22,8 @@ from fo_kernels.table.index import ProblemKey, RowIndex, problem_key
 from fo_kernels.table.paths import TABLE_DIR_ENV, check_name, where_it_belongs
 from fo_kernels.table.provenance import check_finite_provenance
 from fo_kernels.table.text import dump_table_text, parse_table_text, unreadable
+
+T = TypeVar("T")
 
 TABLE_SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = (1, 2)
@@ -367,6 +370,35 @@ def file_stamp(path: Path) -> tuple[int, int, int] | None:
     except OSError as exc:
         raise TableError(f"{path}: cannot read: {exc}; {GIVE_A_TABLE}") from None
     return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+class StampedFiles(Generic[T]):
+    """What ``read`` makes of files, each kept while its ``file_stamp`` is unchanged, the least
+    recently used dropped past ``size``: the runtime's loaded tables, dense and MoE. Not locked:
+    its owner calls it under its own lock."""
+
+    def __init__(self, size: int, read: Callable[[Path], T]) -> None:
+        self._size, self._read = size, read
+        self._entries: OrderedDict[Path, tuple[tuple[int, int, int], T]] = OrderedDict()
+
+    def get(self, path: Path) -> T | None:
+        """The file at ``path`` read (again where it changed), or None when there is no file or it
+        is removed as it is read; ``TableError`` as ``file_stamp`` and ``read`` raise it."""
+        try:
+            stamp = file_stamp(path)
+            if stamp is None:
+                return None
+            hit = self._entries.pop(path, None)
+            value = hit[1] if hit is not None and hit[0] == stamp else self._read(path)
+        except TableNotFoundError:  # removed after the stat
+            return None
+        self._entries[path] = (stamp, value)
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
 
 
 def read_table_data(path: str | os.PathLike[str]) -> Any:

@@ -14,11 +14,11 @@ from typing import Protocol
 
 import torch
 
-from fo_kernels.errors import HeuristicScheduleWarning, ShapeError, TableNotFoundError
+from fo_kernels.errors import HeuristicScheduleWarning, ShapeError
 from fo_kernels.fingerprint import CPU_MAX_MACS, current_fingerprint, resolve_device
 from fo_kernels.schedule import COLLECTIVES, SHARDED_COLLECTIVES, Problem, Schedule
 from fo_kernels.table.checks import check_fingerprint, check_header_for
-from fo_kernels.table.format import file_stamp
+from fo_kernels.table.format import StampedFiles
 from fo_kernels.table.loaded import LoadedTable, read_table
 from fo_kernels.table.paths import (
     TABLE_DIR_ENV,
@@ -50,29 +50,18 @@ class FindsRows(Protocol):
 
 
 class _TableCache:
-    """Loaded tables keyed by path, valid while the file's (inode, mtime_ns, size) is unchanged."""
+    """Loaded tables keyed by path, valid while the file's (inode, mtime_ns, size) is unchanged,
+    and the answers of recent lookups."""
 
     def __init__(self, size: int) -> None:
-        self._size = size
         self._lock = threading.Lock()
-        self._entries: OrderedDict[Path, tuple[tuple[int, int, int], LoadedTable]] = OrderedDict()
+        self._tables: StampedFiles[LoadedTable] = StampedFiles(size, read_table)
         self._answers: OrderedDict[tuple, tuple[float, Schedule]] = OrderedDict()
 
     def load(self, path: Path) -> LoadedTable | None:
         """The table at ``path``, or None when there is no file."""
         with self._lock:
-            try:
-                stamp = file_stamp(path)  # (a path it cannot look at: TableError, as a bad file)
-                if stamp is None:
-                    return None
-                hit = self._entries.pop(path, None)
-                table = hit[1] if hit is not None and hit[0] == stamp else read_table(path)
-            except TableNotFoundError:  # removed after the stat
-                return None
-            self._entries[path] = (stamp, table)
-            while len(self._entries) > self._size:
-                self._entries.popitem(last=False)
-            return table
+            return self._tables.get(path)
 
     def answer(self, key: tuple) -> Schedule | None:
         """A remembered lookup answer for ``key`` younger than ``TABLE_RECHECK_S``, else None."""
@@ -91,7 +80,7 @@ class _TableCache:
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
+            self._tables.clear()
             self._answers.clear()
 
 
