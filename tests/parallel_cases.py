@@ -892,6 +892,18 @@ UNKNOWN_DIMS = {
 }
 
 
+def _outcome(model: nn.Module, x: torch.Tensor) -> tuple[str, int]:
+    """(the type of the error ``model(x)`` raises, or "ran"; the NotOverlappedWarnings it gives)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            model(x)
+            outcome = "ran"
+        except Exception as exc:  # (torch's error, whichever type it is)
+            outcome = type(exc).__name__
+    return outcome, sum(issubclass(w.category, NotOverlappedWarning) for w in seen)
+
+
 def unknown_dims(ctx, _payload) -> dict[str, dict[str, object]]:
     """Each ``UNKNOWN_DIMS`` style on an ``nn.Linear`` called with a 2-dim input, with torch's style
     and with fo-tune's: per case and style, the type of the error it raises (or "ran"), and the
@@ -909,14 +921,7 @@ def unknown_dims(ctx, _payload) -> dict[str, dict[str, object]]:
         for which, styles in (("torch", TORCH), ("fo", FO)):
             model = nn.Linear(features, features)
             torch_tp.parallelize_module(model, mesh, styles[kind](**args))
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                try:
-                    model(x)
-                    got[which] = "ran"
-                except Exception as exc:  # (torch's error, whichever type it is)
-                    got[which] = type(exc).__name__
-            got[which + " warnings"] = sum(issubclass(w.category, NotOverlappedWarning) for w in seen)
+            got[which], got[which + " warnings"] = _outcome(model, x)
         out[key] = got
     return out
 
@@ -937,14 +942,7 @@ def bias_of_another_dtype(ctx, _payload) -> dict[str, dict[str, object]]:
             model = nn.Linear(features, features).bfloat16()
             model.bias.data = model.bias.data.float()
             torch_tp.parallelize_module(model, mesh, styles[kind]())
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                try:
-                    model(x)
-                    got[which] = "ran"
-                except Exception as exc:  # (torch's error, whichever type it is)
-                    got[which] = type(exc).__name__
-            got[which + " warnings"] = sum(issubclass(w.category, NotOverlappedWarning) for w in seen)
+            got[which], got[which + " warnings"] = _outcome(model, x)
         out[f"{key} bias float32"] = got
     return out
 
