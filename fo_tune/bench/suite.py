@@ -53,15 +53,19 @@ def _suite_shapes(data: dict, key: str, source: str) -> tuple[Shape, ...]:
     return tuple(shapes)
 
 
-def moe_suite_refusal(data: object, source: str) -> str | None:
-    """The refusal of the file ``source`` whose YAML is ``data`` where a suite goes, when it is an
-    MoE suite (its models, no shapes), naming the command that reads it; None otherwise."""
-    if not isinstance(data, dict) or MOE_SUITE_KEY not in data or "shapes" in data:
+def suite_keys_refusal(data: object, source: str) -> str | None:
+    """The refusal of the file ``source`` whose YAML is ``data`` where a suite goes, by its keys:
+    an MoE suite (its models, no shapes), naming the command that reads it, or a key no suite has
+    (a misspelt ``dtype:`` would run another dtype); None otherwise."""
+    if not isinstance(data, dict):
         return None
-    return (
-        f"{source}: an MoE suite ({MOE_SUITE_KEY}:), which `fo-tune search -c moe --shapes` reads; give "
-        f"a suite of shapes: [M, N, K], e.g. {packaged_suite()}"
-    )
+    if MOE_SUITE_KEY in data and "shapes" not in data:
+        return (
+            f"{source}: an MoE suite ({MOE_SUITE_KEY}:), which `fo-tune search -c moe --shapes` reads; "
+            f"give a suite of shapes: [M, N, K], e.g. {packaged_suite()}"
+        )
+    unknown = sorted(set(data) - set(SUITE_KEYS))
+    return f"{source}: unknown key {unknown[0]!r}; known: {', '.join(SUITE_KEYS)}" if unknown else None
 
 
 def load_suite(path: str | Path) -> Suite:
@@ -76,11 +80,8 @@ def load_suite(path: str | Path) -> Suite:
     )
     if not isinstance(data, dict):
         raise SuiteError(f"{source}: expected a mapping with name, dtype and shapes")
-    if (refusal := moe_suite_refusal(data, source)) is not None:
+    if (refusal := suite_keys_refusal(data, source)) is not None:
         raise SuiteError(refusal)
-    unknown = sorted(set(data) - set(SUITE_KEYS))
-    if unknown:
-        raise SuiteError(f"{source}: unknown key {unknown[0]!r}; known: {', '.join(SUITE_KEYS)}")
     dtype = data.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         raise SuiteError(f"{source}: dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
